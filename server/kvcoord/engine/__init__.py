@@ -1,0 +1,61 @@
+"""kvcoord's allocator engine: vLLM v1's KV cache manager, pure and deterministic.
+
+No gRPC, no I/O, no clock, no environment: the service drives it and turns its
+results and events into messages, logs and metrics.
+"""
+
+from .config import KVCacheConfig, attention_groups
+from .errors import (
+    ConfigError,
+    EngineError,
+    ErrorStatus,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    RequestExistsError,
+    RequestNotFoundError,
+    StaleCacheHitError,
+)
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, hash_to_int64
+from .pool import AllocationResult, CacheHit, KVCachePool, PoolSnapshot
+from .request import LoRA
+from .specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    MambaCacheMode,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from .stats import PrefixCacheStats
+
+__all__ = [
+    "AllBlocksCleared",
+    "AllocationResult",
+    "AttentionSpec",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheHit",
+    "ChunkedLocalAttentionSpec",
+    "ConfigError",
+    "CrossAttentionSpec",
+    "EngineError",
+    "ErrorStatus",
+    "FailedPreconditionError",
+    "FullAttentionSpec",
+    "InvalidArgumentError",
+    "KVCacheConfig",
+    "KVCacheEvent",
+    "KVCachePool",
+    "LoRA",
+    "MambaCacheMode",
+    "MambaSpec",
+    "PoolSnapshot",
+    "PrefixCacheStats",
+    "RequestExistsError",
+    "RequestNotFoundError",
+    "SlidingWindowSpec",
+    "StaleCacheHitError",
+    "attention_groups",
+    "hash_to_int64",
+]

@@ -1,0 +1,188 @@
+"""The KV cache configuration of one pool, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .errors import ConfigError
+from .specs import (
+    AttentionSpec,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+__all__ = ["KVCacheConfig", "attention_groups"]
+
+_SPEC_TYPES = (
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    ChunkedLocalAttentionSpec,
+    MambaSpec,
+    CrossAttentionSpec,
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVCacheConfig:
+    """Everything that decides allocation in one pool.
+
+    Args:
+        num_blocks: physical blocks including the null block 0; at least 1.
+        groups: KV cache group specs in group-id order.
+        hash_block_size: token granularity of the request block hashes.
+        enable_caching: prefix caching on/off.
+        use_eagle: EAGLE/MTP drafting: every prefix hit drops its last block.
+        enable_kv_cache_events: record BlockStored / BlockRemoved / AllBlocksCleared.
+        log_stats: keep prefix-cache statistics.
+        max_model_len: caps token counts in ``allocate_slots``.
+        hash_length: when set, every block hash must have exactly this many bytes.
+        dcp_world_size: decode context parallelism; only 1 is supported.
+        pcp_world_size: prefill context parallelism; only 1 is supported.
+
+    Raises:
+        ConfigError: the layout breaks a rule vLLM enforces (at construction or at its
+            first lookup); the message names the rule.
+    """
+
+    num_blocks: int
+    groups: tuple[AttentionSpec, ...]
+    hash_block_size: int
+    enable_caching: bool = True
+    use_eagle: bool = False
+    enable_kv_cache_events: bool = False
+    log_stats: bool = True
+    max_model_len: int = 1 << 31
+    hash_length: int | None = None
+    dcp_world_size: int = 1
+    pcp_world_size: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", tuple(self.groups))
+        _validate(self)
+
+    @property
+    def coordinator_kind(self) -> str:
+        """``"no_prefix_cache"``, ``"unitary"`` or ``"hybrid"``, by vLLM's factory rule."""
+        if not self.enable_caching:
+            return "no_prefix_cache"
+        if len(self.groups) == 1:
+            return "unitary"
+        return "hybrid"
+
+
+def attention_groups(groups: tuple[AttentionSpec, ...]) -> list[tuple[AttentionSpec, list[int]]]:
+    """Split groups into attention groups: equal specs share one, full attention first.
+
+    Args:
+        groups: the KV cache group specs in group order.
+
+    Returns:
+        ``(spec, group ids)`` pairs, first-seen order, stably sorted so that
+        full-attention specs come first.
+    """
+    result: list[tuple[AttentionSpec, list[int]]] = []
+    for gid, spec in enumerate(groups):
+        for existing, ids in result:
+            if existing == spec:
+                ids.append(gid)
+                break
+        else:
+            result.append((spec, [gid]))
+    result.sort(key=lambda item: not isinstance(item[0], FullAttentionSpec))
+    return result
+
+
+def _positive_int(value: object, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
+
+
+def _validate(cfg: KVCacheConfig) -> None:
+    _positive_int(cfg.num_blocks, "num_blocks")
+    _positive_int(cfg.hash_block_size, "hash_block_size")
+    _positive_int(cfg.max_model_len, "max_model_len")
+    if cfg.hash_length is not None:
+        _positive_int(cfg.hash_length, "hash_length")
+    if cfg.dcp_world_size != 1 or cfg.pcp_world_size != 1:
+        raise ConfigError(
+            "decode/prefill context parallelism is not supported: dcp_world_size and "
+            f"pcp_world_size must be 1, got {cfg.dcp_world_size} and {cfg.pcp_world_size}"
+        )
+    sink_blocks = 0
+    for gid, spec in enumerate(cfg.groups):
+        if not isinstance(spec, _SPEC_TYPES):
+            raise ConfigError(f"group {gid}: unknown attention spec {spec!r}")
+        _positive_int(spec.block_size, f"group {gid}: block_size")
+        if isinstance(spec, SlidingWindowSpec):
+            _positive_int(spec.sliding_window, f"group {gid}: sliding_window")
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            _positive_int(spec.attention_chunk_size, f"group {gid}: attention_chunk_size")
+        elif isinstance(spec, MambaSpec):
+            n = spec.num_speculative_blocks
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise ConfigError(f"group {gid}: num_speculative_blocks must be >= 0, got {n!r}")
+        elif isinstance(spec, FullAttentionSpec) and spec.sink_len is not None:
+            _positive_int(spec.sink_len, f"group {gid}: sink_len")
+            if spec.sink_len % spec.block_size:
+                raise ConfigError(
+                    f"group {gid}: sink_len {spec.sink_len} must be a multiple of "
+                    f"block_size {spec.block_size}"
+                )
+            sink_blocks += spec.sink_len // spec.block_size
+    if sink_blocks > cfg.num_blocks - 1:
+        raise ConfigError(
+            f"sink attention needs {sink_blocks} blocks but the pool has only "
+            f"{cfg.num_blocks - 1} usable blocks"
+        )
+    if not cfg.enable_caching:
+        return
+    _validate_caching(cfg)
+
+
+def _validate_caching(cfg: KVCacheConfig) -> None:
+    if not cfg.groups:
+        raise ConfigError("prefix caching needs at least one KV cache group")
+    for gid, spec in enumerate(cfg.groups):
+        if isinstance(spec, CrossAttentionSpec):
+            raise ConfigError(
+                f"group {gid}: cross-attention blocks cannot be prefix-cached; "
+                "create the pool with enable_caching=false"
+            )
+        if isinstance(spec, ChunkedLocalAttentionSpec) and cfg.use_eagle:
+            raise ConfigError(f"group {gid}: chunked local attention does not support EAGLE")
+    if len(cfg.groups) == 1:
+        bs = cfg.groups[0].block_size
+        if bs != cfg.hash_block_size:
+            raise ConfigError(
+                f"a single-group pool needs hash_block_size == block_size, got "
+                f"hash_block_size {cfg.hash_block_size} and block_size {bs}"
+            )
+        return
+    for gid, spec in enumerate(cfg.groups):
+        if spec.block_size % cfg.hash_block_size:
+            raise ConfigError(
+                f"group {gid}: block_size {spec.block_size} is not a multiple of "
+                f"hash_block_size {cfg.hash_block_size}"
+            )
+    groups = attention_groups(cfg.groups)
+    if len(groups) < 2:
+        raise ConfigError(
+            "a multi-group pool with prefix caching needs at least two distinct "
+            "attention specs; these groups all share one spec (use one group)"
+        )
+    lcm = math.lcm(*(spec.block_size for spec, _ in groups))
+    for spec, ids in groups:
+        if isinstance(spec, ChunkedLocalAttentionSpec) and spec.block_size != lcm:
+            raise ConfigError(
+                f"group {ids[0]}: chunked local attention needs block_size equal to the "
+                f"LCM of all block sizes ({lcm}), got {spec.block_size}"
+            )
+        if isinstance(spec, SlidingWindowSpec) and cfg.use_eagle and spec.block_size != lcm:
+            raise ConfigError(
+                f"group {ids[0]}: with EAGLE a sliding-window group needs block_size equal "
+                f"to the LCM of all block sizes ({lcm}), got {spec.block_size}"
+            )

@@ -1,0 +1,85 @@
+"""Exceptions raised by the allocator engine.
+
+Every error the engine raises on bad input derives from :class:`EngineError` and
+names the status it deserves through :class:`ErrorStatus` (our own enum, so the
+engine never imports gRPC). The service maps the status to a gRPC code in one
+place. An engine call that raises has changed nothing.
+
+Hierarchy::
+
+    EngineError
+    ├── InvalidArgumentError        malformed values (counts, hashes, ids)
+    │   └── ConfigError             a KV cache configuration that cannot be served
+    ├── RequestNotFoundError        unknown request id
+    ├── RequestExistsError          request id already in use
+    └── FailedPreconditionError     valid values, wrong state or order
+        └── StaleCacheHitError      a prefix hit whose blocks are no longer cached
+
+Running out of free blocks is not an error: ``allocate_slots`` returns ``None``.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "ConfigError",
+    "EngineError",
+    "ErrorStatus",
+    "FailedPreconditionError",
+    "InvalidArgumentError",
+    "RequestExistsError",
+    "RequestNotFoundError",
+    "StaleCacheHitError",
+]
+
+
+class ErrorStatus(enum.Enum):
+    """The kind of failure, independent of any transport."""
+
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on bad input."""
+
+    status: ErrorStatus = ErrorStatus.INVALID_ARGUMENT
+
+
+class InvalidArgumentError(EngineError):
+    """A value is malformed or out of range."""
+
+    status = ErrorStatus.INVALID_ARGUMENT
+
+
+class ConfigError(InvalidArgumentError):
+    """A KV cache configuration breaks a rule; the message names the rule."""
+
+
+class RequestNotFoundError(EngineError):
+    """The request id is not known to this pool."""
+
+    status = ErrorStatus.NOT_FOUND
+
+
+class RequestExistsError(EngineError):
+    """The request id is already registered in this pool."""
+
+    status = ErrorStatus.ALREADY_EXISTS
+
+
+class FailedPreconditionError(EngineError):
+    """The call is well formed but not allowed in the current state."""
+
+    status = ErrorStatus.FAILED_PRECONDITION
+
+
+class StaleCacheHitError(FailedPreconditionError):
+    """A prefix hit passed back to ``allocate_slots`` is no longer valid.
+
+    Hits are hints: another request may have evicted the blocks between the lookup
+    and the allocation. Look up again, or let the pool do both atomically.
+    """

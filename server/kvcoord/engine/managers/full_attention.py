@@ -1,0 +1,83 @@
+"""Full attention (also MLA and sink attention)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..block_pool import BlockPool
+from ..blocks import KVCacheBlock
+from ..specs import AttentionSpec, FullAttentionSpec
+from .base import SingleTypeKVCacheManager
+
+__all__ = ["FullAttentionManager"]
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    """Every block of the prefix is needed; hits are searched left to right.
+
+    A sink spec pops ``sink_len / block_size`` blocks from the free queue at
+    construction and holds them for the pool's lifetime.
+    """
+
+    uses_null_blocks = False
+
+    def __init__(
+        self, spec: AttentionSpec, block_pool: BlockPool, group_id: int, enable_caching: bool
+    ) -> None:
+        super().__init__(spec, block_pool, group_id, enable_caching)
+        self.sink_blocks: list[KVCacheBlock] = []
+        assert isinstance(spec, FullAttentionSpec)
+        if spec.sink_len:
+            self.sink_blocks = block_pool.free_block_queue.popleft_n(spec.sink_len // spec.block_size)
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> int:
+        # vLLM reads req_to_blocks through a defaultdict here, which registers an empty
+        # list for a request without one; that entry then counts as a holder.
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        holders = len(self.req_to_blocks)
+        n = 0
+        for block in blocks:
+            if block.ref_cnt != holders:
+                break
+            n += 1
+        return n
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        block_pool: BlockPool,
+        spec: AttentionSpec,
+        use_eagle: bool,
+        alignment_tokens: int,
+    ) -> list[list[KVCacheBlock]]:
+        bs = spec.block_size
+        computed: list[list[KVCacheBlock]] = [[] for _ in group_ids]
+        max_blocks = min(max_length // bs, len(block_hashes))
+        get = block_pool.get_cached_block
+        if len(group_ids) == 1:
+            only = computed[0]
+            gid = group_ids[0]
+            lookup = block_pool.cached_block_hash_to_block.get_one_block
+            for i in range(max_blocks):
+                block = lookup(block_hashes[i] + gid.to_bytes(4, "big"))
+                if block is None:
+                    break
+                only.append(block)
+        else:
+            for i in range(max_blocks):
+                cached = get(block_hashes[i], group_ids)
+                if cached is None:
+                    break
+                for lst, block in zip(computed, cached):
+                    lst.append(block)
+        if use_eagle and computed[0]:
+            for lst in computed:
+                lst.pop()
+        if bs != alignment_tokens:
+            while (len(computed[0]) * bs) % alignment_tokens:
+                for lst in computed:
+                    lst.pop()
+        return computed

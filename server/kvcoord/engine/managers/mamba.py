@@ -1,0 +1,166 @@
+"""Mamba (state space model) layers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..block_pool import BlockPool
+from ..blocks import KVCacheBlock
+from ..specs import AttentionSpec, MambaCacheMode, MambaSpec
+from .base import SingleTypeKVCacheManager, cdiv
+
+__all__ = ["MambaManager"]
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """Only the latest state matters: every earlier position becomes null.
+
+    Modes ``none`` and ``all`` allocate like other types, with ``num_speculative_blocks``
+    extra blocks. Mode ``align`` keeps a state checkpoint at block boundaries: a request
+    that already received blocks gets at most one new block per step, and the blocks
+    of the previous step's speculative states move to the end of the list.
+    """
+
+    def __init__(
+        self, spec: AttentionSpec, block_pool: BlockPool, group_id: int, enable_caching: bool
+    ) -> None:
+        super().__init__(spec, block_pool, group_id, enable_caching)
+        assert isinstance(spec, MambaSpec)
+        self.align = spec.mamba_cache_mode == MambaCacheMode.ALIGN
+        self.num_speculative_blocks = spec.num_speculative_blocks
+        self.last_state_block_idx: dict[str, int] = {}
+        self.allocated_block_reqs: set[str] = set()
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return num_computed_tokens - 1
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        super().remove_skipped_blocks(request_id, total_computed_tokens)
+        if not self.align:
+            return
+        idx = self.last_state_block_idx.get(request_id)
+        if idx is not None and idx < cdiv(total_computed_tokens, self.block_size) - 1:
+            blocks = self.req_to_blocks.setdefault(request_id, [])
+            if blocks[idx] is not self.null_block:
+                self.block_pool.free_blocks([blocks[idx]])
+                blocks[idx] = self.null_block
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+    ) -> int:
+        S = self.num_speculative_blocks
+        if not self.align:
+            return super().get_num_blocks_to_allocate(
+                request_id,
+                num_tokens + self.block_size * S,
+                new_computed_blocks,
+                total_computed_tokens,
+                num_tokens_main_model,
+            )
+        required = cdiv(num_tokens_main_model, self.block_size) + S
+        have = len(self.req_to_blocks.get(request_id, ()))
+        new = required - len(new_computed_blocks) - have
+        if new > 0:
+            new = 1 if request_id in self.allocated_block_reqs else 1 + S
+        evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return new + evictable
+
+    def check_allocation(self, request_id: str, num_tokens_main_model: int) -> str | None:
+        """Mirror of the align-mode assertions in :meth:`allocate_new_blocks`, on lengths only."""
+        if not self.align:
+            return None
+        S = self.num_speculative_blocks
+        have = len(self.req_to_blocks.get(request_id, ()))
+        required = cdiv(num_tokens_main_model, self.block_size) + S
+        if required == have:
+            return None
+        if required < have:
+            return (
+                f"mamba align mode: the request already holds {have} blocks but this step "
+                f"needs only {required}; token counts may not go backwards"
+            )
+        seen = request_id in self.allocated_block_reqs
+        length = max(have, required - S - 1)
+        if seen:
+            length += sum(1 for j in range(have - S, have) if j < required - S - 1)
+        new = required - length
+        limit = 1 if seen else S + 1
+        if new > limit:
+            return (
+                f"mamba align mode: this step would need {new} new blocks but at most "
+                f"{limit} are allowed; schedule chunks that end on block boundaries "
+                f"(block size {self.block_size})"
+            )
+        return None
+
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, num_tokens_main_model: int
+    ) -> list[KVCacheBlock]:
+        S = self.num_speculative_blocks
+        if not self.align:
+            return super().allocate_new_blocks(
+                request_id, num_tokens + self.block_size * S, num_tokens_main_model
+            )
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        required = cdiv(num_tokens_main_model, self.block_size) + S
+        prev = len(req_blocks)
+        if required == prev:
+            return []
+        assert required > prev
+        seen = request_id in self.allocated_block_reqs
+        if seen:
+            self.last_state_block_idx[request_id] = prev - 1 - S
+        elif prev > 0:
+            self.last_state_block_idx[request_id] = prev - 1
+        upto = required - S - 1
+        null = self.null_block
+        if prev < upto:
+            req_blocks.extend([null] * (upto - prev))
+        if seen:
+            for j in range(prev - S, prev):
+                if j >= upto:
+                    break
+                req_blocks.append(req_blocks[j])
+                req_blocks[j] = null
+        num_new = required - len(req_blocks)
+        assert num_new <= (1 if seen else S + 1)
+        req_blocks.extend(self.block_pool.get_new_blocks(num_new))
+        self.allocated_block_reqs.add(request_id)
+        return req_blocks[prev:]
+
+    def free(self, request_id: str) -> None:
+        if self.align:
+            self.allocated_block_reqs.discard(request_id)
+            self.last_state_block_idx.pop(request_id, None)
+        super().free(request_id)
+
+    @classmethod
+    def find_longest_cache_hit(
+        cls,
+        block_hashes: Sequence[bytes],
+        max_length: int,
+        group_ids: Sequence[int],
+        block_pool: BlockPool,
+        spec: AttentionSpec,
+        use_eagle: bool,
+        alignment_tokens: int,
+    ) -> list[list[KVCacheBlock]]:
+        bs = spec.block_size
+        computed: list[list[KVCacheBlock]] = [[] for _ in group_ids]
+        null = block_pool.null_block
+        for i in range(min(max_length // bs, len(block_hashes)) - 1, -1, -1):
+            cached = block_pool.get_cached_block(block_hashes[i], group_ids)
+            if cached is None:
+                continue
+            if bs != alignment_tokens and ((i + 1) * bs) % alignment_tokens:
+                continue
+            for lst, block in zip(computed, cached):
+                lst.extend([null] * i)
+                lst.append(block)
+            break
+        return computed

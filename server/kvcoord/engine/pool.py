@@ -1,0 +1,614 @@
+"""The pool facade: vLLM's ``KVCacheManager`` plus the request table a remote pool needs.
+
+In vLLM the scheduler owns ``Request`` objects and hands them to the manager. A
+remote pool cannot see the scheduler's objects, so it keeps the fields the manager
+reads (token ids, block hashes, computed-token count, LoRA, flags) per request id;
+the client reports changes with :meth:`KVCachePool.update_request`.
+
+Every public method validates its input completely before changing anything, so a
+raised :class:`~kvcoord.engine.errors.EngineError` leaves the pool as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+from .blocks import KVCacheBlock
+from .config import KVCacheConfig
+from .coordinators import get_kv_cache_coordinator
+from .errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    RequestExistsError,
+    RequestNotFoundError,
+    StaleCacheHitError,
+)
+from .events import KVCacheEvent
+from .hash_list import hashes_at_block_size, key_with_group
+from .managers import CrossAttentionManager, MambaManager
+from .request import LoRA, Request
+from .stats import PrefixCacheStats
+from .types import RequestId
+
+__all__ = ["AllocationResult", "CacheHit", "KVCachePool", "PoolSnapshot"]
+
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheHit:
+    """A prefix-cache hit: one block-id list per group (0 = null block) and its length.
+
+    A hit is a hint: it is valid until the pool's next mutation.
+    """
+
+    block_ids: BlockIds
+    num_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        """True when every group's list is empty (null blocks count as entries)."""
+        return not any(self.block_ids)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AllocationResult:
+    """The outcome of :meth:`KVCachePool.allocate_slots_with_lookup`.
+
+    ``new_block_ids`` is ``None`` when the pool had too few free blocks; then only
+    skipped-block removal (and the lookup's statistics) changed the pool.
+    """
+
+    hit: CacheHit
+    num_new_tokens: int
+    new_block_ids: BlockIds | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """Everything observable about a pool, for equality checks in tests and tools."""
+
+    free_queue: tuple[int, ...]
+    ref_cnts: tuple[int, ...]
+    block_hashes: tuple[bytes | None, ...]
+    hash_map: tuple[tuple[bytes, tuple[int, ...]], ...]
+    requests: tuple[tuple[object, ...], ...]
+    managers: tuple[tuple[object, ...], ...]
+    pending_events: tuple[KVCacheEvent, ...]
+    stats: PrefixCacheStats | None
+
+
+def _check_count(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < 0:
+        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+class KVCachePool:
+    """One pool of KV blocks shared by all groups, with vLLM's manager semantics.
+
+    Args:
+        config: the validated layout; see :class:`KVCacheConfig`.
+    """
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        self.config = config
+        self.coordinator = get_kv_cache_coordinator(config)
+        self.block_pool = self.coordinator.block_pool
+        self.managers = self.coordinator.managers
+        self.enable_caching = config.enable_caching
+        self.max_model_len = config.max_model_len
+        self.hash_block_size = config.hash_block_size
+        self.requests: dict[str, Request] = {}
+        self.prefix_cache_stats: PrefixCacheStats | None = (
+            PrefixCacheStats() if config.log_stats else None
+        )
+        self.num_refusals = 0
+        self._num_sink_blocks = sum(
+            len(getattr(m, "sink_blocks", ())) for m in self.managers
+        )
+
+    # -- request table --------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        block_hashes: Sequence[bytes] = (),
+        *,
+        lora: LoRA | None = None,
+        skip_reading_prefix_cache: bool = False,
+    ) -> None:
+        """Register a request with its prompt and the prompt's block hashes.
+
+        Raises:
+            RequestExistsError: the id is in use.
+            InvalidArgumentError: bad id, tokens, hashes or LoRA.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgumentError("request_id must be a non-empty string")
+        if request_id in self.requests:
+            raise RequestExistsError(f"request {request_id!r} already exists in this pool")
+        tokens = self._check_tokens(prompt_token_ids, 0, "prompt_token_ids")
+        hashes = self._check_hashes(block_hashes, 0, len(tokens), request_id)
+        if lora is not None and (
+            not isinstance(lora, LoRA) or _check_count(lora.adapter_id, "lora.adapter_id") < 0
+        ):
+            raise InvalidArgumentError("lora must be a LoRA(adapter_id, name)")
+        if not isinstance(skip_reading_prefix_cache, bool):
+            raise InvalidArgumentError("skip_reading_prefix_cache must be a bool")
+        self.requests[request_id] = Request(
+            RequestId(request_id),
+            tokens,
+            hashes,
+            lora=lora,
+            skip_reading_prefix_cache=skip_reading_prefix_cache,
+        )
+
+    def update_request(
+        self,
+        request_id: str,
+        *,
+        num_computed_tokens: int | None = None,
+        append_token_ids: Sequence[int] = (),
+        append_block_hashes: Sequence[bytes] = (),
+    ) -> None:
+        """Report the scheduler's progress: computed tokens, then appended tokens.
+
+        ``append_block_hashes`` are the hashes of blocks the appended tokens completed.
+
+        Raises:
+            RequestNotFoundError: unknown id.
+            InvalidArgumentError: counts, tokens or hashes that do not fit.
+        """
+        req = self._get(request_id)
+        new_tokens = self._check_tokens(append_token_ids, req.num_tokens, "append_token_ids")
+        total = req.num_tokens + len(new_tokens)
+        new_hashes = self._check_hashes(append_block_hashes, len(req.block_hashes), total, request_id)
+        if num_computed_tokens is not None:
+            _check_count(num_computed_tokens, "num_computed_tokens")
+            # Under speculative decoding the scheduler counts scheduled drafts as computed
+            # before their tokens are appended, so the count may pass num_tokens.
+            if num_computed_tokens > self.max_model_len:
+                raise InvalidArgumentError(
+                    f"num_computed_tokens {num_computed_tokens} exceeds max_model_len "
+                    f"{self.max_model_len}"
+                )
+            req.num_computed_tokens = num_computed_tokens
+        req.all_token_ids.extend(new_tokens)
+        req.block_hashes.extend(new_hashes)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def get_request(self, request_id: str) -> Request:
+        """The request's state (read it, do not change it).
+
+        Raises:
+            RequestNotFoundError: unknown id.
+        """
+        return self._get(request_id)
+
+    # -- KVCacheManager operations ------------------------------------------------------
+    def get_computed_blocks(self, request_id: str) -> CacheHit:
+        """The longest prefix hit of at most ``num_tokens - 1`` tokens (records stats).
+
+        Returns an empty hit, without stats, when caching is off or the request skips
+        reading the prefix cache.
+        """
+        req = self._get(request_id)
+        return self._lookup(req)
+
+    def _lookup(self, req: Request) -> CacheHit:
+        if not self.enable_caching or req.skip_reading_prefix_cache:
+            return CacheHit(tuple(() for _ in self.managers), 0)
+        lists, hit = self.coordinator.find_longest_cache_hit(req.block_hashes, req.num_tokens - 1)
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.record(req.num_tokens, hit, req.num_preemptions > 0)
+        return CacheHit(tuple(tuple(b.block_id for b in lst) for lst in lists), hit)
+
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: CacheHit | Sequence[Sequence[int]] | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+    ) -> BlockIds | None:
+        """vLLM's ``allocate_slots``: adopt a prefix hit, take new blocks, cache full ones.
+
+        Args:
+            request_id: a registered request.
+            num_new_tokens: tokens to compute this step (drafts included).
+            num_new_computed_tokens: tokens covered by ``new_computed_blocks``.
+            new_computed_blocks: the hit from :meth:`get_computed_blocks`, adopted by the
+                request's first allocation; checked to be still cached.
+            num_lookahead_tokens: extra slots for speculative tokens.
+            num_external_computed_tokens: tokens loaded by a KV connector.
+            delay_cache_blocks: do not cache yet (asynchronous external load).
+            num_encoder_tokens: encoder input length for cross-attention groups.
+
+        Returns:
+            The newly taken block ids per group, or ``None`` when too few blocks are
+            free; ``None`` changes nothing except skipped-block removal.
+
+        Raises:
+            RequestNotFoundError: unknown request.
+            InvalidArgumentError: counts out of range or a malformed hit.
+            StaleCacheHitError: a hit block is no longer cached for this prefix.
+            FailedPreconditionError: the request already holds blocks and cannot adopt
+                a hit, or the call breaks a manager rule (mamba align chunking).
+        """
+        req = self._get(request_id)
+        for name, value in (
+            ("num_new_tokens", num_new_tokens),
+            ("num_new_computed_tokens", num_new_computed_tokens),
+            ("num_lookahead_tokens", num_lookahead_tokens),
+            ("num_external_computed_tokens", num_external_computed_tokens),
+            ("num_encoder_tokens", num_encoder_tokens),
+        ):
+            _check_count(value, name)
+        if not isinstance(delay_cache_blocks, bool):
+            raise InvalidArgumentError("delay_cache_blocks must be a bool")
+        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+            raise InvalidArgumentError(
+                "num_new_tokens must be > 0 unless num_external_computed_tokens is > 0"
+            )
+        hit_blocks = self._resolve_hit(req, new_computed_blocks, num_new_computed_tokens)
+        local = req.num_computed_tokens + num_new_computed_tokens
+        if local + num_external_computed_tokens + num_new_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"computed plus new tokens ({local + num_external_computed_tokens} + "
+                f"{num_new_tokens}) exceed max_model_len {self.max_model_len}"
+            )
+        if any(hit_blocks) or num_external_computed_tokens > 0:
+            self._check_adoption(request_id, hit_blocks)
+        total = min(local + num_external_computed_tokens, self.max_model_len)
+        main = total + num_new_tokens
+        need = min(main + num_lookahead_tokens, self.max_model_len)
+        for manager in self.managers:
+            reason = manager.check_allocation(request_id, main)
+            if reason is not None:
+                raise FailedPreconditionError(f"group {manager.group_id}: {reason}")
+
+        coordinator = self.coordinator
+        coordinator.remove_skipped_blocks(request_id, total)
+        k = coordinator.get_num_blocks_to_allocate(
+            request_id,
+            need,
+            hit_blocks,
+            num_encoder_tokens,
+            local + num_external_computed_tokens,
+            main,
+        )
+        if k > self.block_pool.get_num_free_blocks():
+            self.num_refusals += 1
+            return None
+        if any(hit_blocks) or num_external_computed_tokens > 0:
+            coordinator.allocate_new_computed_blocks(
+                request_id, hit_blocks, local, num_external_computed_tokens
+            )
+        new = coordinator.allocate_new_blocks(request_id, need, main, num_encoder_tokens)
+        if self.enable_caching and not delay_cache_blocks:
+            coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens))
+        return tuple(tuple(b.block_id for b in lst) for lst in new)
+
+    def allocate_slots_with_lookup(
+        self,
+        request_id: str,
+        max_num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+    ) -> AllocationResult:
+        """Look up the prefix and allocate in one step, so the hit cannot go stale.
+
+        Does what vLLM's scheduler does for a waiting request:
+        ``num_new_tokens = min(num_tokens - hit - external, max_num_new_tokens)``.
+
+        Raises:
+            FailedPreconditionError: the request already holds blocks or has
+                computed tokens (only a waiting request looks up its prefix).
+            InvalidArgumentError: see :meth:`allocate_slots`.
+        """
+        req = self._get(request_id)
+        _check_count(max_num_new_tokens, "max_num_new_tokens")
+        _check_count(num_external_computed_tokens, "num_external_computed_tokens")
+        if req.num_computed_tokens or any(self.coordinator.get_blocks(request_id)):
+            raise FailedPreconditionError(
+                f"request {request_id!r} is already running (it has computed tokens or "
+                "holds blocks); only a waiting request looks up its prefix"
+            )
+        if num_external_computed_tokens >= req.num_tokens:
+            raise InvalidArgumentError(
+                f"num_external_computed_tokens {num_external_computed_tokens} must be "
+                f"smaller than the request's {req.num_tokens} tokens"
+            )
+        before = None if self.prefix_cache_stats is None else self.prefix_cache_stats.copy()
+        hit = self._lookup(req)
+        num_new = min(req.num_tokens - hit.num_tokens - num_external_computed_tokens, max_num_new_tokens)
+        if num_new < 0:
+            num_new = 0
+        try:
+            new = self.allocate_slots(
+                request_id,
+                num_new,
+                hit.num_tokens,
+                hit,
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                delay_cache_blocks,
+                num_encoder_tokens,
+            )
+        except Exception:
+            self.prefix_cache_stats = before
+            raise
+        return AllocationResult(hit, num_new, new)
+
+    def free(self, request_id: str) -> None:
+        """Release the request's blocks (tail first, group order) and forget it."""
+        self._get(request_id)
+        self.coordinator.free(request_id)
+        del self.requests[request_id]
+
+    def preempt(self, request_id: str) -> None:
+        """Release the request's blocks but keep it: computed tokens go back to 0 and its
+        later lookups count as preempted."""
+        req = self._get(request_id)
+        self.coordinator.free(request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+
+    def cache_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Make the request's full blocks up to ``num_computed_tokens`` hittable
+        (after a delayed external load)."""
+        req = self._get(request_id)
+        _check_count(num_computed_tokens, "num_computed_tokens")
+        if num_computed_tokens > req.num_tokens:
+            raise InvalidArgumentError(
+                f"num_computed_tokens {num_computed_tokens} exceeds the request's "
+                f"{req.num_tokens} tokens"
+            )
+        if not self.enable_caching:
+            return
+        for m in self.managers:
+            full = num_computed_tokens // m.block_size
+            held = len(m.req_to_blocks.get(request_id, ()))
+            if full > m.num_cached_block.get(request_id, 0) and full > held:
+                raise FailedPreconditionError(
+                    f"group {m.group_id}: caching {full} blocks but request "
+                    f"{request_id!r} holds only {held}"
+                )
+        self.coordinator.cache_blocks(req, num_computed_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Free blocks that attention no longer reads after ``total_computed_tokens``."""
+        self._get(request_id)
+        _check_count(total_computed_tokens, "total_computed_tokens")
+        if total_computed_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                f"total_computed_tokens {total_computed_tokens} exceeds max_model_len "
+                f"{self.max_model_len}"
+            )
+        self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Drop the cached hash of each block (KV connector load failures)."""
+        ids = list(block_ids)
+        for bid in ids:
+            _check_count(bid, "block id")
+            if bid >= self.config.num_blocks:
+                raise InvalidArgumentError(
+                    f"block id {bid} is out of range (pool has {self.config.num_blocks} blocks)"
+                )
+        self.block_pool.evict_blocks(ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (``False``) while any request holds a block."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV events queued since the last call, oldest first."""
+        return self.block_pool.take_events()
+
+    def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The statistics since the last call; counting starts again from zero."""
+        if self.prefix_cache_stats is None:
+            return None
+        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        return stats
+
+    def peek_prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """A copy of the current statistics, without resetting them."""
+        return None if self.prefix_cache_stats is None else self.prefix_cache_stats.copy()
+
+    def get_block_ids(self, request_id: str) -> BlockIds:
+        """The request's block table per group (null blocks included)."""
+        self._get(request_id)
+        return tuple(tuple(b.block_id for b in lst) for lst in self.coordinator.get_blocks(request_id))
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> tuple[int, ...]:
+        """Per group, the leading blocks of this request shared by every holder."""
+        self._get(request_id)
+        return tuple(self.coordinator.get_num_common_prefix_blocks(request_id))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def free_queue_head(self, limit: int | None = None) -> list[int]:
+        """Free block ids from the next to be reused, at most ``limit``."""
+        return self.block_pool.free_block_queue.head_ids(limit)
+
+    def snapshot(self) -> PoolSnapshot:
+        """A complete, comparable copy of the pool's observable state."""
+        bp = self.block_pool
+        managers = []
+        for m in self.managers:
+            extra: tuple[object, ...] = ()
+            if isinstance(m, MambaManager):
+                extra = (sorted(m.allocated_block_reqs), sorted(m.last_state_block_idx.items()))
+            managers.append(
+                (
+                    tuple((r, tuple(b.block_id for b in bl)) for r, bl in sorted(m.req_to_blocks.items())),
+                    tuple(sorted(m.num_cached_block.items())),
+                    extra,
+                )
+            )
+        return PoolSnapshot(
+            free_queue=tuple(bp.free_block_queue.head_ids()),
+            ref_cnts=tuple(b.ref_cnt for b in bp.blocks[1:]),
+            block_hashes=tuple(b.block_hash for b in bp.blocks),
+            hash_map=tuple((k, tuple(v)) for k, v in bp.cached_block_hash_to_block.items()),
+            requests=tuple(
+                (
+                    r.request_id,
+                    tuple(r.all_token_ids),
+                    tuple(r.block_hashes),
+                    r.num_computed_tokens,
+                    r.num_preemptions,
+                    r.lora,
+                    r.skip_reading_prefix_cache,
+                )
+                for r in sorted(self.requests.values(), key=lambda r: r.request_id)
+            ),
+            managers=tuple(managers),
+            pending_events=tuple(bp.kv_event_queue),
+            stats=self.peek_prefix_cache_stats(),
+        )
+
+    # -- internals --------------------------------------------------------------------
+    def _get(self, request_id: str) -> Request:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        return req
+
+    def _check_tokens(self, tokens: Sequence[int], have: int, name: str) -> list[int]:
+        out = list(tokens)
+        for t in out:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise InvalidArgumentError(f"{name} must hold non-negative integers, got {t!r}")
+        if have + len(out) > self.max_model_len:
+            raise InvalidArgumentError(
+                f"the request would have {have + len(out)} tokens, more than max_model_len "
+                f"{self.max_model_len}"
+            )
+        return out
+
+    def _check_hashes(
+        self, hashes: Sequence[bytes], have: int, num_tokens: int, request_id: str
+    ) -> list[bytes]:
+        out = list(hashes)
+        if not self.enable_caching:
+            return []
+        want = num_tokens // self.hash_block_size - have
+        if len(out) != want:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: expected {want} new block hashes (one per full "
+                f"block of {self.hash_block_size} tokens), got {len(out)}"
+            )
+        length = self.config.hash_length
+        for h in out:
+            if not isinstance(h, bytes) or not h:
+                raise InvalidArgumentError("block hashes must be non-empty bytes")
+            if length is not None and len(h) != length:
+                raise InvalidArgumentError(
+                    f"block hashes must be {length} bytes long, got one of {len(h)} bytes"
+                )
+        return out
+
+    def _check_adoption(self, request_id: str, hit_blocks: list[list[KVCacheBlock]]) -> None:
+        """A hit or external tokens are adopted only by a request holding no blocks yet
+        (an admitted request, one with cached blocks, skips adoption and must bring no hit)."""
+        for m, hit in zip(self.managers, hit_blocks):
+            if isinstance(m, CrossAttentionManager):
+                continue  # adopts nothing: its blocks come from the encoder
+            if request_id in m.num_cached_block:
+                ok = not hit
+            else:
+                ok = not m.req_to_blocks.get(request_id)
+            if not ok:
+                raise FailedPreconditionError(
+                    f"group {m.group_id}: request {request_id!r} already holds blocks; prefix "
+                    "hits and external tokens are adopted only by a request's first allocation"
+                )
+
+    def _resolve_hit(
+        self,
+        req: Request,
+        hit: CacheHit | Sequence[Sequence[int]] | None,
+        num_new_computed_tokens: int,
+    ) -> list[list[KVCacheBlock]]:
+        """Turn a hit's block ids back into blocks, checking each is still cached."""
+        n = len(self.managers)
+        if hit is None:
+            lists: Sequence[Sequence[int]] = [()] * n
+        elif isinstance(hit, CacheHit):
+            lists = hit.block_ids
+        else:
+            lists = hit
+        if len(lists) != n:
+            raise InvalidArgumentError(
+                f"new_computed_blocks must have one list per KV cache group ({n}), got {len(lists)}"
+            )
+        if not any(lists):
+            if num_new_computed_tokens:
+                raise InvalidArgumentError(
+                    "num_new_computed_tokens is > 0 but no prefix-hit blocks were given"
+                )
+            return [[] for _ in range(n)]
+        if not self.enable_caching:
+            raise InvalidArgumentError("prefix caching is off: new_computed_blocks must be empty")
+        rid = req.request_id
+        blocks = self.block_pool.blocks
+        null = self.block_pool.null_block
+        out: list[list[KVCacheBlock]] = []
+        for m, ids in zip(self.managers, lists):
+            if isinstance(m, CrossAttentionManager) and ids:
+                raise InvalidArgumentError(f"group {m.group_id}: cross-attention has no prefix hits")
+            if len(ids) * m.block_size < num_new_computed_tokens:
+                raise InvalidArgumentError(
+                    f"group {m.group_id}: {len(ids)} hit blocks cover fewer than "
+                    f"num_new_computed_tokens={num_new_computed_tokens} tokens"
+                )
+            hashes = hashes_at_block_size(req.block_hashes, self.hash_block_size, m.block_size)
+            if len(ids) > len(hashes):
+                raise InvalidArgumentError(
+                    f"group {m.group_id}: {len(ids)} hit blocks but the request has only "
+                    f"{len(hashes)} full blocks"
+                )
+            resolved = []
+            for pos, bid in enumerate(ids):
+                if isinstance(bid, bool) or not isinstance(bid, int) or not 0 <= bid < len(blocks):
+                    raise InvalidArgumentError(f"group {m.group_id}: invalid block id {bid!r}")
+                block = blocks[bid]
+                if block is null:
+                    if not m.uses_null_blocks:
+                        raise InvalidArgumentError(
+                            f"group {m.group_id}: the null block cannot be part of a "
+                            "full-attention hit"
+                        )
+                elif block.block_hash != key_with_group(hashes[pos], m.group_id):
+                    raise StaleCacheHitError(
+                        f"group {m.group_id}: block {bid} at position {pos} is no longer "
+                        "cached for this request's prefix; look up again (or allocate "
+                        "with an atomic lookup)"
+                    )
+                resolved.append(block)
+            out.append(resolved)
+        return out

@@ -1,0 +1,1 @@
+"""kvcoord's server side: gRPC servicer, pool registry, metrics and the CLI."""

@@ -1,0 +1,66 @@
+"""Helpers shared by the tests: a pool driver that hashes like a vLLM worker."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvcoord.client.hashing import BlockHasher, none_hash
+from kvcoord.engine import (
+    AttentionSpec,
+    CacheHit,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCachePool,
+)
+
+ALGO = "sha256_cbor"
+NONE = none_hash(ALGO, "0")
+
+
+class Driver:
+    """A pool plus one block hasher per request, as a scheduler would hold them."""
+
+    def __init__(
+        self,
+        groups: Sequence[AttentionSpec] = (FullAttentionSpec(4),),
+        num_blocks: int = 10,
+        hash_block_size: int = 4,
+        **kw: object,
+    ) -> None:
+        self.config = KVCacheConfig(
+            num_blocks=num_blocks, groups=tuple(groups), hash_block_size=hash_block_size, **kw  # type: ignore[arg-type]
+        )
+        self.pool = KVCachePool(self.config)
+        self.hashers: dict[str, BlockHasher] = {}
+
+    def add(self, rid: str, tokens: Sequence[int], **kw: object) -> list[bytes]:
+        h = BlockHasher(ALGO, self.config.hash_block_size, NONE)
+        hashes = h.extend(tokens)
+        self.hashers[rid] = h
+        self.pool.add_request(rid, list(tokens), hashes, **kw)  # type: ignore[arg-type]
+        return hashes
+
+    def append(self, rid: str, tokens: Sequence[int], num_computed_tokens: int) -> list[bytes]:
+        new = self.hashers[rid].extend(tokens)
+        self.pool.update_request(
+            rid, num_computed_tokens=num_computed_tokens, append_token_ids=list(tokens), append_block_hashes=new
+        )
+        return new
+
+    def hit(self, rid: str) -> CacheHit:
+        return self.pool.get_computed_blocks(rid)
+
+    def admit(self, rid: str, tokens: Sequence[int], **kw: object) -> tuple[CacheHit, object]:
+        """Add, look up, and allocate the whole prompt minus the hit (a fresh request)."""
+        self.add(rid, tokens)
+        hit = self.hit(rid)
+        new = self.pool.allocate_slots(rid, len(tokens) - hit.num_tokens, hit.num_tokens, hit, **kw)  # type: ignore[arg-type]
+        return hit, new
+
+    def ids(self, rid: str) -> tuple[tuple[int, ...], ...]:
+        return self.pool.get_block_ids(rid)
+
+
+def toks(a: int, b: int) -> list[int]:
+    """Tokens a..b inclusive."""
+    return list(range(a, b + 1))

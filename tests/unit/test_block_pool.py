@@ -1,0 +1,119 @@
+"""Block pool and unitary full attention: semantics.md §3.9 worked example P."""
+
+from __future__ import annotations
+
+from support import Driver, toks
+
+from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored, FullAttentionSpec, hash_to_int64
+from kvcoord.engine.free_queue import FreeKVCacheBlockQueue
+from kvcoord.engine.blocks import KVCacheBlock
+from kvcoord.engine.types import BlockId
+
+
+def example_p() -> tuple[Driver, list[bytes]]:
+    d = Driver((FullAttentionSpec(4),), num_blocks=10, enable_kv_cache_events=True)
+    hashes = d.add("A", toks(1, 10))
+    assert d.hit("A").num_tokens == 0
+    assert d.pool.allocate_slots("A", 10) == ((1, 2, 3),)
+    return d, hashes
+
+
+def test_fresh_pool() -> None:
+    """A fresh pool has ids 1..N-1 free in order and zero usage; the null block is hidden."""
+    d = Driver(num_blocks=10)
+    assert d.pool.free_queue_head() == list(range(1, 10))
+    assert d.pool.num_free_blocks == 9
+    assert d.pool.usage == 0.0
+
+
+def test_example_p_allocation_caching_and_events() -> None:
+    """Steps 2-3: first allocation caches two full blocks, a decode step caches the third."""
+    d, h = example_p()
+    assert d.pool.free_queue_head() == [4, 5, 6, 7, 8, 9]
+    assert d.pool.usage == 1.0 - 6 / 9
+    ev = d.pool.take_events()
+    assert ev == [BlockStored((h[0], h[1]), None, tuple(toks(1, 8)), 4, None, None)]
+    d.append("A", [11], 10)
+    assert d.pool.allocate_slots("A", 1) == ((),)
+    assert d.pool.take_events() == []
+    h2 = d.append("A", [12], 11)
+    assert d.pool.allocate_slots("A", 1) == ((),)
+    assert d.pool.take_events() == [BlockStored((h2[0],), h[1], tuple(toks(9, 12)), 4, None, None)]
+
+
+def test_example_p_free_order_hits_and_duplicate_keys() -> None:
+    """Steps 4-7: reverse-order free, hit adoption, a second block under one key, refusal."""
+    d, h = example_p()
+    d.pool.free("A")
+    assert d.pool.free_queue_head() == [4, 5, 6, 7, 8, 9, 3, 2, 1]
+    hit, new = d.admit("B", toks(1, 10))
+    assert hit.block_ids == ((1, 2),) and hit.num_tokens == 8
+    assert new == ((4,),)
+    assert d.ids("B") == ((1, 2, 4),)
+    assert d.pool.free_queue_head() == [5, 6, 7, 8, 9, 3]
+    hit, new = d.admit("C", toks(1, 8))
+    assert hit.block_ids == ((1,),) and hit.num_tokens == 4
+    assert new == ((5,),)
+    d.add("X", toks(1, 8))
+    assert d.hit("X").block_ids == ((1,),)  # capped at 7 tokens: block 2 unusable
+    # key h1 now maps to blocks {2, 5}: lookups keep returning 2 until it is evicted.
+    d.add("Y", toks(1, 9))
+    assert d.hit("Y").block_ids == ((1, 2),)
+    d.pool.evict_blocks([2])
+    assert d.hit("Y").block_ids == ((1, 5),)
+    d.add("D", toks(1, 24))
+    snap = d.pool.snapshot()
+    assert d.pool.allocate_slots("D", 24) is None
+    assert d.pool.snapshot() == snap
+    stats = d.pool.make_prefix_cache_stats()
+    assert stats is not None
+    # lookups: A, B, C (example P) + X, Y twice
+    assert (stats.requests, stats.queries, stats.hits) == (6, 10 + 10 + 8 + 8 + 9 + 9, 0 + 8 + 4 + 4 + 8 + 8)
+
+
+def test_eviction_emits_removed_before_stored_and_reset() -> None:
+    """Reusing a cached block emits BlockRemoved first; reset is refused while blocks are held."""
+    d = Driver((FullAttentionSpec(4),), num_blocks=10, enable_kv_cache_events=True)
+    h = d.add("A", toks(1, 10))
+    d.pool.allocate_slots("A", 10)
+    d.pool.free("A")
+    d.pool.take_events()
+    d.add("E", toks(101, 132))
+    assert d.pool.allocate_slots("E", 32) == ((4, 5, 6, 7, 8, 9, 3, 2),)
+    ev = d.pool.take_events()
+    assert ev[0] == BlockRemoved((h[1],))
+    assert isinstance(ev[1], BlockStored) and len(ev[1].block_hashes) == 8 and ev[1].parent_block_hash is None
+    assert d.pool.reset_prefix_cache() is False
+    d.pool.free("E")
+    assert d.pool.reset_prefix_cache() is True
+    assert d.pool.take_events() == [AllBlocksCleared()]
+    assert d.pool.free_queue_head() == [1, 2, 3, 9, 8, 7, 6, 5, 4]
+    stats = d.pool.make_prefix_cache_stats()
+    assert stats is not None and stats.reset is True
+
+
+def test_event_hash_integer_form() -> None:
+    """Event hashes become the low 64 bits, big-endian (§3.8 example)."""
+    h = bytes.fromhex("c9d58ba695280d69b243e1e0df813136ca9196b286fb1a021e0b2e028ef071cb")
+    assert hash_to_int64(h) == 2164874634404590027
+
+
+def test_usage_float_order() -> None:
+    """usage is 1 - free/(N-1), not (N-1-free)/(N-1) (they differ in the last bit)."""
+    d = Driver(num_blocks=120)
+    d.add("A", toks(1, 96))
+    d.pool.allocate_slots("A", 96)
+    assert d.pool.num_free_blocks == 95
+    assert d.pool.usage == 0.2016806722689075
+
+
+def test_free_queue_o1_operations() -> None:
+    """The free queue pops from the head, appends at the tail and unlinks from the middle."""
+    blocks = [KVCacheBlock(BlockId(i)) for i in range(6)]
+    q = FreeKVCacheBlockQueue(blocks)
+    assert q.popleft().block_id == 0
+    q.remove(blocks[3])
+    assert [b.block_id for b in q.popleft_n(2)] == [1, 2]
+    q.append(blocks[1])
+    assert q.head_ids() == [4, 5, 1]
+    assert len(q) == 3

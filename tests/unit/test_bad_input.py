@@ -1,0 +1,146 @@
+"""Bad input raises one documented exception family and leaves the pool unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from support import Driver, toks
+
+from kvcoord.engine import (
+    CacheHit,
+    EngineError,
+    ErrorStatus,
+    FailedPreconditionError,
+    FullAttentionSpec,
+    InvalidArgumentError,
+    KVCachePool,
+    MambaCacheMode,
+    MambaSpec,
+    RequestExistsError,
+    RequestNotFoundError,
+    SlidingWindowSpec,
+    StaleCacheHitError,
+)
+
+
+def busy_driver() -> Driver:
+    """A hybrid pool with a running request, a freed one's cached blocks, and a waiting one."""
+    d = Driver((FullAttentionSpec(4), SlidingWindowSpec(4, 8)), num_blocks=40, max_model_len=64,
+               enable_kv_cache_events=True, hash_length=32)
+    d.admit("done", toks(1, 20))
+    d.pool.free("done")
+    d.admit("run", toks(1, 14))
+    d.append("run", [15], 14)
+    d.add("wait", toks(1, 18))
+    return d
+
+
+def _unknown(p: KVCachePool) -> list[Callable[[], object]]:
+    return [
+        lambda: p.get_computed_blocks("nope"),
+        lambda: p.allocate_slots("nope", 1),
+        lambda: p.allocate_slots_with_lookup("nope", 8),
+        lambda: p.free("nope"),
+        lambda: p.preempt("nope"),
+        lambda: p.update_request("nope", num_computed_tokens=1),
+        lambda: p.cache_blocks("nope", 4),
+        lambda: p.remove_skipped_blocks("nope", 4),
+        lambda: p.get_block_ids("nope"),
+        lambda: p.get_num_common_prefix_blocks("nope"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_unknown_request_is_not_found(index: int) -> None:
+    """Every per-request call on an unknown id raises RequestNotFoundError (NOT_FOUND)."""
+    d = busy_driver()
+    before = d.pool.snapshot()
+    with pytest.raises(RequestNotFoundError, match="'nope' is not in this pool") as err:
+        _unknown(d.pool)[index]()
+    assert err.value.status is ErrorStatus.NOT_FOUND
+    assert d.pool.snapshot() == before
+
+
+CASES: list[tuple[str, Callable[[Driver], object], type[EngineError], str]] = [
+    ("duplicate id", lambda d: d.pool.add_request("run", [1]), RequestExistsError, "already exists"),
+    ("empty id", lambda d: d.pool.add_request("", [1]), InvalidArgumentError, "non-empty"),
+    ("negative token", lambda d: d.pool.add_request("x", [-1]), InvalidArgumentError, "non-negative"),
+    ("prompt too long", lambda d: d.pool.add_request("x", list(range(65)), []), InvalidArgumentError, "max_model_len"),
+    ("missing hashes", lambda d: d.pool.add_request("x", toks(1, 8), []), InvalidArgumentError, "expected 2 new block hashes"),
+    ("short hash", lambda d: d.pool.add_request("x", toks(1, 4), [b"ab"]), InvalidArgumentError, "32 bytes"),
+    ("str hash", lambda d: d.pool.add_request("x", toks(1, 4), ["a" * 32]), InvalidArgumentError, "bytes"),
+    ("append too long", lambda d: d.pool.update_request("run", append_token_ids=[1] * 60), InvalidArgumentError, "max_model_len"),
+    ("append no hash", lambda d: d.pool.update_request("run", append_token_ids=[1]), InvalidArgumentError, "expected 1 new block hashes"),
+    ("computed negative", lambda d: d.pool.update_request("run", num_computed_tokens=-3), InvalidArgumentError, ">= 0"),
+    ("computed beyond", lambda d: d.pool.update_request("run", num_computed_tokens=65), InvalidArgumentError, "max_model_len"),
+    ("nothing to allocate", lambda d: d.pool.allocate_slots("run", 0), InvalidArgumentError, "num_new_tokens must be > 0"),
+    ("negative new", lambda d: d.pool.allocate_slots("run", -1), InvalidArgumentError, "num_new_tokens must be >= 0"),
+    ("bool count", lambda d: d.pool.allocate_slots("run", True), InvalidArgumentError, "integer"),
+    ("negative lookahead", lambda d: d.pool.allocate_slots("run", 1, num_lookahead_tokens=-1), InvalidArgumentError, "num_lookahead_tokens"),
+    ("beyond max_model_len", lambda d: d.pool.allocate_slots("run", 60), InvalidArgumentError, "exceed max_model_len"),
+    ("computed without hit", lambda d: d.pool.allocate_slots("wait", 2, 16), InvalidArgumentError, "no prefix-hit blocks"),
+    ("hit group count", lambda d: d.pool.allocate_slots("wait", 2, 16, [[1, 2, 3, 4]]), InvalidArgumentError, "one list per KV cache group"),
+    ("hit too short", lambda d: d.pool.allocate_slots("wait", 2, 16, [[1, 2], [0, 0]]), InvalidArgumentError, "cover fewer"),
+    ("hit bad id", lambda d: d.pool.allocate_slots("wait", 2, 4, [[999], [0]]), InvalidArgumentError, "invalid block id"),
+    ("null in full", lambda d: d.pool.allocate_slots("wait", 2, 4, [[0], [0]]), InvalidArgumentError, "null block"),
+    ("stale hit", lambda d: d.pool.allocate_slots("wait", 2, 4, [[7], [0]]), StaleCacheHitError, "no longer cached"),
+    ("hit on running", lambda d: d.pool.allocate_slots("run", 1, 4, [d.pool.get_block_ids("run")[0][:1], [0]]), FailedPreconditionError, "already holds blocks"),
+    ("lookup when running", lambda d: d.pool.allocate_slots_with_lookup("run", 4), FailedPreconditionError, "already running"),
+    ("evict out of range", lambda d: d.pool.evict_blocks([1, 40]), InvalidArgumentError, "out of range"),
+    ("cache beyond held", lambda d: d.pool.cache_blocks("wait", 16), FailedPreconditionError, "holds only 0"),
+    ("cache beyond tokens", lambda d: d.pool.cache_blocks("run", 40), InvalidArgumentError, "exceeds"),
+    ("skip negative", lambda d: d.pool.remove_skipped_blocks("run", -1), InvalidArgumentError, ">= 0"),
+]
+
+
+@pytest.mark.parametrize(("name", "call", "exc", "message"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_changes_nothing(
+    name: str, call: Callable[[Driver], object], exc: type[EngineError], message: str
+) -> None:
+    """The right exception, an actionable message, and an identical pool snapshot."""
+    d = busy_driver()
+    before = d.pool.snapshot()
+    with pytest.raises(exc, match=message):
+        call(d)
+    assert d.pool.snapshot() == before
+
+
+def test_stale_hit_after_eviction_by_another_request() -> None:
+    """A hint looked up before another request evicted its blocks is refused, not adopted."""
+    d = Driver((FullAttentionSpec(4),), num_blocks=8)
+    d.admit("A", toks(1, 12))
+    d.pool.free("A")
+    d.add("B", toks(1, 12))
+    hit = d.hit("B")
+    assert hit.block_ids == ((1, 2),)
+    d.admit("C", toks(100, 127))  # takes every free block, evicting 1 and 2
+    d.pool.free("C")
+    before = d.pool.snapshot()
+    with pytest.raises(StaleCacheHitError):
+        d.pool.allocate_slots("B", 4, 8, hit)
+    assert d.pool.snapshot() == before
+
+
+def test_mamba_align_shrinking_table_is_refused_before_any_change() -> None:
+    """Align mode cannot shrink a request's table (vLLM asserts); FAILED_PRECONDITION, pool unchanged."""
+    d = Driver((FullAttentionSpec(4), MambaSpec(4, MambaCacheMode.ALIGN, 1)), num_blocks=20)
+    d.add("A", toks(1, 20))
+    assert d.pool.allocate_slots("A", 8) == ((1, 2), (0, 3, 4))
+    d.append("A", [], 0)
+    before = d.pool.snapshot()
+    with pytest.raises(FailedPreconditionError, match="go backwards"):
+        d.pool.allocate_slots("A", 4)
+    assert d.pool.snapshot() == before
+
+
+def test_atomic_lookup_allocation() -> None:
+    """allocate_slots_with_lookup adopts the hit and schedules up to the token budget."""
+    d = Driver((FullAttentionSpec(4),), num_blocks=20)
+    d.admit("A", toks(1, 12))
+    d.add("B", toks(1, 20))
+    res = d.pool.allocate_slots_with_lookup("B", 4)
+    assert res.hit == CacheHit(((1, 2, 3),), 12)
+    assert res.num_new_tokens == 4
+    assert res.new_block_ids == ((4,),)
+    assert d.ids("B") == ((1, 2, 3, 4),)

@@ -50,7 +50,9 @@ def check_invariants(pool: KVCachePool, evicted: bool = False) -> None:
         assert block.ref_cnt == holders[block.block_id], (
             f"block {block.block_id}: ref_cnt {block.ref_cnt} but {holders[block.block_id]} holders"
         )
-        assert (block.ref_cnt == 0) == (block.block_id in free), f"block {block.block_id} free-queue membership"
+        assert (block.ref_cnt == 0) == (block.block_id in free), (
+            f"block {block.block_id} free-queue membership"
+        )
     # 3. free count.
     used = sum(1 for b in bp.blocks[1:] if b.ref_cnt > 0 and b.block_id not in sink)
     assert pool.num_free_blocks == len(free_ids) == bp.num_blocks - 1 - used - len(sink)
@@ -65,7 +67,9 @@ def check_invariants(pool: KVCachePool, evicted: bool = False) -> None:
             if bid in group_of:
                 assert group_of[bid] == gid, f"block {bid} cached for group {gid}, held in {group_of[bid]}"
     for block in bp.blocks:
-        assert (block.block_hash is not None) == (block.block_id in in_map), f"block {block.block_id} hash/map"
+        assert (block.block_hash is not None) == (block.block_id in in_map), (
+            f"block {block.block_id} hash/map"
+        )
     # 5-6. shared blocks came from the prefix cache; cached positions carry the request's keys.
     for m in pool.managers:
         position: dict[int, int] = {}
@@ -77,7 +81,9 @@ def check_invariants(pool: KVCachePool, evicted: bool = False) -> None:
                 if b.is_null:
                     continue
                 if holders[b.block_id] > 1 and not getattr(m, "align", False):
-                    assert position.setdefault(b.block_id, i) == i, f"shared block {b.block_id} at two positions"
+                    assert position.setdefault(b.block_id, i) == i, (
+                        f"shared block {b.block_id} at two positions"
+                    )
                     if not evicted:
                         assert b.block_hash is not None, f"shared block {b.block_id} is not cached"
                 if i >= num_cached:
@@ -100,7 +106,11 @@ def check_hit(pool: KVCachePool, num_tokens: int, block_ids: tuple[tuple[int, ..
         first_full = set(groups[0][1])
     for gid, ids in enumerate(block_ids):
         bs = pool.config.groups[gid].block_size
-        if isinstance(pool.config.groups[gid], FullAttentionSpec) and first_full is not None and gid not in first_full:
+        if (
+            isinstance(pool.config.groups[gid], FullAttentionSpec)
+            and first_full is not None
+            and gid not in first_full
+        ):
             assert len(ids) * bs >= hit
         else:
             assert len(ids) * bs == hit, f"group {gid}: {len(ids)} blocks for a {hit}-token hit"

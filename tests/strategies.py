@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 from hypothesis import strategies as st
-
 from kvcoord.engine import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,

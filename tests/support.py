@@ -28,7 +28,10 @@ class Driver:
         **kw: object,
     ) -> None:
         self.config = KVCacheConfig(
-            num_blocks=num_blocks, groups=tuple(groups), hash_block_size=hash_block_size, **kw  # type: ignore[arg-type]
+            num_blocks=num_blocks,
+            groups=tuple(groups),
+            hash_block_size=hash_block_size,
+            **kw,  # type: ignore[arg-type]
         )
         self.pool = KVCachePool(self.config)
         self.hashers: dict[str, BlockHasher] = {}
@@ -43,7 +46,10 @@ class Driver:
     def append(self, rid: str, tokens: Sequence[int], num_computed_tokens: int) -> list[bytes]:
         new = self.hashers[rid].extend(tokens)
         self.pool.update_request(
-            rid, num_computed_tokens=num_computed_tokens, append_token_ids=list(tokens), append_block_hashes=new
+            rid,
+            num_computed_tokens=num_computed_tokens,
+            append_token_ids=list(tokens),
+            append_block_hashes=new,
         )
         return new
 

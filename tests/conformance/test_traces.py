@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from kvcoord.conformance import LocalTarget, load_trace, replay
 
 DATA = Path(__file__).parent / "data"
@@ -42,13 +41,19 @@ def test_trace_replays_on_engine(path: Path) -> None:
         (None, "block_hashes", lambda v: v[:-1]),
     ],
 )
-def test_replayer_reports_a_changed_expectation(tmp_path: Path, line: int | None, field: str, change: object) -> None:
+def test_replayer_reports_a_changed_expectation(
+    tmp_path: Path, line: int | None, field: str, change: object
+) -> None:
     """A trace with one altered expectation fails at exactly that line and field."""
     src = (DATA / "hybrid_full16_swa16_w64.jsonl").read_text().splitlines()
     for i, text in enumerate(src[1:], start=1):
         rec = json.loads(text)
         value = rec.get("expect", {}).get(field)
-        if value and (not isinstance(value, list) or any(len(x) > 1 for x in value if isinstance(x, list)) or field == "block_hashes"):
+        if value and (
+            not isinstance(value, list)
+            or any(len(x) > 1 for x in value if isinstance(x, list))
+            or field == "block_hashes"
+        ):
             rec["expect"][field] = change(value)  # type: ignore[operator]
             src[i] = json.dumps(rec)
             break
@@ -65,7 +70,11 @@ def test_replayer_reports_a_changed_expectation(tmp_path: Path, line: int | None
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {"PYTHONPATH": f"{ROOT / 'client'}:{ROOT / 'server'}", "PATH": "/usr/bin:/bin"}
     return subprocess.run(
-        [sys.executable, "-m", "kvcoord.service.cli", *args], capture_output=True, text=True, env=env, timeout=240
+        [sys.executable, "-m", "kvcoord.service.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
     )
 
 

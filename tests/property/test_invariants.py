@@ -8,10 +8,9 @@ from dataclasses import dataclass, field
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from invariants import check_hit, check_invariants
-from strategies import H, PREFIXES, configs
-
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import CrossAttentionSpec, FullAttentionSpec, KVCacheConfig, KVCachePool
+from strategies import PREFIXES, H, configs
 
 NONE = none_hash("sha256_cbor", "0")
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from support import Driver, toks
-
 from kvcoord.engine import (
     CacheHit,
     EngineError,
@@ -22,12 +20,18 @@ from kvcoord.engine import (
     SlidingWindowSpec,
     StaleCacheHitError,
 )
+from support import Driver, toks
 
 
 def busy_driver() -> Driver:
     """A hybrid pool with a running request, a freed one's cached blocks, and a waiting one."""
-    d = Driver((FullAttentionSpec(4), SlidingWindowSpec(4, 8)), num_blocks=40, max_model_len=64,
-               enable_kv_cache_events=True, hash_length=32)
+    d = Driver(
+        (FullAttentionSpec(4), SlidingWindowSpec(4, 8)),
+        num_blocks=40,
+        max_model_len=64,
+        enable_kv_cache_events=True,
+        hash_length=32,
+    )
     d.admit("done", toks(1, 20))
     d.pool.free("done")
     d.admit("run", toks(1, 14))
@@ -66,27 +70,117 @@ CASES: list[tuple[str, Callable[[Driver], object], type[EngineError], str]] = [
     ("duplicate id", lambda d: d.pool.add_request("run", [1]), RequestExistsError, "already exists"),
     ("empty id", lambda d: d.pool.add_request("", [1]), InvalidArgumentError, "non-empty"),
     ("negative token", lambda d: d.pool.add_request("x", [-1]), InvalidArgumentError, "non-negative"),
-    ("prompt too long", lambda d: d.pool.add_request("x", list(range(65)), []), InvalidArgumentError, "max_model_len"),
-    ("missing hashes", lambda d: d.pool.add_request("x", toks(1, 8), []), InvalidArgumentError, "expected 2 new block hashes"),
+    (
+        "prompt too long",
+        lambda d: d.pool.add_request("x", list(range(65)), []),
+        InvalidArgumentError,
+        "max_model_len",
+    ),
+    (
+        "missing hashes",
+        lambda d: d.pool.add_request("x", toks(1, 8), []),
+        InvalidArgumentError,
+        "expected 2 new block hashes",
+    ),
     ("short hash", lambda d: d.pool.add_request("x", toks(1, 4), [b"ab"]), InvalidArgumentError, "32 bytes"),
     ("str hash", lambda d: d.pool.add_request("x", toks(1, 4), ["a" * 32]), InvalidArgumentError, "bytes"),
-    ("append too long", lambda d: d.pool.update_request("run", append_token_ids=[1] * 60), InvalidArgumentError, "max_model_len"),
-    ("append no hash", lambda d: d.pool.update_request("run", append_token_ids=[1]), InvalidArgumentError, "expected 1 new block hashes"),
-    ("computed negative", lambda d: d.pool.update_request("run", num_computed_tokens=-3), InvalidArgumentError, ">= 0"),
-    ("computed beyond", lambda d: d.pool.update_request("run", num_computed_tokens=65), InvalidArgumentError, "max_model_len"),
-    ("nothing to allocate", lambda d: d.pool.allocate_slots("run", 0), InvalidArgumentError, "num_new_tokens must be > 0"),
-    ("negative new", lambda d: d.pool.allocate_slots("run", -1), InvalidArgumentError, "num_new_tokens must be >= 0"),
+    (
+        "append too long",
+        lambda d: d.pool.update_request("run", append_token_ids=[1] * 60),
+        InvalidArgumentError,
+        "max_model_len",
+    ),
+    (
+        "append no hash",
+        lambda d: d.pool.update_request("run", append_token_ids=[1]),
+        InvalidArgumentError,
+        "expected 1 new block hashes",
+    ),
+    (
+        "computed negative",
+        lambda d: d.pool.update_request("run", num_computed_tokens=-3),
+        InvalidArgumentError,
+        ">= 0",
+    ),
+    (
+        "computed beyond",
+        lambda d: d.pool.update_request("run", num_computed_tokens=65),
+        InvalidArgumentError,
+        "max_model_len",
+    ),
+    (
+        "nothing to allocate",
+        lambda d: d.pool.allocate_slots("run", 0),
+        InvalidArgumentError,
+        "num_new_tokens must be > 0",
+    ),
+    (
+        "negative new",
+        lambda d: d.pool.allocate_slots("run", -1),
+        InvalidArgumentError,
+        "num_new_tokens must be >= 0",
+    ),
     ("bool count", lambda d: d.pool.allocate_slots("run", True), InvalidArgumentError, "integer"),
-    ("negative lookahead", lambda d: d.pool.allocate_slots("run", 1, num_lookahead_tokens=-1), InvalidArgumentError, "num_lookahead_tokens"),
-    ("beyond max_model_len", lambda d: d.pool.allocate_slots("run", 60), InvalidArgumentError, "exceed max_model_len"),
-    ("computed without hit", lambda d: d.pool.allocate_slots("wait", 2, 16), InvalidArgumentError, "no prefix-hit blocks"),
-    ("hit group count", lambda d: d.pool.allocate_slots("wait", 2, 16, [[1, 2, 3, 4]]), InvalidArgumentError, "one list per KV cache group"),
-    ("hit too short", lambda d: d.pool.allocate_slots("wait", 2, 16, [[1, 2], [0, 0]]), InvalidArgumentError, "cover fewer"),
-    ("hit bad id", lambda d: d.pool.allocate_slots("wait", 2, 4, [[999], [0]]), InvalidArgumentError, "invalid block id"),
-    ("null in full", lambda d: d.pool.allocate_slots("wait", 2, 4, [[0], [0]]), InvalidArgumentError, "null block"),
-    ("stale hit", lambda d: d.pool.allocate_slots("wait", 2, 4, [[7], [0]]), StaleCacheHitError, "no longer cached"),
-    ("hit on running", lambda d: d.pool.allocate_slots("run", 1, 4, [d.pool.get_block_ids("run")[0][:1], [0]]), FailedPreconditionError, "already holds blocks"),
-    ("lookup when running", lambda d: d.pool.allocate_slots_with_lookup("run", 4), FailedPreconditionError, "already running"),
+    (
+        "negative lookahead",
+        lambda d: d.pool.allocate_slots("run", 1, num_lookahead_tokens=-1),
+        InvalidArgumentError,
+        "num_lookahead_tokens",
+    ),
+    (
+        "beyond max_model_len",
+        lambda d: d.pool.allocate_slots("run", 60),
+        InvalidArgumentError,
+        "exceed max_model_len",
+    ),
+    (
+        "computed without hit",
+        lambda d: d.pool.allocate_slots("wait", 2, 16),
+        InvalidArgumentError,
+        "no prefix-hit blocks",
+    ),
+    (
+        "hit group count",
+        lambda d: d.pool.allocate_slots("wait", 2, 16, [[1, 2, 3, 4]]),
+        InvalidArgumentError,
+        "one list per KV cache group",
+    ),
+    (
+        "hit too short",
+        lambda d: d.pool.allocate_slots("wait", 2, 16, [[1, 2], [0, 0]]),
+        InvalidArgumentError,
+        "cover fewer",
+    ),
+    (
+        "hit bad id",
+        lambda d: d.pool.allocate_slots("wait", 2, 4, [[999], [0]]),
+        InvalidArgumentError,
+        "invalid block id",
+    ),
+    (
+        "null in full",
+        lambda d: d.pool.allocate_slots("wait", 2, 4, [[0], [0]]),
+        InvalidArgumentError,
+        "null block",
+    ),
+    (
+        "stale hit",
+        lambda d: d.pool.allocate_slots("wait", 2, 4, [[7], [0]]),
+        StaleCacheHitError,
+        "no longer cached",
+    ),
+    (
+        "hit on running",
+        lambda d: d.pool.allocate_slots("run", 1, 4, [d.pool.get_block_ids("run")[0][:1], [0]]),
+        FailedPreconditionError,
+        "already holds blocks",
+    ),
+    (
+        "lookup when running",
+        lambda d: d.pool.allocate_slots_with_lookup("run", 4),
+        FailedPreconditionError,
+        "already running",
+    ),
     ("evict out of range", lambda d: d.pool.evict_blocks([1, 40]), InvalidArgumentError, "out of range"),
     ("cache beyond held", lambda d: d.pool.cache_blocks("wait", 16), FailedPreconditionError, "holds only 0"),
     ("cache beyond tokens", lambda d: d.pool.cache_blocks("run", 40), InvalidArgumentError, "exceeds"),

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from support import Driver, toks
-
 from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored, FullAttentionSpec, hash_to_int64
-from kvcoord.engine.free_queue import FreeKVCacheBlockQueue
 from kvcoord.engine.blocks import KVCacheBlock
+from kvcoord.engine.free_queue import FreeKVCacheBlockQueue
 from kvcoord.engine.types import BlockId
+from support import Driver, toks
 
 
 def example_p() -> tuple[Driver, list[bytes]]:

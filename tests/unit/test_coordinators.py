@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from support import Driver, toks
-
 from kvcoord.engine import (
     AttentionSpec,
+    ChunkedLocalAttentionSpec,
     ConfigError,
     CrossAttentionSpec,
     FullAttentionSpec,
@@ -16,8 +15,8 @@ from kvcoord.engine import (
     MambaCacheMode,
     MambaSpec,
     SlidingWindowSpec,
-    ChunkedLocalAttentionSpec,
 )
+from support import Driver, toks
 
 P = toks(1, 30)
 
@@ -221,4 +220,6 @@ def test_rejected_layouts(groups: tuple[AttentionSpec, ...], kw: dict[str, objec
 def test_caching_off_accepts_cross_attention_and_no_groups() -> None:
     """Without caching any layout, even zero groups, is served."""
     KVCacheConfig(num_blocks=10, groups=(), hash_block_size=4, enable_caching=False)
-    KVCacheConfig(num_blocks=10, groups=(FULL4, CrossAttentionSpec(4)), hash_block_size=4, enable_caching=False)
+    KVCacheConfig(
+        num_blocks=10, groups=(FULL4, CrossAttentionSpec(4)), hash_block_size=4, enable_caching=False
+    )

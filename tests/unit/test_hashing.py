@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvcoord.client.hashing import (
     BlockHasher,
     MultiModalItem,
@@ -25,7 +24,11 @@ VECTORS = {
     ),
     "xxhash_cbor": (
         "1ebe36576dcb573f26b99533a20aaeca",
-        ["0a8577df5ee3430515a8cc1f6e3ac52e", "f5ac421844a40d6d50fb0704fb2ec98f", "0979a199471602bf8580edac0dfde224"],
+        [
+            "0a8577df5ee3430515a8cc1f6e3ac52e",
+            "f5ac421844a40d6d50fb0704fb2ec98f",
+            "0979a199471602bf8580edac0dfde224",
+        ],
     ),
     "sha256": (
         "1973e23848344dc43a988a9b478663803cfffe1243480253f9a3cf004b14aa7c",
@@ -37,7 +40,11 @@ VECTORS = {
     ),
     "xxhash": (
         "6fb31cc38bba6066183f7f2104b9c051",
-        ["f3856cedd7e636094750c4546e855397", "095c2048f39f832776bb1f01b536bc97", "253be1e583d542459f098ccffe91067d"],
+        [
+            "f3856cedd7e636094750c4546e855397",
+            "095c2048f39f832776bb1f01b536bc97",
+            "253be1e583d542459f098ccffe91067d",
+        ],
     ),
 }
 
@@ -95,7 +102,9 @@ def test_encodings() -> None:
     assert cbor2.dumps((300, 70000, 128000, 5), canonical=True).hex() == "8419012c1a000111701a0001f40005"
 
 
-def _keys_seen(algo: str, block_size: int, items: list[MultiModalItem], calls: list[list[int]]) -> list[object]:
+def _keys_seen(
+    algo: str, block_size: int, items: list[MultiModalItem], calls: list[list[int]]
+) -> list[object]:
     seen: list[object] = []
     real = hash_function(algo)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from support import Driver, toks
-
 from kvcoord.engine import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -11,6 +9,7 @@ from kvcoord.engine import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from support import Driver, toks
 
 P = toks(1, 20)
 

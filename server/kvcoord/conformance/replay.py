@@ -123,7 +123,14 @@ class _Replayer:
                 raise
             except Exception as exc:  # the target refused or crashed: report, do not hide
                 raise _Failed(
-                    Mismatch(self.line, op["op"], op.get("req"), "exception", "no error", f"{type(exc).__name__}: {exc}")
+                    Mismatch(
+                        self.line,
+                        op["op"],
+                        op.get("req"),
+                        "exception",
+                        "no error",
+                        f"{type(exc).__name__}: {exc}",
+                    )
                 ) from exc
             if op["op"] != "get_computed_blocks" and op["op"] != "step":
                 self.last_hit = None
@@ -146,7 +153,9 @@ class _Replayer:
             hashes = hasher.extend(op["prompt"])
         self.expect("block_hashes", op["expect"]["block_hashes"], [h.hex() for h in hashes])
         self.reqs[rid] = _ReqState(hasher, list(op["prompt"]), list(hashes))
-        self.target.add_request(rid, list(op["prompt"]), hashes, lora, bool(op.get("skip_reading_prefix_cache")))
+        self.target.add_request(
+            rid, list(op["prompt"]), hashes, lora, bool(op.get("skip_reading_prefix_cache"))
+        )
 
     def advance(self, op: dict[str, Any]) -> None:
         st = self.reqs[op["req"]]
@@ -219,7 +228,9 @@ class _Replayer:
         self.expect("stats", op["expect"]["stats"], self.target.make_prefix_cache_stats())
 
     def common_prefix(self, op: dict[str, Any]) -> None:
-        self.expect("num_blocks", op["expect"]["num_blocks"], self.target.get_num_common_prefix_blocks(op["req"]))
+        self.expect(
+            "num_blocks", op["expect"]["num_blocks"], self.target.get_num_common_prefix_blocks(op["req"])
+        )
 
     def check(self, op: dict[str, Any]) -> None:
         exp = op["expect"]
@@ -232,10 +243,14 @@ class _Replayer:
             self.expect(f"requests.{rid}.known", True, st is not None)
             assert st is not None
             self.expect(f"requests.{rid}.block_ids", want["block_ids"], self.target.get_block_ids(rid))
-            self.expect(f"requests.{rid}.num_computed_tokens", want["num_computed_tokens"], st.num_computed_tokens)
+            self.expect(
+                f"requests.{rid}.num_computed_tokens", want["num_computed_tokens"], st.num_computed_tokens
+            )
             self.expect(f"requests.{rid}.num_tokens", want["num_tokens"], len(st.tokens))
         if "prefix_cache_stats" in exp:
-            self.expect("prefix_cache_stats", exp["prefix_cache_stats"], self.target.peek_prefix_cache_stats())
+            self.expect(
+                "prefix_cache_stats", exp["prefix_cache_stats"], self.target.peek_prefix_cache_stats()
+            )
 
     def get_block_ids(self, op: dict[str, Any]) -> None:
         self.expect("block_ids", op["expect"]["block_ids"], self.target.get_block_ids(op["req"]))
@@ -259,7 +274,9 @@ def replay(trace: Trace, target: ReplayTarget) -> ReplayResult:
         target.open(trace.config)
     except Exception as exc:
         return ReplayResult(
-            trace.name, 0, Mismatch(1, "config", None, "exception", "pool created", f"{type(exc).__name__}: {exc}")
+            trace.name,
+            0,
+            Mismatch(1, "config", None, "exception", "pool created", f"{type(exc).__name__}: {exc}"),
         )
     try:
         replayer = _Replayer(trace, target)

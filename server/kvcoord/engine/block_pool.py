@@ -88,9 +88,7 @@ class BlockPool:
         self.num_allocated = 0
         self.num_freed = 0
 
-    def get_cached_block(
-        self, block_hash: bytes, group_ids: Sequence[int]
-    ) -> list[KVCacheBlock] | None:
+    def get_cached_block(self, block_hash: bytes, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
         """One cached block per group for ``block_hash``, or ``None`` if any group misses."""
         out = []
         for gid in group_ids:

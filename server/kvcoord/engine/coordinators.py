@@ -217,7 +217,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                     views[spec.block_size], cur, ids, self.block_pool, spec, use_eagle, lcm
                 )
                 cur = len(lists[0]) * spec.block_size
-                for gid, lst in zip(ids, lists):
+                for gid, lst in zip(ids, lists, strict=False):
                     result[gid] = lst
             if cur >= hit:
                 break
@@ -228,9 +228,9 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             spec, ids, _ = self.attention_groups[0]
             n = hit // spec.block_size
             for gid in ids:
-                lst = result[gid]
-                assert lst is not None
-                del lst[n:]
+                kept = result[gid]
+                assert kept is not None
+                del kept[n:]
         return [lst if lst is not None else [] for lst in result], hit
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Union
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVCacheEvent", "hash_to_int64"]
 
@@ -40,7 +39,7 @@ class AllBlocksCleared:
     """A successful prefix-cache reset forgot every cached hash."""
 
 
-KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 def hash_to_int64(block_hash: bytes) -> int:

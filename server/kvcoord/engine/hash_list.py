@@ -27,7 +27,7 @@ class _MergedHashes(Sequence[bytes]):
     def __len__(self) -> int:
         return self._len
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(self._len))]
         if i < 0:
@@ -38,9 +38,7 @@ class _MergedHashes(Sequence[bytes]):
         return b"".join(self._fine[i * k : i * k + k])
 
 
-def hashes_at_block_size(
-    fine: Sequence[bytes], hash_block_size: int, block_size: int
-) -> Sequence[bytes]:
+def hashes_at_block_size(fine: Sequence[bytes], hash_block_size: int, block_size: int) -> Sequence[bytes]:
     """The hash list of a group whose blocks are ``block_size`` tokens.
 
     Args:

@@ -103,13 +103,9 @@ class KVCachePool:
         self.max_model_len = config.max_model_len
         self.hash_block_size = config.hash_block_size
         self.requests: dict[str, Request] = {}
-        self.prefix_cache_stats: PrefixCacheStats | None = (
-            PrefixCacheStats() if config.log_stats else None
-        )
+        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if config.log_stats else None
         self.num_refusals = 0
-        self._num_sink_blocks = sum(
-            len(getattr(m, "sink_blocks", ())) for m in self.managers
-        )
+        self._num_sink_blocks = sum(len(getattr(m, "sink_blocks", ())) for m in self.managers)
 
     # -- request table --------------------------------------------------------------
     def add_request(
@@ -173,8 +169,7 @@ class KVCachePool:
             # before their tokens are appended, so the count may pass num_tokens.
             if num_computed_tokens > self.max_model_len:
                 raise InvalidArgumentError(
-                    f"num_computed_tokens {num_computed_tokens} exceeds max_model_len "
-                    f"{self.max_model_len}"
+                    f"num_computed_tokens {num_computed_tokens} exceeds max_model_len {self.max_model_len}"
                 )
             req.num_computed_tokens = num_computed_tokens
         req.all_token_ids.extend(new_tokens)
@@ -372,8 +367,7 @@ class KVCachePool:
         _check_count(num_computed_tokens, "num_computed_tokens")
         if num_computed_tokens > req.num_tokens:
             raise InvalidArgumentError(
-                f"num_computed_tokens {num_computed_tokens} exceeds the request's "
-                f"{req.num_tokens} tokens"
+                f"num_computed_tokens {num_computed_tokens} exceeds the request's {req.num_tokens} tokens"
             )
         if not self.enable_caching:
             return
@@ -382,8 +376,7 @@ class KVCachePool:
             held = len(m.req_to_blocks.get(request_id, ()))
             if full > m.num_cached_block.get(request_id, 0) and full > held:
                 raise FailedPreconditionError(
-                    f"group {m.group_id}: caching {full} blocks but request "
-                    f"{request_id!r} holds only {held}"
+                    f"group {m.group_id}: caching {full} blocks but request {request_id!r} holds only {held}"
                 )
         self.coordinator.cache_blocks(req, num_computed_tokens)
 
@@ -393,8 +386,7 @@ class KVCachePool:
         _check_count(total_computed_tokens, "total_computed_tokens")
         if total_computed_tokens > self.max_model_len:
             raise InvalidArgumentError(
-                f"total_computed_tokens {total_computed_tokens} exceeds max_model_len "
-                f"{self.max_model_len}"
+                f"total_computed_tokens {total_computed_tokens} exceeds max_model_len {self.max_model_len}"
             )
         self.coordinator.remove_skipped_blocks(request_id, total_computed_tokens)
 
@@ -535,7 +527,7 @@ class KVCachePool:
     def _check_adoption(self, request_id: str, hit_blocks: list[list[KVCacheBlock]]) -> None:
         """A hit or external tokens are adopted only by a request holding no blocks yet
         (an admitted request, one with cached blocks, skips adoption and must bring no hit)."""
-        for m, hit in zip(self.managers, hit_blocks):
+        for m, hit in zip(self.managers, hit_blocks, strict=False):
             if isinstance(m, CrossAttentionManager):
                 continue  # adopts nothing: its blocks come from the encoder
             if request_id in m.num_cached_block:
@@ -574,11 +566,10 @@ class KVCachePool:
             return [[] for _ in range(n)]
         if not self.enable_caching:
             raise InvalidArgumentError("prefix caching is off: new_computed_blocks must be empty")
-        rid = req.request_id
         blocks = self.block_pool.blocks
         null = self.block_pool.null_block
         out: list[list[KVCacheBlock]] = []
-        for m, ids in zip(self.managers, lists):
+        for m, ids in zip(self.managers, lists, strict=False):
             if isinstance(m, CrossAttentionManager) and ids:
                 raise InvalidArgumentError(f"group {m.group_id}: cross-attention has no prefix hits")
             if len(ids) * m.block_size < num_new_computed_tokens:
@@ -600,8 +591,7 @@ class KVCachePool:
                 if block is null:
                     if not m.uses_null_blocks:
                         raise InvalidArgumentError(
-                            f"group {m.group_id}: the null block cannot be part of a "
-                            "full-attention hit"
+                            f"group {m.group_id}: the null block cannot be part of a full-attention hit"
                         )
                 elif block.block_hash != key_with_group(hashes[pos], m.group_id):
                     raise StaleCacheHitError(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Union
 
 __all__ = [
     "AttentionSpec",
@@ -62,7 +61,7 @@ class ChunkedLocalAttentionSpec:
     dtype: str = "auto"
 
 
-class MambaCacheMode(str, enum.Enum):
+class MambaCacheMode(enum.StrEnum):
     """How mamba states are kept for prefix caching."""
 
     NONE = "none"
@@ -91,10 +90,6 @@ class CrossAttentionSpec:
     dtype: str = "auto"
 
 
-AttentionSpec = Union[
-    FullAttentionSpec,
-    SlidingWindowSpec,
-    ChunkedLocalAttentionSpec,
-    MambaSpec,
-    CrossAttentionSpec,
-]
+AttentionSpec = (
+    FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | MambaSpec | CrossAttentionSpec
+)

@@ -65,9 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run the kvcoord gRPC server")
     serve.add_argument("--config", metavar="FILE", help="TOML config file (default: the embedded default)")
-    serve.add_argument("--listen", action="append", metavar="ADDR", help="override listeners (host:port or unix:/path)")
+    serve.add_argument(
+        "--listen", action="append", metavar="ADDR", help="override listeners (host:port or unix:/path)"
+    )
     serve.add_argument("--metrics-port", type=int, help="override the Prometheus /metrics port (0 disables)")
-    serve.add_argument("--print-default-config", action="store_true", help="print the embedded default config and exit")
+    serve.add_argument(
+        "--print-default-config", action="store_true", help="print the embedded default config and exit"
+    )
     serve.set_defaults(func=_serve)
     return parser
 

@@ -97,9 +97,7 @@ class SingleTypeKVCacheManager:
         req_blocks.extend(new_computed_blocks)
         self.num_cached_block[request_id] = len(req_blocks)
         if num_external_computed_tokens > 0:
-            req_blocks.extend(
-                self.block_pool.get_new_blocks(cdiv(total, self.block_size) - len(req_blocks))
-            )
+            req_blocks.extend(self.block_pool.get_new_blocks(cdiv(total, self.block_size) - len(req_blocks)))
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int

@@ -51,6 +51,6 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
             cached = block_pool.get_cached_block(block_hashes[i], group_ids)
             if cached is None:
                 break
-            for lst, block in zip(computed, cached):
+            for lst, block in zip(computed, cached, strict=False):
                 lst.append(block)
         return computed

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from ..block_pool import BlockPool
 from ..blocks import KVCacheBlock
 from ..specs import AttentionSpec, FullAttentionSpec
+from ..types import BlockHashWithGroupId
 from .base import SingleTypeKVCacheManager
 
 __all__ = ["FullAttentionManager"]
@@ -59,10 +60,10 @@ class FullAttentionManager(SingleTypeKVCacheManager):
         get = block_pool.get_cached_block
         if len(group_ids) == 1:
             only = computed[0]
-            gid = group_ids[0]
+            suffix = group_ids[0].to_bytes(4, "big")
             lookup = block_pool.cached_block_hash_to_block.get_one_block
             for i in range(max_blocks):
-                block = lookup(block_hashes[i] + gid.to_bytes(4, "big"))
+                block = lookup(BlockHashWithGroupId(block_hashes[i] + suffix))
                 if block is None:
                     break
                 only.append(block)
@@ -71,7 +72,7 @@ class FullAttentionManager(SingleTypeKVCacheManager):
                 cached = get(block_hashes[i], group_ids)
                 if cached is None:
                     break
-                for lst, block in zip(computed, cached):
+                for lst, block in zip(computed, cached, strict=False):
                     lst.append(block)
         if use_eagle and computed[0]:
             for lst in computed:

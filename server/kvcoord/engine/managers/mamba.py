@@ -159,7 +159,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 continue
             if bs != alignment_tokens and ((i + 1) * bs) % alignment_tokens:
                 continue
-            for lst, block in zip(computed, cached):
+            for lst, block in zip(computed, cached, strict=False):
                 lst.extend([null] * i)
                 lst.append(block)
             break

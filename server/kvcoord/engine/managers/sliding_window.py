@@ -57,7 +57,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
                 continue
             if run == 0 and not aligned and ((i + 1) * bs) % alignment_tokens:
                 continue
-            for lst, block in zip(computed, cached):
+            for lst, block in zip(computed, cached, strict=False):
                 lst[i] = block
             run += 1
             if run >= need:

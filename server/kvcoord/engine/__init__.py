@@ -16,7 +16,7 @@ from .errors import (
     StaleCacheHitError,
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, hash_to_int64
-from .pool import AllocationResult, CacheHit, KVCachePool, PoolSnapshot
+from .pool import AllocationResult, CacheHit, KVCachePool, PoolSnapshot, RequestCheckpoint
 from .request import LoRA
 from .specs import (
     AttentionSpec,
@@ -27,7 +27,7 @@ from .specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from .stats import PrefixCacheStats
+from .stats import LookupCounters, PrefixCacheStats
 
 __all__ = [
     "AllBlocksCleared",
@@ -48,10 +48,12 @@ __all__ = [
     "KVCacheEvent",
     "KVCachePool",
     "LoRA",
+    "LookupCounters",
     "MambaCacheMode",
     "MambaSpec",
     "PoolSnapshot",
     "PrefixCacheStats",
+    "RequestCheckpoint",
     "RequestExistsError",
     "RequestNotFoundError",
     "SlidingWindowSpec",

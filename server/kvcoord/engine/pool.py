@@ -28,10 +28,10 @@ from .events import KVCacheEvent
 from .hash_list import hashes_at_block_size, key_with_group
 from .managers import CrossAttentionManager, MambaManager
 from .request import LoRA, Request
-from .stats import PrefixCacheStats
+from .stats import LookupCounters, PrefixCacheStats
 from .types import RequestId
 
-__all__ = ["AllocationResult", "CacheHit", "KVCachePool", "PoolSnapshot"]
+__all__ = ["AllocationResult", "CacheHit", "KVCachePool", "PoolSnapshot", "RequestCheckpoint"]
 
 BlockIds = tuple[tuple[int, ...], ...]
 
@@ -63,6 +63,15 @@ class AllocationResult:
     hit: CacheHit
     num_new_tokens: int
     new_block_ids: BlockIds | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestCheckpoint:
+    """A request's sizes before an update, to undo it (see ``restore_request``)."""
+
+    num_tokens: int
+    num_block_hashes: int
+    num_computed_tokens: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,6 +114,8 @@ class KVCachePool:
         self.requests: dict[str, Request] = {}
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if config.log_stats else None
         self.num_refusals = 0
+        self.lookup_counters = LookupCounters(group_hit_tokens=[0] * len(config.groups))
+        self._alignment = self.coordinator.alignment_tokens
         self._num_sink_blocks = sum(len(getattr(m, "sink_blocks", ())) for m in self.managers)
 
     # -- request table --------------------------------------------------------------
@@ -116,6 +127,7 @@ class KVCachePool:
         *,
         lora: LoRA | None = None,
         skip_reading_prefix_cache: bool = False,
+        num_preemptions: int = 0,
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes.
 
@@ -135,10 +147,12 @@ class KVCachePool:
             raise InvalidArgumentError("lora must be a LoRA(adapter_id, name)")
         if not isinstance(skip_reading_prefix_cache, bool):
             raise InvalidArgumentError("skip_reading_prefix_cache must be a bool")
+        _check_count(num_preemptions, "num_preemptions")
         self.requests[request_id] = Request(
             RequestId(request_id),
             tokens,
             hashes,
+            num_preemptions=num_preemptions,
             lora=lora,
             skip_reading_prefix_cache=skip_reading_prefix_cache,
         )
@@ -175,6 +189,33 @@ class KVCachePool:
         req.all_token_ids.extend(new_tokens)
         req.block_hashes.extend(new_hashes)
 
+    def checkpoint_request(self, request_id: str) -> RequestCheckpoint | None:
+        """What :meth:`restore_request` needs to undo later request updates
+        (``None`` for an unknown id, meaning "undo = forget it")."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return RequestCheckpoint(req.num_tokens, len(req.block_hashes), req.num_computed_tokens)
+
+    def restore_request(self, request_id: str, checkpoint: RequestCheckpoint | None) -> None:
+        """Undo :meth:`add_request` / :meth:`update_request` calls made since ``checkpoint``.
+
+        Only valid while no pool operation has run for the request in between (the
+        service uses it when the operation that followed a request update failed).
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        if checkpoint is None:
+            if any(self.coordinator.get_blocks(request_id)):
+                raise FailedPreconditionError(f"request {request_id!r} holds blocks; cannot forget it")
+            self.coordinator.free(request_id)
+            del self.requests[request_id]
+            return
+        del req.all_token_ids[checkpoint.num_tokens :]
+        del req.block_hashes[checkpoint.num_block_hashes :]
+        req.num_computed_tokens = checkpoint.num_computed_tokens
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
 
@@ -202,6 +243,14 @@ class KVCachePool:
         lists, hit = self.coordinator.find_longest_cache_hit(req.block_hashes, req.num_tokens - 1)
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(req.num_tokens, hit, req.num_preemptions > 0)
+        c = self.lookup_counters
+        c.lookups += 1
+        c.queries += req.num_tokens
+        c.hits += hit
+        if req.num_tokens - 1 < self._alignment:
+            c.short_lookups += 1
+        for g, lst in enumerate(lists):
+            c.group_hit_tokens[g] += len(lst) * self.config.groups[g].block_size
         return CacheHit(tuple(tuple(b.block_id for b in lst) for lst in lists), hit)
 
     def allocate_slots(

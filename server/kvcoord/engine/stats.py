@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["PrefixCacheStats"]
+__all__ = ["LookupCounters", "PrefixCacheStats"]
 
 
 @dataclasses.dataclass(slots=True)
@@ -36,3 +36,21 @@ class PrefixCacheStats:
 
     def copy(self) -> PrefixCacheStats:
         return dataclasses.replace(self)
+
+
+@dataclasses.dataclass(slots=True)
+class LookupCounters:
+    """Lifetime lookup counters of a pool, never reset (the service exports them).
+
+    ``queries``/``hits`` count tokens like :class:`PrefixCacheStats` (same lookups:
+    none when caching is off or the request skips reading the cache);
+    ``group_hit_tokens[g]`` is the tokens group g's hit covers (null blocks included);
+    ``short_lookups`` counts lookups whose searchable length (``num_tokens - 1``) was
+    shorter than the pool's hit alignment, so no hit was possible.
+    """
+
+    lookups: int = 0
+    queries: int = 0
+    hits: int = 0
+    short_lookups: int = 0
+    group_hit_tokens: list[int] = dataclasses.field(default_factory=list)

@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--listen", action="append", metavar="ADDR", help="override listeners (host:port or unix:/path)"
     )
-    serve.add_argument("--metrics-port", type=int, help="override the Prometheus /metrics port (0 disables)")
+    serve.add_argument(
+        "--metrics-listen", metavar="HOST:PORT", help="override the Prometheus /metrics address ('' disables)"
+    )
     serve.add_argument(
         "--print-default-config", action="store_true", help="print the embedded default config and exit"
     )

@@ -1,0 +1,70 @@
+"""Request builders shared by the sync and asyncio clients (one place, two transports)."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable, Sequence
+
+from kvcoord.v1 import allocator_pb2 as pb
+
+#: (rpc name, retried) — retried calls are read-only, idempotent by design, or keyed.
+RPCS: dict[str, bool] = {
+    "CreatePool": True,
+    "GetPool": True,
+    "ListPools": True,
+    "DeletePool": False,
+    "Attach": False,
+    "Heartbeat": True,
+    "Detach": False,
+    "FindLongestCacheHit": False,
+    "Allocate": True,
+    "Free": True,
+    "Step": True,
+    "ResetPrefixCache": False,
+    "GetStats": True,
+    "InspectPool": True,
+}
+
+
+def key() -> str:
+    return uuid.uuid4().hex
+
+
+def allocate(pool: str, op: pb.AllocateOp, session_id: str) -> pb.AllocateRequest:
+    return pb.AllocateRequest(pool=pool, session_id=session_id, op=op, idempotency_key=key())
+
+
+def free(pool: str, request_ids: Iterable[str], preempt: bool, session_id: str) -> pb.FreeRequest:
+    return pb.FreeRequest(
+        pool=pool,
+        session_id=session_id,
+        request_ids=list(request_ids),
+        preempt=preempt,
+        idempotency_key=key(),
+    )
+
+
+def step(pool: str, ops: Sequence[pb.Operation], session_id: str) -> pb.StepRequest:
+    return pb.StepRequest(pool=pool, session_id=session_id, ops=list(ops), idempotency_key=key())
+
+
+def attach(
+    pool: str, hash_algo: str, hash_block_size: int, hash_seed: str, client_name: str, lease_seconds: int
+) -> pb.AttachRequest:
+    return pb.AttachRequest(
+        pool=pool,
+        hash_algo=hash_algo,
+        hash_block_size=hash_block_size,
+        hash_seed=hash_seed,
+        client_name=client_name,
+        lease_seconds=lease_seconds,
+    )
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+    ]

@@ -1,0 +1,693 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FullAttentionSpec(_message.Message):
+    __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    USE_MLA_FIELD_NUMBER: _ClassVar[int]
+    SINK_LEN_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    use_mla: bool
+    sink_len: int
+    def __init__(self, block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ..., use_mla: _Optional[bool] = ..., sink_len: _Optional[int] = ...) -> None: ...
+
+class SlidingWindowSpec(_message.Message):
+    __slots__ = ("block_size", "sliding_window", "num_kv_heads", "head_size", "dtype")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    sliding_window: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    def __init__(self, block_size: _Optional[int] = ..., sliding_window: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class ChunkedLocalAttentionSpec(_message.Message):
+    __slots__ = ("block_size", "attention_chunk_size", "num_kv_heads", "head_size", "dtype")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ATTENTION_CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    attention_chunk_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    def __init__(self, block_size: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class MambaSpec(_message.Message):
+    __slots__ = ("block_size", "mamba_cache_mode", "num_speculative_blocks", "shape_dims", "dtypes")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_CACHE_MODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_DIMS_FIELD_NUMBER: _ClassVar[int]
+    DTYPES_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    mamba_cache_mode: str
+    num_speculative_blocks: int
+    shape_dims: _containers.RepeatedScalarFieldContainer[int]
+    dtypes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, block_size: _Optional[int] = ..., mamba_cache_mode: _Optional[str] = ..., num_speculative_blocks: _Optional[int] = ..., shape_dims: _Optional[_Iterable[int]] = ..., dtypes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class CrossAttentionSpec(_message.Message):
+    __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype")
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    def __init__(self, block_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class KVCacheGroupSpec(_message.Message):
+    __slots__ = ("full", "sliding_window", "chunked_local", "mamba", "cross_attention")
+    FULL_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    CHUNKED_LOCAL_FIELD_NUMBER: _ClassVar[int]
+    MAMBA_FIELD_NUMBER: _ClassVar[int]
+    CROSS_ATTENTION_FIELD_NUMBER: _ClassVar[int]
+    full: FullAttentionSpec
+    sliding_window: SlidingWindowSpec
+    chunked_local: ChunkedLocalAttentionSpec
+    mamba: MambaSpec
+    cross_attention: CrossAttentionSpec
+    def __init__(self, full: _Optional[_Union[FullAttentionSpec, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindowSpec, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttentionSpec, _Mapping]] = ..., mamba: _Optional[_Union[MambaSpec, _Mapping]] = ..., cross_attention: _Optional[_Union[CrossAttentionSpec, _Mapping]] = ...) -> None: ...
+
+class PoolConfig(_message.Message):
+    __slots__ = ("num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events", "log_stats", "max_model_len", "hash_algo", "hash_seed")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_CACHING_FIELD_NUMBER: _ClassVar[int]
+    USE_EAGLE_FIELD_NUMBER: _ClassVar[int]
+    ENABLE_KV_CACHE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    LOG_STATS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroupSpec]
+    hash_block_size: int
+    enable_caching: bool
+    use_eagle: bool
+    enable_kv_cache_events: bool
+    log_stats: bool
+    max_model_len: int
+    hash_algo: str
+    hash_seed: str
+    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ...) -> None: ...
+
+class PoolInfo(_message.Message):
+    __slots__ = ("name", "config", "coordinator", "num_free_blocks", "usage", "num_requests", "epoch")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    config: PoolConfig
+    coordinator: str
+    num_free_blocks: int
+    usage: float
+    num_requests: int
+    epoch: int
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., coordinator: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class CreatePoolRequest(_message.Message):
+    __slots__ = ("name", "config")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    config: PoolConfig
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ...) -> None: ...
+
+class CreatePoolResponse(_message.Message):
+    __slots__ = ("pool", "created")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolInfo
+    created: bool
+    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class GetPoolRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class GetPoolResponse(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolInfo
+    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ...) -> None: ...
+
+class ListPoolsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListPoolsResponse(_message.Message):
+    __slots__ = ("pools",)
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    pools: _containers.RepeatedCompositeFieldContainer[PoolInfo]
+    def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
+
+class DeletePoolRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class DeletePoolResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("pool", "hash_algo", "hash_block_size", "hash_seed", "client_name", "lease_seconds")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    hash_algo: str
+    hash_block_size: int
+    hash_seed: str
+    client_name: str
+    lease_seconds: int
+    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[int] = ...) -> None: ...
+
+class AttachResponse(_message.Message):
+    __slots__ = ("pool", "session_id", "lease_seconds")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    pool: PoolInfo
+    session_id: str
+    lease_seconds: int
+    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_seconds",)
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: int
+    def __init__(self, lease_seconds: _Optional[int] = ...) -> None: ...
+
+class DetachRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class DetachResponse(_message.Message):
+    __slots__ = ("num_freed_requests",)
+    NUM_FREED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    num_freed_requests: int
+    def __init__(self, num_freed_requests: _Optional[int] = ...) -> None: ...
+
+class LoRA(_message.Message):
+    __slots__ = ("adapter_id", "name")
+    ADAPTER_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    adapter_id: int
+    name: str
+    def __init__(self, adapter_id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+
+class RequestSync(_message.Message):
+    __slots__ = ("request_id", "append_token_ids", "append_block_hashes", "num_computed_tokens", "lora", "skip_reading_prefix_cache", "num_preemptions")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    SKIP_READING_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    append_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    append_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    num_computed_tokens: int
+    lora: LoRA
+    skip_reading_prefix_cache: bool
+    num_preemptions: int
+    def __init__(self, request_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., num_computed_tokens: _Optional[int] = ..., lora: _Optional[_Union[LoRA, _Mapping]] = ..., skip_reading_prefix_cache: _Optional[bool] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+
+class BlockIds(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CacheHit(_message.Message):
+    __slots__ = ("groups", "num_tokens")
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    num_tokens: int
+    def __init__(self, groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class LookupOp(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: RequestSync
+    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ...) -> None: ...
+
+class LookupResult(_message.Message):
+    __slots__ = ("hit",)
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    hit: CacheHit
+    def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ...) -> None: ...
+
+class AllocateOp(_message.Message):
+    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_COMPUTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EXTERNAL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DELAY_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENCODER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    request: RequestSync
+    num_new_tokens: int
+    num_new_computed_tokens: int
+    new_computed_blocks: CacheHit
+    num_lookahead_tokens: int
+    num_external_computed_tokens: int
+    delay_cache_blocks: bool
+    num_encoder_tokens: int
+    lookup: bool
+    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ...) -> None: ...
+
+class AllocateResult(_message.Message):
+    __slots__ = ("refused", "new_block_ids", "hit", "num_new_tokens")
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    refused: bool
+    new_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    hit: CacheHit
+    num_new_tokens: int
+    def __init__(self, refused: _Optional[bool] = ..., new_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., hit: _Optional[_Union[CacheHit, _Mapping]] = ..., num_new_tokens: _Optional[int] = ...) -> None: ...
+
+class FreeOp(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class PreemptOp(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CacheBlocksOp(_message.Message):
+    __slots__ = ("request", "num_computed_tokens")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request: RequestSync
+    num_computed_tokens: int
+    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
+
+class RemoveSkippedBlocksOp(_message.Message):
+    __slots__ = ("request", "total_computed_tokens")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request: RequestSync
+    total_computed_tokens: int
+    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., total_computed_tokens: _Optional[int] = ...) -> None: ...
+
+class EvictBlocksOp(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class GetBlockIdsOp(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class GetBlockIdsResult(_message.Message):
+    __slots__ = ("groups",)
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    def __init__(self, groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
+
+class CommonPrefixOp(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class CommonPrefixResult(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ResetPrefixCacheOp(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetPrefixCacheResult(_message.Message):
+    __slots__ = ("result",)
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    result: bool
+    def __init__(self, result: _Optional[bool] = ...) -> None: ...
+
+class TakeEventsOp(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TakeEventsResult(_message.Message):
+    __slots__ = ("events",)
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
+
+class MakePrefixCacheStatsOp(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefixCacheStatsResult(_message.Message):
+    __slots__ = ("stats",)
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    stats: PrefixCacheStats
+    def __init__(self, stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
+
+class SyncOp(_message.Message):
+    __slots__ = ("request",)
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    request: RequestSync
+    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ...) -> None: ...
+
+class Operation(_message.Message):
+    __slots__ = ("lookup", "allocate", "free", "preempt", "cache_blocks", "remove_skipped_blocks", "evict_blocks", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "make_prefix_cache_stats", "sync")
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_SKIPPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    EVICT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    GET_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMMON_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TAKE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    MAKE_PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    lookup: LookupOp
+    allocate: AllocateOp
+    free: FreeOp
+    preempt: PreemptOp
+    cache_blocks: CacheBlocksOp
+    remove_skipped_blocks: RemoveSkippedBlocksOp
+    evict_blocks: EvictBlocksOp
+    get_block_ids: GetBlockIdsOp
+    common_prefix: CommonPrefixOp
+    reset_prefix_cache: ResetPrefixCacheOp
+    take_events: TakeEventsOp
+    make_prefix_cache_stats: MakePrefixCacheStatsOp
+    sync: SyncOp
+    def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ...) -> None: ...
+
+class OperationResult(_message.Message):
+    __slots__ = ("status_code", "status_message", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats")
+    STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
+    STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    GET_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMMON_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TAKE_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
+    status_code: int
+    status_message: str
+    lookup: LookupResult
+    allocate: AllocateResult
+    get_block_ids: GetBlockIdsResult
+    common_prefix: CommonPrefixResult
+    reset_prefix_cache: ResetPrefixCacheResult
+    take_events: TakeEventsResult
+    prefix_cache_stats: PrefixCacheStatsResult
+    def __init__(self, status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixResult, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheResult, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResult, _Mapping]] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStatsResult, _Mapping]] = ...) -> None: ...
+
+class FindLongestCacheHitRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "request")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    request: RequestSync
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., request: _Optional[_Union[RequestSync, _Mapping]] = ...) -> None: ...
+
+class FindLongestCacheHitResponse(_message.Message):
+    __slots__ = ("hit", "num_free_blocks")
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    hit: CacheHit
+    num_free_blocks: int
+    def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "op", "idempotency_key")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    op: AllocateOp
+    idempotency_key: str
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., op: _Optional[_Union[AllocateOp, _Mapping]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+
+class AllocateResponse(_message.Message):
+    __slots__ = ("result", "num_free_blocks", "usage")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    result: AllocateResult
+    num_free_blocks: int
+    usage: float
+    def __init__(self, result: _Optional[_Union[AllocateResult, _Mapping]] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "request_ids", "preempt", "idempotency_key")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPT_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    preempt: bool
+    idempotency_key: str
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., preempt: _Optional[bool] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+
+class FreeResponse(_message.Message):
+    __slots__ = ("num_free_blocks",)
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_free_blocks: int
+    def __init__(self, num_free_blocks: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("pool", "session_id", "ops", "idempotency_key")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OPS_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    ops: _containers.RepeatedCompositeFieldContainer[Operation]
+    idempotency_key: str
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+
+class StepResponse(_message.Message):
+    __slots__ = ("results", "num_free_blocks", "usage")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[OperationResult]
+    num_free_blocks: int
+    usage: float
+    def __init__(self, results: _Optional[_Iterable[_Union[OperationResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ...) -> None: ...
+
+class ResetPrefixCacheRequest(_message.Message):
+    __slots__ = ("pool", "session_id")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    session_id: str
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class ResetPrefixCacheResponse(_message.Message):
+    __slots__ = ("result", "num_free_blocks")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    result: bool
+    num_free_blocks: int
+    def __init__(self, result: _Optional[bool] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+
+class PrefixCacheStats(_message.Message):
+    __slots__ = ("reset", "requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    QUERIES_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_HITS_FIELD_NUMBER: _ClassVar[int]
+    reset: bool
+    requests: int
+    queries: int
+    hits: int
+    preempted_requests: int
+    preempted_queries: int
+    preempted_hits: int
+    def __init__(self, reset: _Optional[bool] = ..., requests: _Optional[int] = ..., queries: _Optional[int] = ..., hits: _Optional[int] = ..., preempted_requests: _Optional[int] = ..., preempted_queries: _Optional[int] = ..., preempted_hits: _Optional[int] = ...) -> None: ...
+
+class GetStatsRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class GetStatsResponse(_message.Message):
+    __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats")
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
+    num_free_blocks: int
+    num_total_blocks: int
+    usage: float
+    num_requests: int
+    prefix_cache_stats: PrefixCacheStats
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
+
+class InspectPoolRequest(_message.Message):
+    __slots__ = ("pool", "free_queue_limit", "request_ids")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    FREE_QUEUE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    free_queue_limit: int
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pool: _Optional[str] = ..., free_queue_limit: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RequestState(_message.Message):
+    __slots__ = ("request_id", "groups", "num_computed_tokens", "num_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    num_computed_tokens: int
+    num_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class InspectPoolResponse(_message.Message):
+    __slots__ = ("num_free_blocks", "usage", "free_queue_head", "requests")
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    FREE_QUEUE_HEAD_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    num_free_blocks: int
+    usage: float
+    free_queue_head: _containers.RepeatedScalarFieldContainer[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestState]
+    def __init__(self, num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., free_queue_head: _Optional[_Iterable[int]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ...) -> None: ...
+
+class BlockStored(_message.Message):
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "lora_name", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    parent_block_hash: bytes
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
+    lora_id: int
+    lora_name: str
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_id: _Optional[int] = ..., lora_name: _Optional[str] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class BlockRemoved(_message.Message):
+    __slots__ = ("block_hashes", "medium")
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    medium: str
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
+
+class AllBlocksCleared(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("block_stored", "block_removed", "all_blocks_cleared")
+    BLOCK_STORED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ALL_BLOCKS_CLEARED_FIELD_NUMBER: _ClassVar[int]
+    block_stored: BlockStored
+    block_removed: BlockRemoved
+    all_blocks_cleared: AllBlocksCleared
+    def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
+
+class WatchEventsRequest(_message.Message):
+    __slots__ = ("pool", "after_sequence")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    after_sequence: int
+    def __init__(self, pool: _Optional[str] = ..., after_sequence: _Optional[int] = ...) -> None: ...
+
+class WatchEventsResponse(_message.Message):
+    __slots__ = ("sequence", "event", "gap", "epoch")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    event: KVEvent
+    gap: bool
+    epoch: int
+    def __init__(self, sequence: _Optional[int] = ..., event: _Optional[_Union[KVEvent, _Mapping]] = ..., gap: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...

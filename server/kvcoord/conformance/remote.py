@@ -1,0 +1,245 @@
+"""Replaying traces through the gRPC client against a running server."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from kvcoord.client import KVCoordClient
+from kvcoord.client.errors import error_from_code, status_code
+from kvcoord.engine import LoRA
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .target import BlockIds
+
+__all__ = ["RemoteTarget", "pool_config_from_trace"]
+
+_GROUP_FIELDS = {
+    "full": lambda g: pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=g["block_size"])),
+    "sliding_window": lambda g: pb.KVCacheGroupSpec(
+        sliding_window=pb.SlidingWindowSpec(block_size=g["block_size"], sliding_window=g["sliding_window"])
+    ),
+    "chunked_local": lambda g: pb.KVCacheGroupSpec(
+        chunked_local=pb.ChunkedLocalAttentionSpec(
+            block_size=g["block_size"], attention_chunk_size=g["attention_chunk_size"]
+        )
+    ),
+    "mamba": lambda g: pb.KVCacheGroupSpec(
+        mamba=pb.MambaSpec(
+            block_size=g["block_size"],
+            mamba_cache_mode=g.get("mamba_cache_mode", "none"),
+            num_speculative_blocks=g.get("num_speculative_blocks", 0),
+        )
+    ),
+    "cross_attention": lambda g: pb.KVCacheGroupSpec(
+        cross_attention=pb.CrossAttentionSpec(block_size=g["block_size"])
+    ),
+}
+
+
+def pool_config_from_trace(cfg: dict[str, Any]) -> pb.PoolConfig:
+    """The wire PoolConfig a trace's config line describes."""
+    return pb.PoolConfig(
+        num_blocks=cfg["num_blocks"],
+        groups=[_GROUP_FIELDS[g["type"]](g) for g in cfg["groups"]],
+        hash_block_size=cfg["hash_block_size"],
+        enable_caching=cfg["enable_caching"],
+        use_eagle=cfg["use_eagle"],
+        enable_kv_cache_events=cfg["enable_kv_cache_events"],
+        log_stats=cfg.get("log_stats", True),
+        max_model_len=cfg["max_model_len"],
+        hash_algo=cfg.get("hash_algo") or "",
+        hash_seed=cfg.get("hash_seed") or "",
+    )
+
+
+def _lists(groups: Sequence[pb.BlockIds]) -> list[list[int]]:
+    return [list(g.block_ids) for g in groups]
+
+
+def _hash_int(h: bytes) -> int:
+    return int.from_bytes(h[-8:], "big")
+
+
+def event_json(e: pb.KVEvent) -> dict[str, Any]:
+    """A wire event in the trace format."""
+    kind = e.WhichOneof("event")
+    if kind == "block_stored":
+        s = e.block_stored
+        return {
+            "type": "BlockStored",
+            "block_hashes": [_hash_int(h) for h in s.block_hashes],
+            "parent_block_hash": _hash_int(s.parent_block_hash) if s.HasField("parent_block_hash") else None,
+            "token_ids": list(s.token_ids),
+            "block_size": s.block_size,
+            "lora_id": s.lora_id if s.HasField("lora_id") else None,
+            "medium": s.medium,
+            "lora_name": s.lora_name if s.HasField("lora_name") else None,
+        }
+    if kind == "block_removed":
+        r = e.block_removed
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": [_hash_int(h) for h in r.block_hashes],
+            "medium": r.medium,
+        }
+    return {"type": "AllBlocksCleared"}
+
+
+def stats_json(s: pb.PrefixCacheStats) -> dict[str, Any]:
+    return {
+        "requests": s.requests,
+        "queries": s.queries,
+        "hits": s.hits,
+        "preempted_requests": s.preempted_requests,
+        "preempted_queries": s.preempted_queries,
+        "preempted_hits": s.preempted_hits,
+        "reset": s.reset,
+    }
+
+
+class RemoteTarget:
+    """A fresh pool per trace on a server; request updates ride on the next operation."""
+
+    def __init__(self, address: str, *, token: str | None = None, timeout: float = 10.0) -> None:
+        self.client = KVCoordClient(address, timeout=timeout, token=token)
+        self.pool = ""
+        self.session = ""
+        self._pending: dict[str, pb.RequestSync] = {}
+        self._free = 0
+        self._usage = 0.0
+
+    def open(self, trace_config: dict[str, Any]) -> None:
+        self.pool = f"conformance-{trace_config.get('name', 'trace')}-{uuid.uuid4().hex[:8]}"
+        cfg = pool_config_from_trace(trace_config)
+        self.client.create_pool(self.pool, cfg)
+        att = self.client.attach(
+            self.pool, cfg.hash_algo, cfg.hash_block_size, cfg.hash_seed, client_name="conformance"
+        )
+        self.session = att.session_id
+
+    def close(self) -> None:
+        try:
+            if self.pool:
+                self.client.delete_pool(self.pool)
+        finally:
+            self.client.close()
+
+    # -- plumbing ------------------------------------------------------------------
+    def _sync(self, rid: str) -> pb.RequestSync:
+        return self._pending.pop(rid, None) or pb.RequestSync(request_id=rid)
+
+    def _step(self, *ops: pb.Operation) -> pb.OperationResult:
+        resp = self.client.step(self.pool, list(ops), self.session)
+        self._free = resp.num_free_blocks
+        self._usage = resp.usage
+        for r in resp.results:
+            if r.status_code:
+                raise error_from_code(status_code(r.status_code), r.status_message)
+        return resp.results[-1]
+
+    def _flush(self, rid: str) -> list[pb.Operation]:
+        sync = self._pending.pop(rid, None)
+        return [pb.Operation(sync=pb.SyncOp(request=sync))] if sync is not None else []
+
+    # -- ReplayTarget -------------------------------------------------------------------
+    def add_request(
+        self, rid: str, prompt: list[int], hashes: list[bytes], lora: LoRA | None, skip_read: bool
+    ) -> None:
+        sync = pb.RequestSync(
+            request_id=rid, append_token_ids=prompt, append_block_hashes=hashes,
+            skip_reading_prefix_cache=skip_read, num_computed_tokens=0,
+        )  # fmt: skip
+        if lora is not None:
+            sync.lora.adapter_id = lora.adapter_id
+            sync.lora.name = lora.name
+        self._pending[rid] = sync
+
+    def update_request(
+        self, rid: str, num_computed_tokens: int, tokens: list[int], hashes: list[bytes]
+    ) -> None:
+        sync = self._pending.setdefault(rid, pb.RequestSync(request_id=rid))
+        sync.append_token_ids.extend(tokens)
+        sync.append_block_hashes.extend(hashes)
+        sync.num_computed_tokens = num_computed_tokens
+
+    def get_computed_blocks(self, rid: str) -> tuple[list[list[int]], int]:
+        r = self._step(pb.Operation(lookup=pb.LookupOp(request=self._sync(rid))))
+        return _lists(r.lookup.hit.groups), r.lookup.hit.num_tokens
+
+    def allocate_slots(self, rid: str, num_new_tokens: int, num_new_computed_tokens: int,
+                       new_computed_blocks: BlockIds | None, num_lookahead_tokens: int,
+                       num_external_computed_tokens: int, delay_cache_blocks: bool,
+                       num_encoder_tokens: int) -> list[list[int]] | None:  # fmt: skip
+        op = pb.AllocateOp(
+            request=self._sync(rid),
+            num_new_tokens=num_new_tokens,
+            num_new_computed_tokens=num_new_computed_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens,
+            delay_cache_blocks=delay_cache_blocks,
+            num_encoder_tokens=num_encoder_tokens,
+        )
+        if new_computed_blocks is not None and any(new_computed_blocks):
+            op.new_computed_blocks.groups.extend(pb.BlockIds(block_ids=list(g)) for g in new_computed_blocks)
+            op.new_computed_blocks.num_tokens = num_new_computed_tokens
+        r = self._step(pb.Operation(allocate=op))
+        return None if r.allocate.refused else _lists(r.allocate.new_block_ids)
+
+    def free(self, rid: str) -> None:
+        self._step(*self._flush(rid), pb.Operation(free=pb.FreeOp(request_id=rid)))
+
+    def preempt(self, rid: str) -> None:
+        self._step(*self._flush(rid), pb.Operation(preempt=pb.PreemptOp(request_id=rid)))
+
+    def reset_prefix_cache(self) -> bool:
+        return self._step(pb.Operation(reset_prefix_cache=pb.ResetPrefixCacheOp())).reset_prefix_cache.result
+
+    def take_events(self) -> list[dict[str, Any]]:
+        return [
+            event_json(e) for e in self._step(pb.Operation(take_events=pb.TakeEventsOp())).take_events.events
+        ]
+
+    def make_prefix_cache_stats(self) -> dict[str, Any] | None:
+        r = self._step(pb.Operation(make_prefix_cache_stats=pb.MakePrefixCacheStatsOp()))
+        return stats_json(r.prefix_cache_stats.stats) if r.prefix_cache_stats.HasField("stats") else None
+
+    def peek_prefix_cache_stats(self) -> dict[str, Any] | None:
+        s = self.client.get_stats(self.pool)
+        return stats_json(s.prefix_cache_stats) if s.HasField("prefix_cache_stats") else None
+
+    def get_num_common_prefix_blocks(self, rid: str) -> list[int]:
+        r = self._step(*self._flush(rid), pb.Operation(common_prefix=pb.CommonPrefixOp(request_id=rid)))
+        return list(r.common_prefix.num_blocks)
+
+    def get_block_ids(self, rid: str) -> list[list[int]]:
+        r = self._step(*self._flush(rid), pb.Operation(get_block_ids=pb.GetBlockIdsOp(request_id=rid)))
+        return _lists(r.get_block_ids.groups)
+
+    def cache_blocks(self, rid: str, num_computed_tokens: int) -> None:
+        self._step(
+            pb.Operation(
+                cache_blocks=pb.CacheBlocksOp(
+                    request=self._sync(rid), num_computed_tokens=num_computed_tokens
+                )
+            )
+        )
+
+    def remove_skipped_blocks(self, rid: str, total_computed_tokens: int) -> None:
+        op = pb.RemoveSkippedBlocksOp(request=self._sync(rid), total_computed_tokens=total_computed_tokens)
+        self._step(pb.Operation(remove_skipped_blocks=op))
+
+    def evict_blocks(self, block_ids: list[int]) -> None:
+        self._step(pb.Operation(evict_blocks=pb.EvictBlocksOp(block_ids=block_ids)))
+
+    def num_free_blocks(self) -> int:
+        return self._free
+
+    def usage(self) -> float:
+        return self._usage
+
+    def free_queue_head(self, limit: int) -> list[int]:
+        resp = self.client.inspect_pool(self.pool, free_queue_limit=limit)
+        self._free, self._usage = resp.num_free_blocks, resp.usage
+        return list(resp.free_queue_head)

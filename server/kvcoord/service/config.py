@@ -1,0 +1,199 @@
+"""Server configuration: one TOML file (or the embedded default) plus environment overrides.
+
+The tree is frozen dataclasses, validated on load; a bad file fails with the key
+path and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from kvcoord.engine import EngineError
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .convert import config_from_pb
+from .errors import ServiceError
+from .registry import Limits
+
+__all__ = [
+    "ConfigFileError",
+    "PoolDecl",
+    "ServerConfig",
+    "ServerSettings",
+    "default_config_text",
+    "load_config",
+]
+
+ENV_LISTEN = "KVCOORD_LISTEN"
+ENV_METRICS = "KVCOORD_METRICS_LISTEN"
+ENV_LOG_LEVEL = "KVCOORD_LOG_LEVEL"
+ENV_CONFIG = "KVCOORD_CONFIG"
+
+
+class ConfigFileError(ValueError):
+    """The configuration file is not valid; the message names the key."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerSettings:
+    listen: tuple[str, ...] = ("127.0.0.1:50051",)
+    metrics_listen: str = "127.0.0.1:9400"
+    grace_seconds: float = 10.0
+    max_message_bytes: int = 64 * 1024 * 1024
+    keepalive_time_seconds: float = 30.0
+    keepalive_timeout_seconds: float = 10.0
+    session_lease_seconds: float = 30.0
+    max_session_lease_seconds: float = 3600.0
+    log_level: str = "INFO"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolDecl:
+    name: str
+    config: pb.PoolConfig
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServerConfig:
+    server: ServerSettings
+    limits: Limits
+    pools: tuple[PoolDecl, ...]
+
+
+def default_config_text() -> str:
+    """The embedded default configuration file."""
+    return resources.files("kvcoord.service").joinpath("default_config.toml").read_text(encoding="utf-8")
+
+
+_GROUP_TYPES = {
+    "full": ("full", pb.FullAttentionSpec),
+    "sliding_window": ("sliding_window", pb.SlidingWindowSpec),
+    "chunked_local": ("chunked_local", pb.ChunkedLocalAttentionSpec),
+    "mamba": ("mamba", pb.MambaSpec),
+    "cross_attention": ("cross_attention", pb.CrossAttentionSpec),
+}
+
+_POOL_KEYS = {
+    "num_blocks", "hash_block_size", "hash_algo", "hash_seed", "enable_caching", "use_eagle",
+    "enable_kv_cache_events", "log_stats", "max_model_len",
+}  # fmt: skip
+
+
+def pool_config_from_dict(d: Mapping[str, Any], where: str) -> pb.PoolConfig:
+    """A pool table (as in the config file) as a wire PoolConfig."""
+    cfg = pb.PoolConfig()
+    for key, value in d.items():
+        if key in ("name", "groups"):
+            continue
+        if key not in _POOL_KEYS:
+            raise ConfigFileError(
+                f"{where}: unknown key {key!r} (known: {sorted(_POOL_KEYS | {'name', 'groups'})})"
+            )
+        try:
+            setattr(cfg, key, value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigFileError(f"{where}.{key}: {exc}") from None
+    for i, g in enumerate(d.get("groups", [])):
+        gwhere = f"{where}.groups[{i}]"
+        if not isinstance(g, Mapping) or "type" not in g:
+            raise ConfigFileError(f"{gwhere}: a group needs a 'type' ({', '.join(_GROUP_TYPES)})")
+        kind = g["type"]
+        if kind not in _GROUP_TYPES:
+            raise ConfigFileError(f"{gwhere}.type: unknown group type {kind!r} ({', '.join(_GROUP_TYPES)})")
+        field, cls = _GROUP_TYPES[kind]
+        fields = {k: v for k, v in g.items() if k != "type"}
+        try:
+            spec = cls(**fields)
+        except (TypeError, ValueError) as exc:
+            raise ConfigFileError(f"{gwhere}: {exc}") from None
+        cfg.groups.add().MergeFrom(pb.KVCacheGroupSpec(**{field: spec}))
+    return cfg
+
+
+def _settings(d: Mapping[str, Any]) -> ServerSettings:
+    known = {f.name for f in dataclasses.fields(ServerSettings)}
+    kwargs: dict[str, Any] = {}
+    for key, value in d.items():
+        if key not in known:
+            raise ConfigFileError(f"server: unknown key {key!r} (known: {sorted(known)})")
+        kwargs[key] = tuple(value) if key == "listen" else value
+    s = ServerSettings(**kwargs)
+    if not s.listen:
+        raise ConfigFileError("server.listen: at least one address is required")
+    return s
+
+
+def _limits(d: Mapping[str, Any]) -> Limits:
+    known = {f.name for f in dataclasses.fields(Limits)}
+    for key, value in d.items():
+        if key not in known:
+            raise ConfigFileError(f"limits: unknown key {key!r} (known: {sorted(known)})")
+        if not isinstance(value, int) or value <= 0:
+            raise ConfigFileError(f"limits.{key}: must be a positive integer, got {value!r}")
+    return Limits(**d)
+
+
+def parse_config(text: str, source: str = "config") -> ServerConfig:
+    """Parse and validate a configuration file's text.
+
+    Raises:
+        ConfigFileError: invalid TOML, an unknown key, or an invalid pool.
+    """
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigFileError(f"{source}: not valid TOML: {exc}") from None
+    unknown = set(data) - {"server", "limits", "pools"}
+    if unknown:
+        raise ConfigFileError(
+            f"{source}: unknown section(s) {sorted(unknown)} (known: server, limits, pools)"
+        )
+    settings = _settings(data.get("server", {}))
+    limits = _limits(data.get("limits", {}))
+    pools = []
+    names = set()
+    for i, p in enumerate(data.get("pools", [])):
+        where = f"pools[{i}]"
+        name = p.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConfigFileError(f"{where}.name: required")
+        if name in names:
+            raise ConfigFileError(f"{where}.name: pool {name!r} is declared twice")
+        names.add(name)
+        cfg = pool_config_from_dict(p, f"{where} ({name})")
+        try:
+            config_from_pb(cfg)
+        except (EngineError, ServiceError) as exc:
+            raise ConfigFileError(f"{where} ({name}): {exc}") from None
+        pools.append(PoolDecl(name, cfg))
+    return ServerConfig(settings, limits, tuple(pools))
+
+
+def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+    """Load ``path`` (or $KVCOORD_CONFIG, or the embedded default) and apply env overrides."""
+    env = os.environ if env is None else env
+    path = path or env.get(ENV_CONFIG) or None
+    if path:
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigFileError(f"cannot read config file {path}: {exc}") from None
+        cfg = parse_config(text, str(path))
+    else:
+        cfg = parse_config(default_config_text(), "embedded default")
+    overrides: dict[str, Any] = {}
+    if env.get(ENV_LISTEN):
+        overrides["listen"] = tuple(a.strip() for a in env[ENV_LISTEN].split(",") if a.strip())
+    if ENV_METRICS in env:
+        overrides["metrics_listen"] = env[ENV_METRICS].strip()
+    if env.get(ENV_LOG_LEVEL):
+        overrides["log_level"] = env[ENV_LOG_LEVEL].strip().upper()
+    if overrides:
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **overrides))
+    return cfg

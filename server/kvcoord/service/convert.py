@@ -1,0 +1,228 @@
+"""Conversions between protobuf messages and engine values. Engine types never see protobuf."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from kvcoord.engine import (
+    AllBlocksCleared,
+    AttentionSpec,
+    BlockRemoved,
+    BlockStored,
+    CacheHit,
+    ChunkedLocalAttentionSpec,
+    CrossAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheEvent,
+    LoRA,
+    MambaCacheMode,
+    MambaSpec,
+    PrefixCacheStats,
+    SlidingWindowSpec,
+)
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .errors import ServiceError
+
+__all__ = [
+    "HASH_LENGTHS",
+    "block_ids_to_pb",
+    "config_from_pb",
+    "event_to_pb",
+    "hit_from_pb",
+    "hit_to_pb",
+    "spec_to_pb",
+    "stats_to_pb",
+]
+
+HASH_LENGTHS = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16}
+MAX_MODEL_LEN_UNLIMITED = 1 << 31
+
+
+def _invalid(message: str) -> ServiceError:
+    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def spec_from_pb(group: pb.KVCacheGroupSpec, gid: int) -> AttentionSpec:
+    """One group spec; INVALID_ARGUMENT when the oneof is unset or a mode unknown."""
+    kind = group.WhichOneof("spec")
+    if kind == "full":
+        f = group.full
+        return FullAttentionSpec(
+            f.block_size,
+            f.num_kv_heads or 1,
+            f.head_size or 1,
+            f.dtype or "auto",
+            f.use_mla,
+            f.sink_len or None,
+        )
+    if kind == "sliding_window":
+        s = group.sliding_window
+        return SlidingWindowSpec(
+            s.block_size, s.sliding_window, s.num_kv_heads or 1, s.head_size or 1, s.dtype or "auto"
+        )
+    if kind == "chunked_local":
+        c = group.chunked_local
+        return ChunkedLocalAttentionSpec(
+            c.block_size, c.attention_chunk_size, c.num_kv_heads or 1, c.head_size or 1, c.dtype or "auto"
+        )
+    if kind == "mamba":
+        m = group.mamba
+        try:
+            mode = MambaCacheMode(m.mamba_cache_mode or "none")
+        except ValueError:
+            raise _invalid(
+                f"groups[{gid}].mamba.mamba_cache_mode must be none, all or align, got {m.mamba_cache_mode!r}"
+            ) from None
+        shapes = (tuple(m.shape_dims),) if m.shape_dims else ()
+        return MambaSpec(m.block_size, mode, m.num_speculative_blocks, shapes, tuple(m.dtypes))
+    if kind == "cross_attention":
+        x = group.cross_attention
+        return CrossAttentionSpec(x.block_size, x.num_kv_heads or 1, x.head_size or 1, x.dtype or "auto")
+    raise _invalid(
+        f"groups[{gid}] has no spec: set one of full, sliding_window, chunked_local, mamba, cross_attention"
+    )
+
+
+def spec_to_pb(spec: AttentionSpec) -> pb.KVCacheGroupSpec:
+    """The wire form of an engine spec (inverse of :func:`spec_from_pb`)."""
+    if isinstance(spec, FullAttentionSpec):
+        return pb.KVCacheGroupSpec(
+            full=pb.FullAttentionSpec(
+                block_size=spec.block_size,
+                num_kv_heads=spec.num_kv_heads,
+                head_size=spec.head_size,
+                dtype=spec.dtype,
+                use_mla=spec.use_mla,
+                sink_len=spec.sink_len or 0,
+            )
+        )
+    if isinstance(spec, SlidingWindowSpec):
+        return pb.KVCacheGroupSpec(
+            sliding_window=pb.SlidingWindowSpec(
+                block_size=spec.block_size,
+                sliding_window=spec.sliding_window,
+                num_kv_heads=spec.num_kv_heads,
+                head_size=spec.head_size,
+                dtype=spec.dtype,
+            )
+        )
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return pb.KVCacheGroupSpec(
+            chunked_local=pb.ChunkedLocalAttentionSpec(
+                block_size=spec.block_size,
+                attention_chunk_size=spec.attention_chunk_size,
+                num_kv_heads=spec.num_kv_heads,
+                head_size=spec.head_size,
+                dtype=spec.dtype,
+            )
+        )
+    if isinstance(spec, MambaSpec):
+        dims = [d for shape in spec.shapes for d in shape]
+        return pb.KVCacheGroupSpec(
+            mamba=pb.MambaSpec(
+                block_size=spec.block_size,
+                mamba_cache_mode=spec.mamba_cache_mode.value,
+                num_speculative_blocks=spec.num_speculative_blocks,
+                shape_dims=dims,
+                dtypes=list(spec.dtypes),
+            )
+        )
+    return pb.KVCacheGroupSpec(
+        cross_attention=pb.CrossAttentionSpec(
+            block_size=spec.block_size,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            dtype=spec.dtype,
+        )
+    )
+
+
+def config_from_pb(cfg: pb.PoolConfig) -> KVCacheConfig:
+    """The engine config of a wire config; hash settings are checked here.
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT for missing or unknown hash settings.
+        ConfigError: an invalid layout (the engine names the rule).
+    """
+    if cfg.enable_caching:
+        if cfg.hash_algo not in HASH_LENGTHS:
+            raise _invalid(
+                f"hash_algo must be one of {sorted(HASH_LENGTHS)} when caching is on, got {cfg.hash_algo!r}"
+            )
+        if not cfg.hash_seed:
+            raise _invalid(
+                "hash_seed is required when caching is on: workers must hash with a fixed "
+                "PYTHONHASHSEED, or their hashes never match across processes"
+            )
+    elif cfg.hash_algo and cfg.hash_algo not in HASH_LENGTHS:
+        raise _invalid(f"unknown hash_algo {cfg.hash_algo!r}")
+    return KVCacheConfig(
+        num_blocks=cfg.num_blocks,
+        groups=tuple(spec_from_pb(g, i) for i, g in enumerate(cfg.groups)),
+        hash_block_size=cfg.hash_block_size,
+        enable_caching=cfg.enable_caching,
+        use_eagle=cfg.use_eagle,
+        enable_kv_cache_events=cfg.enable_kv_cache_events,
+        log_stats=cfg.log_stats if cfg.HasField("log_stats") else True,
+        max_model_len=cfg.max_model_len or MAX_MODEL_LEN_UNLIMITED,
+        hash_length=HASH_LENGTHS.get(cfg.hash_algo) if cfg.enable_caching else None,
+    )
+
+
+def block_ids_to_pb(lists: Sequence[Sequence[int]]) -> list[pb.BlockIds]:
+    return [pb.BlockIds(block_ids=list(ids)) for ids in lists]
+
+
+def hit_to_pb(hit: CacheHit) -> pb.CacheHit:
+    return pb.CacheHit(groups=block_ids_to_pb(hit.block_ids), num_tokens=hit.num_tokens)
+
+
+def hit_from_pb(hit: pb.CacheHit, num_groups: int) -> CacheHit | None:
+    """``None`` when no groups were sent (no hit to adopt)."""
+    if not hit.groups:
+        return None
+    return CacheHit(tuple(tuple(g.block_ids) for g in hit.groups), hit.num_tokens)
+
+
+def lora_from_pb(lora: pb.LoRA) -> LoRA | None:
+    return LoRA(lora.adapter_id, lora.name) if lora.name else None
+
+
+def stats_to_pb(stats: PrefixCacheStats | None) -> pb.PrefixCacheStats | None:
+    if stats is None:
+        return None
+    return pb.PrefixCacheStats(
+        reset=stats.reset,
+        requests=stats.requests,
+        queries=stats.queries,
+        hits=stats.hits,
+        preempted_requests=stats.preempted_requests,
+        preempted_queries=stats.preempted_queries,
+        preempted_hits=stats.preempted_hits,
+    )
+
+
+def event_to_pb(event: KVCacheEvent) -> pb.KVEvent:
+    if isinstance(event, BlockStored):
+        stored = pb.BlockStored(
+            block_hashes=list(event.block_hashes),
+            token_ids=list(event.token_ids),
+            block_size=event.block_size,
+            medium=event.medium,
+        )
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = event.parent_block_hash
+        if event.lora_id is not None:
+            stored.lora_id = event.lora_id
+        if event.lora_name is not None:
+            stored.lora_name = event.lora_name
+        return pb.KVEvent(block_stored=stored)
+    if isinstance(event, BlockRemoved):
+        return pb.KVEvent(
+            block_removed=pb.BlockRemoved(block_hashes=list(event.block_hashes), medium=event.medium)
+        )
+    assert isinstance(event, AllBlocksCleared)
+    return pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared())

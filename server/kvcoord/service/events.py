@@ -1,0 +1,76 @@
+"""A bounded, sequenced journal of one pool's KV events, for watchers and TakeEvents."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Iterable
+
+from kvcoord.v1 import allocator_pb2 as pb
+
+__all__ = ["EventJournal"]
+
+
+class EventJournal:
+    """Events get sequence numbers 1, 2, ...; the newest ``capacity`` are kept.
+
+    ``take()`` returns what was published since the previous ``take()`` (vLLM's
+    take_events); watchers read by sequence number and can resume after a
+    disconnect, learning of a gap when what they missed is no longer kept.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._events: collections.deque[tuple[int, pb.KVEvent]] = collections.deque(maxlen=capacity)
+        self.last_sequence = 0
+        self._take_cursor = 0
+        self._changed = asyncio.Event()
+        self.closed = False
+
+    def publish(self, events: Iterable[pb.KVEvent]) -> int:
+        """Append events; returns how many were added."""
+        n = 0
+        for event in events:
+            self.last_sequence += 1
+            self._events.append((self.last_sequence, event))
+            n += 1
+        if n:
+            self._changed.set()
+            self._changed = asyncio.Event()
+        return n
+
+    @property
+    def oldest_sequence(self) -> int:
+        return self._events[0][0] if self._events else self.last_sequence + 1
+
+    def since(self, after: int, limit: int | None = None) -> list[tuple[int, pb.KVEvent]]:
+        """Kept events with a sequence number above ``after``, oldest first."""
+        if after >= self.last_sequence:
+            return []
+        start = max(after + 1, self.oldest_sequence) - self.oldest_sequence
+        out = []
+        for i in range(start, len(self._events)):
+            out.append(self._events[i])
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    def take(self) -> list[pb.KVEvent]:
+        """Events published since the previous call (those still kept)."""
+        items = self.since(self._take_cursor)
+        self._take_cursor = self.last_sequence
+        return [e for _, e in items]
+
+    async def wait(self, after: int, timeout: float) -> None:
+        """Return when an event above ``after`` exists, the journal closes, or after ``timeout``."""
+        if self.last_sequence > after or self.closed:
+            return
+        changed = self._changed
+        try:
+            await asyncio.wait_for(changed.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def close(self) -> None:
+        self.closed = True
+        self._changed.set()

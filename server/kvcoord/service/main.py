@@ -1,0 +1,67 @@
+"""`kvcoord serve`: run the server until SIGTERM/SIGINT, then shut down gracefully."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import signal
+import sys
+
+from .config import ConfigFileError, ServerConfig, default_config_text, load_config
+from .server import start_server
+
+__all__ = ["run", "serve_from_cli"]
+
+logger = logging.getLogger("kvcoord")
+
+
+async def run(cfg: ServerConfig) -> int:
+    """Serve until a termination signal; returns the exit status (0 after a clean stop)."""
+    from .metrics import Metrics
+
+    metrics = Metrics()
+    running = await start_server(cfg, observer=metrics, interceptors=[metrics.interceptor()])
+    metrics.bind(running.servicer)
+    metrics_addr = ""
+    if cfg.server.metrics_listen:
+        metrics_addr = metrics.start_http(cfg.server.metrics_listen)
+    pools = ", ".join(sorted(running.servicer.registry.pools)) or "none"
+    print(f"kvcoord serving gRPC on {', '.join(running.addresses)}; pools: {pools}", flush=True)
+    if metrics_addr:
+        print(f"kvcoord metrics on http://{metrics_addr}/metrics", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logger.info("shutting down (grace %.1fs)", cfg.server.grace_seconds)
+    await running.stop()
+    metrics.stop_http()
+    print("kvcoord stopped", flush=True)
+    return 0
+
+
+def serve_from_cli(args: argparse.Namespace) -> int:
+    """The ``kvcoord serve`` subcommand."""
+    if args.print_default_config:
+        sys.stdout.write(default_config_text())
+        return 0
+    try:
+        cfg = load_config(args.config)
+    except ConfigFileError as exc:
+        print(f"kvcoord: {exc}", file=sys.stderr)
+        return 2
+    overrides: dict[str, object] = {}
+    if args.listen:
+        overrides["listen"] = tuple(args.listen)
+    if args.metrics_listen is not None:
+        overrides["metrics_listen"] = args.metrics_listen
+    if overrides:
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **overrides))  # type: ignore[arg-type]
+    logging.basicConfig(
+        level=getattr(logging, cfg.server.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return asyncio.run(run(cfg))

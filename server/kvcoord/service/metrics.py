@@ -1,0 +1,270 @@
+"""Prometheus metrics: pool gauges and counters read at scrape time, gRPC server series
+from an interceptor, and the /metrics HTTP endpoint. prometheus-client lives only here.
+
+Every metric is listed in docs/metrics.md with its vLLM counterpart.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+from kvcoord.v1 import allocator_pb2 as pb
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .registry import PoolHandle
+
+if TYPE_CHECKING:
+    from .servicer import AllocatorServicer
+
+__all__ = ["LATENCY_BUCKETS", "Metrics"]
+
+VERSION = "0.1.0"
+
+#: Fine enough for sub-millisecond unary calls, up to 10 s for long streams.
+LATENCY_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.0075,
+    0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+
+
+class _PoolCollector(Collector):
+    """Reads every pool's engine counters at scrape time (no cost on the hot path)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Any]:
+        servicer = self.metrics.servicer
+        pools = sorted(servicer.registry.pools.values(), key=lambda h: h.name) if servicer else []
+        usage = GaugeMetricFamily(
+            "kvcoord_kv_cache_usage_ratio", "Fraction of usable KV blocks in use (0..1).", labels=["pool"]
+        )
+        free = GaugeMetricFamily(
+            "kvcoord_blocks_free", "Free KV blocks (cached-but-unreferenced count as free).", labels=["pool"]
+        )
+        total = GaugeMetricFamily(
+            "kvcoord_blocks_total", "Usable KV blocks (num_blocks - 1).", labels=["pool"]
+        )
+        live = GaugeMetricFamily("kvcoord_requests", "Requests the pool tracks.", labels=["pool"])
+        sessions = GaugeMetricFamily("kvcoord_attached_clients", "Live client sessions.", labels=["pool"])
+        lookups = CounterMetricFamily(
+            "kvcoord_prefix_cache_lookups", "Prefix-cache lookups.", labels=["pool"]
+        )
+        queries = CounterMetricFamily(
+            "kvcoord_prefix_cache_queries_tokens",
+            "Tokens of requests looked up in the prefix cache.",
+            labels=["pool"],
+        )
+        hits = CounterMetricFamily(
+            "kvcoord_prefix_cache_hits_tokens", "Tokens found in the prefix cache.", labels=["pool"]
+        )
+        group_hits = CounterMetricFamily(
+            "kvcoord_prefix_cache_group_hits_tokens",
+            "Tokens each KV cache group's hit covered (hybrid pools).",
+            labels=["pool", "group", "type"],
+        )
+        short = CounterMetricFamily(
+            "kvcoord_prefix_cache_short_lookups",
+            "Lookups too short for any hit (fewer tokens than one aligned block).",
+            labels=["pool"],
+        )
+        evictions = CounterMetricFamily(
+            "kvcoord_block_evictions",
+            "Cached blocks that lost their hash (reused or evicted).",
+            labels=["pool"],
+        )
+        refusals = CounterMetricFamily(
+            "kvcoord_allocation_refusals",
+            "allocate_slots calls refused for lack of free blocks.",
+            labels=["pool"],
+        )
+        allocated = CounterMetricFamily(
+            "kvcoord_blocks_allocated", "Blocks taken from the free queue.", labels=["pool"]
+        )
+        freed = CounterMetricFamily(
+            "kvcoord_blocks_freed", "Blocks returned to the free queue.", labels=["pool"]
+        )
+        events = CounterMetricFamily("kvcoord_kv_events_published", "KV events published.", labels=["pool"])
+        session_counts: dict[str, int] = {}
+        if servicer is not None:
+            for s in servicer.sessions.sessions.values():
+                session_counts[s.pool] = session_counts.get(s.pool, 0) + 1
+        for h in pools:
+            e = h.engine
+            bp = e.block_pool
+            c = e.lookup_counters
+            n = [h.name]
+            usage.add_metric(n, e.usage)
+            free.add_metric(n, e.num_free_blocks)
+            total.add_metric(n, h.config.num_blocks - 1)
+            live.add_metric(n, len(e.requests))
+            sessions.add_metric(n, session_counts.get(h.name, 0))
+            lookups.add_metric(n, c.lookups)
+            queries.add_metric(n, c.queries)
+            hits.add_metric(n, c.hits)
+            short.add_metric(n, c.short_lookups)
+            for g, tokens in enumerate(c.group_hit_tokens):
+                group_hits.add_metric([h.name, str(g), type(h.config.groups[g]).__name__], tokens)
+            evictions.add_metric(n, bp.num_evictions)
+            refusals.add_metric(n, e.num_refusals)
+            allocated.add_metric(n, bp.num_allocated)
+            freed.add_metric(n, bp.num_freed)
+            events.add_metric(n, h.events.last_sequence)
+        yield from (usage, free, total, live, sessions, lookups, queries, hits, group_hits, short, evictions,
+                    refusals, allocated, freed, events)  # fmt: skip
+
+
+class _RpcInterceptor(grpc.aio.ServerInterceptor):
+    """The standard gRPC server series, per method and status code."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        full = details.method.lstrip("/")
+        service, _, method = full.partition("/")
+        m = self.m
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                m.started.labels(service, method, "unary").inc()
+                t0 = time.perf_counter()
+                ok = False
+                try:
+                    result = await inner(request, context)
+                    ok = True
+                    return result
+                finally:
+                    m.finish(service, method, "unary", context, ok, t0)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                m.started.labels(service, method, "server_stream").inc()
+                t0 = time.perf_counter()
+                ok = False
+                try:
+                    async for item in inner_stream(request, context):
+                        yield item
+                    ok = True
+                finally:
+                    m.finish(service, method, "server_stream", context, ok, t0)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+class Metrics:
+    """kvcoord's Prometheus registry; also the servicer's operation observer."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.servicer: AllocatorServicer | None = None
+        self.started = Counter(
+            "grpc_server_started", "RPCs started on the server.", ["grpc_service", "grpc_method", "grpc_type"],
+            registry=self.registry,
+        )  # fmt: skip
+        self.handled = Counter(
+            "grpc_server_handled", "RPCs completed on the server, by status code.",
+            ["grpc_service", "grpc_method", "grpc_type", "grpc_code"], registry=self.registry,
+        )  # fmt: skip
+        self.latency = Histogram(
+            "grpc_server_handling_seconds", "Time to handle an RPC, until its last response.",
+            ["grpc_service", "grpc_method", "grpc_type"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.handshake_refusals = Counter(
+            "kvcoord_hash_handshake_refusals", "Attach calls refused because the client hashes differently.",
+            ["pool"], registry=self.registry,
+        )  # fmt: skip
+        build = Gauge(
+            "kvcoord_build_info",
+            "Build information (always 1).",
+            ["version", "python", "grpc"],
+            registry=self.registry,
+        )
+        build.labels(VERSION, platform.python_version(), grpc.__version__).set(1)
+        self.registry.register(_PoolCollector(self))
+        self._http: Any = None
+
+    def bind(self, servicer: AllocatorServicer) -> None:
+        self.servicer = servicer
+
+    def interceptor(self) -> grpc.aio.ServerInterceptor:
+        return _RpcInterceptor(self)
+
+    def finish(
+        self, service: str, method: str, kind: str, context: grpc.aio.ServicerContext, ok: bool, t0: float
+    ) -> None:
+        code = context.code()
+        if code is None:
+            name = "OK" if ok else "CANCELLED"
+        elif isinstance(code, grpc.StatusCode):
+            name = code.name
+        else:
+            name = grpc.StatusCode(code).name if not isinstance(code, int) else _code_name(code)
+        self.handled.labels(service, method, kind, name).inc()
+        self.latency.labels(service, method, kind).observe(time.perf_counter() - t0)
+
+    # -- OperationObserver -------------------------------------------------------
+    def after_op(self, handle: PoolHandle, kind: str, op: Any, result: pb.OperationResult) -> None:
+        pass
+
+    def pool_created(self, handle: PoolHandle) -> None:
+        self.handshake_refusals.labels(handle.name)
+
+    def pool_deleted(self, handle: PoolHandle) -> None:
+        pass
+
+    def attached(self, handle: PoolHandle) -> None:
+        pass
+
+    def detached(self, pool: str) -> None:
+        pass
+
+    def handshake_refused(self, pool: str) -> None:
+        self.handshake_refusals.labels(pool).inc()
+
+    # -- HTTP ------------------------------------------------------------------------
+    def start_http(self, address: str) -> str:
+        """Serve /metrics on ``host:port`` (port 0 picks one); returns the bound address."""
+        host, _, port = address.rpartition(":")
+        server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=self.registry)
+        self._http = server
+        return f"{host or '0.0.0.0'}:{server.server_port}"
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+
+def _code_name(value: int) -> str:
+    for code in grpc.StatusCode:
+        if code.value[0] == value:
+            return code.name
+    return "UNKNOWN"

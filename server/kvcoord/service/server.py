@@ -1,0 +1,119 @@
+"""Assembling and running the gRPC server: listeners, health, reflection, sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+
+from .config import ServerConfig
+from .registry import PoolRegistry
+from .servicer import AllocatorServicer, OperationObserver
+from .sessions import SessionManager
+
+__all__ = ["RunningServer", "start_server"]
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
+
+
+@dataclasses.dataclass
+class RunningServer:
+    """A started server; ``addresses`` are the bound listeners (ports resolved)."""
+
+    server: grpc.aio.Server
+    servicer: AllocatorServicer
+    health: health.aio.HealthServicer
+    addresses: list[str]
+    grace_seconds: float
+    _reaper: asyncio.Task[None]
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Graceful shutdown: health turns NOT_SERVING, in-flight calls finish, streams end."""
+        grace = self.grace_seconds if grace is None else grace
+        self.servicer.stopping = True
+        await self.health.enter_graceful_shutdown()
+        self._reaper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._reaper
+        await self.server.stop(grace)
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
+
+
+async def _reap(servicer: AllocatorServicer, every: float) -> None:
+    while True:
+        await asyncio.sleep(every)
+        try:
+            servicer.reap_expired_sessions()
+        except Exception:  # pragma: no cover - logged, the reaper keeps going
+            logger.exception("session reaper failed")
+
+
+def _options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    s = cfg.server
+    return [
+        ("grpc.max_receive_message_length", s.max_message_bytes),
+        ("grpc.max_send_message_length", s.max_message_bytes),
+        ("grpc.keepalive_time_ms", int(s.keepalive_time_seconds * 1000)),
+        ("grpc.keepalive_timeout_ms", int(s.keepalive_timeout_seconds * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
+async def start_server(
+    cfg: ServerConfig,
+    *,
+    observer: OperationObserver | None = None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    epoch: int = 1,
+) -> RunningServer:
+    """Create the declared pools, bind every listener and start serving.
+
+    Raises:
+        RuntimeError: a listener could not be bound.
+    """
+    registry = PoolRegistry(cfg.limits, epoch=epoch)
+    sessions = SessionManager(
+        time.monotonic, cfg.server.session_lease_seconds, cfg.server.max_session_lease_seconds
+    )
+    servicer = AllocatorServicer(registry, sessions, observer)
+    for decl in cfg.pools:
+        handle, _ = registry.create(decl.name, decl.config)
+        servicer.observer.pool_created(handle)
+    server = grpc.aio.server(options=_options(cfg), interceptors=list(interceptors))
+    pb_grpc.add_AllocatorServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    addresses = []
+    for address in cfg.server.listen:
+        port = server.add_insecure_port(address)
+        if port == 0:
+            raise RuntimeError(f"cannot listen on {address}")
+        if address.startswith("unix:"):
+            addresses.append(address)
+        else:
+            host = address.rsplit(":", 1)[0]
+            addresses.append(f"{host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reaper = asyncio.get_running_loop().create_task(_reap(servicer, 1.0))
+    return RunningServer(server, servicer, health_servicer, addresses, cfg.server.grace_seconds, reaper)

@@ -394,7 +394,7 @@ class StepBatcher:
             for _, _, _, p in items:
                 p._fail(err)
             return
-        for (_, decode, touched, p), result in zip(items, resp.results):
+        for (_, decode, touched, p), result in zip(items, resp.results, strict=True):
             if result.status_code == 0:
                 for rid in touched:
                     t = self.m._tracked.get(rid)

@@ -7,7 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -80,6 +80,8 @@ async def start_server(
     observer: OperationObserver | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     epoch: int = 1,
+    clock: Callable[[], float] = time.monotonic,
+    reap_interval: float = 1.0,
 ) -> RunningServer:
     """Create the declared pools, bind every listener and start serving.
 
@@ -88,7 +90,7 @@ async def start_server(
     """
     registry = PoolRegistry(cfg.limits, epoch=epoch)
     sessions = SessionManager(
-        time.monotonic, cfg.server.session_lease_seconds, cfg.server.max_session_lease_seconds
+        clock, cfg.server.session_lease_seconds, cfg.server.max_session_lease_seconds
     )
     servicer = AllocatorServicer(registry, sessions, observer)
     for decl in cfg.pools:
@@ -115,5 +117,5 @@ async def start_server(
     await server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    reaper = asyncio.get_running_loop().create_task(_reap(servicer, 1.0))
+    reaper = asyncio.get_running_loop().create_task(_reap(servicer, reap_interval))
     return RunningServer(server, servicer, health_servicer, addresses, cfg.server.grace_seconds, reaper)

@@ -1,0 +1,100 @@
+"""An in-process server on a free loopback port, for tests (runs its own event loop thread)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .config import ServerConfig, parse_config
+from .metrics import Metrics
+from .registry import Limits
+from .server import RunningServer, start_server
+
+__all__ = ["InProcessServer", "ManualClock"]
+
+
+class ManualClock:
+    """A clock that only moves when told to (session leases without sleeping)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class InProcessServer:
+    """Start with :meth:`start`; ``address`` is ``127.0.0.1:<port>``.
+
+    Args:
+        config_text: TOML configuration (pools etc.); listeners are replaced by port 0.
+        limits: overrides the config's limits.
+        clock: session clock (a :class:`ManualClock` in tests).
+    """
+
+    def __init__(
+        self,
+        config_text: str = "",
+        *,
+        limits: Limits | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: bool = True,
+        **settings: Any,
+    ) -> None:
+        cfg = parse_config(config_text, "test config")
+        server = dataclasses.replace(cfg.server, listen=("127.0.0.1:0",), metrics_listen="", **settings)
+        self.config = ServerConfig(server, limits or cfg.limits, cfg.pools)
+        self.clock = clock
+        self.metrics = Metrics() if metrics else None
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvcoord-test-server", daemon=True)
+        self.running: RunningServer | None = None
+
+    def _run(self, coro: Any, timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self) -> InProcessServer:
+        self._thread.start()
+        m = self.metrics
+        self.running = self._run(
+            start_server(
+                self.config,
+                observer=m,
+                interceptors=[m.interceptor()] if m else [],
+                clock=self.clock,
+                reap_interval=3600.0,
+            )
+        )
+        if m is not None:
+            m.bind(self.running.servicer)
+        return self
+
+    @property
+    def address(self) -> str:
+        assert self.running is not None
+        return self.running.addresses[0]
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the server's loop (e.g. to reap sessions) and return its value."""
+
+        async def wrapper() -> Any:
+            return fn()
+
+        return self._run(wrapper())
+
+    def stop(self, grace: float = 1.0) -> None:
+        if self.running is not None:
+            self._run(self.running.stop(grace))
+            self.running = None
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+

@@ -212,7 +212,9 @@ class RemoteKVCacheManager:
             num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens))  # fmt: skip
 
     def free(self, request: Any) -> None:
-        self._run(*self._ops().free(request))
+        spec = self._ops().free(request)
+        if spec is not None:
+            self._run(*spec)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         self._run(*self._ops().cache_blocks(request, num_computed_tokens))
@@ -260,10 +262,10 @@ class _Ops:
         op = pb.Operation(lookup=pb.LookupOp(request=self.m._sync(request)))
         return op, lambda r: (_ids(r.lookup.hit.groups), r.lookup.hit.num_tokens), [request.request_id]
 
-    def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
-                       new_computed_blocks: KVCacheBlockIds | None, num_lookahead_tokens: int,
-                       num_external_computed_tokens: int, delay_cache_blocks: bool,
-                       num_encoder_tokens: int) -> OpSpec:  # fmt: skip
+    def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
+                       num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
+                       num_encoder_tokens: int = 0) -> OpSpec:  # fmt: skip
         a = pb.AllocateOp(
             request=self.m._sync(request),
             num_new_tokens=num_new_tokens,
@@ -284,9 +286,11 @@ class _Ops:
 
         return pb.Operation(allocate=a), decode, [request.request_id]
 
-    def free(self, request: Any) -> OpSpec:
+    def free(self, request: Any) -> OpSpec | None:
         rid = request.request_id if not isinstance(request, str) else request
         tracked = self.m._tracked
+        if rid not in tracked:
+            return None  # never sent to the server (e.g. aborted while waiting): nothing to free
 
         def decode(r: pb.OperationResult) -> None:
             tracked.pop(rid, None)
@@ -372,7 +376,12 @@ class StepBatcher:
             raise AttributeError(name)
 
         def call(*args: Any, **kwargs: Any) -> Pending[Any]:
-            return self._add(*builder(_Ops(self.m), *args, **kwargs))
+            spec = builder(_Ops(self.m), *args, **kwargs)
+            if spec is None:
+                done: Pending[Any] = Pending()
+                done._set(None)
+                return done
+            return self._add(*spec)
 
         return call
 

@@ -1,0 +1,173 @@
+"""The client library against a real server: RemoteKVCacheManager equals the in-process
+engine call for call; the step batcher, the asyncio client and retries."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+from helpers import allocate
+
+from kvcoord.client import (
+    AbortedError,
+    AsyncKVCoordClient,
+    KVCoordClient,
+    NotFoundError,
+    RandomSeedError,
+    RemoteKVCacheManager,
+    RetryPolicy,
+    UnavailableError,
+)
+from kvcoord.client.hashing import BlockHasher, none_hash
+from kvcoord.engine import CacheHit, FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
+from kvcoord.service.testing import InProcessServer
+
+
+@dataclasses.dataclass
+class Req:
+    """What vLLM's Request exposes to the manager."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+
+
+def test_remote_manager_equals_engine(server: InProcessServer, client: KVCoordClient) -> None:
+    """Hits, new blocks, refusals, frees and usage equal an in-process pool's, step by step."""
+    remote = RemoteKVCacheManager(client, "p", hash_seed="0", client_name="test")
+    local = KVCachePool(
+        KVCacheConfig(num_blocks=64, groups=(FullAttentionSpec(4), SlidingWindowSpec(4, 8)), hash_block_size=4,
+                      enable_kv_cache_events=True, max_model_len=256)  # fmt: skip
+    )
+    none = none_hash("sha256_cbor", "0")
+    hashers: dict[str, BlockHasher] = {}
+    rnd = random.Random(3)
+    prefixes = [[rnd.randrange(50) for _ in range(n)] for n in (0, 6, 13, 24)]
+    live: dict[str, Req] = {}
+    running: set[str] = set()
+    checks = {"hits": 0, "refusals": 0, "allocs": 0}
+    for step in range(150):
+        if rnd.random() < 0.4:
+            rid = f"r{step}"
+            tokens = (rnd.choice(prefixes) + [rnd.randrange(50) for _ in range(rnd.randint(1, 30))])[:60]
+            live[rid] = Req(rid, tokens)
+            hashers[rid] = BlockHasher("sha256_cbor", 4, none)
+            local.add_request(rid, tokens, hashers[rid].extend(tokens))
+        for rid in sorted(live):
+            r = live[rid]
+            if rnd.random() < 0.08:
+                remote.free(r)
+                local.free(rid)
+                del live[rid]
+                running.discard(rid)
+                continue
+            if rid not in running:
+                hit_ids, hit_tokens = remote.get_computed_blocks(r)
+                want = local.get_computed_blocks(rid)
+                assert (hit_ids.get_block_ids(), hit_tokens) == (tuple(list(x) for x in want.block_ids), want.num_tokens)
+                n = min(len(r.all_token_ids) - hit_tokens, rnd.choice([4, 16, 64]))
+                got = remote.allocate_slots(r, n, hit_tokens, hit_ids)
+                exp = local.allocate_slots(rid, n, want.num_tokens, want)
+                checks["hits"] += hit_tokens > 0
+            else:
+                n = min(len(r.all_token_ids) - r.num_computed_tokens, 16)
+                if n == 0 or r.num_computed_tokens + n >= 250:
+                    continue
+                got = remote.allocate_slots(r, n)
+                exp = local.allocate_slots(rid, n)
+            assert (None if got is None else got.get_block_ids()) == (None if exp is None else tuple(list(x) for x in exp))
+            if exp is None:
+                checks["refusals"] += 1
+                continue
+            checks["allocs"] += 1
+            running.add(rid)
+            r.num_computed_tokens += n
+            new = [step % 50] if r.num_computed_tokens == len(r.all_token_ids) else []
+            r.all_token_ids = r.all_token_ids + new
+            local.update_request(rid, num_computed_tokens=r.num_computed_tokens, append_token_ids=new,
+                                 append_block_hashes=hashers[rid].extend(new))  # fmt: skip
+        assert remote.usage == local.usage
+    assert [e.SerializeToString() for e in remote.take_events()] and local.take_events()
+    stats = remote.make_prefix_cache_stats()
+    want_stats = local.make_prefix_cache_stats()
+    assert stats is not None and want_stats is not None
+    assert (stats.queries, stats.hits, stats.requests) == (want_stats.queries, want_stats.hits, want_stats.requests)
+    assert checks["hits"] > 10 and checks["refusals"] > 0 and checks["allocs"] > 100, checks
+    remote.close()
+
+
+def test_step_batcher_one_round_trip(client: KVCoordClient) -> None:
+    """A batch's calls resolve after flush; after a failed call the rest are aborted."""
+    m = RemoteKVCacheManager(client, "p", hash_seed="0")
+    a, b = Req("a", list(range(10))), Req("b", list(range(10)))
+    with m.batch() as batch:
+        pa = batch.allocate_slots(a, 10)
+        pb_ = batch.allocate_slots(b, 10)
+        with pytest.raises(RuntimeError, match="not been flushed"):
+            pa.result()
+    assert pa.result() is not None and pb_.result() is not None
+    assert pa.result().get_block_ids() == ([1, 2, 3], [4, 5, 6])  # type: ignore[union-attr]
+    batch = m.batch()
+    p1 = batch.get_block_ids("a")
+    p2 = batch.get_block_ids("ghost")
+    p3 = batch.free(a)
+    batch.flush()
+    assert p1.result() == ([1, 2, 3], [4, 5, 6])
+    with pytest.raises(NotFoundError):
+        p2.result()
+    with pytest.raises(AbortedError):
+        p3.result()
+    assert m.get_block_ids("a") == ([1, 2, 3], [4, 5, 6])
+    m.free(Req("never-sent", [1, 2]))  # aborted while waiting: valid, nothing to free
+
+
+def test_manager_refuses_without_seed(client: KVCoordClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With caching on and no PYTHONHASHSEED the manager refuses: hashes could never match."""
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    with pytest.raises(RandomSeedError):
+        RemoteKVCacheManager(client, "p")
+
+
+def test_async_client(server: InProcessServer) -> None:
+    """The asyncio client makes the same calls."""
+
+    async def main() -> tuple[int, int]:
+        async with AsyncKVCoordClient(server.address) as c:
+            r = await c.allocate("p", allocate("a", list(range(10)), 10).allocate)
+            s = await c.get_stats("p")
+            return len(r.result.new_block_ids[0].block_ids), s.num_requests
+
+    assert asyncio.run(main()) == (3, 1)
+
+
+def test_retries_stop_at_the_deadline() -> None:
+    """UNAVAILABLE is retried with backoff, then surfaced as UnavailableError."""
+    policy = RetryPolicy(initial_backoff=0.01, max_backoff=0.02, deadline=0.5, max_attempts=4)
+    with KVCoordClient("127.0.0.1:1", timeout=0.2, retry=policy) as c:
+        with pytest.raises(UnavailableError):
+            c.get_stats("p")
+
+
+def test_retry_policy_is_a_value() -> None:
+    """Backoffs grow to the cap with full jitter; policies are frozen."""
+    p = RetryPolicy(initial_backoff=0.1, max_backoff=0.4, multiplier=2.0, max_attempts=5)
+    b = p.backoffs(random.Random(0))
+    assert len(b) == 4 and all(0 <= x <= cap for x, cap in zip(b, [0.1, 0.2, 0.4, 0.4], strict=True))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.deadline = 1  # type: ignore[misc]
+    assert dataclasses.replace(p, deadline=1.0).deadline == 1.0
+
+
+def test_health_serving(client: KVCoordClient) -> None:
+    """The standard health service answers SERVING for the server and the Allocator."""
+    assert client.health() == "SERVING"
+    assert client.health("kvcoord.v1.Allocator") == "SERVING"
+
+
+def test_cache_hit_type_roundtrip() -> None:
+    """CacheHit.is_empty treats null blocks as entries (vLLM's rule)."""
+    assert CacheHit(((), ()), 0).is_empty
+    assert not CacheHit(((), (0,)), 4).is_empty

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-
 from kvcoord.client import KVCoordClient
 from kvcoord.service.testing import InProcessServer, ManualClock
 

@@ -14,9 +14,11 @@ def hashes(tokens: list[int], block_size: int = 4) -> list[bytes]:
 
 def new_request(rid: str, tokens: list[int], block_size: int = 4) -> pb.RequestSync:
     """The first sync of a request: its whole prompt and hashes."""
-    return pb.RequestSync(request_id=rid, append_token_ids=tokens, append_block_hashes=hashes(tokens, block_size))
+    return pb.RequestSync(
+        request_id=rid, append_token_ids=tokens, append_block_hashes=hashes(tokens, block_size)
+    )
 
 
-def allocate(rid: str, tokens: list[int] | None, n: int, **kw: object) -> pb.Operation:
-    sync = new_request(rid, tokens) if tokens is not None else pb.RequestSync(request_id=rid)
+def allocate(rid: str, tokens: list[int] | None, n: int, block_size: int = 4, **kw: object) -> pb.Operation:
+    sync = new_request(rid, tokens, block_size) if tokens is not None else pb.RequestSync(request_id=rid)
     return pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=n, **kw))  # type: ignore[arg-type]

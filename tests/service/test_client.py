@@ -9,7 +9,6 @@ import random
 
 import pytest
 from helpers import allocate
-
 from kvcoord.client import (
     AbortedError,
     AsyncKVCoordClient,
@@ -39,8 +38,13 @@ def test_remote_manager_equals_engine(server: InProcessServer, client: KVCoordCl
     """Hits, new blocks, refusals, frees and usage equal an in-process pool's, step by step."""
     remote = RemoteKVCacheManager(client, "p", hash_seed="0", client_name="test")
     local = KVCachePool(
-        KVCacheConfig(num_blocks=64, groups=(FullAttentionSpec(4), SlidingWindowSpec(4, 8)), hash_block_size=4,
-                      enable_kv_cache_events=True, max_model_len=256)  # fmt: skip
+        KVCacheConfig(
+            num_blocks=64,
+            groups=(FullAttentionSpec(4), SlidingWindowSpec(4, 8)),
+            hash_block_size=4,
+            enable_kv_cache_events=True,
+            max_model_len=256,
+        )  # fmt: skip
     )
     none = none_hash("sha256_cbor", "0")
     hashers: dict[str, BlockHasher] = {}
@@ -67,7 +71,10 @@ def test_remote_manager_equals_engine(server: InProcessServer, client: KVCoordCl
             if rid not in running:
                 hit_ids, hit_tokens = remote.get_computed_blocks(r)
                 want = local.get_computed_blocks(rid)
-                assert (hit_ids.get_block_ids(), hit_tokens) == (tuple(list(x) for x in want.block_ids), want.num_tokens)
+                assert (hit_ids.get_block_ids(), hit_tokens) == (
+                    tuple(list(x) for x in want.block_ids),
+                    want.num_tokens,
+                )
                 n = min(len(r.all_token_ids) - hit_tokens, rnd.choice([4, 16, 64]))
                 got = remote.allocate_slots(r, n, hit_tokens, hit_ids)
                 exp = local.allocate_slots(rid, n, want.num_tokens, want)
@@ -78,7 +85,9 @@ def test_remote_manager_equals_engine(server: InProcessServer, client: KVCoordCl
                     continue
                 got = remote.allocate_slots(r, n)
                 exp = local.allocate_slots(rid, n)
-            assert (None if got is None else got.get_block_ids()) == (None if exp is None else tuple(list(x) for x in exp))
+            assert (None if got is None else got.get_block_ids()) == (
+                None if exp is None else tuple(list(x) for x in exp)
+            )
             if exp is None:
                 checks["refusals"] += 1
                 continue
@@ -94,7 +103,11 @@ def test_remote_manager_equals_engine(server: InProcessServer, client: KVCoordCl
     stats = remote.make_prefix_cache_stats()
     want_stats = local.make_prefix_cache_stats()
     assert stats is not None and want_stats is not None
-    assert (stats.queries, stats.hits, stats.requests) == (want_stats.queries, want_stats.hits, want_stats.requests)
+    assert (stats.queries, stats.hits, stats.requests) == (
+        want_stats.queries,
+        want_stats.hits,
+        want_stats.requests,
+    )
     assert checks["hits"] > 10 and checks["refusals"] > 0 and checks["allocs"] > 100, checks
     remote.close()
 

@@ -7,7 +7,6 @@ from collections.abc import Callable
 import pytest
 from conftest import POOL_TOML
 from helpers import allocate, new_request
-
 from kvcoord.client import (
     AlreadyExistsError,
     FailedPreconditionError,
@@ -72,7 +71,9 @@ def test_same_name_other_config_already_exists(client: KVCoordClient) -> None:
         (lambda c: c.groups.add(), "groups\\[1\\] has no spec"),
     ],
 )
-def test_invalid_config_names_the_rule(client: KVCoordClient, mutate: Callable[[pb.PoolConfig], object], message: str) -> None:
+def test_invalid_config_names_the_rule(
+    client: KVCoordClient, mutate: Callable[[pb.PoolConfig], object], message: str
+) -> None:
     """An invalid layout is INVALID_ARGUMENT with the failed rule in the message, and no pool."""
     cfg = full_pool()
     mutate(cfg)
@@ -115,7 +116,9 @@ def test_invalid_argument_changes_nothing(client: KVCoordClient) -> None:
     """Bad counts or hashes are INVALID_ARGUMENT and the pool is exactly as before."""
     client.allocate("p", allocate("a", list(range(10)), 10).allocate)
     before = state(client)
-    bad = pb.AllocateOp(request=pb.RequestSync(request_id="b", append_token_ids=list(range(8))), num_new_tokens=8)
+    bad = pb.AllocateOp(
+        request=pb.RequestSync(request_id="b", append_token_ids=list(range(8))), num_new_tokens=8
+    )
     with pytest.raises(InvalidArgumentError, match="expected 2 new block hashes"):
         client.allocate("p", bad)
     with pytest.raises(InvalidArgumentError, match="exceed max_model_len 256"):
@@ -127,8 +130,8 @@ def test_invalid_argument_changes_nothing(client: KVCoordClient) -> None:
         client.inspect_pool("p", request_ids=["b"])
 
 
-def test_stale_hit_is_failed_precondition(client: KVCoordClient) -> None:
-    """A hit whose blocks were reused by another request is refused, and nothing changes."""
+def test_stale_hit_is_an_outcome_that_changes_nothing(client: KVCoordClient) -> None:
+    """A hit whose blocks another request reused is answered stale_hit, pool unchanged."""
     tokens = list(range(100, 112))
     client.allocate("p", allocate("a", tokens, 12).allocate)
     client.free("p", ["a"])
@@ -140,9 +143,20 @@ def test_stale_hit_is_failed_precondition(client: KVCoordClient) -> None:
     before = state(client)
     op = pb.AllocateOp(request=pb.RequestSync(request_id="b"), num_new_tokens=1, num_new_computed_tokens=12,
                        new_computed_blocks=hit)  # fmt: skip
-    with pytest.raises(FailedPreconditionError, match="no longer cached"):
-        client.allocate("p", op)
+    r = client.allocate("p", op).result
+    assert r.stale_hit and not r.refused and not r.new_block_ids
     assert state(client) == before
+
+
+def test_other_failed_preconditions(client: KVCoordClient) -> None:
+    """Adopting a hit for a request that already holds blocks is FAILED_PRECONDITION."""
+    client.allocate("p", allocate("a", list(range(12)), 12).allocate)
+    ids = client.inspect_pool("p", request_ids=["a"]).requests[0].groups
+    op = pb.AllocateOp(request=pb.RequestSync(request_id="a"), num_new_tokens=1, num_new_computed_tokens=4,
+                       new_computed_blocks=pb.CacheHit(groups=[pb.BlockIds(block_ids=ids[0].block_ids[:1]),
+                                                               pb.BlockIds(block_ids=[0])], num_tokens=4))  # fmt: skip
+    with pytest.raises(FailedPreconditionError, match="already holds blocks"):
+        client.allocate("p", op)
 
 
 def test_atomic_lookup_allocate(client: KVCoordClient) -> None:

@@ -6,7 +6,6 @@ import threading
 
 import pytest
 from helpers import allocate, new_request
-
 from kvcoord.client import KVCoordClient, NotFoundError
 from kvcoord.client.errors import InvalidArgumentError
 from kvcoord.service.testing import InProcessServer, ManualClock
@@ -70,7 +69,6 @@ def test_events_stream_resume_and_take(client: KVCoordClient) -> None:
 def test_events_gap_is_flagged(make_server: object) -> None:
     """A subscriber resuming before the oldest kept event is told there was a gap."""
     from conftest import POOL_TOML
-
     from kvcoord.service.registry import Limits
 
     srv = make_server(POOL_TOML, limits=Limits(event_buffer=3))  # type: ignore[operator]
@@ -99,7 +97,9 @@ def test_watch_sees_later_events_live(client: KVCoordClient) -> None:
     assert got == [1, 2]
 
 
-def test_expired_session_frees_its_requests(server: InProcessServer, client: KVCoordClient, clock: ManualClock) -> None:
+def test_expired_session_frees_its_requests(
+    server: InProcessServer, client: KVCoordClient, clock: ManualClock
+) -> None:
     """A worker that stops renewing its lease loses its requests; cached blocks stay hits."""
     sid = client.attach("p", "sha256_cbor", 4, "0", lease_seconds=5).session_id
     tokens = list(range(200, 212))

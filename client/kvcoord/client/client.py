@@ -102,11 +102,24 @@ class _Api:
     def get_stats(self, pool: str) -> Any:
         return self._call("GetStats", pb.GetStatsRequest(pool=pool))
 
-    def inspect_pool(self, pool: str, free_queue_limit: int = 0, request_ids: Iterable[str] = ()) -> Any:
+    def inspect_pool(
+        self,
+        pool: str,
+        free_queue_limit: int = 0,
+        request_ids: Iterable[str] = (),
+        *,
+        all_requests: bool = False,
+        include_cached_blocks: bool = False,
+    ) -> Any:
+        """Block tables, free-queue head and cached blocks, read in one consistent step."""
         return self._call(
             "InspectPool",
             pb.InspectPoolRequest(
-                pool=pool, free_queue_limit=free_queue_limit, request_ids=list(request_ids)
+                pool=pool,
+                free_queue_limit=free_queue_limit,
+                request_ids=list(request_ids),
+                all_requests=all_requests,
+                include_cached_blocks=include_cached_blocks,
             ),
         )
 

@@ -126,6 +126,9 @@ class RemoteKVCacheManager:
         self.session_id: str = attached.session_id
         self.num_groups = len(info.config.groups)
         self._tracked: dict[str, _Tracked] = {}
+        #: allocate_slots calls answered None because the hit had gone stale (another
+        #: worker reused its blocks after the lookup); the scheduler looks up again.
+        self.stale_hits = 0
 
     # -- request sync ---------------------------------------------------------------
     def _sync(self, request: Any) -> pb.RequestSync:
@@ -211,6 +214,39 @@ class RemoteKVCacheManager:
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens))  # fmt: skip
 
+    def allocate_with_lookup(
+        self,
+        request: Any,
+        max_num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+    ) -> tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]:
+        """Look up and allocate atomically (the hit cannot go stale in between).
+
+        Returns:
+            ``(hit, hit_tokens, num_new_tokens, new_blocks)``: the adopted hit, the tokens
+            scheduled (``min(remaining, max_num_new_tokens)``) and the new blocks, or
+            ``None`` for them when the pool is out of blocks.
+        """
+        a = pb.AllocateOp(
+            request=self._sync(request),
+            num_new_tokens=max_num_new_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens,
+            delay_cache_blocks=delay_cache_blocks,
+            num_encoder_tokens=num_encoder_tokens,
+            lookup=True,
+        )
+
+        def decode(r: pb.OperationResult) -> tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]:
+            res = r.allocate
+            new = None if res.refused else _ids(res.new_block_ids)
+            return _ids(res.hit.groups), res.hit.num_tokens, res.num_new_tokens, new
+
+        return self._run(pb.Operation(allocate=a), decode, [request.request_id])
+
     def free(self, request: Any) -> None:
         spec = self._ops().free(request)
         if spec is not None:
@@ -281,7 +317,12 @@ class _Ops:
             )
             a.new_computed_blocks.num_tokens = num_new_computed_tokens
 
+        manager = self.m
+
         def decode(r: pb.OperationResult) -> KVCacheBlockIds | None:
+            if r.allocate.stale_hit:
+                manager.stale_hits += 1
+                return None
             return None if r.allocate.refused else _ids(r.allocate.new_block_ids)
 
         return pb.Operation(allocate=a), decode, [request.request_id]

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from typing import IO
 
 __all__ = ["ServerProcess", "running_server"]
 
@@ -30,8 +31,14 @@ class ServerProcess:
     """A started server process and the addresses it printed."""
 
     def __init__(
-        self, proc: subprocess.Popen[str], address: str, metrics_address: str | None, log_path: str
+        self,
+        proc: subprocess.Popen[str],
+        address: str,
+        metrics_address: str | None,
+        log_path: str,
+        log_file: IO[str],
     ) -> None:
+        self._log_file = log_file
         self.proc = proc
         self.address = address
         self.metrics_address = metrics_address
@@ -50,6 +57,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout)
+        self._log_file.close()
         return self.proc.returncode
 
 
@@ -81,11 +89,14 @@ def start_server(
         m = _READY.search(text)
         if m and (not metrics or _METRICS.search(text)):
             mm = _METRICS.search(text)
-            return ServerProcess(proc, m.group(1), mm.group(1) if mm else None, log_path)
+            return ServerProcess(proc, m.group(1), mm.group(1) if mm else None, log_path, log)
         if proc.poll() is not None:
+            log.close()
             raise RuntimeError(f"kvcoord server exited with {proc.returncode}:\n{text}")
         time.sleep(0.05)
     proc.kill()
+    proc.wait()
+    log.close()
     raise TimeoutError(f"kvcoord server did not start within {startup_timeout}s")
 
 

@@ -305,16 +305,18 @@ class AllocateOp(_message.Message):
     def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ...) -> None: ...
 
 class AllocateResult(_message.Message):
-    __slots__ = ("refused", "new_block_ids", "hit", "num_new_tokens")
+    __slots__ = ("refused", "new_block_ids", "hit", "num_new_tokens", "stale_hit")
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     HIT_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STALE_HIT_FIELD_NUMBER: _ClassVar[int]
     refused: bool
     new_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     hit: CacheHit
     num_new_tokens: int
-    def __init__(self, refused: _Optional[bool] = ..., new_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., hit: _Optional[_Union[CacheHit, _Mapping]] = ..., num_new_tokens: _Optional[int] = ...) -> None: ...
+    stale_hit: bool
+    def __init__(self, refused: _Optional[bool] = ..., new_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., hit: _Optional[_Union[CacheHit, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., stale_hit: _Optional[bool] = ...) -> None: ...
 
 class FreeOp(_message.Message):
     __slots__ = ("request_id",)
@@ -599,14 +601,18 @@ class GetStatsResponse(_message.Message):
     def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
 
 class InspectPoolRequest(_message.Message):
-    __slots__ = ("pool", "free_queue_limit", "request_ids")
+    __slots__ = ("pool", "free_queue_limit", "request_ids", "all_requests", "include_cached_blocks")
     POOL_FIELD_NUMBER: _ClassVar[int]
     FREE_QUEUE_LIMIT_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALL_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     free_queue_limit: int
     request_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, pool: _Optional[str] = ..., free_queue_limit: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    all_requests: bool
+    include_cached_blocks: bool
+    def __init__(self, pool: _Optional[str] = ..., free_queue_limit: _Optional[int] = ..., request_ids: _Optional[_Iterable[str]] = ..., all_requests: _Optional[bool] = ..., include_cached_blocks: _Optional[bool] = ...) -> None: ...
 
 class RequestState(_message.Message):
     __slots__ = ("request_id", "groups", "num_computed_tokens", "num_tokens")
@@ -621,16 +627,18 @@ class RequestState(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class InspectPoolResponse(_message.Message):
-    __slots__ = ("num_free_blocks", "usage", "free_queue_head", "requests")
+    __slots__ = ("num_free_blocks", "usage", "free_queue_head", "requests", "cached_block_ids")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     FREE_QUEUE_HEAD_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     usage: float
     free_queue_head: _containers.RepeatedScalarFieldContainer[int]
     requests: _containers.RepeatedCompositeFieldContainer[RequestState]
-    def __init__(self, num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., free_queue_head: _Optional[_Iterable[int]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ...) -> None: ...
+    cached_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., free_queue_head: _Optional[_Iterable[int]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., cached_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
     __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "lora_name", "medium")

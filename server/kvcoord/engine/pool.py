@@ -491,6 +491,10 @@ class KVCachePool:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
+    def cached_block_ids(self) -> list[int]:
+        """Ids of the blocks that currently hold a prefix-cache hash, ascending."""
+        return [b.block_id for b in self.block_pool.blocks if b.block_hash is not None]
+
     def free_queue_head(self, limit: int | None = None) -> list[int]:
         """Free block ids from the next to be reused, at most ``limit``."""
         return self.block_pool.free_block_queue.head_ids(limit)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from kvcoord.engine import RequestCheckpoint
+from kvcoord.engine import RequestCheckpoint, StaleCacheHitError
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .convert import block_ids_to_pb, hit_from_pb, hit_to_pb, lora_from_pb, stats_to_pb
@@ -123,16 +123,20 @@ def _allocate(h: PoolHandle, s: str, op: pb.AllocateOp) -> pb.OperationResult:
             if res.new_block_ids is not None:
                 out.new_block_ids.extend(block_ids_to_pb(res.new_block_ids))
             return pb.OperationResult(allocate=out)
-        new = engine.allocate_slots(
-            rid,
-            op.num_new_tokens,
-            op.num_new_computed_tokens,
-            hit_from_pb(op.new_computed_blocks, len(h.config.groups)),
-            op.num_lookahead_tokens,
-            op.num_external_computed_tokens,
-            op.delay_cache_blocks,
-            op.num_encoder_tokens,
-        )
+        try:
+            new = engine.allocate_slots(
+                rid,
+                op.num_new_tokens,
+                op.num_new_computed_tokens,
+                hit_from_pb(op.new_computed_blocks, len(h.config.groups)),
+                op.num_lookahead_tokens,
+                op.num_external_computed_tokens,
+                op.delay_cache_blocks,
+                op.num_encoder_tokens,
+            )
+        except StaleCacheHitError:
+            # A concurrency conflict, not bad input: reported as an outcome (nothing changed).
+            return pb.OperationResult(allocate=pb.AllocateResult(stale_hit=True))
         result = pb.AllocateResult(refused=new is None, num_new_tokens=op.num_new_tokens)
         if new is not None:
             result.new_block_ids.extend(block_ids_to_pb(new))

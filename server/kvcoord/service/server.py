@@ -89,9 +89,7 @@ async def start_server(
         RuntimeError: a listener could not be bound.
     """
     registry = PoolRegistry(cfg.limits, epoch=epoch)
-    sessions = SessionManager(
-        clock, cfg.server.session_lease_seconds, cfg.server.max_session_lease_seconds
-    )
+    sessions = SessionManager(clock, cfg.server.session_lease_seconds, cfg.server.max_session_lease_seconds)
     servicer = AllocatorServicer(registry, sessions, observer)
     for decl in cfg.pools:
         handle, _ = registry.create(decl.name, decl.config)

@@ -306,7 +306,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         handle = self._pool(request.pool)
         e = handle.engine
         states = []
-        for rid in request.request_ids:
+        rids = sorted(e.requests) if request.all_requests else request.request_ids
+        for rid in rids:
             req = e.get_request(rid)
             states.append(
                 pb.RequestState(
@@ -321,6 +322,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             usage=e.usage,
             free_queue_head=e.free_queue_head(request.free_queue_limit),
             requests=states,
+            cached_block_ids=e.cached_block_ids() if request.include_cached_blocks else [],
         )
 
     @map_stream_errors

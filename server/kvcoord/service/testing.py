@@ -96,5 +96,3 @@ class InProcessServer:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         self.loop.close()
-
-

@@ -44,6 +44,19 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_from_cli(args)
 
 
+def _health(args: argparse.Namespace) -> int:
+    from kvcoord.client import KVCoordClient, KVCoordError
+
+    with KVCoordClient(args.target, timeout=args.timeout) as client:
+        try:
+            status = client.health(args.service)
+        except KVCoordError as exc:
+            print(f"kvcoord health: {exc}", file=sys.stderr)
+            return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcoord", description="Remote KV-cache block allocator.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--token", help="bearer token for the server, if it requires one")
     conf.add_argument("--timeout", type=float, default=10.0, help="deadline per RPC in seconds (default 10)")
     conf.set_defaults(func=_conformance)
+
+    health = sub.add_parser("health", help="check a server's gRPC health (exit 0 when SERVING)")
+    health.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT")
+    health.add_argument("--service", default="", help="service name (default: the whole server)")
+    health.add_argument("--timeout", type=float, default=3.0)
+    health.set_defaults(func=_health)
 
     serve = sub.add_parser("serve", help="run the kvcoord gRPC server")
     serve.add_argument("--config", metavar="FILE", help="TOML config file (default: the embedded default)")

@@ -1,0 +1,38 @@
+# kvcoord server image.
+#
+#   docker build -t kvcoord .
+#   docker run -p 50051:50051 -p 9400:9400 kvcoord            # embedded default config
+#   docker run -v $PWD/kvcoord.toml:/etc/kvcoord/kvcoord.toml \
+#              -e KVCOORD_CONFIG=/etc/kvcoord/kvcoord.toml -p 50051:50051 kvcoord
+#
+# Environment: KVCOORD_LISTEN, KVCOORD_METRICS_LISTEN, KVCOORD_LOG_LEVEL, KVCOORD_CONFIG
+# (see the README). Where no registry is reachable, scripts/build_base_image.sh builds
+# the base image locally under the same name.
+ARG BASE_IMAGE=python:3.11-slim-bookworm
+
+FROM ${BASE_IMAGE} AS build
+WORKDIR /src
+RUN python3 -m venv /opt/kvcoord
+COPY pyproject.toml README.md ./
+COPY client ./client
+COPY server ./server
+# Every dependency ships binary wheels: no compiler is needed, here or below.
+RUN /opt/kvcoord/bin/pip install --no-cache-dir . \
+ && /opt/kvcoord/bin/kvcoord serve --print-default-config > /dev/null
+
+FROM ${BASE_IMAGE}
+RUN echo 'kvcoord:x:10001:10001:kvcoord:/nonexistent:/usr/sbin/nologin' >> /etc/passwd \
+ && echo 'kvcoord:x:10001:' >> /etc/group \
+ && mkdir -p /etc/kvcoord
+COPY --from=build /opt/kvcoord /opt/kvcoord
+ENV PATH=/opt/kvcoord/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    KVCOORD_LISTEN=0.0.0.0:50051 \
+    KVCOORD_METRICS_LISTEN=0.0.0.0:9400
+USER 10001:10001
+EXPOSE 50051 9400
+HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
+  CMD ["kvcoord", "health", "--target", "127.0.0.1:50051"]
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["kvcoord"]
+CMD ["serve"]

@@ -1,0 +1,26 @@
+# The two commands a newcomer needs (see README.md).
+PYTHON ?= python3
+
+.PHONY: install test test-fast integration bench protos lint
+
+install:            ## Python deps (editable) + Debian packages for the container tests
+	./scripts/install.sh
+
+test:               ## everything: fast suites, then the Docker image + Prometheus integration suite
+	./scripts/test.sh
+
+test-fast:          ## everything except the container suite
+	$(PYTHON) -m pytest tests --ignore=tests/integration
+
+integration:        ## only the container suite (builds and starts the image)
+	./scripts/test.sh --integration-only
+
+bench:
+	$(PYTHON) bench/engine.py
+	$(PYTHON) bench/wire.py
+
+protos:             ## regenerate client/kvcoord/v1 after editing proto/
+	$(PYTHON) scripts/gen_protos.py
+
+lint:
+	$(PYTHON) -m ruff check . && $(PYTHON) -m ruff format --check .

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install everything kvcoord's tests need: the package with its test extras (editable),
+# and, as root on Debian, docker.io, debootstrap, prometheus and docker-compose for the
+# container suite and the deploy-file checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+
+"$PYTHON" -m pip install --quiet --upgrade pip
+"$PYTHON" -m pip install --quiet -e '.[test]'
+echo "installed kvcoord (editable) with test extras"
+
+need=()
+command -v dockerd >/dev/null 2>&1 || need+=(docker.io)
+command -v debootstrap >/dev/null 2>&1 || need+=(debootstrap)
+command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
+command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
+if [ ${#need[@]} -eq 0 ]; then
+  echo "docker, debootstrap, prometheus and docker-compose are present"
+elif [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "installing ${need[*]} with apt-get"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+else
+  echo "NOTE: ${need[*]} missing and cannot be installed here (needs root and apt-get);" \
+       "the container suite (make integration) will not run" >&2
+fi

@@ -1,0 +1,72 @@
+"""Server configuration: the embedded default, TOML files, environment overrides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from kvcoord.service.config import ConfigFileError, default_config_text, load_config, parse_config
+from kvcoord.service.convert import config_from_pb
+
+
+def test_embedded_default_is_valid() -> None:
+    """The default: one hybrid pool (full16 + sliding16 w4096) on loopback."""
+    cfg = load_config(None, env={})
+    assert cfg.server.listen == ("127.0.0.1:50051",)
+    assert cfg.server.metrics_listen == "127.0.0.1:9400"
+    (pool,) = cfg.pools
+    engine_cfg = config_from_pb(pool.config)
+    assert pool.name == "default" and engine_cfg.coordinator_kind == "hybrid"
+    assert [type(g).__name__ for g in engine_cfg.groups] == ["FullAttentionSpec", "SlidingWindowSpec"]
+    assert parse_config(default_config_text()) == cfg
+
+
+def test_environment_overrides() -> None:
+    """KVCOORD_LISTEN, KVCOORD_METRICS_LISTEN and KVCOORD_LOG_LEVEL override [server]."""
+    cfg = load_config(None, env={"KVCOORD_LISTEN": "0.0.0.0:1, unix:/tmp/k.sock", "KVCOORD_METRICS_LISTEN": "",
+                                 "KVCOORD_LOG_LEVEL": "debug"})  # fmt: skip
+    assert cfg.server.listen == ("0.0.0.0:1", "unix:/tmp/k.sock")
+    assert cfg.server.metrics_listen == ""
+    assert cfg.server.log_level == "DEBUG"
+
+
+def test_config_file_from_env(tmp_path: Path) -> None:
+    """KVCOORD_CONFIG names the file when --config is not given."""
+    f = tmp_path / "c.toml"
+    f.write_text('[server]\nlisten = ["127.0.0.1:7000"]\n[limits]\nmax_pools = 3\n')
+    cfg = load_config(None, env={"KVCOORD_CONFIG": str(f)})
+    assert cfg.server.listen == ("127.0.0.1:7000",) and cfg.limits.max_pools == 3 and cfg.pools == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[server\n", "not valid TOML"),
+        ("[bogus]\n", "unknown section"),
+        ("[server]\nport = 1\n", "server: unknown key 'port'"),
+        ("[limits]\nmax_pools = 0\n", "limits.max_pools: must be a positive integer"),
+        ("[[pools]]\nnum_blocks = 4\n", "pools\\[0\\].name: required"),
+        (
+            '[[pools]]\nname = "a"\nnum_blocks = 4\nhash_block_size = 4\n[[pools.groups]]\ntype = "nope"\nblock_size = 4\n',
+            "unknown group type 'nope'",
+        ),
+        (
+            '[[pools]]\nname = "a"\nnum_blocks = 4\nhash_block_size = 4\nhash_algo = "sha256"\nhash_seed = "0"\n'
+            'enable_caching = true\n[[pools.groups]]\ntype = "full"\nblock_size = 8\n',
+            "hash_block_size == block_size",
+        ),
+        (
+            '[[pools]]\nname = "a"\nnum_blocks = 4\nhash_block_size = 4\n[[pools]]\nname = "a"\n',
+            "declared twice",
+        ),
+    ],
+)
+def test_bad_files_name_the_key(text: str, message: str) -> None:
+    """Errors say which key is wrong and what was expected."""
+    with pytest.raises(ConfigFileError, match=message):
+        parse_config(text)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ConfigFileError, match="cannot read config file"):
+        load_config("/nonexistent/kvcoord.toml", env={})

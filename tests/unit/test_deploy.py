@@ -1,0 +1,124 @@
+"""deploy/ files checked with real tools, and against the metrics the server exports."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+from kvcoord.service.config import parse_config
+from kvcoord.service.metrics import Metrics
+from kvcoord.service.registry import Limits, PoolRegistry
+from kvcoord.service.servicer import AllocatorServicer
+from kvcoord.service.sessions import SessionManager
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, (
+        f"{name} is not installed: run `make install` (it installs Debian's prometheus / docker-compose)"
+    )
+    return path
+
+
+def exported_metric_names() -> set[str]:
+    """Names a server with one pool exports, read from a real prometheus-client registry."""
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    m = Metrics()
+    registry = PoolRegistry(Limits())
+    servicer = AllocatorServicer(registry, SessionManager(lambda: 0.0, 30, 60), m)
+    cfg = parse_config(
+        '[[pools]]\nname = "p"\nnum_blocks = 8\nhash_block_size = 4\n[[pools.groups]]\ntype = "full"\nblock_size = 4\n'
+    ).pools[0]
+    registry.create(cfg.name, cfg.config)
+    m.bind(servicer)
+    m.started.labels("s", "m", "unary").inc()
+    m.handled.labels("s", "m", "unary", "OK").inc()
+    m.latency.labels("s", "m", "unary").observe(0.001)
+    m.handshake_refusals.labels("p").inc()
+    assert isinstance(pb.PoolConfig(), pb.PoolConfig)
+    return {s.name for fam in m.registry.collect() for s in fam.samples}
+
+
+def test_promtool_accepts_config_and_rules() -> None:
+    """`promtool check config` (with the rules it names) and `check rules` succeed."""
+    promtool = _tool("promtool")
+    for args in (["check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+                 ["check", "rules", str(DEPLOY / "prometheus" / "alerts.yml")]):  # fmt: skip
+        proc = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "SUCCESS" in proc.stdout
+
+
+def test_compose_file_is_valid() -> None:
+    """`docker-compose config` accepts the stack; it runs kvcoord, Prometheus and Grafana."""
+    compose = _tool("docker-compose")
+    proc = subprocess.run([compose, "-f", str(DEPLOY / "docker-compose.yml"), "config"], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    services = yaml.safe_load(proc.stdout)["services"]
+    assert set(services) == {"kvcoord", "prometheus", "grafana"}
+    assert services["prometheus"]["image"].startswith("prom/prometheus:")
+    assert services["grafana"]["image"].startswith("grafana/grafana:")
+
+
+def _names_in(expr: str) -> set[str]:
+    names = set(re.findall(r"\b(kvcoord_[a-z_]+|grpc_server_[a-z_]+)", expr))
+    return names
+
+
+def test_dashboard_and_alerts_name_only_exported_metrics() -> None:
+    """Every metric a Grafana query or an alert names is one the server exports."""
+    exported = exported_metric_names()
+    dash = json.loads((DEPLOY / "grafana" / "dashboards" / "kvcoord.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    exprs += [dash["templating"]["list"][0]["definition"]]
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    used = set().union(*(_names_in(e) for e in exprs))
+    assert used, "no metric names found"
+    missing = used - exported
+    assert not missing, f"not exported: {sorted(missing)}"
+    titles = {p["title"] for p in dash["panels"]}
+    assert {"KV cache usage", "Prefix cache hit rate", "RPC rate by method", "RPC latency p50 / p99",
+            "Allocation refusals", "KV events published"} <= titles  # fmt: skip
+
+
+def test_kubernetes_manifests() -> None:
+    """StatefulSet, headless Service and ConfigMap fit together; every replica config loads."""
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "kvcoord.yaml").read_text()))
+    kinds = {d["kind"]: d for d in docs}
+    assert set(kinds) == {"ConfigMap", "Service", "StatefulSet"}
+    sts = kinds["StatefulSet"]
+    assert sts["spec"]["serviceName"] == kinds["Service"]["metadata"]["name"]
+    assert kinds["Service"]["spec"]["clusterIP"] == "None"
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    assert {p["containerPort"] for p in container["ports"]} == {50051, 9400}
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert container[probe]["grpc"]["port"] == 50051
+    configs = kinds["ConfigMap"]["data"]
+    assert sorted(configs) == [f"kvcoord-{i}.toml" for i in range(sts["spec"]["replicas"])]
+    names = [p.name for text in configs.values() for p in parse_config(text).pools]
+    assert len(names) == len(set(names)), "a pool is placed on two replicas"
+    scrape = yaml.safe_load((DEPLOY / "kubernetes" / "prometheus-scrape.yml").read_text())["scrape_configs"][
+        0
+    ]
+    assert scrape["kubernetes_sd_configs"] == [{"role": "pod"}]
+    assert any(r.get("regex") == "kvcoord" and r["action"] == "keep" for r in scrape["relabel_configs"])
+
+
+def test_metrics_doc_lists_every_exported_metric() -> None:
+    """docs/metrics.md documents each exported kvcoord/gRPC metric."""
+    doc = (ROOT / "docs" / "metrics.md").read_text()
+    documented = set(re.findall(r"^\| `([a-z_]+)`", doc, flags=re.M))
+    exported = {re.sub(r"_(total|created|bucket|sum|count)$", "", n) for n in exported_metric_names()}
+    exported = {n for n in exported if n.startswith(("kvcoord_", "grpc_server_"))}
+    documented_bases = {re.sub(r"_total$", "", n) for n in documented}
+    assert exported <= documented_bases, sorted(exported - documented_bases)

@@ -1,0 +1,99 @@
+"""Layering and packaging rules that keep the project honest."""
+
+from __future__ import annotations
+
+import ast
+import filecmp
+import subprocess
+import sys
+from pathlib import Path
+
+import kvcoord.client
+import kvcoord.engine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_client_imports_nothing_from_the_server_side() -> None:
+    """With only client/ on the path, the client package and stubs import and work."""
+    code = (
+        "import sys, kvcoord.client, kvcoord.client.testing, kvcoord.v1.allocator_pb2_grpc\n"
+        "from kvcoord.client import BlockHasher, none_hash\n"
+        "assert BlockHasher('sha256_cbor', 4, none_hash('sha256_cbor', '0')).extend([1, 2, 3, 4])\n"
+        "bad = [m for m in sys.modules if m.startswith(('kvcoord.engine', 'kvcoord.service', 'kvcoord.conformance'))]\n"
+        "assert not bad, bad\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": str(ROOT / "client")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+    return out
+
+
+def test_engine_has_no_grpc_or_io() -> None:
+    """The engine imports only the standard library's pure modules and itself."""
+    allowed = {"__future__", "dataclasses", "enum", "math", "typing", "collections", "collections.abc"}
+    for path in (ROOT / "server" / "kvcoord" / "engine").rglob("*.py"):
+        bad = {m for m in _imports(path) if m not in allowed and not m.startswith("kvcoord.engine")}
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_prometheus_client_only_in_metrics() -> None:
+    """prometheus-client lives in service/metrics.py alone."""
+    for path in (ROOT / "server").rglob("*.py"):
+        if path.name != "metrics.py":
+            assert not any(m.startswith("prometheus_client") for m in _imports(path)), path
+
+
+def test_generated_code_is_current(tmp_path: Path) -> None:
+    """Regenerating from proto/ gives byte-identical modules (run scripts/gen_protos.py after edits)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import gen_protos
+    finally:
+        sys.path.pop(0)
+    gen_protos.generate(tmp_path)
+    fresh = tmp_path / "kvcoord" / "v1"
+    committed = ROOT / "client" / "kvcoord" / "v1"
+    names = sorted(p.name for p in fresh.iterdir())
+    assert names == ["allocator_pb2.py", "allocator_pb2.pyi", "allocator_pb2_grpc.py"]
+    for name in names:
+        assert filecmp.cmp(fresh / name, committed / name, shallow=False), (
+            f"{name} is stale: run scripts/gen_protos.py"
+        )
+
+
+def test_public_exports_are_pinned() -> None:
+    """API changes are deliberate: the export lists are written down here."""
+    assert sorted(kvcoord.engine.__all__) == sorted([
+        "AllBlocksCleared", "AllocationResult", "AttentionSpec", "BlockRemoved", "BlockStored", "CacheHit",
+        "ChunkedLocalAttentionSpec", "ConfigError", "CrossAttentionSpec", "EngineError", "ErrorStatus",
+        "FailedPreconditionError", "FullAttentionSpec", "InvalidArgumentError", "KVCacheConfig", "KVCacheEvent",
+        "KVCachePool", "LoRA", "LookupCounters", "MambaCacheMode", "MambaSpec", "PoolSnapshot", "PrefixCacheStats",
+        "RequestCheckpoint", "RequestExistsError", "RequestNotFoundError", "SlidingWindowSpec", "StaleCacheHitError",
+        "attention_groups", "hash_to_int64",
+    ])  # fmt: skip
+    assert sorted(kvcoord.client.__all__) == sorted([
+        "DEFAULT_RETRY", "NO_RETRY", "AbortedError", "AlreadyExistsError", "AsyncKVCoordClient", "BlockHasher",
+        "FailedPreconditionError", "HashMismatchError", "InternalError", "InvalidArgumentError", "KVCacheBlockIds",
+        "KVCoordClient", "KVCoordError", "MultiModalItem", "NotFoundError", "Pending", "PermissionDeniedError",
+        "RandomSeedError", "RemoteKVCacheManager", "ResourceExhaustedError", "RetryPolicy", "StepBatcher",
+        "UnavailableError", "none_hash",
+    ])  # fmt: skip
+    for mod in (kvcoord.engine, kvcoord.client):
+        for name in mod.__all__:
+            assert hasattr(mod, name), name

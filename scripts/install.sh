@@ -6,7 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 
-"$PYTHON" -m pip install --quiet --upgrade pip
 "$PYTHON" -m pip install --quiet -e '.[test]'
 echo "installed kvcoord (editable) with test extras"
 

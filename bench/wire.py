@@ -73,7 +73,9 @@ def bench_wire(address: str, ps: list[list[int]], steps: int, batched: bool) -> 
         prefill = []
         for i, p in enumerate(ps):
             hashers[i] = BlockHasher("sha256_cbor", BS, NONE)
-            sync = pb.RequestSync(request_id=f"r{i}", append_token_ids=p, append_block_hashes=hashers[i].extend(p))
+            sync = pb.RequestSync(
+                request_id=f"r{i}", append_token_ids=p, append_block_hashes=hashers[i].extend(p)
+            )
             prefill.append(pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=len(p))))
         c.step(name, prefill)
         samples = []
@@ -105,7 +107,9 @@ def main() -> None:
         step = bench_wire(server.address, ps, args.steps, batched=True)
     finally:
         server.stop()
-    print(f"{args.requests} requests, {args.steps} decode steps, median per allocate (update + allocate_slots):")
+    print(
+        f"{args.requests} requests, {args.steps} decode steps, median per allocate (update + allocate_slots):"
+    )
     print(f"{'path':<34}{'us/alloc':>10}{'x engine':>10}")
     for label, v in (("in-process engine", engine), ("unary Allocate RPC per request", unary),
                      (f"one Step RPC per step ({args.requests} ops)", step)):  # fmt: skip

@@ -8,4 +8,4 @@ from __future__ import annotations
 
 import os
 
-collect_ignore_glob = [] if os.environ.get("KVCOORD_TARGET") else ["integration/*"]
+collect_ignore = [] if os.environ.get("KVCOORD_TARGET") else ["integration"]

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from kvcoord.client import KVCoordClient
 
-collect_ignore_glob = [] if os.environ.get("KVCOORD_IMAGE") else ["test_image.py"]
+collect_ignore = [] if os.environ.get("KVCOORD_IMAGE") else ["test_image.py"]
 
 
 def _env(name: str) -> str:

@@ -198,3 +198,21 @@ def test_refusal_is_a_result_not_an_error(client: KVCoordClient) -> None:
     r = client.allocate("p", allocate("huge", list(range(250)), 250).allocate)
     assert r.result.refused and not r.result.new_block_ids
     assert state(client)[1:] == before[1:]
+
+
+def test_bearer_tokens(make_server: Callable[..., InProcessServer]) -> None:
+    """With auth_tokens set, calls need a valid token (UNAUTHENTICATED otherwise); health stays open."""
+    from kvcoord.client import PermissionDeniedError
+
+    srv = make_server(POOL_TOML, auth_tokens=("s3cret",))
+    with KVCoordClient(srv.address) as anonymous, KVCoordClient(srv.address, token="wrong") as wrong:
+        assert anonymous.health() == "SERVING"
+        for c in (anonymous, wrong):
+            with pytest.raises(
+                PermissionDeniedError, match="UNAUTHENTICATED: missing or invalid bearer token"
+            ):
+                c.list_pools()
+            with pytest.raises(PermissionDeniedError, match="UNAUTHENTICATED"):
+                list(c.watch_events("p", 0, timeout=2))
+    with KVCoordClient(srv.address, token="s3cret") as ok:
+        assert [p.name for p in ok.list_pools().pools] == ["p"]

@@ -97,3 +97,13 @@ def test_public_exports_are_pinned() -> None:
     for mod in (kvcoord.engine, kvcoord.client):
         for name in mod.__all__:
             assert hasattr(mod, name), name
+
+
+def test_strict_typing_and_lint() -> None:
+    """mypy --strict (configured in pyproject.toml) and ruff pass on all hand-written code."""
+    for args in (
+        [sys.executable, "-m", "mypy", "client", "server"],
+        [sys.executable, "-m", "ruff", "check", "."],
+    ):
+        proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -42,6 +42,16 @@ def _should_retry(
 class _Api:
     """The call surface shared by both clients; ``_call`` decides sync or async."""
 
+    def _setup(
+        self, target: str, timeout: float, retry: RetryPolicy, token: str | None, channel: Any
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.retry = retry
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self.channel = channel
+        self.stub = pb_grpc.AllocatorStub(channel)
+
     def _call(self, rpc: str, request: Any) -> Any:
         raise NotImplementedError
 
@@ -143,12 +153,13 @@ class KVCoordClient(_Api):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
     ) -> None:
-        self.target = target
-        self.timeout = timeout
-        self.retry = retry
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self.channel = grpc.insecure_channel(target, options=rq.channel_options(max_message_bytes))
-        self.stub = pb_grpc.AllocatorStub(self.channel)
+        self._setup(
+            target,
+            timeout,
+            retry,
+            token,
+            grpc.insecure_channel(target, options=rq.channel_options(max_message_bytes)),
+        )
 
     def __enter__(self) -> KVCoordClient:
         return self
@@ -214,12 +225,13 @@ class AsyncKVCoordClient(_Api):
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
     ) -> None:
-        self.target = target
-        self.timeout = timeout
-        self.retry = retry
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self.channel = grpc.aio.insecure_channel(target, options=rq.channel_options(max_message_bytes))
-        self.stub = pb_grpc.AllocatorStub(self.channel)
+        self._setup(
+            target,
+            timeout,
+            retry,
+            token,
+            grpc.aio.insecure_channel(target, options=rq.channel_options(max_message_bytes)),
+        )
 
     async def __aenter__(self) -> AsyncKVCoordClient:
         return self

@@ -203,16 +203,18 @@ class RemoteKVCacheManager:
     # -- KVCacheManager interface ------------------------------------------------------------
     def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlockIds, int]:
         """The longest prefix hit (a hint until adopted by allocate_slots)."""
-        return self._run(*self._ops().get_computed_blocks(request))
+        hit: tuple[KVCacheBlockIds, int] = self._run(*self._ops().get_computed_blocks(request))
+        return hit
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0) -> KVCacheBlockIds | None:  # fmt: skip
         """New block ids per group, or ``None`` when the pool has too few free blocks."""
-        return self._run(*self._ops().allocate_slots(
+        new: KVCacheBlockIds | None = self._run(*self._ops().allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens))  # fmt: skip
+        return new
 
     def allocate_with_lookup(
         self,
@@ -268,13 +270,14 @@ class RemoteKVCacheManager:
         return self._run(*self._ops().get_num_common_prefix_blocks(request_id))
 
     def reset_prefix_cache(self) -> bool:
-        return self._run(*self._ops().reset_prefix_cache())
+        return bool(self._run(*self._ops().reset_prefix_cache()))
 
     def take_events(self) -> list[pb.KVEvent]:
         return self._run(*self._ops().take_events())
 
     def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
-        return self._run(*self._ops().make_prefix_cache_stats())
+        stats: pb.PrefixCacheStats | None = self._run(*self._ops().make_prefix_cache_stats())
+        return stats
 
     @property
     def usage(self) -> float:
@@ -447,9 +450,9 @@ class StepBatcher:
         for (_, decode, touched, p), result in zip(items, resp.results, strict=True):
             if result.status_code == 0:
                 for rid in touched:
-                    t = self.m._tracked.get(rid)
-                    if t is not None:
-                        t.commit()
+                    tracked = self.m._tracked.get(rid)
+                    if tracked is not None:
+                        tracked.commit()
                 p._set(decode(result))
             else:
                 p._fail(error_from_code(status_code(result.status_code), result.status_message))

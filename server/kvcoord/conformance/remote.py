@@ -137,7 +137,8 @@ class RemoteTarget:
         for r in resp.results:
             if r.status_code:
                 raise error_from_code(status_code(r.status_code), r.status_message)
-        return resp.results[-1]
+        last: pb.OperationResult = resp.results[-1]
+        return last
 
     def _flush(self, rid: str) -> list[pb.Operation]:
         sync = self._pending.pop(rid, None)

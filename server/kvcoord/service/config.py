@@ -34,6 +34,7 @@ ENV_LISTEN = "KVCOORD_LISTEN"
 ENV_METRICS = "KVCOORD_METRICS_LISTEN"
 ENV_LOG_LEVEL = "KVCOORD_LOG_LEVEL"
 ENV_CONFIG = "KVCOORD_CONFIG"
+ENV_TOKENS = "KVCOORD_AUTH_TOKENS"
 
 
 class ConfigFileError(ValueError):
@@ -51,6 +52,7 @@ class ServerSettings:
     session_lease_seconds: float = 30.0
     max_session_lease_seconds: float = 3600.0
     log_level: str = "INFO"
+    auth_tokens: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,7 +124,7 @@ def _settings(d: Mapping[str, Any]) -> ServerSettings:
     for key, value in d.items():
         if key not in known:
             raise ConfigFileError(f"server: unknown key {key!r} (known: {sorted(known)})")
-        kwargs[key] = tuple(value) if key == "listen" else value
+        kwargs[key] = tuple(value) if key in ("listen", "auth_tokens") else value
     s = ServerSettings(**kwargs)
     if not s.listen:
         raise ConfigFileError("server.listen: at least one address is required")
@@ -192,6 +194,8 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         overrides["listen"] = tuple(a.strip() for a in env[ENV_LISTEN].split(",") if a.strip())
     if ENV_METRICS in env:
         overrides["metrics_listen"] = env[ENV_METRICS].strip()
+    if env.get(ENV_TOKENS):
+        overrides["auth_tokens"] = tuple(t.strip() for t in env[ENV_TOKENS].split(",") if t.strip())
     if env.get(ENV_LOG_LEVEL):
         overrides["log_level"] = env[ENV_LOG_LEVEL].strip().upper()
     if overrides:

@@ -12,12 +12,12 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from kvcoord.v1 import allocator_pb2 as pb
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .registry import PoolHandle
+from .servicer import NullObserver
 
 if TYPE_CHECKING:
     from .servicer import AllocatorServicer
@@ -178,7 +178,7 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-class Metrics:
+class Metrics(NullObserver):
     """kvcoord's Prometheus registry; also the servicer's operation observer."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -229,21 +229,9 @@ class Metrics:
         self.handled.labels(service, method, kind, name).inc()
         self.latency.labels(service, method, kind).observe(time.perf_counter() - t0)
 
-    # -- OperationObserver -------------------------------------------------------
-    def after_op(self, handle: PoolHandle, kind: str, op: Any, result: pb.OperationResult) -> None:
-        pass
-
+    # -- OperationObserver (the rest is inherited as no-ops) -------------------------
     def pool_created(self, handle: PoolHandle) -> None:
-        self.handshake_refusals.labels(handle.name)
-
-    def pool_deleted(self, handle: PoolHandle) -> None:
-        pass
-
-    def attached(self, handle: PoolHandle) -> None:
-        pass
-
-    def detached(self, pool: str) -> None:
-        pass
+        self.handshake_refusals.labels(handle.name)  # export the series at 0
 
     def handshake_refused(self, pool: str) -> None:
         self.handshake_refusals.labels(pool).inc()
@@ -266,5 +254,5 @@ class Metrics:
 def _code_name(value: int) -> str:
     for code in grpc.StatusCode:
         if code.value[0] == value:
-            return code.name
+            return str(code.name)
     return "UNKNOWN"

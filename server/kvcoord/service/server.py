@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
+from .auth import TokenAuthInterceptor
 from .config import ServerConfig
 from .registry import PoolRegistry
 from .servicer import AllocatorServicer, OperationObserver
@@ -94,7 +95,10 @@ async def start_server(
     for decl in cfg.pools:
         handle, _ = registry.create(decl.name, decl.config)
         servicer.observer.pool_created(handle)
-    server = grpc.aio.server(options=_options(cfg), interceptors=list(interceptors))
+    chain = list(interceptors)
+    if cfg.server.auth_tokens:
+        chain.insert(0, TokenAuthInterceptor(cfg.server.auth_tokens))
+    server = grpc.aio.server(options=_options(cfg), interceptors=chain)
     pb_grpc.add_AllocatorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -16,7 +16,7 @@ from .ops import apply_operation
 from .registry import PoolHandle, PoolRegistry
 from .sessions import SessionManager
 
-__all__ = ["AllocatorServicer", "OperationObserver"]
+__all__ = ["AllocatorServicer", "NullObserver", "OperationObserver"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,9 @@ class OperationObserver(Protocol):
     def handshake_refused(self, pool: str) -> None: ...
 
 
-class _NoObserver:
+class NullObserver:
+    """An observer that ignores everything; subclass it to watch only some events."""
+
     def after_op(self, handle: PoolHandle, kind: str, op: Any, result: pb.OperationResult) -> None:
         pass
 
@@ -67,7 +69,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     ) -> None:
         self.registry = registry
         self.sessions = sessions
-        self.observer: OperationObserver = observer or _NoObserver()
+        self.observer: OperationObserver = observer or NullObserver()
         self.watch_poll_seconds = watch_poll_seconds
         self.stopping = False
 

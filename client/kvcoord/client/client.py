@@ -42,15 +42,31 @@ def _should_retry(
 class _Api:
     """The call surface shared by both clients; ``_call`` decides sync or async."""
 
-    def _setup(
-        self, target: str, timeout: float, retry: RetryPolicy, token: str | None, channel: Any
+    _channel_factory: Any = None
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        token: str | None = None,
     ) -> None:
+        """Open a channel to ``target`` (``host:port`` or ``unix:/path``).
+
+        Args:
+            timeout: deadline of each attempt, in seconds.
+            retry: retry settings for calls that are safe to repeat.
+            max_message_bytes: send/receive limit (match the server's for large Steps).
+            token: bearer token, when the server sets ``auth_tokens``.
+        """
         self.target = target
         self.timeout = timeout
         self.retry = retry
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self.channel = channel
-        self.stub = pb_grpc.AllocatorStub(channel)
+        self.channel = self._channel_factory(target, options=rq.channel_options(max_message_bytes))
+        self.stub = pb_grpc.AllocatorStub(self.channel)
 
     def _call(self, rpc: str, request: Any) -> Any:
         raise NotImplementedError
@@ -144,22 +160,7 @@ class KVCoordClient(_Api):
         max_message_bytes: send/receive limit (match the server's for large Steps).
     """
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        retry: RetryPolicy = DEFAULT_RETRY,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        token: str | None = None,
-    ) -> None:
-        self._setup(
-            target,
-            timeout,
-            retry,
-            token,
-            grpc.insecure_channel(target, options=rq.channel_options(max_message_bytes)),
-        )
+    _channel_factory = staticmethod(grpc.insecure_channel)
 
     def __enter__(self) -> KVCoordClient:
         return self
@@ -216,22 +217,7 @@ class KVCoordClient(_Api):
 class AsyncKVCoordClient(_Api):
     """asyncio client: the same methods as :class:`KVCoordClient`, as coroutines."""
 
-    def __init__(
-        self,
-        target: str,
-        *,
-        timeout: float = DEFAULT_TIMEOUT,
-        retry: RetryPolicy = DEFAULT_RETRY,
-        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        token: str | None = None,
-    ) -> None:
-        self._setup(
-            target,
-            timeout,
-            retry,
-            token,
-            grpc.aio.insecure_channel(target, options=rq.channel_options(max_message_bytes)),
-        )
+    _channel_factory = staticmethod(grpc.aio.insecure_channel)
 
     async def __aenter__(self) -> AsyncKVCoordClient:
         return self

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
@@ -21,6 +21,7 @@ __all__ = ["AllocatorServicer", "NullObserver", "OperationObserver"]
 logger = logging.getLogger(__name__)
 
 _ABORTED = int(grpc.StatusCode.ABORTED.value[0])
+T = TypeVar("T")
 
 
 class OperationObserver(Protocol):
@@ -54,6 +55,12 @@ class NullObserver:
 
     def handshake_refused(self, pool: str) -> None:
         pass
+
+
+def _replay(handle: PoolHandle, key: str, message: type[T]) -> T | None:
+    """The stored answer of an earlier call with this idempotency key, if any."""
+    data = handle.cached_response(key)
+    return None if data is None else message.FromString(data)  # type: ignore[attr-defined]
 
 
 class AllocatorServicer(pb_grpc.AllocatorServicer):
@@ -204,9 +211,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> pb.AllocateResponse:
         handle = self._pool(request.pool, request.session_id)
-        cached = handle.cached_response(request.idempotency_key)
-        if cached is not None:
-            return pb.AllocateResponse.FromString(cached)
+        if (replayed := _replay(handle, request.idempotency_key, pb.AllocateResponse)) is not None:
+            return replayed
         result = self._op(handle, request.session_id, pb.Operation(allocate=request.op))
         response = pb.AllocateResponse(
             result=result.allocate, num_free_blocks=handle.engine.num_free_blocks, usage=handle.engine.usage
@@ -217,9 +223,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     @map_errors
     async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.FreeResponse:
         handle = self._pool(request.pool, request.session_id)
-        cached = handle.cached_response(request.idempotency_key)
-        if cached is not None:
-            return pb.FreeResponse.FromString(cached)
+        if (replayed := _replay(handle, request.idempotency_key, pb.FreeResponse)) is not None:
+            return replayed
         missing = [rid for rid in request.request_ids if not handle.engine.has_request(rid)]
         if missing:
             raise ServiceError(grpc.StatusCode.NOT_FOUND, f"requests not in pool {handle.name!r}: {missing}")
@@ -245,9 +250,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     @map_errors
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
         handle = self._pool(request.pool, request.session_id)
-        cached = handle.cached_response(request.idempotency_key)
-        if cached is not None:
-            return pb.StepResponse.FromString(cached)
+        if (replayed := _replay(handle, request.idempotency_key, pb.StepResponse)) is not None:
+            return replayed
         if len(request.ops) > handle.limits.max_ops_per_step:
             raise ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

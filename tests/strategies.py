@@ -71,11 +71,3 @@ def configs(draw: st.DrawFn) -> KVCacheConfig:
 
 
 PREFIXES = [list(range(100, 100 + n)) for n in (0, 4, 9, 16, 24)]
-
-
-@st.composite
-def prompts(draw: st.DrawFn) -> list[int]:
-    """A prompt that often shares a prefix with others (1 to 48 tokens)."""
-    prefix = draw(st.sampled_from(PREFIXES))
-    suffix = draw(st.lists(st.integers(0, 3), min_size=1, max_size=24))
-    return (prefix + suffix)[:48]

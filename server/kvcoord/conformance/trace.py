@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvcoord.client.hashing import HASH_LENGTHS
 from kvcoord.engine import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -19,8 +20,6 @@ from kvcoord.engine import (
 )
 
 __all__ = ["Trace", "TraceFormatError", "config_from_trace", "load_trace", "spec_from_dict"]
-
-HASH_LENGTHS = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16}
 
 
 class TraceFormatError(ValueError):

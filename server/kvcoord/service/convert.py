@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
+from kvcoord.client.hashing import HASH_LENGTHS
 from kvcoord.engine import (
     AllBlocksCleared,
     AttentionSpec,
@@ -27,17 +28,14 @@ from kvcoord.v1 import allocator_pb2 as pb
 from .errors import ServiceError
 
 __all__ = [
-    "HASH_LENGTHS",
     "block_ids_to_pb",
     "config_from_pb",
     "event_to_pb",
     "hit_from_pb",
     "hit_to_pb",
-    "spec_to_pb",
     "stats_to_pb",
 ]
 
-HASH_LENGTHS = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16}
 MAX_MODEL_LEN_UNLIMITED = 1 << 31
 
 
@@ -83,60 +81,6 @@ def spec_from_pb(group: pb.KVCacheGroupSpec, gid: int) -> AttentionSpec:
         return CrossAttentionSpec(x.block_size, x.num_kv_heads or 1, x.head_size or 1, x.dtype or "auto")
     raise _invalid(
         f"groups[{gid}] has no spec: set one of full, sliding_window, chunked_local, mamba, cross_attention"
-    )
-
-
-def spec_to_pb(spec: AttentionSpec) -> pb.KVCacheGroupSpec:
-    """The wire form of an engine spec (inverse of :func:`spec_from_pb`)."""
-    if isinstance(spec, FullAttentionSpec):
-        return pb.KVCacheGroupSpec(
-            full=pb.FullAttentionSpec(
-                block_size=spec.block_size,
-                num_kv_heads=spec.num_kv_heads,
-                head_size=spec.head_size,
-                dtype=spec.dtype,
-                use_mla=spec.use_mla,
-                sink_len=spec.sink_len or 0,
-            )
-        )
-    if isinstance(spec, SlidingWindowSpec):
-        return pb.KVCacheGroupSpec(
-            sliding_window=pb.SlidingWindowSpec(
-                block_size=spec.block_size,
-                sliding_window=spec.sliding_window,
-                num_kv_heads=spec.num_kv_heads,
-                head_size=spec.head_size,
-                dtype=spec.dtype,
-            )
-        )
-    if isinstance(spec, ChunkedLocalAttentionSpec):
-        return pb.KVCacheGroupSpec(
-            chunked_local=pb.ChunkedLocalAttentionSpec(
-                block_size=spec.block_size,
-                attention_chunk_size=spec.attention_chunk_size,
-                num_kv_heads=spec.num_kv_heads,
-                head_size=spec.head_size,
-                dtype=spec.dtype,
-            )
-        )
-    if isinstance(spec, MambaSpec):
-        dims = [d for shape in spec.shapes for d in shape]
-        return pb.KVCacheGroupSpec(
-            mamba=pb.MambaSpec(
-                block_size=spec.block_size,
-                mamba_cache_mode=spec.mamba_cache_mode.value,
-                num_speculative_blocks=spec.num_speculative_blocks,
-                shape_dims=dims,
-                dtypes=list(spec.dtypes),
-            )
-        )
-    return pb.KVCacheGroupSpec(
-        cross_attention=pb.CrossAttentionSpec(
-            block_size=spec.block_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size,
-            dtype=spec.dtype,
-        )
     )
 
 

@@ -230,8 +230,6 @@ _HANDLERS: dict[str, Callable[[PoolHandle, str, Any], pb.OperationResult]] = {
     "sync": _sync,
 }
 
-OP_KINDS = tuple(_HANDLERS)
-
 
 def apply_operation(handle: PoolHandle, session_id: str, op: pb.Operation) -> tuple[str, pb.OperationResult]:
     """Apply one operation; errors propagate (and the pool is unchanged by it)."""

@@ -15,9 +15,10 @@ test-fast:          ## everything except the container suite
 integration:        ## only the container suite (builds and starts the image)
 	./scripts/test.sh --integration-only
 
-bench:
+bench:             ## engine scaling, wire costs, memory (bench/vs_vllm.py needs vLLM: see its docstring)
 	$(PYTHON) bench/engine.py
 	$(PYTHON) bench/wire.py
+	$(PYTHON) bench/memory.py
 
 protos:             ## regenerate client/kvcoord/v1 after editing proto/
 	$(PYTHON) scripts/gen_protos.py

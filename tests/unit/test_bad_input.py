@@ -238,3 +238,17 @@ def test_atomic_lookup_allocation() -> None:
     assert res.num_new_tokens == 4
     assert res.new_block_ids == ((4,),)
     assert d.ids("B") == ((1, 2, 3, 4),)
+
+
+def test_a_hit_is_checked_against_the_adopting_request() -> None:
+    """Block ids looked up for one request cannot be adopted by a request with another prefix."""
+    d = Driver((FullAttentionSpec(4),), num_blocks=20)
+    d.admit("A", toks(1, 12))
+    d.add("B", toks(1, 12))
+    hit_b = d.hit("B")
+    assert hit_b.block_ids == ((1, 2),)
+    d.add("C", toks(50, 61))
+    before = d.pool.snapshot()
+    with pytest.raises(StaleCacheHitError, match="block 1 at position 0"):
+        d.pool.allocate_slots("C", 4, 8, hit_b)
+    assert d.pool.snapshot() == before

@@ -85,6 +85,9 @@ class BlockPool:
         self.kv_event_queue: list[KVCacheEvent] = []
         # Counters the service turns into metrics; they never influence allocation.
         self.num_evictions = 0
+        # Bumped whenever a cached block loses its hash: a prefix hit looked up at the
+        # same epoch is still entirely cached.
+        self.hash_epoch = 0
         self.num_allocated = 0
         self.num_freed = 0
 
@@ -175,6 +178,7 @@ class BlockPool:
             return False
         block.block_hash = None
         self.num_evictions += 1
+        self.hash_epoch += 1
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(BlockRemoved(block_hashes=(bytes(key[:-4]),)))
         return True
@@ -210,6 +214,7 @@ class BlockPool:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         for block in self.blocks:
             block.block_hash = None
+        self.hash_epoch += 1
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
         return True

@@ -88,6 +88,15 @@ class PoolSnapshot:
     stats: PrefixCacheStats | None
 
 
+_ALLOCATE_COUNT_NAMES = (
+    "num_new_tokens",
+    "num_new_computed_tokens",
+    "num_lookahead_tokens",
+    "num_external_computed_tokens",
+    "num_encoder_tokens",
+)
+
+
 def _check_count(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgumentError(f"{name} must be an integer, got {type(value).__name__}")
@@ -115,6 +124,8 @@ class KVCachePool:
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if config.log_stats else None
         self.num_refusals = 0
         self.lookup_counters = LookupCounters(group_hit_tokens=[0] * len(config.groups))
+        # Managers whose rules must be checked before any state changes (mamba align).
+        self._prechecked_managers = [m for m in self.managers if isinstance(m, MambaManager) and m.align]
         self._alignment = self.coordinator.alignment_tokens
         self._num_sink_blocks = sum(len(getattr(m, "sink_blocks", ())) for m in self.managers)
 
@@ -241,6 +252,8 @@ class KVCachePool:
         if not self.enable_caching or req.skip_reading_prefix_cache:
             return CacheHit(tuple(() for _ in self.managers), 0)
         lists, hit = self.coordinator.find_longest_cache_hit(req.block_hashes, req.num_tokens - 1)
+        ids = tuple([tuple([b.block_id for b in lst]) for lst in lists])
+        req.last_hit = (ids, self.block_pool.hash_epoch)
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(req.num_tokens, hit, req.num_preemptions > 0)
         c = self.lookup_counters
@@ -251,7 +264,7 @@ class KVCachePool:
             c.short_lookups += 1
         for g, lst in enumerate(lists):
             c.group_hit_tokens[g] += len(lst) * self.config.groups[g].block_size
-        return CacheHit(tuple(tuple(b.block_id for b in lst) for lst in lists), hit)
+        return CacheHit(ids, hit)
 
     def allocate_slots(
         self,
@@ -289,14 +302,11 @@ class KVCachePool:
                 a hit, or the call breaks a manager rule (mamba align chunking).
         """
         req = self._get(request_id)
-        for name, value in (
-            ("num_new_tokens", num_new_tokens),
-            ("num_new_computed_tokens", num_new_computed_tokens),
-            ("num_lookahead_tokens", num_lookahead_tokens),
-            ("num_external_computed_tokens", num_external_computed_tokens),
-            ("num_encoder_tokens", num_encoder_tokens),
-        ):
-            _check_count(value, name)
+        counts = (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
+                  num_encoder_tokens)  # fmt: skip
+        if not all(type(v) is int and v >= 0 for v in counts):  # fast path; the loop names the culprit
+            for name, value in zip(_ALLOCATE_COUNT_NAMES, counts, strict=True):
+                _check_count(value, name)
         if not isinstance(delay_cache_blocks, bool):
             raise InvalidArgumentError("delay_cache_blocks must be a bool")
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
@@ -315,7 +325,7 @@ class KVCachePool:
         total = min(local + num_external_computed_tokens, self.max_model_len)
         main = total + num_new_tokens
         need = min(main + num_lookahead_tokens, self.max_model_len)
-        for manager in self.managers:
+        for manager in self._prechecked_managers:
             reason = manager.check_allocation(request_id, main)
             if reason is not None:
                 raise FailedPreconditionError(f"group {manager.group_id}: {reason}")
@@ -340,7 +350,7 @@ class KVCachePool:
         new = coordinator.allocate_new_blocks(request_id, need, main, num_encoder_tokens)
         if self.enable_caching and not delay_cache_blocks:
             coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens))
-        return tuple(tuple(b.block_id for b in lst) for lst in new)
+        return tuple([tuple([b.block_id for b in lst]) for lst in new])
 
     def allocate_slots_with_lookup(
         self,
@@ -621,6 +631,12 @@ class KVCachePool:
             raise InvalidArgumentError("prefix caching is off: new_computed_blocks must be empty")
         blocks = self.block_pool.blocks
         null = self.block_pool.null_block
+        # The request's own last lookup, and no cached hash dropped since: every block
+        # still holds the key it was found under, so the per-block check can be skipped.
+        last = req.last_hit
+        trusted = (
+            last is not None and last[1] == self.block_pool.hash_epoch and tuple(map(tuple, lists)) == last[0]
+        )
         out: list[list[KVCacheBlock]] = []
         for m, ids in zip(self.managers, lists, strict=False):
             if isinstance(m, CrossAttentionManager) and ids:
@@ -636,6 +652,9 @@ class KVCachePool:
                     f"group {m.group_id}: {len(ids)} hit blocks but the request has only "
                     f"{len(hashes)} full blocks"
                 )
+            if trusted:
+                out.append([blocks[bid] for bid in ids])
+                continue
             resolved = []
             for pos, bid in enumerate(ids):
                 if isinstance(bid, bool) or not isinstance(bid, int) or not 0 <= bid < len(blocks):

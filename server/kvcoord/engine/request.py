@@ -33,6 +33,8 @@ class Request:
     num_preemptions: int = 0
     lora: LoRA | None = None
     skip_reading_prefix_cache: bool = False
+    #: block ids of the request's last lookup and the pool's hash epoch at that time
+    last_hit: tuple[tuple[tuple[int, ...], ...], int] | None = None
 
     @property
     def num_tokens(self) -> int:

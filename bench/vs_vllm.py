@@ -1,0 +1,308 @@
+"""kvcoord's engine against vLLM 0.16.0's own KVCacheManager, side by side. Not a test.
+
+Needs vLLM 0.16.0 importable (it is not a kvcoord dependency). On a CPU machine:
+
+    python3 -m venv /tmp/vllm-venv
+    /tmp/vllm-venv/bin/pip install torch==2.13.0 && /tmp/vllm-venv/bin/pip install --no-deps vllm==0.16.0
+    # then install the modules its import reports missing (numpy, msgspec, pydantic, ...)
+    PYTHONHASHSEED=0 /tmp/vllm-venv/bin/python bench/vs_vllm.py [--check-only]
+
+The same seeded scheduler workload (chunked prefill with prefix lookups, decode,
+preemption on refusal, frees) drives both managers. Every answer is compared: prefix
+hits, new block ids, refusals, free-block counts and, at the end, events and stats; the
+first difference stops the run. Then each side's get_computed_blocks / allocate_slots /
+free are timed (block hashing excluded on both sides) and printed with their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
+
+from kvcoord.client.hashing import BlockHasher, none_hash  # noqa: E402
+from kvcoord.engine import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCachePool,
+    MambaCacheMode,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+
+LAYOUTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    "full16": [("full", {})],
+    "full16+swa16(w128)": [("full", {}), ("swa", {"sliding_window": 128})],
+    "full16+swa32(w128)": [("full", {}), ("swa32", {"sliding_window": 128})],
+    "full16+swa16(w64)+swa16(w256)": [
+        ("full", {}),
+        ("swa", {"sliding_window": 64}),
+        ("swa", {"sliding_window": 256}),
+    ],
+    "full16+mamba16(all)": [("full", {}), ("mamba", {})],
+}
+
+
+class Ours:
+    def __init__(self, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, eagle: bool) -> None:
+        groups: list[Any] = []
+        for kind, kw in layout:
+            if kind == "full":
+                groups.append(FullAttentionSpec(16))
+            elif kind == "swa":
+                groups.append(SlidingWindowSpec(16, kw["sliding_window"]))
+            elif kind == "swa32":
+                groups.append(SlidingWindowSpec(32, kw["sliding_window"]))
+            else:
+                groups.append(MambaSpec(16, MambaCacheMode.ALL))
+        self.pool = KVCachePool(KVCacheConfig(num_blocks=num_blocks, groups=tuple(groups), hash_block_size=16,
+                                              use_eagle=eagle, enable_kv_cache_events=True, max_model_len=8192))  # fmt: skip
+        self.none = none_hash("sha256_cbor", "0")
+        self.hashers: dict[str, BlockHasher] = {}
+
+    def add(self, rid: str, tokens: list[int]) -> None:
+        self.hashers[rid] = BlockHasher("sha256_cbor", 16, self.none)
+        self.pool.add_request(rid, tokens, self.hashers[rid].extend(tokens))
+
+    def lookup(self, rid: str) -> tuple[Any, list[list[int]], int]:
+        hit = self.pool.get_computed_blocks(rid)
+        return hit, [list(x) for x in hit.block_ids], hit.num_tokens
+
+    def allocate(self, rid: str, n: int, hit_tokens: int = 0, hit: Any = None) -> list[list[int]] | None:
+        out = self.pool.allocate_slots(rid, n, hit_tokens, hit)
+        return None if out is None else [list(x) for x in out]
+
+    def advance(self, rid: str, computed: int, appended: list[int]) -> None:
+        self.pool.update_request(rid, num_computed_tokens=computed, append_token_ids=appended,
+                                 append_block_hashes=self.hashers[rid].extend(appended))  # fmt: skip
+
+    def free(self, rid: str) -> None:
+        self.pool.free(rid)
+
+    def preempt(self, rid: str) -> None:
+        self.pool.preempt(rid)
+
+    def num_free(self) -> int:
+        return self.pool.num_free_blocks
+
+    def finish(self) -> tuple[Any, ...]:
+        s = self.pool.make_prefix_cache_stats()
+        assert s is not None
+        return len(self.pool.take_events()), s.requests, s.queries, s.hits, s.preempted_hits
+
+
+class VLLM:
+    def __init__(self, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, eagle: bool) -> None:
+        import torch
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256_cbor
+        from vllm.v1 import kv_cache_interface as k
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256_cbor)
+        specs: list[Any] = []
+        common = {"num_kv_heads": 1, "head_size": 64, "dtype": torch.float16}
+        for kind, kw in layout:
+            if kind == "full":
+                specs.append(k.FullAttentionSpec(16, **common))
+            elif kind in ("swa", "swa32"):
+                specs.append(
+                    k.SlidingWindowSpec(
+                        16 if kind == "swa" else 32, sliding_window=kw["sliding_window"], **common
+                    )
+                )
+            else:
+                specs.append(k.MambaSpec(16, shapes=((8,),), dtypes=(torch.float16,), mamba_cache_mode="all"))
+        groups = [k.KVCacheGroupSpec([f"layer{i}"], s) for i, s in enumerate(specs)]
+        cfg = k.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+        self.m = KVCacheManager(cfg, max_model_len=8192, hash_block_size=16, enable_caching=True, use_eagle=eagle,
+                                log_stats=True, enable_kv_cache_events=True)  # fmt: skip
+        self._make: Callable[[str, list[int]], Any] = lambda rid, toks: Request(
+            rid,
+            toks,
+            SamplingParams(max_tokens=1000),
+            None,
+            None,
+            block_hasher=get_request_block_hasher(16, sha256_cbor),
+        )
+        self.reqs: dict[str, Any] = {}
+
+    def add(self, rid: str, tokens: list[int]) -> None:
+        self.reqs[rid] = self._make(rid, tokens)
+
+    def lookup(self, rid: str) -> tuple[Any, list[list[int]], int]:
+        blocks, n = self.m.get_computed_blocks(self.reqs[rid])
+        return blocks, [list(x) for x in blocks.get_block_ids()], n
+
+    def allocate(self, rid: str, n: int, hit_tokens: int = 0, hit: Any = None) -> list[list[int]] | None:
+        out = self.m.allocate_slots(self.reqs[rid], n, hit_tokens, hit)
+        return None if out is None else [list(x) for x in out.get_block_ids(allow_none=False)]
+
+    def advance(self, rid: str, computed: int, appended: list[int]) -> None:
+        r = self.reqs[rid]
+        r.num_computed_tokens = computed
+        if appended:
+            r.append_output_token_ids(appended)
+
+    def free(self, rid: str) -> None:
+        self.m.free(self.reqs.pop(rid))
+
+    def preempt(self, rid: str) -> None:
+        r = self.reqs[rid]
+        self.m.free(r)
+        r.num_computed_tokens = 0
+        r.num_preemptions += 1
+
+    def num_free(self) -> int:
+        return int(self.m.block_pool.get_num_free_blocks())
+
+    def finish(self) -> tuple[Any, ...]:
+        s = self.m.make_prefix_cache_stats()
+        return len(self.m.take_events()), s.requests, s.queries, s.hits, s.preempted_hits
+
+
+def workload(side: Any, seed: int, steps: int, timings: dict[str, list[float]] | None,
+             trace: list[Any] | None) -> None:  # fmt: skip
+    """A scheduler loop; appends every observable answer to ``trace``."""
+    rnd = random.Random(seed)
+    systems = [[rnd.randrange(32000) for _ in range(n)] for n in (64, 200, 500)]
+    live: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    running: list[str] = []
+    decode_left: dict[str, int] = {}
+    pc = time.perf_counter
+    nid = 0
+
+    def rec(x: Any) -> None:
+        if trace is not None:
+            trace.append(x)
+
+    def timed(name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = pc()
+        out = fn(*args)
+        if timings is not None:
+            timings[name].append(pc() - t0)
+        return out
+
+    for _ in range(steps):
+        while len(live) < 24 and rnd.random() < 0.7:
+            rid = f"r{nid}"
+            nid += 1
+            toks = (rnd.choice(systems) + [rnd.randrange(32000) for _ in range(rnd.randint(1, 700))])[:1200]
+            live[rid] = toks
+            computed[rid] = 0
+            decode_left[rid] = rnd.randint(1, 40)
+            side.add(rid, list(toks))
+        budget = 2048
+        for rid in list(live):
+            if budget <= 0:
+                break
+            toks = live[rid]
+            if rid not in running:
+                hit, ids, n_hit = timed("lookup", side.lookup, rid)
+                rec(("hit", rid, ids, n_hit))
+                n = min(len(toks) - n_hit, budget, 512)
+                new = timed("allocate", side.allocate, rid, n, n_hit, hit)
+                start = n_hit
+            else:
+                n = min(len(toks) - computed[rid], budget, 512)
+                new = timed("allocate", side.allocate, rid, n)
+                start = computed[rid]
+            rec(("alloc", rid, new, side.num_free()))
+            if new is None:
+                if running:
+                    victim = running.pop()
+                    timed("free", side.preempt, victim)
+                    computed[victim] = 0
+                    rec(("preempt", victim, side.num_free()))
+                continue
+            if rid not in running:
+                running.append(rid)
+            computed[rid] = start + n
+            budget -= n
+            appended: list[int] = []
+            if computed[rid] == len(toks):
+                if decode_left[rid] == 0:
+                    timed("free", side.free, rid)
+                    rec(("free", rid, side.num_free()))
+                    del live[rid]
+                    running.remove(rid)
+                    continue
+                decode_left[rid] -= 1
+                appended = [rnd.randrange(32000)]
+                live[rid] = toks + appended
+            side.advance(rid, computed[rid], appended)
+    rec(("end", side.finish()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check-only", action="store_true", help="only the differential check")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=150)
+    args = parser.parse_args()
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        raise SystemExit("run with PYTHONHASHSEED=0 so that vLLM's NONE_HASH is the seeded one")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise SystemExit("vLLM 0.16.0 is not importable here; see this file's docstring") from None
+    compared = 0
+    for name, layout in LAYOUTS.items():
+        for eagle in (False, True):
+            if eagle and name == "full16+swa32(w128)":
+                continue  # EAGLE needs sliding block size == LCM: refused by both
+            for seed in range(args.seeds):
+                num_blocks = 400 + 200 * seed
+                a: list[Any] = []
+                b: list[Any] = []
+                workload(VLLM(layout, num_blocks, eagle), seed, args.steps, None, a)
+                workload(Ours(layout, num_blocks, eagle), seed, args.steps, None, b)
+                for i, (x, y) in enumerate(zip(a, b, strict=False)):
+                    if x != y:
+                        raise SystemExit(
+                            f"DIFFERENCE {name} eagle={eagle} seed={seed} at answer {i}: vLLM {x} vs ours {y}"
+                        )
+                if len(a) != len(b):
+                    raise SystemExit(f"DIFFERENCE {name}: {len(a)} vs {len(b)} answers")
+                compared += len(a)
+                print(
+                    f"identical  {name:<31} eagle={eagle!s:<5} seed={seed} blocks={num_blocks}: {len(a)} answers",
+                    flush=True,
+                )
+    print(f"differential check: {compared} answers identical to vLLM 0.16.0")
+    if args.check_only:
+        return
+    print(f"\n{'layout':<31}{'op':<10}{'vLLM us':>10}{'kvcoord us':>12}{'vLLM/kvcoord':>14}")
+    for name in ("full16", "full16+swa16(w128)"):
+        res = {}
+        for label, cls in (("vllm", VLLM), ("ours", Ours)):
+            t: dict[str, list[float]] = {"lookup": [], "allocate": [], "free": []}
+            for rep in range(3):
+                side = cls(LAYOUTS[name], 1500, False)
+                # torch leaves a large heap; freeze it so neither side pays for GC passes
+                # over objects it did not create (the server freezes its pools likewise).
+                gc.collect()
+                gc.freeze()
+                workload(side, 100 + rep, 300, t, None)
+                gc.unfreeze()
+            res[label] = {k: statistics.fmean(v) * 1e6 for k, v in t.items()}
+        for op in ("lookup", "allocate", "free"):
+            v, o = res["vllm"][op], res["ours"][op]
+            print(f"{name:<31}{op:<10}{v:>10.2f}{o:>12.2f}{v / o:>14.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -80,24 +80,28 @@ def start_server(
         args += ["--config", path]
     args += list(extra_args)
     log_path = os.path.join(tmp, "server.log")
-    log = open(log_path, "w+", encoding="utf-8")  # noqa: SIM115 - owned by the process
+    log = open(log_path, "w+", encoding="utf-8")  # noqa: SIM115 - owned by the ServerProcess
     proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    deadline = time.monotonic() + startup_timeout
-    while time.monotonic() < deadline:
-        with open(log_path, encoding="utf-8") as f:
-            text = f.read()
-        m = _READY.search(text)
-        if m and (not metrics or _METRICS.search(text)):
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            with open(log_path, encoding="utf-8") as f:
+                text = f.read()
+            m = _READY.search(text)
             mm = _METRICS.search(text)
-            return ServerProcess(proc, m.group(1), mm.group(1) if mm else None, log_path, log)
-        if proc.poll() is not None:
-            log.close()
-            raise RuntimeError(f"kvcoord server exited with {proc.returncode}:\n{text}")
-        time.sleep(0.05)
-    proc.kill()
-    proc.wait()
-    log.close()
-    raise TimeoutError(f"kvcoord server did not start within {startup_timeout}s")
+            if m and (not metrics or mm):
+                return ServerProcess(proc, m.group(1), mm.group(1) if mm else None, log_path, log)
+            if proc.poll() is not None:
+                raise RuntimeError(f"kvcoord server exited with {proc.returncode}:\n{text}")
+            time.sleep(0.05)
+        raise TimeoutError(f"kvcoord server did not start within {startup_timeout}s")
+    except BaseException:
+        # never leave a server behind when startup fails
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        log.close()
+        raise
 
 
 @contextlib.contextmanager

@@ -163,7 +163,7 @@ def run_many_workers(address: str, pool: str, num_workers: int = 4, steps: int =
             samples += 1
             busy += live > 0
             time.sleep(0.02)
-        results = [out.get(timeout=max(1.0, deadline - time.monotonic())) for _ in procs]
+        results = [out.get(timeout=min(30.0, max(1.0, deadline - time.monotonic()))) for _ in procs]
         for p in procs:
             p.join(10)
         num_blocks = client.get_pool(pool).pool.config.num_blocks

@@ -30,6 +30,34 @@ def key() -> str:
     return uuid.uuid4().hex
 
 
+def allocate_op(
+    sync: pb.RequestSync,
+    num_new_tokens: int,
+    num_new_computed_tokens: int = 0,
+    new_computed_blocks: Sequence[Sequence[int]] | None = None,
+    num_lookahead_tokens: int = 0,
+    num_external_computed_tokens: int = 0,
+    delay_cache_blocks: bool = False,
+    num_encoder_tokens: int = 0,
+    lookup: bool = False,
+) -> pb.AllocateOp:
+    """allocate_slots' arguments as an AllocateOp (an empty hit is sent as none)."""
+    op = pb.AllocateOp(
+        request=sync,
+        num_new_tokens=num_new_tokens,
+        num_new_computed_tokens=num_new_computed_tokens,
+        num_lookahead_tokens=num_lookahead_tokens,
+        num_external_computed_tokens=num_external_computed_tokens,
+        delay_cache_blocks=delay_cache_blocks,
+        num_encoder_tokens=num_encoder_tokens,
+        lookup=lookup,
+    )
+    if new_computed_blocks is not None and any(new_computed_blocks):
+        op.new_computed_blocks.groups.extend(pb.BlockIds(block_ids=list(ids)) for ids in new_computed_blocks)
+        op.new_computed_blocks.num_tokens = num_new_computed_tokens
+    return op
+
+
 def allocate(pool: str, op: pb.AllocateOp, session_id: str) -> pb.AllocateRequest:
     return pb.AllocateRequest(pool=pool, session_id=session_id, op=op, idempotency_key=key())
 

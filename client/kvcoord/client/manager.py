@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar
 
 from kvcoord.v1 import allocator_pb2 as pb
 
+from . import _requests as rq
 from .client import KVCoordClient
 from .errors import KVCoordError, error_from_code, status_code
 from .hashing import BlockHasher, MultiModalItem, RandomSeedError, none_hash
@@ -232,9 +233,9 @@ class RemoteKVCacheManager:
             scheduled (``min(remaining, max_num_new_tokens)``) and the new blocks, or
             ``None`` for them when the pool is out of blocks.
         """
-        a = pb.AllocateOp(
-            request=self._sync(request),
-            num_new_tokens=max_num_new_tokens,
+        a = rq.allocate_op(
+            self._sync(request),
+            max_num_new_tokens,
             num_lookahead_tokens=num_lookahead_tokens,
             num_external_computed_tokens=num_external_computed_tokens,
             delay_cache_blocks=delay_cache_blocks,
@@ -305,21 +306,10 @@ class _Ops:
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0) -> OpSpec:  # fmt: skip
-        a = pb.AllocateOp(
-            request=self.m._sync(request),
-            num_new_tokens=num_new_tokens,
-            num_new_computed_tokens=num_new_computed_tokens,
-            num_lookahead_tokens=num_lookahead_tokens,
-            num_external_computed_tokens=num_external_computed_tokens,
-            delay_cache_blocks=delay_cache_blocks,
-            num_encoder_tokens=num_encoder_tokens,
-        )
-        if new_computed_blocks is not None and not new_computed_blocks.is_empty():
-            a.new_computed_blocks.groups.extend(
-                pb.BlockIds(block_ids=ids) for ids in new_computed_blocks.block_ids
-            )
-            a.new_computed_blocks.num_tokens = num_new_computed_tokens
-
+        hit = new_computed_blocks.block_ids if new_computed_blocks is not None else None
+        a = rq.allocate_op(self.m._sync(request), num_new_tokens, num_new_computed_tokens, hit,
+                           num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                           num_encoder_tokens)  # fmt: skip
         manager = self.m
 
         def decode(r: pb.OperationResult) -> KVCacheBlockIds | None:

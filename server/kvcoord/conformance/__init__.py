@@ -2,7 +2,7 @@
 
 from .replay import Mismatch, ReplayResult, replay
 from .target import LocalTarget, ReplayTarget, event_to_json, stats_to_json
-from .trace import Trace, TraceFormatError, config_from_trace, load_trace, spec_from_dict
+from .trace import Trace, TraceFormatError, config_from_trace, load_trace, pool_config_from_trace
 
 __all__ = [
     "LocalTarget",
@@ -14,7 +14,7 @@ __all__ = [
     "config_from_trace",
     "event_to_json",
     "load_trace",
+    "pool_config_from_trace",
     "replay",
-    "spec_from_dict",
     "stats_to_json",
 ]

@@ -7,51 +7,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcoord.client import KVCoordClient
+from kvcoord.client import _requests as rq
 from kvcoord.client.errors import error_from_code, status_code
 from kvcoord.engine import LoRA
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .target import BlockIds
+from .trace import pool_config_from_trace
 
-__all__ = ["RemoteTarget", "pool_config_from_trace"]
-
-_GROUP_FIELDS = {
-    "full": lambda g: pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=g["block_size"])),
-    "sliding_window": lambda g: pb.KVCacheGroupSpec(
-        sliding_window=pb.SlidingWindowSpec(block_size=g["block_size"], sliding_window=g["sliding_window"])
-    ),
-    "chunked_local": lambda g: pb.KVCacheGroupSpec(
-        chunked_local=pb.ChunkedLocalAttentionSpec(
-            block_size=g["block_size"], attention_chunk_size=g["attention_chunk_size"]
-        )
-    ),
-    "mamba": lambda g: pb.KVCacheGroupSpec(
-        mamba=pb.MambaSpec(
-            block_size=g["block_size"],
-            mamba_cache_mode=g.get("mamba_cache_mode", "none"),
-            num_speculative_blocks=g.get("num_speculative_blocks", 0),
-        )
-    ),
-    "cross_attention": lambda g: pb.KVCacheGroupSpec(
-        cross_attention=pb.CrossAttentionSpec(block_size=g["block_size"])
-    ),
-}
-
-
-def pool_config_from_trace(cfg: dict[str, Any]) -> pb.PoolConfig:
-    """The wire PoolConfig a trace's config line describes."""
-    return pb.PoolConfig(
-        num_blocks=cfg["num_blocks"],
-        groups=[_GROUP_FIELDS[g["type"]](g) for g in cfg["groups"]],
-        hash_block_size=cfg["hash_block_size"],
-        enable_caching=cfg["enable_caching"],
-        use_eagle=cfg["use_eagle"],
-        enable_kv_cache_events=cfg["enable_kv_cache_events"],
-        log_stats=cfg.get("log_stats", True),
-        max_model_len=cfg["max_model_len"],
-        hash_algo=cfg.get("hash_algo") or "",
-        hash_seed=cfg.get("hash_seed") or "",
-    )
+__all__ = ["RemoteTarget"]
 
 
 def _lists(groups: Sequence[pb.BlockIds]) -> list[list[int]]:
@@ -173,18 +137,9 @@ class RemoteTarget:
                        new_computed_blocks: BlockIds | None, num_lookahead_tokens: int,
                        num_external_computed_tokens: int, delay_cache_blocks: bool,
                        num_encoder_tokens: int) -> list[list[int]] | None:  # fmt: skip
-        op = pb.AllocateOp(
-            request=self._sync(rid),
-            num_new_tokens=num_new_tokens,
-            num_new_computed_tokens=num_new_computed_tokens,
-            num_lookahead_tokens=num_lookahead_tokens,
-            num_external_computed_tokens=num_external_computed_tokens,
-            delay_cache_blocks=delay_cache_blocks,
-            num_encoder_tokens=num_encoder_tokens,
-        )
-        if new_computed_blocks is not None and any(new_computed_blocks):
-            op.new_computed_blocks.groups.extend(pb.BlockIds(block_ids=list(g)) for g in new_computed_blocks)
-            op.new_computed_blocks.num_tokens = num_new_computed_tokens
+        op = rq.allocate_op(self._sync(rid), num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                            num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                            num_encoder_tokens)  # fmt: skip
         r = self._step(pb.Operation(allocate=op))
         return None if r.allocate.refused else _lists(r.allocate.new_block_ids)
 

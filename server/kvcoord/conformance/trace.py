@@ -7,19 +7,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvcoord.client.hashing import HASH_LENGTHS
-from kvcoord.engine import (
-    AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    MambaCacheMode,
-    MambaSpec,
-    SlidingWindowSpec,
-)
+from kvcoord.engine import KVCacheConfig
+from kvcoord.service.config import ConfigFileError, pool_config_from_dict
+from kvcoord.service.convert import config_from_pb
+from kvcoord.v1 import allocator_pb2 as pb
 
-__all__ = ["Trace", "TraceFormatError", "config_from_trace", "load_trace", "spec_from_dict"]
+__all__ = ["Trace", "TraceFormatError", "config_from_trace", "load_trace", "pool_config_from_trace"]
 
 
 class TraceFormatError(ValueError):
@@ -63,47 +56,30 @@ def load_trace(path: str | Path) -> Trace:
     return Trace(p, records[0], records[1:])
 
 
-def spec_from_dict(group: dict[str, Any]) -> AttentionSpec:
-    """One group object of a trace (or config file) as an engine spec.
+# The config line's fields that describe the pool; the rest (name, seed, workload, ...)
+# are informational. Same names as a [[pools]] table of the server's config file.
+_POOL_FIELDS = (
+    "num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events",
+    "log_stats", "max_model_len", "hash_algo", "hash_seed",
+)  # fmt: skip
+
+
+def pool_config_from_trace(cfg: dict[str, Any]) -> pb.PoolConfig:
+    """The wire PoolConfig a trace's config line describes.
 
     Raises:
-        TraceFormatError: unknown type or missing field.
+        TraceFormatError: context parallelism other than 1, or a malformed group.
     """
-    kind = group.get("type")
+    for key in ("dcp_world_size", "pcp_world_size"):
+        if cfg.get(key, 1) != 1:
+            raise TraceFormatError(f"{key} = {cfg[key]} is not supported (kvcoord fixes it to 1)")
+    table = {k: cfg[k] for k in _POOL_FIELDS if cfg.get(k) is not None}
     try:
-        bs = int(group["block_size"])
-        if kind == "full":
-            return FullAttentionSpec(bs)
-        if kind == "sliding_window":
-            return SlidingWindowSpec(bs, int(group["sliding_window"]))
-        if kind == "chunked_local":
-            return ChunkedLocalAttentionSpec(bs, int(group["attention_chunk_size"]))
-        if kind == "mamba":
-            return MambaSpec(
-                bs,
-                MambaCacheMode(group.get("mamba_cache_mode", "none")),
-                int(group.get("num_speculative_blocks", 0)),
-            )
-        if kind == "cross_attention":
-            return CrossAttentionSpec(bs)
-    except (KeyError, ValueError) as exc:
-        raise TraceFormatError(f"group {group!r}: {exc}") from None
-    raise TraceFormatError(f"unknown group type {kind!r}")
+        return pool_config_from_dict(table, "trace config")
+    except ConfigFileError as exc:
+        raise TraceFormatError(str(exc)) from None
 
 
 def config_from_trace(cfg: dict[str, Any]) -> KVCacheConfig:
     """The engine configuration a trace's config line describes."""
-    algo = cfg.get("hash_algo")
-    return KVCacheConfig(
-        num_blocks=cfg["num_blocks"],
-        groups=tuple(spec_from_dict(g) for g in cfg["groups"]),
-        hash_block_size=cfg["hash_block_size"],
-        enable_caching=cfg["enable_caching"],
-        use_eagle=cfg["use_eagle"],
-        enable_kv_cache_events=cfg["enable_kv_cache_events"],
-        log_stats=cfg.get("log_stats", True),
-        max_model_len=cfg["max_model_len"],
-        hash_length=HASH_LENGTHS.get(algo) if algo else None,
-        dcp_world_size=cfg.get("dcp_world_size", 1),
-        pcp_world_size=cfg.get("pcp_world_size", 1),
-    )
+    return config_from_pb(pool_config_from_trace(cfg))

@@ -13,7 +13,8 @@ from kvcoord.service.config import parse_config
 from kvcoord.service.metrics import Metrics
 from kvcoord.service.registry import Limits, PoolRegistry
 from kvcoord.service.servicer import AllocatorServicer
-from kvcoord.service.sessions import SessionManager
+from kvcoord.service.idempotency import IdempotencyStore
+from kvcoord.service.sessions import SessionTable
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -32,8 +33,8 @@ def exported_metric_names() -> set[str]:
     from kvcoord.v1 import allocator_pb2 as pb
 
     m = Metrics()
-    registry = PoolRegistry(Limits())
-    servicer = AllocatorServicer(registry, SessionManager(lambda: 0.0, 30, 60), m)
+    registry = PoolRegistry(Limits(), SessionTable(lambda: 0.0, 30, 60), IdempotencyStore(lambda: 0.0, 300, 1 << 20))
+    servicer = AllocatorServicer(registry, m)
     cfg = parse_config(
         '[[pools]]\nname = "p"\nnum_blocks = 8\nhash_block_size = 4\n[[pools.groups]]\ntype = "full"\nblock_size = 4\n'
     ).pools[0]

@@ -7,22 +7,25 @@ from collections.abc import Iterable, Sequence
 
 from kvcoord.v1 import allocator_pb2 as pb
 
-#: (rpc name, retried) — retried calls are read-only, idempotent by design, or keyed.
-RPCS: dict[str, bool] = {
-    "CreatePool": True,
-    "GetPool": True,
-    "ListPools": True,
-    "DeletePool": False,
-    "Attach": False,
-    "Heartbeat": True,
-    "Detach": False,
-    "FindLongestCacheHit": False,
-    "Allocate": True,
-    "Free": True,
-    "Step": True,
-    "ResetPrefixCache": False,
-    "GetStats": True,
-    "InspectPool": True,
+#: rpc name -> how a failure whose outcome is unknown (UNAVAILABLE, DEADLINE_EXCEEDED)
+#: is handled: "read" (no effect: retry), "keyed" (retry with the same idempotency
+#: key: applied at most once), "attach" (retry: a lost answer only leaves an empty
+#: session that expires), "once" (never retried: OutcomeUnknownError).
+RPCS: dict[str, str] = {
+    "CreatePool": "read",  # creating an identical pool again is a no-op
+    "GetPool": "read",
+    "ListPools": "read",
+    "DeletePool": "once",
+    "Attach": "attach",
+    "Heartbeat": "read",
+    "Detach": "once",
+    "FindLongestCacheHit": "read",
+    "Allocate": "keyed",
+    "Free": "keyed",
+    "Step": "keyed",
+    "ResetPrefixCache": "once",
+    "GetStats": "read",
+    "InspectPool": "read",
 }
 
 
@@ -58,22 +61,25 @@ def allocate_op(
     return op
 
 
-def allocate(pool: str, op: pb.AllocateOp, session_id: str) -> pb.AllocateRequest:
-    return pb.AllocateRequest(pool=pool, session_id=session_id, op=op, idempotency_key=key())
+def allocate(pool: str, op: pb.AllocateOp, session_id: str, fence: pb.Fence | None) -> pb.AllocateRequest:
+    return pb.AllocateRequest(pool=pool, session_id=session_id, op=op, idempotency_key=key(), fence=fence)
 
 
-def free(pool: str, request_ids: Iterable[str], preempt: bool, session_id: str) -> pb.FreeRequest:
+def free(
+    pool: str, request_ids: Iterable[str], preempt: bool, session_id: str, fence: pb.Fence | None
+) -> pb.FreeRequest:
     return pb.FreeRequest(
         pool=pool,
         session_id=session_id,
         request_ids=list(request_ids),
         preempt=preempt,
         idempotency_key=key(),
+        fence=fence,
     )
 
 
-def step(pool: str, ops: Sequence[pb.Operation], session_id: str) -> pb.StepRequest:
-    return pb.StepRequest(pool=pool, session_id=session_id, ops=list(ops), idempotency_key=key())
+def step(pool: str, ops: Sequence[pb.Operation], session_id: str, fence: pb.Fence | None) -> pb.StepRequest:
+    return pb.StepRequest(pool=pool, session_id=session_id, ops=list(ops), idempotency_key=key(), fence=fence)
 
 
 def attach(

@@ -19,7 +19,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from . import _requests as rq
-from .errors import KVCoordError, error_from_rpc
+from .errors import KVCoordError, OutcomeUnknownError, UnavailableError, error_from_rpc
 from .retry import DEFAULT_RETRY, RetryPolicy
 
 __all__ = ["AsyncKVCoordClient", "KVCoordClient"]
@@ -28,15 +28,47 @@ DEFAULT_TIMEOUT = 10.0
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 
-def _should_retry(
-    policy: RetryPolicy, err: KVCoordError, attempt: int, backoffs: list[float], start: float
-) -> bool:
-    """A transient code, attempts left, and the next sleep still inside the deadline."""
-    return (
-        err.code in policy.retry_codes
-        and attempt < len(backoffs)
-        and time.monotonic() - start + backoffs[attempt] < policy.deadline
-    )
+#: Codes after which a call may or may not have reached the server.
+_UNKNOWN_OUTCOME = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+
+
+class _Attempts:
+    """Decides, after each failed attempt of one call, whether to try again.
+
+    Read-only and keyed calls are retried after a transient failure (a keyed call
+    with the same idempotency key, so it is applied at most once) until the policy's
+    attempts or deadline run out, and never past ``horizon`` (half the server's
+    idempotency window: a retry must reach the server while it still keeps the
+    answer). A keyed or once-only call whose outcome is still unknown then raises
+    :class:`OutcomeUnknownError`: the caller must treat it as possibly applied.
+    """
+
+    def __init__(self, policy: RetryPolicy, kind: str, horizon: float) -> None:
+        self.policy = policy
+        self.kind = kind
+        self.start = time.monotonic()
+        self.deadline = min(policy.deadline, horizon)
+        self.backoffs = policy.backoffs() if kind != "once" else []
+        self.attempt = 0
+
+    def next_sleep(self, err: KVCoordError) -> float:
+        """Seconds to sleep before the next attempt; raises the final error instead."""
+        retryable = err.code in self.policy.retry_codes or (
+            self.kind == "keyed" and err.code in _UNKNOWN_OUTCOME
+        )
+        if (
+            retryable
+            and self.attempt < len(self.backoffs)
+            and time.monotonic() - self.start + self.backoffs[self.attempt] < self.deadline
+        ):
+            self.attempt += 1
+            return self.backoffs[self.attempt - 1]
+        if self.kind in ("keyed", "once") and err.code in _UNKNOWN_OUTCOME and type(err) is UnavailableError:
+            raise OutcomeUnknownError(
+                err.code,
+                f"the outcome of this call is unknown after {self.attempt + 1} attempt(s): {err.message}",
+            ) from err
+        raise err
 
 
 class _Api:
@@ -64,6 +96,9 @@ class _Api:
         self.target = target
         self.timeout = timeout
         self.retry = retry
+        #: how long keyed calls may be retried: half the server's idempotency window
+        #: (learned at attach; the server's default until then)
+        self.retry_horizon = 150.0
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.channel = self._channel_factory(target, options=rq.channel_options(max_message_bytes))
         self.stub = pb_grpc.AllocatorStub(self.channel)
@@ -92,38 +127,51 @@ class _Api:
         hash_block_size: int,
         hash_seed: str,
         client_name: str = "",
-        lease_seconds: int = 0,
+        lease_seconds: float = 0,
     ) -> Any:
-        """Hash handshake; AttachResponse with a session id. HashMismatchError on a mismatch."""
+        """Hash handshake; AttachResponse with a session id and fence. HashMismatchError on a mismatch."""
         return self._call(
             "Attach", rq.attach(pool, hash_algo, hash_block_size, hash_seed, client_name, lease_seconds)
         )
 
-    def heartbeat(self, session_id: str) -> Any:
-        return self._call("Heartbeat", pb.HeartbeatRequest(session_id=session_id))
+    def heartbeat(self, session_id: str, fence: pb.Fence | None = None) -> Any:
+        """Renew a session lease (HeartbeatResponse); SessionExpiredError / FencedError when lost."""
+        return self._call("Heartbeat", pb.HeartbeatRequest(session_id=session_id, fence=fence))
 
-    def detach(self, session_id: str) -> Any:
-        return self._call("Detach", pb.DetachRequest(session_id=session_id))
+    def detach(self, session_id: str, fence: pb.Fence | None = None) -> Any:
+        return self._call("Detach", pb.DetachRequest(session_id=session_id, fence=fence))
 
-    def find_longest_cache_hit(self, pool: str, request: pb.RequestSync, session_id: str = "") -> Any:
+    def find_longest_cache_hit(self, pool: str, block_hashes: Sequence[bytes], num_tokens: int) -> Any:
+        """Read-only longest hit for these hashes (FindLongestCacheHitResponse); changes nothing."""
         return self._call(
             "FindLongestCacheHit",
-            pb.FindLongestCacheHitRequest(pool=pool, session_id=session_id, request=request),
+            pb.FindLongestCacheHitRequest(pool=pool, block_hashes=list(block_hashes), num_tokens=num_tokens),
         )
 
-    def allocate(self, pool: str, op: pb.AllocateOp, session_id: str = "") -> Any:
+    def allocate(self, pool: str, op: pb.AllocateOp, session_id: str, fence: pb.Fence | None = None) -> Any:
         """allocate_slots; AllocateResponse (result.refused when out of blocks)."""
-        return self._call("Allocate", rq.allocate(pool, op, session_id))
+        return self._call("Allocate", rq.allocate(pool, op, session_id, fence))
 
-    def free(self, pool: str, request_ids: Iterable[str], preempt: bool = False, session_id: str = "") -> Any:
-        return self._call("Free", rq.free(pool, request_ids, preempt, session_id))
+    def free(
+        self,
+        pool: str,
+        request_ids: Iterable[str],
+        preempt: bool = False,
+        session_id: str = "",
+        fence: pb.Fence | None = None,
+    ) -> Any:
+        return self._call("Free", rq.free(pool, request_ids, preempt, session_id, fence))
 
-    def step(self, pool: str, ops: Sequence[pb.Operation], session_id: str = "") -> Any:
+    def step(
+        self, pool: str, ops: Sequence[pb.Operation], session_id: str, fence: pb.Fence | None = None
+    ) -> Any:
         """Apply ``ops`` in order in one round trip; StepResponse with one result each."""
-        return self._call("Step", rq.step(pool, ops, session_id))
+        return self._call("Step", rq.step(pool, ops, session_id, fence))
 
-    def reset_prefix_cache(self, pool: str, session_id: str = "") -> Any:
-        return self._call("ResetPrefixCache", pb.ResetPrefixCacheRequest(pool=pool, session_id=session_id))
+    def reset_prefix_cache(self, pool: str, session_id: str = "", fence: pb.Fence | None = None) -> Any:
+        return self._call(
+            "ResetPrefixCache", pb.ResetPrefixCacheRequest(pool=pool, session_id=session_id, fence=fence)
+        )
 
     def get_stats(self, pool: str) -> Any:
         return self._call("GetStats", pb.GetStatsRequest(pool=pool))
@@ -173,26 +221,26 @@ class KVCoordClient(_Api):
 
     def _call(self, rpc: str, request: Any) -> Any:
         method = getattr(self.stub, rpc)
-        retried = rq.RPCS[rpc]
-        start = time.monotonic()
-        backoffs = self.retry.backoffs() if retried else []
-        attempt = 0
+        attempts = _Attempts(self.retry, rq.RPCS[rpc], self.retry_horizon)
         while True:
             try:
                 return method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
                 err = error_from_rpc(exc, rpc)
-                if not _should_retry(self.retry, err, attempt, backoffs, start):
-                    raise err from None
-                time.sleep(backoffs[attempt])
-                attempt += 1
+            time.sleep(attempts.next_sleep(err))
 
     def watch_events(
-        self, pool: str, after_sequence: int = 0, timeout: float | None = None
+        self,
+        pool: str,
+        after_sequence: int = 0,
+        timeout: float | None = None,
+        fence: pb.Fence | None = None,
     ) -> Iterator[pb.WatchEventsResponse]:
-        """Stream KV events after ``after_sequence``; ends when the server stops or ``timeout`` passes."""
+        """Stream KV events after ``after_sequence`` (of the history ``fence`` names, when
+        resuming); ends when the server stops or ``timeout`` passes. Check ``gap`` and
+        ``reset`` on every message."""
         stream = self.stub.WatchEvents(
-            pb.WatchEventsRequest(pool=pool, after_sequence=after_sequence),
+            pb.WatchEventsRequest(pool=pool, after_sequence=after_sequence, fence=fence),
             timeout=timeout,
             metadata=self._metadata,
         )
@@ -230,23 +278,21 @@ class AsyncKVCoordClient(_Api):
 
     async def _call(self, rpc: str, request: Any) -> Any:
         method = getattr(self.stub, rpc)
-        backoffs = self.retry.backoffs() if rq.RPCS[rpc] else []
-        start = time.monotonic()
-        attempt = 0
+        attempts = _Attempts(self.retry, rq.RPCS[rpc], self.retry_horizon)
         while True:
             try:
                 return await method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
                 err = error_from_rpc(exc, rpc)
-                if not _should_retry(self.retry, err, attempt, backoffs, start):
-                    raise err from None
-                await asyncio.sleep(backoffs[attempt])
-                attempt += 1
+            await asyncio.sleep(attempts.next_sleep(err))
 
-    async def watch_events(self, pool: str, after_sequence: int = 0) -> AsyncIterator[pb.WatchEventsResponse]:
+    async def watch_events(
+        self, pool: str, after_sequence: int = 0, fence: pb.Fence | None = None
+    ) -> AsyncIterator[pb.WatchEventsResponse]:
         """Stream KV events after ``after_sequence`` until cancelled or the server stops."""
         stream = self.stub.WatchEvents(
-            pb.WatchEventsRequest(pool=pool, after_sequence=after_sequence), metadata=self._metadata
+            pb.WatchEventsRequest(pool=pool, after_sequence=after_sequence, fence=fence),
+            metadata=self._metadata,
         )
         try:
             async for item in stream:

@@ -4,14 +4,24 @@ Hierarchy::
 
     KVCoordError                      every failed call; .code is the grpc.StatusCode
     ├── InvalidArgumentError          INVALID_ARGUMENT, OUT_OF_RANGE
+    │   └── KeyReusedError            an idempotency key reused with another body (KEY_REUSED)
     ├── NotFoundError                 NOT_FOUND
+    │   ├── SessionExpiredError       the session is gone; its requests were freed (SESSION_EXPIRED)
+    │   └── RequestUnknownError       the request is not in the pool (REQUEST_UNKNOWN)
     ├── AlreadyExistsError            ALREADY_EXISTS
-    ├── FailedPreconditionError       FAILED_PRECONDITION (hash handshake, stale hit, ...)
-    │   └── HashMismatchError         the pool hashes differently (Attach)
+    ├── FailedPreconditionError       FAILED_PRECONDITION (hash handshake, ...)
+    │   ├── HashMismatchError         the pool hashes differently (Attach)
+    │   ├── FencedError               server restarted / pool re-created: block ids void
+    │   └── SyncMismatchError         the server holds another position of a request
     ├── PermissionDeniedError         PERMISSION_DENIED, UNAUTHENTICATED
     ├── ResourceExhaustedError        RESOURCE_EXHAUSTED (server limits)
     ├── AbortedError                  ABORTED (a Step operation after a failed one)
+    │   └── AnswerEvictedError        applied, but the answer is gone (ANSWER_EVICTED)
     ├── UnavailableError              UNAVAILABLE, DEADLINE_EXCEEDED (transient)
+    │   ├── GracePeriodError          the server restarted and waits for old leases (GRACE_PERIOD)
+    │   └── OutcomeUnknownError       a call may or may not have been applied (retries ran out)
+    ├── LeaseExpiredError             the client can no longer vouch for its session lease
+    ├── RequestsLostError             RemoteKVCacheManager: these requests are gone; recompute them
     └── InternalError                 INTERNAL, UNKNOWN and anything else
 
 Running out of free blocks is not an error: allocate_slots returns ``None``.
@@ -24,14 +34,24 @@ import grpc
 __all__ = [
     "AbortedError",
     "AlreadyExistsError",
+    "AnswerEvictedError",
     "FailedPreconditionError",
+    "FencedError",
+    "GracePeriodError",
     "HashMismatchError",
     "InternalError",
     "InvalidArgumentError",
     "KVCoordError",
+    "KeyReusedError",
+    "LeaseExpiredError",
     "NotFoundError",
+    "OutcomeUnknownError",
     "PermissionDeniedError",
+    "RequestUnknownError",
+    "RequestsLostError",
     "ResourceExhaustedError",
+    "SessionExpiredError",
+    "SyncMismatchError",
     "UnavailableError",
     "error_from_code",
     "error_from_rpc",
@@ -40,12 +60,13 @@ __all__ = [
 
 
 class KVCoordError(Exception):
-    """A failed kvcoord call."""
+    """A failed kvcoord call; ``reason`` is the server's ErrorReason name, if any."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+        self.reason = reason
 
 
 class InvalidArgumentError(KVCoordError):
@@ -88,6 +109,62 @@ class InternalError(KVCoordError):
     pass
 
 
+class KeyReusedError(InvalidArgumentError):
+    """An idempotency key was used again with another request body or RPC."""
+
+
+class SessionExpiredError(NotFoundError):
+    """The session is unknown or its lease ran out: every request it owned was freed."""
+
+
+class RequestUnknownError(NotFoundError):
+    """The request is not registered in the pool (never, or not any more)."""
+
+
+class FencedError(FailedPreconditionError):
+    """The server restarted or the pool was re-created: every block id held there is void."""
+
+
+class SyncMismatchError(FailedPreconditionError):
+    """The server holds the request at another position than the client believed."""
+
+
+class AnswerEvictedError(AbortedError):
+    """The call was applied but its answer is no longer kept: its outcome is unknown."""
+
+
+class GracePeriodError(UnavailableError):
+    """The server restarted and hands out no block until old leases have ended."""
+
+
+class OutcomeUnknownError(UnavailableError):
+    """A mutating call may or may not have been applied, and retrying it with the same
+    idempotency key did not settle it within the retry horizon."""
+
+
+class LeaseExpiredError(KVCoordError):
+    """The session's lease may have ended (no renewal was acknowledged in time): block
+    ids received under it must not be used any more."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, message, "LEASE_EXPIRED")
+
+
+class RequestsLostError(KVCoordError):
+    """These requests are no longer allocated on the server (session lost, server
+    restarted, or an outcome that could not be settled): preempt and recompute them.
+    The manager has already re-attached or cleaned up; the next call works."""
+
+    def __init__(self, request_ids: list[str], cause: KVCoordError) -> None:
+        super().__init__(
+            cause.code,
+            f"{len(request_ids)} request(s) lost ({cause.message[:300]}): {request_ids[:20]}",
+            cause.reason,
+        )
+        self.request_ids = request_ids
+        self.cause = cause
+
+
 _REGISTRY: dict[grpc.StatusCode, type[KVCoordError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
     grpc.StatusCode.OUT_OF_RANGE: InvalidArgumentError,
@@ -109,17 +186,38 @@ _RPC_OVERRIDES: dict[tuple[str, grpc.StatusCode], type[KVCoordError]] = {
 }
 
 
-def error_from_code(code: grpc.StatusCode, message: str, rpc: str = "") -> KVCoordError:
-    """The typed error for a status code (of ``rpc``, when given)."""
-    cls = _RPC_OVERRIDES.get((rpc, code)) or _REGISTRY.get(code, InternalError)
-    return cls(code, message)
+#: The server's ErrorReason names that mean something more specific than the code.
+_REASONS: dict[str, type[KVCoordError]] = {
+    "INSTANCE_CHANGED": FencedError,
+    "INCARNATION_CHANGED": FencedError,
+    "SESSION_EXPIRED": SessionExpiredError,
+    "SYNC_MISMATCH": SyncMismatchError,
+    "KEY_REUSED": KeyReusedError,
+    "ANSWER_EVICTED": AnswerEvictedError,
+    "GRACE_PERIOD": GracePeriodError,
+    "REQUEST_UNKNOWN": RequestUnknownError,
+}
+
+#: Trailing-metadata key carrying the reason of a failed RPC.
+REASON_METADATA_KEY = "kvcoord-reason"
+
+
+def error_from_code(code: grpc.StatusCode, message: str, rpc: str = "", reason: str = "") -> KVCoordError:
+    """The typed error for a status code and reason (of ``rpc``, when given)."""
+    cls = _REASONS.get(reason) or _RPC_OVERRIDES.get((rpc, code)) or _REGISTRY.get(code, InternalError)
+    return cls(code, message, reason)
 
 
 def error_from_rpc(exc: grpc.RpcError, rpc: str = "") -> KVCoordError:
     """The typed error for a failed gRPC call."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    return error_from_code(code or grpc.StatusCode.UNKNOWN, details or "", rpc)
+    reason = ""
+    trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == REASON_METADATA_KEY:
+            reason = value if isinstance(value, str) else value.decode()
+    return error_from_code(code or grpc.StatusCode.UNKNOWN, details or "", rpc, reason)
 
 
 def status_code(value: int) -> grpc.StatusCode:

@@ -11,6 +11,14 @@ settings. Only what changed since the last call is sent.
 vLLM's scheduler calls ``free`` for finished and preempted requests alike; a freed
 request that comes back is registered again with all its tokens (its
 ``num_preemptions`` keeps the prefix-cache statistics exact).
+
+Safety: the manager keeps its session alive on a background thread and never hands
+out block ids once its lease may have ended. Every request change names the position
+it applies at; a call whose outcome is unknown is retried with the same idempotency
+key. When requests are lost anyway (the session expired, the server restarted, an
+outcome could not be settled, the positions disagree), the call raises
+:class:`RequestsLostError` naming them, after re-attaching or cleaning up, so the
+scheduler can preempt and recompute them; the next call works normally.
 """
 
 from __future__ import annotations
@@ -24,8 +32,21 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from . import _requests as rq
 from .client import KVCoordClient
-from .errors import KVCoordError, error_from_code, status_code
+from .errors import (
+    AnswerEvictedError,
+    FencedError,
+    KVCoordError,
+    LeaseExpiredError,
+    OutcomeUnknownError,
+    RequestsLostError,
+    RequestUnknownError,
+    SessionExpiredError,
+    SyncMismatchError,
+    error_from_code,
+    status_code,
+)
 from .hashing import BlockHasher, MultiModalItem, RandomSeedError, none_hash
+from .session import SessionKeeper
 
 __all__ = ["KVCacheBlockIds", "Pending", "RemoteKVCacheManager", "StepBatcher"]
 
@@ -51,7 +72,10 @@ def _ids(groups: Iterable[pb.BlockIds]) -> KVCacheBlockIds:
 
 @dataclasses.dataclass(slots=True)
 class _Tracked:
-    """What the server has of one request (committed) and what queued ops will add."""
+    """What the server has of one request (committed) and what queued ops will add.
+
+    ``sent_tokens`` / ``sent_hashes`` are the position the next sync applies at.
+    """
 
     hasher: BlockHasher | None
     sent_tokens: int = 0
@@ -99,6 +123,8 @@ class RemoteKVCacheManager:
         hash_seed: the seed workers hash with; defaults to ``$PYTHONHASHSEED``. A remote
             pool is refused without one, since random seeds never match across processes.
         client_name: shown in server logs.
+        lease_seconds: the session lease to ask for (0 = the server's default).
+        renew: renew the lease on a background thread (turn off only in tests).
 
     Raises:
         RandomSeedError: caching is on and no seed is known.
@@ -106,7 +132,14 @@ class RemoteKVCacheManager:
     """
 
     def __init__(
-        self, client: KVCoordClient, pool: str, *, hash_seed: str | None = None, client_name: str = ""
+        self,
+        client: KVCoordClient,
+        pool: str,
+        *,
+        hash_seed: str | None = None,
+        client_name: str = "",
+        lease_seconds: float = 0,
+        renew: bool = True,
     ) -> None:
         self.client = client
         self.pool = pool
@@ -121,15 +154,26 @@ class RemoteKVCacheManager:
                     "no hash seed: set PYTHONHASHSEED (or pass hash_seed) to the value the vLLM workers use"
                 )
             self._none = none_hash(info.config.hash_algo, seed)
-        attached = client.attach(
-            pool, info.config.hash_algo, info.config.hash_block_size, seed or "", client_name=client_name
+        cfg = info.config
+        self.keeper = SessionKeeper(
+            client,
+            lambda: client.attach(
+                pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds
+            ),
+            renew=renew,
         )
-        self.session_id: str = attached.session_id
         self.num_groups = len(info.config.groups)
         self._tracked: dict[str, _Tracked] = {}
+        self._usage: float | None = None
         #: allocate_slots calls answered None because the hit had gone stale (another
         #: worker reused its blocks after the lookup); the scheduler looks up again.
         self.stale_hits = 0
+        #: requests reported lost (RequestsLostError) since the manager was created
+        self.lost_requests = 0
+
+    @property
+    def session_id(self) -> str:
+        return self.keeper.session_id
 
     # -- request sync ---------------------------------------------------------------
     def _sync(self, request: Any) -> pb.RequestSync:
@@ -140,6 +184,11 @@ class RemoteKVCacheManager:
             self._tracked[rid] = t
         tokens = request.all_token_ids
         sync = pb.RequestSync(request_id=rid)
+        if t.registered:
+            sync.base_num_tokens = t.sent_tokens
+            sync.base_num_hashes = t.sent_hashes
+        else:
+            sync.new_request = True
         if len(tokens) > t.sent_tokens:
             sync.append_token_ids.extend(tokens[t.sent_tokens :])
         if self.enable_caching:
@@ -282,11 +331,42 @@ class RemoteKVCacheManager:
 
     @property
     def usage(self) -> float:
-        return float(self.client.get_stats(self.pool).usage)
+        """The pool's usage as of the latest answer (asked for only before the first)."""
+        if self._usage is None:
+            self._usage = float(self.client.get_stats(self.pool).usage)
+        return self._usage
 
     def close(self) -> None:
         """End the session (the server frees requests it still owns)."""
-        self.client.detach(self.session_id)
+        self.keeper.close()
+        try:
+            self.client.detach(self.session_id, self.keeper.fence)
+        except (SessionExpiredError, FencedError):
+            pass  # already gone: its requests were freed
+
+    # -- loss handling ------------------------------------------------------------------
+    def _session_lost(self, err: KVCoordError) -> RequestsLostError:
+        """Every tracked request is gone with the session: forget them and re-attach."""
+        lost = list(self._tracked)
+        self._tracked.clear()
+        self.lost_requests += len(lost)
+        try:
+            self.keeper.attach()
+        except KVCoordError as again:  # e.g. the server's grace period: retried next call
+            self.keeper.lost = again
+        return RequestsLostError(lost, err)
+
+    def _forget(self, request_ids: Sequence[str], err: KVCoordError) -> RequestsLostError:
+        """These requests' server state is unknown: free them there (best effort) and here."""
+        lost = [rid for rid in dict.fromkeys(request_ids) if rid in self._tracked]
+        for rid in lost:
+            del self._tracked[rid]
+            try:
+                self.client.free(self.pool, [rid], session_id=self.session_id, fence=self.keeper.fence)
+            except KVCoordError:
+                pass  # unknown there already, or the session is gone (then it is freed anyway)
+        self.lost_requests += len(lost)
+        return RequestsLostError(lost, err)
 
 
 OpSpec = tuple[pb.Operation, Callable[[pb.OperationResult], Any], Sequence[str]]
@@ -341,10 +421,13 @@ class _Ops:
 
     def remove_skipped_blocks(self, request_id: str, total: int) -> OpSpec:
         sync = pb.RequestSync(request_id=request_id)
+        t = self.m._tracked.get(request_id)
+        if t is not None:
+            sync.base_num_tokens, sync.base_num_hashes = t.sent_tokens, t.sent_hashes
         op = pb.Operation(
             remove_skipped_blocks=pb.RemoveSkippedBlocksOp(request=sync, total_computed_tokens=total)
         )
-        return op, lambda r: None, []
+        return op, lambda r: None, [request_id]
 
     def evict_blocks(self, block_ids: Iterable[int]) -> OpSpec:
         return pb.Operation(evict_blocks=pb.EvictBlocksOp(block_ids=sorted(block_ids))), lambda r: None, []
@@ -429,23 +512,50 @@ class StepBatcher:
         items, self._items = self._items, []
         if not items:
             return
+        m = self.m
+        keeper = m.keeper
         try:
-            resp = self.m.client.step(self.m.pool, [op for op, _, _, _ in items], self.m.session_id)
+            keeper.vouch()
+            sent = keeper.clock()
+            resp = m.client.step(m.pool, [op for op, _, _, _ in items], keeper.session_id, keeper.fence)
+            if keeper.clock() >= sent + keeper.lease:
+                raise LeaseExpiredError("the answer came after the session's lease could have ended")
+        except (SessionExpiredError, FencedError, LeaseExpiredError) as err:
+            lost = m._session_lost(err)
+            for _, _, _, p in items:
+                p._fail(lost)
+            return
+        except (OutcomeUnknownError, AnswerEvictedError) as err:
+            lost = m._forget([rid for _, _, touched, _ in items for rid in touched], err)
+            for _, _, _, p in items:
+                p._fail(lost)
+            return
         except KVCoordError as err:
-            for t in self.m._tracked.values():
+            for t in m._tracked.values():
                 t.rollback()
             for _, _, _, p in items:
                 p._fail(err)
             return
+        keeper.renewed(sent)
+        m._usage = resp.usage
+        failed = False
         for (_, decode, touched, p), result in zip(items, resp.results, strict=True):
             if result.status_code == 0:
                 for rid in touched:
-                    tracked = self.m._tracked.get(rid)
+                    tracked = m._tracked.get(rid)
                     if tracked is not None:
                         tracked.commit()
                 p._set(decode(result))
+                continue
+            failed = True
+            reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
+            err = error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
+            if isinstance(err, (SyncMismatchError, RequestUnknownError)) and touched:
+                # The server holds another state than this client believed: the
+                # request cannot be trusted any more.
+                p._fail(m._forget(touched, err))
             else:
-                p._fail(error_from_code(status_code(result.status_code), result.status_message))
-        if any(r.status_code for r in resp.results):
-            for t in self.m._tracked.values():
+                p._fail(err)
+        if failed:
+            for t in m._tracked.values():
                 t.rollback()

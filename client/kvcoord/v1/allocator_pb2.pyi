@@ -1,10 +1,32 @@
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    REASON_UNSPECIFIED: _ClassVar[ErrorReason]
+    INSTANCE_CHANGED: _ClassVar[ErrorReason]
+    INCARNATION_CHANGED: _ClassVar[ErrorReason]
+    SESSION_EXPIRED: _ClassVar[ErrorReason]
+    SYNC_MISMATCH: _ClassVar[ErrorReason]
+    KEY_REUSED: _ClassVar[ErrorReason]
+    ANSWER_EVICTED: _ClassVar[ErrorReason]
+    GRACE_PERIOD: _ClassVar[ErrorReason]
+    REQUEST_UNKNOWN: _ClassVar[ErrorReason]
+REASON_UNSPECIFIED: ErrorReason
+INSTANCE_CHANGED: ErrorReason
+INCARNATION_CHANGED: ErrorReason
+SESSION_EXPIRED: ErrorReason
+SYNC_MISMATCH: ErrorReason
+KEY_REUSED: ErrorReason
+ANSWER_EVICTED: ErrorReason
+GRACE_PERIOD: ErrorReason
+REQUEST_UNKNOWN: ErrorReason
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")
@@ -114,23 +136,31 @@ class PoolConfig(_message.Message):
     hash_seed: str
     def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ...) -> None: ...
 
+class Fence(_message.Message):
+    __slots__ = ("instance_id", "incarnation")
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    instance_id: str
+    incarnation: int
+    def __init__(self, instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
+
 class PoolInfo(_message.Message):
-    __slots__ = ("name", "config", "coordinator", "num_free_blocks", "usage", "num_requests", "epoch")
+    __slots__ = ("name", "config", "coordinator", "num_free_blocks", "usage", "num_requests", "fence")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     name: str
     config: PoolConfig
     coordinator: str
     num_free_blocks: int
     usage: float
     num_requests: int
-    epoch: int
-    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., coordinator: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., coordinator: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
     __slots__ = ("name", "config")
@@ -193,36 +223,46 @@ class AttachRequest(_message.Message):
     hash_block_size: int
     hash_seed: str
     client_name: str
-    lease_seconds: int
-    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[int] = ...) -> None: ...
+    lease_seconds: float
+    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("pool", "session_id", "lease_seconds")
+    __slots__ = ("pool", "session_id", "lease_seconds", "idempotency_window_seconds", "fence")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     pool: PoolInfo
     session_id: str
-    lease_seconds: int
-    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[int] = ...) -> None: ...
+    lease_seconds: float
+    idempotency_window_seconds: float
+    fence: Fence
+    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., idempotency_window_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "fence")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, session_id: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("lease_seconds",)
+    __slots__ = ("lease_seconds", "fence")
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    lease_seconds: int
-    def __init__(self, lease_seconds: _Optional[int] = ...) -> None: ...
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    lease_seconds: float
+    fence: Fence
+    def __init__(self, lease_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "fence")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, session_id: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class DetachResponse(_message.Message):
     __slots__ = ("num_freed_requests",)
@@ -239,10 +279,13 @@ class LoRA(_message.Message):
     def __init__(self, adapter_id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class RequestSync(_message.Message):
-    __slots__ = ("request_id", "append_token_ids", "append_block_hashes", "num_computed_tokens", "lora", "skip_reading_prefix_cache", "num_preemptions")
+    __slots__ = ("request_id", "append_token_ids", "append_block_hashes", "new_request", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "lora", "skip_reading_prefix_cache", "num_preemptions")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     APPEND_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    BASE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BASE_NUM_HASHES_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     SKIP_READING_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
@@ -250,11 +293,28 @@ class RequestSync(_message.Message):
     request_id: str
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     append_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    new_request: bool
+    base_num_tokens: int
+    base_num_hashes: int
     num_computed_tokens: int
     lora: LoRA
     skip_reading_prefix_cache: bool
     num_preemptions: int
-    def __init__(self, request_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., num_computed_tokens: _Optional[int] = ..., lora: _Optional[_Union[LoRA, _Mapping]] = ..., skip_reading_prefix_cache: _Optional[bool] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., new_request: _Optional[bool] = ..., base_num_tokens: _Optional[int] = ..., base_num_hashes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., lora: _Optional[_Union[LoRA, _Mapping]] = ..., skip_reading_prefix_cache: _Optional[bool] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+
+class RequestPosition(_message.Message):
+    __slots__ = ("request_id", "exists", "num_tokens", "num_hashes", "num_computed_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    exists: bool
+    num_tokens: int
+    num_hashes: int
+    num_computed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., exists: _Optional[bool] = ..., num_tokens: _Optional[int] = ..., num_hashes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ...) -> None: ...
 
 class BlockIds(_message.Message):
     __slots__ = ("block_ids",)
@@ -391,14 +451,18 @@ class TakeEventsOp(_message.Message):
     def __init__(self) -> None: ...
 
 class TakeEventsResult(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "gap")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    GAP_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
+    gap: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., gap: _Optional[bool] = ...) -> None: ...
 
 class MakePrefixCacheStatsOp(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("peek",)
+    PEEK_FIELD_NUMBER: _ClassVar[int]
+    peek: bool
+    def __init__(self, peek: _Optional[bool] = ...) -> None: ...
 
 class PrefixCacheStatsResult(_message.Message):
     __slots__ = ("stats",)
@@ -443,9 +507,11 @@ class Operation(_message.Message):
     def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ...) -> None: ...
 
 class OperationResult(_message.Message):
-    __slots__ = ("status_code", "status_message", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats")
+    __slots__ = ("status_code", "status_message", "reason", "position", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats")
     STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     GET_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +521,8 @@ class OperationResult(_message.Message):
     PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
     status_code: int
     status_message: str
+    reason: ErrorReason
+    position: RequestPosition
     lookup: LookupResult
     allocate: AllocateResult
     get_block_ids: GetBlockIdsResult
@@ -462,97 +530,113 @@ class OperationResult(_message.Message):
     reset_prefix_cache: ResetPrefixCacheResult
     take_events: TakeEventsResult
     prefix_cache_stats: PrefixCacheStatsResult
-    def __init__(self, status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixResult, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheResult, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResult, _Mapping]] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStatsResult, _Mapping]] = ...) -> None: ...
+    def __init__(self, status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ..., position: _Optional[_Union[RequestPosition, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixResult, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheResult, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResult, _Mapping]] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStatsResult, _Mapping]] = ...) -> None: ...
 
 class FindLongestCacheHitRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "request")
+    __slots__ = ("pool", "block_hashes", "num_tokens")
     POOL_FIELD_NUMBER: _ClassVar[int]
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool: str
-    session_id: str
-    request: RequestSync
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., request: _Optional[_Union[RequestSync, _Mapping]] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    num_tokens: int
+    def __init__(self, pool: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class FindLongestCacheHitResponse(_message.Message):
-    __slots__ = ("hit", "num_free_blocks")
+    __slots__ = ("hit", "num_free_blocks", "fence")
     HIT_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     hit: CacheHit
     num_free_blocks: int
-    def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ..., num_free_blocks: _Optional[int] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ..., num_free_blocks: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "op", "idempotency_key")
+    __slots__ = ("pool", "session_id", "op", "idempotency_key", "fence")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     op: AllocateOp
     idempotency_key: str
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., op: _Optional[_Union[AllocateOp, _Mapping]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., op: _Optional[_Union[AllocateOp, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
-    __slots__ = ("result", "num_free_blocks", "usage")
+    __slots__ = ("result", "num_free_blocks", "usage", "fence")
     RESULT_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     result: AllocateResult
     num_free_blocks: int
     usage: float
-    def __init__(self, result: _Optional[_Union[AllocateResult, _Mapping]] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, result: _Optional[_Union[AllocateResult, _Mapping]] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "request_ids", "preempt", "idempotency_key")
+    __slots__ = ("pool", "session_id", "request_ids", "preempt", "idempotency_key", "fence")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPT_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     preempt: bool
     idempotency_key: str
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., preempt: _Optional[bool] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., preempt: _Optional[bool] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
-    __slots__ = ("num_free_blocks",)
+    __slots__ = ("num_free_blocks", "fence")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
-    def __init__(self, num_free_blocks: _Optional[int] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, num_free_blocks: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "ops", "idempotency_key")
+    __slots__ = ("pool", "session_id", "ops", "idempotency_key", "fence")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     ops: _containers.RepeatedCompositeFieldContainer[Operation]
     idempotency_key: str
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results", "num_free_blocks", "usage")
+    __slots__ = ("results", "num_free_blocks", "usage", "fence")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[OperationResult]
     num_free_blocks: int
     usage: float
-    def __init__(self, results: _Optional[_Iterable[_Union[OperationResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, results: _Optional[_Iterable[_Union[OperationResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
-    __slots__ = ("pool", "session_id")
+    __slots__ = ("pool", "session_id", "fence")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class ResetPrefixCacheResponse(_message.Message):
     __slots__ = ("result", "num_free_blocks")
@@ -587,18 +671,20 @@ class GetStatsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats")
+    __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats", "fence")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     num_total_blocks: int
     usage: float
     num_requests: int
     prefix_cache_stats: PrefixCacheStats
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class InspectPoolRequest(_message.Message):
     __slots__ = ("pool", "free_queue_limit", "request_ids", "all_requests", "include_cached_blocks")
@@ -681,21 +767,25 @@ class KVEvent(_message.Message):
     def __init__(self, block_stored: _Optional[_Union[BlockStored, _Mapping]] = ..., block_removed: _Optional[_Union[BlockRemoved, _Mapping]] = ..., all_blocks_cleared: _Optional[_Union[AllBlocksCleared, _Mapping]] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
-    __slots__ = ("pool", "after_sequence")
+    __slots__ = ("pool", "after_sequence", "fence")
     POOL_FIELD_NUMBER: _ClassVar[int]
     AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     after_sequence: int
-    def __init__(self, pool: _Optional[str] = ..., after_sequence: _Optional[int] = ...) -> None: ...
+    fence: Fence
+    def __init__(self, pool: _Optional[str] = ..., after_sequence: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class WatchEventsResponse(_message.Message):
-    __slots__ = ("sequence", "event", "gap", "epoch")
+    __slots__ = ("sequence", "event", "gap", "fence", "reset")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     EVENT_FIELD_NUMBER: _ClassVar[int]
     GAP_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     event: KVEvent
     gap: bool
-    epoch: int
-    def __init__(self, sequence: _Optional[int] = ..., event: _Optional[_Union[KVEvent, _Mapping]] = ..., gap: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
+    fence: Fence
+    reset: bool
+    def __init__(self, sequence: _Optional[int] = ..., event: _Optional[_Union[KVEvent, _Mapping]] = ..., gap: _Optional[bool] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., reset: _Optional[bool] = ...) -> None: ...

@@ -26,9 +26,7 @@ if _version_not_supported:
 
 
 class AllocatorStub:
-    """The allocator service. Every pool operation is linearizable: operations on one
-    pool run one at a time, in arrival order.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
         """Constructor.
@@ -114,9 +112,7 @@ class AllocatorStub:
 
 
 class AllocatorServicer:
-    """The allocator service. Every pool operation is linearizable: operations on one
-    pool run one at a time, in arrival order.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def CreatePool(self, request, context):
         """Creates a pool. Creating an identical pool again is a no-op (created = false);
@@ -157,7 +153,9 @@ class AllocatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Renews a session lease (any call carrying the session id renews it too).
+        """Renews a session lease (any call carrying the session id renews it too). The
+        lease runs from the moment the server receives the call, so a client that
+        counts it from the moment it sent the call is never late.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -171,9 +169,11 @@ class AllocatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FindLongestCacheHit(self, request, context):
-        """The longest prefix-cache hit for a request. Read-only for the pool (no block
-        changes hands, LRU order is untouched); it records prefix-cache statistics as
-        vLLM's get_computed_blocks does. The hit is a hint until adopted by Allocate.
+        """The longest prefix-cache hit for a list of block hashes. Read-only: nothing in
+        the pool changes (no request is registered, LRU order, statistics and events are
+        untouched), and no session is needed. The hit is a hint until adopted by
+        Allocate (or use AllocateOp.lookup, which cannot go stale). The manager-shaped
+        lookup that counts statistics like vLLM's get_computed_blocks is LookupOp.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -315,9 +315,7 @@ def add_AllocatorServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Allocator:
-    """The allocator service. Every pool operation is linearizable: operations on one
-    pool run one at a time, in arrival order.
-    """
+    """Missing associated documentation comment in .proto file."""
 
     @staticmethod
     def CreatePool(request,

@@ -71,6 +71,8 @@ class RemoteTarget:
         self.pool = ""
         self.session = ""
         self._pending: dict[str, pb.RequestSync] = {}
+        #: (tokens, hashes) the server holds per request: the position of the next sync
+        self._pos: dict[str, tuple[int, int]] = {}
         self._free = 0
         self._usage = 0.0
 
@@ -92,7 +94,12 @@ class RemoteTarget:
 
     # -- plumbing ------------------------------------------------------------------
     def _sync(self, rid: str) -> pb.RequestSync:
-        return self._pending.pop(rid, None) or pb.RequestSync(request_id=rid)
+        sync = self._pending.pop(rid, None) or pb.RequestSync(request_id=rid)
+        if not sync.new_request:
+            sync.base_num_tokens, sync.base_num_hashes = self._pos.get(rid, (0, 0))
+        base = (0, 0) if sync.new_request else (sync.base_num_tokens, sync.base_num_hashes)
+        self._pos[rid] = (base[0] + len(sync.append_token_ids), base[1] + len(sync.append_block_hashes))
+        return sync
 
     def _step(self, *ops: pb.Operation) -> pb.OperationResult:
         resp = self.client.step(self.pool, list(ops), self.session)
@@ -100,13 +107,15 @@ class RemoteTarget:
         self._usage = resp.usage
         for r in resp.results:
             if r.status_code:
-                raise error_from_code(status_code(r.status_code), r.status_message)
+                reason = pb.ErrorReason.Name(r.reason) if r.reason else ""
+                raise error_from_code(status_code(r.status_code), r.status_message, "Step", reason)
         last: pb.OperationResult = resp.results[-1]
         return last
 
     def _flush(self, rid: str) -> list[pb.Operation]:
-        sync = self._pending.pop(rid, None)
-        return [pb.Operation(sync=pb.SyncOp(request=sync))] if sync is not None else []
+        if rid not in self._pending:
+            return []
+        return [pb.Operation(sync=pb.SyncOp(request=self._sync(rid)))]
 
     # -- ReplayTarget -------------------------------------------------------------------
     def add_request(
@@ -114,7 +123,7 @@ class RemoteTarget:
     ) -> None:
         sync = pb.RequestSync(
             request_id=rid, append_token_ids=prompt, append_block_hashes=hashes,
-            skip_reading_prefix_cache=skip_read, num_computed_tokens=0,
+            skip_reading_prefix_cache=skip_read, num_computed_tokens=0, new_request=True,
         )  # fmt: skip
         if lora is not None:
             sync.lora.adapter_id = lora.adapter_id
@@ -145,6 +154,7 @@ class RemoteTarget:
 
     def free(self, rid: str) -> None:
         self._step(*self._flush(rid), pb.Operation(free=pb.FreeOp(request_id=rid)))
+        self._pos.pop(rid, None)
 
     def preempt(self, rid: str) -> None:
         self._step(*self._flush(rid), pb.Operation(preempt=pb.PreemptOp(request_id=rid)))
@@ -162,8 +172,8 @@ class RemoteTarget:
         return stats_json(r.prefix_cache_stats.stats) if r.prefix_cache_stats.HasField("stats") else None
 
     def peek_prefix_cache_stats(self) -> dict[str, Any] | None:
-        s = self.client.get_stats(self.pool)
-        return stats_json(s.prefix_cache_stats) if s.HasField("prefix_cache_stats") else None
+        r = self._step(pb.Operation(make_prefix_cache_stats=pb.MakePrefixCacheStatsOp(peek=True)))
+        return stats_json(r.prefix_cache_stats.stats) if r.prefix_cache_stats.HasField("stats") else None
 
     def get_num_common_prefix_blocks(self, rid: str) -> list[int]:
         r = self._step(*self._flush(rid), pb.Operation(common_prefix=pb.CommonPrefixOp(request_id=rid)))

@@ -50,9 +50,29 @@ class ServerSettings:
     keepalive_time_seconds: float = 30.0
     keepalive_timeout_seconds: float = 10.0
     session_lease_seconds: float = 30.0
-    max_session_lease_seconds: float = 3600.0
+    max_session_lease_seconds: float = 120.0
     log_level: str = "INFO"
     auth_tokens: tuple[str, ...] = ()
+    #: how long answers to keyed calls are kept for retries, and their byte budget
+    idempotency_window_seconds: float = 300.0
+    idempotency_max_bytes: int = 64 * 1024 * 1024
+    #: where the lease marker lives ("" = none); see lease_marker.py
+    state_dir: str = ""
+    #: without a state_dir: how long after start no session may attach
+    startup_grace_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.session_lease_seconds <= 0 or self.max_session_lease_seconds < self.session_lease_seconds:
+            raise ConfigFileError(
+                "server.session_lease_seconds must be > 0 and <= server.max_session_lease_seconds"
+            )
+        if self.idempotency_window_seconds < 2 * self.max_session_lease_seconds:
+            raise ConfigFileError(
+                "server.idempotency_window_seconds must be at least twice "
+                "server.max_session_lease_seconds (clients retry within half the window)"
+            )
+        if self.idempotency_max_bytes <= 0 or self.startup_grace_seconds < 0:
+            raise ConfigFileError("server.idempotency_max_bytes must be > 0 and startup_grace_seconds >= 0")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,7 +145,10 @@ def _settings(d: Mapping[str, Any]) -> ServerSettings:
         if key not in known:
             raise ConfigFileError(f"server: unknown key {key!r} (known: {sorted(known)})")
         kwargs[key] = tuple(value) if key in ("listen", "auth_tokens") else value
-    s = ServerSettings(**kwargs)
+    try:
+        s = ServerSettings(**kwargs)
+    except TypeError as exc:
+        raise ConfigFileError(f"server: {exc}") from None
     if not s.listen:
         raise ConfigFileError("server.listen: at least one address is required")
     return s

@@ -25,10 +25,19 @@ from kvcoord.engine import (
 )
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .errors import ServiceError
+from . import operations as op
+from .errors import ServiceError, bounded
+from .pool_service import Fence
 
 __all__ = [
+    "allocate_to_pb",
     "block_ids_to_pb",
+    "error_to_result",
+    "fence_from_pb",
+    "fence_to_pb",
+    "operation_from_pb",
+    "outcome_to_pb",
+    "sync_from_pb",
     "config_from_pb",
     "event_to_pb",
     "hit_from_pb",
@@ -170,3 +179,140 @@ def event_to_pb(event: KVCacheEvent) -> pb.KVEvent:
         )
     assert isinstance(event, AllBlocksCleared)
     return pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared())
+
+
+# -- operations -------------------------------------------------------------------------
+def fence_from_pb(fence: pb.Fence, present: bool) -> Fence | None:
+    """``None`` when the caller sent no fence (nothing to check)."""
+    return Fence(fence.instance_id, fence.incarnation) if present else None
+
+
+def fence_to_pb(fence: Fence) -> pb.Fence:
+    return pb.Fence(instance_id=fence.instance_id, incarnation=fence.incarnation)
+
+
+def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
+    return op.RequestSync(
+        s.request_id,
+        s.append_token_ids,
+        s.append_block_hashes,
+        s.new_request,
+        s.base_num_tokens,
+        s.base_num_hashes,
+        s.num_computed_tokens if s.HasField("num_computed_tokens") else None,
+        lora_from_pb(s.lora),
+        s.skip_reading_prefix_cache,
+        s.num_preemptions if s.HasField("num_preemptions") else None,
+    )
+
+
+def allocate_from_pb(a: pb.AllocateOp, num_groups: int) -> op.Allocate:
+    return op.Allocate(
+        sync_from_pb(a.request),
+        a.num_new_tokens,
+        a.num_new_computed_tokens,
+        hit_from_pb(a.new_computed_blocks, num_groups),
+        a.num_lookahead_tokens,
+        a.num_external_computed_tokens,
+        a.delay_cache_blocks,
+        a.num_encoder_tokens,
+        a.lookup,
+    )
+
+
+def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
+    """One wire operation as a plain one (INVALID_ARGUMENT when none is set)."""
+    kind = o.WhichOneof("op")
+    if kind == "allocate":
+        return allocate_from_pb(o.allocate, num_groups)
+    if kind == "lookup":
+        return op.Lookup(sync_from_pb(o.lookup.request))
+    if kind == "free":
+        return op.Free(o.free.request_id)
+    if kind == "preempt":
+        return op.Preempt(o.preempt.request_id)
+    if kind == "cache_blocks":
+        return op.CacheBlocks(sync_from_pb(o.cache_blocks.request), o.cache_blocks.num_computed_tokens)
+    if kind == "remove_skipped_blocks":
+        r = o.remove_skipped_blocks
+        return op.RemoveSkipped(sync_from_pb(r.request), r.total_computed_tokens)
+    if kind == "evict_blocks":
+        return op.EvictBlocks(o.evict_blocks.block_ids)
+    if kind == "get_block_ids":
+        return op.GetBlockIds(o.get_block_ids.request_id)
+    if kind == "common_prefix":
+        return op.CommonPrefix(o.common_prefix.request_id)
+    if kind == "reset_prefix_cache":
+        return op.ResetPrefixCache()
+    if kind == "take_events":
+        return op.TakeEvents()
+    if kind == "make_prefix_cache_stats":
+        return op.MakeStats(o.make_prefix_cache_stats.peek)
+    if kind == "sync":
+        return op.Sync(sync_from_pb(o.sync.request))
+    raise _invalid("operation has no op set")
+
+
+def allocate_to_pb(a: op.AllocateOutcome) -> pb.AllocateResult:
+    out = pb.AllocateResult(refused=a.refused, stale_hit=a.stale_hit, num_new_tokens=a.num_new_tokens)
+    if a.new_block_ids is not None:
+        out.new_block_ids.extend(block_ids_to_pb(a.new_block_ids))
+    if a.hit is not None:
+        out.hit.CopyFrom(hit_to_pb(a.hit))
+    return out
+
+
+def error_to_result(err: ServiceError) -> pb.OperationResult:
+    """A failed operation's result: code, bounded message, reason and position."""
+    r = pb.OperationResult(status_code=int(err.code.value[0]), status_message=bounded(err.message))
+    if err.reason is not None:
+        r.reason = err.reason.value
+    if err.position is not None:
+        p = err.position
+        r.position.CopyFrom(
+            pb.RequestPosition(
+                request_id=p.request_id,
+                exists=p.exists,
+                num_tokens=p.num_tokens,
+                num_hashes=p.num_hashes,
+                num_computed_tokens=p.num_computed_tokens,
+            )
+        )
+    return r
+
+
+_ABORTED = int(grpc.StatusCode.ABORTED.value[0])
+
+
+def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
+    """A plain outcome as its wire result (the operation says which field is set)."""
+    if o.aborted_by is not None:
+        return pb.OperationResult(
+            status_code=_ABORTED, status_message=f"not applied: operation {o.aborted_by} failed"
+        )
+    if o.error is not None:
+        return error_to_result(o.error)
+    v = o.value
+    if isinstance(operation, op.Allocate):
+        assert isinstance(v, op.AllocateOutcome)
+        return pb.OperationResult(allocate=allocate_to_pb(v))
+    if isinstance(operation, op.Lookup):
+        assert isinstance(v, CacheHit)
+        return pb.OperationResult(lookup=pb.LookupResult(hit=hit_to_pb(v)))
+    if isinstance(operation, op.GetBlockIds):
+        return pb.OperationResult(
+            get_block_ids=pb.GetBlockIdsResult(groups=block_ids_to_pb(v))  # type: ignore[arg-type]
+        )
+    if isinstance(operation, op.CommonPrefix):
+        return pb.OperationResult(common_prefix=pb.CommonPrefixResult(num_blocks=v))  # type: ignore[arg-type]
+    if isinstance(operation, op.ResetPrefixCache):
+        return pb.OperationResult(reset_prefix_cache=pb.ResetPrefixCacheResult(result=bool(v)))
+    if isinstance(operation, op.TakeEvents):
+        assert isinstance(v, op.EventsTaken)
+        return pb.OperationResult(
+            take_events=pb.TakeEventsResult(events=[event_to_pb(e) for e in v.events], gap=v.gap)
+        )
+    if isinstance(operation, op.MakeStats):
+        assert v is None or isinstance(v, PrefixCacheStats)
+        return pb.OperationResult(prefix_cache_stats=pb.PrefixCacheStatsResult(stats=stats_to_pb(v)))
+    return pb.OperationResult()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -10,18 +12,81 @@ from typing import Any, TypeVar
 import grpc
 from kvcoord.engine import EngineError, ErrorStatus
 
-__all__ = ["ServiceError", "grpc_code", "map_errors", "map_stream_errors"]
+__all__ = [
+    "MAX_MESSAGE_CHARS",
+    "REASON_METADATA_KEY",
+    "ErrorReason",
+    "Position",
+    "ServiceError",
+    "bounded",
+    "grpc_code",
+    "map_errors",
+    "map_stream_errors",
+]
 
 logger = logging.getLogger(__name__)
 
+#: Error messages are cut to this many characters (gRPC metadata is size-limited, and
+#: a message echoing a huge input helps nobody).
+MAX_MESSAGE_CHARS = 1024
+#: Trailing-metadata key carrying an ErrorReason name on a failed RPC.
+REASON_METADATA_KEY = "kvcoord-reason"
+
+
+class ErrorReason(enum.Enum):
+    """Why a call failed, when the caller must act on it (the proto's ErrorReason)."""
+
+    INSTANCE_CHANGED = 1
+    INCARNATION_CHANGED = 2
+    SESSION_EXPIRED = 3
+    SYNC_MISMATCH = 4
+    KEY_REUSED = 5
+    ANSWER_EVICTED = 6
+    GRACE_PERIOD = 7
+    REQUEST_UNKNOWN = 8
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Position:
+    """Where a request stands on the server (sent back with SYNC_MISMATCH)."""
+
+    request_id: str
+    exists: bool
+    num_tokens: int = 0
+    num_hashes: int = 0
+    num_computed_tokens: int = 0
+
+
+def bounded(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """``message`` cut to ``limit`` characters, saying how much was cut."""
+    if len(message) <= limit:
+        return message
+    cut = len(message) - (limit - 40)
+    return f"{message[: limit - 40]}... ({cut} more characters)"
+
 
 class ServiceError(Exception):
-    """A failure decided by the service (unknown pool, limits, sessions, auth)."""
+    """A failure decided by the service (unknown pool, limits, sessions, fencing, auth).
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    Args:
+        code: the gRPC status.
+        message: for people; cut to MAX_MESSAGE_CHARS on the wire.
+        reason: for programs, when the caller must do something particular.
+        position: the request's server-side position, with SYNC_MISMATCH / REQUEST_UNKNOWN.
+    """
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        reason: ErrorReason | None = None,
+        position: Position | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason
+        self.position = position
 
 
 _ENGINE_CODES: dict[ErrorStatus, grpc.StatusCode] = {
@@ -39,11 +104,16 @@ def grpc_code(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     logged, never sent.
     """
     if isinstance(exc, ServiceError):
-        return exc.code, exc.message
+        return exc.code, bounded(exc.message)
     if isinstance(exc, EngineError):
-        return _ENGINE_CODES[exc.status], str(exc)
+        return _ENGINE_CODES[exc.status], bounded(str(exc))
     logger.exception("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, "internal server error (see the server log)"
+
+
+def _trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    reason = getattr(exc, "reason", None)
+    return ((REASON_METADATA_KEY, reason.name),) if reason is not None else ()
 
 
 T = TypeVar("T")
@@ -59,7 +129,7 @@ def map_errors(fn: Handler[T]) -> Handler[T]:
             return await fn(self, request, context)
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
             code, message = grpc_code(exc)
-            await context.abort(code, message)
+            await context.abort(code, message, _trailers(exc))
             raise AssertionError("unreachable") from None
 
     return wrapper
@@ -75,6 +145,6 @@ def map_stream_errors(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., Asyn
                 yield item
         except Exception as exc:  # noqa: BLE001
             code, message = grpc_code(exc)
-            await context.abort(code, message)
+            await context.abort(code, message, _trailers(exc))
 
     return wrapper

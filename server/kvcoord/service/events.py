@@ -1,4 +1,9 @@
-"""A bounded, sequenced journal of one pool's KV events, for watchers and TakeEvents."""
+"""A bounded, sequenced journal of one pool's KV events, for watchers and TakeEvents.
+
+Events are engine values (the servicer converts them at the edge). Every reader has
+its own cursor (a sequence number) and learns of a gap whenever events after its
+cursor were dropped before it read them.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import asyncio
 import collections
 from collections.abc import Iterable
 
-from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.engine import KVCacheEvent
 
 __all__ = ["EventJournal"]
 
@@ -14,20 +19,19 @@ __all__ = ["EventJournal"]
 class EventJournal:
     """Events get sequence numbers 1, 2, ...; the newest ``capacity`` are kept.
 
-    ``take()`` returns what was published since the previous ``take()`` (vLLM's
-    take_events); watchers read by sequence number and can resume after a
-    disconnect, learning of a gap when what they missed is no longer kept.
+    Readers (watch streams, each session's TakeEvents) read by sequence number and
+    can resume after a disconnect, learning of a gap when what they missed is no
+    longer kept.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._events: collections.deque[tuple[int, pb.KVEvent]] = collections.deque(maxlen=capacity)
+        self._events: collections.deque[tuple[int, KVCacheEvent]] = collections.deque(maxlen=capacity)
         self.last_sequence = 0
-        self._take_cursor = 0
         self._changed = asyncio.Event()
         self.closed = False
 
-    def publish(self, events: Iterable[pb.KVEvent]) -> int:
+    def publish(self, events: Iterable[KVCacheEvent]) -> int:
         """Append events; returns how many were added."""
         n = 0
         for event in events:
@@ -43,7 +47,7 @@ class EventJournal:
     def oldest_sequence(self) -> int:
         return self._events[0][0] if self._events else self.last_sequence + 1
 
-    def since(self, after: int, limit: int | None = None) -> list[tuple[int, pb.KVEvent]]:
+    def since(self, after: int, limit: int | None = None) -> list[tuple[int, KVCacheEvent]]:
         """Kept events with a sequence number above ``after``, oldest first."""
         if after >= self.last_sequence:
             return []
@@ -55,11 +59,9 @@ class EventJournal:
                 break
         return out
 
-    def take(self) -> list[pb.KVEvent]:
-        """Events published since the previous call (those still kept)."""
-        items = self.since(self._take_cursor)
-        self._take_cursor = self.last_sequence
-        return [e for _, e in items]
+    def missed(self, after: int) -> bool:
+        """True when events after sequence ``after`` were dropped unread."""
+        return after < self.last_sequence and after + 1 < self.oldest_sequence
 
     async def wait(self, after: int, timeout: float) -> None:
         """Return when an event above ``after`` exists, the journal closes, or after ``timeout``."""

@@ -23,7 +23,7 @@ async def run(cfg: ServerConfig) -> int:
 
     metrics = Metrics()
     running = await start_server(cfg, observer=metrics, interceptors=[metrics.interceptor()])
-    metrics.bind(running.servicer)
+    metrics.bind(running.servicer, asyncio.get_running_loop())
     metrics_addr = ""
     if cfg.server.metrics_listen:
         metrics_addr = metrics.start_http(cfg.server.metrics_listen)

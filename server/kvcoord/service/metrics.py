@@ -6,6 +6,9 @@ Every metric is listed in docs/metrics.md with its vLLM counterpart.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextlib
 import platform
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -16,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .registry import PoolHandle
+from .pool_service import PoolService
 from .servicer import NullObserver
 
 if TYPE_CHECKING:
@@ -40,6 +43,22 @@ class _PoolCollector(Collector):
         self.metrics = metrics
 
     def collect(self) -> Iterator[Any]:
+        """Read on the server's event loop, so a scrape sees one consistent state
+        (the HTTP thread never walks tables the loop is changing)."""
+        loop = self.metrics.loop
+        if loop is None or not loop.is_running() or _on_loop(loop):
+            yield from self._families()
+            return
+        try:
+            families = asyncio.run_coroutine_threadsafe(self._read(), loop).result(timeout=10)
+        except (TimeoutError, concurrent.futures.TimeoutError, RuntimeError):
+            return  # the loop is stuck or stopping: export nothing rather than a torn view
+        yield from families
+
+    async def _read(self) -> list[Any]:
+        return list(self._families())
+
+    def _families(self) -> Iterator[Any]:
         servicer = self.metrics.servicer
         pools = sorted(servicer.registry.pools.values(), key=lambda h: h.name) if servicer else []
         usage = GaugeMetricFamily(
@@ -93,7 +112,7 @@ class _PoolCollector(Collector):
         events = CounterMetricFamily("kvcoord_kv_events_published", "KV events published.", labels=["pool"])
         session_counts: dict[str, int] = {}
         if servicer is not None:
-            for s in servicer.sessions.sessions.values():
+            for s in servicer.registry.sessions.sessions.values():
                 session_counts[s.pool] = session_counts.get(s.pool, 0) + 1
         for h in pools:
             e = h.engine
@@ -184,6 +203,7 @@ class Metrics(NullObserver):
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         self.servicer: AllocatorServicer | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.started = Counter(
             "grpc_server_started", "RPCs started on the server.", ["grpc_service", "grpc_method", "grpc_type"],
             registry=self.registry,
@@ -210,8 +230,10 @@ class Metrics(NullObserver):
         self.registry.register(_PoolCollector(self))
         self._http: Any = None
 
-    def bind(self, servicer: AllocatorServicer) -> None:
+    def bind(self, servicer: AllocatorServicer, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Read ``servicer``'s pools, on ``loop`` (the server's) when scraped from another thread."""
         self.servicer = servicer
+        self.loop = loop
 
     def interceptor(self) -> grpc.aio.ServerInterceptor:
         return _RpcInterceptor(self)
@@ -230,8 +252,13 @@ class Metrics(NullObserver):
         self.latency.labels(service, method, kind).observe(time.perf_counter() - t0)
 
     # -- OperationObserver (the rest is inherited as no-ops) -------------------------
-    def pool_created(self, handle: PoolHandle) -> None:
-        self.handshake_refusals.labels(handle.name)  # export the series at 0
+    def pool_created(self, service: PoolService) -> None:
+        self.handshake_refusals.labels(service.name)  # export the series at 0
+
+    def pool_deleted(self, service: PoolService) -> None:
+        # A deleted pool's series go with it (the collector's are read live).
+        with contextlib.suppress(KeyError):
+            self.handshake_refusals.remove(service.name)
 
     def handshake_refused(self, pool: str) -> None:
         self.handshake_refusals.labels(pool).inc()
@@ -249,6 +276,13 @@ class Metrics(NullObserver):
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 def _code_name(value: int) -> str:

@@ -1,4 +1,4 @@
-"""Named pools, each with its engine instance, event journal and idempotency cache.
+"""Named pools of one server instance, with the state the service shares between them.
 
 All handlers run on one asyncio event loop and call the engine inline (engine calls
 never await), so every pool is linearizable: operations run one at a time, in the
@@ -7,113 +7,76 @@ order they arrive.
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import gc
 import logging
 import re
+import secrets
+import time
+from collections.abc import Callable
 
 import grpc
-from kvcoord.engine import KVCacheConfig, KVCachePool
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .convert import config_from_pb, event_to_pb
+from .convert import config_from_pb
 from .errors import ServiceError
-from .events import EventJournal
+from .idempotency import IdempotencyStore
+from .pool_service import Fence, Limits, PoolService
+from .sessions import SessionTable
 
-__all__ = ["Limits", "PoolHandle", "PoolRegistry"]
+__all__ = ["Limits", "PoolRegistry", "new_instance_id"]
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class Limits:
-    """Server limits; exceeding one is RESOURCE_EXHAUSTED."""
-
-    max_pools: int = 64
-    max_blocks_per_pool: int = 50_000_000
-    max_requests_per_pool: int = 1_000_000
-    max_ops_per_step: int = 65_536
-    event_buffer: int = 65_536
-    idempotency_cache: int = 4_096
-
-
-class PoolHandle:
-    """One named pool and what the service keeps beside its engine."""
-
-    def __init__(
-        self, name: str, config_pb: pb.PoolConfig, config: KVCacheConfig, epoch: int, limits: Limits
-    ) -> None:
-        self.name = name
-        self.config_pb = config_pb
-        self.config = config
-        self.engine = KVCachePool(config)
-        self.epoch = epoch
-        self.limits = limits
-        self.events = EventJournal(limits.event_buffer)
-        # request id -> owning session id (requests created without a session are absent)
-        self.owners: dict[str, str] = {}
-        self._responses: collections.OrderedDict[str, bytes] = collections.OrderedDict()
-        self.hash_settings = (config_pb.hash_algo, config_pb.hash_block_size, config_pb.hash_seed)
-
-    def publish_events(self) -> int:
-        """Move the engine's queued events into the journal."""
-        events = self.engine.take_events()
-        if not events:
-            return 0
-        return self.events.publish(event_to_pb(e) for e in events)
-
-    def cached_response(self, key: str) -> bytes | None:
-        if not key:
-            return None
-        return self._responses.get(key)
-
-    def remember_response(self, key: str, response: bytes) -> None:
-        if not key:
-            return
-        self._responses[key] = response
-        self._responses.move_to_end(key)
-        while len(self._responses) > self.limits.idempotency_cache:
-            self._responses.popitem(last=False)
-
-    def info(self) -> pb.PoolInfo:
-        e = self.engine
-        return pb.PoolInfo(
-            name=self.name,
-            config=self.config_pb,
-            coordinator=self.config.coordinator_kind,
-            num_free_blocks=e.num_free_blocks,
-            usage=e.usage,
-            num_requests=len(e.requests),
-            epoch=self.epoch,
-        )
+def new_instance_id() -> str:
+    """A fresh server instance id (random: two starts never share one)."""
+    return secrets.token_hex(8)
 
 
 class PoolRegistry:
-    """The server's pools by name."""
+    """The server's pools by name, its sessions and its idempotency store.
 
-    def __init__(self, limits: Limits, epoch: int = 1) -> None:
+    Args:
+        limits: server limits.
+        sessions: the session table shared by every pool.
+        idempotency: kept answers of keyed calls.
+        instance_id: this server instance (default: a new random one).
+        grace_until: monotonic time before which no session may attach (restart grace).
+    """
+
+    def __init__(
+        self,
+        limits: Limits,
+        sessions: SessionTable,
+        idempotency: IdempotencyStore,
+        instance_id: str | None = None,
+        grace_until: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.limits = limits
-        self.epoch = epoch
-        self.pools: dict[str, PoolHandle] = {}
+        self.sessions = sessions
+        self.idempotency = idempotency
+        self.instance_id = instance_id or new_instance_id()
+        self.grace_until = grace_until
+        self.clock = clock
+        self.pools: dict[str, PoolService] = {}
 
-    def create(self, name: str, config_pb: pb.PoolConfig) -> tuple[PoolHandle, bool]:
+    def create(self, name: str, config_pb: pb.PoolConfig) -> tuple[PoolService, bool]:
         """Create a pool, or return the identical existing one (``created`` False).
 
         Raises:
             ServiceError: bad name, ALREADY_EXISTS with another config, or a limit.
-            ConfigError: the layout is invalid.
         """
         if not _NAME.match(name):
             raise ServiceError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"pool name {name!r} must be 1-128 characters of letters, digits, '.', '_' or '-'",
+                f"pool name {name[:200]!r} must be 1-128 characters of letters, digits, '.', '_' or '-'",
             )
         existing = self.pools.get(name)
         if existing is not None:
-            if existing.config_pb == config_pb:
+            if existing.wire_config == config_pb:
                 return existing, False
             raise ServiceError(
                 grpc.StatusCode.ALREADY_EXISTS,
@@ -131,28 +94,79 @@ class PoolRegistry:
                 f"num_blocks {config_pb.num_blocks} exceeds max_blocks_per_pool {self.limits.max_blocks_per_pool}",
             )
         config = config_from_pb(config_pb)
-        handle = PoolHandle(name, config_pb, config, self.epoch, self.limits)
-        self.pools[name] = handle
-        # A pool is millions of long-lived objects: keep them out of the cyclic GC's
-        # full passes, which would otherwise stall every call for hundreds of ms.
-        gc.collect()
-        gc.freeze()
-        logger.info("created pool %s (%s blocks, %s)", name, config.num_blocks, config.coordinator_kind)
-        return handle, True
+        fence = Fence(self.instance_id, secrets.randbits(63) or 1)
+        hash_settings = (config_pb.hash_algo, config_pb.hash_block_size, config_pb.hash_seed)
+        wire = pb.PoolConfig()
+        wire.CopyFrom(config_pb)
+        service = PoolService(name, config, hash_settings, fence, self.limits, self.sessions, wire)
+        service.grace_until = self.grace_until
+        self.pools[name] = service
+        logger.info(
+            "created pool %s (%s blocks, %s, incarnation %d)",
+            name,
+            config.num_blocks,
+            config.coordinator_kind,
+            fence.incarnation,
+        )
+        return service, True
 
-    def get(self, name: str) -> PoolHandle:
-        handle = self.pools.get(name)
-        if handle is None:
-            known = ", ".join(sorted(self.pools)) or "none"
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"pool {name!r} does not exist (pools: {known})")
-        return handle
+    def get(self, name: str) -> PoolService:
+        """The pool called ``name``.
 
-    def delete(self, name: str) -> PoolHandle:
-        handle = self.get(name)
+        Raises:
+            ServiceError: INVALID_ARGUMENT without a name, NOT_FOUND for an unknown one.
+        """
+        if not name:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "pool is required")
+        service = self.pools.get(name)
+        if service is None:
+            known = ", ".join(sorted(self.pools)[:20]) or "none"
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND, f"pool {name[:200]!r} does not exist (pools: {known})"
+            )
+        return service
+
+    def pool_of_session(self, session_id: str) -> PoolService:
+        """The pool a live session is attached to (SESSION_EXPIRED when there is none)."""
+        s = self.sessions.get(session_id)
+        return self.get(s.pool)
+
+    def delete(self, name: str) -> PoolService:
+        """Remove a pool: its sessions end (their requests go with the pool)."""
+        service = self.get(name)
         del self.pools[name]
-        handle.events.close()
-        gc.unfreeze()
-        gc.collect()
-        gc.freeze()
+        for s in self.sessions.of_pool(name):
+            self.sessions.close(s.session_id)
+            self.idempotency.drop_session(s.session_id)
+        service.owners.clear()
+        service.events.close()
         logger.info("deleted pool %s", name)
-        return handle
+        return service
+
+    def reap_expired_sessions(self) -> list[tuple[str, str, int]]:
+        """Free the requests of every session whose lease ran out.
+
+        Returns:
+            (session id, pool, requests freed) per expired session.
+        """
+        out = []
+        for s in self.sessions.expired():
+            self.idempotency.drop_session(s.session_id)
+            service = self.pools.get(s.pool)
+            freed = service.end_session(s) if service is not None else 0
+            logger.warning(
+                "session %s (%s) of pool %s expired; freed %d requests",
+                s.session_id,
+                s.client_name,
+                s.pool,
+                freed,
+            )
+            out.append((s.session_id, s.pool, freed))
+        self.idempotency.expire()
+        return out
+
+
+def freeze_long_lived_objects() -> None:
+    """Keep long-lived pool objects out of the cyclic GC's full passes."""
+    gc.collect()
+    gc.freeze()

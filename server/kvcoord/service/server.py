@@ -13,13 +13,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from .auth import TokenAuthInterceptor
 from .config import ServerConfig
+from .idempotency import IdempotencyStore
+from .lease_marker import LeaseMarker
 from .registry import PoolRegistry
-from .servicer import AllocatorServicer, OperationObserver
-from .sessions import SessionManager
+from .servicer import AllocatorServicer, OperationObserver, add_servicer
+from .sessions import SessionTable
 
 __all__ = ["RunningServer", "start_server"]
 
@@ -80,18 +81,41 @@ async def start_server(
     *,
     observer: OperationObserver | None = None,
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-    epoch: int = 1,
+    instance_id: str | None = None,
     clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], float] = time.time,
     reap_interval: float = 1.0,
 ) -> RunningServer:
     """Create the declared pools, bind every listener and start serving.
 
     Raises:
         RuntimeError: a listener could not be bound.
+        MarkerError: the state directory's lease marker cannot be read.
     """
-    registry = PoolRegistry(cfg.limits, epoch=epoch)
-    sessions = SessionManager(clock, cfg.server.session_lease_seconds, cfg.server.max_session_lease_seconds)
-    servicer = AllocatorServicer(registry, sessions, observer)
+    st = cfg.server
+    sessions = SessionTable(clock, st.session_lease_seconds, st.max_session_lease_seconds)
+    grace_until = clock() + st.startup_grace_seconds
+    if st.state_dir:
+        marker = LeaseMarker(st.state_dir, st.max_session_lease_seconds, wall_clock)
+        previous = marker.previous_leases_end()
+        if previous is not None and previous > wall_clock():
+            wait = previous - wall_clock()
+            grace_until = max(grace_until, clock() + wait)
+            logger.warning(
+                "leases granted by the previous instance may run for another %.1f s: no session may "
+                "attach (and so no block is handed out) until then",
+                wait,
+            )
+        sessions.on_lease = lambda s: marker.cover(s.lease_seconds)
+    registry = PoolRegistry(
+        cfg.limits,
+        sessions,
+        IdempotencyStore(clock, st.idempotency_window_seconds, st.idempotency_max_bytes),
+        instance_id,
+        grace_until,
+        clock,
+    )
+    servicer = AllocatorServicer(registry, observer)
     for decl in cfg.pools:
         handle, _ = registry.create(decl.name, decl.config)
         servicer.observer.pool_created(handle)
@@ -99,7 +123,7 @@ async def start_server(
     if cfg.server.auth_tokens:
         chain.insert(0, TokenAuthInterceptor(cfg.server.auth_tokens))
     server = grpc.aio.server(options=_options(cfg), interceptors=chain)
-    pb_grpc.add_AllocatorServicer_to_server(servicer, server)
+    add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

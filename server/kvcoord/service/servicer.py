@@ -1,36 +1,53 @@
-"""The Allocator gRPC servicer: validate, convert, call the engine, convert back."""
+"""The Allocator gRPC servicer: message in, pool service call, message out.
+
+Every rule (sessions, ownership, positioned sync, Step semantics, cursors, fencing)
+lives in :mod:`.pool_service`, :mod:`.sessions` and :mod:`.idempotency`; this module
+only translates. Handlers run on the server's event loop and never await inside a
+pool call, so each pool sees one operation at a time, in arrival order.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
 import grpc
+from google.protobuf.message import DecodeError, Message
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
-from .convert import block_ids_to_pb, stats_to_pb
-from .errors import ServiceError, grpc_code, map_errors, map_stream_errors
-from .ops import apply_operation
-from .registry import PoolHandle, PoolRegistry
-from .sessions import SessionManager
+from . import operations as op
+from .convert import (
+    allocate_from_pb,
+    allocate_to_pb,
+    block_ids_to_pb,
+    event_to_pb,
+    fence_from_pb,
+    fence_to_pb,
+    hit_to_pb,
+    operation_from_pb,
+    outcome_to_pb,
+    stats_to_pb,
+)
+from .errors import ServiceError, map_errors, map_stream_errors
+from .pool_service import Fence, PoolService
+from .registry import PoolRegistry
 
-__all__ = ["AllocatorServicer", "NullObserver", "OperationObserver"]
+__all__ = ["AllocatorServicer", "NullObserver", "OperationObserver", "add_servicer"]
 
 logger = logging.getLogger(__name__)
 
-_ABORTED = int(grpc.StatusCode.ABORTED.value[0])
-T = TypeVar("T")
+M = TypeVar("M", bound=Message)
 
 
 class OperationObserver(Protocol):
-    """Told about every applied operation and pool lifecycle change (metrics)."""
+    """Told about pool lifecycle and session changes (metrics)."""
 
-    def after_op(self, handle: PoolHandle, kind: str, op: Any, result: pb.OperationResult) -> None: ...
-    def pool_created(self, handle: PoolHandle) -> None: ...
-    def pool_deleted(self, handle: PoolHandle) -> None: ...
-    def attached(self, handle: PoolHandle) -> None: ...
+    def pool_created(self, service: PoolService) -> None: ...
+    def pool_deleted(self, service: PoolService) -> None: ...
+    def attached(self, service: PoolService) -> None: ...
     def detached(self, pool: str) -> None: ...
     def handshake_refused(self, pool: str) -> None: ...
 
@@ -38,16 +55,13 @@ class OperationObserver(Protocol):
 class NullObserver:
     """An observer that ignores everything; subclass it to watch only some events."""
 
-    def after_op(self, handle: PoolHandle, kind: str, op: Any, result: pb.OperationResult) -> None:
+    def pool_created(self, service: PoolService) -> None:
         pass
 
-    def pool_created(self, handle: PoolHandle) -> None:
+    def pool_deleted(self, service: PoolService) -> None:
         pass
 
-    def pool_deleted(self, handle: PoolHandle) -> None:
-        pass
-
-    def attached(self, handle: PoolHandle) -> None:
+    def attached(self, service: PoolService) -> None:
         pass
 
     def detached(self, pool: str) -> None:
@@ -57,140 +71,131 @@ class NullObserver:
         pass
 
 
-def _replay(handle: PoolHandle, key: str, message: type[T]) -> T | None:
-    """The stored answer of an earlier call with this idempotency key, if any."""
-    data = handle.cached_response(key)
-    return None if data is None else message.FromString(data)  # type: ignore[attr-defined]
+def _digest(request: Message) -> bytes:
+    """What binds an idempotency key to its request: a hash of the body minus the key."""
+    body = request.SerializeToString(deterministic=True)
+    return hashlib.blake2b(body, digest_size=16).digest()
+
+
+def _fence(request: Any) -> Fence | None:
+    return fence_from_pb(request.fence, request.HasField("fence"))
 
 
 class AllocatorServicer(pb_grpc.AllocatorServicer):
-    """Every handler runs on the server's event loop and never awaits inside an engine
-    call, so each pool sees one operation at a time, in arrival order."""
+    """Translates each RPC into calls on the registry and its pool services."""
 
     def __init__(
         self,
         registry: PoolRegistry,
-        sessions: SessionManager,
         observer: OperationObserver | None = None,
         watch_poll_seconds: float = 1.0,
     ) -> None:
         self.registry = registry
-        self.sessions = sessions
         self.observer: OperationObserver = observer or NullObserver()
         self.watch_poll_seconds = watch_poll_seconds
         self.stopping = False
 
-    # -- helpers ----------------------------------------------------------------
-    def _pool(self, name: str, session_id: str = "") -> PoolHandle:
-        if not name:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "pool is required")
-        handle = self.registry.get(name)
-        if session_id:
-            self.sessions.touch(session_id, name)
-        return handle
+    def _info(self, p: PoolService) -> pb.PoolInfo:
+        e = p.engine
+        return pb.PoolInfo(
+            name=p.name,
+            config=p.wire_config,  # type: ignore[arg-type]
+            coordinator=p.config.coordinator_kind,
+            num_free_blocks=e.num_free_blocks,
+            usage=e.usage,
+            num_requests=len(e.requests),
+            fence=fence_to_pb(p.fence),
+        )
 
-    def _op(self, handle: PoolHandle, session_id: str, op: pb.Operation) -> pb.OperationResult:
-        kind, result = apply_operation(handle, session_id, op)
-        self.observer.after_op(handle, kind, getattr(op, kind), result)
-        return result
+    def _keyed(
+        self, rpc: str, session_id: str, key: str, request: Message, response_type: type[M]
+    ) -> tuple[bytes, M | None]:
+        digest = _digest(request) if key else b""
+        answer = self.registry.idempotency.lookup(session_id, rpc, key, digest)
+        return digest, None if answer is None else response_type.FromString(answer)
 
-    def free_session_requests(self, session_id: str, pool: str) -> int:
-        """Free every request a session owns (detach or lease expiry)."""
-        handle = self.registry.pools.get(pool)
-        if handle is None:
-            return 0
-        owned = [rid for rid, owner in handle.owners.items() if owner == session_id]
-        for rid in owned:
-            self._op(handle, session_id, pb.Operation(free=pb.FreeOp(request_id=rid)))
-        return len(owned)
+    def _remember(self, rpc: str, session_id: str, key: str, digest: bytes, response: Message) -> None:
+        if key:
+            self.registry.idempotency.remember(session_id, rpc, key, digest, response.SerializeToString())
 
     def reap_expired_sessions(self) -> int:
         """Free the requests of every session whose lease ran out."""
-        n = 0
-        for s in self.sessions.expired():
-            freed = self.free_session_requests(s.session_id, s.pool)
-            logger.warning(
-                "session %s (%s) of pool %s expired; freed %d requests",
-                s.session_id,
-                s.client_name,
-                s.pool,
-                freed,
-            )
-            self.observer.detached(s.pool)
-            n += 1
-        return n
+        expired = self.registry.reap_expired_sessions()
+        for _, pool, _ in expired:
+            self.observer.detached(pool)
+        return len(expired)
 
     # -- pools ------------------------------------------------------------------
     @map_errors
     async def CreatePool(
         self, request: pb.CreatePoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.CreatePoolResponse:
-        handle, created = self.registry.create(request.name, request.config)
+        service, created = self.registry.create(request.name, request.config)
         if created:
-            self.observer.pool_created(handle)
-        return pb.CreatePoolResponse(pool=handle.info(), created=created)
+            self.observer.pool_created(service)
+        return pb.CreatePoolResponse(pool=self._info(service), created=created)
 
     @map_errors
     async def GetPool(
         self, request: pb.GetPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetPoolResponse:
-        return pb.GetPoolResponse(pool=self._pool(request.name).info())
+        return pb.GetPoolResponse(pool=self._info(self.registry.get(request.name)))
 
     @map_errors
     async def ListPools(
         self, request: pb.ListPoolsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListPoolsResponse:
-        return pb.ListPoolsResponse(
-            pools=[self.registry.pools[n].info() for n in sorted(self.registry.pools)]
-        )
+        pools = self.registry.pools
+        return pb.ListPoolsResponse(pools=[self._info(pools[n]) for n in sorted(pools)])
 
     @map_errors
     async def DeletePool(
         self, request: pb.DeletePoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeletePoolResponse:
-        handle = self.registry.delete(request.name)
-        for sid in [s.session_id for s in self.sessions.sessions.values() if s.pool == request.name]:
-            self.sessions.close(sid)
-        self.observer.pool_deleted(handle)
+        service = self.registry.delete(request.name)
+        self.observer.pool_deleted(service)
         return pb.DeletePoolResponse()
 
     # -- sessions -----------------------------------------------------------------
     @map_errors
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
-        handle = self._pool(request.pool)
-        algo, block_size, seed = handle.hash_settings
-        diffs = []
-        if request.hash_algo != algo:
-            diffs.append(f"hash_algo is {algo!r} but the client uses {request.hash_algo!r}")
-        if request.hash_block_size != block_size:
-            diffs.append(f"hash_block_size is {block_size} but the client uses {request.hash_block_size}")
-        if request.hash_seed != seed:
-            diffs.append(f"hash_seed is {seed!r} but the client uses {request.hash_seed!r}")
-        if diffs:
-            self.observer.handshake_refused(request.pool)
-            raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"pool {request.pool!r} hashes differently, so no prefix would ever hit: " + "; ".join(diffs),
+        service = self.registry.get(request.pool)
+        try:
+            s = service.attach(
+                request.hash_algo,
+                request.hash_block_size,
+                request.hash_seed,
+                request.client_name,
+                request.lease_seconds,
             )
-        s = self.sessions.open(request.pool, request.client_name, float(request.lease_seconds))
-        self.observer.attached(handle)
+        except ServiceError as exc:
+            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+                self.observer.handshake_refused(request.pool)
+            raise
+        self.observer.attached(service)
         return pb.AttachResponse(
-            pool=handle.info(), session_id=s.session_id, lease_seconds=int(s.lease_seconds)
+            pool=self._info(service),
+            session_id=s.session_id,
+            lease_seconds=s.lease_seconds,
+            idempotency_window_seconds=self.registry.idempotency.window,
+            fence=fence_to_pb(service.fence),
         )
 
     @map_errors
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
-        s = self.sessions.touch(request.session_id)
-        return pb.HeartbeatResponse(lease_seconds=int(s.lease_seconds))
+        service = self.registry.pool_of_session(request.session_id)
+        s = service.session(request.session_id, _fence(request))
+        return pb.HeartbeatResponse(lease_seconds=s.lease_seconds, fence=fence_to_pb(service.fence))
 
     @map_errors
     async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
-        s = self.sessions.touch(request.session_id)
-        self.sessions.close(s.session_id)
-        freed = self.free_session_requests(s.session_id, s.pool)
-        self.observer.detached(s.pool)
+        service = self.registry.pool_of_session(request.session_id)
+        s = service.session(request.session_id, _fence(request))
+        freed = service.end_session(s)
+        self.registry.idempotency.drop_session(s.session_id)
+        self.observer.detached(service.name)
         return pb.DetachResponse(num_freed_requests=freed)
 
     # -- operations -------------------------------------------------------------------
@@ -198,119 +203,107 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def FindLongestCacheHit(
         self, request: pb.FindLongestCacheHitRequest, context: grpc.aio.ServicerContext
     ) -> pb.FindLongestCacheHitResponse:
-        handle = self._pool(request.pool, request.session_id)
-        result = self._op(
-            handle, request.session_id, pb.Operation(lookup=pb.LookupOp(request=request.request))
-        )
+        service = self.registry.get(request.pool)
+        hit = service.find_longest_cache_hit(request.block_hashes, request.num_tokens)
         return pb.FindLongestCacheHitResponse(
-            hit=result.lookup.hit, num_free_blocks=handle.engine.num_free_blocks
+            hit=hit_to_pb(hit), num_free_blocks=service.engine.num_free_blocks, fence=fence_to_pb(service.fence)
         )
 
     @map_errors
     async def Allocate(
         self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> pb.AllocateResponse:
-        handle = self._pool(request.pool, request.session_id)
-        if (replayed := _replay(handle, request.idempotency_key, pb.AllocateResponse)) is not None:
+        service = self.registry.get(request.pool)
+        s = service.session(request.session_id, _fence(request))
+        key = request.idempotency_key
+        digest, replayed = self._keyed("Allocate", s.session_id, key, request, pb.AllocateResponse)
+        if replayed is not None:
             return replayed
-        result = self._op(handle, request.session_id, pb.Operation(allocate=request.op))
+        (outcome,) = service.apply(s, [allocate_from_pb(request.op, len(service.config.groups))])
+        if outcome.error is not None:
+            raise outcome.error
+        assert isinstance(outcome.value, op.AllocateOutcome)
+        e = service.engine
         response = pb.AllocateResponse(
-            result=result.allocate, num_free_blocks=handle.engine.num_free_blocks, usage=handle.engine.usage
+            result=allocate_to_pb(outcome.value),
+            num_free_blocks=e.num_free_blocks,
+            usage=e.usage,
+            fence=fence_to_pb(service.fence),
         )
-        handle.remember_response(request.idempotency_key, response.SerializeToString())
+        self._remember("Allocate", s.session_id, key, digest, response)
         return response
 
     @map_errors
     async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.FreeResponse:
-        handle = self._pool(request.pool, request.session_id)
-        if (replayed := _replay(handle, request.idempotency_key, pb.FreeResponse)) is not None:
+        service = self.registry.get(request.pool)
+        s = service.session(request.session_id, _fence(request))
+        key = request.idempotency_key
+        digest, replayed = self._keyed("Free", s.session_id, key, request, pb.FreeResponse)
+        if replayed is not None:
             return replayed
-        missing = [rid for rid in request.request_ids if not handle.engine.has_request(rid)]
-        if missing:
-            raise ServiceError(grpc.StatusCode.NOT_FOUND, f"requests not in pool {handle.name!r}: {missing}")
-        if len(set(request.request_ids)) != len(request.request_ids):
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_ids lists a request twice")
-        for rid in request.request_ids:  # checked up front: a refused call frees nothing
-            owner = handle.owners.get(rid)
-            if owner is not None and owner != request.session_id:
-                raise ServiceError(
-                    grpc.StatusCode.PERMISSION_DENIED, f"request {rid!r} belongs to another session"
-                )
-        for rid in request.request_ids:
-            op = (
-                pb.Operation(preempt=pb.PreemptOp(request_id=rid))
-                if request.preempt
-                else pb.Operation(free=pb.FreeOp(request_id=rid))
-            )
-            self._op(handle, request.session_id, op)
-        response = pb.FreeResponse(num_free_blocks=handle.engine.num_free_blocks)
-        handle.remember_response(request.idempotency_key, response.SerializeToString())
+        service.free_requests(s, request.request_ids, request.preempt)
+        response = pb.FreeResponse(num_free_blocks=service.engine.num_free_blocks, fence=fence_to_pb(service.fence))
+        self._remember("Free", s.session_id, key, digest, response)
         return response
 
     @map_errors
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        handle = self._pool(request.pool, request.session_id)
-        if (replayed := _replay(handle, request.idempotency_key, pb.StepResponse)) is not None:
+        service = self.registry.get(request.pool)
+        s = service.session(request.session_id, _fence(request))
+        key = request.idempotency_key
+        digest, replayed = self._keyed("Step", s.session_id, key, request, pb.StepResponse)
+        if replayed is not None:
             return replayed
-        if len(request.ops) > handle.limits.max_ops_per_step:
+        if len(request.ops) > service.limits.max_ops_per_step:
             raise ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(request.ops)} operations in one Step; the limit is {handle.limits.max_ops_per_step}",
+                f"{len(request.ops)} operations in one Step; the limit is {service.limits.max_ops_per_step}",
             )
-        results = []
-        failed_at = -1
-        for i, op in enumerate(request.ops):
-            if failed_at >= 0:
-                results.append(
-                    pb.OperationResult(
-                        status_code=_ABORTED, status_message=f"not applied: operation {failed_at} failed"
-                    )
-                )
-                continue
-            try:
-                results.append(self._op(handle, request.session_id, op))
-            except Exception as exc:  # noqa: BLE001 - reported in the result
-                code, message = grpc_code(exc)
-                results.append(pb.OperationResult(status_code=int(code.value[0]), status_message=message))
-                failed_at = i
+        groups = len(service.config.groups)
+        ops = [operation_from_pb(o, groups) for o in request.ops]
+        outcomes = service.apply(s, ops)
+        e = service.engine
         response = pb.StepResponse(
-            results=results, num_free_blocks=handle.engine.num_free_blocks, usage=handle.engine.usage
+            results=[outcome_to_pb(o, r) for o, r in zip(ops, outcomes, strict=True)],
+            num_free_blocks=e.num_free_blocks,
+            usage=e.usage,
+            fence=fence_to_pb(service.fence),
         )
-        handle.remember_response(request.idempotency_key, response.SerializeToString())
+        self._remember("Step", s.session_id, key, digest, response)
         return response
 
     @map_errors
     async def ResetPrefixCache(
         self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
     ) -> pb.ResetPrefixCacheResponse:
-        handle = self._pool(request.pool, request.session_id)
-        result = self._op(
-            handle, request.session_id, pb.Operation(reset_prefix_cache=pb.ResetPrefixCacheOp())
-        )
-        return pb.ResetPrefixCacheResponse(
-            result=result.reset_prefix_cache.result, num_free_blocks=handle.engine.num_free_blocks
-        )
+        service = self.registry.get(request.pool)
+        service.check_fence(_fence(request))
+        if request.session_id:
+            service.session(request.session_id, None)
+        result = service.engine.reset_prefix_cache()
+        service.events.publish(service.engine.take_events())
+        return pb.ResetPrefixCacheResponse(result=result, num_free_blocks=service.engine.num_free_blocks)
 
     @map_errors
     async def GetStats(
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetStatsResponse:
-        handle = self._pool(request.pool)
-        e = handle.engine
+        service = self.registry.get(request.pool)
+        e = service.engine
         return pb.GetStatsResponse(
             num_free_blocks=e.num_free_blocks,
-            num_total_blocks=handle.config.num_blocks - 1,
+            num_total_blocks=service.config.num_blocks - 1,
             usage=e.usage,
             num_requests=len(e.requests),
-            prefix_cache_stats=stats_to_pb(e.peek_prefix_cache_stats()),
+            prefix_cache_stats=stats_to_pb(service.lifetime_prefix_cache_stats()),
+            fence=fence_to_pb(service.fence),
         )
 
     @map_errors
     async def InspectPool(
         self, request: pb.InspectPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.InspectPoolResponse:
-        handle = self._pool(request.pool)
-        e = handle.engine
+        e = self.registry.get(request.pool).engine
         states = []
         rids = sorted(e.requests) if request.all_requests else request.request_ids
         for rid in rids:
@@ -335,21 +328,85 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WatchEventsResponse]:
-        handle = self._pool(request.pool)
-        journal = handle.events
+        service = self.registry.get(request.pool)
+        journal = service.events
+        fence = fence_to_pb(service.fence)
         cursor = request.after_sequence
-        if cursor > journal.last_sequence:
-            raise ServiceError(
-                grpc.StatusCode.OUT_OF_RANGE,
-                f"after_sequence {cursor} is beyond the pool's last event {journal.last_sequence} "
-                f"(epoch {handle.epoch}); resubscribe from 0",
-            )
-        gap = cursor + 1 < journal.oldest_sequence and cursor < journal.last_sequence
+        # Another history (restart, re-created pool, or a cursor this history never
+        # reached): start over from the oldest kept event, flagged as a reset.
+        other = request.HasField("fence") and (
+            request.fence.instance_id != fence.instance_id or request.fence.incarnation != fence.incarnation
+        )
+        reset = other or cursor > journal.last_sequence
+        if reset:
+            cursor = 0
         while not self.stopping and not journal.closed:
+            gap = journal.missed(cursor) and not reset
             items = journal.since(cursor, limit=1024)
             for seq, event in items:
-                yield pb.WatchEventsResponse(sequence=seq, event=event, gap=gap, epoch=handle.epoch)
-                gap = False
+                yield pb.WatchEventsResponse(
+                    sequence=seq, event=event_to_pb(event), gap=gap, fence=fence, reset=reset
+                )
+                gap = reset = False
                 cursor = seq
             if not items:
                 await journal.wait(cursor, self.watch_poll_seconds)
+
+
+class _Undecodable:
+    """Stands for a request whose bytes did not parse (answered INVALID_ARGUMENT)."""
+
+    def __init__(self, message_type: str, error: str) -> None:
+        self.message_type = message_type
+        self.error = error
+
+
+def _parser(cls: type[Message]) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as exc:
+            return _Undecodable(cls.DESCRIPTOR.full_name, str(exc)[:200])
+
+    return parse
+
+
+def _guard(handler: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
+    """Refuse an undecodable request before the handler sees it."""
+
+    if streaming:
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, _Undecodable):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request))
+            async for item in handler(request, context):
+                yield item
+
+        return stream
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request))
+        return await handler(request, context)
+
+    return unary
+
+
+def _undecodable_message(r: _Undecodable) -> str:
+    return f"the request is not a valid {r.message_type} message ({r.error})"
+
+
+def add_servicer(servicer: AllocatorServicer, server: grpc.aio.Server) -> None:
+    """Register the Allocator service with parsers that turn undecodable bytes into
+    INVALID_ARGUMENT (gRPC's default answers UNKNOWN and logs a traceback per call)."""
+    service = pb.DESCRIPTOR.services_by_name["Allocator"]
+    handlers = {}
+    for method in service.methods:
+        request_cls = getattr(pb, method.input_type.name)
+        response_cls = getattr(pb, method.output_type.name)
+        behaviour = _guard(getattr(servicer, method.name), method.server_streaming)
+        factory = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = factory(
+            behaviour, request_deserializer=_parser(request_cls), response_serializer=response_cls.SerializeToString
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -1,4 +1,10 @@
-"""Worker sessions: leases that free a dead worker's requests."""
+"""Worker sessions: leases, request ownership and per-session cursors.
+
+A session belongs to one pool incarnation. It owns the requests it registered; when
+its lease runs out (or it detaches) those requests are freed. Each session also has
+its own event cursor and prefix-cache statistics, so every worker sees what vLLM's
+own manager would show it. Plain Python; the clock is injected.
+"""
 
 from __future__ import annotations
 
@@ -7,56 +13,89 @@ import secrets
 from collections.abc import Callable
 
 import grpc
+from kvcoord.engine import PrefixCacheStats
 
-from .errors import ServiceError
+from .errors import ErrorReason, ServiceError
 
-__all__ = ["Session", "SessionManager"]
+__all__ = ["Session", "SessionTable"]
 
 
-@dataclasses.dataclass(slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class Session:
     session_id: str
     pool: str
     client_name: str
     lease_seconds: float
     expires_at: float
+    #: request ids this session registered and has not freed, in registration order
+    owned: dict[str, None] = dataclasses.field(default_factory=dict)
+    #: last event sequence number this session took (TakeEvents)
+    events_cursor: int = 0
+    #: this session's prefix-cache statistics since its last make_prefix_cache_stats
+    stats: PrefixCacheStats | None = None
 
 
-class SessionManager:
-    """Sessions by id. The clock is injected so tests need no sleeping."""
+class SessionTable:
+    """Live sessions by id, for every pool of a server.
+
+    Args:
+        clock: monotonic seconds.
+        default_lease: the lease when a client asks for none.
+        max_lease: the longest lease granted (longer requests are capped).
+    """
 
     def __init__(self, clock: Callable[[], float], default_lease: float, max_lease: float) -> None:
         self.clock = clock
         self.default_lease = default_lease
         self.max_lease = max_lease
         self.sessions: dict[str, Session] = {}
+        #: called with every session whose lease is granted or renewed (lease marker)
+        self.on_lease: Callable[[Session], None] | None = None
 
     def open(self, pool: str, client_name: str, lease_seconds: float) -> Session:
+        """A new session with a lease starting now."""
+        if lease_seconds < 0:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"lease_seconds must be >= 0, got {lease_seconds}")
         lease = min(lease_seconds or self.default_lease, self.max_lease)
-        s = Session(secrets.token_hex(16), pool, client_name, lease, self.clock() + lease)
+        s = Session(secrets.token_hex(16), pool, client_name[:256], lease, self.clock() + lease)
+        if self.on_lease is not None:
+            self.on_lease(s)
         self.sessions[s.session_id] = s
         return s
 
-    def touch(self, session_id: str, pool: str | None = None) -> Session:
-        """Renew and return a live session.
+    def get(self, session_id: str, pool: str | None = None) -> Session:
+        """The live session (not renewed).
 
         Raises:
-            ServiceError: NOT_FOUND for an unknown or expired session,
-                PERMISSION_DENIED for a session of another pool.
+            ServiceError: INVALID_ARGUMENT without an id; NOT_FOUND (SESSION_EXPIRED)
+                for an unknown or expired one; PERMISSION_DENIED for another pool's.
         """
+        if not session_id:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "session_id is required: call Attach first (requests must belong to a session, so "
+                "that a dead worker's blocks are freed)",
+            )
         s = self.sessions.get(session_id)
-        if s is None:
+        if s is None or s.expires_at <= self.clock():
             raise ServiceError(
                 grpc.StatusCode.NOT_FOUND,
-                f"session {session_id!r} is unknown or expired (its requests were freed); call Attach again",
+                f"session {session_id[:64]!r} is unknown or its lease ran out (its requests were "
+                "freed); call Attach again and treat every request of the old session as lost",
+                ErrorReason.SESSION_EXPIRED,
             )
         if pool is not None and s.pool != pool:
             raise ServiceError(
                 grpc.StatusCode.PERMISSION_DENIED,
-                f"session {session_id!r} is attached to pool {s.pool!r}, not {pool!r}",
+                f"session {session_id[:64]!r} is attached to pool {s.pool!r}, not {pool!r}",
             )
-        s.expires_at = self.clock() + s.lease_seconds
         return s
+
+    def renew(self, s: Session) -> None:
+        """Extend the lease from now (every successful call of the session does)."""
+        if self.on_lease is not None:
+            self.on_lease(s)
+        s.expires_at = self.clock() + s.lease_seconds
 
     def close(self, session_id: str) -> Session | None:
         return self.sessions.pop(session_id, None)
@@ -68,3 +107,10 @@ class SessionManager:
         for s in dead:
             del self.sessions[s.session_id]
         return dead
+
+    def of_pool(self, pool: str) -> list[Session]:
+        return [s for s in self.sessions.values() if s.pool == pool]
+
+    def longest_lease_end(self) -> float:
+        """When the last current lease ends (now when there is none)."""
+        return max((s.expires_at for s in self.sessions.values()), default=self.clock())

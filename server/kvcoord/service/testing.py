@@ -73,7 +73,7 @@ class InProcessServer:
             )
         )
         if m is not None:
-            m.bind(self.running.servicer)
+            m.bind(self.running.servicer, self.loop)
         return self
 
     @property

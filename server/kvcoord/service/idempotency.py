@@ -1,0 +1,133 @@
+"""Idempotency keys: a retried call is answered from memory, never applied twice.
+
+A key belongs to one session and one RPC and is bound to the request's content (a
+digest of its bytes). Answers are kept for ``window`` seconds after they were made;
+a byte budget bounds memory. An answer pushed out early by the budget leaves a
+tombstone (scope, key, digest), so a retry of it is refused with ANSWER_EVICTED
+instead of being applied a second time. A session's keys go when the session ends.
+
+Plain Python, no gRPC messages: answers are opaque bytes, digests are bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+
+import grpc
+
+from .errors import ErrorReason, ServiceError
+
+__all__ = ["IdempotencyStore", "Stored"]
+
+#: Bytes charged per entry on top of the answer (key, digest, bookkeeping).
+ENTRY_OVERHEAD = 160
+
+
+@dataclasses.dataclass(slots=True)
+class Stored:
+    rpc: str
+    digest: bytes
+    made_at: float
+    answer: bytes | None  # None: evicted by the byte budget (a tombstone)
+
+
+class IdempotencyStore:
+    """Answers of keyed calls, by (session, key).
+
+    Args:
+        clock: monotonic seconds (injected, so tests need no sleeping).
+        window: seconds an answer is kept; clients retry only inside it.
+        max_bytes: the budget for kept answers; the oldest go first.
+    """
+
+    def __init__(self, clock: Callable[[], float], window: float, max_bytes: int) -> None:
+        self.clock = clock
+        self.window = window
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: collections.OrderedDict[tuple[str, str], Stored] = collections.OrderedDict()
+        self._by_session: dict[str, set[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def lookup(self, session_id: str, rpc: str, key: str, digest: bytes) -> bytes | None:
+        """The kept answer of an earlier call with this key, or ``None`` if it is new.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT (KEY_REUSED) when the key was used for
+                another RPC or another body; ABORTED (ANSWER_EVICTED) when the call
+                was applied but its answer is no longer kept.
+        """
+        if not key:
+            return None
+        self.expire()
+        entry = self._entries.get((session_id, key))
+        if entry is None:
+            return None
+        if entry.rpc != rpc or entry.digest != digest:
+            what = f"a {entry.rpc} call" if entry.rpc != rpc else "another request body"
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"idempotency key {key[:64]!r} was already used by this session for {what}; "
+                "use a new key for a new call",
+                ErrorReason.KEY_REUSED,
+            )
+        if entry.answer is None:
+            raise ServiceError(
+                grpc.StatusCode.ABORTED,
+                f"the call with idempotency key {key[:64]!r} was applied, but its answer was dropped "
+                f"to stay within idempotency_max_bytes ({self.max_bytes}); treat the requests it "
+                "named as lost",
+                ErrorReason.ANSWER_EVICTED,
+            )
+        return entry.answer
+
+    def remember(self, session_id: str, rpc: str, key: str, digest: bytes, answer: bytes) -> None:
+        """Keep ``answer`` for retries of this key (a no-op without a key)."""
+        if not key:
+            return
+        now = self.clock()
+        old = self._entries.pop((session_id, key), None)
+        if old is not None and old.answer is not None:
+            self.bytes -= len(old.answer)
+        self._entries[(session_id, key)] = Stored(rpc, digest, now, answer)
+        self._by_session.setdefault(session_id, set()).add(key)
+        self.bytes += len(answer) + ENTRY_OVERHEAD
+        self._evict_to_budget()
+
+    def drop_session(self, session_id: str) -> None:
+        """Forget every key of a session (it ended: nobody can retry its calls)."""
+        for key in self._by_session.pop(session_id, ()):
+            entry = self._entries.pop((session_id, key), None)
+            if entry is not None:
+                self.bytes -= (len(entry.answer) if entry.answer is not None else 0) + ENTRY_OVERHEAD
+
+    def expire(self) -> None:
+        """Drop entries older than the window (oldest first, so this stops early)."""
+        horizon = self.clock() - self.window
+        entries = self._entries
+        while entries:
+            (sid, key), entry = next(iter(entries.items()))
+            if entry.made_at > horizon:
+                break
+            del entries[(sid, key)]
+            self.bytes -= (len(entry.answer) if entry.answer is not None else 0) + ENTRY_OVERHEAD
+            keys = self._by_session.get(sid)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_session[sid]
+
+    def _evict_to_budget(self) -> None:
+        """Turn the oldest answers into tombstones until the budget holds again."""
+        if self.bytes <= self.max_bytes:
+            return
+        for entry in self._entries.values():
+            if self.bytes <= self.max_bytes:
+                break
+            if entry.answer is not None:
+                self.bytes -= len(entry.answer)
+                entry.answer = None

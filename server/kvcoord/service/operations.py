@@ -1,0 +1,179 @@
+"""Pool operations and their results as plain values (what a Step carries).
+
+The servicer converts wire messages into these (``convert.py``); the pool service
+(``pool_service.py``) applies them. Sequences may be any sequence type, so a wire
+container can be passed through without copying.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from kvcoord.engine import CacheHit, KVCacheEvent, LoRA, PrefixCacheStats
+
+from .errors import ServiceError
+
+__all__ = [
+    "Allocate",
+    "AllocateOutcome",
+    "CacheBlocks",
+    "CommonPrefix",
+    "EventsTaken",
+    "EvictBlocks",
+    "Free",
+    "GetBlockIds",
+    "Lookup",
+    "MakeStats",
+    "Operation",
+    "Outcome",
+    "Preempt",
+    "RemoveSkipped",
+    "RequestSync",
+    "ResetPrefixCache",
+    "Sync",
+    "TakeEvents",
+]
+
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestSync:
+    """A positioned change to one request (see the proto's RequestSync)."""
+
+    request_id: str
+    append_token_ids: Sequence[int] = ()
+    append_block_hashes: Sequence[bytes] = ()
+    new_request: bool = False
+    base_num_tokens: int = 0
+    base_num_hashes: int = 0
+    num_computed_tokens: int | None = None
+    lora: LoRA | None = None
+    skip_reading_prefix_cache: bool = False
+    num_preemptions: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lookup:
+    sync: RequestSync
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Allocate:
+    sync: RequestSync
+    num_new_tokens: int
+    num_new_computed_tokens: int = 0
+    new_computed_blocks: CacheHit | None = None
+    num_lookahead_tokens: int = 0
+    num_external_computed_tokens: int = 0
+    delay_cache_blocks: bool = False
+    num_encoder_tokens: int = 0
+    lookup: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Free:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Preempt:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheBlocks:
+    sync: RequestSync
+    num_computed_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RemoveSkipped:
+    sync: RequestSync
+    total_computed_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EvictBlocks:
+    block_ids: Sequence[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GetBlockIds:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CommonPrefix:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResetPrefixCache:
+    pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TakeEvents:
+    pass
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MakeStats:
+    peek: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Sync:
+    sync: RequestSync
+
+
+Operation = (
+    Lookup
+    | Allocate
+    | Free
+    | Preempt
+    | CacheBlocks
+    | RemoveSkipped
+    | EvictBlocks
+    | GetBlockIds
+    | CommonPrefix
+    | ResetPrefixCache
+    | TakeEvents
+    | MakeStats
+    | Sync
+)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AllocateOutcome:
+    """allocate_slots' answer: ``new_block_ids`` is None when refused or stale."""
+
+    new_block_ids: BlockIds | None
+    num_new_tokens: int
+    hit: CacheHit | None = None
+    stale_hit: bool = False
+
+    @property
+    def refused(self) -> bool:
+        return self.new_block_ids is None and not self.stale_hit
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EventsTaken:
+    events: list[KVCacheEvent]
+    gap: bool
+
+
+#: What one operation produced: a value (None for operations without one), or the
+#: error that stopped it.
+Value = CacheHit | AllocateOutcome | BlockIds | tuple[int, ...] | bool | EventsTaken | PrefixCacheStats | None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outcome:
+    value: Value = None
+    error: ServiceError | None = None
+    #: True when not applied because an earlier operation of the Step failed
+    aborted_by: int | None = None

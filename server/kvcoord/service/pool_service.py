@@ -1,0 +1,472 @@
+"""The rules between the wire and the engine, for one pool, in plain Python.
+
+:class:`PoolService` owns a pool's engine and everything the service keeps beside
+it: which session owns which request, positioned request sync, Step semantics
+(apply in order, stop at the first failure), per-session event cursors and
+prefix-cache statistics, fencing by server instance and pool incarnation, and the
+event journal. The servicer only converts messages to and from these calls.
+
+Every pool operation runs on the server's event loop without awaiting, so a pool is
+linearizable. A failed operation changes nothing (the engine validates first; a
+request sync made for a failed operation is undone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+import grpc
+from kvcoord.engine import CacheHit, KVCacheConfig, KVCachePool, PrefixCacheStats, StaleCacheHitError
+
+from . import operations as op
+from .errors import ErrorReason, Position, ServiceError
+from .events import EventJournal
+from .sessions import Session, SessionTable
+
+__all__ = ["Fence", "Limits", "PoolService"]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fence:
+    """What block ids are meaningful within: a server instance and a pool incarnation."""
+
+    instance_id: str
+    incarnation: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Limits:
+    """Server limits; exceeding one is RESOURCE_EXHAUSTED."""
+
+    max_pools: int = 64
+    max_blocks_per_pool: int = 50_000_000
+    max_requests_per_pool: int = 1_000_000
+    max_ops_per_step: int = 65_536
+    event_buffer: int = 65_536
+
+
+Undo = Callable[[], None]
+
+
+def _noop() -> None:
+    pass
+
+
+class PoolService:
+    """One named pool and its rules.
+
+    Args:
+        name: the pool's name.
+        config: the validated engine layout.
+        hash_settings: (hash_algo, hash_block_size, hash_seed) clients must use.
+        fence: this server instance and this pool's incarnation.
+        limits: server limits.
+        sessions: the server's session table (sessions of every pool).
+        wire_config: the configuration as the client sent it (kept for equality
+            checks and descriptions; opaque here).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: KVCacheConfig,
+        hash_settings: tuple[str, int, str],
+        fence: Fence,
+        limits: Limits,
+        sessions: SessionTable,
+        wire_config: object = None,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.hash_settings = hash_settings
+        self.fence = fence
+        self.limits = limits
+        self.sessions = sessions
+        self.wire_config = wire_config
+        self.engine = KVCachePool(config)
+        self.events = EventJournal(limits.event_buffer)
+        #: request id -> owning session
+        self.owners: dict[str, Session] = {}
+        #: no session may attach before this monotonic time (post-restart grace)
+        self.grace_until = 0.0
+
+    # -- fencing and sessions -----------------------------------------------------------
+    def check_fence(self, fence: Fence | None) -> None:
+        """Refuse a caller whose block ids belong to another instance or incarnation.
+
+        Raises:
+            ServiceError: FAILED_PRECONDITION with INSTANCE_CHANGED / INCARNATION_CHANGED.
+        """
+        if fence is None:
+            return
+        if fence.instance_id != self.fence.instance_id:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"the server restarted (instance {fence.instance_id[:40]!r} is gone, this is "
+                f"{self.fence.instance_id!r}): every block id you hold in pool {self.name!r} is void; "
+                "attach again and recompute your requests",
+                ErrorReason.INSTANCE_CHANGED,
+            )
+        if fence.incarnation != self.fence.incarnation:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pool {self.name!r} was deleted and created again (incarnation {fence.incarnation} is "
+                f"gone, this is {self.fence.incarnation}): every block id you hold in it is void; "
+                "attach again and recompute your requests",
+                ErrorReason.INCARNATION_CHANGED,
+            )
+
+    def attach(
+        self, hash_algo: str, hash_block_size: int, hash_seed: str, client_name: str, lease_seconds: float
+    ) -> Session:
+        """The hash handshake, then a new session.
+
+        Raises:
+            ServiceError: FAILED_PRECONDITION naming each hash difference;
+                UNAVAILABLE (GRACE_PERIOD) right after a restart.
+        """
+        algo, block_size, seed = self.hash_settings
+        diffs = []
+        if hash_algo != algo:
+            diffs.append(f"hash_algo is {algo!r} but the client uses {hash_algo[:64]!r}")
+        if hash_block_size != block_size:
+            diffs.append(f"hash_block_size is {block_size} but the client uses {hash_block_size}")
+        if hash_seed != seed:
+            diffs.append(f"hash_seed is {seed!r} but the client uses {hash_seed[:64]!r}")
+        if diffs:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pool {self.name!r} hashes differently, so no prefix would ever hit: " + "; ".join(diffs),
+            )
+        wait = self.grace_until - self.sessions.clock()
+        if wait > 0:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the server restarted while leases of its previous instance may still run; pool "
+                f"{self.name!r} hands out no block for another {wait:.1f} s (retry then)",
+                ErrorReason.GRACE_PERIOD,
+            )
+        s = self.sessions.open(self.name, client_name, lease_seconds)
+        s.events_cursor = self.events.last_sequence
+        if self.engine.prefix_cache_stats is not None:
+            s.stats = PrefixCacheStats()
+        return s
+
+    def session(self, session_id: str, fence: Fence | None) -> Session:
+        """The caller's live session, renewed (fence checked first).
+
+        Raises:
+            ServiceError: see :meth:`check_fence` and :meth:`SessionTable.get`.
+        """
+        self.check_fence(fence)
+        s = self.sessions.get(session_id, self.name)
+        self.sessions.renew(s)
+        return s
+
+    def end_session(self, s: Session) -> int:
+        """Free every request the session still owns (detach or lease expiry)."""
+        self.sessions.close(s.session_id)
+        owned = list(s.owned)
+        for rid in owned:
+            self.engine.free(rid)
+            del self.owners[rid]
+        s.owned.clear()
+        self._publish()
+        return len(owned)
+
+    # -- reads ----------------------------------------------------------------------------
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], num_tokens: int) -> CacheHit:
+        """The hit a request with these hashes would get; changes nothing."""
+        return self.engine.find_longest_cache_hit(block_hashes, num_tokens)
+
+    def lifetime_prefix_cache_stats(self) -> PrefixCacheStats:
+        c = self.engine.lookup_counters
+        return PrefixCacheStats(requests=c.lookups, queries=c.queries, hits=c.hits)
+
+    # -- operations ---------------------------------------------------------------------
+    def apply(self, s: Session, ops: Sequence[op.Operation]) -> list[op.Outcome]:
+        """Apply ``ops`` in order for session ``s``; after the first failure the rest
+        are not applied (``aborted_by`` names the failed one). Earlier ones stay.
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED when there are too many operations.
+        """
+        if len(ops) > self.limits.max_ops_per_step:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(ops)} operations in one Step; the limit is {self.limits.max_ops_per_step}",
+            )
+        engine = self.engine
+        shared_stats = engine.prefix_cache_stats
+        if shared_stats is not None:
+            engine.prefix_cache_stats = s.stats
+        out: list[op.Outcome] = []
+        failed = -1
+        try:
+            for i, o in enumerate(ops):
+                if failed >= 0:
+                    out.append(op.Outcome(aborted_by=failed))
+                    continue
+                try:
+                    value = _HANDLERS[type(o)](self, s, o)
+                except ServiceError as exc:
+                    out.append(op.Outcome(error=exc))
+                    failed = i
+                except Exception as exc:  # engine errors: mapped by the caller's table
+                    out.append(op.Outcome(error=_as_service_error(exc)))
+                    failed = i
+                else:
+                    out.append(op.Outcome(value))
+                self._publish()
+        finally:
+            if shared_stats is not None:
+                s.stats = engine.prefix_cache_stats
+                engine.prefix_cache_stats = shared_stats
+        return out
+
+    def free_requests(self, s: Session, request_ids: Sequence[str], preempt: bool) -> None:
+        """Free (or preempt) several requests, all checked before any is touched.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT for a duplicate, NOT_FOUND
+                (REQUEST_UNKNOWN), PERMISSION_DENIED for another session's request.
+        """
+        if len(set(request_ids)) != len(request_ids):
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_ids lists a request twice")
+        for rid in request_ids:
+            self._owned(s, rid)
+        kind = op.Preempt if preempt else op.Free
+        outcomes = self.apply(s, [kind(rid) for rid in request_ids])
+        for o in outcomes:
+            if o.error is not None:  # pragma: no cover - every failure is checked above
+                raise o.error
+
+    # -- internals ----------------------------------------------------------------------
+    def _publish(self) -> None:
+        events = self.engine.take_events()
+        if events:
+            self.events.publish(events)
+
+    def _position(self, rid: str) -> Position:
+        req = self.engine.requests.get(rid)
+        if req is None:
+            return Position(rid, False)
+        return Position(rid, True, req.num_tokens, len(req.block_hashes), req.num_computed_tokens)
+
+    def _owned(self, s: Session, rid: str) -> None:
+        """Check that ``rid`` exists and belongs to ``s``."""
+        if not rid:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        owner = self.owners.get(rid)
+        if owner is None:
+            raise ServiceError(
+                grpc.StatusCode.NOT_FOUND,
+                f"request {rid[:128]!r} is not in pool {self.name!r} (never registered, or freed)",
+                ErrorReason.REQUEST_UNKNOWN,
+                self._position(rid),
+            )
+        if owner is not s:
+            raise ServiceError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"request {rid[:128]!r} belongs to another session of pool {self.name!r}",
+            )
+
+    def sync(self, s: Session, sync: op.RequestSync) -> Undo:
+        """Apply a positioned request sync; returns how to undo it.
+
+        Raises:
+            ServiceError: SYNC_MISMATCH / REQUEST_UNKNOWN with the server's position,
+                PERMISSION_DENIED, RESOURCE_EXHAUSTED; engine errors for bad values.
+        """
+        rid = sync.request_id
+        engine = self.engine
+        if sync.new_request:
+            if not rid:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+            if sync.base_num_tokens or sync.base_num_hashes:
+                raise ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request {rid[:128]!r}: a new_request sync starts at position 0, got base "
+                    f"{sync.base_num_tokens} tokens / {sync.base_num_hashes} hashes",
+                )
+            owner = self.owners.get(rid)
+            if owner is not None and owner is not s:
+                raise ServiceError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"request {rid[:128]!r} belongs to another session of pool {self.name!r}",
+                )
+            if rid in engine.requests:
+                raise ServiceError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"request {rid[:128]!r} is already registered in pool {self.name!r}",
+                    ErrorReason.SYNC_MISMATCH,
+                    self._position(rid),
+                )
+            if len(engine.requests) >= self.limits.max_requests_per_pool:
+                raise ServiceError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"pool {self.name!r} already tracks {len(engine.requests)} requests (max_requests_per_pool)",
+                )
+            engine.add_request(
+                rid,
+                sync.append_token_ids,
+                sync.append_block_hashes,
+                lora=sync.lora,
+                skip_reading_prefix_cache=sync.skip_reading_prefix_cache,
+                num_preemptions=sync.num_preemptions or 0,
+            )
+            if sync.num_computed_tokens is not None:
+                try:
+                    engine.update_request(rid, num_computed_tokens=sync.num_computed_tokens)
+                except Exception:
+                    engine.restore_request(rid, None)
+                    raise
+            self.owners[rid] = s
+            s.owned[rid] = None
+
+            def forget() -> None:
+                engine.restore_request(rid, None)
+                self.owners.pop(rid, None)
+                s.owned.pop(rid, None)
+
+            return forget
+        self._owned(s, rid)
+        req = engine.requests[rid]
+        if req.num_tokens != sync.base_num_tokens or len(req.block_hashes) != sync.base_num_hashes:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request {rid[:128]!r}: the sync applies at {sync.base_num_tokens} tokens / "
+                f"{sync.base_num_hashes} hashes, but the server holds {req.num_tokens} / "
+                f"{len(req.block_hashes)}; nothing was changed",
+                ErrorReason.SYNC_MISMATCH,
+                self._position(rid),
+            )
+        computed = sync.num_computed_tokens
+        if not sync.append_token_ids and not sync.append_block_hashes and computed is None:
+            return _noop
+        checkpoint = engine.checkpoint_request(rid)
+        engine.update_request(
+            rid,
+            num_computed_tokens=computed,
+            append_token_ids=sync.append_token_ids,
+            append_block_hashes=sync.append_block_hashes,
+        )
+        return lambda: engine.restore_request(rid, checkpoint)
+
+    def _with_sync(self, s: Session, sync: op.RequestSync, call: Callable[[str], op.Value]) -> op.Value:
+        undo = self.sync(s, sync)
+        try:
+            return call(sync.request_id)
+        except Exception:
+            undo()
+            raise
+
+    def _lookup(self, s: Session, o: op.Lookup) -> op.Value:
+        return self._with_sync(s, o.sync, self.engine.get_computed_blocks)
+
+    def _allocate(self, s: Session, o: op.Allocate) -> op.Value:
+        engine = self.engine
+
+        def call(rid: str) -> op.Value:
+            if o.lookup:
+                res = engine.allocate_slots_with_lookup(
+                    rid,
+                    o.num_new_tokens,
+                    o.num_lookahead_tokens,
+                    o.num_external_computed_tokens,
+                    o.delay_cache_blocks,
+                    o.num_encoder_tokens,
+                )
+                return op.AllocateOutcome(res.new_block_ids, res.num_new_tokens, res.hit)
+            try:
+                new = engine.allocate_slots(
+                    rid,
+                    o.num_new_tokens,
+                    o.num_new_computed_tokens,
+                    o.new_computed_blocks,
+                    o.num_lookahead_tokens,
+                    o.num_external_computed_tokens,
+                    o.delay_cache_blocks,
+                    o.num_encoder_tokens,
+                )
+            except StaleCacheHitError:
+                # A concurrency conflict, not bad input: an outcome with nothing changed.
+                return op.AllocateOutcome(None, o.num_new_tokens, stale_hit=True)
+            return op.AllocateOutcome(new, o.num_new_tokens)
+
+        return self._with_sync(s, o.sync, call)
+
+    def _free(self, s: Session, o: op.Free) -> op.Value:
+        self._owned(s, o.request_id)
+        self.engine.free(o.request_id)
+        del self.owners[o.request_id]
+        s.owned.pop(o.request_id, None)
+        return None
+
+    def _preempt(self, s: Session, o: op.Preempt) -> op.Value:
+        self._owned(s, o.request_id)
+        self.engine.preempt(o.request_id)
+        return None
+
+    def _cache_blocks(self, s: Session, o: op.CacheBlocks) -> op.Value:
+        return self._with_sync(s, o.sync, lambda rid: self.engine.cache_blocks(rid, o.num_computed_tokens))
+
+    def _remove_skipped(self, s: Session, o: op.RemoveSkipped) -> op.Value:
+        return self._with_sync(
+            s, o.sync, lambda rid: self.engine.remove_skipped_blocks(rid, o.total_computed_tokens)
+        )
+
+    def _evict(self, s: Session, o: op.EvictBlocks) -> op.Value:
+        self.engine.evict_blocks(o.block_ids)
+        return None
+
+    def _get_block_ids(self, s: Session, o: op.GetBlockIds) -> op.Value:
+        return self.engine.get_block_ids(o.request_id)
+
+    def _common_prefix(self, s: Session, o: op.CommonPrefix) -> op.Value:
+        return self.engine.get_num_common_prefix_blocks(o.request_id)
+
+    def _reset(self, s: Session, o: op.ResetPrefixCache) -> op.Value:
+        return self.engine.reset_prefix_cache()
+
+    def _take_events(self, s: Session, o: op.TakeEvents) -> op.Value:
+        self._publish()
+        journal = self.events
+        gap = journal.missed(s.events_cursor)
+        events = [e for _, e in journal.since(s.events_cursor)]
+        s.events_cursor = journal.last_sequence
+        return op.EventsTaken(events, gap)
+
+    def _make_stats(self, s: Session, o: op.MakeStats) -> op.Value:
+        if o.peek:
+            return self.engine.peek_prefix_cache_stats()
+        return self.engine.make_prefix_cache_stats()
+
+    def _sync(self, s: Session, o: op.Sync) -> op.Value:
+        self.sync(s, o.sync)
+        return None
+
+
+def _as_service_error(exc: Exception) -> ServiceError:
+    from .errors import grpc_code  # the one mapping table
+
+    code, message = grpc_code(exc)
+    return ServiceError(code, message)
+
+
+_HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
+    op.Lookup: PoolService._lookup,  # type: ignore[dict-item]
+    op.Allocate: PoolService._allocate,  # type: ignore[dict-item]
+    op.Free: PoolService._free,  # type: ignore[dict-item]
+    op.Preempt: PoolService._preempt,  # type: ignore[dict-item]
+    op.CacheBlocks: PoolService._cache_blocks,  # type: ignore[dict-item]
+    op.RemoveSkipped: PoolService._remove_skipped,  # type: ignore[dict-item]
+    op.EvictBlocks: PoolService._evict,  # type: ignore[dict-item]
+    op.GetBlockIds: PoolService._get_block_ids,  # type: ignore[dict-item]
+    op.CommonPrefix: PoolService._common_prefix,  # type: ignore[dict-item]
+    op.ResetPrefixCache: PoolService._reset,  # type: ignore[dict-item]
+    op.TakeEvents: PoolService._take_events,  # type: ignore[dict-item]
+    op.MakeStats: PoolService._make_stats,  # type: ignore[dict-item]
+    op.Sync: PoolService._sync,  # type: ignore[dict-item]
+}

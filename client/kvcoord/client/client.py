@@ -84,6 +84,7 @@ class _Api:
         retry: RetryPolicy = DEFAULT_RETRY,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
+        interceptors: Sequence[Any] = (),
     ) -> None:
         """Open a channel to ``target`` (``host:port`` or ``unix:/path``).
 
@@ -92,6 +93,7 @@ class _Api:
             retry: retry settings for calls that are safe to repeat.
             max_message_bytes: send/receive limit (match the server's for large Steps).
             token: bearer token, when the server sets ``auth_tokens``.
+            interceptors: gRPC client interceptors for the channel (e.g. FaultInjector).
         """
         self.target = target
         self.timeout = timeout
@@ -101,10 +103,14 @@ class _Api:
         self.retry_horizon = 150.0
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self.channel = self._channel_factory(target, options=rq.channel_options(max_message_bytes))
-        self.stub = pb_grpc.AllocatorStub(self.channel)
+        self.stub = pb_grpc.AllocatorStub(self._intercepted(self.channel, interceptors))
 
     def _call(self, rpc: str, request: Any) -> Any:
         raise NotImplementedError
+
+    @staticmethod
+    def _intercepted(channel: Any, interceptors: Sequence[Any]) -> Any:
+        return grpc.intercept_channel(channel, *interceptors) if interceptors else channel
 
     def create_pool(self, name: str, config: pb.PoolConfig) -> Any:
         """Create a pool (a no-op when an identical one exists). Returns CreatePoolResponse."""
@@ -266,6 +272,12 @@ class AsyncKVCoordClient(_Api):
     """asyncio client: the same methods as :class:`KVCoordClient`, as coroutines."""
 
     _channel_factory = staticmethod(grpc.aio.insecure_channel)
+
+    @staticmethod
+    def _intercepted(channel: Any, interceptors: Sequence[Any]) -> Any:
+        if interceptors:
+            raise ValueError("AsyncKVCoordClient takes no interceptors (grpc.aio binds them per channel)")
+        return channel
 
     async def __aenter__(self) -> AsyncKVCoordClient:
         return self

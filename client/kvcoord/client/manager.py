@@ -165,6 +165,7 @@ class RemoteKVCacheManager:
         self.num_groups = len(info.config.groups)
         self._tracked: dict[str, _Tracked] = {}
         self._usage: float | None = None
+        self._reattach = False
         #: allocate_slots calls answered None because the hit had gone stale (another
         #: worker reused its blocks after the lookup); the scheduler looks up again.
         self.stale_hits = 0
@@ -352,8 +353,8 @@ class RemoteKVCacheManager:
         self.lost_requests += len(lost)
         try:
             self.keeper.attach()
-        except KVCoordError as again:  # e.g. the server's grace period: retried next call
-            self.keeper.lost = again
+        except KVCoordError:  # e.g. the server's grace period: attached on the next call
+            self._reattach = True
         return RequestsLostError(lost, err)
 
     def _forget(self, request_ids: Sequence[str], err: KVCoordError) -> RequestsLostError:
@@ -515,6 +516,9 @@ class StepBatcher:
         m = self.m
         keeper = m.keeper
         try:
+            if m._reattach:  # the session was lost and re-attaching failed last time
+                keeper.attach()
+                m._reattach = False
             keeper.vouch()
             sent = keeper.clock()
             resp = m.client.step(m.pool, [op for op, _, _, _ in items], keeper.session_id, keeper.fence)

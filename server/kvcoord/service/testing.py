@@ -46,10 +46,11 @@ class InProcessServer:
         limits: Limits | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: bool = True,
+        port: int = 0,
         **settings: Any,
     ) -> None:
         cfg = parse_config(config_text, "test config")
-        server = dataclasses.replace(cfg.server, listen=("127.0.0.1:0",), metrics_listen="", **settings)
+        server = dataclasses.replace(cfg.server, listen=(f"127.0.0.1:{port}",), metrics_listen="", **settings)
         self.config = ServerConfig(server, limits or cfg.limits, cfg.pools)
         self.clock = clock
         self.metrics = Metrics() if metrics else None

@@ -340,8 +340,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         reset = other or cursor > journal.last_sequence
         if reset:
             cursor = 0
+        # after_sequence 0 asks for the oldest kept event: nothing was missed before it.
+        fresh = cursor == 0
         while not self.stopping and not journal.closed:
-            gap = journal.missed(cursor) and not reset
+            gap = journal.missed(cursor) and not fresh
+            fresh = False
             items = journal.since(cursor, limit=1024)
             for seq, event in items:
                 yield pb.WatchEventsResponse(

@@ -1,0 +1,272 @@
+"""The remote-safety scenarios users met, each against a real server over gRPC:
+idle workers, dead workers, restarts, shared keys, event streams, bad bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from kvcoord.client import (
+    NO_RETRY,
+    FencedError,
+    GracePeriodError,
+    KeyReusedError,
+    KVCoordClient,
+    RemoteKVCacheManager,
+    RequestsLostError,
+)
+from kvcoord.client import _requests as rq
+from kvcoord.client.faults import FaultInjector
+from kvcoord.service.testing import InProcessServer, ManualClock
+from kvcoord.v1 import allocator_pb2 as pb
+
+POOL = """
+[[pools]]
+name = "p"
+num_blocks = 64
+hash_block_size = 4
+hash_algo = "sha256_cbor"
+hash_seed = "0"
+enable_caching = true
+enable_kv_cache_events = true
+max_model_len = 256
+[[pools.groups]]
+type = "full"
+block_size = 4
+[[pools.groups]]
+type = "sliding_window"
+block_size = 4
+sliding_window = 8
+"""
+
+
+@dataclasses.dataclass
+class Req:
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+
+
+def held(client: KVCoordClient, pool: str = "p") -> dict[str, list[list[int]]]:
+    resp = client.inspect_pool(pool, all_requests=True)
+    return {r.request_id: [list(g.block_ids) for g in r.groups] for r in resp.requests}
+
+
+@pytest.fixture
+def started() -> Iterator[list[InProcessServer]]:
+    servers: list[InProcessServer] = []
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+def start(started: list[InProcessServer], **kw: object) -> InProcessServer:
+    s = InProcessServer(POOL, **kw).start()  # type: ignore[arg-type]
+    started.append(s)
+    return s
+
+
+def test_idle_worker_keeps_its_session(started: list[InProcessServer]) -> None:
+    """A worker idle for three leases keeps its session and blocks: the client renews."""
+    server = start(started, session_lease_seconds=0.6, max_session_lease_seconds=0.6,
+                   idempotency_window_seconds=300.0)  # fmt: skip
+    with KVCoordClient(server.address) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0")
+        r = Req("a", list(range(10)))
+        blocks = m.allocate_slots(r, 10)
+        assert blocks is not None
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:  # idle; the server reaps expired sessions meanwhile
+            server.call(server.running.servicer.reap_expired_sessions)  # type: ignore[union-attr]
+            time.sleep(0.1)
+        assert m.keeper.renewals >= 3
+        assert held(c)["a"] == [list(x) for x in blocks.get_block_ids()]
+        r.num_computed_tokens = 10
+        assert m.allocate_slots(r, 4) is not None  # still works, nothing lost
+        assert m.lost_requests == 0
+        m.close()
+
+
+def test_dead_worker_blocks_are_freed_and_sessionless_calls_refused(started: list[InProcessServer]) -> None:
+    """A worker that stops renewing loses its requests at lease end; a call without a
+    session can never hold a block."""
+    clock = ManualClock()
+    server = start(started, clock=clock)
+    with KVCoordClient(server.address) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0", renew=False)
+        assert m.allocate_slots(Req("a", list(range(12))), 12) is not None
+        assert "a" in held(c)
+        clock.advance(31)  # the default lease is 30 s; the worker is gone
+        server.call(server.running.servicer.reap_expired_sessions)  # type: ignore[union-attr]
+        assert held(c) == {}
+        assert c.get_stats("p").num_free_blocks == 63
+        op = rq.allocate_op(pb.RequestSync(request_id="x", append_token_ids=[1, 2], new_request=True), 2)
+        with pytest.raises(Exception) as err:
+            c.step("p", [pb.Operation(allocate=op)], session_id="")
+        assert "session_id is required" in str(err.value)
+        assert held(c) == {}
+
+
+def test_lost_lease_stops_block_ids_and_reports_lost_requests(started: list[InProcessServer]) -> None:
+    """Partitioned past its lease, the worker hands out no block id; once reachable it
+    re-attaches and names the requests that were lost."""
+    clock = ManualClock()
+    server = start(started, clock=clock, session_lease_seconds=0.5, max_session_lease_seconds=0.5,
+                   idempotency_window_seconds=300.0)  # fmt: skip
+    fi = FaultInjector(1)
+    with KVCoordClient(server.address, interceptors=[fi], retry=NO_RETRY) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0", renew=False)
+        r = Req("a", list(range(8)))
+        assert m.allocate_slots(r, 8) is not None
+        fi.partitioned = True
+        time.sleep(0.6)  # the client's lease (counted from its last answered call) ran out
+        r.num_computed_tokens = 8
+        with pytest.raises(RequestsLostError) as lost:
+            m.allocate_slots(r, 4)
+        assert lost.value.request_ids == ["a"]
+        clock.advance(1)  # meanwhile the server expired the session and freed "a"
+        server.call(server.running.servicer.reap_expired_sessions)  # type: ignore[union-attr]
+        fi.partitioned = False
+        assert m.allocate_slots(Req("b", list(range(8))), 8) is not None  # re-attached
+        assert set(held(c)) == {"b"}
+        assert m.lost_requests == 1
+
+
+def test_restart_is_detected_and_old_block_ids_are_void(started: list[InProcessServer]) -> None:
+    """After the server restarts (state lost), the next call raises RequestsLostError
+    naming every request; the fence changed; the manager carries on with a new session."""
+    first = start(started)
+    port = int(first.address.rsplit(":", 1)[1])
+    with KVCoordClient(first.address) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0")
+        assert m.allocate_slots(Req("a", list(range(8))), 8) is not None
+        old_fence = pb.Fence()
+        old_fence.CopyFrom(m.keeper.fence)
+        first.stop()
+        started.remove(first)
+        start(started, port=port)
+        with pytest.raises(RequestsLostError) as lost:
+            m.allocate_slots(Req("b", list(range(8))), 8)
+        # "a" and "b" (registered by the very call that met the new instance) are lost.
+        assert lost.value.request_ids == ["a", "b"]
+        assert isinstance(lost.value.cause, FencedError)
+        assert m.keeper.fence.instance_id != old_fence.instance_id
+        assert m.allocate_slots(Req("b", list(range(8))), 8) is not None
+        with pytest.raises(FencedError):
+            c.heartbeat(m.session_id, old_fence)
+        m.close()
+
+
+def test_restart_grace_period_hands_out_nothing(started: list[InProcessServer], tmp_path: Path) -> None:
+    """A server restarted while its predecessor's leases may run refuses to attach
+    (GRACE_PERIOD) until they have ended."""
+    first = start(started, state_dir=str(tmp_path))
+    with KVCoordClient(first.address) as c:
+        c.attach("p", "sha256_cbor", 4, "0")
+    assert (tmp_path / "leases.json").exists()
+    first.stop()
+    started.remove(first)
+    second = start(started, state_dir=str(tmp_path))
+    with KVCoordClient(second.address, retry=NO_RETRY) as c, pytest.raises(GracePeriodError):
+        c.attach("p", "sha256_cbor", 4, "0")
+
+
+def test_idempotency_keys_are_scoped_and_bound(started: list[InProcessServer]) -> None:
+    """The same key with another body is refused; another session's key never returns
+    someone else's answer; the same request is answered once."""
+    server = start(started)
+    with KVCoordClient(server.address) as c:
+        s1 = c.attach("p", "sha256_cbor", 4, "0").session_id
+        s2 = c.attach("p", "sha256_cbor", 4, "0").session_id
+        op = rq.allocate_op(pb.RequestSync(request_id="a", append_token_ids=[1, 2, 3], new_request=True), 3)
+        req = pb.StepRequest(pool="p", session_id=s1, ops=[pb.Operation(allocate=op)], idempotency_key="k")
+        first = c._call("Step", req)
+        assert c._call("Step", req) == first  # a retry is answered, not applied again
+        assert held(c)["a"] == [list(g.block_ids) for g in first.results[0].allocate.new_block_ids]
+        other = pb.StepRequest()
+        other.CopyFrom(req)
+        other.ops[0].allocate.request.request_id = "b"
+        with pytest.raises(KeyReusedError):
+            c._call("Step", other)
+        free = pb.FreeRequest(pool="p", session_id=s1, request_ids=["a"], idempotency_key="k")
+        with pytest.raises(KeyReusedError):
+            c._call("Free", free)
+        assert "a" in held(c)  # the refused Free freed nothing
+        other.session_id = s2
+        answer = c._call("Step", other)  # s2's "k" is its own key
+        assert answer.results[0].status_code == 0 and set(held(c)) == {"a", "b"}
+
+
+def test_event_streams_flag_gaps_and_resets(started: list[InProcessServer]) -> None:
+    """A slow subscriber is told of every gap; a resume against another pool
+    incarnation starts over with reset = true."""
+    from kvcoord.service.registry import Limits
+
+    server = start(started, limits=Limits(event_buffer=4))
+    with KVCoordClient(server.address) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0")
+        fence = m.keeper.fence
+        for i in range(3):
+            m.allocate_slots(Req(f"a{i}", list(range(i * 40, i * 40 + 8))), 8)
+            m.cache_blocks(Req(f"a{i}", list(range(i * 40, i * 40 + 8)), 8), 8)
+        stream = c.watch_events("p", 0, timeout=2)
+        first = next(stream)
+        assert first.gap is False and first.fence == fence
+        stream.close()
+        for i in range(3, 6):  # more events than the pool keeps: the subscriber misses some
+            m.allocate_slots(Req(f"a{i}", list(range(i * 40, i * 40 + 8))), 8)
+            m.cache_blocks(Req(f"a{i}", list(range(i * 40, i * 40 + 8)), 8), 8)
+        resumed_stream = c.watch_events("p", first.sequence, timeout=2, fence=fence)
+        second = next(resumed_stream)
+        assert second.gap is True and second.sequence > first.sequence + 1
+        third = next(resumed_stream)
+        assert third.gap is False and third.sequence == second.sequence + 1
+        resumed_stream.close()
+        m.close()
+        old = pb.Fence()
+        old.CopyFrom(fence)
+        cfg = c.get_pool("p").pool.config
+        c.delete_pool("p")
+        c.create_pool("p", cfg)
+        m2 = RemoteKVCacheManager(c, "p", hash_seed="0")
+        m2.allocate_slots(Req("z", list(range(8))), 8)
+        m2.cache_blocks(Req("z", list(range(8)), 8), 8)
+        resumed = next(c.watch_events("p", second.sequence, timeout=2, fence=old))
+        assert resumed.reset is True and resumed.sequence == 1
+        assert resumed.fence.incarnation != old.incarnation
+        m2.close()
+
+
+def test_take_events_has_a_cursor_per_session(started: list[InProcessServer]) -> None:
+    """Two workers on one pool each take every event once: one worker's take does not
+    consume the other's."""
+    server = start(started)
+    with KVCoordClient(server.address) as c:
+        a = RemoteKVCacheManager(c, "p", hash_seed="0")
+        b = RemoteKVCacheManager(c, "p", hash_seed="0")
+        a.allocate_slots(Req("x", list(range(8))), 8)
+        a.cache_blocks(Req("x", list(range(8)), 8), 8)
+        ea, eb = a.take_events(), b.take_events()
+        assert ea and [e.SerializeToString() for e in ea] == [e.SerializeToString() for e in eb]
+        assert a.take_events() == [] and b.take_events() == []
+
+
+def test_undecodable_and_huge_inputs_get_clear_bounded_errors(started: list[InProcessServer]) -> None:
+    """Bytes that are no message are INVALID_ARGUMENT; an error about a 70,000-character
+    input stays small (never RESOURCE_EXHAUSTED)."""
+    server = start(started)
+    with grpc.insecure_channel(server.address) as ch:
+        raw = ch.unary_unary("/kvcoord.v1.Allocator/Step", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as err:
+            raw(b"\xff\xff\xff\xff", timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid kvcoord.v1.StepRequest" in err.value.details()
+    with KVCoordClient(server.address) as c:
+        with pytest.raises(Exception) as big:
+            c.get_pool("x" * 70_000)
+        assert "NOT_FOUND" in str(big.value) and len(str(big.value)) < 1200

@@ -1,0 +1,197 @@
+"""The rules between the wire and the engine, tested without gRPC: positioned sync,
+ownership, Step semantics, sessions, fencing and idempotency."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from kvcoord.engine import FullAttentionSpec, KVCacheConfig, PrefixCacheStats, SlidingWindowSpec
+from kvcoord.service import operations as op
+from kvcoord.service.errors import ErrorReason, ServiceError
+from kvcoord.service.idempotency import IdempotencyStore
+from kvcoord.service.pool_service import Fence, Limits, PoolService
+from kvcoord.service.sessions import SessionTable
+from kvcoord.service.testing import ManualClock
+
+from kvcoord.client.hashing import BlockHasher, none_hash
+
+NONE = none_hash("sha256_cbor", "0")
+
+
+def hashes(tokens: list[int]) -> list[bytes]:
+    return BlockHasher("sha256_cbor", 4, NONE).extend(tokens)
+
+
+def make(clock: ManualClock | None = None, **limits: int) -> PoolService:
+    cfg = KVCacheConfig(
+        num_blocks=32,
+        groups=(FullAttentionSpec(4), SlidingWindowSpec(4, 8)),
+        hash_block_size=4,
+        enable_kv_cache_events=True,
+        max_model_len=256,
+    )
+    sessions = SessionTable(clock or ManualClock(), 30.0, 60.0)
+    return PoolService("p", cfg, ("sha256_cbor", 4, "0"), Fence("inst", 7), Limits(**limits), sessions)
+
+
+def new(rid: str, tokens: list[int], computed: int | None = None) -> op.RequestSync:
+    return op.RequestSync(rid, tokens, hashes(tokens), new_request=True, num_computed_tokens=computed)
+
+
+def attach(p: PoolService):  # type: ignore[no-untyped-def]
+    return p.attach("sha256_cbor", 4, "0", "test", 0)
+
+
+def test_sync_applies_only_at_its_position() -> None:
+    """A sync at the wrong position is SYNC_MISMATCH with the server's position, and
+    nothing changes; a duplicate registration is refused the same way."""
+    p = make()
+    s = attach(p)
+    (o,) = p.apply(s, [op.Allocate(new("a", list(range(0, 8))), 8)])
+    assert o.error is None
+    snap = p.engine.snapshot()
+    stale = op.RequestSync("a", [1, 2], [], base_num_tokens=4, base_num_hashes=1)
+    (o,) = p.apply(s, [op.Sync(stale)])
+    assert o.error is not None and o.error.reason is ErrorReason.SYNC_MISMATCH
+    assert o.error.position is not None and (o.error.position.num_tokens, o.error.position.num_hashes) == (8, 2)
+    (dup,) = p.apply(s, [op.Allocate(new("a", list(range(0, 8))), 8)])
+    assert dup.error is not None and dup.error.reason is ErrorReason.SYNC_MISMATCH
+    assert p.engine.snapshot() == snap
+    good = op.RequestSync("a", [9], [], base_num_tokens=8, base_num_hashes=2, num_computed_tokens=8)
+    (ok,) = p.apply(s, [op.Sync(good)])
+    assert ok.error is None and p.engine.requests["a"].num_tokens == 9
+
+
+def test_unknown_request_is_request_unknown() -> None:
+    p = make()
+    s = attach(p)
+    (o,) = p.apply(s, [op.Sync(op.RequestSync("ghost", [1], []))])
+    assert o.error is not None and o.error.reason is ErrorReason.REQUEST_UNKNOWN
+    assert o.error.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_step_stops_at_the_first_failure_and_undoes_its_sync() -> None:
+    """Operations after a failed one are not applied; the failed one's sync is undone."""
+    p = make()
+    s = attach(p)
+    bad = op.Allocate(new("b", list(range(0, 8))), 8, num_new_computed_tokens=3)  # not block-aligned: refused
+    outs = p.apply(s, [op.Allocate(new("a", list(range(0, 4))), 4), bad, op.Free("a")])
+    assert outs[0].error is None and outs[1].error is not None and outs[2].aborted_by == 1
+    assert set(p.engine.requests) == {"a"} and set(s.owned) == {"a"}
+
+
+def test_ownership_and_session_end() -> None:
+    """Another session cannot touch a request; ending a session frees what it owns."""
+    p = make()
+    a, b = attach(p), attach(p)
+    p.apply(a, [op.Allocate(new("x", list(range(0, 8))), 8)])
+    (o,) = p.apply(b, [op.Free("x")])
+    assert o.error is not None and o.error.code == grpc.StatusCode.PERMISSION_DENIED
+    free_before = p.engine.num_free_blocks
+    assert p.end_session(a) == 1
+    assert "x" not in p.engine.requests and p.engine.num_free_blocks > free_before
+    with pytest.raises(ServiceError) as err:
+        p.session(a.session_id, None)
+    assert err.value.reason is ErrorReason.SESSION_EXPIRED
+
+
+def test_fence_mismatch_is_typed() -> None:
+    p = make()
+    s = attach(p)
+    with pytest.raises(ServiceError) as err:
+        p.session(s.session_id, Fence("other", 7))
+    assert err.value.reason is ErrorReason.INSTANCE_CHANGED
+    with pytest.raises(ServiceError) as err:
+        p.session(s.session_id, Fence("inst", 8))
+    assert err.value.reason is ErrorReason.INCARNATION_CHANGED
+    assert p.session(s.session_id, Fence("inst", 7)) is s
+
+
+def test_stats_and_events_are_per_session() -> None:
+    """Each session's make_prefix_cache_stats counts its own lookups; TakeEvents has a
+    cursor per session."""
+    p = make()
+    a, b = attach(p), attach(p)
+    p.apply(a, [op.Lookup(new("x", list(range(0, 9))))])
+    (sa,) = p.apply(a, [op.MakeStats()])
+    (sb,) = p.apply(b, [op.MakeStats()])
+    assert isinstance(sa.value, PrefixCacheStats) and sa.value.requests == 1
+    assert isinstance(sb.value, PrefixCacheStats) and sb.value.requests == 0
+    p.apply(a, [op.Allocate(op.RequestSync("x", base_num_tokens=9, base_num_hashes=2), 9),
+                op.CacheBlocks(op.RequestSync("x", base_num_tokens=9, base_num_hashes=2), 9)])  # fmt: skip
+    (ea,) = p.apply(a, [op.TakeEvents()])
+    (eb,) = p.apply(b, [op.TakeEvents()])
+    assert isinstance(ea.value, op.EventsTaken) and isinstance(eb.value, op.EventsTaken)
+    assert ea.value.events and ea.value.events == eb.value.events
+    (again,) = p.apply(a, [op.TakeEvents()])
+    assert isinstance(again.value, op.EventsTaken) and again.value.events == []
+
+
+def test_grace_period_refuses_sessions() -> None:
+    clock = ManualClock()
+    p = make(clock)
+    p.grace_until = clock() + 10
+    with pytest.raises(ServiceError) as err:
+        attach(p)
+    assert err.value.reason is ErrorReason.GRACE_PERIOD
+    clock.advance(10)
+    assert attach(p).session_id
+
+
+def test_max_requests_limit_changes_nothing() -> None:
+    p = make(max_requests_per_pool=1)
+    s = attach(p)
+    p.apply(s, [op.Sync(new("a", list(range(0, 4))))])
+    (o,) = p.apply(s, [op.Sync(new("b", list(range(0, 4))))])
+    assert o.error is not None and o.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert set(p.engine.requests) == {"a"}
+
+
+# -- idempotency -----------------------------------------------------------------------
+def test_keys_are_scoped_to_session_and_rpc_and_bound_to_the_body() -> None:
+    clock = ManualClock()
+    store = IdempotencyStore(clock, window=60, max_bytes=1 << 20)
+    store.remember("s1", "Step", "k", b"d1", b"answer")
+    assert store.lookup("s1", "Step", "k", b"d1") == b"answer"
+    assert store.lookup("s2", "Step", "k", b"d1") is None  # another session's key
+    for rpc, digest in (("Step", b"d2"), ("Free", b"d1")):
+        with pytest.raises(ServiceError) as err:
+            store.lookup("s1", rpc, "k", digest)
+        assert err.value.reason is ErrorReason.KEY_REUSED
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_answers_live_for_the_window_and_eviction_is_never_a_reapply() -> None:
+    """Past the byte budget an answer becomes a tombstone (ANSWER_EVICTED, never
+    applied again); past the window everything of it goes."""
+    clock = ManualClock()
+    store = IdempotencyStore(clock, window=60, max_bytes=800)
+    store.remember("s", "Step", "old", b"d", b"x" * 300)
+    clock.advance(1)
+    store.remember("s", "Step", "new", b"d", b"y" * 300)
+    with pytest.raises(ServiceError) as err:
+        store.lookup("s", "Step", "old", b"d")
+    assert err.value.reason is ErrorReason.ANSWER_EVICTED
+    assert store.lookup("s", "Step", "new", b"d") == b"y" * 300
+    clock.advance(59.5)
+    assert store.lookup("s", "Step", "old", b"d") is None and len(store) == 1
+    clock.advance(1)
+    store.expire()
+    assert len(store) == 0 and store.bytes == 0
+
+
+def test_many_answers_in_the_window_are_all_kept() -> None:
+    """4,096 newer answers do not push out a retry's answer (the old count limit did)."""
+    store = IdempotencyStore(ManualClock(), window=60, max_bytes=64 << 20)
+    store.remember("s", "Step", "first", b"d", b"first")
+    for i in range(5000):
+        store.remember("s", "Step", f"k{i}", b"d", b"z" * 20)
+    assert store.lookup("s", "Step", "first", b"d") == b"first"
+
+
+def test_ending_a_session_drops_its_keys() -> None:
+    store = IdempotencyStore(ManualClock(), window=60, max_bytes=1 << 20)
+    store.remember("s", "Step", "k", b"d", b"a")
+    store.remember("t", "Step", "k", b"d", b"b")
+    store.drop_session("s")
+    assert store.lookup("s", "Step", "k", b"d") is None and store.lookup("t", "Step", "k", b"d") == b"b"

@@ -188,7 +188,10 @@ def test_faulty_network_changes_no_answer(server: InProcessServer) -> None:
             pool = f"faults-{wid}"
             fi = FaultInjector(1000 + wid, drop=0.05, delay=0.05, duplicate=0.05, reorder=0.05)
             injectors.append(fi)
-            with KVCoordClient(server.address) as plain, KVCoordClient(server.address, interceptors=[fi]) as c:
+            with (
+                KVCoordClient(server.address) as plain,
+                KVCoordClient(server.address, interceptors=[fi]) as c,
+            ):
                 plain.create_pool(pool, pool_config())
                 remote = RemoteKVCacheManager(c, pool, hash_seed="0", client_name=f"w{wid}")
                 results[wid] = drive(remote, local_pool(), plain, pool, wid, 400)

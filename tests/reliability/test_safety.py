@@ -261,7 +261,9 @@ def test_undecodable_and_huge_inputs_get_clear_bounded_errors(started: list[InPr
     input stays small (never RESOURCE_EXHAUSTED)."""
     server = start(started)
     with grpc.insecure_channel(server.address) as ch:
-        raw = ch.unary_unary("/kvcoord.v1.Allocator/Step", request_serializer=None, response_deserializer=None)
+        raw = ch.unary_unary(
+            "/kvcoord.v1.Allocator/Step", request_serializer=None, response_deserializer=None
+        )
         with pytest.raises(grpc.RpcError) as err:
             raw(b"\xff\xff\xff\xff", timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -108,6 +108,13 @@ def test_remote_manager_equals_engine(server: InProcessServer, client: KVCoordCl
         want_stats.hits,
         want_stats.requests,
     )
+    # GetStats reports the pool's lifetime lookup totals: the same numbers, and not reset
+    # by make_prefix_cache_stats (which reset only this session's own statistics)
+    lifetime = client.get_stats("p").prefix_cache_stats
+    assert (lifetime.requests, lifetime.queries, lifetime.hits) == (stats.requests, stats.queries, stats.hits)
+    again = remote.make_prefix_cache_stats()
+    assert again is not None and (again.requests, again.queries, again.hits) == (0, 0, 0)
+    assert client.get_stats("p").prefix_cache_stats == lifetime
     assert checks["hits"] > 10 and checks["refusals"] > 0 and checks["allocs"] > 100, checks
     remote.close()
 
@@ -135,6 +142,7 @@ def test_step_batcher_one_round_trip(client: KVCoordClient) -> None:
         p3.result()
     assert m.get_block_ids("a") == ([1, 2, 3], [4, 5, 6])
     m.free(Req("never-sent", [1, 2]))  # aborted while waiting: valid, nothing to free
+    m.close()
 
 
 def test_manager_refuses_without_seed(client: KVCoordClient, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,7 +157,9 @@ def test_async_client(server: InProcessServer) -> None:
 
     async def main() -> tuple[int, int]:
         async with AsyncKVCoordClient(server.address) as c:
-            r = await c.allocate("p", allocate("a", list(range(10)), 10).allocate)
+            session = await c.attach("p", "sha256_cbor", 4, "0")
+            r = await c.allocate("p", allocate("a", list(range(10)), 10).allocate, session.session_id,
+                                 session.fence)  # fmt: skip
             s = await c.get_stats("p")
             return len(r.result.new_block_ids[0].block_ids), s.num_requests
 

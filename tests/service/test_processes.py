@@ -9,7 +9,7 @@ import sys
 import threading
 from pathlib import Path
 
-from helpers import allocate
+from helpers import allocate, attach
 from kvcoord.client import KVCoordClient
 from kvcoord.client.testing import start_server
 from workload import pool_config, run_many_workers
@@ -47,7 +47,8 @@ def test_serve_with_no_arguments_then_sigterm() -> None:
             t = threading.Thread(target=watch)
             t.start()
             tokens = list(range(40))
-            c.allocate("default", allocate("r", tokens, 40, block_size=16).allocate)
+            sid, fence = attach(c, "default", block_size=16)
+            c.allocate("default", allocate("r", tokens, 40, block_size=16).allocate, sid, fence)
             assert got_event.wait(20), "the stream delivered no event"
             assert server.stop() == 0
             t.join(30)

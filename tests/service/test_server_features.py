@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 from conftest import POOL_TOML
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from helpers import allocate
+from helpers import allocate, attach
 from kvcoord.client import KVCoordClient
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
@@ -75,14 +75,15 @@ def test_metrics_move_exactly_with_a_known_workload(make_server: Callable[..., I
     none = none_hash("sha256_cbor", "0")
     prompts = [list(range(40)), list(range(36)) + [99, 98], [1, 2, 3], list(range(300, 500))]
     with KVCoordClient(srv.address) as c:
+        sid, fence = attach(c)
         for i, tokens in enumerate(prompts):
             rid = f"r{i}"
             op = allocate(rid, tokens, 100, lookup=True)
-            got = c.allocate("p", op.allocate).result
+            got = c.allocate("p", op.allocate, sid, fence).result
             ref.add_request(rid, tokens, BlockHasher("sha256_cbor", 4, none).extend(tokens))
             want = ref.allocate_slots_with_lookup(rid, 100)
             assert got.refused == (want.new_block_ids is None) and got.hit.num_tokens == want.hit.num_tokens
-        c.free("p", ["r0"])
+        c.free("p", ["r0"], session_id=sid, fence=fence)
         ref.free("r0")
         try:
             c.attach("p", "sha256", 4, "0")

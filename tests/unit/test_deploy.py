@@ -33,7 +33,9 @@ def exported_metric_names() -> set[str]:
     from kvcoord.v1 import allocator_pb2 as pb
 
     m = Metrics()
-    registry = PoolRegistry(Limits(), SessionTable(lambda: 0.0, 30, 60), IdempotencyStore(lambda: 0.0, 300, 1 << 20))
+    registry = PoolRegistry(
+        Limits(), SessionTable(lambda: 0.0, 30, 60), IdempotencyStore(lambda: 0.0, 300, 1 << 20)
+    )
     servicer = AllocatorServicer(registry, m)
     cfg = parse_config(
         '[[pools]]\nname = "p"\nnum_blocks = 8\nhash_block_size = 4\n[[pools.groups]]\ntype = "full"\nblock_size = 4\n'

@@ -53,7 +53,10 @@ def test_sync_applies_only_at_its_position() -> None:
     stale = op.RequestSync("a", [1, 2], [], base_num_tokens=4, base_num_hashes=1)
     (o,) = p.apply(s, [op.Sync(stale)])
     assert o.error is not None and o.error.reason is ErrorReason.SYNC_MISMATCH
-    assert o.error.position is not None and (o.error.position.num_tokens, o.error.position.num_hashes) == (8, 2)
+    assert o.error.position is not None and (o.error.position.num_tokens, o.error.position.num_hashes) == (
+        8,
+        2,
+    )
     (dup,) = p.apply(s, [op.Allocate(new("a", list(range(0, 8))), 8)])
     assert dup.error is not None and dup.error.reason is ErrorReason.SYNC_MISMATCH
     assert p.engine.snapshot() == snap
@@ -195,3 +198,20 @@ def test_ending_a_session_drops_its_keys() -> None:
     store.remember("t", "Step", "k", b"d", b"b")
     store.drop_session("s")
     assert store.lookup("s", "Step", "k", b"d") is None and store.lookup("t", "Step", "k", b"d") == b"b"
+
+
+def test_stale_hit_undoes_the_registration_that_came_with_it() -> None:
+    """A new request whose adopted hit went stale is not left registered."""
+    from kvcoord.engine import CacheHit
+
+    p = make()
+    s = attach(p)
+    p.apply(s, [op.Allocate(new("a", list(range(9))), 9), op.Free("a")])
+    snap = p.engine.snapshot()
+    bogus = CacheHit(((30, 31), (0, 31)), 8)  # blocks never used: not cached for this prefix
+    (o,) = p.apply(
+        s, [op.Allocate(new("b", list(range(9))), 1, num_new_computed_tokens=8, new_computed_blocks=bogus)]
+    )
+    assert o.error is None and isinstance(o.value, op.AllocateOutcome) and o.value.stale_hit
+    assert "b" not in p.engine.requests and "b" not in s.owned
+    assert p.engine.snapshot() == snap

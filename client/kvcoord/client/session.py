@@ -117,6 +117,9 @@ class SessionKeeper:
         except KVCoordError as err:  # transient: the next attempt may succeed
             logger.warning("session renewal failed: %s", err)
             return
+        except Exception as err:  # noqa: BLE001 - e.g. the channel was closed under us
+            logger.warning("session renewal failed: %r", err)
+            return
         self.renewals += 1
         self.renewed(sent)
 

@@ -37,7 +37,9 @@ class LeaseMarker:
     clock: wall-clock seconds (time.time), injected for tests.
     """
 
-    def __init__(self, state_dir: str | Path, max_lease: float, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, state_dir: str | Path, max_lease: float, clock: Callable[[], float] = time.time
+    ) -> None:
         self.path = Path(state_dir) / FILE_NAME
         self.max_lease = max_lease
         self.clock = clock

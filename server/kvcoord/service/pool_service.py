@@ -367,8 +367,9 @@ class PoolService:
 
     def _allocate(self, s: Session, o: op.Allocate) -> op.Value:
         engine = self.engine
-
-        def call(rid: str) -> op.Value:
+        rid = o.sync.request_id
+        undo = self.sync(s, o.sync)
+        try:
             if o.lookup:
                 res = engine.allocate_slots_with_lookup(
                     rid,
@@ -379,23 +380,25 @@ class PoolService:
                     o.num_encoder_tokens,
                 )
                 return op.AllocateOutcome(res.new_block_ids, res.num_new_tokens, res.hit)
-            try:
-                new = engine.allocate_slots(
-                    rid,
-                    o.num_new_tokens,
-                    o.num_new_computed_tokens,
-                    o.new_computed_blocks,
-                    o.num_lookahead_tokens,
-                    o.num_external_computed_tokens,
-                    o.delay_cache_blocks,
-                    o.num_encoder_tokens,
-                )
-            except StaleCacheHitError:
-                # A concurrency conflict, not bad input: an outcome with nothing changed.
-                return op.AllocateOutcome(None, o.num_new_tokens, stale_hit=True)
-            return op.AllocateOutcome(new, o.num_new_tokens)
-
-        return self._with_sync(s, o.sync, call)
+            new = engine.allocate_slots(
+                rid,
+                o.num_new_tokens,
+                o.num_new_computed_tokens,
+                o.new_computed_blocks,
+                o.num_lookahead_tokens,
+                o.num_external_computed_tokens,
+                o.delay_cache_blocks,
+                o.num_encoder_tokens,
+            )
+        except StaleCacheHitError:
+            # A concurrency conflict, not bad input: an outcome with nothing changed
+            # (the request sync that came with it is undone too).
+            undo()
+            return op.AllocateOutcome(None, o.num_new_tokens, stale_hit=True)
+        except Exception:
+            undo()
+            raise
+        return op.AllocateOutcome(new, o.num_new_tokens)
 
     def _free(self, s: Session, o: op.Free) -> op.Value:
         self._owned(s, o.request_id)

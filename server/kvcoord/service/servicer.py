@@ -206,7 +206,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         service = self.registry.get(request.pool)
         hit = service.find_longest_cache_hit(request.block_hashes, request.num_tokens)
         return pb.FindLongestCacheHitResponse(
-            hit=hit_to_pb(hit), num_free_blocks=service.engine.num_free_blocks, fence=fence_to_pb(service.fence)
+            hit=hit_to_pb(hit),
+            num_free_blocks=service.engine.num_free_blocks,
+            fence=fence_to_pb(service.fence),
         )
 
     @map_errors
@@ -242,7 +244,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         if replayed is not None:
             return replayed
         service.free_requests(s, request.request_ids, request.preempt)
-        response = pb.FreeResponse(num_free_blocks=service.engine.num_free_blocks, fence=fence_to_pb(service.fence))
+        response = pb.FreeResponse(
+            num_free_blocks=service.engine.num_free_blocks, fence=fence_to_pb(service.fence)
+        )
         self._remember("Free", s.session_id, key, digest, response)
         return response
 
@@ -408,8 +412,14 @@ def add_servicer(servicer: AllocatorServicer, server: grpc.aio.Server) -> None:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         behaviour = _guard(getattr(servicer, method.name), method.server_streaming)
-        factory = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        factory = (
+            grpc.unary_stream_rpc_method_handler
+            if method.server_streaming
+            else grpc.unary_unary_rpc_method_handler
+        )
         handlers[method.name] = factory(
-            behaviour, request_deserializer=_parser(request_cls), response_serializer=response_cls.SerializeToString
+            behaviour,
+            request_deserializer=_parser(request_cls),
+            response_serializer=response_cls.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -55,7 +55,9 @@ class SessionTable:
     def open(self, pool: str, client_name: str, lease_seconds: float) -> Session:
         """A new session with a lease starting now."""
         if lease_seconds < 0:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"lease_seconds must be >= 0, got {lease_seconds}")
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"lease_seconds must be >= 0, got {lease_seconds}"
+            )
         lease = min(lease_seconds or self.default_lease, self.max_lease)
         s = Session(secrets.token_hex(16), pool, client_name[:256], lease, self.clock() + lease)
         if self.on_lease is not None:

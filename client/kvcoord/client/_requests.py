@@ -83,7 +83,7 @@ def step(pool: str, ops: Sequence[pb.Operation], session_id: str, fence: pb.Fenc
 
 
 def attach(
-    pool: str, hash_algo: str, hash_block_size: int, hash_seed: str, client_name: str, lease_seconds: int
+    pool: str, hash_algo: str, hash_block_size: int, hash_seed: str, client_name: str, lease_seconds: float
 ) -> pb.AttachRequest:
     return pb.AttachRequest(
         pool=pool,

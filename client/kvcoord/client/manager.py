@@ -553,13 +553,13 @@ class StepBatcher:
                 continue
             failed = True
             reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
-            err = error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
-            if isinstance(err, (SyncMismatchError, RequestUnknownError)) and touched:
+            op_err = error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
+            if isinstance(op_err, (SyncMismatchError, RequestUnknownError)) and touched:
                 # The server holds another state than this client believed: the
                 # request cannot be trusted any more.
-                p._fail(m._forget(touched, err))
+                p._fail(m._forget(touched, op_err))
             else:
-                p._fail(err)
+                p._fail(op_err)
         if failed:
             for t in m._tracked.values():
                 t.rollback()

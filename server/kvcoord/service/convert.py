@@ -266,7 +266,7 @@ def error_to_result(err: ServiceError) -> pb.OperationResult:
     """A failed operation's result: code, bounded message, reason and position."""
     r = pb.OperationResult(status_code=int(err.code.value[0]), status_message=bounded(err.message))
     if err.reason is not None:
-        r.reason = err.reason.value
+        r.reason = err.reason.value  # type: ignore[assignment]
     if err.position is not None:
         p = err.position
         r.position.CopyFrom(

@@ -153,6 +153,7 @@ def drive(
             local.update_request(rid, num_computed_tokens=r.num_computed_tokens, append_token_ids=new,
                                  append_block_hashes=hashers[rid].extend(new))  # fmt: skip
         counts["steps"] += 1
+        remote.flush()  # frees ride with the next call; the step ends here
         # The server holds what this worker believes, request for request, block for block.
         # (The server's view includes updates the worker has not sent yet only after
         # they were sent: compare the block tables and sizes the server acknowledged.)
@@ -164,6 +165,7 @@ def drive(
         assert remote.usage == local.usage
     for rid in list(live):
         free(rid)
+    remote.flush()
     assert server_table(check, pool) == {}
     return counts
 

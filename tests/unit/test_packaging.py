@@ -93,6 +93,10 @@ def test_public_exports_are_pinned() -> None:
         "KVCoordClient", "KVCoordError", "MultiModalItem", "NotFoundError", "Pending", "PermissionDeniedError",
         "RandomSeedError", "RemoteKVCacheManager", "ResourceExhaustedError", "RetryPolicy", "StepBatcher",
         "UnavailableError", "none_hash",
+        # remote safety: typed reasons, the session keeper
+        "AnswerEvictedError", "FencedError", "GracePeriodError", "KeyReusedError", "LeaseExpiredError",
+        "OutcomeUnknownError", "RequestUnknownError", "RequestsLostError", "SessionExpiredError",
+        "SessionKeeper", "SyncMismatchError",
     ])  # fmt: skip
     for mod in (kvcoord.engine, kvcoord.client):
         for name in mod.__all__:

@@ -4,6 +4,7 @@ It needs grpcio, protobuf and the generated ``kvcoord.v1`` stubs, and nothing fr
 server side.
 """
 
+from .batch import KVCacheBlockIds, Pending, StepBatcher
 from .client import AsyncKVCoordClient, KVCoordClient
 from .errors import (
     AbortedError,
@@ -29,7 +30,7 @@ from .errors import (
     UnavailableError,
 )
 from .hashing import BlockHasher, MultiModalItem, RandomSeedError, none_hash
-from .manager import KVCacheBlockIds, Pending, RemoteKVCacheManager, StepBatcher
+from .manager import RemoteKVCacheManager
 from .retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 from .session import SessionKeeper
 

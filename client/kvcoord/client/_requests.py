@@ -78,12 +78,31 @@ def free(
     )
 
 
-def step(pool: str, ops: Sequence[pb.Operation], session_id: str, fence: pb.Fence | None) -> pb.StepRequest:
-    return pb.StepRequest(pool=pool, session_id=session_id, ops=list(ops), idempotency_key=key(), fence=fence)
+def step(
+    pool: str,
+    ops: Sequence[pb.Operation],
+    session_id: str,
+    fence: pb.Fence | None,
+    include_state: bool = False,
+) -> pb.StepRequest:
+    return pb.StepRequest(
+        pool=pool,
+        session_id=session_id,
+        ops=list(ops),
+        idempotency_key=key(),
+        fence=fence,
+        include_state=include_state,
+    )
 
 
 def attach(
-    pool: str, hash_algo: str, hash_block_size: int, hash_seed: str, client_name: str, lease_seconds: float
+    pool: str,
+    hash_algo: str,
+    hash_block_size: int,
+    hash_seed: str,
+    client_name: str,
+    lease_seconds: float,
+    exclusive: bool = False,
 ) -> pb.AttachRequest:
     return pb.AttachRequest(
         pool=pool,
@@ -92,6 +111,7 @@ def attach(
         hash_seed=hash_seed,
         client_name=client_name,
         lease_seconds=lease_seconds,
+        exclusive=exclusive,
     )
 
 

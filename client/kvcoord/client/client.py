@@ -134,10 +134,12 @@ class _Api:
         hash_seed: str,
         client_name: str = "",
         lease_seconds: float = 0,
+        exclusive: bool = False,
     ) -> Any:
         """Hash handshake; AttachResponse with a session id and fence. HashMismatchError on a mismatch."""
         return self._call(
-            "Attach", rq.attach(pool, hash_algo, hash_block_size, hash_seed, client_name, lease_seconds)
+            "Attach",
+            rq.attach(pool, hash_algo, hash_block_size, hash_seed, client_name, lease_seconds, exclusive),
         )
 
     def heartbeat(self, session_id: str, fence: pb.Fence | None = None) -> Any:
@@ -169,10 +171,16 @@ class _Api:
         return self._call("Free", rq.free(pool, request_ids, preempt, session_id, fence))
 
     def step(
-        self, pool: str, ops: Sequence[pb.Operation], session_id: str, fence: pb.Fence | None = None
+        self,
+        pool: str,
+        ops: Sequence[pb.Operation],
+        session_id: str,
+        fence: pb.Fence | None = None,
+        include_state: bool = False,
     ) -> Any:
-        """Apply ``ops`` in order in one round trip; StepResponse with one result each."""
-        return self._call("Step", rq.step(pool, ops, session_id, fence))
+        """Apply ``ops`` in order in one round trip; StepResponse with one result each
+        (and the session's new events and statistics with ``include_state``)."""
+        return self._call("Step", rq.step(pool, ops, session_id, fence, include_state))
 
     def reset_prefix_cache(self, pool: str, session_id: str = "", fence: pb.Fence | None = None) -> Any:
         return self._call(

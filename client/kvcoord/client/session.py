@@ -56,6 +56,7 @@ class SessionKeeper:
         self.session_id = ""
         self.fence = pb.Fence()
         self.lease = 0.0
+        self.exclusive = False
         self.valid_until = 0.0
         #: the error that ended this session, if it ended (set by the renewal thread)
         self.lost: KVCoordError | None = None
@@ -74,6 +75,7 @@ class SessionKeeper:
             self.session_id = response.session_id
             self.fence = response.fence
             self.lease = float(response.lease_seconds)
+            self.exclusive = bool(response.exclusive)
             self.valid_until = sent + self.lease * (1 - LEASE_MARGIN)
             self.lost = None
         self.client.retry_horizon = max(1.0, float(response.idempotency_window_seconds) / 2)

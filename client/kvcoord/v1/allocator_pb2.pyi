@@ -18,6 +18,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ANSWER_EVICTED: _ClassVar[ErrorReason]
     GRACE_PERIOD: _ClassVar[ErrorReason]
     REQUEST_UNKNOWN: _ClassVar[ErrorReason]
+    PREDICTION_FAILED: _ClassVar[ErrorReason]
 REASON_UNSPECIFIED: ErrorReason
 INSTANCE_CHANGED: ErrorReason
 INCARNATION_CHANGED: ErrorReason
@@ -27,6 +28,7 @@ KEY_REUSED: ErrorReason
 ANSWER_EVICTED: ErrorReason
 GRACE_PERIOD: ErrorReason
 REQUEST_UNKNOWN: ErrorReason
+PREDICTION_FAILED: ErrorReason
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")
@@ -211,34 +213,38 @@ class DeletePoolResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("pool", "hash_algo", "hash_block_size", "hash_seed", "client_name", "lease_seconds")
+    __slots__ = ("pool", "hash_algo", "hash_block_size", "hash_seed", "client_name", "lease_seconds", "exclusive")
     POOL_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     hash_algo: str
     hash_block_size: int
     hash_seed: str
     client_name: str
     lease_seconds: float
-    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
+    exclusive: bool
+    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., exclusive: _Optional[bool] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("pool", "session_id", "lease_seconds", "idempotency_window_seconds", "fence")
+    __slots__ = ("pool", "session_id", "lease_seconds", "idempotency_window_seconds", "fence", "exclusive")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
     pool: PoolInfo
     session_id: str
     lease_seconds: float
     idempotency_window_seconds: float
     fence: Fence
-    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., idempotency_window_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+    exclusive: bool
+    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., idempotency_window_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., exclusive: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id", "fence")
@@ -343,7 +349,7 @@ class LookupResult(_message.Message):
     def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup")
+    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -353,6 +359,7 @@ class AllocateOp(_message.Message):
     DELAY_CACHE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_ENCODER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
+    MUST_SUCCEED_FIELD_NUMBER: _ClassVar[int]
     request: RequestSync
     num_new_tokens: int
     num_new_computed_tokens: int
@@ -362,7 +369,8 @@ class AllocateOp(_message.Message):
     delay_cache_blocks: bool
     num_encoder_tokens: int
     lookup: bool
-    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ...) -> None: ...
+    must_succeed: bool
+    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ...) -> None: ...
 
 class AllocateResult(_message.Message):
     __slots__ = ("refused", "new_block_ids", "hit", "num_new_tokens", "stale_hit")
@@ -603,30 +611,38 @@ class FreeResponse(_message.Message):
     def __init__(self, num_free_blocks: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "ops", "idempotency_key", "fence")
+    __slots__ = ("pool", "session_id", "ops", "idempotency_key", "fence", "include_state")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STATE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     ops: _containers.RepeatedCompositeFieldContainer[Operation]
     idempotency_key: str
     fence: Fence
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+    include_state: bool
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., include_state: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results", "num_free_blocks", "usage", "fence")
+    __slots__ = ("results", "num_free_blocks", "usage", "fence", "events", "events_gap", "prefix_cache_stats")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_GAP_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[OperationResult]
     num_free_blocks: int
     usage: float
     fence: Fence
-    def __init__(self, results: _Optional[_Iterable[_Union[OperationResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    events_gap: bool
+    prefix_cache_stats: PrefixCacheStats
+    def __init__(self, results: _Optional[_Iterable[_Union[OperationResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., events_gap: _Optional[bool] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ("pool", "session_id", "fence")

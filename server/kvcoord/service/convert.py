@@ -217,6 +217,7 @@ def allocate_from_pb(a: pb.AllocateOp, num_groups: int) -> op.Allocate:
         a.delay_cache_blocks,
         a.num_encoder_tokens,
         a.lookup,
+        a.must_succeed,
     )
 
 

@@ -44,6 +44,7 @@ class ErrorReason(enum.Enum):
     ANSWER_EVICTED = 6
     GRACE_PERIOD = 7
     REQUEST_UNKNOWN = 8
+    PREDICTION_FAILED = 9
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

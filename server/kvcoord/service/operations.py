@@ -70,6 +70,7 @@ class Allocate:
     delay_cache_blocks: bool = False
     num_encoder_tokens: int = 0
     lookup: bool = False
+    must_succeed: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

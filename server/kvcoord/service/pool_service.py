@@ -118,13 +118,20 @@ class PoolService:
             )
 
     def attach(
-        self, hash_algo: str, hash_block_size: int, hash_seed: str, client_name: str, lease_seconds: float
+        self,
+        hash_algo: str,
+        hash_block_size: int,
+        hash_seed: str,
+        client_name: str,
+        lease_seconds: float,
+        exclusive: bool = False,
     ) -> Session:
         """The hash handshake, then a new session.
 
         Raises:
-            ServiceError: FAILED_PRECONDITION naming each hash difference;
-                UNAVAILABLE (GRACE_PERIOD) right after a restart.
+            ServiceError: FAILED_PRECONDITION naming each hash difference, or when an
+                exclusive session would share the pool; UNAVAILABLE (GRACE_PERIOD)
+                right after a restart.
         """
         algo, block_size, seed = self.hash_settings
         diffs = []
@@ -147,7 +154,18 @@ class PoolService:
                 f"{self.name!r} hands out no block for another {wait:.1f} s (retry then)",
                 ErrorReason.GRACE_PERIOD,
             )
+        others = self.sessions.of_pool(self.name)
+        holder = next((o for o in others if o.exclusive), None)
+        if holder is not None or (exclusive and others):
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pool {self.name!r} has an exclusive session ({holder.client_name!r}); no other may attach"
+                if holder is not None
+                else f"pool {self.name!r} has {len(others)} other session(s); an exclusive session must be "
+                "the only one",
+            )
         s = self.sessions.open(self.name, client_name, lease_seconds)
+        s.exclusive = exclusive
         s.events_cursor = self.events.last_sequence
         if self.engine.prefix_cache_stats is not None:
             s.stats = PrefixCacheStats()
@@ -379,6 +397,8 @@ class PoolService:
                     o.delay_cache_blocks,
                     o.num_encoder_tokens,
                 )
+                if res.new_block_ids is None and o.must_succeed:
+                    raise self._prediction_failed(rid)
                 return op.AllocateOutcome(res.new_block_ids, res.num_new_tokens, res.hit)
             new = engine.allocate_slots(
                 rid,
@@ -398,7 +418,18 @@ class PoolService:
         except Exception:
             undo()
             raise
+        if new is None and o.must_succeed:
+            raise self._prediction_failed(rid)
         return op.AllocateOutcome(new, o.num_new_tokens)
+
+    def _prediction_failed(self, rid: str) -> ServiceError:
+        return ServiceError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"request {rid[:128]!r}: the pool refused an allocation the client had already answered as "
+            f"successful ({self.engine.num_free_blocks} blocks free); its bound was wrong, treat the "
+            "requests of this Step as lost and report this as a bug",
+            ErrorReason.PREDICTION_FAILED,
+        )
 
     def _free(self, s: Session, o: op.Free) -> op.Value:
         self._owned(s, o.request_id)
@@ -434,6 +465,15 @@ class PoolService:
         return self.engine.reset_prefix_cache()
 
     def _take_events(self, s: Session, o: op.TakeEvents) -> op.Value:
+        return self.take_events(s)
+
+    def _make_stats(self, s: Session, o: op.MakeStats) -> op.Value:
+        if o.peek:
+            return self.engine.peek_prefix_cache_stats()
+        return self.engine.make_prefix_cache_stats()
+
+    def take_events(self, s: Session) -> op.EventsTaken:
+        """The pool's events since the session's previous take (its cursor moves)."""
         self._publish()
         journal = self.events
         gap = journal.missed(s.events_cursor)
@@ -441,10 +481,12 @@ class PoolService:
         s.events_cursor = journal.last_sequence
         return op.EventsTaken(events, gap)
 
-    def _make_stats(self, s: Session, o: op.MakeStats) -> op.Value:
-        if o.peek:
-            return self.engine.peek_prefix_cache_stats()
-        return self.engine.make_prefix_cache_stats()
+    def make_stats(self, s: Session) -> PrefixCacheStats | None:
+        """The session's statistics since its previous make, then reset."""
+        if s.stats is None:
+            return None
+        stats, s.stats = s.stats, PrefixCacheStats()
+        return stats
 
     def _sync(self, s: Session, o: op.Sync) -> op.Value:
         self.sync(s, o.sync)

@@ -167,6 +167,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 request.hash_seed,
                 request.client_name,
                 request.lease_seconds,
+                request.exclusive,
             )
         except ServiceError as exc:
             if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -179,6 +180,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             lease_seconds=s.lease_seconds,
             idempotency_window_seconds=self.registry.idempotency.window,
             fence=fence_to_pb(service.fence),
+            exclusive=s.exclusive,
         )
 
     @map_errors
@@ -273,6 +275,13 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             usage=e.usage,
             fence=fence_to_pb(service.fence),
         )
+        if request.include_state:
+            taken = service.take_events(s)
+            response.events.extend(event_to_pb(ev) for ev in taken.events)
+            response.events_gap = taken.gap
+            stats = stats_to_pb(service.make_stats(s))
+            if stats is not None:
+                response.prefix_cache_stats.CopyFrom(stats)
         self._remember("Step", s.session_id, key, digest, response)
         return response
 

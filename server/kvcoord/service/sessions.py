@@ -33,6 +33,8 @@ class Session:
     events_cursor: int = 0
     #: this session's prefix-cache statistics since its last make_prefix_cache_stats
     stats: PrefixCacheStats | None = None
+    #: the pool's only session (see AttachRequest.exclusive)
+    exclusive: bool = False
 
 
 class SessionTable:

@@ -1,0 +1,289 @@
+"""Operations collected for one Step: what to send, how to read each answer, and the
+:class:`Pending` results the callers hold until the Step is answered.
+
+:class:`StepBatcher` has one explicit method per manager call; each returns a
+:class:`Pending`. ``RemoteKVCacheManager`` uses the same builders for its own calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from kvcoord.v1 import allocator_pb2 as pb
+
+from . import _requests as rq
+from .errors import KVCoordError
+
+if TYPE_CHECKING:
+    from .manager import RemoteKVCacheManager
+
+__all__ = ["KVCacheBlockIds", "Pending", "StepBatcher"]
+
+T = TypeVar("T")
+
+
+class Pending(Generic[T]):
+    """The result of a batched call, available once its Step was answered.
+
+    Args:
+        resolve: called by :meth:`result` while the value is not there yet (the
+            manager flushes its queue); ``None``: result() before the flush raises.
+    """
+
+    __slots__ = ("_done", "_error", "_resolve", "_value")
+
+    def __init__(self, resolve: Callable[[], None] | None = None) -> None:
+        self._value: T | None = None
+        self._error: KVCoordError | None = None
+        self._done = False
+        self._resolve = resolve
+
+    def _set(self, value: T) -> None:
+        self._value, self._done = value, True
+
+    def _fail(self, error: KVCoordError) -> None:
+        self._error, self._done = error, True
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def result(self) -> T:
+        """The value; raises the call's error, or RuntimeError before the flush."""
+        if not self._done and self._resolve is not None:
+            self._resolve()
+        if not self._done:
+            raise RuntimeError("the batch has not been flushed yet")
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
+class KVCacheBlockIds:
+    """Block ids per KV cache group (0 = null block), like vLLM's ``KVCacheBlocks``.
+
+    May be lazy: an allocation the manager proved will succeed is answered at once,
+    and its ids arrive with the next Step; reading them sends that Step if needed.
+    """
+
+    __slots__ = ("_ids", "_pending")
+
+    def __init__(
+        self,
+        block_ids: tuple[list[int], ...] | None = None,
+        pending: Pending[KVCacheBlockIds | None] | None = None,
+    ) -> None:
+        self._ids = block_ids
+        self._pending = pending
+
+    @property
+    def block_ids(self) -> tuple[list[int], ...]:
+        if self._ids is None:
+            assert self._pending is not None
+            resolved = self._pending.result()
+            assert resolved is not None
+            self._ids = resolved.block_ids
+            self._pending = None
+        return self._ids
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return self.block_ids
+
+    def is_empty(self) -> bool:
+        return not any(self.block_ids)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVCacheBlockIds) and self.block_ids == other.block_ids
+
+    def __hash__(self) -> int:
+        return hash(tuple(tuple(g) for g in self.block_ids))
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCacheBlockIds({self.block_ids!r})" if self._ids is not None else "KVCacheBlockIds(<pending>)"
+        )
+
+
+def ids(groups: Iterable[pb.BlockIds]) -> KVCacheBlockIds:
+    return KVCacheBlockIds(tuple(list(g.block_ids) for g in groups))
+
+
+@dataclasses.dataclass(slots=True)
+class Item:
+    """One queued operation: the op, how to read its result, the requests whose
+    positions it moves, and who waits for it."""
+
+    op: pb.Operation
+    decode: Callable[[pb.OperationResult], Any]
+    touched: Sequence[str]
+    pending: Pending[Any]
+    #: True when nobody waits for the answer (frees, cache_blocks, ...): its error, if
+    #: any, is raised by whichever call sends it
+    deferred: bool = False
+
+
+class Ops:
+    """Builds the queued item of each manager call (one method per call)."""
+
+    def __init__(self, m: RemoteKVCacheManager) -> None:
+        self.m = m
+
+    def get_computed_blocks(self, request: Any) -> Item:
+        op = pb.Operation(lookup=pb.LookupOp(request=self.m.tracker.sync(request)))
+        return Item(
+            op, lambda r: (ids(r.lookup.hit.groups), r.lookup.hit.num_tokens), [request.request_id], Pending()
+        )
+
+    def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
+                       num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
+                       num_encoder_tokens: int = 0) -> Item:  # fmt: skip
+        hit = new_computed_blocks.block_ids if new_computed_blocks is not None else None
+        a = rq.allocate_op(self.m.tracker.sync(request), num_new_tokens, num_new_computed_tokens, hit,
+                           num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                           num_encoder_tokens)  # fmt: skip
+        m = self.m
+
+        def decode(r: pb.OperationResult) -> KVCacheBlockIds | None:
+            if r.allocate.stale_hit:
+                m.stale_hits += 1
+                return None
+            return None if r.allocate.refused else ids(r.allocate.new_block_ids)
+
+        return Item(pb.Operation(allocate=a), decode, [request.request_id], Pending())
+
+    def allocate_with_lookup(
+        self,
+        request: Any,
+        max_num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+    ) -> Item:
+        a = rq.allocate_op(
+            self.m.tracker.sync(request),
+            max_num_new_tokens,
+            num_lookahead_tokens=num_lookahead_tokens,
+            num_external_computed_tokens=num_external_computed_tokens,
+            delay_cache_blocks=delay_cache_blocks,
+            num_encoder_tokens=num_encoder_tokens,
+            lookup=True,
+        )
+
+        def decode(r: pb.OperationResult) -> tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]:
+            res = r.allocate
+            new = None if res.refused else ids(res.new_block_ids)
+            return ids(res.hit.groups), res.hit.num_tokens, res.num_new_tokens, new
+
+        return Item(pb.Operation(allocate=a), decode, [request.request_id], Pending())
+
+    def free(self, request: Any) -> Item | None:
+        rid = request if isinstance(request, str) else request.request_id
+        if rid not in self.m.tracker:
+            return None  # never sent to the server (e.g. aborted while waiting): nothing to free
+        # Forgotten now: if the request comes back before the free is sent, it is
+        # registered again after it (the server applies calls in order).
+        self.m.tracker.forget([rid])
+        return Item(
+            pb.Operation(free=pb.FreeOp(request_id=rid)), lambda r: None, [], Pending(), deferred=True
+        )
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> Item:
+        op = pb.Operation(
+            cache_blocks=pb.CacheBlocksOp(
+                request=self.m.tracker.sync(request), num_computed_tokens=num_computed_tokens
+            )
+        )
+        return Item(op, lambda r: None, [request.request_id], Pending(), deferred=True)
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> Item:
+        op = pb.Operation(
+            remove_skipped_blocks=pb.RemoveSkippedBlocksOp(
+                request=self.m.tracker.position(request_id), total_computed_tokens=total_computed_tokens
+            )
+        )
+        return Item(op, lambda r: None, [request_id], Pending(), deferred=True)
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> Item:
+        op = pb.Operation(evict_blocks=pb.EvictBlocksOp(block_ids=sorted(block_ids)))
+        return Item(op, lambda r: None, [], Pending(), deferred=True)
+
+    def get_block_ids(self, request_id: str) -> Item:
+        op = pb.Operation(get_block_ids=pb.GetBlockIdsOp(request_id=request_id))
+        return Item(op, lambda r: tuple(list(g.block_ids) for g in r.get_block_ids.groups), [], Pending())
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> Item:
+        op = pb.Operation(common_prefix=pb.CommonPrefixOp(request_id=request_id))
+        return Item(op, lambda r: list(r.common_prefix.num_blocks), [], Pending())
+
+    def reset_prefix_cache(self) -> Item:
+        op = pb.Operation(reset_prefix_cache=pb.ResetPrefixCacheOp())
+        return Item(op, lambda r: bool(r.reset_prefix_cache.result), [], Pending())
+
+
+class StepBatcher:
+    """Calls collected into one Step RPC, sent on :meth:`flush` (or on leaving a
+    ``with`` block). Each call returns a :class:`Pending`; operations apply in order,
+    and after a failed one the rest are not applied (their Pending raises AbortedError).
+    """
+
+    def __init__(self, manager: RemoteKVCacheManager) -> None:
+        self.m = manager
+        self._ops = Ops(manager)
+        self._items: list[Item] = []
+
+    def __enter__(self) -> StepBatcher:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.flush()
+        else:
+            self.m.tracker.rollback()
+            self._items.clear()
+
+    def _add(self, item: Item | None) -> Pending[Any]:
+        if item is None:
+            done: Pending[Any] = Pending()
+            done._set(None)
+            return done
+        item.deferred = False  # an explicit batch: every caller holds its Pending
+        self._items.append(item)
+        return item.pending
+
+    def get_computed_blocks(self, request: Any) -> Pending[tuple[KVCacheBlockIds, int]]:
+        return self._add(self._ops.get_computed_blocks(request))
+
+    def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
+                       num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
+                       num_encoder_tokens: int = 0) -> Pending[KVCacheBlockIds | None]:  # fmt: skip
+        return self._add(self._ops.allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens))  # fmt: skip
+
+    def free(self, request: Any) -> Pending[None]:
+        return self._add(self._ops.free(request))
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> Pending[None]:
+        return self._add(self._ops.cache_blocks(request, num_computed_tokens))
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> Pending[None]:
+        return self._add(self._ops.remove_skipped_blocks(request_id, total_computed_tokens))
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> Pending[None]:
+        return self._add(self._ops.evict_blocks(block_ids))
+
+    def get_block_ids(self, request_id: str) -> Pending[tuple[list[int], ...]]:
+        return self._add(self._ops.get_block_ids(request_id))
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> Pending[list[int]]:
+        return self._add(self._ops.get_num_common_prefix_blocks(request_id))
+
+    def flush(self) -> None:
+        """Send the collected operations (nothing to do when empty)."""
+        items, self._items = self._items, []
+        self.m._send(items)

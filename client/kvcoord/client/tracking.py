@@ -1,0 +1,156 @@
+"""What the server holds of each request, and the positioned syncs that change it.
+
+Each request the manager has sent is tracked by its position on the server (tokens
+and hashes sent) and what queued operations will add. A sync names the position it
+applies at; after the Step that carried it the position is committed, or rolled back
+when the Step failed. Work per sync is proportional to what changed, never to the
+request's history.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .hashing import BlockHasher, MultiModalItem
+
+__all__ = ["RequestTracker"]
+
+
+@dataclasses.dataclass(slots=True)
+class _Tracked:
+    """``sent_*`` is the position the next sync applies at; ``committed`` what the
+    server acknowledged."""
+
+    hasher: BlockHasher | None
+    sent_tokens: int = 0
+    sent_hashes: int = 0
+    sent_computed: int = -1
+    registered: bool = False
+    committed: tuple[int, int, int, bool] = (0, 0, -1, False)
+
+    def commit(self) -> None:
+        self.committed = (self.sent_tokens, self.sent_hashes, self.sent_computed, self.registered)
+
+    def rollback(self) -> None:
+        self.sent_tokens, self.sent_hashes, self.sent_computed, self.registered = self.committed
+
+
+class RequestTracker:
+    """Positions of the requests one session has on the server.
+
+    Args:
+        config: the pool's configuration (hash settings).
+        none_hash: the hash chain's seed (``b""`` when caching is off).
+    """
+
+    def __init__(self, config: pb.PoolConfig, none_hash: bytes) -> None:
+        self.config = config
+        self.enable_caching = config.enable_caching
+        self.none_hash = none_hash
+        self._tracked: dict[str, _Tracked] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._tracked
+
+    def __len__(self) -> int:
+        return len(self._tracked)
+
+    def ids(self) -> list[str]:
+        return list(self._tracked)
+
+    def sync(self, request: Any) -> pb.RequestSync:
+        """The sync bringing the server to the request's current state (registers a
+        request the first time)."""
+        rid = request.request_id
+        t = self._tracked.get(rid)
+        if t is None:
+            t = _Tracked(self._hasher(request))
+            self._tracked[rid] = t
+        tokens = request.all_token_ids
+        sync = pb.RequestSync(request_id=rid)
+        if t.registered:
+            sync.base_num_tokens = t.sent_tokens
+            sync.base_num_hashes = t.sent_hashes
+        else:
+            sync.new_request = True
+        n = len(tokens)
+        if n > t.sent_tokens:
+            sync.append_token_ids.extend(tokens[t.sent_tokens :])
+            if self.enable_caching:
+                new = self._new_hashes(request, t)
+                if new:
+                    sync.append_block_hashes.extend(new)
+                    t.sent_hashes += len(new)
+            t.sent_tokens = n
+        computed = int(request.num_computed_tokens)
+        if computed != t.sent_computed:
+            sync.num_computed_tokens = computed
+            t.sent_computed = computed
+        if not t.registered:
+            lora = getattr(request, "lora_request", None)
+            if lora is not None:
+                sync.lora.adapter_id = int(getattr(lora, "lora_int_id", getattr(lora, "adapter_id", 0)))
+                sync.lora.name = str(getattr(lora, "lora_name", getattr(lora, "name", "")))
+            sync.skip_reading_prefix_cache = bool(getattr(request, "skip_reading_prefix_cache", False))
+            sync.num_preemptions = int(getattr(request, "num_preemptions", 0))
+            t.registered = True
+        return sync
+
+    def position(self, request_id: str) -> pb.RequestSync:
+        """A sync that changes nothing but names the request at its position."""
+        sync = pb.RequestSync(request_id=request_id)
+        t = self._tracked.get(request_id)
+        if t is not None:
+            sync.base_num_tokens, sync.base_num_hashes = t.sent_tokens, t.sent_hashes
+        return sync
+
+    def commit(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            t = self._tracked.get(rid)
+            if t is not None:
+                t.commit()
+
+    def rollback(self) -> None:
+        """Every position back to what the server acknowledged."""
+        for t in self._tracked.values():
+            t.rollback()
+
+    def forget(self, request_ids: Iterable[str]) -> list[str]:
+        """Stop tracking these requests; returns those that were tracked."""
+        return [rid for rid in dict.fromkeys(request_ids) if self._tracked.pop(rid, None) is not None]
+
+    def clear(self) -> list[str]:
+        gone = list(self._tracked)
+        self._tracked.clear()
+        return gone
+
+    def _hasher(self, request: Any) -> BlockHasher | None:
+        if not self.enable_caching or getattr(request, "block_hashes", None) is not None:
+            return None
+        lora = getattr(request, "lora_request", None)
+        items: Sequence[MultiModalItem] = getattr(request, "mm_items", ()) or ()
+        return BlockHasher(
+            self.config.hash_algo,
+            self.config.hash_block_size,
+            self.none_hash,
+            lora_name=getattr(lora, "lora_name", getattr(lora, "name", None)) if lora else None,
+            cache_salt=getattr(request, "cache_salt", None),
+            mm_items=items,
+        )
+
+    @staticmethod
+    def _new_hashes(request: Any, t: _Tracked) -> list[bytes]:
+        """Hashes of blocks completed since the last sync (only those: no history copy)."""
+        given = getattr(request, "block_hashes", None)
+        if given is not None:
+            return [bytes(h) for h in given[t.sent_hashes :]]
+        assert t.hasher is not None
+        tokens = request.all_token_ids
+        have = len(t.hasher.token_ids)
+        if len(tokens) > have:
+            t.hasher.extend(tokens[have:])
+        return t.hasher.block_hashes[t.sent_hashes :]

@@ -214,3 +214,42 @@ def test_stale_hit_undoes_the_registration_that_came_with_it() -> None:
     assert o.error is None and isinstance(o.value, op.AllocateOutcome) and o.value.stale_hit
     assert "b" not in p.engine.requests and "b" not in s.owned
     assert p.engine.snapshot() == snap
+
+
+def test_exclusive_session_is_alone() -> None:
+    """An exclusive session is refused beside others, and refuses others while it lives."""
+    p = make()
+    a = attach(p)
+    with pytest.raises(ServiceError) as err:
+        p.attach("sha256_cbor", 4, "0", "x", 0, exclusive=True)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    p.end_session(a)
+    x = p.attach("sha256_cbor", 4, "0", "x", 0, exclusive=True)
+    with pytest.raises(ServiceError):
+        attach(p)
+    p.end_session(x)
+    assert attach(p).session_id
+
+
+def test_a_broken_promise_is_loud() -> None:
+    """An allocation the client answered as successful but the pool refuses is
+    PREDICTION_FAILED, never a silent refusal."""
+    p = make()
+    s = attach(p)
+    (o,) = p.apply(s, [op.Allocate(new("big", list(range(200))), 200, must_succeed=True)])
+    assert o.error is not None and o.error.reason is ErrorReason.PREDICTION_FAILED
+    assert "big" not in p.engine.requests
+    (o,) = p.apply(s, [op.Allocate(new("big", list(range(200))), 200)])
+    assert isinstance(o.value, op.AllocateOutcome) and o.value.refused
+
+
+def test_state_rides_with_the_answer() -> None:
+    """take_events / make_stats give the session's share once, then nothing."""
+    p = make()
+    s = attach(p)
+    p.apply(s, [op.Lookup(new("x", list(range(9))))])
+    stats = p.make_stats(s)
+    assert stats is not None and stats.requests == 1
+    again = p.make_stats(s)
+    assert again is not None and again.requests == 0
+    assert p.take_events(s).events == []

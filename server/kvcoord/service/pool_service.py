@@ -410,6 +410,8 @@ class PoolService:
                 o.delay_cache_blocks,
                 o.num_encoder_tokens,
             )
+            if new is None and o.must_succeed:
+                raise self._prediction_failed(rid)
         except StaleCacheHitError:
             # A concurrency conflict, not bad input: an outcome with nothing changed
             # (the request sync that came with it is undone too).
@@ -418,8 +420,6 @@ class PoolService:
         except Exception:
             undo()
             raise
-        if new is None and o.must_succeed:
-            raise self._prediction_failed(rid)
         return op.AllocateOutcome(new, o.num_new_tokens)
 
     def _prediction_failed(self, rid: str) -> ServiceError:

@@ -1,0 +1,280 @@
+"""Scheduler steps in-process and over the wire, side by side in one run. Not a test.
+
+    python bench/step.py [--running 16 64 256] [--steps 60] [--warmup 10]
+
+A scheduler loop shaped like vLLM's (running requests first, preempting from the end
+of the running list on a refusal; then waiting requests with a prefix lookup; block
+ids read when the step's output is built; finished requests freed; usage, events and
+statistics read every step) keeps N requests running: prompts 512-4,096 tokens, half
+sharing one of 8 prefixes, outputs 16-256 tokens, token budget 8,192, full attention
+with 16-token blocks. The same seeded workload runs on:
+
+  in-process     kvcoord's engine called directly (what vLLM's own manager costs)
+  exclusive      RemoteKVCacheManager(exclusive=True): one session per pool, provable
+                 allocations answered at once, everything else batched
+  shared         RemoteKVCacheManager: frees and state batched, every allocation waits
+  per-call       one round trip per manager call (the old protocol's shape)
+  no-op RTT      an empty Step round trip
+
+The server is a separate process on loopback. Decisions (scheduled ids, token counts,
+block ids) are compared between in-process and every remote run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
+
+from kvcoord.client import KVCoordClient, RemoteKVCacheManager  # noqa: E402
+from kvcoord.client.hashing import BlockHasher, none_hash  # noqa: E402
+from kvcoord.client.testing import start_server  # noqa: E402
+from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool  # noqa: E402
+from kvcoord.v1 import allocator_pb2 as pb  # noqa: E402
+
+BS = 16
+BUDGET = 8192
+NONE = none_hash("sha256_cbor", "0")
+
+
+@dataclasses.dataclass
+class Req:
+    request_id: str
+    all_token_ids: list[int]
+    max_output: int
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    num_prompt: int = 0
+
+
+class LocalManager:
+    """The in-process engine behind RemoteKVCacheManager's methods (the baseline)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.pool = KVCachePool(
+            KVCacheConfig(num_blocks=num_blocks, groups=(FullAttentionSpec(BS),), hash_block_size=BS,
+                          enable_kv_cache_events=True, max_model_len=1 << 20)  # fmt: skip
+        )
+        self.sent: dict[str, tuple[int, BlockHasher]] = {}
+
+    def _sync(self, r: Req) -> None:
+        got = self.sent.get(r.request_id)
+        if got is None:
+            h = BlockHasher("sha256_cbor", BS, NONE)
+            self.pool.add_request(r.request_id, r.all_token_ids, h.extend(r.all_token_ids),
+                                  num_preemptions=r.num_preemptions)  # fmt: skip
+            self.sent[r.request_id] = (len(r.all_token_ids), h)
+            self.pool.update_request(r.request_id, num_computed_tokens=r.num_computed_tokens)
+            return
+        n, h = got
+        new = r.all_token_ids[n:]
+        self.pool.update_request(r.request_id, num_computed_tokens=r.num_computed_tokens,
+                                 append_token_ids=new, append_block_hashes=h.extend(new))  # fmt: skip
+        self.sent[r.request_id] = (len(r.all_token_ids), h)
+
+    def get_computed_blocks(self, r: Req) -> tuple[Any, int]:
+        self._sync(r)
+        hit = self.pool.get_computed_blocks(r.request_id)
+        return hit, hit.num_tokens
+
+    def allocate_slots(self, r: Req, n: int, hit_tokens: int = 0, hit: Any = None) -> Any:
+        self._sync(r)
+        return self.pool.allocate_slots(r.request_id, n, hit_tokens, hit if hit_tokens else None)
+
+    def free(self, r: Req) -> None:
+        self.pool.free(r.request_id)
+        self.sent.pop(r.request_id, None)
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def take_events(self) -> list[Any]:
+        return self.pool.take_events()
+
+    def make_prefix_cache_stats(self) -> Any:
+        return self.pool.make_prefix_cache_stats()
+
+
+class PerCall:
+    """RemoteKVCacheManager with every call sent and answered on its own."""
+
+    def __init__(self, m: RemoteKVCacheManager) -> None:
+        self.m = m
+
+    def get_computed_blocks(self, r: Req) -> tuple[Any, int]:
+        return self.m.get_computed_blocks(r)
+
+    def allocate_slots(self, r: Req, n: int, hit_tokens: int = 0, hit: Any = None) -> Any:
+        got = self.m.allocate_slots(r, n, hit_tokens, hit)
+        if got is not None:
+            got.get_block_ids()
+        return got
+
+    def free(self, r: Req) -> None:
+        self.m.free(r)
+        self.m.flush()
+
+    @property
+    def usage(self) -> float:
+        return float(self.m.client.get_stats(self.m.pool).usage)
+
+    def take_events(self) -> list[Any]:
+        return self.m.take_events()
+
+    def make_prefix_cache_stats(self) -> Any:
+        self.m.flush()
+        return self.m.make_prefix_cache_stats()
+
+
+def ids_of(blocks: Any) -> tuple[tuple[int, ...], ...]:
+    if hasattr(blocks, "get_block_ids"):
+        return tuple(tuple(g) for g in blocks.get_block_ids())
+    return tuple(tuple(g) for g in blocks)
+
+
+def run(kv: Any, running_target: int, steps: int, seed: int) -> tuple[list[float], list[Any]]:
+    """The scheduler loop; returns seconds per step and the decisions of every step."""
+    rnd = random.Random(seed)
+    prefixes = [[rnd.randrange(32000) for _ in range(rnd.choice((256, 512, 1024)))] for _ in range(8)]
+    counter = 0
+
+    def new_request() -> Req:
+        nonlocal counter
+        counter += 1
+        n = rnd.randint(512, 4096)
+        tokens = (rnd.choice(prefixes) if rnd.random() < 0.5 else []) + [rnd.randrange(32000) for _ in range(n)]
+        tokens = tokens[:n]
+        return Req(f"r{counter}", tokens, rnd.randint(16, 256), num_prompt=len(tokens))
+
+    running: list[Req] = []
+    waiting: deque[Req] = deque(new_request() for _ in range(running_target))
+    times: list[float] = []
+    decisions: list[Any] = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        budget = BUDGET
+        scheduled: list[tuple[Req, int, Any]] = []
+        preempted: list[str] = []
+        i = 0
+        while i < len(running) and budget > 0:
+            r = running[i]
+            n = min(len(r.all_token_ids) - r.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                blocks = kv.allocate_slots(r, n)
+                if blocks is not None:
+                    break
+                victim = running.pop()
+                kv.free(victim)
+                victim.num_computed_tokens = 0
+                victim.num_preemptions += 1
+                waiting.appendleft(victim)
+                preempted.append(victim.request_id)
+                if victim is r:
+                    break
+            if blocks is None:
+                continue
+            scheduled.append((r, n, blocks))
+            budget -= n
+            i += 1
+        while waiting and budget > 0 and not preempted:
+            r = waiting[0]
+            hit, hit_tokens = kv.get_computed_blocks(r)
+            n = min(len(r.all_token_ids) - hit_tokens, budget)
+            blocks = kv.allocate_slots(r, n, hit_tokens, hit)
+            if blocks is None:
+                break
+            waiting.popleft()
+            r.num_computed_tokens = hit_tokens
+            running.append(r)
+            scheduled.append((r, n, blocks))
+            budget -= n
+        decisions.append([(r.request_id, n, ids_of(b)) for r, n, b in scheduled] + preempted)
+        # the model ran; its output updates the requests
+        for r, n, _ in scheduled:
+            r.num_computed_tokens += n
+            if r.num_computed_tokens >= len(r.all_token_ids):
+                r.all_token_ids.append(rnd.randrange(32000))
+        for r in [r for r in running if len(r.all_token_ids) - r.num_prompt >= r.max_output]:
+            running.remove(r)
+            kv.free(r)
+            waiting.append(new_request())
+        kv.usage
+        kv.take_events()
+        kv.make_prefix_cache_stats()
+        times.append(time.perf_counter() - t0)
+    return times, decisions
+
+
+def pool_config(num_blocks: int) -> pb.PoolConfig:
+    return pb.PoolConfig(
+        num_blocks=num_blocks, groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=BS))],
+        hash_block_size=BS, enable_caching=True, enable_kv_cache_events=True, hash_algo="sha256_cbor",
+        hash_seed="0",
+    )  # fmt: skip
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * q))] * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--running", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=10)
+    args = ap.parse_args()
+    server = start_server("")
+    try:
+        client = KVCoordClient(server.address, timeout=60)
+        noop = []
+        client.create_pool("noop", pool_config(64))
+        s = client.attach("noop", "sha256_cbor", BS, "0")
+        for _ in range(300):
+            t0 = time.perf_counter()
+            client.step("noop", [], s.session_id, s.fence, include_state=True)
+            noop.append(time.perf_counter() - t0)
+        rtt = statistics.median(noop) * 1e3
+        print(f"no-op Step round trip: p50 {rtt:.3f} ms, p99 {pct(noop, 0.99):.3f} ms")
+        header = (f"{'running':>7} {'mode':<11} {'p50 ms':>8} {'p99 ms':>8} {'RTT/step':>8} "
+                  f"{'+ms/step':>9} {'vs in-proc+RTT':>14}")  # fmt: skip
+        print(header)
+        for n in args.running:
+            blocks = n * 4600 // BS + 1
+            total = args.steps + args.warmup
+            base_t, base_d = run(LocalManager(blocks), n, total, seed=n)
+            base = statistics.median(base_t[args.warmup :]) * 1e3
+            print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup:], 0.99):8.2f}")
+            for mode in ("exclusive", "shared", "per-call"):
+                name = f"p{n}-{mode}"
+                client.create_pool(name, pool_config(blocks))
+                m = RemoteKVCacheManager(client, name, hash_seed="0", exclusive=(mode == "exclusive"))
+                kv: Any = PerCall(m) if mode == "per-call" else m
+                t, d = run(kv, n, total, seed=n)
+                assert d == base_d, f"{mode}: decisions differ from in-process"
+                med = statistics.median(t[args.warmup :]) * 1e3
+                trips = m.round_trips / total
+                print(f"{n:>7} {mode:<11} {med:8.2f} {pct(t[args.warmup:], 0.99):8.2f} {trips:8.1f} "
+                      f"{med - base:9.2f} {med / (base + rtt):14.2f}")  # fmt: skip
+                m.close()
+                client.delete_pool(name)
+        print("decisions (scheduled ids, tokens, block ids, preemptions) identical in every mode")
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -92,7 +92,7 @@ def test_public_exports_are_pinned() -> None:
         "FailedPreconditionError", "HashMismatchError", "InternalError", "InvalidArgumentError", "KVCacheBlockIds",
         "KVCoordClient", "KVCoordError", "MultiModalItem", "NotFoundError", "Pending", "PermissionDeniedError",
         "RandomSeedError", "RemoteKVCacheManager", "ResourceExhaustedError", "RetryPolicy", "StepBatcher",
-        "UnavailableError", "none_hash",
+        "TLSOptions", "UnavailableError", "none_hash",
     ])  # fmt: skip
     for mod in (kvcoord.engine, kvcoord.client):
         for name in mod.__all__:

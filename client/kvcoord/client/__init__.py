@@ -21,6 +21,7 @@ from .errors import (
 from .hashing import BlockHasher, MultiModalItem, RandomSeedError, none_hash
 from .manager import KVCacheBlockIds, Pending, RemoteKVCacheManager, StepBatcher
 from .retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
+from .tls import TLSOptions
 
 __all__ = [
     "DEFAULT_RETRY",
@@ -45,6 +46,7 @@ __all__ = [
     "ResourceExhaustedError",
     "RetryPolicy",
     "StepBatcher",
+    "TLSOptions",
     "UnavailableError",
     "none_hash",
 ]

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from .registry import PoolHandle
 from .servicer import NullObserver
+from .tls import TLSFiles
 
 if TYPE_CHECKING:
     from .servicer import AllocatorServicer
@@ -237,10 +238,23 @@ class Metrics(NullObserver):
         self.handshake_refusals.labels(pool).inc()
 
     # -- HTTP ------------------------------------------------------------------------
-    def start_http(self, address: str) -> str:
-        """Serve /metrics on ``host:port`` (port 0 picks one); returns the bound address."""
+    def start_http(self, address: str, tls: TLSFiles | None = None) -> str:
+        """Serve /metrics on ``host:port`` (port 0 picks one); returns the bound address.
+
+        With ``tls`` enabled the endpoint is HTTPS only, and with its client CA scrapers
+        must present a certificate signed by it.
+        """
         host, _, port = address.rpartition(":")
-        server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=self.registry)
+        tls = tls or TLSFiles()
+        server, _thread = start_http_server(
+            int(port),
+            addr=host or "0.0.0.0",
+            registry=self.registry,
+            certfile=tls.cert_file or None,
+            keyfile=tls.key_file or None,
+            client_cafile=tls.client_ca_file or None,
+            client_auth_required=tls.mutual,
+        )
         self._http = server
         return f"{host or '0.0.0.0'}:{server.server_port}"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import ssl
 import subprocess
 import sys
@@ -225,6 +226,20 @@ def test_metrics_over_https(certs: CertFiles, mutual: bool) -> None:
                 fetch(f"https://{address}/metrics", no_cert)
         else:
             assert "kvcoord_build_info" in fetch(f"https://{address}/metrics", no_cert)
+    finally:
+        m.stop_http()
+
+
+def test_a_stalled_handshake_does_not_block_other_scrapes(certs: CertFiles) -> None:
+    """A peer that connects to the HTTPS /metrics port and sends nothing does not stop a
+    real scraper (the handshake runs in the connection's own thread, not the accept loop)."""
+    m = Metrics()
+    address = m.start_http("127.0.0.1:0", server_tls(certs, mutual=True))
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=10):
+            body = fetch(f"https://{address}/metrics", https_context(certs, client_cert=True))
+            assert "kvcoord_build_info" in body
     finally:
         m.stop_http()
 

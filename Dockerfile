@@ -1,13 +1,17 @@
 # kvcoord server image.
 #
 #   docker build -t kvcoord .
-#   docker run -p 50051:50051 -p 9400:9400 kvcoord            # embedded default config
+#   docker run -p 50051:50051 kvcoord                         # embedded default config
 #   docker run -v $PWD/kvcoord.toml:/etc/kvcoord/kvcoord.toml \
 #              -e KVCOORD_CONFIG=/etc/kvcoord/kvcoord.toml -p 50051:50051 kvcoord
 #
-# Environment: KVCOORD_LISTEN, KVCOORD_METRICS_LISTEN, KVCOORD_LOG_LEVEL, KVCOORD_CONFIG
-# (see the README). Where no registry is reachable, scripts/build_base_image.sh builds
-# the base image locally under the same name.
+# Environment: KVCOORD_LISTEN, KVCOORD_METRICS_LISTEN, KVCOORD_LOG_LEVEL, KVCOORD_CONFIG,
+# KVCOORD_AUTH_TOKENS, KVCOORD_TLS_{CERT,KEY,CLIENT_CA}, KVCOORD_METRICS_TLS_{CERT,KEY,CLIENT_CA}
+# (see the README). gRPC listens on all interfaces; /metrics listens on the container's
+# loopback only until KVCOORD_METRICS_LISTEN names an address (e.g. 0.0.0.0:9400 for a
+# scraper on the container network). With TLS on, override the health check so that it
+# speaks TLS too (deploy/README.md, "TLS"). Where no registry is reachable,
+# scripts/build_base_image.sh builds the base image locally under the same name.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
 FROM ${BASE_IMAGE} AS build
@@ -27,8 +31,7 @@ RUN echo 'kvcoord:x:10001:10001:kvcoord:/nonexistent:/usr/sbin/nologin' >> /etc/
 COPY --from=build /opt/kvcoord /opt/kvcoord
 ENV PATH=/opt/kvcoord/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    KVCOORD_LISTEN=0.0.0.0:50051 \
-    KVCOORD_METRICS_LISTEN=0.0.0.0:9400
+    KVCOORD_LISTEN=0.0.0.0:50051
 USER 10001:10001
 EXPOSE 50051 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \

@@ -61,8 +61,13 @@ class LocalManager:
 
     def __init__(self, num_blocks: int) -> None:
         self.pool = KVCachePool(
-            KVCacheConfig(num_blocks=num_blocks, groups=(FullAttentionSpec(BS),), hash_block_size=BS,
-                          enable_kv_cache_events=True, max_model_len=1 << 20)  # fmt: skip
+            KVCacheConfig(
+                num_blocks=num_blocks,
+                groups=(FullAttentionSpec(BS),),
+                hash_block_size=BS,
+                enable_kv_cache_events=True,
+                max_model_len=1 << 20,
+            )  # fmt: skip
         )
         self.sent: dict[str, tuple[int, BlockHasher]] = {}
 
@@ -152,7 +157,9 @@ def run(kv: Any, running_target: int, steps: int, seed: int) -> tuple[list[float
         nonlocal counter
         counter += 1
         n = rnd.randint(512, 4096)
-        tokens = (rnd.choice(prefixes) if rnd.random() < 0.5 else []) + [rnd.randrange(32000) for _ in range(n)]
+        tokens = (rnd.choice(prefixes) if rnd.random() < 0.5 else []) + [
+            rnd.randrange(32000) for _ in range(n)
+        ]
         tokens = tokens[:n]
         return Req(f"r{counter}", tokens, rnd.randint(16, 256), num_prompt=len(tokens))
 
@@ -211,7 +218,7 @@ def run(kv: Any, running_target: int, steps: int, seed: int) -> tuple[list[float
             running.remove(r)
             kv.free(r)
             waiting.append(new_request())
-        kv.usage
+        _ = kv.usage
         kv.take_events()
         kv.make_prefix_cache_stats()
         times.append(time.perf_counter() - t0)
@@ -257,7 +264,7 @@ def main() -> None:
             total = args.steps + args.warmup
             base_t, base_d = run(LocalManager(blocks), n, total, seed=n)
             base = statistics.median(base_t[args.warmup :]) * 1e3
-            print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup:], 0.99):8.2f}")
+            print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f}")
             for mode in ("exclusive", "shared", "per-call"):
                 name = f"p{n}-{mode}"
                 client.create_pool(name, pool_config(blocks))

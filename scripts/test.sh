@@ -6,7 +6,13 @@
 #   scripts/test.sh --integration-only  only the container suite
 #
 # KVCOORD_TARGET=host:port and KVCOORD_METRICS=host:port run the integration suite
-# against an existing deployment instead of starting the container.
+# against an existing deployment instead of starting the container (add
+# KVCOORD_CLIENT_TLS_CA/_CERT/_KEY and KVCOORD_METRICS_SCHEME=https for a TLS one).
+#
+# The container runs with mutual TLS on gRPC and on /metrics: certificates are generated
+# into $WORK/tls by tests/certs.py, mounted read-only, named by KVCOORD_TLS_* and
+# KVCOORD_METRICS_TLS_*; the health check, the suite's clients and Prometheus present the
+# generated client certificate.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -44,8 +50,22 @@ if [ -z "${KVCOORD_TARGET:-}" ]; then
   fi
   echo "building $IMAGE"
   docker build -q -t "$IMAGE" . >/dev/null
-  # 3. the container, on free host ports of the loopback interface
-  docker run -d --name "$CONTAINER" -p 127.0.0.1::50051 -p 127.0.0.1::9400 "$IMAGE" >/dev/null
+  # 3. test certificates (a CA, server and client certificates; test-only keys)
+  TLS_DIR="$WORK/tls"
+  "$PYTHON" tests/certs.py "$TLS_DIR" >/dev/null
+  C=/etc/kvcoord/tls
+  # 4. the container, with mutual TLS, on free host ports of the loopback interface; its
+  # /metrics listens on the container network (published on the host's loopback only)
+  docker run -d --name "$CONTAINER" -p 127.0.0.1::50051 -p 127.0.0.1::9400 \
+    -v "$TLS_DIR:$C:ro" \
+    -e KVCOORD_METRICS_LISTEN=0.0.0.0:9400 \
+    -e KVCOORD_TLS_CERT="$C/server.pem" -e KVCOORD_TLS_KEY="$C/server.key" -e KVCOORD_TLS_CLIENT_CA="$C/ca.pem" \
+    -e KVCOORD_METRICS_TLS_CERT="$C/server.pem" -e KVCOORD_METRICS_TLS_KEY="$C/server.key" \
+    -e KVCOORD_METRICS_TLS_CLIENT_CA="$C/ca.pem" \
+    --health-cmd "kvcoord health --target 127.0.0.1:50051 --tls-ca $C/ca.pem --tls-cert $C/client.pem --tls-key $C/client.key" \
+    "$IMAGE" >/dev/null
+  export KVCOORD_CLIENT_TLS_CA="$TLS_DIR/ca.pem" KVCOORD_CLIENT_TLS_CERT="$TLS_DIR/client.pem" \
+    KVCOORD_CLIENT_TLS_KEY="$TLS_DIR/client.key" KVCOORD_METRICS_SCHEME=https
   grpc_port="$(docker port "$CONTAINER" 50051/tcp | head -n1 | sed 's/.*://')"
   metrics_port="$(docker port "$CONTAINER" 9400/tcp | head -n1 | sed 's/.*://')"
   export KVCOORD_TARGET="127.0.0.1:$grpc_port" KVCOORD_METRICS="127.0.0.1:$metrics_port"
@@ -54,17 +74,29 @@ if [ -z "${KVCOORD_TARGET:-}" ]; then
     [ "$(docker inspect -f '{{.State.Health.Status}}' "$CONTAINER")" = healthy ] && break
     sleep 1
   done
-  echo "container $CONTAINER: $(docker inspect -f '{{.State.Health.Status}}' "$CONTAINER"), gRPC $KVCOORD_TARGET, metrics $KVCOORD_METRICS"
+  echo "container $CONTAINER: $(docker inspect -f '{{.State.Health.Status}}' "$CONTAINER"), gRPC $KVCOORD_TARGET (mutual TLS), metrics https://$KVCOORD_METRICS"
 fi
 
-# 4. a real Prometheus scraping the metrics port
+# 5. a real Prometheus scraping the metrics port (over HTTPS with a client certificate
+# when the suite is configured for TLS)
 if [ -z "${KVCOORD_PROMETHEUS:-}" ] && command -v prometheus >/dev/null 2>&1; then
   prom_port="$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  scheme="${KVCOORD_METRICS_SCHEME:-http}"
+  tls_config=""
+  if [ "$scheme" = https ]; then
+    tls_config="    tls_config: {ca_file: \"${KVCOORD_CLIENT_TLS_CA:-}\""
+    if [ -n "${KVCOORD_CLIENT_TLS_CERT:-}" ]; then
+      tls_config="$tls_config, cert_file: \"$KVCOORD_CLIENT_TLS_CERT\", key_file: \"$KVCOORD_CLIENT_TLS_KEY\""
+    fi
+    tls_config="$tls_config}"
+  fi
   cat >"$WORK/prometheus.yml" <<YAML
 global: {scrape_interval: 1s, evaluation_interval: 1s}
 rule_files: ["$PWD/deploy/prometheus/alerts.yml"]
 scrape_configs:
   - job_name: kvcoord
+    scheme: $scheme
+$tls_config
     static_configs: [{targets: ["$KVCOORD_METRICS"]}]
 YAML
   prometheus --config.file="$WORK/prometheus.yml" --storage.tsdb.path="$WORK/prom-data" \

@@ -8,4 +8,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
+from certs import CertFiles, write_certs
+
 collect_ignore = [] if os.environ.get("KVCOORD_TARGET") else ["integration"]
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
+    """A CA, server and client certificates (and a stranger CA), generated once per run."""
+    return write_certs(tmp_path_factory.mktemp("certs"))

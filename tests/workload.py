@@ -10,7 +10,7 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from kvcoord.client import KVCoordClient, RemoteKVCacheManager
+from kvcoord.client import KVCoordClient, RemoteKVCacheManager, TLSOptions
 from kvcoord.v1 import allocator_pb2 as pb
 
 SHARED_PREFIXES_SEED = 99
@@ -43,7 +43,9 @@ class Req:
     running: bool = False
 
 
-def run_worker(address: str, pool: str, wid: int, seed: int, steps: int, out: Any) -> None:
+def run_worker(
+    address: str, pool: str, wid: int, seed: int, steps: int, out: Any, tls: TLSOptions | None = None
+) -> None:
     """One scheduler: admits requests with shared prefixes, chunks prefill, decodes,
     preempts the newest running request on a refusal, frees finished ones; frees all at
     the end. Puts a summary dict on ``out``."""
@@ -60,7 +62,7 @@ def run_worker(address: str, pool: str, wid: int, seed: int, steps: int, out: An
         "error": "",
     }
     try:
-        with KVCoordClient(address, timeout=20) as client:
+        with KVCoordClient(address, timeout=20, tls=tls) as client:
             m = RemoteKVCacheManager(client, pool, hash_seed="0", client_name=f"worker-{wid}")
             live: list[Req] = []
             running: list[Req] = []
@@ -145,19 +147,19 @@ def check_pool(client: KVCoordClient, pool: str, num_blocks: int) -> int:
 
 
 def run_many_workers(address: str, pool: str, num_workers: int = 4, steps: int = 40,
-                     time_limit: float = 240.0) -> dict[str, Any]:  # fmt: skip
+                     time_limit: float = 240.0, tls: TLSOptions | None = None) -> dict[str, Any]:  # fmt: skip
     """Start workers as processes, check the pool while they run and at the end."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     procs = [
-        ctx.Process(target=run_worker, args=(address, pool, w, 1000 + w, steps, out))
+        ctx.Process(target=run_worker, args=(address, pool, w, 1000 + w, steps, out, tls))
         for w in range(num_workers)
     ]
     for p in procs:
         p.start()
     samples = busy = 0
     deadline = time.monotonic() + time_limit
-    with KVCoordClient(address, timeout=20) as client:
+    with KVCoordClient(address, timeout=20, tls=tls) as client:
         while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
             live = check_pool(client, pool, num_blocks=client.get_pool(pool).pool.config.num_blocks)
             samples += 1

@@ -6,12 +6,18 @@ the environment, so it runs against the CI container or any deployment.
   KVCOORD_PROMETHEUS  host:port of a Prometheus scraping KVCOORD_METRICS (required)
   KVCOORD_IMAGE       the image under test, for the tests that start containers of their
                       own (optional; those tests are collected only when it is set)
+  KVCOORD_CLIENT_TLS_CA, KVCOORD_CLIENT_TLS_CERT, KVCOORD_CLIENT_TLS_KEY
+                      PEM files: the suite's gRPC clients and metrics scrapes use TLS
+                      (mutual TLS with the cert and key) when the CA is set (optional;
+                      scripts/test.sh sets them: the CI container runs with mutual TLS)
+  KVCOORD_METRICS_SCHEME  http (default) or https
 """
 
 from __future__ import annotations
 
 import json
 import os
+import ssl
 import time
 import urllib.parse
 import urllib.request
@@ -19,9 +25,35 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kvcoord.client import KVCoordClient
+from kvcoord.client import KVCoordClient, TLSOptions
 
 collect_ignore = [] if os.environ.get("KVCOORD_IMAGE") else ["test_image.py"]
+
+_CA = os.environ.get("KVCOORD_CLIENT_TLS_CA") or None
+_CERT = os.environ.get("KVCOORD_CLIENT_TLS_CERT") or None
+_KEY = os.environ.get("KVCOORD_CLIENT_TLS_KEY") or None
+#: TLS of the suite's clients (None: plaintext), from the environment.
+TLS = TLSOptions(_CA, _CERT, _KEY) if _CA else None
+METRICS_SCHEME = os.environ.get("KVCOORD_METRICS_SCHEME", "http")
+
+
+def connect(target: str, **kwargs: Any) -> KVCoordClient:
+    """A client to the deployment under test, with the suite's TLS settings."""
+    return KVCoordClient(target, tls=TLS, **kwargs)
+
+
+def metrics_context() -> ssl.SSLContext | None:
+    """The HTTPS client context for /metrics (the suite's CA and client certificate)."""
+    if METRICS_SCHEME != "https":
+        return None
+    ctx = ssl.create_default_context(cafile=_CA)
+    if _CERT and _KEY:
+        ctx.load_cert_chain(_CERT, _KEY)
+    return ctx
+
+
+def metrics_text(metrics_address: str) -> str:
+    return http_get(f"{METRICS_SCHEME}://{metrics_address}/metrics", context=metrics_context())
 
 
 def _env(name: str) -> str:
@@ -48,12 +80,12 @@ def prometheus() -> str:
 
 @pytest.fixture
 def client(target: str) -> Iterator[KVCoordClient]:
-    with KVCoordClient(target, timeout=20) as c:
+    with connect(target, timeout=20) as c:
         yield c
 
 
-def http_get(url: str, timeout: float = 10.0) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - loopback only
+def http_get(url: str, timeout: float = 10.0, context: ssl.SSLContext | None = None) -> str:
+    with urllib.request.urlopen(url, timeout=timeout, context=context) as resp:  # noqa: S310 - loopback only
         return str(resp.read().decode("utf-8"))
 
 

@@ -1,14 +1,17 @@
-"""The dockerized server, reached only through its published ports, and a real
-Prometheus that scrapes it."""
+"""The dockerized server, reached only through its published ports (with TLS when the
+suite is configured for it, as in CI), and a real Prometheus that scrapes it."""
 
 from __future__ import annotations
 
 import re
+import urllib.error
 import uuid
 from pathlib import Path
 
-from conftest import http_get, prom_query, wait_for
-from kvcoord.client import KVCoordClient, RemoteKVCacheManager
+import grpc
+import pytest
+from conftest import METRICS_SCHEME, TLS, connect, http_get, metrics_text, prom_query, wait_for
+from kvcoord.client import NO_RETRY, KVCoordClient, RemoteKVCacheManager, TLSOptions, UnavailableError
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.conformance import load_trace, replay
 from kvcoord.conformance.remote import RemoteTarget
@@ -25,7 +28,7 @@ DOCS = (ROOT / "docs" / "metrics.md").read_text()
 def scrape(metrics_address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Samples of /metrics, parsed by prometheus-client's own parser."""
     out = {}
-    for family in text_string_to_metric_families(http_get(f"http://{metrics_address}/metrics")):
+    for family in text_string_to_metric_families(metrics_text(metrics_address)):
         for s in family.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
@@ -42,7 +45,7 @@ def test_conformance_traces_over_the_wire(target: str) -> None:
     """Every public vLLM trace replays identically against the container."""
     failures = []
     for path in TRACES:
-        result = replay(load_trace(path), RemoteTarget(target, timeout=20))
+        result = replay(load_trace(path), RemoteTarget(target, timeout=20, tls=TLS))
         if not result.passed:
             failures.append(f"{path.name}: {result.mismatch}")
     assert not failures, failures
@@ -52,15 +55,15 @@ def test_conformance_traces_over_the_wire(target: str) -> None:
 def test_many_workers_against_the_container(target: str) -> None:
     """Four worker processes share one pool; the checker finds no illegal sharing."""
     pool = f"workers-{uuid.uuid4().hex[:6]}"
-    with KVCoordClient(target) as c:
+    with connect(target) as c:
         c.create_pool(pool, pool_config(120))
     try:
-        report = run_many_workers(target, pool, num_workers=4, steps=40)
+        report = run_many_workers(target, pool, num_workers=4, steps=40, tls=TLS)
         assert not [r["error"] for r in report["results"] if r["error"]]
         assert sum(r["refusals"] for r in report["results"]) > 0
         assert report["final"].num_free_blocks == report["num_blocks"] - 1 and report["reset"]
     finally:
-        with KVCoordClient(target) as c:
+        with connect(target) as c:
             c.delete_pool(pool)
 
 
@@ -82,7 +85,7 @@ def _known_workload(target: str, pool: str) -> dict[str, int]:
                                     enable_kv_cache_events=True, max_model_len=4096))  # fmt: skip
     none = none_hash("sha256_cbor", "0")
     events = 0
-    with KVCoordClient(target) as c:
+    with connect(target) as c:
         c.create_pool(pool, cfg)
         m = RemoteKVCacheManager(c, pool, hash_seed="0")
         system = list(range(1000, 1000 + 160))
@@ -135,7 +138,7 @@ def test_metric_values_after_a_known_workload(target: str, metrics_address: str,
         lambda: [r for r in prom_query(prometheus, expr) if float(r["value"][1]) == want["hits"]]
     )
     assert result, prom_query(prometheus, expr)
-    with KVCoordClient(target) as c:
+    with connect(target) as c:
         c.delete_pool(pool)
 
 
@@ -167,7 +170,7 @@ def test_prometheus_scrapes_every_documented_series(metrics_address: str, promet
 def test_grpc_series_count_status_codes(target: str, metrics_address: str) -> None:
     """grpc_server_handled_total counts calls by method and status code."""
     before = scrape(metrics_address)
-    with KVCoordClient(target) as c:
+    with connect(target) as c:
         try:
             c.get_stats("no-such-pool")
         except Exception:  # noqa: BLE001 - the NOT_FOUND is what is counted
@@ -179,3 +182,26 @@ def test_grpc_series_count_status_codes(target: str, metrics_address: str) -> No
         after[("grpc_server_handled_total", labels)]
         == before.get(("grpc_server_handled_total", labels), 0) + 1
     )
+
+
+@pytest.mark.skipif(TLS is None, reason="the suite runs without TLS (KVCOORD_CLIENT_TLS_CA unset)")
+def test_container_refuses_clients_without_tls_or_certificate(target: str) -> None:
+    """The TLS container refuses a plaintext client and, when it requires client
+    certificates, a TLS client without one: UNAVAILABLE, the call never reaches it."""
+    assert TLS is not None
+    attempts: list[TLSOptions | None] = [None]
+    if TLS.cert_file is not None:
+        attempts.append(TLSOptions(ca_file=TLS.ca_file))
+    for tls in attempts:
+        with KVCoordClient(target, tls=tls, timeout=5, retry=NO_RETRY) as c:
+            with pytest.raises(UnavailableError) as info:
+                c.list_pools()
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+@pytest.mark.skipif(METRICS_SCHEME != "https", reason="/metrics is plain HTTP in this run")
+def test_metrics_endpoint_is_https_only(metrics_address: str) -> None:
+    """/metrics answers a verified HTTPS scrape and refuses plain HTTP."""
+    assert "kvcoord_build_info" in metrics_text(metrics_address)
+    with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+        http_get(f"http://{metrics_address}/metrics", timeout=5)

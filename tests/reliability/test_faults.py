@@ -201,7 +201,9 @@ def test_faulty_network_changes_no_answer(server: InProcessServer, exclusive: bo
                 KVCoordClient(server.address, interceptors=[fi]) as c,
             ):
                 plain.create_pool(pool, pool_config())
-                remote = RemoteKVCacheManager(c, pool, hash_seed="0", client_name=f"w{wid}", exclusive=exclusive)
+                remote = RemoteKVCacheManager(
+                    c, pool, hash_seed="0", client_name=f"w{wid}", exclusive=exclusive
+                )
                 results[wid] = drive(remote, local_pool(), plain, pool, wid, 400)
                 results[wid]["lost"] = remote.lost_requests
                 results[wid]["promised"] = remote.promised

@@ -125,3 +125,22 @@ def test_metrics_doc_lists_every_exported_metric() -> None:
     exported = {n for n in exported if n.startswith(("kvcoord_", "grpc_server_"))}
     documented_bases = {re.sub(r"_total$", "", n) for n in documented}
     assert exported <= documented_bases, sorted(exported - documented_bases)
+
+
+def test_metrics_listen_on_loopback_unless_set_explicitly() -> None:
+    """The image sets no metrics address (so the embedded loopback default holds); compose
+    opens it on its own network and publishes it on the host's loopback only; Kubernetes
+    binds the pod's own IP, not every interface."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    env_lines = [line for line in dockerfile.splitlines() if not line.lstrip().startswith("#")]
+    assert not any("KVCOORD_METRICS_LISTEN" in line for line in env_lines)
+    assert parse_config("").server.metrics_listen.startswith("127.0.0.1:")
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["kvcoord"]
+    assert compose["environment"]["KVCOORD_METRICS_LISTEN"] == "0.0.0.0:9400"
+    assert [p for p in compose["ports"] if p.endswith(":9400")] == ["127.0.0.1:9400:9400"]
+    docs = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "kvcoord.yaml").read_text())}
+    for text in docs["ConfigMap"]["data"].values():
+        assert parse_config(text).server.metrics_listen.startswith("127.0.0.1:")
+    env = {e["name"]: e for e in docs["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert env["KVCOORD_METRICS_LISTEN"]["value"] == "$(POD_IP):9400"

@@ -92,7 +92,7 @@ def test_public_exports_are_pinned() -> None:
         "FailedPreconditionError", "HashMismatchError", "InternalError", "InvalidArgumentError", "KVCacheBlockIds",
         "KVCoordClient", "KVCoordError", "MultiModalItem", "NotFoundError", "Pending", "PermissionDeniedError",
         "RandomSeedError", "RemoteKVCacheManager", "ResourceExhaustedError", "RetryPolicy", "StepBatcher",
-        "UnavailableError", "none_hash",
+        "TLSOptions", "UnavailableError", "none_hash",
         # remote safety: typed reasons, the session keeper
         "AnswerEvictedError", "FencedError", "GracePeriodError", "KeyReusedError", "LeaseExpiredError",
         "OutcomeUnknownError", "RequestUnknownError", "RequestsLostError", "SessionExpiredError",

@@ -33,6 +33,7 @@ from .hashing import BlockHasher, MultiModalItem, RandomSeedError, none_hash
 from .manager import RemoteKVCacheManager
 from .retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 from .session import SessionKeeper
+from .tls import TLSOptions
 
 __all__ = [
     "DEFAULT_RETRY",
@@ -68,6 +69,7 @@ __all__ = [
     "SessionKeeper",
     "StepBatcher",
     "SyncMismatchError",
+    "TLSOptions",
     "UnavailableError",
     "none_hash",
 ]

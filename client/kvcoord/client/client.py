@@ -21,6 +21,7 @@ from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from . import _requests as rq
 from .errors import KVCoordError, OutcomeUnknownError, UnavailableError, error_from_rpc
 from .retry import DEFAULT_RETRY, RetryPolicy
+from .tls import TLSOptions
 
 __all__ = ["AsyncKVCoordClient", "KVCoordClient"]
 
@@ -75,6 +76,7 @@ class _Api:
     """The call surface shared by both clients; ``_call`` decides sync or async."""
 
     _channel_factory: Any = None
+    _secure_channel_factory: Any = None
 
     def __init__(
         self,
@@ -85,6 +87,7 @@ class _Api:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
         interceptors: Sequence[Any] = (),
+        tls: TLSOptions | None = None,
     ) -> None:
         """Open a channel to ``target`` (``host:port`` or ``unix:/path``).
 
@@ -94,6 +97,10 @@ class _Api:
             max_message_bytes: send/receive limit (match the server's for large Steps).
             token: bearer token, when the server sets ``auth_tokens``.
             interceptors: gRPC client interceptors for the channel (e.g. FaultInjector).
+            tls: connect over TLS (mutual TLS with a client certificate); ``None`` is plaintext.
+
+        Raises:
+            ValueError: a TLS file is unreadable or invalid (named in the message).
         """
         self.target = target
         self.timeout = timeout
@@ -102,7 +109,13 @@ class _Api:
         #: (learned at attach; the server's default until then)
         self.retry_horizon = 150.0
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        self.channel = self._channel_factory(target, options=rq.channel_options(max_message_bytes))
+        options = rq.channel_options(max_message_bytes)
+        if tls is None:
+            self.channel = self._channel_factory(target, options=options)
+        else:
+            self.channel = self._secure_channel_factory(
+                target, tls.credentials(), options=[*options, *tls.channel_options()]
+            )
         self.stub = pb_grpc.AllocatorStub(self._intercepted(self.channel, interceptors))
 
     def _call(self, rpc: str, request: Any) -> Any:
@@ -220,9 +233,12 @@ class KVCoordClient(_Api):
         timeout: deadline of each attempt, in seconds.
         retry: retry settings for calls that are safe to repeat.
         max_message_bytes: send/receive limit (match the server's for large Steps).
+        token: bearer token, when the server sets ``auth_tokens``.
+        tls: :class:`TLSOptions` for a TLS listener; ``None`` is plaintext.
     """
 
     _channel_factory = staticmethod(grpc.insecure_channel)
+    _secure_channel_factory = staticmethod(grpc.secure_channel)
 
     def __enter__(self) -> KVCoordClient:
         return self
@@ -280,6 +296,7 @@ class AsyncKVCoordClient(_Api):
     """asyncio client: the same methods as :class:`KVCoordClient`, as coroutines."""
 
     _channel_factory = staticmethod(grpc.aio.insecure_channel)
+    _secure_channel_factory = staticmethod(grpc.aio.secure_channel)
 
     @staticmethod
     def _intercepted(channel: Any, interceptors: Sequence[Any]) -> Any:

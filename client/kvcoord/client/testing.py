@@ -24,7 +24,7 @@ from typing import IO
 __all__ = ["ServerProcess", "running_server"]
 
 _READY = re.compile(r"kvcoord serving gRPC on (\S+?)[;,]")
-_METRICS = re.compile(r"kvcoord metrics on http://(\S+)/metrics")
+_METRICS = re.compile(r"kvcoord metrics on https?://(\S+)/metrics")
 
 
 class ServerProcess:

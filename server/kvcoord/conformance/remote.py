@@ -6,7 +6,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from kvcoord.client import KVCoordClient
+from kvcoord.client import KVCoordClient, TLSOptions
 from kvcoord.client import _requests as rq
 from kvcoord.client.errors import error_from_code, status_code
 from kvcoord.engine import LoRA
@@ -66,8 +66,10 @@ def stats_json(s: pb.PrefixCacheStats) -> dict[str, Any]:
 class RemoteTarget:
     """A fresh pool per trace on a server; request updates ride on the next operation."""
 
-    def __init__(self, address: str, *, token: str | None = None, timeout: float = 10.0) -> None:
-        self.client = KVCoordClient(address, timeout=timeout, token=token)
+    def __init__(
+        self, address: str, *, token: str | None = None, timeout: float = 10.0, tls: TLSOptions | None = None
+    ) -> None:
+        self.client = KVCoordClient(address, timeout=timeout, token=token, tls=tls)
         self.pool = ""
         self.session = ""
         self._pending: dict[str, pb.RequestSync] = {}

@@ -5,8 +5,37 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcoord.client import TLSOptions
 
 __all__ = ["main"]
+
+
+def _tls(args: argparse.Namespace) -> TLSOptions | None:
+    """TLS options from --tls-* flags; None (plaintext) when none is given."""
+    from kvcoord.client import TLSOptions
+
+    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name):
+        return None
+    return TLSOptions(
+        ca_file=args.tls_ca,
+        cert_file=args.tls_cert,
+        key_file=args.tls_key,
+        server_name_override=args.tls_server_name,
+    )
+
+
+def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("TLS (any of these turns it on)")
+    group.add_argument(
+        "--tls", action="store_true", help="use TLS, verifying the server with the system roots"
+    )
+    group.add_argument("--tls-ca", metavar="FILE", help="PEM CA certificates that verify the server")
+    group.add_argument("--tls-cert", metavar="FILE", help="client certificate (PEM) for mutual TLS")
+    group.add_argument("--tls-key", metavar="FILE", help="unencrypted PEM key of --tls-cert")
+    group.add_argument("--tls-server-name", metavar="NAME", help="verify the server certificate for NAME")
 
 
 def _conformance(args: argparse.Namespace) -> int:
@@ -17,8 +46,13 @@ def _conformance(args: argparse.Namespace) -> int:
         from kvcoord.conformance.remote import RemoteTarget
 
         def target_factory() -> RemoteTarget:  # type: ignore[misc]
-            return RemoteTarget(args.target, token=args.token, timeout=args.timeout)
+            return RemoteTarget(args.target, token=args.token, timeout=args.timeout, tls=tls)
 
+    try:
+        tls = _tls(args)
+    except ValueError as exc:
+        print(f"kvcoord conformance: {exc}", file=sys.stderr)
+        return 2
     passed = failed = 0
     for path in args.files:
         try:
@@ -47,7 +81,13 @@ def _serve(args: argparse.Namespace) -> int:
 def _health(args: argparse.Namespace) -> int:
     from kvcoord.client import KVCoordClient, KVCoordError
 
-    with KVCoordClient(args.target, timeout=args.timeout) as client:
+    try:
+        tls = _tls(args)
+        client = KVCoordClient(args.target, timeout=args.timeout, tls=tls)
+    except ValueError as exc:
+        print(f"kvcoord health: {exc}", file=sys.stderr)
+        return 2
+    with client:
         try:
             status = client.health(args.service)
         except KVCoordError as exc:
@@ -74,12 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--target", metavar="HOST:PORT", help="replay through the gRPC client against a server")
     conf.add_argument("--token", help="bearer token for the server, if it requires one")
     conf.add_argument("--timeout", type=float, default=10.0, help="deadline per RPC in seconds (default 10)")
+    _add_tls_flags(conf)
     conf.set_defaults(func=_conformance)
 
     health = sub.add_parser("health", help="check a server's gRPC health (exit 0 when SERVING)")
     health.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT")
     health.add_argument("--service", default="", help="service name (default: the whole server)")
     health.add_argument("--timeout", type=float, default=3.0)
+    _add_tls_flags(health)
     health.set_defaults(func=_health)
 
     serve = sub.add_parser("serve", help="run the kvcoord gRPC server")

@@ -20,6 +20,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from .convert import config_from_pb
 from .errors import ServiceError
 from .registry import Limits
+from .tls import TLSFiles, check_tls_files, tls_from_dict, tls_from_env
 
 __all__ = [
     "ConfigFileError",
@@ -35,6 +36,8 @@ ENV_METRICS = "KVCOORD_METRICS_LISTEN"
 ENV_LOG_LEVEL = "KVCOORD_LOG_LEVEL"
 ENV_CONFIG = "KVCOORD_CONFIG"
 ENV_TOKENS = "KVCOORD_AUTH_TOKENS"
+ENV_TLS_PREFIX = "KVCOORD_TLS_"  # CERT, KEY, CLIENT_CA
+ENV_METRICS_TLS_PREFIX = "KVCOORD_METRICS_TLS_"  # CERT, KEY, CLIENT_CA
 
 
 class ConfigFileError(ValueError):
@@ -52,7 +55,9 @@ class ServerSettings:
     session_lease_seconds: float = 30.0
     max_session_lease_seconds: float = 120.0
     log_level: str = "INFO"
-    auth_tokens: tuple[str, ...] = ()
+    auth_tokens: tuple[str, ...] = dataclasses.field(default=(), repr=False)  # secrets: never printed
+    tls: TLSFiles = TLSFiles()
+    metrics_tls: TLSFiles = TLSFiles()
     #: how long answers to keyed calls are kept for retries, and their byte budget
     idempotency_window_seconds: float = 300.0
     idempotency_max_bytes: int = 64 * 1024 * 1024
@@ -144,14 +149,29 @@ def _settings(d: Mapping[str, Any]) -> ServerSettings:
     for key, value in d.items():
         if key not in known:
             raise ConfigFileError(f"server: unknown key {key!r} (known: {sorted(known)})")
-        kwargs[key] = tuple(value) if key in ("listen", "auth_tokens") else value
+        if key in ("tls", "metrics_tls"):
+            try:
+                kwargs[key] = tls_from_dict(value, f"server.{key}")
+            except ValueError as exc:
+                raise ConfigFileError(str(exc)) from None
+        else:
+            kwargs[key] = tuple(value) if key in ("listen", "auth_tokens") else value
     try:
         s = ServerSettings(**kwargs)
     except TypeError as exc:
         raise ConfigFileError(f"server: {exc}") from None
     if not s.listen:
         raise ConfigFileError("server.listen: at least one address is required")
+    _check_tls(s)
     return s
+
+
+def _check_tls(s: ServerSettings) -> None:
+    for key in ("tls", "metrics_tls"):
+        try:
+            check_tls_files(getattr(s, key), f"server.{key}")
+        except ValueError as exc:
+            raise ConfigFileError(str(exc)) from None
 
 
 def _limits(d: Mapping[str, Any]) -> Limits:
@@ -168,7 +188,8 @@ def parse_config(text: str, source: str = "config") -> ServerConfig:
     """Parse and validate a configuration file's text.
 
     Raises:
-        ConfigFileError: invalid TOML, an unknown key, or an invalid pool.
+        ConfigFileError: invalid TOML, an unknown key, an invalid pool, or a TLS file
+            that is missing or does not parse.
     """
     try:
         data = tomllib.loads(text)
@@ -201,7 +222,12 @@ def parse_config(text: str, source: str = "config") -> ServerConfig:
 
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
-    """Load ``path`` (or $KVCOORD_CONFIG, or the embedded default) and apply env overrides."""
+    """Load ``path`` (or $KVCOORD_CONFIG, or the embedded default) and apply env overrides.
+
+    Raises:
+        ConfigFileError: as :func:`parse_config`; also a TLS file (from the file or the
+            environment) that is missing or does not parse, named with its key.
+    """
     env = os.environ if env is None else env
     path = path or env.get(ENV_CONFIG) or None
     if path:
@@ -221,6 +247,11 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         overrides["auth_tokens"] = tuple(t.strip() for t in env[ENV_TOKENS].split(",") if t.strip())
     if env.get(ENV_LOG_LEVEL):
         overrides["log_level"] = env[ENV_LOG_LEVEL].strip().upper()
+    for key, prefix in (("tls", ENV_TLS_PREFIX), ("metrics_tls", ENV_METRICS_TLS_PREFIX)):
+        tls = tls_from_env(getattr(cfg.server, key), env, prefix)
+        if tls != getattr(cfg.server, key):
+            overrides[key] = tls
     if overrides:
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **overrides))
+        _check_tls(cfg.server)
     return cfg

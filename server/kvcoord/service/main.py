@@ -26,11 +26,18 @@ async def run(cfg: ServerConfig) -> int:
     metrics.bind(running.servicer, asyncio.get_running_loop())
     metrics_addr = ""
     if cfg.server.metrics_listen:
-        metrics_addr = metrics.start_http(cfg.server.metrics_listen)
+        metrics_addr = metrics.start_http(cfg.server.metrics_listen, cfg.server.metrics_tls)
     pools = ", ".join(sorted(running.servicer.registry.pools)) or "none"
-    print(f"kvcoord serving gRPC on {', '.join(running.addresses)}; pools: {pools}", flush=True)
+    print(
+        f"kvcoord serving gRPC on {', '.join(running.addresses)}; pools: {pools}; {cfg.server.tls.describe()}",
+        flush=True,
+    )
     if metrics_addr:
-        print(f"kvcoord metrics on http://{metrics_addr}/metrics", flush=True)
+        scheme = "https" if cfg.server.metrics_tls.enabled else "http"
+        print(
+            f"kvcoord metrics on {scheme}://{metrics_addr}/metrics ({cfg.server.metrics_tls.describe()})",
+            flush=True,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,17 +10,23 @@ import asyncio
 import concurrent.futures
 import contextlib
 import platform
+import socket
+import ssl
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from .pool_service import PoolService
 from .servicer import NullObserver
+from .tls import TLSFiles
 
 if TYPE_CHECKING:
     from .servicer import AllocatorServicer
@@ -137,6 +143,56 @@ class _PoolCollector(Collector):
             events.add_metric(n, h.events.last_sequence)
         yield from (usage, free, total, live, sessions, lookups, queries, hits, group_hits, short, evictions,
                     refusals, allocated, freed, events)  # fmt: skip
+
+
+#: A scraper must finish the TLS handshake and send its request within this many seconds.
+TLS_HANDSHAKE_SECONDS = 10.0
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _HTTPSServer(ThreadingWSGIServer):
+    """/metrics over HTTPS, handshaking in each connection's own thread with a deadline.
+
+    prometheus-client's ``start_http_server`` wraps the listening socket, so its accept
+    loop runs every handshake: one peer that connects and sends nothing stalls all
+    scrapes. Here the accept loop only accepts.
+    """
+
+    ssl_context: ssl.SSLContext
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        request.settimeout(TLS_HANDSHAKE_SECONDS)
+        try:
+            conn = self.ssl_context.wrap_socket(request, server_side=True)
+        except OSError:  # a failed or stalled handshake (ssl.SSLError, TimeoutError) ends here
+            return
+        try:
+            super().finish_request(conn, client_address)
+        finally:
+            conn.close()
+
+
+def _start_https(address: tuple[str, int], tls: TLSFiles, registry: CollectorRegistry) -> ThreadingWSGIServer:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.mutual:
+        ctx.load_verify_locations(tls.client_ca_file)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    host, port = address
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+    class Server(_HTTPSServer):
+        address_family = family
+
+    Server.ssl_context = ctx
+    server = make_server(host, port, make_wsgi_app(registry), Server, handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="kvcoord-metrics", daemon=True).start()
+    return server
 
 
 class _RpcInterceptor(grpc.aio.ServerInterceptor):
@@ -264,12 +320,20 @@ class Metrics(NullObserver):
         self.handshake_refusals.labels(pool).inc()
 
     # -- HTTP ------------------------------------------------------------------------
-    def start_http(self, address: str) -> str:
-        """Serve /metrics on ``host:port`` (port 0 picks one); returns the bound address."""
+    def start_http(self, address: str, tls: TLSFiles | None = None) -> str:
+        """Serve /metrics on ``host:port`` (port 0 picks one); returns the bound address.
+
+        With ``tls`` enabled the endpoint is HTTPS only, and with its client CA scrapers
+        must present a certificate signed by it.
+        """
         host, _, port = address.rpartition(":")
-        server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=self.registry)
+        host = host or "0.0.0.0"
+        if tls is not None and tls.enabled:
+            server: Any = _start_https((host, int(port)), tls, self.registry)
+        else:
+            server, _thread = start_http_server(int(port), addr=host, registry=self.registry)
         self._http = server
-        return f"{host or '0.0.0.0'}:{server.server_port}"
+        return f"{host}:{server.server_port}"
 
     def stop_http(self) -> None:
         if self._http is not None:

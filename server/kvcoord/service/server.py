@@ -21,6 +21,7 @@ from .lease_marker import LeaseMarker
 from .registry import PoolRegistry
 from .servicer import AllocatorServicer, OperationObserver, add_servicer
 from .sessions import SessionTable
+from .tls import server_credentials
 
 __all__ = ["RunningServer", "start_server"]
 
@@ -88,9 +89,13 @@ async def start_server(
 ) -> RunningServer:
     """Create the declared pools, bind every listener and start serving.
 
+    TCP listeners use TLS when ``[server.tls]`` names a certificate (unix sockets stay
+    plaintext, see :mod:`kvcoord.service.tls`).
+
     Raises:
         RuntimeError: a listener could not be bound.
         MarkerError: the state directory's lease marker cannot be read.
+        ValueError: a TLS file is unreadable or invalid.
     """
     st = cfg.server
     sessions = SessionTable(clock, st.session_lease_seconds, st.max_session_lease_seconds)
@@ -130,9 +135,20 @@ async def start_server(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
         server,
     )
+    tls = cfg.server.tls
+    credentials = server_credentials(tls) if tls.enabled else None
     addresses = []
     for address in cfg.server.listen:
-        port = server.add_insecure_port(address)
+        unix = address.startswith("unix:")
+        if credentials is not None and not unix:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+        logger.info("gRPC listener %s: %s", address, "plaintext" if unix else tls.describe())
+        if cfg.server.auth_tokens and not unix and credentials is None:
+            logger.warning(
+                "gRPC listener %s is plaintext: bearer tokens cross the network unencrypted", address
+            )
         if port == 0:
             raise RuntimeError(f"cannot listen on {address}")
         if address.startswith("unix:"):

@@ -490,5 +490,6 @@ def main() -> None:
         else:
             print(f"{name:<22}{op:<30}{v:>10.2f}{o:>12.2f}{o / v:>14.2f}")
 
+
 if __name__ == "__main__":
     main()

@@ -1,8 +1,8 @@
-"""The free-block queue: an intrusive doubly linked list with sentinel ends."""
+"""The free-block queue, with lazily created blocks."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections import OrderedDict
 
 from .blocks import KVCacheBlock
 from .types import BlockId
@@ -13,19 +13,30 @@ __all__ = ["FreeKVCacheBlockQueue"]
 class FreeKVCacheBlockQueue:
     """Blocks with no holder, in eviction order: head is reused first.
 
-    Every operation is O(1) per block: removal from the middle uses the links stored
-    in the blocks themselves, so touching a cached block never scans the queue.
+    vLLM starts with every block in the queue in id order; pops take from the head and
+    freed blocks go to the tail. So the queue is always a run of never-used ids,
+    ascending, followed by blocks that were used and freed. The run is kept as a
+    counter (``[next_fresh, num_blocks)``) and its blocks are created only when popped,
+    in id order; the used part is an ``OrderedDict`` keyed by block id, whose C-level
+    links give O(1) append, pop from the head and removal from the middle.
+
+    Args:
+        num_blocks: ids ``0 .. num_blocks-1`` start in the queue.
+        blocks: the pool's block table, indexed by id; blocks are appended to it as
+            they are created. Blocks already in it start in the used part, in order.
     """
 
-    __slots__ = ("_head", "_tail", "num_free_blocks")
+    __slots__ = ("_blocks", "_next_fresh", "_num_blocks", "_used")
 
-    def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
-        self._head = KVCacheBlock(BlockId(-1))
-        self._tail = KVCacheBlock(BlockId(-1))
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
-        self.num_free_blocks = 0
-        self.append_n(blocks)
+    def __init__(self, num_blocks: int, blocks: list[KVCacheBlock]) -> None:
+        self._blocks = blocks
+        self._num_blocks = num_blocks
+        self._next_fresh = len(blocks)
+        self._used: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._num_blocks - self._next_fresh + len(self._used)
 
     def __len__(self) -> int:
         return self.num_free_blocks
@@ -36,11 +47,9 @@ class FreeKVCacheBlockQueue:
         Raises:
             IndexError: the queue is empty.
         """
-        block = self._head.next_free
-        if block is self._tail or block is None:
+        if not self.num_free_blocks:
             raise IndexError("no free blocks")
-        self.remove(block)
-        return block
+        return self.popleft_n(1)[0]
 
     def popleft_n(self, n: int) -> list[KVCacheBlock]:
         """Remove and return the first ``n`` blocks, head first.
@@ -48,58 +57,53 @@ class FreeKVCacheBlockQueue:
         Raises:
             IndexError: fewer than ``n`` blocks are free (nothing is removed).
         """
-        if n > self.num_free_blocks:
+        fresh = self._next_fresh
+        num_fresh = self._num_blocks - fresh
+        if n > num_fresh + len(self._used):
             raise IndexError(f"{n} blocks requested, {self.num_free_blocks} free")
-        out: list[KVCacheBlock] = []
-        cur = self._head.next_free
-        for _ in range(n):
-            assert cur is not None
-            out.append(cur)
-            nxt = cur.next_free
-            cur.prev_free = cur.next_free = None
-            cur = nxt
-        assert cur is not None
-        self._head.next_free = cur
-        cur.prev_free = self._head
-        self.num_free_blocks -= n
+        if n <= num_fresh:
+            out = [KVCacheBlock(BlockId(i)) for i in range(fresh, fresh + n)]
+            self._blocks.extend(out)
+            self._next_fresh = fresh + n
+            return out
+        out = []
+        if num_fresh:
+            out = [KVCacheBlock(BlockId(i)) for i in range(fresh, self._num_blocks)]
+            self._blocks.extend(out)
+            self._next_fresh = self._num_blocks
+        pop = self._used.popitem
+        for _ in range(n - num_fresh):
+            out.append(pop(False)[1])
         return out
 
     def remove(self, block: KVCacheBlock) -> None:
-        """Unlink ``block`` from wherever it is in the queue."""
-        prev, nxt = block.prev_free, block.next_free
-        if prev is None or nxt is None:
+        """Take ``block`` out of the queue, wherever it is.
+
+        Raises:
+            ValueError: the block is not in the queue.
+        """
+        if self._used.pop(block.block_id, None) is None:
             raise ValueError(f"block {block.block_id} is not in the free queue")
-        prev.next_free = nxt
-        nxt.prev_free = prev
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
 
     def append(self, block: KVCacheBlock) -> None:
-        """Put ``block`` at the tail (evicted last)."""
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
-        self.num_free_blocks += 1
-
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Append ``blocks`` at the tail, in the given order."""
-        for block in blocks:
-            self.append(block)
-
-    def __iter__(self) -> Iterator[KVCacheBlock]:
-        cur = self._head.next_free
-        while cur is not None and cur is not self._tail:
-            yield cur
-            cur = cur.next_free
+        """Put ``block`` (a created block, not in the queue) at the tail."""
+        self._used[block.block_id] = block
 
     def head_ids(self, limit: int | None = None) -> list[int]:
         """Block ids from the head, at most ``limit`` of them (all when ``None``)."""
-        out: list[int] = []
-        for block in self:
-            if limit is not None and len(out) >= limit:
+        fresh, end = self._next_fresh, self._num_blocks
+        if limit is None:
+            return list(range(fresh, end)) + list(self._used)
+        if limit <= end - fresh:
+            return list(range(fresh, fresh + max(limit, 0)))
+        out = list(range(fresh, end))
+        left = limit - len(out)
+        if left >= len(self._used):
+            out.extend(self._used)
+            return out
+        for bid in self._used:
+            if not left:
                 break
-            out.append(block.block_id)
+            out.append(bid)
+            left -= 1
         return out

@@ -25,7 +25,7 @@ from .errors import (
     StaleCacheHitError,
 )
 from .events import KVCacheEvent
-from .hash_list import hashes_at_block_size, key_with_group
+from .hash_list import hashes_at_block_size
 from .managers import CrossAttentionManager, MambaManager
 from .request import LoRA, Request
 from .stats import LookupCounters, PrefixCacheStats
@@ -108,13 +108,19 @@ def _check_count(value: object, name: str) -> int:
 class KVCachePool:
     """One pool of KV blocks shared by all groups, with vLLM's manager semantics.
 
+    Creating a pool costs O(1) in ``num_blocks``: block objects are created on first
+    use (see :class:`~kvcoord.engine.block_pool.BlockPool`), and a dropped pool is
+    reclaimed by reference counting (blocks hold no links to each other).
+
     Args:
         config: the validated layout; see :class:`KVCacheConfig`.
+        materialize_blocks: create every block object up front instead (identical
+            answers; the reference the lazy pool is tested against).
     """
 
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: KVCacheConfig, *, materialize_blocks: bool = False) -> None:
         self.config = config
-        self.coordinator = get_kv_cache_coordinator(config)
+        self.coordinator = get_kv_cache_coordinator(config, materialize_blocks)
         self.block_pool = self.coordinator.block_pool
         self.managers = self.coordinator.managers
         self.enable_caching = config.enable_caching
@@ -252,7 +258,7 @@ class KVCachePool:
         if not self.enable_caching or req.skip_reading_prefix_cache:
             return CacheHit(tuple(() for _ in self.managers), 0)
         lists, hit = self.coordinator.find_longest_cache_hit(req.block_hashes, req.num_tokens - 1)
-        ids = tuple([tuple([b.block_id for b in lst]) for lst in lists])
+        ids = tuple(map(tuple, lists))
         req.last_hit = (ids, self.block_pool.hash_epoch)
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.record(req.num_tokens, hit, req.num_preemptions > 0)
@@ -503,7 +509,7 @@ class KVCachePool:
 
     def cached_block_ids(self) -> list[int]:
         """Ids of the blocks that currently hold a prefix-cache hash, ascending."""
-        return [b.block_id for b in self.block_pool.blocks if b.block_hash is not None]
+        return self.block_pool.cached_block_ids()
 
     def free_queue_head(self, limit: int | None = None) -> list[int]:
         """Free block ids from the next to be reused, at most ``limit``."""
@@ -526,8 +532,8 @@ class KVCachePool:
             )
         return PoolSnapshot(
             free_queue=tuple(bp.free_block_queue.head_ids()),
-            ref_cnts=tuple(b.ref_cnt for b in bp.blocks[1:]),
-            block_hashes=tuple(b.block_hash for b in bp.blocks),
+            ref_cnts=bp.ref_cnts(),
+            block_hashes=bp.block_hashes(),
             hash_map=tuple((k, tuple(v)) for k, v in bp.cached_block_hash_to_block.items()),
             requests=tuple(
                 (
@@ -629,13 +635,15 @@ class KVCachePool:
             return [[] for _ in range(n)]
         if not self.enable_caching:
             raise InvalidArgumentError("prefix caching is off: new_computed_blocks must be empty")
-        blocks = self.block_pool.blocks
-        null = self.block_pool.null_block
+        bp = self.block_pool
+        blocks = bp.blocks
         # The request's own last lookup, and no cached hash dropped since: every block
         # still holds the key it was found under, so the per-block check can be skipped.
         last = req.last_hit
         trusted = (
-            last is not None and last[1] == self.block_pool.hash_epoch and tuple(map(tuple, lists)) == last[0]
+            last is not None
+            and last[1] == bp.hash_epoch
+            and (lists is last[0] or tuple(map(tuple, lists)) == last[0])
         )
         out: list[list[KVCacheBlock]] = []
         for m, ids in zip(self.managers, lists, strict=False):
@@ -646,28 +654,31 @@ class KVCachePool:
                     f"group {m.group_id}: {len(ids)} hit blocks cover fewer than "
                     f"num_new_computed_tokens={num_new_computed_tokens} tokens"
                 )
-            hashes = hashes_at_block_size(req.block_hashes, self.hash_block_size, m.block_size)
-            if len(ids) > len(hashes):
+            if len(ids) * m.block_size > req.num_tokens:
                 raise InvalidArgumentError(
                     f"group {m.group_id}: {len(ids)} hit blocks but the request has only "
-                    f"{len(hashes)} full blocks"
+                    f"{req.num_tokens // m.block_size} full blocks"
                 )
             if trusted:
                 out.append([blocks[bid] for bid in ids])
                 continue
+            hashes = hashes_at_block_size(req.block_hashes, self.hash_block_size, m.block_size)
             resolved = []
+            gid = m.group_id
             for pos, bid in enumerate(ids):
-                if isinstance(bid, bool) or not isinstance(bid, int) or not 0 <= bid < len(blocks):
-                    raise InvalidArgumentError(f"group {m.group_id}: invalid block id {bid!r}")
-                block = blocks[bid]
-                if block is null:
+                if isinstance(bid, bool) or not isinstance(bid, int) or not 0 <= bid < bp.num_blocks:
+                    raise InvalidArgumentError(f"group {gid}: invalid block id {bid!r}")
+                if bid == 0:
                     if not m.uses_null_blocks:
                         raise InvalidArgumentError(
-                            f"group {m.group_id}: the null block cannot be part of a full-attention hit"
+                            f"group {gid}: the null block cannot be part of a full-attention hit"
                         )
-                elif block.block_hash != key_with_group(hashes[pos], m.group_id):
+                    resolved.append(bp.null_block)
+                    continue
+                block = bp.get_block(bid)
+                if block is None or block.cached_hash != hashes[pos] or block.cached_group != gid:
                     raise StaleCacheHitError(
-                        f"group {m.group_id}: block {bid} at position {pos} is no longer "
+                        f"group {gid}: block {bid} at position {pos} is no longer "
                         "cached for this request's prefix; look up again (or allocate "
                         "with an atomic lookup)"
                     )

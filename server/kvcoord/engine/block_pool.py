@@ -214,10 +214,28 @@ class BlockPool:
             )
         ret = queue.popleft_n(num_blocks)
         if self.enable_caching:
+            cache = self.cached_block_hash_to_block
+            firsts, mores = cache.first, cache._more
+            events = self.kv_event_queue if self.enable_kv_cache_events else None
+            evicted = 0
             for block in ret:
-                if block.cached_hash is not None:
-                    self._evict_cached_block(block)
+                block_hash = block.cached_hash
+                if block_hash is not None:
+                    # Inline eviction for the usual key held by this block alone.
+                    gid = block.cached_group
+                    first = firsts[gid]
+                    if first.get(block_hash) == block.block_id and block_hash not in mores[gid]:
+                        del first[block_hash]
+                        block.cached_hash = None
+                        evicted += 1
+                        if events is not None:
+                            events.append(BlockRemoved(block_hashes=(block_hash,)))
+                    else:
+                        self._evict_cached_block(block)
                 block.ref_cnt = 1
+            if evicted:
+                self.num_evictions += evicted
+                self.hash_epoch += 1
         else:
             for block in ret:
                 block.ref_cnt = 1
@@ -242,24 +260,30 @@ class BlockPool:
 
         The null block is skipped: its count is not meaningful (vLLM lets it drift).
         """
-        remove = self.free_block_queue.remove
+        used = self.free_block_queue.used
+        null = self.null_block
         for block in blocks:
-            if block.is_null:
+            if block is null:
                 continue
-            if block.ref_cnt == 0:
-                remove(block)
+            if not block.ref_cnt:
+                del used[block.block_id]
             block.ref_cnt += 1
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop a reference on each block; those reaching zero go to the tail, in order."""
-        append = self.free_block_queue.append
+        """Drop a reference on each block; those reaching zero go to the tail, in order.
+
+        The null block is skipped (see :meth:`touch`).
+        """
+        used = self.free_block_queue.used
+        null = self.null_block
         n = 0
         for block in ordered_blocks:
-            if block.is_null:
+            if block is null:
                 continue
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                append(block)
+            ref = block.ref_cnt - 1
+            block.ref_cnt = ref
+            if not ref:
+                used[block.block_id] = block
                 n += 1
         self.num_freed += n
 

@@ -26,17 +26,19 @@ class FreeKVCacheBlockQueue:
             they are created. Blocks already in it start in the used part, in order.
     """
 
-    __slots__ = ("_blocks", "_next_fresh", "_num_blocks", "_used")
+    __slots__ = ("_blocks", "_next_fresh", "_num_blocks", "used")
 
     def __init__(self, num_blocks: int, blocks: list[KVCacheBlock]) -> None:
         self._blocks = blocks
         self._num_blocks = num_blocks
         self._next_fresh = len(blocks)
-        self._used: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in blocks)
+        #: the used part, head first; the block pool appends to and removes from it
+        #: directly in its per-block loops (``used[id] = block``, ``del used[id]``).
+        self.used: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in blocks)
 
     @property
     def num_free_blocks(self) -> int:
-        return self._num_blocks - self._next_fresh + len(self._used)
+        return self._num_blocks - self._next_fresh + len(self.used)
 
     def __len__(self) -> int:
         return self.num_free_blocks
@@ -59,7 +61,7 @@ class FreeKVCacheBlockQueue:
         """
         fresh = self._next_fresh
         num_fresh = self._num_blocks - fresh
-        if n > num_fresh + len(self._used):
+        if n > num_fresh + len(self.used):
             raise IndexError(f"{n} blocks requested, {self.num_free_blocks} free")
         if n <= num_fresh:
             out = [KVCacheBlock(BlockId(i)) for i in range(fresh, fresh + n)]
@@ -71,7 +73,7 @@ class FreeKVCacheBlockQueue:
             out = [KVCacheBlock(BlockId(i)) for i in range(fresh, self._num_blocks)]
             self._blocks.extend(out)
             self._next_fresh = self._num_blocks
-        pop = self._used.popitem
+        pop = self.used.popitem
         for _ in range(n - num_fresh):
             out.append(pop(False)[1])
         return out
@@ -82,26 +84,26 @@ class FreeKVCacheBlockQueue:
         Raises:
             ValueError: the block is not in the queue.
         """
-        if self._used.pop(block.block_id, None) is None:
+        if self.used.pop(block.block_id, None) is None:
             raise ValueError(f"block {block.block_id} is not in the free queue")
 
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` (a created block, not in the queue) at the tail."""
-        self._used[block.block_id] = block
+        self.used[block.block_id] = block
 
     def head_ids(self, limit: int | None = None) -> list[int]:
         """Block ids from the head, at most ``limit`` of them (all when ``None``)."""
         fresh, end = self._next_fresh, self._num_blocks
         if limit is None:
-            return list(range(fresh, end)) + list(self._used)
+            return list(range(fresh, end)) + list(self.used)
         if limit <= end - fresh:
             return list(range(fresh, fresh + max(limit, 0)))
         out = list(range(fresh, end))
         left = limit - len(out)
-        if left >= len(self._used):
-            out.extend(self._used)
+        if left >= len(self.used):
+            out.extend(self.used)
             return out
-        for bid in self._used:
+        for bid in self.used:
             if not left:
                 break
             out.append(bid)

@@ -26,7 +26,7 @@ from .errors import (
 )
 from .events import KVCacheEvent
 from .hash_list import hashes_at_block_size
-from .managers import CrossAttentionManager, MambaManager
+from .managers import CrossAttentionManager, MambaManager, SingleTypeKVCacheManager
 from .request import LoRA, Request
 from .stats import LookupCounters, PrefixCacheStats
 from .types import RequestId
@@ -134,6 +134,23 @@ class KVCachePool:
         self._prechecked_managers = [m for m in self.managers if isinstance(m, MambaManager) and m.align]
         self._alignment = self.coordinator.alignment_tokens
         self._num_sink_blocks = sum(len(getattr(m, "sink_blocks", ())) for m in self.managers)
+        # allocate_slots' fast path serves pools whose managers all allocate and cache by
+        # the base rules (full, sliding window, chunked local).
+        self._plain_managers = all(
+            type(m).allocate_new_blocks is SingleTypeKVCacheManager.allocate_new_blocks
+            and type(m).cache_blocks is SingleTypeKVCacheManager.cache_blocks
+            and type(m).allocate_new_computed_blocks is SingleTypeKVCacheManager.allocate_new_computed_blocks
+            and type(m).get_num_blocks_to_allocate is SingleTypeKVCacheManager.get_num_blocks_to_allocate
+            for m in self.managers
+        )
+        # Managers that may free blocks in remove_skipped_blocks (a skip rule).
+        self._skipping_managers = [
+            m
+            for m in self.managers
+            if type(m).get_num_skipped_tokens is not SingleTypeKVCacheManager.get_num_skipped_tokens
+            or type(m).remove_skipped_blocks is not SingleTypeKVCacheManager.remove_skipped_blocks
+        ]
+        self._no_new_blocks: BlockIds = tuple(() for _ in self.managers)
 
     # -- request table --------------------------------------------------------------
     def add_request(
@@ -307,7 +324,26 @@ class KVCachePool:
             FailedPreconditionError: the request already holds blocks and cannot adopt
                 a hit, or the call breaks a manager rule (mamba align chunking).
         """
-        req = self._get(request_id)
+        req = self.requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        if (
+            new_computed_blocks is None
+            and self._plain_managers
+            and type(num_new_tokens) is int
+            and num_new_tokens > 0
+            and type(num_lookahead_tokens) is int
+            and num_lookahead_tokens >= 0
+            and num_new_computed_tokens == 0
+            and num_external_computed_tokens == 0
+            and num_encoder_tokens == 0
+            and type(num_new_computed_tokens) is int
+            and type(num_external_computed_tokens) is int
+            and type(num_encoder_tokens) is int
+            and delay_cache_blocks is False
+            and req.num_computed_tokens + num_new_tokens <= self.max_model_len
+        ):
+            return self._allocate_without_hit(req, num_new_tokens, num_lookahead_tokens)
         counts = (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
                   num_encoder_tokens)  # fmt: skip
         if not all(type(v) is int and v >= 0 for v in counts):  # fast path; the loop names the culprit
@@ -357,6 +393,65 @@ class KVCachePool:
         if self.enable_caching and not delay_cache_blocks:
             coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens))
         return tuple([tuple([b.block_id for b in lst]) for lst in new])
+
+    def _allocate_without_hit(
+        self, req: Request, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> BlockIds | None:
+        """``allocate_slots`` for the common call: no hit, no external or encoder tokens,
+        cache as usual, and every group of a type using the base allocation rules.
+
+        The same steps as the general path, fused into one pass per phase: counts are
+        valid and within ``max_model_len`` (checked by the caller), adoption is skipped
+        (there is nothing to adopt), and a step adding no block returns a shared
+        empty answer.
+        """
+        rid = req.request_id
+        total = req.num_computed_tokens
+        main = total + num_new_tokens
+        need = main + num_lookahead_tokens
+        if need > self.max_model_len:
+            need = self.max_model_len
+        for m in self._skipping_managers:
+            m.remove_skipped_blocks(rid, total)
+        managers = self.managers
+        k = 0
+        for m in managers:
+            if rid in m.num_cached_block:  # admitted: no hit possible, nothing skipped to add
+                blocks = m.req_to_blocks.get(rid)
+                n = -(-need // m.block_size) - (len(blocks) if blocks is not None else 0)
+                if n > 0:
+                    k += n
+            else:
+                k += m.get_num_blocks_to_allocate(rid, need, (), total, main)
+        bp = self.block_pool
+        if k > bp.free_block_queue.num_free_blocks:
+            self.num_refusals += 1
+            return None
+        out: list[tuple[int, ...]] | None = None
+        for i, m in enumerate(managers):
+            req_blocks = m.req_to_blocks.get(rid)
+            if req_blocks is None:
+                req_blocks = m.req_to_blocks[rid] = []
+            n = -(-need // m.block_size) - len(req_blocks)
+            if n > 0:
+                new_blocks = bp.get_new_blocks(n)
+                req_blocks += new_blocks
+                if out is None:
+                    out = [()] * len(managers)
+                out[i] = tuple([b.block_id for b in new_blocks])
+        result = self._no_new_blocks if out is None else tuple(out)
+        if self.enable_caching:
+            num_tokens = len(req.all_token_ids)
+            cached = main if main < num_tokens else num_tokens
+            for m in managers:
+                num_full = cached // m.block_size
+                num_cached = m.num_cached_block.get(rid, 0)
+                if num_cached < num_full:
+                    bp.cache_full_blocks(
+                        req, m.req_to_blocks[rid], num_cached, num_full, m.block_size, m.group_id
+                    )
+                    m.num_cached_block[rid] = num_full
+        return result
 
     def allocate_slots_with_lookup(
         self,

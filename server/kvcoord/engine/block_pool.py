@@ -260,32 +260,14 @@ class BlockPool:
 
         The null block is skipped: its count is not meaningful (vLLM lets it drift).
         """
-        used = self.free_block_queue.used
-        null = self.null_block
-        for block in blocks:
-            if block is null:
-                continue
-            if not block.ref_cnt:
-                del used[block.block_id]
-            block.ref_cnt += 1
+        self.free_block_queue.acquire(blocks, self.null_block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference on each block; those reaching zero go to the tail, in order.
 
         The null block is skipped (see :meth:`touch`).
         """
-        used = self.free_block_queue.used
-        null = self.null_block
-        n = 0
-        for block in ordered_blocks:
-            if block is null:
-                continue
-            ref = block.ref_cnt - 1
-            block.ref_cnt = ref
-            if not ref:
-                used[block.block_id] = block
-                n += 1
-        self.num_freed += n
+        self.num_freed += self.free_block_queue.release(ordered_blocks, self.null_block)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the cached hash of each listed block; ref counts and queue order stay."""

@@ -21,7 +21,7 @@ class KVCacheBlock:
     alone when the pool is dropped.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "cached_hash", "cached_group", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "cached_hash", "cached_group", "is_null", "free_pos")
 
     def __init__(self, block_id: BlockId) -> None:
         self.block_id = block_id
@@ -30,6 +30,9 @@ class KVCacheBlock:
         self.cached_hash: bytes | None = None
         self.cached_group = 0
         self.is_null = False
+        #: index of the block's live entry in the free queue's list, -1 when not in it;
+        #: owned by :class:`~kvcoord.engine.free_queue.FreeKVCacheBlockQueue`
+        self.free_pos = -1
 
     @property
     def block_hash(self) -> BlockHashWithGroupId | None:

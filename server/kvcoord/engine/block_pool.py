@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from .blocks import KVCacheBlock
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from .events import AllBlocksCleared, BlockStored, KVCacheEvent, block_removed
 from .free_queue import FreeKVCacheBlockQueue
 from .hash_list import hashes_at_block_size, key_with_group
 from .request import Request
@@ -229,7 +229,7 @@ class BlockPool:
                         block.cached_hash = None
                         evicted += 1
                         if events is not None:
-                            events.append(BlockRemoved(block_hashes=(block_hash,)))
+                            events.append(block_removed(block_hash))
                     else:
                         self._evict_cached_block(block)
                 block.ref_cnt = 1
@@ -252,7 +252,7 @@ class BlockPool:
         self.num_evictions += 1
         self.hash_epoch += 1
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(BlockRemoved(block_hashes=(block_hash,)))
+            self.kv_event_queue.append(block_removed(block_hash))
         return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -167,13 +167,18 @@ class KVCachePool:
 
         Raises:
             RequestExistsError: the id is in use.
-            InvalidArgumentError: bad id, tokens, hashes or LoRA.
+            InvalidArgumentError: bad id, tokens, hashes or LoRA, or an empty prompt
+                (vLLM never schedules one: its lookup would search ``-1`` tokens).
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgumentError("request_id must be a non-empty string")
         if request_id in self.requests:
             raise RequestExistsError(f"request {request_id!r} already exists in this pool")
         tokens = self._check_tokens(prompt_token_ids, 0, "prompt_token_ids")
+        if not tokens:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: prompt_token_ids is empty; a request needs at least one token"
+            )
         hashes = self._check_hashes(block_hashes, 0, len(tokens), request_id)
         if lora is not None and (
             not isinstance(lora, LoRA) or _check_count(lora.adapter_id, "lora.adapter_id") < 0
@@ -207,12 +212,19 @@ class KVCachePool:
             RequestNotFoundError: unknown id.
             InvalidArgumentError: counts, tokens or hashes that do not fit.
         """
-        req = self._get(request_id)
-        new_tokens = self._check_tokens(append_token_ids, req.num_tokens, "append_token_ids")
-        total = req.num_tokens + len(new_tokens)
-        new_hashes = self._check_hashes(append_block_hashes, len(req.block_hashes), total, request_id)
+        req = self.requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        # Only the delta is checked: what the request already holds was checked when it
+        # arrived, so a decode step costs O(1) whatever the request's length.
+        have = len(req.all_token_ids)
+        new_tokens = self._check_tokens(append_token_ids, have, "append_token_ids")
+        new_hashes = self._check_hashes(
+            append_block_hashes, len(req.block_hashes), have + len(new_tokens), request_id
+        )
         if num_computed_tokens is not None:
-            _check_count(num_computed_tokens, "num_computed_tokens")
+            if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+                _check_count(num_computed_tokens, "num_computed_tokens")
             # Under speculative decoding the scheduler counts scheduled drafts as computed
             # before their tokens are appended, so the count may pass num_tokens.
             if num_computed_tokens > self.max_model_len:
@@ -220,8 +232,10 @@ class KVCachePool:
                     f"num_computed_tokens {num_computed_tokens} exceeds max_model_len {self.max_model_len}"
                 )
             req.num_computed_tokens = num_computed_tokens
-        req.all_token_ids.extend(new_tokens)
-        req.block_hashes.extend(new_hashes)
+        if new_tokens:
+            req.all_token_ids += new_tokens
+            if new_hashes:
+                req.block_hashes += new_hashes
 
     def checkpoint_request(self, request_id: str) -> RequestCheckpoint | None:
         """What :meth:`restore_request` needs to undo later request updates
@@ -655,37 +669,51 @@ class KVCachePool:
         return req
 
     def _check_tokens(self, tokens: Sequence[int], have: int, name: str) -> list[int]:
+        """A copy of ``tokens`` once every one is a non-negative ``int`` (not bool) and
+        ``have`` plus their count fits ``max_model_len``."""
         out = list(tokens)
-        for t in out:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InvalidArgumentError(f"{name} must hold non-negative integers, got {t!r}")
-        if have + len(out) > self.max_model_len:
+        n = len(out)
+        if n == 1:
+            t = out[0]
+            ok = type(t) is int and t >= 0
+        else:
+            # C-level passes: the set of element types, then the minimum.
+            ok = not out or (set(map(type, out)) == {int} and min(out) >= 0)
+        if not ok:
+            bad = next(t for t in out if type(t) is not int or t < 0)
+            raise InvalidArgumentError(f"{name} must hold non-negative integers, got {bad!r}")
+        if have + n > self.max_model_len:
             raise InvalidArgumentError(
-                f"the request would have {have + len(out)} tokens, more than max_model_len "
-                f"{self.max_model_len}"
+                f"the request would have {have + n} tokens, more than max_model_len {self.max_model_len}"
             )
         return out
 
     def _check_hashes(
         self, hashes: Sequence[bytes], have: int, num_tokens: int, request_id: str
     ) -> list[bytes]:
-        out = list(hashes)
+        """A copy of ``hashes`` once they are exactly the new full blocks' hashes: one
+        per full ``hash_block_size`` block past ``have``, non-empty ``bytes`` of the
+        pool's hash length."""
         if not self.enable_caching:
             return []
+        out = list(hashes)
         want = num_tokens // self.hash_block_size - have
         if len(out) != want:
             raise InvalidArgumentError(
                 f"request {request_id!r}: expected {want} new block hashes (one per full "
                 f"block of {self.hash_block_size} tokens), got {len(out)}"
             )
+        if not out:
+            return out
+        if set(map(type, out)) != {bytes}:
+            raise InvalidArgumentError("block hashes must be non-empty bytes")
+        lengths = set(map(len, out))
         length = self.config.hash_length
-        for h in out:
-            if not isinstance(h, bytes) or not h:
-                raise InvalidArgumentError("block hashes must be non-empty bytes")
-            if length is not None and len(h) != length:
-                raise InvalidArgumentError(
-                    f"block hashes must be {length} bytes long, got one of {len(h)} bytes"
-                )
+        if length is not None and lengths != {length}:
+            bad = next(n for n in lengths if n != length)
+            raise InvalidArgumentError(f"block hashes must be {length} bytes long, got one of {bad} bytes")
+        if 0 in lengths:
+            raise InvalidArgumentError("block hashes must be non-empty bytes")
         return out
 
     def _check_adoption(self, request_id: str, hit_blocks: list[list[KVCacheBlock]]) -> None:

@@ -151,6 +151,7 @@ class KVCachePool:
             or type(m).remove_skipped_blocks is not SingleTypeKVCacheManager.remove_skipped_blocks
         ]
         self._no_new_blocks: BlockIds = tuple(() for _ in self.managers)
+        self._group_block_sizes = [g.block_size for g in config.groups]
 
     # -- request table --------------------------------------------------------------
     def add_request(
@@ -179,7 +180,7 @@ class KVCachePool:
             raise InvalidArgumentError(
                 f"request {request_id!r}: prompt_token_ids is empty; a request needs at least one token"
             )
-        hashes = self._check_hashes(block_hashes, 0, len(tokens), request_id)
+        hashes = self._check_hashes(block_hashes, 0, len(tokens), f"request {request_id!r}")
         if lora is not None and (
             not isinstance(lora, LoRA) or _check_count(lora.adapter_id, "lora.adapter_id") < 0
         ):
@@ -220,7 +221,7 @@ class KVCachePool:
         have = len(req.all_token_ids)
         new_tokens = self._check_tokens(append_token_ids, have, "append_token_ids")
         new_hashes = self._check_hashes(
-            append_block_hashes, len(req.block_hashes), have + len(new_tokens), request_id
+            append_block_hashes, len(req.block_hashes), have + len(new_tokens), f"request {request_id!r}"
         )
         if num_computed_tokens is not None:
             if type(num_computed_tokens) is not int or num_computed_tokens < 0:
@@ -285,23 +286,71 @@ class KVCachePool:
         req = self._get(request_id)
         return self._lookup(req)
 
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], num_tokens: int) -> CacheHit:
+        """The hit :meth:`get_computed_blocks` would give a request of ``num_tokens``
+        tokens with these block hashes, changing nothing.
+
+        Same search (at most ``num_tokens - 1`` tokens, EAGLE's drop, the hybrid fixed
+        point, LCM alignment), but no request is registered, no block is touched or
+        moved in the free queue, and no statistic, counter or event is recorded. Like
+        any hit, the answer is a hint valid until the pool's next mutation.
+
+        Args:
+            block_hashes: the request's hashes, one per full ``hash_block_size`` block of
+                its tokens (ignored when caching is off).
+            num_tokens: the request's token count, ``1 .. max_model_len``.
+
+        Returns:
+            The hit; empty (one empty list per group) when caching is off.
+
+        Raises:
+            InvalidArgumentError: ``num_tokens`` is not an integer in
+                ``1 .. max_model_len``, or the hashes are not exactly one per full block
+                (count, type, length).
+        """
+        if type(num_tokens) is not int:
+            raise InvalidArgumentError(f"num_tokens must be an integer, got {type(num_tokens).__name__}")
+        if not 1 <= num_tokens <= self.max_model_len:
+            raise InvalidArgumentError(
+                f"num_tokens must be between 1 and max_model_len {self.max_model_len}, got {num_tokens}"
+            )
+        if isinstance(block_hashes, (bytes, str)):
+            raise InvalidArgumentError("block_hashes must be a sequence of bytes, not a single value")
+        hashes = self._check_hashes(block_hashes, 0, num_tokens, f"lookup of {num_tokens} tokens")
+        if not self.enable_caching:
+            return CacheHit(self._no_new_blocks, 0)
+        hit, _ = self._search(hashes, num_tokens)
+        return hit
+
+    def _search(self, block_hashes: Sequence[bytes], num_tokens: int) -> tuple[CacheHit, list[list[int]]]:
+        """The coordinator's search for a request of ``num_tokens >= 1`` tokens (caching on)."""
+        lists, hit = self.coordinator.find_longest_cache_hit(block_hashes, num_tokens - 1)
+        return CacheHit(tuple(map(tuple, lists)), hit), lists
+
     def _lookup(self, req: Request) -> CacheHit:
         if not self.enable_caching or req.skip_reading_prefix_cache:
-            return CacheHit(tuple(() for _ in self.managers), 0)
-        lists, hit = self.coordinator.find_longest_cache_hit(req.block_hashes, req.num_tokens - 1)
-        ids = tuple(map(tuple, lists))
-        req.last_hit = (ids, self.block_pool.hash_epoch)
+            return CacheHit(self._no_new_blocks, 0)
+        hit, lists = self._search(req.block_hashes, len(req.all_token_ids))
+        self._record_lookup(req, hit, lists)
+        return hit
+
+    def _record_lookup(self, req: Request, hit: CacheHit, lists: list[list[int]]) -> None:
+        """Statistics and counters of one lookup; remembers the hit for adoption."""
+        req.last_hit = (hit.block_ids, self.block_pool.hash_epoch)
+        num_tokens = len(req.all_token_ids)
+        hit_tokens = hit.num_tokens
         if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.record(req.num_tokens, hit, req.num_preemptions > 0)
+            self.prefix_cache_stats.record(num_tokens, hit_tokens, req.num_preemptions > 0)
         c = self.lookup_counters
         c.lookups += 1
-        c.queries += req.num_tokens
-        c.hits += hit
-        if req.num_tokens - 1 < self._alignment:
+        c.queries += num_tokens
+        c.hits += hit_tokens
+        if num_tokens - 1 < self._alignment:
             c.short_lookups += 1
+        group_hits = c.group_hit_tokens
         for g, lst in enumerate(lists):
-            c.group_hit_tokens[g] += len(lst) * self.config.groups[g].block_size
-        return CacheHit(ids, hit)
+            if lst:
+                group_hits[g] += len(lst) * self._group_block_sizes[g]
 
     def allocate_slots(
         self,
@@ -499,11 +548,21 @@ class KVCachePool:
                 f"num_external_computed_tokens {num_external_computed_tokens} must be "
                 f"smaller than the request's {req.num_tokens} tokens"
             )
-        before = None if self.prefix_cache_stats is None else self.prefix_cache_stats.copy()
-        hit = self._lookup(req)
+        if max_num_new_tokens == 0 and num_external_computed_tokens == 0:
+            raise InvalidArgumentError(
+                "max_num_new_tokens must be > 0 unless num_external_computed_tokens is > 0"
+            )
+        # Search first, allocate, and record the lookup only once the allocation did
+        # not raise: a failed call leaves statistics and counters untouched.
+        if not self.enable_caching or req.skip_reading_prefix_cache:
+            hit, lists = CacheHit(self._no_new_blocks, 0), None
+        else:
+            hit, lists = self._search(req.block_hashes, len(req.all_token_ids))
         num_new = min(req.num_tokens - hit.num_tokens - num_external_computed_tokens, max_num_new_tokens)
         if num_new < 0:
             num_new = 0
+        last_hit = req.last_hit
+        fresh = req.last_hit = (hit.block_ids, self.block_pool.hash_epoch)  # trusted by allocate_slots
         try:
             new = self.allocate_slots(
                 request_id,
@@ -516,8 +575,11 @@ class KVCachePool:
                 num_encoder_tokens,
             )
         except Exception:
-            self.prefix_cache_stats = before
+            req.last_hit = last_hit
             raise
+        if lists is not None:
+            self._record_lookup(req, hit, lists)
+            req.last_hit = fresh
         return AllocationResult(hit, num_new, new)
 
     def free(self, request_id: str) -> None:
@@ -688,9 +750,7 @@ class KVCachePool:
             )
         return out
 
-    def _check_hashes(
-        self, hashes: Sequence[bytes], have: int, num_tokens: int, request_id: str
-    ) -> list[bytes]:
+    def _check_hashes(self, hashes: Sequence[bytes], have: int, num_tokens: int, label: str) -> list[bytes]:
         """A copy of ``hashes`` once they are exactly the new full blocks' hashes: one
         per full ``hash_block_size`` block past ``have``, non-empty ``bytes`` of the
         pool's hash length."""
@@ -700,7 +760,7 @@ class KVCachePool:
         want = num_tokens // self.hash_block_size - have
         if len(out) != want:
             raise InvalidArgumentError(
-                f"request {request_id!r}: expected {want} new block hashes (one per full "
+                f"{label}: expected {want} new block hashes (one per full "
                 f"block of {self.hash_block_size} tokens), got {len(out)}"
             )
         if not out:

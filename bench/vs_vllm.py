@@ -7,11 +7,22 @@ Needs vLLM 0.16.0 importable (it is not a kvcoord dependency). On a CPU machine:
     # then install the modules its import reports missing (numpy, msgspec, pydantic, ...)
     PYTHONHASHSEED=0 /tmp/vllm-venv/bin/python bench/vs_vllm.py [--check-only]
 
-The same seeded scheduler workload (chunked prefill with prefix lookups, decode,
-preemption on refusal, frees) drives both managers. Every answer is compared: prefix
-hits, new block ids, refusals, free-block counts and, at the end, events and stats; the
-first difference stops the run. Then each side's get_computed_blocks / allocate_slots /
-free are timed (block hashing excluded on both sides) and printed with their ratio.
+Two parts:
+
+1. Differential check: small seeded scheduler workloads (chunked prefill with prefix
+   lookups, decode, preemption on refusal, frees) drive both managers on five layouts,
+   with and without EAGLE. Every answer is compared: prefix hits, new block ids,
+   refusals, free-block counts and, at the end, events and stats; the first difference
+   stops the run.
+2. Timings (skipped by --check-only): the serving workload of bench/engine.py -- 256
+   requests kept running, prompts of 512-4,096 tokens, half starting with one of 8 shared
+   prefixes, 16-256 output tokens, a token budget of 8,192 per step -- on full16 and
+   full16 + sliding16 (window 1024). Its answers are compared too. Reported per layout,
+   in microseconds per call: get_computed_blocks, allocate_slots for a decode step
+   (one new token), for a request's first chunk (after its lookup), free (including
+   preemption), and kvcoord's request-table sync (add_request + update_request, which
+   vLLM's scheduler does by mutating its own Request). Block hashing is excluded on both
+   sides. The last row divides kvcoord's total time, sync included, by vLLM's.
 """
 
 from __future__ import annotations
@@ -70,9 +81,11 @@ class Ours:
         self.none = none_hash("sha256_cbor", "0")
         self.hashers: dict[str, BlockHasher] = {}
 
-    def add(self, rid: str, tokens: list[int]) -> None:
+    def add(self, rid: str, tokens: list[int]) -> Callable[[], None]:
+        """Hash the prompt now; the returned call is the pool's request-table sync."""
         self.hashers[rid] = BlockHasher("sha256_cbor", 16, self.none)
-        self.pool.add_request(rid, tokens, self.hashers[rid].extend(tokens))
+        hashes = self.hashers[rid].extend(tokens)
+        return lambda: self.pool.add_request(rid, tokens, hashes)
 
     def lookup(self, rid: str) -> tuple[Any, list[list[int]], int]:
         hit = self.pool.get_computed_blocks(rid)
@@ -82,9 +95,24 @@ class Ours:
         out = self.pool.allocate_slots(rid, n, hit_tokens, hit)
         return None if out is None else [list(x) for x in out]
 
-    def advance(self, rid: str, computed: int, appended: list[int]) -> None:
-        self.pool.update_request(rid, num_computed_tokens=computed, append_token_ids=appended,
-                                 append_block_hashes=self.hashers[rid].extend(appended))  # fmt: skip
+    # The timed calls: the manager's own answer, converted to ids outside the timer.
+    def raw_lookup(self, rid: str) -> Any:
+        return self.pool.get_computed_blocks(rid)
+
+    def raw_allocate(self, rid: str, n: int, hit_tokens: int = 0, hit: Any = None) -> Any:
+        return self.pool.allocate_slots(rid, n, hit_tokens, hit)
+
+    def hit_ids(self, hit: Any) -> tuple[list[list[int]], int]:
+        return [list(x) for x in hit.block_ids], hit.num_tokens
+
+    def new_ids(self, out: Any) -> list[list[int]] | None:
+        return None if out is None else [list(x) for x in out]
+
+    def advance(self, rid: str, computed: int, appended: list[int]) -> Callable[[], None]:
+        hashes = self.hashers[rid].extend(appended)
+        return lambda: self.pool.update_request(
+            rid, num_computed_tokens=computed, append_token_ids=appended, append_block_hashes=hashes
+        )
 
     def free(self, rid: str) -> None:
         self.pool.free(rid)
@@ -140,6 +168,7 @@ class VLLM:
         self.reqs: dict[str, Any] = {}
 
     def add(self, rid: str, tokens: list[int]) -> None:
+        # vLLM's scheduler owns the Request: nothing to sync (its hashing is not timed).
         self.reqs[rid] = self._make(rid, tokens)
 
     def lookup(self, rid: str) -> tuple[Any, list[list[int]], int]:
@@ -150,11 +179,25 @@ class VLLM:
         out = self.m.allocate_slots(self.reqs[rid], n, hit_tokens, hit)
         return None if out is None else [list(x) for x in out.get_block_ids(allow_none=False)]
 
+    def raw_lookup(self, rid: str) -> Any:
+        return self.m.get_computed_blocks(self.reqs[rid])
+
+    def raw_allocate(self, rid: str, n: int, hit_tokens: int = 0, hit: Any = None) -> Any:
+        return self.m.allocate_slots(self.reqs[rid], n, hit_tokens, hit)
+
+    def hit_ids(self, hit: Any) -> tuple[list[list[int]], int]:
+        blocks, n = hit
+        return [list(x) for x in blocks.get_block_ids()], n
+
+    def new_ids(self, out: Any) -> list[list[int]] | None:
+        return None if out is None else [list(x) for x in out.get_block_ids(allow_none=False)]
+
     def advance(self, rid: str, computed: int, appended: list[int]) -> None:
         r = self.reqs[rid]
         r.num_computed_tokens = computed
         if appended:
             r.append_output_token_ids(appended)
+        return None
 
     def free(self, rid: str) -> None:
         self.m.free(self.reqs.pop(rid))
@@ -204,7 +247,9 @@ def workload(side: Any, seed: int, steps: int, timings: dict[str, list[float]] |
             live[rid] = toks
             computed[rid] = 0
             decode_left[rid] = rnd.randint(1, 40)
-            side.add(rid, list(toks))
+            sync = side.add(rid, list(toks))
+            if sync is not None:
+                sync()
         budget = 2048
         for rid in list(live):
             if budget <= 0:
@@ -243,8 +288,119 @@ def workload(side: Any, seed: int, steps: int, timings: dict[str, list[float]] |
                 decode_left[rid] -= 1
                 appended = [rnd.randrange(32000)]
                 live[rid] = toks + appended
-            side.advance(rid, computed[rid], appended)
+            sync = side.advance(rid, computed[rid], appended)
+            if sync is not None:
+                sync()
     rec(("end", side.finish()))
+
+
+TIMED_OPS = ("lookup", "alloc_decode", "alloc_first", "alloc_chunk", "free", "sync")
+OP_LABELS = {
+    "lookup": "lookup",
+    "alloc_decode": "allocate decode",
+    "alloc_first": "allocate first chunk",
+    "alloc_chunk": "allocate next chunk",
+    "free": "free",
+    "sync": "request sync",
+}
+
+
+def serving_prompts(seed: int, n: int) -> list[tuple[list[int], int]]:
+    """bench/engine.py's requests: 512-4,096-token prompts, half with one of 8 shared prefixes,
+    16-256 output tokens."""
+    rnd = random.Random(seed)
+    systems = [[rnd.randrange(32000) for _ in range(rnd.randint(256, 2048))] for _ in range(8)]
+    out = []
+    for _ in range(n):
+        length = rnd.randint(512, 4096)
+        prefix = rnd.choice(systems) if rnd.random() < 0.5 else []
+        body = [rnd.randrange(32000) for _ in range(max(1, length - len(prefix)))]
+        out.append(((prefix + body)[:length], rnd.randint(16, 256)))
+    return out
+
+
+def serving_workload(side: Any, prompts: list[tuple[list[int], int]], steps: int,
+                     timings: dict[str, list[float]], trace: list[Any]) -> None:  # fmt: skip
+    """256 requests kept running under a token budget of 8,192 per step (chunks of at most
+    2,048 tokens); a refusal preempts the most recently admitted running request."""
+    pc = time.perf_counter
+    queue = list(prompts)
+    tokens: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    left: dict[str, int] = {}
+    order: list[str] = []  # live requests, admission order
+    running: list[str] = []
+    nid = 0
+    for _ in range(steps):
+        while len(order) < 256 and queue:
+            prompt, out_len = queue.pop()
+            rid = f"s{nid}"
+            nid += 1
+            tokens[rid], computed[rid], left[rid] = list(prompt), 0, out_len
+            sync = side.add(rid, list(prompt))
+            if sync is not None:
+                t0 = pc()
+                sync()
+                timings["sync"].append(pc() - t0)
+            order.append(rid)
+        budget = 8192
+        for rid in list(order):
+            if budget <= 0:
+                break
+            toks = tokens[rid]
+            if rid not in running:
+                t0 = pc()
+                raw_hit = side.raw_lookup(rid)
+                timings["lookup"].append(pc() - t0)
+                ids, n_hit = side.hit_ids(raw_hit)
+                hit = raw_hit if isinstance(side, Ours) else raw_hit[0]
+                n = min(len(toks) - n_hit, 2048, budget)
+                t0 = pc()
+                raw = side.raw_allocate(rid, n, n_hit, hit)
+                timings["alloc_first"].append(pc() - t0)
+                new = side.new_ids(raw)
+                trace.append(("hit", rid, ids, n_hit, new))
+                start = n_hit
+            else:
+                n = min(len(toks) - computed[rid], 2048, budget)
+                t0 = pc()
+                raw = side.raw_allocate(rid, n)
+                timings["alloc_decode" if computed[rid] == len(toks) - 1 else "alloc_chunk"].append(pc() - t0)
+                new = side.new_ids(raw)
+                trace.append(("alloc", rid, new))
+                start = computed[rid]
+            if new is None:
+                if running:
+                    victim = running.pop()
+                    t0 = pc()
+                    side.preempt(victim)
+                    timings["free"].append(pc() - t0)
+                    computed[victim] = 0
+                    trace.append(("preempt", victim, side.num_free()))
+                continue
+            if rid not in running:
+                running.append(rid)
+            computed[rid] = start + n
+            budget -= n
+            appended: list[int] = []
+            if computed[rid] == len(toks):
+                if left[rid] == 0:
+                    t0 = pc()
+                    side.free(rid)
+                    timings["free"].append(pc() - t0)
+                    trace.append(("free", rid, side.num_free()))
+                    order.remove(rid)
+                    running.remove(rid)
+                    continue
+                left[rid] -= 1
+                appended = [(computed[rid] * 7919) % 32000]
+                toks.extend(appended)
+            sync = side.advance(rid, computed[rid], appended)
+            if sync is not None:
+                t0 = pc()
+                sync()
+                timings["sync"].append(pc() - t0)
+    trace.append(("end", side.finish()))
 
 
 def main() -> None:
@@ -252,6 +408,11 @@ def main() -> None:
     parser.add_argument("--check-only", action="store_true", help="only the differential check")
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--skip-check", action="store_true", help="only the timings")
+    parser.add_argument("--serving-steps", type=int, default=400, help="scheduler steps of the timed run")
+    parser.add_argument("--requests", type=int, default=1500, help="requests in the timed run")
+    parser.add_argument("--blocks", type=int, default=24000, help="pool size of the timed run")
+    parser.add_argument("--reps", type=int, default=3, help="timed runs per side (lowest mean kept)")
     args = parser.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
         raise SystemExit("run with PYTHONHASHSEED=0 so that vLLM's NONE_HASH is the seeded one")
@@ -260,7 +421,7 @@ def main() -> None:
     except ImportError:
         raise SystemExit("vLLM 0.16.0 is not importable here; see this file's docstring") from None
     compared = 0
-    for name, layout in LAYOUTS.items():
+    for name, layout in [] if args.skip_check else LAYOUTS.items():
         for eagle in (False, True):
             if eagle and name == "full16+swa32(w128)":
                 continue  # EAGLE needs sliding block size == LCM: refused by both
@@ -285,23 +446,59 @@ def main() -> None:
     print(f"differential check: {compared} answers identical to vLLM 0.16.0")
     if args.check_only:
         return
-    print(f"\n{'layout':<31}{'op':<10}{'vLLM us':>10}{'kvcoord us':>12}{'vLLM/kvcoord':>14}")
-    for name in ("full16", "full16+swa16(w128)"):
-        res = {}
-        for label, cls in (("vllm", VLLM), ("ours", Ours)):
-            t: dict[str, list[float]] = {"lookup": [], "allocate": [], "free": []}
-            for rep in range(3):
-                side = cls(LAYOUTS[name], 1500, False)
+    serving_layouts = {
+        "full16": [("full", {})],
+        "full16+swa16(w1024)": [("full", {}), ("swa", {"sliding_window": 1024})],
+    }
+    prompts = serving_prompts(7, args.requests)
+    rows: list[tuple[str, str, float, float]] = []
+    for name, layout in serving_layouts.items():
+        # Per side and op, the lowest mean over --reps runs (the two sides alternate, so
+        # a burst of load on a shared machine hits one run, not one side).
+        res: dict[str, dict[str, list[float]]] = {}
+        best: dict[str, dict[str, float]] = {"vllm": {}, "ours": {}}
+        traces: dict[str, list[Any]] = {}
+        for _rep in range(args.reps):
+            for label, cls in (("vllm", VLLM), ("ours", Ours)):
+                t: dict[str, list[float]] = {op: [] for op in TIMED_OPS}
+                side = cls(layout, args.blocks, False)
                 # torch leaves a large heap; freeze it so neither side pays for GC passes
                 # over objects it did not create (the server freezes its pools likewise).
                 gc.collect()
                 gc.freeze()
-                workload(side, 100 + rep, 300, t, None)
+                trace: list[Any] = []
+                serving_workload(side, prompts, args.serving_steps, t, trace)
                 gc.unfreeze()
-            res[label] = {k: statistics.fmean(v) * 1e6 for k, v in t.items()}
-        for op in ("lookup", "allocate", "free"):
-            v, o = res["vllm"][op], res["ours"][op]
-            print(f"{name:<31}{op:<10}{v:>10.2f}{o:>12.2f}{v / o:>14.2f}")
+                traces.setdefault(label, trace)
+                res[label] = t
+                for op in TIMED_OPS:
+                    if t[op]:
+                        mean = statistics.fmean(t[op])
+                        best[label][op] = min(best[label].get(op, mean), mean)
+        a, b = traces["vllm"], traces["ours"]
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            if x != y:
+                raise SystemExit(f"DIFFERENCE serving {name} at answer {i}: vLLM {x} vs ours {y}")
+        if len(a) != len(b):
+            raise SystemExit(f"DIFFERENCE serving {name}: {len(a)} vs {len(b)} answers")
+        print(f"identical  serving {name}: {len(a)} answers", flush=True)
+        total = {"vllm": 0.0, "ours": 0.0}
+        for op in TIMED_OPS:
+            calls = len(res["ours"][op])
+            vm = best["vllm"].get(op, float("nan"))
+            om = best["ours"].get(op, float("nan"))
+            total["vllm"] += vm * calls if vm == vm else 0.0
+            total["ours"] += om * calls
+            rows.append((name, f"{OP_LABELS[op]} ({calls})", vm * 1e6, om * 1e6))
+        rows.append((name, "kvcoord incl. sync / vLLM", total["vllm"], total["ours"]))
+    print(f"\n{'layout':<22}{'op (calls)':<30}{'vLLM us':>10}{'kvcoord us':>12}{'kvcoord/vLLM':>14}")
+    for name, op, v, o in rows:
+        if op.startswith("kvcoord incl"):
+            print(f"{name:<22}{op:<30}{v:>10.3f}s{o:>11.3f}s{o / v:>14.2f}")
+        elif v != v:  # vLLM has no such call
+            print(f"{name:<22}{op:<30}{'-':>10}{o:>12.2f}{'-':>14}")
+        else:
+            print(f"{name:<22}{op:<30}{v:>10.2f}{o:>12.2f}{o / v:>14.2f}")
 
 
 if __name__ == "__main__":

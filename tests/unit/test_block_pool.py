@@ -5,7 +5,6 @@ from __future__ import annotations
 from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored, FullAttentionSpec, hash_to_int64
 from kvcoord.engine.blocks import KVCacheBlock
 from kvcoord.engine.free_queue import FreeKVCacheBlockQueue
-from kvcoord.engine.types import BlockId
 from support import Driver, toks
 
 
@@ -107,12 +106,17 @@ def test_usage_float_order() -> None:
 
 
 def test_free_queue_o1_operations() -> None:
-    """The free queue pops from the head, appends at the tail and unlinks from the middle."""
-    blocks = [KVCacheBlock(BlockId(i)) for i in range(6)]
-    q = FreeKVCacheBlockQueue(blocks)
+    """The free queue pops from the head, appends at the tail and unlinks from the middle;
+    never-used ids come first, in order, and their blocks are created only when popped."""
+    blocks: list[KVCacheBlock] = []
+    q = FreeKVCacheBlockQueue(6, blocks)
     assert q.popleft().block_id == 0
-    q.remove(blocks[3])
-    assert [b.block_id for b in q.popleft_n(2)] == [1, 2]
-    q.append(blocks[1])
+    first = q.popleft_n(3)
+    assert [b.block_id for b in first] == [1, 2, 3] and len(blocks) == 4
+    q.append(first[2])
+    q.append(first[0])
+    q.remove(first[2])
     assert q.head_ids() == [4, 5, 1]
-    assert len(q) == 3
+    assert q.head_ids(2) == [4, 5] and q.head_ids(3) == [4, 5, 1]
+    assert [b.block_id for b in q.popleft_n(3)] == [4, 5, 1]
+    assert len(q) == 0 and len(blocks) == 6

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from .blocks import KVCacheBlock
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from .events import AllBlocksCleared, BlockStored, KVCacheEvent, block_removed
 from .free_queue import FreeKVCacheBlockQueue
 from .hash_list import hashes_at_block_size, key_with_group
 from .request import Request
@@ -15,55 +15,95 @@ __all__ = ["BlockHashToBlockMap", "BlockPool"]
 
 
 class BlockHashToBlockMap:
-    """Cached blocks by key. Several blocks may share a key (vLLM never de-duplicates,
-    so block tables stay append-only); lookups return the earliest inserted survivor."""
+    """Cached block ids by (block hash, group).
 
-    __slots__ = ("_cache",)
+    Several blocks may share a key (vLLM never de-duplicates, so block tables stay
+    append-only); lookups return the earliest inserted survivor. ``first[g]`` maps a
+    hash of group ``g`` to that block's id, so a lookup is one dict access with no key
+    to build; the rare keys held by several blocks also list all of them, in insertion
+    order, in ``_more[g]``.
 
-    def __init__(self) -> None:
-        self._cache: dict[BlockHashWithGroupId, dict[int, KVCacheBlock]] = {}
+    Args:
+        num_groups: number of KV cache groups.
+    """
 
-    def get_one_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
-        blocks = self._cache.get(key)
-        if blocks is None:
-            return None
-        return next(iter(blocks.values()))
+    __slots__ = ("_more", "first")
 
-    def insert(self, key: BlockHashWithGroupId, block: KVCacheBlock) -> None:
-        blocks = self._cache.get(key)
-        if blocks is None:
-            self._cache[key] = {block.block_id: block}
+    def __init__(self, num_groups: int) -> None:
+        self.first: list[dict[bytes, int]] = [{} for _ in range(max(num_groups, 1))]
+        self._more: list[dict[bytes, dict[int, None]]] = [{} for _ in range(max(num_groups, 1))]
+
+    def get(self, block_hash: bytes, group_id: int) -> int | None:
+        """The id of the earliest cached block still under this key, or ``None``."""
+        return self.first[group_id].get(block_hash)
+
+    def insert(self, block_hash: bytes, group_id: int, block_id: int) -> None:
+        first = self.first[group_id].setdefault(block_hash, block_id)
+        if first != block_id:
+            self.add_duplicate(block_hash, group_id, first, block_id)
+
+    def add_duplicate(self, block_hash: bytes, group_id: int, first: int, block_id: int) -> None:
+        """Record ``block_id`` as a later block under a key whose first block is ``first``."""
+        more = self._more[group_id]
+        ids = more.get(block_hash)
+        if ids is None:
+            more[block_hash] = {first: None, block_id: None}
         else:
-            blocks[block.block_id] = block
+            ids[block_id] = None
 
-    def pop(self, key: BlockHashWithGroupId, block_id: int) -> KVCacheBlock | None:
-        blocks = self._cache.get(key)
-        if blocks is None:
-            return None
-        block = blocks.pop(block_id, None)
-        if not blocks:
-            del self._cache[key]
-        return block
+    def pop(self, block_hash: bytes, group_id: int, block_id: int) -> bool:
+        """Drop ``block_id`` from the key; ``False`` if it was not there."""
+        more = self._more[group_id]
+        first = self.first[group_id]
+        ids = more.get(block_hash) if more else None
+        if ids is None:
+            if first.get(block_hash) != block_id:
+                return False
+            del first[block_hash]
+            return True
+        if block_id not in ids:
+            return False
+        del ids[block_id]
+        first[block_hash] = next(iter(ids))
+        if len(ids) == 1:
+            del more[block_hash]
+        return True
 
     def __len__(self) -> int:
-        return len(self._cache)
+        return sum(len(d) for d in self.first)
 
-    def items(self) -> Iterable[tuple[BlockHashWithGroupId, list[int]]]:
-        for key, blocks in self._cache.items():
-            yield key, list(blocks)
+    def items(self) -> Iterator[tuple[BlockHashWithGroupId, list[int]]]:
+        """``(hash ‖ group, block ids)`` per key: group order, then insertion order."""
+        for gid, first in enumerate(self.first):
+            more = self._more[gid]
+            for block_hash, block_id in first.items():
+                ids = more.get(block_hash)
+                yield key_with_group(block_hash, gid), list(ids) if ids is not None else [block_id]
+
+    def block_ids(self) -> Iterator[int]:
+        """Every cached block id (unordered)."""
+        for gid, first in enumerate(self.first):
+            more = self._more[gid]
+            yield from first.values()
+            for ids in more.values():
+                yield from list(ids)[1:]
 
 
 class BlockPool:
     """Physical blocks, the free queue, the prefix-cache map and the event queue.
 
     Block 0 is popped at construction and becomes the null block. Usable capacity is
-    ``num_blocks - 1``.
+    ``num_blocks - 1``. Block objects are created on first use, in id order
+    (``blocks`` holds the created ones, indexed by id); a block never used is free,
+    uncached and at the queue position vLLM would give it, so laziness is invisible.
 
     Args:
         num_blocks: blocks including the null block.
         enable_caching: whether blocks are hashed and looked up.
         hash_block_size: granularity of request block hashes.
         enable_kv_cache_events: whether events are queued.
+        num_groups: KV cache groups sharing the pool.
+        materialize: create every block up front (a reference for tests).
     """
 
     def __init__(
@@ -72,14 +112,18 @@ class BlockPool:
         enable_caching: bool,
         hash_block_size: int,
         enable_kv_cache_events: bool = False,
+        num_groups: int = 1,
+        materialize: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.hash_block_size = hash_block_size
         self.enable_kv_cache_events = enable_kv_cache_events
-        self.blocks = [KVCacheBlock(BlockId(i)) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
+        self.blocks: list[KVCacheBlock] = (
+            [KVCacheBlock(BlockId(i)) for i in range(num_blocks)] if materialize else []
+        )
+        self.free_block_queue = FreeKVCacheBlockQueue(num_blocks, self.blocks)
+        self.cached_block_hash_to_block = BlockHashToBlockMap(num_groups)
         self.null_block = self.free_block_queue.popleft()
         self.null_block.is_null = True
         self.kv_event_queue: list[KVCacheEvent] = []
@@ -91,15 +135,21 @@ class BlockPool:
         self.num_allocated = 0
         self.num_freed = 0
 
-    def get_cached_block(self, block_hash: bytes, group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
-        """One cached block per group for ``block_hash``, or ``None`` if any group misses."""
+    def get_cached_block(self, block_hash: bytes, group_ids: Sequence[int]) -> list[int] | None:
+        """One cached block id per group for ``block_hash``, or ``None`` if any group misses."""
+        first = self.cached_block_hash_to_block.first
         out = []
         for gid in group_ids:
-            block = self.cached_block_hash_to_block.get_one_block(key_with_group(block_hash, gid))
-            if block is None:
+            block_id = first[gid].get(block_hash)
+            if block_id is None:
                 return None
-            out.append(block)
+            out.append(block_id)
         return out
+
+    def get_block(self, block_id: int) -> KVCacheBlock | None:
+        """The block with this id if it was ever used (only those can be cached or held)."""
+        blocks = self.blocks
+        return blocks[block_id] if 0 <= block_id < len(blocks) else None
 
     def cache_full_blocks(
         self,
@@ -120,15 +170,19 @@ class BlockPool:
         events = self.enable_kv_cache_events
         stored: list[bytes] = []
         cache = self.cached_block_hash_to_block
+        first = cache.first[group_id]
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null:
                 continue
-            assert block.block_hash is None, f"block {block.block_id} is already cached"
+            assert block.cached_hash is None, f"block {block.block_id} is already cached"
             block_hash = hashes[i]
-            key = key_with_group(block_hash, group_id)
-            block.block_hash = key
-            cache.insert(key, block)
+            block.cached_hash = block_hash
+            block.cached_group = group_id
+            block_id = block.block_id
+            existing = first.setdefault(block_hash, block_id)
+            if existing != block_id:
+                cache.add_duplicate(block_hash, group_id, existing, block_id)
             if events:
                 stored.append(block_hash)
         if events:
@@ -153,67 +207,83 @@ class BlockPool:
         Raises:
             ValueError: fewer than ``num_blocks`` are free (callers check first).
         """
-        if num_blocks > self.free_block_queue.num_free_blocks:
+        queue = self.free_block_queue
+        if num_blocks > queue.num_free_blocks:
             raise ValueError(
-                f"cannot get {num_blocks} free blocks from the pool "
-                f"({self.free_block_queue.num_free_blocks} free)"
+                f"cannot get {num_blocks} free blocks from the pool ({queue.num_free_blocks} free)"
             )
-        ret = self.free_block_queue.popleft_n(num_blocks)
+        ret = queue.popleft_n(num_blocks)
         if self.enable_caching:
+            cache = self.cached_block_hash_to_block
+            firsts, mores = cache.first, cache._more
+            events = self.kv_event_queue if self.enable_kv_cache_events else None
+            evicted = 0
             for block in ret:
-                if block.block_hash is not None:
-                    self._evict_cached_block(block)
-                block.ref_cnt += 1
+                block_hash = block.cached_hash
+                if block_hash is not None:
+                    # Inline eviction for the usual key held by this block alone.
+                    gid = block.cached_group
+                    first = firsts[gid]
+                    if first.get(block_hash) == block.block_id and block_hash not in mores[gid]:
+                        del first[block_hash]
+                        block.cached_hash = None
+                        evicted += 1
+                        if events is not None:
+                            events.append(block_removed(block_hash))
+                    else:
+                        self._evict_cached_block(block)
+                block.ref_cnt = 1
+            if evicted:
+                self.num_evictions += evicted
+                self.hash_epoch += 1
         else:
             for block in ret:
-                block.ref_cnt += 1
+                block.ref_cnt = 1
         self.num_allocated += num_blocks
         return ret
 
     def _evict_cached_block(self, block: KVCacheBlock) -> bool:
-        key = block.block_hash
-        if key is None:
+        block_hash = block.cached_hash
+        if block_hash is None:
             return False
-        if self.cached_block_hash_to_block.pop(key, block.block_id) is None:
+        if not self.cached_block_hash_to_block.pop(block_hash, block.cached_group, block.block_id):
             return False
-        block.block_hash = None
+        block.cached_hash = None
         self.num_evictions += 1
         self.hash_epoch += 1
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(BlockRemoved(block_hashes=(bytes(key[:-4]),)))
+            self.kv_event_queue.append(block_removed(block_hash))
         return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take a reference on each block, pulling free ones out of the free queue."""
-        queue = self.free_block_queue
-        for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
-                queue.remove(block)
-            block.ref_cnt += 1
+        """Take a reference on each block, pulling free ones out of the free queue.
+
+        The null block is skipped: its count is not meaningful (vLLM lets it drift).
+        """
+        self.free_block_queue.acquire(blocks, self.null_block)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop a reference on each block; those reaching zero go to the tail, in order."""
-        blocks = list(ordered_blocks)
-        for block in blocks:
-            block.ref_cnt -= 1
-        queue = self.free_block_queue
-        for block in blocks:
-            if block.ref_cnt == 0 and not block.is_null:
-                queue.append(block)
-                self.num_freed += 1
+        """Drop a reference on each block; those reaching zero go to the tail, in order.
+
+        The null block is skipped (see :meth:`touch`).
+        """
+        self.num_freed += self.free_block_queue.release(ordered_blocks, self.null_block)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the cached hash of each listed block; ref counts and queue order stay."""
+        blocks = self.blocks
         for block_id in block_ids:
-            self._evict_cached_block(self.blocks[block_id])
+            if block_id < len(blocks):  # a never-used block holds no hash
+                self._evict_cached_block(blocks[block_id])
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, only if no block besides the null block is held."""
         if self.num_blocks - self.get_num_free_blocks() != 1:
             return False
-        self.cached_block_hash_to_block = BlockHashToBlockMap()
-        for block in self.blocks:
-            block.block_hash = None
+        blocks = self.blocks
+        for block_id in list(self.cached_block_hash_to_block.block_ids()):
+            blocks[block_id].cached_hash = None
+        self.cached_block_hash_to_block = BlockHashToBlockMap(len(self.cached_block_hash_to_block.first))
         self.hash_epoch += 1
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
@@ -235,3 +305,18 @@ class BlockPool:
             return []
         events, self.kv_event_queue = self.kv_event_queue, []
         return events
+
+    # -- whole-pool views (blocks never used are free and uncached) --------------------
+    def ref_cnts(self) -> tuple[int, ...]:
+        """Reference counts of blocks ``1 .. num_blocks-1``."""
+        blocks = self.blocks
+        return tuple([b.ref_cnt for b in blocks[1:]]) + (0,) * (self.num_blocks - max(len(blocks), 1))
+
+    def block_hashes(self) -> tuple[BlockHashWithGroupId | None, ...]:
+        """Every block's cache key (``None`` when uncached), by id."""
+        blocks = self.blocks
+        return tuple([b.block_hash for b in blocks]) + (None,) * (self.num_blocks - len(blocks))
+
+    def cached_block_ids(self) -> list[int]:
+        """Ids of the blocks holding a cache hash, ascending."""
+        return sorted(self.cached_block_hash_to_block.block_ids())

@@ -23,6 +23,7 @@ __all__ = [
 ]
 
 BlockLists = list[list[KVCacheBlock]]
+IdLists = list[list[int]]
 
 
 class KVCacheCoordinator:
@@ -32,7 +33,7 @@ class KVCacheCoordinator:
     are taken group 0 first and freed blocks reach the free queue group 0 first.
     """
 
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
         self.config = config
         self.enable_caching = config.enable_caching
         self.block_pool = BlockPool(
@@ -40,6 +41,8 @@ class KVCacheCoordinator:
             config.enable_caching,
             config.hash_block_size,
             config.enable_kv_cache_events,
+            num_groups=len(config.groups),
+            materialize=materialize_blocks,
         )
         self.managers: list[SingleTypeKVCacheManager] = [
             manager_class(spec)(spec, self.block_pool, gid, config.enable_caching)
@@ -123,8 +126,10 @@ class KVCacheCoordinator:
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
-    ) -> tuple[BlockLists, int]:
-        """One block list per group and the hit length in tokens."""
+    ) -> tuple[IdLists, int]:
+        """One block-id list per group (0 = null block) and the hit length in tokens.
+
+        ``max_cache_hit_length`` must be >= 0."""
         raise NotImplementedError
 
     @property
@@ -138,7 +143,7 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
-    ) -> tuple[BlockLists, int]:
+    ) -> tuple[IdLists, int]:
         return [[] for _ in self.managers], 0
 
     def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
@@ -148,8 +153,8 @@ class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
     """One group, caching on: the group's own search, aligned to its block size."""
 
-    def __init__(self, config: KVCacheConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
+        super().__init__(config, materialize_blocks)
         self.spec = config.groups[0]
         self.block_size = self.spec.block_size
         self._search = type(self.managers[0]).find_longest_cache_hit
@@ -160,7 +165,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
-    ) -> tuple[BlockLists, int]:
+    ) -> tuple[IdLists, int]:
         hit = self._search(
             block_hashes,
             max_cache_hit_length,
@@ -182,8 +187,8 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     accepted length is a multiple of the LCM of the block sizes.
     """
 
-    def __init__(self, config: KVCacheConfig) -> None:
-        super().__init__(config)
+    def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
+        super().__init__(config, materialize_blocks)
         self.attention_groups: list[tuple[AttentionSpec, list[int], type[SingleTypeKVCacheManager]]] = [
             (spec, ids, type(self.managers[ids[0]])) for spec, ids in attention_groups(config.groups)
         ]
@@ -197,7 +202,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
-    ) -> tuple[BlockLists, int]:
+    ) -> tuple[IdLists, int]:
         hash_block_size = self.config.hash_block_size
         use_eagle = self.config.use_eagle
         lcm = self.lcm_block_size
@@ -205,7 +210,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
             spec.block_size: hashes_at_block_size(block_hashes, hash_block_size, spec.block_size)
             for spec, _, _ in self.attention_groups
         }
-        result: list[list[KVCacheBlock] | None] = [None] * len(self.managers)
+        result: list[list[int] | None] = [None] * len(self.managers)
         hit = max_cache_hit_length
         while True:
             cur = hit
@@ -234,10 +239,16 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         return [lst if lst is not None else [] for lst in result], hit
 
 
-def get_kv_cache_coordinator(config: KVCacheConfig) -> KVCacheCoordinator:
-    """vLLM's factory rule: no caching, one group, or several groups."""
+def get_kv_cache_coordinator(config: KVCacheConfig, materialize_blocks: bool = False) -> KVCacheCoordinator:
+    """vLLM's factory rule: no caching, one group, or several groups.
+
+    Args:
+        config: the pool layout.
+        materialize_blocks: create every block object up front instead of on first use
+            (same answers; a reference for tests).
+    """
     kind = config.coordinator_kind
-    return _COORDINATORS[kind](config)
+    return _COORDINATORS[kind](config, materialize_blocks)
 
 
 _COORDINATORS: dict[str, type[KVCacheCoordinator]] = {

@@ -25,8 +25,8 @@ from .errors import (
     StaleCacheHitError,
 )
 from .events import KVCacheEvent
-from .hash_list import hashes_at_block_size, key_with_group
-from .managers import CrossAttentionManager, MambaManager
+from .hash_list import hashes_at_block_size
+from .managers import CrossAttentionManager, MambaManager, SingleTypeKVCacheManager
 from .request import LoRA, Request
 from .stats import LookupCounters, PrefixCacheStats
 from .types import RequestId
@@ -108,13 +108,19 @@ def _check_count(value: object, name: str) -> int:
 class KVCachePool:
     """One pool of KV blocks shared by all groups, with vLLM's manager semantics.
 
+    Creating a pool costs O(1) in ``num_blocks``: block objects are created on first
+    use (see :class:`~kvcoord.engine.block_pool.BlockPool`), and a dropped pool is
+    reclaimed by reference counting (blocks hold no links to each other).
+
     Args:
         config: the validated layout; see :class:`KVCacheConfig`.
+        materialize_blocks: create every block object up front instead (identical
+            answers; the reference the lazy pool is tested against).
     """
 
-    def __init__(self, config: KVCacheConfig) -> None:
+    def __init__(self, config: KVCacheConfig, *, materialize_blocks: bool = False) -> None:
         self.config = config
-        self.coordinator = get_kv_cache_coordinator(config)
+        self.coordinator = get_kv_cache_coordinator(config, materialize_blocks)
         self.block_pool = self.coordinator.block_pool
         self.managers = self.coordinator.managers
         self.enable_caching = config.enable_caching
@@ -128,6 +134,24 @@ class KVCachePool:
         self._prechecked_managers = [m for m in self.managers if isinstance(m, MambaManager) and m.align]
         self._alignment = self.coordinator.alignment_tokens
         self._num_sink_blocks = sum(len(getattr(m, "sink_blocks", ())) for m in self.managers)
+        # allocate_slots' fast path serves pools whose managers all allocate and cache by
+        # the base rules (full, sliding window, chunked local).
+        self._plain_managers = all(
+            type(m).allocate_new_blocks is SingleTypeKVCacheManager.allocate_new_blocks
+            and type(m).cache_blocks is SingleTypeKVCacheManager.cache_blocks
+            and type(m).allocate_new_computed_blocks is SingleTypeKVCacheManager.allocate_new_computed_blocks
+            and type(m).get_num_blocks_to_allocate is SingleTypeKVCacheManager.get_num_blocks_to_allocate
+            for m in self.managers
+        )
+        # Managers that may free blocks in remove_skipped_blocks (a skip rule).
+        self._skipping_managers = [
+            m
+            for m in self.managers
+            if type(m).get_num_skipped_tokens is not SingleTypeKVCacheManager.get_num_skipped_tokens
+            or type(m).remove_skipped_blocks is not SingleTypeKVCacheManager.remove_skipped_blocks
+        ]
+        self._no_new_blocks: BlockIds = tuple(() for _ in self.managers)
+        self._group_block_sizes = [g.block_size for g in config.groups]
 
     # -- request table --------------------------------------------------------------
     def add_request(
@@ -144,14 +168,19 @@ class KVCachePool:
 
         Raises:
             RequestExistsError: the id is in use.
-            InvalidArgumentError: bad id, tokens, hashes or LoRA.
+            InvalidArgumentError: bad id, tokens, hashes or LoRA, or an empty prompt
+                (vLLM never schedules one: its lookup would search ``-1`` tokens).
         """
         if not isinstance(request_id, str) or not request_id:
             raise InvalidArgumentError("request_id must be a non-empty string")
         if request_id in self.requests:
             raise RequestExistsError(f"request {request_id!r} already exists in this pool")
         tokens = self._check_tokens(prompt_token_ids, 0, "prompt_token_ids")
-        hashes = self._check_hashes(block_hashes, 0, len(tokens), request_id)
+        if not tokens:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: prompt_token_ids is empty; a request needs at least one token"
+            )
+        hashes = self._check_hashes(block_hashes, 0, len(tokens), f"request {request_id!r}")
         if lora is not None and (
             not isinstance(lora, LoRA) or _check_count(lora.adapter_id, "lora.adapter_id") < 0
         ):
@@ -184,12 +213,19 @@ class KVCachePool:
             RequestNotFoundError: unknown id.
             InvalidArgumentError: counts, tokens or hashes that do not fit.
         """
-        req = self._get(request_id)
-        new_tokens = self._check_tokens(append_token_ids, req.num_tokens, "append_token_ids")
-        total = req.num_tokens + len(new_tokens)
-        new_hashes = self._check_hashes(append_block_hashes, len(req.block_hashes), total, request_id)
+        req = self.requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        # Only the delta is checked: what the request already holds was checked when it
+        # arrived, so a decode step costs O(1) whatever the request's length.
+        have = len(req.all_token_ids)
+        new_tokens = self._check_tokens(append_token_ids, have, "append_token_ids")
+        new_hashes = self._check_hashes(
+            append_block_hashes, len(req.block_hashes), have + len(new_tokens), f"request {request_id!r}"
+        )
         if num_computed_tokens is not None:
-            _check_count(num_computed_tokens, "num_computed_tokens")
+            if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+                _check_count(num_computed_tokens, "num_computed_tokens")
             # Under speculative decoding the scheduler counts scheduled drafts as computed
             # before their tokens are appended, so the count may pass num_tokens.
             if num_computed_tokens > self.max_model_len:
@@ -197,8 +233,10 @@ class KVCachePool:
                     f"num_computed_tokens {num_computed_tokens} exceeds max_model_len {self.max_model_len}"
                 )
             req.num_computed_tokens = num_computed_tokens
-        req.all_token_ids.extend(new_tokens)
-        req.block_hashes.extend(new_hashes)
+        if new_tokens:
+            req.all_token_ids += new_tokens
+            if new_hashes:
+                req.block_hashes += new_hashes
 
     def checkpoint_request(self, request_id: str) -> RequestCheckpoint | None:
         """What :meth:`restore_request` needs to undo later request updates
@@ -248,23 +286,71 @@ class KVCachePool:
         req = self._get(request_id)
         return self._lookup(req)
 
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], num_tokens: int) -> CacheHit:
+        """The hit :meth:`get_computed_blocks` would give a request of ``num_tokens``
+        tokens with these block hashes, changing nothing.
+
+        Same search (at most ``num_tokens - 1`` tokens, EAGLE's drop, the hybrid fixed
+        point, LCM alignment), but no request is registered, no block is touched or
+        moved in the free queue, and no statistic, counter or event is recorded. Like
+        any hit, the answer is a hint valid until the pool's next mutation.
+
+        Args:
+            block_hashes: the request's hashes, one per full ``hash_block_size`` block of
+                its tokens (ignored when caching is off).
+            num_tokens: the request's token count, ``1 .. max_model_len``.
+
+        Returns:
+            The hit; empty (one empty list per group) when caching is off.
+
+        Raises:
+            InvalidArgumentError: ``num_tokens`` is not an integer in
+                ``1 .. max_model_len``, or the hashes are not exactly one per full block
+                (count, type, length).
+        """
+        if type(num_tokens) is not int:
+            raise InvalidArgumentError(f"num_tokens must be an integer, got {type(num_tokens).__name__}")
+        if not 1 <= num_tokens <= self.max_model_len:
+            raise InvalidArgumentError(
+                f"num_tokens must be between 1 and max_model_len {self.max_model_len}, got {num_tokens}"
+            )
+        if isinstance(block_hashes, (bytes, str)):
+            raise InvalidArgumentError("block_hashes must be a sequence of bytes, not a single value")
+        hashes = self._check_hashes(block_hashes, 0, num_tokens, f"lookup of {num_tokens} tokens")
+        if not self.enable_caching:
+            return CacheHit(self._no_new_blocks, 0)
+        hit, _ = self._search(hashes, num_tokens)
+        return hit
+
+    def _search(self, block_hashes: Sequence[bytes], num_tokens: int) -> tuple[CacheHit, list[list[int]]]:
+        """The coordinator's search for a request of ``num_tokens >= 1`` tokens (caching on)."""
+        lists, hit = self.coordinator.find_longest_cache_hit(block_hashes, num_tokens - 1)
+        return CacheHit(tuple(map(tuple, lists)), hit), lists
+
     def _lookup(self, req: Request) -> CacheHit:
         if not self.enable_caching or req.skip_reading_prefix_cache:
-            return CacheHit(tuple(() for _ in self.managers), 0)
-        lists, hit = self.coordinator.find_longest_cache_hit(req.block_hashes, req.num_tokens - 1)
-        ids = tuple([tuple([b.block_id for b in lst]) for lst in lists])
-        req.last_hit = (ids, self.block_pool.hash_epoch)
+            return CacheHit(self._no_new_blocks, 0)
+        hit, lists = self._search(req.block_hashes, len(req.all_token_ids))
+        self._record_lookup(req, hit, lists)
+        return hit
+
+    def _record_lookup(self, req: Request, hit: CacheHit, lists: list[list[int]]) -> None:
+        """Statistics and counters of one lookup; remembers the hit for adoption."""
+        req.last_hit = (hit.block_ids, self.block_pool.hash_epoch)
+        num_tokens = len(req.all_token_ids)
+        hit_tokens = hit.num_tokens
         if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.record(req.num_tokens, hit, req.num_preemptions > 0)
+            self.prefix_cache_stats.record(num_tokens, hit_tokens, req.num_preemptions > 0)
         c = self.lookup_counters
         c.lookups += 1
-        c.queries += req.num_tokens
-        c.hits += hit
-        if req.num_tokens - 1 < self._alignment:
+        c.queries += num_tokens
+        c.hits += hit_tokens
+        if num_tokens - 1 < self._alignment:
             c.short_lookups += 1
+        group_hits = c.group_hit_tokens
         for g, lst in enumerate(lists):
-            c.group_hit_tokens[g] += len(lst) * self.config.groups[g].block_size
-        return CacheHit(ids, hit)
+            if lst:
+                group_hits[g] += len(lst) * self._group_block_sizes[g]
 
     def allocate_slots(
         self,
@@ -301,7 +387,26 @@ class KVCachePool:
             FailedPreconditionError: the request already holds blocks and cannot adopt
                 a hit, or the call breaks a manager rule (mamba align chunking).
         """
-        req = self._get(request_id)
+        req = self.requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        if (
+            new_computed_blocks is None
+            and self._plain_managers
+            and type(num_new_tokens) is int
+            and num_new_tokens > 0
+            and type(num_lookahead_tokens) is int
+            and num_lookahead_tokens >= 0
+            and num_new_computed_tokens == 0
+            and num_external_computed_tokens == 0
+            and num_encoder_tokens == 0
+            and type(num_new_computed_tokens) is int
+            and type(num_external_computed_tokens) is int
+            and type(num_encoder_tokens) is int
+            and delay_cache_blocks is False
+            and req.num_computed_tokens + num_new_tokens <= self.max_model_len
+        ):
+            return self._allocate_without_hit(req, num_new_tokens, num_lookahead_tokens)
         counts = (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
                   num_encoder_tokens)  # fmt: skip
         if not all(type(v) is int and v >= 0 for v in counts):  # fast path; the loop names the culprit
@@ -352,6 +457,65 @@ class KVCachePool:
             coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens))
         return tuple([tuple([b.block_id for b in lst]) for lst in new])
 
+    def _allocate_without_hit(
+        self, req: Request, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> BlockIds | None:
+        """``allocate_slots`` for the common call: no hit, no external or encoder tokens,
+        cache as usual, and every group of a type using the base allocation rules.
+
+        The same steps as the general path, fused into one pass per phase: counts are
+        valid and within ``max_model_len`` (checked by the caller), adoption is skipped
+        (there is nothing to adopt), and a step adding no block returns a shared
+        empty answer.
+        """
+        rid = req.request_id
+        total = req.num_computed_tokens
+        main = total + num_new_tokens
+        need = main + num_lookahead_tokens
+        if need > self.max_model_len:
+            need = self.max_model_len
+        for m in self._skipping_managers:
+            m.remove_skipped_blocks(rid, total)
+        managers = self.managers
+        k = 0
+        for m in managers:
+            if rid in m.num_cached_block:  # admitted: no hit possible, nothing skipped to add
+                blocks = m.req_to_blocks.get(rid)
+                n = -(-need // m.block_size) - (len(blocks) if blocks is not None else 0)
+                if n > 0:
+                    k += n
+            else:
+                k += m.get_num_blocks_to_allocate(rid, need, (), total, main)
+        bp = self.block_pool
+        if k > bp.free_block_queue.num_free_blocks:
+            self.num_refusals += 1
+            return None
+        out: list[tuple[int, ...]] | None = None
+        for i, m in enumerate(managers):
+            req_blocks = m.req_to_blocks.get(rid)
+            if req_blocks is None:
+                req_blocks = m.req_to_blocks[rid] = []
+            n = -(-need // m.block_size) - len(req_blocks)
+            if n > 0:
+                new_blocks = bp.get_new_blocks(n)
+                req_blocks += new_blocks
+                if out is None:
+                    out = [()] * len(managers)
+                out[i] = tuple([b.block_id for b in new_blocks])
+        result = self._no_new_blocks if out is None else tuple(out)
+        if self.enable_caching:
+            num_tokens = len(req.all_token_ids)
+            cached = main if main < num_tokens else num_tokens
+            for m in managers:
+                num_full = cached // m.block_size
+                num_cached = m.num_cached_block.get(rid, 0)
+                if num_cached < num_full:
+                    bp.cache_full_blocks(
+                        req, m.req_to_blocks[rid], num_cached, num_full, m.block_size, m.group_id
+                    )
+                    m.num_cached_block[rid] = num_full
+        return result
+
     def allocate_slots_with_lookup(
         self,
         request_id: str,
@@ -384,11 +548,21 @@ class KVCachePool:
                 f"num_external_computed_tokens {num_external_computed_tokens} must be "
                 f"smaller than the request's {req.num_tokens} tokens"
             )
-        before = None if self.prefix_cache_stats is None else self.prefix_cache_stats.copy()
-        hit = self._lookup(req)
+        if max_num_new_tokens == 0 and num_external_computed_tokens == 0:
+            raise InvalidArgumentError(
+                "max_num_new_tokens must be > 0 unless num_external_computed_tokens is > 0"
+            )
+        # Search first, allocate, and record the lookup only once the allocation did
+        # not raise: a failed call leaves statistics and counters untouched.
+        if not self.enable_caching or req.skip_reading_prefix_cache:
+            hit, lists = CacheHit(self._no_new_blocks, 0), None
+        else:
+            hit, lists = self._search(req.block_hashes, len(req.all_token_ids))
         num_new = min(req.num_tokens - hit.num_tokens - num_external_computed_tokens, max_num_new_tokens)
         if num_new < 0:
             num_new = 0
+        last_hit = req.last_hit
+        fresh = req.last_hit = (hit.block_ids, self.block_pool.hash_epoch)  # trusted by allocate_slots
         try:
             new = self.allocate_slots(
                 request_id,
@@ -401,8 +575,11 @@ class KVCachePool:
                 num_encoder_tokens,
             )
         except Exception:
-            self.prefix_cache_stats = before
+            req.last_hit = last_hit
             raise
+        if lists is not None:
+            self._record_lookup(req, hit, lists)
+            req.last_hit = fresh
         return AllocationResult(hit, num_new, new)
 
     def free(self, request_id: str) -> None:
@@ -503,7 +680,7 @@ class KVCachePool:
 
     def cached_block_ids(self) -> list[int]:
         """Ids of the blocks that currently hold a prefix-cache hash, ascending."""
-        return [b.block_id for b in self.block_pool.blocks if b.block_hash is not None]
+        return self.block_pool.cached_block_ids()
 
     def free_queue_head(self, limit: int | None = None) -> list[int]:
         """Free block ids from the next to be reused, at most ``limit``."""
@@ -526,8 +703,8 @@ class KVCachePool:
             )
         return PoolSnapshot(
             free_queue=tuple(bp.free_block_queue.head_ids()),
-            ref_cnts=tuple(b.ref_cnt for b in bp.blocks[1:]),
-            block_hashes=tuple(b.block_hash for b in bp.blocks),
+            ref_cnts=bp.ref_cnts(),
+            block_hashes=bp.block_hashes(),
             hash_map=tuple((k, tuple(v)) for k, v in bp.cached_block_hash_to_block.items()),
             requests=tuple(
                 (
@@ -554,37 +731,49 @@ class KVCachePool:
         return req
 
     def _check_tokens(self, tokens: Sequence[int], have: int, name: str) -> list[int]:
+        """A copy of ``tokens`` once every one is a non-negative ``int`` (not bool) and
+        ``have`` plus their count fits ``max_model_len``."""
         out = list(tokens)
-        for t in out:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise InvalidArgumentError(f"{name} must hold non-negative integers, got {t!r}")
-        if have + len(out) > self.max_model_len:
+        n = len(out)
+        if n == 1:
+            t = out[0]
+            ok = type(t) is int and t >= 0
+        else:
+            # C-level passes: the set of element types, then the minimum.
+            ok = not out or (set(map(type, out)) == {int} and min(out) >= 0)
+        if not ok:
+            bad = next(t for t in out if type(t) is not int or t < 0)
+            raise InvalidArgumentError(f"{name} must hold non-negative integers, got {bad!r}")
+        if have + n > self.max_model_len:
             raise InvalidArgumentError(
-                f"the request would have {have + len(out)} tokens, more than max_model_len "
-                f"{self.max_model_len}"
+                f"the request would have {have + n} tokens, more than max_model_len {self.max_model_len}"
             )
         return out
 
-    def _check_hashes(
-        self, hashes: Sequence[bytes], have: int, num_tokens: int, request_id: str
-    ) -> list[bytes]:
-        out = list(hashes)
+    def _check_hashes(self, hashes: Sequence[bytes], have: int, num_tokens: int, label: str) -> list[bytes]:
+        """A copy of ``hashes`` once they are exactly the new full blocks' hashes: one
+        per full ``hash_block_size`` block past ``have``, non-empty ``bytes`` of the
+        pool's hash length."""
         if not self.enable_caching:
             return []
+        out = list(hashes)
         want = num_tokens // self.hash_block_size - have
         if len(out) != want:
             raise InvalidArgumentError(
-                f"request {request_id!r}: expected {want} new block hashes (one per full "
+                f"{label}: expected {want} new block hashes (one per full "
                 f"block of {self.hash_block_size} tokens), got {len(out)}"
             )
+        if not out:
+            return out
+        if set(map(type, out)) != {bytes}:
+            raise InvalidArgumentError("block hashes must be non-empty bytes")
+        lengths = set(map(len, out))
         length = self.config.hash_length
-        for h in out:
-            if not isinstance(h, bytes) or not h:
-                raise InvalidArgumentError("block hashes must be non-empty bytes")
-            if length is not None and len(h) != length:
-                raise InvalidArgumentError(
-                    f"block hashes must be {length} bytes long, got one of {len(h)} bytes"
-                )
+        if length is not None and lengths != {length}:
+            bad = next(n for n in lengths if n != length)
+            raise InvalidArgumentError(f"block hashes must be {length} bytes long, got one of {bad} bytes")
+        if 0 in lengths:
+            raise InvalidArgumentError("block hashes must be non-empty bytes")
         return out
 
     def _check_adoption(self, request_id: str, hit_blocks: list[list[KVCacheBlock]]) -> None:
@@ -629,13 +818,15 @@ class KVCachePool:
             return [[] for _ in range(n)]
         if not self.enable_caching:
             raise InvalidArgumentError("prefix caching is off: new_computed_blocks must be empty")
-        blocks = self.block_pool.blocks
-        null = self.block_pool.null_block
+        bp = self.block_pool
+        blocks = bp.blocks
         # The request's own last lookup, and no cached hash dropped since: every block
         # still holds the key it was found under, so the per-block check can be skipped.
         last = req.last_hit
         trusted = (
-            last is not None and last[1] == self.block_pool.hash_epoch and tuple(map(tuple, lists)) == last[0]
+            last is not None
+            and last[1] == bp.hash_epoch
+            and (lists is last[0] or tuple(map(tuple, lists)) == last[0])
         )
         out: list[list[KVCacheBlock]] = []
         for m, ids in zip(self.managers, lists, strict=False):
@@ -646,28 +837,31 @@ class KVCachePool:
                     f"group {m.group_id}: {len(ids)} hit blocks cover fewer than "
                     f"num_new_computed_tokens={num_new_computed_tokens} tokens"
                 )
-            hashes = hashes_at_block_size(req.block_hashes, self.hash_block_size, m.block_size)
-            if len(ids) > len(hashes):
+            if len(ids) * m.block_size > req.num_tokens:
                 raise InvalidArgumentError(
                     f"group {m.group_id}: {len(ids)} hit blocks but the request has only "
-                    f"{len(hashes)} full blocks"
+                    f"{req.num_tokens // m.block_size} full blocks"
                 )
             if trusted:
                 out.append([blocks[bid] for bid in ids])
                 continue
+            hashes = hashes_at_block_size(req.block_hashes, self.hash_block_size, m.block_size)
             resolved = []
+            gid = m.group_id
             for pos, bid in enumerate(ids):
-                if isinstance(bid, bool) or not isinstance(bid, int) or not 0 <= bid < len(blocks):
-                    raise InvalidArgumentError(f"group {m.group_id}: invalid block id {bid!r}")
-                block = blocks[bid]
-                if block is null:
+                if isinstance(bid, bool) or not isinstance(bid, int) or not 0 <= bid < bp.num_blocks:
+                    raise InvalidArgumentError(f"group {gid}: invalid block id {bid!r}")
+                if bid == 0:
                     if not m.uses_null_blocks:
                         raise InvalidArgumentError(
-                            f"group {m.group_id}: the null block cannot be part of a full-attention hit"
+                            f"group {gid}: the null block cannot be part of a full-attention hit"
                         )
-                elif block.block_hash != key_with_group(hashes[pos], m.group_id):
+                    resolved.append(bp.null_block)
+                    continue
+                block = bp.get_block(bid)
+                if block is None or block.cached_hash != hashes[pos] or block.cached_group != gid:
                     raise StaleCacheHitError(
-                        f"group {m.group_id}: block {bid} at position {pos} is no longer "
+                        f"group {gid}: block {bid} at position {pos} is no longer "
                         "cached for this request's prefix; look up again (or allocate "
                         "with an atomic lookup)"
                     )

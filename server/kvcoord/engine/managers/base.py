@@ -172,6 +172,7 @@ class SingleTypeKVCacheManager:
         spec: AttentionSpec,
         use_eagle: bool,
         alignment_tokens: int,
-    ) -> list[list[KVCacheBlock]]:
-        """The longest cached prefix of at most ``max_length`` tokens, one list per group."""
+    ) -> list[list[int]]:
+        """The longest cached prefix of at most ``max_length`` tokens: one list of block
+        ids per group (0 = the null block), all of the same length."""
         raise NotImplementedError

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..block_pool import BlockPool
-from ..blocks import KVCacheBlock
 from ..specs import AttentionSpec, ChunkedLocalAttentionSpec
 from .base import SingleTypeKVCacheManager
 
@@ -39,18 +38,17 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         spec: AttentionSpec,
         use_eagle: bool,
         alignment_tokens: int,
-    ) -> list[list[KVCacheBlock]]:
+    ) -> list[list[int]]:
         assert isinstance(spec, ChunkedLocalAttentionSpec)
         bs = spec.block_size
         chunk = spec.attention_chunk_size
         start = (max_length // chunk) * chunk if max_length > 0 else 0
         start_block = start // bs
-        null = block_pool.null_block
-        computed = [[null] * start_block for _ in group_ids]
+        computed: list[list[int]] = [[0] * start_block for _ in group_ids]
         for i in range(start_block, min(max_length // bs, len(block_hashes))):
             cached = block_pool.get_cached_block(block_hashes[i], group_ids)
             if cached is None:
                 break
-            for lst, block in zip(computed, cached, strict=False):
-                lst.append(block)
+            for lst, block_id in zip(computed, cached, strict=False):
+                lst.append(block_id)
         return computed

@@ -47,5 +47,5 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         spec: AttentionSpec,
         use_eagle: bool,
         alignment_tokens: int,
-    ) -> list[list[KVCacheBlock]]:
+    ) -> list[list[int]]:
         raise AssertionError("cross-attention has no prefix cache")

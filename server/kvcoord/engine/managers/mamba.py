@@ -149,18 +149,18 @@ class MambaManager(SingleTypeKVCacheManager):
         spec: AttentionSpec,
         use_eagle: bool,
         alignment_tokens: int,
-    ) -> list[list[KVCacheBlock]]:
+    ) -> list[list[int]]:
         bs = spec.block_size
-        computed: list[list[KVCacheBlock]] = [[] for _ in group_ids]
-        null = block_pool.null_block
+        computed: list[list[int]] = [[] for _ in group_ids]
+        aligned = bs == alignment_tokens
         for i in range(min(max_length // bs, len(block_hashes)) - 1, -1, -1):
             cached = block_pool.get_cached_block(block_hashes[i], group_ids)
             if cached is None:
                 continue
-            if bs != alignment_tokens and ((i + 1) * bs) % alignment_tokens:
+            if not aligned and ((i + 1) * bs) % alignment_tokens:
                 continue
-            for lst, block in zip(computed, cached, strict=False):
-                lst.extend([null] * i)
-                lst.append(block)
+            for lst, block_id in zip(computed, cached, strict=False):
+                lst.extend([0] * i)
+                lst.append(block_id)
             break
         return computed

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from ..block_pool import BlockPool
-from ..blocks import KVCacheBlock
 from ..specs import AttentionSpec, SlidingWindowSpec
 from .base import SingleTypeKVCacheManager, cdiv
 
@@ -40,39 +40,79 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         spec: AttentionSpec,
         use_eagle: bool,
         alignment_tokens: int,
-    ) -> list[list[KVCacheBlock]]:
+    ) -> list[list[int]]:
         assert isinstance(spec, SlidingWindowSpec)
         bs = spec.block_size
         need = cdiv(spec.sliding_window - 1, bs) + (1 if use_eagle else 0)
         max_blocks = min(max_length // bs, len(block_hashes))
-        null = block_pool.null_block
-        computed = [[null] * max_blocks for _ in group_ids]
-        run = 0
-        found = False
         aligned = bs == alignment_tokens
-        for i in range(max_blocks - 1, -1, -1):
-            cached = block_pool.get_cached_block(block_hashes[i], group_ids)
-            if cached is None:
-                run = 0
-                continue
-            if run == 0 and not aligned and ((i + 1) * bs) % alignment_tokens:
-                continue
-            for lst, block in zip(computed, cached, strict=False):
-                lst[i] = block
-            run += 1
-            if run >= need:
-                for lst in computed:
-                    del lst[i + run :]
-                found = True
-                break
-        if not found:
-            for lst in computed:
-                del lst[run:]
-            if not aligned:
-                while (len(computed[0]) * bs) % alignment_tokens:
-                    for lst in computed:
-                        lst.pop()
+        if aligned and len(group_ids) == 1:
+            get = block_pool.cached_block_hash_to_block.first[group_ids[0]].get
+            computed = [_last_run(list(map(get, block_hashes[:max_blocks])), need)]
+        else:
+            computed = _search(block_hashes, max_blocks, group_ids, block_pool, bs, need, alignment_tokens)
         if use_eagle and computed[0]:
             for lst in computed:
                 lst.pop()
         return computed
+
+
+def _last_run(ids: list[int | None], need: int) -> list[int]:
+    """The aligned search on the looked-up ids (``None`` = miss): the rightmost run of
+    ``need`` hits, nulls before it; else the run of hits starting at position 0.
+
+    Runs are found with C-level ``list.index`` on the reversed list.
+    """
+    need = max(need, 1)  # a single hit already ends the right-to-left scan
+    n = len(ids)
+    rev = ids[::-1]
+    start = 0
+    while start < n:
+        try:
+            miss = rev.index(None, start)
+        except ValueError:
+            miss = n
+        if miss - start >= need:
+            i = n - start - need
+            return [0] * i + cast(list[int], ids[i : i + need])
+        if miss == n:
+            return cast(list[int], ids[: n - start])  # the run touching position 0
+        start = miss + 1
+    return []
+
+
+def _search(
+    block_hashes: Sequence[bytes],
+    max_blocks: int,
+    group_ids: Sequence[int],
+    block_pool: BlockPool,
+    bs: int,
+    need: int,
+    alignment_tokens: int,
+) -> list[list[int]]:
+    """The general right-to-left search (several groups, or hit ends aligned to a
+    coarser LCM)."""
+    computed = [[0] * max_blocks for _ in group_ids]
+    run = 0
+    aligned = bs == alignment_tokens
+    for i in range(max_blocks - 1, -1, -1):
+        cached = block_pool.get_cached_block(block_hashes[i], group_ids)
+        if cached is None:
+            run = 0
+            continue
+        if run == 0 and not aligned and ((i + 1) * bs) % alignment_tokens:
+            continue
+        for lst, block_id in zip(computed, cached, strict=False):
+            lst[i] = block_id
+        run += 1
+        if run >= need:
+            for lst in computed:
+                del lst[i + run :]
+            return computed
+    for lst in computed:
+        del lst[run:]
+    if not aligned:
+        while (len(computed[0]) * bs) % alignment_tokens:
+            for lst in computed:
+                lst.pop()
+    return computed

@@ -6,6 +6,10 @@ KVCOORD_TARGET; without it, tests/integration is not collected (run `make integr
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 collect_ignore = [] if os.environ.get("KVCOORD_TARGET") else ["integration"]
+# tests/vllm need vLLM (scripts/install_vllm.sh makes a venv; scripts/test_vllm.sh runs them there)
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore.append("vllm")

@@ -7,12 +7,26 @@
 # pytest. kvcoord itself is not installed: the tests run it from the source tree
 # (PYTHONPATH=client:server:tests).
 #
-#   KVCOORD_VLLM_VENV   venv path (default /var/cache/kvcoord/vllm-venv)
+#   KVCOORD_VLLM_VENV   venv path (default /var/cache/kvcoord/vllm-venv, or
+#                       ~/.cache/kvcoord/vllm-venv when /var/cache is not writable)
 #   PYTHON              interpreter that creates the venv (default python3)
+#
+#   scripts/install_vllm.sh              create or reuse the venv
+#   scripts/install_vllm.sh --print-venv print the venv path and exit (scripts/test_vllm.sh)
 #
 # Idempotent: a venv whose stamp matches this script's package list is reused as is.
 set -euo pipefail
-VENV="${KVCOORD_VLLM_VENV:-/var/cache/kvcoord/vllm-venv}"
+if [ -n "${KVCOORD_VLLM_VENV:-}" ]; then
+  VENV="$KVCOORD_VLLM_VENV"
+elif [ -d /var/cache/kvcoord/vllm-venv ] || { mkdir -p /var/cache/kvcoord 2>/dev/null && [ -w /var/cache/kvcoord ]; }; then
+  VENV=/var/cache/kvcoord/vllm-venv
+else
+  VENV="${XDG_CACHE_HOME:-$HOME/.cache}/kvcoord/vllm-venv"
+fi
+if [ "${1:-}" = "--print-venv" ]; then
+  echo "$VENV"
+  exit 0
+fi
 PYTHON="${PYTHON:-python3}"
 
 TORCH="torch==2.13.0"

@@ -26,7 +26,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256_cbor
+from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1 import kv_cache_interface as k
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -195,8 +195,10 @@ def run_workload(
     With ``async_overlap`` the next step is scheduled before the previous one's output
     is applied, as vLLM's engine core does with async scheduling (a batch queue of one).
     """
-    init_none_hash(sha256_cbor)
-    hasher = get_request_block_hasher(BLOCK_SIZE, sha256_cbor)
+    # as EngineCore does: the configured hash (vLLM's default sha256), NONE_HASH from PYTHONHASHSEED
+    hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
     recorder = Recorder()
     sched.kv_event_publisher = recorder  # type: ignore[assignment]
     encoder = MsgpackEncoder()

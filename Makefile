@@ -6,7 +6,7 @@ PYTHON ?= python3
 install:            ## Python deps (editable) + Debian packages for the container tests
 	./scripts/install.sh
 
-install-vllm:       ## only the cached vLLM 0.16.0 venv for tests/vllm
+install-vllm:       ## only the cached vLLM 0.16.0 venv for tests/with_vllm
 	./scripts/install_vllm.sh
 
 test:               ## everything: fast suites, then the Docker image + Prometheus integration suite

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything kvcoord's tests need: the package with its test extras (editable),
-# the cached vLLM 0.16.0 venv for tests/vllm (scripts/install_vllm.sh), and, as root on Debian, docker.io, debootstrap, prometheus and docker-compose for the
+# the cached vLLM 0.16.0 venv for tests/with_vllm (scripts/install_vllm.sh), and, as root on Debian, docker.io, debootstrap, prometheus and docker-compose for the
 # container suite and the deploy-file checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."

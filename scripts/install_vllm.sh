@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A cached virtualenv with vLLM 0.16.0 (CPU torch, no GPU kernels) for tests/vllm.
+# A cached virtualenv with vLLM 0.16.0 (CPU torch, no GPU kernels) for tests/with_vllm.
 #
 # vLLM is installed with --no-deps; then only the modules its scheduler, configs and
 # output types import (found by trial: import, install what is missing, repeat), with

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the whole test suite: unit, conformance, property and service tests, vLLM's real
-# schedulers on kvcoord (tests/vllm, in the vLLM venv: scripts/test_vllm.sh), then the
+# schedulers on kvcoord (tests/with_vllm, in the vLLM venv: scripts/test_vllm.sh), then the
 # integration suite against the kvcoord Docker image, scraped by a real Prometheus.
 #
 #   scripts/test.sh                     everything

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run tests/vllm (vLLM 0.16.0's real schedulers, in-process vs kvcoord) inside the vLLM
+# Run tests/with_vllm (vLLM 0.16.0's real schedulers, in-process vs kvcoord) inside the vLLM
 # venv made by scripts/install_vllm.sh, with kvcoord from this source tree.
 #
 # Without the venv the suite is skipped with a loud message, unless KVCOORD_REQUIRE_VLLM
@@ -15,7 +15,7 @@ if ! "$VENV/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.vers
   fi
   cat >&2 <<MSG
 ########################################################################################
-#  SKIPPED tests/vllm: no vLLM 0.16.0 venv at $VENV.
+#  SKIPPED tests/with_vllm: no vLLM 0.16.0 venv at $VENV.
 #  vLLM's real Scheduler / AsyncScheduler on kvcoord is NOT tested in this run.
 #  Run scripts/install_vllm.sh (or make install) to test it; CI requires it.
 ########################################################################################
@@ -25,4 +25,4 @@ fi
 
 # vLLM and torch emit DeprecationWarnings at import; the suite's other warnings stay errors.
 PYTHONPATH=client:server:tests PYTHONHASHSEED="${PYTHONHASHSEED:-0}" \
-  "$VENV/bin/python" -m pytest tests/vllm -p no:cacheprovider -W ignore::DeprecationWarning "$@"
+  "$VENV/bin/python" -m pytest tests/with_vllm -p no:cacheprovider -W ignore::DeprecationWarning "$@"

@@ -10,6 +10,7 @@ import importlib.util
 import os
 
 collect_ignore = [] if os.environ.get("KVCOORD_TARGET") else ["integration"]
-# tests/vllm need vLLM (scripts/install_vllm.sh makes a venv; scripts/test_vllm.sh runs them there)
+# tests/with_vllm need vLLM (scripts/install_vllm.sh makes a venv; scripts/test_vllm.sh runs them there)
+# (named with_vllm: a tests/vllm directory would shadow the vllm package on the test path)
 if importlib.util.find_spec("vllm") is None:
-    collect_ignore.append("vllm")
+    collect_ignore.append("with_vllm")

@@ -1,4 +1,4 @@
-"""tests/vllm run inside the vLLM venv (scripts/install_vllm.sh; scripts/test_vllm.sh runs them).
+"""tests/with_vllm run inside the vLLM venv (scripts/install_vllm.sh; scripts/test_vllm.sh runs them).
 
 Under an interpreter without vLLM this directory is not collected (see tests/conftest.py).
 """

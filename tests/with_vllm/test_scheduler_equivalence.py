@@ -10,6 +10,7 @@ and every published KV event must be equal.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from pathlib import Path
 from typing import Any
@@ -41,16 +42,20 @@ def first_difference(a: list[Any], b: list[Any]) -> str:
 
 
 class CallCounter:
-    """Counts the manager's RPCs (every unary call of its client) per engine step."""
+    """Counts the manager's RPCs (every unary call of its client) per engine step, and
+    which manager operation each was (Step RPCs by their operation, others by name)."""
 
     def __init__(self, manager: KVCoordKVCacheManager) -> None:
         self.per_step: list[int] = []
+        self.by_kind: collections.Counter[str] = collections.Counter()
         client = manager.remote.client
         inner = client._call
 
         def counted(rpc: str, request: Any) -> Any:
             if self.per_step:
                 self.per_step[-1] += 1
+                kind = "+".join(op.WhichOneof("op") for op in request.ops) if rpc == "Step" else rpc
+                self.by_kind[kind] += 1
             return inner(rpc, request)
 
         client._call = counted  # type: ignore[method-assign]
@@ -103,7 +108,8 @@ def test_scheduler_decisions_equal(
     print(
         f"\n{kind}/{layout}: {want_counts}; manager RPCs per step: "
         f"mean {sum(counter.per_step) / len(counter.per_step):.1f}, max {max(counter.per_step)}, "
-        f"mean over steps with work {sum(busy) / max(len(busy), 1):.1f}"
+        f"mean over steps with work {sum(busy) / max(len(busy), 1):.1f}; per step by operation: "
+        + ", ".join(f"{k} {v / len(counter.per_step):.2f}" for k, v in counter.by_kind.most_common())
     )
 
 

@@ -38,8 +38,11 @@ VLLM_MODULES=(
   numpy packaging "pydantic>=2.12.0" regex psutil cbor2 "huggingface_hub<1" "transformers>=4.56.0,<5"
   "gguf>=0.17.0" "aiohttp>=3.13.3" "pyzmq>=25.0.0" msgspec pillow pybase64 cachetools cloudpickle
   py-cpuinfo "prometheus_client>=0.18.0" "openai-harmony>=0.0.3" "openai>=1.99.1"
-  "llguidance>=1.3.0,<1.4.0" "mistral_common>=1.9.0" "diskcache==5.6.3" "xgrammar==0.1.29" einops
+  "llguidance>=1.3.0,<1.4.0" "mistral_common>=1.9.0" "diskcache==5.6.3" einops
 )
+# Imported by vllm.v1.structured_output; --no-deps leaves out triton (1 GB, no GPU here):
+# its other requirements are above.
+NO_DEPS_MODULES=("xgrammar==0.1.29")
 # kvcoord's runtime dependencies (pyproject.toml) and what its tests need.
 KVCOORD_MODULES=(
   "grpcio>=1.85.1" "protobuf>=6.31.1" "grpcio-health-checking>=1.85.1" "grpcio-reflection>=1.85.1"
@@ -47,7 +50,7 @@ KVCOORD_MODULES=(
 )
 
 stamp="$VENV/.kvcoord-stamp"
-want="$(printf '%s\n' "$TORCH" "$VLLM" "${VLLM_MODULES[@]}" "${KVCOORD_MODULES[@]}")"
+want="$(printf '%s\n' "$TORCH" "$VLLM" "${VLLM_MODULES[@]}" "${NO_DEPS_MODULES[@]}" "${KVCOORD_MODULES[@]}")"
 
 if [ -x "$VENV/bin/python" ] && [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
   && "$VENV/bin/python" -c 'import importlib.metadata as m, sys; sys.exit(m.version("vllm") != "0.16.0")' 2>/dev/null; then
@@ -74,7 +77,8 @@ echo "vLLM venv: installed $TORCH"
 pip_q --no-deps "$VLLM"
 echo "vLLM venv: installed $VLLM (--no-deps)"
 pip_q "${VLLM_MODULES[@]}"
-echo "vLLM venv: installed the ${#VLLM_MODULES[@]} modules vLLM's scheduler imports"
+pip_q --no-deps "${NO_DEPS_MODULES[@]}"
+echo "vLLM venv: installed the $(( ${#VLLM_MODULES[@]} + ${#NO_DEPS_MODULES[@]} )) modules vLLM's scheduler imports"
 pip_q "${KVCOORD_MODULES[@]}"
 echo "vLLM venv: installed kvcoord's runtime deps and pytest"
 "$VENV/bin/python" -c 'import vllm.v1.core.sched.async_scheduler, vllm.config, vllm.v1.serial_utils' >/dev/null 2>&1 \

@@ -441,6 +441,8 @@ class KVCoordKVCacheManager:
         self.metrics_collector = None
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
         self._held: dict[str, _Held] = {}
+        #: closed by close() (set by connect when it opened the client)
+        self.owned_client: KVCoordClient | None = None
 
     # -- blocks -------------------------------------------------------------------------
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> KVCacheBlocks:
@@ -578,7 +580,12 @@ class KVCoordKVCacheManager:
             held.hashed_tokens = max(held.hashed_tokens, num_computed_tokens)
 
     def close(self) -> None:
-        self.remote.close()
+        """End the session (the server frees what it still holds) and close an owned client."""
+        try:
+            self.remote.close()
+        finally:
+            if self.owned_client is not None:
+                self.owned_client.close()
 
 
 # -- connecting ------------------------------------------------------------------------
@@ -670,4 +677,6 @@ def connect(
         if own:
             c.close()
         raise
-    return KVCoordKVCacheManager(remote, kv_cache_config)
+    manager = KVCoordKVCacheManager(remote, kv_cache_config)
+    manager.owned_client = c if own else None
+    return manager

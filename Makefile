@@ -1,23 +1,31 @@
 # The two commands a newcomer needs (see README.md).
 PYTHON ?= python3
 
-.PHONY: install test test-fast integration bench protos lint
+.PHONY: install install-vllm test test-fast test-vllm integration bench protos lint
 
 install:            ## Python deps (editable) + Debian packages for the container tests
 	./scripts/install.sh
+
+install-vllm:       ## only the cached vLLM 0.16.0 venv for tests/with_vllm
+	./scripts/install_vllm.sh
 
 test:               ## everything: fast suites, then the Docker image + Prometheus integration suite
 	./scripts/test.sh
 
 test-fast:          ## everything except the container suite
 	$(PYTHON) -m pytest tests --ignore=tests/integration
+	./scripts/test_vllm.sh
+
+test-vllm:          ## only vLLM's real schedulers on kvcoord (in the vLLM venv)
+	./scripts/test_vllm.sh
 
 integration:        ## only the container suite (builds and starts the image)
 	./scripts/test.sh --integration-only
 
 bench:             ## engine scaling, wire costs, memory (bench/vs_vllm.py needs vLLM: see its docstring)
 	$(PYTHON) bench/engine.py
-	$(PYTHON) bench/wire.py
+	$(PYTHON) bench/step.py
+	$(PYTHON) bench/stall.py
 	$(PYTHON) bench/memory.py
 
 protos:             ## regenerate client/kvcoord/v1 after editing proto/

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything kvcoord's tests need: the package with its test extras (editable),
-# and, as root on Debian, docker.io, debootstrap, prometheus and docker-compose for the
+# the cached vLLM 0.16.0 venv for tests/with_vllm (scripts/install_vllm.sh), and, as root on Debian, docker.io, debootstrap, prometheus and docker-compose for the
 # container suite and the deploy-file checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -8,6 +8,8 @@ PYTHON="${PYTHON:-python3}"
 
 "$PYTHON" -m pip install --quiet -e '.[test]'
 echo "installed kvcoord (editable) with test extras"
+
+./scripts/install_vllm.sh
 
 need=()
 command -v dockerd >/dev/null 2>&1 || need+=(docker.io)

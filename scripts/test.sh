@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the whole test suite: unit, conformance, property and service tests, then the
+# Run the whole test suite: unit, conformance, property and service tests, vLLM's real
+# schedulers on kvcoord (tests/with_vllm, in the vLLM venv: scripts/test_vllm.sh), then the
 # integration suite against the kvcoord Docker image, scraped by a real Prometheus.
 #
 #   scripts/test.sh                     everything
@@ -23,6 +24,7 @@ status=0
 
 if [ "${1:-}" != "--integration-only" ]; then
   "$PYTHON" -m pytest tests --ignore=tests/integration || status=$?
+  ./scripts/test_vllm.sh || status=$?
 fi
 
 cleanup() {

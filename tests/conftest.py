@@ -6,12 +6,17 @@ KVCOORD_TARGET; without it, tests/integration is not collected (run `make integr
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
 from certs import CertFiles, write_certs
 
 collect_ignore = [] if os.environ.get("KVCOORD_TARGET") else ["integration"]
+# tests/with_vllm need vLLM (scripts/install_vllm.sh makes a venv; scripts/test_vllm.sh runs them there)
+# (named with_vllm: a tests/vllm directory would shadow the vllm package on the test path)
+if importlib.util.find_spec("vllm") is None:
+    collect_ignore.append("with_vllm")
 
 
 @pytest.fixture(scope="session")

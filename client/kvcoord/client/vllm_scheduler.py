@@ -1,0 +1,59 @@
+"""vLLM 0.16.0's schedulers with kvcoord as their KV cache manager (needs vLLM).
+
+Use with vLLM's own option, the pool given by ``KVCOORD_*`` environment variables
+(:class:`kvcoord.client.vllm.Settings`)::
+
+    KVCOORD_TARGET=kvcoord:50051 KVCOORD_POOL=llama-8b PYTHONHASHSEED=0 \\
+        vllm serve MODEL --scheduler-cls kvcoord.client.vllm_scheduler.KVCoordScheduler
+
+``KVCoordAsyncScheduler`` is the same on vLLM's ``AsyncScheduler`` (``--scheduler-cls``
+replaces vLLM's choice between the two, so pick the one matching ``--async-scheduling``).
+The engine profiles memory and builds its ``KVCacheConfig`` as usual; the scheduler then
+creates the pool from it (or attaches to an existing one, refusing a mismatch) and every
+allocation decision is the pool's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from .vllm import KVCoordKVCacheManager, Settings, connect
+
+__all__ = ["KVCoordAsyncScheduler", "KVCoordScheduler"]
+
+
+def _install(scheduler: Any) -> KVCoordKVCacheManager:
+    """Replace the scheduler's in-process manager with one on the configured pool."""
+    manager = connect(
+        Settings.from_env(), scheduler.kv_cache_config, scheduler.vllm_config, log_stats=scheduler.log_stats
+    )
+    # vLLM's own manager (built by Scheduler.__init__) holds nothing yet: drop it
+    scheduler.kv_cache_manager = manager
+    return manager
+
+
+class KVCoordScheduler(Scheduler):
+    """vLLM's ``Scheduler``; its ``kv_cache_manager`` is a kvcoord pool."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kvcoord = _install(self)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.kvcoord.close()
+
+
+class KVCoordAsyncScheduler(AsyncScheduler):
+    """vLLM's ``AsyncScheduler``; its ``kv_cache_manager`` is a kvcoord pool."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kvcoord = _install(self)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.kvcoord.close()

@@ -1,0 +1,181 @@
+"""kvcoord.client.vllm without vLLM installed: blocks, pool configs from vLLM-shaped
+configs, the connect-time check, plain stats and events (tests/with_vllm use vLLM itself)."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from kvcoord.client.hashing import BlockHasher, none_hash
+from kvcoord.client.vllm import (
+    KVCacheBlock,
+    KVCacheBlocks,
+    PoolMismatchError,
+    Settings,
+    connect,
+    convert_events,
+    convert_stats,
+    pool_config_differences,
+    pool_config_from_vllm,
+)
+from kvcoord.service.testing import InProcessServer
+from kvcoord.v1 import allocator_pb2 as pb
+
+
+@dataclasses.dataclass
+class FullAttentionSpec:  # dispatch is by vLLM's class name
+    block_size: int
+    num_kv_heads: int = 2
+    head_size: int = 16
+    dtype: str = "float16"
+
+
+@dataclasses.dataclass
+class SlidingWindowSpec:
+    block_size: int
+    sliding_window: int
+    num_kv_heads: int = 2
+    head_size: int = 16
+    dtype: str = "float16"
+
+
+def engine(num_blocks: int = 32, *, events: bool = True, caching: bool = True) -> tuple[Any, Any]:
+    """(kv_cache_config, vllm_config) with the attributes vLLM's have."""
+    kv = SimpleNamespace(
+        num_blocks=num_blocks,
+        kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=FullAttentionSpec(4)),
+            SimpleNamespace(kv_cache_spec=SlidingWindowSpec(4, 8)),
+        ],
+    )
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(
+            block_size=4, enable_prefix_caching=caching, prefix_caching_hash_algo="sha256"
+        ),
+        parallel_config=SimpleNamespace(decode_context_parallel_size=1, prefill_context_parallel_size=1),
+        kv_events_config=SimpleNamespace(enable_kv_cache_events=events),
+        speculative_config=None,
+        model_config=SimpleNamespace(max_model_len=256),
+    )
+    return kv, cfg
+
+
+@dataclasses.dataclass
+class Req:
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def test_blocks_interface() -> None:
+    """+, new_empty, get_block_ids(allow_none) and get_unhashed_block_ids as vLLM's."""
+    a = KVCacheBlocks(([KVCacheBlock(1, b"h"), KVCacheBlock(2)],))
+    b = KVCacheBlocks(([KVCacheBlock(3)],))
+    assert (a + b).get_block_ids() == ([1, 2, 3],)
+    assert a.new_empty().get_block_ids(allow_none=True) is None
+    assert a.new_empty().get_block_ids() == ([],)
+    assert a.get_block_ids(allow_none=True) == ([1, 2],)
+    assert a.get_unhashed_block_ids() == [2]
+    assert a.blocks[0][0].block_hash == b"h" and not a.blocks[0][0].is_null
+
+
+def test_pool_config_from_engine_and_differences() -> None:
+    """Groups, sizes and settings come from the engine; differences are named one by one."""
+    kv, cfg = engine()
+    want = pool_config_from_vllm(kv, cfg, hash_seed="0")
+    assert [g.WhichOneof("spec") for g in want.groups] == ["full", "sliding_window"]
+    assert (want.num_blocks, want.hash_block_size, want.max_model_len, want.hash_algo) == (
+        32,
+        4,
+        256,
+        "sha256",
+    )
+    assert pool_config_differences(want, want) == []
+    other = pb.PoolConfig()
+    other.CopyFrom(want)
+    other.num_blocks, other.enable_kv_cache_events, other.log_stats = 31, False, False
+    other.groups[1].sliding_window.sliding_window = 16
+    diffs = pool_config_differences(want, other)
+    assert [d.split(":")[0] for d in diffs] == [
+        "num_blocks",
+        "group 1",
+        "enable_kv_cache_events",
+        "log_stats",
+    ]
+    assert "sliding_window=8" in diffs[1] and "sliding_window=16" in diffs[1]
+
+
+def test_connect_creates_attaches_and_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """connect creates the pool, a second engine attaches, a different engine is refused."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    server = InProcessServer().start()
+    try:
+        kv, cfg = engine()
+        settings = Settings(target=server.address, pool="eng")
+        m = connect(settings, kv, cfg)
+        # vLLM's requests carry their block hashes (the engine core's block hasher)
+        r = Req(
+            "a",
+            list(range(10)),
+            block_hashes=BlockHasher("sha256", 4, none_hash("sha256", "0")).extend(range(10)),
+        )
+        hit, n = m.get_computed_blocks(r)
+        assert (hit.get_block_ids(), n) == (([], []), 0)
+        new = m.allocate_slots(r, 10, n, hit)
+        assert new is not None and new.get_block_ids() == ([1, 2, 3], [4, 5, 6])
+        # 8 tokens cached: two full blocks per group hold hashes, the partial one does not
+        hashed = [[blk.block_hash is not None for blk in g] for g in m.get_blocks("a").blocks]
+        assert hashed == [[True, True, False], [True, True, False]]
+        stats = m.make_prefix_cache_stats()
+        assert (stats.requests, stats.queries, stats.hits) == (1, 10, 0)
+        assert [type(e).__name__ for e in m.take_events()] == ["BlockStored", "BlockStored"]
+        m.free(r)
+        connect(Settings(target=server.address, pool="eng", create_pool=False), kv, cfg).close()
+        kv2, cfg2 = engine(31, events=False)
+        with pytest.raises(PoolMismatchError, match="num_blocks.*enable_kv_cache_events") as err:
+            connect(settings, kv2, cfg2, log_stats=False)
+        assert len(err.value.differences) == 3
+        m.close()
+    finally:
+        server.stop()
+
+
+def test_settings_from_env() -> None:
+    """KVCOORD_TARGET is required; pool, token and create default sensibly."""
+    with pytest.raises(ValueError, match="KVCOORD_TARGET"):
+        Settings.from_env({})
+    s = Settings.from_env({"KVCOORD_TARGET": "h:1", "KVCOORD_CREATE_POOL": "0", "KVCOORD_TOKEN": "t"})
+    assert (s.target, s.pool, s.token, s.create_pool) == ("h:1", "vllm", "t", False)
+
+
+def test_stats_and_events_convert() -> None:
+    """Protobuf stats and events become objects with vLLM's fields (int hashes by default)."""
+    stats = convert_stats(pb.PrefixCacheStats(requests=2, queries=30, hits=16, preempted_hits=4))
+    assert (stats.requests, stats.queries, stats.hits, stats.preempted_hits, stats.reset) == (
+        2,
+        30,
+        16,
+        4,
+        False,
+    )
+    h = bytes(range(32))
+    events = convert_events(
+        [
+            pb.KVEvent(block_stored=pb.BlockStored(block_hashes=[h], token_ids=[1, 2], block_size=2)),
+            pb.KVEvent(block_removed=pb.BlockRemoved(block_hashes=[h])),
+            pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared()),
+        ]
+    )
+    stored, removed, cleared = events
+    assert stored.block_hashes == [int.from_bytes(h[-8:], "big")] and stored.parent_block_hash is None
+    assert (stored.token_ids, stored.block_size, stored.medium, stored.lora_id) == ([1, 2], 2, "GPU", None)
+    assert removed.block_hashes == stored.block_hashes
+    assert type(cleared).__name__ == "AllBlocksCleared"

@@ -1,0 +1,256 @@
+"""Drive vLLM 0.16.0's real Scheduler / AsyncScheduler through a seeded workload.
+
+A model directory with only a tiny ``config.json`` (no weights, no tokenizer), CPU
+device, and a ``KVCacheConfig`` built here as the engine core would after profiling. The
+fake model runner samples one token for every scheduled request that is past its prompt
+(``request.is_prefill_chunk`` false), as vLLM's runner does. Every observable decision is
+recorded per step, so two runs (vLLM's in-process manager, kvcoord) compare step by step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVEventsConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1 import kv_cache_interface as k
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.serial_utils import MsgpackEncoder
+from vllm.v1.structured_output import StructuredOutputManager
+
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 1024
+VOCAB = 1000
+#: layout name -> KV cache group specs (vLLM's); "full+swa" is a hybrid (two groups)
+LAYOUTS = ("full", "full+swa")
+
+
+def write_model_dir(path: Path) -> Path:
+    """A Mistral-shaped model of two layers: only what ModelConfig inspects."""
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "head_dim": 16, "vocab_size": VOCAB, "max_position_embeddings": 4096,
+        "sliding_window": None, "torch_dtype": "float16", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def kv_cache_config(layout: str, num_blocks: int) -> k.KVCacheConfig:
+    """The engine's KVCacheConfig for ``layout`` (as get_kv_cache_configs would group it)."""
+    common: dict[str, Any] = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
+    groups = [
+        k.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], k.FullAttentionSpec(BLOCK_SIZE, **common))
+    ]
+    if layout == "full+swa":
+        groups.append(
+            k.KVCacheGroupSpec(
+                ["model.layers.1.self_attn.attn"],
+                k.SlidingWindowSpec(BLOCK_SIZE, sliding_window=64, **common),
+            )
+        )
+    return k.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def vllm_config(
+    model_dir: Path,
+    num_blocks: int,
+    *,
+    async_scheduling: bool,
+    enable_caching: bool = True,
+    events: bool = True,
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 256,
+) -> VllmConfig:
+    model = ModelConfig(
+        model=str(model_dir), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float16"
+    )
+    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_caching)
+    cache.num_gpu_blocks = num_blocks
+    sched = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=MAX_MODEL_LEN,
+        is_encoder_decoder=False,
+        async_scheduling=async_scheduling,
+    )
+    return VllmConfig(
+        model_config=model,
+        cache_config=cache,
+        scheduler_config=sched,
+        device_config=DeviceConfig(device="cpu"),
+        parallel_config=ParallelConfig(distributed_executor_backend="uni"),
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null") if events else None,
+    )
+
+
+def make_scheduler(cls: type[Scheduler], config: VllmConfig, kv_config: k.KVCacheConfig) -> Scheduler:
+    """As vLLM's EngineCore builds it (log_stats on)."""
+    return cls(
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        structured_output_manager=StructuredOutputManager(config),
+        block_size=BLOCK_SIZE,
+        log_stats=True,
+    )
+
+
+class Recorder:
+    """Captures KV event batches the scheduler publishes."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.batches.append(batch)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def _new_data(out: SchedulerOutput) -> list[Any]:
+    return [
+        (r.req_id, r.block_ids, r.num_computed_tokens, len(r.prompt_token_ids or ()))
+        for r in out.scheduled_new_reqs
+    ]
+
+
+def summarize(out: SchedulerOutput) -> dict[str, Any]:
+    c = out.scheduled_cached_reqs
+    return {
+        "num_scheduled_tokens": dict(sorted(out.num_scheduled_tokens.items())),
+        "total": out.total_num_scheduled_tokens,
+        "new": _new_data(out),
+        "cached": list(zip(c.req_ids, c.new_block_ids, c.num_computed_tokens, strict=True)),
+        "resumed": sorted(c.resumed_req_ids),
+        "preempted": sorted(out.preempted_req_ids or ()),
+        "finished": sorted(out.finished_req_ids),
+        "common_prefix": list(out.num_common_prefix_blocks),
+    }
+
+
+def summarize_outputs(outs: dict[int, EngineCoreOutputs]) -> dict[str, Any]:
+    got: dict[str, Any] = {}
+    for eco in outs.values():
+        for o in eco.outputs:
+            got[o.request_id] = (list(o.new_token_ids), str(o.finish_reason), o.num_cached_tokens)
+        s = eco.scheduler_stats
+        if s is not None:
+            p = s.prefix_cache_stats
+            got["~stats"] = (
+                s.num_running_reqs, s.num_waiting_reqs, round(s.kv_cache_usage, 9),
+                (p.reset, p.requests, p.queries, p.hits, p.preempted_requests, p.preempted_queries, p.preempted_hits),
+            )  # fmt: skip
+    return dict(sorted(got.items()))
+
+
+def fake_runner_output(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
+    """One sampled token per request past its prompt (deterministic in id and length)."""
+    ids = list(out.num_scheduled_tokens)
+    sampled: list[list[int]] = []
+    for rid in ids:
+        req = sched.requests.get(rid)
+        if req is None or req.is_prefill_chunk:
+            sampled.append([])
+        else:
+            sampled.append([(int(rid[1:]) * 7919 + req.num_output_tokens * 31 + 7) % VOCAB])
+    return ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
+    )
+
+
+def run_workload(
+    sched: Scheduler,
+    *,
+    seed: int,
+    steps: int,
+    async_overlap: bool,
+    on_step: Callable[[int], None] | None = None,
+) -> tuple[list[Any], dict[str, int]]:
+    """Run ``steps`` engine steps; returns the per-step record and event/outcome counts.
+
+    With ``async_overlap`` the next step is scheduled before the previous one's output
+    is applied, as vLLM's engine core does with async scheduling (a batch queue of one).
+    """
+    # as EngineCore does: the configured hash (vLLM's default sha256), NONE_HASH from PYTHONHASHSEED
+    hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+    recorder = Recorder()
+    sched.kv_event_publisher = recorder  # type: ignore[assignment]
+    encoder = MsgpackEncoder()
+    rnd = random.Random(seed)
+    prefixes = [[rnd.randrange(VOCAB) for _ in range(n)] for n in (16, 40, 100, 170)]
+    trace: list[Any] = []
+    counts = {"preempted": 0, "aborted": 0, "finished": 0, "hit_tokens": 0, "events": 0, "scheduled": 0}
+    pending: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+    nid = 0
+
+    def apply(out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
+        outs = sched.update_from_output(out, mro)
+        for eco in outs.values():
+            encoder.encode(eco)  # what the engine core sends to the frontend
+        summary = summarize_outputs(outs)
+        counts["finished"] += sum(1 for v in summary.values() if isinstance(v, tuple) and v[1] == "length")
+        trace.append(("outputs", summary))
+
+    for step in range(steps):
+        if on_step is not None:
+            on_step(step)
+        for _ in range(rnd.choice((0, 0, 1, 1, 2))):
+            rid = f"r{nid}"
+            nid += 1
+            prompt = rnd.choice(prefixes) + [rnd.randrange(VOCAB) for _ in range(rnd.randint(1, 60))]
+            params = SamplingParams(max_tokens=rnd.randint(1, 40), ignore_eos=True)
+            sched.add_request(Request(rid, prompt, params, None, None, block_hasher=hasher))
+        live = sorted(sched.requests)
+        if live and rnd.random() < 0.06:
+            victim = rnd.choice(live)
+            sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
+            counts["aborted"] += 1
+        out = sched.schedule()
+        summary = summarize(out)
+        counts["preempted"] += len(summary["preempted"])
+        counts["scheduled"] += len(summary["num_scheduled_tokens"])
+        counts["hit_tokens"] += sum(n for _, _, n, _ in summary["new"])
+        trace.append(("schedule", step, summary))
+        mro = fake_runner_output(sched, out)
+        if async_overlap:
+            if pending is not None:
+                apply(*pending)
+            pending = (out, mro)
+        else:
+            apply(out, mro)
+    if pending is not None:
+        apply(*pending)
+    for batch in recorder.batches:
+        counts["events"] += len(batch.events)
+        trace.append(("events", [repr(e) for e in batch.events]))
+        encoder.encode(batch)
+    return trace, counts
+
+
+SCHEDULERS: dict[str, type[Scheduler]] = {"sync": Scheduler, "async": AsyncScheduler}

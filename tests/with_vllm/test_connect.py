@@ -1,0 +1,99 @@
+"""Connecting an engine to a pool: created from the engine's KVCacheConfig, attached when
+equal, refused with every difference named otherwise; stats and events are vLLM's types."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import msgspec
+import pytest
+from harness import BLOCK_SIZE, kv_cache_config, vllm_config
+from kvcoord.client.vllm import PoolMismatchError, Settings, connect, pool_config_from_vllm
+from kvcoord.service.testing import InProcessServer
+from vllm.distributed.kv_events import BlockStored, KVEventBatch
+from vllm.v1.metrics.stats import PrefixCacheStats
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+_names = itertools.count()
+
+
+def test_pool_created_from_engine_config(model_dir: Path, server: InProcessServer) -> None:
+    """The pool gets the engine's groups, blocks and settings; a second engine attaches to it."""
+    cfg, kv = vllm_config(model_dir, 64, async_scheduling=False), kv_cache_config("full+swa", 64)
+    settings = Settings(target=server.address, pool=f"made-{next(_names)}")
+    first = connect(settings, kv, cfg)
+    pool = first.remote.config
+    assert (pool.num_blocks, pool.hash_block_size, pool.max_model_len) == (64, BLOCK_SIZE, 1024)
+    assert [g.WhichOneof("spec") for g in pool.groups] == ["full", "sliding_window"]
+    assert pool.groups[1].sliding_window.sliding_window == 64
+    assert (pool.hash_algo, pool.hash_seed, pool.enable_kv_cache_events) == ("sha256", "0", True)
+    second = connect(Settings(target=server.address, pool=settings.pool, create_pool=False), kv, cfg)
+    assert second.num_kv_cache_groups == 2
+    first.close()
+    second.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ("stats off", ["log_stats"]),
+        ("events off", ["enable_kv_cache_events"]),
+        ("one block fewer", ["num_blocks"]),
+        ("other block size", ["group 0", "group 1", "hash_block_size"]),
+        ("all", ["log_stats", "enable_kv_cache_events", "num_blocks"]),
+    ],
+)
+def test_mismatch_refused_naming_each_difference(
+    change: str, named: list[str], model_dir: Path, server: InProcessServer
+) -> None:
+    """An existing pool with other settings is refused; the message names every difference."""
+    pool = f"existing-{next(_names)}"
+    connect(Settings(target=server.address, pool=pool), kv_cache_config("full+swa", 64),
+            vllm_config(model_dir, 64, async_scheduling=False)).close()  # fmt: skip
+    num_blocks = 63 if change in ("one block fewer", "all") else 64
+    events = change not in ("events off", "all")
+    log_stats = change not in ("stats off", "all")
+    cfg = vllm_config(model_dir, num_blocks, async_scheduling=False, events=events)
+    kv = kv_cache_config("full+swa", num_blocks)
+    if change == "other block size":
+        cfg.cache_config.block_size = 32
+        for g in kv.kv_cache_groups:
+            g.kv_cache_spec = type(g.kv_cache_spec)(**{**g.kv_cache_spec.__dict__, "block_size": 32})
+    with pytest.raises(PoolMismatchError) as err:
+        connect(Settings(target=server.address, pool=pool), kv, cfg, log_stats=log_stats)
+    assert sorted(d.split(":")[0] for d in err.value.differences) == sorted(named), err.value.differences
+    for name in named:
+        assert name in str(err.value)
+
+
+def test_stats_and_events_are_vllms_and_serialize(model_dir: Path, server: InProcessServer) -> None:
+    """make_prefix_cache_stats / take_events give vLLM's types; msgspec round-trips them."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    m = connect(Settings(target=server.address, pool=f"types-{next(_names)}"), kv_cache_config("full", 64),
+                vllm_config(model_dir, 64, async_scheduling=False))  # fmt: skip
+    req = Request("a", list(range(40)), SamplingParams(max_tokens=4), None, None,
+                  block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256))  # fmt: skip
+    hit, n = m.get_computed_blocks(req)
+    assert m.allocate_slots(req, 40, n, hit) is not None
+    stats = m.make_prefix_cache_stats()
+    assert isinstance(stats, PrefixCacheStats) and (stats.requests, stats.queries) == (1, 40)
+    events = m.take_events()
+    assert [type(e) for e in events] == [BlockStored] and len(events[0].block_hashes) == 2
+    batch = KVEventBatch(ts=0.0, events=events)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(batch), type=KVEventBatch) == batch
+    assert MsgpackDecoder(PrefixCacheStats).decode(MsgpackEncoder().encode(stats)) == stats
+    m.free(req)
+    m.close()
+
+
+def test_expected_pool_from_vllm_defaults(model_dir: Path) -> None:
+    """vLLM's default hash (sha256) and PYTHONHASHSEED carry into the pool config."""
+    cfg = vllm_config(model_dir, 64, async_scheduling=False, enable_caching=False, events=False)
+    pc = pool_config_from_vllm(kv_cache_config("full", 64), cfg, log_stats=False)
+    assert (pc.enable_caching, pc.hash_algo, pc.hash_seed, pc.log_stats) == (False, "", "", False)

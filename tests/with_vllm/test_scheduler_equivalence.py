@@ -1,0 +1,155 @@
+"""vLLM 0.16.0's real Scheduler and AsyncScheduler decide identically on kvcoord.
+
+Each case runs one seeded workload twice: with vLLM's in-process KVCacheManager and with
+``KVCoordScheduler`` / ``KVCoordAsyncScheduler`` (the classes ``--scheduler-cls`` takes)
+on a real kvcoord server. Every step's scheduler output (scheduled ids and token counts,
+block ids of new and cached requests, preemptions, finished ids, common prefix blocks),
+every engine output (sampled tokens, finish reasons, prefix-cache hits, stats, usage)
+and every published KV event must be equal.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import (
+    LAYOUTS,
+    SCHEDULERS,
+    kv_cache_config,
+    make_scheduler,
+    run_workload,
+    vllm_config,
+)
+from kvcoord.client.vllm import KVCacheBlocks, KVCoordKVCacheManager
+from kvcoord.client.vllm_scheduler import KVCoordAsyncScheduler, KVCoordScheduler
+from kvcoord.service.testing import InProcessServer
+
+STEPS = 300
+NUM_BLOCKS = 64  # 63 usable blocks of 16 tokens: forces preemption with 16 running requests
+KVCOORD = {"sync": KVCoordScheduler, "async": KVCoordAsyncScheduler}
+_pool_ids = itertools.count()
+
+
+def first_difference(a: list[Any], b: list[Any]) -> str:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return f"entry {i}:\n  vLLM:    {x}\n  kvcoord: {y}"
+    return f"lengths {len(a)} != {len(b)}"
+
+
+class CallCounter:
+    """Counts the manager's RPCs (every unary call of its client) per engine step, and
+    which manager operation each was (Step RPCs by their operation, others by name)."""
+
+    def __init__(self, manager: KVCoordKVCacheManager) -> None:
+        self.per_step: list[int] = []
+        self.by_kind: collections.Counter[str] = collections.Counter()
+        client = manager.remote.client
+        inner = client._call
+
+        def counted(rpc: str, request: Any) -> Any:
+            if self.per_step:
+                self.per_step[-1] += 1
+                kind = "+".join(op.WhichOneof("op") for op in request.ops) if rpc == "Step" else rpc
+                self.by_kind[kind] += 1
+            return inner(rpc, request)
+
+        client._call = counted  # type: ignore[method-assign]
+
+    def step(self, _: int) -> None:
+        self.per_step.append(0)
+
+
+RPC_REPORT: dict[str, list[int]] = {}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_scheduler_decisions_equal(
+    kind: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """300 steps with shared prefixes, preemption, aborts and length stops: identical every step."""
+    seed = 11 + LAYOUTS.index(layout)
+    asynchronous = kind == "async"
+
+    local = make_scheduler(
+        SCHEDULERS[kind], vllm_config(model_dir, NUM_BLOCKS, async_scheduling=asynchronous),
+        kv_cache_config(layout, NUM_BLOCKS),
+    )  # fmt: skip
+    want, want_counts = run_workload(local, seed=seed, steps=STEPS, async_overlap=asynchronous)
+
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_POOL", f"{kind}-{layout.replace('+', '-')}-{next(_pool_ids)}")
+    remote = make_scheduler(
+        KVCOORD[kind], vllm_config(model_dir, NUM_BLOCKS, async_scheduling=asynchronous),
+        kv_cache_config(layout, NUM_BLOCKS),
+    )  # fmt: skip
+    assert isinstance(remote.kv_cache_manager, KVCoordKVCacheManager)
+    counter = CallCounter(remote.kv_cache_manager)
+    got, got_counts = run_workload(
+        remote, seed=seed, steps=STEPS, async_overlap=asynchronous, on_step=counter.step
+    )
+    remote.shutdown()
+
+    assert got == want, first_difference(want, got)
+    assert got_counts == want_counts
+    # the workload exercised what it is meant to
+    assert want_counts["preempted"] > 0, want_counts
+    assert want_counts["aborted"] > 0, want_counts
+    assert want_counts["finished"] > 20, want_counts
+    assert want_counts["hit_tokens"] > 0, want_counts
+    assert want_counts["events"] > 0, want_counts
+    RPC_REPORT[f"{kind}/{layout}"] = counter.per_step
+    busy = [n for n in counter.per_step if n]
+    print(
+        f"\n{kind}/{layout}: {want_counts}; manager RPCs per step: "
+        f"mean {sum(counter.per_step) / len(counter.per_step):.1f}, max {max(counter.per_step)}, "
+        f"mean over steps with work {sum(busy) / max(len(busy), 1):.1f}; per step by operation: "
+        + ", ".join(f"{k} {v / len(counter.per_step):.2f}" for k, v in counter.by_kind.most_common())
+    )
+
+
+def test_blocks_behave_like_vllms(
+    model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """get_blocks: +, new_empty, get_block_ids(allow_none), get_unhashed_block_ids, block_hash."""
+
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_POOL", f"blocks-{next(_pool_ids)}")
+    cfg = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False)
+    local = make_scheduler(SCHEDULERS["sync"], cfg, kv_cache_config("full", NUM_BLOCKS))
+    remote = make_scheduler(KVCoordScheduler, vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False),
+                            kv_cache_config("full", NUM_BLOCKS))  # fmt: skip
+    snapshots: dict[str, list[Any]] = {"local": [], "remote": []}
+
+    def snap(name: str, sched: Any) -> None:
+        m = sched.kv_cache_manager
+        for rid in sorted(sched.requests):
+            if sched.requests[rid].status.name != "RUNNING":
+                continue
+            b = m.get_blocks(rid)
+            ids = b.get_block_ids()
+            snapshots[name].append(
+                (rid, ids, b.get_unhashed_block_ids(), [x.block_hash for x in b.blocks[0]],
+                 (b + b).get_block_ids(), b.new_empty().get_block_ids(allow_none=True), m.get_block_ids(rid))
+            )  # fmt: skip
+
+    for name, sched in (("local", local), ("remote", remote)):
+        run_workload(
+            sched, seed=5, steps=60, async_overlap=False, on_step=lambda _s, n=name, s=sched: snap(n, s)
+        )
+    assert snapshots["remote"] == snapshots["local"], first_difference(
+        snapshots["local"], snapshots["remote"]
+    )
+    hashed = sum(1 for s in snapshots["local"] for h in s[3] if h is not None)
+    unhashed = sum(len(s[2]) for s in snapshots["local"])
+    assert hashed > 50 and unhashed > 10, (hashed, unhashed)
+    m = remote.kv_cache_manager
+    assert isinstance(m.empty_kv_cache_blocks, KVCacheBlocks)
+    assert m.empty_kv_cache_blocks.get_block_ids(allow_none=True) is None
+    assert m.create_kv_cache_blocks(((),)) is m.empty_kv_cache_blocks
+    remote.shutdown()

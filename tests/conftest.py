@@ -7,10 +7,13 @@ KVCOORD_TARGET; without it, tests/integration is not collected (run `make integr
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 import os
 
 import pytest
-from certs import CertFiles, write_certs
+
+if TYPE_CHECKING:
+    from certs import CertFiles
 
 collect_ignore = [] if os.environ.get("KVCOORD_TARGET") else ["integration"]
 # tests/with_vllm need vLLM (scripts/install_vllm.sh makes a venv; scripts/test_vllm.sh runs them there)
@@ -22,4 +25,6 @@ if importlib.util.find_spec("vllm") is None:
 @pytest.fixture(scope="session")
 def certs(tmp_path_factory: pytest.TempPathFactory) -> CertFiles:
     """A CA, server and client certificates (and a stranger CA), generated once per run."""
+    from certs import write_certs  # needs `cryptography`, which the vLLM venv does not have
+
     return write_certs(tmp_path_factory.mktemp("certs"))

@@ -100,7 +100,7 @@ def dump_state(registry: PoolRegistry, wall_clock: Callable[[], float] = time.ti
         for s in registry.sessions.sessions.values()
     ]
     state = {
-        "lineage": sorted(registry.lineage),
+        "lineage": sorted(registry.lineage | {registry.instance_id}),
         "pools": pools,
         "sessions": sessions,
         "idempotency": registry.idempotency.export(),

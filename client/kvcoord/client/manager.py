@@ -541,6 +541,7 @@ class StepBatcher:
                 p._fail(err)
             return
         keeper.renewed(sent)
+        keeper.adopt(resp.fence)
         m._usage = resp.usage
         failed = False
         for (_, decode, touched, p), result in zip(items, resp.results, strict=True):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import yaml
 from kvcoord.service.config import parse_config
+from kvcoord.service.idempotency import IdempotencyStore
 from kvcoord.service.metrics import Metrics
 from kvcoord.service.registry import Limits, PoolRegistry
 from kvcoord.service.servicer import AllocatorServicer
-from kvcoord.service.idempotency import IdempotencyStore
 from kvcoord.service.sessions import SessionTable
 
 ROOT = Path(__file__).resolve().parents[2]

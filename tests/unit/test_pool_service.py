@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, PrefixCacheStats, SlidingWindowSpec
 from kvcoord.service import operations as op
 from kvcoord.service.errors import ErrorReason, ServiceError
@@ -12,8 +13,6 @@ from kvcoord.service.idempotency import IdempotencyStore
 from kvcoord.service.pool_service import Fence, Limits, PoolService
 from kvcoord.service.sessions import SessionTable
 from kvcoord.service.testing import ManualClock
-
-from kvcoord.client.hashing import BlockHasher, none_hash
 
 NONE = none_hash("sha256_cbor", "0")
 

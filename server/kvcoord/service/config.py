@@ -68,7 +68,7 @@ class ServerSettings:
     #: process crash; the last commits may be lost on power loss), OFF (no fsync)
     synchronous: str = "FULL"
     #: journal records between snapshots (bounds recovery time)
-    snapshot_every: int = 50_000
+    snapshot_every: int = 20_000
     #: without journaled state: how long after start no session may attach
     startup_grace_seconds: float = 0.0
 

@@ -181,7 +181,9 @@ def main() -> None:
     args = ap.parse_args()
     print(f"python {sys.version.split()[0]}, {os.cpu_count()} cpus; {args.steps} sequential steps, "
           f"{args.threads} threads x {args.seconds}s")  # fmt: skip
-    print(f"{'mode':<16}{'p50 ms':>9}{'p99 ms':>9}{'1 client st/s':>15}{'N clients st/s':>16}{'file B/op':>11}")
+    print(
+        f"{'mode':<16}{'p50 ms':>9}{'p99 ms':>9}{'1 client st/s':>15}{'N clients st/s':>16}{'file B/op':>11}"
+    )
     full_dir = None
     for mode, sync in (("none", "FULL"), ("journal", "OFF"), ("journal", "NORMAL"), ("journal", "FULL")):
         tmp = Path(tempfile.mkdtemp(prefix="kvcoord-bench-"))

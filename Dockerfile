@@ -1,7 +1,7 @@
 # kvcoord server image.
 #
 #   docker build -t kvcoord .
-#   docker run -p 50051:50051 kvcoord                         # embedded default config
+#   docker run -p 50051:50051 -v kvcoord-data:/var/lib/kvcoord kvcoord   # embedded default config
 #   docker run -v $PWD/kvcoord.toml:/etc/kvcoord/kvcoord.toml \
 #              -e KVCOORD_CONFIG=/etc/kvcoord/kvcoord.toml -p 50051:50051 kvcoord
 #
@@ -27,11 +27,15 @@ RUN /opt/kvcoord/bin/pip install --no-cache-dir . \
 FROM ${BASE_IMAGE}
 RUN echo 'kvcoord:x:10001:10001:kvcoord:/nonexistent:/usr/sbin/nologin' >> /etc/passwd \
  && echo 'kvcoord:x:10001:' >> /etc/group \
- && mkdir -p /etc/kvcoord
+ && mkdir -p /etc/kvcoord /var/lib/kvcoord \
+ && chown 10001:10001 /var/lib/kvcoord
 COPY --from=build /opt/kvcoord /opt/kvcoord
 ENV PATH=/opt/kvcoord/bin:$PATH \
     PYTHONUNBUFFERED=1 \
-    KVCOORD_LISTEN=0.0.0.0:50051
+    KVCOORD_LISTEN=0.0.0.0:50051 \
+    KVCOORD_DATA_DIR=/var/lib/kvcoord
+# The journal (and lease marker): mount a volume here so allocations survive the container.
+VOLUME ["/var/lib/kvcoord"]
 USER 10001:10001
 EXPOSE 50051 9400
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \

@@ -7,8 +7,8 @@ KVCOORD_TARGET; without it, tests/integration is not collected (run `make integr
 from __future__ import annotations
 
 import importlib.util
-from typing import TYPE_CHECKING
 import os
+from typing import TYPE_CHECKING
 
 import pytest
 

@@ -165,13 +165,13 @@ def test_restart_is_detected_and_old_block_ids_are_void(started: list[InProcessS
 def test_restart_grace_period_hands_out_nothing(started: list[InProcessServer], tmp_path: Path) -> None:
     """A server restarted while its predecessor's leases may run refuses to attach
     (GRACE_PERIOD) until they have ended."""
-    first = start(started, state_dir=str(tmp_path))
+    first = start(started, data_dir=str(tmp_path), durability="none")
     with KVCoordClient(first.address) as c:
         c.attach("p", "sha256_cbor", 4, "0")
     assert (tmp_path / "leases.json").exists()
     first.stop()
     started.remove(first)
-    second = start(started, state_dir=str(tmp_path))
+    second = start(started, data_dir=str(tmp_path), durability="none")
     with KVCoordClient(second.address, retry=NO_RETRY) as c, pytest.raises(GracePeriodError):
         c.attach("p", "sha256_cbor", 4, "0")
 

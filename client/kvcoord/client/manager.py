@@ -353,6 +353,7 @@ class RemoteKVCacheManager:
             self._fail_all(items, err)
             return
         keeper.renewed(sent)
+        keeper.adopt(resp.fence)
         self._absorb(resp)
         failed: KVCoordError | None = None
         for item, result in zip(items, resp.results, strict=True):

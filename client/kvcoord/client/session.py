@@ -82,6 +82,13 @@ class SessionKeeper:
         self._wake.set()
         return response
 
+    def adopt(self, fence: pb.Fence) -> None:
+        """Take the fence of an answer from a server that recovered this session's pool
+        (same incarnation, another instance: the block ids held are still valid)."""
+        if fence.incarnation == self.fence.incarnation and fence.instance_id != self.fence.instance_id:
+            with self._lock:
+                self.fence = fence
+
     def renewed(self, sent_at: float) -> None:
         """An answered session call sent at ``sent_at`` renewed the lease."""
         with self._lock:
@@ -112,7 +119,7 @@ class SessionKeeper:
         """Renew now; records a lost session in ``lost`` (never raises)."""
         sent = self.clock()
         try:
-            self.client.heartbeat(self.session_id, self.fence)
+            response = self.client.heartbeat(self.session_id, self.fence)
         except (SessionExpiredError, FencedError) as err:
             self.lost = err
             return
@@ -123,6 +130,7 @@ class SessionKeeper:
             logger.warning("session renewal failed: %r", err)
             return
         self.renewals += 1
+        self.adopt(response.fence)
         self.renewed(sent)
 
     def _run(self) -> None:

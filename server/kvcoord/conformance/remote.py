@@ -9,6 +9,7 @@ from typing import Any
 from kvcoord.client import KVCoordClient, TLSOptions
 from kvcoord.client import _requests as rq
 from kvcoord.client.errors import error_from_code, status_code
+from kvcoord.client.retry import DEFAULT_RETRY, RetryPolicy
 from kvcoord.engine import LoRA
 from kvcoord.v1 import allocator_pb2 as pb
 
@@ -64,14 +65,26 @@ def stats_json(s: pb.PrefixCacheStats) -> dict[str, Any]:
 
 
 class RemoteTarget:
-    """A fresh pool per trace on a server; request updates ride on the next operation."""
+    """A fresh pool per trace on a server; request updates ride on the next operation.
+
+    Every Step carries the fence of the session; an answer from a restarted server
+    that recovered this pool (same incarnation, new instance) carries the new fence,
+    which the target adopts, so a replay goes on across restarts.
+    """
 
     def __init__(
-        self, address: str, *, token: str | None = None, timeout: float = 10.0, tls: TLSOptions | None = None
+        self,
+        address: str,
+        *,
+        token: str | None = None,
+        timeout: float = 10.0,
+        tls: TLSOptions | None = None,
+        retry: RetryPolicy = DEFAULT_RETRY,
     ) -> None:
-        self.client = KVCoordClient(address, timeout=timeout, token=token, tls=tls)
+        self.client = KVCoordClient(address, timeout=timeout, token=token, tls=tls, retry=retry)
         self.pool = ""
         self.session = ""
+        self.fence = pb.Fence()
         self._pending: dict[str, pb.RequestSync] = {}
         #: (tokens, hashes) the server holds per request: the position of the next sync
         self._pos: dict[str, tuple[int, int]] = {}
@@ -86,6 +99,7 @@ class RemoteTarget:
             self.pool, cfg.hash_algo, cfg.hash_block_size, cfg.hash_seed, client_name="conformance"
         )
         self.session = att.session_id
+        self.fence = att.fence
 
     def close(self) -> None:
         try:
@@ -104,7 +118,9 @@ class RemoteTarget:
         return sync
 
     def _step(self, *ops: pb.Operation) -> pb.OperationResult:
-        resp = self.client.step(self.pool, list(ops), self.session)
+        resp = self.client.step(self.pool, list(ops), self.session, self.fence)
+        if resp.fence.incarnation == self.fence.incarnation:
+            self.fence = resp.fence
         self._free = resp.num_free_blocks
         self._usage = resp.usage
         for r in resp.results:

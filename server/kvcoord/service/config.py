@@ -38,6 +38,8 @@ ENV_CONFIG = "KVCOORD_CONFIG"
 ENV_TOKENS = "KVCOORD_AUTH_TOKENS"
 ENV_TLS_PREFIX = "KVCOORD_TLS_"  # CERT, KEY, CLIENT_CA
 ENV_METRICS_TLS_PREFIX = "KVCOORD_METRICS_TLS_"  # CERT, KEY, CLIENT_CA
+ENV_DATA_DIR = "KVCOORD_DATA_DIR"
+ENV_DURABILITY = "KVCOORD_DURABILITY"
 
 
 class ConfigFileError(ValueError):
@@ -61,9 +63,18 @@ class ServerSettings:
     #: how long answers to keyed calls are kept for retries, and their byte budget
     idempotency_window_seconds: float = 300.0
     idempotency_max_bytes: int = 64 * 1024 * 1024
-    #: where the lease marker lives ("" = none); see lease_marker.py
-    state_dir: str = ""
-    #: without a state_dir: how long after start no session may attach
+    #: the server's data directory: the journal (durability.py) and the lease marker
+    #: (lease_marker.py); "" = none (nothing survives a restart)
+    data_dir: str = ""
+    #: "journal": every acknowledged mutation is durable before its answer leaves
+    #: (needs a data_dir); "none": state lives in memory only
+    durability: str = "journal"
+    #: fsync policy of the journal: FULL (survives power loss), NORMAL (survives a
+    #: process crash; the last commits may be lost on power loss), OFF (no fsync)
+    synchronous: str = "FULL"
+    #: journal records between snapshots (bounds recovery time)
+    snapshot_every: int = 20_000
+    #: without journaled state: how long after start no session may attach
     startup_grace_seconds: float = 0.0
 
     def __post_init__(self) -> None:
@@ -78,6 +89,17 @@ class ServerSettings:
             )
         if self.idempotency_max_bytes <= 0 or self.startup_grace_seconds < 0:
             raise ConfigFileError("server.idempotency_max_bytes must be > 0 and startup_grace_seconds >= 0")
+        if self.durability not in ("none", "journal"):
+            raise ConfigFileError(f"server.durability must be 'none' or 'journal', got {self.durability!r}")
+        if self.synchronous.upper() not in ("FULL", "NORMAL", "OFF"):
+            raise ConfigFileError(f"server.synchronous must be FULL, NORMAL or OFF, got {self.synchronous!r}")
+        if self.snapshot_every <= 0:
+            raise ConfigFileError("server.snapshot_every must be > 0")
+
+    @property
+    def journaled(self) -> bool:
+        """True when acknowledged state survives a restart (journal mode with a data_dir)."""
+        return self.durability == "journal" and bool(self.data_dir)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -245,6 +267,10 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         overrides["metrics_listen"] = env[ENV_METRICS].strip()
     if env.get(ENV_TOKENS):
         overrides["auth_tokens"] = tuple(t.strip() for t in env[ENV_TOKENS].split(",") if t.strip())
+    if ENV_DATA_DIR in env:
+        overrides["data_dir"] = env[ENV_DATA_DIR].strip()
+    if env.get(ENV_DURABILITY):
+        overrides["durability"] = env[ENV_DURABILITY].strip()
     if env.get(ENV_LOG_LEVEL):
         overrides["log_level"] = env[ENV_LOG_LEVEL].strip().upper()
     for key, prefix in (("tls", ENV_TLS_PREFIX), ("metrics_tls", ENV_METRICS_TLS_PREFIX)):
@@ -252,6 +278,9 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         if tls != getattr(cfg.server, key):
             overrides[key] = tls
     if overrides:
-        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **overrides))
+        try:
+            cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **overrides))
+        except TypeError as exc:  # pragma: no cover - every key above is a field
+            raise ConfigFileError(f"environment: {exc}") from None
         _check_tls(cfg.server)
     return cfg

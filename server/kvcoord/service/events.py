@@ -30,6 +30,22 @@ class EventJournal:
         self.last_sequence = 0
         self._changed = asyncio.Event()
         self.closed = False
+        #: the last sequence number that is durable (journal mode; None = every event
+        #: is): watchers see nothing a crash could take back
+        self.durable_sequence: int | None = None
+
+    @property
+    def visible_sequence(self) -> int:
+        """The newest sequence number a watcher may see."""
+        d = self.durable_sequence
+        return self.last_sequence if d is None else min(d, self.last_sequence)
+
+    def mark_durable(self, sequence: int) -> None:
+        """Events up to ``sequence`` are committed: wake watchers waiting for them."""
+        if self.durable_sequence is not None and sequence > self.durable_sequence:
+            self.durable_sequence = sequence
+            self._changed.set()
+            self._changed = asyncio.Event()
 
     def publish(self, events: Iterable[KVCacheEvent]) -> int:
         """Append events; returns how many were added."""
@@ -47,13 +63,16 @@ class EventJournal:
     def oldest_sequence(self) -> int:
         return self._events[0][0] if self._events else self.last_sequence + 1
 
-    def since(self, after: int, limit: int | None = None) -> list[tuple[int, KVCacheEvent]]:
-        """Kept events with a sequence number above ``after``, oldest first."""
-        if after >= self.last_sequence:
+    def since(
+        self, after: int, limit: int | None = None, upto: int | None = None
+    ) -> list[tuple[int, KVCacheEvent]]:
+        """Kept events with a sequence number above ``after`` (and at most ``upto``), oldest first."""
+        last = self.last_sequence if upto is None else min(upto, self.last_sequence)
+        if after >= last:
             return []
         start = max(after + 1, self.oldest_sequence) - self.oldest_sequence
         out = []
-        for i in range(start, len(self._events)):
+        for i in range(start, len(self._events) - (self.last_sequence - last)):
             out.append(self._events[i])
             if limit is not None and len(out) >= limit:
                 break
@@ -65,13 +84,23 @@ class EventJournal:
 
     async def wait(self, after: int, timeout: float) -> None:
         """Return when an event above ``after`` exists, the journal closes, or after ``timeout``."""
-        if self.last_sequence > after or self.closed:
+        if self.visible_sequence > after or self.closed:
             return
         changed = self._changed
         try:
             await asyncio.wait_for(changed.wait(), timeout)
         except TimeoutError:
             pass
+
+    def restore(self, events: list[tuple[int, KVCacheEvent]], last_sequence: int) -> None:
+        """Load kept events and the sequence counter (recovery)."""
+        self._events.clear()
+        self._events.extend(events)
+        self.last_sequence = last_sequence
+
+    def kept(self) -> list[tuple[int, KVCacheEvent]]:
+        """The kept events, oldest first (snapshots)."""
+        return list(self._events)
 
     def close(self) -> None:
         self.closed = True

@@ -121,6 +121,21 @@ class IdempotencyStore:
                 if not keys:
                     del self._by_session[sid]
 
+    def export(self) -> list[tuple[str, str, str, bytes, float, bytes | None]]:
+        """Every entry as (session, key, rpc, digest, age in seconds, answer), oldest first."""
+        now = self.clock()
+        return [
+            (sid, key, e.rpc, e.digest, now - e.made_at, e.answer) for (sid, key), e in self._entries.items()
+        ]
+
+    def restore(self, entries: list[tuple[str, str, str, bytes, float, bytes | None]]) -> None:
+        """Load entries made by :meth:`export` (ages count back from now)."""
+        now = self.clock()
+        for sid, key, rpc, digest, age, answer in entries:
+            self._entries[(sid, key)] = Stored(rpc, digest, now - age, answer)
+            self._by_session.setdefault(sid, set()).add(key)
+            self.bytes += (len(answer) if answer is not None else 0) + ENTRY_OVERHEAD
+
     def _evict_to_budget(self) -> None:
         """Turn the oldest answers into tombstones until the budget holds again."""
         if self.bytes <= self.max_bytes:

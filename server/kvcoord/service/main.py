@@ -6,10 +6,13 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 
 from .config import ConfigFileError, ServerConfig, default_config_text, load_config
+from .journal import JournalError
+from .lease_marker import MarkerError
 from .server import start_server
 
 __all__ = ["run", "serve_from_cli"]
@@ -28,6 +31,20 @@ async def run(cfg: ServerConfig) -> int:
     if cfg.server.metrics_listen:
         metrics_addr = metrics.start_http(cfg.server.metrics_listen, cfg.server.metrics_tls)
     pools = ", ".join(sorted(running.servicer.registry.pools)) or "none"
+    st = cfg.server
+    if st.journaled:
+        rec = running.recovery
+        found = (
+            f"recovered {rec.snapshot_seq + rec.records} journaled operations"
+            if rec and rec.recovered
+            else "new"
+        )
+        print(
+            f"kvcoord data directory {st.data_dir} (durability journal, synchronous {st.synchronous}; {found})",
+            flush=True,
+        )
+    else:
+        print("kvcoord durability none: a restart loses every pool and allocation", flush=True)
     print(
         f"kvcoord serving gRPC on {', '.join(running.addresses)}; pools: {pools}; {cfg.server.tls.describe()}",
         flush=True,
@@ -67,8 +84,15 @@ def serve_from_cli(args: argparse.Namespace) -> int:
         overrides["metrics_listen"] = args.metrics_listen
     if overrides:
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **overrides))  # type: ignore[arg-type]
+    if cfg.server.data_dir:
+        data_dir = os.path.abspath(cfg.server.data_dir)
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, data_dir=data_dir))
     logging.basicConfig(
         level=getattr(logging, cfg.server.log_level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    return asyncio.run(run(cfg))
+    try:
+        return asyncio.run(run(cfg))
+    except (JournalError, MarkerError) as exc:
+        print(f"kvcoord: cannot start: {exc}", file=sys.stderr, flush=True)
+        return 3

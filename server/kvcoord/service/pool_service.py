@@ -90,6 +90,9 @@ class PoolService:
         self.owners: dict[str, Session] = {}
         #: no session may attach before this monotonic time (post-restart grace)
         self.grace_until = 0.0
+        #: earlier instances of this server whose state was recovered without loss
+        #: (durability.py): their fences stay valid for this incarnation
+        self.lineage: frozenset[str] | set[str] = frozenset()
 
     # -- fencing and sessions -----------------------------------------------------------
     def check_fence(self, fence: Fence | None) -> None:
@@ -100,7 +103,7 @@ class PoolService:
         """
         if fence is None:
             return
-        if fence.instance_id != self.fence.instance_id:
+        if not self.knows_instance(fence.instance_id):
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"the server restarted (instance {fence.instance_id[:40]!r} is gone, this is "
@@ -116,6 +119,10 @@ class PoolService:
                 "attach again and recompute your requests",
                 ErrorReason.INCARNATION_CHANGED,
             )
+
+    def knows_instance(self, instance_id: str) -> bool:
+        """True for this instance and for earlier ones whose state this one recovered."""
+        return instance_id == self.fence.instance_id or instance_id in self.lineage
 
     def attach(
         self,
@@ -166,10 +173,14 @@ class PoolService:
             )
         s = self.sessions.open(self.name, client_name, lease_seconds)
         s.exclusive = exclusive
+        self.init_session(s)
+        return s
+
+    def init_session(self, s: Session) -> None:
+        """A new session's cursors: events from now on, statistics from zero."""
         s.events_cursor = self.events.last_sequence
         if self.engine.prefix_cache_stats is not None:
             s.stats = PrefixCacheStats()
-        return s
 
     def session(self, session_id: str, fence: Fence | None) -> Session:
         """The caller's live session, renewed (fence checked first).

@@ -18,6 +18,7 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .convert import config_from_pb
+from .durability import Recorder
 from .errors import ServiceError
 from .idempotency import IdempotencyStore
 from .pool_service import Fence, Limits, PoolService
@@ -62,9 +63,17 @@ class PoolRegistry:
         self.grace_until = grace_until
         self.clock = clock
         self.pools: dict[str, PoolService] = {}
+        #: earlier instances whose state this one recovered (fences stay valid)
+        self.lineage: set[str] = set()
+        #: told about every mutation (the journal; the default records nothing)
+        self.recorder: Recorder = Recorder()
 
-    def create(self, name: str, config_pb: pb.PoolConfig) -> tuple[PoolService, bool]:
+    def create(
+        self, name: str, config_pb: pb.PoolConfig, incarnation: int | None = None
+    ) -> tuple[PoolService, bool]:
         """Create a pool, or return the identical existing one (``created`` False).
+
+        ``incarnation`` is given only when recovering a journaled pool.
 
         Raises:
             ServiceError: bad name, ALREADY_EXISTS with another config, or a limit.
@@ -94,13 +103,15 @@ class PoolRegistry:
                 f"num_blocks {config_pb.num_blocks} exceeds max_blocks_per_pool {self.limits.max_blocks_per_pool}",
             )
         config = config_from_pb(config_pb)
-        fence = Fence(self.instance_id, secrets.randbits(63) or 1)
+        fence = Fence(self.instance_id, incarnation or secrets.randbits(63) or 1)
         hash_settings = (config_pb.hash_algo, config_pb.hash_block_size, config_pb.hash_seed)
         wire = pb.PoolConfig()
         wire.CopyFrom(config_pb)
         service = PoolService(name, config, hash_settings, fence, self.limits, self.sessions, wire)
         service.grace_until = self.grace_until
+        service.lineage = self.lineage
         self.pools[name] = service
+        self.recorder.pool_created(service)
         logger.info(
             "created pool %s (%s blocks, %s, incarnation %d)",
             name,
@@ -140,6 +151,7 @@ class PoolRegistry:
             self.idempotency.drop_session(s.session_id)
         service.owners.clear()
         service.events.close()
+        self.recorder.pool_deleted(name)
         logger.info("deleted pool %s", name)
         return service
 
@@ -151,6 +163,7 @@ class PoolRegistry:
         """
         out = []
         for s in self.sessions.expired():
+            self.recorder.session_expired(s.session_id)
             self.idempotency.drop_session(s.session_id)
             service = self.pools.get(s.pool)
             freed = service.end_session(s) if service is not None else 0

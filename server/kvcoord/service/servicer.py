@@ -114,9 +114,18 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         answer = self.registry.idempotency.lookup(session_id, rpc, key, digest)
         return digest, None if answer is None else response_type.FromString(answer)
 
-    def _remember(self, rpc: str, session_id: str, key: str, digest: bytes, response: Message) -> None:
+    def _remember(
+        self, service: PoolService, rpc: str, request: Message, session_id: str, key: str, digest: bytes,
+        response: Message,
+    ) -> None:  # fmt: skip
         if key:
             self.registry.idempotency.remember(session_id, rpc, key, digest, response.SerializeToString())
+        self.registry.recorder.called(service, rpc, request, key, digest, response)
+
+    async def _durable(self, response: M) -> M:
+        """Answer only once every mutation so far is durable (durability.py)."""
+        await self.registry.recorder.durable()
+        return response
 
     def reap_expired_sessions(self) -> int:
         """Free the requests of every session whose lease ran out."""
@@ -133,7 +142,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         service, created = self.registry.create(request.name, request.config)
         if created:
             self.observer.pool_created(service)
-        return pb.CreatePoolResponse(pool=self._info(service), created=created)
+        return await self._durable(pb.CreatePoolResponse(pool=self._info(service), created=created))
 
     @map_errors
     async def GetPool(
@@ -154,7 +163,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     ) -> pb.DeletePoolResponse:
         service = self.registry.delete(request.name)
         self.observer.pool_deleted(service)
-        return pb.DeletePoolResponse()
+        return await self._durable(pb.DeletePoolResponse())
 
     # -- sessions -----------------------------------------------------------------
     @map_errors
@@ -174,7 +183,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 self.observer.handshake_refused(request.pool)
             raise
         self.observer.attached(service)
-        return pb.AttachResponse(
+        self.registry.recorder.attached(service, s)
+        response = pb.AttachResponse(
             pool=self._info(service),
             session_id=s.session_id,
             lease_seconds=s.lease_seconds,
@@ -182,6 +192,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             fence=fence_to_pb(service.fence),
             exclusive=s.exclusive,
         )
+        return await self._durable(response)
 
     @map_errors
     async def Heartbeat(
@@ -195,10 +206,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
         service = self.registry.pool_of_session(request.session_id)
         s = service.session(request.session_id, _fence(request))
+        self.registry.recorder.detached(service, s.session_id)
         freed = service.end_session(s)
         self.registry.idempotency.drop_session(s.session_id)
         self.observer.detached(service.name)
-        return pb.DetachResponse(num_freed_requests=freed)
+        return await self._durable(pb.DetachResponse(num_freed_requests=freed))
 
     # -- operations -------------------------------------------------------------------
     @map_errors
@@ -222,7 +234,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         key = request.idempotency_key
         digest, replayed = self._keyed("Allocate", s.session_id, key, request, pb.AllocateResponse)
         if replayed is not None:
-            return replayed
+            return await self._durable(replayed)
         (outcome,) = service.apply(s, [allocate_from_pb(request.op, len(service.config.groups))])
         if outcome.error is not None:
             raise outcome.error
@@ -234,8 +246,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             usage=e.usage,
             fence=fence_to_pb(service.fence),
         )
-        self._remember("Allocate", s.session_id, key, digest, response)
-        return response
+        self._remember(service, "Allocate", request, s.session_id, key, digest, response)
+        return await self._durable(response)
 
     @map_errors
     async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.FreeResponse:
@@ -244,13 +256,13 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         key = request.idempotency_key
         digest, replayed = self._keyed("Free", s.session_id, key, request, pb.FreeResponse)
         if replayed is not None:
-            return replayed
+            return await self._durable(replayed)
         service.free_requests(s, request.request_ids, request.preempt)
         response = pb.FreeResponse(
             num_free_blocks=service.engine.num_free_blocks, fence=fence_to_pb(service.fence)
         )
-        self._remember("Free", s.session_id, key, digest, response)
-        return response
+        self._remember(service, "Free", request, s.session_id, key, digest, response)
+        return await self._durable(response)
 
     @map_errors
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
@@ -259,7 +271,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         key = request.idempotency_key
         digest, replayed = self._keyed("Step", s.session_id, key, request, pb.StepResponse)
         if replayed is not None:
-            return replayed
+            return await self._durable(replayed)
         if len(request.ops) > service.limits.max_ops_per_step:
             raise ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -282,8 +294,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             stats = stats_to_pb(service.make_stats(s))
             if stats is not None:
                 response.prefix_cache_stats.CopyFrom(stats)
-        self._remember("Step", s.session_id, key, digest, response)
-        return response
+        self._remember(service, "Step", request, s.session_id, key, digest, response)
+        return await self._durable(response)
 
     @map_errors
     async def ResetPrefixCache(
@@ -295,7 +307,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             service.session(request.session_id, None)
         result = service.engine.reset_prefix_cache()
         service.events.publish(service.engine.take_events())
-        return pb.ResetPrefixCacheResponse(result=result, num_free_blocks=service.engine.num_free_blocks)
+        self.registry.recorder.prefix_cache_reset(service)
+        return await self._durable(
+            pb.ResetPrefixCacheResponse(result=result, num_free_blocks=service.engine.num_free_blocks)
+        )
 
     @map_errors
     async def GetStats(
@@ -348,9 +363,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         # Another history (restart, re-created pool, or a cursor this history never
         # reached): start over from the oldest kept event, flagged as a reset.
         other = request.HasField("fence") and (
-            request.fence.instance_id != fence.instance_id or request.fence.incarnation != fence.incarnation
+            not service.knows_instance(request.fence.instance_id)
+            or request.fence.incarnation != fence.incarnation
         )
-        reset = other or cursor > journal.last_sequence
+        reset = other or cursor > journal.visible_sequence
         if reset:
             cursor = 0
         # after_sequence 0 asks for the oldest kept event: nothing was missed before it.
@@ -358,7 +374,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         while not self.stopping and not journal.closed:
             gap = journal.missed(cursor) and not fresh
             fresh = False
-            items = journal.since(cursor, limit=1024)
+            items = journal.since(cursor, limit=1024, upto=journal.visible_sequence)
             for seq, event in items:
                 yield pb.WatchEventsResponse(
                     sequence=seq, event=event_to_pb(event), gap=gap, fence=fence, reset=reset

@@ -1,0 +1,287 @@
+"""The journal: an append-only sequence of records and snapshots in one SQLite file.
+
+Storage (``<data_dir>/journal.sqlite``, WAL mode):
+
+* ``meta``: the format version (a journal of another version is refused, never
+  read as empty) and the instance that created the file.
+* ``records``: ``(seq, crc, body)``; ``body`` is opaque bytes (``durability.py``
+  encodes them), ``crc`` its CRC-32, checked on every read.
+* ``snapshots``: ``(seq, fingerprint, sha256, body)``: the whole state after record
+  ``seq``. Writing a snapshot deletes the records and snapshots it covers, in the
+  same transaction, so the file always holds one snapshot plus the records after it.
+
+Every commit is one SQLite transaction, so a crash leaves a prefix of the committed
+transactions: SQLite's WAL frames carry checksums and a transaction whose commit
+frame is missing or damaged (a torn tail) is dropped on open. Damage SQLite cannot
+see (a record or snapshot whose own checksum fails) stops recovery with a message
+naming the file, never a silent empty start.
+
+:class:`Journal` adds group commit on an asyncio loop: handlers append records
+(synchronously, in the order they mutate state) and await :meth:`Journal.flush`; one
+task writes everything appended so far in one transaction on a worker thread while
+new records accumulate for the next one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import hashlib
+import logging
+import sqlite3
+import zlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+__all__ = ["FORMAT_VERSION", "Journal", "JournalError", "JournalStore", "StoredSnapshot"]
+
+logger = logging.getLogger(__name__)
+
+#: Bump when the meaning of records or snapshots changes; older files are refused.
+FORMAT_VERSION = 1
+FILE_NAME = "journal.sqlite"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS records (seq INTEGER PRIMARY KEY, crc INTEGER NOT NULL, body BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS snapshots (
+    seq INTEGER PRIMARY KEY, fingerprint TEXT NOT NULL, sha256 BLOB NOT NULL, body BLOB NOT NULL
+);
+"""
+
+
+class JournalError(RuntimeError):
+    """The journal cannot be used (wrong version, damage, I/O); the message names the file."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoredSnapshot:
+    seq: int
+    fingerprint: str
+    body: bytes
+
+
+class JournalStore:
+    """The SQLite file. Not thread-safe: one thread at a time (recovery, then the
+    journal's writer thread).
+
+    Args:
+        data_dir: the directory (created if missing).
+        synchronous: FULL, NORMAL or OFF (SQLite's ``synchronous`` in WAL mode).
+
+    Raises:
+        JournalError: the file is not a kvcoord journal of this format version.
+    """
+
+    def __init__(self, data_dir: str | Path, synchronous: str = "FULL") -> None:
+        self.path = Path(data_dir).resolve() / FILE_NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+            self.db.executescript(_SCHEMA)
+            version = self._meta("format_version")
+            if version is None:
+                self.db.execute("INSERT INTO meta VALUES ('format_version', ?)", (str(FORMAT_VERSION),))
+            elif version != str(FORMAT_VERSION):
+                raise JournalError(
+                    f"journal {self.path} has format version {version}, this kvcoord reads version "
+                    f"{FORMAT_VERSION}: start the kvcoord version that wrote it, or move the data "
+                    "directory away to start empty"
+                )
+        except sqlite3.DatabaseError as exc:
+            raise JournalError(f"journal {self.path} cannot be opened: {exc}") from None
+
+    def _meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- reading (recovery) ----------------------------------------------------------------
+    def snapshot(self) -> StoredSnapshot | None:
+        """The latest snapshot, checksum verified.
+
+        Raises:
+            JournalError: the snapshot is damaged.
+        """
+        try:
+            row = self.db.execute(
+                "SELECT seq, fingerprint, sha256, body FROM snapshots ORDER BY seq DESC LIMIT 1"
+            ).fetchone()
+        except sqlite3.DatabaseError as exc:
+            raise JournalError(f"journal {self.path}: cannot read the snapshot: {exc}") from None
+        if row is None:
+            return None
+        seq, fingerprint, digest, body = row
+        if hashlib.sha256(body).digest() != digest:
+            raise JournalError(
+                f"journal {self.path}: the snapshot after record {seq} is corrupt (checksum mismatch); "
+                "restore the data directory from a backup"
+            )
+        return StoredSnapshot(int(seq), str(fingerprint), bytes(body))
+
+    def records(self, after: int) -> Iterator[tuple[int, bytes]]:
+        """Records with ``seq > after``, in order, checksums verified.
+
+        Raises:
+            JournalError: a damaged record or a gap in the sequence.
+        """
+        expected = after + 1
+        try:
+            cursor = self.db.execute(
+                "SELECT seq, crc, body FROM records WHERE seq > ? ORDER BY seq", (after,)
+            )
+            for seq, crc, body in cursor:
+                if seq != expected:
+                    raise JournalError(
+                        f"journal {self.path}: record {expected} is missing (next is {seq}); "
+                        "restore the data directory from a backup"
+                    )
+                if zlib.crc32(body) != crc:
+                    raise JournalError(
+                        f"journal {self.path}: record {seq} is corrupt (checksum mismatch); "
+                        "restore the data directory from a backup"
+                    )
+                expected += 1
+                yield int(seq), bytes(body)
+        except sqlite3.DatabaseError as exc:
+            raise JournalError(f"journal {self.path}: cannot read records: {exc}") from None
+
+    def last_seq(self) -> int:
+        row = self.db.execute(
+            "SELECT max(coalesce((SELECT max(seq) FROM records), 0), coalesce((SELECT max(seq) FROM snapshots), 0))"
+        ).fetchone()
+        return int(row[0])
+
+    # -- writing -----------------------------------------------------------------------------
+    def write(self, records: list[tuple[int, bytes]], snapshot: tuple[int, str, bytes] | None = None) -> None:
+        """Commit ``records`` (and a snapshot covering them, if given) in one transaction."""
+        db = self.db
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            db.executemany(
+                "INSERT INTO records VALUES (?, ?, ?)",
+                [(seq, zlib.crc32(body), body) for seq, body in records],
+            )
+            if snapshot is not None:
+                seq, fingerprint, body = snapshot
+                db.execute(
+                    "INSERT INTO snapshots VALUES (?, ?, ?, ?)",
+                    (seq, fingerprint, hashlib.sha256(body).digest(), body),
+                )
+                db.execute("DELETE FROM records WHERE seq <= ?", (seq,))
+                db.execute("DELETE FROM snapshots WHERE seq < ?", (seq,))
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def size_bytes(self) -> int:
+        """Bytes on disk: the database file plus its WAL."""
+        total = 0
+        for suffix in ("", "-wal"):
+            p = self.path.with_name(self.path.name + suffix)
+            if p.exists():
+                total += p.stat().st_size
+        return total
+
+
+class Journal:
+    """Group commit over a :class:`JournalStore` for handlers on one asyncio loop.
+
+    :meth:`append` numbers a record and queues it; :meth:`flush` returns once
+    everything appended before the call is committed. A failed write fails every
+    waiter and every later flush (state in memory is then ahead of the disk: the
+    server must be restarted, which recovers the committed prefix).
+    """
+
+    def __init__(self, store: JournalStore, first_seq: int) -> None:
+        self.store = store
+        self.appended = first_seq
+        self.committed = first_seq
+        self.failed: BaseException | None = None
+        self.commits = 0
+        self._pending: list[tuple[int, bytes]] = []
+        self._snapshot: tuple[int, str, bytes] | None = None
+        self._waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-journal")
+        #: called on the loop after each commit with the last committed seq
+        self.on_commit: list[Callable[[int], None]] = []
+
+    def append(self, body: bytes) -> int:
+        """Queue a record; returns its sequence number."""
+        self.appended += 1
+        self._pending.append((self.appended, body))
+        self._kick()
+        return self.appended
+
+    def snapshot(self, fingerprint: str, body: bytes) -> None:
+        """Queue a snapshot of the state after the last appended record."""
+        self._snapshot = (self.appended, fingerprint, body)
+        self._kick()
+
+    async def flush(self) -> None:
+        """Wait until every record appended so far is committed.
+
+        Raises:
+            JournalError: the journal could not be written.
+        """
+        if self.failed is not None:
+            raise JournalError(f"journal {self.store.path} failed: {self.failed}") from self.failed
+        target = self.appended
+        if self.committed >= target:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append((target, future))
+        await future
+
+    def _kick(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._commit_loop())
+
+    async def _commit_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while (self._pending or self._snapshot is not None) and self.failed is None:
+            batch, self._pending = self._pending, []
+            snap, self._snapshot = self._snapshot, None
+            try:
+                await loop.run_in_executor(self._executor, self.store.write, batch, snap)
+            except BaseException as exc:  # disk full, I/O error: nothing after this is durable
+                logger.critical("journal write failed, no further mutation is acknowledged: %s", exc)
+                self.failed = exc
+                err = JournalError(f"journal {self.store.path} failed: {exc}")
+                for _, w in self._waiters:
+                    if not w.done():
+                        w.set_exception(err)
+                self._waiters.clear()
+                return
+            self.commits += 1
+            if batch:
+                self.committed = batch[-1][0]
+            keep = []
+            for target, w in self._waiters:
+                if target <= self.committed:
+                    if not w.done():
+                        w.set_result(None)
+                else:
+                    keep.append((target, w))
+            self._waiters = keep
+            for callback in self.on_commit:
+                callback(self.committed)
+
+    async def close(self) -> None:
+        """Commit what is pending, then close the file."""
+        if self._task is not None:
+            try:
+                await self._task
+            except BaseException:  # pragma: no cover - already logged
+                pass
+        if self._pending and self.failed is None:
+            await self.flush()
+        self._executor.shutdown(wait=True)
+        self.store.close()

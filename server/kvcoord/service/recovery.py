@@ -1,0 +1,285 @@
+"""Recovery: load the latest snapshot, replay the journal after it, resume journaling.
+
+Snapshots are the whole state, serialized exactly: every pool's engine (blocks,
+free queue in order, reference counts, hash map, requests, managers, statistics),
+its kept events and sequence counter, request owners, sessions with their cursors
+and statistics, idempotency answers, and the lineage of recovered instances. The
+format is pickle with two reductions that keep it flat and fast: a block is stored
+without its free-list links, and the free queue as its blocks in order (relinked on
+load). Snapshots are read only from the server's own data directory, and carry a
+fingerprint of the format and of the engine's field layout: a snapshot written by
+an incompatible kvcoord is refused with a message naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import pickle
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvcoord.engine import KVCachePool, PrefixCacheStats
+from kvcoord.engine.blocks import KVCacheBlock
+from kvcoord.engine.free_queue import FreeKVCacheBlockQueue
+from kvcoord.engine.request import Request
+from kvcoord.engine.stats import LookupCounters
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .convert import allocate_from_pb, operation_from_pb
+from .durability import JournalRecorder, decode_record
+from .errors import ServiceError
+from .journal import Journal, JournalError, JournalStore
+from .registry import PoolRegistry
+from .sessions import Session
+
+__all__ = ["Recovery", "dump_state", "load_state", "open_journal", "replay_record", "snapshot_fingerprint"]
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_FORMAT = 1
+
+
+def snapshot_fingerprint() -> str:
+    """Names the snapshot format and the layout of the classes it contains."""
+    layout = repr(
+        [
+            (cls.__qualname__, _field_names(cls))
+            for cls in (
+                KVCacheBlock,
+                FreeKVCacheBlockQueue,
+                Request,
+                PrefixCacheStats,
+                LookupCounters,
+                Session,
+            )
+        ]
+        + [sorted(vars(KVCachePool(_probe_config())).keys())]
+    )
+    digest = hashlib.sha256(layout.encode()).hexdigest()[:16]
+    return f"kvcoord-snapshot-{SNAPSHOT_FORMAT}-py{sys.version_info[0]}.{sys.version_info[1]}-{digest}"
+
+
+def _probe_config() -> Any:
+    from kvcoord.engine import FullAttentionSpec, KVCacheConfig
+
+    return KVCacheConfig(num_blocks=2, groups=(FullAttentionSpec(16),), hash_block_size=16)
+
+
+def _field_names(cls: type) -> list[str]:
+    if dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+    return list(getattr(cls, "__slots__", ()))
+
+
+def dump_state(registry: PoolRegistry, wall_clock: Callable[[], float] = time.time) -> bytes:
+    """The registry's whole state as bytes (see the module docstring)."""
+    pools = []
+    for name, service in registry.pools.items():
+        wire: Any = service.wire_config
+        pools.append(
+            {
+                "name": name,
+                "config": wire.SerializeToString(),
+                "incarnation": service.fence.incarnation,
+                "engine": service.engine,
+                "events": service.events.kept(),
+                "last_sequence": service.events.last_sequence,
+                "owners": [(rid, s.session_id) for rid, s in service.owners.items()],
+            }
+        )
+    sessions = [
+        (
+            s.session_id,
+            s.pool,
+            s.client_name,
+            s.lease_seconds,
+            list(s.owned),
+            s.events_cursor,
+            s.stats,
+            s.exclusive,
+        )
+        for s in registry.sessions.sessions.values()
+    ]
+    state = {
+        "lineage": sorted(registry.lineage | {registry.instance_id}),
+        "pools": pools,
+        "sessions": sessions,
+        "idempotency": registry.idempotency.export(),
+        "wall": wall_clock(),
+    }
+    # Blocks hold no links to each other (the free queue keeps its own order), so the
+    # pools pickle without deep recursion.
+    return pickle.dumps(state, protocol=5)
+
+
+def load_state(registry: PoolRegistry, body: bytes, wall_clock: Callable[[], float] = time.time) -> None:
+    """Rebuild ``registry`` (empty, recording nothing) from :func:`dump_state` bytes."""
+    state = pickle.loads(body)  # noqa: S301 - our own data directory, checksummed
+    registry.lineage.update(state["lineage"])
+    services = {}
+    for p in state["pools"]:
+        service, _ = registry.create(p["name"], pb.PoolConfig.FromString(p["config"]), p["incarnation"])
+        service.engine = p["engine"]
+        service.events.restore(p["events"], p["last_sequence"])
+        services[p["name"]] = (service, p["owners"])
+    table = registry.sessions
+    for sid, pool, client_name, lease, owned, cursor, stats, exclusive in state["sessions"]:
+        s = Session(sid, pool, client_name, lease, table.clock() + lease, exclusive=exclusive)
+        s.owned = dict.fromkeys(owned)
+        s.events_cursor = cursor
+        s.stats = stats
+        table.sessions[sid] = s
+    for service, owners in services.values():
+        service.owners = {rid: table.sessions[sid] for rid, sid in owners}
+    offline = max(0.0, wall_clock() - state["wall"])
+    registry.idempotency.restore([(*e[:4], e[4] + offline, e[5]) for e in state["idempotency"]])
+
+
+def replay_record(registry: PoolRegistry, record: list[Any], now_wall: float) -> None:
+    """Apply one journal record to ``registry`` (which records nothing meanwhile)."""
+    kind, when = record[0], float(record[1])
+    if kind == "start":
+        registry.lineage.add(record[2])
+    elif kind == "create":
+        registry.create(record[2], pb.PoolConfig.FromString(record[3]), record[4])
+    elif kind == "delete":
+        registry.delete(record[2])
+    elif kind == "attach":
+        _, _, pool, sid, client_name, lease, *rest = record
+        service = registry.pools[pool]
+        table = registry.sessions
+        s = Session(sid, pool, client_name, lease, table.clock() + lease, exclusive=bool(rest and rest[0]))
+        table.sessions[sid] = s
+        service.init_session(s)
+    elif kind in ("detach", "expire"):
+        s = registry.sessions.sessions[record[2]]
+        registry.idempotency.drop_session(s.session_id)
+        owner = registry.pools.get(s.pool)
+        if owner is not None:
+            owner.end_session(s)
+        else:
+            registry.sessions.close(s.session_id)
+    elif kind == "call":
+        _replay_call(registry, record, when, now_wall)
+    elif kind == "reset":
+        service = registry.pools[record[2]]
+        service.engine.reset_prefix_cache()
+        service.events.publish(service.engine.take_events())
+    else:
+        raise ValueError(f"unknown record kind {kind!r}")
+
+
+def _replay_call(registry: PoolRegistry, record: list[Any], when: float, now_wall: float) -> None:
+    _, _, rpc, body, key, digest, answer = record
+    request: Any
+    if rpc == "Step":
+        request = pb.StepRequest.FromString(body)
+    elif rpc == "Allocate":
+        request = pb.AllocateRequest.FromString(body)
+    elif rpc == "Free":
+        request = pb.FreeRequest.FromString(body)
+    else:
+        raise ValueError(f"unknown rpc {rpc!r}")
+    service = registry.pools[request.pool]
+    s = registry.sessions.sessions[request.session_id]
+    groups = len(service.config.groups)
+    if rpc == "Step":
+        service.apply(s, [operation_from_pb(o, groups) for o in request.ops])
+        if request.include_state:  # the answer took the session's events and statistics
+            service.take_events(s)
+            service.make_stats(s)
+    elif rpc == "Allocate":
+        service.apply(s, [allocate_from_pb(request.op, groups)])
+    else:
+        try:
+            service.free_requests(s, request.request_ids, request.preempt)
+        except ServiceError:  # pragma: no cover - a refused Free is never journaled
+            pass
+    if key:
+        store = registry.idempotency
+        real = store.clock
+        at = real() - max(0.0, now_wall - when)  # the record's time on the monotonic clock
+        store.clock = lambda: at
+        try:
+            store.expire()
+            store.remember(s.session_id, rpc, key, digest, answer)
+        finally:
+            store.clock = real
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Recovery:
+    """What :func:`open_journal` found."""
+
+    recorder: JournalRecorder
+    path: str
+    snapshot_seq: int
+    records: int
+    seconds: float
+
+    @property
+    def recovered(self) -> bool:
+        """True when the journal held any history (a restart, not a first start)."""
+        return self.snapshot_seq > 0 or self.records > 0
+
+
+def open_journal(
+    registry: PoolRegistry,
+    data_dir: str,
+    synchronous: str,
+    snapshot_every: int,
+    wall_clock: Callable[[], float] = time.time,
+) -> Recovery:
+    """Recover ``registry`` (empty) from ``data_dir`` and journal from now on.
+
+    Recovered sessions get a fresh lease; the new instance is appended to the journal
+    (its predecessors' fences stay valid: :attr:`PoolRegistry.lineage`).
+
+    Raises:
+        JournalError: an incompatible or damaged journal or snapshot (names the file).
+    """
+    started = time.perf_counter()
+    store = JournalStore(data_dir, synchronous)
+    snap = store.snapshot()
+    after = 0
+    if snap is not None:
+        expected = snapshot_fingerprint()
+        if snap.fingerprint != expected:
+            raise JournalError(
+                f"journal {store.path}: the snapshot after record {snap.seq} was written by an "
+                f"incompatible kvcoord ({snap.fingerprint}, this one reads {expected}); start the "
+                "version that wrote it"
+            )
+        try:
+            load_state(registry, snap.body, wall_clock)
+        except Exception as exc:
+            raise JournalError(
+                f"journal {store.path}: the snapshot after record {snap.seq} cannot be loaded: {exc!r}"
+            ) from None
+        after = snap.seq
+    count = 0
+    now_wall = wall_clock()
+    for seq, body in store.records(after):
+        try:
+            replay_record(registry, decode_record(body), now_wall)
+        except JournalError:
+            raise
+        except Exception as exc:
+            raise JournalError(f"journal {store.path}: record {seq} cannot be replayed: {exc!r}") from None
+        count += 1
+    journal = Journal(store, after + count)
+    recorder = JournalRecorder(
+        journal, snapshot_every, lambda: (snapshot_fingerprint(), dump_state(registry))
+    )
+    for service in registry.pools.values():
+        service.events.durable_sequence = service.events.last_sequence
+    clock = registry.sessions.clock
+    for s in registry.sessions.sessions.values():
+        s.expires_at = clock() + s.lease_seconds
+    registry.recorder = recorder
+    recorder.started(registry.instance_id)
+    return Recovery(recorder, str(store.path), after, count, time.perf_counter() - started)

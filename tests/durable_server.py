@@ -1,0 +1,100 @@
+"""A journaled server process on a fixed port that tests kill with SIGKILL and restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kvcoord.client import KVCoordClient
+from kvcoord.client.errors import KVCoordError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = f"{ROOT / 'client'}:{ROOT / 'server'}"
+    e.pop("KVCOORD_CONFIG", None)
+    return e
+
+
+class DurableServer:
+    """``kvcoord serve`` with a data directory; :meth:`kill` is SIGKILL, :meth:`start`
+    (re)starts it on the same port and waits until it answers health checks."""
+
+    def __init__(self, tmp: Path, pools_toml: str = "", synchronous: str = "NORMAL") -> None:
+        self.tmp = tmp
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.data_dir = tmp / "data"
+        self.config = tmp / "kvcoord.toml"
+        self.config.write_text(
+            f'[server]\nlisten = ["{self.address}"]\nmetrics_listen = ""\n'
+            f'data_dir = "{self.data_dir}"\nsynchronous = "{synchronous}"\nsnapshot_every = 2000\n'
+            f'log_level = "WARNING"\n{pools_toml}'
+        )
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._log: Any = None
+        self.starts = 0
+        self.kills = 0
+        self.lock = threading.Lock()
+
+    def start(self, timeout: float = 60.0) -> None:
+        self._log = open(self.tmp / f"server-{self.starts}.log", "wb")  # noqa: SIM115 - closed on kill/stop
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(self.config)],
+            stdout=self._log, stderr=subprocess.STDOUT, env=env(),
+        )  # fmt: skip
+        self.starts += 1
+        deadline = time.monotonic() + timeout
+        with KVCoordClient(self.address, timeout=1.0) as c:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log()}")
+                try:
+                    if c.health() == "SERVING":
+                        return
+                except KVCoordError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(self.log())
+                time.sleep(0.02)
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self._log.close()
+        self.kills += 1
+
+    def restart(self) -> None:
+        with self.lock:
+            self.kill()
+            self.start()
+
+    def log(self) -> str:
+        return (self.tmp / f"server-{self.starts - 1}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self._log is not None:
+            self._log.close()

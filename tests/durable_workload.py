@@ -1,0 +1,106 @@
+"""A scheduler-like worker that checks, every step, that the server still holds exactly
+the blocks it was given (used by the SIGKILL chaos test and the container test)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from kvcoord.client import KVCoordClient, RemoteKVCacheManager
+from kvcoord.client.retry import RetryPolicy
+from workload import SHARED_PREFIXES_SEED, Req
+
+#: Retries that outlast a server restart (a few seconds) for keyed and read calls.
+PATIENT = RetryPolicy(initial_backoff=0.05, max_backoff=0.5, deadline=90.0, max_attempts=400)
+
+
+def _same(mine: list[list[int]], server: tuple[list[int], ...]) -> bool:
+    """Group 0 (full attention) exactly; other groups may have released blocks (0)."""
+    if len(mine) != len(server) or mine[0] != list(server[0]):
+        return False
+    for a, b in zip(mine[1:], server[1:], strict=True):
+        if len(a) != len(b) or any(y not in (0, x) for x, y in zip(a, b, strict=True)):
+            return False
+    return True
+
+
+def run_checked_worker(address: str, pool: str, wid: int, seed: int, stop: Any, out: Any) -> None:
+    """Admit, prefill, decode, preempt on refusal and free, until ``stop`` is set; after
+    every step compare the block table of each running request with the server's.
+    Puts a summary on ``out`` (``error`` is empty when nothing went wrong)."""
+    rnd = random.Random(seed)
+    prefix_rnd = random.Random(SHARED_PREFIXES_SEED)
+    prefixes = [[prefix_rnd.randrange(30000) for _ in range(n)] for n in (32, 64, 100)]
+    summary: dict[str, Any] = {"worker": wid, "allocs": 0, "checks": 0, "steps": 0, "lost": 0, "error": ""}
+    tables: dict[str, list[list[int]]] = {}
+    try:
+        with KVCoordClient(address, timeout=20, retry=PATIENT) as client:
+            m = RemoteKVCacheManager(client, pool, hash_seed="0", client_name=f"chaos-{wid}")
+            live: list[Req] = []
+            running: list[Req] = []
+            step = 0
+            while not stop.is_set() and step < 100_000:
+                step += 1
+                if len(live) < 6 and rnd.random() < 0.6:
+                    body = [rnd.randrange(30000) for _ in range(rnd.randint(8, 200))]
+                    live.append(Req(f"w{wid}-{step}", rnd.choice(prefixes) + body, rnd.randint(2, 12)))
+                budget = 256
+                for r in list(live):
+                    if r.running:
+                        n = min(len(r.all_token_ids) - r.num_computed_tokens, budget)
+                        new = m.allocate_slots(r, n)
+                        if new is not None:
+                            for g, ids in enumerate(new.get_block_ids()):
+                                tables[r.request_id][g].extend(ids)
+                    else:
+                        hit, hit_tokens = m.get_computed_blocks(r)
+                        n = min(len(r.all_token_ids) - hit_tokens, budget)
+                        new = m.allocate_slots(r, n, hit_tokens, hit)
+                        if new is not None:
+                            r.num_computed_tokens = hit_tokens
+                            tables[r.request_id] = [
+                                list(h) + list(x)
+                                for h, x in zip(hit.get_block_ids(), new.get_block_ids(), strict=True)
+                            ]
+                    if new is None:
+                        if running:
+                            victim = running.pop()
+                            m.free(victim)
+                            tables.pop(victim.request_id, None)
+                            victim.running = False
+                            victim.num_computed_tokens = 0
+                            victim.num_preemptions += 1
+                        continue
+                    summary["allocs"] += 1
+                    if not r.running:
+                        r.running = True
+                        running.append(r)
+                    r.num_computed_tokens += n
+                    budget -= n
+                    if r.num_computed_tokens == len(r.all_token_ids):
+                        if r.decode_left == 0:
+                            m.free(r)
+                            tables.pop(r.request_id, None)
+                            live.remove(r)
+                            running.remove(r)
+                            continue
+                        r.decode_left -= 1
+                        r.all_token_ids = r.all_token_ids + [rnd.randrange(30000)]
+                    if budget <= 0:
+                        break
+                # every acknowledged allocation is still there, exactly
+                with m.batch() as b:
+                    pending = {r.request_id: b.get_block_ids(r.request_id) for r in running}
+                for rid, p in pending.items():
+                    got = p.result()
+                    if not _same(tables[rid], got):
+                        raise AssertionError(f"request {rid}: acknowledged {tables[rid]}, server holds {got}")
+                    summary["checks"] += 1
+                summary["steps"] = step
+            for r in live:
+                m.free(r)
+            summary["lost"] = m.lost_requests
+            m.close()
+    except Exception as exc:  # reported to the parent, which fails the test
+        summary["error"] = f"{type(exc).__name__}: {exc}"
+    out.put(summary)

@@ -25,9 +25,11 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def test_serve_with_no_arguments_then_sigterm() -> None:
-    """`kvcoord serve` runs the embedded default, says where it listens, and stops cleanly."""
-    env = _env(KVCOORD_LISTEN="127.0.0.1:0", KVCOORD_METRICS_LISTEN="127.0.0.1:0")
+def test_serve_with_no_arguments_then_sigterm(tmp_path: Path) -> None:
+    """`kvcoord serve` runs the embedded default, says where it listens and keeps its
+    data, and stops cleanly."""
+    data = tmp_path / "data"  # the embedded default's ./kvcoord-data, moved out of the tree
+    env = _env(KVCOORD_LISTEN="127.0.0.1:0", KVCOORD_METRICS_LISTEN="127.0.0.1:0", KVCOORD_DATA_DIR=str(data))
     server = start_server(None, metrics=True, env=env, extra_args=())
     try:
         with KVCoordClient(server.address) as c:
@@ -56,6 +58,7 @@ def test_serve_with_no_arguments_then_sigterm() -> None:
         log = server.log()
         assert f"kvcoord serving gRPC on {server.address}; pools: default" in log
         assert "kvcoord metrics on http://127.0.0.1:" in log
+        assert f"kvcoord data directory {data}" in log and (data / "journal.sqlite").exists()
         assert log.rstrip().endswith("kvcoord stopped")
     finally:
         server.stop()

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from kvcoord.client import PoolBusyError
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.client.vllm import (
     KVCacheBlock,
@@ -114,7 +115,8 @@ def test_pool_config_from_engine_and_differences() -> None:
 
 
 def test_connect_creates_attaches_and_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
-    """connect creates the pool, a second engine attaches, a different engine is refused."""
+    """connect creates the pool; a second engine attaches when it shares the pool (not
+    exclusive) or once the first is gone; a different engine is refused."""
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     server = InProcessServer().start()
     try:
@@ -138,12 +140,15 @@ def test_connect_creates_attaches_and_refuses(monkeypatch: pytest.MonkeyPatch) -
         assert (stats.requests, stats.queries, stats.hits) == (1, 10, 0)
         assert [type(e).__name__ for e in m.take_events()] == ["BlockStored", "BlockStored"]
         m.free(r)
-        connect(Settings(target=server.address, pool="eng", create_pool=False), kv, cfg).close()
+        again = Settings(target=server.address, pool="eng", create_pool=False)
+        with pytest.raises(PoolBusyError):
+            connect(again, kv, cfg)  # the first engine holds the pool exclusively
         kv2, cfg2 = engine(31, events=False)
         with pytest.raises(PoolMismatchError, match="num_blocks.*enable_kv_cache_events") as err:
             connect(settings, kv2, cfg2, log_stats=False)
         assert len(err.value.differences) == 3
         m.close()
+        connect(again, kv, cfg).close()
     finally:
         server.stop()
 

@@ -96,7 +96,7 @@ def test_public_exports_are_pinned() -> None:
         # remote safety: typed reasons, the session keeper
         "AnswerEvictedError", "FencedError", "GracePeriodError", "KeyReusedError", "LeaseExpiredError",
         "OutcomeUnknownError", "RequestUnknownError", "RequestsLostError", "SessionExpiredError",
-        "SessionKeeper", "SyncMismatchError",
+        "SessionKeeper", "SyncMismatchError", "PoolBusyError",
     ])  # fmt: skip
     for mod in (kvcoord.engine, kvcoord.client):
         for name in mod.__all__:

@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from harness import BLOCK_SIZE, kv_cache_config, vllm_config
+from kvcoord.client import PoolBusyError
 from kvcoord.client.vllm import PoolMismatchError, Settings, connect, pool_config_from_vllm
 from kvcoord.service.testing import InProcessServer
 from vllm.distributed.kv_events import BlockStored, KVEventBatch
@@ -19,7 +20,8 @@ _names = itertools.count()
 
 
 def test_pool_created_from_engine_config(model_dir: Path, server: InProcessServer) -> None:
-    """The pool gets the engine's groups, blocks and settings; a second engine attaches to it."""
+    """The pool gets the engine's groups, blocks and settings; a second engine is refused
+    while the first holds the pool exclusively, and attaches once it is gone."""
     cfg, kv = vllm_config(model_dir, 64, async_scheduling=False), kv_cache_config("full+swa", 64)
     settings = Settings(target=server.address, pool=f"made-{next(_names)}")
     first = connect(settings, kv, cfg)
@@ -28,9 +30,12 @@ def test_pool_created_from_engine_config(model_dir: Path, server: InProcessServe
     assert [g.WhichOneof("spec") for g in pool.groups] == ["full", "sliding_window"]
     assert pool.groups[1].sliding_window.sliding_window == 64
     assert (pool.hash_algo, pool.hash_seed, pool.enable_kv_cache_events) == ("sha256", "0", True)
-    second = connect(Settings(target=server.address, pool=settings.pool, create_pool=False), kv, cfg)
-    assert second.num_kv_cache_groups == 2
+    again = Settings(target=server.address, pool=settings.pool, create_pool=False)
+    with pytest.raises(PoolBusyError):
+        connect(again, kv, cfg)
     first.close()
+    second = connect(again, kv, cfg)
+    assert second.num_kv_cache_groups == 2
     second.close()
 
 

@@ -66,27 +66,45 @@ class KVCacheBlockIds:
 
     May be lazy: an allocation the manager proved will succeed is answered at once,
     and its ids arrive with the next Step; reading them sends that Step if needed.
+    ``table`` is the request's whole block table after the allocation, when asked for
+    (``allocate_slots(..., return_table=True)``).
     """
 
-    __slots__ = ("_ids", "_pending")
+    __slots__ = ("_ids", "_pending", "_table")
 
     def __init__(
         self,
         block_ids: tuple[list[int], ...] | None = None,
         pending: Pending[KVCacheBlockIds | None] | None = None,
+        table: tuple[list[int], ...] | None = None,
     ) -> None:
         self._ids = block_ids
         self._pending = pending
+        self._table = table
 
-    @property
-    def block_ids(self) -> tuple[list[int], ...]:
+    def _resolve(self) -> None:
         if self._ids is None:
             assert self._pending is not None
             resolved = self._pending.result()
             assert resolved is not None
-            self._ids = resolved.block_ids
+            self._ids, self._table = resolved._ids, resolved._table
             self._pending = None
+
+    @property
+    def block_ids(self) -> tuple[list[int], ...]:
+        self._resolve()
+        assert self._ids is not None
         return self._ids
+
+    @property
+    def table(self) -> tuple[list[int], ...] | None:
+        self._resolve()
+        return self._table
+
+    @property
+    def resolved(self) -> bool:
+        """True when the ids are here (reading them sends nothing)."""
+        return self._ids is not None or (self._pending is not None and self._pending.done)
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         return self.block_ids
@@ -139,18 +157,22 @@ class Ops:
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
-                       num_encoder_tokens: int = 0) -> Item:  # fmt: skip
+                       num_encoder_tokens: int = 0, return_table: bool = False) -> Item:  # fmt: skip
         hit = new_computed_blocks.block_ids if new_computed_blocks is not None else None
         a = rq.allocate_op(self.m.tracker.sync(request), num_new_tokens, num_new_computed_tokens, hit,
                            num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
                            num_encoder_tokens)  # fmt: skip
+        a.return_table = return_table
         m = self.m
 
         def decode(r: pb.OperationResult) -> KVCacheBlockIds | None:
             if r.allocate.stale_hit:
                 m.stale_hits += 1
                 return None
-            return None if r.allocate.refused else ids(r.allocate.new_block_ids)
+            if r.allocate.refused:
+                return None
+            table = tuple(list(g.block_ids) for g in r.allocate.table) if return_table else None
+            return KVCacheBlockIds(tuple(list(g.block_ids) for g in r.allocate.new_block_ids), table=table)
 
         return Item(pb.Operation(allocate=a), decode, [request.request_id], Pending())
 

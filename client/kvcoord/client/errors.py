@@ -12,6 +12,7 @@ Hierarchy::
     ├── FailedPreconditionError       FAILED_PRECONDITION (hash handshake, ...)
     │   ├── HashMismatchError         the pool hashes differently (Attach)
     │   ├── FencedError               server restarted / pool re-created: block ids void
+    │   ├── PoolBusyError             an exclusive session holds the pool (POOL_EXCLUSIVE)
     │   └── SyncMismatchError         the server holds another position of a request
     ├── PermissionDeniedError         PERMISSION_DENIED, UNAUTHENTICATED
     ├── ResourceExhaustedError        RESOURCE_EXHAUSTED (server limits)
@@ -47,6 +48,7 @@ __all__ = [
     "NotFoundError",
     "OutcomeUnknownError",
     "PermissionDeniedError",
+    "PoolBusyError",
     "RequestUnknownError",
     "RequestsLostError",
     "ResourceExhaustedError",
@@ -125,6 +127,11 @@ class FencedError(FailedPreconditionError):
     """The server restarted or the pool was re-created: every block id held there is void."""
 
 
+class PoolBusyError(FailedPreconditionError):
+    """Attach refused: the pool has an exclusive session, or an exclusive session was
+    asked for while others are attached."""
+
+
 class SyncMismatchError(FailedPreconditionError):
     """The server holds the request at another position than the client believed."""
 
@@ -196,6 +203,7 @@ _REASONS: dict[str, type[KVCoordError]] = {
     "ANSWER_EVICTED": AnswerEvictedError,
     "GRACE_PERIOD": GracePeriodError,
     "REQUEST_UNKNOWN": RequestUnknownError,
+    "POOL_EXCLUSIVE": PoolBusyError,
 }
 
 #: Trailing-metadata key carrying the reason of a failed RPC.

@@ -187,11 +187,14 @@ class RemoteKVCacheManager:
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
-                       num_encoder_tokens: int = 0) -> KVCacheBlockIds | None:  # fmt: skip
-        """New block ids per group, or ``None`` when the pool has too few free blocks."""
+                       num_encoder_tokens: int = 0, return_table: bool = False) -> KVCacheBlockIds | None:  # fmt: skip
+        """New block ids per group, or ``None`` when the pool has too few free blocks.
+
+        With ``return_table`` the answer's ``table`` is the request's whole block table.
+        """
         item = self._ops.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
-            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens)  # fmt: skip
+            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table)  # fmt: skip
         if self._free_estimate is not None:
             hits = [len(g) for g in new_computed_blocks.block_ids] if new_computed_blocks is not None else []
             need = allocation_bound(
@@ -268,8 +271,8 @@ class RemoteKVCacheManager:
         """The pool's KV events since the previous call (this session's cursor)."""
         if not self.keeper.exclusive:
             self._send([], force=True)  # other sessions' calls make events too
-        elif any(i.op.WhichOneof("op") in ("cache_blocks", "evict_blocks") for i in self._queue):
-            self.flush()  # queued calls that make events
+        elif any(i.op.WhichOneof("op") not in ("free", "remove_skipped_blocks") for i in self._queue):
+            self.flush()  # queued calls that make events (allocations and cache_blocks store blocks)
         events, self._events = self._events, []
         return events
 
@@ -280,6 +283,14 @@ class RemoteKVCacheManager:
             return None
         stats, self._stats = self._stats, pb.PrefixCacheStats()
         return stats
+
+    def peek_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
+        """What make_prefix_cache_stats would return, without resetting it."""
+        if not self.log_stats:
+            return None
+        copy = pb.PrefixCacheStats()
+        copy.CopyFrom(self._stats)
+        return copy
 
     @property
     def usage(self) -> float:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, overload
 
 import grpc
@@ -87,11 +87,38 @@ class KVCacheBlock:
         return self.block_id == 0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
 class KVCacheBlocks:
-    """Blocks per KV cache group: ``blocks[g][j]`` is group ``g``'s ``j``-th block."""
+    """Blocks per KV cache group: ``blocks[g][j]`` is group ``g``'s ``j``-th block.
 
-    blocks: tuple[Sequence[KVCacheBlock], ...]
+    May be lazy (``make``): an allocation answered before its Step was sent builds its
+    blocks when first read, which sends the Step if it has not gone yet.
+    """
+
+    __slots__ = ("_blocks", "_make")
+
+    def __init__(
+        self,
+        blocks: tuple[Sequence[KVCacheBlock], ...] | None = None,
+        make: Callable[[], tuple[Sequence[KVCacheBlock], ...]] | None = None,
+    ) -> None:
+        self._blocks = blocks
+        self._make = make
+
+    @property
+    def blocks(self) -> tuple[Sequence[KVCacheBlock], ...]:
+        if self._blocks is None:
+            assert self._make is not None
+            self._blocks, self._make = self._make(), None
+        return self._blocks
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KVCacheBlocks) and self.blocks == other.blocks
+
+    def __hash__(self) -> int:
+        return hash(tuple(tuple(g) for g in self.blocks))
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlocks({self.blocks!r})" if self._blocks is not None else "KVCacheBlocks(<pending>)"
 
     def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         return KVCacheBlocks(
@@ -441,6 +468,8 @@ class KVCoordKVCacheManager:
         self.metrics_collector = None
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
         self._held: dict[str, _Held] = {}
+        #: whole tables that came with a request's first allocation, until it changes
+        self._tables: dict[str, KVCacheBlockIds] = {}
         #: closed by close() (set by connect when it opened the client)
         self.owned_client: KVCoordClient | None = None
 
@@ -485,7 +514,7 @@ class KVCoordKVCacheManager:
         """The statistics gathered since the last ``make_prefix_cache_stats`` (not reset)."""
         if not self.log_stats:
             return None
-        return convert_stats(self.remote.client.get_stats(self.remote.pool).prefix_cache_stats)
+        return convert_stats(self.remote.peek_prefix_cache_stats() or pb.PrefixCacheStats())
 
     def make_prefix_cache_stats(self) -> Any:
         """Get (and reset) the prefix cache stats; ``None`` with stats off."""
@@ -521,13 +550,18 @@ class KVCoordKVCacheManager:
         num_encoder_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         hit = new_computed_blocks.to_block_ids() if new_computed_blocks is not None else None
+        rid = request.request_id
+        fresh = rid not in self._held  # vLLM will ask for its whole table (get_blocks)
         new = self.remote.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, hit, num_lookahead_tokens,
-            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
+            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table=fresh,
         )  # fmt: skip
+        self._tables.pop(rid, None)
         if new is None:
             return None
-        held = self._held.setdefault(request.request_id, _Held(request))
+        if fresh:
+            self._tables[rid] = new
+        held = self._held.setdefault(rid, _Held(request))
         held.request = request
         # vLLM's accounting: what is computed, what needs a slot, what gets cached
         local = int(request.num_computed_tokens) + num_new_computed_tokens
@@ -538,16 +572,26 @@ class KVCoordKVCacheManager:
         if self.enable_caching:
             cached = local if delay_cache_blocks else min(total + num_new_tokens, int(request.num_tokens))
             held.hashed_tokens = max(held.hashed_tokens, cached)
-        ids = new.get_block_ids()
-        # tables only grow: new blocks end the table, which now covers `need` tokens
-        starts = [-(-need // size) - len(group) for size, group in zip(self.block_sizes, ids, strict=True)]
-        return self._blocks(ids, held, starts)
+
+        def make() -> tuple[Sequence[KVCacheBlock], ...]:
+            ids = new.get_block_ids()
+            # tables only grow: new blocks end the table, which now covers `need` tokens
+            starts = [
+                -(-need // size) - len(group) for size, group in zip(self.block_sizes, ids, strict=True)
+            ]
+            return self._blocks(ids, held, starts).blocks
+
+        if new.resolved:
+            return KVCacheBlocks(make())
+        return KVCacheBlocks(make=make)
 
     def free(self, request: Any) -> None:
         self._held.pop(request.request_id, None)
+        self._tables.pop(request.request_id, None)
         self.remote.free(request)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        self._tables.pop(request_id, None)
         self.remote.remove_skipped_blocks(request_id, total_computed_tokens)
 
     def evict_blocks(self, block_ids: set[int]) -> None:
@@ -565,8 +609,18 @@ class KVCoordKVCacheManager:
         return convert_events(self.remote.take_events())
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        held = self._held.get(request_id)
+        fresh = self._tables.get(request_id)
+        if fresh is not None:
+            # the table came with the request's first allocation (nothing changed it since)
+            def make() -> tuple[Sequence[KVCacheBlock], ...]:
+                table = fresh.table
+                assert table is not None
+                return self._blocks(table, held, [0] * len(table)).blocks
+
+            return KVCacheBlocks(make=make)
         ids = self.remote.get_block_ids(request_id)
-        return self._blocks(ids, self._held.get(request_id), [0] * len(ids))
+        return self._blocks(ids, held, [0] * len(ids))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.remote.get_block_ids(request_id)
@@ -603,6 +657,9 @@ class Settings:
             exist (``KVCOORD_CREATE_POOL``, default ``1``); ``0`` only attaches.
         timeout: deadline of each call in seconds (``KVCOORD_TIMEOUT``, default 10).
         client_name: shown in server logs (``KVCOORD_CLIENT_NAME``, default host:pid).
+        exclusive: the engine is the pool's only session (``KVCOORD_EXCLUSIVE``, default
+            ``1``): allocations it can prove will succeed are answered without a round
+            trip; ``0`` lets several engines share the pool (one round trip per call).
     """
 
     target: str
@@ -611,6 +668,7 @@ class Settings:
     create_pool: bool = True
     timeout: float = 10.0
     client_name: str = ""
+    exclusive: bool = True
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -625,6 +683,7 @@ class Settings:
             create_pool=e.get("KVCOORD_CREATE_POOL", "1").lower() not in ("0", "false", "no"),
             timeout=float(e.get("KVCOORD_TIMEOUT", "10")),
             client_name=e.get("KVCOORD_CLIENT_NAME", "") or f"{os.uname().nodename}:{os.getpid()}",
+            exclusive=e.get("KVCOORD_EXCLUSIVE", "1").lower() not in ("0", "false", "no"),
         )
 
 
@@ -671,7 +730,11 @@ def connect(
         if diffs:
             raise PoolMismatchError(settings.pool, diffs)
         remote = RemoteKVCacheManager(
-            c, settings.pool, hash_seed=expected.hash_seed, client_name=settings.client_name
+            c,
+            settings.pool,
+            hash_seed=expected.hash_seed,
+            client_name=settings.client_name,
+            exclusive=settings.exclusive,
         )
     except BaseException:
         if own:

@@ -19,6 +19,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     GRACE_PERIOD: _ClassVar[ErrorReason]
     REQUEST_UNKNOWN: _ClassVar[ErrorReason]
     PREDICTION_FAILED: _ClassVar[ErrorReason]
+    POOL_EXCLUSIVE: _ClassVar[ErrorReason]
 REASON_UNSPECIFIED: ErrorReason
 INSTANCE_CHANGED: ErrorReason
 INCARNATION_CHANGED: ErrorReason
@@ -29,6 +30,7 @@ ANSWER_EVICTED: ErrorReason
 GRACE_PERIOD: ErrorReason
 REQUEST_UNKNOWN: ErrorReason
 PREDICTION_FAILED: ErrorReason
+POOL_EXCLUSIVE: ErrorReason
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")
@@ -349,7 +351,7 @@ class LookupResult(_message.Message):
     def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed")
+    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed", "return_table")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -360,6 +362,7 @@ class AllocateOp(_message.Message):
     NUM_ENCODER_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     MUST_SUCCEED_FIELD_NUMBER: _ClassVar[int]
+    RETURN_TABLE_FIELD_NUMBER: _ClassVar[int]
     request: RequestSync
     num_new_tokens: int
     num_new_computed_tokens: int
@@ -370,21 +373,24 @@ class AllocateOp(_message.Message):
     num_encoder_tokens: int
     lookup: bool
     must_succeed: bool
-    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ...) -> None: ...
+    return_table: bool
+    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ..., return_table: _Optional[bool] = ...) -> None: ...
 
 class AllocateResult(_message.Message):
-    __slots__ = ("refused", "new_block_ids", "hit", "num_new_tokens", "stale_hit")
+    __slots__ = ("refused", "new_block_ids", "hit", "num_new_tokens", "stale_hit", "table")
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     HIT_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STALE_HIT_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
     refused: bool
     new_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     hit: CacheHit
     num_new_tokens: int
     stale_hit: bool
-    def __init__(self, refused: _Optional[bool] = ..., new_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., hit: _Optional[_Union[CacheHit, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., stale_hit: _Optional[bool] = ...) -> None: ...
+    table: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    def __init__(self, refused: _Optional[bool] = ..., new_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., hit: _Optional[_Union[CacheHit, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., stale_hit: _Optional[bool] = ..., table: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
 
 class FreeOp(_message.Message):
     __slots__ = ("request_id",)

@@ -218,6 +218,7 @@ def allocate_from_pb(a: pb.AllocateOp, num_groups: int) -> op.Allocate:
         a.num_encoder_tokens,
         a.lookup,
         a.must_succeed,
+        a.return_table,
     )
 
 
@@ -260,6 +261,8 @@ def allocate_to_pb(a: op.AllocateOutcome) -> pb.AllocateResult:
         out.new_block_ids.extend(block_ids_to_pb(a.new_block_ids))
     if a.hit is not None:
         out.hit.CopyFrom(hit_to_pb(a.hit))
+    if a.table is not None:
+        out.table.extend(block_ids_to_pb(a.table))
     return out
 
 

@@ -45,6 +45,7 @@ class ErrorReason(enum.Enum):
     GRACE_PERIOD = 7
     REQUEST_UNKNOWN = 8
     PREDICTION_FAILED = 9
+    POOL_EXCLUSIVE = 10
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

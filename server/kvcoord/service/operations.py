@@ -71,6 +71,7 @@ class Allocate:
     num_encoder_tokens: int = 0
     lookup: bool = False
     must_succeed: bool = False
+    return_table: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -155,6 +156,8 @@ class AllocateOutcome:
     num_new_tokens: int
     hit: CacheHit | None = None
     stale_hit: bool = False
+    #: with Allocate.return_table: the request's whole table after the allocation
+    table: BlockIds | None = None
 
     @property
     def refused(self) -> bool:

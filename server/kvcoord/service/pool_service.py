@@ -170,6 +170,7 @@ class PoolService:
                 if holder is not None
                 else f"pool {self.name!r} has {len(others)} other session(s); an exclusive session must be "
                 "the only one",
+                ErrorReason.POOL_EXCLUSIVE,
             )
         s = self.sessions.open(self.name, client_name, lease_seconds)
         s.exclusive = exclusive
@@ -410,7 +411,10 @@ class PoolService:
                 )
                 if res.new_block_ids is None and o.must_succeed:
                     raise self._prediction_failed(rid)
-                return op.AllocateOutcome(res.new_block_ids, res.num_new_tokens, res.hit)
+                table = (
+                    engine.get_block_ids(rid) if o.return_table and res.new_block_ids is not None else None
+                )
+                return op.AllocateOutcome(res.new_block_ids, res.num_new_tokens, res.hit, table=table)
             new = engine.allocate_slots(
                 rid,
                 o.num_new_tokens,
@@ -431,7 +435,8 @@ class PoolService:
         except Exception:
             undo()
             raise
-        return op.AllocateOutcome(new, o.num_new_tokens)
+        table = engine.get_block_ids(rid) if o.return_table and new is not None else None
+        return op.AllocateOutcome(new, o.num_new_tokens, table=table)
 
     def _prediction_failed(self, rid: str) -> ServiceError:
         return ServiceError(

@@ -209,6 +209,7 @@ class RemoteKVCacheManager:
                 self._free_estimate -= need
                 item.op.allocate.must_succeed = True
                 item.pending._resolve = self.flush
+                item.deferred = True  # its caller has its answer: a failure is raised by the sender
                 self._queue.append(item)
                 self.promised += 1
                 return KVCacheBlockIds(pending=item.pending)

@@ -49,6 +49,7 @@ from kvcoord.engine import (  # noqa: E402
     MambaCacheMode,
     MambaSpec,
     SlidingWindowSpec,
+    hash_to_int64,
 )
 
 LAYOUTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
@@ -127,6 +128,9 @@ class Ours:
         s = self.pool.make_prefix_cache_stats()
         assert s is not None
         return len(self.pool.take_events()), s.requests, s.queries, s.hits, s.preempted_hits
+
+    def events(self) -> list[tuple[Any, ...]]:
+        return [_event_tuple(e) for e in self.pool.take_events()]
 
 
 class VLLM:
@@ -214,6 +218,24 @@ class VLLM:
     def finish(self) -> tuple[Any, ...]:
         s = self.m.make_prefix_cache_stats()
         return len(self.m.take_events()), s.requests, s.queries, s.hits, s.preempted_hits
+
+    def events(self) -> list[tuple[Any, ...]]:
+        return [_event_tuple(e) for e in self.m.take_events()]
+
+
+def _event_tuple(event: Any) -> tuple[Any, ...]:
+    """A KV event of either side as comparable values (hashes as vLLM's 64-bit integers)."""
+
+    def h(x: Any) -> Any:
+        return hash_to_int64(x) if isinstance(x, bytes) else x
+
+    name = type(event).__name__
+    if name == "BlockStored":
+        return (name, tuple(map(h, event.block_hashes)), h(event.parent_block_hash), tuple(event.token_ids),
+                event.block_size, event.lora_id, event.medium, event.lora_name)  # fmt: skip
+    if name == "BlockRemoved":
+        return (name, tuple(map(h, event.block_hashes)), event.medium)
+    return (name,)
 
 
 def workload(side: Any, seed: int, steps: int, timings: dict[str, list[float]] | None,
@@ -416,6 +438,8 @@ def serving_workload(sides: dict[str, Any], prompts: list[tuple[list[int], int]]
                 appended = [(computed[rid] * 7919) % 32000]
                 toks.extend(appended)
             sync("advance", rid, computed[rid], appended)
+        # A scheduler drains the KV events every step (vLLM's does in schedule()); untimed.
+        agree("events", {k: side.events() for k, side in sides.items()})
     agree("events and stats", {k: side.finish() for k, side in sides.items()})
     return compared
 

@@ -120,21 +120,31 @@ class FreeKVCacheBlockQueue:
         self._queue.append(block)
         self._live += 1
 
-    def release(self, blocks: Iterable[KVCacheBlock], null: KVCacheBlock) -> int:
-        """Drop one reference on each block (``null`` skipped); those reaching zero are
-        appended, in order. Returns how many were appended."""
+    def release(self, blocks: Iterable[KVCacheBlock], null: KVCacheBlock | None) -> int:
+        """Drop one reference on each block (``null`` skipped; pass ``None`` when the
+        blocks cannot contain it); those reaching zero are appended, in order. Returns
+        how many were appended."""
         queue = self._queue
         start = pos = len(queue)
         append = queue.append
-        for block in blocks:
-            if block is null:
-                continue
-            ref = block.ref_cnt - 1
-            block.ref_cnt = ref
-            if not ref:
-                block.free_pos = pos
-                pos += 1
-                append(block)
+        if null is None:
+            for block in blocks:
+                ref = block.ref_cnt - 1
+                block.ref_cnt = ref
+                if not ref:
+                    block.free_pos = pos
+                    pos += 1
+                    append(block)
+        else:
+            for block in blocks:
+                if block is null:
+                    continue
+                ref = block.ref_cnt - 1
+                block.ref_cnt = ref
+                if not ref:
+                    block.free_pos = pos
+                    pos += 1
+                    append(block)
         self._live += pos - start
         return pos - start
 

@@ -166,6 +166,13 @@ class KVCachePool:
         ]
         self._no_new_blocks: BlockIds = tuple(() for _ in self.managers)
         self._group_block_sizes = [g.block_size for g in config.groups]
+        # free/preempt fused over managers that free by the base rule (with whether their
+        # lists can hold the null block); None when any manager has its own rule.
+        self._fused_free: list[tuple[SingleTypeKVCacheManager, bool]] | None = [
+            (m, m.uses_null_blocks) for m in self.managers
+        ]
+        if any(type(m).free is not SingleTypeKVCacheManager.free for m in self.managers):
+            self._fused_free = None
 
     # -- request table --------------------------------------------------------------
     def add_request(
@@ -598,15 +605,15 @@ class KVCachePool:
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first, group order) and forget it."""
-        self._get(request_id)
-        self.coordinator.free(request_id)
-        del self.requests[request_id]
+        if self.requests.pop(request_id, None) is None:
+            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        self._release(request_id)
 
     def preempt(self, request_id: str) -> None:
         """Release the request's blocks but keep it: computed tokens go back to 0 and its
         later lookups count as preempted."""
         req = self._get(request_id)
-        self.coordinator.free(request_id)
+        self._release(request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
 
@@ -738,6 +745,23 @@ class KVCachePool:
         )
 
     # -- internals --------------------------------------------------------------------
+    def _release(self, request_id: str) -> None:
+        """The coordinator's ``free``, fused for managers that free by the base rule: each
+        group's list goes to the free queue tail first, group order."""
+        if self._fused_free is None:
+            self.coordinator.free(request_id)
+            return
+        bp = self.block_pool
+        release = bp.free_block_queue.release
+        null = bp.null_block
+        freed = 0
+        for m, may_hold_null in self._fused_free:
+            blocks = m.req_to_blocks.pop(request_id, None)
+            if blocks:
+                freed += release(reversed(blocks), null if may_hold_null else None)
+            m.num_cached_block.pop(request_id, None)
+        bp.num_freed += freed
+
     def _get(self, request_id: str) -> Request:
         req = self.requests.get(request_id)
         if req is None:

@@ -1,11 +1,16 @@
 """kvcoord's engine against vLLM 0.16.0's own KVCacheManager, side by side. Not a test.
 
-Needs vLLM 0.16.0 importable (it is not a kvcoord dependency). On a CPU machine:
+Needs vLLM 0.16.0 importable (it is not a kvcoord dependency) in a separate venv. On a
+CPU machine:
 
     python3 -m venv /tmp/vllm-venv
     /tmp/vllm-venv/bin/pip install torch==2.13.0 && /tmp/vllm-venv/bin/pip install --no-deps vllm==0.16.0
-    # then install the modules its import reports missing (numpy, msgspec, pydantic, ...)
-    PYTHONHASHSEED=0 /tmp/vllm-venv/bin/python bench/vs_vllm.py [--check-only]
+    # then the modules its import reports missing: numpy msgspec pydantic cbor2 xxhash
+    # "transformers<5" einops psutil pyzmq urllib3 gguf aiohttp pillow pybase64 cachetools
+    # cloudpickle py-cpuinfo prometheus_client openai-harmony openai llguidance
+    # mistral_common diskcache xgrammar, and for kvcoord.client: grpcio protobuf
+    # grpcio-health-checking
+    PYTHONHASHSEED=0 /tmp/vllm-venv/bin/python bench/vs_vllm.py [--check-only | --skip-check]
 
 Two parts:
 
@@ -16,13 +21,17 @@ Two parts:
    stops the run.
 2. Timings (skipped by --check-only): the serving workload of bench/engine.py -- 256
    requests kept running, prompts of 512-4,096 tokens, half starting with one of 8 shared
-   prefixes, 16-256 output tokens, a token budget of 8,192 per step -- on full16 and
-   full16 + sliding16 (window 1024). Its answers are compared too. Reported per layout,
-   in microseconds per call: get_computed_blocks, allocate_slots for a decode step
-   (one new token), for a request's first chunk (after its lookup), free (including
-   preemption), and kvcoord's request-table sync (add_request + update_request, which
-   vLLM's scheduler does by mutating its own Request). Block hashing is excluded on both
-   sides. The last row divides kvcoord's total time, sync included, by vLLM's.
+   prefixes, 16-256 output tokens, a token budget of 8,192 per step (chunks of at most
+   2,048) -- on full16 and full16 + sliding16 (window 1024), 24,000 blocks, KV events on.
+   Both managers run in lockstep: every call is timed on both sides back to back and
+   their answers (hits, new blocks, free counts, and each step's KV events) must be
+   identical. Reported per layout, in microseconds per call (the lowest mean of --reps
+   runs): get_computed_blocks, allocate_slots for a decode step (one new token), for a
+   request's first chunk (after its lookup, adopting the hit), for later prefill chunks,
+   free (preemptions included), and kvcoord's request-table sync: add_request and
+   update_request, which vLLM's scheduler does by mutating its own Request (so vLLM has
+   no such row). Block hashing is excluded on both sides. The last row divides
+   kvcoord's total time over all these calls, sync included, by vLLM's.
 """
 
 from __future__ import annotations

@@ -161,6 +161,19 @@ def test_free_queue_matches_a_plain_list_through_compactions() -> None:
         assert len(q) == len(model)
     assert q.head_ids() == model
     assert q.head_ids(7) == model[:7]
+    # A block freed and hit again and again leaves dead entries behind until the list
+    # is compacted; the order stays exact throughout.
+    b = held.pop()
+    for i in range(10_000):
+        q.append(b)
+        if i % 3 == 0:
+            model.append(b.block_id)
+            assert q.head_ids()[-1] == b.block_id
+            model.remove(b.block_id)
+        q.remove(b)
+        assert len(q) == len(model)
+    assert q.head_ids() == model
+    assert [x.block_id for x in q.popleft_n(len(model))] == model
 
 
 def test_huge_pool_is_created_lazily_and_reclaimed_without_gc() -> None:

@@ -17,9 +17,9 @@ class KVCacheBlock:
     ``ref_cnt`` is the number of live (request, group) block lists holding the block;
     ``ref_cnt == 0`` exactly when the block is in the free queue; ``cached_hash`` is set
     exactly when the block is in the pool's hash map under that hash (at the group's
-    granularity) for group ``cached_group``. ``free_pos`` belongs to
-    :class:`~kvcoord.engine.free_queue.FreeKVCacheBlockQueue` alone: the index of the
-    block's live entry in the queue's list, -1 when it is not in the queue.
+    granularity) for group ``cached_group``. ``stale_entries`` belongs to
+    :class:`~kvcoord.engine.free_queue.FreeKVCacheBlockQueue` alone: how many dead
+    entries of this block its list still holds.
 
     Blocks hold no references to other blocks, so a pool's blocks form no reference
     cycles and are reclaimed by reference counting alone when the pool is dropped.
@@ -30,7 +30,7 @@ class KVCacheBlock:
     cached_hash: bytes | None = None
     cached_group: int = 0
     is_null: bool = False
-    free_pos: int = -1
+    stale_entries: int = 0
 
     @property
     def block_hash(self) -> BlockHashWithGroupId | None:

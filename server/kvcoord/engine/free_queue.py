@@ -38,7 +38,16 @@ class FreeKVCacheBlockQueue:
             they are created. Blocks already in it start in the used part, in order.
     """
 
-    __slots__ = ("_blocks", "_dead", "_head", "_live", "_next_fresh", "_num_blocks", "_queue")
+    __slots__ = (
+        "_blocks",
+        "_dead",
+        "_head",
+        "_live",
+        "_next_fresh",
+        "_num_blocks",
+        "_queue",
+        "compact_slack",
+    )
 
     def __init__(self, num_blocks: int, blocks: list[KVCacheBlock]) -> None:
         self._blocks = blocks
@@ -48,6 +57,9 @@ class FreeKVCacheBlockQueue:
         self._head = 0
         self._live = len(self._queue)
         self._dead = 0  # dead entries at or after head
+        #: dead or consumed entries tolerated beyond the live ones before compacting
+        #: (tests lower it to compact often)
+        self.compact_slack = 4096
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,7 +119,7 @@ class FreeKVCacheBlockQueue:
                     left -= 1
             self._dead -= skipped
         self._head = i
-        if i > 4096 and i > len(queue) >> 1:
+        if i > self.compact_slack and i > len(queue) >> 1:
             self._compact()
         return out
 
@@ -171,7 +183,7 @@ class FreeKVCacheBlockQueue:
             self._maybe_compact()
 
     def _maybe_compact(self) -> None:
-        if self._dead > self._live + 4096:
+        if self._dead > self._live + self.compact_slack:
             self._compact()
 
     def _compact(self) -> None:

@@ -1,11 +1,16 @@
 """kvcoord's engine against vLLM 0.16.0's own KVCacheManager, side by side. Not a test.
 
-Needs vLLM 0.16.0 importable (it is not a kvcoord dependency). On a CPU machine:
+Needs vLLM 0.16.0 importable (it is not a kvcoord dependency) in a separate venv. On a
+CPU machine:
 
     python3 -m venv /tmp/vllm-venv
     /tmp/vllm-venv/bin/pip install torch==2.13.0 && /tmp/vllm-venv/bin/pip install --no-deps vllm==0.16.0
-    # then install the modules its import reports missing (numpy, msgspec, pydantic, ...)
-    PYTHONHASHSEED=0 /tmp/vllm-venv/bin/python bench/vs_vllm.py [--check-only]
+    # then the modules its import reports missing: numpy msgspec pydantic cbor2 xxhash
+    # "transformers<5" einops psutil pyzmq urllib3 gguf aiohttp pillow pybase64 cachetools
+    # cloudpickle py-cpuinfo prometheus_client openai-harmony openai llguidance
+    # mistral_common diskcache xgrammar, and for kvcoord.client: grpcio protobuf
+    # grpcio-health-checking
+    PYTHONHASHSEED=0 /tmp/vllm-venv/bin/python bench/vs_vllm.py [--check-only | --skip-check]
 
 Two parts:
 
@@ -16,13 +21,17 @@ Two parts:
    stops the run.
 2. Timings (skipped by --check-only): the serving workload of bench/engine.py -- 256
    requests kept running, prompts of 512-4,096 tokens, half starting with one of 8 shared
-   prefixes, 16-256 output tokens, a token budget of 8,192 per step -- on full16 and
-   full16 + sliding16 (window 1024). Its answers are compared too. Reported per layout,
-   in microseconds per call: get_computed_blocks, allocate_slots for a decode step
-   (one new token), for a request's first chunk (after its lookup), free (including
-   preemption), and kvcoord's request-table sync (add_request + update_request, which
-   vLLM's scheduler does by mutating its own Request). Block hashing is excluded on both
-   sides. The last row divides kvcoord's total time, sync included, by vLLM's.
+   prefixes, 16-256 output tokens, a token budget of 8,192 per step (chunks of at most
+   2,048) -- on full16 and full16 + sliding16 (window 1024), 24,000 blocks, KV events on.
+   Both managers run in lockstep: every call is timed on both sides back to back and
+   their answers (hits, new blocks, free counts, and each step's KV events) must be
+   identical. Reported per layout, in microseconds per call (the lowest mean of --reps
+   runs): get_computed_blocks, allocate_slots for a decode step (one new token), for a
+   request's first chunk (after its lookup, adopting the hit), for later prefill chunks,
+   free (preemptions included), and kvcoord's request-table sync: add_request and
+   update_request, which vLLM's scheduler does by mutating its own Request (so vLLM has
+   no such row). Block hashing is excluded on both sides. The last row divides
+   kvcoord's total time over all these calls, sync included, by vLLM's.
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from kvcoord.engine import (  # noqa: E402
     MambaCacheMode,
     MambaSpec,
     SlidingWindowSpec,
+    hash_to_int64,
 )
 
 LAYOUTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
@@ -127,6 +137,9 @@ class Ours:
         s = self.pool.make_prefix_cache_stats()
         assert s is not None
         return len(self.pool.take_events()), s.requests, s.queries, s.hits, s.preempted_hits
+
+    def events(self) -> list[tuple[Any, ...]]:
+        return [_event_tuple(e) for e in self.pool.take_events()]
 
 
 class VLLM:
@@ -215,6 +228,24 @@ class VLLM:
         s = self.m.make_prefix_cache_stats()
         return len(self.m.take_events()), s.requests, s.queries, s.hits, s.preempted_hits
 
+    def events(self) -> list[tuple[Any, ...]]:
+        return [_event_tuple(e) for e in self.m.take_events()]
+
+
+def _event_tuple(event: Any) -> tuple[Any, ...]:
+    """A KV event of either side as comparable values (hashes as vLLM's 64-bit integers)."""
+
+    def h(x: Any) -> Any:
+        return hash_to_int64(x) if isinstance(x, bytes) else x
+
+    name = type(event).__name__
+    if name == "BlockStored":
+        return (name, tuple(map(h, event.block_hashes)), h(event.parent_block_hash), tuple(event.token_ids),
+                event.block_size, event.lora_id, event.medium, event.lora_name)  # fmt: skip
+    if name == "BlockRemoved":
+        return (name, tuple(map(h, event.block_hashes)), event.medium)
+    return (name,)
+
 
 def workload(side: Any, seed: int, steps: int, timings: dict[str, list[float]] | None,
              trace: list[Any] | None) -> None:  # fmt: skip
@@ -294,14 +325,15 @@ def workload(side: Any, seed: int, steps: int, timings: dict[str, list[float]] |
     rec(("end", side.finish()))
 
 
-TIMED_OPS = ("lookup", "alloc_decode", "alloc_first", "alloc_chunk", "free", "sync")
+TIMED_OPS = ("lookup", "alloc_decode", "alloc_first", "alloc_chunk", "free", "sync_add", "sync_update")
 OP_LABELS = {
     "lookup": "lookup",
     "alloc_decode": "allocate decode",
     "alloc_first": "allocate first chunk",
     "alloc_chunk": "allocate next chunk",
     "free": "free",
-    "sync": "request sync",
+    "sync_add": "request sync: add",
+    "sync_update": "request sync: update",
 }
 
 
@@ -319,10 +351,15 @@ def serving_prompts(seed: int, n: int) -> list[tuple[list[int], int]]:
     return out
 
 
-def serving_workload(side: Any, prompts: list[tuple[list[int], int]], steps: int,
-                     timings: dict[str, list[float]], trace: list[Any]) -> None:  # fmt: skip
+def serving_workload(sides: dict[str, Any], prompts: list[tuple[list[int], int]], steps: int,
+                     timings: dict[str, dict[str, list[float]]]) -> int:  # fmt: skip
     """256 requests kept running under a token budget of 8,192 per step (chunks of at most
-    2,048 tokens); a refusal preempts the most recently admitted running request."""
+    2,048 tokens); a refusal preempts the most recently admitted running request.
+
+    The sides run in lockstep: each operation is timed on every side, one right after the
+    other, and their answers must be identical (so a burst of load from other processes
+    hits both sides' samples alike). Returns the number of answers compared.
+    """
     pc = time.perf_counter
     queue = list(prompts)
     tokens: dict[str, list[int]] = {}
@@ -331,17 +368,43 @@ def serving_workload(side: Any, prompts: list[tuple[list[int], int]], steps: int
     order: list[str] = []  # live requests, admission order
     running: list[str] = []
     nid = 0
+    compared = 0
+
+    def agree(what: str, answers: dict[str, Any]) -> Any:
+        nonlocal compared
+        values = list(answers.values())
+        if any(v != values[0] for v in values[1:]):
+            raise SystemExit(f"DIFFERENCE in {what}: {answers}")
+        compared += 1
+        return values[0]
+
+    def call(op: str, method: str, *args: Any, per_side: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Time ``side.method(*args[, per_side[label]])`` on each side."""
+        out = {}
+        for label, side in sides.items():
+            fn = getattr(side, method)
+            full = args if per_side is None else (*args, per_side[label])
+            t0 = pc()
+            out[label] = fn(*full)
+            timings[label][op].append(pc() - t0)
+        return out
+
+    def sync(method: str, *args: Any) -> None:
+        op = "sync_add" if method == "add" else "sync_update"
+        for label, side in sides.items():
+            fn = getattr(side, method)(*args)  # hashing happens here, untimed
+            if fn is not None:
+                t0 = pc()
+                fn()
+                timings[label][op].append(pc() - t0)
+
     for _ in range(steps):
         while len(order) < 256 and queue:
             prompt, out_len = queue.pop()
             rid = f"s{nid}"
             nid += 1
             tokens[rid], computed[rid], left[rid] = list(prompt), 0, out_len
-            sync = side.add(rid, list(prompt))
-            if sync is not None:
-                t0 = pc()
-                sync()
-                timings["sync"].append(pc() - t0)
+            sync("add", rid, list(prompt))
             order.append(rid)
         budget = 8192
         for rid in list(order):
@@ -349,34 +412,24 @@ def serving_workload(side: Any, prompts: list[tuple[list[int], int]], steps: int
                 break
             toks = tokens[rid]
             if rid not in running:
-                t0 = pc()
-                raw_hit = side.raw_lookup(rid)
-                timings["lookup"].append(pc() - t0)
-                ids, n_hit = side.hit_ids(raw_hit)
-                hit = raw_hit if isinstance(side, Ours) else raw_hit[0]
+                raw_hits = call("lookup", "raw_lookup", rid)
+                ids, n_hit = agree(f"lookup {rid}", {k: sides[k].hit_ids(h) for k, h in raw_hits.items()})
                 n = min(len(toks) - n_hit, 2048, budget)
-                t0 = pc()
-                raw = side.raw_allocate(rid, n, n_hit, hit)
-                timings["alloc_first"].append(pc() - t0)
-                new = side.new_ids(raw)
-                trace.append(("hit", rid, ids, n_hit, new))
+                hits = {k: (h if isinstance(sides[k], Ours) else h[0]) for k, h in raw_hits.items()}
+                raw = call("alloc_first", "raw_allocate", rid, n, n_hit, per_side=hits)
                 start = n_hit
             else:
                 n = min(len(toks) - computed[rid], 2048, budget)
-                t0 = pc()
-                raw = side.raw_allocate(rid, n)
-                timings["alloc_decode" if computed[rid] == len(toks) - 1 else "alloc_chunk"].append(pc() - t0)
-                new = side.new_ids(raw)
-                trace.append(("alloc", rid, new))
+                op = "alloc_decode" if computed[rid] == len(toks) - 1 else "alloc_chunk"
+                raw = call(op, "raw_allocate", rid, n)
                 start = computed[rid]
+            new = agree(f"allocate {rid}", {k: sides[k].new_ids(r) for k, r in raw.items()})
+            agree("free blocks", {k: side.num_free() for k, side in sides.items()})
             if new is None:
                 if running:
                     victim = running.pop()
-                    t0 = pc()
-                    side.preempt(victim)
-                    timings["free"].append(pc() - t0)
+                    call("free", "preempt", victim)
                     computed[victim] = 0
-                    trace.append(("preempt", victim, side.num_free()))
                 continue
             if rid not in running:
                 running.append(rid)
@@ -385,22 +438,19 @@ def serving_workload(side: Any, prompts: list[tuple[list[int], int]], steps: int
             appended: list[int] = []
             if computed[rid] == len(toks):
                 if left[rid] == 0:
-                    t0 = pc()
-                    side.free(rid)
-                    timings["free"].append(pc() - t0)
-                    trace.append(("free", rid, side.num_free()))
+                    call("free", "free", rid)
+                    agree("free blocks", {k: side.num_free() for k, side in sides.items()})
                     order.remove(rid)
                     running.remove(rid)
                     continue
                 left[rid] -= 1
                 appended = [(computed[rid] * 7919) % 32000]
                 toks.extend(appended)
-            sync = side.advance(rid, computed[rid], appended)
-            if sync is not None:
-                t0 = pc()
-                sync()
-                timings["sync"].append(pc() - t0)
-    trace.append(("end", side.finish()))
+            sync("advance", rid, computed[rid], appended)
+        # A scheduler drains the KV events every step (vLLM's does in schedule()); untimed.
+        agree("events", {k: side.events() for k, side in sides.items()})
+    agree("events and stats", {k: side.finish() for k, side in sides.items()})
+    return compared
 
 
 def main() -> None:
@@ -457,31 +507,22 @@ def main() -> None:
         # a burst of load on a shared machine hits one run, not one side).
         res: dict[str, dict[str, list[float]]] = {}
         best: dict[str, dict[str, float]] = {"vllm": {}, "ours": {}}
-        traces: dict[str, list[Any]] = {}
+        n = 0
         for _rep in range(args.reps):
-            for label, cls in (("vllm", VLLM), ("ours", Ours)):
-                t: dict[str, list[float]] = {op: [] for op in TIMED_OPS}
-                side = cls(layout, args.blocks, False)
-                # torch leaves a large heap; freeze it so neither side pays for GC passes
-                # over objects it did not create (the server freezes its pools likewise).
-                gc.collect()
-                gc.freeze()
-                trace: list[Any] = []
-                serving_workload(side, prompts, args.serving_steps, t, trace)
-                gc.unfreeze()
-                traces.setdefault(label, trace)
-                res[label] = t
+            sides = {"vllm": VLLM(layout, args.blocks, False), "ours": Ours(layout, args.blocks, False)}
+            res = {label: {op: [] for op in TIMED_OPS} for label in sides}
+            # torch leaves a large heap; freeze it so neither side pays for GC passes
+            # over objects it did not create (the server freezes its pools likewise).
+            gc.collect()
+            gc.freeze()
+            n = serving_workload(sides, prompts, args.serving_steps, res)
+            gc.unfreeze()
+            for label in sides:
                 for op in TIMED_OPS:
-                    if t[op]:
-                        mean = statistics.fmean(t[op])
+                    if res[label][op]:
+                        mean = statistics.fmean(res[label][op])
                         best[label][op] = min(best[label].get(op, mean), mean)
-        a, b = traces["vllm"], traces["ours"]
-        for i, (x, y) in enumerate(zip(a, b, strict=False)):
-            if x != y:
-                raise SystemExit(f"DIFFERENCE serving {name} at answer {i}: vLLM {x} vs ours {y}")
-        if len(a) != len(b):
-            raise SystemExit(f"DIFFERENCE serving {name}: {len(a)} vs {len(b)} answers")
-        print(f"identical  serving {name}: {len(a)} answers", flush=True)
+        print(f"identical  serving {name}: {n} answers", flush=True)
         total = {"vllm": 0.0, "ours": 0.0}
         for op in TIMED_OPS:
             calls = len(res["ours"][op])

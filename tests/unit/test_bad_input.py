@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -252,3 +253,66 @@ def test_a_hit_is_checked_against_the_adopting_request() -> None:
     with pytest.raises(StaleCacheHitError, match="block 1 at position 0"):
         d.pool.allocate_slots("C", 4, 8, hit_b)
     assert d.pool.snapshot() == before
+
+
+DEGENERATE: list[tuple[str, Callable[[Driver], object], str]] = [
+    ("empty prompt", lambda d: d.pool.add_request("x", [], []), "prompt_token_ids is empty"),
+    ("empty prompt, no hashes arg", lambda d: d.pool.add_request("x", []), "prompt_token_ids is empty"),
+    ("zero-token lookup", lambda d: d.pool.find_longest_cache_hit([], 0), "between 1 and max_model_len"),
+    ("negative lookup", lambda d: d.pool.find_longest_cache_hit([], -4), "between 1 and max_model_len"),
+    ("lookup too long", lambda d: d.pool.find_longest_cache_hit([b"h" * 32] * 16, 65), "max_model_len 64"),
+    ("lookup bool count", lambda d: d.pool.find_longest_cache_hit([], True), "integer"),
+    ("lookup hash count", lambda d: d.pool.find_longest_cache_hit([b"h" * 32], 9), "expected 2 new block"),
+    ("lookup hash length", lambda d: d.pool.find_longest_cache_hit([b"h" * 31], 4), "32 bytes"),
+    ("lookup hash type", lambda d: d.pool.find_longest_cache_hit(["h" * 32], 4), "bytes"),
+    ("lookup one hash", lambda d: d.pool.find_longest_cache_hit(b"h" * 32, 4), "sequence of bytes"),
+    (
+        "atomic lookup, nothing to schedule",
+        lambda d: d.pool.allocate_slots_with_lookup("wait", 0),
+        "max_num_new_tokens must be > 0",
+    ),
+    (
+        "atomic lookup, bad flag after the search",
+        lambda d: d.pool.allocate_slots_with_lookup("wait", 4, delay_cache_blocks="yes"),  # type: ignore[arg-type]
+        "delay_cache_blocks must be a bool",
+    ),
+]
+
+
+@pytest.mark.parametrize(("name", "call", "message"), DEGENERATE, ids=[c[0] for c in DEGENERATE])
+@pytest.mark.parametrize("hybrid", [False, True], ids=["unitary", "hybrid"])
+def test_degenerate_input_is_invalid_and_changes_nothing(
+    name: str, call: Callable[[Driver], object], message: str, hybrid: bool
+) -> None:
+    """Input vLLM never sends (empty prompts, zero-token lookups, nothing to schedule) is
+    INVALID_ARGUMENT with the pool, its statistics and its lifetime counters unchanged."""
+    groups = (FullAttentionSpec(4), SlidingWindowSpec(4, 8)) if hybrid else (FullAttentionSpec(4),)
+    d = Driver(groups, num_blocks=40, max_model_len=64, enable_kv_cache_events=True, hash_length=32)
+    d.admit("done", toks(1, 20))
+    d.pool.free("done")
+    d.add("wait", toks(1, 18))
+    before = d.pool.snapshot()
+    counters = dataclasses.replace(
+        d.pool.lookup_counters, group_hit_tokens=list(d.pool.lookup_counters.group_hit_tokens)
+    )
+    with pytest.raises(InvalidArgumentError, match=message):
+        call(d)
+    assert d.pool.snapshot() == before
+    assert d.pool.lookup_counters == counters
+    stats = d.pool.make_prefix_cache_stats()
+    assert stats is not None and min(stats.requests, stats.queries, stats.hits) >= 0
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["unitary", "hybrid"])
+def test_one_token_prompt_is_served(hybrid: bool) -> None:
+    """The shortest real prompt (one token) looks up nothing, allocates one block per group,
+    and keeps every counter non-negative."""
+    groups = (FullAttentionSpec(4), SlidingWindowSpec(4, 8)) if hybrid else (FullAttentionSpec(4),)
+    d = Driver(groups, num_blocks=10)
+    hit, new = d.admit("one", [7])
+    assert hit.num_tokens == 0 and hit.is_empty
+    assert new == tuple((i + 1,) for i in range(len(groups)))
+    assert d.pool.find_longest_cache_hit([], 1) == hit
+    stats = d.pool.make_prefix_cache_stats()
+    assert stats is not None and (stats.requests, stats.queries, stats.hits) == (1, 1, 0)
+    assert d.pool.lookup_counters.hits == 0

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored, FullAttentionSpec, hash_to_int64
+import gc
+import random
+import weakref
+
+from kvcoord.engine import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    FullAttentionSpec,
+    SlidingWindowSpec,
+    hash_to_int64,
+)
 from kvcoord.engine.blocks import KVCacheBlock
 from kvcoord.engine.free_queue import FreeKVCacheBlockQueue
 from support import Driver, toks
@@ -120,3 +131,75 @@ def test_free_queue_o1_operations() -> None:
     assert q.head_ids(2) == [4, 5] and q.head_ids(3) == [4, 5, 1]
     assert [b.block_id for b in q.popleft_n(3)] == [4, 5, 1]
     assert len(q) == 0 and len(blocks) == 6
+
+
+def test_free_queue_matches_a_plain_list_through_compactions() -> None:
+    """Thousands of pops, appends and removals from the middle (enough to compact the
+    queue's list many times) keep exactly the order a plain list gives."""
+    rnd = random.Random(5)
+    blocks: list[KVCacheBlock] = []
+    q = FreeKVCacheBlockQueue(300, blocks)
+    model = list(range(300))
+    held: list[KVCacheBlock] = []
+    for _ in range(40_000):
+        roll = rnd.random()
+        if roll < 0.45 and len(model) > 0:
+            n = rnd.randint(1, min(8, len(model)))
+            got = q.popleft_n(n)
+            assert [b.block_id for b in got] == model[:n]
+            del model[:n]
+            held += got
+        elif roll < 0.9 and held:
+            b = held.pop(rnd.randrange(len(held)))
+            q.append(b)
+            model.append(b.block_id)
+        elif len(model) > len(held) and model and model[-1] < len(blocks):
+            bid = rnd.choice([i for i in model if i < len(blocks)])
+            q.remove(blocks[bid])
+            model.remove(bid)
+            held.append(blocks[bid])
+        assert len(q) == len(model)
+    assert q.head_ids() == model
+    assert q.head_ids(7) == model[:7]
+    # A block freed and hit again and again leaves dead entries behind until the list
+    # is compacted; the order stays exact throughout.
+    b = held.pop()
+    for i in range(10_000):
+        q.append(b)
+        if i % 3 == 0:
+            model.append(b.block_id)
+            assert q.head_ids()[-1] == b.block_id
+            model.remove(b.block_id)
+        q.remove(b)
+        assert len(q) == len(model)
+    assert q.head_ids() == model
+    assert [x.block_id for x in q.popleft_n(len(model))] == model
+
+
+def test_huge_pool_is_created_lazily_and_reclaimed_without_gc() -> None:
+    """A 5,000,000-block pool creates only the blocks it uses (the null block first), reports
+    exact free counts and queue order, and is reclaimed by reference counting alone."""
+    gc.disable()
+    try:
+        d = Driver(
+            (FullAttentionSpec(16), SlidingWindowSpec(16, 64)), num_blocks=5_000_000, hash_block_size=16
+        )
+        bp = d.pool.block_pool
+        assert len(bp.blocks) == 1  # the null block
+        assert d.pool.num_free_blocks == 4_999_999 and d.pool.usage == 0.0
+        assert d.pool.free_queue_head(3) == [1, 2, 3]
+        hit, new = d.admit("A", list(range(100)))
+        assert hit.num_tokens == 0 and new == ((1, 2, 3, 4, 5, 6, 7), (8, 9, 10, 11, 12, 13, 14))
+        assert len(bp.blocks) == 15
+        d.pool.free("A")
+        assert d.pool.num_free_blocks == 4_999_999
+        assert d.pool.free_queue_head(3) == [15, 16, 17]
+        assert d.pool.cached_block_ids() == list(range(1, 7)) + list(range(8, 14))
+        hit, _ = d.admit("B", list(range(100)))
+        assert hit.num_tokens == 96 and len(bp.blocks) == 17  # one new block per group
+        assert d.pool.find_longest_cache_hit(d.pool.get_request("B").block_hashes, 100) == hit
+        ref = weakref.ref(bp)
+        del d, bp, hit
+        assert ref() is None
+    finally:
+        gc.enable()

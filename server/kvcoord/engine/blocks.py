@@ -2,37 +2,35 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from .types import BlockHashWithGroupId, BlockId
 
 __all__ = ["KVCacheBlock"]
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """One physical KV block.
 
     Invariants (outside the null block, whose ``ref_cnt`` is not meaningful):
     ``ref_cnt`` is the number of live (request, group) block lists holding the block;
-    ``ref_cnt == 0`` exactly when the block is in the free queue; ``cached_hash`` is
-    set exactly when the block is in the pool's hash map under that hash for group
-    ``cached_group``.
+    ``ref_cnt == 0`` exactly when the block is in the free queue; ``cached_hash`` is set
+    exactly when the block is in the pool's hash map under that hash (at the group's
+    granularity) for group ``cached_group``. ``stale_entries`` belongs to
+    :class:`~kvcoord.engine.free_queue.FreeKVCacheBlockQueue` alone: how many dead
+    entries of this block its list still holds.
 
-    Blocks hold no links to other blocks (the free queue keeps its own order), so a
-    pool's blocks form no reference cycles and are reclaimed by reference counting
-    alone when the pool is dropped.
+    Blocks hold no references to other blocks, so a pool's blocks form no reference
+    cycles and are reclaimed by reference counting alone when the pool is dropped.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "cached_hash", "cached_group", "is_null", "free_pos")
-
-    def __init__(self, block_id: BlockId) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        #: the block hash (at the group's granularity) this block is cached under
-        self.cached_hash: bytes | None = None
-        self.cached_group = 0
-        self.is_null = False
-        #: index of the block's live entry in the free queue's list, -1 when not in it;
-        #: owned by :class:`~kvcoord.engine.free_queue.FreeKVCacheBlockQueue`
-        self.free_pos = -1
+    block_id: BlockId
+    ref_cnt: int = 0
+    cached_hash: bytes | None = None
+    cached_group: int = 0
+    is_null: bool = False
+    stale_entries: int = 0
 
     @property
     def block_hash(self) -> BlockHashWithGroupId | None:

@@ -19,16 +19,18 @@ class FreeKVCacheBlockQueue:
     counter (``[next_fresh, num_blocks)``) and its blocks are created only when popped,
     in id order.
 
-    The used part is a Python list read from index ``head``, with lazy deletion: entry
-    ``i`` is live exactly when its block's ``free_pos == i``. Appending sets
-    ``free_pos``; taking a block out of the middle (a prefix hit on a free block) sets
-    it to -1 and leaves a dead entry behind. Appends are plain ``list.append`` calls,
-    cheaper than any linked structure in pure Python, and the list is compacted (dead
-    entries dropped, positions renumbered) once dead entries outnumber live ones, so
-    every operation is amortised O(1) per block.
+    The used part is a Python list read from index ``head``, with lazy deletion.
+    Appending is a plain ``list.append`` (cheaper than any linked structure in pure
+    Python). Taking a block out of the middle (a prefix hit on a free block) leaves its
+    entry in place and counts it in the block's ``stale_entries``: a block's entries
+    lie in the list in the order they were added and it has at most one live entry
+    (its newest), so when a scan from the head meets an entry of a block whose
+    ``stale_entries`` is positive, that entry is a dead one: it is skipped and the count
+    goes down. The list is compacted once dead entries outnumber live ones, so every
+    operation is amortised O(1) per block.
 
     Invariant: a block is in the queue exactly when its ``ref_cnt`` is 0 (callers keep
-    counts; the null block is never in the queue).
+    the counts; the null block is never in the queue).
 
     Args:
         num_blocks: ids ``0 .. num_blocks-1`` start in the queue.
@@ -36,17 +38,28 @@ class FreeKVCacheBlockQueue:
             they are created. Blocks already in it start in the used part, in order.
     """
 
-    __slots__ = ("_blocks", "_head", "_live", "_next_fresh", "_num_blocks", "_queue")
+    __slots__ = (
+        "_blocks",
+        "_dead",
+        "_head",
+        "_live",
+        "_next_fresh",
+        "_num_blocks",
+        "_queue",
+        "compact_slack",
+    )
 
     def __init__(self, num_blocks: int, blocks: list[KVCacheBlock]) -> None:
         self._blocks = blocks
         self._num_blocks = num_blocks
         self._next_fresh = len(blocks)
         self._queue = list(blocks)
-        for i, block in enumerate(self._queue):
-            block.free_pos = i
         self._head = 0
         self._live = len(self._queue)
+        self._dead = 0  # dead entries at or after head
+        #: dead or consumed entries tolerated beyond the live ones before compacting
+        #: (tests lower it to compact often)
+        self.compact_slack = 4096
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,54 +102,69 @@ class FreeKVCacheBlockQueue:
         self._live -= left
         queue = self._queue
         i = self._head
-        append = out.append
-        while left:
-            block = queue[i]
-            if block.free_pos == i:
-                block.free_pos = -1
-                append(block)
-                left -= 1
-            i += 1
+        if not self._dead:  # no dead entry ahead: the next ``left`` entries are live
+            out += queue[i : i + left]
+            i += left
+        else:
+            append = out.append
+            skipped = 0
+            while left:
+                block = queue[i]
+                i += 1
+                if block.stale_entries:
+                    block.stale_entries -= 1
+                    skipped += 1
+                else:
+                    append(block)
+                    left -= 1
+            self._dead -= skipped
         self._head = i
-        if i > 4096 and i > len(queue) >> 1:
+        if i > self.compact_slack and i > len(queue) >> 1:
             self._compact()
         return out
 
     def remove(self, block: KVCacheBlock) -> None:
-        """Take ``block`` out of the queue, wherever it is.
+        """Take ``block`` (which must be in the queue) out of it, wherever it is.
 
         Raises:
-            ValueError: the block is not in the queue.
+            ValueError: the block is held (``ref_cnt > 0``), so it is not in the queue.
         """
-        if block.free_pos < 0:
+        if block.ref_cnt:
             raise ValueError(f"block {block.block_id} is not in the free queue")
-        block.free_pos = -1
+        block.stale_entries += 1
         self._live -= 1
+        self._dead += 1
         self._maybe_compact()
 
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` (a created block, not in the queue) at the tail."""
-        block.free_pos = len(self._queue)
         self._queue.append(block)
         self._live += 1
 
-    def release(self, blocks: Iterable[KVCacheBlock], null: KVCacheBlock) -> int:
-        """Drop one reference on each block (``null`` skipped); those reaching zero are
-        appended, in order. Returns how many were appended."""
+    def release(self, blocks: Iterable[KVCacheBlock], null: KVCacheBlock | None) -> int:
+        """Drop one reference on each block (``null`` skipped; pass ``None`` when the
+        blocks cannot contain it); those reaching zero are appended, in order. Returns
+        how many were appended."""
         queue = self._queue
-        start = pos = len(queue)
+        start = len(queue)
         append = queue.append
-        for block in blocks:
-            if block is null:
-                continue
-            ref = block.ref_cnt - 1
-            block.ref_cnt = ref
-            if not ref:
-                block.free_pos = pos
-                pos += 1
-                append(block)
-        self._live += pos - start
-        return pos - start
+        if null is None:
+            for block in blocks:
+                ref = block.ref_cnt - 1
+                block.ref_cnt = ref
+                if not ref:
+                    append(block)
+        else:
+            for block in blocks:
+                if block is null:
+                    continue
+                ref = block.ref_cnt - 1
+                block.ref_cnt = ref
+                if not ref:
+                    append(block)
+        n = len(queue) - start
+        self._live += n
+        return n
 
     def acquire(self, blocks: Iterable[KVCacheBlock], null: KVCacheBlock) -> None:
         """Take one reference on each block (``null`` skipped), pulling free ones out of
@@ -146,24 +174,31 @@ class FreeKVCacheBlockQueue:
             if block is null:
                 continue
             if not block.ref_cnt:
-                block.free_pos = -1
+                block.stale_entries += 1
                 removed += 1
             block.ref_cnt += 1
         if removed:
             self._live -= removed
+            self._dead += removed
             self._maybe_compact()
 
     def _maybe_compact(self) -> None:
-        if len(self._queue) - self._head > 2 * self._live + 4096:
+        if self._dead > self._live + self.compact_slack:
             self._compact()
 
     def _compact(self) -> None:
+        live: list[KVCacheBlock] = []
+        append = live.append
         queue = self._queue
-        live = [block for i, block in enumerate(queue) if i >= self._head and block.free_pos == i]
-        for i, block in enumerate(live):
-            block.free_pos = i
+        for i in range(self._head, len(queue)):
+            block = queue[i]
+            if block.stale_entries:
+                block.stale_entries -= 1
+            else:
+                append(block)
         self._queue = live
         self._head = 0
+        self._dead = 0
 
     def head_ids(self, limit: int | None = None) -> list[int]:
         """Block ids from the head, at most ``limit`` of them (all when ``None``)."""
@@ -176,11 +211,15 @@ class FreeKVCacheBlockQueue:
         out = list(range(fresh, end))
         left = limit - len(out)
         queue = self._queue
+        pending: dict[int, int] = {}  # dead entries met so far, per block (not consumed)
         for i in range(self._head, len(queue)):
             if not left:
                 break
             block = queue[i]
-            if block.free_pos == i:
+            seen = pending.get(block.block_id, 0)
+            if seen < block.stale_entries:
+                pending[block.block_id] = seen + 1
+            else:
                 out.append(block.block_id)
                 left -= 1
         return out

@@ -12,7 +12,7 @@ raised :class:`~kvcoord.engine.errors.EngineError` leaves the pool as it was.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from .blocks import KVCacheBlock
 from .config import KVCacheConfig
@@ -88,6 +88,20 @@ class PoolSnapshot:
     stats: PrefixCacheStats | None
 
 
+_set_hit_block_ids: Callable[[CacheHit, BlockIds], None] = vars(CacheHit)["block_ids"].__set__
+_set_hit_num_tokens: Callable[[CacheHit, int], None] = vars(CacheHit)["num_tokens"].__set__
+
+
+def _new_hit(block_ids: BlockIds, num_tokens: int) -> CacheHit:
+    """``CacheHit(block_ids, num_tokens)`` without the frozen dataclass's ``__init__``
+    (one per lookup): the slots are written through their member descriptors, which is
+    what the generated ``__init__`` does, at a fraction of the cost."""
+    hit: CacheHit = object.__new__(CacheHit)
+    _set_hit_block_ids(hit, block_ids)
+    _set_hit_num_tokens(hit, num_tokens)
+    return hit
+
+
 _ALLOCATE_COUNT_NAMES = (
     "num_new_tokens",
     "num_new_computed_tokens",
@@ -152,6 +166,13 @@ class KVCachePool:
         ]
         self._no_new_blocks: BlockIds = tuple(() for _ in self.managers)
         self._group_block_sizes = [g.block_size for g in config.groups]
+        # free/preempt fused over managers that free by the base rule (with whether their
+        # lists can hold the null block); None when any manager has its own rule.
+        self._fused_free: list[tuple[SingleTypeKVCacheManager, bool]] | None = [
+            (m, m.uses_null_blocks) for m in self.managers
+        ]
+        if any(type(m).free is not SingleTypeKVCacheManager.free for m in self.managers):
+            self._fused_free = None
 
     # -- request table --------------------------------------------------------------
     def add_request(
@@ -325,7 +346,7 @@ class KVCachePool:
     def _search(self, block_hashes: Sequence[bytes], num_tokens: int) -> tuple[CacheHit, list[list[int]]]:
         """The coordinator's search for a request of ``num_tokens >= 1`` tokens (caching on)."""
         lists, hit = self.coordinator.find_longest_cache_hit(block_hashes, num_tokens - 1)
-        return CacheHit(tuple(map(tuple, lists)), hit), lists
+        return _new_hit(tuple(map(tuple, lists)), hit), lists
 
     def _lookup(self, req: Request) -> CacheHit:
         if not self.enable_caching or req.skip_reading_prefix_cache:
@@ -584,15 +605,15 @@ class KVCachePool:
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first, group order) and forget it."""
-        self._get(request_id)
-        self.coordinator.free(request_id)
-        del self.requests[request_id]
+        if self.requests.pop(request_id, None) is None:
+            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        self._release(request_id)
 
     def preempt(self, request_id: str) -> None:
         """Release the request's blocks but keep it: computed tokens go back to 0 and its
         later lookups count as preempted."""
         req = self._get(request_id)
-        self.coordinator.free(request_id)
+        self._release(request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
 
@@ -724,6 +745,23 @@ class KVCachePool:
         )
 
     # -- internals --------------------------------------------------------------------
+    def _release(self, request_id: str) -> None:
+        """The coordinator's ``free``, fused for managers that free by the base rule: each
+        group's list goes to the free queue tail first, group order."""
+        if self._fused_free is None:
+            self.coordinator.free(request_id)
+            return
+        bp = self.block_pool
+        release = bp.free_block_queue.release
+        null = bp.null_block
+        freed = 0
+        for m, may_hold_null in self._fused_free:
+            blocks = m.req_to_blocks.pop(request_id, None)
+            if blocks:
+                freed += release(reversed(blocks), null if may_hold_null else None)
+            m.num_cached_block.pop(request_id, None)
+        bp.num_freed += freed
+
     def _get(self, request_id: str) -> Request:
         req = self.requests.get(request_id)
         if req is None:
@@ -765,10 +803,14 @@ class KVCachePool:
             )
         if not out:
             return out
+        length = self.config.hash_length
+        if len(out) == 1:  # a decode step completing a block
+            h = out[0]
+            if type(h) is bytes and h and (length is None or len(h) == length):
+                return out
         if set(map(type, out)) != {bytes}:
             raise InvalidArgumentError("block hashes must be non-empty bytes")
         lengths = set(map(len, out))
-        length = self.config.hash_length
         if length is not None and lengths != {length}:
             bad = next(n for n in lengths if n != length)
             raise InvalidArgumentError(f"block hashes must be {length} bytes long, got one of {bad} bytes")

@@ -4,8 +4,9 @@ another (the server runs every pool on one event loop).
     python bench/stall.py [--blocks 5000000] [--rounds 3]
 
 Prints p50 / p99 / max latency of GetStats on a small pool, measured by a client
-thread, first with nothing else happening, then while another client creates and
-deletes a pool of --blocks blocks, --rounds times, side by side in one run.
+thread, first with nothing else happening, then while another client creates a pool
+of --blocks blocks, fills it (every block used by a few huge requests), and deletes
+it, --rounds times, side by side in one run.
 """
 
 from __future__ import annotations
@@ -31,13 +32,20 @@ block_size = 16
 """
 
 
-def probe(address: str, stop: threading.Event, out: list[float]) -> None:
+def probe(address: str, stop: threading.Event, out: list[float], at: list[float] | None = None) -> None:
     with KVCoordClient(address) as c:
         while not stop.is_set():
             t0 = time.perf_counter()
             c.get_stats("small")
             out.append(time.perf_counter() - t0)
+            if at is not None:
+                at.append(t0)
             time.sleep(0.002)
+
+
+def window(samples: list[float], at: list[float], spans: list[tuple[float, float]]) -> list[float]:
+    """The samples that started inside one of ``spans``."""
+    return [x for x, t in zip(samples, at, strict=True) if any(a <= t <= b for a, b in spans)]
 
 
 def summary(xs: list[float]) -> str:
@@ -61,33 +69,54 @@ def main() -> None:
         stop.set()
         t.join()
         busy: list[float] = []
+        at: list[float] = []
         stop = threading.Event()
-        t = threading.Thread(target=probe, args=(server.address, stop, busy))
+        t = threading.Thread(target=probe, args=(server.address, stop, busy, at))
         t.start()
         cfg = pb.PoolConfig(
             num_blocks=args.blocks,
             groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=16))],
             hash_block_size=16,
+            max_model_len=0,
         )
-        create, delete = [], []
-        with KVCoordClient(server.address, timeout=120) as c:
+        create, fill, delete = [], [], []
+        create_spans, fill_spans, delete_spans = [], [], []
+        per_request = 100_000  # blocks per request; a few requests use the whole pool
+        with KVCoordClient(server.address, timeout=600) as c:
             for _ in range(args.rounds):
                 t0 = time.perf_counter()
                 c.create_pool("huge", cfg)
                 create.append(time.perf_counter() - t0)
+                create_spans.append((t0 - 0.05, time.perf_counter() + 0.05))
+                sid = c.attach("huge", "", 16, "").session_id
+                t0 = time.perf_counter()
+                for i in range((args.blocks - 1) // per_request):
+                    sync = pb.RequestSync(
+                        request_id=f"r{i}", append_token_ids=[1] * (per_request * 16), new_request=True
+                    )
+                    c.step(
+                        "huge",
+                        [pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=per_request * 16))],
+                        sid,
+                    )
+                fill.append(time.perf_counter() - t0)
+                fill_spans.append((t0, time.perf_counter()))
                 time.sleep(0.2)
                 t0 = time.perf_counter()
                 c.delete_pool("huge")
                 delete.append(time.perf_counter() - t0)
-                time.sleep(0.2)
+                time.sleep(1.0)  # the teardown runs on the loop in slices meanwhile
+                delete_spans.append((t0, time.perf_counter()))
         stop.set()
         t.join()
-        print(f"GetStats on 'small', idle server:          {summary(quiet)}")
-        print(
-            f"GetStats on 'small', {args.blocks:,}-block pool created+deleted x{args.rounds}: {summary(busy)}"
-        )
-        print(f"CreatePool {args.blocks:,} blocks: " + ", ".join(f"{x * 1e3:.1f} ms" for x in create))
-        print(f"DeletePool {args.blocks:,} blocks: " + ", ".join(f"{x * 1e3:.1f} ms" for x in delete))
+        n = f"{args.blocks:,}-block pool"
+        print(f"GetStats on 'small', idle server:              {summary(quiet)}")
+        print(f"  while a {n} is created: {summary(window(busy, at, create_spans))}")
+        print(f"  while it is deleted (+1 s of teardown):         {summary(window(busy, at, delete_spans))}")
+        print(f"  while it is filled (100,000-block allocations): {summary(window(busy, at, fill_spans))}")
+        print("CreatePool: " + ", ".join(f"{x * 1e3:.1f} ms" for x in create))
+        print("Filling it over the wire: " + ", ".join(f"{x:.1f} s" for x in fill))
+        print("DeletePool of the used pool: " + ", ".join(f"{x * 1e3:.1f} ms" for x in delete))
     finally:
         server.stop()
 

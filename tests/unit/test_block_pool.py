@@ -203,3 +203,23 @@ def test_huge_pool_is_created_lazily_and_reclaimed_without_gc() -> None:
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_teardown_releases_a_used_pool_in_bounded_slices() -> None:
+    """Deleting a pool whose blocks were all used frees them a slice at a time (so a
+    server can interleave other calls), and leaves nothing behind."""
+    from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool
+
+    pool = KVCachePool(KVCacheConfig(num_blocks=40_001, groups=(FullAttentionSpec(16),), hash_block_size=16,
+                                     enable_caching=False, max_model_len=1 << 30))  # fmt: skip
+    for i in range(4):
+        pool.add_request(f"r{i}", [1] * (9_000 * 16))
+        assert pool.allocate_slots(f"r{i}", 9_000 * 16) is not None
+    blocks = pool.block_pool.blocks
+    assert len(blocks) == 36_001
+    sizes = []
+    for _ in pool.teardown(chunk=5_000):
+        sizes.append(len(blocks))
+    assert len(sizes) >= 36_001 // 5_000  # many slices, none larger than the chunk
+    assert all(a - b <= 5_000 for a, b in zip([36_001, *sizes], sizes, strict=False))
+    assert blocks == [] and pool.requests == {}

@@ -289,6 +289,16 @@ class BlockPool:
             self.kv_event_queue.append(AllBlocksCleared())
         return True
 
+    def teardown(self, chunk: int) -> Iterator[None]:
+        """Drop every block, ``chunk`` at a time, yielding after each slice, so that
+        freeing millions of objects never happens in one go. Unusable afterwards."""
+        yield from self.free_block_queue.drain(chunk)
+        self.cached_block_hash_to_block = BlockHashToBlockMap(len(self.cached_block_hash_to_block.first))
+        blocks = self.blocks
+        while blocks:
+            del blocks[-chunk:]
+            yield
+
     def get_num_free_blocks(self) -> int:
         return self.free_block_queue.num_free_blocks
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from .blocks import KVCacheBlock
 from .types import BlockId
@@ -181,6 +181,15 @@ class FreeKVCacheBlockQueue:
             self._live -= removed
             self._dead += removed
             self._maybe_compact()
+
+    def drain(self, chunk: int) -> Iterator[None]:
+        """Empty the queue ``chunk`` entries at a time, yielding after each (teardown)."""
+        q = self._queue
+        while q:
+            del q[-chunk:]
+            yield
+        self._head = self._live = self._dead = 0
+        self._next_fresh = self._num_blocks
 
     def _maybe_compact(self) -> None:
         if self._dead > self._live + self.compact_slack:

@@ -12,7 +12,7 @@ raised :class:`~kvcoord.engine.errors.EngineError` leaves the pool as it was.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterator, Callable, Iterable, Sequence
 
 from .blocks import KVCacheBlock
 from .config import KVCacheConfig
@@ -665,6 +665,21 @@ class KVCachePool:
         if self.prefix_cache_stats is not None:
             self.prefix_cache_stats.reset = True
         return True
+
+    def teardown(self, chunk: int = 65_536) -> Iterator[None]:
+        """Release the pool's objects a slice at a time, yielding after each slice.
+
+        A caller on an event loop steps through it between other work, so deleting a
+        pool whose millions of blocks were used never stalls anything for long (each
+        slice frees at most ``chunk`` objects). The pool is unusable afterwards.
+        """
+        for m in self.managers:
+            tables = m.req_to_blocks
+            while tables:
+                tables.popitem()[1].clear()
+                yield
+        self.requests.clear()
+        yield from self.block_pool.teardown(chunk)
 
     def take_events(self) -> list[KVCacheEvent]:
         """KV events queued since the last call, oldest first."""

@@ -8,6 +8,7 @@ pool call, so each pool sees one operation at a time, in arrival order.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -94,6 +95,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self.observer: OperationObserver = observer or NullObserver()
         self.watch_poll_seconds = watch_poll_seconds
         self.stopping = False
+        self._teardowns: set[asyncio.Task[None]] = set()
 
     def _info(self, p: PoolService) -> pb.PoolInfo:
         e = p.engine
@@ -163,6 +165,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     ) -> pb.DeletePoolResponse:
         service = self.registry.delete(request.name)
         self.observer.pool_deleted(service)
+        # Freeing millions of used blocks at once would stall every pool: release them
+        # a slice at a time between other calls.
+        task = asyncio.get_running_loop().create_task(_tear_down(service))
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
         return await self._durable(pb.DeletePoolResponse())
 
     # -- sessions -----------------------------------------------------------------
@@ -383,6 +390,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 cursor = seq
             if not items:
                 await journal.wait(cursor, self.watch_poll_seconds)
+
+
+async def _tear_down(service: PoolService) -> None:
+    for _ in service.engine.teardown():
+        await asyncio.sleep(0)
 
 
 class _Undecodable:

@@ -55,46 +55,15 @@ from .errors import (
     status_code,
 )
 from .hashing import RandomSeedError, none_hash
+from .promises import BlockBudget
 from .session import SessionKeeper
 from .tracking import RequestTracker
 
-__all__ = ["KVCacheBlockIds", "Pending", "RemoteKVCacheManager", "StepBatcher", "allocation_bound"]
+__all__ = ["KVCacheBlockIds", "Pending", "RemoteKVCacheManager", "StepBatcher"]
 
 T = TypeVar("T")
 
 _STAT_FIELDS = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def allocation_bound(
-    groups: Sequence[pb.KVCacheGroupSpec],
-    num_tokens: int,
-    num_hit_blocks: Sequence[int] = (),
-    num_encoder_tokens: int = 0,
-) -> int:
-    """An upper bound on the free blocks one ``allocate_slots`` can take.
-
-    ``num_tokens`` is the tokens it allocates slots for beyond what the request holds
-    (new + lookahead + external). Per group: full, sliding-window and chunked groups
-    need at most ceil(num_tokens / block_size) new blocks (one more for slack), plus
-    the hit blocks they adopt (a cached free block leaves the free queue); mamba adds
-    its state and speculative blocks; cross-attention its encoder blocks.
-    """
-    total = 0
-    for g, spec in enumerate(groups):
-        kind = spec.WhichOneof("spec")
-        inner = getattr(spec, kind) if kind else None
-        bs = max(1, getattr(inner, "block_size", 1))
-        hits = num_hit_blocks[g] if g < len(num_hit_blocks) else 0
-        total += _cdiv(num_tokens, bs) + 1 + hits
-        if kind == "mamba":
-            total += 2 + spec.mamba.num_speculative_blocks
-        elif kind == "cross_attention":
-            total += _cdiv(num_encoder_tokens, bs) + 1
-    return total
 
 
 class RemoteKVCacheManager:
@@ -153,6 +122,7 @@ class RemoteKVCacheManager:
         self.num_groups = len(cfg.groups)
         self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
         self._ops = Ops(self)
+        self.budget = BlockBudget(cfg.groups, cfg.max_model_len)
         #: calls sent with the next Step (frees, cache_blocks, promised allocations)
         self._queue: list[Item] = []
         #: with exclusive: free blocks as of the last answer, less what promises may take
@@ -195,26 +165,40 @@ class RemoteKVCacheManager:
         item = self._ops.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table)  # fmt: skip
-        if self._free_estimate is not None:
-            hits = [len(g) for g in new_computed_blocks.block_ids] if new_computed_blocks is not None else []
-            need = allocation_bound(
-                self.config.groups,
-                num_new_tokens + num_lookahead_tokens + num_external_computed_tokens,
-                hits,
-                num_encoder_tokens,
-            )
-            if need <= self._free_estimate:
-                # Provably enough free blocks (this session is the pool's only one):
-                # answer now, send with the next Step.
-                self._free_estimate -= need
-                item.op.allocate.must_succeed = True
-                item.pending._resolve = self.flush
-                item.deferred = True  # its caller has its answer: a failure is raised by the sender
-                self._queue.append(item)
-                self.promised += 1
-                return KVCacheBlockIds(pending=item.pending)
+        rid = request.request_id
+        hit = new_computed_blocks.block_ids if new_computed_blocks is not None else None
+        need, before, after = self.budget.bound(
+            rid, int(request.num_computed_tokens), num_new_tokens, num_new_computed_tokens, hit,
+            num_lookahead_tokens, num_external_computed_tokens, num_encoder_tokens)  # fmt: skip
+        if before is not None and after is not None:
+            self._verify_lengths(item, rid, before, after)
+        if self._free_estimate is not None and need <= self._free_estimate:
+            # Provably enough free blocks (this session is the pool's only one):
+            # answer now, send with the next Step.
+            self._free_estimate -= need
+            item.op.allocate.must_succeed = True
+            item.pending._resolve = self.flush
+            item.deferred = True  # its caller has its answer: a failure is raised by the sender
+            self._queue.append(item)
+            self.budget.applied(rid, after)
+            self.promised += 1
+            return KVCacheBlockIds(pending=item.pending)
         new: KVCacheBlockIds | None = self._now(item)
+        if new is not None:
+            self.budget.applied(rid, after)
         return new
+
+    def _verify_lengths(self, item: Item, rid: str, before: list[int], after: list[int]) -> None:
+        """Check, when the answer comes, that it took the blocks the bound expected."""
+        decode, budget = item.decode, self.budget
+
+        def checked(r: pb.OperationResult) -> Any:
+            value = decode(r)
+            if isinstance(value, KVCacheBlockIds):
+                budget.verify(rid, before, after, value.block_ids)
+            return value
+
+        item.decode = checked
 
     def allocate_with_lookup(
         self,
@@ -246,6 +230,7 @@ class RemoteKVCacheManager:
 
     def free(self, request: Any) -> None:
         """Free the request's blocks (sent with the next call)."""
+        self.budget.forget(request if isinstance(request, str) else request.request_id)
         self._defer(self._ops.free(request))
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
@@ -417,6 +402,7 @@ class RemoteKVCacheManager:
     def _session_lost(self, err: KVCoordError) -> RequestsLostError:
         """Every tracked request is gone with the session: forget them and re-attach."""
         lost = self.tracker.clear()
+        self.budget.clear()
         self.lost_requests += len(lost)
         self._free_estimate = None
         try:
@@ -428,6 +414,8 @@ class RemoteKVCacheManager:
     def _forget(self, request_ids: Sequence[str], err: KVCoordError) -> RequestsLostError:
         """These requests' server state is unknown: free them there (best effort) and here."""
         lost = self.tracker.forget(request_ids)
+        for rid in request_ids:
+            self.budget.forget(rid)
         self._free_estimate = None  # re-learned from the next answer
         for rid in lost:
             try:

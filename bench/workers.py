@@ -1,0 +1,422 @@
+"""Many workers on one server: batched Steps against one Allocate RPC per operation. Not a test.
+
+    PYTHONPATH=client:server python bench/workers.py [--workers 8] [--running 64] \
+        [--seconds 5] [--warmup 1.5] [--pools own shared] [--durability none journal] \
+        [--journal-sync FULL]
+
+One ``kvcoord serve`` process on loopback per durability mode ("none": memory only, so
+that the journal does not dominate; "journal": a data_dir in a temporary directory with
+``--journal-sync``), metrics off, log level WARNING. Against it, ``--workers`` worker
+processes (multiprocessing, spawn), each its own client and session, each keeping
+``--running`` requests in decode: every scheduler step appends one sampled token to
+every running request and allocates one slot for it (positioned sync: ``base_num_tokens``
+/ ``base_num_hashes``, the new token, the hash of the block it completed if any, the
+computed-token count). A request that reaches its output length (64-256 tokens, the
+first generation staggered) is freed and replaced by a new one (prompt 128-1,024
+random tokens, prefilled in one allocation). Full attention, 16-token blocks, prefix
+caching on (sha256_cbor hashes computed in the workers); pools sized so that nothing
+is ever refused.
+
+  batched   one ``Step`` per scheduler step carrying that step's operations (~64
+            allocations, plus the occasional free and prefill)
+  unary     the same operations, one ``Allocate`` (or ``Free``) RPC each
+
+``--pools own``: each worker has its own pool; ``shared``: all attach to one pool.
+Each phase: workers connect, attach and warm up for ``--warmup`` s, then all start
+together (a barrier with this process) and run for ``--seconds``; the server's CPU time
+(utime + stime from ``/proc/<pid>/stat``) is read at both barriers. Reported per mode,
+summed over workers: operations/s, calls/s, p50/p99 latency per call (Step or
+Allocate/Free, as the worker sees it), server CPU µs per operation and cores used,
+workers' CPU µs per operation, and the machine's busy fraction; then batched/unary.
+Workers and server share the machine's cores (say how many: they bound every figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
+
+from kvcoord.client import KVCoordClient  # noqa: E402
+from kvcoord.client.hashing import BlockHasher, none_hash  # noqa: E402
+from kvcoord.client.testing import ServerProcess, start_server  # noqa: E402
+from kvcoord.v1 import allocator_pb2 as pb  # noqa: E402
+
+BS = 16
+ALGO = "sha256_cbor"
+SEED = "0"
+PROMPT = (128, 1024)
+OUTPUT = (64, 256)
+BARRIER_TIMEOUT = 180.0
+
+
+# ---------------------------------------------------------------------------
+# worker side
+
+
+class Req:
+    """One running request as the worker's scheduler sees it."""
+
+    __slots__ = ("rid", "hasher", "num_tokens", "num_hashes", "left", "fresh", "prompt")
+
+    def __init__(self, rid: str, prompt: list[int], outputs: int, none: bytes) -> None:
+        self.rid = rid
+        self.hasher = BlockHasher(ALGO, BS, none)
+        self.num_tokens = 0  # tokens the server holds
+        self.num_hashes = 0
+        self.left = outputs  # decode steps before it finishes
+        self.fresh = True
+        self.prompt = prompt
+
+
+class Worker:
+    def __init__(self, idx: int, address: str, pool: str, running: int, seed: int) -> None:
+        self.idx = idx
+        self.pool = pool
+        self.client = KVCoordClient(address, timeout=60)
+        att = self.client.attach(pool, ALGO, BS, SEED, f"worker-{idx}")
+        self.session, self.fence = att.session_id, att.fence
+        self.rnd = random.Random(seed)
+        self.none = none_hash(ALGO, SEED)
+        self.counter = 0
+        self.known: set[str] = set()  # requests the server holds (to free at the end)
+        self.backlog: list[pb.Operation] = []  # unary: the rest of a step cut by a deadline
+        # the first generation finishes at staggered steps
+        self.reqs = [self._new(self.rnd.randint(1, OUTPUT[1])) for _ in range(running)]
+
+    def _new(self, outputs: int | None = None) -> Req:
+        self.counter += 1
+        prompt = [self.rnd.randrange(32000) for _ in range(self.rnd.randint(*PROMPT))]
+        if outputs is None:
+            outputs = self.rnd.randint(*OUTPUT)
+        return Req(f"w{self.idx}-r{self.counter}", prompt, outputs, self.none)
+
+    def _allocate(self, r: Req) -> pb.Operation:
+        """The next allocation of ``r``: its prefill, or one decode token."""
+        if r.fresh:
+            sync = pb.RequestSync(
+                request_id=r.rid,
+                new_request=True,
+                append_token_ids=r.prompt,
+                append_block_hashes=r.hasher.extend(r.prompt),
+            )
+            n = len(r.prompt)
+            r.fresh = False
+            r.prompt = []
+        else:
+            tok = self.rnd.randrange(32000)  # the token sampled last step
+            sync = pb.RequestSync(
+                request_id=r.rid,
+                base_num_tokens=r.num_tokens,
+                base_num_hashes=r.num_hashes,
+                append_token_ids=[tok],
+                append_block_hashes=r.hasher.extend([tok]),
+                num_computed_tokens=r.num_tokens,
+            )
+            n = 1
+            r.left -= 1
+        r.num_tokens += len(sync.append_token_ids)
+        r.num_hashes += len(sync.append_block_hashes)
+        return pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=n))
+
+    def step_ops(self) -> list[pb.Operation]:
+        """One scheduler step: finished requests freed and replaced, then one
+        allocation per running request."""
+        ops: list[pb.Operation] = []
+        for i, r in enumerate(self.reqs):
+            if r.left <= 0:
+                ops.append(pb.Operation(free=pb.FreeOp(request_id=r.rid)))
+                self.reqs[i] = self._new()
+        ops.extend(self._allocate(r) for r in self.reqs)
+        return ops
+
+    @staticmethod
+    def _check(res: Any) -> None:
+        if res.status_code != 0:
+            raise RuntimeError(f"operation failed: {res.status_code} {res.reason} {res.status_message}")
+        if res.HasField("allocate") and (res.allocate.refused or res.allocate.stale_hit):
+            raise RuntimeError("allocation refused: the pool is too small for the workload")
+
+    def _applied(self, op: pb.Operation) -> None:
+        if op.HasField("free"):
+            self.known.discard(op.free.request_id)
+        elif op.allocate.request.new_request:
+            self.known.add(op.allocate.request.request_id)
+
+    def run(self, mode: str, deadline: float, lat: list[float] | None) -> int:
+        """Scheduler steps until ``deadline``; returns the operations applied."""
+        ops_done = 0
+        while time.perf_counter() < deadline:
+            ops = self.backlog or self.step_ops()
+            if mode == "batched":
+                t0 = time.perf_counter()
+                resp = self.client.step(self.pool, ops, self.session, self.fence)
+                t1 = time.perf_counter()
+                for op, res in zip(ops, resp.results, strict=True):
+                    self._check(res)
+                    self._applied(op)
+                ops_done += len(ops)
+                if lat is not None:
+                    lat.append(t1 - t0)
+                continue
+            self.backlog = []
+            for k, op in enumerate(ops):
+                if time.perf_counter() >= deadline:
+                    self.backlog = ops[k:]  # sent first by the next run
+                    return ops_done
+                t0 = time.perf_counter()
+                if op.HasField("free"):
+                    self.client.free(
+                        self.pool, [op.free.request_id], session_id=self.session, fence=self.fence
+                    )
+                else:
+                    resp = self.client.allocate(self.pool, op.allocate, self.session, self.fence)
+                    if resp.result.refused or resp.result.stale_hit:
+                        raise RuntimeError("allocation refused: the pool is too small for the workload")
+                t1 = time.perf_counter()
+                self._applied(op)
+                ops_done += 1
+                if lat is not None:
+                    lat.append(t1 - t0)
+        return ops_done
+
+    def close(self) -> None:
+        if self.known:
+            self.client.free(self.pool, sorted(self.known), session_id=self.session, fence=self.fence)
+        self.client.detach(self.session, self.fence)
+        self.client.close()
+
+
+def worker_main(
+    idx: int,
+    address: str,
+    pool: str,
+    mode: str,
+    running: int,
+    warmup: float,
+    seconds: float,
+    barrier: Any,
+    results: Any,
+) -> None:
+    try:
+        w = Worker(idx, address, pool, running, seed=1000 + idx)
+        w.run(mode, time.perf_counter() + warmup, None)
+        barrier.wait(BARRIER_TIMEOUT)  # all start together
+        lat: list[float] = []
+        c0 = os.times()
+        t0 = time.perf_counter()
+        ops = w.run(mode, t0 + seconds, lat)
+        c1 = os.times()
+        barrier.wait(BARRIER_TIMEOUT)  # all stopped: the server's CPU is read
+        cpu = (c1.user - c0.user) + (c1.system - c0.system)
+        w.close()
+        results.put((idx, None, ops, lat, cpu))
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails the run
+        barrier.abort()
+        results.put((idx, f"{type(exc).__name__}: {exc}", 0, [], 0.0))
+
+
+# ---------------------------------------------------------------------------
+# parent side
+
+
+def server_cpu(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds, from /proc."""
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, total) clock ticks of all CPUs, from /proc/stat."""
+    with open("/proc/stat", encoding="ascii") as f:
+        vals = [int(v) for v in f.readline().split()[1:]]
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)  # idle + iowait
+    return sum(vals) - idle, sum(vals)
+
+
+def pool_config(num_blocks: int) -> pb.PoolConfig:
+    return pb.PoolConfig(
+        num_blocks=num_blocks,
+        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=BS))],
+        hash_block_size=BS,
+        enable_caching=True,
+        enable_kv_cache_events=True,
+        hash_algo=ALGO,
+        hash_seed=SEED,
+        max_model_len=1 << 16,
+    )
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * q))] * 1e3 if xs else float("nan")
+
+
+def phase(server: ServerProcess, layout: str, mode: str, args: argparse.Namespace) -> dict[str, float]:
+    """One measured phase: fresh pools, ``args.workers`` processes, one mode."""
+    # blocks a worker can hold at once (longest prompt + longest output, every request)
+    per_worker = args.running * ((PROMPT[1] + OUTPUT[1]) // BS + 2) + 64
+    admin = KVCoordClient(server.address, timeout=60)
+    if layout == "own":
+        pools = [f"{mode}-w{i}" for i in range(args.workers)]
+        for name in pools:
+            admin.create_pool(name, pool_config(per_worker))
+    else:
+        pools = [f"{mode}-shared"] * args.workers
+        admin.create_pool(pools[0], pool_config(per_worker * args.workers))
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(args.workers + 1)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=worker_main,
+            name=f"worker-{i}",
+            daemon=True,
+            args=(
+                i,
+                server.address,
+                pools[i],
+                mode,
+                args.running,
+                args.warmup,
+                args.seconds,
+                barrier,
+                results,
+            ),
+        )
+        for i in range(args.workers)
+    ]
+    for p in procs:
+        p.start()
+    got: list[Any] = []
+    broken: BaseException | None = None
+    try:
+        try:
+            barrier.wait(BARRIER_TIMEOUT)
+            cpu0, (busy0, tot0), t0 = server_cpu(server.proc.pid), machine_ticks(), time.perf_counter()
+            barrier.wait(BARRIER_TIMEOUT)
+            cpu1, (busy1, tot1), t1 = server_cpu(server.proc.pid), machine_ticks(), time.perf_counter()
+        except threading.BrokenBarrierError as exc:  # a worker failed: its report says why
+            broken = exc
+        deadline = time.monotonic() + 60
+        while len(got) < len(procs) and time.monotonic() < deadline:
+            try:
+                got.append(results.get(timeout=1))
+            except queue.Empty:
+                if not any(p.is_alive() for p in procs) and results.empty():
+                    break
+        errors = [f"worker {i}: {err}" for i, err, *_ in got if err]
+        if broken or errors or len(got) < len(procs):
+            raise RuntimeError(
+                "; ".join(errors) or f"{len(got)} of {len(procs)} workers reported"
+            ) from broken
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+        for name in sorted(set(pools)):
+            admin.delete_pool(name)
+        admin.close()
+    wall = t1 - t0
+    ops = sum(g[2] for g in got)
+    lat = [x for g in got for x in g[3]]
+    return {
+        "ops_s": ops / wall,
+        "calls_s": len(lat) / wall,
+        "ops_call": ops / max(1, len(lat)),
+        "p50": pct(lat, 0.5),
+        "p99": pct(lat, 0.99),
+        "srv_us": (cpu1 - cpu0) / ops * 1e6,
+        "srv_cores": (cpu1 - cpu0) / wall,
+        "wrk_us": sum(g[4] for g in got) / ops * 1e6,
+        "busy": (busy1 - busy0) / max(1, tot1 - tot0),
+        "ops": ops,
+        "wall": wall,
+    }
+
+
+def config_text(durability: str, data_dir: str, sync: str) -> str:
+    text = '[server]\nlog_level = "WARNING"\nmetrics_listen = ""\n'
+    if durability == "none":
+        return text + 'durability = "none"\ndata_dir = ""\n'
+    return text + f'durability = "journal"\ndata_dir = "{data_dir}"\nsynchronous = "{sync}"\n'
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--running", type=int, default=64, help="running requests per worker (ops per Step)")
+    ap.add_argument("--seconds", type=float, default=5.0, help="measured time per phase")
+    ap.add_argument("--warmup", type=float, default=1.5, help="per worker, before the measured time")
+    ap.add_argument("--pools", nargs="+", choices=("own", "shared"), default=["own", "shared"])
+    ap.add_argument("--durability", nargs="+", choices=("none", "journal"), default=["none", "journal"])
+    ap.add_argument("--journal-sync", choices=("FULL", "NORMAL", "OFF"), default="FULL")
+    args = ap.parse_args()
+
+    cpus = os.cpu_count()
+    print(
+        f"machine: {cpus} CPUs ({len(os.sched_getaffinity(0))} usable), Python {sys.version.split()[0]}; "
+        f"the server and {args.workers} workers share them: every figure is bounded by that"
+    )
+    print(
+        f"workload: {args.workers} workers x {args.running} running requests in decode, "
+        f"{args.seconds:g} s measured after {args.warmup:g} s warm-up per phase"
+    )
+    print(
+        "load average (1, 5, 15 min) at start: "
+        + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+        + "  (busy = the whole machine's, other processes included)"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "client"), str(ROOT / "server")]))
+    header = (
+        f"{'durability':<12} {'pools':<6} {'mode':<8} {'ops/s':>8} {'calls/s':>8} {'ops/call':>8} "
+        f"{'p50 ms':>8} {'p99 ms':>8} {'srv µs/op':>9} {'srv cores':>9} {'wrk µs/op':>9} "
+        f"{'busy':>5}"
+    )
+    summary: list[str] = []
+    print(header)
+    for durability in args.durability:
+        tmp = tempfile.mkdtemp(prefix="kvcoord-workers-")
+        label = durability if durability == "none" else f"journal {args.journal_sync}"
+        server = start_server(config_text(durability, os.path.join(tmp, "data"), args.journal_sync), env=env)
+        try:
+            for layout in args.pools:
+                r = {mode: phase(server, layout, mode, args) for mode in ("batched", "unary")}
+                for mode, m in r.items():
+                    print(
+                        f"{label:<12} {layout:<6} {mode:<8} {m['ops_s']:8.0f} {m['calls_s']:8.0f} "
+                        f"{m['ops_call']:8.1f} {m['p50']:8.2f} {m['p99']:8.2f} {m['srv_us']:9.1f} "
+                        f"{m['srv_cores']:9.2f} {m['wrk_us']:9.1f} {m['busy']:5.0%}",
+                        flush=True,
+                    )
+                ratio = r["batched"]["ops_s"] / r["unary"]["ops_s"]
+                cpu_ratio = r["unary"]["srv_us"] / r["batched"]["srv_us"]
+                summary.append(
+                    f"{label:<12} {layout:<6} batched/unary ops/s {ratio:5.1f} x "
+                    f"({'meets' if ratio >= 10 else 'MISSES'} >= 10 x); "
+                    f"server CPU per op unary/batched {cpu_ratio:5.1f} x"
+                )
+        finally:
+            server.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
+    print("\n".join(summary))
+    print("load average (1, 5, 15 min) at the end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
+if __name__ == "__main__":
+    main()

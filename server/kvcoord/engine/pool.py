@@ -12,7 +12,7 @@ raised :class:`~kvcoord.engine.errors.EngineError` leaves the pool as it was.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from .blocks import KVCacheBlock
 from .config import KVCacheConfig

@@ -13,13 +13,16 @@
 # The container runs with mutual TLS on gRPC and on /metrics: certificates are generated
 # into $WORK/tls by tests/certs.py, mounted read-only, named by KVCOORD_TLS_* and
 # KVCOORD_METRICS_TLS_*; the health check, the suite's clients and Prometheus present the
-# generated client certificate.
+# generated client certificate. Its data directory is a named volume and its host ports
+# are fixed, so the suite can `docker kill` and `docker start` it (KVCOORD_CONTAINER) and
+# find the journal and the addresses unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 WORK="${KVCOORD_WORK:-$(mktemp -d /tmp/kvcoord-ci.XXXXXX)}"
 IMAGE="${KVCOORD_IMAGE:-kvcoord:test}"
 CONTAINER="kvcoord-test-$$"
+VOLUME_NAME="kvcoord-test-data-$$"
 status=0
 
 if [ "${1:-}" != "--integration-only" ]; then
@@ -30,6 +33,7 @@ fi
 cleanup() {
   if [ -n "${PROM_PID:-}" ]; then kill "$PROM_PID" 2>/dev/null || true; fi
   docker rm -f "$CONTAINER" >/dev/null 2>&1 || true
+  docker volume rm "$VOLUME_NAME" >/dev/null 2>&1 || true
 }
 trap cleanup EXIT
 
@@ -56,10 +60,20 @@ if [ -z "${KVCOORD_TARGET:-}" ]; then
   TLS_DIR="$WORK/tls"
   "$PYTHON" tests/certs.py "$TLS_DIR" >/dev/null
   C=/etc/kvcoord/tls
-  # 4. the container, with mutual TLS, on free host ports of the loopback interface; its
-  # /metrics listens on the container network (published on the host's loopback only)
-  docker run -d --name "$CONTAINER" -p 127.0.0.1::50051 -p 127.0.0.1::9400 \
-    -v "$TLS_DIR:$C:ro" \
+  # 4. the container, with mutual TLS, on host ports of the loopback interface chosen
+  # here (fixed, so that `docker kill` + `docker start` keeps them: Docker may publish a
+  # container's ephemeral ports on new host ports when it starts again); its /metrics
+  # listens on the container network (published on the host's loopback only); its data
+  # directory (the journal) is a named volume, kept across restarts of the container
+  read -r grpc_port metrics_port < <("$PYTHON" -c '
+import socket
+socks = [socket.socket() for _ in range(2)]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))')
+  docker volume create "$VOLUME_NAME" >/dev/null
+  docker run -d --name "$CONTAINER" -p "127.0.0.1:$grpc_port:50051" -p "127.0.0.1:$metrics_port:9400" \
+    -v "$TLS_DIR:$C:ro" -v "$VOLUME_NAME:/var/lib/kvcoord" \
     -e KVCOORD_METRICS_LISTEN=0.0.0.0:9400 \
     -e KVCOORD_TLS_CERT="$C/server.pem" -e KVCOORD_TLS_KEY="$C/server.key" -e KVCOORD_TLS_CLIENT_CA="$C/ca.pem" \
     -e KVCOORD_METRICS_TLS_CERT="$C/server.pem" -e KVCOORD_METRICS_TLS_KEY="$C/server.key" \
@@ -68,8 +82,6 @@ if [ -z "${KVCOORD_TARGET:-}" ]; then
     "$IMAGE" >/dev/null
   export KVCOORD_CLIENT_TLS_CA="$TLS_DIR/ca.pem" KVCOORD_CLIENT_TLS_CERT="$TLS_DIR/client.pem" \
     KVCOORD_CLIENT_TLS_KEY="$TLS_DIR/client.key" KVCOORD_METRICS_SCHEME=https
-  grpc_port="$(docker port "$CONTAINER" 50051/tcp | head -n1 | sed 's/.*://')"
-  metrics_port="$(docker port "$CONTAINER" 9400/tcp | head -n1 | sed 's/.*://')"
   export KVCOORD_TARGET="127.0.0.1:$grpc_port" KVCOORD_METRICS="127.0.0.1:$metrics_port"
   export KVCOORD_CONTAINER="$CONTAINER" KVCOORD_IMAGE="$IMAGE"
   for _ in $(seq 1 60); do

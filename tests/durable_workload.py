@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kvcoord.client import KVCoordClient, RemoteKVCacheManager
+from kvcoord.client import KVCoordClient, RemoteKVCacheManager, TLSOptions
 from kvcoord.client.retry import RetryPolicy
 from workload import SHARED_PREFIXES_SEED, Req
 
@@ -24,17 +24,27 @@ def _same(mine: list[list[int]], server: tuple[list[int], ...]) -> bool:
     return True
 
 
-def run_checked_worker(address: str, pool: str, wid: int, seed: int, stop: Any, out: Any) -> None:
+def run_checked_worker(
+    address: str,
+    pool: str,
+    wid: int,
+    seed: int,
+    stop: Any,
+    out: Any,
+    tls: TLSOptions | None = None,
+    progress: Any = None,
+) -> None:
     """Admit, prefill, decode, preempt on refusal and free, until ``stop`` is set; after
     every step compare the block table of each running request with the server's.
-    Puts a summary on ``out`` (``error`` is empty when nothing went wrong)."""
+    Puts a summary on ``out`` (``error`` is empty when nothing went wrong). ``progress``
+    (a shared ``multiprocessing.Value``, optional) counts the steps checked so far."""
     rnd = random.Random(seed)
     prefix_rnd = random.Random(SHARED_PREFIXES_SEED)
     prefixes = [[prefix_rnd.randrange(30000) for _ in range(n)] for n in (32, 64, 100)]
     summary: dict[str, Any] = {"worker": wid, "allocs": 0, "checks": 0, "steps": 0, "lost": 0, "error": ""}
     tables: dict[str, list[list[int]]] = {}
     try:
-        with KVCoordClient(address, timeout=20, retry=PATIENT) as client:
+        with KVCoordClient(address, timeout=20, retry=PATIENT, tls=tls) as client:
             m = RemoteKVCacheManager(client, pool, hash_seed="0", client_name=f"chaos-{wid}")
             live: list[Req] = []
             running: list[Req] = []
@@ -97,6 +107,8 @@ def run_checked_worker(address: str, pool: str, wid: int, seed: int, stop: Any, 
                         raise AssertionError(f"request {rid}: acknowledged {tables[rid]}, server holds {got}")
                     summary["checks"] += 1
                 summary["steps"] = step
+                if progress is not None:
+                    progress.value = step
             for r in live:
                 m.free(r)
             summary["lost"] = m.lost_requests

@@ -6,6 +6,9 @@ the environment, so it runs against the CI container or any deployment.
   KVCOORD_PROMETHEUS  host:port of a Prometheus scraping KVCOORD_METRICS (required)
   KVCOORD_IMAGE       the image under test, for the tests that start containers of their
                       own (optional; those tests are collected only when it is set)
+  KVCOORD_CONTAINER   the container serving KVCOORD_TARGET, on fixed host ports with its
+                      data directory on a volume: test_container_restart.py kills and
+                      starts it mid-workload (optional; skipped when unset)
   KVCOORD_CLIENT_TLS_CA, KVCOORD_CLIENT_TLS_CERT, KVCOORD_CLIENT_TLS_KEY
                       PEM files: the suite's gRPC clients and metrics scrapes use TLS
                       (mutual TLS with the cert and key) when the CA is set (optional;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 from kvcoord.client.hashing import HASH_LENGTHS
@@ -37,6 +38,7 @@ __all__ = [
     "fence_to_pb",
     "operation_from_pb",
     "outcome_to_pb",
+    "write_outcome",
     "sync_from_pb",
     "config_from_pb",
     "event_to_pb",
@@ -255,14 +257,32 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
     raise _invalid("operation has no op set")
 
 
-def allocate_to_pb(a: op.AllocateOutcome) -> pb.AllocateResult:
-    out = pb.AllocateResult(refused=a.refused, stale_hit=a.stale_hit, num_new_tokens=a.num_new_tokens)
-    if a.new_block_ids is not None:
-        out.new_block_ids.extend(block_ids_to_pb(a.new_block_ids))
+def _write_ids(target: Any, lists: Sequence[Sequence[int]]) -> None:
+    """Append one BlockIds per group to a repeated field, in place (no message copies)."""
+    for ids in lists:
+        target.add().block_ids.extend(ids)
+
+
+def write_allocate(out: pb.AllocateResult, a: op.AllocateOutcome) -> None:
+    """Fill ``out`` (a field of the answer being built) with an allocation's outcome."""
+    if a.new_block_ids is None:
+        if a.stale_hit:
+            out.stale_hit = True
+        else:
+            out.refused = True
+    else:
+        _write_ids(out.new_block_ids, a.new_block_ids)
+    out.num_new_tokens = a.num_new_tokens
     if a.hit is not None:
-        out.hit.CopyFrom(hit_to_pb(a.hit))
+        out.hit.num_tokens = a.hit.num_tokens
+        _write_ids(out.hit.groups, a.hit.block_ids)
     if a.table is not None:
-        out.table.extend(block_ids_to_pb(a.table))
+        _write_ids(out.table, a.table)
+
+
+def allocate_to_pb(a: op.AllocateOutcome) -> pb.AllocateResult:
+    out = pb.AllocateResult()
+    write_allocate(out, a)
     return out
 
 
@@ -286,6 +306,15 @@ def error_to_result(err: ServiceError) -> pb.OperationResult:
 
 
 _ABORTED = int(grpc.StatusCode.ABORTED.value[0])
+
+
+def write_outcome(target: pb.OperationResult, operation: op.Operation, o: op.Outcome) -> None:
+    """Fill ``target`` (an element of the answer being built) with an outcome."""
+    if type(operation) is op.Allocate and o.error is None and o.aborted_by is None:
+        assert isinstance(o.value, op.AllocateOutcome)
+        write_allocate(target.allocate, o.value)  # the common case, without copies
+        return
+    target.CopyFrom(outcome_to_pb(operation, o))
 
 
 def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:

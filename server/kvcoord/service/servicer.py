@@ -29,8 +29,8 @@ from .convert import (
     fence_to_pb,
     hit_to_pb,
     operation_from_pb,
-    outcome_to_pb,
     stats_to_pb,
+    write_outcome,
 )
 from .errors import ServiceError, map_errors, map_stream_errors
 from .pool_service import Fence, PoolService
@@ -289,11 +289,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         outcomes = service.apply(s, ops)
         e = service.engine
         response = pb.StepResponse(
-            results=[outcome_to_pb(o, r) for o, r in zip(ops, outcomes, strict=True)],
-            num_free_blocks=e.num_free_blocks,
-            usage=e.usage,
-            fence=fence_to_pb(service.fence),
+            num_free_blocks=e.num_free_blocks, usage=e.usage, fence=fence_to_pb(service.fence)
         )
+        add = response.results.add
+        for o, r in zip(ops, outcomes, strict=True):
+            write_outcome(add(), o, r)
         if request.include_state:
             taken = service.take_events(s)
             response.events.extend(event_to_pb(ev) for ev in taken.events)

@@ -1,9 +1,18 @@
 """The pool facade: vLLM's ``KVCacheManager`` plus the request table a remote pool needs.
 
-In vLLM the scheduler owns ``Request`` objects and hands them to the manager. A
-remote pool cannot see the scheduler's objects, so it keeps the fields the manager
-reads (token ids, block hashes, computed-token count, LoRA, flags) per request id;
-the client reports changes with :meth:`KVCachePool.update_request`.
+:class:`KVCachePool` is the engine's one entry point. It composes three parts and
+keeps the block operations (allocate, free, cache, evict, reset, stats, events,
+snapshot, teardown) itself:
+
+- :class:`~kvcoord.engine.request_table.RequestTable`: the fields vLLM's manager
+  reads of each request, reported by the client with :meth:`KVCachePool.update_request`;
+- :class:`~kvcoord.engine.hits.PrefixHits`: prefix-hit search, lookup statistics, and
+  the checks on a hit handed back to :meth:`KVCachePool.allocate_slots`;
+- the coordinator (:mod:`~kvcoord.engine.coordinators`) with its block pool and
+  per-group managers.
+
+Hot paths reach the parts through bound methods and the shared request dict taken
+once in ``__init__``, so delegation costs no attribute lookup per block.
 
 Every public method validates its input completely before changing anything, so a
 raised :class:`~kvcoord.engine.errors.EngineError` leaves the pool as it was.
@@ -11,96 +20,21 @@ raised :class:`~kvcoord.engine.errors.EngineError` leaves the pool as it was.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from .blocks import KVCacheBlock
 from .config import KVCacheConfig
 from .coordinators import get_kv_cache_coordinator
-from .errors import (
-    FailedPreconditionError,
-    InvalidArgumentError,
-    RequestExistsError,
-    RequestNotFoundError,
-    StaleCacheHitError,
-)
+from .errors import FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
 from .events import KVCacheEvent
-from .hash_list import hashes_at_block_size
-from .managers import CrossAttentionManager, MambaManager, SingleTypeKVCacheManager
+from .hits import PrefixHits
+from .managers import MambaManager, SingleTypeKVCacheManager
 from .request import LoRA, Request
+from .request_table import RequestTable, check_count
+from .results import AllocationResult, BlockIds, CacheHit, PoolSnapshot, RequestCheckpoint
 from .stats import LookupCounters, PrefixCacheStats
-from .types import RequestId
 
+# The result types are re-exported: ``from kvcoord.engine.pool import CacheHit`` works.
 __all__ = ["AllocationResult", "CacheHit", "KVCachePool", "PoolSnapshot", "RequestCheckpoint"]
-
-BlockIds = tuple[tuple[int, ...], ...]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class CacheHit:
-    """A prefix-cache hit: one block-id list per group (0 = null block) and its length.
-
-    A hit is a hint: it is valid until the pool's next mutation.
-    """
-
-    block_ids: BlockIds
-    num_tokens: int
-
-    @property
-    def is_empty(self) -> bool:
-        """True when every group's list is empty (null blocks count as entries)."""
-        return not any(self.block_ids)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AllocationResult:
-    """The outcome of :meth:`KVCachePool.allocate_slots_with_lookup`.
-
-    ``new_block_ids`` is ``None`` when the pool had too few free blocks; then only
-    skipped-block removal (and the lookup's statistics) changed the pool.
-    """
-
-    hit: CacheHit
-    num_new_tokens: int
-    new_block_ids: BlockIds | None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class RequestCheckpoint:
-    """A request's sizes before an update, to undo it (see ``restore_request``)."""
-
-    num_tokens: int
-    num_block_hashes: int
-    num_computed_tokens: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PoolSnapshot:
-    """Everything observable about a pool, for equality checks in tests and tools."""
-
-    free_queue: tuple[int, ...]
-    ref_cnts: tuple[int, ...]
-    block_hashes: tuple[bytes | None, ...]
-    hash_map: tuple[tuple[bytes, tuple[int, ...]], ...]
-    requests: tuple[tuple[object, ...], ...]
-    managers: tuple[tuple[object, ...], ...]
-    pending_events: tuple[KVCacheEvent, ...]
-    stats: PrefixCacheStats | None
-
-
-_set_hit_block_ids: Callable[[CacheHit, BlockIds], None] = vars(CacheHit)["block_ids"].__set__
-_set_hit_num_tokens: Callable[[CacheHit, int], None] = vars(CacheHit)["num_tokens"].__set__
-
-
-def _new_hit(block_ids: BlockIds, num_tokens: int) -> CacheHit:
-    """``CacheHit(block_ids, num_tokens)`` without the frozen dataclass's ``__init__``
-    (one per lookup): the slots are written through their member descriptors, which is
-    what the generated ``__init__`` does, at a fraction of the cost."""
-    hit: CacheHit = object.__new__(CacheHit)
-    _set_hit_block_ids(hit, block_ids)
-    _set_hit_num_tokens(hit, num_tokens)
-    return hit
-
 
 _ALLOCATE_COUNT_NAMES = (
     "num_new_tokens",
@@ -109,14 +43,6 @@ _ALLOCATE_COUNT_NAMES = (
     "num_external_computed_tokens",
     "num_encoder_tokens",
 )
-
-
-def _check_count(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{name} must be an integer, got {type(value).__name__}")
-    if value < 0:
-        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
-    return value
 
 
 class KVCachePool:
@@ -140,14 +66,24 @@ class KVCachePool:
         self.enable_caching = config.enable_caching
         self.max_model_len = config.max_model_len
         self.hash_block_size = config.hash_block_size
-        self.requests: dict[str, Request] = {}
-        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if config.log_stats else None
+        self.request_table = RequestTable(config)
+        self.hits = PrefixHits(config, self.coordinator, self.request_table)
+        #: The table's dict itself (never replaced), read directly by the hot paths.
+        self.requests: dict[str, Request] = self.request_table.requests
         self.num_refusals = 0
-        self.lookup_counters = LookupCounters(group_hit_tokens=[0] * len(config.groups))
+        # The parts' methods, bound once: calling one costs what calling a method of
+        # the pool's own did.
+        self._get: Callable[[str], Request] = self.request_table.get
+        self._update: Callable[[str, int | None, Sequence[int], Sequence[bytes]], None] = (
+            self.request_table.update
+        )
+        self._lookup = self.hits.lookup
+        self._search = self.hits.search
+        self._record_lookup = self.hits.record_lookup
+        self._resolve_hit = self.hits.resolve
+        self._check_adoption = self.hits.check_adoption
         # Managers whose rules must be checked before any state changes (mamba align).
         self._prechecked_managers = [m for m in self.managers if isinstance(m, MambaManager) and m.align]
-        self._alignment = self.coordinator.alignment_tokens
-        self._num_sink_blocks = sum(len(getattr(m, "sink_blocks", ())) for m in self.managers)
         # allocate_slots' fast path serves pools whose managers all allocate and cache by
         # the base rules (full, sliding window, chunked local).
         self._plain_managers = all(
@@ -165,7 +101,6 @@ class KVCachePool:
             or type(m).remove_skipped_blocks is not SingleTypeKVCacheManager.remove_skipped_blocks
         ]
         self._no_new_blocks: BlockIds = tuple(() for _ in self.managers)
-        self._group_block_sizes = [g.block_size for g in config.groups]
         # free/preempt fused over managers that free by the base rule (with whether their
         # lists can hold the null block); None when any manager has its own rule.
         self._fused_free: list[tuple[SingleTypeKVCacheManager, bool]] | None = [
@@ -192,30 +127,8 @@ class KVCachePool:
             InvalidArgumentError: bad id, tokens, hashes or LoRA, or an empty prompt
                 (vLLM never schedules one: its lookup would search ``-1`` tokens).
         """
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgumentError("request_id must be a non-empty string")
-        if request_id in self.requests:
-            raise RequestExistsError(f"request {request_id!r} already exists in this pool")
-        tokens = self._check_tokens(prompt_token_ids, 0, "prompt_token_ids")
-        if not tokens:
-            raise InvalidArgumentError(
-                f"request {request_id!r}: prompt_token_ids is empty; a request needs at least one token"
-            )
-        hashes = self._check_hashes(block_hashes, 0, len(tokens), f"request {request_id!r}")
-        if lora is not None and (
-            not isinstance(lora, LoRA) or _check_count(lora.adapter_id, "lora.adapter_id") < 0
-        ):
-            raise InvalidArgumentError("lora must be a LoRA(adapter_id, name)")
-        if not isinstance(skip_reading_prefix_cache, bool):
-            raise InvalidArgumentError("skip_reading_prefix_cache must be a bool")
-        _check_count(num_preemptions, "num_preemptions")
-        self.requests[request_id] = Request(
-            RequestId(request_id),
-            tokens,
-            hashes,
-            num_preemptions=num_preemptions,
-            lora=lora,
-            skip_reading_prefix_cache=skip_reading_prefix_cache,
+        self.request_table.add(
+            request_id, prompt_token_ids, block_hashes, lora, skip_reading_prefix_cache, num_preemptions
         )
 
     def update_request(
@@ -229,62 +142,39 @@ class KVCachePool:
         """Report the scheduler's progress: computed tokens, then appended tokens.
 
         ``append_block_hashes`` are the hashes of blocks the appended tokens completed.
+        Only the delta is checked, so a decode step costs O(1) whatever the request's
+        length.
 
         Raises:
             RequestNotFoundError: unknown id.
             InvalidArgumentError: counts, tokens or hashes that do not fit.
         """
-        req = self.requests.get(request_id)
-        if req is None:
-            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
-        # Only the delta is checked: what the request already holds was checked when it
-        # arrived, so a decode step costs O(1) whatever the request's length.
-        have = len(req.all_token_ids)
-        new_tokens = self._check_tokens(append_token_ids, have, "append_token_ids")
-        new_hashes = self._check_hashes(
-            append_block_hashes, len(req.block_hashes), have + len(new_tokens), f"request {request_id!r}"
-        )
-        if num_computed_tokens is not None:
-            if type(num_computed_tokens) is not int or num_computed_tokens < 0:
-                _check_count(num_computed_tokens, "num_computed_tokens")
-            # Under speculative decoding the scheduler counts scheduled drafts as computed
-            # before their tokens are appended, so the count may pass num_tokens.
-            if num_computed_tokens > self.max_model_len:
-                raise InvalidArgumentError(
-                    f"num_computed_tokens {num_computed_tokens} exceeds max_model_len {self.max_model_len}"
-                )
-            req.num_computed_tokens = num_computed_tokens
-        if new_tokens:
-            req.all_token_ids += new_tokens
-            if new_hashes:
-                req.block_hashes += new_hashes
+        self._update(request_id, num_computed_tokens, append_token_ids, append_block_hashes)
 
     def checkpoint_request(self, request_id: str) -> RequestCheckpoint | None:
         """What :meth:`restore_request` needs to undo later request updates
         (``None`` for an unknown id, meaning "undo = forget it")."""
-        req = self.requests.get(request_id)
-        if req is None:
-            return None
-        return RequestCheckpoint(req.num_tokens, len(req.block_hashes), req.num_computed_tokens)
+        return self.request_table.checkpoint(request_id)
 
     def restore_request(self, request_id: str, checkpoint: RequestCheckpoint | None) -> None:
         """Undo :meth:`add_request` / :meth:`update_request` calls made since ``checkpoint``.
 
         Only valid while no pool operation has run for the request in between (the
         service uses it when the operation that followed a request update failed).
+
+        Raises:
+            FailedPreconditionError: ``checkpoint`` is ``None`` (forget the request)
+                but the request holds blocks.
         """
-        req = self.requests.get(request_id)
-        if req is None:
+        if checkpoint is not None:
+            self.request_table.restore(request_id, checkpoint)
             return
-        if checkpoint is None:
-            if any(self.coordinator.get_blocks(request_id)):
-                raise FailedPreconditionError(f"request {request_id!r} holds blocks; cannot forget it")
-            self.coordinator.free(request_id)
-            del self.requests[request_id]
+        if request_id not in self.requests:
             return
-        del req.all_token_ids[checkpoint.num_tokens :]
-        del req.block_hashes[checkpoint.num_block_hashes :]
-        req.num_computed_tokens = checkpoint.num_computed_tokens
+        if any(self.coordinator.get_blocks(request_id)):
+            raise FailedPreconditionError(f"request {request_id!r} holds blocks; cannot forget it")
+        self.coordinator.free(request_id)
+        del self.requests[request_id]
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests
@@ -329,49 +219,7 @@ class KVCachePool:
                 ``1 .. max_model_len``, or the hashes are not exactly one per full block
                 (count, type, length).
         """
-        if type(num_tokens) is not int:
-            raise InvalidArgumentError(f"num_tokens must be an integer, got {type(num_tokens).__name__}")
-        if not 1 <= num_tokens <= self.max_model_len:
-            raise InvalidArgumentError(
-                f"num_tokens must be between 1 and max_model_len {self.max_model_len}, got {num_tokens}"
-            )
-        if isinstance(block_hashes, (bytes, str)):
-            raise InvalidArgumentError("block_hashes must be a sequence of bytes, not a single value")
-        hashes = self._check_hashes(block_hashes, 0, num_tokens, f"lookup of {num_tokens} tokens")
-        if not self.enable_caching:
-            return CacheHit(self._no_new_blocks, 0)
-        hit, _ = self._search(hashes, num_tokens)
-        return hit
-
-    def _search(self, block_hashes: Sequence[bytes], num_tokens: int) -> tuple[CacheHit, list[list[int]]]:
-        """The coordinator's search for a request of ``num_tokens >= 1`` tokens (caching on)."""
-        lists, hit = self.coordinator.find_longest_cache_hit(block_hashes, num_tokens - 1)
-        return _new_hit(tuple(map(tuple, lists)), hit), lists
-
-    def _lookup(self, req: Request) -> CacheHit:
-        if not self.enable_caching or req.skip_reading_prefix_cache:
-            return CacheHit(self._no_new_blocks, 0)
-        hit, lists = self._search(req.block_hashes, len(req.all_token_ids))
-        self._record_lookup(req, hit, lists)
-        return hit
-
-    def _record_lookup(self, req: Request, hit: CacheHit, lists: list[list[int]]) -> None:
-        """Statistics and counters of one lookup; remembers the hit for adoption."""
-        req.last_hit = (hit.block_ids, self.block_pool.hash_epoch)
-        num_tokens = len(req.all_token_ids)
-        hit_tokens = hit.num_tokens
-        if self.prefix_cache_stats is not None:
-            self.prefix_cache_stats.record(num_tokens, hit_tokens, req.num_preemptions > 0)
-        c = self.lookup_counters
-        c.lookups += 1
-        c.queries += num_tokens
-        c.hits += hit_tokens
-        if num_tokens - 1 < self._alignment:
-            c.short_lookups += 1
-        group_hits = c.group_hit_tokens
-        for g, lst in enumerate(lists):
-            if lst:
-                group_hits[g] += len(lst) * self._group_block_sizes[g]
+        return self.hits.find_longest_cache_hit(block_hashes, num_tokens)
 
     def allocate_slots(
         self,
@@ -432,7 +280,7 @@ class KVCachePool:
                   num_encoder_tokens)  # fmt: skip
         if not all(type(v) is int and v >= 0 for v in counts):  # fast path; the loop names the culprit
             for name, value in zip(_ALLOCATE_COUNT_NAMES, counts, strict=True):
-                _check_count(value, name)
+                check_count(value, name)
         if not isinstance(delay_cache_blocks, bool):
             raise InvalidArgumentError("delay_cache_blocks must be a bool")
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
@@ -557,8 +405,8 @@ class KVCachePool:
             InvalidArgumentError: see :meth:`allocate_slots`.
         """
         req = self._get(request_id)
-        _check_count(max_num_new_tokens, "max_num_new_tokens")
-        _check_count(num_external_computed_tokens, "num_external_computed_tokens")
+        check_count(max_num_new_tokens, "max_num_new_tokens")
+        check_count(num_external_computed_tokens, "num_external_computed_tokens")
         if req.num_computed_tokens or any(self.coordinator.get_blocks(request_id)):
             raise FailedPreconditionError(
                 f"request {request_id!r} is already running (it has computed tokens or "
@@ -621,7 +469,7 @@ class KVCachePool:
         """Make the request's full blocks up to ``num_computed_tokens`` hittable
         (after a delayed external load)."""
         req = self._get(request_id)
-        _check_count(num_computed_tokens, "num_computed_tokens")
+        check_count(num_computed_tokens, "num_computed_tokens")
         if num_computed_tokens > req.num_tokens:
             raise InvalidArgumentError(
                 f"num_computed_tokens {num_computed_tokens} exceeds the request's {req.num_tokens} tokens"
@@ -640,7 +488,7 @@ class KVCachePool:
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Free blocks that attention no longer reads after ``total_computed_tokens``."""
         self._get(request_id)
-        _check_count(total_computed_tokens, "total_computed_tokens")
+        check_count(total_computed_tokens, "total_computed_tokens")
         if total_computed_tokens > self.max_model_len:
             raise InvalidArgumentError(
                 f"total_computed_tokens {total_computed_tokens} exceeds max_model_len {self.max_model_len}"
@@ -651,7 +499,7 @@ class KVCachePool:
         """Drop the cached hash of each block (KV connector load failures)."""
         ids = list(block_ids)
         for bid in ids:
-            _check_count(bid, "block id")
+            check_count(bid, "block id")
             if bid >= self.config.num_blocks:
                 raise InvalidArgumentError(
                     f"block id {bid} is out of range (pool has {self.config.num_blocks} blocks)"
@@ -685,11 +533,27 @@ class KVCachePool:
         """KV events queued since the last call, oldest first."""
         return self.block_pool.take_events()
 
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The statistics lookups record into now (``None`` unless the config logs
+        stats). Settable: the service swaps in a session's own object for a step."""
+        return self.hits.prefix_cache_stats
+
+    @prefix_cache_stats.setter
+    def prefix_cache_stats(self, stats: PrefixCacheStats | None) -> None:
+        self.hits.prefix_cache_stats = stats
+
+    @property
+    def lookup_counters(self) -> LookupCounters:
+        """Lifetime lookup counters (never reset)."""
+        return self.hits.lookup_counters
+
     def make_prefix_cache_stats(self) -> PrefixCacheStats | None:
         """The statistics since the last call; counting starts again from zero."""
-        if self.prefix_cache_stats is None:
+        hits = self.hits
+        if hits.prefix_cache_stats is None:
             return None
-        stats, self.prefix_cache_stats = self.prefix_cache_stats, PrefixCacheStats()
+        stats, hits.prefix_cache_stats = hits.prefix_cache_stats, PrefixCacheStats()
         return stats
 
     def peek_prefix_cache_stats(self) -> PrefixCacheStats | None:
@@ -742,18 +606,7 @@ class KVCachePool:
             ref_cnts=bp.ref_cnts(),
             block_hashes=bp.block_hashes(),
             hash_map=tuple((k, tuple(v)) for k, v in bp.cached_block_hash_to_block.items()),
-            requests=tuple(
-                (
-                    r.request_id,
-                    tuple(r.all_token_ids),
-                    tuple(r.block_hashes),
-                    r.num_computed_tokens,
-                    r.num_preemptions,
-                    r.lora,
-                    r.skip_reading_prefix_cache,
-                )
-                for r in sorted(self.requests.values(), key=lambda r: r.request_id)
-            ),
+            requests=self.request_table.snapshot(),
             managers=tuple(managers),
             pending_events=tuple(bp.kv_event_queue),
             stats=self.peek_prefix_cache_stats(),
@@ -776,152 +629,3 @@ class KVCachePool:
                 freed += release(reversed(blocks), null if may_hold_null else None)
             m.num_cached_block.pop(request_id, None)
         bp.num_freed += freed
-
-    def _get(self, request_id: str) -> Request:
-        req = self.requests.get(request_id)
-        if req is None:
-            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
-        return req
-
-    def _check_tokens(self, tokens: Sequence[int], have: int, name: str) -> list[int]:
-        """A copy of ``tokens`` once every one is a non-negative ``int`` (not bool) and
-        ``have`` plus their count fits ``max_model_len``."""
-        out = list(tokens)
-        n = len(out)
-        if n == 1:
-            t = out[0]
-            ok = type(t) is int and t >= 0
-        else:
-            # C-level passes: the set of element types, then the minimum.
-            ok = not out or (set(map(type, out)) == {int} and min(out) >= 0)
-        if not ok:
-            bad = next(t for t in out if type(t) is not int or t < 0)
-            raise InvalidArgumentError(f"{name} must hold non-negative integers, got {bad!r}")
-        if have + n > self.max_model_len:
-            raise InvalidArgumentError(
-                f"the request would have {have + n} tokens, more than max_model_len {self.max_model_len}"
-            )
-        return out
-
-    def _check_hashes(self, hashes: Sequence[bytes], have: int, num_tokens: int, label: str) -> list[bytes]:
-        """A copy of ``hashes`` once they are exactly the new full blocks' hashes: one
-        per full ``hash_block_size`` block past ``have``, non-empty ``bytes`` of the
-        pool's hash length."""
-        if not self.enable_caching:
-            return []
-        out = list(hashes)
-        want = num_tokens // self.hash_block_size - have
-        if len(out) != want:
-            raise InvalidArgumentError(
-                f"{label}: expected {want} new block hashes (one per full "
-                f"block of {self.hash_block_size} tokens), got {len(out)}"
-            )
-        if not out:
-            return out
-        length = self.config.hash_length
-        if len(out) == 1:  # a decode step completing a block
-            h = out[0]
-            if type(h) is bytes and h and (length is None or len(h) == length):
-                return out
-        if set(map(type, out)) != {bytes}:
-            raise InvalidArgumentError("block hashes must be non-empty bytes")
-        lengths = set(map(len, out))
-        if length is not None and lengths != {length}:
-            bad = next(n for n in lengths if n != length)
-            raise InvalidArgumentError(f"block hashes must be {length} bytes long, got one of {bad} bytes")
-        if 0 in lengths:
-            raise InvalidArgumentError("block hashes must be non-empty bytes")
-        return out
-
-    def _check_adoption(self, request_id: str, hit_blocks: list[list[KVCacheBlock]]) -> None:
-        """A hit or external tokens are adopted only by a request holding no blocks yet
-        (an admitted request, one with cached blocks, skips adoption and must bring no hit)."""
-        for m, hit in zip(self.managers, hit_blocks, strict=False):
-            if isinstance(m, CrossAttentionManager):
-                continue  # adopts nothing: its blocks come from the encoder
-            if request_id in m.num_cached_block:
-                ok = not hit
-            else:
-                ok = not m.req_to_blocks.get(request_id)
-            if not ok:
-                raise FailedPreconditionError(
-                    f"group {m.group_id}: request {request_id!r} already holds blocks; prefix "
-                    "hits and external tokens are adopted only by a request's first allocation"
-                )
-
-    def _resolve_hit(
-        self,
-        req: Request,
-        hit: CacheHit | Sequence[Sequence[int]] | None,
-        num_new_computed_tokens: int,
-    ) -> list[list[KVCacheBlock]]:
-        """Turn a hit's block ids back into blocks, checking each is still cached."""
-        n = len(self.managers)
-        if hit is None:
-            lists: Sequence[Sequence[int]] = [()] * n
-        elif isinstance(hit, CacheHit):
-            lists = hit.block_ids
-        else:
-            lists = hit
-        if len(lists) != n:
-            raise InvalidArgumentError(
-                f"new_computed_blocks must have one list per KV cache group ({n}), got {len(lists)}"
-            )
-        if not any(lists):
-            if num_new_computed_tokens:
-                raise InvalidArgumentError(
-                    "num_new_computed_tokens is > 0 but no prefix-hit blocks were given"
-                )
-            return [[] for _ in range(n)]
-        if not self.enable_caching:
-            raise InvalidArgumentError("prefix caching is off: new_computed_blocks must be empty")
-        bp = self.block_pool
-        blocks = bp.blocks
-        # The request's own last lookup, and no cached hash dropped since: every block
-        # still holds the key it was found under, so the per-block check can be skipped.
-        last = req.last_hit
-        trusted = (
-            last is not None
-            and last[1] == bp.hash_epoch
-            and (lists is last[0] or tuple(map(tuple, lists)) == last[0])
-        )
-        out: list[list[KVCacheBlock]] = []
-        for m, ids in zip(self.managers, lists, strict=False):
-            if isinstance(m, CrossAttentionManager) and ids:
-                raise InvalidArgumentError(f"group {m.group_id}: cross-attention has no prefix hits")
-            if len(ids) * m.block_size < num_new_computed_tokens:
-                raise InvalidArgumentError(
-                    f"group {m.group_id}: {len(ids)} hit blocks cover fewer than "
-                    f"num_new_computed_tokens={num_new_computed_tokens} tokens"
-                )
-            if len(ids) * m.block_size > req.num_tokens:
-                raise InvalidArgumentError(
-                    f"group {m.group_id}: {len(ids)} hit blocks but the request has only "
-                    f"{req.num_tokens // m.block_size} full blocks"
-                )
-            if trusted:
-                out.append([blocks[bid] for bid in ids])
-                continue
-            hashes = hashes_at_block_size(req.block_hashes, self.hash_block_size, m.block_size)
-            resolved = []
-            gid = m.group_id
-            for pos, bid in enumerate(ids):
-                if isinstance(bid, bool) or not isinstance(bid, int) or not 0 <= bid < bp.num_blocks:
-                    raise InvalidArgumentError(f"group {gid}: invalid block id {bid!r}")
-                if bid == 0:
-                    if not m.uses_null_blocks:
-                        raise InvalidArgumentError(
-                            f"group {gid}: the null block cannot be part of a full-attention hit"
-                        )
-                    resolved.append(bp.null_block)
-                    continue
-                block = bp.get_block(bid)
-                if block is None or block.cached_hash != hashes[pos] or block.cached_group != gid:
-                    raise StaleCacheHitError(
-                        f"group {gid}: block {bid} at position {pos} is no longer "
-                        "cached for this request's prefix; look up again (or allocate "
-                        "with an atomic lookup)"
-                    )
-                resolved.append(block)
-            out.append(resolved)
-        return out

@@ -1,0 +1,210 @@
+"""Prefix hits: finding them, counting lookups, and turning a hit back into blocks.
+
+vLLM's ``KVCacheManager.get_computed_blocks`` searches the cache and records the
+lookup's statistics; its scheduler then passes the blocks it got to
+``allocate_slots``. A remote caller passes block *ids* back instead, possibly after
+other calls changed the cache, so :meth:`PrefixHits.resolve` checks every id is
+still cached under the request's hash before the pool adopts it (unless nothing
+could have changed since the request's own lookup).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .blocks import KVCacheBlock
+from .config import KVCacheConfig
+from .coordinators import KVCacheCoordinator
+from .errors import FailedPreconditionError, InvalidArgumentError, StaleCacheHitError
+from .hash_list import hashes_at_block_size
+from .managers import CrossAttentionManager
+from .request import Request
+from .request_table import RequestTable
+from .results import BlockIds, CacheHit, new_hit
+from .stats import LookupCounters, PrefixCacheStats
+
+__all__ = ["PrefixHits"]
+
+
+class PrefixHits:
+    """Prefix-hit search, lookup statistics, and checks on hits handed back.
+
+    Owns the lookup statistics: :attr:`prefix_cache_stats` (``None`` unless the
+    config logs stats; the pool swaps it out) and the lifetime :attr:`lookup_counters`.
+
+    Args:
+        config: the pool's validated layout.
+        coordinator: the pool's coordinator (its block pool and managers are read).
+        table: the pool's request table, for hash validation.
+    """
+
+    def __init__(self, config: KVCacheConfig, coordinator: KVCacheCoordinator, table: RequestTable) -> None:
+        self.coordinator = coordinator
+        self.block_pool = coordinator.block_pool
+        self.managers = coordinator.managers
+        self.table = table
+        self.enable_caching = config.enable_caching
+        self.max_model_len = config.max_model_len
+        self.hash_block_size = config.hash_block_size
+        self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if config.log_stats else None
+        self.lookup_counters = LookupCounters(group_hit_tokens=[0] * len(config.groups))
+        self._alignment = coordinator.alignment_tokens
+        self._group_block_sizes = [g.block_size for g in config.groups]
+        self._no_hit_blocks: BlockIds = tuple(() for _ in self.managers)
+
+    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], num_tokens: int) -> CacheHit:
+        """The hit a request of ``num_tokens`` tokens with these hashes would get,
+        after checking both; changes and records nothing.
+
+        Raises:
+            InvalidArgumentError: see :meth:`KVCachePool.find_longest_cache_hit`.
+        """
+        if type(num_tokens) is not int:
+            raise InvalidArgumentError(f"num_tokens must be an integer, got {type(num_tokens).__name__}")
+        if not 1 <= num_tokens <= self.max_model_len:
+            raise InvalidArgumentError(
+                f"num_tokens must be between 1 and max_model_len {self.max_model_len}, got {num_tokens}"
+            )
+        if isinstance(block_hashes, (bytes, str)):
+            raise InvalidArgumentError("block_hashes must be a sequence of bytes, not a single value")
+        hashes = self.table.check_hashes(block_hashes, 0, num_tokens, f"lookup of {num_tokens} tokens")
+        if not self.enable_caching:
+            return CacheHit(self._no_hit_blocks, 0)
+        hit, _ = self.search(hashes, num_tokens)
+        return hit
+
+    def search(self, block_hashes: Sequence[bytes], num_tokens: int) -> tuple[CacheHit, list[list[int]]]:
+        """The coordinator's search for a request of ``num_tokens >= 1`` tokens (caching
+        on): the hit, and the same block ids as the coordinator's per-group lists."""
+        lists, hit = self.coordinator.find_longest_cache_hit(block_hashes, num_tokens - 1)
+        return new_hit(tuple(map(tuple, lists)), hit), lists
+
+    def lookup(self, req: Request) -> CacheHit:
+        """The request's hit, recorded (an empty, unrecorded hit when caching is off or
+        the request skips reading the prefix cache)."""
+        if not self.enable_caching or req.skip_reading_prefix_cache:
+            return CacheHit(self._no_hit_blocks, 0)
+        hit, lists = self.search(req.block_hashes, len(req.all_token_ids))
+        self.record_lookup(req, hit, lists)
+        return hit
+
+    def record_lookup(self, req: Request, hit: CacheHit, lists: list[list[int]]) -> None:
+        """Statistics and counters of one lookup; remembers the hit for adoption."""
+        req.last_hit = (hit.block_ids, self.block_pool.hash_epoch)
+        num_tokens = len(req.all_token_ids)
+        hit_tokens = hit.num_tokens
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.record(num_tokens, hit_tokens, req.num_preemptions > 0)
+        c = self.lookup_counters
+        c.lookups += 1
+        c.queries += num_tokens
+        c.hits += hit_tokens
+        if num_tokens - 1 < self._alignment:
+            c.short_lookups += 1
+        group_hits = c.group_hit_tokens
+        for g, lst in enumerate(lists):
+            if lst:
+                group_hits[g] += len(lst) * self._group_block_sizes[g]
+
+    def check_adoption(self, request_id: str, hit_blocks: list[list[KVCacheBlock]]) -> None:
+        """A hit or external tokens are adopted only by a request holding no blocks yet
+        (an admitted request, one with cached blocks, skips adoption and must bring no hit).
+
+        Raises:
+            FailedPreconditionError: the request already holds blocks in a group.
+        """
+        for m, hit in zip(self.managers, hit_blocks, strict=False):
+            if isinstance(m, CrossAttentionManager):
+                continue  # adopts nothing: its blocks come from the encoder
+            if request_id in m.num_cached_block:
+                ok = not hit
+            else:
+                ok = not m.req_to_blocks.get(request_id)
+            if not ok:
+                raise FailedPreconditionError(
+                    f"group {m.group_id}: request {request_id!r} already holds blocks; prefix "
+                    "hits and external tokens are adopted only by a request's first allocation"
+                )
+
+    def resolve(
+        self,
+        req: Request,
+        hit: CacheHit | Sequence[Sequence[int]] | None,
+        num_new_computed_tokens: int,
+    ) -> list[list[KVCacheBlock]]:
+        """Turn a hit's block ids back into blocks, checking each is still cached.
+
+        Raises:
+            InvalidArgumentError: a malformed hit (group count, ids, lengths) or one
+                given while caching is off.
+            StaleCacheHitError: a block no longer holds this prefix's hash.
+        """
+        n = len(self.managers)
+        if hit is None:
+            lists: Sequence[Sequence[int]] = [()] * n
+        elif isinstance(hit, CacheHit):
+            lists = hit.block_ids
+        else:
+            lists = hit
+        if len(lists) != n:
+            raise InvalidArgumentError(
+                f"new_computed_blocks must have one list per KV cache group ({n}), got {len(lists)}"
+            )
+        if not any(lists):
+            if num_new_computed_tokens:
+                raise InvalidArgumentError(
+                    "num_new_computed_tokens is > 0 but no prefix-hit blocks were given"
+                )
+            return [[] for _ in range(n)]
+        if not self.enable_caching:
+            raise InvalidArgumentError("prefix caching is off: new_computed_blocks must be empty")
+        bp = self.block_pool
+        blocks = bp.blocks
+        # The request's own last lookup, and no cached hash dropped since: every block
+        # still holds the key it was found under, so the per-block check can be skipped.
+        last = req.last_hit
+        trusted = (
+            last is not None
+            and last[1] == bp.hash_epoch
+            and (lists is last[0] or tuple(map(tuple, lists)) == last[0])
+        )
+        out: list[list[KVCacheBlock]] = []
+        for m, ids in zip(self.managers, lists, strict=False):
+            if isinstance(m, CrossAttentionManager) and ids:
+                raise InvalidArgumentError(f"group {m.group_id}: cross-attention has no prefix hits")
+            if len(ids) * m.block_size < num_new_computed_tokens:
+                raise InvalidArgumentError(
+                    f"group {m.group_id}: {len(ids)} hit blocks cover fewer than "
+                    f"num_new_computed_tokens={num_new_computed_tokens} tokens"
+                )
+            if len(ids) * m.block_size > req.num_tokens:
+                raise InvalidArgumentError(
+                    f"group {m.group_id}: {len(ids)} hit blocks but the request has only "
+                    f"{req.num_tokens // m.block_size} full blocks"
+                )
+            if trusted:
+                out.append([blocks[bid] for bid in ids])
+                continue
+            hashes = hashes_at_block_size(req.block_hashes, self.hash_block_size, m.block_size)
+            resolved = []
+            gid = m.group_id
+            for pos, bid in enumerate(ids):
+                if isinstance(bid, bool) or not isinstance(bid, int) or not 0 <= bid < bp.num_blocks:
+                    raise InvalidArgumentError(f"group {gid}: invalid block id {bid!r}")
+                if bid == 0:
+                    if not m.uses_null_blocks:
+                        raise InvalidArgumentError(
+                            f"group {gid}: the null block cannot be part of a full-attention hit"
+                        )
+                    resolved.append(bp.null_block)
+                    continue
+                block = bp.get_block(bid)
+                if block is None or block.cached_hash != hashes[pos] or block.cached_group != gid:
+                    raise StaleCacheHitError(
+                        f"group {gid}: block {bid} at position {pos} is no longer "
+                        "cached for this request's prefix; look up again (or allocate "
+                        "with an atomic lookup)"
+                    )
+                resolved.append(block)
+            out.append(resolved)
+        return out

@@ -1,0 +1,242 @@
+"""The request table: what a remote pool keeps of each request the scheduler runs.
+
+In vLLM the scheduler owns ``Request`` objects and hands them to the manager. A
+remote pool cannot see the scheduler's objects, so it keeps the fields the manager
+reads (token ids, block hashes, computed-token count, LoRA, flags) per request id,
+and the client reports changes. :class:`RequestTable` holds those records and checks
+every change before applying it; it knows nothing of blocks (the pool does).
+
+Validation costs O(delta): what a request already holds was checked when it arrived,
+so a decode step costs the same whatever the request's length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .config import KVCacheConfig
+from .errors import InvalidArgumentError, RequestExistsError, RequestNotFoundError
+from .request import LoRA, Request
+from .results import RequestCheckpoint
+from .types import RequestId
+
+__all__ = ["RequestTable", "check_count"]
+
+
+def check_count(value: object, name: str) -> int:
+    """``value`` once it is a non-negative ``int`` (``bool`` is refused).
+
+    Raises:
+        InvalidArgumentError: naming ``name`` and what was wrong.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an integer, got {type(value).__name__}")
+    if value < 0:
+        raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+class RequestTable:
+    """The pool's requests by id, with the checks that keep each one consistent.
+
+    Invariants of every record: ``all_token_ids`` holds at most ``max_model_len``
+    non-negative ints; ``block_hashes`` holds exactly one non-empty ``bytes`` hash (of
+    the configured length) per full ``hash_block_size`` block of those tokens when
+    caching is on, and nothing when it is off.
+
+    The pool composes a table and shares its :attr:`requests` dict (the hot paths
+    read it directly); the dict object lives as long as the table and is never
+    replaced.
+
+    Args:
+        config: the pool's validated layout (limits, hash block size and length).
+    """
+
+    def __init__(self, config: KVCacheConfig) -> None:
+        self.requests: dict[str, Request] = {}
+        self.max_model_len = config.max_model_len
+        self.enable_caching = config.enable_caching
+        self.hash_block_size = config.hash_block_size
+        self.hash_length = config.hash_length
+
+    def add(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        block_hashes: Sequence[bytes],
+        lora: LoRA | None,
+        skip_reading_prefix_cache: bool,
+        num_preemptions: int,
+    ) -> None:
+        """Register a request with its prompt and the prompt's block hashes.
+
+        Raises:
+            RequestExistsError: the id is in use.
+            InvalidArgumentError: bad id, tokens, hashes or LoRA, or an empty prompt.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgumentError("request_id must be a non-empty string")
+        if request_id in self.requests:
+            raise RequestExistsError(f"request {request_id!r} already exists in this pool")
+        tokens = self.check_tokens(prompt_token_ids, 0, "prompt_token_ids")
+        if not tokens:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: prompt_token_ids is empty; a request needs at least one token"
+            )
+        hashes = self.check_hashes(block_hashes, 0, len(tokens), f"request {request_id!r}")
+        if lora is not None and (
+            not isinstance(lora, LoRA) or check_count(lora.adapter_id, "lora.adapter_id") < 0
+        ):
+            raise InvalidArgumentError("lora must be a LoRA(adapter_id, name)")
+        if not isinstance(skip_reading_prefix_cache, bool):
+            raise InvalidArgumentError("skip_reading_prefix_cache must be a bool")
+        check_count(num_preemptions, "num_preemptions")
+        self.requests[request_id] = Request(
+            RequestId(request_id),
+            tokens,
+            hashes,
+            num_preemptions=num_preemptions,
+            lora=lora,
+            skip_reading_prefix_cache=skip_reading_prefix_cache,
+        )
+
+    def update(
+        self,
+        request_id: str,
+        num_computed_tokens: int | None,
+        append_token_ids: Sequence[int],
+        append_block_hashes: Sequence[bytes],
+    ) -> None:
+        """Set the computed-token count, then append tokens and the hashes of the blocks
+        they completed; all checked before anything changes.
+
+        Raises:
+            RequestNotFoundError: unknown id.
+            InvalidArgumentError: counts, tokens or hashes that do not fit.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        have = len(req.all_token_ids)
+        new_tokens = self.check_tokens(append_token_ids, have, "append_token_ids")
+        new_hashes = self.check_hashes(
+            append_block_hashes, len(req.block_hashes), have + len(new_tokens), f"request {request_id!r}"
+        )
+        if num_computed_tokens is not None:
+            if type(num_computed_tokens) is not int or num_computed_tokens < 0:
+                check_count(num_computed_tokens, "num_computed_tokens")
+            # Under speculative decoding the scheduler counts scheduled drafts as computed
+            # before their tokens are appended, so the count may pass num_tokens.
+            if num_computed_tokens > self.max_model_len:
+                raise InvalidArgumentError(
+                    f"num_computed_tokens {num_computed_tokens} exceeds max_model_len {self.max_model_len}"
+                )
+            req.num_computed_tokens = num_computed_tokens
+        if new_tokens:
+            req.all_token_ids += new_tokens
+            if new_hashes:
+                req.block_hashes += new_hashes
+
+    def checkpoint(self, request_id: str) -> RequestCheckpoint | None:
+        """The request's sizes now, for :meth:`restore` (``None`` for an unknown id)."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        return RequestCheckpoint(req.num_tokens, len(req.block_hashes), req.num_computed_tokens)
+
+    def restore(self, request_id: str, checkpoint: RequestCheckpoint) -> None:
+        """Cut the request back to ``checkpoint``'s sizes (a no-op for an unknown id).
+
+        Only valid while no pool operation has run for the request since the
+        checkpoint: updates only append, so truncating undoes them.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        del req.all_token_ids[checkpoint.num_tokens :]
+        del req.block_hashes[checkpoint.num_block_hashes :]
+        req.num_computed_tokens = checkpoint.num_computed_tokens
+
+    def get(self, request_id: str) -> Request:
+        """The request's record.
+
+        Raises:
+            RequestNotFoundError: unknown id.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        return req
+
+    def snapshot(self) -> tuple[tuple[object, ...], ...]:
+        """Every record's fields as plain tuples, by request id."""
+        return tuple(
+            (
+                r.request_id,
+                tuple(r.all_token_ids),
+                tuple(r.block_hashes),
+                r.num_computed_tokens,
+                r.num_preemptions,
+                r.lora,
+                r.skip_reading_prefix_cache,
+            )
+            for r in sorted(self.requests.values(), key=lambda r: r.request_id)
+        )
+
+    def check_tokens(self, tokens: Sequence[int], have: int, name: str) -> list[int]:
+        """A copy of ``tokens`` once every one is a non-negative ``int`` (not bool) and
+        ``have`` plus their count fits ``max_model_len``.
+
+        Raises:
+            InvalidArgumentError: naming ``name`` and the first bad token, or the total.
+        """
+        out = list(tokens)
+        n = len(out)
+        if n == 1:
+            t = out[0]
+            ok = type(t) is int and t >= 0
+        else:
+            # C-level passes: the set of element types, then the minimum.
+            ok = not out or (set(map(type, out)) == {int} and min(out) >= 0)
+        if not ok:
+            bad = next(t for t in out if type(t) is not int or t < 0)
+            raise InvalidArgumentError(f"{name} must hold non-negative integers, got {bad!r}")
+        if have + n > self.max_model_len:
+            raise InvalidArgumentError(
+                f"the request would have {have + n} tokens, more than max_model_len {self.max_model_len}"
+            )
+        return out
+
+    def check_hashes(self, hashes: Sequence[bytes], have: int, num_tokens: int, label: str) -> list[bytes]:
+        """A copy of ``hashes`` once they are exactly the new full blocks' hashes: one
+        per full ``hash_block_size`` block past ``have``, non-empty ``bytes`` of the
+        pool's hash length (always ``[]`` when caching is off).
+
+        Raises:
+            InvalidArgumentError: prefixed with ``label``: a wrong count, type or length.
+        """
+        if not self.enable_caching:
+            return []
+        out = list(hashes)
+        want = num_tokens // self.hash_block_size - have
+        if len(out) != want:
+            raise InvalidArgumentError(
+                f"{label}: expected {want} new block hashes (one per full "
+                f"block of {self.hash_block_size} tokens), got {len(out)}"
+            )
+        if not out:
+            return out
+        length = self.hash_length
+        if len(out) == 1:  # a decode step completing a block
+            h = out[0]
+            if type(h) is bytes and h and (length is None or len(h) == length):
+                return out
+        if set(map(type, out)) != {bytes}:
+            raise InvalidArgumentError("block hashes must be non-empty bytes")
+        lengths = set(map(len, out))
+        if length is not None and lengths != {length}:
+            bad = next(n for n in lengths if n != length)
+            raise InvalidArgumentError(f"block hashes must be {length} bytes long, got one of {bad} bytes")
+        if 0 in lengths:
+            raise InvalidArgumentError("block hashes must be non-empty bytes")
+        return out

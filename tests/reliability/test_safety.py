@@ -4,6 +4,7 @@ idle workers, dead workers, restarts, shared keys, event streams, bad bytes."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ from kvcoord.client import (
     NO_RETRY,
     FencedError,
     GracePeriodError,
+    InvalidArgumentError,
     KeyReusedError,
     KVCoordClient,
     RemoteKVCacheManager,
@@ -256,10 +258,14 @@ def test_take_events_has_a_cursor_per_session(started: list[InProcessServer]) ->
         assert a.take_events() == [] and b.take_events() == []
 
 
-def test_undecodable_and_huge_inputs_get_clear_bounded_errors(started: list[InProcessServer]) -> None:
-    """Bytes that are no message are INVALID_ARGUMENT; an error about a 70,000-character
-    input stays small (never RESOURCE_EXHAUSTED)."""
+def test_undecodable_and_huge_inputs_get_clear_bounded_errors(
+    started: list[InProcessServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bytes that are no message are INVALID_ARGUMENT, with nothing logged at error level
+    (no traceback per request); an error about a 70,000-character input stays small
+    (never RESOURCE_EXHAUSTED)."""
     server = start(started)
+    caplog.set_level(logging.INFO)
     with grpc.insecure_channel(server.address) as ch:
         raw = ch.unary_unary(
             "/kvcoord.v1.Allocator/Step", request_serializer=None, response_deserializer=None
@@ -268,7 +274,24 @@ def test_undecodable_and_huge_inputs_get_clear_bounded_errors(started: list[InPr
             raw(b"\xff\xff\xff\xff", timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "not a valid kvcoord.v1.StepRequest" in err.value.details()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     with KVCoordClient(server.address) as c:
         with pytest.raises(Exception) as big:
             c.get_pool("x" * 70_000)
         assert "NOT_FOUND" in str(big.value) and len(str(big.value)) < 1200
+
+
+def test_empty_prompt_is_refused_and_stats_stay_sound(started: list[InProcessServer]) -> None:
+    """An empty prompt on a hybrid pool is INVALID_ARGUMENT with nothing changed; the
+    pool's statistics stay readable and unchanged (they once went negative)."""
+    server = start(started)
+    with KVCoordClient(server.address) as c:
+        s = c.attach("p", "sha256_cbor", 4, "0")
+        before = c.get_stats("p")
+        lookup = pb.Operation(lookup=pb.LookupOp(request=pb.RequestSync(request_id="e", new_request=True)))
+        resp = c.step("p", [lookup], s.session_id, s.fence)
+        assert resp.results[0].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert c.get_stats("p") == before and held(c) == {}
+        with pytest.raises(InvalidArgumentError):
+            c.find_longest_cache_hit("p", [], 0)  # a degenerate read-only lookup, refused too
+        assert c.get_stats("p") == before

@@ -153,3 +153,41 @@ def test_blocks_behave_like_vllms(
     assert m.empty_kv_cache_blocks.get_block_ids(allow_none=True) is None
     assert m.create_kv_cache_blocks(((),)) is m.empty_kv_cache_blocks
     remote.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_engine_idle_past_its_lease_carries_on(
+    kind: str, model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine idle for several session leases (the server reaping expired sessions
+    meanwhile) keeps its session and blocks, and decides exactly as vLLM afterwards."""
+    import time
+
+    asynchronous = kind == "async"
+    cfg = {"async_scheduling": asynchronous}
+    local = make_scheduler(SCHEDULERS[kind], vllm_config(model_dir, NUM_BLOCKS, **cfg),
+                           kv_cache_config("full", NUM_BLOCKS))  # fmt: skip
+    want, _ = run_workload(local, seed=3, steps=60, async_overlap=asynchronous)
+    server = InProcessServer(session_lease_seconds=0.5, max_session_lease_seconds=0.5).start()
+    try:
+        monkeypatch.setenv("KVCOORD_TARGET", server.address)
+        monkeypatch.setenv("KVCOORD_POOL", f"idle-{kind}")
+        remote = make_scheduler(KVCOORD[kind], vllm_config(model_dir, NUM_BLOCKS, **cfg),
+                                kv_cache_config("full", NUM_BLOCKS))  # fmt: skip
+        manager = remote.kv_cache_manager
+        assert isinstance(manager, KVCoordKVCacheManager)
+        reap = server.running.servicer.reap_expired_sessions  # type: ignore[union-attr]
+
+        def idle(step: int) -> None:
+            if step == 30:  # mid-run, with requests holding blocks: idle for 4 leases
+                deadline = time.monotonic() + 2.0
+                while time.monotonic() < deadline:
+                    server.call(reap)
+                    time.sleep(0.05)
+
+        got, _ = run_workload(remote, seed=3, steps=60, async_overlap=asynchronous, on_step=idle)
+        assert got == want, first_difference(want, got)
+        assert manager.remote.lost_requests == 0 and manager.remote.keeper.renewals >= 3
+        remote.shutdown()
+    finally:
+        server.stop()

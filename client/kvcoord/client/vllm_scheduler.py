@@ -35,25 +35,23 @@ def _install(scheduler: Any) -> KVCoordKVCacheManager:
     return manager
 
 
-class KVCoordScheduler(Scheduler):
+class _OnKVCoord:
+    """Installs a kvcoord pool as the scheduler's ``kv_cache_manager`` and closes it."""
+
+    kvcoord: KVCoordKVCacheManager
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kvcoord = _install(self)
+
+    def shutdown(self) -> None:
+        super().shutdown()  # type: ignore[misc]
+        self.kvcoord.close()
+
+
+class KVCoordScheduler(_OnKVCoord, Scheduler):
     """vLLM's ``Scheduler``; its ``kv_cache_manager`` is a kvcoord pool."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.kvcoord = _install(self)
 
-    def shutdown(self) -> None:
-        super().shutdown()
-        self.kvcoord.close()
-
-
-class KVCoordAsyncScheduler(AsyncScheduler):
+class KVCoordAsyncScheduler(_OnKVCoord, AsyncScheduler):
     """vLLM's ``AsyncScheduler``; its ``kv_cache_manager`` is a kvcoord pool."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.kvcoord = _install(self)
-
-    def shutdown(self) -> None:
-        super().shutdown()
-        self.kvcoord.close()

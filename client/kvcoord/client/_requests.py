@@ -115,6 +115,28 @@ def attach(
     )
 
 
+def find_longest_cache_hit(
+    pool: str, block_hashes: Sequence[bytes], num_tokens: int
+) -> pb.FindLongestCacheHitRequest:
+    return pb.FindLongestCacheHitRequest(pool=pool, block_hashes=list(block_hashes), num_tokens=num_tokens)
+
+
+def inspect_pool(
+    pool: str,
+    free_queue_limit: int,
+    request_ids: Iterable[str],
+    all_requests: bool,
+    include_cached_blocks: bool,
+) -> pb.InspectPoolRequest:
+    return pb.InspectPoolRequest(
+        pool=pool,
+        free_queue_limit=free_queue_limit,
+        request_ids=list(request_ids),
+        all_requests=all_requests,
+        include_cached_blocks=include_cached_blocks,
+    )
+
+
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),

@@ -1,7 +1,7 @@
 """Sync and asyncio clients of the kvcoord Allocator service.
 
-Both clients expose the same methods (built from the same request builders); the
-asyncio client's methods are coroutines. Every call has a deadline; transient failures
+Both clients expose the same methods (built from the same request builders), each typed
+with its response message; the asyncio client's methods return coroutines of them. Every call has a deadline; transient failures
 (UNAVAILABLE) are retried with jittered backoff when the call is safe to repeat, and
 mutating calls carry an idempotency key so a retry never applies an operation twice.
 """
@@ -9,11 +9,13 @@ mutating calls carry an idempotency key so a retry never applies an operation tw
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Sequence
+from typing import Any, Generic, TypeAlias, TypeVar, cast
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
@@ -72,8 +74,65 @@ class _Attempts:
         raise err
 
 
+_Req = TypeVar("_Req", bound=Message)
+_Resp = TypeVar("_Resp", bound=Message)
+_T = TypeVar("_T")
+
+#: what the asyncio client's RPC methods return: a coroutine of the response
+_Coro: TypeAlias = Coroutine[Any, Any, _T]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rpc(Generic[_Req, _Resp]):
+    """One unary RPC of the Allocator service: its name (the stub's attribute and the key
+    of ``_requests.RPCS``) and its message types, which type each client method."""
+
+    name: str
+    request: type[_Req]
+    response: type[_Resp]
+
+
+_CREATE_POOL = _Rpc("CreatePool", pb.CreatePoolRequest, pb.CreatePoolResponse)
+_GET_POOL = _Rpc("GetPool", pb.GetPoolRequest, pb.GetPoolResponse)
+_LIST_POOLS = _Rpc("ListPools", pb.ListPoolsRequest, pb.ListPoolsResponse)
+_DELETE_POOL = _Rpc("DeletePool", pb.DeletePoolRequest, pb.DeletePoolResponse)
+_ATTACH = _Rpc("Attach", pb.AttachRequest, pb.AttachResponse)
+_HEARTBEAT = _Rpc("Heartbeat", pb.HeartbeatRequest, pb.HeartbeatResponse)
+_DETACH = _Rpc("Detach", pb.DetachRequest, pb.DetachResponse)
+_FIND_LONGEST_CACHE_HIT = _Rpc(
+    "FindLongestCacheHit", pb.FindLongestCacheHitRequest, pb.FindLongestCacheHitResponse
+)
+_ALLOCATE = _Rpc("Allocate", pb.AllocateRequest, pb.AllocateResponse)
+_FREE = _Rpc("Free", pb.FreeRequest, pb.FreeResponse)
+_STEP = _Rpc("Step", pb.StepRequest, pb.StepResponse)
+_RESET_PREFIX_CACHE = _Rpc("ResetPrefixCache", pb.ResetPrefixCacheRequest, pb.ResetPrefixCacheResponse)
+_GET_STATS = _Rpc("GetStats", pb.GetStatsRequest, pb.GetStatsResponse)
+_INSPECT_POOL = _Rpc("InspectPool", pb.InspectPoolRequest, pb.InspectPoolResponse)
+
+#: every unary RPC the clients call, with the method that calls it (tests check this
+#: against the service descriptor, ``_requests.RPCS`` and both clients' methods)
+UNARY_METHODS: dict[str, _Rpc[Any, Any]] = {
+    "create_pool": _CREATE_POOL,
+    "get_pool": _GET_POOL,
+    "list_pools": _LIST_POOLS,
+    "delete_pool": _DELETE_POOL,
+    "attach": _ATTACH,
+    "heartbeat": _HEARTBEAT,
+    "detach": _DETACH,
+    "find_longest_cache_hit": _FIND_LONGEST_CACHE_HIT,
+    "allocate": _ALLOCATE,
+    "free": _FREE,
+    "step": _STEP,
+    "reset_prefix_cache": _RESET_PREFIX_CACHE,
+    "get_stats": _GET_STATS,
+    "inspect_pool": _INSPECT_POOL,
+}
+
+
 class _Api:
-    """The call surface shared by both clients; ``_call`` decides sync or async."""
+    """The channel set-up shared by both clients. Each client defines the RPC methods
+    itself, typed with their response (the asyncio client's as coroutines), and builds
+    their requests with the same code (``_requests``); ``_call`` is its transport."""
 
     _channel_factory: Any = None
     _secure_channel_factory: Any = None
@@ -118,111 +177,9 @@ class _Api:
             )
         self.stub = pb_grpc.AllocatorStub(self._intercepted(self.channel, interceptors))
 
-    def _call(self, rpc: str, request: Any) -> Any:
-        raise NotImplementedError
-
     @staticmethod
     def _intercepted(channel: Any, interceptors: Sequence[Any]) -> Any:
         return grpc.intercept_channel(channel, *interceptors) if interceptors else channel
-
-    def create_pool(self, name: str, config: pb.PoolConfig) -> Any:
-        """Create a pool (a no-op when an identical one exists). Returns CreatePoolResponse."""
-        return self._call("CreatePool", pb.CreatePoolRequest(name=name, config=config))
-
-    def get_pool(self, name: str) -> Any:
-        """GetPoolResponse for ``name``."""
-        return self._call("GetPool", pb.GetPoolRequest(name=name))
-
-    def list_pools(self) -> Any:
-        return self._call("ListPools", pb.ListPoolsRequest())
-
-    def delete_pool(self, name: str) -> Any:
-        return self._call("DeletePool", pb.DeletePoolRequest(name=name))
-
-    def attach(
-        self,
-        pool: str,
-        hash_algo: str,
-        hash_block_size: int,
-        hash_seed: str,
-        client_name: str = "",
-        lease_seconds: float = 0,
-        exclusive: bool = False,
-    ) -> Any:
-        """Hash handshake; AttachResponse with a session id and fence. HashMismatchError on a mismatch."""
-        return self._call(
-            "Attach",
-            rq.attach(pool, hash_algo, hash_block_size, hash_seed, client_name, lease_seconds, exclusive),
-        )
-
-    def heartbeat(self, session_id: str, fence: pb.Fence | None = None) -> Any:
-        """Renew a session lease (HeartbeatResponse); SessionExpiredError / FencedError when lost."""
-        return self._call("Heartbeat", pb.HeartbeatRequest(session_id=session_id, fence=fence))
-
-    def detach(self, session_id: str, fence: pb.Fence | None = None) -> Any:
-        return self._call("Detach", pb.DetachRequest(session_id=session_id, fence=fence))
-
-    def find_longest_cache_hit(self, pool: str, block_hashes: Sequence[bytes], num_tokens: int) -> Any:
-        """Read-only longest hit for these hashes (FindLongestCacheHitResponse); changes nothing."""
-        return self._call(
-            "FindLongestCacheHit",
-            pb.FindLongestCacheHitRequest(pool=pool, block_hashes=list(block_hashes), num_tokens=num_tokens),
-        )
-
-    def allocate(self, pool: str, op: pb.AllocateOp, session_id: str, fence: pb.Fence | None = None) -> Any:
-        """allocate_slots; AllocateResponse (result.refused when out of blocks)."""
-        return self._call("Allocate", rq.allocate(pool, op, session_id, fence))
-
-    def free(
-        self,
-        pool: str,
-        request_ids: Iterable[str],
-        preempt: bool = False,
-        session_id: str = "",
-        fence: pb.Fence | None = None,
-    ) -> Any:
-        return self._call("Free", rq.free(pool, request_ids, preempt, session_id, fence))
-
-    def step(
-        self,
-        pool: str,
-        ops: Sequence[pb.Operation],
-        session_id: str,
-        fence: pb.Fence | None = None,
-        include_state: bool = False,
-    ) -> Any:
-        """Apply ``ops`` in order in one round trip; StepResponse with one result each
-        (and the session's new events and statistics with ``include_state``)."""
-        return self._call("Step", rq.step(pool, ops, session_id, fence, include_state))
-
-    def reset_prefix_cache(self, pool: str, session_id: str = "", fence: pb.Fence | None = None) -> Any:
-        return self._call(
-            "ResetPrefixCache", pb.ResetPrefixCacheRequest(pool=pool, session_id=session_id, fence=fence)
-        )
-
-    def get_stats(self, pool: str) -> Any:
-        return self._call("GetStats", pb.GetStatsRequest(pool=pool))
-
-    def inspect_pool(
-        self,
-        pool: str,
-        free_queue_limit: int = 0,
-        request_ids: Iterable[str] = (),
-        *,
-        all_requests: bool = False,
-        include_cached_blocks: bool = False,
-    ) -> Any:
-        """Block tables, free-queue head and cached blocks, read in one consistent step."""
-        return self._call(
-            "InspectPool",
-            pb.InspectPoolRequest(
-                pool=pool,
-                free_queue_limit=free_queue_limit,
-                request_ids=list(request_ids),
-                all_requests=all_requests,
-                include_cached_blocks=include_cached_blocks,
-            ),
-        )
 
 
 class KVCoordClient(_Api):
@@ -259,6 +216,105 @@ class KVCoordClient(_Api):
                 err = error_from_rpc(exc, rpc)
             time.sleep(attempts.next_sleep(err))
 
+    def _unary(self, rpc: _Rpc[_Req, _Resp], request: _Req) -> _Resp:
+        return cast(_Resp, self._call(rpc.name, request))
+
+    def create_pool(self, name: str, config: pb.PoolConfig) -> pb.CreatePoolResponse:
+        """Create a pool (a no-op when an identical one exists)."""
+        return self._unary(_CREATE_POOL, pb.CreatePoolRequest(name=name, config=config))
+
+    def get_pool(self, name: str) -> pb.GetPoolResponse:
+        """The pool ``name``: its configuration and state."""
+        return self._unary(_GET_POOL, pb.GetPoolRequest(name=name))
+
+    def list_pools(self) -> pb.ListPoolsResponse:
+        return self._unary(_LIST_POOLS, pb.ListPoolsRequest())
+
+    def delete_pool(self, name: str) -> pb.DeletePoolResponse:
+        return self._unary(_DELETE_POOL, pb.DeletePoolRequest(name=name))
+
+    def attach(
+        self,
+        pool: str,
+        hash_algo: str,
+        hash_block_size: int,
+        hash_seed: str,
+        client_name: str = "",
+        lease_seconds: float = 0,
+        exclusive: bool = False,
+    ) -> pb.AttachResponse:
+        """Hash handshake: a session id and fence. HashMismatchError on a mismatch."""
+        return self._unary(
+            _ATTACH,
+            rq.attach(pool, hash_algo, hash_block_size, hash_seed, client_name, lease_seconds, exclusive),
+        )
+
+    def heartbeat(self, session_id: str, fence: pb.Fence | None = None) -> pb.HeartbeatResponse:
+        """Renew a session lease; SessionExpiredError / FencedError when lost."""
+        return self._unary(_HEARTBEAT, pb.HeartbeatRequest(session_id=session_id, fence=fence))
+
+    def detach(self, session_id: str, fence: pb.Fence | None = None) -> pb.DetachResponse:
+        return self._unary(_DETACH, pb.DetachRequest(session_id=session_id, fence=fence))
+
+    def find_longest_cache_hit(
+        self, pool: str, block_hashes: Sequence[bytes], num_tokens: int
+    ) -> pb.FindLongestCacheHitResponse:
+        """Read-only longest hit for these hashes; changes nothing."""
+        return self._unary(_FIND_LONGEST_CACHE_HIT, rq.find_longest_cache_hit(pool, block_hashes, num_tokens))
+
+    def allocate(
+        self, pool: str, op: pb.AllocateOp, session_id: str, fence: pb.Fence | None = None
+    ) -> pb.AllocateResponse:
+        """allocate_slots (``result.refused`` when out of blocks)."""
+        return self._unary(_ALLOCATE, rq.allocate(pool, op, session_id, fence))
+
+    def free(
+        self,
+        pool: str,
+        request_ids: Iterable[str],
+        preempt: bool = False,
+        session_id: str = "",
+        fence: pb.Fence | None = None,
+    ) -> pb.FreeResponse:
+        return self._unary(_FREE, rq.free(pool, request_ids, preempt, session_id, fence))
+
+    def step(
+        self,
+        pool: str,
+        ops: Sequence[pb.Operation],
+        session_id: str,
+        fence: pb.Fence | None = None,
+        include_state: bool = False,
+    ) -> pb.StepResponse:
+        """Apply ``ops`` in order in one round trip: one result each (and the session's
+        new events and statistics with ``include_state``)."""
+        return self._unary(_STEP, rq.step(pool, ops, session_id, fence, include_state))
+
+    def reset_prefix_cache(
+        self, pool: str, session_id: str = "", fence: pb.Fence | None = None
+    ) -> pb.ResetPrefixCacheResponse:
+        return self._unary(
+            _RESET_PREFIX_CACHE, pb.ResetPrefixCacheRequest(pool=pool, session_id=session_id, fence=fence)
+        )
+
+    def get_stats(self, pool: str) -> pb.GetStatsResponse:
+        return self._unary(_GET_STATS, pb.GetStatsRequest(pool=pool))
+
+    def inspect_pool(
+        self,
+        pool: str,
+        free_queue_limit: int = 0,
+        request_ids: Iterable[str] = (),
+        *,
+        all_requests: bool = False,
+        include_cached_blocks: bool = False,
+    ) -> pb.InspectPoolResponse:
+        """Block tables, free-queue head and cached blocks, read in one consistent step."""
+        return self._unary(
+            _INSPECT_POOL,
+            rq.inspect_pool(pool, free_queue_limit, request_ids, all_requests, include_cached_blocks),
+        )
+
     def watch_events(
         self,
         pool: str,
@@ -293,7 +349,9 @@ class KVCoordClient(_Api):
 
 
 class AsyncKVCoordClient(_Api):
-    """asyncio client: the same methods as :class:`KVCoordClient`, as coroutines."""
+    """asyncio client: the same methods as :class:`KVCoordClient`. Each RPC method
+    builds its request when called and returns a coroutine of the same response type
+    (``await client.get_pool(name)`` is a ``GetPoolResponse``)."""
 
     _channel_factory = staticmethod(grpc.aio.insecure_channel)
     _secure_channel_factory = staticmethod(grpc.aio.secure_channel)
@@ -322,6 +380,105 @@ class AsyncKVCoordClient(_Api):
             except grpc.RpcError as exc:
                 err = error_from_rpc(exc, rpc)
             await asyncio.sleep(attempts.next_sleep(err))
+
+    async def _unary(self, rpc: _Rpc[_Req, _Resp], request: _Req) -> _Resp:
+        return cast(_Resp, await self._call(rpc.name, request))
+
+    def create_pool(self, name: str, config: pb.PoolConfig) -> _Coro[pb.CreatePoolResponse]:
+        """Create a pool (a no-op when an identical one exists)."""
+        return self._unary(_CREATE_POOL, pb.CreatePoolRequest(name=name, config=config))
+
+    def get_pool(self, name: str) -> _Coro[pb.GetPoolResponse]:
+        """The pool ``name``: its configuration and state."""
+        return self._unary(_GET_POOL, pb.GetPoolRequest(name=name))
+
+    def list_pools(self) -> _Coro[pb.ListPoolsResponse]:
+        return self._unary(_LIST_POOLS, pb.ListPoolsRequest())
+
+    def delete_pool(self, name: str) -> _Coro[pb.DeletePoolResponse]:
+        return self._unary(_DELETE_POOL, pb.DeletePoolRequest(name=name))
+
+    def attach(
+        self,
+        pool: str,
+        hash_algo: str,
+        hash_block_size: int,
+        hash_seed: str,
+        client_name: str = "",
+        lease_seconds: float = 0,
+        exclusive: bool = False,
+    ) -> _Coro[pb.AttachResponse]:
+        """Hash handshake: a session id and fence. HashMismatchError on a mismatch."""
+        return self._unary(
+            _ATTACH,
+            rq.attach(pool, hash_algo, hash_block_size, hash_seed, client_name, lease_seconds, exclusive),
+        )
+
+    def heartbeat(self, session_id: str, fence: pb.Fence | None = None) -> _Coro[pb.HeartbeatResponse]:
+        """Renew a session lease; SessionExpiredError / FencedError when lost."""
+        return self._unary(_HEARTBEAT, pb.HeartbeatRequest(session_id=session_id, fence=fence))
+
+    def detach(self, session_id: str, fence: pb.Fence | None = None) -> _Coro[pb.DetachResponse]:
+        return self._unary(_DETACH, pb.DetachRequest(session_id=session_id, fence=fence))
+
+    def find_longest_cache_hit(
+        self, pool: str, block_hashes: Sequence[bytes], num_tokens: int
+    ) -> _Coro[pb.FindLongestCacheHitResponse]:
+        """Read-only longest hit for these hashes; changes nothing."""
+        return self._unary(_FIND_LONGEST_CACHE_HIT, rq.find_longest_cache_hit(pool, block_hashes, num_tokens))
+
+    def allocate(
+        self, pool: str, op: pb.AllocateOp, session_id: str, fence: pb.Fence | None = None
+    ) -> _Coro[pb.AllocateResponse]:
+        """allocate_slots (``result.refused`` when out of blocks)."""
+        return self._unary(_ALLOCATE, rq.allocate(pool, op, session_id, fence))
+
+    def free(
+        self,
+        pool: str,
+        request_ids: Iterable[str],
+        preempt: bool = False,
+        session_id: str = "",
+        fence: pb.Fence | None = None,
+    ) -> _Coro[pb.FreeResponse]:
+        return self._unary(_FREE, rq.free(pool, request_ids, preempt, session_id, fence))
+
+    def step(
+        self,
+        pool: str,
+        ops: Sequence[pb.Operation],
+        session_id: str,
+        fence: pb.Fence | None = None,
+        include_state: bool = False,
+    ) -> _Coro[pb.StepResponse]:
+        """Apply ``ops`` in order in one round trip: one result each (and the session's
+        new events and statistics with ``include_state``)."""
+        return self._unary(_STEP, rq.step(pool, ops, session_id, fence, include_state))
+
+    def reset_prefix_cache(
+        self, pool: str, session_id: str = "", fence: pb.Fence | None = None
+    ) -> _Coro[pb.ResetPrefixCacheResponse]:
+        return self._unary(
+            _RESET_PREFIX_CACHE, pb.ResetPrefixCacheRequest(pool=pool, session_id=session_id, fence=fence)
+        )
+
+    def get_stats(self, pool: str) -> _Coro[pb.GetStatsResponse]:
+        return self._unary(_GET_STATS, pb.GetStatsRequest(pool=pool))
+
+    def inspect_pool(
+        self,
+        pool: str,
+        free_queue_limit: int = 0,
+        request_ids: Iterable[str] = (),
+        *,
+        all_requests: bool = False,
+        include_cached_blocks: bool = False,
+    ) -> _Coro[pb.InspectPoolResponse]:
+        """Block tables, free-queue head and cached blocks, read in one consistent step."""
+        return self._unary(
+            _INSPECT_POOL,
+            rq.inspect_pool(pool, free_queue_limit, request_ids, all_requests, include_cached_blocks),
+        )
 
     async def watch_events(
         self, pool: str, after_sequence: int = 0, fence: pb.Fence | None = None

@@ -1,0 +1,42 @@
+"""The two clients' RPC methods: one per unary RPC of the service, typed with its
+response, with the same parameters in the sync and asyncio clients."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Coroutine
+
+from kvcoord.client import _requests as rq
+from kvcoord.client import client as client_module
+from kvcoord.client.client import UNARY_METHODS, AsyncKVCoordClient, KVCoordClient
+from kvcoord.v1 import allocator_pb2 as pb
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Allocator"]
+
+
+def test_every_unary_rpc_has_a_typed_method() -> None:
+    """Each unary RPC of the service (the streaming WatchEvents aside) is called by one
+    method, whose request and response types are the service's."""
+    unary = {m.name for m in SERVICE.methods if not m.server_streaming and not m.client_streaming}
+    assert {rpc.name for rpc in UNARY_METHODS.values()} == unary == set(rq.RPCS)
+    for rpc in UNARY_METHODS.values():
+        method = SERVICE.methods_by_name[rpc.name]
+        assert rpc.request.DESCRIPTOR.full_name == method.input_type.full_name, rpc.name
+        assert rpc.response.DESCRIPTOR.full_name == method.output_type.full_name, rpc.name
+
+
+def test_sync_and_async_methods_agree() -> None:
+    """Same parameters (names, kinds, defaults, annotations); the sync method returns the
+    response, the async one a coroutine of it."""
+    ns = {**vars(client_module), "pb": pb}
+    for name, rpc in UNARY_METHODS.items():
+        sync, aio = getattr(KVCoordClient, name), getattr(AsyncKVCoordClient, name)
+        assert list(inspect.signature(sync).parameters.values()) == list(
+            inspect.signature(aio).parameters.values()
+        ), name
+        assert typing.get_type_hints(sync, ns)["return"] is rpc.response, name
+        returned = typing.get_type_hints(aio, ns)["return"]
+        assert typing.get_origin(returned) is Coroutine, name
+        assert typing.get_args(returned)[-1] is rpc.response, name
+        assert sync.__doc__ == aio.__doc__, name

@@ -253,3 +253,24 @@ def test_state_rides_with_the_answer() -> None:
     again = p.make_stats(s)
     assert again is not None and again.requests == 0
     assert p.take_events(s).events == []
+
+
+def test_gc_freezer_freezes_once_enough_blocks_exist() -> None:
+    """Long-lived blocks are moved out of the cyclic GC's reach once enough accumulated."""
+    import gc
+    from types import SimpleNamespace
+
+    from kvcoord.service.registry import GcFreezer
+
+    def pool(n: int) -> object:
+        return SimpleNamespace(engine=SimpleNamespace(block_pool=SimpleNamespace(blocks=[None] * n)))
+
+    freezer = GcFreezer(every_blocks=1000)
+    try:
+        assert not freezer.maybe_freeze([pool(600)])
+        assert freezer.maybe_freeze([pool(600), pool(500)]) and gc.get_freeze_count() > 0
+        assert not freezer.maybe_freeze([pool(600), pool(900)])  # 400 new since
+        assert not freezer.maybe_freeze([pool(10)])  # a pool went away: count from there
+        assert freezer.maybe_freeze([pool(10), pool(1000)])
+    finally:
+        gc.unfreeze()

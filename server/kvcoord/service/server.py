@@ -20,7 +20,7 @@ from .durability import JournalRecorder
 from .idempotency import IdempotencyStore
 from .lease_marker import LeaseMarker
 from .recovery import Recovery, open_journal
-from .registry import PoolRegistry
+from .registry import GcFreezer, PoolRegistry
 from .servicer import AllocatorServicer, OperationObserver, add_servicer
 from .sessions import SessionTable
 from .tls import server_credentials
@@ -63,10 +63,12 @@ class RunningServer:
 
 
 async def _reap(servicer: AllocatorServicer, every: float) -> None:
+    freezer = GcFreezer()
     while True:
         await asyncio.sleep(every)
         try:
             servicer.reap_expired_sessions()
+            freezer.maybe_freeze(servicer.registry.pools.values())
         except Exception:  # pragma: no cover - logged, the reaper keeps going
             logger.exception("session reaper failed")
 

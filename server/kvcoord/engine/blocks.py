@@ -21,7 +21,7 @@ class KVCacheBlock:
     alone when the pool is dropped.
     """
 
-    __slots__ = ("block_id", "ref_cnt", "cached_hash", "cached_group", "is_null", "free_pos")
+    __slots__ = ("block_id", "ref_cnt", "cached_hash", "cached_group", "is_null", "free_pos", "event_hash")
 
     def __init__(self, block_id: BlockId) -> None:
         self.block_id = block_id
@@ -33,6 +33,9 @@ class KVCacheBlock:
         #: index of the block's live entry in the free queue's list, -1 when not in it;
         #: owned by :class:`~kvcoord.engine.free_queue.FreeKVCacheBlockQueue`
         self.free_pos = -1
+        #: the client's hash when ``cached_hash`` is a namespaced key (what KV events
+        #: report); ``None`` otherwise
+        self.event_hash: bytes | None = None
 
     @property
     def block_hash(self) -> BlockHashWithGroupId | None:

@@ -25,7 +25,7 @@ from .errors import (
     StaleCacheHitError,
 )
 from .events import KVCacheEvent
-from .hash_list import hashes_at_block_size
+from .hash_list import hashes_at_block_size, request_keys
 from .managers import CrossAttentionManager, MambaManager, SingleTypeKVCacheManager
 from .request import LoRA, Request
 from .stats import LookupCounters, PrefixCacheStats
@@ -87,6 +87,9 @@ class PoolSnapshot:
     pending_events: tuple[KVCacheEvent, ...]
     stats: PrefixCacheStats | None
 
+
+#: the namespace prefix never assigned (assignment starts at 1)
+_UNUSED_PREFIX = bytes(4)
 
 _ALLOCATE_COUNT_NAMES = (
     "num_new_tokens",
@@ -152,6 +155,33 @@ class KVCachePool:
         ]
         self._no_new_blocks: BlockIds = tuple(() for _ in self.managers)
         self._group_block_sizes = [g.block_size for g in config.groups]
+        #: cache namespace name -> its key prefix, assigned in order of first use
+        self.cache_namespaces: dict[str, bytes] = {}
+        #: evict_blocks was called: blocks may have lost their hash while shared
+        self.evict_blocks_called = False
+
+    def cache_namespace_prefix(self, name: str) -> bytes:
+        """The key prefix of cache namespace ``name`` (``b""`` for ``""``).
+
+        Prefixes are 4 bytes, distinct per name and assigned in order of first use, so
+        the same calls in the same order give the same prefixes (exact replay).
+
+        Raises:
+            InvalidArgumentError: a namespace on a caching pool without a fixed hash
+                length (keys of two namespaces could then coincide).
+        """
+        if not name:
+            return b""
+        prefix = self.cache_namespaces.get(name)
+        if prefix is None:
+            if not isinstance(name, str):
+                raise InvalidArgumentError("cache_namespace must be a string")
+            if self.enable_caching and self.config.hash_length is None:
+                raise InvalidArgumentError(
+                    "cache namespaces need the pool's hash_length (every hash the same length)"
+                )
+            prefix = self.cache_namespaces[name] = (len(self.cache_namespaces) + 1).to_bytes(4, "big")
+        return prefix
 
     # -- request table --------------------------------------------------------------
     def add_request(
@@ -163,8 +193,13 @@ class KVCachePool:
         lora: LoRA | None = None,
         skip_reading_prefix_cache: bool = False,
         num_preemptions: int = 0,
+        cache_namespace: str = "",
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes.
+
+        ``cache_namespace`` isolates prefix caching: the request hits only blocks cached
+        by requests of the same namespace, whatever its hashes. ``""`` (the default) is
+        vLLM's single cache, with vLLM's keys.
 
         Raises:
             RequestExistsError: the id is in use.
@@ -188,6 +223,7 @@ class KVCachePool:
         if not isinstance(skip_reading_prefix_cache, bool):
             raise InvalidArgumentError("skip_reading_prefix_cache must be a bool")
         _check_count(num_preemptions, "num_preemptions")
+        prefix = self.cache_namespace_prefix(cache_namespace)
         self.requests[request_id] = Request(
             RequestId(request_id),
             tokens,
@@ -195,6 +231,7 @@ class KVCachePool:
             num_preemptions=num_preemptions,
             lora=lora,
             skip_reading_prefix_cache=skip_reading_prefix_cache,
+            cache_prefix=prefix,
         )
 
     def update_request(
@@ -286,7 +323,9 @@ class KVCachePool:
         req = self._get(request_id)
         return self._lookup(req)
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], num_tokens: int) -> CacheHit:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], num_tokens: int, cache_namespace: str = ""
+    ) -> CacheHit:
         """The hit :meth:`get_computed_blocks` would give a request of ``num_tokens``
         tokens with these block hashes, changing nothing.
 
@@ -299,6 +338,8 @@ class KVCachePool:
             block_hashes: the request's hashes, one per full ``hash_block_size`` block of
                 its tokens (ignored when caching is off).
             num_tokens: the request's token count, ``1 .. max_model_len``.
+            cache_namespace: search this namespace's cached blocks only (see
+                :meth:`add_request`).
 
         Returns:
             The hit; empty (one empty list per group) when caching is off.
@@ -319,7 +360,10 @@ class KVCachePool:
         hashes = self._check_hashes(block_hashes, 0, num_tokens, f"lookup of {num_tokens} tokens")
         if not self.enable_caching:
             return CacheHit(self._no_new_blocks, 0)
-        hit, _ = self._search(hashes, num_tokens)
+        # A namespace not seen yet has cached nothing: its keys take the prefix no
+        # namespace is ever given (0), so the same search finds nothing, read-only.
+        prefix = self.cache_namespaces.get(cache_namespace, _UNUSED_PREFIX) if cache_namespace else b""
+        hit, _ = self._search(request_keys(hashes, prefix), num_tokens)
         return hit
 
     def _search(self, block_hashes: Sequence[bytes], num_tokens: int) -> tuple[CacheHit, list[list[int]]]:
@@ -330,7 +374,7 @@ class KVCachePool:
     def _lookup(self, req: Request) -> CacheHit:
         if not self.enable_caching or req.skip_reading_prefix_cache:
             return CacheHit(self._no_new_blocks, 0)
-        hit, lists = self._search(req.block_hashes, len(req.all_token_ids))
+        hit, lists = self._search(request_keys(req.block_hashes, req.cache_prefix), len(req.all_token_ids))
         self._record_lookup(req, hit, lists)
         return hit
 
@@ -557,7 +601,9 @@ class KVCachePool:
         if not self.enable_caching or req.skip_reading_prefix_cache:
             hit, lists = CacheHit(self._no_new_blocks, 0), None
         else:
-            hit, lists = self._search(req.block_hashes, len(req.all_token_ids))
+            hit, lists = self._search(
+                request_keys(req.block_hashes, req.cache_prefix), len(req.all_token_ids)
+            )
         num_new = min(req.num_tokens - hit.num_tokens - num_external_computed_tokens, max_num_new_tokens)
         if num_new < 0:
             num_new = 0
@@ -635,6 +681,8 @@ class KVCachePool:
                 raise InvalidArgumentError(
                     f"block id {bid} is out of range (pool has {self.config.num_blocks} blocks)"
                 )
+        if ids:
+            self.evict_blocks_called = True
         self.block_pool.evict_blocks(ids)
 
     def reset_prefix_cache(self) -> bool:
@@ -715,6 +763,7 @@ class KVCachePool:
                     r.num_preemptions,
                     r.lora,
                     r.skip_reading_prefix_cache,
+                    r.cache_prefix,
                 )
                 for r in sorted(self.requests.values(), key=lambda r: r.request_id)
             ),
@@ -845,7 +894,9 @@ class KVCachePool:
             if trusted:
                 out.append([blocks[bid] for bid in ids])
                 continue
-            hashes = hashes_at_block_size(req.block_hashes, self.hash_block_size, m.block_size)
+            hashes = hashes_at_block_size(
+                request_keys(req.block_hashes, req.cache_prefix), self.hash_block_size, m.block_size
+            )
             resolved = []
             gid = m.group_id
             for pos, bid in enumerate(ids):

@@ -35,6 +35,10 @@ class Session:
     stats: PrefixCacheStats | None = None
     #: the pool's only session (see AttachRequest.exclusive)
     exclusive: bool = False
+    #: the tenant that attached it ("" = full access); only it may use the session
+    tenant: str = ""
+    #: the prefix-cache namespace of its requests (derived from tenant and pool)
+    cache_namespace: str = ""
 
 
 class SessionTable:
@@ -111,6 +115,10 @@ class SessionTable:
         for s in dead:
             del self.sessions[s.session_id]
         return dead
+
+    def count_of_tenant(self, tenant: str) -> int:
+        """Live sessions of ``tenant`` (every pool)."""
+        return sum(1 for s in self.sessions.values() if s.tenant == tenant)
 
     def of_pool(self, pool: str) -> list[Session]:
         return [s for s in self.sessions.values() if s.pool == pool]

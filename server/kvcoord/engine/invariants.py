@@ -135,18 +135,18 @@ def _check(
     for key, entry in bp.cached_block_hash_to_block.items():
         if not entry and fail("an empty hash-map entry"):
             return True
-        for bid in entry:
-            cached = bp.get_block(bid)
+        for cid in entry:
+            cached = bp.get_block(cid)
             if (cached is None or cached.block_hash != key) and fail(
-                f"block {bid}: its key differs from its map entry"
+                f"block {cid}: its key differs from its map entry"
             ):
                 return True
-            in_map[bid] = key
+            in_map[cid] = key
             gid = int.from_bytes(key[-4:], "big")
             if (
-                bid in group_of
-                and group_of[bid] != gid
-                and fail(f"block {bid} is cached for group {gid} but held in group {group_of[bid]}")
+                cid in group_of
+                and group_of[cid] != gid
+                and fail(f"block {cid} is cached for group {gid} but held in group {group_of[cid]}")
             ):
                 return True
     for block in bp.blocks:

@@ -131,6 +131,8 @@ async def start_server(
             # Every acknowledged allocation is back: no lease of the previous instance
             # can hold a block this one hands out, so no grace period.
             registry.grace_until = grace_until = 0.0
+            for service in registry.pools.values():  # created during recovery with the old grace
+                service.grace_until = 0.0
             for s in sessions.sessions.values():
                 sessions.renew(s)
         logger.info(

@@ -91,6 +91,8 @@ class InProcessServer:
         return self._run(wrapper())
 
     def stop(self, grace: float = 1.0) -> None:
+        if self.loop.is_closed():
+            return
         if self.running is not None:
             self._run(self.running.stop(grace))
             self.running = None

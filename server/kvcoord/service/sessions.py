@@ -9,6 +9,7 @@ own manager would show it. Plain Python; the clock is injected.
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 from collections.abc import Callable
 
@@ -60,9 +61,10 @@ class SessionTable:
 
     def open(self, pool: str, client_name: str, lease_seconds: float) -> Session:
         """A new session with a lease starting now."""
-        if lease_seconds < 0:
+        if not math.isfinite(lease_seconds) or lease_seconds < 0:
             raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"lease_seconds must be >= 0, got {lease_seconds}"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease_seconds must be a finite number >= 0, got {lease_seconds}",
             )
         lease = min(lease_seconds or self.default_lease, self.max_lease)
         s = Session(secrets.token_hex(16), pool, client_name[:256], lease, self.clock() + lease)

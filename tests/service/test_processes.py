@@ -25,9 +25,15 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def test_serve_with_no_arguments_then_sigterm() -> None:
+def test_serve_with_no_arguments_then_sigterm(tmp_path: Path) -> None:
     """`kvcoord serve` runs the embedded default, says where it listens, and stops cleanly."""
-    env = _env(KVCOORD_LISTEN="127.0.0.1:0", KVCOORD_METRICS_LISTEN="127.0.0.1:0")
+    # The default data_dir is relative to the working directory: journal into a fresh
+    # one, or a second run recovers the first run's request "r".
+    env = _env(
+        KVCOORD_LISTEN="127.0.0.1:0",
+        KVCOORD_METRICS_LISTEN="127.0.0.1:0",
+        KVCOORD_DATA_DIR=str(tmp_path / "data"),
+    )
     server = start_server(None, metrics=True, env=env, extra_args=())
     try:
         with KVCoordClient(server.address) as c:

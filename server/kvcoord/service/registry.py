@@ -79,7 +79,8 @@ class PoolRegistry:
         """Create a pool, or return the identical existing one (``created`` False).
 
         ``incarnation`` is given only when recovering a journaled pool: the pool
-        existed, so the memory budget does not refuse it (a warning is logged).
+        existed, so neither the memory budget nor max_tokens_per_request refuses it
+        (limits lowered since apply to new pools; a warning is logged for the budget).
         A pool whose ``max_model_len`` is 0 admits ``max_tokens_per_request`` tokens.
 
         Raises:
@@ -111,7 +112,7 @@ class PoolRegistry:
                 f"num_blocks {config_pb.num_blocks} exceeds max_blocks_per_pool {self.limits.max_blocks_per_pool}",
             )
         max_tokens = self.limits.max_tokens_per_request
-        if config_pb.max_model_len > max_tokens:
+        if config_pb.max_model_len > max_tokens and incarnation is None:
             raise ServiceError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"max_model_len {config_pb.max_model_len} exceeds the server's max_tokens_per_request "

@@ -26,6 +26,7 @@ RPCS: dict[str, str] = {
     "ResetPrefixCache": "once",
     "GetStats": "read",
     "InspectPool": "read",
+    "CheckPool": "read",
 }
 
 

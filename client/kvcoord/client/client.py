@@ -108,6 +108,7 @@ _STEP = _Rpc("Step", pb.StepRequest, pb.StepResponse)
 _RESET_PREFIX_CACHE = _Rpc("ResetPrefixCache", pb.ResetPrefixCacheRequest, pb.ResetPrefixCacheResponse)
 _GET_STATS = _Rpc("GetStats", pb.GetStatsRequest, pb.GetStatsResponse)
 _INSPECT_POOL = _Rpc("InspectPool", pb.InspectPoolRequest, pb.InspectPoolResponse)
+_CHECK_POOL = _Rpc("CheckPool", pb.CheckPoolRequest, pb.CheckPoolResponse)
 
 #: every unary RPC the clients call, with the method that calls it (tests check this
 #: against the service descriptor, ``_requests.RPCS`` and both clients' methods)
@@ -126,6 +127,7 @@ UNARY_METHODS: dict[str, _Rpc[Any, Any]] = {
     "reset_prefix_cache": _RESET_PREFIX_CACHE,
     "get_stats": _GET_STATS,
     "inspect_pool": _INSPECT_POOL,
+    "check_pool": _CHECK_POOL,
 }
 
 
@@ -315,6 +317,10 @@ class KVCoordClient(_Api):
             rq.inspect_pool(pool, free_queue_limit, request_ids, all_requests, include_cached_blocks),
         )
 
+    def check_pool(self, pool: str) -> pb.CheckPoolResponse:
+        """The pool's invariant violations (none when it is sound); read-only, linear in its size."""
+        return self._unary(_CHECK_POOL, pb.CheckPoolRequest(pool=pool))
+
     def watch_events(
         self,
         pool: str,
@@ -479,6 +485,10 @@ class AsyncKVCoordClient(_Api):
             _INSPECT_POOL,
             rq.inspect_pool(pool, free_queue_limit, request_ids, all_requests, include_cached_blocks),
         )
+
+    def check_pool(self, pool: str) -> _Coro[pb.CheckPoolResponse]:
+        """The pool's invariant violations (none when it is sound); read-only, linear in its size."""
+        return self._unary(_CHECK_POOL, pb.CheckPoolRequest(pool=pool))
 
     async def watch_events(
         self, pool: str, after_sequence: int = 0, fence: pb.Fence | None = None

@@ -117,7 +117,7 @@ class KVCacheGroupSpec(_message.Message):
     def __init__(self, full: _Optional[_Union[FullAttentionSpec, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindowSpec, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttentionSpec, _Mapping]] = ..., mamba: _Optional[_Union[MambaSpec, _Mapping]] = ..., cross_attention: _Optional[_Union[CrossAttentionSpec, _Mapping]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events", "log_stats", "max_model_len", "hash_algo", "hash_seed")
+    __slots__ = ("num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events", "log_stats", "max_model_len", "hash_algo", "hash_seed", "shared_cache_tenants")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,7 @@ class PoolConfig(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    SHARED_CACHE_TENANTS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroupSpec]
     hash_block_size: int
@@ -138,7 +139,8 @@ class PoolConfig(_message.Message):
     max_model_len: int
     hash_algo: str
     hash_seed: str
-    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ...) -> None: ...
+    shared_cache_tenants: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., shared_cache_tenants: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Fence(_message.Message):
     __slots__ = ("instance_id", "incarnation")
@@ -692,21 +694,77 @@ class GetStatsRequest(_message.Message):
     pool: str
     def __init__(self, pool: _Optional[str] = ...) -> None: ...
 
+class ServerLimits(_message.Message):
+    __slots__ = ("max_pools", "max_blocks_per_pool", "max_requests_per_pool", "max_ops_per_step", "event_buffer", "max_tokens_per_request", "max_pool_memory_bytes", "pool_memory_bytes", "pool_block_bytes", "pool_token_bytes", "max_sessions_per_tenant", "tenant_sessions", "max_session_lease_seconds", "max_message_bytes")
+    MAX_POOLS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCKS_PER_POOL_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_PER_POOL_FIELD_NUMBER: _ClassVar[int]
+    MAX_OPS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    EVENT_BUFFER_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    MAX_POOL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    POOL_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_PER_TENANT_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSION_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_pools: int
+    max_blocks_per_pool: int
+    max_requests_per_pool: int
+    max_ops_per_step: int
+    event_buffer: int
+    max_tokens_per_request: int
+    max_pool_memory_bytes: int
+    pool_memory_bytes: int
+    pool_block_bytes: int
+    pool_token_bytes: int
+    max_sessions_per_tenant: int
+    tenant_sessions: int
+    max_session_lease_seconds: float
+    max_message_bytes: int
+    def __init__(self, max_pools: _Optional[int] = ..., max_blocks_per_pool: _Optional[int] = ..., max_requests_per_pool: _Optional[int] = ..., max_ops_per_step: _Optional[int] = ..., event_buffer: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., max_pool_memory_bytes: _Optional[int] = ..., pool_memory_bytes: _Optional[int] = ..., pool_block_bytes: _Optional[int] = ..., pool_token_bytes: _Optional[int] = ..., max_sessions_per_tenant: _Optional[int] = ..., tenant_sessions: _Optional[int] = ..., max_session_lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats", "fence")
+    __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats", "fence", "limits", "pool_memory_bytes")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    POOL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     num_total_blocks: int
     usage: float
     num_requests: int
     prefix_cache_stats: PrefixCacheStats
     fence: Fence
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+    limits: ServerLimits
+    pool_memory_bytes: int
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., pool_memory_bytes: _Optional[int] = ...) -> None: ...
+
+class CheckPoolRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class CheckPoolResponse(_message.Message):
+    __slots__ = ("violations", "num_blocks_checked", "num_requests_checked", "num_cached_blocks", "fence")
+    VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_CHECKED_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    violations: _containers.RepeatedScalarFieldContainer[str]
+    num_blocks_checked: int
+    num_requests_checked: int
+    num_cached_blocks: int
+    fence: Fence
+    def __init__(self, violations: _Optional[_Iterable[str]] = ..., num_blocks_checked: _Optional[int] = ..., num_requests_checked: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class InspectPoolRequest(_message.Message):
     __slots__ = ("pool", "free_queue_limit", "request_ids", "all_requests", "include_cached_blocks")

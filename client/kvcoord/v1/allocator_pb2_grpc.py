@@ -109,6 +109,11 @@ class AllocatorStub:
                 request_serializer=kvcoord_dot_v1_dot_allocator__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=kvcoord_dot_v1_dot_allocator__pb2.WatchEventsResponse.FromString,
                 _registered_method=True)
+        self.CheckPool = channel.unary_unary(
+                '/kvcoord.v1.Allocator/CheckPool',
+                request_serializer=kvcoord_dot_v1_dot_allocator__pb2.CheckPoolRequest.SerializeToString,
+                response_deserializer=kvcoord_dot_v1_dot_allocator__pb2.CheckPoolResponse.FromString,
+                _registered_method=True)
 
 
 class AllocatorServicer:
@@ -228,6 +233,15 @@ class AllocatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckPool(self, request, context):
+        """Checks the pool's invariants (free queue, reference counts, hash map, block
+        tables: the rules an exact vLLM pool keeps) and lists every violation found.
+        Read-only; costs time linear in the pool's blocks and block tables.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllocatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -305,6 +319,11 @@ def add_AllocatorServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=kvcoord_dot_v1_dot_allocator__pb2.WatchEventsRequest.FromString,
                     response_serializer=kvcoord_dot_v1_dot_allocator__pb2.WatchEventsResponse.SerializeToString,
+            ),
+            'CheckPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckPool,
+                    request_deserializer=kvcoord_dot_v1_dot_allocator__pb2.CheckPoolRequest.FromString,
+                    response_serializer=kvcoord_dot_v1_dot_allocator__pb2.CheckPoolResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -712,6 +731,33 @@ class Allocator:
             '/kvcoord.v1.Allocator/WatchEvents',
             kvcoord_dot_v1_dot_allocator__pb2.WatchEventsRequest.SerializeToString,
             kvcoord_dot_v1_dot_allocator__pb2.WatchEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcoord.v1.Allocator/CheckPool',
+            kvcoord_dot_v1_dot_allocator__pb2.CheckPoolRequest.SerializeToString,
+            kvcoord_dot_v1_dot_allocator__pb2.CheckPoolResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from .blocks import KVCacheBlock
 from .events import AllBlocksCleared, BlockStored, KVCacheEvent, block_removed
 from .free_queue import FreeKVCacheBlockQueue
-from .hash_list import hashes_at_block_size, key_with_group
+from .hash_list import hashes_at_block_size, key_with_group, request_keys
 from .request import Request
 from .types import BlockHashWithGroupId, BlockId
 
@@ -162,11 +162,19 @@ class BlockPool:
     ) -> None:
         """Make positions ``num_cached_blocks .. num_full_blocks-1`` of ``blocks`` hits.
 
-        Null positions are skipped; one BlockStored event covers the whole run.
+        Null positions are skipped; one BlockStored event covers the whole run. A
+        namespaced request's blocks are cached under its keys (prefixed hashes); its
+        events carry the client's hashes.
         """
         if num_cached_blocks >= num_full_blocks:
             return
-        hashes = hashes_at_block_size(request.block_hashes, self.hash_block_size, block_size)
+        prefix = request.cache_prefix
+        originals = hashes_at_block_size(request.block_hashes, self.hash_block_size, block_size)
+        hashes = (
+            hashes_at_block_size(request_keys(request.block_hashes, prefix), self.hash_block_size, block_size)
+            if prefix
+            else originals
+        )
         events = self.enable_kv_cache_events
         stored: list[bytes] = []
         cache = self.cached_block_hash_to_block
@@ -179,14 +187,16 @@ class BlockPool:
             block_hash = hashes[i]
             block.cached_hash = block_hash
             block.cached_group = group_id
+            if prefix:
+                block.event_hash = originals[i]
             block_id = block.block_id
             existing = first.setdefault(block_hash, block_id)
             if existing != block_id:
                 cache.add_duplicate(block_hash, group_id, existing, block_id)
             if events:
-                stored.append(block_hash)
+                stored.append(originals[i] if prefix else block_hash)
         if events:
-            parent = hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
+            parent = originals[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             lora = request.lora
             self.kv_event_queue.append(
                 BlockStored(
@@ -229,7 +239,8 @@ class BlockPool:
                         block.cached_hash = None
                         evicted += 1
                         if events is not None:
-                            events.append(block_removed(block_hash))
+                            events.append(block_removed(block.event_hash or block_hash))
+                        block.event_hash = None
                     else:
                         self._evict_cached_block(block)
                 block.ref_cnt = 1
@@ -252,7 +263,8 @@ class BlockPool:
         self.num_evictions += 1
         self.hash_epoch += 1
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(block_removed(block_hash))
+            self.kv_event_queue.append(block_removed(block.event_hash or block_hash))
+        block.event_hash = None
         return True
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -283,6 +295,7 @@ class BlockPool:
         blocks = self.blocks
         for block_id in list(self.cached_block_hash_to_block.block_ids()):
             blocks[block_id].cached_hash = None
+            blocks[block_id].event_hash = None
         self.cached_block_hash_to_block = BlockHashToBlockMap(len(self.cached_block_hash_to_block.first))
         self.hash_epoch += 1
         if self.enable_kv_cache_events:

@@ -31,6 +31,9 @@ class KVCacheBlock:
     cached_group: int = 0
     is_null: bool = False
     stale_entries: int = 0
+    #: the client's hash when ``cached_hash`` is a namespaced key (what KV events
+    #: report); ``None`` otherwise
+    event_hash: bytes | None = None
 
     @property
     def block_hash(self) -> BlockHashWithGroupId | None:

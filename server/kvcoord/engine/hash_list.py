@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from .types import BlockHashWithGroupId
 
-__all__ = ["hashes_at_block_size", "key_with_group"]
+__all__ = ["PrefixedHashes", "hashes_at_block_size", "key_with_group", "request_keys"]
 
 
 def key_with_group(block_hash: bytes, group_id: int) -> BlockHashWithGroupId:
@@ -36,6 +36,37 @@ class _MergedHashes(Sequence[bytes]):
             raise IndexError(i)
         k = self._k
         return b"".join(self._fine[i * k : i * k + k])
+
+
+class PrefixedHashes(Sequence[bytes]):
+    """Hashes seen with a cache-namespace prefix: item ``i`` is ``prefix + hashes[i]``.
+
+    A namespaced request's lookups and cached blocks use these keys, so they can
+    never equal a key of another namespace: prefixes are distinct and of one fixed
+    length, and un-namespaced keys (no prefix) are shorter (every hash of a pool has
+    the pool's hash length).
+    """
+
+    __slots__ = ("_hashes", "_prefix")
+
+    def __init__(self, hashes: Sequence[bytes], prefix: bytes) -> None:
+        self._hashes = hashes
+        self._prefix = prefix
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]
+        if isinstance(i, slice):
+            p = self._prefix
+            return [p + h for h in self._hashes[i]]
+        return self._prefix + self._hashes[i]
+
+
+def request_keys(block_hashes: Sequence[bytes], prefix: bytes) -> Sequence[bytes]:
+    """The cache keys of a request's fine hashes: the hashes themselves without a
+    namespace prefix (vLLM's keys, untouched), else a :class:`PrefixedHashes` view."""
+    return PrefixedHashes(block_hashes, prefix) if prefix else block_hashes
 
 
 def hashes_at_block_size(fine: Sequence[bytes], hash_block_size: int, block_size: int) -> Sequence[bytes]:

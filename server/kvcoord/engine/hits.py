@@ -16,7 +16,7 @@ from .blocks import KVCacheBlock
 from .config import KVCacheConfig
 from .coordinators import KVCacheCoordinator
 from .errors import FailedPreconditionError, InvalidArgumentError, StaleCacheHitError
-from .hash_list import hashes_at_block_size
+from .hash_list import hashes_at_block_size, request_keys
 from .managers import CrossAttentionManager
 from .request import Request
 from .request_table import RequestTable
@@ -24,6 +24,10 @@ from .results import BlockIds, CacheHit, new_hit
 from .stats import LookupCounters, PrefixCacheStats
 
 __all__ = ["PrefixHits"]
+
+
+#: the namespace prefix never assigned (assignment starts at 1)
+_UNUSED_PREFIX = bytes(4)
 
 
 class PrefixHits:
@@ -52,7 +56,9 @@ class PrefixHits:
         self._group_block_sizes = [g.block_size for g in config.groups]
         self._no_hit_blocks: BlockIds = tuple(() for _ in self.managers)
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], num_tokens: int) -> CacheHit:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], num_tokens: int, cache_namespace: str = ""
+    ) -> CacheHit:
         """The hit a request of ``num_tokens`` tokens with these hashes would get,
         after checking both; changes and records nothing.
 
@@ -70,7 +76,10 @@ class PrefixHits:
         hashes = self.table.check_hashes(block_hashes, 0, num_tokens, f"lookup of {num_tokens} tokens")
         if not self.enable_caching:
             return CacheHit(self._no_hit_blocks, 0)
-        hit, _ = self.search(hashes, num_tokens)
+        # A namespace not seen yet has cached nothing: its keys take the prefix no
+        # namespace is ever given (0), so the same search finds nothing, read-only.
+        prefix = self.table.cache_namespaces.get(cache_namespace, _UNUSED_PREFIX) if cache_namespace else b""
+        hit, _ = self.search(request_keys(hashes, prefix), num_tokens)
         return hit
 
     def search(self, block_hashes: Sequence[bytes], num_tokens: int) -> tuple[CacheHit, list[list[int]]]:
@@ -84,7 +93,7 @@ class PrefixHits:
         the request skips reading the prefix cache)."""
         if not self.enable_caching or req.skip_reading_prefix_cache:
             return CacheHit(self._no_hit_blocks, 0)
-        hit, lists = self.search(req.block_hashes, len(req.all_token_ids))
+        hit, lists = self.search(request_keys(req.block_hashes, req.cache_prefix), len(req.all_token_ids))
         self.record_lookup(req, hit, lists)
         return hit
 
@@ -185,7 +194,9 @@ class PrefixHits:
             if trusted:
                 out.append([blocks[bid] for bid in ids])
                 continue
-            hashes = hashes_at_block_size(req.block_hashes, self.hash_block_size, m.block_size)
+            hashes = hashes_at_block_size(
+                request_keys(req.block_hashes, req.cache_prefix), self.hash_block_size, m.block_size
+            )
             resolved = []
             gid = m.group_id
             for pos, bid in enumerate(ids):

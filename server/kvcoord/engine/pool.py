@@ -26,6 +26,7 @@ from .config import KVCacheConfig
 from .coordinators import get_kv_cache_coordinator
 from .errors import FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
 from .events import KVCacheEvent
+from .hash_list import request_keys
 from .hits import PrefixHits
 from .managers import MambaManager, SingleTypeKVCacheManager
 from .request import LoRA, Request
@@ -101,6 +102,8 @@ class KVCachePool:
             or type(m).remove_skipped_blocks is not SingleTypeKVCacheManager.remove_skipped_blocks
         ]
         self._no_new_blocks: BlockIds = tuple(() for _ in self.managers)
+        #: evict_blocks was called: blocks may have lost their hash while shared
+        self.evict_blocks_called = False
         # free/preempt fused over managers that free by the base rule (with whether their
         # lists can hold the null block); None when any manager has its own rule.
         self._fused_free: list[tuple[SingleTypeKVCacheManager, bool]] | None = [
@@ -119,8 +122,13 @@ class KVCachePool:
         lora: LoRA | None = None,
         skip_reading_prefix_cache: bool = False,
         num_preemptions: int = 0,
+        cache_namespace: str = "",
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes.
+
+        ``cache_namespace`` isolates prefix caching: the request hits only blocks cached
+        by requests of the same namespace, whatever its hashes. ``""`` (the default) is
+        vLLM's single cache, with vLLM's keys.
 
         Raises:
             RequestExistsError: the id is in use.
@@ -128,8 +136,23 @@ class KVCachePool:
                 (vLLM never schedules one: its lookup would search ``-1`` tokens).
         """
         self.request_table.add(
-            request_id, prompt_token_ids, block_hashes, lora, skip_reading_prefix_cache, num_preemptions
+            request_id,
+            prompt_token_ids,
+            block_hashes,
+            lora,
+            skip_reading_prefix_cache,
+            num_preemptions,
+            cache_namespace,
         )
+
+    @property
+    def cache_namespaces(self) -> dict[str, bytes]:
+        """Cache namespace name -> its key prefix (see :meth:`add_request`)."""
+        return self.request_table.cache_namespaces
+
+    def cache_namespace_prefix(self, name: str) -> bytes:
+        """The key prefix of a cache namespace, assigned on first use."""
+        return self.request_table.namespace_prefix(name)
 
     def update_request(
         self,
@@ -197,7 +220,9 @@ class KVCachePool:
         req = self._get(request_id)
         return self._lookup(req)
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], num_tokens: int) -> CacheHit:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], num_tokens: int, cache_namespace: str = ""
+    ) -> CacheHit:
         """The hit :meth:`get_computed_blocks` would give a request of ``num_tokens``
         tokens with these block hashes, changing nothing.
 
@@ -210,6 +235,8 @@ class KVCachePool:
             block_hashes: the request's hashes, one per full ``hash_block_size`` block of
                 its tokens (ignored when caching is off).
             num_tokens: the request's token count, ``1 .. max_model_len``.
+            cache_namespace: search this namespace's cached blocks only (see
+                :meth:`add_request`).
 
         Returns:
             The hit; empty (one empty list per group) when caching is off.
@@ -219,7 +246,7 @@ class KVCachePool:
                 ``1 .. max_model_len``, or the hashes are not exactly one per full block
                 (count, type, length).
         """
-        return self.hits.find_longest_cache_hit(block_hashes, num_tokens)
+        return self.hits.find_longest_cache_hit(block_hashes, num_tokens, cache_namespace)
 
     def allocate_slots(
         self,
@@ -426,7 +453,9 @@ class KVCachePool:
         if not self.enable_caching or req.skip_reading_prefix_cache:
             hit, lists = CacheHit(self._no_new_blocks, 0), None
         else:
-            hit, lists = self._search(req.block_hashes, len(req.all_token_ids))
+            hit, lists = self._search(
+                request_keys(req.block_hashes, req.cache_prefix), len(req.all_token_ids)
+            )
         num_new = min(req.num_tokens - hit.num_tokens - num_external_computed_tokens, max_num_new_tokens)
         if num_new < 0:
             num_new = 0
@@ -504,6 +533,8 @@ class KVCachePool:
                 raise InvalidArgumentError(
                     f"block id {bid} is out of range (pool has {self.config.num_blocks} blocks)"
                 )
+        if ids:
+            self.evict_blocks_called = True
         self.block_pool.evict_blocks(ids)
 
     def reset_prefix_cache(self) -> bool:

@@ -35,6 +35,8 @@ class Request:
     skip_reading_prefix_cache: bool = False
     #: block ids of the request's last lookup and the pool's hash epoch at that time
     last_hit: tuple[tuple[tuple[int, ...], ...], int] | None = None
+    #: the cache namespace's key prefix (b"": vLLM's keys; see KVCachePool.add_request)
+    cache_prefix: bytes = b""
 
     @property
     def num_tokens(self) -> int:

@@ -58,6 +58,31 @@ class RequestTable:
         self.enable_caching = config.enable_caching
         self.hash_block_size = config.hash_block_size
         self.hash_length = config.hash_length
+        #: cache namespace name -> its key prefix, assigned in order of first use
+        self.cache_namespaces: dict[str, bytes] = {}
+
+    def namespace_prefix(self, name: str) -> bytes:
+        """The key prefix of cache namespace ``name`` (``b""`` for ``""``).
+
+        Prefixes are 4 bytes, distinct per name and assigned in order of first use, so
+        the same calls in the same order give the same prefixes (exact replay).
+
+        Raises:
+            InvalidArgumentError: a namespace on a caching pool without a fixed hash
+                length (keys of two namespaces could then coincide).
+        """
+        if not name:
+            return b""
+        prefix = self.cache_namespaces.get(name)
+        if prefix is None:
+            if not isinstance(name, str):
+                raise InvalidArgumentError("cache_namespace must be a string")
+            if self.enable_caching and self.hash_length is None:
+                raise InvalidArgumentError(
+                    "cache namespaces need the pool's hash_length (every hash the same length)"
+                )
+            prefix = self.cache_namespaces[name] = (len(self.cache_namespaces) + 1).to_bytes(4, "big")
+        return prefix
 
     def add(
         self,
@@ -67,8 +92,10 @@ class RequestTable:
         lora: LoRA | None,
         skip_reading_prefix_cache: bool,
         num_preemptions: int,
+        cache_namespace: str = "",
     ) -> None:
-        """Register a request with its prompt and the prompt's block hashes.
+        """Register a request with its prompt and the prompt's block hashes (in cache
+        namespace ``cache_namespace``: see :meth:`KVCachePool.add_request`).
 
         Raises:
             RequestExistsError: the id is in use.
@@ -91,6 +118,7 @@ class RequestTable:
         if not isinstance(skip_reading_prefix_cache, bool):
             raise InvalidArgumentError("skip_reading_prefix_cache must be a bool")
         check_count(num_preemptions, "num_preemptions")
+        prefix = self.namespace_prefix(cache_namespace)
         self.requests[request_id] = Request(
             RequestId(request_id),
             tokens,
@@ -98,6 +126,7 @@ class RequestTable:
             num_preemptions=num_preemptions,
             lora=lora,
             skip_reading_prefix_cache=skip_reading_prefix_cache,
+            cache_prefix=prefix,
         )
 
     def update(
@@ -179,6 +208,7 @@ class RequestTable:
                 r.num_preemptions,
                 r.lora,
                 r.skip_reading_prefix_cache,
+                r.cache_prefix,
             )
             for r in sorted(self.requests.values(), key=lambda r: r.request_id)
         )

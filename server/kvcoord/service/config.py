@@ -17,6 +17,7 @@ from typing import Any
 from kvcoord.engine import EngineError
 from kvcoord.v1 import allocator_pb2 as pb
 
+from .access import Tenant, tenants_from_dict
 from .convert import config_from_pb
 from .errors import ServiceError
 from .registry import Limits
@@ -51,7 +52,8 @@ class ServerSettings:
     listen: tuple[str, ...] = ("127.0.0.1:50051",)
     metrics_listen: str = "127.0.0.1:9400"
     grace_seconds: float = 10.0
-    max_message_bytes: int = 64 * 1024 * 1024
+    #: gRPC receive/send limit: a larger message is refused before it is parsed
+    max_message_bytes: int = 16 * 1024 * 1024
     keepalive_time_seconds: float = 30.0
     keepalive_timeout_seconds: float = 10.0
     session_lease_seconds: float = 30.0
@@ -95,6 +97,8 @@ class ServerSettings:
             raise ConfigFileError(f"server.synchronous must be FULL, NORMAL or OFF, got {self.synchronous!r}")
         if self.snapshot_every <= 0:
             raise ConfigFileError("server.snapshot_every must be > 0")
+        if self.max_message_bytes <= 0:
+            raise ConfigFileError("server.max_message_bytes must be > 0")
 
     @property
     def journaled(self) -> bool:
@@ -113,6 +117,8 @@ class ServerConfig:
     server: ServerSettings
     limits: Limits
     pools: tuple[PoolDecl, ...]
+    #: tenants and their roles on pools (access.py); empty: tokens give full access
+    tenants: tuple[Tenant, ...] = ()
 
 
 def default_config_text() -> str:
@@ -130,7 +136,7 @@ _GROUP_TYPES = {
 
 _POOL_KEYS = {
     "num_blocks", "hash_block_size", "hash_algo", "hash_seed", "enable_caching", "use_eagle",
-    "enable_kv_cache_events", "log_stats", "max_model_len",
+    "enable_kv_cache_events", "log_stats", "max_model_len", "shared_cache_tenants",
 }  # fmt: skip
 
 
@@ -145,7 +151,10 @@ def pool_config_from_dict(d: Mapping[str, Any], where: str) -> pb.PoolConfig:
                 f"{where}: unknown key {key!r} (known: {sorted(_POOL_KEYS | {'name', 'groups'})})"
             )
         try:
-            setattr(cfg, key, value)
+            if key == "shared_cache_tenants":
+                cfg.shared_cache_tenants.extend([value] if isinstance(value, str) else value)
+            else:
+                setattr(cfg, key, value)
         except (TypeError, ValueError) as exc:
             raise ConfigFileError(f"{where}.{key}: {exc}") from None
     for i, g in enumerate(d.get("groups", [])):
@@ -217,13 +226,17 @@ def parse_config(text: str, source: str = "config") -> ServerConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"{source}: not valid TOML: {exc}") from None
-    unknown = set(data) - {"server", "limits", "pools"}
+    unknown = set(data) - {"server", "limits", "pools", "tenants"}
     if unknown:
         raise ConfigFileError(
-            f"{source}: unknown section(s) {sorted(unknown)} (known: server, limits, pools)"
+            f"{source}: unknown section(s) {sorted(unknown)} (known: server, limits, pools, tenants)"
         )
     settings = _settings(data.get("server", {}))
     limits = _limits(data.get("limits", {}))
+    try:
+        tenants = tenants_from_dict(data.get("tenants", {}), settings.auth_tokens)
+    except ValueError as exc:
+        raise ConfigFileError(f"{source}: {exc}") from None
     pools = []
     names = set()
     for i, p in enumerate(data.get("pools", [])):
@@ -239,8 +252,13 @@ def parse_config(text: str, source: str = "config") -> ServerConfig:
             config_from_pb(cfg)
         except (EngineError, ServiceError) as exc:
             raise ConfigFileError(f"{where} ({name}): {exc}") from None
+        if cfg.max_model_len > limits.max_tokens_per_request:
+            raise ConfigFileError(
+                f"{where} ({name}).max_model_len: {cfg.max_model_len} exceeds limits.max_tokens_per_request "
+                f"{limits.max_tokens_per_request}"
+            )
         pools.append(PoolDecl(name, cfg))
-    return ServerConfig(settings, limits, tuple(pools))
+    return ServerConfig(settings, limits, tuple(pools), tenants)
 
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:

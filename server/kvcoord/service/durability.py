@@ -10,7 +10,7 @@ cursors and idempotency answers. Records are CBOR lists ``[kind, wall_time, ...]
               name it stay valid)
 ``create``    pool name, wire ``PoolConfig`` bytes, incarnation
 ``delete``    pool name
-``attach``    pool, session id, client name, lease seconds
+``attach``    pool, session id, client name, lease seconds, exclusive, tenant
 ``detach``    session id
 ``expire``    session id (its lease ran out; its requests were freed)
 ``call``      rpc (Step, Allocate, Free), wire request bytes, idempotency key,
@@ -151,7 +151,9 @@ class JournalRecorder(Recorder):
         self._append("delete", name)
 
     def attached(self, service: PoolService, s: Session) -> None:
-        self._append("attach", service.name, s.session_id, s.client_name, s.lease_seconds, s.exclusive)
+        self._append(
+            "attach", service.name, s.session_id, s.client_name, s.lease_seconds, s.exclusive, s.tenant
+        )
 
     def detached(self, service: PoolService, session_id: str) -> None:
         self._append("detach", session_id, service=service)

@@ -44,6 +44,12 @@ class Limits:
     max_requests_per_pool: int = 1_000_000
     max_ops_per_step: int = 65_536
     event_buffer: int = 65_536
+    #: the longest request a pool admits; a pool's max_model_len 0 means this
+    max_tokens_per_request: int = 1 << 20
+    #: budget for the estimated memory of every pool together (budget.py)
+    max_pool_memory_bytes: int = 8 << 30
+    #: live sessions per tenant (a tenant's max_sessions overrides it)
+    max_sessions_per_tenant: int = 10_000
 
 
 Undo = Callable[[], None]
@@ -132,13 +138,16 @@ class PoolService:
         client_name: str,
         lease_seconds: float,
         exclusive: bool = False,
+        tenant: str = "",
+        max_sessions: int = 0,
     ) -> Session:
-        """The hash handshake, then a new session.
+        """The hash handshake, then a new session of ``tenant``.
 
         Raises:
             ServiceError: FAILED_PRECONDITION naming each hash difference, or when an
                 exclusive session would share the pool; UNAVAILABLE (GRACE_PERIOD)
-                right after a restart.
+                right after a restart; RESOURCE_EXHAUSTED when the tenant already has
+                ``max_sessions`` (default: max_sessions_per_tenant) live sessions.
         """
         algo, block_size, seed = self.hash_settings
         diffs = []
@@ -172,16 +181,44 @@ class PoolService:
                 "the only one",
                 ErrorReason.POOL_EXCLUSIVE,
             )
+        limit = max_sessions or self.limits.max_sessions_per_tenant
+        live = self.sessions.count_of_tenant(tenant)
+        if live >= limit:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"tenant {tenant or '(full access)'!r} already has {live} live sessions "
+                f"(max_sessions_per_tenant {limit}); detach unused ones or let their leases end",
+            )
         s = self.sessions.open(self.name, client_name, lease_seconds)
         s.exclusive = exclusive
+        s.tenant = tenant
         self.init_session(s)
         return s
 
     def init_session(self, s: Session) -> None:
-        """A new session's cursors: events from now on, statistics from zero."""
+        """A new session's cursors (events from now on, statistics from zero) and its
+        prefix-cache namespace (registered with the engine in attach order, so a
+        replay assigns the same keys)."""
         s.events_cursor = self.events.last_sequence
         if self.engine.prefix_cache_stats is not None:
             s.stats = PrefixCacheStats()
+        self.bind_namespace(s)
+
+    def bind_namespace(self, s: Session) -> None:
+        """Set the session's cache namespace from its tenant (see :meth:`cache_namespace`)."""
+        s.cache_namespace = self.cache_namespace(s.tenant)
+        self.engine.cache_namespace_prefix(s.cache_namespace)
+
+    def cache_namespace(self, tenant: str) -> str:
+        """The prefix-cache namespace of ``tenant``'s requests in this pool: ``""`` (the
+        shared cache) for the full-access tenant and for tenants the pool's
+        ``shared_cache_tenants`` lists (``"*"``: all), else the tenant's own."""
+        if not tenant:
+            return ""
+        shared = getattr(self.wire_config, "shared_cache_tenants", ())
+        if "*" in shared or tenant in shared:
+            return ""
+        return tenant
 
     def session(self, session_id: str, fence: Fence | None) -> Session:
         """The caller's live session, renewed (fence checked first).
@@ -206,9 +243,11 @@ class PoolService:
         return len(owned)
 
     # -- reads ----------------------------------------------------------------------------
-    def find_longest_cache_hit(self, block_hashes: Sequence[bytes], num_tokens: int) -> CacheHit:
-        """The hit a request with these hashes would get; changes nothing."""
-        return self.engine.find_longest_cache_hit(block_hashes, num_tokens)
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], num_tokens: int, tenant: str = ""
+    ) -> CacheHit:
+        """The hit a request of ``tenant`` with these hashes would get; changes nothing."""
+        return self.engine.find_longest_cache_hit(block_hashes, num_tokens, self.cache_namespace(tenant))
 
     def lifetime_prefix_cache_stats(self) -> PrefixCacheStats:
         c = self.engine.lookup_counters
@@ -345,6 +384,7 @@ class PoolService:
                 lora=sync.lora,
                 skip_reading_prefix_cache=sync.skip_reading_prefix_cache,
                 num_preemptions=sync.num_preemptions or 0,
+                cache_namespace=s.cache_namespace,
             )
             if sync.num_computed_tokens is not None:
                 try:

@@ -101,6 +101,7 @@ def dump_state(registry: PoolRegistry, wall_clock: Callable[[], float] = time.ti
             s.events_cursor,
             s.stats,
             s.exclusive,
+            s.tenant,
         )
         for s in registry.sessions.sessions.values()
     ]
@@ -127,12 +128,15 @@ def load_state(registry: PoolRegistry, body: bytes, wall_clock: Callable[[], flo
         service.events.restore(p["events"], p["last_sequence"])
         services[p["name"]] = (service, p["owners"])
     table = registry.sessions
-    for sid, pool, client_name, lease, owned, cursor, stats, exclusive in state["sessions"]:
-        s = Session(sid, pool, client_name, lease, table.clock() + lease, exclusive=exclusive)
+    for sid, pool, client_name, lease, owned, cursor, stats, exclusive, tenant in state["sessions"]:
+        s = Session(sid, pool, client_name, lease, table.clock() + lease, exclusive=exclusive, tenant=tenant)
         s.owned = dict.fromkeys(owned)
         s.events_cursor = cursor
         s.stats = stats
         table.sessions[sid] = s
+        owner = services.get(pool)
+        if owner is not None:  # the engine's namespace table came with the snapshot
+            owner[0].bind_namespace(s)
     for service, owners in services.values():
         service.owners = {rid: table.sessions[sid] for rid, sid in owners}
     offline = max(0.0, wall_clock() - state["wall"])
@@ -152,7 +156,15 @@ def replay_record(registry: PoolRegistry, record: list[Any], now_wall: float) ->
         _, _, pool, sid, client_name, lease, *rest = record
         service = registry.pools[pool]
         table = registry.sessions
-        s = Session(sid, pool, client_name, lease, table.clock() + lease, exclusive=bool(rest and rest[0]))
+        s = Session(
+            sid,
+            pool,
+            client_name,
+            lease,
+            table.clock() + lease,
+            exclusive=bool(rest and rest[0]),
+            tenant=rest[1] if len(rest) > 1 else "",
+        )
         table.sessions[sid] = s
         service.init_session(s)
     elif kind in ("detach", "expire"):

@@ -7,6 +7,7 @@ order they arrive.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import re
@@ -17,7 +18,8 @@ from collections.abc import Callable, Iterable
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .convert import config_from_pb
+from .budget import MemoryBudget
+from .convert import MAX_MODEL_LEN_UNLIMITED, config_from_pb
 from .durability import Recorder
 from .errors import ServiceError
 from .idempotency import IdempotencyStore
@@ -63,6 +65,9 @@ class PoolRegistry:
         self.grace_until = grace_until
         self.clock = clock
         self.pools: dict[str, PoolService] = {}
+        #: the pools' estimated memory (budget.py) and each pool's share
+        self.memory = MemoryBudget(limits.max_pool_memory_bytes)
+        self.pool_memory: dict[str, int] = {}
         #: earlier instances whose state this one recovered (fences stay valid)
         self.lineage: set[str] = set()
         #: told about every mutation (the journal; the default records nothing)
@@ -73,10 +78,14 @@ class PoolRegistry:
     ) -> tuple[PoolService, bool]:
         """Create a pool, or return the identical existing one (``created`` False).
 
-        ``incarnation`` is given only when recovering a journaled pool.
+        ``incarnation`` is given only when recovering a journaled pool: the pool
+        existed, so neither the memory budget nor max_tokens_per_request refuses it
+        (limits lowered since apply to new pools; a warning is logged for the budget).
+        A pool whose ``max_model_len`` is 0 admits ``max_tokens_per_request`` tokens.
 
         Raises:
-            ServiceError: bad name, ALREADY_EXISTS with another config, or a limit.
+            ServiceError: bad name, ALREADY_EXISTS with another config, or a limit
+                (RESOURCE_EXHAUSTED: pools, blocks, tokens per request, memory).
         """
         if not _NAME.match(name):
             raise ServiceError(
@@ -102,7 +111,23 @@ class PoolRegistry:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"num_blocks {config_pb.num_blocks} exceeds max_blocks_per_pool {self.limits.max_blocks_per_pool}",
             )
+        max_tokens = self.limits.max_tokens_per_request
+        if config_pb.max_model_len > max_tokens and incarnation is None:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"max_model_len {config_pb.max_model_len} exceeds the server's max_tokens_per_request "
+                f"{max_tokens}",
+            )
         config = config_from_pb(config_pb)
+        if config.max_model_len == MAX_MODEL_LEN_UNLIMITED:
+            config = dataclasses.replace(config, max_model_len=max_tokens)
+        try:
+            need = self.memory.check(name, config_pb.num_blocks, config_pb.hash_block_size, len(self.pools))
+        except ServiceError:
+            if incarnation is None:
+                raise
+            need = 0
+            logger.warning("recovered pool %s does not fit max_pool_memory_bytes; kept", name)
         fence = Fence(self.instance_id, incarnation or secrets.randbits(63) or 1)
         hash_settings = (config_pb.hash_algo, config_pb.hash_block_size, config_pb.hash_seed)
         wire = pb.PoolConfig()
@@ -111,6 +136,8 @@ class PoolRegistry:
         service.grace_until = self.grace_until
         service.lineage = self.lineage
         self.pools[name] = service
+        self.pool_memory[name] = need
+        self.memory.used += need
         self.recorder.pool_created(service)
         logger.info(
             "created pool %s (%s blocks, %s, incarnation %d)",
@@ -146,6 +173,7 @@ class PoolRegistry:
         """Remove a pool: its sessions end (their requests go with the pool)."""
         service = self.get(name)
         del self.pools[name]
+        self.memory.used -= self.pool_memory.pop(name, 0)
         for s in self.sessions.of_pool(name):
             self.sessions.close(s.session_id)
             self.idempotency.drop_session(s.session_id)

@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .auth import TokenAuthInterceptor
+from .access import AccessControl
 from .config import ServerConfig
 from .durability import JournalRecorder
 from .idempotency import IdempotencyStore
@@ -133,6 +133,8 @@ async def start_server(
             # Every acknowledged allocation is back: no lease of the previous instance
             # can hold a block this one hands out, so no grace period.
             registry.grace_until = grace_until = 0.0
+            for service in registry.pools.values():  # created during recovery with the old grace
+                service.grace_until = 0.0
             for s in sessions.sessions.values():
                 sessions.renew(s)
         logger.info(
@@ -148,7 +150,8 @@ async def start_server(
             "attach (and so no block is handed out) until then",
             grace_until - clock(),
         )
-    servicer = AllocatorServicer(registry, observer)
+    access = AccessControl(cfg.tenants, cfg.server.auth_tokens, sessions)
+    servicer = AllocatorServicer(registry, observer, access=access, max_message_bytes=st.max_message_bytes)
     for handle in registry.pools.values():
         servicer.observer.pool_created(handle)
     for decl in cfg.pools:
@@ -164,10 +167,9 @@ async def start_server(
         handle, _ = registry.create(decl.name, decl.config)
         servicer.observer.pool_created(handle)
     await registry.recorder.durable()
-    chain = list(interceptors)
-    if cfg.server.auth_tokens:
-        chain.insert(0, TokenAuthInterceptor(cfg.server.auth_tokens))
-    server = grpc.aio.server(options=_options(cfg), interceptors=chain)
+    # Credentials and roles are checked per call in front of every Allocator handler
+    # (servicer.add_servicer, access.py); health and reflection stay open.
+    server = grpc.aio.server(options=_options(cfg), interceptors=list(interceptors))
     add_servicer(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -185,7 +187,7 @@ async def start_server(
         else:
             port = server.add_insecure_port(address)
         logger.info("gRPC listener %s: %s", address, "plaintext" if unix else tls.describe())
-        if cfg.server.auth_tokens and not unix and credentials is None:
+        if access.required and not unix and credentials is None:
             logger.warning(
                 "gRPC listener %s is plaintext: bearer tokens cross the network unencrypted", address
             )

@@ -16,10 +16,13 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
+from kvcoord.engine.invariants import check_pool
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from . import operations as op
+from .access import AccessControl, current_tenant
+from .budget import BLOCK_BYTES, TOKEN_BYTES
 from .convert import (
     allocate_from_pb,
     allocate_to_pb,
@@ -32,7 +35,7 @@ from .convert import (
     stats_to_pb,
     write_outcome,
 )
-from .errors import ServiceError, map_errors, map_stream_errors
+from .errors import REASON_METADATA_KEY, ServiceError, grpc_code, map_errors, map_stream_errors
 from .pool_service import Fence, PoolService
 from .registry import PoolRegistry
 
@@ -90,12 +93,18 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         registry: PoolRegistry,
         observer: OperationObserver | None = None,
         watch_poll_seconds: float = 1.0,
+        access: AccessControl | None = None,
+        max_message_bytes: int = 0,
     ) -> None:
         self.registry = registry
         self.observer: OperationObserver = observer or NullObserver()
         self.watch_poll_seconds = watch_poll_seconds
         self.stopping = False
         self._teardowns: set[asyncio.Task[None]] = set()
+        #: who may call what (every caller has full access when none is given)
+        self.access = access or AccessControl((), (), registry.sessions)
+        #: the gRPC receive limit, reported in GetStats
+        self.max_message_bytes = max_message_bytes
 
     def _info(self, p: PoolService) -> pb.PoolInfo:
         e = p.engine
@@ -157,7 +166,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self, request: pb.ListPoolsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListPoolsResponse:
         pools = self.registry.pools
-        return pb.ListPoolsResponse(pools=[self._info(pools[n]) for n in sorted(pools)])
+        tenant = current_tenant()
+        visible = [n for n in sorted(pools) if self.access.visible(tenant, n)]
+        return pb.ListPoolsResponse(pools=[self._info(pools[n]) for n in visible])
 
     @map_errors
     async def DeletePool(
@@ -176,6 +187,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     @map_errors
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         service = self.registry.get(request.pool)
+        tenant = current_tenant()
         try:
             s = service.attach(
                 request.hash_algo,
@@ -184,6 +196,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 request.client_name,
                 request.lease_seconds,
                 request.exclusive,
+                tenant.name,
+                tenant.max_sessions,
             )
         except ServiceError as exc:
             if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
@@ -225,7 +239,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self, request: pb.FindLongestCacheHitRequest, context: grpc.aio.ServicerContext
     ) -> pb.FindLongestCacheHitResponse:
         service = self.registry.get(request.pool)
-        hit = service.find_longest_cache_hit(request.block_hashes, request.num_tokens)
+        hit = service.find_longest_cache_hit(request.block_hashes, request.num_tokens, current_tenant().name)
         return pb.FindLongestCacheHitResponse(
             hit=hit_to_pb(hit),
             num_free_blocks=service.engine.num_free_blocks,
@@ -332,6 +346,43 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             num_requests=len(e.requests),
             prefix_cache_stats=stats_to_pb(service.lifetime_prefix_cache_stats()),
             fence=fence_to_pb(service.fence),
+            limits=self._limits(),
+            pool_memory_bytes=self.registry.pool_memory.get(service.name, 0),
+        )
+
+    def _limits(self) -> pb.ServerLimits:
+        reg = self.registry
+        lim = reg.limits
+        tenant = current_tenant()
+        return pb.ServerLimits(
+            max_pools=lim.max_pools,
+            max_blocks_per_pool=lim.max_blocks_per_pool,
+            max_requests_per_pool=lim.max_requests_per_pool,
+            max_ops_per_step=lim.max_ops_per_step,
+            event_buffer=lim.event_buffer,
+            max_tokens_per_request=lim.max_tokens_per_request,
+            max_pool_memory_bytes=lim.max_pool_memory_bytes,
+            pool_memory_bytes=reg.memory.used,
+            pool_block_bytes=BLOCK_BYTES,
+            pool_token_bytes=TOKEN_BYTES,
+            max_sessions_per_tenant=tenant.max_sessions or lim.max_sessions_per_tenant,
+            tenant_sessions=reg.sessions.count_of_tenant(tenant.name),
+            max_session_lease_seconds=reg.sessions.max_lease,
+            max_message_bytes=self.max_message_bytes,
+        )
+
+    @map_errors
+    async def CheckPool(
+        self, request: pb.CheckPoolRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CheckPoolResponse:
+        service = self.registry.get(request.pool)
+        result = check_pool(service.engine)
+        return pb.CheckPoolResponse(
+            violations=list(result.violations),
+            num_blocks_checked=result.num_blocks,
+            num_requests_checked=result.num_requests,
+            num_cached_blocks=result.num_cached_blocks,
+            fence=fence_to_pb(service.fence),
         )
 
     @map_errors
@@ -415,22 +466,35 @@ def _parser(cls: type[Message]) -> Callable[[bytes], Any]:
     return parse
 
 
-def _guard(handler: Callable[..., Any], streaming: bool) -> Callable[..., Any]:
-    """Refuse an undecodable request before the handler sees it."""
+def _guard(
+    handler: Callable[..., Any], streaming: bool, rpc: str, access: AccessControl
+) -> Callable[..., Any]:
+    """Check the caller (access.py: credentials, then the role :data:`RPC_RULES`
+    names) and refuse an undecodable request, before the handler sees either."""
+
+    async def admit(request: Any, context: grpc.aio.ServicerContext) -> None:
+        try:
+            tenant = access.authenticate(context.invocation_metadata(), context.auth_context)
+            access.bind(tenant)
+            if isinstance(request, _Undecodable):
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request))
+            access.authorize(tenant, rpc, request)
+        except ServiceError as exc:
+            code, message = grpc_code(exc)
+            trailers = ((REASON_METADATA_KEY, exc.reason.name),) if exc.reason is not None else ()
+            await context.abort(code, message, trailers)
 
     if streaming:
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            if isinstance(request, _Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request))
+            await admit(request, context)
             async for item in handler(request, context):
                 yield item
 
         return stream
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request))
+        await admit(request, context)
         return await handler(request, context)
 
     return unary
@@ -448,7 +512,9 @@ def add_servicer(servicer: AllocatorServicer, server: grpc.aio.Server) -> None:
     for method in service.methods:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
-        behaviour = _guard(getattr(servicer, method.name), method.server_streaming)
+        behaviour = _guard(
+            getattr(servicer, method.name), method.server_streaming, method.name, servicer.access
+        )
         factory = (
             grpc.unary_stream_rpc_method_handler
             if method.server_streaming

@@ -9,6 +9,7 @@ own manager would show it. Plain Python; the clock is injected.
 from __future__ import annotations
 
 import dataclasses
+import math
 import secrets
 from collections.abc import Callable
 
@@ -35,6 +36,10 @@ class Session:
     stats: PrefixCacheStats | None = None
     #: the pool's only session (see AttachRequest.exclusive)
     exclusive: bool = False
+    #: the tenant that attached it ("" = full access); only it may use the session
+    tenant: str = ""
+    #: the prefix-cache namespace of its requests (derived from tenant and pool)
+    cache_namespace: str = ""
 
 
 class SessionTable:
@@ -56,9 +61,10 @@ class SessionTable:
 
     def open(self, pool: str, client_name: str, lease_seconds: float) -> Session:
         """A new session with a lease starting now."""
-        if lease_seconds < 0:
+        if not math.isfinite(lease_seconds) or lease_seconds < 0:
             raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"lease_seconds must be >= 0, got {lease_seconds}"
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"lease_seconds must be a finite number >= 0, got {lease_seconds}",
             )
         lease = min(lease_seconds or self.default_lease, self.max_lease)
         s = Session(secrets.token_hex(16), pool, client_name[:256], lease, self.clock() + lease)
@@ -111,6 +117,10 @@ class SessionTable:
         for s in dead:
             del self.sessions[s.session_id]
         return dead
+
+    def count_of_tenant(self, tenant: str) -> int:
+        """Live sessions of ``tenant`` (every pool)."""
+        return sum(1 for s in self.sessions.values() if s.tenant == tenant)
 
     def of_pool(self, pool: str) -> list[Session]:
         return [s for s in self.sessions.values() if s.pool == pool]

@@ -51,7 +51,7 @@ class InProcessServer:
     ) -> None:
         cfg = parse_config(config_text, "test config")
         server = dataclasses.replace(cfg.server, listen=(f"127.0.0.1:{port}",), metrics_listen="", **settings)
-        self.config = ServerConfig(server, limits or cfg.limits, cfg.pools)
+        self.config = ServerConfig(server, limits or cfg.limits, cfg.pools, cfg.tenants)
         self.clock = clock
         self.metrics = Metrics() if metrics else None
         self.loop = asyncio.new_event_loop()
@@ -91,6 +91,8 @@ class InProcessServer:
         return self._run(wrapper())
 
     def stop(self, grace: float = 1.0) -> None:
+        if self.loop.is_closed():
+            return
         if self.running is not None:
             self._run(self.running.stop(grace))
             self.running = None

@@ -28,7 +28,7 @@ from .tls import TLSOptions
 __all__ = ["AsyncKVCoordClient", "KVCoordClient"]
 
 DEFAULT_TIMEOUT = 10.0
-DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the server's default max_message_bytes
 
 
 #: Codes after which a call may or may not have reached the server.

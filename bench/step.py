@@ -12,6 +12,8 @@ with 16-token blocks. The same seeded workload runs on:
   in-process     kvcoord's engine called directly (what vLLM's own manager costs)
   exclusive      RemoteKVCacheManager(exclusive=True): one session per pool, provable
                  allocations answered at once, everything else batched
+  excl+admit     the same, with the waiting loop sent as one Admit operation
+                 (RemoteKVCacheManager.admit) instead of a lookup per admitted request
   shared         RemoteKVCacheManager: frees and state batched, every allocation waits
   per-call       one round trip per manager call (the old protocol's shape)
   no-op RTT      an empty Step round trip
@@ -99,6 +101,20 @@ class LocalManager:
         self.pool.free(r.request_id)
         self.sent.pop(r.request_id, None)
 
+    def admit(self, reqs: list[Req], budget: int) -> list[tuple[Any, int, int, Any]]:
+        out = []
+        for r in reqs:
+            if budget <= 0:
+                break
+            hit, ht = self.get_computed_blocks(r)
+            n = min(len(r.all_token_ids) - ht, budget)
+            new = self.allocate_slots(r, n, ht, hit)
+            out.append((hit, ht, n, new))
+            if new is None:
+                break
+            budget -= n
+        return out
+
     @property
     def usage(self) -> float:
         return self.pool.usage
@@ -147,7 +163,9 @@ def ids_of(blocks: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in blocks)
 
 
-def run(kv: Any, running_target: int, steps: int, seed: int) -> tuple[list[float], list[Any]]:
+def run(
+    kv: Any, running_target: int, steps: int, seed: int, admit: bool = False
+) -> tuple[list[float], list[Any]]:
     """The scheduler loop; returns seconds per step and the decisions of every step."""
     rnd = random.Random(seed)
     prefixes = [[rnd.randrange(32000) for _ in range(rnd.choice((256, 512, 1024)))] for _ in range(8)]
@@ -196,7 +214,17 @@ def run(kv: Any, running_target: int, steps: int, seed: int) -> tuple[list[float
             scheduled.append((r, n, blocks))
             budget -= n
             i += 1
-        while waiting and budget > 0 and not preempted:
+        if admit and waiting and budget > 0 and not preempted:
+            # the waiting loop in one operation: same decisions, one round trip
+            for _hit, hit_tokens, n, blocks in kv.admit(list(waiting)[:64], budget):
+                if blocks is None:
+                    break
+                r = waiting.popleft()
+                r.num_computed_tokens = hit_tokens
+                running.append(r)
+                scheduled.append((r, n, blocks))
+                budget -= n
+        while not admit and waiting and budget > 0 and not preempted:
             r = waiting[0]
             hit, hit_tokens = kv.get_computed_blocks(r)
             n = min(len(r.all_token_ids) - hit_tokens, budget)
@@ -265,12 +293,12 @@ def main() -> None:
             base_t, base_d = run(LocalManager(blocks), n, total, seed=n)
             base = statistics.median(base_t[args.warmup :]) * 1e3
             print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f}")
-            for mode in ("exclusive", "shared", "per-call"):
-                name = f"p{n}-{mode}"
+            for mode in ("excl+admit", "exclusive", "shared", "per-call"):
+                name = f"p{n}-{mode.replace('+', '-')}"
                 client.create_pool(name, pool_config(blocks))
-                m = RemoteKVCacheManager(client, name, hash_seed="0", exclusive=(mode == "exclusive"))
+                m = RemoteKVCacheManager(client, name, hash_seed="0", exclusive=mode.startswith("excl"))
                 kv: Any = PerCall(m) if mode == "per-call" else m
-                t, d = run(kv, n, total, seed=n)
+                t, d = run(kv, n, total, seed=n, admit=mode == "excl+admit")
                 assert d == base_d, f"{mode}: decisions differ from in-process"
                 med = statistics.median(t[args.warmup :]) * 1e3
                 trips = m.round_trips / total

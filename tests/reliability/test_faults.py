@@ -230,3 +230,50 @@ def test_faulty_network_changes_no_answer(server: InProcessServer, exclusive: bo
     assert total["refusals"] > 0 and total["hits"] > 0 and total["preemptions"] > 0
     if exclusive:  # most allocations were answered without waiting, none wrongly
         assert total["promised"] > total["answers"] / 8
+
+
+def test_admit_over_the_wire_equals_one_by_one(server: InProcessServer) -> None:
+    """RemoteKVCacheManager.admit decides as lookups and allocations one by one do (on an
+    in-process pool), and requests it did not reach are admitted by a later call."""
+    with KVCoordClient(server.address) as c:
+        c.create_pool("admit", pool_config())
+        remote = RemoteKVCacheManager(c, "admit", hash_seed="0", exclusive=True)
+        local = local_pool()
+        rnd = random.Random(7)
+        shared = [rnd.randrange(50) for _ in range(12)]
+        waiting = [Req(f"r{i}", shared[: rnd.randint(4, 12)] + [rnd.randrange(50) for _ in range(rnd.randint(1, 20))])
+                   for i in range(30)]  # fmt: skip
+        admitted = 0
+        for _ in range(12):
+            if not waiting:
+                break
+            got = remote.admit(waiting[:8], 40)
+            budget, want = 40, []
+            for r in waiting[:8]:
+                if budget <= 0:
+                    break
+                if r.request_id not in local.requests:
+                    local.add_request(r.request_id, r.all_token_ids, BlockHasher(
+                        "sha256_cbor", 4, none_hash("sha256_cbor", "0")).extend(r.all_token_ids))  # fmt: skip
+                hit = local.get_computed_blocks(r.request_id)
+                n = min(len(r.all_token_ids) - hit.num_tokens, budget)
+                new = local.allocate_slots(r.request_id, n, hit.num_tokens, None if hit.is_empty else hit)
+                want.append((tuple(map(list, hit.block_ids)), hit.num_tokens, n, new))
+                if new is None:
+                    break
+                budget -= n
+            assert [(h.get_block_ids(), ht, n, None if b is None else b.get_block_ids()) for h, ht, n, b in got] == [
+                (h, ht, n, None if b is None else tuple(map(list, b))) for h, ht, n, b in want
+            ]  # fmt: skip
+            for (_, ht, n, b), r in zip(got, list(waiting), strict=False):
+                if b is None:
+                    break
+                waiting.remove(r)
+                admitted += 1
+                r.num_computed_tokens = ht + n
+                # finished at once: free, so later rounds have room
+                remote.free(r)
+                local.free(r.request_id)
+        remote.flush()
+        assert admitted >= 20 and server_table(c, "admit") == local_table(local)
+        remote.close()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from kvcoord.client.hashing import BlockHasher, none_hash
-from kvcoord.engine import FullAttentionSpec, KVCacheConfig, PrefixCacheStats, SlidingWindowSpec
+from kvcoord.engine import CacheHit, FullAttentionSpec, KVCacheConfig, PrefixCacheStats, SlidingWindowSpec
 from kvcoord.service import operations as op
 from kvcoord.service.errors import ErrorReason, ServiceError
 from kvcoord.service.idempotency import IdempotencyStore
@@ -274,3 +274,43 @@ def test_gc_freezer_freezes_once_enough_blocks_exist() -> None:
         assert freezer.maybe_freeze([pool(10), pool(1000)])
     finally:
         gc.unfreeze()
+
+
+def test_admit_equals_lookups_and_allocations_one_by_one() -> None:
+    """An Admit gives the same hits, token counts, blocks, refusal point, statistics
+    and pool state as get_computed_blocks + allocate_slots called one by one."""
+    prompts = [list(range(20)), list(range(12)) + [99] * 9, list(range(40)), list(range(300, 330))]
+    one, batch = make(), make()
+    s1, s2 = attach(one), attach(batch)
+    # warm both pools identically: something cached to hit
+    for p in (one, batch):
+        s = s1 if p is one else s2
+        p.apply(s, [op.Allocate(new("w", list(range(24))), 24), op.Free("w")])
+    budget = 70
+    expected = []
+    for i, tokens in enumerate(prompts):
+        if budget <= 0:
+            break
+        (look,) = one.apply(s1, [op.Lookup(new(f"r{i}", tokens))])
+        hit = look.value
+        assert isinstance(hit, CacheHit)
+        n = min(len(tokens) - hit.num_tokens, budget)
+        sync = op.RequestSync(f"r{i}", base_num_tokens=len(tokens), base_num_hashes=len(tokens) // 4)
+        (alloc,) = one.apply(s1, [op.Allocate(sync, n, hit.num_tokens, None if hit.is_empty else hit)])
+        assert isinstance(alloc.value, op.AllocateOutcome)
+        expected.append((hit.block_ids, hit.num_tokens, n, alloc.value.new_block_ids))
+        if alloc.value.new_block_ids is None:
+            break
+        budget -= n
+    (got,) = batch.apply(s2, [op.Admit([new(f"r{i}", t) for i, t in enumerate(prompts)], 70)])
+    assert isinstance(got.value, op.Admitted)
+    assert [
+        (o.hit.block_ids, o.hit.num_tokens, o.num_new_tokens, o.new_block_ids) for o in got.value.outcomes
+    ] == expected  # type: ignore[union-attr]
+    assert expected[-1][3] is None  # the pool ran out: the last one refused, as one by one
+    assert batch.engine.snapshot() == one.engine.snapshot()
+    assert batch.make_stats(s2) == one.make_stats(s1)
+    # a spent budget stops before the next request, which stays untouched
+    (spent,) = batch.apply(s2, [op.Admit([new("x", list(range(8))), new("y", list(range(8)))], 3)])
+    assert isinstance(spent.value, op.Admitted) and len(spent.value.outcomes) == 1
+    assert "x" in batch.engine.requests and "y" not in batch.engine.requests

@@ -140,6 +140,9 @@ class Item:
     #: True when nobody waits for the answer (frees, cache_blocks, ...): its error, if
     #: any, is raised by whichever call sends it
     deferred: bool = False
+    #: True when ``decode`` commits positions itself (an Admit commits only the
+    #: requests the server processed)
+    commits_itself: bool = False
 
 
 class Ops:
@@ -201,6 +204,29 @@ class Ops:
             return ids(res.hit.groups), res.hit.num_tokens, res.num_new_tokens, new
 
         return Item(pb.Operation(allocate=a), decode, [request.request_id], Pending())
+
+    def admit(self, requests: Sequence[Any], token_budget: int, num_lookahead_tokens: int = 0) -> Item:
+        tracker = self.m.tracker
+        syncs = [tracker.sync(r) for r in requests]
+        rids = [r.request_id for r in requests]
+        op = pb.Operation(
+            admit=pb.AdmitOp(
+                requests=syncs, token_budget=token_budget, num_lookahead_tokens=num_lookahead_tokens
+            )
+        )
+
+        def decode(r: pb.OperationResult) -> list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]]:
+            out = []
+            for a in r.admit.results:
+                new = None if a.refused else ids(a.new_block_ids)
+                out.append((ids(a.hit.groups), a.hit.num_tokens, a.num_new_tokens, new))
+            # the server applied the syncs of the requests it processed, not the others
+            tracker.commit(rids[: len(out)])
+            tracker.rollback(rids[len(out) :])
+            return out
+
+        # positions are committed by decode (only the processed requests')
+        return Item(op, decode, rids, Pending(), commits_itself=True)
 
     def free(self, request: Any) -> Item | None:
         rid = request if isinstance(request, str) else request.request_id

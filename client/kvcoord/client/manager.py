@@ -228,6 +228,29 @@ class RemoteKVCacheManager:
         )
         return result
 
+    def admit(
+        self, requests: Sequence[Any], token_budget: int, num_lookahead_tokens: int = 0
+    ) -> list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]]:
+        """A scheduler's waiting loop in one round trip: for each request in order, its
+        prefix hit, then ``allocate_slots`` for ``min(remaining tokens, budget left)``,
+        exactly as ``get_computed_blocks`` + ``allocate_slots`` one by one; stops when the
+        budget is spent or after the first refusal.
+
+        Returns:
+            ``(hit, hit_tokens, num_new_tokens, new_blocks)`` per request processed, in
+            order; ``new_blocks`` is ``None`` for a last, refused one.
+        """
+        result: list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]] = self._now(
+            self._ops.admit(requests, token_budget, num_lookahead_tokens)
+        )
+        for request, (hit, hit_tokens, n, new) in zip(requests, result, strict=False):
+            if new is not None:  # its table lengths from now on: the hit, then what it took
+                _, _, after = self.budget.bound(
+                    request.request_id, 0, n, hit_tokens, hit.block_ids, num_lookahead_tokens
+                )
+                self.budget.applied(request.request_id, after)
+        return result
+
     def free(self, request: Any) -> None:
         """Free the request's blocks (sent with the next call)."""
         self.budget.forget(request if isinstance(request, str) else request.request_id)
@@ -355,7 +378,8 @@ class RemoteKVCacheManager:
         failed: KVCoordError | None = None
         for item, result in zip(items, resp.results, strict=True):
             if result.status_code == 0:
-                self.tracker.commit(item.touched)
+                if not item.commits_itself:
+                    self.tracker.commit(item.touched)
                 item.pending._set(item.decode(result))
                 continue
             reason = pb.ErrorReason.Name(result.reason) if result.reason else ""

@@ -114,10 +114,16 @@ class RequestTracker:
             if t is not None:
                 t.commit()
 
-    def rollback(self) -> None:
-        """Every position back to what the server acknowledged."""
-        for t in self._tracked.values():
-            t.rollback()
+    def rollback(self, request_ids: Iterable[str] | None = None) -> None:
+        """Positions back to what the server acknowledged (of these requests, or all)."""
+        if request_ids is None:
+            for t in self._tracked.values():
+                t.rollback()
+            return
+        for rid in request_ids:
+            tracked = self._tracked.get(rid)
+            if tracked is not None:
+                tracked.rollback()
 
     def forget(self, request_ids: Iterable[str]) -> list[str]:
         """Stop tracking these requests; returns those that were tracked."""

@@ -492,8 +492,24 @@ class SyncOp(_message.Message):
     request: RequestSync
     def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ...) -> None: ...
 
+class AdmitOp(_message.Message):
+    __slots__ = ("requests", "token_budget", "num_lookahead_tokens")
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_BUDGET_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestSync]
+    token_budget: int
+    num_lookahead_tokens: int
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestSync, _Mapping]]] = ..., token_budget: _Optional[int] = ..., num_lookahead_tokens: _Optional[int] = ...) -> None: ...
+
+class AdmitResult(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[AllocateResult]
+    def __init__(self, results: _Optional[_Iterable[_Union[AllocateResult, _Mapping]]] = ...) -> None: ...
+
 class Operation(_message.Message):
-    __slots__ = ("lookup", "allocate", "free", "preempt", "cache_blocks", "remove_skipped_blocks", "evict_blocks", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "make_prefix_cache_stats", "sync")
+    __slots__ = ("lookup", "allocate", "free", "preempt", "cache_blocks", "remove_skipped_blocks", "evict_blocks", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "make_prefix_cache_stats", "sync", "admit")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
@@ -507,6 +523,7 @@ class Operation(_message.Message):
     TAKE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     MAKE_PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
     SYNC_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupOp
     allocate: AllocateOp
     free: FreeOp
@@ -520,10 +537,11 @@ class Operation(_message.Message):
     take_events: TakeEventsOp
     make_prefix_cache_stats: MakePrefixCacheStatsOp
     sync: SyncOp
-    def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ...) -> None: ...
+    admit: AdmitOp
+    def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitOp, _Mapping]] = ...) -> None: ...
 
 class OperationResult(_message.Message):
-    __slots__ = ("status_code", "status_message", "reason", "position", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats")
+    __slots__ = ("status_code", "status_message", "reason", "position", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats", "admit")
     STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -535,6 +553,7 @@ class OperationResult(_message.Message):
     RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     TAKE_EVENTS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
+    ADMIT_FIELD_NUMBER: _ClassVar[int]
     status_code: int
     status_message: str
     reason: ErrorReason
@@ -546,7 +565,8 @@ class OperationResult(_message.Message):
     reset_prefix_cache: ResetPrefixCacheResult
     take_events: TakeEventsResult
     prefix_cache_stats: PrefixCacheStatsResult
-    def __init__(self, status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ..., position: _Optional[_Union[RequestPosition, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixResult, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheResult, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResult, _Mapping]] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStatsResult, _Mapping]] = ...) -> None: ...
+    admit: AdmitResult
+    def __init__(self, status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ..., position: _Optional[_Union[RequestPosition, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixResult, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheResult, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResult, _Mapping]] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStatsResult, _Mapping]] = ..., admit: _Optional[_Union[AdmitResult, _Mapping]] = ...) -> None: ...
 
 class FindLongestCacheHitRequest(_message.Message):
     __slots__ = ("pool", "block_hashes", "num_tokens")

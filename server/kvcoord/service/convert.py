@@ -254,6 +254,9 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         return op.MakeStats(o.make_prefix_cache_stats.peek)
     if kind == "sync":
         return op.Sync(sync_from_pb(o.sync.request))
+    if kind == "admit":
+        a = o.admit
+        return op.Admit([sync_from_pb(r) for r in a.requests], a.token_budget, a.num_lookahead_tokens)
     raise _invalid("operation has no op set")
 
 
@@ -329,6 +332,13 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
     if isinstance(operation, op.Allocate):
         assert isinstance(v, op.AllocateOutcome)
         return pb.OperationResult(allocate=allocate_to_pb(v))
+    if isinstance(operation, op.Admit):
+        assert isinstance(v, op.Admitted)
+        r = pb.OperationResult()
+        for outcome in v.outcomes:
+            write_allocate(r.admit.results.add(), outcome)
+        r.admit.SetInParent()
+        return r
     if isinstance(operation, op.Lookup):
         assert isinstance(v, CacheHit)
         return pb.OperationResult(lookup=pb.LookupResult(hit=hit_to_pb(v)))

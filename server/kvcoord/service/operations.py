@@ -15,6 +15,8 @@ from kvcoord.engine import CacheHit, KVCacheEvent, LoRA, PrefixCacheStats
 from .errors import ServiceError
 
 __all__ = [
+    "Admit",
+    "Admitted",
     "Allocate",
     "AllocateOutcome",
     "CacheBlocks",
@@ -131,6 +133,15 @@ class Sync:
     sync: RequestSync
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Admit:
+    """Admit waiting requests in order (see the proto's AdmitOp)."""
+
+    syncs: Sequence[RequestSync]
+    token_budget: int
+    num_lookahead_tokens: int = 0
+
+
 Operation = (
     Lookup
     | Allocate
@@ -145,6 +156,7 @@ Operation = (
     | TakeEvents
     | MakeStats
     | Sync
+    | Admit
 )
 
 
@@ -165,6 +177,13 @@ class AllocateOutcome:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Admitted:
+    """One outcome per request processed by an Admit, in order."""
+
+    outcomes: list[AllocateOutcome]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class EventsTaken:
     events: list[KVCacheEvent]
     gap: bool
@@ -172,7 +191,17 @@ class EventsTaken:
 
 #: What one operation produced: a value (None for operations without one), or the
 #: error that stopped it.
-Value = CacheHit | AllocateOutcome | BlockIds | tuple[int, ...] | bool | EventsTaken | PrefixCacheStats | None
+Value = (
+    CacheHit
+    | AllocateOutcome
+    | Admitted
+    | BlockIds
+    | tuple[int, ...]
+    | bool
+    | EventsTaken
+    | PrefixCacheStats
+    | None
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

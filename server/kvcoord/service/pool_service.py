@@ -544,6 +544,36 @@ class PoolService:
         stats, s.stats = s.stats, PrefixCacheStats()
         return stats
 
+    def _admit(self, s: Session, o: op.Admit) -> op.Value:
+        """Lookup then allocate each request in order, as a scheduler's waiting loop
+        does, until the budget is spent or the pool refuses one."""
+        if o.token_budget < 0 or o.num_lookahead_tokens < 0:
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT, "token_budget and num_lookahead_tokens must be >= 0"
+            )
+        engine = self.engine
+        budget = o.token_budget
+        out: list[op.AllocateOutcome] = []
+        for sync in o.syncs:
+            if budget <= 0:
+                break
+            undo = self.sync(s, sync)
+            rid = sync.request_id
+            try:
+                hit = engine.get_computed_blocks(rid)
+                n = min(engine.requests[rid].num_tokens - hit.num_tokens, budget)
+                new = engine.allocate_slots(
+                    rid, n, hit.num_tokens, None if hit.is_empty else hit, o.num_lookahead_tokens
+                )
+            except Exception:
+                undo()
+                raise
+            out.append(op.AllocateOutcome(new, n, hit))
+            if new is None:
+                break
+            budget -= n
+        return op.Admitted(out)
+
     def _sync(self, s: Session, o: op.Sync) -> op.Value:
         self.sync(s, o.sync)
         return None
@@ -570,4 +600,5 @@ _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.TakeEvents: PoolService._take_events,  # type: ignore[dict-item]
     op.MakeStats: PoolService._make_stats,  # type: ignore[dict-item]
     op.Sync: PoolService._sync,  # type: ignore[dict-item]
+    op.Admit: PoolService._admit,  # type: ignore[dict-item]
 }

@@ -216,7 +216,7 @@ def run(
             i += 1
         if admit and waiting and budget > 0 and not preempted:
             # the waiting loop in one operation: same decisions, one round trip
-            for _hit, hit_tokens, n, blocks in kv.admit(list(waiting)[:64], budget):
+            for _hit, hit_tokens, n, blocks in kv.admit(list(waiting), budget):
                 if blocks is None:
                     break
                 r = waiting.popleft()

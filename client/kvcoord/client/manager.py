@@ -231,25 +231,41 @@ class RemoteKVCacheManager:
     def admit(
         self, requests: Sequence[Any], token_budget: int, num_lookahead_tokens: int = 0
     ) -> list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]]:
-        """A scheduler's waiting loop in one round trip: for each request in order, its
-        prefix hit, then ``allocate_slots`` for ``min(remaining tokens, budget left)``,
-        exactly as ``get_computed_blocks`` + ``allocate_slots`` one by one; stops when the
-        budget is spent or after the first refusal.
+        """A scheduler's waiting loop, usually in one round trip: for each request in
+        order, its prefix hit, then ``allocate_slots`` for ``min(remaining tokens, budget
+        left)``, exactly as ``get_computed_blocks`` + ``allocate_slots`` one by one; stops
+        when the budget is spent or after the first refusal.
+
+        Requests are sent in chunks whose prompts cover the budget (a waiting queue's
+        tail is not sent); only when prefix hits leave budget over is another chunk sent.
 
         Returns:
             ``(hit, hit_tokens, num_new_tokens, new_blocks)`` per request processed, in
             order; ``new_blocks`` is ``None`` for a last, refused one.
         """
-        result: list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]] = self._now(
-            self._ops.admit(requests, token_budget, num_lookahead_tokens)
-        )
-        for request, (hit, hit_tokens, n, new) in zip(requests, result, strict=False):
-            if new is not None:  # its table lengths from now on: the hit, then what it took
-                _, _, after = self.budget.bound(
-                    request.request_id, 0, n, hit_tokens, hit.block_ids, num_lookahead_tokens
-                )
-                self.budget.applied(request.request_id, after)
-        return result
+        out: list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]] = []
+        start, budget = 0, token_budget
+        while start < len(requests) and budget > 0:
+            end, covered = start, 0
+            while end < len(requests) and covered < budget:
+                covered += len(requests[end].all_token_ids) - int(requests[end].num_computed_tokens)
+                end += 1
+            chunk = requests[start:end]
+            result: list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]] = self._now(
+                self._ops.admit(chunk, budget, num_lookahead_tokens)
+            )
+            for request, (hit, hit_tokens, n, new) in zip(chunk, result, strict=False):
+                if new is not None:  # its table lengths from now on: the hit, then what it took
+                    _, _, after = self.budget.bound(
+                        request.request_id, 0, n, hit_tokens, hit.block_ids, num_lookahead_tokens
+                    )
+                    self.budget.applied(request.request_id, after)
+                    budget -= n
+            out.extend(result)
+            if len(result) < len(chunk) or (result and result[-1][3] is None):
+                break  # stopped by the budget or a refusal
+            start = end
+        return out
 
     def free(self, request: Any) -> None:
         """Free the request's blocks (sent with the next call)."""

@@ -174,6 +174,11 @@ def operations(draw: Any) -> pb.Operation:
         "take_events": pb.TakeEventsOp,
         "make_prefix_cache_stats": lambda: pb.MakePrefixCacheStatsOp(peek=draw(st.booleans())),
         "sync": lambda: pb.SyncOp(request=draw(syncs())),
+        "admit": lambda: pb.AdmitOp(
+            requests=draw(st.lists(syncs(), max_size=4)),
+            token_budget=draw(counts),
+            num_lookahead_tokens=draw(st.sampled_from([0, 1, 3]) | counts),
+        ),
     }
     if kind == "none":
         return pb.Operation()

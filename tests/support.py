@@ -70,3 +70,26 @@ class Driver:
 def toks(a: int, b: int) -> list[int]:
     """Tokens a..b inclusive."""
     return list(range(a, b + 1))
+
+
+#: Pool "p" of the service and reliability suites: full4 + sliding4 (window 8), 64 blocks.
+POOL_TOML = """
+[[pools]]
+name = "p"
+num_blocks = 64
+hash_block_size = 4
+hash_algo = "sha256_cbor"
+hash_seed = "0"
+enable_caching = true
+enable_kv_cache_events = true
+max_model_len = 256
+
+[[pools.groups]]
+type = "full"
+block_size = 4
+
+[[pools.groups]]
+type = "sliding_window"
+block_size = 4
+sliding_window = 8
+"""

@@ -25,25 +25,7 @@ from kvcoord.client import _requests as rq
 from kvcoord.client.faults import FaultInjector
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
-
-POOL = """
-[[pools]]
-name = "p"
-num_blocks = 64
-hash_block_size = 4
-hash_algo = "sha256_cbor"
-hash_seed = "0"
-enable_caching = true
-enable_kv_cache_events = true
-max_model_len = 256
-[[pools.groups]]
-type = "full"
-block_size = 4
-[[pools.groups]]
-type = "sliding_window"
-block_size = 4
-sliding_window = 8
-"""
+from support import POOL_TOML as POOL
 
 
 @dataclasses.dataclass

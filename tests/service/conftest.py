@@ -7,27 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from kvcoord.client import KVCoordClient
 from kvcoord.service.testing import InProcessServer, ManualClock
-
-POOL_TOML = """
-[[pools]]
-name = "p"
-num_blocks = 64
-hash_block_size = 4
-hash_algo = "sha256_cbor"
-hash_seed = "0"
-enable_caching = true
-enable_kv_cache_events = true
-max_model_len = 256
-
-[[pools.groups]]
-type = "full"
-block_size = 4
-
-[[pools.groups]]
-type = "sliding_window"
-block_size = 4
-sliding_window = 8
-"""
+from support import POOL_TOML
 
 
 @pytest.fixture

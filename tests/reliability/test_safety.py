@@ -277,3 +277,27 @@ def test_empty_prompt_is_refused_and_stats_stay_sound(started: list[InProcessSer
         with pytest.raises(InvalidArgumentError):
             c.find_longest_cache_hit("p", [], 0)  # a degenerate read-only lookup, refused too
         assert c.get_stats("p") == before
+
+
+def test_exclusive_worker_back_from_a_partition_takes_its_pool_again(started: list[InProcessServer]) -> None:
+    """A worker that gave up on its lease during a partition reports its requests lost;
+    once reachable it ends the old session (still alive on the server) and attaches
+    exclusively again at once, instead of being refused until the old lease ends."""
+    clock = ManualClock()  # the server's clock does not move: the old session stays alive
+    server = start(started, clock=clock, session_lease_seconds=0.5, max_session_lease_seconds=0.5,
+                   idempotency_window_seconds=300.0)  # fmt: skip
+    fi = FaultInjector(2)
+    with KVCoordClient(server.address, interceptors=[fi], retry=NO_RETRY) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0", renew=False, exclusive=True)
+        old = m.session_id
+        assert m.allocate_slots(Req("a", list(range(8))), 8) is not None
+        m.flush()
+        fi.partitioned = True
+        time.sleep(0.6)
+        with pytest.raises(RequestsLostError) as lost:
+            m.allocate_slots(Req("b", list(range(8))), 8)
+        assert "a" in lost.value.request_ids
+        fi.partitioned = False
+        assert m.allocate_slots(Req("c", list(range(8))), 8) is not None
+        m.flush()
+        assert m.session_id != old and set(held(c)) == {"c"}  # "a" freed with the old session

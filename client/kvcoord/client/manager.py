@@ -172,7 +172,13 @@ class RemoteKVCacheManager:
             num_lookahead_tokens, num_external_computed_tokens, num_encoder_tokens)  # fmt: skip
         if before is not None and after is not None:
             self._verify_lengths(item, rid, before, after)
-        if self._free_estimate is not None and need <= self._free_estimate:
+        keeper = self.keeper
+        if (
+            self._free_estimate is not None
+            and need <= self._free_estimate
+            and keeper.lost is None
+            and keeper.clock() < keeper.valid_until
+        ):
             # Provably enough free blocks (this session is the pool's only one):
             # answer now, send with the next Step.
             self._free_estimate -= need
@@ -368,7 +374,7 @@ class RemoteKVCacheManager:
         keeper = self.keeper
         try:
             if self._reattach:  # the session was lost and re-attaching failed last time
-                keeper.attach()
+                self._attach_again()
                 self._reattach = False
             keeper.vouch()
             sent = keeper.clock()
@@ -446,10 +452,20 @@ class RemoteKVCacheManager:
         self.lost_requests += len(lost)
         self._free_estimate = None
         try:
-            self.keeper.attach()
-        except KVCoordError:  # e.g. the server's grace period: attached on the next call
+            self._attach_again()
+        except KVCoordError:  # e.g. unreachable, or the server's grace period: next call
             self._reattach = True
         return RequestsLostError(lost, err)
+
+    def _attach_again(self) -> None:
+        """A new session after the old one was lost. The server may still hold the old
+        one (only this client gave up on its lease): end it first, so its requests are
+        freed now and an exclusive session can be taken again at once."""
+        try:
+            self.client.detach(self.keeper.session_id, self.keeper.fence)
+        except KVCoordError:
+            pass  # already gone, or unreachable (then its lease ends it)
+        self.keeper.attach()
 
     def _forget(self, request_ids: Sequence[str], err: KVCoordError) -> RequestsLostError:
         """These requests' server state is unknown: free them there (best effort) and here."""

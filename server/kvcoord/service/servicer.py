@@ -76,7 +76,8 @@ class NullObserver:
 
 
 def _digest(request: Message) -> bytes:
-    """What binds an idempotency key to its request: a hash of the body minus the key."""
+    """What binds an idempotency key to its request: a hash of the whole request (the
+    key included, which a retry repeats unchanged)."""
     body = request.SerializeToString(deterministic=True)
     return hashlib.blake2b(body, digest_size=16).digest()
 

@@ -1,0 +1,144 @@
+"""vLLM 0.16.0's own Scheduler, in-process and on kvcoord, side by side in one run.
+
+    KVCOORD_VENV=$(scripts/install_vllm.sh --print-venv)
+    PYTHONPATH=client:server:tests PYTHONHASHSEED=0 $KVCOORD_VENV/bin/python bench/vllm_step.py \\
+        [--running 16 64 256] [--steps 60] [--warmup 10]
+
+For each number of running requests the same seeded workload (prompts 256-900 tokens,
+half sharing one of 8 prefixes, 16-128 output tokens, token budget 8,192, a pool large
+enough that nothing is preempted, full attention, prefix caching, events and stats on)
+runs through vLLM's ``Scheduler`` with its in-process KVCacheManager and with
+``KVCoordScheduler`` on a kvcoord server process on loopback (an exclusive session,
+as ``--scheduler-cls`` gives by default). A step is ``schedule()`` plus
+``update_from_output()`` with a fake model output. Prints p50 / p99 per step, the
+round trips per step (every RPC the manager's client makes) and the milliseconds kvcoord
+adds, and checks that every step's scheduler output is identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server"), str(ROOT / "tests" / "with_vllm")]
+
+from harness import (  # noqa: E402
+    BLOCK_SIZE,
+    SCHEDULERS,
+    fake_runner_output,
+    kv_cache_config,
+    make_scheduler,
+    summarize,
+    vllm_config,
+    write_model_dir,
+)
+from kvcoord.client.testing import start_server  # noqa: E402
+from kvcoord.client.vllm_scheduler import KVCoordScheduler  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+
+VOCAB = 1000
+
+
+def run(
+    sched: Any, running: int, steps: int, seed: int, counter: list[int] | None
+) -> tuple[list[float], list[Any]]:
+    hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+    rnd = random.Random(seed)
+    prefixes = [[rnd.randrange(VOCAB) for _ in range(rnd.choice((64, 128, 256)))] for _ in range(8)]
+    nid = 0
+
+    def add() -> None:
+        nonlocal nid
+        n = rnd.randint(256, 900)
+        tokens = (
+            (rnd.choice(prefixes) if rnd.random() < 0.5 else []) + [rnd.randrange(VOCAB) for _ in range(n)]
+        )[:n]
+        params = SamplingParams(max_tokens=rnd.randint(16, 128), ignore_eos=True)
+        sched.add_request(Request(f"r{nid}", tokens, params, None, None, block_hasher=hasher))
+        nid += 1
+
+    for _ in range(running):
+        add()
+    times, trace = [], []
+    for _ in range(steps):
+        while len(sched.requests) < running:
+            add()
+        if counter is not None:
+            counter.append(0)
+        t0 = time.perf_counter()
+        out = sched.schedule()
+        sched.update_from_output(out, fake_runner_output(sched, out))
+        times.append(time.perf_counter() - t0)
+        trace.append(summarize(out))
+    return times, trace
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(len(xs) * q))] * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--running", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--warmup", type=int, default=10)
+    args = ap.parse_args()
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'client'}:{ROOT / 'server'}")
+    server = start_server("", env=env)
+    model = write_model_dir(Path(tempfile.mkdtemp(prefix="kvcoord-bench-model-")))
+    print(f"{'running':>7} {'scheduler':<22} {'p50 ms':>8} {'p99 ms':>8} {'RTT/step':>9} {'+ms/step':>9}")
+    try:
+        for n in args.running:
+            blocks = n * (900 + 128) // BLOCK_SIZE * 2 + 64  # never full: nothing preempted
+            total = args.steps + args.warmup
+
+            def config() -> Any:
+                return vllm_config(
+                    model, blocks, async_scheduling=False, max_num_seqs=n, max_num_batched_tokens=8192
+                )
+
+            local = make_scheduler(SCHEDULERS["sync"], config(), kv_cache_config("full", blocks))
+            base_t, base_trace = run(local, n, total, seed=n, counter=None)
+            base = sorted(base_t[args.warmup :])[len(base_t[args.warmup :]) // 2] * 1e3
+            print(f"{n:>7} {'vLLM in-process':<22} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f}")
+            os.environ["KVCOORD_TARGET"] = server.address
+            os.environ["KVCOORD_POOL"] = f"bench-{n}"
+            remote = make_scheduler(KVCoordScheduler, config(), kv_cache_config("full", blocks))
+            counts: list[int] = []
+            client = remote.kv_cache_manager.remote.client
+            inner = client._call
+
+            def counted(rpc: str, request: Any, inner: Any = inner) -> Any:
+                if counts:
+                    counts[-1] += 1
+                return inner(rpc, request)
+
+            client._call = counted  # type: ignore[method-assign]
+            t, trace = run(remote, n, total, seed=n, counter=counts)
+            assert trace == base_trace, "kvcoord's scheduler decided differently"
+            med = sorted(t[args.warmup :])[len(t[args.warmup :]) // 2] * 1e3
+            trips = sum(counts[args.warmup :]) / len(counts[args.warmup :])
+            print(f"{n:>7} {'KVCoordScheduler':<22} {med:8.2f} {pct(t[args.warmup:], 0.99):8.2f} "
+                  f"{trips:9.2f} {med - base:9.2f}")  # fmt: skip
+            remote.shutdown()
+        print("scheduler outputs identical on every step")
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -106,7 +106,7 @@ def main() -> None:
             blocks = n * (900 + 128) // BLOCK_SIZE * 2 + 64  # never full: nothing preempted
             total = args.steps + args.warmup
 
-            def config() -> Any:
+            def config(blocks: int = blocks, n: int = n) -> Any:
                 return vllm_config(
                     model, blocks, async_scheduling=False, max_num_seqs=n, max_num_batched_tokens=8192
                 )
@@ -122,7 +122,7 @@ def main() -> None:
             client = remote.kv_cache_manager.remote.client
             inner = client._call
 
-            def counted(rpc: str, request: Any, inner: Any = inner) -> Any:
+            def counted(rpc: str, request: Any, inner: Any = inner, counts: list[int] = counts) -> Any:
                 if counts:
                     counts[-1] += 1
                 return inner(rpc, request)

@@ -167,7 +167,7 @@ def test_answers_live_for_the_window_and_eviction_is_never_a_reapply() -> None:
     """Past the byte budget an answer becomes a tombstone (ANSWER_EVICTED, never
     applied again); past the window everything of it goes."""
     clock = ManualClock()
-    store = IdempotencyStore(clock, window=60, max_bytes=800)
+    store = IdempotencyStore(clock, window=60, max_bytes=500)
     store.remember("s", "Step", "old", b"d", b"x" * 300)
     clock.advance(1)
     store.remember("s", "Step", "new", b"d", b"y" * 300)
@@ -314,3 +314,15 @@ def test_admit_equals_lookups_and_allocations_one_by_one() -> None:
     (spent,) = batch.apply(s2, [op.Admit([new("x", list(range(8))), new("y", list(range(8)))], 3)])
     assert isinstance(spent.value, op.Admitted) and len(spent.value.outcomes) == 1
     assert "x" in batch.engine.requests and "y" not in batch.engine.requests
+
+
+def test_budget_eviction_does_not_rescan_tombstones() -> None:
+    """Over its byte budget the store evicts oldest answers one at a time: many
+    tombstones ahead do not make each new answer rescan them (O(1) per answer)."""
+    store = IdempotencyStore(ManualClock(), window=600, max_bytes=50_000)
+    for i in range(20_000):
+        store.remember("s", "Step", f"k{i}", b"d", b"x" * 100)
+    assert store.bytes <= 50_000 and len(store._answered) <= 500  # 500 answers of 100 bytes kept
+    assert store.lookup("s", "Step", "k19999", b"d") == b"x" * 100
+    with pytest.raises(ServiceError):
+        store.lookup("s", "Step", "k0", b"d")  # a tombstone: answered once, never again

@@ -2,9 +2,10 @@
 
 A key belongs to one session and one RPC and is bound to the request's content (a
 digest of its bytes). Answers are kept for ``window`` seconds after they were made;
-a byte budget bounds memory. An answer pushed out early by the budget leaves a
-tombstone (scope, key, digest), so a retry of it is refused with ANSWER_EVICTED
-instead of being applied a second time. A session's keys go when the session ends.
+a byte budget bounds the answers' memory. An answer pushed out early by the budget
+leaves a tombstone (scope, key, digest: about 200 bytes, kept for the window like every
+key), so a retry of it is refused with ANSWER_EVICTED instead of being applied a second
+time. A session's keys go when the session ends.
 
 Plain Python, no gRPC messages: answers are opaque bytes, digests are bytes.
 """
@@ -20,9 +21,6 @@ import grpc
 from .errors import ErrorReason, ServiceError
 
 __all__ = ["IdempotencyStore", "Stored"]
-
-#: Bytes charged per entry on top of the answer (key, digest, bookkeeping).
-ENTRY_OVERHEAD = 160
 
 
 @dataclasses.dataclass(slots=True)
@@ -48,6 +46,9 @@ class IdempotencyStore:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._entries: collections.OrderedDict[tuple[str, str], Stored] = collections.OrderedDict()
+        #: entries that may still hold an answer, oldest first (the budget evicts from
+        #: the left; entries whose answer is gone are skipped), so eviction is O(1) each
+        self._answered: collections.deque[Stored] = collections.deque()
         self._by_session: dict[str, set[str]] = {}
 
     def __len__(self) -> int:
@@ -91,11 +92,14 @@ class IdempotencyStore:
             return
         now = self.clock()
         old = self._entries.pop((session_id, key), None)
-        if old is not None and old.answer is not None:
-            self.bytes -= len(old.answer)
-        self._entries[(session_id, key)] = Stored(rpc, digest, now, answer)
+        if old is not None:
+            self.bytes -= len(old.answer) if old.answer is not None else 0
+            old.answer = None
+        entry = Stored(rpc, digest, now, answer)
+        self._entries[(session_id, key)] = entry
+        self._answered.append(entry)
         self._by_session.setdefault(session_id, set()).add(key)
-        self.bytes += len(answer) + ENTRY_OVERHEAD
+        self.bytes += len(answer)
         self._evict_to_budget()
 
     def drop_session(self, session_id: str) -> None:
@@ -103,7 +107,8 @@ class IdempotencyStore:
         for key in self._by_session.pop(session_id, ()):
             entry = self._entries.pop((session_id, key), None)
             if entry is not None:
-                self.bytes -= (len(entry.answer) if entry.answer is not None else 0) + ENTRY_OVERHEAD
+                self.bytes -= len(entry.answer) if entry.answer is not None else 0
+                entry.answer = None
 
     def expire(self) -> None:
         """Drop entries older than the window (oldest first, so this stops early)."""
@@ -114,7 +119,8 @@ class IdempotencyStore:
             if entry.made_at > horizon:
                 break
             del entries[(sid, key)]
-            self.bytes -= (len(entry.answer) if entry.answer is not None else 0) + ENTRY_OVERHEAD
+            self.bytes -= len(entry.answer) if entry.answer is not None else 0
+            entry.answer = None
             keys = self._by_session.get(sid)
             if keys is not None:
                 keys.discard(key)
@@ -132,17 +138,17 @@ class IdempotencyStore:
         """Load entries made by :meth:`export` (ages count back from now)."""
         now = self.clock()
         for sid, key, rpc, digest, age, answer in entries:
-            self._entries[(sid, key)] = Stored(rpc, digest, now - age, answer)
+            entry = Stored(rpc, digest, now - age, answer)
+            self._entries[(sid, key)] = entry
+            self._answered.append(entry)
             self._by_session.setdefault(sid, set()).add(key)
-            self.bytes += (len(answer) if answer is not None else 0) + ENTRY_OVERHEAD
+            self.bytes += len(answer) if answer is not None else 0
 
     def _evict_to_budget(self) -> None:
         """Turn the oldest answers into tombstones until the budget holds again."""
-        if self.bytes <= self.max_bytes:
-            return
-        for entry in self._entries.values():
-            if self.bytes <= self.max_bytes:
-                break
+        answered = self._answered
+        while answered and (self.bytes > self.max_bytes or answered[0].answer is None):
+            entry = answered.popleft()
             if entry.answer is not None:
                 self.bytes -= len(entry.answer)
                 entry.answer = None

@@ -326,3 +326,14 @@ def test_budget_eviction_does_not_rescan_tombstones() -> None:
     assert store.lookup("s", "Step", "k19999", b"d") == b"x" * 100
     with pytest.raises(ServiceError):
         store.lookup("s", "Step", "k0", b"d")  # a tombstone: answered once, never again
+
+
+def test_a_promised_allocation_whose_hit_went_stale_is_loud() -> None:
+    """A hit that went stale under an allocation the client already answered is
+    PREDICTION_FAILED (never a quiet stale_hit the client cannot take back)."""
+    p = make()
+    s = attach(p)
+    bogus = CacheHit(((30, 31), (0, 31)), 8)
+    (o,) = p.apply(s, [op.Allocate(new("b", list(range(9))), 1, 8, bogus, must_succeed=True)])
+    assert o.error is not None and o.error.reason is ErrorReason.PREDICTION_FAILED
+    assert "b" not in p.engine.requests

@@ -469,8 +469,11 @@ class PoolService:
                 raise self._prediction_failed(rid)
         except StaleCacheHitError:
             # A concurrency conflict, not bad input: an outcome with nothing changed
-            # (the request sync that came with it is undone too).
+            # (the request sync that came with it is undone too) -- unless the client
+            # already answered it as a success.
             undo()
+            if o.must_succeed:
+                raise self._prediction_failed(rid) from None
             return op.AllocateOutcome(None, o.num_new_tokens, stale_hit=True)
         except Exception:
             undo()

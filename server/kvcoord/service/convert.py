@@ -202,7 +202,7 @@ def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
         s.base_num_tokens,
         s.base_num_hashes,
         s.num_computed_tokens if s.HasField("num_computed_tokens") else None,
-        lora_from_pb(s.lora),
+        lora_from_pb(s.lora) if s.HasField("lora") else None,
         s.skip_reading_prefix_cache,
         s.num_preemptions if s.HasField("num_preemptions") else None,
     )
@@ -213,7 +213,7 @@ def allocate_from_pb(a: pb.AllocateOp, num_groups: int) -> op.Allocate:
         sync_from_pb(a.request),
         a.num_new_tokens,
         a.num_new_computed_tokens,
-        hit_from_pb(a.new_computed_blocks, num_groups),
+        hit_from_pb(a.new_computed_blocks, num_groups) if a.HasField("new_computed_blocks") else None,
         a.num_lookahead_tokens,
         a.num_external_computed_tokens,
         a.delay_cache_blocks,

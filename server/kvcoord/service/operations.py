@@ -2,7 +2,9 @@
 
 The servicer converts wire messages into these (``convert.py``); the pool service
 (``pool_service.py``) applies them. Sequences may be any sequence type, so a wire
-container can be passed through without copying.
+container can be passed through without copying. They are values: nothing changes one
+after it is built. They are not ``frozen`` dataclasses only because a frozen one costs
+five times as much to build, and a Step builds a few per operation.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ __all__ = [
 BlockIds = tuple[tuple[int, ...], ...]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class RequestSync:
     """A positioned change to one request (see the proto's RequestSync)."""
 
@@ -56,12 +58,12 @@ class RequestSync:
     num_preemptions: int | None = None
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Lookup:
     sync: RequestSync
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Allocate:
     sync: RequestSync
     num_new_tokens: int
@@ -76,64 +78,64 @@ class Allocate:
     return_table: bool = False
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Free:
     request_id: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Preempt:
     request_id: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class CacheBlocks:
     sync: RequestSync
     num_computed_tokens: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class RemoveSkipped:
     sync: RequestSync
     total_computed_tokens: int
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class EvictBlocks:
     block_ids: Sequence[int]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class GetBlockIds:
     request_id: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class CommonPrefix:
     request_id: str
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class ResetPrefixCache:
     pass
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class TakeEvents:
     pass
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class MakeStats:
     peek: bool = False
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Sync:
     sync: RequestSync
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Admit:
     """Admit waiting requests in order (see the proto's AdmitOp)."""
 
@@ -160,7 +162,7 @@ Operation = (
 )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class AllocateOutcome:
     """allocate_slots' answer: ``new_block_ids`` is None when refused or stale."""
 
@@ -176,14 +178,14 @@ class AllocateOutcome:
         return self.new_block_ids is None and not self.stale_hit
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Admitted:
     """One outcome per request processed by an Admit, in order."""
 
     outcomes: list[AllocateOutcome]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class EventsTaken:
     events: list[KVCacheEvent]
     gap: bool
@@ -204,7 +206,7 @@ Value = (
 )
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Outcome:
     value: Value = None
     error: ServiceError | None = None

@@ -301,3 +301,117 @@ def test_exclusive_worker_back_from_a_partition_takes_its_pool_again(started: li
         assert m.allocate_slots(Req("c", list(range(8))), 8) is not None
         m.flush()
         assert m.session_id != old and set(held(c)) == {"c"}  # "a" freed with the old session
+
+
+@pytest.mark.parametrize("path", ["take_events", "usage"])
+def test_a_lost_session_is_never_swallowed(started: list[InProcessServer], path: str) -> None:
+    """Calls nobody waits for (take_events, usage after queued calls) raise the loss of
+    the session, and a request reported lost cannot be used as if it held blocks: it
+    must be reset (preempted) first. (Before, the loss went unreported and the next
+    allocate registered the request afresh: a second table handed out as new blocks.)"""
+    clock = ManualClock()
+    server = start(started, clock=clock)
+    with KVCoordClient(server.address) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0", renew=False)
+        a = Req("a", list(range(16)))
+        assert m.allocate_slots(a, 16) is not None
+        a.num_computed_tokens = 16
+        if path == "usage":
+            m.cache_blocks(a, 16)  # something queued, so usage has to send it
+        clock.advance(31)
+        server.call(server.running.servicer.reap_expired_sessions)  # type: ignore[union-attr]
+        with pytest.raises(RequestsLostError) as lost:
+            _ = m.take_events() if path == "take_events" else m.usage
+        assert lost.value.request_ids == ["a"]
+        a.all_token_ids.append(99)
+        with pytest.raises(RequestsLostError):
+            m.allocate_slots(a, 1)  # still "running" in the scheduler: refused, loudly
+        assert held(c) == {}
+        a.num_computed_tokens = 0  # the scheduler preempts it: a fresh start is fine
+        assert m.allocate_slots(a, len(a.all_token_ids)) is not None
+
+
+def test_a_failed_admit_keeps_nothing_of_the_failing_request(started: list[InProcessServer]) -> None:
+    """An admission that meets an invalid request stops before it: the admitted ones
+    stand (client and server agree), the bad one fails on its own next time."""
+    server = start(started)
+    with KVCoordClient(server.address) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0", exclusive=True)
+        good, bad = Req("r1", list(range(8))), Req("r2", list(range(300)))  # 300 > max_model_len
+        out = m.admit([good, bad], 1000)
+        assert len(out) == 1 and out[0][3] is not None
+        assert set(held(c)) == {"r1"}
+        good.num_computed_tokens = 8
+        assert m.allocate_slots(good, 1) is not None  # positions agree: no SYNC_MISMATCH
+        m.flush()
+        with pytest.raises(InvalidArgumentError):
+            m.admit([bad], 1000)
+        assert set(held(c)) == {"r1"}
+
+
+def test_a_promised_allocation_aborted_by_an_earlier_failure_is_lost_loudly(
+    started: list[InProcessServer],
+) -> None:
+    """When a queued call fails and aborts a promised allocation behind it, the promise
+    raises RequestsLostError (never a plain AbortedError), and the budget forgets it."""
+    server = start(started)
+    with KVCoordClient(server.address) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0", exclusive=True)
+        x = Req("x", list(range(8)))
+        assert m.allocate_slots(x, 8) is not None
+        m.flush()
+        x.num_computed_tokens = 8
+        m.cache_blocks(x, 999)  # invalid: fails when sent, aborting what follows
+        y = Req("y", list(range(40)))
+        promised = m.allocate_slots(y, 40)
+        assert promised is not None
+        with pytest.raises(InvalidArgumentError):
+            m.flush()
+        with pytest.raises(RequestsLostError):
+            promised.get_block_ids()
+        assert "y" not in m.budget.lengths and "y" not in held(c)
+
+
+def test_a_failed_allocate_that_changed_the_pool_is_journaled(
+    started: list[InProcessServer], tmp_path: Path
+) -> None:
+    """A must_succeed refusal still removes sliding-window blocks (as vLLM's refusals
+    do) and fails: the journal has it, so a restart recovers exactly that state (before,
+    the recovered pool gave the freed blocks back to the old request)."""
+    from kvcoord.client import _requests as rq
+
+    pool = POOL.replace("enable_caching = true", "enable_caching = false")
+
+    def tables(c: KVCoordClient) -> object:
+        r = c.inspect_pool("p", all_requests=True, free_queue_limit=64)
+        return {x.request_id: [list(g.block_ids) for g in x.groups] for x in r.requests}, list(
+            r.free_queue_head
+        )
+
+    first = InProcessServer(pool, data_dir=str(tmp_path), durability="journal").start()
+    started.append(first)
+    port = int(first.address.rsplit(":", 1)[1])
+    with KVCoordClient(first.address) as c:
+        att = c.attach("p", "sha256_cbor", 4, "0")
+        sid, fence = att.session_id, att.fence
+
+        def alloc(rid: str, n: int) -> None:
+            sync = pb.RequestSync(request_id=rid, append_token_ids=list(range(n)), new_request=True)
+            c.allocate("p", rq.allocate_op(sync, n), sid, fence)
+
+        alloc("a", 20)
+        alloc("f", 96)
+        sync = pb.RequestSync(request_id="a", base_num_tokens=20, append_token_ids=list(range(20, 60)),
+                              num_computed_tokens=20)  # fmt: skip
+        op = rq.allocate_op(sync, 40)
+        op.must_succeed = True
+        with pytest.raises(Exception, match="PREDICTION_FAILED|refused an allocation"):
+            c.allocate("p", op, sid, fence)
+        alloc("g", 12)
+        live = tables(c)
+    first.stop()
+    started.remove(first)
+    second = InProcessServer(pool, data_dir=str(tmp_path), durability="journal", port=port).start()
+    started.append(second)
+    with KVCoordClient(second.address) as c:
+        assert tables(c) == live

@@ -235,6 +235,8 @@ class Ops:
         # Forgotten now: if the request comes back before the free is sent, it is
         # registered again after it (the server applies calls in order).
         self.m.tracker.forget([rid])
+        self.m.budget.forget(rid)
+        self.m.tracker.lost.discard(rid)  # a lost request the scheduler frees is settled
         return Item(
             pb.Operation(free=pb.FreeOp(request_id=rid)), lambda r: None, [], Pending(), deferred=True
         )

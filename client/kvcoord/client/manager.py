@@ -56,7 +56,7 @@ from .errors import (
 )
 from .hashing import RandomSeedError, none_hash
 from .promises import BlockBudget
-from .session import SessionKeeper
+from .session import LEASE_MARGIN, SessionKeeper
 from .tracking import RequestTracker
 
 __all__ = ["KVCacheBlockIds", "Pending", "RemoteKVCacheManager", "StepBatcher"]
@@ -275,7 +275,8 @@ class RemoteKVCacheManager:
 
     def free(self, request: Any) -> None:
         """Free the request's blocks (sent with the next call)."""
-        self.budget.forget(request if isinstance(request, str) else request.request_id)
+        rid = request if isinstance(request, str) else request.request_id
+        self.tracker.lost.discard(rid)  # vLLM frees finished and preempted requests alike
         self._defer(self._ops.free(request))
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
@@ -382,17 +383,21 @@ class RemoteKVCacheManager:
             resp = self.client.step(
                 self.pool, [i.op for i in items], keeper.session_id, keeper.fence, include_state=True
             )
-            if keeper.clock() >= sent + keeper.lease:
+            if keeper.clock() >= sent + keeper.lease * (1 - LEASE_MARGIN):
                 raise LeaseExpiredError("the answer came after the session's lease could have ended")
-        except (SessionExpiredError, FencedError, LeaseExpiredError) as err:
-            self._fail_all(items, self._session_lost(err))
-            return
-        except (OutcomeUnknownError, AnswerEvictedError) as err:
-            self._fail_all(items, self._forget([rid for i in items for rid in i.touched], err))
-            return
         except KVCoordError as err:
-            self.tracker.rollback()
-            self._fail_all(items, err)
+            if isinstance(err, (SessionExpiredError, FencedError, LeaseExpiredError)):
+                failure: KVCoordError = self._session_lost(err)
+            elif isinstance(err, (OutcomeUnknownError, AnswerEvictedError)):
+                failure = self._forget([rid for i in items for rid in i.touched], err)
+            else:
+                self.tracker.rollback()
+                failure = err
+            self._fail_all(items, failure)
+            if not items or any(i.deferred for i in items):
+                # Queued calls have no caller waiting to see this: the caller that sent
+                # them (take_events, usage, flush, close, any other call) must.
+                raise failure from None
             return
         keeper.renewed(sent)
         keeper.adopt(resp.fence)
@@ -414,10 +419,16 @@ class RemoteKVCacheManager:
                         rest.pending._fail(lost)
                 failed = failed or lost
                 break
-            if isinstance(op_err, (SyncMismatchError, RequestUnknownError)) and item.touched:
-                # The server holds another state than this client believed: the
-                # request cannot be trusted any more.
+            kind = item.op.WhichOneof("op")
+            promised = kind == "allocate" and item.op.allocate.must_succeed
+            if (promised or isinstance(op_err, (SyncMismatchError, RequestUnknownError))) and item.touched:
+                # The server holds another state than this client believed (or than it
+                # already told its caller): the request cannot be trusted any more.
                 op_err = self._forget(item.touched, op_err)
+            elif kind == "free" and item.deferred:
+                # A queued free did not happen and nobody waits to see it: free the
+                # request now, or its blocks stay held by a request the client forgot.
+                self._free_now(item.op.free.request_id)
             item.pending._fail(op_err)
             if item.deferred and failed is None:
                 failed = op_err
@@ -467,16 +478,21 @@ class RemoteKVCacheManager:
             pass  # already gone, or unreachable (then its lease ends it)
         self.keeper.attach()
 
+    def _free_now(self, request_id: str) -> None:
+        """Free a request on the server at once (best effort: if the session is gone,
+        its lease frees it anyway)."""
+        try:
+            self.client.free(self.pool, [request_id], session_id=self.session_id, fence=self.keeper.fence)
+        except KVCoordError:
+            pass
+
     def _forget(self, request_ids: Sequence[str], err: KVCoordError) -> RequestsLostError:
         """These requests' server state is unknown: free them there (best effort) and here."""
-        lost = self.tracker.forget(request_ids)
+        lost = self.tracker.forget(request_ids, lost=True)
         for rid in request_ids:
             self.budget.forget(rid)
         self._free_estimate = None  # re-learned from the next answer
         for rid in lost:
-            try:
-                self.client.free(self.pool, [rid], session_id=self.session_id, fence=self.keeper.fence)
-            except KVCoordError:
-                pass  # unknown there already, or the session is gone (then it is freed anyway)
+            self._free_now(rid)  # unknown there already, or freed
         self.lost_requests += len(lost)
         return RequestsLostError(lost, err)

@@ -118,10 +118,13 @@ class SessionKeeper:
     def heartbeat(self) -> None:
         """Renew now; records a lost session in ``lost`` (never raises)."""
         sent = self.clock()
+        session_id = self.session_id
         try:
-            response = self.client.heartbeat(self.session_id, self.fence)
+            response = self.client.heartbeat(session_id, self.fence)
         except (SessionExpiredError, FencedError) as err:
-            self.lost = err
+            with self._lock:
+                if self.session_id == session_id:  # not a session replaced meanwhile
+                    self.lost = err
             return
         except KVCoordError as err:  # transient: the next attempt may succeed
             logger.warning("session renewal failed: %s", err)
@@ -129,6 +132,8 @@ class SessionKeeper:
         except Exception as err:  # noqa: BLE001 - e.g. the channel was closed under us
             logger.warning("session renewal failed: %r", err)
             return
+        if self.session_id != session_id:
+            return  # renewed a session that was replaced meanwhile
         self.renewals += 1
         self.adopt(response.fence)
         self.renewed(sent)

@@ -13,11 +13,29 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
+from .errors import KVCoordError, RequestsLostError
 from .hashing import BlockHasher, MultiModalItem
 
-__all__ = ["RequestTracker"]
+__all__ = ["LostRequestInUseError", "RequestTracker"]
+
+
+class LostRequestInUseError(RequestsLostError):
+    """A request reported lost is used as if it still held its blocks (the scheduler
+    must preempt it: reset its computed tokens and start it again)."""
+
+    def __init__(self, request_id: str) -> None:
+        super().__init__(
+            [request_id],
+            KVCoordError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request {request_id!r} was reported lost; preempt it (computed tokens back to 0) "
+                "before using it again",
+                "REQUEST_LOST",
+            ),
+        )
 
 
 @dataclasses.dataclass(slots=True)
@@ -52,6 +70,8 @@ class RequestTracker:
         self.enable_caching = config.enable_caching
         self.none_hash = none_hash
         self._tracked: dict[str, _Tracked] = {}
+        #: requests reported lost (RequestsLostError) that the scheduler has not reset yet
+        self.lost: set[str] = set()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._tracked
@@ -68,6 +88,13 @@ class RequestTracker:
         rid = request.request_id
         t = self._tracked.get(rid)
         if t is None:
+            if rid in self.lost:
+                if int(request.num_computed_tokens):
+                    # The scheduler still runs a request this client reported lost: its
+                    # blocks are gone; registering it afresh would hand out a second
+                    # table as if it were new blocks.
+                    raise LostRequestInUseError(rid)
+                self.lost.discard(rid)  # reset by the scheduler (preempted): a new start
             t = _Tracked(self._hasher(request))
             self._tracked[rid] = t
         tokens = request.all_token_ids
@@ -125,13 +152,19 @@ class RequestTracker:
             if tracked is not None:
                 tracked.rollback()
 
-    def forget(self, request_ids: Iterable[str]) -> list[str]:
-        """Stop tracking these requests; returns those that were tracked."""
-        return [rid for rid in dict.fromkeys(request_ids) if self._tracked.pop(rid, None) is not None]
+    def forget(self, request_ids: Iterable[str], lost: bool = False) -> list[str]:
+        """Stop tracking these requests; returns those that were tracked. With ``lost``
+        they are remembered as lost until the scheduler resets them."""
+        gone = [rid for rid in dict.fromkeys(request_ids) if self._tracked.pop(rid, None) is not None]
+        if lost:
+            self.lost.update(gone)
+        return gone
 
     def clear(self) -> list[str]:
+        """Forget every request, remembering them as lost (the session is gone)."""
         gone = list(self._tracked)
         self._tracked.clear()
+        self.lost.update(gone)
         return gone
 
     def _hasher(self, request: Any) -> BlockHasher | None:

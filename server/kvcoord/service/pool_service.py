@@ -515,9 +515,11 @@ class PoolService:
         return None
 
     def _get_block_ids(self, s: Session, o: op.GetBlockIds) -> op.Value:
+        self._owned(s, o.request_id)
         return self.engine.get_block_ids(o.request_id)
 
     def _common_prefix(self, s: Session, o: op.CommonPrefix) -> op.Value:
+        self._owned(s, o.request_id)
         return self.engine.get_num_common_prefix_blocks(o.request_id)
 
     def _reset(self, s: Session, o: op.ResetPrefixCache) -> op.Value:
@@ -560,7 +562,12 @@ class PoolService:
         for sync in o.syncs:
             if budget <= 0:
                 break
-            undo = self.sync(s, sync)
+            try:
+                undo = self.sync(s, sync)
+            except Exception:
+                if out:
+                    break  # stop before it (see below)
+                raise
             rid = sync.request_id
             try:
                 hit = engine.get_computed_blocks(rid)
@@ -570,6 +577,10 @@ class PoolService:
                 )
             except Exception:
                 undo()
+                if out:
+                    # Stop before the failing request (nothing of it applied): the
+                    # admitted ones stand, and it fails on its own at the next admit.
+                    break
                 raise
             out.append(op.AllocateOutcome(new, n, hit))
             if new is None:

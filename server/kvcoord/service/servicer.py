@@ -259,6 +259,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             return await self._durable(replayed)
         (outcome,) = service.apply(s, [allocate_from_pb(request.op, len(service.config.groups))])
         if outcome.error is not None:
+            # A refusal turned into an error (must_succeed) has still removed skipped
+            # blocks, as vLLM's refusals do: journal the call so recovery replays it too.
+            self.registry.recorder.called(service, "Allocate", request, "", b"", pb.AllocateResponse())
+            await self.registry.recorder.durable()
             raise outcome.error
         assert isinstance(outcome.value, op.AllocateOutcome)
         e = service.engine

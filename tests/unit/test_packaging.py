@@ -82,7 +82,8 @@ def test_public_exports_are_pinned() -> None:
     assert sorted(kvcoord.engine.__all__) == sorted([
         "AllBlocksCleared", "AllocationResult", "AttentionSpec", "BlockRemoved", "BlockStored", "CacheHit",
         "ChunkedLocalAttentionSpec", "ConfigError", "CrossAttentionSpec", "EngineError", "ErrorStatus",
-        "FailedPreconditionError", "FullAttentionSpec", "InvalidArgumentError", "KVCacheConfig", "KVCacheEvent",
+        "FailedPreconditionError", "FullAttentionSpec", "HintMismatchError", "InvalidArgumentError", "KVCacheConfig",
+            "KVCacheEvent",
         "KVCachePool", "LoRA", "LookupCounters", "MambaCacheMode", "MambaSpec", "PoolSnapshot", "PrefixCacheStats",
         "RequestCheckpoint", "RequestExistsError", "RequestNotFoundError", "SlidingWindowSpec", "StaleCacheHitError",
         "attention_groups", "hash_to_int64",

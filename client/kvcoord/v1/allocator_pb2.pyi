@@ -341,19 +341,27 @@ class CacheHit(_message.Message):
     def __init__(self, groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupOp(_message.Message):
-    __slots__ = ("request",)
+    __slots__ = ("request", "hint", "walk_limit", "answered")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
+    WALK_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_FIELD_NUMBER: _ClassVar[int]
     request: RequestSync
-    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ...) -> None: ...
+    hint: bool
+    walk_limit: int
+    answered: CacheHit
+    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., hint: _Optional[bool] = ..., walk_limit: _Optional[int] = ..., answered: _Optional[_Union[CacheHit, _Mapping]] = ...) -> None: ...
 
 class LookupResult(_message.Message):
-    __slots__ = ("hit",)
+    __slots__ = ("hit", "eviction_margin")
     HIT_FIELD_NUMBER: _ClassVar[int]
+    EVICTION_MARGIN_FIELD_NUMBER: _ClassVar[int]
     hit: CacheHit
-    def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ...) -> None: ...
+    eviction_margin: int
+    def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ..., eviction_margin: _Optional[int] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed", "return_table")
+    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed", "return_table", "must_refuse")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -365,6 +373,7 @@ class AllocateOp(_message.Message):
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     MUST_SUCCEED_FIELD_NUMBER: _ClassVar[int]
     RETURN_TABLE_FIELD_NUMBER: _ClassVar[int]
+    MUST_REFUSE_FIELD_NUMBER: _ClassVar[int]
     request: RequestSync
     num_new_tokens: int
     num_new_computed_tokens: int
@@ -376,7 +385,8 @@ class AllocateOp(_message.Message):
     lookup: bool
     must_succeed: bool
     return_table: bool
-    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ..., return_table: _Optional[bool] = ...) -> None: ...
+    must_refuse: bool
+    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ..., return_table: _Optional[bool] = ..., must_refuse: _Optional[bool] = ...) -> None: ...
 
 class AllocateResult(_message.Message):
     __slots__ = ("refused", "new_block_ids", "hit", "num_new_tokens", "stale_hit", "table")

@@ -27,6 +27,7 @@ __all__ = [
     "EngineError",
     "ErrorStatus",
     "FailedPreconditionError",
+    "HintMismatchError",
     "InvalidArgumentError",
     "RequestExistsError",
     "RequestNotFoundError",
@@ -82,4 +83,13 @@ class StaleCacheHitError(FailedPreconditionError):
 
     Hits are hints: another request may have evicted the blocks between the lookup
     and the allocation. Look up again, or let the pool do both atomically.
+    """
+
+
+class HintMismatchError(FailedPreconditionError):
+    """A lookup the client answered itself differs from the pool's own answer.
+
+    Only a client that proves its answer from a hint (see ``KVCachePool.lookup_hint``)
+    sends one; a mismatch means the proof was wrong and the client's decisions
+    since then cannot be trusted.
     """

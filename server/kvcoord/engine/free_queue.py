@@ -209,6 +209,33 @@ class FreeKVCacheBlockQueue:
         self._head = 0
         self._dead = 0
 
+    def first_position(self, block_ids: set[int], limit: int) -> int:
+        """How many free blocks are ahead of the first of ``block_ids`` in the queue
+        (blocks that must leave the queue before it can be reused), or ``limit`` when
+        none of them is among the first ``limit`` free blocks. O(position) per call.
+        """
+        if not block_ids:
+            return limit
+        pos = self._num_blocks - self._next_fresh  # never-used blocks hold no hash
+        if pos >= limit:
+            return limit
+        queue = self._queue
+        pending: dict[int, int] = {}  # dead entries met so far, per block (not consumed)
+        for i in range(self._head, len(queue)):
+            block = queue[i]
+            bid = block.block_id
+            if block.stale_entries:
+                seen = pending.get(bid, 0)
+                if seen < block.stale_entries:
+                    pending[bid] = seen + 1
+                    continue
+            if bid in block_ids:
+                return pos
+            pos += 1
+            if pos >= limit:
+                return limit
+        return limit
+
     def head_ids(self, limit: int | None = None) -> list[int]:
         """Block ids from the head, at most ``limit`` of them (all when ``None``)."""
         fresh, end = self._next_fresh, self._num_blocks

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from .blocks import KVCacheBlock
 from .config import KVCacheConfig
 from .coordinators import KVCacheCoordinator
-from .errors import FailedPreconditionError, InvalidArgumentError, StaleCacheHitError
+from .errors import FailedPreconditionError, HintMismatchError, InvalidArgumentError, StaleCacheHitError
 from .hash_list import hashes_at_block_size, request_keys
 from .managers import CrossAttentionManager
 from .request import Request
@@ -95,6 +95,46 @@ class PrefixHits:
             return CacheHit(self._no_hit_blocks, 0)
         hit, lists = self.search(request_keys(req.block_hashes, req.cache_prefix), len(req.all_token_ids))
         self.record_lookup(req, hit, lists)
+        return hit
+
+    def hint(self, req: Request, walk_limit: int) -> tuple[CacheHit, int]:
+        """The request's hit, recorded nowhere, and its eviction margin.
+
+        The margin is how many blocks may leave the free queue (allocated from its head,
+        or taken out of it by adopted hits) before a block of this hit that is free now
+        could be reused: the free blocks ahead of the first of them (``walk_limit``
+        caps the walk, and the margin). Blocks held now are not counted: one freed
+        later goes to the tail, behind every block then free, which the caller knows
+        better (at most the free blocks now, when it knows nothing of its frees).
+        """
+        limit = max(walk_limit, 0)
+        if not self.enable_caching or req.skip_reading_prefix_cache:
+            return CacheHit(self._no_hit_blocks, 0), limit
+        hit, _ = self.search(request_keys(req.block_hashes, req.cache_prefix), len(req.all_token_ids))
+        blocks = self.block_pool.blocks
+        free = {bid for ids in hit.block_ids for bid in ids if bid and not blocks[bid].ref_cnt}
+        return hit, self.block_pool.free_block_queue.first_position(free, limit)
+
+    def check_answered(self, req: Request, answered: CacheHit) -> CacheHit:
+        """A lookup the client answered itself (from a hint it could prove still holds):
+        search now, require the same hit, and record the lookup as :meth:`lookup` does.
+
+        Raises:
+            HintMismatchError: the hit now differs (nothing is recorded or changed).
+        """
+        if not self.enable_caching or req.skip_reading_prefix_cache:
+            hit = CacheHit(self._no_hit_blocks, 0)
+            lists: list[list[int]] = [[] for _ in self.managers]
+        else:
+            hit, lists = self.search(request_keys(req.block_hashes, req.cache_prefix), len(req.all_token_ids))
+        given = tuple(tuple(ids) for ids in answered.block_ids)
+        if hit.num_tokens != answered.num_tokens or hit.block_ids != given:
+            raise HintMismatchError(
+                f"request {req.request_id!r}: the client answered its lookup with a hit of "
+                f"{answered.num_tokens} tokens {given}, the pool has {hit.num_tokens} tokens {hit.block_ids}"
+            )
+        if self.enable_caching and not req.skip_reading_prefix_cache:
+            self.record_lookup(req, hit, lists)
         return hit
 
     def record_lookup(self, req: Request, hit: CacheHit, lists: list[list[int]]) -> None:

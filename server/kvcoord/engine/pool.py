@@ -220,6 +220,36 @@ class KVCachePool:
         req = self._get(request_id)
         return self._lookup(req)
 
+    def lookup_hint(self, request_id: str, walk_limit: int = 4096) -> tuple[CacheHit, int]:
+        """What :meth:`get_computed_blocks` would answer now, and the hit's eviction
+        margin; records nothing.
+
+        A client that is the pool's only user can keep answering the request's lookup
+        with this hit while it can prove nothing changed it: no more than ``margin``
+        blocks left the free queue (new blocks plus adopted hit blocks) and none of the
+        request's hashes past the hit was cached since (see :meth:`check_lookup`).
+
+        Args:
+            walk_limit: the most free-queue positions to walk (the margin's cap).
+        """
+        return self.hits.hint(self._get(request_id), walk_limit)
+
+    def check_lookup(
+        self, request_id: str, answered: CacheHit | Sequence[Sequence[int]], num_tokens: int
+    ) -> CacheHit:
+        """:meth:`get_computed_blocks` for a lookup the client already answered with
+        ``answered`` (``num_tokens`` long): the same search and statistics, but a
+        different hit raises instead of being returned.
+
+        Raises:
+            HintMismatchError: the pool's hit differs; nothing is recorded.
+        """
+        req = self._get(request_id)
+        hit = (
+            answered if isinstance(answered, CacheHit) else CacheHit(tuple(map(tuple, answered)), num_tokens)
+        )
+        return self.hits.check_answered(req, hit)
+
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], num_tokens: int, cache_namespace: str = ""
     ) -> CacheHit:

@@ -220,6 +220,7 @@ def allocate_from_pb(a: pb.AllocateOp, num_groups: int) -> op.Allocate:
         a.num_encoder_tokens,
         a.lookup,
         a.must_succeed,
+        a.must_refuse,
         a.return_table,
     )
 
@@ -230,7 +231,19 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
     if kind == "allocate":
         return allocate_from_pb(o.allocate, num_groups)
     if kind == "lookup":
-        return op.Lookup(sync_from_pb(o.lookup.request))
+        lk = o.lookup
+        if not lk.hint and not lk.HasField("answered"):
+            return op.Lookup(sync_from_pb(lk.request))
+        answered = None
+        if lk.HasField("answered"):
+            if len(lk.answered.groups) != num_groups:
+                raise ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"lookup.answered must have one block list per KV cache group ({num_groups}), "
+                    f"got {len(lk.answered.groups)}",
+                )
+            answered = CacheHit(tuple(tuple(g.block_ids) for g in lk.answered.groups), lk.answered.num_tokens)
+        return op.Lookup(sync_from_pb(lk.request), lk.hint, lk.walk_limit, answered)
     if kind == "free":
         return op.Free(o.free.request_id)
     if kind == "preempt":
@@ -340,6 +353,10 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
         r.admit.SetInParent()
         return r
     if isinstance(operation, op.Lookup):
+        if isinstance(v, op.Hinted):
+            return pb.OperationResult(
+                lookup=pb.LookupResult(hit=hit_to_pb(v.hit), eviction_margin=v.eviction_margin)
+            )
         assert isinstance(v, CacheHit)
         return pb.OperationResult(lookup=pb.LookupResult(hit=hit_to_pb(v)))
     if isinstance(operation, op.GetBlockIds):

@@ -60,7 +60,21 @@ class RequestSync:
 
 @dataclasses.dataclass(slots=True)
 class Lookup:
+    """get_computed_blocks; ``hint`` answers with the eviction margin and records
+    nothing; ``answered`` is the hit the client already answered with (checked)."""
+
     sync: RequestSync
+    hint: bool = False
+    walk_limit: int = 0
+    answered: CacheHit | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Hinted:
+    """A hint lookup's value: the hit and its eviction margin."""
+
+    hit: CacheHit
+    eviction_margin: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -75,6 +89,7 @@ class Allocate:
     num_encoder_tokens: int = 0
     lookup: bool = False
     must_succeed: bool = False
+    must_refuse: bool = False
     return_table: bool = False
 
 
@@ -195,6 +210,7 @@ class EventsTaken:
 #: error that stopped it.
 Value = (
     CacheHit
+    | Hinted
     | AllocateOutcome
     | Admitted
     | BlockIds

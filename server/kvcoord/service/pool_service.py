@@ -17,12 +17,23 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import grpc
-from kvcoord.engine import CacheHit, KVCacheConfig, KVCachePool, PrefixCacheStats, StaleCacheHitError
+from kvcoord.engine import (
+    CacheHit,
+    HintMismatchError,
+    KVCacheConfig,
+    KVCachePool,
+    PrefixCacheStats,
+    StaleCacheHitError,
+)
 
 from . import operations as op
 from .errors import ErrorReason, Position, ServiceError
 from .events import EventJournal
 from .sessions import Session, SessionTable
+
+#: free-queue positions a hint lookup walks by default, and at most
+DEFAULT_WALK_LIMIT = 4096
+MAX_WALK_LIMIT = 1 << 16
 
 __all__ = ["Fence", "Limits", "PoolService"]
 
@@ -433,11 +444,46 @@ class PoolService:
             raise
 
     def _lookup(self, s: Session, o: op.Lookup) -> op.Value:
-        return self._with_sync(s, o.sync, self.engine.get_computed_blocks)
+        if o.hint:
+            if o.answered is not None:
+                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a lookup is either a hint or answered")
+            if not s.exclusive:
+                raise ServiceError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "hint lookups need an exclusive session: with other sessions on the pool "
+                    "nothing the client can see proves a hint still holds",
+                )
+            limit = min(o.walk_limit or DEFAULT_WALK_LIMIT, MAX_WALK_LIMIT)
+
+            def hinted(rid: str) -> op.Value:
+                hit, margin = self.engine.lookup_hint(rid, limit)
+                return op.Hinted(hit, margin)
+
+            return self._with_sync(s, o.sync, hinted)
+        answered = o.answered
+        if answered is None:
+            return self._with_sync(s, o.sync, self.engine.get_computed_blocks)
+
+        def checked(rid: str) -> op.Value:
+            try:
+                return self.engine.check_lookup(rid, answered, answered.num_tokens)
+            except HintMismatchError as err:
+                raise ServiceError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{err}; the client's proof that its hint still held was wrong: treat the "
+                    "requests of this Step as lost and report this as a bug",
+                    ErrorReason.PREDICTION_FAILED,
+                ) from None
+
+        return self._with_sync(s, o.sync, checked)
 
     def _allocate(self, s: Session, o: op.Allocate) -> op.Value:
         engine = self.engine
         rid = o.sync.request_id
+        if o.must_refuse and (o.must_succeed or o.lookup):
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT, "must_refuse cannot be combined with must_succeed or lookup"
+            )
         undo = self.sync(s, o.sync)
         try:
             if o.lookup:
@@ -478,6 +524,15 @@ class PoolService:
         except Exception:
             undo()
             raise
+        if new is not None and o.must_refuse:
+            # Applied (its blocks stay with the request until the client frees it).
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"request {rid[:128]!r}: the pool granted an allocation the client had already answered "
+                f"as refused ({engine.num_free_blocks} blocks free after it); its count of free blocks "
+                "was wrong, treat the requests of this Step as lost and report this as a bug",
+                ErrorReason.PREDICTION_FAILED,
+            )
         table = engine.get_block_ids(rid) if o.return_table and new is not None else None
         return op.AllocateOutcome(new, o.num_new_tokens, table=table)
 

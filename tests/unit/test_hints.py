@@ -1,0 +1,207 @@
+"""Lookup hints, answered lookups, refusals answered by the client, and the block ledger:
+the engine's margin, the service's checks, and the client's ledger, without gRPC."""
+
+from __future__ import annotations
+
+import random
+
+import grpc
+import pytest
+from kvcoord.client.hashing import BlockHasher, none_hash
+from kvcoord.client.promises import BlockLedger
+from kvcoord.engine import CacheHit, FullAttentionSpec, HintMismatchError, KVCacheConfig, KVCachePool
+from kvcoord.service import operations as op
+from kvcoord.service.errors import ErrorReason
+from kvcoord.service.pool_service import Fence, Limits, PoolService
+from kvcoord.service.sessions import SessionTable
+from kvcoord.service.testing import ManualClock
+
+NONE = none_hash("sha256_cbor", "0")
+
+
+def hashes(tokens: list[int]) -> list[bytes]:
+    return BlockHasher("sha256_cbor", 4, NONE).extend(tokens)
+
+
+def full_pool(num_blocks: int = 16, **kw: object) -> KVCachePool:
+    return KVCachePool(
+        KVCacheConfig(
+            num_blocks=num_blocks, groups=(FullAttentionSpec(4),), hash_block_size=4, max_model_len=256, **kw
+        )  # type: ignore[arg-type]
+    )
+
+
+def add(pool: KVCachePool, rid: str, tokens: list[int]) -> None:
+    pool.add_request(rid, tokens, hashes(tokens))
+
+
+def test_free_queue_position_counts_only_live_entries() -> None:
+    """first_position skips dead entries (blocks taken out of the middle) and counts
+    never-used blocks ahead; the walk stops at its limit."""
+    pool = full_pool(16)
+    add(pool, "a", list(range(12)))  # 3 blocks, cached
+    pool.allocate_slots("a", 12)
+    add(pool, "b", list(range(100, 112)))
+    pool.allocate_slots("b", 12)
+    a_ids = pool.get_block_ids("a")[0]
+    pool.free("a")  # a's blocks go to the tail (reversed), behind 9 never-used blocks
+    queue = pool.free_queue_head()
+    fq = pool.block_pool.free_block_queue
+    for bid in a_ids:
+        assert fq.first_position({bid}, 100) == queue.index(bid)
+    assert fq.first_position(set(a_ids), 100) == min(queue.index(b) for b in a_ids)
+    assert fq.first_position(set(a_ids), 5) == 5  # beyond the walk: the limit
+    assert fq.first_position(set(), 7) == 7
+    # a hit on a's first block takes it out of the middle: later blocks move up
+    add(pool, "c", list(range(4)) + [999])
+    hit = pool.get_computed_blocks("c")
+    pool.allocate_slots("c", 1, hit.num_tokens, hit)
+    queue = pool.free_queue_head()
+    for bid in a_ids[1:]:
+        assert fq.first_position({bid}, 100) == queue.index(bid)
+
+
+def test_hint_margin_is_how_many_blocks_can_leave_before_the_hit_is_evicted() -> None:
+    """Allocating ``margin`` blocks keeps the hit; one more evicts a block of it."""
+    for extra in (0, 1):
+        pool = full_pool(16)
+        add(pool, "a", list(range(12)))
+        pool.allocate_slots("a", 12)
+        pool.free("a")
+        add(pool, "w", list(range(12)) + [7])
+        hit, margin = pool.lookup_hint("w", walk_limit=1000)
+        assert hit.num_tokens == 12
+        stats_before = pool.peek_prefix_cache_stats()
+        add(pool, "x", list(range(500, 500 + 4 * (margin + extra))))
+        assert pool.allocate_slots("x", 4 * (margin + extra)) is not None
+        now = pool.get_computed_blocks("w")
+        if extra:
+            assert now.num_tokens < hit.num_tokens
+        else:
+            assert now == hit
+        # the hint itself recorded nothing
+        assert stats_before is not None and stats_before.queries == 0
+
+
+def test_held_hit_blocks_are_not_counted_in_the_margin() -> None:
+    """A hit on blocks another request holds: the margin is the walk limit (nothing free
+    of it can be reused until its holder frees it)."""
+    pool = full_pool(16)
+    add(pool, "a", list(range(12)))
+    pool.allocate_slots("a", 12)
+    add(pool, "w", list(range(12)) + [7])
+    hit, margin = pool.lookup_hint("w", walk_limit=77)
+    assert hit.num_tokens == 12 and margin == 77
+
+
+def test_check_lookup_records_a_matching_answer_and_refuses_another() -> None:
+    pool = full_pool(16, log_stats=True)
+    add(pool, "a", list(range(12)))
+    pool.allocate_slots("a", 12)
+    add(pool, "w", list(range(12)) + [7])
+    hit = pool.lookup_hint("w")[0]
+    wrong = CacheHit((hit.block_ids[0][:1],), 4)
+    before = pool.snapshot()
+    with pytest.raises(HintMismatchError):
+        pool.check_lookup("w", wrong, 4)
+    assert pool.snapshot() == before  # nothing recorded
+    assert pool.check_lookup("w", hit, hit.num_tokens) == hit
+    stats = pool.make_prefix_cache_stats()
+    assert stats is not None and (stats.requests, stats.queries, stats.hits) == (1, 13, 12)
+
+
+def service(exclusive: bool = True) -> tuple[PoolService, object]:
+    cfg = KVCacheConfig(num_blocks=16, groups=(FullAttentionSpec(4),), hash_block_size=4, max_model_len=256)
+    p = PoolService(
+        "p", cfg, ("sha256_cbor", 4, "0"), Fence("i", 1), Limits(), SessionTable(ManualClock(), 30, 60)
+    )
+    return p, p.attach("sha256_cbor", 4, "0", "t", 0, exclusive=exclusive)
+
+
+def new(rid: str, tokens: list[int]) -> op.RequestSync:
+    return op.RequestSync(rid, tokens, hashes(tokens), new_request=True)
+
+
+def test_hint_lookups_need_an_exclusive_session() -> None:
+    p, s = service(exclusive=False)
+    (o,) = p.apply(s, [op.Lookup(new("w", list(range(9))), hint=True)])  # type: ignore[arg-type]
+    assert o.error is not None and o.error.code is grpc.StatusCode.FAILED_PRECONDITION
+    p, s = service()
+    (o,) = p.apply(s, [op.Lookup(new("w", list(range(9))), hint=True, walk_limit=5)])  # type: ignore[arg-type]
+    assert isinstance(o.value, op.Hinted) and o.value.eviction_margin == 5
+
+
+def test_a_wrong_answered_lookup_is_prediction_failed_and_changes_nothing() -> None:
+    p, s = service()
+    p.apply(s, [op.Allocate(new("a", list(range(12))), 12)])  # type: ignore[arg-type]
+    before = p.engine.snapshot()
+    wrong = CacheHit(((),), 0)  # the pool has a 12-token hit
+    (o,) = p.apply(s, [op.Lookup(new("w", list(range(13))), answered=wrong)])  # type: ignore[arg-type]
+    assert o.error is not None and o.error.reason is ErrorReason.PREDICTION_FAILED
+    assert p.engine.snapshot() == before  # the request sync was undone too
+    right = p.engine.find_longest_cache_hit(hashes(list(range(13))), 13)
+    (o,) = p.apply(s, [op.Lookup(new("w", list(range(13))), answered=right)])  # type: ignore[arg-type]
+    assert o.error is None and o.value == right
+
+
+def test_must_refuse_is_checked() -> None:
+    """A refusal the client answered is applied as usual; if the pool grants it instead,
+    PREDICTION_FAILED (the blocks stay with the request, which the client then frees)."""
+    p, s = service()
+    (o,) = p.apply(s, [op.Allocate(new("big", list(range(100))), 100, must_refuse=True)])  # type: ignore[arg-type]
+    assert o.error is None and isinstance(o.value, op.AllocateOutcome) and o.value.new_block_ids is None
+    (o,) = p.apply(s, [op.Allocate(new("small", list(range(8))), 8, must_refuse=True)])  # type: ignore[arg-type]
+    assert o.error is not None and o.error.reason is ErrorReason.PREDICTION_FAILED
+    assert p.engine.get_block_ids("small") != ((),)
+    (o,) = p.apply(s, [op.Allocate(new("x", list(range(8))), 8, must_refuse=True, must_succeed=True)])  # type: ignore[arg-type]
+    assert o.error is not None and o.error.code is grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_ledger_counts_free_blocks_exactly() -> None:
+    """Random allocations with shared hits and frees: the ledger's count of free blocks
+    after each call equals the engine's."""
+    rnd = random.Random(5)
+    pool = full_pool(64)
+    ledger = BlockLedger()
+    free = pool.num_free_blocks
+    prefixes = [[rnd.randrange(40) for _ in range(n)] for n in (8, 16, 24)]
+    live: dict[str, list[int]] = {}
+    checked = {"shared": 0, "refused": 0}
+    for i in range(400):
+        if live and rnd.random() < 0.4:
+            rid = rnd.choice(sorted(live))
+            released, _ = ledger.release(rid)
+            pool.free(rid)
+            del live[rid]
+            free += released
+        else:
+            rid = f"r{i}"
+            tokens = rnd.choice(prefixes) + [rnd.randrange(40) for _ in range(rnd.randint(1, 20))]
+            add(pool, rid, tokens)
+            hit = pool.get_computed_blocks(rid)
+            new_blocks = -(-len(tokens) // 4) - len(hit.block_ids[0])
+            need = ledger.need(hit.block_ids, new_blocks)
+            got = pool.allocate_slots(rid, len(tokens) - hit.num_tokens, hit.num_tokens, hit)
+            assert (got is None) == (need > free)
+            if got is None:
+                checked["refused"] += 1
+                pool.free(rid)  # unregister: it comes back with another id
+                continue
+            if hit.num_tokens and any(pool.block_pool.blocks[b].ref_cnt > 1 for b in hit.block_ids[0]):
+                checked["shared"] += 1
+            h = ledger.allocated(rid, hit.block_ids, new_blocks)
+            ledger.named(h, got)
+            free -= need
+            live[rid] = tokens
+        assert free == pool.num_free_blocks
+    assert checked["shared"] > 20 and checked["refused"] > 5, checked
+
+
+def test_ledger_counts_a_request_freed_before_its_blocks_are_named() -> None:
+    ledger = BlockLedger()
+    h = ledger.allocated("a", ((5, 6),), 3)
+    ledger.allocated("b", ((5,),), 0)
+    assert ledger.need(((5, 6, 7),), 0) == 1  # only 7 is free
+    assert ledger.release("a") == (4, [6])  # 3 unnamed + block 6; 5 is still held by b
+    ledger.named(h, ((8, 9, 10),))  # the answer came after the free: nothing held
+    assert ledger.refs == {5: 1}

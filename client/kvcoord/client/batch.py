@@ -157,6 +157,25 @@ class Ops:
             op, lambda r: (ids(r.lookup.hit.groups), r.lookup.hit.num_tokens), [request.request_id], Pending()
         )
 
+    def hint_lookup(self, request: Any, walk_limit: int) -> Item:
+        """A lookup that records nothing and answers ``(hit, hit_tokens, eviction_margin)``."""
+        op = pb.Operation(
+            lookup=pb.LookupOp(request=self.m.tracker.sync(request), hint=True, walk_limit=walk_limit)
+        )
+
+        def decode(r: pb.OperationResult) -> tuple[KVCacheBlockIds, int, int]:
+            return ids(r.lookup.hit.groups), r.lookup.hit.num_tokens, r.lookup.eviction_margin
+
+        return Item(op, decode, [request.request_id], Pending())
+
+    def answered_lookup(self, request: Any, hit: KVCacheBlockIds, num_tokens: int) -> Item:
+        """The lookup the client answered from a hint, for the server to check and record."""
+        answered = pb.CacheHit(
+            groups=[pb.BlockIds(block_ids=g) for g in hit.block_ids], num_tokens=num_tokens
+        )
+        op = pb.Operation(lookup=pb.LookupOp(request=self.m.tracker.sync(request), answered=answered))
+        return Item(op, lambda r: None, [request.request_id], Pending(), deferred=True)
+
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,

@@ -33,8 +33,10 @@ scheduler can preempt and recompute them; the next call works normally.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from kvcoord.v1 import allocator_pb2 as pb
@@ -55,7 +57,7 @@ from .errors import (
     status_code,
 )
 from .hashing import RandomSeedError, none_hash
-from .promises import BlockBudget
+from .promises import BlockBudget, BlockLedger
 from .session import LEASE_MARGIN, SessionKeeper
 from .tracking import RequestTracker
 
@@ -63,7 +65,23 @@ __all__ = ["KVCacheBlockIds", "Pending", "RemoteKVCacheManager", "StepBatcher"]
 
 T = TypeVar("T")
 
+logger = logging.getLogger(__name__)
+
 _STAT_FIELDS = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
+
+
+@dataclasses.dataclass(slots=True)
+class _Hint:
+    """A lookup's answer fetched ahead, and what it stays valid under."""
+
+    hit: KVCacheBlockIds
+    tokens: int
+    #: blocks that may leave the free queue before a block of the hit could be reused
+    margin: int
+    #: the request's length when looked up
+    num_tokens: int
+    #: caching any hash of the request from this index on may change the hit
+    watch_from: int
 
 
 class RemoteKVCacheManager:
@@ -139,6 +157,35 @@ class RemoteKVCacheManager:
         #: Step round trips sent, and allocations answered without one
         self.round_trips = 0
         self.promised = 0
+        #: lookup hints (exclusive sessions; see get_computed_blocks)
+        self.upcoming: Callable[[Any], Iterable[Any]] | None = None
+        self.hint_walk_limit = 4096
+        self._hints: dict[str, _Hint] = {}
+        #: hint blocks by id (with a ledger: a freed one lowers its hints' margins)
+        self._hint_blocks: dict[int, list[_Hint]] = {}
+        #: blocks that may have left the free queue since the hints were made
+        self._moved = 0
+        #: hashes this session may have cached since the hints were made
+        self._newly_cached: set[bytes] = set()
+        #: per request, how many of its hashes its allocations and cache_blocks cached
+        self._cached_hashes: dict[str, int] = {}
+        #: answered lookups queued and not yet recorded by the server
+        self._unrecorded = 0
+        #: lookups answered from a hint (no round trip)
+        self.hinted_lookups = 0
+        self._hash_block_size = max(1, int(cfg.hash_block_size))
+        kinds = [g.WhichOneof("spec") or "full" for g in cfg.groups]
+        # One full-attention group: a hit can only grow when the hash right after it
+        # is cached. Any other layout: when any hash of the request is.
+        self._single_full = kinds == ["full"]
+        #: with exclusive on a full-attention pool: every block this session holds, so
+        #: the free count stays exact between answers (None while it cannot be trusted)
+        self._ledger_possible = exclusive and all(k == "full" for k in kinds)
+        self._ledger: BlockLedger | None = BlockLedger() if self._ledger_possible else None
+        #: _free_estimate is exact (else a lower bound)
+        self._free_exact = False
+        #: allocations answered as refused without a round trip
+        self.refused = 0
 
     @property
     def session_id(self) -> str:
@@ -150,9 +197,108 @@ class RemoteKVCacheManager:
 
     # -- KVCacheManager interface ------------------------------------------------------------
     def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlockIds, int]:
-        """The longest prefix hit (a hint until adopted by allocate_slots)."""
-        hit: tuple[KVCacheBlockIds, int] = self._now(self._ops.get_computed_blocks(request))
-        return hit
+        """The longest prefix hit (a hint until adopted by allocate_slots).
+
+        With an exclusive session and ``upcoming`` set (a scheduler names the requests
+        its waiting loop will look up next), the round trip that answers a lookup also
+        fetches hints for the upcoming requests. Their lookups are then answered here,
+        without a round trip, while the manager can prove each hint still holds: no
+        more blocks left the free queue than the hint's eviction margin, and no hash of
+        the request that could lengthen the hit was cached since. The server checks
+        every such answer when it records the lookup (a wrong one is PREDICTION_FAILED,
+        raised as :class:`RequestsLostError`, never a silent difference).
+        """
+        rid = request.request_id
+        hint = self._hints.get(rid)
+        if hint is not None and self._hint_holds(hint, request):
+            item = self._ops.answered_lookup(request, hint.hit, hint.tokens)
+            item.pending._resolve = self.flush
+            item.deferred = True
+            self._queue.append(item)
+            self._unrecorded += 1
+            self.hinted_lookups += 1
+            return hint.hit, hint.tokens
+        item = self._ops.get_computed_blocks(request)
+        upcoming = self._upcoming(request)
+        if not upcoming:
+            looked_up: tuple[KVCacheBlockIds, int] = self._now(item)
+            return looked_up
+        hint_items = [self._ops.hint_lookup(r, self.hint_walk_limit) for r in upcoming]
+        self._clear_hints()
+        self._send([item, *hint_items])
+        # Held hit blocks reach the free queue only when freed: the ledger sees each
+        # free (see free()); without it, a freed block waits behind at least every
+        # block free now.
+        tracked = self._ledger is not None and self._free_exact
+        cap = self.hint_walk_limit if tracked else (self._free_estimate or 0)
+        for r, hi in zip(upcoming, hint_items, strict=True):
+            hit, tokens, margin = hi.pending.result()
+            hint = _Hint(
+                hit,
+                tokens,
+                min(margin, cap),
+                len(r.all_token_ids),
+                tokens // self._hash_block_size if self._single_full else 0,
+            )
+            self._hints[r.request_id] = hint
+            if tracked:
+                for group in hit.block_ids:
+                    for b in group:
+                        if b:
+                            self._hint_blocks.setdefault(b, []).append(hint)
+        result: tuple[KVCacheBlockIds, int] = item.pending.result()
+        return result
+
+    def _upcoming(self, request: Any) -> list[Any]:
+        """The requests to fetch hints for with this lookup (none unless hints can be
+        proved: an exclusive session with caching on, and a scheduler that names them)."""
+        if self.upcoming is None or not self.enable_caching or not (self.exclusive and self.keeper.exclusive):
+            return []
+        rid = request.request_id
+        seen: set[str] = {rid}
+        out = [request]  # for its next lookup, should this step not admit it
+        for r in self.upcoming(request):
+            if r.request_id not in seen and r.request_id not in self.tracker.lost:
+                seen.add(r.request_id)
+                out.append(r)
+        return out
+
+    def _hint_holds(self, hint: _Hint, request: Any) -> bool:
+        """Whether the pool would still answer this request's lookup with ``hint``."""
+        keeper = self.keeper
+        if (
+            self._moved > hint.margin
+            or len(request.all_token_ids) != hint.num_tokens
+            or keeper.lost is not None
+            or keeper.clock() >= keeper.valid_until
+            or not self.keeper.exclusive
+        ):
+            return False
+        cached = self._newly_cached
+        if cached:
+            hashes = self.tracker.hashes(request)
+            for i in range(hint.watch_from, len(hashes)):
+                if bytes(hashes[i]) in cached:
+                    return False
+        return True
+
+    def _clear_hints(self) -> None:
+        self._hints.clear()
+        self._hint_blocks.clear()
+        self._moved = 0
+        self._newly_cached = set()
+
+    def _cached(self, request: Any, num_tokens: int) -> None:
+        """The pool caches the request's blocks up to ``num_tokens``: remember which of its
+        hashes that may add, while hints are held."""
+        rid = request.request_id
+        count = num_tokens // self._hash_block_size
+        prev = self._cached_hashes.get(rid, 0)
+        if count > prev:
+            self._cached_hashes[rid] = count
+            if self._hints:
+                hashes = self.tracker.hashes(request)
+                self._newly_cached.update(bytes(h) for h in hashes[prev:count])
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
@@ -162,37 +308,100 @@ class RemoteKVCacheManager:
 
         With ``return_table`` the answer's ``table`` is the request's whole block table.
         """
+        if self._ledger is None and self._ledger_possible and self.keeper.exclusive:
+            try:
+                self._rebuild_ledger()
+            except KVCoordError:
+                self._ledger_possible = False  # not again for this manager: bounds still work
+                raise
         item = self._ops.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table)  # fmt: skip
         rid = request.request_id
+        if self._hints:
+            self._hints.pop(rid, None)  # admitted: its next lookup (if any) is another
         hit = new_computed_blocks.block_ids if new_computed_blocks is not None else None
         need, before, after = self.budget.bound(
             rid, int(request.num_computed_tokens), num_new_tokens, num_new_computed_tokens, hit,
             num_lookahead_tokens, num_external_computed_tokens, num_encoder_tokens)  # fmt: skip
         if before is not None and after is not None:
             self._verify_lengths(item, rid, before, after)
+        cache_to = -1  # tokens the allocation caches up to, when it succeeds
+        if self.enable_caching and not delay_cache_blocks:
+            total = int(request.num_computed_tokens) + num_new_computed_tokens + num_external_computed_tokens
+            cache_to = min(total + num_new_tokens, len(request.all_token_ids))
+        ledger = self._ledger
+        new_blocks = -1  # new blocks the allocation takes, when known exactly
+        if ledger is not None and before is not None and after is not None:
+            new_blocks = sum(after) - sum(before)
         keeper = self.keeper
-        if (
-            self._free_estimate is not None
-            and need <= self._free_estimate
-            and keeper.lost is None
-            and keeper.clock() < keeper.valid_until
-        ):
-            # Provably enough free blocks (this session is the pool's only one):
-            # answer now, send with the next Step.
-            self._free_estimate -= need
-            item.op.allocate.must_succeed = True
-            item.pending._resolve = self.flush
-            item.deferred = True  # its caller has its answer: a failure is raised by the sender
-            self._queue.append(item)
-            self.budget.applied(rid, after)
-            self.promised += 1
-            return KVCacheBlockIds(pending=item.pending)
+        free = self._free_estimate
+        if free is not None and keeper.lost is None and keeper.clock() < keeper.valid_until:
+            exact = ledger is not None and new_blocks >= 0 and self._free_exact
+            if exact:
+                assert ledger is not None
+                need = ledger.need(hit, new_blocks)
+            self._moved += need  # at most this many blocks leave the free queue
+            if need <= free:
+                # Provably enough free blocks (this session is the pool's only one):
+                # answer now, send with the next Step.
+                self._free_estimate = free - need
+                if not exact:
+                    self._free_exact = False  # an upper bound was taken: a lower bound left
+                item.op.allocate.must_succeed = True
+                self._promise(item)
+                self.budget.applied(rid, after)
+                self.promised += 1
+                self._held(item, rid, hit, new_blocks)
+                if cache_to >= 0:
+                    self._cached(request, cache_to)
+                return KVCacheBlockIds(pending=item.pending)
+            if exact:
+                # Provably too few (the session knows every block it holds): refused,
+                # as vLLM's refusal changes nothing for full attention; the server
+                # checks it with the next Step.
+                item.op.allocate.must_refuse = True
+                item.decode = lambda r: None
+                self._promise(item)
+                self.refused += 1
+                return None
+        else:
+            self._moved += need
+        self._free_exact = False  # the answer changes the count: re-learned from it
         new: KVCacheBlockIds | None = self._now(item)
         if new is not None:
             self.budget.applied(rid, after)
+            if ledger is not None and self._ledger is ledger:
+                ids = new.block_ids
+                ledger.named(ledger.allocated(rid, hit, sum(len(g) for g in ids)), ids)
+            if cache_to >= 0:
+                self._cached(request, cache_to)
         return new
+
+    def _promise(self, item: Item) -> None:
+        """Queue an allocation answered without a round trip (sent with the next Step)."""
+        item.pending._resolve = self.flush
+        item.deferred = True  # its caller has its answer: a failure is raised by the sender
+        self._queue.append(item)
+
+    def _held(self, item: Item, rid: str, hit: Sequence[Sequence[int]] | None, new_blocks: int) -> None:
+        """Enter a promised allocation in the ledger; its answer names the new blocks."""
+        ledger = self._ledger
+        if ledger is None:
+            return
+        if new_blocks < 0:
+            self._ledger_off("an allocation's block count was not known exactly")
+            return
+        h = ledger.allocated(rid, hit, new_blocks)
+        decode = item.decode
+
+        def named(r: pb.OperationResult) -> Any:
+            value = decode(r)
+            if isinstance(value, KVCacheBlockIds):
+                ledger.named(h, value.block_ids)
+            return value
+
+        item.decode = named
 
     def _verify_lengths(self, item: Item, rid: str, before: list[int], after: list[int]) -> None:
         """Check, when the answer comes, that it took the blocks the bound expected."""
@@ -222,6 +431,8 @@ class RemoteKVCacheManager:
             scheduled (``min(remaining, max_num_new_tokens)``) and the new blocks, or
             ``None`` for them when the pool is out of blocks.
         """
+        self._clear_hints()  # the blocks it takes are known only from its answer
+        self._ledger_off("allocate_with_lookup")
         result: tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None] = self._now(
             self._ops.allocate_with_lookup(
                 request,
@@ -249,6 +460,8 @@ class RemoteKVCacheManager:
             ``(hit, hit_tokens, num_new_tokens, new_blocks)`` per request processed, in
             order; ``new_blocks`` is ``None`` for a last, refused one.
         """
+        self._clear_hints()  # the blocks it takes are known only from its answer
+        self._ledger_off("admit")
         out: list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]] = []
         start, budget = 0, token_budget
         while start < len(requests) and budget > 0:
@@ -277,15 +490,30 @@ class RemoteKVCacheManager:
         """Free the request's blocks (sent with the next call)."""
         rid = request if isinstance(request, str) else request.request_id
         self.tracker.lost.discard(rid)  # vLLM frees finished and preempted requests alike
+        self._cached_hashes.pop(rid, None)
+        if self._ledger is not None:
+            released, ids = self._ledger.release(rid)
+            free = self._free_estimate
+            if self._hint_blocks:
+                # a hit block freed now waits behind every block free now
+                limit = self._moved + (free or 0)
+                for b in ids:
+                    for hint in self._hint_blocks.get(b, ()):
+                        hint.margin = min(hint.margin, limit)
+            if free is not None:
+                self._free_estimate = free + released
         self._defer(self._ops.free(request))
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         self._defer(self._ops.cache_blocks(request, num_computed_tokens))
+        if self.enable_caching:
+            self._cached(request, num_computed_tokens)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         self._defer(self._ops.remove_skipped_blocks(request_id, total_computed_tokens))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        self._clear_hints()
         self._defer(self._ops.evict_blocks(block_ids))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
@@ -297,13 +525,16 @@ class RemoteKVCacheManager:
         return n
 
     def reset_prefix_cache(self) -> bool:
+        self._clear_hints()
         return bool(self._now(self._ops.reset_prefix_cache()))
 
     def take_events(self) -> list[pb.KVEvent]:
         """The pool's KV events since the previous call (this session's cursor)."""
         if not self.keeper.exclusive:
             self._send([], force=True)  # other sessions' calls make events too
-        elif any(i.op.WhichOneof("op") not in ("free", "remove_skipped_blocks") for i in self._queue):
+        elif any(
+            i.op.WhichOneof("op") not in ("free", "remove_skipped_blocks", "lookup") for i in self._queue
+        ):
             self.flush()  # queued calls that make events (allocations and cache_blocks store blocks)
         events, self._events = self._events, []
         return events
@@ -313,6 +544,8 @@ class RemoteKVCacheManager:
         pool keeps none)."""
         if not self.log_stats:
             return None
+        if self._unrecorded:
+            self.flush()  # lookups answered from hints are counted when the server checks them
         stats, self._stats = self._stats, pb.PrefixCacheStats()
         return stats
 
@@ -320,6 +553,8 @@ class RemoteKVCacheManager:
         """What make_prefix_cache_stats would return, without resetting it."""
         if not self.log_stats:
             return None
+        if self._unrecorded:
+            self.flush()
         copy = pb.PrefixCacheStats()
         copy.CopyFrom(self._stats)
         return copy
@@ -370,6 +605,7 @@ class RemoteKVCacheManager:
         """
         items = self._queue + items
         self._queue = []
+        self._unrecorded = 0
         if not items and not force:
             return
         keeper = self.keeper
@@ -386,6 +622,7 @@ class RemoteKVCacheManager:
             if keeper.clock() >= sent + keeper.lease * (1 - LEASE_MARGIN):
                 raise LeaseExpiredError("the answer came after the session's lease could have ended")
         except KVCoordError as err:
+            self._ledger_off(f"a Step failed: {err}")
             if isinstance(err, (SessionExpiredError, FencedError, LeaseExpiredError)):
                 failure: KVCoordError = self._session_lost(err)
             elif isinstance(err, (OutcomeUnknownError, AnswerEvictedError)):
@@ -434,14 +671,41 @@ class RemoteKVCacheManager:
                 failed = op_err
         if any(r.status_code for r in resp.results):
             self.tracker.rollback()
+            self._ledger_off("an operation of a Step failed")
         if failed is not None:
             raise failed
+
+    def _ledger_off(self, why: str) -> None:
+        """Stop trusting the ledger (refusals take a round trip again) until it is
+        rebuilt from the server's tables (:meth:`_rebuild_ledger`). Hints whose margins
+        relied on it go too."""
+        if self._ledger is not None:
+            logger.info("block ledger of session %s rebuilt at the next allocation: %s", self.session_id, why)
+            self._clear_hints()
+        self._ledger = None
+        self._free_exact = False
+
+    def _rebuild_ledger(self) -> None:
+        """One Step reading the block table of every request this session holds."""
+        rids = self.tracker.ids()
+        items = [self._ops.get_block_ids(rid) for rid in rids]
+        self._send(items)
+        ledger = BlockLedger()
+        for rid, item in zip(rids, items, strict=True):
+            table = item.pending.result()
+            ledger.named(ledger.allocated(rid, None, sum(len(g) for g in table)), table)
+        self._ledger = ledger
+        self._free_exact = self._free_estimate is not None
 
     def _absorb(self, resp: pb.StepResponse) -> None:
         """What every answer carries: usage, free blocks, events, statistics."""
         self._usage = resp.usage
         if self.exclusive and self.keeper.exclusive:
-            self._free_estimate = resp.num_free_blocks
+            free = resp.num_free_blocks
+            if self._ledger is not None and self._free_exact and self._free_estimate != free:
+                self._ledger_off(f"{self._free_estimate} free blocks counted, {free} on the server")
+            self._free_estimate = free
+            self._free_exact = self._ledger is not None
         if resp.events:
             self._events.extend(resp.events)
         if resp.HasField("prefix_cache_stats"):
@@ -460,6 +724,11 @@ class RemoteKVCacheManager:
         """Every tracked request is gone with the session: forget them and re-attach."""
         lost = self.tracker.clear()
         self.budget.clear()
+        self._clear_hints()
+        self._cached_hashes.clear()
+        # the new session holds nothing: an empty ledger is exact
+        self._ledger = BlockLedger() if self._ledger_possible else None
+        self._free_exact = False
         self.lost_requests += len(lost)
         self._free_estimate = None
         try:
@@ -489,6 +758,11 @@ class RemoteKVCacheManager:
     def _forget(self, request_ids: Sequence[str], err: KVCoordError) -> RequestsLostError:
         """These requests' server state is unknown: free them there (best effort) and here."""
         lost = self.tracker.forget(request_ids, lost=True)
+        self._clear_hints()
+        if self._ledger is not None:
+            for rid in lost:
+                self._ledger.release(rid)  # freed on the server below (or already gone)
+            self._ledger_off("requests were forgotten")
         for rid in request_ids:
             self.budget.forget(rid)
         self._free_estimate = None  # re-learned from the next answer

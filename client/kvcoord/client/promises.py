@@ -16,12 +16,13 @@ bound instead.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 
 from kvcoord.v1 import allocator_pb2 as pb
 
-__all__ = ["BlockBudget"]
+__all__ = ["BlockBudget", "BlockLedger"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,3 +125,88 @@ class BlockBudget:
 
     def clear(self) -> None:
         self.lengths.clear()
+
+
+@dataclasses.dataclass(slots=True)
+class _Held:
+    """One request's blocks: ids known, and new blocks promised but not yet named."""
+
+    ids: list[int] = dataclasses.field(default_factory=list)
+    unnamed: int = 0
+    freed: bool = False
+
+
+class BlockLedger:
+    """Every block the requests of a pool's only session hold, for pools whose groups
+    are all full attention (tables only grow; a free releases the whole table).
+
+    With it the manager knows the pool's free blocks exactly after any sequence of its
+    own calls, so it can answer refusals as well as successes without a round trip
+    (the server checks both: ``must_succeed`` / ``must_refuse``). Block ids come from
+    answers; a promised allocation's new blocks are counted as held by that request
+    alone until its answer names them (no other request can adopt a block before
+    its id is known to the client).
+    """
+
+    def __init__(self) -> None:
+        #: references per block id (null block never counted)
+        self.refs: dict[int, int] = {}
+        self.held: dict[str, _Held] = {}
+
+    def need(self, hit: Sequence[Sequence[int]] | None, new_blocks: int) -> int:
+        """vLLM's count for an allocation: its new blocks plus adopted hit blocks that
+        are free now (they leave the free queue)."""
+        if not hit:
+            return new_blocks
+        refs = self.refs
+        return new_blocks + sum(1 for group in hit for b in group if b and not refs.get(b))
+
+    def allocated(self, request_id: str, hit: Sequence[Sequence[int]] | None, new_blocks: int) -> _Held:
+        """The allocation took effect (or is promised): the hit is adopted and
+        ``new_blocks`` are held, to be named by :meth:`named`."""
+        h = self.held.get(request_id)
+        if h is None:
+            h = self.held[request_id] = _Held()
+        if hit:
+            refs = self.refs
+            for group in hit:
+                for b in group:
+                    if b:
+                        refs[b] = refs.get(b, 0) + 1
+                        h.ids.append(b)
+        h.unnamed += new_blocks
+        return h
+
+    def named(self, h: _Held, new_ids: Sequence[Sequence[int]]) -> None:
+        """An allocation's answer named its new blocks."""
+        n = sum(len(g) for g in new_ids)
+        h.unnamed -= n
+        if h.freed:
+            return  # freed before its answer came: counted as released then
+        refs = self.refs
+        for group in new_ids:
+            for b in group:
+                refs[b] = refs.get(b, 0) + 1
+                h.ids.append(b)
+
+    def release(self, request_id: str) -> tuple[int, list[int]]:
+        """The request is freed: how many blocks become free (held by it alone), and
+        the ids of those that are known (promised blocks not yet named are not)."""
+        h = self.held.pop(request_id, None)
+        if h is None:
+            return 0, []
+        h.freed = True
+        refs = self.refs
+        ids: list[int] = []
+        for b in h.ids:
+            n = refs.get(b, 0) - 1
+            if n > 0:
+                refs[b] = n
+            else:
+                refs.pop(b, None)
+                ids.append(b)
+        return h.unnamed + len(ids), ids
+
+    def clear(self) -> None:
+        self.refs.clear()
+        self.held.clear()

@@ -127,6 +127,17 @@ class RequestTracker:
             t.registered = True
         return sync
 
+    def hashes(self, request: Any) -> Sequence[bytes]:
+        """The request's block hashes as sent (a tracked request; empty when caching is
+        off). Values may be any bytes-like type; nothing is copied."""
+        given = getattr(request, "block_hashes", None)
+        if given is not None:
+            return given  # type: ignore[no-any-return]
+        t = self._tracked.get(request.request_id)
+        if t is None or t.hasher is None:
+            return ()
+        return t.hasher.block_hashes
+
     def position(self, request_id: str) -> pb.RequestSync:
         """A sync that changes nothing but names the request at its position."""
         sync = pb.RequestSync(request_id=request_id)

@@ -35,14 +35,41 @@ def _install(scheduler: Any) -> KVCoordKVCacheManager:
     return manager
 
 
+#: lookups fetched ahead at most per round trip, and the prompt tokens they may cover
+#: (a multiple of the step's token budget: prefix hits let more requests in)
+HINT_REQUESTS = 32
+HINT_BUDGET_FACTOR = 2
+
+
 class _OnKVCoord:
     """Installs a kvcoord pool as the scheduler's ``kv_cache_manager`` and closes it."""
 
     kvcoord: KVCoordKVCacheManager
+    waiting: Any
+    running: list[Any]
+    max_num_running_reqs: int
+    max_num_scheduled_tokens: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kvcoord = _install(self)
+        self.kvcoord.remote.upcoming = self._upcoming_lookups
+
+    def _upcoming_lookups(self, current: Any) -> list[Any]:
+        """The waiting requests this step's waiting loop may look up after ``current``,
+        in its order: the round trip that looks ``current`` up fetches their hints."""
+        room = self.max_num_running_reqs - len(self.running) - 1
+        tokens = HINT_BUDGET_FACTOR * self.max_num_scheduled_tokens
+        out: list[Any] = []
+        for request in self.waiting:
+            if room <= 0 or tokens <= 0 or len(out) >= HINT_REQUESTS:
+                break
+            if request is current or request.num_computed_tokens:
+                continue  # only requests starting from zero look up
+            out.append(request)
+            room -= 1
+            tokens -= request.num_tokens
+        return out
 
     def shutdown(self) -> None:
         super().shutdown()  # type: ignore[misc]

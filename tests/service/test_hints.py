@@ -1,0 +1,234 @@
+"""An exclusive session on a full-attention pool over real gRPC: lookups answered from
+hints and refusals answered from the block ledger, identical to the in-process engine
+call for call, in fewer round trips; a wrong answer is loud."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import pytest
+from kvcoord.client import KVCoordClient, RemoteKVCacheManager, RequestsLostError
+from kvcoord.client.hashing import BlockHasher, none_hash
+from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool
+from kvcoord.v1 import allocator_pb2 as pb
+
+BS = 4
+NONE = none_hash("sha256_cbor", "0")
+
+
+@dataclasses.dataclass
+class Req:
+    """What vLLM's Request exposes to the manager (hashes kept up to date, as vLLM does)."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    block_hashes: list[bytes] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._hasher = BlockHasher("sha256_cbor", BS, NONE)
+        self.rehash()
+
+    def rehash(self) -> None:
+        have = len(self._hasher.token_ids)
+        self._hasher.extend(self.all_token_ids[have:])
+        self.block_hashes = list(self._hasher.block_hashes)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+
+def pool_config(num_blocks: int) -> pb.PoolConfig:
+    return pb.PoolConfig(
+        num_blocks=num_blocks,
+        hash_block_size=BS,
+        hash_algo="sha256_cbor",
+        hash_seed="0",
+        enable_caching=True,
+        max_model_len=512,
+        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=BS))],
+    )
+
+
+class Twin:
+    """The same calls on a remote manager and an in-process pool; answers compared."""
+
+    def __init__(self, client: KVCoordClient, name: str, num_blocks: int) -> None:
+        client.create_pool(name, pool_config(num_blocks))
+        self.m = RemoteKVCacheManager(client, name, hash_seed="0", exclusive=True)
+        self.local = KVCachePool(
+            KVCacheConfig(
+                num_blocks=num_blocks, groups=(FullAttentionSpec(BS),), hash_block_size=BS, max_model_len=512
+            )
+        )
+        self.unchecked: list[tuple[Any, Any]] = []  # (remote lazy ids, local ids)
+        self.counts = {"lookups": 0, "hits": 0, "refusals": 0, "allocs": 0}
+
+    def _sync_local(self, r: Req) -> None:
+        if r.request_id not in self.local.requests:
+            self.local.add_request(
+                r.request_id, r.all_token_ids, r.block_hashes, num_preemptions=r.num_preemptions
+            )
+        else:
+            req = self.local.requests[r.request_id]
+            self.local.update_request(
+                r.request_id,
+                num_computed_tokens=r.num_computed_tokens,
+                append_token_ids=r.all_token_ids[len(req.all_token_ids) :],
+                append_block_hashes=r.block_hashes[len(req.block_hashes) :],
+            )
+
+    def lookup(self, r: Req) -> tuple[Any, int]:
+        self._sync_local(r)
+        want = self.local.get_computed_blocks(r.request_id)
+        got, n = self.m.get_computed_blocks(r)
+        assert (got.block_ids, n) == (tuple(list(g) for g in want.block_ids), want.num_tokens), r.request_id
+        self.counts["lookups"] += 1
+        self.counts["hits"] += n > 0
+        return got, n
+
+    def allocate(self, r: Req, n: int, hit_tokens: int = 0, hit: Any = None) -> bool:
+        self._sync_local(r)
+        want = self.local.allocate_slots(
+            r.request_id, n, hit_tokens, hit.block_ids if hit is not None else None
+        )
+        got = self.m.allocate_slots(r, n, hit_tokens, hit)
+        assert (got is None) == (want is None), r.request_id
+        if got is None:
+            self.counts["refusals"] += 1
+            return False
+        self.counts["allocs"] += 1
+        self.unchecked.append((got, want))
+        return True
+
+    def free(self, r: Req) -> None:
+        self.local.free(r.request_id)
+        self.m.free(r)
+
+    def check(self) -> None:
+        """Send what is queued; every allocation's ids equal the local ones."""
+        self.m.flush()
+        for got, want in self.unchecked:
+            assert got.block_ids == tuple(list(g) for g in want)
+        self.unchecked.clear()
+        assert self.m.usage == pytest.approx(self.local.usage)
+
+
+def drive(
+    t: Twin, steps: int, seed: int, budget: int = 96, max_running: int = 12, hints: bool = True
+) -> list[int]:
+    """A vLLM-shaped loop: running requests first (preempting from the end on refusal),
+    then waiting requests (lookup, allocate) while the budget lasts. Returns the round
+    trips of each step."""
+    rnd = random.Random(seed)
+    prefixes = [[rnd.randrange(1000) for _ in range(n)] for n in (16, 24, 40)]
+    waiting: list[Req] = []
+    running: list[Req] = []
+    if hints:
+        t.m.upcoming = lambda current: [r for r in waiting if r is not current][:6]
+    per_step = []
+    nid = 0
+    for _ in range(steps):
+        before = t.m.round_trips
+        for _ in range(rnd.choice((0, 1, 1, 2))):
+            waiting.append(
+                Req(
+                    f"r{nid}", rnd.choice(prefixes) + [rnd.randrange(1000) for _ in range(rnd.randint(1, 30))]
+                )
+            )
+            nid += 1
+        tokens = budget
+        i = 0
+        preempted = False
+        while i < len(running) and tokens > 0:
+            r = running[i]
+            n = min(r.num_tokens - r.num_computed_tokens, tokens)
+            while not t.allocate(r, n):
+                victim = running.pop()
+                t.free(victim)
+                victim.num_computed_tokens = 0
+                victim.num_preemptions += 1
+                waiting.insert(0, victim)
+                preempted = True
+                if victim is r:
+                    break
+            else:
+                tokens -= n
+                r.num_computed_tokens += n
+                i += 1
+                continue
+            break
+        while not preempted and waiting and tokens > 0 and len(running) < max_running:
+            r = waiting[0]
+            hit, hit_tokens = t.lookup(r)
+            n = min(r.num_tokens - hit_tokens, tokens)
+            if not t.allocate(r, n, hit_tokens, hit):
+                break
+            waiting.pop(0)
+            r.num_computed_tokens = hit_tokens + n
+            tokens -= n
+            running.append(r)
+        # the model's output: one token for each request past its prompt; some finish
+        for r in list(running):
+            if r.num_computed_tokens >= r.num_tokens:
+                r.all_token_ids.append(rnd.randrange(1000))
+                r.rehash()
+                if rnd.random() < 0.08:
+                    running.remove(r)
+                    t.free(r)
+        t.check()
+        per_step.append(t.m.round_trips - before)
+    return per_step
+
+
+def test_hints_and_ledger_answer_like_the_engine(client: KVCoordClient) -> None:
+    """300 steps under memory pressure: every hit, refusal and block id equals the
+    engine's; lookups and refusals are answered without round trips, so the same
+    steps take fewer round trips than without hints; the ledger was never dropped."""
+    with_hints = Twin(client, "hints", num_blocks=96)
+    per_step = drive(with_hints, 300, seed=4)
+    m = with_hints.m
+    counts = with_hints.counts
+    assert counts["refusals"] > 20 and counts["hits"] > 50, counts
+    assert m.hinted_lookups > counts["lookups"] // 3, (m.hinted_lookups, counts)
+    assert m.refused > 20  # refusals answered by the client, checked by the server
+    assert m._ledger is not None
+
+    plain = Twin(client, "no-hints", num_blocks=96)
+    plain_steps = drive(plain, 300, seed=4, hints=False)
+    assert plain.counts == counts  # the same decisions
+    assert plain.m.hinted_lookups == 0
+    assert sum(per_step) < sum(plain_steps) - counts["lookups"] // 3
+    print(f"\n{counts}; hinted lookups {m.hinted_lookups}, refusals answered {m.refused}; round trips per "
+          f"step with hints: mean {sum(per_step) / len(per_step):.2f}, max {max(per_step)}; without: mean "
+          f"{sum(plain_steps) / len(plain_steps):.2f}, max {max(plain_steps)}")  # fmt: skip
+
+
+def test_a_wrong_hint_is_loud(client: KVCoordClient) -> None:
+    """A hint the client wrongly believes valid (its margin tampered with) is caught by
+    the server when the lookup is recorded: RequestsLostError, never a silent difference."""
+    client.create_pool("wrong", pool_config(24))
+    m = RemoteKVCacheManager(client, "wrong", hash_seed="0", exclusive=True)
+    a = Req("a", list(range(16)))
+    m.allocate_slots(a, 16)
+    m.free(a)  # a's 4 blocks are cached and free, at the tail of the queue
+    w1, w2 = Req("w1", list(range(100, 110))), Req("w2", list(range(16)) + [5])
+    m.upcoming = lambda current: [w2]
+    m.get_computed_blocks(w1)  # fetches w2's hint: a 16-token hit
+    hint = m._hints["w2"]
+    assert hint.tokens == 16
+    hint.margin = 10**6  # wrong: the next allocation evicts the hit
+    big = Req("big", list(range(200, 200 + 4 * 23)))
+    assert m.allocate_slots(big, len(big.all_token_ids)) is not None  # every free block
+    m.free(big)
+    hit, n = m.get_computed_blocks(w2)  # answered from the (wrong) hint
+    assert n == 16
+    with pytest.raises(RequestsLostError) as lost:
+        m.flush()  # the server compares and refuses
+    assert lost.value.reason == "PREDICTION_FAILED" and "w2" in lost.value.request_ids
+    # nothing is left behind: the session's requests were freed
+    assert client.get_stats("wrong").num_free_blocks == 23

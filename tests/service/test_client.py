@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import random
+import subprocess
+import sys
+import textwrap
+from typing import Any
 
 import pytest
 from helpers import allocate
@@ -194,3 +199,40 @@ def test_cache_hit_type_roundtrip() -> None:
     """CacheHit.is_empty treats null blocks as entries (vLLM's rule)."""
     assert CacheHit(((), ()), 0).is_empty
     assert not CacheHit(((), (0,)), 4).is_empty
+
+
+def test_a_closed_client_fails_calls_instead_of_crashing(tmp_path: Any) -> None:
+    """grpcio crashes the process (SIGSEGV) when an intercepted channel is used after
+    close. A closed KVCoordClient raises ValueError instead, and a manager's lease thread
+    stops renewing: run in a child process, which must exit normally."""
+    script = tmp_path / "closed.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import time
+            from kvcoord.client import KVCoordClient, RemoteKVCacheManager
+            from kvcoord.client.faults import FaultInjector
+            from kvcoord.service.testing import InProcessServer
+            from kvcoord.v1 import allocator_pb2 as pb
+
+            srv = InProcessServer("").start()
+            c = KVCoordClient(srv.address, interceptors=[FaultInjector(1)])
+            c.create_pool("p", pb.PoolConfig(
+                num_blocks=16, hash_block_size=4, hash_algo="sha256_cbor", hash_seed="0",
+                enable_caching=True, max_model_len=64,
+                groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))]))
+            m = RemoteKVCacheManager(c, "p", hash_seed="0", exclusive=True, lease_seconds=0.6)
+            c.close()
+            time.sleep(1.0)  # several renewal periods
+            try:
+                c.list_pools()
+            except ValueError as e:
+                print("refused:", e)
+            srv.stop()
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: ListPools on a closed KVCoordClient" in done.stdout

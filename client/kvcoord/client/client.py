@@ -205,10 +205,18 @@ class KVCoordClient(_Api):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    #: set by close(); later calls raise ValueError before touching the channel
+    closed = False
+
     def close(self) -> None:
+        self.closed = True
         self.channel.close()
 
     def _call(self, rpc: str, request: Any) -> Any:
+        if self.closed:
+            # grpcio crashes the process when an intercepted channel is used after
+            # close (a plain one raises this same ValueError): never reach it
+            raise ValueError(f"{rpc} on a closed KVCoordClient")
         method = getattr(self.stub, rpc)
         attempts = _Attempts(self.retry, rq.RPCS[rpc], self.retry_horizon)
         while True:

@@ -144,6 +144,8 @@ class SessionKeeper:
             interval = max(0.05, self.lease / 3)
             if self._wake.wait(interval) or self._stop.is_set():
                 continue
+            if getattr(self.client, "closed", False):
+                return  # the client was closed under the manager: nothing to renew with
             if self.lost is None:
                 self.heartbeat()
 

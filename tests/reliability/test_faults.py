@@ -28,13 +28,15 @@ class Req:
     num_preemptions: int = 0
 
 
-def pool_config() -> pb.PoolConfig:
+def pool_config(full_only: bool = False) -> pb.PoolConfig:
+    groups = [pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))]
+    if not full_only:
+        groups.append(
+            pb.KVCacheGroupSpec(sliding_window=pb.SlidingWindowSpec(block_size=4, sliding_window=8))
+        )
     return pb.PoolConfig(
         num_blocks=NUM_BLOCKS,
-        groups=[
-            pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4)),
-            pb.KVCacheGroupSpec(sliding_window=pb.SlidingWindowSpec(block_size=4, sliding_window=8)),
-        ],
+        groups=groups,
         hash_block_size=4,
         enable_caching=True,
         enable_kv_cache_events=True,
@@ -44,11 +46,11 @@ def pool_config() -> pb.PoolConfig:
     )
 
 
-def local_pool() -> KVCachePool:
+def local_pool(full_only: bool = False) -> KVCachePool:
     return KVCachePool(
         KVCacheConfig(
             num_blocks=NUM_BLOCKS,
-            groups=(FullAttentionSpec(4), SlidingWindowSpec(4, 8)),
+            groups=(FullAttentionSpec(4),) if full_only else (FullAttentionSpec(4), SlidingWindowSpec(4, 8)),
             hash_block_size=4,
             enable_kv_cache_events=True,
             max_model_len=256,
@@ -101,6 +103,10 @@ def drive(
             running.remove(rid)
         counts["frees"] += 1
 
+    # the requests this loop looks up after the current one (hints, exclusive sessions)
+    remote.upcoming = lambda current: [
+        live[rid] for rid in sorted(live) if rid not in running and rid != current.request_id
+    ][:4]
     for step in range(steps):
         answered: list[tuple[object, object, str]] = []
         if rnd.random() < 0.4:
@@ -181,11 +187,16 @@ def server() -> Iterator[InProcessServer]:
     s.stop()
 
 
-@pytest.mark.parametrize("exclusive", [False, True], ids=["shared-sessions", "exclusive-sessions"])
-def test_faulty_network_changes_no_answer(server: InProcessServer, exclusive: bool) -> None:
+@pytest.mark.parametrize(
+    ("exclusive", "full_only"),
+    [(False, False), (True, False), (True, True)],
+    ids=["shared-sessions", "exclusive-sessions", "exclusive-full-attention"],
+)
+def test_faulty_network_changes_no_answer(server: InProcessServer, exclusive: bool, full_only: bool) -> None:
     """Four workers, 400 steps each, 5% of answers dropped, 5% late, 5% duplicated, 5%
     re-delivered later: zero divergences, zero lost requests. With exclusive sessions
-    the manager also answers provable allocations before sending them."""
+    the manager also answers provable allocations and lookups (hints) before sending
+    them, and on a full-attention pool refusals too (its block ledger)."""
     workers = 4
     results: dict[int, dict[str, int]] = {}
     errors: list[BaseException] = []
@@ -200,13 +211,15 @@ def test_faulty_network_changes_no_answer(server: InProcessServer, exclusive: bo
                 KVCoordClient(server.address) as plain,
                 KVCoordClient(server.address, interceptors=[fi]) as c,
             ):
-                plain.create_pool(pool, pool_config())
+                plain.create_pool(pool, pool_config(full_only))
                 remote = RemoteKVCacheManager(
                     c, pool, hash_seed="0", client_name=f"w{wid}", exclusive=exclusive
                 )
-                results[wid] = drive(remote, local_pool(), plain, pool, wid, 400)
+                results[wid] = drive(remote, local_pool(full_only), plain, pool, wid, 400)
                 results[wid]["lost"] = remote.lost_requests
                 results[wid]["promised"] = remote.promised
+                results[wid]["hinted"] = remote.hinted_lookups
+                results[wid]["refused_here"] = remote.refused
                 results[wid]["round_trips"] = remote.round_trips
                 remote.close()
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
@@ -228,8 +241,13 @@ def test_faulty_network_changes_no_answer(server: InProcessServer, exclusive: bo
     assert faults["dropped"] > 50 and faults["delayed"] > 50
     assert faults["duplicated"] > 50 and faults["reordered"] > 10
     assert total["refusals"] > 0 and total["hits"] > 0 and total["preemptions"] > 0
-    if exclusive:  # most allocations were answered without waiting, none wrongly
+    if exclusive:  # many answers were given without waiting, none wrongly
         assert total["promised"] > total["answers"] / 8
+        assert total["hinted"] > 0  # (tests/service/test_hints.py runs a loop that hints more)
+    else:
+        assert total["hinted"] == 0  # nothing can prove a hint on a shared pool
+    if full_only:
+        assert total["refused_here"] > 20
 
 
 def test_admit_over_the_wire_equals_one_by_one(server: InProcessServer) -> None:

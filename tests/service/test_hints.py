@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager, RequestsLostError
+from kvcoord.client.faults import FaultInjector
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool
+from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 
 BS = 4
@@ -185,11 +188,23 @@ def drive(
     return per_step
 
 
-def test_hints_and_ledger_answer_like_the_engine(client: KVCoordClient) -> None:
+@pytest.fixture
+def managers(client: KVCoordClient) -> Iterator[list[RemoteKVCacheManager]]:
+    """Managers to close before the client (their lease threads use its channel)."""
+    opened: list[RemoteKVCacheManager] = []
+    yield opened
+    for m in opened:
+        m.close()
+
+
+def test_hints_and_ledger_answer_like_the_engine(
+    client: KVCoordClient, managers: list[RemoteKVCacheManager]
+) -> None:
     """300 steps under memory pressure: every hit, refusal and block id equals the
     engine's; lookups and refusals are answered without round trips, so the same
     steps take fewer round trips than without hints; the ledger was never dropped."""
     with_hints = Twin(client, "hints", num_blocks=96)
+    managers.append(with_hints.m)
     per_step = drive(with_hints, 300, seed=4)
     m = with_hints.m
     counts = with_hints.counts
@@ -199,6 +214,7 @@ def test_hints_and_ledger_answer_like_the_engine(client: KVCoordClient) -> None:
     assert m._ledger is not None
 
     plain = Twin(client, "no-hints", num_blocks=96)
+    managers.append(plain.m)
     plain_steps = drive(plain, 300, seed=4, hints=False)
     assert plain.counts == counts  # the same decisions
     assert plain.m.hinted_lookups == 0
@@ -208,11 +224,28 @@ def test_hints_and_ledger_answer_like_the_engine(client: KVCoordClient) -> None:
           f"{sum(plain_steps) / len(plain_steps):.2f}, max {max(plain_steps)}")  # fmt: skip
 
 
-def test_a_wrong_hint_is_loud(client: KVCoordClient) -> None:
+def test_hints_and_ledger_under_a_faulty_network(server: InProcessServer) -> None:
+    """The same loop with 5% of answers dropped, 5% late, 5% duplicated and 5%
+    re-delivered: every answer still equals the engine's, nothing is lost."""
+    fi = FaultInjector(77, drop=0.05, delay=0.05, duplicate=0.05, reorder=0.05)
+    with KVCoordClient(server.address, interceptors=[fi]) as faulty:
+        t = Twin(faulty, "faulty", num_blocks=96)
+        try:
+            drive(t, 300, seed=9)
+        finally:
+            t.m.close()
+        assert t.m.lost_requests == 0
+        assert t.m.hinted_lookups > 50 and t.m.refused > 10, (t.m.hinted_lookups, t.m.refused)
+    assert fi.counts["dropped"] > 10 and fi.counts["duplicated"] > 10, fi.counts
+    print(f"\n{t.counts}; faults {fi.counts}; hinted {t.m.hinted_lookups}, refused here {t.m.refused}")
+
+
+def test_a_wrong_hint_is_loud(client: KVCoordClient, managers: list[RemoteKVCacheManager]) -> None:
     """A hint the client wrongly believes valid (its margin tampered with) is caught by
     the server when the lookup is recorded: RequestsLostError, never a silent difference."""
     client.create_pool("wrong", pool_config(24))
     m = RemoteKVCacheManager(client, "wrong", hash_seed="0", exclusive=True)
+    managers.append(m)
     a = Req("a", list(range(16)))
     m.allocate_slots(a, 16)
     m.free(a)  # a's 4 blocks are cached and free, at the tail of the queue

@@ -11,7 +11,9 @@ with 16-token blocks. The same seeded workload runs on:
 
   in-process     kvcoord's engine called directly (what vLLM's own manager costs)
   exclusive      RemoteKVCacheManager(exclusive=True): one session per pool, provable
-                 allocations answered at once, everything else batched
+                 allocations and refusals answered at once, lookups answered from hints
+                 (the loop names its waiting requests, as KVCoordScheduler does),
+                 everything else batched
   excl+admit     the same, with the waiting loop sent as one Admit operation
                  (RemoteKVCacheManager.admit) instead of a lookup per admitted request
   shared         RemoteKVCacheManager: frees and state batched, every allocation waits
@@ -183,6 +185,19 @@ def run(
 
     running: list[Req] = []
     waiting: deque[Req] = deque(new_request() for _ in range(running_target))
+    if isinstance(kv, RemoteKVCacheManager):
+        # as KVCoordScheduler does: name the waiting requests the loop may look up next
+        def upcoming(current: Req) -> list[Req]:
+            out, tokens = [], 2 * BUDGET
+            for r in waiting:
+                if tokens <= 0 or len(out) >= 32:
+                    break
+                if r is not current:
+                    out.append(r)
+                    tokens -= len(r.all_token_ids)
+            return out
+
+        kv.upcoming = upcoming
     times: list[float] = []
     decisions: list[Any] = []
     for _ in range(steps):
@@ -271,6 +286,7 @@ def main() -> None:
     ap.add_argument("--running", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--modes", nargs="+", default=["excl+admit", "exclusive", "shared", "per-call"])
     args = ap.parse_args()
     server = start_server("")
     try:
@@ -293,7 +309,7 @@ def main() -> None:
             base_t, base_d = run(LocalManager(blocks), n, total, seed=n)
             base = statistics.median(base_t[args.warmup :]) * 1e3
             print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f}")
-            for mode in ("excl+admit", "exclusive", "shared", "per-call"):
+            for mode in args.modes:
                 name = f"p{n}-{mode.replace('+', '-')}"
                 client.create_pool(name, pool_config(blocks))
                 m = RemoteKVCacheManager(client, name, hash_seed="0", exclusive=mode.startswith("excl"))

@@ -11,8 +11,8 @@ runs through vLLM's ``Scheduler`` with its in-process KVCacheManager and with
 ``KVCoordScheduler`` on a kvcoord server process on loopback (an exclusive session,
 as ``--scheduler-cls`` gives by default). A step is ``schedule()`` plus
 ``update_from_output()`` with a fake model output. Prints p50 / p99 per step, the
-round trips per step (every RPC the manager's client makes) and the milliseconds kvcoord
-adds, and checks that every step's scheduler output is identical.
+round trips per step (every RPC the manager's client makes; mean and max) and the
+milliseconds kvcoord adds (next to a no-op round trip), and checks that every step's scheduler output is identical.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from harness import (  # noqa: E402
     vllm_config,
     write_model_dir,
 )
+from kvcoord.client import KVCoordClient  # noqa: E402
 from kvcoord.client.testing import start_server  # noqa: E402
 from kvcoord.client.vllm_scheduler import KVCoordScheduler  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
@@ -100,7 +101,18 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'client'}:{ROOT / 'server'}")
     server = start_server("", env=env)
     model = write_model_dir(Path(tempfile.mkdtemp(prefix="kvcoord-bench-model-")))
-    print(f"{'running':>7} {'scheduler':<22} {'p50 ms':>8} {'p99 ms':>8} {'RTT/step':>9} {'+ms/step':>9}")
+    ping = KVCoordClient(server.address)
+    ping.list_pools()
+    rtts = []
+    for _ in range(200):
+        t0 = time.perf_counter()
+        ping.list_pools()
+        rtts.append(time.perf_counter() - t0)
+    ping.close()
+    print(f"no-op round trip (ListPools) p50 {pct(rtts, 0.5):.3f} ms")
+    print(
+        f"{'running':>7} {'scheduler':<22} {'p50 ms':>8} {'p99 ms':>8} {'RTT/step':>9} {'max RTT':>8} {'+ms/step':>9}"
+    )
     try:
         for n in args.running:
             blocks = n * (900 + 128) // BLOCK_SIZE * 2 + 64  # never full: nothing preempted
@@ -133,7 +145,7 @@ def main() -> None:
             med = sorted(t[args.warmup :])[len(t[args.warmup :]) // 2] * 1e3
             trips = sum(counts[args.warmup :]) / len(counts[args.warmup :])
             print(f"{n:>7} {'KVCoordScheduler':<22} {med:8.2f} {pct(t[args.warmup:], 0.99):8.2f} "
-                  f"{trips:9.2f} {med - base:9.2f}")  # fmt: skip
+                  f"{trips:9.2f} {max(counts[args.warmup:]):8d} {med - base:9.2f}")  # fmt: skip
             remote.shutdown()
         print("scheduler outputs identical on every step")
     finally:

@@ -113,6 +113,44 @@ def test_scheduler_decisions_equal(
     )
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_at_most_three_round_trips_per_step(
+    kind: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With blocks to spare, every scheduler step costs at most three round trips
+    (lookups answered from hints, allocations promised; one Step when the block ids
+    are read, one lookup when a request needs a hint, one when usage or events are
+    read), whatever the number of requests; decisions stay identical."""
+    seed, blocks = 41 + LAYOUTS.index(layout), 4096
+    asynchronous = kind == "async"
+    local = make_scheduler(
+        SCHEDULERS[kind], vllm_config(model_dir, blocks, async_scheduling=asynchronous),
+        kv_cache_config(layout, blocks),
+    )  # fmt: skip
+    want, want_counts = run_workload(local, seed=seed, steps=STEPS, async_overlap=asynchronous)
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_POOL", f"bounded-{kind}-{layout.replace('+', '-')}-{next(_pool_ids)}")
+    remote = make_scheduler(
+        KVCOORD[kind], vllm_config(model_dir, blocks, async_scheduling=asynchronous),
+        kv_cache_config(layout, blocks),
+    )  # fmt: skip
+    counter = CallCounter(remote.kv_cache_manager)
+    got, got_counts = run_workload(
+        remote, seed=seed, steps=STEPS, async_overlap=asynchronous, on_step=counter.step
+    )
+    manager = remote.kv_cache_manager.remote
+    remote.shutdown()
+    assert got == want, first_difference(want, got)
+    assert want_counts["hit_tokens"] > 0 and want_counts["finished"] > 20, want_counts
+    # the async harness applies its last pending output after the last step: not a step
+    steps = counter.per_step[:-1] if asynchronous else counter.per_step
+    assert max(steps) <= 3, sorted(collections.Counter(steps).items())
+    assert manager.hinted_lookups > 20 and manager.lost_requests == 0
+    print(f"\n{kind}/{layout}: round trips per step: mean {sum(steps) / len(steps):.2f}, max {max(steps)}; "
+          f"lookups answered from hints {manager.hinted_lookups}")  # fmt: skip
+
+
 def test_blocks_behave_like_vllms(
     model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

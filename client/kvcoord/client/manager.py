@@ -288,12 +288,13 @@ class RemoteKVCacheManager:
         self._moved = 0
         self._newly_cached = set()
 
-    def _cached(self, request: Any, num_tokens: int) -> None:
-        """The pool caches the request's blocks up to ``num_tokens``: remember which of its
-        hashes that may add, while hints are held."""
+    def _cached(self, request: Any, num_tokens: int, cached_before: int = 0) -> None:
+        """The pool caches the request's blocks up to ``num_tokens`` (those below
+        ``cached_before`` tokens, an adopted hit, are cached already): remember which of
+        its hashes that may add, while hints are held."""
         rid = request.request_id
         count = num_tokens // self._hash_block_size
-        prev = self._cached_hashes.get(rid, 0)
+        prev = max(self._cached_hashes.get(rid, 0), cached_before // self._hash_block_size)
         if count > prev:
             self._cached_hashes[rid] = count
             if self._hints:
@@ -327,6 +328,7 @@ class RemoteKVCacheManager:
         if before is not None and after is not None:
             self._verify_lengths(item, rid, before, after)
         cache_to = -1  # tokens the allocation caches up to, when it succeeds
+        cached_before = int(request.num_computed_tokens) + num_new_computed_tokens  # a hit is cached
         if self.enable_caching and not delay_cache_blocks:
             total = int(request.num_computed_tokens) + num_new_computed_tokens + num_external_computed_tokens
             cache_to = min(total + num_new_tokens, len(request.all_token_ids))
@@ -354,7 +356,7 @@ class RemoteKVCacheManager:
                 self.promised += 1
                 self._held(item, rid, hit, new_blocks)
                 if cache_to >= 0:
-                    self._cached(request, cache_to)
+                    self._cached(request, cache_to, cached_before)
                 return KVCacheBlockIds(pending=item.pending)
             if exact:
                 # Provably too few (the session knows every block it holds): refused,
@@ -375,7 +377,7 @@ class RemoteKVCacheManager:
                 ids = new.block_ids
                 ledger.named(ledger.allocated(rid, hit, sum(len(g) for g in ids)), ids)
             if cache_to >= 0:
-                self._cached(request, cache_to)
+                self._cached(request, cache_to, cached_before)
         return new
 
     def _promise(self, item: Item) -> None:

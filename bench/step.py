@@ -9,7 +9,9 @@ statistics read every step) keeps N requests running: prompts 512-4,096 tokens, 
 sharing one of 8 prefixes, outputs 16-256 tokens, token budget 8,192, full attention
 with 16-token blocks. The same seeded workload runs on:
 
-  in-process     kvcoord's engine called directly (what vLLM's own manager costs)
+  vLLM           vLLM 0.16.0's own KVCacheManager in-process (when vLLM is importable:
+                 run with the vLLM venv's python); its decisions must equal the engine's
+  in-process     kvcoord's engine called directly
   exclusive      RemoteKVCacheManager(exclusive=True): one session per pool, provable
                  allocations and refusals answered at once, lookups answered from hints
                  (the loop names its waiting requests, as KVCoordScheduler does),
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import random
 import statistics
 import sys
@@ -126,6 +129,81 @@ class LocalManager:
 
     def make_prefix_cache_stats(self) -> Any:
         return self.pool.make_prefix_cache_stats()
+
+
+class VllmManager:
+    """vLLM 0.16.0's own KVCacheManager in-process, behind the same methods (needs vLLM).
+
+    vLLM's scheduler owns its Request objects; here each bench request is mirrored in
+    one (created at its first call, then told its appended tokens and computed count),
+    which is what vLLM's scheduler does to its requests as a step goes.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        import torch
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256_cbor
+        from vllm.v1 import kv_cache_interface as k
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256_cbor)
+        spec = k.FullAttentionSpec(BS, num_kv_heads=1, head_size=64, dtype=torch.float16)
+        cfg = k.KVCacheConfig(
+            num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[k.KVCacheGroupSpec(["layer0"], spec)]
+        )
+        self.m = KVCacheManager(cfg, max_model_len=1 << 20, hash_block_size=BS, enable_caching=True,
+                                log_stats=True, enable_kv_cache_events=True)  # fmt: skip
+        hasher = get_request_block_hasher(BS, sha256_cbor)
+        self._make = lambda r: Request(
+            r.request_id,
+            list(r.all_token_ids),
+            SamplingParams(max_tokens=1 << 20),
+            None,
+            None,
+            block_hasher=hasher,
+        )
+        self.reqs: dict[str, Any] = {}
+
+    def _sync(self, r: Req) -> Any:
+        v = self.reqs.get(r.request_id)
+        if v is None:
+            v = self.reqs[r.request_id] = self._make(r)
+        elif len(r.all_token_ids) > v.num_tokens:
+            v.append_output_token_ids(r.all_token_ids[v.num_tokens :])
+        v.num_computed_tokens = r.num_computed_tokens
+        v.num_preemptions = r.num_preemptions
+        return v
+
+    def get_computed_blocks(self, r: Req) -> tuple[Any, int]:
+        return self.m.get_computed_blocks(self._sync(r))  # type: ignore[no-any-return]
+
+    def allocate_slots(self, r: Req, n: int, hit_tokens: int = 0, hit: Any = None) -> Any:
+        return self.m.allocate_slots(self._sync(r), n, hit_tokens, hit)
+
+    def free(self, r: Req) -> None:
+        v = self.reqs.pop(r.request_id, None)
+        if v is not None:
+            self.m.free(v)
+
+    @property
+    def usage(self) -> float:
+        return float(self.m.usage)
+
+    def take_events(self) -> list[Any]:
+        return self.m.take_events()  # type: ignore[no-any-return]
+
+    def make_prefix_cache_stats(self) -> Any:
+        return self.m.make_prefix_cache_stats()
+
+
+def vllm_importable() -> bool:
+    try:
+        import vllm.v1.core.kv_cache_manager  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class PerCall:
@@ -288,7 +366,10 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--modes", nargs="+", default=["excl+admit", "exclusive", "shared", "per-call"])
     args = ap.parse_args()
-    server = start_server("")
+    with_vllm = vllm_importable()
+    if not with_vllm:
+        print("vLLM is not importable here: its row is left out (run in the vLLM venv to include it)")
+    server = start_server("", env=dict(os.environ, PYTHONPATH=f"{ROOT / 'client'}:{ROOT / 'server'}"))
     try:
         client = KVCoordClient(server.address, timeout=60)
         noop = []
@@ -306,9 +387,18 @@ def main() -> None:
         for n in args.running:
             blocks = n * 4600 // BS + 1
             total = args.steps + args.warmup
+            if with_vllm:
+                v_t, v_d = run(VllmManager(blocks), n, total, seed=n)
+                v_med = statistics.median(v_t[args.warmup :]) * 1e3
+                print(f"{n:>7} {'vLLM':<11} {v_med:8.2f} {pct(v_t[args.warmup :], 0.99):8.2f}")
             base_t, base_d = run(LocalManager(blocks), n, total, seed=n)
             base = statistics.median(base_t[args.warmup :]) * 1e3
-            print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f}")
+            if with_vllm:
+                assert v_d == base_d, "vLLM's manager decided differently from kvcoord's engine"
+                print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f} "
+                      f"{'':8} {'':9} {'':14} (kvcoord's engine; {base / v_med:.2f} x vLLM)")  # fmt: skip
+            else:
+                print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f}")
             for mode in args.modes:
                 name = f"p{n}-{mode.replace('+', '-')}"
                 client.create_pool(name, pool_config(blocks))

@@ -265,3 +265,20 @@ def test_a_wrong_hint_is_loud(client: KVCoordClient, managers: list[RemoteKVCach
     assert lost.value.reason == "PREDICTION_FAILED" and "w2" in lost.value.request_ids
     # nothing is left behind: the session's requests were freed
     assert client.get_stats("wrong").num_free_blocks == 23
+
+
+def test_a_failed_hint_costs_only_its_round_trip(
+    client: KVCoordClient, managers: list[RemoteKVCacheManager]
+) -> None:
+    """A hint the server cannot give (here: an upcoming request with an invalid prompt)
+    fails alone: the lookup that fetched it still answers, and that request's own
+    lookup later takes a round trip."""
+    client.create_pool("failing", pool_config(24))
+    m = RemoteKVCacheManager(client, "failing", hash_seed="0", exclusive=True)
+    managers.append(m)
+    good, bad = Req("good", list(range(9))), Req("bad", list(range(600)))  # longer than max_model_len
+    m.upcoming = lambda current: [bad]
+    hit, n = m.get_computed_blocks(good)
+    assert n == 0 and "bad" not in m._hints and "good" in m._hints
+    assert m.allocate_slots(good, 9) is not None
+    m.flush()

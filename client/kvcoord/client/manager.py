@@ -232,7 +232,10 @@ class RemoteKVCacheManager:
         tracked = self._ledger is not None and self._free_exact
         cap = self.hint_walk_limit if tracked else (self._free_estimate or 0)
         for r, hi in zip(upcoming, hint_items, strict=True):
-            hit, tokens, margin = hi.pending.result()
+            try:
+                hit, tokens, margin = hi.pending.result()
+            except KVCoordError:
+                continue  # a hint is only an optimisation: that lookup will take a round trip
             hint = _Hint(
                 hit,
                 tokens,
@@ -310,11 +313,7 @@ class RemoteKVCacheManager:
         With ``return_table`` the answer's ``table`` is the request's whole block table.
         """
         if self._ledger is None and self._ledger_possible and self.keeper.exclusive:
-            try:
-                self._rebuild_ledger()
-            except KVCoordError:
-                self._ledger_possible = False  # not again for this manager: bounds still work
-                raise
+            self._rebuild_ledger()
         item = self._ops.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table)  # fmt: skip
@@ -688,14 +687,25 @@ class RemoteKVCacheManager:
         self._free_exact = False
 
     def _rebuild_ledger(self) -> None:
-        """One Step reading the block table of every request this session holds."""
-        rids = self.tracker.ids()
+        """One Step reading the block table of every request this session holds. If it
+        fails, the manager goes on without a ledger (allocations it cannot prove take a
+        round trip) and does not try again."""
+        rids = self.tracker.registered_ids()
         items = [self._ops.get_block_ids(rid) for rid in rids]
-        self._send(items)
         ledger = BlockLedger()
-        for rid, item in zip(rids, items, strict=True):
-            table = item.pending.result()
-            ledger.named(ledger.allocated(rid, None, sum(len(g) for g in table)), table)
+        try:
+            self._send(items)
+        except KVCoordError:
+            raise  # a queued call failed (or the session was lost): the caller's to hear
+        try:
+            for rid, item in zip(rids, items, strict=True):
+                table = item.pending.result()
+                ledger.named(ledger.allocated(rid, None, sum(len(g) for g in table)), table)
+        except KVCoordError as err:
+            logger.warning("block ledger of session %s not rebuilt, refusals take round trips: %s",
+                           self.session_id, err)  # fmt: skip
+            self._ledger_possible = False
+            return
         self._ledger = ledger
         self._free_exact = self._free_estimate is not None
 

@@ -82,6 +82,10 @@ class RequestTracker:
     def ids(self) -> list[str]:
         return list(self._tracked)
 
+    def registered_ids(self) -> list[str]:
+        """Requests the server acknowledged registering (the others hold nothing there)."""
+        return [rid for rid, t in self._tracked.items() if t.committed[3]]
+
     def sync(self, request: Any) -> pb.RequestSync:
         """The sync bringing the server to the request's current state (registers a
         request the first time)."""

@@ -693,10 +693,7 @@ class RemoteKVCacheManager:
         rids = self.tracker.registered_ids()
         items = [self._ops.get_block_ids(rid) for rid in rids]
         ledger = BlockLedger()
-        try:
-            self._send(items)
-        except KVCoordError:
-            raise  # a queued call failed (or the session was lost): the caller's to hear
+        self._send(items)  # a queued call's failure (or a lost session) is the caller's to hear
         try:
             for rid, item in zip(rids, items, strict=True):
                 table = item.pending.result()

@@ -15,8 +15,15 @@ events and statistics, so ``usage``, ``take_events`` and ``make_prefix_cache_sta
 usually cost nothing. With ``exclusive=True`` (the session is the pool's only one, as
 for one vLLM engine per pool) the manager knows the pool's free blocks exactly and
 answers an ``allocate_slots`` it can prove will succeed at once; its block ids arrive
-with the next Step (reading them sends it). A scheduler step then costs one round
-trip plus one per prefix lookup of a newly admitted request.
+with the next Step (reading them sends it). On full-attention pools it also keeps a
+ledger of every block its requests hold, so a refusal it can prove is answered at once
+too. With ``upcoming`` set (a callable naming the requests a scheduler will look up
+after a given one; ``KVCoordScheduler`` sets it), a lookup's round trip fetches hints
+for those requests, and their lookups are answered from the hints while the manager can
+prove them still valid. The server checks every answer given ahead (``must_succeed``,
+``must_refuse``, answered lookups): a wrong one is ``PREDICTION_FAILED``, raised as
+:class:`RequestsLostError`. vLLM's scheduler step then costs at most three round trips
+with blocks to spare.
 
 vLLM's scheduler calls ``free`` for finished and preempted requests alike; a freed
 request that comes back is registered again with all its tokens (its
@@ -157,8 +164,10 @@ class RemoteKVCacheManager:
         #: Step round trips sent, and allocations answered without one
         self.round_trips = 0
         self.promised = 0
-        #: lookup hints (exclusive sessions; see get_computed_blocks)
+        #: lookup hints (exclusive sessions; see get_computed_blocks): given the request
+        #: being looked up, the requests the scheduler may look up next, in its order
         self.upcoming: Callable[[Any], Iterable[Any]] | None = None
+        #: free-queue positions the server walks for a hint's eviction margin
         self.hint_walk_limit = 4096
         self._hints: dict[str, _Hint] = {}
         #: hint blocks by id (with a ledger: a freed one lowers its hints' margins)

@@ -211,8 +211,9 @@ class FreeKVCacheBlockQueue:
 
     def first_position(self, block_ids: set[int], limit: int) -> int:
         """How many free blocks are ahead of the first of ``block_ids`` in the queue
-        (blocks that must leave the queue before it can be reused), or ``limit`` when
-        none of them is among the first ``limit`` free blocks. O(position) per call.
+        (blocks that must leave the queue before it can be reused), or a lower bound on
+        that: at most ``limit``, and the free blocks counted when ``limit`` entries (dead
+        ones included) were read without meeting one of them. O(limit) per call.
         """
         if not block_ids:
             return limit
@@ -221,7 +222,7 @@ class FreeKVCacheBlockQueue:
             return limit
         queue = self._queue
         pending: dict[int, int] = {}  # dead entries met so far, per block (not consumed)
-        for i in range(self._head, len(queue)):
+        for i in range(self._head, min(len(queue), self._head + limit)):
             block = queue[i]
             bid = block.block_id
             if block.stale_entries:
@@ -234,6 +235,8 @@ class FreeKVCacheBlockQueue:
             pos += 1
             if pos >= limit:
                 return limit
+        if self._head + limit < len(queue):
+            return pos  # read ``limit`` entries: every target is further back
         return limit
 
     def head_ids(self, limit: int | None = None) -> list[int]:

@@ -13,7 +13,7 @@ import pytest
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager, RequestsLostError
 from kvcoord.client.faults import FaultInjector
 from kvcoord.client.hashing import BlockHasher, none_hash
-from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool
+from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 
@@ -45,7 +45,12 @@ class Req:
         return len(self.all_token_ids)
 
 
-def pool_config(num_blocks: int) -> pb.PoolConfig:
+def pool_config(num_blocks: int, sliding: bool = False) -> pb.PoolConfig:
+    groups = [pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=BS))]
+    if sliding:
+        groups.append(
+            pb.KVCacheGroupSpec(sliding_window=pb.SlidingWindowSpec(block_size=BS, sliding_window=16))
+        )
     return pb.PoolConfig(
         num_blocks=num_blocks,
         hash_block_size=BS,
@@ -53,19 +58,24 @@ def pool_config(num_blocks: int) -> pb.PoolConfig:
         hash_seed="0",
         enable_caching=True,
         max_model_len=512,
-        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=BS))],
+        groups=groups,
     )
 
 
 class Twin:
     """The same calls on a remote manager and an in-process pool; answers compared."""
 
-    def __init__(self, client: KVCoordClient, name: str, num_blocks: int) -> None:
-        client.create_pool(name, pool_config(num_blocks))
+    def __init__(self, client: KVCoordClient, name: str, num_blocks: int, sliding: bool = False) -> None:
+        client.create_pool(name, pool_config(num_blocks, sliding))
         self.m = RemoteKVCacheManager(client, name, hash_seed="0", exclusive=True)
         self.local = KVCachePool(
             KVCacheConfig(
-                num_blocks=num_blocks, groups=(FullAttentionSpec(BS),), hash_block_size=BS, max_model_len=512
+                num_blocks=num_blocks,
+                groups=(FullAttentionSpec(BS), SlidingWindowSpec(BS, 16))
+                if sliding
+                else (FullAttentionSpec(BS),),
+                hash_block_size=BS,
+                max_model_len=512,
             )
         )
         self.unchecked: list[tuple[Any, Any]] = []  # (remote lazy ids, local ids)
@@ -197,28 +207,30 @@ def managers(client: KVCoordClient) -> Iterator[list[RemoteKVCacheManager]]:
         m.close()
 
 
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "full+sliding"])
 def test_hints_and_ledger_answer_like_the_engine(
-    client: KVCoordClient, managers: list[RemoteKVCacheManager]
+    sliding: bool, client: KVCoordClient, managers: list[RemoteKVCacheManager]
 ) -> None:
     """300 steps under memory pressure: every hit, refusal and block id equals the
     engine's; lookups and refusals are answered without round trips, so the same
     steps take fewer round trips than without hints; the ledger was never dropped."""
-    with_hints = Twin(client, "hints", num_blocks=96)
+    blocks = 160 if sliding else 96
+    with_hints = Twin(client, f"hints-{sliding}", num_blocks=blocks, sliding=sliding)
     managers.append(with_hints.m)
     per_step = drive(with_hints, 300, seed=4)
     m = with_hints.m
     counts = with_hints.counts
     assert counts["refusals"] > 20 and counts["hits"] > 50, counts
-    assert m.hinted_lookups > counts["lookups"] // 3, (m.hinted_lookups, counts)
+    assert m.hinted_lookups > counts["lookups"] // (4 if sliding else 3), (m.hinted_lookups, counts)
     assert m.refused > 20  # refusals answered by the client, checked by the server
     assert m._ledger is not None
 
-    plain = Twin(client, "no-hints", num_blocks=96)
+    plain = Twin(client, f"no-hints-{sliding}", num_blocks=blocks, sliding=sliding)
     managers.append(plain.m)
     plain_steps = drive(plain, 300, seed=4, hints=False)
     assert plain.counts == counts  # the same decisions
     assert plain.m.hinted_lookups == 0
-    assert sum(per_step) < sum(plain_steps) - counts["lookups"] // 3
+    assert sum(per_step) < sum(plain_steps) - counts["lookups"] // (4 if sliding else 3)
     print(f"\n{counts}; hinted lookups {m.hinted_lookups}, refusals answered {m.refused}; round trips per "
           f"step with hints: mean {sum(per_step) / len(per_step):.2f}, max {max(per_step)}; without: mean "
           f"{sum(plain_steps) / len(plain_steps):.2f}, max {max(plain_steps)}")  # fmt: skip

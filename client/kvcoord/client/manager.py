@@ -189,8 +189,15 @@ class RemoteKVCacheManager:
         self._single_full = kinds == ["full"]
         #: with exclusive on a full-attention pool: every block this session holds, so
         #: the free count stays exact between answers (None while it cannot be trusted)
-        self._ledger_possible = exclusive and all(k == "full" for k in kinds)
-        self._ledger: BlockLedger | None = BlockLedger() if self._ledger_possible else None
+        self._ledger_possible = exclusive and all(k in ("full", "sliding_window") for k in kinds)
+        self._ledger_shape = (
+            [int(getattr(g, k).block_size) for g, k in zip(cfg.groups, kinds, strict=True)],
+            [
+                int(g.sliding_window.sliding_window) if k == "sliding_window" else 0
+                for g, k in zip(cfg.groups, kinds, strict=True)
+            ],
+        )
+        self._ledger: BlockLedger | None = self._new_ledger()
         #: _free_estimate is exact (else a lower bound)
         self._free_exact = False
         #: allocations answered as refused without a round trip
@@ -341,16 +348,24 @@ class RemoteKVCacheManager:
             total = int(request.num_computed_tokens) + num_new_computed_tokens + num_external_computed_tokens
             cache_to = min(total + num_new_tokens, len(request.all_token_ids))
         ledger = self._ledger
-        new_blocks = -1  # new blocks the allocation takes, when known exactly
-        if ledger is not None and before is not None and after is not None:
-            new_blocks = sum(after) - sum(before)
+        new_blocks: list[int] | None = None  # new blocks per group, when known exactly
+        total_computed = cached_before + num_external_computed_tokens
+        if ledger is not None:
+            if num_external_computed_tokens:
+                self._ledger_off("external tokens (the ledger does not follow connectors)")
+                ledger = None
+            else:
+                # vLLM's allocate_slots first nulls what left the window, refused or not
+                self._released(*ledger.skip(rid, total_computed))
+                if before is not None and after is not None:
+                    new_blocks = [a - b for a, b in zip(after, before, strict=True)]
         keeper = self.keeper
         free = self._free_estimate
         if free is not None and keeper.lost is None and keeper.clock() < keeper.valid_until:
-            exact = ledger is not None and new_blocks >= 0 and self._free_exact
+            exact = ledger is not None and new_blocks is not None and self._free_exact
             if exact:
-                assert ledger is not None
-                need = ledger.need(hit, new_blocks)
+                assert ledger is not None and new_blocks is not None
+                need = ledger.need(rid, hit, new_blocks, total_computed)
             self._moved += need  # at most this many blocks leave the free queue
             if need <= free:
                 # Provably enough free blocks (this session is the pool's only one):
@@ -362,7 +377,7 @@ class RemoteKVCacheManager:
                 self._promise(item)
                 self.budget.applied(rid, after)
                 self.promised += 1
-                self._held(item, rid, hit, new_blocks)
+                self._held(item, rid, hit, new_blocks, total_computed)
                 if cache_to >= 0:
                     self._cached(request, cache_to, cached_before)
                 return KVCacheBlockIds(pending=item.pending)
@@ -383,7 +398,7 @@ class RemoteKVCacheManager:
             self.budget.applied(rid, after)
             if ledger is not None and self._ledger is ledger:
                 ids = new.block_ids
-                ledger.named(ledger.allocated(rid, hit, sum(len(g) for g in ids)), ids)
+                ledger.named(ledger.allocated(rid, hit, [len(g) for g in ids], total_computed), ids)
             if cache_to >= 0:
                 self._cached(request, cache_to, cached_before)
         return new
@@ -394,15 +409,22 @@ class RemoteKVCacheManager:
         item.deferred = True  # its caller has its answer: a failure is raised by the sender
         self._queue.append(item)
 
-    def _held(self, item: Item, rid: str, hit: Sequence[Sequence[int]] | None, new_blocks: int) -> None:
+    def _held(
+        self,
+        item: Item,
+        rid: str,
+        hit: Sequence[Sequence[int]] | None,
+        new_blocks: list[int] | None,
+        total_computed: int,
+    ) -> None:
         """Enter a promised allocation in the ledger; its answer names the new blocks."""
         ledger = self._ledger
         if ledger is None:
             return
-        if new_blocks < 0:
+        if new_blocks is None:
             self._ledger_off("an allocation's block count was not known exactly")
             return
-        h = ledger.allocated(rid, hit, new_blocks)
+        h = ledger.allocated(rid, hit, new_blocks, total_computed)
         decode = item.decode
 
         def named(r: pb.OperationResult) -> Any:
@@ -502,17 +524,21 @@ class RemoteKVCacheManager:
         self.tracker.lost.discard(rid)  # vLLM frees finished and preempted requests alike
         self._cached_hashes.pop(rid, None)
         if self._ledger is not None:
-            released, ids = self._ledger.release(rid)
-            free = self._free_estimate
-            if self._hint_blocks:
-                # a hit block freed now waits behind every block free now
-                limit = self._moved + (free or 0)
-                for b in ids:
-                    for hint in self._hint_blocks.get(b, ()):
-                        hint.margin = min(hint.margin, limit)
-            if free is not None:
-                self._free_estimate = free + released
+            self._released(*self._ledger.release(rid))
         self._defer(self._ops.free(request))
+
+    def _released(self, count: int, ids: list[int]) -> None:
+        """The ledger's blocks that a queued call frees: the free count grows, and a
+        hint block among them lowers its hints' margins (it waits behind every block
+        free now)."""
+        free = self._free_estimate
+        if self._hint_blocks and ids:
+            limit = self._moved + (free or 0)
+            for b in ids:
+                for hint in self._hint_blocks.get(b, ()):
+                    hint.margin = min(hint.margin, limit)
+        if free is not None:
+            self._free_estimate = free + count
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         self._defer(self._ops.cache_blocks(request, num_computed_tokens))
@@ -520,6 +546,8 @@ class RemoteKVCacheManager:
             self._cached(request, num_computed_tokens)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        if self._ledger is not None:
+            self._released(*self._ledger.skip(request_id, total_computed_tokens))
         self._defer(self._ops.remove_skipped_blocks(request_id, total_computed_tokens))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
@@ -685,6 +713,9 @@ class RemoteKVCacheManager:
         if failed is not None:
             raise failed
 
+    def _new_ledger(self) -> BlockLedger | None:
+        return BlockLedger(*self._ledger_shape) if self._ledger_possible else None
+
     def _ledger_off(self, why: str) -> None:
         """Stop trusting the ledger (refusals take a round trip again) until it is
         rebuilt from the server's tables (:meth:`_rebuild_ledger`). Hints whose margins
@@ -701,12 +732,12 @@ class RemoteKVCacheManager:
         round trip) and does not try again."""
         rids = self.tracker.registered_ids()
         items = [self._ops.get_block_ids(rid) for rid in rids]
-        ledger = BlockLedger()
+        ledger = BlockLedger(*self._ledger_shape)
         self._send(items)  # a queued call's failure (or a lost session) is the caller's to hear
         try:
             for rid, item in zip(rids, items, strict=True):
                 table = item.pending.result()
-                ledger.named(ledger.allocated(rid, None, sum(len(g) for g in table)), table)
+                ledger.named(ledger.allocated(rid, None, [len(g) for g in table], 0), table)
         except KVCoordError as err:
             logger.warning("block ledger of session %s not rebuilt, refusals take round trips: %s",
                            self.session_id, err)  # fmt: skip
@@ -745,7 +776,7 @@ class RemoteKVCacheManager:
         self._clear_hints()
         self._cached_hashes.clear()
         # the new session holds nothing: an empty ledger is exact
-        self._ledger = BlockLedger() if self._ledger_possible else None
+        self._ledger = self._new_ledger()
         self._free_exact = False
         self.lost_requests += len(lost)
         self._free_estimate = None

@@ -127,85 +127,168 @@ class BlockBudget:
         self.lengths.clear()
 
 
+#: a table position whose new block is promised but not yet named by an answer
+UNNAMED = -1
+
+
 @dataclasses.dataclass(slots=True)
 class _Held:
-    """One request's blocks: ids known, and new blocks promised but not yet named."""
+    """One request's table per group: block ids by position, 0 for the null block,
+    ``UNNAMED`` for new blocks promised but not yet named."""
 
-    ids: list[int] = dataclasses.field(default_factory=list)
-    unnamed: int = 0
+    tables: list[list[int]]
     freed: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class Promise:
+    """Where an allocation's new blocks go, until its answer names them."""
+
+    held: _Held
+    positions: list[range]
 
 
 class BlockLedger:
     """Every block the requests of a pool's only session hold, for pools whose groups
-    are all full attention (tables only grow; a free releases the whole table).
+    are full attention or sliding window, with vLLM's rules: an allocation first nulls
+    the sliding-window blocks that left the window (so does ``remove_skipped_blocks``),
+    a new request adopts its hit past the skipped blocks, tables grow at the end, a
+    free releases the whole table; a block is free when no table holds it.
 
     With it the manager knows the pool's free blocks exactly after any sequence of its
-    own calls, so it can answer refusals as well as successes without a round trip
-    (the server checks both: ``must_succeed`` / ``must_refuse``). Block ids come from
-    answers; a promised allocation's new blocks are counted as held by that request
-    alone until its answer names them (no other request can adopt a block before
-    its id is known to the client).
+    own calls, so it can answer refusals as well as successes without a round trip (the
+    server checks both: ``must_succeed`` / ``must_refuse``). Block ids come from answers;
+    a promised allocation's new blocks are held by that request alone until its answer
+    names them (no other request can adopt a block before its id is known here).
+
+    Args:
+        block_sizes: per group, its block size.
+        windows: per group, the sliding window in tokens (0 for full attention).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, block_sizes: Sequence[int], windows: Sequence[int]) -> None:
+        self.block_sizes = list(block_sizes)
+        self.windows = list(windows)
+        self._sliding = [g for g, w in enumerate(self.windows) if w]
         #: references per block id (null block never counted)
         self.refs: dict[int, int] = {}
         self.held: dict[str, _Held] = {}
 
-    def need(self, hit: Sequence[Sequence[int]] | None, new_blocks: int) -> int:
-        """vLLM's count for an allocation: its new blocks plus adopted hit blocks that
-        are free now (they leave the free queue)."""
-        if not hit:
-            return new_blocks
-        refs = self.refs
-        return new_blocks + sum(1 for group in hit for b in group if b and not refs.get(b))
+    def _skipped(self, group: int, total_computed_tokens: int) -> int:
+        """Leading blocks of ``group`` outside the window after that many tokens."""
+        w = self.windows[group]
+        return max(0, total_computed_tokens - w + 1) // self.block_sizes[group] if w else 0
 
-    def allocated(self, request_id: str, hit: Sequence[Sequence[int]] | None, new_blocks: int) -> _Held:
-        """The allocation took effect (or is promised): the hit is adopted and
-        ``new_blocks`` are held, to be named by :meth:`named`."""
+    def skip(self, request_id: str, total_computed_tokens: int) -> tuple[int, list[int]]:
+        """vLLM's ``remove_skipped_blocks``: blocks that left the window become null.
+        Returns how many blocks become free, and the ids of those that are named."""
+        h = self.held.get(request_id)
+        if h is None or not self._sliding:
+            return 0, []
+        refs = self.refs
+        released: list[int] = []
+        unnamed = 0
+        for g in self._sliding:
+            table = h.tables[g]
+            for i in range(min(self._skipped(g, total_computed_tokens), len(table)) - 1, -1, -1):
+                b = table[i]
+                if b == 0:
+                    break
+                table[i] = 0
+                if b == UNNAMED:
+                    unnamed += 1  # held by this request alone
+                    continue
+                n = refs.get(b, 0) - 1
+                if n > 0:
+                    refs[b] = n
+                else:
+                    refs.pop(b, None)
+                    released.append(b)
+        return unnamed + len(released), released
+
+    def need(
+        self,
+        request_id: str,
+        hit: Sequence[Sequence[int]] | None,
+        new_blocks: Sequence[int],
+        total_computed_tokens: int,
+    ) -> int:
+        """vLLM's count for an allocation: its new blocks plus the adopted hit blocks
+        (past the skipped ones) that are free now, since they leave the free queue."""
+        out = sum(new_blocks)
+        if not hit or request_id in self.held:
+            return out  # a request holding blocks adopts no hit
+        refs = self.refs
+        for g, group in enumerate(hit):
+            for b in group[self._skipped(g, total_computed_tokens) :]:
+                if b and not refs.get(b):
+                    out += 1
+        return out
+
+    def allocated(
+        self,
+        request_id: str,
+        hit: Sequence[Sequence[int]] | None,
+        new_blocks: Sequence[int],
+        total_computed_tokens: int,
+    ) -> Promise:
+        """The allocation took effect (or is promised): the hit is adopted and the new
+        blocks are held, to be named by :meth:`named`."""
         h = self.held.get(request_id)
         if h is None:
-            h = self.held[request_id] = _Held()
-        if hit:
-            refs = self.refs
-            for group in hit:
-                for b in group:
+            h = self.held[request_id] = _Held([[] for _ in self.block_sizes])
+            if hit:
+                refs = self.refs
+                for g, group in enumerate(hit):
+                    skipped = min(self._skipped(g, total_computed_tokens), len(group))
+                    table = h.tables[g]
+                    table.extend([0] * skipped)
+                    for b in group[skipped:]:
+                        table.append(b)
+                        if b:
+                            refs[b] = refs.get(b, 0) + 1
+        positions = []
+        for table, n in zip(h.tables, new_blocks, strict=True):
+            positions.append(range(len(table), len(table) + n))
+            table.extend([UNNAMED] * n)
+        return Promise(h, positions)
+
+    def named(self, promise: Promise, new_ids: Sequence[Sequence[int]]) -> None:
+        """An allocation's answer named its new blocks (positions already nulled or a
+        request already freed keep nothing)."""
+        h = promise.held
+        if h.freed:
+            return
+        refs = self.refs
+        for table, where, ids in zip(h.tables, promise.positions, new_ids, strict=True):
+            for pos, b in zip(where, ids, strict=False):
+                if table[pos] == UNNAMED:
+                    table[pos] = b
                     if b:
                         refs[b] = refs.get(b, 0) + 1
-                        h.ids.append(b)
-        h.unnamed += new_blocks
-        return h
-
-    def named(self, h: _Held, new_ids: Sequence[Sequence[int]]) -> None:
-        """An allocation's answer named its new blocks."""
-        n = sum(len(g) for g in new_ids)
-        h.unnamed -= n
-        if h.freed:
-            return  # freed before its answer came: counted as released then
-        refs = self.refs
-        for group in new_ids:
-            for b in group:
-                refs[b] = refs.get(b, 0) + 1
-                h.ids.append(b)
 
     def release(self, request_id: str) -> tuple[int, list[int]]:
         """The request is freed: how many blocks become free (held by it alone), and
-        the ids of those that are known (promised blocks not yet named are not)."""
+        the ids of those that are named."""
         h = self.held.pop(request_id, None)
         if h is None:
             return 0, []
         h.freed = True
         refs = self.refs
         ids: list[int] = []
-        for b in h.ids:
-            n = refs.get(b, 0) - 1
-            if n > 0:
-                refs[b] = n
-            else:
-                refs.pop(b, None)
-                ids.append(b)
-        return h.unnamed + len(ids), ids
+        unnamed = 0
+        for table in h.tables:
+            for b in table:
+                if b == UNNAMED:
+                    unnamed += 1
+                elif b:
+                    n = refs.get(b, 0) - 1
+                    if n > 0:
+                        refs[b] = n
+                    else:
+                        refs.pop(b, None)
+                        ids.append(b)
+        return unnamed + len(ids), ids
 
     def clear(self) -> None:
         self.refs.clear()

@@ -15,7 +15,7 @@ events and statistics, so ``usage``, ``take_events`` and ``make_prefix_cache_sta
 usually cost nothing. With ``exclusive=True`` (the session is the pool's only one, as
 for one vLLM engine per pool) the manager knows the pool's free blocks exactly and
 answers an ``allocate_slots`` it can prove will succeed at once; its block ids arrive
-with the next Step (reading them sends it). On full-attention pools it also keeps a
+with the next Step (reading them sends it). On pools of full-attention and sliding-window groups it also keeps a
 ledger of every block its requests hold, so a refusal it can prove is answered at once
 too. With ``upcoming`` set (a callable naming the requests a scheduler will look up
 after a given one; ``KVCoordScheduler`` sets it), a lookup's round trip fetches hints
@@ -187,7 +187,7 @@ class RemoteKVCacheManager:
         # One full-attention group: a hit can only grow when the hash right after it
         # is cached. Any other layout: when any hash of the request is.
         self._single_full = kinds == ["full"]
-        #: with exclusive on a full-attention pool: every block this session holds, so
+        #: with exclusive on a full / sliding-window pool: every block this session holds, so
         #: the free count stays exact between answers (None while it cannot be trusted)
         self._ledger_possible = exclusive and all(k in ("full", "sliding_window") for k in kinds)
         self._ledger_shape = (

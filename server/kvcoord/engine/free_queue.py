@@ -43,8 +43,10 @@ class FreeKVCacheBlockQueue:
         "_dead",
         "_head",
         "_live",
+        "_compactions",
         "_next_fresh",
         "_num_blocks",
+        "_positions",
         "_queue",
         "compact_slack",
     )
@@ -57,6 +59,10 @@ class FreeKVCacheBlockQueue:
         self._head = 0
         self._live = len(self._queue)
         self._dead = 0  # dead entries at or after head
+        #: compactions so far, and the positions first_position read (with the queue
+        #: state they belong to)
+        self._compactions = 0
+        self._positions: tuple[tuple[int, ...], dict[int, int], int] | None = None
         #: dead or consumed entries tolerated beyond the live ones before compacting
         #: (tests lower it to compact often)
         self.compact_slack = 4096
@@ -190,6 +196,7 @@ class FreeKVCacheBlockQueue:
             yield
         self._head = self._live = self._dead = 0
         self._next_fresh = self._num_blocks
+        self._compactions += 1
 
     def _maybe_compact(self) -> None:
         if self._dead > self._live + self.compact_slack:
@@ -208,36 +215,50 @@ class FreeKVCacheBlockQueue:
         self._queue = live
         self._head = 0
         self._dead = 0
+        self._compactions += 1
 
     def first_position(self, block_ids: set[int], limit: int) -> int:
         """How many free blocks are ahead of the first of ``block_ids`` in the queue
         (blocks that must leave the queue before it can be reused), or a lower bound on
         that: at most ``limit``, and the free blocks counted when ``limit`` entries (dead
-        ones included) were read without meeting one of them. O(limit) per call.
+        ones included) were read without meeting one of them.
+
+        The positions of the first ``limit`` entries are read once and kept until the
+        queue changes, so the lookups of one Step (which change nothing) share one walk:
+        O(limit) for the first call, O(len(block_ids)) for the next ones.
         """
         if not block_ids:
             return limit
-        pos = self._num_blocks - self._next_fresh  # never-used blocks hold no hash
-        if pos >= limit:
+        fresh = self._num_blocks - self._next_fresh  # never-used blocks hold no hash
+        if fresh >= limit:
             return limit
         queue = self._queue
-        pending: dict[int, int] = {}  # dead entries met so far, per block (not consumed)
-        for i in range(self._head, min(len(queue), self._head + limit)):
-            block = queue[i]
-            bid = block.block_id
-            if block.stale_entries:
-                seen = pending.get(bid, 0)
-                if seen < block.stale_entries:
-                    pending[bid] = seen + 1
-                    continue
-            if bid in block_ids:
-                return pos
-            pos += 1
-            if pos >= limit:
-                return limit
-        if self._head + limit < len(queue):
-            return pos  # read ``limit`` entries: every target is further back
-        return limit
+        key = (self._compactions, self._head, len(queue), self._live, self._dead, self._next_fresh, limit)
+        cached = self._positions
+        if cached is None or cached[0] != key:
+            positions: dict[int, int] = {}
+            pending: dict[int, int] = {}  # dead entries met so far, per block (not consumed)
+            pos = fresh
+            end = limit
+            for i in range(self._head, min(len(queue), self._head + limit)):
+                block = queue[i]
+                bid = block.block_id
+                if block.stale_entries:
+                    seen = pending.get(bid, 0)
+                    if seen < block.stale_entries:
+                        pending[bid] = seen + 1
+                        continue
+                positions[bid] = pos
+                pos += 1
+                if pos >= limit:
+                    break
+            else:
+                if self._head + limit < len(queue):
+                    end = pos  # read ``limit`` entries: everything else is further back
+            cached = self._positions = (key, positions, end)
+        _, positions, end = cached
+        found = [positions[b] for b in block_ids if b in positions]
+        return min(found) if found else end
 
     def head_ids(self, limit: int | None = None) -> list[int]:
         """Block ids from the head, at most ``limit`` of them (all when ``None``)."""

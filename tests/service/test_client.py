@@ -17,6 +17,7 @@ from helpers import allocate
 from kvcoord.client import (
     AbortedError,
     AsyncKVCoordClient,
+    InvalidArgumentError,
     KVCoordClient,
     NotFoundError,
     RandomSeedError,
@@ -236,3 +237,30 @@ def test_a_closed_client_fails_calls_instead_of_crashing(tmp_path: Any) -> None:
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: ListPools on a closed KVCoordClient" in done.stdout
+
+
+def test_a_failed_call_does_not_move_an_earlier_calls_position(client: KVCoordClient) -> None:
+    """Two calls for one request in one Step, each with its own sync; the first is
+    applied, the second fails (a bad count). The client's idea of the request is where
+    the first left it, so the next call syncs from there and succeeds."""
+    m = RemoteKVCacheManager(client, "p", hash_seed="0")
+    r = Req("a", list(range(8)))
+    with m.batch() as b:
+        first = b.allocate_slots(r, 8)
+    assert first.result() is not None
+    r.num_computed_tokens = 8
+    r.all_token_ids = r.all_token_ids + [1, 2, 3, 4]  # completes a block
+    b = m.batch()
+    applied = b.allocate_slots(r, 4)
+    r.all_token_ids = r.all_token_ids + [5]
+    refused = b.cache_blocks(r, 10**6)  # more tokens than the request has
+    b.flush()
+    assert applied.result() is not None
+    with pytest.raises(InvalidArgumentError):
+        refused.result()
+    r.num_computed_tokens = 12
+    assert m.allocate_slots(r, 1) is not None  # syncs token 5 from the right position
+    (held,) = [q for q in client.inspect_pool("p", all_requests=True).requests if q.request_id == "a"]
+    assert (held.num_tokens, held.num_computed_tokens) == (13, 12)
+    assert m.lost_requests == 0
+    m.close()

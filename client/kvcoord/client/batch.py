@@ -143,6 +143,9 @@ class Item:
     #: True when ``decode`` commits positions itself (an Admit commits only the
     #: requests the server processed)
     commits_itself: bool = False
+    #: per touched request, its position right after this call's sync (what the
+    #: server holds once this call is applied)
+    marks: dict[str, tuple[int, int, int, bool] | None] | None = None
 
 
 class Ops:
@@ -151,10 +154,24 @@ class Ops:
     def __init__(self, m: RemoteKVCacheManager) -> None:
         self.m = m
 
+    def _item(
+        self,
+        op: pb.Operation,
+        decode: Callable[[pb.OperationResult], Any],
+        touched: Sequence[str],
+        deferred: bool = False,
+        commits_itself: bool = False,
+    ) -> Item:
+        """An item whose touched requests are marked at their positions right now."""
+        mark = self.m.tracker.mark
+        return Item(
+            op, decode, touched, Pending(), deferred, commits_itself, {rid: mark(rid) for rid in touched}
+        )
+
     def get_computed_blocks(self, request: Any) -> Item:
         op = pb.Operation(lookup=pb.LookupOp(request=self.m.tracker.sync(request)))
-        return Item(
-            op, lambda r: (ids(r.lookup.hit.groups), r.lookup.hit.num_tokens), [request.request_id], Pending()
+        return self._item(
+            op, lambda r: (ids(r.lookup.hit.groups), r.lookup.hit.num_tokens), [request.request_id]
         )
 
     def hint_lookup(self, request: Any, walk_limit: int) -> Item:
@@ -166,7 +183,7 @@ class Ops:
         def decode(r: pb.OperationResult) -> tuple[KVCacheBlockIds, int, int]:
             return ids(r.lookup.hit.groups), r.lookup.hit.num_tokens, r.lookup.eviction_margin
 
-        return Item(op, decode, [request.request_id], Pending())
+        return self._item(op, decode, [request.request_id])
 
     def answered_lookup(self, request: Any, hit: KVCacheBlockIds, num_tokens: int) -> Item:
         """The lookup the client answered from a hint, for the server to check and record."""
@@ -174,7 +191,7 @@ class Ops:
             groups=[pb.BlockIds(block_ids=g) for g in hit.block_ids], num_tokens=num_tokens
         )
         op = pb.Operation(lookup=pb.LookupOp(request=self.m.tracker.sync(request), answered=answered))
-        return Item(op, lambda r: None, [request.request_id], Pending(), deferred=True)
+        return self._item(op, lambda r: None, [request.request_id], deferred=True)
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
@@ -196,7 +213,7 @@ class Ops:
             table = tuple(list(g.block_ids) for g in r.allocate.table) if return_table else None
             return KVCacheBlockIds(tuple(list(g.block_ids) for g in r.allocate.new_block_ids), table=table)
 
-        return Item(pb.Operation(allocate=a), decode, [request.request_id], Pending())
+        return self._item(pb.Operation(allocate=a), decode, [request.request_id])
 
     def allocate_with_lookup(
         self,
@@ -222,7 +239,7 @@ class Ops:
             new = None if res.refused else ids(res.new_block_ids)
             return ids(res.hit.groups), res.hit.num_tokens, res.num_new_tokens, new
 
-        return Item(pb.Operation(allocate=a), decode, [request.request_id], Pending())
+        return self._item(pb.Operation(allocate=a), decode, [request.request_id])
 
     def admit(self, requests: Sequence[Any], token_budget: int, num_lookahead_tokens: int = 0) -> Item:
         tracker = self.m.tracker
@@ -240,12 +257,13 @@ class Ops:
                 new = None if a.refused else ids(a.new_block_ids)
                 out.append((ids(a.hit.groups), a.hit.num_tokens, a.num_new_tokens, new))
             # the server applied the syncs of the requests it processed, not the others
-            tracker.commit(rids[: len(out)])
+            tracker.commit(rids[: len(out)], item.marks)
             tracker.rollback(rids[len(out) :])
             return out
 
         # positions are committed by decode (only the processed requests')
-        return Item(op, decode, rids, Pending(), commits_itself=True)
+        item = self._item(op, decode, rids, commits_itself=True)
+        return item
 
     def free(self, request: Any) -> Item | None:
         rid = request if isinstance(request, str) else request.request_id
@@ -266,7 +284,7 @@ class Ops:
                 request=self.m.tracker.sync(request), num_computed_tokens=num_computed_tokens
             )
         )
-        return Item(op, lambda r: None, [request.request_id], Pending(), deferred=True)
+        return self._item(op, lambda r: None, [request.request_id], deferred=True)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> Item:
         op = pb.Operation(
@@ -274,7 +292,7 @@ class Ops:
                 request=self.m.tracker.position(request_id), total_computed_tokens=total_computed_tokens
             )
         )
-        return Item(op, lambda r: None, [request_id], Pending(), deferred=True)
+        return self._item(op, lambda r: None, [request_id], deferred=True)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> Item:
         op = pb.Operation(evict_blocks=pb.EvictBlocksOp(block_ids=sorted(block_ids)))

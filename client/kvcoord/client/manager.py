@@ -681,7 +681,7 @@ class RemoteKVCacheManager:
         for item, result in zip(items, resp.results, strict=True):
             if result.status_code == 0:
                 if not item.commits_itself:
-                    self.tracker.commit(item.touched)
+                    self.tracker.commit(item.touched, item.marks)
                 item.pending._set(item.decode(result))
                 continue
             reason = pb.ErrorReason.Name(result.reason) if result.reason else ""

@@ -150,11 +150,27 @@ class RequestTracker:
             sync.base_num_tokens, sync.base_num_hashes = t.sent_tokens, t.sent_hashes
         return sync
 
-    def commit(self, request_ids: Iterable[str]) -> None:
+    def mark(self, request_id: str) -> tuple[int, int, int, bool] | None:
+        """Where the request stands once what was synced so far is applied (taken right
+        after building a call's sync: its commit then stops at that call, not at later
+        calls of the same Step that may fail)."""
+        t = self._tracked.get(request_id)
+        return None if t is None else (t.sent_tokens, t.sent_hashes, t.sent_computed, t.registered)
+
+    def commit(
+        self, request_ids: Iterable[str], marks: dict[str, tuple[int, int, int, bool] | None] | None = None
+    ) -> None:
+        """The server applied these requests' syncs: up to each one's mark when given,
+        else up to everything sent."""
         for rid in request_ids:
             t = self._tracked.get(rid)
-            if t is not None:
+            if t is None:
+                continue
+            mark = marks.get(rid) if marks is not None else None
+            if mark is None:
                 t.commit()
+            else:
+                t.committed = mark
 
     def rollback(self, request_ids: Iterable[str] | None = None) -> None:
         """Positions back to what the server acknowledged (of these requests, or all)."""

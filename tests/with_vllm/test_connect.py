@@ -102,3 +102,72 @@ def test_expected_pool_from_vllm_defaults(model_dir: Path) -> None:
     cfg = vllm_config(model_dir, 64, async_scheduling=False, enable_caching=False, events=False)
     pc = pool_config_from_vllm(kv_cache_config("full", 64), cfg, log_stats=False)
     assert (pc.enable_caching, pc.hash_algo, pc.hash_seed, pc.log_stats) == (False, "", "", False)
+
+
+@pytest.mark.parametrize(
+    ("qualname", "asynchronous"),
+    [
+        ("kvcoord.client.vllm_scheduler.KVCoordScheduler", False),
+        ("kvcoord.client.vllm_scheduler.KVCoordAsyncScheduler", True),
+    ],
+)
+def test_scheduler_cls_option_runs_on_kvcoord(
+    qualname: str,
+    asynchronous: bool,
+    model_dir: Path,
+    server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`vllm serve --scheduler-cls <qualname>`: vLLM's own argument parser takes the
+    option, its SchedulerConfig resolves the name to kvcoord's class, and the scheduler
+    built with EngineCore's arguments allocates from a pool the engine's config made."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    # vLLM's parser builds its config defaults, which detect the platform: the CUDA-built
+    # PyPI wheel finds none on this machine, so tell it the CPU one (this test only)
+    import vllm.platforms
+    from vllm.platforms.cpu import CpuPlatform
+
+    monkeypatch.setattr(vllm.platforms, "_current_platform", CpuPlatform())
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", str(model_dir), "--scheduler-cls", qualname])
+    assert EngineArgs.from_cli_args(args).scheduler_cls == qualname
+
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_POOL", f"serve-{asynchronous}")
+    config = vllm_config(model_dir, 64, async_scheduling=asynchronous)
+    config.scheduler_config.scheduler_cls = qualname
+    cls = config.scheduler_config.get_scheduler_cls()
+    assert f"{cls.__module__}.{cls.__qualname__}" == qualname
+    kv_config = kv_cache_config("full", 64)
+    scheduler = cls(  # as vLLM's EngineCore.__init__ builds it
+        vllm_config=config,
+        kv_cache_config=kv_config,
+        structured_output_manager=StructuredOutputManager(config),
+        include_finished_set=False,
+        log_stats=True,
+        block_size=BLOCK_SIZE,
+    )
+    try:
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)  # as EngineCore does
+        hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+        scheduler.add_request(
+            Request("r0", list(range(40)), SamplingParams(max_tokens=4), None, None, block_hasher=hasher)
+        )
+        out: SchedulerOutput = scheduler.schedule()
+        assert [r.req_id for r in out.scheduled_new_reqs] == ["r0"]
+        (table,) = out.scheduled_new_reqs[0].block_ids
+        assert len(table) == 3  # 40 tokens in 16-token blocks, from the kvcoord pool
+        stats = scheduler.kv_cache_manager.remote.client.get_stats(f"serve-{asynchronous}")
+        assert stats.num_free_blocks == 63 - 3
+    finally:
+        scheduler.shutdown()

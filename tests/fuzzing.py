@@ -148,7 +148,47 @@ def allocate_ops(draw: Any) -> pb.AllocateOp:
         num_encoder_tokens=draw(st.integers(0, 8)),
         lookup=draw(st.booleans()),
         must_succeed=draw(st.booleans()),
+        must_refuse=draw(st.booleans()),
     )
+
+
+@st.composite
+def allocate_runs(draw: Any) -> pb.AllocateRunOp:
+    """Runs of decode allocations: columns usually of one length, sometimes not."""
+    n = draw(st.integers(0, 4))
+    small = st.sampled_from([0, 0, 1, 4, 8]) | counts
+
+    def column(values: Any) -> list[Any]:
+        size = n if draw(st.integers(0, 9)) else draw(st.integers(0, 5))
+        return [draw(values) for _ in range(size)]
+
+    toks = column(st.integers(0, 3))
+    return pb.AllocateRunOp(
+        request_ids=column(request_ids),
+        base_num_tokens=column(small),
+        base_num_hashes=column(st.sampled_from([0, 1, 2]) | counts),
+        num_computed_tokens=column(small),
+        num_new_tokens=column(st.integers(0, 4) | counts),
+        num_lookahead_tokens=column(st.sampled_from([0, 0, 1]) | counts),
+        num_append_tokens=toks,
+        append_token_ids=draw(
+            st.lists(st.integers(0, 50), min_size=sum(toks) if sum(toks) < 40 else 0, max_size=40)
+        ),
+        num_append_hashes=column(st.integers(0, 1)),
+        append_block_hashes=draw(st.lists(st.binary(min_size=32, max_size=32), max_size=3)),
+    )
+
+
+@st.composite
+def lookups(draw: Any) -> pb.LookupOp:
+    op = pb.LookupOp(request=draw(syncs()))
+    mode = draw(st.sampled_from(["plain", "plain", "hint", "answered", "both"]))
+    if mode in ("hint", "both"):
+        op.hint = True
+        op.walk_limit = draw(st.sampled_from([0, 1, 4096]) | counts)
+    if mode in ("answered", "both"):
+        op.answered.CopyFrom(draw(hits()))
+    return op
 
 
 @st.composite
@@ -157,7 +197,8 @@ def operations(draw: Any) -> pb.Operation:
     kind = draw(st.sampled_from(kinds + ["allocate", "lookup", "free", "sync"] * 3 + ["none"]))
     rid = draw(request_ids)
     build: dict[str, Any] = {
-        "lookup": lambda: pb.LookupOp(request=draw(syncs())),
+        "lookup": lambda: draw(lookups()),
+        "allocate_run": lambda: draw(allocate_runs()),
         "allocate": lambda: draw(allocate_ops()),
         "free": lambda: pb.FreeOp(request_id=rid),
         "preempt": lambda: pb.PreemptOp(request_id=rid),

@@ -223,6 +223,7 @@ def test_hints_and_ledger_answer_like_the_engine(
     assert counts["refusals"] > 20 and counts["hits"] > 50, counts
     assert m.hinted_lookups > counts["lookups"] // (4 if sliding else 3), (m.hinted_lookups, counts)
     assert m.refused > 20  # refusals answered by the client, checked by the server
+    assert m.run_entries > counts["allocs"] // 2  # decode allocations went as columns
     assert m._ledger is not None
 
     plain = Twin(client, f"no-hints-{sliding}", num_blocks=blocks, sliding=sliding)

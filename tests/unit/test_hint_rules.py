@@ -300,3 +300,63 @@ def test_free_queue_position_is_a_lower_bound_whatever_the_dead_entries() -> Non
             pool.free(f"r{i}")
             checked += check()
     assert checked > 500 and fq._compactions > 0, (checked, fq._compactions)
+
+
+def run_of(entries: list[tuple[str, int, int, list[int], list[bytes], int, int]]) -> op.AllocateRun:
+    """(rid, base tokens, base hashes, tokens, hashes, computed, new tokens) per entry."""
+    return op.AllocateRun(
+        [e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries], [e[5] for e in entries],
+        [e[6] for e in entries], [0] * len(entries), [len(e[3]) for e in entries], [t for e in entries for t in e[3]],
+        [len(e[4]) for e in entries], [h for e in entries for h in e[4]],
+    )  # fmt: skip
+
+
+def test_an_allocate_run_equals_its_allocations_one_by_one() -> None:
+    """Decode steps sent as one AllocateRun leave the pool exactly as the same
+    AllocateOps (with their syncs and must_succeed) would, with the same new blocks."""
+    rnd = random.Random(8)
+    one, s1 = service()
+    run, s2 = service()
+    toks = {f"r{i}": [rnd.randrange(50) for _ in range(rnd.randint(3, 6))] for i in range(3)}
+    for p, s in ((one, s1), (run, s2)):
+        p.apply(s, [op.Allocate(new(rid, t), len(t)) for rid, t in toks.items()])  # type: ignore[arg-type]
+    took = 0
+    for _step in range(6):
+        entries = []
+        for rid in list(toks):
+            before, hashes_before = len(toks[rid]), len(hashes(toks[rid]))
+            toks[rid] = toks[rid] + [rnd.randrange(50)]
+            added = hashes(toks[rid])[hashes_before:]
+            entries.append((rid, before, hashes_before, toks[rid][before:], added, before, 1))
+        singles = [
+            op.Allocate(op.RequestSync(rid, t, h, False, bt, bh, c), n, must_succeed=True)
+            for rid, bt, bh, t, h, c, n in entries
+        ]
+        want = [o.value for o in one.apply(s1, singles)]  # type: ignore[arg-type]
+        (got,) = run.apply(s2, [run_of(entries)])  # type: ignore[list-item]
+        assert got.error is None and isinstance(got.value, op.RunOutcome)
+        assert got.value.num_new_blocks == [len(w.new_block_ids[0]) for w in want]  # type: ignore[union-attr]
+        assert got.value.new_block_ids == [b for w in want for b in w.new_block_ids[0]]  # type: ignore[union-attr]
+        assert run.engine.snapshot() == one.engine.snapshot()
+        took += sum(got.value.num_new_blocks)
+    assert took >= 3  # blocks were taken, not only syncs applied
+
+
+def test_a_bad_allocate_run_is_refused_or_loud() -> None:
+    """Columns of different lengths change nothing (INVALID_ARGUMENT); an entry at the
+    wrong position is SYNC_MISMATCH; an entry the pool refuses is PREDICTION_FAILED."""
+    p, s = service()
+    p.apply(s, [op.Allocate(new("a", list(range(8))), 8), op.Allocate(new("b", list(range(8))), 8)])  # type: ignore[arg-type]
+    before = p.engine.snapshot()
+    bad = run_of([("a", 8, 2, [9], [], 8, 1)])
+    bad.num_new_tokens = [1, 1]
+    (o,) = p.apply(s, [bad])  # type: ignore[list-item]
+    assert o.error is not None and o.error.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert p.engine.snapshot() == before
+    (o,) = p.apply(s, [run_of([("a", 7, 2, [9], [], 8, 1)])])  # type: ignore[list-item]
+    assert o.error is not None and o.error.reason is ErrorReason.SYNC_MISMATCH
+    assert p.engine.snapshot() == before
+    (o,) = p.apply(s, [run_of([("b", 8, 2, [9], [], 8, 1), ("a", 8, 2, [9], [], 8, 100)])])  # type: ignore[list-item]
+    assert o.error is not None and o.error.reason is ErrorReason.PREDICTION_FAILED
+    assert p.engine.requests["b"].num_tokens == 9  # the entry before stays applied (documented)
+    assert p.engine.requests["a"].num_tokens == 8  # the refused one's sync is undone

@@ -121,15 +121,14 @@ def test_scheduler_cls_option_runs_on_kvcoord(
     """`vllm serve --scheduler-cls <qualname>`: vLLM's own argument parser takes the
     option, its SchedulerConfig resolves the name to kvcoord's class, and the scheduler
     built with EngineCore's arguments allocates from a pool the engine's config made."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.structured_output import StructuredOutputManager
-
     # vLLM's parser builds its config defaults, which detect the platform: the CUDA-built
     # PyPI wheel finds none on this machine, so tell it the CPU one (this test only)
     import vllm.platforms
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.platforms.cpu import CpuPlatform
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.structured_output import StructuredOutputManager
 
     monkeypatch.setattr(vllm.platforms, "_current_platform", CpuPlatform())
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())

@@ -124,6 +124,48 @@ class KVCacheBlockIds:
         )
 
 
+#: the ``op`` of a run entry (the AllocateRunOp is built when the Step is sent)
+_NO_OP = pb.Operation()
+
+
+def _run_ids(block_ids: Any) -> KVCacheBlockIds:
+    return KVCacheBlockIds(block_ids)
+
+
+def run_op(entries: Sequence[Item]) -> pb.Operation:
+    """One AllocateRunOp of consecutive run entries, in columns."""
+    rids: list[str] = []
+    base_t: list[int] = []
+    base_h: list[int] = []
+    computed: list[int] = []
+    new: list[int] = []
+    look: list[int] = []
+    n_tok: list[int] = []
+    tokens: list[int] = []
+    n_hash: list[int] = []
+    hashes: list[bytes] = []
+    for it in entries:
+        assert it.run is not None
+        rid, bt, bh, toks, hs, comp, n, la = it.run
+        rids.append(rid)
+        base_t.append(bt)
+        base_h.append(bh)
+        computed.append(comp)
+        new.append(n)
+        look.append(la)
+        n_tok.append(len(toks))
+        tokens.extend(toks)
+        n_hash.append(len(hs))
+        hashes.extend(hs)
+    return pb.Operation(
+        allocate_run=pb.AllocateRunOp(
+            request_ids=rids, base_num_tokens=base_t, base_num_hashes=base_h, num_computed_tokens=computed,
+            num_new_tokens=new, num_lookahead_tokens=look, num_append_tokens=n_tok, append_token_ids=tokens,
+            num_append_hashes=n_hash, append_block_hashes=[bytes(h) for h in hashes],
+        )
+    )  # fmt: skip
+
+
 def ids(groups: Iterable[pb.BlockIds]) -> KVCacheBlockIds:
     return KVCacheBlockIds(tuple(list(g.block_ids) for g in groups))
 
@@ -134,7 +176,8 @@ class Item:
     positions it moves, and who waits for it."""
 
     op: pb.Operation
-    decode: Callable[[pb.OperationResult], Any]
+    #: reads the answer: an OperationResult, or a run entry's block ids per group
+    decode: Callable[[Any], Any]
     touched: Sequence[str]
     pending: Pending[Any]
     #: True when nobody waits for the answer (frees, cache_blocks, ...): its error, if
@@ -146,6 +189,10 @@ class Item:
     #: per touched request, its position right after this call's sync (what the
     #: server holds once this call is applied)
     marks: dict[str, tuple[int, int, int, bool] | None] | None = None
+    #: an entry of an AllocateRunOp instead of ``op`` (a promised decode allocation):
+    #: (request id, base tokens, base hashes, tokens, hashes, computed, new tokens,
+    #: lookahead); ``decode`` then reads the entry's new block ids per group
+    run: tuple[str, int, int, Sequence[int], Sequence[bytes], int, int, int] | None = None
 
 
 class Ops:
@@ -173,6 +220,17 @@ class Ops:
         return self._item(
             op, lambda r: (ids(r.lookup.hit.groups), r.lookup.hit.num_tokens), [request.request_id]
         )
+
+    def run_entry(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int) -> Item | None:
+        """A promised plain allocation as an AllocateRunOp entry (no message built per
+        call); ``None`` when the request needs a full sync first (not registered yet)."""
+        fields = self.m.tracker.sync_run(request)
+        if fields is None:
+            return None
+        rid = request.request_id
+        item = self._item(_NO_OP, _run_ids, [rid], deferred=True)
+        item.run = (rid, *fields, num_new_tokens, num_lookahead_tokens)
+        return item
 
     def hint_lookup(self, request: Any, walk_limit: int) -> Item:
         """A lookup that records nothing and answers ``(hit, hit_tokens, eviction_margin)``."""

@@ -46,9 +46,10 @@ import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .batch import Item, KVCacheBlockIds, Ops, Pending, StepBatcher
+from .batch import Item, KVCacheBlockIds, Ops, Pending, StepBatcher, run_op
 from .client import KVCoordClient
 from .errors import (
     AnswerEvictedError,
@@ -89,6 +90,28 @@ class _Hint:
     num_tokens: int
     #: caching any hash of the request from this index on may change the hit
     watch_from: int
+
+
+def _pack(items: list[Item]) -> tuple[list[pb.Operation], list[list[Item]]]:
+    """The Step's operations: consecutive run entries become one AllocateRunOp; the
+    items each operation answers, in order."""
+    ops: list[pb.Operation] = []
+    groups: list[list[Item]] = []
+    run: list[Item] = []
+    for item in items:
+        if item.run is not None:
+            run.append(item)
+            continue
+        if run:
+            ops.append(run_op(run))
+            groups.append(run)
+            run = []
+        ops.append(item.op)
+        groups.append([item])
+    if run:
+        ops.append(run_op(run))
+        groups.append(run)
+    return ops, groups
 
 
 class RemoteKVCacheManager:
@@ -202,6 +225,8 @@ class RemoteKVCacheManager:
         self._free_exact = False
         #: allocations answered as refused without a round trip
         self.refused = 0
+        #: promised allocations sent as entries of an AllocateRunOp (columns)
+        self.run_entries = 0
 
     @property
     def session_id(self) -> str:
@@ -330,9 +355,6 @@ class RemoteKVCacheManager:
         """
         if self._ledger is None and self._ledger_possible and self.keeper.exclusive:
             self._rebuild_ledger()
-        item = self._ops.allocate_slots(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
-            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table)  # fmt: skip
         rid = request.request_id
         if self._hints:
             self._hints.pop(rid, None)  # admitted: its next lookup (if any) is another
@@ -340,8 +362,6 @@ class RemoteKVCacheManager:
         need, before, after = self.budget.bound(
             rid, int(request.num_computed_tokens), num_new_tokens, num_new_computed_tokens, hit,
             num_lookahead_tokens, num_external_computed_tokens, num_encoder_tokens)  # fmt: skip
-        if before is not None and after is not None:
-            self._verify_lengths(item, rid, before, after)
         cache_to = -1  # tokens the allocation caches up to, when it succeeds
         cached_before = int(request.num_computed_tokens) + num_new_computed_tokens  # a hit is cached
         if self.enable_caching and not delay_cache_blocks:
@@ -373,7 +393,25 @@ class RemoteKVCacheManager:
                 self._free_estimate = free - need
                 if not exact:
                     self._free_exact = False  # an upper bound was taken: a lower bound left
-                item.op.allocate.must_succeed = True
+                run = None
+                if (
+                    not hit
+                    and not num_new_computed_tokens
+                    and not num_encoder_tokens
+                    and not num_external_computed_tokens
+                    and not delay_cache_blocks
+                    and not return_table
+                ):
+                    run = self._ops.run_entry(request, num_new_tokens, num_lookahead_tokens)
+                if run is None:
+                    item = self._item(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                      num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                                      num_encoder_tokens, return_table, before, after)  # fmt: skip
+                    item.op.allocate.must_succeed = True
+                else:
+                    item = run
+                    if before is not None and after is not None:
+                        self._verify_lengths(item, rid, before, after)
                 self._promise(item)
                 self.budget.applied(rid, after)
                 self.promised += 1
@@ -385,6 +423,9 @@ class RemoteKVCacheManager:
                 # Provably too few (the session knows every block it holds): refused,
                 # as vLLM's refusal changes nothing for full attention; the server
                 # checks it with the next Step.
+                item = self._item(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                  num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                                  num_encoder_tokens, return_table, None, None)  # fmt: skip
                 item.op.allocate.must_refuse = True
                 item.decode = lambda r: None
                 self._promise(item)
@@ -393,6 +434,9 @@ class RemoteKVCacheManager:
         else:
             self._moved += need
         self._free_exact = False  # the answer changes the count: re-learned from it
+        item = self._item(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+                          num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table,
+                          before, after)  # fmt: skip
         new: KVCacheBlockIds | None = self._now(item)
         if new is not None:
             self.budget.applied(rid, after)
@@ -402,6 +446,18 @@ class RemoteKVCacheManager:
             if cache_to >= 0:
                 self._cached(request, cache_to, cached_before)
         return new
+
+    def _item(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
+              new_computed_blocks: KVCacheBlockIds | None, num_lookahead_tokens: int,
+              num_external_computed_tokens: int, delay_cache_blocks: bool, num_encoder_tokens: int,
+              return_table: bool, before: list[int] | None, after: list[int] | None) -> Item:  # fmt: skip
+        """allocate_slots as a full AllocateOp (checked against the bound when known)."""
+        item = self._ops.allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table)  # fmt: skip
+        if before is not None and after is not None:
+            self._verify_lengths(item, request.request_id, before, after)
+        return item
 
     def _promise(self, item: Item) -> None:
         """Queue an allocation answered without a round trip (sent with the next Step)."""
@@ -654,9 +710,9 @@ class RemoteKVCacheManager:
             keeper.vouch()
             sent = keeper.clock()
             self.round_trips += 1
-            resp = self.client.step(
-                self.pool, [i.op for i in items], keeper.session_id, keeper.fence, include_state=True
-            )
+            ops, groups = _pack(items)
+            self.run_entries += sum(len(g) for g in groups if g[0].run is not None)
+            resp = self.client.step(self.pool, ops, keeper.session_id, keeper.fence, include_state=True)
             if keeper.clock() >= sent + keeper.lease * (1 - LEASE_MARGIN):
                 raise LeaseExpiredError("the answer came after the session's lease could have ended")
         except KVCoordError as err:
@@ -678,14 +734,21 @@ class RemoteKVCacheManager:
         keeper.adopt(resp.fence)
         self._absorb(resp)
         failed: KVCoordError | None = None
-        for item, result in zip(items, resp.results, strict=True):
+        for group, result in zip(groups, resp.results, strict=True):
             if result.status_code == 0:
+                if group[0].run is not None and self._runs_answered(group, result.allocate_run):
+                    continue
+                (item,) = group
                 if not item.commits_itself:
                     self.tracker.commit(item.touched, item.marks)
                 item.pending._set(item.decode(result))
                 continue
             reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
             op_err = error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
+            if result.status_code == 0:  # an answer that does not fit what was sent
+                op_err = KVCoordError(
+                    grpc.StatusCode.INTERNAL, "allocate_run: the answer does not match the run"
+                )
             if reason == "PREDICTION_FAILED":
                 # A promise was broken: nothing in this Step can be trusted.
                 lost = self._forget([rid for i in items for rid in i.touched], op_err)
@@ -694,6 +757,15 @@ class RemoteKVCacheManager:
                         rest.pending._fail(lost)
                 failed = failed or lost
                 break
+            if group[0].run is not None:
+                # A run of promised allocations failed (entries before the failing one
+                # stay applied): none of its requests can be trusted any more.
+                lost = self._forget([rid for i in group for rid in i.touched], op_err)
+                for item in group:
+                    item.pending._fail(lost)
+                failed = failed or lost
+                continue
+            (item,) = group
             kind = item.op.WhichOneof("op")
             promised = kind == "allocate" and item.op.allocate.must_succeed
             if (promised or isinstance(op_err, (SyncMismatchError, RequestUnknownError))) and item.touched:
@@ -712,6 +784,25 @@ class RemoteKVCacheManager:
             self._ledger_off("an operation of a Step failed")
         if failed is not None:
             raise failed
+
+    def _runs_answered(self, group: list[Item], answer: pb.AllocateRunResult) -> bool:
+        """Each entry of an answered AllocateRunOp gets its new block ids per group
+        (False, nothing set, when the answer does not fit the run)."""
+        counts = answer.num_new_blocks
+        new_ids = answer.new_block_ids
+        ng = self.num_groups
+        if len(counts) != ng * len(group) or sum(counts) != len(new_ids):
+            return False
+        commit = self.tracker.commit
+        at = 0
+        for k, item in enumerate(group):
+            table = []
+            for c in counts[k * ng : (k + 1) * ng]:
+                table.append(list(new_ids[at : at + c]))
+                at += c
+            commit(item.touched, item.marks)
+            item.pending._set(item.decode(tuple(table)))
+        return True
 
     def _new_ledger(self) -> BlockLedger | None:
         return BlockLedger(*self._ledger_shape) if self._ledger_possible else None

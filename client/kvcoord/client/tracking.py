@@ -131,6 +131,28 @@ class RequestTracker:
             t.registered = True
         return sync
 
+    def sync_run(self, request: Any) -> tuple[int, int, Sequence[int], Sequence[bytes], int] | None:
+        """What :meth:`sync` sends, as plain values for a run of allocations (an
+        AllocateRunOp entry): ``(base_num_tokens, base_num_hashes, append_token_ids,
+        append_block_hashes, num_computed_tokens)``; ``None`` (nothing changed here)
+        for a request not registered yet, which needs a full sync."""
+        t = self._tracked.get(request.request_id)
+        if t is None or not t.registered:
+            return None
+        base_t, base_h = t.sent_tokens, t.sent_hashes
+        tokens = request.all_token_ids
+        new_tokens: Sequence[int] = ()
+        new_hashes: Sequence[bytes] = ()
+        if len(tokens) > base_t:
+            new_tokens = tokens[base_t:]
+            if self.enable_caching:
+                new_hashes = self._new_hashes(request, t)
+                t.sent_hashes += len(new_hashes)
+            t.sent_tokens = len(tokens)
+        computed = int(request.num_computed_tokens)
+        t.sent_computed = computed
+        return base_t, base_h, new_tokens, new_hashes, computed
+
     def hashes(self, request: Any) -> Sequence[bytes]:
         """The request's block hashes as sent (a tracked request; empty when caching is
         off). Values may be any bytes-like type; nothing is copied."""

@@ -267,6 +267,20 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         return op.MakeStats(o.make_prefix_cache_stats.peek)
     if kind == "sync":
         return op.Sync(sync_from_pb(o.sync.request))
+    if kind == "allocate_run":
+        run = o.allocate_run
+        return op.AllocateRun(
+            list(run.request_ids),
+            list(run.base_num_tokens),
+            list(run.base_num_hashes),
+            list(run.num_computed_tokens),
+            list(run.num_new_tokens),
+            list(run.num_lookahead_tokens),
+            list(run.num_append_tokens),
+            list(run.append_token_ids),
+            list(run.num_append_hashes),
+            list(run.append_block_hashes),
+        )
     if kind == "admit":
         a = o.admit
         return op.Admit([sync_from_pb(r) for r in a.requests], a.token_budget, a.num_lookahead_tokens)
@@ -345,6 +359,13 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
     if isinstance(operation, op.Allocate):
         assert isinstance(v, op.AllocateOutcome)
         return pb.OperationResult(allocate=allocate_to_pb(v))
+    if isinstance(operation, op.AllocateRun):
+        assert isinstance(v, op.RunOutcome)
+        r = pb.OperationResult()
+        r.allocate_run.num_new_blocks.extend(v.num_new_blocks)
+        r.allocate_run.new_block_ids.extend(v.new_block_ids)
+        r.allocate_run.SetInParent()
+        return r
     if isinstance(operation, op.Admit):
         assert isinstance(v, op.Admitted)
         r = pb.OperationResult()

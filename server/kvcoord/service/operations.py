@@ -94,6 +94,30 @@ class Allocate:
 
 
 @dataclasses.dataclass(slots=True)
+class AllocateRun:
+    """Promised decode allocations in columns (see the proto's AllocateRunOp)."""
+
+    request_ids: Sequence[str]
+    base_num_tokens: Sequence[int]
+    base_num_hashes: Sequence[int]
+    num_computed_tokens: Sequence[int]
+    num_new_tokens: Sequence[int]
+    num_lookahead_tokens: Sequence[int]
+    num_append_tokens: Sequence[int]
+    append_token_ids: Sequence[int]
+    num_append_hashes: Sequence[int]
+    append_block_hashes: Sequence[bytes]
+
+
+@dataclasses.dataclass(slots=True)
+class RunOutcome:
+    """An AllocateRun's new blocks: counts per entry and group, then the ids."""
+
+    num_new_blocks: list[int]
+    new_block_ids: list[int]
+
+
+@dataclasses.dataclass(slots=True)
 class Free:
     request_id: str
 
@@ -174,6 +198,7 @@ Operation = (
     | MakeStats
     | Sync
     | Admit
+    | AllocateRun
 )
 
 
@@ -211,6 +236,7 @@ class EventsTaken:
 Value = (
     CacheHit
     | Hinted
+    | RunOutcome
     | AllocateOutcome
     | Admitted
     | BlockIds

@@ -536,6 +536,58 @@ class PoolService:
         table = engine.get_block_ids(rid) if o.return_table and new is not None else None
         return op.AllocateOutcome(new, o.num_new_tokens, table=table)
 
+    def _allocate_run(self, s: Session, o: op.AllocateRun) -> op.Value:
+        """Each entry as an AllocateOp with its sync and must_succeed, in order."""
+        n = len(o.request_ids)
+        columns = (o.base_num_tokens, o.base_num_hashes, o.num_computed_tokens, o.num_new_tokens,
+                   o.num_lookahead_tokens, o.num_append_tokens, o.num_append_hashes)  # fmt: skip
+        if any(len(c) != n for c in columns):
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT, "allocate_run: every column needs one value per entry"
+            )
+        if sum(o.num_append_tokens) != len(o.append_token_ids) or sum(o.num_append_hashes) != len(
+            o.append_block_hashes
+        ):
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "allocate_run: num_append_tokens / num_append_hashes do not add up to the appended values",
+            )
+        engine = self.engine
+        allocate = engine.allocate_slots
+        sync = self.sync
+        tokens, hashes = o.append_token_ids, o.append_block_hashes
+        counts: list[int] = []
+        new_ids: list[int] = []
+        t = h = 0
+        for i in range(n):
+            rid = o.request_ids[i]
+            nt, nh = o.num_append_tokens[i], o.num_append_hashes[i]
+            undo = sync(
+                s,
+                op.RequestSync(
+                    rid,
+                    tokens[t : t + nt],
+                    hashes[h : h + nh],
+                    False,
+                    o.base_num_tokens[i],
+                    o.base_num_hashes[i],
+                    o.num_computed_tokens[i],
+                ),  # fmt: skip
+            )
+            t += nt
+            h += nh
+            try:
+                new = allocate(rid, o.num_new_tokens[i], 0, None, o.num_lookahead_tokens[i])
+                if new is None:
+                    raise self._prediction_failed(rid)
+            except Exception:
+                undo()
+                raise
+            for group in new:
+                counts.append(len(group))
+                new_ids.extend(group)
+        return op.RunOutcome(counts, new_ids)
+
     def _prediction_failed(self, rid: str) -> ServiceError:
         return ServiceError(
             grpc.StatusCode.FAILED_PRECONDITION,
@@ -670,4 +722,5 @@ _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.MakeStats: PoolService._make_stats,  # type: ignore[dict-item]
     op.Sync: PoolService._sync,  # type: ignore[dict-item]
     op.Admit: PoolService._admit,  # type: ignore[dict-item]
+    op.AllocateRun: PoolService._allocate_run,  # type: ignore[dict-item]
 }

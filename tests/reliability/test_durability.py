@@ -184,3 +184,106 @@ def test_damaged_journal_stops_the_server_naming_the_file(tmp_path: Path) -> Non
     proc = serve()
     assert proc.returncode == 3
     assert f"journal {journal} has format version 0" in proc.stderr
+
+
+def test_answers_given_ahead_survive_sigkill(tmp_path: Path) -> None:
+    """An exclusive manager whose decode allocations go as AllocateRunOps and whose
+    refusals and lookups are answered ahead, against a journaled server SIGKILLed and
+    restarted every few steps: every answer equals an in-process engine's, and the
+    server's tables equal it at the end."""
+    from kvcoord.client import RemoteKVCacheManager
+    from kvcoord.client.hashing import BlockHasher, none_hash
+    from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    @dataclasses.dataclass
+    class R:
+        request_id: str
+        all_token_ids: list[int]
+        num_computed_tokens: int = 0
+
+    server = DurableServer(tmp_path)
+    server.start()
+    rnd = random.Random(3)
+    local = KVCachePool(
+        KVCacheConfig(num_blocks=32, groups=(FullAttentionSpec(4),), hash_block_size=4, max_model_len=512)
+    )
+    none = none_hash("sha256_cbor", "0")
+    hashers: dict[str, BlockHasher] = {}
+    try:
+        with KVCoordClient(server.address, timeout=20, retry=PATIENT) as client:
+            client.create_pool("ahead", pb.PoolConfig(
+                num_blocks=32, hash_block_size=4, hash_algo="sha256_cbor", hash_seed="0", enable_caching=True,
+                max_model_len=512, groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))]))  # fmt: skip
+            m = RemoteKVCacheManager(client, "ahead", hash_seed="0", exclusive=True)
+            running: list[R] = []
+            shared = [rnd.randrange(100) for _ in range(8)]
+            counts = {"runs": 0, "refused": 0, "kills": 0}
+            for step in range(120):
+                if step % 15 == 14:
+                    server.restart()
+                    counts["kills"] += 1
+                if len(running) < 6:
+                    r = R(f"r{step}", shared + [rnd.randrange(100) for _ in range(rnd.randint(1, 12))])
+                    hashers[r.request_id] = BlockHasher("sha256_cbor", 4, none)
+                    local.add_request(
+                        r.request_id, r.all_token_ids, hashers[r.request_id].extend(r.all_token_ids)
+                    )
+                    hit, n = m.get_computed_blocks(r)
+                    want = local.get_computed_blocks(r.request_id)
+                    assert (hit.block_ids, n) == (tuple(list(g) for g in want.block_ids), want.num_tokens)
+                    got = m.allocate_slots(r, len(r.all_token_ids) - n, n, hit)
+                    exp = local.allocate_slots(
+                        r.request_id, len(r.all_token_ids) - n, n, None if want.is_empty else want
+                    )
+                    assert (got is None) == (exp is None)
+                    if got is None:  # dropped (a scheduler would keep it waiting)
+                        m.free(r)
+                        local.free(r.request_id)
+                        continue
+                    assert got.block_ids == tuple(list(g) for g in exp)
+                    r.num_computed_tokens = len(r.all_token_ids)
+                    running.append(r)
+                answers = []
+                i = 0
+                while i < len(running):  # decode: one token each; preempt from the end on refusal
+                    r = running[i]
+                    tok = [rnd.randrange(100)]
+                    r.all_token_ids = r.all_token_ids + tok
+                    local.update_request(r.request_id, num_computed_tokens=r.num_computed_tokens, append_token_ids=tok,
+                                         append_block_hashes=hashers[r.request_id].extend(tok))  # fmt: skip
+                    while True:
+                        got = m.allocate_slots(r, 1)
+                        exp = local.allocate_slots(r.request_id, 1)
+                        assert (got is None) == (exp is None), step
+                        if got is not None:
+                            answers.append((got, exp))
+                            r.num_computed_tokens += 1
+                            i += 1
+                            break
+                        counts["refused"] += 1
+                        victim = running.pop()
+                        m.free(victim)
+                        local.free(victim.request_id)
+                        if victim is r:
+                            break
+                if rnd.random() < 0.3 and running:
+                    done = running.pop(0)
+                    m.free(done)
+                    local.free(done.request_id)
+                m.flush()
+                for got, exp in answers:
+                    assert got.block_ids == tuple(list(g) for g in exp)
+            m.flush()
+            counts["runs"] = m.run_entries
+            held = {q.request_id: [list(g.block_ids) for g in q.groups] for q in
+                    client.inspect_pool("ahead", all_requests=True).requests}  # fmt: skip
+            assert held == {rid: [list(g) for g in local.get_block_ids(rid)] for rid in local.requests}
+            assert m.lost_requests == 0
+            assert counts["runs"] > 100 and counts["refused"] > 2 and counts["kills"] == 8, counts
+            print(
+                f"\nanswers given ahead across {counts['kills']} SIGKILLs: {counts}, promised {m.promised}, refused ahead {m.refused}"
+            )
+            m.close()
+    finally:
+        server.stop()

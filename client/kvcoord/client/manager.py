@@ -23,7 +23,8 @@ for those requests, and their lookups are answered from the hints while the mana
 prove them still valid. The server checks every answer given ahead (``must_succeed``,
 ``must_refuse``, answered lookups): a wrong one is ``PREDICTION_FAILED``, raised as
 :class:`RequestsLostError`. vLLM's scheduler step then costs at most three round trips
-with blocks to spare.
+with blocks to spare. Promised plain allocations (a decode step's) are sent together as
+one ``AllocateRunOp``, in columns, with no message built per call.
 
 vLLM's scheduler calls ``free`` for finished and preempted requests alike; a freed
 request that comes back is registered again with all its tokens (its

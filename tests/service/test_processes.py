@@ -100,7 +100,7 @@ def test_four_worker_processes_share_one_pool() -> None:
     try:
         with KVCoordClient(server.address) as c:
             c.create_pool("shared", pool_config(120))
-        report = run_many_workers(server.address, "shared", num_workers=4, steps=40)
+        report = run_many_workers(server.address, "shared", num_workers=4, steps=80)
         errors = [r["error"] for r in report["results"] if r["error"]]
         assert not errors, errors
         total = {
@@ -108,7 +108,7 @@ def test_four_worker_processes_share_one_pool() -> None:
             for k in ("allocs", "refusals", "hit_tokens", "preemptions")
         }
         assert total["allocs"] > 100 and total["refusals"] > 0 and total["hit_tokens"] > 0, total
-        assert report["busy_samples"] >= 1, report["samples"]  # the checks ran while requests were live
+        assert report["busy_samples"] >= 3, report["samples"]
         final = report["final"]
         assert final.num_requests == 0 and final.num_free_blocks == report["num_blocks"] - 1
         assert report["reset"] is True

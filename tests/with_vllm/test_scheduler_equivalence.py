@@ -11,6 +11,7 @@ and every published KV event must be equal.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 from pathlib import Path
 from typing import Any
@@ -67,36 +68,55 @@ class CallCounter:
 RPC_REPORT: dict[str, list[int]] = {}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", ["sync", "async"])
-def test_scheduler_decisions_equal(
-    kind: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """300 steps with shared prefixes, preemption, aborts and length stops: identical every step."""
-    seed = 11 + LAYOUTS.index(layout)
-    asynchronous = kind == "async"
+@dataclasses.dataclass
+class Runs:
+    """One seeded workload run with vLLM's manager and with kvcoord's."""
 
+    want: list[Any]
+    want_counts: dict[str, int]
+    got: list[Any]
+    got_counts: dict[str, int]
+    counter: CallCounter
+    manager: Any
+
+
+def run_both(
+    kind: str, layout: str, blocks: int, seed: int, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Runs:  # fmt: skip
+    """The workload on vLLM's scheduler in-process, then on kvcoord's (its RPCs counted)."""
+    asynchronous = kind == "async"
     local = make_scheduler(
-        SCHEDULERS[kind], vllm_config(model_dir, NUM_BLOCKS, async_scheduling=asynchronous),
-        kv_cache_config(layout, NUM_BLOCKS),
+        SCHEDULERS[kind], vllm_config(model_dir, blocks, async_scheduling=asynchronous),
+        kv_cache_config(layout, blocks),
     )  # fmt: skip
     want, want_counts = run_workload(local, seed=seed, steps=STEPS, async_overlap=asynchronous)
-
     monkeypatch.setenv("KVCOORD_TARGET", server.address)
     monkeypatch.setenv("KVCOORD_POOL", f"{kind}-{layout.replace('+', '-')}-{next(_pool_ids)}")
     remote = make_scheduler(
-        KVCOORD[kind], vllm_config(model_dir, NUM_BLOCKS, async_scheduling=asynchronous),
-        kv_cache_config(layout, NUM_BLOCKS),
+        KVCOORD[kind], vllm_config(model_dir, blocks, async_scheduling=asynchronous),
+        kv_cache_config(layout, blocks),
     )  # fmt: skip
     assert isinstance(remote.kv_cache_manager, KVCoordKVCacheManager)
     counter = CallCounter(remote.kv_cache_manager)
     got, got_counts = run_workload(
         remote, seed=seed, steps=STEPS, async_overlap=asynchronous, on_step=counter.step
     )
+    manager = remote.kv_cache_manager.remote
     remote.shutdown()
+    return Runs(want, want_counts, got, got_counts, counter, manager)
 
-    assert got == want, first_difference(want, got)
-    assert got_counts == want_counts
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_scheduler_decisions_equal(
+    kind: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """300 steps with shared prefixes, preemption, aborts and length stops: identical every step."""
+    r = run_both(kind, layout, NUM_BLOCKS, 11 + LAYOUTS.index(layout), model_dir, server, monkeypatch)
+    want_counts, counter = r.want_counts, r.counter
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.got_counts == want_counts
     # the workload exercised what it is meant to
     assert want_counts["preempted"] > 0, want_counts
     assert want_counts["aborted"] > 0, want_counts
@@ -122,33 +142,15 @@ def test_at_most_three_round_trips_per_step(
     (lookups answered from hints, allocations promised; one Step when the block ids
     are read, one lookup when a request needs a hint, one when usage or events are
     read), whatever the number of requests; decisions stay identical."""
-    seed, blocks = 41 + LAYOUTS.index(layout), 4096
-    asynchronous = kind == "async"
-    local = make_scheduler(
-        SCHEDULERS[kind], vllm_config(model_dir, blocks, async_scheduling=asynchronous),
-        kv_cache_config(layout, blocks),
-    )  # fmt: skip
-    want, want_counts = run_workload(local, seed=seed, steps=STEPS, async_overlap=asynchronous)
-    monkeypatch.setenv("KVCOORD_TARGET", server.address)
-    monkeypatch.setenv("KVCOORD_POOL", f"bounded-{kind}-{layout.replace('+', '-')}-{next(_pool_ids)}")
-    remote = make_scheduler(
-        KVCOORD[kind], vllm_config(model_dir, blocks, async_scheduling=asynchronous),
-        kv_cache_config(layout, blocks),
-    )  # fmt: skip
-    counter = CallCounter(remote.kv_cache_manager)
-    got, got_counts = run_workload(
-        remote, seed=seed, steps=STEPS, async_overlap=asynchronous, on_step=counter.step
-    )
-    manager = remote.kv_cache_manager.remote
-    remote.shutdown()
-    assert got == want, first_difference(want, got)
-    assert want_counts["hit_tokens"] > 0 and want_counts["finished"] > 20, want_counts
+    r = run_both(kind, layout, 4096, 41 + LAYOUTS.index(layout), model_dir, server, monkeypatch)
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.want_counts["hit_tokens"] > 0 and r.want_counts["finished"] > 20, r.want_counts
     # the async harness applies its last pending output after the last step: not a step
-    steps = counter.per_step[:-1] if asynchronous else counter.per_step
+    steps = r.counter.per_step[:-1] if kind == "async" else r.counter.per_step
     assert max(steps) <= 3, sorted(collections.Counter(steps).items())
-    assert manager.hinted_lookups > 20 and manager.lost_requests == 0
+    assert r.manager.hinted_lookups > 20 and r.manager.lost_requests == 0
     print(f"\n{kind}/{layout}: round trips per step: mean {sum(steps) / len(steps):.2f}, max {max(steps)}; "
-          f"lookups answered from hints {manager.hinted_lookups}")  # fmt: skip
+          f"lookups answered from hints {r.manager.hinted_lookups}")  # fmt: skip
 
 
 def test_blocks_behave_like_vllms(

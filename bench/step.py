@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import random
 import statistics
@@ -43,6 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
 
+from common import freeze_heap, pct  # noqa: E402
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager  # noqa: E402
 from kvcoord.client.hashing import BlockHasher, none_hash  # noqa: E402
 from kvcoord.client.testing import start_server  # noqa: E402
@@ -353,19 +353,6 @@ def pool_config(num_blocks: int) -> pb.PoolConfig:
         hash_block_size=BS, enable_caching=True, enable_kv_cache_events=True, hash_algo="sha256_cbor",
         hash_seed="0",
     )  # fmt: skip
-
-
-def freeze_heap() -> None:
-    """As vLLM's engine core does once built (freeze_gc_heap): what is alive now leaves
-    the collector's view (with vLLM imported, a full collection otherwise walks torch's
-    and vLLM's objects: 100-300 ms stalls every few hundred steps)."""
-    gc.collect()
-    gc.freeze()
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(len(xs) * q))] * 1e3
 
 
 def main() -> None:

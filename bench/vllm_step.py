@@ -18,7 +18,6 @@ milliseconds kvcoord adds (next to a no-op round trip), and checks that every st
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import random
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server"), str(ROOT / "tests" / "with_vllm")]
 
+from common import freeze_heap, pct  # noqa: E402
 from harness import (  # noqa: E402
     BLOCK_SIZE,
     SCHEDULERS,
@@ -85,19 +85,6 @@ def run(
         times.append(time.perf_counter() - t0)
         trace.append(summarize(out))
     return times, trace
-
-
-def freeze_heap() -> None:
-    """What vLLM's engine core does once its scheduler is built (freeze_gc_heap): the
-    objects alive now (vLLM, torch, the scheduler) leave the collector's view, so a full
-    collection does not walk them every few hundred steps."""
-    gc.collect()
-    gc.freeze()
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(len(xs) * q))] * 1e3
 
 
 def main() -> None:

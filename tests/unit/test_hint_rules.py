@@ -360,3 +360,10 @@ def test_a_bad_allocate_run_is_refused_or_loud() -> None:
     assert o.error is not None and o.error.reason is ErrorReason.PREDICTION_FAILED
     assert p.engine.requests["b"].num_tokens == 9  # the entry before stays applied (documented)
     assert p.engine.requests["a"].num_tokens == 8  # the refused one's sync is undone
+    shared, first = service(exclusive=False)
+    shared.apply(first, [op.Allocate(new("a", list(range(8))), 8)])  # type: ignore[arg-type]
+    other = shared.attach("sha256_cbor", 4, "0", "other", 0)
+    (o,) = shared.apply(other, [run_of([("a", 8, 2, [9], [], 8, 1)])])  # type: ignore[list-item]
+    assert o.error is not None and o.error.code is grpc.StatusCode.PERMISSION_DENIED
+    (o,) = p.apply(s, [run_of([("ghost", 0, 0, [1], [], 0, 1)])])  # type: ignore[list-item]
+    assert o.error is not None and o.error.reason is ErrorReason.REQUEST_UNKNOWN

@@ -23,6 +23,7 @@ from kvcoord.engine import (
     KVCacheConfig,
     KVCachePool,
     PrefixCacheStats,
+    RequestCheckpoint,
     StaleCacheHitError,
 )
 
@@ -554,7 +555,9 @@ class PoolService:
             )
         engine = self.engine
         allocate = engine.allocate_slots
-        sync = self.sync
+        update = engine.update_request
+        owners = self.owners
+        requests = engine.requests
         tokens, hashes = o.append_token_ids, o.append_block_hashes
         counts: list[int] = []
         new_ids: list[int] = []
@@ -562,18 +565,20 @@ class PoolService:
         for i in range(n):
             rid = o.request_ids[i]
             nt, nh = o.num_append_tokens[i], o.num_append_hashes[i]
-            undo = sync(
-                s,
-                op.RequestSync(
-                    rid,
-                    tokens[t : t + nt],
-                    hashes[h : h + nh],
-                    False,
-                    o.base_num_tokens[i],
-                    o.base_num_hashes[i],
-                    o.num_computed_tokens[i],
-                ),  # fmt: skip
-            )
+            base_t, base_h = o.base_num_tokens[i], o.base_num_hashes[i]
+            req = requests.get(rid)
+            if (
+                owners.get(rid) is not s
+                or req is None
+                or req.num_tokens != base_t
+                or len(req.block_hashes) != base_h
+            ):
+                # not this session's, or not at that position: the general path says which
+                self.sync(s, op.RequestSync(rid, (), (), False, base_t, base_h))
+                raise AssertionError(f"request {rid!r} passed the checks it failed")  # pragma: no cover
+            before = (req.num_tokens, len(req.block_hashes), req.num_computed_tokens)
+            update(rid, num_computed_tokens=o.num_computed_tokens[i], append_token_ids=tokens[t : t + nt],
+                   append_block_hashes=hashes[h : h + nh])  # fmt: skip
             t += nt
             h += nh
             try:
@@ -581,7 +586,7 @@ class PoolService:
                 if new is None:
                     raise self._prediction_failed(rid)
             except Exception:
-                undo()
+                engine.restore_request(rid, RequestCheckpoint(*before))
                 raise
             for group in new:
                 counts.append(len(group))

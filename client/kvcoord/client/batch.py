@@ -193,6 +193,10 @@ class Item:
     #: (request id, base tokens, base hashes, tokens, hashes, computed, new tokens,
     #: lookahead); ``decode`` then reads the entry's new block ids per group
     run: tuple[str, int, int, Sequence[int], Sequence[bytes], int, int, int] | None = None
+    #: a run entry's table lengths (before, after) to check its answer against
+    check: tuple[list[int], list[int]] | None = None
+    #: a run entry's (ledger, promise), named by its answer
+    promise: Any = None
 
 
 class Ops:

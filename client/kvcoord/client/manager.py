@@ -409,14 +409,20 @@ class RemoteKVCacheManager:
                                       num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
                                       num_encoder_tokens, return_table, before, after)  # fmt: skip
                     item.op.allocate.must_succeed = True
+                    self._held(item, rid, hit, new_blocks, total_computed)
                 else:
+                    # checked and named in bulk when the run is answered (_runs_answered)
                     item = run
                     if before is not None and after is not None:
-                        self._verify_lengths(item, rid, before, after)
+                        run.check = (before, after)
+                    if ledger is not None and self._ledger is ledger:
+                        if new_blocks is None:
+                            self._ledger_off("an allocation's block count was not known exactly")
+                        elif any(new_blocks) or rid not in ledger.held:
+                            run.promise = (ledger, ledger.allocated(rid, None, new_blocks, total_computed))
                 self._promise(item)
                 self.budget.applied(rid, after)
                 self.promised += 1
-                self._held(item, rid, hit, new_blocks, total_computed)
                 if cache_to >= 0:
                     self._cached(request, cache_to, cached_before)
                 return KVCacheBlockIds(pending=item.pending)
@@ -797,12 +803,22 @@ class RemoteKVCacheManager:
         commit = self.tracker.commit
         at = 0
         for k, item in enumerate(group):
+            mine = counts[k * ng : (k + 1) * ng]
             table = []
-            for c in counts[k * ng : (k + 1) * ng]:
+            for c in mine:
                 table.append(list(new_ids[at : at + c]))
                 at += c
+            ids = tuple(table)
+            if item.check is not None:
+                before, after = item.check
+                if any(c != a - b for c, a, b in zip(mine, after, before, strict=True)):
+                    assert item.run is not None
+                    self.budget.verify(item.run[0], before, after, ids)  # logs, exact bounds off
+            if item.promise is not None:
+                ledger, promise = item.promise  # the ledger it was made in (a newer one ignores it)
+                ledger.named(promise, ids)
             commit(item.touched, item.marks)
-            item.pending._set(item.decode(tuple(table)))
+            item.pending._set(KVCacheBlockIds(ids))
         return True
 
     def _new_ledger(self) -> BlockLedger | None:

@@ -289,7 +289,3 @@ class BlockLedger:
                         refs.pop(b, None)
                         ids.append(b)
         return unnamed + len(ids), ids
-
-    def clear(self) -> None:
-        self.refs.clear()
-        self.held.clear()

@@ -79,9 +79,6 @@ class RequestTracker:
     def __len__(self) -> int:
         return len(self._tracked)
 
-    def ids(self) -> list[str]:
-        return list(self._tracked)
-
     def registered_ids(self) -> list[str]:
         """Requests the server acknowledged registering (the others hold nothing there)."""
         return [rid for rid, t in self._tracked.items() if t.committed[3]]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -41,6 +41,7 @@ __all__ = [
     "write_outcome",
     "sync_from_pb",
     "config_from_pb",
+    "add_events",
     "event_to_pb",
     "hit_from_pb",
     "hit_to_pb",
@@ -158,6 +159,31 @@ def stats_to_pb(stats: PrefixCacheStats | None) -> pb.PrefixCacheStats | None:
         preempted_queries=stats.preempted_queries,
         preempted_hits=stats.preempted_hits,
     )
+
+
+def add_events(target: Any, events: Iterable[KVCacheEvent]) -> None:
+    """Append ``events`` to the repeated KVEvent field ``target``, filled in place (no
+    message built and then copied: a Step may carry hundreds of events)."""
+    add = target.add
+    for event in events:
+        if type(event) is BlockRemoved:
+            removed = add().block_removed
+            removed.block_hashes.extend(event.block_hashes)
+            removed.medium = event.medium
+        elif type(event) is BlockStored:
+            stored = add().block_stored
+            stored.block_hashes.extend(event.block_hashes)
+            stored.token_ids.extend(event.token_ids)
+            stored.block_size = event.block_size
+            stored.medium = event.medium
+            if event.parent_block_hash is not None:
+                stored.parent_block_hash = event.parent_block_hash
+            if event.lora_id is not None:
+                stored.lora_id = event.lora_id
+            if event.lora_name is not None:
+                stored.lora_name = event.lora_name
+        else:
+            add().CopyFrom(event_to_pb(event))
 
 
 def event_to_pb(event: KVCacheEvent) -> pb.KVEvent:
@@ -390,9 +416,9 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
         return pb.OperationResult(reset_prefix_cache=pb.ResetPrefixCacheResult(result=bool(v)))
     if isinstance(operation, op.TakeEvents):
         assert isinstance(v, op.EventsTaken)
-        return pb.OperationResult(
-            take_events=pb.TakeEventsResult(events=[event_to_pb(e) for e in v.events], gap=v.gap)
-        )
+        result = pb.OperationResult(take_events=pb.TakeEventsResult(gap=v.gap))
+        add_events(result.take_events.events, v.events)
+        return result
     if isinstance(operation, op.MakeStats):
         assert v is None or isinstance(v, PrefixCacheStats)
         return pb.OperationResult(prefix_cache_stats=pb.PrefixCacheStatsResult(stats=stats_to_pb(v)))

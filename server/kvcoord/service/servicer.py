@@ -24,6 +24,7 @@ from . import operations as op
 from .access import AccessControl, current_tenant
 from .budget import BLOCK_BYTES, TOKEN_BYTES
 from .convert import (
+    add_events,
     allocate_from_pb,
     allocate_to_pb,
     block_ids_to_pb,
@@ -315,7 +316,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             write_outcome(add(), o, r)
         if request.include_state:
             taken = service.take_events(s)
-            response.events.extend(event_to_pb(ev) for ev in taken.events)
+            add_events(response.events, taken.events)
             response.events_gap = taken.gap
             stats = stats_to_pb(service.make_stats(s))
             if stats is not None:

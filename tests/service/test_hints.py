@@ -295,3 +295,45 @@ def test_a_failed_hint_costs_only_its_round_trip(
     assert n == 0 and "bad" not in m._hints and "good" in m._hints
     assert m.allocate_slots(good, 9) is not None
     m.flush()
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "full+sliding"])
+def test_plain_promises_answer_like_the_general_path(
+    sliding: bool,
+    client: KVCoordClient,
+    managers: list[RemoteKVCacheManager],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """allocate_slots' one-pass path for plain promised allocations (decode above all)
+    leaves the manager exactly where the general path does: the same answers, the same
+    free count, ledger and table lengths after every step, the same round trips."""
+    blocks = 160 if sliding else 96
+    fast = Twin(client, f"fast-{sliding}", num_blocks=blocks, sliding=sliding)
+    managers.append(fast.m)
+    taken = []
+    plain = RemoteKVCacheManager._plain_promise
+
+    def counted(self: RemoteKVCacheManager, *args: Any) -> Any:
+        answer = plain(self, *args)
+        taken.append(answer is not None)
+        return answer
+
+    monkeypatch.setattr(RemoteKVCacheManager, "_plain_promise", counted)
+    fast_steps = drive(fast, 200, seed=11)
+    assert sum(taken) > fast.counts["allocs"] // 2, (sum(taken), fast.counts)  # most took it
+
+    monkeypatch.setattr(RemoteKVCacheManager, "_plain_promise", lambda self, *a: None)
+    general = Twin(client, f"general-{sliding}", num_blocks=blocks, sliding=sliding)
+    managers.append(general.m)
+    general_steps = drive(general, 200, seed=11)
+    assert general.counts == fast.counts and general_steps == fast_steps
+    a, b = fast.m, general.m
+    assert (a._free_estimate, a._free_exact, a.promised, a.refused, a.run_entries) == (
+        b._free_estimate, b._free_exact, b.promised, b.refused, b.run_entries
+    )  # fmt: skip
+    assert a.budget.lengths == b.budget.lengths
+    assert a._ledger is not None and b._ledger is not None
+    assert a._ledger.refs == b._ledger.refs
+    assert {r: h.tables for r, h in a._ledger.held.items()} == {
+        r: h.tables for r, h in b._ledger.held.items()
+    }

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -70,20 +71,30 @@ class KVCacheBlockIds:
     (``allocate_slots(..., return_table=True)``).
     """
 
-    __slots__ = ("_ids", "_pending", "_table")
+    __slots__ = ("_ids", "_index", "_pending", "_run", "_table")
 
     def __init__(
         self,
         block_ids: tuple[list[int], ...] | None = None,
         pending: Pending[KVCacheBlockIds | None] | None = None,
         table: tuple[list[int], ...] | None = None,
+        run: Run | None = None,
+        index: int = 0,
     ) -> None:
         self._ids = block_ids
         self._pending = pending
         self._table = table
+        self._run = run  # an entry of a run of promised allocations: its slice of the answer
+        self._index = index
 
     def _resolve(self) -> None:
         if self._ids is None:
+            run = self._run
+            if run is not None:
+                run.item.pending.result()  # sends the Step if needed; raises the run's error
+                self._ids = run.ids_of(self._index)
+                self._run = None
+                return
             assert self._pending is not None
             resolved = self._pending.result()
             assert resolved is not None
@@ -104,6 +115,8 @@ class KVCacheBlockIds:
     @property
     def resolved(self) -> bool:
         """True when the ids are here (reading them sends nothing)."""
+        if self._run is not None:
+            return self._run.item.pending.done
         return self._ids is not None or (self._pending is not None and self._pending.done)
 
     def get_block_ids(self) -> tuple[list[int], ...]:
@@ -124,46 +137,118 @@ class KVCacheBlockIds:
         )
 
 
-#: the ``op`` of a run entry (the AllocateRunOp is built when the Step is sent)
+#: the ``op`` of a run's item (its AllocateRunOp is built when the Step is sent)
 _NO_OP = pb.Operation()
 
 
-def _run_ids(block_ids: Any) -> KVCacheBlockIds:
-    return KVCacheBlockIds(block_ids)
+class Run:
+    """A Step's promised plain allocations, in columns: one AllocateRunOp, answered
+    as a whole. Each entry's :class:`KVCacheBlockIds` reads its slice of the answer
+    when asked (nothing is built per entry when the answer comes).
+
+    Args:
+        num_groups: the pool's KV cache groups.
+        resolve: sends the Step, when an entry's ids are read before it was sent.
+    """
+
+    __slots__ = ("base_h", "base_t", "computed", "counts", "expected", "hashes", "item", "look", "marks",
+                 "n_hash", "n_tok", "new", "new_ids", "num_groups", "promises", "rids", "starts", "tokens")  # fmt: skip
+
+    def __init__(self, num_groups: int, resolve: Callable[[], None]) -> None:
+        self.num_groups = num_groups
+        self.rids: list[str] = []
+        self.base_t: list[int] = []
+        self.base_h: list[int] = []
+        self.computed: list[int] = []
+        self.new: list[int] = []
+        self.look: list[int] = []
+        self.n_tok: list[int] = []
+        self.tokens: list[int] = []
+        self.n_hash: list[int] = []
+        self.hashes: list[bytes] = []
+        #: per entry, the request's position once the entry's sync is applied
+        self.marks: list[tuple[int, int, int, bool] | None] = []
+        #: per entry and group (entry-major), the new blocks its bound expects (-1: unknown)
+        self.expected: list[int] = []
+        #: (entry, ledger, promise) of the entries whose new blocks the ledger waits for
+        self.promises: list[tuple[int, Any, Any]] = []
+        self.counts: list[int] = []
+        self.new_ids: list[int] = []
+        self.starts: list[int] = []
+        self.item = Item(_NO_OP, _no_decode, self.rids, Pending(resolve), deferred=True, commits_itself=True)
+        self.item.run = self
+
+    def add(
+        self,
+        request_id: str,
+        fields: tuple[int, int, Sequence[int], Sequence[bytes], int],
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        mark: tuple[int, int, int, bool] | None,
+        expected: Sequence[int] | None,
+    ) -> int:
+        """Append an entry (``fields`` from :meth:`RequestTracker.sync_run`); its index."""
+        bt, bh, toks, hs, comp = fields
+        self.rids.append(request_id)
+        self.base_t.append(bt)
+        self.base_h.append(bh)
+        self.computed.append(comp)
+        self.new.append(num_new_tokens)
+        self.look.append(num_lookahead_tokens)
+        self.n_tok.append(len(toks))
+        self.tokens.extend(toks)
+        self.n_hash.append(len(hs))
+        self.hashes.extend(hs)
+        self.marks.append(mark)
+        if expected is None:
+            self.expected.extend([-1] * self.num_groups)
+        else:
+            self.expected.extend(expected)
+        return len(self.rids) - 1
+
+    def op(self) -> pb.Operation:
+        return pb.Operation(
+            allocate_run=pb.AllocateRunOp(
+                request_ids=self.rids, base_num_tokens=self.base_t, base_num_hashes=self.base_h,
+                num_computed_tokens=self.computed, num_new_tokens=self.new, num_lookahead_tokens=self.look,
+                num_append_tokens=self.n_tok, append_token_ids=self.tokens, num_append_hashes=self.n_hash,
+                append_block_hashes=[bytes(h) for h in self.hashes],
+            )
+        )  # fmt: skip
+
+    def answered(self, answer: pb.AllocateRunResult) -> list[int] | None:
+        """Take the answer: None when it does not fit the run, else the entries whose
+        block counts differ from what their bounds expected."""
+        counts = list(answer.num_new_blocks)
+        new_ids = list(answer.new_block_ids)
+        if len(counts) != self.num_groups * len(self.rids) or sum(counts) != len(new_ids):
+            return None
+        self.counts, self.new_ids = counts, new_ids
+        self.starts = list(itertools.accumulate(counts, initial=0))
+        if counts == self.expected:
+            return []
+        ng = self.num_groups
+        expected = self.expected
+        return [
+            k
+            for k in range(len(self.rids))
+            if any(
+                e not in (-1, c)
+                for e, c in zip(expected[k * ng : (k + 1) * ng], counts[k * ng : (k + 1) * ng], strict=True)
+            )
+        ]
+
+    def ids_of(self, index: int) -> tuple[list[int], ...]:
+        """Entry ``index``'s new block ids per group (the answer must be in)."""
+        ng, s, ids = self.num_groups, self.starts, self.new_ids
+        at = index * ng
+        if ng == 1:
+            return (ids[s[at] : s[at + 1]],)
+        return tuple(ids[s[at + g] : s[at + g + 1]] for g in range(ng))
 
 
-def run_op(entries: Sequence[Item]) -> pb.Operation:
-    """One AllocateRunOp of consecutive run entries, in columns."""
-    rids: list[str] = []
-    base_t: list[int] = []
-    base_h: list[int] = []
-    computed: list[int] = []
-    new: list[int] = []
-    look: list[int] = []
-    n_tok: list[int] = []
-    tokens: list[int] = []
-    n_hash: list[int] = []
-    hashes: list[bytes] = []
-    for it in entries:
-        assert it.run is not None
-        rid, bt, bh, toks, hs, comp, n, la = it.run
-        rids.append(rid)
-        base_t.append(bt)
-        base_h.append(bh)
-        computed.append(comp)
-        new.append(n)
-        look.append(la)
-        n_tok.append(len(toks))
-        tokens.extend(toks)
-        n_hash.append(len(hs))
-        hashes.extend(hs)
-    return pb.Operation(
-        allocate_run=pb.AllocateRunOp(
-            request_ids=rids, base_num_tokens=base_t, base_num_hashes=base_h, num_computed_tokens=computed,
-            num_new_tokens=new, num_lookahead_tokens=look, num_append_tokens=n_tok, append_token_ids=tokens,
-            num_append_hashes=n_hash, append_block_hashes=[bytes(h) for h in hashes],
-        )
-    )  # fmt: skip
+def _no_decode(result: Any) -> Any:  # a run's answer is taken by Run.answered
+    raise AssertionError("a run is answered by Run.answered")
 
 
 def ids(groups: Iterable[pb.BlockIds]) -> KVCacheBlockIds:
@@ -189,14 +274,8 @@ class Item:
     #: per touched request, its position right after this call's sync (what the
     #: server holds once this call is applied)
     marks: dict[str, tuple[int, int, int, bool] | None] | None = None
-    #: an entry of an AllocateRunOp instead of ``op`` (a promised decode allocation):
-    #: (request id, base tokens, base hashes, tokens, hashes, computed, new tokens,
-    #: lookahead); ``decode`` then reads the entry's new block ids per group
-    run: tuple[str, int, int, Sequence[int], Sequence[bytes], int, int, int] | None = None
-    #: a run entry's table lengths (before, after) to check its answer against
-    check: tuple[list[int], list[int]] | None = None
-    #: a run entry's (ledger, promise), named by its answer
-    promise: Any = None
+    #: the run of promised allocations this item sends (its op is built at sending)
+    run: Run | None = None
 
 
 class Ops:
@@ -224,17 +303,6 @@ class Ops:
         return self._item(
             op, lambda r: (ids(r.lookup.hit.groups), r.lookup.hit.num_tokens), [request.request_id]
         )
-
-    def run_entry(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int) -> Item | None:
-        """A promised plain allocation as an AllocateRunOp entry (no message built per
-        call); ``None`` when the request needs a full sync first (not registered yet)."""
-        fields = self.m.tracker.sync_run(request)
-        if fields is None:
-            return None
-        rid = request.request_id
-        item = self._item(_NO_OP, _run_ids, [rid], deferred=True)
-        item.run = (rid, *fields, num_new_tokens, num_lookahead_tokens)
-        return item
 
     def hint_lookup(self, request: Any, walk_limit: int) -> Item:
         """A lookup that records nothing and answers ``(hit, hit_tokens, eviction_margin)``."""

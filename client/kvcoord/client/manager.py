@@ -50,7 +50,7 @@ from typing import Any, TypeVar
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .batch import Item, KVCacheBlockIds, Ops, Pending, StepBatcher, run_op
+from .batch import Item, KVCacheBlockIds, Ops, Pending, Run, StepBatcher
 from .client import KVCoordClient
 from .errors import (
     AnswerEvictedError,
@@ -93,26 +93,9 @@ class _Hint:
     watch_from: int
 
 
-def _pack(items: list[Item]) -> tuple[list[pb.Operation], list[list[Item]]]:
-    """The Step's operations: consecutive run entries become one AllocateRunOp; the
-    items each operation answers, in order."""
-    ops: list[pb.Operation] = []
-    groups: list[list[Item]] = []
-    run: list[Item] = []
-    for item in items:
-        if item.run is not None:
-            run.append(item)
-            continue
-        if run:
-            ops.append(run_op(run))
-            groups.append(run)
-            run = []
-        ops.append(item.op)
-        groups.append([item])
-    if run:
-        ops.append(run_op(run))
-        groups.append(run)
-    return ops, groups
+def _pack(items: list[Item]) -> list[pb.Operation]:
+    """The Step's operations, one per item (a run's AllocateRunOp is built now)."""
+    return [item.op if item.run is None else item.run.op() for item in items]
 
 
 class RemoteKVCacheManager:
@@ -228,6 +211,8 @@ class RemoteKVCacheManager:
         self.refused = 0
         #: promised allocations sent as entries of an AllocateRunOp (columns)
         self.run_entries = 0
+        #: the run the next promised plain allocation joins (see _open_run)
+        self._run: Run | None = None
 
     @property
     def session_id(self) -> str:
@@ -354,6 +339,18 @@ class RemoteKVCacheManager:
 
         With ``return_table`` the answer's ``table`` is the request's whole block table.
         """
+        if (
+            self._ledger is not None
+            and new_computed_blocks is None
+            and not num_new_computed_tokens
+            and not num_external_computed_tokens
+            and not num_encoder_tokens
+            and not delay_cache_blocks
+            and not return_table
+        ):
+            answered = self._plain_promise(request, num_new_tokens, num_lookahead_tokens)
+            if answered is not None:
+                return answered
         if self._ledger is None and self._ledger_possible and self.keeper.exclusive:
             self._rebuild_ledger()
         rid = request.request_id
@@ -394,7 +391,7 @@ class RemoteKVCacheManager:
                 self._free_estimate = free - need
                 if not exact:
                     self._free_exact = False  # an upper bound was taken: a lower bound left
-                run = None
+                fields = None
                 if (
                     not hit
                     and not num_new_computed_tokens
@@ -403,29 +400,40 @@ class RemoteKVCacheManager:
                     and not delay_cache_blocks
                     and not return_table
                 ):
-                    run = self._ops.run_entry(request, num_new_tokens, num_lookahead_tokens)
-                if run is None:
+                    fields = self.tracker.sync_run(request)  # None: not registered yet
+                answer: KVCacheBlockIds
+                if fields is None:
                     item = self._item(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                       num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
                                       num_encoder_tokens, return_table, before, after)  # fmt: skip
                     item.op.allocate.must_succeed = True
                     self._held(item, rid, hit, new_blocks, total_computed)
+                    self._promise(item)
+                    answer = KVCacheBlockIds(pending=item.pending)
                 else:
-                    # checked and named in bulk when the run is answered (_runs_answered)
-                    item = run
-                    if before is not None and after is not None:
-                        run.check = (before, after)
+                    # an entry of the Step's run: checked and named in bulk when answered
+                    run = self._open_run()
+                    expected = (
+                        None
+                        if before is None or after is None
+                        else [a - b for a, b in zip(after, before, strict=True)]
+                    )
+                    k = run.add(
+                        rid, fields, num_new_tokens, num_lookahead_tokens, self.tracker.mark(rid), expected
+                    )
                     if ledger is not None and self._ledger is ledger:
                         if new_blocks is None:
                             self._ledger_off("an allocation's block count was not known exactly")
                         elif any(new_blocks) or rid not in ledger.held:
-                            run.promise = (ledger, ledger.allocated(rid, None, new_blocks, total_computed))
-                self._promise(item)
+                            run.promises.append(
+                                (k, ledger, ledger.allocated(rid, None, new_blocks, total_computed))
+                            )
+                    answer = KVCacheBlockIds(run=run, index=k)
                 self.budget.applied(rid, after)
                 self.promised += 1
                 if cache_to >= 0:
                     self._cached(request, cache_to, cached_before)
-                return KVCacheBlockIds(pending=item.pending)
+                return answer
             if exact:
                 # Provably too few (the session knows every block it holds): refused,
                 # as vLLM's refusal changes nothing for full attention; the server
@@ -454,6 +462,67 @@ class RemoteKVCacheManager:
                 self._cached(request, cache_to, cached_before)
         return new
 
+    def _plain_promise(
+        self, request: Any, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> KVCacheBlockIds | None:
+        """The common case of allocate_slots, decode above all, in one pass: a request
+        whose table lengths are known, no hit, the ledger exact, enough free blocks.
+        Answered as the general path below would answer it (an entry of the Step's
+        run); ``None``, with nothing changed that the general path would not redo
+        identically, when any of that does not hold."""
+        budget, ledger = self.budget, self._ledger
+        free = self._free_estimate
+        rid = request.request_id
+        known = budget.lengths.get(rid) if budget.exact else None
+        keeper = self.keeper
+        if (
+            known is None
+            or ledger is None
+            or free is None
+            or not self._free_exact
+            or keeper.lost is not None
+            or keeper.clock() >= keeper.valid_until
+        ):
+            return None
+        computed = int(request.num_computed_tokens)
+        if self._hints:
+            self._hints.pop(rid, None)  # admitted: its next lookup (if any) is another
+        if ledger.has_windows:
+            # vLLM's allocate_slots first nulls what left the window (idempotent: the
+            # general path finds nothing more to null)
+            self._released(*ledger.skip(rid, computed))
+            free = self._free_estimate
+            assert free is not None
+        need_slot = min(computed + num_new_tokens + num_lookahead_tokens, budget.max_model_len)
+        new_blocks = []
+        after = []
+        need = 0
+        for bs, have in zip(budget.block_sizes, known, strict=True):
+            required = -(-need_slot // bs)
+            if required > have:
+                need += required - have
+                new_blocks.append(required - have)
+                after.append(required)
+            else:
+                new_blocks.append(0)
+                after.append(have)
+        if need > free:
+            return None  # a refusal: the general path proves and sends it
+        fields = self.tracker.sync_run(request)
+        if fields is None:
+            return None  # not registered yet: a full sync
+        self._moved += need  # at most this many blocks leave the free queue
+        self._free_estimate = free - need
+        run = self._open_run()
+        k = run.add(rid, fields, num_new_tokens, num_lookahead_tokens, self.tracker.mark(rid), new_blocks)
+        if need or rid not in ledger.held:
+            run.promises.append((k, ledger, ledger.allocated(rid, None, new_blocks, computed)))
+        budget.lengths[rid] = after
+        self.promised += 1
+        if self.enable_caching:
+            self._cached(request, min(computed + num_new_tokens, len(request.all_token_ids)), computed)
+        return KVCacheBlockIds(run=run, index=k)
+
     def _item(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
               new_computed_blocks: KVCacheBlockIds | None, num_lookahead_tokens: int,
               num_external_computed_tokens: int, delay_cache_blocks: bool, num_encoder_tokens: int,
@@ -465,6 +534,15 @@ class RemoteKVCacheManager:
         if before is not None and after is not None:
             self._verify_lengths(item, request.request_id, before, after)
         return item
+
+    def _open_run(self) -> Run:
+        """The run that new promised entries join: the last queued item, or a new one
+        (anything queued after a run starts another, so the Step keeps call order)."""
+        run = self._run
+        if run is None or not self._queue or self._queue[-1] is not run.item:
+            run = self._run = Run(self.num_groups, self.flush)
+            self._queue.append(run.item)
+        return run
 
     def _promise(self, item: Item) -> None:
         """Queue an allocation answered without a round trip (sent with the next Step)."""
@@ -717,8 +795,8 @@ class RemoteKVCacheManager:
             keeper.vouch()
             sent = keeper.clock()
             self.round_trips += 1
-            ops, groups = _pack(items)
-            self.run_entries += sum(len(g) for g in groups if g[0].run is not None)
+            ops = _pack(items)
+            self.run_entries += sum(len(i.run.rids) for i in items if i.run is not None)
             resp = self.client.step(self.pool, ops, keeper.session_id, keeper.fence, include_state=True)
             if keeper.clock() >= sent + keeper.lease * (1 - LEASE_MARGIN):
                 raise LeaseExpiredError("the answer came after the session's lease could have ended")
@@ -741,12 +819,12 @@ class RemoteKVCacheManager:
         keeper.adopt(resp.fence)
         self._absorb(resp)
         failed: KVCoordError | None = None
-        for group, result in zip(groups, resp.results, strict=True):
+        for item, result in zip(items, resp.results, strict=True):
             if result.status_code == 0:
-                if group[0].run is not None and self._runs_answered(group, result.allocate_run):
-                    continue
-                (item,) = group
-                if not item.commits_itself:
+                if item.run is not None:
+                    if self._run_answered(item.run, result.allocate_run):
+                        continue
+                elif not item.commits_itself:
                     self.tracker.commit(item.touched, item.marks)
                 item.pending._set(item.decode(result))
                 continue
@@ -764,15 +842,13 @@ class RemoteKVCacheManager:
                         rest.pending._fail(lost)
                 failed = failed or lost
                 break
-            if group[0].run is not None:
+            if item.run is not None:
                 # A run of promised allocations failed (entries before the failing one
                 # stay applied): none of its requests can be trusted any more.
-                lost = self._forget([rid for i in group for rid in i.touched], op_err)
-                for item in group:
-                    item.pending._fail(lost)
+                lost = self._forget(item.touched, op_err)
+                item.pending._fail(lost)
                 failed = failed or lost
                 continue
-            (item,) = group
             kind = item.op.WhichOneof("op")
             promised = kind == "allocate" and item.op.allocate.must_succeed
             if (promised or isinstance(op_err, (SyncMismatchError, RequestUnknownError))) and item.touched:
@@ -792,33 +868,20 @@ class RemoteKVCacheManager:
         if failed is not None:
             raise failed
 
-    def _runs_answered(self, group: list[Item], answer: pb.AllocateRunResult) -> bool:
-        """Each entry of an answered AllocateRunOp gets its new block ids per group
-        (False, nothing set, when the answer does not fit the run)."""
-        counts = answer.num_new_blocks
-        new_ids = answer.new_block_ids
-        ng = self.num_groups
-        if len(counts) != ng * len(group) or sum(counts) != len(new_ids):
+    def _run_answered(self, run: Run, answer: pb.AllocateRunResult) -> bool:
+        """A run's answer: its entries' positions committed, counts checked against
+        their bounds, promised blocks named in the ledger (False, nothing set, when
+        the answer does not fit the run)."""
+        differ = run.answered(answer)
+        if differ is None:
             return False
-        commit = self.tracker.commit
-        at = 0
-        for k, item in enumerate(group):
-            mine = counts[k * ng : (k + 1) * ng]
-            table = []
-            for c in mine:
-                table.append(list(new_ids[at : at + c]))
-                at += c
-            ids = tuple(table)
-            if item.check is not None:
-                before, after = item.check
-                if any(c != a - b for c, a, b in zip(mine, after, before, strict=True)):
-                    assert item.run is not None
-                    self.budget.verify(item.run[0], before, after, ids)  # logs, exact bounds off
-            if item.promise is not None:
-                ledger, promise = item.promise  # the ledger it was made in (a newer one ignores it)
-                ledger.named(promise, ids)
-            commit(item.touched, item.marks)
-            item.pending._set(KVCacheBlockIds(ids))
+        ng = self.num_groups
+        for k in differ:  # logs, and turns exact bounds off
+            self.budget.verify(run.rids[k], [0] * ng, run.expected[k * ng : (k + 1) * ng], run.ids_of(k))
+        for k, ledger, promise in run.promises:  # the ledger it was made in (a newer one ignores it)
+            ledger.named(promise, run.ids_of(k))
+        self.tracker.commit_marks(run.rids, run.marks)
+        run.item.pending._set(run)
         return True
 
     def _new_ledger(self) -> BlockLedger | None:

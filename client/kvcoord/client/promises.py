@@ -170,6 +170,8 @@ class BlockLedger:
         self.block_sizes = list(block_sizes)
         self.windows = list(windows)
         self._sliding = [g for g, w in enumerate(self.windows) if w]
+        #: some group is a sliding window (skip() may release blocks)
+        self.has_windows = bool(self._sliding)
         #: references per block id (null block never counted)
         self.refs: dict[int, int] = {}
         self.held: dict[str, _Held] = {}

@@ -191,6 +191,19 @@ class RequestTracker:
             else:
                 t.committed = mark
 
+    def commit_marks(
+        self, request_ids: Sequence[str], marks: Sequence[tuple[int, int, int, bool] | None]
+    ) -> None:
+        """The server applied these syncs: each request up to its mark (a run's entries)."""
+        tracked = self._tracked
+        for rid, mark in zip(request_ids, marks, strict=True):
+            t = tracked.get(rid)
+            if t is not None:
+                if mark is None:
+                    t.commit()
+                else:
+                    t.committed = mark
+
     def rollback(self, request_ids: Iterable[str] | None = None) -> None:
         """Positions back to what the server acknowledged (of these requests, or all)."""
         if request_ids is None:

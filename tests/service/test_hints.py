@@ -337,3 +337,32 @@ def test_plain_promises_answer_like_the_general_path(
     assert {r: h.tables for r, h in a._ledger.held.items()} == {
         r: h.tables for r, h in b._ledger.held.items()
     }
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "full+sliding"])
+def test_usage_after_queued_frees_needs_no_round_trip(
+    sliding: bool, client: KVCoordClient, managers: list[RemoteKVCacheManager]
+) -> None:
+    """With the ledger exact, usage after queued frees and promises is the pool's, to
+    the last bit, without sending them; it is the server's once they are sent."""
+    name = f"usage-{sliding}"
+    client.create_pool(name, pool_config(64, sliding))
+    m = RemoteKVCacheManager(client, name, hash_seed="0", exclusive=True)
+    managers.append(m)
+    reqs = [Req(f"u{i}", list(range(i * 100, i * 100 + 10 + 3 * i))) for i in range(5)]
+    for r in reqs:
+        assert m.allocate_slots(r, len(r.all_token_ids)) is not None
+        r.num_computed_tokens = len(r.all_token_ids)
+    m.flush()
+    for r in reqs[:3]:
+        r.all_token_ids.append(7)
+        r.rehash()
+        assert m.allocate_slots(r, 1) is not None  # promised
+    m.free(reqs[3])
+    m.free(reqs[0])
+    trips = m.round_trips
+    usage = m.usage
+    assert m.round_trips == trips  # nothing sent
+    m.flush()
+    assert client.get_stats(name).usage == usage
+    assert m.usage == usage

@@ -740,7 +740,12 @@ class RemoteKVCacheManager:
 
     @property
     def usage(self) -> float:
-        """The pool's usage (sends queued calls first, so it is exact)."""
+        """The pool's usage: exact, from the free count this exclusive session knows
+        exactly (queued frees and promises counted), else sending queued calls first."""
+        free = self._free_estimate
+        if self._free_exact and free is not None and self.keeper.exclusive:
+            total = self.config.num_blocks - 1  # vLLM's formula and float order
+            return 0.0 if not total else 1.0 - (free / total)
         if self._queue or self._usage is None:
             if self._queue:
                 self.flush()

@@ -366,3 +366,86 @@ def test_usage_after_queued_frees_needs_no_round_trip(
     m.flush()
     assert client.get_stats(name).usage == usage
     assert m.usage == usage
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "full+sliding"])
+def test_admit_keeps_the_ledger(
+    sliding: bool,
+    client: KVCoordClient,
+    managers: list[RemoteKVCacheManager],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RemoteKVCacheManager.admit enters what it admits in the block ledger from its
+    answer, so refusals stay provable after it: 150 steps under memory pressure with the
+    waiting loop as one admit, every answer equal to the engine's, the ledger never
+    dropped, refusals answered by the client."""
+    dropped: list[str] = []
+    off = RemoteKVCacheManager._ledger_off
+    monkeypatch.setattr(
+        RemoteKVCacheManager, "_ledger_off", lambda self, why: (dropped.append(why), off(self, why))
+    )
+    t = Twin(client, f"admit-{sliding}", num_blocks=120 if sliding else 96, sliding=sliding)
+    managers.append(t.m)
+    rnd = random.Random(21)
+    prefixes = [[rnd.randrange(1000) for _ in range(n)] for n in (16, 24, 40)]
+    waiting: list[Req] = []
+    running: list[Req] = []
+    admitted = 0
+    for step in range(150):
+        for _ in range(rnd.choice((0, 1, 2))):
+            waiting.append(
+                Req(
+                    f"a{step}-{len(waiting)}",
+                    rnd.choice(prefixes) + [rnd.randrange(1000) for _ in range(rnd.randint(1, 30))],
+                )
+            )
+        tokens, preempted, i = 96, False, 0
+        while i < len(running) and tokens > 0:
+            r = running[i]
+            n = min(r.num_tokens - r.num_computed_tokens, tokens)
+            if t.allocate(r, n):
+                tokens -= n
+                r.num_computed_tokens += n
+                i += 1
+                continue
+            victim = running.pop()
+            t.free(victim)
+            victim.num_computed_tokens = 0
+            victim.num_preemptions += 1
+            waiting.insert(0, victim)
+            preempted = True
+            if victim is r:
+                break
+        if not preempted and waiting and tokens > 0:
+            for r in waiting:
+                t._sync_local(r)
+            for hit, hit_tokens, n, new in t.m.admit(list(waiting), tokens):
+                r = waiting[0]
+                want_hit = t.local.get_computed_blocks(r.request_id)
+                assert (hit.block_ids, hit_tokens) == (
+                    tuple(list(g) for g in want_hit.block_ids),
+                    want_hit.num_tokens,
+                )
+                want = t.local.allocate_slots(
+                    r.request_id, n, hit_tokens, want_hit.block_ids if hit_tokens else None
+                )
+                assert (new is None) == (want is None)
+                if new is None:
+                    break
+                assert new.block_ids == tuple(list(g) for g in want)
+                waiting.pop(0)
+                r.num_computed_tokens = hit_tokens + n
+                running.append(r)
+                tokens -= n
+                admitted += 1
+        for r in list(running):
+            if r.num_computed_tokens >= r.num_tokens:
+                r.all_token_ids.append(rnd.randrange(1000))
+                r.rehash()
+                if rnd.random() < 0.08:
+                    running.remove(r)
+                    t.free(r)
+        t.check()
+    assert admitted > 30 and t.counts["refusals"] > 10, (admitted, t.counts)
+    assert t.m.refused == t.counts["refusals"]  # every refusal answered by the client
+    assert dropped == [] and t.m._ledger is not None

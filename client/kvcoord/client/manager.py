@@ -634,7 +634,7 @@ class RemoteKVCacheManager:
             order; ``new_blocks`` is ``None`` for a last, refused one.
         """
         self._clear_hints()  # the blocks it takes are known only from its answer
-        self._ledger_off("admit")
+        ledger = self._ledger  # kept: each admitted request enters it from the answer
         out: list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]] = []
         start, budget = 0, token_budget
         while start < len(requests) and budget > 0:
@@ -643,16 +643,23 @@ class RemoteKVCacheManager:
                 covered += len(requests[end].all_token_ids) - int(requests[end].num_computed_tokens)
                 end += 1
             chunk = requests[start:end]
+            self._free_exact = False  # the answer tells the count (its allocations are not known before)
             result: list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]] = self._now(
                 self._ops.admit(chunk, budget, num_lookahead_tokens)
             )
             for request, (hit, hit_tokens, n, new) in zip(chunk, result, strict=False):
                 if new is not None:  # its table lengths from now on: the hit, then what it took
+                    rid = request.request_id
                     _, _, after = self.budget.bound(
-                        request.request_id, 0, n, hit_tokens, hit.block_ids, num_lookahead_tokens
+                        rid, 0, n, hit_tokens, hit.block_ids, num_lookahead_tokens
                     )
-                    self.budget.applied(request.request_id, after)
+                    self.budget.applied(rid, after)
                     budget -= n
+                    if ledger is not None and self._ledger is ledger:
+                        ids = new.block_ids
+                        ledger.named(
+                            ledger.allocated(rid, hit.block_ids, [len(g) for g in ids], hit_tokens), ids
+                        )
             out.extend(result)
             if len(result) < len(chunk) or (result and result[-1][3] is None):
                 break  # stopped by the budget or a refusal

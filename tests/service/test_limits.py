@@ -81,7 +81,8 @@ def _fill_pool(raw: Raw) -> None:
 def test_memory_is_returned_when_a_pool_is_deleted(make_server: Callable[..., InProcessServer]) -> None:
     """A pool whose every block was used (created, hashed, cached) leaves no Python
     memory behind once deleted (tracemalloc: what stays is under 5% of the pool's peak)."""
-    raw = Raw(make_server("").address)
+    server = make_server("")
+    raw = Raw(server.address)
     # Only memory allocated by the server's own code counts: other threads of this test
     # process (lease renewals, earlier tests' channels) allocate meanwhile too.
     server_code = [
@@ -99,6 +100,7 @@ def test_memory_is_returned_when_a_pool_is_deleted(make_server: Callable[..., In
         _fill_pool(raw)
         peak = held() - base
         raw.ok("DeletePool", pb.DeletePoolRequest(name="big"), None)
+        server.settle()  # the blocks are released a slice at a time after the answer
         left = held() - base
     finally:
         tracemalloc.stop()

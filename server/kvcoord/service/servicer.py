@@ -185,6 +185,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         task.add_done_callback(self._teardowns.discard)
         return await self._durable(pb.DeletePoolResponse())
 
+    async def teardowns_done(self) -> None:
+        """Return once every deleted pool's sliced teardown has finished."""
+        while self._teardowns:
+            await asyncio.gather(*self._teardowns)
+
     # -- sessions -----------------------------------------------------------------
     @map_errors
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:

@@ -90,6 +90,12 @@ class InProcessServer:
 
         return self._run(wrapper())
 
+    def settle(self) -> None:
+        """Wait for what earlier calls left running on the server's loop (the sliced
+        teardown of deleted pools)."""
+        assert self.running is not None
+        self._run(self.running.servicer.teardowns_done())
+
     def stop(self, grace: float = 1.0) -> None:
         if self.loop.is_closed():
             return

@@ -449,3 +449,40 @@ def test_admit_keeps_the_ledger(
     assert admitted > 30 and t.counts["refusals"] > 10, (admitted, t.counts)
     assert t.m.refused == t.counts["refusals"]  # every refusal answered by the client
     assert dropped == [] and t.m._ledger is not None
+
+
+def test_a_run_answer_that_does_not_fit_is_loud(
+    client: KVCoordClient, managers: list[RemoteKVCacheManager], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's answer with a block id missing (a server bug, or a corrupted answer) is
+    never sliced into wrong block ids: every request of the run is reported lost."""
+    client.create_pool("misfit", pool_config(64))
+    m = RemoteKVCacheManager(client, "misfit", hash_seed="0", exclusive=True)
+    managers.append(m)
+    reqs = [Req(f"m{i}", list(range(i * 50, i * 50 + 8))) for i in range(3)]
+    for r in reqs:
+        assert m.allocate_slots(r, 8) is not None
+        r.num_computed_tokens = 8
+    m.flush()
+    answers = []
+    for r in reqs:  # each crosses a block boundary: one new block each, in one run
+        r.all_token_ids.append(1)
+        r.rehash()
+        answers.append(m.allocate_slots(r, 1))
+    assert m._queue and m._queue[-1].run is not None and len(m._queue[-1].run.rids) == 3
+    step = client.step
+
+    def tampered(*args: Any, **kwargs: Any) -> pb.StepResponse:
+        resp = step(*args, **kwargs)
+        for result in resp.results:
+            if result.HasField("allocate_run"):
+                del result.allocate_run.new_block_ids[-1]
+        return resp
+
+    monkeypatch.setattr(client, "step", tampered)
+    with pytest.raises(RequestsLostError) as lost:
+        m.flush()
+    assert sorted(lost.value.request_ids) == ["m0", "m1", "m2"]
+    for a in answers:
+        with pytest.raises(RequestsLostError):
+            a.get_block_ids()

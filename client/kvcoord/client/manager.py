@@ -833,13 +833,14 @@ class RemoteKVCacheManager:
         failed: KVCoordError | None = None
         for item, result in zip(items, resp.results, strict=True):
             if result.status_code == 0:
-                if item.run is not None:
-                    if self._run_answered(item.run, result.allocate_run):
-                        continue
-                elif not item.commits_itself:
-                    self.tracker.commit(item.touched, item.marks)
-                item.pending._set(item.decode(result))
-                continue
+                if item.run is None:
+                    if not item.commits_itself:
+                        self.tracker.commit(item.touched, item.marks)
+                    item.pending._set(item.decode(result))
+                    continue
+                if self._run_answered(item.run, result.allocate_run):
+                    continue
+                # else an answer that does not fit the run: a failure (below)
             reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
             op_err = error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
             if result.status_code == 0:  # an answer that does not fit what was sent

@@ -121,6 +121,29 @@ def test_lost_lease_stops_block_ids_and_reports_lost_requests(started: list[InPr
         assert m.lost_requests == 1
 
 
+def test_usage_is_not_answered_locally_past_the_lease(started: list[InProcessServer]) -> None:
+    """An exclusive session answers usage from its exact free count only while it can
+    vouch for its lease: past it (the server may have freed everything), usage asks the
+    server, which names the lost requests."""
+    clock = ManualClock()
+    server = start(started, clock=clock, session_lease_seconds=0.5, max_session_lease_seconds=0.5,
+                   idempotency_window_seconds=300.0)  # fmt: skip
+    with KVCoordClient(server.address, retry=NO_RETRY) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0", renew=False, exclusive=True)
+        a, b = Req("a", list(range(8))), Req("b", list(range(100, 108)))
+        assert m.allocate_slots(a, 8) is not None and m.allocate_slots(b, 8) is not None
+        m.flush()
+        m.free(a)
+        trips = m.round_trips
+        assert m.usage > 0 and m.round_trips == trips  # answered here, within the lease
+        time.sleep(0.6)  # the client's lease ran out
+        clock.advance(1)
+        server.call(server.running.servicer.reap_expired_sessions)  # type: ignore[union-attr]
+        with pytest.raises(RequestsLostError) as lost:
+            _ = m.usage
+        assert lost.value.request_ids == ["b"]
+
+
 def test_restart_is_detected_and_old_block_ids_are_void(started: list[InProcessServer]) -> None:
     """After the server restarts (state lost), the next call raises RequestsLostError
     naming every request; the fence changed; the manager carries on with a new session."""

@@ -749,8 +749,14 @@ class RemoteKVCacheManager:
     def usage(self) -> float:
         """The pool's usage: exact, from the free count this exclusive session knows
         exactly (queued frees and promises counted), else sending queued calls first."""
-        free = self._free_estimate
-        if self._free_exact and free is not None and self.keeper.exclusive:
+        free, keeper = self._free_estimate, self.keeper
+        if (
+            self._free_exact
+            and free is not None
+            and keeper.exclusive
+            and keeper.lost is None
+            and keeper.clock() < keeper.valid_until
+        ):  # as for a promise: only while the session's lease is one the client can vouch for
             total = self.config.num_blocks - 1  # vLLM's formula and float order
             return 0.0 if not total else 1.0 - (free / total)
         if self._queue or self._usage is None:

@@ -122,6 +122,29 @@ class Twin:
         self.local.free(r.request_id)
         self.m.free(r)
 
+    def admit(self, waiting: list[Req], tokens: int) -> list[tuple[Req, int, int]]:
+        """The waiting loop as one RemoteKVCacheManager.admit, each answer compared with
+        the engine's lookup and allocation; the admitted (request, hit tokens, tokens)."""
+        for r in waiting:
+            self._sync_local(r)
+        admitted = []
+        for (hit, hit_tokens, n, new), r in zip(self.m.admit(list(waiting), tokens), waiting, strict=False):
+            want_hit = self.local.get_computed_blocks(r.request_id)
+            assert (hit.block_ids, hit_tokens) == (
+                tuple(list(g) for g in want_hit.block_ids),
+                want_hit.num_tokens,
+            )
+            want = self.local.allocate_slots(
+                r.request_id, n, hit_tokens, want_hit.block_ids if hit_tokens else None
+            )
+            assert (new is None) == (want is None), r.request_id
+            if new is None:
+                break  # refused by the server (an admit is answered by it)
+            assert new.block_ids == tuple(list(g) for g in want)
+            self.counts["admitted"] = self.counts.get("admitted", 0) + 1
+            admitted.append((r, hit_tokens, n))
+        return admitted
+
     def check(self) -> None:
         """Send what is queued; every allocation's ids equal the local ones."""
         self.m.flush()
@@ -132,8 +155,9 @@ class Twin:
 
 
 def drive(
-    t: Twin, steps: int, seed: int, budget: int = 96, max_running: int = 12, hints: bool = True
-) -> list[int]:
+    t: Twin, steps: int, seed: int, budget: int = 96, max_running: int = 12, hints: bool = True,
+    admit: bool = False,
+) -> list[int]:  # fmt: skip
     """A vLLM-shaped loop: running requests first (preempting from the end on refusal),
     then waiting requests (lookup, allocate) while the budget lasts. Returns the round
     trips of each step."""
@@ -175,7 +199,13 @@ def drive(
                 i += 1
                 continue
             break
-        while not preempted and waiting and tokens > 0 and len(running) < max_running:
+        if admit and not preempted and waiting and tokens > 0:
+            for r, hit_tokens, n in t.admit(waiting[: max_running - len(running)], tokens):
+                waiting.remove(r)
+                r.num_computed_tokens = hit_tokens + n
+                tokens -= n
+                running.append(r)
+        while not admit and not preempted and waiting and tokens > 0 and len(running) < max_running:
             r = waiting[0]
             hit, hit_tokens = t.lookup(r)
             n = min(r.num_tokens - hit_tokens, tokens)
@@ -384,69 +414,11 @@ def test_admit_keeps_the_ledger(
     monkeypatch.setattr(
         RemoteKVCacheManager, "_ledger_off", lambda self, why: (dropped.append(why), off(self, why))
     )
-    t = Twin(client, f"admit-{sliding}", num_blocks=120 if sliding else 96, sliding=sliding)
+    t = Twin(client, f"admit-{sliding}", num_blocks=140 if sliding else 96, sliding=sliding)
     managers.append(t.m)
-    rnd = random.Random(21)
-    prefixes = [[rnd.randrange(1000) for _ in range(n)] for n in (16, 24, 40)]
-    waiting: list[Req] = []
-    running: list[Req] = []
-    admitted = 0
-    for step in range(150):
-        for _ in range(rnd.choice((0, 1, 2))):
-            waiting.append(
-                Req(
-                    f"a{step}-{len(waiting)}",
-                    rnd.choice(prefixes) + [rnd.randrange(1000) for _ in range(rnd.randint(1, 30))],
-                )
-            )
-        tokens, preempted, i = 96, False, 0
-        while i < len(running) and tokens > 0:
-            r = running[i]
-            n = min(r.num_tokens - r.num_computed_tokens, tokens)
-            if t.allocate(r, n):
-                tokens -= n
-                r.num_computed_tokens += n
-                i += 1
-                continue
-            victim = running.pop()
-            t.free(victim)
-            victim.num_computed_tokens = 0
-            victim.num_preemptions += 1
-            waiting.insert(0, victim)
-            preempted = True
-            if victim is r:
-                break
-        if not preempted and waiting and tokens > 0:
-            for r in waiting:
-                t._sync_local(r)
-            for hit, hit_tokens, n, new in t.m.admit(list(waiting), tokens):
-                r = waiting[0]
-                want_hit = t.local.get_computed_blocks(r.request_id)
-                assert (hit.block_ids, hit_tokens) == (
-                    tuple(list(g) for g in want_hit.block_ids),
-                    want_hit.num_tokens,
-                )
-                want = t.local.allocate_slots(
-                    r.request_id, n, hit_tokens, want_hit.block_ids if hit_tokens else None
-                )
-                assert (new is None) == (want is None)
-                if new is None:
-                    break
-                assert new.block_ids == tuple(list(g) for g in want)
-                waiting.pop(0)
-                r.num_computed_tokens = hit_tokens + n
-                running.append(r)
-                tokens -= n
-                admitted += 1
-        for r in list(running):
-            if r.num_computed_tokens >= r.num_tokens:
-                r.all_token_ids.append(rnd.randrange(1000))
-                r.rehash()
-                if rnd.random() < 0.08:
-                    running.remove(r)
-                    t.free(r)
-        t.check()
-    assert admitted > 30 and t.counts["refusals"] > 10, (admitted, t.counts)
+    drive(t, 150, seed=21, admit=True)
+    assert t.counts["admitted"] > 30 and t.counts["refusals"] > 10, t.counts
+    print(f"\n{t.counts}; refused here {t.m.refused}")
     assert t.m.refused == t.counts["refusals"]  # every refusal answered by the client
     assert dropped == [] and t.m._ledger is not None
 

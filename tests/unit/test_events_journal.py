@@ -18,22 +18,36 @@ def test_missed_is_right_for_every_cursor() -> None:
 
 
 def test_events_filled_in_place_equal_the_built_ones() -> None:
-    """add_events (the Step's in-place path) writes exactly what event_to_pb builds, for
-    every kind of event and every optional field."""
+    """add_events (the Step's in-place path) and event_to_pb write every kind of event
+    and every optional field as the proto spells them."""
     from kvcoord.engine import BlockRemoved, BlockStored
     from kvcoord.service.convert import add_events, event_to_pb
     from kvcoord.v1 import allocator_pb2 as pb
 
+    a, b, c, d = b"a" * 32, b"b" * 32, b"c" * 32, b"d" * 32
     events = [
-        BlockStored((b"a" * 32, b"b" * 32), None, tuple(range(32)), 16, None, None),
-        BlockStored((b"c" * 32,), b"b" * 32, tuple(range(16)), 16, 7, "adapter", "CPU"),
-        BlockRemoved((b"a" * 32,)),
-        BlockRemoved((b"c" * 32, b"d" * 32), "CPU"),
+        BlockStored((a, b), None, tuple(range(32)), 16, None, None),
+        BlockStored((c,), b, tuple(range(16)), 16, 7, "adapter", "CPU"),
+        BlockRemoved((a,)),
+        BlockRemoved((c, d), "CPU"),
         AllBlocksCleared(),
     ]
+    want = [
+        pb.KVEvent(block_stored=pb.BlockStored(block_hashes=[a, b], token_ids=range(32), block_size=16, medium="GPU")),
+        pb.KVEvent(
+            block_stored=pb.BlockStored(
+                block_hashes=[c], parent_block_hash=b, token_ids=range(16), block_size=16, lora_id=7,
+                lora_name="adapter", medium="CPU",
+            )
+        ),
+        pb.KVEvent(block_removed=pb.BlockRemoved(block_hashes=[a], medium="GPU")),
+        pb.KVEvent(block_removed=pb.BlockRemoved(block_hashes=[c, d], medium="CPU")),
+        pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared()),
+    ]  # fmt: skip
     got = pb.StepResponse()
     add_events(got.events, events)
-    assert list(got.events) == [event_to_pb(e) for e in events]
-    assert got.events[1].block_stored.lora_name == "adapter"
-    assert got.events[1].block_stored.HasField("parent_block_hash")
+    assert list(got.events) == want
+    assert [event_to_pb(e) for e in events] == want
+    assert [e.WhichOneof("event") for e in got.events] == [w.WhichOneof("event") for w in want]
     assert not got.events[0].block_stored.HasField("parent_block_hash")
+    assert not got.events[0].block_stored.HasField("lora_id")

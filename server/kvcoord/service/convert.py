@@ -166,47 +166,35 @@ def add_events(target: Any, events: Iterable[KVCacheEvent]) -> None:
     message built and then copied: a Step may carry hundreds of events)."""
     add = target.add
     for event in events:
-        if type(event) is BlockRemoved:
-            removed = add().block_removed
-            removed.block_hashes.extend(event.block_hashes)
-            removed.medium = event.medium
-        elif type(event) is BlockStored:
-            stored = add().block_stored
-            stored.block_hashes.extend(event.block_hashes)
-            stored.token_ids.extend(event.token_ids)
-            stored.block_size = event.block_size
-            stored.medium = event.medium
-            if event.parent_block_hash is not None:
-                stored.parent_block_hash = event.parent_block_hash
-            if event.lora_id is not None:
-                stored.lora_id = event.lora_id
-            if event.lora_name is not None:
-                stored.lora_name = event.lora_name
-        else:
-            add().CopyFrom(event_to_pb(event))
+        _fill_event(add(), event)
 
 
 def event_to_pb(event: KVCacheEvent) -> pb.KVEvent:
-    if isinstance(event, BlockStored):
-        stored = pb.BlockStored(
-            block_hashes=list(event.block_hashes),
-            token_ids=list(event.token_ids),
-            block_size=event.block_size,
-            medium=event.medium,
-        )
+    message = pb.KVEvent()
+    _fill_event(message, event)
+    return message
+
+
+def _fill_event(message: pb.KVEvent, event: KVCacheEvent) -> None:
+    if isinstance(event, BlockRemoved):
+        removed = message.block_removed
+        removed.block_hashes.extend(event.block_hashes)
+        removed.medium = event.medium
+    elif isinstance(event, BlockStored):
+        stored = message.block_stored
+        stored.block_hashes.extend(event.block_hashes)
+        stored.token_ids.extend(event.token_ids)
+        stored.block_size = event.block_size
+        stored.medium = event.medium
         if event.parent_block_hash is not None:
             stored.parent_block_hash = event.parent_block_hash
         if event.lora_id is not None:
             stored.lora_id = event.lora_id
         if event.lora_name is not None:
             stored.lora_name = event.lora_name
-        return pb.KVEvent(block_stored=stored)
-    if isinstance(event, BlockRemoved):
-        return pb.KVEvent(
-            block_removed=pb.BlockRemoved(block_hashes=list(event.block_hashes), medium=event.medium)
-        )
-    assert isinstance(event, AllBlocksCleared)
-    return pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared())
+    else:
+        assert isinstance(event, AllBlocksCleared)
+        message.all_blocks_cleared.SetInParent()
 
 
 # -- operations -------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from kvcoord.client.hashing import BlockHasher, none_hash
@@ -12,6 +13,17 @@ from kvcoord.engine import (
     KVCacheConfig,
     KVCachePool,
 )
+
+
+@dataclasses.dataclass
+class Req:
+    """What vLLM's Request exposes to the manager: id, tokens, computed count, preemptions."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+
 
 ALGO = "sha256_cbor"
 NONE = none_hash(ALGO, "0")

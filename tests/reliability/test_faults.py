@@ -4,7 +4,6 @@ worker's view after every step."""
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import threading
 from collections.abc import Iterator
@@ -16,16 +15,9 @@ from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
+from support import Req
 
 NUM_BLOCKS = 80
-
-
-@dataclasses.dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    num_preemptions: int = 0
 
 
 def pool_config(full_only: bool = False) -> pb.PoolConfig:

@@ -3,7 +3,6 @@ idle workers, dead workers, restarts, shared keys, event streams, bad bytes."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Iterator
@@ -26,14 +25,7 @@ from kvcoord.client.faults import FaultInjector
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
 from support import POOL_TOML as POOL
-
-
-@dataclasses.dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    num_preemptions: int = 0
+from support import Req
 
 
 def held(client: KVCoordClient, pool: str = "p") -> dict[str, list[list[int]]]:

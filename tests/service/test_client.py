@@ -28,16 +28,7 @@ from kvcoord.client import (
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import CacheHit, FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
 from kvcoord.service.testing import InProcessServer
-
-
-@dataclasses.dataclass
-class Req:
-    """What vLLM's Request exposes to the manager."""
-
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    num_preemptions: int = 0
+from support import Req
 
 
 def test_remote_manager_equals_engine(server: InProcessServer, client: KVCoordClient) -> None:

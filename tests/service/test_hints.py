@@ -283,6 +283,31 @@ def test_hints_and_ledger_under_a_faulty_network(server: InProcessServer) -> Non
     print(f"\n{t.counts}; faults {fi.counts}; hinted {t.m.hinted_lookups}, refused here {t.m.refused}")
 
 
+def test_admit_keeps_the_ledger_under_a_faulty_network(
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The admit loop with 5% of answers dropped, 5% late, 5% duplicated and 5%
+    re-delivered: admit answers retried or replayed still enter the ledger exactly
+    (every answer equals the engine's, the ledger never dropped, nothing lost)."""
+    dropped: list[str] = []
+    off = RemoteKVCacheManager._ledger_off
+    monkeypatch.setattr(
+        RemoteKVCacheManager, "_ledger_off", lambda self, why: (dropped.append(why), off(self, why))
+    )
+    fi = FaultInjector(78, drop=0.05, delay=0.05, duplicate=0.05, reorder=0.05)
+    with KVCoordClient(server.address, interceptors=[fi]) as faulty:
+        t = Twin(faulty, "faulty-admit", num_blocks=96)
+        try:
+            drive(t, 200, seed=23, admit=True)
+        finally:
+            t.m.close()
+        assert t.m.lost_requests == 0
+        assert t.counts["admitted"] > 30 and t.m.refused == t.counts["refusals"] > 10, (t.counts, t.m.refused)
+        assert dropped == [] and t.m._ledger is not None
+    assert fi.counts["dropped"] > 5 and fi.counts["duplicated"] > 5, fi.counts
+    print(f"\n{t.counts}; faults {fi.counts}; refused here {t.m.refused}")
+
+
 def test_a_wrong_hint_is_loud(client: KVCoordClient, managers: list[RemoteKVCacheManager]) -> None:
     """A hint the client wrongly believes valid (its margin tampered with) is caught by
     the server when the lookup is recorded: RequestsLostError, never a silent difference."""

@@ -1,13 +1,17 @@
 """Scheduler steps in-process and over the wire, side by side in one run. Not a test.
 
-    python bench/step.py [--running 16 64 256] [--steps 60] [--warmup 10]
+    python bench/step.py [--running 16 64 256] [--steps 60] [--warmup 10] [--hash-in-manager]
 
 A scheduler loop shaped like vLLM's (running requests first, preempting from the end
 of the running list on a refusal; then waiting requests with a prefix lookup; block
 ids read when the step's output is built; finished requests freed; usage, events and
 statistics read every step) keeps N requests running: prompts 512-4,096 tokens, half
 sharing one of 8 prefixes, outputs 16-256 tokens, token budget 8,192, full attention
-with 16-token blocks. The same seeded workload runs on:
+with 16-token blocks. Each request hashes its own blocks when it is created and as
+tokens are appended, as vLLM's Request does with its block hasher, so no manager hashes
+(``--hash-in-manager``: requests carry no hashes and each manager computes them when it
+first sees a request, the shape of the figures before 2026-11-30). The same seeded
+workload runs on:
 
   vLLM           vLLM 0.16.0's own KVCacheManager in-process (when vLLM is importable:
                  run with the vLLM venv's python); its decisions must equal the engine's
@@ -62,6 +66,16 @@ class Req:
     num_computed_tokens: int = 0
     num_preemptions: int = 0
     num_prompt: int = 0
+    #: the request's block hashes, kept up to date as tokens are appended, as vLLM's
+    #: Request does with its block hasher (None: the manager hashes, ``--hash-in-manager``)
+    block_hashes: list[bytes] | None = None
+    hasher: BlockHasher | None = None
+
+    def append(self, token: int) -> None:
+        self.all_token_ids.append(token)
+        if self.hasher is not None:
+            assert self.block_hashes is not None
+            self.block_hashes.extend(self.hasher.extend((token,)))
 
 
 class LocalManager:
@@ -77,22 +91,25 @@ class LocalManager:
                 max_model_len=1 << 20,
             )  # fmt: skip
         )
-        self.sent: dict[str, tuple[int, BlockHasher]] = {}
+        self.sent: dict[str, tuple[int, int, BlockHasher | None]] = {}
 
     def _sync(self, r: Req) -> None:
         got = self.sent.get(r.request_id)
+        given = r.block_hashes
         if got is None:
-            h = BlockHasher("sha256_cbor", BS, NONE)
-            self.pool.add_request(r.request_id, r.all_token_ids, h.extend(r.all_token_ids),
+            h = None if given is not None else BlockHasher("sha256_cbor", BS, NONE)
+            hashes = h.extend(r.all_token_ids) if h is not None else list(given or ())
+            self.pool.add_request(r.request_id, r.all_token_ids, hashes,
                                   num_preemptions=r.num_preemptions)  # fmt: skip
-            self.sent[r.request_id] = (len(r.all_token_ids), h)
+            self.sent[r.request_id] = (len(r.all_token_ids), len(hashes), h)
             self.pool.update_request(r.request_id, num_computed_tokens=r.num_computed_tokens)
             return
-        n, h = got
+        n, nh, h = got
         new = r.all_token_ids[n:]
+        new_hashes = h.extend(new) if h is not None else (given or [])[nh:]
         self.pool.update_request(r.request_id, num_computed_tokens=r.num_computed_tokens,
-                                 append_token_ids=new, append_block_hashes=h.extend(new))  # fmt: skip
-        self.sent[r.request_id] = (len(r.all_token_ids), h)
+                                 append_token_ids=new, append_block_hashes=new_hashes)  # fmt: skip
+        self.sent[r.request_id] = (len(r.all_token_ids), nh + len(new_hashes), h)
 
     def get_computed_blocks(self, r: Req) -> tuple[Any, int]:
         self._sync(r)
@@ -157,13 +174,14 @@ class VllmManager:
         self.m = KVCacheManager(cfg, max_model_len=1 << 20, hash_block_size=BS, enable_caching=True,
                                 log_stats=True, enable_kv_cache_events=True)  # fmt: skip
         hasher = get_request_block_hasher(BS, sha256_cbor)
+        # a request that hashes its own blocks hands them over; else vLLM's Request hashes
         self._make = lambda r: Request(
             r.request_id,
             list(r.all_token_ids),
             SamplingParams(max_tokens=1 << 20),
             None,
             None,
-            block_hasher=hasher,
+            block_hasher=hasher if r.block_hashes is None else None,
         )
         self.reqs: dict[str, Any] = {}
 
@@ -173,6 +191,8 @@ class VllmManager:
             v = self.reqs[r.request_id] = self._make(r)
         elif len(r.all_token_ids) > v.num_tokens:
             v.append_output_token_ids(r.all_token_ids[v.num_tokens :])
+        if r.block_hashes is not None and len(r.block_hashes) > len(v.block_hashes):
+            v.block_hashes.extend(r.block_hashes[len(v.block_hashes) :])  # hashed by the request
         v.num_computed_tokens = r.num_computed_tokens
         v.num_preemptions = r.num_preemptions
         return v
@@ -245,9 +265,14 @@ def ids_of(blocks: Any) -> tuple[tuple[int, ...], ...]:
 
 
 def run(
-    kv: Any, running_target: int, steps: int, seed: int, admit: bool = False
+    kv: Any, running_target: int, steps: int, seed: int, admit: bool = False, hash_in_request: bool = True
 ) -> tuple[list[float], list[Any]]:
-    """The scheduler loop; returns seconds per step and the decisions of every step."""
+    """The scheduler loop; returns seconds per step and the decisions of every step.
+
+    With ``hash_in_request`` each request hashes its own blocks as it is created and as
+    tokens are appended (vLLM's Request does, with its block hasher), inside the step
+    that creates or extends it; else the manager hashes them when it first sees them.
+    """
     rnd = random.Random(seed)
     prefixes = [[rnd.randrange(32000) for _ in range(rnd.choice((256, 512, 1024)))] for _ in range(8)]
     counter = 0
@@ -260,7 +285,11 @@ def run(
             rnd.randrange(32000) for _ in range(n)
         ]
         tokens = tokens[:n]
-        return Req(f"r{counter}", tokens, rnd.randint(16, 256), num_prompt=len(tokens))
+        r = Req(f"r{counter}", tokens, rnd.randint(16, 256), num_prompt=len(tokens))
+        if hash_in_request:
+            r.hasher = BlockHasher("sha256_cbor", BS, NONE)
+            r.block_hashes = r.hasher.extend(tokens)
+        return r
 
     running: list[Req] = []
     waiting: deque[Req] = deque(new_request() for _ in range(running_target))
@@ -335,7 +364,7 @@ def run(
         for r, n, _ in scheduled:
             r.num_computed_tokens += n
             if r.num_computed_tokens >= len(r.all_token_ids):
-                r.all_token_ids.append(rnd.randrange(32000))
+                r.append(rnd.randrange(32000))
         for r in [r for r in running if len(r.all_token_ids) - r.num_prompt >= r.max_output]:
             running.remove(r)
             kv.free(r)
@@ -361,8 +390,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--modes", nargs="+", default=["excl+admit", "exclusive", "shared", "per-call"])
+    ap.add_argument(
+        "--hash-in-manager",
+        action="store_true",
+        help="requests carry no block hashes: the manager computes them (the old shape)",
+    )
     args = ap.parse_args()
     with_vllm = vllm_importable()
+    hashed = not args.hash_in_manager
     if not with_vllm:
         print("vLLM is not importable here: its row is left out (run in the vLLM venv to include it)")
     server = start_server("", env=dict(os.environ, PYTHONPATH=f"{ROOT / 'client'}:{ROOT / 'server'}"))
@@ -386,12 +421,12 @@ def main() -> None:
             if with_vllm:
                 vm = VllmManager(blocks)
                 freeze_heap()
-                v_t, v_d = run(vm, n, total, seed=n)
+                v_t, v_d = run(vm, n, total, seed=n, hash_in_request=hashed)
                 v_med = statistics.median(v_t[args.warmup :]) * 1e3
                 print(f"{n:>7} {'vLLM':<11} {v_med:8.2f} {pct(v_t[args.warmup :], 0.99):8.2f}")
             lm = LocalManager(blocks)
             freeze_heap()
-            base_t, base_d = run(lm, n, total, seed=n)
+            base_t, base_d = run(lm, n, total, seed=n, hash_in_request=hashed)
             base = statistics.median(base_t[args.warmup :]) * 1e3
             if with_vllm:
                 assert v_d == base_d, "vLLM's manager decided differently from kvcoord's engine"
@@ -405,7 +440,7 @@ def main() -> None:
                 m = RemoteKVCacheManager(client, name, hash_seed="0", exclusive=mode.startswith("excl"))
                 kv: Any = PerCall(m) if mode == "per-call" else m
                 freeze_heap()
-                t, d = run(kv, n, total, seed=n, admit=mode == "excl+admit")
+                t, d = run(kv, n, total, seed=n, admit=mode == "excl+admit", hash_in_request=hashed)
                 assert d == base_d, f"{mode}: decisions differ from in-process"
                 med = statistics.median(t[args.warmup :]) * 1e3
                 trips = m.round_trips / total

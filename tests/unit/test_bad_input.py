@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 
 import pytest
+from kvcoord.client.hashing import BlockHasher
 from kvcoord.engine import (
     CacheHit,
     EngineError,
@@ -20,8 +21,9 @@ from kvcoord.engine import (
     RequestNotFoundError,
     SlidingWindowSpec,
     StaleCacheHitError,
+    TokenIds,
 )
-from support import Driver, toks
+from support import ALGO, NONE, Driver, toks
 
 
 def busy_driver() -> Driver:
@@ -88,6 +90,12 @@ CASES: list[tuple[str, Callable[[Driver], object], type[EngineError], str]] = [
     (
         "append too long",
         lambda d: d.pool.update_request("run", append_token_ids=[1] * 60),
+        InvalidArgumentError,
+        "max_model_len",
+    ),
+    (
+        "wire tokens too long",
+        lambda d: d.pool.update_request("run", append_token_ids=TokenIds([1] * 60)),
         InvalidArgumentError,
         "max_model_len",
     ),
@@ -316,3 +324,21 @@ def test_one_token_prompt_is_served(hybrid: bool) -> None:
     stats = d.pool.make_prefix_cache_stats()
     assert stats is not None and (stats.requests, stats.queries, stats.hits) == (1, 1, 0)
     assert d.pool.lookup_counters.hits == 0
+
+
+def test_wire_token_ids_are_copied_and_only_their_length_is_checked() -> None:
+    """TokenIds (what the server reads from a uint32 field) skip the per-token checks,
+    not the length check, and the pool keeps its own plain copy."""
+    d = Driver(max_model_len=16)
+    given = TokenIds(toks(1, 8))
+    d.pool.add_request("w", given, d.hashers.setdefault("w", _hasher()).extend(given))
+    given.append(99)  # the caller's list is not the request's
+    assert d.pool.requests["w"].all_token_ids == toks(1, 8)
+    assert type(d.pool.requests["w"].all_token_ids) is list
+    with pytest.raises(InvalidArgumentError, match="max_model_len"):
+        d.pool.update_request("w", append_token_ids=TokenIds([1] * 9))
+    assert d.pool.requests["w"].all_token_ids == toks(1, 8)
+
+
+def _hasher() -> BlockHasher:
+    return BlockHasher(ALGO, 4, NONE)

@@ -6,13 +6,22 @@ from __future__ import annotations
 import grpc
 import pytest
 from kvcoord.client.hashing import BlockHasher, none_hash
-from kvcoord.engine import CacheHit, FullAttentionSpec, KVCacheConfig, PrefixCacheStats, SlidingWindowSpec
+from kvcoord.engine import (
+    CacheHit,
+    FullAttentionSpec,
+    KVCacheConfig,
+    PrefixCacheStats,
+    SlidingWindowSpec,
+    TokenIds,
+)
 from kvcoord.service import operations as op
+from kvcoord.service.convert import sync_from_pb
 from kvcoord.service.errors import ErrorReason, ServiceError
 from kvcoord.service.idempotency import IdempotencyStore
 from kvcoord.service.pool_service import Fence, Limits, PoolService
 from kvcoord.service.sessions import SessionTable
 from kvcoord.service.testing import ManualClock
+from kvcoord.v1 import allocator_pb2 as pb
 
 NONE = none_hash("sha256_cbor", "0")
 
@@ -337,3 +346,11 @@ def test_a_promised_allocation_whose_hit_went_stale_is_loud() -> None:
     (o,) = p.apply(s, [op.Allocate(new("b", list(range(9))), 1, 8, bogus, must_succeed=True)])
     assert o.error is not None and o.error.reason is ErrorReason.PREDICTION_FAILED
     assert "b" not in p.engine.requests
+
+
+def test_wire_tokens_reach_the_engine_as_checked_token_ids() -> None:
+    """Tokens read from the wire (uint32: never negative) reach the engine as TokenIds,
+    which it takes without walking them again."""
+    sync = sync_from_pb(pb.RequestSync(request_id="r", append_token_ids=[3, 0, 7]))
+    assert type(sync.append_token_ids) is TokenIds
+    assert sync.append_token_ids == [3, 0, 7]

@@ -19,6 +19,7 @@ from .errors import (
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, hash_to_int64
 from .pool import AllocationResult, CacheHit, KVCachePool, PoolSnapshot, RequestCheckpoint
 from .request import LoRA
+from .request_table import TokenIds
 from .specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -60,6 +61,7 @@ __all__ = [
     "SlidingWindowSpec",
     "HintMismatchError",
     "StaleCacheHitError",
+    "TokenIds",
     "attention_groups",
     "hash_to_int64",
 ]

@@ -20,7 +20,7 @@ from .request import LoRA, Request
 from .results import RequestCheckpoint
 from .types import RequestId
 
-__all__ = ["RequestTable", "check_count"]
+__all__ = ["RequestTable", "TokenIds", "check_count"]
 
 
 def check_count(value: object, name: str) -> int:
@@ -34,6 +34,14 @@ def check_count(value: object, name: str) -> int:
     if value < 0:
         raise InvalidArgumentError(f"{name} must be >= 0, got {value}")
     return value
+
+
+class TokenIds(list[int]):
+    """Token ids their maker guarantees are non-negative ``int``s, such as those read
+    from a ``uint32`` wire field: :meth:`RequestTable.check_tokens` copies such a list
+    without checking each element again (only the total length is checked)."""
+
+    __slots__ = ()
 
 
 class RequestTable:
@@ -222,7 +230,9 @@ class RequestTable:
         """
         out = list(tokens)
         n = len(out)
-        if n == 1:
+        if type(tokens) is TokenIds:
+            ok = True  # checked by whoever made it (a uint32 wire field cannot be negative)
+        elif n == 1:
             t = out[0]
             ok = type(t) is int and t >= 0
         else:

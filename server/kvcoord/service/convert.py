@@ -23,6 +23,7 @@ from kvcoord.engine import (
     MambaSpec,
     PrefixCacheStats,
     SlidingWindowSpec,
+    TokenIds,
 )
 from kvcoord.v1 import allocator_pb2 as pb
 
@@ -210,7 +211,7 @@ def fence_to_pb(fence: Fence) -> pb.Fence:
 def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
     return op.RequestSync(
         s.request_id,
-        s.append_token_ids,
+        TokenIds(s.append_token_ids),  # uint32 on the wire: the engine need not check each one
         s.append_block_hashes,
         s.new_request,
         s.base_num_tokens,

@@ -1,6 +1,6 @@
 """Scheduler steps in-process and over the wire, side by side in one run. Not a test.
 
-    python bench/step.py [--running 16 64 256] [--steps 60] [--warmup 10] [--hash-in-manager]
+    python bench/step.py [--running 16 64 256] [--steps 60] [--warmup 10] [--hash-in-manager] [--phases]
 
 A scheduler loop shaped like vLLM's (running requests first, preempting from the end
 of the running list on a refusal; then waiting requests with a prefix lookup; block
@@ -264,10 +264,28 @@ def ids_of(blocks: Any) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(g) for g in blocks)
 
 
+#: one step's phases (seconds): the running loop, the waiting loop, reading the block
+#: ids for the step's output, the rest (frees, new arrivals, usage, events, statistics);
+#: and the round trips made in the waiting loop
+Phases = tuple[float, float, float, float, int]
+
+
+def _trips(kv: Any) -> int:
+    m = getattr(kv, "m", kv)  # PerCall wraps the manager
+    return int(getattr(m, "round_trips", 0))
+
+
 def run(
-    kv: Any, running_target: int, steps: int, seed: int, admit: bool = False, hash_in_request: bool = True
+    kv: Any,
+    running_target: int,
+    steps: int,
+    seed: int,
+    admit: bool = False,
+    hash_in_request: bool = True,
+    phases: list[Phases] | None = None,
 ) -> tuple[list[float], list[Any]]:
-    """The scheduler loop; returns seconds per step and the decisions of every step.
+    """The scheduler loop; returns seconds per step and the decisions of every step
+    (and each step's :data:`Phases` into ``phases``, when given).
 
     With ``hash_in_request`` each request hashes its own blocks as it is created and as
     tokens are appended (vLLM's Request does, with its block hasher), inside the step
@@ -337,6 +355,7 @@ def run(
             scheduled.append((r, n, blocks))
             budget -= n
             i += 1
+        t1, trips1 = time.perf_counter(), _trips(kv)
         if admit and waiting and budget > 0 and not preempted:
             # the waiting loop in one operation: same decisions, one round trip
             for _hit, hit_tokens, n, blocks in kv.admit(list(waiting), budget):
@@ -359,7 +378,9 @@ def run(
             running.append(r)
             scheduled.append((r, n, blocks))
             budget -= n
+        t2, trips2 = time.perf_counter(), _trips(kv)
         decisions.append([(r.request_id, n, ids_of(b)) for r, n, b in scheduled] + preempted)
+        t3 = time.perf_counter()
         # the model ran; its output updates the requests
         for r, n, _ in scheduled:
             r.num_computed_tokens += n
@@ -372,8 +393,19 @@ def run(
         _ = kv.usage
         kv.take_events()
         kv.make_prefix_cache_stats()
-        times.append(time.perf_counter() - t0)
+        t4 = time.perf_counter()
+        times.append(t4 - t0)
+        if phases is not None:
+            phases.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, trips2 - trips1))
     return times, decisions
+
+
+def phase_line(phases: list[Phases]) -> str:
+    """Medians of each phase, and how often the waiting loop made a round trip."""
+    med = [statistics.median(p[i] for p in phases) * 1e3 for i in range(4)]
+    waited = sum(1 for p in phases if p[4]) / len(phases)
+    return (f"{'':7}   phases p50 ms: running {med[0]:.2f}, waiting {med[1]:.2f}, output {med[2]:.2f}, "
+            f"rest {med[3]:.2f}; waiting loop made a round trip in {100 * waited:.0f} % of steps")  # fmt: skip
 
 
 def pool_config(num_blocks: int) -> pb.PoolConfig:
@@ -390,6 +422,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--modes", nargs="+", default=["excl+admit", "exclusive", "shared", "per-call"])
+    ap.add_argument("--phases", action="store_true", help="print each mode's phase medians under its row")
     ap.add_argument(
         "--hash-in-manager",
         action="store_true",
@@ -426,7 +459,8 @@ def main() -> None:
                 print(f"{n:>7} {'vLLM':<11} {v_med:8.2f} {pct(v_t[args.warmup :], 0.99):8.2f}")
             lm = LocalManager(blocks)
             freeze_heap()
-            base_t, base_d = run(lm, n, total, seed=n, hash_in_request=hashed)
+            base_ph: list[Phases] = []
+            base_t, base_d = run(lm, n, total, seed=n, hash_in_request=hashed, phases=base_ph)
             base = statistics.median(base_t[args.warmup :]) * 1e3
             if with_vllm:
                 assert v_d == base_d, "vLLM's manager decided differently from kvcoord's engine"
@@ -434,18 +468,25 @@ def main() -> None:
                       f"{'':8} {'':9} {'':14} (kvcoord's engine; {base / v_med:.2f} x vLLM)")  # fmt: skip
             else:
                 print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f}")
+            if args.phases:
+                print(phase_line(base_ph[args.warmup :]))
             for mode in args.modes:
                 name = f"p{n}-{mode.replace('+', '-')}"
                 client.create_pool(name, pool_config(blocks))
                 m = RemoteKVCacheManager(client, name, hash_seed="0", exclusive=mode.startswith("excl"))
                 kv: Any = PerCall(m) if mode == "per-call" else m
                 freeze_heap()
-                t, d = run(kv, n, total, seed=n, admit=mode == "excl+admit", hash_in_request=hashed)
+                ph: list[Phases] = []
+                t, d = run(
+                    kv, n, total, seed=n, admit=mode == "excl+admit", hash_in_request=hashed, phases=ph
+                )
                 assert d == base_d, f"{mode}: decisions differ from in-process"
                 med = statistics.median(t[args.warmup :]) * 1e3
                 trips = m.round_trips / total
                 print(f"{n:>7} {mode:<11} {med:8.2f} {pct(t[args.warmup:], 0.99):8.2f} {trips:8.1f} "
                       f"{med - base:9.2f} {med / (base + rtt):14.2f}")  # fmt: skip
+                if args.phases:
+                    print(phase_line(ph[args.warmup :]))
                 m.close()
                 client.delete_pool(name)
         print("decisions (scheduled ids, tokens, block ids, preemptions) identical in every mode")

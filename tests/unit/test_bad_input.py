@@ -331,14 +331,10 @@ def test_wire_token_ids_are_copied_and_only_their_length_is_checked() -> None:
     not the length check, and the pool keeps its own plain copy."""
     d = Driver(max_model_len=16)
     given = TokenIds(toks(1, 8))
-    d.pool.add_request("w", given, d.hashers.setdefault("w", _hasher()).extend(given))
+    d.pool.add_request("w", given, BlockHasher(ALGO, 4, NONE).extend(given))
     given.append(99)  # the caller's list is not the request's
     assert d.pool.requests["w"].all_token_ids == toks(1, 8)
     assert type(d.pool.requests["w"].all_token_ids) is list
     with pytest.raises(InvalidArgumentError, match="max_model_len"):
         d.pool.update_request("w", append_token_ids=TokenIds([1] * 9))
     assert d.pool.requests["w"].all_token_ids == toks(1, 8)
-
-
-def _hasher() -> BlockHasher:
-    return BlockHasher(ALGO, 4, NONE)

@@ -72,6 +72,8 @@ def run_worker(
                     live.append(Req(f"w{wid}-{step}", rnd.choice(prefixes) + body, rnd.randint(2, 12)))
                 budget = 256
                 for r in list(live):
+                    if budget <= 0:
+                        break  # also here: a request that finishes skips the check below
                     if r.running:
                         n = min(len(r.all_token_ids) - r.num_computed_tokens, budget)
                         new = m.allocate_slots(r, n)

@@ -551,18 +551,22 @@ class KVCoordKVCacheManager:
     ) -> KVCacheBlocks | None:
         hit = new_computed_blocks.to_block_ids() if new_computed_blocks is not None else None
         rid = request.request_id
-        fresh = rid not in self._held  # vLLM will ask for its whole table (get_blocks)
+        held = self._held.get(rid)
+        fresh = held is None  # vLLM will ask for its whole table (get_blocks)
         new = self.remote.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, hit, num_lookahead_tokens,
             num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table=fresh,
         )  # fmt: skip
-        self._tables.pop(rid, None)
+        tables = self._tables
+        if tables:
+            tables.pop(rid, None)
         if new is None:
             return None
-        if fresh:
-            self._tables[rid] = new
-        held = self._held.setdefault(rid, _Held(request))
-        held.request = request
+        if held is None:
+            tables[rid] = new
+            held = self._held[rid] = _Held(request)
+        else:
+            held.request = request
         # vLLM's accounting: what is computed, what needs a slot, what gets cached
         local = int(request.num_computed_tokens) + num_new_computed_tokens
         total = local + num_external_computed_tokens
@@ -571,10 +575,13 @@ class KVCoordKVCacheManager:
             total, need = min(total, self.max_model_len), min(need, self.max_model_len)
         if self.enable_caching:
             cached = local if delay_cache_blocks else min(total + num_new_tokens, int(request.num_tokens))
-            held.hashed_tokens = max(held.hashed_tokens, cached)
+            if cached > held.hashed_tokens:
+                held.hashed_tokens = cached
 
         def make() -> tuple[Sequence[KVCacheBlock], ...]:
             ids = new.get_block_ids()
+            if not any(ids):
+                return self.empty_kv_cache_blocks.blocks  # a decode step's usual answer
             # tables only grow: new blocks end the table, which now covers `need` tokens
             starts = [
                 -(-need // size) - len(group) for size, group in zip(self.block_sizes, ids, strict=True)

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import support
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager, RequestsLostError
 from kvcoord.client.faults import FaultInjector
 from kvcoord.client.hashing import BlockHasher, none_hash
@@ -22,13 +23,9 @@ NONE = none_hash("sha256_cbor", "0")
 
 
 @dataclasses.dataclass
-class Req:
-    """What vLLM's Request exposes to the manager (hashes kept up to date, as vLLM does)."""
+class Req(support.Req):
+    """support's Req with its block hashes kept up to date, as vLLM's Request does."""
 
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    num_preemptions: int = 0
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
 
     def __post_init__(self) -> None:

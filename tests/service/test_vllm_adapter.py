@@ -8,6 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import support
 from kvcoord.client import PoolBusyError
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.client.vllm import (
@@ -64,11 +65,9 @@ def engine(num_blocks: int = 32, *, events: bool = True, caching: bool = True) -
 
 
 @dataclasses.dataclass
-class Req:
-    request_id: str
-    all_token_ids: list[int]
-    num_computed_tokens: int = 0
-    num_preemptions: int = 0
+class Req(support.Req):
+    """support's Req with the block hashes and num_tokens vLLM's Request has."""
+
     block_hashes: list[bytes] = dataclasses.field(default_factory=list)
 
     @property

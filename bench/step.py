@@ -28,6 +28,14 @@ workload runs on:
 
 The server is a separate process on loopback. Decisions (scheduled ids, token counts,
 block ids) are compared between in-process and every remote run.
+
+``--phases`` prints, under each row, the median of each phase of the step (the running
+loop, the waiting loop, reading the output's block ids, the rest) and a split: for a
+remote mode, the time the step spent waiting on round trips (request sent to answer
+held, the manager's ``round_trip_seconds``) against the rest of the step (the loop and
+the client's own work), and the server process's CPU per step (all its threads, from
+``/proc``); in-process, a second, timed run splits the step into the time inside the
+engine's calls and the loop's own.
 """
 
 from __future__ import annotations
@@ -149,6 +157,42 @@ class LocalManager:
         return self.pool.make_prefix_cache_stats()
 
 
+class TimedLocalManager(LocalManager):
+    """LocalManager that adds up the seconds spent in its calls (the engine, with its
+    request sync): the in-process step split into the engine's part and the loop's own.
+    A separate run, so that the timing does not slow the baseline."""
+
+    def __init__(self, num_blocks: int) -> None:
+        super().__init__(num_blocks)
+        self.round_trip_seconds = 0.0  # named as the remote manager's, for run()
+
+    def _timed(self, call: Any, *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return call(*args)
+        finally:
+            self.round_trip_seconds += time.perf_counter() - t0
+
+    def get_computed_blocks(self, r: Req) -> tuple[Any, int]:
+        return self._timed(super().get_computed_blocks, r)  # type: ignore[no-any-return]
+
+    def allocate_slots(self, r: Req, n: int, hit_tokens: int = 0, hit: Any = None) -> Any:
+        return self._timed(super().allocate_slots, r, n, hit_tokens, hit)
+
+    def free(self, r: Req) -> None:
+        self._timed(super().free, r)
+
+    @property
+    def usage(self) -> float:
+        return self._timed(lambda: self.pool.usage)  # type: ignore[no-any-return]
+
+    def take_events(self) -> list[Any]:
+        return self._timed(super().take_events)  # type: ignore[no-any-return]
+
+    def make_prefix_cache_stats(self) -> Any:
+        return self._timed(super().make_prefix_cache_stats)
+
+
 class VllmManager:
     """vLLM 0.16.0's own KVCacheManager in-process, behind the same methods (needs vLLM).
 
@@ -266,13 +310,31 @@ def ids_of(blocks: Any) -> tuple[tuple[int, ...], ...]:
 
 #: one step's phases (seconds): the running loop, the waiting loop, reading the block
 #: ids for the step's output, the rest (frees, new arrivals, usage, events, statistics);
-#: and the round trips made in the waiting loop
-Phases = tuple[float, float, float, float, int]
+#: the round trips made in the waiting loop; and the seconds the step spent waiting on
+#: round trips (in the manager's calls, for the timed in-process run)
+Phases = tuple[float, float, float, float, int, float]
 
 
 def _trips(kv: Any) -> int:
     m = getattr(kv, "m", kv)  # PerCall wraps the manager
     return int(getattr(m, "round_trips", 0))
+
+
+def _waited(kv: Any) -> float:
+    m = getattr(kv, "m", kv)
+    return float(getattr(m, "round_trip_seconds", 0.0))
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds a process used so far, all its threads (``/proc``, nanoseconds)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:  # a thread that just ended
+            continue
+    return total / 1e9
 
 
 def run(
@@ -327,7 +389,7 @@ def run(
     times: list[float] = []
     decisions: list[Any] = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, waited0 = time.perf_counter(), _waited(kv)
         budget = BUDGET
         scheduled: list[tuple[Req, int, Any]] = []
         preempted: list[str] = []
@@ -396,7 +458,7 @@ def run(
         t4 = time.perf_counter()
         times.append(t4 - t0)
         if phases is not None:
-            phases.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, trips2 - trips1))
+            phases.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, trips2 - trips1, _waited(kv) - waited0))
     return times, decisions
 
 
@@ -406,6 +468,17 @@ def phase_line(phases: list[Phases]) -> str:
     waited = sum(1 for p in phases if p[4]) / len(phases)
     return (f"{'':7}   phases p50 ms: running {med[0]:.2f}, waiting {med[1]:.2f}, output {med[2]:.2f}, "
             f"rest {med[3]:.2f}; waiting loop made a round trip in {100 * waited:.0f} % of steps")  # fmt: skip
+
+
+def split_line(times: list[float], phases: list[Phases], what: str, server_ms: float | None = None) -> str:
+    """A step split into the time spent in ``what`` (round trips, or the engine
+    in-process) and the caller's own work, p50 of each; the server's CPU per step."""
+    inside = statistics.median(p[5] for p in phases) * 1e3
+    own = statistics.median(t - p[5] for t, p in zip(times, phases, strict=True)) * 1e3
+    line = f"{'':7}   split p50 ms: {what} {inside:.2f}, the rest of the step {own:.2f}"
+    if server_ms is not None:
+        line += f"; server CPU per step {server_ms:.2f} ms (mean, all its threads)"
+    return line
 
 
 def pool_config(num_blocks: int) -> pb.PoolConfig:
@@ -470,6 +543,14 @@ def main() -> None:
                 print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f}")
             if args.phases:
                 print(phase_line(base_ph[args.warmup :]))
+                tm = TimedLocalManager(blocks)
+                freeze_heap()
+                timed_ph: list[Phases] = []
+                timed_t, timed_d = run(tm, n, total, seed=n, hash_in_request=hashed, phases=timed_ph)
+                assert timed_d == base_d
+                print(
+                    split_line(timed_t[args.warmup :], timed_ph[args.warmup :], "in the engine (timed run)")
+                )
             for mode in args.modes:
                 name = f"p{n}-{mode.replace('+', '-')}"
                 client.create_pool(name, pool_config(blocks))
@@ -477,9 +558,11 @@ def main() -> None:
                 kv: Any = PerCall(m) if mode == "per-call" else m
                 freeze_heap()
                 ph: list[Phases] = []
+                cpu0 = cpu_seconds(server.proc.pid)
                 t, d = run(
                     kv, n, total, seed=n, admit=mode == "excl+admit", hash_in_request=hashed, phases=ph
                 )
+                server_ms = (cpu_seconds(server.proc.pid) - cpu0) / total * 1e3
                 assert d == base_d, f"{mode}: decisions differ from in-process"
                 med = statistics.median(t[args.warmup :]) * 1e3
                 trips = m.round_trips / total
@@ -487,6 +570,9 @@ def main() -> None:
                       f"{med - base:9.2f} {med / (base + rtt):14.2f}")  # fmt: skip
                 if args.phases:
                     print(phase_line(ph[args.warmup :]))
+                    print(
+                        split_line(t[args.warmup :], ph[args.warmup :], "waiting on round trips", server_ms)
+                    )
                 m.close()
                 client.delete_pool(name)
         print("decisions (scheduled ids, tokens, block ids, preemptions) identical in every mode")

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 import support
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager, RequestsLostError
@@ -480,3 +482,44 @@ def test_a_run_answer_that_does_not_fit_is_loud(
     for a in answers:
         with pytest.raises(RequestsLostError):
             a.get_block_ids()
+
+
+class _SlowSteps(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Holds every Step answer back ``delay`` seconds before the caller sees it."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.steps = 0
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        answer = continuation(details, request)
+        if details.method.endswith("/Step"):
+            self.steps += 1
+            time.sleep(self.delay)
+        return answer
+
+
+def test_round_trip_seconds_count_the_time_spent_waiting_on_steps(server: InProcessServer) -> None:
+    """``round_trip_seconds`` grows by the wait of each Step round trip (here each
+    answer is held back 50 ms) and not at all for calls answered without one."""
+    slow = _SlowSteps(0.05)
+    with KVCoordClient(server.address, timeout=10, interceptors=[slow]) as c:
+        c.create_pool("timed", pool_config(64))
+        m = RemoteKVCacheManager(c, "timed", hash_seed="0", exclusive=True)
+        try:
+            r = Req("t0", list(range(40)))
+            assert m.allocate_slots(r, 40) is not None
+            r.num_computed_tokens = 40
+            m.flush()
+            assert slow.steps == m.round_trips >= 1
+            assert m.round_trip_seconds >= 0.05 * m.round_trips
+            waited, trips = m.round_trip_seconds, m.round_trips
+            r.all_token_ids.append(7)
+            r.rehash()
+            assert m.allocate_slots(r, 1) is not None  # promised: no round trip
+            assert (m.round_trips, m.round_trip_seconds) == (trips, waited)
+            m.flush()
+            assert m.round_trips == trips + 1
+            assert m.round_trip_seconds >= waited + 0.05
+        finally:
+            m.close()

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -168,8 +169,10 @@ class RemoteKVCacheManager:
         self.stale_hits = 0
         #: requests reported lost (RequestsLostError) since the manager was created
         self.lost_requests = 0
-        #: Step round trips sent, and allocations answered without one
+        #: Step round trips sent, the seconds spent waiting on them (from sending the
+        #: request to holding the answer), and allocations answered without one
         self.round_trips = 0
+        self.round_trip_seconds = 0.0
         self.promised = 0
         #: lookup hints (exclusive sessions; see get_computed_blocks): given the request
         #: being looked up, the requests the scheduler may look up next, in its order
@@ -815,7 +818,11 @@ class RemoteKVCacheManager:
             self.round_trips += 1
             ops = _pack(items)
             self.run_entries += sum(len(i.run.rids) for i in items if i.run is not None)
-            resp = self.client.step(self.pool, ops, keeper.session_id, keeper.fence, include_state=True)
+            waited = time.perf_counter()
+            try:
+                resp = self.client.step(self.pool, ops, keeper.session_id, keeper.fence, include_state=True)
+            finally:
+                self.round_trip_seconds += time.perf_counter() - waited
             if keeper.clock() >= sent + keeper.lease * (1 - LEASE_MARGIN):
                 raise LeaseExpiredError("the answer came after the session's lease could have ended")
         except KVCoordError as err:

@@ -1,6 +1,6 @@
 """Scheduler steps in-process and over the wire, side by side in one run. Not a test.
 
-    python bench/step.py [--running 16 64 256] [--steps 60] [--warmup 10] [--hash-in-manager] [--phases]
+    python bench/step.py [--running 16 64 256] [--steps 200] [--warmup 300] [--hash-in-manager] [--phases]
 
 A scheduler loop shaped like vLLM's (running requests first, preempting from the end
 of the running list on a refusal; then waiting requests with a prefix lookup; block
@@ -10,8 +10,12 @@ sharing one of 8 prefixes, outputs 16-256 tokens, token budget 8,192, full atten
 with 16-token blocks. Each request hashes its own blocks when it is created and as
 tokens are appended, as vLLM's Request does with its block hasher, so no manager hashes
 (``--hash-in-manager``: requests carry no hashes and each manager computes them when it
-first sees a request, the shape of the figures before 2026-11-30). The same seeded
-workload runs on:
+first sees a request, the shape of the figures before 2026-11-30). Prompts arrive
+made: their tokens are drawn between steps, outside the timed step (before 2026-11-30
+the timed step drew them: about 0.5 ms per step at 256 running, in every mode). The first
+``--warmup`` steps are not measured: at 256 running the initial batch prefills for about
+70 steps and its first generation ends by about 260, after which a step's cost is
+steady. The same seeded workload runs on:
 
   vLLM           vLLM 0.16.0's own KVCacheManager in-process (when vLLM is importable:
                  run with the vLLM venv's python); its decisions must equal the engine's
@@ -353,19 +357,29 @@ def run(
     tokens are appended (vLLM's Request does, with its block hasher), inside the step
     that creates or extends it; else the manager hashes them when it first sees them.
     """
-    rnd = random.Random(seed)
-    prefixes = [[rnd.randrange(32000) for _ in range(rnd.choice((256, 512, 1024)))] for _ in range(8)]
+    rnd = random.Random(seed)  # the model's sampled tokens
+    prompt_rnd = random.Random(seed * 7919 + 1)  # the users' prompts
+    prefixes = [
+        [prompt_rnd.randrange(32000) for _ in range(prompt_rnd.choice((256, 512, 1024)))] for _ in range(8)
+    ]
     counter = 0
+
+    def draw_prompt() -> tuple[list[int], int]:
+        n = prompt_rnd.randint(512, 4096)
+        tokens = (prompt_rnd.choice(prefixes) if prompt_rnd.random() < 0.5 else []) + [
+            prompt_rnd.randrange(32000) for _ in range(n)
+        ]
+        return tokens[:n], prompt_rnd.randint(16, 256)
+
+    # Prompts arrive made (a tokenizer made them, not the scheduler): drawn between
+    # steps, outside the timed step, in the same order in every mode.
+    prompts: deque[tuple[list[int], int]] = deque()
 
     def new_request() -> Req:
         nonlocal counter
         counter += 1
-        n = rnd.randint(512, 4096)
-        tokens = (rnd.choice(prefixes) if rnd.random() < 0.5 else []) + [
-            rnd.randrange(32000) for _ in range(n)
-        ]
-        tokens = tokens[:n]
-        r = Req(f"r{counter}", tokens, rnd.randint(16, 256), num_prompt=len(tokens))
+        tokens, max_output = prompts.popleft() if prompts else draw_prompt()
+        r = Req(f"r{counter}", tokens, max_output, num_prompt=len(tokens))
         if hash_in_request:
             r.hasher = BlockHasher("sha256_cbor", BS, NONE)
             r.block_hashes = r.hasher.extend(tokens)
@@ -459,6 +473,8 @@ def run(
         times.append(t4 - t0)
         if phases is not None:
             phases.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, trips2 - trips1, _waited(kv) - waited0))
+        while len(prompts) < 64:  # the next steps' arrivals, untimed
+            prompts.append(draw_prompt())
     return times, decisions
 
 
@@ -492,8 +508,11 @@ def pool_config(num_blocks: int) -> pb.PoolConfig:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--running", type=int, nargs="+", default=[16, 64, 256])
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=200, help="measured steps per mode")
+    ap.add_argument(
+        "--warmup", type=int, default=300,
+        help="steps before the measured ones: the initial batch's prefill and first generation",
+    )  # fmt: skip
     ap.add_argument("--modes", nargs="+", default=["excl+admit", "exclusive", "shared", "per-call"])
     ap.add_argument("--phases", action="store_true", help="print each mode's phase medians under its row")
     ap.add_argument(
@@ -512,12 +531,15 @@ def main() -> None:
         noop = []
         client.create_pool("noop", pool_config(64))
         s = client.attach("noop", "sha256_cbor", BS, "0")
+        cpu0 = cpu_seconds(server.proc.pid)
         for _ in range(300):
             t0 = time.perf_counter()
             client.step("noop", [], s.session_id, s.fence, include_state=True)
             noop.append(time.perf_counter() - t0)
+        noop_cpu = (cpu_seconds(server.proc.pid) - cpu0) / len(noop) * 1e3
         rtt = statistics.median(noop) * 1e3
-        print(f"no-op Step round trip: p50 {rtt:.3f} ms, p99 {pct(noop, 0.99):.3f} ms")
+        print(f"no-op Step round trip: p50 {rtt:.3f} ms, p99 {pct(noop, 0.99):.3f} ms; "
+              f"server CPU {noop_cpu:.3f} ms each")  # fmt: skip
         header = (f"{'running':>7} {'mode':<11} {'p50 ms':>8} {'p99 ms':>8} {'RTT/step':>8} "
                   f"{'+ms/step':>9} {'vs in-proc+RTT':>14}")  # fmt: skip
         print(header)

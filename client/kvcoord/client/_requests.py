@@ -35,7 +35,7 @@ def key() -> str:
 
 
 def allocate_op(
-    sync: pb.RequestSync,
+    sync: pb.RequestSync | None,
     num_new_tokens: int,
     num_new_computed_tokens: int = 0,
     new_computed_blocks: Sequence[Sequence[int]] | None = None,
@@ -44,18 +44,21 @@ def allocate_op(
     delay_cache_blocks: bool = False,
     num_encoder_tokens: int = 0,
     lookup: bool = False,
+    into: pb.AllocateOp | None = None,
 ) -> pb.AllocateOp:
-    """allocate_slots' arguments as an AllocateOp (an empty hit is sent as none)."""
-    op = pb.AllocateOp(
-        request=sync,
-        num_new_tokens=num_new_tokens,
-        num_new_computed_tokens=num_new_computed_tokens,
-        num_lookahead_tokens=num_lookahead_tokens,
-        num_external_computed_tokens=num_external_computed_tokens,
-        delay_cache_blocks=delay_cache_blocks,
-        num_encoder_tokens=num_encoder_tokens,
-        lookup=lookup,
-    )
+    """allocate_slots' arguments as an AllocateOp carrying a copy of ``sync`` (an empty
+    hit is sent as none); written into ``into`` when given, whose request sync the
+    caller fills in place (``sync`` is then ``None``: a long prompt is not copied)."""
+    op = pb.AllocateOp() if into is None else into
+    if sync is not None:
+        op.request.CopyFrom(sync)
+    op.num_new_tokens = num_new_tokens
+    op.num_new_computed_tokens = num_new_computed_tokens
+    op.num_lookahead_tokens = num_lookahead_tokens
+    op.num_external_computed_tokens = num_external_computed_tokens
+    op.delay_cache_blocks = delay_cache_blocks
+    op.num_encoder_tokens = num_encoder_tokens
+    op.lookup = lookup
     if new_computed_blocks is not None and any(new_computed_blocks):
         op.new_computed_blocks.groups.extend(pb.BlockIds(block_ids=list(ids)) for ids in new_computed_blocks)
         op.new_computed_blocks.num_tokens = num_new_computed_tokens

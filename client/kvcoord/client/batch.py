@@ -299,16 +299,19 @@ class Ops:
         )
 
     def get_computed_blocks(self, request: Any) -> Item:
-        op = pb.Operation(lookup=pb.LookupOp(request=self.m.tracker.sync(request)))
+        op = pb.Operation()
+        self.m.tracker.sync(request, op.lookup.request)
         return self._item(
             op, lambda r: (ids(r.lookup.hit.groups), r.lookup.hit.num_tokens), [request.request_id]
         )
 
     def hint_lookup(self, request: Any, walk_limit: int) -> Item:
         """A lookup that records nothing and answers ``(hit, hit_tokens, eviction_margin)``."""
-        op = pb.Operation(
-            lookup=pb.LookupOp(request=self.m.tracker.sync(request), hint=True, walk_limit=walk_limit)
-        )
+        op = pb.Operation()
+        lookup = op.lookup
+        self.m.tracker.sync(request, lookup.request)
+        lookup.hint = True
+        lookup.walk_limit = walk_limit
 
         def decode(r: pb.OperationResult) -> tuple[KVCacheBlockIds, int, int]:
             return ids(r.lookup.hit.groups), r.lookup.hit.num_tokens, r.lookup.eviction_margin
@@ -317,10 +320,11 @@ class Ops:
 
     def answered_lookup(self, request: Any, hit: KVCacheBlockIds, num_tokens: int) -> Item:
         """The lookup the client answered from a hint, for the server to check and record."""
-        answered = pb.CacheHit(
-            groups=[pb.BlockIds(block_ids=g) for g in hit.block_ids], num_tokens=num_tokens
-        )
-        op = pb.Operation(lookup=pb.LookupOp(request=self.m.tracker.sync(request), answered=answered))
+        op = pb.Operation()
+        lookup = op.lookup
+        self.m.tracker.sync(request, lookup.request)
+        lookup.answered.groups.extend(pb.BlockIds(block_ids=g) for g in hit.block_ids)
+        lookup.answered.num_tokens = num_tokens
         return self._item(op, lambda r: None, [request.request_id], deferred=True)
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -328,9 +332,11 @@ class Ops:
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0, return_table: bool = False) -> Item:  # fmt: skip
         hit = new_computed_blocks.block_ids if new_computed_blocks is not None else None
-        a = rq.allocate_op(self.m.tracker.sync(request), num_new_tokens, num_new_computed_tokens, hit,
-                           num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-                           num_encoder_tokens)  # fmt: skip
+        op = pb.Operation()
+        a = op.allocate
+        self.m.tracker.sync(request, a.request)
+        rq.allocate_op(None, num_new_tokens, num_new_computed_tokens, hit, num_lookahead_tokens,
+                       num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, into=a)  # fmt: skip
         a.return_table = return_table
         m = self.m
 
@@ -343,7 +349,7 @@ class Ops:
             table = tuple(list(g.block_ids) for g in r.allocate.table) if return_table else None
             return KVCacheBlockIds(tuple(list(g.block_ids) for g in r.allocate.new_block_ids), table=table)
 
-        return self._item(pb.Operation(allocate=a), decode, [request.request_id])
+        return self._item(op, decode, [request.request_id])
 
     def allocate_with_lookup(
         self,
@@ -354,14 +360,18 @@ class Ops:
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
     ) -> Item:
-        a = rq.allocate_op(
-            self.m.tracker.sync(request),
+        op = pb.Operation()
+        a = op.allocate
+        self.m.tracker.sync(request, a.request)
+        rq.allocate_op(
+            None,
             max_num_new_tokens,
             num_lookahead_tokens=num_lookahead_tokens,
             num_external_computed_tokens=num_external_computed_tokens,
             delay_cache_blocks=delay_cache_blocks,
             num_encoder_tokens=num_encoder_tokens,
             lookup=True,
+            into=a,
         )
 
         def decode(r: pb.OperationResult) -> tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]:
@@ -369,17 +379,18 @@ class Ops:
             new = None if res.refused else ids(res.new_block_ids)
             return ids(res.hit.groups), res.hit.num_tokens, res.num_new_tokens, new
 
-        return self._item(pb.Operation(allocate=a), decode, [request.request_id])
+        return self._item(op, decode, [request.request_id])
 
     def admit(self, requests: Sequence[Any], token_budget: int, num_lookahead_tokens: int = 0) -> Item:
         tracker = self.m.tracker
-        syncs = [tracker.sync(r) for r in requests]
+        op = pb.Operation()
+        admit = op.admit
+        add = admit.requests.add
+        for r in requests:
+            tracker.sync(r, add())
+        admit.token_budget = token_budget
+        admit.num_lookahead_tokens = num_lookahead_tokens
         rids = [r.request_id for r in requests]
-        op = pb.Operation(
-            admit=pb.AdmitOp(
-                requests=syncs, token_budget=token_budget, num_lookahead_tokens=num_lookahead_tokens
-            )
-        )
 
         def decode(r: pb.OperationResult) -> list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]]:
             out = []
@@ -409,11 +420,9 @@ class Ops:
         )
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> Item:
-        op = pb.Operation(
-            cache_blocks=pb.CacheBlocksOp(
-                request=self.m.tracker.sync(request), num_computed_tokens=num_computed_tokens
-            )
-        )
+        op = pb.Operation()
+        self.m.tracker.sync(request, op.cache_blocks.request)
+        op.cache_blocks.num_computed_tokens = num_computed_tokens
         return self._item(op, lambda r: None, [request.request_id], deferred=True)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> Item:

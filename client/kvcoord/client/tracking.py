@@ -83,9 +83,10 @@ class RequestTracker:
         """Requests the server acknowledged registering (the others hold nothing there)."""
         return [rid for rid, t in self._tracked.items() if t.committed[3]]
 
-    def sync(self, request: Any) -> pb.RequestSync:
+    def sync(self, request: Any, into: pb.RequestSync | None = None) -> pb.RequestSync:
         """The sync bringing the server to the request's current state (registers a
-        request the first time)."""
+        request the first time), written into ``into`` when given: the field of the
+        operation that carries it, so a long prompt is not copied again."""
         rid = request.request_id
         t = self._tracked.get(rid)
         if t is None:
@@ -99,7 +100,11 @@ class RequestTracker:
             t = _Tracked(self._hasher(request))
             self._tracked[rid] = t
         tokens = request.all_token_ids
-        sync = pb.RequestSync(request_id=rid)
+        if into is None:
+            sync = pb.RequestSync(request_id=rid)
+        else:
+            sync = into
+            sync.request_id = rid
         if t.registered:
             sync.base_num_tokens = t.sent_tokens
             sync.base_num_hashes = t.sent_hashes

@@ -1,0 +1,45 @@
+"""The client's request tracker: positioned syncs, written in place or returned."""
+
+from __future__ import annotations
+
+from kvcoord.client.hashing import none_hash
+from kvcoord.client.tracking import RequestTracker
+from kvcoord.v1 import allocator_pb2 as pb
+from support import Req
+
+
+def _config() -> pb.PoolConfig:
+    return pb.PoolConfig(
+        num_blocks=64,
+        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))],
+        hash_block_size=4,
+        enable_caching=True,
+        hash_algo="sha256_cbor",
+        hash_seed="0",
+    )
+
+
+def test_a_sync_written_into_an_operation_equals_the_returned_one() -> None:
+    """``sync(request, into)`` writes into the operation's own field exactly what
+    ``sync(request)`` returns, registration and later appends alike, and moves the
+    position the same way (so the next sync starts where it should)."""
+    returned = RequestTracker(_config(), none_hash("sha256_cbor", "0"))
+    written = RequestTracker(_config(), none_hash("sha256_cbor", "0"))
+    a, b = Req("r", list(range(10))), Req("r", list(range(10)))
+    for step in range(3):
+        op = pb.Operation()
+        into = op.lookup.request
+        assert written.sync(b, into) is into
+        assert into == returned.sync(a)
+        assert op.lookup.request.request_id == "r"
+        assert written.mark("r") == returned.mark("r")
+        for r in (a, b):
+            r.all_token_ids.extend([100 + step, 200 + step, 300 + step])
+            r.num_computed_tokens = len(r.all_token_ids) - 1
+    op = pb.Operation()
+    written.sync(b, op.allocate.request)
+    expected = returned.sync(a)
+    assert op.allocate.request == expected
+    assert not expected.new_request and expected.base_num_tokens == 16
+    assert list(expected.append_token_ids) == [102, 202, 302]
+    assert expected.base_num_hashes == 4 and not expected.append_block_hashes  # 19 tokens: 4 full blocks

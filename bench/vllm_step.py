@@ -2,7 +2,7 @@
 
     KVCOORD_VENV=$(scripts/install_vllm.sh --print-venv)
     PYTHONPATH=client:server:tests PYTHONHASHSEED=0 $KVCOORD_VENV/bin/python bench/vllm_step.py \\
-        [--running 16 64 256] [--steps 60] [--warmup 10]
+        [--running 16 64 256] [--steps 200] [--warmup 150]
 
 For each number of running requests the same seeded workload (prompts 256-900 tokens,
 half sharing one of 8 prefixes, 16-128 output tokens, token budget 8,192, a pool large
@@ -90,8 +90,11 @@ def run(
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--running", type=int, nargs="+", default=[16, 64, 256])
-    ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=200, help="measured steps per scheduler")
+    ap.add_argument(
+        "--warmup", type=int, default=150,
+        help="steps before the measured ones: the initial batch's prefill and first generation",
+    )  # fmt: skip
     args = ap.parse_args()
     os.environ.setdefault("PYTHONHASHSEED", "0")
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'client'}:{ROOT / 'server'}")

@@ -13,6 +13,7 @@ from kvcoord.engine import (
     KVCacheConfig,
     KVCachePool,
 )
+from kvcoord.v1 import allocator_pb2 as pb
 
 
 @dataclasses.dataclass
@@ -27,6 +28,19 @@ class Req:
 
 ALGO = "sha256_cbor"
 NONE = none_hash(ALGO, "0")
+
+
+def wire_pool_config(num_blocks: int, events: bool = False) -> pb.PoolConfig:
+    """A small pool on the wire: full attention, 4-token blocks, caching on."""
+    return pb.PoolConfig(
+        num_blocks=num_blocks,
+        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))],
+        hash_block_size=4,
+        enable_caching=True,
+        enable_kv_cache_events=events,
+        hash_algo=ALGO,
+        hash_seed="0",
+    )
 
 
 class Driver:

@@ -24,6 +24,7 @@ from kvcoord.service.servicer import AllocatorServicer
 from kvcoord.service.sessions import SessionTable
 from kvcoord.service.testing import ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
+from support import wire_pool_config
 
 DATA = Path(__file__).resolve().parents[1] / "conformance" / "data"
 NONE = none_hash("sha256_cbor", "0")
@@ -211,15 +212,7 @@ def test_snapshot_compacts_the_journal(loop: asyncio.AbstractEventLoop, tmp_path
 
 
 def _pool_config() -> pb.PoolConfig:
-    return pb.PoolConfig(
-        num_blocks=32,
-        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))],
-        hash_block_size=4,
-        enable_caching=True,
-        enable_kv_cache_events=True,
-        hash_algo="sha256_cbor",
-        hash_seed="0",
-    )
+    return wire_pool_config(32, events=True)
 
 
 def _write(store: JournalStore, n: int) -> None:

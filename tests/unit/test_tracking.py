@@ -5,18 +5,11 @@ from __future__ import annotations
 from kvcoord.client.hashing import none_hash
 from kvcoord.client.tracking import RequestTracker
 from kvcoord.v1 import allocator_pb2 as pb
-from support import Req
+from support import Req, wire_pool_config
 
 
 def _config() -> pb.PoolConfig:
-    return pb.PoolConfig(
-        num_blocks=64,
-        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))],
-        hash_block_size=4,
-        enable_caching=True,
-        hash_algo="sha256_cbor",
-        hash_seed="0",
-    )
+    return wire_pool_config(64)
 
 
 def test_a_sync_written_into_an_operation_equals_the_returned_one() -> None:

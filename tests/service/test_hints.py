@@ -252,7 +252,9 @@ def test_hints_and_ledger_answer_like_the_engine(
     assert counts["refusals"] > 20 and counts["hits"] > 50, counts
     assert m.hinted_lookups > counts["lookups"] // (4 if sliding else 3), (m.hinted_lookups, counts)
     assert m.refused > 20  # refusals answered by the client, checked by the server
-    assert m.run_entries > counts["allocs"] // 2  # decode allocations went as columns
+    # decode allocations went as columns: entries, or checks when they change nothing
+    assert m.run_entries + m.checked > counts["allocs"] // 2
+    assert m.checked > 0
     assert m._ledger is not None
 
     plain = Twin(client, f"no-hints-{sliding}", num_blocks=blocks, sliding=sliding)
@@ -360,7 +362,9 @@ def test_plain_promises_answer_like_the_general_path(
 ) -> None:
     """allocate_slots' one-pass path for plain promised allocations (decode above all)
     leaves the manager exactly where the general path does: the same answers, the same
-    free count, ledger and table lengths after every step, the same round trips."""
+    free count, ledger and table lengths after every step. The allocations it answers as
+    changing nothing go as checks instead of run entries, so it takes no more round
+    trips."""
     blocks = 160 if sliding else 96
     fast = Twin(client, f"fast-{sliding}", num_blocks=blocks, sliding=sliding)
     managers.append(fast.m)
@@ -380,11 +384,13 @@ def test_plain_promises_answer_like_the_general_path(
     general = Twin(client, f"general-{sliding}", num_blocks=blocks, sliding=sliding)
     managers.append(general.m)
     general_steps = drive(general, 200, seed=11)
-    assert general.counts == fast.counts and general_steps == fast_steps
+    assert general.counts == fast.counts
+    assert all(f <= g for f, g in zip(fast_steps, general_steps, strict=True))
     a, b = fast.m, general.m
-    assert (a._free_estimate, a._free_exact, a.promised, a.refused, a.run_entries) == (
+    assert (a._free_estimate, a._free_exact, a.promised, a.refused, a.run_entries + a.checked) == (
         b._free_estimate, b._free_exact, b.promised, b.refused, b.run_entries
     )  # fmt: skip
+    assert a.checked > 0 and b.checked == 0
     assert a.budget.lengths == b.budget.lengths
     assert a._ledger is not None and b._ledger is not None
     assert a._ledger.refs == b._ledger.refs
@@ -523,3 +529,137 @@ def test_round_trip_seconds_count_the_time_spent_waiting_on_steps(server: InProc
             assert m.round_trip_seconds >= waited + 0.05
         finally:
             m.close()
+
+
+class _StepLog(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Keeps every StepRequest the client sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[pb.StepRequest] = []
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        if details.method.endswith("/Step"):
+            self.sent.append(request)
+        return continuation(details, request)
+
+
+def _runs(steps: list[pb.StepRequest]) -> list[pb.AllocateRunOp]:
+    return [o.allocate_run for s in steps for o in s.ops if o.HasField("allocate_run")]
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "full+sliding"])
+def test_a_decode_inside_its_last_block_is_a_check(server: InProcessServer, sliding: bool) -> None:
+    """Decode steps of requests inside their last block are answered at once with no
+    block ids and sent as checks: no sync, no tokens, no round trip of their own. The
+    server's copy of each request catches up with its next allocation that takes or
+    caches a block, and block ids equal the engine's throughout."""
+    log = _StepLog()
+    with KVCoordClient(server.address, timeout=10, interceptors=[log]) as c:
+        c.create_pool("checks", pool_config(64, sliding))
+        t = Twin(c, "checks-twin", num_blocks=64, sliding=sliding)
+        try:
+            reqs = [Req(f"c{i}", list(range(i * 100, i * 100 + 5))) for i in range(3)]
+            for r in reqs:  # 5 tokens: 2 blocks, the second holding one token
+                assert t.allocate(r, 5)
+                r.num_computed_tokens = 5
+            t.check()
+            trips, sent = t.m.round_trips, len(log.sent)
+            for _ in range(2):  # tokens 6 and 7 go into the second block: nothing changes
+                for r in reqs:
+                    r.all_token_ids.append(1)
+                    r.rehash()
+                    assert t.allocate(r, 1)
+                    r.num_computed_tokens += 1
+                for got, want in t.unchecked:
+                    assert got.block_ids == tuple(list(g) for g in want) == tuple([] for _ in want)
+                t.unchecked.clear()
+                t.m.take_events()
+                assert t.m.usage == pytest.approx(t.local.usage)
+            assert (t.m.round_trips, len(log.sent)) == (trips, sent)  # nothing sent yet
+            assert t.m.checked == 6
+            held = {
+                r.request_id: r.num_tokens for r in c.inspect_pool("checks-twin", all_requests=True).requests
+            }
+            assert held == {"c0": 5, "c1": 5, "c2": 5}  # the server's copies wait for a change
+            for r in reqs:  # token 8 fills the second block (cached): an entry with its sync
+                r.all_token_ids.append(1)
+                r.rehash()
+                assert t.allocate(r, 1)
+                r.num_computed_tokens += 1
+            t.check()
+            run = _runs(log.sent[sent:])[-1]
+            assert list(run.check_request_ids) == ["c0", "c1", "c2"] * 2 and list(run.check_at) == [0] * 6
+            assert list(run.request_ids) == ["c0", "c1", "c2"]
+            assert list(run.num_append_tokens) == [3, 3, 3] and list(run.num_append_hashes) == [1, 1, 1]
+            inspected = c.inspect_pool("checks-twin", all_requests=True).requests
+            assert {r.request_id: (r.num_tokens, r.num_computed_tokens) for r in inspected} == {
+                f"c{i}": (8, 7) for i in range(3)
+            }
+            assert t.m.checked == 6 and t.m.run_entries == 3
+        finally:
+            t.m.close()
+
+
+def test_a_wrong_check_is_loud(client: KVCoordClient, managers: list[RemoteKVCacheManager]) -> None:
+    """A decode the client wrongly believes changes nothing (its count of cached blocks
+    tampered with, as a bookkeeping bug would) is caught by the server's check with the
+    next Step: RequestsLostError for the Step's requests, which are freed on the server,
+    never a block left uncached where vLLM caches it. The next calls work."""
+    client.create_pool("wrong-check", pool_config(24))
+    m = RemoteKVCacheManager(client, "wrong-check", hash_seed="0", exclusive=True)
+    managers.append(m)
+    a, b = Req("a", list(range(7))), Req("b", list(range(50, 55)))
+    for r in (a, b):
+        assert m.allocate_slots(r, r.num_tokens) is not None
+        r.num_computed_tokens = r.num_tokens
+    m.flush()
+    a.all_token_ids.append(3)  # token 8 fills a's second block: vLLM caches it
+    a.rehash()
+    m._cached_hashes["a"] = 2  # wrong: the client believes it cached already
+    assert m.allocate_slots(a, 1).get_block_ids() == ([],)  # answered as a check, at once
+    b.all_token_ids.append(3)
+    b.rehash()
+    assert m.allocate_slots(b, 1).get_block_ids() == ([],)  # a true check
+    with pytest.raises(RequestsLostError) as lost:
+        m.flush()
+    assert lost.value.reason == "PREDICTION_FAILED" and sorted(lost.value.request_ids) == ["a", "b"]
+    assert client.get_stats("wrong-check").num_free_blocks == 23  # nothing left behind
+    c = Req("c", list(range(9)))
+    assert m.allocate_slots(c, 9) is not None
+    m.flush()
+
+
+def test_malformed_checks_are_refused(client: KVCoordClient) -> None:
+    """Checks on the wire: columns of different lengths or positions going back are
+    INVALID_ARGUMENT, a check of another session's request is refused as an
+    allocation of it would be, and nothing changes."""
+    client.create_pool("raw-checks", pool_config(24))
+    mine = client.attach("raw-checks", "sha256_cbor", BS, "0")
+    other = client.attach("raw-checks", "sha256_cbor", BS, "0")
+    hashes = Req("x", list(range(6))).block_hashes
+    m_ops = [pb.Operation(allocate=pb.AllocateOp(
+        request=pb.RequestSync(request_id=rid, append_token_ids=list(range(6)), append_block_hashes=hashes,
+                               new_request=True),
+        num_new_tokens=6)) for rid in ("x", "y")]  # fmt: skip
+    for o, s in ((m_ops[0], mine), (m_ops[1], other)):
+        assert client.step("raw-checks", [o], s.session_id, s.fence).results[0].status_code == 0
+    before = client.inspect_pool("raw-checks", all_requests=True, free_queue_limit=64)
+
+    def check(**columns: Any) -> pb.StepResponse:
+        run = pb.AllocateRunOp(**columns)
+        return client.step("raw-checks", [pb.Operation(allocate_run=run)], mine.session_id, mine.fence)
+
+    good = dict(check_request_ids=["x"], check_at=[0], check_num_computed_tokens=[6], check_num_new_tokens=[1],
+                check_num_lookahead_tokens=[0], check_num_tokens=[7])  # fmt: skip
+    assert check(**good).results[0].status_code == 0
+    short = dict(good, check_num_tokens=[])
+    assert check(**short).results[0].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    back = dict(good, check_request_ids=["x", "x"], check_at=[1, 0], check_num_computed_tokens=[6, 6],
+                check_num_new_tokens=[1, 1], check_num_lookahead_tokens=[0, 0], check_num_tokens=[7, 7])  # fmt: skip
+    assert check(**back).results[0].status_code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    theirs = check(**dict(good, check_request_ids=["y"]))
+    assert theirs.results[0].status_code != 0 and "y" in theirs.results[0].status_message
+    wrong = check(**dict(good, check_num_computed_tokens=[7], check_num_tokens=[8]))  # fills block 2
+    assert wrong.results[0].reason == pb.ErrorReason.Value("PREDICTION_FAILED")
+    after = client.inspect_pool("raw-checks", all_requests=True, free_queue_limit=64)
+    assert after == before

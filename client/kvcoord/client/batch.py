@@ -151,11 +151,14 @@ class Run:
         resolve: sends the Step, when an entry's ids are read before it was sent.
     """
 
-    __slots__ = ("base_h", "base_t", "computed", "counts", "expected", "hashes", "item", "look", "marks",
-                 "n_hash", "n_tok", "new", "new_ids", "num_groups", "promises", "rids", "starts", "tokens")  # fmt: skip
+    __slots__ = ("base_h", "base_t", "check_at", "check_computed", "check_look", "check_new", "check_rids",
+                 "check_tokens", "computed", "counts", "expected", "hashes", "item", "look", "marks", "n_hash",
+                 "n_tok", "new", "new_ids", "num_groups", "promises", "rids", "starts", "tokens", "touched")  # fmt: skip
 
     def __init__(self, num_groups: int, resolve: Callable[[], None]) -> None:
         self.num_groups = num_groups
+        #: every request of the run, entries and checks (lost together if it fails)
+        self.touched: list[str] = []
         self.rids: list[str] = []
         self.base_t: list[int] = []
         self.base_h: list[int] = []
@@ -175,7 +178,16 @@ class Run:
         self.counts: list[int] = []
         self.new_ids: list[int] = []
         self.starts: list[int] = []
-        self.item = Item(_NO_OP, _no_decode, self.rids, Pending(resolve), deferred=True, commits_itself=True)
+        # checks: allocations answered as changing nothing, each before entry check_at[j]
+        self.check_rids: list[str] = []
+        self.check_at: list[int] = []
+        self.check_computed: list[int] = []
+        self.check_new: list[int] = []
+        self.check_look: list[int] = []
+        self.check_tokens: list[int] = []
+        self.item = Item(
+            _NO_OP, _no_decode, self.touched, Pending(resolve), deferred=True, commits_itself=True
+        )
         self.item.run = self
 
     def add(
@@ -189,6 +201,7 @@ class Run:
     ) -> int:
         """Append an entry (``fields`` from :meth:`RequestTracker.sync_run`); its index."""
         bt, bh, toks, hs, comp = fields
+        self.touched.append(request_id)
         self.rids.append(request_id)
         self.base_t.append(bt)
         self.base_h.append(bh)
@@ -206,13 +219,30 @@ class Run:
             self.expected.extend(expected)
         return len(self.rids) - 1
 
+    def check(
+        self, request_id: str, num_computed_tokens: int, num_new_tokens: int, num_lookahead_tokens: int,
+        num_tokens: int,
+    ) -> None:  # fmt: skip
+        """Append a check: an allocation answered as changing nothing, for the server to
+        confirm (it comes before the next entry added)."""
+        self.touched.append(request_id)
+        self.check_rids.append(request_id)
+        self.check_at.append(len(self.rids))
+        self.check_computed.append(num_computed_tokens)
+        self.check_new.append(num_new_tokens)
+        self.check_look.append(num_lookahead_tokens)
+        self.check_tokens.append(num_tokens)
+
     def op(self) -> pb.Operation:
         return pb.Operation(
             allocate_run=pb.AllocateRunOp(
                 request_ids=self.rids, base_num_tokens=self.base_t, base_num_hashes=self.base_h,
                 num_computed_tokens=self.computed, num_new_tokens=self.new, num_lookahead_tokens=self.look,
                 num_append_tokens=self.n_tok, append_token_ids=self.tokens, num_append_hashes=self.n_hash,
-                append_block_hashes=[bytes(h) for h in self.hashes],
+                append_block_hashes=[bytes(h) for h in self.hashes], check_request_ids=self.check_rids,
+                check_at=self.check_at, check_num_computed_tokens=self.check_computed,
+                check_num_new_tokens=self.check_new, check_num_lookahead_tokens=self.check_look,
+                check_num_tokens=self.check_tokens,
             )
         )  # fmt: skip
 

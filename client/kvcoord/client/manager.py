@@ -24,7 +24,9 @@ prove them still valid. The server checks every answer given ahead (``must_succe
 ``must_refuse``, answered lookups): a wrong one is ``PREDICTION_FAILED``, raised as
 :class:`RequestsLostError`. vLLM's scheduler step then costs at most three round trips
 with blocks to spare. Promised plain allocations (a decode step's) are sent together as
-one ``AllocateRunOp``, in columns, with no message built per call.
+one ``AllocateRunOp``, in columns, with no message built per call; one that changes
+nothing (inside the request's last block) is answered with no block ids and sent only
+as a check of that claim, without its tokens, which go with the request's next sync.
 
 vLLM's scheduler calls ``free`` for finished and preempted requests alike; a freed
 request that comes back is registered again with all its tokens (its
@@ -92,6 +94,10 @@ class _Hint:
     num_tokens: int
     #: caching any hash of the request from this index on may change the hit
     watch_from: int
+
+
+#: queued operations that make no KV events (nor does a run of checks alone)
+_NO_EVENTS = ("free", "remove_skipped_blocks", "lookup")
 
 
 def _pack(items: list[Item]) -> list[pb.Operation]:
@@ -214,6 +220,9 @@ class RemoteKVCacheManager:
         self.refused = 0
         #: promised allocations sent as entries of an AllocateRunOp (columns)
         self.run_entries = 0
+        #: allocations answered as changing nothing (no block, nothing synced), sent as
+        #: checks of an AllocateRunOp
+        self.checked = 0
         #: the run the next promised plain allocation joins (see _open_run)
         self._run: Run | None = None
 
@@ -490,7 +499,8 @@ class RemoteKVCacheManager:
         computed = int(request.num_computed_tokens)
         if self._hints:
             self._hints.pop(rid, None)  # admitted: its next lookup (if any) is another
-        if ledger.has_windows:
+        skipped = ledger.has_windows and ledger.skips(rid, computed)
+        if skipped:
             # vLLM's allocate_slots first nulls what left the window (idempotent: the
             # general path finds nothing more to null)
             self._released(*ledger.skip(rid, computed))
@@ -511,6 +521,20 @@ class RemoteKVCacheManager:
                 after.append(have)
         if need > free:
             return None  # a refusal: the general path proves and sends it
+        if not need and not skipped:
+            num_tokens = len(request.all_token_ids)
+            if not self.enable_caching or min(
+                computed + num_new_tokens, num_tokens
+            ) // self._hash_block_size <= self._cached_hashes.get(rid, 0):
+                # Nothing to take, cache or null (a decode step inside its last block):
+                # vLLM's answer is no block ids and none of its state changes. Answered
+                # now with nothing synced; the server checks the claim with the next Step.
+                self._open_run().check(rid, computed, num_new_tokens, num_lookahead_tokens, num_tokens)
+                self.promised += 1
+                self.checked += 1
+                return KVCacheBlockIds(
+                    ([],) if self.num_groups == 1 else tuple([] for _ in range(self.num_groups))
+                )
         fields = self.tracker.sync_run(request)
         if fields is None:
             return None  # not registered yet: a full sync
@@ -722,7 +746,8 @@ class RemoteKVCacheManager:
         if not self.keeper.exclusive:
             self._send([], force=True)  # other sessions' calls make events too
         elif any(
-            i.op.WhichOneof("op") not in ("free", "remove_skipped_blocks", "lookup") for i in self._queue
+            bool(i.run.rids) if i.run is not None else i.op.WhichOneof("op") not in _NO_EVENTS
+            for i in self._queue
         ):
             self.flush()  # queued calls that make events (allocations and cache_blocks store blocks)
         events, self._events = self._events, []
@@ -1005,6 +1030,8 @@ class RemoteKVCacheManager:
         """These requests' server state is unknown: free them there (best effort) and here."""
         lost = self.tracker.forget(request_ids, lost=True)
         self._clear_hints()
+        for rid in lost:
+            self._cached_hashes.pop(rid, None)  # what the server caches for them is unknown
         if self._ledger is not None:
             for rid in lost:
                 self._ledger.release(rid)  # freed on the server below (or already gone)

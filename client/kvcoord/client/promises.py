@@ -181,6 +181,18 @@ class BlockLedger:
         w = self.windows[group]
         return max(0, total_computed_tokens - w + 1) // self.block_sizes[group] if w else 0
 
+    def skips(self, request_id: str, total_computed_tokens: int) -> bool:
+        """Whether :meth:`skip` would null any block (nothing changes)."""
+        h = self.held.get(request_id)
+        if h is None:
+            return False
+        for g in self._sliding:
+            table = h.tables[g]
+            k = min(self._skipped(g, total_computed_tokens), len(table))
+            if k > 0 and table[k - 1] != 0:
+                return True
+        return False
+
     def skip(self, request_id: str, total_computed_tokens: int) -> tuple[int, list[int]]:
         """vLLM's ``remove_skipped_blocks``: blocks that left the window become null.
         Returns how many blocks become free, and the ids of those that are named."""

@@ -389,7 +389,7 @@ class AllocateOp(_message.Message):
     def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ..., return_table: _Optional[bool] = ..., must_refuse: _Optional[bool] = ...) -> None: ...
 
 class AllocateRunOp(_message.Message):
-    __slots__ = ("request_ids", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "num_new_tokens", "num_lookahead_tokens", "num_append_tokens", "append_token_ids", "num_append_hashes", "append_block_hashes")
+    __slots__ = ("request_ids", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "num_new_tokens", "num_lookahead_tokens", "num_append_tokens", "append_token_ids", "num_append_hashes", "append_block_hashes", "check_request_ids", "check_at", "check_num_computed_tokens", "check_num_new_tokens", "check_num_lookahead_tokens", "check_num_tokens")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     BASE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BASE_NUM_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +400,12 @@ class AllocateRunOp(_message.Message):
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_APPEND_HASHES_FIELD_NUMBER: _ClassVar[int]
     APPEND_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CHECK_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_AT_FIELD_NUMBER: _ClassVar[int]
+    CHECK_NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CHECK_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     base_num_tokens: _containers.RepeatedScalarFieldContainer[int]
     base_num_hashes: _containers.RepeatedScalarFieldContainer[int]
@@ -410,7 +416,13 @@ class AllocateRunOp(_message.Message):
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_append_hashes: _containers.RepeatedScalarFieldContainer[int]
     append_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., base_num_tokens: _Optional[_Iterable[int]] = ..., base_num_hashes: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., num_append_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., num_append_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    check_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    check_at: _containers.RepeatedScalarFieldContainer[int]
+    check_num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    check_num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    check_num_lookahead_tokens: _containers.RepeatedScalarFieldContainer[int]
+    check_num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., base_num_tokens: _Optional[_Iterable[int]] = ..., base_num_hashes: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., num_append_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., num_append_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., check_request_ids: _Optional[_Iterable[str]] = ..., check_at: _Optional[_Iterable[int]] = ..., check_num_computed_tokens: _Optional[_Iterable[int]] = ..., check_num_new_tokens: _Optional[_Iterable[int]] = ..., check_num_lookahead_tokens: _Optional[_Iterable[int]] = ..., check_num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AllocateRunResult(_message.Message):
     __slots__ = ("num_new_blocks", "new_block_ids")

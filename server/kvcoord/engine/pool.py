@@ -442,6 +442,59 @@ class KVCachePool:
                     m.num_cached_block[rid] = num_full
         return result
 
+    def allocation_changes_nothing(
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        num_tokens: int,
+    ) -> bool:
+        """Whether ``allocate_slots(request_id, num_new_tokens, num_lookahead_tokens=...)``,
+        made once the request has ``num_computed_tokens`` computed and ``num_tokens``
+        tokens, would leave the pool exactly as it is: no hit, no block taken, no block
+        newly cached, none leaving a window (a decode step inside its last block). Such
+        a call returns no block ids in vLLM and changes none of its manager's state, so
+        a client may answer it itself and only have it checked here. Nothing changes.
+
+        ``False`` for anything else, including counts out of range, fewer tokens than the
+        pool already has for the request, and pools whose groups do not all allocate by
+        the base rules (mamba, cross-attention).
+
+        Raises:
+            RequestNotFoundError: unknown request.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        if (
+            not self._plain_managers
+            or type(num_computed_tokens) is not int
+            or type(num_new_tokens) is not int
+            or type(num_lookahead_tokens) is not int
+            or type(num_tokens) is not int
+            or num_computed_tokens < 0
+            or num_new_tokens <= 0
+            or num_lookahead_tokens < 0
+            or num_tokens < req.num_tokens
+            or num_computed_tokens > num_tokens
+            or num_computed_tokens + num_new_tokens > self.max_model_len
+        ):
+            return False
+        main = num_computed_tokens + num_new_tokens
+        need = min(main + num_lookahead_tokens, self.max_model_len)
+        cached = main if main < num_tokens else num_tokens
+        for m in self._skipping_managers:
+            if m.skips_blocks(request_id, num_computed_tokens):
+                return False
+        for m in self.managers:
+            blocks = m.req_to_blocks.get(request_id)
+            if blocks is None or len(blocks) * m.block_size < need:
+                return False
+            if self.enable_caching and m.num_cached_block.get(request_id, 0) < cached // m.block_size:
+                return False
+        return True
+
     def allocate_slots_with_lookup(
         self,
         request_id: str,

@@ -295,6 +295,16 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
             list(run.append_token_ids),
             list(run.num_append_hashes),
             list(run.append_block_hashes),
+            op.RunChecks(
+                list(run.check_request_ids),
+                list(run.check_at),
+                list(run.check_num_computed_tokens),
+                list(run.check_num_new_tokens),
+                list(run.check_num_lookahead_tokens),
+                list(run.check_num_tokens),
+            )
+            if run.check_request_ids or run.check_at
+            else None,
         )
     if kind == "admit":
         a = o.admit

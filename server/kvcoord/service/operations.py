@@ -107,6 +107,21 @@ class AllocateRun:
     append_token_ids: Sequence[int]
     num_append_hashes: Sequence[int]
     append_block_hashes: Sequence[bytes]
+    #: allocations the client answered as changing nothing, checked in order
+    checks: RunChecks | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class RunChecks:
+    """An AllocateRun's checks (see the proto's AllocateRunOp ``check_*``): check j
+    comes before entry ``at[j]``."""
+
+    request_ids: Sequence[str]
+    at: Sequence[int]
+    num_computed_tokens: Sequence[int]
+    num_new_tokens: Sequence[int]
+    num_lookahead_tokens: Sequence[int]
+    num_tokens: Sequence[int]
 
 
 @dataclasses.dataclass(slots=True)

@@ -562,7 +562,13 @@ class PoolService:
         counts: list[int] = []
         new_ids: list[int] = []
         t = h = 0
+        checks = o.checks
+        check_at = self._check_positions(checks, n) if checks is not None else []
+        c = 0
         for i in range(n):
+            while c < len(check_at) and check_at[c] == i:
+                self._check_unchanged(s, checks, c)  # type: ignore[arg-type]
+                c += 1
             rid = o.request_ids[i]
             nt, nh = o.num_append_tokens[i], o.num_append_hashes[i]
             base_t, base_h = o.base_num_tokens[i], o.base_num_hashes[i]
@@ -591,14 +597,52 @@ class PoolService:
             for group in new:
                 counts.append(len(group))
                 new_ids.extend(group)
+        while c < len(check_at):
+            self._check_unchanged(s, checks, c)  # type: ignore[arg-type]
+            c += 1
         return op.RunOutcome(counts, new_ids)
 
-    def _prediction_failed(self, rid: str) -> ServiceError:
+    @staticmethod
+    def _check_positions(checks: op.RunChecks, n: int) -> Sequence[int]:
+        """The checks' positions, once every column has one value per check and the
+        positions go from 0 to ``n`` without going back."""
+        m = len(checks.request_ids)
+        columns = (checks.at, checks.num_computed_tokens, checks.num_new_tokens, checks.num_lookahead_tokens,
+                   checks.num_tokens)  # fmt: skip
+        if any(len(col) != m for col in columns):
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "allocate_run: every check_* column needs one value per check",
+            )
+        at = checks.at
+        if m and (at[-1] > n or any(a > b for a, b in zip(at, at[1:], strict=False))):
+            raise ServiceError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"allocate_run: check_at must not decrease and be at most the number of entries ({n})",
+            )
+        return at
+
+    def _check_unchanged(self, s: Session, checks: op.RunChecks, j: int) -> None:
+        """Check j of a run: the allocation the client answered as changing nothing would
+        indeed change nothing."""
+        rid = checks.request_ids[j]
+        self._owned(s, rid)
+        if not self.engine.allocation_changes_nothing(
+            rid, checks.num_computed_tokens[j], checks.num_new_tokens[j], checks.num_lookahead_tokens[j],
+            checks.num_tokens[j],
+        ):  # fmt: skip
+            raise self._prediction_failed(
+                rid, "answered as changing nothing (no new block) would change the pool"
+            )
+
+    def _prediction_failed(self, rid: str, what: str = "") -> ServiceError:
+        what = what or (
+            f"the pool refused an allocation the client had already answered as successful "
+            f"({self.engine.num_free_blocks} blocks free); its bound was wrong"
+        )
         return ServiceError(
             grpc.StatusCode.FAILED_PRECONDITION,
-            f"request {rid[:128]!r}: the pool refused an allocation the client had already answered as "
-            f"successful ({self.engine.num_free_blocks} blocks free); its bound was wrong, treat the "
-            "requests of this Step as lost and report this as a bug",
+            f"request {rid[:128]!r}: {what}, treat the requests of this Step as lost and report this as a bug",
             ErrorReason.PREDICTION_FAILED,
         )
 

@@ -152,6 +152,17 @@ class SingleTypeKVCacheManager:
         if removed:
             self.block_pool.free_blocks(removed)
 
+    def skips_blocks(self, request_id: str, total_computed_tokens: int) -> bool:
+        """Whether :meth:`remove_skipped_blocks` would change anything (no state change)."""
+        num_skipped_tokens = self.get_num_skipped_tokens(total_computed_tokens)
+        if num_skipped_tokens <= 0:
+            return False
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return request_id not in self.req_to_blocks  # the removal would add the empty list
+        k = min(num_skipped_tokens // self.block_size, len(blocks))
+        return k > 0 and blocks[k - 1] is not self.null_block
+
     def get_num_common_prefix_blocks(self, request_id: str) -> int:
         """Leading blocks shared by every request of this group (only full attention)."""
         return 0

@@ -210,6 +210,7 @@ def test_faulty_network_changes_no_answer(server: InProcessServer, exclusive: bo
                 results[wid] = drive(remote, local_pool(full_only), plain, pool, wid, 400)
                 results[wid]["lost"] = remote.lost_requests
                 results[wid]["promised"] = remote.promised
+                results[wid]["checked"] = remote.checked
                 results[wid]["hinted"] = remote.hinted_lookups
                 results[wid]["refused_here"] = remote.refused
                 results[wid]["round_trips"] = remote.round_trips
@@ -235,6 +236,7 @@ def test_faulty_network_changes_no_answer(server: InProcessServer, exclusive: bo
     assert total["refusals"] > 0 and total["hits"] > 0 and total["preemptions"] > 0
     if exclusive:  # many answers were given without waiting, none wrongly
         assert total["promised"] > total["answers"] / 8
+        assert total["checked"] > 0  # decodes answered as changing nothing, checked through the faults
         assert total["hinted"] > 0  # (tests/service/test_hints.py runs a loop that hints more)
     else:
         assert total["hinted"] == 0  # nothing can prove a hint on a shared pool

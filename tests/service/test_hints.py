@@ -280,6 +280,7 @@ def test_hints_and_ledger_under_a_faulty_network(server: InProcessServer) -> Non
             t.m.close()
         assert t.m.lost_requests == 0
         assert t.m.hinted_lookups > 50 and t.m.refused > 10, (t.m.hinted_lookups, t.m.refused)
+        assert t.m.checked > 50, t.m.checked  # decodes sent as checks, through the same faults
     assert fi.counts["dropped"] > 10 and fi.counts["duplicated"] > 10, fi.counts
     print(f"\n{t.counts}; faults {fi.counts}; hinted {t.m.hinted_lookups}, refused here {t.m.refused}")
 

@@ -477,7 +477,6 @@ class KVCachePool:
             or num_new_tokens <= 0
             or num_lookahead_tokens < 0
             or num_tokens < req.num_tokens
-            or num_computed_tokens > num_tokens
             or num_computed_tokens + num_new_tokens > self.max_model_len
         ):
             return False

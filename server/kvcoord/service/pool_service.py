@@ -71,6 +71,10 @@ def _noop() -> None:
     pass
 
 
+#: the checks of a run that has none
+_NO_CHECKS = op.RunChecks((), (), (), (), (), ())
+
+
 class PoolService:
     """One named pool and its rules.
 
@@ -562,12 +566,12 @@ class PoolService:
         counts: list[int] = []
         new_ids: list[int] = []
         t = h = 0
-        checks = o.checks
-        check_at = self._check_positions(checks, n) if checks is not None else []
+        checks = o.checks or _NO_CHECKS
+        check_at = self._check_positions(checks, n)
         c = 0
         for i in range(n):
             while c < len(check_at) and check_at[c] == i:
-                self._check_unchanged(s, checks, c)  # type: ignore[arg-type]
+                self._check_unchanged(s, checks, c)
                 c += 1
             rid = o.request_ids[i]
             nt, nh = o.num_append_tokens[i], o.num_append_hashes[i]
@@ -598,7 +602,7 @@ class PoolService:
                 counts.append(len(group))
                 new_ids.extend(group)
         while c < len(check_at):
-            self._check_unchanged(s, checks, c)  # type: ignore[arg-type]
+            self._check_unchanged(s, checks, c)
             c += 1
         return op.RunOutcome(counts, new_ids)
 
@@ -607,6 +611,8 @@ class PoolService:
         """The checks' positions, once every column has one value per check and the
         positions go from 0 to ``n`` without going back."""
         m = len(checks.request_ids)
+        if not m and not checks.at:
+            return ()
         columns = (checks.at, checks.num_computed_tokens, checks.num_new_tokens, checks.num_lookahead_tokens,
                    checks.num_tokens)  # fmt: skip
         if any(len(col) != m for col in columns):
@@ -632,8 +638,9 @@ class PoolService:
             checks.num_tokens[j],
         ):  # fmt: skip
             raise self._prediction_failed(
-                rid, "answered as changing nothing (no new block) would change the pool"
-            )
+                rid, "an allocation the client had already answered as changing nothing would take, cache or "
+                "free blocks"
+            )  # fmt: skip
 
     def _prediction_failed(self, rid: str, what: str = "") -> ServiceError:
         what = what or (

@@ -28,9 +28,9 @@ steady. The same seeded workload runs on:
                  (RemoteKVCacheManager.admit) instead of a lookup per admitted request
   shared         RemoteKVCacheManager: frees and state batched, every allocation waits
   per-call       one round trip per manager call (the old protocol's shape)
-  no-op RTT      an empty Step round trip, measured again right before each remote
-                 mode (the machine's speed drifts over minutes): each row's ratio uses
-                 its own
+  no-op RTT      an empty Step round trip; for each remote row, one sent after each of
+                 its steps (untimed by the step), so that the ratio's round trip is
+                 sampled at the same moments as the steps (the machine's speed drifts)
 
 The server is a separate process on loopback. Decisions (scheduled ids, token counts,
 block ids) are compared between in-process and every remote run.
@@ -54,6 +54,7 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -351,9 +352,13 @@ def run(
     admit: bool = False,
     hash_in_request: bool = True,
     phases: list[Phases] | None = None,
+    between: Callable[[], float] | None = None,
+    between_times: list[float] | None = None,
 ) -> tuple[list[float], list[Any]]:
     """The scheduler loop; returns seconds per step and the decisions of every step
-    (and each step's :data:`Phases` into ``phases``, when given).
+    (and each step's :data:`Phases` into ``phases``, when given). ``between`` runs after
+    each step, untimed by the step; what it returns goes into ``between_times`` (the
+    no-op round trip, sampled at the same moments as the steps).
 
     With ``hash_in_request`` each request hashes its own blocks as it is created and as
     tokens are appended (vLLM's Request does, with its block hasher), inside the step
@@ -475,6 +480,8 @@ def run(
         times.append(t4 - t0)
         if phases is not None:
             phases.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, trips2 - trips1, _waited(kv) - waited0))
+        if between is not None and between_times is not None:
+            between_times.append(between())
         while len(prompts) < 64:  # the next steps' arrivals, untimed
             prompts.append(draw_prompt())
     return times, decisions
@@ -532,6 +539,11 @@ def main() -> None:
         client = KVCoordClient(server.address, timeout=60)
         client.create_pool("noop", pool_config(64))
 
+        def noop_once(session: Any) -> float:
+            t0 = time.perf_counter()
+            client.step("noop", [], session.session_id, session.fence, include_state=True)
+            return time.perf_counter() - t0
+
         def noop_round_trip() -> tuple[float, float, float]:
             """The no-op Step's round trip now: p50 and p99 (ms), server CPU each (ms)."""
             noop = []
@@ -547,7 +559,7 @@ def main() -> None:
 
         rtt, rtt99, noop_cpu = noop_round_trip()
         print(f"no-op Step round trip: p50 {rtt:.3f} ms, p99 {rtt99:.3f} ms; server CPU {noop_cpu:.3f} ms each "
-              "(measured again right before each remote mode: its RTT column)")  # fmt: skip
+              "(a remote row's RTT column: a no-op Step after each of its steps, p50)")  # fmt: skip
         header = (f"{'running':>7} {'mode':<11} {'p50 ms':>8} {'p99 ms':>8} {'RTT/step':>8} "
                   f"{'+ms/step':>9} {'vs in-proc+RTT':>14} {'RTT ms':>7}")  # fmt: skip
         print(header)
@@ -586,14 +598,20 @@ def main() -> None:
                 client.create_pool(name, pool_config(blocks))
                 m = RemoteKVCacheManager(client, name, hash_seed="0", exclusive=mode.startswith("excl"))
                 kv: Any = PerCall(m) if mode == "per-call" else m
-                rtt = noop_round_trip()[0]  # the machine's speed drifts: the ratio's RTT is this mode's
+                # The machine's speed drifts over minutes: the ratio's round trip is a no-op
+                # Step sent after each step of this mode (untimed by the step).
+                probe = client.attach("noop", "sha256_cbor", BS, "0")
+                noops: list[float] = []
                 freeze_heap()
                 ph: list[Phases] = []
                 cpu0 = cpu_seconds(server.proc.pid)
                 t, d = run(
-                    kv, n, total, seed=n, admit=mode == "excl+admit", hash_in_request=hashed, phases=ph
-                )
-                server_ms = (cpu_seconds(server.proc.pid) - cpu0) / total * 1e3
+                    kv, n, total, seed=n, admit=mode == "excl+admit", hash_in_request=hashed, phases=ph,
+                    between=lambda probe=probe: noop_once(probe), between_times=noops,
+                )  # fmt: skip
+                server_ms = (cpu_seconds(server.proc.pid) - cpu0 - noop_cpu / 1e3 * total) / total * 1e3
+                client.detach(probe.session_id, probe.fence)
+                rtt = statistics.median(noops[args.warmup :]) * 1e3
                 assert d == base_d, f"{mode}: decisions differ from in-process"
                 med = statistics.median(t[args.warmup :]) * 1e3
                 trips = m.round_trips / total

@@ -12,7 +12,9 @@ runs through vLLM's ``Scheduler`` with its in-process KVCacheManager and with
 as ``--scheduler-cls`` gives by default). A step is ``schedule()`` plus
 ``update_from_output()`` with a fake model output. Prints p50 / p99 per step, the
 round trips per step (every RPC the manager's client makes; mean and max) and the
-milliseconds kvcoord adds, the p50 over (vLLM's p50 + one no-op round trip), and checks that every step's scheduler output is identical.
+milliseconds kvcoord adds, the p50 over (vLLM's p50 + one no-op round trip: a ListPools
+sent after each step of the row, untimed by the step, p50), and checks that every step's
+scheduler output is identical.
 """
 
 from __future__ import annotations
@@ -52,8 +54,10 @@ VOCAB = 1000
 
 
 def run(
-    sched: Any, running: int, steps: int, seed: int, counter: list[int] | None
+    sched: Any, running: int, steps: int, seed: int, counter: list[int] | None, between: Any = None
 ) -> tuple[list[float], list[Any]]:
+    """Seconds per step and each step's summarized output; ``between()`` (when given) is
+    called after each step, untimed by it."""
     hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
@@ -84,6 +88,8 @@ def run(
         sched.update_from_output(out, fake_runner_output(sched, out))
         times.append(time.perf_counter() - t0)
         trace.append(summarize(out))
+        if between is not None:
+            between()
     return times, trace
 
 
@@ -102,17 +108,20 @@ def main() -> None:
     model = write_model_dir(Path(tempfile.mkdtemp(prefix="kvcoord-bench-model-")))
     ping = KVCoordClient(server.address)
     ping.list_pools()
-    rtts = []
-    for _ in range(200):
+    rtts: list[float] = []
+
+    def probe() -> None:
         t0 = time.perf_counter()
         ping.list_pools()
         rtts.append(time.perf_counter() - t0)
-    ping.close()
-    rtt = pct(rtts, 0.5)
-    print(f"no-op round trip (ListPools) p50 {rtt:.3f} ms")
+
+    for _ in range(200):
+        probe()
+    print(f"no-op round trip (ListPools) alone p50 {pct(rtts, 0.5):.3f} ms; each row's RTT: one after each "
+          "of its steps (untimed by the step), p50")  # fmt: skip
     print(
         f"{'running':>7} {'scheduler':<22} {'p50 ms':>8} {'p99 ms':>8} {'RTT/step':>9} {'max RTT':>8} {'+ms/step':>9}"
-        f" {'vs vLLM+RTT':>11}"
+        f" {'vs vLLM+RTT':>11} {'RTT ms':>7}"
     )
     try:
         for n in args.running:
@@ -143,15 +152,19 @@ def main() -> None:
                 return inner(rpc, request)
 
             client._call = counted  # type: ignore[method-assign]
-            t, trace = run(remote, n, total, seed=n, counter=counts)
+            rtts.clear()
+            t, trace = run(remote, n, total, seed=n, counter=counts, between=probe)
+            rtt = pct(rtts[args.warmup :], 0.5)
             assert trace == base_trace, "kvcoord's scheduler decided differently"
             med = sorted(t[args.warmup :])[len(t[args.warmup :]) // 2] * 1e3
             trips = sum(counts[args.warmup :]) / len(counts[args.warmup :])
             print(f"{n:>7} {'KVCoordScheduler':<22} {med:8.2f} {pct(t[args.warmup:], 0.99):8.2f} "
-                  f"{trips:9.2f} {max(counts[args.warmup:]):8d} {med - base:9.2f} {med / (base + rtt):11.2f}")  # fmt: skip
+                  f"{trips:9.2f} {max(counts[args.warmup:]):8d} {med - base:9.2f} {med / (base + rtt):11.2f}"
+                  f" {rtt:7.3f}")  # fmt: skip
             remote.shutdown()
         print("scheduler outputs identical on every step")
     finally:
+        ping.close()
         server.stop()
 
 

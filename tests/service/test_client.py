@@ -171,6 +171,44 @@ def test_retries_stop_at_the_deadline() -> None:
             c.get_stats("p")
 
 
+def test_backoffs_are_drawn_only_when_a_call_fails(
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call that succeeds at once draws no backoffs (seeding their generator cost about
+    10 us on every call); one that fails with UNAVAILABLE draws them once and is retried."""
+    import grpc
+    from kvcoord.client.faults import _InjectedError
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    drawn: list[int] = []
+    draw = RetryPolicy.backoffs
+
+    def counted(self: RetryPolicy, rnd: random.Random | None = None) -> list[float]:
+        drawn.append(1)
+        return draw(self, rnd)
+
+    class FailOnce(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+        armed = False
+
+        def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+            if self.armed:
+                self.armed = False
+                raise _InjectedError(grpc.StatusCode.UNAVAILABLE, "injected: one lost call")
+            return continuation(details, request)
+
+    monkeypatch.setattr(RetryPolicy, "backoffs", counted)
+    fail = FailOnce()
+    with KVCoordClient(server.address, retry=RetryPolicy(initial_backoff=0.001), interceptors=[fail]) as c:
+        c.create_pool("lazy", pb.PoolConfig(num_blocks=8, hash_block_size=4, groups=[
+            pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))]))  # fmt: skip
+        for _ in range(20):
+            assert c.get_stats("lazy").num_free_blocks == 7
+        assert drawn == []
+        fail.armed = True
+        assert c.get_stats("lazy").num_free_blocks == 7  # retried after one backoff
+        assert drawn == [1] and not fail.armed
+
+
 def test_retry_policy_is_a_value() -> None:
     """Backoffs grow to the cap with full jitter; policies are frozen."""
     p = RetryPolicy(initial_backoff=0.1, max_backoff=0.4, multiplier=2.0, max_attempts=5)

@@ -51,7 +51,8 @@ class _Attempts:
         self.kind = kind
         self.start = time.monotonic()
         self.deadline = min(policy.deadline, horizon)
-        self.backoffs = policy.backoffs() if kind != "once" else []
+        #: drawn at the first failure (seeding a generator costs ~10 us, every call)
+        self.backoffs: list[float] | None = None if kind != "once" else []
         self.attempt = 0
 
     def next_sleep(self, err: KVCoordError) -> float:
@@ -59,6 +60,8 @@ class _Attempts:
         retryable = err.code in self.policy.retry_codes or (
             self.kind == "keyed" and err.code in _UNKNOWN_OUTCOME
         )
+        if self.backoffs is None:
+            self.backoffs = self.policy.backoffs()
         if (
             retryable
             and self.attempt < len(self.backoffs)

@@ -664,3 +664,61 @@ def test_malformed_checks_are_refused(client: KVCoordClient) -> None:
     assert wrong.results[0].reason == pb.ErrorReason.Value("PREDICTION_FAILED")
     after = client.inspect_pool("raw-checks", all_requests=True, free_queue_limit=64)
     assert after == before
+
+
+def test_a_request_freed_in_a_batch_comes_back_without_a_false_check(
+    client: KVCoordClient, managers: list[RemoteKVCacheManager]
+) -> None:
+    """A free sent through ``batch()`` forgets what the manager knew of the request's
+    cached blocks, as ``free()`` does: when the request comes back (preempted, no hit), a
+    chunk that fills a block is sent as an allocation, not claimed as a check the server
+    refuses (the count of the request's first life was kept, and the claim failed)."""
+    t = Twin(client, "batch-free", num_blocks=64)
+    managers.append(t.m)
+    r = Req("R", list(range(12)))
+    assert t.allocate(r, 12)  # 3 full blocks, cached
+    r.num_computed_tokens = 12
+    t.check()
+    t.local.free("R")
+    with t.m.batch() as b:
+        b.free(r)
+    r.num_computed_tokens, r.num_preemptions = 0, 1
+    assert t.allocate(r, 5)  # back with a first chunk of 5 tokens: 1 block cached
+    r.num_computed_tokens = 5
+    t.check()
+    checked = t.m.checked
+    assert t.allocate(r, 3)  # inside block 2, but fills it: vLLM caches it
+    r.num_computed_tokens = 8
+    t.check()
+    assert t.m.checked == checked and t.m.lost_requests == 0
+
+
+def test_evicted_blocks_are_reported_in_the_callers_order(client: KVCoordClient) -> None:
+    """vLLM's block pool evicts the blocks of the set it is given in the set's iteration
+    order, and their BlockRemoved events follow it: the manager keeps that order (it
+    sorted the ids, so the events came in another order than vLLM's)."""
+    cfg = pool_config(40)
+    cfg.enable_kv_cache_events = True
+    client.create_pool("evict-order", cfg)
+    m = RemoteKVCacheManager(client, "evict-order", hash_seed="0", exclusive=True)
+    local = KVCachePool(KVCacheConfig(num_blocks=40, groups=(FullAttentionSpec(BS),), hash_block_size=BS,
+                                      max_model_len=512, enable_kv_cache_events=True))  # fmt: skip
+    try:
+        for i in range(6):
+            r = Req(f"e{i}", [i * 50 + j for j in range(8)])
+            local.add_request(r.request_id, r.all_token_ids, r.block_hashes)
+            assert m.allocate_slots(r, 8).block_ids == tuple(
+                list(g) for g in local.allocate_slots(r.request_id, 8)
+            )
+        m.take_events()
+        local.take_events()
+        ids = {9, 2}
+        assert list(ids) != sorted(ids)  # the set's order is not ascending
+        local.evict_blocks(ids)
+        m.evict_blocks(ids)
+        m.flush()
+        want = [e.block_hashes[0] for e in local.take_events()]
+        got = [e.block_removed.block_hashes[0] for e in m.take_events()]
+        assert len(want) == 2 and got == want
+    finally:
+        m.close()

@@ -438,13 +438,13 @@ class Ops:
 
     def free(self, request: Any) -> Item | None:
         rid = request if isinstance(request, str) else request.request_id
+        self.m._freeing(rid)  # a lost request the scheduler frees is settled
         if rid not in self.m.tracker:
             return None  # never sent to the server (e.g. aborted while waiting): nothing to free
         # Forgotten now: if the request comes back before the free is sent, it is
         # registered again after it (the server applies calls in order).
         self.m.tracker.forget([rid])
         self.m.budget.forget(rid)
-        self.m.tracker.lost.discard(rid)  # a lost request the scheduler frees is settled
         return Item(
             pb.Operation(free=pb.FreeOp(request_id=rid)), lambda r: None, [], Pending(), deferred=True
         )
@@ -464,7 +464,8 @@ class Ops:
         return self._item(op, lambda r: None, [request_id], deferred=True)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> Item:
-        op = pb.Operation(evict_blocks=pb.EvictBlocksOp(block_ids=sorted(block_ids)))
+        # in the caller's order: vLLM's block pool evicts (and reports) in its set's order
+        op = pb.Operation(evict_blocks=pb.EvictBlocksOp(block_ids=list(block_ids)))
         return Item(op, lambda r: None, [], Pending(), deferred=True)
 
     def get_block_ids(self, request_id: str) -> Item:

@@ -695,12 +695,15 @@ class RemoteKVCacheManager:
 
     def free(self, request: Any) -> None:
         """Free the request's blocks (sent with the next call)."""
-        rid = request if isinstance(request, str) else request.request_id
+        self._defer(self._ops.free(request))
+
+    def _freeing(self, rid: str) -> None:
+        """What a free changes here, whichever way it is sent (this manager's queue or a
+        :meth:`batch`): nothing it cached or held may be assumed any more."""
         self.tracker.lost.discard(rid)  # vLLM frees finished and preempted requests alike
         self._cached_hashes.pop(rid, None)
         if self._ledger is not None:
             self._released(*self._ledger.release(rid))
-        self._defer(self._ops.free(request))
 
     def _released(self, count: int, ids: list[int]) -> None:
         """The ledger's blocks that a queued call frees: the free count grows, and a

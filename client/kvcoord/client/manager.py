@@ -521,7 +521,7 @@ class RemoteKVCacheManager:
                 after.append(have)
         if need > free:
             return None  # a refusal: the general path proves and sends it
-        if not need and not skipped:
+        if not need and not skipped and rid in ledger.held:  # (the ledger knows its table)
             num_tokens = len(request.all_token_ids)
             if not self.enable_caching or min(
                 computed + num_new_tokens, num_tokens

@@ -722,3 +722,45 @@ def test_evicted_blocks_are_reported_in_the_callers_order(client: KVCoordClient)
         assert len(want) == 2 and got == want
     finally:
         m.close()
+
+
+@pytest.mark.parametrize("sliding", [False, True], ids=["full", "full+sliding"])
+def test_external_tokens_keep_the_fast_path(server: InProcessServer, sliding: bool) -> None:
+    """A request whose first tokens a KV connector loaded (``num_external_computed_tokens``,
+    as on a disaggregated decode instance, where every request arrives that way) takes a
+    round trip, and the answer's whole table enters the block ledger: the decode steps
+    after it are still answered without round trips, with the engine's block ids, for
+    that request and every other one. (Before, the first such answer turned the
+    session's exact bounds off for good and every later allocation waited.)"""
+    with KVCoordClient(server.address, timeout=10) as c:
+        t = Twin(c, "external", num_blocks=64, sliding=sliding)
+        try:
+            plain = Req("plain", list(range(1000, 1006)))
+            assert t.allocate(plain, 6)
+            plain.num_computed_tokens = 6
+            # 30 tokens, 24 of them loaded by a connector (past the sliding window of 16)
+            ext = Req("ext", list(range(2000, 2030)))
+            t._sync_local(ext)
+            want = t.local.allocate_slots("ext", 6, 0, None, 0, 24)
+            got = t.m.allocate_slots(ext, 6, num_external_computed_tokens=24)
+            assert got is not None and want is not None
+            assert got.block_ids == tuple(list(g) for g in want)
+            ext.num_computed_tokens = 30
+            t.check()
+            trips = t.m.round_trips
+            for _ in range(6):  # decodes of both: blocks fill, new blocks are taken
+                for r in (plain, ext):
+                    r.all_token_ids.append(7)
+                    r.rehash()
+                    assert t.allocate(r, 1)
+                    r.num_computed_tokens += 1
+                assert t.m.usage == pytest.approx(t.local.usage)
+            assert t.m.round_trips == trips  # every decode answered without waiting
+            t.check()
+            assert t.m.round_trips == trips + 1
+            for r in (plain, ext):
+                assert t.m.get_block_ids(r.request_id) == tuple(
+                    list(g) for g in t.local.get_block_ids(r.request_id)
+                )
+        finally:
+            t.m.close()

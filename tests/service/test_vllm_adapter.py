@@ -183,3 +183,42 @@ def test_stats_and_events_convert() -> None:
     assert (stored.token_ids, stored.block_size, stored.medium, stored.lora_id) == ([1, 2], 2, "GPU", None)
     assert removed.block_hashes == stored.block_hashes
     assert type(cleared).__name__ == "AllBlocksCleared"
+
+
+def test_a_connectors_finish_path_on_requests_without_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a KV connector, vLLM's scheduler calls remove_skipped_blocks and then
+    get_block_ids for every request that finishes, also one aborted while it waited and
+    so never allocated (or freed by a preemption). vLLM's manager answers empty tables;
+    so does the adapter, without a round trip and without an error. A request that
+    holds blocks gets its table, from the block ledger once its allocation is answered."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    server = InProcessServer().start()
+    try:
+        kv, cfg = engine()
+        m = connect(Settings(target=server.address, pool="finish"), kv, cfg)
+        hasher_args = ("sha256", 4, none_hash("sha256", "0"))
+        waiting = Req("w", list(range(10)), block_hashes=BlockHasher(*hasher_args).extend(range(10)))
+        m.get_computed_blocks(waiting)  # looked up, never allocated: the server knows it
+        trips = m.remote.round_trips
+        m.remove_skipped_blocks("w", 9)
+        assert m.get_block_ids("w") == ([], [])
+        assert m.get_blocks("w").get_block_ids() == ([], [])
+        m.free(waiting)
+        m.remove_skipped_blocks("never-seen", 5)
+        assert m.get_block_ids("never-seen") == ([], [])
+        held = Req("h", list(range(20, 30)), block_hashes=BlockHasher(*hasher_args).extend(range(20, 30)))
+        hit, n = m.get_computed_blocks(held)
+        new = m.allocate_slots(held, 10, n, hit)
+        assert new is not None and new.get_block_ids() == ([1, 2, 3], [4, 5, 6])
+        trips = m.remote.round_trips
+        m.remove_skipped_blocks("h", 12)  # window 8: the first block leaves it
+        assert m.get_block_ids("h") == ([1, 2, 3], [0, 5, 6])
+        assert m.remote.round_trips == trips  # from the ledger
+        assert m.remote._now(m.remote._ops.get_block_ids("h")) == ([1, 2, 3], [0, 5, 6])  # the server's
+        m.free(held)
+        assert m.get_block_ids("h") == ([], [])
+        m.remote.flush()
+        assert m.usage == 0.0
+        m.close()
+    finally:
+        server.stop()

@@ -20,10 +20,15 @@ from vllm.config import (
     CacheConfig,
     DeviceConfig,
     KVEventsConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
     VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
 )
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -84,6 +89,7 @@ def vllm_config(
     events: bool = True,
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 256,
+    connector: bool = False,
 ) -> VllmConfig:
     model = ModelConfig(
         model=str(model_dir), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float16"
@@ -104,7 +110,41 @@ def vllm_config(
         device_config=DeviceConfig(device="cpu"),
         parallel_config=ParallelConfig(distributed_executor_backend="uni"),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null") if events else None,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="LoadedHalfConnector", kv_connector_module_path="harness", kv_role="kv_both"
+        )
+        if connector
+        else None,
     )
+
+
+class LoadedHalfConnector(KVConnectorBase_V1):
+    """A KV connector, scheduler side, as on a disaggregated decode instance: for two
+    requests in three, the first half of the prompt is already loaded elsewhere
+    (``num_external_computed_tokens``), synchronously. The worker side does nothing."""
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if int(request.request_id[1:]) % 3 == 0:
+            return 0, False
+        return max(0, (request.num_prompt_tokens - 1) // 2 - num_computed_tokens), False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return KVConnectorMetadata()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
 
 
 def make_scheduler(cls: type[Scheduler], config: VllmConfig, kv_config: k.KVCacheConfig) -> Scheduler:

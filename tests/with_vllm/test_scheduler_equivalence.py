@@ -48,6 +48,7 @@ class CallCounter:
 
     def __init__(self, manager: KVCoordKVCacheManager) -> None:
         self.per_step: list[int] = []
+        self.external: list[int] = []
         self.by_kind: collections.Counter[str] = collections.Counter()
         client = manager.remote.client
         inner = client._call
@@ -63,6 +64,19 @@ class CallCounter:
 
     def step(self, _: int) -> None:
         self.per_step.append(0)
+        self.external.append(0)
+
+    def count_external(self, connector: Any) -> None:
+        """Also count, per step, the allocations that took a connector's tokens."""
+        self.external: list[int] = []
+        inner = connector.update_state_after_alloc
+
+        def counted(request: Any, blocks: Any, num_external_tokens: int) -> None:
+            if num_external_tokens:
+                self.external[-1] += 1
+            inner(request, blocks, num_external_tokens)
+
+        connector.update_state_after_alloc = counted
 
 
 RPC_REPORT: dict[str, list[int]] = {}
@@ -82,23 +96,25 @@ class Runs:
 
 def run_both(
     kind: str, layout: str, blocks: int, seed: int, model_dir: Path, server: InProcessServer,
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, connector: bool = False,
 ) -> Runs:  # fmt: skip
     """The workload on vLLM's scheduler in-process, then on kvcoord's (its RPCs counted)."""
     asynchronous = kind == "async"
     local = make_scheduler(
-        SCHEDULERS[kind], vllm_config(model_dir, blocks, async_scheduling=asynchronous),
+        SCHEDULERS[kind], vllm_config(model_dir, blocks, async_scheduling=asynchronous, connector=connector),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
     want, want_counts = run_workload(local, seed=seed, steps=STEPS, async_overlap=asynchronous)
     monkeypatch.setenv("KVCOORD_TARGET", server.address)
     monkeypatch.setenv("KVCOORD_POOL", f"{kind}-{layout.replace('+', '-')}-{next(_pool_ids)}")
     remote = make_scheduler(
-        KVCOORD[kind], vllm_config(model_dir, blocks, async_scheduling=asynchronous),
+        KVCOORD[kind], vllm_config(model_dir, blocks, async_scheduling=asynchronous, connector=connector),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
     assert isinstance(remote.kv_cache_manager, KVCoordKVCacheManager)
     counter = CallCounter(remote.kv_cache_manager)
+    if connector:
+        counter.count_external(remote.connector)
     got, got_counts = run_workload(
         remote, seed=seed, steps=STEPS, async_overlap=asynchronous, on_step=counter.step
     )
@@ -151,6 +167,30 @@ def test_at_most_three_round_trips_per_step(
     assert r.manager.hinted_lookups > 20 and r.manager.lost_requests == 0
     print(f"\n{kind}/{layout}: round trips per step: mean {sum(steps) / len(steps):.2f}, max {max(steps)}; "
           f"lookups answered from hints {r.manager.hinted_lookups}")  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_kv_connector_keeps_decisions_and_round_trips(
+    kind: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a KV connector that loads half of most prompts elsewhere (a disaggregated
+    decode instance), decisions stay identical and steps stay at most three round trips:
+    a request with external tokens waits for its own answer, and the decode steps after
+    it are still answered without round trips of their own."""
+    r = run_both(kind, "full", 4096, 71, model_dir, server, monkeypatch, connector=True)
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.want_counts["finished"] > 20, r.want_counts
+    n = len(r.counter.per_step) - (kind == "async")  # the async harness's last apply is not a step
+    steps, external = r.counter.per_step[:n], r.counter.external[:n]
+    assert sum(external) > 30, external
+    # each allocation with external tokens: its own round trip, and at most one more
+    # lookup for the hints whose blocks it may have taken
+    beyond = [trips - 2 * loaded for trips, loaded in zip(steps, external, strict=True)]
+    assert max(beyond) <= 3, sorted(collections.Counter(beyond).items())
+    assert r.manager.promised > 1000 and r.manager.lost_requests == 0, r.manager.promised
+    print(f"\n{kind}/full with a connector: round trips per step: mean {sum(steps) / len(steps):.2f}, "
+          f"max {max(steps)}; beyond two per allocation with external tokens: max {max(beyond)}; "
+          f"allocations answered without waiting {r.manager.promised}")  # fmt: skip
 
 
 def test_blocks_behave_like_vllms(

@@ -380,18 +380,27 @@ class RemoteKVCacheManager:
         ledger = self._ledger
         new_blocks: list[int] | None = None  # new blocks per group, when known exactly
         total_computed = cached_before + num_external_computed_tokens
+        # A connector's tokens: the blocks taken for them are not among the answer's new
+        # ids, so the allocation waits for its answer and asks for the whole table,
+        # which enters the ledger and the bounds as it is.
+        whole_table = bool(num_external_computed_tokens)
         if ledger is not None:
-            if num_external_computed_tokens:
-                self._ledger_off("external tokens (the ledger does not follow connectors)")
+            if whole_table and rid in ledger.held:
+                self._ledger_off("external tokens for a request that holds blocks")
                 ledger = None
-            else:
+            elif not whole_table:
                 # vLLM's allocate_slots first nulls what left the window, refused or not
                 self._released(*ledger.skip(rid, total_computed))
                 if before is not None and after is not None:
                     new_blocks = [a - b for a, b in zip(after, before, strict=True)]
         keeper = self.keeper
         free = self._free_estimate
-        if free is not None and keeper.lost is None and keeper.clock() < keeper.valid_until:
+        if (
+            not whole_table
+            and free is not None
+            and keeper.lost is None
+            and keeper.clock() < keeper.valid_until
+        ):
             exact = ledger is not None and new_blocks is not None and self._free_exact
             if exact:
                 assert ledger is not None and new_blocks is not None
@@ -461,11 +470,21 @@ class RemoteKVCacheManager:
         else:
             self._moved += need
         self._free_exact = False  # the answer changes the count: re-learned from it
+        if whole_table:
+            before = after = None  # the new ids leave the external blocks out: no bound to check
         item = self._item(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
-                          num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table,
-                          before, after)  # fmt: skip
+                          num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
+                          return_table or whole_table, before, after)  # fmt: skip
         new: KVCacheBlockIds | None = self._now(item)
-        if new is not None:
+        if new is not None and whole_table:
+            table = new.table
+            assert table is not None
+            self.budget.applied(rid, [len(g) for g in table] if self.budget.exact else None)
+            if ledger is not None and self._ledger is ledger:
+                ledger.adopt_table(rid, table)
+            if cache_to >= 0:
+                self._cached(request, cache_to, cached_before)
+        elif new is not None:
             self.budget.applied(rid, after)
             if ledger is not None and self._ledger is ledger:
                 ids = new.block_ids
@@ -733,6 +752,13 @@ class RemoteKVCacheManager:
         self._defer(self._ops.evict_blocks(block_ids))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table per group (null blocks as 0). From the block ledger
+        when it holds the whole table (every id in it came from an answer; what is
+        queued cannot change it), else one round trip."""
+        if self._ledger is not None:
+            table = self._ledger.table(request_id)
+            if table is not None:
+                return table
         ids: tuple[list[int], ...] = self._now(self._ops.get_block_ids(request_id))
         return ids
 

@@ -267,6 +267,27 @@ class BlockLedger:
             table.extend([UNNAMED] * n)
         return Promise(h, positions)
 
+    def adopt_table(self, request_id: str, table: Sequence[Sequence[int]]) -> None:
+        """A request not held here now holds ``table`` (per group, every block by
+        position, 0 for null): what an answer that returns the whole table says after
+        an allocation this ledger could not follow (blocks taken for a connector's
+        external tokens are not among the new ids)."""
+        assert request_id not in self.held
+        refs = self.refs
+        self.held[request_id] = _Held([list(g) for g in table])
+        for group in table:
+            for b in group:
+                if b:
+                    refs[b] = refs.get(b, 0) + 1
+
+    def table(self, request_id: str) -> tuple[list[int], ...] | None:
+        """The request's table per group (copies), or ``None`` when it holds none here
+        or a promised block of it is not named yet."""
+        h = self.held.get(request_id)
+        if h is None or any(UNNAMED in t for t in h.tables):
+            return None
+        return tuple(list(t) for t in h.tables)
+
     def named(self, promise: Promise, new_ids: Sequence[Sequence[int]]) -> None:
         """An allocation's answer named its new blocks (positions already nulled or a
         request already freed keep nothing)."""

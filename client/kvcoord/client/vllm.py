@@ -598,6 +598,8 @@ class KVCoordKVCacheManager:
         self.remote.free(request)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        if request_id not in self._held:
+            return  # vLLM's scheduler asks for any finished request (a connector's): no table, nothing to skip
         self._tables.pop(request_id, None)
         self.remote.remove_skipped_blocks(request_id, total_computed_tokens)
 
@@ -617,6 +619,9 @@ class KVCoordKVCacheManager:
 
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         held = self._held.get(request_id)
+        if held is None:
+            # never allocated here, or freed: vLLM's manager holds no table for it
+            return self.empty_kv_cache_blocks
         fresh = self._tables.get(request_id)
         if fresh is not None:
             # the table came with the request's first allocation (nothing changed it since)
@@ -630,6 +635,10 @@ class KVCoordKVCacheManager:
         return self._blocks(ids, held, [0] * len(ids))
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        if request_id not in self._held:
+            # never allocated here, or freed (vLLM's scheduler asks when a connector's
+            # request finishes, scheduled or not): no table, as vLLM answers
+            return tuple([] for _ in range(self.num_kv_cache_groups))
         return self.remote.get_block_ids(request_id)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:

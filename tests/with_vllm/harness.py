@@ -29,6 +29,7 @@ from vllm.config import (
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    SupportsHMA,
 )
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -38,7 +39,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.serial_utils import MsgpackEncoder
 from vllm.v1.structured_output import StructuredOutputManager
@@ -89,7 +90,7 @@ def vllm_config(
     events: bool = True,
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 256,
-    connector: bool = False,
+    connector: str | None = None,
 ) -> VllmConfig:
     model = ModelConfig(
         model=str(model_dir), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float16"
@@ -111,17 +112,18 @@ def vllm_config(
         parallel_config=ParallelConfig(distributed_executor_backend="uni"),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null") if events else None,
         kv_transfer_config=KVTransferConfig(
-            kv_connector="LoadedHalfConnector", kv_connector_module_path="harness", kv_role="kv_both"
+            kv_connector=connector, kv_connector_module_path="harness", kv_role="kv_both"
         )
         if connector
         else None,
     )
 
 
-class LoadedHalfConnector(KVConnectorBase_V1):
+class LoadedHalfConnector(KVConnectorBase_V1, SupportsHMA):
     """A KV connector, scheduler side, as on a disaggregated decode instance: for two
     requests in three, the first half of the prompt is already loaded elsewhere
-    (``num_external_computed_tokens``), synchronously. The worker side does nothing."""
+    (``num_external_computed_tokens``), synchronously. The worker side does nothing.
+    It takes every group's table (``SupportsHMA``), so hybrid layouts run with it."""
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if int(request.request_id[1:]) % 3 == 0:
@@ -130,6 +132,15 @@ class LoadedHalfConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         pass
+
+    def worker_output(self) -> KVConnectorOutput | None:
+        """What the worker side reports with the next model output."""
+        return None
+
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[0])
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return KVConnectorMetadata()
@@ -145,6 +156,51 @@ class LoadedHalfConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         pass
+
+
+class AsyncLoadsConnector(LoadedHalfConnector):
+    """Also the asynchronous side of a KV connector, as NIXL's on a P/D pair: one
+    request in three loads half of its prompt asynchronously (``load_kv_async``: the
+    scheduler allocates with ``delay_cache_blocks`` and parks it in
+    WAITING_FOR_REMOTE_KVS until the worker reports the load finished, one step later);
+    a finished request in five that holds blocks keeps them while its KV is sent
+    (``request_finished`` delays the free until the worker reports it sent)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.loading: set[str] = set()  # allocated for an asynchronous load, not reported yet
+        self.receiving: set[str] = set()  # loads the next output reports finished
+        self.sending: set[str] = set()  # sends the next output reports finished
+        self.counts = {"async loads": 0, "delayed frees": 0}
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if int(request.request_id[1:]) % 3 != 1:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        n = max(0, (request.num_prompt_tokens - 1) // 2 - num_computed_tokens)
+        return n, n > 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens and int(request.request_id[1:]) % 3 == 1:
+            self.loading.add(request.request_id)
+            self.receiving.add(request.request_id)
+            self.counts["async loads"] += 1
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        if rid in self.loading or not block_ids or int(rid[1:]) % 5:
+            return False, None
+        self.sending.add(rid)
+        self.counts["delayed frees"] += 1
+        return True, None
+
+    def worker_output(self) -> KVConnectorOutput | None:
+        if not self.receiving and not self.sending:
+            return None
+        out = KVConnectorOutput(finished_recving=set(self.receiving), finished_sending=set(self.sending))
+        self.loading -= self.receiving
+        self.receiving.clear()
+        self.sending.clear()
+        return out
 
 
 def make_scheduler(cls: type[Scheduler], config: VllmConfig, kv_config: k.KVCacheConfig) -> Scheduler:
@@ -217,9 +273,11 @@ def fake_runner_output(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOut
             sampled.append([])
         else:
             sampled.append([(int(rid[1:]) * 7919 + req.num_output_tokens * 31 + 7) % VOCAB])
+    connector = getattr(sched, "connector", None)
     return ModelRunnerOutput(
-        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled
-    )
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
+        kv_connector_output=connector.worker_output() if connector is not None else None,
+    )  # fmt: skip
 
 
 def run_workload(

@@ -69,6 +69,7 @@ class CallCounter:
     def count_external(self, connector: Any) -> None:
         """Also count, per step, the allocations that took a connector's tokens."""
         self.external: list[int] = []
+        self.connector = connector
         inner = connector.update_state_after_alloc
 
         def counted(request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -96,7 +97,7 @@ class Runs:
 
 def run_both(
     kind: str, layout: str, blocks: int, seed: int, model_dir: Path, server: InProcessServer,
-    monkeypatch: pytest.MonkeyPatch, connector: bool = False,
+    monkeypatch: pytest.MonkeyPatch, connector: str | None = None,
 ) -> Runs:  # fmt: skip
     """The workload on vLLM's scheduler in-process, then on kvcoord's (its RPCs counted)."""
     asynchronous = kind == "async"
@@ -169,15 +170,26 @@ def test_at_most_three_round_trips_per_step(
           f"lookups answered from hints {r.manager.hinted_lookups}")  # fmt: skip
 
 
+# vLLM 0.16.0 itself loads asynchronously into one group only (its
+# _update_waiting_for_remote_kv unpacks a single table): no hybrid case for those.
+@pytest.mark.parametrize(
+    ("connector", "layout"),
+    [("LoadedHalfConnector", "full"), ("LoadedHalfConnector", "full+swa"), ("AsyncLoadsConnector", "full")],
+)
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_kv_connector_keeps_decisions_and_round_trips(
-    kind: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    kind: str, connector: str, layout: str, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """With a KV connector that loads half of most prompts elsewhere (a disaggregated
-    decode instance), decisions stay identical and steps stay at most three round trips:
-    a request with external tokens waits for its own answer, and the decode steps after
-    it are still answered without round trips of their own."""
-    r = run_both(kind, "full", 4096, 71, model_dir, server, monkeypatch, connector=True)
+    decode instance; synchronously, or asynchronously with frees delayed while KV is
+    sent), decisions stay identical and steps stay at most three round trips beyond the
+    allocations with external tokens: each waits for its own answer, and the decode
+    steps after it are still answered without round trips of their own. (The async
+    scheduler with asynchronous loads sometimes needs a fourth: a request finishing in
+    the output it applies after scheduling the next step, its block promised in that
+    step and not named yet when the connector asks for its table.)"""
+    r = run_both(kind, layout, 4096, 71, model_dir, server, monkeypatch, connector=connector)
     assert r.got == r.want, first_difference(r.want, r.got)
     assert r.want_counts["finished"] > 20, r.want_counts
     n = len(r.counter.per_step) - (kind == "async")  # the async harness's last apply is not a step
@@ -186,9 +198,14 @@ def test_a_kv_connector_keeps_decisions_and_round_trips(
     # each allocation with external tokens: its own round trip, and at most one more
     # lookup for the hints whose blocks it may have taken
     beyond = [trips - 2 * loaded for trips, loaded in zip(steps, external, strict=True)]
-    assert max(beyond) <= 3, sorted(collections.Counter(beyond).items())
+    late_names = kind == "async" and connector == "AsyncLoadsConnector"
+    assert max(beyond) <= (4 if late_names else 3), sorted(collections.Counter(beyond).items())
+    assert sum(beyond) / len(beyond) < 3
+    if connector == "AsyncLoadsConnector":
+        counts = r.counter.connector.counts
+        assert counts["async loads"] > 10 and counts["delayed frees"] > 5, counts
     assert r.manager.promised > 1000 and r.manager.lost_requests == 0, r.manager.promised
-    print(f"\n{kind}/full with a connector: round trips per step: mean {sum(steps) / len(steps):.2f}, "
+    print(f"\n{kind}/{layout} with {connector}: round trips per step: mean {sum(steps) / len(steps):.2f}, "
           f"max {max(steps)}; beyond two per allocation with external tokens: max {max(beyond)}; "
           f"allocations answered without waiting {r.manager.promised}")  # fmt: skip
 

@@ -91,6 +91,7 @@ def vllm_config(
     max_num_seqs: int = 16,
     max_num_batched_tokens: int = 256,
     connector: str | None = None,
+    load_failure_policy: str = "recompute",
 ) -> VllmConfig:
     model = ModelConfig(
         model=str(model_dir), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float16"
@@ -112,7 +113,10 @@ def vllm_config(
         parallel_config=ParallelConfig(distributed_executor_backend="uni"),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null") if events else None,
         kv_transfer_config=KVTransferConfig(
-            kv_connector=connector, kv_connector_module_path="harness", kv_role="kv_both"
+            kv_connector=connector,
+            kv_connector_module_path="harness",
+            kv_role="kv_both",
+            kv_load_failure_policy=load_failure_policy,
         )
         if connector
         else None,
@@ -187,7 +191,9 @@ class AsyncLoadsConnector(LoadedHalfConnector):
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        if rid in self.loading or not block_ids or int(rid[1:]) % 5:
+        if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or rid in self.loading or not block_ids:
+            return False, None  # only a request that ran to its end sends its KV
+        if int(rid[1:]) % 5:
             return False, None
         self.sending.add(rid)
         self.counts["delayed frees"] += 1
@@ -352,3 +358,42 @@ def run_workload(
 
 
 SCHEDULERS: dict[str, type[Scheduler]] = {"sync": Scheduler, "async": AsyncScheduler}
+
+
+class FailingLoadsConnector(AsyncLoadsConnector):
+    """Also failed loads: for one load in four, asynchronous or not, the worker reports
+    the last block it loaded into invalid (``invalid_block_ids``) with the next output.
+    vLLM's scheduler reads the tables of the requests it may concern, truncates their
+    computed tokens and, with the ``fail`` policy, evicts the blocks and fails them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.invalid: set[int] = set()
+        self.counts["failed loads"] = 0
+        self._loads = 0
+        self._local: dict[str, int] = {}  # locally cached tokens at the last query
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._local[request.request_id] = num_computed_tokens
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if not num_external_tokens:
+            return
+        self._loads += 1
+        if self._loads % 4:
+            return
+        table = blocks.get_block_ids()[0]
+        last = -(-(self._local[request.request_id] + num_external_tokens) // BLOCK_SIZE) - 1
+        self.invalid.add(table[last])
+        self.counts["failed loads"] += 1
+
+    def worker_output(self) -> KVConnectorOutput | None:
+        out = super().worker_output()
+        if not self.invalid:
+            return out
+        out = out or KVConnectorOutput()
+        out.invalid_block_ids = set(self.invalid)
+        self.invalid.clear()
+        return out

@@ -97,19 +97,23 @@ class Runs:
 
 def run_both(
     kind: str, layout: str, blocks: int, seed: int, model_dir: Path, server: InProcessServer,
-    monkeypatch: pytest.MonkeyPatch, connector: str | None = None,
+    monkeypatch: pytest.MonkeyPatch, connector: str | None = None, policy: str = "recompute",
 ) -> Runs:  # fmt: skip
     """The workload on vLLM's scheduler in-process, then on kvcoord's (its RPCs counted)."""
     asynchronous = kind == "async"
     local = make_scheduler(
-        SCHEDULERS[kind], vllm_config(model_dir, blocks, async_scheduling=asynchronous, connector=connector),
+        SCHEDULERS[kind], vllm_config(
+            model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy
+        ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
     want, want_counts = run_workload(local, seed=seed, steps=STEPS, async_overlap=asynchronous)
     monkeypatch.setenv("KVCOORD_TARGET", server.address)
     monkeypatch.setenv("KVCOORD_POOL", f"{kind}-{layout.replace('+', '-')}-{next(_pool_ids)}")
     remote = make_scheduler(
-        KVCOORD[kind], vllm_config(model_dir, blocks, async_scheduling=asynchronous, connector=connector),
+        KVCOORD[kind], vllm_config(
+            model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy
+        ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
     assert isinstance(remote.kv_cache_manager, KVCoordKVCacheManager)
@@ -173,23 +177,30 @@ def test_at_most_three_round_trips_per_step(
 # vLLM 0.16.0 itself loads asynchronously into one group only (its
 # _update_waiting_for_remote_kv unpacks a single table): no hybrid case for those.
 @pytest.mark.parametrize(
-    ("connector", "layout"),
-    [("LoadedHalfConnector", "full"), ("LoadedHalfConnector", "full+swa"), ("AsyncLoadsConnector", "full")],
+    ("connector", "layout", "policy"),
+    [
+        ("LoadedHalfConnector", "full", "recompute"),
+        ("LoadedHalfConnector", "full+swa", "recompute"),
+        ("AsyncLoadsConnector", "full", "recompute"),
+        ("FailingLoadsConnector", "full", "recompute"),
+        ("FailingLoadsConnector", "full", "fail"),
+    ],
 )
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_kv_connector_keeps_decisions_and_round_trips(
-    kind: str, connector: str, layout: str, model_dir: Path, server: InProcessServer,
+    kind: str, connector: str, layout: str, policy: str, model_dir: Path, server: InProcessServer,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """With a KV connector that loads half of most prompts elsewhere (a disaggregated
     decode instance; synchronously, or asynchronously with frees delayed while KV is
-    sent), decisions stay identical and steps stay at most three round trips beyond the
+    sent; some loads failing, recomputed or failing their requests after evicting the
+    blocks), decisions stay identical and steps stay at most three round trips beyond the
     allocations with external tokens: each waits for its own answer, and the decode
     steps after it are still answered without round trips of their own. (The async
     scheduler with asynchronous loads sometimes needs a fourth: a request finishing in
     the output it applies after scheduling the next step, its block promised in that
     step and not named yet when the connector asks for its table.)"""
-    r = run_both(kind, layout, 4096, 71, model_dir, server, monkeypatch, connector=connector)
+    r = run_both(kind, layout, 4096, 71, model_dir, server, monkeypatch, connector=connector, policy=policy)
     assert r.got == r.want, first_difference(r.want, r.got)
     assert r.want_counts["finished"] > 20, r.want_counts
     n = len(r.counter.per_step) - (kind == "async")  # the async harness's last apply is not a step
@@ -198,14 +209,17 @@ def test_a_kv_connector_keeps_decisions_and_round_trips(
     # each allocation with external tokens: its own round trip, and at most one more
     # lookup for the hints whose blocks it may have taken
     beyond = [trips - 2 * loaded for trips, loaded in zip(steps, external, strict=True)]
-    late_names = kind == "async" and connector == "AsyncLoadsConnector"
+    late_names = kind == "async" and connector != "LoadedHalfConnector"
     assert max(beyond) <= (4 if late_names else 3), sorted(collections.Counter(beyond).items())
     assert sum(beyond) / len(beyond) < 3
-    if connector == "AsyncLoadsConnector":
+    if connector != "LoadedHalfConnector":
         counts = r.counter.connector.counts
         assert counts["async loads"] > 10 and counts["delayed frees"] > 5, counts
+        assert connector != "FailingLoadsConnector" or counts["failed loads"] > 5, counts
+    if policy == "fail":  # the blocks of failed synchronous loads were evicted
+        assert any("evict_blocks" in k for k in r.counter.by_kind), r.counter.by_kind
     assert r.manager.promised > 1000 and r.manager.lost_requests == 0, r.manager.promised
-    print(f"\n{kind}/{layout} with {connector}: round trips per step: mean {sum(steps) / len(steps):.2f}, "
+    print(f"\n{kind}/{layout} with {connector} ({policy}): round trips per step: mean {sum(steps) / len(steps):.2f}, "
           f"max {max(steps)}; beyond two per allocation with external tokens: max {max(beyond)}; "
           f"allocations answered without waiting {r.manager.promised}")  # fmt: skip
 

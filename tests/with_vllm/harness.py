@@ -24,6 +24,7 @@ from vllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -39,7 +40,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
-from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.serial_utils import MsgpackEncoder
 from vllm.v1.structured_output import StructuredOutputManager
@@ -92,10 +93,21 @@ def vllm_config(
     max_num_batched_tokens: int = 256,
     connector: str | None = None,
     load_failure_policy: str = "recompute",
+    speculative: str | None = None,
 ) -> VllmConfig:
+    """``speculative``: "ngram" (3 drafts a step, no lookahead slots) or "draft_model"
+    (2 drafts, and 2 lookahead slots in every allocation, as a draft model needs; the
+    draft model is this same weightless model)."""
     model = ModelConfig(
         model=str(model_dir), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float16"
     )
+    spec = None
+    if speculative is not None:
+        spec = SpeculativeConfig(
+            method=speculative, model=str(model_dir) if speculative == "draft_model" else None,
+            num_speculative_tokens=3 if speculative == "ngram" else 2, prompt_lookup_max=4, prompt_lookup_min=2,
+            target_model_config=model, target_parallel_config=ParallelConfig(distributed_executor_backend="uni"),
+        )  # fmt: skip
     cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_caching)
     cache.num_gpu_blocks = num_blocks
     sched = SchedulerConfig(
@@ -112,6 +124,7 @@ def vllm_config(
         device_config=DeviceConfig(device="cpu"),
         parallel_config=ParallelConfig(distributed_executor_backend="uni"),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null") if events else None,
+        speculative_config=spec,
         kv_transfer_config=KVTransferConfig(
             kv_connector=connector,
             kv_connector_module_path="harness",
@@ -251,6 +264,7 @@ def summarize(out: SchedulerOutput) -> dict[str, Any]:
         "preempted": sorted(out.preempted_req_ids or ()),
         "finished": sorted(out.finished_req_ids),
         "common_prefix": list(out.num_common_prefix_blocks),
+        "drafts": {r: list(t) for r, t in sorted(out.scheduled_spec_decode_tokens.items())},
     }
 
 
@@ -270,15 +284,20 @@ def summarize_outputs(outs: dict[int, EngineCoreOutputs]) -> dict[str, Any]:
 
 
 def fake_runner_output(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
-    """One sampled token per request past its prompt (deterministic in id and length)."""
+    """One sampled token per request past its prompt (deterministic in id and length),
+    after the scheduled drafts it accepts: a prefix of them, of a length deterministic in
+    id and length (all, some or none)."""
     ids = list(out.num_scheduled_tokens)
     sampled: list[list[int]] = []
+    drafts = out.scheduled_spec_decode_tokens
     for rid in ids:
         req = sched.requests.get(rid)
         if req is None or req.is_prefill_chunk:
             sampled.append([])
         else:
-            sampled.append([(int(rid[1:]) * 7919 + req.num_output_tokens * 31 + 7) % VOCAB])
+            proposed = drafts.get(rid, [])
+            accepted = list(proposed[: (int(rid[1:]) + req.num_output_tokens) % (len(proposed) + 1)])
+            sampled.append(accepted + [(int(rid[1:]) * 7919 + req.num_output_tokens * 31 + 7) % VOCAB])
     connector = getattr(sched, "connector", None)
     return ModelRunnerOutput(
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
@@ -315,6 +334,13 @@ def run_workload(
 
     def apply(out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
         outs = sched.update_from_output(out, mro)
+        if sched.num_spec_tokens:  # the drafter proposes the next drafts of every running request
+            running = [r for r in sched.running if not r.is_prefill_chunk]
+            sched.update_draft_token_ids(DraftTokenIds(
+                [r.request_id for r in running],
+                [[(int(r.request_id[1:]) * 31 + r.num_tokens + j) % VOCAB for j in range(sched.num_spec_tokens)]
+                 for r in running],
+            ))  # fmt: skip
         for eco in outs.values():
             encoder.encode(eco)  # what the engine core sends to the frontend
         summary = summarize_outputs(outs)

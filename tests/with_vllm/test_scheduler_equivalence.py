@@ -98,12 +98,14 @@ class Runs:
 def run_both(
     kind: str, layout: str, blocks: int, seed: int, model_dir: Path, server: InProcessServer,
     monkeypatch: pytest.MonkeyPatch, connector: str | None = None, policy: str = "recompute",
+    speculative: str | None = None,
 ) -> Runs:  # fmt: skip
     """The workload on vLLM's scheduler in-process, then on kvcoord's (its RPCs counted)."""
     asynchronous = kind == "async"
     local = make_scheduler(
         SCHEDULERS[kind], vllm_config(
-            model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy
+            model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
+            speculative=speculative,
         ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
@@ -112,7 +114,8 @@ def run_both(
     monkeypatch.setenv("KVCOORD_POOL", f"{kind}-{layout.replace('+', '-')}-{next(_pool_ids)}")
     remote = make_scheduler(
         KVCOORD[kind], vllm_config(
-            model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy
+            model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
+            speculative=speculative,
         ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
@@ -222,6 +225,26 @@ def test_a_kv_connector_keeps_decisions_and_round_trips(
     print(f"\n{kind}/{layout} with {connector} ({policy}): round trips per step: mean {sum(steps) / len(steps):.2f}, "
           f"max {max(steps)}; beyond two per allocation with external tokens: max {max(beyond)}; "
           f"allocations answered without waiting {r.manager.promised}")  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("speculative", ["ngram", "draft_model"])
+def test_speculative_decoding_decides_like_vllm(
+    speculative: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Speculative decoding on vLLM's Scheduler: drafts scheduled with the tokens (so a
+    request's computed tokens run ahead of its tokens until the drafts are accepted or
+    rejected), some accepted and some rejected each step; with a draft model also
+    lookahead slots in every allocation after the first. Identical decisions, under
+    memory pressure (preemptions) as with blocks to spare."""
+    for blocks, seed in ((40, 11 + LAYOUTS.index(layout)), (4096, 6)):
+        r = run_both("sync", layout, blocks, seed, model_dir, server, monkeypatch, speculative=speculative)
+        assert r.got == r.want, first_difference(r.want, r.got)
+        assert r.want_counts["finished"] > 20, r.want_counts
+        assert blocks != 40 or r.want_counts["preempted"] > 0, r.want_counts
+        assert r.manager.lost_requests == 0
+    drafts = [len(t) for kind, *rest in r.want if kind == "schedule" for t in rest[1]["drafts"].values()]
+    assert len(drafts) > 500, len(drafts)  # requests scheduled with drafts
 
 
 def test_blocks_behave_like_vllms(

@@ -66,6 +66,16 @@ def write_model_dir(path: Path) -> Path:
     return path
 
 
+def write_eagle_dir(model_dir: Path) -> Path:
+    """An EAGLE draft head's config beside the model's: its shape, Llama-typed, one layer."""
+    path = model_dir.parent / f"{model_dir.name}-eagle"
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
 def kv_cache_config(layout: str, num_blocks: int) -> k.KVCacheConfig:
     """The engine's KVCacheConfig for ``layout`` (as get_kv_cache_configs would group it)."""
     common: dict[str, Any] = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
@@ -95,16 +105,19 @@ def vllm_config(
     load_failure_policy: str = "recompute",
     speculative: str | None = None,
 ) -> VllmConfig:
-    """``speculative``: "ngram" (3 drafts a step, no lookahead slots) or "draft_model"
+    """``speculative``: "ngram" (3 drafts a step, no lookahead slots), "draft_model"
     (2 drafts, and 2 lookahead slots in every allocation, as a draft model needs; the
-    draft model is this same weightless model)."""
+    draft model is this same weightless model) or "eagle" (the same, and prefix hits
+    drop their last block, as vLLM's manager does for EAGLE; a one-layer Llama-shaped
+    draft config beside the model)."""
     model = ModelConfig(
         model=str(model_dir), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float16"
     )
     spec = None
     if speculative is not None:
+        draft = {"draft_model": str(model_dir), "eagle": str(write_eagle_dir(model_dir))}
         spec = SpeculativeConfig(
-            method=speculative, model=str(model_dir) if speculative == "draft_model" else None,
+            method=speculative, model=draft.get(speculative),
             num_speculative_tokens=3 if speculative == "ngram" else 2, prompt_lookup_max=4, prompt_lookup_min=2,
             target_model_config=model, target_parallel_config=ParallelConfig(distributed_executor_backend="uni"),
         )  # fmt: skip

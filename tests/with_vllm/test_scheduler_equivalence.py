@@ -228,20 +228,22 @@ def test_a_kv_connector_keeps_decisions_and_round_trips(
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("speculative", ["ngram", "draft_model"])
+@pytest.mark.parametrize("speculative", ["ngram", "draft_model", "eagle"])
 def test_speculative_decoding_decides_like_vllm(
     speculative: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Speculative decoding on vLLM's Scheduler: drafts scheduled with the tokens (so a
     request's computed tokens run ahead of its tokens until the drafts are accepted or
     rejected), some accepted and some rejected each step; with a draft model also
-    lookahead slots in every allocation after the first. Identical decisions, under
+    lookahead slots in every allocation after the first; with EAGLE also prefix hits
+    one block shorter. Identical decisions, under
     memory pressure (preemptions) as with blocks to spare."""
     for blocks, seed in ((40, 11 + LAYOUTS.index(layout)), (4096, 6)):
         r = run_both("sync", layout, blocks, seed, model_dir, server, monkeypatch, speculative=speculative)
         assert r.got == r.want, first_difference(r.want, r.got)
         assert r.want_counts["finished"] > 20, r.want_counts
         assert blocks != 40 or r.want_counts["preempted"] > 0, r.want_counts
+        assert r.want_counts["hit_tokens"] > 0, r.want_counts
         assert r.manager.lost_requests == 0
     drafts = [len(t) for kind, *rest in r.want if kind == "schedule" for t in rest[1]["drafts"].values()]
     assert len(drafts) > 500, len(drafts)  # requests scheduled with drafts

@@ -68,16 +68,19 @@ def test_free_queue_position_counts_only_live_entries() -> None:
         assert fq.first_position({bid}, 100) == queue.index(bid)
 
 
-def test_hint_margin_is_how_many_blocks_can_leave_before_the_hit_is_evicted() -> None:
-    """Allocating ``margin`` blocks keeps the hit; one more evicts a block of it."""
+@pytest.mark.parametrize("use_eagle", [False, True], ids=["plain", "eagle"])
+def test_hint_margin_is_how_many_blocks_can_leave_before_the_hit_is_evicted(use_eagle: bool) -> None:
+    """Allocating ``margin`` blocks keeps the hit; one more evicts a block it depends on.
+    With EAGLE that includes the matched block the hit drops (freed first, as the tail
+    of its table, so it is reused first): evicting it shortens the hit."""
     for extra in (0, 1):
-        pool = full_pool(16)
+        pool = full_pool(16, use_eagle=use_eagle)
         add(pool, "a", list(range(12)))
         pool.allocate_slots("a", 12)
         pool.free("a")
         add(pool, "w", list(range(12)) + [7])
         hit, margin = pool.lookup_hint("w", walk_limit=1000)
-        assert hit.num_tokens == 12
+        assert hit.num_tokens == (8 if use_eagle else 12)
         stats_before = pool.peek_prefix_cache_stats()
         add(pool, "x", list(range(500, 500 + 4 * (margin + extra))))
         assert pool.allocate_slots("x", 4 * (margin + extra)) is not None

@@ -104,6 +104,7 @@ def vllm_config(
     connector: str | None = None,
     load_failure_policy: str = "recompute",
     speculative: str | None = None,
+    policy: str = "fcfs",
 ) -> VllmConfig:
     """``speculative``: "ngram" (3 drafts a step, no lookahead slots), "draft_model"
     (2 drafts, and 2 lookahead slots in every allocation, as a draft model needs; the
@@ -129,6 +130,7 @@ def vllm_config(
         max_model_len=MAX_MODEL_LEN,
         is_encoder_decoder=False,
         async_scheduling=async_scheduling,
+        policy=policy,
     )
     return VllmConfig(
         model_config=model,
@@ -308,9 +310,15 @@ def fake_runner_output(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOut
         if req is None or req.is_prefill_chunk:
             sampled.append([])
         else:
-            proposed = drafts.get(rid, [])
-            accepted = list(proposed[: (int(rid[1:]) + req.num_output_tokens) % (len(proposed) + 1)])
-            sampled.append(accepted + [(int(rid[1:]) * 7919 + req.num_output_tokens * 31 + 7) % VOCAB])
+            # (with the async scheduler the drafts are placeholders the worker fills: any
+            # token values do, the scheduler only counts how many were accepted)
+            accepted = (int(rid[1:]) + req.num_output_tokens) % (len(drafts.get(rid, ())) + 1)
+            sampled.append(
+                [
+                    (int(rid[1:]) * 7919 + (req.num_output_tokens + j) * 31 + 7) % VOCAB
+                    for j in range(accepted + 1)
+                ]
+            )
     connector = getattr(sched, "connector", None)
     return ModelRunnerOutput(
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
@@ -325,11 +333,17 @@ def run_workload(
     steps: int,
     async_overlap: bool,
     on_step: Callable[[int], None] | None = None,
+    extras: frozenset[str] = frozenset(),
 ) -> tuple[list[Any], dict[str, int]]:
     """Run ``steps`` engine steps; returns the per-step record and event/outcome counts.
 
     With ``async_overlap`` the next step is scheduled before the previous one's output
     is applied, as vLLM's engine core does with async scheduling (a batch queue of one).
+    ``extras`` (drawn from their own random stream, so the base workload is the same):
+    "resets" (every 25 steps ``reset_prefix_cache``, alternately refused while blocks
+    are held and forced by preempting every running request), "priority" (requests of
+    priority 0-2, for a scheduler with the priority policy) and "salt" (one request in
+    three with one of two cache salts, which keep their hits apart).
     """
     # as EngineCore does: the configured hash (vLLM's default sha256), NONE_HASH from PYTHONHASHSEED
     hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
@@ -344,10 +358,13 @@ def run_workload(
     counts = {"preempted": 0, "aborted": 0, "finished": 0, "hit_tokens": 0, "events": 0, "scheduled": 0}
     pending: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
     nid = 0
+    extra_rnd = random.Random(seed * 31 + 7)
 
     def apply(out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
         outs = sched.update_from_output(out, mro)
-        if sched.num_spec_tokens:  # the drafter proposes the next drafts of every running request
+        if sched.num_spec_tokens and not async_overlap:
+            # the drafter proposes the next drafts of every running request (the async
+            # scheduler schedules placeholders instead, filled in the worker)
             running = [r for r in sched.running if not r.is_prefill_chunk]
             sched.update_draft_token_ids(DraftTokenIds(
                 [r.request_id for r in running],
@@ -363,12 +380,22 @@ def run_workload(
     for step in range(steps):
         if on_step is not None:
             on_step(step)
+        if "resets" in extras and step % 25 == 24:
+            forced = step % 50 == 49
+            trace.append(("reset", step, sched.reset_prefix_cache(reset_running_requests=forced)))
+            counts["resets"] = counts.get("resets", 0) + 1
         for _ in range(rnd.choice((0, 0, 1, 1, 2))):
             rid = f"r{nid}"
             nid += 1
             prompt = rnd.choice(prefixes) + [rnd.randrange(VOCAB) for _ in range(rnd.randint(1, 60))]
             params = SamplingParams(max_tokens=rnd.randint(1, 40), ignore_eos=True)
-            sched.add_request(Request(rid, prompt, params, None, None, block_hasher=hasher))
+            priority = extra_rnd.randrange(3) if "priority" in extras else 0
+            salt = extra_rnd.choice((None, None, None, "a", "b")) if "salt" in extras else None
+            sched.add_request(
+                Request(
+                    rid, prompt, params, None, None, block_hasher=hasher, priority=priority, cache_salt=salt
+                )
+            )
         live = sorted(sched.requests)
         if live and rnd.random() < 0.06:
             victim = rnd.choice(live)

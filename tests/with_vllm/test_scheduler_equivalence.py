@@ -98,24 +98,24 @@ class Runs:
 def run_both(
     kind: str, layout: str, blocks: int, seed: int, model_dir: Path, server: InProcessServer,
     monkeypatch: pytest.MonkeyPatch, connector: str | None = None, policy: str = "recompute",
-    speculative: str | None = None,
+    speculative: str | None = None, extras: frozenset[str] = frozenset(),
 ) -> Runs:  # fmt: skip
     """The workload on vLLM's scheduler in-process, then on kvcoord's (its RPCs counted)."""
     asynchronous = kind == "async"
     local = make_scheduler(
         SCHEDULERS[kind], vllm_config(
             model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
-            speculative=speculative,
+            speculative=speculative, policy="priority" if "priority" in extras else "fcfs",
         ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
-    want, want_counts = run_workload(local, seed=seed, steps=STEPS, async_overlap=asynchronous)
+    want, want_counts = run_workload(local, seed=seed, steps=STEPS, async_overlap=asynchronous, extras=extras)
     monkeypatch.setenv("KVCOORD_TARGET", server.address)
     monkeypatch.setenv("KVCOORD_POOL", f"{kind}-{layout.replace('+', '-')}-{next(_pool_ids)}")
     remote = make_scheduler(
         KVCOORD[kind], vllm_config(
             model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
-            speculative=speculative,
+            speculative=speculative, policy="priority" if "priority" in extras else "fcfs",
         ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
@@ -124,7 +124,7 @@ def run_both(
     if connector:
         counter.count_external(remote.connector)
     got, got_counts = run_workload(
-        remote, seed=seed, steps=STEPS, async_overlap=asynchronous, on_step=counter.step
+        remote, seed=seed, steps=STEPS, async_overlap=asynchronous, on_step=counter.step, extras=extras
     )
     manager = remote.kv_cache_manager.remote
     remote.shutdown()
@@ -228,18 +228,30 @@ def test_a_kv_connector_keeps_decisions_and_round_trips(
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("speculative", ["ngram", "draft_model", "eagle"])
+@pytest.mark.parametrize(
+    ("kind", "speculative"),
+    # vLLM 0.16.0 refuses async scheduling with ngram drafts
+    [
+        ("sync", "ngram"),
+        ("sync", "draft_model"),
+        ("sync", "eagle"),
+        ("async", "draft_model"),
+        ("async", "eagle"),
+    ],
+)
 def test_speculative_decoding_decides_like_vllm(
-    speculative: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Speculative decoding on vLLM's Scheduler: drafts scheduled with the tokens (so a
+    kind: str, speculative: str, layout: str, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Speculative decoding on vLLM's Scheduler and AsyncScheduler (placeholder drafts
+    there, filled by the worker): drafts scheduled with the tokens (so a
     request's computed tokens run ahead of its tokens until the drafts are accepted or
     rejected), some accepted and some rejected each step; with a draft model also
     lookahead slots in every allocation after the first; with EAGLE also prefix hits
     one block shorter. Identical decisions, under
     memory pressure (preemptions) as with blocks to spare."""
     for blocks, seed in ((40, 11 + LAYOUTS.index(layout)), (4096, 6)):
-        r = run_both("sync", layout, blocks, seed, model_dir, server, monkeypatch, speculative=speculative)
+        r = run_both(kind, layout, blocks, seed, model_dir, server, monkeypatch, speculative=speculative)
         assert r.got == r.want, first_difference(r.want, r.got)
         assert r.want_counts["finished"] > 20, r.want_counts
         assert blocks != 40 or r.want_counts["preempted"] > 0, r.want_counts
@@ -247,6 +259,26 @@ def test_speculative_decoding_decides_like_vllm(
         assert r.manager.lost_requests == 0
     drafts = [len(t) for kind, *rest in r.want if kind == "schedule" for t in rest[1]["drafts"].values()]
     assert len(drafts) > 500, len(drafts)  # requests scheduled with drafts
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_resets_priorities_and_cache_salts_decide_like_vllm(
+    kind: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """reset_prefix_cache every 25 steps (refused while blocks are held; forced by
+    preempting every running request), the priority policy (preemption by priority,
+    not arrival) and cache salts (requests salted apart hit only their own prefixes):
+    identical decisions, under memory pressure."""
+    extras = frozenset({"resets", "priority", "salt"})
+    r = run_both(
+        kind, layout, NUM_BLOCKS, 21 + LAYOUTS.index(layout), model_dir, server, monkeypatch, extras=extras
+    )
+    assert r.got == r.want, first_difference(r.want, r.got)
+    resets = [ok for entry in r.want if entry[0] == "reset" for ok in [entry[2]]]
+    assert len(resets) >= 10 and any(resets) and not all(resets), resets
+    assert r.want_counts["preempted"] > 0 and r.want_counts["hit_tokens"] > 0, r.want_counts
+    assert r.manager.lost_requests == 0
 
 
 def test_blocks_behave_like_vllms(

@@ -50,6 +50,7 @@ class PrefixHits:
         self.enable_caching = config.enable_caching
         self.max_model_len = config.max_model_len
         self.hash_block_size = config.hash_block_size
+        self.use_eagle = config.use_eagle
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if config.log_stats else None
         self.lookup_counters = LookupCounters(group_hit_tokens=[0] * len(config.groups))
         self._alignment = coordinator.alignment_tokens
@@ -110,10 +111,30 @@ class PrefixHits:
         limit = max(walk_limit, 0)
         if not self.enable_caching or req.skip_reading_prefix_cache:
             return CacheHit(self._no_hit_blocks, 0), limit
-        hit, _ = self.search(request_keys(req.block_hashes, req.cache_prefix), len(req.all_token_ids))
+        keys = request_keys(req.block_hashes, req.cache_prefix)
+        hit, lists = self.search(keys, len(req.all_token_ids))
         blocks = self.block_pool.blocks
         free = {bid for ids in hit.block_ids for bid in ids if bid and not blocks[bid].ref_cnt}
+        if self.use_eagle:
+            free |= self._dropped_by_eagle(keys, lists)
         return hit, self.block_pool.free_block_queue.first_position(free, limit)
+
+    def _dropped_by_eagle(self, keys: Sequence[bytes], lists: list[list[int]]) -> set[int]:
+        """With EAGLE each group's hit drops its last matched block, so the hit also
+        depends on that block: the free block cached under each group's next hash
+        (evicting it shortens the match, and the hit with it). Where a group's hit
+        was cut shorter than that (alignment, another group), the block at that
+        position is taken too: more than needed, never less."""
+        out: set[int] = set()
+        blocks = self.block_pool.blocks
+        get = self.block_pool.get_cached_block
+        for gid, (lst, size) in enumerate(zip(lists, self._group_block_sizes, strict=True)):
+            view = hashes_at_block_size(keys, self.hash_block_size, size)
+            if len(lst) < len(view):
+                cached = get(view[len(lst)], (gid,))
+                if cached is not None and cached[0] and not blocks[cached[0]].ref_cnt:
+                    out.add(cached[0])
+        return out
 
     def check_answered(self, req: Request, answered: CacheHit) -> CacheHit:
         """A lookup the client answered itself (from a hint it could prove still holds):

@@ -21,6 +21,7 @@ from vllm.config import (
     DeviceConfig,
     KVEventsConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -32,6 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     SupportsHMA,
 )
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1 import kv_cache_interface as k
@@ -105,6 +107,7 @@ def vllm_config(
     load_failure_policy: str = "recompute",
     speculative: str | None = None,
     policy: str = "fcfs",
+    lora: bool = False,
 ) -> VllmConfig:
     """``speculative``: "ngram" (3 drafts a step, no lookahead slots), "draft_model"
     (2 drafts, and 2 lookahead slots in every allocation, as a draft model needs; the
@@ -140,6 +143,7 @@ def vllm_config(
         parallel_config=ParallelConfig(distributed_executor_backend="uni"),
         kv_events_config=KVEventsConfig(enable_kv_cache_events=events, publisher="null") if events else None,
         speculative_config=spec,
+        lora_config=LoRAConfig(max_loras=2, max_lora_rank=8) if lora else None,
         kv_transfer_config=KVTransferConfig(
             kv_connector=connector,
             kv_connector_module_path="harness",
@@ -343,7 +347,9 @@ def run_workload(
     "resets" (every 25 steps ``reset_prefix_cache``, alternately refused while blocks
     are held and forced by preempting every running request), "priority" (requests of
     priority 0-2, for a scheduler with the priority policy) and "salt" (one request in
-    three with one of two cache salts, which keep their hits apart).
+    three with one of two cache salts, which keep their hits apart) and "lora" (half the
+    requests with one of three LoRA adapters, two at most per step, for a scheduler
+    with a LoRA config; an adapter's blocks hash apart and its events name it).
     """
     # as EngineCore does: the configured hash (vLLM's default sha256), NONE_HASH from PYTHONHASHSEED
     hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
@@ -391,9 +397,21 @@ def run_workload(
             params = SamplingParams(max_tokens=rnd.randint(1, 40), ignore_eos=True)
             priority = extra_rnd.randrange(3) if "priority" in extras else 0
             salt = extra_rnd.choice((None, None, None, "a", "b")) if "salt" in extras else None
+            lora = None
+            if "lora" in extras:
+                n = extra_rnd.choice((0, 0, 0, 1, 2, 3))
+                lora = LoRARequest(f"adapter-{n}", n, f"/adapters/{n}") if n else None
             sched.add_request(
                 Request(
-                    rid, prompt, params, None, None, block_hasher=hasher, priority=priority, cache_salt=salt
+                    rid,
+                    prompt,
+                    params,
+                    None,
+                    None,
+                    block_hasher=hasher,
+                    priority=priority,
+                    cache_salt=salt,
+                    lora_request=lora,
                 )
             )
         live = sorted(sched.requests)

@@ -105,7 +105,7 @@ def run_both(
     local = make_scheduler(
         SCHEDULERS[kind], vllm_config(
             model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
-            speculative=speculative, policy="priority" if "priority" in extras else "fcfs",
+            speculative=speculative, policy="priority" if "priority" in extras else "fcfs", lora="lora" in extras,
         ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
@@ -115,7 +115,7 @@ def run_both(
     remote = make_scheduler(
         KVCOORD[kind], vllm_config(
             model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
-            speculative=speculative, policy="priority" if "priority" in extras else "fcfs",
+            speculative=speculative, policy="priority" if "priority" in extras else "fcfs", lora="lora" in extras,
         ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
@@ -263,14 +263,15 @@ def test_speculative_decoding_decides_like_vllm(
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["sync", "async"])
-def test_resets_priorities_and_cache_salts_decide_like_vllm(
+def test_resets_priorities_salts_and_loras_decide_like_vllm(
     kind: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """reset_prefix_cache every 25 steps (refused while blocks are held; forced by
     preempting every running request), the priority policy (preemption by priority,
-    not arrival) and cache salts (requests salted apart hit only their own prefixes):
-    identical decisions, under memory pressure."""
-    extras = frozenset({"resets", "priority", "salt"})
+    not arrival), cache salts (requests salted apart hit only their own prefixes) and
+    LoRA adapters (their blocks hash apart, their KV events name them): identical
+    decisions and events, under memory pressure."""
+    extras = frozenset({"resets", "priority", "salt", "lora"})
     r = run_both(
         kind, layout, NUM_BLOCKS, 21 + LAYOUTS.index(layout), model_dir, server, monkeypatch, extras=extras
     )

@@ -1,5 +1,6 @@
-"""vLLM 0.16.0's scheduler on kvcoord while the server is killed (SIGKILL) and
-restarted from its journal between steps and during them."""
+"""vLLM 0.16.0's schedulers on kvcoord while things go wrong: answers dropped, late,
+duplicated and re-delivered on the wire; the server killed (SIGKILL) and restarted
+from its journal between steps and during them. Decisions stay vLLM's."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ from pathlib import Path
 
 import pytest
 from durable_server import DurableServer
-from harness import SCHEDULERS, kv_cache_config, make_scheduler, run_workload, vllm_config
+from harness import LAYOUTS, SCHEDULERS, kv_cache_config, make_scheduler, run_workload, vllm_config
+from kvcoord.client import KVCoordClient
+from kvcoord.client import vllm as kvcoord_vllm
+from kvcoord.client.faults import FaultInjector
 from kvcoord.client.vllm_scheduler import KVCoordAsyncScheduler, KVCoordScheduler
+from kvcoord.service.testing import InProcessServer
 from test_scheduler_equivalence import first_difference
 
 KVCOORD = {"sync": KVCoordScheduler, "async": KVCoordAsyncScheduler}
@@ -71,3 +76,40 @@ def test_decisions_survive_server_sigkills(
     assert got == want, first_difference(want, got)
     assert got_counts == want_counts and want_counts["preempted"] > 0
     assert server.kills == 3
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_decisions_survive_a_faulty_network(
+    kind: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """5 % of the manager's calls each have their answer dropped, delayed, duplicated
+    or re-delivered later (a client interceptor): retries with idempotency keys and
+    position checks keep every decision, output and event equal to vLLM's own
+    manager's, and no request is lost."""
+    asynchronous = kind == "async"
+    local = make_scheduler(
+        SCHEDULERS[kind],
+        vllm_config(model_dir, 64, async_scheduling=asynchronous),
+        kv_cache_config(layout, 64),
+    )
+    want, want_counts = run_workload(local, seed=31, steps=300, async_overlap=asynchronous)
+    faults = FaultInjector(5, drop=0.05, delay=0.05, duplicate=0.05, reorder=0.05)
+
+    def faulty_client(target: str, **kw: object) -> KVCoordClient:
+        return KVCoordClient(target, interceptors=[faults], **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kvcoord_vllm, "KVCoordClient", faulty_client)
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_POOL", f"faulty-{kind}-{layout.replace('+', '-')}")
+    remote = make_scheduler(
+        KVCOORD[kind], vllm_config(model_dir, 64, async_scheduling=asynchronous), kv_cache_config(layout, 64)
+    )
+    got, got_counts = run_workload(remote, seed=31, steps=300, async_overlap=asynchronous)
+    manager = remote.kv_cache_manager.remote
+    remote.shutdown()
+    assert got == want, first_difference(want, got)
+    assert got_counts == want_counts and want_counts["preempted"] > 0
+    c = faults.counts
+    assert min(c["dropped"], c["delayed"], c["duplicated"], c["reordered"]) > 5, c
+    assert manager.lost_requests == 0

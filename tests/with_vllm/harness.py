@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -338,11 +339,14 @@ def run_workload(
     async_overlap: bool,
     on_step: Callable[[int], None] | None = None,
     extras: frozenset[str] = frozenset(),
+    queue_depth: int = 1,
 ) -> tuple[list[Any], dict[str, int]]:
     """Run ``steps`` engine steps; returns the per-step record and event/outcome counts.
 
     With ``async_overlap`` the next step is scheduled before the previous one's output
-    is applied, as vLLM's engine core does with async scheduling (a batch queue of one).
+    is applied, as vLLM's engine core does with async scheduling (a batch queue of one);
+    ``queue_depth`` 2 keeps two steps' outputs pending, as its batch queue does with two
+    pipeline-parallel stages.
     ``extras`` (drawn from their own random stream, so the base workload is the same):
     "resets" (every 25 steps ``reset_prefix_cache``, alternately refused while blocks
     are held and forced by preempting every running request), "priority" (requests of
@@ -362,7 +366,7 @@ def run_workload(
     prefixes = [[rnd.randrange(VOCAB) for _ in range(n)] for n in (16, 40, 100, 170)]
     trace: list[Any] = []
     counts = {"preempted": 0, "aborted": 0, "finished": 0, "hit_tokens": 0, "events": 0, "scheduled": 0}
-    pending: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
+    pending: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
     nid = 0
     extra_rnd = random.Random(seed * 31 + 7)
 
@@ -427,13 +431,13 @@ def run_workload(
         trace.append(("schedule", step, summary))
         mro = fake_runner_output(sched, out)
         if async_overlap:
-            if pending is not None:
-                apply(*pending)
-            pending = (out, mro)
+            pending.append((out, mro))
+            while len(pending) > queue_depth:
+                apply(*pending.popleft())
         else:
             apply(out, mro)
-    if pending is not None:
-        apply(*pending)
+    while pending:
+        apply(*pending.popleft())
     for batch in recorder.batches:
         counts["events"] += len(batch.events)
         trace.append(("events", [repr(e) for e in batch.events]))

@@ -100,8 +100,12 @@ def run_both(
     monkeypatch: pytest.MonkeyPatch, connector: str | None = None, policy: str = "recompute",
     speculative: str | None = None, extras: frozenset[str] = frozenset(),
 ) -> Runs:  # fmt: skip
-    """The workload on vLLM's scheduler in-process, then on kvcoord's (its RPCs counted)."""
+    """The workload on vLLM's scheduler in-process, then on kvcoord's (its RPCs counted).
+    ``kind`` "pp2" is the sync scheduler with two steps' outputs pending (the engine
+    core's batch queue with two pipeline stages)."""
     asynchronous = kind == "async"
+    overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
+    kind = "sync" if kind == "pp2" else kind
     local = make_scheduler(
         SCHEDULERS[kind], vllm_config(
             model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
@@ -109,7 +113,9 @@ def run_both(
         ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
-    want, want_counts = run_workload(local, seed=seed, steps=STEPS, async_overlap=asynchronous, extras=extras)
+    want, want_counts = run_workload(
+        local, seed=seed, steps=STEPS, async_overlap=overlap, extras=extras, queue_depth=depth
+    )
     monkeypatch.setenv("KVCOORD_TARGET", server.address)
     monkeypatch.setenv("KVCOORD_POOL", f"{kind}-{layout.replace('+', '-')}-{next(_pool_ids)}")
     remote = make_scheduler(
@@ -124,7 +130,13 @@ def run_both(
     if connector:
         counter.count_external(remote.connector)
     got, got_counts = run_workload(
-        remote, seed=seed, steps=STEPS, async_overlap=asynchronous, on_step=counter.step, extras=extras
+        remote,
+        seed=seed,
+        steps=STEPS,
+        async_overlap=overlap,
+        on_step=counter.step,
+        extras=extras,
+        queue_depth=depth,
     )
     manager = remote.kv_cache_manager.remote
     remote.shutdown()
@@ -132,7 +144,7 @@ def run_both(
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("kind", ["sync", "async", "pp2"])
 def test_scheduler_decisions_equal(
     kind: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

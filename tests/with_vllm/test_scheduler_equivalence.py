@@ -98,7 +98,8 @@ class Runs:
 def run_both(
     kind: str, layout: str, blocks: int, seed: int, model_dir: Path, server: InProcessServer,
     monkeypatch: pytest.MonkeyPatch, connector: str | None = None, policy: str = "recompute",
-    speculative: str | None = None, extras: frozenset[str] = frozenset(),
+    speculative: str | None = None, extras: frozenset[str] = frozenset(), caching: bool = True,
+    events: bool = True,
 ) -> Runs:  # fmt: skip
     """The workload on vLLM's scheduler in-process, then on kvcoord's (its RPCs counted).
     ``kind`` "pp2" is the sync scheduler with two steps' outputs pending (the engine
@@ -110,6 +111,7 @@ def run_both(
         SCHEDULERS[kind], vllm_config(
             model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
             speculative=speculative, policy="priority" if "priority" in extras else "fcfs", lora="lora" in extras,
+            enable_caching=caching, events=events,
         ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
@@ -122,6 +124,7 @@ def run_both(
         KVCOORD[kind], vllm_config(
             model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
             speculative=speculative, policy="priority" if "priority" in extras else "fcfs", lora="lora" in extras,
+            enable_caching=caching, events=events,
         ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
@@ -291,6 +294,27 @@ def test_resets_priorities_salts_and_loras_decide_like_vllm(
     resets = [ok for entry in r.want if entry[0] == "reset" for ok in [entry[2]]]
     assert len(resets) >= 10 and any(resets) and not all(resets), resets
     assert r.want_counts["preempted"] > 0 and r.want_counts["hit_tokens"] > 0, r.want_counts
+    assert r.manager.lost_requests == 0
+
+
+@pytest.mark.parametrize(
+    ("caching", "events"), [(False, False), (True, False)], ids=["no-caching", "no-events"]
+)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_without_prefix_caching_or_events(
+    kind: str, layout: str, caching: bool, events: bool, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Prefix caching off (no hits, no hashes kept, nothing cached) or KV events off:
+    identical decisions under memory pressure, and no event published."""
+    r = run_both(
+        kind, layout, NUM_BLOCKS, 11 + LAYOUTS.index(layout), model_dir, server, monkeypatch,
+        caching=caching, events=events,
+    )  # fmt: skip
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.want_counts["preempted"] > 0 and r.want_counts["events"] == 0, r.want_counts
+    assert (r.want_counts["hit_tokens"] > 0) == caching, r.want_counts
     assert r.manager.lost_requests == 0
 
 

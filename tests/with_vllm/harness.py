@@ -51,7 +51,9 @@ from vllm.v1.structured_output import StructuredOutputManager
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
 VOCAB = 1000
-#: layout name -> KV cache group specs (vLLM's); "full+swa" is a hybrid (two groups)
+#: layout name -> KV cache group specs (vLLM's); "full+swa" is a hybrid (two groups);
+#: "full+mamba" / "full+mamba-align" (not in LAYOUTS) add a mamba group instead, its
+#: state cached not at all / at block boundaries (vLLM's mamba_cache_mode)
 LAYOUTS = ("full", "full+swa")
 
 
@@ -85,6 +87,17 @@ def kv_cache_config(layout: str, num_blocks: int) -> k.KVCacheConfig:
     groups = [
         k.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], k.FullAttentionSpec(BLOCK_SIZE, **common))
     ]
+    if layout.startswith("full+mamba"):
+        mode = "align" if layout.endswith("align") else "none"
+        groups.append(
+            k.KVCacheGroupSpec(
+                ["model.layers.1.mixer"],
+                k.MambaSpec(
+                    block_size=BLOCK_SIZE if mode == "align" else MAX_MODEL_LEN, shapes=((2, 16), (4, 8)),
+                    dtypes=(torch.float16, torch.float16), mamba_cache_mode=mode,
+                ),
+            )
+        )  # fmt: skip
     if layout == "full+swa":
         groups.append(
             k.KVCacheGroupSpec(
@@ -109,6 +122,7 @@ def vllm_config(
     speculative: str | None = None,
     policy: str = "fcfs",
     lora: bool = False,
+    mamba_cache_mode: str = "none",
 ) -> VllmConfig:
     """``speculative``: "ngram" (3 drafts a step, no lookahead slots), "draft_model"
     (2 drafts, and 2 lookahead slots in every allocation, as a draft model needs; the
@@ -126,7 +140,9 @@ def vllm_config(
             num_speculative_tokens=3 if speculative == "ngram" else 2, prompt_lookup_max=4, prompt_lookup_min=2,
             target_model_config=model, target_parallel_config=ParallelConfig(distributed_executor_backend="uni"),
         )  # fmt: skip
-    cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_caching)
+    cache = CacheConfig(
+        block_size=BLOCK_SIZE, enable_prefix_caching=enable_caching, mamba_cache_mode=mamba_cache_mode
+    )
     cache.num_gpu_blocks = num_blocks
     sched = SchedulerConfig(
         max_num_seqs=max_num_seqs,

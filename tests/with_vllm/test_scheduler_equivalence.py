@@ -112,6 +112,7 @@ def run_both(
             model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
             speculative=speculative, policy="priority" if "priority" in extras else "fcfs", lora="lora" in extras,
             enable_caching=caching, events=events,
+            mamba_cache_mode="align" if layout.endswith("align") else "none",
         ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
@@ -125,6 +126,7 @@ def run_both(
             model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
             speculative=speculative, policy="priority" if "priority" in extras else "fcfs", lora="lora" in extras,
             enable_caching=caching, events=events,
+            mamba_cache_mode="align" if layout.endswith("align") else "none",
         ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
@@ -315,6 +317,24 @@ def test_without_prefix_caching_or_events(
     assert r.got == r.want, first_difference(r.want, r.got)
     assert r.want_counts["preempted"] > 0 and r.want_counts["events"] == 0, r.want_counts
     assert (r.want_counts["hit_tokens"] > 0) == caching, r.want_counts
+    assert r.manager.lost_requests == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "layout"),
+    # vLLM 0.16.0 refuses async scheduling with prefix caching of mamba state
+    [("sync", "full+mamba"), ("sync", "full+mamba-align"), ("async", "full+mamba")],
+)
+def test_mamba_hybrids_decide_like_vllm(
+    kind: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Full attention with a mamba group, its state cached not at all (no prefix hits)
+    or at block boundaries (``align``: hits, and vLLM's block-aligned prefill split):
+    identical decisions under memory pressure."""
+    r = run_both(kind, layout, NUM_BLOCKS, 11, model_dir, server, monkeypatch)
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.want_counts["preempted"] > 0, r.want_counts
+    assert (r.want_counts["hit_tokens"] > 0) == layout.endswith("align"), r.want_counts
     assert r.manager.lost_requests == 0
 
 

@@ -53,7 +53,8 @@ MAX_MODEL_LEN = 1024
 VOCAB = 1000
 #: layout name -> KV cache group specs (vLLM's); "full+swa" is a hybrid (two groups);
 #: "full+mamba" / "full+mamba-align" (not in LAYOUTS) add a mamba group instead, its
-#: state cached not at all / at block boundaries (vLLM's mamba_cache_mode)
+#: state cached not at all / at block boundaries (vLLM's mamba_cache_mode), and
+#: "full+chunked" a chunked local attention group (chunks of 64 tokens)
 LAYOUTS = ("full", "full+swa")
 
 
@@ -87,6 +88,13 @@ def kv_cache_config(layout: str, num_blocks: int) -> k.KVCacheConfig:
     groups = [
         k.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], k.FullAttentionSpec(BLOCK_SIZE, **common))
     ]
+    if layout == "full+chunked":
+        groups.append(
+            k.KVCacheGroupSpec(
+                ["model.layers.1.self_attn.attn"],
+                k.ChunkedLocalAttentionSpec(BLOCK_SIZE, attention_chunk_size=64, **common),
+            )
+        )
     if layout.startswith("full+mamba"):
         mode = "align" if layout.endswith("align") else "none"
         groups.append(

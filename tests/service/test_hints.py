@@ -781,3 +781,35 @@ def test_external_tokens_keep_the_fast_path(server: InProcessServer, sliding: bo
                 )
         finally:
             t.m.close()
+
+
+def test_tables_answered_from_the_ledger_are_checked(
+    client: KVCoordClient, managers: list[RemoteKVCacheManager]
+) -> None:
+    """get_block_ids of a request whose whole table the block ledger holds is answered
+    without a round trip, and the server checks that answer with the next Step: a true
+    one passes; one the ledger got wrong (tampered with, as a bookkeeping bug would)
+    is PREDICTION_FAILED and RequestsLostError, never a wrong table taken as right."""
+    client.create_pool("ledger-tables", pool_config(24))
+    m = RemoteKVCacheManager(client, "ledger-tables", hash_seed="0", exclusive=True)
+    managers.append(m)
+    a, b = Req("a", list(range(9))), Req("b", list(range(50, 55)))
+    for r in (a, b):
+        assert m.allocate_slots(r, r.num_tokens) is not None
+        r.num_computed_tokens = r.num_tokens
+    m.flush()
+    trips = m.round_trips
+    assert m.get_block_ids("a") == ([1, 2, 3],) and m.get_block_ids("b") == ([4, 5],)
+    assert m.round_trips == trips  # answered from the ledger
+    m.flush()  # the server agrees
+    assert m.round_trips == trips + 1
+    assert m._ledger is not None
+    m._ledger.held["b"].tables[0][1] = 6  # wrong: a block b does not hold
+    assert m.get_block_ids("b") == ([4, 6],)  # answered at once, as the ledger says
+    with pytest.raises(RequestsLostError) as lost:
+        m.flush()
+    assert lost.value.reason == "PREDICTION_FAILED"
+    assert "holds ((4, 5),)" in str(lost.value)
+    # the ledger is not trusted any more: the next table is read from the server
+    assert m.get_block_ids("a") == ([1, 2, 3],)
+    assert m.round_trips == trips + 3

@@ -354,3 +354,21 @@ def test_wire_tokens_reach_the_engine_as_checked_token_ids() -> None:
     sync = sync_from_pb(pb.RequestSync(request_id="r", append_token_ids=[3, 0, 7]))
     assert type(sync.append_token_ids) is TokenIds
     assert sync.append_token_ids == [3, 0, 7]
+
+
+def test_a_table_answered_by_the_client_is_checked() -> None:
+    """GetBlockIds with the table the client already answered with: the same table
+    passes (and is returned), another is PREDICTION_FAILED and changes nothing; without
+    one it is a plain read."""
+    p = make()
+    s = attach(p)
+    (o,) = p.apply(s, [op.Allocate(new("a", list(range(0, 10))), 10)])
+    assert o.error is None
+    table = p.engine.get_block_ids("a")
+    (plain, same) = p.apply(s, [op.GetBlockIds("a"), op.GetBlockIds("a", table)])
+    assert plain.error is None and same.error is None and plain.value == same.value == table
+    wrong = (table[0], (0,) + table[1][1:])
+    snap = p.engine.snapshot()
+    (o,) = p.apply(s, [op.GetBlockIds("a", wrong)])
+    assert o.error is not None and o.error.reason is ErrorReason.PREDICTION_FAILED
+    assert p.engine.snapshot() == snap

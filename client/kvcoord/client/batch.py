@@ -468,8 +468,10 @@ class Ops:
         op = pb.Operation(evict_blocks=pb.EvictBlocksOp(block_ids=list(block_ids)))
         return Item(op, lambda r: None, [], Pending(), deferred=True)
 
-    def get_block_ids(self, request_id: str) -> Item:
+    def get_block_ids(self, request_id: str, answered: Sequence[Sequence[int]] | None = None) -> Item:
         op = pb.Operation(get_block_ids=pb.GetBlockIdsOp(request_id=request_id))
+        if answered is not None:
+            op.get_block_ids.answered.groups.extend(pb.BlockIds(block_ids=g) for g in answered)
         return Item(op, lambda r: tuple(list(g.block_ids) for g in r.get_block_ids.groups), [], Pending())
 
     def get_num_common_prefix_blocks(self, request_id: str) -> Item:

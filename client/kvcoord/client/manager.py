@@ -97,7 +97,7 @@ class _Hint:
 
 
 #: queued operations that make no KV events (nor does a run of checks alone)
-_NO_EVENTS = ("free", "remove_skipped_blocks", "lookup")
+_NO_EVENTS = ("free", "remove_skipped_blocks", "lookup", "get_block_ids")
 
 
 def _pack(items: list[Item]) -> list[pb.Operation]:
@@ -754,10 +754,16 @@ class RemoteKVCacheManager:
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table per group (null blocks as 0). From the block ledger
         when it holds the whole table (every id in it came from an answer; what is
-        queued cannot change it), else one round trip."""
+        queued cannot change it): the server checks that answer with the next Step
+        (``PREDICTION_FAILED`` and :class:`RequestsLostError` if it differs). Else one
+        round trip."""
         if self._ledger is not None:
             table = self._ledger.table(request_id)
             if table is not None:
+                item = self._ops.get_block_ids(request_id, table)
+                item.pending._resolve = self.flush
+                item.deferred = True  # answered: a failure is raised by the sender
+                self._queue.append(item)
                 return table
         ids: tuple[list[int], ...] = self._now(self._ops.get_block_ids(request_id))
         return ids

@@ -483,10 +483,12 @@ class EvictBlocksOp(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetBlockIdsOp(_message.Message):
-    __slots__ = ("request_id",)
+    __slots__ = ("request_id", "answered")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ANSWERED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+    answered: GetBlockIdsResult
+    def __init__(self, request_id: _Optional[str] = ..., answered: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ...) -> None: ...
 
 class GetBlockIdsResult(_message.Message):
     __slots__ = ("groups",)

@@ -271,7 +271,9 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
     if kind == "evict_blocks":
         return op.EvictBlocks(o.evict_blocks.block_ids)
     if kind == "get_block_ids":
-        return op.GetBlockIds(o.get_block_ids.request_id)
+        g = o.get_block_ids
+        table = tuple(tuple(t.block_ids) for t in g.answered.groups) if g.HasField("answered") else None
+        return op.GetBlockIds(g.request_id, table)
     if kind == "common_prefix":
         return op.CommonPrefix(o.common_prefix.request_id)
     if kind == "reset_prefix_cache":

@@ -162,6 +162,8 @@ class EvictBlocks:
 @dataclasses.dataclass(slots=True)
 class GetBlockIds:
     request_id: str
+    #: the table the client already answered with (checked), or None for a plain read
+    answered: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -679,7 +679,12 @@ class PoolService:
 
     def _get_block_ids(self, s: Session, o: op.GetBlockIds) -> op.Value:
         self._owned(s, o.request_id)
-        return self.engine.get_block_ids(o.request_id)
+        table = self.engine.get_block_ids(o.request_id)
+        if o.answered is not None and o.answered != table:
+            raise self._prediction_failed(
+                o.request_id, f"the client answered its block table with {o.answered}, the pool holds {table}"
+            )
+        return table
 
     def _common_prefix(self, s: Session, o: op.CommonPrefix) -> op.Value:
         self._owned(s, o.request_id)

@@ -808,8 +808,37 @@ def test_tables_answered_from_the_ledger_are_checked(
     assert m.get_block_ids("b") == ([4, 6],)  # answered at once, as the ledger says
     with pytest.raises(RequestsLostError) as lost:
         m.flush()
-    assert lost.value.reason == "PREDICTION_FAILED"
+    assert lost.value.reason == "PREDICTION_FAILED" and lost.value.request_ids == ["b"]
     assert "holds ((4, 5),)" in str(lost.value)
+    assert client.get_stats("ledger-tables").num_free_blocks == 23 - 3  # b was freed
     # the ledger is not trusted any more: the next table is read from the server
     assert m.get_block_ids("a") == ([1, 2, 3],)
     assert m.round_trips == trips + 3
+
+
+def test_a_rebuilt_ledger_lets_a_looked_up_request_adopt_its_hit(server: InProcessServer) -> None:
+    """A request looked up but not yet allocated when the block ledger is rebuilt holds
+    no blocks: its allocation adopts its prefix hit, in the ledger as in vLLM, so the
+    table the ledger then answers (get_block_ids) is the pool's. (The rebuilt ledger
+    took it for a request holding an empty table, which adopts no hit.)"""
+    with KVCoordClient(server.address, timeout=10) as c:
+        t = Twin(c, "rebuilt-ledger", num_blocks=32)
+        try:
+            a = Req("a", list(range(12)))
+            assert t.allocate(a, 12)  # 3 blocks, cached, held by a
+            a.num_computed_tokens = 12
+            t.check()
+            r = Req("r", list(range(12)) + [70, 71, 72])
+            hit, n = t.lookup(r)  # registers r on the server; hit on a's blocks
+            assert n == 12
+            t.m._ledger_off("a test")  # rebuilt at the next allocation, with r registered
+            assert t.allocate(r, 3, n, hit)
+            r.num_computed_tokens = 15
+            t.check()
+            want = tuple(list(g) for g in t.local.get_block_ids("r"))
+            trips = t.m.round_trips
+            assert t.m.get_block_ids("r") == want and t.m.round_trips == trips  # from the ledger
+            t.m.flush()  # the server agrees
+            assert t.m._ledger is not None and t.m._free_exact
+        finally:
+            t.m.close()

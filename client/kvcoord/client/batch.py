@@ -469,9 +469,14 @@ class Ops:
         return Item(op, lambda r: None, [], Pending(), deferred=True)
 
     def get_block_ids(self, request_id: str, answered: Sequence[Sequence[int]] | None = None) -> Item:
+        """With ``answered`` (the table its caller already has), the server checks it,
+        and a table found wrong loses the request (it cannot be trusted any more)."""
         op = pb.Operation(get_block_ids=pb.GetBlockIdsOp(request_id=request_id))
         if answered is not None:
             op.get_block_ids.answered.groups.extend(pb.BlockIds(block_ids=g) for g in answered)
+            item = Item(op, lambda r: tuple(list(g.block_ids) for g in r.get_block_ids.groups), [request_id],
+                        Pending(), commits_itself=True)  # fmt: skip
+            return item
         return Item(op, lambda r: tuple(list(g.block_ids) for g in r.get_block_ids.groups), [], Pending())
 
     def get_num_common_prefix_blocks(self, request_id: str) -> Item:

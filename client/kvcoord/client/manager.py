@@ -994,7 +994,10 @@ class RemoteKVCacheManager:
         try:
             for rid, item in zip(rids, items, strict=True):
                 table = item.pending.result()
-                ledger.named(ledger.allocated(rid, None, [len(g) for g in table], 0), table)
+                if any(table):
+                    ledger.adopt_table(rid, table)
+                # else registered (looked up) but never allocated: not held, so its first
+                # allocation adopts its hit, as vLLM's does
         except KVCoordError as err:
             logger.warning("block ledger of session %s not rebuilt, refusals take round trips: %s",
                            self.session_id, err)  # fmt: skip

@@ -370,3 +370,68 @@ def test_a_bad_allocate_run_is_refused_or_loud() -> None:
     assert o.error is not None and o.error.code is grpc.StatusCode.PERMISSION_DENIED
     (o,) = p.apply(s, [run_of([("ghost", 0, 0, [1], [], 0, 1)])])  # type: ignore[list-item]
     assert o.error is not None and o.error.reason is ErrorReason.REQUEST_UNKNOWN
+
+
+def _take(pool: KVCachePool, rid: str, most: int) -> int:
+    """Allocate a fresh request taking as many blocks as it can, at most ``most`` (none
+    of its tokens cached anywhere); returns how many blocks left the free queue."""
+    specs = pool.config.groups
+    tokens = 0
+    while sum(-(-(tokens + 1) // s.block_size) for s in specs) <= most:
+        tokens += 1
+    if not tokens:
+        return 0
+    before = pool.num_free_blocks
+    add(pool, rid, [100_000 + i for i in range(tokens)])
+    assert pool.allocate_slots(rid, tokens) is not None
+    return before - pool.num_free_blocks
+
+
+def test_eagle_hint_in_a_hybrid_holds_only_while_nothing_moves() -> None:
+    """EAGLE on full attention + sliding window: each pass of the hybrid search drops a
+    block the final hit does not show (here the full group's match sets the length the
+    sliding search gets), so the margin is 0. With the margin the final lists gave (3),
+    taking 3 blocks shortened the hit from 16 to 8 tokens."""
+    pool = KVCachePool(
+        KVCacheConfig(
+            num_blocks=13, groups=(FullAttentionSpec(4), SlidingWindowSpec(8, 16)), hash_block_size=4,
+            max_model_len=256, use_eagle=True,
+        )
+    )  # fmt: skip
+    prompt = list(range(30))
+    add(pool, "a", prompt)
+    assert pool.allocate_slots("a", 30) is not None
+    pool.free("a")
+    add(pool, "b", prompt + [99])
+    hit, margin = pool.lookup_hint("b", walk_limit=1000)
+    assert hit.num_tokens == 16 and margin == 0
+    _take(pool, "x", margin)
+    assert pool.lookup_hint("b")[0] == hit
+    assert _take(pool, "y", 3) == 3  # what the old margin allowed
+    assert pool.lookup_hint("b")[0].num_tokens == 8
+
+
+def test_eagle_hint_margin_counts_a_held_dropped_block() -> None:
+    """EAGLE on full attention: the block the hit drops may be held when the hint is
+    taken and freed later, unseen by a client that knows only the hit's blocks. It then
+    waits behind every block free at the hint, so the margin is at most that many;
+    taking that many after the free keeps the hit. (The margin was the walk limit:
+    the free went unnoticed and the hit lost a block.)"""
+    pool = full_pool(24, use_eagle=True)
+    prompt = list(range(32))
+    add(pool, "a", prompt)  # blocks 1-8, cached, held by a
+    assert pool.allocate_slots("a", 32) is not None
+    add(pool, "c", prompt + [500])  # adopts 7 of a's blocks, computes one token: caches nothing new
+    c_hit = pool.get_computed_blocks("c")
+    assert c_hit.num_tokens == 28
+    assert pool.allocate_slots("c", 1, c_hit.num_tokens, c_hit) is not None
+    add(pool, "b", prompt + [600])
+    hit, margin = pool.lookup_hint("b", walk_limit=1000)
+    assert hit.num_tokens == 28  # 8 blocks match, EAGLE drops the eighth (held by a)
+    free_at_hint = pool.num_free_blocks
+    assert margin <= free_at_hint
+    pool.free("a")  # only the dropped block reaches the free queue (c holds the rest)
+    assert _take(pool, "x", margin) <= margin
+    assert pool.lookup_hint("b")[0] == hit
+    _take(pool, "y", pool.num_free_blocks)  # the rest, the dropped block last
+    assert pool.lookup_hint("b")[0].num_tokens == 24

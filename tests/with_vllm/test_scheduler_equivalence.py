@@ -25,6 +25,7 @@ from harness import (
     run_workload,
     vllm_config,
 )
+from kvcoord.client import KVCoordClient
 from kvcoord.client.vllm import KVCacheBlocks, KVCoordKVCacheManager
 from kvcoord.client.vllm_scheduler import KVCoordAsyncScheduler, KVCoordScheduler
 from kvcoord.service.testing import InProcessServer
@@ -145,6 +146,8 @@ def run_both(
     )
     manager = remote.kv_cache_manager.remote
     remote.shutdown()
+    with KVCoordClient(server.address) as c:  # the server is the session's: it holds 64 pools at most
+        c.delete_pool(manager.pool)
     return Runs(want, want_counts, got, got_counts, counter, manager)
 
 

@@ -51,6 +51,7 @@ class PrefixHits:
         self.max_model_len = config.max_model_len
         self.hash_block_size = config.hash_block_size
         self.use_eagle = config.use_eagle
+        self._hybrid = config.coordinator_kind == "hybrid"
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if config.log_stats else None
         self.lookup_counters = LookupCounters(group_hit_tokens=[0] * len(config.groups))
         self._alignment = coordinator.alignment_tokens
@@ -116,23 +117,31 @@ class PrefixHits:
         blocks = self.block_pool.blocks
         free = {bid for ids in hit.block_ids for bid in ids if bid and not blocks[bid].ref_cnt}
         if self.use_eagle:
-            free |= self._dropped_by_eagle(keys, lists)
+            if self._hybrid:
+                # Each pass of the fixed point drops a block of its own, which the final
+                # lists do not show: the hint holds only while no block moves.
+                return hit, 0
+            dropped = self._dropped_by_eagle(keys, lists)
+            free |= {b for b in dropped if not blocks[b].ref_cnt}
+            if any(blocks[b].ref_cnt for b in dropped):
+                # A dropped block held now: the caller does not see it freed (it knows
+                # the hit's blocks only). Once freed it waits behind every block free
+                # now, so at most that many may move.
+                limit = min(limit, self.block_pool.get_num_free_blocks())
         return hit, self.block_pool.free_block_queue.first_position(free, limit)
 
     def _dropped_by_eagle(self, keys: Sequence[bytes], lists: list[list[int]]) -> set[int]:
         """With EAGLE each group's hit drops its last matched block, so the hit also
-        depends on that block: the free block cached under each group's next hash
-        (evicting it shortens the match, and the hit with it). Where a group's hit
-        was cut shorter than that (alignment, another group), the block at that
-        position is taken too: more than needed, never less."""
+        depends on that block (evicting it shortens the match, and the hit with it):
+        per group, the block cached under the hash right after the hit, for a unitary
+        coordinator (one spec, no alignment: the lists are exactly the hit)."""
         out: set[int] = set()
-        blocks = self.block_pool.blocks
         get = self.block_pool.get_cached_block
         for gid, (lst, size) in enumerate(zip(lists, self._group_block_sizes, strict=True)):
             view = hashes_at_block_size(keys, self.hash_block_size, size)
             if len(lst) < len(view):
                 cached = get(view[len(lst)], (gid,))
-                if cached is not None and cached[0] and not blocks[cached[0]].ref_cnt:
+                if cached is not None and cached[0]:
                     out.add(cached[0])
         return out
 

@@ -131,6 +131,7 @@ def vllm_config(
     policy: str = "fcfs",
     lora: bool = False,
     mamba_cache_mode: str = "none",
+    prompt_embeds: bool = False,
 ) -> VllmConfig:
     """``speculative``: "ngram" (3 drafts a step, no lookahead slots), "draft_model"
     (2 drafts, and 2 lookahead slots in every allocation, as a draft model needs; the
@@ -138,8 +139,9 @@ def vllm_config(
     drop their last block, as vLLM's manager does for EAGLE; a one-layer Llama-shaped
     draft config beside the model)."""
     model = ModelConfig(
-        model=str(model_dir), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float16"
-    )
+        model=str(model_dir), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float16",
+        enable_prompt_embeds=prompt_embeds,
+    )  # fmt: skip
     spec = None
     if speculative is not None:
         draft = {"draft_model": str(model_dir), "eagle": str(write_eagle_dir(model_dir))}
@@ -377,7 +379,9 @@ def run_workload(
     priority 0-2, for a scheduler with the priority policy) and "salt" (one request in
     three with one of two cache salts, which keep their hits apart) and "lora" (half the
     requests with one of three LoRA adapters, two at most per step, for a scheduler
-    with a LoRA config; an adapter's blocks hash apart and its events name it).
+    with a LoRA config; an adapter's blocks hash apart and its events name it) and
+    "embeds" (one request in four given as prompt embeddings, no token ids, for a
+    model config that enables them; two shared embedding prefixes give hits).
     """
     # as EngineCore does: the configured hash (vLLM's default sha256), NONE_HASH from PYTHONHASHSEED
     hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
@@ -393,6 +397,8 @@ def run_workload(
     pending: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
     nid = 0
     extra_rnd = random.Random(seed * 31 + 7)
+    embed_gen = torch.Generator().manual_seed(seed)
+    embed_prefixes = [torch.randn(n, 64, generator=embed_gen) for n in (32, 48)]
 
     def apply(out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
         outs = sched.update_from_output(out, mro)
@@ -429,19 +435,14 @@ def run_workload(
             if "lora" in extras:
                 n = extra_rnd.choice((0, 0, 0, 1, 2, 3))
                 lora = LoRARequest(f"adapter-{n}", n, f"/adapters/{n}") if n else None
-            sched.add_request(
-                Request(
-                    rid,
-                    prompt,
-                    params,
-                    None,
-                    None,
-                    block_hasher=hasher,
-                    priority=priority,
-                    cache_salt=salt,
-                    lora_request=lora,
-                )
-            )
+            embeds = None
+            if "embeds" in extras and extra_rnd.random() < 0.25:
+                tail = torch.randn(extra_rnd.randint(1, 40), 64, generator=embed_gen)
+                embeds, prompt = torch.cat([extra_rnd.choice(embed_prefixes), tail]), None
+            sched.add_request(Request(
+                rid, prompt, params, None, None, block_hasher=hasher, priority=priority, cache_salt=salt,
+                lora_request=lora, prompt_embeds=embeds,
+            ))  # fmt: skip
         live = sorted(sched.requests)
         if live and rnd.random() < 0.06:
             victim = rnd.choice(live)

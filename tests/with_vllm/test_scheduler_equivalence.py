@@ -113,7 +113,7 @@ def run_both(
             model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
             speculative=speculative, policy="priority" if "priority" in extras else "fcfs", lora="lora" in extras,
             enable_caching=caching, events=events,
-            mamba_cache_mode="align" if layout.endswith("align") else "none",
+            mamba_cache_mode="align" if layout.endswith("align") else "none", prompt_embeds="embeds" in extras,
         ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
@@ -127,7 +127,7 @@ def run_both(
             model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
             speculative=speculative, policy="priority" if "priority" in extras else "fcfs", lora="lora" in extras,
             enable_caching=caching, events=events,
-            mamba_cache_mode="align" if layout.endswith("align") else "none",
+            mamba_cache_mode="align" if layout.endswith("align") else "none", prompt_embeds="embeds" in extras,
         ),
         kv_cache_config(layout, blocks),
     )  # fmt: skip
@@ -289,13 +289,17 @@ def test_resets_priorities_salts_and_loras_decide_like_vllm(
     """reset_prefix_cache every 25 steps (refused while blocks are held; forced by
     preempting every running request), the priority policy (preemption by priority,
     not arrival), cache salts (requests salted apart hit only their own prefixes) and
-    LoRA adapters (their blocks hash apart, their KV events name them): identical
-    decisions and events, under memory pressure."""
-    extras = frozenset({"resets", "priority", "salt", "lora"})
+    LoRA adapters (their blocks hash apart, their KV events name them) and prompts given
+    as embeddings (no token ids; hits on shared embedding prefixes): identical decisions
+    and events, under memory pressure."""
+    extras = frozenset({"resets", "priority", "salt", "lora", "embeds"})
     r = run_both(
         kind, layout, NUM_BLOCKS, 21 + LAYOUTS.index(layout), model_dir, server, monkeypatch, extras=extras
     )
     assert r.got == r.want, first_difference(r.want, r.got)
+    # prompts given as embeddings have no token ids: some were scheduled, some with hits
+    embedded = [hit for e in r.want if e[0] == "schedule" for _, _, hit, n in e[2]["new"] if n == 0]
+    assert len(embedded) > 5 and any(embedded), embedded
     resets = [ok for entry in r.want if entry[0] == "reset" for ok in [entry[2]]]
     assert len(resets) >= 10 and any(resets) and not all(resets), resets
     assert r.want_counts["preempted"] > 0 and r.want_counts["hit_tokens"] > 0, r.want_counts

@@ -264,13 +264,9 @@ def test_hints_and_ledger_answer_like_the_engine(
     counts = with_hints.counts
     assert counts["refusals"] > 20 and counts["hits"] > 50, counts
     # (EAGLE's hits depend on one more block each, so fewer hints hold; in a hybrid on
-    # blocks each search pass dropped, which a hint cannot follow: none holds once a
-    # block moves, and in this loop one always has)
-    share = 0 if sliding and use_eagle else 8 if use_eagle else 4 if sliding else 3
-    if share:
-        assert m.hinted_lookups > counts["lookups"] // share, (m.hinted_lookups, counts)
-    else:
-        assert m.hinted_lookups == 0
+    # every block cached under the request's hashes, fewer still)
+    share = 10 if sliding and use_eagle else 8 if use_eagle else 4 if sliding else 3
+    assert m.hinted_lookups > counts["lookups"] // share, (m.hinted_lookups, counts)
     assert m.refused > 20  # refusals answered by the client, checked by the server
     # decode allocations went as columns: entries, or checks when they change nothing
     assert m.run_entries + m.checked > counts["allocs"] // 2
@@ -284,8 +280,7 @@ def test_hints_and_ledger_answer_like_the_engine(
     plain_steps = drive(plain, 300, seed=4, hints=False)
     assert plain.counts == counts  # the same decisions
     assert plain.m.hinted_lookups == 0
-    if share:
-        assert sum(per_step) < sum(plain_steps) - counts["lookups"] // share
+    assert sum(per_step) < sum(plain_steps) - counts["lookups"] // share
     print(f"\n{counts}; hinted lookups {m.hinted_lookups}, refusals answered {m.refused}; round trips per "
           f"step with hints: mean {sum(per_step) / len(per_step):.2f}, max {max(per_step)}; without: mean "
           f"{sum(plain_steps) / len(plain_steps):.2f}, max {max(plain_steps)}")  # fmt: skip

@@ -116,11 +116,15 @@ class PrefixHits:
         hit, lists = self.search(keys, len(req.all_token_ids))
         blocks = self.block_pool.blocks
         free = {bid for ids in hit.block_ids for bid in ids if bid and not blocks[bid].ref_cnt}
+        if self.use_eagle and self._hybrid:
+            # Each pass of the fixed point drops a block of its own, which the final
+            # lists do not show: count every block cached under the request's hashes
+            # (no other block can change the search), held ones capping the margin.
+            under, held = self._cached_under(keys, len(req.all_token_ids) - 1)
+            if held:
+                limit = min(limit, self.block_pool.get_num_free_blocks())
+            return hit, self.block_pool.free_block_queue.first_position(free | under, limit)
         if self.use_eagle:
-            if self._hybrid:
-                # Each pass of the fixed point drops a block of its own, which the final
-                # lists do not show: the hint holds only while no block moves.
-                return hit, 0
             dropped = self._dropped_by_eagle(keys, lists)
             free |= {b for b in dropped if not blocks[b].ref_cnt}
             if any(blocks[b].ref_cnt for b in dropped):
@@ -129,6 +133,26 @@ class PrefixHits:
                 # now, so at most that many may move.
                 limit = min(limit, self.block_pool.get_num_free_blocks())
         return hit, self.block_pool.free_block_queue.first_position(free, limit)
+
+    def _cached_under(self, keys: Sequence[bytes], max_tokens: int) -> tuple[set[int], bool]:
+        """The free blocks cached under the request's hashes that a search of up to
+        ``max_tokens`` tokens could read, per group at its block size, and whether any
+        such block is held now."""
+        free: set[int] = set()
+        held = False
+        blocks = self.block_pool.blocks
+        first = self.block_pool.cached_block_hash_to_block.first
+        for gid, size in enumerate(self._group_block_sizes):
+            view = hashes_at_block_size(keys, self.hash_block_size, size)
+            get = first[gid].get
+            for h in view[: max_tokens // size]:
+                b = get(h)
+                if b:
+                    if blocks[b].ref_cnt:
+                        held = True
+                    else:
+                        free.add(b)
+        return free, held
 
     def _dropped_by_eagle(self, keys: Sequence[bytes], lists: list[list[int]]) -> set[int]:
         """With EAGLE each group's hit drops its last matched block, so the hit also

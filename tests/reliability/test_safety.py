@@ -430,3 +430,37 @@ def test_a_failed_allocate_that_changed_the_pool_is_journaled(
     started.append(second)
     with KVCoordClient(second.address) as c:
         assert tables(c) == live
+
+
+@pytest.mark.parametrize("fault", ["refused", "answer lost"])
+def test_a_failed_step_loses_no_free_and_breaks_no_promise_silently(
+    started: list[InProcessServer], fault: str
+) -> None:
+    """A Step carrying a queued free and a promised decode fails: it never reached the
+    server (refused), or the server applied it and the answer was lost. Either way the
+    promised request is reported lost (its caller already holds an answer the server
+    may not have made), and the free happens: at once, or, while the server cannot be
+    reached, with the next Step. Nothing is left held. (Before, a refused Step dropped
+    the free, whose blocks stayed held by nobody, and reported no request lost.)"""
+    server = start(started)
+    fi = FaultInjector(3, methods=("Step", "Free"))
+    with KVCoordClient(server.address, interceptors=[fi], retry=NO_RETRY) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0", exclusive=True)
+        a, b = Req("a", list(range(20))), Req("b", list(range(100, 106)))
+        for r in (a, b):
+            assert m.allocate_slots(r, len(r.all_token_ids)) is not None
+            r.num_computed_tokens = len(r.all_token_ids)
+        m.flush()
+        m.free(a)  # queued
+        b.all_token_ids.append(7)
+        assert m.allocate_slots(b, 1) is not None  # answered at once
+        if fault == "refused":
+            fi.partitioned = True
+        else:
+            fi.p = (1.0, 0.0, 0.0, 0.0)  # every answer dropped
+        with pytest.raises(RequestsLostError) as lost:
+            m.flush()
+        assert lost.value.request_ids == ["b"]
+        fi.partitioned, fi.p = False, (0.0, 0.0, 0.0, 0.0)
+        m.flush()  # what could not be sent goes now
+        assert held(c) == {} and c.get_stats("p").num_free_blocks == 63

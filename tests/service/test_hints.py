@@ -619,16 +619,17 @@ def test_a_decode_inside_its_last_block_is_a_check(server: InProcessServer, slid
             t.m.close()
 
 
-def test_a_wrong_check_is_loud(client: KVCoordClient, managers: list[RemoteKVCacheManager]) -> None:
-    """A decode the client wrongly believes changes nothing (its count of cached blocks
-    tampered with, as a bookkeeping bug would) is caught by the server's check with the
-    next Step: RequestsLostError for the Step's requests, which are freed on the server,
-    never a block left uncached where vLLM caches it. The next calls work."""
-    client.create_pool("wrong-check", pool_config(24))
-    m = RemoteKVCacheManager(client, "wrong-check", hash_seed="0", exclusive=True)
+def _a_false_check(
+    client: KVCoordClient, managers: list[RemoteKVCacheManager], pool: str, other: Req
+) -> RemoteKVCacheManager:
+    """A manager on a new 24-block pool where request "a" (7 tokens) and ``other`` are
+    allocated, then a's next decode is answered as a check the server will refuse (its
+    count of cached blocks tampered with, as a bookkeeping bug would)."""
+    client.create_pool(pool, pool_config(24))
+    m = RemoteKVCacheManager(client, pool, hash_seed="0", exclusive=True)
     managers.append(m)
-    a, b = Req("a", list(range(7))), Req("b", list(range(50, 55)))
-    for r in (a, b):
+    a = Req("a", list(range(7)))
+    for r in (a, other):
         assert m.allocate_slots(r, r.num_tokens) is not None
         r.num_computed_tokens = r.num_tokens
     m.flush()
@@ -636,6 +637,16 @@ def test_a_wrong_check_is_loud(client: KVCoordClient, managers: list[RemoteKVCac
     a.rehash()
     m._cached_hashes["a"] = 2  # wrong: the client believes it cached already
     assert m.allocate_slots(a, 1).get_block_ids() == ([],)  # answered as a check, at once
+    return m
+
+
+def test_a_wrong_check_is_loud(client: KVCoordClient, managers: list[RemoteKVCacheManager]) -> None:
+    """A decode the client wrongly believes changes nothing (its count of cached blocks
+    tampered with, as a bookkeeping bug would) is caught by the server's check with the
+    next Step: RequestsLostError for the Step's requests, which are freed on the server,
+    never a block left uncached where vLLM caches it. The next calls work."""
+    b = Req("b", list(range(50, 55)))
+    m = _a_false_check(client, managers, "wrong-check", b)
     b.all_token_ids.append(3)
     b.rehash()
     assert m.allocate_slots(b, 1).get_block_ids() == ([],)  # a true check
@@ -841,5 +852,70 @@ def test_a_rebuilt_ledger_lets_a_looked_up_request_adopt_its_hit(server: InProce
             assert t.m.get_block_ids("r") == want and t.m.round_trips == trips  # from the ledger
             t.m.flush()  # the server agrees
             assert t.m._ledger is not None and t.m._free_exact
+        finally:
+            t.m.close()
+
+
+def test_a_free_queued_after_a_broken_promise_still_happens(
+    client: KVCoordClient, managers: list[RemoteKVCacheManager]
+) -> None:
+    """A Step stops at a broken promise (PREDICTION_FAILED): the calls after it are not
+    applied. A free among them is sent again, so its blocks do not stay held by a
+    request nobody tracks. (Before, only the Step's requests were freed.)"""
+    y = Req("y", list(range(50, 58)))
+    m = _a_false_check(client, managers, "free-after-broken", y)
+    m.free(y)  # queued after the run
+    with pytest.raises(RequestsLostError) as lost:
+        m.flush()
+    assert lost.value.reason == "PREDICTION_FAILED" and lost.value.request_ids == ["a"]
+    assert client.get_stats("free-after-broken").num_free_blocks == 23  # y freed too
+    assert client.inspect_pool("free-after-broken", all_requests=True).requests == []
+
+
+def test_calls_sent_through_batch_keep_hints_and_ledger_true(server: InProcessServer) -> None:
+    """Calls sent through manager.batch() change what hints and the ledger assume: an
+    eviction there drops the hints (a lookup of a request whose hit lost a block is a
+    round trip, the engine's answer), an allocation there turns the ledger and the
+    request's bounds off (usage and later answers stay the engine's). (Before, a hint
+    survived the batched eviction and the lookup was answered with the evicted block.)"""
+    with KVCoordClient(server.address, timeout=10) as c:
+        t = Twin(c, "batch-bookkeeping", num_blocks=32)
+        try:
+            a = Req("a", list(range(12)))
+            assert t.allocate(a, 12)
+            a.num_computed_tokens = 12
+            t.check()
+            t.free(a)  # a's 3 cached blocks go to the free queue
+            w, x = Req("w", list(range(12)) + [5]), Req("x", [900, 901])
+            t.m.upcoming = lambda current: [w]
+            t.lookup(x)  # fetches w's hint: a's blocks
+            assert w.request_id in t.m._hints
+            t._sync_local(w)
+            victim = t.local.get_computed_blocks("w").block_ids[0][0]
+            with t.m.batch() as b:
+                b.evict_blocks([victim])
+            t.local.evict_blocks([victim])
+            trips = t.m.round_trips
+            hit, n = t.lookup(w)  # compared with the engine's
+            assert n == 0 and t.m.round_trips == trips + 1
+            # an allocation through batch(): the manager's later answers stay the engine's
+            assert t.allocate(w, 13, n, hit)
+            w.num_computed_tokens = 13
+            t.check()
+            w.all_token_ids.append(6)
+            w.rehash()
+            t._sync_local(w)
+            with t.m.batch() as b:
+                pending = b.allocate_slots(w, 1)
+            want = t.local.allocate_slots("w", 1)
+            assert pending.result().block_ids == tuple(list(g) for g in want)
+            w.num_computed_tokens = 14
+            for _ in range(4):
+                w.all_token_ids.append(7)
+                w.rehash()
+                assert t.allocate(w, 1)
+                w.num_computed_tokens += 1
+                assert t.m.usage == pytest.approx(t.local.usage)
+            t.check()
         finally:
             t.m.close()

@@ -372,3 +372,21 @@ def test_a_table_answered_by_the_client_is_checked() -> None:
     (o,) = p.apply(s, [op.GetBlockIds("a", wrong)])
     assert o.error is not None and o.error.reason is ErrorReason.PREDICTION_FAILED
     assert p.engine.snapshot() == snap
+
+
+def test_a_free_sent_again_is_idempotent_only_when_asked() -> None:
+    """Free of an unknown request: REQUEST_UNKNOWN; with if_held (a free sent again after
+    a Step whose outcome the client could not learn) nothing to do. A request of
+    another session is refused either way."""
+    p = make()
+    s, t = attach(p), attach(p)
+    (o,) = p.apply(s, [op.Allocate(new("a", list(range(8))), 8)])
+    assert o.error is None
+    (gone,) = p.apply(s, [op.Free("ghost")])
+    assert gone.error is not None and gone.error.reason is ErrorReason.REQUEST_UNKNOWN
+    (again,) = p.apply(s, [op.Free("ghost", if_held=True)])
+    assert again.error is None
+    (other,) = p.apply(t, [op.Free("a", if_held=True)])
+    assert other.error is not None and other.error.code is grpc.StatusCode.PERMISSION_DENIED
+    (mine,) = p.apply(s, [op.Free("a", if_held=True)])
+    assert mine.error is None and "a" not in p.engine.requests

@@ -525,6 +525,7 @@ class StepBatcher:
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0) -> Pending[KVCacheBlockIds | None]:  # fmt: skip
+        self.m._batched_allocation(request.request_id)
         return self._add(self._ops.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens))  # fmt: skip
@@ -533,12 +534,15 @@ class StepBatcher:
         return self._add(self._ops.free(request))
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> Pending[None]:
+        self.m._caching(request, num_computed_tokens)
         return self._add(self._ops.cache_blocks(request, num_computed_tokens))
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> Pending[None]:
+        self.m._skipping(request_id, total_computed_tokens)
         return self._add(self._ops.remove_skipped_blocks(request_id, total_computed_tokens))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> Pending[None]:
+        self.m._clear_hints()
         return self._add(self._ops.evict_blocks(block_ids))
 
     def get_block_ids(self, request_id: str) -> Pending[tuple[list[int], ...]]:

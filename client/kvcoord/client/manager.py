@@ -739,17 +739,34 @@ class RemoteKVCacheManager:
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         self._defer(self._ops.cache_blocks(request, num_computed_tokens))
+        self._caching(request, num_computed_tokens)
+
+    def _caching(self, request: Any, num_computed_tokens: int) -> None:
+        """What a cache_blocks changes here, whichever way it is sent."""
         if self.enable_caching:
             self._cached(request, num_computed_tokens)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        self._skipping(request_id, total_computed_tokens)
+        self._defer(self._ops.remove_skipped_blocks(request_id, total_computed_tokens))
+
+    def _skipping(self, request_id: str, total_computed_tokens: int) -> None:
+        """What a remove_skipped_blocks changes here, whichever way it is sent."""
         if self._ledger is not None:
             self._released(*self._ledger.skip(request_id, total_computed_tokens))
-        self._defer(self._ops.remove_skipped_blocks(request_id, total_computed_tokens))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         self._clear_hints()
         self._defer(self._ops.evict_blocks(block_ids))
+
+    def _batched_allocation(self, request_id: str) -> None:
+        """An allocation sent through :meth:`batch`, which this manager does not answer
+        or follow: the ledger, bounds and hints that relied on following every
+        allocation are dropped (rebuilt or re-learned from the next answers)."""
+        self._ledger_off("an allocation sent through batch()")
+        self.budget.forget(request_id)
+        self._cached_hashes.pop(request_id, None)
+        self._clear_hints()
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table per group (null blocks as 0). From the block ledger
@@ -888,12 +905,21 @@ class RemoteKVCacheManager:
         except KVCoordError as err:
             self._ledger_off(f"a Step failed: {err}")
             if isinstance(err, (SessionExpiredError, FencedError, LeaseExpiredError)):
-                failure: KVCoordError = self._session_lost(err)
-            elif isinstance(err, (OutcomeUnknownError, AnswerEvictedError)):
-                failure = self._forget([rid for i in items for rid in i.touched], err)
+                failure: KVCoordError = self._session_lost(err)  # its end frees everything
             else:
-                self.tracker.rollback()
-                failure = err
+                if isinstance(err, (OutcomeUnknownError, AnswerEvictedError)) or any(
+                    i.run is not None or (i.deferred and i.touched) for i in items
+                ):
+                    # Applied or not, unknown; or not applied while calls in it were
+                    # already answered (promises, checks, hinted lookups, ledger tables):
+                    # none of its requests can be trusted.
+                    failure = self._forget([rid for i in items for rid in i.touched], err)
+                else:
+                    self.tracker.rollback()
+                    failure = err
+                # Its queued frees may not have happened: free again (an unknown
+                # request is already free).
+                self._free_again(items)
             self._fail_all(items, failure)
             if not items or any(i.deferred for i in items):
                 # Queued calls have no caller waiting to see this: the caller that sent
@@ -923,6 +949,8 @@ class RemoteKVCacheManager:
             if reason == "PREDICTION_FAILED":
                 # A promise was broken: nothing in this Step can be trusted.
                 lost = self._forget([rid for i in items for rid in i.touched], op_err)
+                later = items[items.index(item) + 1 :]
+                self._free_again(later)  # calls after the failed one were not applied
                 for rest in items:
                     if not rest.pending.done:
                         rest.pending._fail(lost)
@@ -1012,6 +1040,13 @@ class RemoteKVCacheManager:
         if self.exclusive and self.keeper.exclusive:
             free = resp.num_free_blocks
             if self._ledger is not None and self._free_exact and self._free_estimate != free:
+                # Every claim made from the ledger is checked by the server; the usage
+                # it gave is not: say so loudly.
+                logger.warning(
+                    "session %s counted %s free blocks, the pool has %s: its block ledger was wrong "
+                    "(usage read since the previous answer may have been off; please report this)",
+                    self.session_id, self._free_estimate, free,
+                )  # fmt: skip
                 self._ledger_off(f"{self._free_estimate} free blocks counted, {free} on the server")
             self._free_estimate = free
             self._free_exact = self._ledger is not None
@@ -1057,12 +1092,30 @@ class RemoteKVCacheManager:
         self.keeper.attach()
 
     def _free_now(self, request_id: str) -> None:
-        """Free a request on the server at once (best effort: if the session is gone,
-        its lease frees it anyway)."""
+        """Free a request on the server at once. When the server cannot say it did, the
+        free is queued for the next Step (its blocks must not stay held by a request
+        nobody tracks); an unknown request is free already, and a lost session's end
+        frees everything it held."""
         try:
             self.client.free(self.pool, [request_id], session_id=self.session_id, fence=self.keeper.fence)
-        except KVCoordError:
+        except (RequestUnknownError, SessionExpiredError, FencedError):
             pass
+        except KVCoordError:
+            self._queue.append(
+                Item(
+                    pb.Operation(free=pb.FreeOp(request_id=request_id, if_held=True)),
+                    lambda r: None,
+                    [],
+                    Pending(),
+                    deferred=True,
+                )  # fmt: skip
+            )
+
+    def _free_again(self, items: Sequence[Item]) -> None:
+        """The queued frees among ``items``, which may not have been applied."""
+        for i in items:
+            if i.run is None and i.op.WhichOneof("op") == "free":
+                self._free_now(i.op.free.request_id)
 
     def _forget(self, request_ids: Sequence[str], err: KVCoordError) -> RequestsLostError:
         """These requests' server state is unknown: free them there (best effort) and here."""

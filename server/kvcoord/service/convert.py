@@ -260,7 +260,7 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
             answered = CacheHit(tuple(tuple(g.block_ids) for g in lk.answered.groups), lk.answered.num_tokens)
         return op.Lookup(sync_from_pb(lk.request), lk.hint, lk.walk_limit, answered)
     if kind == "free":
-        return op.Free(o.free.request_id)
+        return op.Free(o.free.request_id, o.free.if_held)
     if kind == "preempt":
         return op.Preempt(o.preempt.request_id)
     if kind == "cache_blocks":

@@ -135,6 +135,8 @@ class RunOutcome:
 @dataclasses.dataclass(slots=True)
 class Free:
     request_id: str
+    #: an unknown request is not an error (a free sent again)
+    if_held: bool = False
 
 
 @dataclasses.dataclass(slots=True)

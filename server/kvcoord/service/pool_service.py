@@ -654,6 +654,8 @@ class PoolService:
         )
 
     def _free(self, s: Session, o: op.Free) -> op.Value:
+        if o.if_held and o.request_id and o.request_id not in self.owners:
+            return None  # freed already (a free sent again)
         self._owned(s, o.request_id)
         self.engine.free(o.request_id)
         del self.owners[o.request_id]

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from durable_server import DurableServer, env
 from durable_workload import PATIENT, run_checked_worker
 from kvcoord.client import KVCoordClient
@@ -360,3 +361,108 @@ def test_checks_queued_across_a_sigkill(tmp_path: Path) -> None:
             m.close()
     finally:
         server.stop()
+
+
+def _alloc(c: KVCoordClient, session: Any, rid: str, num_tokens: int) -> list[list[int]]:
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    sync = pb.RequestSync(
+        request_id=rid, append_token_ids=list(range(num_tokens)), new_request=True,
+        append_block_hashes=[f"{rid}-{i}".encode().ljust(32, b".") for i in range(num_tokens // 4)],
+    )  # fmt: skip
+    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=num_tokens))
+    r = c.step("p", [op], session.session_id, session.fence)
+    return [list(g.block_ids) for g in r.results[0].allocate.new_block_ids]
+
+
+@pytest.mark.parametrize("end", ["detach", "expire"])
+def test_a_snapshot_taken_at_a_session_end_holds_the_state_after_it(tmp_path: Path, end: str) -> None:
+    """Whichever record triggers the snapshot (every snapshot_every from 1 to 8), a
+    restart from the journal gives back exactly what clients were told: the ended
+    session's blocks free and reused by the next session. (The session end was
+    recorded before its requests were freed: a snapshot on that record held them, and
+    recovery never replayed the end: the old session came back holding blocks the
+    server had given to another request.)"""
+    from kvcoord.service.testing import InProcessServer, ManualClock
+
+    pool = """
+[[pools]]
+name = "p"
+num_blocks = 9
+hash_block_size = 4
+hash_algo = "sha256_cbor"
+hash_seed = "0"
+enable_caching = true
+[[pools.groups]]
+type = "full"
+block_size = 4
+"""
+    for every in range(1, 9):
+        data = tmp_path / f"{end}-{every}"
+        clock = ManualClock()
+        srv = InProcessServer(pool, data_dir=str(data), snapshot_every=every, clock=clock).start()
+        try:
+            with KVCoordClient(srv.address) as c:
+                a = c.attach("p", "sha256_cbor", 4, "0", "worker-a")
+                _alloc(c, a, "a1", 16)
+                if end == "detach":
+                    c.detach(a.session_id, a.fence)
+                else:
+                    clock.advance(10_000)
+                    assert srv.call(srv.running.servicer.reap_expired_sessions)  # type: ignore[union-attr]
+                b = c.attach("p", "sha256_cbor", 4, "0", "worker-b")
+                told = _alloc(c, b, "b1", 32)
+        finally:
+            srv.stop()
+        srv = InProcessServer(pool, data_dir=str(data), snapshot_every=every).start()
+        try:
+            with KVCoordClient(srv.address) as c:
+                held = {r.request_id: [list(g.block_ids) for g in r.groups]
+                        for r in c.inspect_pool("p", all_requests=True).requests}  # fmt: skip
+            assert held == {"b1": told}, (every, held, told)
+            assert set(srv.running.servicer.registry.sessions.sessions) == {b.session_id}  # type: ignore[union-attr]
+        finally:
+            srv.stop()
+
+
+def test_a_journal_replayed_under_other_limits_refuses_to_start(tmp_path: Path) -> None:
+    """A restart whose limits would refuse a call the journal records as answered (here
+    a third request, with at most two per pool now) stops with the record named, instead
+    of leaving the client believing in blocks the pool does not hold; with the
+    previous limits it starts and holds everything. (Before, the replayed registration
+    failed unseen: the client still believed its request held two blocks, and the
+    next request was given them.)"""
+    from kvcoord.service.journal import JournalError
+    from kvcoord.service.registry import Limits
+    from kvcoord.service.testing import InProcessServer
+
+    pool = """
+[[pools]]
+name = "p"
+num_blocks = 33
+hash_block_size = 4
+hash_algo = "sha256_cbor"
+hash_seed = "0"
+enable_caching = true
+[[pools.groups]]
+type = "full"
+block_size = 4
+"""
+    data = str(tmp_path / "data")
+    srv = InProcessServer(pool, data_dir=data, limits=Limits(max_requests_per_pool=4)).start()
+    try:
+        with KVCoordClient(srv.address) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker")
+            told = {rid: _alloc(c, a, rid, 8) for rid in ("r1", "r2", "r3")}
+    finally:
+        srv.stop()
+    with pytest.raises(JournalError, match="limits or configuration changed"):
+        InProcessServer(pool, data_dir=data, limits=Limits(max_requests_per_pool=2)).start()
+    srv = InProcessServer(pool, data_dir=data, limits=Limits(max_requests_per_pool=4)).start()
+    try:
+        with KVCoordClient(srv.address) as c:
+            held = {r.request_id: [list(g.block_ids) for g in r.groups]
+                    for r in c.inspect_pool("p", all_requests=True).requests}  # fmt: skip
+        assert held == told
+    finally:
+        srv.stop()

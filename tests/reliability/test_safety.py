@@ -464,3 +464,28 @@ def test_a_failed_step_loses_no_free_and_breaks_no_promise_silently(
         fi.partitioned, fi.p = False, (0.0, 0.0, 0.0, 0.0)
         m.flush()  # what could not be sent goes now
         assert held(c) == {} and c.get_stats("p").num_free_blocks == 63
+
+
+def test_no_table_from_the_ledger_after_the_lease_could_have_ended(started: list[InProcessServer]) -> None:
+    """get_block_ids answered from the block ledger only while the client can vouch for
+    its lease: once the lease may have ended (and the server may have given the blocks
+    to another session), it asks the server and hears that the requests are lost,
+    never the old table. (Before, the ledger answered with blocks another session
+    held by then.)"""
+    clock = ManualClock()
+    server = start(started, clock=clock)
+    with KVCoordClient(server.address) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0", renew=False, exclusive=True)
+        a = Req("a", list(range(16)))
+        assert m.allocate_slots(a, 16) is not None
+        m.flush()
+        table = m.get_block_ids("a")
+        assert any(table)
+        m.keeper.clock = lambda: 1e12  # type: ignore[method-assign] # the client's view of the lease has ended
+        clock.advance(10_000)
+        assert server.call(server.running.servicer.reap_expired_sessions)  # type: ignore[union-attr]
+        other = c.attach("p", "sha256_cbor", 4, "0", "another worker")
+        assert c.step("p", [], other.session_id, other.fence) is not None
+        with pytest.raises(RequestsLostError) as lost:
+            m.get_block_ids("a")
+        assert lost.value.request_ids == ["a"]

@@ -774,7 +774,10 @@ class RemoteKVCacheManager:
         queued cannot change it): the server checks that answer with the next Step
         (``PREDICTION_FAILED`` and :class:`RequestsLostError` if it differs). Else one
         round trip."""
-        if self._ledger is not None:
+        keeper = self.keeper
+        if self._ledger is not None and keeper.lost is None and keeper.clock() < keeper.valid_until:
+            # (as for a promise: only while the session's lease is one the client can
+            # vouch for; after it the server may have handed the blocks out again)
             table = self._ledger.table(request_id)
             if table is not None:
                 item = self._ops.get_block_ids(request_id, table)

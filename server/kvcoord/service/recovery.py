@@ -29,7 +29,7 @@ from kvcoord.engine.request import Request
 from kvcoord.engine.stats import LookupCounters
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .convert import allocate_from_pb, operation_from_pb
+from .convert import allocate_from_pb, operation_from_pb, outcome_to_pb
 from .durability import JournalRecorder, decode_record
 from .errors import ServiceError
 from .journal import Journal, JournalError, JournalStore
@@ -185,6 +185,26 @@ def replay_record(registry: PoolRegistry, record: list[Any], now_wall: float) ->
         raise ValueError(f"unknown record kind {kind!r}")
 
 
+def _check_replayed(pool: str, operations: list[Any], outcomes: list[Any], told: Any) -> None:
+    """A replayed Step must give each operation the answer its client was given (a
+    different one would leave the client believing in blocks the pool does not hold).
+
+    Raises:
+        ValueError: naming the operation, and what may have changed since.
+    """
+    if len(outcomes) != len(told):
+        raise ValueError(f"a Step of pool {pool!r} replays {len(outcomes)} answers, its client got {len(told)}")
+    for i, (operation, outcome, result) in enumerate(zip(operations, outcomes, told, strict=True)):
+        again = outcome_to_pb(operation, outcome)
+        if again != result:
+            raise ValueError(
+                f"replaying a Step of pool {pool!r} answers its operation {i} "
+                f"({type(operation).__name__}) otherwise than its client was told "
+                f"(status {again.status_code} against {result.status_code}): the server's limits or "
+                "configuration changed since it was recorded; start with the previous ones"
+            )
+
+
 def _replay_call(registry: PoolRegistry, record: list[Any], when: float, now_wall: float) -> None:
     _, _, rpc, body, key, digest, answer = record
     request: Any
@@ -200,7 +220,10 @@ def _replay_call(registry: PoolRegistry, record: list[Any], when: float, now_wal
     s = registry.sessions.sessions[request.session_id]
     groups = len(service.config.groups)
     if rpc == "Step":
-        service.apply(s, [operation_from_pb(o, groups) for o in request.ops])
+        operations = [operation_from_pb(o, groups) for o in request.ops]
+        outcomes = service.apply(s, operations)
+        if answer is not None:
+            _check_replayed(request.pool, operations, outcomes, pb.StepResponse.FromString(answer).results)
         if request.include_state:  # the answer took the session's events and statistics
             service.take_events(s)
             service.make_stats(s)

@@ -234,9 +234,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
         service = self.registry.pool_of_session(request.session_id)
         s = service.session(request.session_id, _fence(request))
-        self.registry.recorder.detached(service, s.session_id)
         freed = service.end_session(s)
         self.registry.idempotency.drop_session(s.session_id)
+        # recorded after the change: a snapshot the record triggers holds the state after it
+        self.registry.recorder.detached(service, s.session_id)
         self.observer.detached(service.name)
         return await self._durable(pb.DetachResponse(num_freed_requests=freed))
 

@@ -363,16 +363,22 @@ def test_checks_queued_across_a_sigkill(tmp_path: Path) -> None:
         server.stop()
 
 
-def _alloc(c: KVCoordClient, session: Any, rid: str, num_tokens: int) -> list[list[int]]:
+def _alloc(c: KVCoordClient, session: Any, rid: str, num_tokens: int, unary: bool = False) -> list[list[int]]:
+    """A new request's first allocation, in a Step (or the unary Allocate RPC)."""
     from kvcoord.v1 import allocator_pb2 as pb
 
     sync = pb.RequestSync(
         request_id=rid, append_token_ids=list(range(num_tokens)), new_request=True,
         append_block_hashes=[f"{rid}-{i}".encode().ljust(32, b".") for i in range(num_tokens // 4)],
     )  # fmt: skip
-    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=num_tokens))
-    r = c.step("p", [op], session.session_id, session.fence)
-    return [list(g.block_ids) for g in r.results[0].allocate.new_block_ids]
+    op = pb.AllocateOp(request=sync, num_new_tokens=num_tokens)
+    if unary:
+        result = c.allocate("p", op, session.session_id, session.fence).result
+    else:
+        result = (
+            c.step("p", [pb.Operation(allocate=op)], session.session_id, session.fence).results[0].allocate
+        )
+    return [list(g.block_ids) for g in result.new_block_ids]
 
 
 @pytest.mark.parametrize("end", ["detach", "expire"])
@@ -425,7 +431,8 @@ block_size = 4
             srv.stop()
 
 
-def test_a_journal_replayed_under_other_limits_refuses_to_start(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rpc", ["Step", "Allocate"])
+def test_a_journal_replayed_under_other_limits_refuses_to_start(tmp_path: Path, rpc: str) -> None:
     """A restart whose limits would refuse a call the journal records as answered (here
     a third request, with at most two per pool now) stops with the record named, instead
     of leaving the client believing in blocks the pool does not hold; with the
@@ -453,7 +460,7 @@ block_size = 4
     try:
         with KVCoordClient(srv.address) as c:
             a = c.attach("p", "sha256_cbor", 4, "0", "worker")
-            told = {rid: _alloc(c, a, rid, 8) for rid in ("r1", "r2", "r3")}
+            told = {rid: _alloc(c, a, rid, 8, unary=rpc == "Allocate") for rid in ("r1", "r2", "r3")}
     finally:
         srv.stop()
     with pytest.raises(JournalError, match="limits or configuration changed"):

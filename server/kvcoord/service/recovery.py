@@ -29,10 +29,11 @@ from kvcoord.engine.request import Request
 from kvcoord.engine.stats import LookupCounters
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .convert import allocate_from_pb, operation_from_pb, outcome_to_pb
+from .convert import allocate_from_pb, allocate_to_pb, operation_from_pb, outcome_to_pb
 from .durability import JournalRecorder, decode_record
 from .errors import ServiceError
 from .journal import Journal, JournalError, JournalStore
+from .operations import AllocateOutcome
 from .registry import PoolRegistry
 from .sessions import Session
 
@@ -228,7 +229,16 @@ def _replay_call(registry: PoolRegistry, record: list[Any], when: float, now_wal
             service.take_events(s)
             service.make_stats(s)
     elif rpc == "Allocate":
-        service.apply(s, [allocate_from_pb(request.op, groups)])
+        (outcome,) = service.apply(s, [allocate_from_pb(request.op, groups)])
+        if answer is not None:  # answered with a result (a refusal turned error has no key)
+            told = pb.AllocateResponse.FromString(answer)
+            value = outcome.value
+            if not isinstance(value, AllocateOutcome) or allocate_to_pb(value) != told.result:
+                raise ValueError(
+                    f"replaying an Allocate of pool {request.pool!r} answers otherwise than its client was "
+                    "told: the server's limits or configuration changed since it was recorded; start with "
+                    "the previous ones"
+                )
     else:
         try:
             service.free_requests(s, request.request_ids, request.preempt)

@@ -363,6 +363,22 @@ def test_checks_queued_across_a_sigkill(tmp_path: Path) -> None:
         server.stop()
 
 
+def _small_pool(num_blocks: int) -> str:
+    """Server config: one pool "p" of full attention, 4-token blocks."""
+    return f"""
+[[pools]]
+name = "p"
+num_blocks = {num_blocks}
+hash_block_size = 4
+hash_algo = "sha256_cbor"
+hash_seed = "0"
+enable_caching = true
+[[pools.groups]]
+type = "full"
+block_size = 4
+"""
+
+
 def _alloc(c: KVCoordClient, session: Any, rid: str, num_tokens: int, unary: bool = False) -> list[list[int]]:
     """A new request's first allocation, in a Step (or the unary Allocate RPC)."""
     from kvcoord.v1 import allocator_pb2 as pb
@@ -391,18 +407,7 @@ def test_a_snapshot_taken_at_a_session_end_holds_the_state_after_it(tmp_path: Pa
     server had given to another request.)"""
     from kvcoord.service.testing import InProcessServer, ManualClock
 
-    pool = """
-[[pools]]
-name = "p"
-num_blocks = 9
-hash_block_size = 4
-hash_algo = "sha256_cbor"
-hash_seed = "0"
-enable_caching = true
-[[pools.groups]]
-type = "full"
-block_size = 4
-"""
+    pool = _small_pool(9)
     for every in range(1, 9):
         data = tmp_path / f"{end}-{every}"
         clock = ManualClock()
@@ -443,18 +448,7 @@ def test_a_journal_replayed_under_other_limits_refuses_to_start(tmp_path: Path, 
     from kvcoord.service.registry import Limits
     from kvcoord.service.testing import InProcessServer
 
-    pool = """
-[[pools]]
-name = "p"
-num_blocks = 33
-hash_block_size = 4
-hash_algo = "sha256_cbor"
-hash_seed = "0"
-enable_caching = true
-[[pools.groups]]
-type = "full"
-block_size = 4
-"""
+    pool = _small_pool(33)
     data = str(tmp_path / "data")
     srv = InProcessServer(pool, data_dir=data, limits=Limits(max_requests_per_pool=4)).start()
     try:

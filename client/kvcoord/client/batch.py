@@ -449,6 +449,12 @@ class Ops:
             pb.Operation(free=pb.FreeOp(request_id=rid)), lambda r: None, [], Pending(), deferred=True
         )
 
+    def free_again(self, request_id: str) -> Item:
+        """A free sent again (its first one's outcome unknown): a request the pool no
+        longer holds is not an error."""
+        op = pb.Operation(free=pb.FreeOp(request_id=request_id, if_held=True))
+        return Item(op, lambda r: None, [], Pending(), deferred=True)
+
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> Item:
         op = pb.Operation()
         self.m.tracker.sync(request, op.cache_blocks.request)

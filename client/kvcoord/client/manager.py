@@ -1104,15 +1104,7 @@ class RemoteKVCacheManager:
         except (RequestUnknownError, SessionExpiredError, FencedError):
             pass
         except KVCoordError:
-            self._queue.append(
-                Item(
-                    pb.Operation(free=pb.FreeOp(request_id=request_id, if_held=True)),
-                    lambda r: None,
-                    [],
-                    Pending(),
-                    deferred=True,
-                )  # fmt: skip
-            )
+            self._queue.append(self._ops.free_again(request_id))
 
     def _free_again(self, items: Sequence[Item]) -> None:
         """The queued frees among ``items``, which may not have been applied."""

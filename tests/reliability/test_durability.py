@@ -467,3 +467,60 @@ def test_a_journal_replayed_under_other_limits_refuses_to_start(tmp_path: Path, 
         assert held == told
     finally:
         srv.stop()
+
+
+def _rewrite_free_record(data: str, change: Any) -> None:
+    """Rewrite the journal's Free record with ``change(request, answer)`` (its checksum
+    made again, as if the server had written it so)."""
+    import zlib
+
+    import cbor2
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    db = sqlite3.connect(str(Path(data) / "journal.sqlite"))
+    try:
+        records = [(seq, cbor2.loads(body)) for seq, body in db.execute("SELECT seq, body FROM records")]
+        frees = [(seq, r) for seq, r in records if r[0] == "call" and r[2] == "Free"]
+        assert len(frees) == 1, frees
+        seq, record = frees[0]
+        request, answer = pb.FreeRequest.FromString(record[3]), pb.FreeResponse.FromString(record[6])
+        change(request, answer)
+        record[3], record[6] = request.SerializeToString(), answer.SerializeToString()
+        body = cbor2.dumps(record)
+        db.execute("UPDATE records SET crc = ?, body = ? WHERE seq = ?", (zlib.crc32(body), body, seq))
+        db.commit()
+    finally:
+        db.close()
+
+
+@pytest.mark.parametrize("damage", ["answer", "request"])
+def test_a_replayed_free_must_give_what_its_client_was_told(tmp_path: Path, damage: str) -> None:
+    """Recovery replays a unary Free and compares it with the answer its client got, as
+    it does for Steps and Allocates: a record whose free count replays otherwise, or
+    whose requests the pool does not hold at that point, stops the start with the Free
+    named. (Before, the count was never compared and a refused replay was passed over:
+    the server started holding another state than its clients were told.)"""
+    from kvcoord.service.journal import JournalError
+    from kvcoord.service.testing import InProcessServer
+
+    pool = _small_pool(33)
+    data = str(tmp_path / "data")
+    srv = InProcessServer(pool, data_dir=data).start()
+    try:
+        with KVCoordClient(srv.address) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker")
+            _alloc(c, a, "r1", 8)
+            _alloc(c, a, "r2", 8)
+            told = c.free("p", ["r1"], session_id=a.session_id, fence=a.fence).num_free_blocks
+    finally:
+        srv.stop()
+
+    def change(request: Any, answer: Any) -> None:
+        if damage == "answer":
+            answer.num_free_blocks = told + 1
+        else:
+            request.request_ids[:] = ["never-allocated"]
+
+    _rewrite_free_record(data, change)
+    with pytest.raises(JournalError, match="replaying a Free of pool 'p'"):
+        InProcessServer(pool, data_dir=data).start()

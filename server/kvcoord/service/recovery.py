@@ -242,8 +242,19 @@ def _replay_call(registry: PoolRegistry, record: list[Any], when: float, now_wal
     else:
         try:
             service.free_requests(s, request.request_ids, request.preempt)
-        except ServiceError:  # pragma: no cover - a refused Free is never journaled
-            pass
+        except ServiceError as err:  # a refused Free is never journaled: this one was applied
+            raise ValueError(
+                f"replaying a Free of pool {request.pool!r} is refused ({err.message}) though its client "
+                "was told it was applied: the journal does not match the server that wrote it"
+            ) from None
+        if answer is not None:
+            told_free = pb.FreeResponse.FromString(answer).num_free_blocks
+            if told_free != service.engine.num_free_blocks:
+                raise ValueError(
+                    f"replaying a Free of pool {request.pool!r} leaves {service.engine.num_free_blocks} "
+                    f"free blocks, its client was told {told_free}: the server's limits or configuration "
+                    "changed since it was recorded; start with the previous ones"
+                )
     if key:
         store = registry.idempotency
         real = store.clock

@@ -194,7 +194,9 @@ def _check_replayed(pool: str, operations: list[Any], outcomes: list[Any], told:
         ValueError: naming the operation, and what may have changed since.
     """
     if len(outcomes) != len(told):
-        raise ValueError(f"a Step of pool {pool!r} replays {len(outcomes)} answers, its client got {len(told)}")
+        raise ValueError(
+            f"a Step of pool {pool!r} replays {len(outcomes)} answers, its client got {len(told)}"
+        )
     for i, (operation, outcome, result) in enumerate(zip(operations, outcomes, told, strict=True)):
         again = outcome_to_pb(operation, outcome)
         if again != result:

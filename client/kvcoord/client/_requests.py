@@ -107,8 +107,10 @@ def attach(
     client_name: str,
     lease_seconds: float,
     exclusive: bool = False,
+    want_pool_state: bool = False,
 ) -> pb.AttachRequest:
     return pb.AttachRequest(
+        want_pool_state=want_pool_state,
         pool=pool,
         hash_algo=hash_algo,
         hash_block_size=hash_block_size,

@@ -255,11 +255,22 @@ class KVCoordClient(_Api):
         client_name: str = "",
         lease_seconds: float = 0,
         exclusive: bool = False,
+        want_pool_state: bool = False,
     ) -> pb.AttachResponse:
-        """Hash handshake: a session id and fence. HashMismatchError on a mismatch."""
+        """Hash handshake: a session id and fence. HashMismatchError on a mismatch.
+        ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state."""
         return self._unary(
             _ATTACH,
-            rq.attach(pool, hash_algo, hash_block_size, hash_seed, client_name, lease_seconds, exclusive),
+            rq.attach(
+                pool,
+                hash_algo,
+                hash_block_size,
+                hash_seed,
+                client_name,
+                lease_seconds,
+                exclusive,
+                want_pool_state,
+            ),
         )
 
     def heartbeat(self, session_id: str, fence: pb.Fence | None = None) -> pb.HeartbeatResponse:
@@ -424,11 +435,22 @@ class AsyncKVCoordClient(_Api):
         client_name: str = "",
         lease_seconds: float = 0,
         exclusive: bool = False,
+        want_pool_state: bool = False,
     ) -> _Coro[pb.AttachResponse]:
-        """Hash handshake: a session id and fence. HashMismatchError on a mismatch."""
+        """Hash handshake: a session id and fence. HashMismatchError on a mismatch.
+        ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state."""
         return self._unary(
             _ATTACH,
-            rq.attach(pool, hash_algo, hash_block_size, hash_seed, client_name, lease_seconds, exclusive),
+            rq.attach(
+                pool,
+                hash_algo,
+                hash_block_size,
+                hash_seed,
+                client_name,
+                lease_seconds,
+                exclusive,
+                want_pool_state,
+            ),
         )
 
     def heartbeat(self, session_id: str, fence: pb.Fence | None = None) -> _Coro[pb.HeartbeatResponse]:

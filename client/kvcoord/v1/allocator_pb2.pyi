@@ -217,7 +217,7 @@ class DeletePoolResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("pool", "hash_algo", "hash_block_size", "hash_seed", "client_name", "lease_seconds", "exclusive")
+    __slots__ = ("pool", "hash_algo", "hash_block_size", "hash_seed", "client_name", "lease_seconds", "exclusive", "want_pool_state")
     POOL_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class AttachRequest(_message.Message):
     CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
+    WANT_POOL_STATE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     hash_algo: str
     hash_block_size: int
@@ -232,23 +233,40 @@ class AttachRequest(_message.Message):
     client_name: str
     lease_seconds: float
     exclusive: bool
-    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., exclusive: _Optional[bool] = ...) -> None: ...
+    want_pool_state: bool
+    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., exclusive: _Optional[bool] = ..., want_pool_state: _Optional[bool] = ...) -> None: ...
+
+class PoolState(_message.Message):
+    __slots__ = ("next_fresh", "used_free_blocks", "cached_block_ids", "cached_block_hashes")
+    NEXT_FRESH_FIELD_NUMBER: _ClassVar[int]
+    USED_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    next_fresh: int
+    used_free_blocks: _containers.RepeatedScalarFieldContainer[int]
+    cached_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    cached_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, next_fresh: _Optional[int] = ..., used_free_blocks: _Optional[_Iterable[int]] = ..., cached_block_ids: _Optional[_Iterable[int]] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("pool", "session_id", "lease_seconds", "idempotency_window_seconds", "fence", "exclusive")
+    __slots__ = ("pool", "session_id", "lease_seconds", "idempotency_window_seconds", "fence", "exclusive", "pool_state", "pool_state_unavailable")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
     EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
+    POOL_STATE_FIELD_NUMBER: _ClassVar[int]
+    POOL_STATE_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     pool: PoolInfo
     session_id: str
     lease_seconds: float
     idempotency_window_seconds: float
     fence: Fence
     exclusive: bool
-    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., idempotency_window_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., exclusive: _Optional[bool] = ...) -> None: ...
+    pool_state: PoolState
+    pool_state_unavailable: str
+    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., idempotency_window_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., exclusive: _Optional[bool] = ..., pool_state: _Optional[_Union[PoolState, _Mapping]] = ..., pool_state_unavailable: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id", "fence")

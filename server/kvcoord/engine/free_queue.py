@@ -74,6 +74,11 @@ class FreeKVCacheBlockQueue:
     def __len__(self) -> int:
         return self.num_free_blocks
 
+    @property
+    def next_fresh(self) -> int:
+        """The first never-used block id (``num_blocks`` once every block was used)."""
+        return self._next_fresh
+
     def popleft(self) -> KVCacheBlock:
         """Remove and return the head block.
 

@@ -32,6 +32,7 @@ from .managers import MambaManager, SingleTypeKVCacheManager
 from .request import LoRA, Request
 from .request_table import RequestTable, check_count
 from .results import AllocationResult, BlockIds, CacheHit, PoolSnapshot, RequestCheckpoint
+from .specs import FullAttentionSpec
 from .stats import LookupCounters, PrefixCacheStats
 
 # The result types are re-exported: ``from kvcoord.engine.pool import CacheHit`` works.
@@ -698,6 +699,37 @@ class KVCachePool:
     def free_queue_head(self, limit: int | None = None) -> list[int]:
         """Free block ids from the next to be reused, at most ``limit``."""
         return self.block_pool.free_block_queue.head_ids(limit)
+
+    def replica_state(self) -> tuple[int, list[int], list[tuple[bytes, int]]] | str:
+        """What a client replica of this pool starts from: the first never-used block,
+        the used free blocks (head first) and the prefix-cache map as ``(hash, block)``
+        pairs in its order (keys in insertion order, then each key's blocks); or, when
+        a replica cannot be exact, why.
+
+        A replica is exact for a pool of one full-attention group (no sink) whose block
+        size is the hash block size, that holds no request and caches under no
+        namespace: every cached block's key is then its hash.
+        """
+        specs = self.config.groups
+        spec = specs[0] if len(specs) == 1 else None
+        if not isinstance(spec, FullAttentionSpec) or spec.sink_len:
+            return "the pool is not one group of full attention without a sink"
+        if spec.block_size != self.config.hash_block_size:
+            return "the pool's block size is not its hash block size"
+        if self.requests:
+            return "the pool holds requests"
+        if self.cache_namespaces:
+            return "the pool caches under tenants' namespaces"
+        queue = self.block_pool.free_block_queue
+        fresh = queue.next_fresh
+        used = queue.head_ids()[self.config.num_blocks - fresh :]
+        cache = self.block_pool.cached_block_hash_to_block
+        first, more = cache.first[0], cache._more[0]
+        pairs: list[tuple[bytes, int]] = []
+        for block_hash, block_id in first.items():
+            later = more.get(block_hash)
+            pairs.extend((block_hash, b) for b in (later if later is not None else (block_id,)))
+        return fresh, used, pairs
 
     def snapshot(self) -> PoolSnapshot:
         """A complete, comparable copy of the pool's observable state."""

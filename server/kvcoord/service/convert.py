@@ -40,6 +40,7 @@ __all__ = [
     "operation_from_pb",
     "outcome_to_pb",
     "write_outcome",
+    "write_pool_state",
     "sync_from_pb",
     "config_from_pb",
     "add_events",
@@ -424,3 +425,18 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
         assert v is None or isinstance(v, PrefixCacheStats)
         return pb.OperationResult(prefix_cache_stats=pb.PrefixCacheStatsResult(stats=stats_to_pb(v)))
     return pb.OperationResult()
+
+
+def write_pool_state(
+    response: pb.AttachResponse, state: tuple[int, list[int], list[tuple[bytes, int]]] | str
+) -> None:
+    """An Attach answer's pool state (:meth:`KVCachePool.replica_state`), or why there is none."""
+    if isinstance(state, str):
+        response.pool_state_unavailable = state
+        return
+    fresh, used, pairs = state
+    out = response.pool_state
+    out.next_fresh = fresh
+    out.used_free_blocks.extend(used)
+    out.cached_block_ids.extend([block_id for _, block_id in pairs])
+    out.cached_block_hashes.extend([block_hash for block_hash, _ in pairs])

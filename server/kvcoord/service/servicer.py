@@ -35,6 +35,7 @@ from .convert import (
     operation_from_pb,
     stats_to_pb,
     write_outcome,
+    write_pool_state,
 )
 from .errors import REASON_METADATA_KEY, ServiceError, grpc_code, map_errors, map_stream_errors
 from .pool_service import Fence, PoolService
@@ -220,6 +221,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             fence=fence_to_pb(service.fence),
             exclusive=s.exclusive,
         )
+        if request.want_pool_state:
+            write_pool_state(
+                response, service.engine.replica_state() if s.exclusive else "the session is not exclusive"
+            )
         return await self._durable(response)
 
     @map_errors

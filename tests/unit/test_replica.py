@@ -255,6 +255,8 @@ def test_a_pool_a_replica_cannot_follow_says_why() -> None:
     pool.cache_namespace_prefix("tenant-b")
     assert pool.replica_state() == "the pool caches under tenants' namespaces"
     hybrid = KVCachePool(
-        KVCacheConfig(num_blocks=16, groups=(FullAttentionSpec(BS), SlidingWindowSpec(BS, 8)), hash_block_size=BS)
+        KVCacheConfig(
+            num_blocks=16, groups=(FullAttentionSpec(BS), SlidingWindowSpec(BS, 8)), hash_block_size=BS
+        )
     )
     assert hybrid.replica_state() == "the pool is not one group of full attention without a sink"

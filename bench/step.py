@@ -62,7 +62,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
 
 from common import freeze_heap, pct  # noqa: E402
-from kvcoord.client import KVCoordClient, RemoteKVCacheManager  # noqa: E402
+from kvcoord.client import KVCoordClient, PredictingKVCacheManager, RemoteKVCacheManager  # noqa: E402
 from kvcoord.client.hashing import BlockHasher, none_hash  # noqa: E402
 from kvcoord.client.testing import start_server  # noqa: E402
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool  # noqa: E402
@@ -324,12 +324,12 @@ Phases = tuple[float, float, float, float, int, float]
 
 def _trips(kv: Any) -> int:
     m = getattr(kv, "m", kv)  # PerCall wraps the manager
-    return int(getattr(m, "round_trips", 0))
+    return int(getattr(m, "round_trips", getattr(m, "steps_sent", 0)))
 
 
 def _waited(kv: Any) -> float:
     m = getattr(kv, "m", kv)
-    return float(getattr(m, "round_trip_seconds", 0.0))
+    return float(getattr(m, "round_trip_seconds", getattr(m, "waited_seconds", 0.0)))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -596,25 +596,39 @@ def main() -> None:
             for mode in args.modes:
                 name = f"p{n}-{mode.replace('+', '-')}"
                 client.create_pool(name, pool_config(blocks))
-                m = RemoteKVCacheManager(client, name, hash_seed="0", exclusive=mode.startswith("excl"))
+                m: Any
+                if mode == "predicted":
+                    m = PredictingKVCacheManager(client, name, hash_seed="0")
+                else:
+                    m = RemoteKVCacheManager(client, name, hash_seed="0", exclusive=mode.startswith("excl"))
                 kv: Any = PerCall(m) if mode == "per-call" else m
                 # The machine's speed drifts over minutes: the ratio's round trip is a no-op
-                # Step sent after each step of this mode (untimed by the step).
+                # Step sent after each step of this mode (untimed by the step). Not for
+                # "predicted": its Step in flight would run on while the probe waits,
+                # untimed; its round trip is a burst of no-op Steps before and after it.
                 probe = client.attach("noop", "sha256_cbor", BS, "0")
                 noops: list[float] = []
+                predicted = mode == "predicted"
+                before = noop_round_trip()[0] if predicted else 0.0
                 freeze_heap()
                 ph: list[Phases] = []
                 cpu0 = cpu_seconds(server.proc.pid)
                 t, d = run(
                     kv, n, total, seed=n, admit=mode == "excl+admit", hash_in_request=hashed, phases=ph,
-                    between=lambda probe=probe: noop_once(probe), between_times=noops,
+                    between=None if predicted else lambda probe=probe: noop_once(probe), between_times=noops,
                 )  # fmt: skip
-                server_ms = (cpu_seconds(server.proc.pid) - cpu0 - noop_cpu / 1e3 * total) / total * 1e3
+                if predicted:
+                    m.flush()  # every answer confirmed by the server
+                probes = 0 if predicted else total
+                server_ms = (cpu_seconds(server.proc.pid) - cpu0 - noop_cpu / 1e3 * probes) / total * 1e3
                 client.detach(probe.session_id, probe.fence)
-                rtt = statistics.median(noops[args.warmup :]) * 1e3
+                if predicted:
+                    rtt = statistics.median([before, noop_round_trip()[0]])
+                else:
+                    rtt = statistics.median(noops[args.warmup :]) * 1e3
                 assert d == base_d, f"{mode}: decisions differ from in-process"
                 med = statistics.median(t[args.warmup :]) * 1e3
-                trips = m.round_trips / total
+                trips = _trips(m) / total
                 print(f"{n:>7} {mode:<11} {med:8.2f} {pct(t[args.warmup:], 0.99):8.2f} {trips:8.1f} "
                       f"{med - base:9.2f} {med / (base + rtt):14.2f} {rtt:7.3f}")  # fmt: skip
                 if args.phases:

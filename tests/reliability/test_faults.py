@@ -7,9 +7,10 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
-from kvcoord.client import KVCoordClient, RemoteKVCacheManager
+from kvcoord.client import KVCoordClient, PredictingKVCacheManager, RemoteKVCacheManager
 from kvcoord.client.faults import FaultInjector
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
@@ -74,11 +75,18 @@ def local_table(local: KVCachePool) -> dict[str, object]:
 
 
 def drive(
-    remote: RemoteKVCacheManager, local: KVCachePool, check: KVCoordClient, pool: str, seed: int, steps: int
+    remote: Any,
+    local: KVCachePool,
+    check: KVCoordClient,
+    pool: str,
+    seed: int,
+    steps: int,
+    check_every: int = 1,
 ) -> dict[str, int]:
     """A small scheduler: admit with prefix hits, chunked prefill, decode, preempt on
-    refusal, free. Every answer is compared with the in-process pool; after every step
-    the server's request table is compared with the local one."""
+    refusal, free. Every answer is compared with the in-process pool; every
+    ``check_every`` steps the server's request table is compared with the local one
+    (the other steps end with ``take_events``, as vLLM's scheduler does)."""
     none = none_hash("sha256_cbor", "0")
     hashers: dict[str, BlockHasher] = {}
     rnd = random.Random(seed)
@@ -155,6 +163,9 @@ def drive(
         counts["steps"] += 1
         for got, exp, where in answered:
             assert got.get_block_ids() == tuple(list(x) for x in exp), where  # type: ignore[attr-defined]
+        if (step + 1) % check_every:
+            remote.take_events()
+            continue
         remote.flush()  # frees ride with the next call; the step ends here
         # The server holds what this worker believes, request for request, block for block.
         # (The server's view includes updates the worker has not sent yet only after
@@ -289,3 +300,54 @@ def test_admit_over_the_wire_equals_one_by_one(server: InProcessServer) -> None:
         remote.flush()
         assert admitted >= 20 and server_table(c, "admit") == local_table(local)
         remote.close()
+
+
+def test_predicted_answers_survive_a_faulty_network(server: InProcessServer) -> None:
+    """PredictingKVCacheManager answers every call from its replica and sends the calls
+    without waiting; with 5% of answers dropped, late, duplicated and re-delivered, the
+    retried Steps (idempotency keys) still apply once: two workers, 400 steps each,
+    every answer the in-process engine's, the server's tables equal to the local ones
+    every 5 steps, no request lost. Then a second manager attaches to each used pool
+    (its replica from the state the server hands over) and does it again."""
+    results: dict[int, list[dict[str, int]]] = {}
+    errors: list[BaseException] = []
+    injectors: list[FaultInjector] = []
+
+    def worker(wid: int) -> None:
+        try:
+            pool = f"predicted-{wid}"
+            fi = FaultInjector(2000 + wid, drop=0.05, delay=0.05, duplicate=0.05, reorder=0.05)
+            injectors.append(fi)
+            local = local_pool(full_only=True)
+            with (
+                KVCoordClient(server.address) as plain,
+                KVCoordClient(server.address, interceptors=[fi]) as c,
+            ):
+                plain.create_pool(pool, pool_config(full_only=True))
+                results[wid] = []
+                for run in range(2):  # the second from the used pool's state
+                    remote = PredictingKVCacheManager(c, pool, hash_seed="0", client_name=f"w{wid}")
+                    counts = drive(remote, local, plain, pool, wid * 10 + run, 200, check_every=5)
+                    counts["lost"] = remote.lost_requests
+                    counts["steps_sent"] = remote.steps_sent
+                    results[wid].append(counts)
+                    remote.close()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    if errors:
+        raise errors[0]
+    runs = [c for per in results.values() for c in per]
+    assert len(runs) == 4
+    total = {k: sum(c[k] for c in runs) for k in runs[0]}
+    faults = {k: sum(fi.counts[k] for fi in injectors) for k in injectors[0].counts}
+    print(f"fault injection (predicted): {total} faults {faults}")
+    assert total["lost"] == 0
+    assert total["steps"] == 4 * 200
+    assert faults["dropped"] > 10 and faults["delayed"] > 10 and faults["duplicated"] > 10
+    assert total["refusals"] > 0 and total["hits"] > 0 and total["preemptions"] > 0

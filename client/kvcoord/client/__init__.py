@@ -32,6 +32,7 @@ from .errors import (
 )
 from .hashing import BlockHasher, MultiModalItem, RandomSeedError, none_hash
 from .manager import RemoteKVCacheManager
+from .predicting import PredictingKVCacheManager, PredictionMismatchError
 from .retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy
 from .session import SessionKeeper
 from .tls import TLSOptions
@@ -60,6 +61,8 @@ __all__ = [
     "OutcomeUnknownError",
     "Pending",
     "PermissionDeniedError",
+    "PredictingKVCacheManager",
+    "PredictionMismatchError",
     "PoolBusyError",
     "RandomSeedError",
     "RemoteKVCacheManager",

@@ -1,0 +1,559 @@
+"""vLLM's KVCacheManager methods answered at once from a replica of an exclusive pool.
+
+:class:`RemoteKVCacheManager` waits for the server whenever an answer needs it (a new
+request's blocks, a lookup no hint covers, events). This manager never does: its
+session is the pool's only one, the server gives it the pool's state when it attaches,
+and a :class:`~kvcoord.client.replica.PoolReplica` applies vLLM's rules to each call,
+so every answer is known in the client. The calls still go to the server, in order,
+as one Step per scheduler step sent from a background thread without waiting; the
+server applies them (it stays the pool's owner: journal, metrics, events for others)
+and checks what it can (hits answered ahead, promised allocations and refusals), and
+this manager compares the rest (every new block id, free count, event and statistic)
+when the answer comes.
+
+A difference, a failed Step, a lost session or a lease the client cannot vouch for is
+never absorbed: the next call raises :class:`RequestsLostError` naming every request
+the session held (the manager ends the session, so the server frees them, and
+attaches again with a fresh state). Until then, the worker used block ids from a
+replica that is consistent by construction (it never gives a held block to a second
+request); what a difference shows is a server that disagrees with it, found at most
+``max_backlog`` scheduler steps later.
+
+The layout is the server's to allow (``AttachResponse.pool_state``): one full-attention
+group whose block size is the hash block size, caching under no tenant namespace.
+Calls outside vLLM's plain scheduler path (KV connectors, encoder inputs, delayed
+caching, block eviction, prefix-cache resets) raise :class:`InvalidArgumentError`:
+use :class:`RemoteKVCacheManager` for them.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from typing import Any
+
+import grpc
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .batch import KVCacheBlockIds
+from .client import KVCoordClient
+from .errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KVCoordError,
+    RequestsLostError,
+    error_from_code,
+    status_code,
+)
+from .hashing import RandomSeedError, none_hash
+from .replica import PoolReplica, ReplicaRefusal
+from .session import SessionKeeper
+from .tracking import RequestTracker
+
+__all__ = ["PredictingKVCacheManager", "PredictionMismatchError"]
+
+logger = logging.getLogger(__name__)
+
+
+class PredictionMismatchError(KVCoordError):
+    """The server's answer differs from the replica's (the cause of a RequestsLostError)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(grpc.StatusCode.INTERNAL, message, "PREDICTION_FAILED")
+
+
+class _Sent:
+    """One Step's operations and what the replica says their answers are."""
+
+    __slots__ = ("events", "expected", "num_free_blocks", "ops", "stats")
+
+    def __init__(self) -> None:
+        self.ops: list[pb.Operation] = []
+        #: per op: its new block ids (allocate), its Run and each entry's ids, or None
+        self.expected: list[Any] = []
+        self.num_free_blocks = 0
+        self.events: list[pb.KVEvent] = []
+        self.stats = pb.PrefixCacheStats()
+
+
+class PredictingKVCacheManager:
+    """vLLM KVCacheManager methods over an exclusive kvcoord pool, never waiting.
+
+    Args:
+        client: a connected :class:`KVCoordClient`.
+        pool: the pool's name; no other session may be attached.
+        hash_seed: the seed workers hash with; defaults to ``$PYTHONHASHSEED``.
+        client_name: shown in server logs.
+        lease_seconds: the session lease to ask for (0 = the server's default).
+        renew: renew the lease on a background thread (turn off only in tests).
+        max_backlog: scheduler steps (``take_events`` calls) whose calls may wait for
+            the Step in flight before the manager waits for its answer: how late a
+            difference may be found, and how far the client may run ahead.
+
+    Raises:
+        FailedPreconditionError: the pool has another session, or the server gives no
+            state for it (the reason is in the message).
+        RandomSeedError: caching is on and no seed is known.
+    """
+
+    def __init__(
+        self,
+        client: KVCoordClient,
+        pool: str,
+        *,
+        hash_seed: str | None = None,
+        client_name: str = "",
+        lease_seconds: float = 0,
+        renew: bool = True,
+        max_backlog: int = 8,
+    ) -> None:
+        self.client = client
+        self.pool = pool
+        cfg = client.get_pool(pool).pool.config
+        self.config = cfg
+        seed = hash_seed if hash_seed is not None else os.environ.get("PYTHONHASHSEED")
+        none = b""
+        if cfg.enable_caching:
+            if seed is None:
+                raise RandomSeedError(
+                    "no hash seed: set PYTHONHASHSEED (or pass hash_seed) to the value the vLLM workers use"
+                )
+            none = none_hash(cfg.hash_algo, seed)
+        self.tracker = RequestTracker(cfg, none)
+        self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
+        self.max_backlog = max(0, max_backlog)
+        self._state: pb.PoolState | None = None
+
+        def attach() -> pb.AttachResponse:
+            response = client.attach(
+                pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds, True, True
+            )
+            if not response.HasField("pool_state"):
+                try:
+                    client.detach(response.session_id, response.fence)
+                finally:
+                    raise FailedPreconditionError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"pool {pool!r} cannot be predicted: {response.pool_state_unavailable}",
+                    )
+            self._state = response.pool_state
+            return response
+
+        self.keeper = SessionKeeper(client, attach, renew=renew)
+        self.replica = self._new_replica()
+        self._pending = _Sent()
+        self._run: _Run | None = None
+        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-predict")
+        self._in_flight: concurrent.futures.Future[None] | None = None
+        self._backlog = 0
+        #: why the replica can no longer be trusted, until the next call reports it
+        #: (set by the sender thread), and the requests lost since the last report
+        self._failure: KVCoordError | None = None
+        self._lost: list[str] = []
+        #: Steps sent, the seconds the caller waited for answers, and stale hits
+        self.steps_sent = 0
+        self.waited_seconds = 0.0
+        self.stale_hits = 0
+        self.lost_requests = 0
+
+    def _new_replica(self) -> PoolReplica:
+        assert self._state is not None
+        replica = PoolReplica(self.config, self._state)
+        self._state = None
+        return replica
+
+    @property
+    def session_id(self) -> str:
+        return self.keeper.session_id
+
+    # -- KVCacheManager interface ------------------------------------------------------------
+    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlockIds, int]:
+        """The longest prefix hit, answered now (the server checks it)."""
+        self._settled()
+        if not self.config.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+            return KVCacheBlockIds(([],)), 0
+        op = pb.Operation()
+        lookup = op.lookup
+        self.tracker.sync(request, lookup.request)
+        hit = self.replica.lookup(
+            self.tracker.hashes(request),
+            len(request.all_token_ids),
+            int(getattr(request, "num_preemptions", 0)) > 0,
+        )
+        num_tokens = len(hit) * self.replica.block_size
+        lookup.answered.groups.add().block_ids.extend(hit)
+        lookup.answered.num_tokens = num_tokens
+        self._queue(op, None)
+        return KVCacheBlockIds((hit,)), num_tokens
+
+    def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
+                       new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
+                       num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
+                       num_encoder_tokens: int = 0) -> KVCacheBlockIds | None:  # fmt: skip
+        """New block ids, or ``None`` when the pool has too few free blocks, answered now."""
+        if num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
+            raise InvalidArgumentError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "PredictingKVCacheManager answers the plain scheduler path only: KV connector, delayed "
+                "caching and encoder tokens need RemoteKVCacheManager",
+            )
+        if self._failure is not None:
+            self._settled()
+        keeper = self.keeper
+        if keeper.lost is not None or keeper.clock() >= keeper.valid_until:
+            self._vouch()
+        tracker, replica = self.tracker, self.replica
+        computed = int(request.num_computed_tokens)
+        if (
+            not num_new_computed_tokens
+            and type(num_new_tokens) is int
+            and 0 < num_new_tokens
+            and computed + num_new_tokens <= replica.max_model_len
+            and type(num_lookahead_tokens) is int
+            and num_lookahead_tokens >= 0
+        ):
+            # A registered request without a hit (decode above all): an entry of the
+            # Step's run of allocations, in columns.
+            fields = tracker.sync_run(request)
+            if fields is not None:
+                rid = request.request_id
+                new = replica.allocate(
+                    rid, computed, 0, num_new_tokens, (), num_lookahead_tokens, request.all_token_ids,
+                    tracker.hashes(request), lambda: _lora(request),
+                )  # fmt: skip
+                if new is None:
+                    self._queue(_refusal(rid, fields, num_new_tokens, num_lookahead_tokens), None)
+                    return None
+                run = self._run
+                if run is None:
+                    run = self._run = _Run()
+                run.add(rid, fields, num_new_tokens, num_lookahead_tokens, new)
+                return KVCacheBlockIds((new,))
+        return self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                              num_lookahead_tokens)  # fmt: skip
+
+    def _allocate(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlockIds | None,
+        num_lookahead_tokens: int,
+    ) -> KVCacheBlockIds | None:
+        """allocate_slots for a new request, a hit, or bad input."""
+        rid = request.request_id
+        replica, tracker = self.replica, self.tracker
+        hit = list(new_computed_blocks.block_ids[0]) if new_computed_blocks is not None else []
+        if not num_new_computed_tokens:
+            hit = []
+        computed = int(request.num_computed_tokens)
+        try:
+            for name, value in (("num_new_tokens", num_new_tokens), ("num_new_computed_tokens", num_new_computed_tokens),
+                                ("num_lookahead_tokens", num_lookahead_tokens)):  # fmt: skip
+                if type(value) is not int or value < 0:
+                    raise ReplicaRefusal(f"{name} must be a non-negative integer")
+            fresh = replica.check(rid, computed, num_new_computed_tokens, num_new_tokens, hit,
+                                  tracker.hashes(request) if rid in tracker else ())  # fmt: skip
+        except ReplicaRefusal as err:
+            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        if not fresh:
+            self.stale_hits += 1
+            return None  # as the server answers a stale hit: refused, nothing changed
+        op = pb.Operation()
+        a = op.allocate
+        tracker.sync(request, a.request)
+        a.num_new_tokens = num_new_tokens
+        a.num_lookahead_tokens = num_lookahead_tokens
+        if hit:
+            a.num_new_computed_tokens = num_new_computed_tokens
+            a.new_computed_blocks.groups.add().block_ids.extend(hit)
+            a.new_computed_blocks.num_tokens = num_new_computed_tokens
+        new = replica.allocate(
+            rid, computed, num_new_computed_tokens, num_new_tokens, hit, num_lookahead_tokens,
+            request.all_token_ids, tracker.hashes(request), lambda: _lora(request),
+        )  # fmt: skip
+        if new is None:
+            a.must_refuse = True
+            self._queue(op, None)
+            return None
+        a.must_succeed = True
+        self._queue(op, new)
+        return KVCacheBlockIds((new,))
+
+    def free(self, request: Any) -> None:
+        """Free the request's blocks (sent with the next Step)."""
+        rid = request if isinstance(request, str) else request.request_id
+        self.tracker.lost.discard(rid)  # a lost request the scheduler frees is settled
+        if rid not in self.tracker:
+            return  # never sent (or lost with its session): nothing to free
+        self.replica.free(rid)
+        self.tracker.forget([rid])
+        self._queue(pb.Operation(free=pb.FreeOp(request_id=rid)), None)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table (empty for a request that holds none)."""
+        return (list(self.replica.tables.get(request_id, ())),)
+
+    @property
+    def usage(self) -> float:
+        return self.replica.usage
+
+    def take_events(self) -> list[pb.KVEvent]:
+        """The pool's KV events since the previous call; ends a scheduler step (its
+        calls go to the server, or join the next Step while one is in flight)."""
+        self._cut()
+        events, self.replica.events = self.replica.events, []
+        return events
+
+    def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
+        """This session's prefix-cache statistics since the previous call."""
+        if not self.log_stats:
+            return None
+        return self.replica.take_stats()
+
+    def flush(self) -> None:
+        """Send every call and wait until the server confirmed every answer.
+
+        Raises:
+            RequestsLostError: an answer differed or a Step failed.
+        """
+        self._cut(wait=True)
+        self._settle()
+        self._settled()
+
+    def close(self) -> None:
+        """Send what is queued, then end the session (the server frees its requests)."""
+        try:
+            self.flush()
+        finally:
+            self._sender.shutdown(wait=True)
+            self.keeper.close()
+            try:
+                self.client.detach(self.session_id, self.keeper.fence)
+            except KVCoordError:
+                pass  # already gone: its requests were freed
+
+    # -- sending ----------------------------------------------------------------------------
+    def _queue(self, op: pb.Operation, expected: Any) -> None:
+        self._close_run()
+        self._pending.ops.append(op)
+        self._pending.expected.append(expected)
+
+    def _close_run(self) -> None:
+        run = self._run
+        if run is not None:
+            self._pending.ops.append(run.op())
+            self._pending.expected.append(run)
+            self._run = None
+
+    def _cut(self, wait: bool = False) -> None:
+        """End a scheduler step: send its calls unless a Step is in flight and the
+        backlog allows them to wait."""
+        self._close_run()
+        if not self._pending.ops:
+            self._settled()
+            return
+        in_flight = self._in_flight
+        if in_flight is not None:
+            if not wait and not in_flight.done() and self._backlog < self.max_backlog:
+                self._backlog += 1
+                return
+            self._settle()
+        self._settled()
+        self._send()
+
+    def _send(self) -> None:
+        sent = self._pending
+        self._pending = _Sent()
+        replica = self.replica
+        sent.num_free_blocks = replica.num_free_blocks
+        sent.events, sent.stats = replica.take_step()
+        self._backlog = 0
+        self.steps_sent += 1
+        self._in_flight = self._sender.submit(self._step, sent, self.keeper.session_id, self.keeper.fence)
+
+    def _step(self, sent: _Sent, session_id: str, fence: pb.Fence) -> None:
+        """On the sender thread: one Step, its answer compared with the replica's; a
+        failure is kept for the caller's next call to report."""
+        try:
+            self._checked_step(sent, session_id, fence)
+        except KVCoordError as err:
+            self._failure = self._failure or err
+        except Exception as err:  # noqa: BLE001 - anything unexpected is a failure too
+            self._failure = self._failure or KVCoordError(grpc.StatusCode.INTERNAL, repr(err))
+
+    def _checked_step(self, sent: _Sent, session_id: str, fence: pb.Fence) -> None:
+        keeper = self.keeper
+        at = keeper.clock()
+        resp = self.client.step(self.pool, sent.ops, session_id, fence, include_state=True)
+        keeper.renewed(at)
+        keeper.adopt(resp.fence)
+        for i, (result, expected) in enumerate(zip(resp.results, sent.expected, strict=True)):
+            if result.status_code:
+                reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
+                raise error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
+            if expected is None:
+                continue
+            if isinstance(expected, _Run):
+                answer = result.allocate_run
+                if (
+                    list(answer.num_new_blocks) != expected.counts
+                    or list(answer.new_block_ids) != expected.ids
+                ):
+                    raise PredictionMismatchError(f"operation {i}: the server's run of allocations differs")
+            elif [list(g.block_ids) for g in result.allocate.new_block_ids] != [expected]:
+                raise PredictionMismatchError(
+                    f"operation {i}: the server gave {[list(g.block_ids) for g in result.allocate.new_block_ids]}"
+                    f", the replica {expected}"
+                )
+        if resp.num_free_blocks != sent.num_free_blocks:
+            raise PredictionMismatchError(
+                f"the server has {resp.num_free_blocks} free blocks, the replica {sent.num_free_blocks}"
+            )
+        if self.config.enable_kv_cache_events and (resp.events_gap or list(resp.events) != sent.events):
+            raise PredictionMismatchError("the server's KV events differ from the replica's")
+        if self.log_stats and resp.prefix_cache_stats != sent.stats:
+            raise PredictionMismatchError(
+                f"the server's prefix-cache statistics differ from the replica's: {resp.prefix_cache_stats} "
+                f"against {sent.stats}"
+            )
+
+    def _settle(self) -> None:
+        """Wait for the Step in flight (its failure, if any, is in ``_failure``)."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            t0 = time.perf_counter()
+            in_flight.result()
+            self.waited_seconds += time.perf_counter() - t0
+
+    def _settled(self) -> None:
+        """Report a failure: every request is lost, and the session starts again from
+        the server's state.
+
+        Raises:
+            RequestsLostError: naming every request the session held.
+            KVCoordError: the server cannot be reached to start again (the next call
+                tries again).
+        """
+        failure = self._failure
+        if failure is None:
+            return
+        self._settle()
+        gone = self.tracker.clear()
+        if gone:
+            logger.warning("predicted pool %r: %s; %d request(s) lost", self.pool, failure, len(gone))
+        self._lost.extend(gone)
+        self._pending = _Sent()
+        self._run = None
+        self._backlog = 0
+        self.replica.tables.clear()  # nothing is held any more (the replica is replaced below)
+        if self.keeper.session_id:
+            try:
+                self.client.detach(self.keeper.session_id, self.keeper.fence)
+            except KVCoordError:
+                pass  # gone already (or unreachable: its lease ends it)
+        self.keeper.attach()
+        self.replica = self._new_replica()
+        lost, self._lost, self._failure = self._lost, [], None
+        self.lost_requests += len(lost)
+        raise RequestsLostError(lost, failure)
+
+    def _vouch(self) -> None:
+        """Answer only while the session's lease certainly runs (else another session
+        could be given these blocks)."""
+        keeper = self.keeper
+        if keeper.lost is not None or keeper.clock() >= keeper.valid_until:
+            self._settle()  # the answer in flight renews the lease
+            try:
+                keeper.vouch()
+            except KVCoordError as err:
+                self._failure = self._failure or err
+            self._settled()
+
+
+def _lora(request: Any) -> tuple[int, str] | None:
+    """The request's LoRA adapter (id, name), as its registration sends it."""
+    lora = getattr(request, "lora_request", None)
+    if lora is None:
+        return None
+    return (
+        int(getattr(lora, "lora_int_id", getattr(lora, "adapter_id", 0))),
+        str(getattr(lora, "lora_name", getattr(lora, "name", ""))),
+    )
+
+
+def _refusal(
+    request_id: str, fields: tuple[int, int, Any, Any, int], num_new_tokens: int, num_lookahead_tokens: int
+) -> pb.Operation:
+    """A refused allocation of a registered request, with its sync (``sync_run``'s
+    fields), for the server to confirm."""
+    base_t, base_h, tokens, hashes, computed = fields
+    op = pb.Operation()
+    a = op.allocate
+    sync = a.request
+    sync.request_id = request_id
+    sync.base_num_tokens, sync.base_num_hashes = base_t, base_h
+    sync.append_token_ids.extend(tokens)
+    sync.append_block_hashes.extend([bytes(h) for h in hashes])
+    sync.num_computed_tokens = computed
+    a.num_new_tokens = num_new_tokens
+    a.num_lookahead_tokens = num_lookahead_tokens
+    a.must_refuse = True
+    return op
+
+
+class _Run:
+    """A Step's allocations of registered requests without a hit, as the columns of
+    one AllocateRunOp, with the block ids the replica gave them."""
+
+    __slots__ = ("base_h", "base_t", "computed", "counts", "hashes", "ids", "look", "n_hash", "n_tok", "new",
+                 "rids", "tokens")  # fmt: skip
+
+    def __init__(self) -> None:
+        self.rids: list[str] = []
+        self.base_t: list[int] = []
+        self.base_h: list[int] = []
+        self.computed: list[int] = []
+        self.new: list[int] = []
+        self.look: list[int] = []
+        self.n_tok: list[int] = []
+        self.tokens: list[int] = []
+        self.n_hash: list[int] = []
+        self.hashes: list[bytes] = []
+        #: each entry's new block count, and every new block id, in entry order
+        self.counts: list[int] = []
+        self.ids: list[int] = []
+
+    def add(
+        self,
+        request_id: str,
+        fields: tuple[int, int, Any, Any, int],
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        new: list[int],
+    ) -> None:
+        base_t, base_h, tokens, hashes, computed = fields
+        self.rids.append(request_id)
+        self.base_t.append(base_t)
+        self.base_h.append(base_h)
+        self.computed.append(computed)
+        self.new.append(num_new_tokens)
+        self.look.append(num_lookahead_tokens)
+        self.n_tok.append(len(tokens))
+        self.tokens.extend(tokens)
+        self.n_hash.append(len(hashes))
+        self.hashes.extend(hashes)
+        self.counts.append(len(new))
+        self.ids.extend(new)
+
+    def op(self) -> pb.Operation:
+        return pb.Operation(
+            allocate_run=pb.AllocateRunOp(
+                request_ids=self.rids, base_num_tokens=self.base_t, base_num_hashes=self.base_h,
+                num_computed_tokens=self.computed, num_new_tokens=self.new, num_lookahead_tokens=self.look,
+                num_append_tokens=self.n_tok, append_token_ids=self.tokens, num_append_hashes=self.n_hash,
+                append_block_hashes=[bytes(h) for h in self.hashes],
+            )
+        )  # fmt: skip

@@ -1,0 +1,201 @@
+"""PredictingKVCacheManager over real gRPC: which pools it takes, and what happens when
+the server's answers disagree with its replica, refuse what it promised, or its
+session ends under it. Its exactness under a faulty network is in
+tests/reliability/test_faults.py."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from kvcoord.client import (
+    FailedPreconditionError,
+    KVCoordClient,
+    PoolBusyError,
+    PredictingKVCacheManager,
+    RemoteKVCacheManager,
+    RequestsLostError,
+)
+from kvcoord.client.hashing import BlockHasher
+from kvcoord.service.testing import InProcessServer, ManualClock
+from kvcoord.v1 import allocator_pb2 as pb
+from support import NONE, Req, wire_pool_config
+
+
+def _req(rid: str, tokens: list[int]) -> Any:
+    r = Req(rid, tokens)
+    r.block_hashes = BlockHasher("sha256_cbor", 4, NONE).extend(tokens)  # type: ignore[attr-defined]
+    return r
+
+
+def _tables(client: KVCoordClient, pool: str) -> dict[str, list[int]]:
+    return {
+        s.request_id: list(s.groups[0].block_ids)
+        for s in client.inspect_pool(pool, all_requests=True).requests
+    }
+
+
+def _admit(m: PredictingKVCacheManager, r: Any) -> list[int]:
+    hit, hit_tokens = m.get_computed_blocks(r)
+    new = m.allocate_slots(r, len(r.all_token_ids) - hit_tokens, hit_tokens, hit)
+    assert new is not None
+    r.num_computed_tokens = len(r.all_token_ids)
+    return list(hit.block_ids[0]) + list(new.block_ids[0])
+
+
+@pytest.fixture
+def pool(client: KVCoordClient) -> str:
+    client.create_pool("pred", wire_pool_config(32, events=True))
+    return "pred"
+
+
+def test_only_a_pool_the_replica_can_follow_is_taken(client: KVCoordClient, pool: str) -> None:
+    """A hybrid pool is refused with the server's reason, and so is a pool another
+    session holds; neither leaves a session behind."""
+    hybrid = pb.PoolConfig(
+        num_blocks=32, hash_block_size=4, enable_caching=True, hash_algo="sha256_cbor", hash_seed="0",
+        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4)),
+                pb.KVCacheGroupSpec(sliding_window=pb.SlidingWindowSpec(block_size=4, sliding_window=8))],
+    )  # fmt: skip
+    client.create_pool("hybrid", hybrid)
+    with pytest.raises(FailedPreconditionError, match="not one group of full attention"):
+        PredictingKVCacheManager(client, "hybrid", hash_seed="0", renew=False)
+    RemoteKVCacheManager(client, "hybrid", hash_seed="0", renew=False, exclusive=True).close()  # none left
+    other = RemoteKVCacheManager(client, pool, hash_seed="0", renew=False)
+    with pytest.raises(PoolBusyError):
+        PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    other.close()
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    m.close()
+
+
+def test_answers_equal_the_servers_from_a_used_pool(client: KVCoordClient, pool: str) -> None:
+    """A pool used before (blocks cached, free queue reordered) is handed over whole:
+    hits and new blocks answered at once equal what the server holds."""
+    first = RemoteKVCacheManager(client, pool, hash_seed="0", renew=False)
+    for i, tokens in enumerate([list(range(20)), list(range(20)), list(range(100, 117))]):
+        r = Req(f"old{i}", tokens)
+        first.allocate_slots(r, len(tokens))
+    first.close()  # frees everything: the blocks stay cached, the queue reordered
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    a = _req("a", list(range(20)) + [7, 7, 7])
+    b = _req("b", list(range(100, 117)) + [8])
+    told = {"a": _admit(m, a), "b": _admit(m, b)}
+    assert told["a"][:5] == [1, 2, 3, 4, 5] and told["b"][:4] == [
+        11,
+        12,
+        13,
+        14,
+    ]  # hits on the first's blocks
+    m.flush()
+    assert _tables(client, pool) == told
+    m.close()
+
+
+def _broken(
+    client: KVCoordClient, pool: str, break_replica: Callable[[PredictingKVCacheManager], None]
+) -> tuple[PredictingKVCacheManager, RequestsLostError]:
+    """Two admitted requests, the replica changed under the manager, one more step:
+    the next call reports what was lost."""
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    a, b = _req("a", list(range(9))), _req("b", list(range(50, 60)))
+    _admit(m, a)
+    _admit(m, b)
+    m.take_events()
+    break_replica(m)
+    c = _req("c", list(range(200, 230)))
+    _admit(m, c)  # answered from the changed replica
+    m.take_events()
+    with pytest.raises(RequestsLostError) as info:
+        m.flush()
+    return m, info.value
+
+
+def test_a_server_that_disagrees_loses_every_request_loudly(client: KVCoordClient, pool: str) -> None:
+    """The replica's free queue is reordered behind its back: the server gives the next
+    request other blocks; the answer's check reports every request the session held
+    as lost, the session ends (the server frees them) and a new one starts from the
+    server's state, whose answers are exact again."""
+
+    def reorder(m: PredictingKVCacheManager) -> None:
+        used = m.replica._used  # no freed block yet: make two never-used blocks "freed" in another order
+        fresh = m.replica._next_fresh
+        m.replica._next_fresh = fresh + 2
+        used[fresh + 1] = None
+        used[fresh] = None
+
+    m, lost = _broken(client, pool, reorder)
+    assert sorted(lost.request_ids) == ["a", "b", "c"]
+    assert lost.reason == "PREDICTION_FAILED"
+    assert m.lost_requests == 3
+    assert _tables(client, pool) == {}  # the old session's requests are freed
+    d = _req("d", list(range(9)))
+    told = _admit(m, d)  # a hit on a's cached blocks, from the new state
+    m.flush()
+    assert _tables(client, pool) == {"d": told}
+    m.close()
+
+
+def test_a_promise_the_server_refuses_loses_every_request(client: KVCoordClient, pool: str) -> None:
+    """The replica believes blocks are free that are not: it answers an allocation the
+    server must refuse; the server refuses the Step's promise (PREDICTION_FAILED) and
+    the next call reports every request lost."""
+
+    def phantom(m: PredictingKVCacheManager) -> None:
+        m.replica.num_blocks += 64  # blocks the pool does not have
+        m.replica._ref.extend([0] * 64)
+
+    client.delete_pool(pool)
+    client.create_pool(pool, wire_pool_config(12, events=True))
+    m, lost = _broken(client, pool, phantom)
+    assert sorted(lost.request_ids) == ["a", "b", "c"]
+    assert _tables(client, pool) == {}
+    m.close()
+
+
+def test_an_expired_session_loses_every_request_and_starts_again(
+    make_server: Callable[..., InProcessServer], clock: ManualClock
+) -> None:
+    """The server ends the session (its lease ran out there): the Step sent after is
+    refused, the next call reports every request lost, and the manager attaches again."""
+    server = make_server("")
+    with KVCoordClient(server.address, timeout=10) as c:
+        c.create_pool("p", wire_pool_config(32))
+        m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False, lease_seconds=5)
+        _admit(m, _req("a", list(range(9))))
+        m.flush()
+        clock.advance(30)
+        assert server.call(server.running.servicer.reap_expired_sessions) == 1  # type: ignore[union-attr]
+        _admit(m, _req("b", list(range(40, 50))))  # answered: the client still vouches for its lease
+        m.take_events()
+        with pytest.raises(RequestsLostError) as info:
+            m.flush()
+        assert sorted(info.value.request_ids) == ["a", "b"]
+        assert info.value.reason == "SESSION_EXPIRED"
+        told = _admit(m, _req("c", list(range(9))))
+        m.flush()
+        assert _tables(c, "p") == {"c": told}
+        m.close()
+
+
+def test_calls_it_cannot_predict_are_refused_before_anything_is_sent(
+    client: KVCoordClient, pool: str
+) -> None:
+    """KV connector tokens, delayed caching and bad counts raise InvalidArgumentError
+    and change nothing."""
+    from kvcoord.client import InvalidArgumentError
+
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    r = _req("a", list(range(9)))
+    free = m.replica.num_free_blocks
+    with pytest.raises(InvalidArgumentError, match="plain scheduler path"):
+        m.allocate_slots(r, 9, num_external_computed_tokens=4)
+    with pytest.raises(InvalidArgumentError, match="plain scheduler path"):
+        m.allocate_slots(r, 9, delay_cache_blocks=True)
+    with pytest.raises(InvalidArgumentError, match="num_new_tokens"):
+        m.allocate_slots(r, 0)
+    assert m.replica.num_free_blocks == free and "a" not in m.tracker
+    m.flush()
+    assert _tables(client, pool) == {}
+    m.close()

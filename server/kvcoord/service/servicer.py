@@ -439,11 +439,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         reset = other or cursor > journal.visible_sequence
         if reset:
             cursor = 0
-        # after_sequence 0 asks for the oldest kept event: nothing was missed before it.
-        fresh = cursor == 0
+        # Sequence numbers start at 1 in each pool incarnation and go on across
+        # restarts (recovery restores the counter with the kept events), so a cursor
+        # of 0 (fresh or reset) missed events exactly when sequence 1 is no longer kept.
         while not self.stopping and not journal.closed:
-            gap = journal.missed(cursor) and not fresh
-            fresh = False
+            gap = journal.missed(cursor)
             items = journal.since(cursor, limit=1024, upto=journal.visible_sequence)
             for seq, event in items:
                 yield pb.WatchEventsResponse(

@@ -159,7 +159,9 @@ def test_watchers_after_a_journaled_restart_keep_the_numbering(tmp_path: object)
             assert [e.sequence for e in after] == before == [1, 2] and not any(e.gap for e in after)
             sid, fence = attach(c)
             for i in range(1, 3):
-                c.allocate("p", allocate(f"r{i}", list(range(i * 100, i * 100 + 12)), 12).allocate, sid, fence)
+                c.allocate(
+                    "p", allocate(f"r{i}", list(range(i * 100, i * 100 + 12)), 12).allocate, sid, fence
+                )
             later = list(c.watch_events("p", 0, timeout=1.0))
             assert later[0].sequence > 1 and later[0].gap and not any(e.gap for e in later[1:])
     finally:

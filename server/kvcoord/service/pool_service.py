@@ -160,8 +160,9 @@ class PoolService:
         """The hash handshake, then a new session of ``tenant``.
 
         Raises:
-            ServiceError: FAILED_PRECONDITION naming each hash difference, or when an
-                exclusive session would share the pool; UNAVAILABLE (GRACE_PERIOD)
+            ServiceError: FAILED_PRECONDITION naming each hash difference
+                (HASH_MISMATCH), or when an exclusive session would share the pool
+                (POOL_EXCLUSIVE); UNAVAILABLE (GRACE_PERIOD)
                 right after a restart; RESOURCE_EXHAUSTED when the tenant already has
                 ``max_sessions`` (default: max_sessions_per_tenant) live sessions.
         """
@@ -177,6 +178,7 @@ class PoolService:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"pool {self.name!r} hashes differently, so no prefix would ever hit: " + "; ".join(diffs),
+                ErrorReason.HASH_MISMATCH,
             )
         wait = self.grace_until - self.sessions.clock()
         if wait > 0:

@@ -36,7 +36,7 @@ from .convert import (
     stats_to_pb,
     write_outcome,
 )
-from .errors import REASON_METADATA_KEY, ServiceError, grpc_code, map_errors, map_stream_errors
+from .errors import REASON_METADATA_KEY, ErrorReason, ServiceError, grpc_code, map_errors, map_stream_errors
 from .pool_service import Fence, PoolService
 from .registry import PoolRegistry
 
@@ -207,7 +207,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 tenant.max_sessions,
             )
         except ServiceError as exc:
-            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+            # only the hash handshake: an exclusive pool's refusal is not a hashing fault
+            if exc.reason is ErrorReason.HASH_MISMATCH:
                 self.observer.handshake_refused(request.pool)
             raise
         self.observer.attached(service)

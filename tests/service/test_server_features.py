@@ -4,7 +4,6 @@ health, and exact metric values (read from the server's own Prometheus registry)
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, Slidin
 from kvcoord.service.config import parse_config
 from kvcoord.service.server import start_server
 from kvcoord.service.testing import InProcessServer
-from prometheus_client.parser import text_string_to_metric_families
+from support import scrape_metrics
 
 
 def test_reflection_lists_services(server: InProcessServer) -> None:
@@ -117,22 +116,6 @@ def test_metrics_move_exactly_with_a_known_workload(make_server: Callable[..., I
     assert m[("grpc_server_handling_seconds_count", tuple(x for x in ok if x[0] != "grpc_code"))] >= 4
 
 
-def _scrape_http(server: InProcessServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Every sample of a real /metrics scrape over HTTP, as a Prometheus server reads it."""
-    assert server.metrics is not None
-    address = server.metrics.start_http("127.0.0.1:0")
-    try:
-        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as answer:
-            text = answer.read().decode()
-    finally:
-        server.metrics.stop_http()
-    out = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
-
-
 def test_only_a_hash_mismatch_counts_as_a_handshake_refusal(
     make_server: Callable[..., InProcessServer],
 ) -> None:
@@ -141,13 +124,13 @@ def test_only_a_hash_mismatch_counts_as_a_handshake_refusal(
     srv = make_server()
     key = ("kvcoord_hash_handshake_refusals_total", (("pool", "p"),))
     with KVCoordClient(srv.address) as c:
-        assert _scrape_http(srv)[key] == 0
+        assert scrape_metrics(srv)[key] == 0
         c.attach("p", "sha256_cbor", 4, "0", exclusive=True)
         with pytest.raises(PoolBusyError) as busy:
             c.attach("p", "sha256_cbor", 4, "0")  # the pool's own hash settings
         assert busy.value.reason == "POOL_EXCLUSIVE"
-        assert _scrape_http(srv)[key] == 0
+        assert scrape_metrics(srv)[key] == 0
         with pytest.raises(HashMismatchError) as mismatch:
             c.attach("p", "sha256_cbor", 16, "0")
         assert mismatch.value.reason == "HASH_MISMATCH"
-        assert _scrape_http(srv)[key] == 1
+        assert scrape_metrics(srv)[key] == 1

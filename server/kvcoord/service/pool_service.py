@@ -112,6 +112,9 @@ class PoolService:
         self.owners: dict[str, Session] = {}
         #: no session may attach before this monotonic time (post-restart grace)
         self.grace_until = 0.0
+        #: when this incarnation was created (seconds since the epoch; journaled, so a
+        #: recovered pool keeps it): its counters' ``_created`` time
+        self.created_at = 0.0
         #: earlier instances of this server whose state was recovered without loss
         #: (durability.py): their fences stay valid for this incarnation
         self.lineage: frozenset[str] | set[str] = frozenset()

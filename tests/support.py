@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import urllib.request
 from collections.abc import Sequence
 
 from kvcoord.client.hashing import BlockHasher, none_hash
@@ -13,7 +14,9 @@ from kvcoord.engine import (
     KVCacheConfig,
     KVCachePool,
 )
+from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclasses.dataclass
@@ -119,3 +122,20 @@ type = "sliding_window"
 block_size = 4
 sliding_window = 8
 """
+
+
+def scrape_metrics(server: InProcessServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of a real /metrics scrape over HTTP, as Prometheus reads it:
+    (name, sorted labels) -> value."""
+    assert server.metrics is not None
+    address = server.metrics.start_http("127.0.0.1:0")
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as answer:
+            text = answer.read().decode()
+    finally:
+        server.metrics.stop_http()
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out

@@ -8,15 +8,17 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import pytest
 from conftest import POOL_TOML
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers import allocate, attach
-from kvcoord.client import KVCoordClient
+from kvcoord.client import HashMismatchError, KVCoordClient, PoolBusyError
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
 from kvcoord.service.config import parse_config
 from kvcoord.service.server import start_server
 from kvcoord.service.testing import InProcessServer
+from support import scrape_metrics
 
 
 def test_reflection_lists_services(server: InProcessServer) -> None:
@@ -112,3 +114,23 @@ def test_metrics_move_exactly_with_a_known_workload(make_server: Callable[..., I
           ("grpc_type", "unary"))  # fmt: skip
     assert m[("grpc_server_handled_total", ok)] == 4
     assert m[("grpc_server_handling_seconds_count", tuple(x for x in ok if x[0] != "grpc_code"))] >= 4
+
+
+def test_only_a_hash_mismatch_counts_as_a_handshake_refusal(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """An Attach refused because an exclusive session holds the pool leaves
+    kvcoord_hash_handshake_refusals_total (a critical alert) alone; a hash mismatch moves it."""
+    srv = make_server()
+    key = ("kvcoord_hash_handshake_refusals_total", (("pool", "p"),))
+    with KVCoordClient(srv.address) as c:
+        assert scrape_metrics(srv)[key] == 0
+        c.attach("p", "sha256_cbor", 4, "0", exclusive=True)
+        with pytest.raises(PoolBusyError) as busy:
+            c.attach("p", "sha256_cbor", 4, "0")  # the pool's own hash settings
+        assert busy.value.reason == "POOL_EXCLUSIVE"
+        assert scrape_metrics(srv)[key] == 0
+        with pytest.raises(HashMismatchError) as mismatch:
+            c.attach("p", "sha256_cbor", 16, "0")
+        assert mismatch.value.reason == "HASH_MISMATCH"
+        assert scrape_metrics(srv)[key] == 1

@@ -103,6 +103,71 @@ def test_events_gap_is_flagged(make_server: object) -> None:
         assert taken.gap and list(taken.events) == [e.event for e in events]
 
 
+def test_fresh_and_reset_watchers_are_told_of_dropped_events(make_server: object) -> None:
+    """A watcher starting at after_sequence 0, or reset into another history, whose first
+    event is not sequence 1 of the pool's current incarnation gets gap = true on it."""
+    from conftest import POOL_TOML
+    from kvcoord.service.registry import Limits
+
+    srv = make_server(POOL_TOML, limits=Limits(event_buffer=3))  # type: ignore[operator]
+    with KVCoordClient(srv.address) as c:
+        sid, fence = attach(c)
+        c.allocate("p", allocate("r0", list(range(12)), 12).allocate, sid, fence)
+        kept = list(c.watch_events("p", 0, timeout=1.0))
+        assert kept[0].sequence == 1 and not any(e.gap for e in kept)  # nothing dropped yet
+        for i in range(1, 4):
+            c.allocate("p", allocate(f"r{i}", list(range(i * 100, i * 100 + 12)), 12).allocate, sid, fence)
+        fresh = list(c.watch_events("p", 0, timeout=1.0))
+        assert fresh[0].sequence > 1 and fresh[0].gap and not fresh[0].reset
+        assert not any(e.gap for e in fresh[1:])
+        # a cursor beyond this history: reset, and the events before the oldest kept are gone
+        beyond = list(c.watch_events("p", 10_000, timeout=1.0))
+        assert beyond[0].reset and beyond[0].gap and beyond[0].sequence == fresh[0].sequence
+        # the pool deleted and created again: its new history has dropped events too
+        old = fresh[-1]
+        cfg = c.get_pool("p").pool.config
+        c.delete_pool("p")
+        c.create_pool("p", cfg)
+        sid, fence = attach(c)
+        for i in range(4):
+            c.allocate("p", allocate(f"s{i}", list(range(i * 100, i * 100 + 12)), 12).allocate, sid, fence)
+        resumed = list(c.watch_events("p", old.sequence, timeout=1.0, fence=old.fence))
+        assert resumed[0].reset and resumed[0].gap and resumed[0].sequence > 1
+        assert not any(e.gap or e.reset for e in resumed[1:])
+
+
+def test_watchers_after_a_journaled_restart_keep_the_numbering(tmp_path: object) -> None:
+    """A journaled pool keeps its events and their numbering across a restart: a fresh
+    watcher sees no gap while sequence 1 is still kept, and is told once it is not."""
+    from conftest import POOL_TOML
+    from kvcoord.service.registry import Limits
+
+    limits = Limits(event_buffer=3)
+    data = str(tmp_path)
+    srv = InProcessServer(POOL_TOML, limits=limits, data_dir=data).start()
+    try:
+        with KVCoordClient(srv.address) as c:
+            sid, fence = attach(c)
+            c.allocate("p", allocate("r0", list(range(12)), 12).allocate, sid, fence)
+            before = [e.sequence for e in c.watch_events("p", 0, timeout=1.0)]
+    finally:
+        srv.stop()
+    srv = InProcessServer(POOL_TOML, limits=limits, data_dir=data).start()
+    try:
+        with KVCoordClient(srv.address) as c:
+            after = list(c.watch_events("p", 0, timeout=1.0))
+            assert [e.sequence for e in after] == before == [1, 2] and not any(e.gap for e in after)
+            sid, fence = attach(c)
+            for i in range(1, 3):
+                c.allocate(
+                    "p", allocate(f"r{i}", list(range(i * 100, i * 100 + 12)), 12).allocate, sid, fence
+                )
+            later = list(c.watch_events("p", 0, timeout=1.0))
+            assert later[0].sequence > 1 and later[0].gap and not any(e.gap for e in later[1:])
+    finally:
+        srv.stop()
+
+
 def test_watch_sees_later_events_live(client: KVCoordClient) -> None:
     """A subscriber receives events published after it subscribed."""
     got: list[int] = []

@@ -10,7 +10,7 @@ Hierarchy::
     │   └── RequestUnknownError       the request is not in the pool (REQUEST_UNKNOWN)
     ├── AlreadyExistsError            ALREADY_EXISTS
     ├── FailedPreconditionError       FAILED_PRECONDITION (hash handshake, ...)
-    │   ├── HashMismatchError         the pool hashes differently (Attach)
+    │   ├── HashMismatchError         the pool hashes differently (Attach, HASH_MISMATCH)
     │   ├── FencedError               server restarted / pool re-created: block ids void
     │   ├── PoolBusyError             an exclusive session holds the pool (POOL_EXCLUSIVE)
     │   └── SyncMismatchError         the server holds another position of a request
@@ -204,6 +204,7 @@ _REASONS: dict[str, type[KVCoordError]] = {
     "GRACE_PERIOD": GracePeriodError,
     "REQUEST_UNKNOWN": RequestUnknownError,
     "POOL_EXCLUSIVE": PoolBusyError,
+    "HASH_MISMATCH": HashMismatchError,
 }
 
 #: Trailing-metadata key carrying the reason of a failed RPC.

@@ -20,6 +20,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REQUEST_UNKNOWN: _ClassVar[ErrorReason]
     PREDICTION_FAILED: _ClassVar[ErrorReason]
     POOL_EXCLUSIVE: _ClassVar[ErrorReason]
+    HASH_MISMATCH: _ClassVar[ErrorReason]
 REASON_UNSPECIFIED: ErrorReason
 INSTANCE_CHANGED: ErrorReason
 INCARNATION_CHANGED: ErrorReason
@@ -31,6 +32,7 @@ GRACE_PERIOD: ErrorReason
 REQUEST_UNKNOWN: ErrorReason
 PREDICTION_FAILED: ErrorReason
 POOL_EXCLUSIVE: ErrorReason
+HASH_MISMATCH: ErrorReason
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")

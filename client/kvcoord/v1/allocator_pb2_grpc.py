@@ -150,8 +150,9 @@ class AllocatorServicer:
 
     def Attach(self, request, context):
         """Hash handshake and session: a worker declares how it hashes blocks; a mismatch
-        with the pool is FAILED_PRECONDITION naming the difference. Returns a session
-        whose requests are freed if the session is not renewed within its lease.
+        with the pool is FAILED_PRECONDITION (HASH_MISMATCH) naming the difference, and a
+        pool held by an exclusive session FAILED_PRECONDITION (POOL_EXCLUSIVE). Returns a
+        session whose requests are freed if the session is not renewed within its lease.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -8,7 +8,8 @@ cursors and idempotency answers. Records are CBOR lists ``[kind, wall_time, ...]
 ============  =================================================================
 ``start``     instance id (a later instance recovered this history; fences that
               name it stay valid)
-``create``    pool name, wire ``PoolConfig`` bytes, incarnation
+``create``    pool name, wire ``PoolConfig`` bytes, incarnation, creation wall time
+              (absent in older journals: the record's own time)
 ``delete``    pool name
 ``attach``    pool, session id, client name, lease seconds, exclusive, tenant
 ``detach``    session id
@@ -145,7 +146,9 @@ class JournalRecorder(Recorder):
     def pool_created(self, service: PoolService) -> None:
         service.events.durable_sequence = service.events.last_sequence
         wire: Any = service.wire_config
-        self._append("create", service.name, wire.SerializeToString(), service.fence.incarnation)
+        self._append(
+            "create", service.name, wire.SerializeToString(), service.fence.incarnation, service.created_at
+        )
 
     def pool_deleted(self, name: str) -> None:
         self._append("delete", name)

@@ -46,6 +46,7 @@ class ErrorReason(enum.Enum):
     REQUEST_UNKNOWN = 8
     PREDICTION_FAILED = 9
     POOL_EXCLUSIVE = 10
+    HASH_MISMATCH = 11
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -65,6 +65,8 @@ class _PoolCollector(Collector):
         return list(self._families())
 
     def _families(self) -> Iterator[Any]:
+        """Pool counters carry the pool's creation time as ``_created``: a pool deleted
+        and created again under the same name starts at 0 with a new one."""
         servicer = self.metrics.servicer
         pools = sorted(servicer.registry.pools.values(), key=lambda h: h.name) if servicer else []
         usage = GaugeMetricFamily(
@@ -130,17 +132,19 @@ class _PoolCollector(Collector):
             total.add_metric(n, h.config.num_blocks - 1)
             live.add_metric(n, len(e.requests))
             sessions.add_metric(n, session_counts.get(h.name, 0))
-            lookups.add_metric(n, c.lookups)
-            queries.add_metric(n, c.queries)
-            hits.add_metric(n, c.hits)
-            short.add_metric(n, c.short_lookups)
+            lookups.add_metric(n, c.lookups, created=h.created_at)
+            queries.add_metric(n, c.queries, created=h.created_at)
+            hits.add_metric(n, c.hits, created=h.created_at)
+            short.add_metric(n, c.short_lookups, created=h.created_at)
             for g, tokens in enumerate(c.group_hit_tokens):
-                group_hits.add_metric([h.name, str(g), type(h.config.groups[g]).__name__], tokens)
-            evictions.add_metric(n, bp.num_evictions)
-            refusals.add_metric(n, e.num_refusals)
-            allocated.add_metric(n, bp.num_allocated)
-            freed.add_metric(n, bp.num_freed)
-            events.add_metric(n, h.events.last_sequence)
+                group_hits.add_metric(
+                    [h.name, str(g), type(h.config.groups[g]).__name__], tokens, created=h.created_at
+                )
+            evictions.add_metric(n, bp.num_evictions, created=h.created_at)
+            refusals.add_metric(n, e.num_refusals, created=h.created_at)
+            allocated.add_metric(n, bp.num_allocated, created=h.created_at)
+            freed.add_metric(n, bp.num_freed, created=h.created_at)
+            events.add_metric(n, h.events.last_sequence, created=h.created_at)
         yield from (usage, free, total, live, sessions, lookups, queries, hits, group_hits, short, evictions,
                     refusals, allocated, freed, events)  # fmt: skip
 

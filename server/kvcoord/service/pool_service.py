@@ -112,6 +112,9 @@ class PoolService:
         self.owners: dict[str, Session] = {}
         #: no session may attach before this monotonic time (post-restart grace)
         self.grace_until = 0.0
+        #: when this incarnation was created (seconds since the epoch; journaled, so a
+        #: recovered pool keeps it): its counters' ``_created`` time
+        self.created_at = 0.0
         #: earlier instances of this server whose state was recovered without loss
         #: (durability.py): their fences stay valid for this incarnation
         self.lineage: frozenset[str] | set[str] = frozenset()
@@ -160,8 +163,9 @@ class PoolService:
         """The hash handshake, then a new session of ``tenant``.
 
         Raises:
-            ServiceError: FAILED_PRECONDITION naming each hash difference, or when an
-                exclusive session would share the pool; UNAVAILABLE (GRACE_PERIOD)
+            ServiceError: FAILED_PRECONDITION naming each hash difference
+                (HASH_MISMATCH), or when an exclusive session would share the pool
+                (POOL_EXCLUSIVE); UNAVAILABLE (GRACE_PERIOD)
                 right after a restart; RESOURCE_EXHAUSTED when the tenant already has
                 ``max_sessions`` (default: max_sessions_per_tenant) live sessions.
         """
@@ -177,6 +181,7 @@ class PoolService:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"pool {self.name!r} hashes differently, so no prefix would ever hit: " + "; ".join(diffs),
+                ErrorReason.HASH_MISMATCH,
             )
         wait = self.grace_until - self.sessions.clock()
         if wait > 0:

@@ -86,6 +86,7 @@ def dump_state(registry: PoolRegistry, wall_clock: Callable[[], float] = time.ti
                 "name": name,
                 "config": wire.SerializeToString(),
                 "incarnation": service.fence.incarnation,
+                "created_at": service.created_at,
                 "engine": service.engine,
                 "events": service.events.kept(),
                 "last_sequence": service.events.last_sequence,
@@ -124,7 +125,11 @@ def load_state(registry: PoolRegistry, body: bytes, wall_clock: Callable[[], flo
     registry.lineage.update(state["lineage"])
     services = {}
     for p in state["pools"]:
-        service, _ = registry.create(p["name"], pb.PoolConfig.FromString(p["config"]), p["incarnation"])
+        # a snapshot older than created_at: the pool existed when it was written
+        created_at = p.get("created_at", state["wall"])
+        service, _ = registry.create(
+            p["name"], pb.PoolConfig.FromString(p["config"]), p["incarnation"], created_at
+        )
         service.engine = p["engine"]
         service.events.restore(p["events"], p["last_sequence"])
         services[p["name"]] = (service, p["owners"])
@@ -150,7 +155,8 @@ def replay_record(registry: PoolRegistry, record: list[Any], now_wall: float) ->
     if kind == "start":
         registry.lineage.add(record[2])
     elif kind == "create":
-        registry.create(record[2], pb.PoolConfig.FromString(record[3]), record[4])
+        created_at = float(record[5]) if len(record) > 5 else when
+        registry.create(record[2], pb.PoolConfig.FromString(record[3]), record[4], created_at)
     elif kind == "delete":
         registry.delete(record[2])
     elif kind == "attach":

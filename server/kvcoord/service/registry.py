@@ -72,13 +72,20 @@ class PoolRegistry:
         self.lineage: set[str] = set()
         #: told about every mutation (the journal; the default records nothing)
         self.recorder: Recorder = Recorder()
+        #: seconds since the epoch (pool creation times)
+        self.wall_clock: Callable[[], float] = time.time
 
     def create(
-        self, name: str, config_pb: pb.PoolConfig, incarnation: int | None = None
+        self,
+        name: str,
+        config_pb: pb.PoolConfig,
+        incarnation: int | None = None,
+        created_at: float | None = None,
     ) -> tuple[PoolService, bool]:
         """Create a pool, or return the identical existing one (``created`` False).
 
-        ``incarnation`` is given only when recovering a journaled pool: the pool
+        ``incarnation`` and ``created_at`` (its creation wall time; default now) are
+        given only when recovering a journaled pool: the pool
         existed, so neither the memory budget nor max_tokens_per_request refuses it
         (limits lowered since apply to new pools; a warning is logged for the budget).
         A pool whose ``max_model_len`` is 0 admits ``max_tokens_per_request`` tokens.
@@ -134,6 +141,7 @@ class PoolRegistry:
         wire.CopyFrom(config_pb)
         service = PoolService(name, config, hash_settings, fence, self.limits, self.sessions, wire)
         service.grace_until = self.grace_until
+        service.created_at = self.wall_clock() if created_at is None else created_at
         service.lineage = self.lineage
         self.pools[name] = service
         self.pool_memory[name] = need

@@ -126,6 +126,7 @@ async def start_server(
         grace_until,
         clock,
     )
+    registry.wall_clock = wall_clock
     recovery = None
     if st.journaled:
         recovery = open_journal(registry, st.data_dir, st.synchronous, st.snapshot_every, wall_clock)

@@ -37,7 +37,7 @@ from .convert import (
     write_outcome,
     write_pool_state,
 )
-from .errors import REASON_METADATA_KEY, ServiceError, grpc_code, map_errors, map_stream_errors
+from .errors import REASON_METADATA_KEY, ErrorReason, ServiceError, grpc_code, map_errors, map_stream_errors
 from .pool_service import Fence, PoolService
 from .registry import PoolRegistry
 
@@ -208,7 +208,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 tenant.max_sessions,
             )
         except ServiceError as exc:
-            if exc.code == grpc.StatusCode.FAILED_PRECONDITION:
+            # only the hash handshake: an exclusive pool's refusal is not a hashing fault
+            if exc.reason is ErrorReason.HASH_MISMATCH:
                 self.observer.handshake_refused(request.pool)
             raise
         self.observer.attached(service)
@@ -444,11 +445,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         reset = other or cursor > journal.visible_sequence
         if reset:
             cursor = 0
-        # after_sequence 0 asks for the oldest kept event: nothing was missed before it.
-        fresh = cursor == 0
+        # Sequence numbers start at 1 in each pool incarnation and go on across
+        # restarts (recovery restores the counter with the kept events), so a cursor
+        # of 0 (fresh or reset) missed events exactly when sequence 1 is no longer kept.
         while not self.stopping and not journal.closed:
-            gap = journal.missed(cursor) and not fresh
-            fresh = False
+            gap = journal.missed(cursor)
             items = journal.since(cursor, limit=1024, upto=journal.visible_sequence)
             for seq, event in items:
                 yield pb.WatchEventsResponse(

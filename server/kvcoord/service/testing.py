@@ -37,6 +37,7 @@ class InProcessServer:
         config_text: TOML configuration (pools etc.); listeners are replaced by port 0.
         limits: overrides the config's limits.
         clock: session clock (a :class:`ManualClock` in tests).
+        wall_clock: seconds since the epoch (pool creation times, the journal's records).
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class InProcessServer:
         *,
         limits: Limits | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         metrics: bool = True,
         port: int = 0,
         **settings: Any,
@@ -53,6 +55,7 @@ class InProcessServer:
         server = dataclasses.replace(cfg.server, listen=(f"127.0.0.1:{port}",), metrics_listen="", **settings)
         self.config = ServerConfig(server, limits or cfg.limits, cfg.pools, cfg.tenants)
         self.clock = clock
+        self.wall_clock = wall_clock
         self.metrics = Metrics() if metrics else None
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="kvcoord-test-server", daemon=True)
@@ -70,6 +73,7 @@ class InProcessServer:
                 observer=m,
                 interceptors=[m.interceptor()] if m else [],
                 clock=self.clock,
+                wall_clock=self.wall_clock,
                 reap_interval=3600.0,
             )
         )

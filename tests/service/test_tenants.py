@@ -251,6 +251,17 @@ def test_pools_outside_the_grants_are_denied_whether_or_not_they_exist(raw: Raw)
     assert raw.call("GetPool", pb.GetPoolRequest(name="b-missing"), token)[0] == grpc.StatusCode.NOT_FOUND
 
 
+def test_an_unknown_pool_names_no_other_pool(raw: Raw) -> None:
+    """NOT_FOUND for a missing pool inside the caller's grants lists no pool: tenant
+    other may not learn that a-pool exists, through GetPool or Attach."""
+    token = TOKENS["other"]
+    attach = pb.AttachRequest(pool="b-missing", hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0")
+    for rpc, request in (("GetPool", pb.GetPoolRequest(name="b-missing")), ("Attach", attach)):
+        code, message = raw.call(rpc, request, token)
+        assert code == grpc.StatusCode.NOT_FOUND and "b-missing" in message, rpc
+        assert "a-pool" not in message and "b-pool" not in message, message
+
+
 def test_a_session_cannot_be_used_by_another_tenant(make_server: Callable[..., InProcessServer]) -> None:
     """Two tenants with the use role on one pool: the second cannot heartbeat, detach,
     step, allocate or free with the first one's session id; nothing changes."""

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 from kvcoord.engine import (
+    AllBlocksCleared,
     CacheHit,
     HintMismatchError,
     KVCacheConfig,
@@ -704,12 +705,23 @@ class PoolService:
         return self.engine.make_prefix_cache_stats()
 
     def take_events(self, s: Session) -> op.EventsTaken:
-        """The pool's events since the session's previous take (its cursor moves)."""
+        """The events of the session's cache namespace since its previous take (its
+        cursor moves).
+
+        A session sees what vLLM's own manager would show it: blocks stored and removed
+        in its own namespace (tenants with isolated caches never see each other's token
+        ids or hashes), and every AllBlocksCleared. Without namespaces (no tenants, or a
+        shared cache) that is every event of the pool. WatchEvents streams them all.
+        """
         self._publish()
         journal = self.events
         gap = journal.missed(s.events_cursor)
-        events = [e for _, e in journal.since(s.events_cursor)]
+        kept = journal.since(s.events_cursor)
         s.events_cursor = journal.last_sequence
+        if not self.engine.cache_namespaces:  # every event is of the default namespace
+            return op.EventsTaken([e for _, e in kept], gap)
+        prefix = self.engine.cache_namespace_prefix(s.cache_namespace)
+        events = [e for _, e in kept if isinstance(e, AllBlocksCleared) or e.cache_prefix == prefix]
         return op.EventsTaken(events, gap)
 
     def make_stats(self, s: Session) -> PrefixCacheStats | None:

@@ -227,6 +227,65 @@ def test_step_operations_that_touch_other_requests_need_administer(raw: Raw) -> 
                 assert server_state(raw) == before
 
 
+def _attach(
+    raw: Raw, caller: str, exclusive: bool = False, client_name: str = ""
+) -> tuple[grpc.StatusCode, Any]:
+    request = pb.AttachRequest(
+        pool="a-pool", hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0",
+        exclusive=exclusive, client_name=client_name,
+    )  # fmt: skip
+    return raw.call("Attach", request, TOKENS[caller])
+
+
+def test_another_tenants_request_id_answers_as_an_unknown_one(raw: Raw) -> None:
+    """Freeing a live request of another tenant answers exactly as an unknown id
+    (NOT_FOUND, the same message shape; with if_held both are no-ops), so request ids
+    cannot be probed across tenants; another session of the same tenant still hears
+    PERMISSION_DENIED."""
+    code, admin = _attach(raw, "admin")
+    assert code == grpc.StatusCode.OK
+    op = pb.AllocateOp(request=new_request("admin-req-42", list(range(8))), num_new_tokens=8)
+    raw.ok("Allocate", pb.AllocateRequest(pool="a-pool", session_id=admin.session_id, op=op), TOKENS["admin"])
+    user = _attach(raw, "user")[1].session_id
+    answers = []
+    for rid in ("admin-req-42", "admin-req-43"):
+        code, message = raw.call(
+            "Free", pb.FreeRequest(pool="a-pool", session_id=user, request_ids=[rid]), TOKENS["user"]
+        )
+        answers.append((code, message.replace(rid, "<id>")))
+        # inside a Step: the same status, reason and position (an unknown one's)
+        free = pb.Operation(free=pb.FreeOp(request_id=rid))
+        r = raw.ok(
+            "Step", pb.StepRequest(pool="a-pool", session_id=user, ops=[free]), TOKENS["user"]
+        ).results[0]
+        answers.append((r.status_code, r.status_message.replace(rid, "<id>"), r.reason, r.position.exists))
+        held = pb.Operation(free=pb.FreeOp(request_id=rid, if_held=True))
+        step = raw.ok("Step", pb.StepRequest(pool="a-pool", session_id=user, ops=[held]), TOKENS["user"])
+        assert step.results[0].status_code == 0, rid
+    assert answers[:2] == answers[2:] and answers[0][0] == grpc.StatusCode.NOT_FOUND, answers
+    assert answers[1][3] is False
+    inspect = pb.InspectPoolRequest(pool="a-pool", all_requests=True)
+    assert "admin-req-42" in {r.request_id for r in raw.ok("InspectPool", inspect, TOKENS["admin"]).requests}
+    other = _attach(raw, "admin")[1].session_id
+    code, message = raw.call(
+        "Free", pb.FreeRequest(pool="a-pool", session_id=other, request_ids=["admin-req-42"]), TOKENS["admin"]
+    )
+    assert code == DENIED and "another session" in message
+
+
+def test_exclusive_attach_needs_administer_and_names_no_other_tenants_client(raw: Raw) -> None:
+    """An exclusive session locks every other tenant out of a pool, so it needs the
+    administer role; the refusal others hear names the holder's client only to its own
+    tenant."""
+    code, message = _attach(raw, "user", exclusive=True)
+    assert code == DENIED and "administer" in message
+    assert _attach(raw, "admin", exclusive=True, client_name="admin-host-17")[0] == grpc.StatusCode.OK
+    code, message = _attach(raw, "user")
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "admin-host-17" not in message, message
+    code, message = _attach(raw, "admin")
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "admin-host-17" in message
+
+
 def test_list_pools_shows_only_pools_with_a_role(raw: Raw) -> None:
     """ListPools lists the pools a tenant holds some role on; full access sees all."""
 

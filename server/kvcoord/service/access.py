@@ -6,8 +6,9 @@ and checks it against :data:`RPC_RULES` before any handler runs. Tenants hold ro
 on pools by name pattern (``fnmatch`` globs):
 
 =============  ==================================================================
-``administer`` CreatePool, DeletePool, ResetPrefixCache, InspectPool, CheckPool, and
-               the Step operations EvictBlocksOp and ResetPrefixCacheOp
+``administer`` CreatePool, DeletePool, ResetPrefixCache, InspectPool, CheckPool, the
+               Step operations EvictBlocksOp and ResetPrefixCacheOp, and an exclusive
+               Attach (it locks every other tenant out of the pool)
 ``use``        Attach, Heartbeat, Detach, FindLongestCacheHit, Allocate, Free, Step
 ``observe``    GetPool, GetStats, WatchEvents (ListPools shows only pools the tenant
                holds some role on)
@@ -36,6 +37,7 @@ from .errors import ServiceError
 from .sessions import SessionTable
 
 __all__ = [
+    "EXCLUSIVE_ATTACH_ROLE",
     "FULL_ACCESS",
     "RPC_RULES",
     "STEP_OP_ROLES",
@@ -144,6 +146,10 @@ RPC_RULES: Mapping[str, Rule] = {
 #: Step operations that need more than ``use`` (they touch other requests' blocks).
 STEP_OP_ROLES: Mapping[str, Role] = {"evict_blocks": _A, "reset_prefix_cache": _A}
 
+#: What an Attach with ``exclusive`` needs besides ``use``: the session keeps every
+#: other session, of any tenant, off the pool.
+EXCLUSIVE_ATTACH_ROLE = _A
+
 
 def _digest(token: str | bytes) -> bytes:
     data = token.encode() if isinstance(token, str) else token
@@ -238,6 +244,8 @@ class AccessControl:
                 extra = STEP_OP_ROLES.get(o.WhichOneof("op") or "")
                 if extra is not None:
                     needed.add(extra)
+        elif rpc == "Attach" and request.exclusive:
+            needed.add(EXCLUSIVE_ATTACH_ROLE)
         missing = sorted(r.value for r in needed - held)
         if missing:
             raise ServiceError(

@@ -283,27 +283,39 @@ _GRANT_KEYS = {"pools", "roles"}
 
 
 def _strings(value: Any, where: str) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
+    # A lone string is refused, not taken as a list of one: the same mistake in a list
+    # of secrets must never be guessed at (see config.string_list).
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise ValueError(f"{where}: must be a list of non-empty strings")
+        got = "a string" if isinstance(value, str) else type(value).__name__
+        raise ValueError(f'{where}: must be a list of non-empty strings, got {got} (write ["..."])')
     return tuple(value)
 
 
-def tenants_from_dict(d: Any, auth_tokens: Sequence[str] = ()) -> tuple[Tenant, ...]:
+def tenants_from_dict(
+    d: Any, auth_tokens: Sequence[str] = (), auth_tokens_key: str = "server.auth_tokens"
+) -> tuple[Tenant, ...]:
     """The ``[tenants]`` table: ``[tenants.<name>]`` with tokens, identities, grants.
 
+    Args:
+        d: the table.
+        auth_tokens: the full-access tokens, which no tenant may hold too.
+        auth_tokens_key: where those come from (named in the error).
+
     Raises:
-        ValueError: names the key: unknown keys or roles, a token or identity given
-            to two tenants (or a tenant token also in ``auth_tokens``).
+        ValueError: names the key: an empty tenant name, unknown keys or roles, a
+            string where a list is required, a token or identity given to two tenants
+            (or a tenant token also in ``auth_tokens``).
     """
     if not isinstance(d, Mapping):
         raise ValueError("tenants: must be a table of [tenants.<name>] tables")
     out = []
-    tokens: dict[str, str] = {t: "server.auth_tokens" for t in auth_tokens}
+    tokens: dict[str, str] = {t: auth_tokens_key for t in auth_tokens}
     identities: dict[str, str] = {}
     for name, t in d.items():
         where = f"tenants.{name}"
+        if not isinstance(name, str) or not name.strip():
+            # "" is the built-in full-access tenant's name (Tenant.full_access)
+            raise ValueError(f"tenants.{name!r}: a tenant needs a non-empty name")
         if not isinstance(t, Mapping):
             raise ValueError(f"{where}: must be a table")
         unknown = set(t) - _TENANT_KEYS
@@ -312,6 +324,8 @@ def tenants_from_dict(d: Any, auth_tokens: Sequence[str] = ()) -> tuple[Tenant, 
         if not t.get("tokens") and not t.get("identities"):
             raise ValueError(f"{where}: needs tokens or identities (else nobody can act as it)")
         grants = []
+        if not isinstance(t.get("grants", []), list):
+            raise ValueError(f"{where}.grants: must be a list of {{ pools = [...], roles = [...] }} tables")
         for i, g in enumerate(t.get("grants", [])):
             gwhere = f"{where}.grants[{i}]"
             if not isinstance(g, Mapping) or set(g) != _GRANT_KEYS:

@@ -9,8 +9,10 @@ from typing import Any
 
 import grpc
 import pytest
+from certs import SAN_NAMES
 from helpers import hashes, new_request
 from kvcoord.client import KVCoordClient, TLSOptions
+from kvcoord.client.errors import PermissionDeniedError
 from kvcoord.service.access import RPC_RULES, STEP_OP_ROLES
 from kvcoord.service.config import ConfigFileError, parse_config
 from kvcoord.service.testing import InProcessServer
@@ -374,6 +376,26 @@ def test_mtls_identity_names_the_tenant(make_server: Callable[..., InProcessServ
         assert [p.name for p in c.list_pools().pools] == ["a-pool"]  # tenant user
     with KVCoordClient(server.address, tls=options, token=TOKENS["other"], timeout=10) as c:
         assert [p.name for p in c.list_pools().pools] == ["b-pool"]
+
+
+def test_only_dns_and_uri_sans_name_a_tenant(make_server: Callable[..., InProcessServer], certs: Any) -> None:
+    """As documented, a client certificate names a tenant by its subject CN or a DNS or
+    URI SAN; an email or IP SAN listed in identities names none."""
+    tls = TLSFiles(str(certs.server_cert), str(certs.server_key), str(certs.ca))
+    tenants = "".join(
+        f'[tenants.{kind}]\nidentities = ["{name}"]\ngrants = [{{ pools = ["a-*"], roles = ["observe"] }}]\n'
+        for kind, name in SAN_NAMES.items()
+    )
+    server = make_server(tenants + pool_toml("a-pool"), tls=tls)
+    seen = {}
+    for kind, (cert, key) in certs.san_clients.items():
+        options = TLSOptions(certs.ca, cert, key, server_name_override="localhost")
+        with KVCoordClient(server.address, tls=options, timeout=10) as c:
+            try:
+                seen[kind] = [p.name for p in c.list_pools().pools]
+            except PermissionDeniedError:  # UNAUTHENTICATED
+                seen[kind] = None
+    assert seen == {"dns": ["a-pool"], "uri": ["a-pool"], "email": None, "ip": None}
 
 
 def test_tenant_config_is_validated() -> None:

@@ -1,7 +1,8 @@
 """Tenants, roles and the one table that says which role every RPC needs.
 
 Every caller is a :class:`Tenant`. :class:`AccessControl` finds it from the call's
-credentials (a bearer token, else the mTLS client certificate's subject CN or a SAN)
+credentials (a bearer token, else the mTLS client certificate's subject CN or a DNS
+or URI SAN)
 and checks it against :data:`RPC_RULES` before any handler runs. Tenants hold roles
 on pools by name pattern (``fnmatch`` globs):
 
@@ -73,7 +74,7 @@ class Tenant:
         name: the tenant's name ("" for the built-in full-access tenant).
         grants: roles on pools.
         tokens: bearer tokens (secrets: never printed).
-        identities: mTLS client-certificate names (subject CN or a SAN).
+        identities: mTLS client-certificate names (subject CN, DNS or URI SAN).
         max_sessions: live sessions allowed (0: ``[limits] max_sessions_per_tenant``).
     """
 
@@ -268,10 +269,17 @@ class AccessControl:
         return tenant.max_sessions or default
 
 
+#: gRPC auth-context properties of a verified client certificate that name a tenant:
+#: the subject CN, DNS SANs and URI SANs ("x509_subject_alternative_name" would add
+#: email and IP SANs, which the contract does not name)
+_NAME_PROPERTIES = ("x509_common_name", "peer_dns", "peer_uri")
+
+
 def certificate_names(auth_context: Mapping[str, Any]) -> list[str]:
-    """The subject CN and SANs of a verified client certificate (gRPC's auth context)."""
+    """The subject CN and the DNS and URI SANs of a verified client certificate (gRPC's
+    auth context)."""
     names: list[str] = []
-    for key in ("x509_common_name", "x509_subject_alternative_name"):
+    for key in _NAME_PROPERTIES:
         for value in auth_context.get(key, ()):
             names.append(value.decode() if isinstance(value, bytes) else str(value))
     return names

@@ -1,6 +1,7 @@
 """Test certificates, generated at test time with ``cryptography``: a CA, a server
-certificate for 127.0.0.1 / localhost, a client certificate, and a second CA with a
-client certificate of its own (one the first CA does not trust).
+certificate for 127.0.0.1 / localhost, a client certificate, a second CA with a
+client certificate of its own (one the first CA does not trust), and client
+certificates of the first CA named by one SAN each (of every type, subject CN "no-tenant").
 
     python tests/certs.py DIR     writes them into DIR (scripts/test.sh does, for the container)
 """
@@ -19,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-__all__ = ["CertFiles", "write_certs"]
+__all__ = ["SAN_NAMES", "CertFiles", "write_certs"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,18 @@ class CertFiles:
     other_ca: Path
     other_client_cert: Path
     other_client_key: Path
+    #: SAN type ("dns", "uri", "email", "ip") -> (certificate, key) of a client whose
+    #: only name besides the CN "no-tenant" is that SAN (see SAN_NAMES)
+    san_clients: dict[str, tuple[Path, Path]] = dataclasses.field(default_factory=dict)
+
+
+#: the SAN each of CertFiles.san_clients carries
+SAN_NAMES = {
+    "dns": "w.example.test",
+    "uri": "spiffe://example.test/w",
+    "email": "ops@example.test",
+    "ip": "10.1.2.3",
+}
 
 
 def _name(cn: str) -> x509.Name:
@@ -137,6 +150,19 @@ def write_certs(directory: Path) -> CertFiles:
     client = _leaf("worker-1", ca, ExtendedKeyUsageOID.CLIENT_AUTH, [])
     stranger = _leaf("worker-x", other, ExtendedKeyUsageOID.CLIENT_AUTH, [])
     d = directory
+    sans: dict[str, x509.GeneralName] = {
+        "dns": x509.DNSName(SAN_NAMES["dns"]),
+        "uri": x509.UniformResourceIdentifier(SAN_NAMES["uri"]),
+        "email": x509.RFC822Name(SAN_NAMES["email"]),
+        "ip": x509.IPAddress(ipaddress.ip_address(SAN_NAMES["ip"])),
+    }
+    san_clients = {}
+    for kind, name in sans.items():
+        cert, key = _leaf("no-tenant", ca, ExtendedKeyUsageOID.CLIENT_AUTH, [name])
+        san_clients[kind] = (
+            _write(d / f"client-{kind}.pem", _pem_cert(cert)),
+            _write(d / f"client-{kind}.key", _pem_key(key)),
+        )
     return CertFiles(
         ca=_write(d / "ca.pem", _pem_cert(ca[0])),
         server_cert=_write(d / "server.pem", _pem_cert(server[0])),
@@ -146,6 +172,7 @@ def write_certs(directory: Path) -> CertFiles:
         other_ca=_write(d / "other-ca.pem", _pem_cert(other[0])),
         other_client_cert=_write(d / "other-client.pem", _pem_cert(stranger[0])),
         other_client_key=_write(d / "other-client.key", _pem_key(stranger[1])),
+        san_clients=san_clients,
     )
 
 

@@ -150,3 +150,35 @@ def test_isolation_and_session_tenants_survive_a_restart(
         assert hits(raw, "shared", ALICE, a, "a2", alice_hashes, PROMPT) == [32, 32, 32]
     finally:
         raw.close()
+
+
+def session_events(raw: Raw, pool: str, token: str, sid: str) -> tuple[list[int], list[bytes]]:
+    """The token ids and stored hashes a session receives: Step include_state, then a TakeEventsOp."""
+    out: tuple[list[int], list[bytes]] = ([], [])
+    step = raw.ok("Step", pb.StepRequest(pool=pool, session_id=sid, include_state=True), token)
+    take = raw.ok(
+        "Step",
+        pb.StepRequest(pool=pool, session_id=sid, ops=[pb.Operation(take_events=pb.TakeEventsOp())]),
+        token,
+    )
+    for e in [*step.events, *take.results[0].take_events.events]:
+        out[0].extend(e.block_stored.token_ids)
+        out[1].extend(e.block_stored.block_hashes)
+    return out
+
+
+def test_a_session_receives_only_its_own_tenants_events(iso: Raw) -> None:
+    """With isolated caches, Bob's session never receives Alice's BlockStored (her
+    prompt's token ids and hashes) through Step include_state or TakeEventsOp; each
+    tenant receives its own. In a pool that shares the cache, both receive both."""
+    a, b = attach(iso, "shared", ALICE), attach(iso, "shared", BOB)
+    alice_hashes = store(iso, "shared", ALICE, a, "a1", "alice-salt")
+    assert session_events(iso, "shared", BOB, b) == ([], [])
+    assert session_events(iso, "shared", ALICE, a) == (PROMPT, alice_hashes)
+    bob_hashes = store(iso, "shared", BOB, b, "b1", "bob-salt")
+    assert session_events(iso, "shared", ALICE, a) == ([], [])
+    assert session_events(iso, "shared", BOB, b) == (PROMPT, bob_hashes)
+
+    a, b = attach(iso, "shared-open", ALICE), attach(iso, "shared-open", BOB)
+    alice_hashes = store(iso, "shared-open", ALICE, a, "a1", "alice-salt")
+    assert session_events(iso, "shared-open", BOB, b) == (PROMPT, alice_hashes)

@@ -6,6 +6,7 @@ import dataclasses
 import gc
 import tracemalloc
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 from helpers import NONE
@@ -212,3 +213,28 @@ def test_get_stats_reports_every_limit(make_server: Callable[..., InProcessServe
     assert got.max_message_bytes == 3 << 20
     assert (got.pool_block_bytes, got.pool_token_bytes) == (BLOCK_BYTES, TOKEN_BYTES)
     assert got.pool_memory_bytes == 64 * (BLOCK_BYTES + TOKEN_BYTES * 4)
+
+
+def test_the_memory_budget_is_server_wide_as_deploy_documents(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """max_pool_memory_bytes is one budget, first come first served: tenant a spends it
+    and tenant b's CreatePool is refused. deploy/README says so instead of counting it
+    among limits that protect tenants from each other."""
+    a, b = "tok-a", "tok-b"
+    tenants = "".join(
+        f'[tenants.{t}]\ntokens = ["{tok}"]\ngrants = [{{ pools = ["{t}-*"], roles = ["administer"] }}]\n'
+        for t, tok in (("a", a), ("b", b))
+    )
+    per_block = BLOCK_BYTES + TOKEN_BYTES * 16
+    server = make_server(f"[limits]\nmax_pool_memory_bytes = {1000 * per_block}\n" + tenants)
+    raw = Raw(server.address)
+    try:
+        raw.ok("CreatePool", pb.CreatePoolRequest(name="a-big", config=_config(900)), a)
+        code, _ = raw.call("CreatePool", pb.CreatePoolRequest(name="b-small", config=_config(200)), b)
+        assert code == EXHAUSTED
+    finally:
+        raw.close()
+    doc = " ".join((Path(__file__).resolve().parents[2] / "deploy" / "README.md").read_text().split())
+    assert "protect tenants from each other" not in doc
+    assert "`max_pool_memory_bytes` and `max_pools` are server-wide budgets" in doc

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from kvcoord.client import NO_RETRY, KVCoordClient, PermissionDeniedError
 from kvcoord.client.testing import start_server
+from kvcoord.client.vllm import Settings
 from kvcoord.service.config import load_config
 from kvcoord.service.testing import InProcessServer
 
@@ -46,6 +47,15 @@ def test_settings_never_print_tokens() -> None:
     cfg = load_config(env={"KVCOORD_AUTH_TOKENS": f"{GOOD},{WRONG}"})
     assert cfg.server.auth_tokens == (GOOD, WRONG)
     assert GOOD not in repr(cfg) and WRONG not in repr(cfg.server)
+
+
+def test_vllm_adapter_settings_never_print_the_token() -> None:
+    """kvcoord.client.vllm.Settings (KVCOORD_TOKEN) keeps the token but its repr and str,
+    what a debug print or a log of the settings would show, omit it."""
+    settings = Settings.from_env({"KVCOORD_TARGET": "kv:50051", "KVCOORD_TOKEN": GOOD})
+    assert settings.token == GOOD
+    assert GOOD not in repr(settings) and GOOD not in str(settings) and GOOD not in f"{settings!r}"
+    assert "kv:50051" in repr(settings)
 
 
 def test_server_process_log_has_no_token() -> None:

@@ -9,8 +9,10 @@ from typing import Any
 
 import grpc
 import pytest
+from certs import SAN_NAMES
 from helpers import hashes, new_request
 from kvcoord.client import KVCoordClient, TLSOptions
+from kvcoord.client.errors import PermissionDeniedError
 from kvcoord.service.access import RPC_RULES, STEP_OP_ROLES
 from kvcoord.service.config import ConfigFileError, parse_config
 from kvcoord.service.testing import InProcessServer
@@ -227,6 +229,65 @@ def test_step_operations_that_touch_other_requests_need_administer(raw: Raw) -> 
                 assert server_state(raw) == before
 
 
+def _attach(
+    raw: Raw, caller: str, exclusive: bool = False, client_name: str = ""
+) -> tuple[grpc.StatusCode, Any]:
+    request = pb.AttachRequest(
+        pool="a-pool", hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0",
+        exclusive=exclusive, client_name=client_name,
+    )  # fmt: skip
+    return raw.call("Attach", request, TOKENS[caller])
+
+
+def test_another_tenants_request_id_answers_as_an_unknown_one(raw: Raw) -> None:
+    """Freeing a live request of another tenant answers exactly as an unknown id
+    (NOT_FOUND, the same message shape; with if_held both are no-ops), so request ids
+    cannot be probed across tenants; another session of the same tenant still hears
+    PERMISSION_DENIED."""
+    code, admin = _attach(raw, "admin")
+    assert code == grpc.StatusCode.OK
+    op = pb.AllocateOp(request=new_request("admin-req-42", list(range(8))), num_new_tokens=8)
+    raw.ok("Allocate", pb.AllocateRequest(pool="a-pool", session_id=admin.session_id, op=op), TOKENS["admin"])
+    user = _attach(raw, "user")[1].session_id
+    answers = []
+    for rid in ("admin-req-42", "admin-req-43"):
+        code, message = raw.call(
+            "Free", pb.FreeRequest(pool="a-pool", session_id=user, request_ids=[rid]), TOKENS["user"]
+        )
+        answers.append((code, message.replace(rid, "<id>")))
+        # inside a Step: the same status, reason and position (an unknown one's)
+        free = pb.Operation(free=pb.FreeOp(request_id=rid))
+        r = raw.ok(
+            "Step", pb.StepRequest(pool="a-pool", session_id=user, ops=[free]), TOKENS["user"]
+        ).results[0]
+        answers.append((r.status_code, r.status_message.replace(rid, "<id>"), r.reason, r.position.exists))
+        held = pb.Operation(free=pb.FreeOp(request_id=rid, if_held=True))
+        step = raw.ok("Step", pb.StepRequest(pool="a-pool", session_id=user, ops=[held]), TOKENS["user"])
+        assert step.results[0].status_code == 0, rid
+    assert answers[:2] == answers[2:] and answers[0][0] == grpc.StatusCode.NOT_FOUND, answers
+    assert answers[1][3] is False
+    inspect = pb.InspectPoolRequest(pool="a-pool", all_requests=True)
+    assert "admin-req-42" in {r.request_id for r in raw.ok("InspectPool", inspect, TOKENS["admin"]).requests}
+    other = _attach(raw, "admin")[1].session_id
+    code, message = raw.call(
+        "Free", pb.FreeRequest(pool="a-pool", session_id=other, request_ids=["admin-req-42"]), TOKENS["admin"]
+    )
+    assert code == DENIED and "another session" in message
+
+
+def test_exclusive_attach_needs_administer_and_names_no_other_tenants_client(raw: Raw) -> None:
+    """An exclusive session locks every other tenant out of a pool, so it needs the
+    administer role; the refusal others hear names the holder's client only to its own
+    tenant."""
+    code, message = _attach(raw, "user", exclusive=True)
+    assert code == DENIED and "administer" in message
+    assert _attach(raw, "admin", exclusive=True, client_name="admin-host-17")[0] == grpc.StatusCode.OK
+    code, message = _attach(raw, "user")
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "admin-host-17" not in message, message
+    code, message = _attach(raw, "admin")
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "admin-host-17" in message
+
+
 def test_list_pools_shows_only_pools_with_a_role(raw: Raw) -> None:
     """ListPools lists the pools a tenant holds some role on; full access sees all."""
 
@@ -249,6 +310,17 @@ def test_pools_outside_the_grants_are_denied_whether_or_not_they_exist(raw: Raw)
         assert raw.call("GetStats", pb.GetStatsRequest(pool=name), token)[0] == DENIED
         assert raw.call("WatchEvents", pb.WatchEventsRequest(pool=name), token)[0] == DENIED
     assert raw.call("GetPool", pb.GetPoolRequest(name="b-missing"), token)[0] == grpc.StatusCode.NOT_FOUND
+
+
+def test_an_unknown_pool_names_no_other_pool(raw: Raw) -> None:
+    """NOT_FOUND for a missing pool inside the caller's grants lists no pool: tenant
+    other may not learn that a-pool exists, through GetPool or Attach."""
+    token = TOKENS["other"]
+    attach = pb.AttachRequest(pool="b-missing", hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0")
+    for rpc, request in (("GetPool", pb.GetPoolRequest(name="b-missing")), ("Attach", attach)):
+        code, message = raw.call(rpc, request, token)
+        assert code == grpc.StatusCode.NOT_FOUND and "b-missing" in message, rpc
+        assert "a-pool" not in message and "b-pool" not in message, message
 
 
 def test_a_session_cannot_be_used_by_another_tenant(make_server: Callable[..., InProcessServer]) -> None:
@@ -304,6 +376,26 @@ def test_mtls_identity_names_the_tenant(make_server: Callable[..., InProcessServ
         assert [p.name for p in c.list_pools().pools] == ["a-pool"]  # tenant user
     with KVCoordClient(server.address, tls=options, token=TOKENS["other"], timeout=10) as c:
         assert [p.name for p in c.list_pools().pools] == ["b-pool"]
+
+
+def test_only_dns_and_uri_sans_name_a_tenant(make_server: Callable[..., InProcessServer], certs: Any) -> None:
+    """As documented, a client certificate names a tenant by its subject CN or a DNS or
+    URI SAN; an email or IP SAN listed in identities names none."""
+    tls = TLSFiles(str(certs.server_cert), str(certs.server_key), str(certs.ca))
+    tenants = "".join(
+        f'[tenants.{kind}]\nidentities = ["{name}"]\ngrants = [{{ pools = ["a-*"], roles = ["observe"] }}]\n'
+        for kind, name in SAN_NAMES.items()
+    )
+    server = make_server(tenants + pool_toml("a-pool"), tls=tls)
+    seen = {}
+    for kind, (cert, key) in certs.san_clients.items():
+        options = TLSOptions(certs.ca, cert, key, server_name_override="localhost")
+        with KVCoordClient(server.address, tls=options, timeout=10) as c:
+            try:
+                seen[kind] = [p.name for p in c.list_pools().pools]
+            except PermissionDeniedError:  # UNAUTHENTICATED
+                seen[kind] = None
+    assert seen == {"dns": ["a-pool"], "uri": ["a-pool"], "email": None, "ip": None}
 
 
 def test_tenant_config_is_validated() -> None:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 import ssl
@@ -129,6 +130,26 @@ def test_bearer_tokens_still_apply_over_tls(make_server: Make, certs: CertFiles)
     tls = client_tls(certs)
     assert refused(server.address, tls, token="not-the-token") == grpc.StatusCode.UNAUTHENTICATED
     assert refused(server.address, tls) == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("mutual", [False, True])
+def test_identities_without_a_client_ca_warn_at_start(
+    make_server: Make, certs: CertFiles, caplog: pytest.LogCaptureFixture, mutual: bool
+) -> None:
+    """Tenant identities with TLS but no client_ca_file can never match (no client
+    certificate is asked for): the server says so at start; with a client CA it does not,
+    and the identity then names the tenant."""
+    caplog.set_level(logging.WARNING)
+    tenant = '[tenants.w]\nidentities = ["worker-1"]\ngrants = [{ pools = ["*"], roles = ["observe"] }]\n'
+    server = make_server(tenant + POOL_TOML, tls=server_tls(certs, mutual=mutual))
+    warned = [r.getMessage() for r in caplog.records if "can never name a caller" in r.getMessage()]
+    if mutual:
+        assert warned == []
+        with KVCoordClient(server.address, tls=client_tls(certs), timeout=5) as c:
+            assert [p.name for p in c.list_pools().pools] == ["p"]
+    else:
+        assert len(warned) == 1 and "tenants w have mTLS identities" in warned[0]
+        assert refused(server.address, client_tls(certs, cert=False)) == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_unix_socket_listener_stays_plaintext(tmp_path: Path, certs: CertFiles) -> None:

@@ -70,3 +70,55 @@ def test_bad_files_name_the_key(text: str, message: str) -> None:
 def test_missing_file() -> None:
     with pytest.raises(ConfigFileError, match="cannot read config file"):
         load_config("/nonexistent/kvcoord.toml", env={})
+
+
+_POOL = '[[pools]]\nname = "p"\nnum_blocks = 4\nhash_block_size = 4\n[[pools.groups]]\ntype = "full"\nblock_size = 4\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('[server]\nauth_tokens = "Sup3rSecret"\n', r"server\.auth_tokens"),
+        ('[server]\nlisten = "127.0.0.1:7000"\n', r"server\.listen"),
+        ('[tenants.t]\ntokens = "Sup3rSecret"\n', r"tenants\.t\.tokens"),
+        ('[tenants.t]\ntokens = ["t"]\nidentities = "worker-1"\n', r"tenants\.t\.identities"),
+        (
+            '[tenants.t]\ntokens = ["t"]\ngrants = [{ pools = "a-*", roles = ["use"] }]\n',
+            r"grants\[0\]\.pools",
+        ),
+        (
+            '[tenants.t]\ntokens = ["t"]\ngrants = [{ pools = ["a-*"], roles = "use" }]\n',
+            r"grants\[0\]\.roles",
+        ),
+        ('[tenants.t]\ntokens = ["t"]\ngrants = "all"\n', r"tenants\.t\.grants"),
+        (
+            _POOL.replace("num_blocks = 4\n", 'num_blocks = 4\nshared_cache_tenants = "team-a"\n'),
+            "shared_cache_tenants",
+        ),
+        ('[pools]\nname = "p"\n', "pools: must be a list of tables"),
+    ],
+)
+def test_a_string_where_a_list_is_required_is_refused(text: str, key: str) -> None:
+    """Every list-valued key refuses a lone string, naming the key, and never prints it
+    (`auth_tokens = "secret"` made each of its characters a full-access token)."""
+    with pytest.raises(ConfigFileError, match=key) as info:
+        parse_config(text)
+    assert "must be a list" in str(info.value) and "Sup3rSecret" not in str(info.value)
+
+
+def test_an_empty_tenant_name_is_refused() -> None:
+    """[tenants.""] would be the built-in full-access tenant, whatever its grants."""
+    text = '[tenants.""]\ntokens = ["tok-readonly"]\ngrants = [{ pools = ["x-*"], roles = ["observe"] }]\n'
+    with pytest.raises(ConfigFileError, match="non-empty name"):
+        parse_config(text)
+
+
+def test_an_environment_token_held_by_a_tenant_is_refused(tmp_path: Path) -> None:
+    """KVCOORD_AUTH_TOKENS gets the file's check: a token both full-access and a
+    tenant's is refused, naming where, never printing the token."""
+    f = tmp_path / "c.toml"
+    f.write_text('[tenants.t]\ntokens = ["dup-token"]\ngrants = []\n')
+    with pytest.raises(ConfigFileError, match=r"KVCOORD_AUTH_TOKENS.*tenants\.t\.tokens") as info:
+        load_config(f, env={"KVCOORD_AUTH_TOKENS": "other, dup-token"})
+    assert "dup-token" not in str(info.value)
+    assert load_config(f, env={"KVCOORD_AUTH_TOKENS": "other"}).server.auth_tokens == ("other",)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import BlockRemoved, BlockStored, FullAttentionSpec, KVCacheConfig, KVCachePool
 from kvcoord.engine.invariants import check_pool
@@ -52,8 +54,14 @@ def test_events_carry_client_hashes_and_default_keys_are_vllms() -> None:
     assert list(stored[0].block_hashes) == hashes
     pool.free("a1")
     plain = _cached(pool, "p1", list(range(100, 112)), "")
-    removed = [h for e in pool.take_events() if isinstance(e, BlockRemoved) for h in e.block_hashes]
+    events = pool.take_events()
+    removed = [h for e in events if isinstance(e, BlockRemoved) for h in e.block_hashes]
     assert sorted(removed) == sorted(hashes)
+    # each event names its namespace (the server gives a session only its own's)
+    a = pool.cache_namespace_prefix("a")
+    assert {e.cache_prefix for e in events if isinstance(e, BlockRemoved)} == {a}
+    assert [e.cache_prefix for e in events if isinstance(e, BlockStored)] == [b""]
+    assert stored[0].cache_prefix == a
     keys = {k[:-4] for k, _ in pool.block_pool.cached_block_hash_to_block.items()}
     assert keys == set(plain)
     assert check_pool(pool).ok
@@ -66,3 +74,13 @@ def test_namespace_prefixes_follow_first_use() -> None:
     assert pool.cache_namespace_prefix("x") == (1).to_bytes(4, "big")
     assert pool.cache_namespace_prefix("y") == (2).to_bytes(4, "big")
     assert pool.cache_namespace_prefix("x") == (1).to_bytes(4, "big")
+
+
+def test_events_from_an_older_snapshot_load_in_the_default_namespace() -> None:
+    """A snapshot written before events named their namespace unpickles (the missing
+    field gets its default) instead of failing when the event is read."""
+    event = object.__new__(BlockRemoved)
+    event.__setstate__([(b"h",), "GPU"])
+    assert event == BlockRemoved((b"h",))
+    stored = BlockStored((b"h",), None, (1, 2), 2, None, None, cache_prefix=b"\0\0\0\1")
+    assert pickle.loads(pickle.dumps(stored)) == stored

@@ -680,7 +680,7 @@ class Settings:
 
     target: str
     pool: str = "vllm"
-    token: str | None = None
+    token: str | None = dataclasses.field(default=None, repr=False)  # a secret: never printed
     create_pool: bool = True
     timeout: float = 10.0
     client_name: str = ""

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from .blocks import KVCacheBlock
-from .events import AllBlocksCleared, BlockStored, KVCacheEvent, block_removed
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, block_removed
 from .free_queue import FreeKVCacheBlockQueue
-from .hash_list import hashes_at_block_size, key_with_group, request_keys
+from .hash_list import NAMESPACE_PREFIX_BYTES, hashes_at_block_size, key_with_group, request_keys
 from .request import Request
 from .types import BlockHashWithGroupId, BlockId
 
@@ -208,6 +208,7 @@ class BlockPool:
                     block_size=block_size,
                     lora_id=lora.adapter_id if lora else None,
                     lora_name=lora.name if lora else None,
+                    cache_prefix=prefix,
                 )
             )
 
@@ -239,7 +240,12 @@ class BlockPool:
                         block.cached_hash = None
                         evicted += 1
                         if events is not None:
-                            events.append(block_removed(block.event_hash or block_hash))
+                            original = block.event_hash  # set for a namespaced key only
+                            events.append(
+                                block_removed(block_hash)
+                                if original is None
+                                else block_removed(original, block_hash[:NAMESPACE_PREFIX_BYTES])
+                            )
                         block.event_hash = None
                     else:
                         self._evict_cached_block(block)
@@ -263,7 +269,7 @@ class BlockPool:
         self.num_evictions += 1
         self.hash_epoch += 1
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(block_removed(block.event_hash or block_hash))
+            self.kv_event_queue.append(_removed(block, block_hash))
         block.event_hash = None
         return True
 
@@ -343,3 +349,12 @@ class BlockPool:
     def cached_block_ids(self) -> list[int]:
         """Ids of the blocks holding a cache hash, ascending."""
         return sorted(self.cached_block_hash_to_block.block_ids())
+
+
+def _removed(block: KVCacheBlock, cached_hash: bytes) -> BlockRemoved:
+    """The BlockRemoved of ``block`` losing ``cached_hash``: the client's hash, and the
+    namespace prefix a namespaced key starts with (``event_hash`` is set only then)."""
+    original = block.event_hash
+    if original is None:
+        return block_removed(cached_hash)
+    return block_removed(original, cached_hash[:NAMESPACE_PREFIX_BYTES])

@@ -16,6 +16,9 @@ class BlockStored:
 
     ``block_hashes`` and ``parent_block_hash`` are raw hash bytes at the group's
     granularity (merged hashes for groups with larger blocks), without group id.
+    ``cache_prefix`` is the key prefix of the cache namespace the blocks were cached in
+    (``b""``: the default namespace, vLLM's keys); it never leaves the server, which
+    uses it to give each session only its own namespace's events.
     """
 
     block_hashes: tuple[bytes, ...]
@@ -25,14 +28,25 @@ class BlockStored:
     lora_id: int | None
     lora_name: str | None
     medium: str = MEDIUM_GPU
+    cache_prefix: bytes = b""
+
+    def __setstate__(self, state: list[object]) -> None:
+        _set_fields(self, state)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """Cached blocks lost their hash (reused from the free queue, or evicted)."""
+    """Cached blocks lost their hash (reused from the free queue, or evicted).
+
+    ``cache_prefix``: the cache namespace they were cached in, as in :class:`BlockStored`.
+    """
 
     block_hashes: tuple[bytes, ...]
     medium: str = MEDIUM_GPU
+    cache_prefix: bytes = b""
+
+    def __setstate__(self, state: list[object]) -> None:
+        _set_fields(self, state)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,15 +56,24 @@ class AllBlocksCleared:
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
+
+def _set_fields(event: BlockStored | BlockRemoved, state: list[object]) -> None:
+    """Unpickle a frozen event (snapshots keep events): a field that a snapshot of an
+    older kvcoord lacks (``cache_prefix``) gets its default."""
+    for i, f in enumerate(dataclasses.fields(event)):
+        object.__setattr__(event, f.name, state[i] if i < len(state) else f.default)
+
+
 _new = object.__new__
 _set_removed_hashes: Callable[[BlockRemoved, tuple[bytes, ...]], None] = vars(BlockRemoved)[
     "block_hashes"
 ].__set__
 _set_removed_medium: Callable[[BlockRemoved, str], None] = vars(BlockRemoved)["medium"].__set__
+_set_removed_prefix: Callable[[BlockRemoved, bytes], None] = vars(BlockRemoved)["cache_prefix"].__set__
 
 
-def block_removed(block_hash: bytes) -> BlockRemoved:
-    """``BlockRemoved(block_hashes=(block_hash,))``, built without the frozen dataclass's
+def block_removed(block_hash: bytes, cache_prefix: bytes = b"") -> BlockRemoved:
+    """``BlockRemoved(block_hashes=(block_hash,), cache_prefix=cache_prefix)``, built without the frozen dataclass's
     ``__init__`` (one per evicted block; the generated one costs several times more).
 
     The slots are written through their member descriptors, exactly what the generated
@@ -59,6 +82,7 @@ def block_removed(block_hash: bytes) -> BlockRemoved:
     event: BlockRemoved = _new(BlockRemoved)
     _set_removed_hashes(event, (block_hash,))
     _set_removed_medium(event, MEDIUM_GPU)
+    _set_removed_prefix(event, cache_prefix)
     return event
 
 

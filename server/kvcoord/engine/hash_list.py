@@ -6,7 +6,16 @@ from collections.abc import Sequence
 
 from .types import BlockHashWithGroupId
 
-__all__ = ["PrefixedHashes", "hashes_at_block_size", "key_with_group", "request_keys"]
+__all__ = [
+    "NAMESPACE_PREFIX_BYTES",
+    "PrefixedHashes",
+    "hashes_at_block_size",
+    "key_with_group",
+    "request_keys",
+]
+
+#: length of a cache namespace's key prefix (RequestTable.namespace_prefix)
+NAMESPACE_PREFIX_BYTES = 4
 
 
 def key_with_group(block_hash: bytes, group_id: int) -> BlockHashWithGroupId:

@@ -16,7 +16,7 @@ from .blocks import KVCacheBlock
 from .config import KVCacheConfig
 from .coordinators import KVCacheCoordinator
 from .errors import FailedPreconditionError, HintMismatchError, InvalidArgumentError, StaleCacheHitError
-from .hash_list import hashes_at_block_size, request_keys
+from .hash_list import NAMESPACE_PREFIX_BYTES, hashes_at_block_size, request_keys
 from .managers import CrossAttentionManager
 from .request import Request
 from .request_table import RequestTable
@@ -27,7 +27,7 @@ __all__ = ["PrefixHits"]
 
 
 #: the namespace prefix never assigned (assignment starts at 1)
-_UNUSED_PREFIX = bytes(4)
+_UNUSED_PREFIX = bytes(NAMESPACE_PREFIX_BYTES)
 
 
 class PrefixHits:

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from .config import KVCacheConfig
 from .errors import InvalidArgumentError, RequestExistsError, RequestNotFoundError
+from .hash_list import NAMESPACE_PREFIX_BYTES
 from .request import LoRA, Request
 from .results import RequestCheckpoint
 from .types import RequestId
@@ -89,7 +90,9 @@ class RequestTable:
                 raise InvalidArgumentError(
                     "cache namespaces need the pool's hash_length (every hash the same length)"
                 )
-            prefix = self.cache_namespaces[name] = (len(self.cache_namespaces) + 1).to_bytes(4, "big")
+            prefix = self.cache_namespaces[name] = (len(self.cache_namespaces) + 1).to_bytes(
+                NAMESPACE_PREFIX_BYTES, "big"
+            )
         return prefix
 
     def add(

@@ -1,13 +1,15 @@
 """Tenants, roles and the one table that says which role every RPC needs.
 
 Every caller is a :class:`Tenant`. :class:`AccessControl` finds it from the call's
-credentials (a bearer token, else the mTLS client certificate's subject CN or a SAN)
+credentials (a bearer token, else the mTLS client certificate's subject CN or a DNS
+or URI SAN)
 and checks it against :data:`RPC_RULES` before any handler runs. Tenants hold roles
 on pools by name pattern (``fnmatch`` globs):
 
 =============  ==================================================================
-``administer`` CreatePool, DeletePool, ResetPrefixCache, InspectPool, CheckPool, and
-               the Step operations EvictBlocksOp and ResetPrefixCacheOp
+``administer`` CreatePool, DeletePool, ResetPrefixCache, InspectPool, CheckPool, the
+               Step operations EvictBlocksOp and ResetPrefixCacheOp, and an exclusive
+               Attach (it locks every other tenant out of the pool)
 ``use``        Attach, Heartbeat, Detach, FindLongestCacheHit, Allocate, Free, Step
 ``observe``    GetPool, GetStats, WatchEvents (ListPools shows only pools the tenant
                holds some role on)
@@ -36,6 +38,7 @@ from .errors import ServiceError
 from .sessions import SessionTable
 
 __all__ = [
+    "EXCLUSIVE_ATTACH_ROLE",
     "FULL_ACCESS",
     "RPC_RULES",
     "STEP_OP_ROLES",
@@ -71,7 +74,7 @@ class Tenant:
         name: the tenant's name ("" for the built-in full-access tenant).
         grants: roles on pools.
         tokens: bearer tokens (secrets: never printed).
-        identities: mTLS client-certificate names (subject CN or a SAN).
+        identities: mTLS client-certificate names (subject CN, DNS or URI SAN).
         max_sessions: live sessions allowed (0: ``[limits] max_sessions_per_tenant``).
     """
 
@@ -143,6 +146,10 @@ RPC_RULES: Mapping[str, Rule] = {
 
 #: Step operations that need more than ``use`` (they touch other requests' blocks).
 STEP_OP_ROLES: Mapping[str, Role] = {"evict_blocks": _A, "reset_prefix_cache": _A}
+
+#: What an Attach with ``exclusive`` needs besides ``use``: the session keeps every
+#: other session, of any tenant, off the pool.
+EXCLUSIVE_ATTACH_ROLE = _A
 
 
 def _digest(token: str | bytes) -> bytes:
@@ -238,6 +245,8 @@ class AccessControl:
                 extra = STEP_OP_ROLES.get(o.WhichOneof("op") or "")
                 if extra is not None:
                     needed.add(extra)
+        elif rpc == "Attach" and request.exclusive:
+            needed.add(EXCLUSIVE_ATTACH_ROLE)
         missing = sorted(r.value for r in needed - held)
         if missing:
             raise ServiceError(
@@ -260,10 +269,17 @@ class AccessControl:
         return tenant.max_sessions or default
 
 
+#: gRPC auth-context properties of a verified client certificate that name a tenant:
+#: the subject CN, DNS SANs and URI SANs ("x509_subject_alternative_name" would add
+#: email and IP SANs, which the contract does not name)
+_NAME_PROPERTIES = ("x509_common_name", "peer_dns", "peer_uri")
+
+
 def certificate_names(auth_context: Mapping[str, Any]) -> list[str]:
-    """The subject CN and SANs of a verified client certificate (gRPC's auth context)."""
+    """The subject CN and the DNS and URI SANs of a verified client certificate (gRPC's
+    auth context)."""
     names: list[str] = []
-    for key in ("x509_common_name", "x509_subject_alternative_name"):
+    for key in _NAME_PROPERTIES:
         for value in auth_context.get(key, ()):
             names.append(value.decode() if isinstance(value, bytes) else str(value))
     return names
@@ -275,27 +291,39 @@ _GRANT_KEYS = {"pools", "roles"}
 
 
 def _strings(value: Any, where: str) -> tuple[str, ...]:
-    if isinstance(value, str):
-        value = [value]
+    # A lone string is refused, not taken as a list of one: the same mistake in a list
+    # of secrets must never be guessed at (see config.string_list).
     if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
-        raise ValueError(f"{where}: must be a list of non-empty strings")
+        got = "a string" if isinstance(value, str) else type(value).__name__
+        raise ValueError(f'{where}: must be a list of non-empty strings, got {got} (write ["..."])')
     return tuple(value)
 
 
-def tenants_from_dict(d: Any, auth_tokens: Sequence[str] = ()) -> tuple[Tenant, ...]:
+def tenants_from_dict(
+    d: Any, auth_tokens: Sequence[str] = (), auth_tokens_key: str = "server.auth_tokens"
+) -> tuple[Tenant, ...]:
     """The ``[tenants]`` table: ``[tenants.<name>]`` with tokens, identities, grants.
 
+    Args:
+        d: the table.
+        auth_tokens: the full-access tokens, which no tenant may hold too.
+        auth_tokens_key: where those come from (named in the error).
+
     Raises:
-        ValueError: names the key: unknown keys or roles, a token or identity given
-            to two tenants (or a tenant token also in ``auth_tokens``).
+        ValueError: names the key: an empty tenant name, unknown keys or roles, a
+            string where a list is required, a token or identity given to two tenants
+            (or a tenant token also in ``auth_tokens``).
     """
     if not isinstance(d, Mapping):
         raise ValueError("tenants: must be a table of [tenants.<name>] tables")
     out = []
-    tokens: dict[str, str] = {t: "server.auth_tokens" for t in auth_tokens}
+    tokens: dict[str, str] = {t: auth_tokens_key for t in auth_tokens}
     identities: dict[str, str] = {}
     for name, t in d.items():
         where = f"tenants.{name}"
+        if not isinstance(name, str) or not name.strip():
+            # "" is the built-in full-access tenant's name (Tenant.full_access)
+            raise ValueError(f"tenants.{name!r}: a tenant needs a non-empty name")
         if not isinstance(t, Mapping):
             raise ValueError(f"{where}: must be a table")
         unknown = set(t) - _TENANT_KEYS
@@ -304,6 +332,8 @@ def tenants_from_dict(d: Any, auth_tokens: Sequence[str] = ()) -> tuple[Tenant, 
         if not t.get("tokens") and not t.get("identities"):
             raise ValueError(f"{where}: needs tokens or identities (else nobody can act as it)")
         grants = []
+        if not isinstance(t.get("grants", []), list):
+            raise ValueError(f"{where}.grants: must be a list of {{ pools = [...], roles = [...] }} tables")
         for i, g in enumerate(t.get("grants", [])):
             gwhere = f"{where}.grants[{i}]"
             if not isinstance(g, Mapping) or set(g) != _GRANT_KEYS:

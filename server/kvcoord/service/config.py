@@ -140,6 +140,28 @@ _POOL_KEYS = {
 }  # fmt: skip
 
 
+def string_list(value: Any, where: str) -> tuple[str, ...]:
+    """A list-valued key's strings.
+
+    A lone string is refused rather than iterated: ``auth_tokens = "secret"`` would
+    otherwise make every character a token.
+
+    Raises:
+        ConfigFileError: names ``where``: not a list, or an item that is not a string.
+    """
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        got = "a string" if isinstance(value, str) else type(value).__name__
+        raise ConfigFileError(f'{where}: must be a list of strings, got {got} (write ["..."])')
+    return tuple(value)
+
+
+def _tables(value: Any, where: str) -> list[Any]:
+    """A list-valued key of tables (``[[pools]]``, ``[[pools.groups]]``)."""
+    if not isinstance(value, list):
+        raise ConfigFileError(f"{where}: must be a list of tables ([[{where}]]), got {type(value).__name__}")
+    return value
+
+
 def pool_config_from_dict(d: Mapping[str, Any], where: str) -> pb.PoolConfig:
     """A pool table (as in the config file) as a wire PoolConfig."""
     cfg = pb.PoolConfig()
@@ -150,14 +172,14 @@ def pool_config_from_dict(d: Mapping[str, Any], where: str) -> pb.PoolConfig:
             raise ConfigFileError(
                 f"{where}: unknown key {key!r} (known: {sorted(_POOL_KEYS | {'name', 'groups'})})"
             )
+        if key == "shared_cache_tenants":
+            cfg.shared_cache_tenants.extend(string_list(value, f"{where}.{key}"))
+            continue
         try:
-            if key == "shared_cache_tenants":
-                cfg.shared_cache_tenants.extend([value] if isinstance(value, str) else value)
-            else:
-                setattr(cfg, key, value)
+            setattr(cfg, key, value)
         except (TypeError, ValueError) as exc:
             raise ConfigFileError(f"{where}.{key}: {exc}") from None
-    for i, g in enumerate(d.get("groups", [])):
+    for i, g in enumerate(_tables(d.get("groups", []), f"{where}.groups")):
         gwhere = f"{where}.groups[{i}]"
         if not isinstance(g, Mapping) or "type" not in g:
             raise ConfigFileError(f"{gwhere}: a group needs a 'type' ({', '.join(_GROUP_TYPES)})")
@@ -186,7 +208,7 @@ def _settings(d: Mapping[str, Any]) -> ServerSettings:
             except ValueError as exc:
                 raise ConfigFileError(str(exc)) from None
         else:
-            kwargs[key] = tuple(value) if key in ("listen", "auth_tokens") else value
+            kwargs[key] = string_list(value, f"server.{key}") if key in ("listen", "auth_tokens") else value
     try:
         s = ServerSettings(**kwargs)
     except TypeError as exc:
@@ -239,8 +261,10 @@ def parse_config(text: str, source: str = "config") -> ServerConfig:
         raise ConfigFileError(f"{source}: {exc}") from None
     pools = []
     names = set()
-    for i, p in enumerate(data.get("pools", [])):
+    for i, p in enumerate(_tables(data.get("pools", []), "pools")):
         where = f"pools[{i}]"
+        if not isinstance(p, Mapping):
+            raise ConfigFileError(f"{where}: must be a table")
         name = p.get("name")
         if not isinstance(name, str) or not name:
             raise ConfigFileError(f"{where}.name: required")
@@ -295,6 +319,14 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         tls = tls_from_env(getattr(cfg.server, key), env, prefix)
         if tls != getattr(cfg.server, key):
             overrides[key] = tls
+    if "auth_tokens" in overrides:
+        # the file's check (tenants_from_dict), for the tokens the environment gives
+        held = {token: t.name for t in cfg.tenants for token in t.tokens}
+        for i, token in enumerate(overrides["auth_tokens"]):
+            if token in held:  # never print the token: say where both copies are
+                raise ConfigFileError(
+                    f"{ENV_TOKENS} (token {i + 1}): the same token is also given in tenants.{held[token]}.tokens"
+                )
     if overrides:
         try:
             cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, **overrides))

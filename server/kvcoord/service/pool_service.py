@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 from kvcoord.engine import (
+    AllBlocksCleared,
     CacheHit,
     HintMismatchError,
     KVCacheConfig,
@@ -194,14 +195,16 @@ class PoolService:
         others = self.sessions.of_pool(self.name)
         holder = next((o for o in others if o.exclusive), None)
         if holder is not None or (exclusive and others):
-            raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"pool {self.name!r} has an exclusive session ({holder.client_name!r}); no other may attach"
-                if holder is not None
-                else f"pool {self.name!r} has {len(others)} other session(s); an exclusive session must be "
-                "the only one",
-                ErrorReason.POOL_EXCLUSIVE,
-            )
+            if holder is None:
+                message = (
+                    f"pool {self.name!r} has {len(others)} other session(s); an exclusive session must be "
+                    "the only one"
+                )
+            else:
+                # The holder's client is named to its own tenant only.
+                whose = f"({holder.client_name!r})" if holder.tenant == tenant else "of another tenant"
+                message = f"pool {self.name!r} has an exclusive session {whose}; no other may attach"
+            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message, ErrorReason.POOL_EXCLUSIVE)
         limit = max_sessions or self.limits.max_sessions_per_tenant
         live = self.sessions.count_of_tenant(tenant)
         if live >= limit:
@@ -320,7 +323,8 @@ class PoolService:
 
         Raises:
             ServiceError: INVALID_ARGUMENT for a duplicate, NOT_FOUND
-                (REQUEST_UNKNOWN), PERMISSION_DENIED for another session's request.
+                (REQUEST_UNKNOWN) for an unknown request or another tenant's,
+                PERMISSION_DENIED for another session's request of the same tenant.
         """
         if len(set(request_ids)) != len(request_ids):
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_ids lists a request twice")
@@ -349,12 +353,14 @@ class PoolService:
         if not rid:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         owner = self.owners.get(rid)
-        if owner is None:
+        if owner is None or owner.tenant != s.tenant:
+            # Another tenant's request is answered exactly as an unknown one: no caller
+            # learns which request ids another tenant has live.
             raise ServiceError(
                 grpc.StatusCode.NOT_FOUND,
                 f"request {rid[:128]!r} is not in pool {self.name!r} (never registered, or freed)",
                 ErrorReason.REQUEST_UNKNOWN,
-                self._position(rid),
+                self._position(rid) if owner is None else Position(rid, False),
             )
         if owner is not s:
             raise ServiceError(
@@ -381,6 +387,14 @@ class PoolService:
                     f"{sync.base_num_tokens} tokens / {sync.base_num_hashes} hashes",
                 )
             owner = self.owners.get(rid)
+            if owner is not None and owner.tenant != s.tenant:
+                # Request ids are pool-wide: this one is taken, and saying so is unavoidable
+                # (README "Tenants"), but not by whom.
+                raise ServiceError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"request id {rid[:128]!r} is in use in pool {self.name!r}; request ids are shared by "
+                    "every tenant of a pool: use unique (random) ones",
+                )
             if owner is not None and owner is not s:
                 raise ServiceError(
                     grpc.StatusCode.PERMISSION_DENIED,
@@ -659,8 +673,10 @@ class PoolService:
         )
 
     def _free(self, s: Session, o: op.Free) -> op.Value:
-        if o.if_held and o.request_id and o.request_id not in self.owners:
-            return None  # freed already (a free sent again)
+        if o.if_held and o.request_id:
+            owner = self.owners.get(o.request_id)
+            if owner is None or owner.tenant != s.tenant:
+                return None  # freed already (a free sent again); another tenant's is unknown here
         self._owned(s, o.request_id)
         self.engine.free(o.request_id)
         del self.owners[o.request_id]
@@ -709,12 +725,23 @@ class PoolService:
         return self.engine.make_prefix_cache_stats()
 
     def take_events(self, s: Session) -> op.EventsTaken:
-        """The pool's events since the session's previous take (its cursor moves)."""
+        """The events of the session's cache namespace since its previous take (its
+        cursor moves).
+
+        A session sees what vLLM's own manager would show it: blocks stored and removed
+        in its own namespace (tenants with isolated caches never see each other's token
+        ids or hashes), and every AllBlocksCleared. Without namespaces (no tenants, or a
+        shared cache) that is every event of the pool. WatchEvents streams them all.
+        """
         self._publish()
         journal = self.events
         gap = journal.missed(s.events_cursor)
-        events = [e for _, e in journal.since(s.events_cursor)]
+        kept = journal.since(s.events_cursor)
         s.events_cursor = journal.last_sequence
+        if not self.engine.cache_namespaces:  # every event is of the default namespace
+            return op.EventsTaken([e for _, e in kept], gap)
+        prefix = self.engine.cache_namespace_prefix(s.cache_namespace)
+        events = [e for _, e in kept if isinstance(e, AllBlocksCleared) or e.cache_prefix == prefix]
         return op.EventsTaken(events, gap)
 
     def make_stats(self, s: Session) -> PrefixCacheStats | None:

@@ -152,6 +152,13 @@ async def start_server(
             grace_until - clock(),
         )
     access = AccessControl(cfg.tenants, cfg.server.auth_tokens, sessions)
+    with_identities = [t.name for t in cfg.tenants if t.identities]
+    if with_identities and not (cfg.server.tls.enabled and cfg.server.tls.mutual):
+        logger.warning(
+            "tenants %s have mTLS identities, but [server.tls] sets no client_ca_file: no client "
+            "certificate is asked for, so those identities can never name a caller",
+            ", ".join(sorted(with_identities)),
+        )
     servicer = AllocatorServicer(registry, observer, access=access, max_message_bytes=st.max_message_bytes)
     for handle in registry.pools.values():
         servicer.observer.pool_created(handle)

@@ -92,7 +92,7 @@ def test_public_exports_are_pinned() -> None:
         "DEFAULT_RETRY", "NO_RETRY", "AbortedError", "AlreadyExistsError", "AsyncKVCoordClient", "BlockHasher",
         "FailedPreconditionError", "HashMismatchError", "InternalError", "InvalidArgumentError", "KVCacheBlockIds",
         "KVCoordClient", "KVCoordError", "MultiModalItem", "NotFoundError", "Pending", "PermissionDeniedError",
-        "RandomSeedError", "RemoteKVCacheManager", "ResourceExhaustedError", "RetryPolicy", "StepBatcher",
+        "PredictingKVCacheManager", "PredictionMismatchError", "RandomSeedError", "RemoteKVCacheManager", "ResourceExhaustedError", "RetryPolicy", "StepBatcher",
         "TLSOptions", "UnavailableError", "none_hash",
         # remote safety: typed reasons, the session keeper
         "AnswerEvictedError", "FencedError", "GracePeriodError", "KeyReusedError", "LeaseExpiredError",

@@ -17,11 +17,13 @@ from kvcoord.client import (
     InvalidArgumentError,
     KeyReusedError,
     KVCoordClient,
+    PermissionDeniedError,
     RemoteKVCacheManager,
     RequestsLostError,
 )
 from kvcoord.client import _requests as rq
 from kvcoord.client.faults import FaultInjector
+from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
 from support import POOL_TOML as POOL
@@ -489,3 +491,34 @@ def test_no_table_from_the_ledger_after_the_lease_could_have_ended(started: list
         with pytest.raises(RequestsLostError) as lost:
             m.get_block_ids("a")
         assert lost.value.request_ids == ["a"]
+
+
+def test_a_refused_registration_leaves_nothing_of_its_prompt(started: list[InProcessServer]) -> None:
+    """A registration the pool refuses (another session holds the id) leaves nothing
+    of its prompt in the client: when the id is used again for another prompt, the
+    blocks are cached under that prompt's own hashes, and a request with the refused
+    prompt gets no hit on them. (Before, the refused prompt stayed in the request's
+    hasher, the new prompt's blocks were cached under the old prompt's hashes, and
+    another worker adopted them as a prefix hit: KV of other tokens.)"""
+    server = start(started)
+    with KVCoordClient(server.address) as c:
+        a = RemoteKVCacheManager(c, "p", hash_seed="0", client_name="A")
+        b = RemoteKVCacheManager(c, "p", hash_seed="0", client_name="B")
+        theirs = Req("x", [7] * 9)
+        b.get_computed_blocks(theirs)  # B holds the id "x"
+        old_prompt = list(range(1, 10))
+        with pytest.raises(PermissionDeniedError):
+            a.get_computed_blocks(Req("x", old_prompt))  # refused: nothing registered
+        b.free(theirs)
+        b.flush()
+        new_prompt = list(range(100, 113))
+        x = Req("x", new_prompt)  # A's next request happens to take the id "x"
+        hit, n = a.get_computed_blocks(x)
+        assert a.allocate_slots(x, len(new_prompt) - n, n, hit) is not None
+        x.num_computed_tokens = len(new_prompt)
+        truth = BlockHasher("sha256_cbor", 4, none_hash("sha256_cbor", "0")).extend(new_prompt)
+        assert [bytes(h) for h in a.tracker.hashes(x)] == truth
+        a.free(x)
+        a.flush()
+        _, victim_tokens = b.get_computed_blocks(Req("v", [*old_prompt, 0, 0, 0, 0]))
+        assert victim_tokens == 0

@@ -12,6 +12,7 @@ import grpc
 import pytest
 from kvcoord.client import (
     NO_RETRY,
+    AbortedError,
     FencedError,
     GracePeriodError,
     InvalidArgumentError,
@@ -522,3 +523,47 @@ def test_a_refused_registration_leaves_nothing_of_its_prompt(started: list[InPro
         a.flush()
         _, victim_tokens = b.get_computed_blocks(Req("v", [*old_prompt, 0, 0, 0, 0]))
         assert victim_tokens == 0
+
+
+def test_a_batch_left_by_an_exception_moves_back_only_its_own_requests(
+    started: list[InProcessServer],
+) -> None:
+    """An exception inside ``with manager.batch()`` drops the batch's calls and moves
+    back only the requests they synced: a queued cache_blocks of another request is
+    sent as it was built, and that request goes on. (Before, every tracked request was
+    moved back, the queued call then mismatched the server, and the request was
+    reported lost.)"""
+    server = start(started)
+    with KVCoordClient(server.address) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0")
+        r = Req("r", list(range(8)))
+        assert m.allocate_slots(r, 8) is not None
+        r.num_computed_tokens = 8
+        r.all_token_ids.append(99)
+        m.cache_blocks(r, 8)  # queued: its sync appends token 99
+        with pytest.raises(ValueError), m.batch() as b:
+            looked_up = b.get_computed_blocks(Req("other", list(range(40, 50))))
+            raise ValueError("an exception later in the scheduler step")
+        assert m.allocate_slots(r, 1) is not None  # not lost
+        assert m.lost_requests == 0 and set(held(c)) == {"r"}
+        assert "other" not in m.tracker
+        with pytest.raises(AbortedError):
+            looked_up.result()
+        assert c.check_pool("p").violations == []
+
+
+def test_a_batch_left_by_an_exception_still_frees(started: list[InProcessServer]) -> None:
+    """A free collected in a batch that is left by an exception is still sent (with
+    the manager's next Step): the request it forgot leaves the pool. (Before, the
+    request was forgotten by the client and held by the server for the session's
+    life.)"""
+    server = start(started)
+    with KVCoordClient(server.address) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0")
+        r = Req("r", list(range(8)))
+        assert m.allocate_slots(r, 8) is not None
+        with pytest.raises(ValueError), m.batch() as b:
+            b.free(r)
+            raise ValueError("an exception later in the scheduler step")
+        m.flush()
+        assert "r" not in m.tracker and held(c) == {}

@@ -100,6 +100,12 @@ class _Hint:
 _NO_EVENTS = ("free", "remove_skipped_blocks", "lookup", "get_block_ids")
 
 
+def _touched(items: list[Item]) -> list[str]:
+    """The requests a Step's items sync (only theirs roll back when it fails: calls
+    collected in an open batch keep theirs)."""
+    return [rid for i in items for rid in i.touched]
+
+
 def _pack(items: list[Item]) -> list[pb.Operation]:
     """The Step's operations, one per item (a run's AllocateRunOp is built now)."""
     return [item.op if item.run is None else item.run.op() for item in items]
@@ -768,6 +774,16 @@ class RemoteKVCacheManager:
         self._cached_hashes.pop(request_id, None)
         self._clear_hints()
 
+    def _abandoned(self, request_ids: Iterable[str]) -> None:
+        """A batch's calls were dropped unsent (it was left by an exception): what was
+        assumed from them here (ledger, bounds, cached hashes, hints) is dropped too,
+        and re-learned from the next answers."""
+        self._ledger_off("a batch was left by an exception")
+        self._clear_hints()
+        for rid in request_ids:
+            self.budget.forget(rid)
+            self._cached_hashes.pop(rid, None)
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table per group (null blocks as 0). From the block ledger
         when it holds the whole table (every id in it came from an answer; what is
@@ -918,7 +934,7 @@ class RemoteKVCacheManager:
                     # none of its requests can be trusted.
                     failure = self._forget([rid for i in items for rid in i.touched], err)
                 else:
-                    self.tracker.rollback()
+                    self.tracker.rollback(_touched(items))
                     failure = err
                 # Its queued frees may not have happened: free again (an unknown
                 # request is already free).
@@ -980,7 +996,7 @@ class RemoteKVCacheManager:
             if item.deferred and failed is None:
                 failed = op_err
         if any(r.status_code for r in resp.results):
-            self.tracker.rollback()
+            self.tracker.rollback(_touched(items))
             self._ledger_off("an operation of a Step failed")
         if failed is not None:
             raise failed

@@ -21,6 +21,7 @@ from kvcoord.client import (
     PermissionDeniedError,
     RemoteKVCacheManager,
     RequestsLostError,
+    RetryPolicy,
 )
 from kvcoord.client import _requests as rq
 from kvcoord.client.faults import FaultInjector
@@ -567,3 +568,32 @@ def test_a_batch_left_by_an_exception_still_frees(started: list[InProcessServer]
             raise ValueError("an exception later in the scheduler step")
         m.flush()
         assert "r" not in m.tracker and held(c) == {}
+
+
+def test_a_free_sent_again_leaves_another_sessions_request_alone(started: list[InProcessServer]) -> None:
+    """A worker cut off while registering "x" frees it again once reachable; by then
+    another worker's request holds the id "x". The free sent again means "free it if I
+    still hold it": it leaves the other request alone and the worker's later Steps
+    succeed. (Before, it was refused with PERMISSION_DENIED and sent again with every
+    Step, each of which failed until the other worker freed its "x".)"""
+    server = start(started)
+    fi = FaultInjector(4, methods=("Step", "Free"))
+    retry = RetryPolicy(initial_backoff=0.001, max_backoff=0.002, max_attempts=2, deadline=2.0)
+    with (
+        KVCoordClient(server.address, interceptors=[fi], retry=retry) as ca,
+        KVCoordClient(server.address) as cb,
+    ):
+        a = RemoteKVCacheManager(ca, "p", hash_seed="0", client_name="A", renew=False)
+        b = RemoteKVCacheManager(cb, "p", hash_seed="0", client_name="B")
+        fi.partitioned = True
+        with pytest.raises(RequestsLostError):
+            a.get_computed_blocks(Req("x", list(range(9))))
+        fi.partitioned = False
+        theirs = Req("x", list(range(50, 59)))
+        assert b.allocate_slots(theirs, 9) is not None
+        table = held(cb)["x"]
+        for i in range(3):
+            r = Req(f"a{i}", list(range(200 + 20 * i, 209 + 20 * i)))
+            assert a.allocate_slots(r, 9) is not None
+        assert held(cb)["x"] == table and {"a0", "a1", "a2"} <= set(held(cb))
+        assert cb.check_pool("p").violations == []

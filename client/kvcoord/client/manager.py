@@ -56,15 +56,19 @@ from kvcoord.v1 import allocator_pb2 as pb
 from .batch import Item, KVCacheBlockIds, Ops, Pending, Run, StepBatcher
 from .client import KVCoordClient
 from .errors import (
+    AbortedError,
     AnswerEvictedError,
     FencedError,
     KVCoordError,
     LeaseExpiredError,
     OutcomeUnknownError,
+    PermissionDeniedError,
     RequestsLostError,
     RequestUnknownError,
+    ResourceExhaustedError,
     SessionExpiredError,
     SyncMismatchError,
+    UnavailableError,
     error_from_code,
     status_code,
 )
@@ -95,6 +99,10 @@ class _Hint:
     #: caching any hash of the request from this index on may change the hit
     watch_from: int
 
+
+#: errors after which a free is sent again with the next Step (the server may answer
+#: it then); any other refusal would refuse it again
+_TRANSIENT = (UnavailableError, AbortedError, ResourceExhaustedError, LeaseExpiredError)
 
 #: queued operations that make no KV events (nor does a run of checks alone)
 _NO_EVENTS = ("free", "remove_skipped_blocks", "lookup", "get_block_ids")
@@ -1111,16 +1119,23 @@ class RemoteKVCacheManager:
         self.keeper.attach()
 
     def _free_now(self, request_id: str) -> None:
-        """Free a request on the server at once. When the server cannot say it did, the
+        """Free a request on the server at once. When the server cannot be reached, the
         free is queued for the next Step (its blocks must not stay held by a request
-        nobody tracks); an unknown request is free already, and a lost session's end
-        frees everything it held."""
+        nobody tracks); an unknown request is free already, a lost session's end frees
+        everything it held, and a request of another session is not this one's to free
+        (its id was taken after this session's request was gone). Any other refusal is
+        logged and the free dropped: sent again it would fail every later Step."""
         try:
             self.client.free(self.pool, [request_id], session_id=self.session_id, fence=self.keeper.fence)
-        except (RequestUnknownError, SessionExpiredError, FencedError):
+        except (RequestUnknownError, SessionExpiredError, FencedError, PermissionDeniedError):
             pass
-        except KVCoordError:
+        except _TRANSIENT:
             self._queue.append(self._ops.free_again(request_id))
+        except KVCoordError as err:
+            logger.error(
+                "session %s could not free request %r, which may stay held until the session ends: %s",
+                self.session_id, request_id, err,
+            )  # fmt: skip
 
     def _free_again(self, items: Sequence[Item]) -> None:
         """The queued frees among ``items``, which may not have been applied."""

@@ -12,16 +12,20 @@ import grpc
 import pytest
 from kvcoord.client import (
     NO_RETRY,
+    AbortedError,
     FencedError,
     GracePeriodError,
     InvalidArgumentError,
     KeyReusedError,
     KVCoordClient,
+    PermissionDeniedError,
     RemoteKVCacheManager,
     RequestsLostError,
+    RetryPolicy,
 )
 from kvcoord.client import _requests as rq
 from kvcoord.client.faults import FaultInjector
+from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
 from support import POOL_TOML as POOL
@@ -490,3 +494,107 @@ def test_no_table_from_the_ledger_after_the_lease_could_have_ended(started: list
         with pytest.raises(RequestsLostError) as lost:
             m.get_block_ids("a")
         assert lost.value.request_ids == ["a"]
+
+
+def test_a_refused_registration_leaves_nothing_of_its_prompt(started: list[InProcessServer]) -> None:
+    """A registration the pool refuses (another session holds the id) leaves nothing
+    of its prompt in the client: when the id is used again for another prompt, the
+    blocks are cached under that prompt's own hashes, and a request with the refused
+    prompt gets no hit on them. (Before, the refused prompt stayed in the request's
+    hasher, the new prompt's blocks were cached under the old prompt's hashes, and
+    another worker adopted them as a prefix hit: KV of other tokens.)"""
+    server = start(started)
+    with KVCoordClient(server.address) as c:
+        a = RemoteKVCacheManager(c, "p", hash_seed="0", client_name="A")
+        b = RemoteKVCacheManager(c, "p", hash_seed="0", client_name="B")
+        theirs = Req("x", [7] * 9)
+        b.get_computed_blocks(theirs)  # B holds the id "x"
+        old_prompt = list(range(1, 10))
+        with pytest.raises(PermissionDeniedError):
+            a.get_computed_blocks(Req("x", old_prompt))  # refused: nothing registered
+        b.free(theirs)
+        b.flush()
+        new_prompt = list(range(100, 113))
+        x = Req("x", new_prompt)  # A's next request happens to take the id "x"
+        hit, n = a.get_computed_blocks(x)
+        assert a.allocate_slots(x, len(new_prompt) - n, n, hit) is not None
+        x.num_computed_tokens = len(new_prompt)
+        truth = BlockHasher("sha256_cbor", 4, none_hash("sha256_cbor", "0")).extend(new_prompt)
+        assert [bytes(h) for h in a.tracker.hashes(x)] == truth
+        a.free(x)
+        a.flush()
+        _, victim_tokens = b.get_computed_blocks(Req("v", [*old_prompt, 0, 0, 0, 0]))
+        assert victim_tokens == 0
+
+
+def test_a_batch_left_by_an_exception_moves_back_only_its_own_requests(
+    started: list[InProcessServer],
+) -> None:
+    """An exception inside ``with manager.batch()`` drops the batch's calls and moves
+    back only the requests they synced: a queued cache_blocks of another request is
+    sent as it was built, and that request goes on. (Before, every tracked request was
+    moved back, the queued call then mismatched the server, and the request was
+    reported lost.)"""
+    server = start(started)
+    with KVCoordClient(server.address) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0")
+        r = Req("r", list(range(8)))
+        assert m.allocate_slots(r, 8) is not None
+        r.num_computed_tokens = 8
+        r.all_token_ids.append(99)
+        m.cache_blocks(r, 8)  # queued: its sync appends token 99
+        with pytest.raises(ValueError), m.batch() as b:
+            looked_up = b.get_computed_blocks(Req("other", list(range(40, 50))))
+            raise ValueError("an exception later in the scheduler step")
+        assert m.allocate_slots(r, 1) is not None  # not lost
+        assert m.lost_requests == 0 and set(held(c)) == {"r"}
+        assert "other" not in m.tracker
+        with pytest.raises(AbortedError):
+            looked_up.result()
+        assert c.check_pool("p").violations == []
+
+
+def test_a_batch_left_by_an_exception_still_frees(started: list[InProcessServer]) -> None:
+    """A free collected in a batch that is left by an exception is still sent (with
+    the manager's next Step): the request it forgot leaves the pool. (Before, the
+    request was forgotten by the client and held by the server for the session's
+    life.)"""
+    server = start(started)
+    with KVCoordClient(server.address) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0")
+        r = Req("r", list(range(8)))
+        assert m.allocate_slots(r, 8) is not None
+        with pytest.raises(ValueError), m.batch() as b:
+            b.free(r)
+            raise ValueError("an exception later in the scheduler step")
+        m.flush()
+        assert "r" not in m.tracker and held(c) == {}
+
+
+def test_a_free_sent_again_leaves_another_sessions_request_alone(started: list[InProcessServer]) -> None:
+    """A worker cut off while registering "x" frees it again once reachable; by then
+    another worker's request holds the id "x". The free sent again means "free it if I
+    still hold it": it leaves the other request alone and the worker's later Steps
+    succeed. (Before, it was refused with PERMISSION_DENIED and sent again with every
+    Step, each of which failed until the other worker freed its "x".)"""
+    server = start(started)
+    fi = FaultInjector(4, methods=("Step", "Free"))
+    retry = RetryPolicy(initial_backoff=0.001, max_backoff=0.002, max_attempts=2, deadline=2.0)
+    with (
+        KVCoordClient(server.address, interceptors=[fi], retry=retry) as ca,
+        KVCoordClient(server.address) as cb,
+    ):
+        a = RemoteKVCacheManager(ca, "p", hash_seed="0", client_name="A", renew=False)
+        b = RemoteKVCacheManager(cb, "p", hash_seed="0", client_name="B")
+        fi.partitioned = True
+        with pytest.raises(RequestsLostError):
+            a.get_computed_blocks(Req("x", list(range(9))))
+        fi.partitioned = False
+        theirs = Req("x", list(range(50, 59)))
+        assert b.allocate_slots(theirs, 9) is not None
+        table = held(cb)["x"]
+        for i in range(3):
+            r = Req(f"a{i}", list(range(200 + 20 * i, 209 + 20 * i)))
+            assert a.allocate_slots(r, 9) is not None
+        assert held(cb)["x"] == table and {"a0", "a1", "a2"} <= set(held(cb))
+        assert cb.check_pool("p").violations == []

@@ -377,7 +377,8 @@ def test_a_table_answered_by_the_client_is_checked() -> None:
 def test_a_free_sent_again_is_idempotent_only_when_asked() -> None:
     """Free of an unknown request: REQUEST_UNKNOWN; with if_held (a free sent again after
     a Step whose outcome the client could not learn) nothing to do. A request of
-    another session is refused either way."""
+    another session is refused by a plain free, and left alone by one with if_held
+    ("free it if I still hold it": that session's request is not this one's)."""
     p = make()
     s, t = attach(p), attach(p)
     (o,) = p.apply(s, [op.Allocate(new("a", list(range(8))), 8)])
@@ -386,7 +387,9 @@ def test_a_free_sent_again_is_idempotent_only_when_asked() -> None:
     assert gone.error is not None and gone.error.reason is ErrorReason.REQUEST_UNKNOWN
     (again,) = p.apply(s, [op.Free("ghost", if_held=True)])
     assert again.error is None
+    (refused,) = p.apply(t, [op.Free("a")])
+    assert refused.error is not None and refused.error.code is grpc.StatusCode.PERMISSION_DENIED
     (other,) = p.apply(t, [op.Free("a", if_held=True)])
-    assert other.error is not None and other.error.code is grpc.StatusCode.PERMISSION_DENIED
+    assert other.error is None and "a" in p.engine.requests
     (mine,) = p.apply(s, [op.Free("a", if_held=True)])
     assert mine.error is None and "a" not in p.engine.requests

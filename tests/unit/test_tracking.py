@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+from kvcoord.client.errors import InvalidArgumentError
 from kvcoord.client.hashing import none_hash
 from kvcoord.client.tracking import RequestTracker
 from kvcoord.v1 import allocator_pb2 as pb
@@ -36,3 +38,33 @@ def test_a_sync_written_into_an_operation_equals_the_returned_one() -> None:
     assert not expected.new_request and expected.base_num_tokens == 16
     assert list(expected.append_token_ids) == [102, 202, 302]
     assert expected.base_num_hashes == 4 and not expected.append_block_hashes  # 19 tokens: 4 full blocks
+
+
+def test_a_rolled_back_sync_takes_the_hasher_back_with_it() -> None:
+    """A registration never acknowledged is forgotten with its hasher when rolled back;
+    a registered request's hasher goes back to the acknowledged tokens, so the next
+    sync hashes the request's own tokens from there."""
+    tracker = RequestTracker(_config(), none_hash("sha256_cbor", "0"))
+    tracker.sync(Req("r", list(range(9))))
+    tracker.rollback(["r"])
+    assert "r" not in tracker
+    fresh = RequestTracker(_config(), none_hash("sha256_cbor", "0"))
+    again = tracker.sync(Req("r", list(range(100, 113))))
+    assert again == fresh.sync(Req("r", list(range(100, 113))))
+    tracker.commit(["r"])
+    tracker.sync(Req("r", [*range(100, 113), 1, 2, 3]))  # never acknowledged
+    tracker.rollback()
+    later = tracker.sync(Req("r", [*range(100, 113), 7, 8, 9]))
+    fresh.commit(["r"])
+    assert later == fresh.sync(Req("r", [*range(100, 113), 7, 8, 9]))
+
+
+def test_another_request_under_a_tracked_id_is_refused() -> None:
+    """A request with fewer tokens, or another last sent token, than what was sent
+    under its id is refused before anything is synced."""
+    tracker = RequestTracker(_config(), none_hash("sha256_cbor", "0"))
+    tracker.sync(Req("r", list(range(9))))
+    for other in (list(range(5)), [*range(8), 42, 43]):
+        with pytest.raises(InvalidArgumentError):
+            tracker.sync(Req("r", other))
+    assert tracker.mark("r") == (9, 2, 0, True)

@@ -12,10 +12,11 @@ import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from . import _requests as rq
-from .errors import KVCoordError
+from .errors import AbortedError, KVCoordError
 
 if TYPE_CHECKING:
     from .manager import RemoteKVCacheManager
@@ -498,12 +499,22 @@ class StepBatcher:
     """Calls collected into one Step RPC, sent on :meth:`flush` (or on leaving a
     ``with`` block). Each call returns a :class:`Pending`; operations apply in order,
     and after a failed one the rest are not applied (their Pending raises AbortedError).
+
+    Leaving the ``with`` block by an exception sends nothing of the batch but its
+    frees (queued with the manager's next Step: their requests are forgotten already,
+    and a free is always safe to send); the other calls' Pendings raise AbortedError,
+    and the requests they synced go back to where they stood before the batch.
     """
 
     def __init__(self, manager: RemoteKVCacheManager) -> None:
         self.m = manager
         self._ops = Ops(manager)
         self._items: list[Item] = []
+        #: per request a call of this batch synced or freed, its position before the
+        #: batch (None: not tracked, or freed by the batch, whose free is sent anyway)
+        self._before: dict[str, tuple[int, int, int, bool] | None] = {}
+        #: per such request, its position after the batch's last call for it
+        self._after: dict[str, tuple[int, int, int, bool] | None] = {}
 
     def __enter__(self) -> StepBatcher:
         return self
@@ -512,8 +523,34 @@ class StepBatcher:
         if exc_type is None:
             self.flush()
         else:
-            self.m.tracker.rollback()
-            self._items.clear()
+            self._abandon()
+
+    def _abandon(self) -> None:
+        """The batch is left by an exception: its frees go with the manager's next Step,
+        the rest is dropped, and only the requests it moved are moved back."""
+        items, self._items = self._items, []
+        before, after = self._before, self._after
+        self._before, self._after = {}, {}
+        m = self.m
+        tracker = m.tracker
+        # A request synced by a call outside the batch since (e.g. a queued
+        # cache_blocks) is left as it is: that call's sync starts where the batch's
+        # ended, and fails loudly (SYNC_MISMATCH) when sent.
+        tracker.restore({rid: mark for rid, mark in before.items() if tracker.mark(rid) == after[rid]})
+        if items:
+            m._abandoned(list(before))
+        aborted = AbortedError(grpc.StatusCode.ABORTED, "not sent: the batch was left by an exception")
+        for item in items:
+            if item.op.WhichOneof("op") == "free":
+                item.deferred = True  # nobody waits for it now: its error is the sender's
+                m._defer(item)
+            else:
+                item.pending._fail(aborted)
+
+    def _moving(self, request_id: str) -> None:
+        """A call of the batch is about to sync this request: remember where it stood."""
+        if request_id not in self._before:
+            self._before[request_id] = self.m.tracker.mark(request_id)
 
     def _add(self, item: Item | None) -> Pending[Any]:
         if item is None:
@@ -522,9 +559,13 @@ class StepBatcher:
             return done
         item.deferred = False  # an explicit batch: every caller holds its Pending
         self._items.append(item)
+        mark = self.m.tracker.mark
+        for rid in item.touched:
+            self._after[rid] = mark(rid)
         return item.pending
 
     def get_computed_blocks(self, request: Any) -> Pending[tuple[KVCacheBlockIds, int]]:
+        self._moving(request.request_id)
         return self._add(self._ops.get_computed_blocks(request))
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -532,19 +573,26 @@ class StepBatcher:
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0) -> Pending[KVCacheBlockIds | None]:  # fmt: skip
         self.m._batched_allocation(request.request_id)
+        self._moving(request.request_id)
         return self._add(self._ops.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens))  # fmt: skip
 
     def free(self, request: Any) -> Pending[None]:
-        return self._add(self._ops.free(request))
+        item = self._ops.free(request)
+        if item is not None:  # forgotten now, and freed whatever happens to the batch
+            rid = request if isinstance(request, str) else request.request_id
+            self._before[rid] = self._after[rid] = None
+        return self._add(item)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> Pending[None]:
         self.m._caching(request, num_computed_tokens)
+        self._moving(request.request_id)
         return self._add(self._ops.cache_blocks(request, num_computed_tokens))
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> Pending[None]:
         self.m._skipping(request_id, total_computed_tokens)
+        self._moving(request_id)
         return self._add(self._ops.remove_skipped_blocks(request_id, total_computed_tokens))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> Pending[None]:

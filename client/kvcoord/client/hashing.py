@@ -186,6 +186,12 @@ class BlockHasher:
         self.block_hashes.extend(new)
         return new
 
+    def truncate(self, num_tokens: int) -> None:
+        """Forget the tokens from ``num_tokens`` on, and the hashes of the blocks they
+        were part of (the next :meth:`extend` hashes from there again)."""
+        del self.token_ids[num_tokens:]
+        del self.block_hashes[num_tokens // self.block_size :]
+
     def _extra_keys(self, start: int, end: int, mm_idx: int) -> tuple[tuple[Any, ...] | None, int]:
         keys: list[Any] = []
         if self._lora_name:

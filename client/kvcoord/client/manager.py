@@ -56,15 +56,19 @@ from kvcoord.v1 import allocator_pb2 as pb
 from .batch import Item, KVCacheBlockIds, Ops, Pending, Run, StepBatcher
 from .client import KVCoordClient
 from .errors import (
+    AbortedError,
     AnswerEvictedError,
     FencedError,
     KVCoordError,
     LeaseExpiredError,
     OutcomeUnknownError,
+    PermissionDeniedError,
     RequestsLostError,
     RequestUnknownError,
+    ResourceExhaustedError,
     SessionExpiredError,
     SyncMismatchError,
+    UnavailableError,
     error_from_code,
     status_code,
 )
@@ -96,8 +100,18 @@ class _Hint:
     watch_from: int
 
 
+#: errors after which a free is sent again with the next Step (the server may answer
+#: it then); any other refusal would refuse it again
+_TRANSIENT = (UnavailableError, AbortedError, ResourceExhaustedError, LeaseExpiredError)
+
 #: queued operations that make no KV events (nor does a run of checks alone)
 _NO_EVENTS = ("free", "remove_skipped_blocks", "lookup", "get_block_ids")
+
+
+def _touched(items: list[Item]) -> list[str]:
+    """The requests a Step's items sync (only theirs roll back when it fails: calls
+    collected in an open batch keep theirs)."""
+    return [rid for i in items for rid in i.touched]
 
 
 def _pack(items: list[Item]) -> list[pb.Operation]:
@@ -768,6 +782,16 @@ class RemoteKVCacheManager:
         self._cached_hashes.pop(request_id, None)
         self._clear_hints()
 
+    def _abandoned(self, request_ids: Iterable[str]) -> None:
+        """A batch's calls were dropped unsent (it was left by an exception): what was
+        assumed from them here (ledger, bounds, cached hashes, hints) is dropped too,
+        and re-learned from the next answers."""
+        self._ledger_off("a batch was left by an exception")
+        self._clear_hints()
+        for rid in request_ids:
+            self.budget.forget(rid)
+            self._cached_hashes.pop(rid, None)
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table per group (null blocks as 0). From the block ledger
         when it holds the whole table (every id in it came from an answer; what is
@@ -918,7 +942,7 @@ class RemoteKVCacheManager:
                     # none of its requests can be trusted.
                     failure = self._forget([rid for i in items for rid in i.touched], err)
                 else:
-                    self.tracker.rollback()
+                    self.tracker.rollback(_touched(items))
                     failure = err
                 # Its queued frees may not have happened: free again (an unknown
                 # request is already free).
@@ -980,7 +1004,7 @@ class RemoteKVCacheManager:
             if item.deferred and failed is None:
                 failed = op_err
         if any(r.status_code for r in resp.results):
-            self.tracker.rollback()
+            self.tracker.rollback(_touched(items))
             self._ledger_off("an operation of a Step failed")
         if failed is not None:
             raise failed
@@ -1095,16 +1119,23 @@ class RemoteKVCacheManager:
         self.keeper.attach()
 
     def _free_now(self, request_id: str) -> None:
-        """Free a request on the server at once. When the server cannot say it did, the
+        """Free a request on the server at once. When the server cannot be reached, the
         free is queued for the next Step (its blocks must not stay held by a request
-        nobody tracks); an unknown request is free already, and a lost session's end
-        frees everything it held."""
+        nobody tracks); an unknown request is free already, a lost session's end frees
+        everything it held, and a request of another session is not this one's to free
+        (its id was taken after this session's request was gone). Any other refusal is
+        logged and the free dropped: sent again it would fail every later Step."""
         try:
             self.client.free(self.pool, [request_id], session_id=self.session_id, fence=self.keeper.fence)
-        except (RequestUnknownError, SessionExpiredError, FencedError):
+        except (RequestUnknownError, SessionExpiredError, FencedError, PermissionDeniedError):
             pass
-        except KVCoordError:
+        except _TRANSIENT:
             self._queue.append(self._ops.free_again(request_id))
+        except KVCoordError as err:
+            logger.error(
+                "session %s could not free request %r, which may stay held until the session ends: %s",
+                self.session_id, request_id, err,
+            )  # fmt: skip
 
     def _free_again(self, items: Sequence[Item]) -> None:
         """The queued frees among ``items``, which may not have been applied."""

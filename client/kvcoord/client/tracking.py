@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .errors import KVCoordError, RequestsLostError
+from .errors import InvalidArgumentError, KVCoordError, RequestsLostError
 from .hashing import BlockHasher, MultiModalItem
 
 __all__ = ["LostRequestInUseError", "RequestTracker"]
@@ -41,7 +41,9 @@ class LostRequestInUseError(RequestsLostError):
 @dataclasses.dataclass(slots=True)
 class _Tracked:
     """``sent_*`` is the position the next sync applies at; ``committed`` what the
-    server acknowledged."""
+    server acknowledged. The hasher holds exactly the ``sent_tokens`` first tokens: a
+    position moved back takes the hasher back with it, so the next sync hashes the
+    request's own tokens from there (never tokens a refused or abandoned sync took)."""
 
     hasher: BlockHasher | None
     sent_tokens: int = 0
@@ -54,7 +56,13 @@ class _Tracked:
         self.committed = (self.sent_tokens, self.sent_hashes, self.sent_computed, self.registered)
 
     def rollback(self) -> None:
-        self.sent_tokens, self.sent_hashes, self.sent_computed, self.registered = self.committed
+        self.restore(self.committed)
+
+    def restore(self, mark: tuple[int, int, int, bool]) -> None:
+        """Back to ``mark`` (a position at or after the committed one)."""
+        self.sent_tokens, self.sent_hashes, self.sent_computed, self.registered = mark
+        if self.hasher is not None:
+            self.hasher.truncate(self.sent_tokens)
 
 
 class RequestTracker:
@@ -99,6 +107,8 @@ class RequestTracker:
                 self.lost.discard(rid)  # reset by the scheduler (preempted): a new start
             t = _Tracked(self._hasher(request))
             self._tracked[rid] = t
+        else:
+            self._check_same(request, t)
         tokens = request.all_token_ids
         if into is None:
             sync = pb.RequestSync(request_id=rid)
@@ -141,6 +151,7 @@ class RequestTracker:
         t = self._tracked.get(request.request_id)
         if t is None or not t.registered:
             return None
+        self._check_same(request, t)
         base_t, base_h = t.sent_tokens, t.sent_hashes
         tokens = request.all_token_ids
         new_tokens: Sequence[int] = ()
@@ -210,15 +221,30 @@ class RequestTracker:
                     t.committed = mark
 
     def rollback(self, request_ids: Iterable[str] | None = None) -> None:
-        """Positions back to what the server acknowledged (of these requests, or all)."""
-        if request_ids is None:
-            for t in self._tracked.values():
+        """Positions back to what the server acknowledged (of these requests, or all).
+        A request the server never acknowledged registering is forgotten with its
+        hasher: nothing of it is on the server, and its id may come back as another
+        request (another prompt, LoRA or salt)."""
+        tracked = self._tracked
+        for rid in list(tracked) if request_ids is None else request_ids:
+            t = tracked.get(rid)
+            if t is not None:
                 t.rollback()
-            return
-        for rid in request_ids:
-            tracked = self._tracked.get(rid)
-            if tracked is not None:
-                tracked.rollback()
+                if not t.registered:
+                    del tracked[rid]
+
+    def restore(self, marks: dict[str, tuple[int, int, int, bool] | None]) -> None:
+        """Positions back to these marks (taken with :meth:`mark` before syncs that
+        were never sent); a request not registered at its mark is forgotten."""
+        tracked = self._tracked
+        for rid, mark in marks.items():
+            t = tracked.get(rid)
+            if t is None:
+                continue
+            if mark is None or not mark[3]:
+                del tracked[rid]
+            else:
+                t.restore(mark)
 
     def forget(self, request_ids: Iterable[str], lost: bool = False) -> list[str]:
         """Stop tracking these requests; returns those that were tracked. With ``lost``
@@ -234,6 +260,24 @@ class RequestTracker:
         self._tracked.clear()
         self.lost.update(gone)
         return gone
+
+    @staticmethod
+    def _check_same(request: Any, t: _Tracked) -> None:
+        """Refuse a request that cannot be the one tracked under its id (checked in
+        constant time: no fewer tokens than were sent, the last one sent unchanged).
+        Its sync would extend the old request's hashes with the new tokens."""
+        sent = t.sent_tokens
+        if not sent:
+            return
+        tokens = request.all_token_ids
+        hasher = t.hasher
+        if len(tokens) < sent or (hasher is not None and tokens[sent - 1] != hasher.token_ids[sent - 1]):
+            raise InvalidArgumentError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request {request.request_id!r} is not the one sent under its id ({sent} tokens sent; it "
+                f"has {len(tokens)}, or another token at position {sent - 1}): an id is used for another "
+                "request while the pool still holds the first one; free it first",
+            )
 
     def _hasher(self, request: Any) -> BlockHasher | None:
         if not self.enable_caching or getattr(request, "block_hashes", None) is not None:
@@ -257,7 +301,8 @@ class RequestTracker:
             return [bytes(h) for h in given[t.sent_hashes :]]
         assert t.hasher is not None
         tokens = request.all_token_ids
-        have = len(t.hasher.token_ids)
+        have = t.sent_tokens
+        assert len(t.hasher.token_ids) == have, "the hasher holds exactly the tokens sent"
         if len(tokens) > have:
             t.hasher.extend(tokens[have:])
         return t.hasher.block_hashes[t.sent_hashes :]

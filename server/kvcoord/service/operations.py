@@ -135,7 +135,8 @@ class RunOutcome:
 @dataclasses.dataclass(slots=True)
 class Free:
     request_id: str
-    #: an unknown request is not an error (a free sent again)
+    #: free it only if this session holds it: a request unknown, or another
+    #: session's, is not an error (a free sent again)
     if_held: bool = False
 
 

@@ -673,10 +673,10 @@ class PoolService:
         )
 
     def _free(self, s: Session, o: op.Free) -> op.Value:
-        if o.if_held and o.request_id:
-            owner = self.owners.get(o.request_id)
-            if owner is None or owner.tenant != s.tenant:
-                return None  # freed already (a free sent again); another tenant's is unknown here
+        if o.if_held and o.request_id and self.owners.get(o.request_id) is not s:
+            # "Free it if I still hold it": not held by this session (its first free was
+            # applied, or the id is another session's request by now), nothing to do.
+            return None
         self._owned(s, o.request_id)
         self.engine.free(o.request_id)
         del self.owners[o.request_id]

@@ -524,3 +524,109 @@ def test_a_replayed_free_must_give_what_its_client_was_told(tmp_path: Path, dama
     _rewrite_free_record(data, change)
     with pytest.raises(JournalError, match="replaying a Free of pool 'p'"):
         InProcessServer(pool, data_dir=data).start()
+
+
+def test_predicted_answers_survive_sigkill(tmp_path: Path) -> None:
+    """A PredictingKVCacheManager keeps answering from its replica while the journaled
+    server is SIGKILLed and restarted under it (8 times, from another thread, whatever
+    Step is in flight): its Steps are retried with their keys once the server is back,
+    every answer equals an in-process engine's, no request is lost, and the server's
+    tables equal the engine's at the end."""
+    from kvcoord.client import PredictingKVCacheManager
+    from kvcoord.service.convert import event_to_pb
+    from kvcoord.client.hashing import BlockHasher, none_hash
+    from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    @dataclasses.dataclass
+    class R:
+        request_id: str
+        all_token_ids: list[int]
+        block_hashes: list[bytes]
+        num_computed_tokens: int = 0
+
+    server = DurableServer(tmp_path)
+    server.start()
+    rnd = random.Random(5)
+    local = KVCachePool(
+        KVCacheConfig(num_blocks=40, groups=(FullAttentionSpec(4),), hash_block_size=4, max_model_len=512,
+                      enable_kv_cache_events=True)  # fmt: skip
+    )
+    none = none_hash("sha256_cbor", "0")
+    hashers: dict[str, BlockHasher] = {}
+    kills_done = threading.Event()
+
+    def killer() -> None:
+        for _ in range(8):
+            time.sleep(0.3)
+            server.restart()
+        kills_done.set()
+
+    try:
+        with KVCoordClient(server.address, timeout=20, retry=PATIENT) as client:
+            client.create_pool("pred", pb.PoolConfig(
+                num_blocks=40, hash_block_size=4, hash_algo="sha256_cbor", hash_seed="0", enable_caching=True,
+                enable_kv_cache_events=True, max_model_len=512,
+                groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))]))  # fmt: skip
+            m = PredictingKVCacheManager(client, "pred", hash_seed="0")
+            running: list[R] = []
+            shared = [rnd.randrange(100) for _ in range(8)]
+            thread = threading.Thread(target=killer)
+            thread.start()
+            step = 0
+            while not kills_done.is_set() or step < 60:
+                step += 1
+                assert step < 100_000
+                if len(running) < 6:
+                    tokens = shared + [rnd.randrange(100) for _ in range(rnd.randint(1, 12))]
+                    hashers[f"r{step}"] = BlockHasher("sha256_cbor", 4, none)
+                    r = R(f"r{step}", tokens, hashers[f"r{step}"].extend(tokens))
+                    local.add_request(r.request_id, tokens, list(r.block_hashes))
+                    hit, n = m.get_computed_blocks(r)
+                    want = local.get_computed_blocks(r.request_id)
+                    assert (hit.block_ids, n) == (tuple(list(g) for g in want.block_ids), want.num_tokens)
+                    got = m.allocate_slots(r, len(tokens) - n, n, hit)
+                    exp = local.allocate_slots(r.request_id, len(tokens) - n, n, None if want.is_empty else want)
+                    assert (got is None) == (exp is None)
+                    if got is None:
+                        m.free(r)
+                        local.free(r.request_id)
+                    else:
+                        assert got.block_ids == tuple(list(g) for g in exp)
+                        r.num_computed_tokens = len(tokens)
+                        running.append(r)
+                i = 0
+                while i < len(running):  # decode: one token each; preempt from the end on refusal
+                    r = running[i]
+                    tok = rnd.randrange(100)
+                    new_hashes = hashers[r.request_id].extend([tok])
+                    r.all_token_ids.append(tok)
+                    r.block_hashes.extend(new_hashes)
+                    local.update_request(r.request_id, num_computed_tokens=r.num_computed_tokens,
+                                         append_token_ids=[tok], append_block_hashes=new_hashes)  # fmt: skip
+                    got = m.allocate_slots(r, 1)
+                    exp = local.allocate_slots(r.request_id, 1)
+                    assert (got is None) == (exp is None), step
+                    if got is not None:
+                        assert got.block_ids == tuple(list(g) for g in exp)
+                        r.num_computed_tokens += 1
+                        i += 1
+                        continue
+                    victim = running.pop()
+                    m.free(victim)
+                    local.free(victim.request_id)
+                if rnd.random() < 0.3 and running:
+                    done = running.pop(0)
+                    m.free(done)
+                    local.free(done.request_id)
+                assert m.take_events() == [event_to_pb(e) for e in local.take_events()]
+            thread.join(120)
+            m.flush()
+            held = {q.request_id: [list(g.block_ids) for g in q.groups] for q in
+                    client.inspect_pool("pred", all_requests=True).requests}  # fmt: skip
+            assert held == {rid: [list(g) for g in local.get_block_ids(rid)] for rid in local.requests}
+            assert m.lost_requests == 0 and server.kills == 8
+            print(f"\npredicted across {server.kills} SIGKILLs: {step} steps in {m.steps_sent} Steps")
+            m.close()
+    finally:
+        server.stop()

@@ -533,9 +533,9 @@ def test_predicted_answers_survive_sigkill(tmp_path: Path) -> None:
     every answer equals an in-process engine's, no request is lost, and the server's
     tables equal the engine's at the end."""
     from kvcoord.client import PredictingKVCacheManager
-    from kvcoord.service.convert import event_to_pb
     from kvcoord.client.hashing import BlockHasher, none_hash
     from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool
+    from kvcoord.service.convert import event_to_pb
     from kvcoord.v1 import allocator_pb2 as pb
 
     @dataclasses.dataclass
@@ -549,8 +549,13 @@ def test_predicted_answers_survive_sigkill(tmp_path: Path) -> None:
     server.start()
     rnd = random.Random(5)
     local = KVCachePool(
-        KVCacheConfig(num_blocks=40, groups=(FullAttentionSpec(4),), hash_block_size=4, max_model_len=512,
-                      enable_kv_cache_events=True)  # fmt: skip
+        KVCacheConfig(
+            num_blocks=40,
+            groups=(FullAttentionSpec(4),),
+            hash_block_size=4,
+            max_model_len=512,
+            enable_kv_cache_events=True,
+        )  # fmt: skip
     )
     none = none_hash("sha256_cbor", "0")
     hashers: dict[str, BlockHasher] = {}
@@ -586,7 +591,9 @@ def test_predicted_answers_survive_sigkill(tmp_path: Path) -> None:
                     want = local.get_computed_blocks(r.request_id)
                     assert (hit.block_ids, n) == (tuple(list(g) for g in want.block_ids), want.num_tokens)
                     got = m.allocate_slots(r, len(tokens) - n, n, hit)
-                    exp = local.allocate_slots(r.request_id, len(tokens) - n, n, None if want.is_empty else want)
+                    exp = local.allocate_slots(
+                        r.request_id, len(tokens) - n, n, None if want.is_empty else want
+                    )
                     assert (got is None) == (exp is None)
                     if got is None:
                         m.free(r)

@@ -59,6 +59,7 @@ class _Twin:
     def __init__(self, pool: KVCachePool, replica: PoolReplica) -> None:
         self.pool, self.replica = pool, replica
         self.registered: set[str] = set()
+        self.calls = 0
 
     def _sync(self, r: _Req) -> None:
         if r.rid not in self.registered:
@@ -86,8 +87,11 @@ class _Twin:
         engine_hit = CacheHit((tuple(hit),), hit_tokens) if hit else None
         want = self.pool.allocate_slots(r.rid, n, hit_tokens, engine_hit, lookahead)
         assert self.replica.check(r.rid, r.computed, hit_tokens, n, hit, r.hashes)
-        got = self.replica.allocate(r.rid, r.computed, hit_tokens, n, hit, lookahead, r.tokens, r.hashes,
-                                    lambda: None)  # fmt: skip
+        self.calls += 1
+        if hit or self.calls % 2:
+            got = self.replica.allocate(r.rid, r.computed, hit_tokens, n, hit, lookahead, r.tokens, r.hashes)
+        else:  # the manager's path for an allocation without a hit
+            got = self.replica.grow(r.rid, r.computed, n, lookahead, r.tokens, r.hashes)
         assert got == (None if want is None else list(want[0]))
         self.same()
         return got

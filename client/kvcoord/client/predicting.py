@@ -29,6 +29,7 @@ use :class:`RemoteKVCacheManager` for them.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import os
 import time
@@ -160,7 +161,7 @@ class PredictingKVCacheManager:
 
     def _new_replica(self) -> PoolReplica:
         assert self._state is not None
-        replica = PoolReplica(self.config, self._state)
+        replica = PoolReplica(self.config, self._state, _lora)
         self._state = None
         return replica
 
@@ -219,17 +220,16 @@ class PredictingKVCacheManager:
             fields = tracker.sync_run(request)
             if fields is not None:
                 rid = request.request_id
-                new = replica.allocate(
-                    rid, computed, 0, num_new_tokens, (), num_lookahead_tokens, request.all_token_ids,
-                    tracker.hashes(request), lambda: _lora(request),
-                )  # fmt: skip
+                new = replica.grow(rid, computed, num_new_tokens, num_lookahead_tokens, request.all_token_ids,
+                                   tracker.hashes(request), request)  # fmt: skip
                 if new is None:
                     self._queue(_refusal(rid, fields, num_new_tokens, num_lookahead_tokens), None)
                     return None
                 run = self._run
                 if run is None:
                     run = self._run = _Run()
-                run.add(rid, fields, num_new_tokens, num_lookahead_tokens, new)
+                run.entries.append((rid, *fields, num_new_tokens, num_lookahead_tokens))
+                run.ids.append(new)
                 return KVCacheBlockIds((new,))
         return self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                               num_lookahead_tokens)  # fmt: skip
@@ -272,7 +272,7 @@ class PredictingKVCacheManager:
             a.new_computed_blocks.num_tokens = num_new_computed_tokens
         new = replica.allocate(
             rid, computed, num_new_computed_tokens, num_new_tokens, hit, num_lookahead_tokens,
-            request.all_token_ids, tracker.hashes(request), lambda: _lora(request),
+            request.all_token_ids, tracker.hashes(request), request,
         )  # fmt: skip
         if new is None:
             a.must_refuse = True
@@ -397,11 +397,7 @@ class PredictingKVCacheManager:
             if expected is None:
                 continue
             if isinstance(expected, _Run):
-                answer = result.allocate_run
-                if (
-                    list(answer.num_new_blocks) != expected.counts
-                    or list(answer.new_block_ids) != expected.ids
-                ):
+                if not expected.matches(result.allocate_run):
                     raise PredictionMismatchError(f"operation {i}: the server's run of allocations differs")
             elif [list(g.block_ids) for g in result.allocate.new_block_ids] != [expected]:
                 raise PredictionMismatchError(
@@ -505,55 +501,31 @@ def _refusal(
 
 
 class _Run:
-    """A Step's allocations of registered requests without a hit, as the columns of
-    one AllocateRunOp, with the block ids the replica gave them."""
+    """A Step's allocations of registered requests without a hit: their entries
+    (``sync_run``'s fields, then the new token and lookahead counts) and the block ids
+    the replica gave them, turned into one AllocateRunOp's columns when sent."""
 
-    __slots__ = ("base_h", "base_t", "computed", "counts", "hashes", "ids", "look", "n_hash", "n_tok", "new",
-                 "rids", "tokens")  # fmt: skip
+    __slots__ = ("entries", "ids")
 
     def __init__(self) -> None:
-        self.rids: list[str] = []
-        self.base_t: list[int] = []
-        self.base_h: list[int] = []
-        self.computed: list[int] = []
-        self.new: list[int] = []
-        self.look: list[int] = []
-        self.n_tok: list[int] = []
-        self.tokens: list[int] = []
-        self.n_hash: list[int] = []
-        self.hashes: list[bytes] = []
-        #: each entry's new block count, and every new block id, in entry order
-        self.counts: list[int] = []
-        self.ids: list[int] = []
-
-    def add(
-        self,
-        request_id: str,
-        fields: tuple[int, int, Any, Any, int],
-        num_new_tokens: int,
-        num_lookahead_tokens: int,
-        new: list[int],
-    ) -> None:
-        base_t, base_h, tokens, hashes, computed = fields
-        self.rids.append(request_id)
-        self.base_t.append(base_t)
-        self.base_h.append(base_h)
-        self.computed.append(computed)
-        self.new.append(num_new_tokens)
-        self.look.append(num_lookahead_tokens)
-        self.n_tok.append(len(tokens))
-        self.tokens.extend(tokens)
-        self.n_hash.append(len(hashes))
-        self.hashes.extend(hashes)
-        self.counts.append(len(new))
-        self.ids.extend(new)
+        self.entries: list[tuple[Any, ...]] = []
+        #: each entry's new block ids, in entry order
+        self.ids: list[list[int]] = []
 
     def op(self) -> pb.Operation:
+        rids, base_t, base_h, tokens, hashes, computed, new, look = zip(*self.entries, strict=True)
         return pb.Operation(
             allocate_run=pb.AllocateRunOp(
-                request_ids=self.rids, base_num_tokens=self.base_t, base_num_hashes=self.base_h,
-                num_computed_tokens=self.computed, num_new_tokens=self.new, num_lookahead_tokens=self.look,
-                num_append_tokens=self.n_tok, append_token_ids=self.tokens, num_append_hashes=self.n_hash,
-                append_block_hashes=[bytes(h) for h in self.hashes],
+                request_ids=rids, base_num_tokens=base_t, base_num_hashes=base_h, num_computed_tokens=computed,
+                num_new_tokens=new, num_lookahead_tokens=look, num_append_tokens=[len(t) for t in tokens],
+                append_token_ids=list(itertools.chain.from_iterable(tokens)),
+                num_append_hashes=[len(h) for h in hashes],
+                append_block_hashes=list(itertools.chain.from_iterable(hashes)),
             )
         )  # fmt: skip
+
+    def matches(self, answer: pb.AllocateRunResult) -> bool:
+        """Whether the server's answer gives each entry the replica's blocks."""
+        return list(answer.num_new_blocks) == [len(i) for i in self.ids] and list(
+            answer.new_block_ids
+        ) == list(itertools.chain.from_iterable(self.ids))

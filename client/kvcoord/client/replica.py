@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvcoord.v1 import allocator_pb2 as pb
 
@@ -46,9 +47,17 @@ class PoolReplica:
     Args:
         config: the pool's configuration (one full-attention group).
         state: the pool's state when the session attached.
+        lora_of: a request's LoRA adapter ``(id, name)`` or None, for its BlockStored
+            events (called with what :meth:`allocate` was given as ``request``).
     """
 
-    def __init__(self, config: pb.PoolConfig, state: pb.PoolState) -> None:
+    def __init__(
+        self,
+        config: pb.PoolConfig,
+        state: pb.PoolState,
+        lora_of: Callable[[Any], tuple[int, str] | None] = lambda request: None,
+    ) -> None:
+        self.lora_of = lora_of
         self.num_blocks = config.num_blocks
         self.block_size = int(config.groups[0].full.block_size)
         self.enable_caching = config.enable_caching
@@ -145,11 +154,11 @@ class PoolReplica:
         num_lookahead_tokens: int,
         tokens: Sequence[int],
         hashes: Sequence[bytes],
-        lora: Callable[[], tuple[int, str] | None],
+        request: Any = None,
     ) -> list[int] | None:
         """vLLM's ``allocate_slots`` (call :meth:`check` first): the new blocks, or
-        ``None`` (nothing changed) when too few are free. ``lora`` gives the request's
-        adapter (id, name) for its events, when one is made."""
+        ``None`` (nothing changed) when too few are free. ``request`` is handed to
+        ``lora_of`` when an event is made."""
         bs = self.block_size
         total = num_computed_tokens + num_new_computed_tokens
         need = total + num_new_tokens + num_lookahead_tokens
@@ -178,7 +187,45 @@ class PoolReplica:
         if self.enable_caching:
             end = min(total + num_new_tokens, len(tokens)) // bs
             if end > self._num_cached.get(request_id, 0):
-                self._cache_full(request_id, table, end, tokens, hashes, lora)
+                self._cache_full(request_id, table, end, tokens, hashes, request)
+        return new
+
+    def grow(
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+        tokens: Sequence[int],
+        hashes: Sequence[bytes],
+        request: Any = None,
+    ) -> list[int] | None:
+        """:meth:`allocate` without a hit (decode above all), in fewer steps."""
+        bs = self.block_size
+        need = num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        if need > self.max_model_len:
+            need = self.max_model_len
+        table = self.tables.get(request_id)
+        missing = -(-need // bs) - (len(table) if table is not None else 0)
+        if missing > 0:
+            if missing > self.num_blocks - self._next_fresh + len(self._used):
+                return None
+            new = self._take(missing)
+            if table is None:
+                table = self.tables[request_id] = new[:]
+            else:
+                table.extend(new)
+        else:
+            new = []
+            if table is None:
+                table = self.tables[request_id] = []
+        if self.enable_caching:
+            end = num_computed_tokens + num_new_tokens
+            if end > len(tokens):
+                end = len(tokens)
+            end //= bs
+            if end > self._num_cached.get(request_id, 0):
+                self._cache_full(request_id, table, end, tokens, hashes, request)
         return new
 
     def _adopt(self, request_id: str, hit: Sequence[int], required: int) -> bool:
@@ -274,7 +321,7 @@ class PoolReplica:
         end: int,
         tokens: Sequence[int],
         hashes: Sequence[bytes],
-        lora: Callable[[], tuple[int, str] | None],
+        request: Any,
     ) -> None:
         bs = self.block_size
         start = self._num_cached.get(request_id, 0)
@@ -291,7 +338,7 @@ class PoolReplica:
             st.token_ids.extend(tokens[start * bs : end * bs])
             st.block_size = bs
             st.medium = _MEDIUM
-            adapter = lora()
+            adapter = self.lora_of(request)
             if adapter is not None:
                 st.lora_id, st.lora_name = adapter
             self.events.append(event)

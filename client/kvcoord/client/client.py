@@ -314,6 +314,13 @@ class KVCoordClient(_Api):
         new events and statistics with ``include_state``)."""
         return self._unary(_STEP, rq.step(pool, ops, session_id, fence, include_state))
 
+    def send_step(self, request: pb.StepRequest) -> pb.StepResponse:
+        """:meth:`step` for a request the caller built (its operations written in place,
+        so nothing is copied); an idempotency key is added when it has none."""
+        if not request.idempotency_key:
+            request.idempotency_key = rq.key()
+        return self._unary(_STEP, request)
+
     def reset_prefix_cache(
         self, pool: str, session_id: str = "", fence: pb.Fence | None = None
     ) -> pb.ResetPrefixCacheResponse:

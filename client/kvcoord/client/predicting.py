@@ -66,12 +66,13 @@ class PredictionMismatchError(KVCoordError):
 
 
 class _Sent:
-    """One Step's operations and what the replica says their answers are."""
+    """One Step's operations (written in place into its request) and what the replica
+    says their answers are."""
 
-    __slots__ = ("events", "expected", "num_free_blocks", "ops", "stats")
+    __slots__ = ("events", "expected", "num_free_blocks", "request", "stats")
 
     def __init__(self) -> None:
-        self.ops: list[pb.Operation] = []
+        self.request = pb.StepRequest(include_state=True)
         #: per op: its new block ids (allocate), its Run and each entry's ids, or None
         self.expected: list[Any] = []
         self.num_free_blocks = 0
@@ -175,8 +176,7 @@ class PredictingKVCacheManager:
         self._settled()
         if not self.config.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return KVCacheBlockIds(([],)), 0
-        op = pb.Operation()
-        lookup = op.lookup
+        lookup = self._op().lookup
         self.tracker.sync(request, lookup.request)
         hit = self.replica.lookup(
             self.tracker.hashes(request),
@@ -186,7 +186,6 @@ class PredictingKVCacheManager:
         num_tokens = len(hit) * self.replica.block_size
         lookup.answered.groups.add().block_ids.extend(hit)
         lookup.answered.num_tokens = num_tokens
-        self._queue(op, None)
         return KVCacheBlockIds((hit,)), num_tokens
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -223,7 +222,7 @@ class PredictingKVCacheManager:
                 new = replica.grow(rid, computed, num_new_tokens, num_lookahead_tokens, request.all_token_ids,
                                    tracker.hashes(request), request)  # fmt: skip
                 if new is None:
-                    self._queue(_refusal(rid, fields, num_new_tokens, num_lookahead_tokens), None)
+                    _refusal(self._op().allocate, rid, fields, num_new_tokens, num_lookahead_tokens)
                     return None
                 run = self._run
                 if run is None:
@@ -261,8 +260,7 @@ class PredictingKVCacheManager:
         if not fresh:
             self.stale_hits += 1
             return None  # as the server answers a stale hit: refused, nothing changed
-        op = pb.Operation()
-        a = op.allocate
+        a = self._op().allocate
         tracker.sync(request, a.request)
         a.num_new_tokens = num_new_tokens
         a.num_lookahead_tokens = num_lookahead_tokens
@@ -276,10 +274,9 @@ class PredictingKVCacheManager:
         )  # fmt: skip
         if new is None:
             a.must_refuse = True
-            self._queue(op, None)
             return None
         a.must_succeed = True
-        self._queue(op, new)
+        self._pending.expected[-1] = new
         return KVCacheBlockIds((new,))
 
     def free(self, request: Any) -> None:
@@ -290,7 +287,7 @@ class PredictingKVCacheManager:
             return  # never sent (or lost with its session): nothing to free
         self.replica.free(rid)
         self.tracker.forget([rid])
-        self._queue(pb.Operation(free=pb.FreeOp(request_id=rid)), None)
+        self._op().free.request_id = rid
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table (empty for a request that holds none)."""
@@ -336,15 +333,17 @@ class PredictingKVCacheManager:
                 pass  # already gone: its requests were freed
 
     # -- sending ----------------------------------------------------------------------------
-    def _queue(self, op: pb.Operation, expected: Any) -> None:
+    def _op(self) -> pb.Operation:
+        """The next operation of the Step being gathered (what its answer must be, if
+        anything, goes to ``expected[-1]``)."""
         self._close_run()
-        self._pending.ops.append(op)
-        self._pending.expected.append(expected)
+        self._pending.expected.append(None)
+        return self._pending.request.ops.add()
 
     def _close_run(self) -> None:
         run = self._run
         if run is not None:
-            self._pending.ops.append(run.op())
+            run.write(self._pending.request.ops.add().allocate_run)
             self._pending.expected.append(run)
             self._run = None
 
@@ -352,7 +351,7 @@ class PredictingKVCacheManager:
         """End a scheduler step: send its calls unless a Step is in flight and the
         backlog allows them to wait."""
         self._close_run()
-        if not self._pending.ops:
+        if not self._pending.request.ops:
             self._settled()
             return
         in_flight = self._in_flight
@@ -372,22 +371,26 @@ class PredictingKVCacheManager:
         sent.events, sent.stats = replica.take_step()
         self._backlog = 0
         self.steps_sent += 1
-        self._in_flight = self._sender.submit(self._step, sent, self.keeper.session_id, self.keeper.fence)
+        request = sent.request
+        request.pool = self.pool
+        request.session_id = self.keeper.session_id
+        request.fence.CopyFrom(self.keeper.fence)
+        self._in_flight = self._sender.submit(self._step, sent)
 
-    def _step(self, sent: _Sent, session_id: str, fence: pb.Fence) -> None:
+    def _step(self, sent: _Sent) -> None:
         """On the sender thread: one Step, its answer compared with the replica's; a
         failure is kept for the caller's next call to report."""
         try:
-            self._checked_step(sent, session_id, fence)
+            self._checked_step(sent)
         except KVCoordError as err:
             self._failure = self._failure or err
         except Exception as err:  # noqa: BLE001 - anything unexpected is a failure too
             self._failure = self._failure or KVCoordError(grpc.StatusCode.INTERNAL, repr(err))
 
-    def _checked_step(self, sent: _Sent, session_id: str, fence: pb.Fence) -> None:
+    def _checked_step(self, sent: _Sent) -> None:
         keeper = self.keeper
         at = keeper.clock()
-        resp = self.client.step(self.pool, sent.ops, session_id, fence, include_state=True)
+        resp = self.client.send_step(sent.request)
         keeper.renewed(at)
         keeper.adopt(resp.fence)
         for i, (result, expected) in enumerate(zip(resp.results, sent.expected, strict=True)):
@@ -481,13 +484,12 @@ def _lora(request: Any) -> tuple[int, str] | None:
 
 
 def _refusal(
-    request_id: str, fields: tuple[int, int, Any, Any, int], num_new_tokens: int, num_lookahead_tokens: int
-) -> pb.Operation:
-    """A refused allocation of a registered request, with its sync (``sync_run``'s
-    fields), for the server to confirm."""
+    a: pb.AllocateOp, request_id: str, fields: tuple[int, int, Any, Any, int], num_new_tokens: int,
+    num_lookahead_tokens: int,
+) -> None:  # fmt: skip
+    """Write a refused allocation of a registered request into ``a``, with its sync
+    (``sync_run``'s fields), for the server to confirm."""
     base_t, base_h, tokens, hashes, computed = fields
-    op = pb.Operation()
-    a = op.allocate
     sync = a.request
     sync.request_id = request_id
     sync.base_num_tokens, sync.base_num_hashes = base_t, base_h
@@ -497,7 +499,6 @@ def _refusal(
     a.num_new_tokens = num_new_tokens
     a.num_lookahead_tokens = num_lookahead_tokens
     a.must_refuse = True
-    return op
 
 
 class _Run:
@@ -512,17 +513,19 @@ class _Run:
         #: each entry's new block ids, in entry order
         self.ids: list[list[int]] = []
 
-    def op(self) -> pb.Operation:
+    def write(self, op: pb.AllocateRunOp) -> None:
+        """The entries as ``op``'s columns."""
         rids, base_t, base_h, tokens, hashes, computed, new, look = zip(*self.entries, strict=True)
-        return pb.Operation(
-            allocate_run=pb.AllocateRunOp(
-                request_ids=rids, base_num_tokens=base_t, base_num_hashes=base_h, num_computed_tokens=computed,
-                num_new_tokens=new, num_lookahead_tokens=look, num_append_tokens=[len(t) for t in tokens],
-                append_token_ids=list(itertools.chain.from_iterable(tokens)),
-                num_append_hashes=[len(h) for h in hashes],
-                append_block_hashes=list(itertools.chain.from_iterable(hashes)),
-            )
-        )  # fmt: skip
+        op.request_ids.extend(rids)
+        op.base_num_tokens.extend(base_t)
+        op.base_num_hashes.extend(base_h)
+        op.num_computed_tokens.extend(computed)
+        op.num_new_tokens.extend(new)
+        op.num_lookahead_tokens.extend(look)
+        op.num_append_tokens.extend([len(t) for t in tokens])
+        op.append_token_ids.extend(itertools.chain.from_iterable(tokens))
+        op.num_append_hashes.extend([len(h) for h in hashes])
+        op.append_block_hashes.extend(itertools.chain.from_iterable(hashes))
 
     def matches(self, answer: pb.AllocateRunResult) -> bool:
         """Whether the server's answer gives each entry the replica's blocks."""

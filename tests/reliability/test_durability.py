@@ -436,14 +436,41 @@ def test_a_snapshot_taken_at_a_session_end_holds_the_state_after_it(tmp_path: Pa
             srv.stop()
 
 
+def _alloc_keyless(address: str, session: Any, rid: str, num_tokens: int, unary: bool) -> list[list[int]]:
+    """Like :func:`_alloc`, through a raw stub with no idempotency key (the proto lets
+    a caller leave it empty)."""
+    import grpc
+    from kvcoord.v1 import allocator_pb2 as pb
+    from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+
+    sync = pb.RequestSync(
+        request_id=rid, append_token_ids=list(range(num_tokens)), new_request=True,
+        append_block_hashes=[f"{rid}-{i}".encode().ljust(32, b".") for i in range(num_tokens // 4)],
+    )  # fmt: skip
+    op = pb.AllocateOp(request=sync, num_new_tokens=num_tokens)
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.AllocatorStub(channel)
+        common = {"pool": "p", "session_id": session.session_id, "fence": session.fence}
+        if unary:
+            result = stub.Allocate(pb.AllocateRequest(op=op, **common), timeout=10).result
+        else:
+            step = pb.StepRequest(ops=[pb.Operation(allocate=op)], **common)
+            result = stub.Step(step, timeout=10).results[0].allocate
+    return [list(g.block_ids) for g in result.new_block_ids]
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "keyless"])
 @pytest.mark.parametrize("rpc", ["Step", "Allocate"])
-def test_a_journal_replayed_under_other_limits_refuses_to_start(tmp_path: Path, rpc: str) -> None:
+def test_a_journal_replayed_under_other_limits_refuses_to_start(
+    tmp_path: Path, rpc: str, keyed: bool
+) -> None:
     """A restart whose limits would refuse a call the journal records as answered (here
     a third request, with at most two per pool now) stops with the record named, instead
     of leaving the client believing in blocks the pool does not hold; with the
-    previous limits it starts and holds everything. (Before, the replayed registration
-    failed unseen: the client still believed its request held two blocks, and the
-    next request was given them.)"""
+    previous limits it starts and holds everything. Calls sent without an idempotency
+    key are compared too. (Before, the replayed registration failed unseen: the client
+    still believed its request held two blocks, and the next request was given them;
+    later, the answer of a keyless call was not journaled and never compared.)"""
     from kvcoord.service.journal import JournalError
     from kvcoord.service.registry import Limits
     from kvcoord.service.testing import InProcessServer
@@ -454,7 +481,11 @@ def test_a_journal_replayed_under_other_limits_refuses_to_start(tmp_path: Path, 
     try:
         with KVCoordClient(srv.address) as c:
             a = c.attach("p", "sha256_cbor", 4, "0", "worker")
-            told = {rid: _alloc(c, a, rid, 8, unary=rpc == "Allocate") for rid in ("r1", "r2", "r3")}
+            unary = rpc == "Allocate"
+            told = {
+                rid: _alloc(c, a, rid, 8, unary) if keyed else _alloc_keyless(srv.address, a, rid, 8, unary)
+                for rid in ("r1", "r2", "r3")
+            }
     finally:
         srv.stop()
     with pytest.raises(JournalError, match="limits or configuration changed"):

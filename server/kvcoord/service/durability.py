@@ -14,7 +14,9 @@ cursors and idempotency answers. Records are CBOR lists ``[kind, wall_time, ...]
 ``detach``    session id
 ``expire``    session id (its lease ran out; its requests were freed)
 ``call``      rpc (Step, Allocate, Free), wire request bytes, idempotency key,
-              digest, answer bytes (kept only with a key, for retries)
+              digest, answer bytes (every answered call, keyed or not: recovery
+              compares each replayed call with it; journals written before this
+              rule hold None for keyless calls, replayed unchecked)
 ``reset``     pool name (ResetPrefixCache RPC)
 ============  =================================================================
 
@@ -170,7 +172,7 @@ class JournalRecorder(Recorder):
             request.SerializeToString(),
             key,
             digest,
-            answer.SerializeToString() if key else None,
+            answer.SerializeToString(),
             service=service,
         )
 

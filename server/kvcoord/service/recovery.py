@@ -232,10 +232,14 @@ def _replay_call(registry: PoolRegistry, record: list[Any], when: float, now_wal
             service.make_stats(s)
     elif rpc == "Allocate":
         (outcome,) = service.apply(s, [allocate_from_pb(request.op, groups)])
-        if answer is not None:  # answered with a result (a refusal turned error has no key)
+        if answer is not None:  # None: a keyless call in a journal written before answers were kept
             told = pb.AllocateResponse.FromString(answer)
             value = outcome.value
-            if not isinstance(value, AllocateOutcome) or allocate_to_pb(value) != told.result:
+            if told.HasField("result"):
+                same = isinstance(value, AllocateOutcome) and allocate_to_pb(value) == told.result
+            else:  # its client was told an error (a refusal turned error, must_succeed)
+                same = outcome.error is not None
+            if not same:
                 raise ValueError(
                     f"replaying an Allocate of pool {request.pool!r} answers otherwise than its client was "
                     "told: the server's limits or configuration changed since it was recorded; start with "

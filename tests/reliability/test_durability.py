@@ -187,6 +187,77 @@ def test_damaged_journal_stops_the_server_naming_the_file(tmp_path: Path) -> Non
     assert f"journal {journal} has format version 0" in proc.stderr
 
 
+def test_a_failed_journal_write_stops_the_server(tmp_path: Path) -> None:
+    """A journal that cannot grow (disk full, simulated with RLIMIT_FSIZE on the server
+    process): the call whose commit failed is UNAVAILABLE (outcome unknown: retry with
+    its key), health is no longer SERVING, and the process exits with status 4, so a
+    supervisor restarts it; restarted without the cap, it holds every acknowledged call
+    and the failed call retried with its key is applied once. (Before, the server kept
+    serving and answered every later mutation INTERNAL, and was never restarted.)"""
+    import grpc
+    from kvcoord.client.errors import UnavailableError, error_from_rpc
+    from kvcoord.service.main import EXIT_JOURNAL_FAILED
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    server = DurableServer(tmp_path, _small_pool(4097))
+    server.start()
+    server.stop()
+    size = sum(f.stat().st_size for f in server.data_dir.iterdir())
+    server.start(max_file_bytes=size + 64 * 1024)
+
+    def step(session: Any, i: int) -> pb.StepRequest:
+        rid = f"r{i}"
+        sync = pb.RequestSync(
+            request_id=rid, append_token_ids=[1, 2, 3, 4], new_request=True,
+            append_block_hashes=[rid.encode().ljust(32, b".")],
+        )  # fmt: skip
+        op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=4))
+        return pb.StepRequest(
+            pool="p", session_id=session.session_id, fence=session.fence, ops=[op], idempotency_key=f"k{i}"
+        )
+
+    acked: dict[str, list[int]] = {}
+    failed: tuple[pb.StepRequest, grpc.RpcError] | None = None
+    try:
+        with KVCoordClient(server.address, timeout=10.0) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker", lease_seconds=60)
+            for i in range(2000):
+                request = step(a, i)
+                try:
+                    answer = c.stub.Step(request, timeout=10)
+                except grpc.RpcError as exc:
+                    failed = (request, exc)
+                    break
+                acked[f"r{i}"] = list(answer.results[0].allocate.new_block_ids[0].block_ids)
+            assert failed is not None, "the journal never failed"
+            request, exc = failed
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, (exc.code(), exc.details())
+            assert type(error_from_rpc(exc, "Step")) is UnavailableError  # retried with its key
+            try:
+                health = c.health()
+            except KVCoordError:
+                health = "gone"
+            assert health != "SERVING"
+        assert server.proc is not None
+        assert server.proc.wait(60) == EXIT_JOURNAL_FAILED, server.log()
+    finally:
+        server.stop()
+    assert acked and "journal write failed" in server.log()
+    server.start()
+    try:
+        with KVCoordClient(server.address) as c:
+            held = {
+                r.request_id: list(r.groups[0].block_ids)
+                for r in c.inspect_pool("p", all_requests=True).requests
+            }
+            assert {rid: held.get(rid) for rid in acked} == acked
+            retried = list(c.stub.Step(request, timeout=10).results[0].allocate.new_block_ids[0].block_ids)
+            again = list(c.stub.Step(request, timeout=10).results[0].allocate.new_block_ids[0].block_ids)
+            assert retried == again and not set(retried) & {b for ids in acked.values() for b in ids}
+    finally:
+        server.stop()
+
+
 def test_answers_given_ahead_survive_sigkill(tmp_path: Path) -> None:
     """An exclusive manager whose decode allocations go as AllocateRunOps and whose
     refusals and lookups are answered ahead, against a journaled server SIGKILLed and

@@ -196,7 +196,8 @@ class Journal:
     :meth:`append` numbers a record and queues it; :meth:`flush` returns once
     everything appended before the call is committed. A failed write fails every
     waiter and every later flush (state in memory is then ahead of the disk: the
-    server must be restarted, which recovers the committed prefix).
+    server must be restarted, which recovers the committed prefix); :attr:`on_failure`
+    tells the server, which stops serving and exits (``server.py``, ``main.py``).
     """
 
     def __init__(self, store: JournalStore, first_seq: int) -> None:
@@ -212,6 +213,8 @@ class Journal:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-journal")
         #: called on the loop after each commit with the last committed seq
         self.on_commit: list[Callable[[int], None]] = []
+        #: called on the loop once, when a write fails (the server must stop serving)
+        self.on_failure: list[Callable[[BaseException], None]] = []
 
     def append(self, body: bytes) -> int:
         """Queue a record; returns its sequence number."""
@@ -254,6 +257,8 @@ class Journal:
             except BaseException as exc:  # disk full, I/O error: nothing after this is durable
                 logger.critical("journal write failed, no further mutation is acknowledged: %s", exc)
                 self.failed = exc
+                for failed in self.on_failure:  # first: health turns before any caller hears
+                    failed(exc)
                 err = JournalError(f"journal {self.store.path} failed: {exc}")
                 for _, w in self._waiters:
                     if not w.done():

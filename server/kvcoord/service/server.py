@@ -44,6 +44,23 @@ class RunningServer:
     _reaper: asyncio.Task[None]
     #: what recovery found (journal mode), else None
     recovery: Recovery | None = None
+    #: set once the journal could not be written: the server no longer serves (health
+    #: NOT_SERVING, every call UNAVAILABLE) and its owner must stop it (main.py exits)
+    journal_failed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    _health_task: asyncio.Task[None] | None = None
+
+    def _journal_failed(self, exc: BaseException) -> None:
+        """Stop serving loudly: in memory the state is ahead of the disk, so a restart
+        (which recovers the committed prefix) is the only way back."""
+        logger.critical("journal write failed: this server stops serving and must be restarted: %s", exc)
+        self.servicer.journal_failed(exc)
+        self._reaper.cancel()
+        self._health_task = asyncio.get_running_loop().create_task(self._not_serving())
+        self.journal_failed.set()
+
+    async def _not_serving(self) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful shutdown: health turns NOT_SERVING, in-flight calls finish, streams end."""
@@ -202,6 +219,9 @@ async def start_server(
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reaper = asyncio.get_running_loop().create_task(_reap(servicer, reap_interval))
-    return RunningServer(
+    running = RunningServer(
         server, servicer, health_servicer, addresses, cfg.server.grace_seconds, reaper, recovery
     )
+    if isinstance(registry.recorder, JournalRecorder):
+        registry.recorder.journal.on_failure.append(running._journal_failed)
+    return running

@@ -258,6 +258,75 @@ def test_a_failed_journal_write_stops_the_server(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_a_restored_older_backup_fences_its_sessions_before_giving_their_blocks(tmp_path: Path) -> None:
+    """deploy/README.md's backup and restore, with a copy older than what a still-live
+    worker was told: the restarted server fences that worker (its next call fails
+    loudly) and hands no block to anyone until its lease has ended (GRACE_PERIOD);
+    its prefix cache starts empty; a later plain restart keeps the old fence void and
+    needs no grace. (Before, the restore started with no grace and the old session's
+    fence still valid, and the blocks the worker was told it holds went at once to
+    another session.)"""
+    from kvcoord.client import NO_RETRY
+    from kvcoord.client.errors import FencedError, GracePeriodError, SessionExpiredError
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    server = DurableServer(tmp_path, _small_pool(9))
+    lease = 3.0
+    server.config.write_text(
+        server.config.read_text().replace(
+            "snapshot_every = 2000\n",
+            f"snapshot_every = 2000\nmax_session_lease_seconds = {lease}\nsession_lease_seconds = {lease}\n"
+            f"idempotency_window_seconds = {4 * lease}\n",
+        )
+    )
+    journal = server.data_dir / "journal.sqlite"
+    backup = tmp_path / "backup.sqlite"
+    server.start()
+    try:
+        with KVCoordClient(server.address) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+            _alloc(c, a, "a1", 8)
+            source, copy = sqlite3.connect(journal), sqlite3.connect(backup)
+            source.backup(copy)  # deploy/README.md "Backup while serving"
+            copy.close()
+            source.close()
+            told = _alloc(c, a, "a2", 8)
+        server.kill()
+        for suffix in ("", "-wal", "-shm"):  # deploy/README.md's restore
+            journal.with_name(journal.name + suffix).unlink(missing_ok=True)
+        backup.rename(journal)
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises(GracePeriodError):
+                c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+            with pytest.raises(FencedError):  # worker a hears of it at its next call
+                _alloc(c, a, "a3", 4)
+            with pytest.raises((SessionExpiredError, FencedError)):
+                c.heartbeat(a.session_id, a.fence)
+            inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
+            assert not inspected.requests and not inspected.cached_block_ids
+            b = None
+            for _ in range(200):  # the grace lasts until worker a's lease has ended
+                try:
+                    b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+                    break
+                except GracePeriodError:
+                    time.sleep(0.05)
+            assert b is not None
+            given = _alloc(c, b, "b1", 32)
+            assert set(given[0]) & set(told[0])  # a2's blocks, now that a was told and its lease ended
+        server.kill()
+        server.start()  # a plain restart: journal current, no grace, a's fence still void
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            c.heartbeat(b.session_id, b.fence)
+            assert {r.request_id for r in c.inspect_pool("p", all_requests=True).requests} == {"b1"}
+            c.attach("p", "sha256_cbor", 4, "0", "worker-c", lease_seconds=lease)
+            with pytest.raises(FencedError):
+                c.step("p", [pb.Operation(free=pb.FreeOp(request_id="a1"))], a.session_id, a.fence)
+    finally:
+        server.stop()
+
+
 def test_answers_given_ahead_survive_sigkill(tmp_path: Path) -> None:
     """An exclusive manager whose decode allocations go as AllocateRunOps and whose
     refusals and lookups are answered ahead, against a journaled server SIGKILLed and

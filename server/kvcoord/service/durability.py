@@ -18,6 +18,9 @@ cursors and idempotency answers. Records are CBOR lists ``[kind, wall_time, ...]
               compares each replayed call with it; journals written before this
               rule hold None for keyless calls, replayed unchecked)
 ``reset``     pool name (ResetPrefixCache RPC)
+``restored``  (none) the journal was found behind what clients were told: fences of
+              every earlier instance are void from here on (the recovered sessions'
+              ``expire`` and the pools' ``reset`` records follow)
 ============  =================================================================
 
 Lease renewals are not journaled: a recovered session gets a fresh lease.
@@ -75,6 +78,9 @@ class Recorder:
         pass
 
     def prefix_cache_reset(self, service: PoolService) -> None:
+        pass
+
+    def restored(self) -> None:
         pass
 
     async def durable(self) -> None:
@@ -178,6 +184,9 @@ class JournalRecorder(Recorder):
 
     def prefix_cache_reset(self, service: PoolService) -> None:
         self._append("reset", service.name, service=service)
+
+    def restored(self) -> None:
+        self._append("restored")
 
     async def durable(self) -> None:
         await self.journal.flush()

@@ -48,6 +48,10 @@ async def run(cfg: ServerConfig) -> int:
             if rec and rec.recovered
             else "new"
         )
+        if rec and rec.restored:
+            found += (
+                f"; behind what clients were told ({rec.restored}): sessions fenced, grace period applies"
+            )
         print(
             f"kvcoord data directory {st.data_dir} (durability journal, synchronous {st.synchronous}; {found})",
             flush=True,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -52,12 +53,19 @@ class DurableServer:
         self.kills = 0
         self.lock = threading.Lock()
 
-    def start(self, timeout: float = 60.0) -> None:
+    def start(self, timeout: float = 60.0, max_file_bytes: int | None = None) -> None:
+        """``max_file_bytes``: no file the server writes may grow past this (RLIMIT_FSIZE;
+        Python ignores SIGXFSZ, so the write fails with EFBIG, as on a full disk). Set
+        with prlimit once the process runs: a ``preexec_fn`` would make subprocess fork
+        instead of vfork, and gRPC's fork handlers in this process can then abort the
+        child before it execs."""
         self._log = open(self.tmp / f"server-{self.starts}.log", "wb")  # noqa: SIM115 - closed on kill/stop
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(self.config)],
             stdout=self._log, stderr=subprocess.STDOUT, env=env(),
         )  # fmt: skip
+        if max_file_bytes is not None:
+            resource.prlimit(self.proc.pid, resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
         self.starts += 1
         deadline = time.monotonic() + timeout
         with KVCoordClient(self.address, timeout=1.0) as c:

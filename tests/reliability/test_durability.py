@@ -187,6 +187,146 @@ def test_damaged_journal_stops_the_server_naming_the_file(tmp_path: Path) -> Non
     assert f"journal {journal} has format version 0" in proc.stderr
 
 
+def test_a_failed_journal_write_stops_the_server(tmp_path: Path) -> None:
+    """A journal that cannot grow (disk full, simulated with RLIMIT_FSIZE on the server
+    process): the call whose commit failed is UNAVAILABLE (outcome unknown: retry with
+    its key), health is no longer SERVING, and the process exits with status 4, so a
+    supervisor restarts it; restarted without the cap, it holds every acknowledged call
+    and the failed call retried with its key is applied once. (Before, the server kept
+    serving and answered every later mutation INTERNAL, and was never restarted.)"""
+    import grpc
+    from kvcoord.client.errors import UnavailableError, error_from_rpc
+    from kvcoord.service.main import EXIT_JOURNAL_FAILED
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    server = DurableServer(tmp_path, _small_pool(4097))
+    server.start()
+    server.stop()
+    size = sum(f.stat().st_size for f in server.data_dir.iterdir())
+    server.start(max_file_bytes=size + 64 * 1024)
+
+    def step(session: Any, i: int) -> pb.StepRequest:
+        rid = f"r{i}"
+        sync = pb.RequestSync(
+            request_id=rid, append_token_ids=[1, 2, 3, 4], new_request=True,
+            append_block_hashes=[rid.encode().ljust(32, b".")],
+        )  # fmt: skip
+        op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=4))
+        return pb.StepRequest(
+            pool="p", session_id=session.session_id, fence=session.fence, ops=[op], idempotency_key=f"k{i}"
+        )
+
+    acked: dict[str, list[int]] = {}
+    failed: tuple[pb.StepRequest, grpc.RpcError] | None = None
+    try:
+        with KVCoordClient(server.address, timeout=10.0) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker", lease_seconds=60)
+            for i in range(2000):
+                request = step(a, i)
+                try:
+                    answer = c.stub.Step(request, timeout=10)
+                except grpc.RpcError as exc:
+                    failed = (request, exc)
+                    break
+                acked[f"r{i}"] = list(answer.results[0].allocate.new_block_ids[0].block_ids)
+            assert failed is not None, "the journal never failed"
+            request, exc = failed
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE, (exc.code(), exc.details())
+            assert type(error_from_rpc(exc, "Step")) is UnavailableError  # retried with its key
+            try:
+                health = c.health()
+            except KVCoordError:
+                health = "gone"
+            assert health != "SERVING"
+        assert server.proc is not None
+        assert server.proc.wait(60) == EXIT_JOURNAL_FAILED, server.log()
+    finally:
+        server.stop()
+    assert acked and "journal write failed" in server.log()
+    server.start()
+    try:
+        with KVCoordClient(server.address) as c:
+            held = {
+                r.request_id: list(r.groups[0].block_ids)
+                for r in c.inspect_pool("p", all_requests=True).requests
+            }
+            assert {rid: held.get(rid) for rid in acked} == acked
+            retried = list(c.stub.Step(request, timeout=10).results[0].allocate.new_block_ids[0].block_ids)
+            again = list(c.stub.Step(request, timeout=10).results[0].allocate.new_block_ids[0].block_ids)
+            assert retried == again and not set(retried) & {b for ids in acked.values() for b in ids}
+    finally:
+        server.stop()
+
+
+def test_a_restored_older_backup_fences_its_sessions_before_giving_their_blocks(tmp_path: Path) -> None:
+    """deploy/README.md's backup and restore, with a copy older than what a still-live
+    worker was told: the restarted server fences that worker (its next call fails
+    loudly) and hands no block to anyone until its lease has ended (GRACE_PERIOD);
+    its prefix cache starts empty; a later plain restart keeps the old fence void and
+    needs no grace. (Before, the restore started with no grace and the old session's
+    fence still valid, and the blocks the worker was told it holds went at once to
+    another session.)"""
+    from kvcoord.client import NO_RETRY
+    from kvcoord.client.errors import FencedError, GracePeriodError, SessionExpiredError
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    server = DurableServer(tmp_path, _small_pool(9))
+    lease = 3.0
+    server.config.write_text(
+        server.config.read_text().replace(
+            "snapshot_every = 2000\n",
+            f"snapshot_every = 2000\nmax_session_lease_seconds = {lease}\nsession_lease_seconds = {lease}\n"
+            f"idempotency_window_seconds = {4 * lease}\n",
+        )
+    )
+    journal = server.data_dir / "journal.sqlite"
+    backup = tmp_path / "backup.sqlite"
+    server.start()
+    try:
+        with KVCoordClient(server.address) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+            _alloc(c, a, "a1", 8)
+            source, copy = sqlite3.connect(journal), sqlite3.connect(backup)
+            source.backup(copy)  # deploy/README.md "Backup while serving"
+            copy.close()
+            source.close()
+            told = _alloc(c, a, "a2", 8)
+        server.kill()
+        for suffix in ("", "-wal", "-shm"):  # deploy/README.md's restore
+            journal.with_name(journal.name + suffix).unlink(missing_ok=True)
+        backup.rename(journal)
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises(GracePeriodError):
+                c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+            with pytest.raises(FencedError):  # worker a hears of it at its next call
+                _alloc(c, a, "a3", 4)
+            with pytest.raises((SessionExpiredError, FencedError)):
+                c.heartbeat(a.session_id, a.fence)
+            inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
+            assert not inspected.requests and not inspected.cached_block_ids
+            b = None
+            for _ in range(200):  # the grace lasts until worker a's lease has ended
+                try:
+                    b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+                    break
+                except GracePeriodError:
+                    time.sleep(0.05)
+            assert b is not None
+            given = _alloc(c, b, "b1", 32)
+            assert set(given[0]) & set(told[0])  # a2's blocks, now that a was told and its lease ended
+        server.kill()
+        server.start()  # a plain restart: journal current, no grace, a's fence still void
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            c.heartbeat(b.session_id, b.fence)
+            assert {r.request_id for r in c.inspect_pool("p", all_requests=True).requests} == {"b1"}
+            c.attach("p", "sha256_cbor", 4, "0", "worker-c", lease_seconds=lease)
+            with pytest.raises(FencedError):
+                c.step("p", [pb.Operation(free=pb.FreeOp(request_id="a1"))], a.session_id, a.fence)
+    finally:
+        server.stop()
+
+
 def test_answers_given_ahead_survive_sigkill(tmp_path: Path) -> None:
     """An exclusive manager whose decode allocations go as AllocateRunOps and whose
     refusals and lookups are answered ahead, against a journaled server SIGKILLed and
@@ -436,14 +576,41 @@ def test_a_snapshot_taken_at_a_session_end_holds_the_state_after_it(tmp_path: Pa
             srv.stop()
 
 
+def _alloc_keyless(address: str, session: Any, rid: str, num_tokens: int, unary: bool) -> list[list[int]]:
+    """Like :func:`_alloc`, through a raw stub with no idempotency key (the proto lets
+    a caller leave it empty)."""
+    import grpc
+    from kvcoord.v1 import allocator_pb2 as pb
+    from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+
+    sync = pb.RequestSync(
+        request_id=rid, append_token_ids=list(range(num_tokens)), new_request=True,
+        append_block_hashes=[f"{rid}-{i}".encode().ljust(32, b".") for i in range(num_tokens // 4)],
+    )  # fmt: skip
+    op = pb.AllocateOp(request=sync, num_new_tokens=num_tokens)
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.AllocatorStub(channel)
+        common = {"pool": "p", "session_id": session.session_id, "fence": session.fence}
+        if unary:
+            result = stub.Allocate(pb.AllocateRequest(op=op, **common), timeout=10).result
+        else:
+            step = pb.StepRequest(ops=[pb.Operation(allocate=op)], **common)
+            result = stub.Step(step, timeout=10).results[0].allocate
+    return [list(g.block_ids) for g in result.new_block_ids]
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "keyless"])
 @pytest.mark.parametrize("rpc", ["Step", "Allocate"])
-def test_a_journal_replayed_under_other_limits_refuses_to_start(tmp_path: Path, rpc: str) -> None:
+def test_a_journal_replayed_under_other_limits_refuses_to_start(
+    tmp_path: Path, rpc: str, keyed: bool
+) -> None:
     """A restart whose limits would refuse a call the journal records as answered (here
     a third request, with at most two per pool now) stops with the record named, instead
     of leaving the client believing in blocks the pool does not hold; with the
-    previous limits it starts and holds everything. (Before, the replayed registration
-    failed unseen: the client still believed its request held two blocks, and the
-    next request was given them.)"""
+    previous limits it starts and holds everything. Calls sent without an idempotency
+    key are compared too. (Before, the replayed registration failed unseen: the client
+    still believed its request held two blocks, and the next request was given them;
+    later, the answer of a keyless call was not journaled and never compared.)"""
     from kvcoord.service.journal import JournalError
     from kvcoord.service.registry import Limits
     from kvcoord.service.testing import InProcessServer
@@ -454,7 +621,11 @@ def test_a_journal_replayed_under_other_limits_refuses_to_start(tmp_path: Path, 
     try:
         with KVCoordClient(srv.address) as c:
             a = c.attach("p", "sha256_cbor", 4, "0", "worker")
-            told = {rid: _alloc(c, a, rid, 8, unary=rpc == "Allocate") for rid in ("r1", "r2", "r3")}
+            unary = rpc == "Allocate"
+            told = {
+                rid: _alloc(c, a, rid, 8, unary) if keyed else _alloc_keyless(srv.address, a, rid, 8, unary)
+                for rid in ("r1", "r2", "r3")
+            }
     finally:
         srv.stop()
     with pytest.raises(JournalError, match="limits or configuration changed"):

@@ -282,3 +282,48 @@ def test_corrupt_snapshot_and_record_are_refused(loop: asyncio.AbstractEventLoop
     db.close()
     with pytest.raises(JournalError, match=r"journal\.sqlite: the snapshot after record \d+ is corrupt"):
         Node(loop, tmp_path)
+
+
+def test_a_journal_behind_what_it_committed_is_flagged(tmp_path: Path) -> None:
+    """JournalStore.behind names a journal that holds less than was committed (an older
+    backup put back), one that ran elsewhere and arrives without its progress file, and
+    another journal's progress file; the journal reopened as it was, an empty one, and
+    one written before progress files existed are not flagged."""
+    live_dir = tmp_path / "live"
+    store = JournalStore(live_dir)
+    assert store.behind == ""
+    _write(store, 3)
+    backup = tmp_path / "backup.sqlite"
+    copy = sqlite3.connect(backup)
+    store.db.backup(copy)
+    copy.close()
+    store.write([(4, b"after the backup")])
+    store.close()
+    reopened = JournalStore(live_dir)
+    assert reopened.behind == ""
+    reopened.close()
+
+    def put(journal: Path, directory: Path) -> JournalStore:
+        directory.mkdir(exist_ok=True)
+        for suffix in ("", "-wal", "-shm"):
+            (directory / f"journal.sqlite{suffix}").unlink(missing_ok=True)
+        shutil.copy(journal, directory / "journal.sqlite")
+        return JournalStore(directory)
+
+    restored = put(backup, live_dir)
+    assert "ends at record 3 but record 4 was committed" in restored.behind
+    restored.close()
+    moved = put(backup, tmp_path / "moved")
+    assert "journal.progress is missing" in moved.behind
+    moved.close()
+    (tmp_path / "moved" / "journal.progress").write_text("0123456789abcdef 00000000000000000003\n")
+    other = JournalStore(tmp_path / "moved")
+    assert "names another journal" in other.behind
+    other.close()
+    old = sqlite3.connect(backup)
+    old.execute("DELETE FROM meta WHERE key = 'journal_id'")  # as an older kvcoord wrote it
+    old.commit()
+    old.close()
+    trusted = put(backup, tmp_path / "old")
+    assert trusted.behind == ""
+    trusted.close()

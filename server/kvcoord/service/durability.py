@@ -15,8 +15,13 @@ cursors and idempotency answers. Records are CBOR lists ``[kind, wall_time, ...]
 ``detach``    session id
 ``expire``    session id (its lease ran out; its requests were freed)
 ``call``      rpc (Step, Allocate, Free), wire request bytes, idempotency key,
-              digest, answer bytes (kept only with a key, for retries)
+              digest, answer bytes (every answered call, keyed or not: recovery
+              compares each replayed call with it; journals written before this
+              rule hold None for keyless calls, replayed unchecked)
 ``reset``     pool name (ResetPrefixCache RPC)
+``restored``  (none) the journal was found behind what clients were told: fences of
+              every earlier instance are void from here on (the recovered sessions'
+              ``expire`` and the pools' ``reset`` records follow)
 ============  =================================================================
 
 Lease renewals are not journaled: a recovered session gets a fresh lease.
@@ -74,6 +79,9 @@ class Recorder:
         pass
 
     def prefix_cache_reset(self, service: PoolService) -> None:
+        pass
+
+    def restored(self) -> None:
         pass
 
     async def durable(self) -> None:
@@ -173,12 +181,15 @@ class JournalRecorder(Recorder):
             request.SerializeToString(),
             key,
             digest,
-            answer.SerializeToString() if key else None,
+            answer.SerializeToString(),
             service=service,
         )
 
     def prefix_cache_reset(self, service: PoolService) -> None:
         self._append("reset", service.name, service=service)
+
+    def restored(self) -> None:
+        self._append("restored")
 
     async def durable(self) -> None:
         await self.journal.flush()

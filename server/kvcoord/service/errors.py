@@ -12,9 +12,12 @@ from typing import Any, TypeVar
 import grpc
 from kvcoord.engine import EngineError, ErrorStatus
 
+from .journal import JournalError
+
 __all__ = [
     "MAX_MESSAGE_CHARS",
     "REASON_METADATA_KEY",
+    "STOPPING_AFTER_JOURNAL_FAILURE",
     "ErrorReason",
     "Position",
     "ServiceError",
@@ -25,6 +28,12 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+#: What a client is told once the journal could not be written.
+STOPPING_AFTER_JOURNAL_FAILURE = (
+    "this server stops serving (the journal cannot be written) and is restarted by its "
+    "supervisor: retry with the same idempotency key; a keyless call may or may not have been applied"
+)
 
 #: Error messages are cut to this many characters (gRPC metadata is size-limited, and
 #: a message echoing a huge input helps nobody).
@@ -110,6 +119,11 @@ def grpc_code(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return exc.code, bounded(exc.message)
     if isinstance(exc, EngineError):
         return _ENGINE_CODES[exc.status], bounded(str(exc))
+    if isinstance(exc, JournalError):
+        # Applied in memory, maybe not on disk: the outcome is unknown, and this server
+        # stops (server.py). UNAVAILABLE tells the client to retry the same idempotency
+        # key against the restarted server, which answers from the journal or applies once.
+        return grpc.StatusCode.UNAVAILABLE, bounded(f"{exc}; {STOPPING_AFTER_JOURNAL_FAILURE}")
     logger.exception("internal error", exc_info=exc)
     return grpc.StatusCode.INTERNAL, "internal server error (see the server log)"
 

@@ -3,12 +3,20 @@
 Storage (``<data_dir>/journal.sqlite``, WAL mode):
 
 * ``meta``: the format version (a journal of another version is refused, never
-  read as empty) and the instance that created the file.
+  read as empty) and the journal's random id (``journal_id``, added on first open by
+  kvcoord versions that write the progress file below).
 * ``records``: ``(seq, crc, body)``; ``body`` is opaque bytes (``durability.py``
   encodes them), ``crc`` its CRC-32, checked on every read.
 * ``snapshots``: ``(seq, fingerprint, sha256, body)``: the whole state after record
   ``seq``. Writing a snapshot deletes the records and snapshots it covers, in the
   same transaction, so the file always holds one snapshot plus the records after it.
+
+Beside it, ``journal.progress`` names the journal and its last committed record,
+rewritten in place after every commit (not synced: it may lag the journal after a
+power loss, never lead it). A start that finds the journal behind it (a backup of
+it restored, or commits lost) or finds a journal that wrote one without it (a
+backup restored into another directory) knows clients may have been told more than
+the journal holds: :attr:`JournalStore.behind` says why (recovery.py fences them).
 
 Every commit is one SQLite transaction, so a crash leaves a prefix of the committed
 transactions: SQLite's WAL frames carry checksums and a transaction whose commit
@@ -29,6 +37,8 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import logging
+import os
+import secrets
 import sqlite3
 import zlib
 from collections.abc import Callable, Iterator
@@ -41,6 +51,7 @@ logger = logging.getLogger(__name__)
 #: Bump when the meaning of records or snapshots changes; older files are refused.
 FORMAT_VERSION = 1
 FILE_NAME = "journal.sqlite"
+PROGRESS_FILE_NAME = "journal.progress"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -91,8 +102,54 @@ class JournalStore:
                     f"{FORMAT_VERSION}: start the kvcoord version that wrote it, or move the data "
                     "directory away to start empty"
                 )
+            journal_id = self._meta("journal_id")
+            wrote_progress = journal_id is not None
+            if journal_id is None:
+                journal_id = secrets.token_hex(8)
+                self.db.execute("INSERT INTO meta VALUES ('journal_id', ?)", (journal_id,))
+            self.journal_id = journal_id
+            last = self.last_seq()
         except sqlite3.DatabaseError as exc:
             raise JournalError(f"journal {self.path} cannot be opened: {exc}") from None
+        self.progress_path = self.path.with_name(PROGRESS_FILE_NAME)
+        self._progress_fd: int | None = None
+        #: why clients may have been told more than this journal holds ("" when not)
+        self.behind = self._behind(last, wrote_progress) if last > 0 else ""
+        if last == 0:
+            self.write_progress(0)
+
+    def _behind(self, last: int, wrote_progress: bool) -> str:
+        try:
+            text = self.progress_path.read_text(encoding="ascii")
+        except FileNotFoundError:
+            if not wrote_progress:  # written by a kvcoord without progress files: no evidence
+                return ""
+            return (
+                f"{self.progress_path} is missing: this journal was moved or restored from a backup "
+                "into a directory it did not run in"
+            )
+        except (OSError, ValueError) as exc:
+            return f"{self.progress_path} cannot be read ({exc})"
+        fields = text.split()
+        if len(fields) != 2 or not fields[1].isdigit():
+            return f"{self.progress_path} is malformed"
+        if fields[0] != self.journal_id:
+            return f"{self.progress_path} names another journal ({fields[0][:40]!r}, this is {self.journal_id!r})"
+        committed = int(fields[1])
+        if committed > last:
+            return (
+                f"the journal ends at record {last} but record {committed} was committed: it was restored "
+                "from an older backup, or lost commits"
+            )
+        return ""
+
+    def write_progress(self, seq: int) -> None:
+        """Record that everything up to ``seq`` is committed (in place, fixed width)."""
+        line = f"{self.journal_id} {seq:020d}\n".encode("ascii")
+        if self._progress_fd is None:
+            self._progress_fd = os.open(self.progress_path, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.ftruncate(self._progress_fd, len(line))
+        os.pwrite(self._progress_fd, line, 0)
 
     def _meta(self, key: str) -> str | None:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
@@ -100,6 +157,9 @@ class JournalStore:
 
     def close(self) -> None:
         self.db.close()
+        if self._progress_fd is not None:
+            os.close(self._progress_fd)
+            self._progress_fd = None
 
     # -- reading (recovery) ----------------------------------------------------------------
     def snapshot(self) -> StoredSnapshot | None:
@@ -179,6 +239,8 @@ class JournalStore:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
+        if records:
+            self.write_progress(records[-1][0])
 
     def size_bytes(self) -> int:
         """Bytes on disk: the database file plus its WAL."""
@@ -196,7 +258,8 @@ class Journal:
     :meth:`append` numbers a record and queues it; :meth:`flush` returns once
     everything appended before the call is committed. A failed write fails every
     waiter and every later flush (state in memory is then ahead of the disk: the
-    server must be restarted, which recovers the committed prefix).
+    server must be restarted, which recovers the committed prefix); :attr:`on_failure`
+    tells the server, which stops serving and exits (``server.py``, ``main.py``).
     """
 
     def __init__(self, store: JournalStore, first_seq: int) -> None:
@@ -212,6 +275,8 @@ class Journal:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-journal")
         #: called on the loop after each commit with the last committed seq
         self.on_commit: list[Callable[[int], None]] = []
+        #: called on the loop once, when a write fails (the server must stop serving)
+        self.on_failure: list[Callable[[BaseException], None]] = []
 
     def append(self, body: bytes) -> int:
         """Queue a record; returns its sequence number."""
@@ -254,6 +319,8 @@ class Journal:
             except BaseException as exc:  # disk full, I/O error: nothing after this is durable
                 logger.critical("journal write failed, no further mutation is acknowledged: %s", exc)
                 self.failed = exc
+                for failed in self.on_failure:  # first: health turns before any caller hears
+                    failed(exc)
                 err = JournalError(f"journal {self.store.path} failed: {exc}")
                 for _, w in self._waiters:
                     if not w.done():

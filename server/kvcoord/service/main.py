@@ -15,13 +15,22 @@ from .journal import JournalError
 from .lease_marker import MarkerError
 from .server import start_server
 
-__all__ = ["run", "serve_from_cli"]
+__all__ = ["EXIT_CANNOT_START", "EXIT_JOURNAL_FAILED", "run", "serve_from_cli"]
 
 logger = logging.getLogger("kvcoord")
 
+#: Exit status when the journal or lease marker cannot be used at start.
+EXIT_CANNOT_START = 3
+#: Exit status after a journal write failed while serving (disk full, I/O error): the
+#: process stops so that its supervisor restarts it from the committed journal.
+EXIT_JOURNAL_FAILED = 4
+#: At most this long (and at most grace_seconds) for in-flight calls after such a failure.
+JOURNAL_FAILURE_DRAIN_SECONDS = 2.0
+
 
 async def run(cfg: ServerConfig) -> int:
-    """Serve until a termination signal; returns the exit status (0 after a clean stop)."""
+    """Serve until a termination signal or a journal write failure; returns the exit status
+    (0 after a clean stop, :data:`EXIT_JOURNAL_FAILED` after a failed journal write)."""
     from .metrics import Metrics
 
     metrics = Metrics()
@@ -39,6 +48,10 @@ async def run(cfg: ServerConfig) -> int:
             if rec and rec.recovered
             else "new"
         )
+        if rec and rec.restored:
+            found += (
+                f"; behind what clients were told ({rec.restored}): sessions fenced, grace period applies"
+            )
         print(
             f"kvcoord data directory {st.data_dir} (durability journal, synchronous {st.synchronous}; {found})",
             flush=True,
@@ -59,7 +72,19 @@ async def run(cfg: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits = [loop.create_task(stop.wait()), loop.create_task(running.journal_failed.wait())]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits:
+        task.cancel()
+    if running.journal_failed.is_set():
+        # Health is NOT_SERVING and every call is refused: let in-flight calls get
+        # their UNAVAILABLE, then exit non-zero so the supervisor restarts the server.
+        drain = min(cfg.server.grace_seconds, JOURNAL_FAILURE_DRAIN_SECONDS)
+        logger.critical("journal write failed: stopping (drain %.1fs), exit %d", drain, EXIT_JOURNAL_FAILED)
+        await running.stop(drain)
+        metrics.stop_http()
+        print(f"kvcoord stopped: the journal cannot be written (exit {EXIT_JOURNAL_FAILED})", flush=True)
+        return EXIT_JOURNAL_FAILED
     logger.info("shutting down (grace %.1fs)", cfg.server.grace_seconds)
     await running.stop()
     metrics.stop_http()
@@ -95,4 +120,4 @@ def serve_from_cli(args: argparse.Namespace) -> int:
         return asyncio.run(run(cfg))
     except (JournalError, MarkerError) as exc:
         print(f"kvcoord: cannot start: {exc}", file=sys.stderr, flush=True)
-        return 3
+        return EXIT_CANNOT_START

@@ -154,6 +154,8 @@ def replay_record(registry: PoolRegistry, record: list[Any], now_wall: float) ->
     kind, when = record[0], float(record[1])
     if kind == "start":
         registry.lineage.add(record[2])
+    elif kind == "restored":  # fences of every earlier instance are void from here on
+        registry.lineage.clear()
     elif kind == "create":
         created_at = float(record[5]) if len(record) > 5 else when
         registry.create(record[2], pb.PoolConfig.FromString(record[3]), record[4], created_at)
@@ -238,10 +240,14 @@ def _replay_call(registry: PoolRegistry, record: list[Any], when: float, now_wal
             service.make_stats(s)
     elif rpc == "Allocate":
         (outcome,) = service.apply(s, [allocate_from_pb(request.op, groups)])
-        if answer is not None:  # answered with a result (a refusal turned error has no key)
+        if answer is not None:  # None: a keyless call in a journal written before answers were kept
             told = pb.AllocateResponse.FromString(answer)
             value = outcome.value
-            if not isinstance(value, AllocateOutcome) or allocate_to_pb(value) != told.result:
+            if told.HasField("result"):
+                same = isinstance(value, AllocateOutcome) and allocate_to_pb(value) == told.result
+            else:  # its client was told an error (a refusal turned error, must_succeed)
+                same = outcome.error is not None
+            if not same:
                 raise ValueError(
                     f"replaying an Allocate of pool {request.pool!r} answers otherwise than its client was "
                     "told: the server's limits or configuration changed since it was recorded; start with "
@@ -284,6 +290,9 @@ class Recovery:
     snapshot_seq: int
     records: int
     seconds: float
+    #: why the journal may be behind what clients were told ("" when it is not): its
+    #: sessions were then ended and fenced, and the server must apply the grace period
+    restored: str = ""
 
     @property
     def recovered(self) -> bool:
@@ -345,5 +354,48 @@ def open_journal(
     for s in registry.sessions.sessions.values():
         s.expires_at = clock() + s.lease_seconds
     registry.recorder = recorder
+    if store.behind and (after or count):
+        logger.warning(
+            "journal %s may be behind what clients were told (%s): every recovered session is "
+            "ended, its fence void and every prefix cache reset",
+            store.path, store.behind,
+        )  # fmt: skip
+        _fence_restored(registry, recorder)
     recorder.started(registry.instance_id)
-    return Recovery(recorder, str(store.path), after, count, time.perf_counter() - started)
+    return Recovery(
+        recorder,
+        str(store.path),
+        after,
+        count,
+        time.perf_counter() - started,
+        store.behind if count or after else "",
+    )
+
+
+def _fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
+    """After a restored (older) journal: a client may hold blocks this state has never
+    given it, and a cached hash may name a block since overwritten. So no earlier fence
+    stays valid (a live worker's next call fails INSTANCE_CHANGED, its heartbeat
+    SESSION_EXPIRED), every session ends (its requests are freed) and every prefix
+    cache is forgotten; each step is journaled, so a later restart replays it.
+
+    Raises:
+        JournalError: a pool still holds blocks after its sessions ended.
+    """
+    recorder.restored()
+    registry.lineage.clear()
+    for s in list(registry.sessions.sessions.values()):
+        registry.idempotency.drop_session(s.session_id)
+        service = registry.pools.get(s.pool)
+        if service is not None:
+            service.end_session(s)
+        else:
+            registry.sessions.close(s.session_id)
+        recorder.session_expired(s.session_id)
+    for service in registry.pools.values():
+        if not service.engine.reset_prefix_cache():
+            raise JournalError(
+                f"pool {service.name!r} still holds blocks after every session of a restored journal ended"
+            )
+        service.events.publish(service.engine.take_events())
+        recorder.prefix_cache_reset(service)

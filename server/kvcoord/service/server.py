@@ -44,6 +44,23 @@ class RunningServer:
     _reaper: asyncio.Task[None]
     #: what recovery found (journal mode), else None
     recovery: Recovery | None = None
+    #: set once the journal could not be written: the server no longer serves (health
+    #: NOT_SERVING, every call UNAVAILABLE) and its owner must stop it (main.py exits)
+    journal_failed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+    _health_task: asyncio.Task[None] | None = None
+
+    def _journal_failed(self, exc: BaseException) -> None:
+        """Stop serving loudly: in memory the state is ahead of the disk, so a restart
+        (which recovers the committed prefix) is the only way back."""
+        logger.critical("journal write failed: this server stops serving and must be restarted: %s", exc)
+        self.servicer.journal_failed(exc)
+        self._reaper.cancel()
+        self._health_task = asyncio.get_running_loop().create_task(self._not_serving())
+        self.journal_failed.set()
+
+    async def _not_serving(self) -> None:
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def stop(self, grace: float | None = None) -> None:
         """Graceful shutdown: health turns NOT_SERVING, in-flight calls finish, streams end."""
@@ -101,7 +118,9 @@ async def start_server(
     TCP listeners use TLS when ``[server.tls]`` names a certificate (unix sockets stay
     plaintext, see :mod:`kvcoord.service.tls`). With ``durability = "journal"`` and a
     ``data_dir``, the state journaled there is recovered first (no grace period then:
-    nothing was lost), and configured pools that are not in it are created.
+    nothing was lost; unless the journal is behind what clients were told, a restored
+    backup: then its sessions are fenced and the grace period applies), and configured
+    pools that are not in it are created.
 
     Raises:
         RuntimeError: a listener could not be bound.
@@ -112,9 +131,11 @@ async def start_server(
     st = cfg.server
     sessions = SessionTable(clock, st.session_lease_seconds, st.max_session_lease_seconds)
     grace_until = clock() + st.startup_grace_seconds
+    marker_found = False
     if st.data_dir:
         marker = LeaseMarker(st.data_dir, st.max_session_lease_seconds, wall_clock)
         previous = marker.previous_leases_end()
+        marker_found = previous is not None
         if previous is not None and previous > wall_clock():
             grace_until = max(grace_until, clock() + previous - wall_clock())
         sessions.on_lease = lambda s: marker.cover(s.lease_seconds)
@@ -130,7 +151,17 @@ async def start_server(
     recovery = None
     if st.journaled:
         recovery = open_journal(registry, st.data_dir, st.synchronous, st.snapshot_every, wall_clock)
-        if recovery.recovered:
+        if recovery.restored:
+            # The journal may be behind what clients were told (recovery.py ended and
+            # fenced its sessions): a worker of the previous instance may still use
+            # blocks this state calls free, until its lease ends. Without a lease marker
+            # that may be any lease this server grants.
+            if not marker_found:
+                grace_until = max(grace_until, clock() + st.max_session_lease_seconds)
+            registry.grace_until = grace_until
+            for service in registry.pools.values():
+                service.grace_until = grace_until
+        elif recovery.recovered:
             # Every acknowledged allocation is back: no lease of the previous instance
             # can hold a block this one hands out, so no grace period.
             registry.grace_until = grace_until = 0.0
@@ -210,6 +241,9 @@ async def start_server(
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reaper = asyncio.get_running_loop().create_task(_reap(servicer, reap_interval))
-    return RunningServer(
+    running = RunningServer(
         server, servicer, health_servicer, addresses, cfg.server.grace_seconds, reaper, recovery
     )
+    if isinstance(registry.recorder, JournalRecorder):
+        registry.recorder.journal.on_failure.append(running._journal_failed)
+    return running

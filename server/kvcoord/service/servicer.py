@@ -37,7 +37,15 @@ from .convert import (
     write_outcome,
     write_pool_state,
 )
-from .errors import REASON_METADATA_KEY, ErrorReason, ServiceError, grpc_code, map_errors, map_stream_errors
+from .errors import (
+    REASON_METADATA_KEY,
+    STOPPING_AFTER_JOURNAL_FAILURE,
+    ErrorReason,
+    ServiceError,
+    grpc_code,
+    map_errors,
+    map_stream_errors,
+)
 from .pool_service import Fence, PoolService
 from .registry import PoolRegistry
 
@@ -103,6 +111,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self.observer: OperationObserver = observer or NullObserver()
         self.watch_poll_seconds = watch_poll_seconds
         self.stopping = False
+        #: set when the journal could not be written: every call is refused from then on
+        self.journal_failure: str | None = None
         self._teardowns: set[asyncio.Task[None]] = set()
         #: who may call what (every caller has full access when none is given)
         self.access = access or AccessControl((), (), registry.sessions)
@@ -141,8 +151,25 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         await self.registry.recorder.durable()
         return response
 
+    def journal_failed(self, exc: BaseException) -> None:
+        """Refuse every later call (UNAVAILABLE): state in memory is ahead of the disk, so
+        neither a mutation nor a read of it may be answered (the server then exits)."""
+        self.journal_failure = str(exc)
+
+    def check_serving(self) -> None:
+        """Raises:
+        ServiceError: UNAVAILABLE once the journal failed (:meth:`journal_failed`).
+        """
+        if self.journal_failure is not None:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"journal write failed ({self.journal_failure}); {STOPPING_AFTER_JOURNAL_FAILURE}",
+            )
+
     def reap_expired_sessions(self) -> int:
         """Free the requests of every session whose lease ran out."""
+        if self.journal_failure is not None:
+            return 0
         expired = self.registry.reap_expired_sessions()
         for _, pool, _ in expired:
             self.observer.detached(pool)
@@ -485,13 +512,15 @@ def _parser(cls: type[Message]) -> Callable[[bytes], Any]:
 
 
 def _guard(
-    handler: Callable[..., Any], streaming: bool, rpc: str, access: AccessControl
+    handler: Callable[..., Any], streaming: bool, rpc: str, access: AccessControl, serving: Callable[[], None]
 ) -> Callable[..., Any]:
-    """Check the caller (access.py: credentials, then the role :data:`RPC_RULES`
-    names) and refuse an undecodable request, before the handler sees either."""
+    """Refuse every call once the server stopped serving (``serving`` raises), check the
+    caller (access.py: credentials, then the role :data:`RPC_RULES` names) and refuse
+    an undecodable request, before the handler sees any of them."""
 
     async def admit(request: Any, context: grpc.aio.ServicerContext) -> None:
         try:
+            serving()
             tenant = access.authenticate(context.invocation_metadata(), context.auth_context)
             access.bind(tenant)
             if isinstance(request, _Undecodable):
@@ -531,7 +560,11 @@ def add_servicer(servicer: AllocatorServicer, server: grpc.aio.Server) -> None:
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         behaviour = _guard(
-            getattr(servicer, method.name), method.server_streaming, method.name, servicer.access
+            getattr(servicer, method.name),
+            method.server_streaming,
+            method.name,
+            servicer.access,
+            servicer.check_serving,
         )
         factory = (
             grpc.unary_stream_rpc_method_handler

@@ -199,3 +199,50 @@ def test_calls_it_cannot_predict_are_refused_before_anything_is_sent(
     m.flush()
     assert _tables(client, pool) == {}
     m.close()
+
+
+def test_an_events_digest_is_the_digest_of_the_events(client: KVCoordClient) -> None:
+    """Step.events_digest answers, instead of the events, the SHA-256 of a StepResponse
+    holding only them: the same operations on two pools, one answered each way."""
+    import hashlib
+
+    answers = []
+    for name, digest in (("ev-full", False), ("ev-digest", True)):
+        client.create_pool(name, wire_pool_config(16, events=True))
+        s = client.attach(name, "sha256_cbor", 4, "0")
+        tokens = list(range(30))
+        op = pb.Operation()
+        op.allocate.request.request_id = "a"
+        op.allocate.request.new_request = True
+        op.allocate.request.append_token_ids.extend(tokens)
+        op.allocate.request.append_block_hashes.extend(BlockHasher("sha256_cbor", 4, NONE).extend(tokens))
+        op.allocate.num_new_tokens = 30
+        request = pb.StepRequest(pool=name, session_id=s.session_id, fence=s.fence, ops=[op], include_state=True,
+                                 events_digest=digest)  # fmt: skip
+        answers.append(client.send_step(request))
+    full, digested = answers
+    assert len(full.events) == 1 and not digested.events
+    assert (
+        digested.events_sha256
+        == hashlib.sha256(pb.StepResponse(events=full.events).SerializeToString()).digest()
+    )
+    assert not full.events_sha256
+
+
+def test_events_the_server_did_not_make_lose_every_request(client: KVCoordClient, pool: str) -> None:
+    """A replica whose events differ from the server's (its allocations still agree) is
+    caught by the events digest: every request is reported lost."""
+
+    def wrong_events(m: PredictingKVCacheManager) -> None:
+        original = m.replica._cache_full
+
+        def cache_full(*args: Any) -> None:
+            original(*args)
+            m.replica.events[-1].block_stored.medium = "CPU"
+
+        m.replica._cache_full = cache_full  # type: ignore[method-assign]
+
+    m, lost = _broken(client, pool, wrong_events)
+    assert sorted(lost.request_ids) == ["a", "b", "c"]
+    assert "KV events differ" in str(lost)
+    m.close()

@@ -29,6 +29,7 @@ use :class:`RemoteKVCacheManager` for them.
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import itertools
 import logging
 import os
@@ -72,11 +73,11 @@ class _Sent:
     __slots__ = ("events", "expected", "num_free_blocks", "request", "stats")
 
     def __init__(self) -> None:
-        self.request = pb.StepRequest(include_state=True)
+        self.request = pb.StepRequest(include_state=True, events_digest=True)
         #: per op: its new block ids (allocate), its Run and each entry's ids, or None
         self.expected: list[Any] = []
         self.num_free_blocks = 0
-        self.events: list[pb.KVEvent] = []
+        self.events = pb.StepResponse()
         self.stats = pb.PrefixCacheStats()
 
 
@@ -411,7 +412,9 @@ class PredictingKVCacheManager:
             raise PredictionMismatchError(
                 f"the server has {resp.num_free_blocks} free blocks, the replica {sent.num_free_blocks}"
             )
-        if self.config.enable_kv_cache_events and (resp.events_gap or list(resp.events) != sent.events):
+        if self.config.enable_kv_cache_events and (
+            resp.events_gap or resp.events_sha256 != hashlib.sha256(sent.events.SerializeToString()).digest()
+        ):
             raise PredictionMismatchError("the server's KV events differ from the replica's")
         if self.log_stats and resp.prefix_cache_stats != sent.stats:
             raise PredictionMismatchError(

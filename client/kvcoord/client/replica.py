@@ -81,8 +81,9 @@ class PoolReplica:
         self.events: list[pb.KVEvent] = []
         self.stats = pb.PrefixCacheStats()
         #: the same since the last :meth:`take_step` (what the server's answer to the
-        #: Step carrying these calls must hold)
-        self.step_events: list[pb.KVEvent] = []
+        #: Step carrying these calls must hold); the events are made in place in a
+        #: StepResponse's ``events``, and ``events`` refers to them
+        self.step_events = pb.StepResponse()
         self.step_stats = pb.PrefixCacheStats()
 
     # -- the pool's figures ---------------------------------------------------------------
@@ -261,10 +262,10 @@ class PoolReplica:
         stats, self.stats = self.stats, pb.PrefixCacheStats()
         return stats
 
-    def take_step(self) -> tuple[list[pb.KVEvent], pb.PrefixCacheStats]:
-        """Events and statistics since the previous call."""
+    def take_step(self) -> tuple[pb.StepResponse, pb.PrefixCacheStats]:
+        """Events (in a StepResponse's ``events``) and statistics since the previous call."""
         events, stats = self.step_events, self.step_stats
-        self.step_events, self.step_stats = [], pb.PrefixCacheStats()
+        self.step_events, self.step_stats = pb.StepResponse(), pb.PrefixCacheStats()
         return events, stats
 
     # -- the rules ------------------------------------------------------------------------
@@ -307,12 +308,11 @@ class PoolReplica:
             if len(more) == 1:
                 del self._more[block_hash]
         if self.enable_events:
-            event = pb.KVEvent()
+            event = self.step_events.events.add()
             removed = event.block_removed
             removed.block_hashes.append(block_hash)
             removed.medium = _MEDIUM
             self.events.append(event)
-            self.step_events.append(event)
 
     def _cache_full(
         self,
@@ -330,7 +330,7 @@ class PoolReplica:
             self._cache(block_hash, block_id)
         self._num_cached[request_id] = end
         if self.enable_events:
-            event = pb.KVEvent()
+            event = self.step_events.events.add()
             st = event.block_stored
             st.block_hashes.extend(stored)
             if start:
@@ -342,4 +342,3 @@ class PoolReplica:
             if adapter is not None:
                 st.lora_id, st.lora_name = adapter
             self.events.append(event)
-            self.step_events.append(event)

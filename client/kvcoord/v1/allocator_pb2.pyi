@@ -721,23 +721,25 @@ class FreeResponse(_message.Message):
     def __init__(self, num_free_blocks: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "ops", "idempotency_key", "fence", "include_state")
+    __slots__ = ("pool", "session_id", "ops", "idempotency_key", "fence", "include_state", "events_digest")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_STATE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     ops: _containers.RepeatedCompositeFieldContainer[Operation]
     idempotency_key: str
     fence: Fence
     include_state: bool
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., include_state: _Optional[bool] = ...) -> None: ...
+    events_digest: bool
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., include_state: _Optional[bool] = ..., events_digest: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results", "num_free_blocks", "usage", "fence", "events", "events_gap", "prefix_cache_stats")
+    __slots__ = ("results", "num_free_blocks", "usage", "fence", "events", "events_gap", "prefix_cache_stats", "events_sha256")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -745,6 +747,7 @@ class StepResponse(_message.Message):
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_GAP_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_SHA256_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[OperationResult]
     num_free_blocks: int
     usage: float
@@ -752,7 +755,8 @@ class StepResponse(_message.Message):
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
     events_gap: bool
     prefix_cache_stats: PrefixCacheStats
-    def __init__(self, results: _Optional[_Iterable[_Union[OperationResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., events_gap: _Optional[bool] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
+    events_sha256: bytes
+    def __init__(self, results: _Optional[_Iterable[_Union[OperationResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., events_gap: _Optional[bool] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., events_sha256: _Optional[bytes] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ("pool", "session_id", "fence")

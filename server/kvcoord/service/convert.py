@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ __all__ = [
     "config_from_pb",
     "add_events",
     "event_to_pb",
+    "events_digest",
     "hit_from_pb",
     "hit_to_pb",
     "stats_to_pb",
@@ -169,6 +171,13 @@ def add_events(target: Any, events: Iterable[KVCacheEvent]) -> None:
     add = target.add
     for event in events:
         _fill_event(add(), event)
+
+
+def events_digest(events: list[KVCacheEvent]) -> bytes:
+    """SHA-256 of a StepResponse holding only ``events``, serialized (StepRequest.events_digest)."""
+    holder = pb.StepResponse()
+    add_events(holder.events, events)
+    return hashlib.sha256(holder.SerializeToString()).digest()
 
 
 def event_to_pb(event: KVCacheEvent) -> pb.KVEvent:

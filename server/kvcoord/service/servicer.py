@@ -29,6 +29,7 @@ from .convert import (
     allocate_to_pb,
     block_ids_to_pb,
     event_to_pb,
+    events_digest,
     fence_from_pb,
     fence_to_pb,
     hit_to_pb,
@@ -355,7 +356,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             write_outcome(add(), o, r)
         if request.include_state:
             taken = service.take_events(s)
-            add_events(response.events, taken.events)
+            if request.events_digest:
+                response.events_sha256 = events_digest(taken.events)
+            else:
+                add_events(response.events, taken.events)
             response.events_gap = taken.gap
             stats = stats_to_pb(service.make_stats(s))
             if stats is not None:

@@ -264,3 +264,55 @@ def test_a_pool_a_replica_cannot_follow_says_why() -> None:
         )
     )
     assert hybrid.replica_state() == "the pool is not one group of full attention without a sink"
+
+
+def test_evictions_resets_caching_and_common_prefixes_follow_the_engine() -> None:
+    """evict (in the caller's order, held or free blocks), reset (refused while a block
+    is held), cache (a block made full by a later call) and the common prefix count
+    (the empty table vLLM registers counting as a holder) give the engine's answers,
+    events and statistics."""
+    engine_cfg, wire_cfg = _config(16, True, True)
+    pool = KVCachePool(engine_cfg)
+    twin = _Twin(pool, PoolReplica(wire_cfg, _state(pool)))
+    a, b = _Req("a", list(range(10)), 1), _Req("b", list(range(10)) + [5, 5], 1)
+    twin.allocate(a, 10, [])
+    hit = twin.lookup(b)
+    twin.allocate(b, 12 - len(hit) * BS, hit)
+    b.computed = 12
+    for r in (a, b):
+        assert pool.get_num_common_prefix_blocks(r.rid) == (twin.replica.common_prefix(r.rid),)
+    assert pool.get_num_common_prefix_blocks("a") == (2,)
+    pool.add_request("c", [1, 2, 3], [])  # registered, no table: a holder once asked
+    assert pool.get_num_common_prefix_blocks("c") == (twin.replica.common_prefix("c"),) == (0,)
+    assert pool.get_num_common_prefix_blocks("a") == (twin.replica.common_prefix("a"),) == (0,)
+    pool.free("c")
+    twin.replica.free("c")
+    b.append(9)
+    b.append(9)
+    b.append(9)
+    b.append(9)  # 16 tokens: b's last block is full once computed
+    twin._sync(b)
+    pool.allocate_slots("b", 4)
+    twin.replica.grow("b", 12, 4, 0, b.tokens, b.hashes)
+    pool.cache_blocks("b", 16)  # cached already by the allocation: nothing new
+    assert not twin.replica.caches("b", 16)
+    twin.events_and_stats()
+    e = _Req("e", list(range(100, 110)), 1)
+    twin.allocate(e, 14, [])  # slots past its tokens (an async step's placeholders): 2 blocks cached
+    for t in range(6):
+        e.append(200 + t)
+    twin._sync(e)
+    assert twin.replica.caches("e", 16)
+    pool.cache_blocks("e", 16)  # the step's tokens arrived: the third block is full
+    twin.replica.cache("e", 16, e.tokens, e.hashes)
+    twin.events_and_stats()
+    twin.free(e)
+    pool.evict_blocks([3, 1, 7])
+    twin.replica.evict([3, 1, 7])
+    twin.events_and_stats()
+    assert pool.reset_prefix_cache() is False and twin.replica.reset() is False
+    twin.free(a)
+    twin.free(b)
+    assert pool.reset_prefix_cache() is True and twin.replica.reset() is True
+    twin.events_and_stats()
+    assert twin.lookup(_Req("d", list(range(10)), 1)) == []

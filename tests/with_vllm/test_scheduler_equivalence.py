@@ -101,7 +101,7 @@ def run_both(
     kind: str, layout: str, blocks: int, seed: int, model_dir: Path, server: InProcessServer,
     monkeypatch: pytest.MonkeyPatch, connector: str | None = None, policy: str = "recompute",
     speculative: str | None = None, extras: frozenset[str] = frozenset(), caching: bool = True,
-    events: bool = True,
+    events: bool = True, predict: bool = False,
 ) -> Runs:  # fmt: skip
     """The workload on vLLM's scheduler in-process, then on kvcoord's (its RPCs counted).
     ``kind`` "pp2" is the sync scheduler with two steps' outputs pending (the engine
@@ -122,6 +122,7 @@ def run_both(
         local, seed=seed, steps=STEPS, async_overlap=overlap, extras=extras, queue_depth=depth
     )
     monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
     monkeypatch.setenv("KVCOORD_POOL", f"{kind}-{layout.replace('+', '-')}-{next(_pool_ids)}")
     remote = make_scheduler(
         KVCOORD[kind], vllm_config(
@@ -471,3 +472,54 @@ def test_random_feature_combinations_decide_like_vllm(
     assert r.got == r.want, first_difference(r.want, r.got)
     assert r.want_counts["scheduled"] > 100, r.want_counts
     assert r.manager.lost_requests == 0
+
+
+@pytest.mark.parametrize(
+    ("kind", "extras", "speculative"),
+    [
+        ("sync", frozenset(), None),
+        ("async", frozenset(), None),
+        ("pp2", frozenset(), None),
+        ("sync", frozenset({"resets", "priority", "salt", "lora", "embeds"}), None),
+        ("async", frozenset({"resets", "priority", "salt", "lora", "embeds"}), None),
+        ("sync", frozenset(), "ngram"),
+        ("async", frozenset(), "draft_model"),
+    ],
+    ids=["sync", "async", "pp2", "sync-extras", "async-extras", "sync-ngram", "async-draft"],
+)
+def test_the_predicting_manager_decides_like_vllm(
+    kind: str, extras: frozenset[str], speculative: str | None, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """KVCOORD_PREDICT=1 on a full-attention pool: every call answered from the
+    replica, none waiting for the server; the same decisions, block ids and KV events
+    as vLLM's own manager under memory pressure (preemptions, aborts, resets, priority,
+    salts, LoRA, prompt embeddings, drafts with lookahead), no request lost, and at
+    most one Step per scheduler step (sent when its events are taken, without waiting)."""
+    from kvcoord.client import PredictingKVCacheManager
+
+    r = run_both(kind, "full", NUM_BLOCKS, 51, model_dir, server, monkeypatch, extras=extras,
+                 speculative=speculative, predict=True)  # fmt: skip
+    assert isinstance(r.manager, PredictingKVCacheManager)
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.got_counts == r.want_counts
+    assert r.want_counts["finished"] > 20 and (speculative or r.want_counts["preempted"] > 0), r.want_counts
+    assert r.want_counts["hit_tokens"] > 0 and r.want_counts["events"] > 0, r.want_counts
+    assert r.manager.lost_requests == 0 and r.manager.steps_sent > 20
+    steps = r.counter.per_step[:-1]  # the last one also counts shutdown's (flush, detach)
+    assert max(steps) <= 1, sorted(collections.Counter(steps).items())
+    if "resets" in extras:
+        resets = [ok for entry in r.want if entry[0] == "reset" for ok in [entry[2]]]
+        assert any(resets) and not all(resets), resets
+
+
+def test_predict_falls_back_where_the_pool_cannot_be_predicted(
+    model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVCOORD_PREDICT=1 on a full + sliding-window pool: the engine runs as exclusive
+    (RemoteKVCacheManager) and decides like vLLM."""
+    from kvcoord.client import RemoteKVCacheManager
+
+    r = run_both("sync", "full+swa", NUM_BLOCKS, 52, model_dir, server, monkeypatch, predict=True)
+    assert type(r.manager) is RemoteKVCacheManager
+    assert r.got == r.want, first_difference(r.want, r.got)

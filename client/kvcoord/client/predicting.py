@@ -34,6 +34,7 @@ import itertools
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import grpc
@@ -160,6 +161,9 @@ class PredictingKVCacheManager:
         self.waited_seconds = 0.0
         self.stale_hits = 0
         self.lost_requests = 0
+        #: what RemoteKVCacheManager uses for lookup hints (KVCoordScheduler sets it);
+        #: not needed here: every lookup is answered from the replica
+        self.upcoming: Any = None
 
     def _new_replica(self) -> PoolReplica:
         assert self._state is not None
@@ -192,8 +196,9 @@ class PredictingKVCacheManager:
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
-                       num_encoder_tokens: int = 0) -> KVCacheBlockIds | None:  # fmt: skip
-        """New block ids, or ``None`` when the pool has too few free blocks, answered now."""
+                       num_encoder_tokens: int = 0, return_table: bool = False) -> KVCacheBlockIds | None:  # fmt: skip
+        """New block ids, or ``None`` when the pool has too few free blocks, answered now
+        (with ``return_table``, the answer's ``table`` is the request's whole table)."""
         if num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
             raise InvalidArgumentError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -230,9 +235,14 @@ class PredictingKVCacheManager:
                     run = self._run = _Run()
                 run.entries.append((rid, *fields, num_new_tokens, num_lookahead_tokens))
                 run.ids.append(new)
+                if return_table:
+                    return KVCacheBlockIds((new,), table=(list(replica.tables[rid]),))
                 return KVCacheBlockIds((new,))
-        return self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                              num_lookahead_tokens)  # fmt: skip
+        new_ids = self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                 num_lookahead_tokens)  # fmt: skip
+        if new_ids is not None and return_table:
+            return KVCacheBlockIds(new_ids.block_ids, table=(list(replica.tables[request.request_id]),))
+        return new_ids
 
     def _allocate(
         self,
@@ -293,6 +303,60 @@ class PredictingKVCacheManager:
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table (empty for a request that holds none)."""
         return (list(self.replica.tables.get(request_id, ())),)
+
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        """Nothing: full attention needs every block of the prefix (nothing to send)."""
+
+    def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
+        """The request's leading blocks shared by every request holding blocks."""
+        self._settled()
+        if request_id not in self.tracker:
+            raise InvalidArgumentError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"request {request_id!r} is not in this pool"
+            )
+        n = self.replica.common_prefix(request_id)
+        self._op().common_prefix.request_id = request_id
+        self._pending.expected[-1] = ("common_prefix", n)
+        return [n]
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Forget the cached hash of each block, in the caller's order."""
+        self._settled()
+        ids = [int(b) for b in block_ids]
+        self.replica.evict(ids)
+        self._op().evict_blocks.block_ids.extend(ids)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; False (nothing changed) while any block is held."""
+        self._settled()
+        done = self.replica.reset()
+        self._op().reset_prefix_cache.SetInParent()
+        self._pending.expected[-1] = ("reset", done)
+        return done
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        """Cache the request's blocks full within ``num_computed_tokens`` (vLLM's
+        AsyncScheduler calls it every step; nothing is sent when no block became full)."""
+        if not self.config.enable_caching:
+            return
+        self._settled()
+        rid = request.request_id
+        if rid not in self.tracker or not self.replica.caches(rid, num_computed_tokens):
+            return
+        op = self._op().cache_blocks
+        self.tracker.sync(request, op.request)
+        op.num_computed_tokens = num_computed_tokens
+        self.replica.cache(
+            rid, num_computed_tokens, request.all_token_ids, self.tracker.hashes(request), request
+        )
+
+    def peek_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
+        """What make_prefix_cache_stats would return, without resetting it."""
+        if not self.log_stats:
+            return None
+        copy = pb.PrefixCacheStats()
+        copy.CopyFrom(self.replica.stats)
+        return copy
 
     @property
     def usage(self) -> float:
@@ -403,6 +467,14 @@ class PredictingKVCacheManager:
             if isinstance(expected, _Run):
                 if not expected.matches(result.allocate_run):
                     raise PredictionMismatchError(f"operation {i}: the server's run of allocations differs")
+            elif isinstance(expected, tuple):
+                kind, value = expected
+                if kind == "reset":
+                    agrees = bool(result.reset_prefix_cache.result) == value
+                else:
+                    agrees = list(result.common_prefix.num_blocks) == [value]
+                if not agrees:
+                    raise PredictionMismatchError(f"operation {i} ({kind}): the server answered otherwise")
             elif [list(g.block_ids) for g in result.allocate.new_block_ids] != [expected]:
                 raise PredictionMismatchError(
                     f"operation {i}: the server gave {[list(g.block_ids) for g in result.allocate.new_block_ids]}"

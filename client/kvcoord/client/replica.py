@@ -258,6 +258,59 @@ class PoolReplica:
             if not left:
                 used[block_id] = None
 
+    def caches(self, request_id: str, num_tokens: int) -> bool:
+        """Whether :meth:`cache` would cache a block (a block became full)."""
+        return num_tokens // self.block_size > self._num_cached.get(request_id, 0)
+
+    def cache(
+        self,
+        request_id: str,
+        num_tokens: int,
+        tokens: Sequence[int],
+        hashes: Sequence[bytes],
+        request: Any = None,
+    ) -> None:
+        """vLLM's ``cache_blocks``: the request's blocks full within ``num_tokens``
+        become hits (see :meth:`allocate`'s ``request``)."""
+        end = num_tokens // self.block_size
+        if end > self._num_cached.get(request_id, 0):
+            self._cache_full(request_id, self.tables.setdefault(request_id, []), end, tokens, hashes, request)
+
+    def evict(self, block_ids: Sequence[int]) -> None:
+        """Forget the cached hash of each block, in the order given (KV connector load
+        failures); counts and the free queue stay."""
+        hash_of = self._hash_of
+        for block_id in block_ids:
+            block_hash = hash_of.pop(block_id, None)
+            if block_hash is not None:
+                self._uncache(block_hash, block_id)
+
+    def reset(self) -> bool:
+        """Forget every cached hash; refused (False) while any request holds a block."""
+        if self.num_blocks - self.num_free_blocks != 1:
+            return False
+        self._hash_of.clear()
+        self._first.clear()
+        self._more.clear()
+        if self.enable_events:
+            event = self.step_events.events.add()
+            event.all_blocks_cleared.SetInParent()
+            self.events.append(event)
+        self.stats.reset = self.step_stats.reset = True
+        return True
+
+    def common_prefix(self, request_id: str) -> int:
+        """The request's leading blocks held by every request holding a table (vLLM
+        registers an empty table for a request without one, which then counts too)."""
+        table = self.tables.setdefault(request_id, [])
+        holders, ref = len(self.tables), self._ref
+        n = 0
+        for block_id in table:
+            if ref[block_id] != holders:
+                break
+            n += 1
+        return n
+
     def take_stats(self) -> pb.PrefixCacheStats:
         stats, self.stats = self.stats, pb.PrefixCacheStats()
         return stats

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, overload
@@ -36,9 +37,10 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
-from .errors import AlreadyExistsError, FailedPreconditionError
+from .errors import AlreadyExistsError, FailedPreconditionError, PoolBusyError
 from .hashing import RandomSeedError
 from .manager import KVCacheBlockIds, RemoteKVCacheManager
+from .predicting import PredictingKVCacheManager
 
 __all__ = [
     "AllBlocksCleared",
@@ -57,6 +59,8 @@ __all__ = [
 ]
 
 _MEDIUM_GPU = "GPU"
+
+logger = logging.getLogger(__name__)
 
 
 def vllm_available() -> bool:
@@ -448,7 +452,9 @@ class KVCoordKVCacheManager:
         kv_cache_config: the engine's ``KVCacheConfig`` (kept as ``kv_cache_config``).
     """
 
-    def __init__(self, remote: RemoteKVCacheManager, kv_cache_config: Any = None) -> None:
+    def __init__(
+        self, remote: RemoteKVCacheManager | PredictingKVCacheManager, kv_cache_config: Any = None
+    ) -> None:
         cfg = remote.config
         self.remote = remote
         self.kv_cache_config = kv_cache_config
@@ -676,6 +682,11 @@ class Settings:
         exclusive: the engine is the pool's only session (``KVCOORD_EXCLUSIVE``, default
             ``1``): allocations it can prove will succeed are answered without a round
             trip; ``0`` lets several engines share the pool (one round trip per call).
+        predict: answer every call from a replica of the pool and never wait
+            (``KVCOORD_PREDICT``, default ``0``; needs ``exclusive``): a
+            :class:`PredictingKVCacheManager`, for a pool of one full-attention group
+            without EAGLE or a KV connector; any other pool warns and runs as
+            ``exclusive`` does.
     """
 
     target: str
@@ -685,6 +696,7 @@ class Settings:
     timeout: float = 10.0
     client_name: str = ""
     exclusive: bool = True
+    predict: bool = False
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -700,7 +712,21 @@ class Settings:
             timeout=float(e.get("KVCOORD_TIMEOUT", "10")),
             client_name=e.get("KVCOORD_CLIENT_NAME", "") or f"{os.uname().nodename}:{os.getpid()}",
             exclusive=e.get("KVCOORD_EXCLUSIVE", "1").lower() not in ("0", "false", "no"),
+            predict=e.get("KVCOORD_PREDICT", "0").lower() not in ("0", "false", "no", ""),
         )
+
+
+def _unpredictable(settings: Settings, config: pb.PoolConfig, vllm_config: Any) -> str | None:
+    """Why an engine's pool cannot run on a PredictingKVCacheManager (None: it can)."""
+    if not settings.exclusive:
+        return "KVCOORD_EXCLUSIVE is 0"
+    if [g.WhichOneof("spec") for g in config.groups] != ["full"] or config.groups[0].full.sink_len:
+        return "the pool is not one group of full attention without a sink"
+    if config.use_eagle:
+        return "EAGLE drafts"
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        return "a KV connector"
+    return None
 
 
 def connect(
@@ -745,13 +771,29 @@ def connect(
         diffs = pool_config_differences(expected, actual)
         if diffs:
             raise PoolMismatchError(settings.pool, diffs)
-        remote = RemoteKVCacheManager(
-            c,
-            settings.pool,
-            hash_seed=expected.hash_seed,
-            client_name=settings.client_name,
-            exclusive=settings.exclusive,
-        )
+        remote: RemoteKVCacheManager | PredictingKVCacheManager | None = None
+        why = _unpredictable(settings, actual, vllm_config) if settings.predict else None
+        if settings.predict and why is None:
+            try:
+                remote = PredictingKVCacheManager(
+                    c, settings.pool, hash_seed=expected.hash_seed, client_name=settings.client_name
+                )
+            except FailedPreconditionError as err:
+                if isinstance(err, PoolBusyError):
+                    raise
+                why = err.message  # the server gives no state for this pool
+        if why is not None:
+            logger.warning(
+                "KVCOORD_PREDICT: pool %r is not predicted (%s); running as exclusive", settings.pool, why
+            )
+        if remote is None:
+            remote = RemoteKVCacheManager(
+                c,
+                settings.pool,
+                hash_seed=expected.hash_seed,
+                client_name=settings.client_name,
+                exclusive=settings.exclusive,
+            )
     except BaseException:
         if own:
             c.close()

@@ -183,7 +183,7 @@ def test_calls_it_cannot_predict_are_refused_before_anything_is_sent(
     client: KVCoordClient, pool: str
 ) -> None:
     """KV connector tokens, delayed caching and bad counts raise InvalidArgumentError
-    and change nothing."""
+    (as the server would) and change nothing."""
     from kvcoord.client import InvalidArgumentError
 
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
@@ -195,6 +195,8 @@ def test_calls_it_cannot_predict_are_refused_before_anything_is_sent(
         m.allocate_slots(r, 9, delay_cache_blocks=True)
     with pytest.raises(InvalidArgumentError, match="num_new_tokens"):
         m.allocate_slots(r, 0)
+    with pytest.raises(InvalidArgumentError, match="past the request's 9 tokens"):
+        m.cache_blocks(r, 12)
     assert m.replica.num_free_blocks == free and "a" not in m.tracker
     m.flush()
     assert _tables(client, pool) == {}

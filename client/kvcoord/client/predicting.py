@@ -340,6 +340,11 @@ class PredictingKVCacheManager:
         if not self.config.enable_caching:
             return
         self._settled()
+        if not 0 <= num_computed_tokens <= len(request.all_token_ids):
+            raise InvalidArgumentError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"num_computed_tokens {num_computed_tokens} is past the request's {len(request.all_token_ids)} tokens",
+            )
         rid = request.request_id
         if rid not in self.tracker or not self.replica.caches(rid, num_computed_tokens):
             return

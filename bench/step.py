@@ -1,6 +1,7 @@
 """Scheduler steps in-process and over the wire, side by side in one run. Not a test.
 
     python bench/step.py [--running 16 64 256] [--steps 200] [--warmup 300] [--hash-in-manager] [--phases]
+                         [--modes predicted excl+admit exclusive shared per-call]
 
 A scheduler loop shaped like vLLM's (running requests first, preempting from the end
 of the running list on a refusal; then waiting requests with a prefix lookup; block
@@ -20,6 +21,13 @@ steady. The same seeded workload runs on:
   vLLM           vLLM 0.16.0's own KVCacheManager in-process (when vLLM is importable:
                  run with the vLLM venv's python); its decisions must equal the engine's
   in-process     kvcoord's engine called directly
+  predicted      PredictingKVCacheManager: every call answered from the client's replica
+                 of the pool (the server's state, handed over on Attach), each step's
+                 calls sent as one Step from a background thread without waiting
+                 (joining the next one while one is in flight), every answer compared
+                 when it comes; its RTT column is a burst of no-op Steps before and after
+                 the row (a probe between steps would let the Step in flight finish
+                 untimed)
   exclusive      RemoteKVCacheManager(exclusive=True): one session per pool, provable
                  allocations and refusals answered at once, lookups answered from hints
                  (the loop names its waiting requests, as KVCoordScheduler does),
@@ -322,6 +330,11 @@ def ids_of(blocks: Any) -> tuple[tuple[int, ...], ...]:
 Phases = tuple[float, float, float, float, int, float]
 
 
+def _mean(xs: list[float]) -> float:
+    """The mean of ``xs`` (seconds), in milliseconds."""
+    return statistics.fmean(xs) * 1e3
+
+
 def _trips(kv: Any) -> int:
     m = getattr(kv, "m", kv)  # PerCall wraps the manager
     return int(getattr(m, "round_trips", getattr(m, "steps_sent", 0)))
@@ -522,7 +535,9 @@ def main() -> None:
         "--warmup", type=int, default=300,
         help="steps before the measured ones: the initial batch's prefill and first generation",
     )  # fmt: skip
-    ap.add_argument("--modes", nargs="+", default=["excl+admit", "exclusive", "shared", "per-call"])
+    ap.add_argument(
+        "--modes", nargs="+", default=["predicted", "excl+admit", "exclusive", "shared", "per-call"]
+    )
     ap.add_argument("--phases", action="store_true", help="print each mode's phase medians under its row")
     ap.add_argument(
         "--hash-in-manager",
@@ -560,7 +575,7 @@ def main() -> None:
         rtt, rtt99, noop_cpu = noop_round_trip()
         print(f"no-op Step round trip: p50 {rtt:.3f} ms, p99 {rtt99:.3f} ms; server CPU {noop_cpu:.3f} ms each "
               "(a remote row's RTT column: a no-op Step after each of its steps, p50)")  # fmt: skip
-        header = (f"{'running':>7} {'mode':<11} {'p50 ms':>8} {'p99 ms':>8} {'RTT/step':>8} "
+        header = (f"{'running':>7} {'mode':<11} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'RTT/step':>8} "
                   f"{'+ms/step':>9} {'vs in-proc+RTT':>14} {'RTT ms':>7}")  # fmt: skip
         print(header)
         for n in args.running:
@@ -571,7 +586,8 @@ def main() -> None:
                 freeze_heap()
                 v_t, v_d = run(vm, n, total, seed=n, hash_in_request=hashed)
                 v_med = statistics.median(v_t[args.warmup :]) * 1e3
-                print(f"{n:>7} {'vLLM':<11} {v_med:8.2f} {pct(v_t[args.warmup :], 0.99):8.2f}")
+                print(f"{n:>7} {'vLLM':<11} {v_med:8.2f} {pct(v_t[args.warmup :], 0.99):8.2f} "
+                      f"{_mean(v_t[args.warmup :]):8.2f}")  # fmt: skip
             lm = LocalManager(blocks)
             freeze_heap()
             base_ph: list[Phases] = []
@@ -580,9 +596,11 @@ def main() -> None:
             if with_vllm:
                 assert v_d == base_d, "vLLM's manager decided differently from kvcoord's engine"
                 print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f} "
-                      f"{'':8} {'':9} {'':14} (kvcoord's engine; {base / v_med:.2f} x vLLM)")  # fmt: skip
+                      f"{_mean(base_t[args.warmup :]):8.2f} {'':8} {'':9} {'':14} "
+                      f"(kvcoord's engine; {base / v_med:.2f} x vLLM)")  # fmt: skip
             else:
-                print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f}")
+                print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f} "
+                      f"{_mean(base_t[args.warmup :]):8.2f}")  # fmt: skip
             if args.phases:
                 print(phase_line(base_ph[args.warmup :]))
                 tm = TimedLocalManager(blocks)
@@ -629,7 +647,8 @@ def main() -> None:
                 assert d == base_d, f"{mode}: decisions differ from in-process"
                 med = statistics.median(t[args.warmup :]) * 1e3
                 trips = _trips(m) / total
-                print(f"{n:>7} {mode:<11} {med:8.2f} {pct(t[args.warmup:], 0.99):8.2f} {trips:8.1f} "
+                print(f"{n:>7} {mode:<11} {med:8.2f} {pct(t[args.warmup:], 0.99):8.2f} {_mean(t[args.warmup:]):8.2f} "
+                      f"{trips:8.1f} "
                       f"{med - base:9.2f} {med / (base + rtt):14.2f} {rtt:7.3f}")  # fmt: skip
                 if args.phases:
                     print(phase_line(ph[args.warmup :]))

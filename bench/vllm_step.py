@@ -9,7 +9,10 @@ half sharing one of 8 prefixes, 16-128 output tokens, token budget 8,192, a pool
 enough that nothing is preempted, full attention, prefix caching, events and stats on)
 runs through vLLM's ``Scheduler`` with its in-process KVCacheManager and with
 ``KVCoordScheduler`` on a kvcoord server process on loopback (an exclusive session,
-as ``--scheduler-cls`` gives by default). A step is ``schedule()`` plus
+as ``--scheduler-cls`` gives by default), then again with ``KVCOORD_PREDICT=1`` (every
+call answered from the client's replica of the pool; its round trip is a burst of
+probes before and after the row, since a probe between steps would let its Step in
+flight finish untimed). A step is ``schedule()`` plus
 ``update_from_output()`` with a fake model output. Prints p50 / p99 per step, the
 round trips per step (every RPC the manager's client makes; mean and max) and the
 milliseconds kvcoord adds, the p50 over (vLLM's p50 + one no-op round trip: a ListPools
@@ -139,29 +142,42 @@ def main() -> None:
             base = sorted(base_t[args.warmup :])[len(base_t[args.warmup :]) // 2] * 1e3
             print(f"{n:>7} {'vLLM in-process':<22} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f}")
             os.environ["KVCOORD_TARGET"] = server.address
-            os.environ["KVCOORD_POOL"] = f"bench-{n}"
-            remote = make_scheduler(KVCoordScheduler, config(), kv_cache_config("full", blocks))
-            freeze_heap()
-            counts: list[int] = []
-            client = remote.kv_cache_manager.remote.client
-            inner = client._call
+            for predict in (False, True):
+                os.environ["KVCOORD_POOL"] = f"bench-{n}-{'predicted' if predict else 'exclusive'}"
+                os.environ["KVCOORD_PREDICT"] = "1" if predict else "0"
+                remote = make_scheduler(KVCoordScheduler, config(), kv_cache_config("full", blocks))
+                freeze_heap()
+                counts: list[int] = []
+                client = remote.kv_cache_manager.remote.client
+                inner = client._call
 
-            def counted(rpc: str, request: Any, inner: Any = inner, counts: list[int] = counts) -> Any:
-                if counts:
-                    counts[-1] += 1
-                return inner(rpc, request)
+                def counted(rpc: str, request: Any, inner: Any = inner, counts: list[int] = counts) -> Any:
+                    if counts:
+                        counts[-1] += 1
+                    return inner(rpc, request)
 
-            client._call = counted  # type: ignore[method-assign]
-            rtts.clear()
-            t, trace = run(remote, n, total, seed=n, counter=counts, between=probe)
-            rtt = pct(rtts[args.warmup :], 0.5)
-            assert trace == base_trace, "kvcoord's scheduler decided differently"
-            med = sorted(t[args.warmup :])[len(t[args.warmup :]) // 2] * 1e3
-            trips = sum(counts[args.warmup :]) / len(counts[args.warmup :])
-            print(f"{n:>7} {'KVCoordScheduler':<22} {med:8.2f} {pct(t[args.warmup:], 0.99):8.2f} "
-                  f"{trips:9.2f} {max(counts[args.warmup:]):8d} {med - base:9.2f} {med / (base + rtt):11.2f}"
-                  f" {rtt:7.3f}")  # fmt: skip
-            remote.shutdown()
+                client._call = counted  # type: ignore[method-assign]
+                rtts.clear()
+                if predict:
+                    # A probe between steps would let the Step in flight finish untimed:
+                    # the round trip is a burst of probes before and after the row.
+                    for _ in range(200):
+                        probe()
+                    t, trace = run(remote, n, total, seed=n, counter=counts)
+                    for _ in range(200):
+                        probe()
+                    rtt = pct(rtts, 0.5)
+                else:
+                    t, trace = run(remote, n, total, seed=n, counter=counts, between=probe)
+                    rtt = pct(rtts[args.warmup :], 0.5)
+                assert trace == base_trace, "kvcoord's scheduler decided differently"
+                med = sorted(t[args.warmup :])[len(t[args.warmup :]) // 2] * 1e3
+                trips = sum(counts[args.warmup :]) / len(counts[args.warmup :])
+                name = "KVCOORD_PREDICT=1" if predict else "KVCoordScheduler"
+                print(f"{n:>7} {name:<22} {med:8.2f} {pct(t[args.warmup:], 0.99):8.2f} "
+                      f"{trips:9.2f} {max(counts[args.warmup:]):8d} {med - base:9.2f} {med / (base + rtt):11.2f}"
+                      f" {rtt:7.3f}")  # fmt: skip
+                remote.shutdown()
         print("scheduler outputs identical on every step")
     finally:
         ping.close()

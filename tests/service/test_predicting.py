@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import grpc
 import pytest
 from kvcoord.client import (
     FailedPreconditionError,
@@ -51,8 +52,8 @@ def pool(client: KVCoordClient) -> str:
 
 
 def test_only_a_pool_the_replica_can_follow_is_taken(client: KVCoordClient, pool: str) -> None:
-    """A hybrid pool is refused with the server's reason, and so is a pool another
-    session holds; neither leaves a session behind."""
+    """A hybrid pool and an EAGLE pool are refused with the server's reason, and so is a
+    pool another session holds; none leaves a session behind."""
     hybrid = pb.PoolConfig(
         num_blocks=32, hash_block_size=4, enable_caching=True, hash_algo="sha256_cbor", hash_seed="0",
         groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4)),
@@ -62,6 +63,11 @@ def test_only_a_pool_the_replica_can_follow_is_taken(client: KVCoordClient, pool
     with pytest.raises(FailedPreconditionError, match="not one group of full attention"):
         PredictingKVCacheManager(client, "hybrid", hash_seed="0", renew=False)
     RemoteKVCacheManager(client, "hybrid", hash_seed="0", renew=False, exclusive=True).close()  # none left
+    eagle = wire_pool_config(32)
+    eagle.use_eagle = True  # a hit drops its last block: the replica does not follow that
+    client.create_pool("eagle", eagle)
+    with pytest.raises(FailedPreconditionError, match="EAGLE"):
+        PredictingKVCacheManager(client, "eagle", hash_seed="0", renew=False)
     other = RemoteKVCacheManager(client, pool, hash_seed="0", renew=False)
     with pytest.raises(PoolBusyError):
         PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
@@ -247,4 +253,61 @@ def test_events_the_server_did_not_make_lose_every_request(client: KVCoordClient
     m, lost = _broken(client, pool, wrong_events)
     assert sorted(lost.request_ids) == ["a", "b", "c"]
     assert "KV events differ" in str(lost)
+    m.close()
+
+
+def test_a_call_refused_before_it_is_sent_leaves_the_step_whole(client: KVCoordClient, pool: str) -> None:
+    """A lookup under a tracked id with another prompt, and an allocation of a request
+    reported lost that the scheduler did not preempt, are refused (InvalidArgumentError,
+    LostRequestInUseError) and nothing of them reaches the server: the next Step
+    succeeds and the session's requests stay. (Before, the refused call's operation
+    stayed in the Step half-written; the server refused the Step and every request was
+    reported lost.)"""
+    from kvcoord.client import InvalidArgumentError, KVCoordError
+    from kvcoord.client.tracking import LostRequestInUseError
+
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False, max_backlog=0)
+    a = _req("a", list(range(9)))
+    told = _admit(m, a)
+    m.flush()
+    with pytest.raises(InvalidArgumentError):
+        m.get_computed_blocks(_req("a", [77, 78]))  # same id, another prompt
+    m.take_events()
+    m.flush()
+    assert _tables(client, pool) == {"a": told}
+    m._failure = KVCoordError(grpc.StatusCode.UNAVAILABLE, "a Step failed")  # as the sender records one
+    with pytest.raises(RequestsLostError):
+        m.flush()
+    b = _req("b", list(range(100, 109)))
+    told_b = _admit(m, b)
+    with pytest.raises(LostRequestInUseError):
+        m.allocate_slots(a, 1)  # 'a' was reported lost: the scheduler must preempt it first
+    m.flush()
+    assert _tables(client, pool) == {"b": told_b}
+    m.close()
+
+
+def test_steps_join_while_one_is_in_flight_up_to_a_size(client: KVCoordClient, pool: str) -> None:
+    """While a Step is in flight, the next scheduler steps' calls join the next Step
+    (at most max_backlog steps), unless it has grown past max_step_bytes: then the
+    manager waits for the answer in flight and sends it."""
+    import concurrent.futures
+    import threading
+
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False, max_backlog=4)
+    _admit(m, _req("a", list(range(9))))
+    m.flush()
+    blocker: concurrent.futures.Future[None] = concurrent.futures.Future()
+    m._in_flight = blocker  # a Step whose answer has not come
+    _admit(m, _req("b", list(range(20, 29))))
+    m.take_events()
+    assert m._backlog == 1 and len(m._pending.request.ops) == 2  # joined the next Step
+    m.max_step_bytes = 1
+    _admit(m, _req("c", list(range(40, 49))))
+    threading.Timer(0.2, blocker.set_result, (None,)).start()
+    sent = m.steps_sent
+    m.take_events()  # too big to wait: waits for the answer in flight, then sends
+    assert m.steps_sent == sent + 1 and m._backlog == 0 and not m._pending.request.ops
+    m.flush()
+    assert sorted(_tables(client, pool)) == ["a", "b", "c"]
     m.close()

@@ -316,3 +316,14 @@ def test_evictions_resets_caching_and_common_prefixes_follow_the_engine() -> Non
     assert pool.reset_prefix_cache() is True and twin.replica.reset() is True
     twin.events_and_stats()
     assert twin.lookup(_Req("d", list(range(10)), 1)) == []
+
+
+def test_without_prefix_caching_no_block_is_a_common_prefix() -> None:
+    """vLLM's coordinator without prefix caching answers 0 common prefix blocks (shared
+    blocks cannot exist); so does the replica, where a lone request's whole table
+    would otherwise count."""
+    engine_cfg, wire_cfg = _config(16, False, False)
+    pool = KVCachePool(engine_cfg)
+    twin = _Twin(pool, PoolReplica(wire_cfg, _state(pool)))
+    twin.allocate(_Req("a", list(range(10)), 1), 10, [])
+    assert pool.get_num_common_prefix_blocks("a") == (twin.replica.common_prefix("a"),) == (0,)

@@ -20,10 +20,10 @@ request); what a difference shows is a server that disagrees with it, found at m
 ``max_backlog`` scheduler steps later.
 
 The layout is the server's to allow (``AttachResponse.pool_state``): one full-attention
-group whose block size is the hash block size, caching under no tenant namespace.
-Calls outside vLLM's plain scheduler path (KV connectors, encoder inputs, delayed
-caching, block eviction, prefix-cache resets) raise :class:`InvalidArgumentError`:
-use :class:`RemoteKVCacheManager` for them.
+group whose block size is the hash block size, without EAGLE, caching under no tenant
+namespace. Calls outside vLLM's plain scheduler path (KV connectors' external tokens and delayed
+caching, encoder inputs) raise :class:`InvalidArgumentError`: use
+:class:`RemoteKVCacheManager` for them.
 """
 
 from __future__ import annotations
@@ -71,10 +71,12 @@ class _Sent:
     """One Step's operations (written in place into its request) and what the replica
     says their answers are."""
 
-    __slots__ = ("events", "expected", "num_free_blocks", "request", "stats")
+    __slots__ = ("events", "expected", "num_free_blocks", "request", "size", "stats")
 
     def __init__(self) -> None:
         self.request = pb.StepRequest(include_state=True, events_digest=True)
+        #: about how many bytes the request holds (an upper bound for its tokens and hashes)
+        self.size = 0
         #: per op: its new block ids (allocate), its Run and each entry's ids, or None
         self.expected: list[Any] = []
         self.num_free_blocks = 0
@@ -128,6 +130,9 @@ class PredictingKVCacheManager:
         self.tracker = RequestTracker(cfg, none)
         self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
         self.max_backlog = max(0, max_backlog)
+        #: a Step gathering more than this many bytes is sent as soon as the one in
+        #: flight is answered (well under the server's max_message_bytes, 16 MiB by default)
+        self.max_step_bytes = 4 << 20
         self._state: pb.PoolState | None = None
 
         def attach() -> pb.AttachResponse:
@@ -182,7 +187,7 @@ class PredictingKVCacheManager:
         if not self.config.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return KVCacheBlockIds(([],)), 0
         lookup = self._op().lookup
-        self.tracker.sync(request, lookup.request)
+        self._synced(request, lookup.request)
         hit = self.replica.lookup(
             self.tracker.hashes(request),
             len(request.all_token_ids),
@@ -229,11 +234,13 @@ class PredictingKVCacheManager:
                                    tracker.hashes(request), request)  # fmt: skip
                 if new is None:
                     _refusal(self._op().allocate, rid, fields, num_new_tokens, num_lookahead_tokens)
+                    self._pending.size += 5 * len(fields[2]) + 34 * len(fields[3])
                     return None
                 run = self._run
                 if run is None:
                     run = self._run = _Run()
                 run.entries.append((rid, *fields, num_new_tokens, num_lookahead_tokens))
+                self._pending.size += 32 + 5 * len(fields[2]) + 34 * len(fields[3])
                 run.ids.append(new)
                 if return_table:
                     return KVCacheBlockIds((new,), table=(list(replica.tables[rid]),))
@@ -272,7 +279,7 @@ class PredictingKVCacheManager:
             self.stale_hits += 1
             return None  # as the server answers a stale hit: refused, nothing changed
         a = self._op().allocate
-        tracker.sync(request, a.request)
+        self._synced(request, a.request)
         a.num_new_tokens = num_new_tokens
         a.num_lookahead_tokens = num_lookahead_tokens
         if hit:
@@ -348,8 +355,15 @@ class PredictingKVCacheManager:
         rid = request.request_id
         if rid not in self.tracker or not self.replica.caches(rid, num_computed_tokens):
             return
+        full = num_computed_tokens // self.replica.block_size
+        if full > len(self.replica.tables.get(rid, ())):
+            raise InvalidArgumentError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request {rid!r}: {num_computed_tokens} tokens need {full} blocks, it holds "
+                f"{len(self.replica.tables.get(rid, ()))}",
+            )
         op = self._op().cache_blocks
-        self.tracker.sync(request, op.request)
+        self._synced(request, op.request)
         op.num_computed_tokens = num_computed_tokens
         self.replica.cache(
             rid, num_computed_tokens, request.all_token_ids, self.tracker.hashes(request), request
@@ -403,12 +417,26 @@ class PredictingKVCacheManager:
                 pass  # already gone: its requests were freed
 
     # -- sending ----------------------------------------------------------------------------
+    def _synced(self, request: Any, into: pb.RequestSync) -> None:
+        """The request's sync into the operation just begun; when the tracker refuses
+        it (a lost request used again, another request under a tracked id), that
+        operation is taken back, so the Step sent next holds only whole operations."""
+        try:
+            self.tracker.sync(request, into)
+        except BaseException:
+            del self._pending.request.ops[-1]
+            self._pending.expected.pop()
+            raise
+        self._pending.size += 5 * len(into.append_token_ids) + 34 * len(into.append_block_hashes)
+
     def _op(self) -> pb.Operation:
         """The next operation of the Step being gathered (what its answer must be, if
         anything, goes to ``expected[-1]``)."""
         self._close_run()
-        self._pending.expected.append(None)
-        return self._pending.request.ops.add()
+        pending = self._pending
+        pending.expected.append(None)
+        pending.size += 32
+        return pending.request.ops.add()
 
     def _close_run(self) -> None:
         run = self._run
@@ -426,7 +454,12 @@ class PredictingKVCacheManager:
             return
         in_flight = self._in_flight
         if in_flight is not None:
-            if not wait and not in_flight.done() and self._backlog < self.max_backlog:
+            if (
+                not wait
+                and not in_flight.done()
+                and self._backlog < self.max_backlog
+                and self._pending.size < self.max_step_bytes
+            ):
                 self._backlog += 1
                 return
             self._settle()

@@ -301,7 +301,10 @@ class PoolReplica:
 
     def common_prefix(self, request_id: str) -> int:
         """The request's leading blocks held by every request holding a table (vLLM
-        registers an empty table for a request without one, which then counts too)."""
+        registers an empty table for a request without one, which then counts too); 0
+        without prefix caching, as vLLM's coordinator for that case answers."""
+        if not self.enable_caching:
+            return 0
         table = self.tables.setdefault(request_id, [])
         holders, ref = len(self.tables), self._ref
         n = 0

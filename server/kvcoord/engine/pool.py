@@ -716,6 +716,8 @@ class KVCachePool:
             return "the pool is not one group of full attention without a sink"
         if spec.block_size != self.config.hash_block_size:
             return "the pool's block size is not its hash block size"
+        if self.config.use_eagle:
+            return "the pool uses EAGLE drafts (a hit drops its last block)"
         if self.requests:
             return "the pool holds requests"
         if self.cache_namespaces:

@@ -204,22 +204,21 @@ class PredictingKVCacheManager:
                        num_encoder_tokens: int = 0, return_table: bool = False) -> KVCacheBlockIds | None:  # fmt: skip
         """New block ids, or ``None`` when the pool has too few free blocks, answered now
         (with ``return_table``, the answer's ``table`` is the request's whole table)."""
-        if num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
-            raise InvalidArgumentError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "PredictingKVCacheManager answers the plain scheduler path only: KV connector, delayed "
-                "caching and encoder tokens need RemoteKVCacheManager",
-            )
-        if self._failure is not None:
-            self._settled()
         keeper = self.keeper
-        if keeper.lost is not None or keeper.clock() >= keeper.valid_until:
-            self._vouch()
-        tracker, replica = self.tracker, self.replica
-        computed = int(request.num_computed_tokens)
+        computed = request.num_computed_tokens
+        replica = self.replica
         if (
-            not num_new_computed_tokens
+            not (
+                num_new_computed_tokens
+                or num_external_computed_tokens
+                or delay_cache_blocks
+                or num_encoder_tokens
+            )
+            and self._failure is None
+            and keeper.lost is None
+            and keeper.clock() < keeper.valid_until
             and type(num_new_tokens) is int
+            and type(computed) is int
             and 0 < num_new_tokens
             and computed + num_new_tokens <= replica.max_model_len
             and type(num_lookahead_tokens) is int
@@ -227,11 +226,12 @@ class PredictingKVCacheManager:
         ):
             # A registered request without a hit (decode above all): an entry of the
             # Step's run of allocations, in columns.
-            fields = tracker.sync_run(request)
+            fields = self.tracker.sync_run(request)
             if fields is not None:
                 rid = request.request_id
-                new = replica.grow(rid, computed, num_new_tokens, num_lookahead_tokens, request.all_token_ids,
-                                   tracker.hashes(request), request)  # fmt: skip
+                tokens = request.all_token_ids
+                new = replica.grow(rid, computed, num_new_tokens, num_lookahead_tokens, tokens,
+                                   getattr(request, "block_hashes", None) or self.tracker.hashes(request), request)  # fmt: skip
                 if new is None:
                     _refusal(self._op().allocate, rid, fields, num_new_tokens, num_lookahead_tokens)
                     self._pending.size += 5 * len(fields[2]) + 34 * len(fields[3])
@@ -240,11 +240,20 @@ class PredictingKVCacheManager:
                 if run is None:
                     run = self._run = _Run()
                 run.entries.append((rid, *fields, num_new_tokens, num_lookahead_tokens))
-                self._pending.size += 32 + 5 * len(fields[2]) + 34 * len(fields[3])
                 run.ids.append(new)
                 if return_table:
                     return KVCacheBlockIds((new,), table=(list(replica.tables[rid]),))
                 return KVCacheBlockIds((new,))
+        if num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
+            raise InvalidArgumentError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "PredictingKVCacheManager answers the plain scheduler path only: KV connector, delayed "
+                "caching and encoder tokens need RemoteKVCacheManager",
+            )
+        if self._failure is not None:
+            self._settled()
+        if keeper.lost is not None or keeper.clock() >= keeper.valid_until:
+            self._vouch()
         new_ids = self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                                  num_lookahead_tokens)  # fmt: skip
         if new_ids is not None and return_table:
@@ -441,8 +450,9 @@ class PredictingKVCacheManager:
     def _close_run(self) -> None:
         run = self._run
         if run is not None:
-            run.write(self._pending.request.ops.add().allocate_run)
-            self._pending.expected.append(run)
+            pending = self._pending
+            pending.size += run.write(pending.request.ops.add().allocate_run)
+            pending.expected.append(run)
             self._run = None
 
     def _cut(self, wait: bool = False) -> None:
@@ -626,19 +636,22 @@ class _Run:
         #: each entry's new block ids, in entry order
         self.ids: list[list[int]] = []
 
-    def write(self, op: pb.AllocateRunOp) -> None:
-        """The entries as ``op``'s columns."""
+    def write(self, op: pb.AllocateRunOp) -> int:
+        """The entries as ``op``'s columns; about how many bytes they take (at most)."""
         rids, base_t, base_h, tokens, hashes, computed, new, look = zip(*self.entries, strict=True)
+        num_tokens = [len(t) for t in tokens]
+        num_hashes = [len(h) for h in hashes]
         op.request_ids.extend(rids)
         op.base_num_tokens.extend(base_t)
         op.base_num_hashes.extend(base_h)
         op.num_computed_tokens.extend(computed)
         op.num_new_tokens.extend(new)
         op.num_lookahead_tokens.extend(look)
-        op.num_append_tokens.extend([len(t) for t in tokens])
+        op.num_append_tokens.extend(num_tokens)
         op.append_token_ids.extend(itertools.chain.from_iterable(tokens))
-        op.num_append_hashes.extend([len(h) for h in hashes])
+        op.num_append_hashes.extend(num_hashes)
         op.append_block_hashes.extend(itertools.chain.from_iterable(hashes))
+        return 32 * len(rids) + 5 * sum(num_tokens) + 34 * sum(num_hashes)
 
     def matches(self, answer: pb.AllocateRunResult) -> bool:
         """Whether the server's answer gives each entry the replica's blocks."""

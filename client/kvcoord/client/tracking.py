@@ -151,17 +151,23 @@ class RequestTracker:
         t = self._tracked.get(request.request_id)
         if t is None or not t.registered:
             return None
-        self._check_same(request, t)
         base_t, base_h = t.sent_tokens, t.sent_hashes
         tokens = request.all_token_ids
+        n = len(tokens)
+        if n < base_t or (base_t and t.hasher is not None):
+            self._check_same(request, t)  # (with hashes given, only the length says anything)
         new_tokens: Sequence[int] = ()
         new_hashes: Sequence[bytes] = ()
-        if len(tokens) > base_t:
+        if n > base_t:
             new_tokens = tokens[base_t:]
             if self.enable_caching:
-                new_hashes = self._new_hashes(request, t)
-                t.sent_hashes += len(new_hashes)
-            t.sent_tokens = len(tokens)
+                given = getattr(request, "block_hashes", None)
+                if given is None:
+                    new_hashes = self._new_hashes(request, t)
+                elif len(given) > base_h:
+                    new_hashes = [bytes(h) for h in given[base_h:]]
+                t.sent_hashes = base_h + len(new_hashes)
+            t.sent_tokens = n
         computed = int(request.num_computed_tokens)
         t.sent_computed = computed
         return base_t, base_h, new_tokens, new_hashes, computed

@@ -177,13 +177,7 @@ def replay_record(registry: PoolRegistry, record: list[Any], now_wall: float) ->
         table.sessions[sid] = s
         service.init_session(s)
     elif kind in ("detach", "expire"):
-        s = registry.sessions.sessions[record[2]]
-        registry.idempotency.drop_session(s.session_id)
-        owner = registry.pools.get(s.pool)
-        if owner is not None:
-            owner.end_session(s)
-        else:
-            registry.sessions.close(s.session_id)
+        _end_session(registry, registry.sessions.sessions[record[2]])
     elif kind == "call":
         _replay_call(registry, record, when, now_wall)
     elif kind == "reset":
@@ -192,6 +186,17 @@ def replay_record(registry: PoolRegistry, record: list[Any], now_wall: float) ->
         service.events.publish(service.engine.take_events())
     else:
         raise ValueError(f"unknown record kind {kind!r}")
+
+
+def _end_session(registry: PoolRegistry, s: Session) -> None:
+    """End a session as Detach or lease expiry does: its answers forgotten, its
+    requests freed."""
+    registry.idempotency.drop_session(s.session_id)
+    owner = registry.pools.get(s.pool)
+    if owner is not None:
+        owner.end_session(s)
+    else:
+        registry.sessions.close(s.session_id)
 
 
 def _check_replayed(pool: str, operations: list[Any], outcomes: list[Any], told: Any) -> None:
@@ -385,12 +390,7 @@ def _fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     recorder.restored()
     registry.lineage.clear()
     for s in list(registry.sessions.sessions.values()):
-        registry.idempotency.drop_session(s.session_id)
-        service = registry.pools.get(s.pool)
-        if service is not None:
-            service.end_session(s)
-        else:
-            registry.sessions.close(s.session_id)
+        _end_session(registry, s)
         recorder.session_expired(s.session_id)
     for service in registry.pools.values():
         if not service.engine.reset_prefix_cache():

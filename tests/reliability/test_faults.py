@@ -183,6 +183,26 @@ def drive(
     return counts
 
 
+def run_workers(worker: Any, count: int) -> None:
+    """``worker(i)`` for each of ``count`` workers at once, on threads; the first
+    exception any of them raised is raised here."""
+    errors: list[BaseException] = []
+
+    def guarded(wid: int) -> None:
+        try:
+            worker(wid)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(w,)) for w in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    if errors:
+        raise errors[0]
+
+
 @pytest.fixture
 def server() -> Iterator[InProcessServer]:
     s = InProcessServer("").start()
@@ -202,40 +222,28 @@ def test_faulty_network_changes_no_answer(server: InProcessServer, exclusive: bo
     them, and on a full-attention pool refusals too (its block ledger)."""
     workers = 4
     results: dict[int, dict[str, int]] = {}
-    errors: list[BaseException] = []
     injectors: list[FaultInjector] = []
 
     def worker(wid: int) -> None:
-        try:
-            pool = f"faults-{wid}"
-            fi = FaultInjector(1000 + wid, drop=0.05, delay=0.05, duplicate=0.05, reorder=0.05)
-            injectors.append(fi)
-            with (
-                KVCoordClient(server.address) as plain,
-                KVCoordClient(server.address, interceptors=[fi]) as c,
-            ):
-                plain.create_pool(pool, pool_config(full_only))
-                remote = RemoteKVCacheManager(
-                    c, pool, hash_seed="0", client_name=f"w{wid}", exclusive=exclusive
-                )
-                results[wid] = drive(remote, local_pool(full_only), plain, pool, wid, 400)
-                results[wid]["lost"] = remote.lost_requests
-                results[wid]["promised"] = remote.promised
-                results[wid]["checked"] = remote.checked
-                results[wid]["hinted"] = remote.hinted_lookups
-                results[wid]["refused_here"] = remote.refused
-                results[wid]["round_trips"] = remote.round_trips
-                remote.close()
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
+        pool = f"faults-{wid}"
+        fi = FaultInjector(1000 + wid, drop=0.05, delay=0.05, duplicate=0.05, reorder=0.05)
+        injectors.append(fi)
+        with (
+            KVCoordClient(server.address) as plain,
+            KVCoordClient(server.address, interceptors=[fi]) as c,
+        ):
+            plain.create_pool(pool, pool_config(full_only))
+            remote = RemoteKVCacheManager(c, pool, hash_seed="0", client_name=f"w{wid}", exclusive=exclusive)
+            results[wid] = drive(remote, local_pool(full_only), plain, pool, wid, 400)
+            results[wid]["lost"] = remote.lost_requests
+            results[wid]["promised"] = remote.promised
+            results[wid]["checked"] = remote.checked
+            results[wid]["hinted"] = remote.hinted_lookups
+            results[wid]["refused_here"] = remote.refused
+            results[wid]["round_trips"] = remote.round_trips
+            remote.close()
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(workers)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    if errors:
-        raise errors[0]
+    run_workers(worker, workers)
     assert len(results) == workers
     total = {k: sum(r[k] for r in results.values()) for k in results[0]}
     faults = {k: sum(fi.counts[k] for fi in injectors) for k in injectors[0].counts}
@@ -305,43 +313,33 @@ def test_admit_over_the_wire_equals_one_by_one(server: InProcessServer) -> None:
 def test_predicted_answers_survive_a_faulty_network(server: InProcessServer) -> None:
     """PredictingKVCacheManager answers every call from its replica and sends the calls
     without waiting; with 5% of answers dropped, late, duplicated and re-delivered, the
-    retried Steps (idempotency keys) still apply once: two workers, 400 steps each,
+    retried Steps (idempotency keys) still apply once: two workers, 200 steps each,
     every answer the in-process engine's, the server's tables equal to the local ones
-    every 5 steps, no request lost. Then a second manager attaches to each used pool
-    (its replica from the state the server hands over) and does it again."""
+    every 5 steps, no request lost; then a second manager attaches to each used pool
+    (its replica from the state the server hands over) and runs 200 more."""
     results: dict[int, list[dict[str, int]]] = {}
-    errors: list[BaseException] = []
     injectors: list[FaultInjector] = []
 
     def worker(wid: int) -> None:
-        try:
-            pool = f"predicted-{wid}"
-            fi = FaultInjector(2000 + wid, drop=0.05, delay=0.05, duplicate=0.05, reorder=0.05)
-            injectors.append(fi)
-            local = local_pool(full_only=True)
-            with (
-                KVCoordClient(server.address) as plain,
-                KVCoordClient(server.address, interceptors=[fi]) as c,
-            ):
-                plain.create_pool(pool, pool_config(full_only=True))
-                results[wid] = []
-                for run in range(2):  # the second from the used pool's state
-                    remote = PredictingKVCacheManager(c, pool, hash_seed="0", client_name=f"w{wid}")
-                    counts = drive(remote, local, plain, pool, wid * 10 + run, 200, check_every=5)
-                    counts["lost"] = remote.lost_requests
-                    counts["steps_sent"] = remote.steps_sent
-                    results[wid].append(counts)
-                    remote.close()
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
+        pool = f"predicted-{wid}"
+        fi = FaultInjector(2000 + wid, drop=0.05, delay=0.05, duplicate=0.05, reorder=0.05)
+        injectors.append(fi)
+        local = local_pool(full_only=True)
+        with (
+            KVCoordClient(server.address) as plain,
+            KVCoordClient(server.address, interceptors=[fi]) as c,
+        ):
+            plain.create_pool(pool, pool_config(full_only=True))
+            results[wid] = []
+            for run in range(2):  # the second from the used pool's state
+                remote = PredictingKVCacheManager(c, pool, hash_seed="0", client_name=f"w{wid}")
+                counts = drive(remote, local, plain, pool, wid * 10 + run, 200, check_every=5)
+                counts["lost"] = remote.lost_requests
+                counts["steps_sent"] = remote.steps_sent
+                results[wid].append(counts)
+                remote.close()
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    if errors:
-        raise errors[0]
+    run_workers(worker, 2)
     runs = [c for per in results.values() for c in per]
     assert len(runs) == 4
     total = {k: sum(c[k] for c in runs) for k in runs[0]}

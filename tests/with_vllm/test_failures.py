@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from durable_server import DurableServer
-from harness import LAYOUTS, SCHEDULERS, kv_cache_config, make_scheduler, run_workload, vllm_config
+from harness import SCHEDULERS, kv_cache_config, make_scheduler, run_workload, vllm_config
 from kvcoord.client import KVCoordClient
 from kvcoord.client import vllm as kvcoord_vllm
 from kvcoord.client.faults import FaultInjector
@@ -21,15 +21,17 @@ from test_scheduler_equivalence import first_difference
 KVCOORD = {"sync": KVCoordScheduler, "async": KVCoordAsyncScheduler}
 
 
+@pytest.mark.parametrize("predict", [False, True], ids=["exclusive", "predicted"])
 @pytest.mark.parametrize("when", ["between steps", "during a step"])
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_decisions_survive_server_sigkills(
-    kind: str, when: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    kind: str, when: str, predict: bool, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The server is killed with SIGKILL and restarted on its journal three times in a
     300-step run under memory pressure, between two steps or 0-5 ms into one (a Step
     in flight, answered or not): every decision, output and event equals vLLM's own
-    manager's, as if nothing had happened."""
+    manager's, as if nothing had happened; also with KVCOORD_PREDICT=1, whose Steps are
+    in flight while the engine runs on."""
     asynchronous = kind == "async"
     local = make_scheduler(
         SCHEDULERS[kind],
@@ -42,6 +44,7 @@ def test_decisions_survive_server_sigkills(
     try:
         monkeypatch.setenv("KVCOORD_TARGET", server.address)
         monkeypatch.setenv("KVCOORD_POOL", f"restarts-{kind}")
+        monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
         remote = make_scheduler(
             KVCOORD[kind],
             vllm_config(model_dir, 64, async_scheduling=asynchronous),
@@ -68,6 +71,7 @@ def test_decisions_survive_server_sigkills(
         got, got_counts = run_workload(
             remote, seed=11, steps=300, async_overlap=asynchronous, on_step=on_step
         )
+        manager = remote.kv_cache_manager.remote
         remote.shutdown()
     finally:
         for t in killers:
@@ -76,17 +80,25 @@ def test_decisions_survive_server_sigkills(
     assert got == want, first_difference(want, got)
     assert got_counts == want_counts and want_counts["preempted"] > 0
     assert server.kills == 3
+    assert type(manager).__name__ == ("PredictingKVCacheManager" if predict else "RemoteKVCacheManager")
+    assert manager.lost_requests == 0
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    ("layout", "predict"),
+    [("full", False), ("full+swa", False), ("full", True)],
+    ids=["full", "full+swa", "full-predicted"],
+)
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_decisions_survive_a_faulty_network(
-    kind: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    kind: str, layout: str, predict: bool, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """5 % of the manager's calls each have their answer dropped, delayed, duplicated
-    or re-delivered later (a client interceptor): retries with idempotency keys and
-    position checks keep every decision, output and event equal to vLLM's own
-    manager's, and no request is lost."""
+    or re-delivered later (a client interceptor; 20 % each with KVCOORD_PREDICT=1,
+    which makes few calls): retries with idempotency keys and position checks keep
+    every decision, output and event equal to vLLM's own manager's, and no request is
+    lost."""
     asynchronous = kind == "async"
     local = make_scheduler(
         SCHEDULERS[kind],
@@ -94,14 +106,17 @@ def test_decisions_survive_a_faulty_network(
         kv_cache_config(layout, 64),
     )
     want, want_counts = run_workload(local, seed=31, steps=300, async_overlap=asynchronous)
-    faults = FaultInjector(5, drop=0.05, delay=0.05, duplicate=0.05, reorder=0.05)
+    # KVCOORD_PREDICT=1 makes about 40 calls in the run (one Step per few steps): more faults each
+    rate = 0.2 if predict else 0.05
+    faults = FaultInjector(5, drop=rate, delay=rate, duplicate=rate, reorder=rate)
 
     def faulty_client(target: str, **kw: object) -> KVCoordClient:
         return KVCoordClient(target, interceptors=[faults], **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(kvcoord_vllm, "KVCoordClient", faulty_client)
     monkeypatch.setenv("KVCOORD_TARGET", server.address)
-    monkeypatch.setenv("KVCOORD_POOL", f"faulty-{kind}-{layout.replace('+', '-')}")
+    monkeypatch.setenv("KVCOORD_POOL", f"faulty-{kind}-{layout.replace('+', '-')}-{int(predict)}")
+    monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
     remote = make_scheduler(
         KVCOORD[kind], vllm_config(model_dir, 64, async_scheduling=asynchronous), kv_cache_config(layout, 64)
     )
@@ -111,5 +126,6 @@ def test_decisions_survive_a_faulty_network(
     assert got == want, first_difference(want, got)
     assert got_counts == want_counts and want_counts["preempted"] > 0
     c = faults.counts
-    assert min(c["dropped"], c["delayed"], c["duplicated"], c["reordered"]) > 5, c
+    assert min(c["dropped"], c["delayed"], c["duplicated"], c["reordered"]) > (2 if predict else 5), c
     assert manager.lost_requests == 0
+    assert type(manager).__name__ == ("PredictingKVCacheManager" if predict else "RemoteKVCacheManager")

@@ -50,8 +50,10 @@ class CallCounter:
 
     def __init__(self, manager: KVCoordKVCacheManager) -> None:
         self.per_step: list[int] = []
-        #: per step, the Step RPCs alone (the session's renewals run on their own thread)
-        self.steps_per_step: list[int] = []
+        #: the manager's Steps sent by each step's start (PredictingKVCacheManager sends
+        #: them from a thread of its own, so its RPCs may land in the next step's count)
+        self.sent_at_step: list[int] = []
+        self.manager = manager.remote
         self.external: list[int] = []
         self.by_kind: collections.Counter[str] = collections.Counter()
         client = manager.remote.client
@@ -60,7 +62,6 @@ class CallCounter:
         def counted(rpc: str, request: Any) -> Any:
             if self.per_step:
                 self.per_step[-1] += 1
-                self.steps_per_step[-1] += rpc == "Step"
                 kind = "+".join(op.WhichOneof("op") for op in request.ops) if rpc == "Step" else rpc
                 self.by_kind[kind] += 1
             return inner(rpc, request)
@@ -69,7 +70,7 @@ class CallCounter:
 
     def step(self, _: int) -> None:
         self.per_step.append(0)
-        self.steps_per_step.append(0)
+        self.sent_at_step.append(int(getattr(self.manager, "steps_sent", 0)))
         self.external.append(0)
 
     def count_external(self, connector: Any) -> None:
@@ -510,7 +511,8 @@ def test_the_predicting_manager_decides_like_vllm(
     assert r.want_counts["finished"] > 20 and (speculative or r.want_counts["preempted"] > 0), r.want_counts
     assert r.want_counts["hit_tokens"] > 0 and r.want_counts["events"] > 0, r.want_counts
     assert r.manager.lost_requests == 0 and r.manager.steps_sent > 20
-    steps = r.counter.steps_per_step[:-1]  # the last one also counts shutdown's flush
+    marks = r.counter.sent_at_step
+    steps = [b - a for a, b in itertools.pairwise(marks)]  # Steps each step sent
     assert max(steps) <= 1, sorted(collections.Counter(steps).items())
     others = {k for k in r.counter.by_kind if k[:1].isupper()}  # Step RPCs are named by their operations
     assert others <= {"Heartbeat", "Detach"}, others  # no other RPC: every answer came from the replica

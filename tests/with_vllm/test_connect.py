@@ -170,3 +170,64 @@ def test_scheduler_cls_option_runs_on_kvcoord(
         assert stats.num_free_blocks == 63 - 3
     finally:
         scheduler.shutdown()
+
+
+@pytest.mark.parametrize("predict", [False, True], ids=["exclusive", "predicted"])
+def test_an_evicted_block_reports_no_hash_while_held(
+    predict: bool, model_dir: Path, server: InProcessServer
+) -> None:
+    """evict_blocks (a KV connector's failed load) drops a held block's hash: vLLM's
+    get_blocks then reports None for it, for as long as its request holds it, and the
+    adapter does the same; the block allocated anew to another request reports that
+    request's hash again. Block ids, hashes and events equal vLLM's manager's at every
+    call. (Before, the adapter kept deriving the dropped hash from the request's
+    tokens.)"""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    init_none_hash(hash_fn)
+    hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+    kv = kv_cache_config("full", 8)
+    theirs = KVCacheManager(kv, max_model_len=1024, hash_block_size=BLOCK_SIZE, enable_caching=True,
+                            log_stats=True, enable_kv_cache_events=True)  # fmt: skip
+    ours = connect(Settings(target=server.address, pool=f"evict-{next(_names)}", predict=predict), kv,
+                   vllm_config(model_dir, 8, async_scheduling=False))  # fmt: skip
+
+    def view(blocks: object) -> list[list[tuple[int, bytes | None]]]:
+        return [[(b.block_id, None if b.block_hash is None else bytes(b.block_hash)) for b in g]
+                for g in blocks.blocks]  # type: ignore[attr-defined]  # fmt: skip
+
+    def request(rid: str, tokens: list[int]) -> Request:
+        return Request(rid, tokens, SamplingParams(max_tokens=8), None, None, block_hasher=hasher)
+
+    def admit(rid: str, tokens: list[int]) -> None:
+        for m in (theirs, ours):
+            r = request(rid, tokens)
+            hit, n = m.get_computed_blocks(r)
+            assert m.allocate_slots(r, len(tokens) - n, n, hit) is not None
+            r.num_computed_tokens = len(tokens)
+            held[(m is ours, rid)] = r
+
+    def same(rid: str) -> list[list[tuple[int, bytes | None]]]:
+        got = view(ours.get_blocks(rid))
+        assert got == view(theirs.get_blocks(rid))
+        assert [repr(e) for e in ours.take_events()] == [repr(e) for e in theirs.take_events()]
+        return got
+
+    held: dict[tuple[bool, str], Request] = {}
+    admit("a", list(range(40)))  # two full blocks, cached
+    before = same("a")
+    assert all(h is not None for _, h in before[0][:2])
+    for m in (theirs, ours):
+        m.evict_blocks({before[0][1][0]})
+    after = same("a")
+    assert after[0][1][1] is None and after[0][0][1] is not None
+    for m in (theirs, ours):
+        m.free(held[(m is ours, "a")])
+    admit("b", list(range(100, 196)))  # six blocks: every free one, the evicted one among them
+    assert any(b == before[0][1][0] and h is not None for b, h in same("b")[0])
+    ours.close()

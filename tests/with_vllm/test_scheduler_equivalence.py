@@ -522,12 +522,20 @@ def test_the_predicting_manager_decides_like_vllm(
 
 
 def test_predict_falls_back_where_the_pool_cannot_be_predicted(
-    model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path,
+    server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """KVCOORD_PREDICT=1 on a full + sliding-window pool: the engine runs as exclusive
-    (RemoteKVCacheManager) and decides like vLLM."""
+    """KVCOORD_PREDICT=1 on a full + sliding-window pool: a warning says why, the engine
+    runs without prediction (RemoteKVCacheManager, exclusive) and decides like vLLM."""
     from kvcoord.client import RemoteKVCacheManager
 
-    r = run_both("sync", "full+swa", NUM_BLOCKS, 52, model_dir, server, monkeypatch, predict=True)
-    assert type(r.manager) is RemoteKVCacheManager
+    with caplog.at_level("WARNING", logger="kvcoord.client.vllm"):
+        r = run_both("sync", "full+swa", NUM_BLOCKS, 52, model_dir, server, monkeypatch, predict=True)
+    assert type(r.manager) is RemoteKVCacheManager and r.manager.exclusive
+    assert (
+        "is not predicted (the pool is not one group of full attention without a sink); running without"
+        in (caplog.text)
+    )
     assert r.got == r.want, first_difference(r.want, r.got)

@@ -476,6 +476,9 @@ class KVCoordKVCacheManager:
         self._held: dict[str, _Held] = {}
         #: whole tables that came with a request's first allocation, until it changes
         self._tables: dict[str, KVCacheBlockIds] = {}
+        #: blocks whose hash evict_blocks dropped: they report none until allocated anew
+        #: (a request holding one never caches it again)
+        self._evicted: set[int] = set()
         #: closed by close() (set by connect when it opened the client)
         self.owned_client: KVCoordClient | None = None
 
@@ -503,6 +506,8 @@ class KVCoordKVCacheManager:
         size = self.block_sizes[group]
         if not self._positional[group] or block_id == 0 or (index + 1) * size > held.hashed_tokens:
             return None
+        if self._evicted and block_id in self._evicted:
+            return None  # its hash was dropped (evict_blocks) while held, as vLLM's block
         hashes = getattr(held.request, "block_hashes", None) or ()
         scale = size // self.hash_block_size
         parts = hashes[index * scale : (index + 1) * scale]
@@ -568,6 +573,9 @@ class KVCoordKVCacheManager:
             tables.pop(rid, None)
         if new is None:
             return None
+        if self._evicted:
+            for group in new.get_block_ids():
+                self._evicted.difference_update(group)  # allocated anew: cached by their new holder
         if held is None:
             tables[rid] = new
             held = self._held[rid] = _Held(request)
@@ -611,6 +619,7 @@ class KVCoordKVCacheManager:
 
     def evict_blocks(self, block_ids: set[int]) -> None:
         self.remote.evict_blocks(block_ids)
+        self._evicted.update(block_ids)
 
     def reset_prefix_cache(self) -> bool:
         return self.remote.reset_prefix_cache()
@@ -685,8 +694,8 @@ class Settings:
         predict: answer every call from a replica of the pool and never wait
             (``KVCOORD_PREDICT``, default ``0``; needs ``exclusive``): a
             :class:`PredictingKVCacheManager`, for a pool of one full-attention group
-            without EAGLE or a KV connector; any other pool warns and runs as
-            ``exclusive`` does.
+            without EAGLE or a KV connector; otherwise a warning, and the engine runs
+            as without it (as ``exclusive`` says).
     """
 
     target: str
@@ -784,7 +793,9 @@ def connect(
                 why = err.message  # the server gives no state for this pool
         if why is not None:
             logger.warning(
-                "KVCOORD_PREDICT: pool %r is not predicted (%s); running as exclusive", settings.pool, why
+                "KVCOORD_PREDICT: pool %r is not predicted (%s); running without prediction",
+                settings.pool,
+                why,
             )
         if remote is None:
             remote = RemoteKVCacheManager(

@@ -477,8 +477,10 @@ class KVCoordKVCacheManager:
         #: whole tables that came with a request's first allocation, until it changes
         self._tables: dict[str, KVCacheBlockIds] = {}
         #: blocks whose hash evict_blocks dropped: they report none until allocated anew
-        #: (a request holding one never caches it again)
+        #: (a request holding one never caches it again); and, while there are any, the
+        #: allocations whose new ids were not read yet (read before hashes are given)
         self._evicted: set[int] = set()
+        self._unread: list[KVCacheBlockIds] = []
         #: closed by close() (set by connect when it opened the client)
         self.owned_client: KVCoordClient | None = None
 
@@ -495,6 +497,10 @@ class KVCoordKVCacheManager:
             return self.empty_kv_cache_blocks
         if held is None or not self.enable_caching:
             return KVCacheBlocks(tuple([KVCacheBlock(b) for b in group] for group in ids))
+        if self._unread:
+            unread, self._unread = self._unread, []
+            for new in unread:  # after an eviction only: their ids may say a block was given anew
+                self._allocated_anew(new.get_block_ids())
         return KVCacheBlocks(
             tuple(
                 [KVCacheBlock(b, self._hash_of(held, g, starts[g] + j, b)) for j, b in enumerate(group)]
@@ -573,9 +579,6 @@ class KVCoordKVCacheManager:
             tables.pop(rid, None)
         if new is None:
             return None
-        if self._evicted:
-            for group in new.get_block_ids():
-                self._evicted.difference_update(group)  # allocated anew: cached by their new holder
         if held is None:
             tables[rid] = new
             held = self._held[rid] = _Held(request)
@@ -594,6 +597,7 @@ class KVCoordKVCacheManager:
 
         def make() -> tuple[Sequence[KVCacheBlock], ...]:
             ids = new.get_block_ids()
+            self._allocated_anew(ids)
             if not any(ids):
                 return self.empty_kv_cache_blocks.blocks  # a decode step's usual answer
             # tables only grow: new blocks end the table, which now covers `need` tokens
@@ -604,7 +608,15 @@ class KVCoordKVCacheManager:
 
         if new.resolved:
             return KVCacheBlocks(make())
+        if self._evicted:
+            self._unread.append(new)
         return KVCacheBlocks(make=make)
+
+    def _allocated_anew(self, ids: Sequence[Sequence[int]]) -> None:
+        """Blocks just allocated report their new holder's hashes again."""
+        if self._evicted:
+            for group in ids:
+                self._evicted.difference_update(group)
 
     def free(self, request: Any) -> None:
         self._held.pop(request.request_id, None)

@@ -25,6 +25,7 @@ from typing import Any
 import cbor2
 
 __all__ = [
+    "pool_seed",
     "HASH_ALGORITHMS",
     "BlockHasher",
     "MultiModalItem",
@@ -82,6 +83,23 @@ def hash_function(algo: str) -> Callable[[Any], bytes]:
         raise ValueError(
             f"unknown hash algorithm {algo!r}; choose one of {sorted(HASH_ALGORITHMS)}"
         ) from None
+
+
+def pool_seed(config: Any, hash_seed: str | None) -> tuple[str | None, bytes]:
+    """The seed a worker of this pool hashes with (``hash_seed``, else
+    ``$PYTHONHASHSEED``) and its parent hash of first blocks (``b""`` without caching).
+
+    Raises:
+        RandomSeedError: caching is on and no seed is known.
+    """
+    seed = hash_seed if hash_seed is not None else os.environ.get("PYTHONHASHSEED")
+    if not config.enable_caching:
+        return seed, b""
+    if seed is None:
+        raise RandomSeedError(
+            "no hash seed: set PYTHONHASHSEED (or pass hash_seed) to the value the vLLM workers use"
+        )
+    return seed, none_hash(config.hash_algo, seed)
 
 
 def none_hash(algo: str, seed: str | None, *, allow_random: bool = False) -> bytes:

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -72,7 +71,7 @@ from .errors import (
     error_from_code,
     status_code,
 )
-from .hashing import RandomSeedError, none_hash
+from .hashing import pool_seed
 from .promises import BlockBudget, BlockLedger
 from .session import LEASE_MARGIN, SessionKeeper
 from .tracking import RequestTracker
@@ -155,14 +154,7 @@ class RemoteKVCacheManager:
         cfg = info.config
         self.config = cfg
         self.enable_caching = cfg.enable_caching
-        seed = hash_seed if hash_seed is not None else os.environ.get("PYTHONHASHSEED")
-        none = b""
-        if self.enable_caching:
-            if seed is None:
-                raise RandomSeedError(
-                    "no hash seed: set PYTHONHASHSEED (or pass hash_seed) to the value the vLLM workers use"
-                )
-            none = none_hash(cfg.hash_algo, seed)
+        seed, none = pool_seed(cfg, hash_seed)
         self.tracker = RequestTracker(cfg, none)
         self.exclusive = exclusive
         self.keeper = SessionKeeper(

@@ -32,7 +32,6 @@ import concurrent.futures
 import hashlib
 import itertools
 import logging
-import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -50,7 +49,7 @@ from .errors import (
     error_from_code,
     status_code,
 )
-from .hashing import RandomSeedError, none_hash
+from .hashing import pool_seed
 from .replica import PoolReplica, ReplicaRefusal
 from .session import SessionKeeper
 from .tracking import RequestTracker
@@ -119,14 +118,7 @@ class PredictingKVCacheManager:
         self.pool = pool
         cfg = client.get_pool(pool).pool.config
         self.config = cfg
-        seed = hash_seed if hash_seed is not None else os.environ.get("PYTHONHASHSEED")
-        none = b""
-        if cfg.enable_caching:
-            if seed is None:
-                raise RandomSeedError(
-                    "no hash seed: set PYTHONHASHSEED (or pass hash_seed) to the value the vLLM workers use"
-                )
-            none = none_hash(cfg.hash_algo, seed)
+        seed, none = pool_seed(cfg, hash_seed)
         self.tracker = RequestTracker(cfg, none)
         self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
         self.max_backlog = max(0, max_backlog)

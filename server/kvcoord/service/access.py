@@ -34,6 +34,7 @@ from typing import Any
 
 import grpc
 
+from .bounds import MAX_NAME_LENGTH
 from .errors import ServiceError
 from .sessions import SessionTable
 
@@ -324,6 +325,11 @@ def tenants_from_dict(
         if not isinstance(name, str) or not name.strip():
             # "" is the built-in full-access tenant's name (Tenant.full_access)
             raise ValueError(f"tenants.{name!r}: a tenant needs a non-empty name")
+        if len(name) > MAX_NAME_LENGTH:
+            # names reach messages, sessions, cache namespaces and the journal
+            raise ValueError(
+                f"tenants.{name[:32]!r}...: a tenant name has at most {MAX_NAME_LENGTH} characters"
+            )
         if not isinstance(t, Mapping):
             raise ValueError(f"{where}: must be a table")
         unknown = set(t) - _TENANT_KEYS

@@ -123,10 +123,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self.max_message_bytes = max_message_bytes
 
     def _info(self, p: PoolService) -> pb.PoolInfo:
+        """The pool as the caller may see it (other tenants' names only to its administrators)."""
         e = p.engine
         return pb.PoolInfo(
             name=p.name,
-            config=p.wire_config,  # type: ignore[arg-type]
+            config=self.access.pool_config_for(current_tenant(), p.name, p.wire_config),
             coordinator=p.config.coordinator_kind,
             num_free_blocks=e.num_free_blocks,
             usage=e.usage,

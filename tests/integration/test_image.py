@@ -10,7 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
-from conftest import wait_for
+from conftest import http_get, wait_for
 from kvcoord.client import KVCoordClient
 
 IMAGE = os.environ.get("KVCOORD_IMAGE", "")
@@ -74,5 +74,37 @@ def test_mounted_config_file_and_graceful_stop(tmp_path: Path) -> None:
         assert time.monotonic() - t0 < 20  # it stopped on SIGTERM, not by the kill after the grace
         assert docker("inspect", "-f", "{{.State.ExitCode}}", name).stdout.strip() == "0"
         assert "kvcoord stopped" in docker("logs", name).stdout
+    finally:
+        docker("rm", "-f", name)
+
+
+def test_metrics_reach_a_scraper_in_another_container() -> None:
+    """Issue 26: the image exposed 9400 but served /metrics on the container's loopback.
+    Run as `docker run -P IMAGE` (no settings), /metrics answers a scraper in another
+    container at the container's address, and through the published host port; gRPC
+    answers on its published port as before."""
+    name = f"kvcoord-metrics-{uuid.uuid4().hex[:6]}"
+    run = docker("run", "-d", "--name", name, "-P", IMAGE)
+    assert run.returncode == 0, run.stderr
+    try:
+        assert wait_for(
+            lambda: docker("inspect", "-f", "{{.State.Health.Status}}", name).stdout.strip() == "healthy",
+            timeout=90,
+        )
+        address = docker("inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", name)
+        ip = address.stdout.strip()
+        assert ip, address.stderr
+        scrape = (
+            "import urllib.request;"
+            f"print(urllib.request.urlopen('http://{ip}:9400/metrics', timeout=10).read().decode())"
+        )
+        other = docker("run", "--rm", "--entrypoint", "python3", IMAGE, "-c", scrape)
+        assert other.returncode == 0, other.stderr
+        assert 'kvcoord_blocks_total{pool="default"}' in other.stdout
+        port = docker("port", name, "9400/tcp").stdout.strip().splitlines()[0].rsplit(":", 1)[1]
+        assert 'kvcoord_blocks_total{pool="default"}' in http_get(f"http://127.0.0.1:{port}/metrics")
+        grpc_port = docker("port", name, "50051/tcp").stdout.strip().splitlines()[0].rsplit(":", 1)[1]
+        with KVCoordClient(f"127.0.0.1:{grpc_port}", timeout=10) as c:
+            assert [p.name for p in c.list_pools().pools] == ["default"]
     finally:
         docker("rm", "-f", name)

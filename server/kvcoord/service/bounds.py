@@ -13,10 +13,13 @@ the engine, sessions, events, the journal), so one 4 MiB key per call would grow
 server by megabytes each time. Lists that name requests are bounded like a Step's
 operations; token and hash lists like one request's tokens.
 
-Two lists are bounded elsewhere, with their own status: ``StepRequest.ops`` by
-``max_ops_per_step`` (RESOURCE_EXHAUSTED, pool_service.py), and the token and hash
-columns of an ``AllocateRunOp`` (every entry's appends together) by the message size
-only; each entry's share is then checked against the pool's ``max_model_len``.
+A few fields are bounded elsewhere (:data:`ELSEWHERE`, in the table too):
+``StepRequest.ops`` by ``max_ops_per_step`` (RESOURCE_EXHAUSTED, pool_service.py); an
+``AllocateRunOp``'s per-entry columns by its ``request_ids`` (each needs one value per
+entry); its token and hash columns (every entry's appends together) by the message
+size only, each entry's share then checked against the pool's ``max_model_len``; and
+each appended block hash by the engine (a pool with caching takes exactly its hash
+length, one without ignores hashes).
 
 Plain Python over protobuf descriptors; no gRPC types beyond the status code.
 """
@@ -134,7 +137,7 @@ BOUNDS: Mapping[str, int | str] = {
 ELSEWHERE: Mapping[str, str] = {
     "StepRequest.ops": "max_ops_per_step (RESOURCE_EXHAUSTED)",
     **{
-        f"AllocateRunOp.{name}": "max_ops_per_step"
+        f"AllocateRunOp.{name}": "one value per entry (request_ids)"
         for name in (
             "base_num_tokens",
             "base_num_hashes",
@@ -143,6 +146,11 @@ ELSEWHERE: Mapping[str, str] = {
             "num_lookahead_tokens",
             "num_append_tokens",
             "num_append_hashes",
+        )  # fmt: skip
+    },
+    **{
+        f"AllocateRunOp.{name}": "one value per check (check_request_ids)"
+        for name in (
             "check_at",
             "check_num_computed_tokens",
             "check_num_new_tokens",

@@ -170,6 +170,13 @@ def _is_repeated(f: FieldDescriptor) -> bool:
     return bool(f.is_repeated)
 
 
+def _message(f: FieldDescriptor) -> Descriptor:
+    """The message type of a message field."""
+    d = f.message_type
+    assert d is not None, f.full_name
+    return d
+
+
 def _request_messages() -> list[Descriptor]:
     """Every message a request can contain, request types included, each once, every
     message after the messages it contains."""
@@ -182,7 +189,7 @@ def _request_messages() -> list[Descriptor]:
         seen.add(d.full_name)
         for f in d.fields:
             if f.type == FieldDescriptor.TYPE_MESSAGE:
-                visit(f.message_type)
+                visit(_message(f))
         order.append(d)
 
     for method in pb.DESCRIPTOR.services_by_name["Allocator"].methods:
@@ -244,8 +251,8 @@ def _smallest(d: Descriptor, seen: frozenset[str] = frozenset()) -> tuple[int, s
                 least = min(least, b)
             else:
                 settings.add(b)
-        if f.type == FieldDescriptor.TYPE_MESSAGE and f.message_type.full_name not in seen:
-            n, more = _smallest(f.message_type, seen | {d.full_name})
+        if f.type == FieldDescriptor.TYPE_MESSAGE and _message(f).full_name not in seen:
+            n, more = _smallest(_message(f), seen | {d.full_name})
             least, settings = min(least, n), settings | more
     return least, settings
 
@@ -259,7 +266,7 @@ def _source(d: Descriptor, name: str, subs: dict[str, str]) -> list[str]:
         key = f"{d.name}.{f.name}"
         repeated = _is_repeated(f)
         text = f.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
-        sub = subs.get(f.message_type.full_name) if f.type == FieldDescriptor.TYPE_MESSAGE else None
+        sub = subs.get(_message(f).full_name) if f.type == FieldDescriptor.TYPE_MESSAGE else None
         if f.type == FieldDescriptor.TYPE_MESSAGE and not repeated:
             if sub is None:
                 continue
@@ -302,7 +309,7 @@ def _source(d: Descriptor, name: str, subs: dict[str, str]) -> list[str]:
         elif sub is not None:
             # Items this small cannot be past a bound: only their size is read (a Step's
             # operations are mostly small; ByteSize costs less than reading their fields).
-            least, settings = _smallest(f.message_type)
+            least, settings = _smallest(_message(f))
             parts = [str(least)] + [f"limits.{x}" for x in sorted(settings)]
             safe = f"min({', '.join(parts)})" if len(parts) > 1 else parts[0]
             lines += [
@@ -319,7 +326,7 @@ def _source(d: Descriptor, name: str, subs: dict[str, str]) -> list[str]:
     for group, members in oneofs.items():
         lines += [f"k = m.WhichOneof({group!r})"]
         for i, member in enumerate(members):
-            sub = subs[d.fields_by_name[member].message_type.full_name]
+            sub = subs[_message(d.fields_by_name[member]).full_name]
             lines += [
                 f"{'if' if i == 0 else 'elif'} k == {member!r}:",
                 "    try:",

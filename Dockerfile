@@ -7,10 +7,12 @@
 #
 # Environment: KVCOORD_LISTEN, KVCOORD_METRICS_LISTEN, KVCOORD_LOG_LEVEL, KVCOORD_CONFIG,
 # KVCOORD_AUTH_TOKENS, KVCOORD_TLS_{CERT,KEY,CLIENT_CA}, KVCOORD_METRICS_TLS_{CERT,KEY,CLIENT_CA}
-# (see the README). gRPC listens on all interfaces; /metrics listens on the container's
-# loopback only until KVCOORD_METRICS_LISTEN names an address (e.g. 0.0.0.0:9400 for a
-# scraper on the container network). With TLS on, override the health check so that it
-# speaks TLS too (deploy/README.md, "TLS"). Where no registry is reachable,
+# (see the README). gRPC (50051) and /metrics (9400) both listen on every interface of
+# the container, as exporters do, so `docker run -P` or a scraper on the container
+# network reaches both; what reaches the container is decided where ports are published
+# (-p 127.0.0.1:9400:9400 keeps /metrics on the host's loopback) or by
+# KVCOORD_METRICS_LISTEN=127.0.0.1:9400 (the container's own loopback). With TLS on,
+# override the health check so that it speaks TLS too (deploy/README.md, "TLS"). Where no registry is reachable,
 # scripts/build_base_image.sh builds the base image locally under the same name.
 ARG BASE_IMAGE=python:3.11-slim-bookworm
 
@@ -33,6 +35,7 @@ COPY --from=build /opt/kvcoord /opt/kvcoord
 ENV PATH=/opt/kvcoord/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     KVCOORD_LISTEN=0.0.0.0:50051 \
+    KVCOORD_METRICS_LISTEN=0.0.0.0:9400 \
     KVCOORD_DATA_DIR=/var/lib/kvcoord
 # The journal (and lease marker): mount a volume here so allocations survive the container.
 VOLUME ["/var/lib/kvcoord"]

@@ -38,6 +38,9 @@ class CertFiles:
     #: SAN type ("dns", "uri", "email", "ip") -> (certificate, key) of a client whose
     #: only name besides the CN "no-tenant" is that SAN (see SAN_NAMES)
     san_clients: dict[str, tuple[Path, Path]] = dataclasses.field(default_factory=dict)
+    #: subject CN -> (certificate, key) of a client with that CN and no SAN: the DNS
+    #: SAN of SAN_NAMES as a CN (typed identities must tell them apart)
+    cn_clients: dict[str, tuple[Path, Path]] = dataclasses.field(default_factory=dict)
 
 
 #: the SAN each of CertFiles.san_clients carries
@@ -163,6 +166,13 @@ def write_certs(directory: Path) -> CertFiles:
             _write(d / f"client-{kind}.pem", _pem_cert(cert)),
             _write(d / f"client-{kind}.key", _pem_key(key)),
         )
+    cn_clients = {}
+    for i, cn in enumerate([SAN_NAMES["dns"]]):
+        cert, key = _leaf(cn, ca, ExtendedKeyUsageOID.CLIENT_AUTH, [])
+        cn_clients[cn] = (
+            _write(d / f"client-cn-{i}.pem", _pem_cert(cert)),
+            _write(d / f"client-cn-{i}.key", _pem_key(key)),
+        )
     return CertFiles(
         ca=_write(d / "ca.pem", _pem_cert(ca[0])),
         server_cert=_write(d / "server.pem", _pem_cert(server[0])),
@@ -173,6 +183,7 @@ def write_certs(directory: Path) -> CertFiles:
         other_client_cert=_write(d / "other-client.pem", _pem_cert(stranger[0])),
         other_client_key=_write(d / "other-client.key", _pem_key(stranger[1])),
         san_clients=san_clients,
+        cn_clients=cn_clients,
     )
 
 

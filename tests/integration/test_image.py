@@ -10,7 +10,7 @@ import time
 import uuid
 from pathlib import Path
 
-from conftest import wait_for
+from conftest import http_get, wait_for
 from kvcoord.client import KVCoordClient
 
 IMAGE = os.environ.get("KVCOORD_IMAGE", "")
@@ -76,3 +76,36 @@ def test_mounted_config_file_and_graceful_stop(tmp_path: Path) -> None:
         assert "kvcoord stopped" in docker("logs", name).stdout
     finally:
         docker("rm", "-f", name)
+
+
+def test_metrics_reach_a_scraper_in_another_container() -> None:
+    """Issue 26: the image exposed 9400 but served /metrics on the container's loopback.
+    Run with no settings (`docker run -P IMAGE`, on a network as compose would), /metrics
+    answers a scraper in another container at `<name>:9400`, and the published host
+    port; gRPC answers on its published port as before."""
+    name = f"kvcoord-metrics-{uuid.uuid4().hex[:6]}"
+    network = f"{name}-net"
+    assert docker("network", "create", network).returncode == 0
+    try:
+        run = docker("run", "-d", "--name", name, "--network", network, "-P", IMAGE)
+        assert run.returncode == 0, run.stderr
+        assert wait_for(
+            lambda: docker("inspect", "-f", "{{.State.Health.Status}}", name).stdout.strip() == "healthy",
+            timeout=90,
+        )
+        scrape = f"import urllib.request; print(urllib.request.urlopen('http://{name}:9400/metrics', timeout=10).read().decode())"
+        other = docker("run", "--rm", "--network", network, "--entrypoint", "python3", IMAGE, "-c", scrape)
+        assert other.returncode == 0, other.stderr
+        assert 'kvcoord_blocks_total{pool="default"}' in other.stdout
+
+        def published(port: str) -> str:
+            return docker("port", name, port).stdout.strip().splitlines()[0].rsplit(":", 1)[1]
+
+        assert 'kvcoord_blocks_total{pool="default"}' in http_get(
+            f"http://127.0.0.1:{published('9400/tcp')}/metrics"
+        )
+        with KVCoordClient(f"127.0.0.1:{published('50051/tcp')}", timeout=10) as c:
+            assert [p.name for p in c.list_pools().pools] == ["default"]
+    finally:
+        docker("rm", "-f", name)
+        docker("network", "rm", network)

@@ -45,7 +45,7 @@ grants = [{{ pools = ["a-*"], roles = ["administer", "use", "observe"] }}]
 
 [tenants.user]
 tokens = ["{TOKENS["user"]}"]
-identities = ["worker-1"]
+identities = ["cn:worker-1"]
 grants = [{{ pools = ["a-*"], roles = ["use"] }}]
 
 [tenants.watcher]

@@ -7,13 +7,15 @@ import gc
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from helpers import NONE
 from kvcoord.client.hashing import BlockHasher
 from kvcoord.service.budget import BLOCK_BYTES, TOKEN_BYTES
+from kvcoord.service.idempotency import IdempotencyStore, entry_bytes
 from kvcoord.service.registry import Limits
-from kvcoord.service.testing import InProcessServer
+from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
 from tenancy import Raw, pool_toml, server_state
 
@@ -130,7 +132,10 @@ def test_oversized_step_is_refused_before_parsing(make_server: Callable[..., InP
         raw.stub = pb_grpc.AllocatorStub(raw.channel)
         sid = _attach(raw, "p").session_id
         before = server_state(raw)
-        sync = pb.RequestSync(request_id="x" * size, append_token_ids=[1], new_request=True)
+        # one huge block hash: no input bound covers it (the pool checks each hash's length)
+        sync = pb.RequestSync(
+            request_id="x", append_token_ids=[1], append_block_hashes=[b"h" * size], new_request=True
+        )
         code, message = raw.call(
             "Step",
             pb.StepRequest(pool="p", session_id=sid, ops=[pb.Operation(sync=pb.SyncOp(request=sync))]),
@@ -167,7 +172,9 @@ def test_max_tokens_per_request_bounds_unlimited_pools(make_server: Callable[...
     sync = pb.RequestSync(request_id="huge", append_token_ids=[7] * 10_000_000, new_request=True)
     op = pb.AllocateOp(request=sync, num_new_tokens=10_000_000)
     code, message = raw.call("Allocate", pb.AllocateRequest(pool="open", session_id=sid, op=op), None)
-    assert code == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len 1048576" in message, message
+    # refused at the wire (bounds.py): a request's tokens are bounded by max_tokens_per_request
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, message
+    assert "append_token_ids is 10,000,000 items long" in message and "1,048,576" in message, message
     assert server_state(raw) == before
     code, message = raw.call(
         "CreatePool", pb.CreatePoolRequest(name="long", config=_config(64, (1 << 20) + 1)), None
@@ -238,3 +245,154 @@ def test_the_memory_budget_is_server_wide_as_deploy_documents(
     doc = " ".join((Path(__file__).resolve().parents[2] / "deploy" / "README.md").read_text().split())
     assert "protect tenants from each other" not in doc
     assert "`max_pool_memory_bytes` and `max_pools` are server-wide budgets" in doc
+
+
+def _store_count(server: InProcessServer) -> tuple[int, int]:
+    store = server.running.servicer.registry.idempotency  # type: ignore[union-attr]
+    return server.call(lambda: (len(store), store.bytes))
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def test_huge_idempotency_keys_are_refused_and_kept_nowhere(
+    make_server: Callable[..., InProcessServer], tmp_path: Path
+) -> None:
+    """Issue 26 scenario 6: 25 empty Steps with 4 MiB idempotency keys (which added
+    176 MiB of server memory and 208 MiB of journal) are each INVALID_ARGUMENT naming
+    the key's bound; the idempotency store counts no new key, the journal grows by no
+    key, GetStats.limits reports the same idempotency bytes, and the pool is unchanged."""
+    server = make_server(pool_toml("p"), data_dir=str(tmp_path / "data"))
+    raw = Raw(server.address)
+    try:
+        sid = _attach(raw, "p").session_id
+        raw.ok("Step", pb.StepRequest(pool="p", session_id=sid, idempotency_key="small"), None)
+        before, journal = _store_count(server), _dir_bytes(tmp_path / "data")
+        stats = raw.ok("GetStats", pb.GetStatsRequest(pool="p"), None).limits
+        assert (stats.idempotency_keys, stats.idempotency_bytes) == before and before[0] == 1
+        state = server_state(raw)
+        for i in range(25):
+            key = f"{i:04d}" + "k" * (4 << 20)
+            code, message = raw.call(
+                "Step", pb.StepRequest(pool="p", session_id=sid, idempotency_key=key), None
+            )
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (code, str(message)[:200])
+            assert "idempotency_key is 4,194,308 characters long; the longest accepted is 128" in message
+        assert _store_count(server) == before
+        assert _dir_bytes(tmp_path / "data") - journal < 1 << 20  # not one key: 4 MiB each
+        stats = raw.ok("GetStats", pb.GetStatsRequest(pool="p"), None).limits
+        assert (stats.idempotency_keys, stats.idempotency_bytes) == before
+        assert stats.max_idempotency_key_length == 128
+        assert server_state(raw) == state
+    finally:
+        raw.close()
+
+
+def test_long_ids_and_names_are_refused_and_change_nothing(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """A request id, LoRA name, client_name or pool name one past its bound, and a Free
+    naming more requests than max_ops_per_step, are INVALID_ARGUMENT: no request, no
+    session, nothing changed. At the bound they are served."""
+    limits = dataclasses.replace(Limits(), max_ops_per_step=8)
+    server = make_server(pool_toml("p"), limits=limits)
+    raw = Raw(server.address)
+    try:
+        sid = _attach(raw, "p").session_id
+        sessions = server.call(lambda: len(server.running.servicer.registry.sessions.sessions))  # type: ignore[union-attr]
+
+        def step(rid: str, lora: str = "") -> tuple[grpc.StatusCode, Any]:
+            sync = pb.RequestSync(request_id=rid, append_token_ids=[1, 2], new_request=True)
+            if lora:
+                sync.lora.CopyFrom(pb.LoRA(adapter_id=1, name=lora))
+            request = pb.StepRequest(
+                pool="p", session_id=sid, ops=[pb.Operation(sync=pb.SyncOp(request=sync))]
+            )
+            return raw.call("Step", request, None)
+
+        before = server_state(raw)
+
+        def attach(client_name: str) -> pb.AttachRequest:
+            return pb.AttachRequest(
+                pool="p", hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", client_name=client_name
+            )
+
+        refused = [
+            ("RequestSync.request_id", lambda: step("r" * 257)),
+            ("LoRA.name", lambda: step("with-lora", "n" * 257)),
+            ("client_name", lambda: raw.call("Attach", attach("c" * 257), None)),
+            ("GetStatsRequest.pool", lambda: raw.call("GetStats", pb.GetStatsRequest(pool="p" * 129), None)),
+            (
+                "FreeRequest.request_ids",
+                lambda: raw.call(
+                    "Free",
+                    pb.FreeRequest(pool="p", session_id=sid, request_ids=[f"r{i}" for i in range(9)]),
+                    None,
+                ),
+            ),
+        ]
+        for what, call in refused:
+            code, message = call()
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, (what, code, message)
+            assert what.split(".")[-1] in message and "longest accepted" in message, (what, message)
+        assert server_state(raw) == before
+        assert server.call(lambda: len(server.running.servicer.registry.sessions.sessions)) == sessions  # type: ignore[union-attr]
+        # at the bounds: served
+        code, response = step("r" * 256, "n" * 256)
+        assert code == grpc.StatusCode.OK and not response.results[0].status_code, response
+        raw.ok("Attach", attach("c" * 256), None)
+    finally:
+        raw.close()
+
+
+def test_idempotency_keys_count_against_their_budget(make_server: Callable[..., InProcessServer]) -> None:
+    """Every kept key counts against idempotency_max_bytes, its answer dropped or not:
+    once keys alone fill it, a keyed Step is RESOURCE_EXHAUSTED and not applied (its
+    request is not registered); GetStats reports the budget and what it holds."""
+    budget = 20 * entry_bytes("0" * 32, "k-00") + 100
+    server = make_server(pool_toml("p"), idempotency_max_bytes=budget)
+    raw = Raw(server.address)
+    try:
+        sid = _attach(raw, "p").session_id
+        assert len(sid) == 32
+        for i in range(20):
+            raw.ok("Step", pb.StepRequest(pool="p", session_id=sid, idempotency_key=f"k-{i:02d}"), None)
+        before = server_state(raw)
+        sync = pb.RequestSync(request_id="late", append_token_ids=[1], new_request=True)
+        late = pb.StepRequest(
+            pool="p", session_id=sid, idempotency_key="k-20", ops=[pb.Operation(sync=pb.SyncOp(request=sync))]
+        )
+        code, message = raw.call("Step", late, None)
+        assert code == EXHAUSTED and "idempotency_max_bytes" in message and "nothing was applied" in message
+        assert server_state(raw) == before
+        got = raw.ok("GetStats", pb.GetStatsRequest(pool="p"), None).limits
+        assert got.idempotency_max_bytes == budget and got.idempotency_keys == 20
+        assert 20 * entry_bytes(sid, "k-00") <= got.idempotency_bytes <= budget
+        assert got.server_sessions == 1
+        # without a key the call is not kept, so it is served
+        late.idempotency_key = ""
+        code, response = raw.call("Step", late, None)
+        assert code == grpc.StatusCode.OK and not response.results[0].status_code
+    finally:
+        raw.close()
+
+
+def test_the_idempotency_count_covers_the_memory_it_holds() -> None:
+    """What the store counts is at least the memory its entries take (tracemalloc),
+    keys and tombstones included, so the budget bounds the real memory."""
+    store = IdempotencyStore(ManualClock(), window=600, max_bytes=1 << 30)
+    sid = "s" * 32
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(5_000):
+            # a fresh session-id string per call, as each parsed request brings its own
+            store.remember("".join([sid[:16], sid[16:]]), "Step", f"{i:032x}", bytes(16), b"a" * 10)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert held <= store.bytes, (held, store.bytes)
+    assert store.bytes < 2 * held, (held, store.bytes)  # and not wildly above it

@@ -380,22 +380,34 @@ def test_mtls_identity_names_the_tenant(make_server: Callable[..., InProcessServ
 
 def test_only_dns_and_uri_sans_name_a_tenant(make_server: Callable[..., InProcessServer], certs: Any) -> None:
     """As documented, a client certificate names a tenant by its subject CN or a DNS or
-    URI SAN; an email or IP SAN listed in identities names none."""
+    URI SAN (typed dns: / uri:); an email or IP SAN names none (and cannot be listed)."""
     tls = TLSFiles(str(certs.server_cert), str(certs.server_key), str(certs.ca))
     tenants = "".join(
-        f'[tenants.{kind}]\nidentities = ["{name}"]\ngrants = [{{ pools = ["a-*"], roles = ["observe"] }}]\n'
-        for kind, name in SAN_NAMES.items()
+        f'[tenants.{kind}]\nidentities = ["{kind}:{SAN_NAMES[kind]}"]\n'
+        'grants = [{ pools = ["a-*"], roles = ["observe"] }]\n'
+        for kind in ("dns", "uri")
     )
+    for kind in ("email", "ip"):
+        with pytest.raises(ConfigFileError, match="email and IP SANs name no tenant"):
+            parse_config(f'[tenants.x]\nidentities = ["{kind}:{SAN_NAMES[kind]}"]\n')
     server = make_server(tenants + pool_toml("a-pool"), tls=tls)
-    seen = {}
-    for kind, (cert, key) in certs.san_clients.items():
+    seen = _pools_seen_by(server, certs, certs.san_clients)
+    assert seen == {"dns": ["a-pool"], "uri": ["a-pool"], "email": None, "ip": None}
+
+
+def _pools_seen_by(
+    server: InProcessServer, certs: Any, clients: dict[str, tuple[Path, Path]]
+) -> dict[str, list[str] | None]:
+    """The pools ListPools shows each client certificate (None: it names no tenant)."""
+    seen: dict[str, list[str] | None] = {}
+    for who, (cert, key) in clients.items():
         options = TLSOptions(certs.ca, cert, key, server_name_override="localhost")
         with KVCoordClient(server.address, tls=options, timeout=10) as c:
             try:
-                seen[kind] = [p.name for p in c.list_pools().pools]
+                seen[who] = [p.name for p in c.list_pools().pools]
             except PermissionDeniedError:  # UNAUTHENTICATED
-                seen[kind] = None
-    assert seen == {"dns": ["a-pool"], "uri": ["a-pool"], "email": None, "ip": None}
+                seen[who] = None
+    return seen
 
 
 def test_tenant_config_is_validated() -> None:
@@ -423,3 +435,79 @@ def test_default_config_documents_tenants() -> None:
     for path in ("README.md", "deploy/README.md", "server/kvcoord/service/default_config.toml"):
         text = (root / path).read_text()
         assert "[tenants." in text and "shared_cache_tenants" in text, path
+
+
+def test_identities_are_typed_by_certificate_field(
+    make_server: Callable[..., InProcessServer], certs: Any
+) -> None:
+    """A certificate whose subject CN equals a tenant's DNS name is not that tenant: CN,
+    DNS and URI names are separate namespaces (cn:, dns:, uri:). Untyped identities
+    are refused at load with the typed spellings in the message."""
+    tls = TLSFiles(str(certs.server_cert), str(certs.server_key), str(certs.ca))
+    dns = SAN_NAMES["dns"]
+    tenant = (
+        f'[tenants.web]\nidentities = ["dns:{dns}"]\ngrants = [{{ pools = ["a-*"], roles = ["observe"] }}]\n'
+    )
+    server = make_server(tenant + pool_toml("a-pool"), tls=tls)
+    clients = {"cn-like-dns": certs.cn_clients[dns], "dns-san": certs.san_clients["dns"]}
+    seen = _pools_seen_by(server, certs, clients)
+    assert seen == {"cn-like-dns": None, "dns-san": ["a-pool"]}
+    with pytest.raises(ConfigFileError, match=f'write "cn:{dns}" .*"dns:{dns}" .*"uri:{dns}"'):
+        parse_config(f'[tenants.x]\nidentities = ["{dns}"]\n')
+
+
+def test_pool_config_shows_other_tenants_only_to_administrators(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """shared_cache_tenants names other tenants: GetPool, ListPools and Attach show it
+    whole to the pool's administrators (and the full-access tenant); anyone else sees
+    only "*" and its own name."""
+    extra = 'shared_cache_tenants = ["user", "other", "*"]'
+    server = make_server(TENANTS + pool_toml("a-pool", extra))
+    raw = Raw(server.address)
+    try:
+        attach = pb.AttachRequest(pool="a-pool", hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0")
+        for caller, expected in (
+            ("root", ["user", "other", "*"]),
+            ("admin", ["user", "other", "*"]),
+            ("watcher", ["*"]),
+        ):
+            token = ROOT_TOKEN if caller == "root" else TOKENS[caller]
+            got = raw.ok("GetPool", pb.GetPoolRequest(name="a-pool"), token).pool.config
+            assert list(got.shared_cache_tenants) == expected, caller
+            (listed,) = [
+                p for p in raw.ok("ListPools", pb.ListPoolsRequest(), token).pools if p.name == "a-pool"
+            ]
+            assert list(listed.config.shared_cache_tenants) == expected, caller
+        attached = raw.ok("Attach", attach, TOKENS["user"]).pool.config
+        assert list(attached.shared_cache_tenants) == ["user", "*"]
+        # the pool itself is unchanged: the administrator still sees every name
+        got = raw.ok("GetPool", pb.GetPoolRequest(name="a-pool"), TOKENS["admin"]).pool.config
+        assert list(got.shared_cache_tenants) == ["user", "other", "*"]
+    finally:
+        raw.close()
+
+
+def test_exclusive_refusal_does_not_count_other_tenants_sessions(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """An exclusive Attach refused because of other sessions tells the caller how many
+    of them are its own, never how many other tenants hold."""
+    server = make_server(TENANTS + pool_toml("a-pool"))
+    raw = Raw(server.address)
+    try:
+        attach = pb.AttachRequest(pool="a-pool", hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0")
+        for _ in range(3):
+            raw.ok("Attach", attach, TOKENS["user"])
+        exclusive = pb.AttachRequest(
+            pool="a-pool", hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", exclusive=True
+        )
+        code, message = raw.call("Attach", exclusive, TOKENS["admin"])
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "3" not in message and "sessions of other tenants" in message, message
+        raw.ok("Attach", attach, TOKENS["admin"])
+        code, message = raw.call("Attach", exclusive, TOKENS["admin"])
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "3" not in message and "sessions of other tenants and 1 of yours" in message, message
+    finally:
+        raw.close()

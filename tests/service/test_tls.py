@@ -140,7 +140,7 @@ def test_identities_without_a_client_ca_warn_at_start(
     certificate is asked for): the server says so at start; with a client CA it does not,
     and the identity then names the tenant."""
     caplog.set_level(logging.WARNING)
-    tenant = '[tenants.w]\nidentities = ["worker-1"]\ngrants = [{ pools = ["*"], roles = ["observe"] }]\n'
+    tenant = '[tenants.w]\nidentities = ["cn:worker-1"]\ngrants = [{ pools = ["*"], roles = ["observe"] }]\n'
     server = make_server(tenant + POOL_TOML, tls=server_tls(certs, mutual=mutual))
     warned = [r.getMessage() for r in caplog.records if "can never name a caller" in r.getMessage()]
     if mutual:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 from kvcoord.client.hashing import BlockHasher
 from kvcoord.engine import (
@@ -23,6 +27,11 @@ from kvcoord.engine import (
     StaleCacheHitError,
     TokenIds,
 )
+from kvcoord.service.bounds import BOUNDS, ELSEWHERE, MAX_REQUEST_ID_LENGTH, check_request, request_fields
+from kvcoord.service.config import ConfigFileError, parse_config
+from kvcoord.service.errors import ServiceError
+from kvcoord.service.registry import Limits
+from kvcoord.v1 import allocator_pb2 as pb
 from support import ALGO, NONE, Driver, toks
 
 
@@ -338,3 +347,118 @@ def test_wire_token_ids_are_copied_and_only_their_length_is_checked() -> None:
     with pytest.raises(InvalidArgumentError, match="max_model_len"):
         d.pool.update_request("w", append_token_ids=TokenIds([1] * 9))
     assert d.pool.requests["w"].all_token_ids == toks(1, 8)
+
+
+# -- input bounds at the wire (service/bounds.py) ----------------------------------------
+_LIMITS = Limits(max_tokens_per_request=40, max_ops_per_step=5, max_blocks_per_pool=7)
+_REQUESTS = [m.input_type for m in pb.DESCRIPTOR.services_by_name["Allocator"].methods]
+
+
+def _path_to(message: str) -> tuple[Any, list[str]]:
+    """A request type and the field names leading from it to a ``message`` inside it
+    (breadth first: the shortest path)."""
+    queue: list[tuple[Any, Any, list[str]]] = [(d, d, []) for d in _REQUESTS]
+    seen: set[str] = set()
+    while queue:
+        root, d, path = queue.pop(0)
+        if d.name == message:
+            return root, path
+        if d.full_name in seen:
+            continue
+        seen.add(d.full_name)
+        queue += [(root, f.message_type, [*path, f.name]) for f in d.fields if f.message_type is not None]
+    raise AssertionError(f"{message} is in no request")
+
+
+def _request_with(key: str, size: int) -> tuple[Any, str]:
+    """A request whose field ``key`` ("Message.field", "Message.field[]") is ``size``
+    long (characters, bytes or items), everything else empty; and the field's name."""
+    message, field = key.removesuffix("[]").split(".")
+    root, path = _path_to(message)
+    request = getattr(pb, root.name)()
+    m = request
+    for name in path:
+        value = getattr(m, name)
+        if hasattr(value, "add"):  # a list of messages: one item
+            m = value.add()
+        else:
+            value.SetInParent()
+            m = value
+    f = m.DESCRIPTOR.fields_by_name[field]
+    one = {f.TYPE_STRING: "x", f.TYPE_BYTES: b"x"}.get(f.type, 1)
+    target = getattr(m, field)
+    if key.endswith("[]"):
+        target.append(one * size)
+    elif f.type == f.TYPE_MESSAGE:
+        for _ in range(size):
+            target.add()
+    elif f.is_repeated:
+        target.extend([one] * size)
+    else:
+        setattr(m, field, one * size)
+    return request, field
+
+
+@pytest.mark.parametrize("key", sorted(BOUNDS))
+def test_each_input_bound_refuses_one_past_it(key: str) -> None:
+    """Every bounded field: its bound is accepted, one more is INVALID_ARGUMENT naming
+    the field, its length and the bound (and the [limits] setting it comes from)."""
+    bound = BOUNDS[key]
+    limit = bound if isinstance(bound, int) else getattr(_LIMITS, bound)
+    request, field = _request_with(key, limit)
+    check_request(request, _LIMITS)  # at the bound: accepted
+    request, field = _request_with(key, limit + 1)
+    with pytest.raises(ServiceError) as err:
+        check_request(request, _LIMITS)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    message = err.value.message
+    assert f".{field}" in f".{message}" and f"is {limit + 1:,} " in message, message
+    assert f"longest accepted is {limit:,}" in message, message
+    if isinstance(bound, str):
+        assert f"[limits] {bound}" in message, message
+
+
+def test_every_request_field_has_a_documented_bound() -> None:
+    """Every string, bytes and list field of every request is in BOUNDS (or ELSEWHERE,
+    bounded by another rule), nothing else is, and docs/input-bounds.md lists exactly
+    that table."""
+    fields = {key for key, _ in request_fields()}
+    strings = {key for key, f in request_fields() if f.type in (f.TYPE_STRING, f.TYPE_BYTES)}
+    listed = {k.removesuffix("[]") for k in (*BOUNDS, *ELSEWHERE)}
+    assert fields - listed == set(), "fields without a bound"
+    assert listed - fields == set(), "bounds of fields that do not exist"
+    lists_of_strings = {key for key, f in request_fields() if f.is_repeated} & strings
+    assert {k for k in lists_of_strings if f"{k}[]" not in BOUNDS and f"{k}[]" not in ELSEWHERE} == set()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "input-bounds.md").read_text()
+    rows = dict(re.findall(r"^\| `([A-Za-z.\[\]_]+)` \| (.+?) \|$", doc, re.MULTILINE))
+    expected = {
+        **{k: f"{v:,}" if isinstance(v, int) else f"`[limits] {v}`" for k, v in BOUNDS.items()},
+        **{k: f"elsewhere: {v}" for k, v in ELSEWHERE.items()},
+    }
+    assert rows == expected
+
+
+def test_a_small_step_is_checked_by_its_size_alone() -> None:
+    """Operations no larger than the smallest bound inside them are skipped (their size
+    proves them within every bound); one past a bound in a large operation is found."""
+    ops = [pb.Operation(free=pb.FreeOp(request_id=f"r{i}")) for i in range(3)]
+    ops.append(pb.Operation(free=pb.FreeOp(request_id="y" * (MAX_REQUEST_ID_LENGTH + 1))))
+    with pytest.raises(ServiceError, match=r"ops\[3\]\.free\.request_id is 257 characters"):
+        check_request(pb.StepRequest(ops=ops), Limits())
+    check_request(pb.StepRequest(ops=ops[:3]), Limits())
+
+
+def test_the_config_file_is_held_to_the_same_bounds() -> None:
+    """A pool declared in the configuration file past an input bound, and a tenant name
+    longer than a pool name may be, are refused when the file is loaded."""
+    pool = (
+        '[[pools]]\nname = "p"\nnum_blocks = 8\nhash_block_size = 4\nhash_algo = "sha256_cbor"\n'
+        'hash_seed = "{seed}"\nenable_caching = true\n[[pools.groups]]\ntype = "full"\nblock_size = 4\n'
+    )
+    parse_config(pool.format(seed="s" * 256))
+    with pytest.raises(ConfigFileError, match=r"pools\[0\] \(p\): config\.hash_seed is 257 characters long"):
+        parse_config(pool.format(seed="s" * 257))
+    tenant = '[tenants.{name}]\ntokens = ["t"]\n'
+    parse_config(tenant.format(name="t" * 128))
+    with pytest.raises(ConfigFileError, match="a tenant name has at most 128 characters"):
+        parse_config(tenant.format(name="t" * 129))

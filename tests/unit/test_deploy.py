@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
 
 import yaml
-from kvcoord.service.config import parse_config
+from kvcoord.service.config import load_config, parse_config
 from kvcoord.service.idempotency import IdempotencyStore
 from kvcoord.service.metrics import Metrics
 from kvcoord.service.registry import Limits, PoolRegistry
@@ -127,14 +128,40 @@ def test_metrics_doc_lists_every_exported_metric() -> None:
     assert exported <= documented_bases, sorted(exported - documented_bases)
 
 
-def test_metrics_listen_on_loopback_unless_set_explicitly() -> None:
-    """The image sets no metrics address (so the embedded loopback default holds); compose
-    opens it on its own network and publishes it on the host's loopback only; Kubernetes
-    binds the pod's own IP, not every interface."""
-    dockerfile = (ROOT / "Dockerfile").read_text()
-    env_lines = [line for line in dockerfile.splitlines() if not line.lstrip().startswith("#")]
-    assert not any("KVCOORD_METRICS_LISTEN" in line for line in env_lines)
-    assert parse_config("").server.metrics_listen.startswith("127.0.0.1:")
+def dockerfile_env() -> dict[str, str]:
+    """The environment the image's ENV instructions set (what `kvcoord serve` reads in it)."""
+    text = (ROOT / "Dockerfile").read_text()
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    env: dict[str, str] = {}
+    for instruction in "\n".join(lines).replace("\\\n", " ").splitlines():
+        if instruction.startswith("ENV "):
+            env.update(item.split("=", 1) for item in shlex.split(instruction[4:]))  # type: ignore[misc]
+    return env
+
+
+def test_the_image_serves_grpc_and_metrics_on_every_interface() -> None:
+    """Issue 26: the image exposed 9400 but served /metrics on the container's loopback
+    (`docker run -P` gave Prometheus nothing to scrape). The configuration `kvcoord
+    serve` loads from the image's environment listens for gRPC on 0.0.0.0:50051 and for
+    /metrics on 0.0.0.0:9400, the two ports the image exposes; outside the image the
+    embedded default keeps both on loopback. README and deploy/README say so together."""
+    env = dockerfile_env()
+    served = load_config(env=env).server
+    assert served.listen == ("0.0.0.0:50051",)
+    assert served.metrics_listen == "0.0.0.0:9400"
+    exposed = re.findall(r"^EXPOSE (.+)$", (ROOT / "Dockerfile").read_text(), re.MULTILINE)
+    assert exposed == ["50051 9400"]
+    default = load_config(env={}).server
+    assert default.listen == ("127.0.0.1:50051",) and default.metrics_listen == "127.0.0.1:9400"
+    for doc in (ROOT / "README.md", DEPLOY / "README.md"):
+        text = " ".join(doc.read_text().split())
+        assert "| gRPC | `127.0.0.1:50051` | `0.0.0.0:50051` |" in text, doc
+        assert "| `/metrics` | `127.0.0.1:9400` | `0.0.0.0:9400` |" in text, doc
+
+
+def test_metrics_listen_explicitly_in_compose_and_kubernetes() -> None:
+    """Compose opens /metrics on its own network and publishes it on the host's loopback
+    only; Kubernetes binds the pod's own IP, not every interface."""
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["kvcoord"]
     assert compose["environment"]["KVCOORD_METRICS_LISTEN"] == "0.0.0.0:9400"
     assert [p for p in compose["ports"] if p.endswith(":9400")] == ["127.0.0.1:9400:9400"]

@@ -17,7 +17,7 @@ from kvcoord.engine import (
 from kvcoord.service import operations as op
 from kvcoord.service.convert import sync_from_pb
 from kvcoord.service.errors import ErrorReason, ServiceError
-from kvcoord.service.idempotency import IdempotencyStore
+from kvcoord.service.idempotency import IdempotencyStore, entry_bytes
 from kvcoord.service.pool_service import Fence, Limits, PoolService
 from kvcoord.service.sessions import SessionTable
 from kvcoord.service.testing import ManualClock
@@ -176,7 +176,7 @@ def test_answers_live_for_the_window_and_eviction_is_never_a_reapply() -> None:
     """Past the byte budget an answer becomes a tombstone (ANSWER_EVICTED, never
     applied again); past the window everything of it goes."""
     clock = ManualClock()
-    store = IdempotencyStore(clock, window=60, max_bytes=500)
+    store = IdempotencyStore(clock, window=60, max_bytes=2 * entry_bytes("s", "old") + 500)
     store.remember("s", "Step", "old", b"d", b"x" * 300)
     clock.advance(1)
     store.remember("s", "Step", "new", b"d", b"y" * 300)
@@ -328,10 +328,11 @@ def test_admit_equals_lookups_and_allocations_one_by_one() -> None:
 def test_budget_eviction_does_not_rescan_tombstones() -> None:
     """Over its byte budget the store evicts oldest answers one at a time: many
     tombstones ahead do not make each new answer rescan them (O(1) per answer)."""
-    store = IdempotencyStore(ManualClock(), window=600, max_bytes=50_000)
+    keys = sum(entry_bytes("s", f"k{i}") for i in range(20_000))  # every key counts too
+    store = IdempotencyStore(ManualClock(), window=600, max_bytes=keys + 50_000)
     for i in range(20_000):
         store.remember("s", "Step", f"k{i}", b"d", b"x" * 100)
-    assert store.bytes <= 50_000 and len(store._answered) <= 500  # 500 answers of 100 bytes kept
+    assert store.bytes <= keys + 50_000 and len(store._answered) <= 500  # 500 answers of 100 bytes kept
     assert store.lookup("s", "Step", "k19999", b"d") == b"x" * 100
     with pytest.raises(ServiceError):
         store.lookup("s", "Step", "k0", b"d")  # a tombstone: answered once, never again

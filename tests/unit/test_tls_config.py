@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from certs import CertFiles
+from kvcoord.service.access import certificate_names
 from kvcoord.service.config import ConfigFileError, load_config, parse_config
 from kvcoord.service.tls import TLSFiles
 
@@ -140,3 +141,41 @@ def test_tls_table_structure(text: str, message: str) -> None:
     """Unknown keys and wrong types in a TLS table are refused with the key path."""
     with pytest.raises(ConfigFileError, match=message):
         parse_config(text)
+
+
+def test_certificate_names_are_typed_by_field() -> None:
+    """The auth context's CN, DNS and URI names come out typed (cn:, dns:, uri:), so
+    one field's value never matches an identity of another; email and IP SANs are not
+    names."""
+    context = {
+        "x509_common_name": [b"w.example.test"],
+        "peer_dns": [b"a.example.test", b"b.example.test"],
+        "peer_uri": [b"spiffe://example.test/w"],
+        "x509_subject_alternative_name": [b"ops@example.test"],
+    }
+    assert certificate_names(context) == [
+        "cn:w.example.test",
+        "dns:a.example.test",
+        "dns:b.example.test",
+        "uri:spiffe://example.test/w",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("identity", "message"),
+    [
+        ("worker-1", r'identities\[0\]: .worker-1. names no certificate field: write "cn:worker-1"'),
+        ("spiffe://x/y", r'write "cn:spiffe://x/y" \(subject CN\), "dns:spiffe://x/y" \(DNS SAN\) or "uri:'),
+        ("email:ops@example.test", "email and IP SANs name no tenant"),
+        ("dns:", "names no certificate field"),
+    ],
+)
+def test_untyped_identities_are_refused_naming_the_fix(identity: str, message: str) -> None:
+    """An identity without its type (as configs before typing had) is refused when the
+    file loads, naming the typed spellings; typed ones load."""
+    with pytest.raises(ConfigFileError, match=message):
+        parse_config(f'[tenants.t]\nidentities = ["{identity}"]\n')
+    cfg = parse_config(
+        '[tenants.t]\nidentities = ["cn:worker-1", "dns:w.example.test", "uri:spiffe://x/y"]\n'
+    )
+    assert cfg.tenants[0].identities == ("cn:worker-1", "dns:w.example.test", "uri:spiffe://x/y")

@@ -801,7 +801,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_pools", "max_blocks_per_pool", "max_requests_per_pool", "max_ops_per_step", "event_buffer", "max_tokens_per_request", "max_pool_memory_bytes", "pool_memory_bytes", "pool_block_bytes", "pool_token_bytes", "max_sessions_per_tenant", "tenant_sessions", "max_session_lease_seconds", "max_message_bytes")
+    __slots__ = ("max_pools", "max_blocks_per_pool", "max_requests_per_pool", "max_ops_per_step", "event_buffer", "max_tokens_per_request", "max_pool_memory_bytes", "pool_memory_bytes", "pool_block_bytes", "pool_token_bytes", "max_sessions_per_tenant", "tenant_sessions", "max_session_lease_seconds", "max_message_bytes", "idempotency_max_bytes", "idempotency_bytes", "idempotency_keys", "server_sessions", "max_name_length", "max_request_id_length", "max_idempotency_key_length", "max_client_name_length")
     MAX_POOLS_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCKS_PER_POOL_FIELD_NUMBER: _ClassVar[int]
     MAX_REQUESTS_PER_POOL_FIELD_NUMBER: _ClassVar[int]
@@ -816,6 +816,14 @@ class ServerLimits(_message.Message):
     TENANT_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSION_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NAME_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_ID_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_IDEMPOTENCY_KEY_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_CLIENT_NAME_LENGTH_FIELD_NUMBER: _ClassVar[int]
     max_pools: int
     max_blocks_per_pool: int
     max_requests_per_pool: int
@@ -830,7 +838,15 @@ class ServerLimits(_message.Message):
     tenant_sessions: int
     max_session_lease_seconds: float
     max_message_bytes: int
-    def __init__(self, max_pools: _Optional[int] = ..., max_blocks_per_pool: _Optional[int] = ..., max_requests_per_pool: _Optional[int] = ..., max_ops_per_step: _Optional[int] = ..., event_buffer: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., max_pool_memory_bytes: _Optional[int] = ..., pool_memory_bytes: _Optional[int] = ..., pool_block_bytes: _Optional[int] = ..., pool_token_bytes: _Optional[int] = ..., max_sessions_per_tenant: _Optional[int] = ..., tenant_sessions: _Optional[int] = ..., max_session_lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+    idempotency_max_bytes: int
+    idempotency_bytes: int
+    idempotency_keys: int
+    server_sessions: int
+    max_name_length: int
+    max_request_id_length: int
+    max_idempotency_key_length: int
+    max_client_name_length: int
+    def __init__(self, max_pools: _Optional[int] = ..., max_blocks_per_pool: _Optional[int] = ..., max_requests_per_pool: _Optional[int] = ..., max_ops_per_step: _Optional[int] = ..., event_buffer: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., max_pool_memory_bytes: _Optional[int] = ..., pool_memory_bytes: _Optional[int] = ..., pool_block_bytes: _Optional[int] = ..., pool_token_bytes: _Optional[int] = ..., max_sessions_per_tenant: _Optional[int] = ..., tenant_sessions: _Optional[int] = ..., max_session_lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., idempotency_max_bytes: _Optional[int] = ..., idempotency_bytes: _Optional[int] = ..., idempotency_keys: _Optional[int] = ..., server_sessions: _Optional[int] = ..., max_name_length: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., max_idempotency_key_length: _Optional[int] = ..., max_client_name_length: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats", "fence", "limits", "pool_memory_bytes")

@@ -1,9 +1,9 @@
 """Tenants, roles and the one table that says which role every RPC needs.
 
 Every caller is a :class:`Tenant`. :class:`AccessControl` finds it from the call's
-credentials (a bearer token, else the mTLS client certificate's subject CN or a DNS
-or URI SAN)
-and checks it against :data:`RPC_RULES` before any handler runs. Tenants hold roles
+credentials (a bearer token, else a name of the mTLS client certificate, typed by the
+field it comes from: ``cn:`` subject CN, ``dns:`` DNS SAN, ``uri:`` URI SAN) and checks
+it against :data:`RPC_RULES` before any handler runs. Tenants hold roles
 on pools by name pattern (``fnmatch`` globs):
 
 =============  ==================================================================
@@ -18,6 +18,11 @@ on pools by name pattern (``fnmatch`` globs):
 A token listed only in ``[server] auth_tokens``, and every caller of a server with
 neither tokens nor tenants, is :data:`FULL_ACCESS`: every role on every pool, the
 pool's shared prefix cache. A session belongs to the tenant that attached it.
+
+Tenants see only themselves: a pool's ``shared_cache_tenants`` (other tenants' names)
+is shown only to the pool's administrators (:meth:`AccessControl.pool_config_for`).
+InspectPool and CheckPool need the administer role, so only administrators see every
+tenant's requests of a pool.
 
 Plain Python: no gRPC types beyond the status codes of the errors raised.
 """
@@ -34,6 +39,7 @@ from typing import Any
 
 import grpc
 
+from .bounds import MAX_NAME_LENGTH
 from .errors import ServiceError
 from .sessions import SessionTable
 
@@ -74,7 +80,8 @@ class Tenant:
         name: the tenant's name ("" for the built-in full-access tenant).
         grants: roles on pools.
         tokens: bearer tokens (secrets: never printed).
-        identities: mTLS client-certificate names (subject CN, DNS or URI SAN).
+        identities: mTLS client-certificate names, typed: ``cn:<subject CN>``,
+            ``dns:<DNS SAN>`` or ``uri:<URI SAN>``.
         max_sessions: live sessions allowed (0: ``[limits] max_sessions_per_tenant``).
     """
 
@@ -265,23 +272,67 @@ class AccessControl:
         """True when ``tenant`` holds some role on ``pool`` (ListPools shows it)."""
         return tenant.full_access or bool(tenant.roles_on(pool))
 
+    @staticmethod
+    def administers(tenant: Tenant, pool: str) -> bool:
+        """True when ``tenant`` holds the administer role on ``pool``."""
+        return tenant.full_access or Role.ADMINISTER in tenant.roles_on(pool)
+
+    def pool_config_for(self, tenant: Tenant, pool: str, config: Any) -> Any:
+        """The pool's configuration as ``tenant`` may see it: its administrators see it
+        all; anyone else sees of ``shared_cache_tenants`` only ``"*"`` and its own name
+        (whether its cache is shared), never other tenants' names. ``config`` is not
+        changed (a copy is filtered)."""
+        if self.administers(tenant, pool) or not config.shared_cache_tenants:
+            return config
+        seen = type(config)()
+        seen.CopyFrom(config)
+        kept = [t for t in config.shared_cache_tenants if t in ("*", tenant.name)]
+        del seen.shared_cache_tenants[:]
+        seen.shared_cache_tenants.extend(kept)
+        return seen
+
     def max_sessions(self, tenant: Tenant, default: int) -> int:
         return tenant.max_sessions or default
 
 
-#: gRPC auth-context properties of a verified client certificate that name a tenant:
-#: the subject CN, DNS SANs and URI SANs ("x509_subject_alternative_name" would add
-#: email and IP SANs, which the contract does not name)
-_NAME_PROPERTIES = ("x509_common_name", "peer_dns", "peer_uri")
+#: identity type -> the gRPC auth-context property of a verified client certificate
+#: that carries it: the subject CN, DNS SANs and URI SANs ("x509_subject_alternative_name"
+#: would add email and IP SANs, which the contract does not name). Each has its own
+#: namespace: a CN equal to another tenant's DNS name names nobody.
+IDENTITY_TYPES: Mapping[str, str] = {"cn": "x509_common_name", "dns": "peer_dns", "uri": "peer_uri"}
 
 
 def certificate_names(auth_context: Mapping[str, Any]) -> list[str]:
-    """The subject CN and the DNS and URI SANs of a verified client certificate (gRPC's
-    auth context)."""
+    """The typed names of a verified client certificate (gRPC's auth context):
+    ``cn:<subject CN>``, ``dns:<DNS SAN>``, ``uri:<URI SAN>``."""
     names: list[str] = []
-    for key in _NAME_PROPERTIES:
+    for kind, key in IDENTITY_TYPES.items():
         for value in auth_context.get(key, ()):
-            names.append(value.decode() if isinstance(value, bytes) else str(value))
+            names.append(f"{kind}:" + (value.decode() if isinstance(value, bytes) else str(value)))
+    return names
+
+
+def _identities(value: Any, where: str) -> tuple[str, ...]:
+    """A tenant's ``identities``: each typed (``cn:``, ``dns:`` or ``uri:``).
+
+    An untyped name is refused rather than matched against every field (as before
+    typing): a certificate's CN is often free text a CA does not verify, so a CN must
+    never stand for a DNS or URI name the CA did verify.
+    """
+    names = _strings(value, where)
+    for i, name in enumerate(names):
+        kind, sep, rest = name.partition(":")
+        if sep and kind in IDENTITY_TYPES and rest:
+            continue
+        if kind in ("email", "ip"):
+            raise ValueError(
+                f"{where}[{i}]: {name[:200]!r}: email and IP SANs name no tenant (cn, dns or uri)"
+            )
+        raise ValueError(
+            f'{where}[{i}]: {name[:200]!r} names no certificate field: write "cn:{name[:200]}" (subject '
+            f'CN), "dns:{name[:200]}" (DNS SAN) or "uri:{name[:200]}" (URI SAN); untyped identities, '
+            "which matched any of the three, are refused"
+        )
     return names
 
 
@@ -324,6 +375,11 @@ def tenants_from_dict(
         if not isinstance(name, str) or not name.strip():
             # "" is the built-in full-access tenant's name (Tenant.full_access)
             raise ValueError(f"tenants.{name!r}: a tenant needs a non-empty name")
+        if len(name) > MAX_NAME_LENGTH:
+            # names reach messages, sessions, cache namespaces and the journal
+            raise ValueError(
+                f"tenants.{name[:32]!r}...: a tenant name has at most {MAX_NAME_LENGTH} characters"
+            )
         if not isinstance(t, Mapping):
             raise ValueError(f"{where}: must be a table")
         unknown = set(t) - _TENANT_KEYS
@@ -350,7 +406,7 @@ def tenants_from_dict(
             str(name),
             tuple(grants),
             _strings(t.get("tokens", []), f"{where}.tokens") if t.get("tokens") else (),
-            _strings(t.get("identities", []), f"{where}.identities") if t.get("identities") else (),
+            _identities(t.get("identities", []), f"{where}.identities") if t.get("identities") else (),
             max_sessions,
         )
         for i, token in enumerate(tenant.tokens):

@@ -18,6 +18,7 @@ from kvcoord.engine import EngineError
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .access import Tenant, tenants_from_dict
+from .bounds import check_request
 from .convert import config_from_pb
 from .errors import ServiceError
 from .registry import Limits
@@ -273,6 +274,7 @@ def parse_config(text: str, source: str = "config") -> ServerConfig:
         names.add(name)
         cfg = pool_config_from_dict(p, f"{where} ({name})")
         try:
+            check_request(pb.CreatePoolRequest(name=name, config=cfg), limits)  # as if created over the wire
             config_from_pb(cfg)
         except (EngineError, ServiceError) as exc:
             raise ConfigFileError(f"{where} ({name}): {exc}") from None

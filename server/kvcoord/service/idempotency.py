@@ -1,11 +1,16 @@
 """Idempotency keys: a retried call is answered from memory, never applied twice.
 
 A key belongs to one session and one RPC and is bound to the request's content (a
-digest of its bytes). Answers are kept for ``window`` seconds after they were made;
-a byte budget bounds the answers' memory. An answer pushed out early by the budget
-leaves a tombstone (scope, key, digest: about 200 bytes, kept for the window like every
-key), so a retry of it is refused with ANSWER_EVICTED instead of being applied a second
-time. A session's keys go when the session ends.
+digest of its bytes). Answers are kept for ``window`` seconds after they were made.
+
+One byte budget (``idempotency_max_bytes``) bounds everything kept: each entry counts
+:data:`ENTRY_BYTES` plus its key and session id, and its answer while it holds one.
+Past the budget the oldest answers go first; an answer pushed out early leaves a
+tombstone (the entry without its answer, kept for the window like every key), so a
+retry of it is refused with ANSWER_EVICTED instead of being applied a second time.
+When tombstones alone fill the budget, a call with a new key is refused before it is
+applied (RESOURCE_EXHAUSTED, nothing changed) until keys of the window expire. A
+session's keys go when the session ends.
 
 Plain Python, no gRPC messages: answers are opaque bytes, digests are bytes.
 """
@@ -20,7 +25,17 @@ import grpc
 
 from .errors import ErrorReason, ServiceError
 
-__all__ = ["IdempotencyStore", "Stored"]
+__all__ = ["ENTRY_BYTES", "IdempotencyStore", "Stored", "entry_bytes"]
+
+#: What an entry costs besides its key, session id and answer: the entry object, its
+#: digest, the dict, deque and per-session set slots, its own copy of the session id
+#: string (tracemalloc: about 460 bytes with a 32-character key and session id)
+ENTRY_BYTES = 512
+
+
+def entry_bytes(session_id: str, key: str) -> int:
+    """What an entry counts against the budget, its answer aside."""
+    return ENTRY_BYTES + len(session_id) + len(key)
 
 
 @dataclasses.dataclass(slots=True)
@@ -37,14 +52,18 @@ class IdempotencyStore:
     Args:
         clock: monotonic seconds (injected, so tests need no sleeping).
         window: seconds an answer is kept; clients retry only inside it.
-        max_bytes: the budget for kept answers; the oldest go first.
+        max_bytes: the budget for everything kept (entries and answers); the oldest
+            answers go first.
     """
 
     def __init__(self, clock: Callable[[], float], window: float, max_bytes: int) -> None:
         self.clock = clock
         self.window = window
         self.max_bytes = max_bytes
+        #: bytes counted: every entry (:func:`entry_bytes`) and every answer kept
         self.bytes = 0
+        #: the entries' share of :attr:`bytes` (what evicting answers cannot free)
+        self.entry_bytes = 0
         self._entries: collections.OrderedDict[tuple[str, str], Stored] = collections.OrderedDict()
         #: entries that may still hold an answer, oldest first (the budget evicts from
         #: the left; entries whose answer is gone are skipped), so eviction is O(1) each
@@ -60,13 +79,23 @@ class IdempotencyStore:
         Raises:
             ServiceError: INVALID_ARGUMENT (KEY_REUSED) when the key was used for
                 another RPC or another body; ABORTED (ANSWER_EVICTED) when the call
-                was applied but its answer is no longer kept.
+                was applied but its answer is no longer kept; RESOURCE_EXHAUSTED for a
+                new key when the budget is full of entries (their answers already
+                evicted): the call must not be applied, it could not be kept.
         """
         if not key:
             return None
         self.expire()
         entry = self._entries.get((session_id, key))
         if entry is None:
+            need = entry_bytes(session_id, key)
+            if self.entry_bytes + need > self.max_bytes:
+                raise ServiceError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"idempotency_max_bytes ({self.max_bytes:,}) is taken by the {len(self._entries):,} keys "
+                    f"of the last {self.window:g} s ({self.entry_bytes:,} bytes, answers already dropped); "
+                    "nothing was applied: retry later, or raise server.idempotency_max_bytes",
+                )
             return None
         if entry.rpc != rpc or entry.digest != digest:
             what = f"a {entry.rpc} call" if entry.rpc != rpc else "another request body"
@@ -93,13 +122,14 @@ class IdempotencyStore:
         now = self.clock()
         old = self._entries.pop((session_id, key), None)
         if old is not None:
-            self.bytes -= len(old.answer) if old.answer is not None else 0
-            old.answer = None
+            self._forget(session_id, key, old)
         entry = Stored(rpc, digest, now, answer)
         self._entries[(session_id, key)] = entry
         self._answered.append(entry)
         self._by_session.setdefault(session_id, set()).add(key)
-        self.bytes += len(answer)
+        cost = entry_bytes(session_id, key)
+        self.entry_bytes += cost
+        self.bytes += cost + len(answer)
         self._evict_to_budget()
 
     def drop_session(self, session_id: str) -> None:
@@ -107,8 +137,7 @@ class IdempotencyStore:
         for key in self._by_session.pop(session_id, ()):
             entry = self._entries.pop((session_id, key), None)
             if entry is not None:
-                self.bytes -= len(entry.answer) if entry.answer is not None else 0
-                entry.answer = None
+                self._forget(session_id, key, entry)
 
     def expire(self) -> None:
         """Drop entries older than the window (oldest first, so this stops early)."""
@@ -119,8 +148,7 @@ class IdempotencyStore:
             if entry.made_at > horizon:
                 break
             del entries[(sid, key)]
-            self.bytes -= len(entry.answer) if entry.answer is not None else 0
-            entry.answer = None
+            self._forget(sid, key, entry)
             keys = self._by_session.get(sid)
             if keys is not None:
                 keys.discard(key)
@@ -142,7 +170,16 @@ class IdempotencyStore:
             self._entries[(sid, key)] = entry
             self._answered.append(entry)
             self._by_session.setdefault(sid, set()).add(key)
-            self.bytes += len(answer) if answer is not None else 0
+            cost = entry_bytes(sid, key)
+            self.entry_bytes += cost
+            self.bytes += cost + (len(answer) if answer is not None else 0)
+
+    def _forget(self, session_id: str, key: str, entry: Stored) -> None:
+        """Take a removed entry (and its answer) off the count."""
+        cost = entry_bytes(session_id, key)
+        self.entry_bytes -= cost
+        self.bytes -= cost + (len(entry.answer) if entry.answer is not None else 0)
+        entry.answer = None
 
     def _evict_to_budget(self) -> None:
         """Turn the oldest answers into tombstones until the budget holds again."""

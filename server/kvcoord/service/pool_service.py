@@ -196,10 +196,14 @@ class PoolService:
         holder = next((o for o in others if o.exclusive), None)
         if holder is not None or (exclusive and others):
             if holder is None:
-                message = (
-                    f"pool {self.name!r} has {len(others)} other session(s); an exclusive session must be "
-                    "the only one"
+                # Other tenants' sessions are not counted to this one (nor named).
+                own = sum(1 for o in others if o.tenant == tenant)
+                whose = (
+                    f"{own} session(s) of your tenant" if own == len(others) else "sessions of other tenants"
                 )
+                if 0 < own < len(others):
+                    whose += f" and {own} of yours"
+                message = f"pool {self.name!r} has {whose}; an exclusive session must be the only one"
             else:
                 # The holder's client is named to its own tenant only.
                 whose = f"({holder.client_name!r})" if holder.tenant == tenant else "of another tenant"

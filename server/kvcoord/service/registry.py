@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
+from .bounds import MAX_NAME_LENGTH
 from .budget import MemoryBudget
 from .convert import MAX_MODEL_LEN_UNLIMITED, config_from_pb
 from .durability import Recorder
@@ -30,7 +31,7 @@ __all__ = ["GcFreezer", "Limits", "PoolRegistry", "new_instance_id"]
 
 logger = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+_NAME = re.compile(rf"^[A-Za-z0-9._-]{{1,{MAX_NAME_LENGTH}}}$")
 
 
 def new_instance_id() -> str:

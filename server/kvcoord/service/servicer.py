@@ -20,8 +20,10 @@ from kvcoord.engine.invariants import check_pool
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
+from . import bounds
 from . import operations as op
 from .access import AccessControl, current_tenant
+from .bounds import check_request
 from .budget import BLOCK_BYTES, TOKEN_BYTES
 from .convert import (
     add_events,
@@ -47,7 +49,7 @@ from .errors import (
     map_errors,
     map_stream_errors,
 )
-from .pool_service import Fence, PoolService
+from .pool_service import Fence, Limits, PoolService
 from .registry import PoolRegistry
 
 __all__ = ["AllocatorServicer", "NullObserver", "OperationObserver", "add_servicer"]
@@ -121,10 +123,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self.max_message_bytes = max_message_bytes
 
     def _info(self, p: PoolService) -> pb.PoolInfo:
+        """The pool as the caller may see it (other tenants' names only to its administrators)."""
         e = p.engine
         return pb.PoolInfo(
             name=p.name,
-            config=p.wire_config,  # type: ignore[arg-type]
+            config=self.access.pool_config_for(current_tenant(), p.name, p.wire_config),
             coordinator=p.config.coordinator_kind,
             num_free_blocks=e.num_free_blocks,
             usage=e.usage,
@@ -418,6 +421,14 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             tenant_sessions=reg.sessions.count_of_tenant(tenant.name),
             max_session_lease_seconds=reg.sessions.max_lease,
             max_message_bytes=self.max_message_bytes,
+            idempotency_max_bytes=reg.idempotency.max_bytes,
+            idempotency_bytes=reg.idempotency.bytes,
+            idempotency_keys=len(reg.idempotency),
+            server_sessions=len(reg.sessions.sessions),
+            max_name_length=bounds.MAX_NAME_LENGTH,
+            max_request_id_length=bounds.MAX_REQUEST_ID_LENGTH,
+            max_idempotency_key_length=bounds.MAX_IDEMPOTENCY_KEY_LENGTH,
+            max_client_name_length=bounds.MAX_CLIENT_NAME_LENGTH,
         )
 
     @map_errors
@@ -516,11 +527,17 @@ def _parser(cls: type[Message]) -> Callable[[bytes], Any]:
 
 
 def _guard(
-    handler: Callable[..., Any], streaming: bool, rpc: str, access: AccessControl, serving: Callable[[], None]
+    handler: Callable[..., Any],
+    streaming: bool,
+    rpc: str,
+    access: AccessControl,
+    serving: Callable[[], None],
+    limits: Limits,
 ) -> Callable[..., Any]:
     """Refuse every call once the server stopped serving (``serving`` raises), check the
     caller (access.py: credentials, then the role :data:`RPC_RULES` names) and refuse
-    an undecodable request, before the handler sees any of them."""
+    an undecodable request or one past an input bound (bounds.py), before the handler
+    sees any of them."""
 
     async def admit(request: Any, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -529,6 +546,7 @@ def _guard(
             access.bind(tenant)
             if isinstance(request, _Undecodable):
                 raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request))
+            check_request(request, limits)
             access.authorize(tenant, rpc, request)
         except ServiceError as exc:
             code, message = grpc_code(exc)
@@ -569,6 +587,7 @@ def add_servicer(servicer: AllocatorServicer, server: grpc.aio.Server) -> None:
             method.name,
             servicer.access,
             servicer.check_serving,
+            servicer.registry.limits,
         )
         factory = (
             grpc.unary_stream_rpc_method_handler

@@ -1,0 +1,381 @@
+"""Input bounds: the longest string and the longest list every request may carry.
+
+Every string, bytes and repeated field of every request message has a bound in
+:data:`BOUNDS`, keyed ``"Message.field"`` (a list's elements: ``"Message.field[]"``).
+A bound is a number, or the name of a ``[limits]`` setting (``Limits`` attribute). A
+request past one is refused with INVALID_ARGUMENT naming the field, its length and the
+bound, before any handler sees it, so nothing changes. docs/input-bounds.md lists the
+same table (a test keeps them equal).
+
+Why: gRPC's ``max_message_bytes`` bounds a message, not what the server keeps from it.
+Idempotency keys, request ids, client and LoRA names are kept (the idempotency store,
+the engine, sessions, events, the journal), so one 4 MiB key per call would grow the
+server by megabytes each time. Lists that name requests are bounded like a Step's
+operations; token and hash lists like one request's tokens.
+
+A few fields are bounded elsewhere (:data:`ELSEWHERE`, in the table too):
+``StepRequest.ops`` by ``max_ops_per_step`` (RESOURCE_EXHAUSTED, pool_service.py); an
+``AllocateRunOp``'s per-entry columns by its ``request_ids`` (each needs one value per
+entry); its token and hash columns (every entry's appends together) by the message
+size only, each entry's share then checked against the pool's ``max_model_len``; and
+each appended block hash by the engine (a pool with caching takes exactly its hash
+length, one without ignores hashes).
+
+Plain Python over protobuf descriptors; no gRPC types beyond the status code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .errors import ServiceError
+
+__all__ = [
+    "BOUNDS",
+    "ELSEWHERE",
+    "MAX_CLIENT_NAME_LENGTH",
+    "MAX_IDEMPOTENCY_KEY_LENGTH",
+    "MAX_NAME_LENGTH",
+    "MAX_REQUEST_ID_LENGTH",
+    "check_request",
+    "request_fields",
+]
+
+#: pool and tenant names (the pool-name rule of registry.py allows 128 characters)
+MAX_NAME_LENGTH = 128
+#: idempotency keys (the client library sends 32 hex digits)
+MAX_IDEMPOTENCY_KEY_LENGTH = 128
+#: request ids (vLLM's are a prefix and a UUID: about 50 characters)
+MAX_REQUEST_ID_LENGTH = 256
+#: AttachRequest.client_name (host, pid) and LoRA names
+MAX_CLIENT_NAME_LENGTH = 256
+MAX_LORA_NAME_LENGTH = 256
+#: session and server-instance ids (the server makes them: 32 and 16 hex digits)
+MAX_SESSION_ID_LENGTH = 64
+#: block hashes (sha256: 32 bytes; the engine then checks the exact length)
+MAX_BLOCK_HASH_BYTES = 64
+#: KV cache groups of a pool (vLLM's hybrid models have a few)
+MAX_GROUPS = 256
+
+#: "Message.field" (or "Message.field[]" for a list's elements) -> its bound: the
+#: longest length (characters, bytes, or items for a list) or a Limits attribute.
+BOUNDS: Mapping[str, int | str] = {
+    # names and ids
+    "CreatePoolRequest.name": MAX_NAME_LENGTH,
+    "GetPoolRequest.name": MAX_NAME_LENGTH,
+    "DeletePoolRequest.name": MAX_NAME_LENGTH,
+    "AttachRequest.pool": MAX_NAME_LENGTH,
+    "FindLongestCacheHitRequest.pool": MAX_NAME_LENGTH,
+    "AllocateRequest.pool": MAX_NAME_LENGTH,
+    "FreeRequest.pool": MAX_NAME_LENGTH,
+    "StepRequest.pool": MAX_NAME_LENGTH,
+    "ResetPrefixCacheRequest.pool": MAX_NAME_LENGTH,
+    "GetStatsRequest.pool": MAX_NAME_LENGTH,
+    "InspectPoolRequest.pool": MAX_NAME_LENGTH,
+    "WatchEventsRequest.pool": MAX_NAME_LENGTH,
+    "CheckPoolRequest.pool": MAX_NAME_LENGTH,
+    "HeartbeatRequest.session_id": MAX_SESSION_ID_LENGTH,
+    "DetachRequest.session_id": MAX_SESSION_ID_LENGTH,
+    "AllocateRequest.session_id": MAX_SESSION_ID_LENGTH,
+    "FreeRequest.session_id": MAX_SESSION_ID_LENGTH,
+    "StepRequest.session_id": MAX_SESSION_ID_LENGTH,
+    "ResetPrefixCacheRequest.session_id": MAX_SESSION_ID_LENGTH,
+    "Fence.instance_id": MAX_SESSION_ID_LENGTH,
+    "AllocateRequest.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,
+    "FreeRequest.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,
+    "StepRequest.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,
+    "AttachRequest.client_name": MAX_CLIENT_NAME_LENGTH,
+    "AttachRequest.hash_algo": 32,
+    "AttachRequest.hash_seed": 256,
+    "LoRA.name": MAX_LORA_NAME_LENGTH,
+    # requests
+    "RequestSync.request_id": MAX_REQUEST_ID_LENGTH,
+    "RequestSync.append_token_ids": "max_tokens_per_request",
+    "RequestSync.append_block_hashes": "max_tokens_per_request",
+    "FindLongestCacheHitRequest.block_hashes": "max_tokens_per_request",
+    "FindLongestCacheHitRequest.block_hashes[]": MAX_BLOCK_HASH_BYTES,
+    "FreeRequest.request_ids": "max_ops_per_step",
+    "FreeRequest.request_ids[]": MAX_REQUEST_ID_LENGTH,
+    "InspectPoolRequest.request_ids": "max_ops_per_step",
+    "InspectPoolRequest.request_ids[]": MAX_REQUEST_ID_LENGTH,
+    "FreeOp.request_id": MAX_REQUEST_ID_LENGTH,
+    "PreemptOp.request_id": MAX_REQUEST_ID_LENGTH,
+    "GetBlockIdsOp.request_id": MAX_REQUEST_ID_LENGTH,
+    "CommonPrefixOp.request_id": MAX_REQUEST_ID_LENGTH,
+    "AdmitOp.requests": "max_ops_per_step",
+    "AllocateRunOp.request_ids": "max_ops_per_step",
+    "AllocateRunOp.request_ids[]": MAX_REQUEST_ID_LENGTH,
+    "AllocateRunOp.check_request_ids": "max_ops_per_step",
+    "AllocateRunOp.check_request_ids[]": MAX_REQUEST_ID_LENGTH,
+    # block ids
+    "CacheHit.groups": MAX_GROUPS,
+    "GetBlockIdsResult.groups": MAX_GROUPS,
+    "BlockIds.block_ids": "max_blocks_per_pool",
+    "EvictBlocksOp.block_ids": "max_blocks_per_pool",
+    # pool configurations
+    "PoolConfig.groups": MAX_GROUPS,
+    "PoolConfig.hash_algo": 32,
+    "PoolConfig.hash_seed": 256,
+    "PoolConfig.shared_cache_tenants": 1024,
+    "PoolConfig.shared_cache_tenants[]": MAX_NAME_LENGTH,
+    "FullAttentionSpec.dtype": 64,
+    "SlidingWindowSpec.dtype": 64,
+    "ChunkedLocalAttentionSpec.dtype": 64,
+    "CrossAttentionSpec.dtype": 64,
+    "MambaSpec.mamba_cache_mode": 16,
+    "MambaSpec.shape_dims": 16,
+    "MambaSpec.dtypes": 16,
+    "MambaSpec.dtypes[]": 64,
+}
+
+#: lists bounded elsewhere (see the module docstring): field -> what bounds it
+ELSEWHERE: Mapping[str, str] = {
+    "StepRequest.ops": "max_ops_per_step (RESOURCE_EXHAUSTED)",
+    **{
+        f"AllocateRunOp.{name}": "one value per entry (request_ids)"
+        for name in (
+            "base_num_tokens",
+            "base_num_hashes",
+            "num_computed_tokens",
+            "num_new_tokens",
+            "num_lookahead_tokens",
+            "num_append_tokens",
+            "num_append_hashes",
+        )  # fmt: skip
+    },
+    **{
+        f"AllocateRunOp.{name}": "one value per check (check_request_ids)"
+        for name in (
+            "check_at",
+            "check_num_computed_tokens",
+            "check_num_new_tokens",
+            "check_num_lookahead_tokens",
+            "check_num_tokens",
+        )  # fmt: skip
+    },
+    "AllocateRunOp.append_token_ids": "max_message_bytes",
+    "AllocateRunOp.append_block_hashes": "max_message_bytes",
+    # a pool with caching on takes hashes of exactly its hash length, one without ignores them
+    "RequestSync.append_block_hashes[]": "the pool's hash length (engine)",
+    "AllocateRunOp.append_block_hashes[]": "the pool's hash length (engine)",
+}
+
+
+def _is_repeated(f: FieldDescriptor) -> bool:
+    return bool(f.is_repeated)
+
+
+def _message(f: FieldDescriptor) -> Descriptor:
+    """The message type of a message field."""
+    d = f.message_type
+    assert d is not None, f.full_name
+    return d
+
+
+def _request_messages() -> list[Descriptor]:
+    """Every message a request can contain, request types included, each once, every
+    message after the messages it contains."""
+    order: list[Descriptor] = []
+    seen: set[str] = set()
+
+    def visit(d: Descriptor) -> None:
+        if d.full_name in seen:
+            return
+        seen.add(d.full_name)
+        for f in d.fields:
+            if f.type == FieldDescriptor.TYPE_MESSAGE:
+                visit(_message(f))
+        order.append(d)
+
+    for method in pb.DESCRIPTOR.services_by_name["Allocator"].methods:
+        visit(method.input_type)
+    return order
+
+
+def request_fields() -> list[tuple[str, FieldDescriptor]]:
+    """Every string, bytes and list field of every message a request can contain, as
+    ("Message.field", descriptor)."""
+    text = (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
+    return [
+        (f"{d.name}.{f.name}", f)
+        for d in _request_messages()
+        for f in d.fields
+        if _is_repeated(f) or f.type in text
+    ]
+
+
+_UNCHECKED_STRING = 1024  # a string field missing from BOUNDS (a test forbids that)
+
+#: checks one message: (message, limits) -> None, raising _TooLong
+_Checker = Callable[[Any, Any], None]
+
+
+class _TooLong(Exception):
+    def __init__(self, path: str, size: int, bound: int, setting: str | None, unit: str) -> None:
+        self.path, self.size, self.bound, self.setting, self.unit = path, size, bound, setting, unit
+
+
+def _element_too_long(path: str, values: Any, bound: int, setting: str | None) -> _TooLong:
+    longest = max(map(len, values))
+    i = next(j for j, v in enumerate(values) if len(v) == longest)
+    unit = "bytes" if isinstance(values[i], bytes) else "characters"
+    return _TooLong(f"{path}[{i}]", longest, bound, setting, unit)
+
+
+def _bound_expr(bound: int | str) -> tuple[str, str]:
+    """Python source of a bound's value and of its setting's name."""
+    return (str(bound), "None") if isinstance(bound, int) else (f"limits.{bound}", repr(bound))
+
+
+def _smallest(d: Descriptor, seen: frozenset[str] = frozenset()) -> tuple[int, set[str]]:
+    """The smallest bound in message ``d`` and every message it contains: (the smallest
+    number, the settings named). A message whose serialized size is at most the
+    smallest of them cannot be past any (each item of a list takes a byte or more)."""
+    least, settings = _UNCHECKED_STRING, set()
+    for f in d.fields:
+        key = f"{d.name}.{f.name}"
+        repeated = _is_repeated(f)
+        text = f.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
+        bounds = []
+        if repeated and key in BOUNDS:
+            bounds.append(BOUNDS[key])
+        if text and (key + "[]" if repeated else key) not in ELSEWHERE:
+            bounds.append(BOUNDS.get(key + "[]" if repeated else key, _UNCHECKED_STRING))
+        for b in bounds:
+            if isinstance(b, int):
+                least = min(least, b)
+            else:
+                settings.add(b)
+        if f.type == FieldDescriptor.TYPE_MESSAGE and _message(f).full_name not in seen:
+            n, more = _smallest(_message(f), seen | {d.full_name})
+            least, settings = min(least, n), settings | more
+    return least, settings
+
+
+def _source(d: Descriptor, name: str, subs: dict[str, str]) -> list[str]:
+    """The body of the checker of message ``d`` (each field checked inline: a Step of
+    hundreds of operations is checked in well under a millisecond)."""
+    lines: list[str] = []
+    oneofs: dict[str, list[str]] = {}
+    for f in d.fields:
+        key = f"{d.name}.{f.name}"
+        repeated = _is_repeated(f)
+        text = f.type in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_BYTES)
+        sub = subs.get(_message(f).full_name) if f.type == FieldDescriptor.TYPE_MESSAGE else None
+        if f.type == FieldDescriptor.TYPE_MESSAGE and not repeated:
+            if sub is None:
+                continue
+            if f.containing_oneof is not None:
+                oneofs.setdefault(f.containing_oneof.name, []).append(f.name)
+                continue
+            lines += [
+                f"if m.HasField({f.name!r}):",
+                "    try:",
+                f"        {sub}(m.{f.name}, limits)",
+                "    except _TooLong as exc:",
+                f"        exc.path = {'.' + f.name!r} + exc.path",
+                "        raise",
+            ]
+            continue
+        if not (repeated or text):
+            continue
+        lines.append(f"v = m.{f.name}")
+        if repeated and key in BOUNDS:
+            value, setting = _bound_expr(BOUNDS[key])
+            lines += [
+                f"if len(v) > {value}:",
+                f"    raise _TooLong({'.' + f.name!r}, len(v), {value}, {setting}, 'items')",
+            ]
+        if repeated and text and key + "[]" in ELSEWHERE:
+            pass
+        elif repeated and text:
+            value, setting = _bound_expr(BOUNDS.get(key + "[]", _UNCHECKED_STRING))
+            lines += [
+                f"if v and max(map(len, v)) > {value}:",
+                f"    raise _element_too_long({'.' + f.name!r}, v, {value}, {setting})",
+            ]
+        elif text:
+            value, setting = _bound_expr(BOUNDS.get(key, _UNCHECKED_STRING))
+            unit = "bytes" if f.type == FieldDescriptor.TYPE_BYTES else "characters"
+            lines += [
+                f"if len(v) > {value}:",
+                f"    raise _TooLong({'.' + f.name!r}, len(v), {value}, {setting}, {unit!r})",
+            ]
+        elif sub is not None:
+            # Items this small cannot be past a bound: only their size is read (a Step's
+            # operations are mostly small; ByteSize costs less than reading their fields).
+            least, settings = _smallest(_message(f))
+            parts = [str(least)] + [f"limits.{x}" for x in sorted(settings)]
+            safe = f"min({', '.join(parts)})" if len(parts) > 1 else parts[0]
+            lines += [
+                f"safe = {safe}",
+                "for i, item in enumerate(v):",
+                "    if item.ByteSize() <= safe:",
+                "        continue",
+                "    try:",
+                f"        {sub}(item, limits)",
+                "    except _TooLong as exc:",
+                f"        exc.path = f'.{f.name}[{{i}}]' + exc.path",
+                "        raise",
+            ]
+    for group, members in oneofs.items():
+        lines += [f"k = m.WhichOneof({group!r})"]
+        for i, member in enumerate(members):
+            sub = subs[_message(d.fields_by_name[member]).full_name]
+            lines += [
+                f"{'if' if i == 0 else 'elif'} k == {member!r}:",
+                "    try:",
+                f"        {sub}(m.{member}, limits)",
+                "    except _TooLong as exc:",
+                f"        exc.path = {'.' + member!r} + exc.path",
+                "        raise",
+            ]
+    return lines
+
+
+def _compile() -> dict[str, _Checker]:
+    """One checker per request message type (and per message they contain that has a
+    bounded field), made from the descriptors and :data:`BOUNDS`."""
+    names: dict[str, str] = {}
+    namespace: dict[str, Any] = {"_TooLong": _TooLong, "_element_too_long": _element_too_long}
+    for d in _request_messages():
+        name = "check_" + d.full_name.replace(".", "_")
+        body = _source(d, name, names)
+        if not body:
+            continue
+        source = f"def {name}(m, limits):\n" + "".join(f"    {line}\n" for line in body)
+        exec(compile(source, f"<bounds {d.full_name}>", "exec"), namespace)  # noqa: S102 - from descriptors
+        names[d.full_name] = name
+    return {full: namespace[name] for full, name in names.items()}
+
+
+_CHECKERS = _compile()
+
+
+def check_request(request: Any, limits: Any) -> None:
+    """Check every bounded field of a request message (any Allocator request type).
+
+    Args:
+        request: the parsed request.
+        limits: the server's ``Limits`` (bounds named after its settings read them).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT naming the first field past its bound.
+    """
+    check = _CHECKERS.get(request.DESCRIPTOR.full_name)
+    if check is None:
+        return
+    try:
+        check(request, limits)
+    except _TooLong as exc:
+        setting = f" ([limits] {exc.setting})" if exc.setting else ""
+        raise ServiceError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{exc.path.lstrip('.')} is {exc.size:,} {exc.unit} long; the longest accepted is "
+            f"{exc.bound:,}{setting} (docs/input-bounds.md); nothing was changed",
+        ) from None

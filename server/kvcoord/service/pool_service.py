@@ -22,6 +22,7 @@ from kvcoord.engine import (
     CacheHit,
     HintMismatchError,
     KVCacheConfig,
+    KVCacheEvent,
     KVCachePool,
     PrefixCacheStats,
     RequestCheckpoint,
@@ -731,7 +732,8 @@ class PoolService:
         A session sees what vLLM's own manager would show it: blocks stored and removed
         in its own namespace (tenants with isolated caches never see each other's token
         ids or hashes), and every AllBlocksCleared. Without namespaces (no tenants, or a
-        shared cache) that is every event of the pool. WatchEvents streams them all.
+        shared cache) that is every event of the pool. WatchEvents filters alike
+        (:meth:`events_filter`).
         """
         self._publish()
         journal = self.events
@@ -743,6 +745,26 @@ class PoolService:
         prefix = self.engine.cache_namespace_prefix(s.cache_namespace)
         events = [e for _, e in kept if isinstance(e, AllBlocksCleared) or e.cache_prefix == prefix]
         return op.EventsTaken(events, gap)
+
+    def events_filter(self, tenant: str, administers: bool) -> Callable[[KVCacheEvent], bool] | None:
+        """Which of the pool's events a watcher of ``tenant`` may read (WatchEvents):
+        ``None`` (every event) for the full-access tenant and a tenant administering
+        the pool; else those of its own cache namespace (:meth:`cache_namespace`), as
+        :meth:`take_events` gives its sessions, and every AllBlocksCleared. A namespace
+        the pool has not seen yet (the tenant never attached) matches no event until it
+        appears; looking it up registers nothing (replay assigns prefixes in attach order)."""
+        if not tenant or administers:
+            return None
+        namespace = self.cache_namespace(tenant)
+        engine = self.engine
+
+        def visible(event: KVCacheEvent) -> bool:
+            if isinstance(event, AllBlocksCleared):
+                return True
+            prefix = engine.cache_namespaces.get(namespace) if namespace else b""
+            return prefix is not None and event.cache_prefix == prefix
+
+        return visible
 
     def make_stats(self, s: Session) -> PrefixCacheStats | None:
         """The session's statistics since its previous make, then reset."""

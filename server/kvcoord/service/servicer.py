@@ -21,7 +21,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from . import operations as op
-from .access import AccessControl, current_tenant
+from .access import AccessControl, Role, current_tenant
 from .budget import BLOCK_BYTES, TOKEN_BYTES
 from .convert import (
     add_events,
@@ -476,20 +476,34 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         reset = other or cursor > journal.visible_sequence
         if reset:
             cursor = 0
+        # A tenant that does not administer the pool reads its own cache namespace only
+        # (as TakeEvents does): other tenants' token ids and hashes never reach it.
+        tenant = current_tenant()
+        visible = service.events_filter(tenant.name, Role.ADMINISTER in tenant.roles_on(service.name))
         # Sequence numbers start at 1 in each pool incarnation and go on across
         # restarts (recovery restores the counter with the kept events), so a cursor
         # of 0 (fresh or reset) missed events exactly when sequence 1 is no longer kept.
+        # The gap (and reset) flag rides on the next event this watcher is sent.
+        gap = False
         while not self.stopping and not journal.closed:
-            gap = journal.missed(cursor)
+            gap = gap or journal.missed(cursor)
             items = journal.since(cursor, limit=1024, upto=journal.visible_sequence)
+            sent = False
             for seq, event in items:
+                cursor = seq
+                if visible is not None and not visible(event):
+                    continue
                 yield pb.WatchEventsResponse(
                     sequence=seq, event=event_to_pb(event), gap=gap, fence=fence, reset=reset
                 )
                 gap = reset = False
-                cursor = seq
+                sent = True
             if not items:
+                # suspends until an event is deliverable (never returns at once while
+                # none is: a commit behind the oldest kept event must not spin the loop)
                 await journal.wait(cursor, self.watch_poll_seconds)
+            elif not sent:
+                await asyncio.sleep(0)  # a batch of other tenants' events: let others run
 
 
 async def _tear_down(service: PoolService) -> None:

@@ -221,10 +221,12 @@ def test_watch_events_shows_an_observer_only_its_own_namespace(
         channel.close()
 
 
-STORM_POOL = """
+def pool16(name: str, num_blocks: int) -> str:
+    """A caching pool of one full-attention group of 16-token blocks, with events."""
+    return f"""
 [[pools]]
-name = "storm"
-num_blocks = 512
+name = "{name}"
+num_blocks = {num_blocks}
 hash_block_size = 16
 hash_algo = "sha256_cbor"
 hash_seed = "0"
@@ -235,6 +237,9 @@ enable_kv_cache_events = true
 type = "full"
 block_size = 16
 """
+
+
+STORM_POOL = pool16("storm", 512)
 
 
 def storm_step(

@@ -31,7 +31,7 @@ from kvcoord.engine import (
 
 from . import operations as op
 from .errors import ErrorReason, Position, ServiceError
-from .events import EventJournal
+from .events import EventJournal, event_wire_bytes
 from .sessions import Session, SessionTable
 
 #: free-queue positions a hint lookup walks by default, and at most
@@ -120,6 +120,9 @@ class PoolService:
         #: earlier instances of this server whose state was recovered without loss
         #: (durability.py): their fences stay valid for this incarnation
         self.lineage: frozenset[str] | set[str] = frozenset()
+        #: the byte budget of a TakeEventsOp's events (the servicer sets it from the
+        #: server's max_message_bytes; None: no budget)
+        self.answer_event_bytes: int | None = None
 
     # -- fencing and sessions -----------------------------------------------------------
     def check_fence(self, fence: Fence | None) -> None:
@@ -718,14 +721,17 @@ class PoolService:
         return self.engine.reset_prefix_cache()
 
     def _take_events(self, s: Session, o: op.TakeEvents) -> op.Value:
-        return self.take_events(s)
+        budget = self.answer_event_bytes
+        return self.take_events(s, budget)
 
     def _make_stats(self, s: Session, o: op.MakeStats) -> op.Value:
         if o.peek:
             return self.engine.peek_prefix_cache_stats()
         return self.engine.make_prefix_cache_stats()
 
-    def take_events(self, s: Session) -> op.EventsTaken:
+    def take_events(
+        self, s: Session, max_bytes: int | None = None, max_event_bytes: int | None = None
+    ) -> op.EventsTaken:
         """The events of the session's cache namespace since its previous take (its
         cursor moves).
 
@@ -734,17 +740,47 @@ class PoolService:
         ids or hashes), and every AllBlocksCleared. Without namespaces (no tenants, or a
         shared cache) that is every event of the pool. WatchEvents filters alike
         (:meth:`events_filter`).
+
+        Args:
+            max_bytes: the answer's budget for events (their :func:`event_wire_bytes`):
+                the events are cut before the first that would pass it, ``more`` is
+                set and the cursor stays after the last one given, so the next take
+                continues there (None: no budget).
+            max_event_bytes: the most one event may take in any answer: a larger one
+                could never be given, so it is dropped for this session with ``gap``
+                set (None: ``max_bytes``).
         """
         self._publish()
         journal = self.events
         gap = journal.missed(s.events_cursor)
         kept = journal.since(s.events_cursor)
-        s.events_cursor = journal.last_sequence
-        if not self.engine.cache_namespaces:  # every event is of the default namespace
+        prefix = None
+        if self.engine.cache_namespaces:  # else every event is of the default namespace
+            prefix = self.engine.cache_namespace_prefix(s.cache_namespace)
+        if max_bytes is None and prefix is None:
+            s.events_cursor = journal.last_sequence
             return op.EventsTaken([e for _, e in kept], gap)
-        prefix = self.engine.cache_namespace_prefix(s.cache_namespace)
-        events = [e for _, e in kept if isinstance(e, AllBlocksCleared) or e.cache_prefix == prefix]
-        return op.EventsTaken(events, gap)
+        largest = max_bytes if max_event_bytes is None else max_event_bytes
+        events: list[KVCacheEvent] = []
+        used = 0
+        more = False
+        cursor = journal.last_sequence
+        for seq, e in kept:
+            if prefix is not None and not isinstance(e, AllBlocksCleared) and e.cache_prefix != prefix:
+                continue
+            if max_bytes is not None:
+                size = event_wire_bytes(e)
+                if used + size > max_bytes:
+                    if largest is not None and size > largest:
+                        gap = True  # no answer can carry it
+                        continue
+                    more = True
+                    cursor = seq - 1
+                    break
+                used += size
+            events.append(e)
+        s.events_cursor = cursor
+        return op.EventsTaken(events, gap, more)
 
     def events_filter(self, tenant: str, administers: bool) -> Callable[[KVCacheEvent], bool] | None:
         """Which of the pool's events a watcher of ``tenant`` may read (WatchEvents):

@@ -97,6 +97,11 @@ def _fence(request: Any) -> Fence | None:
     return fence_from_pb(request.fence, request.HasField("fence"))
 
 
+#: what an answer keeps free besides its events or pool state (fields written after
+#: the budget is taken: statistics, flags, the session id, gRPC's framing)
+ANSWER_MARGIN_BYTES = 1024
+
+
 class AllocatorServicer(pb_grpc.AllocatorServicer):
     """Translates each RPC into calls on the registry and its pool services."""
 
@@ -219,11 +224,41 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         while self._teardowns:
             await asyncio.gather(*self._teardowns)
 
+    def _half_answer(self) -> int | None:
+        """The byte budget of a TakeEventsOp's events: half an answer."""
+        return self.max_message_bytes // 2 if self.max_message_bytes else None
+
+    def _pool_state(self, request: pb.AttachRequest, service: PoolService) -> Any:
+        """The pool state an exclusive Attach asks for, once it is known to fit in the
+        answer (checked before any session exists).
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED (ANSWER_TOO_LARGE) naming both sizes.
+        """
+        if not (request.want_pool_state and request.exclusive):
+            return None
+        state = service.engine.replica_state()
+        if not self.max_message_bytes or isinstance(state, str):
+            return state
+        probe = pb.AttachResponse(pool=self._info(service), fence=fence_to_pb(service.fence))
+        write_pool_state(probe, state)
+        size = probe.ByteSize() + ANSWER_MARGIN_BYTES
+        if size > self.max_message_bytes:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the state of pool {service.name!r} takes about {size:,} bytes, more than one answer may "
+                f"(max_message_bytes {self.max_message_bytes:,}); no session was made: attach without "
+                "want_pool_state (no prediction) or raise server.max_message_bytes",
+                ErrorReason.ANSWER_TOO_LARGE,
+            )
+        return state
+
     # -- sessions -----------------------------------------------------------------
     @map_errors
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         service = self.registry.get(request.pool)
         tenant = current_tenant()
+        state = self._pool_state(request, service)
         try:
             s = service.attach(
                 request.hash_algo,
@@ -251,9 +286,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             exclusive=s.exclusive,
         )
         if request.want_pool_state:
-            write_pool_state(
-                response, service.engine.replica_state() if s.exclusive else "the session is not exclusive"
-            )
+            write_pool_state(response, state if s.exclusive else "the session is not exclusive")
         return await self._durable(response)
 
     @map_errors
@@ -346,6 +379,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             )
         groups = len(service.config.groups)
         ops = [operation_from_pb(o, groups) for o in request.ops]
+        service.answer_event_bytes = self._half_answer()
         outcomes = service.apply(s, ops)
         e = service.engine
         response = pb.StepResponse(
@@ -355,7 +389,14 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         for o, r in zip(ops, outcomes, strict=True):
             write_outcome(add(), o, r)
         if request.include_state:
-            taken = service.take_events(s)
+            if request.events_digest or not self.max_message_bytes:
+                taken = service.take_events(s)
+            else:
+                # the answer stays below max_message_bytes: events past what is left are
+                # kept for the next call (events_more), never lost in a refused answer
+                full = self.max_message_bytes - ANSWER_MARGIN_BYTES
+                taken = service.take_events(s, full - response.ByteSize(), full)
+                response.events_more = taken.more
             if request.events_digest:
                 response.events_sha256 = events_digest(taken.events)
             else:

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import random
 import threading
+import tracemalloc
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,18 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import allocate, attach
 from kvcoord.client import KVCoordClient
+from kvcoord.engine import BlockStored, KVCacheEvent
+from kvcoord.engine.events import block_removed
+from kvcoord.service.budget import (
+    BLOCK_BYTES,
+    ENGINE_BLOCK_BYTES,
+    ENGINE_TOKEN_BYTES,
+    EVENT_BLOCK_BYTES,
+    TOKEN_BYTES,
+    event_buffer_bytes,
+    pool_bytes,
+)
+from kvcoord.service.events import EVENT_TOKEN_BYTES, EventJournal
 from kvcoord.service.pool_service import Limits
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
@@ -293,3 +307,84 @@ def test_a_stalled_watcher_never_delays_a_step_or_a_health_check(
             stream.cancel()
         for c in [*stalled, channel]:
             c.close()
+
+
+def _fresh_events(kind: str, n: int, rng: random.Random) -> list[KVCacheEvent]:
+    """Events holding objects of their own (new hashes and token ids, as events of
+    freed requests do)."""
+    if kind == "removed":
+        return [block_removed(rng.randbytes(32)) for _ in range(n)]
+    return [
+        BlockStored(
+            tuple(rng.randbytes(32) for _ in range(4)),
+            rng.randbytes(32),
+            tuple(rng.randrange(300, 200_000) for _ in range(64)),
+            16,
+            None,
+            None,
+        )
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("kind", ["removed", "stored"])
+def test_the_event_buffer_estimate_covers_what_it_holds(kind: str) -> None:
+    """Scenario 9: the bytes the buffer counts (and the budget counts, budget.py) are at
+    least what its events take, measured by tracemalloc; and past max_bytes it drops
+    its oldest, so what it holds stays within the bound however many are published."""
+    rng = random.Random(7)
+    journal = EventJournal(capacity=1 << 20)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        journal.publish(_fresh_events(kind, 4000, rng))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held <= journal.bytes <= 1.5 * held
+    bounded = EventJournal(capacity=1 << 20, max_bytes=journal.bytes // 10)
+    for _ in range(20):
+        bounded.publish(_fresh_events(kind, 400, rng))
+        assert bounded.bytes <= bounded.max_bytes
+    assert bounded.last_sequence == 8000 and bounded.oldest_sequence > 7000
+    assert bounded.missed(0) and not bounded.missed(bounded.oldest_sequence - 1)
+
+
+def test_the_pools_memory_estimate_includes_its_event_buffer(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """Scenario 9 over gRPC: GetStats counts the event buffer's bound in the pool's
+    estimate (pool_bytes), reports what the buffer holds, and under eviction storms of
+    far more events than the bound holds (event_buffer's count not reached) what it
+    holds stays within it, while a reader behind is told of the gap."""
+    server = make_server(STORM_POOL)
+    with KVCoordClient(server.address, timeout=ANSWER_WITHIN) as client:
+        sid, fence = attach(client, "storm", block_size=16)
+        stats = client.get_stats("storm")
+        assert stats.event_buffer_max_bytes == event_buffer_bytes(512, 16)
+        assert stats.pool_memory_bytes == pool_bytes(512, 16)
+        assert stats.pool_memory_bytes == 512 * (
+            ENGINE_BLOCK_BYTES + 16 * ENGINE_TOKEN_BYTES
+        ) + event_buffer_bytes(512, 16)
+        assert stats.limits.pool_memory_bytes == stats.pool_memory_bytes
+        peak = 0
+        for i in range(60):  # ~60 x 2 events of 64 blocks: 8 pools' worth of events
+            storm_step(client, sid, fence, i)
+            peak = max(peak, client.get_stats("storm").event_buffer_bytes)
+        assert 0 < peak <= stats.event_buffer_max_bytes
+        assert client.get_stats("storm").limits.event_buffer > 120  # the count bound was not what held it
+        taken = client.step("storm", [], sid, fence, include_state=True)
+        assert taken.events_gap
+
+
+def test_the_docs_give_the_estimate_the_server_uses() -> None:
+    """README, deploy/README and the default config state the per-block and per-token
+    figures budget.py uses (events included)."""
+    root = Path(__file__).resolve().parents[2]
+    formula = f"{BLOCK_BYTES} + {TOKEN_BYTES} x hash_block_size"
+    assert formula in (root / "README.md").read_text()
+    assert formula in (root / "server/kvcoord/service/default_config.toml").read_text()
+    assert formula.replace(" x ", " × ") in (root / "deploy/README.md").read_text()
+    assert (
+        f"{EVENT_BLOCK_BYTES} per block and {EVENT_TOKEN_BYTES} per token" in (root / "README.md").read_text()
+    )

@@ -36,11 +36,11 @@ __all__ = [
 
 #: estimated memory of one kept event beyond its hashes and token ids: the event
 #: object, its tuples, the journal's (sequence, event) entry and the sequence number
-EVENT_BYTES = 240
+EVENT_BYTES = 288
 #: one block hash a kept event holds (a 32-byte ``bytes`` and its slot)
 EVENT_HASH_BYTES = 80
 #: one token id a kept event holds (an ``int`` object and its tuple slot)
-EVENT_TOKEN_BYTES = 36
+EVENT_TOKEN_BYTES = 40
 
 
 def event_memory_bytes(event: KVCacheEvent) -> int:

@@ -30,6 +30,7 @@ from kvcoord.engine import (
 )
 
 from . import operations as op
+from .budget import event_buffer_bytes
 from .errors import ErrorReason, Position, ServiceError
 from .events import EventJournal, event_wire_bytes
 from .sessions import Session, SessionTable
@@ -109,7 +110,9 @@ class PoolService:
         self.sessions = sessions
         self.wire_config = wire_config
         self.engine = KVCachePool(config)
-        self.events = EventJournal(limits.event_buffer)
+        self.events = EventJournal(
+            limits.event_buffer, event_buffer_bytes(config.num_blocks, hash_settings[1])
+        )
         #: request id -> owning session
         self.owners: dict[str, Session] = {}
         #: no session may attach before this monotonic time (post-restart grace)

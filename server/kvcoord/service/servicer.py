@@ -438,6 +438,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             fence=fence_to_pb(service.fence),
             limits=self._limits(),
             pool_memory_bytes=self.registry.pool_memory.get(service.name, 0),
+            event_buffer_bytes=service.events.bytes,
+            event_buffer_max_bytes=service.events.max_bytes,
         )
 
     def _limits(self) -> pb.ServerLimits:

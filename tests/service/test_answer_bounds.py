@@ -126,3 +126,51 @@ def test_the_wire_estimate_of_an_event_is_an_upper_bound() -> None:
         answer = pb.StepResponse()
         answer.events.append(event_to_pb(e))
         assert answer.ByteSize() <= event_wire_bytes(e), e
+
+
+def test_a_cut_take_is_reproduced_by_its_count() -> None:
+    """PoolService.take_events cut at a byte budget leaves the cursor after the last
+    event given (the next take continues, nothing lost or repeated); the same take
+    on an identical pool cut by the number of events it gave (what a replay of the
+    journaled answer knows) leaves the cursor at the same place."""
+    from kvcoord.engine import FullAttentionSpec, KVCacheConfig
+    from kvcoord.service import operations as op
+    from kvcoord.service.pool_service import Fence, Limits, PoolService
+    from kvcoord.service.sessions import SessionTable
+    from kvcoord.service.testing import ManualClock
+
+    def pool() -> tuple[PoolService, object]:
+        cfg = KVCacheConfig(
+            num_blocks=256, groups=(FullAttentionSpec(16),), hash_block_size=16, enable_kv_cache_events=True
+        )
+        p = PoolService(
+            "p", cfg, ("sha256_cbor", 16, "0"), Fence("i", 1), Limits(), SessionTable(ManualClock(), 30, 60)
+        )
+        reader = p.attach("sha256_cbor", 16, "0", "reader", 0)
+        writer = p.attach("sha256_cbor", 16, "0", "writer", 0)
+        for i in range(12):
+            prompt = [i * 160 + t for t in range(160)]
+            sync = op.RequestSync(f"r{i}", prompt, salted16(prompt), new_request=True)
+            assert [o.error for o in p.apply(writer, [op.Allocate(sync, 160), op.Free(f"r{i}")])] == [
+                None,
+                None,
+            ]
+        return p, reader
+
+    p, reader = pool()
+    everything = [e for _, e in p.events.kept()]
+    first = p.take_events(reader, max_bytes=3000)
+    assert first.more and not first.gap and 0 < len(first.events) < len(everything)
+    stopped_at = reader.events_cursor
+    rest = p.take_events(reader, max_bytes=1 << 20)
+    assert not rest.more and first.events + rest.events == everything
+    again, reader_again = pool()
+    replayed = again.take_events(reader_again, max_events=len(first.events))
+    assert replayed.more and replayed.events == first.events
+    assert reader_again.events_cursor == stopped_at
+
+
+def salted16(tokens: list[int]) -> list[bytes]:
+    from kvcoord.client.hashing import BlockHasher, none_hash
+
+    return BlockHasher("sha256_cbor", 16, none_hash("sha256_cbor", "0")).extend(tokens)

@@ -733,7 +733,11 @@ class PoolService:
         return self.engine.make_prefix_cache_stats()
 
     def take_events(
-        self, s: Session, max_bytes: int | None = None, max_event_bytes: int | None = None
+        self,
+        s: Session,
+        max_bytes: int | None = None,
+        max_event_bytes: int | None = None,
+        max_events: int | None = None,
     ) -> op.EventsTaken:
         """The events of the session's cache namespace since its previous take (its
         cursor moves).
@@ -752,6 +756,9 @@ class PoolService:
             max_event_bytes: the most one event may take in any answer: a larger one
                 could never be given, so it is dropped for this session with ``gap``
                 set (None: ``max_bytes``).
+            max_events: at most this many events, cut the same way (a replay of an
+                answer that was cut gives as many events as it held: the cursor ends
+                where it did).
         """
         self._publish()
         journal = self.events
@@ -760,7 +767,7 @@ class PoolService:
         prefix = None
         if self.engine.cache_namespaces:  # else every event is of the default namespace
             prefix = self.engine.cache_namespace_prefix(s.cache_namespace)
-        if max_bytes is None and prefix is None:
+        if max_bytes is None and max_events is None and prefix is None:
             s.events_cursor = journal.last_sequence
             return op.EventsTaken([e for _, e in kept], gap)
         largest = max_bytes if max_event_bytes is None else max_event_bytes
@@ -771,6 +778,10 @@ class PoolService:
         for seq, e in kept:
             if prefix is not None and not isinstance(e, AllBlocksCleared) and e.cache_prefix != prefix:
                 continue
+            if max_events is not None and len(events) >= max_events:
+                more = True
+                cursor = seq - 1
+                break
             if max_bytes is not None:
                 size = event_wire_bytes(e)
                 if used + size > max_bytes:

@@ -4,6 +4,7 @@ item 4): over real gRPC, with a small max_message_bytes."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -31,8 +32,9 @@ def _store(client: KVCoordClient, sid: str, fence: pb.Fence, i: int, tokens: int
 
 
 @pytest.fixture
-def small(make_server: Callable[..., InProcessServer]) -> InProcessServer:
-    return make_server(POOL, max_message_bytes=LIMIT)
+def small(make_server: Callable[..., InProcessServer], tmp_path: Path) -> InProcessServer:
+    """A journaled server with a 64 KiB max_message_bytes."""
+    return make_server(POOL, max_message_bytes=LIMIT, data_dir=str(tmp_path / "data"))
 
 
 def test_an_idle_workers_events_arrive_over_several_bounded_answers(small: InProcessServer) -> None:

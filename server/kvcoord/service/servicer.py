@@ -228,18 +228,20 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         """The byte budget of a TakeEventsOp's events: half an answer."""
         return self.max_message_bytes // 2 if self.max_message_bytes else None
 
-    def _pool_state(self, request: pb.AttachRequest, service: PoolService) -> Any:
-        """The pool state an exclusive Attach asks for, once it is known to fit in the
-        answer (checked before any session exists).
+    def _check_pool_state_fits(self, request: pb.AttachRequest, service: PoolService, tenant: str) -> None:
+        """Refuse an exclusive Attach whose pool state would not fit in its answer,
+        before any session exists.
 
         Raises:
             ServiceError: RESOURCE_EXHAUSTED (ANSWER_TOO_LARGE) naming both sizes.
         """
-        if not (request.want_pool_state and request.exclusive):
-            return None
+        if not (request.want_pool_state and request.exclusive and self.max_message_bytes):
+            return
+        if service.cache_namespace(tenant):  # the session will cache under a namespace: no state
+            return
         state = service.engine.replica_state()
-        if not self.max_message_bytes or isinstance(state, str):
-            return state
+        if isinstance(state, str):
+            return
         probe = pb.AttachResponse(pool=self._info(service), fence=fence_to_pb(service.fence))
         write_pool_state(probe, state)
         size = probe.ByteSize() + ANSWER_MARGIN_BYTES
@@ -251,14 +253,13 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 "want_pool_state (no prediction) or raise server.max_message_bytes",
                 ErrorReason.ANSWER_TOO_LARGE,
             )
-        return state
 
     # -- sessions -----------------------------------------------------------------
     @map_errors
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         service = self.registry.get(request.pool)
         tenant = current_tenant()
-        state = self._pool_state(request, service)
+        self._check_pool_state_fits(request, service, tenant.name)
         try:
             s = service.attach(
                 request.hash_algo,
@@ -286,7 +287,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             exclusive=s.exclusive,
         )
         if request.want_pool_state:
-            write_pool_state(response, state if s.exclusive else "the session is not exclusive")
+            write_pool_state(
+                response, service.engine.replica_state() if s.exclusive else "the session is not exclusive"
+            )
         return await self._durable(response)
 
     @map_errors

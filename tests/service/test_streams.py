@@ -368,7 +368,7 @@ def test_the_pools_memory_estimate_includes_its_event_buffer(
         ) + event_buffer_bytes(512, 16)
         assert stats.limits.pool_memory_bytes == stats.pool_memory_bytes
         peak = 0
-        for i in range(60):  # ~60 x 2 events of 64 blocks: 8 pools' worth of events
+        for i in range(60):  # ~70 KB of events each: 6 times the buffer's bound
             storm_step(client, sid, fence, i)
             peak = max(peak, client.get_stats("storm").event_buffer_bytes)
         assert 0 < peak <= stats.event_buffer_max_bytes

@@ -7,8 +7,8 @@ hashes and their cached keys). A pool's blocks are created on first use, but a f
 pool uses every one, and its requests hold up to ``hash_block_size`` tokens per block.
 
 The pool's event buffer (events.py) keeps stored blocks' hashes and token ids after
-their requests are gone; it is bounded by :func:`event_buffer_bytes`, as much as one
-event per block holding the block's hash and tokens (:data:`EVENT_BLOCK_BYTES`,
+their requests are gone; it is bounded by :func:`event_buffer_bytes`, as much as two
+events per block, one holding the block's hash and tokens (:data:`EVENT_BLOCK_BYTES`,
 :data:`EVENT_TOKEN_BYTES`: measured in tests/service/test_streams.py), and dropping
 its oldest events past that. So the estimate is the pool at full use with a full
 buffer::
@@ -40,8 +40,9 @@ __all__ = [
 
 ENGINE_BLOCK_BYTES = 120
 ENGINE_TOKEN_BYTES = 70
-#: the event buffer's share per block: one event and the block's hash
-EVENT_BLOCK_BYTES = EVENT_BYTES + EVENT_HASH_BYTES
+#: the event buffer's share per block: two events (stored and removed: a whole pool
+#: replaced between two takes fits) and the block's hash in each
+EVENT_BLOCK_BYTES = 2 * (EVENT_BYTES + EVENT_HASH_BYTES)
 BLOCK_BYTES = ENGINE_BLOCK_BYTES + EVENT_BLOCK_BYTES
 TOKEN_BYTES = ENGINE_TOKEN_BYTES + EVENT_TOKEN_BYTES
 

@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helpers import allocate, attach
 from kvcoord.client import KVCoordClient
-from kvcoord.engine import BlockStored, KVCacheEvent
+from kvcoord.engine import BlockRemoved, BlockStored, KVCacheEvent
 from kvcoord.engine.events import block_removed
 from kvcoord.service.budget import (
     BLOCK_BYTES,
@@ -27,7 +27,7 @@ from kvcoord.service.budget import (
     pool_bytes,
 )
 from kvcoord.service.events import EVENT_TOKEN_BYTES, EventJournal
-from kvcoord.service.pool_service import Limits
+from kvcoord.service.pool_service import Fence, Limits
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
@@ -388,3 +388,42 @@ def test_the_docs_give_the_estimate_the_server_uses() -> None:
     assert (
         f"{EVENT_BLOCK_BYTES} per block and {EVENT_TOKEN_BYTES} per token" in (root / "README.md").read_text()
     )
+
+
+def test_a_whole_pool_replaced_between_two_takes_fits_the_byte_bound() -> None:
+    """The byte bound holds a BlockRemoved and a one-block BlockStored per block: a
+    session taking events every step loses none to it, even when one step replaces
+    every cached block of the pool by blocks stored one per event."""
+    from kvcoord.client.hashing import BlockHasher, none_hash
+    from kvcoord.engine import FullAttentionSpec, KVCacheConfig
+    from kvcoord.service import operations as op
+    from kvcoord.service.pool_service import PoolService
+    from kvcoord.service.sessions import SessionTable
+    from kvcoord.service.testing import ManualClock
+
+    root = none_hash("sha256_cbor", "0")
+    cfg = KVCacheConfig(
+        num_blocks=65, groups=(FullAttentionSpec(4),), hash_block_size=4, enable_kv_cache_events=True
+    )
+    p = PoolService(
+        "p", cfg, ("sha256_cbor", 4, "0"), Fence("i", 1), Limits(), SessionTable(ManualClock(), 30, 60)
+    )
+    s = p.attach("sha256_cbor", 4, "0", "w", 0)
+
+    def one_block_requests(base: int) -> list[op.Operation]:
+        ops: list[op.Operation] = []
+        for i in range(64):
+            tokens = [base + 4 * i + t for t in range(4)]
+            sync = op.RequestSync(
+                f"r{base}-{i}", tokens, BlockHasher("sha256_cbor", 4, root).extend(tokens), True
+            )
+            ops.append(op.Allocate(sync, 4))
+        return ops + [op.Free(f"r{base}-{i}") for i in range(64)]
+
+    assert all(o.error is None for o in p.apply(s, one_block_requests(1000)))
+    p.take_events(s)
+    assert all(o.error is None for o in p.apply(s, one_block_requests(5000)))  # evicts all 64
+    taken = p.take_events(s)
+    assert not taken.gap and p.events.bytes <= p.events.max_bytes
+    assert sum(isinstance(e, BlockRemoved) for e in taken.events) == 64
+    assert sum(len(e.block_hashes) for e in taken.events if isinstance(e, BlockStored)) == 64

@@ -40,9 +40,9 @@ __all__ = [
 
 ENGINE_BLOCK_BYTES = 120
 ENGINE_TOKEN_BYTES = 70
-#: the event buffer's share per block: two events (stored and removed: a whole pool
-#: replaced between two takes fits) and the block's hash in each
-EVENT_BLOCK_BYTES = 2 * (EVENT_BYTES + EVENT_HASH_BYTES)
+#: the event buffer's share per block: a BlockRemoved and a one-block BlockStored (its
+#: hash and parent hash), so a whole pool replaced between two takes fits
+EVENT_BLOCK_BYTES = 2 * EVENT_BYTES + 3 * EVENT_HASH_BYTES
 BLOCK_BYTES = ENGINE_BLOCK_BYTES + EVENT_BLOCK_BYTES
 TOKEN_BYTES = ENGINE_TOKEN_BYTES + EVENT_TOKEN_BYTES
 

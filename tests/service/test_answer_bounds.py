@@ -176,3 +176,22 @@ def salted16(tokens: list[int]) -> list[bytes]:
     from kvcoord.client.hashing import BlockHasher, none_hash
 
     return BlockHasher("sha256_cbor", 16, none_hash("sha256_cbor", "0")).extend(tokens)
+
+
+def test_the_remote_manager_takes_every_event_across_cut_answers(small: InProcessServer) -> None:
+    """RemoteKVCacheManager.take_events (vLLM's take_events) returns every event since
+    its previous call, fetching what the server cut from answers (events_more)."""
+    from kvcoord.client import RemoteKVCacheManager
+
+    with KVCoordClient(small.address, timeout=10) as client:
+        manager = RemoteKVCacheManager(client, "big", hash_seed="0")
+        manager.take_events()
+        busy, busy_fence = attach(client, "big", block_size=16)
+        journal = small.running.servicer.registry.pools["big"].events  # type: ignore[union-attr]
+        start = small.call(lambda: journal.last_sequence)
+        for i in range(48):
+            _store(client, busy, busy_fence, i)
+        want = [event_to_pb(e) for seq, e in small.call(journal.kept) if seq > start]
+        assert sum(e.ByteSize() for e in want) > 2 * LIMIT
+        assert manager.take_events() == want
+        manager.close()

@@ -195,3 +195,24 @@ def test_the_remote_manager_takes_every_event_across_cut_answers(small: InProces
         assert sum(e.ByteSize() for e in want) > 2 * LIMIT
         assert manager.take_events() == want
         manager.close()
+
+
+def test_a_predicting_manager_on_a_pool_too_large_to_send_is_refused_cleanly(small: InProcessServer) -> None:
+    """PredictingKVCacheManager asks for the pool's state: on a pool whose state cannot
+    fit in one answer it gets ResourceExhaustedError with reason ANSWER_TOO_LARGE (what
+    the vLLM adapter falls back on, running without prediction) and no session is left
+    behind: a RemoteKVCacheManager attaches exclusively at once."""
+    from kvcoord.client import PredictingKVCacheManager, RemoteKVCacheManager
+    from kvcoord.client.errors import ResourceExhaustedError
+
+    with KVCoordClient(small.address, timeout=10) as client:
+        sid, fence = attach(client, "big", block_size=16)
+        for i in range(48):
+            _store(client, sid, fence, i)
+        client.detach(sid, fence)
+        with pytest.raises(ResourceExhaustedError) as refused:
+            PredictingKVCacheManager(client, "big", hash_seed="0")
+        assert refused.value.reason == "ANSWER_TOO_LARGE"
+        manager = RemoteKVCacheManager(client, "big", hash_seed="0", exclusive=True)
+        assert manager.keeper.exclusive and manager.keeper.session_id
+        manager.close()

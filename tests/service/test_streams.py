@@ -134,11 +134,16 @@ def test_a_commit_behind_the_oldest_kept_event_does_not_hang_the_server(journale
             a = threading.Thread(target=step, args=([allocate("r2", _prompt(2, 4), 4)],))
             a.start()
             assert gate.entered.wait(ANSWER_WITHIN)
+            a_last = journaled.call(lambda: events.last_sequence)  # A is applied, not committed
             # Step B: evicts the 8 cached blocks (8 events > event_buffer), queued behind A
             evict = pb.Operation(evict_blocks=pb.EvictBlocksOp(block_ids=cached))
             b = threading.Thread(target=step, args=([evict],))
             b.start()
-            assert watcher.wait_for(lambda ms: False, 0.5) is False  # let B be applied
+            for _ in range(200):  # until B is applied (bounded)
+                if journaled.call(lambda: events.last_sequence) >= a_last + 8:
+                    break
+                b.join(0.05)
+            assert journaled.call(lambda: events.oldest_sequence) > a_last  # A's events dropped unread
             gate.release.set()
             a.join(ANSWER_WITHIN)
             b.join(ANSWER_WITHIN)

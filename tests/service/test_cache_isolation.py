@@ -104,12 +104,14 @@ def iso(make_server: Callable[..., InProcessServer]) -> Iterator[Raw]:
 
 
 def test_replayed_hashes_from_events_never_hit_another_tenants_blocks(iso: Raw) -> None:
-    """Bob reads Alice's salted block hashes from WatchEvents (they are Alice's own hashes,
-    as her client computed them), sends them with dummy tokens through every lookup path,
-    and gets no hit; Alice looking up the same prompt hits 32 tokens."""
+    """Bob has Alice's salted block hashes (they are Alice's own hashes, as her client
+    computed them; WatchEvents no longer shows them to him, tests/service/test_streams.py,
+    but Alice, who administers the pool, reads them there), sends them with dummy tokens
+    through every lookup path, and gets no hit; Alice looking up the same prompt hits 32
+    tokens."""
     a, b = attach(iso, "shared", ALICE), attach(iso, "shared", BOB)
     alice_hashes = store(iso, "shared", ALICE, a, "a1", "alice-salt")
-    stolen = stolen_hashes(iso, "shared", BOB)
+    stolen = stolen_hashes(iso, "shared", ALICE)
     assert stolen == alice_hashes  # events carry the client's hashes, not internal keys
     assert hits(iso, "shared", BOB, b, "b1", stolen, [0] * 32) == [0, 0, 0]
     assert hits(iso, "shared", ALICE, a, "a2", alice_hashes, PROMPT) == [32, 32, 32]

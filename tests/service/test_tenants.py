@@ -175,7 +175,11 @@ def test_every_rpc_for_every_role_and_tenant(tenant_server: InProcessServer, raw
         where = f"{rpc} by {caller}: {code} {answer if code != grpc.StatusCode.OK else ''}"
         if expected is None:
             assert code not in (DENIED, UNAUTH), where
-            assert code in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND), where
+            answered = (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND)
+            if rpc == "WatchEvents" and caller not in ("admin", "root"):
+                # a watcher of its own namespace, where nothing happened: the stream waits
+                answered += (grpc.StatusCode.DEADLINE_EXCEEDED,)
+            assert code in answered, where
         else:
             assert code == expected, where
             assert ROOT_TOKEN not in str(answer) and (token is None or token not in str(answer)), where

@@ -85,6 +85,11 @@ logger = logging.getLogger(__name__)
 _STAT_FIELDS = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
 
 
+#: empty Steps take_events sends at most to fetch events the server cut from answers
+#: (StepResponse.events_more); each answer carries up to max_message_bytes of them
+MAX_EVENT_ROUNDS = 64
+
+
 @dataclasses.dataclass(slots=True)
 class _Hint:
     """A lookup's answer fetched ahead, and what it stays valid under."""
@@ -174,6 +179,8 @@ class RemoteKVCacheManager:
         self._free_estimate: int | None = None
         self._usage: float | None = None
         self._events: list[pb.KVEvent] = []
+        #: the last answer's events were cut (StepResponse.events_more): more wait
+        self._events_more = False
         self._stats = pb.PrefixCacheStats()
         self._reattach = False
         #: allocate_slots calls answered None because the hit had gone stale (another
@@ -821,6 +828,10 @@ class RemoteKVCacheManager:
             for i in self._queue
         ):
             self.flush()  # queued calls that make events (allocations and cache_blocks store blocks)
+        for _ in range(MAX_EVENT_ROUNDS):
+            if not self._events_more:
+                break
+            self._send([], force=True)  # an answer holds what fits below max_message_bytes
         events, self._events = self._events, []
         return events
 
@@ -1071,6 +1082,7 @@ class RemoteKVCacheManager:
             self._free_exact = self._ledger is not None
         if resp.events:
             self._events.extend(resp.events)
+        self._events_more = resp.events_more
         if resp.HasField("prefix_cache_stats"):
             s, new = self._stats, resp.prefix_cache_stats
             for name in _STAT_FIELDS:

@@ -37,7 +37,7 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
-from .errors import AlreadyExistsError, FailedPreconditionError, PoolBusyError
+from .errors import AlreadyExistsError, FailedPreconditionError, PoolBusyError, ResourceExhaustedError
 from .hashing import RandomSeedError
 from .manager import KVCacheBlockIds, RemoteKVCacheManager
 from .predicting import PredictingKVCacheManager
@@ -799,10 +799,12 @@ def connect(
                 remote = PredictingKVCacheManager(
                     c, settings.pool, hash_seed=expected.hash_seed, client_name=settings.client_name
                 )
-            except FailedPreconditionError as err:
-                if isinstance(err, PoolBusyError):
+            except (FailedPreconditionError, ResourceExhaustedError) as err:
+                if isinstance(err, PoolBusyError) or (
+                    isinstance(err, ResourceExhaustedError) and err.reason != "ANSWER_TOO_LARGE"
+                ):
                     raise
-                why = err.message  # the server gives no state for this pool
+                why = err.message  # the server gives no state for this pool (or not in one answer)
         if why is not None:
             logger.warning(
                 "KVCOORD_PREDICT: pool %r is not predicted (%s); running without prediction",

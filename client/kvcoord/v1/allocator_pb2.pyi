@@ -21,6 +21,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PREDICTION_FAILED: _ClassVar[ErrorReason]
     POOL_EXCLUSIVE: _ClassVar[ErrorReason]
     HASH_MISMATCH: _ClassVar[ErrorReason]
+    ANSWER_TOO_LARGE: _ClassVar[ErrorReason]
 REASON_UNSPECIFIED: ErrorReason
 INSTANCE_CHANGED: ErrorReason
 INCARNATION_CHANGED: ErrorReason
@@ -33,6 +34,7 @@ REQUEST_UNKNOWN: ErrorReason
 PREDICTION_FAILED: ErrorReason
 POOL_EXCLUSIVE: ErrorReason
 HASH_MISMATCH: ErrorReason
+ANSWER_TOO_LARGE: ErrorReason
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")
@@ -545,12 +547,14 @@ class TakeEventsOp(_message.Message):
     def __init__(self) -> None: ...
 
 class TakeEventsResult(_message.Message):
-    __slots__ = ("events", "gap")
+    __slots__ = ("events", "gap", "more")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     GAP_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[KVEvent]
     gap: bool
-    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., gap: _Optional[bool] = ...) -> None: ...
+    more: bool
+    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., gap: _Optional[bool] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class MakePrefixCacheStatsOp(_message.Message):
     __slots__ = ("peek",)
@@ -739,7 +743,7 @@ class StepRequest(_message.Message):
     def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., include_state: _Optional[bool] = ..., events_digest: _Optional[bool] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("results", "num_free_blocks", "usage", "fence", "events", "events_gap", "prefix_cache_stats", "events_sha256")
+    __slots__ = ("results", "num_free_blocks", "usage", "fence", "events", "events_gap", "prefix_cache_stats", "events_sha256", "events_more")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -748,6 +752,7 @@ class StepResponse(_message.Message):
     EVENTS_GAP_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
     EVENTS_SHA256_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_MORE_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[OperationResult]
     num_free_blocks: int
     usage: float
@@ -756,7 +761,8 @@ class StepResponse(_message.Message):
     events_gap: bool
     prefix_cache_stats: PrefixCacheStats
     events_sha256: bytes
-    def __init__(self, results: _Optional[_Iterable[_Union[OperationResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., events_gap: _Optional[bool] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., events_sha256: _Optional[bytes] = ...) -> None: ...
+    events_more: bool
+    def __init__(self, results: _Optional[_Iterable[_Union[OperationResult, _Mapping]]] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., events_gap: _Optional[bool] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., events_sha256: _Optional[bytes] = ..., events_more: _Optional[bool] = ...) -> None: ...
 
 class ResetPrefixCacheRequest(_message.Message):
     __slots__ = ("pool", "session_id", "fence")
@@ -849,7 +855,7 @@ class ServerLimits(_message.Message):
     def __init__(self, max_pools: _Optional[int] = ..., max_blocks_per_pool: _Optional[int] = ..., max_requests_per_pool: _Optional[int] = ..., max_ops_per_step: _Optional[int] = ..., event_buffer: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., max_pool_memory_bytes: _Optional[int] = ..., pool_memory_bytes: _Optional[int] = ..., pool_block_bytes: _Optional[int] = ..., pool_token_bytes: _Optional[int] = ..., max_sessions_per_tenant: _Optional[int] = ..., tenant_sessions: _Optional[int] = ..., max_session_lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., idempotency_max_bytes: _Optional[int] = ..., idempotency_bytes: _Optional[int] = ..., idempotency_keys: _Optional[int] = ..., server_sessions: _Optional[int] = ..., max_name_length: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., max_idempotency_key_length: _Optional[int] = ..., max_client_name_length: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats", "fence", "limits", "pool_memory_bytes")
+    __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats", "fence", "limits", "pool_memory_bytes", "event_buffer_bytes", "event_buffer_max_bytes")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -858,6 +864,8 @@ class GetStatsResponse(_message.Message):
     FENCE_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     POOL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVENT_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    EVENT_BUFFER_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     num_total_blocks: int
     usage: float
@@ -866,7 +874,9 @@ class GetStatsResponse(_message.Message):
     fence: Fence
     limits: ServerLimits
     pool_memory_bytes: int
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., pool_memory_bytes: _Optional[int] = ...) -> None: ...
+    event_buffer_bytes: int
+    event_buffer_max_bytes: int
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., pool_memory_bytes: _Optional[int] = ..., event_buffer_bytes: _Optional[int] = ..., event_buffer_max_bytes: _Optional[int] = ...) -> None: ...
 
 class CheckPoolRequest(_message.Message):
     __slots__ = ("pool",)

@@ -228,7 +228,12 @@ class AllocatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def WatchEvents(self, request, context):
-        """A stream of KV events with per-pool sequence numbers; resumable.
+        """A stream of KV events with per-pool sequence numbers; resumable. Only the
+        caller's cache namespace unless it administers the pool (see Tenants above). A
+        stream that has nothing to send waits (for a committed event, the server stopping
+        or the call's deadline); one that fell behind the buffer is told so (gap) and goes
+        on with the oldest event it can still be sent. A reader that does not read only
+        holds its own stream (gRPC flow control), never a Step or another call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -181,9 +181,12 @@ class RemoteTarget:
         return self._step(pb.Operation(reset_prefix_cache=pb.ResetPrefixCacheOp())).reset_prefix_cache.result
 
     def take_events(self) -> list[dict[str, Any]]:
-        return [
-            event_json(e) for e in self._step(pb.Operation(take_events=pb.TakeEventsOp())).take_events.events
-        ]
+        out: list[dict[str, Any]] = []
+        while True:  # an answer holds what fits below max_message_bytes; `more` says the rest waits
+            taken = self._step(pb.Operation(take_events=pb.TakeEventsOp())).take_events
+            out.extend(event_json(e) for e in taken.events)
+            if not taken.more:
+                return out
 
     def make_prefix_cache_stats(self) -> dict[str, Any] | None:
         r = self._step(pb.Operation(make_prefix_cache_stats=pb.MakePrefixCacheStatsOp()))

@@ -427,7 +427,7 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
         return pb.OperationResult(reset_prefix_cache=pb.ResetPrefixCacheResult(result=bool(v)))
     if isinstance(operation, op.TakeEvents):
         assert isinstance(v, op.EventsTaken)
-        result = pb.OperationResult(take_events=pb.TakeEventsResult(gap=v.gap))
+        result = pb.OperationResult(take_events=pb.TakeEventsResult(gap=v.gap, more=v.more))
         add_events(result.take_events.events, v.events)
         return result
     if isinstance(operation, op.MakeStats):

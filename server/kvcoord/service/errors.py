@@ -56,6 +56,7 @@ class ErrorReason(enum.Enum):
     PREDICTION_FAILED = 9
     POOL_EXCLUSIVE = 10
     HASH_MISMATCH = 11
+    ANSWER_TOO_LARGE = 12
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -3,30 +3,95 @@
 Events are engine values (the servicer converts them at the edge). Every reader has
 its own cursor (a sequence number) and learns of a gap whenever events after its
 cursor were dropped before it read them.
+
+The journal is bounded twice: by a number of events (``[limits] event_buffer``) and by
+an estimate of the bytes they hold (:func:`event_memory_bytes`; a pool's bound is part
+of its memory estimate, budget.py), whichever is reached first drops the oldest.
+
+What a watcher may read is the *visible* prefix: with a journal, only events whose
+records are committed (:meth:`EventJournal.mark_durable`). A commit may lag behind a
+burst of events large enough to push the oldest kept event past it; a reader then has
+nothing deliverable until the commit catches up, and :meth:`EventJournal.wait`
+suspends until it does (it never returns early while nothing can be read: a stream
+loop built on it cannot spin).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import time
 from collections.abc import Iterable
 
-from kvcoord.engine import KVCacheEvent
+from kvcoord.engine import AllBlocksCleared, BlockStored, KVCacheEvent
 
-__all__ = ["EventJournal"]
+__all__ = [
+    "EVENT_BYTES",
+    "EVENT_HASH_BYTES",
+    "EVENT_TOKEN_BYTES",
+    "EventJournal",
+    "event_memory_bytes",
+    "event_wire_bytes",
+]
+
+#: estimated memory of one kept event beyond its hashes and token ids: the event
+#: object, its tuples, the journal's (sequence, event) entry and the sequence number
+EVENT_BYTES = 288
+#: one block hash a kept event holds (a 32-byte ``bytes`` and its slot)
+EVENT_HASH_BYTES = 80
+#: one token id a kept event holds (an ``int`` object and its tuple slot)
+EVENT_TOKEN_BYTES = 40
+
+
+def event_memory_bytes(event: KVCacheEvent) -> int:
+    """The estimated memory a kept event holds (an upper bound for 32-byte hashes and
+    token ids below 2**30; tests/service/test_streams.py measures it)."""
+    if isinstance(event, AllBlocksCleared):
+        return EVENT_BYTES
+    n = EVENT_BYTES + EVENT_HASH_BYTES * len(event.block_hashes)
+    if isinstance(event, BlockStored):
+        n += EVENT_TOKEN_BYTES * len(event.token_ids) + EVENT_HASH_BYTES
+        if event.lora_name:
+            n += 64 + len(event.lora_name)
+    return n
+
+
+def event_wire_bytes(event: KVCacheEvent) -> int:
+    """An upper bound of the event's size as a repeated ``KVEvent`` field of an answer
+    (every varint counted at its largest, so no answer cut by it can exceed its budget)."""
+    n = 12  # the field's tag and length, the KVEvent's oneof tag and length
+    if isinstance(event, AllBlocksCleared):
+        return n
+    n += len(event.medium) + 6
+    for h in event.block_hashes:
+        n += len(h) + 6
+    if isinstance(event, BlockStored):
+        n += 5 * len(event.token_ids) + 6 + 6  # packed ids, their tag and length; block_size
+        if event.parent_block_hash is not None:
+            n += len(event.parent_block_hash) + 6
+        if event.lora_id is not None:
+            n += 6
+        if event.lora_name is not None:
+            n += 4 * len(event.lora_name) + 6
+    return n
 
 
 class EventJournal:
-    """Events get sequence numbers 1, 2, ...; the newest ``capacity`` are kept.
+    """Events get sequence numbers 1, 2, ...; the newest are kept, at most ``capacity``
+    of them and at most ``max_bytes`` of estimated memory (0: no byte bound).
 
     Readers (watch streams, each session's TakeEvents) read by sequence number and
     can resume after a disconnect, learning of a gap when what they missed is no
     longer kept.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int = 0) -> None:
         self.capacity = capacity
-        self._events: collections.deque[tuple[int, KVCacheEvent]] = collections.deque(maxlen=capacity)
+        self.max_bytes = max_bytes
+        self._events: collections.deque[tuple[int, KVCacheEvent]] = collections.deque()
+        self._sizes: collections.deque[int] = collections.deque()
+        #: the estimated memory of the kept events (:func:`event_memory_bytes`)
+        self.bytes = 0
         self.last_sequence = 0
         self._changed = asyncio.Event()
         self.closed = False
@@ -40,24 +105,38 @@ class EventJournal:
         d = self.durable_sequence
         return self.last_sequence if d is None else min(d, self.last_sequence)
 
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     def mark_durable(self, sequence: int) -> None:
         """Events up to ``sequence`` are committed: wake watchers waiting for them."""
         if self.durable_sequence is not None and sequence > self.durable_sequence:
             self.durable_sequence = sequence
-            self._changed.set()
-            self._changed = asyncio.Event()
+            self._wake()
 
     def publish(self, events: Iterable[KVCacheEvent]) -> int:
-        """Append events; returns how many were added."""
+        """Append events (dropping the oldest past either bound); returns how many were added."""
         n = 0
+        kept, sizes = self._events, self._sizes
         for event in events:
             self.last_sequence += 1
-            self._events.append((self.last_sequence, event))
+            size = event_memory_bytes(event)
+            kept.append((self.last_sequence, event))
+            sizes.append(size)
+            self.bytes += size
             n += 1
         if n:
-            self._changed.set()
-            self._changed = asyncio.Event()
+            self._trim()
+            self._wake()
         return n
+
+    def _trim(self) -> None:
+        kept, sizes = self._events, self._sizes
+        over_bytes = self.max_bytes > 0
+        while len(kept) > self.capacity or (over_bytes and self.bytes > self.max_bytes and len(kept) > 1):
+            kept.popleft()
+            self.bytes -= sizes.popleft()
 
     @property
     def oldest_sequence(self) -> int:
@@ -68,35 +147,48 @@ class EventJournal:
     ) -> list[tuple[int, KVCacheEvent]]:
         """Kept events with a sequence number above ``after`` (and at most ``upto``), oldest first."""
         last = self.last_sequence if upto is None else min(upto, self.last_sequence)
-        if after >= last:
+        oldest = self.oldest_sequence
+        first = max(after + 1, oldest)
+        if first > last:
             return []
-        start = max(after + 1, self.oldest_sequence) - self.oldest_sequence
-        out = []
-        for i in range(start, len(self._events) - (self.last_sequence - last)):
-            out.append(self._events[i])
-            if limit is not None and len(out) >= limit:
-                break
-        return out
+        stop = last - oldest + 1
+        if limit is not None:
+            stop = min(stop, first - oldest + limit)
+        kept = self._events
+        return [kept[i] for i in range(first - oldest, stop)]
 
     def missed(self, after: int) -> bool:
         """True when events after sequence ``after`` were dropped unread."""
         return after < self.last_sequence and after + 1 < self.oldest_sequence
 
+    def deliverable(self, after: int) -> bool:
+        """True when a kept, visible event above ``after`` exists."""
+        return max(after + 1, self.oldest_sequence) <= self.visible_sequence
+
     async def wait(self, after: int, timeout: float) -> None:
-        """Return when an event above ``after`` exists, the journal closes, or after ``timeout``."""
-        if self.visible_sequence > after or self.closed:
-            return
-        changed = self._changed
-        try:
-            await asyncio.wait_for(changed.wait(), timeout)
-        except TimeoutError:
-            pass
+        """Return when a deliverable event above ``after`` exists (:meth:`deliverable`),
+        the journal closes, or after ``timeout``. Suspends in every other case: events
+        published or committed while none is deliverable yet (a commit behind the oldest
+        kept event) wake it only to check again."""
+        deadline = time.monotonic() + timeout
+        while not (self.closed or self.deliverable(after)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except TimeoutError:
+                return
 
     def restore(self, events: list[tuple[int, KVCacheEvent]], last_sequence: int) -> None:
         """Load kept events and the sequence counter (recovery)."""
         self._events.clear()
+        self._sizes.clear()
         self._events.extend(events)
+        self._sizes.extend(event_memory_bytes(e) for _, e in events)
+        self.bytes = sum(self._sizes)
         self.last_sequence = last_sequence
+        self._trim()
 
     def kept(self) -> list[tuple[int, KVCacheEvent]]:
         """The kept events, oldest first (snapshots)."""
@@ -104,4 +196,4 @@ class EventJournal:
 
     def close(self) -> None:
         self.closed = True
-        self._changed.set()
+        self._wake()

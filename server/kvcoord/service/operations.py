@@ -249,6 +249,8 @@ class Admitted:
 class EventsTaken:
     events: list[KVCacheEvent]
     gap: bool
+    #: cut at a byte budget: more events wait after the session's cursor
+    more: bool = False
 
 
 #: What one operation produced: a value (None for operations without one), or the

@@ -22,6 +22,7 @@ from kvcoord.engine import (
     CacheHit,
     HintMismatchError,
     KVCacheConfig,
+    KVCacheEvent,
     KVCachePool,
     PrefixCacheStats,
     RequestCheckpoint,
@@ -29,8 +30,9 @@ from kvcoord.engine import (
 )
 
 from . import operations as op
+from .budget import event_buffer_bytes
 from .errors import ErrorReason, Position, ServiceError
-from .events import EventJournal
+from .events import EventJournal, event_wire_bytes
 from .sessions import Session, SessionTable
 
 #: free-queue positions a hint lookup walks by default, and at most
@@ -108,7 +110,9 @@ class PoolService:
         self.sessions = sessions
         self.wire_config = wire_config
         self.engine = KVCachePool(config)
-        self.events = EventJournal(limits.event_buffer)
+        self.events = EventJournal(
+            limits.event_buffer, event_buffer_bytes(config.num_blocks, hash_settings[1])
+        )
         #: request id -> owning session
         self.owners: dict[str, Session] = {}
         #: no session may attach before this monotonic time (post-restart grace)
@@ -119,6 +123,9 @@ class PoolService:
         #: earlier instances of this server whose state was recovered without loss
         #: (durability.py): their fences stay valid for this incarnation
         self.lineage: frozenset[str] | set[str] = frozenset()
+        #: the byte budget of a TakeEventsOp's events (the servicer sets it from the
+        #: server's max_message_bytes; None: no budget)
+        self.answer_event_bytes: int | None = None
 
     # -- fencing and sessions -----------------------------------------------------------
     def check_fence(self, fence: Fence | None) -> None:
@@ -721,32 +728,97 @@ class PoolService:
         return self.engine.reset_prefix_cache()
 
     def _take_events(self, s: Session, o: op.TakeEvents) -> op.Value:
-        return self.take_events(s)
+        budget = self.answer_event_bytes
+        return self.take_events(s, budget)
 
     def _make_stats(self, s: Session, o: op.MakeStats) -> op.Value:
         if o.peek:
             return self.engine.peek_prefix_cache_stats()
         return self.engine.make_prefix_cache_stats()
 
-    def take_events(self, s: Session) -> op.EventsTaken:
+    def take_events(
+        self,
+        s: Session,
+        max_bytes: int | None = None,
+        max_event_bytes: int | None = None,
+        max_events: int | None = None,
+    ) -> op.EventsTaken:
         """The events of the session's cache namespace since its previous take (its
         cursor moves).
 
         A session sees what vLLM's own manager would show it: blocks stored and removed
         in its own namespace (tenants with isolated caches never see each other's token
         ids or hashes), and every AllBlocksCleared. Without namespaces (no tenants, or a
-        shared cache) that is every event of the pool. WatchEvents streams them all.
+        shared cache) that is every event of the pool. WatchEvents filters alike
+        (:meth:`events_filter`).
+
+        Args:
+            max_bytes: the answer's budget for events (their :func:`event_wire_bytes`):
+                the events are cut before the first that would pass it, ``more`` is
+                set and the cursor stays after the last one given, so the next take
+                continues there (None: no budget).
+            max_event_bytes: the most one event may take in any answer: a larger one
+                could never be given, so it is dropped for this session with ``gap``
+                set (None: ``max_bytes``).
+            max_events: at most this many events, cut the same way (a replay of an
+                answer that was cut gives as many events as it held: the cursor ends
+                where it did).
         """
         self._publish()
         journal = self.events
         gap = journal.missed(s.events_cursor)
         kept = journal.since(s.events_cursor)
-        s.events_cursor = journal.last_sequence
-        if not self.engine.cache_namespaces:  # every event is of the default namespace
+        prefix = None
+        if self.engine.cache_namespaces:  # else every event is of the default namespace
+            prefix = self.engine.cache_namespace_prefix(s.cache_namespace)
+        if max_bytes is None and max_events is None and prefix is None:
+            s.events_cursor = journal.last_sequence
             return op.EventsTaken([e for _, e in kept], gap)
-        prefix = self.engine.cache_namespace_prefix(s.cache_namespace)
-        events = [e for _, e in kept if isinstance(e, AllBlocksCleared) or e.cache_prefix == prefix]
-        return op.EventsTaken(events, gap)
+        largest = max_bytes if max_event_bytes is None else max_event_bytes
+        events: list[KVCacheEvent] = []
+        used = 0
+        more = False
+        cursor = journal.last_sequence
+        for seq, e in kept:
+            if prefix is not None and not isinstance(e, AllBlocksCleared) and e.cache_prefix != prefix:
+                continue
+            if max_events is not None and len(events) >= max_events:
+                more = True
+                cursor = seq - 1
+                break
+            if max_bytes is not None:
+                size = event_wire_bytes(e)
+                if used + size > max_bytes:
+                    if largest is not None and size > largest:
+                        gap = True  # no answer can carry it
+                        continue
+                    more = True
+                    cursor = seq - 1
+                    break
+                used += size
+            events.append(e)
+        s.events_cursor = cursor
+        return op.EventsTaken(events, gap, more)
+
+    def events_filter(self, tenant: str, administers: bool) -> Callable[[KVCacheEvent], bool] | None:
+        """Which of the pool's events a watcher of ``tenant`` may read (WatchEvents):
+        ``None`` (every event) for the full-access tenant and a tenant administering
+        the pool; else those of its own cache namespace (:meth:`cache_namespace`), as
+        :meth:`take_events` gives its sessions, and every AllBlocksCleared. A namespace
+        the pool has not seen yet (the tenant never attached) matches no event until it
+        appears; looking it up registers nothing (replay assigns prefixes in attach order)."""
+        if not tenant or administers:
+            return None
+        namespace = self.cache_namespace(tenant)
+        engine = self.engine
+
+        def visible(event: KVCacheEvent) -> bool:
+            if isinstance(event, AllBlocksCleared):
+                return True
+            prefix = engine.cache_namespaces.get(namespace) if namespace else b""
+            return prefix is not None and event.cache_prefix == prefix
+
+        return visible
 
     def make_stats(self, s: Session) -> PrefixCacheStats | None:
         """The session's statistics since its previous make, then reset."""

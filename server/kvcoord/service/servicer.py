@@ -22,7 +22,7 @@ from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from . import bounds
 from . import operations as op
-from .access import AccessControl, current_tenant
+from .access import AccessControl, Role, current_tenant
 from .bounds import check_request
 from .budget import BLOCK_BYTES, TOKEN_BYTES
 from .convert import (
@@ -97,6 +97,11 @@ def _digest(request: Message) -> bytes:
 
 def _fence(request: Any) -> Fence | None:
     return fence_from_pb(request.fence, request.HasField("fence"))
+
+
+#: what an answer keeps free besides its events or pool state (fields written after
+#: the budget is taken: statistics, flags, the session id, gRPC's framing)
+ANSWER_MARGIN_BYTES = 1024
 
 
 class AllocatorServicer(pb_grpc.AllocatorServicer):
@@ -222,11 +227,42 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         while self._teardowns:
             await asyncio.gather(*self._teardowns)
 
+    def _half_answer(self) -> int | None:
+        """The byte budget of a TakeEventsOp's events: half an answer."""
+        return self.max_message_bytes // 2 if self.max_message_bytes else None
+
+    def _check_pool_state_fits(self, request: pb.AttachRequest, service: PoolService, tenant: str) -> None:
+        """Refuse an exclusive Attach whose pool state would not fit in its answer,
+        before any session exists.
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED (ANSWER_TOO_LARGE) naming both sizes.
+        """
+        if not (request.want_pool_state and request.exclusive and self.max_message_bytes):
+            return
+        if service.cache_namespace(tenant):  # the session will cache under a namespace: no state
+            return
+        state = service.engine.replica_state()
+        if isinstance(state, str):
+            return
+        probe = pb.AttachResponse(pool=self._info(service), fence=fence_to_pb(service.fence))
+        write_pool_state(probe, state)
+        size = probe.ByteSize() + ANSWER_MARGIN_BYTES
+        if size > self.max_message_bytes:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the state of pool {service.name!r} takes about {size:,} bytes, more than one answer may "
+                f"(max_message_bytes {self.max_message_bytes:,}); no session was made: attach without "
+                "want_pool_state (no prediction) or raise server.max_message_bytes",
+                ErrorReason.ANSWER_TOO_LARGE,
+            )
+
     # -- sessions -----------------------------------------------------------------
     @map_errors
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         service = self.registry.get(request.pool)
         tenant = current_tenant()
+        self._check_pool_state_fits(request, service, tenant.name)
         try:
             s = service.attach(
                 request.hash_algo,
@@ -349,6 +385,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             )
         groups = len(service.config.groups)
         ops = [operation_from_pb(o, groups) for o in request.ops]
+        service.answer_event_bytes = self._half_answer()
         outcomes = service.apply(s, ops)
         e = service.engine
         response = pb.StepResponse(
@@ -358,7 +395,14 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         for o, r in zip(ops, outcomes, strict=True):
             write_outcome(add(), o, r)
         if request.include_state:
-            taken = service.take_events(s)
+            if request.events_digest or not self.max_message_bytes:
+                taken = service.take_events(s)
+            else:
+                # the answer stays below max_message_bytes: events past what is left are
+                # kept for the next call (events_more), never lost in a refused answer
+                full = self.max_message_bytes - ANSWER_MARGIN_BYTES
+                taken = service.take_events(s, full - response.ByteSize(), full)
+                response.events_more = taken.more
             if request.events_digest:
                 response.events_sha256 = events_digest(taken.events)
             else:
@@ -400,6 +444,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             fence=fence_to_pb(service.fence),
             limits=self._limits(),
             pool_memory_bytes=self.registry.pool_memory.get(service.name, 0),
+            event_buffer_bytes=service.events.bytes,
+            event_buffer_max_bytes=service.events.max_bytes,
         )
 
     def _limits(self) -> pb.ServerLimits:
@@ -487,20 +533,34 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         reset = other or cursor > journal.visible_sequence
         if reset:
             cursor = 0
+        # A tenant that does not administer the pool reads its own cache namespace only
+        # (as TakeEvents does): other tenants' token ids and hashes never reach it.
+        tenant = current_tenant()
+        visible = service.events_filter(tenant.name, Role.ADMINISTER in tenant.roles_on(service.name))
         # Sequence numbers start at 1 in each pool incarnation and go on across
         # restarts (recovery restores the counter with the kept events), so a cursor
         # of 0 (fresh or reset) missed events exactly when sequence 1 is no longer kept.
+        # The gap (and reset) flag rides on the next event this watcher is sent.
+        gap = False
         while not self.stopping and not journal.closed:
-            gap = journal.missed(cursor)
+            gap = gap or journal.missed(cursor)
             items = journal.since(cursor, limit=1024, upto=journal.visible_sequence)
+            sent = False
             for seq, event in items:
+                cursor = seq
+                if visible is not None and not visible(event):
+                    continue
                 yield pb.WatchEventsResponse(
                     sequence=seq, event=event_to_pb(event), gap=gap, fence=fence, reset=reset
                 )
                 gap = reset = False
-                cursor = seq
+                sent = True
             if not items:
+                # suspends until an event is deliverable (never returns at once while
+                # none is: a commit behind the oldest kept event must not spin the loop)
                 await journal.wait(cursor, self.watch_poll_seconds)
+            elif not sent:
+                await asyncio.sleep(0)  # a batch of other tenants' events: let others run
 
 
 async def _tear_down(service: PoolService) -> None:

@@ -975,3 +975,63 @@ class WatchEventsResponse(_message.Message):
     fence: Fence
     reset: bool
     def __init__(self, sequence: _Optional[int] = ..., event: _Optional[_Union[KVEvent, _Mapping]] = ..., gap: _Optional[bool] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., reset: _Optional[bool] = ...) -> None: ...
+
+class HashedPrompt(_message.Message):
+    __slots__ = ("hash_algo", "hash_block_size", "hash_seed", "block_hashes")
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    hash_algo: str
+    hash_block_size: int
+    hash_seed: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ScorePoolsRequest(_message.Message):
+    __slots__ = ("candidate_pools", "num_tokens", "prompts", "include_block_ids")
+    CANDIDATE_POOLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    candidate_pools: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: int
+    prompts: _containers.RepeatedCompositeFieldContainer[HashedPrompt]
+    include_block_ids: bool
+    def __init__(self, candidate_pools: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[HashedPrompt, _Mapping]]] = ..., include_block_ids: _Optional[bool] = ...) -> None: ...
+
+class PoolScore(_message.Message):
+    __slots__ = ("pool", "hit_tokens", "num_free_blocks", "usage", "num_total_blocks", "hit", "fence")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    hit_tokens: int
+    num_free_blocks: int
+    usage: float
+    num_total_blocks: int
+    hit: CacheHit
+    fence: Fence
+    def __init__(self, pool: _Optional[str] = ..., hit_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_total_blocks: _Optional[int] = ..., hit: _Optional[_Union[CacheHit, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+
+class UnscoredPool(_message.Message):
+    __slots__ = ("pool", "reason", "message")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    reason: str
+    message: str
+    def __init__(self, pool: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ScorePoolsResponse(_message.Message):
+    __slots__ = ("scores", "unscored")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    UNSCORED_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[PoolScore]
+    unscored: _containers.RepeatedCompositeFieldContainer[UnscoredPool]
+    def __init__(self, scores: _Optional[_Iterable[_Union[PoolScore, _Mapping]]] = ..., unscored: _Optional[_Iterable[_Union[UnscoredPool, _Mapping]]] = ...) -> None: ...

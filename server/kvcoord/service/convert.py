@@ -30,9 +30,11 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from . import operations as op
 from .errors import ServiceError, bounded
-from .pool_service import Fence
+from .pool_service import Fence, HashSettings, PoolScore, UnscoredPool
 
 __all__ = [
+    "prompts_from_pb",
+    "scores_to_pb",
     "allocate_to_pb",
     "block_ids_to_pb",
     "error_to_result",
@@ -449,3 +451,30 @@ def write_pool_state(
     out.used_free_blocks.extend(used)
     out.cached_block_ids.extend([block_id for _, block_id in pairs])
     out.cached_block_hashes.extend([block_hash for block_hash, _ in pairs])
+
+
+# -- ScorePools ----------------------------------------------------------------------
+def prompts_from_pb(prompts: Iterable[pb.HashedPrompt]) -> list[tuple[HashSettings, Sequence[bytes]]]:
+    """Each prompt's hash settings (as PoolConfig spells them) and its hashes."""
+    return [((p.hash_algo, p.hash_block_size, p.hash_seed), p.block_hashes) for p in prompts]
+
+
+def scores_to_pb(
+    scores: Sequence[PoolScore], unscored: Sequence[UnscoredPool], include_block_ids: bool
+) -> pb.ScorePoolsResponse:
+    out = pb.ScorePoolsResponse(
+        unscored=[pb.UnscoredPool(pool=u.pool, reason=u.reason, message=u.message) for u in unscored]
+    )
+    add = out.scores.add
+    for sc in scores:
+        m = add(
+            pool=sc.pool,
+            hit_tokens=sc.hit.num_tokens,
+            num_free_blocks=sc.num_free_blocks,
+            usage=sc.usage,
+            num_total_blocks=sc.num_total_blocks,
+            fence=fence_to_pb(sc.fence),
+        )
+        if include_block_ids:
+            m.hit.CopyFrom(hit_to_pb(sc.hit))
+    return out

@@ -14,12 +14,13 @@ request sync made for a failed operation is undone).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 from kvcoord.engine import (
     AllBlocksCleared,
     CacheHit,
+    EngineError,
     HintMismatchError,
     KVCacheConfig,
     KVCachePool,
@@ -37,7 +38,16 @@ from .sessions import Session, SessionTable
 DEFAULT_WALK_LIMIT = 4096
 MAX_WALK_LIMIT = 1 << 16
 
-__all__ = ["Fence", "Limits", "PoolService"]
+__all__ = [
+    "UNSCORED_NO_PROMPT",
+    "UNSCORED_TOO_LONG",
+    "Fence",
+    "HashSettings",
+    "Limits",
+    "PoolScore",
+    "PoolService",
+    "UnscoredPool",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -46,6 +56,39 @@ class Fence:
 
     instance_id: str
     incarnation: int
+
+
+#: (hash_algo, hash_block_size, hash_seed): how a pool's clients hash blocks
+HashSettings = tuple[str, int, str]
+
+#: why a pool was not scored (UnscoredPool.reason)
+UNSCORED_NO_PROMPT = "NO_PROMPT"
+UNSCORED_TOO_LONG = "TOO_LONG"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolScore:
+    """One pool's answer to a router: the hit a request would get now, and room left."""
+
+    pool: str
+    hit: CacheHit
+    num_free_blocks: int
+    usage: float
+    num_total_blocks: int
+    fence: Fence
+
+    def rank(self) -> tuple[int, int, str]:
+        """Sort key, best first: longest hit, then most free blocks, then name."""
+        return (-self.hit.num_tokens, -self.num_free_blocks, self.pool)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UnscoredPool:
+    """A pool that cannot serve the prompt as sent (``reason``: UNSCORED_*)."""
+
+    pool: str
+    reason: str
+    message: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,7 +137,7 @@ class PoolService:
         self,
         name: str,
         config: KVCacheConfig,
-        hash_settings: tuple[str, int, str],
+        hash_settings: HashSettings,
         fence: Fence,
         limits: Limits,
         sessions: SessionTable,
@@ -272,6 +315,45 @@ class PoolService:
     ) -> CacheHit:
         """The hit a request of ``tenant`` with these hashes would get; changes nothing."""
         return self.engine.find_longest_cache_hit(block_hashes, num_tokens, self.cache_namespace(tenant))
+
+    # -- routing (ScorePools, scoring.py) -------------------------------------------------
+    def score(
+        self, prompts: Mapping[HashSettings, Sequence[bytes]], num_tokens: int, tenant: str = ""
+    ) -> PoolScore | UnscoredPool:
+        """This pool's score for a prompt of ``num_tokens`` tokens hashed once per hash
+        settings: the hit :meth:`find_longest_cache_hit` answers for ``tenant`` (the
+        same engine call: read-only), or why the pool cannot be scored.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT naming the pool when the prompt with its
+                settings has the wrong hashes (count, type, length).
+        """
+        engine = self.engine
+        if num_tokens > engine.max_model_len:
+            return UnscoredPool(
+                self.name,
+                UNSCORED_TOO_LONG,
+                f"the prompt's {num_tokens} tokens exceed the pool's max_model_len {engine.max_model_len}",
+            )
+        if self.config.enable_caching:
+            hashes = prompts.get(self.hash_settings)
+            if hashes is None:
+                algo, size, seed = self.hash_settings
+                return UnscoredPool(
+                    self.name,
+                    UNSCORED_NO_PROMPT,
+                    f"no prompt hashed with the pool's settings (hash_algo {algo!r}, hash_block_size "
+                    f"{size}, hash_seed {seed!r})",
+                )
+        else:
+            hashes = ()  # nothing is ever cached: the hit is empty whatever the hashes
+        try:
+            hit = self.find_longest_cache_hit(hashes, num_tokens, tenant)
+        except EngineError as exc:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"pool {self.name!r}: {exc}") from None
+        return PoolScore(
+            self.name, hit, engine.num_free_blocks, engine.usage, self.config.num_blocks - 1, self.fence
+        )
 
     def lifetime_prefix_cache_stats(self) -> PrefixCacheStats:
         c = self.engine.lookup_counters

@@ -21,7 +21,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from . import operations as op
-from .access import AccessControl, current_tenant
+from .access import AccessControl, Role, current_tenant
 from .budget import BLOCK_BYTES, TOKEN_BYTES
 from .convert import (
     add_events,
@@ -34,6 +34,8 @@ from .convert import (
     fence_to_pb,
     hit_to_pb,
     operation_from_pb,
+    prompts_from_pb,
+    scores_to_pb,
     stats_to_pb,
     write_outcome,
     write_pool_state,
@@ -49,6 +51,7 @@ from .errors import (
 )
 from .pool_service import Fence, PoolService
 from .registry import PoolRegistry
+from .scoring import score_pools
 
 __all__ = ["AllocatorServicer", "NullObserver", "OperationObserver", "add_servicer"]
 
@@ -458,6 +461,22 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             requests=states,
             cached_block_ids=e.cached_block_ids() if request.include_cached_blocks else [],
         )
+
+    # -- routing ------------------------------------------------------------------------
+    @map_errors
+    async def ScorePools(
+        self, request: pb.ScorePoolsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ScorePoolsResponse:
+        tenant = current_tenant()
+        scores = score_pools(
+            self.registry.pools,
+            lambda pool: self.access.holds(tenant, Role.OBSERVE, pool),
+            list(request.candidate_pools),
+            request.num_tokens,
+            prompts_from_pb(request.prompts),
+            tenant.name,
+        )
+        return scores_to_pb(scores.scores, scores.unscored, request.include_block_ids)
 
     @map_stream_errors
     async def WatchEvents(

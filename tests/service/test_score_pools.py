@@ -163,7 +163,8 @@ def test_every_score_equals_find_longest_cache_hit(make_server: Callable[..., In
 def test_candidates_settings_and_errors(make_server: Callable[..., InProcessServer]) -> None:
     """Candidates limit the answer; a pool whose settings no prompt has is unscored
     (NO_PROMPT) and a pool shorter than the prompt is TOO_LONG; a wrong hash count is
-    INVALID_ARGUMENT naming the pool; without block ids the hit is left out."""
+    INVALID_ARGUMENT naming the pool; without block ids the hit is left out; a
+    PoolRouter whose pool list missed a new pool's settings reads it again."""
     server = make_server()
     with KVCoordClient(server.address, timeout=10) as client:
         client.create_pool("xx", LAYOUTS["full-xx"])
@@ -181,6 +182,13 @@ def test_candidates_settings_and_errors(make_server: Callable[..., InProcessServ
         assert [s.pool for s in r.scores] == ["xx"] and not r.scores[0].HasField("hit")
         with pytest.raises(InvalidArgumentError, match="'p'"):
             client.score_pools(16, prompts, ["p"])
+        # the router reads the pool list again when it missed a pool's settings
+        router = PoolRouter(client)
+        assert sorted(router.pools()) == ["p", "short", "xx"]
+        client.create_pool("eagle", LAYOUTS["eagle"])
+        r = router.score(tokens)
+        assert sorted(s.pool for s in r.scores) == ["eagle", "p", "xx"]
+        assert sorted(router.pools()) == ["eagle", "p", "short", "xx"]
 
 
 def test_tenants_score_only_pools_they_observe(make_server: Callable[..., InProcessServer]) -> None:

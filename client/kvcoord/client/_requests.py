@@ -133,12 +133,14 @@ def score_pools(
     prompts: Iterable[pb.HashedPrompt],
     candidate_pools: Iterable[str],
     include_block_ids: bool,
+    reserve_seconds: float,
 ) -> pb.ScorePoolsRequest:
     return pb.ScorePoolsRequest(
         num_tokens=num_tokens,
         prompts=list(prompts),
         candidate_pools=list(candidate_pools),
         include_block_ids=include_block_ids,
+        reserve_seconds=reserve_seconds,
     )
 
 

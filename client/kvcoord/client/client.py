@@ -354,13 +354,16 @@ class KVCoordClient(_Api):
         prompts: Sequence[pb.HashedPrompt],
         candidate_pools: Sequence[str] = (),
         include_block_ids: bool = False,
+        reserve_seconds: float = 0.0,
     ) -> pb.ScorePoolsResponse:
         """Exact prefix-cache scores of a prompt in many pools, best first (read-only;
         needs observe on each pool). ``prompts``: the prompt hashed once per pool hash
         settings (:func:`kvcoord.client.routing.hash_prompt`); ``candidate_pools``: the
-        pools to score (empty: every pool the caller may observe)."""
+        pools to score (empty: every pool the caller may observe); ``reserve_seconds``:
+        hold the best pool's hit that long, until a request of the prompt adopts it."""
         return self._unary(
-            _SCORE_POOLS, rq.score_pools(num_tokens, prompts, candidate_pools, include_block_ids)
+            _SCORE_POOLS,
+            rq.score_pools(num_tokens, prompts, candidate_pools, include_block_ids, reserve_seconds),
         )
 
     def check_pool(self, pool: str) -> pb.CheckPoolResponse:
@@ -549,13 +552,16 @@ class AsyncKVCoordClient(_Api):
         prompts: Sequence[pb.HashedPrompt],
         candidate_pools: Sequence[str] = (),
         include_block_ids: bool = False,
+        reserve_seconds: float = 0.0,
     ) -> _Coro[pb.ScorePoolsResponse]:
         """Exact prefix-cache scores of a prompt in many pools, best first (read-only;
         needs observe on each pool). ``prompts``: the prompt hashed once per pool hash
         settings (:func:`kvcoord.client.routing.hash_prompt`); ``candidate_pools``: the
-        pools to score (empty: every pool the caller may observe)."""
+        pools to score (empty: every pool the caller may observe); ``reserve_seconds``:
+        hold the best pool's hit that long, until a request of the prompt adopts it."""
         return self._unary(
-            _SCORE_POOLS, rq.score_pools(num_tokens, prompts, candidate_pools, include_block_ids)
+            _SCORE_POOLS,
+            rq.score_pools(num_tokens, prompts, candidate_pools, include_block_ids, reserve_seconds),
         )
 
     def check_pool(self, pool: str) -> _Coro[pb.CheckPoolResponse]:

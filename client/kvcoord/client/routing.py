@@ -124,8 +124,15 @@ class PoolRouter:
         cache_salt: str | None = None,
         mm_items: Sequence[MultiModalItem] = (),
         include_block_ids: bool = False,
+        reserve_seconds: float = 0.0,
     ) -> pb.ScorePoolsResponse:
-        """ScorePools for this prompt (every visible pool without candidates).
+        """ScorePools for this prompt (every visible pool without candidates), and
+        with ``reserve_seconds`` a reservation of the best pool's hit.
+
+        When the answer shows the pool list is stale (a pool not scored for want of
+        its hash settings), the list is read again and the prompt scored again, unless
+        a reservation was already made: that answer stands (its reservation is real)
+        and the next call reads the list again.
 
         Raises:
             KVCoordError: as ``score_pools`` does (NotFoundError for a candidate that
@@ -141,13 +148,16 @@ class PoolRouter:
             )
             try:
                 response = self.client.score_pools(
-                    len(token_ids), prompts, candidate_pools, include_block_ids
+                    len(token_ids), prompts, candidate_pools, include_block_ids, reserve_seconds
                 )
             except NotFoundError:
                 if attempt:
                     raise
                 continue
             stale = any(u.reason == "NO_PROMPT" for u in response.unscored)
+            if stale and response.HasField("reservation"):
+                self._pools = None
+                return response
             if not stale or attempt:
                 return response
         raise AssertionError("unreachable")
@@ -161,7 +171,9 @@ class PoolRouter:
         cache_salt: str | None = None,
         mm_items: Sequence[MultiModalItem] = (),
     ) -> pb.PoolScore | None:
-        """The pool :func:`choose_pool` picks for this prompt (``None``: no pool can take it)."""
+        """The pool :func:`choose_pool` picks for this prompt (``None``: no pool can
+        take it). To also hold its hit, call :meth:`score` with ``reserve_seconds``:
+        the server reserves in the pool the policy picks, ``scores[0]``."""
         response = self.score(
             token_ids, candidate_pools, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items
         )

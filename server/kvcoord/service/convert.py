@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from kvcoord.client.hashing import HASH_LENGTHS
@@ -32,8 +32,15 @@ from . import operations as op
 from .errors import ServiceError, bounded
 from .pool_service import Fence, HashSettings, PoolScore, UnscoredPool
 
+if TYPE_CHECKING:  # pragma: no cover
+    from kvcoord.engine.reservations import Reservations
+
+    from .scoring import ReservationMade
+
 __all__ = [
     "prompts_from_pb",
+    "reservation_stats_to_pb",
+    "reservation_to_pb",
     "scores_to_pb",
     "allocate_to_pb",
     "block_ids_to_pb",
@@ -478,3 +485,25 @@ def scores_to_pb(
         if include_block_ids:
             m.hit.CopyFrom(hit_to_pb(sc.hit))
     return out
+
+
+def reservation_to_pb(made: ReservationMade) -> pb.Reservation:
+    return pb.Reservation(
+        reservation_id=made.reservation_id,
+        pool=made.pool,
+        hit_tokens=made.hit_tokens,
+        ttl_seconds=made.seconds,
+    )
+
+
+def reservation_stats_to_pb(reservations: Reservations) -> pb.ReservationStats:
+    c = reservations.counters
+    return pb.ReservationStats(
+        live=len(reservations.live),
+        made=c.made,
+        adopted=c.adopted,
+        expired=c.released,
+        promised_tokens=c.promised_tokens,
+        got_tokens=c.got_tokens,
+        short_hits=c.short_hits,
+    )

@@ -46,6 +46,7 @@ __all__ = [
     "Limits",
     "PoolScore",
     "PoolService",
+    "ReservationLease",
     "UnscoredPool",
 ]
 
@@ -83,6 +84,14 @@ class PoolScore:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ReservationLease:
+    """Who holds a live reservation of this pool, and until when (monotonic)."""
+
+    tenant: str
+    deadline: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class UnscoredPool:
     """A pool that cannot serve the prompt as sent (``reason``: UNSCORED_*)."""
 
@@ -106,6 +115,9 @@ class Limits:
     max_pool_memory_bytes: int = 8 << 30
     #: live sessions per tenant (a tenant's max_sessions overrides it)
     max_sessions_per_tenant: int = 10_000
+    #: live ScorePools reservations per tenant (every pool), and their longest life
+    max_reservations_per_tenant: int = 256
+    max_reservation_seconds: float = 30.0
 
 
 Undo = Callable[[], None]
@@ -162,6 +174,9 @@ class PoolService:
         #: earlier instances of this server whose state was recovered without loss
         #: (durability.py): their fences stay valid for this incarnation
         self.lineage: frozenset[str] | set[str] = frozenset()
+        #: live reservations' holders and deadlines (the engine holds the blocks); a
+        #: reservation the engine holds without one here (recovered) is expired
+        self.reservation_leases: dict[str, ReservationLease] = {}
 
     # -- fencing and sessions -----------------------------------------------------------
     def check_fence(self, fence: Fence | None) -> None:
@@ -354,6 +369,79 @@ class PoolService:
         return PoolScore(
             self.name, hit, engine.num_free_blocks, engine.usage, self.config.num_blocks - 1, self.fence
         )
+
+    def reserve(
+        self, reservation_id: str, hashes: Sequence[bytes], num_tokens: int, tenant: str, seconds: float
+    ) -> CacheHit:
+        """Hold ``tenant``'s hit of this prompt for ``seconds`` (engine ``reserve``); an
+        empty hit holds nothing. The caller checks limits and journals it.
+
+        Raises:
+            ServiceError: FAILED_PRECONDITION when an exclusive session holds the pool
+                (its client predicts every allocation: a held block would break that).
+        """
+        if any(o.exclusive for o in self.sessions.of_pool(self.name)):
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pool {self.name!r} has an exclusive session, which predicts every allocation: "
+                "it cannot hold reservations",
+                ErrorReason.POOL_EXCLUSIVE,
+            )
+        hit = self.engine.reserve(reservation_id, hashes, num_tokens, self.cache_namespace(tenant))
+        if hit.num_tokens:
+            self.reservation_leases[reservation_id] = ReservationLease(
+                tenant, self.sessions.clock() + seconds
+            )
+        return hit
+
+    def expired_reservations(self) -> list[str]:
+        """Live reservations whose time ran out (or whose lease was lost in a restart)."""
+        now = self.sessions.clock()
+        leases = self.reservation_leases
+        return [
+            rid
+            for rid in self.engine.reservations.live
+            if (lease := leases.get(rid)) is None or lease.deadline <= now
+        ]
+
+    def release_reservation(self, reservation_id: str) -> bool:
+        """Release a reservation no request adopted (expiry; also a journal replay)."""
+        self.reservation_leases.pop(reservation_id, None)
+        return self.engine.release_reservation(reservation_id)
+
+    def reservations_of(self, tenant: str) -> int:
+        return sum(1 for lease in self.reservation_leases.values() if lease.tenant == tenant)
+
+    def _adopt(self, rid: str, got_tokens: int) -> None:
+        r = self.engine.adopt_reservation(rid, got_tokens)
+        if r is not None:
+            self.reservation_leases.pop(r.reservation_id, None)
+
+    def _allocate_adopting(self, s: Session, o: op.Allocate) -> op.Value:
+        """:meth:`_allocate`; a request's first allocation then adopts the oldest
+        reservation of its prefix (the pool is vLLM's exactly while none is live)."""
+        engine = self.engine
+        if not engine.reservations.live:
+            return self._allocate(s, o)
+        rid = o.sync.request_id
+        first = not (rid in engine.requests and any(m.req_to_blocks.get(rid) for m in engine.managers))
+        value = self._allocate(s, o)
+        if first and isinstance(value, op.AllocateOutcome) and value.new_block_ids is not None:
+            got = value.hit.num_tokens if value.hit is not None else o.num_new_computed_tokens
+            self._adopt(rid, got)
+        return value
+
+    def _admit_adopting(self, s: Session, o: op.Admit) -> op.Value:
+        """:meth:`_admit`; each admitted request then adopts a reservation of its prefix,
+        in admission order."""
+        if not self.engine.reservations.live:
+            return self._admit(s, o)
+        value = self._admit(s, o)
+        if isinstance(value, op.Admitted):
+            for sync, outcome in zip(o.syncs, value.outcomes, strict=False):
+                if outcome.new_block_ids is not None:
+                    self._adopt(sync.request_id, outcome.hit.num_tokens if outcome.hit is not None else 0)
+        return value
 
     def lifetime_prefix_cache_stats(self) -> PrefixCacheStats:
         c = self.engine.lookup_counters
@@ -886,7 +974,7 @@ def _as_service_error(exc: Exception) -> ServiceError:
 
 _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.Lookup: PoolService._lookup,  # type: ignore[dict-item]
-    op.Allocate: PoolService._allocate,  # type: ignore[dict-item]
+    op.Allocate: PoolService._allocate_adopting,  # type: ignore[dict-item]
     op.Free: PoolService._free,  # type: ignore[dict-item]
     op.Preempt: PoolService._preempt,  # type: ignore[dict-item]
     op.CacheBlocks: PoolService._cache_blocks,  # type: ignore[dict-item]
@@ -898,6 +986,6 @@ _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.TakeEvents: PoolService._take_events,  # type: ignore[dict-item]
     op.MakeStats: PoolService._make_stats,  # type: ignore[dict-item]
     op.Sync: PoolService._sync,  # type: ignore[dict-item]
-    op.Admit: PoolService._admit,  # type: ignore[dict-item]
+    op.Admit: PoolService._admit_adopting,  # type: ignore[dict-item]
     op.AllocateRun: PoolService._allocate_run,  # type: ignore[dict-item]
 }

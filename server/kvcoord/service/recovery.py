@@ -184,6 +184,12 @@ def replay_record(registry: PoolRegistry, record: list[Any], now_wall: float) ->
         service = registry.pools[record[2]]
         service.engine.reset_prefix_cache()
         service.events.publish(service.engine.take_events())
+    elif kind == "reserve":  # held again, with no time left (released after recovery)
+        _, _, pool, reservation_id, num_tokens, hashes, tenant = record
+        service = registry.pools[pool]
+        service.engine.reserve(reservation_id, hashes, num_tokens, service.cache_namespace(tenant))
+    elif kind == "unreserve":
+        registry.pools[record[2]].release_reservation(record[3])
     else:
         raise ValueError(f"unknown record kind {kind!r}")
 

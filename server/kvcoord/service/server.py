@@ -85,6 +85,7 @@ async def _reap(servicer: AllocatorServicer, every: float) -> None:
         await asyncio.sleep(every)
         try:
             servicer.reap_expired_sessions()
+            servicer.expire_reservations()
             freezer.maybe_freeze(servicer.registry.pools.values())
         except Exception:  # pragma: no cover - logged, the reaper keeps going
             logger.exception("session reaper failed")

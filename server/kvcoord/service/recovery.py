@@ -26,6 +26,7 @@ from kvcoord.engine import KVCachePool, PrefixCacheStats
 from kvcoord.engine.blocks import KVCacheBlock
 from kvcoord.engine.free_queue import FreeKVCacheBlockQueue
 from kvcoord.engine.request import Request
+from kvcoord.engine.reservations import Reservation, ReservationCounters
 from kvcoord.engine.stats import LookupCounters
 from kvcoord.v1 import allocator_pb2 as pb
 
@@ -56,6 +57,8 @@ def snapshot_fingerprint() -> str:
                 PrefixCacheStats,
                 LookupCounters,
                 Session,
+                Reservation,
+                ReservationCounters,
             )
         ]
         + [sorted(vars(KVCachePool(_probe_config())).keys())]

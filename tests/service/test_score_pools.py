@@ -16,6 +16,7 @@ from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.client.routing import PoolRouter, choose_pool, hash_prompt, score_rank
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
+from support import PoolWorker
 from tenancy import TENANTS, TOKENS, Raw, pool_toml
 
 G = pb.KVCacheGroupSpec
@@ -57,52 +58,6 @@ LAYOUTS: dict[str, pb.PoolConfig] = {
 }  # fmt: skip
 
 
-class Worker:
-    """Allocates and frees requests in one pool, hashing as that pool's workers do."""
-
-    def __init__(self, client: KVCoordClient, pool: str, cfg: pb.PoolConfig, rnd: random.Random) -> None:
-        self.client, self.pool, self.cfg, self.rnd = client, pool, cfg, rnd
-        r = client.attach(pool, cfg.hash_algo, cfg.hash_block_size, cfg.hash_seed)
-        self.sid, self.fence = r.session_id, r.fence
-        self.live: list[str] = []
-        self.n = 0
-
-    def hashes(self, tokens: list[int], lora: str | None = None) -> list[bytes]:
-        if not self.cfg.enable_caching:
-            return []
-        none = none_hash(self.cfg.hash_algo, self.cfg.hash_seed)
-        return BlockHasher(self.cfg.hash_algo, 4, none, lora_name=lora).extend(tokens)
-
-    def step(self, prompt: list[int], lora: str | None) -> None:
-        rid = f"{self.pool}-{self.n}"
-        self.n += 1
-        sync = pb.RequestSync(
-            request_id=rid,
-            append_token_ids=prompt,
-            append_block_hashes=self.hashes(prompt, lora),
-            new_request=True,
-        )
-        if lora:
-            sync.lora.CopyFrom(pb.LoRA(adapter_id=1, name=lora))
-        op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=len(prompt), lookup=True))
-        ops = [op]
-        if self.live and self.rnd.random() < 0.4:
-            ops.append(pb.Operation(free=pb.FreeOp(request_id=self.live.pop(0))))
-        r = self.client.step(self.pool, ops, self.sid, fence=self.fence)
-        result = r.results[0].allocate
-        if result.refused:
-            self.client.step(
-                self.pool, [pb.Operation(free=pb.FreeOp(request_id=rid))], self.sid, fence=self.fence
-            )
-            for old in self.live:
-                self.client.step(
-                    self.pool, [pb.Operation(free=pb.FreeOp(request_id=old))], self.sid, fence=self.fence
-                )
-            self.live.clear()
-        else:
-            self.live.append(rid)
-
-
 def _prompt(rnd: random.Random, prefixes: list[list[int]]) -> list[int]:
     return rnd.choice(prefixes) + [rnd.randrange(50) for _ in range(rnd.randint(1, 30))]
 
@@ -130,7 +85,7 @@ def test_every_score_equals_find_longest_cache_hit(make_server: Callable[..., In
         for name, cfg in LAYOUTS.items():
             client.create_pool(name, cfg)
         configs = {p.name: p.config for p in client.list_pools().pools}  # with the default "p"
-        workers = {name: Worker(client, name, cfg, rnd) for name, cfg in configs.items()}
+        workers = {name: PoolWorker(client, name, cfg, rnd) for name, cfg in configs.items()}
         router = PoolRouter(client)
         names = sorted(configs)
         scored_hits = set()

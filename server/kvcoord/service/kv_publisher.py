@@ -167,7 +167,13 @@ class KVEventPublisher:
     """
 
     def __init__(self, decl: KVEventsDecl) -> None:
-        import zmq
+        try:
+            import msgspec  # noqa: F401 - the thread's encoder, checked before binding anything
+            import zmq
+        except ImportError as exc:
+            raise ImportError(
+                f"[[kv_events]] for pool {decl.pool!r} needs pyzmq and msgspec: pip install 'kvcoord[zmq]' ({exc})"
+            ) from exc
 
         self.decl = decl
         self._zmq = zmq

@@ -462,8 +462,10 @@ def write_pool_state(
 
 # -- ScorePools ----------------------------------------------------------------------
 def prompts_from_pb(prompts: Iterable[pb.HashedPrompt]) -> list[tuple[HashSettings, Sequence[bytes]]]:
-    """Each prompt's hash settings (as PoolConfig spells them) and its hashes."""
-    return [((p.hash_algo, p.hash_block_size, p.hash_seed), p.block_hashes) for p in prompts]
+    """Each prompt's hash settings (as PoolConfig spells them) and its hashes, copied
+    out of the message once (every pool scored reads them; each read of a repeated
+    protobuf field makes new bytes objects)."""
+    return [((p.hash_algo, p.hash_block_size, p.hash_seed), list(p.block_hashes)) for p in prompts]
 
 
 def scores_to_pb(

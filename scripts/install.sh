@@ -6,8 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 
-"$PYTHON" -m pip install --quiet -e '.[test]'
-echo "installed kvcoord (editable) with test extras"
+"$PYTHON" -m pip install --quiet -e '.[test,zmq]'
+echo "installed kvcoord (editable) with test and zmq extras"
 
 ./scripts/install_vllm.sh
 

@@ -368,6 +368,18 @@ def calls(draw: Any) -> Call:
         )
     elif rpc == "CheckPool":
         message = pb.CheckPoolRequest(pool=pool)
+    elif rpc == "ScorePools":
+        s = draw(syncs())
+        algo, size, seed = HASHING.get(pool, ("sha256_cbor", 4, "0"))
+        prompt = pb.HashedPrompt(
+            hash_algo=algo, hash_block_size=size, hash_seed=seed, block_hashes=s.append_block_hashes
+        )
+        message = pb.ScorePoolsRequest(
+            candidate_pools=draw(st.lists(pool_names, max_size=2)),
+            num_tokens=draw(counts),
+            prompts=draw(st.lists(st.just(prompt), max_size=2)),
+            include_block_ids=draw(st.booleans()),
+        )
     else:
         message = pb.WatchEventsRequest(pool=pool, after_sequence=draw(st.integers(0, 3) | counts))
     return Call(rpc, message, token, session, fence)

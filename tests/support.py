@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import urllib.request
 from collections.abc import Sequence
 
+from kvcoord.client import KVCoordClient
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import (
     AttentionSpec,
@@ -139,3 +141,50 @@ def scrape_metrics(server: InProcessServer) -> dict[tuple[str, tuple[tuple[str, 
         for s in fam.samples:
             out[(s.name, tuple(sorted(s.labels.items())))] = s.value
     return out
+
+
+class PoolWorker:
+    """A session allocating (atomic lookup) and freeing requests in one pool, hashing as
+    that pool's workers do; on a refusal it frees everything it holds."""
+
+    def __init__(self, client: KVCoordClient, pool: str, cfg: pb.PoolConfig, rnd: random.Random) -> None:
+        self.client, self.pool, self.cfg, self.rnd = client, pool, cfg, rnd
+        r = client.attach(pool, cfg.hash_algo, cfg.hash_block_size, cfg.hash_seed)
+        self.sid, self.fence = r.session_id, r.fence
+        self.live: list[str] = []
+        self.n = 0
+
+    def hashes(self, tokens: list[int], lora: str | None = None) -> list[bytes]:
+        if not self.cfg.enable_caching:
+            return []
+        none = none_hash(self.cfg.hash_algo, self.cfg.hash_seed)
+        return BlockHasher(self.cfg.hash_algo, self.cfg.hash_block_size, none, lora_name=lora).extend(tokens)
+
+    def step(self, prompt: list[int], lora: str | None) -> None:
+        rid = f"{self.pool}-{self.n}"
+        self.n += 1
+        sync = pb.RequestSync(
+            request_id=rid,
+            append_token_ids=prompt,
+            append_block_hashes=self.hashes(prompt, lora),
+            new_request=True,
+        )
+        if lora:
+            sync.lora.CopyFrom(pb.LoRA(adapter_id=1, name=lora))
+        op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=len(prompt), lookup=True))
+        ops = [op]
+        if self.live and self.rnd.random() < 0.4:
+            ops.append(pb.Operation(free=pb.FreeOp(request_id=self.live.pop(0))))
+        r = self.client.step(self.pool, ops, self.sid, fence=self.fence)
+        result = r.results[0].allocate
+        if result.refused:
+            self.client.step(
+                self.pool, [pb.Operation(free=pb.FreeOp(request_id=rid))], self.sid, fence=self.fence
+            )
+            for old in self.live:
+                self.client.step(
+                    self.pool, [pb.Operation(free=pb.FreeOp(request_id=old))], self.sid, fence=self.fence
+                )
+            self.live.clear()
+        else:
+            self.live.append(rid)

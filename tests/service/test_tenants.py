@@ -40,6 +40,7 @@ REQUIRED: dict[str, str | None] = {
     "InspectPool": "administer",
     "WatchEvents": "observe",
     "CheckPool": "administer",
+    "ScorePools": "observe",
 }
 
 #: Roles of each caller on the a-* pools; None: not authenticated.
@@ -128,6 +129,11 @@ def _request(rpc: str, caller: str, sid: str, fence: pb.Fence) -> Any:
     if rpc == "Step":
         op = pb.Operation(sync=pb.SyncOp(request=new_request(rid, tokens)))
         return pb.StepRequest(pool="a-pool", session_id=sid, ops=[op])
+    if rpc == "ScorePools":
+        prompt = pb.HashedPrompt(
+            hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", block_hashes=hashes(tokens)
+        )
+        return pb.ScorePoolsRequest(candidate_pools=["a-pool"], num_tokens=8, prompts=[prompt])
     if rpc in ("ResetPrefixCache", "GetStats", "InspectPool", "CheckPool"):
         return getattr(pb, f"{rpc}Request")(pool="a-pool")
     assert rpc == "WatchEvents"

@@ -27,6 +27,7 @@ RPCS: dict[str, str] = {
     "GetStats": "read",
     "InspectPool": "read",
     "CheckPool": "read",
+    "ScorePools": "read",
 }
 
 
@@ -125,6 +126,22 @@ def find_longest_cache_hit(
     pool: str, block_hashes: Sequence[bytes], num_tokens: int
 ) -> pb.FindLongestCacheHitRequest:
     return pb.FindLongestCacheHitRequest(pool=pool, block_hashes=list(block_hashes), num_tokens=num_tokens)
+
+
+def score_pools(
+    num_tokens: int,
+    prompts: Iterable[pb.HashedPrompt],
+    candidate_pools: Iterable[str],
+    include_block_ids: bool,
+    reserve_seconds: float,
+) -> pb.ScorePoolsRequest:
+    return pb.ScorePoolsRequest(
+        num_tokens=num_tokens,
+        prompts=list(prompts),
+        candidate_pools=list(candidate_pools),
+        include_block_ids=include_block_ids,
+        reserve_seconds=reserve_seconds,
+    )
 
 
 def inspect_pool(

@@ -112,6 +112,7 @@ _RESET_PREFIX_CACHE = _Rpc("ResetPrefixCache", pb.ResetPrefixCacheRequest, pb.Re
 _GET_STATS = _Rpc("GetStats", pb.GetStatsRequest, pb.GetStatsResponse)
 _INSPECT_POOL = _Rpc("InspectPool", pb.InspectPoolRequest, pb.InspectPoolResponse)
 _CHECK_POOL = _Rpc("CheckPool", pb.CheckPoolRequest, pb.CheckPoolResponse)
+_SCORE_POOLS = _Rpc("ScorePools", pb.ScorePoolsRequest, pb.ScorePoolsResponse)
 
 #: every unary RPC the clients call, with the method that calls it (tests check this
 #: against the service descriptor, ``_requests.RPCS`` and both clients' methods)
@@ -131,6 +132,7 @@ UNARY_METHODS: dict[str, _Rpc[Any, Any]] = {
     "get_stats": _GET_STATS,
     "inspect_pool": _INSPECT_POOL,
     "check_pool": _CHECK_POOL,
+    "score_pools": _SCORE_POOLS,
 }
 
 
@@ -346,6 +348,24 @@ class KVCoordClient(_Api):
             rq.inspect_pool(pool, free_queue_limit, request_ids, all_requests, include_cached_blocks),
         )
 
+    def score_pools(
+        self,
+        num_tokens: int,
+        prompts: Sequence[pb.HashedPrompt],
+        candidate_pools: Sequence[str] = (),
+        include_block_ids: bool = False,
+        reserve_seconds: float = 0.0,
+    ) -> pb.ScorePoolsResponse:
+        """Exact prefix-cache scores of a prompt in many pools, best first (read-only;
+        needs observe on each pool). ``prompts``: the prompt hashed once per pool hash
+        settings (:func:`kvcoord.client.routing.hash_prompt`); ``candidate_pools``: the
+        pools to score (empty: every pool the caller may observe); ``reserve_seconds``:
+        hold the best pool's hit that long, until a request of the prompt adopts it."""
+        return self._unary(
+            _SCORE_POOLS,
+            rq.score_pools(num_tokens, prompts, candidate_pools, include_block_ids, reserve_seconds),
+        )
+
     def check_pool(self, pool: str) -> pb.CheckPoolResponse:
         """The pool's invariant violations (none when it is sound); read-only, linear in its size."""
         return self._unary(_CHECK_POOL, pb.CheckPoolRequest(pool=pool))
@@ -524,6 +544,24 @@ class AsyncKVCoordClient(_Api):
         return self._unary(
             _INSPECT_POOL,
             rq.inspect_pool(pool, free_queue_limit, request_ids, all_requests, include_cached_blocks),
+        )
+
+    def score_pools(
+        self,
+        num_tokens: int,
+        prompts: Sequence[pb.HashedPrompt],
+        candidate_pools: Sequence[str] = (),
+        include_block_ids: bool = False,
+        reserve_seconds: float = 0.0,
+    ) -> _Coro[pb.ScorePoolsResponse]:
+        """Exact prefix-cache scores of a prompt in many pools, best first (read-only;
+        needs observe on each pool). ``prompts``: the prompt hashed once per pool hash
+        settings (:func:`kvcoord.client.routing.hash_prompt`); ``candidate_pools``: the
+        pools to score (empty: every pool the caller may observe); ``reserve_seconds``:
+        hold the best pool's hit that long, until a request of the prompt adopts it."""
+        return self._unary(
+            _SCORE_POOLS,
+            rq.score_pools(num_tokens, prompts, candidate_pools, include_block_ids, reserve_seconds),
         )
 
     def check_pool(self, pool: str) -> _Coro[pb.CheckPoolResponse]:

@@ -855,7 +855,7 @@ class ServerLimits(_message.Message):
     def __init__(self, max_pools: _Optional[int] = ..., max_blocks_per_pool: _Optional[int] = ..., max_requests_per_pool: _Optional[int] = ..., max_ops_per_step: _Optional[int] = ..., event_buffer: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., max_pool_memory_bytes: _Optional[int] = ..., pool_memory_bytes: _Optional[int] = ..., pool_block_bytes: _Optional[int] = ..., pool_token_bytes: _Optional[int] = ..., max_sessions_per_tenant: _Optional[int] = ..., tenant_sessions: _Optional[int] = ..., max_session_lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., idempotency_max_bytes: _Optional[int] = ..., idempotency_bytes: _Optional[int] = ..., idempotency_keys: _Optional[int] = ..., server_sessions: _Optional[int] = ..., max_name_length: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., max_idempotency_key_length: _Optional[int] = ..., max_client_name_length: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats", "fence", "limits", "pool_memory_bytes", "event_buffer_bytes", "event_buffer_max_bytes")
+    __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats", "fence", "limits", "pool_memory_bytes", "event_buffer_bytes", "event_buffer_max_bytes", "reservations")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -866,6 +866,7 @@ class GetStatsResponse(_message.Message):
     POOL_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVENT_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVENT_BUFFER_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     num_total_blocks: int
     usage: float
@@ -876,7 +877,8 @@ class GetStatsResponse(_message.Message):
     pool_memory_bytes: int
     event_buffer_bytes: int
     event_buffer_max_bytes: int
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., pool_memory_bytes: _Optional[int] = ..., event_buffer_bytes: _Optional[int] = ..., event_buffer_max_bytes: _Optional[int] = ...) -> None: ...
+    reservations: ReservationStats
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., pool_memory_bytes: _Optional[int] = ..., event_buffer_bytes: _Optional[int] = ..., event_buffer_max_bytes: _Optional[int] = ..., reservations: _Optional[_Union[ReservationStats, _Mapping]] = ...) -> None: ...
 
 class CheckPoolRequest(_message.Message):
     __slots__ = ("pool",)
@@ -1001,3 +1003,99 @@ class WatchEventsResponse(_message.Message):
     fence: Fence
     reset: bool
     def __init__(self, sequence: _Optional[int] = ..., event: _Optional[_Union[KVEvent, _Mapping]] = ..., gap: _Optional[bool] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., reset: _Optional[bool] = ...) -> None: ...
+
+class HashedPrompt(_message.Message):
+    __slots__ = ("hash_algo", "hash_block_size", "hash_seed", "block_hashes")
+    HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
+    HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_SEED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    hash_algo: str
+    hash_block_size: int
+    hash_seed: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class ScorePoolsRequest(_message.Message):
+    __slots__ = ("candidate_pools", "num_tokens", "prompts", "include_block_ids", "reserve_seconds")
+    CANDIDATE_POOLS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPTS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    candidate_pools: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: int
+    prompts: _containers.RepeatedCompositeFieldContainer[HashedPrompt]
+    include_block_ids: bool
+    reserve_seconds: float
+    def __init__(self, candidate_pools: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[HashedPrompt, _Mapping]]] = ..., include_block_ids: _Optional[bool] = ..., reserve_seconds: _Optional[float] = ...) -> None: ...
+
+class PoolScore(_message.Message):
+    __slots__ = ("pool", "hit_tokens", "num_free_blocks", "usage", "num_total_blocks", "hit", "fence")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    hit_tokens: int
+    num_free_blocks: int
+    usage: float
+    num_total_blocks: int
+    hit: CacheHit
+    fence: Fence
+    def __init__(self, pool: _Optional[str] = ..., hit_tokens: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_total_blocks: _Optional[int] = ..., hit: _Optional[_Union[CacheHit, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+
+class UnscoredPool(_message.Message):
+    __slots__ = ("pool", "reason", "message")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    reason: str
+    message: str
+    def __init__(self, pool: _Optional[str] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ScorePoolsResponse(_message.Message):
+    __slots__ = ("scores", "unscored", "reservation", "reservation_skipped")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    UNSCORED_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedCompositeFieldContainer[PoolScore]
+    unscored: _containers.RepeatedCompositeFieldContainer[UnscoredPool]
+    reservation: Reservation
+    reservation_skipped: str
+    def __init__(self, scores: _Optional[_Iterable[_Union[PoolScore, _Mapping]]] = ..., unscored: _Optional[_Iterable[_Union[UnscoredPool, _Mapping]]] = ..., reservation: _Optional[_Union[Reservation, _Mapping]] = ..., reservation_skipped: _Optional[str] = ...) -> None: ...
+
+class Reservation(_message.Message):
+    __slots__ = ("reservation_id", "pool", "hit_tokens", "ttl_seconds")
+    RESERVATION_ID_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    reservation_id: str
+    pool: str
+    hit_tokens: int
+    ttl_seconds: float
+    def __init__(self, reservation_id: _Optional[str] = ..., pool: _Optional[str] = ..., hit_tokens: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class ReservationStats(_message.Message):
+    __slots__ = ("live", "made", "adopted", "expired", "promised_tokens", "got_tokens", "short_hits")
+    LIVE_FIELD_NUMBER: _ClassVar[int]
+    MADE_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    PROMISED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GOT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHORT_HITS_FIELD_NUMBER: _ClassVar[int]
+    live: int
+    made: int
+    adopted: int
+    expired: int
+    promised_tokens: int
+    got_tokens: int
+    short_hits: int
+    def __init__(self, live: _Optional[int] = ..., made: _Optional[int] = ..., adopted: _Optional[int] = ..., expired: _Optional[int] = ..., promised_tokens: _Optional[int] = ..., got_tokens: _Optional[int] = ..., short_hits: _Optional[int] = ...) -> None: ...

@@ -114,6 +114,11 @@ class AllocatorStub:
                 request_serializer=kvcoord_dot_v1_dot_allocator__pb2.CheckPoolRequest.SerializeToString,
                 response_deserializer=kvcoord_dot_v1_dot_allocator__pb2.CheckPoolResponse.FromString,
                 _registered_method=True)
+        self.ScorePools = channel.unary_unary(
+                '/kvcoord.v1.Allocator/ScorePools',
+                request_serializer=kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsRequest.SerializeToString,
+                response_deserializer=kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsResponse.FromString,
+                _registered_method=True)
 
 
 class AllocatorServicer:
@@ -248,6 +253,19 @@ class AllocatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ScorePools(self, request, context):
+        """Exact prefix-cache scores for a router: for each pool scored, the hit
+        FindLongestCacheHit would answer there for the caller (its tenant's cache, each
+        pool's own coordinator: unitary, hybrid fixed point, EAGLE, alignment), with the
+        pool's free blocks and usage, best first. Read-only like FindLongestCacheHit:
+        no LRU order, statistic or event changes, and no session is needed. Needs the
+        observe role on every pool named in candidate_pools; without candidates, every
+        pool the caller may observe is scored (pools it may not observe are never named).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllocatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -330,6 +348,11 @@ def add_AllocatorServicer_to_server(servicer, server):
                     servicer.CheckPool,
                     request_deserializer=kvcoord_dot_v1_dot_allocator__pb2.CheckPoolRequest.FromString,
                     response_serializer=kvcoord_dot_v1_dot_allocator__pb2.CheckPoolResponse.SerializeToString,
+            ),
+            'ScorePools': grpc.unary_unary_rpc_method_handler(
+                    servicer.ScorePools,
+                    request_deserializer=kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsRequest.FromString,
+                    response_serializer=kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -764,6 +787,33 @@ class Allocator:
             '/kvcoord.v1.Allocator/CheckPool',
             kvcoord_dot_v1_dot_allocator__pb2.CheckPoolRequest.SerializeToString,
             kvcoord_dot_v1_dot_allocator__pb2.CheckPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ScorePools(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcoord.v1.Allocator/ScorePools',
+            kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsRequest.SerializeToString,
+            kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -141,18 +141,25 @@ class PrefixHits:
         free: set[int] = set()
         held = False
         blocks = self.block_pool.blocks
-        first = self.block_pool.cached_block_hash_to_block.first
-        for gid, size in enumerate(self._group_block_sizes):
-            view = hashes_at_block_size(keys, self.hash_block_size, size)
-            get = first[gid].get
-            for h in view[: max_tokens // size]:
-                b = get(h)
-                if b:
-                    if blocks[b].ref_cnt:
-                        held = True
-                    else:
-                        free.add(b)
+        for ids in self.cached_under(keys, max_tokens):
+            for b in ids:
+                if blocks[b].ref_cnt:
+                    held = True
+                else:
+                    free.add(b)
         return free, held
+
+    def cached_under(self, keys: Sequence[bytes], max_tokens: int) -> list[list[int]]:
+        """Per group, in position order, every block cached under the request's keys
+        that a search of up to ``max_tokens`` tokens reads (with EAGLE a hit depends on
+        these: each search drops the block it matched last)."""
+        first = self.block_pool.cached_block_hash_to_block.first
+        out = []
+        for gid, size in enumerate(self._group_block_sizes):
+            get = first[gid].get
+            view = hashes_at_block_size(keys, self.hash_block_size, size)
+            out.append([b for h in view[: max_tokens // size] if (b := get(h))])
+        return out
 
     def _dropped_by_eagle(self, keys: Sequence[bytes], lists: list[list[int]]) -> set[int]:
         """With EAGLE each group's hit drops its last matched block, so the hit also

@@ -84,7 +84,7 @@ def _check(
         return True
     free = set(free_ids)
     # 2. ref counts equal holders; one group per block; once per list.
-    holders: Counter[int] = Counter()
+    holders: Counter[int] = Counter(pool.reservations.held_blocks())
     group_of: dict[int, int] = {}
     for m in pool.managers:
         for rid, blocks in m.req_to_blocks.items():

@@ -31,6 +31,7 @@ from .hits import PrefixHits
 from .managers import MambaManager, SingleTypeKVCacheManager
 from .request import LoRA, Request
 from .request_table import RequestTable, check_count
+from .reservations import Reservation, Reservations
 from .results import AllocationResult, BlockIds, CacheHit, PoolSnapshot, RequestCheckpoint
 from .specs import FullAttentionSpec
 from .stats import LookupCounters, PrefixCacheStats
@@ -70,6 +71,8 @@ class KVCachePool:
         self.hash_block_size = config.hash_block_size
         self.request_table = RequestTable(config)
         self.hits = PrefixHits(config, self.coordinator, self.request_table)
+        #: hits held against eviction for a router (none: exactly vLLM's manager)
+        self.reservations = Reservations(self.block_pool, config.hash_block_size)
         #: The table's dict itself (never replaced), read directly by the hot paths.
         self.requests: dict[str, Request] = self.request_table.requests
         self.num_refusals = 0
@@ -278,6 +281,40 @@ class KVCachePool:
                 (count, type, length).
         """
         return self.hits.find_longest_cache_hit(block_hashes, num_tokens, cache_namespace)
+
+    # -- reservations (routers) ---------------------------------------------------------
+    def reserve(
+        self, reservation_id: str, block_hashes: Sequence[bytes], num_tokens: int, cache_namespace: str = ""
+    ) -> CacheHit:
+        """:meth:`find_longest_cache_hit`, then hold the hit's blocks against eviction
+        until a request of this prefix adopts them (:meth:`adopt_reservation`) or
+        :meth:`release_reservation`. An empty hit holds nothing and is not kept.
+
+        Raises:
+            InvalidArgumentError: as :meth:`find_longest_cache_hit`, or the id is live.
+        """
+        if reservation_id in self.reservations.live:
+            raise InvalidArgumentError(f"reservation {reservation_id!r} already exists")
+        hit = self.hits.find_longest_cache_hit(block_hashes, num_tokens, cache_namespace)
+        if hit.num_tokens:
+            # a hit means the namespace has cached blocks, so it has its prefix already
+            prefix = self.cache_namespaces[cache_namespace] if cache_namespace else b""
+            held: Sequence[Sequence[int]] = hit.block_ids
+            if self.config.use_eagle:
+                held = self.hits.cached_under(request_keys(block_hashes, prefix), num_tokens - 1)
+            self.reservations.hold(reservation_id, hit, held, prefix, block_hashes)
+        return hit
+
+    def release_reservation(self, reservation_id: str) -> bool:
+        """End a reservation no request adopted; ``False`` when it is not live."""
+        return self.reservations.expire(reservation_id)
+
+    def adopt_reservation(self, request_id: str, got_tokens: int) -> Reservation | None:
+        """The request made its first allocation with a hit of ``got_tokens``: release
+        the oldest reservation of its prefix (call after the allocation, so blocks it
+        shares keep their place)."""
+        req = self._get(request_id)
+        return self.reservations.adopt(req.cache_prefix, req.block_hashes, got_tokens)
 
     def allocate_slots(
         self,
@@ -720,6 +757,8 @@ class KVCachePool:
             return "the pool uses EAGLE drafts (a hit drops its last block)"
         if self.requests:
             return "the pool holds requests"
+        if self.reservations.live:
+            return "the pool holds reservations"
         if self.cache_namespaces:
             return "the pool caches under tenants' namespaces"
         queue = self.block_pool.free_block_queue

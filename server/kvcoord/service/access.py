@@ -11,8 +11,8 @@ on pools by name pattern (``fnmatch`` globs):
                Step operations EvictBlocksOp and ResetPrefixCacheOp, and an exclusive
                Attach (it locks every other tenant out of the pool)
 ``use``        Attach, Heartbeat, Detach, FindLongestCacheHit, Allocate, Free, Step
-``observe``    GetPool, GetStats, WatchEvents (ListPools shows only pools the tenant
-               holds some role on)
+``observe``    GetPool, GetStats, WatchEvents, ScorePools (on every pool it scores;
+               ListPools shows only pools the tenant holds some role on)
 =============  ==================================================================
 
 A token listed only in ``[server] auth_tokens``, and every caller of a server with
@@ -127,6 +127,9 @@ class Rule:
 
     role: Role | None
     pool_field: str | None = "pool"
+    #: ``pool_field`` is a repeated field: the role is needed on every pool it names
+    #: (none named: the handler keeps only the pools the tenant holds the role on)
+    many: bool = False
 
 
 _A, _U, _O = Role.ADMINISTER, Role.USE, Role.OBSERVE
@@ -149,6 +152,7 @@ RPC_RULES: Mapping[str, Rule] = {
     "InspectPool": Rule(_A),
     "WatchEvents": Rule(_O),
     "CheckPool": Rule(_A),
+    "ScorePools": Rule(_O, "candidate_pools", many=True),
 }
 
 #: Step operations that need more than ``use`` (they touch other requests' blocks).
@@ -239,6 +243,11 @@ class AccessControl:
             )
         if rule.role is None or tenant.full_access:
             return
+        if rule.many:
+            assert rule.pool_field is not None
+            for pool in getattr(request, rule.pool_field):
+                self._require(tenant, rpc, pool, {rule.role})
+            return
         if rule.pool_field is not None:
             pool = getattr(request, rule.pool_field)
         elif s is not None:
@@ -254,6 +263,14 @@ class AccessControl:
                     needed.add(extra)
         elif rpc == "Attach" and request.exclusive:
             needed.add(EXCLUSIVE_ATTACH_ROLE)
+        self._require(tenant, rpc, pool, needed, held)
+
+    @staticmethod
+    def _require(
+        tenant: Tenant, rpc: str, pool: str, needed: set[Role], held: frozenset[Role] | None = None
+    ) -> None:
+        if held is None:
+            held = tenant.roles_on(pool)
         missing = sorted(r.value for r in needed - held)
         if missing:
             raise ServiceError(
@@ -267,6 +284,10 @@ class AccessControl:
         """Make ``tenant`` the :func:`current_tenant` of the call being handled (the
         handler runs in the same task)."""
         _CALLER.set(tenant)
+
+    def holds(self, tenant: Tenant, role: Role, pool: str) -> bool:
+        """True when ``tenant`` holds ``role`` on ``pool``."""
+        return tenant.full_access or role in tenant.roles_on(pool)
 
     def visible(self, tenant: Tenant, pool: str) -> bool:
         """True when ``tenant`` holds some role on ``pool`` (ListPools shows it)."""

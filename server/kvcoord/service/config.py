@@ -21,6 +21,7 @@ from .access import Tenant, tenants_from_dict
 from .bounds import check_request
 from .convert import config_from_pb
 from .errors import ServiceError
+from .kv_publisher import KVEventsDecl, kv_events_from_list
 from .registry import Limits
 from .tls import TLSFiles, check_tls_files, tls_from_dict, tls_from_env
 
@@ -120,6 +121,8 @@ class ServerConfig:
     pools: tuple[PoolDecl, ...]
     #: tenants and their roles on pools (access.py); empty: tokens give full access
     tenants: tuple[Tenant, ...] = ()
+    #: pools whose KV events are published in vLLM's format (kv_publisher.py)
+    kv_events: tuple[KVEventsDecl, ...] = ()
 
 
 def default_config_text() -> str:
@@ -249,11 +252,15 @@ def parse_config(text: str, source: str = "config") -> ServerConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"{source}: not valid TOML: {exc}") from None
-    unknown = set(data) - {"server", "limits", "pools", "tenants"}
+    unknown = set(data) - {"server", "limits", "pools", "tenants", "kv_events"}
     if unknown:
         raise ConfigFileError(
-            f"{source}: unknown section(s) {sorted(unknown)} (known: server, limits, pools, tenants)"
+            f"{source}: unknown section(s) {sorted(unknown)} (known: server, limits, pools, tenants, kv_events)"
         )
+    try:
+        kv_events = kv_events_from_list(data.get("kv_events", []))
+    except ValueError as exc:
+        raise ConfigFileError(f"{source}: {exc}") from None
     settings = _settings(data.get("server", {}))
     limits = _limits(data.get("limits", {}))
     try:
@@ -284,7 +291,7 @@ def parse_config(text: str, source: str = "config") -> ServerConfig:
                 f"{limits.max_tokens_per_request}"
             )
         pools.append(PoolDecl(name, cfg))
-    return ServerConfig(settings, limits, tuple(pools), tenants)
+    return ServerConfig(settings, limits, tuple(pools), tenants, kv_events)
 
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:

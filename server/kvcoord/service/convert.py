@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from kvcoord.client.hashing import HASH_LENGTHS
@@ -30,9 +30,18 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from . import operations as op
 from .errors import ServiceError, bounded
-from .pool_service import Fence
+from .pool_service import Fence, HashSettings, PoolScore, UnscoredPool
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvcoord.engine.reservations import Reservations
+
+    from .scoring import ReservationMade
 
 __all__ = [
+    "prompts_from_pb",
+    "reservation_stats_to_pb",
+    "reservation_to_pb",
+    "scores_to_pb",
     "allocate_to_pb",
     "block_ids_to_pb",
     "error_to_result",
@@ -449,3 +458,54 @@ def write_pool_state(
     out.used_free_blocks.extend(used)
     out.cached_block_ids.extend([block_id for _, block_id in pairs])
     out.cached_block_hashes.extend([block_hash for block_hash, _ in pairs])
+
+
+# -- ScorePools ----------------------------------------------------------------------
+def prompts_from_pb(prompts: Iterable[pb.HashedPrompt]) -> list[tuple[HashSettings, Sequence[bytes]]]:
+    """Each prompt's hash settings (as PoolConfig spells them) and its hashes, copied
+    out of the message once (every pool scored reads them; each read of a repeated
+    protobuf field makes new bytes objects)."""
+    return [((p.hash_algo, p.hash_block_size, p.hash_seed), list(p.block_hashes)) for p in prompts]
+
+
+def scores_to_pb(
+    scores: Sequence[PoolScore], unscored: Sequence[UnscoredPool], include_block_ids: bool
+) -> pb.ScorePoolsResponse:
+    out = pb.ScorePoolsResponse(
+        unscored=[pb.UnscoredPool(pool=u.pool, reason=u.reason, message=u.message) for u in unscored]
+    )
+    add = out.scores.add
+    for sc in scores:
+        m = add(
+            pool=sc.pool,
+            hit_tokens=sc.hit.num_tokens,
+            num_free_blocks=sc.num_free_blocks,
+            usage=sc.usage,
+            num_total_blocks=sc.num_total_blocks,
+            fence=fence_to_pb(sc.fence),
+        )
+        if include_block_ids:
+            m.hit.CopyFrom(hit_to_pb(sc.hit))
+    return out
+
+
+def reservation_to_pb(made: ReservationMade) -> pb.Reservation:
+    return pb.Reservation(
+        reservation_id=made.reservation_id,
+        pool=made.pool,
+        hit_tokens=made.hit_tokens,
+        ttl_seconds=made.seconds,
+    )
+
+
+def reservation_stats_to_pb(reservations: Reservations) -> pb.ReservationStats:
+    c = reservations.counters
+    return pb.ReservationStats(
+        live=len(reservations.live),
+        made=c.made,
+        adopted=c.adopted,
+        expired=c.released,
+        promised_tokens=c.promised_tokens,
+        got_tokens=c.got_tokens,
+        short_hits=c.short_hits,
+    )

@@ -19,6 +19,11 @@ cursors and idempotency answers. Records are CBOR lists ``[kind, wall_time, ...]
               compares each replayed call with it; journals written before this
               rule hold None for keyless calls, replayed unchecked)
 ``reset``     pool name (ResetPrefixCache RPC)
+``reserve``   pool name, reservation id, num_tokens, block hashes, tenant (ScorePools
+              with reserve_seconds; a recovered reservation has no time left: the
+              server releases it at once, recording ``unreserve``)
+``unreserve`` pool name, reservation id (its time ran out; adoption by a request is
+              part of that request's ``call``)
 ``restored``  (none) the journal was found behind what clients were told: fences of
               every earlier instance are void from here on (the recovered sessions'
               ``expire`` and the pools' ``reset`` records follow)
@@ -36,7 +41,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import cbor2
@@ -82,6 +87,14 @@ class Recorder:
         pass
 
     def restored(self) -> None:
+        pass
+
+    def reserved(
+        self, service: PoolService, reservation_id: str, num_tokens: int, hashes: Sequence[bytes], tenant: str
+    ) -> None:
+        pass
+
+    def reservation_released(self, service: PoolService, reservation_id: str) -> None:
         pass
 
     async def durable(self) -> None:
@@ -190,6 +203,14 @@ class JournalRecorder(Recorder):
 
     def restored(self) -> None:
         self._append("restored")
+
+    def reserved(
+        self, service: PoolService, reservation_id: str, num_tokens: int, hashes: Sequence[bytes], tenant: str
+    ) -> None:
+        self._append("reserve", service.name, reservation_id, num_tokens, list(hashes), tenant)
+
+    def reservation_released(self, service: PoolService, reservation_id: str) -> None:
+        self._append("unreserve", service.name, reservation_id)
 
     async def durable(self) -> None:
         await self.journal.flush()

@@ -118,6 +118,7 @@ class _PoolCollector(Collector):
             "kvcoord_blocks_freed", "Blocks returned to the free queue.", labels=["pool"]
         )
         events = CounterMetricFamily("kvcoord_kv_events_published", "KV events published.", labels=["pool"])
+        reservations = _reservation_families()
         session_counts: dict[str, int] = {}
         if servicer is not None:
             for s in servicer.registry.sessions.sessions.values():
@@ -145,8 +146,53 @@ class _PoolCollector(Collector):
             allocated.add_metric(n, bp.num_allocated, created=h.created_at)
             freed.add_metric(n, bp.num_freed, created=h.created_at)
             events.add_metric(n, h.events.last_sequence, created=h.created_at)
+            _add_reservations(reservations, h)
         yield from (usage, free, total, live, sessions, lookups, queries, hits, group_hits, short, evictions,
                     refusals, allocated, freed, events)  # fmt: skip
+        yield from reservations.values()
+
+
+def _reservation_families() -> dict[str, Any]:
+    """ScorePools reservations (score and reserve): live, their ends, promised vs got."""
+    return {
+        "live": GaugeMetricFamily(
+            "kvcoord_reservations", "Prefix hits held against eviction for a router.", labels=["pool"]
+        ),
+        "made": CounterMetricFamily("kvcoord_reservations_made", "Reservations made.", labels=["pool"]),
+        "adopted": CounterMetricFamily(
+            "kvcoord_reservations_adopted",
+            "Reservations ended by a request's first allocation.",
+            labels=["pool"],
+        ),
+        "released": CounterMetricFamily(
+            "kvcoord_reservations_expired", "Reservations ended by their time running out.", labels=["pool"]
+        ),
+        "promised_tokens": CounterMetricFamily(
+            "kvcoord_reservation_promised_tokens",
+            "Hit tokens adopted reservations promised.",
+            labels=["pool"],
+        ),
+        "got_tokens": CounterMetricFamily(
+            "kvcoord_reservation_got_tokens",
+            "Hit tokens the requests that adopted a reservation got.",
+            labels=["pool"],
+        ),
+        "short_hits": CounterMetricFamily(
+            "kvcoord_reservation_short_hits",
+            "Adopted reservations whose request got a shorter hit than promised.",
+            labels=["pool"],
+        ),
+    }
+
+
+def _add_reservations(families: dict[str, Any], service: PoolService) -> None:
+    r = service.engine.reservations
+    n = [service.name]
+    families["live"].add_metric(n, len(r.live))
+    c = r.counters
+    for key, family in families.items():
+        if key != "live":
+            family.add_metric(n, getattr(c, key), created=service.created_at)
 
 
 #: A scraper must finish the TLS handshake and send its request within this many seconds.

@@ -14,12 +14,13 @@ request sync made for a failed operation is undone).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 from kvcoord.engine import (
     AllBlocksCleared,
     CacheHit,
+    EngineError,
     HintMismatchError,
     KVCacheConfig,
     KVCacheEvent,
@@ -39,7 +40,17 @@ from .sessions import Session, SessionTable
 DEFAULT_WALK_LIMIT = 4096
 MAX_WALK_LIMIT = 1 << 16
 
-__all__ = ["Fence", "Limits", "PoolService"]
+__all__ = [
+    "UNSCORED_NO_PROMPT",
+    "UNSCORED_TOO_LONG",
+    "Fence",
+    "HashSettings",
+    "Limits",
+    "PoolScore",
+    "PoolService",
+    "ReservationLease",
+    "UnscoredPool",
+]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -48,6 +59,47 @@ class Fence:
 
     instance_id: str
     incarnation: int
+
+
+#: (hash_algo, hash_block_size, hash_seed): how a pool's clients hash blocks
+HashSettings = tuple[str, int, str]
+
+#: why a pool was not scored (UnscoredPool.reason)
+UNSCORED_NO_PROMPT = "NO_PROMPT"
+UNSCORED_TOO_LONG = "TOO_LONG"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolScore:
+    """One pool's answer to a router: the hit a request would get now, and room left."""
+
+    pool: str
+    hit: CacheHit
+    num_free_blocks: int
+    usage: float
+    num_total_blocks: int
+    fence: Fence
+
+    def rank(self) -> tuple[int, int, str]:
+        """Sort key, best first: longest hit, then most free blocks, then name."""
+        return (-self.hit.num_tokens, -self.num_free_blocks, self.pool)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReservationLease:
+    """Who holds a live reservation of this pool, and until when (monotonic)."""
+
+    tenant: str
+    deadline: float
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class UnscoredPool:
+    """A pool that cannot serve the prompt as sent (``reason``: UNSCORED_*)."""
+
+    pool: str
+    reason: str
+    message: str
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -65,6 +117,9 @@ class Limits:
     max_pool_memory_bytes: int = 8 << 30
     #: live sessions per tenant (a tenant's max_sessions overrides it)
     max_sessions_per_tenant: int = 10_000
+    #: live ScorePools reservations per tenant (every pool), and their longest life
+    max_reservations_per_tenant: int = 256
+    max_reservation_seconds: float = 30.0
 
 
 Undo = Callable[[], None]
@@ -96,7 +151,7 @@ class PoolService:
         self,
         name: str,
         config: KVCacheConfig,
-        hash_settings: tuple[str, int, str],
+        hash_settings: HashSettings,
         fence: Fence,
         limits: Limits,
         sessions: SessionTable,
@@ -126,6 +181,9 @@ class PoolService:
         #: the byte budget of a TakeEventsOp's events (the servicer sets it from the
         #: server's max_message_bytes; None: no budget)
         self.answer_event_bytes: int | None = None
+        #: live reservations' holders and deadlines (the engine holds the blocks); a
+        #: reservation the engine holds without one here (recovered) is expired
+        self.reservation_leases: dict[str, ReservationLease] = {}
 
     # -- fencing and sessions -----------------------------------------------------------
     def check_fence(self, fence: Fence | None) -> None:
@@ -283,6 +341,118 @@ class PoolService:
     ) -> CacheHit:
         """The hit a request of ``tenant`` with these hashes would get; changes nothing."""
         return self.engine.find_longest_cache_hit(block_hashes, num_tokens, self.cache_namespace(tenant))
+
+    # -- routing (ScorePools, scoring.py) -------------------------------------------------
+    def score(
+        self, prompts: Mapping[HashSettings, Sequence[bytes]], num_tokens: int, tenant: str = ""
+    ) -> PoolScore | UnscoredPool:
+        """This pool's score for a prompt of ``num_tokens`` tokens hashed once per hash
+        settings: the hit :meth:`find_longest_cache_hit` answers for ``tenant`` (the
+        same engine call: read-only), or why the pool cannot be scored.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT naming the pool when the prompt with its
+                settings has the wrong hashes (count, type, length).
+        """
+        engine = self.engine
+        if num_tokens > engine.max_model_len:
+            return UnscoredPool(
+                self.name,
+                UNSCORED_TOO_LONG,
+                f"the prompt's {num_tokens} tokens exceed the pool's max_model_len {engine.max_model_len}",
+            )
+        if self.config.enable_caching:
+            hashes = prompts.get(self.hash_settings)
+            if hashes is None:
+                algo, size, seed = self.hash_settings
+                return UnscoredPool(
+                    self.name,
+                    UNSCORED_NO_PROMPT,
+                    f"no prompt hashed with the pool's settings (hash_algo {algo!r}, hash_block_size "
+                    f"{size}, hash_seed {seed!r})",
+                )
+        else:
+            hashes = ()  # nothing is ever cached: the hit is empty whatever the hashes
+        try:
+            hit = self.find_longest_cache_hit(hashes, num_tokens, tenant)
+        except EngineError as exc:
+            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"pool {self.name!r}: {exc}") from None
+        return PoolScore(
+            self.name, hit, engine.num_free_blocks, engine.usage, self.config.num_blocks - 1, self.fence
+        )
+
+    def reserve(
+        self, reservation_id: str, hashes: Sequence[bytes], num_tokens: int, tenant: str, seconds: float
+    ) -> CacheHit:
+        """Hold ``tenant``'s hit of this prompt for ``seconds`` (engine ``reserve``); an
+        empty hit holds nothing. The caller checks limits and journals it.
+
+        Raises:
+            ServiceError: FAILED_PRECONDITION when an exclusive session holds the pool
+                (its client predicts every allocation: a held block would break that).
+        """
+        if any(o.exclusive for o in self.sessions.of_pool(self.name)):
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pool {self.name!r} has an exclusive session, which predicts every allocation: "
+                "it cannot hold reservations",
+                ErrorReason.POOL_EXCLUSIVE,
+            )
+        hit = self.engine.reserve(reservation_id, hashes, num_tokens, self.cache_namespace(tenant))
+        if hit.num_tokens:
+            self.reservation_leases[reservation_id] = ReservationLease(
+                tenant, self.sessions.clock() + seconds
+            )
+        return hit
+
+    def expired_reservations(self) -> list[str]:
+        """Live reservations whose time ran out (or whose lease was lost in a restart)."""
+        now = self.sessions.clock()
+        leases = self.reservation_leases
+        return [
+            rid
+            for rid in self.engine.reservations.live
+            if (lease := leases.get(rid)) is None or lease.deadline <= now
+        ]
+
+    def release_reservation(self, reservation_id: str) -> bool:
+        """Release a reservation no request adopted (expiry; also a journal replay)."""
+        self.reservation_leases.pop(reservation_id, None)
+        return self.engine.release_reservation(reservation_id)
+
+    def reservations_of(self, tenant: str) -> int:
+        return sum(1 for lease in self.reservation_leases.values() if lease.tenant == tenant)
+
+    def _adopt(self, rid: str, got_tokens: int) -> None:
+        r = self.engine.adopt_reservation(rid, got_tokens)
+        if r is not None:
+            self.reservation_leases.pop(r.reservation_id, None)
+
+    def _allocate_adopting(self, s: Session, o: op.Allocate) -> op.Value:
+        """:meth:`_allocate`; a request's first allocation then adopts the oldest
+        reservation of its prefix (the pool is vLLM's exactly while none is live)."""
+        engine = self.engine
+        if not engine.reservations.live:
+            return self._allocate(s, o)
+        rid = o.sync.request_id
+        first = not (rid in engine.requests and any(m.req_to_blocks.get(rid) for m in engine.managers))
+        value = self._allocate(s, o)
+        if first and isinstance(value, op.AllocateOutcome) and value.new_block_ids is not None:
+            got = value.hit.num_tokens if value.hit is not None else o.num_new_computed_tokens
+            self._adopt(rid, got)
+        return value
+
+    def _admit_adopting(self, s: Session, o: op.Admit) -> op.Value:
+        """:meth:`_admit`; each admitted request then adopts a reservation of its prefix,
+        in admission order."""
+        if not self.engine.reservations.live:
+            return self._admit(s, o)
+        value = self._admit(s, o)
+        if isinstance(value, op.Admitted):
+            for sync, outcome in zip(o.syncs, value.outcomes, strict=False):
+                if outcome.new_block_ids is not None:
+                    self._adopt(sync.request_id, outcome.hit.num_tokens if outcome.hit is not None else 0)
+        return value
 
     def lifetime_prefix_cache_stats(self) -> PrefixCacheStats:
         c = self.engine.lookup_counters
@@ -880,7 +1050,7 @@ def _as_service_error(exc: Exception) -> ServiceError:
 
 _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.Lookup: PoolService._lookup,  # type: ignore[dict-item]
-    op.Allocate: PoolService._allocate,  # type: ignore[dict-item]
+    op.Allocate: PoolService._allocate_adopting,  # type: ignore[dict-item]
     op.Free: PoolService._free,  # type: ignore[dict-item]
     op.Preempt: PoolService._preempt,  # type: ignore[dict-item]
     op.CacheBlocks: PoolService._cache_blocks,  # type: ignore[dict-item]
@@ -892,6 +1062,6 @@ _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.TakeEvents: PoolService._take_events,  # type: ignore[dict-item]
     op.MakeStats: PoolService._make_stats,  # type: ignore[dict-item]
     op.Sync: PoolService._sync,  # type: ignore[dict-item]
-    op.Admit: PoolService._admit,  # type: ignore[dict-item]
+    op.Admit: PoolService._admit_adopting,  # type: ignore[dict-item]
     op.AllocateRun: PoolService._allocate_run,  # type: ignore[dict-item]
 }

@@ -26,6 +26,7 @@ from kvcoord.engine import KVCachePool, PrefixCacheStats
 from kvcoord.engine.blocks import KVCacheBlock
 from kvcoord.engine.free_queue import FreeKVCacheBlockQueue
 from kvcoord.engine.request import Request
+from kvcoord.engine.reservations import Reservation, ReservationCounters
 from kvcoord.engine.stats import LookupCounters
 from kvcoord.v1 import allocator_pb2 as pb
 
@@ -56,6 +57,8 @@ def snapshot_fingerprint() -> str:
                 PrefixCacheStats,
                 LookupCounters,
                 Session,
+                Reservation,
+                ReservationCounters,
             )
         ]
         + [sorted(vars(KVCachePool(_probe_config())).keys())]
@@ -184,6 +187,12 @@ def replay_record(registry: PoolRegistry, record: list[Any], now_wall: float) ->
         service = registry.pools[record[2]]
         service.engine.reset_prefix_cache()
         service.events.publish(service.engine.take_events())
+    elif kind == "reserve":  # held again, with no time left (released after recovery)
+        _, _, pool, reservation_id, num_tokens, hashes, tenant = record
+        service = registry.pools[pool]
+        service.engine.reserve(reservation_id, hashes, num_tokens, service.cache_namespace(tenant))
+    elif kind == "unreserve":
+        registry.pools[record[2]].release_reservation(record[3])
     else:
         raise ValueError(f"unknown record kind {kind!r}")
 

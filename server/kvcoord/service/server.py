@@ -18,6 +18,7 @@ from .access import AccessControl
 from .config import ServerConfig
 from .durability import JournalRecorder
 from .idempotency import IdempotencyStore
+from .kv_publisher import Publishers
 from .lease_marker import LeaseMarker
 from .recovery import Recovery, open_journal
 from .registry import GcFreezer, PoolRegistry
@@ -48,6 +49,8 @@ class RunningServer:
     #: NOT_SERVING, every call UNAVAILABLE) and its owner must stop it (main.py exits)
     journal_failed: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
     _health_task: asyncio.Task[None] | None = None
+    #: the pools' KV event publishers in vLLM's format ([[kv_events]]), if any
+    publishers: Publishers | None = None
 
     def _journal_failed(self, exc: BaseException) -> None:
         """Stop serving loudly: in memory the state is ahead of the disk, so a restart
@@ -71,6 +74,8 @@ class RunningServer:
         with contextlib.suppress(asyncio.CancelledError):
             await self._reaper
         await self.server.stop(grace)
+        if self.publishers is not None:
+            await self.publishers.close()
         recorder = self.servicer.registry.recorder
         if isinstance(recorder, JournalRecorder):
             await recorder.journal.close()
@@ -85,6 +90,7 @@ async def _reap(servicer: AllocatorServicer, every: float) -> None:
         await asyncio.sleep(every)
         try:
             servicer.reap_expired_sessions()
+            servicer.expire_reservations()
             freezer.maybe_freeze(servicer.registry.pools.values())
         except Exception:  # pragma: no cover - logged, the reaper keeps going
             logger.exception("session reaper failed")
@@ -246,4 +252,6 @@ async def start_server(
     )
     if isinstance(registry.recorder, JournalRecorder):
         registry.recorder.journal.on_failure.append(running._journal_failed)
+    if cfg.kv_events:
+        running.publishers = Publishers(cfg.kv_events, registry)
     return running

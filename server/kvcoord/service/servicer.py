@@ -36,6 +36,10 @@ from .convert import (
     fence_to_pb,
     hit_to_pb,
     operation_from_pb,
+    prompts_from_pb,
+    reservation_stats_to_pb,
+    reservation_to_pb,
+    scores_to_pb,
     stats_to_pb,
     write_outcome,
     write_pool_state,
@@ -51,6 +55,7 @@ from .errors import (
 )
 from .pool_service import Fence, Limits, PoolService
 from .registry import PoolRegistry
+from .scoring import Reserve, score_pools
 
 __all__ = ["AllocatorServicer", "NullObserver", "OperationObserver", "add_servicer"]
 
@@ -446,6 +451,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             pool_memory_bytes=self.registry.pool_memory.get(service.name, 0),
             event_buffer_bytes=service.events.bytes,
             event_buffer_max_bytes=service.events.max_bytes,
+            reservations=reservation_stats_to_pb(e.reservations),
         )
 
     def _limits(self) -> pb.ServerLimits:
@@ -515,6 +521,53 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             requests=states,
             cached_block_ids=e.cached_block_ids() if request.include_cached_blocks else [],
         )
+
+    # -- routing ------------------------------------------------------------------------
+    @map_errors
+    async def ScorePools(
+        self, request: pb.ScorePoolsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ScorePoolsResponse:
+        tenant = current_tenant()
+        limits = self.registry.limits
+        reserve = None
+        if request.reserve_seconds:
+            reserve = Reserve(
+                request.reserve_seconds,
+                lambda pool: self.access.holds(tenant, Role.USE, pool),
+                limits.max_reservation_seconds,
+                limits.max_reservations_per_tenant,
+            )
+        scores = score_pools(
+            self.registry.pools,
+            lambda pool: self.access.holds(tenant, Role.OBSERVE, pool),
+            list(request.candidate_pools),
+            request.num_tokens,
+            prompts_from_pb(request.prompts),
+            tenant.name,
+            reserve,
+        )
+        response = scores_to_pb(scores.scores, scores.unscored, request.include_block_ids)
+        made = scores.reservation
+        if made is None:
+            response.reservation_skipped = scores.reservation_skipped
+            return response
+        response.reservation.CopyFrom(reservation_to_pb(made))
+        self.registry.recorder.reserved(
+            self.registry.pools[made.pool], made.reservation_id, made.num_tokens, made.hashes, made.tenant
+        )
+        return await self._durable(response)
+
+    def expire_reservations(self) -> int:
+        """Release every reservation whose time ran out (journaled); how many."""
+        if self.journal_failure is not None:
+            return 0
+        n = 0
+        for service in list(self.registry.pools.values()):
+            for reservation_id in service.expired_reservations():
+                service.release_reservation(reservation_id)
+                self.registry.recorder.reservation_released(service, reservation_id)
+                n += 1
+        return n
 
     @map_stream_errors
     async def WatchEvents(

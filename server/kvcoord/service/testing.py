@@ -53,7 +53,7 @@ class InProcessServer:
     ) -> None:
         cfg = parse_config(config_text, "test config")
         server = dataclasses.replace(cfg.server, listen=(f"127.0.0.1:{port}",), metrics_listen="", **settings)
-        self.config = ServerConfig(server, limits or cfg.limits, cfg.pools, cfg.tenants)
+        self.config = ServerConfig(server, limits or cfg.limits, cfg.pools, cfg.tenants, cfg.kv_events)
         self.clock = clock
         self.wall_clock = wall_clock
         self.metrics = Metrics() if metrics else None

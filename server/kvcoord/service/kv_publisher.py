@@ -1,0 +1,325 @@
+"""Each pool's KV events in vLLM's own wire format, on ZMQ (``[[kv_events]]``).
+
+Routers that index vLLM engines' prefix caches (llm-d's KV-cache manager, Dynamo's KV
+router, SGLang's gateway) subscribe to every engine's ZMQ publisher
+(``--kv-events-config '{"publisher": "zmq", ...}'``). A kvcoord pool already knows
+every block the engines sharing it cache, so one publisher per pool replaces one per
+engine, speaking the same protocol as vLLM 0.16.0:
+
+* PUB socket, each message three frames: the topic (UTF-8, may be empty), the batch
+  sequence number (8 bytes, big-endian, counting from 0 at the publisher's start),
+  and the payload;
+* the payload is msgpack of ``KVEventBatch`` in msgspec's array form:
+  ``[ts, [event, ...], data_parallel_rank]``, each event a tagged array:
+  ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
+  medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
+  ``["AllBlocksCleared"]``; hashes are the clients' raw bytes (or, with
+  ``int_hashes``, their last 8 bytes as an unsigned integer, vLLM's
+  ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``);
+* an optional ROUTER replay socket: a request ``[b"", start_seq (8 bytes)]`` (from a
+  DEALER, or a REQ's envelope) is answered with every buffered batch numbered
+  ``start_seq`` or more, one ``[b"", seq, payload]`` message each, then
+  ``[b"", -1 (8 bytes, signed), b""]``.
+
+Only committed events are published (what ``WatchEvents`` would deliver), in journal
+order, so a subscriber that misses nothing holds exactly the pool's prefix-cache map.
+A publisher thread owns the sockets: the event loop only hands it each batch, and a
+PUB socket drops what a slow subscriber cannot take (its high-water mark), so no
+subscriber ever slows a Step. A pool deleted (or deleted and created again) is
+announced with ``AllBlocksCleared``. After a server restart the publisher starts from
+sequence 0 again (as a restarted vLLM engine does) and first sends the events the
+pool still keeps: a subscriber applying them again ends with the same index.
+
+pyzmq and msgspec are the optional extra ``kvcoord[zmq]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, hash_to_int64
+
+from .registry import PoolRegistry
+
+__all__ = ["KVEventPublisher", "KVEventsDecl", "Publishers", "encode_batch", "kv_events_from_list"]
+
+logger = logging.getLogger(__name__)
+
+#: the replay socket's end-of-replay sequence number: -1, signed, 8 bytes
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KVEventsDecl:
+    """One ``[[kv_events]]`` table: a pool's publisher, vLLM's ``KVEventsConfig`` keys.
+
+    Args:
+        pool: the pool whose events are published.
+        endpoint: PUB address; bound when it contains ``*``, ``::`` or is ``ipc://`` /
+            ``inproc://`` (e.g. ``tcp://*:5557``), else connected (vLLM's rule).
+        replay_endpoint: ROUTER address for replays (bound), or "" for none.
+        topic: the first frame of every message.
+        buffer_steps: batches kept for replay.
+        hwm: the PUB socket's high-water mark (messages queued per subscriber).
+        tenant: publish this tenant's cache namespace ("" = the shared cache).
+        int_hashes: hashes as 64-bit integers (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
+        data_parallel_rank: the rank field of every batch.
+    """
+
+    pool: str
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str = ""
+    topic: str = ""
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    tenant: str = ""
+    int_hashes: bool = False
+    data_parallel_rank: int = 0
+
+
+def kv_events_from_list(tables: Any, pools: Sequence[str] = ()) -> tuple[KVEventsDecl, ...]:
+    """The ``[[kv_events]]`` tables.
+
+    Raises:
+        ValueError: naming the key: not a list of tables, an unknown key, a value of
+            the wrong type, a pool given twice.
+    """
+    if not isinstance(tables, list):
+        raise ValueError("kv_events: must be an array of tables ([[kv_events]])")
+    fields = {f.name: f for f in dataclasses.fields(KVEventsDecl)}
+    out: list[KVEventsDecl] = []
+    for i, t in enumerate(tables):
+        where = f"kv_events[{i}]"
+        if not isinstance(t, Mapping):
+            raise ValueError(f"{where}: must be a table")
+        unknown = set(t) - set(fields)
+        if unknown:
+            raise ValueError(f"{where}: unknown key(s) {sorted(unknown)} (known: {sorted(fields)})")
+        if not isinstance(t.get("pool"), str) or not t["pool"]:
+            raise ValueError(f"{where}.pool: required (the pool whose events are published)")
+        for key, value in t.items():
+            want: type = {"int": int, "bool": bool, "str": str}[str(fields[key].type)]
+            if type(value) is not want or (isinstance(value, int) and value < 0):
+                raise ValueError(f"{where}.{key}: must be a{'n' if want is int else ''} {fields[key].type}")
+        decl = KVEventsDecl(**t)
+        if decl.buffer_steps < 1 or decl.hwm < 1:
+            raise ValueError(f"{where}: buffer_steps and hwm must be >= 1")
+        if any(d.pool == decl.pool for d in out):
+            raise ValueError(f"{where}.pool: {decl.pool!r} has a publisher already")
+        out.append(decl)
+    return tuple(out)
+
+
+def _hash(h: bytes, as_int: bool) -> bytes | int:
+    return hash_to_int64(h) if as_int else h
+
+
+def event_fields(event: KVCacheEvent, int_hashes: bool = False) -> list[Any]:
+    """One event as vLLM's tagged array (its msgspec ``array_like``, ``tag=True`` form)."""
+    if isinstance(event, BlockStored):
+        parent = event.parent_block_hash
+        return [
+            "BlockStored",
+            [_hash(h, int_hashes) for h in event.block_hashes],
+            None if parent is None else _hash(parent, int_hashes),
+            list(event.token_ids),
+            event.block_size,
+            event.lora_id,
+            event.medium,
+            event.lora_name,
+        ]
+    if isinstance(event, BlockRemoved):
+        return ["BlockRemoved", [_hash(h, int_hashes) for h in event.block_hashes], event.medium]
+    assert isinstance(event, AllBlocksCleared)
+    return ["AllBlocksCleared"]
+
+
+def encode_batch(
+    ts: float, events: Sequence[KVCacheEvent], data_parallel_rank: int = 0, int_hashes: bool = False
+) -> bytes:
+    """A ``KVEventBatch`` payload, as vLLM's publisher encodes it."""
+    import msgspec
+
+    return msgspec.msgpack.encode([ts, [event_fields(e, int_hashes) for e in events], data_parallel_rank])
+
+
+class KVEventPublisher:
+    """One pool's PUB (and replay ROUTER) sockets, served by a thread of their own.
+
+    :meth:`submit` (any thread; never blocks) queues one batch; the thread encodes it,
+    numbers it, sends it and keeps it for replay.
+
+    Args:
+        decl: the publisher's settings.
+
+    Raises:
+        ImportError: pyzmq or msgspec is missing (install ``kvcoord[zmq]``).
+        zmq.ZMQError: an endpoint cannot be bound or connected.
+    """
+
+    def __init__(self, decl: KVEventsDecl) -> None:
+        try:
+            import msgspec  # noqa: F401 - the thread's encoder, checked before binding anything
+            import zmq
+        except ImportError as exc:
+            raise ImportError(
+                f"[[kv_events]] for pool {decl.pool!r} needs pyzmq and msgspec: pip install 'kvcoord[zmq]' ({exc})"
+            ) from exc
+
+        self.decl = decl
+        self._zmq = zmq
+        ctx: Any = zmq.Context.instance()
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.set_hwm(decl.hwm)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        ep = decl.endpoint
+        if "*" in ep or "::" in ep or ep.startswith(("ipc://", "inproc://")):
+            self._pub.bind(ep)
+        else:
+            self._pub.connect(ep)
+        #: the PUB address, its port resolved when bound to a wildcard port
+        self.endpoint: str = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) or ep
+        self._replay: Any = None
+        self.replay_endpoint = ""
+        if decl.replay_endpoint:
+            self._replay = ctx.socket(zmq.ROUTER)
+            self._replay.setsockopt(zmq.LINGER, 0)
+            self._replay.bind(decl.replay_endpoint)
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._topic = decl.topic.encode()
+        self._queue: queue.SimpleQueue[list[KVCacheEvent] | None] = queue.SimpleQueue()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=decl.buffer_steps)
+        #: the next batch's sequence number (batches sent so far)
+        self.next_sequence = 0
+        self.events_sent = 0
+        self._thread = threading.Thread(target=self._run, name=f"kv-events-{decl.pool}", daemon=True)
+        self._thread.start()
+
+    def submit(self, events: list[KVCacheEvent]) -> None:
+        """Queue one batch (not empty) for publishing."""
+        self._queue.put(events)
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Send what is queued, then stop the thread and close the sockets."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                if self._replay is not None and self._replay.poll(0):
+                    self._serve_replay()
+                try:
+                    events = self._queue.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if events is None:
+                    return
+                self._send(events)
+        except Exception:  # pragma: no cover - logged: a dead publisher must be visible
+            logger.exception("KV event publisher of pool %s stopped", self.decl.pool)
+        finally:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+
+    def _send(self, events: list[KVCacheEvent]) -> None:
+        d = self.decl
+        payload = encode_batch(time.time(), events, d.data_parallel_rank, d.int_hashes)
+        seq = self.next_sequence
+        # NOBLOCK: a PUB socket drops for a subscriber at its high-water mark instead
+        # of waiting; EAGAIN is not expected from PUB, but never wait on a subscriber.
+        with contextlib.suppress(self._zmq.Again):
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=self._zmq.NOBLOCK)
+        self._buffer.append((seq, payload))
+        self.next_sequence = seq + 1
+        self.events_sent += len(events)
+
+    def _serve_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3 or len(frames[2]) != 8:
+            logger.warning("pool %s: ignored a malformed KV event replay request", self.decl.pool)
+            return
+        client, _, start = frames
+        first = int.from_bytes(start, "big")
+        send = self._replay.send_multipart
+        nb = self._zmq.NOBLOCK
+        with contextlib.suppress(self._zmq.Again):
+            for seq, payload in list(self._buffer):
+                if seq >= first:
+                    send((client, b"", seq.to_bytes(8, "big"), payload), flags=nb)
+            send((client, b"", END_OF_REPLAY, b""), flags=nb)
+
+
+async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_seconds: float = 1.0) -> None:
+    """Hand every committed event of the publisher's pool to it, in batches, forever."""
+    decl = publisher.decl
+    incarnation: int | None = None
+    cursor = 0
+    while True:
+        service = registry.pools.get(decl.pool)
+        if service is None:
+            if incarnation is not None:  # deleted: its cache is gone
+                publisher.submit([AllBlocksCleared()])
+                incarnation = None
+            await asyncio.sleep(poll_seconds)
+            continue
+        journal = service.events
+        if service.fence.incarnation != incarnation:
+            if incarnation is not None:  # created again: the old cache is gone
+                publisher.submit([AllBlocksCleared()])
+            incarnation = service.fence.incarnation
+            cursor = journal.oldest_sequence - 1  # what the pool still keeps (a restart)
+        if journal.missed(cursor):
+            logger.error(
+                "pool %s: KV events were dropped before the publisher read them (event_buffer): "
+                "subscribers' indexes are incomplete",
+                decl.pool,
+            )
+        items = journal.since(cursor, limit=4096, upto=journal.visible_sequence)
+        if not items:
+            await journal.wait(cursor, poll_seconds)
+            continue
+        cursor = items[-1][0]
+        namespace = service.cache_namespace(decl.tenant)
+        prefix = service.engine.cache_namespaces.get(namespace, b"") if namespace else b""
+        events = [e for _, e in items if isinstance(e, AllBlocksCleared) or e.cache_prefix == prefix]
+        if events:
+            publisher.submit(events)
+        await asyncio.sleep(0)  # let Steps run between large batches
+
+
+class Publishers:
+    """The server's KV event publishers and the tasks that feed them."""
+
+    def __init__(
+        self, decls: Sequence[KVEventsDecl], registry: PoolRegistry, poll_seconds: float = 1.0
+    ) -> None:
+        self.publishers = {d.pool: KVEventPublisher(d) for d in decls}
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(follow(registry, p, poll_seconds)) for p in self.publishers.values()]
+        for p in self.publishers.values():
+            logger.info(
+                "pool %s: KV events in vLLM's format on %s%s",
+                p.decl.pool,
+                p.endpoint,
+                f" (replay {p.replay_endpoint})" if p.replay_endpoint else "",
+            )
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for p in self.publishers.values():
+            await asyncio.to_thread(p.close)

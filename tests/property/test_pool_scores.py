@@ -1,0 +1,124 @@
+"""ScorePools without gRPC: every pool's score is the hit a request of that prompt gets
+there (its own coordinator, every layout), best first, and scoring changes nothing."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kvcoord.client.hashing import BlockHasher, none_hash
+from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool
+from kvcoord.service.errors import ServiceError
+from kvcoord.service.pool_service import UNSCORED_NO_PROMPT, UNSCORED_TOO_LONG, Fence, Limits, PoolService
+from kvcoord.service.scoring import score_pools
+from kvcoord.service.sessions import SessionTable
+from kvcoord.service.testing import ManualClock
+from strategies import PREFIXES, H, configs
+from test_lookup_and_lazy_blocks import drive
+
+SETTINGS = ("sha256_cbor", H, "0")
+NONE = none_hash("sha256_cbor", "0")
+_ids = itertools.count()
+
+
+def service(name: str, config: KVCacheConfig, settings: tuple[str, int, str] = SETTINGS) -> PoolService:
+    return PoolService(
+        name, config, settings, Fence("i", 1), Limits(), SessionTable(ManualClock(), 30.0, 60.0)
+    )
+
+
+def reference_hit(pool: KVCachePool, tokens: list[int], hashes: list[bytes]):  # type: ignore[no-untyped-def]
+    """What a request with this prompt gets from vLLM's lookup (get_computed_blocks) in
+    a copy of the pool: the hit a router is promised."""
+    clone = copy.deepcopy(pool)
+    rid = f"ref-{next(_ids)}"
+    clone.add_request(rid, tokens, hashes)
+    return clone.get_computed_blocks(rid)
+
+
+def check_scores(pools: dict[str, PoolService], tokens: list[int]) -> None:
+    """Score ``tokens`` everywhere and compare each pool with its reference."""
+    hashes = BlockHasher(*SETTINGS[:2], NONE).extend(tokens)
+    before = {n: p.engine.snapshot() for n, p in pools.items()}
+    counters = {n: repr(p.engine.lookup_counters) for n, p in pools.items()}
+    result = score_pools(pools, lambda _: True, [], len(tokens), [(SETTINGS, hashes)])
+    assert {n: p.engine.snapshot() for n, p in pools.items()} == before
+    assert {n: repr(p.engine.lookup_counters) for n, p in pools.items()} == counters
+    assert not result.unscored
+    assert sorted(s.pool for s in result.scores) == sorted(pools)
+    ranks = [(-s.hit.num_tokens, -s.num_free_blocks, s.pool) for s in result.scores]
+    assert ranks == sorted(ranks)
+    for s in result.scores:
+        engine = pools[s.pool].engine
+        assert s.hit == reference_hit(engine, tokens, hashes), s.pool
+        assert s.hit == engine.find_longest_cache_hit(hashes, len(tokens))
+        assert (s.num_free_blocks, s.usage) == (engine.num_free_blocks, engine.usage)
+        assert s.num_total_blocks == engine.config.num_blocks - 1
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(configs(), min_size=2, max_size=4), st.randoms(use_true_random=False), st.integers(8, 30))
+def test_every_score_is_the_hit_a_request_gets(
+    layouts: list[KVCacheConfig], rnd: random.Random, steps: int
+) -> None:
+    """Pools of random layouts (full, sliding window, chunked local, mamba, hybrids,
+    EAGLE, caching off) driven by a random scheduler: before every lookup, the
+    request's prompt and a few other prompts are scored in every pool; each score is
+    get_computed_blocks' hit on a copy of that pool, the order is the policy's, and
+    no pool changes (snapshot, counters)."""
+    pools = {f"p{i}": service(f"p{i}", cfg) for i, cfg in enumerate(layouts)}
+    names = list(pools)
+
+    def probe(pool: KVCachePool, rid: str) -> None:
+        check_scores(pools, list(pool.get_request(rid).all_token_ids))
+        prompt = rnd.choice(PREFIXES) + [rnd.randrange(4) for _ in range(rnd.randint(1, 20))]
+        check_scores(pools, prompt[:90])
+
+    # Drive the pools one after another, each probing all of them, so every pool is
+    # scored in many states (the others hold what their own runs cached).
+    for name in names:
+        drive(pools[name].engine, random.Random(rnd.random()), steps, probe)
+
+
+def test_unscored_pools_and_refusals() -> None:
+    """A pool whose max_model_len is shorter is TOO_LONG, one whose hash settings no
+    prompt has is NO_PROMPT (a pool without caching needs no prompt); duplicates,
+    unknown or unobservable candidates and wrong hashes are typed errors."""
+    full = KVCacheConfig(num_blocks=16, groups=(FullAttentionSpec(4),), hash_block_size=4, max_model_len=64)
+    pools = {
+        "a": service("a", full),
+        "short": service("short", KVCacheConfig(16, (FullAttentionSpec(4),), 4, max_model_len=8)),
+        "xx": service("xx", full, ("xxhash", 4, "0")),
+        "off": service("off", KVCacheConfig(16, (FullAttentionSpec(4),), 4, enable_caching=False)),
+    }
+    tokens = list(range(12))
+    prompt = [(SETTINGS, BlockHasher("sha256_cbor", 4, NONE).extend(tokens))]
+    r = score_pools(pools, lambda _: True, [], 12, prompt)
+    assert [(u.pool, u.reason) for u in r.unscored] == [
+        ("short", UNSCORED_TOO_LONG),
+        ("xx", UNSCORED_NO_PROMPT),
+    ]
+    assert sorted(s.pool for s in r.scores) == ["a", "off"]
+    r = score_pools(pools, lambda n: n != "a", [], 12, prompt)
+    assert "a" not in {s.pool for s in r.scores} | {u.pool for u in r.unscored}
+    cases = [
+        (["a", "a"], 12, prompt, grpc.StatusCode.INVALID_ARGUMENT),
+        (["hidden"], 12, prompt, grpc.StatusCode.PERMISSION_DENIED),
+        (["nope"], 12, prompt, grpc.StatusCode.NOT_FOUND),
+        (["a"], 0, prompt, grpc.StatusCode.INVALID_ARGUMENT),
+        (["a"], 12, prompt * 2, grpc.StatusCode.INVALID_ARGUMENT),
+        (["a"], 13, prompt, grpc.StatusCode.INVALID_ARGUMENT),  # 13 tokens: still 3 hashes, fine
+        (["a"], 16, prompt, grpc.StatusCode.INVALID_ARGUMENT),  # 16 tokens need 4 hashes
+    ]
+    for candidates, n, prompts, code in cases:
+        if n == 13:
+            assert score_pools(pools, lambda _: True, candidates, n, prompts).scores[0].pool == "a"
+            continue
+        with pytest.raises(ServiceError) as info:
+            score_pools(pools, lambda name: name != "hidden", candidates, n, prompts)
+        assert info.value.code == code, (candidates, n)

@@ -1,0 +1,245 @@
+"""Score and reserve over real gRPC: a reserved hit survives a concurrent eviction storm
+until a request adopts it (promised = got, in GetStats and /metrics) or its time runs
+out; limits and refusals are typed."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Callable
+
+import grpc
+import pytest
+from kvcoord.client import KVCoordClient
+from kvcoord.client.errors import FailedPreconditionError, InvalidArgumentError
+from kvcoord.client.hashing import BlockHasher, none_hash
+from kvcoord.engine import FullAttentionSpec, KVCacheConfig
+from kvcoord.service import operations as op
+from kvcoord.service.errors import ServiceError
+from kvcoord.service.pool_service import Fence, Limits, PoolService
+from kvcoord.service.scoring import Reserve, score_pools
+from kvcoord.service.sessions import SessionTable
+from kvcoord.service.testing import InProcessServer, ManualClock
+from kvcoord.v1 import allocator_pb2 as pb
+from support import scrape_metrics
+
+NONE = none_hash("sha256_cbor", "0")
+PROMPT = [7000 + i for i in range(41)]  # 10 full blocks of 4: the searchable hit is 40 tokens
+
+
+def _hashes(tokens: list[int]) -> list[bytes]:
+    return BlockHasher("sha256_cbor", 4, NONE).extend(tokens)
+
+
+def _prompt() -> list[pb.HashedPrompt]:
+    return [
+        pb.HashedPrompt(
+            hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", block_hashes=_hashes(PROMPT)
+        )
+    ]
+
+
+class Worker:
+    """One session allocating requests with an atomic lookup (what a scheduler does)."""
+
+    def __init__(self, address: str, name: str) -> None:
+        self.client = KVCoordClient(address, timeout=10)
+        r = self.client.attach("p", "sha256_cbor", 4, "0", client_name=name)
+        self.sid, self.fence = r.session_id, r.fence
+        self.name = name
+        self.n = 0
+        self.held: list[str] = []
+
+    def admit(self, tokens: list[int]) -> pb.AllocateResult:
+        rid = f"{self.name}-{self.n}"
+        self.n += 1
+        sync = pb.RequestSync(
+            request_id=rid, append_token_ids=tokens, append_block_hashes=_hashes(tokens), new_request=True
+        )
+        op = pb.AllocateOp(request=sync, num_new_tokens=len(tokens), lookup=True)
+        result = self.client.allocate("p", op, self.sid, self.fence).result
+        if result.refused:
+            self.client.free("p", [rid], session_id=self.sid, fence=self.fence)
+        else:
+            self.held.append(rid)
+        return result
+
+    def storm(self, rounds: int, seed: int) -> None:
+        """Fill the pool with unrelated prompts until refused, free them, again."""
+        rnd = random.Random(seed)
+        for _ in range(rounds):
+            self.held = []
+            for _ in range(40):
+                tokens = [rnd.randrange(1000) for _ in range(rnd.randint(8, 40))]
+                if self.admit(tokens).refused:
+                    break
+            self.client.free("p", self.held, session_id=self.sid, fence=self.fence)
+
+    def close(self) -> None:
+        self.client.detach(self.sid, self.fence)
+        self.client.close()
+
+
+def _hit(client: KVCoordClient) -> int:
+    return int(client.find_longest_cache_hit("p", _hashes(PROMPT), len(PROMPT)).hit.num_tokens)
+
+
+def _storm(address: str, workers: int = 3, rounds: int = 6) -> Callable[[], None]:
+    """Start concurrent storms; returns a function that waits for them."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        w = Worker(address, f"storm{i}")
+        try:
+            w.storm(rounds, seed=i)
+        except BaseException as exc:  # noqa: BLE001 - reported by the waiter
+            errors.append(exc)
+        finally:
+            w.close()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(workers)]
+    for t in threads:
+        t.start()
+
+    def wait() -> None:
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads)
+        assert not errors, errors
+
+    return wait
+
+
+def _warm(address: str) -> None:
+    w = Worker(address, "warm")
+    w.admit(PROMPT)
+    w.client.free("p", w.held, session_id=w.sid, fence=w.fence)
+    w.close()
+
+
+def test_a_reserved_hit_survives_a_concurrent_eviction_storm(
+    make_server: Callable[..., InProcessServer], clock: ManualClock
+) -> None:
+    """Without a reservation the storm evicts the prompt's blocks (the control); with
+    one, the prompt's hit never drops below the reserved hit while three workers
+    fill and empty the pool concurrently, the request that then arrives adopts it and
+    gets the promised hit (GetStats and /metrics: promised = got), and a reservation
+    left alone ends when its time runs out, after which the storm evicts again."""
+    server = make_server()
+    with KVCoordClient(server.address, timeout=10) as client:
+        _warm(server.address)
+        assert _hit(client) == 40
+        _storm(server.address)()
+        assert _hit(client) == 0  # the control: a storm evicts an unreserved prefix
+
+        _warm(server.address)
+        r = client.score_pools(len(PROMPT), _prompt(), reserve_seconds=5.0)
+        assert r.reservation.pool == "p" and r.reservation.hit_tokens == 40 == r.scores[0].hit_tokens
+        wait = _storm(server.address)
+        seen = []
+        for _ in range(200):
+            seen.append(_hit(client))
+        wait()
+        seen.append(_hit(client))
+        assert min(seen) >= 40, min(seen)
+        assert client.check_pool("p").violations == []
+        stats = client.get_stats("p").reservations
+        assert (stats.live, stats.made, stats.adopted) == (1, 1, 0)
+
+        arrival = Worker(server.address, "arrival")
+        assert arrival.admit(PROMPT).hit.num_tokens == 40
+        stats = client.get_stats("p").reservations
+        assert (stats.live, stats.adopted, stats.promised_tokens, stats.got_tokens, stats.short_hits) == (
+            0,
+            1,
+            40,
+            40,
+            0,
+        )
+        metrics = scrape_metrics(server)
+        assert metrics[("kvcoord_reservation_promised_tokens_total", (("pool", "p"),))] == 40
+        assert metrics[("kvcoord_reservation_got_tokens_total", (("pool", "p"),))] == 40
+        assert metrics[("kvcoord_reservations", (("pool", "p"),))] == 0
+        arrival.client.free("p", arrival.held, session_id=arrival.sid, fence=arrival.fence)
+        arrival.close()
+
+        r = client.score_pools(len(PROMPT), _prompt(), reserve_seconds=2.0)
+        assert r.reservation.hit_tokens == 40
+        expire = server.running.servicer.expire_reservations  # type: ignore[union-attr]
+        clock.advance(1.0)
+        assert server.call(expire) == 0
+        clock.advance(1.5)
+        assert server.call(expire) == 1
+        stats = client.get_stats("p").reservations
+        assert (stats.live, stats.expired) == (0, 1)
+        assert client.check_pool("p").violations == []
+        _storm(server.address)()
+        assert _hit(client) == 0
+
+
+def test_reservation_refusals(make_server: Callable[..., InProcessServer]) -> None:
+    """A time to live out of (0, max] is INVALID_ARGUMENT; a pool with an exclusive
+    session cannot hold one (FAILED_PRECONDITION); no hit reserves nothing and says why."""
+    server = make_server()
+    with KVCoordClient(server.address, timeout=10) as client:
+        for seconds in (-1.0, 31.0, float("inf"), float("nan")):
+            with pytest.raises(InvalidArgumentError):
+                client.score_pools(len(PROMPT), _prompt(), reserve_seconds=seconds)
+        r = client.score_pools(len(PROMPT), _prompt(), reserve_seconds=1.0)
+        assert not r.HasField("reservation") and "no hit" in r.reservation_skipped
+        _warm(server.address)
+        client.attach("p", "sha256_cbor", 4, "0", exclusive=True)
+        with pytest.raises(FailedPreconditionError, match="exclusive"):
+            client.score_pools(len(PROMPT), _prompt(), reserve_seconds=1.0)
+        assert client.get_stats("p").reservations.made == 0
+
+
+def test_reservations_are_bounded_per_tenant() -> None:
+    """A tenant holding max_per_tenant live reservations (over every pool) is refused
+    another (RESOURCE_EXHAUSTED); another tenant is not; reserving needs the use role
+    (PERMISSION_DENIED); one ending frees a place."""
+    cfg = KVCacheConfig(
+        num_blocks=32, groups=(FullAttentionSpec(4),), hash_block_size=4, max_model_len=64, hash_length=32
+    )
+    clock = ManualClock()
+    pools = {
+        n: PoolService(
+            n, cfg, ("sha256_cbor", 4, "0"), Fence("i", 1), Limits(), SessionTable(clock, 30.0, 60.0)
+        )
+        for n in ("a", "b")
+    }
+    hashes = _hashes(PROMPT[:20])
+    for name, service in pools.items():  # cache the prompt in each pool, under both tenants' namespaces
+        for tenant in ("t1", "t2"):
+            s = service.attach("sha256_cbor", 4, "0", "w", 0, tenant=tenant)
+            sync = op.RequestSync(f"{tenant}-{name}", PROMPT[:20], hashes, new_request=True)
+            (o,) = service.apply(s, [op.Allocate(sync, 20)])
+            assert o.error is None
+            service.free_requests(s, [f"{tenant}-{name}"], False)
+
+    def reserve(tenant: str, candidates: list[str]) -> object:
+        return score_pools(
+            pools,
+            lambda _: True,
+            candidates,
+            20,
+            [(("sha256_cbor", 4, "0"), hashes)],
+            tenant,
+            Reserve(1.0, lambda _: True, 30.0, 2),
+        ).reservation
+
+    assert reserve("t1", ["a"]) is not None
+    assert reserve("t1", ["b"]) is not None
+    with pytest.raises(ServiceError) as info:
+        reserve("t1", ["a"])
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert reserve("t2", ["a"]) is not None
+    with pytest.raises(ServiceError) as info:
+        score_pools(pools, lambda _: True, ["a"], 20, [(("sha256_cbor", 4, "0"), hashes)], "t2",
+                    Reserve(1.0, lambda _: False, 30.0, 2))  # fmt: skip
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+    clock.advance(2.0)
+    for service in pools.values():
+        for rid in service.expired_reservations():
+            service.release_reservation(rid)
+    assert reserve("t1", ["a"]) is not None

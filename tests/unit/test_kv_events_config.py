@@ -1,0 +1,39 @@
+"""[[kv_events]]: the publisher settings a config file may give, checked on load."""
+
+from __future__ import annotations
+
+import pytest
+from kvcoord.service.config import ConfigFileError, parse_config
+from kvcoord.service.kv_publisher import KVEventsDecl
+
+
+def test_kv_events_tables_load_with_vllms_keys() -> None:
+    """vLLM's KVEventsConfig keys (endpoint, replay_endpoint, topic, buffer_steps, hwm)
+    plus pool, tenant, int_hashes and data_parallel_rank; defaults as vLLM's."""
+    cfg = parse_config(
+        '[[kv_events]]\npool = "a"\nendpoint = "tcp://*:5557"\nreplay_endpoint = "tcp://*:5558"\n'
+        'topic = "kv@a"\nint_hashes = true\n\n[[kv_events]]\npool = "b"\n'
+    )
+    assert cfg.kv_events == (
+        KVEventsDecl("a", "tcp://*:5557", "tcp://*:5558", "kv@a", int_hashes=True),
+        KVEventsDecl("b"),
+    )
+    assert (KVEventsDecl("b").buffer_steps, KVEventsDecl("b").hwm) == (10_000, 100_000)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[kv_events]\npool = 'a'\n", "array of tables"),
+        ("[[kv_events]]\nendpoint = 'tcp://*:1'\n", r"kv_events\[0\]\.pool: required"),
+        ("[[kv_events]]\npool = 'a'\nport = 3\n", "unknown key"),
+        ("[[kv_events]]\npool = 'a'\nhwm = '10'\n", r"kv_events\[0\]\.hwm: must be an int"),
+        ("[[kv_events]]\npool = 'a'\nhwm = 0\n", "must be >= 1"),
+        ("[[kv_events]]\npool = 'a'\nint_hashes = 1\n", r"int_hashes: must be a bool"),
+        ("[[kv_events]]\npool = 'a'\n[[kv_events]]\npool = 'a'\n", "has a publisher already"),
+    ],
+)
+def test_bad_kv_events_tables_name_the_key(text: str, match: str) -> None:
+    """A wrong table fails on load with the key path and what was expected."""
+    with pytest.raises(ConfigFileError, match=match):
+        parse_config(text)

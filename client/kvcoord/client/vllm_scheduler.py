@@ -286,7 +286,11 @@ class _OnKVCoord:
 
     def shutdown(self) -> None:
         super().shutdown()  # type: ignore[misc]
-        self.kvcoord.close()
+        try:
+            self.kvcoord.close()
+        except (RequestsLostError, *OUTAGE_ERRORS) as err:
+            # the session is gone or out of reach: the server frees it when its lease ends
+            logger.warning("kvcoord: the session did not end cleanly: %s", err)
 
 
 class KVCoordScheduler(_OnKVCoord, Scheduler):

@@ -530,8 +530,11 @@ class KVCoordKVCacheManager:
         #: it (set by connect with KVCOORD_CREATE_POOL=1)
         self.pool_to_create: tuple[str, pb.PoolConfig] | None = None
         #: the requests allocate_slots was called for since the scheduler last cleared
-        #: it (what a schedule() call that failed half-way may have allocated)
+        #: it (what a schedule() call that failed half-way may have allocated), and the
+        #: scheduling fields of each waiting request looked up or allocated for, as they
+        #: were at its first such call since then (what that call may have changed after)
         self.allocated: set[str] = set()
+        self.seen: dict[str, tuple[Any, ...]] = {}
         #: while True (vLLM's update_from_output, whose outputs must not be lost), a
         #: lost session or an outage does not raise: the requests reported lost go to
         #: ``lost`` for the scheduler to preempt before its next allocation, and the
@@ -636,7 +639,15 @@ class KVCoordKVCacheManager:
         stats = self.remote.make_prefix_cache_stats()
         return convert_stats(stats if stats is not None else pb.PrefixCacheStats())
 
+    def _seen(self, request: Any) -> None:
+        if request.request_id not in self.seen:
+            self.seen[request.request_id] = (
+                getattr(request, "status", None), request.num_computed_tokens,
+                getattr(request, "num_cached_tokens", -1), getattr(request, "num_external_computed_tokens", 0),
+            )  # fmt: skip
+
     def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int]:
+        self._seen(request)
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return self.empty_kv_cache_blocks, 0
         hit, num_tokens = self.remote.get_computed_blocks(request)
@@ -664,6 +675,8 @@ class KVCoordKVCacheManager:
     ) -> KVCacheBlocks | None:
         hit = new_computed_blocks.to_block_ids() if new_computed_blocks is not None else None
         rid = request.request_id
+        if new_computed_blocks is not None:  # vLLM's waiting loop (a running request's passes none)
+            self._seen(request)
         self.allocated.add(rid)
         held = self._held.get(rid)
         fresh = held is None  # vLLM will ask for its whole table (get_blocks)

@@ -65,18 +65,15 @@ OUTAGE_PAUSE = (0.05, 1.0)
 
 
 class _Before:
-    """What a schedule() call may change before a manager call fails in it: the queues,
-    the scheduling fields of every request in them, and the ids of the previous step."""
+    """What a schedule() call may change before a manager call fails in it: the queues
+    and the ids of the previous step (the fields of the requests it looks up or
+    allocates for are kept by the manager, at their first such call: ``seen``)."""
 
-    __slots__ = ("fields", "previous", "running", "waiting")
+    __slots__ = ("previous", "running", "waiting")
 
     def __init__(self, scheduler: Any) -> None:
         self.running = list(scheduler.running)
         self.waiting = list(scheduler.waiting)
-        self.fields = {
-            id(r): (r.status, r.num_computed_tokens, r.num_cached_tokens, r.num_external_computed_tokens)
-            for r in self.waiting
-        }
         self.previous = set(scheduler.prev_step_scheduled_req_ids)
 
 
@@ -122,6 +119,7 @@ class _OnKVCoord:
             held = self._hold_back()
             before = _Before(self)
             manager.allocated.clear()
+            manager.seen.clear()
             try:
                 out = super().schedule()  # type: ignore[misc]
             except (RequestsLostError, *OUTAGE_ERRORS) as err:
@@ -233,15 +231,16 @@ class _OnKVCoord:
         stay preempted. Waiting requests it admitted are waiting again as they were
         (their blocks freed), so they are scheduled as new."""
         self.kvcoord_undone += 1
-        allocated = self.kvcoord.allocated
+        allocated, seen = self.kvcoord.allocated, self.kvcoord.seen
         now = time.monotonic()
         for r in before.waiting:
+            fields = seen.get(r.request_id)
+            if fields is None:
+                continue  # not looked at by the call
             if r.request_id in allocated:
                 self.kv_cache_manager.free(r)  # type: ignore[attr-defined]
                 self.encoder_cache_manager.free(r)  # type: ignore[attr-defined]
-            r.status, r.num_computed_tokens, r.num_cached_tokens, r.num_external_computed_tokens = (
-                before.fields[id(r)]
-            )
+            r.status, r.num_computed_tokens, r.num_cached_tokens, r.num_external_computed_tokens = fields
         keep, preempt, preempted = [], [], []
         for r in before.running:
             if r.status != RequestStatus.RUNNING:

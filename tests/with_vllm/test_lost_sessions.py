@@ -43,7 +43,9 @@ def outputs_by_request(trace: list[Any]) -> dict[str, tuple[list[int], str]]:
     return out
 
 
-def _vllms_own(kind: str, model_dir: Path) -> dict[str, tuple[list[int], str]]:
+def _vllms_own(
+    kind: str, model_dir: Path, extras: frozenset[str] = frozenset()
+) -> dict[str, tuple[list[int], str]]:
     asynchronous = kind == "async"
     local = make_scheduler(
         SCHEDULERS[kind],
@@ -51,15 +53,16 @@ def _vllms_own(kind: str, model_dir: Path) -> dict[str, tuple[list[int], str]]:
         kv_cache_config("full", 64),
     )
     trace, _ = run_workload(
-        local, seed=5, steps=STEPS, async_overlap=asynchronous, aborts=False, drain=True, positional=True
-    )
+        local, seed=5, steps=STEPS, async_overlap=asynchronous, aborts=False, drain=True, positional=True,
+        extras=extras,
+    )  # fmt: skip
     want = outputs_by_request(trace)
     assert want and all(reason == "length" for _, reason in want.values())  # every request completed
     return want
 
 
 def _run_on_kvcoord(
-    kind: str, model_dir: Path, on_step: Any, prepare: Any = None
+    kind: str, model_dir: Path, on_step: Any, prepare: Any = None, extras: frozenset[str] = frozenset()
 ) -> tuple[dict[str, tuple[list[int], str]], Any]:
     """The workload on KVCoordScheduler / KVCoordAsyncScheduler (``prepare(scheduler)``
     first, when given): each request's outputs, and the scheduler (shut down)."""
@@ -72,7 +75,7 @@ def _run_on_kvcoord(
     try:
         trace, _ = run_workload(
             remote, seed=5, steps=STEPS, async_overlap=asynchronous, aborts=False, drain=True, positional=True,
-            on_step=on_step,
+            on_step=on_step, extras=extras,
         )  # fmt: skip
     finally:
         remote.shutdown()
@@ -231,3 +234,42 @@ def test_a_loss_met_inside_a_step(
         assert undone >= 5 and absorbed == 0, (undone, absorbed)
     else:  # the async scheduler's cache_blocks make events: take_events sends them
         assert absorbed >= 5 and undone == 0, (undone, absorbed)
+
+
+@pytest.mark.parametrize("predict", [False, True], ids=["exclusive", "predicted"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_loss_met_by_a_prefix_cache_reset(
+    kind: str, predict: bool, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """reset_prefix_cache every 25 steps (refused while blocks are held, or forced by
+    preempting every running request), the session ended on the server just before each
+    of them: the reset is tried again on the new session, the requests lost are
+    preempted before the next allocation, and every request completes with the tokens
+    of vLLM's own run (with the same resets)."""
+    resets = frozenset({"resets"})
+    want = _vllms_own(kind, model_dir, resets)
+    server = DurableServer(tmp_path)
+    server.start()
+    _env(monkeypatch, server, f"reset-{kind}-{int(predict)}", predict)
+    ended = []
+
+    def wrap(scheduler: Any) -> None:
+        reset = scheduler.reset_prefix_cache
+
+        def reset_prefix_cache(*args: Any, **kwargs: Any) -> Any:
+            manager = scheduler.kv_cache_manager.remote
+            if scheduler.running and len(ended) < 5:
+                manager.client.detach(manager.session_id, manager.keeper.fence)
+                ended.append(len(scheduler.running))
+            return reset(*args, **kwargs)
+
+        scheduler.reset_prefix_cache = reset_prefix_cache
+
+    try:
+        got, scheduler = _run_on_kvcoord(kind, model_dir, lambda step: None, wrap, resets)
+    finally:
+        server.stop()
+    assert len(ended) == 5
+    _check(got, want, scheduler, predict)
+    if not predict:  # met by the reset itself (one round trip), not by a step
+        assert scheduler.kvcoord_undone == 0 and scheduler.kv_cache_manager.absorbed == 0

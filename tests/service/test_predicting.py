@@ -311,3 +311,76 @@ def test_steps_join_while_one_is_in_flight_up_to_a_size(client: KVCoordClient, p
     m.flush()
     assert sorted(_tables(client, pool)) == ["a", "b", "c"]
     m.close()
+
+
+_SMALL_BUFFER = "[limits]\nevent_buffer = 8\n"
+
+
+def _evicting_step(m: PredictingKVCacheManager, prefix: str, base: int) -> dict[str, list[int]]:
+    """Six requests of five blocks each in one scheduler step (30 of the pool's 31
+    usable blocks): every block another prompt cached is evicted, far more KV events
+    than an event buffer of 8 keeps."""
+    told = {}
+    for i in range(6):
+        r = _req(f"{prefix}{i}", list(range(base + 20 * i, base + 20 * i + 20)))
+        told[r.request_id] = _admit(m, r)
+    return told
+
+
+def test_a_large_eviction_is_no_disagreement(make_server: Callable[..., InProcessServer]) -> None:
+    """An event buffer of 8 and a step evicting 30 cached blocks: the server's buffer
+    wraps, its answer says events_gap and digests only the events it kept. The manager
+    does not compare those events (it compares everything else) and loses nothing; the
+    engine still gets the replica's events, all of them. (Before, any events_gap was a
+    mismatch: every request the session held was reported lost.)"""
+    server = make_server(_SMALL_BUFFER)
+    with KVCoordClient(server.address, timeout=10) as client:
+        client.create_pool("gap", wire_pool_config(32, events=True))
+        m = PredictingKVCacheManager(client, "gap", hash_seed="0", renew=False, max_backlog=0)
+        first = _evicting_step(m, "a", 0)
+        for rid in first:
+            m.free(rid)  # cached, free: the next prompts evict them
+        m.take_events()
+        m.flush()
+        assert m.events_gaps == 0
+        second = _evicting_step(m, "b", 1000)
+        events = m.take_events()
+        m.flush()  # raised RequestsLostError before
+        removed = [e for e in events if e.WhichOneof("event") == "block_removed"]
+        stored = [e for e in events if e.WhichOneof("event") == "block_stored"]
+        # each request stored its blocks; all but the pool's one never-used block were evicted
+        assert len(stored) == 6 and len(removed) == 29 and len(events) > 8
+        assert m.events_gaps == 1 and m.lost_requests == 0
+        assert _tables(client, "gap") == second  # every request still held, as told
+        m.close()
+
+
+def test_a_real_difference_is_caught_across_an_event_gap(make_server: Callable[..., InProcessServer]) -> None:
+    """The same large eviction, with the replica's statistics, or one of its block ids,
+    made to differ from the server's in that step: the events are not compared, but the
+    difference is still found and every request reported lost."""
+    server = make_server(_SMALL_BUFFER)
+    with KVCoordClient(server.address, timeout=10) as client:
+        for n, breaking in enumerate(("stats", "blocks")):
+            pool = f"gap-{breaking}"
+            client.create_pool(pool, wire_pool_config(32, events=True))
+            m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False, max_backlog=0)
+            for rid in _evicting_step(m, "a", 0):
+                m.free(rid)
+            m.take_events()
+            m.flush()
+            _evicting_step(m, "b", 1000)
+            if breaking == "stats":
+                m.replica.step_stats.hits += 4  # the replica counts a hit the server did not
+            else:
+                m._run.ids[-1][0] += 1  # type: ignore[union-attr]  # one block id the server will not give
+            m.take_events()
+            with pytest.raises(RequestsLostError) as info:
+                m.flush()
+            assert sorted(info.value.request_ids) == [f"b{i}" for i in range(6)], n
+            assert "differ" in str(info.value)
+            # the statistics are compared after the events (not compared, the gap
+            # counted); the run of allocations before them
+            assert m.events_gaps == (breaking == "stats")
+            assert _tables(client, pool) == {}
+            m.close()

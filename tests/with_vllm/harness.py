@@ -329,10 +329,17 @@ def summarize_outputs(outs: dict[int, EngineCoreOutputs]) -> dict[str, Any]:
     return dict(sorted(got.items()))
 
 
-def fake_runner_output(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
+def fake_runner_output(sched: Scheduler, out: SchedulerOutput, positional: bool = False) -> ModelRunnerOutput:
     """One sampled token per request past its prompt (deterministic in id and length),
     after the scheduled drafts it accepts: a prefix of them, of a length deterministic in
-    id and length (all, some or none)."""
+    id and length (all, some or none).
+
+    With ``positional`` the token depends on the request and the position it is sampled
+    for only, as a deterministic model's would: the same whenever and however often the
+    request is scheduled (recomputed after a preemption, or scheduled before the previous
+    output is applied), so two runs that schedule differently give each request the same
+    tokens. (Without it, the token depends on the outputs applied so far, which the
+    async scheduler's overlap makes lag: only runs that schedule alike agree.)"""
     ids = list(out.num_scheduled_tokens)
     sampled: list[list[int]] = []
     drafts = out.scheduled_spec_decode_tokens
@@ -344,12 +351,10 @@ def fake_runner_output(sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOut
             # (with the async scheduler the drafts are placeholders the worker fills: any
             # token values do, the scheduler only counts how many were accepted)
             accepted = (int(rid[1:]) + req.num_output_tokens) % (len(drafts.get(rid, ())) + 1)
-            sampled.append(
-                [
-                    (int(rid[1:]) * 7919 + (req.num_output_tokens + j) * 31 + 7) % VOCAB
-                    for j in range(accepted + 1)
-                ]
-            )
+            at = req.num_output_tokens
+            if positional:  # the index among its outputs of the token sampled in this step
+                at = req.num_computed_tokens - len(drafts.get(rid, ())) - req.num_prompt_tokens
+            sampled.append([(int(rid[1:]) * 7919 + (at + j) * 31 + 7) % VOCAB for j in range(accepted + 1)])
     connector = getattr(sched, "connector", None)
     return ModelRunnerOutput(
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
@@ -366,6 +371,9 @@ def run_workload(
     on_step: Callable[[int], None] | None = None,
     extras: frozenset[str] = frozenset(),
     queue_depth: int = 1,
+    aborts: bool = True,
+    drain: bool = False,
+    positional: bool = False,
 ) -> tuple[list[Any], dict[str, int]]:
     """Run ``steps`` engine steps; returns the per-step record and event/outcome counts.
 
@@ -382,6 +390,10 @@ def run_workload(
     with a LoRA config; an adapter's blocks hash apart and its events name it) and
     "embeds" (one request in four given as prompt embeddings, no token ids, for a
     model config that enables them; two shared embedding prefixes give hits).
+    Without ``aborts`` no request is aborted (which ones are depends on the requests
+    still live, so on scheduling); with ``drain`` the run goes on past ``steps``,
+    adding nothing, until every request finished (at most 2,000 more steps);
+    ``positional``: see :func:`fake_runner_output`.
     """
     # as EngineCore does: the configured hash (vLLM's default sha256), NONE_HASH from PYTHONHASHSEED
     hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
@@ -417,14 +429,18 @@ def run_workload(
         counts["finished"] += sum(1 for v in summary.values() if isinstance(v, tuple) and v[1] == "length")
         trace.append(("outputs", summary))
 
-    for step in range(steps):
+    step = -1
+    while True:
+        step += 1
+        if step >= steps and not (drain and step < steps + 2000 and (pending or sched.has_requests())):
+            break
         if on_step is not None:
             on_step(step)
         if "resets" in extras and step % 25 == 24:
             forced = step % 50 == 49
             trace.append(("reset", step, sched.reset_prefix_cache(reset_running_requests=forced)))
             counts["resets"] = counts.get("resets", 0) + 1
-        for _ in range(rnd.choice((0, 0, 1, 1, 2))):
+        for _ in range(rnd.choice((0, 0, 1, 1, 2)) if step < steps else 0):
             rid = f"r{nid}"
             nid += 1
             prompt = rnd.choice(prefixes) + [rnd.randrange(VOCAB) for _ in range(rnd.randint(1, 60))]
@@ -444,7 +460,7 @@ def run_workload(
                 lora_request=lora, prompt_embeds=embeds,
             ))  # fmt: skip
         live = sorted(sched.requests)
-        if live and rnd.random() < 0.06:
+        if aborts and live and rnd.random() < 0.06:
             victim = rnd.choice(live)
             sched.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
             counts["aborted"] += 1
@@ -454,7 +470,7 @@ def run_workload(
         counts["scheduled"] += len(summary["num_scheduled_tokens"])
         counts["hit_tokens"] += sum(n for _, _, n, _ in summary["new"])
         trace.append(("schedule", step, summary))
-        mro = fake_runner_output(sched, out)
+        mro = fake_runner_output(sched, out, positional)
         if async_overlap:
             pending.append((out, mro))
             while len(pending) > queue_depth:

@@ -9,7 +9,9 @@ as one Step per scheduler step sent from a background thread without waiting; th
 server applies them (it stays the pool's owner: journal, metrics, events for others)
 and checks what it can (hits answered ahead, promised allocations and refusals), and
 this manager compares the rest (every new block id, free count, event and statistic)
-when the answer comes.
+when the answer comes. Events are compared unless the answer says ``events_gap``: the
+server's event buffer wrapped (an eviction larger than it) and it kept only the newest,
+so they are not comparable; that is no difference, and the rest is still compared.
 
 A difference, a failed Step, a lost session or a lease the client cannot vouch for is
 never absorbed: the next call raises :class:`RequestsLostError` naming every request
@@ -158,6 +160,8 @@ class PredictingKVCacheManager:
         self.waited_seconds = 0.0
         self.stale_hits = 0
         self.lost_requests = 0
+        #: answers whose events were not comparable (the server's event buffer wrapped)
+        self.events_gaps = 0
         #: what RemoteKVCacheManager uses for lookup hints (KVCoordScheduler sets it);
         #: not needed here: every lookup is answered from the replica
         self.upcoming: Any = None
@@ -524,10 +528,21 @@ class PredictingKVCacheManager:
             raise PredictionMismatchError(
                 f"the server has {resp.num_free_blocks} free blocks, the replica {sent.num_free_blocks}"
             )
-        if self.config.enable_kv_cache_events and (
-            resp.events_gap or resp.events_sha256 != hashlib.sha256(sent.events.SerializeToString()).digest()
-        ):
-            raise PredictionMismatchError("the server's KV events differ from the replica's")
+        if self.config.enable_kv_cache_events:
+            if resp.events_gap:
+                # The server's event buffer wrapped before this Step's events were taken
+                # (an eviction larger than its event_buffer): it digested only the events
+                # it still kept, so the digest cannot be compared with the replica's whole
+                # list. That is no disagreement: the block ids, free count and statistics
+                # above and below are still compared, and the engine publishes the
+                # replica's events, which are complete.
+                self.events_gaps += 1
+                logger.info(
+                    "predicted pool %r: the server's event buffer wrapped during a Step; its events "
+                    "were not compared (everything else was)", self.pool,
+                )  # fmt: skip
+            elif resp.events_sha256 != hashlib.sha256(sent.events.SerializeToString()).digest():
+                raise PredictionMismatchError("the server's KV events differ from the replica's")
         if self.log_stats and resp.prefix_cache_stats != sent.stats:
             raise PredictionMismatchError(
                 f"the server's prefix-cache statistics differ from the replica's: {resp.prefix_cache_stats} "

@@ -27,6 +27,7 @@ Pieces, from the inside out:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -37,12 +38,25 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
-from .errors import AlreadyExistsError, FailedPreconditionError, PoolBusyError, ResourceExhaustedError
+from .errors import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    FencedError,
+    KVCoordError,
+    LeaseExpiredError,
+    NotFoundError,
+    PoolBusyError,
+    RequestsLostError,
+    ResourceExhaustedError,
+    SessionExpiredError,
+    UnavailableError,
+)
 from .hashing import RandomSeedError
 from .manager import KVCacheBlockIds, RemoteKVCacheManager
 from .predicting import PredictingKVCacheManager
 
 __all__ = [
+    "OUTAGE_ERRORS",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -61,6 +75,16 @@ __all__ = [
 _MEDIUM_GPU = "GPU"
 
 logger = logging.getLogger(__name__)
+
+#: Errors that end no request by themselves: the server cannot be reached (or is in a
+#: grace period), a lease cannot be vouched for, a session or the pool is gone from a
+#: server that restarted, an exclusive session still holds the pool (one whose Attach
+#: answer was lost, until its lease ends). The managers turn what they cost into
+#: RequestsLostError when they can attach again; until then the scheduler waits and
+#: tries again.
+OUTAGE_ERRORS = (
+    UnavailableError, LeaseExpiredError, FencedError, SessionExpiredError, NotFoundError, PoolBusyError,
+)  # fmt: skip
 
 
 def vllm_available() -> bool:
@@ -427,6 +451,26 @@ class PoolMismatchError(FailedPreconditionError):
 # -- the manager -----------------------------------------------------------------------
 
 
+def _absorbing(default: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A manager method that, while the manager is ``absorbing``, keeps a loss or an
+    outage for the scheduler (``_absorb``) and answers ``default(self, *args)``."""
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(self: KVCoordKVCacheManager, *args: Any, **kwargs: Any) -> Any:
+            if not self.absorbing:
+                return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except KVCoordError as err:
+                self._absorb(err)
+                return default(self, *args)
+
+        return call
+
+    return wrap
+
+
 @dataclasses.dataclass(slots=True)
 class _Held:
     """What the adapter knows of a request holding blocks: for ``block_hash``."""
@@ -483,6 +527,25 @@ class KVCoordKVCacheManager:
         self._unread: list[KVCacheBlockIds] = []
         #: closed by close() (set by connect when it opened the client)
         self.owned_client: KVCoordClient | None = None
+        #: the pool's name and configuration, to create it again on a server that lost
+        #: it (set by connect with KVCOORD_CREATE_POOL=1)
+        self.pool_to_create: tuple[str, pb.PoolConfig] | None = None
+        #: the requests allocate_slots was called for since the scheduler last cleared
+        #: it (what a schedule() call that failed half-way may have allocated), and the
+        #: scheduling fields of each waiting request looked up or allocated for, as they
+        #: were at its first such call since then (what that call may have changed after)
+        self.allocated: set[str] = set()
+        self.seen: dict[str, tuple[Any, ...]] = {}
+        #: while True (vLLM's update_from_output, whose outputs must not be lost), a
+        #: lost session or an outage does not raise: the requests reported lost go to
+        #: ``lost`` for the scheduler to preempt before its next allocation, and the
+        #: call answers as if it had nothing to say (no events, no statistics, no
+        #: blocks, the last usage known)
+        self.absorbing = False
+        self.lost: set[str] = set()
+        #: losses and outages met while absorbing
+        self.absorbed = 0
+        self._last_usage = 0.0
 
     # -- blocks -------------------------------------------------------------------------
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> KVCacheBlocks:
@@ -521,10 +584,46 @@ class KVCoordKVCacheManager:
             return None
         return b"".join(bytes(p) for p in parts) + group.to_bytes(4, "big")
 
+    # -- losses ---------------------------------------------------------------------------
+    def _absorb(self, err: KVCoordError) -> None:
+        """Keep what ``err`` says for the scheduler (while ``absorbing``), or raise it."""
+        if isinstance(err, RequestsLostError):
+            self.lost.update(err.request_ids)
+        elif not isinstance(err, OUTAGE_ERRORS):
+            raise err
+        self.absorbed += 1
+        logger.warning("kvcoord pool %r: %s (handled at the next schedule)", self.remote.pool, err)
+
+    def take_lost(self) -> set[str]:
+        """The requests reported lost while absorbing, since the last call."""
+        lost, self.lost = self.lost, set()
+        return lost
+
+    def create_pool_again(self) -> bool:
+        """Create the pool (as connect did) on a server that no longer has it; False when
+        this manager was not told how (KVCOORD_CREATE_POOL=0)."""
+        if self.pool_to_create is None:
+            return False
+        name, config = self.pool_to_create
+        try:
+            self.remote.client.create_pool(name, config)
+        except AlreadyExistsError:
+            pass  # made meanwhile (by another engine, or the call's own retry)
+        logger.warning("kvcoord pool %r was gone from the server: created again", name)
+        return True
+
     # -- KVCacheManager -----------------------------------------------------------------
     @property
     def usage(self) -> float:
-        return self.remote.usage
+        if not self.absorbing:
+            self._last_usage = usage = self.remote.usage
+            return usage
+        try:
+            self._last_usage = usage = self.remote.usage
+        except KVCoordError as err:
+            self._absorb(err)
+            return self._last_usage
+        return usage
 
     @property
     def prefix_cache_stats(self) -> Any:
@@ -533,6 +632,7 @@ class KVCoordKVCacheManager:
             return None
         return convert_stats(self.remote.peek_prefix_cache_stats() or pb.PrefixCacheStats())
 
+    @_absorbing(lambda self, *_: convert_stats(pb.PrefixCacheStats()) if self.log_stats else None)
     def make_prefix_cache_stats(self) -> Any:
         """Get (and reset) the prefix cache stats; ``None`` with stats off."""
         if not self.log_stats:
@@ -540,7 +640,15 @@ class KVCoordKVCacheManager:
         stats = self.remote.make_prefix_cache_stats()
         return convert_stats(stats if stats is not None else pb.PrefixCacheStats())
 
+    def _seen(self, request: Any) -> None:
+        if request.request_id not in self.seen:
+            self.seen[request.request_id] = (
+                getattr(request, "status", None), request.num_computed_tokens,
+                getattr(request, "num_cached_tokens", -1), getattr(request, "num_external_computed_tokens", 0),
+            )  # fmt: skip
+
     def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int]:
+        self._seen(request)
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return self.empty_kv_cache_blocks, 0
         hit, num_tokens = self.remote.get_computed_blocks(request)
@@ -568,6 +676,9 @@ class KVCoordKVCacheManager:
     ) -> KVCacheBlocks | None:
         hit = new_computed_blocks.to_block_ids() if new_computed_blocks is not None else None
         rid = request.request_id
+        if new_computed_blocks is not None:  # vLLM's waiting loop (a running request's passes none)
+            self._seen(request)
+        self.allocated.add(rid)
         held = self._held.get(rid)
         fresh = held is None  # vLLM will ask for its whole table (get_blocks)
         new = self.remote.allocate_slots(
@@ -618,32 +729,43 @@ class KVCoordKVCacheManager:
             for group in ids:
                 self._evicted.difference_update(group)
 
+    @_absorbing(lambda *_: None)
     def free(self, request: Any) -> None:
         self._held.pop(request.request_id, None)
         self._tables.pop(request.request_id, None)
         self.remote.free(request)
 
+    @_absorbing(lambda *_: None)
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         if request_id not in self._held:
             return  # vLLM's scheduler asks for any finished request (a connector's): no table, nothing to skip
         self._tables.pop(request_id, None)
         self.remote.remove_skipped_blocks(request_id, total_computed_tokens)
 
+    @_absorbing(lambda *_: None)
     def evict_blocks(self, block_ids: set[int]) -> None:
         self.remote.evict_blocks(block_ids)
         self._evicted.update(block_ids)
 
     def reset_prefix_cache(self) -> bool:
-        return self.remote.reset_prefix_cache()
+        try:
+            return self.remote.reset_prefix_cache()
+        except RequestsLostError as err:
+            # the session was lost (the manager is attached again): the scheduler
+            # preempts the requests before its next allocation; the reset is tried anew
+            self.lost.update(err.request_ids)
+            return self.remote.reset_prefix_cache()
 
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return self.remote.get_num_common_prefix_blocks(running_request_id)
 
+    @_absorbing(lambda *_: [])
     def take_events(self) -> list[Any]:
         if not self.enable_kv_cache_events:
             return []
         return convert_events(self.remote.take_events())
 
+    @_absorbing(lambda self, *_: self.empty_kv_cache_blocks)
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         held = self._held.get(request_id)
         if held is None:
@@ -661,6 +783,7 @@ class KVCoordKVCacheManager:
         ids = self.remote.get_block_ids(request_id)
         return self._blocks(ids, held, [0] * len(ids))
 
+    @_absorbing(lambda self, *_: tuple([] for _ in range(self.num_kv_cache_groups)))
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         if request_id not in self._held:
             # never allocated here, or freed (vLLM's scheduler asks when a connector's
@@ -668,6 +791,7 @@ class KVCoordKVCacheManager:
             return tuple([] for _ in range(self.num_kv_cache_groups))
         return self.remote.get_block_ids(request_id)
 
+    @_absorbing(lambda *_: None)
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if not self.enable_caching:
             return
@@ -708,6 +832,9 @@ class Settings:
             :class:`PredictingKVCacheManager`, for a pool of one full-attention group
             without EAGLE or a KV connector; otherwise a warning, and the engine runs
             as without it (as ``exclusive`` says).
+        max_outage: seconds the scheduler keeps trying again while the server cannot be
+            reached, is in its grace period or has lost the pool
+            (``KVCOORD_MAX_OUTAGE``, default 600); then the error reaches vLLM.
     """
 
     target: str
@@ -718,6 +845,7 @@ class Settings:
     client_name: str = ""
     exclusive: bool = True
     predict: bool = False
+    max_outage: float = 600.0
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> Settings:
@@ -734,6 +862,7 @@ class Settings:
             client_name=e.get("KVCOORD_CLIENT_NAME", "") or f"{os.uname().nodename}:{os.getpid()}",
             exclusive=e.get("KVCOORD_EXCLUSIVE", "1").lower() not in ("0", "false", "no"),
             predict=e.get("KVCOORD_PREDICT", "0").lower() not in ("0", "false", "no", ""),
+            max_outage=float(e.get("KVCOORD_MAX_OUTAGE", "600")),
         )
 
 
@@ -825,4 +954,6 @@ def connect(
         raise
     manager = KVCoordKVCacheManager(remote, kv_cache_config)
     manager.owned_client = c if own else None
+    if settings.create_pool:
+        manager.pool_to_create = (settings.pool, expected)
     return manager

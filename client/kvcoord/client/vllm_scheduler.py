@@ -11,24 +11,41 @@ replaces vLLM's choice between the two, so pick the one matching ``--async-sched
 The engine profiles memory and builds its ``KVCacheConfig`` as usual; the scheduler then
 creates the pool from it (or attaches to an existing one, refusing a mismatch) and every
 allocation decision is the pool's.
+
+A lost session (a partition longer than the lease, a server restarted without its
+journal, an answer the manager could not settle) costs recomputation, never the
+engine: the requests the manager reports lost (``RequestsLostError``) are preempted as
+vLLM preempts a request (blocks freed, computed tokens back to 0, back to the front of
+the waiting queue) before the next allocation, and recomputed. While the server cannot
+be reached, ``schedule()`` waits and tries again (at most ``KVCOORD_MAX_OUTAGE``
+seconds). See "A lost session" in docs/vllm-integration.md for what happens to the
+requests of a step the loss interrupts.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
+import time
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
-from .vllm import KVCoordKVCacheManager, Settings, connect
+from .errors import NotFoundError, RequestsLostError
+from .vllm import OUTAGE_ERRORS, KVCoordKVCacheManager, Settings, connect
 
 __all__ = ["KVCoordAsyncScheduler", "KVCoordScheduler"]
 
 
-def _install(scheduler: Any) -> KVCoordKVCacheManager:
+logger = logging.getLogger(__name__)
+
+
+def _install(scheduler: Any, settings: Settings) -> KVCoordKVCacheManager:
     """Replace the scheduler's in-process manager with one on the configured pool."""
     manager = connect(
-        Settings.from_env(), scheduler.kv_cache_config, scheduler.vllm_config, log_stats=scheduler.log_stats
+        settings, scheduler.kv_cache_config, scheduler.vllm_config, log_stats=scheduler.log_stats
     )
     # vLLM's own manager (built by Scheduler.__init__) holds nothing yet: drop it
     scheduler.kv_cache_manager = manager
@@ -39,6 +56,25 @@ def _install(scheduler: Any) -> KVCoordKVCacheManager:
 #: (a multiple of the step's token budget: prefix hits let more requests in)
 HINT_REQUESTS = 32
 HINT_BUDGET_FACTOR = 2
+
+#: schedule() calls in a row that may each be cut short by a loss before the error
+#: reaches vLLM (each attempt preempts what it lost: more means something is wrong)
+MAX_LOSSES_IN_A_ROW = 16
+#: the first and the longest pause between attempts while the server is out of reach
+OUTAGE_PAUSE = (0.05, 1.0)
+
+
+class _Before:
+    """What a schedule() call may change before a manager call fails in it: the queues
+    and the ids of the previous step (the fields of the requests it looks up or
+    allocates for are kept by the manager, at their first such call: ``seen``)."""
+
+    __slots__ = ("previous", "running", "waiting")
+
+    def __init__(self, scheduler: Any) -> None:
+        self.running = list(scheduler.running)
+        self.waiting = list(scheduler.waiting)
+        self.previous = set(scheduler.prev_step_scheduled_req_ids)
 
 
 class _OnKVCoord:
@@ -52,8 +88,184 @@ class _OnKVCoord:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.kvcoord = _install(self)
+        settings = Settings.from_env()
+        self.kvcoord = _install(self, settings)
         self.kvcoord.remote.upcoming = self._upcoming_lookups
+        self.kvcoord_max_outage = settings.max_outage
+        #: per request, the scheduled steps whose output was not applied yet
+        self._in_flight: collections.Counter[str] = collections.Counter()
+        #: requests preempted here (not by vLLM's own schedule()), for the next output's
+        #: preempted_req_ids; and those of them that wait for outputs in flight
+        self._preempted_here: set[str] = set()
+        self._recovering: set[str] = set()
+        #: since the scheduler was made: requests preempted here (lost, or allocated
+        #: for by a schedule() call cut short), schedule() calls cut short and made
+        #: again, and outages waited for
+        self.kvcoord_preempted = 0
+        self.kvcoord_undone = 0
+        self.kvcoord_outages = 0
+
+    # -- a lost session costs recomputation ----------------------------------------------
+    def schedule(self) -> Any:
+        """vLLM's schedule(), after preempting the requests the manager reported lost.
+        A call cut short by a loss is undone and made again; one cut short by an outage
+        is undone and made again once the server answers (see _undo)."""
+        manager = self.kvcoord
+        losses = 0
+        outage_since: float | None = None
+        pause = OUTAGE_PAUSE[0]
+        while True:
+            self._preempt_lost(manager.take_lost())
+            held = self._hold_back()
+            before = _Before(self)
+            manager.allocated.clear()
+            manager.seen.clear()
+            try:
+                out = super().schedule()  # type: ignore[misc]
+            except (RequestsLostError, *OUTAGE_ERRORS) as err:
+                lost = isinstance(err, RequestsLostError)
+                self._undo(before, set(err.request_ids) if lost else set(), held)
+                cause = err.cause if lost else err
+                outage = isinstance(cause, OUTAGE_ERRORS)
+                if lost:
+                    losses += 1
+                    if not outage and losses > MAX_LOSSES_IN_A_ROW:
+                        raise  # e.g. answers that keep differing: something is wrong
+                    if not outage or losses == 1:
+                        self._pool_gone(cause)
+                        continue  # what it lost is preempted: try again at once
+                # the server is out of reach, restarted without the pool, or still holds
+                # a session: wait for it (at most max_outage)
+                now = time.monotonic()
+                if outage_since is None:
+                    outage_since = now
+                    self.kvcoord_outages += 1
+                    logger.warning("kvcoord: %s; scheduling waits for the server", err)
+                if now - outage_since > self.kvcoord_max_outage:
+                    raise
+                if not self._pool_gone(cause):
+                    time.sleep(pause)
+                    pause = min(pause * 2, OUTAGE_PAUSE[1])
+                continue
+            self._put_back(held)
+            break
+        if self._preempted_here:
+            out.preempted_req_ids = set(out.preempted_req_ids or ()) | self._preempted_here
+            self._preempted_here = set()
+        for rid in out.num_scheduled_tokens:
+            self._in_flight[rid] += 1
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        """vLLM's update_from_output(); a loss or an outage met in it is kept for the next
+        schedule() (the step's outputs are delivered: the tokens were sampled)."""
+        in_flight = self._in_flight
+        for rid in scheduler_output.num_scheduled_tokens:
+            n = in_flight[rid] - 1
+            if n > 0:
+                in_flight[rid] = n
+            else:
+                del in_flight[rid]
+        manager = self.kvcoord
+        manager.absorbing = True
+        try:
+            return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        finally:
+            manager.absorbing = False
+
+    def _pool_gone(self, err: Exception) -> bool:
+        """A server that lost the pool (restarted empty): create it again if allowed."""
+        if type(err) is NotFoundError:  # the pool (a session or request has its own reason)
+            return self.kvcoord.create_pool_again()
+        return False
+
+    def _preempt(self, request: Any, timestamp: float) -> None:
+        """vLLM's preemption (blocks freed, computed tokens back to 0, to the front of
+        the waiting queue), named in the next output's preempted_req_ids. The request is
+        not marked scheduled in the previous step, so its resumption sends all its tokens."""
+        self._preempt_request(request, timestamp)  # type: ignore[attr-defined]
+        self._preempted_here.add(request.request_id)
+        if self._in_flight.get(request.request_id):
+            self._recovering.add(request.request_id)
+        self.prev_step_scheduled_req_ids.discard(request.request_id)  # type: ignore[attr-defined]
+        self.kvcoord_preempted += 1
+
+    def _preempt_lost(self, lost: set[str]) -> None:
+        """Preempt the running requests among ``lost`` (before any allocation: the blocks
+        they held may be given to others now). A waiting request holds no blocks, or
+        (waiting for a KV connector's load) is left to the connector."""
+        if not lost:
+            return
+        victims = [r for r in self.running if r.request_id in lost]
+        if not victims:
+            return
+        logger.warning("kvcoord: %d running request(s) lost: preempted, to be recomputed", len(victims))
+        self.running = [r for r in self.running if r.request_id not in lost]
+        now = time.monotonic()
+        for request in reversed(victims):  # the first ends at the front, as vLLM's order
+            self._preempt(request, now)
+
+    def _hold_back(self) -> list[Any]:
+        """Requests preempted here whose outputs are still in flight leave the waiting
+        queue for one schedule() call: one resumed before its output is applied would
+        compute the position that output fills (vLLM never resumes a request in the
+        step that preempts it)."""
+        if not self._recovering:
+            return []
+        ids, in_flight = self._recovering, self._in_flight
+        held = [r for r in self.waiting if r.request_id in ids and in_flight.get(r.request_id)]
+        self._recovering = {r.request_id for r in held}
+        if held:
+            self.waiting.remove_requests(held)
+        return held
+
+    def _put_back(self, held: list[Any]) -> None:
+        for request in reversed(held):
+            if not request.is_finished():
+                self.waiting.prepend_request(request)
+
+    def _undo(self, before: _Before, lost: set[str], held: list[Any]) -> None:
+        """A schedule() call failed half-way: back to where it started, except that every
+        running request it allocated for or that is lost is preempted (the manager may
+        have given it blocks the worker will never hear of), and those it preempted
+        stay preempted. Waiting requests it admitted are waiting again as they were
+        (their blocks freed), so they are scheduled as new."""
+        self.kvcoord_undone += 1
+        allocated, seen = self.kvcoord.allocated, self.kvcoord.seen
+        now = time.monotonic()
+        for r in before.waiting:
+            fields = seen.get(r.request_id)
+            if fields is None:
+                continue  # not looked at by the call
+            if r.request_id in allocated:
+                self.kv_cache_manager.free(r)  # type: ignore[attr-defined]
+                self.encoder_cache_manager.free(r)  # type: ignore[attr-defined]
+            r.status, r.num_computed_tokens, r.num_cached_tokens, r.num_external_computed_tokens = fields
+        keep, preempt, preempted = [], [], []
+        for r in before.running:
+            if r.status != RequestStatus.RUNNING:
+                preempted.append(r)  # preempted by the call: freed already
+            elif r.request_id in lost or r.request_id in allocated:
+                preempt.append(r)
+            else:
+                keep.append(r)
+        self.running = keep
+        waiting = self.waiting
+        waiting.remove_requests(list(waiting))
+        for r in before.waiting:
+            waiting.add_request(r)
+        previous = self.prev_step_scheduled_req_ids  # type: ignore[attr-defined]
+        previous.clear()
+        previous.update(before.previous)
+        for r in reversed(preempted):
+            waiting.prepend_request(r)
+            self._preempted_here.add(r.request_id)
+            if self._in_flight.get(r.request_id):
+                self._recovering.add(r.request_id)
+            previous.discard(r.request_id)
+        for r in reversed(preempt):
+            self._preempt(r, now)
+        self._put_back(held)
 
     def _upcoming_lookups(self, current: Any) -> list[Any]:
         """The waiting requests this step's waiting loop may look up after ``current``,
@@ -73,7 +285,11 @@ class _OnKVCoord:
 
     def shutdown(self) -> None:
         super().shutdown()  # type: ignore[misc]
-        self.kvcoord.close()
+        try:
+            self.kvcoord.close()
+        except (RequestsLostError, *OUTAGE_ERRORS) as err:
+            # the session is gone or out of reach: the server frees it when its lease ends
+            logger.warning("kvcoord: the session did not end cleanly: %s", err)
 
 
 class KVCoordScheduler(_OnKVCoord, Scheduler):

@@ -124,8 +124,9 @@ class _OnKVCoord:
                 out = super().schedule()  # type: ignore[misc]
             except (RequestsLostError, *OUTAGE_ERRORS) as err:
                 lost = isinstance(err, RequestsLostError)
-                self._undo(before, set(err.request_ids) if lost else set(), held)
-                cause = err.cause if lost else err
+                lost_ids: set[str] = set(err.request_ids) if isinstance(err, RequestsLostError) else set()
+                self._undo(before, lost_ids, held)
+                cause = err.cause if isinstance(err, RequestsLostError) else err
                 outage = isinstance(cause, OUTAGE_ERRORS)
                 if lost:
                     losses += 1

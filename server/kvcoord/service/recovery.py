@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import pickle
 import sys
 import time
@@ -286,6 +287,18 @@ def _replay_call(registry: PoolRegistry, record: list[Any], when: float, now_wal
             store.clock = real
 
 
+def _last_record_time(store: JournalStore) -> float | None:
+    """The wall time of the journal's last record, if it holds one (its checksum and
+    contents are verified when it is replayed)."""
+    last = store.last_record()
+    if last is None:
+        return None
+    try:
+        return float(decode_record(last)[1])
+    except Exception:  # noqa: BLE001 - replay names the damaged record
+        return None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Recovery:
     """What :func:`open_journal` found."""
@@ -324,6 +337,11 @@ def open_journal(
     store = JournalStore(data_dir, synchronous)
     snap = store.snapshot()
     after = 0
+    # Idempotency answers age by serving time only: "now" for replay is the time of the
+    # last journaled record, not the wall clock at this start (a clock set forward
+    # while the server was down must not expire answers a client may still retry; the
+    # downtime does not count, which keeps answers longer, never shorter).
+    served_until = _last_record_time(store)
     if snap is not None:
         expected = snapshot_fingerprint()
         if snap.fingerprint != expected:
@@ -333,14 +351,14 @@ def open_journal(
                 "version that wrote it"
             )
         try:
-            load_state(registry, snap.body, wall_clock)
+            load_state(registry, snap.body, lambda: served_until if served_until is not None else -math.inf)
         except Exception as exc:
             raise JournalError(
                 f"journal {store.path}: the snapshot after record {snap.seq} cannot be loaded: {exc!r}"
             ) from None
         after = snap.seq
     count = 0
-    now_wall = wall_clock()
+    now_wall = served_until if served_until is not None else wall_clock()
     for seq, body in store.records(after):
         try:
             replay_record(registry, decode_record(body), now_wall)

@@ -1,0 +1,278 @@
+"""Restarts, restores and lost journals of a real server process (SIGKILL, real files):
+a grace period survives any number of restarts, a lost journal refuses to start, a
+restored data directory is detected, a full disk stops the server with a typed status."""
+
+from __future__ import annotations
+
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from durable_server import DurableServer, env, small_pool
+from kvcoord.client import NO_RETRY, KVCoordClient
+from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
+from kvcoord.v1 import allocator_pb2 as pb
+
+
+def _server(tmp: Path, lease: float, num_blocks: int = 9) -> DurableServer:
+    server = DurableServer(tmp, small_pool(num_blocks))
+    server.config.write_text(
+        server.config.read_text().replace(
+            "snapshot_every = 2000\n",
+            f"snapshot_every = 2000\nmax_session_lease_seconds = {lease}\nsession_lease_seconds = {lease}\n"
+            f"idempotency_window_seconds = {4 * lease}\n",
+        )
+    )
+    return server
+
+
+def _alloc(c: KVCoordClient, session: Any, rid: str, num_tokens: int) -> list[int]:
+    sync = pb.RequestSync(
+        request_id=rid, append_token_ids=list(range(num_tokens)), new_request=True,
+        append_block_hashes=[f"{rid}-{i}".encode().ljust(32, b".") for i in range(num_tokens // 4)],
+    )  # fmt: skip
+    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=num_tokens))
+    result = c.step("p", [op], session.session_id, session.fence).results[0]
+    assert result.status_code == 0, result
+    return list(result.allocate.new_block_ids[0].block_ids)
+
+
+def _serve(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(config), *args],
+        capture_output=True, text=True, env=env(), timeout=60,
+    )  # fmt: skip
+
+
+def _attach_refused_for_grace(address: str, lease: float) -> bool:
+    with KVCoordClient(address, retry=NO_RETRY) as c:
+        try:
+            c.attach("p", "sha256_cbor", 4, "0", "probe", lease_seconds=lease)
+        except GracePeriodError:
+            return True
+    return False
+
+
+def _attach_after_grace(address: str, lease: float, name: str, limit: float) -> tuple[Any, float]:
+    """Attach once the grace has ended; returns the session and when it attached."""
+    deadline = time.monotonic() + limit
+    with KVCoordClient(address, retry=NO_RETRY) as c:
+        while True:
+            try:
+                return c.attach("p", "sha256_cbor", 4, "0", name, lease_seconds=lease), time.monotonic()
+            except GracePeriodError:
+                assert time.monotonic() < deadline, "the grace never ended"
+                time.sleep(0.05)
+
+
+def test_a_grace_period_survives_sigkills_inside_it(tmp_path: Path) -> None:
+    """Issue 26 scenario 2: after a detected restore the server refuses attaches
+    (GRACE_PERIOD); SIGKILLed and restarted inside that period again and again (a crash
+    loop), each new process still refuses them, and the first block handed to another
+    worker comes after the first worker's lease has certainly ended. (Before, the first
+    restart recovered its own new journal "normally" and dropped the grace.)"""
+    lease = 6.0
+    server = _server(tmp_path, lease)
+    journal = server.data_dir / "journal.sqlite"
+    server.start()
+    try:
+        with KVCoordClient(server.address) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+            _alloc(c, a, "a1", 8)
+            for suffix in ("", "-wal"):  # an older copy of the journal (the server is idle)
+                shutil.copy(journal.with_name(journal.name + suffix), tmp_path / f"old{suffix}")
+            sent = time.monotonic()
+            told = _alloc(c, a, "a2", 8)  # worker a holds these; the copy does not know
+        server.kill()
+        (server.data_dir / "leases.json").unlink()  # lost with the volume: the worst case
+        journal.with_name(journal.name + "-shm").unlink(missing_ok=True)
+        for suffix in ("", "-wal"):
+            shutil.copy(tmp_path / f"old{suffix}", journal.with_name(journal.name + suffix))
+        server.start()
+        assert _attach_refused_for_grace(server.address, lease)
+        restarts = 0
+        while restarts < 3:  # a crash loop inside the grace
+            server.kill()
+            server.start()
+            restarts += 1
+            assert _attach_refused_for_grace(server.address, lease), f"restart {restarts} dropped the grace"
+        b, attached = _attach_after_grace(server.address, lease, "worker-b", 4 * lease)
+        assert attached >= sent + lease  # worker a stopped using its ids before this
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            given = _alloc(c, b, "b1", 32)
+            assert set(given) & set(told)  # a2's blocks went to b, but only now
+    finally:
+        server.stop()
+
+
+def test_a_lost_journal_refuses_to_start_until_told_to_start_empty(tmp_path: Path) -> None:
+    """Issue 26 scenario 4: journal.sqlite deleted (or truncated to 0 bytes) while
+    journal.progress names committed records: `kvcoord serve` exits 5 naming the loss
+    and the ways out, and leaves the progress file as it was. `--start-empty` starts
+    empty, keeps the old files aside and hands out no block for a full lease, a grace
+    that a SIGKILL inside it does not reset. (Before, the server printed "new", started
+    empty at once and overwrote the progress file.)"""
+    from kvcoord.service.main import EXIT_JOURNAL_LOST
+
+    lease = 5.0
+    server = _server(tmp_path, lease)
+    journal = server.data_dir / "journal.sqlite"
+    progress = server.data_dir / "journal.progress"
+    server.start()
+    with KVCoordClient(server.address) as c:
+        a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+        _alloc(c, a, "a1", 8)
+    server.kill()
+    evidence = progress.read_bytes()
+    assert int(evidence.split()[1]) > 0
+    for damage in ("truncated", "deleted"):
+        if damage == "truncated":
+            journal.write_bytes(b"")
+            for suffix in ("-wal", "-shm"):
+                journal.with_name(journal.name + suffix).unlink(missing_ok=True)
+        else:
+            journal.unlink()
+        proc = _serve(server.config)
+        assert proc.returncode == EXIT_JOURNAL_LOST, proc.stderr
+        assert f"journal {journal} is" in proc.stderr and "was lost" in proc.stderr
+        assert "--start-empty" in proc.stderr and "restore the whole data directory" in proc.stderr
+        assert progress.read_bytes() == evidence
+    server.start(args=("--start-empty",))
+    try:
+        assert "started empty after a lost journal" in server.log()
+        assert list(server.data_dir.glob("journal.progress.lost-*"))
+        assert _attach_refused_for_grace(server.address, lease)
+        server.kill()
+        server.start()  # a plain restart inside the grace: the new journal is recovered whole
+        assert _attach_refused_for_grace(server.address, lease)
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises((FencedError, SessionExpiredError)):
+                c.heartbeat(a.session_id, a.fence)
+        _attach_after_grace(server.address, lease, "worker-b", 4 * lease)
+    finally:
+        server.stop()
+
+
+def test_an_unwritable_data_dir_refuses_to_start(tmp_path: Path) -> None:
+    """A server promising durability whose data directory cannot be written stops at
+    start with exit 3 naming the directory (not a journal-less run)."""
+    from kvcoord.service.main import EXIT_CANNOT_START
+
+    server = _server(tmp_path, 5.0)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    server.config.write_text(server.config.read_text().replace(str(server.data_dir), str(blocker / "data")))
+    proc = _serve(server.config)
+    assert proc.returncode == EXIT_CANNOT_START, proc.stderr
+    assert f"data directory {blocker / 'data'} cannot be written" in proc.stderr
+
+
+def test_a_lease_marker_that_cannot_be_written_is_unavailable_not_internal(tmp_path: Path) -> None:
+    """Issue 26 (10): a full disk when the lease marker must move forward. The Attach
+    that needed it is refused UNAVAILABLE (no lease granted), health leaves SERVING and
+    the process exits 4 for its supervisor, as after a failed journal write. (Before,
+    the Attach failed INTERNAL and the server kept serving.)"""
+    import grpc
+    from kvcoord.service.main import EXIT_JOURNAL_FAILED
+
+    lease = 5.0
+    server = _server(tmp_path, lease)
+    server.config.write_text(
+        server.config.read_text().replace("[server]\n", '[server]\ndurability = "none"\n')
+    )
+    # The data directory keeps only the lease marker, and no file may grow past 64 bytes
+    # (RLIMIT_FSIZE: EFBIG, as on a full disk); the output goes to a pipe, which it spares.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(server.config)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env(),
+    )  # fmt: skip
+    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (64, 64))
+    try:
+        with KVCoordClient(server.address, retry=NO_RETRY, timeout=2.0) as c:
+            for _ in range(600):
+                try:
+                    if c.health() == "SERVING":
+                        break
+                except KVCoordError:
+                    time.sleep(0.05)
+            with pytest.raises(KVCoordError) as err:
+                c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+            assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
+            assert "cannot write lease marker" in str(err.value)
+        assert proc.wait(60) == EXIT_JOURNAL_FAILED
+        out, _ = proc.communicate(timeout=10)
+        assert "the journal or lease marker cannot be written" in out.decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+
+
+@pytest.mark.parametrize("snapshot_every", [1, 10_000])
+def test_a_wall_clock_ahead_after_a_restart_expires_no_answer(tmp_path: Path, snapshot_every: int) -> None:
+    """Issue 26 (10) and done 8: a server restarted with its wall clock an hour ahead
+    (well past the 300 s idempotency window) still answers a retried keyed Step from
+    its journal, from a snapshot or from replayed records, and applies nothing twice:
+    the downtime does not age answers. (Before, recovery aged every answer by the wall
+    clock's jump and the retry was applied as a new call.)"""
+    import asyncio
+
+    from kvcoord.client import _requests as rq
+    from kvcoord.service.idempotency import IdempotencyStore
+    from kvcoord.service.recovery import open_journal
+    from kvcoord.service.registry import Limits, PoolRegistry
+    from kvcoord.service.servicer import AllocatorServicer
+    from kvcoord.service.sessions import SessionTable
+    from kvcoord.service.testing import ManualClock
+    from support import wire_pool_config
+
+    class Ctx:
+        async def abort(self, code: Any, message: str, trailers: Any = ()) -> None:
+            raise AssertionError(f"{code}: {message}")
+
+    def node(wall: Any) -> tuple[AllocatorServicer, Any]:
+        clock = ManualClock()
+        registry = PoolRegistry(
+            Limits(), SessionTable(clock, 30.0, 60.0), IdempotencyStore(clock, 300.0, 1 << 20)
+        )
+        recovery = open_journal(registry, str(tmp_path), "OFF", snapshot_every, wall)
+        registry.wall_clock = wall
+        recovery.recorder.wall_clock = wall
+        return AllocatorServicer(registry), recovery
+
+    loop = asyncio.new_event_loop()
+    try:
+
+        async def first() -> tuple[Any, Any]:
+            servicer, recovery = node(time.time)
+            await servicer.CreatePool(pb.CreatePoolRequest(name="p", config=wire_pool_config(50)), Ctx())
+            a = await servicer.Attach(rq.attach("p", "sha256_cbor", 4, "0", "w", 0), Ctx())
+            sync = pb.RequestSync(
+                request_id="r1", append_token_ids=list(range(32)), new_request=True,
+                append_block_hashes=[f"h{i}".encode().ljust(32, b".") for i in range(8)],
+            )  # fmt: skip
+            op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=32))
+            request = rq.step("p", [op], a.session_id, a.fence)
+            answer = await servicer.Step(request, Ctx())
+            await recovery.recorder.journal.close()
+            return request, answer
+
+        request, answer = loop.run_until_complete(first())
+        assert answer.results[0].status_code == 0
+
+        async def after_restart() -> tuple[Any, int]:
+            servicer, recovery = node(lambda: time.time() + 3600.0)
+            again = await servicer.Step(request, Ctx())
+            held = len(servicer.registry.pools["p"].owners)
+            await recovery.recorder.journal.close()
+            return again, held
+
+        again, held = loop.run_until_complete(after_restart())
+        assert again == answer and held == 1
+    finally:
+        loop.close()

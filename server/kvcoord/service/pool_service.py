@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 from kvcoord.engine import (
@@ -37,6 +38,9 @@ from .sessions import Session, SessionTable
 DEFAULT_WALK_LIMIT = 4096
 MAX_WALK_LIMIT = 1 << 16
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .positions import JournalPositions
+
 __all__ = ["Fence", "Limits", "PoolService"]
 
 
@@ -46,6 +50,8 @@ class Fence:
 
     instance_id: str
     incarnation: int
+    #: the journal position the holder was told (positions.py); 0: none
+    position: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,6 +125,8 @@ class PoolService:
         #: earlier instances of this server whose state was recovered without loss
         #: (durability.py): their fences stay valid for this incarnation
         self.lineage: frozenset[str] | set[str] = frozenset()
+        #: proves a fence's journal position against what this journal holds (positions.py)
+        self.positions: JournalPositions | None = None
 
     # -- fencing and sessions -----------------------------------------------------------
     def check_fence(self, fence: Fence | None) -> None:
@@ -145,6 +153,8 @@ class PoolService:
                 "attach again and recompute your requests",
                 ErrorReason.INCARNATION_CHANGED,
             )
+        if fence.position and self.positions is not None:
+            self.positions.check(fence)
 
     def knows_instance(self, instance_id: str) -> bool:
         """True for this instance and for earlier ones whose state this one recovered."""

@@ -38,7 +38,15 @@ from .operations import AllocateOutcome
 from .registry import PoolRegistry
 from .sessions import Session
 
-__all__ = ["Recovery", "dump_state", "load_state", "open_journal", "replay_record", "snapshot_fingerprint"]
+__all__ = [
+    "Recovery",
+    "dump_state",
+    "fence_restored",
+    "load_state",
+    "open_journal",
+    "replay_record",
+    "snapshot_fingerprint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +122,9 @@ def dump_state(registry: PoolRegistry, wall_clock: Callable[[], float] = time.ti
         "sessions": sessions,
         "idempotency": registry.idempotency.export(),
         "wall": wall_clock(),
+        # the last record of each earlier instance (positions.py); the current one's
+        # end is where recovery from this snapshot finds the next start record
+        "positions": {**registry.positions.export(), "latest": registry.instance_id},
     }
     # Blocks hold no links to each other (the free queue keeps its own order), so the
     # pools pickle without deep recursion.
@@ -124,6 +135,7 @@ def load_state(registry: PoolRegistry, body: bytes, wall_clock: Callable[[], flo
     """Rebuild ``registry`` (empty, recording nothing) from :func:`dump_state` bytes."""
     state = pickle.loads(body)  # noqa: S301 - our own data directory, checksummed
     registry.lineage.update(state["lineage"])
+    registry.positions.restore(state.get("positions"))
     services = {}
     for p in state["pools"]:
         # a snapshot older than created_at: the pool existed when it was written
@@ -359,9 +371,15 @@ def open_journal(
         after = snap.seq
     count = 0
     now_wall = served_until if served_until is not None else wall_clock()
+    positions = registry.positions
     for seq, body in store.records(after):
         try:
-            replay_record(registry, decode_record(body), now_wall)
+            record = decode_record(body)
+            if record[0] == "start":
+                positions.started(str(record[2]), seq)
+            elif record[0] == "restored":
+                positions.voided()
+            replay_record(registry, record, now_wall)
         except JournalError:
             raise
         except Exception as exc:
@@ -377,14 +395,16 @@ def open_journal(
     for s in registry.sessions.sessions.values():
         s.expires_at = clock() + s.lease_seconds
     registry.recorder = recorder
+    positions.ended(after + count)
     if store.behind and (after or count):
         logger.warning(
             "journal %s may be behind what clients were told (%s): every recovered session is "
             "ended, its fence void and every prefix cache reset",
             store.path, store.behind,
         )  # fmt: skip
-        _fence_restored(registry, recorder)
+        fence_restored(registry, recorder)
     recorder.started(registry.instance_id)
+    positions.started(registry.instance_id, journal.appended)
     return Recovery(
         recorder,
         str(store.path),
@@ -395,7 +415,7 @@ def open_journal(
     )
 
 
-def _fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
+def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     """After a restored (older) journal: a client may hold blocks this state has never
     given it, and a cached hash may name a block since overwritten. So no earlier fence
     stays valid (a live worker's next call fails INSTANCE_CHANGED, its heartbeat
@@ -407,6 +427,7 @@ def _fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     """
     recorder.restored()
     registry.lineage.clear()
+    registry.positions.voided()
     for s in list(registry.sessions.sessions.values()):
         _end_session(registry, s)
         recorder.session_expired(s.session_id)

@@ -18,7 +18,7 @@ from .access import AccessControl
 from .config import ServerConfig
 from .durability import JournalRecorder
 from .idempotency import IdempotencyStore
-from .recovery import Recovery, open_journal
+from .recovery import Recovery, fence_restored, open_journal
 from .registry import GcFreezer, PoolRegistry
 from .servicer import AllocatorServicer, OperationObserver, add_servicer
 from .sessions import SessionTable
@@ -92,6 +92,23 @@ async def _reap(servicer: AllocatorServicer, every: float) -> None:
             freezer.maybe_freeze(servicer.registry.pools.values())
         except Exception:  # pragma: no cover - logged, the reaper keeps going
             logger.exception("session reaper failed")
+
+
+def _behind_a_client(registry: PoolRegistry, decision: StartupDecision, why: str) -> None:
+    """A client proved the journal is behind what it was told (positions.py): do what a
+    restore detected at start does, and begin a grace period that survives restarts."""
+    logger.critical(
+        "the journal is behind what a client was told (%s): every session is ended, every fence "
+        "void and every prefix cache reset; no session may attach for %.0f s",
+        why, decision.max_lease,
+    )  # fmt: skip
+    recorder = registry.recorder
+    assert isinstance(recorder, JournalRecorder)
+    until = decision.begin_grace(f"journal behind what clients were told ({why})")
+    registry.grace_until = until
+    for service in registry.pools.values():
+        service.grace_until = until
+    fence_restored(registry, recorder)
 
 
 def _options(cfg: ServerConfig) -> list[tuple[str, int]]:
@@ -178,6 +195,7 @@ async def start_server(
             recovery.path, len(registry.pools), len(sessions.sessions), recovery.snapshot_seq,
             recovery.records, recovery.seconds,
         )  # fmt: skip
+        registry.positions.on_behind = lambda why: _behind_a_client(registry, decision, why)
     elif st.durability == "journal":
         logger.warning("no data_dir: durability is none, a restart loses every pool and allocation")
     # Written (synced) before the first answer: a restart inside the grace applies the rest.

@@ -7,6 +7,13 @@ leaves a tombstone (scope, key, digest: about 200 bytes, kept for the window lik
 key), so a retry of it is refused with ANSWER_EVICTED instead of being applied a second
 time. A session's keys go when the session ends.
 
+Ages are kept on the monotonic clock while serving. Across a restart, recovery
+(recovery.py) restores them by serving time: an answer's age is measured up to the
+last journaled record, so the downtime, and a wall clock set forward or back while
+the server was down, neither expire an answer early nor apply a retry twice (answers
+are kept longer by the downtime, never shorter). The replayed records' own times are
+wall-clock differences within the history that wrote them; a negative one counts 0.
+
 Plain Python, no gRPC messages: answers are opaque bytes, digests are bytes.
 """
 

@@ -51,7 +51,8 @@ class _Attempts:
         self.kind = kind
         self.start = time.monotonic()
         self.keyed_longer = kind == "keyed" and policy.retries_keyed_longer()
-        self.deadline = min(policy.keyed_deadline if self.keyed_longer else policy.deadline, horizon)
+        longest = policy.keyed_deadline if self.keyed_longer and policy.keyed_deadline else policy.deadline
+        self.deadline = min(longest, horizon)
         #: drawn at the first failure (seeding a generator costs ~10 us, every call)
         self.backoffs: list[float] | None = None if kind != "once" else []
         self.attempt = 0

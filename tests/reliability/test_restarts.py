@@ -503,3 +503,30 @@ def _attach_refused_for_grace_on(address: str, pool: str, lease: float) -> bool:
             return True
         c.detach(s.session_id, s.fence)
     return False
+
+
+def test_lease_marker_and_grace_count_on_the_monotonic_clock_within_a_boot(tmp_path: Path) -> None:
+    """Done 8: the lease marker and grace.json record their deadline on both clocks. A
+    restart on the same boot with the wall clock set an hour forward still waits the
+    whole remaining time (monotonic); after a reboot (another boot id) only the wall
+    clock is left. (Before, the marker held a wall-clock time only: a clock set forward
+    ended the wait at once.)"""
+    from kvcoord.service.lease_marker import LeaseMarker
+    from kvcoord.service.startup import DurableDeadline, GraceFile
+
+    wall, mono = [1_000_000.0], [50.0]
+    marker = LeaseMarker(tmp_path, 120.0, lambda: wall[0], lambda: mono[0], boot="boot-a")
+    marker.cover(30.0)  # leases end within 150 s
+    grace = GraceFile(tmp_path, DurableDeadline(lambda: wall[0], lambda: mono[0], "boot-a"))
+    grace.record(40.0, "a restore")
+    mono[0] += 10.0
+    wall[0] += 3600.0 + 10.0  # the wall clock jumped forward an hour meanwhile
+    same_boot = LeaseMarker(tmp_path, 120.0, lambda: wall[0], lambda: mono[0], boot="boot-a")
+    assert same_boot.previous_leases_remaining() == pytest.approx(140.0)
+    assert GraceFile(tmp_path, DurableDeadline(lambda: wall[0], lambda: mono[0], "boot-a")).remaining() == (
+        pytest.approx(30.0),
+        "a restore",
+    )
+    rebooted = LeaseMarker(tmp_path, 120.0, lambda: wall[0], lambda: 3.0, boot="boot-b")
+    remaining = rebooted.previous_leases_remaining()
+    assert remaining is not None and remaining == pytest.approx(150.0 - 3610.0)

@@ -144,7 +144,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         response: Message,
     ) -> None:  # fmt: skip
         journal = getattr(self.registry.recorder, "journal", None)
-        if journal is not None and response.HasField("fence"):  # type: ignore[attr-defined]
+        if journal is not None and response.HasField("fence"):
             # the record appended next is this call's: the answer is durable once it is
             # committed (_durable waits for that), and a retry gets it byte for byte
             response.fence.position = journal.appended + 1  # type: ignore[attr-defined]

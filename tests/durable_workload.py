@@ -81,7 +81,7 @@ def run_checked_worker(
     prefixes = [[prefix_rnd.randrange(30000) for _ in range(n)] for n in (32, 64, 100)]
     summary: dict[str, Any] = {
         "worker": wid, "allocs": 0, "checks": 0, "steps": 0, "lost": 0, "error": "",
-        "lost_by_phase": {}, "double": [],
+        "lost_by_phase": {}, "lost_causes": [], "double": [],
     }  # fmt: skip
     tables: dict[str, list[list[int]]] = {}
     held = _Holdings(holdings, wid)
@@ -110,6 +110,7 @@ def run_checked_worker(
                     if phase is None:
                         raise
                     forget(err.request_ids)
+                    summary["lost_causes"].append(f"{int(phase.value)}: {type(err.cause).__name__}")
                     held.publish(tables, 0.0)
                     continue
                 except GracePeriodError:

@@ -388,7 +388,7 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
     from kvcoord.service.main import EXIT_JOURNAL_FAILED
     from workload import check_pool, pool_config
 
-    lease = 10.0
+    lease = 20.0  # longer than a full-disk stop and restart on a loaded machine
     server = DurableServer(tmp_path)
     server.config.write_text(
         server.config.read_text().replace(

@@ -190,13 +190,13 @@ def test_a_lease_marker_that_cannot_be_written_is_unavailable_not_internal(tmp_p
     server.config.write_text(
         server.config.read_text().replace("[server]\n", '[server]\ndurability = "none"\n')
     )
-    # The data directory keeps only the lease marker, and no file may grow past 64 bytes
+    # The data directory keeps only the lease marker, and no file may grow past 16 bytes
     # (RLIMIT_FSIZE: EFBIG, as on a full disk); the output goes to a pipe, which it spares.
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(server.config)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env(),
     )  # fmt: skip
-    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (64, 64))
+    resource.prlimit(proc.pid, resource.RLIMIT_FSIZE, (16, 16))
     try:
         with KVCoordClient(server.address, retry=NO_RETRY, timeout=2.0) as c:
             for _ in range(600):

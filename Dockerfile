@@ -38,6 +38,9 @@ ENV PATH=/opt/kvcoord/bin:$PATH \
     KVCOORD_METRICS_LISTEN=0.0.0.0:9400 \
     KVCOORD_DATA_DIR=/var/lib/kvcoord
 # The journal (and lease marker): mount a volume here so allocations survive the container.
+# The path is absolute and overrides any config file's data_dir; a volume the kvcoord user
+# (10001) cannot write makes `kvcoord serve` refuse to start (exit 3) rather than run
+# without its journal.
 VOLUME ["/var/lib/kvcoord"]
 USER 10001:10001
 EXPOSE 50051 9400

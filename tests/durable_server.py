@@ -25,6 +25,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def small_pool(num_blocks: int) -> str:
+    """Server config: one pool "p" of full attention, 4-token blocks."""
+    return f"""
+[[pools]]
+name = "p"
+num_blocks = {num_blocks}
+hash_block_size = 4
+hash_algo = "sha256_cbor"
+hash_seed = "0"
+enable_caching = true
+[[pools.groups]]
+type = "full"
+block_size = 4
+"""
+
+
 def env() -> dict[str, str]:
     e = dict(os.environ)
     e["PYTHONPATH"] = f"{ROOT / 'client'}:{ROOT / 'server'}"
@@ -53,7 +69,9 @@ class DurableServer:
         self.kills = 0
         self.lock = threading.Lock()
 
-    def start(self, timeout: float = 60.0, max_file_bytes: int | None = None) -> None:
+    def start(
+        self, timeout: float = 60.0, max_file_bytes: int | None = None, args: tuple[str, ...] = ()
+    ) -> None:
         """``max_file_bytes``: no file the server writes may grow past this (RLIMIT_FSIZE;
         Python ignores SIGXFSZ, so the write fails with EFBIG, as on a full disk). Set
         with prlimit once the process runs: a ``preexec_fn`` would make subprocess fork
@@ -61,7 +79,7 @@ class DurableServer:
         child before it execs."""
         self._log = open(self.tmp / f"server-{self.starts}.log", "wb")  # noqa: SIM115 - closed on kill/stop
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(self.config)],
+            [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(self.config), *args],
             stdout=self._log, stderr=subprocess.STDOUT, env=env(),
         )  # fmt: skip
         if max_file_bytes is not None:

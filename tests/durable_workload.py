@@ -4,9 +4,11 @@ the blocks it was given (used by the SIGKILL chaos test and the container test).
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager, TLSOptions
+from kvcoord.client.errors import GracePeriodError, RequestsLostError
 from kvcoord.client.retry import RetryPolicy
 from workload import SHARED_PREFIXES_SEED, Req
 
@@ -24,6 +26,34 @@ def _same(mine: list[list[int]], server: tuple[list[int], ...]) -> bool:
     return True
 
 
+class _Holdings:
+    """Every worker's live full-attention blocks, shared between worker processes (a
+    ``multiprocessing.Manager().dict()``: worker id -> (block ids, lease end on the
+    monotonic clock, which all processes of one machine share)). A block newly given
+    to one worker while another still holds it under a running lease is a block held
+    by two live requests: the violation the restore and grace rules exist to prevent.
+    A worker withdraws blocks before freeing them, so a free never looks like one."""
+
+    def __init__(self, shared: Any, wid: int) -> None:
+        self.shared = shared
+        self.wid = wid
+
+    def publish(self, tables: dict[str, list[list[int]]], lease_end: float) -> None:
+        if self.shared is not None:
+            self.shared[self.wid] = (frozenset(b for t in tables.values() for b in t[0] if b), lease_end)
+
+    def taken_from_others(self, new_ids: list[int]) -> list[tuple[int, int]]:
+        """(block, other worker) for each new block another live worker holds."""
+        if self.shared is None:
+            return []
+        now = time.monotonic()
+        clashes = []
+        for other, (ids, lease_end) in dict(self.shared).items():
+            if other != self.wid and lease_end > now:
+                clashes += [(b, other) for b in new_ids if b in ids]
+        return clashes
+
+
 def run_checked_worker(
     address: str,
     pool: str,
@@ -33,82 +63,66 @@ def run_checked_worker(
     out: Any,
     tls: TLSOptions | None = None,
     progress: Any = None,
+    holdings: Any = None,
+    phase: Any = None,
 ) -> None:
     """Admit, prefill, decode, preempt on refusal and free, until ``stop`` is set; after
     every step compare the block table of each running request with the server's.
     Puts a summary on ``out`` (``error`` is empty when nothing went wrong). ``progress``
-    (a shared ``multiprocessing.Value``, optional) counts the steps checked so far."""
+    (a shared ``multiprocessing.Value``, optional) counts the steps checked so far.
+
+    With ``phase`` (a shared ``multiprocessing.Value``), requests reported lost
+    (RequestsLostError: a restore was detected, the grace period) are dropped and
+    counted per phase in ``lost_by_phase`` instead of ending the worker; with
+    ``holdings`` (a shared dict, :class:`_Holdings`) every newly given block is checked
+    against the blocks other live workers hold (``double`` lists any)."""
     rnd = random.Random(seed)
     prefix_rnd = random.Random(SHARED_PREFIXES_SEED)
     prefixes = [[prefix_rnd.randrange(30000) for _ in range(n)] for n in (32, 64, 100)]
-    summary: dict[str, Any] = {"worker": wid, "allocs": 0, "checks": 0, "steps": 0, "lost": 0, "error": ""}
+    summary: dict[str, Any] = {
+        "worker": wid, "allocs": 0, "checks": 0, "steps": 0, "lost": 0, "error": "",
+        "lost_by_phase": {}, "lost_causes": [], "double": [],
+    }  # fmt: skip
     tables: dict[str, list[list[int]]] = {}
+    held = _Holdings(holdings, wid)
+    live: list[Req] = []
+    running: list[Req] = []
+
+    def forget(request_ids: list[str]) -> None:
+        lost = set(request_ids)
+        for r in [r for r in live if r.request_id in lost]:
+            tables.pop(r.request_id, None)
+            r.running, r.num_computed_tokens = False, 0
+            if r in running:
+                running.remove(r)
+        key = int(phase.value)
+        summary["lost_by_phase"][key] = summary["lost_by_phase"].get(key, 0) + len(lost)
+
     try:
         with KVCoordClient(address, timeout=20, retry=PATIENT, tls=tls) as client:
             m = RemoteKVCacheManager(client, pool, hash_seed="0", client_name=f"chaos-{wid}")
-            live: list[Req] = []
-            running: list[Req] = []
             step = 0
             while not stop.is_set() and step < 100_000:
                 step += 1
-                if len(live) < 6 and rnd.random() < 0.6:
-                    body = [rnd.randrange(30000) for _ in range(rnd.randint(8, 200))]
-                    live.append(Req(f"w{wid}-{step}", rnd.choice(prefixes) + body, rnd.randint(2, 12)))
-                budget = 256
-                for r in list(live):
-                    if r.running:
-                        n = min(len(r.all_token_ids) - r.num_computed_tokens, budget)
-                        new = m.allocate_slots(r, n)
-                        if new is not None:
-                            for g, ids in enumerate(new.get_block_ids()):
-                                tables[r.request_id][g].extend(ids)
-                    else:
-                        hit, hit_tokens = m.get_computed_blocks(r)
-                        n = min(len(r.all_token_ids) - hit_tokens, budget)
-                        new = m.allocate_slots(r, n, hit_tokens, hit)
-                        if new is not None:
-                            r.num_computed_tokens = hit_tokens
-                            tables[r.request_id] = [
-                                list(h) + list(x)
-                                for h, x in zip(hit.get_block_ids(), new.get_block_ids(), strict=True)
-                            ]
-                    if new is None:
-                        if running:
-                            victim = running.pop()
-                            m.free(victim)
-                            tables.pop(victim.request_id, None)
-                            victim.running = False
-                            victim.num_computed_tokens = 0
-                            victim.num_preemptions += 1
-                        continue
-                    summary["allocs"] += 1
-                    if not r.running:
-                        r.running = True
-                        running.append(r)
-                    r.num_computed_tokens += n
-                    budget -= n
-                    if r.num_computed_tokens == len(r.all_token_ids):
-                        if r.decode_left == 0:
-                            m.free(r)
-                            tables.pop(r.request_id, None)
-                            live.remove(r)
-                            running.remove(r)
-                            continue
-                        r.decode_left -= 1
-                        r.all_token_ids = r.all_token_ids + [rnd.randrange(30000)]
-                    if budget <= 0:
-                        break
-                # every acknowledged allocation is still there, exactly
-                with m.batch() as b:
-                    pending = {r.request_id: b.get_block_ids(r.request_id) for r in running}
-                for rid, p in pending.items():
-                    got = p.result()
-                    if not _same(tables[rid], got):
-                        raise AssertionError(f"request {rid}: acknowledged {tables[rid]}, server holds {got}")
-                    summary["checks"] += 1
+                try:
+                    _one_step(m, rnd, prefixes, wid, step, live, running, tables, summary, held)
+                except RequestsLostError as err:
+                    if phase is None:
+                        raise
+                    forget(err.request_ids)
+                    summary["lost_causes"].append(f"{int(phase.value)}: {type(err.cause).__name__}")
+                    held.publish(tables, 0.0)
+                    continue
+                except GracePeriodError:
+                    if phase is None:
+                        raise
+                    time.sleep(0.1)
+                    continue
+                held.publish(tables, m.keeper.valid_until)
                 summary["steps"] = step
                 if progress is not None:
                     progress.value = step
+            held.publish({}, 0.0)
             for r in live:
                 m.free(r)
             summary["lost"] = m.lost_requests
@@ -116,3 +130,75 @@ def run_checked_worker(
     except Exception as exc:  # reported to the parent, which fails the test
         summary["error"] = f"{type(exc).__name__}: {exc}"
     out.put(summary)
+
+
+def _one_step(
+    m: RemoteKVCacheManager,
+    rnd: random.Random,
+    prefixes: list[list[int]],
+    wid: int,
+    step: int,
+    live: list[Req],
+    running: list[Req],
+    tables: dict[str, list[list[int]]],
+    summary: dict[str, Any],
+    held: _Holdings,
+) -> None:
+    """One scheduler step of :func:`run_checked_worker`, then the check of every table."""
+    if len(live) < 6 and rnd.random() < 0.6:
+        body = [rnd.randrange(30000) for _ in range(rnd.randint(8, 200))]
+        live.append(Req(f"w{wid}-{step}", rnd.choice(prefixes) + body, rnd.randint(2, 12)))
+    budget = 256
+    for r in list(live):
+        if r.running:
+            n = min(len(r.all_token_ids) - r.num_computed_tokens, budget)
+            new = m.allocate_slots(r, n)
+            if new is not None:
+                for g, ids in enumerate(new.get_block_ids()):
+                    tables[r.request_id][g].extend(ids)
+        else:
+            hit, hit_tokens = m.get_computed_blocks(r)
+            n = min(len(r.all_token_ids) - hit_tokens, budget)
+            new = m.allocate_slots(r, n, hit_tokens, hit)
+            if new is not None:
+                r.num_computed_tokens = hit_tokens
+                tables[r.request_id] = [
+                    list(h) + list(x) for h, x in zip(hit.get_block_ids(), new.get_block_ids(), strict=True)
+                ]
+        if new is None:
+            if running:
+                victim = running.pop()
+                tables.pop(victim.request_id, None)
+                held.publish(tables, m.keeper.valid_until)  # withdrawn before the free
+                m.free(victim)
+                victim.running = False
+                victim.num_computed_tokens = 0
+                victim.num_preemptions += 1
+            continue
+        summary["double"] += held.taken_from_others(list(new.get_block_ids()[0]))
+        summary["allocs"] += 1
+        if not r.running:
+            r.running = True
+            running.append(r)
+        r.num_computed_tokens += n
+        budget -= n
+        if r.num_computed_tokens == len(r.all_token_ids):
+            if r.decode_left == 0:
+                tables.pop(r.request_id, None)
+                held.publish(tables, m.keeper.valid_until)
+                m.free(r)
+                live.remove(r)
+                running.remove(r)
+                continue
+            r.decode_left -= 1
+            r.all_token_ids = r.all_token_ids + [rnd.randrange(30000)]
+        if budget <= 0:
+            break
+    # every acknowledged allocation is still there, exactly
+    with m.batch() as b:
+        pending = {r.request_id: b.get_block_ids(r.request_id) for r in running}
+    for rid, p in pending.items():
+        got = p.result()
+        if not _same(tables[rid], got):
+            raise AssertionError(f"request {rid}: acknowledged {tables[rid]}, server holds {got}")
+        summary["checks"] += 1

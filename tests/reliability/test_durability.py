@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from durable_server import DurableServer, env
+from durable_server import small_pool as _small_pool
 from durable_workload import PATIENT, run_checked_worker
 from kvcoord.client import KVCoordClient
 from kvcoord.client.errors import KVCoordError
@@ -501,22 +502,6 @@ def test_checks_queued_across_a_sigkill(tmp_path: Path) -> None:
             m.close()
     finally:
         server.stop()
-
-
-def _small_pool(num_blocks: int) -> str:
-    """Server config: one pool "p" of full attention, 4-token blocks."""
-    return f"""
-[[pools]]
-name = "p"
-num_blocks = {num_blocks}
-hash_block_size = 4
-hash_algo = "sha256_cbor"
-hash_seed = "0"
-enable_caching = true
-[[pools.groups]]
-type = "full"
-block_size = 4
-"""
 
 
 def _alloc(c: KVCoordClient, session: Any, rid: str, num_tokens: int, unary: bool = False) -> list[list[int]]:

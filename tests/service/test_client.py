@@ -183,9 +183,9 @@ def test_backoffs_are_drawn_only_when_a_call_fails(
     drawn: list[int] = []
     draw = RetryPolicy.backoffs
 
-    def counted(self: RetryPolicy, rnd: random.Random | None = None) -> list[float]:
+    def counted(self: RetryPolicy, rnd: random.Random | None = None, count: int | None = None) -> list[float]:
         drawn.append(1)
-        return draw(self, rnd)
+        return draw(self, rnd, count)
 
     class FailOnce(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         armed = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,34 @@ def test_embedded_default_is_valid() -> None:
     engine_cfg = config_from_pb(pool.config)
     assert pool.name == "default" and engine_cfg.coordinator_kind == "hybrid"
     assert [type(g).__name__ for g in engine_cfg.groups] == ["FullAttentionSpec", "SlidingWindowSpec"]
-    assert parse_config(default_config_text()) == cfg
+    assert parse_config(default_config_text()).server.data_dir == ""  # programmatic: none
+    assert (
+        dataclasses.replace(parse_config(default_config_text()).server, data_dir=cfg.server.data_dir)
+        == cfg.server
+    )
+
+
+def test_a_journaled_server_always_has_an_absolute_data_dir(tmp_path: Path) -> None:
+    """Issue 26 (10, 11): the embedded default and a config file without data_dir get
+    an absolute default directory (not one relative to the working directory, not
+    none); an explicitly empty data_dir with durability "journal" is refused, and
+    durability "none" keeps nothing. (Before, the default was ./kvcoord-data and a file
+    without data_dir ran with no journal, with only a warning.)"""
+    env = {"HOME": str(tmp_path)}
+    expected = str(tmp_path / ".local" / "state" / "kvcoord")
+    assert load_config(None, env=env).server.data_dir == expected
+    assert load_config(None, env={**env, "XDG_STATE_HOME": "/state"}).server.data_dir == "/state/kvcoord"
+    f = tmp_path / "c.toml"
+    f.write_text('[server]\nlisten = ["127.0.0.1:7000"]\n')
+    s = load_config(f, env=env).server
+    assert s.journaled and s.data_dir == expected
+    f.write_text('[server]\ndata_dir = ""\n')
+    with pytest.raises(ConfigFileError, match='data_dir is empty but durability is "journal"'):
+        load_config(f, env=env)
+    with pytest.raises(ConfigFileError, match="KVCOORD_DATA_DIR: data_dir is empty"):
+        load_config(None, env={**env, "KVCOORD_DATA_DIR": ""})
+    f.write_text('[server]\ndurability = "none"\n')
+    assert not load_config(f, env=env).server.journaled
 
 
 def test_environment_overrides() -> None:

@@ -50,7 +50,9 @@ class _Attempts:
         self.policy = policy
         self.kind = kind
         self.start = time.monotonic()
-        self.deadline = min(policy.deadline, horizon)
+        self.keyed_longer = kind == "keyed" and policy.retries_keyed_longer()
+        longest = policy.keyed_deadline if self.keyed_longer and policy.keyed_deadline else policy.deadline
+        self.deadline = min(longest, horizon)
         #: drawn at the first failure (seeding a generator costs ~10 us, every call)
         self.backoffs: list[float] | None = None if kind != "once" else []
         self.attempt = 0
@@ -61,7 +63,12 @@ class _Attempts:
             self.kind == "keyed" and err.code in _UNKNOWN_OUTCOME
         )
         if self.backoffs is None:
-            self.backoffs = self.policy.backoffs()
+            count = None
+            if self.keyed_longer:  # enough sleeps to reach the deadline, the deadline decides
+                count = max(
+                    self.policy.max_attempts - 1, int(self.deadline / max(self.policy.initial_backoff, 0.01))
+                )
+            self.backoffs = self.policy.backoffs(count=count)
         if (
             retryable
             and self.attempt < len(self.backoffs)

@@ -84,8 +84,14 @@ class SessionKeeper:
 
     def adopt(self, fence: pb.Fence) -> None:
         """Take the fence of an answer from a server that recovered this session's pool
-        (same incarnation, another instance: the block ids held are still valid)."""
-        if fence.incarnation == self.fence.incarnation and fence.instance_id != self.fence.instance_id:
+        (same incarnation, another instance: the block ids held are still valid), and
+        the highest journal position the server reported (``Fence.position``): every
+        later call sends it back, so a server restored from an older copy of its data
+        directory learns it is behind and fences this worker instead of handing its
+        blocks to another."""
+        if fence.incarnation != self.fence.incarnation:
+            return
+        if fence.instance_id != self.fence.instance_id or fence.position > self.fence.position:
             with self._lock:
                 self.fence = fence
 

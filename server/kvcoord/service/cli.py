@@ -133,6 +133,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics-listen", metavar="HOST:PORT", help="override the Prometheus /metrics address ('' disables)"
     )
     serve.add_argument(
+        "--start-empty",
+        action="store_true",
+        help=(
+            "accept a lost journal (missing or empty while journal.progress names committed records): "
+            "move the evidence aside, start empty and hand out no block for max_session_lease_seconds"
+        ),
+    )
+    serve.add_argument(
         "--print-default-config", action="store_true", help="print the embedded default config and exit"
     )
     serve.set_defaults(func=_serve)

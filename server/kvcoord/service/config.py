@@ -31,6 +31,7 @@ __all__ = [
     "ServerConfig",
     "ServerSettings",
     "default_config_text",
+    "default_data_dir",
     "load_config",
 ]
 
@@ -68,7 +69,8 @@ class ServerSettings:
     idempotency_window_seconds: float = 300.0
     idempotency_max_bytes: int = 64 * 1024 * 1024
     #: the server's data directory: the journal (durability.py) and the lease marker
-    #: (lease_marker.py); "" = none (nothing survives a restart)
+    #: (lease_marker.py). Programmatic default "" = none; `kvcoord serve` (load_config)
+    #: gives a journaled server without one :func:`default_data_dir`
     data_dir: str = ""
     #: "journal": every acknowledged mutation is durable before its answer leaves
     #: (needs a data_dir); "none": state lives in memory only
@@ -123,6 +125,41 @@ class ServerConfig:
     tenants: tuple[Tenant, ...] = ()
     #: pools whose KV events are published in vLLM's format (kv_publisher.py)
     kv_events: tuple[KVEventsDecl, ...] = ()
+
+
+def default_data_dir(env: Mapping[str, str]) -> str:
+    """Where `kvcoord serve` keeps its journal when the configuration names no
+    data_dir: ``$XDG_STATE_HOME/kvcoord``, else ``~/.local/state/kvcoord`` (absolute;
+    the image sets KVCOORD_DATA_DIR=/var/lib/kvcoord).
+
+    Raises:
+        ConfigFileError: no home directory to put it in.
+    """
+    base = env.get("XDG_STATE_HOME", "")
+    if not os.path.isabs(base):
+        home = env.get("HOME", "") or os.path.expanduser("~")
+        if not os.path.isabs(home):
+            raise ConfigFileError(
+                "server.data_dir is not set and there is no home directory for the default "
+                '(~/.local/state/kvcoord): set server.data_dir or KVCOORD_DATA_DIR, or durability = "none"'
+            )
+        base = os.path.join(home, ".local", "state")
+    return os.path.join(base, "kvcoord")
+
+
+def _resolve_data_dir(cfg: ServerConfig, explicit: bool, where: str, env: Mapping[str, str]) -> ServerConfig:
+    """A journaled server always has a data directory: the default when none is named;
+    an explicitly empty one with durability "journal" is refused (it would keep nothing
+    while the configuration promises durability)."""
+    s = cfg.server
+    if s.durability != "journal" or s.data_dir:
+        return cfg
+    if explicit:
+        raise ConfigFileError(
+            f'{where}: data_dir is empty but durability is "journal": name a directory, or set '
+            'durability = "none" to keep nothing across restarts'
+        )
+    return dataclasses.replace(cfg, server=dataclasses.replace(s, data_dir=default_data_dir(env)))
 
 
 def default_config_text() -> str:
@@ -309,8 +346,12 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         except OSError as exc:
             raise ConfigFileError(f"cannot read config file {path}: {exc}") from None
         cfg = parse_config(text, str(path))
+        source = str(path)
     else:
-        cfg = parse_config(default_config_text(), "embedded default")
+        text = default_config_text()
+        cfg = parse_config(text, "embedded default")
+        source = "embedded default"
+    explicit_data_dir = "data_dir" in tomllib.loads(text).get("server", {})
     overrides: dict[str, Any] = {}
     if env.get(ENV_LISTEN):
         overrides["listen"] = tuple(a.strip() for a in env[ENV_LISTEN].split(",") if a.strip())
@@ -342,4 +383,6 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         except TypeError as exc:  # pragma: no cover - every key above is a field
             raise ConfigFileError(f"environment: {exc}") from None
         _check_tls(cfg.server)
-    return cfg
+    if ENV_DATA_DIR in env:
+        source, explicit_data_dir = ENV_DATA_DIR, True
+    return _resolve_data_dir(cfg, explicit_data_dir, source, env)

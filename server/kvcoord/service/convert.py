@@ -220,7 +220,7 @@ def _fill_event(message: pb.KVEvent, event: KVCacheEvent) -> None:
 # -- operations -------------------------------------------------------------------------
 def fence_from_pb(fence: pb.Fence, present: bool) -> Fence | None:
     """``None`` when the caller sent no fence (nothing to check)."""
-    return Fence(fence.instance_id, fence.incarnation) if present else None
+    return Fence(fence.instance_id, fence.incarnation, fence.position) if present else None
 
 
 def fence_to_pb(fence: Fence) -> pb.Fence:

@@ -12,6 +12,13 @@ When tombstones alone fill the budget, a call with a new key is refused before i
 applied (RESOURCE_EXHAUSTED, nothing changed) until keys of the window expire. A
 session's keys go when the session ends.
 
+Ages are kept on the monotonic clock while serving. Across a restart, recovery
+(recovery.py) restores them by serving time: an answer's age is measured up to the
+last journaled record, so the downtime, and a wall clock set forward or back while
+the server was down, neither expire an answer early nor apply a retry twice (answers
+are kept longer by the downtime, never shorter). The replayed records' own times are
+wall-clock differences within the history that wrote them; a negative one counts 0.
+
 Plain Python, no gRPC messages: answers are opaque bytes, digests are bytes.
 """
 

@@ -211,6 +211,14 @@ class JournalStore:
         except sqlite3.DatabaseError as exc:
             raise JournalError(f"journal {self.path}: cannot read records: {exc}") from None
 
+    def last_record(self) -> bytes | None:
+        """The body of the last record (unverified), or None without records."""
+        try:
+            row = self.db.execute("SELECT body FROM records ORDER BY seq DESC LIMIT 1").fetchone()
+        except sqlite3.DatabaseError:
+            return None
+        return None if row is None else bytes(row[0])
+
     def last_seq(self) -> int:
         row = self.db.execute(
             "SELECT max(coalesce((SELECT max(seq) FROM records), 0), coalesce((SELECT max(seq) FROM snapshots), 0))"

@@ -14,27 +14,35 @@ from .config import ConfigFileError, ServerConfig, default_config_text, load_con
 from .journal import JournalError
 from .lease_marker import MarkerError
 from .server import start_server
+from .startup import DataDirError, JournalLostError
 
-__all__ = ["EXIT_CANNOT_START", "EXIT_JOURNAL_FAILED", "run", "serve_from_cli"]
+__all__ = ["EXIT_CANNOT_START", "EXIT_JOURNAL_FAILED", "EXIT_JOURNAL_LOST", "run", "serve_from_cli"]
 
 logger = logging.getLogger("kvcoord")
 
-#: Exit status when the journal or lease marker cannot be used at start.
+#: Exit status when the journal, the lease marker or the data directory cannot be used
+#: at start (the message names the file).
 EXIT_CANNOT_START = 3
-#: Exit status after a journal write failed while serving (disk full, I/O error): the
-#: process stops so that its supervisor restarts it from the committed journal.
+#: Exit status after a journal or lease-marker write failed while serving (disk full,
+#: I/O error): the process stops so that its supervisor restarts it from the committed
+#: journal.
 EXIT_JOURNAL_FAILED = 4
+#: Exit status when the journal is missing or empty while journal.progress names
+#: committed records: restore the data directory, or start once with --start-empty.
+EXIT_JOURNAL_LOST = 5
 #: At most this long (and at most grace_seconds) for in-flight calls after such a failure.
 JOURNAL_FAILURE_DRAIN_SECONDS = 2.0
 
 
-async def run(cfg: ServerConfig) -> int:
+async def run(cfg: ServerConfig, start_empty: bool = False) -> int:
     """Serve until a termination signal or a journal write failure; returns the exit status
     (0 after a clean stop, :data:`EXIT_JOURNAL_FAILED` after a failed journal write)."""
     from .metrics import Metrics
 
     metrics = Metrics()
-    running = await start_server(cfg, observer=metrics, interceptors=[metrics.interceptor()])
+    running = await start_server(
+        cfg, observer=metrics, interceptors=[metrics.interceptor()], start_empty=start_empty
+    )
     metrics.bind(running.servicer, asyncio.get_running_loop())
     metrics_addr = ""
     if cfg.server.metrics_listen:
@@ -58,6 +66,13 @@ async def run(cfg: ServerConfig) -> int:
         )
     else:
         print("kvcoord durability none: a restart loses every pool and allocation", flush=True)
+    startup = running.startup
+    if startup is not None and startup.grace_until > startup.clock():
+        print(
+            f"kvcoord grace period: no block is handed out for {startup.grace_until - startup.clock():.1f} s "
+            f"({startup.reason or 'leases of an earlier instance'})",
+            flush=True,
+        )
     print(
         f"kvcoord serving gRPC on {', '.join(running.addresses)}; pools: {pools}; {cfg.server.tls.describe()}",
         flush=True,
@@ -83,7 +98,10 @@ async def run(cfg: ServerConfig) -> int:
         logger.critical("journal write failed: stopping (drain %.1fs), exit %d", drain, EXIT_JOURNAL_FAILED)
         await running.stop(drain)
         metrics.stop_http()
-        print(f"kvcoord stopped: the journal cannot be written (exit {EXIT_JOURNAL_FAILED})", flush=True)
+        print(
+            f"kvcoord stopped: the journal or lease marker cannot be written (exit {EXIT_JOURNAL_FAILED})",
+            flush=True,
+        )
         return EXIT_JOURNAL_FAILED
     logger.info("shutting down (grace %.1fs)", cfg.server.grace_seconds)
     await running.stop()
@@ -117,7 +135,10 @@ def serve_from_cli(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return asyncio.run(run(cfg))
-    except (JournalError, MarkerError) as exc:
+        return asyncio.run(run(cfg, start_empty=bool(getattr(args, "start_empty", False))))
+    except JournalLostError as exc:
+        print(f"kvcoord: cannot start: {exc}", file=sys.stderr, flush=True)
+        return EXIT_JOURNAL_LOST
+    except (JournalError, MarkerError, DataDirError) as exc:
         print(f"kvcoord: cannot start: {exc}", file=sys.stderr, flush=True)
         return EXIT_CANNOT_START

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 from kvcoord.engine import (
@@ -40,6 +41,9 @@ from .sessions import Session, SessionTable
 DEFAULT_WALK_LIMIT = 4096
 MAX_WALK_LIMIT = 1 << 16
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .positions import JournalPositions
+
 __all__ = [
     "UNSCORED_NO_PROMPT",
     "UNSCORED_TOO_LONG",
@@ -59,6 +63,8 @@ class Fence:
 
     instance_id: str
     incarnation: int
+    #: the journal position the holder was told (positions.py); 0: none
+    position: int = 0
 
 
 #: (hash_algo, hash_block_size, hash_seed): how a pool's clients hash blocks
@@ -184,6 +190,8 @@ class PoolService:
         #: live reservations' holders and deadlines (the engine holds the blocks); a
         #: reservation the engine holds without one here (recovered) is expired
         self.reservation_leases: dict[str, ReservationLease] = {}
+        #: proves a fence's journal position against what this journal holds (positions.py)
+        self.positions: JournalPositions | None = None
 
     # -- fencing and sessions -----------------------------------------------------------
     def check_fence(self, fence: Fence | None) -> None:
@@ -210,6 +218,8 @@ class PoolService:
                 "attach again and recompute your requests",
                 ErrorReason.INCARNATION_CHANGED,
             )
+        if fence.position and self.positions is not None:
+            self.positions.check(fence)
 
     def knows_instance(self, instance_id: str) -> bool:
         """True for this instance and for earlier ones whose state this one recovered."""

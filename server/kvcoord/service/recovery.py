@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import pickle
 import sys
 import time
@@ -38,7 +39,15 @@ from .operations import AllocateOutcome
 from .registry import PoolRegistry
 from .sessions import Session
 
-__all__ = ["Recovery", "dump_state", "load_state", "open_journal", "replay_record", "snapshot_fingerprint"]
+__all__ = [
+    "Recovery",
+    "dump_state",
+    "fence_restored",
+    "load_state",
+    "open_journal",
+    "replay_record",
+    "snapshot_fingerprint",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +125,9 @@ def dump_state(registry: PoolRegistry, wall_clock: Callable[[], float] = time.ti
         "sessions": sessions,
         "idempotency": registry.idempotency.export(),
         "wall": wall_clock(),
+        # the last record of each earlier instance (positions.py); the current one's
+        # end is where recovery from this snapshot finds the next start record
+        "positions": {**registry.positions.export(), "latest": registry.instance_id},
     }
     # Blocks hold no links to each other (the free queue keeps its own order), so the
     # pools pickle without deep recursion.
@@ -126,6 +138,7 @@ def load_state(registry: PoolRegistry, body: bytes, wall_clock: Callable[[], flo
     """Rebuild ``registry`` (empty, recording nothing) from :func:`dump_state` bytes."""
     state = pickle.loads(body)  # noqa: S301 - our own data directory, checksummed
     registry.lineage.update(state["lineage"])
+    registry.positions.restore(state.get("positions"))
     services = {}
     for p in state["pools"]:
         # a snapshot older than created_at: the pool existed when it was written
@@ -295,6 +308,18 @@ def _replay_call(registry: PoolRegistry, record: list[Any], when: float, now_wal
             store.clock = real
 
 
+def _last_record_time(store: JournalStore) -> float | None:
+    """The wall time of the journal's last record, if it holds one (its checksum and
+    contents are verified when it is replayed)."""
+    last = store.last_record()
+    if last is None:
+        return None
+    try:
+        return float(decode_record(last)[1])
+    except Exception:  # noqa: BLE001 - replay names the damaged record
+        return None
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Recovery:
     """What :func:`open_journal` found."""
@@ -333,6 +358,11 @@ def open_journal(
     store = JournalStore(data_dir, synchronous)
     snap = store.snapshot()
     after = 0
+    # Idempotency answers age by serving time only: "now" for replay is the time of the
+    # last journaled record, not the wall clock at this start (a clock set forward
+    # while the server was down must not expire answers a client may still retry; the
+    # downtime does not count, which keeps answers longer, never shorter).
+    served_until = _last_record_time(store)
     if snap is not None:
         expected = snapshot_fingerprint()
         if snap.fingerprint != expected:
@@ -342,17 +372,23 @@ def open_journal(
                 "version that wrote it"
             )
         try:
-            load_state(registry, snap.body, wall_clock)
+            load_state(registry, snap.body, lambda: served_until if served_until is not None else -math.inf)
         except Exception as exc:
             raise JournalError(
                 f"journal {store.path}: the snapshot after record {snap.seq} cannot be loaded: {exc!r}"
             ) from None
         after = snap.seq
     count = 0
-    now_wall = wall_clock()
+    now_wall = served_until if served_until is not None else wall_clock()
+    positions = registry.positions
     for seq, body in store.records(after):
         try:
-            replay_record(registry, decode_record(body), now_wall)
+            record = decode_record(body)
+            if record[0] == "start":
+                positions.started(str(record[2]), seq)
+            elif record[0] == "restored":
+                positions.voided()
+            replay_record(registry, record, now_wall)
         except JournalError:
             raise
         except Exception as exc:
@@ -368,14 +404,16 @@ def open_journal(
     for s in registry.sessions.sessions.values():
         s.expires_at = clock() + s.lease_seconds
     registry.recorder = recorder
+    positions.ended(after + count)
     if store.behind and (after or count):
         logger.warning(
             "journal %s may be behind what clients were told (%s): every recovered session is "
             "ended, its fence void and every prefix cache reset",
             store.path, store.behind,
         )  # fmt: skip
-        _fence_restored(registry, recorder)
+        fence_restored(registry, recorder)
     recorder.started(registry.instance_id)
+    positions.started(registry.instance_id, journal.appended)
     return Recovery(
         recorder,
         str(store.path),
@@ -386,7 +424,7 @@ def open_journal(
     )
 
 
-def _fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
+def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     """After a restored (older) journal: a client may hold blocks this state has never
     given it, and a cached hash may name a block since overwritten. So no earlier fence
     stays valid (a live worker's next call fails INSTANCE_CHANGED, its heartbeat
@@ -398,6 +436,7 @@ def _fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     """
     recorder.restored()
     registry.lineage.clear()
+    registry.positions.voided()
     for s in list(registry.sessions.sessions.values()):
         _end_session(registry, s)
         recorder.session_expired(s.session_id)

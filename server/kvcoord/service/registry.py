@@ -25,6 +25,7 @@ from .durability import Recorder
 from .errors import ServiceError
 from .idempotency import IdempotencyStore
 from .pool_service import Fence, Limits, PoolService
+from .positions import JournalPositions
 from .sessions import SessionTable
 
 __all__ = ["GcFreezer", "Limits", "PoolRegistry", "new_instance_id"]
@@ -71,6 +72,8 @@ class PoolRegistry:
         self.pool_memory: dict[str, int] = {}
         #: earlier instances whose state this one recovered (fences stay valid)
         self.lineage: set[str] = set()
+        #: the last record of each earlier instance in the journal (fence positions)
+        self.positions = JournalPositions()
         #: told about every mutation (the journal; the default records nothing)
         self.recorder: Recorder = Recorder()
         #: seconds since the epoch (pool creation times)
@@ -144,6 +147,7 @@ class PoolRegistry:
         service.grace_until = self.grace_until
         service.created_at = self.wall_clock() if created_at is None else created_at
         service.lineage = self.lineage
+        service.positions = self.positions
         self.pools[name] = service
         self.pool_memory[name] = need
         self.memory.used += need

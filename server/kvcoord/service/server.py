@@ -19,11 +19,11 @@ from .config import ServerConfig
 from .durability import JournalRecorder
 from .idempotency import IdempotencyStore
 from .kv_publisher import Publishers
-from .lease_marker import LeaseMarker
-from .recovery import Recovery, open_journal
+from .recovery import Recovery, fence_restored, open_journal
 from .registry import GcFreezer, PoolRegistry
 from .servicer import AllocatorServicer, OperationObserver, add_servicer
 from .sessions import SessionTable
+from .startup import StartupDecision, decide_startup
 from .tls import server_credentials
 
 __all__ = ["RunningServer", "start_server"]
@@ -51,11 +51,15 @@ class RunningServer:
     _health_task: asyncio.Task[None] | None = None
     #: the pools' KV event publishers in vLLM's format ([[kv_events]]), if any
     publishers: Publishers | None = None
+    #: the data directory's start-up findings (startup.py): the grace and its reason
+    startup: StartupDecision | None = None
 
     def _journal_failed(self, exc: BaseException) -> None:
         """Stop serving loudly: in memory the state is ahead of the disk, so a restart
         (which recovers the committed prefix) is the only way back."""
-        logger.critical("journal write failed: this server stops serving and must be restarted: %s", exc)
+        logger.critical(
+            "journal or lease marker write failed: this server stops serving and must be restarted: %s", exc
+        )
         self.servicer.journal_failed(exc)
         self._reaper.cancel()
         self._health_task = asyncio.get_running_loop().create_task(self._not_serving())
@@ -96,6 +100,23 @@ async def _reap(servicer: AllocatorServicer, every: float) -> None:
             logger.exception("session reaper failed")
 
 
+def _behind_a_client(registry: PoolRegistry, decision: StartupDecision, why: str) -> None:
+    """A client proved the journal is behind what it was told (positions.py): do what a
+    restore detected at start does, and begin a grace period that survives restarts."""
+    logger.critical(
+        "the journal is behind what a client was told (%s): every session is ended, every fence "
+        "void and every prefix cache reset; no session may attach for %.0f s",
+        why, decision.max_lease,
+    )  # fmt: skip
+    recorder = registry.recorder
+    assert isinstance(recorder, JournalRecorder)
+    until = decision.begin_grace(f"journal behind what clients were told ({why})")
+    registry.grace_until = until
+    for service in registry.pools.values():
+        service.grace_until = until
+    fence_restored(registry, recorder)
+
+
 def _options(cfg: ServerConfig) -> list[tuple[str, int]]:
     s = cfg.server
     return [
@@ -118,6 +139,7 @@ async def start_server(
     clock: Callable[[], float] = time.monotonic,
     wall_clock: Callable[[], float] = time.time,
     reap_interval: float = 1.0,
+    start_empty: bool = False,
 ) -> RunningServer:
     """Create the declared pools, bind every listener and start serving.
 
@@ -126,25 +148,25 @@ async def start_server(
     ``data_dir``, the state journaled there is recovered first (no grace period then:
     nothing was lost; unless the journal is behind what clients were told, a restored
     backup: then its sessions are fenced and the grace period applies), and configured
-    pools that are not in it are created.
+    pools that are not in it are created. The data directory's start-up rules (a
+    writable directory, a lost journal refused unless ``start_empty``, a grace period
+    that survives restarts) are :mod:`kvcoord.service.startup`'s.
 
     Raises:
         RuntimeError: a listener could not be bound.
         MarkerError: the data directory's lease marker cannot be read.
+        DataDirError: the data directory cannot be written (or its grace.json read).
+        JournalLostError: the journal is gone while journal.progress names committed
+            records (and ``start_empty`` is not set).
         JournalError: the journal is incompatible or damaged (the message names the file).
         ValueError: a TLS file is unreadable or invalid.
     """
     st = cfg.server
     sessions = SessionTable(clock, st.session_lease_seconds, st.max_session_lease_seconds)
-    grace_until = clock() + st.startup_grace_seconds
-    marker_found = False
-    if st.data_dir:
-        marker = LeaseMarker(st.data_dir, st.max_session_lease_seconds, wall_clock)
-        previous = marker.previous_leases_end()
-        marker_found = previous is not None
-        if previous is not None and previous > wall_clock():
-            grace_until = max(grace_until, clock() + previous - wall_clock())
-        sessions.on_lease = lambda s: marker.cover(s.lease_seconds)
+    decision = decide_startup(cfg, clock, wall_clock, start_empty)
+    grace_until = decision.grace_until
+    if decision.marker is not None:
+        sessions.on_lease = decision.cover_lease
     registry = PoolRegistry(
         cfg.limits,
         sessions,
@@ -162,32 +184,34 @@ async def start_server(
             # fenced its sessions): a worker of the previous instance may still use
             # blocks this state calls free, until its lease ends. Without a lease marker
             # that may be any lease this server grants.
-            if not marker_found:
-                grace_until = max(grace_until, clock() + st.max_session_lease_seconds)
-            registry.grace_until = grace_until
-            for service in registry.pools.values():
-                service.grace_until = grace_until
+            grace_until = decision.restored(recovery.restored)
         elif recovery.recovered:
             # Every acknowledged allocation is back: no lease of the previous instance
-            # can hold a block this one hands out, so no grace period.
-            registry.grace_until = grace_until = 0.0
-            for service in registry.pools.values():  # created during recovery with the old grace
-                service.grace_until = 0.0
+            # can hold a block this one hands out, so no grace period from the lease
+            # marker; but a grace an earlier instance began (a restore, a lost journal)
+            # and did not see to its end still runs (startup.py, grace.json).
+            grace_until = decision.recovered()
             for s in sessions.sessions.values():
                 sessions.renew(s)
+        registry.grace_until = grace_until
+        for service in registry.pools.values():  # created during recovery with the old grace
+            service.grace_until = grace_until
         logger.info(
             "journal %s: recovered %d pools, %d sessions (snapshot after record %d + %d records) in %.3f s",
             recovery.path, len(registry.pools), len(sessions.sessions), recovery.snapshot_seq,
             recovery.records, recovery.seconds,
         )  # fmt: skip
+        registry.positions.on_behind = lambda why: _behind_a_client(registry, decision, why)
     elif st.durability == "journal":
         logger.warning("no data_dir: durability is none, a restart loses every pool and allocation")
+    # Written (synced) before the first answer: a restart inside the grace applies the rest.
+    decision.persist(grace_until)
     if grace_until > clock():
         logger.warning(
-            "leases granted by the previous instance may run for another %.1f s: no session may "
+            "leases granted by an earlier instance may run for another %.1f s (%s): no session may "
             "attach (and so no block is handed out) until then",
-            grace_until - clock(),
-        )
+            grace_until - clock(), decision.reason or "lease marker",
+        )  # fmt: skip
     access = AccessControl(cfg.tenants, cfg.server.auth_tokens, sessions)
     with_identities = [t.name for t in cfg.tenants if t.identities]
     if with_identities and not (cfg.server.tls.enabled and cfg.server.tls.mutual):
@@ -254,4 +278,6 @@ async def start_server(
         registry.recorder.journal.on_failure.append(running._journal_failed)
     if cfg.kv_events:
         running.publishers = Publishers(cfg.kv_events, registry)
+    decision.on_marker_failure = running._journal_failed
+    running.startup = decision
     return running

@@ -156,6 +156,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self, service: PoolService, rpc: str, request: Message, session_id: str, key: str, digest: bytes,
         response: Message,
     ) -> None:  # fmt: skip
+        journal = getattr(self.registry.recorder, "journal", None)
+        if journal is not None and response.HasField("fence"):
+            # the record appended next is this call's: the answer is durable once it is
+            # committed (_durable waits for that), and a retry gets it byte for byte
+            response.fence.position = journal.appended + 1  # type: ignore[attr-defined]
         if key:
             self.registry.idempotency.remember(session_id, rpc, key, digest, response.SerializeToString())
         self.registry.recorder.called(service, rpc, request, key, digest, response)
@@ -163,6 +168,20 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def _durable(self, response: M) -> M:
         """Answer only once every mutation so far is durable (durability.py)."""
         await self.registry.recorder.durable()
+        return self._positioned(response)
+
+    def _positioned(self, response: M) -> M:
+        """Stamp the answer's fence with the journal position it is durable at (every
+        record committed so far: positions.py); clients send it back as proof. Answers
+        of calls (:meth:`_remember`) carry their own record's position already."""
+        journal = getattr(self.registry.recorder, "journal", None)
+        if (
+            journal is not None
+            and "fence" in response.DESCRIPTOR.fields_by_name
+            and response.HasField("fence")
+            and not response.fence.position  # type: ignore[attr-defined]
+        ):
+            response.fence.position = journal.committed  # type: ignore[attr-defined]
         return response
 
     def journal_failed(self, exc: BaseException) -> None:
@@ -306,7 +325,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     ) -> pb.HeartbeatResponse:
         service = self.registry.pool_of_session(request.session_id)
         s = service.session(request.session_id, _fence(request))
-        return pb.HeartbeatResponse(lease_seconds=s.lease_seconds, fence=fence_to_pb(service.fence))
+        return self._positioned(
+            pb.HeartbeatResponse(lease_seconds=s.lease_seconds, fence=fence_to_pb(service.fence))
+        )
 
     @map_errors
     async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:

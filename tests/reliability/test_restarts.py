@@ -530,3 +530,41 @@ def test_lease_marker_and_grace_count_on_the_monotonic_clock_within_a_boot(tmp_p
     rebooted = LeaseMarker(tmp_path, 120.0, lambda: wall[0], lambda: 3.0, boot="boot-b")
     remaining = rebooted.previous_leases_remaining()
     assert remaining is not None and remaining == pytest.approx(150.0 - 3610.0)
+
+
+def test_a_volume_restored_with_the_flag_leaves_no_window(tmp_path: Path) -> None:
+    """deploy/README.md's "Restore the volume" with ``kvcoord serve --restored``: the
+    window the clients' proof leaves (before the first worker told more calls) is
+    closed by the operator's word. The copy's sessions and fences end before the
+    first answer, so a worker that was told nothing after the copy (b) cannot allocate
+    from the copy's view of the pool either, and no session attaches for a full lease,
+    across a SIGKILL too. (Before, a worker whose fence proves nothing kept allocating
+    at once, from blocks the lost history had given to worker a.)"""
+    lease = 6.0
+    server = _server(tmp_path, lease, num_blocks=17)
+    server.start()
+    copy = tmp_path / "volume-snapshot"
+    try:
+        with KVCoordClient(server.address) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+            b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+            _alloc(c, b, "b1", 8)
+            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+            _alloc(c, a, "a1", 32)  # after the copy: the copy gives these blocks to nobody
+        server.kill()
+        shutil.rmtree(server.data_dir)
+        subprocess.run(["cp", "-a", str(copy), str(server.data_dir)], check=True)
+        server.start(args=("--restored",))
+        assert "the data directory was restored (--restored)" in server.log()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises((FencedError, SessionExpiredError)):
+                _alloc(c, b, "b2", 32)  # b's fence names the copy's history: it proves nothing
+            with pytest.raises(GracePeriodError):
+                c.attach("p", "sha256_cbor", 4, "0", "worker-c", lease_seconds=lease)
+            inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
+            assert not inspected.requests and not inspected.cached_block_ids
+        server.kill()
+        server.start()  # a crash inside the grace keeps it, without the flag
+        assert _attach_refused_for_grace(server.address, lease)
+    finally:
+        server.stop()

@@ -141,6 +141,15 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     serve.add_argument(
+        "--restored",
+        action="store_true",
+        help=(
+            "the data directory was restored from a copy (a volume snapshot, cp -a): end every "
+            "session and fence it holds, empty the prefix caches and hand out no block for "
+            "max_session_lease_seconds (a grace that survives restarts)"
+        ),
+    )
+    serve.add_argument(
         "--print-default-config", action="store_true", help="print the embedded default config and exit"
     )
     serve.set_defaults(func=_serve)

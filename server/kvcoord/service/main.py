@@ -34,14 +34,18 @@ EXIT_JOURNAL_LOST = 5
 JOURNAL_FAILURE_DRAIN_SECONDS = 2.0
 
 
-async def run(cfg: ServerConfig, start_empty: bool = False) -> int:
+async def run(cfg: ServerConfig, start_empty: bool = False, restored: bool = False) -> int:
     """Serve until a termination signal or a journal write failure; returns the exit status
     (0 after a clean stop, :data:`EXIT_JOURNAL_FAILED` after a failed journal write)."""
     from .metrics import Metrics
 
     metrics = Metrics()
     running = await start_server(
-        cfg, observer=metrics, interceptors=[metrics.interceptor()], start_empty=start_empty
+        cfg,
+        observer=metrics,
+        interceptors=[metrics.interceptor()],
+        start_empty=start_empty,
+        restored=restored,
     )
     metrics.bind(running.servicer, asyncio.get_running_loop())
     metrics_addr = ""
@@ -135,7 +139,13 @@ def serve_from_cli(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return asyncio.run(run(cfg, start_empty=bool(getattr(args, "start_empty", False))))
+        return asyncio.run(
+            run(
+                cfg,
+                start_empty=bool(getattr(args, "start_empty", False)),
+                restored=bool(getattr(args, "restored", False)),
+            )
+        )
     except JournalLostError as exc:
         print(f"kvcoord: cannot start: {exc}", file=sys.stderr, flush=True)
         return EXIT_JOURNAL_LOST

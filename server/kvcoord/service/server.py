@@ -100,11 +100,12 @@ async def _reap(servicer: AllocatorServicer, every: float) -> None:
             logger.exception("session reaper failed")
 
 
-def _behind_a_client(registry: PoolRegistry, decision: StartupDecision, why: str) -> None:
-    """A client proved the journal is behind what it was told (positions.py): do what a
-    restore detected at start does, and begin a grace period that survives restarts."""
+def _journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str) -> None:
+    """A client proved the journal is behind what it was told (positions.py), or the
+    operator said the data directory was restored (``--restored``): do what a restore
+    detected at start does, and begin a grace period that survives restarts."""
     logger.critical(
-        "the journal is behind what a client was told (%s): every session is ended, every fence "
+        "the journal is behind what clients were told (%s): every session is ended, every fence "
         "void and every prefix cache reset; no session may attach for %.0f s",
         why, decision.max_lease,
     )  # fmt: skip
@@ -140,6 +141,7 @@ async def start_server(
     wall_clock: Callable[[], float] = time.time,
     reap_interval: float = 1.0,
     start_empty: bool = False,
+    restored: bool = False,
 ) -> RunningServer:
     """Create the declared pools, bind every listener and start serving.
 
@@ -150,7 +152,11 @@ async def start_server(
     backup: then its sessions are fenced and the grace period applies), and configured
     pools that are not in it are created. The data directory's start-up rules (a
     writable directory, a lost journal refused unless ``start_empty``, a grace period
-    that survives restarts) are :mod:`kvcoord.service.startup`'s.
+    that survives restarts) are :mod:`kvcoord.service.startup`'s. ``restored``: the
+    operator restored the data directory from a copy (``kvcoord serve --restored``), so
+    its history may be behind what clients were told: it is handled as a restore a
+    client proved (every session and fence ends, prefix caches are emptied, a durable
+    grace of ``max_session_lease_seconds``) before the first call is answered.
 
     Raises:
         RuntimeError: a listener could not be bound.
@@ -201,7 +207,13 @@ async def start_server(
             recovery.path, len(registry.pools), len(sessions.sessions), recovery.snapshot_seq,
             recovery.records, recovery.seconds,
         )  # fmt: skip
-        registry.positions.on_behind = lambda why: _behind_a_client(registry, decision, why)
+        registry.positions.on_behind = lambda why: _journal_behind(registry, decision, why)
+        if restored:
+            # The operator restored this directory (deploy/README.md, "Restore the
+            # volume"): nothing here can tell how far the lost history went, so every
+            # session and fence of it ends now, before any call is answered.
+            _journal_behind(registry, decision, "the data directory was restored (--restored)")
+            grace_until = registry.grace_until
     elif st.durability == "journal":
         logger.warning("no data_dir: durability is none, a restart loses every pool and allocation")
     # Written (synced) before the first answer: a restart inside the grace applies the rest.

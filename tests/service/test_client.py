@@ -12,6 +12,7 @@ import sys
 import textwrap
 from typing import Any
 
+import grpc
 import pytest
 from helpers import allocate
 from kvcoord.client import (
@@ -25,6 +26,7 @@ from kvcoord.client import (
     RetryPolicy,
     UnavailableError,
 )
+from kvcoord.client.errors import error_from_code
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import CacheHit, FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
 from kvcoord.service.testing import InProcessServer
@@ -293,3 +295,40 @@ def test_a_failed_call_does_not_move_an_earlier_calls_position(client: KVCoordCl
     assert (held.num_tokens, held.num_computed_tokens) == (13, 12)
     assert m.lost_requests == 0
     m.close()
+
+
+class _CancelFirstAnswer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """The server applies the first Step, then its answer is lost as CANCELLED (what a
+    server that stops serving mid-call, or a proxy dropping it, tells a caller)."""
+
+    def __init__(self) -> None:
+        self.cancelled = 0
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        answer = continuation(details, request)
+        if details.method.endswith("/Step") and not self.cancelled:
+            answer.result()  # applied on the server
+            self.cancelled += 1
+            from kvcoord.client.faults import _InjectedError
+
+            raise _InjectedError(grpc.StatusCode.CANCELLED, "CANCELLED")
+        return answer
+
+
+def test_a_cancelled_answer_is_an_unknown_outcome_and_a_keyed_call_is_retried(
+    server: InProcessServer,
+) -> None:
+    """Issue 26's chaos run: a server stopping on a full disk cancels the calls in
+    flight. CANCELLED (the client never cancels its own calls) says nothing of whether
+    the call was applied: a keyed Step is retried with its key and applied once; a
+    once-only call would raise OutcomeUnknownError. (Before, CANCELLED was an InternalError
+    that reached the worker as a failure, its request's fate unknown.)"""
+    cancel = _CancelFirstAnswer()
+    with KVCoordClient(server.address, timeout=10, interceptors=[cancel]) as c:
+        s = c.attach("p", "sha256_cbor", 4, "0", "w")
+        answer = c.step("p", [allocate("a", list(range(8)), 8)], s.session_id, s.fence)
+        assert cancel.cancelled == 1
+        given = list(answer.results[0].allocate.new_block_ids[0].block_ids)
+        (held,) = c.inspect_pool("p", all_requests=True).requests
+        assert held.request_id == "a" and list(held.groups[0].block_ids) == given
+    assert isinstance(error_from_code(grpc.StatusCode.CANCELLED, "CANCELLED"), UnavailableError)

@@ -31,8 +31,11 @@ DEFAULT_TIMEOUT = 10.0
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the server's default max_message_bytes
 
 
-#: Codes after which a call may or may not have reached the server.
-_UNKNOWN_OUTCOME = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+#: Codes after which a call may or may not have reached the server (CANCELLED: the
+#: client cancels none of its calls; a server stopping mid-call or a proxy did).
+_UNKNOWN_OUTCOME = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
 
 
 class _Attempts:

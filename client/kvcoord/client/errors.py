@@ -18,7 +18,7 @@ Hierarchy::
     ├── ResourceExhaustedError        RESOURCE_EXHAUSTED (server limits)
     ├── AbortedError                  ABORTED (a Step operation after a failed one)
     │   └── AnswerEvictedError        applied, but the answer is gone (ANSWER_EVICTED)
-    ├── UnavailableError              UNAVAILABLE, DEADLINE_EXCEEDED (transient)
+    ├── UnavailableError              UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED (transient)
     │   ├── GracePeriodError          the server restarted and waits for old leases (GRACE_PERIOD)
     │   └── OutcomeUnknownError       a call may or may not have been applied (retries ran out)
     ├── LeaseExpiredError             the client can no longer vouch for its session lease
@@ -184,6 +184,10 @@ _REGISTRY: dict[grpc.StatusCode, type[KVCoordError]] = {
     grpc.StatusCode.ABORTED: AbortedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: UnavailableError,
+    # The client never cancels its own calls: CANCELLED comes from a server that stopped
+    # serving mid-call (a failed journal or lease-marker write) or a proxy, so the call
+    # may or may not have been applied.
+    grpc.StatusCode.CANCELLED: UnavailableError,
 }
 
 

@@ -202,3 +202,37 @@ def _one_step(
         if not _same(tables[rid], got):
             raise AssertionError(f"request {rid}: acknowledged {tables[rid]}, server holds {got}")
         summary["checks"] += 1
+
+
+def run_slow_watcher(address: str, pool: str, pause: float, stop: Any, out: Any) -> None:
+    """A KV router that reads ``pool``'s WatchEvents stream slowly (``pause`` seconds per
+    event), resuming after each server restart from its cursor and fence; reports what it
+    read: events, gaps and resets told, reconnections, and the first error that was not
+    a restart's."""
+    from kvcoord.client.errors import KVCoordError
+
+    seen = {"events": 0, "gaps": 0, "resets": 0, "reconnects": 0, "backwards": 0, "error": ""}
+    cursor, fence = 0, None
+    try:
+        while not stop.is_set():
+            try:
+                with KVCoordClient(address, timeout=5) as c:
+                    for item in c.watch_events(pool, cursor, timeout=5.0, fence=fence):
+                        if item.reset:
+                            seen["resets"] += 1
+                        elif item.sequence <= cursor:
+                            seen["backwards"] += 1  # a resumed stream must move forward
+                        seen["gaps"] += item.gap
+                        seen["events"] += 1
+                        cursor, fence = item.sequence, item.fence
+                        if stop.is_set():
+                            break
+                        time.sleep(pause)
+            except KVCoordError as exc:  # the server restarting (UNAVAILABLE, CANCELLED)
+                if type(exc).__name__ not in ("UnavailableError", "InternalError"):
+                    seen["error"] = f"{type(exc).__name__}: {exc}"
+                    break
+                time.sleep(0.2)
+            seen["reconnects"] += 1
+    finally:
+        out.put(seen)

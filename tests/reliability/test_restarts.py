@@ -378,13 +378,16 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
        server still refuses attaches until the grace has ended;
     4. the workers carry on after the grace.
 
-    No block is ever held by two live requests (workers' view and `check_pool`)."""
+    Throughout, a slow KV router reads the pool's WatchEvents (one event per 50 ms, far
+    behind the workers' eviction storms), resuming after every restart. No block is ever
+    held by two live requests (workers' view and `check_pool`), and the slow reader
+    holds up nothing: every worker steps on, the reader is told of what it missed."""
     import multiprocessing
     import os
     import random
     import signal
 
-    from durable_workload import run_checked_worker
+    from durable_workload import run_checked_worker, run_slow_watcher
     from kvcoord.service.main import EXIT_JOURNAL_FAILED
     from workload import check_pool, pool_config
 
@@ -416,6 +419,11 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
                 )
                 for w in range(3)
             ]
+            watcher_out = ctx.Queue()
+            watcher = ctx.Process(
+                target=run_slow_watcher, args=(server.address, "chaos", 0.05, stop, watcher_out)
+            )
+            procs.append(watcher)
             for p in procs:
                 p.start()
             time.sleep(2.0)
@@ -473,7 +481,8 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
             phase.value = 3
             time.sleep(lease + 3.0)
             stop.set()
-            reports = [out.get(timeout=120) for _ in procs]
+            reports = [out.get(timeout=120) for _ in procs[:-1]]
+            watched = watcher_out.get(timeout=120)
             check_pool(c, "chaos", 300)
     finally:
         stop.set()
@@ -493,6 +502,10 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
     # the restore was told (a worker re-attaching waits out the grace: it may hear after it)
     assert sum(r["lost_by_phase"].get(2, 0) + r["lost_by_phase"].get(3, 0) for r in reports) > 0
     assert all(r["steps"] > 0 for r in reports)
+    print(watched)
+    assert watched["error"] == "" and watched["backwards"] == 0, watched
+    # it fell behind (told of gaps) and followed the restarts (told of the restore's reset)
+    assert watched["events"] > 0 and watched["gaps"] > 0 and watched["reconnects"] > 0, watched
 
 
 def _attach_refused_for_grace_on(address: str, pool: str, lease: float) -> bool:

@@ -49,8 +49,17 @@ from .errors import (
 )
 from .pool_service import Fence, PoolService
 from .registry import PoolRegistry
+from .sessions import Session
 
-__all__ = ["AllocatorServicer", "NullObserver", "OperationObserver", "add_servicer"]
+__all__ = [
+    "AllocatorServicer",
+    "NullObserver",
+    "OperationObserver",
+    "add_servicer",
+    "allocate_answer",
+    "free_answer",
+    "step_answer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -143,9 +152,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self, service: PoolService, rpc: str, request: Message, session_id: str, key: str, digest: bytes,
         response: Message,
     ) -> None:  # fmt: skip
+        answer = response.SerializeToString()
         if key:
-            self.registry.idempotency.remember(session_id, rpc, key, digest, response.SerializeToString())
-        self.registry.recorder.called(service, rpc, request, key, digest, response)
+            self.registry.idempotency.remember(session_id, rpc, key, digest, answer)
+        self.registry.recorder.called(service, rpc, request, key, digest, answer)
 
     async def _durable(self, response: M) -> M:
         """Answer only once every mutation so far is durable (durability.py)."""
@@ -302,17 +312,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         if outcome.error is not None:
             # A refusal turned into an error (must_succeed) has still removed skipped
             # blocks, as vLLM's refusals do: journal the call so recovery replays it too.
-            self.registry.recorder.called(service, "Allocate", request, "", b"", pb.AllocateResponse())
+            self.registry.recorder.called(service, "Allocate", request, "", b"", None)
             await self.registry.recorder.durable()
             raise outcome.error
-        assert isinstance(outcome.value, op.AllocateOutcome)
-        e = service.engine
-        response = pb.AllocateResponse(
-            result=allocate_to_pb(outcome.value),
-            num_free_blocks=e.num_free_blocks,
-            usage=e.usage,
-            fence=fence_to_pb(service.fence),
-        )
+        response = allocate_answer(service, outcome, fence_to_pb(service.fence))
         self._remember(service, "Allocate", request, s.session_id, key, digest, response)
         return await self._durable(response)
 
@@ -325,9 +328,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         if replayed is not None:
             return await self._durable(replayed)
         service.free_requests(s, request.request_ids, request.preempt)
-        response = pb.FreeResponse(
-            num_free_blocks=service.engine.num_free_blocks, fence=fence_to_pb(service.fence)
-        )
+        response = free_answer(service, fence_to_pb(service.fence))
         self._remember(service, "Free", request, s.session_id, key, digest, response)
         return await self._durable(response)
 
@@ -347,23 +348,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         groups = len(service.config.groups)
         ops = [operation_from_pb(o, groups) for o in request.ops]
         outcomes = service.apply(s, ops)
-        e = service.engine
-        response = pb.StepResponse(
-            num_free_blocks=e.num_free_blocks, usage=e.usage, fence=fence_to_pb(service.fence)
-        )
-        add = response.results.add
-        for o, r in zip(ops, outcomes, strict=True):
-            write_outcome(add(), o, r)
-        if request.include_state:
-            taken = service.take_events(s)
-            if request.events_digest:
-                response.events_sha256 = events_digest(taken.events)
-            else:
-                add_events(response.events, taken.events)
-            response.events_gap = taken.gap
-            stats = stats_to_pb(service.make_stats(s))
-            if stats is not None:
-                response.prefix_cache_stats.CopyFrom(stats)
+        response = step_answer(service, s, request, ops, outcomes, fence_to_pb(service.fence))
         self._remember(service, "Step", request, s.session_id, key, digest, response)
         return await self._durable(response)
 
@@ -490,6 +475,51 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 cursor = seq
             if not items:
                 await journal.wait(cursor, self.watch_poll_seconds)
+
+
+# The answers of the mutating calls are built only here, from the pool's state, so
+# recovery (recovery.py) rebuilds each journaled answer byte for byte from the replayed
+# state: the journal keeps a digest of the answer, never the answer itself.
+def allocate_answer(service: PoolService, outcome: op.Outcome, fence: pb.Fence) -> pb.AllocateResponse:
+    """The answer to an applied Allocate (``outcome`` holds no error)."""
+    assert isinstance(outcome.value, op.AllocateOutcome)
+    e = service.engine
+    return pb.AllocateResponse(
+        result=allocate_to_pb(outcome.value), num_free_blocks=e.num_free_blocks, usage=e.usage, fence=fence
+    )
+
+
+def free_answer(service: PoolService, fence: pb.Fence) -> pb.FreeResponse:
+    """The answer to an applied Free."""
+    return pb.FreeResponse(num_free_blocks=service.engine.num_free_blocks, fence=fence)
+
+
+def step_answer(
+    service: PoolService,
+    s: Session,
+    request: pb.StepRequest,
+    ops: list[op.Operation],
+    outcomes: list[op.Outcome],
+    fence: pb.Fence,
+) -> pb.StepResponse:
+    """The answer to an applied Step; with ``include_state`` it takes the session's
+    events and statistics (its cursor moves), as the call did."""
+    e = service.engine
+    response = pb.StepResponse(num_free_blocks=e.num_free_blocks, usage=e.usage, fence=fence)
+    add = response.results.add
+    for o, r in zip(ops, outcomes, strict=True):
+        write_outcome(add(), o, r)
+    if request.include_state:
+        taken = service.take_events(s)
+        if request.events_digest:
+            response.events_sha256 = events_digest(taken.events)
+        else:
+            add_events(response.events, taken.events)
+        response.events_gap = taken.gap
+        stats = stats_to_pb(service.make_stats(s))
+        if stats is not None:
+            response.prefix_cache_stats.CopyFrom(stats)
+    return response
 
 
 async def _tear_down(service: PoolService) -> None:

@@ -72,8 +72,8 @@ __all__ = ["JournalRecorder", "Recorder", "answer_digest", "decode_record", "wri
 
 logger = logging.getLogger(__name__)
 
-#: the temporary files snapshots are encoded into: ``snapshot-<seq>.part``
-SNAPSHOT_FILE_GLOB = "snapshot-*.part"
+#: the temporary files snapshots are encoded into: ``snapshot-<seq>.part`` (``.tmp`` while written)
+SNAPSHOT_FILE_GLOB = "snapshot-*.part*"
 
 
 def answer_digest(answer: bytes) -> bytes:

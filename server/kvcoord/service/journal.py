@@ -61,8 +61,8 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 #: bytes of a snapshot written per transaction
 SNAPSHOT_CHUNK_BYTES = 16 << 20
-#: pages incremental vacuum gives back per step (between commits)
-VACUUM_PAGES_PER_STEP = 2048
+#: pages incremental vacuum gives back per step (one step after each commit)
+VACUUM_PAGES_PER_STEP = 512
 #: bytes of WAL kept after a checkpoint
 WAL_SIZE_LIMIT = 64 << 20
 FILE_NAME = "journal.sqlite"
@@ -412,8 +412,8 @@ class Journal:
         self, batch: list[tuple[int, bytes]], snapshot: Iterator[SnapshotChunk] | None
     ) -> SnapshotChunk | OSError | None:
         """One commit on the writer thread: the batch, with the next chunk of
-        ``snapshot`` if one is being copied in; with nothing of either, a compaction
-        step. Returns the chunk written."""
+        ``snapshot`` if one is being copied in; after a snapshot, a compaction step
+        follows each commit until it is done. Returns the chunk written."""
         chunk = None
         if snapshot is not None:
             try:
@@ -423,7 +423,7 @@ class Journal:
                 return exc
         if batch or chunk is not None:
             self.store.write(batch, chunk)
-        elif self._compacting:
+        if self._compacting and chunk is None:  # a slice per commit: never starved by load
             self._compacting = self.store.compact_step()
         return chunk
 

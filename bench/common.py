@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import socket
+import time
 
 
 def freeze_heap() -> None:
@@ -18,3 +20,40 @@ def pct(xs: list[float], q: float) -> float:
     """The ``q`` quantile of ``xs`` (seconds), in milliseconds."""
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(len(xs) * q))] * 1e3
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rss_mib(pid: int) -> float:
+    """The resident memory of process ``pid`` (Linux), in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def wait_serving(address: str, seconds: float = 60.0) -> None:
+    """Return once the server at ``address`` answers health checks with SERVING.
+
+    Raises:
+        TimeoutError: it did not within ``seconds``.
+    """
+    from kvcoord.client import KVCoordClient
+    from kvcoord.client.errors import KVCoordError
+
+    deadline = time.monotonic() + seconds
+    with KVCoordClient(address, timeout=2) as c:
+        while time.monotonic() < deadline:
+            try:
+                if c.health() == "SERVING":
+                    return
+            except KVCoordError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"no server answered at {address} within {seconds:g} s")

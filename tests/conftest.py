@@ -10,6 +10,10 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING
 
+# before anything imports gRPC: journaled servers in this process fork for snapshots
+# (kvcoord/service/__init__.py), which gRPC's fork handlers can crash
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
 import pytest
 
 if TYPE_CHECKING:

@@ -589,13 +589,13 @@ def _alloc_keyless(address: str, session: Any, rid: str, num_tokens: int, unary:
 def test_a_journal_replayed_under_other_limits_refuses_to_start(
     tmp_path: Path, rpc: str, keyed: bool
 ) -> None:
-    """A restart whose limits would refuse a call the journal records as answered (here
-    a third request, with at most two per pool now) stops with the record named, instead
-    of leaving the client believing in blocks the pool does not hold; with the
-    previous limits it starts and holds everything. Calls sent without an idempotency
-    key are compared too. (Before, the replayed registration failed unseen: the client
-    still believed its request held two blocks, and the next request was given them;
-    later, the answer of a keyless call was not journaled and never compared.)"""
+    """A restart whose lowered limits the recovered state does not fit (here three
+    requests held, with at most two per pool now) stops with the pool, the limit and the
+    record named, instead of leaving the client believing in blocks the pool does not
+    hold; with the previous limits it starts and holds everything. (Before, the
+    replayed registration failed unseen: the client still believed its request held two
+    blocks, and the next request was given them. Records are now replayed under the
+    limits they were applied with, and the state checked against the new ones.)"""
     from kvcoord.service.journal import JournalError
     from kvcoord.service.registry import Limits
     from kvcoord.service.testing import InProcessServer
@@ -612,8 +612,10 @@ def test_a_journal_replayed_under_other_limits_refuses_to_start(
                 for rid in ("r1", "r2", "r3")
             }
     finally:
-        srv.stop()
-    with pytest.raises(JournalError, match="limits or configuration changed"):
+        srv.stop(snapshot=False)
+    with pytest.raises(
+        JournalError, match=r"pool 'p' holds 3 requests after record \d+, more than max_requests_per_pool 2"
+    ):
         InProcessServer(pool, data_dir=data, limits=Limits(max_requests_per_pool=2)).start()
     srv = InProcessServer(pool, data_dir=data, limits=Limits(max_requests_per_pool=4)).start()
     try:
@@ -626,8 +628,9 @@ def test_a_journal_replayed_under_other_limits_refuses_to_start(
 
 
 def _rewrite_free_record(data: str, change: Any) -> None:
-    """Rewrite the journal's Free record with ``change(request, answer)`` (its checksum
-    made again, as if the server had written it so)."""
+    """Rewrite the journal's Free record: ``change(request, answer digest)`` edits the
+    request and returns the digest to write (its checksum made again, as if the server
+    had written it so)."""
     import zlib
 
     import cbor2
@@ -639,9 +642,9 @@ def _rewrite_free_record(data: str, change: Any) -> None:
         frees = [(seq, r) for seq, r in records if r[0] == "call" and r[2] == "Free"]
         assert len(frees) == 1, frees
         seq, record = frees[0]
-        request, answer = pb.FreeRequest.FromString(record[3]), pb.FreeResponse.FromString(record[6])
-        change(request, answer)
-        record[3], record[6] = request.SerializeToString(), answer.SerializeToString()
+        request = pb.FreeRequest.FromString(record[3])
+        record[6] = change(request, record[6])
+        record[3] = request.SerializeToString()
         body = cbor2.dumps(record)
         db.execute("UPDATE records SET crc = ?, body = ? WHERE seq = ?", (zlib.crc32(body), body, seq))
         db.commit()
@@ -656,6 +659,7 @@ def test_a_replayed_free_must_give_what_its_client_was_told(tmp_path: Path, dama
     whose requests the pool does not hold at that point, stops the start with the Free
     named. (Before, the count was never compared and a refused replay was passed over:
     the server started holding another state than its clients were told.)"""
+    from kvcoord.service.durability import answer_digest
     from kvcoord.service.journal import JournalError
     from kvcoord.service.testing import InProcessServer
 
@@ -667,15 +671,16 @@ def test_a_replayed_free_must_give_what_its_client_was_told(tmp_path: Path, dama
             a = c.attach("p", "sha256_cbor", 4, "0", "worker")
             _alloc(c, a, "r1", 8)
             _alloc(c, a, "r2", 8)
-            told = c.free("p", ["r1"], session_id=a.session_id, fence=a.fence).num_free_blocks
+            told = c.free("p", ["r1"], session_id=a.session_id, fence=a.fence)
     finally:
-        srv.stop()
+        srv.stop(snapshot=False)
 
-    def change(request: Any, answer: Any) -> None:
-        if damage == "answer":
-            answer.num_free_blocks = told + 1
-        else:
-            request.request_ids[:] = ["never-allocated"]
+    def change(request: Any, digest: bytes) -> bytes:
+        if damage == "answer":  # the record says its client was told one more free block
+            told.num_free_blocks += 1
+            return answer_digest(told.SerializeToString())
+        request.request_ids[:] = ["never-allocated"]
+        return digest
 
     _rewrite_free_record(data, change)
     with pytest.raises(JournalError, match="replaying a Free of pool 'p'"):

@@ -193,6 +193,18 @@ class FreeKVCacheBlockQueue:
             self._dead += removed
             self._maybe_compact()
 
+    def load(self, next_fresh: int, used: list[KVCacheBlock]) -> None:
+        """Set the queue to the never-used run ``[next_fresh, num_blocks)`` followed by
+        ``used`` (created blocks whose ``ref_cnt`` is 0, head first): state import."""
+        self._next_fresh = next_fresh
+        self._queue = list(used)
+        self._head = self._dead = 0
+        self._live = len(self._queue)
+        self._compactions += 1
+        self._positions = None
+        for block in used:
+            block.stale_entries = 0
+
     def drain(self, chunk: int) -> Iterator[None]:
         """Empty the queue ``chunk`` entries at a time, yielding after each (teardown)."""
         q = self._queue

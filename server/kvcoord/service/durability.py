@@ -1,23 +1,27 @@
-"""What the service tells the journal: every acknowledged mutation, as its inputs.
+"""What the service tells the journal: every mutation, as its inputs.
 
 The engine is deterministic, so replaying the inputs of every mutation, in the order
 they were applied, into fresh engines rebuilds the exact state: free-queue order,
 reference counts, hashes, requests, statistics, event sequence numbers, session
-cursors and idempotency answers. Records are CBOR lists ``[kind, wall_time, ...]``:
+cursors and idempotency answers. The journal records what changed state, never what
+a caller was told: an answer (other workers' events and token ids included) is
+rebuilt on replay from the replayed state, and only its digest is kept, to prove the
+replay gave the client the same answer. Records are CBOR lists ``[kind, wall_time, ...]``:
 
 ============  =================================================================
 ``start``     instance id (a later instance recovered this history; fences that
-              name it stay valid)
+              name it stay valid; the records after it were written by it)
+``limits``    the server limits from here on (a dict of :class:`Limits` fields):
+              records are replayed under the limits they were applied with
 ``create``    pool name, wire ``PoolConfig`` bytes, incarnation, creation wall time
-              (absent in older journals: the record's own time)
 ``delete``    pool name
 ``attach``    pool, session id, client name, lease seconds, exclusive, tenant
 ``detach``    session id
 ``expire``    session id (its lease ran out; its requests were freed)
 ``call``      rpc (Step, Allocate, Free), wire request bytes, idempotency key,
-              digest, answer bytes (every answered call, keyed or not: recovery
-              compares each replayed call with it; journals written before this
-              rule hold None for keyless calls, replayed unchecked)
+              request digest, answer digest (BLAKE2b-128 of the answer's bytes;
+              ``None``: its client was told an error, an Allocate's refusal with
+              ``must_succeed``)
 ``reset``     pool name (ResetPrefixCache RPC)
 ``reserve``   pool name, reservation id, num_tokens, block hashes, tenant (ScorePools
               with reserve_seconds; a recovered reservation has no time left: the
@@ -32,16 +36,31 @@ cursors and idempotency answers. Records are CBOR lists ``[kind, wall_time, ...]
 Lease renewals are not journaled: a recovered session gets a fresh lease.
 
 :class:`Recorder` records nothing (durability ``none``); :class:`JournalRecorder`
-appends to a :class:`~kvcoord.service.journal.Journal`, takes a snapshot every
-``snapshot_every`` records, and tells each pool's event journal which events are
-durable. Handlers await :meth:`Recorder.durable` before an answer leaves.
+appends to a :class:`~kvcoord.service.journal.Journal` and takes a snapshot every
+``snapshot_every`` records without stopping the event loop: the process forks (a
+copy-on-write image of the state, a few milliseconds), the child encodes the state
+(recovery.py's ``dump_state``, plain values) into a file beside the journal and
+exits, and the journal's writer thread copies that file into the journal in chunks
+between record commits (journal.py). Handlers await :meth:`Recorder.durable` before
+an answer leaves.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
+import ctypes
+import gc
+import hashlib
+import logging
+import os
+import signal
+import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import cbor2
@@ -54,13 +73,26 @@ if TYPE_CHECKING:  # pragma: no cover
     from .pool_service import PoolService
     from .sessions import Session
 
-__all__ = ["JournalRecorder", "Recorder", "decode_record"]
+__all__ = ["JournalRecorder", "Recorder", "answer_digest", "decode_record", "write_snapshot_file"]
+
+logger = logging.getLogger(__name__)
+
+#: the temporary files snapshots are encoded into: ``snapshot-<seq>.part`` (``.tmp`` while written)
+SNAPSHOT_FILE_GLOB = "snapshot-*.part*"
+
+
+def answer_digest(answer: bytes) -> bytes:
+    """What the journal keeps of an answer (recovery compares the replayed one's)."""
+    return hashlib.blake2b(answer, digest_size=16).digest()
 
 
 class Recorder:
     """Told about every mutation; this one (durability ``none``) records nothing."""
 
     def started(self, instance_id: str) -> None:
+        pass
+
+    def limits_changed(self, limits: dict[str, int]) -> None:
         pass
 
     def pool_created(self, service: PoolService) -> None:
@@ -79,9 +111,9 @@ class Recorder:
         pass
 
     def called(
-        self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: Message
+        self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None
     ) -> None:
-        pass
+        """``answer``: the answer's bytes, or ``None`` when its client was told an error."""
 
     def prefix_cache_reset(self, service: PoolService) -> None:
         pass
@@ -109,30 +141,104 @@ def decode_record(body: bytes) -> list[Any]:
     return record
 
 
+def write_snapshot_file(dump: Callable[[], Any], path: Path) -> None:
+    """Encode ``dump()`` as CBOR into ``path`` (written whole, then renamed into place)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        cbor2.dump(dump(), f)
+    os.replace(tmp, path)
+
+
+def _leave_parent(parent: int) -> None:
+    """In a snapshot child: die with the parent (a SIGKILLed server must not leave a
+    child behind), and close every inherited descriptor (the gRPC listeners above all:
+    a child holding a port the restarted server binds again would take its calls)."""
+    gc.disable()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent:  # the parent died before that
+            os._exit(1)
+    os.closerange(3, _max_fd())
+
+
+def _max_fd() -> int:
+    try:
+        return int(os.sysconf("SC_OPEN_MAX"))
+    except (OSError, ValueError):
+        return 65536
+
+
+def _fork_snapshot(dump: Callable[[], Any], path: Path) -> int:
+    """Fork a child that writes the state as it is now into ``path`` and exits; returns
+    its pid. The parent goes on at once: the child reads a copy-on-write image."""
+    parent = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:  # the child: no event loop, no gRPC, no journal; only this
+        _leave_parent(parent)
+        write_snapshot_file(dump, path)
+        code = 0
+    except BaseException:
+        try:
+            os.write(2, f"kvcoord snapshot child failed:\n{traceback.format_exc()}".encode())
+        except BaseException:
+            pass
+    finally:
+        os._exit(code)
+    return 0  # pragma: no cover - never reached
+
+
 class JournalRecorder(Recorder):
     """Appends every mutation to ``journal``.
 
     Args:
         journal: the group-commit journal.
         snapshot_every: records between snapshots.
-        dump: returns (fingerprint, bytes) of the whole state, for snapshots.
+        dump: the whole state as plain values, for snapshots (recovery.dump_state).
+        fingerprint: names the snapshot format (recovery.snapshot_fingerprint).
         wall_clock: seconds since the epoch (record times: idempotency windows).
+        fork: take snapshots in a forked child (default: where ``os.fork`` exists and
+            gRPC's fork handlers are off, see ``kvcoord/service/__init__.py``);
+            otherwise the state is dumped on the loop (a stall that grows with the
+            state) and encoded by a thread.
     """
 
     def __init__(
         self,
         journal: Journal,
         snapshot_every: int,
-        dump: Callable[[], tuple[str, bytes]],
+        dump: Callable[[], Any],
+        fingerprint: str,
         wall_clock: Callable[[], float] = time.time,
+        fork: bool | None = None,
     ) -> None:
         self.journal = journal
         self.snapshot_every = snapshot_every
         self.dump = dump
+        self.fingerprint = fingerprint
         self.wall_clock = wall_clock
+        if fork is None:
+            from . import FORK_SAFE
+
+            fork = FORK_SAFE and hasattr(os, "fork") and sys.platform != "win32"
+        self.fork = fork
         self.since_snapshot = 0
+        #: snapshots taken (written into the journal)
         self.snapshots = 0
+        self.snapshot_failures = 0
         self.bytes_appended = 0
+        self.records_appended = 0
+        #: the snapshot being taken (a task that ends once it is in the journal)
+        self.snapshot_task: asyncio.Task[None] | None = None
+        #: seconds the event loop stood still for the last snapshot (the fork)
+        self.last_capture_seconds = 0.0
+        self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-snapshot")
         #: (journal seq, pool events, their last sequence then): events become visible
         #: to watchers once the record is committed
         self._marks: collections.deque[tuple[int, EventJournal, int]] = collections.deque()
@@ -141,6 +247,7 @@ class JournalRecorder(Recorder):
     def _append(self, *fields: object, service: PoolService | None = None) -> None:
         body = cbor2.dumps([fields[0], self.wall_clock(), *fields[1:]])
         self.bytes_appended += len(body)
+        self.records_appended += 1
         seq = self.journal.append(body)
         if service is not None:
             self._marks.append((seq, service.events, service.events.last_sequence))
@@ -148,12 +255,54 @@ class JournalRecorder(Recorder):
         if self.since_snapshot >= self.snapshot_every:
             self.snapshot()
 
-    def snapshot(self) -> None:
-        """Queue a snapshot of the state after the last appended record."""
-        fingerprint, body = self.dump()
-        self.journal.snapshot(fingerprint, body)
+    def snapshot(self) -> asyncio.Task[None] | None:
+        """Start a snapshot of the state after the last appended record (unless one is
+        being taken: the next record tries again). Returns the task that ends once it
+        is in the journal, or None."""
+        if self.snapshot_task is not None and not self.snapshot_task.done():
+            return None
+        if self.journal.failed is not None:
+            return None
+        seq = self.journal.appended
+        path = self.journal.store.path.with_name(f"snapshot-{seq}.part")
+        started = time.perf_counter()
+        if self.fork:
+            pid = _fork_snapshot(self.dump, path)
+            self.last_capture_seconds = time.perf_counter() - started
+            work: Callable[[], None] = lambda: _wait_child(pid, path)  # noqa: E731
+        else:
+            value = self.dump()
+            self.last_capture_seconds = time.perf_counter() - started
+            work = lambda: write_snapshot_file(lambda: value, path)  # noqa: E731
         self.since_snapshot = 0
+        self.snapshot_task = asyncio.get_running_loop().create_task(self._finish_snapshot(seq, path, work))
+        return self.snapshot_task
+
+    async def _finish_snapshot(self, seq: int, path: Path, work: Callable[[], None]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(self._waiter, work)
+            await self.journal.add_snapshot(seq, self.fingerprint, path)
+        except Exception as exc:  # the records are still there: recovery replays them
+            self.snapshot_failures += 1
+            logger.error("snapshot after record %d failed (the journal keeps its records): %s", seq, exc)
+            path.unlink(missing_ok=True)
+            return
         self.snapshots += 1
+
+    async def final_snapshot(self) -> None:
+        """Take a snapshot of the state now and wait until it is in the journal (a clean
+        stop: the next start then replays nothing)."""
+        await self.durable()
+        if self.snapshot_task is not None:
+            await asyncio.shield(self.snapshot_task)
+        if self.journal.appended > self.journal.snapshot_seq:
+            task = self.snapshot()
+            if task is not None:
+                await task
+
+    def close(self) -> None:
+        self._waiter.shutdown(wait=False)
 
     def _committed(self, seq: int) -> None:
         marks = self._marks
@@ -163,6 +312,9 @@ class JournalRecorder(Recorder):
 
     def started(self, instance_id: str) -> None:
         self._append("start", instance_id)
+
+    def limits_changed(self, limits: dict[str, int]) -> None:
+        self._append("limits", limits)
 
     def pool_created(self, service: PoolService) -> None:
         service.events.durable_sequence = service.events.last_sequence
@@ -186,7 +338,7 @@ class JournalRecorder(Recorder):
         self._append("expire", session_id)
 
     def called(
-        self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: Message
+        self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None
     ) -> None:
         self._append(
             "call",
@@ -194,7 +346,7 @@ class JournalRecorder(Recorder):
             request.SerializeToString(),
             key,
             digest,
-            answer.SerializeToString(),
+            None if answer is None else answer_digest(answer),
             service=service,
         )
 
@@ -214,3 +366,15 @@ class JournalRecorder(Recorder):
 
     async def durable(self) -> None:
         await self.journal.flush()
+
+
+def _wait_child(pid: int, path: Path) -> None:
+    """Wait for a snapshot child (on a thread).
+
+    Raises:
+        RuntimeError: the child failed (its traceback went to stderr).
+    """
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0 or not path.exists():
+        raise RuntimeError(f"the snapshot process exited with {code}")

@@ -190,6 +190,12 @@ class EventJournal:
         self.last_sequence = last_sequence
         self._trim()
 
+    def resize(self, capacity: int) -> None:
+        """Keep the newest ``capacity`` events from now on (a limit changed at restart)."""
+        if capacity != self.capacity:
+            self.capacity = capacity
+            self._events = collections.deque(self._events, maxlen=capacity)
+
     def kept(self) -> list[tuple[int, KVCacheEvent]]:
         """The kept events, oldest first (snapshots)."""
         return list(self._events)

@@ -8,8 +8,17 @@ Storage (``<data_dir>/journal.sqlite``, WAL mode):
 * ``records``: ``(seq, crc, body)``; ``body`` is opaque bytes (``durability.py``
   encodes them), ``crc`` its CRC-32, checked on every read.
 * ``snapshots``: ``(seq, fingerprint, sha256, body)``: the whole state after record
-  ``seq``. Writing a snapshot deletes the records and snapshots it covers, in the
-  same transaction, so the file always holds one snapshot plus the records after it.
+  ``seq``; ``body`` is empty and the state is in ``snapshot_parts`` ``(seq, part,
+  body)``, chunks of :data:`SNAPSHOT_CHUNK_BYTES` (far below SQLite's 1 GB value
+  limit), each written in its own transaction between record commits. The row is
+  written with the last chunk, in the transaction that deletes the records and
+  snapshots it covers, so the file holds one complete snapshot plus the records after
+  it (and maybe the chunks of a snapshot a crash interrupted, deleted on open).
+
+Disk use stays bounded: the file is in incremental auto-vacuum mode, so after a
+snapshot the pages of the deleted records are given back a slice at a time, then the
+WAL is checkpointed and truncated (``journal_size_limit`` caps what it keeps), all on
+the writer thread between commits, never on the event loop.
 
 Beside it, ``journal.progress`` names the journal and its last committed record,
 rewritten in place after every commit (not synced: it may lag the journal after a
@@ -49,7 +58,13 @@ __all__ = ["FORMAT_VERSION", "Journal", "JournalError", "JournalStore", "StoredS
 logger = logging.getLogger(__name__)
 
 #: Bump when the meaning of records or snapshots changes; older files are refused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: bytes of a snapshot written per transaction
+SNAPSHOT_CHUNK_BYTES = 16 << 20
+#: pages incremental vacuum gives back per step (one step after each commit)
+VACUUM_PAGES_PER_STEP = 512
+#: bytes of WAL kept after a checkpoint
+WAL_SIZE_LIMIT = 64 << 20
 FILE_NAME = "journal.sqlite"
 PROGRESS_FILE_NAME = "journal.progress"
 
@@ -58,6 +73,9 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS records (seq INTEGER PRIMARY KEY, crc INTEGER NOT NULL, body BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS snapshots (
     seq INTEGER PRIMARY KEY, fingerprint TEXT NOT NULL, sha256 BLOB NOT NULL, body BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS snapshot_parts (
+    seq INTEGER NOT NULL, part INTEGER NOT NULL, body BLOB NOT NULL, PRIMARY KEY (seq, part)
 );
 """
 
@@ -71,6 +89,17 @@ class StoredSnapshot:
     seq: int
     fingerprint: str
     body: bytes
+
+
+@dataclasses.dataclass(slots=True)
+class SnapshotChunk:
+    """One chunk of a snapshot being written; ``last`` carries the row that completes
+    it: ``(fingerprint, sha256 of the whole)``."""
+
+    seq: int
+    part: int
+    body: bytes
+    last: tuple[str, bytes] | None = None
 
 
 class JournalStore:
@@ -90,8 +119,11 @@ class JournalStore:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            # before any table exists (a new file); an older file is converted below
+            self.db.execute("PRAGMA auto_vacuum=INCREMENTAL")
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+            self.db.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
             self.db.executescript(_SCHEMA)
             version = self._meta("format_version")
             if version is None:
@@ -109,6 +141,10 @@ class JournalStore:
                 self.db.execute("INSERT INTO meta VALUES ('journal_id', ?)", (journal_id,))
             self.journal_id = journal_id
             last = self.last_seq()
+            if self.db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
+                self.db.execute("VACUUM")  # a file made without auto-vacuum: once, at start
+            # chunks of a snapshot a crash interrupted
+            self.db.execute("DELETE FROM snapshot_parts WHERE seq NOT IN (SELECT seq FROM snapshots)")
         except sqlite3.DatabaseError as exc:
             raise JournalError(f"journal {self.path} cannot be opened: {exc}") from None
         self.progress_path = self.path.with_name(PROGRESS_FILE_NAME)
@@ -177,6 +213,14 @@ class JournalStore:
         if row is None:
             return None
         seq, fingerprint, digest, body = row
+        if not body:
+            try:
+                parts = self.db.execute(
+                    "SELECT body FROM snapshot_parts WHERE seq = ? ORDER BY part", (seq,)
+                ).fetchall()
+            except sqlite3.DatabaseError as exc:
+                raise JournalError(f"journal {self.path}: cannot read the snapshot: {exc}") from None
+            body = b"".join(p[0] for p in parts)
         if hashlib.sha256(body).digest() != digest:
             raise JournalError(
                 f"journal {self.path}: the snapshot after record {seq} is corrupt (checksum mismatch); "
@@ -226,8 +270,10 @@ class JournalStore:
         return int(row[0])
 
     # -- writing -----------------------------------------------------------------------------
-    def write(self, records: list[tuple[int, bytes]], snapshot: tuple[int, str, bytes] | None = None) -> None:
-        """Commit ``records`` (and a snapshot covering them, if given) in one transaction."""
+    def write(self, records: list[tuple[int, bytes]], chunk: SnapshotChunk | None = None) -> None:
+        """Commit ``records`` (and a snapshot chunk, if given) in one transaction. A
+        chunk marked ``last`` completes its snapshot: the records and snapshots it
+        covers are deleted in the same transaction."""
         db = self.db
         db.execute("BEGIN IMMEDIATE")
         try:
@@ -235,20 +281,36 @@ class JournalStore:
                 "INSERT INTO records VALUES (?, ?, ?)",
                 [(seq, zlib.crc32(body), body) for seq, body in records],
             )
-            if snapshot is not None:
-                seq, fingerprint, body = snapshot
+            if chunk is not None:
+                seq = chunk.seq
                 db.execute(
-                    "INSERT INTO snapshots VALUES (?, ?, ?, ?)",
-                    (seq, fingerprint, hashlib.sha256(body).digest(), body),
+                    "INSERT OR REPLACE INTO snapshot_parts VALUES (?, ?, ?)", (seq, chunk.part, chunk.body)
                 )
-                db.execute("DELETE FROM records WHERE seq <= ?", (seq,))
-                db.execute("DELETE FROM snapshots WHERE seq < ?", (seq,))
+                if chunk.last is not None:
+                    fingerprint, digest = chunk.last
+                    db.execute("INSERT INTO snapshots VALUES (?, ?, ?, ?)", (seq, fingerprint, digest, b""))
+                    db.execute("DELETE FROM records WHERE seq <= ?", (seq,))
+                    db.execute("DELETE FROM snapshots WHERE seq < ?", (seq,))
+                    db.execute("DELETE FROM snapshot_parts WHERE seq != ?", (seq,))
         except BaseException:
             db.execute("ROLLBACK")
             raise
         db.execute("COMMIT")
         if records:
             self.write_progress(records[-1][0])
+
+    def compact_step(self) -> bool:
+        """Give back up to :data:`VACUUM_PAGES_PER_STEP` free pages; once none are left,
+        checkpoint and truncate the WAL. Returns True while there is more to do."""
+        db = self.db
+        free = int(db.execute("PRAGMA freelist_count").fetchone()[0])
+        if free:
+            db.execute(f"PRAGMA incremental_vacuum({VACUUM_PAGES_PER_STEP})").fetchall()
+            left = int(db.execute("PRAGMA freelist_count").fetchone()[0])
+            if left and left < free:  # more next time (no progress: not in auto-vacuum mode)
+                return True
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
+        return False
 
     def size_bytes(self) -> int:
         """Bytes on disk: the database file plus its WAL."""
@@ -258,6 +320,22 @@ class JournalStore:
             if p.exists():
                 total += p.stat().st_size
         return total
+
+
+def _chunks(seq: int, fingerprint: str, path: Path) -> Iterator[SnapshotChunk]:
+    """The chunks of the snapshot file ``path`` (read on the writer thread)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        part = 0
+        body = f.read(SNAPSHOT_CHUNK_BYTES)
+        while True:
+            digest.update(body)
+            after = f.read(SNAPSHOT_CHUNK_BYTES)
+            yield SnapshotChunk(seq, part, body, None if after else (fingerprint, digest.digest()))
+            if not after:
+                return
+            part += 1
+            body = after
 
 
 class Journal:
@@ -276,8 +354,12 @@ class Journal:
         self.committed = first_seq
         self.failed: BaseException | None = None
         self.commits = 0
+        #: the record the latest snapshot in the journal covers
+        self.snapshot_seq = 0
         self._pending: list[tuple[int, bytes]] = []
-        self._snapshot: tuple[int, str, bytes] | None = None
+        #: the snapshot being copied in: its chunks, the file, and who waits for it
+        self._snapshot: tuple[Iterator[SnapshotChunk], Path, asyncio.Future[None]] | None = None
+        self._compacting = False
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-journal")
@@ -293,10 +375,27 @@ class Journal:
         self._kick()
         return self.appended
 
-    def snapshot(self, fingerprint: str, body: bytes) -> None:
-        """Queue a snapshot of the state after the last appended record."""
-        self._snapshot = (self.appended, fingerprint, body)
+    async def add_snapshot(self, seq: int, fingerprint: str, path: Path) -> None:
+        """Copy the snapshot file ``path`` (the state after record ``seq``) into the
+        journal, a chunk per commit, then delete the file; returns once it is complete
+        (the records it covers are gone then).
+
+        Raises:
+            JournalError: the journal failed meanwhile.
+            RuntimeError: a snapshot is already being copied in.
+        """
+        if self.failed is not None:
+            raise JournalError(f"journal {self.store.path} failed: {self.failed}")
+        if self._snapshot is not None:
+            raise RuntimeError("a snapshot is already being written")
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._snapshot = (_chunks(seq, fingerprint, path), path, done)
         self._kick()
+        try:
+            await done
+        finally:
+            path.unlink(missing_ok=True)
+        self.snapshot_seq = max(self.snapshot_seq, seq)
 
     async def flush(self) -> None:
         """Wait until every record appended so far is committed.
@@ -317,13 +416,34 @@ class Journal:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._commit_loop())
 
+    def _write(
+        self, batch: list[tuple[int, bytes]], snapshot: Iterator[SnapshotChunk] | None
+    ) -> SnapshotChunk | OSError | None:
+        """One commit on the writer thread: the batch, with the next chunk of
+        ``snapshot`` if one is being copied in; after a snapshot, a compaction step
+        follows each commit until it is done. Returns the chunk written."""
+        chunk = None
+        if snapshot is not None:
+            try:
+                chunk = next(snapshot)
+            except OSError as exc:  # the snapshot file, not the journal: only the snapshot fails
+                self.store.write(batch, None)
+                return exc
+        if batch or chunk is not None:
+            self.store.write(batch, chunk)
+        if self._compacting and chunk is None:  # a slice per commit: never starved by load
+            self._compacting = self.store.compact_step()
+        return chunk
+
     async def _commit_loop(self) -> None:
         loop = asyncio.get_running_loop()
-        while (self._pending or self._snapshot is not None) and self.failed is None:
+        while (self._pending or self._snapshot is not None or self._compacting) and self.failed is None:
             batch, self._pending = self._pending, []
-            snap, self._snapshot = self._snapshot, None
+            snapshot = self._snapshot
             try:
-                await loop.run_in_executor(self._executor, self.store.write, batch, snap)
+                chunk = await loop.run_in_executor(
+                    self._executor, self._write, batch, None if snapshot is None else snapshot[0]
+                )
             except BaseException as exc:  # disk full, I/O error: nothing after this is durable
                 logger.critical("journal write failed, no further mutation is acknowledged: %s", exc)
                 self.failed = exc
@@ -334,7 +454,19 @@ class Journal:
                     if not w.done():
                         w.set_exception(err)
                 self._waiters.clear()
+                if self._snapshot is not None and not self._snapshot[2].done():
+                    self._snapshot[2].set_exception(err)
+                self._snapshot = None
                 return
+            if snapshot is not None and isinstance(chunk, OSError):
+                self._snapshot = None
+                if not snapshot[2].done():
+                    snapshot[2].set_exception(chunk)
+            elif snapshot is not None and isinstance(chunk, SnapshotChunk) and chunk.last is not None:
+                self._snapshot = None
+                self._compacting = True
+                if not snapshot[2].done():
+                    snapshot[2].set_result(None)
             self.commits += 1
             if batch:
                 self.committed = batch[-1][0]

@@ -1,95 +1,80 @@
 """Recovery: load the latest snapshot, replay the journal after it, resume journaling.
 
-Snapshots are the whole state, serialized exactly: every pool's engine (blocks,
-free queue in order, reference counts, hash map, requests, managers, statistics),
-its kept events and sequence counter, request owners, sessions with their cursors
-and statistics, idempotency answers, and the lineage of recovered instances. The
-format is pickle with two reductions that keep it flat and fast: a block is stored
-without its free-list links, and the free queue as its blocks in order (relinked on
-load). Snapshots are read only from the server's own data directory, and carry a
-fingerprint of the format and of the engine's field layout: a snapshot written by
-an incompatible kvcoord is refused with a message naming the file.
+A snapshot is the registry's whole state as plain values (lists, ints, bytes,
+strings: no pickled object), encoded as CBOR by durability.py: every pool's engine
+state (:func:`kvcoord.engine.state.export_state`), its kept events and sequence
+counter, request owners, sessions with their cursors and statistics, idempotency
+answers, the lineage of recovered instances, the instance writing the records after
+it, and the server limits then in effect. Its fingerprint names the format and the
+engine's state version: a snapshot of another format is refused with a message
+naming the file.
+
+Records are replayed under the limits they were applied with (``limits`` records), so
+raising a limit (or changing anything that changes no acknowledged answer) never
+prevents a restart; each replayed call's answer is rebuilt by the servicer's own
+answer builders and its digest compared with the journaled one. Once replayed, the
+configured limits apply: a pool holding more than a lowered limit allows stops the
+start, naming the pool and the record.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
-import pickle
-import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from kvcoord.engine import KVCachePool, PrefixCacheStats
-from kvcoord.engine.blocks import KVCacheBlock
-from kvcoord.engine.free_queue import FreeKVCacheBlockQueue
-from kvcoord.engine.request import Request
-from kvcoord.engine.reservations import Reservation, ReservationCounters
-from kvcoord.engine.stats import LookupCounters
+import cbor2
+from kvcoord.engine import PrefixCacheStats
+from kvcoord.engine.state import STATE_VERSION, event_from_value, event_to_value, export_state, import_state
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .convert import allocate_from_pb, allocate_to_pb, operation_from_pb, outcome_to_pb
-from .durability import JournalRecorder, decode_record
+from .convert import allocate_from_pb, operation_from_pb
+from .durability import SNAPSHOT_FILE_GLOB, JournalRecorder, answer_digest, decode_record
 from .errors import ServiceError
 from .journal import Journal, JournalError, JournalStore
-from .operations import AllocateOutcome
+from .pool_service import Limits
 from .registry import PoolRegistry
+from .servicer import allocate_answer, free_answer, step_answer, take_events_budget
 from .sessions import Session
 
 __all__ = [
     "Recovery",
+    "Replayer",
     "dump_state",
     "fence_restored",
     "load_state",
     "open_journal",
-    "replay_record",
     "snapshot_fingerprint",
 ]
 
 logger = logging.getLogger(__name__)
 
-SNAPSHOT_FORMAT = 1
+#: the snapshot value's format (1 was pickle, no longer read)
+SNAPSHOT_FORMAT = 2
 
 
 def snapshot_fingerprint() -> str:
-    """Names the snapshot format and the layout of the classes it contains."""
-    layout = repr(
-        [
-            (cls.__qualname__, _field_names(cls))
-            for cls in (
-                KVCacheBlock,
-                FreeKVCacheBlockQueue,
-                Request,
-                PrefixCacheStats,
-                LookupCounters,
-                Session,
-                Reservation,
-                ReservationCounters,
-            )
-        ]
-        + [sorted(vars(KVCachePool(_probe_config())).keys())]
-    )
-    digest = hashlib.sha256(layout.encode()).hexdigest()[:16]
-    return f"kvcoord-snapshot-{SNAPSHOT_FORMAT}-py{sys.version_info[0]}.{sys.version_info[1]}-{digest}"
+    """Names the snapshot format and the engine state version it contains."""
+    return f"kvcoord-snapshot-{SNAPSHOT_FORMAT}-state{STATE_VERSION}"
 
 
-def _probe_config() -> Any:
-    from kvcoord.engine import FullAttentionSpec, KVCacheConfig
-
-    return KVCacheConfig(num_blocks=2, groups=(FullAttentionSpec(16),), hash_block_size=16)
+def _stats(stats: PrefixCacheStats | None) -> list[Any] | None:
+    return None if stats is None else list(dataclasses.astuple(stats))
 
 
-def _field_names(cls: type) -> list[str]:
-    if dataclasses.is_dataclass(cls):
-        return [f.name for f in dataclasses.fields(cls)]
-    return list(getattr(cls, "__slots__", ()))
+def dump_state(
+    registry: PoolRegistry, writer: str, limits: Limits, wall_clock: Callable[[], float] = time.time
+) -> dict[str, Any]:
+    """The registry's whole state as plain values (see the module docstring).
 
-
-def dump_state(registry: PoolRegistry, wall_clock: Callable[[], float] = time.time) -> bytes:
-    """The registry's whole state as bytes (see the module docstring)."""
+    Args:
+        writer: the instance whose records follow this state.
+        limits: the limits the journal's records are applied with.
+    """
     pools = []
     for name, service in registry.pools.items():
         wire: Any = service.wire_config
@@ -99,8 +84,8 @@ def dump_state(registry: PoolRegistry, wall_clock: Callable[[], float] = time.ti
                 "config": wire.SerializeToString(),
                 "incarnation": service.fence.incarnation,
                 "created_at": service.created_at,
-                "engine": service.engine,
-                "events": service.events.kept(),
+                "engine": export_state(service.engine),
+                "events": [(seq, event_to_value(e)) for seq, e in service.events.kept()],
                 "last_sequence": service.events.last_sequence,
                 "owners": [(rid, s.session_id) for rid, s in service.owners.items()],
             }
@@ -113,48 +98,51 @@ def dump_state(registry: PoolRegistry, wall_clock: Callable[[], float] = time.ti
             s.lease_seconds,
             list(s.owned),
             s.events_cursor,
-            s.stats,
+            _stats(s.stats),
             s.exclusive,
             s.tenant,
         )
         for s in registry.sessions.sessions.values()
     ]
-    state = {
+    return {
+        "format": SNAPSHOT_FORMAT,
         "lineage": sorted(registry.lineage | {registry.instance_id}),
+        "writer": writer,
+        "limits": journaled_limits(registry, limits),
         "pools": pools,
         "sessions": sessions,
-        "idempotency": registry.idempotency.export(),
+        "idempotency": [list(e) for e in registry.idempotency.export()],
         "wall": wall_clock(),
         # the last record of each earlier instance (positions.py); the current one's
         # end is where recovery from this snapshot finds the next start record
         "positions": {**registry.positions.export(), "latest": registry.instance_id},
     }
-    # Blocks hold no links to each other (the free queue keeps its own order), so the
-    # pools pickle without deep recursion.
-    return pickle.dumps(state, protocol=5)
 
 
-def load_state(registry: PoolRegistry, body: bytes, wall_clock: Callable[[], float] = time.time) -> None:
-    """Rebuild ``registry`` (empty, recording nothing) from :func:`dump_state` bytes."""
-    state = pickle.loads(body)  # noqa: S301 - our own data directory, checksummed
+def load_state(
+    registry: PoolRegistry, state: dict[str, Any], wall_clock: Callable[[], float] = time.time
+) -> str:
+    """Rebuild ``registry`` (empty, recording nothing) from a :func:`dump_state` value,
+    under the limits it names. Returns the instance whose records follow it."""
+    if state.get("format") != SNAPSHOT_FORMAT:
+        raise ValueError(f"snapshot format {state.get('format')!r}, this kvcoord reads {SNAPSHOT_FORMAT}")
+    apply_limits(registry, limits_from(state["limits"]))
     registry.lineage.update(state["lineage"])
     registry.positions.restore(state.get("positions"))
     services = {}
     for p in state["pools"]:
-        # a snapshot older than created_at: the pool existed when it was written
-        created_at = p.get("created_at", state["wall"])
         service, _ = registry.create(
-            p["name"], pb.PoolConfig.FromString(p["config"]), p["incarnation"], created_at
+            p["name"], pb.PoolConfig.FromString(p["config"]), p["incarnation"], p["created_at"]
         )
-        service.engine = p["engine"]
-        service.events.restore(p["events"], p["last_sequence"])
+        service.engine = import_state(service.config, p["engine"])
+        service.events.restore([(seq, event_from_value(v)) for seq, v in p["events"]], p["last_sequence"])
         services[p["name"]] = (service, p["owners"])
     table = registry.sessions
     for sid, pool, client_name, lease, owned, cursor, stats, exclusive, tenant in state["sessions"]:
         s = Session(sid, pool, client_name, lease, table.clock() + lease, exclusive=exclusive, tenant=tenant)
         s.owned = dict.fromkeys(owned)
         s.events_cursor = cursor
-        s.stats = stats
+        s.stats = None if stats is None else PrefixCacheStats(*stats)
         table.sessions[sid] = s
         owner = services.get(pool)
         if owner is not None:  # the engine's namespace table came with the snapshot
@@ -163,51 +151,202 @@ def load_state(registry: PoolRegistry, body: bytes, wall_clock: Callable[[], flo
         service.owners = {rid: table.sessions[sid] for rid, sid in owners}
     offline = max(0.0, wall_clock() - state["wall"])
     registry.idempotency.restore([(*e[:4], e[4] + offline, e[5]) for e in state["idempotency"]])
+    return str(state["writer"])
 
 
-def replay_record(registry: PoolRegistry, record: list[Any], now_wall: float) -> None:
-    """Apply one journal record to ``registry`` (which records nothing meanwhile)."""
-    kind, when = record[0], float(record[1])
-    if kind == "start":
-        registry.lineage.add(record[2])
-    elif kind == "restored":  # fences of every earlier instance are void from here on
-        registry.lineage.clear()
-    elif kind == "create":
-        created_at = float(record[5]) if len(record) > 5 else when
-        registry.create(record[2], pb.PoolConfig.FromString(record[3]), record[4], created_at)
-    elif kind == "delete":
-        registry.delete(record[2])
-    elif kind == "attach":
-        _, _, pool, sid, client_name, lease, *rest = record
-        service = registry.pools[pool]
-        table = registry.sessions
-        s = Session(
-            sid,
-            pool,
-            client_name,
-            lease,
-            table.clock() + lease,
-            exclusive=bool(rest and rest[0]),
-            tenant=rest[1] if len(rest) > 1 else "",
-        )
-        table.sessions[sid] = s
-        service.init_session(s)
-    elif kind in ("detach", "expire"):
-        _end_session(registry, registry.sessions.sessions[record[2]])
-    elif kind == "call":
-        _replay_call(registry, record, when, now_wall)
-    elif kind == "reset":
-        service = registry.pools[record[2]]
-        service.engine.reset_prefix_cache()
-        service.events.publish(service.engine.take_events())
-    elif kind == "reserve":  # held again, with no time left (released after recovery)
-        _, _, pool, reservation_id, num_tokens, hashes, tenant = record
-        service = registry.pools[pool]
-        service.engine.reserve(reservation_id, hashes, num_tokens, service.cache_namespace(tenant))
-    elif kind == "unreserve":
-        registry.pools[record[2]].release_reservation(record[3])
-    else:
-        raise ValueError(f"unknown record kind {kind!r}")
+def journaled_limits(registry: PoolRegistry, limits: Limits) -> dict[str, int]:
+    """What the journal's records are applied under: the pools' limits and the answer
+    budget (``max_message_bytes``: events past it wait for the next answer, so it
+    decides how far a session's event cursor moves)."""
+    return {**dataclasses.asdict(limits), "max_message_bytes": registry.max_message_bytes}
+
+
+def limits_from(value: dict[str, int]) -> Limits:
+    """Journaled limits (a limit this kvcoord does not know is ignored; one it knows
+    that is missing takes its default)."""
+    names = {f.name for f in dataclasses.fields(Limits)}
+    return Limits(**{k: v for k, v in value.items() if k in names})
+
+
+def apply_limits(registry: PoolRegistry, limits: Limits, answer_bytes: int | None = None) -> None:
+    """Make ``limits`` the registry's and every pool's (event buffers resized), and
+    ``answer_bytes`` (when given) the answer budget replayed calls are cut at."""
+    registry.limits = limits
+    registry.memory.limit = limits.max_pool_memory_bytes
+    if answer_bytes is not None:
+        registry.max_message_bytes = answer_bytes
+    for service in registry.pools.values():
+        service.limits = limits
+        service.events.resize(limits.event_buffer)
+        service.answer_event_bytes = take_events_budget(registry.max_message_bytes)
+
+
+class Replayer:
+    """Applies journal records to a registry (which records nothing meanwhile).
+
+    Args:
+        registry: the registry being recovered.
+        now_wall: seconds since the epoch now (record ages: idempotency windows).
+        writer: the instance that wrote the records (from the snapshot; later ``start``
+            records name the next ones).
+    """
+
+    def __init__(self, registry: PoolRegistry, now_wall: float, writer: str = "") -> None:
+        self.registry = registry
+        self.now_wall = now_wall
+        self.writer = writer
+        #: the last record applied to each pool (named when a limit refuses the start)
+        self.touched: dict[str, int] = {}
+        self.seq = 0
+
+    def apply(self, seq: int, record: list[Any]) -> None:
+        """Apply one record.
+
+        Raises:
+            ValueError: the record cannot be replayed as it was applied.
+        """
+        self.seq = seq
+        registry = self.registry
+        kind, when = record[0], float(record[1])
+        if kind == "start":
+            registry.lineage.add(record[2])
+            self.writer = record[2]
+            registry.positions.started(str(record[2]), seq)
+        elif kind == "limits":
+            apply_limits(registry, limits_from(record[2]), int(record[2].get("max_message_bytes", 0)))
+        elif kind == "restored":  # fences of every earlier instance are void from here on
+            registry.lineage.clear()
+            registry.positions.voided()
+        elif kind == "create":
+            registry.create(record[2], pb.PoolConfig.FromString(record[3]), record[4], float(record[5]))
+            self.touched[record[2]] = seq
+        elif kind == "delete":
+            registry.delete(record[2])
+        elif kind == "attach":
+            _, _, pool, sid, client_name, lease, exclusive, tenant = record
+            service = registry.pools[pool]
+            table = registry.sessions
+            s = Session(
+                sid, pool, client_name, lease, table.clock() + lease, exclusive=exclusive, tenant=tenant
+            )
+            table.sessions[sid] = s
+            service.init_session(s)
+        elif kind in ("detach", "expire"):
+            s = registry.sessions.sessions[record[2]]
+            self.touched[s.pool] = seq
+            _end_session(registry, s)
+        elif kind == "call":
+            self._call(record, when)
+        elif kind == "reset":
+            service = registry.pools[record[2]]
+            service.engine.reset_prefix_cache()
+            service.events.publish(service.engine.take_events())
+        elif kind == "reserve":  # held again, with no time left (released after recovery)
+            _, _, pool, reservation_id, num_tokens, hashes, tenant = record
+            service = registry.pools[pool]
+            service.engine.reserve(reservation_id, hashes, num_tokens, service.cache_namespace(tenant))
+        elif kind == "unreserve":
+            registry.pools[record[2]].release_reservation(record[3])
+        else:
+            raise ValueError(f"unknown record kind {kind!r}")
+
+    def _call(self, record: list[Any], when: float) -> None:
+        _, _, rpc, body, key, digest, told = record
+        registry = self.registry
+        request: Any
+        if rpc == "Step":
+            request = pb.StepRequest.FromString(body)
+        elif rpc == "Allocate":
+            request = pb.AllocateRequest.FromString(body)
+        elif rpc == "Free":
+            request = pb.FreeRequest.FromString(body)
+        else:
+            raise ValueError(f"unknown rpc {rpc!r}")
+        service = registry.pools[request.pool]
+        self.touched[request.pool] = self.seq
+        s = registry.sessions.sessions[request.session_id]
+        groups = len(service.config.groups)
+        service.answer_event_bytes = take_events_budget(registry.max_message_bytes)
+        fence = pb.Fence(instance_id=self.writer, incarnation=service.fence.incarnation)
+        response: Any = None
+        if rpc == "Step":
+            operations = [operation_from_pb(o, groups) for o in request.ops]
+            outcomes = service.apply(s, operations)
+            response = step_answer(
+                service, s, request, operations, outcomes, fence, registry.max_message_bytes
+            )
+        elif rpc == "Allocate":
+            (outcome,) = service.apply(s, [allocate_from_pb(request.op, groups)])
+            if outcome.error is None:
+                response = allocate_answer(service, outcome, fence)
+        else:
+            try:
+                service.free_requests(s, request.request_ids, request.preempt)
+            except ServiceError as err:  # a refused Free is never journaled: this one was applied
+                raise ValueError(
+                    f"replaying a Free of pool {request.pool!r} is refused ({err.message}) though its "
+                    "client was told it was applied: the journal does not match the server that wrote it"
+                ) from None
+            response = free_answer(service, fence)
+        answer: bytes | None = None
+        if response is not None:
+            # as the servicer does once the answer is built: its fence names the call's
+            # own record (positions.py)
+            response.fence.position = self.seq
+            answer = response.SerializeToString()
+        again = None if answer is None else answer_digest(answer)
+        if again != told:
+            what = "an error" if told is None else "an answer"
+            got = "an error" if again is None else "a different answer"
+            raise ValueError(
+                f"replaying a {rpc} of pool {request.pool!r} gives {got} where its client was told {what}: "
+                "the journal does not match this kvcoord's rules (records are replayed under the limits "
+                "they were applied with); start the kvcoord version that wrote it"
+            )
+        if key and answer is not None:
+            store = registry.idempotency
+            real = store.clock
+            at = real() - max(0.0, self.now_wall - when)  # the record's time on the monotonic clock
+            store.clock = lambda: at
+            try:
+                store.expire()
+                store.remember(s.session_id, rpc, key, digest, answer)
+            finally:
+                store.clock = real
+
+    def check_limits(self, limits: Limits, path: Path, snapshot_seq: int) -> None:
+        """The recovered state must fit the configured limits (lowered since, perhaps).
+
+        Raises:
+            JournalError: naming the pool, the limit and the record after which it held more.
+        """
+        registry = self.registry
+
+        def where(pool: str) -> str:
+            seq = self.touched.get(pool)
+            return f"record {seq}" if seq is not None else f"the snapshot after record {snapshot_seq}"
+
+        problems = []
+        if len(registry.pools) > limits.max_pools:
+            problems.append(f"it holds {len(registry.pools)} pools, more than max_pools {limits.max_pools}")
+        for name, service in registry.pools.items():
+            held = len(service.engine.requests)
+            if held > limits.max_requests_per_pool:
+                problems.append(
+                    f"pool {name!r} holds {held} requests after {where(name)}, more than "
+                    f"max_requests_per_pool {limits.max_requests_per_pool}"
+                )
+            if service.config.num_blocks > limits.max_blocks_per_pool:
+                problems.append(
+                    f"pool {name!r} has {service.config.num_blocks} blocks (created by {where(name)}), "
+                    f"more than max_blocks_per_pool {limits.max_blocks_per_pool}"
+                )
+        if problems:
+            raise JournalError(
+                f"journal {path}: the recovered state does not fit the configured limits: "
+                + "; ".join(problems)
+                + ". Start with limits at least that high (lower them once the pools hold less)"
+            )
 
 
 def _end_session(registry: PoolRegistry, s: Session) -> None:
@@ -219,105 +358,6 @@ def _end_session(registry: PoolRegistry, s: Session) -> None:
         owner.end_session(s)
     else:
         registry.sessions.close(s.session_id)
-
-
-def _check_replayed(pool: str, operations: list[Any], outcomes: list[Any], told: Any) -> None:
-    """A replayed Step must give each operation the answer its client was given (a
-    different one would leave the client believing in blocks the pool does not hold).
-
-    Raises:
-        ValueError: naming the operation, and what may have changed since.
-    """
-    if len(outcomes) != len(told):
-        raise ValueError(
-            f"a Step of pool {pool!r} replays {len(outcomes)} answers, its client got {len(told)}"
-        )
-    for i, (operation, outcome, result) in enumerate(zip(operations, outcomes, told, strict=True)):
-        again = outcome_to_pb(operation, outcome)
-        if again != result:
-            raise ValueError(
-                f"replaying a Step of pool {pool!r} answers its operation {i} "
-                f"({type(operation).__name__}) otherwise than its client was told "
-                f"(status {again.status_code} against {result.status_code}): the server's limits or "
-                "configuration changed since it was recorded; start with the previous ones"
-            )
-
-
-def _replay_call(registry: PoolRegistry, record: list[Any], when: float, now_wall: float) -> None:
-    _, _, rpc, body, key, digest, answer = record
-    request: Any
-    if rpc == "Step":
-        request = pb.StepRequest.FromString(body)
-    elif rpc == "Allocate":
-        request = pb.AllocateRequest.FromString(body)
-    elif rpc == "Free":
-        request = pb.FreeRequest.FromString(body)
-    else:
-        raise ValueError(f"unknown rpc {rpc!r}")
-    service = registry.pools[request.pool]
-    s = registry.sessions.sessions[request.session_id]
-    groups = len(service.config.groups)
-    if rpc == "Step":
-        operations = [operation_from_pb(o, groups) for o in request.ops]
-        outcomes = service.apply(s, operations)
-        if answer is not None:
-            _check_replayed(request.pool, operations, outcomes, pb.StepResponse.FromString(answer).results)
-        if request.include_state:  # the answer took the session's events and statistics
-            service.take_events(s)
-            service.make_stats(s)
-    elif rpc == "Allocate":
-        (outcome,) = service.apply(s, [allocate_from_pb(request.op, groups)])
-        if answer is not None:  # None: a keyless call in a journal written before answers were kept
-            told = pb.AllocateResponse.FromString(answer)
-            value = outcome.value
-            if told.HasField("result"):
-                same = isinstance(value, AllocateOutcome) and allocate_to_pb(value) == told.result
-            else:  # its client was told an error (a refusal turned error, must_succeed)
-                same = outcome.error is not None
-            if not same:
-                raise ValueError(
-                    f"replaying an Allocate of pool {request.pool!r} answers otherwise than its client was "
-                    "told: the server's limits or configuration changed since it was recorded; start with "
-                    "the previous ones"
-                )
-    else:
-        try:
-            service.free_requests(s, request.request_ids, request.preempt)
-        except ServiceError as err:  # a refused Free is never journaled: this one was applied
-            raise ValueError(
-                f"replaying a Free of pool {request.pool!r} is refused ({err.message}) though its client "
-                "was told it was applied: the journal does not match the server that wrote it"
-            ) from None
-        if answer is not None:
-            told_free = pb.FreeResponse.FromString(answer).num_free_blocks
-            if told_free != service.engine.num_free_blocks:
-                raise ValueError(
-                    f"replaying a Free of pool {request.pool!r} leaves {service.engine.num_free_blocks} "
-                    f"free blocks, its client was told {told_free}: the server's limits or configuration "
-                    "changed since it was recorded; start with the previous ones"
-                )
-    if key:
-        store = registry.idempotency
-        real = store.clock
-        at = real() - max(0.0, now_wall - when)  # the record's time on the monotonic clock
-        store.clock = lambda: at
-        try:
-            store.expire()
-            store.remember(s.session_id, rpc, key, digest, answer)
-        finally:
-            store.clock = real
-
-
-def _last_record_time(store: JournalStore) -> float | None:
-    """The wall time of the journal's last record, if it holds one (its checksum and
-    contents are verified when it is replayed)."""
-    last = store.last_record()
-    if last is None:
-        return None
-    try:
-        return float(decode_record(last)[1])
-    except Exception:  # noqa: BLE001 - replay names the damaged record
-        return None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -349,13 +389,19 @@ def open_journal(
     """Recover ``registry`` (empty) from ``data_dir`` and journal from now on.
 
     Recovered sessions get a fresh lease; the new instance is appended to the journal
-    (its predecessors' fences stay valid: :attr:`PoolRegistry.lineage`).
+    (its predecessors' fences stay valid: :attr:`PoolRegistry.lineage`), and the
+    configured limits when they differ from those the journal was written under.
 
     Raises:
-        JournalError: an incompatible or damaged journal or snapshot (names the file).
+        JournalError: an incompatible or damaged journal or snapshot (names the file),
+            or a state that does not fit limits lowered since.
     """
     started = time.perf_counter()
+    configured = registry.limits
+    configured_answer_bytes = registry.max_message_bytes
     store = JournalStore(data_dir, synchronous)
+    for stale in store.path.parent.glob(SNAPSHOT_FILE_GLOB):  # a snapshot a crash interrupted
+        stale.unlink(missing_ok=True)
     snap = store.snapshot()
     after = 0
     # Idempotency answers age by serving time only: "now" for replay is the time of the
@@ -363,6 +409,8 @@ def open_journal(
     # while the server was down must not expire answers a client may still retry; the
     # downtime does not count, which keeps answers longer, never shorter).
     served_until = _last_record_time(store)
+    now_wall = served_until if served_until is not None else wall_clock()
+    replayer = Replayer(registry, now_wall)
     if snap is not None:
         expected = snapshot_fingerprint()
         if snap.fingerprint != expected:
@@ -372,38 +420,47 @@ def open_journal(
                 "version that wrote it"
             )
         try:
-            load_state(registry, snap.body, lambda: served_until if served_until is not None else -math.inf)
+            replayer.writer = load_state(
+                registry,
+                cbor2.loads(snap.body),
+                lambda: served_until if served_until is not None else -math.inf,
+            )
         except Exception as exc:
             raise JournalError(
                 f"journal {store.path}: the snapshot after record {snap.seq} cannot be loaded: {exc!r}"
             ) from None
         after = snap.seq
     count = 0
-    now_wall = served_until if served_until is not None else wall_clock()
-    positions = registry.positions
     for seq, body in store.records(after):
         try:
-            record = decode_record(body)
-            if record[0] == "start":
-                positions.started(str(record[2]), seq)
-            elif record[0] == "restored":
-                positions.voided()
-            replay_record(registry, record, now_wall)
+            replayer.apply(seq, decode_record(body))
         except JournalError:
             raise
         except Exception as exc:
             raise JournalError(f"journal {store.path}: record {seq} cannot be replayed: {exc!r}") from None
         count += 1
+    recovered = journaled_limits(registry, registry.limits)
+    replayer.check_limits(configured, store.path, after)
+    apply_limits(registry, configured, configured_answer_bytes)
     journal = Journal(store, after + count)
+    journal.snapshot_seq = after
     recorder = JournalRecorder(
-        journal, snapshot_every, lambda: (snapshot_fingerprint(), dump_state(registry))
+        journal,
+        snapshot_every,
+        lambda: dump_state(registry, registry.instance_id, registry.limits, wall_clock),
+        snapshot_fingerprint(),
+        wall_clock,
     )
+    # the records replayed count toward the next snapshot: a crash loop, whose instances
+    # each live shorter than snapshot_every records, does not replay ever more of them
+    recorder.since_snapshot = count
     for service in registry.pools.values():
         service.events.durable_sequence = service.events.last_sequence
     clock = registry.sessions.clock
     for s in registry.sessions.sessions.values():
         s.expires_at = clock() + s.lease_seconds
     registry.recorder = recorder
+    positions = registry.positions
     positions.ended(after + count)
     if store.behind and (after or count):
         logger.warning(
@@ -414,6 +471,8 @@ def open_journal(
         fence_restored(registry, recorder)
     recorder.started(registry.instance_id)
     positions.started(registry.instance_id, journal.appended)
+    if recovered != journaled_limits(registry, configured) or not (after or count):
+        recorder.limits_changed(journaled_limits(registry, configured))
     return Recovery(
         recorder,
         str(store.path),
@@ -422,6 +481,18 @@ def open_journal(
         time.perf_counter() - started,
         store.behind if count or after else "",
     )
+
+
+def _last_record_time(store: JournalStore) -> float | None:
+    """The wall time of the journal's last record, if it holds one (its checksum and
+    contents are verified when it is replayed)."""
+    last = store.last_record()
+    if last is None:
+        return None
+    try:
+        return float(decode_record(last)[1])
+    except Exception:  # noqa: BLE001 - replay names the damaged record
+        return None
 
 
 def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:

@@ -78,6 +78,9 @@ class PoolRegistry:
         self.recorder: Recorder = Recorder()
         #: seconds since the epoch (pool creation times)
         self.wall_clock: Callable[[], float] = time.time
+        #: the server's max_message_bytes: answers' events are cut below it (0: no
+        #: bound); journaled with the limits, so replay cuts where the call did
+        self.max_message_bytes = 0
 
     def create(
         self,

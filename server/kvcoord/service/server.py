@@ -69,8 +69,10 @@ class RunningServer:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    async def stop(self, grace: float | None = None) -> None:
-        """Graceful shutdown: health turns NOT_SERVING, in-flight calls finish, streams end."""
+    async def stop(self, grace: float | None = None, snapshot: bool = True) -> None:
+        """Graceful shutdown: health turns NOT_SERVING, in-flight calls finish, streams
+        end; with a journal, a snapshot is taken (unless ``snapshot`` is False: tests
+        that read the records) so the next start replays nothing."""
         grace = self.grace_seconds if grace is None else grace
         self.servicer.stopping = True
         await self.health.enter_graceful_shutdown()
@@ -82,6 +84,13 @@ class RunningServer:
             await self.publishers.close()
         recorder = self.servicer.registry.recorder
         if isinstance(recorder, JournalRecorder):
+            if snapshot and recorder.journal.failed is None:
+                # a clean stop: the next start loads this snapshot and replays nothing
+                try:
+                    await recorder.final_snapshot()
+                except Exception as exc:  # the records are still there: the next start replays them
+                    logger.error("the snapshot at stop failed: %s", exc)
+            recorder.close()
             await recorder.journal.close()
 
     async def wait(self) -> None:
@@ -182,6 +191,7 @@ async def start_server(
         clock,
     )
     registry.wall_clock = wall_clock
+    registry.max_message_bytes = st.max_message_bytes
     recovery = None
     if st.journaled:
         recovery = open_journal(registry, st.data_dir, st.synchronous, st.snapshot_every, wall_clock)

@@ -56,8 +56,17 @@ from .errors import (
 from .pool_service import Fence, Limits, PoolService
 from .registry import PoolRegistry
 from .scoring import Reserve, score_pools
+from .sessions import Session
 
-__all__ = ["AllocatorServicer", "NullObserver", "OperationObserver", "add_servicer"]
+__all__ = [
+    "AllocatorServicer",
+    "NullObserver",
+    "OperationObserver",
+    "add_servicer",
+    "allocate_answer",
+    "free_answer",
+    "step_answer",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -160,10 +169,12 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         if journal is not None and response.HasField("fence"):
             # the record appended next is this call's: the answer is durable once it is
             # committed (_durable waits for that), and a retry gets it byte for byte
+            # (replay stamps the same position: recovery.py)
             response.fence.position = journal.appended + 1  # type: ignore[attr-defined]
+        answer = response.SerializeToString()
         if key:
-            self.registry.idempotency.remember(session_id, rpc, key, digest, response.SerializeToString())
-        self.registry.recorder.called(service, rpc, request, key, digest, response)
+            self.registry.idempotency.remember(session_id, rpc, key, digest, answer)
+        self.registry.recorder.called(service, rpc, request, key, digest, answer)
 
     async def _durable(self, response: M) -> M:
         """Answer only once every mutation so far is durable (durability.py)."""
@@ -252,8 +263,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             await asyncio.gather(*self._teardowns)
 
     def _half_answer(self) -> int | None:
-        """The byte budget of a TakeEventsOp's events: half an answer."""
-        return self.max_message_bytes // 2 if self.max_message_bytes else None
+        return take_events_budget(self.max_message_bytes)
 
     def _check_pool_state_fits(self, request: pb.AttachRequest, service: PoolService, tenant: str) -> None:
         """Refuse an exclusive Attach whose pool state would not fit in its answer,
@@ -367,17 +377,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         if outcome.error is not None:
             # A refusal turned into an error (must_succeed) has still removed skipped
             # blocks, as vLLM's refusals do: journal the call so recovery replays it too.
-            self.registry.recorder.called(service, "Allocate", request, "", b"", pb.AllocateResponse())
+            self.registry.recorder.called(service, "Allocate", request, "", b"", None)
             await self.registry.recorder.durable()
             raise outcome.error
-        assert isinstance(outcome.value, op.AllocateOutcome)
-        e = service.engine
-        response = pb.AllocateResponse(
-            result=allocate_to_pb(outcome.value),
-            num_free_blocks=e.num_free_blocks,
-            usage=e.usage,
-            fence=fence_to_pb(service.fence),
-        )
+        response = allocate_answer(service, outcome, fence_to_pb(service.fence))
         self._remember(service, "Allocate", request, s.session_id, key, digest, response)
         return await self._durable(response)
 
@@ -390,9 +393,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         if replayed is not None:
             return await self._durable(replayed)
         service.free_requests(s, request.request_ids, request.preempt)
-        response = pb.FreeResponse(
-            num_free_blocks=service.engine.num_free_blocks, fence=fence_to_pb(service.fence)
-        )
+        response = free_answer(service, fence_to_pb(service.fence))
         self._remember(service, "Free", request, s.session_id, key, digest, response)
         return await self._durable(response)
 
@@ -413,30 +414,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         ops = [operation_from_pb(o, groups) for o in request.ops]
         service.answer_event_bytes = self._half_answer()
         outcomes = service.apply(s, ops)
-        e = service.engine
-        response = pb.StepResponse(
-            num_free_blocks=e.num_free_blocks, usage=e.usage, fence=fence_to_pb(service.fence)
+        response = step_answer(
+            service, s, request, ops, outcomes, fence_to_pb(service.fence), self.max_message_bytes
         )
-        add = response.results.add
-        for o, r in zip(ops, outcomes, strict=True):
-            write_outcome(add(), o, r)
-        if request.include_state:
-            if request.events_digest or not self.max_message_bytes:
-                taken = service.take_events(s)
-            else:
-                # the answer stays below max_message_bytes: events past what is left are
-                # kept for the next call (events_more), never lost in a refused answer
-                full = self.max_message_bytes - ANSWER_MARGIN_BYTES
-                taken = service.take_events(s, full - response.ByteSize(), full)
-                response.events_more = taken.more
-            if request.events_digest:
-                response.events_sha256 = events_digest(taken.events)
-            else:
-                add_events(response.events, taken.events)
-            response.events_gap = taken.gap
-            stats = stats_to_pb(service.make_stats(s))
-            if stats is not None:
-                response.prefix_cache_stats.CopyFrom(stats)
         self._remember(service, "Step", request, s.session_id, key, digest, response)
         return await self._durable(response)
 
@@ -635,6 +615,65 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 await journal.wait(cursor, self.watch_poll_seconds)
             elif not sent:
                 await asyncio.sleep(0)  # a batch of other tenants' events: let others run
+
+
+# The answers of the mutating calls are built only here, from the pool's state, so
+# recovery (recovery.py) rebuilds each journaled answer byte for byte from the replayed
+# state: the journal keeps a digest of the answer, never the answer itself.
+def allocate_answer(service: PoolService, outcome: op.Outcome, fence: pb.Fence) -> pb.AllocateResponse:
+    """The answer to an applied Allocate (``outcome`` holds no error)."""
+    assert isinstance(outcome.value, op.AllocateOutcome)
+    e = service.engine
+    return pb.AllocateResponse(
+        result=allocate_to_pb(outcome.value), num_free_blocks=e.num_free_blocks, usage=e.usage, fence=fence
+    )
+
+
+def free_answer(service: PoolService, fence: pb.Fence) -> pb.FreeResponse:
+    """The answer to an applied Free."""
+    return pb.FreeResponse(num_free_blocks=service.engine.num_free_blocks, fence=fence)
+
+
+def take_events_budget(max_message_bytes: int) -> int | None:
+    """The byte budget of a TakeEventsOp's events: half an answer (None: no budget)."""
+    return max_message_bytes // 2 if max_message_bytes else None
+
+
+def step_answer(
+    service: PoolService,
+    s: Session,
+    request: pb.StepRequest,
+    ops: list[op.Operation],
+    outcomes: list[op.Outcome],
+    fence: pb.Fence,
+    max_message_bytes: int = 0,
+) -> pb.StepResponse:
+    """The answer to an applied Step; with ``include_state`` it takes the session's
+    events and statistics (its cursor moves), as the call did. Below
+    ``max_message_bytes`` (0: no bound) events past what fits are kept for the next
+    call (``events_more``), never lost in a refused answer. Replay (recovery.py) builds
+    the same answer under the budget the call was answered with."""
+    e = service.engine
+    response = pb.StepResponse(num_free_blocks=e.num_free_blocks, usage=e.usage, fence=fence)
+    add = response.results.add
+    for o, r in zip(ops, outcomes, strict=True):
+        write_outcome(add(), o, r)
+    if request.include_state:
+        if request.events_digest or not max_message_bytes:
+            taken = service.take_events(s)
+        else:
+            full = max_message_bytes - ANSWER_MARGIN_BYTES
+            taken = service.take_events(s, full - response.ByteSize(), full)
+            response.events_more = taken.more
+        if request.events_digest:
+            response.events_sha256 = events_digest(taken.events)
+        else:
+            add_events(response.events, taken.events)
+        response.events_gap = taken.gap
+        stats = stats_to_pb(service.make_stats(s))
+        if stats is not None:
+            response.prefix_cache_stats.CopyFrom(stats)
+    return response
 
 
 async def _tear_down(service: PoolService) -> None:

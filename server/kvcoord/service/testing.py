@@ -100,11 +100,12 @@ class InProcessServer:
         assert self.running is not None
         self._run(self.running.servicer.teardowns_done())
 
-    def stop(self, grace: float = 1.0) -> None:
+    def stop(self, grace: float = 1.0, snapshot: bool = True) -> None:
+        """Stop cleanly (with a journal: a snapshot is taken unless ``snapshot`` is False)."""
         if self.loop.is_closed():
             return
         if self.running is not None:
-            self._run(self.running.stop(grace))
+            self._run(self.running.stop(grace, snapshot))
             self.running = None
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)

@@ -1,0 +1,241 @@
+"""A pool's state as a value of its own: plain lists, ints, bytes and strings.
+
+:func:`export_state` reads a :class:`~kvcoord.engine.pool.KVCachePool` into a dict
+of plain values (no engine object, no class name, nothing pickled);
+:func:`import_state` builds a pool of the same configuration in exactly that state.
+The pair is pure (no I/O): the server's snapshots encode the value (recovery.py), and
+anything that holds the configuration can load a pool from it.
+
+What is kept is what decides every later answer: which blocks exist (blocks are
+created lazily, in id order), each block's reference count and cached key, the free
+queue's used part in order (the never-used run is a counter), the prefix-cache map in
+insertion order per group, every manager's block lists, every request's fields, the
+cache namespaces, statistics and counters, and events not yet taken. Dead entries of
+the free queue are not kept: the imported queue is compacted, which no answer can tell
+(only the live order is observable).
+
+Bump :data:`STATE_VERSION` whenever the meaning of a field changes; readers refuse
+another version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .blocks import KVCacheBlock
+from .config import KVCacheConfig
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from .managers.mamba import MambaManager
+from .pool import KVCachePool
+from .request import LoRA, Request
+from .reservations import Reservation, ReservationCounters
+from .results import CacheHit
+from .stats import LookupCounters, PrefixCacheStats
+from .types import BlockId
+
+__all__ = [
+    "STATE_VERSION",
+    "StateError",
+    "event_from_value",
+    "event_to_value",
+    "export_state",
+    "import_state",
+]
+
+#: the version of the value :func:`export_state` returns
+STATE_VERSION = 2
+
+
+class StateError(ValueError):
+    """A state value that this engine cannot import (another version, or inconsistent)."""
+
+
+def export_state(pool: KVCachePool) -> dict[str, Any]:
+    """The pool's whole state as plain values (see the module docstring).
+
+    Reads only; the value shares no mutable object with the pool, except that token
+    id and hash lists are copied shallowly (their elements are immutable).
+    """
+    bp = pool.block_pool
+    queue = bp.free_block_queue
+    created = queue.next_fresh
+    blocks = bp.blocks
+    cache = bp.cached_block_hash_to_block
+    managers = []
+    for m in pool.managers:
+        entry: dict[str, Any] = {
+            "blocks": [(rid, [b.block_id for b in bl]) for rid, bl in m.req_to_blocks.items()],
+            "cached": list(m.num_cached_block.items()),
+        }
+        if isinstance(m, MambaManager):
+            entry["mamba_allocated"] = sorted(m.allocated_block_reqs)
+            entry["mamba_last_state"] = list(m.last_state_block_idx.items())
+        managers.append(entry)
+    requests = []
+    for r in pool.requests.values():
+        requests.append(
+            [
+                r.request_id,
+                list(r.all_token_ids),
+                list(r.block_hashes),
+                r.num_computed_tokens,
+                r.num_preemptions,
+                None if r.lora is None else [r.lora.adapter_id, r.lora.name],
+                r.skip_reading_prefix_cache,
+                None if r.last_hit is None else [[list(g) for g in r.last_hit[0]], r.last_hit[1]],
+                r.cache_prefix,
+            ]
+        )
+    stats = pool.prefix_cache_stats
+    counters = pool.lookup_counters
+    return {
+        "version": STATE_VERSION,
+        "num_blocks": bp.num_blocks,
+        "created": created,
+        "ref_cnt": [b.ref_cnt for b in blocks[:created]],
+        # (block id, key, group, client hash or None) of every cached block, by id
+        "cached_blocks": [
+            (b.block_id, b.cached_hash, b.cached_group, b.event_hash)
+            for b in blocks[:created]
+            if b.cached_hash is not None
+        ],
+        "free_used": queue.head_ids()[bp.num_blocks - created :],
+        "hash_first": [list(first.items()) for first in cache.first],
+        "hash_more": [[(h, list(ids)) for h, ids in more.items()] for more in cache._more],
+        "managers": managers,
+        "requests": requests,
+        "namespaces": list(pool.cache_namespaces.items()),
+        "prefix_cache_stats": None if stats is None else dataclasses.astuple(stats),
+        "lookup_counters": [
+            counters.lookups,
+            counters.queries,
+            counters.hits,
+            counters.short_lookups,
+            list(counters.group_hit_tokens),
+        ],
+        "counters": [bp.num_evictions, bp.hash_epoch, bp.num_allocated, bp.num_freed, pool.num_refusals],
+        "evict_blocks_called": pool.evict_blocks_called,
+        "pending_events": [event_to_value(e) for e in bp.kv_event_queue],
+        # routers' reservations (their references are in ref_cnt above), oldest first
+        "reservations": [
+            [
+                r.reservation_id,
+                [list(g) for g in r.hit.block_ids],
+                r.hit.num_tokens,
+                [list(g) for g in r.held],
+                r.namespace_prefix,
+                r.last_hash,
+                r.num_hashes,
+            ]
+            for r in pool.reservations.live.values()
+        ],
+        "reservation_counters": list(dataclasses.astuple(pool.reservations.counters)),
+    }
+
+
+def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
+    """A new pool of ``config`` in the state :func:`export_state` returned.
+
+    Raises:
+        StateError: another state version, or a value that does not fit ``config``.
+    """
+    if state.get("version") != STATE_VERSION:
+        raise StateError(f"pool state version {state.get('version')!r}, this engine reads {STATE_VERSION}")
+    pool = KVCachePool(config)
+    bp = pool.block_pool
+    if state["num_blocks"] != bp.num_blocks:
+        raise StateError(f"the state has {state['num_blocks']} blocks, the configuration {bp.num_blocks}")
+    created = state["created"]
+    ref_cnts = state["ref_cnt"]
+    blocks = bp.blocks
+    if len(ref_cnts) != created or created < len(blocks) or created > bp.num_blocks:
+        raise StateError(f"the state's {created} created blocks do not fit its columns")
+    # Blocks the constructor made (the null block, sink blocks) stay the same objects:
+    # managers hold them.
+    blocks.extend(KVCacheBlock(BlockId(i)) for i in range(len(blocks), created))
+    for block, ref_cnt in zip(blocks, ref_cnts, strict=True):
+        block.ref_cnt = ref_cnt
+    for block_id, key, group, event_hash in state["cached_blocks"]:
+        block = blocks[block_id]
+        block.cached_hash = key
+        block.cached_group = group
+        block.event_hash = event_hash
+    bp.free_block_queue.load(created, [blocks[i] for i in state["free_used"]])
+    cache = bp.cached_block_hash_to_block
+    if len(state["hash_first"]) != len(cache.first):
+        raise StateError("the state's prefix-cache map has another number of groups")
+    for gid, pairs in enumerate(state["hash_first"]):
+        cache.first[gid] = dict(pairs)
+        cache._more[gid] = {h: dict.fromkeys(ids) for h, ids in state["hash_more"][gid]}
+    if len(state["managers"]) != len(pool.managers):
+        raise StateError("the state has another number of KV cache groups")
+    for m, entry in zip(pool.managers, state["managers"], strict=True):
+        m.req_to_blocks = {rid: [blocks[i] for i in ids] for rid, ids in entry["blocks"]}
+        m.num_cached_block = dict(entry["cached"])
+        if isinstance(m, MambaManager):
+            m.allocated_block_reqs = set(entry.get("mamba_allocated", ()))
+            m.last_state_block_idx = dict(entry.get("mamba_last_state", ()))
+    table = pool.requests  # shared with the request table: filled in place
+    for rid, tokens, hashes, computed, preemptions, lora, skip, last_hit, prefix in state["requests"]:
+        table[rid] = Request(
+            rid,
+            list(tokens),
+            list(hashes),
+            computed,
+            preemptions,
+            None if lora is None else LoRA(lora[0], lora[1]),
+            skip,
+            None if last_hit is None else (tuple(tuple(g) for g in last_hit[0]), last_hit[1]),
+            prefix,
+        )
+    pool.request_table.cache_namespaces.update(dict(state["namespaces"]))
+    stats = state["prefix_cache_stats"]
+    pool.prefix_cache_stats = None if stats is None else PrefixCacheStats(*stats)
+    lookups, queries, hits, short, group_hits = state["lookup_counters"]
+    pool.hits.lookup_counters = LookupCounters(lookups, queries, hits, short, list(group_hits))
+    bp.num_evictions, bp.hash_epoch, bp.num_allocated, bp.num_freed, pool.num_refusals = state["counters"]
+    pool.evict_blocks_called = state["evict_blocks_called"]
+    bp.kv_event_queue = [event_from_value(v) for v in state["pending_events"]]
+    live = pool.reservations.live
+    for rid, hit_ids, hit_tokens, held, prefix, last_hash, num_hashes in state["reservations"]:
+        hit = CacheHit(tuple(tuple(g) for g in hit_ids), hit_tokens)
+        live[rid] = Reservation(rid, hit, tuple(tuple(g) for g in held), prefix, last_hash, num_hashes)
+    pool.reservations.counters = ReservationCounters(*state["reservation_counters"])
+    return pool
+
+
+def event_to_value(event: KVCacheEvent) -> list[Any]:
+    """A KV event as plain values (the first says which kind)."""
+    if isinstance(event, BlockStored):
+        return [
+            "stored",
+            list(event.block_hashes),
+            event.parent_block_hash,
+            list(event.token_ids),
+            event.block_size,
+            event.lora_id,
+            event.lora_name,
+            event.medium,
+            event.cache_prefix,
+        ]
+    if isinstance(event, BlockRemoved):
+        return ["removed", list(event.block_hashes), event.medium, event.cache_prefix]
+    return ["cleared"]
+
+
+def event_from_value(value: list[Any]) -> KVCacheEvent:
+    """The event :func:`event_to_value` made.
+
+    Raises:
+        StateError: an unknown kind.
+    """
+    kind = value[0]
+    if kind == "stored":
+        hashes, parent, tokens, size, lora_id, lora_name, medium, prefix = value[1:]
+        return BlockStored(tuple(hashes), parent, tuple(tokens), size, lora_id, lora_name, medium, prefix)
+    if kind == "removed":
+        return BlockRemoved(tuple(value[1]), value[2], value[3])
+    if kind == "cleared":
+        return AllBlocksCleared()
+    raise StateError(f"unknown event kind {kind!r}")

@@ -4,7 +4,7 @@ and journal bytes per block operation over time. Not a test.
     PYTHONPATH=client:server python bench/soak.py [--minutes 10] [--workers 8] [--running 12]
 
 One ``kvcoord serve`` process with the default configuration (the default pool, the
-journal in ``kvcoord-data`` under a temporary working directory, default snapshot and
+journal in ``kvcoord-data`` under a temporary directory (``KVCOORD_DATA_DIR``), default snapshot and
 lease settings, metrics off) and ``--workers`` worker processes attached to the
 default pool, each a vLLM-scheduler-like loop (bench/workers.py's ``Worker``: every
 step frees finished requests, prefills new ones and appends one decode token to each
@@ -101,7 +101,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="kvcoord-soak-"))
     data = work / "kvcoord-data"
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "client"), str(ROOT / "server")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT / "client"), str(ROOT / "server")]),
+        KVCOORD_DATA_DIR=str(data),  # the default config's, made absolute, in the temporary directory
+    )
     env.pop("KVCOORD_CONFIG", None)
     log_path = work / "server.log"
     with open(log_path, "wb") as log:

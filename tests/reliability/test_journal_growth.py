@@ -167,3 +167,44 @@ def test_raising_a_limit_never_prevents_a_restart(tmp_path: Path, stop: str) -> 
             assert len(c.inspect_pool("p", all_requests=True).requests) == 5
     finally:
         server.stop()
+
+
+def test_an_answer_cut_at_max_message_bytes_replays_as_cut_and_the_limit_can_grow(tmp_path: Path) -> None:
+    """Scenarios 5 and 7 together: a reader's include_state answer is cut at
+    max_message_bytes (events_more, the cursor left where delivery stopped). After a
+    SIGKILL the replay must cut where the call did, or the replayed answer differs from
+    the journaled digest and the server cannot start; and with max_message_bytes raised
+    before the restart (a setting that changes no given answer) it starts too, the
+    retried call is answered byte for byte, and the next call delivers the rest from
+    where the cut left it, nothing missed and nothing twice."""
+    server = DurableServer(tmp_path, POOL)
+    small = 8 * 1024
+    server.config.write_text(
+        server.config.read_text().replace("[server]\n", f"[server]\nmax_message_bytes = {small}\n")
+    )
+    server.start()
+    try:
+        with KVCoordClient(server.address) as c, grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.AllocatorStub(channel)
+            writer = c.attach("p", "sha256_cbor", 4, "0", "writer")
+            reader = c.attach("p", "sha256_cbor", 4, "0", "reader")
+            for i in range(6):  # 6 x 64 blocks stored: more events than one 8 KiB answer holds
+                op = pb.AllocateOp(request=_sync(f"w{i}", 256), num_new_tokens=256)
+                _step(stub, writer, [pb.Operation(allocate=op)], key=f"w{i}")
+            first = _step(stub, reader, [], key="collect", state=True)
+            assert first.events_more and 0 < len(first.events) < 6 * 64
+            server.kill()
+        server.config.write_text(
+            server.config.read_text().replace(f"max_message_bytes = {small}", "max_message_bytes = 8388608")
+        )
+        server.start()
+        with grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.AllocatorStub(channel)
+            again = _step(stub, reader, [], key="collect", state=True)
+            assert again.SerializeToString() == first.SerializeToString()
+            rest = _step(stub, reader, [], key="rest", state=True)
+        assert not rest.events_more and not rest.events_gap
+        # every stored token once: nothing missed, nothing twice
+        assert sum(len(e.block_stored.token_ids) for e in [*first.events, *rest.events]) == 6 * 256
+    finally:
+        server.stop()

@@ -394,3 +394,30 @@ def test_a_free_sent_again_is_idempotent_only_when_asked() -> None:
     assert other.error is None and "a" in p.engine.requests
     (mine,) = p.apply(s, [op.Free("a", if_held=True)])
     assert mine.error is None and "a" not in p.engine.requests
+
+
+def test_keys_past_any_retry_make_room_for_new_ones() -> None:
+    """When the keys alone fill the budget, those older than half the window (no
+    client retries that late) go, oldest first, so a steady load never meets a full
+    store; keys of the last half window are kept, and only when they alone fill it is
+    a new key refused. (Before, a steady 388 keyed Steps a second filled the default
+    64 MiB within the 300 s window and refused every worker's Step.)"""
+    clock = ManualClock()
+    per_key = entry_bytes("s", "k0000")
+    store = IdempotencyStore(clock, window=60, max_bytes=10 * per_key)
+    for i in range(10):  # one key a second: the budget holds exactly these ten
+        assert store.lookup("s", "Step", f"k{i:04}", b"d") is None
+        store.remember("s", "Step", f"k{i:04}", b"d", b"a")
+        clock.advance(1)
+    clock.advance(24.5)  # k0000..k0004 are now older than 30 s (half the window), k0005 not
+    for i in range(10, 15):
+        assert store.lookup("s", "Step", f"k{i:04}", b"d") is None  # room made
+        store.remember("s", "Step", f"k{i:04}", b"d", b"a")
+    assert {e[1] for e in store.export()} == {f"k{i:04}" for i in range(5, 15)}
+    assert store.entry_bytes <= store.max_bytes
+    with pytest.raises(ServiceError) as err:  # k0005 is 29.5 s old: a client may still retry it
+        store.lookup("s", "Step", "k0015", b"d")
+    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(ServiceError) as err:  # a kept key is still a tombstone
+        store.lookup("s", "Step", "k0006", b"d")
+    assert err.value.reason is ErrorReason.ANSWER_EVICTED

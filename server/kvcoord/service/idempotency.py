@@ -8,9 +8,13 @@ One byte budget (``idempotency_max_bytes``) bounds everything kept: each entry c
 Past the budget the oldest answers go first; an answer pushed out early leaves a
 tombstone (the entry without its answer, kept for the window like every key), so a
 retry of it is refused with ANSWER_EVICTED instead of being applied a second time.
-When tombstones alone fill the budget, a call with a new key is refused before it is
-applied (RESOURCE_EXHAUSTED, nothing changed) until keys of the window expire. A
-session's keys go when the session ends.
+When tombstones alone fill the budget, the keys older than half the window go first:
+no client retries that late (the client library retries a keyed call for at most
+half the server's window), and a request change replayed that late would still meet
+its request's position (positioned sync: SYNC_MISMATCH, nothing applied). Only when
+the keys of the last half window alone fill the budget is a call with a new key
+refused before it is applied (RESOURCE_EXHAUSTED, nothing changed). A session's keys
+go when the session ends.
 
 Ages are kept on the monotonic clock while serving. Across a restart, recovery
 (recovery.py) restores them by serving time: an answer's age is measured up to the
@@ -97,11 +101,13 @@ class IdempotencyStore:
         if entry is None:
             need = entry_bytes(session_id, key)
             if self.entry_bytes + need > self.max_bytes:
+                self._drop_past_retries(self.max_bytes - need)
+            if self.entry_bytes + need > self.max_bytes:
                 raise ServiceError(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"idempotency_max_bytes ({self.max_bytes:,}) is taken by the {len(self._entries):,} keys "
-                    f"of the last {self.window:g} s ({self.entry_bytes:,} bytes, answers already dropped); "
-                    "nothing was applied: retry later, or raise server.idempotency_max_bytes",
+                    f"of the last {self.window / 2:g} s ({self.entry_bytes:,} bytes, answers already "
+                    "dropped); nothing was applied: retry later, or raise server.idempotency_max_bytes",
                 )
             return None
         if entry.rpc != rpc or entry.digest != digest:
@@ -148,11 +154,20 @@ class IdempotencyStore:
 
     def expire(self) -> None:
         """Drop entries older than the window (oldest first, so this stops early)."""
-        horizon = self.clock() - self.window
+        self._drop_older_than(self.clock() - self.window)
+
+    def _drop_past_retries(self, fit: int) -> None:
+        """Drop keys older than half the window (no client retries them) until the
+        entries count at most ``fit`` bytes."""
+        self._drop_older_than(self.clock() - self.window / 2, fit)
+
+    def _drop_older_than(self, horizon: float, fit: int | None = None) -> None:
+        """Drop entries made before ``horizon``, oldest first (with ``fit``: only while
+        the entries count more than ``fit`` bytes)."""
         entries = self._entries
         while entries:
             (sid, key), entry = next(iter(entries.items()))
-            if entry.made_at > horizon:
+            if entry.made_at > horizon or (fit is not None and self.entry_bytes <= fit):
                 break
             del entries[(sid, key)]
             self._forget(sid, key, entry)

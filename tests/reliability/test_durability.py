@@ -172,14 +172,15 @@ def test_damaged_journal_stops_the_server_naming_the_file(tmp_path: Path) -> Non
         )  # fmt: skip
 
     db = sqlite3.connect(journal)
-    db.execute(
-        "INSERT INTO snapshots SELECT max(seq), 'x', x'00', x'01' FROM records"
-    )  # a snapshot whose checksum fails
+    # the clean stop's snapshot (it holds everything: no record is left), its checksum
+    # made to fail
+    ((checksum,),) = db.execute("SELECT sha256 FROM snapshots").fetchall()
+    assert db.execute("UPDATE snapshots SET sha256 = x'00'").rowcount == 1
     db.commit()
     proc = serve()
     assert proc.returncode == 3
     assert f"journal {journal}: the snapshot after record" in proc.stderr and "corrupt" in proc.stderr
-    db.execute("DELETE FROM snapshots")
+    db.execute("UPDATE snapshots SET sha256 = ?", (checksum,))
     db.execute("UPDATE meta SET value = '0' WHERE key = 'format_version'")
     db.commit()
     db.close()

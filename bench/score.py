@@ -2,11 +2,20 @@
 
 Scoring: a 4,096-token prompt (16-token blocks) is scored across 1, 16 and 64 pools of
 four layouts (full attention; full + sliding window; full + sliding window with larger
-blocks; full with EAGLE), half of which hold the prompt's first 2,048 tokens, each
-pool with 4,096 blocks. "in-process" calls the plain scoring function on the server's
-pools (what the handler runs); "wire" sends ScorePools over gRPC on loopback to a
-server in another process (the client hashes nothing: the hashed prompt is built
-once, as a router would per request, and that hashing is timed apart).
+blocks; full with EAGLE), 4,096 blocks each. Half of the pools (0-3, 8-11, ...: every
+layout has some) hold the prompt's first 2,048 tokens, the others nothing of it. Each
+call scores the next of 8 prompts in turn (the prompt, and 7 sharing its first 0 to
+3,072 tokens), never the previous call's: nothing a call computes is kept for the next
+one anyway, and a router scores a new prompt each time. "in-process" calls the plain
+scoring function on an in-process server's pools, on its loop (what the handler runs,
+without the message conversion); "wire" sends ScorePools over gRPC on loopback to a
+server in another process (the client hashes nothing: the hashed prompts are built
+once, and that hashing is timed apart), and "GetPool, wire" is the call right after
+each ScorePools on the same connection: the floor any call pays on this machine.
+
+``--old REV`` runs the same workload on the code of git revision REV beside this
+checkout's, in one run: two servers and two in-process children, called in turns
+(one call each, and rounds of in-process samples), so a busy machine slows both alike.
 
 Events: one pool with a [[kv_events]] publisher; a client allocates and frees
 128-token requests with shared prefixes, while 0, 1 or 16 ZMQ subscribers (in a process
@@ -15,7 +24,7 @@ received over the run's wall time, and the requests allocated show whether the
 subscribers slowed the pool.
 
     python bench/score.py                 # about a minute
-    python bench/score.py --samples 2000
+    python bench/score.py --only scoring --old main --samples 1000
 
 Needs the zmq extra (pyzmq, msgspec) for the events part.
 """

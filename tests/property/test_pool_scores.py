@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvcoord.client.hashing import BlockHasher, none_hash
-from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool
+from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
+from kvcoord.engine.hash_list import hashes_at_block_size
 from kvcoord.service.errors import ServiceError
 from kvcoord.service.pool_service import UNSCORED_NO_PROMPT, UNSCORED_TOO_LONG, Fence, Limits, PoolService
 from kvcoord.service.scoring import score_pools
@@ -190,3 +191,42 @@ def test_wrong_hashes_are_refused_by_every_pool_sharing_the_prompt() -> None:
         assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
         assert "pool 'b'" in str(info.value)
         assert score_pools(pools, lambda _: True, ["a"], 12, [(SETTINGS, hashes)]).scores[0].pool == "a"
+
+
+def test_first_block_probe_with_coarser_groups_and_evicted_blocks() -> None:
+    """A pool whose search starts with full attention answers no hit as soon as the
+    prompt's first block is missing there (read at that group's own block size, which
+    may be coarser than the hashes); a pool starting with another type searches on.
+    Scores equal get_computed_blocks' hit with the prefix cached, with its first block
+    evicted from each group in turn, and with a middle block evicted."""
+    n = 64
+    layouts = {
+        "full": (FullAttentionSpec(4),),
+        "full8+swa": (FullAttentionSpec(8), SlidingWindowSpec(8, 16)),
+        "full+swa8": (FullAttentionSpec(4), SlidingWindowSpec(8, 32)),
+        "swa": (SlidingWindowSpec(4, 8),),
+        "swa+full8": (SlidingWindowSpec(8, 16), FullAttentionSpec(8)),
+    }
+    tokens = list(range(500, 540))
+    hashes = BlockHasher(*SETTINGS[:2], NONE).extend(tokens)
+    for position in ("first", "middle"):
+        for group in (0, 1):
+            pools = {
+                name: service(name, KVCacheConfig(n, groups, H, max_model_len=96))
+                for name, groups in layouts.items()
+            }
+            for p in pools.values():
+                p.engine.add_request("fill", tokens, hashes)
+                p.engine.allocate_slots_with_lookup("fill", len(tokens))
+                p.engine.free("fill")
+            check_scores(pools, tokens + [1])  # the whole prefix cached
+            for p in pools.values():
+                groups = p.engine.config.groups
+                g = min(group, len(groups) - 1)
+                view = hashes_at_block_size(hashes, H, groups[g].block_size)
+                key = view[0] if position == "first" else view[len(view) // 2]
+                block = p.engine.block_pool.cached_block_hash_to_block.first[g].get(key)
+                assert block, (p.name, g, position)
+                p.engine.evict_blocks([block])
+            check_scores(pools, tokens + [1])
+            check_scores(pools, tokens[:20])

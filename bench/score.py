@@ -36,6 +36,7 @@ import functools
 import multiprocessing
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -257,6 +258,7 @@ def bench_scoring(samples: int, old: str | None) -> None:
     trees = {"new": ROOT}
     if old:
         trees = {"old": old_tree(old), "new": ROOT}
+    temporary: list[Path] = [trees["old"]] if old else []
     print()
     print("| pools | code | where | p50 ms | p99 ms | mean ms |")
     print("| ---: | --- | --- | ---: | ---: | ---: |")
@@ -265,7 +267,9 @@ def bench_scoring(samples: int, old: str | None) -> None:
         try:
             addresses, children = {}, {}
             for label, tree in trees.items():
-                proc, addresses[label] = start_server("", Path(tempfile.mkdtemp()), tree)
+                tmp = Path(tempfile.mkdtemp(prefix="kvcoord-score-"))
+                temporary.append(tmp)
+                proc, addresses[label] = start_server("", tmp, tree)
                 procs.append(proc)
                 env = dict(os.environ, PYTHONPATH=f"{tree / 'client'}:{tree / 'server'}")
                 children[label] = subprocess.Popen(
@@ -315,6 +319,8 @@ def bench_scoring(samples: int, old: str | None) -> None:
                     proc.stdin.close()
                 proc.terminate()
                 proc.wait(10)
+    for path in temporary:  # the servers' journals and --old's sources
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def bench_events(seconds: float) -> None:

@@ -2,11 +2,20 @@
 
 Scoring: a 4,096-token prompt (16-token blocks) is scored across 1, 16 and 64 pools of
 four layouts (full attention; full + sliding window; full + sliding window with larger
-blocks; full with EAGLE), half of which hold the prompt's first 2,048 tokens, each
-pool with 4,096 blocks. "in-process" calls the plain scoring function on the server's
-pools (what the handler runs); "wire" sends ScorePools over gRPC on loopback to a
-server in another process (the client hashes nothing: the hashed prompt is built
-once, as a router would per request, and that hashing is timed apart).
+blocks; full with EAGLE), 4,096 blocks each. Half of the pools (0-3, 8-11, ...: every
+layout has some) hold the prompt's first 2,048 tokens, the others nothing of it. Each
+call scores the next of 8 prompts in turn (the prompt, and 7 sharing its first 0 to
+3,072 tokens), never the previous call's: nothing a call computes is kept for the next
+one anyway, and a router scores a new prompt each time. "in-process" calls the plain
+scoring function on an in-process server's pools, on its loop (what the handler runs,
+without the message conversion); "wire" sends ScorePools over gRPC on loopback to a
+server in another process (the client hashes nothing: the hashed prompts are built
+once, and that hashing is timed apart), and "GetPool, wire" is the call right after
+each ScorePools on the same connection: the floor any call pays on this machine.
+
+``--old REV`` runs the same workload on the code of git revision REV beside this
+checkout's, in one run: two servers and two in-process children, called in turns
+(one call each, and rounds of in-process samples), so a busy machine slows both alike.
 
 Events: one pool with a [[kv_events]] publisher; a client allocates and frees
 128-token requests with shared prefixes, while 0, 1 or 16 ZMQ subscribers (in a process
@@ -15,7 +24,7 @@ received over the run's wall time, and the requests allocated show whether the
 subscribers slowed the pool.
 
     python bench/score.py                 # about a minute
-    python bench/score.py --samples 2000
+    python bench/score.py --only scoring --old main --samples 1000
 
 Needs the zmq extra (pyzmq, msgspec) for the events part.
 """
@@ -27,6 +36,7 @@ import functools
 import multiprocessing
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,7 +47,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server"), str(ROOT / "bench")]
+# a --child process imports kvcoord from the tree its PYTHONPATH names (this one or --old's)
+sys.path[:0] = (
+    [str(ROOT / "bench")]
+    if "--child" in sys.argv
+    else [str(ROOT / "client"), str(ROOT / "server"), str(ROOT / "bench")]
+)
 
 from common import freeze_heap, pct  # noqa: E402
 from kvcoord.client import KVCoordClient  # noqa: E402
@@ -76,7 +91,8 @@ def pool_config(layout: str, num_blocks: int = 4096) -> pb.PoolConfig:
     )
 
 
-def start_server(config_text: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(config_text: str, tmp: Path, tree: Path = ROOT) -> tuple[subprocess.Popen[bytes], str]:
+    """A server process running the code of ``tree`` (this checkout, or ``--old``'s)."""
     import socket
 
     with socket.socket() as s:
@@ -84,9 +100,13 @@ def start_server(config_text: str, tmp: Path) -> tuple[subprocess.Popen[bytes], 
         port = s.getsockname()[1]
     cfg = tmp / "kvcoord.toml"
     cfg.write_text(
-        f'[server]\nlisten = ["127.0.0.1:{port}"]\nmetrics_listen = ""\nlog_level = "WARNING"\n{config_text}'
+        f'[server]\nlisten = ["127.0.0.1:{port}"]\nmetrics_listen = ""\nlog_level = "WARNING"\n'
+        f"[limits]\nmax_pools = 128\n{config_text}"
     )
-    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'client'}:{ROOT / 'server'}")
+    # the journal in the temporary directory, never the default one under the home directory
+    env = dict(
+        os.environ, PYTHONPATH=f"{tree / 'client'}:{tree / 'server'}", KVCOORD_DATA_DIR=str(tmp / "data")
+    )
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(cfg)], env=env
     )
@@ -99,6 +119,16 @@ def start_server(config_text: str, tmp: Path) -> tuple[subprocess.Popen[bytes], 
             except Exception:  # noqa: BLE001 - not up yet
                 time.sleep(0.05)
     return proc, address
+
+
+def old_tree(rev: str) -> Path:
+    """The client and server sources of git revision ``rev``, in a temporary directory."""
+    out = Path(tempfile.mkdtemp(prefix="kvcoord-old-"))
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "client", "server"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out
 
 
 def fill(client: KVCoordClient, name: str, cfg: pb.PoolConfig, prefix: list[int]) -> None:
@@ -116,18 +146,73 @@ def fill(client: KVCoordClient, name: str, cfg: pb.PoolConfig, prefix: list[int]
     client.detach(r.session_id)
 
 
-def _score_local(pools: Any, names: list[str], prompts: Any, n: int, samples: int) -> list[float]:
-    """The scoring function itself, ``samples`` times (run on the server's loop)."""
-    from kvcoord.service.scoring import score_pools
+def layout_of(i: int) -> str:
+    return list(LAYOUTS)[i % len(LAYOUTS)]
 
-    freeze_heap()
-    out = []
-    for _ in range(samples):
-        t = time.perf_counter()
-        r = score_pools(pools, lambda _: True, names, PROMPT_TOKENS, prompts)
-        out.append(time.perf_counter() - t)
-    assert len(r.scores) == n and r.scores[0].hit.num_tokens >= 2032, r.scores[0]
-    return out
+
+def holds_prefix(i: int) -> bool:
+    """Half the pools hold the prompt's first half: pools 0-3 (one of each layout)
+    do, 4-7 do not, and so on, so every layout has pools with and without it."""
+    return (i // len(LAYOUTS)) % 2 == 0
+
+
+def build(client: KVCoordClient, n: int, prompt: list[int]) -> list[str]:
+    names = [f"s{i}-{layout_of(i)}" for i in range(n)]
+    for i, name in enumerate(names):
+        cfg = pool_config(layout_of(i))
+        client.create_pool(name, cfg)
+        if holds_prefix(i):
+            fill(client, name, cfg, prompt[:2048])
+    return names
+
+
+def inprocess_child(n: int) -> None:
+    """``--child N``: an in-process server (of the code on PYTHONPATH) with the
+    benchmark's N pools; each line on stdin is a sample count: time the scoring
+    function that many times on the server's loop (a new prompt each call, drawn from
+    a fixed set) and print the seconds as one JSON line."""
+    import json
+
+    from kvcoord.service.convert import prompts_from_pb
+    from kvcoord.service.scoring import score_pools
+    from kvcoord.service.testing import InProcessServer
+
+    prompt, others = prompts()
+    local = InProcessServer("[limits]\nmax_pools = 128\n")
+    local.start()
+    try:
+        with KVCoordClient(local.address, timeout=30) as c:
+            names = build(c, n, prompt)
+            infos = [p for p in c.list_pools().pools if p.name in names]
+            wire = [prompts_from_pb(hash_prompt(infos, t)) for t in [prompt, *others]]
+        pools = local.running.servicer.registry.pools  # type: ignore[union-attr]
+
+        def run(samples: int) -> list[float]:
+            out = []
+            for k in range(samples):
+                hashed = wire[k % len(wire)]
+                t = time.perf_counter()
+                r = score_pools(pools, lambda _: True, names, PROMPT_TOKENS, hashed)
+                out.append(time.perf_counter() - t)
+            assert len(r.scores) == n, r
+            return out
+
+        freeze_heap()
+        for line in sys.stdin:
+            print(json.dumps(local.call(functools.partial(run, int(line)))), flush=True)
+    finally:
+        local.stop()
+
+
+def prompts() -> tuple[list[int], list[list[int]]]:
+    """The prompt, and 7 others sharing 0 to 3,072 of its first tokens: scored in turn,
+    so no call repeats the previous one (a router scores a new prompt each time)."""
+    rnd = random.Random(1)
+    prompt = [rnd.randrange(30000) for _ in range(PROMPT_TOKENS)]
+    others = []
+    for shared in (0, 512, 1024, 1536, 2048, 2560, 3072):
+        others.append(prompt[:shared] + [rnd.randrange(30000) for _ in range(PROMPT_TOKENS - shared)])
+    return prompt, others
 
 
 def _reader(ctx: Any, port: int, stop: Any, counts: list[int], i: int) -> None:
@@ -160,62 +245,82 @@ def _readers(port: int, subs: int, stop: Any, out: Any) -> None:
     out.put(counts)
 
 
-def bench_scoring(samples: int) -> None:
-    from kvcoord.service.convert import prompts_from_pb
-    from kvcoord.service.testing import InProcessServer
+def bench_scoring(samples: int, old: str | None) -> None:
+    import json
 
-    rnd = random.Random(1)
-    prompt = [rnd.randrange(30000) for _ in range(PROMPT_TOKENS)]
+    prompt, others = prompts()
     t0 = time.perf_counter()
     n_hash = 20
     for _ in range(n_hash):
-        hashed = hash_prompt([pb.PoolInfo(name="x", config=pool_config("full"))], prompt)
+        hash_prompt([pb.PoolInfo(name="x", config=pool_config("full"))], prompt)
     print(f"hashing the 4,096-token prompt (256 blocks, sha256_cbor), client side: "
           f"{(time.perf_counter() - t0) / n_hash * 1e3:.2f} ms")  # fmt: skip
+    trees = {"new": ROOT}
+    if old:
+        trees = {"old": old_tree(old), "new": ROOT}
+    temporary: list[Path] = [trees["old"]] if old else []
     print()
-    print("| pools | where | p50 ms | p99 ms | mean ms |")
-    print("| ---: | --- | ---: | ---: | ---: |")
+    print("| pools | code | where | p50 ms | p99 ms | mean ms |")
+    print("| ---: | --- | --- | ---: | ---: | ---: |")
     for n in (1, 16, 64):
-        layouts = list(LAYOUTS)
-        names = [f"s{i}-{layouts[i % len(layouts)]}" for i in range(n)]
-        tmp = Path(tempfile.mkdtemp())
-        proc, address = start_server("", tmp)
-        local = InProcessServer("")
-        local.start()
+        procs: list[subprocess.Popen[Any]] = []
         try:
-            with (
-                KVCoordClient(address, timeout=30) as remote,
-                KVCoordClient(local.address, timeout=30) as near,
-            ):
-                for i, name in enumerate(names):
-                    cfg = pool_config(layouts[i % len(layouts)])
-                    for c in (remote, near):
-                        c.create_pool(name, cfg)
-                        if i % 2 == 0:  # half hold the prompt's first half
-                            fill(c, name, cfg, prompt[:2048])
-                pools = {p.name: p for p in remote.list_pools().pools if p.name in names}
-                hashed = hash_prompt(pools.values(), prompt)
-                # in-process: the scoring function on the server's own pools, on its loop
-                reg = local.running.servicer.registry  # type: ignore[union-attr]
-                wire_prompts = prompts_from_pb(hashed)
-
-                local_times = local.call(
-                    functools.partial(_score_local, reg.pools, names, wire_prompts, n, samples)
-                )
-                wire_times = []
-                for _ in range(min(samples, 50)):  # warm up
-                    remote.score_pools(PROMPT_TOKENS, hashed, names)
-                for _ in range(samples):
-                    t = time.perf_counter()
-                    remote.score_pools(PROMPT_TOKENS, hashed, names)
-                    wire_times.append(time.perf_counter() - t)
-                for where, xs in (("in-process", local_times), ("wire", wire_times)):
-                    print(f"| {n} | {where} | {pct(xs, 0.5):.3f} | {pct(xs, 0.99):.3f} | "
+            addresses, children = {}, {}
+            for label, tree in trees.items():
+                tmp = Path(tempfile.mkdtemp(prefix="kvcoord-score-"))
+                temporary.append(tmp)
+                proc, addresses[label] = start_server("", tmp, tree)
+                procs.append(proc)
+                env = dict(os.environ, PYTHONPATH=f"{tree / 'client'}:{tree / 'server'}")
+                children[label] = subprocess.Popen(
+                    [sys.executable, str(Path(__file__).resolve()), "--child", str(n)],
+                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                )  # fmt: skip
+                procs.append(children[label])
+            clients = {label: KVCoordClient(a, timeout=30) for label, a in addresses.items()}
+            hashed = {}
+            for label, c in clients.items():
+                names = build(c, n, prompt)
+                infos = [p for p in c.list_pools().pools if p.name in names]
+                hashed[label] = [hash_prompt(infos, t) for t in [prompt, *others]]
+            local: dict[str, list[float]] = {label: [] for label in trees}
+            wire: dict[str, list[float]] = {label: [] for label in trees}
+            floor: dict[str, list[float]] = {label: [] for label in trees}
+            rounds = 5
+            for r in range(rounds):
+                # in-process: each code's own process, in turns
+                for label, child in children.items():
+                    assert child.stdin is not None and child.stdout is not None
+                    child.stdin.write(f"{samples // rounds}\n")
+                    child.stdin.flush()
+                    local[label] += json.loads(child.stdout.readline())
+                # wire: one call to each server in turn
+                for k in range(samples // rounds + (50 if r == 0 else 0)):
+                    for label, c in clients.items():
+                        h = hashed[label][k % len(hashed[label])]
+                        t = time.perf_counter()
+                        c.score_pools(PROMPT_TOKENS, h, names)
+                        t1 = time.perf_counter()
+                        c.get_pool(names[0])
+                        t2 = time.perf_counter()
+                        if r or k >= 50:  # the first 50 warm up
+                            wire[label].append(t1 - t)
+                            floor[label].append(t2 - t1)
+            for label in trees:
+                rows = (("in-process", local[label]), ("wire", wire[label]), ("GetPool, wire", floor[label]))
+                for where, xs in rows:
+                    print(f"| {n} | {label} | {where} | {pct(xs, 0.5):.3f} | {pct(xs, 0.99):.3f} | "
                           f"{statistics.mean(xs) * 1e3:.3f} |")  # fmt: skip
+            for c in clients.values():
+                c.close()
         finally:
-            local.stop()
-            proc.terminate()
-            proc.wait(10)
+            for proc in procs:
+                if proc.stdin is not None:
+                    proc.stdin.close()
+                proc.terminate()
+                proc.wait(10)
+    for path in temporary:  # the servers' journals and --old's sources
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def bench_events(seconds: float) -> None:
@@ -280,9 +385,14 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=500)
     ap.add_argument("--event-seconds", type=float, default=5.0)
     ap.add_argument("--only", choices=("scoring", "events"), help="run one part")
+    ap.add_argument("--old", metavar="REV", help="also score with the code of git revision REV, side by side")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)  # inprocess_child
     a = ap.parse_args()
+    if a.child:
+        inprocess_child(a.child)
+        return
     if a.only != "events":
-        bench_scoring(a.samples)
+        bench_scoring(a.samples, a.old)
     if a.only != "scoring":
         bench_events(a.event_seconds)
 

@@ -4,6 +4,7 @@ there (its own coordinator, every layout), best first, and scoring changes nothi
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import random
 
@@ -12,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kvcoord.client.hashing import BlockHasher, none_hash
-from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool
+from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
+from kvcoord.engine.hash_list import hashes_at_block_size
 from kvcoord.service.errors import ServiceError
 from kvcoord.service.pool_service import UNSCORED_NO_PROMPT, UNSCORED_TOO_LONG, Fence, Limits, PoolService
 from kvcoord.service.scoring import score_pools
@@ -122,3 +124,109 @@ def test_unscored_pools_and_refusals() -> None:
         with pytest.raises(ServiceError) as info:
             score_pools(pools, lambda name: name != "hidden", candidates, n, prompts)
         assert info.value.code == code, (candidates, n)
+
+
+TENANTS = ["", "t1", "t2", "t3"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(configs(), min_size=2, max_size=5), st.randoms(use_true_random=False))
+def test_scores_per_tenant_with_each_pools_own_namespace_prefixes(
+    layouts: list[KVCacheConfig], rnd: random.Random
+) -> None:
+    """One call scores one prompt in many pools: each pool's checks, namespaced keys
+    and merged block-size views are derived once and shared between pools. Tenants
+    cache prompts in each pool in a different order (so the same tenant has a
+    different namespace prefix in each pool, and the same prefix names different
+    tenants), filler requests evict, and every prompt scored as every tenant in one
+    call is, in every pool, that tenant's get_computed_blocks hit (namespace
+    included) and its own find_longest_cache_hit on a plain list."""
+    pools = {
+        f"p{i}": service(f"p{i}", dataclasses.replace(cfg, hash_length=32)) for i, cfg in enumerate(layouts)
+    }
+
+    def hashed(tokens: list[int]) -> list[bytes]:
+        return BlockHasher(*SETTINGS[:2], NONE).extend(tokens)
+
+    prompts = [p + [rnd.randrange(4) for _ in range(rnd.randint(1, 30))] for p in PREFIXES[1:]]
+    for name, p in pools.items():
+        engine = p.engine
+        for step in range(rnd.randint(2, 12)):
+            tenant = rnd.choice(TENANTS)
+            tokens = rnd.choice(prompts)
+            if rnd.random() < 0.3:  # a filler, evicting cached blocks
+                tokens = [rnd.randrange(1000, 2000) for _ in range(rnd.randint(4, 40))]
+            rid = f"{name}-{step}"
+            engine.add_request(rid, tokens, hashed(tokens), cache_namespace=p.cache_namespace(tenant))
+            engine.allocate_slots_with_lookup(rid, len(tokens))
+            engine.free(rid)
+    for tokens in prompts + [prompts[0][:3]]:
+        hashes = hashed(tokens)
+        for tenant in TENANTS:
+            result = score_pools(pools, lambda _: True, [], len(tokens), [(SETTINGS, hashes)], tenant)
+            assert sorted(s.pool for s in result.scores) == sorted(pools)
+            for s in result.scores:
+                engine = pools[s.pool].engine
+                namespace = pools[s.pool].cache_namespace(tenant)
+                clone = copy.deepcopy(engine)
+                clone.add_request("ref", tokens, list(hashes), cache_namespace=namespace)
+                assert s.hit == clone.get_computed_blocks("ref"), (s.pool, tenant)
+                assert s.hit == engine.find_longest_cache_hit(list(hashes), len(tokens), namespace)
+
+
+def test_wrong_hashes_are_refused_by_every_pool_sharing_the_prompt() -> None:
+    """The check of a shared prompt runs once per distinct pool rule and is kept: a
+    pool whose rule refuses the hashes refuses them whichever pool was scored first,
+    and one whose rule accepts them scores them."""
+
+    def cfg(length: int | None, max_model_len: int = 64) -> KVCacheConfig:
+        return KVCacheConfig(16, (FullAttentionSpec(4),), 4, max_model_len=max_model_len, hash_length=length)
+
+    tokens = list(range(12))
+    hashes = BlockHasher("sha256_cbor", 4, NONE).extend(tokens)  # 32 bytes each
+    for order in (["a", "b"], ["b", "a"]):
+        pools = {"a": service("a", cfg(32)), "b": service("b", cfg(16))}
+        with pytest.raises(ServiceError) as info:
+            score_pools(pools, lambda _: True, order, 12, [(SETTINGS, hashes)])
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "pool 'b'" in str(info.value)
+        assert score_pools(pools, lambda _: True, ["a"], 12, [(SETTINGS, hashes)]).scores[0].pool == "a"
+
+
+def test_first_block_probe_with_coarser_groups_and_evicted_blocks() -> None:
+    """A pool whose search starts with full attention answers no hit as soon as the
+    prompt's first block is missing there (read at that group's own block size, which
+    may be coarser than the hashes); a pool starting with another type searches on.
+    Scores equal get_computed_blocks' hit with the prefix cached, with its first block
+    evicted from each group in turn, and with a middle block evicted."""
+    n = 64
+    layouts = {
+        "full": (FullAttentionSpec(4),),
+        "full8+swa": (FullAttentionSpec(8), SlidingWindowSpec(8, 16)),
+        "full+swa8": (FullAttentionSpec(4), SlidingWindowSpec(8, 32)),
+        "swa": (SlidingWindowSpec(4, 8),),
+        "swa+full8": (SlidingWindowSpec(8, 16), FullAttentionSpec(8)),
+    }
+    tokens = list(range(500, 540))
+    hashes = BlockHasher(*SETTINGS[:2], NONE).extend(tokens)
+    for position in ("first", "middle"):
+        for group in (0, 1):
+            pools = {
+                name: service(name, KVCacheConfig(n, groups, H, max_model_len=96))
+                for name, groups in layouts.items()
+            }
+            for p in pools.values():
+                p.engine.add_request("fill", tokens, hashes)
+                p.engine.allocate_slots_with_lookup("fill", len(tokens))
+                p.engine.free("fill")
+            check_scores(pools, tokens + [1])  # the whole prefix cached
+            for p in pools.values():
+                groups = p.engine.config.groups
+                g = min(group, len(groups) - 1)
+                view = hashes_at_block_size(hashes, H, groups[g].block_size)
+                key = view[0] if position == "first" else view[len(view) // 2]
+                block = p.engine.block_pool.cached_block_hash_to_block.first[g].get(key)
+                assert block, (p.name, g, position)
+                p.engine.evict_blocks([block])
+            check_scores(pools, tokens + [1])
+            check_scores(pools, tokens[:20])

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from .errors import InvalidArgumentError
 from .types import BlockHashWithGroupId
 
 __all__ = [
     "NAMESPACE_PREFIX_BYTES",
     "PrefixedHashes",
+    "SharedHashes",
     "hashes_at_block_size",
     "key_with_group",
     "request_keys",
@@ -72,10 +74,68 @@ class PrefixedHashes(Sequence[bytes]):
         return self._prefix + self._hashes[i]
 
 
+class SharedHashes(list[bytes]):
+    """One prompt's hashes read by many pools in one call (ScorePools), never changed.
+
+    The same items as the list it copies, so every search reads it as it reads any
+    hash list. What each pool would otherwise derive from the hashes again is derived
+    once and kept here for the call's other pools: the result of each distinct check
+    (:meth:`checked`), the keys under each namespace prefix (:func:`request_keys`) and
+    the merged list at each coarser block size (:func:`hashes_at_block_size`), as plain
+    lists whose ``bytes`` items cache their own hash for every dict that looks them up.
+    It holds derived values of its own items only: nothing of any pool, so it cannot go
+    stale; it lives as long as the call that made it.
+    """
+
+    __slots__ = ("_derived",)
+
+    def __init__(self, hashes: Sequence[bytes] = ()) -> None:
+        super().__init__(hashes)
+        self._derived: dict[object, object] = {}
+
+    def checked(self, key: object, check: Callable[[], object]) -> None:
+        """Run ``check`` once per ``key``; later calls with the same key return, or
+        raise the same :class:`InvalidArgumentError` again (a new one, same message)."""
+        derived = self._derived
+        if key not in derived:
+            try:
+                check()
+                derived[key] = None
+            except InvalidArgumentError as exc:
+                derived[key] = (type(exc), str(exc))
+        failure = derived[key]
+        if failure is not None:
+            kind, message = failure  # type: ignore[misc]
+            raise kind(message)
+
+    def prefixed(self, prefix: bytes) -> SharedHashes:
+        """``prefix + h`` for every hash (as :class:`PrefixedHashes` reads them), once."""
+        key = ("prefix", prefix)
+        out = self._derived.get(key)
+        if out is None:
+            out = self._derived[key] = SharedHashes([prefix + h for h in self])
+        return out  # type: ignore[return-value]
+
+    def merged(self, k: int) -> list[bytes]:
+        """The hashes joined ``k`` at a time, incomplete tail dropped (as
+        :class:`_MergedHashes` reads them), once."""
+        key = ("merged", k)
+        out = self._derived.get(key)
+        if out is None:
+            join = b"".join
+            out = self._derived[key] = [join(self[i : i + k]) for i in range(0, len(self) - k + 1, k)]
+        return out  # type: ignore[return-value]
+
+
 def request_keys(block_hashes: Sequence[bytes], prefix: bytes) -> Sequence[bytes]:
     """The cache keys of a request's fine hashes: the hashes themselves without a
-    namespace prefix (vLLM's keys, untouched), else a :class:`PrefixedHashes` view."""
-    return PrefixedHashes(block_hashes, prefix) if prefix else block_hashes
+    namespace prefix (vLLM's keys, untouched), else a :class:`PrefixedHashes` view
+    (for :class:`SharedHashes`, its shared prefixed copy)."""
+    if not prefix:
+        return block_hashes
+    if type(block_hashes) is SharedHashes:
+        return block_hashes.prefixed(prefix)
+    return PrefixedHashes(block_hashes, prefix)
 
 
 def hashes_at_block_size(fine: Sequence[bytes], hash_block_size: int, block_size: int) -> Sequence[bytes]:
@@ -88,8 +148,10 @@ def hashes_at_block_size(fine: Sequence[bytes], hash_block_size: int, block_size
 
     Returns:
         ``fine`` itself when the sizes are equal, else a lazy merged view whose
-        incomplete tail is dropped.
+        incomplete tail is dropped (for :class:`SharedHashes`, its shared merged list).
     """
     if block_size == hash_block_size:
         return fine
+    if type(fine) is SharedHashes:
+        return fine.merged(block_size // hash_block_size)
     return _MergedHashes(fine, block_size // hash_block_size)

@@ -16,8 +16,8 @@ from .blocks import KVCacheBlock
 from .config import KVCacheConfig
 from .coordinators import KVCacheCoordinator
 from .errors import FailedPreconditionError, HintMismatchError, InvalidArgumentError, StaleCacheHitError
-from .hash_list import NAMESPACE_PREFIX_BYTES, hashes_at_block_size, request_keys
-from .managers import CrossAttentionManager
+from .hash_list import NAMESPACE_PREFIX_BYTES, SharedHashes, hashes_at_block_size, request_keys
+from .managers import CrossAttentionManager, FullAttentionManager
 from .request import Request
 from .request_table import RequestTable
 from .results import BlockIds, CacheHit, new_hit
@@ -57,6 +57,17 @@ class PrefixHits:
         self._alignment = coordinator.alignment_tokens
         self._group_block_sizes = [g.block_size for g in config.groups]
         self._no_hit_blocks: BlockIds = tuple(() for _ in self.managers)
+        #: (group id, block size) of the group the coordinator searches first when it is
+        #: full attention (whose hit is a run of cached blocks from position 0, and
+        #: every other group's search is capped by it): a miss of the first key there
+        #: means no hit at all. None when the first search is of another type.
+        self._first_full: tuple[int, int] | None = None
+        if config.coordinator_kind == "unitary" and type(self.managers[0]) is FullAttentionManager:
+            self._first_full = (0, self._group_block_sizes[0])
+        elif self._hybrid:
+            _spec, ids, cls = coordinator.attention_groups[0]  # type: ignore[attr-defined]
+            if cls is FullAttentionManager:
+                self._first_full = (ids[0], self._group_block_sizes[ids[0]])
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], num_tokens: int, cache_namespace: str = ""
@@ -75,13 +86,33 @@ class PrefixHits:
             )
         if isinstance(block_hashes, (bytes, str)):
             raise InvalidArgumentError("block_hashes must be a sequence of bytes, not a single value")
-        hashes = self.table.check_hashes(block_hashes, 0, num_tokens, f"lookup of {num_tokens} tokens")
+        table = self.table
+        label = f"lookup of {num_tokens} tokens"
+        hashes: Sequence[bytes]
+        if type(block_hashes) is SharedHashes:
+            # one prompt scored in many pools: each distinct check runs once per call
+            key = ("check", self.enable_caching, self.hash_block_size, table.hash_length, num_tokens)
+            block_hashes.checked(key, lambda: table.check_hashes(block_hashes, 0, num_tokens, label))
+            hashes = block_hashes
+        else:
+            hashes = table.check_hashes(block_hashes, 0, num_tokens, label)
         if not self.enable_caching:
             return CacheHit(self._no_hit_blocks, 0)
         # A namespace not seen yet has cached nothing: its keys take the prefix no
         # namespace is ever given (0), so the same search finds nothing, read-only.
-        prefix = self.table.cache_namespaces.get(cache_namespace, _UNUSED_PREFIX) if cache_namespace else b""
-        hit, _ = self.search(request_keys(hashes, prefix), num_tokens)
+        prefix = table.cache_namespaces.get(cache_namespace, _UNUSED_PREFIX) if cache_namespace else b""
+        keys = request_keys(hashes, prefix)
+        first = self._first_full
+        if first is not None:
+            gid, size = first
+            view = hashes_at_block_size(keys, self.hash_block_size, size)
+            if (
+                num_tokens - 1 < size
+                or not view
+                or view[0] not in self.block_pool.cached_block_hash_to_block.first[gid]
+            ):
+                return CacheHit(self._no_hit_blocks, 0)
+        hit, _ = self.search(keys, num_tokens)
         return hit
 
     def search(self, block_hashes: Sequence[bytes], num_tokens: int) -> tuple[CacheHit, list[list[int]]]:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
+from ..engine.hash_list import SharedHashes
 from .errors import ServiceError
 from .pool_service import HashSettings, PoolScore, PoolService, UnscoredPool
 
@@ -111,7 +112,8 @@ def score_pools(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"two prompts hashed with the same settings {settings!r}: send each settings once",
             )
-        by_settings[settings] = hashes
+        # one copy per prompt that every pool reads (its checks and derived keys shared)
+        by_settings[settings] = SharedHashes(hashes)
     if candidates:
         if len(set(candidates)) != len(candidates):
             twice = sorted({c for c in candidates if candidates.count(c) > 1})
@@ -173,7 +175,7 @@ def _reserve(
             f"{reserve.max_per_tenant}); let them be adopted or expire",
         )
     service = pools[best.pool]
-    hashes = by_settings.get(service.hash_settings, ())
+    hashes = list(by_settings.get(service.hash_settings, ()))
     reservation_id = secrets.token_hex(8)
     hit = service.reserve(reservation_id, hashes, num_tokens, tenant, reserve.seconds)
     assert hit == best.hit, "the pool changed between its score and its reservation"

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from functools import partial
+from itertools import islice, takewhile
+from operator import is_not
 
 from ..block_pool import BlockPool
 from ..blocks import KVCacheBlock
@@ -82,20 +84,11 @@ def _leading_hits(cached: dict[bytes, int], block_hashes: Sequence[bytes], max_b
     """Ids of the cached blocks for ``block_hashes[0..]`` up to the first miss (at most
     ``max_blocks``).
 
-    Looks hashes up a chunk at a time with C-level ``map`` (chunks double from 8, so at
-    most about as many extra lookups as hits are made past the first miss).
+    One C-level pipeline (``takewhile`` over ``map``): exactly one lookup per hit and
+    one for the miss that ends it, none past it (lazy hash views are read that far).
     """
-    get = cached.get
-    out: list[int | None] = []
-    i = 0
-    step = 8
-    while i < max_blocks:
-        j = min(i + step, max_blocks)
-        chunk = list(map(get, block_hashes[i:j]))
-        if None in chunk:
-            out += chunk[: chunk.index(None)]
-            break
-        out += chunk
-        i = j
-        step += step
-    return cast(list[int], out)  # the misses were cut off
+    return list(takewhile(_is_id, map(cached.get, islice(block_hashes, max_blocks))))
+
+
+#: ``_is_id(x)``: ``x is not None`` (a C-level predicate)
+_is_id = partial(is_not, None)

@@ -48,7 +48,17 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         aligned = bs == alignment_tokens
         if aligned and len(group_ids) == 1:
             get = block_pool.cached_block_hash_to_block.first[group_ids[0]].get
-            computed = [_last_run(list(map(get, block_hashes[:max_blocks])), need)]
+            # The last ``need`` blocks all cached (the usual hit): they are the rightmost
+            # run, found without looking up the blocks before them.
+            tail = (
+                list(map(get, block_hashes[max_blocks - need : max_blocks]))
+                if 0 < need <= max_blocks
+                else None
+            )
+            if tail is not None and None not in tail:
+                computed = [[0] * (max_blocks - need) + cast(list[int], tail)]
+            else:
+                computed = [_last_run(list(map(get, block_hashes[:max_blocks])), need)]
         else:
             computed = _search(block_hashes, max_blocks, group_ids, block_pool, bs, need, alignment_tokens)
         if use_eagle and computed[0]:

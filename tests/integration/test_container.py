@@ -131,7 +131,7 @@ def test_metric_values_after_a_known_workload(target: str, metrics_address: str,
     assert got[("kvcoord_blocks_allocated_total", key)] == want["allocated"]
     assert got[("kvcoord_kv_events_published_total", key)] == want["events"]
     assert got[("kvcoord_kv_cache_usage_ratio", key)] == 0.0
-    assert got[("kvcoord_blocks_total", key)] == 39
+    assert got[("kvcoord_blocks_usable", key)] == 39
     # the real Prometheus scraped the same numbers
     expr = f'kvcoord_prefix_cache_hits_tokens_total{{pool="{pool}"}}'
     result = wait_for(

@@ -96,12 +96,12 @@ def test_metrics_reach_a_scraper_in_another_container() -> None:
         scrape = f"import urllib.request; print(urllib.request.urlopen('http://{name}:9400/metrics', timeout=10).read().decode())"
         other = docker("run", "--rm", "--network", network, "--entrypoint", "python3", IMAGE, "-c", scrape)
         assert other.returncode == 0, other.stderr
-        assert 'kvcoord_blocks_total{pool="default"}' in other.stdout
+        assert 'kvcoord_blocks_usable{pool="default"}' in other.stdout
 
         def published(port: str) -> str:
             return docker("port", name, port).stdout.strip().splitlines()[0].rsplit(":", 1)[1]
 
-        assert 'kvcoord_blocks_total{pool="default"}' in http_get(
+        assert 'kvcoord_blocks_usable{pool="default"}' in http_get(
             f"http://127.0.0.1:{published('9400/tcp')}/metrics"
         )
         with KVCoordClient(f"127.0.0.1:{published('50051/tcp')}", timeout=10) as c:

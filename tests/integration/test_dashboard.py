@@ -141,6 +141,10 @@ def test_every_panel_rule_and_alert_returns_what_the_load_implies(target: str, p
                 r["metric"]["grpc_method"]: float(r["value"][1]) for r in got[("RPC latency p50 / p99", q)]
             }
             assert 0 < latency["Step"] <= 10 and math.isfinite(latency["Step"]), latency
+        # the load's mutations waited for journal commits (the image journals)
+        for q in ("p50", "p99"):
+            commit = _value(got[("Journal commit latency p50 / p99", q)])
+            assert 0 < commit <= 10 and math.isfinite(commit), (q, commit)
         assert pool in {
             r["metric"]["pool"] for r in prom_query(prometheus, "kvcoord_blocks_usable")
         }  # $pool values

@@ -50,6 +50,9 @@ async def run(cfg: ServerConfig, start_empty: bool = False, restored: bool = Fal
         restored=restored,
     )
     metrics.bind(running.servicer, asyncio.get_running_loop())
+    journal = getattr(running.servicer.registry.recorder, "journal", None)
+    if journal is not None:  # durability "journal": its commit latency is exported
+        journal.on_commit_seconds.append(metrics.journal_committed)
     metrics_addr = ""
     if cfg.server.metrics_listen:
         metrics_addr = metrics.start_http(cfg.server.metrics_listen, cfg.server.metrics_tls)

@@ -292,6 +292,11 @@ class Metrics(NullObserver):
             "grpc_server_handling_seconds", "Time to handle an RPC, until its last response.",
             ["grpc_service", "grpc_method", "grpc_type"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self.journal_commits = Histogram(
+            "kvcoord_journal_commit_seconds",
+            "Time to write and sync one group commit of journal records (what an acknowledged mutation waits for).",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self.handshake_refusals = Counter(
             "kvcoord_hash_handshake_refusals", "Attach calls refused because the client hashes differently.",
             ["pool"], registry=self.registry,
@@ -319,6 +324,10 @@ class Metrics(NullObserver):
     ) -> None:
         self.handled.labels(service, method, kind, status_name(context, ok)).inc()
         self.latency.labels(service, method, kind).observe(time.perf_counter() - t0)
+
+    def journal_committed(self, seconds: float) -> None:
+        """A journal commit of records took ``seconds`` (Journal.on_commit_seconds)."""
+        self.journal_commits.observe(seconds)
 
     # -- OperationObserver (the rest is inherited as no-ops) -------------------------
     def pool_created(self, service: PoolService) -> None:

@@ -156,3 +156,19 @@ def test_log_format_is_checked_and_taken_from_the_environment() -> None:
     assert load_config(env={}).server.log_format == "text"
     with pytest.raises(ConfigFileError, match="log_format"):
         load_config(env={"KVCOORD_LOG_FORMAT": "xml"})
+
+
+def test_startup_facts_are_logged_whatever_the_level() -> None:
+    """At log_level WARNING the INFO lines are gone, but the lifecycle events (where the
+    server listens, that it stopped) are still there: client.testing.start_server finds
+    the bound port in them."""
+    server = start_server('[server]\nlog_level = "WARNING"\n' + POOL_TOML, metrics=True, env=_env())
+    try:
+        with KVCoordClient(server.address, timeout=10) as c:
+            assert [p.name for p in c.list_pools().pools] == ["p"]
+    finally:
+        assert server.stop() == 0
+    log = server.log()
+    assert server.metrics_address and f"kvcoord metrics on http://{server.metrics_address}/metrics" in log
+    assert "created pool p " not in log  # an INFO line of another logger
+    assert log.rstrip().endswith("kvcoord stopped")

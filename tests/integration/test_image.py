@@ -73,7 +73,13 @@ def test_mounted_config_file_and_graceful_stop(tmp_path: Path) -> None:
         assert docker("stop", "-t", "20", name).returncode == 0
         assert time.monotonic() - t0 < 20  # it stopped on SIGTERM, not by the kill after the grace
         assert docker("inspect", "-f", "{{.State.ExitCode}}", name).stdout.strip() == "0"
-        assert "kvcoord stopped" in docker("logs", name).stdout
+        # the image logs JSON lines (KVCOORD_LOG_FORMAT=json) on stderr
+        logs = docker("logs", name)
+        events = [json.loads(line) for line in logs.stderr.splitlines() if line.strip()]
+        assert events[-1]["event"] == "kvcoord stopped" and events[-1]["logger"] == "kvcoord.lifecycle"
+        assert any(
+            e["event"].startswith("created pool mounted ") and e.get("pool") == "mounted" for e in events
+        )
     finally:
         docker("rm", "-f", name)
 

@@ -5,7 +5,8 @@
 #   docker run -v $PWD/kvcoord.toml:/etc/kvcoord/kvcoord.toml \
 #              -e KVCOORD_CONFIG=/etc/kvcoord/kvcoord.toml -p 50051:50051 kvcoord
 #
-# Environment: KVCOORD_LISTEN, KVCOORD_METRICS_LISTEN, KVCOORD_LOG_LEVEL, KVCOORD_CONFIG,
+# Environment: KVCOORD_LISTEN, KVCOORD_METRICS_LISTEN, KVCOORD_LOG_LEVEL, KVCOORD_LOG_FORMAT
+# (json here: one JSON object per line on stderr; text elsewhere), KVCOORD_CONFIG,
 # KVCOORD_AUTH_TOKENS, KVCOORD_TLS_{CERT,KEY,CLIENT_CA}, KVCOORD_METRICS_TLS_{CERT,KEY,CLIENT_CA}
 # (see the README). gRPC (50051) and /metrics (9400) both listen on every interface of
 # the container, as exporters do, so `docker run -P` or a scraper on the container
@@ -22,7 +23,8 @@ RUN python3 -m venv /opt/kvcoord
 COPY pyproject.toml README.md ./
 COPY client ./client
 COPY server ./server
-# Every dependency ships binary wheels: no compiler is needed, here or below.
+# Every dependency (pyproject.toml: grpcio, protobuf, prometheus-client, structlog, ...)
+# ships binary or pure-Python wheels: no compiler is needed, here or below.
 RUN /opt/kvcoord/bin/pip install --no-cache-dir . \
  && /opt/kvcoord/bin/kvcoord serve --print-default-config > /dev/null
 
@@ -36,7 +38,8 @@ ENV PATH=/opt/kvcoord/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     KVCOORD_LISTEN=0.0.0.0:50051 \
     KVCOORD_METRICS_LISTEN=0.0.0.0:9400 \
-    KVCOORD_DATA_DIR=/var/lib/kvcoord
+    KVCOORD_DATA_DIR=/var/lib/kvcoord \
+    KVCOORD_LOG_FORMAT=json
 # The journal (and lease marker): mount a volume here so allocations survive the container.
 # The path is absolute and overrides any config file's data_dir; a volume the kvcoord user
 # (10001) cannot write makes `kvcoord serve` refuse to start (exit 3) rather than run

@@ -110,3 +110,25 @@ def wait_for(predicate: Any, timeout: float = 60.0, interval: float = 0.5) -> An
             return last
         time.sleep(interval)
     return last
+
+
+class SchedulerRequest:
+    """What RemoteKVCacheManager reads of a vLLM request."""
+
+    def __init__(self, rid: str, tokens: list[int]) -> None:
+        self.request_id = rid
+        self.all_token_ids = tokens
+        self.num_computed_tokens = 0
+
+
+def mirrored_step(manager: Any, ref: Any, r: SchedulerRequest) -> bool:
+    """One scheduling attempt of ``r`` through the remote manager and the same on the
+    in-process reference engine ``ref``: their hits and refusals must agree. True when
+    the blocks were allocated."""
+    hit, n = manager.get_computed_blocks(r)
+    want = ref.get_computed_blocks(r.request_id)
+    assert n == want.num_tokens
+    new = manager.allocate_slots(r, len(r.all_token_ids) - n, n, hit)
+    exp = ref.allocate_slots(r.request_id, len(r.all_token_ids) - n, n, want)
+    assert (new is None) == (exp is None)
+    return new is not None

@@ -10,7 +10,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import METRICS_SCHEME, TLS, connect, http_get, metrics_text, prom_query, wait_for
+from conftest import (
+    METRICS_SCHEME,
+    TLS,
+    SchedulerRequest,
+    connect,
+    http_get,
+    metrics_text,
+    mirrored_step,
+    prom_query,
+    wait_for,
+)
 from kvcoord.client import NO_RETRY, KVCoordClient, RemoteKVCacheManager, TLSOptions, UnavailableError
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.conformance import load_trace, replay
@@ -67,13 +77,6 @@ def test_many_workers_against_the_container(target: str) -> None:
             c.delete_pool(pool)
 
 
-class _Req:
-    def __init__(self, rid: str, tokens: list[int]) -> None:
-        self.request_id = rid
-        self.all_token_ids = tokens
-        self.num_computed_tokens = 0
-
-
 def _known_workload(target: str, pool: str) -> dict[str, int]:
     """Run a fixed workload through the client and the same calls on an in-process engine;
     the engine's answers are the expected metric movements."""
@@ -93,16 +96,11 @@ def _known_workload(target: str, pool: str) -> dict[str, int]:
         prompts.append(list(range(5000, 5000 + 300)))  # unique: reuses (evicts) freed cached blocks
         prompts.append(list(range(9000, 9000 + 700)))  # 44 blocks > 39 usable: refused
         for i, tokens in enumerate(prompts):
-            r = _Req(f"q{i}", tokens)
+            r = SchedulerRequest(f"q{i}", tokens)
             ref.add_request(
                 r.request_id, r.all_token_ids, BlockHasher("sha256_cbor", 16, none).extend(r.all_token_ids)
             )
-            hit, n = m.get_computed_blocks(r)
-            want = ref.get_computed_blocks(r.request_id)
-            assert n == want.num_tokens
-            new = m.allocate_slots(r, len(r.all_token_ids) - n, n, hit)
-            exp = ref.allocate_slots(r.request_id, len(r.all_token_ids) - n, n, want)
-            assert (new is None) == (exp is None)
+            mirrored_step(m, ref, r)
             if i % 2:
                 m.free(r)
                 ref.free(r.request_id)
@@ -131,7 +129,7 @@ def test_metric_values_after_a_known_workload(target: str, metrics_address: str,
     assert got[("kvcoord_blocks_allocated_total", key)] == want["allocated"]
     assert got[("kvcoord_kv_events_published_total", key)] == want["events"]
     assert got[("kvcoord_kv_cache_usage_ratio", key)] == 0.0
-    assert got[("kvcoord_blocks_total", key)] == 39
+    assert got[("kvcoord_blocks_usable", key)] == 39
     # the real Prometheus scraped the same numbers
     expr = f'kvcoord_prefix_cache_hits_tokens_total{{pool="{pool}"}}'
     result = wait_for(

@@ -73,7 +73,13 @@ def test_mounted_config_file_and_graceful_stop(tmp_path: Path) -> None:
         assert docker("stop", "-t", "20", name).returncode == 0
         assert time.monotonic() - t0 < 20  # it stopped on SIGTERM, not by the kill after the grace
         assert docker("inspect", "-f", "{{.State.ExitCode}}", name).stdout.strip() == "0"
-        assert "kvcoord stopped" in docker("logs", name).stdout
+        # the image logs JSON lines (KVCOORD_LOG_FORMAT=json) on stderr
+        logs = docker("logs", name)
+        events = [json.loads(line) for line in logs.stderr.splitlines() if line.strip()]
+        assert events[-1]["event"] == "kvcoord stopped" and events[-1]["logger"] == "kvcoord.lifecycle"
+        assert any(
+            e["event"].startswith("created pool mounted ") and e.get("pool") == "mounted" for e in events
+        )
     finally:
         docker("rm", "-f", name)
 
@@ -96,12 +102,12 @@ def test_metrics_reach_a_scraper_in_another_container() -> None:
         scrape = f"import urllib.request; print(urllib.request.urlopen('http://{name}:9400/metrics', timeout=10).read().decode())"
         other = docker("run", "--rm", "--network", network, "--entrypoint", "python3", IMAGE, "-c", scrape)
         assert other.returncode == 0, other.stderr
-        assert 'kvcoord_blocks_total{pool="default"}' in other.stdout
+        assert 'kvcoord_blocks_usable{pool="default"}' in other.stdout
 
         def published(port: str) -> str:
             return docker("port", name, port).stdout.strip().splitlines()[0].rsplit(":", 1)[1]
 
-        assert 'kvcoord_blocks_total{pool="default"}' in http_get(
+        assert 'kvcoord_blocks_usable{pool="default"}' in http_get(
             f"http://127.0.0.1:{published('9400/tcp')}/metrics"
         )
         with KVCoordClient(f"127.0.0.1:{published('50051/tcp')}", timeout=10) as c:

@@ -65,7 +65,7 @@ def test_scrapes_see_one_consistent_state_while_pools_change() -> None:
             scrapes = 0
             while t.is_alive() and scrapes < 300:
                 m = _samples(server)
-                total = m[("kvcoord_blocks_total", "p")]
+                total = m[("kvcoord_blocks_usable", "p")]
                 free = m[("kvcoord_blocks_free", "p")]
                 assert m[("kvcoord_kv_cache_usage_ratio", "p")] == 1.0 - free / total
                 scrapes += 1

@@ -283,7 +283,7 @@ def test_serve_process_with_tls_from_environment(certs: CertFiles) -> None:
         assert refused(server.address, client_tls(certs, cert=False)) == grpc.StatusCode.UNAVAILABLE
         assert server.metrics_address is not None
         body = fetch(f"https://{server.metrics_address}/metrics", https_context(certs, client_cert=True))
-        assert "kvcoord_blocks_total" in body
+        assert "kvcoord_blocks_usable" in body
         log = server.log()
         assert "; mutual TLS" in log and f"https://{server.metrics_address}/metrics (mutual TLS)" in log
     finally:

@@ -66,7 +66,7 @@ def test_client_distribution_matches_the_root_one() -> None:
     rp, cp = root["project"], client["project"]
     assert cp["name"] == "kvcoord-client"
     assert (cp["version"], cp["requires-python"]) == (rp["version"], rp["requires-python"])
-    server_only = {"grpcio-reflection>=1.85.1", "prometheus-client>=0.20"}
+    server_only = {"grpcio-reflection>=1.85.1", "prometheus-client>=0.20", "structlog>=24.1"}
     assert set(cp["dependencies"]) == set(rp["dependencies"]) - server_only
     assert client["tool"]["setuptools"]["packages"] == ["kvcoord.client", "kvcoord.v1"]
     assert (CLIENT / "kvcoord" / "client" / "py.typed").exists()
@@ -106,7 +106,7 @@ def test_worker_installs_and_type_checks_the_client_alone(tmp_path: Path) -> Non
         "from kvcoord.client import KVCoordClient, RemoteKVCacheManager, BlockHasher\n"
         "assert kvcoord.client.__file__.startswith(sys.prefix), kvcoord.client.__file__\n"
         "for name in ('kvcoord.engine', 'kvcoord.service', 'kvcoord.conformance', 'prometheus_client',\n"
-        "             'grpc_reflection'):\n"
+        "             'grpc_reflection', 'structlog'):\n"
         "    assert importlib.util.find_spec(name) is None, name\n"
         "print('client only')\n"
     )

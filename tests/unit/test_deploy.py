@@ -74,8 +74,32 @@ def test_compose_file_is_valid() -> None:
 
 
 def _names_in(expr: str) -> set[str]:
-    names = set(re.findall(r"\b(kvcoord_[a-z_]+|grpc_server_[a-z_]+)", expr))
+    """Exported metric names an expression reads (not the recording rules' level:name:op)."""
+    names = set(re.findall(r"(?<![\w:])(kvcoord_[a-z_]+|grpc_server_[a-z_]+)(?![\w:])", expr))
     return names
+
+
+def _recorded_in(expr: str) -> set[str]:
+    return set(re.findall(r"\b([a-z_]+:[a-z_]+:[a-z0-9_]+)\b", expr))
+
+
+def test_promtool_unit_tests_of_the_alert_rules() -> None:
+    """`promtool test rules deploy/prometheus/alerts_test.yml`: every alert fires when
+    its condition has held for its `for` (not before, and not for the series beside it
+    that stay under the threshold), with its labels and annotations; the recording
+    rules compute what the dashboard reads."""
+    promtool = _tool("promtool")
+    tests = DEPLOY / "prometheus" / "alerts_test.yml"
+    proc = subprocess.run(
+        [promtool, "test", "rules", str(tests)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout
+    rules = yaml.safe_load((DEPLOY / "prometheus" / "alerts.yml").read_text())
+    alerts = {r["alert"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    unit = tests.read_text()
+    untested = {a for a in alerts if f"alertname: {a}" not in unit}
+    assert not untested, f"alerts without a promtool unit test: {sorted(untested)}"
 
 
 def test_dashboard_and_alerts_name_only_exported_metrics() -> None:
@@ -90,6 +114,9 @@ def test_dashboard_and_alerts_name_only_exported_metrics() -> None:
     assert used, "no metric names found"
     missing = used - exported
     assert not missing, f"not exported: {sorted(missing)}"
+    recorded = {r["record"] for g in rules["groups"] for r in g["rules"] if "record" in r}
+    read = set().union(*(_recorded_in(e) for e in exprs))
+    assert read - recorded == set(), f"recording rules read but not defined: {sorted(read - recorded)}"
     titles = {p["title"] for p in dash["panels"]}
     assert {"KV cache usage", "Prefix cache hit rate", "RPC rate by method", "RPC latency p50 / p99",
             "Allocation refusals", "KV events published"} <= titles  # fmt: skip

@@ -53,6 +53,7 @@ __all__ = [
     "Role",
     "Rule",
     "Tenant",
+    "checked_tenant",
     "current_tenant",
     "tenants_from_dict",
 ]
@@ -112,11 +113,19 @@ class Tenant:
 FULL_ACCESS = Tenant("", (Grant(("*",), frozenset(Role)),))
 
 _CALLER: contextvars.ContextVar[Tenant] = contextvars.ContextVar("kvcoord_caller", default=FULL_ACCESS)
+#: the tenant the check of the call being handled named (None before, or when it failed)
+_CHECKED: contextvars.ContextVar[Tenant | None] = contextvars.ContextVar("kvcoord_checked", default=None)
 
 
 def current_tenant() -> Tenant:
     """The tenant of the call being handled (full access outside a checked call)."""
     return _CALLER.get()
+
+
+def checked_tenant() -> Tenant | None:
+    """The tenant the call being handled was authenticated as; None when it was not
+    (refused before authentication, or not a checked call). For the access log."""
+    return _CHECKED.get()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -284,6 +293,7 @@ class AccessControl:
         """Make ``tenant`` the :func:`current_tenant` of the call being handled (the
         handler runs in the same task)."""
         _CALLER.set(tenant)
+        _CHECKED.set(tenant)
 
     def holds(self, tenant: Tenant, role: Role, pool: str) -> bool:
         """True when ``tenant`` holds ``role`` on ``pool``."""

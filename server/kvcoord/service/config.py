@@ -38,6 +38,7 @@ __all__ = [
 ENV_LISTEN = "KVCOORD_LISTEN"
 ENV_METRICS = "KVCOORD_METRICS_LISTEN"
 ENV_LOG_LEVEL = "KVCOORD_LOG_LEVEL"
+ENV_LOG_FORMAT = "KVCOORD_LOG_FORMAT"
 ENV_CONFIG = "KVCOORD_CONFIG"
 ENV_TOKENS = "KVCOORD_AUTH_TOKENS"
 ENV_TLS_PREFIX = "KVCOORD_TLS_"  # CERT, KEY, CLIENT_CA
@@ -62,6 +63,10 @@ class ServerSettings:
     session_lease_seconds: float = 30.0
     max_session_lease_seconds: float = 120.0
     log_level: str = "INFO"
+    #: "text" (readable lines) or "json" (one JSON object per line; logs.py)
+    log_format: str = "text"
+    #: one log line per RPC: method, tenant, pool, status, duration (logs.py)
+    access_log: bool = False
     auth_tokens: tuple[str, ...] = dataclasses.field(default=(), repr=False)  # secrets: never printed
     tls: TLSFiles = TLSFiles()
     metrics_tls: TLSFiles = TLSFiles()
@@ -103,6 +108,10 @@ class ServerSettings:
             raise ConfigFileError("server.snapshot_every must be > 0")
         if self.max_message_bytes <= 0:
             raise ConfigFileError("server.max_message_bytes must be > 0")
+        if self.log_format not in ("text", "json"):
+            raise ConfigFileError(f"server.log_format must be 'text' or 'json', got {self.log_format!r}")
+        if not isinstance(self.access_log, bool):
+            raise ConfigFileError(f"server.access_log must be true or false, got {self.access_log!r}")
 
     @property
     def journaled(self) -> bool:
@@ -365,6 +374,8 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         overrides["durability"] = env[ENV_DURABILITY].strip()
     if env.get(ENV_LOG_LEVEL):
         overrides["log_level"] = env[ENV_LOG_LEVEL].strip().upper()
+    if env.get(ENV_LOG_FORMAT):
+        overrides["log_format"] = env[ENV_LOG_FORMAT].strip().lower()
     for key, prefix in (("tls", ENV_TLS_PREFIX), ("metrics_tls", ENV_METRICS_TLS_PREFIX)):
         tls = tls_from_env(getattr(cfg.server, key), env, prefix)
         if tls != getattr(cfg.server, key):

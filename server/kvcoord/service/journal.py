@@ -49,6 +49,7 @@ import logging
 import os
 import secrets
 import sqlite3
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -365,6 +366,9 @@ class Journal:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-journal")
         #: called on the loop after each commit with the last committed seq
         self.on_commit: list[Callable[[int], None]] = []
+        #: called on the loop after each commit of records with how long it took, from
+        #: the batch leaving for the writer thread to its sync (metrics.py)
+        self.on_commit_seconds: list[Callable[[float], None]] = []
         #: called on the loop once, when a write fails (the server must stop serving)
         self.on_failure: list[Callable[[BaseException], None]] = []
 
@@ -440,6 +444,7 @@ class Journal:
         while (self._pending or self._snapshot is not None or self._compacting) and self.failed is None:
             batch, self._pending = self._pending, []
             snapshot = self._snapshot
+            t0 = time.perf_counter()
             try:
                 chunk = await loop.run_in_executor(
                     self._executor, self._write, batch, None if snapshot is None else snapshot[0]
@@ -480,6 +485,10 @@ class Journal:
             self._waiters = keep
             for callback in self.on_commit:
                 callback(self.committed)
+            if batch:
+                took = time.perf_counter() - t0
+                for timed in self.on_commit_seconds:
+                    timed(took)
 
     async def close(self) -> None:
         """Commit what is pending, then close the file."""

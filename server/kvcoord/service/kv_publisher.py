@@ -48,6 +48,7 @@ from typing import Any
 
 from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, hash_to_int64
 
+from .logs import ids
 from .registry import PoolRegistry
 
 __all__ = ["KVEventPublisher", "KVEventsDecl", "Publishers", "encode_batch", "kv_events_from_list"]
@@ -226,7 +227,9 @@ class KVEventPublisher:
                     return
                 self._send(events)
         except Exception:  # pragma: no cover - logged: a dead publisher must be visible
-            logger.exception("KV event publisher of pool %s stopped", self.decl.pool)
+            logger.exception(
+                "KV event publisher of pool %s stopped", self.decl.pool, extra=ids(pool=self.decl.pool)
+            )
         finally:
             self._pub.close(linger=0)
             if self._replay is not None:
@@ -247,7 +250,11 @@ class KVEventPublisher:
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
-            logger.warning("pool %s: ignored a malformed KV event replay request", self.decl.pool)
+            logger.warning(
+                "pool %s: ignored a malformed KV event replay request",
+                self.decl.pool,
+                extra=ids(pool=self.decl.pool),
+            )
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")
@@ -284,6 +291,7 @@ async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_secon
                 "pool %s: KV events were dropped before the publisher read them (event_buffer): "
                 "subscribers' indexes are incomplete",
                 decl.pool,
+                extra=ids(pool=decl.pool),
             )
         items = journal.since(cursor, limit=4096, upto=journal.visible_sequence)
         if not items:
@@ -313,6 +321,7 @@ class Publishers:
                 p.decl.pool,
                 p.endpoint,
                 f" (replay {p.replay_endpoint})" if p.replay_endpoint else "",
+                extra=ids(pool=p.decl.pool),
             )
 
     async def close(self) -> None:

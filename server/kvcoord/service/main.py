@@ -13,12 +13,14 @@ import sys
 from .config import ConfigFileError, ServerConfig, default_config_text, load_config
 from .journal import JournalError
 from .lease_marker import MarkerError
+from .logs import LIFECYCLE, AccessLogInterceptor, configure, ids
 from .server import start_server
 from .startup import DataDirError, JournalLostError
 
 __all__ = ["EXIT_CANNOT_START", "EXIT_JOURNAL_FAILED", "EXIT_JOURNAL_LOST", "run", "serve_from_cli"]
 
 logger = logging.getLogger("kvcoord")
+lifecycle = logging.getLogger(LIFECYCLE)
 
 #: Exit status when the journal, the lease marker or the data directory cannot be used
 #: at start (the message names the file).
@@ -43,15 +45,19 @@ async def run(cfg: ServerConfig, start_empty: bool = False, restored: bool = Fal
     running = await start_server(
         cfg,
         observer=metrics,
-        interceptors=[metrics.interceptor()],
+        interceptors=[metrics.interceptor(), *([AccessLogInterceptor()] if cfg.server.access_log else [])],
         start_empty=start_empty,
         restored=restored,
     )
     metrics.bind(running.servicer, asyncio.get_running_loop())
+    journal = getattr(running.servicer.registry.recorder, "journal", None)
+    if journal is not None:  # durability "journal": its commit latency is exported
+        journal.on_commit_seconds.append(metrics.journal_committed)
     metrics_addr = ""
     if cfg.server.metrics_listen:
         metrics_addr = metrics.start_http(cfg.server.metrics_listen, cfg.server.metrics_tls)
-    pools = ", ".join(sorted(running.servicer.registry.pools)) or "none"
+    pool_names = sorted(running.servicer.registry.pools)
+    pools = ", ".join(pool_names) or "none"
     st = cfg.server
     if st.journaled:
         rec = running.recovery
@@ -64,28 +70,42 @@ async def run(cfg: ServerConfig, start_empty: bool = False, restored: bool = Fal
             found += (
                 f"; behind what clients were told ({rec.restored}): sessions fenced, grace period applies"
             )
-        print(
-            f"kvcoord data directory {st.data_dir} (durability journal, synchronous {st.synchronous}; {found})",
-            flush=True,
+        lifecycle.info(
+            "kvcoord data directory %s (durability journal, synchronous %s; %s)",
+            st.data_dir,
+            st.synchronous,
+            found,
+            extra=ids(data_dir=st.data_dir, durability="journal", synchronous=st.synchronous),
         )
     else:
-        print("kvcoord durability none: a restart loses every pool and allocation", flush=True)
+        lifecycle.info(
+            "kvcoord durability none: a restart loses every pool and allocation", extra=ids(durability="none")
+        )
     startup = running.startup
     if startup is not None and startup.grace_until > startup.clock():
-        print(
-            f"kvcoord grace period: no block is handed out for {startup.grace_until - startup.clock():.1f} s "
-            f"({startup.reason or 'leases of an earlier instance'})",
-            flush=True,
+        left = startup.grace_until - startup.clock()
+        lifecycle.info(
+            "kvcoord grace period: no block is handed out for %.1f s (%s)",
+            left,
+            startup.reason or "leases of an earlier instance",
+            extra=ids(grace_seconds=round(left, 1)),
         )
-    print(
-        f"kvcoord serving gRPC on {', '.join(running.addresses)}; pools: {pools}; {cfg.server.tls.describe()}",
-        flush=True,
+    # tests and client.testing find the port a server bound (listen port 0) in this line
+    lifecycle.info(
+        "kvcoord serving gRPC on %s; pools: %s; %s",
+        ", ".join(running.addresses),
+        pools,
+        cfg.server.tls.describe(),
+        extra=ids(grpc=list(running.addresses), pools=pool_names, tls=cfg.server.tls.describe()),
     )
     if metrics_addr:
         scheme = "https" if cfg.server.metrics_tls.enabled else "http"
-        print(
-            f"kvcoord metrics on {scheme}://{metrics_addr}/metrics ({cfg.server.metrics_tls.describe()})",
-            flush=True,
+        url = f"{scheme}://{metrics_addr}/metrics"
+        lifecycle.info(
+            "kvcoord metrics on %s (%s)",
+            url,
+            cfg.server.metrics_tls.describe(),
+            extra=ids(metrics=url, tls=cfg.server.metrics_tls.describe()),
         )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -102,15 +122,16 @@ async def run(cfg: ServerConfig, start_empty: bool = False, restored: bool = Fal
         logger.critical("journal write failed: stopping (drain %.1fs), exit %d", drain, EXIT_JOURNAL_FAILED)
         await running.stop(drain)
         metrics.stop_http()
-        print(
-            f"kvcoord stopped: the journal or lease marker cannot be written (exit {EXIT_JOURNAL_FAILED})",
-            flush=True,
+        lifecycle.info(
+            "kvcoord stopped: the journal or lease marker cannot be written (exit %d)",
+            EXIT_JOURNAL_FAILED,
+            extra=ids(exit=EXIT_JOURNAL_FAILED),
         )
         return EXIT_JOURNAL_FAILED
     logger.info("shutting down (grace %.1fs)", cfg.server.grace_seconds)
     await running.stop()
     metrics.stop_http()
-    print("kvcoord stopped", flush=True)
+    lifecycle.info("kvcoord stopped")
     return 0
 
 
@@ -134,10 +155,7 @@ def serve_from_cli(args: argparse.Namespace) -> int:
     if cfg.server.data_dir:
         data_dir = os.path.abspath(cfg.server.data_dir)
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, data_dir=data_dir))
-    logging.basicConfig(
-        level=getattr(logging, cfg.server.log_level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure(cfg.server.log_level, cfg.server.log_format, cfg.server.access_log)
     try:
         return asyncio.run(
             run(
@@ -147,8 +165,8 @@ def serve_from_cli(args: argparse.Namespace) -> int:
             )
         )
     except JournalLostError as exc:
-        print(f"kvcoord: cannot start: {exc}", file=sys.stderr, flush=True)
+        lifecycle.critical("kvcoord: cannot start: %s", exc)
         return EXIT_JOURNAL_LOST
     except (JournalError, MarkerError, DataDirError) as exc:
-        print(f"kvcoord: cannot start: {exc}", file=sys.stderr, flush=True)
+        lifecycle.critical("kvcoord: cannot start: %s", exc)
         return EXIT_CANNOT_START

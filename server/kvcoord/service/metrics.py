@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from .intercept import observed, status_name
 from .pool_service import PoolService
 from .servicer import NullObserver
 from .tls import TLSFiles
@@ -76,7 +77,7 @@ class _PoolCollector(Collector):
             "kvcoord_blocks_free", "Free KV blocks (cached-but-unreferenced count as free).", labels=["pool"]
         )
         total = GaugeMetricFamily(
-            "kvcoord_blocks_total", "Usable KV blocks (num_blocks - 1).", labels=["pool"]
+            "kvcoord_blocks_usable", "Usable KV blocks (num_blocks - 1).", labels=["pool"]
         )
         live = GaugeMetricFamily("kvcoord_requests", "Requests the pool tracks.", labels=["pool"])
         sessions = GaugeMetricFamily("kvcoord_attached_clients", "Live client sessions.", labels=["pool"])
@@ -262,45 +263,14 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):
         full = details.method.lstrip("/")
         service, _, method = full.partition("/")
         m = self.m
-        if handler.unary_unary is not None:
-            inner = handler.unary_unary
 
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                m.started.labels(service, method, "unary").inc()
-                t0 = time.perf_counter()
-                ok = False
-                try:
-                    result = await inner(request, context)
-                    ok = True
-                    return result
-                finally:
-                    m.finish(service, method, "unary", context, ok, t0)
+        def begin(kind: str) -> None:
+            m.started.labels(service, method, kind).inc()
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            inner_stream = handler.unary_stream
+        def end(kind: str, _request: Any, context: grpc.aio.ServicerContext, ok: bool, t0: float) -> None:
+            m.finish(service, method, kind, context, ok, t0)
 
-            async def stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                m.started.labels(service, method, "server_stream").inc()
-                t0 = time.perf_counter()
-                ok = False
-                try:
-                    async for item in inner_stream(request, context):
-                        yield item
-                    ok = True
-                finally:
-                    m.finish(service, method, "server_stream", context, ok, t0)
-
-            return grpc.unary_stream_rpc_method_handler(
-                stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        return observed(handler, begin, end)
 
 
 class Metrics(NullObserver):
@@ -321,6 +291,11 @@ class Metrics(NullObserver):
         self.latency = Histogram(
             "grpc_server_handling_seconds", "Time to handle an RPC, until its last response.",
             ["grpc_service", "grpc_method", "grpc_type"], buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.journal_commits = Histogram(
+            "kvcoord_journal_commit_seconds",
+            "Time to write and sync one group commit of journal records (what an acknowledged mutation waits for).",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.handshake_refusals = Counter(
             "kvcoord_hash_handshake_refusals", "Attach calls refused because the client hashes differently.",
@@ -347,15 +322,12 @@ class Metrics(NullObserver):
     def finish(
         self, service: str, method: str, kind: str, context: grpc.aio.ServicerContext, ok: bool, t0: float
     ) -> None:
-        code = context.code()
-        if code is None:
-            name = "OK" if ok else "CANCELLED"
-        elif isinstance(code, grpc.StatusCode):
-            name = code.name
-        else:
-            name = grpc.StatusCode(code).name if not isinstance(code, int) else _code_name(code)
-        self.handled.labels(service, method, kind, name).inc()
+        self.handled.labels(service, method, kind, status_name(context, ok)).inc()
         self.latency.labels(service, method, kind).observe(time.perf_counter() - t0)
+
+    def journal_committed(self, seconds: float) -> None:
+        """A journal commit of records took ``seconds`` (Journal.on_commit_seconds)."""
+        self.journal_commits.observe(seconds)
 
     # -- OperationObserver (the rest is inherited as no-ops) -------------------------
     def pool_created(self, service: PoolService) -> None:
@@ -397,10 +369,3 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
-
-
-def _code_name(value: int) -> str:
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return str(code.name)
-    return "UNKNOWN"

@@ -24,6 +24,7 @@ from .convert import MAX_MODEL_LEN_UNLIMITED, config_from_pb
 from .durability import Recorder
 from .errors import ServiceError
 from .idempotency import IdempotencyStore
+from .logs import ids
 from .pool_service import Fence, Limits, PoolService
 from .positions import JournalPositions
 from .sessions import SessionTable
@@ -141,7 +142,9 @@ class PoolRegistry:
             if incarnation is None:
                 raise
             need = 0
-            logger.warning("recovered pool %s does not fit max_pool_memory_bytes; kept", name)
+            logger.warning(
+                "recovered pool %s does not fit max_pool_memory_bytes; kept", name, extra=ids(pool=name)
+            )
         fence = Fence(self.instance_id, incarnation or secrets.randbits(63) or 1)
         hash_settings = (config_pb.hash_algo, config_pb.hash_block_size, config_pb.hash_seed)
         wire = pb.PoolConfig()
@@ -161,6 +164,7 @@ class PoolRegistry:
             config.num_blocks,
             config.coordinator_kind,
             fence.incarnation,
+            extra=ids(pool=name, incarnation=fence.incarnation),
         )
         return service, True
 
@@ -198,7 +202,7 @@ class PoolRegistry:
         service.owners.clear()
         service.events.close()
         self.recorder.pool_deleted(name)
-        logger.info("deleted pool %s", name)
+        logger.info("deleted pool %s", name, extra=ids(pool=name))
         return service
 
     def reap_expired_sessions(self) -> list[tuple[str, str, int]]:
@@ -220,6 +224,7 @@ class PoolRegistry:
                 s.client_name,
                 s.pool,
                 freed,
+                extra=ids(pool=s.pool, session=s.session_id, tenant=s.tenant or None, requests_freed=freed),
             )
             out.append((s.session_id, s.pool, freed))
         self.idempotency.expire()

@@ -19,6 +19,7 @@ from .config import ServerConfig
 from .durability import JournalRecorder
 from .idempotency import IdempotencyStore
 from .kv_publisher import Publishers
+from .logs import ids
 from .recovery import Recovery, fence_restored, open_journal
 from .registry import GcFreezer, PoolRegistry
 from .servicer import AllocatorServicer, OperationObserver, add_servicer
@@ -253,6 +254,7 @@ async def start_server(
                     "pool %s: the journaled pool differs from the configured one and is kept "
                     "(delete it over the wire to apply the new layout)",
                     decl.name,
+                    extra=ids(pool=decl.name),
                 )
             continue
         handle, _ = registry.create(decl.name, decl.config)

@@ -857,7 +857,7 @@ class ServerLimits(_message.Message):
     def __init__(self, max_pools: _Optional[int] = ..., max_blocks_per_pool: _Optional[int] = ..., max_requests_per_pool: _Optional[int] = ..., max_ops_per_step: _Optional[int] = ..., event_buffer: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., max_pool_memory_bytes: _Optional[int] = ..., pool_memory_bytes: _Optional[int] = ..., pool_block_bytes: _Optional[int] = ..., pool_token_bytes: _Optional[int] = ..., max_sessions_per_tenant: _Optional[int] = ..., tenant_sessions: _Optional[int] = ..., max_session_lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., idempotency_max_bytes: _Optional[int] = ..., idempotency_bytes: _Optional[int] = ..., idempotency_keys: _Optional[int] = ..., server_sessions: _Optional[int] = ..., max_name_length: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., max_idempotency_key_length: _Optional[int] = ..., max_client_name_length: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats", "fence", "limits", "pool_memory_bytes", "event_buffer_bytes", "event_buffer_max_bytes", "reservations")
+    __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats", "fence", "limits", "pool_memory_bytes", "event_buffer_bytes", "event_buffer_max_bytes", "reservations", "num_sessions")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -869,6 +869,7 @@ class GetStatsResponse(_message.Message):
     EVENT_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVENT_BUFFER_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     num_total_blocks: int
     usage: float
@@ -880,7 +881,8 @@ class GetStatsResponse(_message.Message):
     event_buffer_bytes: int
     event_buffer_max_bytes: int
     reservations: ReservationStats
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., pool_memory_bytes: _Optional[int] = ..., event_buffer_bytes: _Optional[int] = ..., event_buffer_max_bytes: _Optional[int] = ..., reservations: _Optional[_Union[ReservationStats, _Mapping]] = ...) -> None: ...
+    num_sessions: int
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., pool_memory_bytes: _Optional[int] = ..., event_buffer_bytes: _Optional[int] = ..., event_buffer_max_bytes: _Optional[int] = ..., reservations: _Optional[_Union[ReservationStats, _Mapping]] = ..., num_sessions: _Optional[int] = ...) -> None: ...
 
 class CheckPoolRequest(_message.Message):
     __slots__ = ("pool",)

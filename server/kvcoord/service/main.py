@@ -13,7 +13,7 @@ import sys
 from .config import ConfigFileError, ServerConfig, default_config_text, load_config
 from .journal import JournalError
 from .lease_marker import MarkerError
-from .server import start_server
+from .server import ListenError, start_server
 from .startup import DataDirError, JournalLostError
 
 __all__ = ["EXIT_CANNOT_START", "EXIT_JOURNAL_FAILED", "EXIT_JOURNAL_LOST", "run", "serve_from_cli"]
@@ -50,7 +50,13 @@ async def run(cfg: ServerConfig, start_empty: bool = False, restored: bool = Fal
     metrics.bind(running.servicer, asyncio.get_running_loop())
     metrics_addr = ""
     if cfg.server.metrics_listen:
-        metrics_addr = metrics.start_http(cfg.server.metrics_listen, cfg.server.metrics_tls)
+        try:
+            metrics_addr = metrics.start_http(cfg.server.metrics_listen, cfg.server.metrics_tls)
+        except OSError as exc:
+            await running.stop(0, snapshot=False)
+            raise ListenError(
+                f"cannot serve metrics on {cfg.server.metrics_listen}: {exc.strerror or exc}"
+            ) from None
     pools = ", ".join(sorted(running.servicer.registry.pools)) or "none"
     st = cfg.server
     if st.journaled:
@@ -149,6 +155,6 @@ def serve_from_cli(args: argparse.Namespace) -> int:
     except JournalLostError as exc:
         print(f"kvcoord: cannot start: {exc}", file=sys.stderr, flush=True)
         return EXIT_JOURNAL_LOST
-    except (JournalError, MarkerError, DataDirError) as exc:
+    except (JournalError, MarkerError, DataDirError, ListenError) as exc:
         print(f"kvcoord: cannot start: {exc}", file=sys.stderr, flush=True)
         return EXIT_CANNOT_START

@@ -453,6 +453,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             event_buffer_bytes=service.events.bytes,
             event_buffer_max_bytes=service.events.max_bytes,
             reservations=reservation_stats_to_pb(e.reservations),
+            num_sessions=len(self.registry.sessions.of_pool(service.name)),
         )
 
     def _limits(self) -> pb.ServerLimits:

@@ -146,6 +146,34 @@ def test_pools_create_inspect_check_delete(server: DurableServer, client: KVCoor
         assert "not found" in one_line_error(proc) and "cli-made" in proc.stderr
 
 
+def test_sessions_of_a_pool(server: DurableServer, client: KVCoordClient) -> None:
+    """`kvcoord sessions --pool p` lists the pool's live sessions with their client name,
+    requests and lease; a pool that does not exist is exit 8."""
+    a, fa = attach(client, "p", client_name="worker-a", lease_seconds=60)
+    b, fb = attach(client, "p", client_name="worker-b", lease_seconds=60)
+    client.step(
+        "p", [allocate("sess-1", list(range(40, 48)), 8), allocate("sess-2", list(range(50, 58)), 8)], a, fa
+    )
+    try:
+        proc = run(server, "sessions", "--pool", "p", "--json")
+        assert proc.returncode == 0, proc.stderr
+        got = {s["session_id"]: s for s in json.loads(proc.stdout)["sessions"]}
+        assert (got[a]["client_name"], got[a]["num_requests"]) == ("worker-a", 2)
+        assert (got[b]["client_name"], got[b]["num_requests"]) == ("worker-b", 0)
+        assert 0 < got[a]["expires_in_seconds"] <= got[a]["lease_seconds"] == 60
+        text = run(server, "sessions", "--pool", "p")
+        row = next(line for line in text.stdout.splitlines() if line.startswith(a))
+        assert row.split()[1:4] == ["worker-a", "(full", "access)"] and row.split()[4] == "2"
+        client.detach(b, fb)
+        after = json.loads(run(server, "sessions", "--pool", "p", "--json").stdout)["sessions"]
+        assert b not in {s["session_id"] for s in after} and a in {s["session_id"] for s in after}
+    finally:
+        client.detach(a, fa)
+    unknown = run(server, "sessions", "--pool", "no-such-pool")
+    assert unknown.returncode == client_cli.EXIT_NOT_FOUND
+    assert "no-such-pool" in one_line_error(unknown)
+
+
 def test_unreachable_server_and_refused_credential(server: DurableServer) -> None:
     """An unreachable server is exit 6, a refused or missing token exit 7: one line each."""
     with socket.socket() as s:

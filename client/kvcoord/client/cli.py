@@ -230,13 +230,13 @@ def _msg_dict(message: Any) -> dict[str, Any]:
     )
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Left-aligned first column, right-aligned numbers."""
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 2) -> str:
+    """The first ``left`` columns left-aligned, the rest (numbers) right-aligned."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def line(cells: Sequence[str]) -> str:
         parts = [
-            c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
         ]
         return "  ".join(parts).rstrip()
 
@@ -456,6 +456,56 @@ def pools_check(conn: Connection, name: str) -> None:
         raise SystemExit(EXIT_FAILED_CHECK)
 
 
+# -- sessions ---------------------------------------------------------------------------
+
+
+def session_rows(response: pb.ListSessionsResponse) -> list[dict[str, Any]]:
+    """``kvcoord sessions`` as plain values (the --json form)."""
+    return [
+        {
+            "session_id": s.session_id,
+            "client_name": s.client_name,
+            "tenant": s.tenant,
+            "exclusive": s.exclusive,
+            "lease_seconds": s.lease_seconds,
+            "expires_in_seconds": s.expires_in_seconds,
+            "num_requests": s.num_requests,
+        }
+        for s in response.sessions
+    ]
+
+
+def sessions_table(rows: Sequence[dict[str, Any]]) -> str:
+    cells = [
+        [
+            r["session_id"],
+            r["client_name"] or "-",
+            r["tenant"] or "(full access)",
+            str(r["num_requests"]),
+            f"{r['expires_in_seconds']:.1f}s" if r["expires_in_seconds"] > 0 else "expired",
+            "yes" if r["exclusive"] else "",
+        ]
+        for r in rows
+    ]
+    return _table(["SESSION", "CLIENT", "TENANT", "REQUESTS", "LEASE LEFT", "EXCLUSIVE"], cells, left=3)
+
+
+@click.command()
+@click.option("--pool", required=True, help="the pool whose sessions to list")
+@connection_options()
+def sessions(conn: Connection, pool: str) -> None:
+    """The live sessions attached to a pool, every tenant's (administrators):
+    the client name, the tenant, the requests each holds and the lease left."""
+    with conn.client() as c:
+        rows = session_rows(c.list_sessions(pool))
+    if conn.as_json:
+        _emit_json({"pool": pool, "sessions": rows})
+    elif rows:
+        click.echo(sessions_table(rows))
+    else:
+        click.echo(f"no sessions on pool {pool}")
+
+
 # -- events -----------------------------------------------------------------------------
 
 
@@ -575,7 +625,7 @@ def events(
     seconds: float,
     limit: int | None,
 ) -> None:
-    """Stream pool POOL's KV events (BlockStored, BlockRemoved, AllBlocksCleared).
+    """Stream a pool's KV events (BlockStored, BlockRemoved, AllBlocksCleared).
 
     Each line names its sequence number. A GAP line says events were dropped from the
     server's buffer before they were read (resynchronise); a RESET line says the server
@@ -735,7 +785,7 @@ def health(conn: Connection, service: str) -> None:
 # -- the group ------------------------------------------------------------------------
 
 #: the commands that need only the client library
-client_commands: list[click.Command] = [status, pools, events, score, health]
+client_commands: list[click.Command] = [status, pools, sessions, events, score, health]
 
 
 @click.group(epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})

@@ -1103,3 +1103,35 @@ class ReservationStats(_message.Message):
     got_tokens: int
     short_hits: int
     def __init__(self, live: _Optional[int] = ..., made: _Optional[int] = ..., adopted: _Optional[int] = ..., expired: _Optional[int] = ..., promised_tokens: _Optional[int] = ..., got_tokens: _Optional[int] = ..., short_hits: _Optional[int] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "client_name", "tenant", "exclusive", "lease_seconds", "expires_in_seconds", "num_requests")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    client_name: str
+    tenant: str
+    exclusive: bool
+    lease_seconds: float
+    expires_in_seconds: float
+    num_requests: int
+    def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., tenant: _Optional[str] = ..., exclusive: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., num_requests: _Optional[int] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions", "fence")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    fence: Fence
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...

@@ -500,6 +500,27 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         )
 
     @map_errors
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSessionsResponse:
+        service = self.registry.get(request.pool)
+        return pb.ListSessionsResponse(
+            sessions=[
+                pb.SessionInfo(
+                    session_id=s.session_id,
+                    client_name=s.client_name,
+                    tenant=s.tenant,
+                    exclusive=s.exclusive,
+                    lease_seconds=s.lease_seconds,
+                    expires_in_seconds=left,
+                    num_requests=len(s.owned),
+                )
+                for s, left in self.registry.sessions.listing(service.name)
+            ],
+            fence=fence_to_pb(service.fence),
+        )
+
+    @map_errors
     async def InspectPool(
         self, request: pb.InspectPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.InspectPoolResponse:

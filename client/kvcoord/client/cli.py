@@ -108,6 +108,8 @@ def _exit_for(err: KVCoordError) -> tuple[int, str]:
         return EXIT_UNAUTHORIZED, "permission denied"
     if isinstance(err, NotFoundError):
         return EXIT_NOT_FOUND, "not found"
+    if err.code == grpc.StatusCode.UNIMPLEMENTED:
+        return EXIT_REFUSED, "the server is older than this command"
     return EXIT_REFUSED, "refused"
 
 

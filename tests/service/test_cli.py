@@ -5,9 +5,13 @@ and every documented error; formatting through click's CliRunner."""
 from __future__ import annotations
 
 import json
+import queue
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -226,6 +230,82 @@ def test_events_follow_resume_gap_and_reset(
         assert "resume with --after" in other.stderr
     finally:
         client.detach(sid, fence)
+
+
+def test_events_follow_resumes_across_a_server_restart(tmp_path: Path) -> None:
+    """`kvcoord events --follow` outlives a SIGKILLed and restarted server: it says the
+    stream was lost, resumes after the last event it read (the journaled pool's history
+    goes on: the next event, no gap, no reset, the new instance's fence), and SIGINT
+    stops it cleanly (exit 0) with the state file at the last event."""
+    srv = DurableServer(
+        tmp_path,
+        small_pool(64).replace(
+            "enable_caching = true", "enable_caching = true\nenable_kv_cache_events = true"
+        ),
+    )
+    srv.start()
+    state = tmp_path / "follow.json"
+    e = env()
+    e.update(KVCOORD_TARGET=srv.address)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcoord.service.cli", "events", "--pool", "p", "--follow", "--json",
+         "--state-file", str(state)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
+    )  # fmt: skip
+    lines: list[dict[str, Any]] = []
+    received: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    reader = threading.Thread(target=lambda: [received.put(line) for line in proc.stdout], daemon=True)  # type: ignore[union-attr]
+    reader.start()
+
+    def read_until(pred: Any) -> dict[str, Any]:
+        """The next event printed that ``pred`` accepts (30 s at most per line)."""
+        for _ in range(50):
+            try:
+                line = received.get(timeout=30)
+            except queue.Empty:
+                raise AssertionError(f"no event line within 30 s after {lines}") from None
+            lines.append(json.loads(line))
+            if pred(lines[-1]):
+                return lines[-1]
+        raise AssertionError(lines)
+
+    try:
+        with KVCoordClient(srv.address) as c:
+            sid, fence = attach(c, "p")
+            c.step("p", [allocate("before", list(range(8)), 8)], sid, fence)
+        first = read_until(lambda ev: ev["type"] == "block_stored")
+        srv.kill()
+        srv.start()
+        with KVCoordClient(srv.address) as c:
+            sid, fence = attach(c, "p")
+            c.step("p", [allocate("after", list(range(900, 908)), 8)], sid, fence)
+            new_fence = f"{fence.instance_id}:{fence.incarnation}"
+        resumed = read_until(lambda ev: ev["sequence"] > first["sequence"])
+        assert (resumed["sequence"], resumed["type"]) == (first["sequence"] + 1, "block_stored")
+        assert (resumed["fence"], resumed["gap"], resumed["reset"]) == (new_fence, False, False)
+        assert resumed["fence"] != first["fence"]
+        for _ in range(100):  # the state file is written right after the line is printed
+            if state.exists() and json.loads(state.read_text())["after_sequence"] == resumed["sequence"]:
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        assert "kvcoord: stream lost" in err and "kvcoord: stream resumed" in err, err
+        assert "Traceback" not in err
+        saved = json.loads(state.read_text())
+        assert (saved["after_sequence"], saved["fence"]) == (lines[-1]["sequence"], new_fence)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        reader.join(10)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        srv.stop()
 
 
 def test_score_a_prompt_file(server: DurableServer, client: KVCoordClient, tmp_path: Path) -> None:

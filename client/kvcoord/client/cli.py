@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib import metadata
@@ -68,6 +69,9 @@ EXIT_CODES_HELP = (
     "8 pool unknown; 9 other refusal by the server. serve: 2 bad config, 3 cannot start "
     "(port in use, data directory), 4 journal write failed, 5 journal lost."
 )
+
+#: how often ``events --follow`` tries to resume a lost stream
+FOLLOW_RETRY_SECONDS = 1.0
 
 #: a few quick retries of read calls (a server restarting); never the default 30 s
 CLI_RETRY = RetryPolicy(initial_backoff=0.05, max_backoff=0.5, deadline=2.0, max_attempts=3)
@@ -633,7 +637,9 @@ def events(
     server's buffer before they were read (resynchronise); a RESET line says the server
     or the pool is not the one --fence (or the state file) names: what was read before
     belongs to another history. Resume with --after N --fence INSTANCE:INCARNATION (the
-    last line's, printed at the end) or let --state-file keep them.
+    last line's, printed at the end) or let --state-file keep them. With --follow a
+    stream lost to a server restart is resumed after the last event read (a journaled
+    pool's history goes on across restarts; a server that lost it answers with a RESET).
     """
     fence = _parse_fence(fence_text)
     state_path = Path(state_file) if state_file else None
@@ -642,30 +648,53 @@ def events(
     position = after or 0
     last_fence = fence
     count = 0
+    lost = False
     with conn.client() as c:
-        if fence is None:
-            c.get_pool(pool)  # an unknown pool is one error line, not a silent empty stream
-        stream = c.watch_events(pool, position, timeout=None if follow else seconds, fence=fence)
-        try:
-            for msg in stream:
-                if conn.as_json:
-                    click.echo(json.dumps(event_dict(msg), sort_keys=True))
-                else:
-                    for line in event_lines(msg, position):
-                        click.echo(line)
-                position, last_fence = msg.sequence, msg.fence
-                if state_path is not None:
-                    _write_state(state_path, pool, position, msg.fence)
-                count += 1
-                if limit is not None and count >= limit:
+        c.get_pool(pool)  # an unknown pool is one error line, not a silent empty stream
+        while True:
+            stream = c.watch_events(pool, position, timeout=None if follow else seconds, fence=last_fence)
+            try:
+                for msg in stream:
+                    if lost:
+                        click.echo("kvcoord: stream resumed", err=True)
+                        lost = False
+                    if conn.as_json:
+                        click.echo(json.dumps(event_dict(msg), sort_keys=True))
+                    else:
+                        for line in event_lines(msg, position):
+                            click.echo(line)
+                    position, last_fence = msg.sequence, msg.fence
+                    if state_path is not None:
+                        _write_state(state_path, pool, position, msg.fence)
+                    count += 1
+                    if limit is not None and count >= limit:
+                        break
+                if not follow or (limit is not None and count >= limit):
                     break
-        except KeyboardInterrupt:
-            pass
-        finally:
-            getattr(stream, "close", lambda: None)()  # ends the call (a generator)
+                # --follow: the server ended the stream (it is stopping): resume
+                lost = _lost(lost, "the server ended the stream")
+            except UnavailableError as err:
+                if not follow:
+                    raise
+                lost = _lost(lost, _one_line(err.message))
+            except KeyboardInterrupt:
+                break
+            finally:
+                getattr(stream, "close", lambda: None)()  # ends the call (a generator)
+            try:
+                time.sleep(FOLLOW_RETRY_SECONDS)
+            except KeyboardInterrupt:
+                break
     if not conn.as_json:
         where = f" --after {position} --fence {_fence_text(last_fence)}" if last_fence is not None else ""
         click.echo(f"{count} event(s); resume with{where or ' --after ' + str(position)}", err=True)
+
+
+def _lost(already: bool, why: str) -> bool:
+    """Say once per outage that --follow lost the stream and keeps trying."""
+    if not already:
+        click.echo(f"kvcoord: stream lost ({why}); resuming every {FOLLOW_RETRY_SECONDS:g} s", err=True)
+    return True
 
 
 # -- score ------------------------------------------------------------------------------

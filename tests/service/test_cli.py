@@ -26,6 +26,13 @@ from kvcoord.client.routing import PoolRouter
 from kvcoord.v1 import allocator_pb2 as pb
 
 TOKEN = "operator-secret"
+#: a tenant that may only use pool p (no observe, no administer)
+WORKER_TOKEN = "worker-secret"
+WORKER_TENANT = f"""
+[tenants.worker]
+tokens = ["{WORKER_TOKEN}"]
+grants = [{{ pools = ["p"], roles = ["use"] }}]
+"""
 #: the pool's event buffer keeps this many events (older ones are dropped: gaps)
 EVENT_BUFFER = 6
 
@@ -57,7 +64,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DurableServer]:
         f"[limits]\nevent_buffer = {EVENT_BUFFER}\n"
         + small_pool(64).replace(
             "enable_caching = true", "enable_caching = true\nenable_kv_cache_events = true"
-        ),
+        )
+        + WORKER_TENANT,
     )
     # a full-access operator token (auth_tokens) in the [server] table
     s.config.write_text(
@@ -148,6 +156,21 @@ def test_pools_create_inspect_check_delete(server: DurableServer, client: KVCoor
         proc = run(server, *args)
         assert proc.returncode == client_cli.EXIT_NOT_FOUND, (args, proc.stderr)
         assert "not found" in one_line_error(proc) and "cli-made" in proc.stderr
+
+
+def test_a_tenant_without_the_roles(server: DurableServer) -> None:
+    """A tenant with only the use role sees the pool in `status` without its statistics
+    (exit 0), and `sessions` (administer) is a refused credential: exit 7, one line."""
+    proc = kvcoord("status", KVCOORD_TARGET=server.address, KVCOORD_TOKEN=WORKER_TOKEN)
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.split()[0] == "p")
+    assert row.split()[-5:] == ["?"] * 5
+    as_json = kvcoord("status", "--json", KVCOORD_TARGET=server.address, KVCOORD_TOKEN=WORKER_TOKEN)
+    (p,) = json.loads(as_json.stdout)["pools"]
+    assert p["pool"] == "p" and p["unreadable"] and "blocks_used" not in p
+    refused = kvcoord("sessions", "--pool", "p", KVCOORD_TARGET=server.address, KVCOORD_TOKEN=WORKER_TOKEN)
+    assert refused.returncode == client_cli.EXIT_UNAUTHORIZED
+    assert one_line_error(refused).startswith("kvcoord: permission denied")
 
 
 def test_sessions_of_a_pool(server: DurableServer, client: KVCoordClient) -> None:
@@ -387,7 +410,10 @@ def test_status_table_formatting() -> None:
         pb.PoolInfo(name="b", coordinator="unitary"), _stats(num_total_blocks=9, num_free_blocks=9)
     )
     assert fresh["hit_rate"] is None
-    lines = client_cli.status_table([row, fresh]).splitlines()
+    hidden = {"pool": "c", "coordinator": "hybrid", "groups": 1, "unreadable": "PERMISSION_DENIED"}
+    lines = client_cli.status_table([row, fresh, hidden]).splitlines()
+    assert lines[3].split() == ["c", "hybrid", "(1", "group)", "?", "?", "?", "?", "?"]
+    assert lines[4].startswith("? no observe role")
     assert lines[1].split() == ["alpha", "hybrid", "(2", "groups)", "75/100", "75.0%", "25.0%", "3", "2"]
     assert lines[2].split() == ["b", "unitary", "(0", "groups)", "0/9", "0.0%", "-", "0", "0"]
 

@@ -279,15 +279,24 @@ def status_table(rows: Sequence[dict[str, Any]]) -> str:
         [
             r["pool"],
             f"{r['coordinator']} ({r['groups']} group{'s' if r['groups'] != 1 else ''})",
-            f"{r['blocks_used']}/{r['blocks_total']}",
-            f"{100 * r['usage']:.1f}%",
-            "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%",
-            str(r["live_requests"]),
-            str(r["sessions"]),
+            *(
+                ["?"] * 5
+                if r.get("unreadable")
+                else [
+                    f"{r['blocks_used']}/{r['blocks_total']}",
+                    f"{100 * r['usage']:.1f}%",
+                    "-" if r["hit_rate"] is None else f"{100 * r['hit_rate']:.1f}%",
+                    str(r["live_requests"]),
+                    str(r["sessions"]),
+                ]
+            ),
         ]
         for r in rows
     ]
-    return _table(headers, cells)
+    table = _table(headers, cells)
+    if any(r.get("unreadable") for r in rows):
+        table += "\n? no observe role on this pool: its statistics are not yours to read"
+    return table
 
 
 @click.command()
@@ -311,6 +320,16 @@ def status(conn: Connection) -> None:
             try:
                 stats = c.get_stats(info.name)
             except NotFoundError:  # deleted between the two calls
+                continue
+            except PermissionDeniedError as err:  # a tenant with only the use role on it
+                rows.append(
+                    {
+                        "pool": info.name,
+                        "coordinator": info.coordinator,
+                        "groups": len(info.config.groups),
+                        "unreadable": _one_line(err.message),
+                    }
+                )
                 continue
             rows.append(pool_status(info, stats))
     if conn.as_json:
@@ -391,7 +410,7 @@ def pools_create(conn: Connection, name: str, config_file: str | None, **flags: 
 
 @pools.command("delete")
 @click.argument("name")
-@click.option("--yes", is_flag=True, help="do not ask (scripts)")
+@click.option("--yes", is_flag=True, help="do not ask (scripts; --json does not ask either)")
 @connection_options()
 def pools_delete(conn: Connection, name: str, yes: bool) -> None:
     """Delete pool NAME, its sessions and requests (their block ids become void)."""
@@ -794,7 +813,7 @@ def score(
 
 @click.command()
 @click.option("--service", default="", help="service name (default: the whole server)")
-@connection_options(default_timeout=3.0, json_flag=False)
+@connection_options(default_timeout=3.0)
 def health(conn: Connection, service: str) -> None:
     """Check a server's gRPC health: prints the status, exit 0 when SERVING, 1 otherwise
     (an unreachable server included)."""
@@ -807,8 +826,10 @@ def health(conn: Connection, service: str) -> None:
             state = c.health(service)
         except KVCoordError as exc:
             click.echo(f"kvcoord health: {_one_line(str(exc))}", err=True)
+            if conn.as_json:
+                _emit_json({"target": conn.target, "status": "UNREACHABLE", "error": _one_line(exc.message)})
             raise SystemExit(EXIT_FAILED_CHECK) from None
-    click.echo(state)
+    click.echo(json.dumps({"target": conn.target, "status": state}) if conn.as_json else state)
     if state != "SERVING":
         raise SystemExit(EXIT_FAILED_CHECK)
 

@@ -366,8 +366,8 @@ def calls(draw: Any) -> Call:
             all_requests=draw(st.booleans()),
             include_cached_blocks=draw(st.booleans()),
         )
-    elif rpc == "CheckPool":
-        message = pb.CheckPoolRequest(pool=pool)
+    elif rpc in ("CheckPool", "ListSessions"):
+        message = getattr(pb, f"{rpc}Request")(pool=pool)
     elif rpc == "ScorePools":
         s = draw(syncs())
         algo, size, seed = HASHING.get(pool, ("sha256_cbor", 4, "0"))

@@ -41,6 +41,7 @@ REQUIRED: dict[str, str | None] = {
     "WatchEvents": "observe",
     "CheckPool": "administer",
     "ScorePools": "observe",
+    "ListSessions": "administer",
 }
 
 #: Roles of each caller on the a-* pools; None: not authenticated.
@@ -134,7 +135,7 @@ def _request(rpc: str, caller: str, sid: str, fence: pb.Fence) -> Any:
             hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", block_hashes=hashes(tokens)
         )
         return pb.ScorePoolsRequest(candidate_pools=["a-pool"], num_tokens=8, prompts=[prompt])
-    if rpc in ("ResetPrefixCache", "GetStats", "InspectPool", "CheckPool"):
+    if rpc in ("ResetPrefixCache", "GetStats", "InspectPool", "CheckPool", "ListSessions"):
         return getattr(pb, f"{rpc}Request")(pool="a-pool")
     assert rpc == "WatchEvents"
     return pb.WatchEventsRequest(pool="a-pool")

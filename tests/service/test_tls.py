@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
@@ -194,6 +195,10 @@ def test_cli_conformance_and_health_over_mutual_tls(
     assert "1 passed, 0 failed" in capsys.readouterr().out
     assert cli.main(["health", "--target", server.address, *flags]) == 0
     assert capsys.readouterr().out.strip() == "SERVING"
+    assert cli.main(["status", "--target", server.address, *flags, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["target"] == server.address
+    assert cli.main(["status", "--target", server.address, "--timeout", "2"]) == 6  # plaintext: refused
+    assert "server unreachable" in capsys.readouterr().err
     assert cli.main(["health", "--target", server.address, "--timeout", "2"]) == 1
     assert cli.main(["health", "--target", server.address, "--tls-ca", str(ROOT / "no-such.pem")]) == 2
     assert "no-such.pem" in capsys.readouterr().err

@@ -28,6 +28,7 @@ RPCS: dict[str, str] = {
     "InspectPool": "read",
     "CheckPool": "read",
     "ScorePools": "read",
+    "ListSessions": "read",
 }
 
 

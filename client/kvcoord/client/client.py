@@ -123,6 +123,7 @@ _GET_STATS = _Rpc("GetStats", pb.GetStatsRequest, pb.GetStatsResponse)
 _INSPECT_POOL = _Rpc("InspectPool", pb.InspectPoolRequest, pb.InspectPoolResponse)
 _CHECK_POOL = _Rpc("CheckPool", pb.CheckPoolRequest, pb.CheckPoolResponse)
 _SCORE_POOLS = _Rpc("ScorePools", pb.ScorePoolsRequest, pb.ScorePoolsResponse)
+_LIST_SESSIONS = _Rpc("ListSessions", pb.ListSessionsRequest, pb.ListSessionsResponse)
 
 #: every unary RPC the clients call, with the method that calls it (tests check this
 #: against the service descriptor, ``_requests.RPCS`` and both clients' methods)
@@ -143,6 +144,7 @@ UNARY_METHODS: dict[str, _Rpc[Any, Any]] = {
     "inspect_pool": _INSPECT_POOL,
     "check_pool": _CHECK_POOL,
     "score_pools": _SCORE_POOLS,
+    "list_sessions": _LIST_SESSIONS,
 }
 
 
@@ -380,6 +382,10 @@ class KVCoordClient(_Api):
         """The pool's invariant violations (none when it is sound); read-only, linear in its size."""
         return self._unary(_CHECK_POOL, pb.CheckPoolRequest(pool=pool))
 
+    def list_sessions(self, pool: str) -> pb.ListSessionsResponse:
+        """The pool's live sessions, every tenant's (administer role); read-only."""
+        return self._unary(_LIST_SESSIONS, pb.ListSessionsRequest(pool=pool))
+
     def watch_events(
         self,
         pool: str,
@@ -577,6 +583,10 @@ class AsyncKVCoordClient(_Api):
     def check_pool(self, pool: str) -> _Coro[pb.CheckPoolResponse]:
         """The pool's invariant violations (none when it is sound); read-only, linear in its size."""
         return self._unary(_CHECK_POOL, pb.CheckPoolRequest(pool=pool))
+
+    def list_sessions(self, pool: str) -> _Coro[pb.ListSessionsResponse]:
+        """The pool's live sessions, every tenant's (administer role); read-only."""
+        return self._unary(_LIST_SESSIONS, pb.ListSessionsRequest(pool=pool))
 
     async def watch_events(
         self, pool: str, after_sequence: int = 0, fence: pb.Fence | None = None

@@ -857,7 +857,7 @@ class ServerLimits(_message.Message):
     def __init__(self, max_pools: _Optional[int] = ..., max_blocks_per_pool: _Optional[int] = ..., max_requests_per_pool: _Optional[int] = ..., max_ops_per_step: _Optional[int] = ..., event_buffer: _Optional[int] = ..., max_tokens_per_request: _Optional[int] = ..., max_pool_memory_bytes: _Optional[int] = ..., pool_memory_bytes: _Optional[int] = ..., pool_block_bytes: _Optional[int] = ..., pool_token_bytes: _Optional[int] = ..., max_sessions_per_tenant: _Optional[int] = ..., tenant_sessions: _Optional[int] = ..., max_session_lease_seconds: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., idempotency_max_bytes: _Optional[int] = ..., idempotency_bytes: _Optional[int] = ..., idempotency_keys: _Optional[int] = ..., server_sessions: _Optional[int] = ..., max_name_length: _Optional[int] = ..., max_request_id_length: _Optional[int] = ..., max_idempotency_key_length: _Optional[int] = ..., max_client_name_length: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats", "fence", "limits", "pool_memory_bytes", "event_buffer_bytes", "event_buffer_max_bytes", "reservations")
+    __slots__ = ("num_free_blocks", "num_total_blocks", "usage", "num_requests", "prefix_cache_stats", "fence", "limits", "pool_memory_bytes", "event_buffer_bytes", "event_buffer_max_bytes", "reservations", "num_sessions")
     NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
@@ -869,6 +869,7 @@ class GetStatsResponse(_message.Message):
     EVENT_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     EVENT_BUFFER_MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
     RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     num_free_blocks: int
     num_total_blocks: int
     usage: float
@@ -880,7 +881,8 @@ class GetStatsResponse(_message.Message):
     event_buffer_bytes: int
     event_buffer_max_bytes: int
     reservations: ReservationStats
-    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., pool_memory_bytes: _Optional[int] = ..., event_buffer_bytes: _Optional[int] = ..., event_buffer_max_bytes: _Optional[int] = ..., reservations: _Optional[_Union[ReservationStats, _Mapping]] = ...) -> None: ...
+    num_sessions: int
+    def __init__(self, num_free_blocks: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., pool_memory_bytes: _Optional[int] = ..., event_buffer_bytes: _Optional[int] = ..., event_buffer_max_bytes: _Optional[int] = ..., reservations: _Optional[_Union[ReservationStats, _Mapping]] = ..., num_sessions: _Optional[int] = ...) -> None: ...
 
 class CheckPoolRequest(_message.Message):
     __slots__ = ("pool",)
@@ -1101,3 +1103,35 @@ class ReservationStats(_message.Message):
     got_tokens: int
     short_hits: int
     def __init__(self, live: _Optional[int] = ..., made: _Optional[int] = ..., adopted: _Optional[int] = ..., expired: _Optional[int] = ..., promised_tokens: _Optional[int] = ..., got_tokens: _Optional[int] = ..., short_hits: _Optional[int] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("pool",)
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    def __init__(self, pool: _Optional[str] = ...) -> None: ...
+
+class SessionInfo(_message.Message):
+    __slots__ = ("session_id", "client_name", "tenant", "exclusive", "lease_seconds", "expires_in_seconds", "num_requests")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    client_name: str
+    tenant: str
+    exclusive: bool
+    lease_seconds: float
+    expires_in_seconds: float
+    num_requests: int
+    def __init__(self, session_id: _Optional[str] = ..., client_name: _Optional[str] = ..., tenant: _Optional[str] = ..., exclusive: _Optional[bool] = ..., lease_seconds: _Optional[float] = ..., expires_in_seconds: _Optional[float] = ..., num_requests: _Optional[int] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions", "fence")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
+    fence: Fence
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...

@@ -119,6 +119,11 @@ class AllocatorStub:
                 request_serializer=kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsRequest.SerializeToString,
                 response_deserializer=kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsResponse.FromString,
                 _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/kvcoord.v1.Allocator/ListSessions',
+                request_serializer=kvcoord_dot_v1_dot_allocator__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=kvcoord_dot_v1_dot_allocator__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class AllocatorServicer:
@@ -266,6 +271,14 @@ class AllocatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSessions(self, request, context):
+        """The live sessions of one pool, every tenant's (operators: `kvcoord sessions`).
+        Needs the administer role on the pool. Read-only: no lease is renewed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AllocatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -353,6 +366,11 @@ def add_AllocatorServicer_to_server(servicer, server):
                     servicer.ScorePools,
                     request_deserializer=kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsRequest.FromString,
                     response_serializer=kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=kvcoord_dot_v1_dot_allocator__pb2.ListSessionsRequest.FromString,
+                    response_serializer=kvcoord_dot_v1_dot_allocator__pb2.ListSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -814,6 +832,33 @@ class Allocator:
             '/kvcoord.v1.Allocator/ScorePools',
             kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsRequest.SerializeToString,
             kvcoord_dot_v1_dot_allocator__pb2.ScorePoolsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcoord.v1.Allocator/ListSessions',
+            kvcoord_dot_v1_dot_allocator__pb2.ListSessionsRequest.SerializeToString,
+            kvcoord_dot_v1_dot_allocator__pb2.ListSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import cast
 
 from .errors import InvalidArgumentError
 from .types import BlockHashWithGroupId
@@ -105,7 +106,7 @@ class SharedHashes(list[bytes]):
                 derived[key] = (type(exc), str(exc))
         failure = derived[key]
         if failure is not None:
-            kind, message = failure  # type: ignore[misc]
+            kind, message = cast("tuple[type[InvalidArgumentError], str]", failure)
             raise kind(message)
 
     def prefixed(self, prefix: bytes) -> SharedHashes:

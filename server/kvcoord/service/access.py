@@ -7,7 +7,8 @@ it against :data:`RPC_RULES` before any handler runs. Tenants hold roles
 on pools by name pattern (``fnmatch`` globs):
 
 =============  ==================================================================
-``administer`` CreatePool, DeletePool, ResetPrefixCache, InspectPool, CheckPool, the
+``administer`` CreatePool, DeletePool, ResetPrefixCache, InspectPool, CheckPool,
+               ListSessions, the
                Step operations EvictBlocksOp and ResetPrefixCacheOp, and an exclusive
                Attach (it locks every other tenant out of the pool)
 ``use``        Attach, Heartbeat, Detach, FindLongestCacheHit, Allocate, Free, Step
@@ -21,8 +22,8 @@ pool's shared prefix cache. A session belongs to the tenant that attached it.
 
 Tenants see only themselves: a pool's ``shared_cache_tenants`` (other tenants' names)
 is shown only to the pool's administrators (:meth:`AccessControl.pool_config_for`).
-InspectPool and CheckPool need the administer role, so only administrators see every
-tenant's requests of a pool.
+InspectPool, CheckPool and ListSessions need the administer role, so only administrators
+see every tenant's requests and sessions of a pool.
 
 Plain Python: no gRPC types beyond the status codes of the errors raised.
 """
@@ -162,6 +163,7 @@ RPC_RULES: Mapping[str, Rule] = {
     "WatchEvents": Rule(_O),
     "CheckPool": Rule(_A),
     "ScorePools": Rule(_O, "candidate_pools", many=True),
+    "ListSessions": Rule(_A),
 }
 
 #: Step operations that need more than ``use`` (they touch other requests' blocks).

@@ -79,6 +79,7 @@ BOUNDS: Mapping[str, int | str] = {
     "InspectPoolRequest.pool": MAX_NAME_LENGTH,
     "WatchEventsRequest.pool": MAX_NAME_LENGTH,
     "CheckPoolRequest.pool": MAX_NAME_LENGTH,
+    "ListSessionsRequest.pool": MAX_NAME_LENGTH,
     "HeartbeatRequest.session_id": MAX_SESSION_ID_LENGTH,
     "DetachRequest.session_id": MAX_SESSION_ID_LENGTH,
     "AllocateRequest.session_id": MAX_SESSION_ID_LENGTH,

@@ -1,165 +1,131 @@
-"""The ``kvcoord`` command: ``serve`` and ``conformance``."""
+"""The ``kvcoord`` command: the client's operator commands (:mod:`kvcoord.client.cli`:
+status, pools, events, score, health) plus ``serve`` and ``conformance``, which need
+the server's modules (imported only when they run)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvcoord.client import TLSOptions
+import click
+from kvcoord.client.cli import EXIT_USAGE, CliFailure, _tls_from, cli, run
 
-__all__ = ["main"]
-
-
-def _tls(args: argparse.Namespace) -> TLSOptions | None:
-    """TLS options from --tls-* flags; None (plaintext) when none is given."""
-    from kvcoord.client import TLSOptions
-
-    if not (args.tls or args.tls_ca or args.tls_cert or args.tls_key or args.tls_server_name):
-        return None
-    return TLSOptions(
-        ca_file=args.tls_ca,
-        cert_file=args.tls_cert,
-        key_file=args.tls_key,
-        server_name_override=args.tls_server_name,
-    )
+__all__ = ["cli", "main"]
 
 
-def _add_tls_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("TLS (any of these turns it on)")
-    group.add_argument(
-        "--tls", action="store_true", help="use TLS, verifying the server with the system roots"
-    )
-    group.add_argument("--tls-ca", metavar="FILE", help="PEM CA certificates that verify the server")
-    group.add_argument("--tls-cert", metavar="FILE", help="client certificate (PEM) for mutual TLS")
-    group.add_argument("--tls-key", metavar="FILE", help="unencrypted PEM key of --tls-cert")
-    group.add_argument("--tls-server-name", metavar="NAME", help="verify the server certificate for NAME")
+def _tls_options(func: Any) -> Any:
+    for opt in reversed(
+        [
+            click.option("--tls", is_flag=True, help="use TLS, verifying the server with the system roots"),
+            click.option("--tls-ca", metavar="FILE", help="PEM CA certificates that verify the server"),
+            click.option("--tls-cert", metavar="FILE", help="client certificate (PEM) for mutual TLS"),
+            click.option("--tls-key", metavar="FILE", help="unencrypted PEM key of --tls-cert"),
+            click.option("--tls-server-name", metavar="NAME", help="verify the server certificate for NAME"),
+        ]
+    ):
+        func = opt(func)
+    return func
 
 
-def _conformance(args: argparse.Namespace) -> int:
+@cli.command()
+@click.argument("files", nargs=-1, required=True, metavar="FILE...")
+@click.option("--target", metavar="HOST:PORT", help="replay through the gRPC client against a server")
+@click.option("--token", help="bearer token for the server, if it requires one")
+@click.option("--timeout", type=float, default=10.0, show_default=True, help="deadline per RPC in seconds")
+@_tls_options
+def conformance(
+    files: tuple[str, ...],
+    target: str | None,
+    token: str | None,
+    timeout: float,
+    tls: bool,
+    tls_ca: str | None,
+    tls_cert: str | None,
+    tls_key: str | None,
+    tls_server_name: str | None,
+) -> None:
+    """Replay vLLM conformance traces and compare every answer.
+
+    Each trace (.jsonl) runs against a fresh pool (in-process by default, or a server
+    with --target); one line per trace and a closing 'N passed, M failed' line. Exits 1
+    on any failure.
+    """
     from kvcoord.conformance import LocalTarget, TraceFormatError, load_trace, replay
 
-    target_factory = LocalTarget
-    if args.target:
+    try:
+        options = _tls_from(tls, tls_ca, tls_cert, tls_key, tls_server_name)
+    except ValueError as exc:
+        raise CliFailure(f"conformance: {exc}", EXIT_USAGE) from None
+    target_factory: Any = LocalTarget
+    if target:
         from kvcoord.conformance.remote import RemoteTarget
 
-        def target_factory() -> RemoteTarget:  # type: ignore[misc]
-            return RemoteTarget(args.target, token=args.token, timeout=args.timeout, tls=tls)
+        def target_factory() -> RemoteTarget:
+            return RemoteTarget(target, token=token, timeout=timeout, tls=options)
 
-    try:
-        tls = _tls(args)
-    except ValueError as exc:
-        print(f"kvcoord conformance: {exc}", file=sys.stderr)
-        return 2
     passed = failed = 0
-    for path in args.files:
+    for path in files:
         try:
             trace = load_trace(path)
         except (OSError, TraceFormatError) as exc:
-            print(f"FAIL {path}: cannot read trace: {exc}", flush=True)
+            click.echo(f"FAIL {path}: cannot read trace: {exc}")
             failed += 1
             continue
         result = replay(trace, target_factory())
         if result.passed:
             passed += 1
-            print(f"PASS {trace.name} ({result.ops} ops)", flush=True)
+            click.echo(f"PASS {trace.name} ({result.ops} ops)")
         else:
             failed += 1
-            print(f"FAIL {trace.name}: {result.mismatch}", flush=True)
-    print(f"{passed} passed, {failed} failed", flush=True)
-    return 0 if failed == 0 and passed > 0 else 1
+            click.echo(f"FAIL {trace.name}: {result.mismatch}")
+    click.echo(f"{passed} passed, {failed} failed")
+    raise SystemExit(0 if failed == 0 and passed > 0 else 1)
 
 
-def _serve(args: argparse.Namespace) -> int:
+@cli.command()
+@click.option("--config", metavar="FILE", help="TOML config file (default: the embedded default)")
+@click.option(
+    "--listen", multiple=True, metavar="ADDR", help="override listeners (host:port or unix:/path); repeatable"
+)
+@click.option(
+    "--metrics-listen", metavar="HOST:PORT", help="override the Prometheus /metrics address ('' disables)"
+)
+@click.option(
+    "--start-empty",
+    is_flag=True,
+    help=(
+        "accept a lost journal (missing or empty while journal.progress names committed records): "
+        "move the evidence aside, start empty and hand out no block for max_session_lease_seconds"
+    ),
+)
+@click.option(
+    "--restored",
+    is_flag=True,
+    help=(
+        "the data directory was restored from a copy (a volume snapshot, cp -a): end every "
+        "session and fence it holds, empty the prefix caches and hand out no block for "
+        "max_session_lease_seconds (a grace that survives restarts)"
+    ),
+)
+@click.option("--print-default-config", is_flag=True, help="print the embedded default config and exit")
+def serve(**options: Any) -> None:
+    """Run the kvcoord gRPC server until SIGTERM or SIGINT.
+
+    Exit status: 0 after a clean stop; 2 a bad config; 3 cannot start (a port that
+    cannot be bound, the data directory, the journal); 4 a journal write failed while
+    serving; 5 the journal is lost (see --start-empty).
+    """
     from kvcoord.service.main import serve_from_cli
 
-    return serve_from_cli(args)
-
-
-def _health(args: argparse.Namespace) -> int:
-    from kvcoord.client import KVCoordClient, KVCoordError
-
-    try:
-        tls = _tls(args)
-        client = KVCoordClient(args.target, timeout=args.timeout, tls=tls)
-    except ValueError as exc:
-        print(f"kvcoord health: {exc}", file=sys.stderr)
-        return 2
-    with client:
-        try:
-            status = client.health(args.service)
-        except KVCoordError as exc:
-            print(f"kvcoord health: {exc}", file=sys.stderr)
-            return 1
-    print(status)
-    return 0 if status == "SERVING" else 1
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcoord", description="Remote KV-cache block allocator.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    conf = sub.add_parser(
-        "conformance",
-        help="replay vLLM conformance traces and compare every answer",
-        description=(
-            "Replay trace files against a fresh pool each (in-process by default, or a "
-            "server with --target) and print one line per trace and a closing "
-            "'N passed, M failed' line. Exits 1 on any failure."
-        ),
-    )
-    conf.add_argument("files", nargs="+", metavar="FILE", help="trace files (.jsonl)")
-    conf.add_argument("--target", metavar="HOST:PORT", help="replay through the gRPC client against a server")
-    conf.add_argument("--token", help="bearer token for the server, if it requires one")
-    conf.add_argument("--timeout", type=float, default=10.0, help="deadline per RPC in seconds (default 10)")
-    _add_tls_flags(conf)
-    conf.set_defaults(func=_conformance)
-
-    health = sub.add_parser("health", help="check a server's gRPC health (exit 0 when SERVING)")
-    health.add_argument("--target", default="127.0.0.1:50051", metavar="HOST:PORT")
-    health.add_argument("--service", default="", help="service name (default: the whole server)")
-    health.add_argument("--timeout", type=float, default=3.0)
-    _add_tls_flags(health)
-    health.set_defaults(func=_health)
-
-    serve = sub.add_parser("serve", help="run the kvcoord gRPC server")
-    serve.add_argument("--config", metavar="FILE", help="TOML config file (default: the embedded default)")
-    serve.add_argument(
-        "--listen", action="append", metavar="ADDR", help="override listeners (host:port or unix:/path)"
-    )
-    serve.add_argument(
-        "--metrics-listen", metavar="HOST:PORT", help="override the Prometheus /metrics address ('' disables)"
-    )
-    serve.add_argument(
-        "--start-empty",
-        action="store_true",
-        help=(
-            "accept a lost journal (missing or empty while journal.progress names committed records): "
-            "move the evidence aside, start empty and hand out no block for max_session_lease_seconds"
-        ),
-    )
-    serve.add_argument(
-        "--restored",
-        action="store_true",
-        help=(
-            "the data directory was restored from a copy (a volume snapshot, cp -a): end every "
-            "session and fence it holds, empty the prefix caches and hand out no block for "
-            "max_session_lease_seconds (a grace that survives restarts)"
-        ),
-    )
-    serve.add_argument(
-        "--print-default-config", action="store_true", help="print the embedded default config and exit"
-    )
-    serve.set_defaults(func=_serve)
-    return parser
+    options["listen"] = list(options["listen"]) or None
+    raise SystemExit(serve_from_cli(argparse.Namespace(**options)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvcoord`` console script."""
-    args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    """Entry point of the ``kvcoord`` console script; returns the exit status."""
+    return run(cli, argv)
 
 
 if __name__ == "__main__":

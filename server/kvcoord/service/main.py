@@ -14,7 +14,7 @@ from .config import ConfigFileError, ServerConfig, default_config_text, load_con
 from .journal import JournalError
 from .lease_marker import MarkerError
 from .logs import LIFECYCLE, AccessLogInterceptor, configure, ids
-from .server import start_server
+from .server import ListenError, start_server
 from .startup import DataDirError, JournalLostError
 
 __all__ = ["EXIT_CANNOT_START", "EXIT_JOURNAL_FAILED", "EXIT_JOURNAL_LOST", "run", "serve_from_cli"]
@@ -55,7 +55,13 @@ async def run(cfg: ServerConfig, start_empty: bool = False, restored: bool = Fal
         journal.on_commit_seconds.append(metrics.journal_committed)
     metrics_addr = ""
     if cfg.server.metrics_listen:
-        metrics_addr = metrics.start_http(cfg.server.metrics_listen, cfg.server.metrics_tls)
+        try:
+            metrics_addr = metrics.start_http(cfg.server.metrics_listen, cfg.server.metrics_tls)
+        except OSError as exc:
+            await running.stop(0, snapshot=False)
+            raise ListenError(
+                f"cannot serve metrics on {cfg.server.metrics_listen}: {exc.strerror or exc}"
+            ) from None
     pool_names = sorted(running.servicer.registry.pools)
     pools = ", ".join(pool_names) or "none"
     st = cfg.server
@@ -167,6 +173,6 @@ def serve_from_cli(args: argparse.Namespace) -> int:
     except JournalLostError as exc:
         lifecycle.critical("kvcoord: cannot start: %s", exc)
         return EXIT_JOURNAL_LOST
-    except (JournalError, MarkerError, DataDirError) as exc:
+    except (JournalError, MarkerError, DataDirError, ListenError) as exc:
         lifecycle.critical("kvcoord: cannot start: %s", exc)
         return EXIT_CANNOT_START

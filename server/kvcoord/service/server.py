@@ -27,7 +27,19 @@ from .sessions import SessionTable
 from .startup import StartupDecision, decide_startup
 from .tls import server_credentials
 
-__all__ = ["RunningServer", "start_server"]
+__all__ = ["ListenError", "RunningServer", "start_server"]
+
+
+class ListenError(Exception):
+    """A listener cannot be bound (the port is in use, the address is not local)."""
+
+
+async def _close_journal(recorder: object) -> None:
+    """Close the journal of a server that did not start (nothing to snapshot)."""
+    if isinstance(recorder, JournalRecorder):
+        recorder.close()
+        await recorder.journal.close()
+
 
 logger = logging.getLogger(__name__)
 
@@ -275,17 +287,21 @@ async def start_server(
     addresses = []
     for address in cfg.server.listen:
         unix = address.startswith("unix:")
-        if credentials is not None and not unix:
-            port = server.add_secure_port(address, credentials)
-        else:
-            port = server.add_insecure_port(address)
+        try:
+            if credentials is not None and not unix:
+                port = server.add_secure_port(address, credentials)
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError:  # grpc's "Failed to bind to address ..."
+            port = 0
         logger.info("gRPC listener %s: %s", address, "plaintext" if unix else tls.describe())
         if access.required and not unix and credentials is None:
             logger.warning(
                 "gRPC listener %s is plaintext: bearer tokens cross the network unencrypted", address
             )
         if port == 0:
-            raise RuntimeError(f"cannot listen on {address}")
+            await _close_journal(registry.recorder)
+            raise ListenError(f"cannot listen on {address}: the address is in use or not available here")
         if address.startswith("unix:"):
             addresses.append(address)
         else:

@@ -453,6 +453,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             event_buffer_bytes=service.events.bytes,
             event_buffer_max_bytes=service.events.max_bytes,
             reservations=reservation_stats_to_pb(e.reservations),
+            num_sessions=len(self.registry.sessions.of_pool(service.name)),
         )
 
     def _limits(self) -> pb.ServerLimits:
@@ -495,6 +496,27 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             num_blocks_checked=result.num_blocks,
             num_requests_checked=result.num_requests,
             num_cached_blocks=result.num_cached_blocks,
+            fence=fence_to_pb(service.fence),
+        )
+
+    @map_errors
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSessionsResponse:
+        service = self.registry.get(request.pool)
+        return pb.ListSessionsResponse(
+            sessions=[
+                pb.SessionInfo(
+                    session_id=s.session_id,
+                    client_name=s.client_name,
+                    tenant=s.tenant,
+                    exclusive=s.exclusive,
+                    lease_seconds=s.lease_seconds,
+                    expires_in_seconds=left,
+                    num_requests=len(s.owned),
+                )
+                for s, left in self.registry.sessions.listing(service.name)
+            ],
             fence=fence_to_pb(service.fence),
         )
 

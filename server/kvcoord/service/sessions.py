@@ -125,6 +125,12 @@ class SessionTable:
     def of_pool(self, pool: str) -> list[Session]:
         return [s for s in self.sessions.values() if s.pool == pool]
 
+    def listing(self, pool: str) -> list[tuple[Session, float]]:
+        """The live sessions of ``pool`` in id order, each with the seconds left on its
+        lease (0 or less: run out, not yet reaped). Renews nothing."""
+        now = self.clock()
+        return [(s, s.expires_at - now) for s in sorted(self.of_pool(pool), key=lambda s: s.session_id)]
+
     def longest_lease_end(self) -> float:
         """When the last current lease ends (now when there is none)."""
         return max((s.expires_at for s in self.sessions.values()), default=self.clock())

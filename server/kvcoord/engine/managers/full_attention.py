@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import islice, takewhile
 from operator import is_not
@@ -87,7 +87,8 @@ def _leading_hits(cached: dict[bytes, int], block_hashes: Sequence[bytes], max_b
     One C-level pipeline (``takewhile`` over ``map``): exactly one lookup per hit and
     one for the miss that ends it, none past it (lazy hash views are read that far).
     """
-    return list(takewhile(_is_id, map(cached.get, islice(block_hashes, max_blocks))))
+    lookup: Callable[[bytes], int | None] = cached.get
+    return list(takewhile(_is_id, map(lookup, islice(block_hashes, max_blocks))))  # type: ignore[arg-type]
 
 
 #: ``_is_id(x)``: ``x is not None`` (a C-level predicate)

@@ -1,0 +1,465 @@
+"""The operator CLI as a user meets it: the real ``kvcoord`` command (a subprocess,
+``python -m kvcoord.service.cli``) against a real server process, for the main paths
+and every documented error; formatting through click's CliRunner."""
+
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from durable_server import ROOT, DurableServer, env, small_pool
+from helpers import allocate, attach
+from kvcoord.client import KVCoordClient
+from kvcoord.client import cli as client_cli
+from kvcoord.client.routing import PoolRouter
+from kvcoord.v1 import allocator_pb2 as pb
+
+TOKEN = "operator-secret"
+#: a tenant that may only use pool p (no observe, no administer)
+WORKER_TOKEN = "worker-secret"
+WORKER_TENANT = f"""
+[tenants.worker]
+tokens = ["{WORKER_TOKEN}"]
+grants = [{{ pools = ["p"], roles = ["use"] }}]
+"""
+#: the pool's event buffer keeps this many events (older ones are dropped: gaps)
+EVENT_BUFFER = 6
+
+
+def kvcoord(*args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    e = env()
+    e.pop("KVCOORD_TARGET", None)
+    e.pop("KVCOORD_TOKEN", None)
+    e.update(extra_env)
+    return subprocess.run(
+        [sys.executable, "-m", "kvcoord.service.cli", *args],
+        capture_output=True, text=True, env=e, timeout=120, input="",
+    )  # fmt: skip
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    """The error a command printed: exactly one line, no traceback."""
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DurableServer]:
+    tmp = tmp_path_factory.mktemp("cli")
+    s = DurableServer(
+        tmp,
+        f"[limits]\nevent_buffer = {EVENT_BUFFER}\n"
+        + small_pool(64).replace(
+            "enable_caching = true", "enable_caching = true\nenable_kv_cache_events = true"
+        )
+        + WORKER_TENANT,
+    )
+    # a full-access operator token (auth_tokens) in the [server] table
+    s.config.write_text(
+        s.config.read_text().replace("[server]\n", f'[server]\nauth_tokens = ["{TOKEN}"]\n', 1)
+    )
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server: DurableServer) -> Iterator[KVCoordClient]:
+    with KVCoordClient(server.address, token=TOKEN) as c:
+        yield c
+
+
+def run(server: DurableServer, *args: str) -> subprocess.CompletedProcess[str]:
+    return kvcoord(*args, KVCOORD_TARGET=server.address, KVCOORD_TOKEN=TOKEN)
+
+
+def test_status_shows_each_pool_as_the_server_counts_it(server: DurableServer, client: KVCoordClient) -> None:
+    """`kvcoord status` shows usage, hit rate, live requests and sessions per pool: the
+    values GetStats answers, a session attached by another client included."""
+    sid, fence = attach(client, "p")
+    tokens = list(range(100, 124))
+    client.step("p", [allocate("status-a", tokens, len(tokens))], sid, fence)
+    client.step(
+        "p", [allocate("status-b", tokens, len(tokens), lookup=True)], sid, fence
+    )  # a lookup that hits
+    try:
+        proc = run(server, "status", "--json")
+        assert proc.returncode == 0, proc.stderr
+        rows = {r["pool"]: r for r in json.loads(proc.stdout)["pools"]}
+        stats = client.get_stats("p")
+        p = rows["p"]
+        assert p["sessions"] >= 1
+        assert p["sessions"] == stats.num_sessions
+        assert p["live_requests"] == stats.num_requests >= 2
+        assert p["blocks_used"] == stats.num_total_blocks - stats.num_free_blocks > 0
+        assert p["blocks_total"] == 63
+        q = stats.prefix_cache_stats
+        assert q.hits > 0 and p["hit_rate"] == pytest.approx(q.hits / q.queries)
+        assert p["coordinator"] == client.get_pool("p").pool.coordinator
+
+        text = run(server, "status")
+        assert text.returncode == 0, text.stderr
+        header, *lines = text.stdout.splitlines()
+        assert header.split()[:2] == ["POOL", "LAYOUT"] and "SESSIONS" in header and "REPLICA" not in header
+        row = next(line for line in lines if line.split()[0] == "p")
+        assert f"{p['blocks_used']}/63" in row and f"{100 * p['hit_rate']:.1f}%" in row
+    finally:
+        client.detach(sid, fence)
+
+
+def test_pools_create_inspect_check_delete(server: DurableServer, client: KVCoordClient) -> None:
+    """The pool commands act on the server: what `create` made, GetPool shows; `inspect`
+    shows its block tables; `check` passes; `delete` removes it; then it is unknown (8)."""
+    made = run(server, "pools", "create", "cli-made", "--num-blocks", "33", "--block-size", "8", "--json")
+    assert made.returncode == 0, made.stderr
+    info = client.get_pool("cli-made").pool
+    assert (info.config.num_blocks, info.config.hash_block_size) == (33, 8)
+    assert json.loads(made.stdout)["name"] == "cli-made"
+
+    sid, fence = attach(client, "cli-made", block_size=8)
+    client.step("cli-made", [allocate("r1", list(range(20)), 20, block_size=8)], sid, fence)
+    inspected = run(server, "pools", "inspect", "cli-made", "--json")
+    assert inspected.returncode == 0, inspected.stderr
+    state = json.loads(inspected.stdout)["state"]
+    reference = client.inspect_pool("cli-made", all_requests=True)
+    assert [r["request_id"] for r in state["requests"]] == ["r1"]
+    assert state["requests"][0]["groups"][0]["block_ids"] == list(reference.requests[0].groups[0].block_ids)
+    text = run(server, "pools", "inspect", "cli-made")
+    blocks = " ".join(map(str, reference.requests[0].groups[0].block_ids))
+    assert f"r1: 0/20 tokens, blocks {blocks}" in text.stdout
+
+    checked = run(server, "pools", "check", "cli-made")
+    assert checked.returncode == 0 and checked.stdout.rstrip().endswith("OK"), checked.stdout + checked.stderr
+    client.detach(sid, fence)
+
+    deleted = run(server, "pools", "delete", "cli-made", "--yes")
+    assert deleted.returncode == 0, deleted.stderr
+    assert "cli-made" not in [p.name for p in client.list_pools().pools]
+    for args in (
+        ["pools", "check", "cli-made"],
+        ["pools", "inspect", "cli-made"],
+        ["events", "--pool", "cli-made"],
+    ):
+        proc = run(server, *args)
+        assert proc.returncode == client_cli.EXIT_NOT_FOUND, (args, proc.stderr)
+        assert "not found" in one_line_error(proc) and "cli-made" in proc.stderr
+
+
+def test_a_tenant_without_the_roles(server: DurableServer) -> None:
+    """A tenant with only the use role sees the pool in `status` without its statistics
+    (exit 0), and `sessions` (administer) is a refused credential: exit 7, one line."""
+    proc = kvcoord("status", KVCOORD_TARGET=server.address, KVCOORD_TOKEN=WORKER_TOKEN)
+    assert proc.returncode == 0, proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.split()[0] == "p")
+    assert row.split()[-5:] == ["?"] * 5
+    as_json = kvcoord("status", "--json", KVCOORD_TARGET=server.address, KVCOORD_TOKEN=WORKER_TOKEN)
+    (p,) = json.loads(as_json.stdout)["pools"]
+    assert p["pool"] == "p" and p["unreadable"] and "blocks_used" not in p
+    refused = kvcoord("sessions", "--pool", "p", KVCOORD_TARGET=server.address, KVCOORD_TOKEN=WORKER_TOKEN)
+    assert refused.returncode == client_cli.EXIT_UNAUTHORIZED
+    assert one_line_error(refused).startswith("kvcoord: permission denied")
+
+
+def test_sessions_of_a_pool(server: DurableServer, client: KVCoordClient) -> None:
+    """`kvcoord sessions --pool p` lists the pool's live sessions with their client name,
+    requests and lease; a pool that does not exist is exit 8."""
+    a, fa = attach(client, "p", client_name="worker-a", lease_seconds=60)
+    b, fb = attach(client, "p", client_name="worker-b", lease_seconds=60)
+    client.step(
+        "p", [allocate("sess-1", list(range(40, 48)), 8), allocate("sess-2", list(range(50, 58)), 8)], a, fa
+    )
+    try:
+        proc = run(server, "sessions", "--pool", "p", "--json")
+        assert proc.returncode == 0, proc.stderr
+        got = {s["session_id"]: s for s in json.loads(proc.stdout)["sessions"]}
+        assert (got[a]["client_name"], got[a]["num_requests"]) == ("worker-a", 2)
+        assert (got[b]["client_name"], got[b]["num_requests"]) == ("worker-b", 0)
+        assert 0 < got[a]["expires_in_seconds"] <= got[a]["lease_seconds"] == 60
+        text = run(server, "sessions", "--pool", "p")
+        row = next(line for line in text.stdout.splitlines() if line.startswith(a))
+        assert row.split()[1:4] == ["worker-a", "(full", "access)"] and row.split()[4] == "2"
+        client.detach(b, fb)
+        after = json.loads(run(server, "sessions", "--pool", "p", "--json").stdout)["sessions"]
+        assert b not in {s["session_id"] for s in after} and a in {s["session_id"] for s in after}
+    finally:
+        client.detach(a, fa)
+    unknown = run(server, "sessions", "--pool", "no-such-pool")
+    assert unknown.returncode == client_cli.EXIT_NOT_FOUND
+    assert "no-such-pool" in one_line_error(unknown)
+
+
+def test_unreachable_server_and_refused_credential(server: DurableServer) -> None:
+    """An unreachable server is exit 6, a refused or missing token exit 7: one line each."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"  # bound, never listening: refused
+        for cmd in (["status"], ["pools", "check", "p"], ["events", "--pool", "p"]):
+            proc = kvcoord(*cmd, "--target", dead)
+            assert proc.returncode == client_cli.EXIT_UNREACHABLE, proc.stderr
+            assert one_line_error(proc).startswith(f"kvcoord: server unreachable ({dead})")
+    for token in ("wrong", ""):
+        proc = kvcoord("status", KVCOORD_TARGET=server.address, KVCOORD_TOKEN=token)
+        assert proc.returncode == client_cli.EXIT_UNAUTHORIZED, proc.stderr
+        assert one_line_error(proc).startswith("kvcoord: credential refused")
+
+
+def test_events_follow_resume_gap_and_reset(
+    server: DurableServer, client: KVCoordClient, tmp_path: Path
+) -> None:
+    """`kvcoord events` streams the pool's events; with a state file a second run
+    resumes after the last one read; events dropped from the buffer show a GAP line; a
+    fence of another history shows a RESET line."""
+    state = tmp_path / "events.json"
+    sid, fence = attach(client, "p")
+    try:
+        client.step("p", [allocate("ev-1", list(range(500, 508)), 8)], sid, fence)
+        first = run(server, "events", "--pool", "p", "--json", "--seconds", "1", "--state-file", str(state))
+        assert first.returncode == 0, first.stderr
+        seen = [json.loads(line) for line in first.stdout.splitlines()]
+        assert seen and seen[-1]["type"] == "block_stored"
+        saved = json.loads(state.read_text())
+        assert saved["after_sequence"] == seen[-1]["sequence"]
+
+        client.step("p", [allocate("ev-2", list(range(600, 608)), 8)], sid, fence)
+        second = run(server, "events", "--pool", "p", "--json", "--seconds", "1", "--state-file", str(state))
+        again = [json.loads(line) for line in second.stdout.splitlines()]
+        assert again and again[0]["sequence"] > seen[-1]["sequence"]
+        assert not again[0]["gap"] and not again[0]["reset"]
+        assert [e["sequence"] for e in again] == sorted({e["sequence"] for e in again})
+
+        # more events than the buffer keeps: resuming from the start misses some
+        for i in range(EVENT_BUFFER):
+            client.step("p", [allocate(f"ev-g{i}", list(range(1000 + 8 * i, 1008 + 8 * i)), 8)], sid, fence)
+        gapped = run(server, "events", "--pool", "p", "--seconds", "1", "--after", "1", "--fence",
+                     saved["fence"])  # fmt: skip
+        assert gapped.returncode == 0, gapped.stderr
+        assert gapped.stdout.splitlines()[0].startswith("GAP: events 2..")
+
+        other = run(server, "events", "--pool", "p", "--seconds", "1", "--after", "1", "--fence", "other:7")
+        assert other.stdout.splitlines()[0].startswith("RESET: another history")
+        assert "resume with --after" in other.stderr
+    finally:
+        client.detach(sid, fence)
+
+
+def test_events_follow_resumes_across_a_server_restart(tmp_path: Path) -> None:
+    """`kvcoord events --follow` outlives a SIGKILLed and restarted server: it says the
+    stream was lost, resumes after the last event it read (the journaled pool's history
+    goes on: the next event, no gap, no reset, the new instance's fence), and SIGINT
+    stops it cleanly (exit 0) with the state file at the last event."""
+    srv = DurableServer(
+        tmp_path,
+        small_pool(64).replace(
+            "enable_caching = true", "enable_caching = true\nenable_kv_cache_events = true"
+        ),
+    )
+    srv.start()
+    state = tmp_path / "follow.json"
+    e = env()
+    e.update(KVCOORD_TARGET=srv.address)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvcoord.service.cli", "events", "--pool", "p", "--follow", "--json",
+         "--state-file", str(state)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
+    )  # fmt: skip
+    lines: list[dict[str, Any]] = []
+    received: queue.Queue[str] = queue.Queue()
+    assert proc.stdout is not None
+    reader = threading.Thread(target=lambda: [received.put(line) for line in proc.stdout], daemon=True)  # type: ignore[union-attr]
+    reader.start()
+
+    def read_until(pred: Any) -> dict[str, Any]:
+        """The next event printed that ``pred`` accepts (30 s at most per line)."""
+        for _ in range(50):
+            try:
+                line = received.get(timeout=30)
+            except queue.Empty:
+                raise AssertionError(f"no event line within 30 s after {lines}") from None
+            lines.append(json.loads(line))
+            if pred(lines[-1]):
+                return lines[-1]
+        raise AssertionError(lines)
+
+    try:
+        with KVCoordClient(srv.address) as c:
+            sid, fence = attach(c, "p")
+            c.step("p", [allocate("before", list(range(8)), 8)], sid, fence)
+        first = read_until(lambda ev: ev["type"] == "block_stored")
+        srv.kill()
+        srv.start()
+        with KVCoordClient(srv.address) as c:
+            sid, fence = attach(c, "p")
+            c.step("p", [allocate("after", list(range(900, 908)), 8)], sid, fence)
+            new_fence = f"{fence.instance_id}:{fence.incarnation}"
+        resumed = read_until(lambda ev: ev["sequence"] > first["sequence"])
+        assert (resumed["sequence"], resumed["type"]) == (first["sequence"] + 1, "block_stored")
+        assert (resumed["fence"], resumed["gap"], resumed["reset"]) == (new_fence, False, False)
+        assert resumed["fence"] != first["fence"]
+        for _ in range(100):  # the state file is written right after the line is printed
+            if state.exists() and json.loads(state.read_text())["after_sequence"] == resumed["sequence"]:
+                break
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+        assert proc.stderr is not None
+        err = proc.stderr.read()
+        assert "kvcoord: stream lost" in err and "kvcoord: stream resumed" in err, err
+        assert "Traceback" not in err
+        saved = json.loads(state.read_text())
+        assert (saved["after_sequence"], saved["fence"]) == (lines[-1]["sequence"], new_fence)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        reader.join(10)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        srv.stop()
+
+
+def test_score_a_prompt_file(server: DurableServer, client: KVCoordClient, tmp_path: Path) -> None:
+    """`kvcoord score FILE` gives each pool's hit for the prompt as ScorePools answers it
+    through the client's router; JSON and text prompt files are the same prompt."""
+    tokens = list(range(700, 730))
+    sid, fence = attach(client, "p")
+    client.step("p", [allocate("sc-1", tokens, len(tokens))], sid, fence)
+    client.detach(sid, fence)
+    reference = PoolRouter(client).score(tokens)
+    expected = {s.pool: s.hit_tokens for s in reference.scores}
+    assert expected["p"] > 0
+    as_json = tmp_path / "prompt.json"
+    as_json.write_text(json.dumps({"token_ids": tokens}))
+    as_text = tmp_path / "prompt.txt"
+    as_text.write_text("\n".join(" ".join(map(str, tokens[i : i + 7])) for i in range(0, len(tokens), 7)))
+    for path in (as_json, as_text):
+        proc = run(server, "score", str(path), "--json")
+        assert proc.returncode == 0, proc.stderr
+        got = json.loads(proc.stdout)
+        assert got["num_tokens"] == len(tokens)
+        assert {s["pool"]: s["hit_tokens"] for s in got["scores"]} == expected
+    text = run(server, "score", str(as_text))
+    assert any(line.split()[:2] == ["p", "*"] for line in text.stdout.splitlines()), text.stdout
+    bad = tmp_path / "bad.txt"
+    bad.write_text("hello world")
+    proc = run(server, "score", str(bad))
+    assert proc.returncode == client_cli.EXIT_USAGE
+    assert "neither JSON nor" in one_line_error(proc)
+
+
+def test_serve_cannot_bind_its_port(tmp_path: Path) -> None:
+    """`kvcoord serve` on a port in use (gRPC or metrics) exits 3 with one line."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = f"127.0.0.1:{s.getsockname()[1]}"
+        for flags in (
+            ["--listen", busy, "--metrics-listen", ""],
+            ["--listen", "127.0.0.1:0", "--metrics-listen", busy],
+        ):
+            proc = kvcoord("serve", *flags, KVCOORD_DATA_DIR=str(tmp_path / "data"))
+            assert proc.returncode == 3, proc.stdout + proc.stderr
+            assert "Traceback" not in proc.stderr, proc.stderr
+            last = proc.stderr.strip().splitlines()[-1]
+            assert last.startswith("kvcoord: cannot start: cannot ") and busy in last, proc.stderr
+
+
+def test_version_and_completion() -> None:
+    """`kvcoord --version` prints the version; click's completion script is produced."""
+    proc = kvcoord("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("kvcoord, version ")
+    comp = kvcoord(_KVCOORD_COMPLETE="bash_source")
+    assert comp.returncode == 0 and "_KVCOORD_COMPLETE" in comp.stdout and "complete " in comp.stdout
+
+
+# -- formatting (CliRunner) -----------------------------------------------------------
+
+
+def _stats(**kw: Any) -> pb.GetStatsResponse:
+    return pb.GetStatsResponse(**kw)
+
+
+def test_status_table_formatting() -> None:
+    info = pb.PoolInfo(
+        name="alpha", coordinator="hybrid", config=pb.PoolConfig(groups=[pb.KVCacheGroupSpec()] * 2)
+    )
+    stats = _stats(
+        num_free_blocks=25,
+        num_total_blocks=100,
+        usage=0.75,
+        num_requests=3,
+        num_sessions=2,
+        prefix_cache_stats=pb.PrefixCacheStats(queries=200, hits=50),
+    )
+    row = client_cli.pool_status(info, stats)
+    assert (row["blocks_used"], row["hit_rate"]) == (75, 0.25)
+    fresh = client_cli.pool_status(
+        pb.PoolInfo(name="b", coordinator="unitary"), _stats(num_total_blocks=9, num_free_blocks=9)
+    )
+    assert fresh["hit_rate"] is None
+    hidden = {"pool": "c", "coordinator": "hybrid", "groups": 1, "unreadable": "PERMISSION_DENIED"}
+    lines = client_cli.status_table([row, fresh, hidden]).splitlines()
+    assert lines[3].split() == ["c", "hybrid", "(1", "group)", "?", "?", "?", "?", "?"]
+    assert lines[4].startswith("? no observe role")
+    assert lines[1].split() == ["alpha", "hybrid", "(2", "groups)", "75/100", "75.0%", "25.0%", "3", "2"]
+    assert lines[2].split() == ["b", "unitary", "(0", "groups)", "0/9", "0.0%", "-", "0", "0"]
+
+
+def test_event_lines_show_gaps_and_resets() -> None:
+    fence = pb.Fence(instance_id="i", incarnation=3)
+    stored = pb.KVEvent(block_stored=pb.BlockStored(block_hashes=[b"\x01" * 8], token_ids=[1, 2, 3, 4]))
+    gap = pb.WatchEventsResponse(sequence=9, event=stored, gap=True, fence=fence)
+    assert client_cli.event_lines(gap, 4)[0] == "GAP: events 5..8 are no longer buffered: resynchronise"
+    reset = pb.WatchEventsResponse(sequence=1, event=pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared()),
+                                   reset=True, fence=fence)  # fmt: skip
+    lines = client_cli.event_lines(reset, 40)
+    assert lines[0].startswith("RESET: another history (i:3)") and lines[-1].split() == [
+        "1",
+        "all_blocks_cleared",
+    ]
+    plain = client_cli.event_lines(pb.WatchEventsResponse(sequence=5, event=stored, fence=fence), 4)
+    assert plain == ["       5  block_stored       1 block(s) 0101010101010101 (4 tokens)"]
+
+
+def test_prompt_files_and_usage_errors(tmp_path: Path) -> None:
+    runner = CliRunner()
+    for body in ("[1, 2, 3]", '{"token_ids": [1, 2, 3], "lora_name": "x"}', "1 2\n3", "1,2,3"):
+        path = tmp_path / "p"
+        path.write_text(body)
+        tokens, _extra = client_cli.read_prompt(str(path))
+        assert tokens == [1, 2, 3], body
+    for body, said in (("[]", "no tokens"), ('["a"]', "JSON list of token ids"), ("[-1]", "negative")):
+        path = tmp_path / "q"
+        path.write_text(body)
+        result = runner.invoke(client_cli.cli, ["score", str(path), "--target", "127.0.0.1:1"])
+        assert result.exit_code == client_cli.EXIT_USAGE and said in result.output, result.output
+    result = runner.invoke(client_cli.cli, ["events", "--pool", "p", "--fence", "nonsense"])
+    assert result.exit_code == 2 and "INSTANCE:INCARNATION" in result.output
+    result = runner.invoke(client_cli.cli, ["status", "--tls-ca", str(ROOT / "no-such.pem")])
+    assert result.exit_code == client_cli.EXIT_USAGE and "no-such.pem" in result.output
+
+
+def test_client_commands_need_no_server_modules() -> None:
+    """The operator commands import only the client library."""
+    code = (
+        "import sys, kvcoord.client.cli as c; c.main(['--help']); "
+        "bad = [m for m in sys.modules if m.startswith(('kvcoord.service', 'kvcoord.engine'))]; "
+        "sys.exit(1 if bad else 0)"
+    )
+    e = env()
+    e["PYTHONPATH"] = str(ROOT / "client")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=e, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

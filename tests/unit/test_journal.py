@@ -215,7 +215,7 @@ def test_snapshot_compacts_the_journal(loop: asyncio.AbstractEventLoop, tmp_path
     att = client.attach("p", "sha256_cbor", 4, "0")
     for _ in range(25):
         client.step("p", [pb.Operation(take_events=pb.TakeEventsOp())], att.session_id, att.fence)
-    a.settle()
+        a.settle()  # each snapshot done before the next records (one being taken defers the next)
     journal = a.recovery.recorder.journal
     db = sqlite3.connect(tmp_path / "journal.sqlite")
     snaps = db.execute("SELECT seq FROM snapshots").fetchall()

@@ -49,6 +49,14 @@ def _serve(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
+def _restore_volume(server: DurableServer, copy: Path) -> None:
+    """SIGKILL the server and put ``copy`` (a `cp -a` of its data directory) in place
+    of the data directory, as restoring a volume snapshot does."""
+    server.kill()
+    shutil.rmtree(server.data_dir)
+    subprocess.run(["cp", "-a", str(copy), str(server.data_dir)], check=True)
+
+
 def _attach_refused_for_grace(address: str, lease: float) -> bool:
     with KVCoordClient(address, retry=NO_RETRY) as c:
         try:
@@ -310,9 +318,7 @@ def test_a_restored_volume_is_detected_by_the_first_worker_told_more(tmp_path: P
             told = _alloc(c, a, "a2", 32)
             sent = time.monotonic()
         assert a.fence.position > 0
-        server.kill()
-        shutil.rmtree(server.data_dir)
-        subprocess.run(["cp", "-a", str(copy), str(server.data_dir)], check=True)
+        _restore_volume(server, copy)
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises(FencedError):
@@ -457,9 +463,7 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
                 os.kill(server.proc.pid, signal.SIGCONT)
             time.sleep(1.5)
             phase.value = 2
-            server.kill()
-            shutil.rmtree(server.data_dir)
-            subprocess.run(["cp", "-a", str(tmp_path / "snap"), str(server.data_dir)], check=True)
+            _restore_volume(server, tmp_path / "snap")
             restored_at = time.monotonic()
             server.start()
             for _ in range(200):  # a worker's call proves the restore
@@ -564,9 +568,7 @@ def test_a_volume_restored_with_the_flag_leaves_no_window(tmp_path: Path) -> Non
             _alloc(c, b, "b1", 8)
             subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
             _alloc(c, a, "a1", 32)  # after the copy: the copy gives these blocks to nobody
-        server.kill()
-        shutil.rmtree(server.data_dir)
-        subprocess.run(["cp", "-a", str(copy), str(server.data_dir)], check=True)
+        _restore_volume(server, copy)
         server.start(args=("--restored",))
         assert "the data directory was restored (--restored)" in server.log()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:

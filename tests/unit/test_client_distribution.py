@@ -60,7 +60,7 @@ def _run(args: list[str], cwd: Path, env: dict[str, str], timeout: float) -> sub
 
 def test_client_distribution_matches_the_root_one() -> None:
     """Same version and python; its dependencies are the root's pins minus the server's;
-    it ships exactly the client packages, each with py.typed."""
+    it ships exactly the client packages and the engine, each with py.typed."""
     root = tomllib.loads((ROOT / "pyproject.toml").read_text())
     client = tomllib.loads((CLIENT / "pyproject.toml").read_text())
     rp, cp = root["project"], client["project"]
@@ -68,8 +68,13 @@ def test_client_distribution_matches_the_root_one() -> None:
     assert (cp["version"], cp["requires-python"]) == (rp["version"], rp["requires-python"])
     server_only = {"grpcio-reflection>=1.85.1", "prometheus-client>=0.20", "structlog>=24.1"}
     assert set(cp["dependencies"]) == set(rp["dependencies"]) - server_only
-    assert client["tool"]["setuptools"]["packages"] == ["kvcoord.client", "kvcoord.v1"]
+    assert client["tool"]["setuptools"]["packages"] == [
+        "kvcoord.client", "kvcoord.v1", "kvcoord.engine", "kvcoord.engine.managers"
+    ]  # fmt: skip
     assert (CLIENT / "kvcoord" / "client" / "py.typed").exists()
+    assert (CLIENT / "kvcoord" / "engine" / "py.typed").exists()
+    assert "py.typed" in client["tool"]["setuptools"]["package-data"]["kvcoord.engine"]
+    assert "py.typed" in root["tool"]["setuptools"]["package-data"]["kvcoord.engine"]
     assert (CLIENT / "kvcoord" / "v1" / "py.typed").exists()
     assert "py.typed" in root["tool"]["setuptools"]["package-data"]["kvcoord.client"]
 
@@ -89,7 +94,7 @@ def test_worker_installs_and_type_checks_the_client_alone(tmp_path: Path) -> Non
     (wheel,) = dist.glob("kvcoord_client-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     packages = {n.rsplit("/", 1)[0] for n in names if not n.startswith("kvcoord_client-")}
-    assert packages == {"kvcoord/client", "kvcoord/v1"}, packages
+    assert packages == {"kvcoord/client", "kvcoord/v1", "kvcoord/engine", "kvcoord/engine/managers"}, packages
     assert {"kvcoord/client/py.typed", "kvcoord/v1/py.typed", "kvcoord/v1/allocator_pb2.pyi"} <= set(names)
 
     venv = tmp_path / "venv"
@@ -102,17 +107,19 @@ def test_worker_installs_and_type_checks_the_client_alone(tmp_path: Path) -> Non
     work = tmp_path / "work"  # outside the repository: nothing of it is on the path
     work.mkdir()
     probe = (
-        "import importlib.util, sys, kvcoord.client, kvcoord.v1.allocator_pb2_grpc\n"
+        "import importlib.util, sys, kvcoord.client, kvcoord.engine, kvcoord.v1.allocator_pb2_grpc\n"
         "from kvcoord.client import KVCoordClient, RemoteKVCacheManager, BlockHasher\n"
+        "from kvcoord.engine.pool import KVCachePool\n"
         "assert kvcoord.client.__file__.startswith(sys.prefix), kvcoord.client.__file__\n"
-        "for name in ('kvcoord.engine', 'kvcoord.service', 'kvcoord.conformance', 'prometheus_client',\n"
+        "assert kvcoord.engine.__file__.startswith(sys.prefix), kvcoord.engine.__file__\n"
+        "for name in ('kvcoord.service', 'kvcoord.conformance', 'prometheus_client',\n"
         "             'grpc_reflection', 'structlog'):\n"
         "    assert importlib.util.find_spec(name) is None, name\n"
         "print('client only')\n"
     )
     ran = _run([python, "-c", probe], work, env, 60)
     assert ran.returncode == 0 and "client only" in ran.stdout, ran.stdout + ran.stderr
-    for name in ("engine", "service"):
+    for name in ("service",):
         missing = _run([python, "-c", f"import kvcoord.{name}"], work, env, 60)
         assert "ModuleNotFoundError: No module named 'kvcoord." + name in missing.stderr, missing.stderr
 

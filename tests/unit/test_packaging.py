@@ -50,7 +50,7 @@ def test_engine_has_no_grpc_or_io() -> None:
         "__future__", "dataclasses", "enum", "math", "typing", "collections", "collections.abc",
         "functools", "itertools", "operator",
     }  # fmt: skip
-    for path in (ROOT / "server" / "kvcoord" / "engine").rglob("*.py"):
+    for path in (ROOT / "client" / "kvcoord" / "engine").rglob("*.py"):
         bad = {m for m in _imports(path) if m not in allowed and not m.startswith("kvcoord.engine")}
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
 

@@ -69,7 +69,7 @@ def test_client_distribution_matches_the_root_one() -> None:
     server_only = {"grpcio-reflection>=1.85.1", "prometheus-client>=0.20", "structlog>=24.1"}
     assert set(cp["dependencies"]) == set(rp["dependencies"]) - server_only
     assert client["tool"]["setuptools"]["packages"] == [
-        "kvcoord.client", "kvcoord.v1", "kvcoord.engine", "kvcoord.engine.managers"
+        "kvcoord.client", "kvcoord.v1", "kvcoord.engine", "kvcoord.engine.managers", "kvcoord.wire"
     ]  # fmt: skip
     assert (CLIENT / "kvcoord" / "client" / "py.typed").exists()
     assert (CLIENT / "kvcoord" / "engine" / "py.typed").exists()
@@ -94,7 +94,9 @@ def test_worker_installs_and_type_checks_the_client_alone(tmp_path: Path) -> Non
     (wheel,) = dist.glob("kvcoord_client-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     packages = {n.rsplit("/", 1)[0] for n in names if not n.startswith("kvcoord_client-")}
-    assert packages == {"kvcoord/client", "kvcoord/v1", "kvcoord/engine", "kvcoord/engine/managers"}, packages
+    assert packages == {
+        "kvcoord/client", "kvcoord/v1", "kvcoord/engine", "kvcoord/engine/managers", "kvcoord/wire"
+    }, packages  # fmt: skip
     assert {"kvcoord/client/py.typed", "kvcoord/v1/py.typed", "kvcoord/v1/allocator_pb2.pyi"} <= set(names)
 
     venv = tmp_path / "venv"

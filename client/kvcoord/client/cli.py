@@ -1,8 +1,9 @@
 """The operator commands of ``kvcoord``: status, pools, events, score and health.
 
 They talk to a server through :class:`KVCoordClient` only, so this module needs the
-client library and click, never the server's modules (``kvcoord.service.cli`` adds
-``serve`` and ``conformance`` to the same command group).
+client library and click, never the server's modules. Installed distributions add
+commands through the entry-point group ``kvcoord.commands`` (:class:`CommandGroup`):
+the server's ``serve``, the trace replayer's ``conformance``.
 
 Exit statuses (the ``EXIT_*`` constants; ``kvcoord --help`` lists them):
 
@@ -839,8 +840,67 @@ def health(conn: Connection, service: str) -> None:
 #: the commands that need only the client library
 client_commands: list[click.Command] = [status, pools, sessions, events, score, health]
 
+#: The entry-point group through which installed distributions add commands to
+#: ``kvcoord``: the server's ``serve`` (kvcoord), the trace replayer's ``conformance``
+#: (kvcoord-client). Each names a click command, ``name = "module:attribute"``.
+COMMANDS_GROUP = "kvcoord.commands"
 
-@click.group(epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})
+
+class CommandGroup(click.Group):
+    """The client's commands plus those :data:`COMMANDS_GROUP` names, each imported
+    only when it runs (help lists them without importing them). A built-in command
+    keeps its name; an entry point that cannot be loaded fails loudly when called."""
+
+    def __init__(
+        self, *args: Any, entry_points: Sequence[metadata.EntryPoint] | None = None, **kw: Any
+    ) -> None:
+        super().__init__(*args, **kw)
+        self._entry_points = entry_points
+
+    def discovered(self) -> dict[str, metadata.EntryPoint]:
+        """The added commands by name (read from installed distributions once)."""
+        if self._entry_points is None:
+            self._entry_points = list(metadata.entry_points(group=COMMANDS_GROUP))
+        return {ep.name: ep for ep in self._entry_points if ep.name not in self.commands}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *self.discovered()})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = self.commands.get(cmd_name)
+        if command is not None:
+            return command
+        ep = self.discovered().get(cmd_name)
+        if ep is None:
+            return None
+        try:
+            loaded = ep.load()
+        except Exception as exc:  # noqa: BLE001 - named, never swallowed
+            raise CliFailure(
+                f"command {cmd_name!r} ({ep.value}) cannot be loaded: {exc}", EXIT_USAGE
+            ) from exc
+        if not isinstance(loaded, click.Command):
+            raise CliFailure(f"command {cmd_name!r} ({ep.value}) is not a click command", EXIT_USAGE)
+        return loaded
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The built-in commands with their help; the added ones with where they come
+        from (listing them imports nothing)."""
+        found = self.discovered()
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.commands.get(name)
+            if command is None:
+                rows.append((name, f"(added by {found[name].value}; see kvcoord {name} --help)"))
+            elif not command.hidden:
+                rows.append((name, command.get_short_help_str(formatter.width - 6 - len(name))))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(
+    cls=CommandGroup, epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]}
+)
 @click.version_option(_version(), prog_name="kvcoord")
 def cli() -> None:
     """kvcoord: a remote KV-cache block allocator, and the commands that operate it.
@@ -853,7 +913,7 @@ for _cmd in client_commands:
     cli.add_command(_cmd)
 
 
-def run(group: click.Group, argv: Sequence[str] | None = None, prog_name: str = "kvcoord") -> int:
+def run(group: click.Command, argv: Sequence[str] | None = None, prog_name: str = "kvcoord") -> int:
     """Run ``group`` and return its exit status (never raises SystemExit; click's own
     usage errors print their message and give 2)."""
     try:
@@ -876,7 +936,8 @@ def run(group: click.Group, argv: Sequence[str] | None = None, prog_name: str = 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point with the client commands only (no server modules imported)."""
+    """Entry point of the ``kvcoord`` console script; returns the exit status. Commands
+    of other distributions are imported only when they run."""
     return run(cli, argv)
 
 

@@ -891,7 +891,9 @@ class CommandGroup(click.Group):
         for name in self.list_commands(ctx):
             command = self.commands.get(name)
             if command is None:
-                rows.append((name, f"(added by {found[name].value}; see kvcoord {name} --help)"))
+                ep = found[name]
+                origin = ep.dist.name if ep.dist is not None else ep.value
+                rows.append((name, f"(from {origin}: kvcoord {name} --help)"))
             elif not command.hidden:
                 rows.append((name, command.get_short_help_str(formatter.width - 6 - len(name))))
         with formatter.section("Commands"):

@@ -38,7 +38,9 @@ from typing import Any, NoReturn, TypeVar
 import click
 import grpc
 from google.protobuf import json_format
+from kvcoord.engine import BlockRemoved, BlockStored
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import event_from_pb
 
 from .client import KVCoordClient
 from .errors import KVCoordError, NotFoundError, PermissionDeniedError, UnavailableError
@@ -576,8 +578,7 @@ def _write_state(path: Path, pool: str, after: int, fence: pb.Fence) -> None:
 
 def event_dict(msg: pb.WatchEventsResponse) -> dict[str, Any]:
     """One streamed event as plain values (the --json line)."""
-    ev = msg.event
-    kind = ev.WhichOneof("event") or "unknown"
+    kind = msg.event.WhichOneof("event") or "unknown"
     out: dict[str, Any] = {
         "sequence": msg.sequence,
         "type": kind,
@@ -585,16 +586,18 @@ def event_dict(msg: pb.WatchEventsResponse) -> dict[str, Any]:
         "reset": msg.reset,
         "fence": _fence_text(msg.fence),
     }
-    if kind == "block_stored":
-        s = ev.block_stored
-        out["block_hashes"] = [h.hex() for h in s.block_hashes]
-        out["parent_block_hash"] = s.parent_block_hash.hex() if s.HasField("parent_block_hash") else None
-        out["num_tokens"] = len(s.token_ids)
-        out["block_size"] = s.block_size
-        if s.HasField("lora_name"):
-            out["lora_name"] = s.lora_name
-    elif kind == "block_removed":
-        out["block_hashes"] = [h.hex() for h in ev.block_removed.block_hashes]
+    if kind == "unknown":  # an event kind newer than this client
+        return out
+    event = event_from_pb(msg.event)
+    if isinstance(event, BlockStored):
+        out["block_hashes"] = [h.hex() for h in event.block_hashes]
+        out["parent_block_hash"] = None if event.parent_block_hash is None else event.parent_block_hash.hex()
+        out["num_tokens"] = len(event.token_ids)
+        out["block_size"] = event.block_size
+        if event.lora_name is not None:
+            out["lora_name"] = event.lora_name
+    elif isinstance(event, BlockRemoved):
+        out["block_hashes"] = [h.hex() for h in event.block_hashes]
     return out
 
 

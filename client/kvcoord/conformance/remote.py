@@ -24,6 +24,11 @@ def _lists(groups: Sequence[pb.BlockIds]) -> list[list[int]]:
     return [list(g.block_ids) for g in groups]
 
 
+def _stats_json(r: pb.OperationResult) -> dict[str, Any] | None:
+    stats = r.prefix_cache_stats
+    return stats_to_json(stats_from_pb(stats.stats)) if stats.HasField("stats") else None
+
+
 class RemoteTarget:
     """A fresh pool per trace on a server; request updates ride on the next operation.
 
@@ -150,19 +155,11 @@ class RemoteTarget:
 
     def make_prefix_cache_stats(self) -> dict[str, Any] | None:
         r = self._step(pb.Operation(make_prefix_cache_stats=pb.MakePrefixCacheStatsOp()))
-        return (
-            stats_to_json(stats_from_pb(r.prefix_cache_stats.stats))
-            if r.prefix_cache_stats.HasField("stats")
-            else None
-        )
+        return _stats_json(r)
 
     def peek_prefix_cache_stats(self) -> dict[str, Any] | None:
         r = self._step(pb.Operation(make_prefix_cache_stats=pb.MakePrefixCacheStatsOp(peek=True)))
-        return (
-            stats_to_json(stats_from_pb(r.prefix_cache_stats.stats))
-            if r.prefix_cache_stats.HasField("stats")
-            else None
-        )
+        return _stats_json(r)
 
     def get_num_common_prefix_blocks(self, rid: str) -> list[int]:
         r = self._step(*self._flush(rid), pb.Operation(common_prefix=pb.CommonPrefixOp(request_id=rid)))

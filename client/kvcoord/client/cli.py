@@ -166,6 +166,18 @@ def _tls_from(
     return TLSOptions(ca_file=ca, cert_file=cert, key_file=key, server_name_override=name)
 
 
+def tls_flags() -> list[Callable[[_F], _F]]:
+    """--tls, --tls-ca, --tls-cert, --tls-key and --tls-server-name (:func:`_tls_from`
+    turns them into :class:`TLSOptions`)."""
+    return [
+        click.option("--tls", is_flag=True, help="use TLS, verifying the server with the system roots"),
+        click.option("--tls-ca", metavar="FILE", help="PEM CA certificates that verify the server"),
+        click.option("--tls-cert", metavar="FILE", help="client certificate (PEM) for mutual TLS"),
+        click.option("--tls-key", metavar="FILE", help="unencrypted PEM key of --tls-cert"),
+        click.option("--tls-server-name", metavar="NAME", help="verify the server certificate for NAME"),
+    ]
+
+
 def connection_options(default_timeout: float = 5.0, json_flag: bool = True) -> Callable[[_F], _F]:
     """--target, --token, --timeout, the TLS flags (and --json) on a command; the
     command receives them as one ``conn`` argument."""
@@ -192,11 +204,7 @@ def connection_options(default_timeout: float = 5.0, json_flag: bool = True) -> 
                 show_default=True,
                 help="deadline per RPC in seconds",
             ),
-            click.option("--tls", is_flag=True, help="use TLS, verifying the server with the system roots"),
-            click.option("--tls-ca", metavar="FILE", help="PEM CA certificates that verify the server"),
-            click.option("--tls-cert", metavar="FILE", help="client certificate (PEM) for mutual TLS"),
-            click.option("--tls-key", metavar="FILE", help="unencrypted PEM key of --tls-cert"),
-            click.option("--tls-server-name", metavar="NAME", help="verify the server certificate for NAME"),
+            *tls_flags(),
         ]
         if json_flag:
             options.append(

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import click
-from kvcoord.client.cli import EXIT_USAGE, CliFailure, _tls_from, run
+from kvcoord.client.cli import EXIT_USAGE, CliFailure, _tls_from, run, tls_flags
 
 from .replay import replay
 from .target import LocalTarget
@@ -21,15 +21,7 @@ __all__ = ["conformance", "main"]
 
 
 def _tls_options(func: Any) -> Any:
-    for opt in reversed(
-        [
-            click.option("--tls", is_flag=True, help="use TLS, verifying the server with the system roots"),
-            click.option("--tls-ca", metavar="FILE", help="PEM CA certificates that verify the server"),
-            click.option("--tls-cert", metavar="FILE", help="client certificate (PEM) for mutual TLS"),
-            click.option("--tls-key", metavar="FILE", help="unencrypted PEM key of --tls-cert"),
-            click.option("--tls-server-name", metavar="NAME", help="verify the server certificate for NAME"),
-        ]
-    ):
+    for opt in reversed(tls_flags()):
         func = opt(func)
     return func
 

@@ -23,9 +23,12 @@ RUN python3 -m venv /opt/kvcoord
 COPY pyproject.toml README.md ./
 COPY client ./client
 COPY server ./server
-# Every dependency (pyproject.toml: grpcio, protobuf, prometheus-client, structlog, ...)
-# ships binary or pure-Python wheels: no compiler is needed, here or below.
-RUN /opt/kvcoord/bin/pip install --no-cache-dir . \
+# Two distributions: kvcoord-client (./client: engine, wire, messages, the `kvcoord`
+# command) and the server (.), which depends on it; one pip command takes the client
+# from here. Every dependency (grpcio, protobuf, prometheus-client, structlog, ...) ships
+# binary or pure-Python wheels: no compiler is needed, here or below. The check runs
+# `serve` through the client's command, as the image's entry point does.
+RUN /opt/kvcoord/bin/pip install --no-cache-dir ./client . \
  && /opt/kvcoord/bin/kvcoord serve --print-default-config > /dev/null
 
 FROM ${BASE_IMAGE}

@@ -3,7 +3,7 @@ PYTHON ?= python3
 
 .PHONY: install install-vllm test test-fast test-vllm integration bench protos lint
 
-install:            ## Python deps (editable) + Debian packages for the container tests
+install:            ## both distributions (kvcoord-client, kvcoord) editable + test deps + Debian packages for the container tests
 	./scripts/install.sh
 
 install-vllm:       ## only the cached vLLM 0.16.0 venv for tests/with_vllm

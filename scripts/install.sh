@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# Install everything kvcoord's tests need: the package with its test extras (editable),
+# Install everything kvcoord's tests need: both distributions (editable), the server's with its test extras,
 # the cached vLLM 0.16.0 venv for tests/with_vllm (scripts/install_vllm.sh), and, as root on Debian, docker.io, debootstrap, prometheus and docker-compose for the
 # container suite and the deploy-file checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 
-"$PYTHON" -m pip install --quiet -e '.[test,zmq]'
-echo "installed kvcoord (editable) with test and zmq extras"
+# Both distributions in one pip command: the server's (.) depends on kvcoord-client
+# (./client), which pip then takes from here rather than from the package index.
+"$PYTHON" -m pip install --quiet -e ./client -e '.[test,zmq]'
+echo "installed kvcoord-client and kvcoord (editable) with test and zmq extras"
 
 ./scripts/install_vllm.sh
 

@@ -70,7 +70,7 @@ def test_replayer_reports_a_changed_expectation(
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     env = {"PYTHONPATH": f"{ROOT / 'client'}:{ROOT / 'server'}", "PATH": "/usr/bin:/bin"}
     return subprocess.run(
-        [sys.executable, "-m", "kvcoord.service.cli", *args],
+        [sys.executable, "-m", "kvcoord.conformance", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -80,7 +80,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_cli_passes_every_trace() -> None:
     """`kvcoord conformance FILE...` prints a line per trace and 'N passed, 0 failed'."""
-    proc = _cli("conformance", *map(str, TRACES))
+    proc = _cli(*map(str, TRACES))
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert sum(line.startswith("PASS ") for line in lines) == len(TRACES)
@@ -98,7 +98,7 @@ def test_cli_reports_failure_and_exits_nonzero(tmp_path: Path) -> None:
     bad.write_text("\n".join(src))
     garbage = tmp_path / "garbage.jsonl"
     garbage.write_text("not json\n")
-    proc = _cli("conformance", str(TRACES[0]), str(bad), str(garbage))
+    proc = _cli(str(TRACES[0]), str(bad), str(garbage))
     assert proc.returncode == 1
     out = proc.stdout.splitlines()
     assert out[0].startswith("PASS ")

@@ -697,8 +697,8 @@ def test_predicted_answers_survive_sigkill(tmp_path: Path) -> None:
     from kvcoord.client import PredictingKVCacheManager
     from kvcoord.client.hashing import BlockHasher, none_hash
     from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool
-    from kvcoord.service.convert import event_to_pb
     from kvcoord.v1 import allocator_pb2 as pb
+    from kvcoord.wire import event_to_pb
 
     @dataclasses.dataclass
     class R:

@@ -11,11 +11,11 @@ import pytest
 from helpers import allocate, attach
 from kvcoord.client import KVCoordClient
 from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored
-from kvcoord.service.convert import event_to_pb
 from kvcoord.service.events import event_wire_bytes
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from kvcoord.wire import event_to_pb
 from test_streams import pool16
 
 LIMIT = 64 * 1024

@@ -1,6 +1,7 @@
 """The operator CLI as a user meets it: the real ``kvcoord`` command (a subprocess,
-``python -m kvcoord.service.cli``) against a real server process, for the main paths
-and every documented error; formatting through click's CliRunner."""
+``python -m kvcoord.client.cli``; ``kvcoord.service.cli`` for ``serve``) against a real
+server process, for the main paths and every documented error; formatting through
+click's CliRunner."""
 
 from __future__ import annotations
 
@@ -42,8 +43,11 @@ def kvcoord(*args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
     e.pop("KVCOORD_TARGET", None)
     e.pop("KVCOORD_TOKEN", None)
     e.update(extra_env)
+    # The module the `kvcoord` console script runs each command from (the script itself
+    # finds `serve` through an entry point: tests/unit/test_commands.py).
+    module = "kvcoord.service.cli" if args[:1] == ("serve",) else "kvcoord.client.cli"
     return subprocess.run(
-        [sys.executable, "-m", "kvcoord.service.cli", *args],
+        [sys.executable, "-m", module, *args],
         capture_output=True, text=True, env=e, timeout=120, input="",
     )  # fmt: skip
 
@@ -271,7 +275,7 @@ def test_events_follow_resumes_across_a_server_restart(tmp_path: Path) -> None:
     e = env()
     e.update(KVCOORD_TARGET=srv.address)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvcoord.service.cli", "events", "--pool", "p", "--follow", "--json",
+        [sys.executable, "-m", "kvcoord.client.cli", "events", "--pool", "p", "--follow", "--json",
          "--state-file", str(state)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=e,
     )  # fmt: skip
@@ -455,10 +459,10 @@ def test_prompt_files_and_usage_errors(tmp_path: Path) -> None:
 
 
 def test_client_commands_need_no_server_modules() -> None:
-    """The operator commands import only the client library."""
+    """The operator commands import only the client distribution (client, wire, engine)."""
     code = (
         "import sys, kvcoord.client.cli as c; c.main(['--help']); "
-        "bad = [m for m in sys.modules if m.startswith(('kvcoord.service', 'kvcoord.engine'))]; "
+        "bad = [m for m in sys.modules if m.startswith('kvcoord.service')]; "
         "sys.exit(1 if bad else 0)"
     )
     e = env()

@@ -81,7 +81,7 @@ def test_conformance_over_the_wire() -> None:
     server = start_server("", env=_env())
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "kvcoord.service.cli", "conformance", "--target", server.address, *map(str, TRACES)],
+            [sys.executable, "-m", "kvcoord.conformance", "--target", server.address, *map(str, TRACES)],
             capture_output=True, text=True, env=_env(), timeout=600,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -28,9 +28,10 @@ from kvcoord.client import (
     RemoteKVCacheManager,
     TLSOptions,
     UnavailableError,
+    cli,
 )
 from kvcoord.client.testing import start_server
-from kvcoord.service import cli
+from kvcoord.conformance import cli as conformance_cli
 from kvcoord.service.metrics import Metrics
 from kvcoord.service.server import start_server as start_grpc_server
 from kvcoord.service.testing import InProcessServer
@@ -191,7 +192,7 @@ def test_cli_conformance_and_health_over_mutual_tls(
         "--tls-key",
         str(certs.client_key),
     ]
-    assert cli.main(["conformance", "--target", server.address, *flags, str(TRACE)]) == 0
+    assert conformance_cli.main(["--target", server.address, *flags, str(TRACE)]) == 0
     assert "1 passed, 0 failed" in capsys.readouterr().out
     assert cli.main(["health", "--target", server.address, *flags]) == 0
     assert capsys.readouterr().out.strip() == "SERVING"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from kvcoord.service.config import ConfigFileError, default_config_text, load_config, parse_config
-from kvcoord.service.convert import config_from_pb
+from kvcoord.wire import config_from_pb
 
 
 def test_embedded_default_is_valid() -> None:

@@ -21,8 +21,8 @@ def test_events_filled_in_place_equal_the_built_ones() -> None:
     """add_events (the Step's in-place path) and event_to_pb write every kind of event
     and every optional field as the proto spells them."""
     from kvcoord.engine import BlockRemoved, BlockStored
-    from kvcoord.service.convert import add_events, event_to_pb
     from kvcoord.v1 import allocator_pb2 as pb
+    from kvcoord.wire import add_events, event_to_pb
 
     a, b, c, d = b"a" * 32, b"b" * 32, b"c" * 32, b"d" * 32
     events = [

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import kvcoord.client
 import kvcoord.engine
+import kvcoord.wire
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,7 +21,7 @@ def test_client_imports_nothing_from_the_server_side() -> None:
         "import sys, kvcoord.client, kvcoord.client.testing, kvcoord.v1.allocator_pb2_grpc\n"
         "from kvcoord.client import BlockHasher, none_hash\n"
         "assert BlockHasher('sha256_cbor', 4, none_hash('sha256_cbor', '0')).extend([1, 2, 3, 4])\n"
-        "bad = [m for m in sys.modules if m.startswith(('kvcoord.engine', 'kvcoord.service', 'kvcoord.conformance'))]\n"
+        "bad = [m for m in sys.modules if m.startswith(('kvcoord.service', 'kvcoord.conformance'))]\n"
         "assert not bad, bad\n"
     )
     proc = subprocess.run(
@@ -53,6 +54,23 @@ def test_engine_has_no_grpc_or_io() -> None:
     for path in (ROOT / "client" / "kvcoord" / "engine").rglob("*.py"):
         bad = {m for m in _imports(path) if m not in allowed and not m.startswith("kvcoord.engine")}
         assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+
+
+def test_wire_imports_only_the_engine_the_messages_protobuf_and_the_stdlib() -> None:
+    """kvcoord.wire ships to every worker next to the engine: nothing else of ours, no
+    grpc, no third-party package but protobuf."""
+    for path in (ROOT / "client" / "kvcoord" / "wire").rglob("*.py"):
+        bad = {
+            m
+            for m in _imports(path)
+            if m.split(".")[0] not in sys.stdlib_module_names
+            and not m.startswith(("kvcoord.engine", "kvcoord.v1", "kvcoord.wire", "google.protobuf"))
+        }
+        assert not bad, f"{path.relative_to(ROOT)} imports {bad}"
+        relative = [
+            n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ImportFrom) and n.level > 1
+        ]
+        assert not relative, f"{path.relative_to(ROOT)} imports from outside the package"
 
 
 def test_prometheus_client_only_in_metrics() -> None:
@@ -102,7 +120,14 @@ def test_public_exports_are_pinned() -> None:
         "OutcomeUnknownError", "RequestUnknownError", "RequestsLostError", "SessionExpiredError",
         "SessionKeeper", "SyncMismatchError", "PoolBusyError",
     ])  # fmt: skip
-    for mod in (kvcoord.engine, kvcoord.client):
+    assert sorted(kvcoord.wire.__all__) == sorted([
+        "HASH_LENGTHS", "MAX_MODEL_LEN_UNLIMITED", "STATS_FIELDS", "ConfigFileError", "ReplicaState", "WireError",
+        "add_events", "block_ids_to_pb", "config_from_pb", "event_from_pb", "event_to_pb", "events_digest",
+        "events_from_pb", "events_message_digest", "group_kinds", "hit_from_pb", "hit_to_pb", "ids_from_pb",
+        "lora_from_pb", "pool_config_from_table", "pool_state_from_pb", "spec_from_pb", "stats_from_pb",
+        "stats_to_pb", "string_list", "tables", "write_ids", "write_pool_state",
+    ])  # fmt: skip
+    for mod in (kvcoord.engine, kvcoord.client, kvcoord.wire):
         for name in mod.__all__:
             assert hasattr(mod, name), name
 

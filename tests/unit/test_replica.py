@@ -10,8 +10,8 @@ import pytest
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.client.replica import PoolReplica, ReplicaRefusal
 from kvcoord.engine import CacheHit, FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
-from kvcoord.service.convert import event_to_pb, write_pool_state
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import event_to_pb, write_pool_state
 
 NONE = none_hash("sha256_cbor", "0")
 BS = 4

@@ -6,6 +6,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import block_ids_to_pb
 
 #: rpc name -> how a failure whose outcome is unknown (UNAVAILABLE, DEADLINE_EXCEEDED)
 #: is handled: "read" (no effect: retry), "keyed" (retry with the same idempotency
@@ -62,7 +63,7 @@ def allocate_op(
     op.num_encoder_tokens = num_encoder_tokens
     op.lookup = lookup
     if new_computed_blocks is not None and any(new_computed_blocks):
-        op.new_computed_blocks.groups.extend(pb.BlockIds(block_ids=list(ids)) for ids in new_computed_blocks)
+        op.new_computed_blocks.groups.extend(block_ids_to_pb(new_computed_blocks))
         op.new_computed_blocks.num_tokens = num_new_computed_tokens
     return op
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import block_ids_to_pb
 
 from . import _requests as rq
 from .errors import AbortedError, KVCoordError
@@ -354,7 +355,7 @@ class Ops:
         op = pb.Operation()
         lookup = op.lookup
         self.m.tracker.sync(request, lookup.request)
-        lookup.answered.groups.extend(pb.BlockIds(block_ids=g) for g in hit.block_ids)
+        lookup.answered.groups.extend(block_ids_to_pb(hit.block_ids))
         lookup.answered.num_tokens = num_tokens
         return self._item(op, lambda r: None, [request.request_id], deferred=True)
 
@@ -480,7 +481,7 @@ class Ops:
         and a table found wrong loses the request (it cannot be trusted any more)."""
         op = pb.Operation(get_block_ids=pb.GetBlockIdsOp(request_id=request_id))
         if answered is not None:
-            op.get_block_ids.answered.groups.extend(pb.BlockIds(block_ids=g) for g in answered)
+            op.get_block_ids.answered.groups.extend(block_ids_to_pb(answered))
             item = Item(op, lambda r: tuple(list(g.block_ids) for g in r.get_block_ids.groups), [request_id],
                         Pending(), commits_itself=True)  # fmt: skip
             return item

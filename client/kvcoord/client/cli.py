@@ -1,8 +1,9 @@
 """The operator commands of ``kvcoord``: status, pools, events, score and health.
 
 They talk to a server through :class:`KVCoordClient` only, so this module needs the
-client library and click, never the server's modules (``kvcoord.service.cli`` adds
-``serve`` and ``conformance`` to the same command group).
+client library and click, never the server's modules. Installed distributions add
+commands through the entry-point group ``kvcoord.commands`` (:class:`CommandGroup`):
+the server's ``serve``, the trace replayer's ``conformance``.
 
 Exit statuses (the ``EXIT_*`` constants; ``kvcoord --help`` lists them):
 
@@ -37,7 +38,9 @@ from typing import Any, NoReturn, TypeVar
 import click
 import grpc
 from google.protobuf import json_format
+from kvcoord.engine import BlockRemoved, BlockStored
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import event_from_pb
 
 from .client import KVCoordClient
 from .errors import KVCoordError, NotFoundError, PermissionDeniedError, UnavailableError
@@ -163,6 +166,18 @@ def _tls_from(
     return TLSOptions(ca_file=ca, cert_file=cert, key_file=key, server_name_override=name)
 
 
+def tls_flags() -> list[Callable[[_F], _F]]:
+    """--tls, --tls-ca, --tls-cert, --tls-key and --tls-server-name (:func:`_tls_from`
+    turns them into :class:`TLSOptions`)."""
+    return [
+        click.option("--tls", is_flag=True, help="use TLS, verifying the server with the system roots"),
+        click.option("--tls-ca", metavar="FILE", help="PEM CA certificates that verify the server"),
+        click.option("--tls-cert", metavar="FILE", help="client certificate (PEM) for mutual TLS"),
+        click.option("--tls-key", metavar="FILE", help="unencrypted PEM key of --tls-cert"),
+        click.option("--tls-server-name", metavar="NAME", help="verify the server certificate for NAME"),
+    ]
+
+
 def connection_options(default_timeout: float = 5.0, json_flag: bool = True) -> Callable[[_F], _F]:
     """--target, --token, --timeout, the TLS flags (and --json) on a command; the
     command receives them as one ``conn`` argument."""
@@ -189,11 +204,7 @@ def connection_options(default_timeout: float = 5.0, json_flag: bool = True) -> 
                 show_default=True,
                 help="deadline per RPC in seconds",
             ),
-            click.option("--tls", is_flag=True, help="use TLS, verifying the server with the system roots"),
-            click.option("--tls-ca", metavar="FILE", help="PEM CA certificates that verify the server"),
-            click.option("--tls-cert", metavar="FILE", help="client certificate (PEM) for mutual TLS"),
-            click.option("--tls-key", metavar="FILE", help="unencrypted PEM key of --tls-cert"),
-            click.option("--tls-server-name", metavar="NAME", help="verify the server certificate for NAME"),
+            *tls_flags(),
         ]
         if json_flag:
             options.append(
@@ -575,8 +586,7 @@ def _write_state(path: Path, pool: str, after: int, fence: pb.Fence) -> None:
 
 def event_dict(msg: pb.WatchEventsResponse) -> dict[str, Any]:
     """One streamed event as plain values (the --json line)."""
-    ev = msg.event
-    kind = ev.WhichOneof("event") or "unknown"
+    kind = msg.event.WhichOneof("event") or "unknown"
     out: dict[str, Any] = {
         "sequence": msg.sequence,
         "type": kind,
@@ -584,16 +594,18 @@ def event_dict(msg: pb.WatchEventsResponse) -> dict[str, Any]:
         "reset": msg.reset,
         "fence": _fence_text(msg.fence),
     }
-    if kind == "block_stored":
-        s = ev.block_stored
-        out["block_hashes"] = [h.hex() for h in s.block_hashes]
-        out["parent_block_hash"] = s.parent_block_hash.hex() if s.HasField("parent_block_hash") else None
-        out["num_tokens"] = len(s.token_ids)
-        out["block_size"] = s.block_size
-        if s.HasField("lora_name"):
-            out["lora_name"] = s.lora_name
-    elif kind == "block_removed":
-        out["block_hashes"] = [h.hex() for h in ev.block_removed.block_hashes]
+    if kind == "unknown":  # an event kind newer than this client
+        return out
+    event = event_from_pb(msg.event)
+    if isinstance(event, BlockStored):
+        out["block_hashes"] = [h.hex() for h in event.block_hashes]
+        out["parent_block_hash"] = None if event.parent_block_hash is None else event.parent_block_hash.hex()
+        out["num_tokens"] = len(event.token_ids)
+        out["block_size"] = event.block_size
+        if event.lora_name is not None:
+            out["lora_name"] = event.lora_name
+    elif isinstance(event, BlockRemoved):
+        out["block_hashes"] = [h.hex() for h in event.block_hashes]
     return out
 
 
@@ -839,8 +851,69 @@ def health(conn: Connection, service: str) -> None:
 #: the commands that need only the client library
 client_commands: list[click.Command] = [status, pools, sessions, events, score, health]
 
+#: The entry-point group through which installed distributions add commands to
+#: ``kvcoord``: the server's ``serve`` (kvcoord), the trace replayer's ``conformance``
+#: (kvcoord-client). Each names a click command, ``name = "module:attribute"``.
+COMMANDS_GROUP = "kvcoord.commands"
 
-@click.group(epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]})
+
+class CommandGroup(click.Group):
+    """The client's commands plus those :data:`COMMANDS_GROUP` names, each imported
+    only when it runs (help lists them without importing them). A built-in command
+    keeps its name; an entry point that cannot be loaded fails loudly when called."""
+
+    def __init__(
+        self, *args: Any, entry_points: Sequence[metadata.EntryPoint] | None = None, **kw: Any
+    ) -> None:
+        super().__init__(*args, **kw)
+        self._entry_points = entry_points
+
+    def discovered(self) -> dict[str, metadata.EntryPoint]:
+        """The added commands by name (read from installed distributions once)."""
+        if self._entry_points is None:
+            self._entry_points = list(metadata.entry_points(group=COMMANDS_GROUP))
+        return {ep.name: ep for ep in self._entry_points if ep.name not in self.commands}
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*self.commands, *self.discovered()})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        command = self.commands.get(cmd_name)
+        if command is not None:
+            return command
+        ep = self.discovered().get(cmd_name)
+        if ep is None:
+            return None
+        try:
+            loaded = ep.load()
+        except Exception as exc:  # noqa: BLE001 - named, never swallowed
+            raise CliFailure(
+                f"command {cmd_name!r} ({ep.value}) cannot be loaded: {exc}", EXIT_USAGE
+            ) from exc
+        if not isinstance(loaded, click.Command):
+            raise CliFailure(f"command {cmd_name!r} ({ep.value}) is not a click command", EXIT_USAGE)
+        return loaded
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """The built-in commands with their help; the added ones with where they come
+        from (listing them imports nothing)."""
+        found = self.discovered()
+        rows = []
+        for name in self.list_commands(ctx):
+            command = self.commands.get(name)
+            if command is None:
+                ep = found[name]
+                origin = ep.dist.name if ep.dist is not None else ep.value
+                rows.append((name, f"(from {origin}: kvcoord {name} --help)"))
+            elif not command.hidden:
+                rows.append((name, command.get_short_help_str(formatter.width - 6 - len(name))))
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(
+    cls=CommandGroup, epilog=EXIT_CODES_HELP, context_settings={"help_option_names": ["-h", "--help"]}
+)
 @click.version_option(_version(), prog_name="kvcoord")
 def cli() -> None:
     """kvcoord: a remote KV-cache block allocator, and the commands that operate it.
@@ -853,7 +926,7 @@ for _cmd in client_commands:
     cli.add_command(_cmd)
 
 
-def run(group: click.Group, argv: Sequence[str] | None = None, prog_name: str = "kvcoord") -> int:
+def run(group: click.Command, argv: Sequence[str] | None = None, prog_name: str = "kvcoord") -> int:
     """Run ``group`` and return its exit status (never raises SystemExit; click's own
     usage errors print their message and give 2)."""
     try:
@@ -876,7 +949,8 @@ def run(group: click.Group, argv: Sequence[str] | None = None, prog_name: str = 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point with the client commands only (no server modules imported)."""
+    """Entry point of the ``kvcoord`` console script; returns the exit status. Commands
+    of other distributions are imported only when they run."""
     return run(cli, argv)
 
 

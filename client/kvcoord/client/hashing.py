@@ -68,8 +68,6 @@ HASH_ALGORITHMS: dict[str, Callable[[Any], bytes]] = {
 }
 """Hash function by name; digests are 32 bytes (sha256*) or 16 bytes (xxhash*)."""
 
-HASH_LENGTHS = {"sha256": 32, "sha256_cbor": 32, "xxhash": 16, "xxhash_cbor": 16}
-
 
 def hash_function(algo: str) -> Callable[[Any], bytes]:
     """The hash function called ``algo``.

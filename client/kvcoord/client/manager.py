@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import group_kinds
 
 from .batch import Item, KVCacheBlockIds, Ops, Pending, Run, StepBatcher
 from .client import KVCoordClient
@@ -212,7 +213,7 @@ class RemoteKVCacheManager:
         #: lookups answered from a hint (no round trip)
         self.hinted_lookups = 0
         self._hash_block_size = max(1, int(cfg.hash_block_size))
-        kinds = [g.WhichOneof("spec") or "full" for g in cfg.groups]
+        kinds = group_kinds(cfg.groups)
         # One full-attention group: a hit can only grow when the hash right after it
         # is cached. Any other layout: when any hash of the request is.
         self._single_full = kinds == ["full"]

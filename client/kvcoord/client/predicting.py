@@ -31,7 +31,6 @@ caching, encoder inputs) raise :class:`InvalidArgumentError`: use
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import itertools
 import logging
 import time
@@ -40,6 +39,7 @@ from typing import Any
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import events_message_digest
 
 from .batch import KVCacheBlockIds
 from .client import KVCoordClient
@@ -541,7 +541,7 @@ class PredictingKVCacheManager:
                     "predicted pool %r: the server's event buffer wrapped during a Step; its events "
                     "were not compared (everything else was)", self.pool,
                 )  # fmt: skip
-            elif resp.events_sha256 != hashlib.sha256(sent.events.SerializeToString()).digest():
+            elif resp.events_sha256 != events_message_digest(sent.events):
                 raise PredictionMismatchError("the server's KV events differ from the replica's")
         if self.log_stats and resp.prefix_cache_stats != sent.stats:
             raise PredictionMismatchError(

@@ -21,6 +21,7 @@ import logging
 from collections.abc import Sequence
 
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import group_kinds
 
 __all__ = ["BlockBudget", "BlockLedger"]
 
@@ -42,7 +43,7 @@ class BlockBudget:
     """
 
     def __init__(self, groups: Sequence[pb.KVCacheGroupSpec], max_model_len: int) -> None:
-        self.kinds = [g.WhichOneof("spec") or "full" for g in groups]
+        self.kinds = group_kinds(groups)
         self.block_sizes = [
             max(1, int(getattr(getattr(g, k), "block_size", 1)))
             for g, k in zip(groups, self.kinds, strict=True)

@@ -35,7 +35,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, overload
 
 import grpc
+from kvcoord import engine
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import STATS_FIELDS, events_from_pb, group_kinds
 
 from .client import KVCoordClient
 from .errors import (
@@ -243,11 +245,8 @@ def _int_hashes() -> bool:
 def convert_stats(stats: pb.PrefixCacheStats) -> Any:
     """A protobuf PrefixCacheStats as vLLM's type (or :class:`PrefixCacheStats`)."""
     out = _stats_type()()
-    out.reset = stats.reset
-    out.requests, out.queries, out.hits = stats.requests, stats.queries, stats.hits
-    out.preempted_requests = stats.preempted_requests
-    out.preempted_queries = stats.preempted_queries
-    out.preempted_hits = stats.preempted_hits
+    for name in STATS_FIELDS:
+        setattr(out, name, getattr(stats, name))
     return out
 
 
@@ -260,25 +259,22 @@ def convert_events(events: Iterable[pb.KVEvent]) -> list[Any]:
         return int.from_bytes(raw, "big") & ((1 << 64) - 1) if as_int else bytes(raw)
 
     out: list[Any] = []
-    for e in events:
-        kind = e.WhichOneof("event")
-        if kind == "block_stored":
-            s = e.block_stored
+    for e in events_from_pb(events):
+        if isinstance(e, engine.BlockStored):
             out.append(
                 stored_t(
-                    block_hashes=[h(x) for x in s.block_hashes],
-                    parent_block_hash=h(s.parent_block_hash) if s.HasField("parent_block_hash") else None,
-                    token_ids=list(s.token_ids),
-                    block_size=s.block_size,
-                    lora_id=s.lora_id if s.HasField("lora_id") else None,
-                    medium=s.medium or _MEDIUM_GPU,
-                    lora_name=s.lora_name if s.HasField("lora_name") else None,
+                    block_hashes=[h(x) for x in e.block_hashes],
+                    parent_block_hash=None if e.parent_block_hash is None else h(e.parent_block_hash),
+                    token_ids=list(e.token_ids),
+                    block_size=e.block_size,
+                    lora_id=e.lora_id,
+                    medium=e.medium or _MEDIUM_GPU,
+                    lora_name=e.lora_name,
                 )
             )
-        elif kind == "block_removed":
-            r = e.block_removed
-            out.append(removed_t(block_hashes=[h(x) for x in r.block_hashes], medium=r.medium or _MEDIUM_GPU))
-        elif kind == "all_blocks_cleared":
+        elif isinstance(e, engine.BlockRemoved):
+            out.append(removed_t(block_hashes=[h(x) for x in e.block_hashes], medium=e.medium or _MEDIUM_GPU))
+        else:
             out.append(cleared_t())
     return out
 
@@ -509,7 +505,7 @@ class KVCoordKVCacheManager:
         self.max_model_len = int(cfg.max_model_len)
         self.hash_block_size = int(cfg.hash_block_size)
         self.num_kv_cache_groups = len(cfg.groups)
-        kinds = [g.WhichOneof("spec") or "full" for g in cfg.groups]
+        kinds = group_kinds(cfg.groups)
         self.block_sizes = [int(getattr(g, k).block_size) for g, k in zip(cfg.groups, kinds, strict=True)]
         # attention tables hold one block per block_size tokens from position 0, so a
         # block's position says which hash it holds; mamba and cross-attention tables

@@ -1,6 +1,10 @@
-"""The ``kvcoord`` command: the client's operator commands (:mod:`kvcoord.client.cli`:
-status, pools, events, score, health) plus ``serve`` and ``conformance``, which need
-the server's modules (imported only when they run)."""
+"""``kvcoord serve``: the server's one command.
+
+The ``kvcoord`` console script belongs to kvcoord-client (:mod:`kvcoord.client.cli`);
+it finds ``serve`` through the entry-point group ``kvcoord.commands``, which this
+distribution's pyproject.toml fills, so nothing here imports the client.
+``python -m kvcoord.service.cli serve`` runs it from a source tree.
+"""
 
 from __future__ import annotations
 
@@ -10,81 +14,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import click
-from kvcoord.client.cli import EXIT_USAGE, CliFailure, _tls_from, cli, run
 
-__all__ = ["cli", "main"]
-
-
-def _tls_options(func: Any) -> Any:
-    for opt in reversed(
-        [
-            click.option("--tls", is_flag=True, help="use TLS, verifying the server with the system roots"),
-            click.option("--tls-ca", metavar="FILE", help="PEM CA certificates that verify the server"),
-            click.option("--tls-cert", metavar="FILE", help="client certificate (PEM) for mutual TLS"),
-            click.option("--tls-key", metavar="FILE", help="unencrypted PEM key of --tls-cert"),
-            click.option("--tls-server-name", metavar="NAME", help="verify the server certificate for NAME"),
-        ]
-    ):
-        func = opt(func)
-    return func
+__all__ = ["main", "serve"]
 
 
-@cli.command()
-@click.argument("files", nargs=-1, required=True, metavar="FILE...")
-@click.option("--target", metavar="HOST:PORT", help="replay through the gRPC client against a server")
-@click.option("--token", help="bearer token for the server, if it requires one")
-@click.option("--timeout", type=float, default=10.0, show_default=True, help="deadline per RPC in seconds")
-@_tls_options
-def conformance(
-    files: tuple[str, ...],
-    target: str | None,
-    token: str | None,
-    timeout: float,
-    tls: bool,
-    tls_ca: str | None,
-    tls_cert: str | None,
-    tls_key: str | None,
-    tls_server_name: str | None,
-) -> None:
-    """Replay vLLM conformance traces and compare every answer.
-
-    Each trace (.jsonl) runs against a fresh pool (in-process by default, or a server
-    with --target); one line per trace and a closing 'N passed, M failed' line. Exits 1
-    on any failure.
-    """
-    from kvcoord.conformance import LocalTarget, TraceFormatError, load_trace, replay
-
-    try:
-        options = _tls_from(tls, tls_ca, tls_cert, tls_key, tls_server_name)
-    except ValueError as exc:
-        raise CliFailure(f"conformance: {exc}", EXIT_USAGE) from None
-    target_factory: Any = LocalTarget
-    if target:
-        from kvcoord.conformance.remote import RemoteTarget
-
-        def target_factory() -> RemoteTarget:
-            return RemoteTarget(target, token=token, timeout=timeout, tls=options)
-
-    passed = failed = 0
-    for path in files:
-        try:
-            trace = load_trace(path)
-        except (OSError, TraceFormatError) as exc:
-            click.echo(f"FAIL {path}: cannot read trace: {exc}")
-            failed += 1
-            continue
-        result = replay(trace, target_factory())
-        if result.passed:
-            passed += 1
-            click.echo(f"PASS {trace.name} ({result.ops} ops)")
-        else:
-            failed += 1
-            click.echo(f"FAIL {trace.name}: {result.mismatch}")
-    click.echo(f"{passed} passed, {failed} failed")
-    raise SystemExit(0 if failed == 0 and passed > 0 else 1)
-
-
-@cli.command()
+@click.command()
 @click.option("--config", metavar="FILE", help="TOML config file (default: the embedded default)")
 @click.option(
     "--listen", multiple=True, metavar="ADDR", help="override listeners (host:port or unix:/path); repeatable"
@@ -123,9 +57,21 @@ def serve(**options: Any) -> None:
     raise SystemExit(serve_from_cli(argparse.Namespace(**options)))
 
 
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def _server_commands() -> None:
+    """kvcoord's server commands (the `kvcoord` command of kvcoord-client has them all)."""
+
+
+_server_commands.add_command(serve)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``kvcoord`` console script; returns the exit status."""
-    return run(cli, argv)
+    """``python -m kvcoord.service.cli serve ...``; returns the exit status."""
+    try:
+        _server_commands.main(args=list(argv) if argv is not None else None, prog_name="kvcoord")
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    return 0
 
 
 if __name__ == "__main__":

@@ -16,10 +16,10 @@ from typing import Any
 
 from kvcoord.engine import EngineError
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import ConfigFileError, config_from_pb, pool_config_from_table, string_list, tables
 
 from .access import Tenant, tenants_from_dict
 from .bounds import check_request
-from .convert import config_from_pb
 from .errors import ServiceError
 from .kv_publisher import KVEventsDecl, kv_events_from_list
 from .registry import Limits
@@ -45,10 +45,6 @@ ENV_TLS_PREFIX = "KVCOORD_TLS_"  # CERT, KEY, CLIENT_CA
 ENV_METRICS_TLS_PREFIX = "KVCOORD_METRICS_TLS_"  # CERT, KEY, CLIENT_CA
 ENV_DATA_DIR = "KVCOORD_DATA_DIR"
 ENV_DURABILITY = "KVCOORD_DURABILITY"
-
-
-class ConfigFileError(ValueError):
-    """The configuration file is not valid; the message names the key."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -176,76 +172,6 @@ def default_config_text() -> str:
     return resources.files("kvcoord.service").joinpath("default_config.toml").read_text(encoding="utf-8")
 
 
-_GROUP_TYPES = {
-    "full": ("full", pb.FullAttentionSpec),
-    "sliding_window": ("sliding_window", pb.SlidingWindowSpec),
-    "chunked_local": ("chunked_local", pb.ChunkedLocalAttentionSpec),
-    "mamba": ("mamba", pb.MambaSpec),
-    "cross_attention": ("cross_attention", pb.CrossAttentionSpec),
-}
-
-_POOL_KEYS = {
-    "num_blocks", "hash_block_size", "hash_algo", "hash_seed", "enable_caching", "use_eagle",
-    "enable_kv_cache_events", "log_stats", "max_model_len", "shared_cache_tenants",
-}  # fmt: skip
-
-
-def string_list(value: Any, where: str) -> tuple[str, ...]:
-    """A list-valued key's strings.
-
-    A lone string is refused rather than iterated: ``auth_tokens = "secret"`` would
-    otherwise make every character a token.
-
-    Raises:
-        ConfigFileError: names ``where``: not a list, or an item that is not a string.
-    """
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        got = "a string" if isinstance(value, str) else type(value).__name__
-        raise ConfigFileError(f'{where}: must be a list of strings, got {got} (write ["..."])')
-    return tuple(value)
-
-
-def _tables(value: Any, where: str) -> list[Any]:
-    """A list-valued key of tables (``[[pools]]``, ``[[pools.groups]]``)."""
-    if not isinstance(value, list):
-        raise ConfigFileError(f"{where}: must be a list of tables ([[{where}]]), got {type(value).__name__}")
-    return value
-
-
-def pool_config_from_dict(d: Mapping[str, Any], where: str) -> pb.PoolConfig:
-    """A pool table (as in the config file) as a wire PoolConfig."""
-    cfg = pb.PoolConfig()
-    for key, value in d.items():
-        if key in ("name", "groups"):
-            continue
-        if key not in _POOL_KEYS:
-            raise ConfigFileError(
-                f"{where}: unknown key {key!r} (known: {sorted(_POOL_KEYS | {'name', 'groups'})})"
-            )
-        if key == "shared_cache_tenants":
-            cfg.shared_cache_tenants.extend(string_list(value, f"{where}.{key}"))
-            continue
-        try:
-            setattr(cfg, key, value)
-        except (TypeError, ValueError) as exc:
-            raise ConfigFileError(f"{where}.{key}: {exc}") from None
-    for i, g in enumerate(_tables(d.get("groups", []), f"{where}.groups")):
-        gwhere = f"{where}.groups[{i}]"
-        if not isinstance(g, Mapping) or "type" not in g:
-            raise ConfigFileError(f"{gwhere}: a group needs a 'type' ({', '.join(_GROUP_TYPES)})")
-        kind = g["type"]
-        if kind not in _GROUP_TYPES:
-            raise ConfigFileError(f"{gwhere}.type: unknown group type {kind!r} ({', '.join(_GROUP_TYPES)})")
-        field, cls = _GROUP_TYPES[kind]
-        fields = {k: v for k, v in g.items() if k != "type"}
-        try:
-            spec = cls(**fields)
-        except (TypeError, ValueError) as exc:
-            raise ConfigFileError(f"{gwhere}: {exc}") from None
-        cfg.groups.add().MergeFrom(pb.KVCacheGroupSpec(**{field: spec}))
-    return cfg
-
-
 def _settings(d: Mapping[str, Any]) -> ServerSettings:
     known = {f.name for f in dataclasses.fields(ServerSettings)}
     kwargs: dict[str, Any] = {}
@@ -315,7 +241,7 @@ def parse_config(text: str, source: str = "config") -> ServerConfig:
         raise ConfigFileError(f"{source}: {exc}") from None
     pools = []
     names = set()
-    for i, p in enumerate(_tables(data.get("pools", []), "pools")):
+    for i, p in enumerate(tables(data.get("pools", []), "pools")):
         where = f"pools[{i}]"
         if not isinstance(p, Mapping):
             raise ConfigFileError(f"{where}: must be a table")
@@ -325,7 +251,7 @@ def parse_config(text: str, source: str = "config") -> ServerConfig:
         if name in names:
             raise ConfigFileError(f"{where}.name: pool {name!r} is declared twice")
         names.add(name)
-        cfg = pool_config_from_dict(p, f"{where} ({name})")
+        cfg = pool_config_from_table(p, f"{where} ({name})")
         try:
             check_request(pb.CreatePoolRequest(name=name, config=cfg), limits)  # as if created over the wire
             config_from_pb(cfg)

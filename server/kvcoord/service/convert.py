@@ -1,32 +1,25 @@
-"""Conversions between protobuf messages and engine values. Engine types never see protobuf."""
+"""The servicer's own conversions: operations and their outcomes, fences, scores and
+reservations. Engine values both sides convert (layouts, ids, hits, stats, events,
+pool state) live in :mod:`kvcoord.wire`. Engine types never see protobuf."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
-from kvcoord.client.hashing import HASH_LENGTHS
-from kvcoord.engine import (
-    AllBlocksCleared,
-    AttentionSpec,
-    BlockRemoved,
-    BlockStored,
-    CacheHit,
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheEvent,
-    LoRA,
-    MambaCacheMode,
-    MambaSpec,
-    PrefixCacheStats,
-    SlidingWindowSpec,
-    TokenIds,
-)
+from kvcoord.engine import CacheHit, PrefixCacheStats, TokenIds
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import (
+    add_events,
+    block_ids_to_pb,
+    hit_from_pb,
+    hit_to_pb,
+    ids_from_pb,
+    lora_from_pb,
+    stats_to_pb,
+    write_ids,
+)
 
 from . import operations as op
 from .errors import ServiceError, bounded
@@ -38,183 +31,24 @@ if TYPE_CHECKING:  # pragma: no cover
     from .scoring import ReservationMade
 
 __all__ = [
-    "prompts_from_pb",
-    "reservation_stats_to_pb",
-    "reservation_to_pb",
-    "scores_to_pb",
+    "allocate_from_pb",
     "allocate_to_pb",
-    "block_ids_to_pb",
     "error_to_result",
     "fence_from_pb",
     "fence_to_pb",
     "operation_from_pb",
     "outcome_to_pb",
-    "write_outcome",
-    "write_pool_state",
+    "prompts_from_pb",
+    "reservation_stats_to_pb",
+    "reservation_to_pb",
+    "scores_to_pb",
     "sync_from_pb",
-    "config_from_pb",
-    "add_events",
-    "event_to_pb",
-    "events_digest",
-    "hit_from_pb",
-    "hit_to_pb",
-    "stats_to_pb",
+    "write_outcome",
 ]
-
-MAX_MODEL_LEN_UNLIMITED = 1 << 31
 
 
 def _invalid(message: str) -> ServiceError:
     return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-
-def spec_from_pb(group: pb.KVCacheGroupSpec, gid: int) -> AttentionSpec:
-    """One group spec; INVALID_ARGUMENT when the oneof is unset or a mode unknown."""
-    kind = group.WhichOneof("spec")
-    if kind == "full":
-        f = group.full
-        return FullAttentionSpec(
-            f.block_size,
-            f.num_kv_heads or 1,
-            f.head_size or 1,
-            f.dtype or "auto",
-            f.use_mla,
-            f.sink_len or None,
-        )
-    if kind == "sliding_window":
-        s = group.sliding_window
-        return SlidingWindowSpec(
-            s.block_size, s.sliding_window, s.num_kv_heads or 1, s.head_size or 1, s.dtype or "auto"
-        )
-    if kind == "chunked_local":
-        c = group.chunked_local
-        return ChunkedLocalAttentionSpec(
-            c.block_size, c.attention_chunk_size, c.num_kv_heads or 1, c.head_size or 1, c.dtype or "auto"
-        )
-    if kind == "mamba":
-        m = group.mamba
-        try:
-            mode = MambaCacheMode(m.mamba_cache_mode or "none")
-        except ValueError:
-            raise _invalid(
-                f"groups[{gid}].mamba.mamba_cache_mode must be none, all or align, got {m.mamba_cache_mode!r}"
-            ) from None
-        shapes = (tuple(m.shape_dims),) if m.shape_dims else ()
-        return MambaSpec(m.block_size, mode, m.num_speculative_blocks, shapes, tuple(m.dtypes))
-    if kind == "cross_attention":
-        x = group.cross_attention
-        return CrossAttentionSpec(x.block_size, x.num_kv_heads or 1, x.head_size or 1, x.dtype or "auto")
-    raise _invalid(
-        f"groups[{gid}] has no spec: set one of full, sliding_window, chunked_local, mamba, cross_attention"
-    )
-
-
-def config_from_pb(cfg: pb.PoolConfig) -> KVCacheConfig:
-    """The engine config of a wire config; hash settings are checked here.
-
-    Raises:
-        ServiceError: INVALID_ARGUMENT for missing or unknown hash settings.
-        ConfigError: an invalid layout (the engine names the rule).
-    """
-    if cfg.enable_caching:
-        if cfg.hash_algo not in HASH_LENGTHS:
-            raise _invalid(
-                f"hash_algo must be one of {sorted(HASH_LENGTHS)} when caching is on, got {cfg.hash_algo!r}"
-            )
-        if not cfg.hash_seed:
-            raise _invalid(
-                "hash_seed is required when caching is on: workers must hash with a fixed "
-                "PYTHONHASHSEED, or their hashes never match across processes"
-            )
-    elif cfg.hash_algo and cfg.hash_algo not in HASH_LENGTHS:
-        raise _invalid(f"unknown hash_algo {cfg.hash_algo!r}")
-    return KVCacheConfig(
-        num_blocks=cfg.num_blocks,
-        groups=tuple(spec_from_pb(g, i) for i, g in enumerate(cfg.groups)),
-        hash_block_size=cfg.hash_block_size,
-        enable_caching=cfg.enable_caching,
-        use_eagle=cfg.use_eagle,
-        enable_kv_cache_events=cfg.enable_kv_cache_events,
-        log_stats=cfg.log_stats if cfg.HasField("log_stats") else True,
-        max_model_len=cfg.max_model_len or MAX_MODEL_LEN_UNLIMITED,
-        hash_length=HASH_LENGTHS.get(cfg.hash_algo) if cfg.enable_caching else None,
-    )
-
-
-def block_ids_to_pb(lists: Sequence[Sequence[int]]) -> list[pb.BlockIds]:
-    return [pb.BlockIds(block_ids=list(ids)) for ids in lists]
-
-
-def hit_to_pb(hit: CacheHit) -> pb.CacheHit:
-    return pb.CacheHit(groups=block_ids_to_pb(hit.block_ids), num_tokens=hit.num_tokens)
-
-
-def hit_from_pb(hit: pb.CacheHit, num_groups: int) -> CacheHit | None:
-    """``None`` when no groups were sent (no hit to adopt)."""
-    if not hit.groups:
-        return None
-    return CacheHit(tuple(tuple(g.block_ids) for g in hit.groups), hit.num_tokens)
-
-
-def lora_from_pb(lora: pb.LoRA) -> LoRA | None:
-    return LoRA(lora.adapter_id, lora.name) if lora.name else None
-
-
-def stats_to_pb(stats: PrefixCacheStats | None) -> pb.PrefixCacheStats | None:
-    if stats is None:
-        return None
-    return pb.PrefixCacheStats(
-        reset=stats.reset,
-        requests=stats.requests,
-        queries=stats.queries,
-        hits=stats.hits,
-        preempted_requests=stats.preempted_requests,
-        preempted_queries=stats.preempted_queries,
-        preempted_hits=stats.preempted_hits,
-    )
-
-
-def add_events(target: Any, events: Iterable[KVCacheEvent]) -> None:
-    """Append ``events`` to the repeated KVEvent field ``target``, filled in place (no
-    message built and then copied: a Step may carry hundreds of events)."""
-    add = target.add
-    for event in events:
-        _fill_event(add(), event)
-
-
-def events_digest(events: list[KVCacheEvent]) -> bytes:
-    """SHA-256 of a StepResponse holding only ``events``, serialized (StepRequest.events_digest)."""
-    holder = pb.StepResponse()
-    add_events(holder.events, events)
-    return hashlib.sha256(holder.SerializeToString()).digest()
-
-
-def event_to_pb(event: KVCacheEvent) -> pb.KVEvent:
-    message = pb.KVEvent()
-    _fill_event(message, event)
-    return message
-
-
-def _fill_event(message: pb.KVEvent, event: KVCacheEvent) -> None:
-    if isinstance(event, BlockRemoved):
-        removed = message.block_removed
-        removed.block_hashes.extend(event.block_hashes)
-        removed.medium = event.medium
-    elif isinstance(event, BlockStored):
-        stored = message.block_stored
-        stored.block_hashes.extend(event.block_hashes)
-        stored.token_ids.extend(event.token_ids)
-        stored.block_size = event.block_size
-        stored.medium = event.medium
-        if event.parent_block_hash is not None:
-            stored.parent_block_hash = event.parent_block_hash
-        if event.lora_id is not None:
-            stored.lora_id = event.lora_id
-        if event.lora_name is not None:
-            stored.lora_name = event.lora_name
-    else:
-        assert isinstance(event, AllBlocksCleared)
-        message.all_blocks_cleared.SetInParent()
 
 
 # -- operations -------------------------------------------------------------------------
@@ -247,7 +81,7 @@ def allocate_from_pb(a: pb.AllocateOp, num_groups: int) -> op.Allocate:
         sync_from_pb(a.request),
         a.num_new_tokens,
         a.num_new_computed_tokens,
-        hit_from_pb(a.new_computed_blocks, num_groups) if a.HasField("new_computed_blocks") else None,
+        hit_from_pb(a.new_computed_blocks) if a.HasField("new_computed_blocks") else None,
         a.num_lookahead_tokens,
         a.num_external_computed_tokens,
         a.delay_cache_blocks,
@@ -276,7 +110,7 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
                     f"lookup.answered must have one block list per KV cache group ({num_groups}), "
                     f"got {len(lk.answered.groups)}",
                 )
-            answered = CacheHit(tuple(tuple(g.block_ids) for g in lk.answered.groups), lk.answered.num_tokens)
+            answered = CacheHit(ids_from_pb(lk.answered.groups), lk.answered.num_tokens)
         return op.Lookup(sync_from_pb(lk.request), lk.hint, lk.walk_limit, answered)
     if kind == "free":
         return op.Free(o.free.request_id, o.free.if_held)
@@ -291,7 +125,7 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         return op.EvictBlocks(o.evict_blocks.block_ids)
     if kind == "get_block_ids":
         g = o.get_block_ids
-        table = tuple(tuple(t.block_ids) for t in g.answered.groups) if g.HasField("answered") else None
+        table = ids_from_pb(g.answered.groups) if g.HasField("answered") else None
         return op.GetBlockIds(g.request_id, table)
     if kind == "common_prefix":
         return op.CommonPrefix(o.common_prefix.request_id)
@@ -333,12 +167,6 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
     raise _invalid("operation has no op set")
 
 
-def _write_ids(target: Any, lists: Sequence[Sequence[int]]) -> None:
-    """Append one BlockIds per group to a repeated field, in place (no message copies)."""
-    for ids in lists:
-        target.add().block_ids.extend(ids)
-
-
 def write_allocate(out: pb.AllocateResult, a: op.AllocateOutcome) -> None:
     """Fill ``out`` (a field of the answer being built) with an allocation's outcome."""
     if a.new_block_ids is None:
@@ -347,13 +175,13 @@ def write_allocate(out: pb.AllocateResult, a: op.AllocateOutcome) -> None:
         else:
             out.refused = True
     else:
-        _write_ids(out.new_block_ids, a.new_block_ids)
+        write_ids(out.new_block_ids, a.new_block_ids)
     out.num_new_tokens = a.num_new_tokens
     if a.hit is not None:
         out.hit.num_tokens = a.hit.num_tokens
-        _write_ids(out.hit.groups, a.hit.block_ids)
+        write_ids(out.hit.groups, a.hit.block_ids)
     if a.table is not None:
-        _write_ids(out.table, a.table)
+        write_ids(out.table, a.table)
 
 
 def allocate_to_pb(a: op.AllocateOutcome) -> pb.AllocateResult:
@@ -443,21 +271,6 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
         assert v is None or isinstance(v, PrefixCacheStats)
         return pb.OperationResult(prefix_cache_stats=pb.PrefixCacheStatsResult(stats=stats_to_pb(v)))
     return pb.OperationResult()
-
-
-def write_pool_state(
-    response: pb.AttachResponse, state: tuple[int, list[int], list[tuple[bytes, int]]] | str
-) -> None:
-    """An Attach answer's pool state (:meth:`KVCachePool.replica_state`), or why there is none."""
-    if isinstance(state, str):
-        response.pool_state_unavailable = state
-        return
-    fresh, used, pairs = state
-    out = response.pool_state
-    out.next_fresh = fresh
-    out.used_free_blocks.extend(used)
-    out.cached_block_ids.extend([block_id for _, block_id in pairs])
-    out.cached_block_hashes.extend([block_hash for block_hash, _ in pairs])
 
 
 # -- ScorePools ----------------------------------------------------------------------

@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import MAX_MODEL_LEN_UNLIMITED, config_from_pb
 
 from .bounds import MAX_NAME_LENGTH
 from .budget import MemoryBudget
-from .convert import MAX_MODEL_LEN_UNLIMITED, config_from_pb
 from .durability import Recorder
 from .errors import ServiceError
 from .idempotency import IdempotencyStore

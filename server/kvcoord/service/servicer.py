@@ -19,6 +19,15 @@ from google.protobuf.message import DecodeError, Message
 from kvcoord.engine.invariants import check_pool
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from kvcoord.wire import (
+    add_events,
+    block_ids_to_pb,
+    event_to_pb,
+    events_digest,
+    hit_to_pb,
+    stats_to_pb,
+    write_pool_state,
+)
 
 from . import bounds
 from . import operations as op
@@ -26,23 +35,16 @@ from .access import AccessControl, Role, current_tenant
 from .bounds import check_request
 from .budget import BLOCK_BYTES, TOKEN_BYTES
 from .convert import (
-    add_events,
     allocate_from_pb,
     allocate_to_pb,
-    block_ids_to_pb,
-    event_to_pb,
-    events_digest,
     fence_from_pb,
     fence_to_pb,
-    hit_to_pb,
     operation_from_pb,
     prompts_from_pb,
     reservation_stats_to_pb,
     reservation_to_pb,
     scores_to_pb,
-    stats_to_pb,
     write_outcome,
-    write_pool_state,
 )
 from .errors import (
     REASON_METADATA_KEY,

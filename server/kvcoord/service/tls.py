@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import grpc
-from kvcoord.client.tls import read_ca_file, read_key_pair
+from kvcoord.wire.pem import read_ca_file, read_key_pair
 
 __all__ = ["TLSFiles", "check_tls_files", "server_credentials", "tls_from_dict", "tls_from_env"]
 

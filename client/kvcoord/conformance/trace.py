@@ -8,9 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from kvcoord.engine import KVCacheConfig
-from kvcoord.service.config import ConfigFileError, pool_config_from_dict
-from kvcoord.service.convert import config_from_pb
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import ConfigFileError, config_from_pb, pool_config_from_table
 
 __all__ = ["Trace", "TraceFormatError", "config_from_trace", "load_trace", "pool_config_from_trace"]
 
@@ -75,7 +74,7 @@ def pool_config_from_trace(cfg: dict[str, Any]) -> pb.PoolConfig:
             raise TraceFormatError(f"{key} = {cfg[key]} is not supported (kvcoord fixes it to 1)")
     table = {k: cfg[k] for k in _POOL_FIELDS if cfg.get(k) is not None}
     try:
-        return pool_config_from_dict(table, "trace config")
+        return pool_config_from_table(table, "trace config")
     except ConfigFileError as exc:
         raise TraceFormatError(str(exc)) from None
 

@@ -12,8 +12,9 @@ from kvcoord.client.errors import error_from_code, status_code
 from kvcoord.client.retry import DEFAULT_RETRY, RetryPolicy
 from kvcoord.engine import LoRA
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import events_from_pb, stats_from_pb
 
-from .target import BlockIds
+from .target import BlockIds, event_to_json, stats_to_json
 from .trace import pool_config_from_trace
 
 __all__ = ["RemoteTarget"]
@@ -23,45 +24,9 @@ def _lists(groups: Sequence[pb.BlockIds]) -> list[list[int]]:
     return [list(g.block_ids) for g in groups]
 
 
-def _hash_int(h: bytes) -> int:
-    return int.from_bytes(h[-8:], "big")
-
-
-def event_json(e: pb.KVEvent) -> dict[str, Any]:
-    """A wire event in the trace format."""
-    kind = e.WhichOneof("event")
-    if kind == "block_stored":
-        s = e.block_stored
-        return {
-            "type": "BlockStored",
-            "block_hashes": [_hash_int(h) for h in s.block_hashes],
-            "parent_block_hash": _hash_int(s.parent_block_hash) if s.HasField("parent_block_hash") else None,
-            "token_ids": list(s.token_ids),
-            "block_size": s.block_size,
-            "lora_id": s.lora_id if s.HasField("lora_id") else None,
-            "medium": s.medium,
-            "lora_name": s.lora_name if s.HasField("lora_name") else None,
-        }
-    if kind == "block_removed":
-        r = e.block_removed
-        return {
-            "type": "BlockRemoved",
-            "block_hashes": [_hash_int(h) for h in r.block_hashes],
-            "medium": r.medium,
-        }
-    return {"type": "AllBlocksCleared"}
-
-
-def stats_json(s: pb.PrefixCacheStats) -> dict[str, Any]:
-    return {
-        "requests": s.requests,
-        "queries": s.queries,
-        "hits": s.hits,
-        "preempted_requests": s.preempted_requests,
-        "preempted_queries": s.preempted_queries,
-        "preempted_hits": s.preempted_hits,
-        "reset": s.reset,
-    }
+def _stats_json(r: pb.OperationResult) -> dict[str, Any] | None:
+    stats = r.prefix_cache_stats
+    return stats_to_json(stats_from_pb(stats.stats)) if stats.HasField("stats") else None
 
 
 class RemoteTarget:
@@ -184,17 +149,17 @@ class RemoteTarget:
         out: list[dict[str, Any]] = []
         while True:  # an answer holds what fits below max_message_bytes; `more` says the rest waits
             taken = self._step(pb.Operation(take_events=pb.TakeEventsOp())).take_events
-            out.extend(event_json(e) for e in taken.events)
+            out.extend(event_to_json(e) for e in events_from_pb(taken.events))
             if not taken.more:
                 return out
 
     def make_prefix_cache_stats(self) -> dict[str, Any] | None:
         r = self._step(pb.Operation(make_prefix_cache_stats=pb.MakePrefixCacheStatsOp()))
-        return stats_json(r.prefix_cache_stats.stats) if r.prefix_cache_stats.HasField("stats") else None
+        return _stats_json(r)
 
     def peek_prefix_cache_stats(self) -> dict[str, Any] | None:
         r = self._step(pb.Operation(make_prefix_cache_stats=pb.MakePrefixCacheStatsOp(peek=True)))
-        return stats_json(r.prefix_cache_stats.stats) if r.prefix_cache_stats.HasField("stats") else None
+        return _stats_json(r)
 
     def get_num_common_prefix_blocks(self, rid: str) -> list[int]:
         r = self._step(*self._flush(rid), pb.Operation(common_prefix=pb.CommonPrefixOp(request_id=rid)))

@@ -1,0 +1,78 @@
+"""kvcoord's wire conversions, written once for both sides: engine values <-> messages.
+
+Shipped in the workers' distribution (kvcoord-client) next to the engine; the server
+depends on it. It imports only the engine, the generated messages (kvcoord.v1),
+protobuf and the standard library (tests/unit/test_layers.py):
+
+- :mod:`.layouts`  PoolConfig <-> the engine's KVCacheConfig, and a pool's table form
+  (config files, conformance traces)
+- :mod:`.values`   block ids, prefix hits, LoRA adapters, prefix-cache statistics
+- :mod:`.events`   KV events and the events digest
+- :mod:`.state`    an exclusive session's pool state (AttachResponse.pool_state)
+- :mod:`.hashes`   contract facts about block hashes (digest lengths)
+- :mod:`.pem`      PEM certificate and key readers (client channels, server listeners)
+"""
+
+from .errors import WireError
+from .events import (
+    add_events,
+    event_from_pb,
+    event_to_pb,
+    events_digest,
+    events_from_pb,
+    events_message_digest,
+)
+from .hashes import HASH_LENGTHS
+from .layouts import (
+    MAX_MODEL_LEN_UNLIMITED,
+    ConfigFileError,
+    config_from_pb,
+    group_kinds,
+    pool_config_from_table,
+    spec_from_pb,
+    string_list,
+    tables,
+)
+from .state import ReplicaState, pool_state_from_pb, write_pool_state
+from .values import (
+    STATS_FIELDS,
+    block_ids_to_pb,
+    hit_from_pb,
+    hit_to_pb,
+    ids_from_pb,
+    lora_from_pb,
+    stats_from_pb,
+    stats_to_pb,
+    write_ids,
+)
+
+__all__ = [
+    "HASH_LENGTHS",
+    "MAX_MODEL_LEN_UNLIMITED",
+    "STATS_FIELDS",
+    "ConfigFileError",
+    "ReplicaState",
+    "WireError",
+    "add_events",
+    "block_ids_to_pb",
+    "config_from_pb",
+    "event_from_pb",
+    "event_to_pb",
+    "events_digest",
+    "events_from_pb",
+    "events_message_digest",
+    "group_kinds",
+    "hit_from_pb",
+    "hit_to_pb",
+    "ids_from_pb",
+    "lora_from_pb",
+    "pool_config_from_table",
+    "pool_state_from_pb",
+    "spec_from_pb",
+    "stats_from_pb",
+    "stats_to_pb",
+    "string_list",
+    "tables",
+    "write_ids",
+    "write_pool_state",
+]

@@ -1,0 +1,101 @@
+"""KV cache events: engine values <-> KVEvent messages, and the events digest a Step
+may ask for instead of the events (StepRequest.events_digest)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any
+
+from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .errors import WireError
+
+__all__ = [
+    "add_events",
+    "event_from_pb",
+    "event_to_pb",
+    "events_digest",
+    "events_from_pb",
+    "events_message_digest",
+]
+
+
+def add_events(target: Any, events: Iterable[KVCacheEvent]) -> None:
+    """Append ``events`` to the repeated KVEvent field ``target``, filled in place (no
+    message built and then copied: a Step may carry hundreds of events)."""
+    add = target.add
+    for event in events:
+        _fill_event(add(), event)
+
+
+def event_to_pb(event: KVCacheEvent) -> pb.KVEvent:
+    message = pb.KVEvent()
+    _fill_event(message, event)
+    return message
+
+
+def _fill_event(message: pb.KVEvent, event: KVCacheEvent) -> None:
+    if isinstance(event, BlockRemoved):
+        removed = message.block_removed
+        removed.block_hashes.extend(event.block_hashes)
+        removed.medium = event.medium
+    elif isinstance(event, BlockStored):
+        stored = message.block_stored
+        stored.block_hashes.extend(event.block_hashes)
+        stored.token_ids.extend(event.token_ids)
+        stored.block_size = event.block_size
+        stored.medium = event.medium
+        if event.parent_block_hash is not None:
+            stored.parent_block_hash = event.parent_block_hash
+        if event.lora_id is not None:
+            stored.lora_id = event.lora_id
+        if event.lora_name is not None:
+            stored.lora_name = event.lora_name
+    else:
+        assert isinstance(event, AllBlocksCleared)
+        message.all_blocks_cleared.SetInParent()
+
+
+def event_from_pb(message: pb.KVEvent) -> KVCacheEvent:
+    """A KVEvent as the engine's event (the cache namespace never travels: b"").
+
+    Raises:
+        WireError: no event is set.
+    """
+    kind = message.WhichOneof("event")
+    if kind == "block_stored":
+        s = message.block_stored
+        return BlockStored(
+            block_hashes=tuple(s.block_hashes),
+            parent_block_hash=s.parent_block_hash if s.HasField("parent_block_hash") else None,
+            token_ids=tuple(s.token_ids),
+            block_size=s.block_size,
+            lora_id=s.lora_id if s.HasField("lora_id") else None,
+            lora_name=s.lora_name if s.HasField("lora_name") else None,
+            medium=s.medium,
+        )
+    if kind == "block_removed":
+        r = message.block_removed
+        return BlockRemoved(block_hashes=tuple(r.block_hashes), medium=r.medium)
+    if kind == "all_blocks_cleared":
+        return AllBlocksCleared()
+    raise WireError("KVEvent has no event set")
+
+
+def events_from_pb(messages: Iterable[pb.KVEvent]) -> list[KVCacheEvent]:
+    return [event_from_pb(m) for m in messages]
+
+
+def events_message_digest(holder: pb.StepResponse) -> bytes:
+    """SHA-256 of ``holder`` serialized: a StepResponse in which only ``events`` is set."""
+    return hashlib.sha256(holder.SerializeToString()).digest()
+
+
+def events_digest(events: Iterable[KVCacheEvent]) -> bytes:
+    """The events digest of engine events (StepResponse.events_sha256): SHA-256 of a
+    StepResponse holding only these events, serialized."""
+    holder = pb.StepResponse()
+    add_events(holder.events, events)
+    return events_message_digest(holder)

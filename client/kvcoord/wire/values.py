@@ -1,0 +1,70 @@
+"""Block ids, prefix hits, LoRA adapters and prefix-cache statistics: engine values <->
+messages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvcoord.engine import CacheHit, LoRA, PrefixCacheStats
+from kvcoord.v1 import allocator_pb2 as pb
+
+__all__ = [
+    "STATS_FIELDS",
+    "block_ids_to_pb",
+    "hit_from_pb",
+    "hit_to_pb",
+    "ids_from_pb",
+    "lora_from_pb",
+    "stats_from_pb",
+    "stats_to_pb",
+    "write_ids",
+]
+
+#: The fields of PrefixCacheStats, the same on both sides.
+STATS_FIELDS = (
+    "reset", "requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits",
+)  # fmt: skip
+
+
+def block_ids_to_pb(lists: Sequence[Sequence[int]]) -> list[pb.BlockIds]:
+    """One BlockIds per group."""
+    return [pb.BlockIds(block_ids=list(ids)) for ids in lists]
+
+
+def write_ids(target: Any, lists: Iterable[Sequence[int]]) -> None:
+    """Append one BlockIds per group to the repeated field ``target``, in place (no
+    message built and then copied)."""
+    for ids in lists:
+        target.add().block_ids.extend(ids)
+
+
+def ids_from_pb(groups: Iterable[pb.BlockIds]) -> tuple[tuple[int, ...], ...]:
+    """Each group's block ids, in order."""
+    return tuple(tuple(g.block_ids) for g in groups)
+
+
+def hit_to_pb(hit: CacheHit) -> pb.CacheHit:
+    return pb.CacheHit(groups=block_ids_to_pb(hit.block_ids), num_tokens=hit.num_tokens)
+
+
+def hit_from_pb(hit: pb.CacheHit) -> CacheHit | None:
+    """``None`` when no groups were sent (no hit to adopt)."""
+    if not hit.groups:
+        return None
+    return CacheHit(ids_from_pb(hit.groups), hit.num_tokens)
+
+
+def lora_from_pb(lora: pb.LoRA) -> LoRA | None:
+    """``None`` for an unnamed adapter (no LoRA)."""
+    return LoRA(lora.adapter_id, lora.name) if lora.name else None
+
+
+def stats_to_pb(stats: PrefixCacheStats | None) -> pb.PrefixCacheStats | None:
+    if stats is None:
+        return None
+    return pb.PrefixCacheStats(**{f: getattr(stats, f) for f in STATS_FIELDS})
+
+
+def stats_from_pb(stats: pb.PrefixCacheStats) -> PrefixCacheStats:
+    return PrefixCacheStats(**{f: getattr(stats, f) for f in STATS_FIELDS})

@@ -17,7 +17,8 @@ from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
 from kvcoord.service.config import parse_config
 from kvcoord.service.server import start_server
-from kvcoord.service.testing import InProcessServer
+from kvcoord.service.testing import InProcessServer, ManualClock
+from kvcoord.v1 import allocator_pb2 as pb
 from support import scrape_metrics
 
 
@@ -134,3 +135,38 @@ def test_only_a_hash_mismatch_counts_as_a_handshake_refusal(
             c.attach("p", "sha256_cbor", 16, "0")
         assert mismatch.value.reason == "HASH_MISMATCH"
         assert scrape_metrics(srv)[key] == 1
+
+
+def test_step_and_session_series_count_what_the_server_did(
+    make_server: Callable[..., InProcessServer], clock: ManualClock
+) -> None:
+    """The series the dashboard's Step latency and sessions panels read, over a real
+    /metrics scrape: every Step's engine work is one histogram observation and its
+    operations are counted; a lease running out counts one expired session, a Detach none."""
+    srv = make_server()
+    p = (("pool", "p"),)
+    ops, engine, expired = (
+        "kvcoord_step_operations_total",
+        "kvcoord_step_engine_seconds",
+        "kvcoord_sessions_expired_total",
+    )
+    before = scrape_metrics(srv)
+    assert (before[(ops, p)], before[(f"{engine}_count", ())], before[(expired, p)]) == (0, 0, 0)
+    with KVCoordClient(srv.address) as c:
+        sid, fence = attach(c, lease_seconds=5)
+        gone, gone_fence = attach(c, lease_seconds=5)
+        c.step("p", [allocate("a", list(range(10)), 10), allocate("b", list(range(20, 28)), 8)], sid, fence)
+        c.step("p", [], sid, fence)
+        c.step("p", [pb.Operation(free=pb.FreeOp(request_id="a"))], sid, fence)
+        c.detach(gone, gone_fence)
+        clock.advance(6)
+        assert srv.call(srv.running.servicer.reap_expired_sessions) == 1  # type: ignore[union-attr]
+    m = scrape_metrics(srv)
+    assert m[(ops, p)] == 3
+    assert m[(f"{engine}_count", ())] == 3
+    assert 0 < m[(f"{engine}_sum", ())] < m[("grpc_server_handling_seconds_sum", _STEP_LABELS)]
+    assert m[(f"{engine}_bucket", (("le", "+Inf"),))] == 3
+    assert m[(expired, p)] == 1
+
+
+_STEP_LABELS = (("grpc_method", "Step"), ("grpc_service", "kvcoord.v1.Allocator"), ("grpc_type", "unary"))

@@ -301,6 +301,19 @@ class Metrics(NullObserver):
             "kvcoord_hash_handshake_refusals", "Attach calls refused because the client hashes differently.",
             ["pool"], registry=self.registry,
         )  # fmt: skip
+        self.sessions_expired = Counter(
+            "kvcoord_sessions_expired", "Sessions whose lease ran out unrenewed (their requests were freed).",
+            ["pool"], registry=self.registry,
+        )  # fmt: skip
+        self.step_engine = Histogram(
+            "kvcoord_step_engine_seconds",
+            "Time the engine took to apply one Step's operations (no gRPC, decoding, answer or journal commit).",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.step_operations = Counter(
+            "kvcoord_step_operations", "Operations Step calls applied (allocations, frees, lookups, ...).",
+            ["pool"], registry=self.registry,
+        )  # fmt: skip
         build = Gauge(
             "kvcoord_build_info",
             "Build information (always 1).",
@@ -331,15 +344,27 @@ class Metrics(NullObserver):
 
     # -- OperationObserver (the rest is inherited as no-ops) -------------------------
     def pool_created(self, service: PoolService) -> None:
-        self.handshake_refusals.labels(service.name)  # export the series at 0
+        for counter in self._pool_counters():
+            counter.labels(service.name)  # export the series at 0
 
     def pool_deleted(self, service: PoolService) -> None:
         # A deleted pool's series go with it (the collector's are read live).
-        with contextlib.suppress(KeyError):
-            self.handshake_refusals.remove(service.name)
+        for counter in self._pool_counters():
+            with contextlib.suppress(KeyError):
+                counter.remove(service.name)
+
+    def _pool_counters(self) -> tuple[Counter, ...]:
+        return (self.handshake_refusals, self.sessions_expired, self.step_operations)
 
     def handshake_refused(self, pool: str) -> None:
         self.handshake_refusals.labels(pool).inc()
+
+    def session_expired(self, pool: str) -> None:
+        self.sessions_expired.labels(pool).inc()
+
+    def step_applied(self, pool: str, operations: int, seconds: float) -> None:
+        self.step_operations.labels(pool).inc(operations)
+        self.step_engine.observe(seconds)
 
     # -- HTTP ------------------------------------------------------------------------
     def start_http(self, address: str, tls: TLSFiles | None = None) -> str:

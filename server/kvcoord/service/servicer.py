@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -81,6 +82,8 @@ class OperationObserver(Protocol):
     def attached(self, service: PoolService) -> None: ...
     def detached(self, pool: str) -> None: ...
     def handshake_refused(self, pool: str) -> None: ...
+    def session_expired(self, pool: str) -> None: ...
+    def step_applied(self, pool: str, operations: int, seconds: float) -> None: ...
 
 
 class NullObserver:
@@ -99,6 +102,12 @@ class NullObserver:
         pass
 
     def handshake_refused(self, pool: str) -> None:
+        pass
+
+    def session_expired(self, pool: str) -> None:
+        pass
+
+    def step_applied(self, pool: str, operations: int, seconds: float) -> None:
         pass
 
 
@@ -217,6 +226,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         expired = self.registry.reap_expired_sessions()
         for _, pool, _ in expired:
             self.observer.detached(pool)
+            self.observer.session_expired(pool)
         return len(expired)
 
     # -- pools ------------------------------------------------------------------
@@ -413,7 +423,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         groups = len(service.config.groups)
         ops = [operation_from_pb(o, groups) for o in request.ops]
         service.answer_event_bytes = self._half_answer()
+        t0 = time.perf_counter()
         outcomes = service.apply(s, ops)
+        self.observer.step_applied(service.name, len(ops), time.perf_counter() - t0)
         response = step_answer(
             service, s, request, ops, outcomes, fence_to_pb(service.fence), self.max_message_bytes
         )

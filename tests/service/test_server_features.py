@@ -170,3 +170,34 @@ def test_step_and_session_series_count_what_the_server_did(
 
 
 _STEP_LABELS = (("grpc_method", "Step"), ("grpc_service", "kvcoord.v1.Allocator"), ("grpc_type", "unary"))
+
+
+def test_event_gaps_are_counted_per_stream(make_server: Callable[..., InProcessServer]) -> None:
+    """Readers that fell behind a small event buffer are told of a gap, and every such
+    answer moves kvcoord_event_gaps_total (what the KVCoordEventStreamGaps alert reads):
+    a watcher's first message after the gap, a Step's TakeEvents and a Step taking the
+    session's events (include_state); a reader that kept up moves nothing."""
+    from kvcoord.service.registry import Limits
+
+    srv = make_server(POOL_TOML, limits=Limits(event_buffer=3))
+    watch = ("kvcoord_event_gaps_total", (("pool", "p"), ("stream", "watch")))
+    step = ("kvcoord_event_gaps_total", (("pool", "p"), ("stream", "step")))
+    with KVCoordClient(srv.address) as c:
+        sid, fence = attach(c)
+        c.allocate("p", allocate("r0", list(range(12)), 12).allocate, sid, fence)
+        assert not any(e.gap for e in c.watch_events("p", 0, timeout=1.0))
+        c.step("p", [], sid, fence, include_state=True)  # kept up: no gap
+        m = scrape_metrics(srv)
+        assert (m[watch], m[step]) == (0, 0)
+        for i in range(1, 4):
+            c.allocate("p", allocate(f"r{i}", list(range(i * 100, i * 100 + 12)), 12).allocate, sid, fence)
+        assert sum(e.gap for e in c.watch_events("p", 1, timeout=1.0)) == 1
+        assert (
+            c.step("p", [pb.Operation(take_events=pb.TakeEventsOp())], sid, fence).results[0].take_events.gap
+        )
+        other, other_fence = attach(c)
+        for i in range(4, 8):
+            c.allocate("p", allocate(f"r{i}", list(range(i * 100, i * 100 + 12)), 12).allocate, sid, fence)
+        assert c.step("p", [], other, other_fence, include_state=True).events_gap
+    m = scrape_metrics(srv)
+    assert (m[watch], m[step]) == (1, 2)

@@ -36,6 +36,10 @@ __all__ = ["LATENCY_BUCKETS", "Metrics"]
 
 VERSION = "0.1.0"
 
+#: The event streams a reader can be told of a gap on: WatchEvents, and the events a
+#: Step with include_state takes for its session.
+EVENT_STREAMS = ("watch", "step")
+
 #: Fine enough for sub-millisecond unary calls, up to 10 s for long streams.
 LATENCY_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0025, 0.005, 0.0075,
@@ -314,6 +318,11 @@ class Metrics(NullObserver):
             "kvcoord_step_operations", "Operations Step calls applied (allocations, frees, lookups, ...).",
             ["pool"], registry=self.registry,
         )  # fmt: skip
+        self.event_gaps = Counter(
+            "kvcoord_event_gaps",
+            "KV event readers told of a gap: events dropped from the pool's buffer before they read them.",
+            ["pool", "stream"], registry=self.registry,
+        )  # fmt: skip
         build = Gauge(
             "kvcoord_build_info",
             "Build information (always 1).",
@@ -346,12 +355,17 @@ class Metrics(NullObserver):
     def pool_created(self, service: PoolService) -> None:
         for counter in self._pool_counters():
             counter.labels(service.name)  # export the series at 0
+        for stream in EVENT_STREAMS:
+            self.event_gaps.labels(service.name, stream)
 
     def pool_deleted(self, service: PoolService) -> None:
         # A deleted pool's series go with it (the collector's are read live).
         for counter in self._pool_counters():
             with contextlib.suppress(KeyError):
                 counter.remove(service.name)
+        for stream in EVENT_STREAMS:
+            with contextlib.suppress(KeyError):
+                self.event_gaps.remove(service.name, stream)
 
     def _pool_counters(self) -> tuple[Counter, ...]:
         return (self.handshake_refusals, self.sessions_expired, self.step_operations)
@@ -365,6 +379,9 @@ class Metrics(NullObserver):
     def step_applied(self, pool: str, operations: int, seconds: float) -> None:
         self.step_operations.labels(pool).inc(operations)
         self.step_engine.observe(seconds)
+
+    def events_gap(self, pool: str, stream: str) -> None:
+        self.event_gaps.labels(pool, stream).inc()
 
     # -- HTTP ------------------------------------------------------------------------
     def start_http(self, address: str, tls: TLSFiles | None = None) -> str:

@@ -84,6 +84,7 @@ class OperationObserver(Protocol):
     def handshake_refused(self, pool: str) -> None: ...
     def session_expired(self, pool: str) -> None: ...
     def step_applied(self, pool: str, operations: int, seconds: float) -> None: ...
+    def events_gap(self, pool: str, stream: str) -> None: ...
 
 
 class NullObserver:
@@ -108,6 +109,9 @@ class NullObserver:
         pass
 
     def step_applied(self, pool: str, operations: int, seconds: float) -> None:
+        pass
+
+    def events_gap(self, pool: str, stream: str) -> None:
         pass
 
 
@@ -429,6 +433,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         response = step_answer(
             service, s, request, ops, outcomes, fence_to_pb(service.fence), self.max_message_bytes
         )
+        if response.events_gap or any(isinstance(o.value, op.EventsTaken) and o.value.gap for o in outcomes):
+            self.observer.events_gap(service.name, "step")
         self._remember(service, "Step", request, s.session_id, key, digest, response)
         return await self._durable(response)
 
@@ -638,6 +644,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 cursor = seq
                 if visible is not None and not visible(event):
                     continue
+                if gap:
+                    self.observer.events_gap(service.name, "watch")
                 yield pb.WatchEventsResponse(
                     sequence=seq, event=event_to_pb(event), gap=gap, fence=fence, reset=reset
                 )

@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    make_wsgi_app,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -331,6 +339,9 @@ class Metrics(NullObserver):
         )
         build.labels(VERSION, platform.python_version(), grpc.__version__).set(1)
         self.registry.register(_PoolCollector(self))
+        # process_cpu_seconds_total, process_resident_memory_bytes, ...: every pool of a
+        # replica runs on its one event loop, so its CPU is what saturates first
+        ProcessCollector(registry=self.registry)
         self._http: Any = None
 
     def bind(self, servicer: AllocatorServicer, loop: asyncio.AbstractEventLoop | None = None) -> None:

@@ -53,7 +53,7 @@ def _sigterm(server: DurableServer) -> int:
     """The clean stop of a rolling restart; returns the exit status."""
     assert server.proc is not None
     server.proc.send_signal(signal.SIGTERM)
-    status = server.proc.wait(60)
+    status = int(server.proc.wait(60))
     server._log.close()
     return status
 

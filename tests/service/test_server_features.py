@@ -11,7 +11,7 @@ import grpc
 import pytest
 from conftest import POOL_TOML
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from helpers import allocate, attach
+from helpers import allocate, attach, new_request
 from kvcoord.client import HashMismatchError, KVCoordClient, PoolBusyError
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
@@ -142,7 +142,8 @@ def test_step_and_session_series_count_what_the_server_did(
 ) -> None:
     """The series the dashboard's Step latency and sessions panels read, over a real
     /metrics scrape: every Step's engine work is one histogram observation and its
-    operations are counted; a lease running out counts one expired session, a Detach none."""
+    operations are counted (an Admit as the requests it carries); a lease running out
+    counts one expired session, a Detach none."""
     srv = make_server()
     p = (("pool", "p"),)
     ops, engine, expired = (
@@ -158,14 +159,16 @@ def test_step_and_session_series_count_what_the_server_did(
         c.step("p", [allocate("a", list(range(10)), 10), allocate("b", list(range(20, 28)), 8)], sid, fence)
         c.step("p", [], sid, fence)
         c.step("p", [pb.Operation(free=pb.FreeOp(request_id="a"))], sid, fence)
+        admitted = [new_request(f"w{i}", list(range(50 + 10 * i, 58 + 10 * i))) for i in range(3)]
+        c.step("p", [pb.Operation(admit=pb.AdmitOp(requests=admitted, token_budget=1000))], sid, fence)
         c.detach(gone, gone_fence)
         clock.advance(6)
         assert srv.call(srv.running.servicer.reap_expired_sessions) == 1  # type: ignore[union-attr]
     m = scrape_metrics(srv)
-    assert m[(ops, p)] == 3
-    assert m[(f"{engine}_count", ())] == 3
+    assert m[(ops, p)] == 6
+    assert m[(f"{engine}_count", ())] == 4
     assert 0 < m[(f"{engine}_sum", ())] < m[("grpc_server_handling_seconds_sum", _STEP_LABELS)]
-    assert m[(f"{engine}_bucket", (("le", "+Inf"),))] == 3
+    assert m[(f"{engine}_bucket", (("le", "+Inf"),))] == 4
     assert m[(expired, p)] == 1
 
 
@@ -201,3 +204,24 @@ def test_event_gaps_are_counted_per_stream(make_server: Callable[..., InProcessS
         assert c.step("p", [], other, other_fence, include_state=True).events_gap
     m = scrape_metrics(srv)
     assert (m[watch], m[step]) == (1, 2)
+
+
+def test_step_weight_counts_what_the_engine_applies() -> None:
+    """kvcoord_step_operations_total counts a run's entries and checks and an Admit's
+    requests, not the Operation messages that carry them, so that engine time per
+    operation means the same for a decode step sent as one AllocateRunOp or as one
+    AllocateOp per request; and a Step is scanned for a TakeEvents gap only when it
+    has a TakeEvents."""
+    from kvcoord.service import operations as op
+    from kvcoord.service.servicer import step_weight
+
+    def run(n: int, checks: int) -> op.AllocateRun:
+        ids = [f"r{i}" for i in range(n)]
+        zeros = [0] * n
+        checked = op.RunChecks(ids[:checks], [0] * checks, *([[0] * checks] * 4)) if checks else None
+        return op.AllocateRun(ids, zeros, zeros, zeros, zeros, zeros, zeros, [], zeros, [], checked)
+
+    admit = op.Admit([op.RequestSync("x", (), ()), op.RequestSync("y", (), ())], 100)
+    assert step_weight([run(256, 0)]) == (256, False)
+    assert step_weight([run(5, 2), admit, op.Free("z"), op.TakeEvents()]) == (5 + 2 + 2 + 1 + 1, True)
+    assert step_weight([]) == (0, False)

@@ -323,7 +323,7 @@ class Metrics(NullObserver):
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.step_operations = Counter(
-            "kvcoord_step_operations", "Operations Step calls applied (allocations, frees, lookups, ...).",
+            "kvcoord_step_operations", "Operations Step calls applied (a run's entries and an Admit's requests each count).",
             ["pool"], registry=self.registry,
         )  # fmt: skip
         self.event_gaps = Counter(

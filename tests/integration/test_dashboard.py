@@ -206,7 +206,7 @@ def test_every_panel_rule_and_alert_returns_what_the_load_implies(target: str, p
         for legend in ("RPC p50", "RPC p99", "engine p50", "engine p99", "engine per operation"):
             value = _value(got[(step, legend)])
             assert 0 < value <= 10 and math.isfinite(value), (legend, value)
-        assert got[(step, "RPC p99")][0]["metric"] == {"grpc_method": "Step"}
+        assert {r["metric"]["grpc_method"] for r in got[(step, "RPC p99")]} == {"Step"}
         # every Step of the load the server answered OK was one observation of the engine
         assert wait_for(lambda: _steps_since(prometheus, steps_before) > 0), steps_before
         cores = _value(got[("Server CPU and memory", "cores")])

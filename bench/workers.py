@@ -29,6 +29,12 @@ summed over workers: operations/s, calls/s, p50/p99 latency per call (Step or
 Allocate/Free, as the worker sees it), server CPU µs per operation and cores used,
 workers' CPU µs per operation, and the machine's busy fraction; then batched/unary.
 Workers and server share the machine's cores (say how many: they bound every figure).
+
+``--engine-split``: the server also serves /metrics (scraped once at each barrier,
+inside the measured time) and a line under each batched row splits its server CPU per
+operation: the engine's work (``kvcoord_step_engine_seconds_sum`` over
+``kvcoord_step_operations_total``: applying the Step's operations) and the rest (gRPC,
+decoding and building messages, the journal, the event loop).
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -265,6 +272,22 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(len(xs) * q))] * 1e3 if xs else float("nan")
 
 
+def engine_totals(server: ServerProcess) -> tuple[float, float]:
+    """(engine seconds, operations) of every Step so far, from the server's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=10) as answer:  # noqa: S310
+        text = answer.read().decode()
+    seconds = ops = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvcoord_step_engine_seconds_sum":
+                seconds += sample.value
+            elif sample.name == "kvcoord_step_operations_total":
+                ops += sample.value
+    return seconds, ops
+
+
 def phase(server: ServerProcess, layout: str, mode: str, args: argparse.Namespace) -> dict[str, float]:
     """One measured phase: fresh pools, ``args.workers`` processes, one mode."""
     # blocks a worker can hold at once (longest prompt + longest output, every request)
@@ -307,8 +330,10 @@ def phase(server: ServerProcess, layout: str, mode: str, args: argparse.Namespac
         try:
             barrier.wait(BARRIER_TIMEOUT)
             cpu0, (busy0, tot0), t0 = server_cpu(server.proc.pid), machine_ticks(), time.perf_counter()
+            engine0 = engine_totals(server) if args.engine_split else (0.0, 0.0)
             barrier.wait(BARRIER_TIMEOUT)
             cpu1, (busy1, tot1), t1 = server_cpu(server.proc.pid), machine_ticks(), time.perf_counter()
+            engine1 = engine_totals(server) if args.engine_split else (0.0, 0.0)
         except threading.BrokenBarrierError as exc:  # a worker failed: its report says why
             broken = exc
         deadline = time.monotonic() + 60
@@ -347,6 +372,9 @@ def phase(server: ServerProcess, layout: str, mode: str, args: argparse.Namespac
         "busy": (busy1 - busy0) / max(1, tot1 - tot0),
         "ops": ops,
         "wall": wall,
+        "engine_us": (engine1[0] - engine0[0]) / max(1.0, engine1[1] - engine0[1]) * 1e6
+        if args.engine_split
+        else 0.0,
     }
 
 
@@ -366,6 +394,9 @@ def main() -> None:
     ap.add_argument("--pools", nargs="+", choices=("own", "shared"), default=["own", "shared"])
     ap.add_argument("--durability", nargs="+", choices=("none", "journal"), default=["none", "journal"])
     ap.add_argument("--journal-sync", choices=("FULL", "NORMAL", "OFF"), default="FULL")
+    ap.add_argument(
+        "--engine-split", action="store_true", help="split server CPU per op: the engine's work and the rest"
+    )
     args = ap.parse_args()
 
     cpus = os.cpu_count()
@@ -393,7 +424,10 @@ def main() -> None:
     for durability in args.durability:
         tmp = tempfile.mkdtemp(prefix="kvcoord-workers-")
         label = durability if durability == "none" else f"journal {args.journal_sync}"
-        server = start_server(config_text(durability, os.path.join(tmp, "data"), args.journal_sync), env=env)
+        text = config_text(durability, os.path.join(tmp, "data"), args.journal_sync)
+        if args.engine_split:
+            text = text.replace('metrics_listen = ""\n', "")
+        server = start_server(text, env=env, metrics=args.engine_split)
         try:
             for layout in args.pools:
                 r = {mode: phase(server, layout, mode, args) for mode in ("batched", "unary")}
@@ -404,6 +438,12 @@ def main() -> None:
                         f"{m['srv_cores']:9.2f} {m['wrk_us']:9.1f} {m['busy']:5.0%}",
                         flush=True,
                     )
+                    if args.engine_split and mode == "batched":
+                        print(
+                            f"{'':12} {'':6} {'':8}   server µs/op: engine {m['engine_us']:.1f} "
+                            f"(applying the operations), the rest {m['srv_us'] - m['engine_us']:.1f}",
+                            flush=True,
+                        )
                 ratio = r["batched"]["ops_s"] / r["unary"]["ops_s"]
                 cpu_ratio = r["unary"]["srv_us"] / r["batched"]["srv_us"]
                 summary.append(

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import time
+import urllib.parse
 import uuid
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,10 @@ NUM_BLOCKS = 40  # 39 usable
 BLOCK = 16
 #: refused allocations in the load: more than 1/s over the alert's 5-minute window
 REFUSED_ATTEMPTS = 420
+#: one-block requests allocated and freed on the pool's last free block: each stores a
+#: block and evicts the one before, pushing the pool's first events out of its buffer
+#: (bounded at about two events per block, budget.event_buffer_bytes)
+CHURN = 4 * NUM_BLOCKS
 
 
 def _value(result: list[dict[str, Any]]) -> float:
@@ -36,9 +43,12 @@ def _value(result: list[dict[str, Any]]) -> float:
 
 def _load(target: str, prometheus: str, pool: str) -> dict[str, Any]:
     """Fill the pool past 95 % with requests sharing a system prompt, retry a request
-    that does not fit (refused each time, as a scheduler retries it), attach once with
-    the wrong block size; the same calls on the reference engine give the expectations.
-    The requests stay held (the manager returned, still attached)."""
+    that does not fit (refused each time, as a scheduler retries it), churn one-block
+    requests through the last free block until the pool's first events are dropped
+    (a watcher from the start is told of the gap), attach once with the wrong block
+    size and once with a 1-second lease never renewed (the reaper expires it); the same
+    calls on the reference engine give the expectations. The requests stay held (the
+    manager returned, still attached)."""
     cfg = pb.PoolConfig(
         num_blocks=NUM_BLOCKS, groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=BLOCK))],
         hash_block_size=BLOCK, enable_caching=True, enable_kv_cache_events=True, hash_algo="sha256_cbor",
@@ -66,8 +76,25 @@ def _load(target: str, prometheus: str, pool: str) -> dict[str, Any]:
         while not placed and ref.num_refusals < REFUSED_ATTEMPTS:
             placed = mirrored_step(m, ref, r)
         assert placed == (tokens is not waiting)
+    for i in range(CHURN):
+        r = SchedulerRequest(f"churn{i}", list(range(20_000 + i * BLOCK, 20_000 + (i + 1) * BLOCK)))
+        ref.add_request(
+            r.request_id,
+            r.all_token_ids,
+            BlockHasher("sha256_cbor", BLOCK, hasher_none).extend(r.all_token_ids),
+        )
+        assert mirrored_step(m, ref, r)
+        m.free(r)
+        ref.free(r.request_id)
+    m.flush()  # the last free is queued for the manager's next Step: send it
+    gap = [e.gap for e in c.watch_events(pool, 1, timeout=1.0)]  # the watcher of the gap alert
+    assert gap[0] and not any(gap[1:]), "the churn did not push the first events out of the buffer"
     with pytest.raises(KVCoordError):
         c.attach(pool, "sha256_cbor", BLOCK // 2, "0")  # hashes differently: refused and counted
+    c.attach(pool, "sha256_cbor", BLOCK, "0", client_name="gone", lease_seconds=1.0)  # never renewed
+    assert wait_for(
+        lambda: prom_query(prometheus, f'kvcoord_sessions_expired_total{{pool="{pool}"}} == 1'), 30
+    )
     lc = ref.lookup_counters
     return {"client": c, "manager": m, "hits": lc.hits, "queries": lc.queries, "refusals": ref.num_refusals,
             "free": ref.num_free_blocks, "usage": ref.usage, "requests": len(ref.requests),
@@ -87,8 +114,33 @@ def _instant(expr: str, pool: str) -> str:
     return expr.replace("$pool", pool).replace("$__rate_interval", "1m")
 
 
+def _query_at(prometheus: str, expr: str, at: float) -> list[dict[str, Any]]:
+    """An instant query evaluated at ``at`` (Unix seconds): several queries, one instant."""
+    query = urllib.parse.urlencode({"query": expr, "time": f"{at:.3f}"})
+    body = json.loads(http_get(f"http://{prometheus}/api/v1/query?{query}"))
+    assert body["status"] == "success", body
+    return list(body["data"]["result"])
+
+
+_STEP_ENGINE = "sum(kvcoord_step_engine_seconds_count) or vector(0)"
+_STEP_OK = 'sum(grpc_server_handled_total{grpc_method="Step",grpc_code="OK"}) or vector(0)'
+
+
+def _steps_so_far(prometheus: str) -> tuple[float, float]:
+    """Steps the engine applied and Step RPCs answered OK, as of one instant."""
+    at = time.time()
+    return _value(_query_at(prometheus, _STEP_ENGINE, at)), _value(_query_at(prometheus, _STEP_OK, at))
+
+
+def _steps_since(prometheus: str, before: tuple[float, float]) -> float:
+    """Steps since ``before`` once both counters agree on them (0 while they do not)."""
+    engine, ok = _steps_so_far(prometheus)
+    return engine - before[0] if engine - before[0] == ok - before[1] else 0
+
+
 def test_every_panel_rule_and_alert_returns_what_the_load_implies(target: str, prometheus: str) -> None:
     pool = f"dash-{uuid.uuid4().hex[:6]}"
+    steps_before = _steps_so_far(prometheus)
     want = _load(target, prometheus, pool)
     client = want["client"]
     try:
@@ -113,7 +165,7 @@ def test_every_panel_rule_and_alert_returns_what_the_load_implies(target: str, p
         for title, legend, expr in _panel_queries():
             result = prom_query(prometheus, _instant(expr, pool))
             assert result, f"panel {title!r} ({legend}) returned no series: {_instant(expr, pool)}"
-            got[(title, legend.split(" ")[0])] = result
+            got[(title, legend.split(" {{")[0])] = result  # the legend without its labels
 
         def of_pool(key: tuple[str, str]) -> float:
             return _value([r for r in got[key] if r["metric"].get("pool") == pool])
@@ -123,13 +175,17 @@ def test_every_panel_rule_and_alert_returns_what_the_load_implies(target: str, p
         assert of_pool(("Free blocks and requests", "free")) == want["free"]
         assert of_pool(("Free blocks and requests", "total")) == NUM_BLOCKS - 1
         assert of_pool(("Free blocks and requests", "requests")) == want["requests"]
-        assert of_pool(("Clients and handshake refusals", "clients")) == 1
-        assert of_pool(("Clients and handshake refusals", "refused")) > 0
+        assert of_pool(("Sessions", "live")) == 1  # the manager; the 1-second lease expired
+        assert of_pool(("Sessions", "expired")) > 0
+        assert of_pool(("Sessions", "refused")) > 0
         # 1-minute rates of counters that moved by a known amount within the minute: the
         # rate times 60 s is at least that amount (Prometheus extrapolates to the window's end)
         assert of_pool(("Allocation refusals", "{{pool}}")) * 60 >= want["refusals"]
         assert of_pool(("KV events published", "{{pool}}")) > 0
         assert of_pool(("KV events published", "evictions")) * 60 >= want["evictions"]
+        gaps = {r["metric"]["stream"]: float(r["value"][1]) for r in got[("KV events published", "gaps")]
+                if r["metric"].get("pool") == pool}  # fmt: skip
+        assert set(gaps) == {"watch", "step"} and gaps["watch"] > 0, gaps
         methods = {
             (r["metric"]["grpc_method"], r["metric"]["grpc_code"])
             for r in got[("RPC rate by method", "{{grpc_method}}")]
@@ -145,6 +201,17 @@ def test_every_panel_rule_and_alert_returns_what_the_load_implies(target: str, p
         for q in ("p50", "p99"):
             commit = _value(got[("Journal commit latency p50 / p99", q)])
             assert 0 < commit <= 10 and math.isfinite(commit), (q, commit)
+        # Step latency: the RPC's quantiles, the engine's share and its cost per operation
+        step = "Step latency p50 / p99"
+        for legend in ("RPC p50", "RPC p99", "engine p50", "engine p99", "engine per operation"):
+            value = _value(got[(step, legend)])
+            assert 0 < value <= 10 and math.isfinite(value), (legend, value)
+        assert {r["metric"]["grpc_method"] for r in got[(step, "RPC p99")]} == {"Step"}
+        # every Step of the load the server answered OK was one observation of the engine
+        assert wait_for(lambda: _steps_since(prometheus, steps_before) > 0), steps_before
+        cores = _value(got[("Server CPU and memory", "cores")])
+        assert 0 < cores < 64 and math.isfinite(cores), cores
+        assert _value(got[("Server CPU and memory", "resident")]) > 1 << 20
         assert pool in {
             r["metric"]["pool"] for r in prom_query(prometheus, "kvcoord_blocks_usable")
         }  # $pool values
@@ -157,25 +224,49 @@ def test_every_panel_rule_and_alert_returns_what_the_load_implies(target: str, p
                     result = prom_query(prometheus, rule["record"])
                     assert result, f"recording rule {rule['record']} has no series"
         alerts = {r["alert"]: r["expr"] for g in RULES for r in g["rules"] if "alert" in r}
+        # True / False: the load makes this pool's (or the target's) condition hold or not;
+        # None: a latency or CPU threshold that depends on the machine, not on the load
         expected = {"KVCoordPoolNearlyFull": True, "KVCoordRefusalsRising": True,
-                    "KVCoordHashHandshakeRefused": True, "KVCoordTargetDown": False}  # fmt: skip
+                    "KVCoordHashHandshakeRefused": True, "KVCoordTargetDown": False,
+                    "KVCoordSessionsExpiring": True, "KVCoordEventStreamGaps": True,
+                    "KVCoordStepSlow": None, "KVCoordJournalCommitSlow": None,
+                    "KVCoordCPUSaturated": None}  # fmt: skip
         assert set(alerts) == set(expected), "a new alert needs its expectation here"
+        at = time.time()
         for name, expr in alerts.items():
-            result = prom_query(prometheus, expr)
-            mine = [r for r in result if r["metric"].get("pool") == pool]
-            if name == "KVCoordTargetDown":
-                assert result == [], result
-            else:
-                assert bool(mine) == expected[name], (name, result)
-        # the rule without a `for` is firing in Prometheus itself
-        firing = wait_for(
-            lambda: [
-                a for a in json.loads(http_get(f"http://{prometheus}/api/v1/alerts"))["data"]["alerts"]
-                if a["labels"].get("alertname") == "KVCoordHashHandshakeRefused"
-                and a["labels"].get("pool") == pool and a["state"] == "firing"
-            ]
-        )  # fmt: skip
-        assert firing
+            # each alert is `<series> <op> <threshold>`: its series exist (for this pool
+            # where they have one), and the alert holds exactly where they pass it
+            lhs, op, threshold = re.fullmatch(r"(.+) (>|==) ([0-9.]+)", expr).groups()  # type: ignore[union-attr]
+            series = _query_at(prometheus, lhs, at)
+            result = _query_at(prometheus, expr, at)
+            if any("pool" in r["metric"] for r in series):
+                series = [r for r in series if r["metric"].get("pool") == pool]
+                result = [r for r in result if r["metric"].get("pool") == pool]
+            assert series, (name, lhs)
+            passing = [r for r in series if (float(r["value"][1]) > float(threshold) if op == ">"
+                                             else float(r["value"][1]) == float(threshold))]  # fmt: skip
+            assert sorted(json.dumps(r["metric"], sort_keys=True) for r in result) == sorted(
+                json.dumps(r["metric"], sort_keys=True) for r in passing
+            ), (name, series, result)
+            if expected[name] is not None:
+                assert bool(result) == expected[name], (name, series, result)
+        # the rules without a `for` are firing in Prometheus itself
+        at_once = [r["alert"] for g in RULES for r in g["rules"] if "alert" in r and "for" not in r]
+        assert set(at_once) == {
+            "KVCoordHashHandshakeRefused",
+            "KVCoordSessionsExpiring",
+            "KVCoordEventStreamGaps",
+        }
+
+        def firing() -> set[str]:
+            alerts = json.loads(http_get(f"http://{prometheus}/api/v1/alerts"))["data"]["alerts"]
+            return {
+                a["labels"]["alertname"]
+                for a in alerts
+                if a["labels"].get("pool") == pool and a["state"] == "firing"
+            }
+
+        assert wait_for(lambda: set(at_once) <= firing()), firing()
     finally:
         want["manager"].close()
         client.delete_pool(pool)

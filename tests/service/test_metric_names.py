@@ -65,3 +65,7 @@ def test_promtool_check_metrics_accepts_a_live_scrape() -> None:
     commits = {s.name: s.value for s in families["kvcoord_journal_commit_seconds"].samples}
     assert commits["kvcoord_journal_commit_seconds_count"] > 0
     assert commits["kvcoord_journal_commit_seconds_sum"] > 0
+    # the server process' own CPU and memory (the dashboard's server CPU panel, the
+    # KVCoordCPUSaturated alert): the load cost it CPU time, and it holds memory
+    assert families["process_cpu_seconds"].samples[0].value > 0
+    assert families["process_resident_memory_bytes"].samples[0].value > 0

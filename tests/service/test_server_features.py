@@ -11,13 +11,14 @@ import grpc
 import pytest
 from conftest import POOL_TOML
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from helpers import allocate, attach
+from helpers import allocate, attach, new_request
 from kvcoord.client import HashMismatchError, KVCoordClient, PoolBusyError
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
 from kvcoord.service.config import parse_config
 from kvcoord.service.server import start_server
-from kvcoord.service.testing import InProcessServer
+from kvcoord.service.testing import InProcessServer, ManualClock
+from kvcoord.v1 import allocator_pb2 as pb
 from support import scrape_metrics
 
 
@@ -134,3 +135,93 @@ def test_only_a_hash_mismatch_counts_as_a_handshake_refusal(
             c.attach("p", "sha256_cbor", 16, "0")
         assert mismatch.value.reason == "HASH_MISMATCH"
         assert scrape_metrics(srv)[key] == 1
+
+
+def test_step_and_session_series_count_what_the_server_did(
+    make_server: Callable[..., InProcessServer], clock: ManualClock
+) -> None:
+    """The series the dashboard's Step latency and sessions panels read, over a real
+    /metrics scrape: every Step's engine work is one histogram observation and its
+    operations are counted (an Admit as the requests it carries); a lease running out
+    counts one expired session, a Detach none."""
+    srv = make_server()
+    p = (("pool", "p"),)
+    ops, engine, expired = (
+        "kvcoord_step_operations_total",
+        "kvcoord_step_engine_seconds",
+        "kvcoord_sessions_expired_total",
+    )
+    before = scrape_metrics(srv)
+    assert (before[(ops, p)], before[(f"{engine}_count", ())], before[(expired, p)]) == (0, 0, 0)
+    with KVCoordClient(srv.address) as c:
+        sid, fence = attach(c, lease_seconds=5)
+        gone, gone_fence = attach(c, lease_seconds=5)
+        c.step("p", [allocate("a", list(range(10)), 10), allocate("b", list(range(20, 28)), 8)], sid, fence)
+        c.step("p", [], sid, fence)
+        c.step("p", [pb.Operation(free=pb.FreeOp(request_id="a"))], sid, fence)
+        admitted = [new_request(f"w{i}", list(range(50 + 10 * i, 58 + 10 * i))) for i in range(3)]
+        c.step("p", [pb.Operation(admit=pb.AdmitOp(requests=admitted, token_budget=1000))], sid, fence)
+        c.detach(gone, gone_fence)
+        clock.advance(6)
+        assert srv.call(srv.running.servicer.reap_expired_sessions) == 1  # type: ignore[union-attr]
+    m = scrape_metrics(srv)
+    assert m[(ops, p)] == 6
+    assert m[(f"{engine}_count", ())] == 4
+    assert 0 < m[(f"{engine}_sum", ())] < m[("grpc_server_handling_seconds_sum", _STEP_LABELS)]
+    assert m[(f"{engine}_bucket", (("le", "+Inf"),))] == 4
+    assert m[(expired, p)] == 1
+
+
+_STEP_LABELS = (("grpc_method", "Step"), ("grpc_service", "kvcoord.v1.Allocator"), ("grpc_type", "unary"))
+
+
+def test_event_gaps_are_counted_per_stream(make_server: Callable[..., InProcessServer]) -> None:
+    """Readers that fell behind a small event buffer are told of a gap, and every such
+    answer moves kvcoord_event_gaps_total (what the KVCoordEventStreamGaps alert reads):
+    a watcher's first message after the gap, a Step's TakeEvents and a Step taking the
+    session's events (include_state); a reader that kept up moves nothing."""
+    from kvcoord.service.registry import Limits
+
+    srv = make_server(POOL_TOML, limits=Limits(event_buffer=3))
+    watch = ("kvcoord_event_gaps_total", (("pool", "p"), ("stream", "watch")))
+    step = ("kvcoord_event_gaps_total", (("pool", "p"), ("stream", "step")))
+    with KVCoordClient(srv.address) as c:
+        sid, fence = attach(c)
+        c.allocate("p", allocate("r0", list(range(12)), 12).allocate, sid, fence)
+        assert not any(e.gap for e in c.watch_events("p", 0, timeout=1.0))
+        c.step("p", [], sid, fence, include_state=True)  # kept up: no gap
+        m = scrape_metrics(srv)
+        assert (m[watch], m[step]) == (0, 0)
+        for i in range(1, 4):
+            c.allocate("p", allocate(f"r{i}", list(range(i * 100, i * 100 + 12)), 12).allocate, sid, fence)
+        assert sum(e.gap for e in c.watch_events("p", 1, timeout=1.0)) == 1
+        assert (
+            c.step("p", [pb.Operation(take_events=pb.TakeEventsOp())], sid, fence).results[0].take_events.gap
+        )
+        other, other_fence = attach(c)
+        for i in range(4, 8):
+            c.allocate("p", allocate(f"r{i}", list(range(i * 100, i * 100 + 12)), 12).allocate, sid, fence)
+        assert c.step("p", [], other, other_fence, include_state=True).events_gap
+    m = scrape_metrics(srv)
+    assert (m[watch], m[step]) == (1, 2)
+
+
+def test_step_weight_counts_what_the_engine_applies() -> None:
+    """kvcoord_step_operations_total counts a run's entries and checks and an Admit's
+    requests, not the Operation messages that carry them, so that engine time per
+    operation means the same for a decode step sent as one AllocateRunOp or as one
+    AllocateOp per request; and a Step is scanned for a TakeEvents gap only when it
+    has a TakeEvents."""
+    from kvcoord.service import operations as op
+    from kvcoord.service.servicer import step_weight
+
+    def run(n: int, checks: int) -> op.AllocateRun:
+        ids = [f"r{i}" for i in range(n)]
+        zeros = [0] * n
+        checked = op.RunChecks(ids[:checks], [0] * checks, *([[0] * checks] * 4)) if checks else None
+        return op.AllocateRun(ids, zeros, zeros, zeros, zeros, zeros, zeros, [], zeros, [], checked)
+
+    admit = op.Admit([op.RequestSync("x", (), ()), op.RequestSync("y", (), ())], 100)
+    assert step_weight([run(256, 0)]) == (256, False)
+    assert step_weight([run(5, 2), admit, op.Free("z"), op.TakeEvents()]) == (5 + 2 + 2 + 1 + 1, True)
+    assert step_weight([]) == (0, False)

@@ -19,7 +19,15 @@ from typing import TYPE_CHECKING, Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    make_wsgi_app,
+    start_http_server,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
@@ -35,6 +43,10 @@ if TYPE_CHECKING:
 __all__ = ["LATENCY_BUCKETS", "Metrics"]
 
 VERSION = "0.1.0"
+
+#: The event streams a reader can be told of a gap on: WatchEvents, and the events a
+#: Step with include_state takes for its session.
+EVENT_STREAMS = ("watch", "step")
 
 #: Fine enough for sub-millisecond unary calls, up to 10 s for long streams.
 LATENCY_BUCKETS = (
@@ -301,6 +313,24 @@ class Metrics(NullObserver):
             "kvcoord_hash_handshake_refusals", "Attach calls refused because the client hashes differently.",
             ["pool"], registry=self.registry,
         )  # fmt: skip
+        self.sessions_expired = Counter(
+            "kvcoord_sessions_expired", "Sessions whose lease ran out unrenewed (their requests were freed).",
+            ["pool"], registry=self.registry,
+        )  # fmt: skip
+        self.step_engine = Histogram(
+            "kvcoord_step_engine_seconds",
+            "Time the engine took to apply one Step's operations (no gRPC, decoding, answer or journal commit).",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.step_operations = Counter(
+            "kvcoord_step_operations", "Operations Step calls applied (a run's entries and an Admit's requests each count).",
+            ["pool"], registry=self.registry,
+        )  # fmt: skip
+        self.event_gaps = Counter(
+            "kvcoord_event_gaps",
+            "KV event readers told of a gap: events dropped from the pool's buffer before they read them.",
+            ["pool", "stream"], registry=self.registry,
+        )  # fmt: skip
         build = Gauge(
             "kvcoord_build_info",
             "Build information (always 1).",
@@ -309,6 +339,9 @@ class Metrics(NullObserver):
         )
         build.labels(VERSION, platform.python_version(), grpc.__version__).set(1)
         self.registry.register(_PoolCollector(self))
+        # process_cpu_seconds_total, process_resident_memory_bytes, ...: every pool of a
+        # replica runs on its one event loop, so its CPU is what saturates first
+        ProcessCollector(registry=self.registry)
         self._http: Any = None
 
     def bind(self, servicer: AllocatorServicer, loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -331,15 +364,35 @@ class Metrics(NullObserver):
 
     # -- OperationObserver (the rest is inherited as no-ops) -------------------------
     def pool_created(self, service: PoolService) -> None:
-        self.handshake_refusals.labels(service.name)  # export the series at 0
+        for counter in self._pool_counters():
+            counter.labels(service.name)  # export the series at 0
+        for stream in EVENT_STREAMS:
+            self.event_gaps.labels(service.name, stream)
 
     def pool_deleted(self, service: PoolService) -> None:
         # A deleted pool's series go with it (the collector's are read live).
-        with contextlib.suppress(KeyError):
-            self.handshake_refusals.remove(service.name)
+        for counter in self._pool_counters():
+            with contextlib.suppress(KeyError):
+                counter.remove(service.name)
+        for stream in EVENT_STREAMS:
+            with contextlib.suppress(KeyError):
+                self.event_gaps.remove(service.name, stream)
+
+    def _pool_counters(self) -> tuple[Counter, ...]:
+        return (self.handshake_refusals, self.sessions_expired, self.step_operations)
 
     def handshake_refused(self, pool: str) -> None:
         self.handshake_refusals.labels(pool).inc()
+
+    def session_expired(self, pool: str) -> None:
+        self.sessions_expired.labels(pool).inc()
+
+    def step_applied(self, pool: str, operations: int, seconds: float) -> None:
+        self.step_operations.labels(pool).inc(operations)
+        self.step_engine.observe(seconds)
+
+    def events_gap(self, pool: str, stream: str) -> None:
+        self.event_gaps.labels(pool, stream).inc()
 
     # -- HTTP ------------------------------------------------------------------------
     def start_http(self, address: str, tls: TLSFiles | None = None) -> str:

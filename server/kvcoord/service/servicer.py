@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
 
@@ -68,6 +69,7 @@ __all__ = [
     "allocate_answer",
     "free_answer",
     "step_answer",
+    "step_weight",
 ]
 
 logger = logging.getLogger(__name__)
@@ -83,6 +85,9 @@ class OperationObserver(Protocol):
     def attached(self, service: PoolService) -> None: ...
     def detached(self, pool: str) -> None: ...
     def handshake_refused(self, pool: str) -> None: ...
+    def session_expired(self, pool: str) -> None: ...
+    def step_applied(self, pool: str, operations: int, seconds: float) -> None: ...
+    def events_gap(self, pool: str, stream: str) -> None: ...
 
 
 class NullObserver:
@@ -101,6 +106,15 @@ class NullObserver:
         pass
 
     def handshake_refused(self, pool: str) -> None:
+        pass
+
+    def session_expired(self, pool: str) -> None:
+        pass
+
+    def step_applied(self, pool: str, operations: int, seconds: float) -> None:
+        pass
+
+    def events_gap(self, pool: str, stream: str) -> None:
         pass
 
 
@@ -219,6 +233,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         expired = self.registry.reap_expired_sessions()
         for _, pool, _ in expired:
             self.observer.detached(pool)
+            self.observer.session_expired(pool)
         return len(expired)
 
     # -- pools ------------------------------------------------------------------
@@ -415,10 +430,18 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         groups = len(service.config.groups)
         ops = [operation_from_pb(o, groups) for o in request.ops]
         service.answer_event_bytes = self._half_answer()
+        t0 = time.perf_counter()
         outcomes = service.apply(s, ops)
+        seconds = time.perf_counter() - t0
+        weight, takes_events = step_weight(ops)
+        self.observer.step_applied(service.name, weight, seconds)
         response = step_answer(
             service, s, request, ops, outcomes, fence_to_pb(service.fence), self.max_message_bytes
         )
+        if response.events_gap or (
+            takes_events and any(isinstance(o.value, op.EventsTaken) and o.value.gap for o in outcomes)
+        ):
+            self.observer.events_gap(service.name, "step")
         self._remember(service, "Step", request, s.session_id, key, digest, response)
         return await self._durable(response)
 
@@ -628,6 +651,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 cursor = seq
                 if visible is not None and not visible(event):
                     continue
+                if gap:
+                    self.observer.events_gap(service.name, "watch")
                 yield pb.WatchEventsResponse(
                     sequence=seq, event=event_to_pb(event), gap=gap, fence=fence, reset=reset
                 )
@@ -656,6 +681,26 @@ def allocate_answer(service: PoolService, outcome: op.Outcome, fence: pb.Fence) 
 def free_answer(service: PoolService, fence: pb.Fence) -> pb.FreeResponse:
     """The answer to an applied Free."""
     return pb.FreeResponse(num_free_blocks=service.engine.num_free_blocks, fence=fence)
+
+
+def step_weight(ops: list[op.Operation]) -> tuple[int, bool]:
+    """A Step's operations as the engine applies them, and whether one is a TakeEvents.
+
+    An AllocateRun counts each entry and each check, an Admit each request it may
+    admit, any other operation one: what ``kvcoord_step_operations_total`` counts, so
+    that engine time per operation means the same whether a client sends a decode
+    step as one run or as one AllocateOp per request."""
+    n = 0
+    takes_events = False
+    for o in ops:
+        if isinstance(o, op.AllocateRun):
+            n += len(o.request_ids) + (len(o.checks.request_ids) if o.checks is not None else 0)
+        elif isinstance(o, op.Admit):
+            n += len(o.syncs)
+        else:
+            n += 1
+            takes_events = takes_events or isinstance(o, op.TakeEvents)
+    return n, takes_events
 
 
 def take_events_budget(max_message_bytes: int) -> int | None:

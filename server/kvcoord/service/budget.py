@@ -38,7 +38,7 @@ __all__ = [
     "pool_bytes",
 ]
 
-ENGINE_BLOCK_BYTES = 120
+ENGINE_BLOCK_BYTES = 160
 ENGINE_TOKEN_BYTES = 70
 #: the event buffer's share per block: a BlockRemoved and a one-block BlockStored (its
 #: hash and parent hash), so a whole pool replaced between two takes fits

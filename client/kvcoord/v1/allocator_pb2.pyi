@@ -22,6 +22,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOL_EXCLUSIVE: _ClassVar[ErrorReason]
     HASH_MISMATCH: _ClassVar[ErrorReason]
     ANSWER_TOO_LARGE: _ClassVar[ErrorReason]
+    NOT_OWNER: _ClassVar[ErrorReason]
 REASON_UNSPECIFIED: ErrorReason
 INSTANCE_CHANGED: ErrorReason
 INCARNATION_CHANGED: ErrorReason
@@ -35,6 +36,7 @@ PREDICTION_FAILED: ErrorReason
 POOL_EXCLUSIVE: ErrorReason
 HASH_MISMATCH: ErrorReason
 ANSWER_TOO_LARGE: ErrorReason
+NOT_OWNER: ErrorReason
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")
@@ -157,7 +159,7 @@ class Fence(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("name", "config", "coordinator", "num_free_blocks", "usage", "num_requests", "fence")
+    __slots__ = ("name", "config", "coordinator", "num_free_blocks", "usage", "num_requests", "fence", "replica")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +167,7 @@ class PoolInfo(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     name: str
     config: PoolConfig
     coordinator: str
@@ -172,7 +175,8 @@ class PoolInfo(_message.Message):
     usage: float
     num_requests: int
     fence: Fence
-    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., coordinator: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+    replica: str
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., coordinator: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
     __slots__ = ("name", "config")

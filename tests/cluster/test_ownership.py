@@ -4,6 +4,7 @@ and the [cluster] configuration."""
 from __future__ import annotations
 
 import collections
+import math
 
 import grpc
 import pytest
@@ -83,7 +84,7 @@ def test_records_round_trip_and_bad_ones_are_refused() -> None:
 def _view(me: str = "a", *others: str) -> Ownership:
     o = Ownership(Member(me, f"{me}:1"))
     o.set_members([Member(i, f"{i}:1") for i in (me, *others)])
-    o.lease_valid = True
+    o.valid_until = math.inf
     return o
 
 
@@ -130,7 +131,7 @@ def test_without_a_valid_lease_nothing_is_served() -> None:
     o = _view("a")
     pool = POOLS[0]
     o.set_claims([Claim(pool, "a", "a:1", 1)])
-    o.lease_valid = False
+    o.valid_until = 0.0
     assert not o.holds(pool) and o.owned() == []
     with pytest.raises(ServiceError) as err:
         o.check(pool, local=True)

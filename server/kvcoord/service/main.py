@@ -14,7 +14,7 @@ from .config import ConfigFileError, ServerConfig, default_config_text, load_con
 from .journal import JournalError
 from .lease_marker import MarkerError
 from .logs import LIFECYCLE, AccessLogInterceptor, configure, ids
-from .server import ListenError, start_server
+from .server import ClusterError, ListenError, start_server
 from .startup import DataDirError, JournalLostError
 
 __all__ = ["EXIT_CANNOT_START", "EXIT_JOURNAL_FAILED", "EXIT_JOURNAL_LOST", "run", "serve_from_cli"]
@@ -173,6 +173,6 @@ def serve_from_cli(args: argparse.Namespace) -> int:
     except JournalLostError as exc:
         lifecycle.critical("kvcoord: cannot start: %s", exc)
         return EXIT_JOURNAL_LOST
-    except (JournalError, MarkerError, DataDirError, ListenError) as exc:
+    except (JournalError, MarkerError, DataDirError, ListenError, ClusterError) as exc:
         lifecycle.critical("kvcoord: cannot start: %s", exc)
         return EXIT_CANNOT_START

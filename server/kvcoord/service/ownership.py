@@ -27,7 +27,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 
 import grpc
 
@@ -131,10 +132,12 @@ class Ownership:
 
     Args:
         me: this replica.
+        clock: monotonic seconds (what :attr:`valid_until` is counted in).
     """
 
-    def __init__(self, me: Member) -> None:
+    def __init__(self, me: Member, clock: Callable[[], float] = time.monotonic) -> None:
         self.me = me
+        self.clock = clock
         #: the live members by replica id, as last read from the store
         self.members: dict[str, Member] = {}
         #: every pool's claim, as last read from the store
@@ -142,10 +145,14 @@ class Ownership:
         #: pools that exist in the cluster (the store's catalog): a pool listed here
         #: that nobody claims is not "not found" but unavailable
         self.catalog: set[str] = set()
-        #: False while this replica's lease may have ended (the store unreachable for
-        #: longer than the lease is sure to last): it then serves no pool, since
-        #: another replica may already hold its claims
-        self.lease_valid = False
+        #: until when this replica's lease is sure to be alive (the send time of its
+        #: last successful renewal plus the lease's TTL): after it, it serves no pool,
+        #: since another replica may already hold its claims
+        self.valid_until = 0.0
+
+    @property
+    def lease_valid(self) -> bool:
+        return self.clock() < self.valid_until
 
     # -- what the store says -----------------------------------------------------
     def set_members(self, members: Iterable[Member]) -> None:

@@ -29,7 +29,7 @@ from .pool_service import Fence, Limits, PoolService
 from .positions import JournalPositions
 from .sessions import SessionTable
 
-__all__ = ["GcFreezer", "Limits", "PoolRegistry", "new_instance_id"]
+__all__ = ["GcFreezer", "Limits", "Placement", "PoolRegistry", "new_instance_id"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,30 @@ _NAME = re.compile(rf"^[A-Za-z0-9._-]{{1,{MAX_NAME_LENGTH}}}$")
 def new_instance_id() -> str:
     """A fresh server instance id (random: two starts never share one)."""
     return secrets.token_hex(8)
+
+
+class Placement:
+    """Which pools this server serves. This one (a single node) serves every pool it
+    holds; a cluster's (cluster.py) serves only the pools whose claim it holds."""
+
+    #: this replica's id in pool listings ("" on a single node)
+    replica_id = ""
+
+    def check(self, pool: str, local: bool) -> None:
+        """Pass when this server may serve ``pool`` (``local``: it holds its state).
+
+        Raises:
+            ServiceError: NOT_OWNER (another replica serves it) or UNAVAILABLE.
+        """
+
+    def serves(self, pool: str) -> bool:
+        return True
+
+    async def before_create(self, pool: str) -> None:
+        """Make this server the pool's owner before a CreatePool creates it here."""
+
+    async def after_delete(self, pool: str) -> None:
+        """The pool was deleted here: it no longer exists in the cluster."""
 
 
 class PoolRegistry:
@@ -82,6 +106,13 @@ class PoolRegistry:
         #: the server's max_message_bytes: answers' events are cut below it (0: no
         #: bound); journaled with the limits, so replay cuts where the call did
         self.max_message_bytes = 0
+        #: which pools this server serves (a cluster's replica: those it owns)
+        self.placement = Placement()
+
+    def served(self) -> dict[str, PoolService]:
+        """The pools this server serves, by name (every pool on a single node)."""
+        placement = self.placement
+        return {n: p for n, p in self.pools.items() if placement.serves(n)}
 
     def create(
         self,
@@ -172,11 +203,13 @@ class PoolRegistry:
         """The pool called ``name``.
 
         Raises:
-            ServiceError: INVALID_ARGUMENT without a name, NOT_FOUND for an unknown one.
+            ServiceError: INVALID_ARGUMENT without a name, NOT_FOUND for an unknown one,
+                NOT_OWNER / UNAVAILABLE when another replica serves it (placement).
         """
         if not name:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "pool is required")
         service = self.pools.get(name)
+        self.placement.check(name, service is not None)
         if service is None:
             # Never list the pools here: callers of several tenants reach this, and a
             # pool's name is visible only to tenants holding a role on it (ListPools).

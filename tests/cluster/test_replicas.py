@@ -1,0 +1,127 @@
+"""Replicas sharing pools through a real etcd: membership, claims, NOT_OWNER redirects,
+the catalog, and a restart that claims its journal's pools again (real processes,
+real gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from durable_server import env
+from etcd_process import Etcd
+from kvcoord.client import KVCoordClient, NotOwnerError, UnavailableError
+from kvcoord.client.testing import ServerProcess, start_server
+from kvcoord.service.ownership import Member, decode_claim, owner_of
+from kvcoord.v1 import allocator_pb2 as pb
+from service.helpers import allocate
+
+POOL_CONFIG = pb.PoolConfig(
+    num_blocks=64, hash_block_size=4, hash_algo="sha256_cbor", hash_seed="0", enable_caching=True,
+    groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))],
+)  # fmt: skip
+
+
+def replica_config(etcd: Etcd, replica: str, data_dir: Path, cluster: str) -> str:
+    return (
+        f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
+        f"grace_seconds = 1.0\n"
+        f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
+        f"lease_seconds = 2\nstore_timeout_seconds = 2.0\n"
+    )
+
+
+def placed(pool_prefix: str, replica: str, ids: list[str]) -> str:
+    """A pool name rendezvous hashing places on ``replica`` among ``ids``."""
+    members = [Member(i, "") for i in ids]
+    return next(
+        f"{pool_prefix}{n}"
+        for n in range(1000)
+        if owner_of(f"{pool_prefix}{n}", members).replica_id == replica  # type: ignore[union-attr]
+    )
+
+
+async def _claims(etcd: Etcd, cluster: str) -> dict[str, str]:
+    import aetcd
+
+    host, _, port = etcd.endpoint.rpartition(":")
+    async with aetcd.Client(host=host, port=int(port), timeout=5) as c:
+        prefix = f"/kvcoord/{cluster}/owners/".encode()
+        rows = await c.get_prefix(prefix)
+        return {
+            kv.key[len(prefix) :].decode(): decode_claim("", kv.value, kv.create_revision).replica_id
+            for kv in rows
+        }
+
+
+def claims(etcd: Etcd, cluster: str) -> dict[str, str]:
+    return asyncio.run(_claims(etcd, cluster))
+
+
+@pytest.fixture
+def two(etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[list[ServerProcess]]:
+    cluster = request.node.name.replace("[", "-").replace("]", "")
+    procs: list[ServerProcess] = []
+    try:
+        for r in ("r0", "r1"):
+            procs.append(start_server(replica_config(etcd, r, tmp_path / r, cluster), env=env()))
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_a_replica_redirects_to_the_owner_and_serves_only_what_it_claims(
+    etcd: Etcd, two: list[ServerProcess], request: pytest.FixtureRequest
+) -> None:
+    r0, r1 = two
+    cluster = request.node.name
+    pool = placed("p", "r1", ["r0", "r1"])
+    with KVCoordClient(r0.address) as c0, KVCoordClient(r1.address) as c1:
+        with pytest.raises(NotOwnerError) as err:
+            c0.create_pool(pool, POOL_CONFIG)
+        assert err.value.owner == r1.address and err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        created = c1.create_pool(pool, POOL_CONFIG)
+        assert created.created and created.pool.replica == "r1"
+        assert claims(etcd, cluster) == {pool: "r1"}
+        for call in (lambda: c0.get_pool(pool), lambda: c0.attach(pool, "sha256_cbor", 4, "0")):
+            with pytest.raises(NotOwnerError) as err:
+                call()
+            assert err.value.owner == r1.address
+        assert [p.name for p in c1.list_pools().pools] == [pool]
+        assert list(c0.list_pools().pools) == []
+    # r1 leaves (SIGTERM): its claim goes with its lease; the pool still exists in the
+    # cluster, so the replica placement now names answers UNAVAILABLE, never NOT_FOUND
+    assert r1.stop() == 0
+    assert claims(etcd, cluster) == {}
+    with KVCoordClient(r0.address, timeout=2.0) as c0:
+        c0.retry = c0.retry.__class__(max_attempts=1)
+        with pytest.raises(UnavailableError, match="no live replica holds it"):
+            c0.get_pool(pool)
+
+
+def test_a_restarted_replica_claims_its_journals_pools_and_keeps_their_allocations(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    cluster = request.node.name
+    text = replica_config(etcd, "solo", tmp_path / "solo", cluster)
+    server = start_server(text, env=env())
+    try:
+        with KVCoordClient(server.address) as c:
+            c.create_pool("kept", POOL_CONFIG)
+            s = c.attach("kept", "sha256_cbor", 4, "0")
+            got = c.allocate("kept", allocate("a", list(range(9)), 9).allocate, s.session_id, s.fence)
+            blocks = list(got.result.new_block_ids[0].block_ids)
+            assert len(blocks) == 3
+        server.proc.kill()  # SIGKILL: the lease (2 s) still holds the claim for a while
+        server.proc.wait(10)
+        server.stop()
+        server = start_server(text, startup_timeout=60.0, env=env())
+        assert claims(etcd, cluster) == {"kept": "solo"}
+        with KVCoordClient(server.address) as c:
+            view = c.inspect_pool("kept", request_ids=["a"])
+            assert [list(g.block_ids) for g in view.requests[0].groups] == [blocks]
+    finally:
+        server.stop()

@@ -13,9 +13,11 @@ import pytest
 from durable_server import env
 from etcd_process import Etcd
 from kvcoord.client import KVCoordClient, NotOwnerError, UnavailableError
+from kvcoord.client.errors import error_from_rpc
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, decode_claim, owner_of
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from service.helpers import allocate
 
 POOL_CONFIG = pb.PoolConfig(
@@ -79,19 +81,25 @@ def test_a_replica_redirects_to_the_owner_and_serves_only_what_it_claims(
     r0, r1 = two
     cluster = request.node.name
     pool = placed("p", "r1", ["r0", "r1"])
-    with KVCoordClient(r0.address) as c0, KVCoordClient(r1.address) as c1:
-        with pytest.raises(NotOwnerError) as err:
-            c0.create_pool(pool, POOL_CONFIG)
-        assert err.value.owner == r1.address and err.value.code == grpc.StatusCode.FAILED_PRECONDITION
-        created = c1.create_pool(pool, POOL_CONFIG)
-        assert created.created and created.pool.replica == "r1"
-        assert claims(etcd, cluster) == {pool: "r1"}
-        for call in (lambda: c0.get_pool(pool), lambda: c0.attach(pool, "sha256_cbor", 4, "0")):
-            with pytest.raises(NotOwnerError) as err:
+    with grpc.insecure_channel(r0.address) as ch0, KVCoordClient(r1.address) as c1:
+        s0 = pb_grpc.AllocatorStub(ch0)  # the bare wire: a KVCoordClient follows redirects
+        calls = (
+            lambda: s0.CreatePool(pb.CreatePoolRequest(name=pool, config=POOL_CONFIG), timeout=5),
+            lambda: s0.GetPool(pb.GetPoolRequest(name=pool), timeout=5),
+            lambda: s0.Attach(pb.AttachRequest(pool=pool, hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0"), timeout=5),
+        )  # fmt: skip
+        for i, call in enumerate(calls):
+            with pytest.raises(grpc.RpcError) as raw:
                 call()
-            assert err.value.owner == r1.address
+            err = error_from_rpc(raw.value)
+            assert isinstance(err, NotOwnerError) and err.code == grpc.StatusCode.FAILED_PRECONDITION
+            assert err.owner == r1.address and "r1" in err.message
+            if i == 0:
+                created = c1.create_pool(pool, POOL_CONFIG)
+                assert created.created and created.pool.replica == "r1"
+                assert claims(etcd, cluster) == {pool: "r1"}
         assert [p.name for p in c1.list_pools().pools] == [pool]
-        assert list(c0.list_pools().pools) == []
+        assert list(s0.ListPools(pb.ListPoolsRequest(), timeout=5).pools) == []
     # r1 leaves (SIGTERM): its claim goes with its lease; the pool still exists in the
     # cluster, so the replica placement now names answers UNAVAILABLE, never NOT_FOUND
     assert r1.stop() == 0
@@ -125,3 +133,40 @@ def test_a_restarted_replica_claims_its_journals_pools_and_keeps_their_allocatio
             assert [list(g.block_ids) for g in view.requests[0].groups] == [blocks]
     finally:
         server.stop()
+
+
+@pytest.fixture
+def three(etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[list[ServerProcess]]:
+    cluster = request.node.name
+    procs: list[ServerProcess] = []
+    try:
+        for r in ("r0", "r1", "r2"):
+            procs.append(start_server(replica_config(etcd, r, tmp_path / r, cluster), env=env()))
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_a_client_given_one_replica_reaches_every_pool_through_redirects(three: list[ServerProcess]) -> None:
+    ids = ["r0", "r1", "r2"]
+    address = dict(zip(ids, (p.address for p in three), strict=True))
+    pools = {f"{r}-{k}": placed(f"{r}-{k}-", r, ids) for r in ids for k in range(2)}
+    with KVCoordClient(three[0].address) as c:
+        for label, pool in pools.items():
+            replica = label.split("-")[0]
+            created = c.create_pool(pool, POOL_CONFIG)
+            assert created.created and created.pool.replica == replica
+        for pool in pools.values():
+            s = c.attach(pool, "sha256_cbor", 4, "0")
+            got = c.allocate(pool, allocate("a", list(range(9)), 9).allocate, s.session_id, s.fence)
+            assert len(got.result.new_block_ids[0].block_ids) == 3
+            c.heartbeat(s.session_id, s.fence)  # names only the session: routed by its pool
+            c.free(pool, ["a"], session_id=s.session_id, fence=s.fence)
+            c.detach(s.session_id, s.fence)
+        assert {p: c.routes.owner[p] for p in pools.values()} == {
+            pool: address[label.split("-")[0]] for label, pool in pools.items()
+        }
+    with KVCoordClient([p.address for p in three]) as everywhere:
+        listed = {info.name: info.replica for info in everywhere.list_pools().pools}
+    assert listed == {pool: label.split("-")[0] for label, pool in pools.items()}

@@ -159,3 +159,35 @@ def test_cluster_config_file_and_environment() -> None:
     for bad in ('endpoints = "h:1"', 'endpoints = ["nohost"]', "lease_seconds = 1", 'name = "a/b"', "x = 1"):
         with pytest.raises(ConfigFileError, match="cluster"):
             parse_config(f"[cluster]\n{bad}\n")
+
+
+def test_a_stale_read_does_not_bring_an_old_claim_holder_back() -> None:
+    o = _view("a", "b")
+    pool = POOLS[0]
+    o.set_claims([Claim(pool, "b", "b:1", 10)], revision=10)
+    o.learned(pool, Claim(pool, "a", "a:1", 12), 12)  # taken over here at revision 12
+    o.set_claims([Claim(pool, "b", "b:1", 10)], revision=11)  # a read that started before
+    assert o.holds(pool)
+    o.set_claims([Claim(pool, "b", "b:1", 13)], revision=13)  # a later change wins
+    assert not o.holds(pool) and o.claims[pool].term == 13
+    o.learned(pool, None, 20)  # released here
+    o.set_claims([Claim(pool, "b", "b:1", 13)], revision=15)
+    assert pool not in o.claims
+
+
+def test_hand_overs_and_leaving_follow_placement() -> None:
+    o = _view("a", "b", "c")
+    mine = [p for p in POOLS[:60]]
+    o.set_claims([Claim(p, "a", "a:1", 1) for p in mine])
+    moves = o.hand_overs()
+    assert moves == {
+        p: owner_of(p, o.members.values()) for p in mine if owner_of(p, o.members.values()).replica_id != "a"
+    }  # type: ignore[union-attr]
+    leaving = o.leaving()
+    others = [m for m in o.members.values() if m.replica_id != "a"]
+    assert set(leaving) == set(mine) and all(leaving[p] == owner_of(p, others) for p in mine)
+    assert all(_view("b", "a", "c").may_adopt(p, "a") for p in mine if owner_of(p, others).replica_id == "b")  # type: ignore[union-attr]
+    o.moving.add(mine[0])
+    with pytest.raises(ServiceError) as err:
+        o.check(mine[0], local=True)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE

@@ -5,6 +5,7 @@ real gRPC)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -100,14 +101,40 @@ def test_a_replica_redirects_to_the_owner_and_serves_only_what_it_claims(
                 assert claims(etcd, cluster) == {pool: "r1"}
         assert [p.name for p in c1.list_pools().pools] == [pool]
         assert list(s0.ListPools(pb.ListPoolsRequest(), timeout=5).pools) == []
-    # r1 leaves (SIGTERM): its claim goes with its lease; the pool still exists in the
-    # cluster, so the replica placement now names answers UNAVAILABLE, never NOT_FOUND
-    assert r1.stop() == 0
+    # r1 dies (SIGKILL: no handover): its claim goes with its lease; the pool still
+    # exists in the cluster, so the replica placement now names answers UNAVAILABLE,
+    # never NOT_FOUND, and never creates it again empty
+    r1.proc.kill()
+    r1.proc.wait(10)
+    deadline = time.monotonic() + 20
+    while claims(etcd, cluster) and time.monotonic() < deadline:
+        time.sleep(0.2)
     assert claims(etcd, cluster) == {}
     with KVCoordClient(r0.address, timeout=2.0) as c0:
         c0.retry = c0.retry.__class__(max_attempts=1)
         with pytest.raises(UnavailableError, match="no live replica holds it"):
             c0.get_pool(pool)
+        with pytest.raises(UnavailableError, match="no live replica holds it"):
+            c0.create_pool(pool, POOL_CONFIG)
+
+
+def test_a_replica_leaving_hands_its_pools_over(
+    etcd: Etcd, two: list[ServerProcess], request: pytest.FixtureRequest
+) -> None:
+    r0, r1 = two
+    pool = placed("q", "r1", ["r0", "r1"])
+    with KVCoordClient([r0.address, r1.address]) as c:
+        c.create_pool(pool, POOL_CONFIG)
+        s = c.attach(pool, "sha256_cbor", 4, "0")
+        got = c.allocate(pool, allocate("a", list(range(9)), 9).allocate, s.session_id, s.fence)
+        blocks = list(got.result.new_block_ids[0].block_ids)
+    assert r1.stop() == 0  # SIGTERM: the pool goes to r0 with its state
+    assert claims(etcd, request.node.name) == {pool: "r0"}
+    with KVCoordClient(r0.address) as c:
+        assert c.get_pool(pool).pool.replica == "r0"
+        view = c.inspect_pool(pool, request_ids=["a"])
+        assert [list(g.block_ids) for g in view.requests[0].groups] == [blocks]
+        c.heartbeat(s.session_id, s.fence)  # the session moved with the pool
 
 
 def test_a_restarted_replica_claims_its_journals_pools_and_keeps_their_allocations(

@@ -1139,3 +1139,21 @@ class ListSessionsResponse(_message.Message):
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     fence: Fence
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+
+class AdoptPoolRequest(_message.Message):
+    __slots__ = ("pool", "state", "from_replica", "claim_revision")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FROM_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_REVISION_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    state: bytes
+    from_replica: str
+    claim_revision: int
+    def __init__(self, pool: _Optional[str] = ..., state: _Optional[bytes] = ..., from_replica: _Optional[str] = ..., claim_revision: _Optional[int] = ...) -> None: ...
+
+class AdoptPoolResponse(_message.Message):
+    __slots__ = ("term",)
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    term: int
+    def __init__(self, term: _Optional[int] = ...) -> None: ...

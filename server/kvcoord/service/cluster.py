@@ -8,14 +8,25 @@ etcd already has exactly what a sharded allocator needs, so none of it is ours:
   and every key under the lease goes with it;
 * **compare-and-swap transactions** are ownership: a pool's claim
   (``/kvcoord/<cluster>/owners/<pool>``: the holder's id and address) is created only
-  if absent, under the claimant's lease, so at most one replica holds it; the
-  revision that created it is the pool's *term*;
+  if absent, under the claimant's lease, so at most one replica holds it, and is
+  passed from one holder to the next in one transaction comparing its revision; the
+  revision that last wrote it is the pool's *term* (it grows with every owner);
 * **watches** tell every replica when members or claims change, so its view
   (:class:`~kvcoord.service.ownership.Ownership`) follows the store.
 
 ``/kvcoord/<cluster>/pools/<pool>`` (no lease) is the catalog of pools that exist in
 the cluster: a pool listed there whose claim is gone (its owner died) is UNAVAILABLE,
 never NOT_FOUND, and never silently created again empty elsewhere.
+
+**Handover.** When a member joins, each replica hands the pools placement now puts on
+the joiner over to it; a replica leaving gracefully (SIGTERM) hands each of its pools
+to placement over the others. The old owner stops serving the pool (calls are
+UNAVAILABLE: clients retry), sends its state (recovery.dump_pool: engine, events,
+sessions with cursors, kept answers, lineage) with ``Replicas.AdoptPool``; the new
+owner journals it (an ``adopt`` record) and waits until it is durable, then swaps the
+claim to itself (compare-and-swap on the claim's revision) and serves; only then does
+the old owner remove its copy (journaled). A failure at any step before the swap
+leaves the old owner serving; after it, the new owner's journal has the state.
 
 Safety rests on one rule: a replica serves a pool only while it holds the claim and
 its lease is sure to be alive (it counts the lease from the moment it *sent* the last
@@ -32,13 +43,17 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import cbor2
 import grpc
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
-from .errors import ServiceError
+from .access import AccessControl
+from .errors import ServiceError, map_errors
 from .ownership import Claim, Member, Ownership, decode_claim, decode_member, encode_claim, encode_member
-from .registry import Placement
+from .registry import Placement, PoolRegistry
 
-__all__ = ["Cluster", "ClusterError", "ClusterPlacement"]
+__all__ = ["Cluster", "ClusterError", "ClusterPlacement", "ReplicasServicer"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +105,18 @@ class Cluster:
         self.local_pools: Callable[[], Iterable[str]] = list
         #: told of every claim this replica gains or loses (metrics)
         self.on_change: list[Callable[[], None]] = []
+        #: a pool's state for a handover (recovery.dump_pool, CBOR); set by the server
+        self.export_pool: Callable[[str], bytes] | None = None
+        #: the end of a handover: the pool is removed here (journaled); set by the server
+        self.handed_over: Callable[[str], None] | None = None
+        #: pools being adopted: held here, not claimed yet (claim_local leaves them be)
+        self.adopting: set[str] = set()
+        #: metadata of calls to other replicas (a full-access token, if the server has one)
+        self.peer_metadata: tuple[tuple[str, str], ...] = ()
+        #: handovers done and failed (metrics, tests)
+        self.handovers = 0
+        self.handover_failures = 0
+        self.stopping = False
 
     # -- keys ----------------------------------------------------------------------
     def _key(self, kind: str, name: str = "") -> bytes:
@@ -163,6 +190,7 @@ class Cluster:
 
     async def stop(self) -> None:
         """Leave the cluster: revoke the lease (the member key and every claim go)."""
+        self.stopping = True
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -192,8 +220,9 @@ class Cluster:
         owners_prefix = len(self._key("owners"))
         view.set_claims(
             _decoded(
-                claims, lambda kv: decode_claim(kv.key[owners_prefix:].decode(), kv.value, kv.create_revision)
-            )
+                claims, lambda kv: decode_claim(kv.key[owners_prefix:].decode(), kv.value, kv.mod_revision)
+            ),
+            claims.header.revision,
         )
         pools_prefix = len(self._key("pools"))
         view.set_catalog(kv.key[pools_prefix:].decode() for kv in catalog)
@@ -224,36 +253,146 @@ class Cluster:
             if not rows:  # released between the compare and the read: the next call retries
                 return None
             value, kv = rows[0]
-            claim = decode_claim(pool, value, kv.create_revision)
-        self.view.claims[pool] = claim
+            claim = decode_claim(pool, value, kv.mod_revision)
+        self.view.learned(pool, claim, claim.term)
         for fn in self.on_change:
             fn()
         return claim if claim.replica_id == self.me.replica_id else None
 
     async def claim_local(self) -> None:
-        """Claim every pool this replica holds state of that nobody claims."""
-        for pool in self.view.should_claim(self.local_pools()):
-            claim = await self.claim(pool)
-            if claim is None:
-                holder = self.view.claims.get(pool)
-                logger.error(
-                    "pool %s is held here but claimed by replica %s: it is not served here",
-                    pool, holder.replica_id if holder else "?",
+        """Claim every pool this replica holds state of that nobody claims. A copy
+        held here whose claim another replica holds was handed over (this replica
+        stopped before removing it): it is removed."""
+        local = [p for p in self.local_pools() if p not in self.adopting]
+        for pool in self.view.should_claim(local):
+            await self.claim(pool)
+        for pool in local:
+            holder = self.view.claims.get(pool)
+            if (
+                holder is not None
+                and holder.replica_id != self.me.replica_id
+                and pool not in self.view.moving
+            ):
+                logger.warning(
+                    "pool %s is held here but replica %s holds its claim (it was handed over): the copy here "
+                    "is removed", pool, holder.replica_id,
                 )  # fmt: skip
+                if self.handed_over is not None:
+                    self.handed_over(pool)
 
     async def forget(self, pool: str) -> None:
         """The pool was deleted: drop it from the catalog and release its claim."""
         tx = self.client.transactions
         key = self._key("owners", pool)
-        await self.client.transaction(
+        _, responses = await self.client.transaction(
             compare=[tx.value(key) == encode_claim(self.me.replica_id, self.me.address)],
             success=[tx.delete(key), tx.delete(self._key("pools", pool))],
             failure=[],
         )
-        self.view.claims.pop(pool, None)
+        if responses:
+            self.view.learned(pool, None, responses[0].response_delete_range.header.revision)
         self.view.catalog.discard(pool)
         for fn in self.on_change:
             fn()
+
+    # -- handovers ----------------------------------------------------------------------
+    async def rebalance(self) -> None:
+        """Hand over every pool placement now puts on another member (one joined)."""
+        for pool, target in self.view.hand_overs().items():
+            if self.stopping:
+                return
+            await self.hand_over(pool, target)
+
+    async def leave(self) -> None:
+        """A graceful stop: hand every pool over to placement over the other members
+        (one without a live member to go to stays unclaimed until this one is back)."""
+        self.stopping = True
+        try:  # no other replica places a pool here from now on
+            await self.client.delete(self._key("members", self.me.replica_id))
+        except Exception as exc:  # noqa: BLE001 - its lease still ends it
+            logger.warning("leaving: the member key could not be deleted: %s", exc)
+        for pool, target in self.view.leaving().items():
+            await self.hand_over(pool, target)
+
+    async def hand_over(self, pool: str, target: Member) -> bool:
+        """Move ``pool`` to ``target`` (see the module docstring); True once it has it."""
+        claim = self.view.claims.get(pool)
+        if claim is None or claim.replica_id != self.me.replica_id or self.export_pool is None:
+            return False
+        view = self.view
+        view.moving.add(pool)
+        try:
+            request = pb.AdoptPoolRequest(
+                pool=pool,
+                state=self.export_pool(pool),
+                from_replica=self.me.replica_id,
+                claim_revision=claim.term,
+            )
+            options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+            async with grpc.aio.insecure_channel(target.address, options=options) as channel:
+                answer = await pb_grpc.ReplicasStub(channel).AdoptPool(  # type: ignore[no-untyped-call]
+                    request, timeout=max(30.0, self.timeout), metadata=self.peer_metadata
+                )
+        except Exception as exc:  # noqa: BLE001 - the pool stays here, served again
+            self.handover_failures += 1
+            await self._settle_failed_handover(pool, exc)
+            return False
+        view.learned(pool, Claim(pool, target.replica_id, target.address, answer.term), answer.term)
+        if self.handed_over is not None:
+            self.handed_over(pool)
+        view.moving.discard(pool)
+        self.handovers += 1
+        logger.info(
+            "handed pool %s over to replica %s at %s (term %d)",
+            pool,
+            target.replica_id,
+            target.address,
+            answer.term,
+        )
+        for fn in self.on_change:
+            fn()
+        return True
+
+    async def _settle_failed_handover(self, pool: str, exc: BaseException) -> None:
+        """After a handover that failed: serve the pool again if the claim is still
+        this replica's; if the new owner swapped it (and then failed to answer), the
+        copy here is removed, since the new owner's journal has the state."""
+        view = self.view
+        try:
+            await self.refresh()
+        except Exception as again:  # noqa: BLE001 - the claim is unknown: keep not serving
+            logger.error(
+                "handing pool %s over failed (%s), and the store cannot be read: %s", pool, exc, again
+            )
+            return
+        holder = view.claims.get(pool)
+        if holder is not None and holder.replica_id != self.me.replica_id:
+            logger.warning(
+                "pool %s: the handover's answer was lost, but replica %s holds it", pool, holder.replica_id
+            )
+            if self.handed_over is not None:
+                self.handed_over(pool)
+        else:
+            logger.error("handing pool %s over failed; it is served here again: %s", pool, exc)
+        view.moving.discard(pool)
+
+    async def take_over(self, pool: str, from_replica: str, claim_revision: int) -> Claim | None:
+        """Swap ``pool``'s claim from ``from_replica`` (at ``claim_revision``) to this
+        replica, under its lease; None when the claim is no longer that one."""
+        key = self._key("owners", pool)
+        tx = self.client.transactions
+        ok, responses = await self.client.transaction(
+            compare=[tx.mod(key) == claim_revision],
+            success=[tx.put(key, encode_claim(self.me.replica_id, self.me.address), lease=self.lease.id)],
+            failure=[],
+        )
+        if not ok:
+            return None
+        claim = Claim(pool, self.me.replica_id, self.me.address, responses[0].response_put.header.revision)
+        self.view.learned(pool, claim, claim.term)
+        for fn in self.on_change:
+            fn()
+        return claim
 
     # -- background ---------------------------------------------------------------------
     async def _keep_alive(self) -> None:
@@ -293,6 +432,7 @@ class Cluster:
                         self._changed.clear()
                         await self.refresh()
                         await self.claim_local()
+                        await self.rebalance()
                 finally:
                     reader.cancel()
                     with contextlib.suppress(Exception):
@@ -322,9 +462,52 @@ class ClusterPlacement(Placement):
     """A clustered replica's :class:`~kvcoord.service.registry.Placement`: the
     rules of :class:`Ownership`, with claims made through :class:`Cluster`."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, registry: PoolRegistry) -> None:
         self.cluster = cluster
+        self.registry = registry
         self.replica_id = cluster.me.replica_id
+
+    async def adopt(self, pool: str, state: bytes, from_replica: str, claim_revision: int) -> int:
+        """The new owner's side of a handover: load, journal, wait until durable, swap
+        the claim, serve. Nothing is kept when the swap fails."""
+        from .recovery import adopt_pool
+
+        cluster, registry = self.cluster, self.registry
+        if not cluster.view.may_adopt(pool, from_replica):
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"placement does not put pool {pool[:200]!r} on replica {cluster.me.replica_id!r} "
+                f"(without {from_replica!r}): not adopted",
+            )
+        if cluster.stopping:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"replica {cluster.me.replica_id!r} is leaving")
+        if pool in cluster.adopting:
+            raise ServiceError(grpc.StatusCode.ABORTED, f"pool {pool[:200]!r} is being adopted already")
+        cluster.adopting.add(pool)
+        try:
+            try:
+                value = cbor2.loads(state)
+                adopt_pool(registry, value)
+            except (ValueError, KeyError, TypeError, cbor2.CBORDecodeError) as exc:
+                raise ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the handed-over state of pool {pool[:200]!r} cannot be loaded: {exc}",
+                ) from None
+            registry.recorder.adopted(value)
+            await registry.recorder.durable()
+            claim = await cluster.take_over(pool, from_replica, claim_revision)
+            if claim is None:
+                registry.remove(pool)
+                await registry.recorder.durable()
+                raise ServiceError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the claim of pool {pool[:200]!r} is no longer revision {claim_revision} of replica "
+                    f"{from_replica!r}: not adopted",
+                )
+        finally:
+            cluster.adopting.discard(pool)
+        logger.info("adopted pool %s from replica %s (term %d)", pool, from_replica, claim.term)
+        return claim.term
 
     def check(self, pool: str, local: bool) -> None:
         self.cluster.view.check(pool, local)
@@ -345,3 +528,30 @@ class ClusterPlacement(Placement):
 
     async def after_delete(self, pool: str) -> None:
         await self.cluster.forget(pool)
+
+
+class ReplicasServicer(pb_grpc.ReplicasServicer):
+    """The ``Replicas`` service: only translates (the rules are the placement's)."""
+
+    def __init__(
+        self, placement: ClusterPlacement, access: AccessControl, created: Callable[[str], None]
+    ) -> None:
+        self.placement = placement
+        self.access = access
+        self.created = created
+
+    @map_errors
+    async def AdoptPool(
+        self, request: pb.AdoptPoolRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdoptPoolResponse:
+        tenant = self.access.authenticate(context.invocation_metadata(), context.auth_context)
+        if not tenant.full_access:
+            raise ServiceError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "AdoptPool is between replicas: it needs a full-access token",
+            )
+        term = await self.placement.adopt(
+            request.pool, request.state, request.from_replica, request.claim_revision
+        )
+        self.created(request.pool)
+        return pb.AdoptPoolResponse(term=term)

@@ -142,6 +142,8 @@ class Ownership:
         self.members: dict[str, Member] = {}
         #: every pool's claim, as last read from the store
         self.claims: dict[str, Claim] = {}
+        #: pool -> store revision of the last claim change this replica made or saw
+        self._changed_at: dict[str, int] = {}
         #: pools that exist in the cluster (the store's catalog): a pool listed here
         #: that nobody claims is not "not found" but unavailable
         self.catalog: set[str] = set()
@@ -149,6 +151,9 @@ class Ownership:
         #: last successful renewal plus the lease's TTL): after it, it serves no pool,
         #: since another replica may already hold its claims
         self.valid_until = 0.0
+        #: pools this replica is handing over: served by nobody until the new owner
+        #: claims them (callers retry)
+        self.moving: set[str] = set()
 
     @property
     def lease_valid(self) -> bool:
@@ -158,8 +163,28 @@ class Ownership:
     def set_members(self, members: Iterable[Member]) -> None:
         self.members = {m.replica_id: m for m in members}
 
-    def set_claims(self, claims: Iterable[Claim]) -> None:
-        self.claims = {c.pool: c for c in claims}
+    def set_claims(self, claims: Iterable[Claim], revision: int | None = None) -> None:
+        """The claims as read from the store at ``revision``. A change this replica
+        made (:meth:`learned`) after that revision is kept: a read that started before
+        a claim was taken over must not bring the old holder back."""
+        fresh = {c.pool: c for c in claims}
+        if revision is not None:
+            for pool, rev in list(self._changed_at.items()):
+                if rev <= revision:
+                    del self._changed_at[pool]
+                elif pool in self.claims:
+                    fresh[pool] = self.claims[pool]
+                else:
+                    fresh.pop(pool, None)
+        self.claims = fresh
+
+    def learned(self, pool: str, claim: Claim | None, revision: int) -> None:
+        """This replica changed (or read) ``pool``'s claim at store ``revision``."""
+        if claim is None:
+            self.claims.pop(pool, None)
+        else:
+            self.claims[pool] = claim
+        self._changed_at[pool] = max(revision, self._changed_at.get(pool, 0))
 
     def set_catalog(self, pools: Iterable[str]) -> None:
         self.catalog = set(pools)
@@ -183,6 +208,33 @@ class Ownership:
     def owned(self) -> list[str]:
         """The pools this replica holds, in name order."""
         return sorted(p for p in self.claims if self.holds(p))
+
+    def hand_overs(self) -> dict[str, Member]:
+        """The pools this replica holds that placement now puts on another live
+        member (one joined): pool -> where to hand it over."""
+        out = {}
+        for pool in self.owned():
+            target = owner_of(pool, self.members.values())
+            if target is not None and target.replica_id != self.me.replica_id and pool not in self.moving:
+                out[pool] = target
+        return out
+
+    def leaving(self) -> dict[str, Member]:
+        """Where each pool this replica holds goes when it leaves: placement over the
+        other live members (none: the pool stays unclaimed until this replica is back)."""
+        others = [m for m in self.members.values() if m.replica_id != self.me.replica_id]
+        out = {}
+        for pool in self.owned():
+            target = owner_of(pool, others)
+            if target is not None:
+                out[pool] = target
+        return out
+
+    def may_adopt(self, pool: str, from_replica: str) -> bool:
+        """Placement puts ``pool`` here once ``from_replica`` is left out (it hands its
+        pool over because a member joined, or because it leaves)."""
+        target = owner_of(pool, [m for m in self.members.values() if m.replica_id != from_replica])
+        return target is not None and target.replica_id == self.me.replica_id
 
     def should_claim(self, local_pools: Iterable[str]) -> list[str]:
         """Pools this replica holds state of, that nobody claims: it claims them
@@ -211,6 +263,11 @@ class Ownership:
                 "its membership lease is renewed (retry; another replica may own the pool)",
             )
         claim = self.claims.get(pool)
+        if pool in self.moving:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"pool {pool[:200]!r} is moving to another replica (membership changed): retry",
+            )
         if claim is not None:
             if claim.replica_id == self.me.replica_id:
                 return

@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 _NAME = re.compile(rf"^[A-Za-z0-9._-]{{1,{MAX_NAME_LENGTH}}}$")
 
 
+#: sessions of handed-over pools remembered for redirects (the oldest are forgotten)
+MAX_MOVED_SESSIONS = 100_000
+
+
 def new_instance_id() -> str:
     """A fresh server instance id (random: two starts never share one)."""
     return secrets.token_hex(8)
@@ -63,6 +67,16 @@ class Placement:
 
     async def after_delete(self, pool: str) -> None:
         """The pool was deleted here: it no longer exists in the cluster."""
+
+    async def adopt(self, pool: str, state: bytes, from_replica: str, claim_revision: int) -> int:
+        """Take over a pool another replica hands over; returns its new term.
+
+        Raises:
+            ServiceError: FAILED_PRECONDITION (a single node adopts nothing).
+        """
+        raise ServiceError(
+            grpc.StatusCode.FAILED_PRECONDITION, "this server is not a cluster replica ([cluster])"
+        )
 
 
 class PoolRegistry:
@@ -108,6 +122,9 @@ class PoolRegistry:
         self.max_message_bytes = 0
         #: which pools this server serves (a cluster's replica: those it owns)
         self.placement = Placement()
+        #: sessions of pools handed over to another replica -> their pool: a call naming
+        #: only the session is sent where the pool went (NOT_OWNER), not told it expired
+        self.moved_sessions: dict[str, str] = {}
 
     def served(self) -> dict[str, PoolService]:
         """The pools this server serves, by name (every pool on a single node)."""
@@ -220,13 +237,33 @@ class PoolRegistry:
         return service
 
     def pool_of_session(self, session_id: str) -> PoolService:
-        """The pool a live session is attached to (SESSION_EXPIRED when there is none)."""
+        """The pool a live session is attached to (SESSION_EXPIRED when there is none;
+        NOT_OWNER when its pool was handed over to another replica)."""
+        moved = self.moved_sessions.get(session_id)
+        if moved is not None and session_id not in self.sessions.sessions:
+            self.placement.check(moved, moved in self.pools)
         s = self.sessions.get(session_id)
         return self.get(s.pool)
 
     def delete(self, name: str) -> PoolService:
         """Remove a pool: its sessions end (their requests go with the pool)."""
-        service = self.get(name)
+        self.get(name)
+        return self.remove(name)
+
+    def handed_over(self, name: str) -> PoolService:
+        """The pool went to another replica with its sessions: remove it here (journaled
+        as a delete), remembering its sessions so their calls are redirected."""
+        moved = self.moved_sessions
+        for s in self.sessions.of_pool(name):
+            moved[s.session_id] = name
+        while len(moved) > MAX_MOVED_SESSIONS:
+            del moved[next(iter(moved))]
+        return self.remove(name)
+
+    def remove(self, name: str) -> PoolService:
+        """Remove the pool ``name`` held here, whoever serves it (a delete, or the end
+        of a handover to another replica), and journal that: its sessions end here."""
+        service = self.pools[name]
         del self.pools[name]
         self.memory.used -= self.pool_memory.pop(name, 0)
         for s in self.sessions.of_pool(name):

@@ -10,20 +10,22 @@ import socket
 import time
 from collections.abc import Callable, Sequence
 
+import cbor2
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from .access import AccessControl
-from .cluster import Cluster, ClusterError, ClusterPlacement
+from .cluster import Cluster, ClusterError, ClusterPlacement, ReplicasServicer
 from .config import ClusterSettings, ServerConfig
 from .durability import JournalRecorder
 from .idempotency import IdempotencyStore
 from .kv_publisher import Publishers
 from .logs import ids
 from .ownership import Member
-from .recovery import Recovery, fence_restored, open_journal
+from .recovery import Recovery, dump_pool, fence_restored, open_journal
 from .registry import GcFreezer, PoolRegistry
 from .servicer import AllocatorServicer, OperationObserver, add_servicer
 from .sessions import SessionTable
@@ -92,6 +94,12 @@ class RunningServer:
         end; with a journal, a snapshot is taken (unless ``snapshot`` is False: tests
         that read the records) so the next start replays nothing."""
         grace = self.grace_seconds if grace is None else grace
+        if self.cluster is not None and self.journal_failed.is_set() is False:
+            # a graceful leave: every pool goes to its next owner with its state
+            try:
+                await self.cluster.leave()
+            except Exception as exc:  # noqa: BLE001 - the pools stay unclaimed until this replica is back
+                logger.error("handing the pools over at stop failed: %s", exc)
         self.servicer.stopping = True
         await self.health.enter_graceful_shutdown()
         self._reaper.cancel()
@@ -319,11 +327,11 @@ async def start_server(
         else:
             host = address.rsplit(":", 1)[0]
             addresses.append(f"{host}:{port}")
+    cluster = _cluster(cfg, registry, servicer, access, addresses, server) if cfg.cluster.enabled else None
     await server.start()
-    cluster = None
-    if cfg.cluster.enabled:
+    if cluster is not None:
         try:
-            cluster = await _join_cluster(cfg, registry, servicer, addresses)
+            await _join_cluster(cfg, cluster, registry, servicer)
         except BaseException:
             await server.stop(0)
             await _close_journal(registry.recorder)
@@ -358,20 +366,47 @@ def advertised(c: ClusterSettings, addresses: Sequence[str]) -> str:
     raise ClusterError("[cluster] needs a TCP listener or cluster.advertise_address (clients dial it)")
 
 
-async def _join_cluster(
-    cfg: ServerConfig, registry: PoolRegistry, servicer: AllocatorServicer, addresses: Sequence[str]
+def _cluster(
+    cfg: ServerConfig,
+    registry: PoolRegistry,
+    servicer: AllocatorServicer,
+    access: AccessControl,
+    addresses: Sequence[str],
+    server: grpc.aio.Server,
 ) -> Cluster:
+    """This replica's cluster membership (not joined yet), wired to its registry, and
+    the ``Replicas`` service (handovers) added to ``server``."""
+    c = cfg.cluster
+    me = Member(c.replica_id or socket.gethostname(), advertised(c, addresses))
+    cluster = Cluster(c.endpoints, c.name, me, c.lease_seconds, c.store_timeout_seconds, registry.clock)
+    cluster.local_pools = lambda: list(registry.pools)
+    cluster.export_pool = lambda pool: cbor2.dumps(dump_pool(registry, pool))
+
+    def handed_over(pool: str) -> None:
+        servicer.observer.pool_deleted(registry.handed_over(pool))
+
+    cluster.handed_over = handed_over
+    if cfg.server.auth_tokens:
+        cluster.peer_metadata = (("authorization", f"Bearer {cfg.server.auth_tokens[0]}"),)
+    placement = ClusterPlacement(cluster, registry)
+    registry.placement = placement
+    peers = ReplicasServicer(
+        placement, access, lambda pool: servicer.observer.pool_created(registry.pools[pool])
+    )
+    pb_grpc.add_ReplicasServicer_to_server(peers, server)
+    return cluster
+
+
+async def _join_cluster(
+    cfg: ServerConfig, cluster: Cluster, registry: PoolRegistry, servicer: AllocatorServicer
+) -> None:
     """Register this replica, claim the pools its journal holds, and create the
     configured pools placed here that the cluster does not have yet.
 
     Raises:
         ClusterError: the store cannot be reached, or refuses this replica.
     """
-    c = cfg.cluster
-    me = Member(c.replica_id or socket.gethostname(), advertised(c, addresses))
-    cluster = Cluster(c.endpoints, c.name, me, c.lease_seconds, c.store_timeout_seconds, registry.clock)
-    cluster.local_pools = lambda: list(registry.pools)
-    registry.placement = ClusterPlacement(cluster)
+    c, me = cfg.cluster, cluster.me
     try:
         await cluster.start()
         for decl in cfg.pools:
@@ -390,4 +425,3 @@ async def _join_cluster(
         "replica %s serves %d pools of cluster %s (members: %s)",
         me.replica_id, len(cluster.view.owned()), c.name, ", ".join(sorted(cluster.view.members)),
     )  # fmt: skip
-    return cluster

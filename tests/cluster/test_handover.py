@@ -131,6 +131,15 @@ def test_pools_move_with_their_state_when_a_replica_joins_and_another_leaves(
         assert calls > 0
         check(targets, worker.acked, joined)
 
+        # the replica that adopted pools dies (SIGKILL) and restarts from its own journal
+        # (the adopt records): its pools come back with everything acknowledged
+        procs["r2"].proc.kill()
+        procs["r2"].stop()
+        start("r2")
+        targets[2] = procs["r2"].address
+        wait_placed(targets, joined)
+        check(targets, worker.acked, joined)
+
         # a replica leaves (SIGTERM) while the client allocates: its pools go to the others
         worker2 = Allocator(targets, sessions, serial)
         worker2.acked = worker.acked

@@ -197,3 +197,38 @@ def test_a_client_given_one_replica_reaches_every_pool_through_redirects(three: 
     with KVCoordClient([p.address for p in three]) as everywhere:
         listed = {info.name: info.replica for info in everywhere.list_pools().pools}
     assert listed == {pool: label.split("-")[0] for label, pool in pools.items()}
+
+
+def test_status_over_the_replica_set_names_each_pools_replica(three: list[ServerProcess]) -> None:
+    """`kvcoord --target a,b,c status` asks every replica: each pool once, with the
+    replica serving it (REPLICA column; "replica" in --json), and its live statistics."""
+    import json
+    import subprocess
+    import sys
+
+    ids = ["r0", "r1", "r2"]
+    pools = {placed(f"st-{r}-", r, ids): r for r in ids}
+    targets = ",".join(p.address for p in three)
+    with KVCoordClient(targets) as c:
+        for pool in pools:
+            c.create_pool(pool, POOL_CONFIG)
+        first = next(iter(pools))
+        s = c.attach(first, "sha256_cbor", 4, "0")
+        c.allocate(first, allocate("a", list(range(9)), 9).allocate, s.session_id, s.fence)
+
+    def kvcoord(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kvcoord.service.cli", *args, "--target", targets],
+            capture_output=True, text=True, env=env(), timeout=60,
+        )  # fmt: skip
+
+    out = kvcoord("status", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = {r["pool"]: r for r in json.loads(out.stdout)["pools"]}
+    assert {p: r["replica"] for p, r in rows.items()} == pools
+    assert rows[first]["live_requests"] == 1 and rows[first]["sessions"] == 1
+    text = kvcoord("status")
+    assert text.returncode == 0, text.stderr
+    header, *lines = text.stdout.splitlines()
+    assert header.split()[-1] == "REPLICA"
+    assert {line.split()[0]: line.split()[-1] for line in lines} == pools

@@ -63,13 +63,31 @@ def claims(etcd: Etcd, cluster: str) -> dict[str, str]:
     return asyncio.run(_claims(etcd, cluster))
 
 
+def owned_gauge(server: ServerProcess) -> dict[tuple[str, str], float]:
+    """kvcoord_pool_owned from the replica's /metrics: (pool, replica) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://{server.metrics_address}/metrics", timeout=10) as r:
+        body = r.read().decode()
+    return {
+        (s.labels["pool"], s.labels["replica"]): s.value
+        for f in text_string_to_metric_families(body)
+        if f.name == "kvcoord_pool_owned"
+        for s in f.samples
+    }
+
+
 @pytest.fixture
 def two(etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[list[ServerProcess]]:
     cluster = request.node.name.replace("[", "-").replace("]", "")
     procs: list[ServerProcess] = []
     try:
         for r in ("r0", "r1"):
-            procs.append(start_server(replica_config(etcd, r, tmp_path / r, cluster), env=env()))
+            procs.append(
+                start_server(replica_config(etcd, r, tmp_path / r, cluster), env=env(), metrics=True)
+            )
         yield procs
     finally:
         for p in procs:
@@ -128,8 +146,10 @@ def test_a_replica_leaving_hands_its_pools_over(
         s = c.attach(pool, "sha256_cbor", 4, "0")
         got = c.allocate(pool, allocate("a", list(range(9)), 9).allocate, s.session_id, s.fence)
         blocks = list(got.result.new_block_ids[0].block_ids)
+    assert owned_gauge(r1) == {(pool, "r1"): 1.0} and owned_gauge(r0) == {}
     assert r1.stop() == 0  # SIGTERM: the pool goes to r0 with its state
     assert claims(etcd, request.node.name) == {pool: "r0"}
+    assert owned_gauge(r0) == {(pool, "r0"): 1.0}
     with KVCoordClient(r0.address) as c:
         assert c.get_pool(pool).pool.replica == "r0"
         view = c.inspect_pool(pool, request_ids=["a"])

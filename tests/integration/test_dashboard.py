@@ -145,9 +145,12 @@ def test_every_panel_rule_and_alert_returns_what_the_load_implies(target: str, p
         for q in ("p50", "p99"):
             commit = _value(got[("Journal commit latency p50 / p99", q)])
             assert 0 < commit <= 10 and math.isfinite(commit), (q, commit)
-        assert pool in {
-            r["metric"]["pool"] for r in prom_query(prometheus, "kvcoord_blocks_usable")
-        }  # $pool values
+        pools_now = {r["metric"]["pool"] for r in prom_query(prometheus, "kvcoord_blocks_usable")}
+        assert pool in pools_now  # $pool values
+        # a single node serves every pool it holds: one series (no replica label) counting them
+        per_replica = got[("Pools per replica", "{{replica}}")]
+        assert [r["metric"].get("replica", "") for r in per_replica] == [""]
+        assert _value(per_replica) == len(pools_now)
 
         # every recording rule has a series for this pool (or method), every alert fires
         # exactly where the load says it must

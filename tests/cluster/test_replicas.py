@@ -13,7 +13,7 @@ import grpc
 import pytest
 from durable_server import env
 from etcd_process import Etcd
-from kvcoord.client import KVCoordClient, NotOwnerError, UnavailableError
+from kvcoord.client import NO_RETRY, KVCoordClient, NotOwnerError, UnavailableError
 from kvcoord.client.errors import error_from_rpc
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, decode_claim, owner_of
@@ -79,6 +79,24 @@ def owned_gauge(server: ServerProcess) -> dict[tuple[str, str], float]:
     }
 
 
+def wait_members(procs: list[ServerProcess], ids: list[str], timeout: float = 30.0) -> None:
+    """Until every replica's view has every member: each redirects a (nonexistent)
+    pool placed on another replica instead of calling it unknown."""
+    deadline = time.monotonic() + timeout
+    for i, proc in enumerate(procs):
+        probe = placed("probe-", ids[(i + 1) % len(ids)], ids)
+        with grpc.insecure_channel(proc.address) as ch:
+            stub = pb_grpc.AllocatorStub(ch)
+            while True:
+                try:
+                    stub.GetPool(pb.GetPoolRequest(name=probe), timeout=5)
+                except grpc.RpcError as exc:
+                    if isinstance(error_from_rpc(exc), NotOwnerError):
+                        break
+                assert time.monotonic() < deadline, f"replica {ids[i]} does not see every member"
+                time.sleep(0.05)
+
+
 @pytest.fixture
 def two(etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[list[ServerProcess]]:
     cluster = request.node.name.replace("[", "-").replace("]", "")
@@ -88,6 +106,7 @@ def two(etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[
             procs.append(
                 start_server(replica_config(etcd, r, tmp_path / r, cluster), env=env(), metrics=True)
             )
+        wait_members(procs, ["r0", "r1"])
         yield procs
     finally:
         for p in procs:
@@ -155,6 +174,16 @@ def test_a_replica_leaving_hands_its_pools_over(
         view = c.inspect_pool(pool, request_ids=["a"])
         assert [list(g.block_ids) for g in view.requests[0].groups] == [blocks]
         c.heartbeat(s.session_id, s.fence)  # the session moved with the pool
+        # answers name the pool's term, which grew with the new owner; a caller answered
+        # under a newer term than a replica holds finds that replica deposed
+        after = c.allocate(pool, allocate("b", list(range(50, 59)), 9).allocate, s.session_id, s.fence)
+        assert after.fence.term > got.fence.term > 0
+        newer = pb.Fence()
+        newer.CopyFrom(after.fence)
+        newer.term = after.fence.term + 1
+        c.retry = NO_RETRY
+        with pytest.raises(UnavailableError, match="newer owner"):
+            c.allocate(pool, allocate("c", list(range(70, 79)), 9).allocate, s.session_id, newer)
 
 
 def test_a_restarted_replica_claims_its_journals_pools_and_keeps_their_allocations(
@@ -189,6 +218,7 @@ def three(etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest) -> Iterato
     try:
         for r in ("r0", "r1", "r2"):
             procs.append(start_server(replica_config(etcd, r, tmp_path / r, cluster), env=env()))
+        wait_members(procs, ["r0", "r1", "r2"])
         yield procs
     finally:
         for p in procs:

@@ -149,14 +149,16 @@ class PoolConfig(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., shared_cache_tenants: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Fence(_message.Message):
-    __slots__ = ("instance_id", "incarnation", "position")
+    __slots__ = ("instance_id", "incarnation", "position", "term")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     incarnation: int
     position: int
-    def __init__(self, instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+    term: int
+    def __init__(self, instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., position: _Optional[int] = ..., term: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("name", "config", "coordinator", "num_free_blocks", "usage", "num_requests", "fence", "replica")

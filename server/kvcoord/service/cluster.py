@@ -113,6 +113,8 @@ class Cluster:
         self.adopting: set[str] = set()
         #: metadata of calls to other replicas (a full-access token, if the server has one)
         self.peer_metadata: tuple[tuple[str, str], ...] = ()
+        #: told of each claim this replica gains: pool, term (the server records it)
+        self.on_term: Callable[[str, int], None] | None = None
         #: handovers done and failed (metrics, tests)
         self.handovers = 0
         self.handover_failures = 0
@@ -257,7 +259,11 @@ class Cluster:
         self.view.learned(pool, claim, claim.term)
         for fn in self.on_change:
             fn()
-        return claim if claim.replica_id == self.me.replica_id else None
+        if claim.replica_id != self.me.replica_id:
+            return None
+        if self.on_term is not None:
+            self.on_term(pool, claim.term)
+        return claim
 
     async def claim_local(self) -> None:
         """Claim every pool this replica holds state of that nobody claims. A copy
@@ -392,6 +398,8 @@ class Cluster:
         self.view.learned(pool, claim, claim.term)
         for fn in self.on_change:
             fn()
+        if self.on_term is not None:
+            self.on_term(pool, claim.term)
         return claim
 
     # -- background ---------------------------------------------------------------------
@@ -514,6 +522,10 @@ class ClusterPlacement(Placement):
 
     def serves(self, pool: str) -> bool:
         return self.cluster.view.holds(pool)
+
+    def term(self, pool: str) -> int:
+        view = self.cluster.view
+        return view.term(pool) if view.holds(pool) else 0
 
     async def before_create(self, pool: str) -> None:
         view = self.cluster.view

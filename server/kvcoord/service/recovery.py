@@ -80,6 +80,7 @@ def pool_value(service: PoolService) -> dict[str, Any]:
         "events": [(seq, event_to_value(e)) for seq, e in service.events.kept()],
         "last_sequence": service.events.last_sequence,
         "owners": [(rid, s.session_id) for rid, s in service.owners.items()],
+        "term": service.fence.term,
     }
 
 
@@ -143,6 +144,8 @@ def _load_pools(
             p["name"], pb.PoolConfig.FromString(p["config"]), p["incarnation"], p["created_at"]
         )
         service.engine = import_state(service.config, p["engine"])
+        if p.get("term"):
+            service.fence = dataclasses.replace(service.fence, term=int(p["term"]))
         service.events.restore([(seq, event_from_value(v)) for seq, v in p["events"]], p["last_sequence"])
         services[p["name"]] = (service, p["owners"])
     table = registry.sessions
@@ -270,6 +273,9 @@ class Replayer:
             self.touched[record[2]] = seq
         elif kind == "delete":
             registry.remove(record[2])
+        elif kind == "term":  # the pool's ownership term changed (cluster.py)
+            service = registry.pools[record[2]]
+            service.fence = dataclasses.replace(service.fence, term=int(record[3]))
         elif kind == "adopt":  # a pool handed over by another replica (cluster.py)
             adopt_pool(registry, record[2])
             self.touched[record[2]["pool"]["name"]] = seq
@@ -318,7 +324,9 @@ class Replayer:
         s = registry.sessions.sessions[request.session_id]
         groups = len(service.config.groups)
         service.answer_event_bytes = take_events_budget(registry.max_message_bytes)
-        fence = pb.Fence(instance_id=self.writer, incarnation=service.fence.incarnation)
+        fence = pb.Fence(
+            instance_id=self.writer, incarnation=service.fence.incarnation, term=service.fence.term
+        )
         response: Any = None
         if rpc == "Step":
             operations = [operation_from_pb(o, groups) for o in request.ops]

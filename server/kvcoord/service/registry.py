@@ -62,6 +62,10 @@ class Placement:
     def serves(self, pool: str) -> bool:
         return True
 
+    def term(self, pool: str) -> int:
+        """The pool's ownership term here (0: a single node)."""
+        return 0
+
     async def before_create(self, pool: str) -> None:
         """Make this server the pool's owner before a CreatePool creates it here."""
 
@@ -125,6 +129,14 @@ class PoolRegistry:
         #: sessions of pools handed over to another replica -> their pool: a call naming
         #: only the session is sent where the pool went (NOT_OWNER), not told it expired
         self.moved_sessions: dict[str, str] = {}
+
+    def set_term(self, name: str, term: int) -> None:
+        """The pool's ownership term is now ``term`` (journaled: answers carry it)."""
+        service = self.pools.get(name)
+        if service is None or service.fence.term == term:
+            return
+        service.fence = dataclasses.replace(service.fence, term=term)
+        self.recorder.term_changed(service)
 
     def served(self) -> dict[str, PoolService]:
         """The pools this server serves, by name (every pool on a single node)."""
@@ -194,6 +206,7 @@ class PoolRegistry:
                 "recovered pool %s does not fit max_pool_memory_bytes; kept", name, extra=ids(pool=name)
             )
         fence = Fence(self.instance_id, incarnation or secrets.randbits(63) or 1)
+        term = self.placement.term(name) if incarnation is None else 0
         hash_settings = (config_pb.hash_algo, config_pb.hash_block_size, config_pb.hash_seed)
         wire = pb.PoolConfig()
         wire.CopyFrom(config_pb)
@@ -206,6 +219,8 @@ class PoolRegistry:
         self.pool_memory[name] = need
         self.memory.used += need
         self.recorder.pool_created(service)
+        if term:
+            self.set_term(name, term)
         logger.info(
             "created pool %s (%s blocks, %s, incarnation %d)",
             name,

@@ -386,6 +386,7 @@ def _cluster(
         servicer.observer.pool_deleted(registry.handed_over(pool))
 
     cluster.handed_over = handed_over
+    cluster.on_term = registry.set_term
     if cfg.server.auth_tokens:
         cluster.peer_metadata = (("authorization", f"Bearer {cfg.server.auth_tokens[0]}"),)
     placement = ClusterPlacement(cluster, registry)

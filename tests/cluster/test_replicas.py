@@ -282,3 +282,38 @@ def test_status_over_the_replica_set_names_each_pools_replica(three: list[Server
     header, *lines = text.stdout.splitlines()
     assert header.split()[-1] == "REPLICA"
     assert {line.split()[0]: line.split()[-1] for line in lines} == pools
+
+
+def test_the_asyncio_client_follows_redirects_too(three: list[ServerProcess]) -> None:
+    from kvcoord.client import AsyncKVCoordClient
+
+    pool = placed("async-", "r2", ["r0", "r1", "r2"])
+
+    async def run() -> tuple[str, str]:
+        async with AsyncKVCoordClient(three[0].address) as c:
+            created = await c.create_pool(pool, POOL_CONFIG)
+            got = await c.get_pool(pool)
+            return created.pool.replica, got.pool.replica
+
+    assert asyncio.run(run()) == ("r2", "r2")
+
+
+def test_a_replica_that_cannot_reach_the_store_does_not_start(tmp_path: Path) -> None:
+    """No etcd at the endpoint: `kvcoord serve` exits 3 with one line naming it."""
+    import subprocess
+    import sys
+
+    from durable_server import free_port
+
+    endpoint = f"127.0.0.1:{free_port()}"
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[server]\nlisten = ["127.0.0.1:0"]\nmetrics_listen = ""\ndata_dir = "{tmp_path / "d"}"\n'
+        f'[cluster]\nendpoints = ["{endpoint}"]\nreplica_id = "x"\nstore_timeout_seconds = 1.0\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(config)],
+        capture_output=True, text=True, env=env(), timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"no cluster store endpoint answers ({endpoint})" in proc.stdout + proc.stderr

@@ -55,3 +55,20 @@ def test_pools_go_to_their_learned_owner_and_sessions_to_their_pool() -> None:
     assert routes.pool_of("Heartbeat", pb.HeartbeatRequest(session_id="s1")) == ""
     routes.unreachable("p", "c:1")  # the owner is forgotten, its address tried last
     assert routes.route("p") == "a:1" and routes.addresses[-1] == "c:1"
+
+
+def test_redirects_are_followed_a_bounded_number_of_times() -> None:
+    import grpc
+    from kvcoord.client import KVCoordClient, NotOwnerError, UnavailableError
+    from kvcoord.client.owners import MAX_HOPS
+
+    with KVCoordClient(["127.0.0.1:1", "127.0.0.1:2"]) as c:  # no call is made
+        err = NotOwnerError(grpc.StatusCode.FAILED_PRECONDITION, "elsewhere", "NOT_OWNER")
+        err.owner = "127.0.0.1:3"
+        assert c._routed(err, "p", "127.0.0.1:1", 0) and c.routes.route("p") == "127.0.0.1:3"
+        assert not c._routed(err, "p", "127.0.0.1:3", MAX_HOPS)  # past the bound: raised to the caller
+        nameless = NotOwnerError(grpc.StatusCode.FAILED_PRECONDITION, "elsewhere", "NOT_OWNER")
+        assert not c._routed(nameless, "p", "127.0.0.1:3", 0)  # no owner named: nothing to follow
+        down = UnavailableError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        assert not c._routed(down, "p", "127.0.0.1:3", 0)  # retried by the policy, elsewhere
+        assert c.routes.route("p") == "127.0.0.1:1"

@@ -63,7 +63,12 @@ class ClusterError(Exception):
 
 
 def _client(endpoint: str, timeout: float) -> Any:
-    import aetcd  # type: ignore[import-untyped]  # the "cluster" extra: only a clustered replica needs it
+    try:
+        import aetcd  # type: ignore[import-untyped]  # the "cluster" extra: only a clustered replica needs it
+    except ImportError:
+        raise ClusterError(
+            "[cluster] needs etcd's client: pip install 'kvcoord[cluster]' (the aetcd package)"
+        ) from None
 
     host, _, port = endpoint.rpartition(":")
     return aetcd.Client(host=host, port=int(port), timeout=timeout)

@@ -27,6 +27,9 @@ __all__ = ["MAX_HOPS", "Routes", "parse_targets", "resolve"]
 MAX_HOPS = 4
 #: re-resolve DNS names at most this often (seconds)
 RESOLVE_EVERY = 1.0
+#: sessions whose pool is remembered (the oldest are forgotten: a session that expired
+#: without Detach leaves its entry)
+MAX_SESSIONS = 100_000
 
 #: rpc -> the request field naming its pool ("" : none)
 _POOL_FIELD = {
@@ -140,6 +143,8 @@ class Routes:
             self.owner[pool] = address
         if rpc == "Attach":
             self.session_pool[response.session_id] = request.pool
+            while len(self.session_pool) > MAX_SESSIONS:
+                del self.session_pool[next(iter(self.session_pool))]
         elif rpc == "Detach":
             self.session_pool.pop(request.session_id, None)
 

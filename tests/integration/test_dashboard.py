@@ -212,9 +212,12 @@ def test_every_panel_rule_and_alert_returns_what_the_load_implies(target: str, p
         cores = _value(got[("Server CPU and memory", "cores")])
         assert 0 < cores < 64 and math.isfinite(cores), cores
         assert _value(got[("Server CPU and memory", "resident")]) > 1 << 20
-        assert pool in {
-            r["metric"]["pool"] for r in prom_query(prometheus, "kvcoord_blocks_usable")
-        }  # $pool values
+        pools_now = {r["metric"]["pool"] for r in prom_query(prometheus, "kvcoord_blocks_usable")}
+        assert pool in pools_now  # $pool values
+        # a single node serves every pool it holds: one series (no replica label) counting them
+        per_replica = got[("Pools per replica", "{{replica}}")]
+        assert [r["metric"].get("replica", "") for r in per_replica] == [""]
+        assert _value(per_replica) == len(pools_now)
 
         # every recording rule has a series for this pool (or method), every alert fires
         # exactly where the load says it must

@@ -190,7 +190,10 @@ def connection_options(default_timeout: float = 5.0, json_flag: bool = True) -> 
                 show_default=True,
                 envvar="KVCOORD_TARGET",
                 metavar="HOST:PORT",
-                help="the server (host:port or unix:/path); env KVCOORD_TARGET",
+                help=(
+                    "the server (host:port or unix:/path), or a cluster's replicas (comma-separated, "
+                    "or a DNS name resolving to them); env KVCOORD_TARGET"
+                ),
             ),
             click.option(
                 "--token",
@@ -269,6 +272,7 @@ def pool_status(info: pb.PoolInfo, stats: pb.GetStatsResponse) -> dict[str, Any]
     p = stats.prefix_cache_stats
     return {
         "pool": info.name,
+        "replica": info.replica,
         "coordinator": info.coordinator,
         "groups": len(info.config.groups),
         "blocks_used": total - stats.num_free_blocks,
@@ -286,6 +290,7 @@ def pool_status(info: pb.PoolInfo, stats: pb.GetStatsResponse) -> dict[str, Any]
 
 def status_table(rows: Sequence[dict[str, Any]]) -> str:
     headers = ["POOL", "LAYOUT", "BLOCKS USED/TOTAL", "USAGE", "HIT RATE", "REQUESTS", "SESSIONS"]
+    sharded = any(r.get("replica") for r in rows)  # a single node has no REPLICA column
     cells = [
         [
             r["pool"],
@@ -301,9 +306,12 @@ def status_table(rows: Sequence[dict[str, Any]]) -> str:
                     str(r["sessions"]),
                 ]
             ),
+            *([r.get("replica") or "?"] if sharded else []),
         ]
         for r in rows
     ]
+    if sharded:
+        headers.append("REPLICA")
     table = _table(headers, cells)
     if any(r.get("unreadable") for r in rows):
         table += "\n? no observe role on this pool: its statistics are not yours to read"
@@ -318,11 +326,11 @@ def status(conn: Connection) -> None:
     Per pool: LAYOUT (the coordinator: no_prefix_cache, unitary or hybrid, and its
     KV cache groups), BLOCKS USED/TOTAL (usable blocks, the null block not counted),
     USAGE, HIT RATE (prefix-cache hit tokens over queried tokens since the pool was
-    created; '-' before any lookup), REQUESTS (live requests) and SESSIONS (live
-    sessions attached to it).
-
-    There is no REPLICA column: a pool lives on the one server --target names until
-    pools are sharded (issue 23).
+    created; '-' before any lookup), REQUESTS (live requests), SESSIONS (live
+    sessions attached to it) and, when pools are sharded over replicas, REPLICA (the
+    replica serving it). Give every replica (--target a:50051,b:50051,c:50051, or a
+    DNS name resolving to them all) to see every pool: each replica lists the pools
+    it serves.
     """
     with conn.client() as c:
         pools = sorted(c.list_pools().pools, key=lambda p: p.name)
@@ -336,6 +344,7 @@ def status(conn: Connection) -> None:
                 rows.append(
                     {
                         "pool": info.name,
+                        "replica": info.replica,
                         "coordinator": info.coordinator,
                         "groups": len(info.config.groups),
                         "unreadable": _one_line(err.message),

@@ -21,7 +21,8 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from . import _requests as rq
-from .errors import KVCoordError, OutcomeUnknownError, UnavailableError, error_from_rpc
+from .errors import KVCoordError, NotOwnerError, OutcomeUnknownError, UnavailableError, error_from_rpc
+from .owners import MAX_HOPS, Routes
 from .retry import DEFAULT_RETRY, RetryPolicy
 from .tls import TLSOptions
 
@@ -148,6 +149,18 @@ UNARY_METHODS: dict[str, _Rpc[Any, Any]] = {
 }
 
 
+def _merged(routes: Routes, answers: Sequence[tuple[str, pb.ListPoolsResponse]]) -> pb.ListPoolsResponse:
+    """Several replicas' pool lists as one, in name order (a pool two replicas list
+    while it moves: the first listing); each pool's owner is remembered."""
+    pools: dict[str, pb.PoolInfo] = {}
+    for address, answer in answers:
+        for info in answer.pools:
+            if info.name not in pools:
+                pools[info.name] = info
+                routes.owner[info.name] = address
+    return pb.ListPoolsResponse(pools=[pools[n] for n in sorted(pools)])
+
+
 class _Api:
     """The channel set-up shared by both clients. Each client defines the RPC methods
     itself, typed with their response (the asyncio client's as coroutines), and builds
@@ -158,7 +171,7 @@ class _Api:
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         timeout: float = DEFAULT_TIMEOUT,
         retry: RetryPolicy = DEFAULT_RETRY,
@@ -167,7 +180,12 @@ class _Api:
         interceptors: Sequence[Any] = (),
         tls: TLSOptions | None = None,
     ) -> None:
-        """Open a channel to ``target`` (``host:port`` or ``unix:/path``).
+        """Open a channel to ``target`` (``host:port`` or ``unix:/path``), or to a
+        replica set: a list of addresses (or one string of them, comma-separated), or
+        a DNS name whose A records are the replicas (a headless Service). Each pool's
+        calls go to its owner: a NOT_OWNER answer names it and is followed (at most
+        :data:`~kvcoord.client.owners.MAX_HOPS` times per call), and an owner that
+        does not answer is forgotten (the names are resolved again).
 
         Args:
             timeout: deadline of each attempt, in seconds.
@@ -180,21 +198,47 @@ class _Api:
         Raises:
             ValueError: a TLS file is unreadable or invalid (named in the message).
         """
-        self.target = target
+        #: the replica set and each pool's owner as last learned (owners.py)
+        self.routes = Routes(target)
+        self.target = target if isinstance(target, str) else ",".join(target)
         self.timeout = timeout
         self.retry = retry
         #: how long keyed calls may be retried: half the server's idempotency window
         #: (learned at attach; the server's default until then)
         self.retry_horizon = 150.0
         self._metadata = (("authorization", f"Bearer {token}"),) if token else None
-        options = rq.channel_options(max_message_bytes)
-        if tls is None:
-            self.channel = self._channel_factory(target, options=options)
-        else:
-            self.channel = self._secure_channel_factory(
-                target, tls.credentials(), options=[*options, *tls.channel_options()]
-            )
-        self.stub = pb_grpc.AllocatorStub(self._intercepted(self.channel, interceptors))
+        self._options = rq.channel_options(max_message_bytes)
+        self._tls = tls
+        self._interceptors = interceptors
+        #: address -> (channel, stub), opened on first use
+        self._open: dict[str, tuple[Any, Any]] = {}
+        self.channel, self.stub = self._connection(self.routes.primary)
+
+    def _connection(self, address: str) -> tuple[Any, Any]:
+        """The channel and stub to ``address`` (opened on first use)."""
+        got = self._open.get(address)
+        if got is None:
+            tls = self._tls
+            if tls is None:
+                channel = self._channel_factory(address, options=self._options)
+            else:
+                channel = self._secure_channel_factory(
+                    address, tls.credentials(), options=[*self._options, *tls.channel_options()]
+                )
+            got = (channel, pb_grpc.AllocatorStub(self._intercepted(channel, self._interceptors)))
+            self._open[address] = got
+        return got
+
+    def _routed(self, err: KVCoordError, pool: str, address: str, hops: int) -> bool:
+        """After a failed attempt: True to call again at once (a NOT_OWNER redirect to
+        follow); an unreachable owner is forgotten (the caller's retry policy decides
+        whether to try again, at another replica)."""
+        if isinstance(err, NotOwnerError) and err.owner and pool and hops < MAX_HOPS:
+            self.routes.redirected(pool, err.owner)
+            return True
+        if isinstance(err, UnavailableError) and pool:
+            self.routes.unreachable(pool, address)
+        return False
 
     @staticmethod
     def _intercepted(channel: Any, interceptors: Sequence[Any]) -> Any:
@@ -227,20 +271,31 @@ class KVCoordClient(_Api):
 
     def close(self) -> None:
         self.closed = True
-        self.channel.close()
+        for channel, _ in self._open.values():
+            channel.close()
 
     def _call(self, rpc: str, request: Any) -> Any:
         if self.closed:
             # grpcio crashes the process when an intercepted channel is used after
             # close (a plain one raises this same ValueError): never reach it
             raise ValueError(f"{rpc} on a closed KVCoordClient")
-        method = getattr(self.stub, rpc)
+        routes = self.routes
+        pool = routes.pool_of(rpc, request)
         attempts = _Attempts(self.retry, rq.RPCS[rpc], self.retry_horizon)
+        hops = 0
         while True:
+            address = routes.route(pool)
+            method = getattr(self._connection(address)[1], rpc)
             try:
-                return method(request, timeout=self.timeout, metadata=self._metadata)
+                response = method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
                 err = error_from_rpc(exc, rpc)
+            else:
+                routes.answered(rpc, request, response, pool, address)
+                return response
+            if self._routed(err, pool, address, hops):
+                hops += 1
+                continue
             time.sleep(attempts.next_sleep(err))
 
     def _unary(self, rpc: _Rpc[_Req, _Resp], request: _Req) -> _Resp:
@@ -255,7 +310,20 @@ class KVCoordClient(_Api):
         return self._unary(_GET_POOL, pb.GetPoolRequest(name=name))
 
     def list_pools(self) -> pb.ListPoolsResponse:
-        return self._unary(_LIST_POOLS, pb.ListPoolsRequest())
+        """Every pool, in name order; of a replica set, every replica's (each replica
+        lists the pools it serves; one that fails to answer fails the call)."""
+        if len(self.routes.addresses) == 1:
+            return self._unary(_LIST_POOLS, pb.ListPoolsRequest())
+        answers = []
+        for address in list(self.routes.addresses):
+            try:
+                answer = self._connection(address)[1].ListPools(
+                    pb.ListPoolsRequest(), timeout=self.timeout, metadata=self._metadata
+                )
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc, "ListPools") from None
+            answers.append((address, answer))
+        return _merged(self.routes, answers)
 
     def delete_pool(self, name: str) -> pb.DeletePoolResponse:
         return self._unary(_DELETE_POOL, pb.DeletePoolRequest(name=name))
@@ -396,7 +464,7 @@ class KVCoordClient(_Api):
         """Stream KV events after ``after_sequence`` (of the history ``fence`` names, when
         resuming); ends when the server stops or ``timeout`` passes. Check ``gap`` and
         ``reset`` on every message."""
-        stream = self.stub.WatchEvents(
+        stream = self._connection(self.routes.route(pool))[1].WatchEvents(
             pb.WatchEventsRequest(pool=pool, after_sequence=after_sequence, fence=fence),
             timeout=timeout,
             metadata=self._metadata,
@@ -440,16 +508,27 @@ class AsyncKVCoordClient(_Api):
         await self.close()
 
     async def close(self) -> None:
-        await self.channel.close()
+        for channel, _ in self._open.values():
+            await channel.close()
 
     async def _call(self, rpc: str, request: Any) -> Any:
-        method = getattr(self.stub, rpc)
+        routes = self.routes
+        pool = routes.pool_of(rpc, request)
         attempts = _Attempts(self.retry, rq.RPCS[rpc], self.retry_horizon)
+        hops = 0
         while True:
+            address = routes.route(pool)
+            method = getattr(self._connection(address)[1], rpc)
             try:
-                return await method(request, timeout=self.timeout, metadata=self._metadata)
+                response = await method(request, timeout=self.timeout, metadata=self._metadata)
             except grpc.RpcError as exc:
                 err = error_from_rpc(exc, rpc)
+            else:
+                routes.answered(rpc, request, response, pool, address)
+                return response
+            if self._routed(err, pool, address, hops):
+                hops += 1
+                continue
             await asyncio.sleep(attempts.next_sleep(err))
 
     async def _unary(self, rpc: _Rpc[_Req, _Resp], request: _Req) -> _Resp:
@@ -464,7 +543,23 @@ class AsyncKVCoordClient(_Api):
         return self._unary(_GET_POOL, pb.GetPoolRequest(name=name))
 
     def list_pools(self) -> _Coro[pb.ListPoolsResponse]:
-        return self._unary(_LIST_POOLS, pb.ListPoolsRequest())
+        """Every pool, in name order; of a replica set, every replica's (each replica
+        lists the pools it serves; one that fails to answer fails the call)."""
+        return self._list_pools()
+
+    async def _list_pools(self) -> pb.ListPoolsResponse:
+        if len(self.routes.addresses) == 1:
+            return await self._unary(_LIST_POOLS, pb.ListPoolsRequest())
+        answers = []
+        for address in list(self.routes.addresses):
+            try:
+                answer = await self._connection(address)[1].ListPools(
+                    pb.ListPoolsRequest(), timeout=self.timeout, metadata=self._metadata
+                )
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc, "ListPools") from None
+            answers.append((address, answer))
+        return _merged(self.routes, answers)
 
     def delete_pool(self, name: str) -> _Coro[pb.DeletePoolResponse]:
         return self._unary(_DELETE_POOL, pb.DeletePoolRequest(name=name))
@@ -592,7 +687,7 @@ class AsyncKVCoordClient(_Api):
         self, pool: str, after_sequence: int = 0, fence: pb.Fence | None = None
     ) -> AsyncIterator[pb.WatchEventsResponse]:
         """Stream KV events after ``after_sequence`` until cancelled or the server stops."""
-        stream = self.stub.WatchEvents(
+        stream = self._connection(self.routes.route(pool))[1].WatchEvents(
             pb.WatchEventsRequest(pool=pool, after_sequence=after_sequence, fence=fence),
             metadata=self._metadata,
         )

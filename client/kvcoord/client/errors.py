@@ -13,6 +13,7 @@ Hierarchy::
     │   ├── HashMismatchError         the pool hashes differently (Attach, HASH_MISMATCH)
     │   ├── FencedError               server restarted / pool re-created: block ids void
     │   ├── PoolBusyError             an exclusive session holds the pool (POOL_EXCLUSIVE)
+    │   ├── NotOwnerError             another replica serves the pool (NOT_OWNER; .owner)
     │   └── SyncMismatchError         the server holds another position of a request
     ├── PermissionDeniedError         PERMISSION_DENIED, UNAUTHENTICATED
     ├── ResourceExhaustedError        RESOURCE_EXHAUSTED (server limits)
@@ -45,6 +46,7 @@ __all__ = [
     "KVCoordError",
     "KeyReusedError",
     "LeaseExpiredError",
+    "NotOwnerError",
     "NotFoundError",
     "OutcomeUnknownError",
     "PermissionDeniedError",
@@ -132,6 +134,13 @@ class PoolBusyError(FailedPreconditionError):
     asked for while others are attached."""
 
 
+class NotOwnerError(FailedPreconditionError):
+    """Pools are sharded over replicas and another one serves this pool: ``owner`` is
+    its address (host:port; "" if the server named none). Nothing changed."""
+
+    owner = ""
+
+
 class SyncMismatchError(FailedPreconditionError):
     """The server holds the request at another position than the client believed."""
 
@@ -209,10 +218,13 @@ _REASONS: dict[str, type[KVCoordError]] = {
     "REQUEST_UNKNOWN": RequestUnknownError,
     "POOL_EXCLUSIVE": PoolBusyError,
     "HASH_MISMATCH": HashMismatchError,
+    "NOT_OWNER": NotOwnerError,
 }
 
 #: Trailing-metadata key carrying the reason of a failed RPC.
 REASON_METADATA_KEY = "kvcoord-reason"
+#: Trailing-metadata key carrying the owner's address with NOT_OWNER.
+OWNER_METADATA_KEY = "kvcoord-owner"
 
 
 def error_from_code(code: grpc.StatusCode, message: str, rpc: str = "", reason: str = "") -> KVCoordError:
@@ -225,12 +237,17 @@ def error_from_rpc(exc: grpc.RpcError, rpc: str = "") -> KVCoordError:
     """The typed error for a failed gRPC call."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    reason = ""
+    reason = owner = ""
     trailing = exc.trailing_metadata() if hasattr(exc, "trailing_metadata") else None
     for key, value in trailing or ():
         if key == REASON_METADATA_KEY:
             reason = value if isinstance(value, str) else value.decode()
-    return error_from_code(code or grpc.StatusCode.UNKNOWN, details or "", rpc, reason)
+        elif key == OWNER_METADATA_KEY:
+            owner = value if isinstance(value, str) else value.decode()
+    err = error_from_code(code or grpc.StatusCode.UNKNOWN, details or "", rpc, reason)
+    if isinstance(err, NotOwnerError):
+        err.owner = owner
+    return err
 
 
 def status_code(value: int) -> grpc.StatusCode:

@@ -22,6 +22,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOL_EXCLUSIVE: _ClassVar[ErrorReason]
     HASH_MISMATCH: _ClassVar[ErrorReason]
     ANSWER_TOO_LARGE: _ClassVar[ErrorReason]
+    NOT_OWNER: _ClassVar[ErrorReason]
 REASON_UNSPECIFIED: ErrorReason
 INSTANCE_CHANGED: ErrorReason
 INCARNATION_CHANGED: ErrorReason
@@ -35,6 +36,7 @@ PREDICTION_FAILED: ErrorReason
 POOL_EXCLUSIVE: ErrorReason
 HASH_MISMATCH: ErrorReason
 ANSWER_TOO_LARGE: ErrorReason
+NOT_OWNER: ErrorReason
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")
@@ -147,17 +149,19 @@ class PoolConfig(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., shared_cache_tenants: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Fence(_message.Message):
-    __slots__ = ("instance_id", "incarnation", "position")
+    __slots__ = ("instance_id", "incarnation", "position", "term")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    TERM_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     incarnation: int
     position: int
-    def __init__(self, instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., position: _Optional[int] = ...) -> None: ...
+    term: int
+    def __init__(self, instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., position: _Optional[int] = ..., term: _Optional[int] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
-    __slots__ = ("name", "config", "coordinator", "num_free_blocks", "usage", "num_requests", "fence")
+    __slots__ = ("name", "config", "coordinator", "num_free_blocks", "usage", "num_requests", "fence", "replica")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +169,7 @@ class PoolInfo(_message.Message):
     USAGE_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     name: str
     config: PoolConfig
     coordinator: str
@@ -172,7 +177,8 @@ class PoolInfo(_message.Message):
     usage: float
     num_requests: int
     fence: Fence
-    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., coordinator: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+    replica: str
+    def __init__(self, name: _Optional[str] = ..., config: _Optional[_Union[PoolConfig, _Mapping]] = ..., coordinator: _Optional[str] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., num_requests: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class CreatePoolRequest(_message.Message):
     __slots__ = ("name", "config")
@@ -1135,3 +1141,21 @@ class ListSessionsResponse(_message.Message):
     sessions: _containers.RepeatedCompositeFieldContainer[SessionInfo]
     fence: Fence
     def __init__(self, sessions: _Optional[_Iterable[_Union[SessionInfo, _Mapping]]] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+
+class AdoptPoolRequest(_message.Message):
+    __slots__ = ("pool", "state", "from_replica", "claim_revision")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    FROM_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    CLAIM_REVISION_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    state: bytes
+    from_replica: str
+    claim_revision: int
+    def __init__(self, pool: _Optional[str] = ..., state: _Optional[bytes] = ..., from_replica: _Optional[str] = ..., claim_revision: _Optional[int] = ...) -> None: ...
+
+class AdoptPoolResponse(_message.Message):
+    __slots__ = ("term",)
+    TERM_FIELD_NUMBER: _ClassVar[int]
+    term: int
+    def __init__(self, term: _Optional[int] = ...) -> None: ...

@@ -868,3 +868,95 @@ class Allocator:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ReplicasStub:
+    """Between the replicas of a cluster ([cluster] in the server's configuration): not a
+    client API. Membership and ownership live in etcd (a replica serves a pool only
+    while it holds the pool's claim, a key created under its lease); this service moves
+    a pool's state when its owner changes.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AdoptPool = channel.unary_unary(
+                '/kvcoord.v1.Replicas/AdoptPool',
+                request_serializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolRequest.SerializeToString,
+                response_deserializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolResponse.FromString,
+                _registered_method=True)
+
+
+class ReplicasServicer:
+    """Between the replicas of a cluster ([cluster] in the server's configuration): not a
+    client API. Membership and ownership live in etcd (a replica serves a pool only
+    while it holds the pool's claim, a key created under its lease); this service moves
+    a pool's state when its owner changes.
+    """
+
+    def AdoptPool(self, request, context):
+        """The caller (the pool's owner) hands the pool over because placement (rendezvous
+        hashing over the live members, the caller left out) names the callee: the caller
+        has stopped serving it, the callee makes the state durable in its own journal,
+        then replaces the caller's claim with its own in one compare-and-swap (the claim's
+        revision must still be claim_revision) and serves the pool from then on. Needs
+        full access (a token of server.auth_tokens). FAILED_PRECONDITION when the callee
+        is not where placement puts the pool or the claim changed meanwhile (nothing is
+        kept then); the caller then serves the pool again.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ReplicasServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AdoptPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdoptPool,
+                    request_deserializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolRequest.FromString,
+                    response_serializer=kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvcoord.v1.Replicas', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvcoord.v1.Replicas', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Replicas:
+    """Between the replicas of a cluster ([cluster] in the server's configuration): not a
+    client API. Membership and ownership live in etcd (a replica serves a pool only
+    while it holds the pool's claim, a key created under its lease); this service moves
+    a pool's state when its owner changes.
+    """
+
+    @staticmethod
+    def AdoptPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcoord.v1.Replicas/AdoptPool',
+            kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolRequest.SerializeToString,
+            kvcoord_dot_v1_dot_allocator__pb2.AdoptPoolResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

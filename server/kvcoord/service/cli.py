@@ -43,6 +43,15 @@ __all__ = ["main", "serve"]
         "max_session_lease_seconds (a grace that survives restarts)"
     ),
 )
+@click.option(
+    "--replicas",
+    metavar="N",
+    help=(
+        "run N replica processes of one cluster on this host ('0' or 'auto': one per core), "
+        "supervised; each listens on the configured port plus its index and keeps its own data "
+        "directory (<data_dir>/replica-<i>). Needs [cluster] (the etcd endpoints)"
+    ),
+)
 @click.option("--print-default-config", is_flag=True, help="print the embedded default config and exit")
 def serve(**options: Any) -> None:
     """Run the kvcoord gRPC server until SIGTERM or SIGINT.

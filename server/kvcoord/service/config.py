@@ -26,6 +26,7 @@ from .registry import Limits
 from .tls import TLSFiles, check_tls_files, tls_from_dict, tls_from_env
 
 __all__ = [
+    "ClusterSettings",
     "ConfigFileError",
     "PoolDecl",
     "ServerConfig",
@@ -45,6 +46,10 @@ ENV_TLS_PREFIX = "KVCOORD_TLS_"  # CERT, KEY, CLIENT_CA
 ENV_METRICS_TLS_PREFIX = "KVCOORD_METRICS_TLS_"  # CERT, KEY, CLIENT_CA
 ENV_DATA_DIR = "KVCOORD_DATA_DIR"
 ENV_DURABILITY = "KVCOORD_DURABILITY"
+ENV_CLUSTER_ENDPOINTS = "KVCOORD_CLUSTER_ENDPOINTS"  # comma-separated host:port of the store
+ENV_CLUSTER_NAME = "KVCOORD_CLUSTER_NAME"
+ENV_REPLICA_ID = "KVCOORD_REPLICA_ID"
+ENV_ADVERTISE = "KVCOORD_ADVERTISE_ADDRESS"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -116,6 +121,67 @@ class ServerSettings:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ClusterSettings:
+    """``[cluster]``: pools sharded over replicas, membership and ownership in etcd
+    (ownership.py, cluster.py). No endpoints: a single node (every pool served here)."""
+
+    #: the etcd endpoints (host:port); empty: no cluster
+    endpoints: tuple[str, ...] = ()
+    #: the key prefix of this cluster in the store (several clusters may share one)
+    name: str = "kvcoord"
+    #: this replica's stable id (its pools' claims and its data directory go with it);
+    #: default: the host name
+    replica_id: str = ""
+    #: where clients reach this replica (host:port); default: the first TCP listener
+    advertise_address: str = ""
+    #: the membership lease: a replica unreachable for this long loses its pools
+    lease_seconds: int = 10
+    #: the deadline of each call to the store
+    store_timeout_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.lease_seconds < 2:
+            raise ConfigFileError("cluster.lease_seconds must be at least 2")
+        if self.store_timeout_seconds <= 0:
+            raise ConfigFileError("cluster.store_timeout_seconds must be > 0")
+        if not self.name or "/" in self.name:
+            raise ConfigFileError(f"cluster.name must be non-empty without '/', got {self.name!r}")
+        if "/" in self.replica_id:
+            raise ConfigFileError(f"cluster.replica_id must not contain '/', got {self.replica_id!r}")
+        for e in self.endpoints:
+            host, _, port = e.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigFileError(f"cluster.endpoints: {e!r} is not host:port")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.endpoints)
+
+
+def _cluster(d: Mapping[str, Any]) -> ClusterSettings:
+    known = {f.name for f in dataclasses.fields(ClusterSettings)}
+    kwargs: dict[str, Any] = {}
+    for key, value in d.items():
+        if key not in known:
+            raise ConfigFileError(f"cluster: unknown key {key!r} (known: {sorted(known)})")
+        kwargs[key] = string_list(value, f"cluster.{key}") if key == "endpoints" else value
+    try:
+        return ClusterSettings(**kwargs)
+    except TypeError as exc:
+        raise ConfigFileError(f"cluster: {exc}") from None
+
+
+def _cluster_from_env(c: ClusterSettings, env: Mapping[str, str]) -> ClusterSettings:
+    overrides: dict[str, Any] = {}
+    if ENV_CLUSTER_ENDPOINTS in env:
+        overrides["endpoints"] = tuple(e.strip() for e in env[ENV_CLUSTER_ENDPOINTS].split(",") if e.strip())
+    for key, var in (("name", ENV_CLUSTER_NAME), ("replica_id", ENV_REPLICA_ID), ("advertise_address", ENV_ADVERTISE)):  # fmt: skip
+        if env.get(var):
+            overrides[key] = env[var].strip()
+    return dataclasses.replace(c, **overrides) if overrides else c
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class PoolDecl:
     name: str
     config: pb.PoolConfig
@@ -130,6 +196,8 @@ class ServerConfig:
     tenants: tuple[Tenant, ...] = ()
     #: pools whose KV events are published in vLLM's format (kv_publisher.py)
     kv_events: tuple[KVEventsDecl, ...] = ()
+    #: pools sharded over replicas (empty endpoints: a single node)
+    cluster: ClusterSettings = ClusterSettings()
 
 
 def default_data_dir(env: Mapping[str, str]) -> str:
@@ -224,11 +292,13 @@ def parse_config(text: str, source: str = "config") -> ServerConfig:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigFileError(f"{source}: not valid TOML: {exc}") from None
-    unknown = set(data) - {"server", "limits", "pools", "tenants", "kv_events"}
+    unknown = set(data) - {"server", "limits", "pools", "tenants", "kv_events", "cluster"}
     if unknown:
         raise ConfigFileError(
-            f"{source}: unknown section(s) {sorted(unknown)} (known: server, limits, pools, tenants, kv_events)"
+            f"{source}: unknown section(s) {sorted(unknown)} (known: server, limits, pools, tenants, "
+            "kv_events, cluster)"
         )
+    cluster = _cluster(data.get("cluster", {}))
     try:
         kv_events = kv_events_from_list(data.get("kv_events", []))
     except ValueError as exc:
@@ -263,7 +333,7 @@ def parse_config(text: str, source: str = "config") -> ServerConfig:
                 f"{limits.max_tokens_per_request}"
             )
         pools.append(PoolDecl(name, cfg))
-    return ServerConfig(settings, limits, tuple(pools), tenants, kv_events)
+    return ServerConfig(settings, limits, tuple(pools), tenants, kv_events, cluster)
 
 
 def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
@@ -320,6 +390,12 @@ def load_config(path: str | Path | None = None, env: Mapping[str, str] | None = 
         except TypeError as exc:  # pragma: no cover - every key above is a field
             raise ConfigFileError(f"environment: {exc}") from None
         _check_tls(cfg.server)
+    try:
+        cluster = _cluster_from_env(cfg.cluster, env)
+    except ConfigFileError as exc:
+        raise ConfigFileError(f"environment: {exc}") from None
+    if cluster != cfg.cluster:
+        cfg = dataclasses.replace(cfg, cluster=cluster)
     if ENV_DATA_DIR in env:
         source, explicit_data_dir = ENV_DATA_DIR, True
     return _resolve_data_dir(cfg, explicit_data_dir, source, env)

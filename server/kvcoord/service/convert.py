@@ -54,11 +54,11 @@ def _invalid(message: str) -> ServiceError:
 # -- operations -------------------------------------------------------------------------
 def fence_from_pb(fence: pb.Fence, present: bool) -> Fence | None:
     """``None`` when the caller sent no fence (nothing to check)."""
-    return Fence(fence.instance_id, fence.incarnation, fence.position) if present else None
+    return Fence(fence.instance_id, fence.incarnation, fence.position, fence.term) if present else None
 
 
 def fence_to_pb(fence: Fence) -> pb.Fence:
-    return pb.Fence(instance_id=fence.instance_id, incarnation=fence.incarnation)
+    return pb.Fence(instance_id=fence.instance_id, incarnation=fence.incarnation, term=fence.term)
 
 
 def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:

@@ -28,6 +28,10 @@ replay gave the client the same answer. Records are CBOR lists ``[kind, wall_tim
               server releases it at once, recording ``unreserve``)
 ``unreserve`` pool name, reservation id (its time ran out; adoption by a request is
               part of that request's ``call``)
+``adopt``     a pool another replica handed over (recovery.dump_pool's value: its
+              engine state, events, sessions and their kept answers, lineage)
+``term``      pool name, term: the pool's ownership term in a cluster from here on
+              (answers' fences carry it)
 ``restored``  (none) the journal was found behind what clients were told: fences of
               every earlier instance are void from here on (the recovered sessions'
               ``expire`` and the pools' ``reset`` records follow)
@@ -120,6 +124,12 @@ class Recorder:
 
     def restored(self) -> None:
         pass
+
+    def adopted(self, value: dict[str, Any]) -> None:
+        """A pool handed over by another replica (recovery.dump_pool's value)."""
+
+    def term_changed(self, service: PoolService) -> None:
+        """The pool's ownership term (its fence's) changed."""
 
     def reserved(
         self, service: PoolService, reservation_id: str, num_tokens: int, hashes: Sequence[bytes], tenant: str
@@ -355,6 +365,12 @@ class JournalRecorder(Recorder):
 
     def restored(self) -> None:
         self._append("restored")
+
+    def adopted(self, value: dict[str, Any]) -> None:
+        self._append("adopt", value)
+
+    def term_changed(self, service: PoolService) -> None:
+        self._append("term", service.name, service.fence.term)
 
     def reserved(
         self, service: PoolService, reservation_id: str, num_tokens: int, hashes: Sequence[bytes], tenant: str

@@ -16,6 +16,7 @@ from .journal import JournalError
 
 __all__ = [
     "MAX_MESSAGE_CHARS",
+    "OWNER_METADATA_KEY",
     "REASON_METADATA_KEY",
     "STOPPING_AFTER_JOURNAL_FAILURE",
     "ErrorReason",
@@ -40,6 +41,8 @@ STOPPING_AFTER_JOURNAL_FAILURE = (
 MAX_MESSAGE_CHARS = 1024
 #: Trailing-metadata key carrying an ErrorReason name on a failed RPC.
 REASON_METADATA_KEY = "kvcoord-reason"
+#: Trailing-metadata key carrying the owner's address with NOT_OWNER.
+OWNER_METADATA_KEY = "kvcoord-owner"
 
 
 class ErrorReason(enum.Enum):
@@ -57,6 +60,7 @@ class ErrorReason(enum.Enum):
     POOL_EXCLUSIVE = 10
     HASH_MISMATCH = 11
     ANSWER_TOO_LARGE = 12
+    NOT_OWNER = 13
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,6 +90,7 @@ class ServiceError(Exception):
         message: for people; cut to MAX_MESSAGE_CHARS on the wire.
         reason: for programs, when the caller must do something particular.
         position: the request's server-side position, with SYNC_MISMATCH / REQUEST_UNKNOWN.
+        owner: the owning replica's address, with NOT_OWNER.
     """
 
     def __init__(
@@ -94,12 +99,14 @@ class ServiceError(Exception):
         message: str,
         reason: ErrorReason | None = None,
         position: Position | None = None,
+        owner: str | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.reason = reason
         self.position = position
+        self.owner = owner
 
 
 _ENGINE_CODES: dict[ErrorStatus, grpc.StatusCode] = {
@@ -131,7 +138,12 @@ def grpc_code(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 def _trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
     reason = getattr(exc, "reason", None)
-    return ((REASON_METADATA_KEY, reason.name),) if reason is not None else ()
+    if reason is None:
+        return ()
+    owner = getattr(exc, "owner", None)
+    if owner:
+        return ((REASON_METADATA_KEY, reason.name), (OWNER_METADATA_KEY, owner))
+    return ((REASON_METADATA_KEY, reason.name),)
 
 
 T = TypeVar("T")

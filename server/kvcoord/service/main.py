@@ -14,7 +14,7 @@ from .config import ConfigFileError, ServerConfig, default_config_text, load_con
 from .journal import JournalError
 from .lease_marker import MarkerError
 from .logs import LIFECYCLE, AccessLogInterceptor, configure, ids
-from .server import ListenError, start_server
+from .server import ClusterError, ListenError, start_server
 from .startup import DataDirError, JournalLostError
 
 __all__ = ["EXIT_CANNOT_START", "EXIT_JOURNAL_FAILED", "EXIT_JOURNAL_LOST", "run", "serve_from_cli"]
@@ -141,6 +141,26 @@ async def run(cfg: ServerConfig, start_empty: bool = False, restored: bool = Fal
     return 0
 
 
+def _supervise(cfg: ServerConfig, args: argparse.Namespace) -> int:
+    """``kvcoord serve --replicas N`` (replicas.py)."""
+    from .replicas import child_argv, replica_count, supervise
+
+    try:
+        count = replica_count(args.replicas)
+    except ValueError as exc:
+        print(f"kvcoord: --replicas: {exc}", file=sys.stderr)
+        return 2
+    if not cfg.cluster.enabled:
+        print(
+            "kvcoord: --replicas needs [cluster] endpoints (or KVCOORD_CLUSTER_ENDPOINTS): the replicas "
+            "share their pools through the cluster store",
+            file=sys.stderr,
+        )
+        return 2
+    extra = [flag for flag, on in (("--start-empty", args.start_empty), ("--restored", args.restored)) if on]
+    return supervise(cfg, count, child_argv(args.config or os.environ.get("KVCOORD_CONFIG"), extra))
+
+
 def serve_from_cli(args: argparse.Namespace) -> int:
     """The ``kvcoord serve`` subcommand."""
     if args.print_default_config:
@@ -162,6 +182,8 @@ def serve_from_cli(args: argparse.Namespace) -> int:
         data_dir = os.path.abspath(cfg.server.data_dir)
         cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, data_dir=data_dir))
     configure(cfg.server.log_level, cfg.server.log_format, cfg.server.access_log)
+    if getattr(args, "replicas", None):
+        return _supervise(cfg, args)
     try:
         return asyncio.run(
             run(
@@ -173,6 +195,6 @@ def serve_from_cli(args: argparse.Namespace) -> int:
     except JournalLostError as exc:
         lifecycle.critical("kvcoord: cannot start: %s", exc)
         return EXIT_JOURNAL_LOST
-    except (JournalError, MarkerError, DataDirError, ListenError) as exc:
+    except (JournalError, MarkerError, DataDirError, ListenError, ClusterError) as exc:
         lifecycle.critical("kvcoord: cannot start: %s", exc)
         return EXIT_CANNOT_START

@@ -131,6 +131,13 @@ class _PoolCollector(Collector):
             "kvcoord_blocks_freed", "Blocks returned to the free queue.", labels=["pool"]
         )
         events = CounterMetricFamily("kvcoord_kv_events_published", "KV events published.", labels=["pool"])
+        owned = GaugeMetricFamily(
+            "kvcoord_pool_owned",
+            "1 when this replica serves the pool (holds its ownership claim), 0 while it holds its state "
+            "without serving it (handing it over); replica is the cluster replica id (empty on a single node).",
+            labels=["pool", "replica"],
+        )
+        placement = servicer.registry.placement if servicer is not None else None
         reservations = _reservation_families()
         session_counts: dict[str, int] = {}
         if servicer is not None:
@@ -159,9 +166,11 @@ class _PoolCollector(Collector):
             allocated.add_metric(n, bp.num_allocated, created=h.created_at)
             freed.add_metric(n, bp.num_freed, created=h.created_at)
             events.add_metric(n, h.events.last_sequence, created=h.created_at)
+            if placement is not None:
+                owned.add_metric([h.name, placement.replica_id], 1 if placement.serves(h.name) else 0)
             _add_reservations(reservations, h)
         yield from (usage, free, total, live, sessions, lookups, queries, hits, group_hits, short, evictions,
-                    refusals, allocated, freed, events)  # fmt: skip
+                    refusals, allocated, freed, events, owned)  # fmt: skip
         yield from reservations.values()
 
 

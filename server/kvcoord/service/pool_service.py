@@ -65,6 +65,8 @@ class Fence:
     incarnation: int
     #: the journal position the holder was told (positions.py); 0: none
     position: int = 0
+    #: the pool's ownership term in a cluster (ownership.py); 0: a single node
+    term: int = 0
 
 
 #: (hash_algo, hash_block_size, hash_seed): how a pool's clients hash blocks
@@ -198,7 +200,9 @@ class PoolService:
         """Refuse a caller whose block ids belong to another instance or incarnation.
 
         Raises:
-            ServiceError: FAILED_PRECONDITION with INSTANCE_CHANGED / INCARNATION_CHANGED.
+            ServiceError: FAILED_PRECONDITION with INSTANCE_CHANGED / INCARNATION_CHANGED;
+                UNAVAILABLE when the caller was answered under a newer term (this
+                replica was deposed: another owner serves the pool).
         """
         if fence is None:
             return
@@ -217,6 +221,12 @@ class PoolService:
                 f"gone, this is {self.fence.incarnation}): every block id you hold in it is void; "
                 "attach again and recompute your requests",
                 ErrorReason.INCARNATION_CHANGED,
+            )
+        if fence.term and fence.term > self.fence.term:
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"pool {self.name!r} has a newer owner than this replica (term {fence.term} was answered, this "
+                f"replica holds term {self.fence.term}): retry, the current owner will answer",
             )
         if fence.position and self.positions is not None:
             self.positions.check(fence)

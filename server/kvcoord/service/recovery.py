@@ -36,7 +36,7 @@ from .convert import allocate_from_pb, operation_from_pb
 from .durability import SNAPSHOT_FILE_GLOB, JournalRecorder, answer_digest, decode_record
 from .errors import ServiceError
 from .journal import Journal, JournalError, JournalStore
-from .pool_service import Limits
+from .pool_service import Limits, PoolService
 from .registry import PoolRegistry
 from .servicer import allocate_answer, free_answer, step_answer, take_events_budget
 from .sessions import Session
@@ -44,6 +44,8 @@ from .sessions import Session
 __all__ = [
     "Recovery",
     "Replayer",
+    "adopt_pool",
+    "dump_pool",
     "dump_state",
     "fence_restored",
     "load_state",
@@ -66,6 +68,30 @@ def _stats(stats: PrefixCacheStats | None) -> list[Any] | None:
     return None if stats is None else list(dataclasses.astuple(stats))
 
 
+def pool_value(service: PoolService) -> dict[str, Any]:
+    """One pool's state as plain values (without its sessions)."""
+    wire: Any = service.wire_config
+    return {
+        "name": service.name,
+        "config": wire.SerializeToString(),
+        "incarnation": service.fence.incarnation,
+        "created_at": service.created_at,
+        "engine": export_state(service.engine),
+        "events": [(seq, event_to_value(e)) for seq, e in service.events.kept()],
+        "last_sequence": service.events.last_sequence,
+        "owners": [(rid, s.session_id) for rid, s in service.owners.items()],
+        "term": service.fence.term,
+    }
+
+
+def session_value(s: Session) -> tuple[Any, ...]:
+    """One session as plain values."""
+    return (
+        s.session_id, s.pool, s.client_name, s.lease_seconds, list(s.owned), s.events_cursor,
+        _stats(s.stats), s.exclusive, s.tenant,
+    )  # fmt: skip
+
+
 def dump_state(
     registry: PoolRegistry, writer: str, limits: Limits, wall_clock: Callable[[], float] = time.time
 ) -> dict[str, Any]:
@@ -75,35 +101,8 @@ def dump_state(
         writer: the instance whose records follow this state.
         limits: the limits the journal's records are applied with.
     """
-    pools = []
-    for name, service in registry.pools.items():
-        wire: Any = service.wire_config
-        pools.append(
-            {
-                "name": name,
-                "config": wire.SerializeToString(),
-                "incarnation": service.fence.incarnation,
-                "created_at": service.created_at,
-                "engine": export_state(service.engine),
-                "events": [(seq, event_to_value(e)) for seq, e in service.events.kept()],
-                "last_sequence": service.events.last_sequence,
-                "owners": [(rid, s.session_id) for rid, s in service.owners.items()],
-            }
-        )
-    sessions = [
-        (
-            s.session_id,
-            s.pool,
-            s.client_name,
-            s.lease_seconds,
-            list(s.owned),
-            s.events_cursor,
-            _stats(s.stats),
-            s.exclusive,
-            s.tenant,
-        )
-        for s in registry.sessions.sessions.values()
-    ]
+    pools = [pool_value(service) for service in registry.pools.values()]
+    sessions = [session_value(s) for s in registry.sessions.sessions.values()]
     return {
         "format": SNAPSHOT_FORMAT,
         "lineage": sorted(registry.lineage | {registry.instance_id}),
@@ -129,16 +128,28 @@ def load_state(
     apply_limits(registry, limits_from(state["limits"]))
     registry.lineage.update(state["lineage"])
     registry.positions.restore(state.get("positions"))
+    _load_pools(registry, state["pools"], state["sessions"])
+    offline = max(0.0, wall_clock() - state["wall"])
+    registry.idempotency.restore([(*e[:4], e[4] + offline, e[5]) for e in state["idempotency"]])
+    return str(state["writer"])
+
+
+def _load_pools(
+    registry: PoolRegistry, pools: list[dict[str, Any]], sessions: list[Any]
+) -> list[PoolService]:
+    """Create ``pools`` (values of :func:`pool_value`) with their ``sessions``."""
     services = {}
-    for p in state["pools"]:
+    for p in pools:
         service, _ = registry.create(
             p["name"], pb.PoolConfig.FromString(p["config"]), p["incarnation"], p["created_at"]
         )
         service.engine = import_state(service.config, p["engine"])
+        if p.get("term"):
+            service.fence = dataclasses.replace(service.fence, term=int(p["term"]))
         service.events.restore([(seq, event_from_value(v)) for seq, v in p["events"]], p["last_sequence"])
         services[p["name"]] = (service, p["owners"])
     table = registry.sessions
-    for sid, pool, client_name, lease, owned, cursor, stats, exclusive, tenant in state["sessions"]:
+    for sid, pool, client_name, lease, owned, cursor, stats, exclusive, tenant in sessions:
         s = Session(sid, pool, client_name, lease, table.clock() + lease, exclusive=exclusive, tenant=tenant)
         s.owned = dict.fromkeys(owned)
         s.events_cursor = cursor
@@ -149,9 +160,49 @@ def load_state(
             owner[0].bind_namespace(s)
     for service, owners in services.values():
         service.owners = {rid: table.sessions[sid] for rid, sid in owners}
-    offline = max(0.0, wall_clock() - state["wall"])
-    registry.idempotency.restore([(*e[:4], e[4] + offline, e[5]) for e in state["idempotency"]])
-    return str(state["writer"])
+    return [service for service, _ in services.values()]
+
+
+def dump_pool(registry: PoolRegistry, name: str) -> dict[str, Any]:
+    """Everything of one pool that moves with it to another replica (a handover,
+    cluster.py): its engine state and events, its sessions with their cursors, the
+    kept answers of those sessions (idempotency), and the instances whose fences stay
+    valid for it (this one and its lineage)."""
+    service = registry.pools[name]
+    sessions = registry.sessions.of_pool(name)
+    ids = {s.session_id for s in sessions}
+    return {
+        "format": SNAPSHOT_FORMAT,
+        "state_version": STATE_VERSION,
+        "pool": pool_value(service),
+        "sessions": [session_value(s) for s in sessions],
+        "idempotency": [list(e) for e in registry.idempotency.export() if e[0] in ids],
+        "lineage": sorted(registry.lineage | {registry.instance_id}),
+    }
+
+
+def adopt_pool(registry: PoolRegistry, value: dict[str, Any]) -> PoolService:
+    """Load a pool :func:`dump_pool` made on another replica into ``registry``
+    (recording nothing: the caller journals it). A copy of the pool already here (a
+    stale one, from an earlier handover that did not complete) is replaced.
+
+    Raises:
+        ValueError: another format or engine state version.
+    """
+    if value.get("format") != SNAPSHOT_FORMAT or value.get("state_version") != STATE_VERSION:
+        raise ValueError(
+            f"a handed-over pool in format {value.get('format')!r}/state {value.get('state_version')!r}, "
+            f"this kvcoord reads {SNAPSHOT_FORMAT}/state {STATE_VERSION}: run one version across the cluster"
+        )
+    name = value["pool"]["name"]
+    if name in registry.pools:
+        registry.remove(name)
+    registry.lineage.update(value["lineage"])
+    (service,) = _load_pools(registry, [value["pool"]], value["sessions"])
+    registry.idempotency.restore([tuple(e) for e in value["idempotency"]])
+    for s in registry.sessions.of_pool(name):
+        s.expires_at = registry.sessions.clock() + s.lease_seconds
+    return service
 
 
 def journaled_limits(registry: PoolRegistry, limits: Limits) -> dict[str, int]:
@@ -221,7 +272,13 @@ class Replayer:
             registry.create(record[2], pb.PoolConfig.FromString(record[3]), record[4], float(record[5]))
             self.touched[record[2]] = seq
         elif kind == "delete":
-            registry.delete(record[2])
+            registry.remove(record[2])
+        elif kind == "term":  # the pool's ownership term changed (cluster.py)
+            service = registry.pools[record[2]]
+            service.fence = dataclasses.replace(service.fence, term=int(record[3]))
+        elif kind == "adopt":  # a pool handed over by another replica (cluster.py)
+            adopt_pool(registry, record[2])
+            self.touched[record[2]["pool"]["name"]] = seq
         elif kind == "attach":
             _, _, pool, sid, client_name, lease, exclusive, tenant = record
             service = registry.pools[pool]
@@ -267,7 +324,9 @@ class Replayer:
         s = registry.sessions.sessions[request.session_id]
         groups = len(service.config.groups)
         service.answer_event_bytes = take_events_budget(registry.max_message_bytes)
-        fence = pb.Fence(instance_id=self.writer, incarnation=service.fence.incarnation)
+        fence = pb.Fence(
+            instance_id=self.writer, incarnation=service.fence.incarnation, term=service.fence.term
+        )
         response: Any = None
         if rpc == "Step":
             operations = [operation_from_pb(o, groups) for o in request.ops]

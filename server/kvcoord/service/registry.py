@@ -29,16 +29,58 @@ from .pool_service import Fence, Limits, PoolService
 from .positions import JournalPositions
 from .sessions import SessionTable
 
-__all__ = ["GcFreezer", "Limits", "PoolRegistry", "new_instance_id"]
+__all__ = ["GcFreezer", "Limits", "Placement", "PoolRegistry", "new_instance_id"]
 
 logger = logging.getLogger(__name__)
 
 _NAME = re.compile(rf"^[A-Za-z0-9._-]{{1,{MAX_NAME_LENGTH}}}$")
 
 
+#: sessions of handed-over pools remembered for redirects (the oldest are forgotten)
+MAX_MOVED_SESSIONS = 100_000
+
+
 def new_instance_id() -> str:
     """A fresh server instance id (random: two starts never share one)."""
     return secrets.token_hex(8)
+
+
+class Placement:
+    """Which pools this server serves. This one (a single node) serves every pool it
+    holds; a cluster's (cluster.py) serves only the pools whose claim it holds."""
+
+    #: this replica's id in pool listings ("" on a single node)
+    replica_id = ""
+
+    def check(self, pool: str, local: bool) -> None:
+        """Pass when this server may serve ``pool`` (``local``: it holds its state).
+
+        Raises:
+            ServiceError: NOT_OWNER (another replica serves it) or UNAVAILABLE.
+        """
+
+    def serves(self, pool: str) -> bool:
+        return True
+
+    def term(self, pool: str) -> int:
+        """The pool's ownership term here (0: a single node)."""
+        return 0
+
+    async def before_create(self, pool: str) -> None:
+        """Make this server the pool's owner before a CreatePool creates it here."""
+
+    async def after_delete(self, pool: str) -> None:
+        """The pool was deleted here: it no longer exists in the cluster."""
+
+    async def adopt(self, pool: str, state: bytes, from_replica: str, claim_revision: int) -> int:
+        """Take over a pool another replica hands over; returns its new term.
+
+        Raises:
+            ServiceError: FAILED_PRECONDITION (a single node adopts nothing).
+        """
+        raise ServiceError(
+            grpc.StatusCode.FAILED_PRECONDITION, "this server is not a cluster replica ([cluster])"
+        )
 
 
 class PoolRegistry:
@@ -82,6 +124,24 @@ class PoolRegistry:
         #: the server's max_message_bytes: answers' events are cut below it (0: no
         #: bound); journaled with the limits, so replay cuts where the call did
         self.max_message_bytes = 0
+        #: which pools this server serves (a cluster's replica: those it owns)
+        self.placement = Placement()
+        #: sessions of pools handed over to another replica -> their pool: a call naming
+        #: only the session is sent where the pool went (NOT_OWNER), not told it expired
+        self.moved_sessions: dict[str, str] = {}
+
+    def set_term(self, name: str, term: int) -> None:
+        """The pool's ownership term is now ``term`` (journaled: answers carry it)."""
+        service = self.pools.get(name)
+        if service is None or service.fence.term == term:
+            return
+        service.fence = dataclasses.replace(service.fence, term=term)
+        self.recorder.term_changed(service)
+
+    def served(self) -> dict[str, PoolService]:
+        """The pools this server serves, by name (every pool on a single node)."""
+        placement = self.placement
+        return {n: p for n, p in self.pools.items() if placement.serves(n)}
 
     def create(
         self,
@@ -146,6 +206,7 @@ class PoolRegistry:
                 "recovered pool %s does not fit max_pool_memory_bytes; kept", name, extra=ids(pool=name)
             )
         fence = Fence(self.instance_id, incarnation or secrets.randbits(63) or 1)
+        term = self.placement.term(name) if incarnation is None else 0
         hash_settings = (config_pb.hash_algo, config_pb.hash_block_size, config_pb.hash_seed)
         wire = pb.PoolConfig()
         wire.CopyFrom(config_pb)
@@ -158,6 +219,8 @@ class PoolRegistry:
         self.pool_memory[name] = need
         self.memory.used += need
         self.recorder.pool_created(service)
+        if term:
+            self.set_term(name, term)
         logger.info(
             "created pool %s (%s blocks, %s, incarnation %d)",
             name,
@@ -172,11 +235,13 @@ class PoolRegistry:
         """The pool called ``name``.
 
         Raises:
-            ServiceError: INVALID_ARGUMENT without a name, NOT_FOUND for an unknown one.
+            ServiceError: INVALID_ARGUMENT without a name, NOT_FOUND for an unknown one,
+                NOT_OWNER / UNAVAILABLE when another replica serves it (placement).
         """
         if not name:
             raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "pool is required")
         service = self.pools.get(name)
+        self.placement.check(name, service is not None)
         if service is None:
             # Never list the pools here: callers of several tenants reach this, and a
             # pool's name is visible only to tenants holding a role on it (ListPools).
@@ -187,13 +252,33 @@ class PoolRegistry:
         return service
 
     def pool_of_session(self, session_id: str) -> PoolService:
-        """The pool a live session is attached to (SESSION_EXPIRED when there is none)."""
+        """The pool a live session is attached to (SESSION_EXPIRED when there is none;
+        NOT_OWNER when its pool was handed over to another replica)."""
+        moved = self.moved_sessions.get(session_id)
+        if moved is not None and session_id not in self.sessions.sessions:
+            self.placement.check(moved, moved in self.pools)
         s = self.sessions.get(session_id)
         return self.get(s.pool)
 
     def delete(self, name: str) -> PoolService:
         """Remove a pool: its sessions end (their requests go with the pool)."""
-        service = self.get(name)
+        self.get(name)
+        return self.remove(name)
+
+    def handed_over(self, name: str) -> PoolService:
+        """The pool went to another replica with its sessions: remove it here (journaled
+        as a delete), remembering its sessions so their calls are redirected."""
+        moved = self.moved_sessions
+        for s in self.sessions.of_pool(name):
+            moved[s.session_id] = name
+        while len(moved) > MAX_MOVED_SESSIONS:
+            del moved[next(iter(moved))]
+        return self.remove(name)
+
+    def remove(self, name: str) -> PoolService:
+        """Remove the pool ``name`` held here, whoever serves it (a delete, or the end
+        of a handover to another replica), and journal that: its sessions end here."""
+        service = self.pools[name]
         del self.pools[name]
         self.memory.used -= self.pool_memory.pop(name, 0)
         for s in self.sessions.of_pool(name):

@@ -6,28 +6,33 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import socket
 import time
 from collections.abc import Callable, Sequence
 
+import cbor2
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from .access import AccessControl
-from .config import ServerConfig
+from .cluster import Cluster, ClusterError, ClusterPlacement, ReplicasServicer
+from .config import ClusterSettings, ServerConfig
 from .durability import JournalRecorder
 from .idempotency import IdempotencyStore
 from .kv_publisher import Publishers
 from .logs import ids
-from .recovery import Recovery, fence_restored, open_journal
+from .ownership import Member
+from .recovery import Recovery, dump_pool, fence_restored, open_journal
 from .registry import GcFreezer, PoolRegistry
 from .servicer import AllocatorServicer, OperationObserver, add_servicer
 from .sessions import SessionTable
 from .startup import StartupDecision, decide_startup
 from .tls import server_credentials
 
-__all__ = ["ListenError", "RunningServer", "start_server"]
+__all__ = ["ClusterError", "ListenError", "RunningServer", "start_server"]
 
 
 class ListenError(Exception):
@@ -66,6 +71,8 @@ class RunningServer:
     publishers: Publishers | None = None
     #: the data directory's start-up findings (startup.py): the grace and its reason
     startup: StartupDecision | None = None
+    #: this replica's membership and claims ([cluster]; None on a single node)
+    cluster: Cluster | None = None
 
     def _journal_failed(self, exc: BaseException) -> None:
         """Stop serving loudly: in memory the state is ahead of the disk, so a restart
@@ -87,6 +94,12 @@ class RunningServer:
         end; with a journal, a snapshot is taken (unless ``snapshot`` is False: tests
         that read the records) so the next start replays nothing."""
         grace = self.grace_seconds if grace is None else grace
+        if self.cluster is not None and self.journal_failed.is_set() is False:
+            # a graceful leave: every pool goes to its next owner with its state
+            try:
+                await self.cluster.leave()
+            except Exception as exc:  # noqa: BLE001 - the pools stay unclaimed until this replica is back
+                logger.error("handing the pools over at stop failed: %s", exc)
         self.servicer.stopping = True
         await self.health.enter_graceful_shutdown()
         self._reaper.cancel()
@@ -95,6 +108,13 @@ class RunningServer:
         await self.server.stop(grace)
         if self.publishers is not None:
             await self.publishers.close()
+        try:
+            await self._snapshot_and_close(snapshot)
+        finally:
+            if self.cluster is not None:  # nothing is served any more: the claims go
+                await self.cluster.stop()
+
+    async def _snapshot_and_close(self, snapshot: bool) -> None:
         recorder = self.servicer.registry.recorder
         if isinstance(recorder, JournalRecorder):
             if snapshot and recorder.journal.failed is None:
@@ -258,7 +278,7 @@ async def start_server(
     servicer = AllocatorServicer(registry, observer, access=access, max_message_bytes=st.max_message_bytes)
     for handle in registry.pools.values():
         servicer.observer.pool_created(handle)
-    for decl in cfg.pools:
+    for decl in () if cfg.cluster.enabled else cfg.pools:  # a cluster creates them once it joined
         existing = registry.pools.get(decl.name)
         if existing is not None:
             if existing.wire_config != decl.config:
@@ -307,7 +327,15 @@ async def start_server(
         else:
             host = address.rsplit(":", 1)[0]
             addresses.append(f"{host}:{port}")
+    cluster = _cluster(cfg, registry, servicer, access, addresses, server) if cfg.cluster.enabled else None
     await server.start()
+    if cluster is not None:
+        try:
+            await _join_cluster(cfg, cluster, registry, servicer)
+        except BaseException:
+            await server.stop(0)
+            await _close_journal(registry.recorder)
+            raise
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     reaper = asyncio.get_running_loop().create_task(_reap(servicer, reap_interval))
@@ -320,4 +348,81 @@ async def start_server(
         running.publishers = Publishers(cfg.kv_events, registry)
     decision.on_marker_failure = running._journal_failed
     running.startup = decision
+    running.cluster = cluster
     return running
+
+
+def advertised(c: ClusterSettings, addresses: Sequence[str]) -> str:
+    """Where clients reach this replica: ``advertise_address``, else the first TCP
+    listener (a wildcard host replaced by this host's name)."""
+    if c.advertise_address:
+        return c.advertise_address
+    for address in addresses:
+        if not address.startswith("unix:"):
+            host, _, port = address.rpartition(":")
+            if host in ("0.0.0.0", "[::]", "::", ""):
+                host = socket.gethostname()
+            return f"{host}:{port}"
+    raise ClusterError("[cluster] needs a TCP listener or cluster.advertise_address (clients dial it)")
+
+
+def _cluster(
+    cfg: ServerConfig,
+    registry: PoolRegistry,
+    servicer: AllocatorServicer,
+    access: AccessControl,
+    addresses: Sequence[str],
+    server: grpc.aio.Server,
+) -> Cluster:
+    """This replica's cluster membership (not joined yet), wired to its registry, and
+    the ``Replicas`` service (handovers) added to ``server``."""
+    c = cfg.cluster
+    me = Member(c.replica_id or socket.gethostname(), advertised(c, addresses))
+    cluster = Cluster(c.endpoints, c.name, me, c.lease_seconds, c.store_timeout_seconds, registry.clock)
+    cluster.local_pools = lambda: list(registry.pools)
+    cluster.export_pool = lambda pool: cbor2.dumps(dump_pool(registry, pool))
+
+    def handed_over(pool: str) -> None:
+        servicer.observer.pool_deleted(registry.handed_over(pool))
+
+    cluster.handed_over = handed_over
+    cluster.on_term = registry.set_term
+    if cfg.server.auth_tokens:
+        cluster.peer_metadata = (("authorization", f"Bearer {cfg.server.auth_tokens[0]}"),)
+    placement = ClusterPlacement(cluster, registry)
+    registry.placement = placement
+    peers = ReplicasServicer(
+        placement, access, lambda pool: servicer.observer.pool_created(registry.pools[pool])
+    )
+    pb_grpc.add_ReplicasServicer_to_server(peers, server)
+    return cluster
+
+
+async def _join_cluster(
+    cfg: ServerConfig, cluster: Cluster, registry: PoolRegistry, servicer: AllocatorServicer
+) -> None:
+    """Register this replica, claim the pools its journal holds, and create the
+    configured pools placed here that the cluster does not have yet.
+
+    Raises:
+        ClusterError: the store cannot be reached, or refuses this replica.
+    """
+    c, me = cfg.cluster, cluster.me
+    try:
+        await cluster.start()
+        for decl in cfg.pools:
+            view = cluster.view
+            if decl.name in registry.pools or decl.name in view.catalog or decl.name in view.claims:
+                continue
+            if not view.placed_here(decl.name) or await cluster.claim(decl.name) is None:
+                continue
+            handle, _ = registry.create(decl.name, decl.config)
+            servicer.observer.pool_created(handle)
+        await registry.recorder.durable()
+    except BaseException:
+        await cluster.stop()
+        raise
+    logger.info(
+        "replica %s serves %d pools of cluster %s (members: %s)",
+        me.replica_id, len(cluster.view.owned()), c.name, ", ".join(sorted(cluster.view.members)),
+    )  # fmt: skip

@@ -168,6 +168,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             usage=e.usage,
             num_requests=len(e.requests),
             fence=fence_to_pb(p.fence),
+            replica=self.registry.placement.replica_id,
         )
 
     def _keyed(
@@ -241,6 +242,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def CreatePool(
         self, request: pb.CreatePoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.CreatePoolResponse:
+        await self.registry.placement.before_create(request.name)
         service, created = self.registry.create(request.name, request.config)
         if created:
             self.observer.pool_created(service)
@@ -256,7 +258,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def ListPools(
         self, request: pb.ListPoolsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListPoolsResponse:
-        pools = self.registry.pools
+        pools = self.registry.served()
         tenant = current_tenant()
         visible = [n for n in sorted(pools) if self.access.visible(tenant, n)]
         return pb.ListPoolsResponse(pools=[self._info(pools[n]) for n in visible])
@@ -267,6 +269,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     ) -> pb.DeletePoolResponse:
         service = self.registry.delete(request.name)
         self.observer.pool_deleted(service)
+        await self.registry.placement.after_delete(request.name)
         # Freeing millions of used blocks at once would stall every pool: release them
         # a slice at a time between other calls.
         task = asyncio.get_running_loop().create_task(_tear_down(service))
@@ -586,7 +589,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 limits.max_reservations_per_tenant,
             )
         scores = score_pools(
-            self.registry.pools,
+            self.registry.served(),
             lambda pool: self.access.holds(tenant, Role.OBSERVE, pool),
             list(request.candidate_pools),
             request.num_tokens,

@@ -1,0 +1,574 @@
+"""A replica's membership and pool ownership, held in etcd (``[cluster]``).
+
+etcd already has exactly what a sharded allocator needs, so none of it is ours:
+
+* **leases** are membership: a replica registers its member key
+  (``/kvcoord/<cluster>/members/<replica id>``: its address) under a lease it keeps
+  alive; a replica that stops renewing (dead, partitioned) leaves when the lease ends,
+  and every key under the lease goes with it;
+* **compare-and-swap transactions** are ownership: a pool's claim
+  (``/kvcoord/<cluster>/owners/<pool>``: the holder's id and address) is created only
+  if absent, under the claimant's lease, so at most one replica holds it, and is
+  passed from one holder to the next in one transaction comparing its revision; the
+  revision that last wrote it is the pool's *term* (it grows with every owner);
+* **watches** tell every replica when members or claims change, so its view
+  (:class:`~kvcoord.service.ownership.Ownership`) follows the store.
+
+``/kvcoord/<cluster>/pools/<pool>`` (no lease) is the catalog of pools that exist in
+the cluster: a pool listed there whose claim is gone (its owner died) is UNAVAILABLE,
+never NOT_FOUND, and never silently created again empty elsewhere.
+
+**Handover.** When a member joins, each replica hands the pools placement now puts on
+the joiner over to it; a replica leaving gracefully (SIGTERM) hands each of its pools
+to placement over the others. The old owner stops serving the pool (calls are
+UNAVAILABLE: clients retry), sends its state (recovery.dump_pool: engine, events,
+sessions with cursors, kept answers, lineage) with ``Replicas.AdoptPool``; the new
+owner journals it (an ``adopt`` record) and waits until it is durable, then swaps the
+claim to itself (compare-and-swap on the claim's revision) and serves; only then does
+the old owner remove its copy (journaled). A failure at any step before the swap
+leaves the old owner serving; after it, the new owner's journal has the state.
+
+Safety rests on one rule: a replica serves a pool only while it holds the claim and
+its lease is sure to be alive (it counts the lease from the moment it *sent* the last
+renewal that succeeded, so it stops before etcd can hand the claim to anyone else).
+The rules themselves are in :mod:`.ownership`; this module only does the I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import cbor2
+import grpc
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+
+from .access import AccessControl
+from .errors import ServiceError, map_errors
+from .ownership import Claim, Member, Ownership, decode_claim, decode_member, encode_claim, encode_member
+from .registry import Placement, PoolRegistry
+
+__all__ = ["Cluster", "ClusterError", "ClusterPlacement", "ReplicasServicer"]
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterError(Exception):
+    """The cluster store cannot be reached or refuses this replica (at start)."""
+
+
+def _client(endpoint: str, timeout: float) -> Any:
+    try:
+        import aetcd  # type: ignore[import-untyped]  # the "cluster" extra: only a clustered replica needs it
+    except ImportError:
+        raise ClusterError(
+            "[cluster] needs etcd's client: pip install 'kvcoord[cluster]' (the aetcd package)"
+        ) from None
+
+    host, _, port = endpoint.rpartition(":")
+    return aetcd.Client(host=host, port=int(port), timeout=timeout)
+
+
+class Cluster:
+    """One replica's connection to the store: its lease, its view, its claims.
+
+    Args:
+        endpoints: etcd endpoints (host:port), tried in order.
+        name: the cluster's key prefix.
+        me: this replica.
+        lease_seconds: the membership lease.
+        timeout: the deadline of each store call.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        endpoints: Iterable[str],
+        name: str,
+        me: Member,
+        lease_seconds: int,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.endpoints = list(endpoints)
+        self.prefix = f"/kvcoord/{name}/".encode()
+        self.me = me
+        self.lease_seconds = lease_seconds
+        self.timeout = timeout
+        self.clock = clock
+        self.view = Ownership(me, clock)
+        self.client: Any = None
+        self.lease: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._changed = asyncio.Event()
+        #: the pools this replica holds state of (the registry's); set by the server
+        self.local_pools: Callable[[], Iterable[str]] = list
+        #: told of every claim this replica gains or loses (metrics)
+        self.on_change: list[Callable[[], None]] = []
+        #: a pool's state for a handover (recovery.dump_pool, CBOR); set by the server
+        self.export_pool: Callable[[str], bytes] | None = None
+        #: the end of a handover: the pool is removed here (journaled); set by the server
+        self.handed_over: Callable[[str], None] | None = None
+        #: pools being adopted: held here, not claimed yet (claim_local leaves them be)
+        self.adopting: set[str] = set()
+        #: metadata of calls to other replicas (a full-access token, if the server has one)
+        self.peer_metadata: tuple[tuple[str, str], ...] = ()
+        #: told of each claim this replica gains: pool, term (the server records it)
+        self.on_term: Callable[[str, int], None] | None = None
+        #: handovers done and failed (metrics, tests)
+        self.handovers = 0
+        self.handover_failures = 0
+        self.stopping = False
+
+    # -- keys ----------------------------------------------------------------------
+    def _key(self, kind: str, name: str = "") -> bytes:
+        return self.prefix + kind.encode() + b"/" + name.encode()
+
+    # -- start and stop ----------------------------------------------------------------
+    async def start(self) -> None:
+        """Connect, register this replica under a fresh lease, read the view, claim
+        the pools this replica holds state of, and keep all of it up to date.
+
+        Raises:
+            ClusterError: no endpoint answers, or another live process registered
+                this replica id and its lease did not end within lease_seconds.
+        """
+        last: BaseException | None = None
+        for endpoint in self.endpoints:
+            client = _client(endpoint, self.timeout)
+            try:
+                await client.connect()
+                await client.status()
+            except Exception as exc:  # noqa: BLE001 - the next endpoint, then a ClusterError
+                last = exc
+                with contextlib.suppress(Exception):
+                    await client.close()
+                continue
+            self.client = client
+            break
+        if self.client is None:
+            raise ClusterError(f"no cluster store endpoint answers ({', '.join(self.endpoints)}): {last!r}")
+        await self._register()
+        await self.refresh()
+        await self.claim_local()
+        self._tasks = [
+            asyncio.get_running_loop().create_task(self._keep_alive()),
+            asyncio.get_running_loop().create_task(self._watch()),
+        ]
+
+    async def _register(self) -> None:
+        """Put the member key under a new lease; wait out a previous process of the
+        same replica id (its lease, and the claims under it, end by themselves)."""
+        key = self._key("members", self.me.replica_id)
+        deadline = self.clock() + self.lease_seconds + 2 * self.timeout
+        while True:
+            sent = self.clock()
+            lease = await self.client.lease(self.lease_seconds)
+            tx = self.client.transactions
+            ok, _ = await self.client.transaction(
+                compare=[tx.version(key) == 0],
+                success=[tx.put(key, encode_member(self.me), lease=lease.id)],
+                failure=[],
+            )
+            if ok:
+                self.lease = lease
+                self.view.valid_until = sent + lease.ttl
+                logger.info(
+                    "replica %s joined cluster %s as %s (lease %d s)",
+                    self.me.replica_id, self.prefix.decode(), self.me.address, lease.ttl,
+                )  # fmt: skip
+                return
+            await self.client.revoke_lease(lease.id)
+            if self.clock() > deadline:
+                raise ClusterError(
+                    f"replica id {self.me.replica_id!r} is registered by another live process "
+                    f"(its lease did not end within {self.lease_seconds} s): give each replica its own id"
+                )
+            logger.warning(
+                "replica id %s is still registered (a previous process?): waiting for its lease to end",
+                self.me.replica_id,
+            )
+            await asyncio.sleep(1.0)
+
+    async def stop(self) -> None:
+        """Leave the cluster: revoke the lease (the member key and every claim go)."""
+        self.stopping = True
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self.view.valid_until = 0.0
+        if self.client is None:
+            return
+        if self.lease is not None:
+            try:
+                await self.client.revoke_lease(self.lease.id)
+            except Exception as exc:  # noqa: BLE001 - the lease then ends by itself
+                logger.warning("revoking the cluster lease failed (it ends by itself): %s", exc)
+        with contextlib.suppress(Exception):
+            await self.client.close()
+        self.client = None
+
+    # -- the view -----------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Read members, claims and the catalog from the store into the view."""
+        members = await self.client.get_prefix(self._key("members"))
+        claims = await self.client.get_prefix(self._key("owners"))
+        catalog = await self.client.get_prefix(self._key("pools"), keys_only=True)
+        before = set(self.view.owned())
+        view = self.view
+        view.set_members(_decoded(members, lambda kv: decode_member(kv.value)))
+        owners_prefix = len(self._key("owners"))
+        view.set_claims(
+            _decoded(
+                claims, lambda kv: decode_claim(kv.key[owners_prefix:].decode(), kv.value, kv.mod_revision)
+            ),
+            claims.header.revision,
+        )
+        pools_prefix = len(self._key("pools"))
+        view.set_catalog(kv.key[pools_prefix:].decode() for kv in catalog)
+        if set(view.owned()) != before:
+            for fn in self.on_change:
+                fn()
+
+    async def claim(self, pool: str) -> Claim | None:
+        """Create ``pool``'s claim under this replica's lease if nobody holds it, and
+        list the pool in the catalog. Returns the claim (None: another replica holds it)."""
+        key = self._key("owners", pool)
+        tx = self.client.transactions
+        ok, responses = await self.client.transaction(
+            compare=[tx.version(key) == 0],
+            success=[
+                tx.put(key, encode_claim(self.me.replica_id, self.me.address), lease=self.lease.id),
+                tx.put(self._key("pools", pool), b""),
+            ],
+            failure=[tx.get(key)],
+        )
+        if ok:
+            claim = Claim(
+                pool, self.me.replica_id, self.me.address, responses[0].response_put.header.revision
+            )
+            logger.info("claimed pool %s (term %d)", pool, claim.term)
+        else:
+            rows = responses[0]
+            if not rows:  # released between the compare and the read: the next call retries
+                return None
+            value, kv = rows[0]
+            claim = decode_claim(pool, value, kv.mod_revision)
+        self.view.learned(pool, claim, claim.term)
+        for fn in self.on_change:
+            fn()
+        if claim.replica_id != self.me.replica_id:
+            return None
+        if self.on_term is not None:
+            self.on_term(pool, claim.term)
+        return claim
+
+    async def claim_local(self) -> None:
+        """Claim every pool this replica holds state of that nobody claims. A copy
+        held here whose claim another replica holds was handed over (this replica
+        stopped before removing it): it is removed."""
+        local = [p for p in self.local_pools() if p not in self.adopting]
+        for pool in self.view.should_claim(local):
+            await self.claim(pool)
+        for pool in local:
+            holder = self.view.claims.get(pool)
+            if (
+                holder is not None
+                and holder.replica_id != self.me.replica_id
+                and pool not in self.view.moving
+            ):
+                logger.warning(
+                    "pool %s is held here but replica %s holds its claim (it was handed over): the copy here "
+                    "is removed", pool, holder.replica_id,
+                )  # fmt: skip
+                if self.handed_over is not None:
+                    self.handed_over(pool)
+
+    async def forget(self, pool: str) -> None:
+        """The pool was deleted: drop it from the catalog and release its claim."""
+        tx = self.client.transactions
+        key = self._key("owners", pool)
+        _, responses = await self.client.transaction(
+            compare=[tx.value(key) == encode_claim(self.me.replica_id, self.me.address)],
+            success=[tx.delete(key), tx.delete(self._key("pools", pool))],
+            failure=[],
+        )
+        if responses:
+            self.view.learned(pool, None, responses[0].response_delete_range.header.revision)
+        self.view.catalog.discard(pool)
+        for fn in self.on_change:
+            fn()
+
+    # -- handovers ----------------------------------------------------------------------
+    async def rebalance(self) -> None:
+        """Hand over every pool placement now puts on another member (one joined)."""
+        for pool, target in self.view.hand_overs().items():
+            if self.stopping:
+                return
+            await self.hand_over(pool, target)
+
+    async def leave(self) -> None:
+        """A graceful stop: hand every pool over to placement over the other members
+        (one without a live member to go to stays unclaimed until this one is back)."""
+        self.stopping = True
+        try:  # no other replica places a pool here from now on
+            await self.client.delete(self._key("members", self.me.replica_id))
+        except Exception as exc:  # noqa: BLE001 - its lease still ends it
+            logger.warning("leaving: the member key could not be deleted: %s", exc)
+        for pool, target in self.view.leaving().items():
+            await self.hand_over(pool, target)
+
+    async def hand_over(self, pool: str, target: Member) -> bool:
+        """Move ``pool`` to ``target`` (see the module docstring); True once it has it."""
+        claim = self.view.claims.get(pool)
+        if claim is None or claim.replica_id != self.me.replica_id or self.export_pool is None:
+            return False
+        view = self.view
+        view.moving.add(pool)
+        try:
+            request = pb.AdoptPoolRequest(
+                pool=pool,
+                state=self.export_pool(pool),
+                from_replica=self.me.replica_id,
+                claim_revision=claim.term,
+            )
+            options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+            async with grpc.aio.insecure_channel(target.address, options=options) as channel:
+                answer = await pb_grpc.ReplicasStub(channel).AdoptPool(  # type: ignore[no-untyped-call]
+                    request, timeout=max(30.0, self.timeout), metadata=self.peer_metadata
+                )
+        except Exception as exc:  # noqa: BLE001 - the pool stays here, served again
+            self.handover_failures += 1
+            await self._settle_failed_handover(pool, exc)
+            return False
+        view.learned(pool, Claim(pool, target.replica_id, target.address, answer.term), answer.term)
+        if self.handed_over is not None:
+            self.handed_over(pool)
+        view.moving.discard(pool)
+        self.handovers += 1
+        logger.info(
+            "handed pool %s over to replica %s at %s (term %d)",
+            pool,
+            target.replica_id,
+            target.address,
+            answer.term,
+        )
+        for fn in self.on_change:
+            fn()
+        return True
+
+    async def _settle_failed_handover(self, pool: str, exc: BaseException) -> None:
+        """After a handover that failed: serve the pool again if the claim is still
+        this replica's; if the new owner swapped it (and then failed to answer), the
+        copy here is removed, since the new owner's journal has the state."""
+        view = self.view
+        try:
+            await self.refresh()
+        except Exception as again:  # noqa: BLE001 - the claim is unknown: keep not serving
+            logger.error(
+                "handing pool %s over failed (%s), and the store cannot be read: %s", pool, exc, again
+            )
+            return
+        holder = view.claims.get(pool)
+        if holder is not None and holder.replica_id != self.me.replica_id:
+            logger.warning(
+                "pool %s: the handover's answer was lost, but replica %s holds it", pool, holder.replica_id
+            )
+            if self.handed_over is not None:
+                self.handed_over(pool)
+        else:
+            logger.error("handing pool %s over failed; it is served here again: %s", pool, exc)
+        view.moving.discard(pool)
+
+    async def take_over(self, pool: str, from_replica: str, claim_revision: int) -> Claim | None:
+        """Swap ``pool``'s claim from ``from_replica`` (at ``claim_revision``) to this
+        replica, under its lease; None when the claim is no longer that one."""
+        key = self._key("owners", pool)
+        tx = self.client.transactions
+        ok, responses = await self.client.transaction(
+            compare=[tx.mod(key) == claim_revision],
+            success=[tx.put(key, encode_claim(self.me.replica_id, self.me.address), lease=self.lease.id)],
+            failure=[],
+        )
+        if not ok:
+            return None
+        claim = Claim(pool, self.me.replica_id, self.me.address, responses[0].response_put.header.revision)
+        self.view.learned(pool, claim, claim.term)
+        for fn in self.on_change:
+            fn()
+        if self.on_term is not None:
+            self.on_term(pool, claim.term)
+        return claim
+
+    # -- background ---------------------------------------------------------------------
+    async def _keep_alive(self) -> None:
+        """Renew the lease every third of its time. A renewal that fails leaves the
+        view's validity where the last success put it: past it, nothing is served. A
+        lease etcd no longer knows (it ended) is replaced: register again, claim again."""
+        every = self.lease_seconds / 3
+        while True:
+            await asyncio.sleep(every)
+            sent = self.clock()
+            try:
+                reply = await asyncio.wait_for(self.client.refresh_lease(self.lease.id), self.timeout)
+                if reply is not None and reply.TTL > 0:
+                    self.view.valid_until = sent + reply.TTL
+                    continue
+                logger.error("replica %s lost its cluster lease: joining again", self.me.replica_id)
+                self.view.valid_until = 0.0
+                await self._register()
+                await self.refresh()
+                await self.claim_local()
+            except (asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as exc:  # noqa: BLE001 - retried; serving stops when the lease may end
+                logger.warning("renewing the cluster lease failed: %s", exc)
+
+    async def _watch(self) -> None:
+        """Follow members and claims: re-read the view on every change (and every
+        lease period, in case a watch missed one)."""
+        while True:
+            try:
+                watch = await self.client.watch_prefix(self.prefix)
+                reader = asyncio.get_running_loop().create_task(self._changes(watch))
+                try:
+                    while not reader.done():
+                        with contextlib.suppress(asyncio.TimeoutError):
+                            await asyncio.wait_for(self._changed.wait(), self.lease_seconds)
+                        self._changed.clear()
+                        await self.refresh()
+                        await self.claim_local()
+                        await self.rebalance()
+                finally:
+                    reader.cancel()
+                    with contextlib.suppress(Exception):
+                        await watch.cancel()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - watched again after a pause
+                logger.warning("watching the cluster store failed: %s", exc)
+                await asyncio.sleep(min(1.0, self.lease_seconds / 3))
+
+    async def _changes(self, watch: Any) -> None:
+        async for _ in watch:
+            self._changed.set()
+
+
+def _decoded(rows: Any, decode: Callable[[Any], Any]) -> list[Any]:
+    out = []
+    for kv in rows:
+        try:
+            out.append(decode(kv))
+        except ValueError as exc:
+            logger.error("ignoring a malformed cluster record %r: %s", kv.key[:200], exc)
+    return out
+
+
+class ClusterPlacement(Placement):
+    """A clustered replica's :class:`~kvcoord.service.registry.Placement`: the
+    rules of :class:`Ownership`, with claims made through :class:`Cluster`."""
+
+    def __init__(self, cluster: Cluster, registry: PoolRegistry) -> None:
+        self.cluster = cluster
+        self.registry = registry
+        self.replica_id = cluster.me.replica_id
+
+    async def adopt(self, pool: str, state: bytes, from_replica: str, claim_revision: int) -> int:
+        """The new owner's side of a handover: load, journal, wait until durable, swap
+        the claim, serve. Nothing is kept when the swap fails."""
+        from .recovery import adopt_pool
+
+        cluster, registry = self.cluster, self.registry
+        if not cluster.view.may_adopt(pool, from_replica):
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"placement does not put pool {pool[:200]!r} on replica {cluster.me.replica_id!r} "
+                f"(without {from_replica!r}): not adopted",
+            )
+        if cluster.stopping:
+            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"replica {cluster.me.replica_id!r} is leaving")
+        if pool in cluster.adopting:
+            raise ServiceError(grpc.StatusCode.ABORTED, f"pool {pool[:200]!r} is being adopted already")
+        cluster.adopting.add(pool)
+        try:
+            try:
+                value = cbor2.loads(state)
+                adopt_pool(registry, value)
+            except (ValueError, KeyError, TypeError, cbor2.CBORDecodeError) as exc:
+                raise ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the handed-over state of pool {pool[:200]!r} cannot be loaded: {exc}",
+                ) from None
+            registry.recorder.adopted(value)
+            await registry.recorder.durable()
+            claim = await cluster.take_over(pool, from_replica, claim_revision)
+            if claim is None:
+                registry.remove(pool)
+                await registry.recorder.durable()
+                raise ServiceError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"the claim of pool {pool[:200]!r} is no longer revision {claim_revision} of replica "
+                    f"{from_replica!r}: not adopted",
+                )
+        finally:
+            cluster.adopting.discard(pool)
+        logger.info("adopted pool %s from replica %s (term %d)", pool, from_replica, claim.term)
+        return claim.term
+
+    def check(self, pool: str, local: bool) -> None:
+        self.cluster.view.check(pool, local)
+
+    def serves(self, pool: str) -> bool:
+        return self.cluster.view.holds(pool)
+
+    def term(self, pool: str) -> int:
+        view = self.cluster.view
+        return view.term(pool) if view.holds(pool) else 0
+
+    async def before_create(self, pool: str) -> None:
+        view = self.cluster.view
+        if view.holds(pool):
+            return
+        view.check(pool, local=False)
+        if await self.cluster.claim(pool) is None:
+            view.check(pool, local=False)  # the holder's redirect
+            raise ServiceError(
+                grpc.StatusCode.UNAVAILABLE, f"pool {pool[:200]!r} could not be claimed: retry"
+            )
+
+    async def after_delete(self, pool: str) -> None:
+        await self.cluster.forget(pool)
+
+
+class ReplicasServicer(pb_grpc.ReplicasServicer):
+    """The ``Replicas`` service: only translates (the rules are the placement's)."""
+
+    def __init__(
+        self, placement: ClusterPlacement, access: AccessControl, created: Callable[[str], None]
+    ) -> None:
+        self.placement = placement
+        self.access = access
+        self.created = created
+
+    @map_errors
+    async def AdoptPool(
+        self, request: pb.AdoptPoolRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdoptPoolResponse:
+        tenant = self.access.authenticate(context.invocation_metadata(), context.auth_context)
+        if not tenant.full_access:
+            raise ServiceError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "AdoptPool is between replicas: it needs a full-access token",
+            )
+        term = await self.placement.adopt(
+            request.pool, request.state, request.from_replica, request.claim_revision
+        )
+        self.created(request.pool)
+        return pb.AdoptPoolResponse(term=term)

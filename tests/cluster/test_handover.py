@@ -1,0 +1,157 @@
+"""Pools move with their state when membership changes (real replica processes, real
+etcd, real gRPC): a client allocates through the replica set while a replica joins and
+another leaves (SIGTERM); after each move every live request holds exactly the blocks
+it was acknowledged, and no block is held by two requests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from durable_server import env
+from etcd_process import Etcd
+from kvcoord.client import KVCoordClient
+from kvcoord.client.testing import ServerProcess, start_server
+from kvcoord.service.ownership import Member, owner_of
+from service.helpers import allocate
+from test_replicas import POOL_CONFIG, replica_config
+
+
+class Allocator(threading.Thread):
+    """Allocates 2-block requests in every pool, round robin, freeing the oldest when a
+    pool holds 12; remembers what each live request was acknowledged."""
+
+    def __init__(
+        self, targets: list[str], sessions: dict[str, tuple[str, object]], serial: list[int]
+    ) -> None:
+        super().__init__(daemon=True)
+        self.client = KVCoordClient(targets, timeout=5.0)
+        self.sessions = sessions
+        self.serial = serial
+        self.acked: dict[str, dict[str, list[int]]] = {pool: {} for pool in sessions}
+        self.stop_now = threading.Event()
+        self.calls = 0
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            while not self.stop_now.is_set():
+                for pool, (sid, fence) in self.sessions.items():
+                    held = self.acked[pool]
+                    if len(held) >= 12:
+                        oldest = next(iter(held))
+                        self.client.free(pool, [oldest], session_id=sid, fence=fence)  # type: ignore[arg-type]
+                        del held[oldest]
+                    self.serial[0] += 1
+                    rid = f"r{self.serial[0]}"
+                    op = allocate(rid, list(range(self.serial[0], self.serial[0] + 8)), 8).allocate
+                    got = self.client.allocate(pool, op, sid, fence)  # type: ignore[arg-type]
+                    assert not got.result.refused
+                    held[rid] = list(got.result.new_block_ids[0].block_ids)
+                    self.calls += 1
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+    def finish(self) -> None:
+        self.stop_now.set()
+        self.join(60)
+        assert not self.is_alive()
+        self.client.close()
+        if self.error is not None:
+            raise self.error
+
+
+def check(targets: list[str], acked: dict[str, dict[str, list[int]]], placed: dict[str, str]) -> None:
+    """Each pool is on its placed replica and holds exactly what was acknowledged."""
+    with KVCoordClient(targets) as c:
+        listed = {p.name: p.replica for p in c.list_pools().pools}
+        assert listed == placed
+        for pool, held in acked.items():
+            view = c.inspect_pool(pool, all_requests=True)
+            got = {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
+            assert got == held, pool
+            blocks = [b for ids in got.values() for b in ids]
+            assert len(blocks) == len(set(blocks)), f"{pool}: a block held by two requests"
+
+
+def wait_placed(targets: list[str], placed: dict[str, str], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    listed: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        try:
+            with KVCoordClient(targets, timeout=2.0) as c:
+                listed = {p.name: p.replica for p in c.list_pools().pools}
+        except Exception:  # noqa: BLE001 - a replica starting or stopping: ask again
+            listed = {}
+        if listed == placed:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"pools not where placement puts them after {timeout} s: {listed} != {placed}")
+
+
+def test_pools_move_with_their_state_when_a_replica_joins_and_another_leaves(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    cluster = request.node.name
+    procs: dict[str, ServerProcess] = {}
+
+    def start(replica: str) -> ServerProcess:
+        procs[replica] = start_server(replica_config(etcd, replica, tmp_path / replica, cluster), env=env())
+        return procs[replica]
+
+    try:
+        start("r0"), start("r1")
+        # pools that move when r2 joins, and pools that move when r0 then leaves
+        pools = [f"m{i}" for i in range(8)]
+        before = {p: owner_of(p, [Member("r0", ""), Member("r1", "")]).replica_id for p in pools}  # type: ignore[union-attr]
+        joined = {p: owner_of(p, [Member(r, "") for r in ("r0", "r1", "r2")]).replica_id for p in pools}  # type: ignore[union-attr]
+        left = {p: owner_of(p, [Member(r, "") for r in ("r1", "r2")]).replica_id for p in pools}  # type: ignore[union-attr]
+        assert any(before[p] != joined[p] for p in pools) and any(joined[p] != left[p] for p in pools)
+        targets = [procs["r0"].address, procs["r1"].address]
+        sessions: dict[str, tuple[str, object]] = {}
+        with KVCoordClient(targets) as c:
+            for pool in pools:
+                assert c.create_pool(pool, POOL_CONFIG).pool.replica == before[pool]
+                s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=60)
+                sessions[pool] = (s.session_id, s.fence)
+        serial = [0]
+
+        # a replica joins while the client allocates: the pools it wins move to it
+        worker = Allocator(targets, sessions, serial)
+        worker.start()
+        time.sleep(1.0)
+        start("r2")
+        targets.append(procs["r2"].address)
+        wait_placed(targets, joined)
+        time.sleep(1.0)
+        calls = worker.calls
+        worker.finish()
+        assert calls > 0
+        check(targets, worker.acked, joined)
+
+        # the replica that adopted pools dies (SIGKILL) and restarts from its own journal
+        # (the adopt records): its pools come back with everything acknowledged
+        procs["r2"].proc.kill()
+        procs["r2"].stop()
+        start("r2")
+        targets[2] = procs["r2"].address
+        wait_placed(targets, joined)
+        check(targets, worker.acked, joined)
+
+        # a replica leaves (SIGTERM) while the client allocates: its pools go to the others
+        worker2 = Allocator(targets, sessions, serial)
+        worker2.acked = worker.acked
+        worker2.start()
+        time.sleep(1.0)
+        assert procs["r0"].stop() == 0
+        rest = [procs["r1"].address, procs["r2"].address]
+        wait_placed(rest, left)
+        time.sleep(1.0)
+        worker2.finish()
+        assert worker2.calls > 0
+        check(rest, worker2.acked, left)
+    finally:
+        for p in procs.values():
+            p.stop()

@@ -1,0 +1,74 @@
+"""The client's routing table (kvcoord.client.owners), directly."""
+
+from __future__ import annotations
+
+import pytest
+from kvcoord.client.owners import Routes, parse_targets, resolve
+from kvcoord.v1 import allocator_pb2 as pb
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_targets_are_a_list_or_a_comma_separated_string() -> None:
+    assert parse_targets("a:1, b:2,") == ["a:1", "b:2"]
+    assert parse_targets(["a:1", "b:2"]) == ["a:1", "b:2"]
+    with pytest.raises(ValueError):
+        parse_targets(" , ")
+    assert resolve("127.0.0.1:5") == ["127.0.0.1:5"]
+    assert resolve("unix:/tmp/s") == ["unix:/tmp/s"]
+    assert resolve("no-such-host.invalid:5") == ["no-such-host.invalid:5"]
+
+
+def test_a_dns_name_is_every_replica_it_resolves_to_and_is_resolved_again() -> None:
+    records = {"kvcoord.ns.svc:50051": ["10.0.0.1:50051", "10.0.0.2:50051"]}
+    clock = Clock()
+    routes = Routes("kvcoord.ns.svc:50051", lambda e: list(records[e]), clock)
+    assert routes.addresses == ["10.0.0.1:50051", "10.0.0.2:50051"]
+    records["kvcoord.ns.svc:50051"] = ["10.0.0.2:50051", "10.0.0.3:50051"]
+    routes.unreachable("p", "10.0.0.1:50051")  # within RESOLVE_EVERY: not resolved again
+    assert routes.addresses == ["10.0.0.2:50051", "10.0.0.1:50051"]
+    clock.now += 5
+    routes.unreachable("p", "10.0.0.2:50051")
+    assert routes.addresses[:2] == ["10.0.0.2:50051", "10.0.0.3:50051"]
+
+
+def test_pools_go_to_their_learned_owner_and_sessions_to_their_pool() -> None:
+    routes = Routes(["a:1", "b:1", "c:1"], lambda e: [e])
+    assert routes.route("p") == "a:1"
+    routes.redirected("p", "c:1")
+    assert routes.route("p") == "c:1"
+    routes.redirected("q", "d:1")  # an owner outside the given set is learned
+    assert routes.route("q") == "d:1" and "d:1" in routes.addresses
+    attach = pb.AttachRequest(pool="p")
+    routes.answered("Attach", attach, pb.AttachResponse(session_id="s1"), "p", "c:1")
+    assert routes.pool_of("Heartbeat", pb.HeartbeatRequest(session_id="s1")) == "p"
+    assert routes.pool_of("Step", pb.StepRequest(pool="x", session_id="s1")) == "x"
+    assert routes.pool_of("CreatePool", pb.CreatePoolRequest(name="n")) == "n"
+    assert routes.pool_of("ListPools", pb.ListPoolsRequest()) == ""
+    routes.answered("Detach", pb.DetachRequest(session_id="s1"), pb.DetachResponse(), "p", "c:1")
+    assert routes.pool_of("Heartbeat", pb.HeartbeatRequest(session_id="s1")) == ""
+    routes.unreachable("p", "c:1")  # the owner is forgotten, its address tried last
+    assert routes.route("p") == "a:1" and routes.addresses[-1] == "c:1"
+
+
+def test_redirects_are_followed_a_bounded_number_of_times() -> None:
+    import grpc
+    from kvcoord.client import KVCoordClient, NotOwnerError, UnavailableError
+    from kvcoord.client.owners import MAX_HOPS
+
+    with KVCoordClient(["127.0.0.1:1", "127.0.0.1:2"]) as c:  # no call is made
+        err = NotOwnerError(grpc.StatusCode.FAILED_PRECONDITION, "elsewhere", "NOT_OWNER")
+        err.owner = "127.0.0.1:3"
+        assert c._routed(err, "p", "127.0.0.1:1", 0) and c.routes.route("p") == "127.0.0.1:3"
+        assert not c._routed(err, "p", "127.0.0.1:3", MAX_HOPS)  # past the bound: raised to the caller
+        nameless = NotOwnerError(grpc.StatusCode.FAILED_PRECONDITION, "elsewhere", "NOT_OWNER")
+        assert not c._routed(nameless, "p", "127.0.0.1:3", 0)  # no owner named: nothing to follow
+        down = UnavailableError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        assert not c._routed(down, "p", "127.0.0.1:3", 0)  # retried by the policy, elsewhere
+        assert c.routes.route("p") == "127.0.0.1:1"

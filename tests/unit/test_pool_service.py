@@ -272,7 +272,7 @@ def test_gc_freezer_freezes_once_enough_blocks_exist() -> None:
     from kvcoord.service.registry import GcFreezer
 
     def pool(n: int) -> object:
-        return SimpleNamespace(engine=SimpleNamespace(block_pool=SimpleNamespace(blocks=[None] * n)))
+        return SimpleNamespace(num_materialised_blocks=n)
 
     freezer = GcFreezer(every_blocks=1000)
     try:

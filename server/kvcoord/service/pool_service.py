@@ -14,8 +14,8 @@ request sync made for a failed operation is undone).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from kvcoord.engine import (
@@ -30,6 +30,9 @@ from kvcoord.engine import (
     RequestCheckpoint,
     StaleCacheHitError,
 )
+from kvcoord.engine.invariants import PoolCheck, check_pool
+from kvcoord.engine.reservations import Reservations
+from kvcoord.engine.state import export_state, import_state
 
 from . import operations as op
 from .budget import event_buffer_bytes
@@ -49,9 +52,12 @@ __all__ = [
     "UNSCORED_TOO_LONG",
     "Fence",
     "HashSettings",
+    "Inspection",
     "Limits",
+    "PoolCounters",
     "PoolScore",
     "PoolService",
+    "RequestView",
     "ReservationLease",
     "UnscoredPool",
 ]
@@ -66,6 +72,10 @@ class Fence:
     #: the journal position the holder was told (positions.py); 0: none
     position: int = 0
 
+
+#: Attach's pool state: the first never-used block, the used free blocks (head first),
+#: the prefix-cache map as (hash, block) pairs (engine ``replica_state``)
+ReplicaState = tuple[int, list[int], list[tuple[bytes, int]]]
 
 #: (hash_algo, hash_block_size, hash_seed): how a pool's clients hash blocks
 HashSettings = tuple[str, int, str]
@@ -106,6 +116,45 @@ class UnscoredPool:
     pool: str
     reason: str
     message: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestView:
+    """One request as InspectPool shows it."""
+
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_computed_tokens: int
+    num_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Inspection:
+    """A pool's state for an operator (:meth:`PoolService.inspect`)."""
+
+    num_free_blocks: int
+    usage: float
+    free_queue_head: list[int]
+    requests: list[RequestView]
+    cached_block_ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolCounters:
+    """A pool's lifetime counters and gauges (the /metrics scrape)."""
+
+    usage: float
+    num_free_blocks: int
+    num_requests: int
+    lookups: int
+    queries: int
+    hits: int
+    short_lookups: int
+    group_hit_tokens: tuple[int, ...]
+    evictions: int
+    refusals: int
+    allocated: int
+    freed: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -323,6 +372,11 @@ class PoolService:
             return ""
         return tenant
 
+    def cache_prefix_of(self, namespace: str) -> bytes | None:
+        """The key prefix of a cache namespace the pool has seen (None: never seen; looking
+        it up registers nothing)."""
+        return self.engine.cache_namespaces.get(namespace)
+
     def session(self, session_id: str, fence: Fence | None) -> Session:
         """The caller's live session, renewed (fence checked first).
 
@@ -467,6 +521,100 @@ class PoolService:
     def lifetime_prefix_cache_stats(self) -> PrefixCacheStats:
         c = self.engine.lookup_counters
         return PrefixCacheStats(requests=c.lookups, queries=c.queries, hits=c.hits)
+
+    # -- the pool as a whole: what the servicer, recovery and the registry read and do ---
+    @property
+    def num_free_blocks(self) -> int:
+        return self.engine.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.engine.usage
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.engine.requests)
+
+    @property
+    def num_materialised_blocks(self) -> int:
+        """Blocks the engine has built so far (the GC freezer counts them)."""
+        return len(self.engine.block_pool.blocks)
+
+    @property
+    def reservations(self) -> Reservations:
+        """The engine's reservations (live ones and counters); read them, never change them."""
+        return self.engine.reservations
+
+    def counters(self) -> PoolCounters:
+        e = self.engine
+        bp = e.block_pool
+        c = e.lookup_counters
+        return PoolCounters(
+            e.usage, e.num_free_blocks, len(e.requests), c.lookups, c.queries, c.hits, c.short_lookups,
+            tuple(c.group_hit_tokens), bp.num_evictions, e.num_refusals, bp.num_allocated, bp.num_freed,
+        )  # fmt: skip
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's reset_prefix_cache, its events published; False when a block is still
+        in use (nothing changed). The ResetPrefixCache RPC, its replay and a restored
+        journal's fencing all reset through here."""
+        done = self.engine.reset_prefix_cache()
+        self._publish()
+        return done
+
+    def pool_state(self) -> ReplicaState | str:
+        """What an exclusive client's copy of this pool starts from (Attach's pool state),
+        or why it cannot have one."""
+        return self.engine.replica_state()
+
+    def check(self) -> PoolCheck:
+        """Every invariant of the engine checked (CheckPool); changes nothing."""
+        return check_pool(self.engine)
+
+    def inspect(
+        self,
+        request_ids: Sequence[str],
+        all_requests: bool = False,
+        free_queue_limit: int | None = None,
+        include_cached_blocks: bool = False,
+    ) -> Inspection:
+        """The pool's state for an operator (InspectPool); changes nothing.
+
+        Raises:
+            EngineError: NOT_FOUND for an unknown request id.
+        """
+        e = self.engine
+        rids = sorted(e.requests) if all_requests else request_ids
+        states = []
+        for rid in rids:
+            req = e.get_request(rid)
+            states.append(RequestView(rid, e.get_block_ids(rid), req.num_computed_tokens, req.num_tokens))
+        return Inspection(
+            e.num_free_blocks,
+            e.usage,
+            e.free_queue_head(free_queue_limit),
+            states,
+            e.cached_block_ids() if include_cached_blocks else [],
+        )
+
+    def teardown(self) -> Iterator[None]:
+        """Release a deleted pool's objects a slice at a time (yields between slices)."""
+        return self.engine.teardown()
+
+    def export_state(self) -> dict[str, Any]:
+        """The engine's state as plain values (snapshots: recovery.py)."""
+        return export_state(self.engine)
+
+    def import_state(self, value: dict[str, Any]) -> None:
+        """Replace the engine by one rebuilt from :meth:`export_state`'s value."""
+        self.engine = import_state(self.config, value)
+
+    def replay_reserve(
+        self, reservation_id: str, hashes: Sequence[bytes], num_tokens: int, tenant: str
+    ) -> None:
+        """Hold a journaled reservation again, with no lease (recovery releases it at once:
+        :meth:`expired_reservations`)."""
+        self.engine.reserve(reservation_id, hashes, num_tokens, self.cache_namespace(tenant))
 
     # -- operations ---------------------------------------------------------------------
     def apply(self, s: Session, ops: Sequence[op.Operation]) -> list[op.Outcome]:

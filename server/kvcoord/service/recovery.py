@@ -29,7 +29,7 @@ from typing import Any
 
 import cbor2
 from kvcoord.engine import PrefixCacheStats
-from kvcoord.engine.state import STATE_VERSION, event_from_value, event_to_value, export_state, import_state
+from kvcoord.engine.state import STATE_VERSION, event_from_value, event_to_value
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .convert import allocate_from_pb, operation_from_pb
@@ -84,7 +84,7 @@ def dump_state(
                 "config": wire.SerializeToString(),
                 "incarnation": service.fence.incarnation,
                 "created_at": service.created_at,
-                "engine": export_state(service.engine),
+                "engine": service.export_state(),
                 "events": [(seq, event_to_value(e)) for seq, e in service.events.kept()],
                 "last_sequence": service.events.last_sequence,
                 "owners": [(rid, s.session_id) for rid, s in service.owners.items()],
@@ -134,7 +134,7 @@ def load_state(
         service, _ = registry.create(
             p["name"], pb.PoolConfig.FromString(p["config"]), p["incarnation"], p["created_at"]
         )
-        service.engine = import_state(service.config, p["engine"])
+        service.import_state(p["engine"])
         service.events.restore([(seq, event_from_value(v)) for seq, v in p["events"]], p["last_sequence"])
         services[p["name"]] = (service, p["owners"])
     table = registry.sessions
@@ -238,13 +238,10 @@ class Replayer:
         elif kind == "call":
             self._call(record, when)
         elif kind == "reset":
-            service = registry.pools[record[2]]
-            service.engine.reset_prefix_cache()
-            service.events.publish(service.engine.take_events())
+            registry.pools[record[2]].reset_prefix_cache()
         elif kind == "reserve":  # held again, with no time left (released after recovery)
             _, _, pool, reservation_id, num_tokens, hashes, tenant = record
-            service = registry.pools[pool]
-            service.engine.reserve(reservation_id, hashes, num_tokens, service.cache_namespace(tenant))
+            registry.pools[pool].replay_reserve(reservation_id, hashes, num_tokens, tenant)
         elif kind == "unreserve":
             registry.pools[record[2]].release_reservation(record[3])
         else:
@@ -330,7 +327,7 @@ class Replayer:
         if len(registry.pools) > limits.max_pools:
             problems.append(f"it holds {len(registry.pools)} pools, more than max_pools {limits.max_pools}")
         for name, service in registry.pools.items():
-            held = len(service.engine.requests)
+            held = service.num_requests
             if held > limits.max_requests_per_pool:
                 problems.append(
                     f"pool {name!r} holds {held} requests after {where(name)}, more than "
@@ -512,9 +509,8 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
         _end_session(registry, s)
         recorder.session_expired(s.session_id)
     for service in registry.pools.values():
-        if not service.engine.reset_prefix_cache():
+        if not service.reset_prefix_cache():
             raise JournalError(
                 f"pool {service.name!r} still holds blocks after every session of a restored journal ended"
             )
-        service.events.publish(service.engine.take_events())
         recorder.prefix_cache_reset(service)

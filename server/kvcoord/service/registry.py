@@ -253,7 +253,7 @@ class GcFreezer:
 
     def maybe_freeze(self, pools: Iterable[PoolService]) -> bool:
         """Freeze when the pools materialised ``every_blocks`` blocks since the last time."""
-        total = sum(len(p.engine.block_pool.blocks) for p in pools)
+        total = sum(p.num_materialised_blocks for p in pools)
         if total < self.frozen_at:  # pools were deleted: count from here
             self.frozen_at = total
         if total - self.frozen_at < self.every_blocks:

@@ -16,7 +16,6 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
-from kvcoord.engine.invariants import check_pool
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -143,14 +142,13 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 
     def _info(self, p: PoolService) -> pb.PoolInfo:
         """The pool as the caller may see it (other tenants' names only to its administrators)."""
-        e = p.engine
         return pb.PoolInfo(
             name=p.name,
             config=self.access.pool_config_for(current_tenant(), p.name, p.wire_config),
             coordinator=p.config.coordinator_kind,
-            num_free_blocks=e.num_free_blocks,
-            usage=e.usage,
-            num_requests=len(e.requests),
+            num_free_blocks=p.num_free_blocks,
+            usage=p.usage,
+            num_requests=p.num_requests,
             fence=fence_to_pb(p.fence),
         )
 
@@ -276,7 +274,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             return
         if service.cache_namespace(tenant):  # the session will cache under a namespace: no state
             return
-        state = service.engine.replica_state()
+        state = service.pool_state()
         if isinstance(state, str):
             return
         probe = pb.AttachResponse(pool=self._info(service), fence=fence_to_pb(service.fence))
@@ -325,7 +323,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         )
         if request.want_pool_state:
             write_pool_state(
-                response, service.engine.replica_state() if s.exclusive else "the session is not exclusive"
+                response, service.pool_state() if s.exclusive else "the session is not exclusive"
             )
         return await self._durable(response)
 
@@ -359,7 +357,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         hit = service.find_longest_cache_hit(request.block_hashes, request.num_tokens, current_tenant().name)
         return pb.FindLongestCacheHitResponse(
             hit=hit_to_pb(hit),
-            num_free_blocks=service.engine.num_free_blocks,
+            num_free_blocks=service.num_free_blocks,
             fence=fence_to_pb(service.fence),
         )
 
@@ -428,11 +426,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         service.check_fence(_fence(request))
         if request.session_id:
             service.session(request.session_id, None)
-        result = service.engine.reset_prefix_cache()
-        service.events.publish(service.engine.take_events())
+        result = service.reset_prefix_cache()
         self.registry.recorder.prefix_cache_reset(service)
         return await self._durable(
-            pb.ResetPrefixCacheResponse(result=result, num_free_blocks=service.engine.num_free_blocks)
+            pb.ResetPrefixCacheResponse(result=result, num_free_blocks=service.num_free_blocks)
         )
 
     @map_errors
@@ -440,19 +437,18 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetStatsResponse:
         service = self.registry.get(request.pool)
-        e = service.engine
         return pb.GetStatsResponse(
-            num_free_blocks=e.num_free_blocks,
+            num_free_blocks=service.num_free_blocks,
             num_total_blocks=service.config.num_blocks - 1,
-            usage=e.usage,
-            num_requests=len(e.requests),
+            usage=service.usage,
+            num_requests=service.num_requests,
             prefix_cache_stats=stats_to_pb(service.lifetime_prefix_cache_stats()),
             fence=fence_to_pb(service.fence),
             limits=self._limits(),
             pool_memory_bytes=self.registry.pool_memory.get(service.name, 0),
             event_buffer_bytes=service.events.bytes,
             event_buffer_max_bytes=service.events.max_bytes,
-            reservations=reservation_stats_to_pb(e.reservations),
+            reservations=reservation_stats_to_pb(service.reservations),
             num_sessions=len(self.registry.sessions.of_pool(service.name)),
         )
 
@@ -490,7 +486,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self, request: pb.CheckPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.CheckPoolResponse:
         service = self.registry.get(request.pool)
-        result = check_pool(service.engine)
+        result = service.check()
         return pb.CheckPoolResponse(
             violations=list(result.violations),
             num_blocks_checked=result.num_blocks,
@@ -524,25 +520,23 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def InspectPool(
         self, request: pb.InspectPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.InspectPoolResponse:
-        e = self.registry.get(request.pool).engine
-        states = []
-        rids = sorted(e.requests) if request.all_requests else request.request_ids
-        for rid in rids:
-            req = e.get_request(rid)
-            states.append(
-                pb.RequestState(
-                    request_id=rid,
-                    groups=block_ids_to_pb(e.get_block_ids(rid)),
-                    num_computed_tokens=req.num_computed_tokens,
-                    num_tokens=req.num_tokens,
-                )
-            )
+        seen = self.registry.get(request.pool).inspect(
+            request.request_ids, request.all_requests, request.free_queue_limit, request.include_cached_blocks
+        )
         return pb.InspectPoolResponse(
-            num_free_blocks=e.num_free_blocks,
-            usage=e.usage,
-            free_queue_head=e.free_queue_head(request.free_queue_limit),
-            requests=states,
-            cached_block_ids=e.cached_block_ids() if request.include_cached_blocks else [],
+            num_free_blocks=seen.num_free_blocks,
+            usage=seen.usage,
+            free_queue_head=seen.free_queue_head,
+            requests=[
+                pb.RequestState(
+                    request_id=r.request_id,
+                    groups=block_ids_to_pb(r.block_ids),
+                    num_computed_tokens=r.num_computed_tokens,
+                    num_tokens=r.num_tokens,
+                )
+                for r in seen.requests
+            ],
+            cached_block_ids=seen.cached_block_ids,
         )
 
     # -- routing ------------------------------------------------------------------------
@@ -645,15 +639,17 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 def allocate_answer(service: PoolService, outcome: op.Outcome, fence: pb.Fence) -> pb.AllocateResponse:
     """The answer to an applied Allocate (``outcome`` holds no error)."""
     assert isinstance(outcome.value, op.AllocateOutcome)
-    e = service.engine
     return pb.AllocateResponse(
-        result=allocate_to_pb(outcome.value), num_free_blocks=e.num_free_blocks, usage=e.usage, fence=fence
+        result=allocate_to_pb(outcome.value),
+        num_free_blocks=service.num_free_blocks,
+        usage=service.usage,
+        fence=fence,
     )
 
 
 def free_answer(service: PoolService, fence: pb.Fence) -> pb.FreeResponse:
     """The answer to an applied Free."""
-    return pb.FreeResponse(num_free_blocks=service.engine.num_free_blocks, fence=fence)
+    return pb.FreeResponse(num_free_blocks=service.num_free_blocks, fence=fence)
 
 
 def take_events_budget(max_message_bytes: int) -> int | None:
@@ -675,8 +671,7 @@ def step_answer(
     ``max_message_bytes`` (0: no bound) events past what fits are kept for the next
     call (``events_more``), never lost in a refused answer. Replay (recovery.py) builds
     the same answer under the budget the call was answered with."""
-    e = service.engine
-    response = pb.StepResponse(num_free_blocks=e.num_free_blocks, usage=e.usage, fence=fence)
+    response = pb.StepResponse(num_free_blocks=service.num_free_blocks, usage=service.usage, fence=fence)
     add = response.results.add
     for o, r in zip(ops, outcomes, strict=True):
         write_outcome(add(), o, r)
@@ -699,7 +694,7 @@ def step_answer(
 
 
 async def _tear_down(service: PoolService) -> None:
-    for _ in service.engine.teardown():
+    for _ in service.teardown():
         await asyncio.sleep(0)
 
 

@@ -44,3 +44,55 @@ def test_the_engine_check_sees_an_engine_access(tmp_path: Path) -> None:
     sample = tmp_path / "sample.py"
     sample.write_text("def f(service):\n    return service.engine.num_free_blocks\n")
     assert _engine_uses(sample) == ["sample.py:2 .engine"]
+
+
+#: what only the mutation runner calls: the idempotency store's lookup and remember,
+#: and the recorder's record of a keyed call
+KEYED_STEPS = {"lookup", "remember", "called"}
+
+
+def _calls(path: Path, names: set[str]) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names:
+            out.append(f"{path.name}:{node.lineno} .{node.func.attr}()")
+    return out
+
+
+def test_idempotency_and_journaling_live_in_the_mutation_runner() -> None:
+    """Key lookup, kept answers and call records happen in mutations.py alone (live
+    calls and their replay), and the servicer never reaches the recorder: every
+    mutating handler journals and waits for the commit through the runner."""
+    modules = sorted(SERVICE.glob("*.py"))
+    bad = [use for p in modules if p.name != "mutations.py" for use in _calls(p, KEYED_STEPS)]
+    assert not bad, "idempotency or call journaling outside mutations.py: " + ", ".join(bad)
+    servicer = ast.parse((SERVICE / "servicer.py").read_text())
+    reached = [n.lineno for n in ast.walk(servicer) if isinstance(n, ast.Attribute) and n.attr == "recorder"]
+    assert not reached, f"servicer.py reaches the recorder at lines {reached}"
+
+
+def test_every_keyed_rpc_is_a_mutation() -> None:
+    """Each RPC whose request carries an idempotency key is run by the mutation runner,
+    live (its handler) and on replay (the same Mutation)."""
+    from kvcoord.service import servicer
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    keyed = {
+        m.name
+        for m in pb.DESCRIPTOR.services_by_name["Allocator"].methods
+        if "idempotency_key" in m.input_type.fields_by_name
+    }
+    assert keyed == {"Allocate", "Free", "Step"}
+    assert set(servicer.MUTATIONS) == keyed
+    tree = ast.parse((SERVICE / "servicer.py").read_text())
+    handlers = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef) and n.name in keyed}
+    for name, fn in handlers.items():
+        runs = [c for c in _calls_in(fn) if c == "run"]
+        assert runs == ["run"], f"{name} does not go through MutationRunner.run"
+    assert set(handlers) == keyed
+
+
+def _calls_in(fn: ast.AST) -> list[str]:
+    return [
+        n.func.attr for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    ]

@@ -624,11 +624,7 @@ class PoolService:
         Raises:
             ServiceError: RESOURCE_EXHAUSTED when there are too many operations.
         """
-        if len(ops) > self.limits.max_ops_per_step:
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(ops)} operations in one Step; the limit is {self.limits.max_ops_per_step}",
-            )
+        self.check_step_size(len(ops))
         engine = self.engine
         shared_stats = engine.prefix_cache_stats
         if shared_stats is not None:
@@ -656,6 +652,16 @@ class PoolService:
                 s.stats = engine.prefix_cache_stats
                 engine.prefix_cache_stats = shared_stats
         return out
+
+    def check_step_size(self, n: int) -> None:
+        """Raises:
+        ServiceError: RESOURCE_EXHAUSTED when ``n`` operations are more than a Step may hold.
+        """
+        if n > self.limits.max_ops_per_step:
+            raise ServiceError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{n} operations in one Step; the limit is {self.limits.max_ops_per_step}",
+            )
 
     def free_requests(self, s: Session, request_ids: Sequence[str], preempt: bool) -> None:
         """Free (or preempt) several requests, all checked before any is touched.

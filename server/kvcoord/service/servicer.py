@@ -9,7 +9,6 @@ pool call, so each pool sees one operation at a time, in arrival order.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol, TypeVar
@@ -43,6 +42,7 @@ from .convert import (
     write_outcome,
     write_pool_state,
 )
+from .durability import Recorder
 from .errors import (
     REASON_METADATA_KEY,
     STOPPING_AFTER_JOURNAL_FAILURE,
@@ -52,6 +52,7 @@ from .errors import (
     map_errors,
     map_stream_errors,
 )
+from .mutations import Mutation, MutationRunner
 from .pool_service import Fence, Limits, PoolService
 from .registry import PoolRegistry
 from .scoring import Reserve, score_pools
@@ -101,13 +102,6 @@ class NullObserver:
         pass
 
 
-def _digest(request: Message) -> bytes:
-    """What binds an idempotency key to its request: a hash of the whole request (the
-    key included, which a retry repeats unchanged)."""
-    body = request.SerializeToString(deterministic=True)
-    return hashlib.blake2b(body, digest_size=16).digest()
-
-
 def _fence(request: Any) -> Fence | None:
     return fence_from_pb(request.fence, request.HasField("fence"))
 
@@ -139,6 +133,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self.access = access or AccessControl((), (), registry.sessions)
         #: the gRPC receive limit, reported in GetStats
         self.max_message_bytes = max_message_bytes
+        #: runs the keyed calls (idempotency, journal, commit wait)
+        self.mutations = MutationRunner(registry, max_message_bytes)
 
     def _info(self, p: PoolService) -> pb.PoolInfo:
         """The pool as the caller may see it (other tenants' names only to its administrators)."""
@@ -152,46 +148,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             fence=fence_to_pb(p.fence),
         )
 
-    def _keyed(
-        self, rpc: str, session_id: str, key: str, request: Message, response_type: type[M]
-    ) -> tuple[bytes, M | None]:
-        digest = _digest(request) if key else b""
-        answer = self.registry.idempotency.lookup(session_id, rpc, key, digest)
-        return digest, None if answer is None else response_type.FromString(answer)
-
-    def _remember(
-        self, service: PoolService, rpc: str, request: Message, session_id: str, key: str, digest: bytes,
-        response: Message,
-    ) -> None:  # fmt: skip
-        journal = getattr(self.registry.recorder, "journal", None)
-        if journal is not None and response.HasField("fence"):
-            # the record appended next is this call's: the answer is durable once it is
-            # committed (_durable waits for that), and a retry gets it byte for byte
-            # (replay stamps the same position: recovery.py)
-            response.fence.position = journal.appended + 1  # type: ignore[attr-defined]
-        answer = response.SerializeToString()
-        if key:
-            self.registry.idempotency.remember(session_id, rpc, key, digest, answer)
-        self.registry.recorder.called(service, rpc, request, key, digest, answer)
-
-    async def _durable(self, response: M) -> M:
-        """Answer only once every mutation so far is durable (durability.py)."""
-        await self.registry.recorder.durable()
-        return self._positioned(response)
-
-    def _positioned(self, response: M) -> M:
-        """Stamp the answer's fence with the journal position it is durable at (every
-        record committed so far: positions.py); clients send it back as proof. Answers
-        of calls (:meth:`_remember`) carry their own record's position already."""
-        journal = getattr(self.registry.recorder, "journal", None)
-        if (
-            journal is not None
-            and "fence" in response.DESCRIPTOR.fields_by_name
-            and response.HasField("fence")
-            and not response.fence.position  # type: ignore[attr-defined]
-        ):
-            response.fence.position = journal.committed  # type: ignore[attr-defined]
-        return response
+    async def _durable(self, response: M, record: Callable[[Recorder], None] | None = None) -> M:
+        """Journal the call (``record``), then answer once every mutation so far is
+        durable (mutations.py)."""
+        return await self.mutations.durable(response, record)
 
     def journal_failed(self, exc: BaseException) -> None:
         """Refuse every later call (UNAVAILABLE): state in memory is ahead of the disk, so
@@ -260,9 +220,6 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         while self._teardowns:
             await asyncio.gather(*self._teardowns)
 
-    def _half_answer(self) -> int | None:
-        return take_events_budget(self.max_message_bytes)
-
     def _check_pool_state_fits(self, request: pb.AttachRequest, service: PoolService, tenant: str) -> None:
         """Refuse an exclusive Attach whose pool state would not fit in its answer,
         before any session exists.
@@ -312,7 +269,6 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 self.observer.handshake_refused(request.pool)
             raise
         self.observer.attached(service)
-        self.registry.recorder.attached(service, s)
         response = pb.AttachResponse(
             pool=self._info(service),
             session_id=s.session_id,
@@ -325,7 +281,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             write_pool_state(
                 response, service.pool_state() if s.exclusive else "the session is not exclusive"
             )
-        return await self._durable(response)
+        return await self._durable(response, lambda r: r.attached(service, s))
 
     @map_errors
     async def Heartbeat(
@@ -333,7 +289,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     ) -> pb.HeartbeatResponse:
         service = self.registry.pool_of_session(request.session_id)
         s = service.session(request.session_id, _fence(request))
-        return self._positioned(
+        return self.mutations.positioned(
             pb.HeartbeatResponse(lease_seconds=s.lease_seconds, fence=fence_to_pb(service.fence))
         )
 
@@ -343,10 +299,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         s = service.session(request.session_id, _fence(request))
         freed = service.end_session(s)
         self.registry.idempotency.drop_session(s.session_id)
-        # recorded after the change: a snapshot the record triggers holds the state after it
-        self.registry.recorder.detached(service, s.session_id)
         self.observer.detached(service.name)
-        return await self._durable(pb.DetachResponse(num_freed_requests=freed))
+        # recorded after the change: a snapshot the record triggers holds the state after it
+        return await self._durable(
+            pb.DetachResponse(num_freed_requests=freed), lambda r: r.detached(service, s.session_id)
+        )
 
     # -- operations -------------------------------------------------------------------
     @map_errors
@@ -365,58 +322,15 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def Allocate(
         self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> pb.AllocateResponse:
-        service = self.registry.get(request.pool)
-        s = service.session(request.session_id, _fence(request))
-        key = request.idempotency_key
-        digest, replayed = self._keyed("Allocate", s.session_id, key, request, pb.AllocateResponse)
-        if replayed is not None:
-            return await self._durable(replayed)
-        (outcome,) = service.apply(s, [allocate_from_pb(request.op, len(service.config.groups))])
-        if outcome.error is not None:
-            # A refusal turned into an error (must_succeed) has still removed skipped
-            # blocks, as vLLM's refusals do: journal the call so recovery replays it too.
-            self.registry.recorder.called(service, "Allocate", request, "", b"", None)
-            await self.registry.recorder.durable()
-            raise outcome.error
-        response = allocate_answer(service, outcome, fence_to_pb(service.fence))
-        self._remember(service, "Allocate", request, s.session_id, key, digest, response)
-        return await self._durable(response)
+        return await self.mutations.run(ALLOCATE, request, _fence(request))  # type: ignore[no-any-return]
 
     @map_errors
     async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.FreeResponse:
-        service = self.registry.get(request.pool)
-        s = service.session(request.session_id, _fence(request))
-        key = request.idempotency_key
-        digest, replayed = self._keyed("Free", s.session_id, key, request, pb.FreeResponse)
-        if replayed is not None:
-            return await self._durable(replayed)
-        service.free_requests(s, request.request_ids, request.preempt)
-        response = free_answer(service, fence_to_pb(service.fence))
-        self._remember(service, "Free", request, s.session_id, key, digest, response)
-        return await self._durable(response)
+        return await self.mutations.run(FREE, request, _fence(request))  # type: ignore[no-any-return]
 
     @map_errors
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        service = self.registry.get(request.pool)
-        s = service.session(request.session_id, _fence(request))
-        key = request.idempotency_key
-        digest, replayed = self._keyed("Step", s.session_id, key, request, pb.StepResponse)
-        if replayed is not None:
-            return await self._durable(replayed)
-        if len(request.ops) > service.limits.max_ops_per_step:
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(request.ops)} operations in one Step; the limit is {service.limits.max_ops_per_step}",
-            )
-        groups = len(service.config.groups)
-        ops = [operation_from_pb(o, groups) for o in request.ops]
-        service.answer_event_bytes = self._half_answer()
-        outcomes = service.apply(s, ops)
-        response = step_answer(
-            service, s, request, ops, outcomes, fence_to_pb(service.fence), self.max_message_bytes
-        )
-        self._remember(service, "Step", request, s.session_id, key, digest, response)
-        return await self._durable(response)
+        return await self.mutations.run(STEP, request, _fence(request))  # type: ignore[no-any-return]
 
     @map_errors
     async def ResetPrefixCache(
@@ -427,9 +341,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         if request.session_id:
             service.session(request.session_id, None)
         result = service.reset_prefix_cache()
-        self.registry.recorder.prefix_cache_reset(service)
         return await self._durable(
-            pb.ResetPrefixCacheResponse(result=result, num_free_blocks=service.num_free_blocks)
+            pb.ResetPrefixCacheResponse(result=result, num_free_blocks=service.num_free_blocks),
+            lambda r: r.prefix_cache_reset(service),
         )
 
     @map_errors
@@ -569,10 +483,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             response.reservation_skipped = scores.reservation_skipped
             return response
         response.reservation.CopyFrom(reservation_to_pb(made))
-        self.registry.recorder.reserved(
-            self.registry.pools[made.pool], made.reservation_id, made.num_tokens, made.hashes, made.tenant
+        held = self.registry.pools[made.pool]
+        return await self._durable(
+            response,
+            lambda r: r.reserved(held, made.reservation_id, made.num_tokens, made.hashes, made.tenant),
         )
-        return await self._durable(response)
 
     def expire_reservations(self) -> int:
         """Release every reservation whose time ran out (journaled); how many."""
@@ -582,7 +497,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         for service in list(self.registry.pools.values()):
             for reservation_id in service.expired_reservations():
                 service.release_reservation(reservation_id)
-                self.registry.recorder.reservation_released(service, reservation_id)
+                self.mutations.record(lambda r, p=service, rid=reservation_id: r.reservation_released(p, rid))
                 n += 1
         return n
 
@@ -652,11 +567,6 @@ def free_answer(service: PoolService, fence: pb.Fence) -> pb.FreeResponse:
     return pb.FreeResponse(num_free_blocks=service.num_free_blocks, fence=fence)
 
 
-def take_events_budget(max_message_bytes: int) -> int | None:
-    """The byte budget of a TakeEventsOp's events: half an answer (None: no budget)."""
-    return max_message_bytes // 2 if max_message_bytes else None
-
-
 def step_answer(
     service: PoolService,
     s: Session,
@@ -691,6 +601,43 @@ def step_answer(
         if stats is not None:
             response.prefix_cache_stats.CopyFrom(stats)
     return response
+
+
+def _apply_allocate(
+    service: PoolService, s: Session, request: pb.AllocateRequest, fence: Fence, max_message_bytes: int
+) -> pb.AllocateResponse | ServiceError:
+    (outcome,) = service.apply(s, [allocate_from_pb(request.op, len(service.config.groups))])
+    if outcome.error is not None:
+        # A refusal turned into an error (must_succeed) has still removed skipped
+        # blocks, as vLLM's refusals do: the call is journaled, so recovery replays it too.
+        return outcome.error
+    return allocate_answer(service, outcome, fence_to_pb(fence))
+
+
+def _apply_free(
+    service: PoolService, s: Session, request: pb.FreeRequest, fence: Fence, max_message_bytes: int
+) -> pb.FreeResponse:
+    service.free_requests(s, request.request_ids, request.preempt)
+    return free_answer(service, fence_to_pb(fence))
+
+
+def _apply_step(
+    service: PoolService, s: Session, request: pb.StepRequest, fence: Fence, max_message_bytes: int
+) -> pb.StepResponse:
+    service.check_step_size(len(request.ops))  # before any operation is read
+    groups = len(service.config.groups)
+    ops = [operation_from_pb(o, groups) for o in request.ops]
+    outcomes = service.apply(s, ops)
+    return step_answer(service, s, request, ops, outcomes, fence_to_pb(fence), max_message_bytes)
+
+
+#: the keyed mutating calls, run live and replayed alike (mutations.py)
+ALLOCATE = Mutation(
+    "Allocate", pb.AllocateRequest.FromString, pb.AllocateResponse.FromString, _apply_allocate
+)
+FREE = Mutation("Free", pb.FreeRequest.FromString, pb.FreeResponse.FromString, _apply_free)
+STEP = Mutation("Step", pb.StepRequest.FromString, pb.StepResponse.FromString, _apply_step)
+MUTATIONS = {m.rpc: m for m in (ALLOCATE, FREE, STEP)}
 
 
 async def _tear_down(service: PoolService) -> None:

@@ -96,3 +96,53 @@ def _calls_in(fn: ast.AST) -> list[str]:
     return [
         n.func.attr for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
     ]
+
+
+#: the service modules that speak gRPC: the servicer and the server around it, their
+#: interceptors and credentials, the wire conversion, and errors.py, whose one table
+#: turns a rules Status into a gRPC code. Every other module is plain Python.
+GRPC_MODULES = {
+    "errors.py",
+    "servicer.py",
+    "server.py",
+    "intercept.py",
+    "logs.py",
+    "metrics.py",
+    "tls.py",
+    "convert.py",
+}
+
+
+def _imports_grpc(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "grpc" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "grpc":
+            return True
+    return False
+
+
+def test_rules_modules_import_no_grpc() -> None:
+    """pool_service, sessions, idempotency, registry, mutations, scoring, ... say what
+    went wrong with errors.Status; only the modules that speak gRPC import it."""
+    modules = sorted(SERVICE.glob("*.py"))
+    rules = [p.name for p in modules if p.name not in GRPC_MODULES]
+    assert {"pool_service.py", "sessions.py", "idempotency.py", "registry.py", "mutations.py"} <= set(rules)
+    bad = [name for name in rules if _imports_grpc(SERVICE / name)]
+    assert not bad, f"rules modules importing grpc: {bad}"
+
+
+def test_every_status_has_its_own_grpc_code() -> None:
+    """errors.py's table maps each Status to one gRPC code, and a ServiceError made with
+    a gRPC code (the old way) is refused loudly instead of being answered wrongly."""
+    import grpc
+    import pytest
+    from kvcoord.service.errors import ServiceError, Status, grpc_code
+
+    codes = {status: grpc_code(ServiceError(status, "m"))[0] for status in Status}
+    assert len(set(codes.values())) == len(Status)
+    assert all(isinstance(c, grpc.StatusCode) and c is not grpc.StatusCode.OK for c in codes.values())
+    assert codes[Status.INVALID] is grpc.StatusCode.INVALID_ARGUMENT
+    assert codes[Status.PRECONDITION] is grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(TypeError, match="takes a Status"):
+        ServiceError(grpc.StatusCode.NOT_FOUND, "m")  # type: ignore[arg-type]

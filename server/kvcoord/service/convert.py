@@ -29,7 +29,7 @@ from kvcoord.engine import (
 from kvcoord.v1 import allocator_pb2 as pb
 
 from . import operations as op
-from .errors import ServiceError, bounded
+from .errors import ServiceError, Status, bounded
 from .pool_service import Fence, HashSettings, PoolScore, UnscoredPool
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,7 +65,7 @@ MAX_MODEL_LEN_UNLIMITED = 1 << 31
 
 
 def _invalid(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    return ServiceError(Status.INVALID, message)
 
 
 def spec_from_pb(group: pb.KVCacheGroupSpec, gid: int) -> AttentionSpec:
@@ -272,7 +272,7 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         if lk.HasField("answered"):
             if len(lk.answered.groups) != num_groups:
                 raise ServiceError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Status.INVALID,
                     f"lookup.answered must have one block list per KV cache group ({num_groups}), "
                     f"got {len(lk.answered.groups)}",
                 )

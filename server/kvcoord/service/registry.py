@@ -15,14 +15,13 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 
-import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .bounds import MAX_NAME_LENGTH
 from .budget import MemoryBudget
 from .convert import MAX_MODEL_LEN_UNLIMITED, config_from_pb
 from .durability import Recorder
-from .errors import ServiceError
+from .errors import ServiceError, Status
 from .idempotency import IdempotencyStore
 from .logs import ids
 from .pool_service import Fence, Limits, PoolService
@@ -104,7 +103,7 @@ class PoolRegistry:
         """
         if not _NAME.match(name):
             raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Status.INVALID,
                 f"pool name {name[:200]!r} must be 1-128 characters of letters, digits, '.', '_' or '-'",
             )
         existing = self.pools.get(name)
@@ -112,24 +111,24 @@ class PoolRegistry:
             if existing.wire_config == config_pb:
                 return existing, False
             raise ServiceError(
-                grpc.StatusCode.ALREADY_EXISTS,
+                Status.ALREADY_EXISTS,
                 f"pool {name!r} already exists with a different configuration; delete it first "
                 "or use another name",
             )
         if len(self.pools) >= self.limits.max_pools:
             raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Status.EXHAUSTED,
                 f"the server already holds {len(self.pools)} pools (max_pools)",
             )
         if config_pb.num_blocks > self.limits.max_blocks_per_pool:
             raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Status.EXHAUSTED,
                 f"num_blocks {config_pb.num_blocks} exceeds max_blocks_per_pool {self.limits.max_blocks_per_pool}",
             )
         max_tokens = self.limits.max_tokens_per_request
         if config_pb.max_model_len > max_tokens and incarnation is None:
             raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Status.EXHAUSTED,
                 f"max_model_len {config_pb.max_model_len} exceeds the server's max_tokens_per_request "
                 f"{max_tokens}",
             )
@@ -175,13 +174,13 @@ class PoolRegistry:
             ServiceError: INVALID_ARGUMENT without a name, NOT_FOUND for an unknown one.
         """
         if not name:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "pool is required")
+            raise ServiceError(Status.INVALID, "pool is required")
         service = self.pools.get(name)
         if service is None:
             # Never list the pools here: callers of several tenants reach this, and a
             # pool's name is visible only to tenants holding a role on it (ListPools).
             raise ServiceError(
-                grpc.StatusCode.NOT_FOUND,
+                Status.NOT_FOUND,
                 f"pool {name[:200]!r} does not exist (ListPools shows the pools you may use)",
             )
         return service

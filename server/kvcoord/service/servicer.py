@@ -1,8 +1,10 @@
 """The Allocator gRPC servicer: message in, pool service call, message out.
 
 Every rule (sessions, ownership, positioned sync, Step semantics, cursors, fencing)
-lives in :mod:`.pool_service`, :mod:`.sessions` and :mod:`.idempotency`; this module
-only translates. Handlers run on the server's event loop and never await inside a
+lives in :mod:`.pool_service`, :mod:`.sessions` and :mod:`.idempotency`; a keyed
+call's idempotency, journal record and commit wait in :mod:`.mutations` (which
+replays it with the same :class:`~.mutations.Mutation`); errors become gRPC statuses
+in :mod:`.errors`. This module only translates. Handlers run on the server's event loop and never await inside a
 pool call, so each pool sees one operation at a time, in arrival order.
 """
 
@@ -48,6 +50,7 @@ from .errors import (
     STOPPING_AFTER_JOURNAL_FAILURE,
     ErrorReason,
     ServiceError,
+    Status,
     grpc_code,
     map_errors,
     map_stream_errors,
@@ -164,7 +167,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         """
         if self.journal_failure is not None:
             raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
+                Status.UNAVAILABLE,
                 f"journal write failed ({self.journal_failure}); {STOPPING_AFTER_JOURNAL_FAILURE}",
             )
 
@@ -239,7 +242,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         size = probe.ByteSize() + ANSWER_MARGIN_BYTES
         if size > self.max_message_bytes:
             raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Status.EXHAUSTED,
                 f"the state of pool {service.name!r} takes about {size:,} bytes, more than one answer may "
                 f"(max_message_bytes {self.max_message_bytes:,}); no session was made: attach without "
                 "want_pool_state (no prediction) or raise server.max_message_bytes",
@@ -682,7 +685,7 @@ def _guard(
             tenant = access.authenticate(context.invocation_metadata(), context.auth_context)
             access.bind(tenant)
             if isinstance(request, _Undecodable):
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request))
+                raise ServiceError(Status.INVALID, _undecodable_message(request))
             check_request(request, limits)
             access.authorize(tenant, rpc, request)
         except ServiceError as exc:

@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
+
+from google.protobuf.message import Message
 
 from .durability import Recorder, answer_digest
 from .errors import ServiceError
@@ -31,27 +33,8 @@ from .sessions import Session
 __all__ = ["Mutation", "MutationRunner", "request_digest", "take_events_budget"]
 
 
-class Answer(Protocol):
-    """A protobuf answer message, as far as the runner uses it."""
-
-    fence: Any
-
-    def SerializeToString(self, *, deterministic: bool = ...) -> bytes: ...  # noqa: N802
-    def HasField(self, field_name: str) -> bool: ...  # noqa: N802
-
-
-class Request(Protocol):
-    """A keyed request message, as far as the runner uses it."""
-
-    pool: str
-    session_id: str
-    idempotency_key: str
-
-    def SerializeToString(self, *, deterministic: bool = ...) -> bytes: ...  # noqa: N802
-
-
-R = TypeVar("R", bound=Request)
-A = TypeVar("A", bound=Answer)
+#: an answer message (its ``fence`` is stamped with journal positions)
+A = TypeVar("A", bound=Message)
 
 #: apply(service, session, request, answer fence, max_message_bytes): the answer, or
 #: the error its client is told after the call changed the pool (journaled too: an
@@ -77,7 +60,7 @@ class Mutation:
     apply: Apply
 
 
-def request_digest(request: Request) -> bytes:
+def request_digest(request: Message) -> bytes:
     """What binds an idempotency key to its request: a hash of the whole request (the
     key included, which a retry repeats unchanged)."""
     body = request.SerializeToString(deterministic=True)
@@ -102,7 +85,7 @@ class MutationRunner:
         self.registry = registry
         self.max_message_bytes = max_message_bytes
 
-    async def run(self, m: Mutation, request: R, fence: Fence | None) -> Any:
+    async def run(self, m: Mutation, request: Any, fence: Fence | None) -> Any:
         """Apply ``request`` once (a duplicate gets the kept answer) and answer once durable.
 
         Raises:
@@ -211,9 +194,9 @@ class MutationRunner:
         journal = self._journal()
         if (
             journal is not None
-            and "fence" in answer.DESCRIPTOR.fields_by_name  # type: ignore[attr-defined]
+            and "fence" in answer.DESCRIPTOR.fields_by_name
             and answer.HasField("fence")
-            and not answer.fence.position
+            and not answer.fence.position  # type: ignore[attr-defined]
         ):
-            answer.fence.position = journal.committed
+            answer.fence.position = journal.committed  # type: ignore[attr-defined]
         return answer

@@ -1058,7 +1058,7 @@ class PoolService:
         return self.engine.get_num_common_prefix_blocks(o.request_id)
 
     def _reset(self, s: Session, o: op.ResetPrefixCache) -> op.Value:
-        return self.engine.reset_prefix_cache()
+        return self.reset_prefix_cache()
 
     def _take_events(self, s: Session, o: op.TakeEvents) -> op.Value:
         budget = self.answer_event_bytes

@@ -500,7 +500,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         for service in list(self.registry.pools.values()):
             for reservation_id in service.expired_reservations():
                 service.release_reservation(reservation_id)
-                self.mutations.record(lambda r, p=service, rid=reservation_id: r.reservation_released(p, rid))
+                self.mutations.record(lambda r: r.reservation_released(service, reservation_id))  # noqa: B023 - called at once, in the loop
                 n += 1
         return n
 

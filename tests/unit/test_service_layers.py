@@ -145,4 +145,4 @@ def test_every_status_has_its_own_grpc_code() -> None:
     assert codes[Status.INVALID] is grpc.StatusCode.INVALID_ARGUMENT
     assert codes[Status.PRECONDITION] is grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(TypeError, match="takes a Status"):
-        ServiceError(grpc.StatusCode.NOT_FOUND, "m")  # type: ignore[arg-type]
+        ServiceError(grpc.StatusCode.NOT_FOUND, "m")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import Message
 
@@ -36,28 +36,26 @@ __all__ = ["Mutation", "MutationRunner", "request_digest", "take_events_budget"]
 #: an answer message (its ``fence`` is stamped with journal positions)
 A = TypeVar("A", bound=Message)
 
-#: apply(service, session, request, answer fence, max_message_bytes): the answer, or
-#: the error its client is told after the call changed the pool (journaled too: an
-#: Allocate refused with must_succeed has removed skipped blocks, as vLLM's does).
-#: An error raised instead changed nothing and is not journaled.
-Apply = Callable[[PoolService, Session, Any, Fence, int], Any]
-
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class Mutation:
+class Mutation(Generic[A]):
     """One keyed mutating RPC.
 
     Args:
         rpc: its name (the idempotency store's and the journal's).
         parse: its request from bytes (the journal keeps the request's bytes).
         parse_answer: its answer from bytes (a duplicate is answered with kept bytes).
-        apply: see :data:`Apply`.
+        apply: ``apply(service, session, request, answer fence, max_message_bytes)``:
+            the answer, or the error its client is told after the call changed the
+            pool (journaled too: an Allocate refused with must_succeed has removed
+            skipped blocks, as vLLM's does). An error raised instead changed nothing
+            and is not journaled.
     """
 
     rpc: str
     parse: Callable[[bytes], Any]
-    parse_answer: Callable[[bytes], Any]
-    apply: Apply
+    parse_answer: Callable[[bytes], A]
+    apply: Callable[[PoolService, Session, Any, Fence, int], A | ServiceError]
 
 
 def request_digest(request: Message) -> bytes:
@@ -85,7 +83,7 @@ class MutationRunner:
         self.registry = registry
         self.max_message_bytes = max_message_bytes
 
-    async def run(self, m: Mutation, request: Any, fence: Fence | None) -> Any:
+    async def run(self, m: Mutation[A], request: Any, fence: Fence | None) -> A:
         """Apply ``request`` once (a duplicate gets the kept answer) and answer once durable.
 
         Raises:
@@ -112,7 +110,7 @@ class MutationRunner:
             # the record appended next is this call's: the answer is durable once it is
             # committed (durable waits for that), and a retry gets it byte for byte
             # (replay stamps the same position)
-            answer.fence.position = journal.appended + 1
+            answer.fence.position = journal.appended + 1  # type: ignore[attr-defined]
         body = answer.SerializeToString()
         if key:
             registry.idempotency.remember(s.session_id, m.rpc, key, digest, body)
@@ -120,7 +118,7 @@ class MutationRunner:
         return await self.durable(answer)
 
     def replay(
-        self, m: Mutation, body: bytes, key: str, digest: bytes, told: bytes | None, writer: str,
+        self, m: Mutation[Any], body: bytes, key: str, digest: bytes, told: bytes | None, writer: str,
         position: int, age: float,
     ) -> str:  # fmt: skip
         """Apply a journaled call again (recovery; the registry records nothing then) as

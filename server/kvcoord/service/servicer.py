@@ -4,8 +4,8 @@ Every rule (sessions, ownership, positioned sync, Step semantics, cursors, fenci
 lives in :mod:`.pool_service`, :mod:`.sessions` and :mod:`.idempotency`; a keyed
 call's idempotency, journal record and commit wait in :mod:`.mutations` (which
 replays it with the same :class:`~.mutations.Mutation`); errors become gRPC statuses
-in :mod:`.errors`. This module only translates. Handlers run on the server's event loop and never await inside a
-pool call, so each pool sees one operation at a time, in arrival order.
+in :mod:`.errors`. This module only translates. Handlers run on the server's event
+loop and never await inside a pool call, so each pool sees one operation at a time, in arrival order.
 """
 
 from __future__ import annotations
@@ -325,15 +325,15 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def Allocate(
         self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> pb.AllocateResponse:
-        return await self.mutations.run(ALLOCATE, request, _fence(request))  # type: ignore[no-any-return]
+        return await self.mutations.run(ALLOCATE, request, _fence(request))
 
     @map_errors
     async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.FreeResponse:
-        return await self.mutations.run(FREE, request, _fence(request))  # type: ignore[no-any-return]
+        return await self.mutations.run(FREE, request, _fence(request))
 
     @map_errors
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        return await self.mutations.run(STEP, request, _fence(request))  # type: ignore[no-any-return]
+        return await self.mutations.run(STEP, request, _fence(request))
 
     @map_errors
     async def ResetPrefixCache(
@@ -500,7 +500,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         for service in list(self.registry.pools.values()):
             for reservation_id in service.expired_reservations():
                 service.release_reservation(reservation_id)
-                self.mutations.record(lambda r: r.reservation_released(service, reservation_id))  # noqa: B023 - called at once, in the loop
+                # called at once, inside the loop: the loop variables are the current ones
+                self.mutations.record(lambda r: r.reservation_released(service, reservation_id))  # noqa: B023
                 n += 1
         return n
 

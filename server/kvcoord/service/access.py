@@ -38,10 +38,8 @@ import hashlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-import grpc
-
 from .bounds import MAX_NAME_LENGTH
-from .errors import ServiceError
+from .errors import ServiceError, Status
 from .sessions import SessionTable
 
 __all__ = [
@@ -222,7 +220,7 @@ class AccessControl:
                     if tenant is not None:
                         return tenant
                 raise ServiceError(
-                    grpc.StatusCode.UNAUTHENTICATED,
+                    Status.UNAUTHENTICATED,
                     "missing or invalid bearer token: the token sent is not one the server knows "
                     "(send 'authorization: Bearer <token>', client option token=...)",
                 )
@@ -232,7 +230,7 @@ class AccessControl:
                 if tenant is not None:
                     return tenant
         raise ServiceError(
-            grpc.StatusCode.UNAUTHENTICATED,
+            Status.UNAUTHENTICATED,
             "missing or invalid bearer token: send 'authorization: Bearer <token>' (client option token=...)"
             + (" or a client certificate naming a tenant" if self._by_identity else ""),
         )
@@ -249,7 +247,7 @@ class AccessControl:
         s = self.sessions.sessions.get(session_id) if session_id else None
         if s is not None and s.tenant != tenant.name:
             raise ServiceError(
-                grpc.StatusCode.PERMISSION_DENIED,
+                Status.DENIED,
                 f"session {session_id[:64]!r} belongs to another tenant than {tenant.label}",
             )
         if rule.role is None or tenant.full_access:
@@ -285,7 +283,7 @@ class AccessControl:
         missing = sorted(r.value for r in needed - held)
         if missing:
             raise ServiceError(
-                grpc.StatusCode.PERMISSION_DENIED,
+                Status.DENIED,
                 f"tenant {tenant.label} lacks the {' and '.join(missing)} role on pool {pool[:128]!r} "
                 f"({rpc} needs it)",
             )

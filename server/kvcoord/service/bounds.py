@@ -29,11 +29,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .errors import ServiceError
+from .errors import ServiceError, Status
 
 __all__ = [
     "BOUNDS",
@@ -383,7 +382,7 @@ def check_request(request: Any, limits: Any) -> None:
     except _TooLong as exc:
         setting = f" ([limits] {exc.setting})" if exc.setting else ""
         raise ServiceError(
-            grpc.StatusCode.INVALID_ARGUMENT,
+            Status.INVALID,
             f"{exc.path.lstrip('.')} is {exc.size:,} {exc.unit} long; the longest accepted is "
             f"{exc.bound:,}{setting} (docs/input-bounds.md); nothing was changed",
         ) from None

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import grpc
-
-from .errors import ServiceError
+from .errors import ServiceError, Status
 from .events import EVENT_BYTES, EVENT_HASH_BYTES, EVENT_TOKEN_BYTES
 
 __all__ = [
@@ -78,7 +76,7 @@ class MemoryBudget:
         if self.used + need > self.limit:
             per_block = BLOCK_BYTES + TOKEN_BYTES * max(hash_block_size, 1)
             raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Status.EXHAUSTED,
                 f"pool {name[:128]!r} does not fit the memory budget: it needs an estimated "
                 f"{need:,} bytes ({num_blocks:,} blocks x {per_block:,} bytes = {BLOCK_BYTES} per block + "
                 f"{TOKEN_BYTES} per token x {hash_block_size} tokens per block, its event buffer included), "

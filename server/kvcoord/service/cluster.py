@@ -49,7 +49,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from .access import AccessControl
-from .errors import ServiceError, map_errors
+from .errors import ServiceError, Status, map_errors
 from .ownership import Claim, Member, Ownership, decode_claim, decode_member, encode_claim, encode_member
 from .registry import Placement, PoolRegistry
 
@@ -488,14 +488,14 @@ class ClusterPlacement(Placement):
         cluster, registry = self.cluster, self.registry
         if not cluster.view.may_adopt(pool, from_replica):
             raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Status.PRECONDITION,
                 f"placement does not put pool {pool[:200]!r} on replica {cluster.me.replica_id!r} "
                 f"(without {from_replica!r}): not adopted",
             )
         if cluster.stopping:
-            raise ServiceError(grpc.StatusCode.UNAVAILABLE, f"replica {cluster.me.replica_id!r} is leaving")
+            raise ServiceError(Status.UNAVAILABLE, f"replica {cluster.me.replica_id!r} is leaving")
         if pool in cluster.adopting:
-            raise ServiceError(grpc.StatusCode.ABORTED, f"pool {pool[:200]!r} is being adopted already")
+            raise ServiceError(Status.ABORTED, f"pool {pool[:200]!r} is being adopted already")
         cluster.adopting.add(pool)
         try:
             try:
@@ -503,7 +503,7 @@ class ClusterPlacement(Placement):
                 adopt_pool(registry, value)
             except (ValueError, KeyError, TypeError, cbor2.CBORDecodeError) as exc:
                 raise ServiceError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Status.INVALID,
                     f"the handed-over state of pool {pool[:200]!r} cannot be loaded: {exc}",
                 ) from None
             registry.recorder.adopted(value)
@@ -513,7 +513,7 @@ class ClusterPlacement(Placement):
                 registry.remove(pool)
                 await registry.recorder.durable()
                 raise ServiceError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    Status.PRECONDITION,
                     f"the claim of pool {pool[:200]!r} is no longer revision {claim_revision} of replica "
                     f"{from_replica!r}: not adopted",
                 )
@@ -539,9 +539,7 @@ class ClusterPlacement(Placement):
         view.check(pool, local=False)
         if await self.cluster.claim(pool) is None:
             view.check(pool, local=False)  # the holder's redirect
-            raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE, f"pool {pool[:200]!r} could not be claimed: retry"
-            )
+            raise ServiceError(Status.UNAVAILABLE, f"pool {pool[:200]!r} could not be claimed: retry")
 
     async def after_delete(self, pool: str) -> None:
         await self.cluster.forget(pool)
@@ -564,7 +562,7 @@ class ReplicasServicer(pb_grpc.ReplicasServicer):
         tenant = self.access.authenticate(context.invocation_metadata(), context.auth_context)
         if not tenant.full_access:
             raise ServiceError(
-                grpc.StatusCode.PERMISSION_DENIED,
+                Status.DENIED,
                 "AdoptPool is between replicas: it needs a full-access token",
             )
         term = await self.placement.adopt(

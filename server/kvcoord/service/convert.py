@@ -22,7 +22,7 @@ from kvcoord.wire import (
 )
 
 from . import operations as op
-from .errors import ServiceError, bounded
+from .errors import ServiceError, Status, bounded
 from .pool_service import Fence, HashSettings, PoolScore, UnscoredPool
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -48,7 +48,7 @@ __all__ = [
 
 
 def _invalid(message: str) -> ServiceError:
-    return ServiceError(grpc.StatusCode.INVALID_ARGUMENT, message)
+    return ServiceError(Status.INVALID, message)
 
 
 # -- operations -------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         if lk.HasField("answered"):
             if len(lk.answered.groups) != num_groups:
                 raise ServiceError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Status.INVALID,
                     f"lookup.answered must have one block list per KV cache group ({num_groups}), "
                     f"got {len(lk.answered.groups)}",
                 )

@@ -1,4 +1,9 @@
-"""Errors of the service layer and the one table that maps every error to a gRPC status."""
+"""Errors of the service layer and the one table that maps every error to a gRPC status.
+
+The rules modules (pool_service, sessions, idempotency, registry, ...) say what went
+wrong with a :class:`Status` of their own and never import gRPC; :data:`_GRPC_CODES`
+here is the only place a status becomes a gRPC one.
+"""
 
 from __future__ import annotations
 
@@ -21,7 +26,9 @@ __all__ = [
     "STOPPING_AFTER_JOURNAL_FAILURE",
     "ErrorReason",
     "Position",
+    "as_service_error",
     "ServiceError",
+    "Status",
     "bounded",
     "grpc_code",
     "map_errors",
@@ -43,6 +50,54 @@ MAX_MESSAGE_CHARS = 1024
 REASON_METADATA_KEY = "kvcoord-reason"
 #: Trailing-metadata key carrying the owner's address with NOT_OWNER.
 OWNER_METADATA_KEY = "kvcoord-owner"
+
+
+class Status(enum.Enum):
+    """What kind of failure the service decided (its gRPC code: :data:`_GRPC_CODES`)."""
+
+    #: the input is wrong whatever the state (INVALID_ARGUMENT)
+    INVALID = enum.auto()
+    NOT_FOUND = enum.auto()
+    ALREADY_EXISTS = enum.auto()
+    #: the caller may not do this (PERMISSION_DENIED)
+    DENIED = enum.auto()
+    #: the caller's credentials are missing or unknown (UNAUTHENTICATED)
+    UNAUTHENTICATED = enum.auto()
+    #: the state does not allow it (FAILED_PRECONDITION)
+    PRECONDITION = enum.auto()
+    #: a limit is reached (RESOURCE_EXHAUSTED)
+    EXHAUSTED = enum.auto()
+    #: retry later (UNAVAILABLE)
+    UNAVAILABLE = enum.auto()
+    #: the outcome must be treated as lost (ABORTED)
+    ABORTED = enum.auto()
+    #: a fault of the server itself (INTERNAL)
+    INTERNAL = enum.auto()
+
+
+_GRPC_CODES: dict[Status, grpc.StatusCode] = {
+    Status.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Status.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
+    Status.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    Status.DENIED: grpc.StatusCode.PERMISSION_DENIED,
+    Status.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    Status.PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    Status.EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Status.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Status.ABORTED: grpc.StatusCode.ABORTED,
+    Status.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+#: the engine's statuses as the service's
+_ENGINE_STATUSES: dict[ErrorStatus, Status] = {
+    ErrorStatus.INVALID_ARGUMENT: Status.INVALID,
+    ErrorStatus.NOT_FOUND: Status.NOT_FOUND,
+    ErrorStatus.ALREADY_EXISTS: Status.ALREADY_EXISTS,
+    ErrorStatus.FAILED_PRECONDITION: Status.PRECONDITION,
+}
+
+#: what a client is told of a fault it cannot act on (the traceback is logged)
+INTERNAL_MESSAGE = "internal server error (see the server log)"
 
 
 class ErrorReason(enum.Enum):
@@ -86,7 +141,7 @@ class ServiceError(Exception):
     """A failure decided by the service (unknown pool, limits, sessions, fencing, auth).
 
     Args:
-        code: the gRPC status.
+        status: what kind of failure (a :class:`Status`; a gRPC code is refused).
         message: for people; cut to MAX_MESSAGE_CHARS on the wire.
         reason: for programs, when the caller must do something particular.
         position: the request's server-side position, with SYNC_MISMATCH / REQUEST_UNKNOWN.
@@ -95,26 +150,37 @@ class ServiceError(Exception):
 
     def __init__(
         self,
-        code: grpc.StatusCode,
+        status: Status,
         message: str,
         reason: ErrorReason | None = None,
         position: Position | None = None,
         owner: str | None = None,
     ) -> None:
+        if not isinstance(status, Status):
+            raise TypeError(f"ServiceError takes a Status (service/errors.py), not {status!r}")
         super().__init__(message)
-        self.code = code
+        self.status = status
         self.message = message
         self.reason = reason
         self.position = position
         self.owner = owner
 
+    @property
+    def code(self) -> grpc.StatusCode:
+        """The gRPC status this error is answered with."""
+        return _GRPC_CODES[self.status]
 
-_ENGINE_CODES: dict[ErrorStatus, grpc.StatusCode] = {
-    ErrorStatus.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
-    ErrorStatus.NOT_FOUND: grpc.StatusCode.NOT_FOUND,
-    ErrorStatus.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
-    ErrorStatus.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
-}
+
+def as_service_error(exc: Exception) -> ServiceError:
+    """Any exception raised while applying an operation, as the ServiceError its caller
+    is answered with: an engine error keeps its status and message; anything else is a
+    fault of the server, logged with its traceback and answered INTERNAL."""
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, EngineError):
+        return ServiceError(_ENGINE_STATUSES[exc.status], bounded(str(exc)))
+    logger.exception("internal error", exc_info=exc)
+    return ServiceError(Status.INTERNAL, INTERNAL_MESSAGE)
 
 
 def grpc_code(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -124,16 +190,16 @@ def grpc_code(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     logged, never sent.
     """
     if isinstance(exc, ServiceError):
-        return exc.code, bounded(exc.message)
+        return _GRPC_CODES[exc.status], bounded(exc.message)
     if isinstance(exc, EngineError):
-        return _ENGINE_CODES[exc.status], bounded(str(exc))
+        return _GRPC_CODES[_ENGINE_STATUSES[exc.status]], bounded(str(exc))
     if isinstance(exc, JournalError):
         # Applied in memory, maybe not on disk: the outcome is unknown, and this server
         # stops (server.py). UNAVAILABLE tells the client to retry the same idempotency
         # key against the restarted server, which answers from the journal or applies once.
         return grpc.StatusCode.UNAVAILABLE, bounded(f"{exc}; {STOPPING_AFTER_JOURNAL_FAILURE}")
     logger.exception("internal error", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, "internal server error (see the server log)"
+    return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
 
 
 def _trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:

@@ -32,9 +32,7 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
-import grpc
-
-from .errors import ErrorReason, ServiceError
+from .errors import ErrorReason, ServiceError, Status
 
 __all__ = ["ENTRY_BYTES", "IdempotencyStore", "Stored", "entry_bytes"]
 
@@ -104,7 +102,7 @@ class IdempotencyStore:
                 self._drop_past_retries(self.max_bytes - need)
             if self.entry_bytes + need > self.max_bytes:
                 raise ServiceError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    Status.EXHAUSTED,
                     f"idempotency_max_bytes ({self.max_bytes:,}) is taken by the {len(self._entries):,} keys "
                     f"of the last {self.window / 2:g} s ({self.entry_bytes:,} bytes, answers already "
                     "dropped); nothing was applied: retry later, or raise server.idempotency_max_bytes",
@@ -113,14 +111,14 @@ class IdempotencyStore:
         if entry.rpc != rpc or entry.digest != digest:
             what = f"a {entry.rpc} call" if entry.rpc != rpc else "another request body"
             raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Status.INVALID,
                 f"idempotency key {key[:64]!r} was already used by this session for {what}; "
                 "use a new key for a new call",
                 ErrorReason.KEY_REUSED,
             )
         if entry.answer is None:
             raise ServiceError(
-                grpc.StatusCode.ABORTED,
+                Status.ABORTED,
                 f"the call with idempotency key {key[:64]!r} was applied, but its answer was dropped "
                 f"to stay within idempotency_max_bytes ({self.max_bytes}); treat the requests it "
                 "named as lost",

@@ -299,7 +299,7 @@ async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_secon
             continue
         cursor = items[-1][0]
         namespace = service.cache_namespace(decl.tenant)
-        prefix = service.engine.cache_namespaces.get(namespace, b"") if namespace else b""
+        prefix = (service.cache_prefix_of(namespace) or b"") if namespace else b""
         events = [e for _, e in items if isinstance(e, AllBlocksCleared) or e.cache_prefix == prefix]
         if events:
             publisher.submit(events)

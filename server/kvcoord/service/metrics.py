@@ -144,14 +144,12 @@ class _PoolCollector(Collector):
             for s in servicer.registry.sessions.sessions.values():
                 session_counts[s.pool] = session_counts.get(s.pool, 0) + 1
         for h in pools:
-            e = h.engine
-            bp = e.block_pool
-            c = e.lookup_counters
+            c = h.counters()
             n = [h.name]
-            usage.add_metric(n, e.usage)
-            free.add_metric(n, e.num_free_blocks)
+            usage.add_metric(n, c.usage)
+            free.add_metric(n, c.num_free_blocks)
             total.add_metric(n, h.config.num_blocks - 1)
-            live.add_metric(n, len(e.requests))
+            live.add_metric(n, c.num_requests)
             sessions.add_metric(n, session_counts.get(h.name, 0))
             lookups.add_metric(n, c.lookups, created=h.created_at)
             queries.add_metric(n, c.queries, created=h.created_at)
@@ -161,10 +159,10 @@ class _PoolCollector(Collector):
                 group_hits.add_metric(
                     [h.name, str(g), type(h.config.groups[g]).__name__], tokens, created=h.created_at
                 )
-            evictions.add_metric(n, bp.num_evictions, created=h.created_at)
-            refusals.add_metric(n, e.num_refusals, created=h.created_at)
-            allocated.add_metric(n, bp.num_allocated, created=h.created_at)
-            freed.add_metric(n, bp.num_freed, created=h.created_at)
+            evictions.add_metric(n, c.evictions, created=h.created_at)
+            refusals.add_metric(n, c.refusals, created=h.created_at)
+            allocated.add_metric(n, c.allocated, created=h.created_at)
+            freed.add_metric(n, c.freed, created=h.created_at)
             events.add_metric(n, h.events.last_sequence, created=h.created_at)
             if placement is not None:
                 owned.add_metric([h.name, placement.replica_id], 1 if placement.serves(h.name) else 0)
@@ -208,7 +206,7 @@ def _reservation_families() -> dict[str, Any]:
 
 
 def _add_reservations(families: dict[str, Any], service: PoolService) -> None:
-    r = service.engine.reservations
+    r = service.reservations
     n = [service.name]
     families["live"].add_metric(n, len(r.live))
     c = r.counters

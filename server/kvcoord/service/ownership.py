@@ -30,9 +30,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-import grpc
-
-from .errors import ErrorReason, ServiceError
+from .errors import ErrorReason, ServiceError, Status
 
 __all__ = [
     "Claim",
@@ -258,14 +256,14 @@ class Ownership:
         """
         if not self.lease_valid:
             raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
+                Status.UNAVAILABLE,
                 f"replica {self.me.replica_id!r} cannot reach the cluster store: it serves no pool until "
                 "its membership lease is renewed (retry; another replica may own the pool)",
             )
         claim = self.claims.get(pool)
         if pool in self.moving:
             raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
+                Status.UNAVAILABLE,
                 f"pool {pool[:200]!r} is moving to another replica (membership changed): retry",
             )
         if claim is not None:
@@ -274,19 +272,17 @@ class Ownership:
             raise not_owner(pool, claim.replica_id, claim.address, self.me.replica_id)
         placed = owner_of(pool, self.members.values())
         if placed is None:
-            raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE, "the cluster has no live member (the store lists none)"
-            )
+            raise ServiceError(Status.UNAVAILABLE, "the cluster has no live member (the store lists none)")
         if placed.replica_id != self.me.replica_id:
             raise not_owner(pool, placed.replica_id, placed.address, self.me.replica_id)
         if local:
             raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
+                Status.UNAVAILABLE,
                 f"replica {self.me.replica_id!r} holds pool {pool[:200]!r} but has not claimed it yet: retry",
             )
         if pool in self.catalog:
             raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
+                Status.UNAVAILABLE,
                 f"pool {pool[:200]!r} exists in the cluster but no live replica holds it (its owner "
                 "stopped without handing it over): retry once its owner is back",
             )
@@ -305,7 +301,7 @@ def not_owner(pool: str, replica_id: str, address: str, me: str) -> ServiceError
     """The redirect: FAILED_PRECONDITION, NOT_OWNER, naming the owner (in the
     ``kvcoord-owner`` trailer and the message)."""
     return ServiceError(
-        grpc.StatusCode.FAILED_PRECONDITION,
+        Status.PRECONDITION,
         f"pool {pool[:200]!r} is served by replica {replica_id!r} at {address}, not by {me!r}: "
         "send the call there",
         ErrorReason.NOT_OWNER,

@@ -4,7 +4,11 @@
 it: which session owns which request, positioned request sync, Step semantics
 (apply in order, stop at the first failure), per-session event cursors and
 prefix-cache statistics, fencing by server instance and pool incarnation, and the
-event journal. The servicer only converts messages to and from these calls.
+event journal. It is the only door to the engine: the servicer, recovery, the
+registry and metrics read and change a pool through its methods, never the engine
+itself. The servicer only converts messages to and from these calls. Failures are
+:class:`~.errors.ServiceError` with a rules :class:`~.errors.Status`; this module
+imports no gRPC.
 
 Every pool operation runs on the server's event loop without awaiting, so a pool is
 linearizable. A failed operation changes nothing (the engine validates first; a
@@ -14,10 +18,9 @@ request sync made for a failed operation is undone).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-import grpc
 from kvcoord.engine import (
     AllBlocksCleared,
     CacheHit,
@@ -30,10 +33,13 @@ from kvcoord.engine import (
     RequestCheckpoint,
     StaleCacheHitError,
 )
+from kvcoord.engine.invariants import PoolCheck, check_pool
+from kvcoord.engine.reservations import Reservations
+from kvcoord.engine.state import export_state, import_state
 
 from . import operations as op
 from .budget import event_buffer_bytes
-from .errors import ErrorReason, Position, ServiceError
+from .errors import ErrorReason, Position, ServiceError, Status, as_service_error
 from .events import EventJournal, event_wire_bytes
 from .sessions import Session, SessionTable
 
@@ -49,9 +55,12 @@ __all__ = [
     "UNSCORED_TOO_LONG",
     "Fence",
     "HashSettings",
+    "Inspection",
     "Limits",
+    "PoolCounters",
     "PoolScore",
     "PoolService",
+    "RequestView",
     "ReservationLease",
     "UnscoredPool",
 ]
@@ -68,6 +77,10 @@ class Fence:
     #: the pool's ownership term in a cluster (ownership.py); 0: a single node
     term: int = 0
 
+
+#: Attach's pool state: the first never-used block, the used free blocks (head first),
+#: the prefix-cache map as (hash, block) pairs (engine ``replica_state``)
+ReplicaState = tuple[int, list[int], list[tuple[bytes, int]]]
 
 #: (hash_algo, hash_block_size, hash_seed): how a pool's clients hash blocks
 HashSettings = tuple[str, int, str]
@@ -108,6 +121,45 @@ class UnscoredPool:
     pool: str
     reason: str
     message: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RequestView:
+    """One request as InspectPool shows it."""
+
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_computed_tokens: int
+    num_tokens: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Inspection:
+    """A pool's state for an operator (:meth:`PoolService.inspect`)."""
+
+    num_free_blocks: int
+    usage: float
+    free_queue_head: list[int]
+    requests: list[RequestView]
+    cached_block_ids: list[int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PoolCounters:
+    """A pool's lifetime counters and gauges (the /metrics scrape)."""
+
+    usage: float
+    num_free_blocks: int
+    num_requests: int
+    lookups: int
+    queries: int
+    hits: int
+    short_lookups: int
+    group_hit_tokens: tuple[int, ...]
+    evictions: int
+    refusals: int
+    allocated: int
+    freed: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -208,7 +260,7 @@ class PoolService:
             return
         if not self.knows_instance(fence.instance_id):
             raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Status.PRECONDITION,
                 f"the server restarted (instance {fence.instance_id[:40]!r} is gone, this is "
                 f"{self.fence.instance_id!r}): every block id you hold in pool {self.name!r} is void; "
                 "attach again and recompute your requests",
@@ -216,7 +268,7 @@ class PoolService:
             )
         if fence.incarnation != self.fence.incarnation:
             raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Status.PRECONDITION,
                 f"pool {self.name!r} was deleted and created again (incarnation {fence.incarnation} is "
                 f"gone, this is {self.fence.incarnation}): every block id you hold in it is void; "
                 "attach again and recompute your requests",
@@ -224,7 +276,7 @@ class PoolService:
             )
         if fence.term and fence.term > self.fence.term:
             raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
+                Status.UNAVAILABLE,
                 f"pool {self.name!r} has a newer owner than this replica (term {fence.term} was answered, this "
                 f"replica holds term {self.fence.term}): retry, the current owner will answer",
             )
@@ -265,14 +317,14 @@ class PoolService:
             diffs.append(f"hash_seed is {seed!r} but the client uses {hash_seed[:64]!r}")
         if diffs:
             raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Status.PRECONDITION,
                 f"pool {self.name!r} hashes differently, so no prefix would ever hit: " + "; ".join(diffs),
                 ErrorReason.HASH_MISMATCH,
             )
         wait = self.grace_until - self.sessions.clock()
         if wait > 0:
             raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
+                Status.UNAVAILABLE,
                 f"the server restarted while leases of its previous instance may still run; pool "
                 f"{self.name!r} hands out no block for another {wait:.1f} s (retry then)",
                 ErrorReason.GRACE_PERIOD,
@@ -293,12 +345,12 @@ class PoolService:
                 # The holder's client is named to its own tenant only.
                 whose = f"({holder.client_name!r})" if holder.tenant == tenant else "of another tenant"
                 message = f"pool {self.name!r} has an exclusive session {whose}; no other may attach"
-            raise ServiceError(grpc.StatusCode.FAILED_PRECONDITION, message, ErrorReason.POOL_EXCLUSIVE)
+            raise ServiceError(Status.PRECONDITION, message, ErrorReason.POOL_EXCLUSIVE)
         limit = max_sessions or self.limits.max_sessions_per_tenant
         live = self.sessions.count_of_tenant(tenant)
         if live >= limit:
             raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Status.EXHAUSTED,
                 f"tenant {tenant or '(full access)'!r} already has {live} live sessions "
                 f"(max_sessions_per_tenant {limit}); detach unused ones or let their leases end",
             )
@@ -332,6 +384,11 @@ class PoolService:
         if "*" in shared or tenant in shared:
             return ""
         return tenant
+
+    def cache_prefix_of(self, namespace: str) -> bytes | None:
+        """The key prefix of a cache namespace the pool has seen (None: never seen; looking
+        it up registers nothing)."""
+        return self.engine.cache_namespaces.get(namespace)
 
     def session(self, session_id: str, fence: Fence | None) -> Session:
         """The caller's live session, renewed (fence checked first).
@@ -396,7 +453,7 @@ class PoolService:
         try:
             hit = self.find_longest_cache_hit(hashes, num_tokens, tenant)
         except EngineError as exc:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"pool {self.name!r}: {exc}") from None
+            raise ServiceError(Status.INVALID, f"pool {self.name!r}: {exc}") from None
         return PoolScore(
             self.name, hit, engine.num_free_blocks, engine.usage, self.config.num_blocks - 1, self.fence
         )
@@ -413,7 +470,7 @@ class PoolService:
         """
         if any(o.exclusive for o in self.sessions.of_pool(self.name)):
             raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Status.PRECONDITION,
                 f"pool {self.name!r} has an exclusive session, which predicts every allocation: "
                 "it cannot hold reservations",
                 ErrorReason.POOL_EXCLUSIVE,
@@ -478,6 +535,100 @@ class PoolService:
         c = self.engine.lookup_counters
         return PrefixCacheStats(requests=c.lookups, queries=c.queries, hits=c.hits)
 
+    # -- the pool as a whole: what the servicer, recovery and the registry read and do ---
+    @property
+    def num_free_blocks(self) -> int:
+        return self.engine.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.engine.usage
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.engine.requests)
+
+    @property
+    def num_materialised_blocks(self) -> int:
+        """Blocks the engine has built so far (the GC freezer counts them)."""
+        return len(self.engine.block_pool.blocks)
+
+    @property
+    def reservations(self) -> Reservations:
+        """The engine's reservations (live ones and counters); read them, never change them."""
+        return self.engine.reservations
+
+    def counters(self) -> PoolCounters:
+        e = self.engine
+        bp = e.block_pool
+        c = e.lookup_counters
+        return PoolCounters(
+            e.usage, e.num_free_blocks, len(e.requests), c.lookups, c.queries, c.hits, c.short_lookups,
+            tuple(c.group_hit_tokens), bp.num_evictions, e.num_refusals, bp.num_allocated, bp.num_freed,
+        )  # fmt: skip
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's reset_prefix_cache, its events published; False when a block is still
+        in use (nothing changed). The ResetPrefixCache RPC, its replay and a restored
+        journal's fencing all reset through here."""
+        done = self.engine.reset_prefix_cache()
+        self._publish()
+        return done
+
+    def pool_state(self) -> ReplicaState | str:
+        """What an exclusive client's copy of this pool starts from (Attach's pool state),
+        or why it cannot have one."""
+        return self.engine.replica_state()
+
+    def check(self) -> PoolCheck:
+        """Every invariant of the engine checked (CheckPool); changes nothing."""
+        return check_pool(self.engine)
+
+    def inspect(
+        self,
+        request_ids: Sequence[str],
+        all_requests: bool = False,
+        free_queue_limit: int | None = None,
+        include_cached_blocks: bool = False,
+    ) -> Inspection:
+        """The pool's state for an operator (InspectPool); changes nothing.
+
+        Raises:
+            EngineError: NOT_FOUND for an unknown request id.
+        """
+        e = self.engine
+        rids = sorted(e.requests) if all_requests else request_ids
+        states = []
+        for rid in rids:
+            req = e.get_request(rid)
+            states.append(RequestView(rid, e.get_block_ids(rid), req.num_computed_tokens, req.num_tokens))
+        return Inspection(
+            e.num_free_blocks,
+            e.usage,
+            e.free_queue_head(free_queue_limit),
+            states,
+            e.cached_block_ids() if include_cached_blocks else [],
+        )
+
+    def teardown(self) -> Iterator[None]:
+        """Release a deleted pool's objects a slice at a time (yields between slices)."""
+        return self.engine.teardown()
+
+    def export_state(self) -> dict[str, Any]:
+        """The engine's state as plain values (snapshots: recovery.py)."""
+        return export_state(self.engine)
+
+    def import_state(self, value: dict[str, Any]) -> None:
+        """Replace the engine by one rebuilt from :meth:`export_state`'s value."""
+        self.engine = import_state(self.config, value)
+
+    def replay_reserve(
+        self, reservation_id: str, hashes: Sequence[bytes], num_tokens: int, tenant: str
+    ) -> None:
+        """Hold a journaled reservation again, with no lease (recovery releases it at once:
+        :meth:`expired_reservations`)."""
+        self.engine.reserve(reservation_id, hashes, num_tokens, self.cache_namespace(tenant))
+
     # -- operations ---------------------------------------------------------------------
     def apply(self, s: Session, ops: Sequence[op.Operation]) -> list[op.Outcome]:
         """Apply ``ops`` in order for session ``s``; after the first failure the rest
@@ -486,11 +637,7 @@ class PoolService:
         Raises:
             ServiceError: RESOURCE_EXHAUSTED when there are too many operations.
         """
-        if len(ops) > self.limits.max_ops_per_step:
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(ops)} operations in one Step; the limit is {self.limits.max_ops_per_step}",
-            )
+        self.check_step_size(len(ops))
         engine = self.engine
         shared_stats = engine.prefix_cache_stats
         if shared_stats is not None:
@@ -507,8 +654,8 @@ class PoolService:
                 except ServiceError as exc:
                     out.append(op.Outcome(error=exc))
                     failed = i
-                except Exception as exc:  # engine errors: mapped by the caller's table
-                    out.append(op.Outcome(error=_as_service_error(exc)))
+                except Exception as exc:  # engine errors keep their status (errors.py)
+                    out.append(op.Outcome(error=as_service_error(exc)))
                     failed = i
                 else:
                     out.append(op.Outcome(value))
@@ -519,6 +666,16 @@ class PoolService:
                 engine.prefix_cache_stats = shared_stats
         return out
 
+    def check_step_size(self, n: int) -> None:
+        """Raises:
+        ServiceError: RESOURCE_EXHAUSTED when ``n`` operations are more than a Step may hold.
+        """
+        if n > self.limits.max_ops_per_step:
+            raise ServiceError(
+                Status.EXHAUSTED,
+                f"{n} operations in one Step; the limit is {self.limits.max_ops_per_step}",
+            )
+
     def free_requests(self, s: Session, request_ids: Sequence[str], preempt: bool) -> None:
         """Free (or preempt) several requests, all checked before any is touched.
 
@@ -528,7 +685,7 @@ class PoolService:
                 PERMISSION_DENIED for another session's request of the same tenant.
         """
         if len(set(request_ids)) != len(request_ids):
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_ids lists a request twice")
+            raise ServiceError(Status.INVALID, "request_ids lists a request twice")
         for rid in request_ids:
             self._owned(s, rid)
         kind = op.Preempt if preempt else op.Free
@@ -552,20 +709,20 @@ class PoolService:
     def _owned(self, s: Session, rid: str) -> None:
         """Check that ``rid`` exists and belongs to ``s``."""
         if not rid:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+            raise ServiceError(Status.INVALID, "request_id is required")
         owner = self.owners.get(rid)
         if owner is None or owner.tenant != s.tenant:
             # Another tenant's request is answered exactly as an unknown one: no caller
             # learns which request ids another tenant has live.
             raise ServiceError(
-                grpc.StatusCode.NOT_FOUND,
+                Status.NOT_FOUND,
                 f"request {rid[:128]!r} is not in pool {self.name!r} (never registered, or freed)",
                 ErrorReason.REQUEST_UNKNOWN,
                 self._position(rid) if owner is None else Position(rid, False),
             )
         if owner is not s:
             raise ServiceError(
-                grpc.StatusCode.PERMISSION_DENIED,
+                Status.DENIED,
                 f"request {rid[:128]!r} belongs to another session of pool {self.name!r}",
             )
 
@@ -580,10 +737,10 @@ class PoolService:
         engine = self.engine
         if sync.new_request:
             if not rid:
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+                raise ServiceError(Status.INVALID, "request_id is required")
             if sync.base_num_tokens or sync.base_num_hashes:
                 raise ServiceError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
+                    Status.INVALID,
                     f"request {rid[:128]!r}: a new_request sync starts at position 0, got base "
                     f"{sync.base_num_tokens} tokens / {sync.base_num_hashes} hashes",
                 )
@@ -592,25 +749,25 @@ class PoolService:
                 # Request ids are pool-wide: this one is taken, and saying so is unavoidable
                 # (README "Tenants"), but not by whom.
                 raise ServiceError(
-                    grpc.StatusCode.PERMISSION_DENIED,
+                    Status.DENIED,
                     f"request id {rid[:128]!r} is in use in pool {self.name!r}; request ids are shared by "
                     "every tenant of a pool: use unique (random) ones",
                 )
             if owner is not None and owner is not s:
                 raise ServiceError(
-                    grpc.StatusCode.PERMISSION_DENIED,
+                    Status.DENIED,
                     f"request {rid[:128]!r} belongs to another session of pool {self.name!r}",
                 )
             if rid in engine.requests:
                 raise ServiceError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    Status.PRECONDITION,
                     f"request {rid[:128]!r} is already registered in pool {self.name!r}",
                     ErrorReason.SYNC_MISMATCH,
                     self._position(rid),
                 )
             if len(engine.requests) >= self.limits.max_requests_per_pool:
                 raise ServiceError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    Status.EXHAUSTED,
                     f"pool {self.name!r} already tracks {len(engine.requests)} requests (max_requests_per_pool)",
                 )
             engine.add_request(
@@ -641,7 +798,7 @@ class PoolService:
         req = engine.requests[rid]
         if req.num_tokens != sync.base_num_tokens or len(req.block_hashes) != sync.base_num_hashes:
             raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Status.PRECONDITION,
                 f"request {rid[:128]!r}: the sync applies at {sync.base_num_tokens} tokens / "
                 f"{sync.base_num_hashes} hashes, but the server holds {req.num_tokens} / "
                 f"{len(req.block_hashes)}; nothing was changed",
@@ -671,10 +828,10 @@ class PoolService:
     def _lookup(self, s: Session, o: op.Lookup) -> op.Value:
         if o.hint:
             if o.answered is not None:
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "a lookup is either a hint or answered")
+                raise ServiceError(Status.INVALID, "a lookup is either a hint or answered")
             if not s.exclusive:
                 raise ServiceError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    Status.PRECONDITION,
                     "hint lookups need an exclusive session: with other sessions on the pool "
                     "nothing the client can see proves a hint still holds",
                 )
@@ -694,7 +851,7 @@ class PoolService:
                 return self.engine.check_lookup(rid, answered, answered.num_tokens)
             except HintMismatchError as err:
                 raise ServiceError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
+                    Status.PRECONDITION,
                     f"{err}; the client's proof that its hint still held was wrong: treat the "
                     "requests of this Step as lost and report this as a bug",
                     ErrorReason.PREDICTION_FAILED,
@@ -706,9 +863,7 @@ class PoolService:
         engine = self.engine
         rid = o.sync.request_id
         if o.must_refuse and (o.must_succeed or o.lookup):
-            raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT, "must_refuse cannot be combined with must_succeed or lookup"
-            )
+            raise ServiceError(Status.INVALID, "must_refuse cannot be combined with must_succeed or lookup")
         undo = self.sync(s, o.sync)
         try:
             if o.lookup:
@@ -752,7 +907,7 @@ class PoolService:
         if new is not None and o.must_refuse:
             # Applied (its blocks stay with the request until the client frees it).
             raise ServiceError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                Status.PRECONDITION,
                 f"request {rid[:128]!r}: the pool granted an allocation the client had already answered "
                 f"as refused ({engine.num_free_blocks} blocks free after it); its count of free blocks "
                 "was wrong, treat the requests of this Step as lost and report this as a bug",
@@ -767,14 +922,12 @@ class PoolService:
         columns = (o.base_num_tokens, o.base_num_hashes, o.num_computed_tokens, o.num_new_tokens,
                    o.num_lookahead_tokens, o.num_append_tokens, o.num_append_hashes)  # fmt: skip
         if any(len(c) != n for c in columns):
-            raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT, "allocate_run: every column needs one value per entry"
-            )
+            raise ServiceError(Status.INVALID, "allocate_run: every column needs one value per entry")
         if sum(o.num_append_tokens) != len(o.append_token_ids) or sum(o.num_append_hashes) != len(
             o.append_block_hashes
         ):
             raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Status.INVALID,
                 "allocate_run: num_append_tokens / num_append_hashes do not add up to the appended values",
             )
         engine = self.engine
@@ -837,13 +990,13 @@ class PoolService:
                    checks.num_tokens)  # fmt: skip
         if any(len(col) != m for col in columns):
             raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Status.INVALID,
                 "allocate_run: every check_* column needs one value per check",
             )
         at = checks.at
         if m and (at[-1] > n or any(a > b for a, b in zip(at, at[1:], strict=False))):
             raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Status.INVALID,
                 f"allocate_run: check_at must not decrease and be at most the number of entries ({n})",
             )
         return at
@@ -868,7 +1021,7 @@ class PoolService:
             f"({self.engine.num_free_blocks} blocks free); its bound was wrong"
         )
         return ServiceError(
-            grpc.StatusCode.FAILED_PRECONDITION,
+            Status.PRECONDITION,
             f"request {rid[:128]!r}: {what}, treat the requests of this Step as lost and report this as a bug",
             ErrorReason.PREDICTION_FAILED,
         )
@@ -915,7 +1068,7 @@ class PoolService:
         return self.engine.get_num_common_prefix_blocks(o.request_id)
 
     def _reset(self, s: Session, o: op.ResetPrefixCache) -> op.Value:
-        return self.engine.reset_prefix_cache()
+        return self.reset_prefix_cache()
 
     def _take_events(self, s: Session, o: op.TakeEvents) -> op.Value:
         budget = self.answer_event_bytes
@@ -1021,9 +1174,7 @@ class PoolService:
         """Lookup then allocate each request in order, as a scheduler's waiting loop
         does, until the budget is spent or the pool refuses one."""
         if o.token_budget < 0 or o.num_lookahead_tokens < 0:
-            raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT, "token_budget and num_lookahead_tokens must be >= 0"
-            )
+            raise ServiceError(Status.INVALID, "token_budget and num_lookahead_tokens must be >= 0")
         engine = self.engine
         budget = o.token_budget
         out: list[op.AllocateOutcome] = []
@@ -1059,13 +1210,6 @@ class PoolService:
     def _sync(self, s: Session, o: op.Sync) -> op.Value:
         self.sync(s, o.sync)
         return None
-
-
-def _as_service_error(exc: Exception) -> ServiceError:
-    from .errors import grpc_code  # the one mapping table
-
-    code, message = grpc_code(exc)
-    return ServiceError(code, message)
 
 
 _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import grpc
-
-from .errors import ErrorReason, ServiceError
+from .errors import ErrorReason, ServiceError, Status
 from .pool_service import Fence
 
 __all__ = ["JournalPositions"]
@@ -87,7 +85,7 @@ class JournalPositions:
         if self.on_behind is not None:
             self.on_behind(reason)
         raise ServiceError(
-            grpc.StatusCode.FAILED_PRECONDITION,
+            Status.PRECONDITION,
             f"{reason}; every session is ended and every block id you hold is void: attach again (after "
             "the grace period) and recompute your requests",
             ErrorReason.INSTANCE_CHANGED,

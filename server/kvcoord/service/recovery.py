@@ -11,8 +11,9 @@ naming the file.
 
 Records are replayed under the limits they were applied with (``limits`` records), so
 raising a limit (or changing anything that changes no acknowledged answer) never
-prevents a restart; each replayed call's answer is rebuilt by the servicer's own
-answer builders and its digest compared with the journaled one. Once replayed, the
+prevents a restart; each replayed call is applied and answered as it was live
+(mutations.py, with the servicer's :data:`~.servicer.MUTATIONS`) and its answer's
+digest compared with the journaled one. Once replayed, the
 configured limits apply: a pool holding more than a lowered limit allows stops the
 start, naming the pool and the record.
 """
@@ -29,16 +30,15 @@ from typing import Any
 
 import cbor2
 from kvcoord.engine import PrefixCacheStats
-from kvcoord.engine.state import STATE_VERSION, event_from_value, event_to_value, export_state, import_state
+from kvcoord.engine.state import STATE_VERSION, event_from_value, event_to_value
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .convert import allocate_from_pb, operation_from_pb
-from .durability import SNAPSHOT_FILE_GLOB, JournalRecorder, answer_digest, decode_record
-from .errors import ServiceError
+from .durability import SNAPSHOT_FILE_GLOB, JournalRecorder, decode_record
 from .journal import Journal, JournalError, JournalStore
+from .mutations import MutationRunner, take_events_budget
 from .pool_service import Limits, PoolService
 from .registry import PoolRegistry
-from .servicer import allocate_answer, free_answer, step_answer, take_events_budget
+from .servicer import MUTATIONS
 from .sessions import Session
 
 __all__ = [
@@ -76,7 +76,7 @@ def pool_value(service: PoolService) -> dict[str, Any]:
         "config": wire.SerializeToString(),
         "incarnation": service.fence.incarnation,
         "created_at": service.created_at,
-        "engine": export_state(service.engine),
+        "engine": service.export_state(),
         "events": [(seq, event_to_value(e)) for seq, e in service.events.kept()],
         "last_sequence": service.events.last_sequence,
         "owners": [(rid, s.session_id) for rid, s in service.owners.items()],
@@ -143,7 +143,7 @@ def _load_pools(
         service, _ = registry.create(
             p["name"], pb.PoolConfig.FromString(p["config"]), p["incarnation"], p["created_at"]
         )
-        service.engine = import_state(service.config, p["engine"])
+        service.import_state(p["engine"])
         if p.get("term"):
             service.fence = dataclasses.replace(service.fence, term=int(p["term"]))
         service.events.restore([(seq, event_from_value(v)) for seq, v in p["events"]], p["last_sequence"])
@@ -295,13 +295,10 @@ class Replayer:
         elif kind == "call":
             self._call(record, when)
         elif kind == "reset":
-            service = registry.pools[record[2]]
-            service.engine.reset_prefix_cache()
-            service.events.publish(service.engine.take_events())
+            registry.pools[record[2]].reset_prefix_cache()
         elif kind == "reserve":  # held again, with no time left (released after recovery)
             _, _, pool, reservation_id, num_tokens, hashes, tenant = record
-            service = registry.pools[pool]
-            service.engine.reserve(reservation_id, hashes, num_tokens, service.cache_namespace(tenant))
+            registry.pools[pool].replay_reserve(reservation_id, hashes, num_tokens, tenant)
         elif kind == "unreserve":
             registry.pools[record[2]].release_reservation(record[3])
         else:
@@ -309,69 +306,13 @@ class Replayer:
 
     def _call(self, record: list[Any], when: float) -> None:
         _, _, rpc, body, key, digest, told = record
-        registry = self.registry
-        request: Any
-        if rpc == "Step":
-            request = pb.StepRequest.FromString(body)
-        elif rpc == "Allocate":
-            request = pb.AllocateRequest.FromString(body)
-        elif rpc == "Free":
-            request = pb.FreeRequest.FromString(body)
-        else:
+        m = MUTATIONS.get(rpc)
+        if m is None:
             raise ValueError(f"unknown rpc {rpc!r}")
-        service = registry.pools[request.pool]
-        self.touched[request.pool] = self.seq
-        s = registry.sessions.sessions[request.session_id]
-        groups = len(service.config.groups)
-        service.answer_event_bytes = take_events_budget(registry.max_message_bytes)
-        fence = pb.Fence(
-            instance_id=self.writer, incarnation=service.fence.incarnation, term=service.fence.term
-        )
-        response: Any = None
-        if rpc == "Step":
-            operations = [operation_from_pb(o, groups) for o in request.ops]
-            outcomes = service.apply(s, operations)
-            response = step_answer(
-                service, s, request, operations, outcomes, fence, registry.max_message_bytes
-            )
-        elif rpc == "Allocate":
-            (outcome,) = service.apply(s, [allocate_from_pb(request.op, groups)])
-            if outcome.error is None:
-                response = allocate_answer(service, outcome, fence)
-        else:
-            try:
-                service.free_requests(s, request.request_ids, request.preempt)
-            except ServiceError as err:  # a refused Free is never journaled: this one was applied
-                raise ValueError(
-                    f"replaying a Free of pool {request.pool!r} is refused ({err.message}) though its "
-                    "client was told it was applied: the journal does not match the server that wrote it"
-                ) from None
-            response = free_answer(service, fence)
-        answer: bytes | None = None
-        if response is not None:
-            # as the servicer does once the answer is built: its fence names the call's
-            # own record (positions.py)
-            response.fence.position = self.seq
-            answer = response.SerializeToString()
-        again = None if answer is None else answer_digest(answer)
-        if again != told:
-            what = "an error" if told is None else "an answer"
-            got = "an error" if again is None else "a different answer"
-            raise ValueError(
-                f"replaying a {rpc} of pool {request.pool!r} gives {got} where its client was told {what}: "
-                "the journal does not match this kvcoord's rules (records are replayed under the limits "
-                "they were applied with); start the kvcoord version that wrote it"
-            )
-        if key and answer is not None:
-            store = registry.idempotency
-            real = store.clock
-            at = real() - max(0.0, self.now_wall - when)  # the record's time on the monotonic clock
-            store.clock = lambda: at
-            try:
-                store.expire()
-                store.remember(s.session_id, rpc, key, digest, answer)
-            finally:
-                store.clock = real
+        runner = MutationRunner(self.registry)
+        age = max(0.0, self.now_wall - when)
+        pool = runner.replay(m, body, key, digest, told, self.writer, self.seq, age)
+        self.touched[pool] = self.seq
 
     def check_limits(self, limits: Limits, path: Path, snapshot_seq: int) -> None:
         """The recovered state must fit the configured limits (lowered since, perhaps).
@@ -389,7 +330,7 @@ class Replayer:
         if len(registry.pools) > limits.max_pools:
             problems.append(f"it holds {len(registry.pools)} pools, more than max_pools {limits.max_pools}")
         for name, service in registry.pools.items():
-            held = len(service.engine.requests)
+            held = service.num_requests
             if held > limits.max_requests_per_pool:
                 problems.append(
                     f"pool {name!r} holds {held} requests after {where(name)}, more than "
@@ -571,9 +512,8 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
         _end_session(registry, s)
         recorder.session_expired(s.session_id)
     for service in registry.pools.values():
-        if not service.engine.reset_prefix_cache():
+        if not service.reset_prefix_cache():
             raise JournalError(
                 f"pool {service.name!r} still holds blocks after every session of a restored journal ended"
             )
-        service.events.publish(service.engine.take_events())
         recorder.prefix_cache_reset(service)

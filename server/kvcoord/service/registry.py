@@ -15,14 +15,13 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 
-import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import MAX_MODEL_LEN_UNLIMITED, config_from_pb
 
 from .bounds import MAX_NAME_LENGTH
 from .budget import MemoryBudget
 from .durability import Recorder
-from .errors import ServiceError
+from .errors import ServiceError, Status
 from .idempotency import IdempotencyStore
 from .logs import ids
 from .pool_service import Fence, Limits, PoolService
@@ -78,9 +77,7 @@ class Placement:
         Raises:
             ServiceError: FAILED_PRECONDITION (a single node adopts nothing).
         """
-        raise ServiceError(
-            grpc.StatusCode.FAILED_PRECONDITION, "this server is not a cluster replica ([cluster])"
-        )
+        raise ServiceError(Status.PRECONDITION, "this server is not a cluster replica ([cluster])")
 
 
 class PoolRegistry:
@@ -164,7 +161,7 @@ class PoolRegistry:
         """
         if not _NAME.match(name):
             raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Status.INVALID,
                 f"pool name {name[:200]!r} must be 1-128 characters of letters, digits, '.', '_' or '-'",
             )
         existing = self.pools.get(name)
@@ -172,24 +169,24 @@ class PoolRegistry:
             if existing.wire_config == config_pb:
                 return existing, False
             raise ServiceError(
-                grpc.StatusCode.ALREADY_EXISTS,
+                Status.ALREADY_EXISTS,
                 f"pool {name!r} already exists with a different configuration; delete it first "
                 "or use another name",
             )
         if len(self.pools) >= self.limits.max_pools:
             raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Status.EXHAUSTED,
                 f"the server already holds {len(self.pools)} pools (max_pools)",
             )
         if config_pb.num_blocks > self.limits.max_blocks_per_pool:
             raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Status.EXHAUSTED,
                 f"num_blocks {config_pb.num_blocks} exceeds max_blocks_per_pool {self.limits.max_blocks_per_pool}",
             )
         max_tokens = self.limits.max_tokens_per_request
         if config_pb.max_model_len > max_tokens and incarnation is None:
             raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Status.EXHAUSTED,
                 f"max_model_len {config_pb.max_model_len} exceeds the server's max_tokens_per_request "
                 f"{max_tokens}",
             )
@@ -239,14 +236,14 @@ class PoolRegistry:
                 NOT_OWNER / UNAVAILABLE when another replica serves it (placement).
         """
         if not name:
-            raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, "pool is required")
+            raise ServiceError(Status.INVALID, "pool is required")
         service = self.pools.get(name)
         self.placement.check(name, service is not None)
         if service is None:
             # Never list the pools here: callers of several tenants reach this, and a
             # pool's name is visible only to tenants holding a role on it (ListPools).
             raise ServiceError(
-                grpc.StatusCode.NOT_FOUND,
+                Status.NOT_FOUND,
                 f"pool {name[:200]!r} does not exist (ListPools shows the pools you may use)",
             )
         return service
@@ -338,7 +335,7 @@ class GcFreezer:
 
     def maybe_freeze(self, pools: Iterable[PoolService]) -> bool:
         """Freeze when the pools materialised ``every_blocks`` blocks since the last time."""
-        total = sum(len(p.engine.block_pool.blocks) for p in pools)
+        total = sum(p.num_materialised_blocks for p in pools)
         if total < self.frozen_at:  # pools were deleted: count from here
             self.frozen_at = total
         if total - self.frozen_at < self.every_blocks:

@@ -16,10 +16,8 @@ import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
 
-import grpc
-
 from ..engine.hash_list import SharedHashes
-from .errors import ServiceError
+from .errors import ServiceError, Status
 from .pool_service import HashSettings, PoolScore, PoolService, UnscoredPool
 
 __all__ = ["Reserve", "ReservationMade", "Scores", "score_pools"]
@@ -97,19 +95,19 @@ def score_pools(
             limit), FAILED_PRECONDITION (the best pool has an exclusive session).
     """
     if type(num_tokens) is not int or num_tokens < 1:
-        raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, f"num_tokens must be >= 1, got {num_tokens!r}")
+        raise ServiceError(Status.INVALID, f"num_tokens must be >= 1, got {num_tokens!r}")
     if reserve is not None and not (
         0 < reserve.seconds <= reserve.max_seconds and math.isfinite(reserve.seconds)
     ):
         raise ServiceError(
-            grpc.StatusCode.INVALID_ARGUMENT,
+            Status.INVALID,
             f"reserve_seconds must be > 0 and at most {reserve.max_seconds}, got {reserve.seconds!r}",
         )
     by_settings: dict[HashSettings, Sequence[bytes]] = {}
     for settings, hashes in prompts:
         if settings in by_settings:
             raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Status.INVALID,
                 f"two prompts hashed with the same settings {settings!r}: send each settings once",
             )
         # one copy per prompt that every pool reads (its checks and derived keys shared)
@@ -117,18 +115,16 @@ def score_pools(
     if candidates:
         if len(set(candidates)) != len(candidates):
             twice = sorted({c for c in candidates if candidates.count(c) > 1})
-            raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"candidate_pools names {twice[0][:128]!r} more than once"
-            )
+            raise ServiceError(Status.INVALID, f"candidate_pools names {twice[0][:128]!r} more than once")
         for name in candidates:
             if not may_observe(name):
                 raise ServiceError(
-                    grpc.StatusCode.PERMISSION_DENIED,
+                    Status.DENIED,
                     f"the caller lacks the observe role on pool {name[:128]!r} (ScorePools needs it)",
                 )
             if name not in pools:
                 raise ServiceError(
-                    grpc.StatusCode.NOT_FOUND,
+                    Status.NOT_FOUND,
                     f"pool {name[:200]!r} does not exist (ListPools shows the pools you may use)",
                 )
         names: Sequence[str] = candidates
@@ -164,13 +160,13 @@ def _reserve(
 ) -> ReservationMade:
     if not reserve.may_use(best.pool):
         raise ServiceError(
-            grpc.StatusCode.PERMISSION_DENIED,
+            Status.DENIED,
             f"the caller lacks the use role on pool {best.pool!r} (reserving a hit there needs it)",
         )
     held = sum(p.reservations_of(tenant) for p in pools.values())
     if held >= reserve.max_per_tenant:
         raise ServiceError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            Status.EXHAUSTED,
             f"the caller's tenant already holds {held} live reservations (max_reservations_per_tenant "
             f"{reserve.max_per_tenant}); let them be adopted or expire",
         )

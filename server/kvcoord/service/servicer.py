@@ -1,15 +1,18 @@
 """The Allocator gRPC servicer: message in, pool service call, message out.
 
 Every rule (sessions, ownership, positioned sync, Step semantics, cursors, fencing)
-lives in :mod:`.pool_service`, :mod:`.sessions` and :mod:`.idempotency`; this module
-only translates. Handlers run on the server's event loop and never await inside a
-pool call, so each pool sees one operation at a time, in arrival order.
+lives in :mod:`.pool_service`, :mod:`.sessions` and :mod:`.idempotency`; a keyed
+call's idempotency, journal record and commit wait in :mod:`.mutations` (which
+replays it with the same :class:`~.mutations.Mutation`); errors become gRPC statuses
+in :mod:`.errors`. This module only translates. Handlers run on the server's event
+loop and never await inside a pool call, so each pool sees one operation at a time, in arrival order.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import dataclasses
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -17,7 +20,6 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
-from kvcoord.engine.invariants import check_pool
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from kvcoord.wire import (
@@ -47,15 +49,18 @@ from .convert import (
     scores_to_pb,
     write_outcome,
 )
+from .durability import Recorder
 from .errors import (
     REASON_METADATA_KEY,
     STOPPING_AFTER_JOURNAL_FAILURE,
     ErrorReason,
     ServiceError,
+    Status,
     grpc_code,
     map_errors,
     map_stream_errors,
 )
+from .mutations import Mutation, MutationRunner
 from .pool_service import Fence, Limits, PoolService
 from .registry import PoolRegistry
 from .scoring import Reserve, score_pools
@@ -118,13 +123,6 @@ class NullObserver:
         pass
 
 
-def _digest(request: Message) -> bytes:
-    """What binds an idempotency key to its request: a hash of the whole request (the
-    key included, which a retry repeats unchanged)."""
-    body = request.SerializeToString(deterministic=True)
-    return hashlib.blake2b(body, digest_size=16).digest()
-
-
 def _fence(request: Any) -> Fence | None:
     return fence_from_pb(request.fence, request.HasField("fence"))
 
@@ -156,61 +154,28 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self.access = access or AccessControl((), (), registry.sessions)
         #: the gRPC receive limit, reported in GetStats
         self.max_message_bytes = max_message_bytes
+        #: runs the keyed calls (idempotency, journal, commit wait)
+        self.mutations = MutationRunner(registry, max_message_bytes)
+        #: the Step mutation, observed (engine time, operations, event gaps) for metrics
+        self._step = dataclasses.replace(STEP, apply=functools.partial(_apply_step, observer=self.observer))
 
     def _info(self, p: PoolService) -> pb.PoolInfo:
         """The pool as the caller may see it (other tenants' names only to its administrators)."""
-        e = p.engine
         return pb.PoolInfo(
             name=p.name,
             config=self.access.pool_config_for(current_tenant(), p.name, p.wire_config),
             coordinator=p.config.coordinator_kind,
-            num_free_blocks=e.num_free_blocks,
-            usage=e.usage,
-            num_requests=len(e.requests),
+            num_free_blocks=p.num_free_blocks,
+            usage=p.usage,
+            num_requests=p.num_requests,
             fence=fence_to_pb(p.fence),
             replica=self.registry.placement.replica_id,
         )
 
-    def _keyed(
-        self, rpc: str, session_id: str, key: str, request: Message, response_type: type[M]
-    ) -> tuple[bytes, M | None]:
-        digest = _digest(request) if key else b""
-        answer = self.registry.idempotency.lookup(session_id, rpc, key, digest)
-        return digest, None if answer is None else response_type.FromString(answer)
-
-    def _remember(
-        self, service: PoolService, rpc: str, request: Message, session_id: str, key: str, digest: bytes,
-        response: Message,
-    ) -> None:  # fmt: skip
-        journal = getattr(self.registry.recorder, "journal", None)
-        if journal is not None and response.HasField("fence"):
-            # the record appended next is this call's: the answer is durable once it is
-            # committed (_durable waits for that), and a retry gets it byte for byte
-            # (replay stamps the same position: recovery.py)
-            response.fence.position = journal.appended + 1  # type: ignore[attr-defined]
-        answer = response.SerializeToString()
-        if key:
-            self.registry.idempotency.remember(session_id, rpc, key, digest, answer)
-        self.registry.recorder.called(service, rpc, request, key, digest, answer)
-
-    async def _durable(self, response: M) -> M:
-        """Answer only once every mutation so far is durable (durability.py)."""
-        await self.registry.recorder.durable()
-        return self._positioned(response)
-
-    def _positioned(self, response: M) -> M:
-        """Stamp the answer's fence with the journal position it is durable at (every
-        record committed so far: positions.py); clients send it back as proof. Answers
-        of calls (:meth:`_remember`) carry their own record's position already."""
-        journal = getattr(self.registry.recorder, "journal", None)
-        if (
-            journal is not None
-            and "fence" in response.DESCRIPTOR.fields_by_name
-            and response.HasField("fence")
-            and not response.fence.position  # type: ignore[attr-defined]
-        ):
-            response.fence.position = journal.committed  # type: ignore[attr-defined]
-        return response
+    async def _durable(self, response: M, record: Callable[[Recorder], None] | None = None) -> M:
+        """Journal the call (``record``), then answer once every mutation so far is
+        durable (mutations.py)."""
+        return await self.mutations.durable(response, record)
 
     def journal_failed(self, exc: BaseException) -> None:
         """Refuse every later call (UNAVAILABLE): state in memory is ahead of the disk, so
@@ -223,7 +188,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         """
         if self.journal_failure is not None:
             raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
+                Status.UNAVAILABLE,
                 f"journal write failed ({self.journal_failure}); {STOPPING_AFTER_JOURNAL_FAILURE}",
             )
 
@@ -282,9 +247,6 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         while self._teardowns:
             await asyncio.gather(*self._teardowns)
 
-    def _half_answer(self) -> int | None:
-        return take_events_budget(self.max_message_bytes)
-
     def _check_pool_state_fits(self, request: pb.AttachRequest, service: PoolService, tenant: str) -> None:
         """Refuse an exclusive Attach whose pool state would not fit in its answer,
         before any session exists.
@@ -296,7 +258,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             return
         if service.cache_namespace(tenant):  # the session will cache under a namespace: no state
             return
-        state = service.engine.replica_state()
+        state = service.pool_state()
         if isinstance(state, str):
             return
         probe = pb.AttachResponse(pool=self._info(service), fence=fence_to_pb(service.fence))
@@ -304,7 +266,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         size = probe.ByteSize() + ANSWER_MARGIN_BYTES
         if size > self.max_message_bytes:
             raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                Status.EXHAUSTED,
                 f"the state of pool {service.name!r} takes about {size:,} bytes, more than one answer may "
                 f"(max_message_bytes {self.max_message_bytes:,}); no session was made: attach without "
                 "want_pool_state (no prediction) or raise server.max_message_bytes",
@@ -334,7 +296,6 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 self.observer.handshake_refused(request.pool)
             raise
         self.observer.attached(service)
-        self.registry.recorder.attached(service, s)
         response = pb.AttachResponse(
             pool=self._info(service),
             session_id=s.session_id,
@@ -345,9 +306,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         )
         if request.want_pool_state:
             write_pool_state(
-                response, service.engine.replica_state() if s.exclusive else "the session is not exclusive"
+                response, service.pool_state() if s.exclusive else "the session is not exclusive"
             )
-        return await self._durable(response)
+        return await self._durable(response, lambda r: r.attached(service, s))
 
     @map_errors
     async def Heartbeat(
@@ -355,7 +316,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     ) -> pb.HeartbeatResponse:
         service = self.registry.pool_of_session(request.session_id)
         s = service.session(request.session_id, _fence(request))
-        return self._positioned(
+        return self.mutations.positioned(
             pb.HeartbeatResponse(lease_seconds=s.lease_seconds, fence=fence_to_pb(service.fence))
         )
 
@@ -365,10 +326,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         s = service.session(request.session_id, _fence(request))
         freed = service.end_session(s)
         self.registry.idempotency.drop_session(s.session_id)
-        # recorded after the change: a snapshot the record triggers holds the state after it
-        self.registry.recorder.detached(service, s.session_id)
         self.observer.detached(service.name)
-        return await self._durable(pb.DetachResponse(num_freed_requests=freed))
+        # recorded after the change: a snapshot the record triggers holds the state after it
+        return await self._durable(
+            pb.DetachResponse(num_freed_requests=freed), lambda r: r.detached(service, s.session_id)
+        )
 
     # -- operations -------------------------------------------------------------------
     @map_errors
@@ -379,7 +341,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         hit = service.find_longest_cache_hit(request.block_hashes, request.num_tokens, current_tenant().name)
         return pb.FindLongestCacheHitResponse(
             hit=hit_to_pb(hit),
-            num_free_blocks=service.engine.num_free_blocks,
+            num_free_blocks=service.num_free_blocks,
             fence=fence_to_pb(service.fence),
         )
 
@@ -387,66 +349,15 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def Allocate(
         self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> pb.AllocateResponse:
-        service = self.registry.get(request.pool)
-        s = service.session(request.session_id, _fence(request))
-        key = request.idempotency_key
-        digest, replayed = self._keyed("Allocate", s.session_id, key, request, pb.AllocateResponse)
-        if replayed is not None:
-            return await self._durable(replayed)
-        (outcome,) = service.apply(s, [allocate_from_pb(request.op, len(service.config.groups))])
-        if outcome.error is not None:
-            # A refusal turned into an error (must_succeed) has still removed skipped
-            # blocks, as vLLM's refusals do: journal the call so recovery replays it too.
-            self.registry.recorder.called(service, "Allocate", request, "", b"", None)
-            await self.registry.recorder.durable()
-            raise outcome.error
-        response = allocate_answer(service, outcome, fence_to_pb(service.fence))
-        self._remember(service, "Allocate", request, s.session_id, key, digest, response)
-        return await self._durable(response)
+        return await self.mutations.run(ALLOCATE, request, _fence(request))
 
     @map_errors
     async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.FreeResponse:
-        service = self.registry.get(request.pool)
-        s = service.session(request.session_id, _fence(request))
-        key = request.idempotency_key
-        digest, replayed = self._keyed("Free", s.session_id, key, request, pb.FreeResponse)
-        if replayed is not None:
-            return await self._durable(replayed)
-        service.free_requests(s, request.request_ids, request.preempt)
-        response = free_answer(service, fence_to_pb(service.fence))
-        self._remember(service, "Free", request, s.session_id, key, digest, response)
-        return await self._durable(response)
+        return await self.mutations.run(FREE, request, _fence(request))
 
     @map_errors
     async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
-        service = self.registry.get(request.pool)
-        s = service.session(request.session_id, _fence(request))
-        key = request.idempotency_key
-        digest, replayed = self._keyed("Step", s.session_id, key, request, pb.StepResponse)
-        if replayed is not None:
-            return await self._durable(replayed)
-        if len(request.ops) > service.limits.max_ops_per_step:
-            raise ServiceError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(request.ops)} operations in one Step; the limit is {service.limits.max_ops_per_step}",
-            )
-        groups = len(service.config.groups)
-        ops = [operation_from_pb(o, groups) for o in request.ops]
-        service.answer_event_bytes = self._half_answer()
-        t0 = time.perf_counter()
-        outcomes = service.apply(s, ops)
-        seconds = time.perf_counter() - t0
-        weight, takes_events = step_weight(ops)
-        self.observer.step_applied(service.name, weight, seconds)
-        response = step_answer(
-            service, s, request, ops, outcomes, fence_to_pb(service.fence), self.max_message_bytes
-        )
-        if response.events_gap or (
-            takes_events and any(isinstance(o.value, op.EventsTaken) and o.value.gap for o in outcomes)
-        ):
-            self.observer.events_gap(service.name, "step")
-        self._remember(service, "Step", request, s.session_id, key, digest, response)
-        return await self._durable(response)
+        return await self.mutations.run(self._step, request, _fence(request))
 
     @map_errors
     async def ResetPrefixCache(
@@ -456,11 +367,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         service.check_fence(_fence(request))
         if request.session_id:
             service.session(request.session_id, None)
-        result = service.engine.reset_prefix_cache()
-        service.events.publish(service.engine.take_events())
-        self.registry.recorder.prefix_cache_reset(service)
+        result = service.reset_prefix_cache()
         return await self._durable(
-            pb.ResetPrefixCacheResponse(result=result, num_free_blocks=service.engine.num_free_blocks)
+            pb.ResetPrefixCacheResponse(result=result, num_free_blocks=service.num_free_blocks),
+            lambda r: r.prefix_cache_reset(service),
         )
 
     @map_errors
@@ -468,19 +378,18 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self, request: pb.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetStatsResponse:
         service = self.registry.get(request.pool)
-        e = service.engine
         return pb.GetStatsResponse(
-            num_free_blocks=e.num_free_blocks,
+            num_free_blocks=service.num_free_blocks,
             num_total_blocks=service.config.num_blocks - 1,
-            usage=e.usage,
-            num_requests=len(e.requests),
+            usage=service.usage,
+            num_requests=service.num_requests,
             prefix_cache_stats=stats_to_pb(service.lifetime_prefix_cache_stats()),
             fence=fence_to_pb(service.fence),
             limits=self._limits(),
             pool_memory_bytes=self.registry.pool_memory.get(service.name, 0),
             event_buffer_bytes=service.events.bytes,
             event_buffer_max_bytes=service.events.max_bytes,
-            reservations=reservation_stats_to_pb(e.reservations),
+            reservations=reservation_stats_to_pb(service.reservations),
             num_sessions=len(self.registry.sessions.of_pool(service.name)),
         )
 
@@ -518,7 +427,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self, request: pb.CheckPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.CheckPoolResponse:
         service = self.registry.get(request.pool)
-        result = check_pool(service.engine)
+        result = service.check()
         return pb.CheckPoolResponse(
             violations=list(result.violations),
             num_blocks_checked=result.num_blocks,
@@ -552,25 +461,23 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def InspectPool(
         self, request: pb.InspectPoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.InspectPoolResponse:
-        e = self.registry.get(request.pool).engine
-        states = []
-        rids = sorted(e.requests) if request.all_requests else request.request_ids
-        for rid in rids:
-            req = e.get_request(rid)
-            states.append(
-                pb.RequestState(
-                    request_id=rid,
-                    groups=block_ids_to_pb(e.get_block_ids(rid)),
-                    num_computed_tokens=req.num_computed_tokens,
-                    num_tokens=req.num_tokens,
-                )
-            )
+        seen = self.registry.get(request.pool).inspect(
+            request.request_ids, request.all_requests, request.free_queue_limit, request.include_cached_blocks
+        )
         return pb.InspectPoolResponse(
-            num_free_blocks=e.num_free_blocks,
-            usage=e.usage,
-            free_queue_head=e.free_queue_head(request.free_queue_limit),
-            requests=states,
-            cached_block_ids=e.cached_block_ids() if request.include_cached_blocks else [],
+            num_free_blocks=seen.num_free_blocks,
+            usage=seen.usage,
+            free_queue_head=seen.free_queue_head,
+            requests=[
+                pb.RequestState(
+                    request_id=r.request_id,
+                    groups=block_ids_to_pb(r.block_ids),
+                    num_computed_tokens=r.num_computed_tokens,
+                    num_tokens=r.num_tokens,
+                )
+                for r in seen.requests
+            ],
+            cached_block_ids=seen.cached_block_ids,
         )
 
     # -- routing ------------------------------------------------------------------------
@@ -603,10 +510,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             response.reservation_skipped = scores.reservation_skipped
             return response
         response.reservation.CopyFrom(reservation_to_pb(made))
-        self.registry.recorder.reserved(
-            self.registry.pools[made.pool], made.reservation_id, made.num_tokens, made.hashes, made.tenant
+        held = self.registry.pools[made.pool]
+        return await self._durable(
+            response,
+            lambda r: r.reserved(held, made.reservation_id, made.num_tokens, made.hashes, made.tenant),
         )
-        return await self._durable(response)
 
     def expire_reservations(self) -> int:
         """Release every reservation whose time ran out (journaled); how many."""
@@ -616,7 +524,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         for service in list(self.registry.pools.values()):
             for reservation_id in service.expired_reservations():
                 service.release_reservation(reservation_id)
-                self.registry.recorder.reservation_released(service, reservation_id)
+                # called at once, inside the loop: the loop variables are the current ones
+                self.mutations.record(lambda r: r.reservation_released(service, reservation_id))  # noqa: B023
                 n += 1
         return n
 
@@ -675,15 +584,17 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
 def allocate_answer(service: PoolService, outcome: op.Outcome, fence: pb.Fence) -> pb.AllocateResponse:
     """The answer to an applied Allocate (``outcome`` holds no error)."""
     assert isinstance(outcome.value, op.AllocateOutcome)
-    e = service.engine
     return pb.AllocateResponse(
-        result=allocate_to_pb(outcome.value), num_free_blocks=e.num_free_blocks, usage=e.usage, fence=fence
+        result=allocate_to_pb(outcome.value),
+        num_free_blocks=service.num_free_blocks,
+        usage=service.usage,
+        fence=fence,
     )
 
 
 def free_answer(service: PoolService, fence: pb.Fence) -> pb.FreeResponse:
     """The answer to an applied Free."""
-    return pb.FreeResponse(num_free_blocks=service.engine.num_free_blocks, fence=fence)
+    return pb.FreeResponse(num_free_blocks=service.num_free_blocks, fence=fence)
 
 
 def step_weight(ops: list[op.Operation]) -> tuple[int, bool]:
@@ -706,11 +617,6 @@ def step_weight(ops: list[op.Operation]) -> tuple[int, bool]:
     return n, takes_events
 
 
-def take_events_budget(max_message_bytes: int) -> int | None:
-    """The byte budget of a TakeEventsOp's events: half an answer (None: no budget)."""
-    return max_message_bytes // 2 if max_message_bytes else None
-
-
 def step_answer(
     service: PoolService,
     s: Session,
@@ -725,8 +631,7 @@ def step_answer(
     ``max_message_bytes`` (0: no bound) events past what fits are kept for the next
     call (``events_more``), never lost in a refused answer. Replay (recovery.py) builds
     the same answer under the budget the call was answered with."""
-    e = service.engine
-    response = pb.StepResponse(num_free_blocks=e.num_free_blocks, usage=e.usage, fence=fence)
+    response = pb.StepResponse(num_free_blocks=service.num_free_blocks, usage=service.usage, fence=fence)
     add = response.results.add
     for o, r in zip(ops, outcomes, strict=True):
         write_outcome(add(), o, r)
@@ -748,8 +653,56 @@ def step_answer(
     return response
 
 
+def _apply_allocate(
+    service: PoolService, s: Session, request: pb.AllocateRequest, fence: Fence, max_message_bytes: int
+) -> pb.AllocateResponse | ServiceError:
+    (outcome,) = service.apply(s, [allocate_from_pb(request.op, len(service.config.groups))])
+    if outcome.error is not None:
+        # A refusal turned into an error (must_succeed) has still removed skipped
+        # blocks, as vLLM's refusals do: the call is journaled, so recovery replays it too.
+        return outcome.error
+    return allocate_answer(service, outcome, fence_to_pb(fence))
+
+
+def _apply_free(
+    service: PoolService, s: Session, request: pb.FreeRequest, fence: Fence, max_message_bytes: int
+) -> pb.FreeResponse:
+    service.free_requests(s, request.request_ids, request.preempt)
+    return free_answer(service, fence_to_pb(fence))
+
+
+def _apply_step(
+    service: PoolService, s: Session, request: pb.StepRequest, fence: Fence, max_message_bytes: int,
+    observer: OperationObserver | None = None,
+) -> pb.StepResponse:  # fmt: skip
+    service.check_step_size(len(request.ops))  # before any operation is read
+    groups = len(service.config.groups)
+    ops = [operation_from_pb(o, groups) for o in request.ops]
+    t0 = time.perf_counter()
+    outcomes = service.apply(s, ops)
+    seconds = time.perf_counter() - t0
+    response = step_answer(service, s, request, ops, outcomes, fence_to_pb(fence), max_message_bytes)
+    if observer is not None:  # a live call (replay observes nothing)
+        weight, takes_events = step_weight(ops)
+        observer.step_applied(service.name, weight, seconds)
+        if response.events_gap or (
+            takes_events and any(isinstance(o.value, op.EventsTaken) and o.value.gap for o in outcomes)
+        ):
+            observer.events_gap(service.name, "step")
+    return response
+
+
+#: the keyed mutating calls, run live and replayed alike (mutations.py)
+ALLOCATE = Mutation(
+    "Allocate", pb.AllocateRequest.FromString, pb.AllocateResponse.FromString, _apply_allocate
+)
+FREE = Mutation("Free", pb.FreeRequest.FromString, pb.FreeResponse.FromString, _apply_free)
+STEP = Mutation("Step", pb.StepRequest.FromString, pb.StepResponse.FromString, _apply_step)
+MUTATIONS = {m.rpc: m for m in (ALLOCATE, FREE, STEP)}
+
+
 async def _tear_down(service: PoolService) -> None:
-    for _ in service.engine.teardown():
+    for _ in service.teardown():
         await asyncio.sleep(0)
 
 
@@ -790,7 +743,7 @@ def _guard(
             tenant = access.authenticate(context.invocation_metadata(), context.auth_context)
             access.bind(tenant)
             if isinstance(request, _Undecodable):
-                raise ServiceError(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_message(request))
+                raise ServiceError(Status.INVALID, _undecodable_message(request))
             check_request(request, limits)
             access.authorize(tenant, rpc, request)
         except ServiceError as exc:

@@ -13,10 +13,9 @@ import math
 import secrets
 from collections.abc import Callable
 
-import grpc
 from kvcoord.engine import PrefixCacheStats
 
-from .errors import ErrorReason, ServiceError
+from .errors import ErrorReason, ServiceError, Status
 
 __all__ = ["Session", "SessionTable"]
 
@@ -63,7 +62,7 @@ class SessionTable:
         """A new session with a lease starting now."""
         if not math.isfinite(lease_seconds) or lease_seconds < 0:
             raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Status.INVALID,
                 f"lease_seconds must be a finite number >= 0, got {lease_seconds}",
             )
         lease = min(lease_seconds or self.default_lease, self.max_lease)
@@ -82,21 +81,21 @@ class SessionTable:
         """
         if not session_id:
             raise ServiceError(
-                grpc.StatusCode.INVALID_ARGUMENT,
+                Status.INVALID,
                 "session_id is required: call Attach first (requests must belong to a session, so "
                 "that a dead worker's blocks are freed)",
             )
         s = self.sessions.get(session_id)
         if s is None or s.expires_at <= self.clock():
             raise ServiceError(
-                grpc.StatusCode.NOT_FOUND,
+                Status.NOT_FOUND,
                 f"session {session_id[:64]!r} is unknown or its lease ran out (its requests were "
                 "freed); call Attach again and treat every request of the old session as lost",
                 ErrorReason.SESSION_EXPIRED,
             )
         if pool is not None and s.pool != pool:
             raise ServiceError(
-                grpc.StatusCode.PERMISSION_DENIED,
+                Status.DENIED,
                 f"session {session_id[:64]!r} is attached to pool {s.pool!r}, not {pool!r}",
             )
         return s

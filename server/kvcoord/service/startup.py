@@ -33,9 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import grpc
-
-from .errors import ServiceError
+from .errors import ServiceError, Status
 from .journal import FILE_NAME, PROGRESS_FILE_NAME
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -328,7 +326,7 @@ class StartupDecision:
                 if self.on_marker_failure is not None:
                     self.on_marker_failure(exc)
             raise ServiceError(
-                grpc.StatusCode.UNAVAILABLE,
+                Status.UNAVAILABLE,
                 f"{exc}: this server cannot record when its leases end, so it grants none and stops "
                 "(it exits with status 4 for its supervisor to restart it once space is freed)",
             ) from None

@@ -1,0 +1,202 @@
+"""The one way a mutating call is run, live and on replay.
+
+A keyed call (Allocate, Free, Step) goes through the same steps whatever it does: its
+session is checked, its idempotency key looked up (a duplicate is answered with the
+kept answer, never applied again), the call applied, its answer stamped with the
+journal position of its own record, the answer kept under its key, the call
+journaled with the answer's digest, and the answer sent only once the record is
+durable. Every other mutating call ends with the same commit wait (:meth:`durable`).
+Replay (recovery.py) applies a journaled call with the same :class:`Mutation`, so
+the answer it rebuilds is the one the client was told, byte for byte, or the start
+stops.
+
+What a call does is its :class:`Mutation`: how its request is read and how it is
+applied and answered (the servicer's translation). This module sees the messages
+only as bytes, a pool, a session id, a key and a fence; it imports no gRPC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+from google.protobuf.message import Message
+
+from .durability import Recorder, answer_digest
+from .errors import ServiceError
+from .pool_service import Fence, PoolService
+from .registry import PoolRegistry
+from .sessions import Session
+
+__all__ = ["Mutation", "MutationRunner", "request_digest", "take_events_budget"]
+
+
+#: an answer message (its ``fence`` is stamped with journal positions)
+A = TypeVar("A", bound=Message)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Mutation(Generic[A]):
+    """One keyed mutating RPC.
+
+    Args:
+        rpc: its name (the idempotency store's and the journal's).
+        parse: its request from bytes (the journal keeps the request's bytes).
+        parse_answer: its answer from bytes (a duplicate is answered with kept bytes).
+        apply: ``apply(service, session, request, answer fence, max_message_bytes)``:
+            the answer, or the error its client is told after the call changed the
+            pool (journaled too: an Allocate refused with must_succeed has removed
+            skipped blocks, as vLLM's does). An error raised instead changed nothing
+            and is not journaled.
+    """
+
+    rpc: str
+    parse: Callable[[bytes], Any]
+    parse_answer: Callable[[bytes], A]
+    apply: Callable[[PoolService, Session, Any, Fence, int], A | ServiceError]
+
+
+def request_digest(request: Message) -> bytes:
+    """What binds an idempotency key to its request: a hash of the whole request (the
+    key included, which a retry repeats unchanged)."""
+    body = request.SerializeToString(deterministic=True)
+    return hashlib.blake2b(body, digest_size=16).digest()
+
+
+def take_events_budget(max_message_bytes: int) -> int | None:
+    """The byte budget of a TakeEventsOp's events: half an answer (None: no budget)."""
+    return max_message_bytes // 2 if max_message_bytes else None
+
+
+class MutationRunner:
+    """Runs keyed calls (and the commit wait of every mutating call) for a registry.
+
+    Args:
+        registry: the pools, sessions, idempotency store and recorder (read at each
+            call: recovery replaces the recorder).
+        max_message_bytes: the answer budget; a Step's events are cut below it (0: none).
+    """
+
+    def __init__(self, registry: PoolRegistry, max_message_bytes: int = 0) -> None:
+        self.registry = registry
+        self.max_message_bytes = max_message_bytes
+
+    async def run(self, m: Mutation[A], request: Any, fence: Fence | None) -> A:
+        """Apply ``request`` once (a duplicate gets the kept answer) and answer once durable.
+
+        Raises:
+            ServiceError: the pool's, the session's or the key's refusal, or the call's
+                own error (after it is journaled when it changed the pool).
+        """
+        registry = self.registry
+        service = registry.get(request.pool)
+        s = service.session(request.session_id, fence)
+        key = request.idempotency_key
+        digest = request_digest(request) if key else b""
+        kept = registry.idempotency.lookup(s.session_id, m.rpc, key, digest)
+        if kept is not None:
+            return await self.durable(m.parse_answer(kept))
+        service.answer_event_bytes = take_events_budget(self.max_message_bytes)
+        answer = m.apply(service, s, request, service.fence, self.max_message_bytes)
+        recorder = registry.recorder
+        if isinstance(answer, ServiceError):
+            recorder.called(service, m.rpc, request, "", b"", None)
+            await recorder.durable()
+            raise answer
+        journal = self._journal()
+        if journal is not None and answer.HasField("fence"):
+            # the record appended next is this call's: the answer is durable once it is
+            # committed (durable waits for that), and a retry gets it byte for byte
+            # (replay stamps the same position)
+            answer.fence.position = journal.appended + 1  # type: ignore[attr-defined]
+        body = answer.SerializeToString()
+        if key:
+            registry.idempotency.remember(s.session_id, m.rpc, key, digest, body)
+        recorder.called(service, m.rpc, request, key, digest, body)
+        return await self.durable(answer)
+
+    def replay(
+        self, m: Mutation[Any], body: bytes, key: str, digest: bytes, told: bytes | None, writer: str,
+        position: int, age: float,
+    ) -> str:  # fmt: skip
+        """Apply a journaled call again (recovery; the registry records nothing then) as
+        the call was applied: under the registry's journaled answer budget, answered with
+        the fence of ``writer`` (the instance that answered it) and the record's
+        ``position``; its answer must have the digest ``told`` (None: an error), and is
+        kept under its key as made ``age`` seconds of serving time ago. Returns the pool.
+
+        Raises:
+            ValueError: the call is refused now, or answered otherwise than its client was.
+        """
+        registry = self.registry
+        request = m.parse(body)
+        service = registry.pools[request.pool]
+        s = registry.sessions.sessions[request.session_id]
+        budget = registry.max_message_bytes
+        service.answer_event_bytes = take_events_budget(budget)
+        try:
+            answer = m.apply(
+                service, s, request, Fence(writer, service.fence.incarnation, term=service.fence.term), budget
+            )
+        except ServiceError as err:  # a refused call is never journaled: this one was applied
+            raise ValueError(
+                f"replaying a {m.rpc} of pool {request.pool!r} is refused ({err.message}) though its "
+                "client was told it was applied: the journal does not match the server that wrote it"
+            ) from None
+        kept: bytes | None = None
+        if not isinstance(answer, ServiceError):
+            # as a live call's: its fence names the call's own record (positions.py)
+            answer.fence.position = position
+            kept = answer.SerializeToString()
+        again = None if kept is None else answer_digest(kept)
+        if again != told:
+            what = "an error" if told is None else "an answer"
+            got = "an error" if again is None else "a different answer"
+            raise ValueError(
+                f"replaying a {m.rpc} of pool {request.pool!r} gives {got} where its client was told {what}: "
+                "the journal does not match this kvcoord's rules (records are replayed under the limits "
+                "they were applied with); start the kvcoord version that wrote it"
+            )
+        if key and kept is not None:
+            store = registry.idempotency
+            real = store.clock
+            at = real() - age  # the record's time on the monotonic clock
+            store.clock = lambda: at
+            try:
+                store.expire()
+                store.remember(s.session_id, m.rpc, key, digest, kept)
+            finally:
+                store.clock = real
+        return str(request.pool)
+
+    def _journal(self) -> Any:
+        return getattr(self.registry.recorder, "journal", None)
+
+    def record(self, note: Callable[[Recorder], None]) -> None:
+        """Journal a change made without a call (a reservation's time ran out)."""
+        note(self.registry.recorder)
+
+    async def durable(self, answer: A, record: Callable[[Recorder], None] | None = None) -> A:
+        """Journal the call that made ``answer`` (``record``, given the recorder: the
+        unkeyed mutating calls, after their change), then answer once every mutation so
+        far is durable (durability.py)."""
+        if record is not None:
+            record(self.registry.recorder)
+        await self.registry.recorder.durable()
+        return self.positioned(answer)
+
+    def positioned(self, answer: A) -> A:
+        """Stamp the answer's fence with the journal position it is durable at (every
+        record committed so far: positions.py); clients send it back as proof. Answers
+        of keyed calls carry their own record's position already."""
+        journal = self._journal()
+        if (
+            journal is not None
+            and "fence" in answer.DESCRIPTOR.fields_by_name
+            and answer.HasField("fence")
+            and not answer.fence.position  # type: ignore[attr-defined]
+        ):
+            answer.fence.position = journal.committed  # type: ignore[attr-defined]
+        return answer

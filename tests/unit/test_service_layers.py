@@ -1,0 +1,151 @@
+"""The service's layers, checked on its sources: PoolService is the only door to a
+pool's engine, and the rules modules know nothing of gRPC."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICE = ROOT / "server" / "kvcoord" / "service"
+
+#: the one module that holds a pool's engine; every other reaches it through PoolService
+ENGINE_DOOR = {"pool_service.py"}
+
+
+def _engine_uses(path: Path) -> list[str]:
+    """Where ``path`` reads or writes an attribute called ``engine``, or builds a pool's
+    engine itself."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr == "engine":
+            out.append(f"{path.name}:{node.lineno} .engine")
+        elif isinstance(node, ast.Name) and node.id in {
+            "KVCachePool",
+            "check_pool",
+            "export_state",
+            "import_state",
+        }:
+            out.append(f"{path.name}:{node.lineno} {node.id}")
+    return out
+
+
+def test_pool_service_is_the_only_door_to_the_engine() -> None:
+    """No service module but pool_service.py touches a pool's engine: resets,
+    inspection, checks, state, stats, snapshots and metrics go through PoolService."""
+    modules = sorted(SERVICE.glob("*.py"))
+    assert len(modules) > 10 and any(p.name == "servicer.py" for p in modules)
+    bad = [use for p in modules if p.name not in ENGINE_DOOR for use in _engine_uses(p)]
+    assert not bad, "engine reached around PoolService: " + ", ".join(bad)
+
+
+def test_the_engine_check_sees_an_engine_access(tmp_path: Path) -> None:
+    """The check above finds what it looks for (it cannot pass by reading nothing)."""
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f(service):\n    return service.engine.num_free_blocks\n")
+    assert _engine_uses(sample) == ["sample.py:2 .engine"]
+
+
+#: what only the mutation runner calls: the idempotency store's lookup and remember,
+#: and the recorder's record of a keyed call
+KEYED_STEPS = {"lookup", "remember", "called"}
+
+
+def _calls(path: Path, names: set[str]) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names:
+            out.append(f"{path.name}:{node.lineno} .{node.func.attr}()")
+    return out
+
+
+def test_idempotency_and_journaling_live_in_the_mutation_runner() -> None:
+    """Key lookup, kept answers and call records happen in mutations.py alone (live
+    calls and their replay), and the servicer never reaches the recorder: every
+    mutating handler journals and waits for the commit through the runner."""
+    modules = sorted(SERVICE.glob("*.py"))
+    bad = [use for p in modules if p.name != "mutations.py" for use in _calls(p, KEYED_STEPS)]
+    assert not bad, "idempotency or call journaling outside mutations.py: " + ", ".join(bad)
+    servicer = ast.parse((SERVICE / "servicer.py").read_text())
+    reached = [n.lineno for n in ast.walk(servicer) if isinstance(n, ast.Attribute) and n.attr == "recorder"]
+    assert not reached, f"servicer.py reaches the recorder at lines {reached}"
+
+
+def test_every_keyed_rpc_is_a_mutation() -> None:
+    """Each RPC whose request carries an idempotency key is run by the mutation runner,
+    live (its handler) and on replay (the same Mutation)."""
+    from kvcoord.service import servicer
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    keyed = {
+        m.name
+        for m in pb.DESCRIPTOR.services_by_name["Allocator"].methods
+        if "idempotency_key" in m.input_type.fields_by_name
+    }
+    assert keyed == {"Allocate", "Free", "Step"}
+    assert set(servicer.MUTATIONS) == keyed
+    tree = ast.parse((SERVICE / "servicer.py").read_text())
+    handlers = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef) and n.name in keyed}
+    for name, fn in handlers.items():
+        runs = [c for c in _calls_in(fn) if c == "run"]
+        assert runs == ["run"], f"{name} does not go through MutationRunner.run"
+    assert set(handlers) == keyed
+
+
+def _calls_in(fn: ast.AST) -> list[str]:
+    return [
+        n.func.attr for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+    ]
+
+
+#: the service modules that speak gRPC: the servicer and the server around it, their
+#: interceptors and credentials, the wire conversion, errors.py, whose one table
+#: turns a rules Status into a gRPC code, and cluster.py, which dials other replicas and
+#: serves their AdoptPool calls (its rules are ownership.py's). Every other module is
+#: plain Python.
+GRPC_MODULES = {
+    "errors.py",
+    "servicer.py",
+    "server.py",
+    "intercept.py",
+    "logs.py",
+    "metrics.py",
+    "tls.py",
+    "convert.py",
+    "cluster.py",
+}
+
+
+def _imports_grpc(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "grpc" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "grpc":
+            return True
+    return False
+
+
+def test_rules_modules_import_no_grpc() -> None:
+    """pool_service, sessions, idempotency, registry, mutations, scoring, ... say what
+    went wrong with errors.Status; only the modules that speak gRPC import it."""
+    modules = sorted(SERVICE.glob("*.py"))
+    rules = [p.name for p in modules if p.name not in GRPC_MODULES]
+    assert {"pool_service.py", "sessions.py", "idempotency.py", "registry.py", "mutations.py"} <= set(rules)
+    bad = [name for name in rules if _imports_grpc(SERVICE / name)]
+    assert not bad, f"rules modules importing grpc: {bad}"
+
+
+def test_every_status_has_its_own_grpc_code() -> None:
+    """errors.py's table maps each Status to one gRPC code, and a ServiceError made with
+    a gRPC code (the old way) is refused loudly instead of being answered wrongly."""
+    import grpc
+    import pytest
+    from kvcoord.service.errors import ServiceError, Status, grpc_code
+
+    codes = {status: grpc_code(ServiceError(status, "m"))[0] for status in Status}
+    assert len(set(codes.values())) == len(Status)
+    assert all(isinstance(c, grpc.StatusCode) and c is not grpc.StatusCode.OK for c in codes.values())
+    assert codes[Status.INVALID] is grpc.StatusCode.INVALID_ARGUMENT
+    assert codes[Status.PRECONDITION] is grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(TypeError, match="takes a Status"):
+        ServiceError(grpc.StatusCode.NOT_FOUND, "m")

@@ -87,15 +87,18 @@ class PrefixHits:
         if isinstance(block_hashes, (bytes, str)):
             raise InvalidArgumentError("block_hashes must be a sequence of bytes, not a single value")
         table = self.table
-        label = f"lookup of {num_tokens} tokens"
         hashes: Sequence[bytes]
         if type(block_hashes) is SharedHashes:
             # one prompt scored in many pools: each distinct check runs once per call
             key = ("check", self.enable_caching, self.hash_block_size, table.hash_length, num_tokens)
-            block_hashes.checked(key, lambda: table.check_hashes(block_hashes, 0, num_tokens, label))
+            if not block_hashes.passed(key):
+                block_hashes.checked(
+                    key,
+                    lambda: table.check_hashes(block_hashes, 0, num_tokens, f"lookup of {num_tokens} tokens"),
+                )
             hashes = block_hashes
         else:
-            hashes = table.check_hashes(block_hashes, 0, num_tokens, label)
+            hashes = table.check_hashes(block_hashes, 0, num_tokens, f"lookup of {num_tokens} tokens")
         if not self.enable_caching:
             return CacheHit(self._no_hit_blocks, 0)
         # A namespace not seen yet has cached nothing: its keys take the prefix no

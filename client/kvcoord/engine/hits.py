@@ -57,6 +57,9 @@ class PrefixHits:
         self._alignment = coordinator.alignment_tokens
         self._group_block_sizes = [g.block_size for g in config.groups]
         self._no_hit_blocks: BlockIds = tuple(() for _ in self.managers)
+        #: the empty hit, made once (frozen: a router's score of a pool without the
+        #: prompt's start returns it instead of a new object per pool per call)
+        self._no_hit = CacheHit(self._no_hit_blocks, 0)
         #: (group id, block size) of the group the coordinator searches first when it is
         #: full attention (whose hit is a run of cached blocks from position 0, and
         #: every other group's search is capped by it): a miss of the first key there
@@ -100,7 +103,7 @@ class PrefixHits:
         else:
             hashes = table.check_hashes(block_hashes, 0, num_tokens, f"lookup of {num_tokens} tokens")
         if not self.enable_caching:
-            return CacheHit(self._no_hit_blocks, 0)
+            return self._no_hit
         # A namespace not seen yet has cached nothing: its keys take the prefix no
         # namespace is ever given (0), so the same search finds nothing, read-only.
         prefix = table.cache_namespaces.get(cache_namespace, _UNUSED_PREFIX) if cache_namespace else b""
@@ -114,7 +117,7 @@ class PrefixHits:
                 or not view
                 or view[0] not in self.block_pool.cached_block_hash_to_block.first[gid]
             ):
-                return CacheHit(self._no_hit_blocks, 0)
+                return self._no_hit
         hit, _ = self.search(keys, num_tokens)
         return hit
 

@@ -11,7 +11,10 @@ scoring function on an in-process server's pools, on its loop (what the handler 
 without the message conversion); "wire" sends ScorePools over gRPC on loopback to a
 server in another process (the client hashes nothing: the hashed prompts are built
 once, and that hashing is timed apart), and "GetPool, wire" is the call right after
-each ScorePools on the same connection: the floor any call pays on this machine.
+each ScorePools on the same connection. "gRPC floor" is a bare grpc.aio server in a
+process of its own (no interceptors, no protobuf: bytes in, bytes out), sent a request
+of the ScorePools request's size and answering with as many bytes as the ScorePools
+answer, called in the same turns: what any Python gRPC call of these sizes costs here.
 
 ``--old REV`` runs the same workload on the code of git revision REV beside this
 checkout's, in one run: two servers and two in-process children, called in turns
@@ -56,6 +59,7 @@ sys.path[:0] = (
 
 from common import freeze_heap, pct  # noqa: E402
 from kvcoord.client import KVCoordClient  # noqa: E402
+from kvcoord.client import _requests as rq  # noqa: E402
 from kvcoord.client.routing import hash_prompt  # noqa: E402
 from kvcoord.v1 import allocator_pb2 as pb  # noqa: E402
 
@@ -119,6 +123,44 @@ def start_server(config_text: str, tmp: Path, tree: Path = ROOT) -> tuple[subpro
             except Exception:  # noqa: BLE001 - not up yet
                 time.sleep(0.05)
     return proc, address
+
+
+def floor_server() -> None:
+    """``--floor PORT``: the bare gRPC server of the floor row. Each request's first 4
+    bytes (big-endian) say how long the answer is; the answer is that many zero bytes."""
+    import asyncio
+
+    import grpc
+
+    port = int(sys.argv[sys.argv.index("--floor") + 1])
+
+    async def answer(request: bytes, _context: Any) -> bytes:
+        return bytes(int.from_bytes(request[:4], "big"))
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        handler = grpc.unary_unary_rpc_method_handler(answer)
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler("floor.Floor", {"Call": handler}),)
+        )
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def start_floor() -> tuple[subprocess.Popen[bytes], Any]:
+    """The floor server in a process of its own, and a channel to it (plain grpcio, as
+    KVCoordClient's)."""
+    import grpc
+    from common import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--floor", str(port)])
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    grpc.channel_ready_future(channel).result(timeout=30)
+    return proc, channel
 
 
 def old_tree(rev: str) -> Path:
@@ -286,6 +328,20 @@ def bench_scoring(samples: int, old: str | None) -> None:
             local: dict[str, list[float]] = {label: [] for label in trees}
             wire: dict[str, list[float]] = {label: [] for label in trees}
             floor: dict[str, list[float]] = {label: [] for label in trees}
+            # the gRPC floor: messages of the new code's ScorePools sizes, no kvcoord
+            floor_proc, floor_channel = start_floor()
+            procs.append(floor_proc)
+            floor_call = floor_channel.unary_unary("/floor.Floor/Call")
+            last = list(trees)[-1]
+            sizes = [
+                (
+                    rq.score_pools(PROMPT_TOKENS, h, names, False, 0.0).ByteSize(),
+                    clients[last].score_pools(PROMPT_TOKENS, h, names).ByteSize(),
+                )
+                for h in hashed[last]
+            ]
+            floor_requests = [answer.to_bytes(4, "big") + bytes(max(asked - 4, 0)) for asked, answer in sizes]
+            bare: list[float] = []
             rounds = 5
             for r in range(rounds):
                 # in-process: each code's own process, in turns
@@ -306,13 +362,20 @@ def bench_scoring(samples: int, old: str | None) -> None:
                         if r or k >= 50:  # the first 50 warm up
                             wire[label].append(t1 - t)
                             floor[label].append(t2 - t1)
+                    t = time.perf_counter()
+                    floor_call(floor_requests[k % len(floor_requests)], timeout=30)
+                    if r or k >= 50:
+                        bare.append(time.perf_counter() - t)
             for label in trees:
                 rows = (("in-process", local[label]), ("wire", wire[label]), ("GetPool, wire", floor[label]))
                 for where, xs in rows:
                     print(f"| {n} | {label} | {where} | {pct(xs, 0.5):.3f} | {pct(xs, 0.99):.3f} | "
                           f"{statistics.mean(xs) * 1e3:.3f} |")  # fmt: skip
+            print(f"| {n} | - | gRPC floor | {pct(bare, 0.5):.3f} | {pct(bare, 0.99):.3f} | "
+                  f"{statistics.mean(bare) * 1e3:.3f} |")  # fmt: skip
             for c in clients.values():
                 c.close()
+            floor_channel.close()
         finally:
             for proc in procs:
                 if proc.stdin is not None:
@@ -387,7 +450,11 @@ def main() -> None:
     ap.add_argument("--only", choices=("scoring", "events"), help="run one part")
     ap.add_argument("--old", metavar="REV", help="also score with the code of git revision REV, side by side")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)  # inprocess_child
+    ap.add_argument("--floor", type=int, help=argparse.SUPPRESS)  # floor_server
     a = ap.parse_args()
+    if a.floor:
+        floor_server()
+        return
     if a.child:
         inprocess_child(a.child)
         return

@@ -6,10 +6,13 @@ they may observe."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
+from durable_server import DurableServer
 from kvcoord.client import KVCoordClient
 from kvcoord.client.errors import InvalidArgumentError, PermissionDeniedError
 from kvcoord.client.hashing import BlockHasher, none_hash
@@ -202,3 +205,115 @@ def test_tenants_score_only_pools_they_observe(make_server: Callable[..., InProc
     with KVCoordClient(server.address, timeout=10, token=TOKENS["user"]) as client:
         with pytest.raises(PermissionDeniedError):
             client.score_pools(17, [prompt], ["a-pool"])
+
+
+def test_scores_stay_exact_through_every_change_of_the_maps(tmp_path: Path) -> None:
+    """Nothing of a score outlives the call (docs/routing.md): in a journaled server
+    process, after each change that drops or rebuilds cached blocks (an eviction storm,
+    ResetPrefixCache, a pool deleted and created again, a SIGKILL restart replaying the
+    journal, a clean restart from its snapshot, a reservation expiring and its blocks
+    then evicted), every score of prompts sharing the workload's prefixes equals
+    FindLongestCacheHit on that pool, and the scores moved (hits before, none after a
+    reset)."""
+    toml = "".join(
+        f'[[pools]]\nname = "{name}"\nnum_blocks = 40\nhash_block_size = 4\nhash_algo = "sha256_cbor"\n'
+        f'hash_seed = "0"\nenable_caching = true\nmax_model_len = 256\n' + groups
+        for name, groups in (
+            ("full", '[[pools.groups]]\ntype = "full"\nblock_size = 4\n'),
+            ("hybrid", '[[pools.groups]]\ntype = "full"\nblock_size = 4\n[[pools.groups]]\n'
+                       'type = "sliding_window"\nblock_size = 4\nsliding_window = 8\n'),
+        )
+    )  # fmt: skip
+    server = DurableServer(tmp_path, toml)
+    server.start()
+    rnd = random.Random(9)
+    prefixes = [[rnd.randrange(50) for _ in range(n)] for n in (8, 20, 33)]
+    prompts = [p + [rnd.randrange(50) for _ in range(5)] for p in prefixes]
+    try:
+
+        def check(client: KVCoordClient) -> int:
+            """Every score against FindLongestCacheHit; the total hit tokens."""
+            total = 0
+            configs = {p.name: p.config for p in client.list_pools().pools}
+            for tokens in prompts:
+                response = client.score_pools(
+                    len(tokens), hash_prompt(list(client.list_pools().pools), tokens), include_block_ids=True
+                )
+                assert sorted(s.pool for s in response.scores) == sorted(configs)
+                for s in response.scores:
+                    cfg = configs[s.pool]
+                    hashes = BlockHasher(cfg.hash_algo, 4, none_hash(cfg.hash_algo, cfg.hash_seed)).extend(
+                        tokens
+                    )
+                    assert s.hit == client.find_longest_cache_hit(s.pool, hashes, len(tokens)).hit, s.pool
+                    total += s.hit_tokens
+            return total
+
+        batches = iter(range(1, 1000))
+
+        def workers_of(client: KVCoordClient) -> list[PoolWorker]:
+            """A worker per pool, its request ids new (requests held across a restart keep theirs)."""
+            out = [PoolWorker(client, p.name, p.config, rnd) for p in client.list_pools().pools]
+            first = next(batches) * 100
+            for w in out:
+                w.n = first
+            return out
+
+        def fill(client: KVCoordClient, free: bool = True) -> list[PoolWorker]:
+            workers = workers_of(client)
+            for _ in range(6):
+                for w in workers:
+                    w.step(_prompt(rnd, prefixes), None)
+            if free:
+                for w in workers:
+                    if w.live:
+                        client.free(w.pool, w.live, session_id=w.sid)
+                        w.live.clear()
+            return workers
+
+        def storm(client: KVCoordClient) -> None:
+            for w in workers_of(client):
+                for _ in range(8):
+                    w.step([rnd.randrange(1000, 2000) for _ in range(60)], None)
+                if w.live:
+                    client.free(w.pool, w.live, session_id=w.sid)
+                    w.live.clear()
+
+        with KVCoordClient(server.address, timeout=10) as client:
+            fill(client)
+            assert check(client) > 0
+            storm(client)
+            check(client)
+            fill(client)
+            for name in ("full", "hybrid"):
+                assert client.reset_prefix_cache(name).result
+            assert check(client) == 0
+            fill(client)
+            cfg = client.get_pool("hybrid").pool.config
+            client.delete_pool("hybrid")
+            client.create_pool("hybrid", cfg)
+            assert check(client) > 0  # the full pool's hits; the new hybrid pool has none
+            fill(client, free=False)  # requests still held at the kill
+            before = check(client)
+        server.kill()
+        server.start()
+        with KVCoordClient(server.address, timeout=10) as client:
+            assert check(client) == before  # the journal replayed: the same maps, the same scores
+            fill(client)
+        server.stop()  # a clean stop writes the snapshot the next start loads
+        server.start()
+        with KVCoordClient(server.address, timeout=10) as client:
+            assert check(client) > 0
+            tokens = prompts[2]
+            reserved = client.score_pools(
+                len(tokens), hash_prompt(list(client.list_pools().pools), tokens), reserve_seconds=0.2
+            )
+            assert reserved.reservation.hit_tokens > 0
+            deadline = time.monotonic() + 10
+            while client.get_stats(reserved.reservation.pool).reservations.live:
+                assert time.monotonic() < deadline, "the reservation did not expire"
+                time.sleep(0.1)
+            storm(client)
+            check(client)
+    finally:
+        server.stop()

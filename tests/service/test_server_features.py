@@ -13,6 +13,7 @@ from conftest import POOL_TOML
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from helpers import allocate, attach, new_request
 from kvcoord.client import HashMismatchError, KVCoordClient, PoolBusyError
+from kvcoord.client.errors import KVCoordError
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
 from kvcoord.service.config import parse_config
@@ -115,6 +116,38 @@ def test_metrics_move_exactly_with_a_known_workload(make_server: Callable[..., I
           ("grpc_type", "unary"))  # fmt: skip
     assert m[("grpc_server_handled_total", ok)] == 4
     assert m[("grpc_server_handling_seconds_count", tuple(x for x in ok if x[0] != "grpc_code"))] >= 4
+
+
+def test_grpc_series_count_every_call_of_a_method_by_its_own_code(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """The interceptor wraps each method's handler once (intercept.WrappedHandlers):
+    calls of one method with different outcomes, and of two methods alternating, each
+    land in their own method's and code's series, every time."""
+    srv = make_server()
+    with KVCoordClient(srv.address) as c:
+        for i in range(9):
+            c.list_pools()
+            if i % 3:
+                c.get_pool("p")
+            else:
+                with pytest.raises(KVCoordError):
+                    c.get_pool("nope")
+    m = _scrape(srv)
+
+    def series(name: str, method: str, code: str | None = None) -> float:
+        labels = {"grpc_method": method, "grpc_service": "kvcoord.v1.Allocator", "grpc_type": "unary"}
+        if code is not None:
+            labels["grpc_code"] = code
+        return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+    assert series("grpc_server_started_total", "GetPool") == 9
+    assert series("grpc_server_handled_total", "GetPool", "OK") == 6
+    assert series("grpc_server_handled_total", "GetPool", "NOT_FOUND") == 3
+    assert series("grpc_server_handling_seconds_count", "GetPool") == 9
+    assert series("grpc_server_started_total", "ListPools") == 9
+    assert series("grpc_server_handled_total", "ListPools", "OK") == 9
+    assert series("grpc_server_handling_seconds_count", "ListPools") == 9
 
 
 def test_only_a_hash_mismatch_counts_as_a_handshake_refusal(

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from kvcoord.service.config import ConfigFileError, parse_config
-from kvcoord.service.kv_publisher import KVEventsDecl
+from kvcoord.service.kv_publisher import (
+    RESERVE_SEQUENCES,
+    KVEventsDecl,
+    SequenceReservation,
+    reservation_path,
+)
 
 
 def test_kv_events_tables_load_with_vllms_keys() -> None:
@@ -37,3 +44,21 @@ def test_bad_kv_events_tables_name_the_key(text: str, match: str) -> None:
     """A wrong table fails on load with the key path and what was expected."""
     with pytest.raises(ConfigFileError, match=match):
         parse_config(text)
+
+
+def test_batch_numbers_reserved_in_the_data_dir_are_never_used_twice(tmp_path: Path) -> None:
+    """A publisher's batch numbers survive a restart: each start begins at the ceiling
+    stored before any number under it was used (never below a used one); a damaged
+    file is refused naming it."""
+    path = reservation_path(tmp_path, "p")
+    first = SequenceReservation(path, "p")
+    assert first.start == 0
+    for seq in range(RESERVE_SEQUENCES + 10):
+        first.allow(seq)
+        assert SequenceReservation(path, "p").start > seq  # a crash now: the restart starts past seq
+    second = SequenceReservation(path, "p")
+    assert second.start == first.ceiling >= RESERVE_SEQUENCES + 10
+    assert reservation_path(tmp_path, "q") != path
+    path.write_text("{")
+    with pytest.raises(ValueError, match=str(path)):
+        SequenceReservation(path, "p")

@@ -6,13 +6,16 @@ nothing never holds up the pool."""
 from __future__ import annotations
 
 import random
+import shutil
 import time
 from collections import Counter
 from collections.abc import Iterator
+from pathlib import Path
 
 import msgspec
 import pytest
 import zmq
+from durable_server import DurableServer, free_port
 from kvcoord.client import KVCoordClient
 from kvcoord.engine.events import BlockRemoved, BlockStored, hash_to_int64
 from kvcoord.service.kv_publisher import encode_batch
@@ -64,6 +67,8 @@ class Subscriber:
         self.index: Counter[bytes] = Counter()
         self.last = -1
         self.replays = 0
+        self.skips = 0
+        self.clears = 0
         self.sub: zmq.Socket | None = None
         self.connect()
 
@@ -78,8 +83,13 @@ class Subscriber:
         self.sub.close(linger=0)
         self.sub = None
 
-    def apply(self, seq: int, payload: bytes) -> None:
-        assert seq == self.last + 1, (seq, self.last)
+    def apply(self, seq: int, payload: bytes, skip: bool = False) -> None:
+        """Apply batch ``seq``: the next one, or with ``skip`` (a replay's first batch)
+        any later one: a restarted publisher numbers on past every number it may have
+        used before, so the numbers in between never existed."""
+        assert seq == self.last + 1 or (skip and seq > self.last), (seq, self.last)
+        if seq != self.last + 1:
+            self.skips += 1
         batch = DECODER.decode(payload)
         assert batch.data_parallel_rank == 0
         for e in batch.events:
@@ -94,6 +104,7 @@ class Subscriber:
                         del self.index[h]
             else:
                 assert isinstance(e, VllmCleared)
+                self.clears += 1
                 self.index.clear()
         self.last = seq
 
@@ -103,6 +114,7 @@ class Subscriber:
         dealer.connect(self.replay_endpoint)
         try:
             dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            first = True
             for _ in range(1_000_000):
                 assert dealer.poll(10_000), "no replay answer"
                 _, seq_bytes, payload = dealer.recv_multipart()
@@ -110,18 +122,32 @@ class Subscriber:
                 if seq == -1:
                     break
                 if seq > self.last:
-                    self.apply(seq, payload)
+                    self.apply(seq, payload, skip=first)
+                first = False
         finally:
             dealer.close(linger=0)
         self.replays += 1
 
-    def pump(self, until: Counter[bytes], timeout: float = 20.0) -> None:
-        """Receive (and replay on a gap) until the index equals ``until``."""
+    def drain(self, quiet_ms: int = 500) -> None:
+        """Apply what has arrived, until nothing more arrives for ``quiet_ms``."""
+        assert self.sub is not None
+        while self.sub.poll(quiet_ms):
+            topic, seq_bytes, payload = self.sub.recv_multipart()
+            assert topic == self.topic
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq > self.last:  # else a batch a replay delivered already
+                self.apply(seq, payload)
+
+    def pump(self, until: Counter[bytes], timeout: float = 20.0, past: int = -1) -> None:
+        """Receive (and replay on a gap) until the index equals ``until`` (and a batch
+        numbered above ``past`` was applied)."""
         assert self.sub is not None
         deadline = time.monotonic() + timeout
-        while self.index != until:
+        while self.index != until or self.last <= past:
             left = deadline - time.monotonic()
-            assert left > 0, f"index differs: {len(self.index)} hashes against the pool's {len(until)}"
+            assert left > 0, (
+                f"index differs: {len(self.index)} hashes against the pool's {len(until)} (last {self.last}, replays {self.replays}, skips {self.skips})"
+            )
             if not self.sub.poll(int(min(left, 1.0) * 1000)):
                 continue
             topic, seq_bytes, payload = self.sub.recv_multipart()
@@ -204,6 +230,62 @@ def _drive(server: InProcessServer, sub: Subscriber, rnd: random.Random, prefixe
                 # the next message shows the gap: one more step, then catch up
                 w.step([rnd.randrange(100) for _ in range(9)], None)
             sub.pump(_pool_map(server, "hy"))
+
+
+def _recovered_map(server: DurableServer, copy: Path, config: str) -> Counter[bytes]:
+    """The pool's hash map as a server recovering the killed server's data directory
+    has it (on a copy: what the restarted server starts from)."""
+    shutil.copytree(server.data_dir, copy)
+    recovered = InProcessServer(config.split("[[kv_events]]")[0], data_dir=str(copy)).start()
+    try:
+        return _pool_map(recovered, "hy")
+    finally:
+        recovered.stop()
+
+
+def test_a_subscriber_follows_the_pool_across_server_restarts(tmp_path: Path) -> None:
+    """A journaled server process publishing on fixed ports is killed (SIGKILL) right
+    after a burst of steps, three times, and restarted, while a subscriber stays
+    connected (ZMQ reconnects it). After each restart its index (vLLM's decoded
+    batches, a count per cached block) equals the recovered pool's hash map, including
+    the events the killed server committed but had not sent: the restarted publisher
+    numbers its batches on past every number used before (the subscriber sees a gap
+    and replays; no number it holds is reused for other events), and its first batch
+    clears the index and sends the events the pool keeps (here its whole history: the
+    pool is large enough for its event buffer to keep it)."""
+    pub, replay = free_port(), free_port()
+    toml = (
+        CONFIG.replace("num_blocks = 48", "num_blocks = 400")
+        .replace('\nendpoint = "tcp://127.0.0.1:*"', f'\nendpoint = "tcp://*:{pub}"')
+        .replace('replay_endpoint = "tcp://127.0.0.1:*"', f'replay_endpoint = "tcp://127.0.0.1:{replay}"')
+    )
+    assert f"*:{pub}" in toml and f":{replay}" in toml
+    server = DurableServer(tmp_path, toml)
+    server.start()
+    sub = Subscriber(zmq.Context.instance(), f"tcp://127.0.0.1:{pub}", f"tcp://127.0.0.1:{replay}", b"kv@hy")
+    time.sleep(0.3)
+    rnd = random.Random(5)
+    prefixes = [[rnd.randrange(100) for _ in range(n)] for n in (12, 24, 40)]
+    try:
+        for restart in range(3):
+            with KVCoordClient(server.address, timeout=10) as client:
+                cfg = client.get_pool("hy").pool.config
+                workers = [PoolWorker(client, "hy", cfg, random.Random(10 * restart + i)) for i in range(3)]
+                for step in range(25):
+                    workers[step % 3].step(
+                        rnd.choice(prefixes) + [rnd.randrange(100) for _ in range(rnd.randint(1, 30))], None
+                    )
+            server.kill()
+            expected = _recovered_map(server, tmp_path / f"copy-{restart}", toml)
+            sub.drain()  # what the killed server sent
+            last_before = sub.last
+            server.start()
+            sub.pump(expected, past=last_before)  # the restarted publisher's first batch
+            assert sub.skips == restart + 1  # the restart was a gap, filled by a replay
+            assert sub.clears == restart + 1  # and the replay began with the clear
+    finally:
+        sub.disconnect()
+        server.stop()
 
 
 def test_payload_decodes_with_vllms_classes() -> None:

@@ -323,10 +323,15 @@ class BlockPool:
 
     def get_usage(self) -> float:
         """``1 - free / (num_blocks - 1)`` in exactly vLLM's floating-point order."""
+        return self.free_and_usage()[1]
+
+    def free_and_usage(self) -> tuple[int, float]:
+        """The free blocks and :meth:`get_usage`, from one read of the free queue."""
+        free = self.free_block_queue.num_free_blocks
         total = self.num_blocks - 1
         if not total:
-            return 0.0
-        return 1.0 - (self.get_num_free_blocks() / total)
+            return free, 0.0
+        return free, 1.0 - (free / total)
 
     def take_events(self) -> list[KVCacheEvent]:
         """The queued events, oldest first; the queue is emptied."""

@@ -109,6 +109,11 @@ class SharedHashes(list[bytes]):
             kind, message = cast("tuple[type[InvalidArgumentError], str]", failure)
             raise kind(message)
 
+    def passed(self, key: object) -> bool:
+        """Whether the check of ``key`` already ran in this call and passed."""
+        derived = self._derived
+        return key in derived and derived[key] is None
+
     def prefixed(self, prefix: bytes) -> SharedHashes:
         """``prefix + h`` for every hash (as :class:`PrefixedHashes` reads them), once."""
         key = ("prefix", prefix)

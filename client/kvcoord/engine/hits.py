@@ -57,6 +57,9 @@ class PrefixHits:
         self._alignment = coordinator.alignment_tokens
         self._group_block_sizes = [g.block_size for g in config.groups]
         self._no_hit_blocks: BlockIds = tuple(() for _ in self.managers)
+        #: the empty hit, made once (frozen: a router's score of a pool without the
+        #: prompt's start returns it instead of a new object per pool per call)
+        self._no_hit = CacheHit(self._no_hit_blocks, 0)
         #: (group id, block size) of the group the coordinator searches first when it is
         #: full attention (whose hit is a run of cached blocks from position 0, and
         #: every other group's search is capped by it): a miss of the first key there
@@ -87,17 +90,20 @@ class PrefixHits:
         if isinstance(block_hashes, (bytes, str)):
             raise InvalidArgumentError("block_hashes must be a sequence of bytes, not a single value")
         table = self.table
-        label = f"lookup of {num_tokens} tokens"
         hashes: Sequence[bytes]
         if type(block_hashes) is SharedHashes:
             # one prompt scored in many pools: each distinct check runs once per call
             key = ("check", self.enable_caching, self.hash_block_size, table.hash_length, num_tokens)
-            block_hashes.checked(key, lambda: table.check_hashes(block_hashes, 0, num_tokens, label))
+            if not block_hashes.passed(key):
+                block_hashes.checked(
+                    key,
+                    lambda: table.check_hashes(block_hashes, 0, num_tokens, f"lookup of {num_tokens} tokens"),
+                )
             hashes = block_hashes
         else:
-            hashes = table.check_hashes(block_hashes, 0, num_tokens, label)
+            hashes = table.check_hashes(block_hashes, 0, num_tokens, f"lookup of {num_tokens} tokens")
         if not self.enable_caching:
-            return CacheHit(self._no_hit_blocks, 0)
+            return self._no_hit
         # A namespace not seen yet has cached nothing: its keys take the prefix no
         # namespace is ever given (0), so the same search finds nothing, read-only.
         prefix = table.cache_namespaces.get(cache_namespace, _UNUSED_PREFIX) if cache_namespace else b""
@@ -111,7 +117,7 @@ class PrefixHits:
                 or not view
                 or view[0] not in self.block_pool.cached_block_hash_to_block.first[gid]
             ):
-                return CacheHit(self._no_hit_blocks, 0)
+                return self._no_hit
         hit, _ = self.search(keys, num_tokens)
         return hit
 

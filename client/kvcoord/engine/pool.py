@@ -729,6 +729,10 @@ class KVCachePool:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
+    def free_and_usage(self) -> tuple[int, float]:
+        """:attr:`num_free_blocks` and :attr:`usage` in one read (a router's score)."""
+        return self.block_pool.free_and_usage()
+
     def cached_block_ids(self) -> list[int]:
         """Ids of the blocks that currently hold a prefix-cache hash, ascending."""
         return self.block_pool.cached_block_ids()

@@ -6,9 +6,11 @@ router, SGLang's gateway) subscribe to every engine's ZMQ publisher
 every block the engines sharing it cache, so one publisher per pool replaces one per
 engine, speaking the same protocol as vLLM 0.16.0:
 
-* PUB socket, each message three frames: the topic (UTF-8, may be empty), the batch
-  sequence number (8 bytes, big-endian, counting from 0 at the publisher's start),
-  and the payload;
+* a PUB socket (an XPUB, which is a PUB to subscribers and also tells the publisher
+  of each subscription), each message three frames: the topic (UTF-8, may be empty),
+  the batch sequence number (8 bytes, big-endian, counting from 0 at the first
+  start) and the payload; each (re)subscription is answered with an empty batch
+  under the next number, so a subscriber learns at once whether it missed any;
 * the payload is msgpack of ``KVEventBatch`` in msgspec's array form:
   ``[ts, [event, ...], data_parallel_rank]``, each event a tagged array:
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
@@ -26,9 +28,18 @@ order, so a subscriber that misses nothing holds exactly the pool's prefix-cache
 A publisher thread owns the sockets: the event loop only hands it each batch, and a
 PUB socket drops what a slow subscriber cannot take (its high-water mark), so no
 subscriber ever slows a Step. A pool deleted (or deleted and created again) is
-announced with ``AllBlocksCleared``. After a server restart the publisher starts from
-sequence 0 again (as a restarted vLLM engine does) and first sends the events the
-pool still keeps: a subscriber applying them again ends with the same index.
+announced with ``AllBlocksCleared``.
+
+Across a server restart (a server with a data directory) the batch numbers go on: the
+publisher reserves numbers ahead in a small file of the data directory, written and
+synced before it uses them, and a restarted publisher starts past every number
+reserved before, so no number ever names two different batches and a subscriber sees
+the restart as a gap, which it fills from the replay socket. The restarted
+publisher's first batch sends again the events the pool keeps, preceded by
+``AllBlocksCleared`` when they are the pool's whole history (none was dropped from its
+event buffer): applying that batch leaves any index exactly the pool's map. A server
+without a data directory loses its pools in a restart and numbers from 0 again, as a
+restarted vLLM engine does.
 
 pyzmq and msgspec are the optional extra ``kvcoord[zmq]``.
 """
@@ -38,12 +49,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
+import json
 import logging
+import os
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, hash_to_int64
@@ -153,6 +168,66 @@ def encode_batch(
     return msgspec.msgpack.encode([ts, [event_fields(e, int_hashes) for e in events], data_parallel_rank])
 
 
+#: batch numbers reserved ahead at once (one synced write of the reservation file)
+RESERVE_SEQUENCES = 4096
+
+
+class SequenceReservation:
+    """Batch numbers that survive a restart: numbers are used only below a ceiling
+    stored in ``path`` (written, synced and renamed into place before any number under
+    it is used), and a new reservation starts at the stored ceiling. A crash can skip
+    numbers (at most :data:`RESERVE_SEQUENCES` a restart) but never use one twice.
+
+    Args:
+        path: the reservation file (its directory is created).
+        pool: the pool's name, kept in the file for whoever reads it.
+
+    Raises:
+        ValueError: the file exists but is not a reservation (names the file).
+    """
+
+    def __init__(self, path: Path, pool: str) -> None:
+        self.path = path
+        self.pool = pool
+        self.ceiling = 0
+        if path.exists():
+            try:
+                value = json.loads(path.read_text())
+                ceiling = value["ceiling"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}: not a KV event sequence reservation ({exc})") from None
+            if type(ceiling) is not int or ceiling < 0:
+                raise ValueError(f"{path}: ceiling must be a non-negative integer, got {ceiling!r}")
+            self.ceiling = ceiling
+        #: the first number this process may use
+        self.start = self.ceiling
+
+    def allow(self, seq: int) -> None:
+        """Make ``seq`` usable: raise the stored ceiling past it first when needed."""
+        if seq < self.ceiling:
+            return
+        ceiling = seq + RESERVE_SEQUENCES
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w") as f:
+            json.dump({"pool": self.pool, "ceiling": ceiling}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.ceiling = ceiling
+
+
+def reservation_path(data_dir: str | Path, pool: str) -> Path:
+    """The reservation file of ``pool``'s publisher in ``data_dir``."""
+    digest = hashlib.sha256(pool.encode()).hexdigest()[:16]
+    return Path(data_dir) / "kv_events" / f"{digest}.json"
+
+
 class KVEventPublisher:
     """One pool's PUB (and replay ROUTER) sockets, served by a thread of their own.
 
@@ -161,13 +236,16 @@ class KVEventPublisher:
 
     Args:
         decl: the publisher's settings.
+        data_dir: the server's data directory, where batch numbers are reserved so
+            they go on across restarts (None: from 0 at every start).
 
     Raises:
         ImportError: pyzmq or msgspec is missing (install ``kvcoord[zmq]``).
         zmq.ZMQError: an endpoint cannot be bound or connected.
+        ValueError: the reservation file is damaged.
     """
 
-    def __init__(self, decl: KVEventsDecl) -> None:
+    def __init__(self, decl: KVEventsDecl, data_dir: str | Path | None = None) -> None:
         try:
             import msgspec  # noqa: F401 - the thread's encoder, checked before binding anything
             import zmq
@@ -178,8 +256,15 @@ class KVEventPublisher:
 
         self.decl = decl
         self._zmq = zmq
+        self._reservation = (
+            SequenceReservation(reservation_path(data_dir, decl.pool), decl.pool) if data_dir else None
+        )
         ctx: Any = zmq.Context.instance()
-        self._pub = ctx.socket(zmq.PUB)
+        # XPUB: a PUB socket to every subscriber (vLLM's SUB sockets connect unchanged)
+        # that also hands this thread each subscription, so a subscriber that
+        # (re)connects gets a batch number at once (see _joined)
+        self._pub = ctx.socket(zmq.XPUB)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self._pub.set_hwm(decl.hwm)
         self._pub.setsockopt(zmq.LINGER, 0)
         ep = decl.endpoint
@@ -199,8 +284,8 @@ class KVEventPublisher:
         self._topic = decl.topic.encode()
         self._queue: queue.SimpleQueue[list[KVCacheEvent] | None] = queue.SimpleQueue()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=decl.buffer_steps)
-        #: the next batch's sequence number (batches sent so far)
-        self.next_sequence = 0
+        #: the next batch's sequence number (from the reservation across restarts)
+        self.next_sequence = self._reservation.start if self._reservation is not None else 0
         self.events_sent = 0
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{decl.pool}", daemon=True)
         self._thread.start()
@@ -219,6 +304,8 @@ class KVEventPublisher:
             while True:
                 if self._replay is not None and self._replay.poll(0):
                     self._serve_replay()
+                if self._pub.poll(0):
+                    self._joined()
                 try:
                     events = self._queue.get(timeout=0.05)
                 except queue.Empty:
@@ -239,6 +326,8 @@ class KVEventPublisher:
         d = self.decl
         payload = encode_batch(time.time(), events, d.data_parallel_rank, d.int_hashes)
         seq = self.next_sequence
+        if self._reservation is not None:
+            self._reservation.allow(seq)  # synced before the number leaves this process
         # NOBLOCK: a PUB socket drops for a subscriber at its high-water mark instead
         # of waiting; EAGAIN is not expected from PUB, but never wait on a subscriber.
         with contextlib.suppress(self._zmq.Again):
@@ -246,6 +335,24 @@ class KVEventPublisher:
         self._buffer.append((seq, payload))
         self.next_sequence = seq + 1
         self.events_sent += len(events)
+
+    def _joined(self) -> None:
+        """Subscriptions arrived: send an empty batch with the next number.
+
+        PUB/SUB drops what is sent before a subscriber's connection is up, so a
+        subscriber (re)connecting to a publisher that just started could miss the
+        restart's first batch and see no gap until the pool's next event. The empty
+        batch shows it its place at once: a gap it fills from the replay socket. Other
+        subscribers just see the next number with no events."""
+        joined = False
+        while True:
+            try:
+                frame = self._pub.recv(self._zmq.NOBLOCK)
+            except self._zmq.Again:
+                break
+            joined = joined or frame[:1] == b"\x01"  # subscribe (b"\x00": unsubscribe)
+        if joined:
+            self._send([])
 
     def _serve_replay(self) -> None:
         frames = self._replay.recv_multipart()
@@ -272,6 +379,8 @@ async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_secon
     decl = publisher.decl
     incarnation: int | None = None
     cursor = 0
+    #: sent before the first events read after the server started (see below)
+    head: list[KVCacheEvent] = []
     while True:
         service = registry.pools.get(decl.pool)
         if service is None:
@@ -284,8 +393,14 @@ async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_secon
         if service.fence.incarnation != incarnation:
             if incarnation is not None:  # created again: the old cache is gone
                 publisher.submit([AllBlocksCleared()])
+            elif journal.oldest_sequence == 1 and journal.last_sequence:
+                # The first look since the server started sends again what the pool
+                # keeps; when that is its whole history, a clear first makes the batch
+                # rebuild any index exactly (else applying events again still leaves a
+                # presence index exact: each hash's last event is among them).
+                head = [AllBlocksCleared()]
             incarnation = service.fence.incarnation
-            cursor = journal.oldest_sequence - 1  # what the pool still keeps (a restart)
+            cursor = journal.oldest_sequence - 1
         if journal.missed(cursor):
             logger.error(
                 "pool %s: KV events were dropped before the publisher read them (event_buffer): "
@@ -300,7 +415,8 @@ async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_secon
         cursor = items[-1][0]
         namespace = service.cache_namespace(decl.tenant)
         prefix = (service.cache_prefix_of(namespace) or b"") if namespace else b""
-        events = [e for _, e in items if isinstance(e, AllBlocksCleared) or e.cache_prefix == prefix]
+        events = head + [e for _, e in items if isinstance(e, AllBlocksCleared) or e.cache_prefix == prefix]
+        head = []
         if events:
             publisher.submit(events)
         await asyncio.sleep(0)  # let Steps run between large batches
@@ -310,9 +426,13 @@ class Publishers:
     """The server's KV event publishers and the tasks that feed them."""
 
     def __init__(
-        self, decls: Sequence[KVEventsDecl], registry: PoolRegistry, poll_seconds: float = 1.0
+        self,
+        decls: Sequence[KVEventsDecl],
+        registry: PoolRegistry,
+        poll_seconds: float = 1.0,
+        data_dir: str | Path | None = None,
     ) -> None:
-        self.publishers = {d.pool: KVEventPublisher(d) for d in decls}
+        self.publishers = {d.pool: KVEventPublisher(d, data_dir) for d in decls}
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(follow(registry, p, poll_seconds)) for p in self.publishers.values()]
         for p in self.publishers.values():

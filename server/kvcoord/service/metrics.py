@@ -32,7 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
-from .intercept import observed, status_name
+from .intercept import WrappedHandlers, observed, status_name
 from .pool_service import PoolService
 from .servicer import NullObserver
 from .tls import TLSFiles
@@ -270,6 +270,7 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):
 
     def __init__(self, metrics: Metrics) -> None:
         self.m = metrics
+        self._wrapped = WrappedHandlers()
 
     async def intercept_service(
         self,
@@ -279,15 +280,33 @@ class _RpcInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return handler
-        full = details.method.lstrip("/")
-        service, _, method = full.partition("/")
+        return self._wrapped.get(details.method, handler, lambda: self._wrap(details.method, handler))
+
+    def _wrap(self, path: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """``handler`` counted under its method's series (their children resolved once
+        per method and kind; per status code as each first occurs)."""
+        service, _, method = path.lstrip("/").partition("/")
         m = self.m
+        started: dict[str, Any] = {}
+        latency: dict[str, Any] = {}
+        handled: dict[tuple[str, str], Any] = {}
 
         def begin(kind: str) -> None:
-            m.started.labels(service, method, kind).inc()
+            child = started.get(kind)
+            if child is None:
+                child = started[kind] = m.started.labels(service, method, kind)
+            child.inc()
 
         def end(kind: str, _request: Any, context: grpc.aio.ServicerContext, ok: bool, t0: float) -> None:
-            m.finish(service, method, kind, context, ok, t0)
+            code = status_name(context, ok)
+            child = handled.get((kind, code))
+            if child is None:
+                child = handled[(kind, code)] = m.handled.labels(service, method, kind, code)
+            child.inc()
+            timer = latency.get(kind)
+            if timer is None:
+                timer = latency[kind] = m.latency.labels(service, method, kind)
+            timer.observe(time.perf_counter() - t0)
 
         return observed(handler, begin, end)
 
@@ -358,12 +377,6 @@ class Metrics(NullObserver):
 
     def interceptor(self) -> grpc.aio.ServerInterceptor:
         return _RpcInterceptor(self)
-
-    def finish(
-        self, service: str, method: str, kind: str, context: grpc.aio.ServicerContext, ok: bool, t0: float
-    ) -> None:
-        self.handled.labels(service, method, kind, status_name(context, ok)).inc()
-        self.latency.labels(service, method, kind).observe(time.perf_counter() - t0)
 
     def journal_committed(self, seconds: float) -> None:
         """A journal commit of records took ``seconds`` (Journal.on_commit_seconds)."""

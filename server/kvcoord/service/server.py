@@ -345,7 +345,9 @@ async def start_server(
     if isinstance(registry.recorder, JournalRecorder):
         registry.recorder.journal.on_failure.append(running._journal_failed)
     if cfg.kv_events:
-        running.publishers = Publishers(cfg.kv_events, registry)
+        running.publishers = Publishers(
+            cfg.kv_events, registry, data_dir=cfg.server.data_dir if cfg.server.journaled else None
+        )
     decision.on_marker_failure = running._journal_failed
     running.startup = decision
     running.cluster = cluster

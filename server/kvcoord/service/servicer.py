@@ -497,7 +497,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             )
         scores = score_pools(
             self.registry.served(),
-            lambda pool: self.access.holds(tenant, Role.OBSERVE, pool),
+            # full access holds every role: no check per pool (64 pools: about 30 us)
+            _everywhere if tenant.full_access else lambda pool: self.access.holds(tenant, Role.OBSERVE, pool),
             list(request.candidate_pools),
             request.num_tokens,
             prompts_from_pb(request.prompts),
@@ -765,6 +766,11 @@ def _guard(
         return await handler(request, context)
 
     return unary
+
+
+def _everywhere(_pool: str) -> bool:
+    """``AccessControl.holds`` for a full-access tenant: every role on every pool."""
+    return True
 
 
 def _undecodable_message(r: _Undecodable) -> str:

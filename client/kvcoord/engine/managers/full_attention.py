@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from functools import partial
-from itertools import islice, takewhile
-from operator import is_not
+from collections.abc import Sequence
+from itertools import islice
 
 from ..block_pool import BlockPool
 from ..blocks import KVCacheBlock
@@ -84,12 +82,16 @@ def _leading_hits(cached: dict[bytes, int], block_hashes: Sequence[bytes], max_b
     """Ids of the cached blocks for ``block_hashes[0..]`` up to the first miss (at most
     ``max_blocks``).
 
-    One C-level pipeline (``takewhile`` over ``map``): exactly one lookup per hit and
-    one for the miss that ends it, none past it (lazy hash views are read that far).
+    Exactly one lookup per hit and one for the miss that ends it, none past it (lazy
+    hash views are read that far). A plain loop: on CPython 3.11 it measured faster
+    than ``takewhile`` over ``map`` (no predicate call per block).
     """
-    lookup: Callable[[bytes], int | None] = cached.get
-    return list(takewhile(_is_id, map(lookup, islice(block_hashes, max_blocks))))  # type: ignore[arg-type]
-
-
-#: ``_is_id(x)``: ``x is not None`` (a C-level predicate)
-_is_id = partial(is_not, None)
+    get = cached.get
+    out: list[int] = []
+    add = out.append
+    for h in islice(block_hashes, max_blocks):
+        block_id = get(h)
+        if block_id is None:
+            break
+        add(block_id)
+    return out

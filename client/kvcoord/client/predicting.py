@@ -1,31 +1,31 @@
-"""vLLM's KVCacheManager methods answered at once from a replica of an exclusive pool.
+"""vLLM's KVCacheManager methods answered at once from a mirror of an exclusive pool.
 
 :class:`RemoteKVCacheManager` waits for the server whenever an answer needs it (a new
 request's blocks, a lookup no hint covers, events). This manager never does: its
-session is the pool's only one, the server gives it the pool's state when it attaches,
-and a :class:`~kvcoord.client.replica.PoolReplica` applies vLLM's rules to each call,
-so every answer is known in the client. The calls still go to the server, in order,
-as one Step per scheduler step sent from a background thread without waiting; the
-server applies them (it stays the pool's owner: journal, metrics, events for others)
-and checks what it can (hits answered ahead, promised allocations and refusals), and
-this manager compares the rest (every new block id, free count, event and statistic)
-when the answer comes. Events are compared unless the answer says ``events_gap``: the
-server's event buffer wrapped (an eviction larger than it) and it kept only the newest,
-so they are not comparable; that is no difference, and the rest is still compared.
+session is the pool's only one, the server gives it the pool's engine state when it
+attaches, and a :class:`~kvcoord.client.mirror.Mirror` (the engine itself, loaded
+from that state) applies each call, so every answer is known in the client, for every
+layout the engine knows. The calls still go to the server, in order, as one Step per
+scheduler step sent from a background thread without waiting; the server applies
+them (it stays the pool's owner: journal, metrics, events for others) and checks what
+it can (hits answered ahead, promised allocations and refusals), and this manager
+compares the rest (every new block id, free count, event and statistic) when the
+answer comes. Events are compared unless the answer says ``events_gap``: the server's
+event buffer wrapped (an eviction larger than it) and it kept only the newest, so they
+are not comparable; that is no difference, and the rest is still compared.
 
 A difference, a failed Step, a lost session or a lease the client cannot vouch for is
 never absorbed: the next call raises :class:`RequestsLostError` naming every request
 the session held (the manager ends the session, so the server frees them, and
 attaches again with a fresh state). Until then, the worker used block ids from a
-replica that is consistent by construction (it never gives a held block to a second
+mirror that is consistent by construction (it never gives a held block to a second
 request); what a difference shows is a server that disagrees with it, found at most
 ``max_backlog`` scheduler steps later.
 
-The layout is the server's to allow (``AttachResponse.pool_state``): one full-attention
-group whose block size is the hash block size, without EAGLE, caching under no tenant
-namespace. Calls outside vLLM's plain scheduler path (KV connectors' external tokens and delayed
-caching, encoder inputs) raise :class:`InvalidArgumentError`: use
-:class:`RemoteKVCacheManager` for them.
+A pool is refused (:class:`FailedPreconditionError`, naming why) only when the server
+gives no engine state or its engine's rules fingerprint differs from this client's
+(another kvcoord release on one side): then the answers could differ, so the caller
+runs without prediction.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from .errors import (
     status_code,
 )
 from .hashing import pool_seed
-from .replica import PoolReplica, ReplicaRefusal
+from .mirror import BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
 from .session import SessionKeeper
 from .tracking import RequestTracker
 
@@ -62,14 +62,14 @@ logger = logging.getLogger(__name__)
 
 
 class PredictionMismatchError(KVCoordError):
-    """The server's answer differs from the replica's (the cause of a RequestsLostError)."""
+    """The server's answer differs from the mirror's (the cause of a RequestsLostError)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(grpc.StatusCode.INTERNAL, message, "PREDICTION_FAILED")
 
 
 class _Sent:
-    """One Step's operations (written in place into its request) and what the replica
+    """One Step's operations (written in place into its request) and what the mirror
     says their answers are."""
 
     __slots__ = ("events", "expected", "num_free_blocks", "request", "size", "stats")
@@ -78,7 +78,8 @@ class _Sent:
         self.request = pb.StepRequest(include_state=True, events_digest=True)
         #: about how many bytes the request holds (an upper bound for its tokens and hashes)
         self.size = 0
-        #: per op: its new block ids (allocate), its Run and each entry's ids, or None
+        #: per op: its Run, None, or (kind, the mirror's answer): "new" (an allocation's
+        #: new block ids per group), "reset" or "common_prefix"
         self.expected: list[Any] = []
         self.num_free_blocks = 0
         self.events = pb.StepResponse()
@@ -101,7 +102,7 @@ class PredictingKVCacheManager:
 
     Raises:
         FailedPreconditionError: the pool has another session, or the server gives no
-            state for it (the reason is in the message).
+            state this client can mirror (the reason is in the message).
         RandomSeedError: caching is on and no seed is known.
     """
 
@@ -123,35 +124,21 @@ class PredictingKVCacheManager:
         seed, none = pool_seed(cfg, hash_seed)
         self.tracker = RequestTracker(cfg, none)
         self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
+        self.enable_caching = cfg.enable_caching
         self.max_backlog = max(0, max_backlog)
         #: a Step gathering more than this many bytes is sent as soon as the one in
         #: flight is answered (well under the server's max_message_bytes, 16 MiB by default)
         self.max_step_bytes = 4 << 20
-        self._state: pb.PoolState | None = None
-
-        def attach() -> pb.AttachResponse:
-            response = client.attach(
-                pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds, True, True
-            )
-            if not response.HasField("pool_state"):
-                try:
-                    client.detach(response.session_id, response.fence)
-                finally:
-                    raise FailedPreconditionError(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"pool {pool!r} cannot be predicted: {response.pool_state_unavailable}",
-                    )
-            self._state = response.pool_state
-            return response
-
-        self.keeper = SessionKeeper(client, attach, renew=renew)
-        self.replica = self._new_replica()
+        self._attach_args = (pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds)
+        self._mirror: Mirror | None = None
+        self.keeper = SessionKeeper(client, self._attach, renew=renew)
+        self.mirror: Mirror = self._loaded()
         self._pending = _Sent()
         self._run: _Run | None = None
         self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-predict")
         self._in_flight: concurrent.futures.Future[None] | None = None
         self._backlog = 0
-        #: why the replica can no longer be trusted, until the next call reports it
+        #: why the mirror can no longer be trusted, until the next call reports it
         #: (set by the sender thread), and the requests lost since the last report
         self._failure: KVCoordError | None = None
         self._lost: list[str] = []
@@ -163,14 +150,38 @@ class PredictingKVCacheManager:
         #: answers whose events were not comparable (the server's event buffer wrapped)
         self.events_gaps = 0
         #: what RemoteKVCacheManager uses for lookup hints (KVCoordScheduler sets it);
-        #: not needed here: every lookup is answered from the replica
+        #: not needed here: every lookup is answered from the mirror
         self.upcoming: Any = None
 
-    def _new_replica(self) -> PoolReplica:
-        assert self._state is not None
-        replica = PoolReplica(self.config, self._state, _lora)
-        self._state = None
-        return replica
+    def _attach(self) -> pb.AttachResponse:
+        """Attach exclusively and load the mirror from the answer's engine state.
+
+        Raises:
+            FailedPreconditionError: no state this client can mirror (the session made
+                is ended first).
+        """
+        client, cfg = self.client, self.config
+        response = client.attach(*self._attach_args, True, True, want_engine_state=True)
+        why = response.pool_state_unavailable or "the server sent no pool state"
+        if response.HasField("pool_state"):
+            try:
+                self._mirror = Mirror(cfg, response.pool_state)
+            except MirrorUnavailableError as err:
+                why = str(err)
+            else:
+                return response
+        try:
+            client.detach(response.session_id, response.fence)
+        finally:
+            raise FailedPreconditionError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"pool {self.pool!r} cannot be predicted: {why}"
+            )
+
+    def _loaded(self) -> Mirror:
+        """The mirror the last Attach loaded."""
+        mirror, self._mirror = self._mirror, None
+        assert mirror is not None, "attached without a mirror"
+        return mirror
 
     @property
     def session_id(self) -> str:
@@ -180,19 +191,23 @@ class PredictingKVCacheManager:
     def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlockIds, int]:
         """The longest prefix hit, answered now (the server checks it)."""
         self._settled()
-        if not self.config.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
-            return KVCacheBlockIds(([],)), 0
+        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+            return KVCacheBlockIds(tuple([] for _ in self.config.groups)), 0
+        rid = request.request_id
+        mark = self.tracker.mark(rid)
         lookup = self._op().lookup
         self._synced(request, lookup.request)
-        hit = self.replica.lookup(
-            self.tracker.hashes(request),
-            len(request.all_token_ids),
-            int(getattr(request, "num_preemptions", 0)) > 0,
-        )
-        num_tokens = len(hit) * self.replica.block_size
-        lookup.answered.groups.add().block_ids.extend(hit)
-        lookup.answered.num_tokens = num_tokens
-        return KVCacheBlockIds((hit,)), num_tokens
+        try:
+            self.mirror.sync(lookup.request)
+        except BaseException:
+            self._take_back(rid, mark)
+            raise
+        block_ids, num_tokens = self.mirror.lookup(rid)
+        answered = lookup.answered
+        for group in block_ids:
+            answered.groups.add().block_ids.extend(group)
+        answered.num_tokens = num_tokens
+        return KVCacheBlockIds(tuple([list(g) for g in block_ids])), num_tokens
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
@@ -201,106 +216,130 @@ class PredictingKVCacheManager:
         """New block ids, or ``None`` when the pool has too few free blocks, answered now
         (with ``return_table``, the answer's ``table`` is the request's whole table)."""
         keeper = self.keeper
-        computed = request.num_computed_tokens
-        replica = self.replica
         if (
             not (
                 num_new_computed_tokens
                 or num_external_computed_tokens
                 or delay_cache_blocks
                 or num_encoder_tokens
-            )
+            )  # fmt: skip
             and self._failure is None
             and keeper.lost is None
             and keeper.clock() < keeper.valid_until
             and type(num_new_tokens) is int
-            and type(computed) is int
             and 0 < num_new_tokens
-            and computed + num_new_tokens <= replica.max_model_len
             and type(num_lookahead_tokens) is int
             and num_lookahead_tokens >= 0
         ):
-            # A registered request without a hit (decode above all): an entry of the
-            # Step's run of allocations, in columns.
-            fields = self.tracker.sync_run(request)
-            if fields is not None:
-                rid = request.request_id
-                tokens = request.all_token_ids
-                new = replica.grow(rid, computed, num_new_tokens, num_lookahead_tokens, tokens,
-                                   getattr(request, "block_hashes", None) or self.tracker.hashes(request), request)  # fmt: skip
+            new = self._allocate_registered(request, num_new_tokens, num_lookahead_tokens)
+            if new is not _UNREGISTERED:
                 if new is None:
-                    _refusal(self._op().allocate, rid, fields, num_new_tokens, num_lookahead_tokens)
-                    self._pending.size += 5 * len(fields[2]) + 34 * len(fields[3])
                     return None
-                run = self._run
-                if run is None:
-                    run = self._run = _Run()
-                run.entries.append((rid, *fields, num_new_tokens, num_lookahead_tokens))
-                run.ids.append(new)
+                assert isinstance(new, tuple)
+                ids = KVCacheBlockIds(tuple([list(g) for g in new]))
                 if return_table:
-                    return KVCacheBlockIds((new,), table=(list(replica.tables[rid]),))
-                return KVCacheBlockIds((new,))
-        if num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
-            raise InvalidArgumentError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "PredictingKVCacheManager answers the plain scheduler path only: KV connector, delayed "
-                "caching and encoder tokens need RemoteKVCacheManager",
-            )
+                    ids = KVCacheBlockIds(ids.block_ids, table=self.mirror.table(request.request_id))
+                return ids
         if self._failure is not None:
             self._settled()
         if keeper.lost is not None or keeper.clock() >= keeper.valid_until:
             self._vouch()
-        new_ids = self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                                 num_lookahead_tokens)  # fmt: skip
-        if new_ids is not None and return_table:
-            return KVCacheBlockIds(new_ids.block_ids, table=(list(replica.tables[request.request_id]),))
-        return new_ids
+        got = self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                             num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                             num_encoder_tokens)  # fmt: skip
+        if got is None:
+            return None
+        ids = KVCacheBlockIds(tuple([list(g) for g in got]))
+        if return_table:
+            ids = KVCacheBlockIds(ids.block_ids, table=self.mirror.table(request.request_id))
+        return ids
 
-    def _allocate(
-        self,
-        request: Any,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: KVCacheBlockIds | None,
-        num_lookahead_tokens: int,
-    ) -> KVCacheBlockIds | None:
-        """allocate_slots for a new request, a hit, or bad input."""
-        rid = request.request_id
-        replica, tracker = self.replica, self.tracker
-        hit = list(new_computed_blocks.block_ids[0]) if new_computed_blocks is not None else []
-        if not num_new_computed_tokens:
-            hit = []
-        computed = int(request.num_computed_tokens)
+    def _allocate_registered(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int) -> object:
+        """A registered request's allocation without a hit (decode above all), as an
+        entry of the Step's run of allocations; ``_UNREGISTERED`` for a request the
+        server does not hold yet (it needs a full sync)."""
+        tracker, rid = self.tracker, request.request_id
+        mark = tracker.mark(rid)
+        fields = tracker.sync_run(request)
+        if fields is None:
+            return _UNREGISTERED
+        base_t, base_h, tokens, hashes, computed = fields
+        mirror = self.mirror
         try:
-            for name, value in (("num_new_tokens", num_new_tokens), ("num_new_computed_tokens", num_new_computed_tokens),
-                                ("num_lookahead_tokens", num_lookahead_tokens)):  # fmt: skip
-                if type(value) is not int or value < 0:
-                    raise ReplicaRefusal(f"{name} must be a non-negative integer")
-            fresh = replica.check(rid, computed, num_new_computed_tokens, num_new_tokens, hit,
-                                  tracker.hashes(request) if rid in tracker else ())  # fmt: skip
-        except ReplicaRefusal as err:
-            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-        if not fresh:
-            self.stale_hits += 1
-            return None  # as the server answers a stale hit: refused, nothing changed
+            undo = mirror.update(rid, computed, tokens, hashes)
+            try:
+                new = mirror.allocate(rid, num_new_tokens, 0, None, num_lookahead_tokens)
+            except BaseException:
+                undo()
+                raise
+        except BaseException:
+            tracker.restore({rid: mark})
+            raise
+        if new is None:
+            self._close_run()
+            _refusal(self._op().allocate, rid, fields, num_new_tokens, num_lookahead_tokens)
+            self._pending.size += 5 * len(tokens) + 34 * len(hashes)
+            return None
+        run = self._run
+        if run is None:
+            run = self._run = _Run()
+        run.entries.append(
+            (rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens)
+        )
+        run.ids.append(new)
+        return new
+
+    def _allocate(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
+                  new_computed_blocks: KVCacheBlockIds | None, num_lookahead_tokens: int,
+                  num_external_computed_tokens: int, delay_cache_blocks: bool,
+                  num_encoder_tokens: int) -> BlockIds | None:  # fmt: skip
+        """allocate_slots for a new request, a hit, a KV connector's or encoder's tokens,
+        or bad input (the mirror's engine names it, and nothing is sent)."""
+        rid = request.request_id
+        hit: tuple[tuple[int, ...], ...] | None = None
+        if new_computed_blocks is not None and num_new_computed_tokens:
+            hit = tuple(tuple(g) for g in new_computed_blocks.block_ids)
+        tracker, mirror = self.tracker, self.mirror
+        mark = tracker.mark(rid)
         a = self._op().allocate
         self._synced(request, a.request)
+        try:
+            undo = mirror.sync(a.request)
+        except BaseException:
+            self._take_back(rid, mark)
+            raise
         a.num_new_tokens = num_new_tokens
         a.num_lookahead_tokens = num_lookahead_tokens
-        if hit:
+        a.num_external_computed_tokens = num_external_computed_tokens
+        a.delay_cache_blocks = delay_cache_blocks
+        a.num_encoder_tokens = num_encoder_tokens
+        if hit is not None:
             a.num_new_computed_tokens = num_new_computed_tokens
-            a.new_computed_blocks.groups.add().block_ids.extend(hit)
+            for group in hit:
+                a.new_computed_blocks.groups.add().block_ids.extend(group)
             a.new_computed_blocks.num_tokens = num_new_computed_tokens
-        new = replica.allocate(
-            rid, computed, num_new_computed_tokens, num_new_tokens, hit, num_lookahead_tokens,
-            request.all_token_ids, tracker.hashes(request), request,
-        )  # fmt: skip
+        try:
+            new = mirror.allocate(
+                rid, num_new_tokens, num_new_computed_tokens if hit is not None else 0,
+                hit, num_lookahead_tokens,
+                num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
+            )  # fmt: skip
+        except StaleCacheHitError:
+            # as the server answers a stale hit: refused, nothing changed (its sync undone)
+            undo()
+            self._take_back(rid, mark)
+            self.stale_hits += 1
+            return None
+        except BaseException:
+            undo()
+            self._take_back(rid, mark)
+            raise
         if new is None:
             a.must_refuse = True
             return None
         a.must_succeed = True
-        self._pending.expected[-1] = new
-        return KVCacheBlockIds((new,))
+        self._pending.expected[-1] = ("new", new)
+        return new
 
     def free(self, request: Any) -> None:
         """Free the request's blocks (sent with the next Step)."""
@@ -308,40 +347,52 @@ class PredictingKVCacheManager:
         self.tracker.lost.discard(rid)  # a lost request the scheduler frees is settled
         if rid not in self.tracker:
             return  # never sent (or lost with its session): nothing to free
-        self.replica.free(rid)
+        if self.mirror.holds(rid):
+            self.mirror.free(rid)
         self.tracker.forget([rid])
         self._op().free.request_id = rid
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block table (empty for a request that holds none)."""
-        return (list(self.replica.tables.get(request_id, ())),)
+        """The request's block table per group (empty for a request that holds none)."""
+        return self.mirror.table(request_id)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
-        """Nothing: full attention needs every block of the prefix (nothing to send)."""
+        """Free the blocks attention no longer reads (sliding window, chunked local,
+        mamba); nothing is sent when the engine would free none."""
+        self._settled()
+        mirror = self.mirror
+        if request_id not in self.tracker or not mirror.holds(request_id):
+            return
+        if not mirror.skips_blocks(request_id, total_computed_tokens):
+            return
+        mirror.call("remove_skipped_blocks", request_id, total_computed_tokens)
+        op = self._op().remove_skipped_blocks
+        op.request.CopyFrom(self.tracker.position(request_id))
+        op.total_computed_tokens = total_computed_tokens
 
     def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
-        """The request's leading blocks shared by every request holding blocks."""
+        """Per group, the request's leading blocks shared by every request holding blocks."""
         self._settled()
-        if request_id not in self.tracker:
+        if request_id not in self.tracker or not self.mirror.holds(request_id):
             raise InvalidArgumentError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request {request_id!r} is not in this pool"
             )
-        n = self.replica.common_prefix(request_id)
+        n = list(self.mirror.call("get_num_common_prefix_blocks", request_id))
         self._op().common_prefix.request_id = request_id
         self._pending.expected[-1] = ("common_prefix", n)
-        return [n]
+        return n
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the cached hash of each block, in the caller's order."""
         self._settled()
         ids = [int(b) for b in block_ids]
-        self.replica.evict(ids)
+        self.mirror.call("evict_blocks", ids)
         self._op().evict_blocks.block_ids.extend(ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; False (nothing changed) while any block is held."""
         self._settled()
-        done = self.replica.reset()
+        done = bool(self.mirror.call("reset_prefix_cache"))
         self._op().reset_prefix_cache.SetInParent()
         self._pending.expected[-1] = ("reset", done)
         return done
@@ -349,7 +400,7 @@ class PredictingKVCacheManager:
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Cache the request's blocks full within ``num_computed_tokens`` (vLLM's
         AsyncScheduler calls it every step; nothing is sent when no block became full)."""
-        if not self.config.enable_caching:
+        if not self.enable_caching:
             return
         self._settled()
         if not 0 <= num_computed_tokens <= len(request.all_token_ids):
@@ -358,46 +409,50 @@ class PredictingKVCacheManager:
                 f"num_computed_tokens {num_computed_tokens} is past the request's {len(request.all_token_ids)} tokens",
             )
         rid = request.request_id
-        if rid not in self.tracker or not self.replica.caches(rid, num_computed_tokens):
+        mirror = self.mirror
+        if (
+            rid not in self.tracker
+            or not mirror.holds(rid)
+            or not mirror.caches_more(rid, num_computed_tokens)
+        ):
             return
-        full = num_computed_tokens // self.replica.block_size
-        if full > len(self.replica.tables.get(rid, ())):
-            raise InvalidArgumentError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request {rid!r}: {num_computed_tokens} tokens need {full} blocks, it holds "
-                f"{len(self.replica.tables.get(rid, ()))}",
-            )
+        mark = self.tracker.mark(rid)
         op = self._op().cache_blocks
         self._synced(request, op.request)
         op.num_computed_tokens = num_computed_tokens
-        self.replica.cache(
-            rid, num_computed_tokens, request.all_token_ids, self.tracker.hashes(request), request
-        )
+        try:
+            undo = mirror.sync(op.request)
+        except BaseException:
+            self._take_back(rid, mark)
+            raise
+        try:
+            mirror.call("cache_blocks", rid, num_computed_tokens)
+        except BaseException:
+            undo()
+            self._take_back(rid, mark)
+            raise
 
     def peek_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
         """What make_prefix_cache_stats would return, without resetting it."""
         if not self.log_stats:
             return None
-        copy = pb.PrefixCacheStats()
-        copy.CopyFrom(self.replica.stats)
-        return copy
+        return self.mirror.peek_stats()
 
     @property
     def usage(self) -> float:
-        return self.replica.usage
+        return self.mirror.usage
 
     def take_events(self) -> list[pb.KVEvent]:
         """The pool's KV events since the previous call; ends a scheduler step (its
         calls go to the server, or join the next Step while one is in flight)."""
         self._cut()
-        events, self.replica.events = self.replica.events, []
-        return events
+        return self.mirror.take_events()
 
     def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
         """This session's prefix-cache statistics since the previous call."""
         if not self.log_stats:
             return None
-        return self.replica.take_stats()
+        return self.mirror.take_stats()
 
     def flush(self) -> None:
         """Send every call and wait until the server confirmed every answer.
@@ -433,6 +488,13 @@ class PredictingKVCacheManager:
             self._pending.expected.pop()
             raise
         self._pending.size += 5 * len(into.append_token_ids) + 34 * len(into.append_block_hashes)
+
+    def _take_back(self, request_id: str, mark: tuple[int, int, int, bool] | None) -> None:
+        """Take back the operation just begun (the mirror refused it): nothing of it is
+        sent, and the request's position is where it was before it."""
+        del self._pending.request.ops[-1]
+        self._pending.expected.pop()
+        self.tracker.restore({request_id: mark})
 
     def _op(self) -> pb.Operation:
         """The next operation of the Step being gathered (what its answer must be, if
@@ -475,9 +537,9 @@ class PredictingKVCacheManager:
     def _send(self) -> None:
         sent = self._pending
         self._pending = _Sent()
-        replica = self.replica
-        sent.num_free_blocks = replica.num_free_blocks
-        sent.events, sent.stats = replica.take_step()
+        mirror = self.mirror
+        sent.num_free_blocks = mirror.num_free_blocks
+        sent.events, sent.stats = mirror.take_step()
         self._backlog = 0
         self.steps_sent += 1
         request = sent.request
@@ -487,7 +549,7 @@ class PredictingKVCacheManager:
         self._in_flight = self._sender.submit(self._step, sent)
 
     def _step(self, sent: _Sent) -> None:
-        """On the sender thread: one Step, its answer compared with the replica's; a
+        """On the sender thread: one Step, its answer compared with the mirror's; a
         failure is kept for the caller's next call to report."""
         try:
             self._checked_step(sent)
@@ -511,41 +573,41 @@ class PredictingKVCacheManager:
             if isinstance(expected, _Run):
                 if not expected.matches(result.allocate_run):
                     raise PredictionMismatchError(f"operation {i}: the server's run of allocations differs")
-            elif isinstance(expected, tuple):
+            else:
                 kind, value = expected
-                if kind == "reset":
-                    agrees = bool(result.reset_prefix_cache.result) == value
+                if kind == "new":
+                    got: Any = [list(g.block_ids) for g in result.allocate.new_block_ids]
+                    value = [list(g) for g in value]
+                elif kind == "reset":
+                    got = bool(result.reset_prefix_cache.result)
                 else:
-                    agrees = list(result.common_prefix.num_blocks) == [value]
-                if not agrees:
-                    raise PredictionMismatchError(f"operation {i} ({kind}): the server answered otherwise")
-            elif [list(g.block_ids) for g in result.allocate.new_block_ids] != [expected]:
-                raise PredictionMismatchError(
-                    f"operation {i}: the server gave {[list(g.block_ids) for g in result.allocate.new_block_ids]}"
-                    f", the replica {expected}"
-                )
+                    got = list(result.common_prefix.num_blocks)
+                if got != value:
+                    raise PredictionMismatchError(
+                        f"operation {i} ({kind}): the server answered {got}, the mirror {value}"
+                    )
         if resp.num_free_blocks != sent.num_free_blocks:
             raise PredictionMismatchError(
-                f"the server has {resp.num_free_blocks} free blocks, the replica {sent.num_free_blocks}"
+                f"the server has {resp.num_free_blocks} free blocks, the mirror {sent.num_free_blocks}"
             )
         if self.config.enable_kv_cache_events:
             if resp.events_gap:
                 # The server's event buffer wrapped before this Step's events were taken
                 # (an eviction larger than its event_buffer): it digested only the events
-                # it still kept, so the digest cannot be compared with the replica's whole
+                # it still kept, so the digest cannot be compared with the mirror's whole
                 # list. That is no disagreement: the block ids, free count and statistics
                 # above and below are still compared, and the engine publishes the
-                # replica's events, which are complete.
+                # mirror's events, which are complete.
                 self.events_gaps += 1
                 logger.info(
                     "predicted pool %r: the server's event buffer wrapped during a Step; its events "
                     "were not compared (everything else was)", self.pool,
                 )  # fmt: skip
             elif resp.events_sha256 != hashlib.sha256(sent.events.SerializeToString()).digest():
-                raise PredictionMismatchError("the server's KV events differ from the replica's")
+                raise PredictionMismatchError("the server's KV events differ from the mirror's")
         if self.log_stats and resp.prefix_cache_stats != sent.stats:
             raise PredictionMismatchError(
-                f"the server's prefix-cache statistics differ from the replica's: {resp.prefix_cache_stats} "
+                f"the server's prefix-cache statistics differ from the mirror's: {resp.prefix_cache_stats} "
                 f"against {sent.stats}"
             )
 
@@ -577,14 +639,13 @@ class PredictingKVCacheManager:
         self._pending = _Sent()
         self._run = None
         self._backlog = 0
-        self.replica.tables.clear()  # nothing is held any more (the replica is replaced below)
         if self.keeper.session_id:
             try:
                 self.client.detach(self.keeper.session_id, self.keeper.fence)
             except KVCoordError:
                 pass  # gone already (or unreachable: its lease ends it)
         self.keeper.attach()
-        self.replica = self._new_replica()
+        self.mirror = self._loaded()  # from the new session's state
         lost, self._lost, self._failure = self._lost, [], None
         self.lost_requests += len(lost)
         raise RequestsLostError(lost, failure)
@@ -602,15 +663,8 @@ class PredictingKVCacheManager:
             self._settled()
 
 
-def _lora(request: Any) -> tuple[int, str] | None:
-    """The request's LoRA adapter (id, name), as its registration sends it."""
-    lora = getattr(request, "lora_request", None)
-    if lora is None:
-        return None
-    return (
-        int(getattr(lora, "lora_int_id", getattr(lora, "adapter_id", 0))),
-        str(getattr(lora, "lora_name", getattr(lora, "name", ""))),
-    )
+#: what ``_allocate_registered`` answers for a request the server does not hold yet
+_UNREGISTERED = object()
 
 
 def _refusal(
@@ -634,14 +688,14 @@ def _refusal(
 class _Run:
     """A Step's allocations of registered requests without a hit: their entries
     (``sync_run``'s fields, then the new token and lookahead counts) and the block ids
-    the replica gave them, turned into one AllocateRunOp's columns when sent."""
+    the mirror gave them, turned into one AllocateRunOp's columns when sent."""
 
     __slots__ = ("entries", "ids")
 
     def __init__(self) -> None:
         self.entries: list[tuple[Any, ...]] = []
-        #: each entry's new block ids, in entry order
-        self.ids: list[list[int]] = []
+        #: each entry's new block ids per group, in entry order
+        self.ids: list[BlockIds] = []
 
     def write(self, op: pb.AllocateRunOp) -> int:
         """The entries as ``op``'s columns; about how many bytes they take (at most)."""
@@ -661,7 +715,8 @@ class _Run:
         return 32 * len(rids) + 5 * sum(num_tokens) + 34 * sum(num_hashes)
 
     def matches(self, answer: pb.AllocateRunResult) -> bool:
-        """Whether the server's answer gives each entry the replica's blocks."""
-        return list(answer.num_new_blocks) == [len(i) for i in self.ids] and list(
-            answer.new_block_ids
-        ) == list(itertools.chain.from_iterable(self.ids))
+        """Whether the server's answer gives each entry the mirror's blocks."""
+        groups = [g for ids in self.ids for g in ids]
+        return list(answer.num_new_blocks) == [len(g) for g in groups] and list(answer.new_block_ids) == list(
+            itertools.chain.from_iterable(groups)
+        )

@@ -30,7 +30,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from . import operations as op
 from .errors import ServiceError, bounded
-from .pool_service import Fence, HashSettings, PoolScore, UnscoredPool
+from .pool_service import Fence, HashSettings, MirrorState, PoolScore, UnscoredPool
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvcoord.engine.reservations import Reservations
@@ -50,6 +50,7 @@ __all__ = [
     "operation_from_pb",
     "outcome_to_pb",
     "write_outcome",
+    "write_mirror_state",
     "write_pool_state",
     "sync_from_pb",
     "config_from_pb",
@@ -458,6 +459,15 @@ def write_pool_state(
     out.used_free_blocks.extend(used)
     out.cached_block_ids.extend([block_id for _, block_id in pairs])
     out.cached_block_hashes.extend([block_hash for block_hash, _ in pairs])
+
+
+def write_mirror_state(response: pb.AttachResponse, state: MirrorState) -> None:
+    """An Attach answer's engine state for a mirror (:meth:`PoolService.mirror_state`)."""
+    out = response.pool_state
+    out.engine_state = state.engine_state
+    out.engine_state_version = state.version
+    out.engine_rules = state.rules
+    out.cache_namespace = state.cache_namespace
 
 
 # -- ScorePools ----------------------------------------------------------------------

@@ -17,7 +17,9 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
+import cbor2
 import grpc
+from kvcoord.client.rules import rules_fingerprint
 from kvcoord.engine import (
     AllBlocksCleared,
     CacheHit,
@@ -30,6 +32,7 @@ from kvcoord.engine import (
     RequestCheckpoint,
     StaleCacheHitError,
 )
+from kvcoord.engine.state import STATE_VERSION, export_state
 
 from . import operations as op
 from .budget import event_buffer_bytes
@@ -129,6 +132,18 @@ class Limits:
 
 
 Undo = Callable[[], None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MirrorState:
+    """An exclusive session's pool state (AttachResponse.pool_state with
+    want_engine_state): :func:`export_state`'s value as CBOR, its version, the engine's
+    rules fingerprint and the session's cache namespace."""
+
+    engine_state: bytes
+    version: int
+    rules: str
+    cache_namespace: str
 
 
 def _noop() -> None:
@@ -322,6 +337,13 @@ class PoolService:
         if "*" in shared or tenant in shared:
             return ""
         return tenant
+
+    def mirror_state(self, cache_namespace: str) -> MirrorState:
+        """What an exclusive session's client loads its mirror of the pool from (an
+        exclusive Attach with want_engine_state): the engine's whole state as CBOR,
+        and the rules and namespace it holds under. Reads only."""
+        return MirrorState(cbor2.dumps(export_state(self.engine)), STATE_VERSION, rules_fingerprint(),
+                           cache_namespace)  # fmt: skip
 
     def session(self, session_id: str, fence: Fence | None) -> Session:
         """The caller's live session, renewed (fence checked first).

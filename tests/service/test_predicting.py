@@ -182,18 +182,18 @@ def test_answers_equal_the_servers_from_a_used_pool(client: KVCoordClient, pool:
 
 
 def _broken(
-    client: KVCoordClient, pool: str, break_replica: Callable[[PredictingKVCacheManager], None]
+    client: KVCoordClient, pool: str, break_mirror: Callable[[PredictingKVCacheManager], None]
 ) -> tuple[PredictingKVCacheManager, RequestsLostError]:
-    """Two admitted requests, the replica changed under the manager, one more step:
+    """Two admitted requests, the mirror changed under the manager, one more step:
     the next call reports what was lost."""
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
     a, b = _req("a", list(range(9))), _req("b", list(range(50, 60)))
     _admit(m, a)
     _admit(m, b)
     m.take_events()
-    break_replica(m)
+    break_mirror(m)
     c = _req("c", list(range(200, 230)))
-    _admit(m, c)  # answered from the changed replica
+    _admit(m, c)  # answered from the changed mirror
     m.take_events()
     with pytest.raises(RequestsLostError) as info:
         m.flush()
@@ -337,7 +337,7 @@ def test_an_events_digest_is_the_digest_of_the_events(client: KVCoordClient) -> 
 
 
 def test_events_the_server_did_not_make_lose_every_request(client: KVCoordClient, pool: str) -> None:
-    """A replica whose events differ from the server's (its allocations still agree) is
+    """A mirror whose events differ from the server's (its allocations still agree) is
     caught by the events digest: every request is reported lost."""
 
     def wrong_events(m: PredictingKVCacheManager) -> None:
@@ -376,7 +376,7 @@ def test_a_call_refused_before_it_is_sent_leaves_the_step_whole(client: KVCoordC
     m.take_events()
     m.flush()
     assert _tables(client, pool) == {"a": told}
-    m._failure = KVCoordError(grpc.StatusCode.UNAVAILABLE, "a Step failed")  # as the sender records one
+    m.sender.failure = KVCoordError(grpc.StatusCode.UNAVAILABLE, "a Step failed")  # as the sender records one
     with pytest.raises(RequestsLostError):
         m.flush()
     b = _req("b", list(range(100, 109)))
@@ -399,16 +399,16 @@ def test_steps_join_while_one_is_in_flight_up_to_a_size(client: KVCoordClient, p
     _admit(m, _req("a", list(range(9))))
     m.flush()
     blocker: concurrent.futures.Future[None] = concurrent.futures.Future()
-    m._in_flight = blocker  # a Step whose answer has not come
+    m.sender.in_flight = blocker  # a Step whose answer has not come
     _admit(m, _req("b", list(range(20, 29))))
     m.take_events()
-    assert m._backlog == 1 and len(m._pending.request.ops) == 2  # joined the next Step
-    m.max_step_bytes = 1
+    assert m.sender.backlog == 1 and len(m.sender.pending.request.ops) == 2  # joined the next Step
+    m.sender.max_step_bytes = 1
     _admit(m, _req("c", list(range(40, 49))))
     threading.Timer(0.2, blocker.set_result, (None,)).start()
     sent = m.steps_sent
     m.take_events()  # too big to wait: waits for the answer in flight, then sends
-    assert m.steps_sent == sent + 1 and m._backlog == 0 and not m._pending.request.ops
+    assert m.steps_sent == sent + 1 and m.sender.backlog == 0 and not m.sender.pending.request.ops
     m.flush()
     assert sorted(_tables(client, pool)) == ["a", "b", "c"]
     m.close()
@@ -432,7 +432,7 @@ def test_a_large_eviction_is_no_disagreement(make_server: Callable[..., InProces
     """An event buffer of 8 and a step evicting 30 cached blocks: the server's buffer
     wraps, its answer says events_gap and digests only the events it kept. The manager
     does not compare those events (it compares everything else) and loses nothing; the
-    engine still gets the replica's events, all of them. (Before, any events_gap was a
+    engine still gets the mirror's events, all of them. (Before, any events_gap was a
     mismatch: every request the session held was reported lost.)"""
     server = make_server(_SMALL_BUFFER)
     with KVCoordClient(server.address, timeout=10) as client:
@@ -457,7 +457,7 @@ def test_a_large_eviction_is_no_disagreement(make_server: Callable[..., InProces
 
 
 def test_a_real_difference_is_caught_across_an_event_gap(make_server: Callable[..., InProcessServer]) -> None:
-    """The same large eviction, with the replica's statistics, or one of its block ids,
+    """The same large eviction, with the mirror's statistics, or one of its block ids,
     made to differ from the server's in that step: the events are not compared, but the
     difference is still found and every request reported lost."""
     server = make_server(_SMALL_BUFFER)
@@ -472,9 +472,9 @@ def test_a_real_difference_is_caught_across_an_event_gap(make_server: Callable[.
             m.flush()
             _evicting_step(m, "b", 1000)
             if breaking == "stats":
-                m.mirror._step_stats.hits += 4  # the mirror counts a hit the server did not
+                m.mirror.step_stats.hits += 4  # the mirror counts a hit the server did not
             else:
-                run = m._run
+                run = m.sender.run
                 assert run is not None
                 (first, *rest), *groups = run.ids[-1]
                 run.ids[-1] = ((first + 1, *rest), *groups)  # one block id the server will not give

@@ -103,7 +103,7 @@ class Mirror:
         self._step_events = pb.StepResponse()
         self.events: list[pb.KVEvent] = []
         #: statistics since the Step was cut, and since the scheduler last made them
-        self._step_stats = PrefixCacheStats()
+        self.step_stats = PrefixCacheStats()
         self._user_stats = PrefixCacheStats()
         self.block_size = engine.config.groups[0].block_size if engine.config.groups else 0
 
@@ -255,7 +255,7 @@ class Mirror:
     def _drain_stats(self) -> None:
         stats = self.engine.make_prefix_cache_stats()
         if stats is not None:
-            _add_stats(self._step_stats, stats)
+            _add_stats(self.step_stats, stats)
             _add_stats(self._user_stats, stats)
 
     def take_step(self) -> tuple[pb.StepResponse, pb.PrefixCacheStats]:
@@ -263,7 +263,7 @@ class Mirror:
         call: what the server's answer to the Step cut now must give."""
         self._drain_stats()
         events, self._step_events = self._step_events, pb.StepResponse()
-        stats, self._step_stats = self._step_stats, PrefixCacheStats()
+        stats, self.step_stats = self.step_stats, PrefixCacheStats()
         return events, stats_to_pb(stats)
 
     def take_events(self) -> list[pb.KVEvent]:

@@ -30,11 +30,7 @@ runs without prediction.
 
 from __future__ import annotations
 
-import concurrent.futures
-import hashlib
-import itertools
 import logging
-import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -48,42 +44,16 @@ from .errors import (
     InvalidArgumentError,
     KVCoordError,
     RequestsLostError,
-    error_from_code,
-    status_code,
 )
 from .hashing import pool_seed
 from .mirror import BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
+from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper
 from .tracking import RequestTracker
 
 __all__ = ["PredictingKVCacheManager", "PredictionMismatchError"]
 
 logger = logging.getLogger(__name__)
-
-
-class PredictionMismatchError(KVCoordError):
-    """The server's answer differs from the mirror's (the cause of a RequestsLostError)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(grpc.StatusCode.INTERNAL, message, "PREDICTION_FAILED")
-
-
-class _Sent:
-    """One Step's operations (written in place into its request) and what the mirror
-    says their answers are."""
-
-    __slots__ = ("events", "expected", "num_free_blocks", "request", "size", "stats")
-
-    def __init__(self) -> None:
-        self.request = pb.StepRequest(include_state=True, events_digest=True)
-        #: about how many bytes the request holds (an upper bound for its tokens and hashes)
-        self.size = 0
-        #: per op: its Run, None, or (kind, the mirror's answer): "new" (an allocation's
-        #: new block ids per group), "reset" or "common_prefix"
-        self.expected: list[Any] = []
-        self.num_free_blocks = 0
-        self.events = pb.StepResponse()
-        self.stats = pb.PrefixCacheStats()
 
 
 class PredictingKVCacheManager:
@@ -125,30 +95,16 @@ class PredictingKVCacheManager:
         self.tracker = RequestTracker(cfg, none)
         self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
         self.enable_caching = cfg.enable_caching
-        self.max_backlog = max(0, max_backlog)
-        #: a Step gathering more than this many bytes is sent as soon as the one in
-        #: flight is answered (well under the server's max_message_bytes, 16 MiB by default)
-        self.max_step_bytes = 4 << 20
         self._attach_args = (pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds)
         self._mirror: Mirror | None = None
         self.keeper = SessionKeeper(client, self._attach, renew=renew)
         self.mirror: Mirror = self._loaded()
-        self._pending = _Sent()
-        self._run: _Run | None = None
-        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-predict")
-        self._in_flight: concurrent.futures.Future[None] | None = None
-        self._backlog = 0
-        #: why the mirror can no longer be trusted, until the next call reports it
-        #: (set by the sender thread), and the requests lost since the last report
-        self._failure: KVCoordError | None = None
+        self.sender = StepSender(client, pool, self.keeper, compare_events=cfg.enable_kv_cache_events,
+                                 compare_stats=self.log_stats, max_backlog=max_backlog)  # fmt: skip
+        #: the requests lost since the last report, stale hits, requests lost in all
         self._lost: list[str] = []
-        #: Steps sent, the seconds the caller waited for answers, and stale hits
-        self.steps_sent = 0
-        self.waited_seconds = 0.0
         self.stale_hits = 0
         self.lost_requests = 0
-        #: answers whose events were not comparable (the server's event buffer wrapped)
-        self.events_gaps = 0
         #: what RemoteKVCacheManager uses for lookup hints (KVCoordScheduler sets it);
         #: not needed here: every lookup is answered from the mirror
         self.upcoming: Any = None
@@ -187,6 +143,18 @@ class PredictingKVCacheManager:
     def session_id(self) -> str:
         return self.keeper.session_id
 
+    @property
+    def steps_sent(self) -> int:
+        return self.sender.steps_sent
+
+    @property
+    def waited_seconds(self) -> float:
+        return self.sender.waited_seconds
+
+    @property
+    def events_gaps(self) -> int:
+        return self.sender.events_gaps
+
     # -- KVCacheManager interface ------------------------------------------------------------
     def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlockIds, int]:
         """The longest prefix hit, answered now (the server checks it)."""
@@ -195,7 +163,7 @@ class PredictingKVCacheManager:
             return KVCacheBlockIds(tuple([] for _ in self.config.groups)), 0
         rid = request.request_id
         mark = self.tracker.mark(rid)
-        lookup = self._op().lookup
+        lookup = self.sender.op().lookup
         self._synced(request, lookup.request)
         try:
             self.mirror.sync(lookup.request)
@@ -223,7 +191,7 @@ class PredictingKVCacheManager:
                 or delay_cache_blocks
                 or num_encoder_tokens
             )  # fmt: skip
-            and self._failure is None
+            and self.sender.failure is None
             and keeper.lost is None
             and keeper.clock() < keeper.valid_until
             and type(num_new_tokens) is int
@@ -240,7 +208,7 @@ class PredictingKVCacheManager:
                 if return_table:
                     ids = KVCacheBlockIds(ids.block_ids, table=self.mirror.table(request.request_id))
                 return ids
-        if self._failure is not None:
+        if self.sender.failure is not None:
             self._settled()
         if keeper.lost is not None or keeper.clock() >= keeper.valid_until:
             self._vouch()
@@ -275,18 +243,11 @@ class PredictingKVCacheManager:
         except BaseException:
             tracker.restore({rid: mark})
             raise
+        entry = (rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens)
         if new is None:
-            self._close_run()
-            _refusal(self._op().allocate, rid, fields, num_new_tokens, num_lookahead_tokens)
-            self._pending.size += 5 * len(tokens) + 34 * len(hashes)
+            self.sender.refuse(entry)
             return None
-        run = self._run
-        if run is None:
-            run = self._run = _Run()
-        run.entries.append(
-            (rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens)
-        )
-        run.ids.append(new)
+        self.sender.add_to_run(entry, new)
         return new
 
     def _allocate(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
@@ -301,7 +262,7 @@ class PredictingKVCacheManager:
             hit = tuple(tuple(g) for g in new_computed_blocks.block_ids)
         tracker, mirror = self.tracker, self.mirror
         mark = tracker.mark(rid)
-        a = self._op().allocate
+        a = self.sender.op().allocate
         self._synced(request, a.request)
         try:
             undo = mirror.sync(a.request)
@@ -338,7 +299,7 @@ class PredictingKVCacheManager:
             a.must_refuse = True
             return None
         a.must_succeed = True
-        self._pending.expected[-1] = ("new", new)
+        self.sender.expect("new", new)
         return new
 
     def free(self, request: Any) -> None:
@@ -350,7 +311,7 @@ class PredictingKVCacheManager:
         if self.mirror.holds(rid):
             self.mirror.free(rid)
         self.tracker.forget([rid])
-        self._op().free.request_id = rid
+        self.sender.op().free.request_id = rid
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table per group (empty for a request that holds none)."""
@@ -366,7 +327,7 @@ class PredictingKVCacheManager:
         if not mirror.skips_blocks(request_id, total_computed_tokens):
             return
         mirror.call("remove_skipped_blocks", request_id, total_computed_tokens)
-        op = self._op().remove_skipped_blocks
+        op = self.sender.op().remove_skipped_blocks
         op.request.CopyFrom(self.tracker.position(request_id))
         op.total_computed_tokens = total_computed_tokens
 
@@ -378,8 +339,8 @@ class PredictingKVCacheManager:
                 grpc.StatusCode.INVALID_ARGUMENT, f"request {request_id!r} is not in this pool"
             )
         n = list(self.mirror.call("get_num_common_prefix_blocks", request_id))
-        self._op().common_prefix.request_id = request_id
-        self._pending.expected[-1] = ("common_prefix", n)
+        self.sender.op().common_prefix.request_id = request_id
+        self.sender.expect("common_prefix", n)
         return n
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
@@ -387,14 +348,14 @@ class PredictingKVCacheManager:
         self._settled()
         ids = [int(b) for b in block_ids]
         self.mirror.call("evict_blocks", ids)
-        self._op().evict_blocks.block_ids.extend(ids)
+        self.sender.op().evict_blocks.block_ids.extend(ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; False (nothing changed) while any block is held."""
         self._settled()
         done = bool(self.mirror.call("reset_prefix_cache"))
-        self._op().reset_prefix_cache.SetInParent()
-        self._pending.expected[-1] = ("reset", done)
+        self.sender.op().reset_prefix_cache.SetInParent()
+        self.sender.expect("reset", done)
         return done
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
@@ -417,7 +378,7 @@ class PredictingKVCacheManager:
         ):
             return
         mark = self.tracker.mark(rid)
-        op = self._op().cache_blocks
+        op = self.sender.op().cache_blocks
         self._synced(request, op.request)
         op.num_computed_tokens = num_computed_tokens
         try:
@@ -461,7 +422,7 @@ class PredictingKVCacheManager:
             RequestsLostError: an answer differed or a Step failed.
         """
         self._cut(wait=True)
-        self._settle()
+        self.sender.settle()
         self._settled()
 
     def close(self) -> None:
@@ -469,7 +430,7 @@ class PredictingKVCacheManager:
         try:
             self.flush()
         finally:
-            self._sender.shutdown(wait=True)
+            self.sender.close()
             self.keeper.close()
             try:
                 self.client.detach(self.session_id, self.keeper.fence)
@@ -484,140 +445,27 @@ class PredictingKVCacheManager:
         try:
             self.tracker.sync(request, into)
         except BaseException:
-            del self._pending.request.ops[-1]
-            self._pending.expected.pop()
+            self.sender.take_back()
             raise
-        self._pending.size += 5 * len(into.append_token_ids) + 34 * len(into.append_block_hashes)
+        self.sender.grew(into)
 
     def _take_back(self, request_id: str, mark: tuple[int, int, int, bool] | None) -> None:
         """Take back the operation just begun (the mirror refused it): nothing of it is
         sent, and the request's position is where it was before it."""
-        del self._pending.request.ops[-1]
-        self._pending.expected.pop()
+        self.sender.take_back()
         self.tracker.restore({request_id: mark})
 
-    def _op(self) -> pb.Operation:
-        """The next operation of the Step being gathered (what its answer must be, if
-        anything, goes to ``expected[-1]``)."""
-        self._close_run()
-        pending = self._pending
-        pending.expected.append(None)
-        pending.size += 32
-        return pending.request.ops.add()
-
-    def _close_run(self) -> None:
-        run = self._run
-        if run is not None:
-            pending = self._pending
-            pending.size += run.write(pending.request.ops.add().allocate_run)
-            pending.expected.append(run)
-            self._run = None
-
     def _cut(self, wait: bool = False) -> None:
-        """End a scheduler step: send its calls unless a Step is in flight and the
-        backlog allows them to wait."""
-        self._close_run()
-        if not self._pending.request.ops:
-            self._settled()
-            return
-        in_flight = self._in_flight
-        if in_flight is not None:
-            if (
-                not wait
-                and not in_flight.done()
-                and self._backlog < self.max_backlog
-                and self._pending.size < self.max_step_bytes
-            ):
-                self._backlog += 1
-                return
-            self._settle()
+        """End a scheduler step: its calls go to the server (or join the next Step
+        while one is in flight); a failure found meanwhile is reported."""
+        self.sender.cut(self._step_state, wait)
         self._settled()
-        self._send()
 
-    def _send(self) -> None:
-        sent = self._pending
-        self._pending = _Sent()
-        mirror = self.mirror
-        sent.num_free_blocks = mirror.num_free_blocks
-        sent.events, sent.stats = mirror.take_step()
-        self._backlog = 0
-        self.steps_sent += 1
-        request = sent.request
-        request.pool = self.pool
-        request.session_id = self.keeper.session_id
-        request.fence.CopyFrom(self.keeper.fence)
-        self._in_flight = self._sender.submit(self._step, sent)
-
-    def _step(self, sent: _Sent) -> None:
-        """On the sender thread: one Step, its answer compared with the mirror's; a
-        failure is kept for the caller's next call to report."""
-        try:
-            self._checked_step(sent)
-        except KVCoordError as err:
-            self._failure = self._failure or err
-        except Exception as err:  # noqa: BLE001 - anything unexpected is a failure too
-            self._failure = self._failure or KVCoordError(grpc.StatusCode.INTERNAL, repr(err))
-
-    def _checked_step(self, sent: _Sent) -> None:
-        keeper = self.keeper
-        at = keeper.clock()
-        resp = self.client.send_step(sent.request)
-        keeper.renewed(at)
-        keeper.adopt(resp.fence)
-        for i, (result, expected) in enumerate(zip(resp.results, sent.expected, strict=True)):
-            if result.status_code:
-                reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
-                raise error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
-            if expected is None:
-                continue
-            if isinstance(expected, _Run):
-                if not expected.matches(result.allocate_run):
-                    raise PredictionMismatchError(f"operation {i}: the server's run of allocations differs")
-            else:
-                kind, value = expected
-                if kind == "new":
-                    got: Any = [list(g.block_ids) for g in result.allocate.new_block_ids]
-                    value = [list(g) for g in value]
-                elif kind == "reset":
-                    got = bool(result.reset_prefix_cache.result)
-                else:
-                    got = list(result.common_prefix.num_blocks)
-                if got != value:
-                    raise PredictionMismatchError(
-                        f"operation {i} ({kind}): the server answered {got}, the mirror {value}"
-                    )
-        if resp.num_free_blocks != sent.num_free_blocks:
-            raise PredictionMismatchError(
-                f"the server has {resp.num_free_blocks} free blocks, the mirror {sent.num_free_blocks}"
-            )
-        if self.config.enable_kv_cache_events:
-            if resp.events_gap:
-                # The server's event buffer wrapped before this Step's events were taken
-                # (an eviction larger than its event_buffer): it digested only the events
-                # it still kept, so the digest cannot be compared with the mirror's whole
-                # list. That is no disagreement: the block ids, free count and statistics
-                # above and below are still compared, and the engine publishes the
-                # mirror's events, which are complete.
-                self.events_gaps += 1
-                logger.info(
-                    "predicted pool %r: the server's event buffer wrapped during a Step; its events "
-                    "were not compared (everything else was)", self.pool,
-                )  # fmt: skip
-            elif resp.events_sha256 != hashlib.sha256(sent.events.SerializeToString()).digest():
-                raise PredictionMismatchError("the server's KV events differ from the mirror's")
-        if self.log_stats and resp.prefix_cache_stats != sent.stats:
-            raise PredictionMismatchError(
-                f"the server's prefix-cache statistics differ from the mirror's: {resp.prefix_cache_stats} "
-                f"against {sent.stats}"
-            )
-
-    def _settle(self) -> None:
-        """Wait for the Step in flight (its failure, if any, is in ``_failure``)."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            t0 = time.perf_counter()
-            in_flight.result()
-            self.waited_seconds += time.perf_counter() - t0
+    def _step_state(self) -> tuple[int, pb.StepResponse, pb.PrefixCacheStats]:
+        """What the answer to the Step sent now must say: the mirror's free count,
+        events and statistics."""
+        events, stats = self.mirror.take_step()
+        return self.mirror.num_free_blocks, events, stats
 
     def _settled(self) -> None:
         """Report a failure: every request is lost, and the session starts again from
@@ -628,17 +476,16 @@ class PredictingKVCacheManager:
             KVCoordError: the server cannot be reached to start again (the next call
                 tries again).
         """
-        failure = self._failure
+        sender = self.sender
+        failure = sender.failure
         if failure is None:
             return
-        self._settle()
+        sender.settle()
         gone = self.tracker.clear()
         if gone:
             logger.warning("predicted pool %r: %s; %d request(s) lost", self.pool, failure, len(gone))
         self._lost.extend(gone)
-        self._pending = _Sent()
-        self._run = None
-        self._backlog = 0
+        sender.discard()
         if self.keeper.session_id:
             try:
                 self.client.detach(self.keeper.session_id, self.keeper.fence)
@@ -646,7 +493,7 @@ class PredictingKVCacheManager:
                 pass  # gone already (or unreachable: its lease ends it)
         self.keeper.attach()
         self.mirror = self._loaded()  # from the new session's state
-        lost, self._lost, self._failure = self._lost, [], None
+        lost, self._lost, sender.failure = self._lost, [], None
         self.lost_requests += len(lost)
         raise RequestsLostError(lost, failure)
 
@@ -655,68 +502,13 @@ class PredictingKVCacheManager:
         could be given these blocks)."""
         keeper = self.keeper
         if keeper.lost is not None or keeper.clock() >= keeper.valid_until:
-            self._settle()  # the answer in flight renews the lease
+            self.sender.settle()  # the answer in flight renews the lease
             try:
                 keeper.vouch()
             except KVCoordError as err:
-                self._failure = self._failure or err
+                self.sender.failure = self.sender.failure or err
             self._settled()
 
 
 #: what ``_allocate_registered`` answers for a request the server does not hold yet
 _UNREGISTERED = object()
-
-
-def _refusal(
-    a: pb.AllocateOp, request_id: str, fields: tuple[int, int, Any, Any, int], num_new_tokens: int,
-    num_lookahead_tokens: int,
-) -> None:  # fmt: skip
-    """Write a refused allocation of a registered request into ``a``, with its sync
-    (``sync_run``'s fields), for the server to confirm."""
-    base_t, base_h, tokens, hashes, computed = fields
-    sync = a.request
-    sync.request_id = request_id
-    sync.base_num_tokens, sync.base_num_hashes = base_t, base_h
-    sync.append_token_ids.extend(tokens)
-    sync.append_block_hashes.extend([bytes(h) for h in hashes])
-    sync.num_computed_tokens = computed
-    a.num_new_tokens = num_new_tokens
-    a.num_lookahead_tokens = num_lookahead_tokens
-    a.must_refuse = True
-
-
-class _Run:
-    """A Step's allocations of registered requests without a hit: their entries
-    (``sync_run``'s fields, then the new token and lookahead counts) and the block ids
-    the mirror gave them, turned into one AllocateRunOp's columns when sent."""
-
-    __slots__ = ("entries", "ids")
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[Any, ...]] = []
-        #: each entry's new block ids per group, in entry order
-        self.ids: list[BlockIds] = []
-
-    def write(self, op: pb.AllocateRunOp) -> int:
-        """The entries as ``op``'s columns; about how many bytes they take (at most)."""
-        rids, base_t, base_h, tokens, hashes, computed, new, look = zip(*self.entries, strict=True)
-        num_tokens = [len(t) for t in tokens]
-        num_hashes = [len(h) for h in hashes]
-        op.request_ids.extend(rids)
-        op.base_num_tokens.extend(base_t)
-        op.base_num_hashes.extend(base_h)
-        op.num_computed_tokens.extend(computed)
-        op.num_new_tokens.extend(new)
-        op.num_lookahead_tokens.extend(look)
-        op.num_append_tokens.extend(num_tokens)
-        op.append_token_ids.extend(itertools.chain.from_iterable(tokens))
-        op.num_append_hashes.extend(num_hashes)
-        op.append_block_hashes.extend(itertools.chain.from_iterable(hashes))
-        return 32 * len(rids) + 5 * sum(num_tokens) + 34 * sum(num_hashes)
-
-    def matches(self, answer: pb.AllocateRunResult) -> bool:
-        """Whether the server's answer gives each entry the mirror's blocks."""
-        groups = [g for ids in self.ids for g in ids]
-        return list(answer.num_new_blocks) == [len(g) for g in groups] and list(answer.new_block_ids) == list(
-            itertools.chain.from_iterable(groups)
-        )

@@ -32,6 +32,7 @@ from kvcoord.engine import (
     EngineError,
     LoRA,
     PrefixCacheStats,
+    RequestCheckpoint,
     StaleCacheHitError,
 )
 from kvcoord.engine.managers.base import SingleTypeKVCacheManager
@@ -97,7 +98,7 @@ class Mirror:
             engine.cache_namespace_prefix(self.namespace) if engine.cache_namespaces else None
         )
         self.enable_events = engine.block_pool.enable_kv_cache_events
-        self._event_queue = engine.block_pool
+        self._block_pool = engine.block_pool
         #: the session's events since the Step was cut (in a StepResponse's ``events``,
         #: which the server digests alike), and those not given to the scheduler yet
         self._step_events = pb.StepResponse()
@@ -146,19 +147,34 @@ class Mirror:
             raise engine_error(err) from None
         return lambda: engine.restore_request(rid, checkpoint)
 
-    def update(
-        self, request_id: str, computed: int, tokens: Sequence[int], hashes: Sequence[bytes]
-    ) -> Callable[[], None]:
-        """A registered request's run entry sync (``RequestTracker.sync_run``'s values)."""
+    def grow(
+        self, request_id: str, computed: int, tokens: Sequence[int], hashes: Sequence[bytes], num_new_tokens: int,
+        num_lookahead_tokens: int,
+    ) -> BlockIds | None:  # fmt: skip
+        """A registered request's run entry (``RequestTracker.sync_run``'s values, then
+        an allocation without a hit): its update and its new blocks per group, or
+        ``None`` when too few blocks are free. Refused by the engine: nothing changed.
+
+        Raises:
+            KVCoordError: the engine refuses the update or the allocation.
+        """
         engine = self.engine
-        checkpoint = engine.checkpoint_request(request_id)
+        req = engine.requests.get(request_id)
+        before = (
+            None if req is None else (len(req.all_token_ids), len(req.block_hashes), req.num_computed_tokens)
+        )
         try:
             engine.update_request(
                 request_id, num_computed_tokens=computed, append_token_ids=tokens, append_block_hashes=hashes
             )
+            new = engine.allocate_slots(request_id, num_new_tokens, 0, None, num_lookahead_tokens)
         except EngineError as err:
+            if before is not None:
+                engine.restore_request(request_id, RequestCheckpoint(*before))
             raise engine_error(err) from None
-        return lambda: engine.restore_request(request_id, checkpoint)
+        if self._block_pool.kv_event_queue:
+            self._collect()
+        return new
 
     def holds(self, request_id: str) -> bool:
         return request_id in self.engine.requests
@@ -238,9 +254,9 @@ class Mirror:
     # -- what is compared -----------------------------------------------------------------
     def _collect(self) -> None:
         """Keep the session's events of the call just made."""
-        if not self.enable_events:
+        if not self.enable_events or not self._block_pool.kv_event_queue:
             return
-        events = self._event_queue.take_events()
+        events = self._block_pool.take_events()
         if events:
             add = self._step_events.events.add
             prefix = self._prefix

@@ -234,12 +234,7 @@ class PredictingKVCacheManager:
         base_t, base_h, tokens, hashes, computed = fields
         mirror = self.mirror
         try:
-            undo = mirror.update(rid, computed, tokens, hashes)
-            try:
-                new = mirror.allocate(rid, num_new_tokens, 0, None, num_lookahead_tokens)
-            except BaseException:
-                undo()
-                raise
+            new = mirror.grow(rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens)
         except BaseException:
             tracker.restore({rid: mark})
             raise

@@ -535,3 +535,23 @@ def test_a_tenants_namespace_is_predicted(make_server: Callable[..., InProcessSe
         assert {e.WhichOneof("event") for e in events} == {"block_stored"}  # no removal of Bob's
         assert len(events) == 5
         m.close()
+
+
+def test_a_pool_holding_a_routers_reservation_is_not_predicted(client: KVCoordClient, pool: str) -> None:
+    """A router's reservation ends by the server's doing (its time runs out, or a
+    request adopts it), which a mirror would not follow: while one is live the pool
+    is refused with the reason (FailedPreconditionError, no session left behind), and
+    the waiting manager still takes it."""
+    warm = RemoteKVCacheManager(client, pool, hash_seed="0", renew=False)
+    tokens = list(range(500, 541))
+    warm.allocate_slots(_req("w", tokens), len(tokens))
+    warm.close()  # its blocks stay cached
+    prompt = pb.HashedPrompt(hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0",
+                             block_hashes=BlockHasher("sha256_cbor", 4, NONE).extend(tokens))  # fmt: skip
+    reserved = client.score_pools(len(tokens), [prompt], candidate_pools=[pool], reserve_seconds=30.0)
+    assert reserved.reservation.pool == pool and reserved.reservation.hit_tokens == 40
+    with pytest.raises(FailedPreconditionError, match="routers' reservations"):
+        PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    RemoteKVCacheManager(
+        client, pool, hash_seed="0", renew=False, exclusive=True
+    ).close()  # nothing left attached

@@ -461,8 +461,12 @@ def write_pool_state(
     out.cached_block_hashes.extend([block_hash for block_hash, _ in pairs])
 
 
-def write_mirror_state(response: pb.AttachResponse, state: MirrorState) -> None:
-    """An Attach answer's engine state for a mirror (:meth:`PoolService.mirror_state`)."""
+def write_mirror_state(response: pb.AttachResponse, state: MirrorState | str) -> None:
+    """An Attach answer's engine state for a mirror (:meth:`PoolService.mirror_state`),
+    or why there is none."""
+    if isinstance(state, str):
+        response.pool_state_unavailable = state
+        return
     out = response.pool_state
     out.engine_state = state.engine_state
     out.engine_state_version = state.version

@@ -338,10 +338,15 @@ class PoolService:
             return ""
         return tenant
 
-    def mirror_state(self, cache_namespace: str) -> MirrorState:
+    def mirror_state(self, cache_namespace: str) -> MirrorState | str:
         """What an exclusive session's client loads its mirror of the pool from (an
         exclusive Attach with want_engine_state): the engine's whole state as CBOR,
-        and the rules and namespace it holds under. Reads only."""
+        and the rules and namespace it holds under; or why there is none. Reads only.
+
+        None while routers' reservations are live: they end (expire, or are adopted)
+        by the server's own doing, which the session's mirror would not follow."""
+        if self.engine.reservations.live:
+            return "the pool holds routers' reservations (they end on the server's clock, not the session's)"
         return MirrorState(cbor2.dumps(export_state(self.engine)), STATE_VERSION, rules_fingerprint(),
                            cache_namespace)  # fmt: skip
 

@@ -867,14 +867,6 @@ class Settings:
         )
 
 
-def _unpredictable(settings: Settings) -> str | None:
-    """Why an engine's pool cannot run on a PredictingKVCacheManager (None: it may; the
-    server's answer to its Attach may still say why not)."""
-    if not settings.exclusive:
-        return "KVCOORD_EXCLUSIVE is 0"
-    return None
-
-
 def connect(
     settings: Settings,
     kv_cache_config: Any,
@@ -918,8 +910,10 @@ def connect(
         if diffs:
             raise PoolMismatchError(settings.pool, diffs)
         remote: RemoteKVCacheManager | PredictingKVCacheManager | None = None
-        why = _unpredictable(settings) if settings.predict else None
-        if settings.predict and why is None:
+        # Prediction needs the pool to itself: with KVCOORD_EXCLUSIVE=0 the engine shares
+        # it and waits for the server, as asked (no warning: nothing is missing).
+        why: str | None = None
+        if settings.predict and settings.exclusive:
             try:
                 remote = PredictingKVCacheManager(
                     c, settings.pool, hash_seed=expected.hash_seed, client_name=settings.client_name

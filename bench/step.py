@@ -21,8 +21,8 @@ steady. The same seeded workload runs on:
   vLLM           vLLM 0.16.0's own KVCacheManager in-process (when vLLM is importable:
                  run with the vLLM venv's python); its decisions must equal the engine's
   in-process     kvcoord's engine called directly
-  predicted      PredictingKVCacheManager: every call answered from the client's replica
-                 of the pool (the server's state, handed over on Attach), each step's
+  predicted      PredictingKVCacheManager: every call answered from the client's mirror
+                 of the pool (the engine itself, loaded from the server's state on Attach), each step's
                  calls sent as one Step from a background thread without waiting
                  (joining the next one while one is in flight), every answer compared
                  when it comes; its RTT column is a burst of no-op Steps before and after

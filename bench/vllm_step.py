@@ -2,18 +2,21 @@
 
     KVCOORD_VENV=$(scripts/install_vllm.sh --print-venv)
     PYTHONPATH=client:server:tests PYTHONHASHSEED=0 $KVCOORD_VENV/bin/python bench/vllm_step.py \\
-        [--running 16 64 256] [--steps 200] [--warmup 150]
+        [--running 16 64 256] [--steps 200] [--warmup 150] [--layouts full full+swa] \\
+        [--kinds sync async] [--modes exclusive predicted]
 
 For each number of running requests the same seeded workload (prompts 256-900 tokens,
 half sharing one of 8 prefixes, 16-128 output tokens, token budget 8,192, a pool large
-enough that nothing is preempted, full attention, prefix caching, events and stats on)
-runs through vLLM's ``Scheduler`` with its in-process KVCacheManager and with
-``KVCoordScheduler`` on a kvcoord server process on loopback (an exclusive session,
-as ``--scheduler-cls`` gives by default), then again with ``KVCOORD_PREDICT=1`` (every
-call answered from the client's replica of the pool; its round trip is a burst of
-probes before and after the row, since a probe between steps would let its Step in
-flight finish untimed). A step is ``schedule()`` plus
-``update_from_output()`` with a fake model output. Prints p50 / p99 per step, the
+enough that nothing is preempted, full attention or full + sliding window, prefix
+caching, events and stats on) runs through vLLM's ``Scheduler`` (or ``AsyncScheduler``,
+driven one step after the other) with its in-process KVCacheManager and with
+``KVCoordScheduler`` (``KVCoordAsyncScheduler``) on a kvcoord server process on
+loopback: ``exclusive`` without prediction (``KVCOORD_PREDICT=0``, one round trip when
+an answer needs the server), ``predicted`` with it (``KVCOORD_PREDICT=1``, the
+default: every call answered from the client's mirror of the pool; its round trip is a
+burst of probes before and after the row, since a probe between steps would let its
+Step in flight finish untimed). A step is ``schedule()`` plus
+``update_from_output()`` with a fake model output. Prints p50 / mean / p99 per step, the
 round trips per step (every RPC the manager's client makes; mean and max) and the
 milliseconds kvcoord adds, the p50 over (vLLM's p50 + one no-op round trip: a ListPools
 sent after each step of the row, untimed by the step, p50), and checks that every step's
@@ -23,8 +26,10 @@ scheduler output is identical.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -47,7 +52,7 @@ from harness import (  # noqa: E402
 )
 from kvcoord.client import KVCoordClient  # noqa: E402
 from kvcoord.client.testing import start_server  # noqa: E402
-from kvcoord.client.vllm_scheduler import KVCoordScheduler  # noqa: E402
+from kvcoord.client.vllm_scheduler import KVCoordAsyncScheduler, KVCoordScheduler  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -104,6 +109,11 @@ def main() -> None:
         "--warmup", type=int, default=150,
         help="steps before the measured ones: the initial batch's prefill and first generation",
     )  # fmt: skip
+    ap.add_argument("--layouts", nargs="+", default=["full"], choices=["full", "full+swa"])
+    ap.add_argument("--kinds", nargs="+", default=["sync"], choices=["sync", "async"])
+    ap.add_argument(
+        "--modes", nargs="+", default=["exclusive", "predicted"], choices=["exclusive", "predicted"]
+    )
     args = ap.parse_args()
     os.environ.setdefault("PYTHONHASHSEED", "0")
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'client'}:{ROOT / 'server'}")
@@ -123,29 +133,40 @@ def main() -> None:
     print(f"no-op round trip (ListPools) alone p50 {pct(rtts, 0.5):.3f} ms; each row's RTT: one after each "
           "of its steps (untimed by the step), p50")  # fmt: skip
     print(
-        f"{'running':>7} {'scheduler':<22} {'p50 ms':>8} {'p99 ms':>8} {'RTT/step':>9} {'max RTT':>8} {'+ms/step':>9}"
-        f" {'vs vLLM+RTT':>11} {'RTT ms':>7}"
+        f"{'running':>7} {'scheduler':<22} {'p50 ms':>8} {'mean ms':>8} {'p99 ms':>8} {'RTT/step':>9} {'max RTT':>8}"
+        f" {'+ms/step':>9} {'vs vLLM+RTT':>11} {'RTT ms':>7} {'p50 x':>6} {'mean x':>6}"
     )
     try:
-        for n in args.running:
+        for layout, kind, n in itertools.product(args.layouts, args.kinds, args.running):
             blocks = n * (900 + 128) // BLOCK_SIZE * 2 + 64  # never full: nothing preempted
             total = args.steps + args.warmup
 
-            def config(blocks: int = blocks, n: int = n) -> Any:
+            def config(blocks: int = blocks, n: int = n, kind: str = kind) -> Any:
                 return vllm_config(
-                    model, blocks, async_scheduling=False, max_num_seqs=n, max_num_batched_tokens=8192
+                    model,
+                    blocks,
+                    async_scheduling=kind == "async",
+                    max_num_seqs=n,
+                    max_num_batched_tokens=8192,
                 )
 
-            local = make_scheduler(SCHEDULERS["sync"], config(), kv_cache_config("full", blocks))
+            print(f"-- {layout}, {kind}")
+            local = make_scheduler(SCHEDULERS[kind], config(), kv_cache_config(layout, blocks))
             freeze_heap()
             base_t, base_trace = run(local, n, total, seed=n, counter=None)
             base = sorted(base_t[args.warmup :])[len(base_t[args.warmup :]) // 2] * 1e3
-            print(f"{n:>7} {'vLLM in-process':<22} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f}")
+            base_mean = statistics.fmean(base_t[args.warmup :]) * 1e3
+            print(
+                f"{n:>7} {'vLLM in-process':<22} {base:8.2f} {base_mean:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f}"
+            )
             os.environ["KVCOORD_TARGET"] = server.address
-            for predict in (False, True):
-                os.environ["KVCOORD_POOL"] = f"bench-{n}-{'predicted' if predict else 'exclusive'}"
+            for predict in [mode == "predicted" for mode in args.modes]:
+                os.environ["KVCOORD_POOL"] = (
+                    f"bench-{layout.replace('+', '-')}-{kind}-{n}-{'predicted' if predict else 'exclusive'}"
+                )
                 os.environ["KVCOORD_PREDICT"] = "1" if predict else "0"
-                remote = make_scheduler(KVCoordScheduler, config(), kv_cache_config("full", blocks))
+                cls = KVCoordAsyncScheduler if kind == "async" else KVCoordScheduler
+                remote = make_scheduler(cls, config(), kv_cache_config(layout, blocks))
                 freeze_heap()
                 counts: list[int] = []
                 client = remote.kv_cache_manager.remote.client
@@ -172,11 +193,12 @@ def main() -> None:
                     rtt = pct(rtts[args.warmup :], 0.5)
                 assert trace == base_trace, "kvcoord's scheduler decided differently"
                 med = sorted(t[args.warmup :])[len(t[args.warmup :]) // 2] * 1e3
+                mean = statistics.fmean(t[args.warmup :]) * 1e3
                 trips = sum(counts[args.warmup :]) / len(counts[args.warmup :])
-                name = "KVCOORD_PREDICT=1" if predict else "KVCoordScheduler"
-                print(f"{n:>7} {name:<22} {med:8.2f} {pct(t[args.warmup:], 0.99):8.2f} "
+                name = "KVCOORD_PREDICT=1" if predict else "KVCOORD_PREDICT=0"
+                print(f"{n:>7} {name:<22} {med:8.2f} {mean:8.2f} {pct(t[args.warmup:], 0.99):8.2f} "
                       f"{trips:9.2f} {max(counts[args.warmup:]):8d} {med - base:9.2f} {med / (base + rtt):11.2f}"
-                      f" {rtt:7.3f}")  # fmt: skip
+                      f" {rtt:7.3f} {med / base:6.2f} {mean / base_mean:6.2f}")  # fmt: skip
                 remote.shutdown()
         print("scheduler outputs identical on every step")
     finally:

@@ -689,7 +689,7 @@ def test_a_replayed_free_must_give_what_its_client_was_told(tmp_path: Path, dama
 
 
 def test_predicted_answers_survive_sigkill(tmp_path: Path) -> None:
-    """A PredictingKVCacheManager keeps answering from its replica while the journaled
+    """A PredictingKVCacheManager keeps answering from its mirror while the journaled
     server is SIGKILLed and restarted under it (8 times, from another thread, whatever
     Step is in flight): its Steps are retried with their keys once the server is back,
     every answer equals an in-process engine's, no request is lost, and the server's

@@ -311,12 +311,12 @@ def test_admit_over_the_wire_equals_one_by_one(server: InProcessServer) -> None:
 
 
 def test_predicted_answers_survive_a_faulty_network(server: InProcessServer) -> None:
-    """PredictingKVCacheManager answers every call from its replica and sends the calls
+    """PredictingKVCacheManager answers every call from its mirror and sends the calls
     without waiting; with 5% of answers dropped, late, duplicated and re-delivered, the
     retried Steps (idempotency keys) still apply once: two workers, 200 steps each,
     every answer the in-process engine's, the server's tables equal to the local ones
     every 5 steps, no request lost; then a second manager attaches to each used pool
-    (its replica from the state the server hands over) and runs 200 more."""
+    (its mirror from the state the server hands over) and runs 200 more."""
     results: dict[int, list[dict[str, int]]] = {}
     injectors: list[FaultInjector] = []
 

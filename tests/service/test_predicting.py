@@ -1,5 +1,5 @@
-"""PredictingKVCacheManager over real gRPC: which pools it takes, and what happens when
-the server's answers disagree with its replica, refuse what it promised, or its
+"""PredictingKVCacheManager over real gRPC: every layout it mirrors, which pools it
+refuses, and what happens when the server's answers disagree with its mirror, refuse what it promised, or its
 session ends under it. Its exactness under a faulty network is in
 tests/reliability/test_faults.py."""
 
@@ -51,28 +51,110 @@ def pool(client: KVCoordClient) -> str:
     return "pred"
 
 
-def test_only_a_pool_the_replica_can_follow_is_taken(client: KVCoordClient, pool: str) -> None:
-    """A hybrid pool and an EAGLE pool are refused with the server's reason, and so is a
-    pool another session holds; none leaves a session behind."""
-    hybrid = pb.PoolConfig(
-        num_blocks=32, hash_block_size=4, enable_caching=True, hash_algo="sha256_cbor", hash_seed="0",
-        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4)),
-                pb.KVCacheGroupSpec(sliding_window=pb.SlidingWindowSpec(block_size=4, sliding_window=8))],
-    )  # fmt: skip
-    client.create_pool("hybrid", hybrid)
-    with pytest.raises(FailedPreconditionError, match="not one group of full attention"):
-        PredictingKVCacheManager(client, "hybrid", hash_seed="0", renew=False)
-    RemoteKVCacheManager(client, "hybrid", hash_seed="0", renew=False, exclusive=True).close()  # none left
-    eagle = wire_pool_config(32)
-    eagle.use_eagle = True  # a hit drops its last block: the replica does not follow that
-    client.create_pool("eagle", eagle)
-    with pytest.raises(FailedPreconditionError, match="EAGLE"):
-        PredictingKVCacheManager(client, "eagle", hash_seed="0", renew=False)
+def _spec(kind: str, **kw: Any) -> pb.KVCacheGroupSpec:
+    return pb.KVCacheGroupSpec(**{kind: getattr(pb, _SPECS[kind])(**kw)})
+
+
+_SPECS = {"full": "FullAttentionSpec", "sliding_window": "SlidingWindowSpec",
+          "chunked_local": "ChunkedLocalAttentionSpec", "mamba": "MambaSpec"}  # fmt: skip
+
+#: every layout the mirror follows (name -> groups, use_eagle)
+_LAYOUTS: dict[str, tuple[list[pb.KVCacheGroupSpec], bool]] = {
+    "full": ([_spec("full", block_size=4)], False),
+    "full-sliding": ([_spec("full", block_size=4), _spec("sliding_window", block_size=4, sliding_window=8)], False),
+    "full-chunked": ([_spec("full", block_size=4), _spec("chunked_local", block_size=4, attention_chunk_size=8)],
+                     False),
+    "sliding": ([_spec("sliding_window", block_size=4, sliding_window=8)], False),
+    "full-mamba": ([_spec("full", block_size=8), _spec("mamba", block_size=8, mamba_cache_mode="all")], False),
+    "eagle": ([_spec("full", block_size=4)], True),
+    "full8-sliding": ([_spec("full", block_size=8), _spec("sliding_window", block_size=8, sliding_window=12)],
+                      False),
+}  # fmt: skip
+
+
+def _layout_config(name: str, num_blocks: int) -> pb.PoolConfig:
+    groups, eagle = _LAYOUTS[name]
+    return pb.PoolConfig(num_blocks=num_blocks, hash_block_size=4, enable_caching=True, hash_algo="sha256_cbor",
+                         hash_seed="0", enable_kv_cache_events=True, use_eagle=eagle, groups=groups)  # fmt: skip
+
+
+def _all_tables(client: KVCoordClient, pool: str) -> dict[str, list[list[int]]]:
+    return {
+        s.request_id: [list(g.block_ids) for g in s.groups]
+        for s in client.inspect_pool(pool, all_requests=True).requests
+    }
+
+
+def _grow(r: Any, tokens: list[int]) -> None:
+    """Append tokens to a request, its block hashes with them (as vLLM's Request does)."""
+    r.all_token_ids.extend(tokens)
+    r.block_hashes = BlockHasher("sha256_cbor", 4, NONE).extend(r.all_token_ids)
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_every_layout_is_predicted_exactly(client: KVCoordClient, layout: str) -> None:
+    """Hybrid, sliding-window, chunked-local, mamba and EAGLE pools are mirrored: on a
+    pool used before (blocks cached, queue reordered), prefix hits, decode steps
+    crossing block and window boundaries, frees, evictions and refusals are answered
+    at once, and every answer equals the server's (the Steps' checks pass and the
+    server holds exactly the tables told). (Before, only one full-attention group was
+    predicted: every other layout was refused.)"""
+    client.create_pool(layout, _layout_config(layout, 40))
+    first = RemoteKVCacheManager(client, layout, hash_seed="0", renew=False)
+    for i, tokens in enumerate([list(range(24)), list(range(24)), list(range(100, 121))]):
+        first.allocate_slots(_req(f"old{i}", tokens), len(tokens))
+    first.close()  # frees everything: the blocks stay cached, the queue reordered
+    m = PredictingKVCacheManager(client, layout, hash_seed="0", renew=False, max_backlog=2)
+    reqs = [_req("a", list(range(24)) + [7, 7, 7]), _req("b", list(range(100, 121)) + [8]),
+            _req("c", list(range(300, 317)))]  # fmt: skip
+    told: dict[str, list[list[int]]] = {}
+    refused = 0
+    for step in range(14):
+        for r in reqs:
+            if r.request_id in told:
+                _grow(r, [1000 + step])
+                new = m.allocate_slots(r, 1)
+                if new is None:
+                    refused += 1
+                    continue
+                r.num_computed_tokens += 1
+            else:
+                hit, hit_tokens = m.get_computed_blocks(r)
+                new = m.allocate_slots(r, len(r.all_token_ids) - hit_tokens, hit_tokens, hit)
+                if new is None:
+                    refused += 1
+                    continue
+                r.num_computed_tokens = len(r.all_token_ids)
+            told[r.request_id] = [list(g) for g in m.get_block_ids(r.request_id)]
+        if step == 6:
+            m.free(reqs[0])
+            told.pop("a")
+            reqs[0] = _req("d", list(range(500, 530)))  # evicts cached blocks
+        m.take_events()
+    m.flush()
+    assert m.lost_requests == 0 and m.steps_sent > 1
+    assert _all_tables(client, layout) == told
+    assert sorted(told) == ["b", "c", "d"]
+    m.close()
+
+
+def test_a_pool_held_by_another_session_or_another_engine_is_not_predicted(
+    client: KVCoordClient, pool: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pool another session holds is refused (PoolBusyError); a server whose engine
+    has another rules fingerprint is refused with the reason named, and leaves no
+    session behind (the pool is free for the next manager)."""
     other = RemoteKVCacheManager(client, pool, hash_seed="0", renew=False)
     with pytest.raises(PoolBusyError):
         PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
     other.close()
-    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    import kvcoord.service.pool_service as pool_service
+
+    monkeypatch.setattr(pool_service, "rules_fingerprint", lambda: "state2-another-engine")
+    with pytest.raises(FailedPreconditionError, match="engine rules are 'state2-another-engine'"):
+        PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    monkeypatch.undo()
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)  # nothing left attached
     m.close()
 
 
@@ -100,18 +182,18 @@ def test_answers_equal_the_servers_from_a_used_pool(client: KVCoordClient, pool:
 
 
 def _broken(
-    client: KVCoordClient, pool: str, break_replica: Callable[[PredictingKVCacheManager], None]
+    client: KVCoordClient, pool: str, break_mirror: Callable[[PredictingKVCacheManager], None]
 ) -> tuple[PredictingKVCacheManager, RequestsLostError]:
-    """Two admitted requests, the replica changed under the manager, one more step:
+    """Two admitted requests, the mirror changed under the manager, one more step:
     the next call reports what was lost."""
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
     a, b = _req("a", list(range(9))), _req("b", list(range(50, 60)))
     _admit(m, a)
     _admit(m, b)
     m.take_events()
-    break_replica(m)
+    break_mirror(m)
     c = _req("c", list(range(200, 230)))
-    _admit(m, c)  # answered from the changed replica
+    _admit(m, c)  # answered from the changed mirror
     m.take_events()
     with pytest.raises(RequestsLostError) as info:
         m.flush()
@@ -119,17 +201,13 @@ def _broken(
 
 
 def test_a_server_that_disagrees_loses_every_request_loudly(client: KVCoordClient, pool: str) -> None:
-    """The replica's free queue is reordered behind its back: the server gives the next
-    request other blocks; the answer's check reports every request the session held
+    """The mirror's engine loses a block behind the manager's back: the server gives the
+    next request other blocks; the answer's check reports every request the session held
     as lost, the session ends (the server frees them) and a new one starts from the
     server's state, whose answers are exact again."""
 
     def reorder(m: PredictingKVCacheManager) -> None:
-        used = m.replica._used  # no freed block yet: make two never-used blocks "freed" in another order
-        fresh = m.replica._next_fresh
-        m.replica._next_fresh = fresh + 2
-        used[fresh + 1] = None
-        used[fresh] = None
+        m.mirror.engine.block_pool.get_new_blocks(1)  # a block taken behind the manager's back
 
     m, lost = _broken(client, pool, reorder)
     assert sorted(lost.request_ids) == ["a", "b", "c"]
@@ -144,13 +222,12 @@ def test_a_server_that_disagrees_loses_every_request_loudly(client: KVCoordClien
 
 
 def test_a_promise_the_server_refuses_loses_every_request(client: KVCoordClient, pool: str) -> None:
-    """The replica believes blocks are free that are not: it answers an allocation the
+    """The mirror believes blocks are free that are not: it answers an allocation the
     server must refuse; the server refuses the Step's promise (PREDICTION_FAILED) and
     the next call reports every request lost."""
 
     def phantom(m: PredictingKVCacheManager) -> None:
-        m.replica.num_blocks += 64  # blocks the pool does not have
-        m.replica._ref.extend([0] * 64)
+        m.mirror.engine.free("a")  # behind the manager's back: the server still holds a's blocks
 
     client.delete_pool(pool)
     client.create_pool(pool, wire_pool_config(12, events=True))
@@ -185,27 +262,49 @@ def test_an_expired_session_loses_every_request_and_starts_again(
         m.close()
 
 
-def test_calls_it_cannot_predict_are_refused_before_anything_is_sent(
-    client: KVCoordClient, pool: str
-) -> None:
-    """KV connector tokens, delayed caching and bad counts raise InvalidArgumentError
-    (as the server would) and change nothing."""
+def test_bad_calls_are_refused_before_anything_is_sent(client: KVCoordClient, pool: str) -> None:
+    """Bad counts raise InvalidArgumentError (the engine's own message, as the server
+    would answer) and change nothing, neither in the mirror nor on the server."""
     from kvcoord.client import InvalidArgumentError
 
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
     r = _req("a", list(range(9)))
-    free = m.replica.num_free_blocks
-    with pytest.raises(InvalidArgumentError, match="plain scheduler path"):
-        m.allocate_slots(r, 9, num_external_computed_tokens=4)
-    with pytest.raises(InvalidArgumentError, match="plain scheduler path"):
-        m.allocate_slots(r, 9, delay_cache_blocks=True)
-    with pytest.raises(InvalidArgumentError, match="num_new_tokens"):
+    free = m.mirror.num_free_blocks
+    with pytest.raises(InvalidArgumentError, match="num_new_tokens must be > 0"):
         m.allocate_slots(r, 0)
+    with pytest.raises(InvalidArgumentError, match="exceed max_model_len"):
+        m.allocate_slots(r, (1 << 31) + 1)
     with pytest.raises(InvalidArgumentError, match="past the request's 9 tokens"):
         m.cache_blocks(r, 12)
-    assert m.replica.num_free_blocks == free and "a" not in m.tracker
+    assert m.mirror.num_free_blocks == free and "a" not in m.tracker and not m.mirror.holds("a")
     m.flush()
     assert _tables(client, pool) == {}
+    told = _admit(m, r)  # the same request, well asked: answered and held
+    m.flush()
+    assert _tables(client, pool) == {"a": told}
+    m.close()
+
+
+def test_kv_connector_tokens_and_delayed_caching_are_predicted(client: KVCoordClient, pool: str) -> None:
+    """A KV connector's external tokens with delayed caching, then cache_blocks once
+    the load is done, as vLLM's scheduler calls them: answered from the mirror, equal
+    to the server's (a second request hits the blocks cached late). (Before, the
+    predicting manager refused them.)"""
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    r = _req("a", list(range(17)))
+    new = m.allocate_slots(r, 1, num_external_computed_tokens=16, delay_cache_blocks=True)
+    assert new is not None and len(new.block_ids[0]) == 1  # the four external blocks are not new
+    table = m.get_block_ids("a")[0]
+    assert len(table) == 5 and table[-1] == new.block_ids[0][0]
+    r.num_computed_tokens = 16
+    m.cache_blocks(r, 16)
+    r.num_computed_tokens = 17
+    m.take_events()
+    b = _req("b", list(range(17)) + [5])
+    told_b = _admit(m, b)
+    assert told_b[:4] == table[:4]  # hits the four blocks cached late
+    m.flush()
+    assert _tables(client, pool) == {"a": table, "b": told_b}
     m.close()
 
 
@@ -238,17 +337,19 @@ def test_an_events_digest_is_the_digest_of_the_events(client: KVCoordClient) -> 
 
 
 def test_events_the_server_did_not_make_lose_every_request(client: KVCoordClient, pool: str) -> None:
-    """A replica whose events differ from the server's (its allocations still agree) is
+    """A mirror whose events differ from the server's (its allocations still agree) is
     caught by the events digest: every request is reported lost."""
 
     def wrong_events(m: PredictingKVCacheManager) -> None:
-        original = m.replica._cache_full
+        original = m.mirror.take_step
 
-        def cache_full(*args: Any) -> None:
-            original(*args)
-            m.replica.events[-1].block_stored.medium = "CPU"
+        def take_step() -> tuple[pb.StepResponse, pb.PrefixCacheStats]:
+            events, stats = original()
+            for event in events.events:
+                event.block_stored.medium = "CPU"
+            return events, stats
 
-        m.replica._cache_full = cache_full  # type: ignore[method-assign]
+        m.mirror.take_step = take_step  # type: ignore[method-assign]
 
     m, lost = _broken(client, pool, wrong_events)
     assert sorted(lost.request_ids) == ["a", "b", "c"]
@@ -275,7 +376,7 @@ def test_a_call_refused_before_it_is_sent_leaves_the_step_whole(client: KVCoordC
     m.take_events()
     m.flush()
     assert _tables(client, pool) == {"a": told}
-    m._failure = KVCoordError(grpc.StatusCode.UNAVAILABLE, "a Step failed")  # as the sender records one
+    m.sender.failure = KVCoordError(grpc.StatusCode.UNAVAILABLE, "a Step failed")  # as the sender records one
     with pytest.raises(RequestsLostError):
         m.flush()
     b = _req("b", list(range(100, 109)))
@@ -298,16 +399,16 @@ def test_steps_join_while_one_is_in_flight_up_to_a_size(client: KVCoordClient, p
     _admit(m, _req("a", list(range(9))))
     m.flush()
     blocker: concurrent.futures.Future[None] = concurrent.futures.Future()
-    m._in_flight = blocker  # a Step whose answer has not come
+    m.sender.in_flight = blocker  # a Step whose answer has not come
     _admit(m, _req("b", list(range(20, 29))))
     m.take_events()
-    assert m._backlog == 1 and len(m._pending.request.ops) == 2  # joined the next Step
-    m.max_step_bytes = 1
+    assert m.sender.backlog == 1 and len(m.sender.pending.request.ops) == 2  # joined the next Step
+    m.sender.max_step_bytes = 1
     _admit(m, _req("c", list(range(40, 49))))
     threading.Timer(0.2, blocker.set_result, (None,)).start()
     sent = m.steps_sent
     m.take_events()  # too big to wait: waits for the answer in flight, then sends
-    assert m.steps_sent == sent + 1 and m._backlog == 0 and not m._pending.request.ops
+    assert m.steps_sent == sent + 1 and m.sender.backlog == 0 and not m.sender.pending.request.ops
     m.flush()
     assert sorted(_tables(client, pool)) == ["a", "b", "c"]
     m.close()
@@ -331,7 +432,7 @@ def test_a_large_eviction_is_no_disagreement(make_server: Callable[..., InProces
     """An event buffer of 8 and a step evicting 30 cached blocks: the server's buffer
     wraps, its answer says events_gap and digests only the events it kept. The manager
     does not compare those events (it compares everything else) and loses nothing; the
-    engine still gets the replica's events, all of them. (Before, any events_gap was a
+    engine still gets the mirror's events, all of them. (Before, any events_gap was a
     mismatch: every request the session held was reported lost.)"""
     server = make_server(_SMALL_BUFFER)
     with KVCoordClient(server.address, timeout=10) as client:
@@ -356,7 +457,7 @@ def test_a_large_eviction_is_no_disagreement(make_server: Callable[..., InProces
 
 
 def test_a_real_difference_is_caught_across_an_event_gap(make_server: Callable[..., InProcessServer]) -> None:
-    """The same large eviction, with the replica's statistics, or one of its block ids,
+    """The same large eviction, with the mirror's statistics, or one of its block ids,
     made to differ from the server's in that step: the events are not compared, but the
     difference is still found and every request reported lost."""
     server = make_server(_SMALL_BUFFER)
@@ -371,9 +472,12 @@ def test_a_real_difference_is_caught_across_an_event_gap(make_server: Callable[.
             m.flush()
             _evicting_step(m, "b", 1000)
             if breaking == "stats":
-                m.replica.step_stats.hits += 4  # the replica counts a hit the server did not
+                m.mirror.step_stats.hits += 4  # the mirror counts a hit the server did not
             else:
-                m._run.ids[-1][0] += 1  # type: ignore[union-attr]  # one block id the server will not give
+                run = m.sender.run
+                assert run is not None
+                (first, *rest), *groups = run.ids[-1]
+                run.ids[-1] = ((first + 1, *rest), *groups)  # one block id the server will not give
             m.take_events()
             with pytest.raises(RequestsLostError) as info:
                 m.flush()
@@ -384,3 +488,70 @@ def test_a_real_difference_is_caught_across_an_event_gap(make_server: Callable[.
             assert m.events_gaps == (breaking == "stats")
             assert _tables(client, pool) == {}
             m.close()
+
+
+_TENANTS = """
+[tenants.alice]
+tokens = ["tok-alice"]
+grants = [{ pools = ["t*"], roles = ["use", "observe", "administer"] }]
+
+[tenants.bob]
+tokens = ["tok-bob"]
+grants = [{ pools = ["t*"], roles = ["use", "observe", "administer"] }]
+"""
+
+
+def test_a_tenants_namespace_is_predicted(make_server: Callable[..., InProcessServer]) -> None:
+    """A pool whose tenants cache apart: Bob caches prompts, then Alice's exclusive
+    session is predicted. Her requests of the same prompts do not hit Bob's blocks,
+    her allocations evict some of them, and the events she is owed are her own
+    namespace's only (Bob's blocks' removals are not hers to see): every answer, the
+    events digest included, equals the server's. (Before, a tenant's namespace was
+    refused.)"""
+    from tenancy import pool_toml
+
+    server = make_server(_TENANTS + pool_toml("tpool"))
+    with KVCoordClient(server.address, timeout=10, token="tok-bob") as bob:
+        m = RemoteKVCacheManager(bob, "tpool", hash_seed="0", renew=False)
+        for i in range(3):
+            tokens = list(range(100 * i, 100 * i + 32))
+            assert m.allocate_slots(_req(f"bob{i}", tokens), 32) is not None
+        m.close()  # 24 of Bob's blocks stay cached, free
+    with KVCoordClient(server.address, timeout=10, token="tok-alice") as alice:
+        m = PredictingKVCacheManager(alice, "tpool", hash_seed="0", renew=False)
+        assert m.mirror.namespace == "alice"
+        told = {}
+        for i in range(5):  # 5 x 10 blocks: past the 39 never-used ones, into Bob's cached ones
+            r = _req(f"alice{i}", list(range(100 * i, 100 * i + 40)))
+            hit, hit_tokens = m.get_computed_blocks(r)
+            assert hit_tokens == 0  # Bob's blocks are not Alice's hits
+            new = m.allocate_slots(r, 40, 0, hit)
+            assert new is not None
+            told[r.request_id] = list(new.block_ids[0])
+        events = m.take_events()
+        m.flush()
+        assert m.lost_requests == 0
+        assert _tables(alice, "tpool") == told
+        assert {e.WhichOneof("event") for e in events} == {"block_stored"}  # no removal of Bob's
+        assert len(events) == 5
+        m.close()
+
+
+def test_a_pool_holding_a_routers_reservation_is_not_predicted(client: KVCoordClient, pool: str) -> None:
+    """A router's reservation ends by the server's doing (its time runs out, or a
+    request adopts it), which a mirror would not follow: while one is live the pool
+    is refused with the reason (FailedPreconditionError, no session left behind), and
+    the waiting manager still takes it."""
+    warm = RemoteKVCacheManager(client, pool, hash_seed="0", renew=False)
+    tokens = list(range(500, 541))
+    warm.allocate_slots(_req("w", tokens), len(tokens))
+    warm.close()  # its blocks stay cached
+    prompt = pb.HashedPrompt(hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0",
+                             block_hashes=BlockHasher("sha256_cbor", 4, NONE).extend(tokens))  # fmt: skip
+    reserved = client.score_pools(len(tokens), [prompt], candidate_pools=[pool], reserve_seconds=30.0)
+    assert reserved.reservation.pool == pool and reserved.reservation.hit_tokens == 40
+    with pytest.raises(FailedPreconditionError, match="routers' reservations"):
+        PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    RemoteKVCacheManager(
+        client, pool, hash_seed="0", renew=False, exclusive=True
+    ).close()  # nothing left attached

@@ -39,14 +39,7 @@ ALLOWED: dict[str, set[str]] = {
 #: (item 4: "no import cycle anywhere in the client or the server") removes them; the
 #: lead deletes an entry once the change that breaks it is merged. A cycle not listed
 #: here fails the test, and so does an entry that is no longer a cycle.
-KNOWN_CYCLES: list[frozenset[str]] = [
-    # issue 21: the "mirror" change ends the batcher reaching into the manager
-    frozenset({"kvcoord.client.batch", "kvcoord.client.manager"}),
-    # issue 21: Fence lives in pool_service, which names positions' JournalPositions
-    frozenset({"kvcoord.service.pool_service", "kvcoord.service.positions"}),
-    # issue 21: lease_marker uses startup's DurableDeadline, startup builds a LeaseMarker
-    frozenset({"kvcoord.service.lease_marker", "kvcoord.service.startup"}),
-]
+KNOWN_CYCLES: list[frozenset[str]] = []  # none left (issue 21): keep it so
 
 
 @pytest.fixture(scope="module")

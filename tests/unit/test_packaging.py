@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_client_imports_nothing_from_the_server_side() -> None:
-    """With only client/ on the path, the client package and stubs import and work."""
+    """With only client/ on the path, the client package and stubs import and work (the
+    engine is the client's too: a predicting manager mirrors its pool with it)."""
     code = (
         "import sys, kvcoord.client, kvcoord.client.testing, kvcoord.v1.allocator_pb2_grpc\n"
         "from kvcoord.client import BlockHasher, none_hash\n"
@@ -123,7 +124,7 @@ def test_public_exports_are_pinned() -> None:
     assert sorted(kvcoord.wire.__all__) == sorted([
         "HASH_LENGTHS", "MAX_MODEL_LEN_UNLIMITED", "STATS_FIELDS", "ConfigFileError", "ReplicaState", "WireError",
         "add_events", "block_ids_to_pb", "config_from_pb", "event_from_pb", "event_to_pb", "events_digest",
-        "events_from_pb", "events_message_digest", "group_kinds", "hit_from_pb", "hit_to_pb", "ids_from_pb",
+        "events_from_pb", "events_message_digest", "fill_event", "group_kinds", "hit_from_pb", "hit_to_pb", "ids_from_pb",
         "lora_from_pb", "pool_config_from_table", "pool_state_from_pb", "spec_from_pb", "stats_from_pb",
         "stats_to_pb", "string_list", "tables", "write_ids", "write_pool_state",
     ])  # fmt: skip

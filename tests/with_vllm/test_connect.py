@@ -166,6 +166,10 @@ def test_scheduler_cls_option_runs_on_kvcoord(
         assert [r.req_id for r in out.scheduled_new_reqs] == ["r0"]
         (table,) = out.scheduled_new_reqs[0].block_ids
         assert len(table) == 3  # 40 tokens in 16-token blocks, from the kvcoord pool
+        # predicted by default (an exclusive pool): the step's calls reach the server
+        # with its Step, sent when the step ends; flush sends it now
+        assert type(scheduler.kv_cache_manager.remote).__name__ == "PredictingKVCacheManager"
+        scheduler.kv_cache_manager.remote.flush()
         stats = scheduler.kv_cache_manager.remote.client.get_stats(f"serve-{asynchronous}")
         assert stats.num_free_blocks == 63 - 3
     finally:

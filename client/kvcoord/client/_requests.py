@@ -111,9 +111,11 @@ def attach(
     lease_seconds: float,
     exclusive: bool = False,
     want_pool_state: bool = False,
+    want_engine_state: bool = False,
 ) -> pb.AttachRequest:
     return pb.AttachRequest(
         want_pool_state=want_pool_state,
+        want_engine_state=want_engine_state,
         pool=pool,
         hash_algo=hash_algo,
         hash_block_size=hash_block_size,

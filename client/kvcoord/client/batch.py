@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
@@ -20,7 +20,29 @@ from . import _requests as rq
 from .errors import AbortedError, KVCoordError
 
 if TYPE_CHECKING:
-    from .manager import RemoteKVCacheManager
+    from .promises import BlockBudget
+    from .tracking import RequestTracker
+
+
+class BatchOwner(Protocol):
+    """What the batch builders need of the manager whose Steps carry their calls
+    (``RemoteKVCacheManager``): its request positions, its block budget, and one
+    public method per thing a batched call tells it (no import of the manager here,
+    and nothing private of it used)."""
+
+    tracker: RequestTracker
+    budget: BlockBudget
+    stale_hits: int
+
+    def freeing(self, request_id: str) -> None: ...
+    def caching(self, request: Any, num_computed_tokens: int) -> None: ...
+    def skipping(self, request_id: str, total_computed_tokens: int) -> None: ...
+    def batched_allocation(self, request_id: str) -> None: ...
+    def abandoned(self, request_ids: Iterable[str]) -> None: ...
+    def defer(self, item: Item | None) -> None: ...
+    def send_items(self, items: list[Item], force: bool = False) -> None: ...
+    def clear_hints(self) -> None: ...
+
 
 __all__ = ["KVCacheBlockIds", "Pending", "StepBatcher"]
 
@@ -35,18 +57,21 @@ class Pending(Generic[T]):
             manager flushes its queue); ``None``: result() before the flush raises.
     """
 
-    __slots__ = ("_done", "_error", "_resolve", "_value")
+    __slots__ = ("_done", "_error", "_value", "resolver")
 
     def __init__(self, resolve: Callable[[], None] | None = None) -> None:
         self._value: T | None = None
         self._error: KVCoordError | None = None
         self._done = False
-        self._resolve = resolve
+        #: called by :meth:`result` while the value is not there (the sender's flush)
+        self.resolver = resolve
 
-    def _set(self, value: T) -> None:
+    def set_result(self, value: T) -> None:
+        """The call's answer (its Step was answered)."""
         self._value, self._done = value, True
 
-    def _fail(self, error: KVCoordError) -> None:
+    def set_error(self, error: KVCoordError) -> None:
+        """The call failed (or was aborted): :meth:`result` raises ``error``."""
         self._error, self._done = error, True
 
     @property
@@ -55,8 +80,8 @@ class Pending(Generic[T]):
 
     def result(self) -> T:
         """The value; raises the call's error, or RuntimeError before the flush."""
-        if not self._done and self._resolve is not None:
-            self._resolve()
+        if not self._done and self.resolver is not None:
+            self.resolver()
         if not self._done:
             raise RuntimeError("the batch has not been flushed yet")
         if self._error is not None:
@@ -313,7 +338,7 @@ class Item:
 class Ops:
     """Builds the queued item of each manager call (one method per call)."""
 
-    def __init__(self, m: RemoteKVCacheManager) -> None:
+    def __init__(self, m: BatchOwner) -> None:
         self.m = m
 
     def _item(
@@ -440,7 +465,7 @@ class Ops:
 
     def free(self, request: Any) -> Item | None:
         rid = request if isinstance(request, str) else request.request_id
-        self.m._freeing(rid)  # a lost request the scheduler frees is settled
+        self.m.freeing(rid)  # a lost request the scheduler frees is settled
         if rid not in self.m.tracker:
             return None  # never sent to the server (e.g. aborted while waiting): nothing to free
         # Forgotten now: if the request comes back before the free is sent, it is
@@ -507,7 +532,7 @@ class StepBatcher:
     and the requests they synced go back to where they stood before the batch.
     """
 
-    def __init__(self, manager: RemoteKVCacheManager) -> None:
+    def __init__(self, manager: BatchOwner) -> None:
         self.m = manager
         self._ops = Ops(manager)
         self._items: list[Item] = []
@@ -539,14 +564,14 @@ class StepBatcher:
         # ended, and fails loudly (SYNC_MISMATCH) when sent.
         tracker.restore({rid: mark for rid, mark in before.items() if tracker.mark(rid) == after[rid]})
         if items:
-            m._abandoned(list(before))
+            m.abandoned(list(before))
         aborted = AbortedError(grpc.StatusCode.ABORTED, "not sent: the batch was left by an exception")
         for item in items:
             if item.op.WhichOneof("op") == "free":
                 item.deferred = True  # nobody waits for it now: its error is the sender's
-                m._defer(item)
+                m.defer(item)
             else:
-                item.pending._fail(aborted)
+                item.pending.set_error(aborted)
 
     def _moving(self, request_id: str) -> None:
         """A call of the batch is about to sync this request: remember where it stood."""
@@ -556,7 +581,7 @@ class StepBatcher:
     def _add(self, item: Item | None) -> Pending[Any]:
         if item is None:
             done: Pending[Any] = Pending()
-            done._set(None)
+            done.set_result(None)
             return done
         item.deferred = False  # an explicit batch: every caller holds its Pending
         self._items.append(item)
@@ -573,7 +598,7 @@ class StepBatcher:
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0) -> Pending[KVCacheBlockIds | None]:  # fmt: skip
-        self.m._batched_allocation(request.request_id)
+        self.m.batched_allocation(request.request_id)
         self._moving(request.request_id)
         return self._add(self._ops.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
@@ -587,17 +612,17 @@ class StepBatcher:
         return self._add(item)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> Pending[None]:
-        self.m._caching(request, num_computed_tokens)
+        self.m.caching(request, num_computed_tokens)
         self._moving(request.request_id)
         return self._add(self._ops.cache_blocks(request, num_computed_tokens))
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> Pending[None]:
-        self.m._skipping(request_id, total_computed_tokens)
+        self.m.skipping(request_id, total_computed_tokens)
         self._moving(request_id)
         return self._add(self._ops.remove_skipped_blocks(request_id, total_computed_tokens))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> Pending[None]:
-        self.m._clear_hints()
+        self.m.clear_hints()
         return self._add(self._ops.evict_blocks(block_ids))
 
     def get_block_ids(self, request_id: str) -> Pending[tuple[list[int], ...]]:
@@ -609,4 +634,4 @@ class StepBatcher:
     def flush(self) -> None:
         """Send the collected operations (nothing to do when empty)."""
         items, self._items = self._items, []
-        self.m._send(items)
+        self.m.send_items(items)

@@ -338,9 +338,11 @@ class KVCoordClient(_Api):
         lease_seconds: float = 0,
         exclusive: bool = False,
         want_pool_state: bool = False,
+        want_engine_state: bool = False,
     ) -> pb.AttachResponse:
         """Hash handshake: a session id and fence. HashMismatchError on a mismatch.
-        ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state."""
+        ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state
+        (with ``want_engine_state``, the engine's own state, for a mirror)."""
         return self._unary(
             _ATTACH,
             rq.attach(
@@ -352,6 +354,7 @@ class KVCoordClient(_Api):
                 lease_seconds,
                 exclusive,
                 want_pool_state,
+                want_engine_state,
             ),
         )
 
@@ -574,9 +577,11 @@ class AsyncKVCoordClient(_Api):
         lease_seconds: float = 0,
         exclusive: bool = False,
         want_pool_state: bool = False,
+        want_engine_state: bool = False,
     ) -> _Coro[pb.AttachResponse]:
         """Hash handshake: a session id and fence. HashMismatchError on a mismatch.
-        ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state."""
+        ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state
+        (with ``want_engine_state``, the engine's own state, for a mirror)."""
         return self._unary(
             _ATTACH,
             rq.attach(
@@ -588,6 +593,7 @@ class AsyncKVCoordClient(_Api):
                 lease_seconds,
                 exclusive,
                 want_pool_state,
+                want_engine_state,
             ),
         )
 

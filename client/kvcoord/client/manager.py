@@ -265,7 +265,7 @@ class RemoteKVCacheManager:
         hint = self._hints.get(rid)
         if hint is not None and self._hint_holds(hint, request):
             item = self._ops.answered_lookup(request, hint.hit, hint.tokens)
-            item.pending._resolve = self.flush
+            item.pending.resolver = self.flush
             item.deferred = True
             self._queue.append(item)
             self._unrecorded += 1
@@ -277,8 +277,8 @@ class RemoteKVCacheManager:
             looked_up: tuple[KVCacheBlockIds, int] = self._now(item)
             return looked_up
         hint_items = [self._ops.hint_lookup(r, self.hint_walk_limit) for r in upcoming]
-        self._clear_hints()
-        self._send([item, *hint_items])
+        self.clear_hints()
+        self.send_items([item, *hint_items])
         # Held hit blocks reach the free queue only when freed: the ledger sees each
         # free (see free()); without it, a freed block waits behind at least every
         # block free now.
@@ -338,7 +338,7 @@ class RemoteKVCacheManager:
                     return False
         return True
 
-    def _clear_hints(self) -> None:
+    def clear_hints(self) -> None:
         self._hints.clear()
         self._hint_blocks.clear()
         self._moved = 0
@@ -606,7 +606,7 @@ class RemoteKVCacheManager:
 
     def _promise(self, item: Item) -> None:
         """Queue an allocation answered without a round trip (sent with the next Step)."""
-        item.pending._resolve = self.flush
+        item.pending.resolver = self.flush
         item.deferred = True  # its caller has its answer: a failure is raised by the sender
         self._queue.append(item)
 
@@ -664,7 +664,7 @@ class RemoteKVCacheManager:
             scheduled (``min(remaining, max_num_new_tokens)``) and the new blocks, or
             ``None`` for them when the pool is out of blocks.
         """
-        self._clear_hints()  # the blocks it takes are known only from its answer
+        self.clear_hints()  # the blocks it takes are known only from its answer
         self._ledger_off("allocate_with_lookup")
         result: tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None] = self._now(
             self._ops.allocate_with_lookup(
@@ -693,7 +693,7 @@ class RemoteKVCacheManager:
             ``(hit, hit_tokens, num_new_tokens, new_blocks)`` per request processed, in
             order; ``new_blocks`` is ``None`` for a last, refused one.
         """
-        self._clear_hints()  # the blocks it takes are known only from its answer
+        self.clear_hints()  # the blocks it takes are known only from its answer
         ledger = self._ledger  # kept: each admitted request enters it from the answer
         out: list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]] = []
         start, budget = 0, token_budget
@@ -728,9 +728,9 @@ class RemoteKVCacheManager:
 
     def free(self, request: Any) -> None:
         """Free the request's blocks (sent with the next call)."""
-        self._defer(self._ops.free(request))
+        self.defer(self._ops.free(request))
 
-    def _freeing(self, rid: str) -> None:
+    def freeing(self, rid: str) -> None:
         """What a free changes here, whichever way it is sent (this manager's queue or a
         :meth:`batch`): nothing it cached or held may be assumed any more."""
         self.tracker.lost.discard(rid)  # vLLM frees finished and preempted requests alike
@@ -752,42 +752,42 @@ class RemoteKVCacheManager:
             self._free_estimate = free + count
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
-        self._defer(self._ops.cache_blocks(request, num_computed_tokens))
-        self._caching(request, num_computed_tokens)
+        self.defer(self._ops.cache_blocks(request, num_computed_tokens))
+        self.caching(request, num_computed_tokens)
 
-    def _caching(self, request: Any, num_computed_tokens: int) -> None:
+    def caching(self, request: Any, num_computed_tokens: int) -> None:
         """What a cache_blocks changes here, whichever way it is sent."""
         if self.enable_caching:
             self._cached(request, num_computed_tokens)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
-        self._skipping(request_id, total_computed_tokens)
-        self._defer(self._ops.remove_skipped_blocks(request_id, total_computed_tokens))
+        self.skipping(request_id, total_computed_tokens)
+        self.defer(self._ops.remove_skipped_blocks(request_id, total_computed_tokens))
 
-    def _skipping(self, request_id: str, total_computed_tokens: int) -> None:
+    def skipping(self, request_id: str, total_computed_tokens: int) -> None:
         """What a remove_skipped_blocks changes here, whichever way it is sent."""
         if self._ledger is not None:
             self._released(*self._ledger.skip(request_id, total_computed_tokens))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        self._clear_hints()
-        self._defer(self._ops.evict_blocks(block_ids))
+        self.clear_hints()
+        self.defer(self._ops.evict_blocks(block_ids))
 
-    def _batched_allocation(self, request_id: str) -> None:
+    def batched_allocation(self, request_id: str) -> None:
         """An allocation sent through :meth:`batch`, which this manager does not answer
         or follow: the ledger, bounds and hints that relied on following every
         allocation are dropped (rebuilt or re-learned from the next answers)."""
         self._ledger_off("an allocation sent through batch()")
         self.budget.forget(request_id)
         self._cached_hashes.pop(request_id, None)
-        self._clear_hints()
+        self.clear_hints()
 
-    def _abandoned(self, request_ids: Iterable[str]) -> None:
+    def abandoned(self, request_ids: Iterable[str]) -> None:
         """A batch's calls were dropped unsent (it was left by an exception): what was
         assumed from them here (ledger, bounds, cached hashes, hints) is dropped too,
         and re-learned from the next answers."""
         self._ledger_off("a batch was left by an exception")
-        self._clear_hints()
+        self.clear_hints()
         for rid in request_ids:
             self.budget.forget(rid)
             self._cached_hashes.pop(rid, None)
@@ -805,7 +805,7 @@ class RemoteKVCacheManager:
             table = self._ledger.table(request_id)
             if table is not None:
                 item = self._ops.get_block_ids(request_id, table)
-                item.pending._resolve = self.flush
+                item.pending.resolver = self.flush
                 item.deferred = True  # answered: a failure is raised by the sender
                 self._queue.append(item)
                 return table
@@ -817,13 +817,13 @@ class RemoteKVCacheManager:
         return n
 
     def reset_prefix_cache(self) -> bool:
-        self._clear_hints()
+        self.clear_hints()
         return bool(self._now(self._ops.reset_prefix_cache()))
 
     def take_events(self) -> list[pb.KVEvent]:
         """The pool's KV events since the previous call (this session's cursor)."""
         if not self.keeper.exclusive:
-            self._send([], force=True)  # other sessions' calls make events too
+            self.send_items([], force=True)  # other sessions' calls make events too
         elif any(
             bool(i.run.rids) if i.run is not None else i.op.WhichOneof("op") not in _NO_EVENTS
             for i in self._queue
@@ -832,7 +832,7 @@ class RemoteKVCacheManager:
         for _ in range(MAX_EVENT_ROUNDS):
             if not self._events_more:
                 break
-            self._send([], force=True)  # an answer holds what fits below max_message_bytes
+            self.send_items([], force=True)  # an answer holds what fits below max_message_bytes
         events, self._events = self._events, []
         return events
 
@@ -881,7 +881,7 @@ class RemoteKVCacheManager:
     def flush(self) -> None:
         """Send every queued call now."""
         if self._queue:
-            self._send([])
+            self.send_items([])
 
     def close(self) -> None:
         """Send what is queued, then end the session (the server frees its requests)."""
@@ -895,16 +895,16 @@ class RemoteKVCacheManager:
                 pass  # already gone: its requests were freed
 
     # -- sending ----------------------------------------------------------------------------
-    def _defer(self, item: Item | None) -> None:
+    def defer(self, item: Item | None) -> None:
         if item is not None:
-            item.pending._resolve = self.flush
+            item.pending.resolver = self.flush
             self._queue.append(item)
 
     def _now(self, item: Item) -> Any:
-        self._send([item])
+        self.send_items([item])
         return item.pending.result()
 
-    def _send(self, items: list[Item], force: bool = False) -> None:
+    def send_items(self, items: list[Item], force: bool = False) -> None:
         """One Step with the queued calls, then ``items``; every Pending gets its answer.
         Without anything to send, nothing is sent unless ``force``.
 
@@ -966,7 +966,7 @@ class RemoteKVCacheManager:
                 if item.run is None:
                     if not item.commits_itself:
                         self.tracker.commit(item.touched, item.marks)
-                    item.pending._set(item.decode(result))
+                    item.pending.set_result(item.decode(result))
                     continue
                 if self._run_answered(item.run, result.allocate_run):
                     continue
@@ -984,14 +984,14 @@ class RemoteKVCacheManager:
                 self._free_again(later)  # calls after the failed one were not applied
                 for rest in items:
                     if not rest.pending.done:
-                        rest.pending._fail(lost)
+                        rest.pending.set_error(lost)
                 failed = failed or lost
                 break
             if item.run is not None:
                 # A run of promised allocations failed (entries before the failing one
                 # stay applied): none of its requests can be trusted any more.
                 lost = self._forget(item.touched, op_err)
-                item.pending._fail(lost)
+                item.pending.set_error(lost)
                 failed = failed or lost
                 continue
             kind = item.op.WhichOneof("op")
@@ -1004,7 +1004,7 @@ class RemoteKVCacheManager:
                 # A queued free did not happen and nobody waits to see it: free the
                 # request now, or its blocks stay held by a request the client forgot.
                 self._free_now(item.op.free.request_id)
-            item.pending._fail(op_err)
+            item.pending.set_error(op_err)
             if item.deferred and failed is None:
                 failed = op_err
         if any(r.status_code for r in resp.results):
@@ -1026,7 +1026,7 @@ class RemoteKVCacheManager:
         for k, ledger, promise in run.promises:  # the ledger it was made in (a newer one ignores it)
             ledger.named(promise, run.ids_of(k))
         self.tracker.commit_marks(run.rids, run.marks)
-        run.item.pending._set(run)
+        run.item.pending.set_result(run)
         return True
 
     def _new_ledger(self) -> BlockLedger | None:
@@ -1038,7 +1038,7 @@ class RemoteKVCacheManager:
         relied on it go too."""
         if self._ledger is not None:
             logger.info("block ledger of session %s rebuilt at the next allocation: %s", self.session_id, why)
-            self._clear_hints()
+            self.clear_hints()
         self._ledger = None
         self._free_exact = False
 
@@ -1049,7 +1049,7 @@ class RemoteKVCacheManager:
         rids = self.tracker.registered_ids()
         items = [self._ops.get_block_ids(rid) for rid in rids]
         ledger = BlockLedger(*self._ledger_shape)
-        self._send(items)  # a queued call's failure (or a lost session) is the caller's to hear
+        self.send_items(items)  # a queued call's failure (or a lost session) is the caller's to hear
         try:
             for rid, item in zip(rids, items, strict=True):
                 table = item.pending.result()
@@ -1093,14 +1093,14 @@ class RemoteKVCacheManager:
     @staticmethod
     def _fail_all(items: list[Item], err: KVCoordError) -> None:
         for i in items:
-            i.pending._fail(err)
+            i.pending.set_error(err)
 
     # -- loss handling ------------------------------------------------------------------
     def _session_lost(self, err: KVCoordError) -> RequestsLostError:
         """Every tracked request is gone with the session: forget them and re-attach."""
         lost = self.tracker.clear()
         self.budget.clear()
-        self._clear_hints()
+        self.clear_hints()
         self._cached_hashes.clear()
         # the new session holds nothing: an empty ledger is exact
         self._ledger = self._new_ledger()
@@ -1151,7 +1151,7 @@ class RemoteKVCacheManager:
     def _forget(self, request_ids: Sequence[str], err: KVCoordError) -> RequestsLostError:
         """These requests' server state is unknown: free them there (best effort) and here."""
         lost = self.tracker.forget(request_ids, lost=True)
-        self._clear_hints()
+        self.clear_hints()
         for rid in lost:
             self._cached_hashes.pop(rid, None)  # what the server caches for them is unknown
         if self._ledger is not None:

@@ -1,45 +1,41 @@
-"""vLLM's KVCacheManager methods answered at once from a replica of an exclusive pool.
+"""vLLM's KVCacheManager methods answered at once from a mirror of an exclusive pool.
 
 :class:`RemoteKVCacheManager` waits for the server whenever an answer needs it (a new
 request's blocks, a lookup no hint covers, events). This manager never does: its
-session is the pool's only one, the server gives it the pool's state when it attaches,
-and a :class:`~kvcoord.client.replica.PoolReplica` applies vLLM's rules to each call,
-so every answer is known in the client. The calls still go to the server, in order,
-as one Step per scheduler step sent from a background thread without waiting; the
-server applies them (it stays the pool's owner: journal, metrics, events for others)
-and checks what it can (hits answered ahead, promised allocations and refusals), and
-this manager compares the rest (every new block id, free count, event and statistic)
-when the answer comes. Events are compared unless the answer says ``events_gap``: the
-server's event buffer wrapped (an eviction larger than it) and it kept only the newest,
-so they are not comparable; that is no difference, and the rest is still compared.
+session is the pool's only one, the server gives it the pool's engine state when it
+attaches, and a :class:`~kvcoord.client.mirror.Mirror` (the engine itself, loaded
+from that state) applies each call, so every answer is known in the client, for every
+layout the engine knows. The calls still go to the server, in order, as one Step per
+scheduler step sent from a background thread without waiting; the server applies
+them (it stays the pool's owner: journal, metrics, events for others) and checks what
+it can (hits answered ahead, promised allocations and refusals), and this manager
+compares the rest (every new block id, free count, event and statistic) when the
+answer comes. Events are compared unless the answer says ``events_gap``: the server's
+event buffer wrapped (an eviction larger than it) and it kept only the newest, so they
+are not comparable; that is no difference, and the rest is still compared.
 
 A difference, a failed Step, a lost session or a lease the client cannot vouch for is
 never absorbed: the next call raises :class:`RequestsLostError` naming every request
 the session held (the manager ends the session, so the server frees them, and
 attaches again with a fresh state). Until then, the worker used block ids from a
-replica that is consistent by construction (it never gives a held block to a second
+mirror that is consistent by construction (it never gives a held block to a second
 request); what a difference shows is a server that disagrees with it, found at most
 ``max_backlog`` scheduler steps later.
 
-The layout is the server's to allow (``AttachResponse.pool_state``): one full-attention
-group whose block size is the hash block size, without EAGLE, caching under no tenant
-namespace. Calls outside vLLM's plain scheduler path (KV connectors' external tokens and delayed
-caching, encoder inputs) raise :class:`InvalidArgumentError`: use
-:class:`RemoteKVCacheManager` for them.
+A pool is refused (:class:`FailedPreconditionError`, naming why) only when the server
+gives no engine state or its engine's rules fingerprint differs from this client's
+(another kvcoord release on one side): then the answers could differ, so the caller
+runs without prediction.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import itertools
 import logging
-import time
 from collections.abc import Iterable
 from typing import Any
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import events_message_digest
 
 from .batch import KVCacheBlockIds
 from .client import KVCoordClient
@@ -48,41 +44,16 @@ from .errors import (
     InvalidArgumentError,
     KVCoordError,
     RequestsLostError,
-    error_from_code,
-    status_code,
 )
 from .hashing import pool_seed
-from .replica import PoolReplica, ReplicaRefusal
+from .mirror import BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
+from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper
 from .tracking import RequestTracker
 
 __all__ = ["PredictingKVCacheManager", "PredictionMismatchError"]
 
 logger = logging.getLogger(__name__)
-
-
-class PredictionMismatchError(KVCoordError):
-    """The server's answer differs from the replica's (the cause of a RequestsLostError)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(grpc.StatusCode.INTERNAL, message, "PREDICTION_FAILED")
-
-
-class _Sent:
-    """One Step's operations (written in place into its request) and what the replica
-    says their answers are."""
-
-    __slots__ = ("events", "expected", "num_free_blocks", "request", "size", "stats")
-
-    def __init__(self) -> None:
-        self.request = pb.StepRequest(include_state=True, events_digest=True)
-        #: about how many bytes the request holds (an upper bound for its tokens and hashes)
-        self.size = 0
-        #: per op: its new block ids (allocate), its Run and each entry's ids, or None
-        self.expected: list[Any] = []
-        self.num_free_blocks = 0
-        self.events = pb.StepResponse()
-        self.stats = pb.PrefixCacheStats()
 
 
 class PredictingKVCacheManager:
@@ -101,7 +72,7 @@ class PredictingKVCacheManager:
 
     Raises:
         FailedPreconditionError: the pool has another session, or the server gives no
-            state for it (the reason is in the message).
+            state this client can mirror (the reason is in the message).
         RandomSeedError: caching is on and no seed is known.
     """
 
@@ -123,76 +94,88 @@ class PredictingKVCacheManager:
         seed, none = pool_seed(cfg, hash_seed)
         self.tracker = RequestTracker(cfg, none)
         self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
-        self.max_backlog = max(0, max_backlog)
-        #: a Step gathering more than this many bytes is sent as soon as the one in
-        #: flight is answered (well under the server's max_message_bytes, 16 MiB by default)
-        self.max_step_bytes = 4 << 20
-        self._state: pb.PoolState | None = None
-
-        def attach() -> pb.AttachResponse:
-            response = client.attach(
-                pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds, True, True
-            )
-            if not response.HasField("pool_state"):
-                try:
-                    client.detach(response.session_id, response.fence)
-                finally:
-                    raise FailedPreconditionError(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"pool {pool!r} cannot be predicted: {response.pool_state_unavailable}",
-                    )
-            self._state = response.pool_state
-            return response
-
-        self.keeper = SessionKeeper(client, attach, renew=renew)
-        self.replica = self._new_replica()
-        self._pending = _Sent()
-        self._run: _Run | None = None
-        self._sender = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-predict")
-        self._in_flight: concurrent.futures.Future[None] | None = None
-        self._backlog = 0
-        #: why the replica can no longer be trusted, until the next call reports it
-        #: (set by the sender thread), and the requests lost since the last report
-        self._failure: KVCoordError | None = None
+        self.enable_caching = cfg.enable_caching
+        self._attach_args = (pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds)
+        self._mirror: Mirror | None = None
+        self.keeper = SessionKeeper(client, self._attach, renew=renew)
+        self.mirror: Mirror = self._loaded()
+        self.sender = StepSender(client, pool, self.keeper, compare_events=cfg.enable_kv_cache_events,
+                                 compare_stats=self.log_stats, max_backlog=max_backlog)  # fmt: skip
+        #: the requests lost since the last report, stale hits, requests lost in all
         self._lost: list[str] = []
-        #: Steps sent, the seconds the caller waited for answers, and stale hits
-        self.steps_sent = 0
-        self.waited_seconds = 0.0
         self.stale_hits = 0
         self.lost_requests = 0
-        #: answers whose events were not comparable (the server's event buffer wrapped)
-        self.events_gaps = 0
         #: what RemoteKVCacheManager uses for lookup hints (KVCoordScheduler sets it);
-        #: not needed here: every lookup is answered from the replica
+        #: not needed here: every lookup is answered from the mirror
         self.upcoming: Any = None
 
-    def _new_replica(self) -> PoolReplica:
-        assert self._state is not None
-        replica = PoolReplica(self.config, self._state, _lora)
-        self._state = None
-        return replica
+    def _attach(self) -> pb.AttachResponse:
+        """Attach exclusively and load the mirror from the answer's engine state.
+
+        Raises:
+            FailedPreconditionError: no state this client can mirror (the session made
+                is ended first).
+        """
+        client, cfg = self.client, self.config
+        response = client.attach(*self._attach_args, True, True, want_engine_state=True)
+        why = response.pool_state_unavailable or "the server sent no pool state"
+        if response.HasField("pool_state"):
+            try:
+                self._mirror = Mirror(cfg, response.pool_state)
+            except MirrorUnavailableError as err:
+                why = str(err)
+            else:
+                return response
+        try:
+            client.detach(response.session_id, response.fence)
+        finally:
+            raise FailedPreconditionError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"pool {self.pool!r} cannot be predicted: {why}"
+            )
+
+    def _loaded(self) -> Mirror:
+        """The mirror the last Attach loaded."""
+        mirror, self._mirror = self._mirror, None
+        assert mirror is not None, "attached without a mirror"
+        return mirror
 
     @property
     def session_id(self) -> str:
         return self.keeper.session_id
 
+    @property
+    def steps_sent(self) -> int:
+        return self.sender.steps_sent
+
+    @property
+    def waited_seconds(self) -> float:
+        return self.sender.waited_seconds
+
+    @property
+    def events_gaps(self) -> int:
+        return self.sender.events_gaps
+
     # -- KVCacheManager interface ------------------------------------------------------------
     def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlockIds, int]:
         """The longest prefix hit, answered now (the server checks it)."""
         self._settled()
-        if not self.config.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
-            return KVCacheBlockIds(([],)), 0
-        lookup = self._op().lookup
+        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+            return KVCacheBlockIds(tuple([] for _ in self.config.groups)), 0
+        rid = request.request_id
+        mark = self.tracker.mark(rid)
+        lookup = self.sender.op().lookup
         self._synced(request, lookup.request)
-        hit = self.replica.lookup(
-            self.tracker.hashes(request),
-            len(request.all_token_ids),
-            int(getattr(request, "num_preemptions", 0)) > 0,
-        )
-        num_tokens = len(hit) * self.replica.block_size
-        lookup.answered.groups.add().block_ids.extend(hit)
-        lookup.answered.num_tokens = num_tokens
-        return KVCacheBlockIds((hit,)), num_tokens
+        try:
+            self.mirror.sync(lookup.request)
+        except BaseException:
+            self._take_back(rid, mark)
+            raise
+        block_ids, num_tokens = self.mirror.lookup(rid)
+        answered = lookup.answered
+        for group in block_ids:
+            answered.groups.add().block_ids.extend(group)
+        answered.num_tokens = num_tokens
+        return KVCacheBlockIds(tuple([list(g) for g in block_ids])), num_tokens
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
@@ -201,106 +184,118 @@ class PredictingKVCacheManager:
         """New block ids, or ``None`` when the pool has too few free blocks, answered now
         (with ``return_table``, the answer's ``table`` is the request's whole table)."""
         keeper = self.keeper
-        computed = request.num_computed_tokens
-        replica = self.replica
         if (
             not (
                 num_new_computed_tokens
                 or num_external_computed_tokens
                 or delay_cache_blocks
                 or num_encoder_tokens
-            )
-            and self._failure is None
+            )  # fmt: skip
+            and self.sender.failure is None
             and keeper.lost is None
             and keeper.clock() < keeper.valid_until
             and type(num_new_tokens) is int
-            and type(computed) is int
             and 0 < num_new_tokens
-            and computed + num_new_tokens <= replica.max_model_len
             and type(num_lookahead_tokens) is int
             and num_lookahead_tokens >= 0
         ):
-            # A registered request without a hit (decode above all): an entry of the
-            # Step's run of allocations, in columns.
-            fields = self.tracker.sync_run(request)
-            if fields is not None:
-                rid = request.request_id
-                tokens = request.all_token_ids
-                new = replica.grow(rid, computed, num_new_tokens, num_lookahead_tokens, tokens,
-                                   getattr(request, "block_hashes", None) or self.tracker.hashes(request), request)  # fmt: skip
+            new = self._allocate_registered(request, num_new_tokens, num_lookahead_tokens)
+            if new is not _UNREGISTERED:
                 if new is None:
-                    _refusal(self._op().allocate, rid, fields, num_new_tokens, num_lookahead_tokens)
-                    self._pending.size += 5 * len(fields[2]) + 34 * len(fields[3])
                     return None
-                run = self._run
-                if run is None:
-                    run = self._run = _Run()
-                run.entries.append((rid, *fields, num_new_tokens, num_lookahead_tokens))
-                run.ids.append(new)
+                assert isinstance(new, tuple)
+                ids = KVCacheBlockIds(tuple([list(g) for g in new]))
                 if return_table:
-                    return KVCacheBlockIds((new,), table=(list(replica.tables[rid]),))
-                return KVCacheBlockIds((new,))
-        if num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens:
-            raise InvalidArgumentError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                "PredictingKVCacheManager answers the plain scheduler path only: KV connector, delayed "
-                "caching and encoder tokens need RemoteKVCacheManager",
-            )
-        if self._failure is not None:
+                    ids = KVCacheBlockIds(ids.block_ids, table=self.mirror.table(request.request_id))
+                return ids
+        if self.sender.failure is not None:
             self._settled()
         if keeper.lost is not None or keeper.clock() >= keeper.valid_until:
             self._vouch()
-        new_ids = self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                                 num_lookahead_tokens)  # fmt: skip
-        if new_ids is not None and return_table:
-            return KVCacheBlockIds(new_ids.block_ids, table=(list(replica.tables[request.request_id]),))
-        return new_ids
+        got = self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                             num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                             num_encoder_tokens)  # fmt: skip
+        if got is None:
+            return None
+        ids = KVCacheBlockIds(tuple([list(g) for g in got]))
+        if return_table:
+            ids = KVCacheBlockIds(ids.block_ids, table=self.mirror.table(request.request_id))
+        return ids
 
-    def _allocate(
-        self,
-        request: Any,
-        num_new_tokens: int,
-        num_new_computed_tokens: int,
-        new_computed_blocks: KVCacheBlockIds | None,
-        num_lookahead_tokens: int,
-    ) -> KVCacheBlockIds | None:
-        """allocate_slots for a new request, a hit, or bad input."""
-        rid = request.request_id
-        replica, tracker = self.replica, self.tracker
-        hit = list(new_computed_blocks.block_ids[0]) if new_computed_blocks is not None else []
-        if not num_new_computed_tokens:
-            hit = []
-        computed = int(request.num_computed_tokens)
+    def _allocate_registered(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int) -> object:
+        """A registered request's allocation without a hit (decode above all), as an
+        entry of the Step's run of allocations; ``_UNREGISTERED`` for a request the
+        server does not hold yet (it needs a full sync)."""
+        tracker, rid = self.tracker, request.request_id
+        mark = tracker.mark(rid)
+        fields = tracker.sync_run(request)
+        if fields is None:
+            return _UNREGISTERED
+        base_t, base_h, tokens, hashes, computed = fields
+        mirror = self.mirror
         try:
-            for name, value in (("num_new_tokens", num_new_tokens), ("num_new_computed_tokens", num_new_computed_tokens),
-                                ("num_lookahead_tokens", num_lookahead_tokens)):  # fmt: skip
-                if type(value) is not int or value < 0:
-                    raise ReplicaRefusal(f"{name} must be a non-negative integer")
-            fresh = replica.check(rid, computed, num_new_computed_tokens, num_new_tokens, hit,
-                                  tracker.hashes(request) if rid in tracker else ())  # fmt: skip
-        except ReplicaRefusal as err:
-            raise InvalidArgumentError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-        if not fresh:
-            self.stale_hits += 1
-            return None  # as the server answers a stale hit: refused, nothing changed
-        a = self._op().allocate
+            new = mirror.grow(rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens)
+        except BaseException:
+            tracker.restore({rid: mark})
+            raise
+        entry = (rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens)
+        if new is None:
+            self.sender.refuse(entry)
+            return None
+        self.sender.add_to_run(entry, new)
+        return new
+
+    def _allocate(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
+                  new_computed_blocks: KVCacheBlockIds | None, num_lookahead_tokens: int,
+                  num_external_computed_tokens: int, delay_cache_blocks: bool,
+                  num_encoder_tokens: int) -> BlockIds | None:  # fmt: skip
+        """allocate_slots for a new request, a hit, a KV connector's or encoder's tokens,
+        or bad input (the mirror's engine names it, and nothing is sent)."""
+        rid = request.request_id
+        hit: tuple[tuple[int, ...], ...] | None = None
+        if new_computed_blocks is not None and num_new_computed_tokens:
+            hit = tuple(tuple(g) for g in new_computed_blocks.block_ids)
+        tracker, mirror = self.tracker, self.mirror
+        mark = tracker.mark(rid)
+        a = self.sender.op().allocate
         self._synced(request, a.request)
+        try:
+            undo = mirror.sync(a.request)
+        except BaseException:
+            self._take_back(rid, mark)
+            raise
         a.num_new_tokens = num_new_tokens
         a.num_lookahead_tokens = num_lookahead_tokens
-        if hit:
+        a.num_external_computed_tokens = num_external_computed_tokens
+        a.delay_cache_blocks = delay_cache_blocks
+        a.num_encoder_tokens = num_encoder_tokens
+        if hit is not None:
             a.num_new_computed_tokens = num_new_computed_tokens
-            a.new_computed_blocks.groups.add().block_ids.extend(hit)
+            for group in hit:
+                a.new_computed_blocks.groups.add().block_ids.extend(group)
             a.new_computed_blocks.num_tokens = num_new_computed_tokens
-        new = replica.allocate(
-            rid, computed, num_new_computed_tokens, num_new_tokens, hit, num_lookahead_tokens,
-            request.all_token_ids, tracker.hashes(request), request,
-        )  # fmt: skip
+        try:
+            new = mirror.allocate(
+                rid, num_new_tokens, num_new_computed_tokens if hit is not None else 0,
+                hit, num_lookahead_tokens,
+                num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
+            )  # fmt: skip
+        except StaleCacheHitError:
+            # as the server answers a stale hit: refused, nothing changed (its sync undone)
+            undo()
+            self._take_back(rid, mark)
+            self.stale_hits += 1
+            return None
+        except BaseException:
+            undo()
+            self._take_back(rid, mark)
+            raise
         if new is None:
             a.must_refuse = True
             return None
         a.must_succeed = True
-        self._pending.expected[-1] = new
-        return KVCacheBlockIds((new,))
+        self.sender.expect("new", new)
+        return new
 
     def free(self, request: Any) -> None:
         """Free the request's blocks (sent with the next Step)."""
@@ -308,48 +303,60 @@ class PredictingKVCacheManager:
         self.tracker.lost.discard(rid)  # a lost request the scheduler frees is settled
         if rid not in self.tracker:
             return  # never sent (or lost with its session): nothing to free
-        self.replica.free(rid)
+        if self.mirror.holds(rid):
+            self.mirror.free(rid)
         self.tracker.forget([rid])
-        self._op().free.request_id = rid
+        self.sender.op().free.request_id = rid
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block table (empty for a request that holds none)."""
-        return (list(self.replica.tables.get(request_id, ())),)
+        """The request's block table per group (empty for a request that holds none)."""
+        return self.mirror.table(request_id)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
-        """Nothing: full attention needs every block of the prefix (nothing to send)."""
+        """Free the blocks attention no longer reads (sliding window, chunked local,
+        mamba); nothing is sent when the engine would free none."""
+        self._settled()
+        mirror = self.mirror
+        if request_id not in self.tracker or not mirror.holds(request_id):
+            return
+        if not mirror.skips_blocks(request_id, total_computed_tokens):
+            return
+        mirror.call("remove_skipped_blocks", request_id, total_computed_tokens)
+        op = self.sender.op().remove_skipped_blocks
+        op.request.CopyFrom(self.tracker.position(request_id))
+        op.total_computed_tokens = total_computed_tokens
 
     def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
-        """The request's leading blocks shared by every request holding blocks."""
+        """Per group, the request's leading blocks shared by every request holding blocks."""
         self._settled()
-        if request_id not in self.tracker:
+        if request_id not in self.tracker or not self.mirror.holds(request_id):
             raise InvalidArgumentError(
                 grpc.StatusCode.INVALID_ARGUMENT, f"request {request_id!r} is not in this pool"
             )
-        n = self.replica.common_prefix(request_id)
-        self._op().common_prefix.request_id = request_id
-        self._pending.expected[-1] = ("common_prefix", n)
-        return [n]
+        n = list(self.mirror.call("get_num_common_prefix_blocks", request_id))
+        self.sender.op().common_prefix.request_id = request_id
+        self.sender.expect("common_prefix", n)
+        return n
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the cached hash of each block, in the caller's order."""
         self._settled()
         ids = [int(b) for b in block_ids]
-        self.replica.evict(ids)
-        self._op().evict_blocks.block_ids.extend(ids)
+        self.mirror.call("evict_blocks", ids)
+        self.sender.op().evict_blocks.block_ids.extend(ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; False (nothing changed) while any block is held."""
         self._settled()
-        done = self.replica.reset()
-        self._op().reset_prefix_cache.SetInParent()
-        self._pending.expected[-1] = ("reset", done)
+        done = bool(self.mirror.call("reset_prefix_cache"))
+        self.sender.op().reset_prefix_cache.SetInParent()
+        self.sender.expect("reset", done)
         return done
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         """Cache the request's blocks full within ``num_computed_tokens`` (vLLM's
         AsyncScheduler calls it every step; nothing is sent when no block became full)."""
-        if not self.config.enable_caching:
+        if not self.enable_caching:
             return
         self._settled()
         if not 0 <= num_computed_tokens <= len(request.all_token_ids):
@@ -358,46 +365,50 @@ class PredictingKVCacheManager:
                 f"num_computed_tokens {num_computed_tokens} is past the request's {len(request.all_token_ids)} tokens",
             )
         rid = request.request_id
-        if rid not in self.tracker or not self.replica.caches(rid, num_computed_tokens):
+        mirror = self.mirror
+        if (
+            rid not in self.tracker
+            or not mirror.holds(rid)
+            or not mirror.caches_more(rid, num_computed_tokens)
+        ):
             return
-        full = num_computed_tokens // self.replica.block_size
-        if full > len(self.replica.tables.get(rid, ())):
-            raise InvalidArgumentError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request {rid!r}: {num_computed_tokens} tokens need {full} blocks, it holds "
-                f"{len(self.replica.tables.get(rid, ()))}",
-            )
-        op = self._op().cache_blocks
+        mark = self.tracker.mark(rid)
+        op = self.sender.op().cache_blocks
         self._synced(request, op.request)
         op.num_computed_tokens = num_computed_tokens
-        self.replica.cache(
-            rid, num_computed_tokens, request.all_token_ids, self.tracker.hashes(request), request
-        )
+        try:
+            undo = mirror.sync(op.request)
+        except BaseException:
+            self._take_back(rid, mark)
+            raise
+        try:
+            mirror.call("cache_blocks", rid, num_computed_tokens)
+        except BaseException:
+            undo()
+            self._take_back(rid, mark)
+            raise
 
     def peek_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
         """What make_prefix_cache_stats would return, without resetting it."""
         if not self.log_stats:
             return None
-        copy = pb.PrefixCacheStats()
-        copy.CopyFrom(self.replica.stats)
-        return copy
+        return self.mirror.peek_stats()
 
     @property
     def usage(self) -> float:
-        return self.replica.usage
+        return self.mirror.usage
 
     def take_events(self) -> list[pb.KVEvent]:
         """The pool's KV events since the previous call; ends a scheduler step (its
         calls go to the server, or join the next Step while one is in flight)."""
         self._cut()
-        events, self.replica.events = self.replica.events, []
-        return events
+        return self.mirror.take_events()
 
     def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
         """This session's prefix-cache statistics since the previous call."""
         if not self.log_stats:
             return None
-        return self.replica.take_stats()
+        return self.mirror.take_stats()
 
     def flush(self) -> None:
         """Send every call and wait until the server confirmed every answer.
@@ -406,7 +417,7 @@ class PredictingKVCacheManager:
             RequestsLostError: an answer differed or a Step failed.
         """
         self._cut(wait=True)
-        self._settle()
+        self.sender.settle()
         self._settled()
 
     def close(self) -> None:
@@ -414,7 +425,7 @@ class PredictingKVCacheManager:
         try:
             self.flush()
         finally:
-            self._sender.shutdown(wait=True)
+            self.sender.close()
             self.keeper.close()
             try:
                 self.client.detach(self.session_id, self.keeper.fence)
@@ -429,133 +440,27 @@ class PredictingKVCacheManager:
         try:
             self.tracker.sync(request, into)
         except BaseException:
-            del self._pending.request.ops[-1]
-            self._pending.expected.pop()
+            self.sender.take_back()
             raise
-        self._pending.size += 5 * len(into.append_token_ids) + 34 * len(into.append_block_hashes)
+        self.sender.grew(into)
 
-    def _op(self) -> pb.Operation:
-        """The next operation of the Step being gathered (what its answer must be, if
-        anything, goes to ``expected[-1]``)."""
-        self._close_run()
-        pending = self._pending
-        pending.expected.append(None)
-        pending.size += 32
-        return pending.request.ops.add()
-
-    def _close_run(self) -> None:
-        run = self._run
-        if run is not None:
-            pending = self._pending
-            pending.size += run.write(pending.request.ops.add().allocate_run)
-            pending.expected.append(run)
-            self._run = None
+    def _take_back(self, request_id: str, mark: tuple[int, int, int, bool] | None) -> None:
+        """Take back the operation just begun (the mirror refused it): nothing of it is
+        sent, and the request's position is where it was before it."""
+        self.sender.take_back()
+        self.tracker.restore({request_id: mark})
 
     def _cut(self, wait: bool = False) -> None:
-        """End a scheduler step: send its calls unless a Step is in flight and the
-        backlog allows them to wait."""
-        self._close_run()
-        if not self._pending.request.ops:
-            self._settled()
-            return
-        in_flight = self._in_flight
-        if in_flight is not None:
-            if (
-                not wait
-                and not in_flight.done()
-                and self._backlog < self.max_backlog
-                and self._pending.size < self.max_step_bytes
-            ):
-                self._backlog += 1
-                return
-            self._settle()
+        """End a scheduler step: its calls go to the server (or join the next Step
+        while one is in flight); a failure found meanwhile is reported."""
+        self.sender.cut(self._step_state, wait)
         self._settled()
-        self._send()
 
-    def _send(self) -> None:
-        sent = self._pending
-        self._pending = _Sent()
-        replica = self.replica
-        sent.num_free_blocks = replica.num_free_blocks
-        sent.events, sent.stats = replica.take_step()
-        self._backlog = 0
-        self.steps_sent += 1
-        request = sent.request
-        request.pool = self.pool
-        request.session_id = self.keeper.session_id
-        request.fence.CopyFrom(self.keeper.fence)
-        self._in_flight = self._sender.submit(self._step, sent)
-
-    def _step(self, sent: _Sent) -> None:
-        """On the sender thread: one Step, its answer compared with the replica's; a
-        failure is kept for the caller's next call to report."""
-        try:
-            self._checked_step(sent)
-        except KVCoordError as err:
-            self._failure = self._failure or err
-        except Exception as err:  # noqa: BLE001 - anything unexpected is a failure too
-            self._failure = self._failure or KVCoordError(grpc.StatusCode.INTERNAL, repr(err))
-
-    def _checked_step(self, sent: _Sent) -> None:
-        keeper = self.keeper
-        at = keeper.clock()
-        resp = self.client.send_step(sent.request)
-        keeper.renewed(at)
-        keeper.adopt(resp.fence)
-        for i, (result, expected) in enumerate(zip(resp.results, sent.expected, strict=True)):
-            if result.status_code:
-                reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
-                raise error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
-            if expected is None:
-                continue
-            if isinstance(expected, _Run):
-                if not expected.matches(result.allocate_run):
-                    raise PredictionMismatchError(f"operation {i}: the server's run of allocations differs")
-            elif isinstance(expected, tuple):
-                kind, value = expected
-                if kind == "reset":
-                    agrees = bool(result.reset_prefix_cache.result) == value
-                else:
-                    agrees = list(result.common_prefix.num_blocks) == [value]
-                if not agrees:
-                    raise PredictionMismatchError(f"operation {i} ({kind}): the server answered otherwise")
-            elif [list(g.block_ids) for g in result.allocate.new_block_ids] != [expected]:
-                raise PredictionMismatchError(
-                    f"operation {i}: the server gave {[list(g.block_ids) for g in result.allocate.new_block_ids]}"
-                    f", the replica {expected}"
-                )
-        if resp.num_free_blocks != sent.num_free_blocks:
-            raise PredictionMismatchError(
-                f"the server has {resp.num_free_blocks} free blocks, the replica {sent.num_free_blocks}"
-            )
-        if self.config.enable_kv_cache_events:
-            if resp.events_gap:
-                # The server's event buffer wrapped before this Step's events were taken
-                # (an eviction larger than its event_buffer): it digested only the events
-                # it still kept, so the digest cannot be compared with the replica's whole
-                # list. That is no disagreement: the block ids, free count and statistics
-                # above and below are still compared, and the engine publishes the
-                # replica's events, which are complete.
-                self.events_gaps += 1
-                logger.info(
-                    "predicted pool %r: the server's event buffer wrapped during a Step; its events "
-                    "were not compared (everything else was)", self.pool,
-                )  # fmt: skip
-            elif resp.events_sha256 != events_message_digest(sent.events):
-                raise PredictionMismatchError("the server's KV events differ from the replica's")
-        if self.log_stats and resp.prefix_cache_stats != sent.stats:
-            raise PredictionMismatchError(
-                f"the server's prefix-cache statistics differ from the replica's: {resp.prefix_cache_stats} "
-                f"against {sent.stats}"
-            )
-
-    def _settle(self) -> None:
-        """Wait for the Step in flight (its failure, if any, is in ``_failure``)."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            t0 = time.perf_counter()
-            in_flight.result()
-            self.waited_seconds += time.perf_counter() - t0
+    def _step_state(self) -> tuple[int, pb.StepResponse, pb.PrefixCacheStats]:
+        """What the answer to the Step sent now must say: the mirror's free count,
+        events and statistics."""
+        events, stats = self.mirror.take_step()
+        return self.mirror.num_free_blocks, events, stats
 
     def _settled(self) -> None:
         """Report a failure: every request is lost, and the session starts again from
@@ -566,26 +471,24 @@ class PredictingKVCacheManager:
             KVCoordError: the server cannot be reached to start again (the next call
                 tries again).
         """
-        failure = self._failure
+        sender = self.sender
+        failure = sender.failure
         if failure is None:
             return
-        self._settle()
+        sender.settle()
         gone = self.tracker.clear()
         if gone:
             logger.warning("predicted pool %r: %s; %d request(s) lost", self.pool, failure, len(gone))
         self._lost.extend(gone)
-        self._pending = _Sent()
-        self._run = None
-        self._backlog = 0
-        self.replica.tables.clear()  # nothing is held any more (the replica is replaced below)
+        sender.discard()
         if self.keeper.session_id:
             try:
                 self.client.detach(self.keeper.session_id, self.keeper.fence)
             except KVCoordError:
                 pass  # gone already (or unreachable: its lease ends it)
         self.keeper.attach()
-        self.replica = self._new_replica()
-        lost, self._lost, self._failure = self._lost, [], None
+        self.mirror = self._loaded()  # from the new session's state
+        lost, self._lost, sender.failure = self._lost, [], None
         self.lost_requests += len(lost)
         raise RequestsLostError(lost, failure)
 
@@ -594,74 +497,13 @@ class PredictingKVCacheManager:
         could be given these blocks)."""
         keeper = self.keeper
         if keeper.lost is not None or keeper.clock() >= keeper.valid_until:
-            self._settle()  # the answer in flight renews the lease
+            self.sender.settle()  # the answer in flight renews the lease
             try:
                 keeper.vouch()
             except KVCoordError as err:
-                self._failure = self._failure or err
+                self.sender.failure = self.sender.failure or err
             self._settled()
 
 
-def _lora(request: Any) -> tuple[int, str] | None:
-    """The request's LoRA adapter (id, name), as its registration sends it."""
-    lora = getattr(request, "lora_request", None)
-    if lora is None:
-        return None
-    return (
-        int(getattr(lora, "lora_int_id", getattr(lora, "adapter_id", 0))),
-        str(getattr(lora, "lora_name", getattr(lora, "name", ""))),
-    )
-
-
-def _refusal(
-    a: pb.AllocateOp, request_id: str, fields: tuple[int, int, Any, Any, int], num_new_tokens: int,
-    num_lookahead_tokens: int,
-) -> None:  # fmt: skip
-    """Write a refused allocation of a registered request into ``a``, with its sync
-    (``sync_run``'s fields), for the server to confirm."""
-    base_t, base_h, tokens, hashes, computed = fields
-    sync = a.request
-    sync.request_id = request_id
-    sync.base_num_tokens, sync.base_num_hashes = base_t, base_h
-    sync.append_token_ids.extend(tokens)
-    sync.append_block_hashes.extend([bytes(h) for h in hashes])
-    sync.num_computed_tokens = computed
-    a.num_new_tokens = num_new_tokens
-    a.num_lookahead_tokens = num_lookahead_tokens
-    a.must_refuse = True
-
-
-class _Run:
-    """A Step's allocations of registered requests without a hit: their entries
-    (``sync_run``'s fields, then the new token and lookahead counts) and the block ids
-    the replica gave them, turned into one AllocateRunOp's columns when sent."""
-
-    __slots__ = ("entries", "ids")
-
-    def __init__(self) -> None:
-        self.entries: list[tuple[Any, ...]] = []
-        #: each entry's new block ids, in entry order
-        self.ids: list[list[int]] = []
-
-    def write(self, op: pb.AllocateRunOp) -> int:
-        """The entries as ``op``'s columns; about how many bytes they take (at most)."""
-        rids, base_t, base_h, tokens, hashes, computed, new, look = zip(*self.entries, strict=True)
-        num_tokens = [len(t) for t in tokens]
-        num_hashes = [len(h) for h in hashes]
-        op.request_ids.extend(rids)
-        op.base_num_tokens.extend(base_t)
-        op.base_num_hashes.extend(base_h)
-        op.num_computed_tokens.extend(computed)
-        op.num_new_tokens.extend(new)
-        op.num_lookahead_tokens.extend(look)
-        op.num_append_tokens.extend(num_tokens)
-        op.append_token_ids.extend(itertools.chain.from_iterable(tokens))
-        op.num_append_hashes.extend(num_hashes)
-        op.append_block_hashes.extend(itertools.chain.from_iterable(hashes))
-        return 32 * len(rids) + 5 * sum(num_tokens) + 34 * sum(num_hashes)
-
-    def matches(self, answer: pb.AllocateRunResult) -> bool:
-        """Whether the server's answer gives each entry the replica's blocks."""
-        return list(answer.num_new_blocks) == [len(i) for i in self.ids] and list(
-            answer.new_block_ids
-        ) == list(itertools.chain.from_iterable(self.ids))
+#: what ``_allocate_registered`` answers for a request the server does not hold yet
+_UNREGISTERED = object()

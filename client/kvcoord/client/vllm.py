@@ -823,11 +823,12 @@ class Settings:
         exclusive: the engine is the pool's only session (``KVCOORD_EXCLUSIVE``, default
             ``1``): allocations it can prove will succeed are answered without a round
             trip; ``0`` lets several engines share the pool (one round trip per call).
-        predict: answer every call from a replica of the pool and never wait
-            (``KVCOORD_PREDICT``, default ``0``; needs ``exclusive``): a
-            :class:`PredictingKVCacheManager`, for a pool of one full-attention group
-            without EAGLE or a KV connector; otherwise a warning, and the engine runs
-            as without it (as ``exclusive`` says).
+        predict: answer every call from a mirror of the pool (the engine itself, loaded
+            from the server) and never wait (``KVCOORD_PREDICT``, default ``1``; needs
+            ``exclusive``): a :class:`PredictingKVCacheManager`, for every layout. When
+            the server gives no state this client can mirror (an engine of another
+            kvcoord release, a state larger than one answer), a warning says why and
+            the engine runs as without it (as ``exclusive`` says).
         max_outage: seconds the scheduler keeps trying again while the server cannot be
             reached, is in its grace period or has lost the pool
             (``KVCOORD_MAX_OUTAGE``, default 600); then the error reaches vLLM.
@@ -840,7 +841,7 @@ class Settings:
     timeout: float = 10.0
     client_name: str = ""
     exclusive: bool = True
-    predict: bool = False
+    predict: bool = True
     max_outage: float = 600.0
 
     @classmethod
@@ -857,22 +858,9 @@ class Settings:
             timeout=float(e.get("KVCOORD_TIMEOUT", "10")),
             client_name=e.get("KVCOORD_CLIENT_NAME", "") or f"{os.uname().nodename}:{os.getpid()}",
             exclusive=e.get("KVCOORD_EXCLUSIVE", "1").lower() not in ("0", "false", "no"),
-            predict=e.get("KVCOORD_PREDICT", "0").lower() not in ("0", "false", "no", ""),
+            predict=e.get("KVCOORD_PREDICT", "1").lower() not in ("0", "false", "no", ""),
             max_outage=float(e.get("KVCOORD_MAX_OUTAGE", "600")),
         )
-
-
-def _unpredictable(settings: Settings, config: pb.PoolConfig, vllm_config: Any) -> str | None:
-    """Why an engine's pool cannot run on a PredictingKVCacheManager (None: it can)."""
-    if not settings.exclusive:
-        return "KVCOORD_EXCLUSIVE is 0"
-    if [g.WhichOneof("spec") for g in config.groups] != ["full"] or config.groups[0].full.sink_len:
-        return "the pool is not one group of full attention without a sink"
-    if config.use_eagle:
-        return "EAGLE drafts"
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        return "a KV connector"
-    return None
 
 
 def connect(
@@ -918,8 +906,10 @@ def connect(
         if diffs:
             raise PoolMismatchError(settings.pool, diffs)
         remote: RemoteKVCacheManager | PredictingKVCacheManager | None = None
-        why = _unpredictable(settings, actual, vllm_config) if settings.predict else None
-        if settings.predict and why is None:
+        # Prediction needs the pool to itself: with KVCOORD_EXCLUSIVE=0 the engine shares
+        # it and waits for the server, as asked (no warning: nothing is missing).
+        why: str | None = None
+        if settings.predict and settings.exclusive:
             try:
                 remote = PredictingKVCacheManager(
                     c, settings.pool, hash_seed=expected.hash_seed, client_name=settings.client_name

@@ -229,7 +229,7 @@ class DeletePoolResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("pool", "hash_algo", "hash_block_size", "hash_seed", "client_name", "lease_seconds", "exclusive", "want_pool_state")
+    __slots__ = ("pool", "hash_algo", "hash_block_size", "hash_seed", "client_name", "lease_seconds", "exclusive", "want_pool_state", "want_engine_state")
     POOL_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class AttachRequest(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
     WANT_POOL_STATE_FIELD_NUMBER: _ClassVar[int]
+    WANT_ENGINE_STATE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     hash_algo: str
     hash_block_size: int
@@ -246,19 +247,28 @@ class AttachRequest(_message.Message):
     lease_seconds: float
     exclusive: bool
     want_pool_state: bool
-    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., exclusive: _Optional[bool] = ..., want_pool_state: _Optional[bool] = ...) -> None: ...
+    want_engine_state: bool
+    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., exclusive: _Optional[bool] = ..., want_pool_state: _Optional[bool] = ..., want_engine_state: _Optional[bool] = ...) -> None: ...
 
 class PoolState(_message.Message):
-    __slots__ = ("next_fresh", "used_free_blocks", "cached_block_ids", "cached_block_hashes")
+    __slots__ = ("next_fresh", "used_free_blocks", "cached_block_ids", "cached_block_hashes", "engine_state", "engine_state_version", "engine_rules", "cache_namespace")
     NEXT_FRESH_FIELD_NUMBER: _ClassVar[int]
     USED_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STATE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STATE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_RULES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     next_fresh: int
     used_free_blocks: _containers.RepeatedScalarFieldContainer[int]
     cached_block_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, next_fresh: _Optional[int] = ..., used_free_blocks: _Optional[_Iterable[int]] = ..., cached_block_ids: _Optional[_Iterable[int]] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    engine_state: bytes
+    engine_state_version: int
+    engine_rules: str
+    cache_namespace: str
+    def __init__(self, next_fresh: _Optional[int] = ..., used_free_blocks: _Optional[_Iterable[int]] = ..., cached_block_ids: _Optional[_Iterable[int]] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., engine_state: _Optional[bytes] = ..., engine_state_version: _Optional[int] = ..., engine_rules: _Optional[str] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
     __slots__ = ("pool", "session_id", "lease_seconds", "idempotency_window_seconds", "fence", "exclusive", "pool_state", "pool_state_unavailable")

@@ -21,6 +21,7 @@ from .events import (
     events_digest,
     events_from_pb,
     events_message_digest,
+    fill_event,
 )
 from .hashes import HASH_LENGTHS
 from .layouts import (
@@ -61,6 +62,7 @@ __all__ = [
     "events_digest",
     "events_from_pb",
     "events_message_digest",
+    "fill_event",
     "group_kinds",
     "hit_from_pb",
     "hit_to_pb",

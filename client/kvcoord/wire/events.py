@@ -19,6 +19,7 @@ __all__ = [
     "events_digest",
     "events_from_pb",
     "events_message_digest",
+    "fill_event",
 ]
 
 
@@ -27,16 +28,17 @@ def add_events(target: Any, events: Iterable[KVCacheEvent]) -> None:
     message built and then copied: a Step may carry hundreds of events)."""
     add = target.add
     for event in events:
-        _fill_event(add(), event)
+        fill_event(add(), event)
 
 
 def event_to_pb(event: KVCacheEvent) -> pb.KVEvent:
     message = pb.KVEvent()
-    _fill_event(message, event)
+    fill_event(message, event)
     return message
 
 
-def _fill_event(message: pb.KVEvent, event: KVCacheEvent) -> None:
+def fill_event(message: pb.KVEvent, event: KVCacheEvent) -> None:
+    """Make ``message`` (an empty KVEvent, e.g. a repeated field's new element) ``event``."""
     if isinstance(event, BlockRemoved):
         removed = message.block_removed
         removed.block_hashes.extend(event.block_hashes)

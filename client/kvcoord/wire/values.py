@@ -4,7 +4,7 @@ messages."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, overload
 
 from kvcoord.engine import CacheHit, LoRA, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
@@ -60,6 +60,10 @@ def lora_from_pb(lora: pb.LoRA) -> LoRA | None:
     return LoRA(lora.adapter_id, lora.name) if lora.name else None
 
 
+@overload
+def stats_to_pb(stats: PrefixCacheStats) -> pb.PrefixCacheStats: ...
+@overload
+def stats_to_pb(stats: None) -> None: ...
 def stats_to_pb(stats: PrefixCacheStats | None) -> pb.PrefixCacheStats | None:
     if stats is None:
         return None

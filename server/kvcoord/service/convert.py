@@ -23,7 +23,7 @@ from kvcoord.wire import (
 
 from . import operations as op
 from .errors import ServiceError, Status, bounded
-from .pool_service import Fence, HashSettings, PoolScore, UnscoredPool
+from .pool_service import Fence, HashSettings, MirrorState, PoolScore, UnscoredPool
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvcoord.engine.reservations import Reservations
@@ -42,6 +42,8 @@ __all__ = [
     "reservation_stats_to_pb",
     "reservation_to_pb",
     "scores_to_pb",
+    "write_outcome",
+    "write_mirror_state",
     "sync_from_pb",
     "write_outcome",
 ]
@@ -271,6 +273,19 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
         assert v is None or isinstance(v, PrefixCacheStats)
         return pb.OperationResult(prefix_cache_stats=pb.PrefixCacheStatsResult(stats=stats_to_pb(v)))
     return pb.OperationResult()
+
+
+def write_mirror_state(response: pb.AttachResponse, state: MirrorState | str) -> None:
+    """An Attach answer's engine state for a mirror (:meth:`PoolService.mirror_state`),
+    or why there is none."""
+    if isinstance(state, str):
+        response.pool_state_unavailable = state
+        return
+    out = response.pool_state
+    out.engine_state = state.engine_state
+    out.engine_state_version = state.version
+    out.engine_rules = state.rules
+    out.cache_namespace = state.cache_namespace
 
 
 # -- ScorePools ----------------------------------------------------------------------

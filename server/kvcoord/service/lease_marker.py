@@ -10,7 +10,7 @@ The file is rewritten only when the bound must move forward, with headroom, so a
 busy server writes it about once per ``max_lease`` seconds.
 
 The bound is written on the wall clock and on the monotonic clock with the boot id
-(startup.DurableDeadline): a restart on the same boot counts on the monotonic clock,
+(deadlines.DurableDeadline): a restart on the same boot counts on the monotonic clock,
 so a wall clock set forward in between cannot end the wait early.
 
 A marker that cannot be written (disk full, I/O error) means the server can no longer
@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from .startup import DurableDeadline, write_synced
+from .deadlines import DurableDeadline, write_synced
 
 __all__ = ["LeaseMarker", "MarkerError", "MarkerWriteError"]
 
@@ -49,7 +49,7 @@ class LeaseMarker:
     max_lease: the longest lease this server grants, in seconds.
     clock: wall-clock seconds (time.time), injected for tests.
     mono: monotonic seconds (time.monotonic), injected for tests.
-    boot: the boot id (startup.boot_id), injected for tests.
+    boot: the boot id (deadlines.boot_id), injected for tests.
     """
 
     def __init__(

@@ -21,6 +21,7 @@ import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import cbor2
 from kvcoord.engine import (
     AllBlocksCleared,
     CacheHit,
@@ -35,12 +36,14 @@ from kvcoord.engine import (
 )
 from kvcoord.engine.invariants import PoolCheck, check_pool
 from kvcoord.engine.reservations import Reservations
-from kvcoord.engine.state import export_state, import_state
+from kvcoord.engine.state import STATE_VERSION, export_state, import_state
+from kvcoord.wire.rules import rules_fingerprint
 
 from . import operations as op
 from .budget import event_buffer_bytes
 from .errors import ErrorReason, Position, ServiceError, Status, as_service_error
 from .events import EventJournal, event_wire_bytes
+from .fences import Fence
 from .sessions import Session, SessionTable
 
 #: free-queue positions a hint lookup walks by default, and at most
@@ -64,18 +67,6 @@ __all__ = [
     "ReservationLease",
     "UnscoredPool",
 ]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Fence:
-    """What block ids are meaningful within: a server instance and a pool incarnation."""
-
-    instance_id: str
-    incarnation: int
-    #: the journal position the holder was told (positions.py); 0: none
-    position: int = 0
-    #: the pool's ownership term in a cluster (ownership.py); 0: a single node
-    term: int = 0
 
 
 #: Attach's pool state: the first never-used block, the used free blocks (head first),
@@ -204,6 +195,18 @@ class Limits:
 
 
 Undo = Callable[[], None]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MirrorState:
+    """An exclusive session's pool state (AttachResponse.pool_state with
+    want_engine_state): :func:`export_state`'s value as CBOR, its version, the engine's
+    rules fingerprint and the session's cache namespace."""
+
+    engine_state: bytes
+    version: int
+    rules: str
+    cache_namespace: str
 
 
 def _noop() -> None:
@@ -410,6 +413,18 @@ class PoolService:
         """The key prefix of a cache namespace the pool has seen (None: never seen; looking
         it up registers nothing)."""
         return self.engine.cache_namespaces.get(namespace)
+
+    def mirror_state(self, cache_namespace: str) -> MirrorState | str:
+        """What an exclusive session's client loads its mirror of the pool from (an
+        exclusive Attach with want_engine_state): the engine's whole state as CBOR,
+        and the rules and namespace it holds under; or why there is none. Reads only.
+
+        None while routers' reservations are live: they end (expire, or are adopted)
+        by the server's own doing, which the session's mirror would not follow."""
+        if self.engine.reservations.live:
+            return "the pool holds routers' reservations (they end on the server's clock, not the session's)"
+        return MirrorState(cbor2.dumps(export_state(self.engine)), STATE_VERSION, rules_fingerprint(),
+                           cache_namespace)  # fmt: skip
 
     def session(self, session_id: str, fence: Fence | None) -> Session:
         """The caller's live session, renewed (fence checked first).

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .errors import ErrorReason, ServiceError, Status
-from .pool_service import Fence
+from .fences import Fence
 
 __all__ = ["JournalPositions"]
 

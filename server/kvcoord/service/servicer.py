@@ -47,6 +47,7 @@ from .convert import (
     reservation_stats_to_pb,
     reservation_to_pb,
     scores_to_pb,
+    write_mirror_state,
     write_outcome,
 )
 from .durability import Recorder
@@ -256,13 +257,16 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         """
         if not (request.want_pool_state and request.exclusive and self.max_message_bytes):
             return
-        if service.cache_namespace(tenant):  # the session will cache under a namespace: no state
-            return
-        state = service.pool_state()
-        if isinstance(state, str):
-            return
         probe = pb.AttachResponse(pool=self._info(service), fence=fence_to_pb(service.fence))
-        write_pool_state(probe, state)
+        if request.want_engine_state:
+            write_mirror_state(probe, service.mirror_state(service.cache_namespace(tenant)))
+        else:
+            if service.cache_namespace(tenant):  # the session will cache under a namespace: no state
+                return
+            state = service.pool_state()
+            if isinstance(state, str):
+                return
+            write_pool_state(probe, state)
         size = probe.ByteSize() + ANSWER_MARGIN_BYTES
         if size > self.max_message_bytes:
             raise ServiceError(
@@ -304,7 +308,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             fence=fence_to_pb(service.fence),
             exclusive=s.exclusive,
         )
-        if request.want_pool_state:
+        if request.want_pool_state and request.want_engine_state and s.exclusive:
+            write_mirror_state(response, service.mirror_state(s.cache_namespace))
+        elif request.want_pool_state:
             write_pool_state(
                 response, service.pool_state() if s.exclusive else "the session is not exclusive"
             )

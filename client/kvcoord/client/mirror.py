@@ -1,0 +1,307 @@
+"""An exclusive session's mirror of its pool: the engine itself, loaded from the server.
+
+The server gives an exclusive session its pool's whole engine state when it attaches
+(``AttachRequest.want_engine_state``: :func:`kvcoord.engine.state.export_state`'s
+value as CBOR, with the server engine's rules fingerprint and the session's cache
+namespace). :class:`Mirror` loads it into a :class:`~kvcoord.engine.KVCachePool` of
+the pool's configuration and applies every call the session makes to it, in the order
+the session sends them, so it answers each call at once, exactly as the server will:
+the rules are the engine's, written once, for every layout the engine knows (hybrid,
+sliding window, chunked local, mamba, cross-attention, EAGLE, tenants' namespaces).
+
+What the server's answers are compared with is kept here too: the events the session
+is owed (those of its cache namespace, as the server filters them) and its
+prefix-cache statistics, per Step and for the scheduler. Block ids and free counts
+are the engine's answers themselves.
+
+A server whose engine has another rules fingerprint (another release, a patched
+engine) is not mirrored: :class:`MirrorUnavailableError` says why, and the caller runs
+without prediction. Never a guess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import cbor2
+import grpc
+from kvcoord.engine import (
+    BlockRemoved,
+    BlockStored,
+    EngineError,
+    LoRA,
+    PrefixCacheStats,
+    RequestCheckpoint,
+    StaleCacheHitError,
+)
+from kvcoord.engine.managers.base import SingleTypeKVCacheManager
+from kvcoord.engine.state import STATE_VERSION, StateError, import_state
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import config_from_pb, fill_event, stats_to_pb
+from kvcoord.wire.rules import rules_fingerprint
+
+from .errors import KVCoordError, error_from_code
+
+__all__ = ["Mirror", "MirrorUnavailableError", "StaleCacheHitError"]
+
+BlockIds = tuple[tuple[int, ...], ...]
+
+
+class MirrorUnavailableError(Exception):
+    """The pool cannot be mirrored here (the message says why, for people)."""
+
+
+def engine_error(err: EngineError) -> KVCoordError:
+    """The client's typed error for an engine refusal (what the server would answer)."""
+    return error_from_code(getattr(grpc.StatusCode, err.status.value), str(err))
+
+
+class Mirror:
+    """The pool's engine, loaded from an exclusive Attach's state.
+
+    Args:
+        config: the pool's configuration (``PoolInfo.config``).
+        state: ``AttachResponse.pool_state`` of an Attach with ``want_engine_state``.
+
+    Raises:
+        MirrorUnavailableError: no engine state, another state version or another
+            rules fingerprint than this client's engine, or a state that does not fit
+            the configuration.
+    """
+
+    def __init__(self, config: pb.PoolConfig, state: pb.PoolState) -> None:
+        if not state.engine_state:
+            raise MirrorUnavailableError("the server sent no engine state (it predates the mirror)")
+        if state.engine_state_version != STATE_VERSION:
+            raise MirrorUnavailableError(
+                f"the server's engine state is version {state.engine_state_version}, this client's engine "
+                f"reads {STATE_VERSION}"
+            )
+        ours = rules_fingerprint()
+        if state.engine_rules != ours:
+            raise MirrorUnavailableError(
+                f"the server's engine rules are {state.engine_rules!r}, this client's {ours!r} (another "
+                "kvcoord release on one side): its answers could differ"
+            )
+        try:
+            engine = import_state(config_from_pb(config), cbor2.loads(state.engine_state))
+        except (StateError, EngineError, ValueError, KeyError, TypeError) as err:
+            raise MirrorUnavailableError(f"the server's engine state cannot be loaded: {err}") from None
+        engine.take_events()  # made before the session: not its events
+        self.log_stats = config.log_stats if config.HasField("log_stats") else True
+        engine.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
+        self.engine = engine
+        self.namespace = state.cache_namespace
+        #: the cache prefix of the session's events (None: every event is the session's)
+        self._prefix: bytes | None = (
+            engine.cache_namespace_prefix(self.namespace) if engine.cache_namespaces else None
+        )
+        self.enable_events = engine.block_pool.enable_kv_cache_events
+        self._block_pool = engine.block_pool
+        #: the session's events since the Step was cut (in a StepResponse's ``events``,
+        #: which the server digests alike), and those not given to the scheduler yet
+        self._step_events = pb.StepResponse()
+        self.events: list[pb.KVEvent] = []
+        #: statistics since the Step was cut, and since the scheduler last made them
+        self.step_stats = PrefixCacheStats()
+        self._user_stats = PrefixCacheStats()
+        self.block_size = engine.config.groups[0].block_size if engine.config.groups else 0
+
+    # -- requests -------------------------------------------------------------------------
+    def sync(self, sync: pb.RequestSync) -> Callable[[], None]:
+        """Apply a request sync as the server will; returns how to undo it.
+
+        Raises:
+            KVCoordError: the engine refuses it (nothing changed).
+        """
+        engine = self.engine
+        rid = sync.request_id
+        computed = sync.num_computed_tokens if sync.HasField("num_computed_tokens") else None
+        try:
+            if sync.new_request:
+                engine.add_request(
+                    rid,
+                    sync.append_token_ids,
+                    sync.append_block_hashes,
+                    lora=LoRA(sync.lora.adapter_id, sync.lora.name) if sync.lora.name else None,
+                    skip_reading_prefix_cache=sync.skip_reading_prefix_cache,
+                    num_preemptions=sync.num_preemptions,
+                    cache_namespace=self.namespace,
+                )
+                if computed is not None:
+                    try:
+                        engine.update_request(rid, num_computed_tokens=computed)
+                    except EngineError:
+                        engine.restore_request(rid, None)
+                        raise
+                return lambda: engine.restore_request(rid, None)
+            checkpoint = engine.checkpoint_request(rid)
+            engine.update_request(
+                rid,
+                num_computed_tokens=computed,
+                append_token_ids=sync.append_token_ids,
+                append_block_hashes=sync.append_block_hashes,
+            )
+        except EngineError as err:
+            raise engine_error(err) from None
+        return lambda: engine.restore_request(rid, checkpoint)
+
+    def grow(
+        self, request_id: str, computed: int, tokens: Sequence[int], hashes: Sequence[bytes], num_new_tokens: int,
+        num_lookahead_tokens: int,
+    ) -> BlockIds | None:  # fmt: skip
+        """A registered request's run entry (``RequestTracker.sync_run``'s values, then
+        an allocation without a hit): its update and its new blocks per group, or
+        ``None`` when too few blocks are free. Refused by the engine: nothing changed.
+
+        Raises:
+            KVCoordError: the engine refuses the update or the allocation.
+        """
+        engine = self.engine
+        req = engine.requests.get(request_id)
+        before = (
+            None if req is None else (len(req.all_token_ids), len(req.block_hashes), req.num_computed_tokens)
+        )
+        try:
+            engine.update_request(
+                request_id, num_computed_tokens=computed, append_token_ids=tokens, append_block_hashes=hashes
+            )
+            new = engine.allocate_slots(request_id, num_new_tokens, 0, None, num_lookahead_tokens)
+        except EngineError as err:
+            if before is not None:
+                engine.restore_request(request_id, RequestCheckpoint(*before))
+            raise engine_error(err) from None
+        if self._block_pool.kv_event_queue:
+            self._collect()
+        return new
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.engine.requests
+
+    # -- calls ----------------------------------------------------------------------------
+    def lookup(self, request_id: str) -> tuple[BlockIds, int]:
+        """The request's prefix hit (statistics recorded, as the server records them)."""
+        hit = self.engine.get_computed_blocks(request_id)
+        return hit.block_ids, hit.num_tokens
+
+    def allocate(self, request_id: str, *args: Any) -> BlockIds | None:
+        """``KVCachePool.allocate_slots``; engine refusals as the client's errors.
+
+        Raises:
+            StaleCacheHitError: the hit went stale (the server answers it as refused).
+            KVCoordError: bad input (nothing changed).
+        """
+        try:
+            new = self.engine.allocate_slots(request_id, *args)
+        except StaleCacheHitError:
+            raise
+        except EngineError as err:
+            raise engine_error(err) from None
+        self._collect()
+        return new
+
+    def free(self, request_id: str) -> None:
+        self.engine.free(request_id)
+        self._collect()
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Any other engine call (``cache_blocks``, ``remove_skipped_blocks``,
+        ``evict_blocks``, ``reset_prefix_cache``, ``get_num_common_prefix_blocks``),
+        its events kept; engine refusals as the client's errors."""
+        try:
+            value = getattr(self.engine, method)(*args)
+        except EngineError as err:
+            raise engine_error(err) from None
+        self._collect()
+        return value
+
+    def skips_blocks(self, request_id: str, total_computed_tokens: int) -> bool:
+        """Whether ``remove_skipped_blocks`` may change anything (True for a group
+        with a rule of its own: mamba)."""
+        for m in self.engine.managers:
+            if type(m).remove_skipped_blocks is not SingleTypeKVCacheManager.remove_skipped_blocks:
+                return True
+            if m.skips_blocks(request_id, total_computed_tokens):
+                return True
+        return False
+
+    def caches_more(self, request_id: str, num_computed_tokens: int) -> bool:
+        """Whether ``cache_blocks`` may change anything (True for a group with a rule
+        of its own: cross-attention)."""
+        for m in self.engine.managers:
+            if type(m).cache_blocks is not SingleTypeKVCacheManager.cache_blocks:
+                return True
+            if num_computed_tokens // m.block_size > m.num_cached_block.get(request_id, 0):
+                return True
+        return False
+
+    def table(self, request_id: str) -> tuple[list[int], ...]:
+        """The request's block table per group (empty lists for a request it does not hold)."""
+        engine = self.engine
+        if request_id not in engine.requests:
+            return tuple([] for _ in engine.managers)
+        return tuple(list(g) for g in engine.get_block_ids(request_id))
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.engine.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.engine.usage
+
+    # -- what is compared -----------------------------------------------------------------
+    def _collect(self) -> None:
+        """Keep the session's events of the call just made."""
+        if not self.enable_events or not self._block_pool.kv_event_queue:
+            return
+        events = self._block_pool.take_events()
+        if events:
+            add = self._step_events.events.add
+            prefix = self._prefix
+            for event in events:
+                if prefix is not None and isinstance(event, BlockRemoved | BlockStored):
+                    if event.cache_prefix != prefix:
+                        continue  # another namespace's block: not this session's to see
+                message = add()
+                fill_event(message, event)
+                self.events.append(message)
+
+    def _drain_stats(self) -> None:
+        stats = self.engine.make_prefix_cache_stats()
+        if stats is not None:
+            _add_stats(self.step_stats, stats)
+            _add_stats(self._user_stats, stats)
+
+    def take_step(self) -> tuple[pb.StepResponse, pb.PrefixCacheStats]:
+        """The events (in a StepResponse's ``events``) and statistics since the previous
+        call: what the server's answer to the Step cut now must give."""
+        self._drain_stats()
+        events, self._step_events = self._step_events, pb.StepResponse()
+        stats, self.step_stats = self.step_stats, PrefixCacheStats()
+        return events, stats_to_pb(stats)
+
+    def take_events(self) -> list[pb.KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def take_stats(self) -> pb.PrefixCacheStats:
+        """The statistics since the previous call (vLLM's make_prefix_cache_stats)."""
+        self._drain_stats()
+        stats, self._user_stats = self._user_stats, PrefixCacheStats()
+        return stats_to_pb(stats)
+
+    def peek_stats(self) -> pb.PrefixCacheStats:
+        self._drain_stats()
+        return stats_to_pb(self._user_stats)
+
+
+def _add_stats(into: PrefixCacheStats, more: PrefixCacheStats) -> None:
+    into.reset = into.reset or more.reset
+    into.requests += more.requests
+    into.queries += more.queries
+    into.hits += more.hits
+    into.preempted_requests += more.preempted_requests
+    into.preempted_queries += more.preempted_queries
+    into.preempted_hits += more.preempted_hits

@@ -59,6 +59,7 @@ class _Target(RemoteTarget):
             self.client.close()
 
 
+@pytest.mark.timeout(900)  # 19 traces at once with SIGKILLs: minutes on a loaded 2-core machine
 def test_conformance_traces_survive_sigkill(tmp_path: Path) -> None:
     """Every conformance trace, replayed over the wire against a server process that
     is SIGKILLed and restarted at random moments (at least 5 times during each trace),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import shlex
@@ -73,6 +74,63 @@ def test_compose_file_is_valid() -> None:
     assert set(services) == {"kvcoord", "prometheus", "grafana"}
     assert services["prometheus"]["image"].startswith("prom/prometheus:")
     assert services["grafana"]["image"].startswith("grafana/grafana:")
+
+
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """target -> source of a compose service's volumes (short or long syntax)."""
+    out = {}
+    for v in service.get("volumes", []):
+        source, target = (v["source"], v["target"]) if isinstance(v, dict) else v.split(":")[:2]
+        out[target] = source
+    return out
+
+
+def test_cluster_compose_file_runs_three_replicas_on_etcd() -> None:
+    """`docker-compose config` accepts the cluster stack: etcd, three kvcoord replicas of
+    one image and Prometheus (scraping each, `promtool check config` accepts it). Each
+    replica's environment, loaded as `kvcoord serve` loads it, joins the cluster at etcd
+    under its own id and advertises its fixed address on the stack's network."""
+    compose = _tool("docker-compose")
+    path = DEPLOY / "docker-compose.cluster.yml"
+    proc = subprocess.run([compose, "-f", str(path), "config"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    stack = yaml.safe_load(proc.stdout)
+    services = stack["services"]
+    replicas = sorted(s for s in services if s.startswith("kvcoord-"))
+    assert replicas == ["kvcoord-0", "kvcoord-1", "kvcoord-2"]
+    assert set(services) == {"etcd", "prometheus", "grafana", *replicas}
+    etcd = services["etcd"]
+    assert etcd["build"]["context"] == str(DEPLOY / "etcd")
+    assert "HEALTHCHECK" in (DEPLOY / "etcd" / "Dockerfile").read_text()
+    assert "--advertise-client-urls=http://etcd:2379" in etcd["command"]
+    (subnet,) = (c["subnet"] for c in stack["networks"]["kvcoord"]["ipam"]["config"])
+    network = ipaddress.ip_network(subnet)
+    advertised = set()
+    for name in replicas:
+        svc = services[name]
+        assert svc["image"] == services["kvcoord-0"]["image"] and svc["build"]["context"] == str(ROOT)
+        assert svc["depends_on"]["etcd"] == {"condition": "service_healthy"}
+        cfg = load_config(env={**dockerfile_env(), **svc["environment"]})
+        assert cfg.cluster.enabled and cfg.cluster.endpoints == ("etcd:2379",)
+        assert cfg.cluster.replica_id == name
+        host, port = cfg.cluster.advertise_address.rsplit(":", 1)
+        assert host == svc["networks"]["kvcoord"]["ipv4_address"] and ipaddress.ip_address(host) in network
+        assert port == "50051" and cfg.server.listen == ("0.0.0.0:50051",)
+        assert cfg.server.metrics_listen == "0.0.0.0:9400"
+        assert cfg.server.data_dir in _mounts(svc)
+        advertised.add(cfg.cluster.advertise_address)
+    assert len(advertised) == 3
+    # a stop hands the pools over after grace_seconds: compose must wait longer before SIGKILL
+    grace = load_config(env=dockerfile_env()).server.grace_seconds
+    assert all(int(services[n]["stop_grace_period"].rstrip("s")) > grace + 10 for n in replicas)
+    prom = services["prometheus"]
+    config = Path(_mounts(prom)["/etc/prometheus/prometheus.yml"])
+    assert config == DEPLOY / "prometheus" / "prometheus-cluster.yml"
+    scraped = yaml.safe_load(config.read_text())["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert scraped == [f"{n}:9400" for n in replicas]
+    check = subprocess.run([_tool("promtool"), "check", "config", str(config)], capture_output=True, text=True,
+                           timeout=60)  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
 
 
 def _names_in(expr: str) -> set[str]:

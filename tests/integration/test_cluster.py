@@ -145,6 +145,17 @@ def pools_for(replicas: list[str]) -> list[str]:
     return sorted(n for v in chosen.values() for n in v)
 
 
+def create_and_fill(client: KVCoordClient, pools: list[str], placed: dict[str, str]) -> Holder:
+    """Create ``pools`` through the replica set, wait until each is served where
+    ``placed`` says, and allocate 4 requests in each (one session per pool)."""
+    for pool in pools:
+        client.create_pool(pool, POOL_CONFIG)
+    wait_placed(TARGETS, placed)
+    holder = Holder(client, pools)
+    holder.allocate(4)
+    return holder
+
+
 def scraped_owners() -> dict[str, str]:
     """pool -> replica, as Prometheus last scraped kvcoord_pool_owned from every replica."""
     rows = prom_query(PROMETHEUS, 'kvcoord_pool_owned{job="kvcoord"} == 1')
@@ -192,11 +203,7 @@ def test_a_stopped_replica_hands_its_pools_over_and_takes_them_back(replicas: li
     assert len(moved) == POOLS_EACH and all(without[p] != victim for p in pools)
 
     with KVCoordClient(TARGETS, timeout=10) as c:
-        for pool in pools:
-            c.create_pool(pool, POOL_CONFIG)
-        wait_placed(TARGETS, everyone)
-        holder = Holder(c, pools)
-        holder.allocate(4)
+        holder = create_and_fill(c, pools, everyone)
         holder.check()
         if PROMETHEUS:
             assert wait_for(lambda: all(scraped_owners().get(p) == everyone[p] for p in pools), timeout=60), (
@@ -245,11 +252,7 @@ def check_a_killed_replica_fails_over(replicas: list[str]) -> None:
     victim = replicas[2]
     others = [r for r in replicas if r != victim]
     with KVCoordClient(TARGETS, timeout=10) as c:
-        for pool in pools:
-            c.create_pool(pool, POOL_CONFIG)
-        wait_placed(TARGETS, everyone)
-        holder = Holder(c, pools)
-        holder.allocate(4)
+        holder = create_and_fill(c, pools, everyone)
         proc = docker("kill", CONTAINERS[victim])
         assert proc.returncode == 0, proc.stderr
         wait_placed(addresses(replicas, others), placement(pools, others))

@@ -108,7 +108,7 @@ if [ -z "${KVCOORD_CLUSTER_TARGETS:-}" ] && [ -n "${KVCOORD_IMAGE:-}" ]; then
   docker build -q --build-arg BASE_IMAGE="$base" -t kvcoord-prometheus:test deploy/prometheus/image >/dev/null
   net="${KVCOORD_NET:-172.29.23}"
   cluster_prom_port="$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-  export KVCOORD_NET="$net" KVCOORD_ETCD_IMAGE=kvcoord-etcd:test \
+  export KVCOORD_IMAGE KVCOORD_NET="$net" KVCOORD_ETCD_IMAGE=kvcoord-etcd:test \
     KVCOORD_PROMETHEUS_IMAGE=kvcoord-prometheus:test KVCOORD_PROMETHEUS_PORT="$cluster_prom_port"
   CLUSTER_UP=1
   echo "starting the cluster stack (3 replicas, etcd, Prometheus) on $net.0/24"

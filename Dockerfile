@@ -25,11 +25,15 @@ COPY client ./client
 COPY server ./server
 # Two distributions: kvcoord-client (./client: engine, wire, messages, the `kvcoord`
 # command) and the server (.), which depends on it; one pip command takes the client
-# from here. Every dependency (grpcio, protobuf, prometheus-client, structlog, ...) ships
-# binary or pure-Python wheels: no compiler is needed, here or below. The check runs
-# `serve` through the client's command, as the image's entry point does.
-RUN /opt/kvcoord/bin/pip install --no-cache-dir ./client . \
- && /opt/kvcoord/bin/kvcoord serve --print-default-config > /dev/null
+# from here, with the `cluster` extra (etcd's asyncio client, aetcd) so that the same
+# image runs a single node or a replica of a cluster (`[cluster] endpoints`,
+# KVCOORD_CLUSTER_ENDPOINTS). Every dependency (grpcio, protobuf, prometheus-client,
+# structlog, aetcd, ...) ships binary or pure-Python wheels: no compiler is needed, here
+# or below. The checks run `serve` through the client's command, as the image's entry
+# point does, and import the etcd client the cluster code uses.
+RUN /opt/kvcoord/bin/pip install --no-cache-dir ./client '.[cluster]' \
+ && /opt/kvcoord/bin/kvcoord serve --print-default-config > /dev/null \
+ && /opt/kvcoord/bin/python -c 'import aetcd'
 
 FROM ${BASE_IMAGE}
 RUN echo 'kvcoord:x:10001:10001:kvcoord:/nonexistent:/usr/sbin/nologin' >> /etc/passwd \

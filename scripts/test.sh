@@ -16,6 +16,13 @@
 # generated client certificate. Its data directory is a named volume and its host ports
 # are fixed, so the suite can `docker kill` and `docker start` it (KVCOORD_CONTAINER) and
 # find the journal and the addresses unchanged.
+#
+# The cluster stack (deploy/docker-compose.cluster.yml: three replicas of the same image,
+# etcd and Prometheus, the latter two built from Debian's packages on the same base
+# image, deploy/etcd/Dockerfile and deploy/prometheus/image/Dockerfile) runs beside it in
+# plaintext, as compose project kvcoord-cluster-<pid> on the subnet KVCOORD_NET.0/24
+# (default 172.29.23); tests/integration/test_cluster.py stops and starts its replicas.
+# KVCOORD_CLUSTER_TARGETS (and _CONTAINERS, _PROMETHEUS) given: an existing stack instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
@@ -23,6 +30,7 @@ WORK="${KVCOORD_WORK:-$(mktemp -d /tmp/kvcoord-ci.XXXXXX)}"
 IMAGE="${KVCOORD_IMAGE:-kvcoord:test}"
 CONTAINER="kvcoord-test-$$"
 VOLUME_NAME="kvcoord-test-data-$$"
+CLUSTER_COMPOSE=(docker-compose -p "kvcoord-cluster-$$" -f deploy/docker-compose.cluster.yml)
 status=0
 
 if [ "${1:-}" != "--integration-only" ]; then
@@ -34,6 +42,7 @@ cleanup() {
   if [ -n "${PROM_PID:-}" ]; then kill "$PROM_PID" 2>/dev/null || true; fi
   docker rm -f "$CONTAINER" >/dev/null 2>&1 || true
   docker volume rm "$VOLUME_NAME" >/dev/null 2>&1 || true
+  if [ -n "${CLUSTER_UP:-}" ]; then "${CLUSTER_COMPOSE[@]}" down -v >/dev/null 2>&1 || true; fi
 }
 trap cleanup EXIT
 
@@ -89,6 +98,28 @@ print(*(s.getsockname()[1] for s in socks))')
     sleep 1
   done
   echo "container $CONTAINER: $(docker inspect -f '{{.State.Health.Status}}' "$CONTAINER"), gRPC $KVCOORD_TARGET (mutual TLS), metrics https://$KVCOORD_METRICS"
+fi
+
+# 4b. the cluster stack: etcd and Prometheus images from Debian's packages (no registry
+# needed), the replicas from the image above; `up` waits for etcd to be healthy
+if [ -z "${KVCOORD_CLUSTER_TARGETS:-}" ] && [ -n "${KVCOORD_IMAGE:-}" ]; then
+  base="$(sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)"
+  docker build -q --build-arg BASE_IMAGE="$base" -t kvcoord-etcd:test deploy/etcd >/dev/null
+  docker build -q --build-arg BASE_IMAGE="$base" -t kvcoord-prometheus:test deploy/prometheus/image >/dev/null
+  net="${KVCOORD_NET:-172.29.23}"
+  cluster_prom_port="$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  export KVCOORD_IMAGE KVCOORD_NET="$net" KVCOORD_ETCD_IMAGE=kvcoord-etcd:test \
+    KVCOORD_PROMETHEUS_IMAGE=kvcoord-prometheus:test KVCOORD_PROMETHEUS_PORT="$cluster_prom_port"
+  CLUSTER_UP=1
+  echo "starting the cluster stack (3 replicas, etcd, Prometheus) on $net.0/24"
+  "${CLUSTER_COMPOSE[@]}" up -d --no-build etcd kvcoord-0 kvcoord-1 kvcoord-2 prometheus >"$WORK/cluster-up.log" 2>&1 \
+    || { cat "$WORK/cluster-up.log" >&2; exit 1; }
+  containers=""
+  for i in 0 1 2; do
+    containers="$containers${containers:+,}kvcoord-$i=$("${CLUSTER_COMPOSE[@]}" ps -q "kvcoord-$i")"
+  done
+  export KVCOORD_CLUSTER_TARGETS="$net.10:50051,$net.11:50051,$net.12:50051" \
+    KVCOORD_CLUSTER_CONTAINERS="$containers" KVCOORD_CLUSTER_PROMETHEUS="127.0.0.1:$cluster_prom_port"
 fi
 
 # 5. a real Prometheus scraping the metrics port (over HTTPS with a client certificate

@@ -14,6 +14,10 @@ the environment, so it runs against the CI container or any deployment.
                       (mutual TLS with the cert and key) when the CA is set (optional;
                       scripts/test.sh sets them: the CI container runs with mutual TLS)
   KVCOORD_METRICS_SCHEME  http (default) or https
+  KVCOORD_CLUSTER_TARGETS, KVCOORD_CLUSTER_CONTAINERS, KVCOORD_CLUSTER_PROMETHEUS
+                      the cluster stack (deploy/docker-compose.cluster.yml) for
+                      test_cluster.py (collected only when the targets are set;
+                      scripts/test.sh starts the stack and sets them)
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import pytest
 from kvcoord.client import KVCoordClient, TLSOptions
 
 collect_ignore = [] if os.environ.get("KVCOORD_IMAGE") else ["test_image.py"]
+if not os.environ.get("KVCOORD_CLUSTER_TARGETS"):
+    collect_ignore.append("test_cluster.py")
 
 _CA = os.environ.get("KVCOORD_CLIENT_TLS_CA") or None
 _CERT = os.environ.get("KVCOORD_CLIENT_TLS_CERT") or None

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import re
 import shlex
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import yaml
 from kvcoord.service.config import load_config, parse_config
@@ -73,6 +76,63 @@ def test_compose_file_is_valid() -> None:
     assert services["grafana"]["image"].startswith("grafana/grafana:")
 
 
+def _mounts(service: dict[str, Any]) -> dict[str, str]:
+    """target -> source of a compose service's volumes (short or long syntax)."""
+    out = {}
+    for v in service.get("volumes", []):
+        source, target = (v["source"], v["target"]) if isinstance(v, dict) else v.split(":")[:2]
+        out[target] = source
+    return out
+
+
+def test_cluster_compose_file_runs_three_replicas_on_etcd() -> None:
+    """`docker-compose config` accepts the cluster stack: etcd, three kvcoord replicas of
+    one image and Prometheus (scraping each, `promtool check config` accepts it). Each
+    replica's environment, loaded as `kvcoord serve` loads it, joins the cluster at etcd
+    under its own id and advertises its fixed address on the stack's network."""
+    compose = _tool("docker-compose")
+    path = DEPLOY / "docker-compose.cluster.yml"
+    proc = subprocess.run([compose, "-f", str(path), "config"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    stack = yaml.safe_load(proc.stdout)
+    services = stack["services"]
+    replicas = sorted(s for s in services if s.startswith("kvcoord-"))
+    assert replicas == ["kvcoord-0", "kvcoord-1", "kvcoord-2"]
+    assert set(services) == {"etcd", "prometheus", "grafana", *replicas}
+    etcd = services["etcd"]
+    assert etcd["build"]["context"] == str(DEPLOY / "etcd")
+    assert "HEALTHCHECK" in (DEPLOY / "etcd" / "Dockerfile").read_text()
+    assert "--advertise-client-urls=http://etcd:2379" in etcd["command"]
+    (subnet,) = (c["subnet"] for c in stack["networks"]["kvcoord"]["ipam"]["config"])
+    network = ipaddress.ip_network(subnet)
+    advertised = set()
+    for name in replicas:
+        svc = services[name]
+        assert svc["image"] == services["kvcoord-0"]["image"] and svc["build"]["context"] == str(ROOT)
+        assert svc["depends_on"]["etcd"] == {"condition": "service_healthy"}
+        cfg = load_config(env={**dockerfile_env(), **svc["environment"]})
+        assert cfg.cluster.enabled and cfg.cluster.endpoints == ("etcd:2379",)
+        assert cfg.cluster.replica_id == name
+        host, port = cfg.cluster.advertise_address.rsplit(":", 1)
+        assert host == svc["networks"]["kvcoord"]["ipv4_address"] and ipaddress.ip_address(host) in network
+        assert port == "50051" and cfg.server.listen == ("0.0.0.0:50051",)
+        assert cfg.server.metrics_listen == "0.0.0.0:9400"
+        assert cfg.server.data_dir in _mounts(svc)
+        advertised.add(cfg.cluster.advertise_address)
+    assert len(advertised) == 3
+    # a stop hands the pools over after grace_seconds: compose must wait longer before SIGKILL
+    grace = load_config(env=dockerfile_env()).server.grace_seconds
+    assert all(int(services[n]["stop_grace_period"].rstrip("s")) > grace + 10 for n in replicas)
+    prom = services["prometheus"]
+    config = Path(_mounts(prom)["/etc/prometheus/prometheus.yml"])
+    assert config == DEPLOY / "prometheus" / "prometheus-cluster.yml"
+    scraped = yaml.safe_load(config.read_text())["scrape_configs"][0]["static_configs"][0]["targets"]
+    assert scraped == [f"{n}:9400" for n in replicas]
+    check = subprocess.run([_tool("promtool"), "check", "config", str(config)], capture_output=True, text=True,
+                           timeout=60)  # fmt: skip
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
 def _names_in(expr: str) -> set[str]:
     """Exported metric names an expression reads (not the recording rules' level:name:op)."""
     names = set(re.findall(r"(?<![\w:])(kvcoord_[a-z_]+|grpc_server_[a-z_]+|process_[a-z_]+)(?![\w:])", expr))
@@ -122,27 +182,113 @@ def test_dashboard_and_alerts_name_only_exported_metrics() -> None:
             "Allocation refusals", "KV events published"} <= titles  # fmt: skip
 
 
-def test_kubernetes_manifests() -> None:
-    """StatefulSet, headless Service and ConfigMap fit together; every replica config loads."""
+KUBERNETES_VERSION = "1.30.0"  # a Kubernetes release the manifests must fit (its schemas)
+
+
+def kubernetes_docs() -> dict[tuple[str, str], dict[str, Any]]:
+    """deploy/kubernetes/kvcoord.yaml's objects by (kind, name)."""
     docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "kvcoord.yaml").read_text()))
-    kinds = {d["kind"]: d for d in docs}
-    assert set(kinds) == {"ConfigMap", "Service", "StatefulSet"}
-    sts = kinds["StatefulSet"]
-    assert sts["spec"]["serviceName"] == kinds["Service"]["metadata"]["name"]
-    assert kinds["Service"]["spec"]["clusterIP"] == "None"
-    container = sts["spec"]["template"]["spec"]["containers"][0]
+    by_key = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    assert len(by_key) == len(docs), "two objects of one kind share a name"
+    return by_key
+
+
+def _pod_env(container: dict[str, Any], pod: str, namespace: str) -> dict[str, str]:
+    """The container's environment as the kubelet gives it to the pod ``pod``: the
+    downward API's fields and `$(VAR)` references to variables defined before."""
+    fields = {"metadata.name": pod, "metadata.namespace": namespace, "status.podIP": "10.0.0.7"}
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "valueFrom" in e:
+            env[e["name"]] = fields[e["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+    return env
+
+
+def test_kubernetes_manifests_fit_the_kubernetes_schemas() -> None:
+    """Every object of deploy/kubernetes validates (strictly: no unknown field) against
+    the OpenAPI schemas of a real Kubernetes release (kubernetes-validate)."""
+    import kubernetes_validate
+
+    docs = kubernetes_docs()
+    assert {kind for kind, _ in docs} == {"ConfigMap", "Service", "StatefulSet", "PodDisruptionBudget"}
+    for (kind, name), doc in docs.items():
+        try:
+            kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            raise AssertionError(f"{kind}/{name}: {exc.message} at {list(exc.path)}") from None
+
+
+def test_kubernetes_kvcoord_replicas_form_a_cluster_on_etcd() -> None:
+    """The kvcoord StatefulSet runs N replicas (a volume each) behind a headless Service,
+    each loading the ConfigMap's one file with [cluster] pointed at every member of the
+    3-member etcd StatefulSet; the pod's environment makes its replica_id the pod's name
+    and its advertise_address the name the headless Service gives the pod."""
+    docs = kubernetes_docs()
+    sts, svc = docs["StatefulSet", "kvcoord"], docs["Service", "kvcoord"]
+    etcd, etcd_svc = docs["StatefulSet", "etcd"], docs["Service", "etcd"]
+    assert sts["spec"]["replicas"] >= 2 and etcd["spec"]["replicas"] == 3
+    for s, service in ((sts, svc), (etcd, etcd_svc)):
+        assert s["spec"]["serviceName"] == service["metadata"]["name"]
+        assert service["spec"]["clusterIP"] == "None"
+        assert service["spec"]["selector"].items() <= s["spec"]["template"]["metadata"]["labels"].items()
+        assert [t["metadata"]["name"] for t in s["spec"]["volumeClaimTemplates"]] == ["data"]
+    pod = sts["spec"]["template"]["spec"]
+    container = pod["containers"][0]
     assert {p["containerPort"] for p in container["ports"]} == {50051, 9400}
     for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
         assert container[probe]["grpc"]["port"] == 50051
-    configs = kinds["ConfigMap"]["data"]
-    assert sorted(configs) == [f"kvcoord-{i}.toml" for i in range(sts["spec"]["replicas"])]
-    names = [p.name for text in configs.values() for p in parse_config(text).pools]
-    assert len(names) == len(set(names)), "a pool is placed on two replicas"
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    (config_file,) = docs["ConfigMap", "kvcoord-config"]["data"]
+    args = container["args"]
+    assert args[:2] == ["serve", "--config"] and args[2] == f"{mounts['config']}/{config_file}"
+    cfg_text = docs["ConfigMap", "kvcoord-config"]["data"][config_file]
+
+    # etcd's members, as they name themselves and each other
+    etcd_container = etcd["spec"]["template"]["spec"]["containers"][0]
+    flags = dict(a.split("=", 1) for a in etcd_container["command"][1:])
+    members = [f"etcd-{i}" for i in range(etcd["spec"]["replicas"])]
+    peer = next(p["containerPort"] for p in etcd_container["ports"] if p["name"] == "peer")
+    client = next(p["containerPort"] for p in etcd_container["ports"] if p["name"] == "client")
+    assert flags["--initial-cluster"] == ",".join(f"{m}=http://{m}.etcd:{peer}" for m in members)
+    assert flags["--data-dir"] in {m["mountPath"] for m in etcd_container["volumeMounts"]}
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / config_file
+        path.write_text(cfg_text)
+        for i in range(sts["spec"]["replicas"]):
+            name = f"kvcoord-{i}"
+            cfg = load_config(path, env=_pod_env(container, name, "infer"))
+            assert cfg.cluster.enabled
+            assert cfg.cluster.endpoints == tuple(
+                f"{m}.{etcd_svc['metadata']['name']}:{client}" for m in members
+            )
+            assert cfg.cluster.replica_id == name
+            assert cfg.cluster.advertise_address == f"{name}.{svc['metadata']['name']}.infer.svc:50051"
+            assert cfg.server.data_dir == mounts["data"]
+            assert cfg.server.metrics_listen == "10.0.0.7:9400"
+    # a SIGTERM hands the pools over after in-flight calls finish: the pod must get the time
+    assert pod["terminationGracePeriodSeconds"] >= cfg.server.grace_seconds + 10 * len(cfg.pools)
     scrape = yaml.safe_load((DEPLOY / "kubernetes" / "prometheus-scrape.yml").read_text())["scrape_configs"][
         0
     ]
     assert scrape["kubernetes_sd_configs"] == [{"role": "pod"}]
     assert any(r.get("regex") == "kvcoord" and r["action"] == "keep" for r in scrape["relabel_configs"])
+    assert sts["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"] == "kvcoord"
+    assert sts["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9400"
+
+
+def test_kubernetes_disruption_budgets() -> None:
+    """A drain takes one kvcoord replica at a time (it hands its pools over) and never
+    etcd's quorum."""
+    docs = kubernetes_docs()
+    for name, limit in (("kvcoord", {"maxUnavailable": 1}), ("etcd", {"minAvailable": 2})):
+        pdb = docs["PodDisruptionBudget", name]
+        labels = docs["StatefulSet", name]["spec"]["template"]["metadata"]["labels"]
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+        assert {k: v for k, v in pdb["spec"].items() if k != "selector"} == limit
+    assert docs["StatefulSet", "etcd"]["spec"]["replicas"] // 2 + 1 == 2  # quorum of 3
 
 
 def test_metrics_doc_lists_every_exported_metric() -> None:
@@ -192,9 +338,12 @@ def test_metrics_listen_explicitly_in_compose_and_kubernetes() -> None:
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]["kvcoord"]
     assert compose["environment"]["KVCOORD_METRICS_LISTEN"] == "0.0.0.0:9400"
     assert [p for p in compose["ports"] if p.endswith(":9400")] == ["127.0.0.1:9400:9400"]
-    docs = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "kubernetes" / "kvcoord.yaml").read_text())}
-    for text in docs["ConfigMap"]["data"].values():
+    docs = kubernetes_docs()
+    for text in docs["ConfigMap", "kvcoord-config"]["data"].values():
         assert parse_config(text).server.metrics_listen.startswith("127.0.0.1:")
-    env = {e["name"]: e for e in docs["StatefulSet"]["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e
+        for e in docs["StatefulSet", "kvcoord"]["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env["KVCOORD_METRICS_LISTEN"]["value"] == "$(POD_IP):9400"

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from helpers import allocate
 from kvcoord.client import (
+    NO_RETRY,
     AbortedError,
     AsyncKVCoordClient,
     InvalidArgumentError,
@@ -332,3 +333,32 @@ def test_a_cancelled_answer_is_an_unknown_outcome_and_a_keyed_call_is_retried(
         (held,) = c.inspect_pool("p", all_requests=True).requests
         assert held.request_id == "a" and list(held.groups[0].block_ids) == given
     assert isinstance(error_from_code(grpc.StatusCode.CANCELLED, "CANCELLED"), UnavailableError)
+
+
+def test_a_read_whose_remembered_owner_swallows_packets_goes_to_another_replica() -> None:
+    """A stopped replica's address (a pod gone, a container stopped on a bridge network)
+    may accept or drop packets without ever answering: a read routed to it by the
+    client's memory of the pool's owner ends in DEADLINE_EXCEEDED, which no retry
+    policy repeats. The client forgets that owner and, the read being safe to send
+    again, asks the replica the set now routes it to, within the same call."""
+    import socket
+
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    hole = socket.socket()
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(1)  # the kernel completes connections; nobody ever answers on them
+    black = f"127.0.0.1:{hole.getsockname()[1]}"
+    srv = InProcessServer("").start()
+    try:
+        with KVCoordClient([srv.address, black], timeout=1.0, retry=NO_RETRY) as c:
+            c.create_pool("p", pb.PoolConfig(
+                num_blocks=16, hash_block_size=4, hash_algo="sha256_cbor", hash_seed="0",
+                enable_caching=True, max_model_len=64,
+                groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))]))  # fmt: skip
+            c.routes.redirected("p", black)  # as if that replica had owned "p"
+            assert c.get_pool("p").pool.name == "p"
+            assert c.routes.route("p") == srv.address
+    finally:
+        srv.stop()
+        hole.close()

@@ -229,15 +229,25 @@ class _Api:
             self._open[address] = got
         return got
 
-    def _routed(self, err: KVCoordError, pool: str, address: str, hops: int) -> bool:
+    def _routed(self, err: KVCoordError, pool: str, address: str, hops: int, rpc: str = "") -> bool:
         """After a failed attempt: True to call again at once (a NOT_OWNER redirect to
-        follow); an unreachable owner is forgotten (the caller's retry policy decides
-        whether to try again, at another replica)."""
+        follow, or a read whose remembered owner stopped answering and another replica
+        is now the one to ask); an unreachable owner is forgotten (otherwise the caller's
+        retry policy decides whether to try again, at another replica)."""
         if isinstance(err, NotOwnerError) and err.owner and pool and hops < MAX_HOPS:
             self.routes.redirected(pool, err.owner)
             return True
         if isinstance(err, UnavailableError) and pool:
             self.routes.unreachable(pool, address)
+            # A stopped owner's address may swallow packets instead of refusing them:
+            # the read then ends in DEADLINE_EXCEEDED, which no retry policy repeats. A
+            # read is safe to send again, and another replica now routes it.
+            return (
+                err.code == grpc.StatusCode.DEADLINE_EXCEEDED
+                and rq.RPCS.get(rpc) == "read"
+                and hops < MAX_HOPS
+                and self.routes.route(pool) != address
+            )
         return False
 
     @staticmethod
@@ -293,7 +303,7 @@ class KVCoordClient(_Api):
             else:
                 routes.answered(rpc, request, response, pool, address)
                 return response
-            if self._routed(err, pool, address, hops):
+            if self._routed(err, pool, address, hops, rpc):
                 hops += 1
                 continue
             time.sleep(attempts.next_sleep(err))
@@ -529,7 +539,7 @@ class AsyncKVCoordClient(_Api):
             else:
                 routes.answered(rpc, request, response, pool, address)
                 return response
-            if self._routed(err, pool, address, hops):
+            if self._routed(err, pool, address, hops, rpc):
                 hops += 1
                 continue
             await asyncio.sleep(attempts.next_sleep(err))

@@ -101,6 +101,8 @@ def test_public_exports_are_pinned() -> None:
         "AnswerEvictedError", "FencedError", "GracePeriodError", "KeyReusedError", "LeaseExpiredError",
         "OutcomeUnknownError", "RequestUnknownError", "RequestsLostError", "SessionExpiredError",
         "SessionKeeper", "SyncMismatchError", "PoolBusyError",
+        # semantics profiles: the handshake refusal
+        "ProfileMismatchError",
     ])  # fmt: skip
     for mod in (kvcoord.engine, kvcoord.client):
         for name in mod.__all__:

@@ -110,8 +110,10 @@ def attach(
     lease_seconds: float,
     exclusive: bool = False,
     want_pool_state: bool = False,
+    profile: str = "",
 ) -> pb.AttachRequest:
     return pb.AttachRequest(
+        profile=profile,
         want_pool_state=want_pool_state,
         pool=pool,
         hash_algo=hash_algo,

@@ -270,8 +270,10 @@ class KVCoordClient(_Api):
         lease_seconds: float = 0,
         exclusive: bool = False,
         want_pool_state: bool = False,
+        profile: str = "",
     ) -> pb.AttachResponse:
-        """Hash handshake: a session id and fence. HashMismatchError on a mismatch.
+        """Hash handshake: a session id and fence. HashMismatchError on a mismatch,
+        ProfileMismatchError when the pool follows another ``profile``.
         ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state."""
         return self._unary(
             _ATTACH,
@@ -284,6 +286,7 @@ class KVCoordClient(_Api):
                 lease_seconds,
                 exclusive,
                 want_pool_state,
+                profile,
             ),
         )
 
@@ -479,8 +482,10 @@ class AsyncKVCoordClient(_Api):
         lease_seconds: float = 0,
         exclusive: bool = False,
         want_pool_state: bool = False,
+        profile: str = "",
     ) -> _Coro[pb.AttachResponse]:
-        """Hash handshake: a session id and fence. HashMismatchError on a mismatch.
+        """Hash handshake: a session id and fence. HashMismatchError on a mismatch,
+        ProfileMismatchError when the pool follows another ``profile``.
         ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state."""
         return self._unary(
             _ATTACH,
@@ -493,6 +498,7 @@ class AsyncKVCoordClient(_Api):
                 lease_seconds,
                 exclusive,
                 want_pool_state,
+                profile,
             ),
         )
 

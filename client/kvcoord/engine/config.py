@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from .errors import ConfigError
+from .profiles import PROFILES, VLLM_016, VLLM_033
 from .specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -42,6 +43,9 @@ class KVCacheConfig:
         hash_length: when set, every block hash must have exactly this many bytes.
         dcp_world_size: decode context parallelism; only 1 is supported.
         pcp_world_size: prefill context parallelism; only 1 is supported.
+        profile: the vLLM release whose semantics the pool follows (see
+            :mod:`~kvcoord.engine.profiles`): ``"vllm-0.16"`` (default) or
+            ``"vllm-0.33"``.
 
     Raises:
         ConfigError: the layout breaks a rule vLLM enforces (at construction or at its
@@ -59,6 +63,7 @@ class KVCacheConfig:
     hash_length: int | None = None
     dcp_world_size: int = 1
     pcp_world_size: int = 1
+    profile: str = VLLM_016
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -112,6 +117,10 @@ def _validate(cfg: KVCacheConfig) -> None:
             "decode/prefill context parallelism is not supported: dcp_world_size and "
             f"pcp_world_size must be 1, got {cfg.dcp_world_size} and {cfg.pcp_world_size}"
         )
+    if cfg.profile not in PROFILES:
+        raise ConfigError(f"profile must be one of {', '.join(PROFILES)}, got {cfg.profile!r}")
+    if cfg.profile == VLLM_033:
+        _validate_033_support(cfg)
     sink_blocks = 0
     for gid, spec in enumerate(cfg.groups):
         if not isinstance(spec, _SPEC_TYPES):
@@ -141,6 +150,23 @@ def _validate(cfg: KVCacheConfig) -> None:
     if not cfg.enable_caching:
         return
     _validate_caching(cfg)
+
+
+def _validate_033_support(cfg: KVCacheConfig) -> None:
+    """Refuse the vllm-0.33 layouts kvcoord does not reproduce yet, rather than answer
+    them with any other release's rules (docs/semantics-notes.md lists them)."""
+    missing = []
+    if cfg.use_eagle:
+        missing.append("EAGLE/MTP (lookahead block hashes, the per-group drop)")
+    for gid, spec in enumerate(cfg.groups):
+        if isinstance(spec, FullAttentionSpec) and spec.sink_len:
+            missing.append(f"group {gid}: sink attention (0.33 reserves no sink blocks)")
+        if isinstance(spec, MambaSpec):
+            missing.append(f"group {gid}: mamba (0.33's align checkpoints and copy-on-write)")
+    if cfg.enable_caching and len(cfg.groups) > 1:
+        missing.append("hybrid prefix caching (sparse retention, scheduler-block round-down)")
+    if missing:
+        raise ConfigError("the vllm-0.33 profile does not support yet: " + "; ".join(missing))
 
 
 def _validate_caching(cfg: KVCacheConfig) -> None:

@@ -11,8 +11,9 @@ from .blocks import KVCacheBlock
 from .config import KVCacheConfig, attention_groups
 from .hash_list import hashes_at_block_size
 from .managers import CrossAttentionManager, SingleTypeKVCacheManager, manager_class
+from .profiles import rules_of
 from .request import Request
-from .specs import AttentionSpec, FullAttentionSpec
+from .specs import AttentionSpec, FullAttentionSpec, event_spec_fields
 
 __all__ = [
     "HybridKVCacheCoordinator",
@@ -36,6 +37,7 @@ class KVCacheCoordinator:
     def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
         self.config = config
         self.enable_caching = config.enable_caching
+        rules = rules_of(config.profile)
         self.block_pool = BlockPool(
             config.num_blocks,
             config.enable_caching,
@@ -43,6 +45,8 @@ class KVCacheCoordinator:
             config.enable_kv_cache_events,
             num_groups=len(config.groups),
             materialize=materialize_blocks,
+            prepend_unhashed_frees=rules.prepend_unhashed_frees,
+            group_event_fields=[event_spec_fields(g) for g in config.groups] if rules.event_fields else None,
         )
         self.managers: list[SingleTypeKVCacheManager] = [
             manager_class(spec)(spec, self.block_pool, gid, config.enable_caching)

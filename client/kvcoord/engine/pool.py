@@ -28,7 +28,8 @@ from .errors import FailedPreconditionError, InvalidArgumentError, RequestNotFou
 from .events import KVCacheEvent
 from .hash_list import request_keys
 from .hits import PrefixHits
-from .managers import MambaManager, SingleTypeKVCacheManager
+from .managers import CrossAttentionManager, MambaManager, SingleTypeKVCacheManager
+from .profiles import rules_of
 from .request import LoRA, Request
 from .request_table import RequestTable, check_count
 from .reservations import Reservation, Reservations
@@ -63,6 +64,8 @@ class KVCachePool:
 
     def __init__(self, config: KVCacheConfig, *, materialize_blocks: bool = False) -> None:
         self.config = config
+        #: the rules of the pool's semantics profile (vllm-0.16 or vllm-0.33)
+        self.rules = rules_of(config.profile)
         self.coordinator = get_kv_cache_coordinator(config, materialize_blocks)
         self.block_pool = self.coordinator.block_pool
         self.managers = self.coordinator.managers
@@ -127,8 +130,12 @@ class KVCachePool:
         skip_reading_prefix_cache: bool = False,
         num_preemptions: int = 0,
         cache_namespace: str = "",
+        cache_salt: str | None = None,
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes.
+
+        ``cache_salt`` is only reported in vllm-0.33 pools' KV events (the hashes already
+        include it).
 
         ``cache_namespace`` isolates prefix caching: the request hits only blocks cached
         by requests of the same namespace, whatever its hashes. ``""`` (the default) is
@@ -147,6 +154,7 @@ class KVCachePool:
             skip_reading_prefix_cache,
             num_preemptions,
             cache_namespace,
+            cache_salt,
         )
 
     @property
@@ -326,6 +334,8 @@ class KVCachePool:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
     ) -> BlockIds | None:
         """vLLM's ``allocate_slots``: adopt a prefix hit, take new blocks, cache full ones.
 
@@ -339,6 +349,10 @@ class KVCachePool:
             num_external_computed_tokens: tokens loaded by a KV connector.
             delay_cache_blocks: do not cache yet (asynchronous external load).
             num_encoder_tokens: encoder input length for cross-attention groups.
+            full_sequence_must_fit: (vllm-0.33 only) refuse, changing nothing, unless
+                the request's whole sequence fits (vLLM 0.33's admission gate).
+            reserved_blocks: (vllm-0.33 only) free blocks the allocation must leave
+                for other in-flight requests.
 
         Returns:
             The newly taken block ids per group, or ``None`` when too few blocks are
@@ -368,6 +382,8 @@ class KVCachePool:
             and type(num_external_computed_tokens) is int
             and type(num_encoder_tokens) is int
             and delay_cache_blocks is False
+            and full_sequence_must_fit is False
+            and reserved_blocks == 0
             and req.num_computed_tokens + num_new_tokens <= self.max_model_len
         ):
             return self._allocate_without_hit(req, num_new_tokens, num_lookahead_tokens)
@@ -378,10 +394,20 @@ class KVCachePool:
                 check_count(value, name)
         if not isinstance(delay_cache_blocks, bool):
             raise InvalidArgumentError("delay_cache_blocks must be a bool")
-        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+        if not isinstance(full_sequence_must_fit, bool):
+            raise InvalidArgumentError("full_sequence_must_fit must be a bool")
+        check_count(reserved_blocks, "reserved_blocks")
+        if (full_sequence_must_fit or reserved_blocks) and not self.rules.full_sequence_admission:
             raise InvalidArgumentError(
-                "num_new_tokens must be > 0 unless num_external_computed_tokens is > 0"
+                f"full_sequence_must_fit and reserved_blocks are vLLM 0.33 inputs; this pool's "
+                f"profile is {self.config.profile}"
             )
+        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+            # vLLM 0.31+ also lets a step adopt a local hit with no new token.
+            if not (self.rules.full_sequence_admission and num_new_computed_tokens):
+                raise InvalidArgumentError(
+                    "num_new_tokens must be > 0 unless num_external_computed_tokens is > 0"
+                )
         hit_blocks = self._resolve_hit(req, new_computed_blocks, num_new_computed_tokens)
         local = req.num_computed_tokens + num_new_computed_tokens
         if local + num_external_computed_tokens + num_new_tokens > self.max_model_len:
@@ -400,6 +426,15 @@ class KVCachePool:
                 raise FailedPreconditionError(f"group {manager.group_id}: {reason}")
 
         coordinator = self.coordinator
+        if full_sequence_must_fit:
+            # vLLM 0.33's gate, before anything is released: the whole sequence must fit.
+            full = min(req.num_tokens, self.max_model_len)
+            k = coordinator.get_num_blocks_to_allocate(
+                request_id, full, hit_blocks, num_encoder_tokens, local + num_external_computed_tokens, full
+            )
+            if k > self.block_pool.get_num_free_blocks():
+                self.num_refusals += 1
+                return None
         coordinator.remove_skipped_blocks(request_id, total)
         k = coordinator.get_num_blocks_to_allocate(
             request_id,
@@ -409,7 +444,7 @@ class KVCachePool:
             local + num_external_computed_tokens,
             main,
         )
-        if k > self.block_pool.get_num_free_blocks():
+        if k > self.block_pool.get_num_free_blocks() - reserved_blocks:
             self.num_refusals += 1
             return None
         if any(hit_blocks) or num_external_computed_tokens > 0:
@@ -540,11 +575,15 @@ class KVCachePool:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
     ) -> AllocationResult:
         """Look up the prefix and allocate in one step, so the hit cannot go stale.
 
         Does what vLLM's scheduler does for a waiting request:
         ``num_new_tokens = min(num_tokens - hit - external, max_num_new_tokens)``.
+        In a vllm-0.33 pool the lookup is counted in the statistics only when the
+        allocation succeeds (vLLM 0.33 counts admissions).
 
         Raises:
             FailedPreconditionError: the request already holds blocks or has
@@ -591,6 +630,8 @@ class KVCachePool:
                 num_external_computed_tokens,
                 delay_cache_blocks,
                 num_encoder_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
             )
         except Exception:
             req.last_hit = last_hit
@@ -598,7 +639,54 @@ class KVCachePool:
         if lists is not None:
             self._record_lookup(req, hit, lists)
             req.last_hit = fresh
+            if new is not None and self.rules.stats_at_admission:
+                self.hits.record_admission(req, hit.num_tokens)
         return AllocationResult(hit, num_new, new)
+
+    def record_prefix_cache_stats(self, request_id: str, num_hits: int) -> None:
+        """vLLM 0.33's ``record_prefix_cache_stats``: count an admitted request's lookup
+        (``num_hits`` tokens found) in the prefix-cache statistics. Nothing for a request
+        that skips reading the cache, with caching off, or without statistics.
+
+        Raises:
+            RequestNotFoundError: unknown request.
+            InvalidArgumentError: a bad count.
+            FailedPreconditionError: the pool's profile counts at lookup (vllm-0.16).
+        """
+        req = self._get(request_id)
+        check_count(num_hits, "num_hits")
+        if not self.rules.stats_at_admission:
+            raise FailedPreconditionError(
+                f"this pool's profile ({self.config.profile}) records statistics at each lookup; "
+                "record_prefix_cache_stats is a vllm-0.33 call"
+            )
+        if self.enable_caching and not req.skip_reading_prefix_cache:
+            self.hits.record_admission(req, num_hits)
+
+    def new_step_starts(self) -> None:
+        """vLLM 0.33's ``new_step_starts`` (the scheduler calls it at every step). Only
+        mamba groups keep per-step state, and the vllm-0.33 profile does not take them
+        yet (the config refuses them), so nothing changes."""
+
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        """vLLM 0.33's ``estimate_cached_tokens``: per prefix-cacheable group, the end of
+        the request's furthest block that holds a hash; the smallest over the groups
+        (0 when caching is off or no group counts)."""
+        self._get(request_id)
+        if not self.enable_caching:
+            return 0
+        out: int | None = None
+        for m in self.managers:
+            if isinstance(m, CrossAttentionManager):
+                continue
+            blocks = m.req_to_blocks.get(request_id) or ()
+            end = 0
+            for i in range(len(blocks) - 1, -1, -1):
+                if blocks[i].cached_hash is not None and not blocks[i].is_null:
+                    end = (i + 1) * m.block_size
+                    break
+            out = end if out is None else min(out, end)
+        return out or 0
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first, group order) and forget it."""
@@ -719,6 +807,8 @@ class KVCachePool:
     def get_num_common_prefix_blocks(self, request_id: str) -> tuple[int, ...]:
         """Per group, the leading blocks of this request shared by every holder."""
         self._get(request_id)
+        if self.rules.common_prefix_zeros:
+            return (0,) * len(self.managers)
         return tuple(self.coordinator.get_num_common_prefix_blocks(request_id))
 
     @property
@@ -755,6 +845,8 @@ class KVCachePool:
             return "the pool's block size is not its hash block size"
         if self.config.use_eagle:
             return "the pool uses EAGLE drafts (a hit drops its last block)"
+        if self.config.profile != "vllm-0.16":
+            return f"the pool's profile is {self.config.profile} (replicas follow vllm-0.16 only)"
         if self.requests:
             return "the pool holds requests"
         if self.reservations.live:
@@ -806,9 +898,19 @@ class KVCachePool:
             self.coordinator.free(request_id)
             return
         bp = self.block_pool
-        release = bp.free_block_queue.release
         null = bp.null_block
         freed = 0
+        if bp.prepend_unhashed_frees:
+            split = bp.free_block_queue.release_split
+            caching = self.enable_caching
+            for m, may_hold_null in self._fused_free:
+                blocks = m.req_to_blocks.pop(request_id, None)
+                if blocks:
+                    freed += split(reversed(blocks), null if may_hold_null else None, caching)
+                m.num_cached_block.pop(request_id, None)
+            bp.num_freed += freed
+            return
+        release = bp.free_block_queue.release
         for m, may_hold_null in self._fused_free:
             blocks = m.req_to_blocks.pop(request_id, None)
             if blocks:

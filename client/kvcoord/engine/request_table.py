@@ -104,6 +104,7 @@ class RequestTable:
         skip_reading_prefix_cache: bool,
         num_preemptions: int,
         cache_namespace: str = "",
+        cache_salt: str | None = None,
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes (in cache
         namespace ``cache_namespace``: see :meth:`KVCachePool.add_request`).
@@ -129,6 +130,8 @@ class RequestTable:
         if not isinstance(skip_reading_prefix_cache, bool):
             raise InvalidArgumentError("skip_reading_prefix_cache must be a bool")
         check_count(num_preemptions, "num_preemptions")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidArgumentError("cache_salt must be a string")
         prefix = self.namespace_prefix(cache_namespace)
         self.requests[request_id] = Request(
             RequestId(request_id),
@@ -138,6 +141,7 @@ class RequestTable:
             lora=lora,
             skip_reading_prefix_cache=skip_reading_prefix_cache,
             cache_prefix=prefix,
+            cache_salt=cache_salt or None,
         )
 
     def update(

@@ -26,6 +26,7 @@ from kvcoord.engine import (
     SlidingWindowSpec,
     TokenIds,
 )
+from kvcoord.engine.profiles import VLLM_016
 from kvcoord.v1 import allocator_pb2 as pb
 
 from . import operations as op
@@ -138,6 +139,7 @@ def config_from_pb(cfg: pb.PoolConfig) -> KVCacheConfig:
         log_stats=cfg.log_stats if cfg.HasField("log_stats") else True,
         max_model_len=cfg.max_model_len or MAX_MODEL_LEN_UNLIMITED,
         hash_length=HASH_LENGTHS.get(cfg.hash_algo) if cfg.enable_caching else None,
+        profile=cfg.profile or VLLM_016,
     )
 
 
@@ -200,6 +202,8 @@ def _fill_event(message: pb.KVEvent, event: KVCacheEvent) -> None:
         removed = message.block_removed
         removed.block_hashes.extend(event.block_hashes)
         removed.medium = event.medium
+        if event.group_idx is not None:
+            removed.group_idx = event.group_idx
     elif isinstance(event, BlockStored):
         stored = message.block_stored
         stored.block_hashes.extend(event.block_hashes)
@@ -212,6 +216,17 @@ def _fill_event(message: pb.KVEvent, event: KVCacheEvent) -> None:
             stored.lora_id = event.lora_id
         if event.lora_name is not None:
             stored.lora_name = event.lora_name
+        if event.group_idx is not None:  # vllm-0.33's fields
+            stored.group_idx = event.group_idx
+        if event.kv_cache_spec_kind is not None:
+            stored.kv_cache_spec_kind = event.kv_cache_spec_kind
+        if event.kv_cache_spec_sliding_window is not None:
+            stored.kv_cache_spec_sliding_window = event.kv_cache_spec_sliding_window
+        for keys in event.extra_keys or ():
+            entry = stored.extra_keys.add()
+            if keys is not None:
+                entry.present = True
+                entry.keys.extend(str(k) for k in keys)
     else:
         assert isinstance(event, AllBlocksCleared)
         message.all_blocks_cleared.SetInParent()
@@ -239,6 +254,7 @@ def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
         lora_from_pb(s.lora) if s.HasField("lora") else None,
         s.skip_reading_prefix_cache,
         s.num_preemptions if s.HasField("num_preemptions") else None,
+        s.cache_salt or None,
     )
 
 
@@ -256,6 +272,8 @@ def allocate_from_pb(a: pb.AllocateOp, num_groups: int) -> op.Allocate:
         a.must_succeed,
         a.must_refuse,
         a.return_table,
+        a.full_sequence_must_fit,
+        a.reserved_blocks,
     )
 
 
@@ -303,6 +321,13 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         return op.MakeStats(o.make_prefix_cache_stats.peek)
     if kind == "sync":
         return op.Sync(sync_from_pb(o.sync.request))
+    if kind == "record_prefix_cache_stats":
+        rec = o.record_prefix_cache_stats
+        return op.RecordStats(rec.request_id, rec.num_hits)
+    if kind == "estimate_cached_tokens":
+        return op.EstimateCachedTokens(o.estimate_cached_tokens.request_id)
+    if kind == "new_step_starts":
+        return op.NewStepStarts()
     if kind == "allocate_run":
         run = o.allocate_run
         return op.AllocateRun(
@@ -434,6 +459,9 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
         return pb.OperationResult(common_prefix=pb.CommonPrefixResult(num_blocks=v))  # type: ignore[arg-type]
     if isinstance(operation, op.ResetPrefixCache):
         return pb.OperationResult(reset_prefix_cache=pb.ResetPrefixCacheResult(result=bool(v)))
+    if isinstance(operation, op.EstimateCachedTokens):
+        assert isinstance(v, int)
+        return pb.OperationResult(estimate_cached_tokens=pb.EstimateCachedTokensResult(num_tokens=v))
     if isinstance(operation, op.TakeEvents):
         assert isinstance(v, op.EventsTaken)
         result = pb.OperationResult(take_events=pb.TakeEventsResult(gap=v.gap, more=v.more))

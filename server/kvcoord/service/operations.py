@@ -37,6 +37,9 @@ __all__ = [
     "ResetPrefixCache",
     "Sync",
     "TakeEvents",
+    "RecordStats",
+    "EstimateCachedTokens",
+    "NewStepStarts",
 ]
 
 BlockIds = tuple[tuple[int, ...], ...]
@@ -56,6 +59,7 @@ class RequestSync:
     lora: LoRA | None = None
     skip_reading_prefix_cache: bool = False
     num_preemptions: int | None = None
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,6 +95,8 @@ class Allocate:
     must_succeed: bool = False
     must_refuse: bool = False
     return_table: bool = False
+    full_sequence_must_fit: bool = False
+    reserved_blocks: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -195,6 +201,24 @@ class Sync:
 
 
 @dataclasses.dataclass(slots=True)
+class RecordStats:
+    """vLLM 0.33's record_prefix_cache_stats (vllm-0.33 pools)."""
+
+    request_id: str
+    num_hits: int
+
+
+@dataclasses.dataclass(slots=True)
+class EstimateCachedTokens:
+    request_id: str
+
+
+@dataclasses.dataclass(slots=True)
+class NewStepStarts:
+    pass
+
+
+@dataclasses.dataclass(slots=True)
 class Admit:
     """Admit waiting requests in order (see the proto's AdmitOp)."""
 
@@ -219,6 +243,9 @@ Operation = (
     | Sync
     | Admit
     | AllocateRun
+    | RecordStats
+    | EstimateCachedTokens
+    | NewStepStarts
 )
 
 
@@ -264,6 +291,7 @@ Value = (
     | BlockIds
     | tuple[int, ...]
     | bool
+    | int
     | EventsTaken
     | PrefixCacheStats
     | None

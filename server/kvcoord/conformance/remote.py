@@ -41,6 +41,7 @@ def event_json(e: pb.KVEvent) -> dict[str, Any]:
             "lora_id": s.lora_id if s.HasField("lora_id") else None,
             "medium": s.medium,
             "lora_name": s.lora_name if s.HasField("lora_name") else None,
+            **_033_stored_fields(s),
         }
     if kind == "block_removed":
         r = e.block_removed
@@ -48,8 +49,23 @@ def event_json(e: pb.KVEvent) -> dict[str, Any]:
             "type": "BlockRemoved",
             "block_hashes": [_hash_int(h) for h in r.block_hashes],
             "medium": r.medium,
+            **({"group_idx": r.group_idx} if r.HasField("group_idx") else {}),
         }
     return {"type": "AllBlocksCleared"}
+
+
+def _033_stored_fields(s: pb.BlockStored) -> dict[str, Any]:
+    """A vllm-0.33 BlockStored's extra fields, only those set (as vLLM writes them)."""
+    out: dict[str, Any] = {}
+    if s.extra_keys:
+        out["extra_keys"] = [list(k.keys) if k.present else None for k in s.extra_keys]
+    if s.HasField("group_idx"):
+        out["group_idx"] = s.group_idx
+    if s.HasField("kv_cache_spec_kind"):
+        out["kv_cache_spec_kind"] = s.kv_cache_spec_kind
+    if s.HasField("kv_cache_spec_sliding_window"):
+        out["kv_cache_spec_sliding_window"] = s.kv_cache_spec_sliding_window
+    return out
 
 
 def stats_json(s: pb.PrefixCacheStats) -> dict[str, Any]:
@@ -95,9 +111,19 @@ class RemoteTarget:
         self.pool = f"conformance-{trace_config.get('name', 'trace')}-{uuid.uuid4().hex[:8]}"
         cfg = pool_config_from_trace(trace_config)
         self.client.create_pool(self.pool, cfg)
-        att = self.client.attach(
-            self.pool, cfg.hash_algo, cfg.hash_block_size, cfg.hash_seed, client_name="conformance"
-        )
+        if cfg.profile:
+            att = self.client.attach(
+                self.pool,
+                cfg.hash_algo,
+                cfg.hash_block_size,
+                cfg.hash_seed,
+                "conformance",
+                profile=cfg.profile,
+            )
+        else:  # the default profile: clients older than profiles work too
+            att = self.client.attach(
+                self.pool, cfg.hash_algo, cfg.hash_block_size, cfg.hash_seed, client_name="conformance"
+            )
         self.session = att.session_id
         self.fence = att.fence
 
@@ -137,11 +163,18 @@ class RemoteTarget:
 
     # -- ReplayTarget -------------------------------------------------------------------
     def add_request(
-        self, rid: str, prompt: list[int], hashes: list[bytes], lora: LoRA | None, skip_read: bool
+        self,
+        rid: str,
+        prompt: list[int],
+        hashes: list[bytes],
+        lora: LoRA | None,
+        skip_read: bool,
+        cache_salt: str | None = None,
     ) -> None:
         sync = pb.RequestSync(
             request_id=rid, append_token_ids=prompt, append_block_hashes=hashes,
             skip_reading_prefix_cache=skip_read, num_computed_tokens=0, new_request=True,
+            cache_salt=cache_salt or "",
         )  # fmt: skip
         if lora is not None:
             sync.lora.adapter_id = lora.adapter_id
@@ -163,10 +196,13 @@ class RemoteTarget:
     def allocate_slots(self, rid: str, num_new_tokens: int, num_new_computed_tokens: int,
                        new_computed_blocks: BlockIds | None, num_lookahead_tokens: int,
                        num_external_computed_tokens: int, delay_cache_blocks: bool,
-                       num_encoder_tokens: int) -> list[list[int]] | None:  # fmt: skip
+                       num_encoder_tokens: int, full_sequence_must_fit: bool = False,
+                       reserved_blocks: int = 0) -> list[list[int]] | None:  # fmt: skip
         op = rq.allocate_op(self._sync(rid), num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                             num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
                             num_encoder_tokens)  # fmt: skip
+        op.full_sequence_must_fit = full_sequence_must_fit
+        op.reserved_blocks = reserved_blocks
         r = self._step(pb.Operation(allocate=op))
         return None if r.allocate.refused else _lists(r.allocate.new_block_ids)
 
@@ -230,3 +266,16 @@ class RemoteTarget:
         resp = self.client.inspect_pool(self.pool, free_queue_limit=limit)
         self._free, self._usage = resp.num_free_blocks, resp.usage
         return list(resp.free_queue_head)
+
+    # -- vLLM 0.33's calls --------------------------------------------------------------
+    def new_step_starts(self) -> None:
+        self._step(pb.Operation(new_step_starts=pb.NewStepStartsOp()))
+
+    def record_prefix_cache_stats(self, rid: str, num_hits: int) -> None:
+        op = pb.RecordPrefixCacheStatsOp(request_id=rid, num_hits=num_hits)
+        self._step(*self._flush(rid), pb.Operation(record_prefix_cache_stats=op))
+
+    def estimate_cached_tokens(self, rid: str) -> int:
+        op = pb.EstimateCachedTokensOp(request_id=rid)
+        r = self._step(*self._flush(rid), pb.Operation(estimate_cached_tokens=op))
+        return r.estimate_cached_tokens.num_tokens

@@ -24,12 +24,12 @@ PASSING = [
     "unitary_full16_large",
     "unitary_full16_tiny",
     "unitary_full16_sha256_lora_salt",
+    "unitary_full16_eagle_k3",
 ]
 
 #: Traces the vllm-0.33 profile does not reproduce yet, and why (the pool or the
 #: replayer refuses them before any answer could differ).
 NOT_YET = {
-    "unitary_full16_eagle_k3": "lookahead block hashes (num_hash_lookahead_tokens 1)",
     "hybrid_full16_swa16_w64_eagle_k2": "lookahead block hashes and the per-group EAGLE rules",
     "unitary_full16_pd_connector": "the connector calls (get_num_blocks_to_allocate, ...)",
     "hybrid_full16_swa16_w64": "hybrid caching: sparse retention",

@@ -104,3 +104,15 @@ block_size = 4
             assert c.get_pool("p33").pool.config.profile == "vllm-0.33"
     finally:
         srv.stop()
+
+
+def test_attach_with_another_lookahead_is_refused(client: KVCoordClient) -> None:
+    """num_hash_lookahead_tokens is part of the hash handshake."""
+    cfg = pool("vllm-0.33")
+    cfg.num_hash_lookahead_tokens = 1
+    client.create_pool("eagle", cfg)
+    with pytest.raises(HashMismatchError, match="num_hash_lookahead_tokens is 1 but the client uses 0"):
+        client.attach("eagle", "sha256_cbor", 4, "0", profile="vllm-0.33")
+    assert client.attach(
+        "eagle", "sha256_cbor", 4, "0", profile="vllm-0.33", num_hash_lookahead_tokens=1
+    ).session_id

@@ -131,3 +131,20 @@ def test_unknown_profile_and_unsupported_033_layouts() -> None:
         KVCacheConfig(4, (FullAttentionSpec(16), SlidingWindowSpec(16, 64)), 16, profile="vllm-0.33")
     with pytest.raises(ConfigError, match="sink attention"):
         KVCacheConfig(4, (FullAttentionSpec(16, sink_len=16),), 16, profile="vllm-0.33")
+
+
+def test_lookahead_hashes_lag_and_cap_caching() -> None:
+    """With L = 1 a request has hashes only for blocks followed by a token, and only
+    those blocks are cached (the block hashed last waits for the next token)."""
+    cfg = KVCacheConfig(16, (FullAttentionSpec(16),), 16, profile="vllm-0.33", num_hash_lookahead_tokens=1)
+    p = KVCachePool(cfg)
+    with pytest.raises(InvalidArgumentError, match="expected 1 new block hashes"):
+        p.add_request("r", list(range(32)), hashes(2))
+    p.add_request("r", list(range(32)), hashes(1))
+    p.allocate_slots("r", 32)
+    assert p.estimate_cached_tokens("r") == 16
+    p.update_request("r", num_computed_tokens=32, append_token_ids=[7], append_block_hashes=hashes(1, 9))
+    p.cache_blocks("r", 32)
+    assert p.estimate_cached_tokens("r") == 32
+    with pytest.raises(ConfigError, match="needs the vllm-0.33 profile"):
+        KVCacheConfig(16, (FullAttentionSpec(16),), 16, num_hash_lookahead_tokens=1)

@@ -271,6 +271,7 @@ class KVCoordClient(_Api):
         exclusive: bool = False,
         want_pool_state: bool = False,
         profile: str = "",
+        num_hash_lookahead_tokens: int = 0,
     ) -> pb.AttachResponse:
         """Hash handshake: a session id and fence. HashMismatchError on a mismatch,
         ProfileMismatchError when the pool follows another ``profile``.
@@ -287,6 +288,7 @@ class KVCoordClient(_Api):
                 exclusive,
                 want_pool_state,
                 profile,
+                num_hash_lookahead_tokens,
             ),
         )
 
@@ -483,6 +485,7 @@ class AsyncKVCoordClient(_Api):
         exclusive: bool = False,
         want_pool_state: bool = False,
         profile: str = "",
+        num_hash_lookahead_tokens: int = 0,
     ) -> _Coro[pb.AttachResponse]:
         """Hash handshake: a session id and fence. HashMismatchError on a mismatch,
         ProfileMismatchError when the pool follows another ``profile``.
@@ -499,6 +502,7 @@ class AsyncKVCoordClient(_Api):
                 exclusive,
                 want_pool_state,
                 profile,
+                num_hash_lookahead_tokens,
             ),
         )
 

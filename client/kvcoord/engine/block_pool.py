@@ -110,6 +110,8 @@ class BlockPool:
             go to the head of the free queue.
         group_event_fields: per group, the fields vLLM 0.33 adds to its events
             (``group_idx``, spec kind, sliding window); ``None`` for 0.16's events.
+        num_hash_lookahead_tokens: vLLM 0.33's L: BlockStored events list the L tokens
+            after each stored block (``lookahead_token_ids``).
     """
 
     def __init__(
@@ -122,6 +124,7 @@ class BlockPool:
         materialize: bool = False,
         prepend_unhashed_frees: bool = False,
         group_event_fields: Sequence[tuple[str, int | None]] | None = None,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -144,6 +147,7 @@ class BlockPool:
         self.num_freed = 0
         self.prepend_unhashed_frees = prepend_unhashed_frees
         self.group_event_fields = None if group_event_fields is None else tuple(group_event_fields)
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
         if prepend_unhashed_frees:
             self.free_blocks = self._free_blocks_split  # type: ignore[method-assign]
 
@@ -233,12 +237,20 @@ class BlockPool:
         assert self.group_event_fields is not None
         kind, window = self.group_event_fields[group_id]
         extra = request.event_extra_keys
+        look = self.num_hash_lookahead_tokens
+        lookahead = None
+        if look:
+            size, tokens = event.block_size, request.all_token_ids
+            lookahead = tuple(
+                tuple(tokens[(i + 1) * size : (i + 1) * size + look]) for i in range(start, end)
+            )
         return dataclasses.replace(
             event,
             extra_keys=tuple(extra(i) for i in range(start, end)),
             group_idx=group_id,
             kv_cache_spec_kind=kind,
             kv_cache_spec_sliding_window=window,
+            lookahead_token_ids=lookahead,
         )
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:

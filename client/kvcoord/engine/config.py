@@ -46,6 +46,10 @@ class KVCacheConfig:
         profile: the vLLM release whose semantics the pool follows (see
             :mod:`~kvcoord.engine.profiles`): ``"vllm-0.16"`` (default) or
             ``"vllm-0.33"``.
+        num_hash_lookahead_tokens: (vllm-0.33, caching on) L: each block hash also
+            covers the next L tokens, so a request has hashes only for the blocks
+            followed by L tokens, and only those are cached (vLLM 0.33's EAGLE/MTP
+            default, with ``use_eagle`` off).
 
     Raises:
         ConfigError: the layout breaks a rule vLLM enforces (at construction or at its
@@ -64,6 +68,7 @@ class KVCacheConfig:
     dcp_world_size: int = 1
     pcp_world_size: int = 1
     profile: str = VLLM_016
+    num_hash_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -121,6 +126,11 @@ def _validate(cfg: KVCacheConfig) -> None:
         raise ConfigError(f"profile must be one of {', '.join(PROFILES)}, got {cfg.profile!r}")
     if cfg.profile == VLLM_033:
         _validate_033_support(cfg)
+    n = cfg.num_hash_lookahead_tokens
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"num_hash_lookahead_tokens must be >= 0, got {n!r}")
+    if n and (cfg.profile != VLLM_033 or not cfg.enable_caching):
+        raise ConfigError("num_hash_lookahead_tokens needs the vllm-0.33 profile and prefix caching")
     sink_blocks = 0
     for gid, spec in enumerate(cfg.groups):
         if not isinstance(spec, _SPEC_TYPES):

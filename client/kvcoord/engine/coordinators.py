@@ -47,6 +47,7 @@ class KVCacheCoordinator:
             materialize=materialize_blocks,
             prepend_unhashed_frees=rules.prepend_unhashed_frees,
             group_event_fields=[event_spec_fields(g) for g in config.groups] if rules.event_fields else None,
+            num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
         )
         self.managers: list[SingleTypeKVCacheManager] = [
             manager_class(spec)(spec, self.block_pool, gid, config.enable_caching)

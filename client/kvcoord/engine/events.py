@@ -23,7 +23,8 @@ class BlockStored:
     The last fields are set by vllm-0.33 pools only (``None`` in 0.16 pools, as vLLM
     0.16 has no such fields): ``extra_keys``, one entry per block of the run (its
     untagged extra keys as a tuple, or ``None``); ``group_idx``; the group's
-    ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``.
+    ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``; with look-ahead
+    hashes, ``lookahead_token_ids``: per block, the tokens after it its hash covers.
     """
 
     block_hashes: tuple[bytes, ...]
@@ -38,6 +39,7 @@ class BlockStored:
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
 
     def __setstate__(self, state: list[object]) -> None:
         _set_fields(self, state)

@@ -72,6 +72,9 @@ class KVCachePool:
         self.enable_caching = config.enable_caching
         self.max_model_len = config.max_model_len
         self.hash_block_size = config.hash_block_size
+        #: vllm-0.33 look-ahead hashes: the last this many tokens have no hash yet, so
+        #: caching stops before them (vLLM 0.33 clamps caching at the hashed tokens)
+        self._hash_lag = config.num_hash_lookahead_tokens
         self.request_table = RequestTable(config)
         self.hits = PrefixHits(config, self.coordinator, self.request_table)
         #: hits held against eviction for a router (none: exactly vLLM's manager)
@@ -453,7 +456,7 @@ class KVCachePool:
             )
         new = coordinator.allocate_new_blocks(request_id, need, main, num_encoder_tokens)
         if self.enable_caching and not delay_cache_blocks:
-            coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens))
+            coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens - self._hash_lag))
         return tuple([tuple([b.block_id for b in lst]) for lst in new])
 
     def _allocate_without_hit(
@@ -503,7 +506,7 @@ class KVCachePool:
                 out[i] = tuple([b.block_id for b in new_blocks])
         result = self._no_new_blocks if out is None else tuple(out)
         if self.enable_caching:
-            num_tokens = len(req.all_token_ids)
+            num_tokens = len(req.all_token_ids) - self._hash_lag
             cached = main if main < num_tokens else num_tokens
             for m in managers:
                 num_full = cached // m.block_size
@@ -555,7 +558,8 @@ class KVCachePool:
             return False
         main = num_computed_tokens + num_new_tokens
         need = min(main + num_lookahead_tokens, self.max_model_len)
-        cached = main if main < num_tokens else num_tokens
+        hashed = num_tokens - self._hash_lag
+        cached = main if main < hashed else hashed
         for m in self._skipping_managers:
             if m.skips_blocks(request_id, num_computed_tokens):
                 return False
@@ -713,6 +717,7 @@ class KVCachePool:
             )
         if not self.enable_caching:
             return
+        num_computed_tokens = min(num_computed_tokens, req.num_tokens - self._hash_lag)
         for m in self.managers:
             full = num_computed_tokens // m.block_size
             held = len(m.req_to_blocks.get(request_id, ()))

@@ -67,6 +67,8 @@ class RequestTable:
         self.enable_caching = config.enable_caching
         self.hash_block_size = config.hash_block_size
         self.hash_length = config.hash_length
+        #: vllm-0.33 look-ahead hashes: a block's hash exists once this many more tokens do
+        self.hash_lag = config.num_hash_lookahead_tokens
         #: cache namespace name -> its key prefix, assigned in order of first use
         self.cache_namespaces: dict[str, bytes] = {}
 
@@ -257,7 +259,8 @@ class RequestTable:
     def check_hashes(self, hashes: Sequence[bytes], have: int, num_tokens: int, label: str) -> list[bytes]:
         """A copy of ``hashes`` once they are exactly the new full blocks' hashes: one
         per full ``hash_block_size`` block past ``have``, non-empty ``bytes`` of the
-        pool's hash length (always ``[]`` when caching is off).
+        pool's hash length (always ``[]`` when caching is off). With look-ahead hashes
+        a block counts once the look-ahead tokens after it exist too.
 
         Raises:
             InvalidArgumentError: prefixed with ``label``: a wrong count, type or length.
@@ -265,7 +268,7 @@ class RequestTable:
         if not self.enable_caching:
             return []
         out = list(hashes)
-        want = num_tokens // self.hash_block_size - have
+        want = max(num_tokens - self.hash_lag, 0) // self.hash_block_size - have
         if len(out) != want:
             raise InvalidArgumentError(
                 f"{label}: expected {want} new block hashes (one per full "

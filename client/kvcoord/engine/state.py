@@ -231,6 +231,7 @@ def event_to_value(event: KVCacheEvent) -> list[Any]:
             event.group_idx,
             event.kv_cache_spec_kind,
             event.kv_cache_spec_sliding_window,
+            None if event.lookahead_token_ids is None else [list(t) for t in event.lookahead_token_ids],
         ]
     if isinstance(event, BlockRemoved):
         return ["removed", list(event.block_hashes), event.medium, event.cache_prefix, event.group_idx]
@@ -247,11 +248,12 @@ def event_from_value(value: list[Any]) -> KVCacheEvent:
     if kind == "stored":
         hashes, parent, tokens, size, lora_id, lora_name, medium, prefix = value[1:9]
         # vllm-0.33 fields (absent from states of older kvcoord versions)
-        extra, group, spec_kind, window = (list(value[9:13]) + [None] * 4)[:4]
+        extra, group, spec_kind, window, lookahead = (list(value[9:14]) + [None] * 5)[:5]
         return BlockStored(
             tuple(hashes), parent, tuple(tokens), size, lora_id, lora_name, medium, prefix,
             None if extra is None else tuple(None if k is None else tuple(k) for k in extra),
             group, spec_kind, window,
+            None if lookahead is None else tuple(tuple(t) for t in lookahead),
         )  # fmt: skip
     if kind == "removed":
         return BlockRemoved(tuple(value[1]), value[2], value[3], value[4] if len(value) > 4 else None)

@@ -65,6 +65,8 @@ def _033_stored_fields(s: pb.BlockStored) -> dict[str, Any]:
         out["kv_cache_spec_kind"] = s.kv_cache_spec_kind
     if s.HasField("kv_cache_spec_sliding_window"):
         out["kv_cache_spec_sliding_window"] = s.kv_cache_spec_sliding_window
+    if s.lookahead_token_ids:
+        out["lookahead_token_ids"] = [list(t.token_ids) for t in s.lookahead_token_ids]
     return out
 
 
@@ -119,6 +121,7 @@ class RemoteTarget:
                 cfg.hash_seed,
                 "conformance",
                 profile=cfg.profile,
+                num_hash_lookahead_tokens=cfg.num_hash_lookahead_tokens,
             )
         else:  # the default profile: clients older than profiles work too
             att = self.client.attach(

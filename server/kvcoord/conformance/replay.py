@@ -159,6 +159,7 @@ class _Replayer:
                 lora_name=lora.name if lora else None,
                 lora_path=lora_obj.get("path") if lora_obj else None,
                 cache_salt=op.get("cache_salt"),
+                num_hash_lookahead_tokens=self.trace.config.get("num_hash_lookahead_tokens", 0),
             )
             hashes = hasher.extend(op["prompt"])
         self.expect("block_hashes", op["expect"]["block_hashes"], [h.hex() for h in hashes])

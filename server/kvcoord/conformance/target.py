@@ -97,6 +97,9 @@ def event_to_json(event: KVCacheEvent) -> dict[str, Any]:
                 group_idx=event.group_idx,
                 kv_cache_spec_kind=event.kv_cache_spec_kind,
                 kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+                lookahead_token_ids=None
+                if event.lookahead_token_ids is None
+                else [list(t) for t in event.lookahead_token_ids],
             ),
         }
     if isinstance(event, BlockRemoved):

@@ -70,15 +70,14 @@ def load_trace(path: str | Path) -> Trace:
 # are informational. Same names as a [[pools]] table of the server's config file.
 _POOL_FIELDS = (
     "num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events",
-    "log_stats", "max_model_len", "hash_algo", "hash_seed",
+    "log_stats", "max_model_len", "hash_algo", "hash_seed", "num_hash_lookahead_tokens",
 )  # fmt: skip
 
 
 # Format-2 manager inputs and the only values kvcoord's vllm-0.33 profile takes so far;
 # a trace recorded with another value is refused rather than replayed wrongly.
 _FIXED_033 = {
-    "num_hash_lookahead_tokens": (0,),
-    "num_prefill_lookahead": (0,),
+    "num_prefill_lookahead": (0, 1),  # vLLM re-prefills num_prefill_lookahead - 1 tokens
     "watermark": (0, 0.0),
     "enable_mamba_shared_prefix_checkpoint": (False,),
     "prefix_cache_retention_interval": (0,),
@@ -114,6 +113,10 @@ def pool_config_from_trace(cfg: dict[str, Any]) -> pb.PoolConfig:
     table = {k: cfg[k] for k in _POOL_FIELDS if cfg.get(k) is not None}
     if profile != "vllm-0.16":
         table["profile"] = profile
+        # is_eagle_group picks the groups of 0.33's EAGLE drop, which only use_eagle turns
+        # on (and the vllm-0.33 profile refuses use_eagle); without it the flag changes nothing
+        if not cfg.get("use_eagle"):
+            table["groups"] = [{k: v for k, v in g.items() if k != "is_eagle_group"} for g in table["groups"]]
     try:
         return pool_config_from_dict(table, "trace config")
     except ConfigFileError as exc:

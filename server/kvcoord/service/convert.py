@@ -140,6 +140,7 @@ def config_from_pb(cfg: pb.PoolConfig) -> KVCacheConfig:
         max_model_len=cfg.max_model_len or MAX_MODEL_LEN_UNLIMITED,
         hash_length=HASH_LENGTHS.get(cfg.hash_algo) if cfg.enable_caching else None,
         profile=cfg.profile or VLLM_016,
+        num_hash_lookahead_tokens=cfg.num_hash_lookahead_tokens,
     )
 
 
@@ -222,6 +223,8 @@ def _fill_event(message: pb.KVEvent, event: KVCacheEvent) -> None:
             stored.kv_cache_spec_kind = event.kv_cache_spec_kind
         if event.kv_cache_spec_sliding_window is not None:
             stored.kv_cache_spec_sliding_window = event.kv_cache_spec_sliding_window
+        for tokens in event.lookahead_token_ids or ():
+            stored.lookahead_token_ids.add().token_ids.extend(tokens)
         for keys in event.extra_keys or ():
             entry = stored.extra_keys.add()
             if keys is not None:

@@ -237,6 +237,7 @@ class PoolService:
         tenant: str = "",
         max_sessions: int = 0,
         profile: str = "",
+        num_hash_lookahead_tokens: int = 0,
     ) -> Session:
         """The hash handshake, then a new session of ``tenant``.
 
@@ -266,6 +267,11 @@ class PoolService:
             diffs.append(f"hash_block_size is {block_size} but the client uses {hash_block_size}")
         if hash_seed != seed:
             diffs.append(f"hash_seed is {seed!r} but the client uses {hash_seed[:64]!r}")
+        lag = self.config.num_hash_lookahead_tokens
+        if num_hash_lookahead_tokens != lag:
+            diffs.append(
+                f"num_hash_lookahead_tokens is {lag} but the client uses {num_hash_lookahead_tokens}"
+            )
         if diffs:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -308,6 +308,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 tenant.name,
                 tenant.max_sessions,
                 request.profile,
+                request.num_hash_lookahead_tokens,
             )
         except ServiceError as exc:
             # only the hash handshake: an exclusive pool's refusal is not a hashing fault

@@ -25,13 +25,13 @@ PASSING = [
     "unitary_full16_tiny",
     "unitary_full16_sha256_lora_salt",
     "unitary_full16_eagle_k3",
+    "unitary_full16_pd_connector",
 ]
 
 #: Traces the vllm-0.33 profile does not reproduce yet, and why (the pool or the
 #: replayer refuses them before any answer could differ).
 NOT_YET = {
     "hybrid_full16_swa16_w64_eagle_k2": "lookahead block hashes and the per-group EAGLE rules",
-    "unitary_full16_pd_connector": "the connector calls (get_num_blocks_to_allocate, ...)",
     "hybrid_full16_swa16_w64": "hybrid caching: sparse retention",
     "hybrid_full16_swa16_w128_tiny": "hybrid caching: sparse retention",
     "hybrid_full16_swa32_w128": "hybrid caching: sparse retention, scheduler-block round-down",

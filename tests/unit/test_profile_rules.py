@@ -148,3 +148,31 @@ def test_lookahead_hashes_lag_and_cap_caching() -> None:
     assert p.estimate_cached_tokens("r") == 32
     with pytest.raises(ConfigError, match="needs the vllm-0.33 profile"):
         KVCacheConfig(16, (FullAttentionSpec(16),), 16, num_hash_lookahead_tokens=1)
+
+
+def test_admission_cap_of_sliding_window_groups() -> None:
+    """vLLM 0.33's full-sequence gate counts a sliding-window group up to its cap,
+    cdiv(min(w - 1 + max_in_flight_tokens, max_model_len), block) blocks: a 160-token
+    prompt needs 10 full-attention blocks plus at most 4 window blocks (w 32, 32 in
+    flight), so 15 free blocks admit it, where counting the window whole (10) would not."""
+    cfg = KVCacheConfig(
+        16, (FullAttentionSpec(16), SlidingWindowSpec(16, 32)), 16, enable_caching=False,
+        profile="vllm-0.33", max_in_flight_tokens=32,
+    )  # fmt: skip
+    p = KVCachePool(cfg)
+    p.add_request("r", list(range(160)))
+    assert p.get_num_blocks_to_allocate("r", 160, 0, 160) == 20
+    assert p.get_num_blocks_to_allocate("r", 160, 0, 160, apply_admission_cap=True) == 14
+    assert p.allocate_slots("r", 32, full_sequence_must_fit=True) is not None
+    old = KVCachePool(KVCacheConfig(16, (FullAttentionSpec(16),), 16, enable_caching=False))
+    old.add_request("r", list(range(16)))
+    with pytest.raises(FailedPreconditionError, match="vllm-0.33 call"):
+        old.get_num_blocks_to_allocate("r", 16, 0, 16)
+
+
+def test_block_ids_for_computed_tokens_clip_each_group() -> None:
+    p = pool("vllm-0.33")
+    p.add_request("r", list(range(40)), hashes(2))
+    p.allocate_slots("r", 40)
+    assert p.get_block_ids_for_computed_tokens("r", 17) == ((1, 2),)
+    assert p.get_block_ids_for_computed_tokens("r", 0) == ((),)

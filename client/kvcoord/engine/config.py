@@ -16,7 +16,7 @@ from .specs import (
     SlidingWindowSpec,
 )
 
-__all__ = ["KVCacheConfig", "attention_groups"]
+__all__ = ["KVCacheConfig", "admission_cap_tokens", "attention_groups"]
 
 _SPEC_TYPES = (
     FullAttentionSpec,
@@ -25,6 +25,25 @@ _SPEC_TYPES = (
     MambaSpec,
     CrossAttentionSpec,
 )
+
+
+def admission_cap_tokens(cfg: KVCacheConfig) -> list[int | None]:
+    """vLLM 0.33's per-request admission cap of each group, in tokens (``None``: none):
+    sliding window ``w - 1 + in-flight``, chunked local ``chunk + in-flight``, at most
+    ``max_model_len``, rounded up to whole blocks."""
+    in_flight = cfg.max_in_flight_tokens or cfg.max_model_len
+    caps: list[int | None] = []
+    for spec in cfg.groups:
+        if isinstance(spec, SlidingWindowSpec):
+            tokens = spec.sliding_window - 1 + in_flight
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            tokens = spec.attention_chunk_size + in_flight
+        else:
+            caps.append(None)
+            continue
+        bs = spec.block_size
+        caps.append(-(-min(tokens, cfg.max_model_len) // bs) * bs)
+    return caps
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -50,6 +69,10 @@ class KVCacheConfig:
             covers the next L tokens, so a request has hashes only for the blocks
             followed by L tokens, and only those are cached (vLLM 0.33's EAGLE/MTP
             default, with ``use_eagle`` off).
+        max_in_flight_tokens: (vllm-0.33) the scheduler's tokens in flight (its token
+            budget, with one batch in flight); sizes vLLM 0.33's per-request admission
+            cap of sliding-window and chunked-local groups (``full_sequence_must_fit``).
+            0: no bound (the cap is then ``max_model_len``).
 
     Raises:
         ConfigError: the layout breaks a rule vLLM enforces (at construction or at its
@@ -69,6 +92,7 @@ class KVCacheConfig:
     pcp_world_size: int = 1
     profile: str = VLLM_016
     num_hash_lookahead_tokens: int = 0
+    max_in_flight_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -131,6 +155,9 @@ def _validate(cfg: KVCacheConfig) -> None:
         raise ConfigError(f"num_hash_lookahead_tokens must be >= 0, got {n!r}")
     if n and (cfg.profile != VLLM_033 or not cfg.enable_caching):
         raise ConfigError("num_hash_lookahead_tokens needs the vllm-0.33 profile and prefix caching")
+    m = cfg.max_in_flight_tokens
+    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        raise ConfigError(f"max_in_flight_tokens must be >= 0, got {m!r}")
     sink_blocks = 0
     for gid, spec in enumerate(cfg.groups):
         if not isinstance(spec, _SPEC_TYPES):

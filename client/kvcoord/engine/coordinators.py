@@ -63,7 +63,10 @@ class KVCacheCoordinator:
         num_encoder_tokens: int,
         total_computed_tokens: int,
         num_tokens_main_model: int,
+        token_caps: Sequence[int | None] | None = None,
     ) -> int:
+        """Free blocks the allocation would consume over every group. ``token_caps``
+        (vLLM 0.33's admission cap): per group, the most tokens counted (``None``: no cap)."""
         total = 0
         for gid, manager in enumerate(self.managers):
             if self._is_cross[gid]:
@@ -71,9 +74,10 @@ class KVCacheCoordinator:
                     request_id, num_encoder_tokens, (), 0, num_encoder_tokens
                 )
             else:
+                cap = token_caps[gid] if token_caps is not None else None
                 total += manager.get_num_blocks_to_allocate(
                     request_id,
-                    num_tokens,
+                    num_tokens if cap is None or cap >= num_tokens else cap,
                     new_computed_blocks[gid],
                     total_computed_tokens,
                     num_tokens_main_model,

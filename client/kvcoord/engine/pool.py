@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from .config import KVCacheConfig
+from .config import KVCacheConfig, admission_cap_tokens
 from .coordinators import get_kv_cache_coordinator
 from .errors import FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
 from .events import KVCacheEvent
@@ -75,6 +75,8 @@ class KVCachePool:
         #: vllm-0.33 look-ahead hashes: the last this many tokens have no hash yet, so
         #: caching stops before them (vLLM 0.33 clamps caching at the hashed tokens)
         self._hash_lag = config.num_hash_lookahead_tokens
+        #: vllm-0.33's per-group admission caps (tokens), for the full-sequence gate
+        self._admission_caps = admission_cap_tokens(config)
         self.request_table = RequestTable(config)
         self.hits = PrefixHits(config, self.coordinator, self.request_table)
         #: hits held against eviction for a router (none: exactly vLLM's manager)
@@ -433,7 +435,13 @@ class KVCachePool:
             # vLLM 0.33's gate, before anything is released: the whole sequence must fit.
             full = min(req.num_tokens, self.max_model_len)
             k = coordinator.get_num_blocks_to_allocate(
-                request_id, full, hit_blocks, num_encoder_tokens, local + num_external_computed_tokens, full
+                request_id,
+                full,
+                hit_blocks,
+                num_encoder_tokens,
+                local + num_external_computed_tokens,
+                full,
+                self._admission_caps,
             )
             if k > self.block_pool.get_num_free_blocks():
                 self.num_refusals += 1
@@ -666,6 +674,54 @@ class KVCachePool:
             )
         if self.enable_caching and not req.skip_reading_prefix_cache:
             self.hits.record_admission(req, num_hits)
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        num_encoder_tokens: int = 0,
+    ) -> int:
+        """vLLM 0.33's ``coordinator.get_num_blocks_to_allocate`` with no new hit: the
+        free blocks the request would still take to hold ``num_tokens`` (its scheduler
+        sums them into ``reserved_blocks``). Changes nothing.
+
+        Raises:
+            RequestNotFoundError: unknown request.
+            InvalidArgumentError: bad counts.
+            FailedPreconditionError: a vllm-0.16 pool (vLLM 0.16 has no such call).
+        """
+        self._get(request_id)
+        for name, value in (("num_tokens", num_tokens), ("total_computed_tokens", total_computed_tokens),
+                            ("num_tokens_main_model", num_tokens_main_model),
+                            ("num_encoder_tokens", num_encoder_tokens)):  # fmt: skip
+            check_count(value, name)
+        if not self.rules.full_sequence_admission:
+            raise FailedPreconditionError(
+                f"get_num_blocks_to_allocate is a vllm-0.33 call; this pool's profile is {self.config.profile}"
+            )
+        return self.coordinator.get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            [[] for _ in self.managers],
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_tokens_main_model,
+            self._admission_caps if apply_admission_cap else None,
+        )
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> BlockIds:
+        """vLLM 0.33's ``get_block_ids_for_computed_tokens``: the request's table with
+        each attention group cut to the blocks covering ``num_computed_tokens``
+        (cross-attention groups whole)."""
+        table = self.get_block_ids(request_id)
+        check_count(num_computed_tokens, "num_computed_tokens")
+        return tuple(
+            ids if isinstance(m, CrossAttentionManager) else ids[: -(-num_computed_tokens // m.block_size)]
+            for m, ids in zip(self.managers, table, strict=True)
+        )
 
     def new_step_starts(self) -> None:
         """vLLM 0.33's ``new_step_starts`` (the scheduler calls it at every step). Only

@@ -282,3 +282,23 @@ class RemoteTarget:
         op = pb.EstimateCachedTokensOp(request_id=rid)
         r = self._step(*self._flush(rid), pb.Operation(estimate_cached_tokens=op))
         return r.estimate_cached_tokens.num_tokens
+
+    def get_num_blocks_to_allocate(
+        self,
+        rid: str,
+        num_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool,
+    ) -> int:
+        op = pb.GetNumBlocksToAllocateOp(
+            request_id=rid, num_tokens=num_tokens, total_computed_tokens=total_computed_tokens,
+            num_tokens_main_model=num_tokens_main_model, apply_admission_cap=apply_admission_cap,
+        )  # fmt: skip
+        r = self._step(*self._flush(rid), pb.Operation(get_num_blocks_to_allocate=op))
+        return r.get_num_blocks_to_allocate.num_blocks
+
+    def get_block_ids_for_computed_tokens(self, rid: str, num_computed_tokens: int) -> list[list[int]]:
+        op = pb.GetBlockIdsOp(request_id=rid, computed_tokens=num_computed_tokens)
+        r = self._step(*self._flush(rid), pb.Operation(get_block_ids=op))
+        return _lists(r.get_block_ids.groups)

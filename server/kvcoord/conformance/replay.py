@@ -15,6 +15,9 @@ from .trace import FORMAT_PROFILES, Trace
 __all__ = ["Mismatch", "ReplayResult", "replay"]
 
 FREE_QUEUE_HEAD_LIMIT = 256
+#: ops between a lookup and the allocation adopting its hit (the others end the hit):
+#: vLLM 0.33's scheduler sizes reserved_blocks with get_num_blocks_to_allocate, read-only
+_KEEPS_LAST_HIT = frozenset({"get_computed_blocks", "step", "get_num_blocks_to_allocate"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -109,6 +112,8 @@ class _Replayer:
                 new_step_starts=self.new_step_starts,
                 record_prefix_cache_stats=self.record_prefix_cache_stats,
                 estimate_cached_tokens=self.estimate_cached_tokens,
+                get_num_blocks_to_allocate=self.get_num_blocks_to_allocate,
+                get_block_ids_for_computed_tokens=self.get_block_ids_for_computed_tokens,
             )
 
     def expect(self, field: str, expected: Any, got: Any) -> None:
@@ -140,7 +145,7 @@ class _Replayer:
                         f"{type(exc).__name__}: {exc}",
                     )
                 ) from exc
-            if op["op"] != "get_computed_blocks" and op["op"] != "step":
+            if op["op"] not in _KEEPS_LAST_HIT:
                 self.last_hit = None
 
     # -- ops --------------------------------------------------------------------
@@ -307,6 +312,21 @@ class _Replayer:
 
     def estimate_cached_tokens(self, op: dict[str, Any]) -> None:
         self.expect("num_tokens", op["expect"]["num_tokens"], self.target.estimate_cached_tokens(op["req"]))
+
+    def get_num_blocks_to_allocate(self, op: dict[str, Any]) -> None:
+        # num_local_computed_tokens and prefill_end only matter for mamba (not taken)
+        got = self.target.get_num_blocks_to_allocate(
+            op["req"],
+            op["num_tokens"],
+            op["total_computed_tokens"],
+            op["num_tokens_main_model"],
+            bool(op.get("apply_admission_cap", False)),
+        )
+        self.expect("num_blocks", op["expect"]["num_blocks"], got)
+
+    def get_block_ids_for_computed_tokens(self, op: dict[str, Any]) -> None:
+        got = self.target.get_block_ids_for_computed_tokens(op["req"], op["num_computed_tokens"])
+        self.expect("block_ids", op["expect"]["block_ids"], got)
 
     def evict_blocks(self, op: dict[str, Any]) -> None:
         self.target.evict_blocks(list(op["block_ids"]))

@@ -73,6 +73,15 @@ class ReplayTarget(Protocol):
     def new_step_starts(self) -> None: ...
     def record_prefix_cache_stats(self, rid: str, num_hits: int) -> None: ...
     def estimate_cached_tokens(self, rid: str) -> int: ...
+    def get_num_blocks_to_allocate(
+        self,
+        rid: str,
+        num_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool,
+    ) -> int: ...
+    def get_block_ids_for_computed_tokens(self, rid: str, num_computed_tokens: int) -> list[list[int]]: ...
 
 
 def event_to_json(event: KVCacheEvent) -> dict[str, Any]:
@@ -260,3 +269,18 @@ class LocalTarget:
 
     def estimate_cached_tokens(self, rid: str) -> int:
         return self._p().estimate_cached_tokens(rid)
+
+    def get_num_blocks_to_allocate(
+        self,
+        rid: str,
+        num_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool,
+    ) -> int:
+        return self._p().get_num_blocks_to_allocate(
+            rid, num_tokens, total_computed_tokens, num_tokens_main_model, apply_admission_cap
+        )
+
+    def get_block_ids_for_computed_tokens(self, rid: str, num_computed_tokens: int) -> list[list[int]]:
+        return _lists(self._p().get_block_ids_for_computed_tokens(rid, num_computed_tokens))

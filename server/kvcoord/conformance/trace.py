@@ -71,6 +71,7 @@ def load_trace(path: str | Path) -> Trace:
 _POOL_FIELDS = (
     "num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events",
     "log_stats", "max_model_len", "hash_algo", "hash_seed", "num_hash_lookahead_tokens",
+    "max_in_flight_tokens",
 )  # fmt: skip
 
 

@@ -187,7 +187,7 @@ _GROUP_TYPES = {
 _POOL_KEYS = {
     "num_blocks", "hash_block_size", "hash_algo", "hash_seed", "enable_caching", "use_eagle",
     "enable_kv_cache_events", "log_stats", "max_model_len", "shared_cache_tenants", "profile",
-    "num_hash_lookahead_tokens",
+    "num_hash_lookahead_tokens", "max_in_flight_tokens",
 }  # fmt: skip
 
 

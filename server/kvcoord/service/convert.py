@@ -141,6 +141,7 @@ def config_from_pb(cfg: pb.PoolConfig) -> KVCacheConfig:
         hash_length=HASH_LENGTHS.get(cfg.hash_algo) if cfg.enable_caching else None,
         profile=cfg.profile or VLLM_016,
         num_hash_lookahead_tokens=cfg.num_hash_lookahead_tokens,
+        max_in_flight_tokens=cfg.max_in_flight_tokens,
     )
 
 
@@ -313,7 +314,9 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
     if kind == "get_block_ids":
         g = o.get_block_ids
         table = tuple(tuple(t.block_ids) for t in g.answered.groups) if g.HasField("answered") else None
-        return op.GetBlockIds(g.request_id, table)
+        return op.GetBlockIds(
+            g.request_id, table, g.computed_tokens if g.HasField("computed_tokens") else None
+        )
     if kind == "common_prefix":
         return op.CommonPrefix(o.common_prefix.request_id)
     if kind == "reset_prefix_cache":
@@ -331,6 +334,12 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         return op.EstimateCachedTokens(o.estimate_cached_tokens.request_id)
     if kind == "new_step_starts":
         return op.NewStepStarts()
+    if kind == "get_num_blocks_to_allocate":
+        n = o.get_num_blocks_to_allocate
+        return op.GetNumBlocksToAllocate(
+            n.request_id, n.num_tokens, n.total_computed_tokens, n.num_tokens_main_model,
+            n.apply_admission_cap, n.num_encoder_tokens,
+        )  # fmt: skip
     if kind == "allocate_run":
         run = o.allocate_run
         return op.AllocateRun(
@@ -465,6 +474,9 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
     if isinstance(operation, op.EstimateCachedTokens):
         assert isinstance(v, int)
         return pb.OperationResult(estimate_cached_tokens=pb.EstimateCachedTokensResult(num_tokens=v))
+    if isinstance(operation, op.GetNumBlocksToAllocate):
+        assert isinstance(v, int)
+        return pb.OperationResult(get_num_blocks_to_allocate=pb.GetNumBlocksToAllocateResult(num_blocks=v))
     if isinstance(operation, op.TakeEvents):
         assert isinstance(v, op.EventsTaken)
         result = pb.OperationResult(take_events=pb.TakeEventsResult(gap=v.gap, more=v.more))

@@ -40,6 +40,7 @@ __all__ = [
     "RecordStats",
     "EstimateCachedTokens",
     "NewStepStarts",
+    "GetNumBlocksToAllocate",
 ]
 
 BlockIds = tuple[tuple[int, ...], ...]
@@ -173,6 +174,8 @@ class GetBlockIds:
     request_id: str
     #: the table the client already answered with (checked), or None for a plain read
     answered: tuple[tuple[int, ...], ...] | None = None
+    #: vLLM 0.33's get_block_ids_for_computed_tokens: clip to this many tokens
+    computed_tokens: int | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -219,6 +222,16 @@ class NewStepStarts:
 
 
 @dataclasses.dataclass(slots=True)
+class GetNumBlocksToAllocate:
+    request_id: str
+    num_tokens: int
+    total_computed_tokens: int
+    num_tokens_main_model: int
+    apply_admission_cap: bool = False
+    num_encoder_tokens: int = 0
+
+
+@dataclasses.dataclass(slots=True)
 class Admit:
     """Admit waiting requests in order (see the proto's AdmitOp)."""
 
@@ -246,6 +259,7 @@ Operation = (
     | RecordStats
     | EstimateCachedTokens
     | NewStepStarts
+    | GetNumBlocksToAllocate
 )
 
 

@@ -917,6 +917,13 @@ class PoolService:
 
     def _get_block_ids(self, s: Session, o: op.GetBlockIds) -> op.Value:
         self._owned(s, o.request_id)
+        if o.computed_tokens is not None:
+            if o.answered is not None:
+                raise ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "get_block_ids: computed_tokens cannot come with answered",
+                )
+            return self.engine.get_block_ids_for_computed_tokens(o.request_id, o.computed_tokens)
         table = self.engine.get_block_ids(o.request_id)
         if o.answered is not None and o.answered != table:
             raise self._prediction_failed(
@@ -1087,6 +1094,13 @@ class PoolService:
         self.engine.new_step_starts()
         return None
 
+    def _num_blocks_to_allocate(self, s: Session, o: op.GetNumBlocksToAllocate) -> op.Value:
+        self._owned(s, o.request_id)
+        return self.engine.get_num_blocks_to_allocate(
+            o.request_id, o.num_tokens, o.total_computed_tokens, o.num_tokens_main_model,
+            o.apply_admission_cap, o.num_encoder_tokens,
+        )  # fmt: skip
+
 
 def _as_service_error(exc: Exception) -> ServiceError:
     from .errors import grpc_code  # the one mapping table
@@ -1114,4 +1128,5 @@ _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.RecordStats: PoolService._record_stats,  # type: ignore[dict-item]
     op.EstimateCachedTokens: PoolService._estimate_cached_tokens,  # type: ignore[dict-item]
     op.NewStepStarts: PoolService._new_step_starts,  # type: ignore[dict-item]
+    op.GetNumBlocksToAllocate: PoolService._num_blocks_to_allocate,  # type: ignore[dict-item]
 }

@@ -187,7 +187,8 @@ _GROUP_TYPES = {
 _POOL_KEYS = {
     "num_blocks", "hash_block_size", "hash_algo", "hash_seed", "enable_caching", "use_eagle",
     "enable_kv_cache_events", "log_stats", "max_model_len", "shared_cache_tenants", "profile",
-    "num_hash_lookahead_tokens", "max_in_flight_tokens",
+    "num_hash_lookahead_tokens", "max_in_flight_tokens", "scheduler_block_size",
+    "prefix_cache_retention_interval",
 }  # fmt: skip
 
 

@@ -142,7 +142,19 @@ def config_from_pb(cfg: pb.PoolConfig) -> KVCacheConfig:
         profile=cfg.profile or VLLM_016,
         num_hash_lookahead_tokens=cfg.num_hash_lookahead_tokens,
         max_in_flight_tokens=cfg.max_in_flight_tokens,
+        scheduler_block_size=cfg.scheduler_block_size,
+        prefix_cache_retention_interval=_retention_from_pb(cfg),
     )
+
+
+def _retention_from_pb(cfg: pb.PoolConfig) -> int | None:
+    """``prefix_cache_retention_interval``: unset = 0 (sparse), -1 = None (dense)."""
+    if not cfg.HasField("prefix_cache_retention_interval"):
+        return 0
+    value = cfg.prefix_cache_retention_interval
+    if value < -1:
+        raise _invalid(f"prefix_cache_retention_interval must be -1 (dense) or >= 0, got {value}")
+    return None if value == -1 else value
 
 
 def block_ids_to_pb(lists: Sequence[Sequence[int]]) -> list[pb.BlockIds]:
@@ -457,6 +469,10 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
         r.admit.SetInParent()
         return r
     if isinstance(operation, op.Lookup):
+        if isinstance(v, op.LookedUp):
+            return pb.OperationResult(
+                lookup=pb.LookupResult(hit=hit_to_pb(v.hit), shared_prefix_boundary=v.shared_prefix_boundary)
+            )
         if isinstance(v, op.Hinted):
             return pb.OperationResult(
                 lookup=pb.LookupResult(hit=hit_to_pb(v.hit), eviction_margin=v.eviction_margin)

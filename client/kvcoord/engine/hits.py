@@ -133,7 +133,8 @@ class PrefixHits:
             req.shared_prefix_boundary = 0
             return CacheHit(self._no_hit_blocks, 0)
         hit, lists = self.search(request_keys(req.block_hashes, req.cache_prefix), len(req.all_token_ids))
-        self.note_junction(req, hit.num_tokens)
+        if self._junctions:
+            self.note_junction(req, hit.num_tokens)
         self.record_lookup(req, hit, lists)
         return hit
 
@@ -241,7 +242,10 @@ class PrefixHits:
                 f"{answered.num_tokens} tokens {given}, the pool has {hit.num_tokens} tokens {hit.block_ids}"
             )
         if self.enable_caching and not req.skip_reading_prefix_cache:
+            self.note_junction(req, hit.num_tokens)
             self.record_lookup(req, hit, lists)
+        else:
+            req.shared_prefix_boundary = 0
         return hit
 
     def record_lookup(self, req: Request, hit: CacheHit, lists: list[list[int]]) -> None:

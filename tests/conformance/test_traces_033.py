@@ -33,12 +33,12 @@ PASSING = [
     "hybrid_full16_swa48_w96_tiny",
     "hybrid_full16_swa16_w64_eagle_k2",
     "hybrid_full16_chunked16_c64",
+    "hybrid_full16_full32_swa16_w64",
 ]
 
 #: Traces the vllm-0.33 profile does not reproduce yet, and why (the pool or the
 #: replayer refuses them before any answer could differ).
 NOT_YET = {
-    "hybrid_full16_full32_swa16_w64": "partial-tail entries of full-attention blocks larger than the hash block",
     "hybrid_full32_mamba32_align": "mamba align (checkpoints, copy-on-write)",
 }
 

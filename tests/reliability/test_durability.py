@@ -76,6 +76,7 @@ TRACES_033 = [
         "unitary_full16_sha256_lora_salt",
         "unitary_full16_eagle_k3",
         "hybrid_full16_swa16_w128_tiny",
+        "hybrid_full16_full32_swa16_w64",
     )
 ]
 

@@ -127,8 +127,6 @@ def test_unknown_profile_and_unsupported_033_layouts() -> None:
         KVCacheConfig(4, (FullAttentionSpec(16),), 16, profile="vllm-0.17")
     with pytest.raises(ConfigError, match="does not support yet: EAGLE"):
         KVCacheConfig(4, (FullAttentionSpec(16),), 16, use_eagle=True, profile="vllm-0.33")
-    with pytest.raises(ConfigError, match="blocks larger than hash_block_size"):
-        KVCacheConfig(4, (FullAttentionSpec(32), SlidingWindowSpec(16, 64)), 16, profile="vllm-0.33")
     with pytest.raises(ConfigError, match="scheduler_block_size 32 other than the LCM 16"):
         KVCacheConfig(
             4,

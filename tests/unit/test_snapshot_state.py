@@ -80,6 +80,7 @@ DATA_033 = Path(__file__).resolve().parents[1] / "conformance" / "data-vllm-0.33
         "unitary_full16_tiny",
         "unitary_full16_sha256_lora_salt",
         "hybrid_full16_swa16_w128_tiny",
+        "hybrid_full16_full32_swa16_w64",
     ],
 )
 def test_033_trace_passes_with_pool_reloaded_from_its_state(name: str) -> None:

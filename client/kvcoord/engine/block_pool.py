@@ -112,6 +112,9 @@ class BlockPool:
             (``group_idx``, spec kind, sliding window); ``None`` for 0.16's events.
         num_hash_lookahead_tokens: vLLM 0.33's L: BlockStored events list the L tokens
             after each stored block (``lookahead_token_ids``).
+        multi_key_blocks: vLLM 0.33's partial-tail entries (full-attention groups whose
+            block is larger than the hash block): a block may hold a partial key, and
+            more than one key; evicting it removes every key.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class BlockPool:
         prepend_unhashed_frees: bool = False,
         group_event_fields: Sequence[tuple[str, int | None]] | None = None,
         num_hash_lookahead_tokens: int = 0,
+        multi_key_blocks: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -148,6 +152,12 @@ class BlockPool:
         self.prepend_unhashed_frees = prepend_unhashed_frees
         self.group_event_fields = None if group_event_fields is None else tuple(group_event_fields)
         self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        #: vllm-0.33 partial-tail entries: keys a block holds beyond its primary one
+        #: ((key, group, client hash or None) by block id), and the token count of
+        #: primary keys that are partial entries (by block id)
+        self.multi_key_blocks = multi_key_blocks
+        self.secondary_keys: dict[int, list[tuple[bytes, int, bytes | None]]] = {}
+        self.partial_tokens: dict[int, int] = {}
         if prepend_unhashed_frees:
             self.free_blocks = self._free_blocks_split  # type: ignore[method-assign]
 
@@ -270,7 +280,12 @@ class BlockPool:
                 f"cannot get {num_blocks} free blocks from the pool ({queue.num_free_blocks} free)"
             )
         ret = queue.popleft_n(num_blocks)
-        if self.enable_caching:
+        if self.multi_key_blocks:
+            for block in ret:
+                if block.cached_hash is not None:
+                    self.evict_all_keys(block)
+                block.ref_cnt = 1
+        elif self.enable_caching:
             cache = self.cached_block_hash_to_block
             firsts, mores = cache.first, cache._more
             events = self.kv_event_queue if self.enable_kv_cache_events else None
@@ -345,9 +360,96 @@ class BlockPool:
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the cached hash of each listed block; ref counts and queue order stay."""
         blocks = self.blocks
+        evict = self.evict_all_keys if self.multi_key_blocks else self._evict_cached_block
         for block_id in block_ids:
             if block_id < len(blocks):  # a never-used block holds no hash
-                self._evict_cached_block(blocks[block_id])
+                evict(blocks[block_id])
+
+    def evict_all_keys(self, block: KVCacheBlock) -> bool:
+        """vllm-0.33 with partial-tail entries: forget every key of ``block`` (its
+        primary one first), a BlockRemoved per key."""
+        block_hash = block.cached_hash
+        if block_hash is None:
+            return False
+        bid = block.block_id
+        keys = [(block_hash, block.cached_group, block.event_hash), *self.secondary_keys.pop(bid, ())]
+        self.partial_tokens.pop(bid, None)
+        block.cached_hash = None
+        block.event_hash = None
+        cache = self.cached_block_hash_to_block
+        for key, group, original in keys:
+            if not cache.pop(key, group, bid):
+                continue
+            self.num_evictions += 1
+            if self.enable_kv_cache_events:
+                self.kv_event_queue.append(
+                    block_removed(key, b"", group)
+                    if original is None
+                    else block_removed(original, key[:NAMESPACE_PREFIX_BYTES], group)
+                )
+        self.hash_epoch += 1
+        return True
+
+    def cache_partial_block(
+        self, request: Request, block: KVCacheBlock, num_tokens: int, group_id: int
+    ) -> None:
+        """vLLM 0.33's partial-tail entry: make ``block`` reachable under the request's
+        hash at ``num_tokens`` (a multiple of the hash block inside the block), as its
+        primary key when it has none, else as one more key. Its BlockStored covers the
+        hash block ending there."""
+        if block.is_null:
+            return
+        n = num_tokens // self.hash_block_size
+        original = request.block_hashes[n - 1]
+        key = request_keys(request.block_hashes[n - 1 : n], request.cache_prefix)[0]
+        bid = block.block_id
+        secondary = self.secondary_keys.get(bid, ())
+        already = (block.cached_hash == key and block.cached_group == group_id) or any(
+            k == key and g == group_id for k, g, _ in secondary
+        )
+        if already:
+            return
+        partial = self.partial_tokens.get(bid)
+        if block.cached_hash is not None and partial is not None and partial < num_tokens:
+            self.evict_all_keys(block)  # a shorter partial entry gives way
+        if block.cached_hash is None:
+            block.cached_hash = key
+            block.cached_group = group_id
+            block.event_hash = original if request.cache_prefix else None
+            self.partial_tokens[bid] = num_tokens
+        else:
+            self.secondary_keys.setdefault(bid, []).append(
+                (key, group_id, original if request.cache_prefix else None)
+            )
+        self.cached_block_hash_to_block.insert(key, group_id, bid)
+        if not self.enable_kv_cache_events:
+            return
+        start = (n - 1) * self.hash_block_size
+        lora = request.lora
+        event = BlockStored(
+            block_hashes=(original,),
+            parent_block_hash=request.block_hashes[n - 2] if n > 1 else None,
+            token_ids=tuple(request.all_token_ids[start:num_tokens]),
+            block_size=num_tokens - start,
+            lora_id=lora.adapter_id if lora else None,
+            lora_name=lora.name if lora else None,
+            cache_prefix=request.cache_prefix,
+        )
+        if self.group_event_fields is not None:
+            kind, window = self.group_event_fields[group_id]
+            event = dataclasses.replace(
+                event,
+                extra_keys=(request.event_extra_keys(start // self.hash_block_size),),
+                group_idx=group_id,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+                lookahead_token_ids=(
+                    (tuple(request.all_token_ids[num_tokens : num_tokens + self.num_hash_lookahead_tokens]),)
+                    if self.num_hash_lookahead_tokens
+                    else None
+                ),
+            )
+        self.kv_event_queue.append(event)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, only if no block besides the null block is held."""
@@ -358,6 +460,8 @@ class BlockPool:
             blocks[block_id].cached_hash = None
             blocks[block_id].event_hash = None
         self.cached_block_hash_to_block = BlockHashToBlockMap(len(self.cached_block_hash_to_block.first))
+        self.secondary_keys.clear()
+        self.partial_tokens.clear()
         self.hash_epoch += 1
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())

@@ -210,15 +210,6 @@ def _validate_033_support(cfg: KVCacheConfig) -> None:
     if cfg.use_eagle:
         missing.append("EAGLE/MTP (lookahead block hashes, the per-group drop)")
     for gid, spec in enumerate(cfg.groups):
-        if (
-            isinstance(spec, FullAttentionSpec)
-            and cfg.enable_caching
-            and spec.block_size != cfg.hash_block_size
-        ):
-            missing.append(
-                f"group {gid}: full attention with blocks larger than hash_block_size (0.33 caches the "
-                "prompt's partial tail block as an extra entry)"
-            )
         if isinstance(spec, FullAttentionSpec) and spec.sink_len:
             missing.append(f"group {gid}: sink attention (0.33 reserves no sink blocks)")
         if isinstance(spec, MambaSpec):

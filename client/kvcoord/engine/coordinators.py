@@ -48,6 +48,12 @@ class KVCacheCoordinator:
             prepend_unhashed_frees=rules.prepend_unhashed_frees,
             group_event_fields=[event_spec_fields(g) for g in config.groups] if rules.event_fields else None,
             num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
+            multi_key_blocks=rules.event_fields
+            and config.enable_caching
+            and any(
+                isinstance(g, FullAttentionSpec) and g.block_size > config.hash_block_size
+                for g in config.groups
+            ),
         )
         self.managers: list[SingleTypeKVCacheManager] = [
             manager_class(spec)(spec, self.block_pool, gid, config.enable_caching)
@@ -324,27 +330,62 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
             boundaries.append(request.shared_prefix_boundary)
         bp = self.block_pool
         rid = request.request_id
+        hbs = self.config.hash_block_size
         for m in self.managers:
             if isinstance(m, CrossAttentionManager):
                 continue
             bs = m.block_size
             num_cached = m.num_cached_block.get(rid, 0)
             num_full = num_tokens // bs
-            if num_cached >= num_full:
-                continue
-            blocks = m.req_to_blocks.setdefault(rid, [])
-            spec = m.spec
-            if self.sparse and isinstance(spec, SlidingWindowSpec):
-                need = -(-(spec.sliding_window - 1) // bs)
-                mask = [False] * (num_full - num_cached)
-                for boundary in boundaries:
-                    end = boundary // align * align // bs
-                    for j in range(max(num_cached, end - need), min(num_full, end)):
-                        mask[j - num_cached] = True
-                bp.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id, mask)
-            else:
-                bp.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id)
-            m.num_cached_block[rid] = num_full
+            if num_cached < num_full:
+                self._cache_group(request, m, num_cached, num_full, boundaries)
+            if bp.multi_key_blocks and isinstance(m.spec, FullAttentionSpec) and bs != hbs:
+                self._cache_partial_tail(request, m, num_tokens)
+
+    def _cache_group(
+        self,
+        request: Request,
+        m: SingleTypeKVCacheManager,
+        num_cached: int,
+        num_full: int,
+        boundaries: list[int],
+    ) -> None:
+        """Cache blocks ``num_cached .. num_full-1`` of one group (sparse for sliding
+        window), after dropping the partial entries those blocks held."""
+        bp = self.block_pool
+        rid = request.request_id
+        bs = m.block_size
+        align = self.scheduler_block_size
+        blocks = m.req_to_blocks.setdefault(rid, [])
+        spec = m.spec
+        if bp.multi_key_blocks:
+            for i in range(num_cached, num_full):  # a partial entry gives way to the full block
+                if blocks[i].cached_hash is not None:
+                    bp.evict_all_keys(blocks[i])
+        if self.sparse and isinstance(spec, SlidingWindowSpec):
+            need = -(-(spec.sliding_window - 1) // bs)
+            mask = [False] * (num_full - num_cached)
+            for boundary in boundaries:
+                end = boundary // align * align // bs
+                for j in range(max(num_cached, end - need), min(num_full, end)):
+                    mask[j - num_cached] = True
+            bp.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id, mask)
+        else:
+            bp.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id)
+        m.num_cached_block[rid] = num_full
+
+    def _cache_partial_tail(self, request: Request, m: SingleTypeKVCacheManager, num_tokens: int) -> None:
+        """vLLM 0.33: a full-attention group whose block is larger than the hash block
+        also makes the prompt's last hash boundary below ``num_prompt_tokens`` reachable
+        when it ends inside a block (a partial entry on that block)."""
+        hbs = self.config.hash_block_size
+        boundary = min((request.num_prompt_tokens - 1) // hbs, len(request.block_hashes)) * hbs
+        if boundary == 0 or boundary > num_tokens or boundary % m.block_size == 0:
+            return
+        blocks = m.req_to_blocks.get(request.request_id, ())
+        index = boundary // m.block_size
+        if index < len(blocks):
+            self.block_pool.cache_partial_block(request, blocks[index], boundary, m.group_id)
 
 
 def get_kv_cache_coordinator(config: KVCacheConfig, materialize_blocks: bool = False) -> KVCacheCoordinator:

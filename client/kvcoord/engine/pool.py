@@ -751,10 +751,11 @@ class KVCachePool:
             if isinstance(m, CrossAttentionManager):
                 continue
             blocks = m.req_to_blocks.get(request_id) or ()
+            partial = self.block_pool.partial_tokens
             end = 0
             for i in range(len(blocks) - 1, -1, -1):
                 if blocks[i].cached_hash is not None and not blocks[i].is_null:
-                    end = (i + 1) * m.block_size
+                    end = partial.get(blocks[i].block_id, (i + 1) * m.block_size)
                     break
             out = end if out is None else min(out, end)
         return out or 0

@@ -122,6 +122,10 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
         ],
         "counters": [bp.num_evictions, bp.hash_epoch, bp.num_allocated, bp.num_freed, pool.num_refusals],
         "evict_blocks_called": pool.evict_blocks_called,
+        # vllm-0.33 partial-tail entries: a block's keys beyond its primary one, and the
+        # token counts of primary keys that are partial entries
+        "secondary_keys": [(bid, [list(k) for k in keys]) for bid, keys in bp.secondary_keys.items()],
+        "partial_tokens": list(bp.partial_tokens.items()),
         "pending_events": [event_to_value(e) for e in bp.kv_event_queue],
         # routers' reservations (their references are in ref_cnt above), oldest first
         "reservations": [
@@ -211,6 +215,8 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
     pool.hits.lookup_counters = LookupCounters(lookups, queries, hits, short, list(group_hits))
     bp.num_evictions, bp.hash_epoch, bp.num_allocated, bp.num_freed, pool.num_refusals = state["counters"]
     pool.evict_blocks_called = state["evict_blocks_called"]
+    bp.secondary_keys = {bid: [tuple(k) for k in keys] for bid, keys in state.get("secondary_keys", ())}
+    bp.partial_tokens = dict(state.get("partial_tokens", ()))
     bp.kv_event_queue = [event_from_value(v) for v in state["pending_events"]]
     live = pool.reservations.live
     for rid, hit_ids, hit_tokens, held, prefix, last_hash, num_hashes in state["reservations"]:

@@ -112,8 +112,12 @@ def attach(
     exclusive: bool = False,
     want_pool_state: bool = False,
     want_engine_state: bool = False,
+    profile: str = "",
+    num_hash_lookahead_tokens: int = 0,
 ) -> pb.AttachRequest:
     return pb.AttachRequest(
+        profile=profile,
+        num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         want_pool_state=want_pool_state,
         want_engine_state=want_engine_state,
         pool=pool,

@@ -349,8 +349,11 @@ class KVCoordClient(_Api):
         exclusive: bool = False,
         want_pool_state: bool = False,
         want_engine_state: bool = False,
+        profile: str = "",
+        num_hash_lookahead_tokens: int = 0,
     ) -> pb.AttachResponse:
-        """Hash handshake: a session id and fence. HashMismatchError on a mismatch.
+        """Hash handshake: a session id and fence. HashMismatchError on a mismatch,
+        ProfileMismatchError when the pool follows another ``profile``.
         ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state
         (with ``want_engine_state``, the engine's own state, for a mirror)."""
         return self._unary(
@@ -365,6 +368,8 @@ class KVCoordClient(_Api):
                 exclusive,
                 want_pool_state,
                 want_engine_state,
+                profile,
+                num_hash_lookahead_tokens,
             ),
         )
 
@@ -588,8 +593,11 @@ class AsyncKVCoordClient(_Api):
         exclusive: bool = False,
         want_pool_state: bool = False,
         want_engine_state: bool = False,
+        profile: str = "",
+        num_hash_lookahead_tokens: int = 0,
     ) -> _Coro[pb.AttachResponse]:
-        """Hash handshake: a session id and fence. HashMismatchError on a mismatch.
+        """Hash handshake: a session id and fence. HashMismatchError on a mismatch,
+        ProfileMismatchError when the pool follows another ``profile``.
         ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state
         (with ``want_engine_state``, the engine's own state, for a mirror)."""
         return self._unary(
@@ -604,6 +612,8 @@ class AsyncKVCoordClient(_Api):
                 exclusive,
                 want_pool_state,
                 want_engine_state,
+                profile,
+                num_hash_lookahead_tokens,
             ),
         )
 

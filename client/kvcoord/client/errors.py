@@ -11,6 +11,7 @@ Hierarchy::
     ├── AlreadyExistsError            ALREADY_EXISTS
     ├── FailedPreconditionError       FAILED_PRECONDITION (hash handshake, ...)
     │   ├── HashMismatchError         the pool hashes differently (Attach, HASH_MISMATCH)
+    │   │   └── ProfileMismatchError  the pool follows another vLLM profile (PROFILE_MISMATCH)
     │   ├── FencedError               server restarted / pool re-created: block ids void
     │   ├── PoolBusyError             an exclusive session holds the pool (POOL_EXCLUSIVE)
     │   ├── NotOwnerError             another replica serves the pool (NOT_OWNER; .owner)
@@ -41,6 +42,7 @@ __all__ = [
     "FencedError",
     "GracePeriodError",
     "HashMismatchError",
+    "ProfileMismatchError",
     "InternalError",
     "InvalidArgumentError",
     "KVCoordError",
@@ -91,6 +93,11 @@ class FailedPreconditionError(KVCoordError):
 
 class HashMismatchError(FailedPreconditionError):
     """The pool records another hash algorithm, block size or seed than the client's."""
+
+
+class ProfileMismatchError(HashMismatchError):
+    """The pool follows another semantics profile (vLLM release) than the client:
+    its block hashes and the pool's answers would not agree."""
 
 
 class PermissionDeniedError(KVCoordError):
@@ -219,6 +226,7 @@ _REASONS: dict[str, type[KVCoordError]] = {
     "POOL_EXCLUSIVE": PoolBusyError,
     "HASH_MISMATCH": HashMismatchError,
     "NOT_OWNER": NotOwnerError,
+    "PROFILE_MISMATCH": ProfileMismatchError,
 }
 
 #: Trailing-metadata key carrying the reason of a failed RPC.

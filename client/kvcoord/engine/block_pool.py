@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 
 from .blocks import KVCacheBlock
@@ -104,6 +105,16 @@ class BlockPool:
         enable_kv_cache_events: whether events are queued.
         num_groups: KV cache groups sharing the pool.
         materialize: create every block up front (a reference for tests).
+        prepend_unhashed_frees: the vllm-0.33 free order (see
+            :class:`~kvcoord.engine.profiles.ProfileRules`): freed blocks without a hash
+            go to the head of the free queue.
+        group_event_fields: per group, the fields vLLM 0.33 adds to its events
+            (``group_idx``, spec kind, sliding window); ``None`` for 0.16's events.
+        num_hash_lookahead_tokens: vLLM 0.33's L: BlockStored events list the L tokens
+            after each stored block (``lookahead_token_ids``).
+        multi_key_blocks: vLLM 0.33's partial-tail entries (full-attention groups whose
+            block is larger than the hash block): a block may hold a partial key, and
+            more than one key; evicting it removes every key.
     """
 
     def __init__(
@@ -114,6 +125,10 @@ class BlockPool:
         enable_kv_cache_events: bool = False,
         num_groups: int = 1,
         materialize: bool = False,
+        prepend_unhashed_frees: bool = False,
+        group_event_fields: Sequence[tuple[str, int | None]] | None = None,
+        num_hash_lookahead_tokens: int = 0,
+        multi_key_blocks: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -134,6 +149,17 @@ class BlockPool:
         self.hash_epoch = 0
         self.num_allocated = 0
         self.num_freed = 0
+        self.prepend_unhashed_frees = prepend_unhashed_frees
+        self.group_event_fields = None if group_event_fields is None else tuple(group_event_fields)
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        #: vllm-0.33 partial-tail entries: keys a block holds beyond its primary one
+        #: ((key, group, client hash or None) by block id), and the token count of
+        #: primary keys that are partial entries (by block id)
+        self.multi_key_blocks = multi_key_blocks
+        self.secondary_keys: dict[int, list[tuple[bytes, int, bytes | None]]] = {}
+        self.partial_tokens: dict[int, int] = {}
+        if prepend_unhashed_frees:
+            self.free_blocks = self._free_blocks_split  # type: ignore[method-assign]
 
     def get_cached_block(self, block_hash: bytes, group_ids: Sequence[int]) -> list[int] | None:
         """One cached block id per group for ``block_hash``, or ``None`` if any group misses."""
@@ -159,12 +185,16 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         group_id: int,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
         """Make positions ``num_cached_blocks .. num_full_blocks-1`` of ``blocks`` hits.
 
         Null positions are skipped; one BlockStored event covers the whole run. A
         namespaced request's blocks are cached under its keys (prefixed hashes); its
-        events carry the client's hashes.
+        events carry the client's hashes. ``block_mask`` (vLLM 0.33's sparse retention,
+        aligned with the run) skips the positions it marks false as well: the event
+        then lists the kept blocks' hashes (possibly none) and still the whole run's
+        tokens, its parent being the hash of the block before the run.
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -177,11 +207,12 @@ class BlockPool:
         )
         events = self.enable_kv_cache_events
         stored: list[bytes] = []
+        kept: list[int] = []  # positions cached, with events
         cache = self.cached_block_hash_to_block
         first = cache.first[group_id]
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.is_null:
+            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             assert block.cached_hash is None, f"block {block.block_id} is already cached"
             block_hash = hashes[i]
@@ -195,22 +226,47 @@ class BlockPool:
                 cache.add_duplicate(block_hash, group_id, existing, block_id)
             if events:
                 stored.append(originals[i] if prefix else block_hash)
+                kept.append(i)
         if events:
             parent = originals[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             lora = request.lora
-            self.kv_event_queue.append(
-                BlockStored(
-                    block_hashes=tuple(stored),
-                    parent_block_hash=parent,
-                    token_ids=tuple(
-                        request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
-                    ),
-                    block_size=block_size,
-                    lora_id=lora.adapter_id if lora else None,
-                    lora_name=lora.name if lora else None,
-                    cache_prefix=prefix,
-                )
+            event = BlockStored(
+                block_hashes=tuple(stored),
+                parent_block_hash=parent,
+                token_ids=tuple(
+                    request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
+                ),
+                block_size=block_size,
+                lora_id=lora.adapter_id if lora else None,
+                lora_name=lora.name if lora else None,
+                cache_prefix=prefix,
             )
+            if self.group_event_fields is not None:
+                event = self._with_033_fields(event, request, kept, group_id)
+            self.kv_event_queue.append(event)
+
+    def _with_033_fields(
+        self, event: BlockStored, request: Request, kept: Sequence[int], group_id: int
+    ) -> BlockStored:
+        """A BlockStored with the fields vLLM 0.33 adds: one untagged extra-keys entry
+        per stored block (positions ``kept``), the group, and the group's spec kind
+        (and window)."""
+        assert self.group_event_fields is not None
+        kind, window = self.group_event_fields[group_id]
+        extra = request.event_extra_keys
+        look = self.num_hash_lookahead_tokens
+        lookahead = None
+        if look:
+            size, tokens = event.block_size, request.all_token_ids
+            lookahead = tuple(tuple(tokens[(i + 1) * size : (i + 1) * size + look]) for i in kept)
+        return dataclasses.replace(
+            event,
+            extra_keys=tuple(extra(i) for i in kept) or None,  # vLLM writes none for no block
+            group_idx=group_id,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
+            lookahead_token_ids=lookahead,
+        )
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` from the head, evicting their cached hashes.
@@ -224,7 +280,12 @@ class BlockPool:
                 f"cannot get {num_blocks} free blocks from the pool ({queue.num_free_blocks} free)"
             )
         ret = queue.popleft_n(num_blocks)
-        if self.enable_caching:
+        if self.multi_key_blocks:
+            for block in ret:
+                if block.cached_hash is not None:
+                    self.evict_all_keys(block)
+                block.ref_cnt = 1
+        elif self.enable_caching:
             cache = self.cached_block_hash_to_block
             firsts, mores = cache.first, cache._more
             events = self.kv_event_queue if self.enable_kv_cache_events else None
@@ -241,10 +302,11 @@ class BlockPool:
                         evicted += 1
                         if events is not None:
                             original = block.event_hash  # set for a namespaced key only
+                            group_idx = gid if self.group_event_fields is not None else None
                             events.append(
-                                block_removed(block_hash)
+                                block_removed(block_hash, b"", group_idx)
                                 if original is None
-                                else block_removed(original, block_hash[:NAMESPACE_PREFIX_BYTES])
+                                else block_removed(original, block_hash[:NAMESPACE_PREFIX_BYTES], group_idx)
                             )
                         block.event_hash = None
                     else:
@@ -269,7 +331,8 @@ class BlockPool:
         self.num_evictions += 1
         self.hash_epoch += 1
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(_removed(block, block_hash))
+            group_idx = block.cached_group if self.group_event_fields is not None else None
+            self.kv_event_queue.append(_removed(block, block_hash, group_idx))
         block.event_hash = None
         return True
 
@@ -287,12 +350,106 @@ class BlockPool:
         """
         self.num_freed += self.free_block_queue.release(ordered_blocks, self.null_block)
 
+    def _free_blocks_split(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """:meth:`free_blocks` by the vllm-0.33 rule: those reaching zero without a hash
+        (or every one, caching off) go to the head, in order; hashed ones to the tail."""
+        self.num_freed += self.free_block_queue.release_split(
+            ordered_blocks, self.null_block, self.enable_caching
+        )
+
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the cached hash of each listed block; ref counts and queue order stay."""
         blocks = self.blocks
+        evict = self.evict_all_keys if self.multi_key_blocks else self._evict_cached_block
         for block_id in block_ids:
             if block_id < len(blocks):  # a never-used block holds no hash
-                self._evict_cached_block(blocks[block_id])
+                evict(blocks[block_id])
+
+    def evict_all_keys(self, block: KVCacheBlock) -> bool:
+        """vllm-0.33 with partial-tail entries: forget every key of ``block`` (its
+        primary one first), a BlockRemoved per key."""
+        block_hash = block.cached_hash
+        if block_hash is None:
+            return False
+        bid = block.block_id
+        keys = [(block_hash, block.cached_group, block.event_hash), *self.secondary_keys.pop(bid, ())]
+        self.partial_tokens.pop(bid, None)
+        block.cached_hash = None
+        block.event_hash = None
+        cache = self.cached_block_hash_to_block
+        for key, group, original in keys:
+            if not cache.pop(key, group, bid):
+                continue
+            self.num_evictions += 1
+            if self.enable_kv_cache_events:
+                self.kv_event_queue.append(
+                    block_removed(key, b"", group)
+                    if original is None
+                    else block_removed(original, key[:NAMESPACE_PREFIX_BYTES], group)
+                )
+        self.hash_epoch += 1
+        return True
+
+    def cache_partial_block(
+        self, request: Request, block: KVCacheBlock, num_tokens: int, group_id: int
+    ) -> None:
+        """vLLM 0.33's partial-tail entry: make ``block`` reachable under the request's
+        hash at ``num_tokens`` (a multiple of the hash block inside the block), as its
+        primary key when it has none, else as one more key. Its BlockStored covers the
+        hash block ending there."""
+        if block.is_null:
+            return
+        n = num_tokens // self.hash_block_size
+        original = request.block_hashes[n - 1]
+        key = request_keys(request.block_hashes[n - 1 : n], request.cache_prefix)[0]
+        bid = block.block_id
+        secondary = self.secondary_keys.get(bid, ())
+        already = (block.cached_hash == key and block.cached_group == group_id) or any(
+            k == key and g == group_id for k, g, _ in secondary
+        )
+        if already:
+            return
+        partial = self.partial_tokens.get(bid)
+        if block.cached_hash is not None and partial is not None and partial < num_tokens:
+            self.evict_all_keys(block)  # a shorter partial entry gives way
+        if block.cached_hash is None:
+            block.cached_hash = key
+            block.cached_group = group_id
+            block.event_hash = original if request.cache_prefix else None
+            self.partial_tokens[bid] = num_tokens
+        else:
+            self.secondary_keys.setdefault(bid, []).append(
+                (key, group_id, original if request.cache_prefix else None)
+            )
+        self.cached_block_hash_to_block.insert(key, group_id, bid)
+        if not self.enable_kv_cache_events:
+            return
+        start = (n - 1) * self.hash_block_size
+        lora = request.lora
+        event = BlockStored(
+            block_hashes=(original,),
+            parent_block_hash=request.block_hashes[n - 2] if n > 1 else None,
+            token_ids=tuple(request.all_token_ids[start:num_tokens]),
+            block_size=num_tokens - start,
+            lora_id=lora.adapter_id if lora else None,
+            lora_name=lora.name if lora else None,
+            cache_prefix=request.cache_prefix,
+        )
+        if self.group_event_fields is not None:
+            kind, window = self.group_event_fields[group_id]
+            event = dataclasses.replace(
+                event,
+                extra_keys=(request.event_extra_keys(start // self.hash_block_size),),
+                group_idx=group_id,
+                kv_cache_spec_kind=kind,
+                kv_cache_spec_sliding_window=window,
+                lookahead_token_ids=(
+                    (tuple(request.all_token_ids[num_tokens : num_tokens + self.num_hash_lookahead_tokens]),)
+                    if self.num_hash_lookahead_tokens
+                    else None
+                ),
+            )
+        self.kv_event_queue.append(event)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, only if no block besides the null block is held."""
@@ -303,6 +460,8 @@ class BlockPool:
             blocks[block_id].cached_hash = None
             blocks[block_id].event_hash = None
         self.cached_block_hash_to_block = BlockHashToBlockMap(len(self.cached_block_hash_to_block.first))
+        self.secondary_keys.clear()
+        self.partial_tokens.clear()
         self.hash_epoch += 1
         if self.enable_kv_cache_events:
             self.kv_event_queue.append(AllBlocksCleared())
@@ -356,10 +515,10 @@ class BlockPool:
         return sorted(self.cached_block_hash_to_block.block_ids())
 
 
-def _removed(block: KVCacheBlock, cached_hash: bytes) -> BlockRemoved:
+def _removed(block: KVCacheBlock, cached_hash: bytes, group_idx: int | None) -> BlockRemoved:
     """The BlockRemoved of ``block`` losing ``cached_hash``: the client's hash, and the
     namespace prefix a namespaced key starts with (``event_hash`` is set only then)."""
     original = block.event_hash
     if original is None:
-        return block_removed(cached_hash)
-    return block_removed(original, cached_hash[:NAMESPACE_PREFIX_BYTES])
+        return block_removed(cached_hash, b"", group_idx)
+    return block_removed(original, cached_hash[:NAMESPACE_PREFIX_BYTES], group_idx)

@@ -11,8 +11,9 @@ from .blocks import KVCacheBlock
 from .config import KVCacheConfig, attention_groups
 from .hash_list import hashes_at_block_size
 from .managers import CrossAttentionManager, SingleTypeKVCacheManager, manager_class
+from .profiles import rules_of
 from .request import Request
-from .specs import AttentionSpec, FullAttentionSpec
+from .specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec, event_spec_fields
 
 __all__ = [
     "HybridKVCacheCoordinator",
@@ -36,6 +37,7 @@ class KVCacheCoordinator:
     def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
         self.config = config
         self.enable_caching = config.enable_caching
+        rules = rules_of(config.profile)
         self.block_pool = BlockPool(
             config.num_blocks,
             config.enable_caching,
@@ -43,6 +45,15 @@ class KVCacheCoordinator:
             config.enable_kv_cache_events,
             num_groups=len(config.groups),
             materialize=materialize_blocks,
+            prepend_unhashed_frees=rules.prepend_unhashed_frees,
+            group_event_fields=[event_spec_fields(g) for g in config.groups] if rules.event_fields else None,
+            num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
+            multi_key_blocks=rules.event_fields
+            and config.enable_caching
+            and any(
+                isinstance(g, FullAttentionSpec) and g.block_size > config.hash_block_size
+                for g in config.groups
+            ),
         )
         self.managers: list[SingleTypeKVCacheManager] = [
             manager_class(spec)(spec, self.block_pool, gid, config.enable_caching)
@@ -58,7 +69,10 @@ class KVCacheCoordinator:
         num_encoder_tokens: int,
         total_computed_tokens: int,
         num_tokens_main_model: int,
+        token_caps: Sequence[int | None] | None = None,
     ) -> int:
+        """Free blocks the allocation would consume over every group. ``token_caps``
+        (vLLM 0.33's admission cap): per group, the most tokens counted (``None``: no cap)."""
         total = 0
         for gid, manager in enumerate(self.managers):
             if self._is_cross[gid]:
@@ -66,9 +80,10 @@ class KVCacheCoordinator:
                     request_id, num_encoder_tokens, (), 0, num_encoder_tokens
                 )
             else:
+                cap = token_caps[gid] if token_caps is not None else None
                 total += manager.get_num_blocks_to_allocate(
                     request_id,
-                    num_tokens,
+                    num_tokens if cap is None or cap >= num_tokens else cap,
                     new_computed_blocks[gid],
                     total_computed_tokens,
                     num_tokens_main_model,
@@ -200,16 +215,20 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def alignment_tokens(self) -> int:
         return self.lcm_block_size
 
+    def _views(self, block_hashes: Sequence[bytes]) -> dict[int, Sequence[bytes]]:
+        """The request's hashes at each attention group's block size."""
+        size = self.config.hash_block_size
+        return {
+            spec.block_size: hashes_at_block_size(block_hashes, size, spec.block_size)
+            for spec, _, _ in self.attention_groups
+        }
+
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> tuple[IdLists, int]:
-        hash_block_size = self.config.hash_block_size
         use_eagle = self.config.use_eagle
         lcm = self.lcm_block_size
-        views = {
-            spec.block_size: hashes_at_block_size(block_hashes, hash_block_size, spec.block_size)
-            for spec, _, _ in self.attention_groups
-        }
+        views = self._views(block_hashes)
         result: list[list[int] | None] = [None] * len(self.managers)
         hit = max_cache_hit_length
         while True:
@@ -239,6 +258,136 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         return [lst if lst is not None else [] for lst in result], hit
 
 
+class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
+    """vLLM 0.33's hybrid coordinator (profile vllm-0.33, no EAGLE).
+
+    The search is 0.16's fixed point, except that every full-attention group is cut
+    back to the final length (0.16 cut back only the first), and it also reports the
+    longest length any group found (``last_longest_hit``): where that exceeds the
+    final hit, a sparse group lags behind a shared prefix, and the request keeps that
+    junction (its ``shared_prefix_boundary``) hittable when it caches.
+
+    Caching rounds every group down to the scheduler block size (the LCM) and, under
+    sparse retention (``prefix_cache_retention_interval`` 0), hashes only the
+    sliding-window blocks a later lookup can reach: the ``cdiv(w - 1, block)`` blocks
+    ending at the prompt's replay boundary (``num_prompt_tokens - 1``) or at the
+    request's shared-prefix junction, each rounded down to the scheduler block.
+    """
+
+    def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
+        super().__init__(config, materialize_blocks)
+        self.scheduler_block_size = config.scheduler_block_size or self.lcm_block_size
+        self.sparse = config.prefix_cache_retention_interval == 0
+        #: the longest length any group reached in the last search
+        self.last_longest_hit = 0
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple[IdLists, int]:
+        align = self.scheduler_block_size
+        views = self._views(block_hashes)
+        result: list[list[int] | None] = [None] * len(self.managers)
+        group_hit = [0] * len(self.managers)
+        longest = 0
+        hit = max_cache_hit_length
+        while True:
+            cur = hit
+            for spec, ids, cls in self.attention_groups:
+                if isinstance(spec, FullAttentionSpec) and result[ids[0]] is not None:
+                    cur = min(cur, group_hit[ids[0]])
+                    continue
+                lists = cls.find_longest_cache_hit(
+                    views[spec.block_size], cur, ids, self.block_pool, spec, False, align
+                )
+                cur = len(lists[0]) * spec.block_size
+                for gid, lst in zip(ids, lists, strict=False):
+                    result[gid] = lst
+                    group_hit[gid] = cur
+                longest = max(longest, cur)
+            if cur >= hit:
+                break
+            hit = cur
+            if self.is_simple_hybrid:
+                break
+        for spec, ids, _ in self.attention_groups:
+            if isinstance(spec, FullAttentionSpec):
+                n = -(-hit // spec.block_size)
+                for gid in ids:
+                    kept = result[gid]
+                    if kept is not None:
+                        del kept[n:]
+        self.last_longest_hit = longest
+        return [lst if lst is not None else [] for lst in result], hit
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        align = self.scheduler_block_size
+        num_tokens = num_computed_tokens // align * align
+        hashed = len(request.block_hashes) * self.config.hash_block_size
+        if hashed < num_tokens:
+            num_tokens = hashed
+        boundaries = [request.num_prompt_tokens - 1]
+        if request.shared_prefix_boundary:
+            boundaries.append(request.shared_prefix_boundary)
+        bp = self.block_pool
+        rid = request.request_id
+        hbs = self.config.hash_block_size
+        for m in self.managers:
+            if isinstance(m, CrossAttentionManager):
+                continue
+            bs = m.block_size
+            num_cached = m.num_cached_block.get(rid, 0)
+            num_full = num_tokens // bs
+            if num_cached < num_full:
+                self._cache_group(request, m, num_cached, num_full, boundaries)
+            if bp.multi_key_blocks and isinstance(m.spec, FullAttentionSpec) and bs != hbs:
+                self._cache_partial_tail(request, m, num_tokens)
+
+    def _cache_group(
+        self,
+        request: Request,
+        m: SingleTypeKVCacheManager,
+        num_cached: int,
+        num_full: int,
+        boundaries: list[int],
+    ) -> None:
+        """Cache blocks ``num_cached .. num_full-1`` of one group (sparse for sliding
+        window), after dropping the partial entries those blocks held."""
+        bp = self.block_pool
+        rid = request.request_id
+        bs = m.block_size
+        align = self.scheduler_block_size
+        blocks = m.req_to_blocks.setdefault(rid, [])
+        spec = m.spec
+        if bp.multi_key_blocks:
+            for i in range(num_cached, num_full):  # a partial entry gives way to the full block
+                if blocks[i].cached_hash is not None:
+                    bp.evict_all_keys(blocks[i])
+        if self.sparse and isinstance(spec, SlidingWindowSpec):
+            need = -(-(spec.sliding_window - 1) // bs)
+            mask = [False] * (num_full - num_cached)
+            for boundary in boundaries:
+                end = boundary // align * align // bs
+                for j in range(max(num_cached, end - need), min(num_full, end)):
+                    mask[j - num_cached] = True
+            bp.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id, mask)
+        else:
+            bp.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id)
+        m.num_cached_block[rid] = num_full
+
+    def _cache_partial_tail(self, request: Request, m: SingleTypeKVCacheManager, num_tokens: int) -> None:
+        """vLLM 0.33: a full-attention group whose block is larger than the hash block
+        also makes the prompt's last hash boundary below ``num_prompt_tokens`` reachable
+        when it ends inside a block (a partial entry on that block)."""
+        hbs = self.config.hash_block_size
+        boundary = min((request.num_prompt_tokens - 1) // hbs, len(request.block_hashes)) * hbs
+        if boundary == 0 or boundary > num_tokens or boundary % m.block_size == 0:
+            return
+        blocks = m.req_to_blocks.get(request.request_id, ())
+        index = boundary // m.block_size
+        if index < len(blocks):
+            self.block_pool.cache_partial_block(request, blocks[index], boundary, m.group_id)
+
+
 def get_kv_cache_coordinator(config: KVCacheConfig, materialize_blocks: bool = False) -> KVCacheCoordinator:
     """vLLM's factory rule: no caching, one group, or several groups.
 
@@ -248,6 +397,8 @@ def get_kv_cache_coordinator(config: KVCacheConfig, materialize_blocks: bool = F
             (same answers; a reference for tests).
     """
     kind = config.coordinator_kind
+    if kind == "hybrid" and config.profile == "vllm-0.33":
+        return HybridKVCacheCoordinator033(config, materialize_blocks)
     return _COORDINATORS[kind](config, materialize_blocks)
 
 

@@ -18,6 +18,7 @@ from .coordinators import KVCacheCoordinator
 from .errors import FailedPreconditionError, HintMismatchError, InvalidArgumentError, StaleCacheHitError
 from .hash_list import NAMESPACE_PREFIX_BYTES, SharedHashes, hashes_at_block_size, request_keys
 from .managers import CrossAttentionManager, FullAttentionManager
+from .profiles import rules_of
 from .request import Request
 from .request_table import RequestTable
 from .results import BlockIds, CacheHit, new_hit
@@ -53,6 +54,10 @@ class PrefixHits:
         self.use_eagle = config.use_eagle
         self._hybrid = config.coordinator_kind == "hybrid"
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if config.log_stats else None
+        #: vllm-0.33: statistics count admissions (record_admission), not lookups
+        self._stats_at_lookup = not rules_of(config.profile).stats_at_admission
+        #: vllm-0.33 hybrids report a shared prefix a sparse group lags behind
+        self._junctions = getattr(coordinator, "last_longest_hit", None) is not None
         self.lookup_counters = LookupCounters(group_hit_tokens=[0] * len(config.groups))
         self._alignment = coordinator.alignment_tokens
         self._group_block_sizes = [g.block_size for g in config.groups]
@@ -131,10 +136,21 @@ class PrefixHits:
         """The request's hit, recorded (an empty, unrecorded hit when caching is off or
         the request skips reading the prefix cache)."""
         if not self.enable_caching or req.skip_reading_prefix_cache:
+            req.shared_prefix_boundary = 0
             return CacheHit(self._no_hit_blocks, 0)
         hit, lists = self.search(request_keys(req.block_hashes, req.cache_prefix), len(req.all_token_ids))
+        if self._junctions:
+            self.note_junction(req, hit.num_tokens)
         self.record_lookup(req, hit, lists)
         return hit
+
+    def note_junction(self, req: Request, hit_tokens: int) -> None:
+        """vLLM 0.33: after a lookup the request keeps ``shared_prefix_boundary``, the
+        longest length any group found when a sparse group stopped shorter (0 when
+        none, and always 0 outside vllm-0.33 hybrids)."""
+        if self._junctions:
+            longest: int = self.coordinator.last_longest_hit  # type: ignore[attr-defined]
+            req.shared_prefix_boundary = longest if longest > hit_tokens else 0
 
     def hint(self, req: Request, walk_limit: int) -> tuple[CacheHit, int]:
         """The request's hit, recorded nowhere, and its eviction margin.
@@ -232,7 +248,10 @@ class PrefixHits:
                 f"{answered.num_tokens} tokens {given}, the pool has {hit.num_tokens} tokens {hit.block_ids}"
             )
         if self.enable_caching and not req.skip_reading_prefix_cache:
+            self.note_junction(req, hit.num_tokens)
             self.record_lookup(req, hit, lists)
+        else:
+            req.shared_prefix_boundary = 0
         return hit
 
     def record_lookup(self, req: Request, hit: CacheHit, lists: list[list[int]]) -> None:
@@ -240,7 +259,7 @@ class PrefixHits:
         req.last_hit = (hit.block_ids, self.block_pool.hash_epoch)
         num_tokens = len(req.all_token_ids)
         hit_tokens = hit.num_tokens
-        if self.prefix_cache_stats is not None:
+        if self.prefix_cache_stats is not None and self._stats_at_lookup:
             self.prefix_cache_stats.record(num_tokens, hit_tokens, req.num_preemptions > 0)
         c = self.lookup_counters
         c.lookups += 1
@@ -252,6 +271,11 @@ class PrefixHits:
         for g, lst in enumerate(lists):
             if lst:
                 group_hits[g] += len(lst) * self._group_block_sizes[g]
+
+    def record_admission(self, req: Request, num_hits: int) -> None:
+        """vLLM 0.33's statistics of an admitted request's lookup (``num_hits`` tokens)."""
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.record(len(req.all_token_ids), num_hits, req.num_preemptions > 0)
 
     def check_adoption(self, request_id: str, hit_blocks: list[list[KVCacheBlock]]) -> None:
         """A hit or external tokens are adopted only by a request holding no blocks yet

@@ -85,6 +85,9 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
                 r.skip_reading_prefix_cache,
                 None if r.last_hit is None else [[list(g) for g in r.last_hit[0]], r.last_hit[1]],
                 r.cache_prefix,
+                r.cache_salt,
+                r.num_prompt_tokens,
+                r.shared_prefix_boundary,
             ]
         )
     stats = pool.prefix_cache_stats
@@ -100,7 +103,10 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
             for b in blocks[:created]
             if b.cached_hash is not None
         ],
-        "free_used": queue.head_ids()[bp.num_blocks - created :],
+        # the vllm-0.33 profile's prepended blocks (ahead of the never-used run), then
+        # the used part behind it
+        "free_front": queue.front_ids(),
+        "free_used": queue.head_ids()[len(queue.front_ids()) + bp.num_blocks - created :],
         "hash_first": [list(first.items()) for first in cache.first],
         "hash_more": [[(h, list(ids)) for h, ids in more.items()] for more in cache._more],
         "managers": managers,
@@ -116,6 +122,10 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
         ],
         "counters": [bp.num_evictions, bp.hash_epoch, bp.num_allocated, bp.num_freed, pool.num_refusals],
         "evict_blocks_called": pool.evict_blocks_called,
+        # vllm-0.33 partial-tail entries: a block's keys beyond its primary one, and the
+        # token counts of primary keys that are partial entries
+        "secondary_keys": [(bid, [list(k) for k in keys]) for bid, keys in bp.secondary_keys.items()],
+        "partial_tokens": list(bp.partial_tokens.items()),
         "pending_events": [event_to_value(e) for e in bp.kv_event_queue],
         # routers' reservations (their references are in ref_cnt above), oldest first
         "reservations": [
@@ -161,7 +171,9 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
         block.cached_hash = key
         block.cached_group = group
         block.event_hash = event_hash
-    bp.free_block_queue.load(created, [blocks[i] for i in state["free_used"]])
+    bp.free_block_queue.load(
+        created, [blocks[i] for i in state["free_used"]], [blocks[i] for i in state.get("free_front", ())]
+    )
     cache = bp.cached_block_hash_to_block
     if len(state["hash_first"]) != len(cache.first):
         raise StateError("the state's prefix-cache map has another number of groups")
@@ -177,7 +189,11 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
             m.allocated_block_reqs = set(entry.get("mamba_allocated", ()))
             m.last_state_block_idx = dict(entry.get("mamba_last_state", ()))
     table = pool.requests  # shared with the request table: filled in place
-    for rid, tokens, hashes, computed, preemptions, lora, skip, last_hit, prefix in state["requests"]:
+    for entry in state["requests"]:
+        rid, tokens, hashes, computed, preemptions, lora, skip, last_hit, prefix = entry[:9]
+        # absent from older kvcoord's states (only vllm-0.33 pools read the last two)
+        defaults = [None, len(tokens), 0]  # salt, prompt length, shared-prefix boundary
+        salt, num_prompt, junction = list(entry[9:12]) + defaults[len(entry[9:12]) :]
         table[rid] = Request(
             rid,
             list(tokens),
@@ -188,6 +204,9 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
             skip,
             None if last_hit is None else (tuple(tuple(g) for g in last_hit[0]), last_hit[1]),
             prefix,
+            salt,
+            num_prompt,
+            junction,
         )
     pool.request_table.cache_namespaces.update(dict(state["namespaces"]))
     stats = state["prefix_cache_stats"]
@@ -196,6 +215,8 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
     pool.hits.lookup_counters = LookupCounters(lookups, queries, hits, short, list(group_hits))
     bp.num_evictions, bp.hash_epoch, bp.num_allocated, bp.num_freed, pool.num_refusals = state["counters"]
     pool.evict_blocks_called = state["evict_blocks_called"]
+    bp.secondary_keys = {bid: [tuple(k) for k in keys] for bid, keys in state.get("secondary_keys", ())}
+    bp.partial_tokens = dict(state.get("partial_tokens", ()))
     bp.kv_event_queue = [event_from_value(v) for v in state["pending_events"]]
     live = pool.reservations.live
     for rid, hit_ids, hit_tokens, held, prefix, last_hash, num_hashes in state["reservations"]:
@@ -218,9 +239,14 @@ def event_to_value(event: KVCacheEvent) -> list[Any]:
             event.lora_name,
             event.medium,
             event.cache_prefix,
+            None if event.extra_keys is None else [None if k is None else list(k) for k in event.extra_keys],
+            event.group_idx,
+            event.kv_cache_spec_kind,
+            event.kv_cache_spec_sliding_window,
+            None if event.lookahead_token_ids is None else [list(t) for t in event.lookahead_token_ids],
         ]
     if isinstance(event, BlockRemoved):
-        return ["removed", list(event.block_hashes), event.medium, event.cache_prefix]
+        return ["removed", list(event.block_hashes), event.medium, event.cache_prefix, event.group_idx]
     return ["cleared"]
 
 
@@ -232,10 +258,17 @@ def event_from_value(value: list[Any]) -> KVCacheEvent:
     """
     kind = value[0]
     if kind == "stored":
-        hashes, parent, tokens, size, lora_id, lora_name, medium, prefix = value[1:]
-        return BlockStored(tuple(hashes), parent, tuple(tokens), size, lora_id, lora_name, medium, prefix)
+        hashes, parent, tokens, size, lora_id, lora_name, medium, prefix = value[1:9]
+        # vllm-0.33 fields (absent from states of older kvcoord versions)
+        extra, group, spec_kind, window, lookahead = (list(value[9:14]) + [None] * 5)[:5]
+        return BlockStored(
+            tuple(hashes), parent, tuple(tokens), size, lora_id, lora_name, medium, prefix,
+            None if extra is None else tuple(None if k is None else tuple(k) for k in extra),
+            group, spec_kind, window,
+            None if lookahead is None else tuple(tuple(t) for t in lookahead),
+        )  # fmt: skip
     if kind == "removed":
-        return BlockRemoved(tuple(value[1]), value[2], value[3])
+        return BlockRemoved(tuple(value[1]), value[2], value[3], value[4] if len(value) > 4 else None)
     if kind == "cleared":
         return AllBlocksCleared()
     raise StateError(f"unknown event kind {kind!r}")

@@ -116,6 +116,7 @@ class ErrorReason(enum.Enum):
     HASH_MISMATCH = 11
     ANSWER_TOO_LARGE = 12
     NOT_OWNER = 13
+    PROFILE_MISMATCH = 14
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

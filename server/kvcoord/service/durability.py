@@ -259,11 +259,15 @@ class JournalRecorder(Recorder):
         self.bytes_appended += len(body)
         self.records_appended += 1
         seq = self.journal.append(body)
+        self._also(fields, seq, body, service)
         if service is not None:
             self._marks.append((seq, service.events, service.events.last_sequence))
         self.since_snapshot += 1
         if self.since_snapshot >= self.snapshot_every:
             self.snapshot()
+
+    def _also(self, fields: tuple[object, ...], seq: int, body: bytes, service: PoolService | None) -> None:
+        """Told of each record appended (the store journal copies pools' records)."""
 
     def snapshot(self) -> asyncio.Task[None] | None:
         """Start a snapshot of the state after the last appended record (unless one is

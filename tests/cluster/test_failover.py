@@ -1,0 +1,241 @@
+"""Failover without loss (``[cluster] journal = "store"``), with real processes: a
+3-member etcd cluster and 3 kvcoord replicas, started here on loopback. A client
+allocates and frees continuously while owners are SIGKILLed, an etcd member is
+SIGKILLed, and an owner is cut off from the store (SIGSTOP past its lease). After
+each blow every acknowledged allocation is where it was acknowledged, and no block is
+held by two live requests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from durable_server import env
+from etcd_process import EtcdCluster
+from kvcoord.client import KVCoordClient
+from kvcoord.client.testing import ServerProcess, start_server
+from kvcoord.service.ownership import Member, owner_of
+from service.helpers import allocate
+from test_replicas import POOL_CONFIG
+
+REPLICAS = ("r0", "r1", "r2")
+LEASE = 3
+
+
+@pytest.fixture(scope="module")
+def etcd3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd3"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def store_config(
+    etcd: EtcdCluster, replica: str, data_dir: Path, cluster: str, journal: str = "store"
+) -> str:
+    endpoints = ", ".join(f'"{e}"' for e in etcd.endpoints)
+    return (
+        f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
+        f"grace_seconds = 1.0\n"
+        f'[cluster]\nendpoints = [{endpoints}]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
+        f'lease_seconds = {LEASE}\nstore_timeout_seconds = 1.0\njournal = "{journal}"\n'
+        f"store_snapshot_records = 40\n"
+    )
+
+
+class Worker(threading.Thread):
+    """Allocates 2-block requests in every pool, round robin, freeing the oldest when a
+    pool holds 10. A call that fails has an unknown outcome: its request is left out
+    of the exact check (it may or may not exist), but still counts for overlaps."""
+
+    def __init__(self, targets: list[str], sessions: dict[str, tuple[str, object]]) -> None:
+        super().__init__(daemon=True)
+        self.targets = targets
+        self.sessions = sessions
+        self.acked: dict[str, dict[str, list[int]]] = {pool: {} for pool in sessions}
+        self.unknown: set[str] = set()
+        self.stop_now = threading.Event()
+        self.calls = 0
+        self.failures = 0
+        self.serial = 0
+
+    def run(self) -> None:
+        client = KVCoordClient(list(self.targets), timeout=5.0)
+        try:
+            while not self.stop_now.is_set():
+                for pool, (sid, fence) in self.sessions.items():
+                    if self.stop_now.is_set():
+                        break
+                    held = self.acked[pool]
+                    try:
+                        if len(held) >= 10:
+                            oldest = next(iter(held))
+                            del held[oldest]
+                            self.unknown.add(oldest)
+                            client.free(pool, [oldest], session_id=sid, fence=fence)  # type: ignore[arg-type]
+                            self.unknown.discard(oldest)
+                        self.serial += 1
+                        rid = f"q{self.serial}"
+                        self.unknown.add(rid)
+                        op = allocate(rid, list(range(self.serial, self.serial + 8)), 8).allocate
+                        got = client.allocate(pool, op, sid, fence)  # type: ignore[arg-type]
+                        self.unknown.discard(rid)
+                        if not got.result.refused:
+                            held[rid] = list(got.result.new_block_ids[0].block_ids)
+                        self.calls += 1
+                    except Exception:  # noqa: BLE001 - not acknowledged: unknown outcome
+                        self.failures += 1
+                        client.close()
+                        time.sleep(0.2)
+                        client = KVCoordClient(list(self.targets), timeout=5.0)
+        finally:
+            client.close()
+
+    def finish(self) -> None:
+        self.stop_now.set()
+        self.join(120)
+        assert not self.is_alive()
+
+
+def listed(targets: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for t in targets:
+        try:
+            with KVCoordClient(t, timeout=2.0) as c:
+                c.retry = c.retry.__class__(max_attempts=1)
+                for p in c.list_pools().pools:
+                    out[p.name] = p.replica
+        except Exception:  # noqa: BLE001 - a replica down or cut off
+            continue
+    return out
+
+
+def wait_served(targets: list[str], pools: list[str], timeout: float = 60.0) -> dict[str, str]:
+    """Until every pool is served by exactly one live replica."""
+    deadline = time.monotonic() + timeout
+    got: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        got = listed(targets)
+        if set(got) == set(pools):
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"pools not served after {timeout} s: {got}")
+
+
+def check(targets: list[str], worker: Worker) -> None:
+    """Every acknowledged allocation is present with its blocks; no block is held twice."""
+    with KVCoordClient(targets, timeout=5.0) as c:
+        for pool, held in worker.acked.items():
+            view = c.inspect_pool(pool, all_requests=True)
+            got = {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
+            for rid, blocks in held.items():
+                assert got.get(rid) == blocks, f"{pool}: acknowledged {rid} {blocks}, found {got.get(rid)}"
+            extra = set(got) - set(held) - worker.unknown
+            assert not extra, f"{pool}: requests nobody was acknowledged: {sorted(extra)}"
+            blocks = [b for ids in got.values() for b in ids]
+            assert len(blocks) == len(set(blocks)), f"{pool}: a block held by two requests"
+
+
+def _placed(replica: str, count: int, taken: list[str]) -> list[str]:
+    members = [Member(r, "") for r in REPLICAS]
+    out = []
+    for i in range(1000):
+        name = f"f{i}"
+        if name not in taken and owner_of(name, members).replica_id == replica:  # type: ignore[union-attr]
+            out.append(name)
+            if len(out) == count:
+                return out
+    raise AssertionError("no pool name placed there")
+
+
+def test_pools_fail_over_without_loss_when_owners_and_store_members_die(
+    etcd3: EtcdCluster, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    cluster = request.node.name[:40]
+    procs: dict[str, ServerProcess] = {}
+
+    def start(replica: str) -> ServerProcess:
+        procs[replica] = start_server(store_config(etcd3, replica, tmp_path / replica, cluster), env=env())
+        return procs[replica]
+
+    def addresses() -> list[str]:
+        return [p.address for p in procs.values() if p.proc.poll() is None]
+
+    try:
+        for r in REPLICAS:
+            start(r)
+        # two pools placed on each replica
+        pools: list[str] = []
+        for r in REPLICAS:
+            pools += _placed(r, 2, pools)
+        sessions: dict[str, tuple[str, object]] = {}
+        with KVCoordClient(addresses()) as c:
+            for pool in pools:
+                c.create_pool(pool, POOL_CONFIG)
+                s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
+                sessions[pool] = (s.session_id, s.fence)
+        targets = addresses()
+        worker = Worker(targets, sessions)
+        worker.start()
+        time.sleep(2.0)
+
+        # 1. an owner dies (SIGKILL): its pools come back on the others, nothing lost
+        victim = "r0"
+        procs[victim].proc.kill()
+        procs[victim].stop()
+        rest = addresses()
+        targets[:] = rest
+        where = wait_served(rest, pools)
+        assert victim not in where.values()
+        time.sleep(2.0)
+        before = worker.calls
+        # 2. an etcd member dies while the client allocates (the quorum remains)
+        etcd3.kill(0)
+        time.sleep(3.0)
+        # 3. the dead replica comes back: placement hands its pools back to it
+        start(victim)
+        targets[:] = addresses()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and victim not in listed(addresses()).values():
+            time.sleep(0.3)
+        assert victim in listed(addresses()).values()
+        etcd3.restart(0)
+        time.sleep(2.0)
+        # 4. an owner is cut off from the store past its lease (SIGSTOP): the others
+        # take its pools over; once it runs again, it answers nothing for them
+        cut = "r1"
+        os.kill(procs[cut].proc.pid, signal.SIGSTOP)
+        try:
+            others = [procs[r].address for r in REPLICAS if r != cut]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if set(listed(others)) == set(pools):
+                    break
+                time.sleep(0.3)
+            assert set(listed(others)) == set(pools)
+            time.sleep(2.0)
+        finally:
+            os.kill(procs[cut].proc.pid, signal.SIGCONT)
+        time.sleep(LEASE + 2.0)
+        worker.finish()
+        assert worker.calls > before > 0
+        print(f"worker: {worker.calls} calls acknowledged, {worker.failures} failed (unknown outcome)")
+        where = wait_served(addresses(), pools)
+        check(addresses(), worker)
+        logs = "".join(p.log() for p in procs.values())
+        assert "took pool" in logs, "no pool was rebuilt from the store"
+    finally:
+        for p in procs.values():
+            if p.proc.poll() is None:
+                with_cont = p.proc.pid
+                try:
+                    os.kill(with_cont, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            p.stop()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from durable_server import env
-from etcd_process import EtcdCluster
+from etcd_process import Etcd, EtcdCluster
 from kvcoord.client import KVCoordClient
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, owner_of
@@ -36,17 +36,24 @@ def etcd3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
         cluster.stop()
 
 
-def store_config(
-    etcd: EtcdCluster, replica: str, data_dir: Path, cluster: str, journal: str = "store"
+def _config(
+    endpoints: list[str], replica: str, data_dir: Path, cluster: str, journal: str, every: int
 ) -> str:
-    endpoints = ", ".join(f'"{e}"' for e in etcd.endpoints)
+    listed = ", ".join(f'"{e}"' for e in endpoints)
     return (
         f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
         f"grace_seconds = 1.0\n"
-        f'[cluster]\nendpoints = [{endpoints}]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
+        f'[cluster]\nendpoints = [{listed}]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
         f'lease_seconds = {LEASE}\nstore_timeout_seconds = 1.0\njournal = "{journal}"\n'
-        f"store_snapshot_records = 40\n"
+        f"store_snapshot_records = {every}\n"
     )
+
+
+def store_config(
+    etcd: EtcdCluster, replica: str, data_dir: Path, cluster: str, journal: str = "store"
+) -> str:
+    """A replica of the chaos run: a base snapshot every 40 records of a pool."""
+    return _config(etcd.endpoints, replica, data_dir, cluster, journal, 40)
 
 
 class Worker(threading.Thread):
@@ -238,4 +245,76 @@ def test_pools_fail_over_without_loss_when_owners_and_store_members_die(
                     os.kill(with_cont, signal.SIGCONT)
                 except ProcessLookupError:
                     pass
+            p.stop()
+
+
+def test_a_pool_rebuilt_from_the_store_has_the_ends_of_its_sessions(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Sessions that a replica got with a pool it rebuilt from the store, and that
+    end there (one expires, its requests freed and their blocks handed to another
+    session; one detaches), are ended in the pool's journal in the store too: when
+    that replica dies in turn, the pool rebuilt again holds exactly what the live
+    session was acknowledged (no freed block held twice, and the rebuild does not stop)."""
+    cluster = request.node.name[:40]
+    members = [Member(r, "") for r in ("r0", "r1")]
+    pool = next(f"s{i}" for i in range(1000) if owner_of(f"s{i}", members).replica_id == "r0")  # type: ignore[union-attr]
+    procs: dict[str, ServerProcess] = {}
+
+    def start(r: str) -> str:
+        procs[r] = start_server(_config([etcd.endpoint], r, tmp_path / r, cluster, "store", 1000), env=env())
+        return procs[r].address
+
+    def kill(r: str) -> None:
+        procs[r].proc.kill()
+        procs[r].stop()
+
+    def wait_on(address: str) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and pool not in listed([address]):
+            time.sleep(0.2)
+        assert pool in listed([address])
+
+    try:
+        a0, a1 = start("r0"), start("r1")
+        with KVCoordClient([a0, a1], timeout=5.0) as c:
+            c.create_pool(pool, POOL_CONFIG)
+            short = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=6)
+            gone = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=60)
+            live = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=60)
+            first = c.allocate(pool, allocate("a", list(range(100, 100 + 4 * 60)), 4 * 60).allocate,
+                               short.session_id, short.fence)  # fmt: skip
+            assert not first.result.refused
+            c.allocate(pool, allocate("d", [7, 7, 7, 7], 4).allocate, gone.session_id, gone.fence)
+        kill("r0")  # r1 rebuilds the pool, its sessions with it
+        wait_on(a1)
+        acked = {}
+        with KVCoordClient(a1, timeout=5.0) as c:
+            c.detach(gone.session_id, gone.fence)
+            deadline = time.monotonic() + 30  # the short session's lease ends on r1
+            while time.monotonic() < deadline and c.inspect_pool(pool, all_requests=True).requests:
+                time.sleep(0.2)
+            assert not c.inspect_pool(pool, all_requests=True).requests
+            for n in range(3):
+                got = c.allocate(pool, allocate(f"b{n}", list(range(n * 1000, n * 1000 + 80)), 80).allocate,
+                                 live.session_id, live.fence)  # fmt: skip
+                assert not got.result.refused
+                acked[f"b{n}"] = list(got.result.new_block_ids[0].block_ids)
+        reused = set(first.result.new_block_ids[0].block_ids) & {b for ids in acked.values() for b in ids}
+        assert reused, "the live session was given blocks the expired one held"
+        kill("r1")  # r0 comes back and rebuilds the pool from the store
+        a0 = start("r0")
+        wait_on(a0)
+        with KVCoordClient(a0, timeout=5.0) as c:
+            view = c.inspect_pool(pool, all_requests=True)
+            got = {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
+            assert got == acked
+            # the rebuilt pool goes on: a new request gets blocks nobody holds
+            more = c.allocate(pool, allocate("b3", list(range(5000, 5008)), 8).allocate,
+                              live.session_id, live.fence)  # fmt: skip
+            assert not more.result.refused
+            held = {b for ids in acked.values() for b in ids}
+            assert not held & set(more.result.new_block_ids[0].block_ids)
+    finally:
+        for p in procs.values():
             p.stop()

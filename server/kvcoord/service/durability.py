@@ -111,8 +111,8 @@ class Recorder:
     def detached(self, service: PoolService, session_id: str) -> None:
         pass
 
-    def session_expired(self, session_id: str) -> None:
-        pass
+    def session_expired(self, session_id: str, pool: str = "") -> None:
+        """``pool``: the session's (not journaled locally; the store journal needs it)."""
 
     def called(
         self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None
@@ -348,7 +348,7 @@ class JournalRecorder(Recorder):
     def detached(self, service: PoolService, session_id: str) -> None:
         self._append("detach", session_id, service=service)
 
-    def session_expired(self, session_id: str) -> None:
+    def session_expired(self, session_id: str, pool: str = "") -> None:
         self._append("expire", session_id)
 
     def called(

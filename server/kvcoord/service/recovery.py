@@ -511,7 +511,7 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     registry.positions.voided()
     for s in list(registry.sessions.sessions.values()):
         _end_session(registry, s)
-        recorder.session_expired(s.session_id)
+        recorder.session_expired(s.session_id, s.pool)
     for service in registry.pools.values():
         if not service.reset_prefix_cache():
             raise JournalError(

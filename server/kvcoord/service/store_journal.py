@@ -349,7 +349,7 @@ def rebuild(
     return None
 
 
-#: record kinds copied into a pool's stream, and where each names its pool
+#: record kinds copied into a pool's stream that name their pool, and where
 _POOL_FIELD = {"attach": 1, "reset": 1, "reserve": 1, "unreserve": 1, "term": 1}
 
 
@@ -363,36 +363,37 @@ class StoreRecorder(JournalRecorder):
     streams: PoolStreams | None = None
     #: the base record of a pool now (its state, writer and limits), encoded
     dump_base: Callable[[str], bytes] | None = None
-    #: session id -> pool (detach and expire records name only the session)
-    session_pools: dict[str, str]
+    #: the pool of the session whose expiry is being recorded
+    _expiring: str | None = None
 
     def _also(self, fields: tuple[object, ...], seq: int, body: bytes, service: PoolService | None) -> None:
         streams = self.streams
         if streams is None:
             return
-        if not hasattr(self, "session_pools"):
-            self.session_pools = {}
         kind = fields[0]
         pool: str | None = None
-        if kind == "call" and service is not None:
+        if kind in ("call", "detach") and service is not None:
             pool = service.name
         elif kind in _POOL_FIELD:
             pool = str(fields[_POOL_FIELD[kind]])
-            if kind == "attach":
-                self.session_pools[str(fields[2])] = pool
-        elif kind in ("detach", "expire"):
-            pool = self.session_pools.pop(str(fields[1]), None)
+        elif kind == "expire":
+            pool = self._expiring
         if pool is None or not streams.is_open(pool):
             return
         if streams.append(pool, encode_item(seq, body)) and self.dump_base is not None:
             streams.append(pool, self.dump_base(pool), base=True)
 
+    def session_expired(self, session_id: str, pool: str = "") -> None:
+        self._expiring = pool
+        try:
+            super().session_expired(session_id, pool)
+        finally:
+            self._expiring = None
+
     def open_stream(self, service: PoolService) -> None:
         """The pool's term changed here (claimed, adopted, taken over): a new stream."""
         if self.streams is None or self.dump_base is None:
             return
-        if not hasattr(self, "session_pools"):
-            self.session_pools = {}
         stream = self.streams.streams.get(service.name)
         if stream is not None and stream.term == service.fence.term:
             return

@@ -6,6 +6,7 @@ are missing is left out; a base deletes what it covers; and once the claim chang
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import os
 
 import aetcd
@@ -61,12 +62,23 @@ def test_big_records_round_trip_and_a_deposed_owner_cannot_write(
 
             # another replica takes the claim: this owner's next write fails, and the
             # caller waiting for it is told UNAVAILABLE, never that it is durable
+            # (a call of another pool, committed in the same batch, is not failed by it)
             lost: list[str] = []
             streams.on_lost = lost.append
+            streams.open("q", await _claim(c, streams.owner_key("q")), cbor2.dumps([0, ["base", 0.0, b"q"]]))
+            await streams.flush()
             await _claim(c, streams.owner_key("p"))
-            streams.append("p", cbor2.dumps([6, ["call", 0.0, 6]]))
-            with pytest.raises(ServiceError) as err:
+
+            async def call(pool: str, n: int) -> None:
+                streams.append(pool, cbor2.dumps([n, ["call", 0.0, n]]))
                 await streams.flush()
+
+            # each call in a context of its own, as each gRPC call's handler runs
+            deposed = asyncio.create_task(call("p", 6), context=contextvars.Context())
+            other = asyncio.create_task(call("q", 1), context=contextvars.Context())
+            await other
+            with pytest.raises(ServiceError) as err:
+                await deposed
             assert err.value.status == Status.UNAVAILABLE
             assert lost == ["p"] and not streams.is_open("p")
             rows = await c.get_prefix(streams.pool_prefix("p"))

@@ -44,6 +44,7 @@ handover carries it.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 from collections.abc import Callable
@@ -69,6 +70,13 @@ TXN_BYTES = 1 << 20
 TXN_OPS = 64
 #: seconds between retries of a write whose outcome is unknown
 RETRY_SECONDS = 0.1
+
+
+#: the pools the running task (one call's handler) queued records of: a pool whose
+#: records could not be written fails only the calls that wrote to it
+_TOUCHED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "kvcoord_store_pools", default=frozenset()
+)
 
 
 class StoreWriteError(Exception):
@@ -160,6 +168,9 @@ class PoolStreams:
         stream = self.streams.get(pool)
         if stream is None:
             return False
+        touched = _TOUCHED.get()
+        if pool not in touched:
+            _TOUCHED.set(touched | {pool})
         self.appended += 1
         self._pending.append(_Item(self.appended, pool, stream.term, stream.next_seq, body, base))
         stream.next_seq += 1
@@ -171,8 +182,9 @@ class PoolStreams:
         """Wait until every record queued so far is committed in the store.
 
         Raises:
-            ServiceError: UNAVAILABLE when a pool's records in that window could not be
-                written (the pool is given up here; its next owner has what was committed).
+            ServiceError: UNAVAILABLE when records of a pool this task wrote to could not
+                be written in that window (the pool is given up here; its next owner has
+                what was committed).
         """
         target = self.appended
         start = self.committed
@@ -180,7 +192,8 @@ class PoolStreams:
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append((start, target, future))
             await future
-        lost = sorted({pool for g, pool in self._failed if start < g <= target})
+        mine = _TOUCHED.get()
+        lost = sorted({pool for g, pool in self._failed if start < g <= target and pool in mine})
         if lost:
             raise ServiceError(
                 Status.UNAVAILABLE,

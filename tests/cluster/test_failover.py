@@ -196,10 +196,14 @@ def test_pools_fail_over_without_loss_when_owners_and_store_members_die(
         # 1. an owner dies (SIGKILL): its pools come back on the others, nothing lost
         victim = "r0"
         procs[victim].proc.kill()
+        killed = time.monotonic()
         procs[victim].stop()
         rest = addresses()
         targets[:] = rest
         where = wait_served(rest, pools)
+        print(
+            f"every pool served again {time.monotonic() - killed:.1f} s after its owner died (lease {LEASE} s)"
+        )
         assert victim not in where.values()
         time.sleep(2.0)
         before = worker.calls

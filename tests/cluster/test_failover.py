@@ -20,6 +20,7 @@ from etcd_process import Etcd, EtcdCluster
 from kvcoord.client import KVCoordClient
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, owner_of
+from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import allocate
 from tcp_proxy import Proxy
 from test_replicas import POOL_CONFIG
@@ -377,3 +378,66 @@ def test_a_pool_rebuilt_from_the_store_has_the_ends_of_its_sessions(
     finally:
         for p in procs.values():
             p.stop()
+
+
+def test_watchers_see_no_event_before_it_is_in_the_store(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A pool's KV events reach watchers only once their record is committed in the
+    store as well as on disk: while etcd does not answer (stopped for less than the
+    lease), an allocation's BlockStored events are not shown; once etcd answers, they
+    are, and the allocation is acknowledged. (A watcher never sees an event the next
+    owner, rebuilt from the store, would not have.)"""
+    cluster = request.node.name[:40]
+    server = start_server(_config([etcd.endpoint], "r0", tmp_path / "r0", cluster, "store", 1000), env=env())
+    config = pb.PoolConfig()
+    config.CopyFrom(POOL_CONFIG)
+    config.enable_kv_cache_events = True
+    seen: list[tuple[float, int]] = []
+    try:
+        with KVCoordClient(server.address, timeout=10.0) as c:
+            c.create_pool("w", config)
+            s = c.attach("w", "sha256_cbor", 4, "0", lease_seconds=60)
+
+            def watch() -> None:
+                with KVCoordClient(server.address, timeout=30.0) as w:
+                    for message in w.watch_events("w", 0, timeout=8):
+                        seen.append((time.monotonic(), message.sequence))
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            c.allocate("w", allocate("a", list(range(8)), 8).allocate, s.session_id, s.fence)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not seen:
+                time.sleep(0.05)
+            assert seen, "the watcher sees committed events"
+            before = -1
+            while before != len(seen):  # every event of "a" in
+                before = len(seen)
+                time.sleep(0.5)
+            answered: list[float] = []
+
+            def second() -> None:
+                c.allocate("w", allocate("b", list(range(100, 108)), 8).allocate, s.session_id, s.fence)
+                answered.append(time.monotonic())
+
+            os.kill(etcd.proc.pid, signal.SIGSTOP)
+            try:
+                caller = threading.Thread(target=second, daemon=True)
+                caller.start()
+                time.sleep(1.5)
+                assert len(seen) == before, "an event was shown before its record was in the store"
+                assert not answered, "an allocation was acknowledged before its record was in the store"
+            finally:
+                os.kill(etcd.proc.pid, signal.SIGCONT)
+                resumed = time.monotonic()
+            caller.join(30)
+            assert answered and answered[0] >= resumed
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and len(seen) == before:
+                time.sleep(0.05)
+            assert len(seen) > before and all(at >= resumed for at, _ in seen[before:])
+            watcher.join(30)
+    finally:
+        os.kill(etcd.proc.pid, signal.SIGCONT)
+        server.stop()

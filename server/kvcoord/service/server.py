@@ -456,8 +456,7 @@ def _store_journal(
         )
 
     streams.on_lost = lost
-    recorder.streams = streams
-    recorder.dump_base = base
+    recorder.attach_streams(streams, base)
     cluster.streams = streams
     cluster.drop_local = drop
     cluster.load_pool = load

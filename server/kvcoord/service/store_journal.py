@@ -34,6 +34,10 @@ parts of :data:`PART_BYTES` (512 KiB); a transaction carries at most
 record (a base snapshot) spans several transactions. A record counts only once all
 its parts are there; an answer is sent only once all of them are committed.
 
+**Events.** A pool's KV events are shown to watchers only once the record that made
+them is committed both locally and in the store (:class:`StoreRecorder`), so no
+watcher sees an event the next owner, rebuilt from the store, would not have.
+
 **Rebuilding** (:func:`rebuild`): the highest term whose stream has a complete
 ``base`` is taken; its latest complete base is loaded into a scratch registry and the
 records after it replayed there (recovery.py's :class:`~.recovery.Replayer`, with the
@@ -135,6 +139,8 @@ class PoolStreams:
         self._task: asyncio.Task[None] | None = None
         #: told when a pool's records could not be written (it must not be served here)
         self.on_lost: Callable[[str], None] | None = None
+        #: told after each batch is settled (committed, or failed and given up)
+        self.on_commit: list[Callable[[], None]] = []
         #: transactions written, bytes written (bench, metrics)
         self.txns = 0
         self.bytes = 0
@@ -233,6 +239,8 @@ class PoolStreams:
                 else:
                     keep.append((start, target, w))
             self._waiters = keep
+            for fn in self.on_commit:
+                fn()
             if len(self._failed) > 4096:
                 oldest = min((s for s, _, _ in self._waiters), default=self.committed)
                 self._failed = [(g, p) for g, p in self._failed if g > oldest]
@@ -378,11 +386,53 @@ class StoreRecorder(JournalRecorder):
     dump_base: Callable[[str], bytes] | None = None
     #: the pool of the session whose expiry is being recorded
     _expiring: str | None = None
+    #: the last record committed locally
+    _local_committed = 0
+    #: local record -> the store write it waits for too (its pool's events are shown
+    #: to watchers only once both are committed: never an event the next owner lacks)
+    _store_at: dict[int, int] | None = None
+
+    def attach_streams(self, streams: PoolStreams, dump_base: Callable[[str], bytes]) -> None:
+        """Copy pools' records to ``streams`` from now on."""
+        self.streams = streams
+        self.dump_base = dump_base
+        self._store_at = {}
+        streams.on_commit.append(self._release)
 
     def _also(self, fields: tuple[object, ...], seq: int, body: bytes, service: PoolService | None) -> None:
         streams = self.streams
         if streams is None:
             return
+        try:
+            self._copy(fields, seq, body, service, streams)
+        finally:
+            if service is not None and self._store_at is not None:
+                self._store_at[seq] = streams.appended
+
+    def _committed(self, seq: int) -> None:
+        self._local_committed = seq
+        self._release()
+
+    def _release(self) -> None:
+        """Show watchers the events of records committed both here and in the store."""
+        marks, waits = self._marks, self._store_at
+        while marks and marks[0][0] <= self._local_committed:
+            seq = marks[0][0]
+            if waits is not None:
+                if self.streams is not None and waits.get(seq, 0) > self.streams.committed:
+                    return
+                waits.pop(seq, None)
+            _, events, last = marks.popleft()
+            events.mark_durable(last)
+
+    def _copy(
+        self,
+        fields: tuple[object, ...],
+        seq: int,
+        body: bytes,
+        service: PoolService | None,
+        streams: PoolStreams,
+    ) -> None:
         kind = fields[0]
         pool: str | None = None
         if kind in ("call", "detach") and service is not None:

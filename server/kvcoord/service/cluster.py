@@ -335,11 +335,17 @@ class Cluster:
         success = [tx.delete(key), tx.delete(self._key("pools", pool))]
         if self.streams is not None:
             success.append(tx.delete(*_prefix_range(self.streams.pool_prefix(pool))))
-        _, responses = await self.client.transaction(
+        ok, responses = await self.client.transaction(
             compare=[tx.value(key) == encode_claim(self.me.replica_id, self.me.address)],
             success=success,
             failure=[],
         )
+        if not ok and self.streams is not None:
+            # the pool's journal in the store is another owner's now: it would come back there
+            raise ServiceError(
+                Status.UNAVAILABLE,
+                f"pool {pool[:200]!r} has another owner in the cluster now: retry the delete there",
+            )
         if responses:
             self.view.learned(pool, None, responses[0].response_delete_range.header.revision)
         self.view.catalog.discard(pool)

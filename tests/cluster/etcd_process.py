@@ -17,16 +17,22 @@ from durable_server import free_port
 REQUIRE = os.environ.get("KVCOORD_REQUIRE_ETCD") == "1"
 
 
+def etcd_binary() -> str:
+    """The etcd binary (the test is skipped without it, or fails under KVCOORD_REQUIRE_ETCD=1)."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        message = "etcd is not installed (apt-get install etcd-server; make install does)"
+        if REQUIRE:
+            pytest.fail(f"KVCOORD_REQUIRE_ETCD=1: {message}")
+        pytest.skip(message)
+    return binary
+
+
 class Etcd:
     """One etcd member on 127.0.0.1; :attr:`endpoint` is its client host:port."""
 
     def __init__(self, tmp: Path) -> None:
-        binary = shutil.which("etcd")
-        if binary is None:
-            message = "etcd is not installed (apt-get install etcd-server; make install does)"
-            if REQUIRE:
-                pytest.fail(f"KVCOORD_REQUIRE_ETCD=1: {message}")
-            pytest.skip(message)
+        binary = etcd_binary()
         self.port, peer = free_port(), free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
         self.log_path = tmp / "etcd.log"
@@ -65,3 +71,101 @@ class Etcd:
                 self.proc.kill()
                 self.proc.wait(10)
         self._log.close()
+
+
+class EtcdCluster:
+    """Three etcd members on 127.0.0.1 (a real Raft quorum: one member may die).
+    :meth:`kill` SIGKILLs a member, :meth:`restart` starts it again on its data."""
+
+    def __init__(self, tmp: Path, size: int = 3) -> None:
+        binary = etcd_binary()
+        self.binary = binary
+        self.tmp = tmp
+        self.names = [f"e{i}" for i in range(size)]
+        self.client_ports = [free_port() for _ in self.names]
+        self.peer_ports = [free_port() for _ in self.names]
+        self.endpoints = [f"127.0.0.1:{p}" for p in self.client_ports]
+        self.initial = ",".join(
+            f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports, strict=True)
+        )
+        self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
+        self._logs = [open(tmp / f"{n}.log", "ab") for n in self.names]  # noqa: SIM115 - closed in stop()
+        for i in range(size):
+            self._start(i)
+        for i in range(size):
+            self._wait_ready(i, 30.0)
+        self.wait_quorum(30.0)
+
+    def wait_quorum(self, timeout: float) -> None:
+        """Until a write through the members commits (a leader is elected)."""
+        import asyncio
+
+        import aetcd
+
+        async def put() -> None:
+            target = "ipv4:" + ",".join(self.endpoints)
+            host, _, port = target.rpartition(":")
+            async with aetcd.Client(host=host, port=int(port), timeout=1) as c:
+                await c.put(b"/ready", b"1")
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                asyncio.run(put())
+                return
+            except Exception:  # noqa: BLE001 - no leader yet
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def _start(self, i: int) -> None:
+        name, peer, client = self.names[i], self.peer_ports[i], self.client_ports[i]
+        self.procs[i] = subprocess.Popen(
+            [self.binary, "--name", name, "--data-dir", str(self.tmp / f"{name}.data"),
+             "--listen-client-urls", f"http://127.0.0.1:{client}",
+             "--advertise-client-urls", f"http://127.0.0.1:{client}",
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", self.initial, "--initial-cluster-state", "new",
+             "--heartbeat-interval", "50", "--election-timeout", "500", "--log-level", "warn"],
+            stdout=self._logs[i], stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def _wait_ready(self, i: int, timeout: float) -> None:
+        import socket
+
+        proc = self.procs[i]
+        assert proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"etcd {self.names[i]} exited with {proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.client_ports[i]), timeout=0.5):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise TimeoutError(f"etcd {self.names[i]} did not listen within {timeout} s")
+
+    def kill(self, i: int) -> None:
+        proc = self.procs[i]
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+    def restart(self, i: int) -> None:
+        self.kill(i)
+        self._start(i)
+        self._wait_ready(i, 30.0)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+        for log in self._logs:
+            log.close()

@@ -91,6 +91,12 @@ class SessionKeeper:
         blocks to another."""
         if fence.incarnation != self.fence.incarnation:
             return
+        if fence.term < self.fence.term:
+            # a late answer of a deposed owner (a pool's owner changed in a cluster): what
+            # it answered was committed before the new owner's term began, but its fence
+            # is not taken, so calls keep naming the newest term (a deposed owner refuses
+            # them rather than answer)
+            return
         if fence.instance_id != self.fence.instance_id or fence.position > self.fence.position:
             with self._lock:
                 self.fence = fence

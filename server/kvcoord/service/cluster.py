@@ -40,8 +40,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import cbor2
 import grpc
@@ -52,6 +52,9 @@ from .access import AccessControl
 from .errors import ServiceError, Status, map_errors
 from .ownership import Claim, Member, Ownership, decode_claim, decode_member, encode_claim, encode_member
 from .registry import Placement, PoolRegistry
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .store_journal import PoolStreams
 
 __all__ = ["Cluster", "ClusterError", "ClusterPlacement", "ReplicasServicer"]
 
@@ -72,6 +75,22 @@ def _client(endpoint: str, timeout: float) -> Any:
 
     host, _, port = endpoint.rpartition(":")
     return aetcd.Client(host=host, port=int(port), timeout=timeout)
+
+
+def _targets(endpoints: list[str]) -> list[str]:
+    """What to connect to, in order. Endpoints that are all IPv4 addresses become one
+    gRPC target listing them all, so the channel moves to another store member by
+    itself when the one it uses dies (pick-first over the list); names are tried one
+    by one at start (a Kubernetes service name already leads to a live member)."""
+    hosts = [e.rpartition(":")[0] for e in endpoints]
+    if len(endpoints) > 1 and all(_is_ipv4(h) for h in hosts):
+        return ["ipv4:" + ",".join(endpoints)]
+    return endpoints
+
+
+def _is_ipv4(host: str) -> bool:
+    parts = host.split(".")
+    return len(parts) == 4 and all(p.isdigit() and int(p) < 256 for p in parts)
 
 
 class Cluster:
@@ -124,6 +143,18 @@ class Cluster:
         self.handovers = 0
         self.handover_failures = 0
         self.stopping = False
+        #: the pools' journals in the store (journal = "store"; None: local only)
+        self.streams: PoolStreams | None = None
+        #: remove the local copy of a pool (recorded locally, no redirect); set by the server
+        self.drop_local: Callable[[str], None] | None = None
+        #: load a pool rebuilt from the store under a new term, and wait until durable
+        self.load_pool: Callable[[dict[str, Any], int], Awaitable[None]] | None = None
+        #: a fresh scratch registry whose instance is the given writer (rebuilding)
+        self.scratch_registry: Callable[[str], Any] | None = None
+        #: pools rebuilt from the store after their owner was gone (metrics, tests)
+        self.failovers = 0
+        #: pools whose rebuilding failed -> when to try again
+        self._retry_at: dict[str, float] = {}
 
     # -- keys ----------------------------------------------------------------------
     def _key(self, kind: str, name: str = "") -> bytes:
@@ -139,7 +170,7 @@ class Cluster:
                 this replica id and its lease did not end within lease_seconds.
         """
         last: BaseException | None = None
-        for endpoint in self.endpoints:
+        for endpoint in _targets(self.endpoints):
             client = _client(endpoint, self.timeout)
             try:
                 await client.connect()
@@ -273,10 +304,15 @@ class Cluster:
     async def claim_local(self) -> None:
         """Claim every pool this replica holds state of that nobody claims. A copy
         held here whose claim another replica holds was handed over (this replica
-        stopped before removing it): it is removed."""
+        stopped before removing it): it is removed. With the journal in the store, the
+        store is the pool's history: a pool claimed again is rebuilt from it (the copy
+        here may be behind what a later owner acknowledged)."""
         local = [p for p in self.local_pools() if p not in self.adopting]
         for pool in self.view.should_claim(local):
-            await self.claim(pool)
+            if self.streams is not None:
+                await self.recover(pool)
+            else:
+                await self.claim(pool)
         for pool in local:
             holder = self.view.claims.get(pool)
             if (
@@ -292,19 +328,109 @@ class Cluster:
                     self.handed_over(pool)
 
     async def forget(self, pool: str) -> None:
-        """The pool was deleted: drop it from the catalog and release its claim."""
+        """The pool was deleted: drop it from the catalog (and its journal from the
+        store) and release its claim."""
         tx = self.client.transactions
         key = self._key("owners", pool)
-        _, responses = await self.client.transaction(
+        success = [tx.delete(key), tx.delete(self._key("pools", pool))]
+        if self.streams is not None:
+            success.append(tx.delete(*_prefix_range(self.streams.pool_prefix(pool))))
+        ok, responses = await self.client.transaction(
             compare=[tx.value(key) == encode_claim(self.me.replica_id, self.me.address)],
-            success=[tx.delete(key), tx.delete(self._key("pools", pool))],
+            success=success,
             failure=[],
         )
+        if not ok and self.streams is not None:
+            # the pool's journal in the store is another owner's now: it would come back there
+            raise ServiceError(
+                Status.UNAVAILABLE,
+                f"pool {pool[:200]!r} has another owner in the cluster now: retry the delete there",
+            )
         if responses:
             self.view.learned(pool, None, responses[0].response_delete_range.header.revision)
         self.view.catalog.discard(pool)
         for fn in self.on_change:
             fn()
+
+    async def release(self, pool: str) -> None:
+        """Give up this replica's claim of ``pool`` (its journal in the store could not
+        be written, or it holds no state of it): whoever placement names claims it and
+        rebuilds it from the store."""
+        claim = self.view.claims.get(pool)
+        if claim is None or claim.replica_id != self.me.replica_id or self.client is None:
+            return
+        tx = self.client.transactions
+        key = self._key("owners", pool)
+        ok, responses = await self.client.transaction(
+            compare=[tx.mod(key) == claim.term], success=[tx.delete(key)], failure=[]
+        )
+        if ok:
+            self.view.learned(pool, None, responses[0].response_delete_range.header.revision)
+            logger.warning("released the claim of pool %s (term %d)", pool, claim.term)
+            for fn in self.on_change:
+                fn()
+
+    # -- failover (journal = "store") ----------------------------------------------------
+    async def recover_orphans(self) -> None:
+        """Claim and rebuild from the store every pool of the catalog nobody claims
+        that placement puts here (its owner died or was cut off), and release claims
+        held here of pools with no state here."""
+        if self.streams is None or self.stopping:
+            return
+        view = self.view
+        local = set(self.local_pools())
+        for pool in view.owned():
+            if pool not in local and pool not in self.adopting and pool not in view.moving:
+                await self.release(pool)
+        now = self.clock()
+        for pool in view.orphans():
+            if self.stopping or not view.lease_valid:
+                return
+            if pool not in self.adopting and self._retry_at.get(pool, 0.0) <= now:
+                await self.recover(pool)
+
+    async def recover(self, pool: str) -> bool:
+        """Claim ``pool`` (a new term: its former owner can write nothing more), rebuild
+        it from its journal in the store and serve it. True once served here."""
+        assert self.streams is not None and self.load_pool is not None and self.scratch_registry is not None
+        from .store_journal import rebuild, stream_rows
+
+        view = self.view
+        view.moving.add(pool)
+        self.adopting.add(pool)
+        try:
+            if pool in self.local_pools() and self.drop_local is not None:
+                self.drop_local(pool)  # the store has its history
+            claim = await self.claim(pool)
+            if claim is None:
+                return False
+            prefix = self.streams.pool_prefix(pool)
+            rows = await self.client.get_prefix(prefix)
+            try:
+                rebuilt = rebuild(stream_rows(rows, prefix), self.scratch_registry, pool)
+            except Exception as exc:  # noqa: BLE001 - loud, and the pool stays unserved here
+                logger.critical(
+                    "pool %s cannot be rebuilt from its journal in the cluster store (tried again in "
+                    "%d s): %r", pool, self.lease_seconds, exc,
+                )  # fmt: skip
+                self._retry_at[pool] = self.clock() + self.lease_seconds
+                await self.release(pool)
+                return False
+            if rebuilt is None:  # created, never acknowledged anything: it does not exist
+                logger.warning("pool %s has no journal in the cluster store: removed from the catalog", pool)
+                await self.forget(pool)
+                return False
+            value, old_term, records = rebuilt
+            await self.load_pool(value, claim.term)
+            self.failovers += 1
+            logger.warning(
+                "took pool %s over from the cluster store (term %d after %d; %d records replayed)",
+                pool, claim.term, old_term, records,
+            )  # fmt: skip
+            return True
+        finally:
+            self.adopting.discard(pool)
+            view.moving.discard(pool)
 
     # -- handovers ----------------------------------------------------------------------
     async def rebalance(self) -> None:
@@ -445,6 +571,7 @@ class Cluster:
                         self._changed.clear()
                         await self.refresh()
                         await self.claim_local()
+                        await self.recover_orphans()
                         await self.rebalance()
                 finally:
                     reader.cancel()
@@ -459,6 +586,11 @@ class Cluster:
     async def _changes(self, watch: Any) -> None:
         async for _ in watch:
             self._changed.set()
+
+
+def _prefix_range(prefix: bytes) -> tuple[bytes, bytes]:
+    """The key range of every key that starts with ``prefix`` (it ends in "/")."""
+    return prefix, prefix[:-1] + bytes([prefix[-1] + 1])
 
 
 def _decoded(rows: Any, decode: Callable[[Any], Any]) -> list[Any]:
@@ -523,7 +655,14 @@ class ClusterPlacement(Placement):
         return claim.term
 
     def check(self, pool: str, local: bool) -> None:
-        self.cluster.view.check(pool, local)
+        cluster = self.cluster
+        cluster.view.check(pool, local)
+        streams = cluster.streams
+        if streams is not None and local and not streams.is_open(pool):
+            raise ServiceError(
+                Status.UNAVAILABLE,
+                f"pool {pool[:200]!r} is not journaled in the cluster store here yet: retry",
+            )
 
     def serves(self, pool: str) -> bool:
         return self.cluster.view.holds(pool)

@@ -138,10 +138,20 @@ class ClusterSettings:
     lease_seconds: int = 10
     #: the deadline of each call to the store
     store_timeout_seconds: float = 5.0
+    #: where pools' journals live: "local" (the data directory's only: a dead replica's
+    #: pools wait for it) or "store" (each pool's records also in etcd, committed
+    #: before the answer: another replica takes a dead one's pools over, store_journal.py)
+    journal: str = "local"
+    #: records of a pool between its snapshots in the store (journal = "store")
+    store_snapshot_records: int = 1000
 
     def __post_init__(self) -> None:
         if self.lease_seconds < 2:
             raise ConfigFileError("cluster.lease_seconds must be at least 2")
+        if self.journal not in ("local", "store"):
+            raise ConfigFileError(f'cluster.journal must be "local" or "store", got {self.journal!r}')
+        if self.store_snapshot_records < 1:
+            raise ConfigFileError("cluster.store_snapshot_records must be >= 1")
         if self.store_timeout_seconds <= 0:
             raise ConfigFileError("cluster.store_timeout_seconds must be > 0")
         if not self.name or "/" in self.name:

@@ -111,8 +111,8 @@ class Recorder:
     def detached(self, service: PoolService, session_id: str) -> None:
         pass
 
-    def session_expired(self, session_id: str) -> None:
-        pass
+    def session_expired(self, session_id: str, pool: str = "") -> None:
+        """``pool``: the session's (not journaled locally; the store journal needs it)."""
 
     def called(
         self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None
@@ -259,11 +259,15 @@ class JournalRecorder(Recorder):
         self.bytes_appended += len(body)
         self.records_appended += 1
         seq = self.journal.append(body)
+        self._also(fields, seq, body, service)
         if service is not None:
             self._marks.append((seq, service.events, service.events.last_sequence))
         self.since_snapshot += 1
         if self.since_snapshot >= self.snapshot_every:
             self.snapshot()
+
+    def _also(self, fields: tuple[object, ...], seq: int, body: bytes, service: PoolService | None) -> None:
+        """Told of each record appended (the store journal copies pools' records)."""
 
     def snapshot(self) -> asyncio.Task[None] | None:
         """Start a snapshot of the state after the last appended record (unless one is
@@ -344,7 +348,7 @@ class JournalRecorder(Recorder):
     def detached(self, service: PoolService, session_id: str) -> None:
         self._append("detach", session_id, service=service)
 
-    def session_expired(self, session_id: str) -> None:
+    def session_expired(self, session_id: str, pool: str = "") -> None:
         self._append("expire", session_id)
 
     def called(

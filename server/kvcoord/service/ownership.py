@@ -234,6 +234,13 @@ class Ownership:
         target = owner_of(pool, [m for m in self.members.values() if m.replica_id != from_replica])
         return target is not None and target.replica_id == self.me.replica_id
 
+    def orphans(self) -> list[str]:
+        """Pools of the cluster's catalog nobody claims that placement puts here (their
+        owner is gone): with the journal in the store, this replica takes them over."""
+        return sorted(
+            p for p in self.catalog if p not in self.claims and p not in self.moving and self.placed_here(p)
+        )
+
     def should_claim(self, local_pools: Iterable[str]) -> list[str]:
         """Pools this replica holds state of, that nobody claims: it claims them
         (a restart recovering its journal, a claim lost with an expired lease)."""

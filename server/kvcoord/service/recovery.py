@@ -385,6 +385,7 @@ def open_journal(
     synchronous: str,
     snapshot_every: int,
     wall_clock: Callable[[], float] = time.time,
+    make_recorder: type[JournalRecorder] = JournalRecorder,
 ) -> Recovery:
     """Recover ``registry`` (empty) from ``data_dir`` and journal from now on.
 
@@ -444,7 +445,7 @@ def open_journal(
     apply_limits(registry, configured, configured_answer_bytes)
     journal = Journal(store, after + count)
     journal.snapshot_seq = after
-    recorder = JournalRecorder(
+    recorder = make_recorder(
         journal,
         snapshot_every,
         lambda: dump_state(registry, registry.instance_id, registry.limits, wall_clock),
@@ -510,7 +511,7 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     registry.positions.voided()
     for s in list(registry.sessions.sessions.values()):
         _end_session(registry, s)
-        recorder.session_expired(s.session_id)
+        recorder.session_expired(s.session_id, s.pool)
     for service in registry.pools.values():
         if not service.reset_prefix_cache():
             raise JournalError(

@@ -299,7 +299,7 @@ class PoolRegistry:
             service = self.pools.get(s.pool)
             freed = service.end_session(s) if service is not None else 0
             # recorded after the change: a snapshot the record triggers holds the state after it
-            self.recorder.session_expired(s.session_id)
+            self.recorder.session_expired(s.session_id, s.pool)
             logger.warning(
                 "session %s (%s) of pool %s expired; freed %d requests",
                 s.session_id,

@@ -25,11 +25,12 @@ from .idempotency import IdempotencyStore
 from .kv_publisher import Publishers
 from .logs import ids
 from .ownership import Member
-from .recovery import Recovery, dump_pool, fence_restored, open_journal
+from .recovery import Recovery, adopt_pool, dump_pool, fence_restored, journaled_limits, open_journal
 from .registry import GcFreezer, PoolRegistry
 from .servicer import AllocatorServicer, OperationObserver, add_servicer
 from .sessions import SessionTable
 from .startup import StartupDecision, decide_startup
+from .store_journal import PoolStreams, StoreRecorder, encode_base
 from .tls import server_credentials
 
 __all__ = ["ClusterError", "ListenError", "RunningServer", "start_server"]
@@ -227,7 +228,11 @@ async def start_server(
     registry.max_message_bytes = st.max_message_bytes
     recovery = None
     if st.journaled:
-        recovery = open_journal(registry, st.data_dir, st.synchronous, st.snapshot_every, wall_clock)
+        store = cfg.cluster.enabled and cfg.cluster.journal == "store"
+        recovery = open_journal(
+            registry, st.data_dir, st.synchronous, st.snapshot_every, wall_clock,
+            make_recorder=StoreRecorder if store else JournalRecorder,
+        )  # fmt: skip
         if recovery.restored:
             # The journal may be behind what clients were told (recovery.py ended and
             # fenced its sessions): a worker of the previous instance may still use
@@ -389,6 +394,8 @@ def _cluster(
 
     cluster.handed_over = handed_over
     cluster.on_term = registry.set_term
+    if c.journal == "store":
+        _store_journal(cfg, cluster, registry, servicer)
     if cfg.server.auth_tokens:
         cluster.peer_metadata = (("authorization", f"Bearer {cfg.server.auth_tokens[0]}"),)
     placement = ClusterPlacement(cluster, registry)
@@ -398,6 +405,62 @@ def _cluster(
     )
     pb_grpc.add_ReplicasServicer_to_server(peers, server)
     return cluster
+
+
+def _store_journal(
+    cfg: ServerConfig, cluster: Cluster, registry: PoolRegistry, servicer: AllocatorServicer
+) -> None:
+    """``journal = "store"``: each pool's records also go to its stream in etcd, and a
+    pool whose owner is gone is rebuilt from it (store_journal.py)."""
+    recorder = registry.recorder
+    if not isinstance(recorder, StoreRecorder):
+        raise ClusterError('[cluster] journal = "store" needs a journaled server (server.data_dir)')
+    st = cfg.server
+    streams = PoolStreams(
+        lambda: cluster.client,
+        cluster.prefix,
+        lambda: cluster.view.lease_valid,
+        cfg.cluster.store_snapshot_records,
+    )
+
+    def base(pool: str) -> bytes:
+        limits = journaled_limits(registry, registry.limits)
+        return encode_base(dump_pool(registry, pool), registry.instance_id, limits, registry.wall_clock())
+
+    def drop(pool: str) -> None:
+        if pool in registry.pools:
+            servicer.observer.pool_deleted(registry.remove(pool))
+
+    def lost(pool: str) -> None:  # its records could not be written: the store's copy is the pool's
+        if pool in registry.pools:
+            servicer.observer.pool_deleted(registry.handed_over(pool))
+        if cluster.client is not None:
+            task = asyncio.get_running_loop().create_task(cluster.release(pool))
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def load(value: dict[str, object], term: int) -> None:
+        adopt_pool(registry, value)
+        registry.recorder.adopted(value)
+        name = str(value["pool"]["name"])  # type: ignore[index]
+        registry.set_term(name, term)
+        servicer.observer.pool_created(registry.pools[name])
+        await registry.recorder.durable()
+
+    def scratch(writer: str) -> PoolRegistry:
+        return PoolRegistry(
+            cfg.limits,
+            SessionTable(registry.clock, st.session_lease_seconds, st.max_session_lease_seconds),
+            IdempotencyStore(registry.clock, st.idempotency_window_seconds, st.idempotency_max_bytes),
+            writer,
+            clock=registry.clock,
+        )
+
+    streams.on_lost = lost
+    recorder.attach_streams(streams, base)
+    cluster.streams = streams
+    cluster.drop_local = drop
+    cluster.load_pool = load
+    cluster.scratch_registry = scratch
 
 
 async def _join_cluster(

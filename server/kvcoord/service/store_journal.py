@@ -1,0 +1,477 @@
+"""A pool's journal in the cluster store (``[cluster] journal = "store"``).
+
+With the local journal only, a pool lives and dies with its replica's disk. With
+``journal = "store"`` every record of a pool is also written to etcd, under the
+pool's key prefix, before its answer leaves, so that another replica can rebuild the
+pool when its owner dies (cluster.py, :meth:`Cluster.recover_orphans`).
+
+**Streams.** A pool's records form one *stream per term* (the revision of the
+owner's claim, ownership.py)::
+
+    /kvcoord/<cluster>/journal/<pool>/<term:020d>/<seq:020d>/<part:06d>/<parts:06d>
+
+Each stream starts with a ``base`` record (seq 0): the pool's whole state as
+:func:`~kvcoord.service.recovery.dump_pool` makes it, with the instance that writes
+the stream and the limits its records are applied with. The records after it are
+the pool's records of the local journal (``attach``, ``call``, ``detach``, ...), each
+with its local journal position (answers' fences name it, so replay must too).
+Every ``snapshot_every`` records a new ``base`` is written into the stream, and once
+it is committed every key of the pool before it (older records, older terms' streams)
+is deleted: the log stays bounded.
+
+**Guard.** Every write is one etcd transaction that compares the claim's
+``mod_revision`` with the stream's term: once another replica holds the claim (a new
+term), the deposed owner's writes fail, so it never acknowledges anything after
+losing the pool. A write whose outcome is unknown (the store did not answer) is
+retried while the replica's lease is sure to be alive; then the pool is given up here
+(:attr:`PoolStreams.on_lost`): its calls get UNAVAILABLE, and whoever claims it next
+rebuilds it from the store.
+
+**Size.** etcd refuses requests above 1.5 MiB (``--max-request-bytes``) and
+transactions of more than 128 operations (``--max-txn-ops``). A record is cut into
+parts of :data:`PART_BYTES` (512 KiB); a transaction carries at most
+:data:`TXN_BYTES` (1 MiB) of values and :data:`TXN_OPS` operations, so a large
+record (a base snapshot) spans several transactions. A record counts only once all
+its parts are there; an answer is sent only once all of them are committed.
+
+**Events.** A pool's KV events are shown to watchers only once the record that made
+them is committed both locally and in the store (:class:`StoreRecorder`), so no
+watcher sees an event the next owner, rebuilt from the store, would not have.
+
+**Rebuilding** (:func:`rebuild`): the highest term whose stream has a complete
+``base`` is taken; its latest complete base is loaded into a scratch registry and the
+records after it replayed there (recovery.py's :class:`~.recovery.Replayer`, with the
+digests of what clients were told checked), and the result is the pool's state as a
+handover carries it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import cbor2
+
+from .durability import JournalRecorder
+from .errors import ServiceError, Status
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .pool_service import PoolService
+
+__all__ = ["PART_BYTES", "PoolStreams", "StoreRecorder", "StoreWriteError", "rebuild", "stream_rows"]
+
+logger = logging.getLogger(__name__)
+
+#: bytes of a record per key
+PART_BYTES = 512 << 10
+#: bytes of values per transaction (etcd's default request limit is 1.5 MiB)
+TXN_BYTES = 1 << 20
+#: operations per transaction (etcd's default --max-txn-ops is 128)
+TXN_OPS = 64
+#: seconds between retries of a write whose outcome is unknown
+RETRY_SECONDS = 0.1
+
+
+#: the pools the running task (one call's handler) queued records of: a pool whose
+#: records could not be written fails only the calls that wrote to it
+_TOUCHED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "kvcoord_store_pools", default=frozenset()
+)
+
+
+class StoreWriteError(Exception):
+    """A pool's records could not be written (its claim is gone, or the store is unreachable)."""
+
+
+@dataclasses.dataclass(slots=True)
+class _Stream:
+    term: int
+    next_seq: int = 0
+    since_base: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Item:
+    gseq: int
+    pool: str
+    term: int
+    seq: int
+    body: bytes
+    base: bool
+
+
+def _parts(body: bytes) -> list[bytes]:
+    return [body[i : i + PART_BYTES] for i in range(0, len(body), PART_BYTES)] or [b""]
+
+
+class PoolStreams:
+    """Writes pools' records to the store, a transaction per batch, guarded by the term.
+
+    Args:
+        client: the etcd client (aetcd), read at each write (set once connected).
+        prefix: the cluster's key prefix (``/kvcoord/<cluster>/``).
+        lease_valid: whether this replica's lease is sure to be alive (writes whose
+            outcome is unknown are retried while it is).
+        snapshot_every: records of a pool between its base snapshots.
+    """
+
+    def __init__(
+        self,
+        client: Callable[[], Any],
+        prefix: bytes,
+        lease_valid: Callable[[], bool],
+        snapshot_every: int,
+    ) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.lease_valid = lease_valid
+        self.snapshot_every = snapshot_every
+        self.streams: dict[str, _Stream] = {}
+        self.appended = 0
+        self.committed = 0
+        self._pending: list[_Item] = []
+        self._failed: list[tuple[int, str]] = []
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
+        #: told when a pool's records could not be written (it must not be served here)
+        self.on_lost: Callable[[str], None] | None = None
+        #: told after each batch is settled (committed, or failed and given up)
+        self.on_commit: list[Callable[[], None]] = []
+        #: transactions written, bytes written (bench, metrics)
+        self.txns = 0
+        self.bytes = 0
+
+    # -- keys ----------------------------------------------------------------------
+    def pool_prefix(self, pool: str) -> bytes:
+        return self.prefix + b"journal/" + pool.encode() + b"/"
+
+    def owner_key(self, pool: str) -> bytes:
+        return self.prefix + b"owners/" + pool.encode()
+
+    def _record_key(self, pool: str, term: int, seq: int) -> bytes:
+        return self.pool_prefix(pool) + f"{term:020d}/{seq:020d}/".encode()
+
+    # -- what the recorder tells ---------------------------------------------------------
+    def is_open(self, pool: str) -> bool:
+        return pool in self.streams
+
+    def open(self, pool: str, term: int, base: bytes) -> None:
+        """Start ``pool``'s stream of ``term`` with ``base`` (its whole state now)."""
+        self.streams[pool] = _Stream(term)
+        self.append(pool, base, base=True)
+
+    def close(self, pool: str) -> None:
+        """The pool is no longer here (deleted, handed over, lost): no more records."""
+        self.streams.pop(pool, None)
+
+    def append(self, pool: str, body: bytes, base: bool = False) -> bool:
+        """Queue a record of ``pool`` (ignored when its stream is not open). Returns
+        True when the stream is due for a new base."""
+        stream = self.streams.get(pool)
+        if stream is None:
+            return False
+        touched = _TOUCHED.get()
+        if pool not in touched:
+            _TOUCHED.set(touched | {pool})
+        self.appended += 1
+        self._pending.append(_Item(self.appended, pool, stream.term, stream.next_seq, body, base))
+        stream.next_seq += 1
+        stream.since_base = 0 if base else stream.since_base + 1
+        self._kick()
+        return stream.since_base >= self.snapshot_every
+
+    async def flush(self) -> None:
+        """Wait until every record queued so far is committed in the store.
+
+        Raises:
+            ServiceError: UNAVAILABLE when records of a pool this task wrote to could not
+                be written in that window (the pool is given up here; its next owner has
+                what was committed).
+        """
+        target = self.appended
+        start = self.committed
+        if self.committed < target:
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append((start, target, future))
+            await future
+        mine = _TOUCHED.get()
+        lost = sorted({pool for g, pool in self._failed if start < g <= target and pool in mine})
+        if lost:
+            raise ServiceError(
+                Status.UNAVAILABLE,
+                f"the journal of pool(s) {', '.join(p[:200] for p in lost)!s} could not be written to the "
+                "cluster store (this replica lost the claim or the store): retry, the pool's owner answers",
+            )
+
+    # -- writing ---------------------------------------------------------------------------
+    def _kick(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            by_pool: dict[str, list[_Item]] = {}
+            for item in batch:
+                by_pool.setdefault(item.pool, []).append(item)
+            results = await asyncio.gather(
+                *(self._write_pool(pool, items) for pool, items in by_pool.items()), return_exceptions=True
+            )
+            for (pool, items), result in zip(by_pool.items(), results, strict=True):
+                if isinstance(result, BaseException):
+                    logger.error("the journal of pool %s could not be written to the store: %s", pool, result)
+                    self._failed.extend((i.gseq, pool) for i in items)
+                    stream = self.streams.get(pool)
+                    if stream is not None and stream.term == items[0].term:
+                        self.close(pool)
+                        if self.on_lost is not None:
+                            self.on_lost(pool)
+            self.committed = batch[-1].gseq
+            keep = []
+            for start, target, w in self._waiters:
+                if target <= self.committed:
+                    if not w.done():
+                        w.set_result(None)
+                else:
+                    keep.append((start, target, w))
+            self._waiters = keep
+            for fn in self.on_commit:
+                fn()
+            if len(self._failed) > 4096:
+                oldest = min((s for s, _, _ in self._waiters), default=self.committed)
+                self._failed = [(g, p) for g, p in self._failed if g > oldest]
+
+    async def _write_pool(self, pool: str, items: list[_Item]) -> None:
+        """Write ``items`` (one pool's, in order) in guarded transactions; then, after a
+        base, delete what it covers."""
+        term = items[0].term
+        if any(i.term != term for i in items):  # a new stream began: the old one's first
+            split = next(n for n, i in enumerate(items) if i.term != term)
+            await self._write_pool(pool, items[:split])
+            await self._write_pool(pool, items[split:])
+            return
+        txns: list[list[tuple[bytes, bytes]]] = [[]]
+        size = 0
+        bases = []
+        for item in items:
+            parts = _parts(item.body)
+            key = self._record_key(pool, term, item.seq)
+            if item.base:
+                bases.append(item.seq)
+            for n, part in enumerate(parts):
+                if txns[-1] and (len(txns[-1]) >= TXN_OPS or size + len(part) > TXN_BYTES):
+                    txns.append([])
+                    size = 0
+                txns[-1].append((key + f"{n:06d}/{len(parts):06d}".encode(), part))
+                size += len(part)
+        for puts in txns:
+            await self._txn(pool, term, puts, None)
+        if bases:
+            # everything of the pool before the latest base: older records, older terms
+            await self._txn(pool, term, [], (self.pool_prefix(pool), self._record_key(pool, term, bases[-1])))
+
+    async def _txn(
+        self, pool: str, term: int, puts: list[tuple[bytes, bytes]], delete: tuple[bytes, bytes] | None
+    ) -> None:
+        while True:
+            client = self.client()
+            if client is None:
+                raise StoreWriteError("not connected to the cluster store")
+            tx = client.transactions
+            success = [tx.put(k, v) for k, v in puts]
+            if delete is not None:
+                success.append(tx.delete(delete[0], range_end=delete[1]))
+            try:
+                ok, _ = await client.transaction(
+                    compare=[tx.mod(self.owner_key(pool)) == term], success=success, failure=[]
+                )
+            except Exception as exc:  # noqa: BLE001 - outcome unknown: the same write again is harmless
+                if not self.lease_valid():
+                    raise StoreWriteError(
+                        f"the store did not answer while the lease was valid: {exc!r}"
+                    ) from None
+                await asyncio.sleep(RETRY_SECONDS)
+                continue
+            if not ok:
+                raise StoreWriteError(f"the claim of pool {pool!r} is no longer term {term} (deposed)")
+            self.txns += 1
+            self.bytes += sum(len(v) for _, v in puts)
+            return
+
+
+def encode_item(local_seq: int, record_body: bytes) -> bytes:
+    """A stream record: the local journal position it was answered at, and the record."""
+    return cbor2.dumps([local_seq, cbor2.loads(record_body)])
+
+
+def encode_base(value: dict[str, Any], writer: str, limits: dict[str, int], wall: float) -> bytes:
+    return cbor2.dumps([0, ["base", wall, value, writer, limits]])
+
+
+def stream_rows(rows: Any, pool_prefix: bytes) -> dict[int, dict[int, list[Any]]]:
+    """The complete records under a pool's prefix: term -> seq -> [position, record]
+    (a record some of whose parts are missing is left out: it was never acknowledged)."""
+    parts: dict[tuple[int, int], dict[int, bytes]] = {}
+    counts: dict[tuple[int, int], int] = {}
+    for kv in rows:
+        value = kv.value
+        fields = kv.key[len(pool_prefix) :].decode().split("/")
+        if len(fields) != 4:
+            continue
+        term, seq, part, total = (int(f) for f in fields)
+        parts.setdefault((term, seq), {})[part] = value
+        counts[(term, seq)] = total
+    out: dict[int, dict[int, list[Any]]] = {}
+    for (term, seq), got in parts.items():
+        if len(got) != counts[(term, seq)]:
+            continue
+        out.setdefault(term, {})[seq] = cbor2.loads(b"".join(got[n] for n in range(len(got))))
+    return out
+
+
+def rebuild(
+    streams: dict[int, dict[int, list[Any]]], make_registry: Callable[[str], Any], pool: str
+) -> tuple[dict[str, Any], int, int] | None:
+    """The pool's state from its streams, as :func:`~.recovery.dump_pool` makes it, and
+    the term and number of records it came from; None when no stream has a base (the
+    pool was never acknowledged anything).
+
+    Raises:
+        ValueError: a record cannot be replayed as its client was told.
+    """
+    from .recovery import Replayer, adopt_pool, apply_limits, dump_pool, limits_from
+
+    for term in sorted(streams, reverse=True):
+        records = streams[term]
+        bases = [seq for seq, (_, rec) in records.items() if rec[0] == "base"]
+        if not bases:
+            continue
+        start = max(bases)
+        _, (_, wall, value, writer, limits) = records[start]
+        tail = []
+        seq = start + 1
+        while seq in records:  # contiguous: a gap ends what was acknowledged
+            tail.append(records[seq])
+            seq += 1
+        registry = make_registry(writer)
+        apply_limits(registry, limits_from(limits), int(limits.get("max_message_bytes", 0)))
+        adopt_pool(registry, value)
+        last_wall = tail[-1][1][1] if tail else wall
+        replayer = Replayer(registry, float(last_wall), writer)
+        for position, record in tail:
+            replayer.apply(int(position), record)
+        if pool not in registry.pools:  # deleted in its last records
+            return None
+        return dump_pool(registry, pool), term, len(tail)
+    return None
+
+
+#: record kinds copied into a pool's stream that name their pool, and where
+_POOL_FIELD = {"attach": 1, "reset": 1, "reserve": 1, "unreserve": 1, "term": 1}
+
+
+class StoreRecorder(JournalRecorder):
+    """The local journal's recorder that also copies each pool's records into its
+    stream in the store, and answers only once both are committed.
+
+    Set :attr:`streams` and :attr:`dump_base` before the cluster starts (server.py).
+    """
+
+    streams: PoolStreams | None = None
+    #: the base record of a pool now (its state, writer and limits), encoded
+    dump_base: Callable[[str], bytes] | None = None
+    #: the pool of the session whose expiry is being recorded
+    _expiring: str | None = None
+    #: the last record committed locally
+    _local_committed = 0
+    #: local record -> the store write it waits for too (its pool's events are shown
+    #: to watchers only once both are committed: never an event the next owner lacks)
+    _store_at: dict[int, int] | None = None
+
+    def attach_streams(self, streams: PoolStreams, dump_base: Callable[[str], bytes]) -> None:
+        """Copy pools' records to ``streams`` from now on."""
+        self.streams = streams
+        self.dump_base = dump_base
+        self._store_at = {}
+        streams.on_commit.append(self._release)
+
+    def _also(self, fields: tuple[object, ...], seq: int, body: bytes, service: PoolService | None) -> None:
+        streams = self.streams
+        if streams is None:
+            return
+        try:
+            self._copy(fields, seq, body, service, streams)
+        finally:
+            if service is not None and self._store_at is not None:
+                self._store_at[seq] = streams.appended
+
+    def _committed(self, seq: int) -> None:
+        self._local_committed = seq
+        self._release()
+
+    def _release(self) -> None:
+        """Show watchers the events of records committed both here and in the store."""
+        marks, waits = self._marks, self._store_at
+        while marks and marks[0][0] <= self._local_committed:
+            seq = marks[0][0]
+            if waits is not None:
+                if self.streams is not None and waits.get(seq, 0) > self.streams.committed:
+                    return
+                waits.pop(seq, None)
+            _, events, last = marks.popleft()
+            events.mark_durable(last)
+
+    def _copy(
+        self,
+        fields: tuple[object, ...],
+        seq: int,
+        body: bytes,
+        service: PoolService | None,
+        streams: PoolStreams,
+    ) -> None:
+        kind = fields[0]
+        pool: str | None = None
+        if kind in ("call", "detach") and service is not None:
+            pool = service.name
+        elif kind in _POOL_FIELD:
+            pool = str(fields[_POOL_FIELD[kind]])
+        elif kind == "expire":
+            pool = self._expiring
+        if pool is None or not streams.is_open(pool):
+            return
+        if streams.append(pool, encode_item(seq, body)) and self.dump_base is not None:
+            streams.append(pool, self.dump_base(pool), base=True)
+
+    def session_expired(self, session_id: str, pool: str = "") -> None:
+        self._expiring = pool
+        try:
+            super().session_expired(session_id, pool)
+        finally:
+            self._expiring = None
+
+    def open_stream(self, service: PoolService) -> None:
+        """The pool's term changed here (claimed, adopted, taken over): a new stream."""
+        if self.streams is None or self.dump_base is None:
+            return
+        stream = self.streams.streams.get(service.name)
+        if stream is not None and stream.term == service.fence.term:
+            return
+        self.streams.open(service.name, service.fence.term, self.dump_base(service.name))
+
+    def term_changed(self, service: PoolService) -> None:
+        self.open_stream(service)
+        super().term_changed(service)
+
+    def pool_deleted(self, name: str) -> None:
+        super().pool_deleted(name)
+        if self.streams is not None:
+            self.streams.close(name)
+
+    async def durable(self) -> None:
+        await super().durable()
+        if self.streams is not None:
+            await self.streams.flush()

@@ -1,0 +1,443 @@
+"""Failover without loss (``[cluster] journal = "store"``), with real processes: a
+3-member etcd cluster and 3 kvcoord replicas, started here on loopback. A client
+allocates and frees continuously while owners are SIGKILLed, an etcd member is
+SIGKILLed, and an owner is cut off from the store (SIGSTOP past its lease). After
+each blow every acknowledged allocation is where it was acknowledged, and no block is
+held by two live requests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from durable_server import env
+from etcd_process import Etcd, EtcdCluster
+from kvcoord.client import KVCoordClient
+from kvcoord.client.testing import ServerProcess, start_server
+from kvcoord.service.ownership import Member, owner_of
+from kvcoord.v1 import allocator_pb2 as pb
+from service.helpers import allocate
+from tcp_proxy import Proxy
+from test_replicas import POOL_CONFIG
+
+REPLICAS = ("r0", "r1", "r2")
+LEASE = 3
+
+
+@pytest.fixture(scope="module")
+def etcd3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd3"))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def _config(
+    endpoints: list[str], replica: str, data_dir: Path, cluster: str, journal: str, every: int
+) -> str:
+    listed = ", ".join(f'"{e}"' for e in endpoints)
+    return (
+        f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
+        f"grace_seconds = 1.0\n"
+        f'[cluster]\nendpoints = [{listed}]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
+        f'lease_seconds = {LEASE}\nstore_timeout_seconds = 1.0\njournal = "{journal}"\n'
+        f"store_snapshot_records = {every}\n"
+    )
+
+
+def store_config(
+    etcd: EtcdCluster, replica: str, data_dir: Path, cluster: str, journal: str = "store"
+) -> str:
+    """A replica of the chaos run: a base snapshot every 40 records of a pool."""
+    return _config(etcd.endpoints, replica, data_dir, cluster, journal, 40)
+
+
+class Worker(threading.Thread):
+    """Allocates 2-block requests in every pool, round robin, freeing the oldest when a
+    pool holds 10. A call that fails has an unknown outcome: its request is left out
+    of the exact check (it may or may not exist), but still counts for overlaps."""
+
+    def __init__(self, targets: list[str], sessions: dict[str, tuple[str, object]]) -> None:
+        super().__init__(daemon=True)
+        self.targets = targets
+        self.sessions = sessions
+        self.acked: dict[str, dict[str, list[int]]] = {pool: {} for pool in sessions}
+        self.unknown: set[str] = set()
+        self.stop_now = threading.Event()
+        self.calls = 0
+        self.failures = 0
+        self.serial = 0
+
+    def run(self) -> None:
+        client = KVCoordClient(list(self.targets), timeout=5.0)
+        try:
+            while not self.stop_now.is_set():
+                for pool, (sid, fence) in self.sessions.items():
+                    if self.stop_now.is_set():
+                        break
+                    held = self.acked[pool]
+                    try:
+                        if len(held) >= 10:
+                            oldest = next(iter(held))
+                            del held[oldest]
+                            self.unknown.add(oldest)
+                            client.free(pool, [oldest], session_id=sid, fence=fence)  # type: ignore[arg-type]
+                            self.unknown.discard(oldest)
+                        self.serial += 1
+                        rid = f"q{self.serial}"
+                        self.unknown.add(rid)
+                        op = allocate(rid, list(range(self.serial, self.serial + 8)), 8).allocate
+                        got = client.allocate(pool, op, sid, fence)  # type: ignore[arg-type]
+                        self.unknown.discard(rid)
+                        if not got.result.refused:
+                            held[rid] = list(got.result.new_block_ids[0].block_ids)
+                        self.calls += 1
+                    except Exception:  # noqa: BLE001 - not acknowledged: unknown outcome
+                        self.failures += 1
+                        client.close()
+                        time.sleep(0.2)
+                        client = KVCoordClient(list(self.targets), timeout=5.0)
+        finally:
+            client.close()
+
+    def finish(self) -> None:
+        self.stop_now.set()
+        self.join(120)
+        assert not self.is_alive()
+
+
+def listed(targets: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for t in targets:
+        try:
+            with KVCoordClient(t, timeout=2.0) as c:
+                c.retry = c.retry.__class__(max_attempts=1)
+                for p in c.list_pools().pools:
+                    out[p.name] = p.replica
+        except Exception:  # noqa: BLE001 - a replica down or cut off
+            continue
+    return out
+
+
+def wait_served(targets: list[str], pools: list[str], timeout: float = 60.0) -> dict[str, str]:
+    """Until every pool is served by exactly one live replica."""
+    deadline = time.monotonic() + timeout
+    got: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        got = listed(targets)
+        if set(got) == set(pools):
+            return got
+        time.sleep(0.2)
+    raise AssertionError(f"pools not served after {timeout} s: {got}")
+
+
+def check(targets: list[str], worker: Worker) -> None:
+    """Every acknowledged allocation is present with its blocks; no block is held twice."""
+    with KVCoordClient(targets, timeout=5.0) as c:
+        for pool, held in worker.acked.items():
+            view = c.inspect_pool(pool, all_requests=True)
+            got = {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
+            for rid, blocks in held.items():
+                assert got.get(rid) == blocks, f"{pool}: acknowledged {rid} {blocks}, found {got.get(rid)}"
+            extra = set(got) - set(held) - worker.unknown
+            assert not extra, f"{pool}: requests nobody was acknowledged: {sorted(extra)}"
+            blocks = [b for ids in got.values() for b in ids]
+            assert len(blocks) == len(set(blocks)), f"{pool}: a block held by two requests"
+
+
+def _placed(replica: str, count: int, taken: list[str]) -> list[str]:
+    members = [Member(r, "") for r in REPLICAS]
+    out = []
+    for i in range(1000):
+        name = f"f{i}"
+        if name not in taken and owner_of(name, members).replica_id == replica:  # type: ignore[union-attr]
+            out.append(name)
+            if len(out) == count:
+                return out
+    raise AssertionError("no pool name placed there")
+
+
+def test_pools_fail_over_without_loss_when_owners_and_store_members_die(
+    etcd3: EtcdCluster, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    cluster = request.node.name[:40]
+    procs: dict[str, ServerProcess] = {}
+
+    def start(replica: str) -> ServerProcess:
+        procs[replica] = start_server(store_config(etcd3, replica, tmp_path / replica, cluster), env=env())
+        return procs[replica]
+
+    def addresses() -> list[str]:
+        return [p.address for p in procs.values() if p.proc.poll() is None]
+
+    try:
+        for r in REPLICAS:
+            start(r)
+        # two pools placed on each replica
+        pools: list[str] = []
+        for r in REPLICAS:
+            pools += _placed(r, 2, pools)
+        sessions: dict[str, tuple[str, object]] = {}
+        with KVCoordClient(addresses()) as c:
+            for pool in pools:
+                c.create_pool(pool, POOL_CONFIG)
+                s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
+                sessions[pool] = (s.session_id, s.fence)
+        targets = addresses()
+        worker = Worker(targets, sessions)
+        worker.start()
+        time.sleep(2.0)
+
+        # 1. an owner dies (SIGKILL): its pools come back on the others, nothing lost
+        victim = "r0"
+        procs[victim].proc.kill()
+        killed = time.monotonic()
+        procs[victim].stop()
+        rest = addresses()
+        targets[:] = rest
+        where = wait_served(rest, pools)
+        print(
+            f"every pool served again {time.monotonic() - killed:.1f} s after its owner died (lease {LEASE} s)"
+        )
+        assert victim not in where.values()
+        time.sleep(2.0)
+        before = worker.calls
+        # 2. an etcd member dies while the client allocates (the quorum remains)
+        etcd3.kill(0)
+        time.sleep(3.0)
+        # 3. the dead replica comes back: placement hands its pools back to it
+        start(victim)
+        targets[:] = addresses()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and victim not in listed(addresses()).values():
+            time.sleep(0.3)
+        assert victim in listed(addresses()).values()
+        etcd3.restart(0)
+        time.sleep(2.0)
+        # 4. an owner is cut off from the store past its lease (SIGSTOP): the others
+        # take its pools over; once it runs again, it answers nothing for them
+        cut = "r1"
+        os.kill(procs[cut].proc.pid, signal.SIGSTOP)
+        try:
+            others = [procs[r].address for r in REPLICAS if r != cut]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                if set(listed(others)) == set(pools):
+                    break
+                time.sleep(0.3)
+            assert set(listed(others)) == set(pools)
+            time.sleep(2.0)
+        finally:
+            os.kill(procs[cut].proc.pid, signal.SIGCONT)
+        time.sleep(LEASE + 2.0)
+        worker.finish()
+        assert worker.calls > before > 0
+        print(f"worker: {worker.calls} calls acknowledged, {worker.failures} failed (unknown outcome)")
+        where = wait_served(addresses(), pools)
+        check(addresses(), worker)
+        logs = "".join(p.log() for p in procs.values())
+        assert "took pool" in logs, "no pool was rebuilt from the store"
+    finally:
+        for p in procs.values():
+            if p.proc.poll() is None:
+                with_cont = p.proc.pid
+                try:
+                    os.kill(with_cont, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            p.stop()
+
+
+def test_an_owner_cut_off_from_the_store_loses_its_pools_and_nothing_acknowledged(
+    etcd3: EtcdCluster, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """r0 reaches etcd only through a TCP proxy, which the test cuts past r0's lease
+    while a client allocates and frees in every pool: r0 keeps running but stops
+    serving (it commits nothing more: its writes are guarded by its term), the others
+    take its pools over from the store; healed, r0 rejoins and gets its pools back
+    by handover. Every acknowledged allocation is there; no block is held twice."""
+    cluster = request.node.name[:40]
+    proxy = Proxy(etcd3.endpoints[1])
+    procs: dict[str, ServerProcess] = {}
+    try:
+        for r in REPLICAS:
+            endpoints = [proxy.address] if r == "r0" else etcd3.endpoints
+            procs[r] = start_server(_config(endpoints, r, tmp_path / r, cluster, "store", 40), env=env())
+        pools: list[str] = []
+        for r in REPLICAS:
+            pools += _placed(r, 2, pools)
+        targets = [p.address for p in procs.values()]
+        sessions: dict[str, tuple[str, object]] = {}
+        with KVCoordClient(targets) as c:
+            for pool in pools:
+                c.create_pool(pool, POOL_CONFIG)
+                s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
+                sessions[pool] = (s.session_id, s.fence)
+        worker = Worker(targets, sessions)
+        worker.start()
+        time.sleep(2.0)
+        proxy.cut()
+        try:
+            others = [procs["r1"].address, procs["r2"].address]
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and set(listed(others)) != set(pools):
+                time.sleep(0.3)
+            assert set(listed(others)) == set(pools)
+            assert not listed([procs["r0"].address]), "r0 still serves pools it cannot journal"
+            time.sleep(2.0)
+        finally:
+            proxy.heal()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and "r0" not in listed(targets).values():
+            time.sleep(0.3)
+        time.sleep(2.0)
+        worker.finish()
+        assert worker.calls > 0
+        print(f"worker: {worker.calls} calls acknowledged, {worker.failures} failed (unknown outcome)")
+        assert set(wait_served(targets, pools).values()) == set(REPLICAS)
+        check(targets, worker)
+    finally:
+        for p in procs.values():
+            p.stop()
+        proxy.close()
+
+
+def test_a_pool_rebuilt_from_the_store_has_the_ends_of_its_sessions(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Sessions that a replica got with a pool it rebuilt from the store, and that
+    end there (one expires, its requests freed and their blocks handed to another
+    session; one detaches), are ended in the pool's journal in the store too: when
+    that replica dies in turn, the pool rebuilt again holds exactly what the live
+    session was acknowledged (no freed block held twice, and the rebuild does not stop)."""
+    cluster = request.node.name[:40]
+    members = [Member(r, "") for r in ("r0", "r1")]
+    pool = next(f"s{i}" for i in range(1000) if owner_of(f"s{i}", members).replica_id == "r0")  # type: ignore[union-attr]
+    procs: dict[str, ServerProcess] = {}
+
+    def start(r: str) -> str:
+        procs[r] = start_server(_config([etcd.endpoint], r, tmp_path / r, cluster, "store", 1000), env=env())
+        return procs[r].address
+
+    def kill(r: str) -> None:
+        procs[r].proc.kill()
+        procs[r].stop()
+
+    def wait_on(address: str) -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and pool not in listed([address]):
+            time.sleep(0.2)
+        assert pool in listed([address])
+
+    try:
+        a0, a1 = start("r0"), start("r1")
+        with KVCoordClient([a0, a1], timeout=5.0) as c:
+            c.create_pool(pool, POOL_CONFIG)
+            short = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=6)
+            gone = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=60)
+            live = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=60)
+            first = c.allocate(pool, allocate("a", list(range(100, 100 + 4 * 60)), 4 * 60).allocate,
+                               short.session_id, short.fence)  # fmt: skip
+            assert not first.result.refused
+            c.allocate(pool, allocate("d", [7, 7, 7, 7], 4).allocate, gone.session_id, gone.fence)
+        kill("r0")  # r1 rebuilds the pool, its sessions with it
+        wait_on(a1)
+        acked = {}
+        with KVCoordClient(a1, timeout=5.0) as c:
+            c.detach(gone.session_id, gone.fence)
+            deadline = time.monotonic() + 30  # the short session's lease ends on r1
+            while time.monotonic() < deadline and c.inspect_pool(pool, all_requests=True).requests:
+                time.sleep(0.2)
+            assert not c.inspect_pool(pool, all_requests=True).requests
+            for n in range(3):
+                got = c.allocate(pool, allocate(f"b{n}", list(range(n * 1000, n * 1000 + 80)), 80).allocate,
+                                 live.session_id, live.fence)  # fmt: skip
+                assert not got.result.refused
+                acked[f"b{n}"] = list(got.result.new_block_ids[0].block_ids)
+        reused = set(first.result.new_block_ids[0].block_ids) & {b for ids in acked.values() for b in ids}
+        assert reused, "the live session was given blocks the expired one held"
+        kill("r1")  # r0 comes back and rebuilds the pool from the store
+        a0 = start("r0")
+        wait_on(a0)
+        with KVCoordClient(a0, timeout=5.0) as c:
+            view = c.inspect_pool(pool, all_requests=True)
+            got = {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
+            assert got == acked
+            # the rebuilt pool goes on: a new request gets blocks nobody holds
+            more = c.allocate(pool, allocate("b3", list(range(5000, 5008)), 8).allocate,
+                              live.session_id, live.fence)  # fmt: skip
+            assert not more.result.refused
+            held = {b for ids in acked.values() for b in ids}
+            assert not held & set(more.result.new_block_ids[0].block_ids)
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def test_watchers_see_no_event_before_it_is_in_the_store(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A pool's KV events reach watchers only once their record is committed in the
+    store as well as on disk: while etcd does not answer (stopped for less than the
+    lease), an allocation's BlockStored events are not shown; once etcd answers, they
+    are, and the allocation is acknowledged. (A watcher never sees an event the next
+    owner, rebuilt from the store, would not have.)"""
+    cluster = request.node.name[:40]
+    server = start_server(_config([etcd.endpoint], "r0", tmp_path / "r0", cluster, "store", 1000), env=env())
+    config = pb.PoolConfig()
+    config.CopyFrom(POOL_CONFIG)
+    config.enable_kv_cache_events = True
+    seen: list[tuple[float, int]] = []
+    try:
+        with KVCoordClient(server.address, timeout=10.0) as c:
+            c.create_pool("w", config)
+            s = c.attach("w", "sha256_cbor", 4, "0", lease_seconds=60)
+
+            def watch() -> None:
+                with KVCoordClient(server.address, timeout=30.0) as w:
+                    for message in w.watch_events("w", 0, timeout=8):
+                        seen.append((time.monotonic(), message.sequence))
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            c.allocate("w", allocate("a", list(range(8)), 8).allocate, s.session_id, s.fence)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not seen:
+                time.sleep(0.05)
+            assert seen, "the watcher sees committed events"
+            before = -1
+            while before != len(seen):  # every event of "a" in
+                before = len(seen)
+                time.sleep(0.5)
+            answered: list[float] = []
+
+            def second() -> None:
+                c.allocate("w", allocate("b", list(range(100, 108)), 8).allocate, s.session_id, s.fence)
+                answered.append(time.monotonic())
+
+            os.kill(etcd.proc.pid, signal.SIGSTOP)
+            try:
+                caller = threading.Thread(target=second, daemon=True)
+                caller.start()
+                time.sleep(1.5)
+                assert len(seen) == before, "an event was shown before its record was in the store"
+                assert not answered, "an allocation was acknowledged before its record was in the store"
+            finally:
+                os.kill(etcd.proc.pid, signal.SIGCONT)
+                resumed = time.monotonic()
+            caller.join(30)
+            assert answered and answered[0] >= resumed
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and len(seen) == before:
+                time.sleep(0.05)
+            assert len(seen) > before and all(at >= resumed for at, _ in seen[before:])
+            watcher.join(30)
+    finally:
+        os.kill(etcd.proc.pid, signal.SIGCONT)
+        server.stop()

@@ -1,0 +1,87 @@
+"""A pool's stream in a real etcd (store_journal.py): records larger than etcd's
+request limit are cut into parts and read back whole; a record some of whose parts
+are missing is left out; a base deletes what it covers; and once the claim changes
+(a new term) the former owner's writes fail, so it acknowledges nothing more."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import os
+
+import aetcd
+import cbor2
+import pytest
+from etcd_process import Etcd
+from kvcoord.service.errors import ServiceError, Status
+from kvcoord.service.store_journal import PART_BYTES, PoolStreams, stream_rows
+
+
+def _client(etcd: Etcd) -> aetcd.Client:
+    host, _, port = etcd.endpoint.rpartition(":")
+    return aetcd.Client(host=host, port=int(port), timeout=5)
+
+
+async def _claim(c: aetcd.Client, key: bytes) -> int:
+    put = await c.put(key, b'{"replica": "r0", "address": "x"}')
+    return int(put.header.revision)
+
+
+def test_big_records_round_trip_and_a_deposed_owner_cannot_write(
+    etcd: Etcd, request: pytest.FixtureRequest
+) -> None:
+    prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
+
+    async def run() -> None:
+        async with _client(etcd) as c:
+            streams = PoolStreams(lambda: c, prefix, lambda: True, snapshot_every=3)
+            term = await _claim(c, streams.owner_key("p"))
+            big = os.urandom(3 * PART_BYTES + 17)  # four parts, over etcd's 1.5 MiB request limit
+            streams.open("p", term, cbor2.dumps([0, ["base", 0.0, big]]))
+            due = [streams.append("p", cbor2.dumps([n, ["call", 0.0, n]])) for n in (1, 2, 3)]
+            assert due == [False, False, True]
+            streams.append("p", cbor2.dumps([4, ["base", 0.0, b"small"]]), base=True)
+            streams.append("p", cbor2.dumps([5, ["call", 0.0, 5]]))
+            await streams.flush()
+            rows = await c.get_prefix(streams.pool_prefix("p"))
+            got = stream_rows(rows, streams.pool_prefix("p"))
+            # the second base deleted the first and the records before it
+            assert sorted(got) == [term] and sorted(got[term]) == [4, 5]
+            assert got[term][4] == [4, ["base", 0.0, b"small"]]
+
+            # the big record alone: every part read back, in order
+            streams.open("p", term, cbor2.dumps([0, ["base", 0.0, big]]))
+            await streams.flush()
+            rows = await c.get_prefix(streams.pool_prefix("p"))
+            assert stream_rows(rows, streams.pool_prefix("p"))[term][0] == [0, ["base", 0.0, big]]
+            # a record missing a part is not there
+            first = sorted(kv.key for kv in rows)[0]
+            await c.delete(first)
+            rows = await c.get_prefix(streams.pool_prefix("p"))
+            assert 0 not in stream_rows(rows, streams.pool_prefix("p")).get(term, {})
+
+            # another replica takes the claim: this owner's next write fails, and the
+            # caller waiting for it is told UNAVAILABLE, never that it is durable
+            # (a call of another pool, committed in the same batch, is not failed by it)
+            lost: list[str] = []
+            streams.on_lost = lost.append
+            streams.open("q", await _claim(c, streams.owner_key("q")), cbor2.dumps([0, ["base", 0.0, b"q"]]))
+            await streams.flush()
+            await _claim(c, streams.owner_key("p"))
+
+            async def call(pool: str, n: int) -> None:
+                streams.append(pool, cbor2.dumps([n, ["call", 0.0, n]]))
+                await streams.flush()
+
+            # each call in a context of its own, as each gRPC call's handler runs
+            deposed = asyncio.create_task(call("p", 6), context=contextvars.Context())
+            other = asyncio.create_task(call("q", 1), context=contextvars.Context())
+            await other
+            with pytest.raises(ServiceError) as err:
+                await deposed
+            assert err.value.status == Status.UNAVAILABLE
+            assert lost == ["p"] and not streams.is_open("p")
+            rows = await c.get_prefix(streams.pool_prefix("p"))
+            assert 6 not in stream_rows(rows, streams.pool_prefix("p")).get(term, {})
+
+    asyncio.run(run())

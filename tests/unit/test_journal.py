@@ -88,8 +88,10 @@ class DirectClient:
     def create_pool(self, name: str, config: pb.PoolConfig) -> Any:
         return self.node.call("CreatePool", pb.CreatePoolRequest(name=name, config=config))
 
-    def attach(self, pool: str, algo: str, size: int, seed: str, client_name: str = "") -> Any:
-        return self.node.call("Attach", rq.attach(pool, algo, size, seed, client_name, 0))
+    def attach(
+        self, pool: str, algo: str, size: int, seed: str, client_name: str = "", profile: str = ""
+    ) -> Any:
+        return self.node.call("Attach", rq.attach(pool, algo, size, seed, client_name, 0, profile=profile))
 
     def step(self, pool: str, ops: list[pb.Operation], session_id: str, fence: pb.Fence | None = None) -> Any:
         return self.node.call("Step", rq.step(pool, ops, session_id, fence))

@@ -119,6 +119,8 @@ def test_public_exports_are_pinned() -> None:
         "AnswerEvictedError", "FencedError", "GracePeriodError", "KeyReusedError", "LeaseExpiredError",
         "OutcomeUnknownError", "RequestUnknownError", "RequestsLostError", "SessionExpiredError",
         "SessionKeeper", "SyncMismatchError", "PoolBusyError",
+        # semantics profiles: the handshake refusal
+        "ProfileMismatchError",
     ])  # fmt: skip
     assert sorted(kvcoord.wire.__all__) == sorted([
         "HASH_LENGTHS", "MAX_MODEL_LEN_UNLIMITED", "STATS_FIELDS", "ConfigFileError", "ReplicaState", "WireError",

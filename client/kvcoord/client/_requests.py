@@ -111,8 +111,12 @@ def attach(
     lease_seconds: float,
     exclusive: bool = False,
     want_pool_state: bool = False,
+    profile: str = "",
+    num_hash_lookahead_tokens: int = 0,
 ) -> pb.AttachRequest:
     return pb.AttachRequest(
+        profile=profile,
+        num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         want_pool_state=want_pool_state,
         pool=pool,
         hash_algo=hash_algo,

@@ -270,8 +270,11 @@ class KVCoordClient(_Api):
         lease_seconds: float = 0,
         exclusive: bool = False,
         want_pool_state: bool = False,
+        profile: str = "",
+        num_hash_lookahead_tokens: int = 0,
     ) -> pb.AttachResponse:
-        """Hash handshake: a session id and fence. HashMismatchError on a mismatch.
+        """Hash handshake: a session id and fence. HashMismatchError on a mismatch,
+        ProfileMismatchError when the pool follows another ``profile``.
         ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state."""
         return self._unary(
             _ATTACH,
@@ -284,6 +287,8 @@ class KVCoordClient(_Api):
                 lease_seconds,
                 exclusive,
                 want_pool_state,
+                profile,
+                num_hash_lookahead_tokens,
             ),
         )
 
@@ -479,8 +484,11 @@ class AsyncKVCoordClient(_Api):
         lease_seconds: float = 0,
         exclusive: bool = False,
         want_pool_state: bool = False,
+        profile: str = "",
+        num_hash_lookahead_tokens: int = 0,
     ) -> _Coro[pb.AttachResponse]:
-        """Hash handshake: a session id and fence. HashMismatchError on a mismatch.
+        """Hash handshake: a session id and fence. HashMismatchError on a mismatch,
+        ProfileMismatchError when the pool follows another ``profile``.
         ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state."""
         return self._unary(
             _ATTACH,
@@ -493,6 +501,8 @@ class AsyncKVCoordClient(_Api):
                 lease_seconds,
                 exclusive,
                 want_pool_state,
+                profile,
+                num_hash_lookahead_tokens,
             ),
         )
 

@@ -11,6 +11,7 @@ Hierarchy::
     ├── AlreadyExistsError            ALREADY_EXISTS
     ├── FailedPreconditionError       FAILED_PRECONDITION (hash handshake, ...)
     │   ├── HashMismatchError         the pool hashes differently (Attach, HASH_MISMATCH)
+    │   │   └── ProfileMismatchError  the pool follows another vLLM profile (PROFILE_MISMATCH)
     │   ├── FencedError               server restarted / pool re-created: block ids void
     │   ├── PoolBusyError             an exclusive session holds the pool (POOL_EXCLUSIVE)
     │   └── SyncMismatchError         the server holds another position of a request
@@ -40,6 +41,7 @@ __all__ = [
     "FencedError",
     "GracePeriodError",
     "HashMismatchError",
+    "ProfileMismatchError",
     "InternalError",
     "InvalidArgumentError",
     "KVCoordError",
@@ -89,6 +91,11 @@ class FailedPreconditionError(KVCoordError):
 
 class HashMismatchError(FailedPreconditionError):
     """The pool records another hash algorithm, block size or seed than the client's."""
+
+
+class ProfileMismatchError(HashMismatchError):
+    """The pool follows another semantics profile (vLLM release) than the client:
+    its block hashes and the pool's answers would not agree."""
 
 
 class PermissionDeniedError(KVCoordError):
@@ -209,6 +216,7 @@ _REASONS: dict[str, type[KVCoordError]] = {
     "REQUEST_UNKNOWN": RequestUnknownError,
     "POOL_EXCLUSIVE": PoolBusyError,
     "HASH_MISMATCH": HashMismatchError,
+    "PROFILE_MISMATCH": ProfileMismatchError,
 }
 
 #: Trailing-metadata key carrying the reason of a failed RPC.

@@ -10,11 +10,23 @@ with ``parent_0 = NONE_HASH``, the hash of the seed string (vLLM reads it from
 ``xxhash`` over ``pickle`` protocol 5 (reproducible only from CPython), and
 ``sha256_cbor`` and ``xxhash_cbor`` over canonical CBOR (language-independent).
 
+Two semantics profiles hash differently (:func:`block_hasher` picks the class):
+
+- ``vllm-0.16`` (:class:`BlockHasher`): extra keys are bare values (LoRA name,
+  multimodal identifier, cache salt, raw prompt-embedding bytes).
+- ``vllm-0.33`` (:class:`BlockHasher033`): tagged extra keys ``("lora", name,
+  path)``, ``("mm", identifier, offset in block)``, ``("cache_salt", salt)``,
+  ``("prompt_embeds", sha256 digest)``; with ``num_hash_lookahead_tokens`` L > 0
+  (EAGLE/MTP) each hash also covers the next L tokens (extra keys ``(E, *tokens)``)
+  and exists only once they do; and without a seed, sha256 pools derive ``NONE_HASH``
+  from ``"vllm-none-hash"``.
+
 This module imports nothing from the server side.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import os
@@ -28,7 +40,9 @@ __all__ = [
     "pool_seed",
     "HASH_ALGORITHMS",
     "BlockHasher",
+    "BlockHasher033",
     "MultiModalItem",
+    "block_hasher",
     "RandomSeedError",
     "hash_block_tokens",
     "hash_function",
@@ -100,7 +114,13 @@ def pool_seed(config: Any, hash_seed: str | None) -> tuple[str | None, bytes]:
     return seed, none_hash(config.hash_algo, seed)
 
 
-def none_hash(algo: str, seed: str | None, *, allow_random: bool = False) -> bytes:
+#: vLLM 0.29+'s seed of NONE_HASH for sha256 and sha256_cbor when PYTHONHASHSEED is unset
+DEFAULT_NONE_HASH_SEED_033 = "vllm-none-hash"
+
+
+def none_hash(
+    algo: str, seed: str | None, *, allow_random: bool = False, profile: str = "vllm-0.16"
+) -> bytes:
     """The parent hash of every first block.
 
     Args:
@@ -108,10 +128,15 @@ def none_hash(algo: str, seed: str | None, *, allow_random: bool = False) -> byt
         seed: vLLM's ``PYTHONHASHSEED`` string; ``None`` means unset.
         allow_random: with no seed, return 32 random bytes as vLLM does. Such hashes
             never match another process, so this is refused unless asked for.
+        profile: ``"vllm-0.33"``: with no seed, sha256 and sha256_cbor hash the fixed
+            string ``"vllm-none-hash"`` (vLLM 0.29+); xxhash stays random.
 
     Raises:
-        RandomSeedError: ``seed`` is ``None`` and ``allow_random`` is false.
+        RandomSeedError: ``seed`` is ``None`` and ``allow_random`` is false (and the
+            profile gives no fixed seed for ``algo``).
     """
+    if seed is None and profile == "vllm-0.33" and algo in ("sha256", "sha256_cbor"):
+        seed = DEFAULT_NONE_HASH_SEED_033
     if seed is None:
         if not allow_random:
             raise RandomSeedError(
@@ -243,3 +268,161 @@ class BlockHasher:
             else:
                 break
         return keys, idx
+
+
+class BlockHasher033(BlockHasher):
+    """Incremental block hashes of one request as vLLM 0.33.0 computes them.
+
+    Same chaining as :class:`BlockHasher` (``hash_i = F((parent, tokens_i, extra_i))``),
+    with 0.33's extra keys: ``("lora", name, path)`` on every block, then
+    ``("mm", identifier, offset - block start)`` for each multimodal item the block
+    overlaps, then ``("cache_salt", salt)`` on the first block, then
+    ``("prompt_embeds", sha256(embedding bytes of the block))``. With
+    ``num_hash_lookahead_tokens`` L > 0 a block's hash also covers the L tokens after
+    it: its extra keys are ``(E, *those tokens)`` (``(E, token)`` for L = 1), where E
+    are the keys above computed over the block and those tokens, and the hash exists
+    only once the L tokens do.
+
+    Args:
+        algo: hash algorithm name (see :data:`HASH_ALGORITHMS`).
+        block_size: tokens per hashed block (vLLM's ``hash_block_size``).
+        none: the seed hash, from :func:`none_hash`.
+        lora_name: LoRA adapter name.
+        lora_path: the adapter's path (part of the key since vLLM 0.31).
+        cache_salt: added to the first block's extra keys when non-empty.
+        mm_items: multimodal items, sorted by offset, not overlapping.
+        prompt_embeds: one bytes row per prompt token, when the request has them.
+        num_hash_lookahead_tokens: L (1 for EAGLE/MTP with caching and no KV connector).
+    """
+
+    def __init__(
+        self,
+        algo: str,
+        block_size: int,
+        none: bytes,
+        *,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+        cache_salt: str | None = None,
+        mm_items: Sequence[MultiModalItem] = (),
+        prompt_embeds: Sequence[bytes] | None = None,
+        num_hash_lookahead_tokens: int = 0,
+    ) -> None:
+        if num_hash_lookahead_tokens < 0:
+            raise ValueError(f"num_hash_lookahead_tokens must be >= 0, got {num_hash_lookahead_tokens}")
+        if lora_name and lora_path is None:
+            raise ValueError("a LoRA's path is part of vLLM 0.33's block hash: pass lora_path")
+        super().__init__(
+            algo, block_size, none, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items,
+            prompt_embeds=prompt_embeds,
+        )  # fmt: skip
+        self._lora = ("lora", lora_name, lora_path) if lora_name else None
+        self._lookahead = num_hash_lookahead_tokens
+
+    def truncate(self, num_tokens: int) -> None:
+        """Forget the tokens from ``num_tokens`` on, and the hashes that covered any of
+        them (a block's hash covers its look-ahead tokens too)."""
+        del self.token_ids[num_tokens:]
+        del self.block_hashes[max(num_tokens - self._lookahead, 0) // self.block_size :]
+
+    def extend(self, token_ids: Sequence[int]) -> list[bytes]:
+        """Append tokens; return the hashes of the blocks that became hashable."""
+        self.token_ids.extend(token_ids)
+        bs = self.block_size
+        look = self._lookahead
+        tokens = self.token_ids
+        start = len(self.block_hashes) * bs
+        limit = len(tokens) - look
+        if start + bs > limit:
+            return []
+        mm_idx = 0
+        if start > 0 and self._mm:
+            last = self._mm[-1]
+            if last.offset + last.length > start:
+                # the first item ending after the block start
+                mm_idx = bisect.bisect_left(self._mm, start + 1, key=lambda m: m.offset + m.length)
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        new: list[bytes] = []
+        while start + bs <= limit:
+            end = start + bs
+            extra: Any
+            if look:
+                keys, mm_idx = self._extra_keys(start, end + look, mm_idx)
+                while mm_idx > 0:  # keep the items that reach into the next block
+                    item = self._mm[mm_idx - 1]
+                    if item.offset + item.length <= end:
+                        break
+                    mm_idx -= 1
+                extra = (keys, tokens[end]) if look == 1 else (keys, *tokens[end : end + look])
+            else:
+                extra, mm_idx = self._extra_keys(start, end, mm_idx)
+            parent = hash_block_tokens(self._fn, parent, tokens[start:end], extra, self._none)
+            new.append(parent)
+            start = end
+        self.block_hashes.extend(new)
+        return new
+
+    def _extra_keys(self, start: int, end: int, mm_idx: int) -> tuple[tuple[Any, ...] | None, int]:
+        keys: list[Any] = []
+        if self._lora is not None:
+            keys.append(self._lora)
+        mm_idx = self._tagged_mm_keys(start, end, mm_idx, keys)
+        if start == 0 and self._cache_salt:
+            keys.append(("cache_salt", self._cache_salt))
+        if self._embeds is not None:
+            keys.append(("prompt_embeds", hashlib.sha256(b"".join(self._embeds[start:end])).digest()))
+        return (tuple(keys) if keys else None), mm_idx
+
+    def _tagged_mm_keys(self, start: int, end: int, idx: int, keys: list[Any]) -> int:
+        items = self._mm
+        if not items:
+            return idx
+        last = items[-1]
+        if last.offset + last.length <= start:
+            return idx
+        while idx < len(items):
+            item = items[idx]
+            if end <= item.offset:
+                break
+            if start >= item.offset + item.length:
+                idx += 1
+                continue
+            keys.append(("mm", item.identifier, item.offset - start))
+            if end >= item.offset + item.length:
+                idx += 1
+            else:
+                break
+        return idx
+
+
+def block_hasher(
+    profile: str,
+    algo: str,
+    block_size: int,
+    none: bytes,
+    *,
+    lora_name: str | None = None,
+    lora_path: str | None = None,
+    cache_salt: str | None = None,
+    mm_items: Sequence[MultiModalItem] = (),
+    prompt_embeds: Sequence[bytes] | None = None,
+    num_hash_lookahead_tokens: int = 0,
+) -> BlockHasher | BlockHasher033:
+    """The incremental hasher of a request for a pool of ``profile``.
+
+    Raises:
+        ValueError: an unknown profile, or 0.33-only inputs (lookahead) for vllm-0.16.
+    """
+    if profile == "vllm-0.33":
+        return BlockHasher033(
+            algo, block_size, none, lora_name=lora_name, lora_path=lora_path, cache_salt=cache_salt,
+            mm_items=mm_items, prompt_embeds=prompt_embeds, num_hash_lookahead_tokens=num_hash_lookahead_tokens,
+        )  # fmt: skip
+    if profile != "vllm-0.16":
+        raise ValueError(f"unknown profile {profile!r}; choose vllm-0.16 or vllm-0.33")
+    if num_hash_lookahead_tokens:
+        raise ValueError("lookahead block hashes exist only in the vllm-0.33 profile")
+    return BlockHasher(
+        algo, block_size, none, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items,
+        prompt_embeds=prompt_embeds,
+    )  # fmt: skip

@@ -60,9 +60,20 @@ class RemoteTarget:
         self.pool = f"conformance-{trace_config.get('name', 'trace')}-{uuid.uuid4().hex[:8]}"
         cfg = pool_config_from_trace(trace_config)
         self.client.create_pool(self.pool, cfg)
-        att = self.client.attach(
-            self.pool, cfg.hash_algo, cfg.hash_block_size, cfg.hash_seed, client_name="conformance"
-        )
+        if cfg.profile:
+            att = self.client.attach(
+                self.pool,
+                cfg.hash_algo,
+                cfg.hash_block_size,
+                cfg.hash_seed,
+                "conformance",
+                profile=cfg.profile,
+                num_hash_lookahead_tokens=cfg.num_hash_lookahead_tokens,
+            )
+        else:  # the default profile: clients older than profiles work too
+            att = self.client.attach(
+                self.pool, cfg.hash_algo, cfg.hash_block_size, cfg.hash_seed, client_name="conformance"
+            )
         self.session = att.session_id
         self.fence = att.fence
 
@@ -102,11 +113,18 @@ class RemoteTarget:
 
     # -- ReplayTarget -------------------------------------------------------------------
     def add_request(
-        self, rid: str, prompt: list[int], hashes: list[bytes], lora: LoRA | None, skip_read: bool
+        self,
+        rid: str,
+        prompt: list[int],
+        hashes: list[bytes],
+        lora: LoRA | None,
+        skip_read: bool,
+        cache_salt: str | None = None,
     ) -> None:
         sync = pb.RequestSync(
             request_id=rid, append_token_ids=prompt, append_block_hashes=hashes,
             skip_reading_prefix_cache=skip_read, num_computed_tokens=0, new_request=True,
+            cache_salt=cache_salt or "",
         )  # fmt: skip
         if lora is not None:
             sync.lora.adapter_id = lora.adapter_id
@@ -128,10 +146,13 @@ class RemoteTarget:
     def allocate_slots(self, rid: str, num_new_tokens: int, num_new_computed_tokens: int,
                        new_computed_blocks: BlockIds | None, num_lookahead_tokens: int,
                        num_external_computed_tokens: int, delay_cache_blocks: bool,
-                       num_encoder_tokens: int) -> list[list[int]] | None:  # fmt: skip
+                       num_encoder_tokens: int, full_sequence_must_fit: bool = False,
+                       reserved_blocks: int = 0) -> list[list[int]] | None:  # fmt: skip
         op = rq.allocate_op(self._sync(rid), num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                             num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
                             num_encoder_tokens)  # fmt: skip
+        op.full_sequence_must_fit = full_sequence_must_fit
+        op.reserved_blocks = reserved_blocks
         r = self._step(pb.Operation(allocate=op))
         return None if r.allocate.refused else _lists(r.allocate.new_block_ids)
 
@@ -195,3 +216,36 @@ class RemoteTarget:
         resp = self.client.inspect_pool(self.pool, free_queue_limit=limit)
         self._free, self._usage = resp.num_free_blocks, resp.usage
         return list(resp.free_queue_head)
+
+    # -- vLLM 0.33's calls --------------------------------------------------------------
+    def new_step_starts(self) -> None:
+        self._step(pb.Operation(new_step_starts=pb.NewStepStartsOp()))
+
+    def record_prefix_cache_stats(self, rid: str, num_hits: int) -> None:
+        op = pb.RecordPrefixCacheStatsOp(request_id=rid, num_hits=num_hits)
+        self._step(*self._flush(rid), pb.Operation(record_prefix_cache_stats=op))
+
+    def estimate_cached_tokens(self, rid: str) -> int:
+        op = pb.EstimateCachedTokensOp(request_id=rid)
+        r = self._step(*self._flush(rid), pb.Operation(estimate_cached_tokens=op))
+        return r.estimate_cached_tokens.num_tokens
+
+    def get_num_blocks_to_allocate(
+        self,
+        rid: str,
+        num_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool,
+    ) -> int:
+        op = pb.GetNumBlocksToAllocateOp(
+            request_id=rid, num_tokens=num_tokens, total_computed_tokens=total_computed_tokens,
+            num_tokens_main_model=num_tokens_main_model, apply_admission_cap=apply_admission_cap,
+        )  # fmt: skip
+        r = self._step(*self._flush(rid), pb.Operation(get_num_blocks_to_allocate=op))
+        return r.get_num_blocks_to_allocate.num_blocks
+
+    def get_block_ids_for_computed_tokens(self, rid: str, num_computed_tokens: int) -> list[list[int]]:
+        op = pb.GetBlockIdsOp(request_id=rid, computed_tokens=num_computed_tokens)
+        r = self._step(*self._flush(rid), pb.Operation(get_block_ids=op))
+        return _lists(r.get_block_ids.groups)

@@ -30,7 +30,13 @@ class ReplayTarget(Protocol):
     def open(self, trace_config: dict[str, Any]) -> None: ...
     def close(self) -> None: ...
     def add_request(
-        self, rid: str, prompt: list[int], hashes: list[bytes], lora: LoRA | None, skip_read: bool
+        self,
+        rid: str,
+        prompt: list[int],
+        hashes: list[bytes],
+        lora: LoRA | None,
+        skip_read: bool,
+        cache_salt: str | None = None,
     ) -> None: ...
     def update_request(
         self, rid: str, num_computed_tokens: int, tokens: list[int], hashes: list[bytes]
@@ -46,6 +52,8 @@ class ReplayTarget(Protocol):
         num_external_computed_tokens: int,
         delay_cache_blocks: bool,
         num_encoder_tokens: int,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
     ) -> list[list[int]] | None: ...
     def free(self, rid: str) -> None: ...
     def preempt(self, rid: str) -> None: ...
@@ -61,6 +69,19 @@ class ReplayTarget(Protocol):
     def num_free_blocks(self) -> int: ...
     def usage(self) -> float: ...
     def free_queue_head(self, limit: int) -> list[int]: ...
+    # vLLM 0.33's calls (format-2 traces)
+    def new_step_starts(self) -> None: ...
+    def record_prefix_cache_stats(self, rid: str, num_hits: int) -> None: ...
+    def estimate_cached_tokens(self, rid: str) -> int: ...
+    def get_num_blocks_to_allocate(
+        self,
+        rid: str,
+        num_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool,
+    ) -> int: ...
+    def get_block_ids_for_computed_tokens(self, rid: str, num_computed_tokens: int) -> list[list[int]]: ...
 
 
 def event_to_json(event: KVCacheEvent) -> dict[str, Any]:
@@ -77,15 +98,33 @@ def event_to_json(event: KVCacheEvent) -> dict[str, Any]:
             "lora_id": event.lora_id,
             "medium": event.medium,
             "lora_name": event.lora_name,
+            # vllm-0.33's fields, written only when set (as vLLM encodes them)
+            **_present(
+                extra_keys=None
+                if event.extra_keys is None
+                else [None if k is None else list(k) for k in event.extra_keys],
+                group_idx=event.group_idx,
+                kv_cache_spec_kind=event.kv_cache_spec_kind,
+                kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+                lookahead_token_ids=None
+                if event.lookahead_token_ids is None
+                else [list(t) for t in event.lookahead_token_ids],
+            ),
         }
     if isinstance(event, BlockRemoved):
         return {
             "type": "BlockRemoved",
             "block_hashes": [hash_to_int64(h) for h in event.block_hashes],
             "medium": event.medium,
+            **_present(group_idx=event.group_idx),
         }
     assert isinstance(event, AllBlocksCleared)
     return {"type": "AllBlocksCleared"}
+
+
+def _present(**fields: Any) -> dict[str, Any]:
+    """The fields whose value is not ``None``."""
+    return {k: v for k, v in fields.items() if v is not None}
 
 
 def stats_to_json(stats: PrefixCacheStats | None) -> dict[str, Any] | None:
@@ -124,9 +163,17 @@ class LocalTarget:
         self.pool = None
 
     def add_request(
-        self, rid: str, prompt: list[int], hashes: list[bytes], lora: LoRA | None, skip_read: bool
+        self,
+        rid: str,
+        prompt: list[int],
+        hashes: list[bytes],
+        lora: LoRA | None,
+        skip_read: bool,
+        cache_salt: str | None = None,
     ) -> None:
-        self._p().add_request(rid, prompt, hashes, lora=lora, skip_reading_prefix_cache=skip_read)
+        self._p().add_request(
+            rid, prompt, hashes, lora=lora, skip_reading_prefix_cache=skip_read, cache_salt=cache_salt
+        )
 
     def update_request(
         self, rid: str, num_computed_tokens: int, tokens: list[int], hashes: list[bytes]
@@ -152,6 +199,8 @@ class LocalTarget:
         num_external_computed_tokens: int,
         delay_cache_blocks: bool,
         num_encoder_tokens: int,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
     ) -> list[list[int]] | None:
         hit = None
         if new_computed_blocks is not None:
@@ -165,6 +214,8 @@ class LocalTarget:
             num_external_computed_tokens,
             delay_cache_blocks,
             num_encoder_tokens,
+            full_sequence_must_fit,
+            reserved_blocks,
         )
         return None if out is None else _lists(out)
 
@@ -209,3 +260,27 @@ class LocalTarget:
 
     def free_queue_head(self, limit: int) -> list[int]:
         return self._p().free_queue_head(limit)
+
+    def new_step_starts(self) -> None:
+        self._p().new_step_starts()
+
+    def record_prefix_cache_stats(self, rid: str, num_hits: int) -> None:
+        self._p().record_prefix_cache_stats(rid, num_hits)
+
+    def estimate_cached_tokens(self, rid: str) -> int:
+        return self._p().estimate_cached_tokens(rid)
+
+    def get_num_blocks_to_allocate(
+        self,
+        rid: str,
+        num_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool,
+    ) -> int:
+        return self._p().get_num_blocks_to_allocate(
+            rid, num_tokens, total_computed_tokens, num_tokens_main_model, apply_admission_cap
+        )
+
+    def get_block_ids_for_computed_tokens(self, rid: str, num_computed_tokens: int) -> list[list[int]]:
+        return _lists(self._p().get_block_ids_for_computed_tokens(rid, num_computed_tokens))

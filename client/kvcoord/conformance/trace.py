@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,12 @@ __all__ = ["Trace", "TraceFormatError", "config_from_trace", "load_trace", "pool
 
 
 class TraceFormatError(ValueError):
-    """The file is not a format-1 conformance trace."""
+    """The file is not a conformance trace this replayer reads (format 1 or 2)."""
+
+
+#: the trace formats read, and the semantics profile each one's recordings follow:
+#: format 1 was recorded from vLLM 0.16.0, format 2 from vLLM 0.33.0
+FORMAT_PROFILES = {1: "vllm-0.16", 2: "vllm-0.33"}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -30,12 +36,17 @@ class Trace:
     def name(self) -> str:
         return str(self.config.get("name") or self.path.stem)
 
+    @property
+    def format_version(self) -> int:
+        return int(self.config["format_version"])
+
 
 def load_trace(path: str | Path) -> Trace:
     """Parse a trace file.
 
     Raises:
-        TraceFormatError: not JSON Lines, no config line, or an unknown format version.
+        TraceFormatError: not JSON Lines, no config line, or a format version other than
+            1 (vLLM 0.16.0 recordings) and 2 (vLLM 0.33.0).
         OSError: the file cannot be read.
     """
     p = Path(path)
@@ -48,10 +59,9 @@ def load_trace(path: str | Path) -> Trace:
             raise TraceFormatError(f"{p}:{no}: not JSON: {exc}") from None
     if not records or records[0].get("kind") != "config":
         raise TraceFormatError(f"{p}: the first line must be the config record")
-    if records[0].get("format_version") != 1:
-        raise TraceFormatError(
-            f"{p}: format_version {records[0].get('format_version')!r} is not supported (want 1)"
-        )
+    version = records[0].get("format_version")
+    if isinstance(version, bool) or version not in FORMAT_PROFILES:
+        raise TraceFormatError(f"{p}: format_version {version!r} is not supported (want 1 or 2)")
     return Trace(p, records[0], records[1:])
 
 
@@ -59,20 +69,54 @@ def load_trace(path: str | Path) -> Trace:
 # are informational. Same names as a [[pools]] table of the server's config file.
 _POOL_FIELDS = (
     "num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events",
-    "log_stats", "max_model_len", "hash_algo", "hash_seed",
+    "log_stats", "max_model_len", "hash_algo", "hash_seed", "num_hash_lookahead_tokens",
+    "max_in_flight_tokens",
 )  # fmt: skip
 
 
+# Format-2 manager inputs and the only values kvcoord's vllm-0.33 profile takes so far;
+# a trace recorded with another value is refused rather than replayed wrongly.
+_FIXED_033 = {
+    "num_prefill_lookahead": (0, 1),  # vLLM re-prefills num_prefill_lookahead - 1 tokens
+    "watermark": (0, 0.0),
+    "enable_mamba_shared_prefix_checkpoint": (False,),
+    "prefix_cache_retention_interval": (0,),
+}
+
+
 def pool_config_from_trace(cfg: dict[str, Any]) -> pb.PoolConfig:
-    """The wire PoolConfig a trace's config line describes.
+    """The wire PoolConfig a trace's config line describes (a format-2 trace's pool
+    follows the vllm-0.33 profile).
 
     Raises:
-        TraceFormatError: context parallelism other than 1, or a malformed group.
+        TraceFormatError: context parallelism other than 1, a malformed group, or a
+            format-2 setting the vllm-0.33 profile does not take.
     """
     for key in ("dcp_world_size", "pcp_world_size"):
         if cfg.get(key, 1) != 1:
             raise TraceFormatError(f"{key} = {cfg[key]} is not supported (kvcoord fixes it to 1)")
+    profile = FORMAT_PROFILES.get(cfg.get("format_version", 1))
+    if profile is None:
+        raise TraceFormatError(f"format_version {cfg.get('format_version')!r} is not supported")
+    if profile != "vllm-0.16":
+        for key, allowed in _FIXED_033.items():
+            if key in cfg and cfg[key] not in allowed:
+                raise TraceFormatError(
+                    f"{key} = {cfg[key]!r} is not supported by kvcoord's {profile} profile yet"
+                )
+        sizes = [g["block_size"] for g in cfg.get("groups", ())]
+        if sizes and cfg.get("scheduler_block_size", math.lcm(*sizes)) != math.lcm(*sizes):
+            raise TraceFormatError(
+                f"scheduler_block_size {cfg['scheduler_block_size']} other than the LCM of the block "
+                "sizes is not supported"
+            )
     table = {k: cfg[k] for k in _POOL_FIELDS if cfg.get(k) is not None}
+    if profile != "vllm-0.16":
+        table["profile"] = profile
+        # is_eagle_group picks the groups of 0.33's EAGLE drop, which only use_eagle turns
+        # on (and the vllm-0.33 profile refuses use_eagle); without it the flag changes nothing
+        if not cfg.get("use_eagle"):
+            table["groups"] = [{k: v for k, v in g.items() if k != "is_eagle_group"} for g in table["groups"]]
     try:
         return pool_config_from_table(table, "trace config")
     except ConfigFileError as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 
 from .blocks import KVCacheBlock
@@ -104,6 +105,13 @@ class BlockPool:
         enable_kv_cache_events: whether events are queued.
         num_groups: KV cache groups sharing the pool.
         materialize: create every block up front (a reference for tests).
+        prepend_unhashed_frees: the vllm-0.33 free order (see
+            :class:`~kvcoord.engine.profiles.ProfileRules`): freed blocks without a hash
+            go to the head of the free queue.
+        group_event_fields: per group, the fields vLLM 0.33 adds to its events
+            (``group_idx``, spec kind, sliding window); ``None`` for 0.16's events.
+        num_hash_lookahead_tokens: vLLM 0.33's L: BlockStored events list the L tokens
+            after each stored block (``lookahead_token_ids``).
     """
 
     def __init__(
@@ -114,6 +122,9 @@ class BlockPool:
         enable_kv_cache_events: bool = False,
         num_groups: int = 1,
         materialize: bool = False,
+        prepend_unhashed_frees: bool = False,
+        group_event_fields: Sequence[tuple[str, int | None]] | None = None,
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -134,6 +145,11 @@ class BlockPool:
         self.hash_epoch = 0
         self.num_allocated = 0
         self.num_freed = 0
+        self.prepend_unhashed_frees = prepend_unhashed_frees
+        self.group_event_fields = None if group_event_fields is None else tuple(group_event_fields)
+        self.num_hash_lookahead_tokens = num_hash_lookahead_tokens
+        if prepend_unhashed_frees:
+            self.free_blocks = self._free_blocks_split  # type: ignore[method-assign]
 
     def get_cached_block(self, block_hash: bytes, group_ids: Sequence[int]) -> list[int] | None:
         """One cached block id per group for ``block_hash``, or ``None`` if any group misses."""
@@ -198,19 +214,44 @@ class BlockPool:
         if events:
             parent = originals[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             lora = request.lora
-            self.kv_event_queue.append(
-                BlockStored(
-                    block_hashes=tuple(stored),
-                    parent_block_hash=parent,
-                    token_ids=tuple(
-                        request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
-                    ),
-                    block_size=block_size,
-                    lora_id=lora.adapter_id if lora else None,
-                    lora_name=lora.name if lora else None,
-                    cache_prefix=prefix,
-                )
+            event = BlockStored(
+                block_hashes=tuple(stored),
+                parent_block_hash=parent,
+                token_ids=tuple(
+                    request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
+                ),
+                block_size=block_size,
+                lora_id=lora.adapter_id if lora else None,
+                lora_name=lora.name if lora else None,
+                cache_prefix=prefix,
             )
+            if self.group_event_fields is not None:
+                event = self._with_033_fields(event, request, num_cached_blocks, num_full_blocks, group_id)
+            self.kv_event_queue.append(event)
+
+    def _with_033_fields(
+        self, event: BlockStored, request: Request, start: int, end: int, group_id: int
+    ) -> BlockStored:
+        """A BlockStored with the fields vLLM 0.33 adds: one untagged extra-keys entry
+        per block, the group, and the group's spec kind (and window)."""
+        assert self.group_event_fields is not None
+        kind, window = self.group_event_fields[group_id]
+        extra = request.event_extra_keys
+        look = self.num_hash_lookahead_tokens
+        lookahead = None
+        if look:
+            size, tokens = event.block_size, request.all_token_ids
+            lookahead = tuple(
+                tuple(tokens[(i + 1) * size : (i + 1) * size + look]) for i in range(start, end)
+            )
+        return dataclasses.replace(
+            event,
+            extra_keys=tuple(extra(i) for i in range(start, end)),
+            group_idx=group_id,
+            kv_cache_spec_kind=kind,
+            kv_cache_spec_sliding_window=window,
+            lookahead_token_ids=lookahead,
+        )
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` from the head, evicting their cached hashes.
@@ -241,10 +282,11 @@ class BlockPool:
                         evicted += 1
                         if events is not None:
                             original = block.event_hash  # set for a namespaced key only
+                            group_idx = gid if self.group_event_fields is not None else None
                             events.append(
-                                block_removed(block_hash)
+                                block_removed(block_hash, b"", group_idx)
                                 if original is None
-                                else block_removed(original, block_hash[:NAMESPACE_PREFIX_BYTES])
+                                else block_removed(original, block_hash[:NAMESPACE_PREFIX_BYTES], group_idx)
                             )
                         block.event_hash = None
                     else:
@@ -269,7 +311,8 @@ class BlockPool:
         self.num_evictions += 1
         self.hash_epoch += 1
         if self.enable_kv_cache_events:
-            self.kv_event_queue.append(_removed(block, block_hash))
+            group_idx = block.cached_group if self.group_event_fields is not None else None
+            self.kv_event_queue.append(_removed(block, block_hash, group_idx))
         block.event_hash = None
         return True
 
@@ -286,6 +329,13 @@ class BlockPool:
         The null block is skipped (see :meth:`touch`).
         """
         self.num_freed += self.free_block_queue.release(ordered_blocks, self.null_block)
+
+    def _free_blocks_split(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """:meth:`free_blocks` by the vllm-0.33 rule: those reaching zero without a hash
+        (or every one, caching off) go to the head, in order; hashed ones to the tail."""
+        self.num_freed += self.free_block_queue.release_split(
+            ordered_blocks, self.null_block, self.enable_caching
+        )
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the cached hash of each listed block; ref counts and queue order stay."""
@@ -351,10 +401,10 @@ class BlockPool:
         return sorted(self.cached_block_hash_to_block.block_ids())
 
 
-def _removed(block: KVCacheBlock, cached_hash: bytes) -> BlockRemoved:
+def _removed(block: KVCacheBlock, cached_hash: bytes, group_idx: int | None) -> BlockRemoved:
     """The BlockRemoved of ``block`` losing ``cached_hash``: the client's hash, and the
     namespace prefix a namespaced key starts with (``event_hash`` is set only then)."""
     original = block.event_hash
     if original is None:
-        return block_removed(cached_hash)
-    return block_removed(original, cached_hash[:NAMESPACE_PREFIX_BYTES])
+        return block_removed(cached_hash, b"", group_idx)
+    return block_removed(original, cached_hash[:NAMESPACE_PREFIX_BYTES], group_idx)

@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from .errors import ConfigError
+from .profiles import PROFILES, VLLM_016, VLLM_033
 from .specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -15,7 +16,7 @@ from .specs import (
     SlidingWindowSpec,
 )
 
-__all__ = ["KVCacheConfig", "attention_groups"]
+__all__ = ["KVCacheConfig", "admission_cap_tokens", "attention_groups"]
 
 _SPEC_TYPES = (
     FullAttentionSpec,
@@ -24,6 +25,25 @@ _SPEC_TYPES = (
     MambaSpec,
     CrossAttentionSpec,
 )
+
+
+def admission_cap_tokens(cfg: KVCacheConfig) -> list[int | None]:
+    """vLLM 0.33's per-request admission cap of each group, in tokens (``None``: none):
+    sliding window ``w - 1 + in-flight``, chunked local ``chunk + in-flight``, at most
+    ``max_model_len``, rounded up to whole blocks."""
+    in_flight = cfg.max_in_flight_tokens or cfg.max_model_len
+    caps: list[int | None] = []
+    for spec in cfg.groups:
+        if isinstance(spec, SlidingWindowSpec):
+            tokens = spec.sliding_window - 1 + in_flight
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            tokens = spec.attention_chunk_size + in_flight
+        else:
+            caps.append(None)
+            continue
+        bs = spec.block_size
+        caps.append(-(-min(tokens, cfg.max_model_len) // bs) * bs)
+    return caps
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -42,6 +62,17 @@ class KVCacheConfig:
         hash_length: when set, every block hash must have exactly this many bytes.
         dcp_world_size: decode context parallelism; only 1 is supported.
         pcp_world_size: prefill context parallelism; only 1 is supported.
+        profile: the vLLM release whose semantics the pool follows (see
+            :mod:`~kvcoord.engine.profiles`): ``"vllm-0.16"`` (default) or
+            ``"vllm-0.33"``.
+        num_hash_lookahead_tokens: (vllm-0.33, caching on) L: each block hash also
+            covers the next L tokens, so a request has hashes only for the blocks
+            followed by L tokens, and only those are cached (vLLM 0.33's EAGLE/MTP
+            default, with ``use_eagle`` off).
+        max_in_flight_tokens: (vllm-0.33) the scheduler's tokens in flight (its token
+            budget, with one batch in flight); sizes vLLM 0.33's per-request admission
+            cap of sliding-window and chunked-local groups (``full_sequence_must_fit``).
+            0: no bound (the cap is then ``max_model_len``).
 
     Raises:
         ConfigError: the layout breaks a rule vLLM enforces (at construction or at its
@@ -59,6 +90,9 @@ class KVCacheConfig:
     hash_length: int | None = None
     dcp_world_size: int = 1
     pcp_world_size: int = 1
+    profile: str = VLLM_016
+    num_hash_lookahead_tokens: int = 0
+    max_in_flight_tokens: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -112,6 +146,18 @@ def _validate(cfg: KVCacheConfig) -> None:
             "decode/prefill context parallelism is not supported: dcp_world_size and "
             f"pcp_world_size must be 1, got {cfg.dcp_world_size} and {cfg.pcp_world_size}"
         )
+    if cfg.profile not in PROFILES:
+        raise ConfigError(f"profile must be one of {', '.join(PROFILES)}, got {cfg.profile!r}")
+    if cfg.profile == VLLM_033:
+        _validate_033_support(cfg)
+    n = cfg.num_hash_lookahead_tokens
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"num_hash_lookahead_tokens must be >= 0, got {n!r}")
+    if n and (cfg.profile != VLLM_033 or not cfg.enable_caching):
+        raise ConfigError("num_hash_lookahead_tokens needs the vllm-0.33 profile and prefix caching")
+    m = cfg.max_in_flight_tokens
+    if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+        raise ConfigError(f"max_in_flight_tokens must be >= 0, got {m!r}")
     sink_blocks = 0
     for gid, spec in enumerate(cfg.groups):
         if not isinstance(spec, _SPEC_TYPES):
@@ -141,6 +187,23 @@ def _validate(cfg: KVCacheConfig) -> None:
     if not cfg.enable_caching:
         return
     _validate_caching(cfg)
+
+
+def _validate_033_support(cfg: KVCacheConfig) -> None:
+    """Refuse the vllm-0.33 layouts kvcoord does not reproduce yet, rather than answer
+    them with any other release's rules (docs/semantics-notes.md lists them)."""
+    missing = []
+    if cfg.use_eagle:
+        missing.append("EAGLE/MTP (lookahead block hashes, the per-group drop)")
+    for gid, spec in enumerate(cfg.groups):
+        if isinstance(spec, FullAttentionSpec) and spec.sink_len:
+            missing.append(f"group {gid}: sink attention (0.33 reserves no sink blocks)")
+        if isinstance(spec, MambaSpec):
+            missing.append(f"group {gid}: mamba (0.33's align checkpoints and copy-on-write)")
+    if cfg.enable_caching and len(cfg.groups) > 1:
+        missing.append("hybrid prefix caching (sparse retention, scheduler-block round-down)")
+    if missing:
+        raise ConfigError("the vllm-0.33 profile does not support yet: " + "; ".join(missing))
 
 
 def _validate_caching(cfg: KVCacheConfig) -> None:

@@ -11,8 +11,9 @@ from .blocks import KVCacheBlock
 from .config import KVCacheConfig, attention_groups
 from .hash_list import hashes_at_block_size
 from .managers import CrossAttentionManager, SingleTypeKVCacheManager, manager_class
+from .profiles import rules_of
 from .request import Request
-from .specs import AttentionSpec, FullAttentionSpec
+from .specs import AttentionSpec, FullAttentionSpec, event_spec_fields
 
 __all__ = [
     "HybridKVCacheCoordinator",
@@ -36,6 +37,7 @@ class KVCacheCoordinator:
     def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
         self.config = config
         self.enable_caching = config.enable_caching
+        rules = rules_of(config.profile)
         self.block_pool = BlockPool(
             config.num_blocks,
             config.enable_caching,
@@ -43,6 +45,9 @@ class KVCacheCoordinator:
             config.enable_kv_cache_events,
             num_groups=len(config.groups),
             materialize=materialize_blocks,
+            prepend_unhashed_frees=rules.prepend_unhashed_frees,
+            group_event_fields=[event_spec_fields(g) for g in config.groups] if rules.event_fields else None,
+            num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
         )
         self.managers: list[SingleTypeKVCacheManager] = [
             manager_class(spec)(spec, self.block_pool, gid, config.enable_caching)
@@ -58,7 +63,10 @@ class KVCacheCoordinator:
         num_encoder_tokens: int,
         total_computed_tokens: int,
         num_tokens_main_model: int,
+        token_caps: Sequence[int | None] | None = None,
     ) -> int:
+        """Free blocks the allocation would consume over every group. ``token_caps``
+        (vLLM 0.33's admission cap): per group, the most tokens counted (``None``: no cap)."""
         total = 0
         for gid, manager in enumerate(self.managers):
             if self._is_cross[gid]:
@@ -66,9 +74,10 @@ class KVCacheCoordinator:
                     request_id, num_encoder_tokens, (), 0, num_encoder_tokens
                 )
             else:
+                cap = token_caps[gid] if token_caps is not None else None
                 total += manager.get_num_blocks_to_allocate(
                     request_id,
-                    num_tokens,
+                    num_tokens if cap is None or cap >= num_tokens else cap,
                     new_computed_blocks[gid],
                     total_computed_tokens,
                     num_tokens_main_model,

@@ -19,6 +19,12 @@ class BlockStored:
     ``cache_prefix`` is the key prefix of the cache namespace the blocks were cached in
     (``b""``: the default namespace, vLLM's keys); it never leaves the server, which
     uses it to give each session only its own namespace's events.
+
+    The last fields are set by vllm-0.33 pools only (``None`` in 0.16 pools, as vLLM
+    0.16 has no such fields): ``extra_keys``, one entry per block of the run (its
+    untagged extra keys as a tuple, or ``None``); ``group_idx``; the group's
+    ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window``; with look-ahead
+    hashes, ``lookahead_token_ids``: per block, the tokens after it its hash covers.
     """
 
     block_hashes: tuple[bytes, ...]
@@ -29,6 +35,11 @@ class BlockStored:
     lora_name: str | None
     medium: str = MEDIUM_GPU
     cache_prefix: bytes = b""
+    extra_keys: tuple[tuple[object, ...] | None, ...] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    lookahead_token_ids: tuple[tuple[int, ...], ...] | None = None
 
     def __setstate__(self, state: list[object]) -> None:
         _set_fields(self, state)
@@ -39,11 +50,13 @@ class BlockRemoved:
     """Cached blocks lost their hash (reused from the free queue, or evicted).
 
     ``cache_prefix``: the cache namespace they were cached in, as in :class:`BlockStored`.
+    ``group_idx``: the block's group, in vllm-0.33 pools only.
     """
 
     block_hashes: tuple[bytes, ...]
     medium: str = MEDIUM_GPU
     cache_prefix: bytes = b""
+    group_idx: int | None = None
 
     def __setstate__(self, state: list[object]) -> None:
         _set_fields(self, state)
@@ -70,10 +83,11 @@ _set_removed_hashes: Callable[[BlockRemoved, tuple[bytes, ...]], None] = vars(Bl
 ].__set__
 _set_removed_medium: Callable[[BlockRemoved, str], None] = vars(BlockRemoved)["medium"].__set__
 _set_removed_prefix: Callable[[BlockRemoved, bytes], None] = vars(BlockRemoved)["cache_prefix"].__set__
+_set_removed_group: Callable[[BlockRemoved, int | None], None] = vars(BlockRemoved)["group_idx"].__set__
 
 
-def block_removed(block_hash: bytes, cache_prefix: bytes = b"") -> BlockRemoved:
-    """``BlockRemoved(block_hashes=(block_hash,), cache_prefix=cache_prefix)``, built without the frozen dataclass's
+def block_removed(block_hash: bytes, cache_prefix: bytes = b"", group_idx: int | None = None) -> BlockRemoved:
+    """``BlockRemoved(block_hashes=(block_hash,), cache_prefix=cache_prefix, group_idx=...)``, built without the frozen dataclass's
     ``__init__`` (one per evicted block; the generated one costs several times more).
 
     The slots are written through their member descriptors, exactly what the generated
@@ -83,6 +97,7 @@ def block_removed(block_hash: bytes, cache_prefix: bytes = b"") -> BlockRemoved:
     _set_removed_hashes(event, (block_hash,))
     _set_removed_medium(event, MEDIUM_GPU)
     _set_removed_prefix(event, cache_prefix)
+    _set_removed_group(event, group_idx)
     return event
 
 

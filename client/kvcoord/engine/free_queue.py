@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from .blocks import KVCacheBlock
 from .types import BlockId
@@ -41,6 +41,7 @@ class FreeKVCacheBlockQueue:
     __slots__ = (
         "_blocks",
         "_dead",
+        "_front",
         "_head",
         "_live",
         "_compactions",
@@ -59,6 +60,10 @@ class FreeKVCacheBlockQueue:
         self._head = 0
         self._live = len(self._queue)
         self._dead = 0  # dead entries at or after head
+        #: blocks put ahead of everything else (prepend_n), the head block last; only
+        #: the vllm-0.33 profile prepends. Its blocks hold no hash, so no lookup ever
+        #: takes one out of the middle: they leave from the head only.
+        self._front: list[KVCacheBlock] = []
         #: compactions so far, and the positions first_position read (with the queue
         #: state they belong to)
         self._compactions = 0
@@ -69,7 +74,7 @@ class FreeKVCacheBlockQueue:
 
     @property
     def num_free_blocks(self) -> int:
-        return self._num_blocks - self._next_fresh + self._live
+        return self._num_blocks - self._next_fresh + self._live + len(self._front)
 
     def __len__(self) -> int:
         return self.num_free_blocks
@@ -95,6 +100,9 @@ class FreeKVCacheBlockQueue:
         Raises:
             IndexError: fewer than ``n`` blocks are free (nothing is removed).
         """
+        front = self._front
+        if front:
+            return self._popleft_front(n)
         fresh = self._next_fresh
         num_fresh = self._num_blocks - fresh
         if n > num_fresh + self._live:
@@ -133,6 +141,24 @@ class FreeKVCacheBlockQueue:
         if i > self.compact_slack and i > len(queue) >> 1:
             self._compact()
         return out
+
+    def _popleft_front(self, n: int) -> list[KVCacheBlock]:
+        """``popleft_n`` while prepended blocks wait at the head: they go first."""
+        front = self._front
+        if n > self.num_free_blocks:
+            raise IndexError(f"{n} blocks requested, {self.num_free_blocks} free")
+        k = min(n, len(front))
+        out = front[-k:]
+        out.reverse()
+        del front[-k:]
+        if n > k:
+            out += self.popleft_n(n - k)
+        return out
+
+    def prepend_n(self, blocks: list[KVCacheBlock]) -> None:
+        """Put ``blocks`` (created, not in the queue) at the head, in their order: the
+        first of them is the next block handed out."""
+        self._front.extend(reversed(blocks))
 
     def remove(self, block: KVCacheBlock) -> None:
         """Take ``block`` (which must be in the queue) out of it, wherever it is.
@@ -177,6 +203,31 @@ class FreeKVCacheBlockQueue:
         self._live += n
         return n
 
+    def release_split(self, blocks: Iterable[KVCacheBlock], null: KVCacheBlock | None, caching: bool) -> int:
+        """:meth:`release` by vLLM 0.33's rule: of the blocks reaching zero, those
+        holding a hash (caching on) go to the tail, the others to the head, each part in
+        the order given (the first of the prepended ones is the next handed out).
+        Returns how many were released."""
+        queue = self._queue
+        start = len(queue)
+        append = queue.append
+        first: list[KVCacheBlock] = []
+        for block in blocks:
+            if block is null:
+                continue
+            ref = block.ref_cnt - 1
+            block.ref_cnt = ref
+            if not ref:
+                if caching and block.cached_hash is not None:
+                    append(block)
+                else:
+                    first.append(block)
+        n = len(queue) - start
+        self._live += n
+        if first:
+            self._front.extend(reversed(first))
+        return n + len(first)
+
     def acquire(self, blocks: Iterable[KVCacheBlock], null: KVCacheBlock) -> None:
         """Take one reference on each block (``null`` skipped), pulling free ones out of
         the queue."""
@@ -185,6 +236,10 @@ class FreeKVCacheBlockQueue:
             if block is null:
                 continue
             if not block.ref_cnt:
+                if self._front and block in self._front:  # never: prepended blocks hold no hash
+                    self._front.remove(block)
+                    block.ref_cnt += 1
+                    continue
                 block.stale_entries += 1
                 removed += 1
             block.ref_cnt += 1
@@ -193,9 +248,10 @@ class FreeKVCacheBlockQueue:
             self._dead += removed
             self._maybe_compact()
 
-    def load(self, next_fresh: int, used: list[KVCacheBlock]) -> None:
-        """Set the queue to the never-used run ``[next_fresh, num_blocks)`` followed by
-        ``used`` (created blocks whose ``ref_cnt`` is 0, head first): state import."""
+    def load(self, next_fresh: int, used: list[KVCacheBlock], front: Sequence[KVCacheBlock] = ()) -> None:
+        """Set the queue to ``front``, then the never-used run ``[next_fresh, num_blocks)``,
+        then ``used`` (created blocks whose ``ref_cnt`` is 0, head first): state import."""
+        self._front = list(reversed(front))
         self._next_fresh = next_fresh
         self._queue = list(used)
         self._head = self._dead = 0
@@ -204,9 +260,16 @@ class FreeKVCacheBlockQueue:
         self._positions = None
         for block in used:
             block.stale_entries = 0
+        for block in front:
+            block.stale_entries = 0
+
+    def front_ids(self) -> list[int]:
+        """The prepended blocks' ids, head first (they come before the never-used run)."""
+        return [b.block_id for b in reversed(self._front)]
 
     def drain(self, chunk: int) -> Iterator[None]:
         """Empty the queue ``chunk`` entries at a time, yielding after each (teardown)."""
+        self._front.clear()
         q = self._queue
         while q:
             del q[-chunk:]
@@ -246,11 +309,12 @@ class FreeKVCacheBlockQueue:
         """
         if not block_ids:
             return limit
-        fresh = self._num_blocks - self._next_fresh  # never-used blocks hold no hash
+        # prepended and never-used blocks hold no hash
+        fresh = len(self._front) + self._num_blocks - self._next_fresh
         if fresh >= limit:
             return limit
         queue = self._queue
-        key = (self._compactions, self._head, len(queue), self._live, self._dead, self._next_fresh, limit)
+        key = (self._compactions, self._head, len(queue), self._live, self._dead, fresh, limit)
         cached = self._positions
         if cached is None or cached[0] != key:
             positions: dict[int, int] = {}
@@ -279,6 +343,15 @@ class FreeKVCacheBlockQueue:
 
     def head_ids(self, limit: int | None = None) -> list[int]:
         """Block ids from the head, at most ``limit`` of them (all when ``None``)."""
+        if not self._front:
+            return self._back_ids(limit)
+        front = self.front_ids()
+        if limit is not None and limit <= len(front):
+            return front[: max(limit, 0)]
+        return front + self._back_ids(None if limit is None else limit - len(front))
+
+    def _back_ids(self, limit: int | None) -> list[int]:
+        """:meth:`head_ids` of the never-used run and the used part."""
         fresh, end = self._next_fresh, self._num_blocks
         if limit is None:
             limit = end - fresh + self._live

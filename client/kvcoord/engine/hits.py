@@ -18,6 +18,7 @@ from .coordinators import KVCacheCoordinator
 from .errors import FailedPreconditionError, HintMismatchError, InvalidArgumentError, StaleCacheHitError
 from .hash_list import NAMESPACE_PREFIX_BYTES, SharedHashes, hashes_at_block_size, request_keys
 from .managers import CrossAttentionManager, FullAttentionManager
+from .profiles import rules_of
 from .request import Request
 from .request_table import RequestTable
 from .results import BlockIds, CacheHit, new_hit
@@ -53,6 +54,8 @@ class PrefixHits:
         self.use_eagle = config.use_eagle
         self._hybrid = config.coordinator_kind == "hybrid"
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if config.log_stats else None
+        #: vllm-0.33: statistics count admissions (record_admission), not lookups
+        self._stats_at_lookup = not rules_of(config.profile).stats_at_admission
         self.lookup_counters = LookupCounters(group_hit_tokens=[0] * len(config.groups))
         self._alignment = coordinator.alignment_tokens
         self._group_block_sizes = [g.block_size for g in config.groups]
@@ -234,7 +237,7 @@ class PrefixHits:
         req.last_hit = (hit.block_ids, self.block_pool.hash_epoch)
         num_tokens = len(req.all_token_ids)
         hit_tokens = hit.num_tokens
-        if self.prefix_cache_stats is not None:
+        if self.prefix_cache_stats is not None and self._stats_at_lookup:
             self.prefix_cache_stats.record(num_tokens, hit_tokens, req.num_preemptions > 0)
         c = self.lookup_counters
         c.lookups += 1
@@ -246,6 +249,11 @@ class PrefixHits:
         for g, lst in enumerate(lists):
             if lst:
                 group_hits[g] += len(lst) * self._group_block_sizes[g]
+
+    def record_admission(self, req: Request, num_hits: int) -> None:
+        """vLLM 0.33's statistics of an admitted request's lookup (``num_hits`` tokens)."""
+        if self.prefix_cache_stats is not None:
+            self.prefix_cache_stats.record(len(req.all_token_ids), num_hits, req.num_preemptions > 0)
 
     def check_adoption(self, request_id: str, hit_blocks: list[list[KVCacheBlock]]) -> None:
         """A hit or external tokens are adopted only by a request holding no blocks yet

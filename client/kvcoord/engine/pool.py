@@ -22,13 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
-from .config import KVCacheConfig
+from .config import KVCacheConfig, admission_cap_tokens
 from .coordinators import get_kv_cache_coordinator
 from .errors import FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
 from .events import KVCacheEvent
 from .hash_list import request_keys
 from .hits import PrefixHits
-from .managers import MambaManager, SingleTypeKVCacheManager
+from .managers import CrossAttentionManager, MambaManager, SingleTypeKVCacheManager
+from .profiles import rules_of
 from .request import LoRA, Request
 from .request_table import RequestTable, check_count
 from .reservations import Reservation, Reservations
@@ -63,12 +64,19 @@ class KVCachePool:
 
     def __init__(self, config: KVCacheConfig, *, materialize_blocks: bool = False) -> None:
         self.config = config
+        #: the rules of the pool's semantics profile (vllm-0.16 or vllm-0.33)
+        self.rules = rules_of(config.profile)
         self.coordinator = get_kv_cache_coordinator(config, materialize_blocks)
         self.block_pool = self.coordinator.block_pool
         self.managers = self.coordinator.managers
         self.enable_caching = config.enable_caching
         self.max_model_len = config.max_model_len
         self.hash_block_size = config.hash_block_size
+        #: vllm-0.33 look-ahead hashes: the last this many tokens have no hash yet, so
+        #: caching stops before them (vLLM 0.33 clamps caching at the hashed tokens)
+        self._hash_lag = config.num_hash_lookahead_tokens
+        #: vllm-0.33's per-group admission caps (tokens), for the full-sequence gate
+        self._admission_caps = admission_cap_tokens(config)
         self.request_table = RequestTable(config)
         self.hits = PrefixHits(config, self.coordinator, self.request_table)
         #: hits held against eviction for a router (none: exactly vLLM's manager)
@@ -127,8 +135,12 @@ class KVCachePool:
         skip_reading_prefix_cache: bool = False,
         num_preemptions: int = 0,
         cache_namespace: str = "",
+        cache_salt: str | None = None,
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes.
+
+        ``cache_salt`` is only reported in vllm-0.33 pools' KV events (the hashes already
+        include it).
 
         ``cache_namespace`` isolates prefix caching: the request hits only blocks cached
         by requests of the same namespace, whatever its hashes. ``""`` (the default) is
@@ -147,6 +159,7 @@ class KVCachePool:
             skip_reading_prefix_cache,
             num_preemptions,
             cache_namespace,
+            cache_salt,
         )
 
     @property
@@ -326,6 +339,8 @@ class KVCachePool:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
     ) -> BlockIds | None:
         """vLLM's ``allocate_slots``: adopt a prefix hit, take new blocks, cache full ones.
 
@@ -339,6 +354,10 @@ class KVCachePool:
             num_external_computed_tokens: tokens loaded by a KV connector.
             delay_cache_blocks: do not cache yet (asynchronous external load).
             num_encoder_tokens: encoder input length for cross-attention groups.
+            full_sequence_must_fit: (vllm-0.33 only) refuse, changing nothing, unless
+                the request's whole sequence fits (vLLM 0.33's admission gate).
+            reserved_blocks: (vllm-0.33 only) free blocks the allocation must leave
+                for other in-flight requests.
 
         Returns:
             The newly taken block ids per group, or ``None`` when too few blocks are
@@ -368,6 +387,8 @@ class KVCachePool:
             and type(num_external_computed_tokens) is int
             and type(num_encoder_tokens) is int
             and delay_cache_blocks is False
+            and full_sequence_must_fit is False
+            and reserved_blocks == 0
             and req.num_computed_tokens + num_new_tokens <= self.max_model_len
         ):
             return self._allocate_without_hit(req, num_new_tokens, num_lookahead_tokens)
@@ -378,10 +399,20 @@ class KVCachePool:
                 check_count(value, name)
         if not isinstance(delay_cache_blocks, bool):
             raise InvalidArgumentError("delay_cache_blocks must be a bool")
-        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+        if not isinstance(full_sequence_must_fit, bool):
+            raise InvalidArgumentError("full_sequence_must_fit must be a bool")
+        check_count(reserved_blocks, "reserved_blocks")
+        if (full_sequence_must_fit or reserved_blocks) and not self.rules.full_sequence_admission:
             raise InvalidArgumentError(
-                "num_new_tokens must be > 0 unless num_external_computed_tokens is > 0"
+                f"full_sequence_must_fit and reserved_blocks are vLLM 0.33 inputs; this pool's "
+                f"profile is {self.config.profile}"
             )
+        if num_new_tokens == 0 and num_external_computed_tokens == 0:
+            # vLLM 0.31+ also lets a step adopt a local hit with no new token.
+            if not (self.rules.full_sequence_admission and num_new_computed_tokens):
+                raise InvalidArgumentError(
+                    "num_new_tokens must be > 0 unless num_external_computed_tokens is > 0"
+                )
         hit_blocks = self._resolve_hit(req, new_computed_blocks, num_new_computed_tokens)
         local = req.num_computed_tokens + num_new_computed_tokens
         if local + num_external_computed_tokens + num_new_tokens > self.max_model_len:
@@ -400,6 +431,21 @@ class KVCachePool:
                 raise FailedPreconditionError(f"group {manager.group_id}: {reason}")
 
         coordinator = self.coordinator
+        if full_sequence_must_fit:
+            # vLLM 0.33's gate, before anything is released: the whole sequence must fit.
+            full = min(req.num_tokens, self.max_model_len)
+            k = coordinator.get_num_blocks_to_allocate(
+                request_id,
+                full,
+                hit_blocks,
+                num_encoder_tokens,
+                local + num_external_computed_tokens,
+                full,
+                self._admission_caps,
+            )
+            if k > self.block_pool.get_num_free_blocks():
+                self.num_refusals += 1
+                return None
         coordinator.remove_skipped_blocks(request_id, total)
         k = coordinator.get_num_blocks_to_allocate(
             request_id,
@@ -409,7 +455,7 @@ class KVCachePool:
             local + num_external_computed_tokens,
             main,
         )
-        if k > self.block_pool.get_num_free_blocks():
+        if k > self.block_pool.get_num_free_blocks() - reserved_blocks:
             self.num_refusals += 1
             return None
         if any(hit_blocks) or num_external_computed_tokens > 0:
@@ -418,7 +464,7 @@ class KVCachePool:
             )
         new = coordinator.allocate_new_blocks(request_id, need, main, num_encoder_tokens)
         if self.enable_caching and not delay_cache_blocks:
-            coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens))
+            coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens - self._hash_lag))
         return tuple([tuple([b.block_id for b in lst]) for lst in new])
 
     def _allocate_without_hit(
@@ -468,7 +514,7 @@ class KVCachePool:
                 out[i] = tuple([b.block_id for b in new_blocks])
         result = self._no_new_blocks if out is None else tuple(out)
         if self.enable_caching:
-            num_tokens = len(req.all_token_ids)
+            num_tokens = len(req.all_token_ids) - self._hash_lag
             cached = main if main < num_tokens else num_tokens
             for m in managers:
                 num_full = cached // m.block_size
@@ -520,7 +566,8 @@ class KVCachePool:
             return False
         main = num_computed_tokens + num_new_tokens
         need = min(main + num_lookahead_tokens, self.max_model_len)
-        cached = main if main < num_tokens else num_tokens
+        hashed = num_tokens - self._hash_lag
+        cached = main if main < hashed else hashed
         for m in self._skipping_managers:
             if m.skips_blocks(request_id, num_computed_tokens):
                 return False
@@ -540,11 +587,15 @@ class KVCachePool:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
     ) -> AllocationResult:
         """Look up the prefix and allocate in one step, so the hit cannot go stale.
 
         Does what vLLM's scheduler does for a waiting request:
         ``num_new_tokens = min(num_tokens - hit - external, max_num_new_tokens)``.
+        In a vllm-0.33 pool the lookup is counted in the statistics only when the
+        allocation succeeds (vLLM 0.33 counts admissions).
 
         Raises:
             FailedPreconditionError: the request already holds blocks or has
@@ -591,6 +642,8 @@ class KVCachePool:
                 num_external_computed_tokens,
                 delay_cache_blocks,
                 num_encoder_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
             )
         except Exception:
             req.last_hit = last_hit
@@ -598,7 +651,102 @@ class KVCachePool:
         if lists is not None:
             self._record_lookup(req, hit, lists)
             req.last_hit = fresh
+            if new is not None and self.rules.stats_at_admission:
+                self.hits.record_admission(req, hit.num_tokens)
         return AllocationResult(hit, num_new, new)
+
+    def record_prefix_cache_stats(self, request_id: str, num_hits: int) -> None:
+        """vLLM 0.33's ``record_prefix_cache_stats``: count an admitted request's lookup
+        (``num_hits`` tokens found) in the prefix-cache statistics. Nothing for a request
+        that skips reading the cache, with caching off, or without statistics.
+
+        Raises:
+            RequestNotFoundError: unknown request.
+            InvalidArgumentError: a bad count.
+            FailedPreconditionError: the pool's profile counts at lookup (vllm-0.16).
+        """
+        req = self._get(request_id)
+        check_count(num_hits, "num_hits")
+        if not self.rules.stats_at_admission:
+            raise FailedPreconditionError(
+                f"this pool's profile ({self.config.profile}) records statistics at each lookup; "
+                "record_prefix_cache_stats is a vllm-0.33 call"
+            )
+        if self.enable_caching and not req.skip_reading_prefix_cache:
+            self.hits.record_admission(req, num_hits)
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        apply_admission_cap: bool = False,
+        num_encoder_tokens: int = 0,
+    ) -> int:
+        """vLLM 0.33's ``coordinator.get_num_blocks_to_allocate`` with no new hit: the
+        free blocks the request would still take to hold ``num_tokens`` (its scheduler
+        sums them into ``reserved_blocks``). Changes nothing.
+
+        Raises:
+            RequestNotFoundError: unknown request.
+            InvalidArgumentError: bad counts.
+            FailedPreconditionError: a vllm-0.16 pool (vLLM 0.16 has no such call).
+        """
+        self._get(request_id)
+        for name, value in (("num_tokens", num_tokens), ("total_computed_tokens", total_computed_tokens),
+                            ("num_tokens_main_model", num_tokens_main_model),
+                            ("num_encoder_tokens", num_encoder_tokens)):  # fmt: skip
+            check_count(value, name)
+        if not self.rules.full_sequence_admission:
+            raise FailedPreconditionError(
+                f"get_num_blocks_to_allocate is a vllm-0.33 call; this pool's profile is {self.config.profile}"
+            )
+        return self.coordinator.get_num_blocks_to_allocate(
+            request_id,
+            num_tokens,
+            [[] for _ in self.managers],
+            num_encoder_tokens,
+            total_computed_tokens,
+            num_tokens_main_model,
+            self._admission_caps if apply_admission_cap else None,
+        )
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> BlockIds:
+        """vLLM 0.33's ``get_block_ids_for_computed_tokens``: the request's table with
+        each attention group cut to the blocks covering ``num_computed_tokens``
+        (cross-attention groups whole)."""
+        table = self.get_block_ids(request_id)
+        check_count(num_computed_tokens, "num_computed_tokens")
+        return tuple(
+            ids if isinstance(m, CrossAttentionManager) else ids[: -(-num_computed_tokens // m.block_size)]
+            for m, ids in zip(self.managers, table, strict=True)
+        )
+
+    def new_step_starts(self) -> None:
+        """vLLM 0.33's ``new_step_starts`` (the scheduler calls it at every step). Only
+        mamba groups keep per-step state, and the vllm-0.33 profile does not take them
+        yet (the config refuses them), so nothing changes."""
+
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        """vLLM 0.33's ``estimate_cached_tokens``: per prefix-cacheable group, the end of
+        the request's furthest block that holds a hash; the smallest over the groups
+        (0 when caching is off or no group counts)."""
+        self._get(request_id)
+        if not self.enable_caching:
+            return 0
+        out: int | None = None
+        for m in self.managers:
+            if isinstance(m, CrossAttentionManager):
+                continue
+            blocks = m.req_to_blocks.get(request_id) or ()
+            end = 0
+            for i in range(len(blocks) - 1, -1, -1):
+                if blocks[i].cached_hash is not None and not blocks[i].is_null:
+                    end = (i + 1) * m.block_size
+                    break
+            out = end if out is None else min(out, end)
+        return out or 0
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks (tail first, group order) and forget it."""
@@ -625,6 +773,7 @@ class KVCachePool:
             )
         if not self.enable_caching:
             return
+        num_computed_tokens = min(num_computed_tokens, req.num_tokens - self._hash_lag)
         for m in self.managers:
             full = num_computed_tokens // m.block_size
             held = len(m.req_to_blocks.get(request_id, ()))
@@ -719,6 +868,8 @@ class KVCachePool:
     def get_num_common_prefix_blocks(self, request_id: str) -> tuple[int, ...]:
         """Per group, the leading blocks of this request shared by every holder."""
         self._get(request_id)
+        if self.rules.common_prefix_zeros:
+            return (0,) * len(self.managers)
         return tuple(self.coordinator.get_num_common_prefix_blocks(request_id))
 
     @property
@@ -755,6 +906,8 @@ class KVCachePool:
             return "the pool's block size is not its hash block size"
         if self.config.use_eagle:
             return "the pool uses EAGLE drafts (a hit drops its last block)"
+        if self.config.profile != "vllm-0.16":
+            return f"the pool's profile is {self.config.profile} (replicas follow vllm-0.16 only)"
         if self.requests:
             return "the pool holds requests"
         if self.reservations.live:
@@ -806,9 +959,19 @@ class KVCachePool:
             self.coordinator.free(request_id)
             return
         bp = self.block_pool
-        release = bp.free_block_queue.release
         null = bp.null_block
         freed = 0
+        if bp.prepend_unhashed_frees:
+            split = bp.free_block_queue.release_split
+            caching = self.enable_caching
+            for m, may_hold_null in self._fused_free:
+                blocks = m.req_to_blocks.pop(request_id, None)
+                if blocks:
+                    freed += split(reversed(blocks), null if may_hold_null else None, caching)
+                m.num_cached_block.pop(request_id, None)
+            bp.num_freed += freed
+            return
+        release = bp.free_block_queue.release
         for m, may_hold_null in self._fused_free:
             blocks = m.req_to_blocks.pop(request_id, None)
             if blocks:

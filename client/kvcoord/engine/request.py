@@ -37,7 +37,19 @@ class Request:
     last_hit: tuple[tuple[tuple[int, ...], ...], int] | None = None
     #: the cache namespace's key prefix (b"": vLLM's keys; see KVCachePool.add_request)
     cache_prefix: bytes = b""
+    #: the request's cache salt (vllm-0.33 pools report it in events' extra keys)
+    cache_salt: str | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    def event_extra_keys(self, block_index: int) -> tuple[object, ...] | None:
+        """vLLM 0.33's untagged extra keys of one block for KV events: the LoRA name
+        (every block), then the cache salt (first block only); ``None`` when empty."""
+        keys: list[object] = []
+        if self.lora is not None:
+            keys.append(self.lora.name)
+        if block_index == 0 and self.cache_salt:
+            keys.append(self.cache_salt)
+        return tuple(keys) if keys else None

@@ -67,6 +67,8 @@ class RequestTable:
         self.enable_caching = config.enable_caching
         self.hash_block_size = config.hash_block_size
         self.hash_length = config.hash_length
+        #: vllm-0.33 look-ahead hashes: a block's hash exists once this many more tokens do
+        self.hash_lag = config.num_hash_lookahead_tokens
         #: cache namespace name -> its key prefix, assigned in order of first use
         self.cache_namespaces: dict[str, bytes] = {}
 
@@ -104,6 +106,7 @@ class RequestTable:
         skip_reading_prefix_cache: bool,
         num_preemptions: int,
         cache_namespace: str = "",
+        cache_salt: str | None = None,
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes (in cache
         namespace ``cache_namespace``: see :meth:`KVCachePool.add_request`).
@@ -129,6 +132,8 @@ class RequestTable:
         if not isinstance(skip_reading_prefix_cache, bool):
             raise InvalidArgumentError("skip_reading_prefix_cache must be a bool")
         check_count(num_preemptions, "num_preemptions")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise InvalidArgumentError("cache_salt must be a string")
         prefix = self.namespace_prefix(cache_namespace)
         self.requests[request_id] = Request(
             RequestId(request_id),
@@ -138,6 +143,7 @@ class RequestTable:
             lora=lora,
             skip_reading_prefix_cache=skip_reading_prefix_cache,
             cache_prefix=prefix,
+            cache_salt=cache_salt or None,
         )
 
     def update(
@@ -253,7 +259,8 @@ class RequestTable:
     def check_hashes(self, hashes: Sequence[bytes], have: int, num_tokens: int, label: str) -> list[bytes]:
         """A copy of ``hashes`` once they are exactly the new full blocks' hashes: one
         per full ``hash_block_size`` block past ``have``, non-empty ``bytes`` of the
-        pool's hash length (always ``[]`` when caching is off).
+        pool's hash length (always ``[]`` when caching is off). With look-ahead hashes
+        a block counts once the look-ahead tokens after it exist too.
 
         Raises:
             InvalidArgumentError: prefixed with ``label``: a wrong count, type or length.
@@ -261,7 +268,7 @@ class RequestTable:
         if not self.enable_caching:
             return []
         out = list(hashes)
-        want = num_tokens // self.hash_block_size - have
+        want = max(num_tokens - self.hash_lag, 0) // self.hash_block_size - have
         if len(out) != want:
             raise InvalidArgumentError(
                 f"{label}: expected {want} new block hashes (one per full "

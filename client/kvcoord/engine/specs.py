@@ -93,3 +93,19 @@ class CrossAttentionSpec:
 AttentionSpec = (
     FullAttentionSpec | SlidingWindowSpec | ChunkedLocalAttentionSpec | MambaSpec | CrossAttentionSpec
 )
+
+
+def event_spec_fields(spec: AttentionSpec) -> tuple[str, int | None]:
+    """vLLM 0.33's ``kv_cache_spec_kind`` and ``kv_cache_spec_sliding_window`` of a
+    group's spec, as its BlockStored events carry them."""
+    if isinstance(spec, FullAttentionSpec):
+        if spec.use_mla:
+            return "mla_attention", None
+        return ("sink_full_attention" if spec.sink_len else "full_attention"), None
+    if isinstance(spec, SlidingWindowSpec):
+        return "sliding_window", spec.sliding_window
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return "chunked_local_attention", None
+    if isinstance(spec, MambaSpec):
+        return "mamba", None
+    return "cross_attention", None

@@ -85,6 +85,7 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
                 r.skip_reading_prefix_cache,
                 None if r.last_hit is None else [[list(g) for g in r.last_hit[0]], r.last_hit[1]],
                 r.cache_prefix,
+                r.cache_salt,
             ]
         )
     stats = pool.prefix_cache_stats
@@ -100,7 +101,10 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
             for b in blocks[:created]
             if b.cached_hash is not None
         ],
-        "free_used": queue.head_ids()[bp.num_blocks - created :],
+        # the vllm-0.33 profile's prepended blocks (ahead of the never-used run), then
+        # the used part behind it
+        "free_front": queue.front_ids(),
+        "free_used": queue.head_ids()[len(queue.front_ids()) + bp.num_blocks - created :],
         "hash_first": [list(first.items()) for first in cache.first],
         "hash_more": [[(h, list(ids)) for h, ids in more.items()] for more in cache._more],
         "managers": managers,
@@ -161,7 +165,9 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
         block.cached_hash = key
         block.cached_group = group
         block.event_hash = event_hash
-    bp.free_block_queue.load(created, [blocks[i] for i in state["free_used"]])
+    bp.free_block_queue.load(
+        created, [blocks[i] for i in state["free_used"]], [blocks[i] for i in state.get("free_front", ())]
+    )
     cache = bp.cached_block_hash_to_block
     if len(state["hash_first"]) != len(cache.first):
         raise StateError("the state's prefix-cache map has another number of groups")
@@ -177,7 +183,9 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
             m.allocated_block_reqs = set(entry.get("mamba_allocated", ()))
             m.last_state_block_idx = dict(entry.get("mamba_last_state", ()))
     table = pool.requests  # shared with the request table: filled in place
-    for rid, tokens, hashes, computed, preemptions, lora, skip, last_hit, prefix in state["requests"]:
+    for entry in state["requests"]:
+        rid, tokens, hashes, computed, preemptions, lora, skip, last_hit, prefix = entry[:9]
+        salt = entry[9] if len(entry) > 9 else None  # absent from older kvcoord's states
         table[rid] = Request(
             rid,
             list(tokens),
@@ -188,6 +196,7 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
             skip,
             None if last_hit is None else (tuple(tuple(g) for g in last_hit[0]), last_hit[1]),
             prefix,
+            salt,
         )
     pool.request_table.cache_namespaces.update(dict(state["namespaces"]))
     stats = state["prefix_cache_stats"]
@@ -218,9 +227,14 @@ def event_to_value(event: KVCacheEvent) -> list[Any]:
             event.lora_name,
             event.medium,
             event.cache_prefix,
+            None if event.extra_keys is None else [None if k is None else list(k) for k in event.extra_keys],
+            event.group_idx,
+            event.kv_cache_spec_kind,
+            event.kv_cache_spec_sliding_window,
+            None if event.lookahead_token_ids is None else [list(t) for t in event.lookahead_token_ids],
         ]
     if isinstance(event, BlockRemoved):
-        return ["removed", list(event.block_hashes), event.medium, event.cache_prefix]
+        return ["removed", list(event.block_hashes), event.medium, event.cache_prefix, event.group_idx]
     return ["cleared"]
 
 
@@ -232,10 +246,17 @@ def event_from_value(value: list[Any]) -> KVCacheEvent:
     """
     kind = value[0]
     if kind == "stored":
-        hashes, parent, tokens, size, lora_id, lora_name, medium, prefix = value[1:]
-        return BlockStored(tuple(hashes), parent, tuple(tokens), size, lora_id, lora_name, medium, prefix)
+        hashes, parent, tokens, size, lora_id, lora_name, medium, prefix = value[1:9]
+        # vllm-0.33 fields (absent from states of older kvcoord versions)
+        extra, group, spec_kind, window, lookahead = (list(value[9:14]) + [None] * 5)[:5]
+        return BlockStored(
+            tuple(hashes), parent, tuple(tokens), size, lora_id, lora_name, medium, prefix,
+            None if extra is None else tuple(None if k is None else tuple(k) for k in extra),
+            group, spec_kind, window,
+            None if lookahead is None else tuple(tuple(t) for t in lookahead),
+        )  # fmt: skip
     if kind == "removed":
-        return BlockRemoved(tuple(value[1]), value[2], value[3])
+        return BlockRemoved(tuple(value[1]), value[2], value[3], value[4] if len(value) > 4 else None)
     if kind == "cleared":
         return AllBlocksCleared()
     raise StateError(f"unknown event kind {kind!r}")

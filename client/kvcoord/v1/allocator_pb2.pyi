@@ -22,6 +22,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     POOL_EXCLUSIVE: _ClassVar[ErrorReason]
     HASH_MISMATCH: _ClassVar[ErrorReason]
     ANSWER_TOO_LARGE: _ClassVar[ErrorReason]
+    PROFILE_MISMATCH: _ClassVar[ErrorReason]
 REASON_UNSPECIFIED: ErrorReason
 INSTANCE_CHANGED: ErrorReason
 INCARNATION_CHANGED: ErrorReason
@@ -35,6 +36,7 @@ PREDICTION_FAILED: ErrorReason
 POOL_EXCLUSIVE: ErrorReason
 HASH_MISMATCH: ErrorReason
 ANSWER_TOO_LARGE: ErrorReason
+PROFILE_MISMATCH: ErrorReason
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")
@@ -121,7 +123,7 @@ class KVCacheGroupSpec(_message.Message):
     def __init__(self, full: _Optional[_Union[FullAttentionSpec, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindowSpec, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttentionSpec, _Mapping]] = ..., mamba: _Optional[_Union[MambaSpec, _Mapping]] = ..., cross_attention: _Optional[_Union[CrossAttentionSpec, _Mapping]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events", "log_stats", "max_model_len", "hash_algo", "hash_seed", "shared_cache_tenants")
+    __slots__ = ("num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events", "log_stats", "max_model_len", "hash_algo", "hash_seed", "shared_cache_tenants", "profile", "num_hash_lookahead_tokens", "max_in_flight_tokens")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +135,9 @@ class PoolConfig(_message.Message):
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     SHARED_CACHE_TENANTS_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroupSpec]
     hash_block_size: int
@@ -144,7 +149,10 @@ class PoolConfig(_message.Message):
     hash_algo: str
     hash_seed: str
     shared_cache_tenants: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., shared_cache_tenants: _Optional[_Iterable[str]] = ...) -> None: ...
+    profile: str
+    num_hash_lookahead_tokens: int
+    max_in_flight_tokens: int
+    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., shared_cache_tenants: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ...) -> None: ...
 
 class Fence(_message.Message):
     __slots__ = ("instance_id", "incarnation", "position")
@@ -223,7 +231,7 @@ class DeletePoolResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("pool", "hash_algo", "hash_block_size", "hash_seed", "client_name", "lease_seconds", "exclusive", "want_pool_state")
+    __slots__ = ("pool", "hash_algo", "hash_block_size", "hash_seed", "client_name", "lease_seconds", "exclusive", "want_pool_state", "profile", "num_hash_lookahead_tokens")
     POOL_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +240,8 @@ class AttachRequest(_message.Message):
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
     WANT_POOL_STATE_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     pool: str
     hash_algo: str
     hash_block_size: int
@@ -240,7 +250,9 @@ class AttachRequest(_message.Message):
     lease_seconds: float
     exclusive: bool
     want_pool_state: bool
-    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., exclusive: _Optional[bool] = ..., want_pool_state: _Optional[bool] = ...) -> None: ...
+    profile: str
+    num_hash_lookahead_tokens: int
+    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., exclusive: _Optional[bool] = ..., want_pool_state: _Optional[bool] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class PoolState(_message.Message):
     __slots__ = ("next_fresh", "used_free_blocks", "cached_block_ids", "cached_block_hashes")
@@ -313,7 +325,7 @@ class LoRA(_message.Message):
     def __init__(self, adapter_id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class RequestSync(_message.Message):
-    __slots__ = ("request_id", "append_token_ids", "append_block_hashes", "new_request", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "lora", "skip_reading_prefix_cache", "num_preemptions")
+    __slots__ = ("request_id", "append_token_ids", "append_block_hashes", "new_request", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "lora", "skip_reading_prefix_cache", "num_preemptions", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     APPEND_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -324,6 +336,7 @@ class RequestSync(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     SKIP_READING_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     append_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -334,7 +347,8 @@ class RequestSync(_message.Message):
     lora: LoRA
     skip_reading_prefix_cache: bool
     num_preemptions: int
-    def __init__(self, request_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., new_request: _Optional[bool] = ..., base_num_tokens: _Optional[int] = ..., base_num_hashes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., lora: _Optional[_Union[LoRA, _Mapping]] = ..., skip_reading_prefix_cache: _Optional[bool] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., new_request: _Optional[bool] = ..., base_num_tokens: _Optional[int] = ..., base_num_hashes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., lora: _Optional[_Union[LoRA, _Mapping]] = ..., skip_reading_prefix_cache: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class RequestPosition(_message.Message):
     __slots__ = ("request_id", "exists", "num_tokens", "num_hashes", "num_computed_tokens")
@@ -385,7 +399,7 @@ class LookupResult(_message.Message):
     def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ..., eviction_margin: _Optional[int] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed", "return_table", "must_refuse")
+    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed", "return_table", "must_refuse", "full_sequence_must_fit", "reserved_blocks")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +412,8 @@ class AllocateOp(_message.Message):
     MUST_SUCCEED_FIELD_NUMBER: _ClassVar[int]
     RETURN_TABLE_FIELD_NUMBER: _ClassVar[int]
     MUST_REFUSE_FIELD_NUMBER: _ClassVar[int]
+    FULL_SEQUENCE_MUST_FIT_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request: RequestSync
     num_new_tokens: int
     num_new_computed_tokens: int
@@ -410,7 +426,9 @@ class AllocateOp(_message.Message):
     must_succeed: bool
     return_table: bool
     must_refuse: bool
-    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ..., return_table: _Optional[bool] = ..., must_refuse: _Optional[bool] = ...) -> None: ...
+    full_sequence_must_fit: bool
+    reserved_blocks: int
+    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ..., return_table: _Optional[bool] = ..., must_refuse: _Optional[bool] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ...) -> None: ...
 
 class AllocateRunOp(_message.Message):
     __slots__ = ("request_ids", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "num_new_tokens", "num_lookahead_tokens", "num_append_tokens", "append_token_ids", "num_append_hashes", "append_block_hashes", "check_request_ids", "check_at", "check_num_computed_tokens", "check_num_new_tokens", "check_num_lookahead_tokens", "check_num_tokens")
@@ -509,12 +527,14 @@ class EvictBlocksOp(_message.Message):
     def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetBlockIdsOp(_message.Message):
-    __slots__ = ("request_id", "answered")
+    __slots__ = ("request_id", "answered", "computed_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ANSWERED_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     answered: GetBlockIdsResult
-    def __init__(self, request_id: _Optional[str] = ..., answered: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ...) -> None: ...
+    computed_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., answered: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
 
 class GetBlockIdsResult(_message.Message):
     __slots__ = ("groups",)
@@ -570,6 +590,52 @@ class PrefixCacheStatsResult(_message.Message):
     stats: PrefixCacheStats
     def __init__(self, stats: _Optional[_Union[PrefixCacheStats, _Mapping]] = ...) -> None: ...
 
+class RecordPrefixCacheStatsOp(_message.Message):
+    __slots__ = ("request_id", "num_hits")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_HITS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_hits: int
+    def __init__(self, request_id: _Optional[str] = ..., num_hits: _Optional[int] = ...) -> None: ...
+
+class EstimateCachedTokensOp(_message.Message):
+    __slots__ = ("request_id",)
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+
+class EstimateCachedTokensResult(_message.Message):
+    __slots__ = ("num_tokens",)
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    num_tokens: int
+    def __init__(self, num_tokens: _Optional[int] = ...) -> None: ...
+
+class NewStepStartsOp(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetNumBlocksToAllocateOp(_message.Message):
+    __slots__ = ("request_id", "num_tokens", "total_computed_tokens", "num_tokens_main_model", "apply_admission_cap", "num_encoder_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_MAIN_MODEL_FIELD_NUMBER: _ClassVar[int]
+    APPLY_ADMISSION_CAP_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENCODER_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    num_tokens: int
+    total_computed_tokens: int
+    num_tokens_main_model: int
+    apply_admission_cap: bool
+    num_encoder_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., total_computed_tokens: _Optional[int] = ..., num_tokens_main_model: _Optional[int] = ..., apply_admission_cap: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ...) -> None: ...
+
+class GetNumBlocksToAllocateResult(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
 class SyncOp(_message.Message):
     __slots__ = ("request",)
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -593,7 +659,7 @@ class AdmitResult(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[AllocateResult, _Mapping]]] = ...) -> None: ...
 
 class Operation(_message.Message):
-    __slots__ = ("lookup", "allocate", "free", "preempt", "cache_blocks", "remove_skipped_blocks", "evict_blocks", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "make_prefix_cache_stats", "sync", "admit", "allocate_run")
+    __slots__ = ("lookup", "allocate", "free", "preempt", "cache_blocks", "remove_skipped_blocks", "evict_blocks", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "make_prefix_cache_stats", "sync", "admit", "allocate_run", "record_prefix_cache_stats", "estimate_cached_tokens", "new_step_starts", "get_num_blocks_to_allocate")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
@@ -609,6 +675,10 @@ class Operation(_message.Message):
     SYNC_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_RUN_FIELD_NUMBER: _ClassVar[int]
+    RECORD_PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_STEP_STARTS_FIELD_NUMBER: _ClassVar[int]
+    GET_NUM_BLOCKS_TO_ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupOp
     allocate: AllocateOp
     free: FreeOp
@@ -624,10 +694,14 @@ class Operation(_message.Message):
     sync: SyncOp
     admit: AdmitOp
     allocate_run: AllocateRunOp
-    def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitOp, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunOp, _Mapping]] = ...) -> None: ...
+    record_prefix_cache_stats: RecordPrefixCacheStatsOp
+    estimate_cached_tokens: EstimateCachedTokensOp
+    new_step_starts: NewStepStartsOp
+    get_num_blocks_to_allocate: GetNumBlocksToAllocateOp
+    def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitOp, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunOp, _Mapping]] = ..., record_prefix_cache_stats: _Optional[_Union[RecordPrefixCacheStatsOp, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensOp, _Mapping]] = ..., new_step_starts: _Optional[_Union[NewStepStartsOp, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateOp, _Mapping]] = ...) -> None: ...
 
 class OperationResult(_message.Message):
-    __slots__ = ("status_code", "status_message", "reason", "position", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats", "admit", "allocate_run")
+    __slots__ = ("status_code", "status_message", "reason", "position", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats", "admit", "allocate_run", "estimate_cached_tokens", "get_num_blocks_to_allocate")
     STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -641,6 +715,8 @@ class OperationResult(_message.Message):
     PREFIX_CACHE_STATS_FIELD_NUMBER: _ClassVar[int]
     ADMIT_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_RUN_FIELD_NUMBER: _ClassVar[int]
+    ESTIMATE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GET_NUM_BLOCKS_TO_ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     status_code: int
     status_message: str
     reason: ErrorReason
@@ -654,7 +730,9 @@ class OperationResult(_message.Message):
     prefix_cache_stats: PrefixCacheStatsResult
     admit: AdmitResult
     allocate_run: AllocateRunResult
-    def __init__(self, status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ..., position: _Optional[_Union[RequestPosition, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixResult, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheResult, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResult, _Mapping]] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStatsResult, _Mapping]] = ..., admit: _Optional[_Union[AdmitResult, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunResult, _Mapping]] = ...) -> None: ...
+    estimate_cached_tokens: EstimateCachedTokensResult
+    get_num_blocks_to_allocate: GetNumBlocksToAllocateResult
+    def __init__(self, status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ..., position: _Optional[_Union[RequestPosition, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixResult, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheResult, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResult, _Mapping]] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStatsResult, _Mapping]] = ..., admit: _Optional[_Union[AdmitResult, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunResult, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensResult, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateResult, _Mapping]] = ...) -> None: ...
 
 class FindLongestCacheHitRequest(_message.Message):
     __slots__ = ("pool", "block_hashes", "num_tokens")
@@ -945,7 +1023,7 @@ class InspectPoolResponse(_message.Message):
     def __init__(self, num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., free_queue_head: _Optional[_Iterable[int]] = ..., requests: _Optional[_Iterable[_Union[RequestState, _Mapping]]] = ..., cached_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockStored(_message.Message):
-    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "lora_name", "medium")
+    __slots__ = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "lora_name", "medium", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "lookahead_token_ids")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     PARENT_BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -953,6 +1031,11 @@ class BlockStored(_message.Message):
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SPEC_KIND_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_SPEC_SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    LOOKAHEAD_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     parent_block_hash: bytes
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -960,15 +1043,36 @@ class BlockStored(_message.Message):
     lora_id: int
     lora_name: str
     medium: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_id: _Optional[int] = ..., lora_name: _Optional[str] = ..., medium: _Optional[str] = ...) -> None: ...
+    extra_keys: _containers.RepeatedCompositeFieldContainer[EventExtraKeys]
+    group_idx: int
+    kv_cache_spec_kind: str
+    kv_cache_spec_sliding_window: int
+    lookahead_token_ids: _containers.RepeatedCompositeFieldContainer[EventTokens]
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., parent_block_hash: _Optional[bytes] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., lora_id: _Optional[int] = ..., lora_name: _Optional[str] = ..., medium: _Optional[str] = ..., extra_keys: _Optional[_Iterable[_Union[EventExtraKeys, _Mapping]]] = ..., group_idx: _Optional[int] = ..., kv_cache_spec_kind: _Optional[str] = ..., kv_cache_spec_sliding_window: _Optional[int] = ..., lookahead_token_ids: _Optional[_Iterable[_Union[EventTokens, _Mapping]]] = ...) -> None: ...
+
+class EventTokens(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class EventExtraKeys(_message.Message):
+    __slots__ = ("present", "keys")
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    present: bool
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, present: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
-    __slots__ = ("block_hashes", "medium")
+    __slots__ = ("block_hashes", "medium", "group_idx")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MEDIUM_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDX_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     medium: str
-    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ...) -> None: ...
+    group_idx: int
+    def __init__(self, block_hashes: _Optional[_Iterable[bytes]] = ..., medium: _Optional[str] = ..., group_idx: _Optional[int] = ...) -> None: ...
 
 class AllBlocksCleared(_message.Message):
     __slots__ = ()

@@ -41,6 +41,8 @@ def _fill_event(message: pb.KVEvent, event: KVCacheEvent) -> None:
         removed = message.block_removed
         removed.block_hashes.extend(event.block_hashes)
         removed.medium = event.medium
+        if event.group_idx is not None:
+            removed.group_idx = event.group_idx
     elif isinstance(event, BlockStored):
         stored = message.block_stored
         stored.block_hashes.extend(event.block_hashes)
@@ -53,6 +55,19 @@ def _fill_event(message: pb.KVEvent, event: KVCacheEvent) -> None:
             stored.lora_id = event.lora_id
         if event.lora_name is not None:
             stored.lora_name = event.lora_name
+        if event.group_idx is not None:  # vllm-0.33's fields
+            stored.group_idx = event.group_idx
+        if event.kv_cache_spec_kind is not None:
+            stored.kv_cache_spec_kind = event.kv_cache_spec_kind
+        if event.kv_cache_spec_sliding_window is not None:
+            stored.kv_cache_spec_sliding_window = event.kv_cache_spec_sliding_window
+        for tokens in event.lookahead_token_ids or ():
+            stored.lookahead_token_ids.add().token_ids.extend(tokens)
+        for keys in event.extra_keys or ():
+            entry = stored.extra_keys.add()
+            if keys is not None:
+                entry.present = True
+                entry.keys.extend(str(k) for k in keys)
     else:
         assert isinstance(event, AllBlocksCleared)
         message.all_blocks_cleared.SetInParent()
@@ -75,10 +90,22 @@ def event_from_pb(message: pb.KVEvent) -> KVCacheEvent:
             lora_id=s.lora_id if s.HasField("lora_id") else None,
             lora_name=s.lora_name if s.HasField("lora_name") else None,
             medium=s.medium,
+            # vllm-0.33's fields (unset in 0.16 pools)
+            extra_keys=tuple(tuple(k.keys) if k.present else None for k in s.extra_keys) or None,
+            group_idx=s.group_idx if s.HasField("group_idx") else None,
+            kv_cache_spec_kind=s.kv_cache_spec_kind if s.HasField("kv_cache_spec_kind") else None,
+            kv_cache_spec_sliding_window=(
+                s.kv_cache_spec_sliding_window if s.HasField("kv_cache_spec_sliding_window") else None
+            ),
+            lookahead_token_ids=tuple(tuple(t.token_ids) for t in s.lookahead_token_ids) or None,
         )
     if kind == "block_removed":
         r = message.block_removed
-        return BlockRemoved(block_hashes=tuple(r.block_hashes), medium=r.medium)
+        return BlockRemoved(
+            block_hashes=tuple(r.block_hashes),
+            medium=r.medium,
+            group_idx=r.group_idx if r.HasField("group_idx") else None,
+        )
     if kind == "all_blocks_cleared":
         return AllBlocksCleared()
     raise WireError("KVEvent has no event set")

@@ -17,6 +17,7 @@ from kvcoord.engine import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from kvcoord.engine.profiles import VLLM_016
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .errors import WireError
@@ -117,6 +118,9 @@ def config_from_pb(cfg: pb.PoolConfig) -> KVCacheConfig:
         log_stats=cfg.log_stats if cfg.HasField("log_stats") else True,
         max_model_len=cfg.max_model_len or MAX_MODEL_LEN_UNLIMITED,
         hash_length=HASH_LENGTHS.get(cfg.hash_algo) if cfg.enable_caching else None,
+        profile=cfg.profile or VLLM_016,
+        num_hash_lookahead_tokens=cfg.num_hash_lookahead_tokens,
+        max_in_flight_tokens=cfg.max_in_flight_tokens,
     )
 
 
@@ -138,7 +142,8 @@ _GROUP_TYPES = {
 
 _POOL_KEYS = {
     "num_blocks", "hash_block_size", "hash_algo", "hash_seed", "enable_caching", "use_eagle",
-    "enable_kv_cache_events", "log_stats", "max_model_len", "shared_cache_tenants",
+    "enable_kv_cache_events", "log_stats", "max_model_len", "shared_cache_tenants", "profile",
+    "num_hash_lookahead_tokens", "max_in_flight_tokens",
 }  # fmt: skip
 
 

@@ -73,6 +73,7 @@ def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
         lora_from_pb(s.lora) if s.HasField("lora") else None,
         s.skip_reading_prefix_cache,
         s.num_preemptions if s.HasField("num_preemptions") else None,
+        s.cache_salt or None,
     )
 
 
@@ -90,6 +91,8 @@ def allocate_from_pb(a: pb.AllocateOp, num_groups: int) -> op.Allocate:
         a.must_succeed,
         a.must_refuse,
         a.return_table,
+        a.full_sequence_must_fit,
+        a.reserved_blocks,
     )
 
 
@@ -126,7 +129,9 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
     if kind == "get_block_ids":
         g = o.get_block_ids
         table = ids_from_pb(g.answered.groups) if g.HasField("answered") else None
-        return op.GetBlockIds(g.request_id, table)
+        return op.GetBlockIds(
+            g.request_id, table, g.computed_tokens if g.HasField("computed_tokens") else None
+        )
     if kind == "common_prefix":
         return op.CommonPrefix(o.common_prefix.request_id)
     if kind == "reset_prefix_cache":
@@ -137,6 +142,19 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         return op.MakeStats(o.make_prefix_cache_stats.peek)
     if kind == "sync":
         return op.Sync(sync_from_pb(o.sync.request))
+    if kind == "record_prefix_cache_stats":
+        rec = o.record_prefix_cache_stats
+        return op.RecordStats(rec.request_id, rec.num_hits)
+    if kind == "estimate_cached_tokens":
+        return op.EstimateCachedTokens(o.estimate_cached_tokens.request_id)
+    if kind == "new_step_starts":
+        return op.NewStepStarts()
+    if kind == "get_num_blocks_to_allocate":
+        n = o.get_num_blocks_to_allocate
+        return op.GetNumBlocksToAllocate(
+            n.request_id, n.num_tokens, n.total_computed_tokens, n.num_tokens_main_model,
+            n.apply_admission_cap, n.num_encoder_tokens,
+        )  # fmt: skip
     if kind == "allocate_run":
         run = o.allocate_run
         return op.AllocateRun(
@@ -262,6 +280,12 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
         return pb.OperationResult(common_prefix=pb.CommonPrefixResult(num_blocks=v))  # type: ignore[arg-type]
     if isinstance(operation, op.ResetPrefixCache):
         return pb.OperationResult(reset_prefix_cache=pb.ResetPrefixCacheResult(result=bool(v)))
+    if isinstance(operation, op.EstimateCachedTokens):
+        assert isinstance(v, int)
+        return pb.OperationResult(estimate_cached_tokens=pb.EstimateCachedTokensResult(num_tokens=v))
+    if isinstance(operation, op.GetNumBlocksToAllocate):
+        assert isinstance(v, int)
+        return pb.OperationResult(get_num_blocks_to_allocate=pb.GetNumBlocksToAllocateResult(num_blocks=v))
     if isinstance(operation, op.TakeEvents):
         assert isinstance(v, op.EventsTaken)
         result = pb.OperationResult(take_events=pb.TakeEventsResult(gap=v.gap, more=v.more))

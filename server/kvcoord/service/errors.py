@@ -57,6 +57,7 @@ class ErrorReason(enum.Enum):
     POOL_EXCLUSIVE = 10
     HASH_MISMATCH = 11
     ANSWER_TOO_LARGE = 12
+    PROFILE_MISMATCH = 14
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

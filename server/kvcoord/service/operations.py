@@ -37,6 +37,10 @@ __all__ = [
     "ResetPrefixCache",
     "Sync",
     "TakeEvents",
+    "RecordStats",
+    "EstimateCachedTokens",
+    "NewStepStarts",
+    "GetNumBlocksToAllocate",
 ]
 
 BlockIds = tuple[tuple[int, ...], ...]
@@ -56,6 +60,7 @@ class RequestSync:
     lora: LoRA | None = None
     skip_reading_prefix_cache: bool = False
     num_preemptions: int | None = None
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,6 +96,8 @@ class Allocate:
     must_succeed: bool = False
     must_refuse: bool = False
     return_table: bool = False
+    full_sequence_must_fit: bool = False
+    reserved_blocks: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -167,6 +174,8 @@ class GetBlockIds:
     request_id: str
     #: the table the client already answered with (checked), or None for a plain read
     answered: tuple[tuple[int, ...], ...] | None = None
+    #: vLLM 0.33's get_block_ids_for_computed_tokens: clip to this many tokens
+    computed_tokens: int | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -195,6 +204,34 @@ class Sync:
 
 
 @dataclasses.dataclass(slots=True)
+class RecordStats:
+    """vLLM 0.33's record_prefix_cache_stats (vllm-0.33 pools)."""
+
+    request_id: str
+    num_hits: int
+
+
+@dataclasses.dataclass(slots=True)
+class EstimateCachedTokens:
+    request_id: str
+
+
+@dataclasses.dataclass(slots=True)
+class NewStepStarts:
+    pass
+
+
+@dataclasses.dataclass(slots=True)
+class GetNumBlocksToAllocate:
+    request_id: str
+    num_tokens: int
+    total_computed_tokens: int
+    num_tokens_main_model: int
+    apply_admission_cap: bool = False
+    num_encoder_tokens: int = 0
+
+
+@dataclasses.dataclass(slots=True)
 class Admit:
     """Admit waiting requests in order (see the proto's AdmitOp)."""
 
@@ -219,6 +256,10 @@ Operation = (
     | Sync
     | Admit
     | AllocateRun
+    | RecordStats
+    | EstimateCachedTokens
+    | NewStepStarts
+    | GetNumBlocksToAllocate
 )
 
 
@@ -264,6 +305,7 @@ Value = (
     | BlockIds
     | tuple[int, ...]
     | bool
+    | int
     | EventsTaken
     | PrefixCacheStats
     | None

@@ -30,6 +30,7 @@ from kvcoord.engine import (
     RequestCheckpoint,
     StaleCacheHitError,
 )
+from kvcoord.engine.profiles import VLLM_016
 
 from . import operations as op
 from .budget import event_buffer_bytes
@@ -235,16 +236,29 @@ class PoolService:
         exclusive: bool = False,
         tenant: str = "",
         max_sessions: int = 0,
+        profile: str = "",
+        num_hash_lookahead_tokens: int = 0,
     ) -> Session:
         """The hash handshake, then a new session of ``tenant``.
 
+        ``profile`` is the semantics profile the client follows (``""``: vllm-0.16).
+
         Raises:
-            ServiceError: FAILED_PRECONDITION naming each hash difference
-                (HASH_MISMATCH), or when an exclusive session would share the pool
+            ServiceError: FAILED_PRECONDITION when the client follows another profile
+                (PROFILE_MISMATCH), naming each hash difference (HASH_MISMATCH), or when an exclusive session would share the pool
                 (POOL_EXCLUSIVE); UNAVAILABLE (GRACE_PERIOD)
                 right after a restart; RESOURCE_EXHAUSTED when the tenant already has
                 ``max_sessions`` (default: max_sessions_per_tenant) live sessions.
         """
+        mine = self.config.profile
+        theirs = profile or VLLM_016
+        if theirs != mine:
+            raise ServiceError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"pool {self.name!r} follows profile {mine!r} but the client follows {theirs[:64]!r}: "
+                "its hashes and the pool's answers would not agree; attach with the pool's profile",
+                ErrorReason.PROFILE_MISMATCH,
+            )
         algo, block_size, seed = self.hash_settings
         diffs = []
         if hash_algo != algo:
@@ -253,6 +267,11 @@ class PoolService:
             diffs.append(f"hash_block_size is {block_size} but the client uses {hash_block_size}")
         if hash_seed != seed:
             diffs.append(f"hash_seed is {seed!r} but the client uses {hash_seed[:64]!r}")
+        lag = self.config.num_hash_lookahead_tokens
+        if num_hash_lookahead_tokens != lag:
+            diffs.append(
+                f"num_hash_lookahead_tokens is {lag} but the client uses {num_hash_lookahead_tokens}"
+            )
         if diffs:
             raise ServiceError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -611,6 +630,7 @@ class PoolService:
                 skip_reading_prefix_cache=sync.skip_reading_prefix_cache,
                 num_preemptions=sync.num_preemptions or 0,
                 cache_namespace=s.cache_namespace,
+                cache_salt=sync.cache_salt,
             )
             if sync.num_computed_tokens is not None:
                 try:
@@ -709,6 +729,8 @@ class PoolService:
                     o.num_external_computed_tokens,
                     o.delay_cache_blocks,
                     o.num_encoder_tokens,
+                    o.full_sequence_must_fit,
+                    o.reserved_blocks,
                 )
                 if res.new_block_ids is None and o.must_succeed:
                     raise self._prediction_failed(rid)
@@ -725,6 +747,8 @@ class PoolService:
                 o.num_external_computed_tokens,
                 o.delay_cache_blocks,
                 o.num_encoder_tokens,
+                o.full_sequence_must_fit,
+                o.reserved_blocks,
             )
             if new is None and o.must_succeed:
                 raise self._prediction_failed(rid)
@@ -893,6 +917,13 @@ class PoolService:
 
     def _get_block_ids(self, s: Session, o: op.GetBlockIds) -> op.Value:
         self._owned(s, o.request_id)
+        if o.computed_tokens is not None:
+            if o.answered is not None:
+                raise ServiceError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "get_block_ids: computed_tokens cannot come with answered",
+                )
+            return self.engine.get_block_ids_for_computed_tokens(o.request_id, o.computed_tokens)
         table = self.engine.get_block_ids(o.request_id)
         if o.answered is not None and o.answered != table:
             raise self._prediction_failed(
@@ -1050,6 +1081,26 @@ class PoolService:
         self.sync(s, o.sync)
         return None
 
+    def _record_stats(self, s: Session, o: op.RecordStats) -> op.Value:
+        self._owned(s, o.request_id)
+        self.engine.record_prefix_cache_stats(o.request_id, o.num_hits)
+        return None
+
+    def _estimate_cached_tokens(self, s: Session, o: op.EstimateCachedTokens) -> op.Value:
+        self._owned(s, o.request_id)
+        return self.engine.estimate_cached_tokens(o.request_id)
+
+    def _new_step_starts(self, s: Session, o: op.NewStepStarts) -> op.Value:
+        self.engine.new_step_starts()
+        return None
+
+    def _num_blocks_to_allocate(self, s: Session, o: op.GetNumBlocksToAllocate) -> op.Value:
+        self._owned(s, o.request_id)
+        return self.engine.get_num_blocks_to_allocate(
+            o.request_id, o.num_tokens, o.total_computed_tokens, o.num_tokens_main_model,
+            o.apply_admission_cap, o.num_encoder_tokens,
+        )  # fmt: skip
+
 
 def _as_service_error(exc: Exception) -> ServiceError:
     from .errors import grpc_code  # the one mapping table
@@ -1074,4 +1125,8 @@ _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.Sync: PoolService._sync,  # type: ignore[dict-item]
     op.Admit: PoolService._admit_adopting,  # type: ignore[dict-item]
     op.AllocateRun: PoolService._allocate_run,  # type: ignore[dict-item]
+    op.RecordStats: PoolService._record_stats,  # type: ignore[dict-item]
+    op.EstimateCachedTokens: PoolService._estimate_cached_tokens,  # type: ignore[dict-item]
+    op.NewStepStarts: PoolService._new_step_starts,  # type: ignore[dict-item]
+    op.GetNumBlocksToAllocate: PoolService._num_blocks_to_allocate,  # type: ignore[dict-item]
 }

@@ -324,10 +324,12 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 request.exclusive,
                 tenant.name,
                 tenant.max_sessions,
+                request.profile,
+                request.num_hash_lookahead_tokens,
             )
         except ServiceError as exc:
             # only the hash handshake: an exclusive pool's refusal is not a hashing fault
-            if exc.reason is ErrorReason.HASH_MISMATCH:
+            if exc.reason in (ErrorReason.HASH_MISMATCH, ErrorReason.PROFILE_MISMATCH):
                 self.observer.handshake_refused(request.pool)
             raise
         self.observer.attached(service)

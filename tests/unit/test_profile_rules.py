@@ -1,0 +1,178 @@
+"""The vllm-0.33 profile's rules in the engine, against the vllm-0.16 default."""
+
+from __future__ import annotations
+
+import pytest
+from kvcoord.engine import (
+    ConfigError,
+    FailedPreconditionError,
+    FullAttentionSpec,
+    InvalidArgumentError,
+    KVCacheConfig,
+    KVCachePool,
+    SlidingWindowSpec,
+)
+
+
+def pool(profile: str, caching: bool = True, num_blocks: int = 16) -> KVCachePool:
+    return KVCachePool(
+        KVCacheConfig(num_blocks, (FullAttentionSpec(16),), 16, enable_caching=caching, profile=profile)
+    )
+
+
+def hashes(n: int, salt: int = 0) -> list[bytes]:
+    return [bytes([salt, i]) * 16 for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("profile", "caching", "second"),
+    [
+        # vllm-0.33-differences.md §3: A (40 tokens) holds [1, 2, 3], blocks 1 and 2 full
+        # and hashed, 3 partial; after free(A) the next request without a hit that
+        # needs 2 blocks gets these ids.
+        ("vllm-0.16", True, [4, 5]),
+        ("vllm-0.33", True, [3, 4]),
+        ("vllm-0.33", False, [3, 2]),
+        ("vllm-0.16", False, [4, 5]),
+    ],
+)
+def test_free_order(profile: str, caching: bool, second: list[int]) -> None:
+    p = pool(profile, caching)
+    p.add_request("a", list(range(40)), hashes(2) if caching else [])
+    assert p.allocate_slots("a", 40) == ((1, 2, 3),)
+    p.free("a")
+    p.add_request("b", list(range(100, 132)), hashes(2, 1) if caching else [])
+    assert p.allocate_slots("b", 32) == (tuple(second),)
+
+
+def test_free_queue_head_lists_prepended_blocks_first() -> None:
+    p = pool("vllm-0.33", caching=False, num_blocks=8)
+    p.add_request("a", list(range(40)))
+    p.allocate_slots("a", 40)
+    p.free("a")
+    assert p.free_queue_head() == [3, 2, 1, 4, 5, 6, 7]
+    assert p.free_queue_head(2) == [3, 2]
+    assert p.num_free_blocks == 7
+
+
+def test_full_sequence_must_fit_refuses_and_changes_nothing() -> None:
+    """The gate counts the whole prompt, not this step's chunk."""
+    p = pool("vllm-0.33", num_blocks=5)  # 4 usable blocks
+    p.add_request("r", list(range(80)), hashes(5))
+    before = p.snapshot()
+    assert p.allocate_slots("r", 16, full_sequence_must_fit=True) is None
+    assert p.snapshot() == before
+    assert p.allocate_slots("r", 16) == ((1,),)  # the chunk alone fits
+
+
+def test_reserved_blocks_are_left_free() -> None:
+    p = pool("vllm-0.33", num_blocks=5)
+    p.add_request("r", list(range(48)), hashes(3))
+    assert p.allocate_slots("r", 48, reserved_blocks=2) is None
+    assert p.allocate_slots("r", 48, reserved_blocks=1) == ((1, 2, 3),)
+
+
+def test_statistics_count_admissions_in_033() -> None:
+    """A lookup records nothing in vllm-0.33; record_prefix_cache_stats does."""
+    p = pool("vllm-0.33")
+    p.add_request("r", list(range(40)), hashes(2))
+    p.get_computed_blocks("r")
+    stats = p.peek_prefix_cache_stats()
+    assert stats is not None and stats.requests == 0
+    p.record_prefix_cache_stats("r", 0)
+    stats = p.peek_prefix_cache_stats()
+    assert stats is not None and (stats.requests, stats.queries, stats.hits) == (1, 40, 0)
+    old = pool("vllm-0.16")
+    old.add_request("r", list(range(40)), hashes(2))
+    with pytest.raises(FailedPreconditionError, match="record_prefix_cache_stats is a vllm-0.33 call"):
+        old.record_prefix_cache_stats("r", 0)
+
+
+def test_with_lookup_counts_only_a_successful_admission_in_033() -> None:
+    p = pool("vllm-0.33", num_blocks=3)
+    p.add_request("big", list(range(80)), hashes(5))
+    res = p.allocate_slots_with_lookup("big", 80, full_sequence_must_fit=True)
+    assert res.new_block_ids is None
+    stats = p.peek_prefix_cache_stats()
+    assert stats is not None and stats.requests == 0
+    p.add_request("small", list(range(20)), hashes(1, 1))
+    assert p.allocate_slots_with_lookup("small", 20, full_sequence_must_fit=True).new_block_ids == ((1, 2),)
+    stats = p.peek_prefix_cache_stats()
+    assert stats is not None and (stats.requests, stats.queries) == (1, 20)
+
+
+def test_016_refuses_033_inputs() -> None:
+    p = pool("vllm-0.16")
+    p.add_request("r", list(range(20)), hashes(1))
+    with pytest.raises(InvalidArgumentError, match="vLLM 0.33 inputs"):
+        p.allocate_slots("r", 20, full_sequence_must_fit=True)
+    with pytest.raises(InvalidArgumentError, match="vLLM 0.33 inputs"):
+        p.allocate_slots("r", 20, reserved_blocks=1)
+
+
+def test_common_prefix_blocks_are_zeros_in_033() -> None:
+    """vLLM 0.32+ answers zeros (cascade attention was removed); 0.16 counts blocks."""
+    answers = {}
+    for profile in ("vllm-0.16", "vllm-0.33"):
+        p = pool(profile)
+        p.add_request("r", list(range(40)), hashes(2))
+        p.allocate_slots("r", 40)
+        answers[profile] = p.get_num_common_prefix_blocks("r")
+    assert answers["vllm-0.16"] != (0,)
+    assert answers["vllm-0.33"] == (0,)
+
+
+def test_unknown_profile_and_unsupported_033_layouts() -> None:
+    with pytest.raises(ConfigError, match="profile must be one of"):
+        KVCacheConfig(4, (FullAttentionSpec(16),), 16, profile="vllm-0.17")
+    with pytest.raises(ConfigError, match="does not support yet: EAGLE"):
+        KVCacheConfig(4, (FullAttentionSpec(16),), 16, use_eagle=True, profile="vllm-0.33")
+    with pytest.raises(ConfigError, match="hybrid prefix caching"):
+        KVCacheConfig(4, (FullAttentionSpec(16), SlidingWindowSpec(16, 64)), 16, profile="vllm-0.33")
+    with pytest.raises(ConfigError, match="sink attention"):
+        KVCacheConfig(4, (FullAttentionSpec(16, sink_len=16),), 16, profile="vllm-0.33")
+
+
+def test_lookahead_hashes_lag_and_cap_caching() -> None:
+    """With L = 1 a request has hashes only for blocks followed by a token, and only
+    those blocks are cached (the block hashed last waits for the next token)."""
+    cfg = KVCacheConfig(16, (FullAttentionSpec(16),), 16, profile="vllm-0.33", num_hash_lookahead_tokens=1)
+    p = KVCachePool(cfg)
+    with pytest.raises(InvalidArgumentError, match="expected 1 new block hashes"):
+        p.add_request("r", list(range(32)), hashes(2))
+    p.add_request("r", list(range(32)), hashes(1))
+    p.allocate_slots("r", 32)
+    assert p.estimate_cached_tokens("r") == 16
+    p.update_request("r", num_computed_tokens=32, append_token_ids=[7], append_block_hashes=hashes(1, 9))
+    p.cache_blocks("r", 32)
+    assert p.estimate_cached_tokens("r") == 32
+    with pytest.raises(ConfigError, match="needs the vllm-0.33 profile"):
+        KVCacheConfig(16, (FullAttentionSpec(16),), 16, num_hash_lookahead_tokens=1)
+
+
+def test_admission_cap_of_sliding_window_groups() -> None:
+    """vLLM 0.33's full-sequence gate counts a sliding-window group up to its cap,
+    cdiv(min(w - 1 + max_in_flight_tokens, max_model_len), block) blocks: a 160-token
+    prompt needs 10 full-attention blocks plus at most 4 window blocks (w 32, 32 in
+    flight), so 15 free blocks admit it, where counting the window whole (10) would not."""
+    cfg = KVCacheConfig(
+        16, (FullAttentionSpec(16), SlidingWindowSpec(16, 32)), 16, enable_caching=False,
+        profile="vllm-0.33", max_in_flight_tokens=32,
+    )  # fmt: skip
+    p = KVCachePool(cfg)
+    p.add_request("r", list(range(160)))
+    assert p.get_num_blocks_to_allocate("r", 160, 0, 160) == 20
+    assert p.get_num_blocks_to_allocate("r", 160, 0, 160, apply_admission_cap=True) == 14
+    assert p.allocate_slots("r", 32, full_sequence_must_fit=True) is not None
+    old = KVCachePool(KVCacheConfig(16, (FullAttentionSpec(16),), 16, enable_caching=False))
+    old.add_request("r", list(range(16)))
+    with pytest.raises(FailedPreconditionError, match="vllm-0.33 call"):
+        old.get_num_blocks_to_allocate("r", 16, 0, 16)
+
+
+def test_block_ids_for_computed_tokens_clip_each_group() -> None:
+    p = pool("vllm-0.33")
+    p.add_request("r", list(range(40)), hashes(2))
+    p.allocate_slots("r", 40)
+    assert p.get_block_ids_for_computed_tokens("r", 17) == ((1, 2),)
+    assert p.get_block_ids_for_computed_tokens("r", 0) == ((),)

@@ -95,3 +95,38 @@ def test_a_pool_of_the_016_profile_is_refused(model_dir: Path, pool_env: str, se
         c.create_pool(pool_env, pool_config_from_vllm(kv, config))
     with pytest.raises(PoolMismatchError, match="profile: engine expects 'vllm-0.33', pool has 'vllm-0.16'"):
         make_scheduler(_kvcoord("sync"), config, kv)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_resets_priorities_and_salts_decide_like_vllm_033(
+    kind: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """test_scheduler_equivalence's resets/priorities/salts case without what 0.33 refuses
+    (LoRA adapters at start, prompt embeddings per request): resets refused and forced,
+    preemption by priority, salted requests (0.33 names the salt in BlockStored.extra_keys)
+    all decide and publish as vLLM 0.33's own manager does."""
+    from test_scheduler_equivalence import NUM_BLOCKS as BLOCKS
+    from test_scheduler_equivalence import first_difference, run_both
+
+    extras = frozenset({"resets", "priority", "salt"})
+    r = run_both(kind, "full", BLOCKS, 23, model_dir, server, monkeypatch, extras=extras)
+    assert r.got == r.want, first_difference(r.want, r.got)
+    resets = [entry[2] for entry in r.want if entry[0] == "reset"]
+    assert len(resets) >= 10 and any(resets) and not all(resets), resets
+    # (0.33 publishes extra keys untagged: a salted first block reads ('a',) or ('b',))
+    salted = [e for entry in r.want if entry[0] == "events" for e in entry[1] if "extra_keys=[('" in e]
+    assert r.want_counts["preempted"] > 0 and r.want_counts["hit_tokens"] > 0, r.want_counts
+    assert salted, "no BlockStored named a cache salt"
+
+
+def test_a_request_kvcoord_cannot_publish_is_refused_when_scheduled(
+    model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With KV events on, a prompt given as embeddings (0.33 publishes its digest in
+    BlockStored.extra_keys, which kvcoord does not) stops the scheduler loudly."""
+    from kvcoord.client.vllm033 import Unsupported033Error
+    from test_scheduler_equivalence import NUM_BLOCKS as BLOCKS
+    from test_scheduler_equivalence import run_both
+
+    with pytest.raises(Unsupported033Error, match="prompt embeddings"):
+        run_both("sync", "full", BLOCKS, 24, model_dir, server, monkeypatch, extras=frozenset({"embeds"}))

@@ -63,6 +63,31 @@ def test_conformance_traces_survive_sigkill(tmp_path: Path) -> None:
     """Every conformance trace, replayed over the wire against a server process that
     is SIGKILLed and restarted at random moments (at least 5 times during each trace),
     still passes: block ids, hits, free-queue order, events and statistics."""
+    _replay_through_kills(tmp_path, TRACES)
+    assert len(TRACES) == 19
+
+
+#: vLLM 0.33 traces (vllm-0.33 pools): blocks freed to the queue's head, look-ahead
+#: hashes, cache salts in events, sparse retention and shared-prefix junctions
+TRACES_033 = [
+    ROOT / "tests" / "conformance" / "data-vllm-0.33" / f"{name}.jsonl"
+    for name in (
+        "nocache_full16",
+        "unitary_full16_sha256_lora_salt",
+        "unitary_full16_eagle_k3",
+        "hybrid_full16_swa16_w128_tiny",
+    )
+]
+
+
+def test_033_traces_survive_sigkill(tmp_path: Path) -> None:
+    """The same for vllm-0.33 pools: what only they keep (the free queue's head, the
+    requests' prompt lengths, salts and shared-prefix boundaries) survives the journal
+    and snapshots."""
+    _replay_through_kills(tmp_path, TRACES_033)
+
+
+def _replay_through_kills(tmp_path: Path, traces: list[Path]) -> None:
     server = DurableServer(tmp_path)
     server.start()
     rnd = random.Random(7)
@@ -86,7 +111,7 @@ def test_conformance_traces_survive_sigkill(tmp_path: Path) -> None:
             with lock:
                 running.discard(trace.name)
 
-    threads = [threading.Thread(target=run, args=(p,)) for p in TRACES]
+    threads = [threading.Thread(target=run, args=(p,)) for p in traces]
     for t in threads:
         t.start()
     try:
@@ -103,7 +128,7 @@ def test_conformance_traces_survive_sigkill(tmp_path: Path) -> None:
         server.stop()
     failed = {n: r for n, r in results.items() if not getattr(r, "passed", False)}
     assert not failed, failed
-    assert len(results) == len(TRACES) == 19
+    assert len(results) == len(traces)
     assert min(c[0] for c in seen.values()) >= KILLS_PER_TRACE
 
 

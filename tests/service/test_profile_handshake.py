@@ -38,13 +38,11 @@ def test_unknown_profile_is_invalid(client: KVCoordClient) -> None:
 
 
 def test_033_refuses_layouts_it_does_not_reproduce(client: KVCoordClient) -> None:
-    """A hybrid caching pool under vllm-0.33 is refused at creation, not answered with
-    other rules."""
+    """A mamba pool under vllm-0.33 is refused at creation, not answered with other
+    rules."""
     cfg = pool("vllm-0.33")
-    cfg.groups.append(
-        pb.KVCacheGroupSpec(sliding_window=pb.SlidingWindowSpec(block_size=4, sliding_window=8))
-    )
-    with pytest.raises(InvalidArgumentError, match="vllm-0.33 profile does not support yet: hybrid"):
+    cfg.groups.append(pb.KVCacheGroupSpec(mamba=pb.MambaSpec(block_size=4, mamba_cache_mode="align")))
+    with pytest.raises(InvalidArgumentError, match="vllm-0.33 profile does not support yet: group 1: mamba"):
         client.create_pool("hybrid", cfg)
 
 

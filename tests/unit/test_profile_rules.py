@@ -127,8 +127,16 @@ def test_unknown_profile_and_unsupported_033_layouts() -> None:
         KVCacheConfig(4, (FullAttentionSpec(16),), 16, profile="vllm-0.17")
     with pytest.raises(ConfigError, match="does not support yet: EAGLE"):
         KVCacheConfig(4, (FullAttentionSpec(16),), 16, use_eagle=True, profile="vllm-0.33")
-    with pytest.raises(ConfigError, match="hybrid prefix caching"):
-        KVCacheConfig(4, (FullAttentionSpec(16), SlidingWindowSpec(16, 64)), 16, profile="vllm-0.33")
+    with pytest.raises(ConfigError, match="blocks larger than hash_block_size"):
+        KVCacheConfig(4, (FullAttentionSpec(32), SlidingWindowSpec(16, 64)), 16, profile="vllm-0.33")
+    with pytest.raises(ConfigError, match="scheduler_block_size 32 other than the LCM 16"):
+        KVCacheConfig(
+            4,
+            (FullAttentionSpec(16), SlidingWindowSpec(16, 64)),
+            16,
+            profile="vllm-0.33",
+            scheduler_block_size=32,
+        )
     with pytest.raises(ConfigError, match="sink attention"):
         KVCacheConfig(4, (FullAttentionSpec(16, sink_len=16),), 16, profile="vllm-0.33")
 
@@ -176,3 +184,24 @@ def test_block_ids_for_computed_tokens_clip_each_group() -> None:
     p.allocate_slots("r", 40)
     assert p.get_block_ids_for_computed_tokens("r", 17) == ((1, 2),)
     assert p.get_block_ids_for_computed_tokens("r", 0) == ((),)
+
+
+@pytest.mark.parametrize(("profile", "retention", "hashed"), [
+    ("vllm-0.16", 0, list(range(10))),
+    # vllm-0.33's sparse retention: the cdiv(w - 1, 16) = 2 window blocks ending at the
+    # replay boundary (160 - 1 rounded down to 144: block 9) are hashed, no others
+    ("vllm-0.33", 0, [7, 8]),
+    ("vllm-0.33", None, list(range(10))),  # dense retention
+])  # fmt: skip
+def test_sliding_window_retention(profile: str, retention: int | None, hashed: list[int]) -> None:
+    cfg = KVCacheConfig(
+        64, (FullAttentionSpec(16), SlidingWindowSpec(16, 32)), 16, profile=profile,
+        prefix_cache_retention_interval=retention,
+    )  # fmt: skip
+    p = KVCachePool(cfg)
+    p.add_request("r", list(range(160)), hashes(10))
+    p.allocate_slots("r", 160)
+    full, window = p.get_block_ids("r")
+    cached = set(p.cached_block_ids())
+    assert [i for i, b in enumerate(full) if b in cached] == list(range(10))
+    assert [i for i, b in enumerate(window) if b in cached] == hashed

@@ -73,10 +73,19 @@ def test_state_of_another_version_is_refused() -> None:
 DATA_033 = Path(__file__).resolve().parents[1] / "conformance" / "data-vllm-0.33"
 
 
-@pytest.mark.parametrize("name", ["nocache_full16", "unitary_full16_tiny", "unitary_full16_sha256_lora_salt"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "nocache_full16",
+        "unitary_full16_tiny",
+        "unitary_full16_sha256_lora_salt",
+        "hybrid_full16_swa16_w128_tiny",
+    ],
+)
 def test_033_trace_passes_with_pool_reloaded_from_its_state(name: str) -> None:
     """vllm-0.33 pools too: the blocks freed to the head of the queue, the events'
-    extra fields and the requests' cache salts survive export and import."""
+    extra fields, the requests' cache salts, prompt lengths and shared-prefix
+    boundaries survive export and import."""
     target = ReloadingTarget(every=7)
     result = replay(load_trace(DATA_033 / f"{name}.jsonl"), target)
     assert result.mismatch is None, result.mismatch

@@ -55,6 +55,8 @@ class RemoteTarget:
         self._pos: dict[str, tuple[int, int]] = {}
         self._free = 0
         self._usage = 0.0
+        #: the shared-prefix boundary each request's last lookup answered (vllm-0.33)
+        self._boundary: dict[str, int] = {}
 
     def open(self, trace_config: dict[str, Any]) -> None:
         self.pool = f"conformance-{trace_config.get('name', 'trace')}-{uuid.uuid4().hex[:8]}"
@@ -141,6 +143,7 @@ class RemoteTarget:
 
     def get_computed_blocks(self, rid: str) -> tuple[list[list[int]], int]:
         r = self._step(pb.Operation(lookup=pb.LookupOp(request=self._sync(rid))))
+        self._boundary[rid] = r.lookup.shared_prefix_boundary
         return _lists(r.lookup.hit.groups), r.lookup.hit.num_tokens
 
     def allocate_slots(self, rid: str, num_new_tokens: int, num_new_computed_tokens: int,
@@ -249,3 +252,6 @@ class RemoteTarget:
         op = pb.GetBlockIdsOp(request_id=rid, computed_tokens=num_computed_tokens)
         r = self._step(*self._flush(rid), pb.Operation(get_block_ids=op))
         return _lists(r.get_block_ids.groups)
+
+    def shared_prefix_boundary(self, rid: str) -> int:
+        return self._boundary.get(rid, 0)

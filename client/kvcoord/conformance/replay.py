@@ -199,11 +199,12 @@ class _Replayer:
         ids, tokens = self.target.get_computed_blocks(rid)
         self.expect("block_ids", op["expect"]["block_ids"], ids)
         self.expect("num_computed_tokens", op["expect"]["num_computed_tokens"], tokens)
-        # vLLM 0.33's third result: non-zero only where a hybrid's sparse group lags
-        # behind a shared prefix, which kvcoord's vllm-0.33 profile does not support
-        # yet (the pool refuses such layouts), so a trace asking for one fails here.
-        boundary = op["expect"].get("shared_prefix_boundary", 0)
-        self.expect("shared_prefix_boundary", boundary, 0)
+        if "shared_prefix_boundary" in op["expect"]:  # format 2: vLLM 0.33's third result
+            self.expect(
+                "shared_prefix_boundary",
+                op["expect"]["shared_prefix_boundary"],
+                self.target.shared_prefix_boundary(rid),
+            )
         self.last_hit = (rid, ids, tokens)
 
     def allocate_slots(self, op: dict[str, Any]) -> None:

@@ -73,6 +73,7 @@ class ReplayTarget(Protocol):
     def new_step_starts(self) -> None: ...
     def record_prefix_cache_stats(self, rid: str, num_hits: int) -> None: ...
     def estimate_cached_tokens(self, rid: str) -> int: ...
+    def shared_prefix_boundary(self, rid: str) -> int: ...
     def get_num_blocks_to_allocate(
         self,
         rid: str,
@@ -284,3 +285,6 @@ class LocalTarget:
 
     def get_block_ids_for_computed_tokens(self, rid: str, num_computed_tokens: int) -> list[list[int]]:
         return _lists(self._p().get_block_ids_for_computed_tokens(rid, num_computed_tokens))
+
+    def shared_prefix_boundary(self, rid: str) -> int:
+        return self._p().shared_prefix_boundary(rid)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +69,7 @@ def load_trace(path: str | Path) -> Trace:
 _POOL_FIELDS = (
     "num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events",
     "log_stats", "max_model_len", "hash_algo", "hash_seed", "num_hash_lookahead_tokens",
-    "max_in_flight_tokens",
+    "max_in_flight_tokens", "scheduler_block_size",
 )  # fmt: skip
 
 
@@ -80,7 +79,7 @@ _FIXED_033 = {
     "num_prefill_lookahead": (0, 1),  # vLLM re-prefills num_prefill_lookahead - 1 tokens
     "watermark": (0, 0.0),
     "enable_mamba_shared_prefix_checkpoint": (False,),
-    "prefix_cache_retention_interval": (0,),
+    "prefix_cache_retention_interval": (0, None),
 }
 
 
@@ -104,15 +103,12 @@ def pool_config_from_trace(cfg: dict[str, Any]) -> pb.PoolConfig:
                 raise TraceFormatError(
                     f"{key} = {cfg[key]!r} is not supported by kvcoord's {profile} profile yet"
                 )
-        sizes = [g["block_size"] for g in cfg.get("groups", ())]
-        if sizes and cfg.get("scheduler_block_size", math.lcm(*sizes)) != math.lcm(*sizes):
-            raise TraceFormatError(
-                f"scheduler_block_size {cfg['scheduler_block_size']} other than the LCM of the block "
-                "sizes is not supported"
-            )
     table = {k: cfg[k] for k in _POOL_FIELDS if cfg.get(k) is not None}
     if profile != "vllm-0.16":
         table["profile"] = profile
+        if "prefix_cache_retention_interval" in cfg:  # vLLM's None (dense) is -1 on the wire
+            interval = cfg["prefix_cache_retention_interval"]
+            table["prefix_cache_retention_interval"] = -1 if interval is None else interval
         # is_eagle_group picks the groups of 0.33's EAGLE drop, which only use_eagle turns
         # on (and the vllm-0.33 profile refuses use_eagle); without it the flag changes nothing
         if not cfg.get("use_eagle"):

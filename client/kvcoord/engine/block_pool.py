@@ -175,12 +175,16 @@ class BlockPool:
         num_full_blocks: int,
         block_size: int,
         group_id: int,
+        block_mask: Sequence[bool] | None = None,
     ) -> None:
         """Make positions ``num_cached_blocks .. num_full_blocks-1`` of ``blocks`` hits.
 
         Null positions are skipped; one BlockStored event covers the whole run. A
         namespaced request's blocks are cached under its keys (prefixed hashes); its
-        events carry the client's hashes.
+        events carry the client's hashes. ``block_mask`` (vLLM 0.33's sparse retention,
+        aligned with the run) skips the positions it marks false as well: the event
+        then lists the kept blocks' hashes (possibly none) and still the whole run's
+        tokens, its parent being the hash of the block before the run.
         """
         if num_cached_blocks >= num_full_blocks:
             return
@@ -193,11 +197,12 @@ class BlockPool:
         )
         events = self.enable_kv_cache_events
         stored: list[bytes] = []
+        kept: list[int] = []  # positions cached, with events
         cache = self.cached_block_hash_to_block
         first = cache.first[group_id]
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
-            if block.is_null:
+            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
                 continue
             assert block.cached_hash is None, f"block {block.block_id} is already cached"
             block_hash = hashes[i]
@@ -211,6 +216,7 @@ class BlockPool:
                 cache.add_duplicate(block_hash, group_id, existing, block_id)
             if events:
                 stored.append(originals[i] if prefix else block_hash)
+                kept.append(i)
         if events:
             parent = originals[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             lora = request.lora
@@ -226,14 +232,15 @@ class BlockPool:
                 cache_prefix=prefix,
             )
             if self.group_event_fields is not None:
-                event = self._with_033_fields(event, request, num_cached_blocks, num_full_blocks, group_id)
+                event = self._with_033_fields(event, request, kept, group_id)
             self.kv_event_queue.append(event)
 
     def _with_033_fields(
-        self, event: BlockStored, request: Request, start: int, end: int, group_id: int
+        self, event: BlockStored, request: Request, kept: Sequence[int], group_id: int
     ) -> BlockStored:
         """A BlockStored with the fields vLLM 0.33 adds: one untagged extra-keys entry
-        per block, the group, and the group's spec kind (and window)."""
+        per stored block (positions ``kept``), the group, and the group's spec kind
+        (and window)."""
         assert self.group_event_fields is not None
         kind, window = self.group_event_fields[group_id]
         extra = request.event_extra_keys
@@ -241,12 +248,10 @@ class BlockPool:
         lookahead = None
         if look:
             size, tokens = event.block_size, request.all_token_ids
-            lookahead = tuple(
-                tuple(tokens[(i + 1) * size : (i + 1) * size + look]) for i in range(start, end)
-            )
+            lookahead = tuple(tuple(tokens[(i + 1) * size : (i + 1) * size + look]) for i in kept)
         return dataclasses.replace(
             event,
-            extra_keys=tuple(extra(i) for i in range(start, end)),
+            extra_keys=tuple(extra(i) for i in kept) or None,  # vLLM writes none for no block
             group_idx=group_id,
             kv_cache_spec_kind=kind,
             kv_cache_spec_sliding_window=window,

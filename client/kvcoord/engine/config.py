@@ -73,6 +73,13 @@ class KVCacheConfig:
             budget, with one batch in flight); sizes vLLM 0.33's per-request admission
             cap of sliding-window and chunked-local groups (``full_sequence_must_fit``).
             0: no bound (the cap is then ``max_model_len``).
+        scheduler_block_size: (vllm-0.33) the scheduler's block granularity; hybrid
+            hits and caching are aligned to it. 0: the LCM of the block sizes (the
+            only value vLLM uses without context parallelism, and the only one taken).
+        prefix_cache_retention_interval: (vllm-0.33) ``0`` (vLLM 0.33's default):
+            sliding-window groups hash only the blocks a later lookup can reach (the
+            prompt's replay boundary, a detected shared-prefix junction); ``None``:
+            every full block, as vllm-0.16 does. Positive intervals are not taken yet.
 
     Raises:
         ConfigError: the layout breaks a rule vLLM enforces (at construction or at its
@@ -93,6 +100,8 @@ class KVCacheConfig:
     profile: str = VLLM_016
     num_hash_lookahead_tokens: int = 0
     max_in_flight_tokens: int = 0
+    scheduler_block_size: int = 0
+    prefix_cache_retention_interval: int | None = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -148,8 +157,6 @@ def _validate(cfg: KVCacheConfig) -> None:
         )
     if cfg.profile not in PROFILES:
         raise ConfigError(f"profile must be one of {', '.join(PROFILES)}, got {cfg.profile!r}")
-    if cfg.profile == VLLM_033:
-        _validate_033_support(cfg)
     n = cfg.num_hash_lookahead_tokens
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise ConfigError(f"num_hash_lookahead_tokens must be >= 0, got {n!r}")
@@ -184,6 +191,8 @@ def _validate(cfg: KVCacheConfig) -> None:
             f"sink attention needs {sink_blocks} blocks but the pool has only "
             f"{cfg.num_blocks - 1} usable blocks"
         )
+    if cfg.profile == VLLM_033:
+        _validate_033_support(cfg)
     if not cfg.enable_caching:
         return
     _validate_caching(cfg)
@@ -193,15 +202,27 @@ def _validate_033_support(cfg: KVCacheConfig) -> None:
     """Refuse the vllm-0.33 layouts kvcoord does not reproduce yet, rather than answer
     them with any other release's rules (docs/semantics-notes.md lists them)."""
     missing = []
+    lcm = math.lcm(*(g.block_size for g in cfg.groups)) if cfg.groups else 0
+    if cfg.scheduler_block_size not in (0, lcm):
+        missing.append(f"scheduler_block_size {cfg.scheduler_block_size} other than the LCM {lcm}")
+    if cfg.prefix_cache_retention_interval not in (None, 0):
+        missing.append("a positive prefix_cache_retention_interval")
     if cfg.use_eagle:
         missing.append("EAGLE/MTP (lookahead block hashes, the per-group drop)")
     for gid, spec in enumerate(cfg.groups):
+        if (
+            isinstance(spec, FullAttentionSpec)
+            and cfg.enable_caching
+            and spec.block_size != cfg.hash_block_size
+        ):
+            missing.append(
+                f"group {gid}: full attention with blocks larger than hash_block_size (0.33 caches the "
+                "prompt's partial tail block as an extra entry)"
+            )
         if isinstance(spec, FullAttentionSpec) and spec.sink_len:
             missing.append(f"group {gid}: sink attention (0.33 reserves no sink blocks)")
         if isinstance(spec, MambaSpec):
             missing.append(f"group {gid}: mamba (0.33's align checkpoints and copy-on-write)")
-    if cfg.enable_caching and len(cfg.groups) > 1:
-        missing.append("hybrid prefix caching (sparse retention, scheduler-block round-down)")
     if missing:
         raise ConfigError("the vllm-0.33 profile does not support yet: " + "; ".join(missing))
 

@@ -13,7 +13,7 @@ from .hash_list import hashes_at_block_size
 from .managers import CrossAttentionManager, SingleTypeKVCacheManager, manager_class
 from .profiles import rules_of
 from .request import Request
-from .specs import AttentionSpec, FullAttentionSpec, event_spec_fields
+from .specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec, event_spec_fields
 
 __all__ = [
     "HybridKVCacheCoordinator",
@@ -209,16 +209,20 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
     def alignment_tokens(self) -> int:
         return self.lcm_block_size
 
+    def _views(self, block_hashes: Sequence[bytes]) -> dict[int, Sequence[bytes]]:
+        """The request's hashes at each attention group's block size."""
+        size = self.config.hash_block_size
+        return {
+            spec.block_size: hashes_at_block_size(block_hashes, size, spec.block_size)
+            for spec, _, _ in self.attention_groups
+        }
+
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> tuple[IdLists, int]:
-        hash_block_size = self.config.hash_block_size
         use_eagle = self.config.use_eagle
         lcm = self.lcm_block_size
-        views = {
-            spec.block_size: hashes_at_block_size(block_hashes, hash_block_size, spec.block_size)
-            for spec, _, _ in self.attention_groups
-        }
+        views = self._views(block_hashes)
         result: list[list[int] | None] = [None] * len(self.managers)
         hit = max_cache_hit_length
         while True:
@@ -248,6 +252,101 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
         return [lst if lst is not None else [] for lst in result], hit
 
 
+class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
+    """vLLM 0.33's hybrid coordinator (profile vllm-0.33, no EAGLE).
+
+    The search is 0.16's fixed point, except that every full-attention group is cut
+    back to the final length (0.16 cut back only the first), and it also reports the
+    longest length any group found (``last_longest_hit``): where that exceeds the
+    final hit, a sparse group lags behind a shared prefix, and the request keeps that
+    junction (its ``shared_prefix_boundary``) hittable when it caches.
+
+    Caching rounds every group down to the scheduler block size (the LCM) and, under
+    sparse retention (``prefix_cache_retention_interval`` 0), hashes only the
+    sliding-window blocks a later lookup can reach: the ``cdiv(w - 1, block)`` blocks
+    ending at the prompt's replay boundary (``num_prompt_tokens - 1``) or at the
+    request's shared-prefix junction, each rounded down to the scheduler block.
+    """
+
+    def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
+        super().__init__(config, materialize_blocks)
+        self.scheduler_block_size = config.scheduler_block_size or self.lcm_block_size
+        self.sparse = config.prefix_cache_retention_interval == 0
+        #: the longest length any group reached in the last search
+        self.last_longest_hit = 0
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple[IdLists, int]:
+        align = self.scheduler_block_size
+        views = self._views(block_hashes)
+        result: list[list[int] | None] = [None] * len(self.managers)
+        group_hit = [0] * len(self.managers)
+        longest = 0
+        hit = max_cache_hit_length
+        while True:
+            cur = hit
+            for spec, ids, cls in self.attention_groups:
+                if isinstance(spec, FullAttentionSpec) and result[ids[0]] is not None:
+                    cur = min(cur, group_hit[ids[0]])
+                    continue
+                lists = cls.find_longest_cache_hit(
+                    views[spec.block_size], cur, ids, self.block_pool, spec, False, align
+                )
+                cur = len(lists[0]) * spec.block_size
+                for gid, lst in zip(ids, lists, strict=False):
+                    result[gid] = lst
+                    group_hit[gid] = cur
+                longest = max(longest, cur)
+            if cur >= hit:
+                break
+            hit = cur
+            if self.is_simple_hybrid:
+                break
+        for spec, ids, _ in self.attention_groups:
+            if isinstance(spec, FullAttentionSpec):
+                n = -(-hit // spec.block_size)
+                for gid in ids:
+                    kept = result[gid]
+                    if kept is not None:
+                        del kept[n:]
+        self.last_longest_hit = longest
+        return [lst if lst is not None else [] for lst in result], hit
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        align = self.scheduler_block_size
+        num_tokens = num_computed_tokens // align * align
+        hashed = len(request.block_hashes) * self.config.hash_block_size
+        if hashed < num_tokens:
+            num_tokens = hashed
+        boundaries = [request.num_prompt_tokens - 1]
+        if request.shared_prefix_boundary:
+            boundaries.append(request.shared_prefix_boundary)
+        bp = self.block_pool
+        rid = request.request_id
+        for m in self.managers:
+            if isinstance(m, CrossAttentionManager):
+                continue
+            bs = m.block_size
+            num_cached = m.num_cached_block.get(rid, 0)
+            num_full = num_tokens // bs
+            if num_cached >= num_full:
+                continue
+            blocks = m.req_to_blocks.setdefault(rid, [])
+            spec = m.spec
+            if self.sparse and isinstance(spec, SlidingWindowSpec):
+                need = -(-(spec.sliding_window - 1) // bs)
+                mask = [False] * (num_full - num_cached)
+                for boundary in boundaries:
+                    end = boundary // align * align // bs
+                    for j in range(max(num_cached, end - need), min(num_full, end)):
+                        mask[j - num_cached] = True
+                bp.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id, mask)
+            else:
+                bp.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id)
+            m.num_cached_block[rid] = num_full
+
+
 def get_kv_cache_coordinator(config: KVCacheConfig, materialize_blocks: bool = False) -> KVCacheCoordinator:
     """vLLM's factory rule: no caching, one group, or several groups.
 
@@ -257,6 +356,8 @@ def get_kv_cache_coordinator(config: KVCacheConfig, materialize_blocks: bool = F
             (same answers; a reference for tests).
     """
     kind = config.coordinator_kind
+    if kind == "hybrid" and config.profile == "vllm-0.33":
+        return HybridKVCacheCoordinator033(config, materialize_blocks)
     return _COORDINATORS[kind](config, materialize_blocks)
 
 

@@ -56,6 +56,8 @@ class PrefixHits:
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if config.log_stats else None
         #: vllm-0.33: statistics count admissions (record_admission), not lookups
         self._stats_at_lookup = not rules_of(config.profile).stats_at_admission
+        #: vllm-0.33 hybrids report a shared prefix a sparse group lags behind
+        self._junctions = getattr(coordinator, "last_longest_hit", None) is not None
         self.lookup_counters = LookupCounters(group_hit_tokens=[0] * len(config.groups))
         self._alignment = coordinator.alignment_tokens
         self._group_block_sizes = [g.block_size for g in config.groups]
@@ -128,10 +130,21 @@ class PrefixHits:
         """The request's hit, recorded (an empty, unrecorded hit when caching is off or
         the request skips reading the prefix cache)."""
         if not self.enable_caching or req.skip_reading_prefix_cache:
+            req.shared_prefix_boundary = 0
             return CacheHit(self._no_hit_blocks, 0)
         hit, lists = self.search(request_keys(req.block_hashes, req.cache_prefix), len(req.all_token_ids))
+        if self._junctions:
+            self.note_junction(req, hit.num_tokens)
         self.record_lookup(req, hit, lists)
         return hit
+
+    def note_junction(self, req: Request, hit_tokens: int) -> None:
+        """vLLM 0.33: after a lookup the request keeps ``shared_prefix_boundary``, the
+        longest length any group found when a sparse group stopped shorter (0 when
+        none, and always 0 outside vllm-0.33 hybrids)."""
+        if self._junctions:
+            longest: int = self.coordinator.last_longest_hit  # type: ignore[attr-defined]
+            req.shared_prefix_boundary = longest if longest > hit_tokens else 0
 
     def hint(self, req: Request, walk_limit: int) -> tuple[CacheHit, int]:
         """The request's hit, recorded nowhere, and its eviction margin.
@@ -229,7 +242,10 @@ class PrefixHits:
                 f"{answered.num_tokens} tokens {given}, the pool has {hit.num_tokens} tokens {hit.block_ids}"
             )
         if self.enable_caching and not req.skip_reading_prefix_cache:
+            self.note_junction(req, hit.num_tokens)
             self.record_lookup(req, hit, lists)
+        else:
+            req.shared_prefix_boundary = 0
         return hit
 
     def record_lookup(self, req: Request, hit: CacheHit, lists: list[list[int]]) -> None:

@@ -106,6 +106,9 @@ class KVCachePool:
             and type(m).get_num_blocks_to_allocate is SingleTypeKVCacheManager.get_num_blocks_to_allocate
             for m in self.managers
         )
+        if config.profile != "vllm-0.16" and config.coordinator_kind == "hybrid":
+            # vllm-0.33 hybrids cache through their coordinator (round-down, sparse masks)
+            self._plain_managers = False
         # Managers that may free blocks in remove_skipped_blocks (a skip rule).
         self._skipping_managers = [
             m
@@ -623,10 +626,12 @@ class KVCachePool:
         # not raise: a failed call leaves statistics and counters untouched.
         if not self.enable_caching or req.skip_reading_prefix_cache:
             hit, lists = CacheHit(self._no_new_blocks, 0), None
+            req.shared_prefix_boundary = 0
         else:
             hit, lists = self._search(
                 request_keys(req.block_hashes, req.cache_prefix), len(req.all_token_ids)
             )
+            self.hits.note_junction(req, hit.num_tokens)
         num_new = min(req.num_tokens - hit.num_tokens - num_external_computed_tokens, max_num_new_tokens)
         if num_new < 0:
             num_new = 0
@@ -722,6 +727,12 @@ class KVCachePool:
             ids if isinstance(m, CrossAttentionManager) else ids[: -(-num_computed_tokens // m.block_size)]
             for m, ids in zip(self.managers, table, strict=True)
         )
+
+    def shared_prefix_boundary(self, request_id: str) -> int:
+        """vLLM 0.33's third ``get_computed_blocks`` result, kept on the request by its
+        last lookup: where a shared prefix ends that a sparse (sliding-window) group has
+        not cached, or 0. Always 0 outside vllm-0.33 hybrid pools."""
+        return self._get(request_id).shared_prefix_boundary
 
     def new_step_starts(self) -> None:
         """vLLM 0.33's ``new_step_starts`` (the scheduler calls it at every step). Only

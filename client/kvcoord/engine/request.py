@@ -39,6 +39,11 @@ class Request:
     cache_prefix: bytes = b""
     #: the request's cache salt (vllm-0.33 pools report it in events' extra keys)
     cache_salt: str | None = None
+    #: the prompt's length (vllm-0.33: sparse retention keeps the prompt's replay boundary)
+    num_prompt_tokens: int = 0
+    #: vllm-0.33: where the last lookup found a shared prefix that a sparse group has
+    #: not cached (0: none); the request's later caching keeps that junction hittable
+    shared_prefix_boundary: int = 0
 
     @property
     def num_tokens(self) -> int:

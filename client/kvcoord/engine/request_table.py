@@ -144,6 +144,7 @@ class RequestTable:
             skip_reading_prefix_cache=skip_reading_prefix_cache,
             cache_prefix=prefix,
             cache_salt=cache_salt or None,
+            num_prompt_tokens=len(tokens),
         )
 
     def update(
@@ -226,6 +227,9 @@ class RequestTable:
                 r.lora,
                 r.skip_reading_prefix_cache,
                 r.cache_prefix,
+                r.cache_salt,
+                r.num_prompt_tokens,
+                r.shared_prefix_boundary,
             )
             for r in sorted(self.requests.values(), key=lambda r: r.request_id)
         )

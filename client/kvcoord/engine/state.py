@@ -86,6 +86,8 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
                 None if r.last_hit is None else [[list(g) for g in r.last_hit[0]], r.last_hit[1]],
                 r.cache_prefix,
                 r.cache_salt,
+                r.num_prompt_tokens,
+                r.shared_prefix_boundary,
             ]
         )
     stats = pool.prefix_cache_stats
@@ -185,7 +187,9 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
     table = pool.requests  # shared with the request table: filled in place
     for entry in state["requests"]:
         rid, tokens, hashes, computed, preemptions, lora, skip, last_hit, prefix = entry[:9]
-        salt = entry[9] if len(entry) > 9 else None  # absent from older kvcoord's states
+        # absent from older kvcoord's states (only vllm-0.33 pools read the last two)
+        defaults = [None, len(tokens), 0]  # salt, prompt length, shared-prefix boundary
+        salt, num_prompt, junction = list(entry[9:12]) + defaults[len(entry[9:12]) :]
         table[rid] = Request(
             rid,
             list(tokens),
@@ -197,6 +201,8 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
             None if last_hit is None else (tuple(tuple(g) for g in last_hit[0]), last_hit[1]),
             prefix,
             salt,
+            num_prompt,
+            junction,
         )
     pool.request_table.cache_namespaces.update(dict(state["namespaces"]))
     stats = state["prefix_cache_stats"]

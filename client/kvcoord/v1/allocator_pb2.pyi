@@ -123,7 +123,7 @@ class KVCacheGroupSpec(_message.Message):
     def __init__(self, full: _Optional[_Union[FullAttentionSpec, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindowSpec, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttentionSpec, _Mapping]] = ..., mamba: _Optional[_Union[MambaSpec, _Mapping]] = ..., cross_attention: _Optional[_Union[CrossAttentionSpec, _Mapping]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events", "log_stats", "max_model_len", "hash_algo", "hash_seed", "shared_cache_tenants", "profile", "num_hash_lookahead_tokens", "max_in_flight_tokens")
+    __slots__ = ("num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events", "log_stats", "max_model_len", "hash_algo", "hash_seed", "shared_cache_tenants", "profile", "num_hash_lookahead_tokens", "max_in_flight_tokens", "scheduler_block_size", "prefix_cache_retention_interval")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,8 @@ class PoolConfig(_message.Message):
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_RETENTION_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroupSpec]
     hash_block_size: int
@@ -152,7 +154,9 @@ class PoolConfig(_message.Message):
     profile: str
     num_hash_lookahead_tokens: int
     max_in_flight_tokens: int
-    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., shared_cache_tenants: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ...) -> None: ...
+    scheduler_block_size: int
+    prefix_cache_retention_interval: int
+    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., shared_cache_tenants: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ...) -> None: ...
 
 class Fence(_message.Message):
     __slots__ = ("instance_id", "incarnation", "position")
@@ -391,12 +395,14 @@ class LookupOp(_message.Message):
     def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., hint: _Optional[bool] = ..., walk_limit: _Optional[int] = ..., answered: _Optional[_Union[CacheHit, _Mapping]] = ...) -> None: ...
 
 class LookupResult(_message.Message):
-    __slots__ = ("hit", "eviction_margin")
+    __slots__ = ("hit", "eviction_margin", "shared_prefix_boundary")
     HIT_FIELD_NUMBER: _ClassVar[int]
     EVICTION_MARGIN_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PREFIX_BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     hit: CacheHit
     eviction_margin: int
-    def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ..., eviction_margin: _Optional[int] = ...) -> None: ...
+    shared_prefix_boundary: int
+    def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ..., eviction_margin: _Optional[int] = ..., shared_prefix_boundary: _Optional[int] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
     __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed", "return_table", "must_refuse", "full_sequence_must_fit", "reserved_blocks")

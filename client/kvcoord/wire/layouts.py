@@ -121,7 +121,19 @@ def config_from_pb(cfg: pb.PoolConfig) -> KVCacheConfig:
         profile=cfg.profile or VLLM_016,
         num_hash_lookahead_tokens=cfg.num_hash_lookahead_tokens,
         max_in_flight_tokens=cfg.max_in_flight_tokens,
+        scheduler_block_size=cfg.scheduler_block_size,
+        prefix_cache_retention_interval=_retention_from_pb(cfg),
     )
+
+
+def _retention_from_pb(cfg: pb.PoolConfig) -> int | None:
+    """``prefix_cache_retention_interval``: unset = 0 (sparse), -1 = None (dense)."""
+    if not cfg.HasField("prefix_cache_retention_interval"):
+        return 0
+    value = cfg.prefix_cache_retention_interval
+    if value < -1:
+        raise WireError(f"prefix_cache_retention_interval must be -1 (dense) or >= 0, got {value}")
+    return None if value == -1 else value
 
 
 # -- the table form (TOML [[pools]], a trace's config line) -----------------------------
@@ -143,7 +155,8 @@ _GROUP_TYPES = {
 _POOL_KEYS = {
     "num_blocks", "hash_block_size", "hash_algo", "hash_seed", "enable_caching", "use_eagle",
     "enable_kv_cache_events", "log_stats", "max_model_len", "shared_cache_tenants", "profile",
-    "num_hash_lookahead_tokens", "max_in_flight_tokens",
+    "num_hash_lookahead_tokens", "max_in_flight_tokens", "scheduler_block_size",
+    "prefix_cache_retention_interval",
 }  # fmt: skip
 
 

@@ -266,6 +266,10 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
         r.admit.SetInParent()
         return r
     if isinstance(operation, op.Lookup):
+        if isinstance(v, op.LookedUp):
+            return pb.OperationResult(
+                lookup=pb.LookupResult(hit=hit_to_pb(v.hit), shared_prefix_boundary=v.shared_prefix_boundary)
+            )
         if isinstance(v, op.Hinted):
             return pb.OperationResult(
                 lookup=pb.LookupResult(hit=hit_to_pb(v.hit), eviction_margin=v.eviction_margin)

@@ -75,6 +75,14 @@ class Lookup:
 
 
 @dataclasses.dataclass(slots=True)
+class LookedUp:
+    """A vllm-0.33 pool's lookup: the hit and the request's shared-prefix boundary."""
+
+    hit: CacheHit
+    shared_prefix_boundary: int
+
+
+@dataclasses.dataclass(slots=True)
 class Hinted:
     """A hint lookup's value: the hit and its eviction margin."""
 
@@ -298,6 +306,7 @@ class EventsTaken:
 #: error that stopped it.
 Value = (
     CacheHit
+    | LookedUp
     | Hinted
     | RunOutcome
     | AllocateOutcome

@@ -697,6 +697,13 @@ class PoolService:
             return self._with_sync(s, o.sync, hinted)
         answered = o.answered
         if answered is None:
+            if self.engine.rules.full_sequence_admission:  # vllm-0.33: with the junction
+
+                def looked_up(rid: str) -> op.Value:
+                    hit = self.engine.get_computed_blocks(rid)
+                    return op.LookedUp(hit, self.engine.shared_prefix_boundary(rid))
+
+                return self._with_sync(s, o.sync, looked_up)
             return self._with_sync(s, o.sync, self.engine.get_computed_blocks)
 
         def checked(rid: str) -> op.Value:

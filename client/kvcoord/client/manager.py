@@ -181,7 +181,7 @@ class RemoteKVCacheManager:
                 exclusive,
                 profile=profile,
                 num_hash_lookahead_tokens=num_hash_lookahead_tokens,
-            ),  # fmt: skip
+            ),
             renew=renew,
         )
         self.num_groups = len(cfg.groups)

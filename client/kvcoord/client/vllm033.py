@@ -38,7 +38,6 @@ from .vllm import (
     KVCacheBlocks,
     KVCoordKVCacheManager,
     Settings,
-    _absorbing,
     convert_events,
     find_pool,
     pool_config_from_vllm,
@@ -101,7 +100,7 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     groups = kv_cache_config.kv_cache_groups
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
-        if type(spec) is not FullAttentionSpec and type(spec).__name__ != "FullAttentionSpec":
+        if type(spec) is not FullAttentionSpec:  # (MLA and other subclasses too)
             return (
                 f"KV cache group {i} is {type(spec).__name__}: kvcoord's vllm-0.33 plug-in supports "
                 "full attention only (0.33's processed-token frees, sparse retention and mamba "
@@ -122,7 +121,7 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     if vllm_config.kv_transfer_config is not None:
         return "a KV connector: 0.33's deferred frees, connector lookups and load fences are not supported"
     spec = vllm_config.speculative_config
-    if spec is not None and (spec.use_eagle() or getattr(vllm_config, "num_hash_lookahead_tokens", 0)):
+    if (spec is not None and spec.use_eagle()) or getattr(vllm_config, "num_hash_lookahead_tokens", 0):
         return "EAGLE/MTP speculative decoding (0.33's per-group EAGLE rules and look-ahead hashes in schedulers)"
     if getattr(vllm_config.scheduler_config, "watermark", 0.0):
         return "scheduler_config.watermark > 0: the watermark is not on the wire"
@@ -180,33 +179,6 @@ class Remote033KVCacheManager(RemoteKVCacheManager):
         )
         return n
 
-    def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, total_computed_tokens: int, num_tokens_main_model: int,
-        apply_admission_cap: bool, num_encoder_tokens: int,
-    ) -> int:  # fmt: skip
-        op = pb.GetNumBlocksToAllocateOp(
-            request_id=request_id, num_tokens=num_tokens, total_computed_tokens=total_computed_tokens,
-            num_tokens_main_model=num_tokens_main_model, apply_admission_cap=apply_admission_cap,
-            num_encoder_tokens=num_encoder_tokens,
-        )  # fmt: skip
-        n: int = self._unary_op(
-            pb.Operation(get_num_blocks_to_allocate=op),
-            lambda r: int(r.get_num_blocks_to_allocate.num_blocks),
-            False,
-        )
-        return n
-
-    def get_block_ids_for_computed_tokens(
-        self, request_id: str, num_computed_tokens: int
-    ) -> tuple[list[int], ...]:
-        op = pb.GetBlockIdsOp(request_id=request_id, computed_tokens=num_computed_tokens)
-        ids: tuple[list[int], ...] = self._unary_op(
-            pb.Operation(get_block_ids=op),
-            lambda r: tuple(list(g.block_ids) for g in r.get_block_ids.groups),
-            False,
-        )
-        return ids
-
     def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
         if self._queue:
             self.flush()  # statistics recorded at admission travel with the next Step
@@ -220,11 +192,9 @@ class Remote033KVCacheManager(RemoteKVCacheManager):
 
 class _Coordinator:
     """What vLLM 0.33's scheduler and engine core read from ``kv_cache_manager.coordinator``:
-    per group its block size and spec, whether fine-grained hits are on (never), and the
-    admission count for reserved blocks (asked of the pool)."""
+    per group its block size and spec, and whether fine-grained hits are on (never)."""
 
-    def __init__(self, manager: KVCoord033KVCacheManager, kv_cache_config: Any) -> None:
-        self._manager = manager
+    def __init__(self, kv_cache_config: Any) -> None:
         self.single_type_managers = tuple(
             types.SimpleNamespace(
                 kv_cache_group_id=i, block_size=int(g.kv_cache_spec.block_size), kv_cache_spec=g.kv_cache_spec
@@ -235,24 +205,12 @@ class _Coordinator:
         self.eagle_group_ids: tuple[int, ...] = ()
         self.num_reprefillable_tokens = 0
 
-    def get_num_blocks_to_allocate(
-        self,
-        request_id: str,
-        num_tokens: int,
-        new_computed_blocks: Any,
-        num_encoder_tokens: int,
-        total_computed_tokens: int,
-        num_tokens_main_model: int,
-        num_local_computed_tokens: int | None = None,
-        apply_admission_cap: bool = False,
-        prefill_end: int | None = None,
-    ) -> int:
-        if any(new_computed_blocks):
-            raise Unsupported033Error("get_num_blocks_to_allocate with new computed blocks")
-        return self._manager.remote033.get_num_blocks_to_allocate(
-            request_id, num_tokens, total_computed_tokens, num_tokens_main_model, apply_admission_cap,
-            num_encoder_tokens,
-        )  # fmt: skip
+    def get_num_blocks_to_allocate(self, *args: Any, **kwargs: Any) -> int:
+        # 0.33's scheduler asks this only to reserve blocks for a KV connector's
+        # asynchronous loads: refused at start
+        raise Unsupported033Error(
+            "coordinator.get_num_blocks_to_allocate (a KV connector's asynchronous loads)"
+        )
 
     def __getattr__(self, name: str) -> Any:
         raise Unsupported033Error(
@@ -279,7 +237,7 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
     def __init__(self, remote: Remote033KVCacheManager, kv_cache_config: Any) -> None:
         super().__init__(remote, kv_cache_config)
         self.remote033 = remote
-        self.coordinator = _Coordinator(self, kv_cache_config)
+        self.coordinator = _Coordinator(kv_cache_config)
         self.block_pool = _BlockPool()
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
@@ -359,14 +317,6 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
             return 0
         return self.remote033.estimate_cached_tokens(request.request_id)
 
-    def get_block_ids_for_computed_tokens(
-        self, request_id: str, num_computed_tokens: int
-    ) -> tuple[list[int], ...]:
-        if request_id not in self._held:
-            return tuple([] for _ in range(self.num_kv_cache_groups))
-        return self.remote033.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
-
-    @_absorbing(lambda *_: [])
     def take_events(self) -> list[Any]:
         if not self.enable_kv_cache_events:
             return []
@@ -397,6 +347,9 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         raise Unsupported033Error("record_blocks_for_zeroing (KV cache zeroing)")
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> Any:
+        raise Unsupported033Error("get_block_ids_for_computed_tokens (a finished request's KV connector)")
 
 
 def pool_config_033(

@@ -6,8 +6,9 @@ PYTHON ?= python3
 install:            ## both distributions (kvcoord-client, kvcoord) editable + test deps + Debian packages for the container tests
 	./scripts/install.sh
 
-install-vllm:       ## only the cached vLLM 0.16.0 venv for tests/with_vllm
+install-vllm:       ## only the cached vLLM 0.16.0 and 0.33.0 venvs for tests/with_vllm
 	./scripts/install_vllm.sh
+	KVCOORD_VLLM_VERSION=0.33.0 ./scripts/install_vllm.sh
 
 test:               ## everything: fast suites, then the Docker image + Prometheus integration suite
 	./scripts/test.sh
@@ -15,9 +16,11 @@ test:               ## everything: fast suites, then the Docker image + Promethe
 test-fast:          ## everything except the container suite
 	$(PYTHON) -m pytest tests --ignore=tests/integration
 	./scripts/test_vllm.sh
+	KVCOORD_VLLM_VERSION=0.33.0 ./scripts/test_vllm.sh
 
-test-vllm:          ## only vLLM's real schedulers on kvcoord (in the vLLM venv)
+test-vllm:          ## only vLLM's real schedulers on kvcoord (in the vLLM 0.16.0 and 0.33.0 venvs)
 	./scripts/test_vllm.sh
+	KVCOORD_VLLM_VERSION=0.33.0 ./scripts/test_vllm.sh
 
 integration:        ## only the container suite (builds and starts the image)
 	./scripts/test.sh --integration-only

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything kvcoord's tests need: both distributions (editable), the server's with its test extras,
-# the cached vLLM 0.16.0 venv for tests/with_vllm (scripts/install_vllm.sh), and, as root on Debian, docker.io, debootstrap, prometheus and docker-compose for the
+# the cached vLLM 0.16.0 and 0.33.0 venvs for tests/with_vllm (scripts/install_vllm.sh), and, as root on Debian, docker.io, debootstrap, prometheus and docker-compose for the
 # container suite and the deploy-file checks, and etcd-server for tests/cluster (a
 # replicated store holding replicas' membership and pool ownership).
 set -euo pipefail
@@ -13,6 +13,7 @@ PYTHON="${PYTHON:-python3}"
 echo "installed kvcoord-client and kvcoord (editable) with test, zmq and cluster extras"
 
 ./scripts/install_vllm.sh
+KVCOORD_VLLM_VERSION=0.33.0 ./scripts/install_vllm.sh
 
 need=()
 command -v dockerd >/dev/null 2>&1 || need+=(docker.io)

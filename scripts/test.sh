@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the whole test suite: unit, conformance, property and service tests, vLLM's real
-# schedulers on kvcoord (tests/with_vllm, in the vLLM venv: scripts/test_vllm.sh), then the
+# schedulers on kvcoord (tests/with_vllm, in the vLLM 0.16.0 and 0.33.0 venvs: scripts/test_vllm.sh), then the
 # integration suite against the kvcoord Docker image, scraped by a real Prometheus.
 #
 #   scripts/test.sh                     everything
@@ -36,6 +36,7 @@ status=0
 if [ "${1:-}" != "--integration-only" ]; then
   "$PYTHON" -m pytest tests --ignore=tests/integration || status=$?
   ./scripts/test_vllm.sh || status=$?
+  KVCOORD_VLLM_VERSION=0.33.0 ./scripts/test_vllm.sh || status=$?
 fi
 
 cleanup() {

@@ -1,10 +1,16 @@
-"""tests/with_vllm run inside the vLLM venv (scripts/install_vllm.sh; scripts/test_vllm.sh runs them).
+"""tests/with_vllm run inside a vLLM venv (scripts/install_vllm.sh; scripts/test_vllm.sh runs them),
+of vLLM 0.16.0 or 0.33.0 (KVCOORD_VLLM_VERSION picks the venv).
 
 Under an interpreter without vLLM this directory is not collected (see tests/conftest.py).
+Under vLLM 0.33 the files below, which drive the 0.16 plug-in's own machinery (loss
+recovery, the outage loop) or the server's ZMQ event publisher (0.16's array encoding;
+0.33's subscribers decode maps) are not collected: neither has it for 0.33 yet (see
+docs/vllm-integration.md).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +20,9 @@ from harness import write_model_dir
 from kvcoord.service.testing import InProcessServer
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
+
+if importlib.metadata.version("vllm").startswith("0.33."):
+    collect_ignore = ["test_failures.py", "test_kv_events.py", "test_lost_sessions.py"]
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Drive vLLM 0.16.0's real Scheduler / AsyncScheduler through a seeded workload.
+"""Drive vLLM's real Scheduler / AsyncScheduler (0.16.0 or 0.33.0, whichever the venv
+has: ``VLLM_VERSION``) through a seeded workload.
 
 A model directory with only a tiny ``config.json`` (no weights, no tokenizer), CPU
 device, and a ``KVCacheConfig`` built here as the engine core would after profiling. The
@@ -9,6 +10,7 @@ recorded per step, so two runs (vLLM's in-process manager, kvcoord) compare step
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import random
 from collections import deque
@@ -47,6 +49,10 @@ from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.serial_utils import MsgpackEncoder
 from vllm.v1.structured_output import StructuredOutputManager
+
+#: the vLLM release of this venv (scripts/install_vllm.sh makes one per release)
+VLLM_VERSION = importlib.metadata.version("vllm")
+V033 = VLLM_VERSION.startswith("0.33.")
 
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 1024
@@ -318,7 +324,9 @@ def summarize_outputs(outs: dict[int, EngineCoreOutputs]) -> dict[str, Any]:
     got: dict[str, Any] = {}
     for eco in outs.values():
         for o in eco.outputs:
-            got[o.request_id] = (list(o.new_token_ids), str(o.finish_reason), o.num_cached_tokens)
+            # (0.33 reports the prompt's cached tokens in prefill_stats)
+            cached = repr(o.prefill_stats) if V033 else o.num_cached_tokens
+            got[o.request_id] = (list(o.new_token_ids), str(o.finish_reason), cached)
         s = eco.scheduler_stats
         if s is not None:
             p = s.prefix_cache_stats
@@ -456,8 +464,8 @@ def run_workload(
                 tail = torch.randn(extra_rnd.randint(1, 40), 64, generator=embed_gen)
                 embeds, prompt = torch.cat([extra_rnd.choice(embed_prefixes), tail]), None
             sched.add_request(Request(
-                rid, prompt, params, None, None, block_hasher=hasher, priority=priority, cache_salt=salt,
-                lora_request=lora, prompt_embeds=embeds,
+                rid, prompt, params, None, **({} if V033 else {"eos_token_id": None}), block_hasher=hasher,
+                priority=priority, cache_salt=salt, lora_request=lora, prompt_embeds=embeds,
             ))  # fmt: skip
         live = sorted(sched.requests)
         if aborts and live and rnd.random() < 0.06:

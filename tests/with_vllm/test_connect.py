@@ -8,7 +8,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from harness import BLOCK_SIZE, kv_cache_config, vllm_config
+from harness import BLOCK_SIZE, V033, kv_cache_config, vllm_config
 from kvcoord.client import PoolBusyError
 from kvcoord.client.vllm import PoolMismatchError, Settings, connect, pool_config_from_vllm
 from kvcoord.service.testing import InProcessServer
@@ -176,6 +176,7 @@ def test_scheduler_cls_option_runs_on_kvcoord(
         scheduler.shutdown()
 
 
+@pytest.mark.skipif(V033, reason="vLLM 0.33: no exclusive or predicted sessions yet (and 0.16's manager API)")
 @pytest.mark.parametrize("predict", [False, True], ids=["exclusive", "predicted"])
 def test_an_evicted_block_reports_no_hash_while_held(
     predict: bool, model_dir: Path, server: InProcessServer

@@ -1,4 +1,5 @@
-"""vLLM 0.16.0's real Scheduler and AsyncScheduler decide identically on kvcoord.
+"""vLLM's real Scheduler and AsyncScheduler decide identically on kvcoord (0.16.0, or
+0.33.0 on a ``vllm-0.33`` pool: whichever release the venv has).
 
 Each case runs one seeded workload twice: with vLLM's in-process KVCacheManager and with
 ``KVCoordScheduler`` / ``KVCoordAsyncScheduler`` (the classes ``--scheduler-cls`` takes)
@@ -19,8 +20,10 @@ from typing import Any
 
 import pytest
 from harness import (
+    BLOCK_SIZE,
     LAYOUTS,
     SCHEDULERS,
+    V033,
     kv_cache_config,
     make_scheduler,
     run_workload,
@@ -90,6 +93,28 @@ class CallCounter:
 RPC_REPORT: dict[str, list[int]] = {}
 
 
+def refused_033(kind: str, config: Any, kv_config: Any, layout: str) -> None:
+    """Under vLLM 0.33: an engine kvcoord does not reproduce for 0.33 is refused when its
+    scheduler starts, naming the reason (checked here), and the case is skipped."""
+    from kvcoord.client.vllm033 import Unsupported033Error, unsupported_033
+
+    why = unsupported_033(kv_config, config, BLOCK_SIZE)
+    if why is None:
+        return
+    if layout.startswith("full+mamba"):
+        # vLLM 0.33's own scheduler rejects this harness's 0.16-style mamba groups (block
+        # size max_model_len: 0.33's engine core sizes them otherwise) before kvcoord's
+        # check runs; test_vllm033 checks that mamba groups are refused
+        pytest.skip(f"vLLM 0.33: kvcoord refuses this engine at start: {why}")
+    with pytest.raises(Unsupported033Error, match="kvcoord cannot be this vLLM 0.33 engine"):
+        make_scheduler(KVCOORD[kind], config, kv_config)
+    pytest.skip(f"vLLM 0.33: kvcoord refuses this engine at start (checked): {why}")
+
+
+#: why a test of the 0.16 plug-in's round-trip economy or prediction does not apply to 0.33
+NO_PREDICTION_033 = "vLLM 0.33: every allocation waits for the pool (no promises, hints or prediction yet)"
+
+
 @dataclasses.dataclass
 class Runs:
     """One seeded workload run with vLLM's manager and with kvcoord's."""
@@ -114,31 +139,35 @@ def run_both(
     asynchronous = kind == "async"
     overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
     kind = "sync" if kind == "pp2" else kind
-    local = make_scheduler(
-        SCHEDULERS[kind], vllm_config(
-            model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
-            speculative=speculative, policy="priority" if "priority" in extras else "fcfs", lora="lora" in extras,
-            enable_caching=caching, events=events,
-            mamba_cache_mode="align" if layout.endswith("align") else "none", prompt_embeds="embeds" in extras,
-        ),
-        kv_cache_config(layout, blocks),
-    )  # fmt: skip
+
+    def config() -> Any:
+        return vllm_config(
+            model_dir,
+            blocks,
+            async_scheduling=asynchronous,
+            connector=connector,
+            load_failure_policy=policy,
+            speculative=speculative,
+            policy="priority" if "priority" in extras else "fcfs",
+            lora="lora" in extras,
+            enable_caching=caching,
+            events=events,
+            mamba_cache_mode="align" if layout.endswith("align") else "none",
+            prompt_embeds="embeds" in extras,
+        )
+
+    if V033:
+        refused_033(kind, config(), kv_cache_config(layout, blocks), layout)
+    local = make_scheduler(SCHEDULERS[kind], config(), kv_cache_config(layout, blocks))
     want, want_counts = run_workload(
         local, seed=seed, steps=STEPS, async_overlap=overlap, extras=extras, queue_depth=depth
     )
     monkeypatch.setenv("KVCOORD_TARGET", server.address)
     monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
     monkeypatch.setenv("KVCOORD_POOL", f"{kind}-{layout.replace('+', '-')}-{next(_pool_ids)}")
-    remote = make_scheduler(
-        KVCOORD[kind], vllm_config(
-            model_dir, blocks, async_scheduling=asynchronous, connector=connector, load_failure_policy=policy,
-            speculative=speculative, policy="priority" if "priority" in extras else "fcfs", lora="lora" in extras,
-            enable_caching=caching, events=events,
-            mamba_cache_mode="align" if layout.endswith("align") else "none", prompt_embeds="embeds" in extras,
-        ),
-        kv_cache_config(layout, blocks),
-    )  # fmt: skip
+    remote = make_scheduler(KVCOORD[kind], config(), kv_cache_config(layout, blocks))
     assert isinstance(remote.kv_cache_manager, KVCoordKVCacheManager)
+    assert not V033 or remote.kv_cache_manager.remote.config.profile == "vllm-0.33"
     counter = CallCounter(remote.kv_cache_manager)
     if connector:
         counter.count_external(remote.connector)
@@ -184,6 +213,7 @@ def test_scheduler_decisions_equal(
     )
 
 
+@pytest.mark.skipif(V033, reason=NO_PREDICTION_033)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_at_most_three_round_trips_per_step(
@@ -398,6 +428,11 @@ def test_blocks_behave_like_vllms(
     remote.shutdown()
 
 
+@pytest.mark.skipif(
+    V033,
+    reason="vLLM 0.33: with 0.5 s leases, a Step answered late on a loaded machine loses the session, "
+    "which the 0.33 plug-in does not recover from yet (0.16's recomputes)",
+)
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_engine_idle_past_its_lease_carries_on(
     kind: str, model_dir: Path, monkeypatch: pytest.MonkeyPatch
@@ -508,6 +543,7 @@ _PREDICTED = {
 }
 
 
+@pytest.mark.skipif(V033, reason=NO_PREDICTION_033)
 @pytest.mark.parametrize("case", list(_PREDICTED))
 def test_the_predicting_manager_decides_like_vllm(
     case: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
@@ -546,6 +582,7 @@ def test_the_predicting_manager_decides_like_vllm(
         assert any(resets) and not all(resets), resets
 
 
+@pytest.mark.skipif(V033, reason=NO_PREDICTION_033)
 def test_predict_falls_back_where_the_pool_cannot_be_predicted(
     model_dir: Path,
     server: InProcessServer,

@@ -136,6 +136,9 @@ class RemoteKVCacheManager:
         lease_seconds: the session lease to ask for (0 = the server's default).
         renew: renew the lease on a background thread (turn off only in tests).
         exclusive: be the pool's only session, and answer provable allocations at once.
+        profile, num_hash_lookahead_tokens: the semantics profile the caller follows
+            (``vllm-0.16`` when empty, or ``vllm-0.33``) and its look-ahead hash tokens,
+            checked by the handshake: a pool of another profile is refused.
 
     Raises:
         RandomSeedError: caching is on and no seed is known.
@@ -153,6 +156,8 @@ class RemoteKVCacheManager:
         lease_seconds: float = 0,
         renew: bool = True,
         exclusive: bool = False,
+        profile: str = "",
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         self.client = client
         self.pool = pool
@@ -165,8 +170,17 @@ class RemoteKVCacheManager:
         self.exclusive = exclusive
         self.keeper = SessionKeeper(
             client,
+            # the semantics profile the caller follows is part of the handshake ("": vllm-0.16)
             lambda: client.attach(
-                pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds, exclusive
+                pool,
+                cfg.hash_algo,
+                cfg.hash_block_size,
+                seed or "",
+                client_name,
+                lease_seconds,
+                exclusive,
+                profile=profile,
+                num_hash_lookahead_tokens=num_hash_lookahead_tokens,
             ),
             renew=renew,
         )

@@ -250,8 +250,9 @@ def convert_stats(stats: pb.PrefixCacheStats) -> Any:
     return out
 
 
-def convert_events(events: Iterable[pb.KVEvent]) -> list[Any]:
-    """Protobuf KV events as vLLM's event types (or kvcoord's plain ones), in order."""
+def convert_events(events: Iterable[pb.KVEvent], *, fields_033: bool = False) -> list[Any]:
+    """Protobuf KV events as vLLM's event types (or kvcoord's plain ones), in order;
+    with ``fields_033``, also the fields vLLM 0.33 added (a vllm-0.33 pool's events)."""
     stored_t, removed_t, cleared_t = _event_types()
     as_int = _int_hashes()
 
@@ -270,13 +271,31 @@ def convert_events(events: Iterable[pb.KVEvent]) -> list[Any]:
                     lora_id=e.lora_id,
                     medium=e.medium or _MEDIUM_GPU,
                     lora_name=e.lora_name,
+                    **(_stored_fields_033(e) if fields_033 else {}),
                 )
             )
         elif isinstance(e, engine.BlockRemoved):
-            out.append(removed_t(block_hashes=[h(x) for x in e.block_hashes], medium=e.medium or _MEDIUM_GPU))
+            more = {"group_idx": e.group_idx} if fields_033 else {}
+            out.append(
+                removed_t(block_hashes=[h(x) for x in e.block_hashes], medium=e.medium or _MEDIUM_GPU, **more)
+            )
         else:
             out.append(cleared_t())
     return out
+
+
+def _stored_fields_033(e: engine.BlockStored) -> dict[str, Any]:
+    return {
+        "extra_keys": None
+        if e.extra_keys is None
+        else [None if k is None else tuple(k) for k in e.extra_keys],
+        "group_idx": e.group_idx,
+        "kv_cache_spec_kind": e.kv_cache_spec_kind,
+        "kv_cache_spec_sliding_window": e.kv_cache_spec_sliding_window,
+        "lookahead_token_ids": None
+        if e.lookahead_token_ids is None
+        else [list(t) for t in e.lookahead_token_ids],
+    }
 
 
 # -- pool configuration ----------------------------------------------------------------
@@ -863,6 +882,29 @@ class Settings:
         )
 
 
+def find_pool(c: KVCoordClient, settings: Settings, expected: pb.PoolConfig) -> pb.PoolConfig:
+    """Create the pool (when ``settings`` allow it and it does not exist) and return its
+    configuration.
+
+    Raises:
+        PoolMismatchError: the pool exists with other settings (each difference named,
+            the semantics profile included).
+    """
+    if settings.create_pool:
+        try:
+            c.create_pool(settings.pool, expected)
+        except AlreadyExistsError:
+            pass  # a different pool of that name: compared (and refused) below
+    actual = c.get_pool(settings.pool).pool.config
+    diffs = pool_config_differences(expected, actual)
+    want, got = expected.profile or "vllm-0.16", actual.profile or "vllm-0.16"
+    if want != got:
+        diffs.append(f"profile: engine expects {want!r}, pool has {got!r}")
+    if diffs:
+        raise PoolMismatchError(settings.pool, diffs)
+    return actual
+
+
 def connect(
     settings: Settings,
     kv_cache_config: Any,
@@ -896,15 +938,7 @@ def connect(
         else KVCoordClient(settings.target, timeout=settings.timeout, token=settings.token)
     )
     try:
-        if settings.create_pool:
-            try:
-                c.create_pool(settings.pool, expected)
-            except AlreadyExistsError:
-                pass  # a different pool of that name: compared (and refused) below
-        actual = c.get_pool(settings.pool).pool.config
-        diffs = pool_config_differences(expected, actual)
-        if diffs:
-            raise PoolMismatchError(settings.pool, diffs)
+        find_pool(c, settings, expected)
         remote: RemoteKVCacheManager | PredictingKVCacheManager | None = None
         # Prediction needs the pool to itself: with KVCOORD_EXCLUSIVE=0 the engine shares
         # it and waits for the server, as asked (no warning: nothing is missing).

@@ -1,4 +1,4 @@
-"""vLLM 0.16.0's schedulers with kvcoord as their KV cache manager (needs vLLM).
+"""vLLM's schedulers with kvcoord as their KV cache manager (needs vLLM 0.16.x or 0.33.x).
 
 Use with vLLM's own option, the pool given by ``KVCOORD_*`` environment variables
 (:class:`kvcoord.client.vllm.Settings`)::
@@ -12,9 +12,15 @@ The engine profiles memory and builds its ``KVCacheConfig`` as usual; the schedu
 creates the pool from it (or attaches to an existing one, refusing a mismatch) and every
 allocation decision is the pool's.
 
+The pool's semantics profile follows the installed vLLM (:func:`vllm_profile`):
+``vllm-0.16`` under vLLM 0.16.x, ``vllm-0.33`` under 0.33.x (then the manager is
+:class:`kvcoord.client.vllm033.KVCoord033KVCacheManager`, and what kvcoord does not
+reproduce for 0.33 is refused when the scheduler starts, with the reason); any other
+release is refused at import (``UnsupportedVLLMError``).
+
 A lost session (a partition longer than the lease, a server restarted without its
 journal, an answer the manager could not settle) costs recomputation, never the
-engine: the requests the manager reports lost (``RequestsLostError``) are preempted as
+engine (under vLLM 0.16; under 0.33 the error reaches vLLM for now): the requests the manager reports lost (``RequestsLostError``) are preempted as
 vLLM preempts a request (blocks freed, computed tokens back to 0, back to the front of
 the waiting queue) before the next allocation, and recomputed. While the server cannot
 be reached, ``schedule()`` waits and tries again (at most ``KVCOORD_MAX_OUTAGE``
@@ -35,6 +41,10 @@ from vllm.v1.request import RequestStatus
 
 from .errors import NotFoundError, RequestsLostError
 from .vllm import OUTAGE_ERRORS, KVCoordKVCacheManager, Settings, connect
+from .vllm033 import VLLM_033, Unsupported033Error, connect_033, unsupported_033, vllm_profile
+
+#: the semantics profile of the installed vLLM (UnsupportedVLLMError for another release)
+PROFILE = vllm_profile()
 
 __all__ = ["KVCoordAsyncScheduler", "KVCoordScheduler"]
 
@@ -62,6 +72,15 @@ HINT_BUDGET_FACTOR = 2
 MAX_LOSSES_IN_A_ROW = 16
 #: the first and the longest pause between attempts while the server is out of reach
 OUTAGE_PAUSE = (0.05, 1.0)
+
+
+def _close(manager: KVCoordKVCacheManager) -> None:
+    """End the manager's session as the engine shuts down."""
+    try:
+        manager.close()
+    except (RequestsLostError, *OUTAGE_ERRORS) as err:
+        # the session is gone or out of reach: the server frees it when its lease ends
+        logger.warning("kvcoord: the session did not end cleanly: %s", err)
 
 
 class _Before:
@@ -286,16 +305,49 @@ class _OnKVCoord:
 
     def shutdown(self) -> None:
         super().shutdown()  # type: ignore[misc]
-        try:
-            self.kvcoord.close()
-        except (RequestsLostError, *OUTAGE_ERRORS) as err:
-            # the session is gone or out of reach: the server frees it when its lease ends
-            logger.warning("kvcoord: the session did not end cleanly: %s", err)
+        _close(self.kvcoord)
 
 
-class KVCoordScheduler(_OnKVCoord, Scheduler):
-    """vLLM's ``Scheduler``; its ``kv_cache_manager`` is a kvcoord pool."""
+class _OnKVCoord033:
+    """Installs a ``vllm-0.33`` kvcoord pool as a vLLM 0.33 scheduler's ``kv_cache_manager``.
+
+    Refuses at start, naming the reason, an engine whose configuration kvcoord does not
+    reproduce for 0.33 (:func:`unsupported_033`). A lost session or an outage is not
+    recovered from here yet: the error reaches vLLM (0.33's scheduler queues and
+    preemption differ from 0.16's, which the recovery above is written for)."""
+
+    kvcoord: Any
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        why = unsupported_033(self.kv_cache_config, self.vllm_config, self.hash_block_size)  # type: ignore[attr-defined]
+        if why is not None:
+            raise Unsupported033Error(f"kvcoord cannot be this vLLM 0.33 engine's KV cache manager: {why}")
+        settings = Settings.from_env()
+        self.kvcoord = connect_033(
+            settings, self.kv_cache_config, self.vllm_config, self.hash_block_size,  # type: ignore[attr-defined]
+            log_stats=self.log_stats,  # type: ignore[attr-defined]
+        )  # fmt: skip
+        # vLLM's own manager (built by Scheduler.__init__) holds nothing yet: drop it
+        self.kv_cache_manager = self.kvcoord
+
+    def shutdown(self) -> None:
+        super().shutdown()  # type: ignore[misc]
+        _close(self.kvcoord)
 
 
-class KVCoordAsyncScheduler(_OnKVCoord, AsyncScheduler):
-    """vLLM's ``AsyncScheduler``; its ``kv_cache_manager`` is a kvcoord pool."""
+if PROFILE == VLLM_033:
+
+    class KVCoordScheduler(_OnKVCoord033, Scheduler):
+        """vLLM 0.33's ``Scheduler``; its ``kv_cache_manager`` is a ``vllm-0.33`` kvcoord pool."""
+
+    class KVCoordAsyncScheduler(_OnKVCoord033, AsyncScheduler):
+        """vLLM 0.33's ``AsyncScheduler``; its ``kv_cache_manager`` is a ``vllm-0.33`` kvcoord pool."""
+
+else:
+
+    class KVCoordScheduler(_OnKVCoord, Scheduler):  # type: ignore[no-redef]
+        """vLLM's ``Scheduler``; its ``kv_cache_manager`` is a kvcoord pool."""
+
+    class KVCoordAsyncScheduler(_OnKVCoord, AsyncScheduler):  # type: ignore[no-redef]
+        """vLLM's ``AsyncScheduler``; its ``kv_cache_manager`` is a kvcoord pool."""

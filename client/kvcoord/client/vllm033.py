@@ -1,0 +1,416 @@
+"""vLLM 0.33.0's ``KVCacheManager`` surface over a kvcoord pool of the ``vllm-0.33`` profile.
+
+:mod:`kvcoord.client.vllm_scheduler` uses this module when the installed vLLM is 0.33.x
+(:func:`vllm_profile` decides). vLLM 0.33's scheduler and engine core call the manager in
+more ways than 0.16.0's (a 3-tuple from ``get_computed_blocks``, statistics recorded at
+admission, ``full_sequence_must_fit`` and ``reserved_blocks`` on ``allocate_slots``,
+``new_step_starts``, and reach into ``coordinator`` and ``block_pool``). Each decision is
+the pool's: the pool runs vLLM 0.33's rules (the ``vllm-0.33`` profile, part of the
+attach handshake).
+
+What kvcoord cannot reproduce for 0.33 is refused when the scheduler starts
+(:func:`unsupported_033` names the reason), or, for a property of one request, when the
+scheduler first passes that request (:class:`Unsupported033Error`): never a silent guess.
+Supported: KV cache groups of full attention (one block size), prefix caching on or
+off, KV events, statistics, the synchronous and the asynchronous scheduler, the FCFS and
+priority policies, and n-gram / draft-model speculative decoding without look-ahead
+hashes. Refused: other group types (sliding window, chunked local, mamba, cross
+attention: 0.33's processed-token basis, sparse retention and mamba checkpoints are not
+on the wire yet), EAGLE/MTP, KV connectors, the watermark, fine-grained (partial) hits,
+LoRA adapters, and, with KV events on, requests whose blocks carry multimodal or
+prompt-embedding extra keys or ask for the ``full`` report mode.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import types
+from typing import Any
+
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .batch import Item, Pending
+from .client import KVCoordClient
+from .hashing import RandomSeedError
+from .manager import RemoteKVCacheManager
+from .vllm import (
+    KVCacheBlocks,
+    KVCoordKVCacheManager,
+    Settings,
+    convert_events,
+    find_pool,
+    pool_config_from_vllm,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "VLLM_016",
+    "VLLM_033",
+    "KVCoord033KVCacheManager",
+    "Remote033KVCacheManager",
+    "Unsupported033Error",
+    "UnsupportedVLLMError",
+    "connect_033",
+    "pool_config_033",
+    "unsupported_033",
+    "vllm_profile",
+]
+
+VLLM_016 = "vllm-0.16"
+VLLM_033 = "vllm-0.33"
+
+
+class UnsupportedVLLMError(RuntimeError):
+    """The installed vLLM is a release kvcoord has no semantics profile for."""
+
+
+class Unsupported033Error(NotImplementedError):
+    """A vLLM 0.33 feature kvcoord's ``vllm-0.33`` pools do not reproduce (named)."""
+
+
+def vllm_profile(version: str | None = None) -> str:
+    """The semantics profile matching vLLM ``version`` (default: the installed one):
+    ``vllm-0.16`` for 0.16.x, ``vllm-0.33`` for 0.33.x.
+
+    Raises:
+        UnsupportedVLLMError: any other release (its allocator answers differently from
+            both; see docs/vllm-integration.md).
+    """
+    if version is None:
+        version = importlib.metadata.version("vllm")
+    parts = version.split(".")
+    release = ".".join(parts[:2])
+    if release == "0.16":
+        return VLLM_016
+    if release == "0.33":
+        return VLLM_033
+    raise UnsupportedVLLMError(
+        f"vLLM {version} is installed: kvcoord matches vLLM 0.16.x (profile vllm-0.16) and "
+        "0.33.x (profile vllm-0.33) only; other releases allocate differently"
+    )
+
+
+def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int) -> str | None:
+    """Why an engine with these configs cannot run its vLLM 0.33 scheduler on kvcoord
+    (``None``: it can)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        if type(spec) is not FullAttentionSpec:  # (MLA and other subclasses too)
+            return (
+                f"KV cache group {i} is {type(spec).__name__}: kvcoord's vllm-0.33 plug-in supports "
+                "full attention only (0.33's processed-token frees, sparse retention and mamba "
+                "checkpoints are not on the wire yet)"
+            )
+        if getattr(spec, "sink_len", None):
+            return f"KV cache group {i} has attention sinks: not supported by the vllm-0.33 profile"
+    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    if len(sizes) > 1:
+        return f"KV cache groups of several block sizes {sorted(sizes)}: hybrid caching is not supported yet"
+    if sizes and hash_block_size not in sizes:
+        return (
+            f"hash_block_size {hash_block_size} differs from the block size {sizes.pop()}: "
+            "fine-grained (partial) prefix hits are not supported"
+        )
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
+        return "the KV cache needs zeroing (a mamba model): not supported"
+    if vllm_config.kv_transfer_config is not None:
+        return "a KV connector: 0.33's deferred frees, connector lookups and load fences are not supported"
+    spec = vllm_config.speculative_config
+    if (spec is not None and spec.use_eagle()) or getattr(vllm_config, "num_hash_lookahead_tokens", 0):
+        return "EAGLE/MTP speculative decoding (0.33's per-group EAGLE rules and look-ahead hashes in schedulers)"
+    if getattr(vllm_config.scheduler_config, "watermark", 0.0):
+        return "scheduler_config.watermark > 0: the watermark is not on the wire"
+    if vllm_config.lora_config is not None:
+        return "LoRA adapters: 0.33's LoRA path in block events is not on the wire"
+    return None
+
+
+class Remote033KVCacheManager(RemoteKVCacheManager):
+    """:class:`RemoteKVCacheManager` attached as a ``vllm-0.33`` worker, with 0.33's
+    extra calls. Never exclusive: its allocations wait for the pool's answer (the
+    client's promises and predictions follow 0.16's refusal rules)."""
+
+    def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
+        kwargs["exclusive"] = False
+        super().__init__(client, pool, profile=VLLM_033, **kwargs)
+        #: full_sequence_must_fit and reserved_blocks of the allocation being built
+        self.admission: tuple[bool, int] = (False, 0)
+        sync = self.tracker.sync
+
+        def sync_with_salt(request: Any, into: pb.RequestSync | None = None) -> pb.RequestSync:
+            # a vllm-0.33 pool names a request's cache salt in its BlockStored.extra_keys
+            message = sync(request, into)
+            if message.new_request and getattr(request, "cache_salt", None):
+                message.cache_salt = str(request.cache_salt)
+            return message
+
+        self.tracker.sync = sync_with_salt  # type: ignore[method-assign]
+
+    def _item(self, *args: Any) -> Item:
+        item = super()._item(*args)
+        fit, reserved = self.admission
+        item.op.allocate.full_sequence_must_fit = fit
+        item.op.allocate.reserved_blocks = reserved
+        return item
+
+    def _unary_op(self, op: pb.Operation, decode: Any, deferred: bool) -> Any:
+        item = Item(op, decode, [], Pending(), deferred=deferred)
+        if deferred:
+            self.defer(item)
+            return None
+        return self._now(item)
+
+    def new_step_starts(self) -> None:
+        self._unary_op(pb.Operation(new_step_starts=pb.NewStepStartsOp()), lambda r: None, True)
+
+    def record_prefix_cache_stats(self, request_id: str, num_hits: int) -> None:
+        op = pb.RecordPrefixCacheStatsOp(request_id=request_id, num_hits=num_hits)
+        self._unary_op(pb.Operation(record_prefix_cache_stats=op), lambda r: None, True)
+
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        op = pb.EstimateCachedTokensOp(request_id=request_id)
+        n: int = self._unary_op(
+            pb.Operation(estimate_cached_tokens=op), lambda r: int(r.estimate_cached_tokens.num_tokens), False
+        )
+        return n
+
+    def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
+        if self._queue:
+            self.flush()  # statistics recorded at admission travel with the next Step
+        return super().make_prefix_cache_stats()
+
+    def peek_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
+        if self._queue:
+            self.flush()
+        return super().peek_prefix_cache_stats()
+
+
+class _Coordinator:
+    """What vLLM 0.33's scheduler and engine core read from ``kv_cache_manager.coordinator``:
+    per group its block size and spec, and whether fine-grained hits are on (never)."""
+
+    def __init__(self, kv_cache_config: Any) -> None:
+        self.single_type_managers = tuple(
+            types.SimpleNamespace(
+                kv_cache_group_id=i, block_size=int(g.kv_cache_spec.block_size), kv_cache_spec=g.kv_cache_spec
+            )
+            for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        )
+        self.enable_partial_hash_hits = False
+        self.eagle_group_ids: tuple[int, ...] = ()
+        self.num_reprefillable_tokens = 0
+
+    def get_num_blocks_to_allocate(self, *args: Any, **kwargs: Any) -> int:
+        # 0.33's scheduler asks this only to reserve blocks for a KV connector's
+        # asynchronous loads: refused at start
+        raise Unsupported033Error(
+            "coordinator.get_num_blocks_to_allocate (a KV connector's asynchronous loads)"
+        )
+
+    def __getattr__(self, name: str) -> Any:
+        raise Unsupported033Error(
+            f"vLLM 0.33 read kv_cache_manager.coordinator.{name}: kvcoord's vllm-0.33 plug-in does not provide it"
+        )
+
+
+class _BlockPool:
+    """vLLM 0.33 returns blocks to ``block_pool`` directly only for deferred frees and
+    copy-on-write retentions (KV connectors, partial hits): refused at start."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise Unsupported033Error(
+            f"vLLM 0.33 used kv_cache_manager.block_pool.{name} (deferred frees or copy-on-write "
+            "retentions): not supported by kvcoord's vllm-0.33 plug-in"
+        )
+
+
+class KVCoord033KVCacheManager(KVCoordKVCacheManager):
+    """vLLM 0.33.0's ``KVCacheManager`` interface over a ``vllm-0.33`` kvcoord pool."""
+
+    remote: Remote033KVCacheManager
+
+    def __init__(self, remote: Remote033KVCacheManager, kv_cache_config: Any) -> None:
+        super().__init__(remote, kv_cache_config)
+        self.remote033 = remote
+        self.coordinator = _Coordinator(kv_cache_config)
+        self.block_pool = _BlockPool()
+        self.mamba_shared_prefix_checkpoint = False
+        self.retained_hit_group_ids: tuple[int, ...] = ()
+        self.watermark_blocks = 0
+
+    # -- per request: what the pool cannot reproduce is refused, not guessed ----------------
+    def _check_request(self, request: Any) -> None:
+        if not self.enable_kv_cache_events:
+            return  # extra keys change only hashes, which vLLM computes itself
+        if getattr(request, "kv_cache_report_mode", "incremental") == "full":
+            raise Unsupported033Error(f"request {request.request_id}: kv_cache_report_mode 'full'")
+        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
+            raise Unsupported033Error(
+                f"request {request.request_id}: its blocks carry extra keys (multimodal inputs or "
+                "prompt embeddings) whose BlockStored.extra_keys kvcoord does not publish yet"
+            )
+
+    # -- vLLM 0.33's calls ----------------------------------------------------------------
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        return self.enable_caching and not getattr(request, "skip_reading_prefix_cache", False)
+
+    def get_computed_blocks(  # type: ignore[override]
+        self, request: Any, max_cache_hit_length: int | None = None
+    ) -> tuple[KVCacheBlocks, int, int]:
+        if max_cache_hit_length is not None and max_cache_hit_length != request.num_tokens - 1:
+            raise Unsupported033Error(
+                "get_computed_blocks with max_cache_hit_length (an aux-output connector)"
+            )
+        self._check_request(request)
+        blocks, num_tokens = super().get_computed_blocks(request)
+        return blocks, num_tokens, 0  # no sparse-retention group: no shared-prefix boundary
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: tuple[int, ...] = (),
+    ) -> KVCacheBlocks | None:
+        # has_scheduled_reqs matters for the watermark only, skip_zeroing_group_ids for
+        # zeroing only: both refused at start
+        self._check_request(request)
+        remote = self.remote033
+        remote.admission = (full_sequence_must_fit, reserved_blocks)
+        try:
+            return super().allocate_slots(
+                request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+                num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
+            )  # fmt: skip
+        finally:
+            remote.admission = (False, 0)
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
+    ) -> None:
+        # full attention skips nothing; the count is 0.33's processed-token basis
+        super().remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def new_step_starts(self) -> None:
+        self.remote033.new_step_starts()
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.remote033.record_prefix_cache_stats(request.request_id, num_hits)
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        if request.request_id not in self._held:
+            return 0
+        return self.remote033.estimate_cached_tokens(request.request_id)
+
+    def take_events(self) -> list[Any]:
+        if not self.enable_kv_cache_events:
+            return []
+        return convert_events(self.remote.take_events(), fields_033=True)
+
+    # nothing to hand over: no zeroing, no copy-on-write, no mamba boundary states
+    def take_new_block_ids(self) -> list[int]:
+        return []
+
+    def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
+        return [], []
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        return {}
+
+    # reached only with features refused at start
+    def pop_blocks_for_free(self, request: Any) -> list[Any]:
+        raise Unsupported033Error("pop_blocks_for_free (deferred frees of a KV connector)")
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        raise Unsupported033Error("finalize_partial_tail_offloads (a KV producer's partial tails)")
+
+    def get_computed_blocks_for_connector(self, request: Any, max_cache_hit_length: int | None = None) -> Any:
+        raise Unsupported033Error("get_computed_blocks_for_connector (a KV connector)")
+
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        raise Unsupported033Error("truncate_computed_blocks (a KV connector's partial tails)")
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        raise Unsupported033Error("record_blocks_for_zeroing (KV cache zeroing)")
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> Any:
+        raise Unsupported033Error("get_block_ids_for_computed_tokens (a finished request's KV connector)")
+
+
+def pool_config_033(
+    kv_cache_config: Any, vllm_config: Any, hash_block_size: int, *, log_stats: bool = True
+) -> pb.PoolConfig:
+    """The ``vllm-0.33`` pool an engine with these configs expects (as 0.33's engine core
+    builds its manager: ``hash_block_size`` is the one it passes the scheduler)."""
+    cfg = pool_config_from_vllm(kv_cache_config, vllm_config, log_stats=log_stats)
+    cfg.profile = VLLM_033
+    cfg.hash_block_size = int(hash_block_size)
+    cfg.use_eagle = False  # EAGLE is refused (unsupported_033)
+    cfg.num_hash_lookahead_tokens = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+    return cfg
+
+
+def connect_033(
+    settings: Settings,
+    kv_cache_config: Any,
+    vllm_config: Any,
+    hash_block_size: int,
+    *,
+    log_stats: bool = True,
+    client: KVCoordClient | None = None,
+) -> KVCoord033KVCacheManager:
+    """:func:`kvcoord.client.vllm.connect` for vLLM 0.33: create or find the ``vllm-0.33``
+    pool, check it matches the engine, attach as a ``vllm-0.33`` worker, wrap.
+
+    ``KVCOORD_EXCLUSIVE`` and ``KVCOORD_PREDICT`` do not apply (a warning says so): every
+    allocation waits for the pool's answer.
+
+    Raises:
+        PoolMismatchError: the pool exists with other settings or another profile.
+        RandomSeedError: prefix caching is on and ``PYTHONHASHSEED`` is not set.
+        KVCoordError: the server refused or could not be reached.
+    """
+    expected = pool_config_033(kv_cache_config, vllm_config, hash_block_size, log_stats=log_stats)
+    if expected.enable_caching and not expected.hash_seed:
+        raise RandomSeedError(
+            "PYTHONHASHSEED is not set: vLLM then hashes blocks with a seed no other process "
+            "shares; set it (to the same value) for the engine"
+        )
+    if settings.predict:
+        logger.warning("KVCOORD_PREDICT: not available with vLLM 0.33 yet; running without prediction")
+    own = client is None
+    c = (
+        client
+        if client is not None
+        else KVCoordClient(settings.target, timeout=settings.timeout, token=settings.token)
+    )
+    try:
+        find_pool(c, settings, expected)
+        remote = Remote033KVCacheManager(
+            c, settings.pool, hash_seed=expected.hash_seed, client_name=settings.client_name,
+            num_hash_lookahead_tokens=expected.num_hash_lookahead_tokens,
+        )  # fmt: skip
+    except BaseException:
+        if own:
+            c.close()
+        raise
+    manager = KVCoord033KVCacheManager(remote, kv_cache_config)
+    manager.owned_client = c if own else None
+    if settings.create_pool:
+        manager.pool_to_create = (settings.pool, expected)
+    return manager

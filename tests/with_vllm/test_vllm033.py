@@ -1,0 +1,132 @@
+"""vLLM 0.33.0's engine core and scheduler start on kvcoord, or are refused with the reason.
+
+Runs in the vLLM 0.33.0 venv only (``KVCOORD_VLLM_VERSION=0.33.0 scripts/test_vllm.sh``);
+the decisions themselves are compared step by step in test_scheduler_equivalence.py.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from harness import SCHEDULERS, V033, kv_cache_config, make_scheduler, vllm_config
+from kvcoord.client import KVCoordClient
+from kvcoord.service.testing import InProcessServer
+
+pytestmark = pytest.mark.skipif(not V033, reason="vLLM 0.33.0 only (this venv has another release)")
+
+NUM_BLOCKS = 64
+
+
+def _kvcoord(kind: str) -> Any:
+    from kvcoord.client.vllm_scheduler import KVCoordAsyncScheduler, KVCoordScheduler
+
+    return {"sync": KVCoordScheduler, "async": KVCoordAsyncScheduler}[kind]
+
+
+@pytest.fixture
+def pool_env(
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    name = f"v033-{request.node.name}".replace("[", "-").replace("]", "")[:60]
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_POOL", name)
+    yield name
+    with KVCoordClient(server.address) as c:
+        if name in {p.name for p in c.list_pools().pools}:
+            c.delete_pool(name)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_the_engine_core_reads_the_manager_as_from_vllms(kind: str, model_dir: Path, pool_env: str) -> None:
+    """What 0.33's EngineCore reads from the scheduler's manager after building it (the
+    effective attention block size, each group's metadata for event consumers) is the
+    same on kvcoord as on vLLM's own manager; the pool follows the vllm-0.33 profile."""
+    from vllm.v1.engine.core import EngineCore
+
+    answers = []
+    for cls in (SCHEDULERS[kind], _kvcoord(kind)):
+        config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=kind == "async")
+        sched = make_scheduler(cls, config, kv_cache_config("full", NUM_BLOCKS))
+        core = types.SimpleNamespace(vllm_config=config, scheduler=sched)
+        config.cache_config.effective_attention_block_size = -1
+        EngineCore._initialize_effective_attention_block_size(core)  # type: ignore[arg-type]
+        answers.append(
+            (config.cache_config.effective_attention_block_size, EngineCore.get_kv_cache_group_metadata(core))  # type: ignore[arg-type]
+        )
+        if cls is not SCHEDULERS[kind]:
+            assert sched.kv_cache_manager.remote.config.profile == "vllm-0.33"
+        sched.shutdown()
+    assert answers[0][0] == 16 and answers[0][1], answers
+    assert answers[1] == answers[0]
+
+
+@pytest.mark.parametrize(
+    ("options", "reason"),
+    [
+        ({"speculative": "eagle"}, "EAGLE"),
+        ({"connector": "LoadedHalfConnector"}, "a KV connector"),
+        ({"lora": True}, "LoRA adapters"),
+    ],
+    ids=["eagle", "connector", "lora"],
+)
+def test_what_kvcoord_does_not_reproduce_is_refused_at_start(
+    options: dict[str, Any], reason: str, model_dir: Path, pool_env: str
+) -> None:
+    from kvcoord.client.vllm033 import Unsupported033Error
+
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False, **options)
+    with pytest.raises(Unsupported033Error, match=reason):
+        make_scheduler(_kvcoord("sync"), config, kv_cache_config("full", NUM_BLOCKS))
+
+
+def test_a_pool_of_the_016_profile_is_refused(model_dir: Path, pool_env: str, server: InProcessServer,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A pool created for vLLM 0.16 workers (same layout) is not attached by a 0.33 engine:
+    its hashes and answers would not agree, silently."""
+    from kvcoord.client.vllm import PoolMismatchError, pool_config_from_vllm
+
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False)
+    kv = kv_cache_config("full", NUM_BLOCKS)
+    with KVCoordClient(server.address) as c:
+        c.create_pool(pool_env, pool_config_from_vllm(kv, config))
+    with pytest.raises(PoolMismatchError, match="profile: engine expects 'vllm-0.33', pool has 'vllm-0.16'"):
+        make_scheduler(_kvcoord("sync"), config, kv)
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_resets_priorities_and_salts_decide_like_vllm_033(
+    kind: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """test_scheduler_equivalence's resets/priorities/salts case without what 0.33 refuses
+    (LoRA adapters at start, prompt embeddings per request): resets refused and forced,
+    preemption by priority, salted requests (0.33 names the salt in BlockStored.extra_keys)
+    all decide and publish as vLLM 0.33's own manager does."""
+    from test_scheduler_equivalence import NUM_BLOCKS as BLOCKS
+    from test_scheduler_equivalence import first_difference, run_both
+
+    extras = frozenset({"resets", "priority", "salt"})
+    r = run_both(kind, "full", BLOCKS, 23, model_dir, server, monkeypatch, extras=extras)
+    assert r.got == r.want, first_difference(r.want, r.got)
+    resets = [entry[2] for entry in r.want if entry[0] == "reset"]
+    assert len(resets) >= 10 and any(resets) and not all(resets), resets
+    # (0.33 publishes extra keys untagged: a salted first block reads ('a',) or ('b',))
+    salted = [e for entry in r.want if entry[0] == "events" for e in entry[1] if "extra_keys=[('" in e]
+    assert r.want_counts["preempted"] > 0 and r.want_counts["hit_tokens"] > 0, r.want_counts
+    assert salted, "no BlockStored named a cache salt"
+
+
+def test_a_request_kvcoord_cannot_publish_is_refused_when_scheduled(
+    model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With KV events on, a prompt given as embeddings (0.33 publishes its digest in
+    BlockStored.extra_keys, which kvcoord does not) stops the scheduler loudly."""
+    from kvcoord.client.vllm033 import Unsupported033Error
+    from test_scheduler_equivalence import NUM_BLOCKS as BLOCKS
+    from test_scheduler_equivalence import run_both
+
+    with pytest.raises(Unsupported033Error, match="prompt embeddings"):
+        run_both("sync", "full", BLOCKS, 24, model_dir, server, monkeypatch, extras=frozenset({"embeds"}))

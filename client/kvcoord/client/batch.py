@@ -125,7 +125,7 @@ class KVCacheBlockIds:
             assert self._pending is not None
             resolved = self._pending.result()
             assert resolved is not None
-            self._ids, self._table = resolved._ids, resolved._table
+            self._ids, self._table = resolved.block_ids, resolved.table
             self._pending = None
 
     @property

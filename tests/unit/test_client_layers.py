@@ -19,7 +19,6 @@ KNOWN_LARGE: dict[str, int] = {
     "manager.py": 1167,
     "batch.py": 637,
     "client.py": 706,
-    "vllm.py": 945,
 }
 
 

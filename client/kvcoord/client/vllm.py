@@ -100,8 +100,10 @@ class Settings:
             from the server) and never wait (``KVCOORD_PREDICT``, default ``1``; needs
             ``exclusive``): a :class:`PredictingKVCacheManager`, for every layout. When
             the server gives no state this client can mirror (an engine of another
-            kvcoord release, a state larger than one answer), a warning says why and
-            the engine runs as without it (as ``exclusive`` says).
+            kvcoord release, a state larger than one answer, routers' reservations),
+            a warning says why and the engine runs the waiting mode with a shared
+            pool's semantics: every call answered by the server, never from a second
+            copy of the rules.
         max_outage: seconds the scheduler keeps trying again while the server cannot be
             reached, is in its grace period or has lost the pool
             (``KVCOORD_MAX_OUTAGE``, default 600); then the error reaches vLLM.
@@ -193,19 +195,25 @@ def connect(
                 ):
                     raise
                 why = err.message  # the server gives no state for this pool (or not in one answer)
+        exclusive = settings.exclusive
         if why is not None:
+            # Never wrong, and loud: the client's own arithmetic would be a second copy of
+            # the rules (and, against another release's engine, possibly not the server's),
+            # so the engine waits for the server's answer to every call, as on a shared pool.
             logger.warning(
-                "KVCOORD_PREDICT: pool %r is not predicted (%s); running without prediction",
+                "KVCOORD_PREDICT: pool %r is not predicted (%s); running the waiting mode: every "
+                "call is answered by the server, as on a shared pool",
                 settings.pool,
                 why,
             )
+            exclusive = False
         if remote is None:
             remote = RemoteKVCacheManager(
                 c,
                 settings.pool,
                 hash_seed=expected.hash_seed,
                 client_name=settings.client_name,
-                exclusive=settings.exclusive,
+                exclusive=exclusive,
             )
     except BaseException:
         if own:

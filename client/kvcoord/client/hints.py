@@ -17,7 +17,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .batch import KVCacheBlockIds
+from .items import KVCacheBlockIds
 
 __all__ = ["Hint", "LookupHints"]
 

@@ -52,7 +52,7 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import group_kinds
 
-from .batch import Item, KVCacheBlockIds, Ops, Pending, Run, StepBatcher
+from .batch import Ops, StepBatcher
 from .client import KVCoordClient
 from .errors import (
     AbortedError,
@@ -73,6 +73,7 @@ from .errors import (
 )
 from .hashing import pool_seed
 from .hints import Hint, LookupHints
+from .items import Item, KVCacheBlockIds, Pending, Run
 from .promises import BlockBudget, BlockLedger
 from .session import LEASE_MARGIN, SessionKeeper
 from .tracking import RequestTracker

@@ -37,7 +37,6 @@ from typing import Any
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .batch import KVCacheBlockIds
 from .client import KVCoordClient
 from .errors import (
     FailedPreconditionError,
@@ -46,6 +45,7 @@ from .errors import (
     RequestsLostError,
 )
 from .hashing import pool_seed
+from .items import KVCacheBlockIds
 from .mirror import BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
 from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper

@@ -858,7 +858,7 @@ class RemoteKVCacheManager:
         keeper = self.keeper
         try:
             if self._reattach:  # the session was lost and re-attaching failed last time
-                self._attach_again()
+                self.keeper.start_again()
                 self._reattach = False
             keeper.vouch()
             sent = keeper.clock()
@@ -1046,20 +1046,10 @@ class RemoteKVCacheManager:
         self.lost_requests += len(lost)
         self._free_estimate = None
         try:
-            self._attach_again()
+            self.keeper.start_again()
         except KVCoordError:  # e.g. unreachable, or the server's grace period: next call
             self._reattach = True
         return RequestsLostError(lost, err)
-
-    def _attach_again(self) -> None:
-        """A new session after the old one was lost. The server may still hold the old
-        one (only this client gave up on its lease): end it first, so its requests are
-        freed now and an exclusive session can be taken again at once."""
-        try:
-            self.client.detach(self.keeper.session_id, self.keeper.fence)
-        except KVCoordError:
-            pass  # already gone, or unreachable (then its lease ends it)
-        self.keeper.attach()
 
     def _free_now(self, request_id: str) -> None:
         """Free a request on the server at once. When the server cannot be reached, the

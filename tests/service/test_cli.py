@@ -21,7 +21,7 @@ import pytest
 from click.testing import CliRunner
 from durable_server import ROOT, DurableServer, env, small_pool
 from helpers import allocate, attach
-from kvcoord.client import KVCoordClient
+from kvcoord.client import KVCoordClient, cli_common, cli_observe, cli_pools
 from kvcoord.client import cli as client_cli
 from kvcoord.client.routing import PoolRouter
 from kvcoord.v1 import allocator_pb2 as pb
@@ -158,7 +158,7 @@ def test_pools_create_inspect_check_delete(server: DurableServer, client: KVCoor
         ["events", "--pool", "cli-made"],
     ):
         proc = run(server, *args)
-        assert proc.returncode == client_cli.EXIT_NOT_FOUND, (args, proc.stderr)
+        assert proc.returncode == cli_common.EXIT_NOT_FOUND, (args, proc.stderr)
         assert "not found" in one_line_error(proc) and "cli-made" in proc.stderr
 
 
@@ -173,7 +173,7 @@ def test_a_tenant_without_the_roles(server: DurableServer) -> None:
     (p,) = json.loads(as_json.stdout)["pools"]
     assert p["pool"] == "p" and p["unreadable"] and "blocks_used" not in p
     refused = kvcoord("sessions", "--pool", "p", KVCOORD_TARGET=server.address, KVCOORD_TOKEN=WORKER_TOKEN)
-    assert refused.returncode == client_cli.EXIT_UNAUTHORIZED
+    assert refused.returncode == cli_common.EXIT_UNAUTHORIZED
     assert one_line_error(refused).startswith("kvcoord: permission denied")
 
 
@@ -201,7 +201,7 @@ def test_sessions_of_a_pool(server: DurableServer, client: KVCoordClient) -> Non
     finally:
         client.detach(a, fa)
     unknown = run(server, "sessions", "--pool", "no-such-pool")
-    assert unknown.returncode == client_cli.EXIT_NOT_FOUND
+    assert unknown.returncode == cli_common.EXIT_NOT_FOUND
     assert "no-such-pool" in one_line_error(unknown)
 
 
@@ -212,11 +212,11 @@ def test_unreachable_server_and_refused_credential(server: DurableServer) -> Non
         dead = f"127.0.0.1:{s.getsockname()[1]}"  # bound, never listening: refused
         for cmd in (["status"], ["pools", "check", "p"], ["events", "--pool", "p"]):
             proc = kvcoord(*cmd, "--target", dead)
-            assert proc.returncode == client_cli.EXIT_UNREACHABLE, proc.stderr
+            assert proc.returncode == cli_common.EXIT_UNREACHABLE, proc.stderr
             assert one_line_error(proc).startswith(f"kvcoord: server unreachable ({dead})")
     for token in ("wrong", ""):
         proc = kvcoord("status", KVCOORD_TARGET=server.address, KVCOORD_TOKEN=token)
-        assert proc.returncode == client_cli.EXIT_UNAUTHORIZED, proc.stderr
+        assert proc.returncode == cli_common.EXIT_UNAUTHORIZED, proc.stderr
         assert one_line_error(proc).startswith("kvcoord: credential refused")
 
 
@@ -360,7 +360,7 @@ def test_score_a_prompt_file(server: DurableServer, client: KVCoordClient, tmp_p
     bad = tmp_path / "bad.txt"
     bad.write_text("hello world")
     proc = run(server, "score", str(bad))
-    assert proc.returncode == client_cli.EXIT_USAGE
+    assert proc.returncode == cli_common.EXIT_USAGE
     assert "neither JSON nor" in one_line_error(proc)
 
 
@@ -410,14 +410,14 @@ def test_status_table_formatting() -> None:
         num_sessions=2,
         prefix_cache_stats=pb.PrefixCacheStats(queries=200, hits=50),
     )
-    row = client_cli.pool_status(info, stats)
+    row = cli_pools.pool_status(info, stats)
     assert (row["blocks_used"], row["hit_rate"]) == (75, 0.25)
-    fresh = client_cli.pool_status(
+    fresh = cli_pools.pool_status(
         pb.PoolInfo(name="b", coordinator="unitary"), _stats(num_total_blocks=9, num_free_blocks=9)
     )
     assert fresh["hit_rate"] is None
     hidden = {"pool": "c", "coordinator": "hybrid", "groups": 1, "unreadable": "PERMISSION_DENIED"}
-    lines = client_cli.status_table([row, fresh, hidden]).splitlines()
+    lines = cli_pools.status_table([row, fresh, hidden]).splitlines()
     assert lines[3].split() == ["c", "hybrid", "(1", "group)", "?", "?", "?", "?", "?"]
     assert lines[4].startswith("? no observe role")
     assert lines[1].split() == ["alpha", "hybrid", "(2", "groups)", "75/100", "75.0%", "25.0%", "3", "2"]
@@ -428,15 +428,15 @@ def test_event_lines_show_gaps_and_resets() -> None:
     fence = pb.Fence(instance_id="i", incarnation=3)
     stored = pb.KVEvent(block_stored=pb.BlockStored(block_hashes=[b"\x01" * 8], token_ids=[1, 2, 3, 4]))
     gap = pb.WatchEventsResponse(sequence=9, event=stored, gap=True, fence=fence)
-    assert client_cli.event_lines(gap, 4)[0] == "GAP: events 5..8 are no longer buffered: resynchronise"
+    assert cli_observe.event_lines(gap, 4)[0] == "GAP: events 5..8 are no longer buffered: resynchronise"
     reset = pb.WatchEventsResponse(sequence=1, event=pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared()),
                                    reset=True, fence=fence)  # fmt: skip
-    lines = client_cli.event_lines(reset, 40)
+    lines = cli_observe.event_lines(reset, 40)
     assert lines[0].startswith("RESET: another history (i:3)") and lines[-1].split() == [
         "1",
         "all_blocks_cleared",
     ]
-    plain = client_cli.event_lines(pb.WatchEventsResponse(sequence=5, event=stored, fence=fence), 4)
+    plain = cli_observe.event_lines(pb.WatchEventsResponse(sequence=5, event=stored, fence=fence), 4)
     assert plain == ["       5  block_stored       1 block(s) 0101010101010101 (4 tokens)"]
 
 
@@ -445,17 +445,17 @@ def test_prompt_files_and_usage_errors(tmp_path: Path) -> None:
     for body in ("[1, 2, 3]", '{"token_ids": [1, 2, 3], "lora_name": "x"}', "1 2\n3", "1,2,3"):
         path = tmp_path / "p"
         path.write_text(body)
-        tokens, _extra = client_cli.read_prompt(str(path))
+        tokens, _extra = cli_observe.read_prompt(str(path))
         assert tokens == [1, 2, 3], body
     for body, said in (("[]", "no tokens"), ('["a"]', "JSON list of token ids"), ("[-1]", "negative")):
         path = tmp_path / "q"
         path.write_text(body)
         result = runner.invoke(client_cli.cli, ["score", str(path), "--target", "127.0.0.1:1"])
-        assert result.exit_code == client_cli.EXIT_USAGE and said in result.output, result.output
+        assert result.exit_code == cli_common.EXIT_USAGE and said in result.output, result.output
     result = runner.invoke(client_cli.cli, ["events", "--pool", "p", "--fence", "nonsense"])
     assert result.exit_code == 2 and "INSTANCE:INCARNATION" in result.output
     result = runner.invoke(client_cli.cli, ["status", "--tls-ca", str(ROOT / "no-such.pem")])
-    assert result.exit_code == client_cli.EXIT_USAGE and "no-such.pem" in result.output
+    assert result.exit_code == cli_common.EXIT_USAGE and "no-such.pem" in result.output
 
 
 def test_client_commands_need_no_server_modules() -> None:

@@ -340,7 +340,7 @@ def test_a_wrong_hint_is_loud(client: KVCoordClient, managers: list[RemoteKVCach
     w1, w2 = Req("w1", list(range(100, 110))), Req("w2", list(range(16)) + [5])
     m.upcoming = lambda current: [w2]
     m.get_computed_blocks(w1)  # fetches w2's hint: a 16-token hit
-    hint = m._hints["w2"]
+    hint = m.hints.by_request["w2"]
     assert hint.tokens == 16
     hint.margin = 10**6  # wrong: the next allocation evicts the hit
     big = Req("big", list(range(200, 200 + 4 * 23)))
@@ -367,7 +367,7 @@ def test_a_failed_hint_costs_only_its_round_trip(
     good, bad = Req("good", list(range(9))), Req("bad", list(range(600)))  # longer than max_model_len
     m.upcoming = lambda current: [bad]
     hit, n = m.get_computed_blocks(good)
-    assert n == 0 and "bad" not in m._hints and "good" in m._hints
+    assert n == 0 and "bad" not in m.hints.by_request and "good" in m.hints.by_request
     assert m.allocate_slots(good, 9) is not None
     m.flush()
 
@@ -635,7 +635,7 @@ def _a_false_check(
     m.flush()
     a.all_token_ids.append(3)  # token 8 fills a's second block: vLLM caches it
     a.rehash()
-    m._cached_hashes["a"] = 2  # wrong: the client believes it cached already
+    m.hints.cached_hashes["a"] = 2  # wrong: the client believes it cached already
     assert m.allocate_slots(a, 1).get_block_ids() == ([],)  # answered as a check, at once
     return m
 
@@ -889,7 +889,7 @@ def test_calls_sent_through_batch_keep_hints_and_ledger_true(server: InProcessSe
             w, x = Req("w", list(range(12)) + [5]), Req("x", [900, 901])
             t.m.upcoming = lambda current: [w]
             t.lookup(x)  # fetches w's hint: a's blocks
-            assert w.request_id in t.m._hints
+            assert w.request_id in t.m.hints.by_request
             t._sync_local(w)
             victim = t.local.get_computed_blocks("w").block_ids[0][0]
             with t.m.batch() as b:

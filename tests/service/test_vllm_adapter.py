@@ -152,6 +152,53 @@ def test_connect_creates_attaches_and_refuses(monkeypatch: pytest.MonkeyPatch) -
         server.stop()
 
 
+def test_a_pool_that_cannot_be_predicted_runs_the_waiting_mode(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Where prediction is refused (here: the server's engine has other rules, as
+    another kvcoord release would), connect warns and runs the waiting mode with a
+    shared pool's semantics: every answer is the server's, no allocation is answered
+    from the client's own arithmetic (which would be a second copy of the rules), and
+    the session does not hold the pool to itself."""
+    import kvcoord.service.pool_service as pool_service
+    from kvcoord.client import RemoteKVCacheManager
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    monkeypatch.setattr(pool_service, "rules_fingerprint", lambda: "another-release")
+    server = InProcessServer().start()
+    try:
+        kv, cfg = engine()
+        with caplog.at_level("WARNING", logger="kvcoord.client.vllm"):
+            m = connect(Settings(target=server.address, pool="fallback"), kv, cfg)
+        assert "is not predicted (pool " in caplog.text and "another-release" in caplog.text
+        assert "every call is answered by the server" in caplog.text
+        remote = m.remote
+        assert type(remote) is RemoteKVCacheManager
+        assert not remote.exclusive and not remote.keeper.exclusive
+
+        def hashes(tokens: list[int]) -> list[bytes]:
+            return BlockHasher("sha256", 4, none_hash("sha256", "0")).extend(tokens)
+
+        r = Req("a", list(range(10)), block_hashes=hashes(list(range(10))))
+        hit, n = m.get_computed_blocks(r)
+        new = m.allocate_slots(r, 10, n, hit)
+        assert new is not None and new.get_block_ids() == ([1, 2, 3], [4, 5, 6])
+        for step in range(6):  # decode steps: each answered by a round trip, none promised
+            r.all_token_ids.append(100 + step)
+            r.block_hashes = hashes(r.all_token_ids)
+            before = remote.round_trips
+            assert m.allocate_slots(r, 1) is not None
+            assert remote.round_trips == before + 1
+        assert remote.promised == 0 and remote.refused == 0
+        # a shared pool's semantics: a second engine that shares the pool attaches beside it
+        shared = Settings(target=server.address, pool="fallback", create_pool=False, exclusive=False)
+        other = connect(shared, kv, cfg)
+        other.close()
+        m.close()
+    finally:
+        server.stop()
+
+
 def test_settings_from_env() -> None:
     """KVCOORD_TARGET is required; pool, token and create default sensibly."""
     with pytest.raises(ValueError, match="KVCOORD_TARGET"):

@@ -590,15 +590,17 @@ def test_predict_falls_back_where_the_pool_cannot_be_predicted(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     """KVCOORD_PREDICT=1 against a server whose engine has other rules (another kvcoord
-    release): a warning names why, the engine runs without prediction
-    (RemoteKVCacheManager, exclusive) and decides like vLLM."""
+    release): a warning names why, the engine runs the waiting mode with a shared
+    pool's semantics (RemoteKVCacheManager, not exclusive: every answer the server's)
+    and decides like vLLM."""
     import kvcoord.service.pool_service as pool_service
     from kvcoord.client import RemoteKVCacheManager
 
     monkeypatch.setattr(pool_service, "rules_fingerprint", lambda: "state2-another-release")
     with caplog.at_level("WARNING", logger="kvcoord.client.vllm"):
         r = run_both("sync", "full+swa", NUM_BLOCKS, 52, model_dir, server, monkeypatch, predict=True)
-    assert type(r.manager) is RemoteKVCacheManager and r.manager.exclusive
-    assert "is not predicted (pool " in caplog.text
+    assert type(r.manager) is RemoteKVCacheManager and not r.manager.exclusive
+    assert r.manager.promised == 0 and r.manager.refused == 0  # nothing from the client's own arithmetic
+    assert "is not predicted (pool " in caplog.text and "running the waiting mode" in caplog.text
     assert "the server's engine rules are 'state2-another-release'" in caplog.text
     assert r.got == r.want, first_difference(r.want, r.got)

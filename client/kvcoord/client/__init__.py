@@ -4,7 +4,7 @@ It needs grpcio, protobuf and the generated ``kvcoord.v1`` stubs, and nothing fr
 server side.
 """
 
-from .batch import KVCacheBlockIds, Pending, StepBatcher
+from .batch import StepBatcher
 from .client import AsyncKVCoordClient, KVCoordClient
 from .errors import (
     AbortedError,
@@ -33,6 +33,7 @@ from .errors import (
     UnavailableError,
 )
 from .hashing import BlockHasher, MultiModalItem, RandomSeedError, none_hash
+from .items import KVCacheBlockIds, Pending
 from .manager import RemoteKVCacheManager
 from .predicting import PredictingKVCacheManager, PredictionMismatchError
 from .retry import DEFAULT_RETRY, NO_RETRY, RetryPolicy

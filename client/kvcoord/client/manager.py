@@ -43,7 +43,6 @@ scheduler can preempt and recompute them; the next call works normally.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -53,7 +52,7 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import group_kinds
 
-from .batch import Item, KVCacheBlockIds, Ops, Pending, Run, StepBatcher
+from .batch import Ops, StepBatcher
 from .client import KVCoordClient
 from .errors import (
     AbortedError,
@@ -73,6 +72,8 @@ from .errors import (
     status_code,
 )
 from .hashing import pool_seed
+from .hints import Hint, LookupHints
+from .items import Item, KVCacheBlockIds, Pending, Run
 from .promises import BlockBudget, BlockLedger
 from .session import LEASE_MARGIN, SessionKeeper
 from .tracking import RequestTracker
@@ -91,26 +92,21 @@ _STAT_FIELDS = ("requests", "queries", "hits", "preempted_requests", "preempted_
 MAX_EVENT_ROUNDS = 64
 
 
-@dataclasses.dataclass(slots=True)
-class _Hint:
-    """A lookup's answer fetched ahead, and what it stays valid under."""
-
-    hit: KVCacheBlockIds
-    tokens: int
-    #: blocks that may leave the free queue before a block of the hit could be reused
-    margin: int
-    #: the request's length when looked up
-    num_tokens: int
-    #: caching any hash of the request from this index on may change the hit
-    watch_from: int
-
-
 #: errors after which a free is sent again with the next Step (the server may answer
 #: it then); any other refusal would refuse it again
 _TRANSIENT = (UnavailableError, AbortedError, ResourceExhaustedError, LeaseExpiredError)
 
 #: queued operations that make no KV events (nor does a run of checks alone)
 _NO_EVENTS = ("free", "remove_skipped_blocks", "lookup", "get_block_ids")
+
+
+def _answer(item: Item) -> Any:
+    """A hint lookup's answer, or None when it failed (a hint is only an optimisation:
+    that lookup will take a round trip)."""
+    try:
+        return item.pending.result()
+    except KVCoordError:
+        return None
 
 
 def _touched(items: list[Item]) -> list[str]:
@@ -213,24 +209,13 @@ class RemoteKVCacheManager:
         self.upcoming: Callable[[Any], Iterable[Any]] | None = None
         #: free-queue positions the server walks for a hint's eviction margin
         self.hint_walk_limit = 4096
-        self._hints: dict[str, _Hint] = {}
-        #: hint blocks by id (with a ledger: a freed one lowers its hints' margins)
-        self._hint_blocks: dict[int, list[_Hint]] = {}
-        #: blocks that may have left the free queue since the hints were made
-        self._moved = 0
-        #: hashes this session may have cached since the hints were made
-        self._newly_cached: set[bytes] = set()
-        #: per request, how many of its hashes its allocations and cache_blocks cached
-        self._cached_hashes: dict[str, int] = {}
         #: answered lookups queued and not yet recorded by the server
         self._unrecorded = 0
         #: lookups answered from a hint (no round trip)
         self.hinted_lookups = 0
-        self._hash_block_size = max(1, int(cfg.hash_block_size))
         kinds = group_kinds(cfg.groups)
-        # One full-attention group: a hit can only grow when the hash right after it
-        # is cached. Any other layout: when any hash of the request is.
-        self._single_full = kinds == ["full"]
+        #: lookups answered ahead, and what they stay valid under
+        self.hints = LookupHints(int(cfg.hash_block_size), kinds == ["full"])
         #: with exclusive on a full / sliding-window pool: every block this session holds, so
         #: the free count stays exact between answers (None while it cannot be trusted)
         self._ledger_possible = exclusive and all(k in ("full", "sliding_window") for k in kinds)
@@ -276,7 +261,7 @@ class RemoteKVCacheManager:
         raised as :class:`RequestsLostError`, never a silent difference).
         """
         rid = request.request_id
-        hint = self._hints.get(rid)
+        hint = self.hints.by_request.get(rid)
         if hint is not None and self._hint_holds(hint, request):
             item = self._ops.answered_lookup(request, hint.hit, hint.tokens)
             item.pending.resolver = self.flush
@@ -298,24 +283,7 @@ class RemoteKVCacheManager:
         # block free now.
         tracked = self._ledger is not None and self._free_exact
         cap = self.hint_walk_limit if tracked else (self._free_estimate or 0)
-        for r, hi in zip(upcoming, hint_items, strict=True):
-            try:
-                hit, tokens, margin = hi.pending.result()
-            except KVCoordError:
-                continue  # a hint is only an optimisation: that lookup will take a round trip
-            hint = _Hint(
-                hit,
-                tokens,
-                min(margin, cap),
-                len(r.all_token_ids),
-                tokens // self._hash_block_size if self._single_full else 0,
-            )
-            self._hints[r.request_id] = hint
-            if tracked:
-                for group in hit.block_ids:
-                    for b in group:
-                        if b:
-                            self._hint_blocks.setdefault(b, []).append(hint)
+        self.hints.adopt(upcoming, [_answer(hi) for hi in hint_items], cap, tracked)
         result: tuple[KVCacheBlockIds, int] = item.pending.result()
         return result
 
@@ -333,43 +301,20 @@ class RemoteKVCacheManager:
                 out.append(r)
         return out
 
-    def _hint_holds(self, hint: _Hint, request: Any) -> bool:
+    def _hint_holds(self, hint: Hint, request: Any) -> bool:
         """Whether the pool would still answer this request's lookup with ``hint``."""
         keeper = self.keeper
-        if (
-            self._moved > hint.margin
-            or len(request.all_token_ids) != hint.num_tokens
-            or keeper.lost is not None
-            or keeper.clock() >= keeper.valid_until
-            or not self.keeper.exclusive
-        ):
+        if keeper.lost is not None or keeper.clock() >= keeper.valid_until or not keeper.exclusive:
             return False
-        cached = self._newly_cached
-        if cached:
-            hashes = self.tracker.hashes(request)
-            for i in range(hint.watch_from, len(hashes)):
-                if bytes(hashes[i]) in cached:
-                    return False
-        return True
+        return self.hints.still_holds(hint, request, lambda: self.tracker.hashes(request))
 
     def clear_hints(self) -> None:
-        self._hints.clear()
-        self._hint_blocks.clear()
-        self._moved = 0
-        self._newly_cached = set()
+        self.hints.clear()
 
     def _cached(self, request: Any, num_tokens: int, cached_before: int = 0) -> None:
-        """The pool caches the request's blocks up to ``num_tokens`` (those below
-        ``cached_before`` tokens, an adopted hit, are cached already): remember which of
-        its hashes that may add, while hints are held."""
-        rid = request.request_id
-        count = num_tokens // self._hash_block_size
-        prev = max(self._cached_hashes.get(rid, 0), cached_before // self._hash_block_size)
-        if count > prev:
-            self._cached_hashes[rid] = count
-            if self._hints:
-                hashes = self.tracker.hashes(request)
-                self._newly_cached.update(bytes(h) for h in hashes[prev:count])
+        """The pool caches the request's blocks up to ``num_tokens`` (see
+        :meth:`LookupHints.cached`)."""
+        self.hints.cached(request, num_tokens, cached_before, lambda: self.tracker.hashes(request))
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
@@ -394,8 +339,7 @@ class RemoteKVCacheManager:
         if self._ledger is None and self._ledger_possible and self.keeper.exclusive:
             self._rebuild_ledger()
         rid = request.request_id
-        if self._hints:
-            self._hints.pop(rid, None)  # admitted: its next lookup (if any) is another
+        self.hints.admitted(rid)
         hit = new_computed_blocks.block_ids if new_computed_blocks is not None else None
         need, before, after = self.budget.bound(
             rid, int(request.num_computed_tokens), num_new_tokens, num_new_computed_tokens, hit,
@@ -433,7 +377,7 @@ class RemoteKVCacheManager:
             if exact:
                 assert ledger is not None and new_blocks is not None
                 need = ledger.need(rid, hit, new_blocks, total_computed)
-            self._moved += need  # at most this many blocks leave the free queue
+            self.hints.taking(need)  # at most this many blocks leave the free queue
             if need <= free:
                 # Provably enough free blocks (this session is the pool's only one):
                 # answer now, send with the next Step.
@@ -496,7 +440,7 @@ class RemoteKVCacheManager:
                 self.refused += 1
                 return None
         else:
-            self._moved += need
+            self.hints.taking(need)
         self._free_exact = False  # the answer changes the count: re-learned from it
         if whole_table:
             before = after = None  # the new ids leave the external blocks out: no bound to check
@@ -544,8 +488,7 @@ class RemoteKVCacheManager:
         ):
             return None
         computed = int(request.num_computed_tokens)
-        if self._hints:
-            self._hints.pop(rid, None)  # admitted: its next lookup (if any) is another
+        self.hints.admitted(rid)
         skipped = ledger.has_windows and ledger.skips(rid, computed)
         if skipped:
             # vLLM's allocate_slots first nulls what left the window (idempotent: the
@@ -570,9 +513,9 @@ class RemoteKVCacheManager:
             return None  # a refusal: the general path proves and sends it
         if not need and not skipped and rid in ledger.held:  # (the ledger knows its table)
             num_tokens = len(request.all_token_ids)
-            if not self.enable_caching or min(
-                computed + num_new_tokens, num_tokens
-            ) // self._hash_block_size <= self._cached_hashes.get(rid, 0):
+            if not self.enable_caching or self.hints.caches_nothing_new(
+                rid, min(computed + num_new_tokens, num_tokens)
+            ):
                 # Nothing to take, cache or null (a decode step inside its last block):
                 # vLLM's answer is no block ids and none of its state changes. Answered
                 # now with nothing synced; the server checks the claim with the next Step.
@@ -585,7 +528,7 @@ class RemoteKVCacheManager:
         fields = self.tracker.sync_run(request)
         if fields is None:
             return None  # not registered yet: a full sync
-        self._moved += need  # at most this many blocks leave the free queue
+        self.hints.taking(need)  # at most this many blocks leave the free queue
         self._free_estimate = free - need
         run = self._open_run()
         k = run.add(rid, fields, num_new_tokens, num_lookahead_tokens, self.tracker.mark(rid), new_blocks)
@@ -748,7 +691,7 @@ class RemoteKVCacheManager:
         """What a free changes here, whichever way it is sent (this manager's queue or a
         :meth:`batch`): nothing it cached or held may be assumed any more."""
         self.tracker.lost.discard(rid)  # vLLM frees finished and preempted requests alike
-        self._cached_hashes.pop(rid, None)
+        self.hints.forget(rid)
         if self._ledger is not None:
             self._released(*self._ledger.release(rid))
 
@@ -757,11 +700,7 @@ class RemoteKVCacheManager:
         hint block among them lowers its hints' margins (it waits behind every block
         free now)."""
         free = self._free_estimate
-        if self._hint_blocks and ids:
-            limit = self._moved + (free or 0)
-            for b in ids:
-                for hint in self._hint_blocks.get(b, ()):
-                    hint.margin = min(hint.margin, limit)
+        self.hints.released(ids, free)
         if free is not None:
             self._free_estimate = free + count
 
@@ -793,7 +732,7 @@ class RemoteKVCacheManager:
         allocation are dropped (rebuilt or re-learned from the next answers)."""
         self._ledger_off("an allocation sent through batch()")
         self.budget.forget(request_id)
-        self._cached_hashes.pop(request_id, None)
+        self.hints.forget(request_id)
         self.clear_hints()
 
     def abandoned(self, request_ids: Iterable[str]) -> None:
@@ -804,7 +743,7 @@ class RemoteKVCacheManager:
         self.clear_hints()
         for rid in request_ids:
             self.budget.forget(rid)
-            self._cached_hashes.pop(rid, None)
+            self.hints.forget(rid)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table per group (null blocks as 0). From the block ledger
@@ -933,7 +872,7 @@ class RemoteKVCacheManager:
         keeper = self.keeper
         try:
             if self._reattach:  # the session was lost and re-attaching failed last time
-                self._attach_again()
+                self.keeper.start_again()
                 self._reattach = False
             keeper.vouch()
             sent = keeper.clock()
@@ -1114,28 +1053,17 @@ class RemoteKVCacheManager:
         """Every tracked request is gone with the session: forget them and re-attach."""
         lost = self.tracker.clear()
         self.budget.clear()
-        self.clear_hints()
-        self._cached_hashes.clear()
+        self.hints.reset()
         # the new session holds nothing: an empty ledger is exact
         self._ledger = self._new_ledger()
         self._free_exact = False
         self.lost_requests += len(lost)
         self._free_estimate = None
         try:
-            self._attach_again()
+            self.keeper.start_again()
         except KVCoordError:  # e.g. unreachable, or the server's grace period: next call
             self._reattach = True
         return RequestsLostError(lost, err)
-
-    def _attach_again(self) -> None:
-        """A new session after the old one was lost. The server may still hold the old
-        one (only this client gave up on its lease): end it first, so its requests are
-        freed now and an exclusive session can be taken again at once."""
-        try:
-            self.client.detach(self.keeper.session_id, self.keeper.fence)
-        except KVCoordError:
-            pass  # already gone, or unreachable (then its lease ends it)
-        self.keeper.attach()
 
     def _free_now(self, request_id: str) -> None:
         """Free a request on the server at once. When the server cannot be reached, the
@@ -1167,7 +1095,7 @@ class RemoteKVCacheManager:
         lost = self.tracker.forget(request_ids, lost=True)
         self.clear_hints()
         for rid in lost:
-            self._cached_hashes.pop(rid, None)  # what the server caches for them is unknown
+            self.hints.forget(rid)  # what the server caches for them is unknown
         if self._ledger is not None:
             for rid in lost:
                 self._ledger.release(rid)  # freed on the server below (or already gone)

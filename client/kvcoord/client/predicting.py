@@ -37,7 +37,6 @@ from typing import Any
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .batch import KVCacheBlockIds
 from .client import KVCoordClient
 from .errors import (
     FailedPreconditionError,
@@ -46,6 +45,7 @@ from .errors import (
     RequestsLostError,
 )
 from .hashing import pool_seed
+from .items import KVCacheBlockIds
 from .mirror import BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
 from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper
@@ -481,12 +481,7 @@ class PredictingKVCacheManager:
             logger.warning("predicted pool %r: %s; %d request(s) lost", self.pool, failure, len(gone))
         self._lost.extend(gone)
         sender.discard()
-        if self.keeper.session_id:
-            try:
-                self.client.detach(self.keeper.session_id, self.keeper.fence)
-            except KVCoordError:
-                pass  # gone already (or unreachable: its lease ends it)
-        self.keeper.attach()
+        self.keeper.start_again()
         self.mirror = self._loaded()  # from the new session's state
         lost, self._lost, sender.failure = self._lost, [], None
         self.lost_requests += len(lost)

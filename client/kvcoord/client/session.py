@@ -82,6 +82,22 @@ class SessionKeeper:
         self._wake.set()
         return response
 
+    def start_again(self) -> Any:
+        """A new session after this one was lost (its requests with it), for every mode.
+        The server may still hold the old one (only this client gave up on its lease):
+        end it first, so its requests are freed now and an exclusive session can be
+        taken again at once; then attach.
+
+        Raises:
+            KVCoordError: the new session could not be made (the caller tries again).
+        """
+        if self.session_id:
+            try:
+                self.client.detach(self.session_id, self.fence)
+            except KVCoordError:
+                pass  # gone already, or unreachable (then its lease ends it)
+        return self.attach()
+
     def adopt(self, fence: pb.Fence) -> None:
         """Take the fence of an answer from a server that recovered this session's pool
         (same incarnation, another instance: the block ids held are still valid), and

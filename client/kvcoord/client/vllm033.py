@@ -30,9 +30,9 @@ from typing import Any
 
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .batch import Item, Pending
 from .client import KVCoordClient
 from .hashing import RandomSeedError
+from .items import Item, Pending
 from .manager import RemoteKVCacheManager
 from .vllm import (
     KVCacheBlocks,

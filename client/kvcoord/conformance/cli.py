@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import click
-from kvcoord.client.cli import EXIT_USAGE, CliFailure, _tls_from, run, tls_flags
+from kvcoord.client.cli import run
+from kvcoord.client.cli_common import EXIT_USAGE, CliFailure, tls_flags, tls_from
 
 from .replay import replay
 from .target import LocalTarget
@@ -50,7 +51,7 @@ def conformance(
     on any failure.
     """
     try:
-        options = _tls_from(tls, tls_ca, tls_cert, tls_key, tls_server_name)
+        options = tls_from(tls, tls_ca, tls_cert, tls_key, tls_server_name)
     except ValueError as exc:
         raise CliFailure(f"conformance: {exc}", EXIT_USAGE) from None
     target_factory: Any = LocalTarget

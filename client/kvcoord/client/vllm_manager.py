@@ -1,0 +1,412 @@
+"""``KVCoordKVCacheManager``: vLLM's ``KVCacheManager`` interface over a kvcoord
+session (a :class:`PredictingKVCacheManager` or a :class:`RemoteKVCacheManager`): every
+method and attribute vLLM's scheduler, async scheduler and KV connectors use (the list,
+with vLLM source lines, is in docs/vllm-integration.md), with vLLM's types from
+:mod:`kvcoord.client.vllm_types`, and the outage errors the scheduler waits out."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import group_kinds
+
+from .client import KVCoordClient
+from .errors import (
+    AlreadyExistsError,
+    FencedError,
+    KVCoordError,
+    LeaseExpiredError,
+    NotFoundError,
+    PoolBusyError,
+    RequestsLostError,
+    SessionExpiredError,
+    UnavailableError,
+)
+from .manager import KVCacheBlockIds, RemoteKVCacheManager
+from .predicting import PredictingKVCacheManager
+from .vllm_types import (
+    KVCacheBlock,
+    KVCacheBlocks,
+    convert_events,
+    convert_stats,
+)
+
+__all__ = ["OUTAGE_ERRORS", "KVCoordKVCacheManager"]
+
+logger = logging.getLogger(__name__)
+
+#: Errors that end no request by themselves: the server cannot be reached (or is in a
+#: grace period), a lease cannot be vouched for, a session or the pool is gone from a
+#: server that restarted, an exclusive session still holds the pool (one whose Attach
+#: answer was lost, until its lease ends). The managers turn what they cost into
+#: RequestsLostError when they can attach again; until then the scheduler waits and
+#: tries again.
+OUTAGE_ERRORS = (
+    UnavailableError, LeaseExpiredError, FencedError, SessionExpiredError, NotFoundError, PoolBusyError,
+)  # fmt: skip
+
+
+# -- the manager -----------------------------------------------------------------------
+
+
+def _absorbing(default: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A manager method that, while the manager is ``absorbing``, keeps a loss or an
+    outage for the scheduler (``_absorb``) and answers ``default(self, *args)``."""
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(self: KVCoordKVCacheManager, *args: Any, **kwargs: Any) -> Any:
+            if not self.absorbing:
+                return method(self, *args, **kwargs)
+            try:
+                return method(self, *args, **kwargs)
+            except KVCoordError as err:
+                self._absorb(err)
+                return default(self, *args)
+
+        return call
+
+    return wrap
+
+
+@dataclasses.dataclass(slots=True)
+class _Held:
+    """What the adapter knows of a request holding blocks: for ``block_hash``."""
+
+    request: Any
+    hashed_tokens: int = 0
+
+
+class KVCoordKVCacheManager:
+    """vLLM 0.16.0's ``KVCacheManager`` interface over a kvcoord pool.
+
+    Every call is one call of the wrapped :class:`RemoteKVCacheManager` (one round trip),
+    except those answered locally: ``empty_kv_cache_blocks``, ``create_kv_cache_blocks``,
+    ``take_events`` with events off and ``make_prefix_cache_stats`` with stats off.
+
+    ``block_hash`` of a returned block is derived here, not read from the server: a
+    request's blocks are hashed up to the tokens cached for it (by ``allocate_slots``,
+    or ``cache_blocks`` when caching was delayed), exactly as vLLM's manager caches them,
+    with the hash values of ``request.block_hashes``.
+
+    Args:
+        remote: an attached manager (see :func:`connect`).
+        kv_cache_config: the engine's ``KVCacheConfig`` (kept as ``kv_cache_config``).
+    """
+
+    def __init__(
+        self, remote: RemoteKVCacheManager | PredictingKVCacheManager, kv_cache_config: Any = None
+    ) -> None:
+        cfg = remote.config
+        self.remote = remote
+        self.kv_cache_config = kv_cache_config
+        self.enable_caching = bool(cfg.enable_caching)
+        self.use_eagle = bool(cfg.use_eagle)
+        self.log_stats = not cfg.HasField("log_stats") or cfg.log_stats
+        self.enable_kv_cache_events = bool(cfg.enable_kv_cache_events)
+        self.max_model_len = int(cfg.max_model_len)
+        self.hash_block_size = int(cfg.hash_block_size)
+        self.num_kv_cache_groups = len(cfg.groups)
+        kinds = group_kinds(cfg.groups)
+        self.block_sizes = [int(getattr(g, k).block_size) for g, k in zip(cfg.groups, kinds, strict=True)]
+        # attention tables hold one block per block_size tokens from position 0, so a
+        # block's position says which hash it holds; mamba and cross-attention tables
+        # do not, and their blocks report no hash
+        self._positional = [k in ("full", "sliding_window", "chunked_local") for k in kinds]
+        self.metrics_collector = None
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in range(self.num_kv_cache_groups)))
+        self._held: dict[str, _Held] = {}
+        #: whole tables that came with a request's first allocation, until it changes
+        self._tables: dict[str, KVCacheBlockIds] = {}
+        #: blocks whose hash evict_blocks dropped: they report none until allocated anew
+        #: (a request holding one never caches it again); and, while there are any, the
+        #: allocations whose new ids were not read yet (read before hashes are given)
+        self._evicted: set[int] = set()
+        self._unread: list[KVCacheBlockIds] = []
+        #: closed by close() (set by connect when it opened the client)
+        self.owned_client: KVCoordClient | None = None
+        #: the pool's name and configuration, to create it again on a server that lost
+        #: it (set by connect with KVCOORD_CREATE_POOL=1)
+        self.pool_to_create: tuple[str, pb.PoolConfig] | None = None
+        #: the requests allocate_slots was called for since the scheduler last cleared
+        #: it (what a schedule() call that failed half-way may have allocated), and the
+        #: scheduling fields of each waiting request looked up or allocated for, as they
+        #: were at its first such call since then (what that call may have changed after)
+        self.allocated: set[str] = set()
+        self.seen: dict[str, tuple[Any, ...]] = {}
+        #: while True (vLLM's update_from_output, whose outputs must not be lost), a
+        #: lost session or an outage does not raise: the requests reported lost go to
+        #: ``lost`` for the scheduler to preempt before its next allocation, and the
+        #: call answers as if it had nothing to say (no events, no statistics, no
+        #: blocks, the last usage known)
+        self.absorbing = False
+        self.lost: set[str] = set()
+        #: losses and outages met while absorbing
+        self.absorbed = 0
+        self._last_usage = 0.0
+
+    # -- blocks -------------------------------------------------------------------------
+    def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> KVCacheBlocks:
+        """``KVCacheBlocks`` of ``blocks`` (the shared empty one when all groups are empty)."""
+        return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks
+
+    def _blocks(
+        self, ids: Sequence[Sequence[int]], held: _Held | None, starts: Sequence[int]
+    ) -> KVCacheBlocks:
+        """Blocks for ``ids``; ``starts[g]`` is the table position of group ``g``'s first."""
+        if not any(ids):
+            return self.empty_kv_cache_blocks
+        if held is None or not self.enable_caching:
+            return KVCacheBlocks(tuple([KVCacheBlock(b) for b in group] for group in ids))
+        if self._unread:
+            unread, self._unread = self._unread, []
+            for new in unread:  # after an eviction only: their ids may say a block was given anew
+                self._allocated_anew(new.get_block_ids())
+        return KVCacheBlocks(
+            tuple(
+                [KVCacheBlock(b, self._hash_of(held, g, starts[g] + j, b)) for j, b in enumerate(group)]
+                for g, group in enumerate(ids)
+            )
+        )
+
+    def _hash_of(self, held: _Held, group: int, index: int, block_id: int) -> bytes | None:
+        size = self.block_sizes[group]
+        if not self._positional[group] or block_id == 0 or (index + 1) * size > held.hashed_tokens:
+            return None
+        if self._evicted and block_id in self._evicted:
+            return None  # its hash was dropped (evict_blocks) while held, as vLLM's block
+        hashes = getattr(held.request, "block_hashes", None) or ()
+        scale = size // self.hash_block_size
+        parts = hashes[index * scale : (index + 1) * scale]
+        if len(parts) < scale:
+            return None
+        return b"".join(bytes(p) for p in parts) + group.to_bytes(4, "big")
+
+    # -- losses ---------------------------------------------------------------------------
+    def _absorb(self, err: KVCoordError) -> None:
+        """Keep what ``err`` says for the scheduler (while ``absorbing``), or raise it."""
+        if isinstance(err, RequestsLostError):
+            self.lost.update(err.request_ids)
+        elif not isinstance(err, OUTAGE_ERRORS):
+            raise err
+        self.absorbed += 1
+        logger.warning("kvcoord pool %r: %s (handled at the next schedule)", self.remote.pool, err)
+
+    def take_lost(self) -> set[str]:
+        """The requests reported lost while absorbing, since the last call."""
+        lost, self.lost = self.lost, set()
+        return lost
+
+    def create_pool_again(self) -> bool:
+        """Create the pool (as connect did) on a server that no longer has it; False when
+        this manager was not told how (KVCOORD_CREATE_POOL=0)."""
+        if self.pool_to_create is None:
+            return False
+        name, config = self.pool_to_create
+        try:
+            self.remote.client.create_pool(name, config)
+        except AlreadyExistsError:
+            pass  # made meanwhile (by another engine, or the call's own retry)
+        logger.warning("kvcoord pool %r was gone from the server: created again", name)
+        return True
+
+    # -- KVCacheManager -----------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        if not self.absorbing:
+            self._last_usage = usage = self.remote.usage
+            return usage
+        try:
+            self._last_usage = usage = self.remote.usage
+        except KVCoordError as err:
+            self._absorb(err)
+            return self._last_usage
+        return usage
+
+    @property
+    def prefix_cache_stats(self) -> Any:
+        """The statistics gathered since the last ``make_prefix_cache_stats`` (not reset)."""
+        if not self.log_stats:
+            return None
+        return convert_stats(self.remote.peek_prefix_cache_stats() or pb.PrefixCacheStats())
+
+    @_absorbing(lambda self, *_: convert_stats(pb.PrefixCacheStats()) if self.log_stats else None)
+    def make_prefix_cache_stats(self) -> Any:
+        """Get (and reset) the prefix cache stats; ``None`` with stats off."""
+        if not self.log_stats:
+            return None
+        stats = self.remote.make_prefix_cache_stats()
+        return convert_stats(stats if stats is not None else pb.PrefixCacheStats())
+
+    def _seen(self, request: Any) -> None:
+        if request.request_id not in self.seen:
+            self.seen[request.request_id] = (
+                getattr(request, "status", None), request.num_computed_tokens,
+                getattr(request, "num_cached_tokens", -1), getattr(request, "num_external_computed_tokens", 0),
+            )  # fmt: skip
+
+    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlocks, int]:
+        self._seen(request)
+        if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
+            return self.empty_kv_cache_blocks, 0
+        hit, num_tokens = self.remote.get_computed_blocks(request)
+        ids = hit.get_block_ids()
+        if not any(ids):
+            return self.empty_kv_cache_blocks, num_tokens
+        # hit blocks are cached blocks: each one holds its hash
+        held = _Held(request, num_tokens)
+        groups = tuple(
+            [KVCacheBlock(b, self._hash_of(held, g, j, b)) for j, b in enumerate(group)]
+            for g, group in enumerate(ids)
+        )
+        return KVCacheBlocks(groups), num_tokens
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        hit = new_computed_blocks.to_block_ids() if new_computed_blocks is not None else None
+        rid = request.request_id
+        if new_computed_blocks is not None:  # vLLM's waiting loop (a running request's passes none)
+            self._seen(request)
+        self.allocated.add(rid)
+        held = self._held.get(rid)
+        fresh = held is None  # vLLM will ask for its whole table (get_blocks)
+        new = self.remote.allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, hit, num_lookahead_tokens,
+            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table=fresh,
+        )  # fmt: skip
+        tables = self._tables
+        if tables:
+            tables.pop(rid, None)
+        if new is None:
+            return None
+        if held is None:
+            tables[rid] = new
+            held = self._held[rid] = _Held(request)
+        else:
+            held.request = request
+        # vLLM's accounting: what is computed, what needs a slot, what gets cached
+        local = int(request.num_computed_tokens) + num_new_computed_tokens
+        total = local + num_external_computed_tokens
+        need = total + num_new_tokens + num_lookahead_tokens
+        if self.max_model_len:
+            total, need = min(total, self.max_model_len), min(need, self.max_model_len)
+        if self.enable_caching:
+            cached = local if delay_cache_blocks else min(total + num_new_tokens, int(request.num_tokens))
+            if cached > held.hashed_tokens:
+                held.hashed_tokens = cached
+
+        def make() -> tuple[Sequence[KVCacheBlock], ...]:
+            ids = new.get_block_ids()
+            self._allocated_anew(ids)
+            if not any(ids):
+                return self.empty_kv_cache_blocks.blocks  # a decode step's usual answer
+            # tables only grow: new blocks end the table, which now covers `need` tokens
+            starts = [
+                -(-need // size) - len(group) for size, group in zip(self.block_sizes, ids, strict=True)
+            ]
+            return self._blocks(ids, held, starts).blocks
+
+        if new.resolved:
+            return KVCacheBlocks(make())
+        if self._evicted:
+            self._unread.append(new)
+        return KVCacheBlocks(make=make)
+
+    def _allocated_anew(self, ids: Sequence[Sequence[int]]) -> None:
+        """Blocks just allocated report their new holder's hashes again."""
+        if self._evicted:
+            for group in ids:
+                self._evicted.difference_update(group)
+
+    @_absorbing(lambda *_: None)
+    def free(self, request: Any) -> None:
+        self._held.pop(request.request_id, None)
+        self._tables.pop(request.request_id, None)
+        self.remote.free(request)
+
+    @_absorbing(lambda *_: None)
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
+        if request_id not in self._held:
+            return  # vLLM's scheduler asks for any finished request (a connector's): no table, nothing to skip
+        self._tables.pop(request_id, None)
+        self.remote.remove_skipped_blocks(request_id, total_computed_tokens)
+
+    @_absorbing(lambda *_: None)
+    def evict_blocks(self, block_ids: set[int]) -> None:
+        self.remote.evict_blocks(block_ids)
+        self._evicted.update(block_ids)
+
+    def reset_prefix_cache(self) -> bool:
+        try:
+            return self.remote.reset_prefix_cache()
+        except RequestsLostError as err:
+            # the session was lost (the manager is attached again): the scheduler
+            # preempts the requests before its next allocation; the reset is tried anew
+            self.lost.update(err.request_ids)
+            return self.remote.reset_prefix_cache()
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
+        return self.remote.get_num_common_prefix_blocks(running_request_id)
+
+    @_absorbing(lambda *_: [])
+    def take_events(self) -> list[Any]:
+        if not self.enable_kv_cache_events:
+            return []
+        return convert_events(self.remote.take_events())
+
+    @_absorbing(lambda self, *_: self.empty_kv_cache_blocks)
+    def get_blocks(self, request_id: str) -> KVCacheBlocks:
+        held = self._held.get(request_id)
+        if held is None:
+            # never allocated here, or freed: vLLM's manager holds no table for it
+            return self.empty_kv_cache_blocks
+        fresh = self._tables.get(request_id)
+        if fresh is not None:
+            # the table came with the request's first allocation (nothing changed it since)
+            def make() -> tuple[Sequence[KVCacheBlock], ...]:
+                table = fresh.table
+                assert table is not None
+                return self._blocks(table, held, [0] * len(table)).blocks
+
+            return KVCacheBlocks(make=make)
+        ids = self.remote.get_block_ids(request_id)
+        return self._blocks(ids, held, [0] * len(ids))
+
+    @_absorbing(lambda self, *_: tuple([] for _ in range(self.num_kv_cache_groups)))
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        if request_id not in self._held:
+            # never allocated here, or freed (vLLM's scheduler asks when a connector's
+            # request finishes, scheduled or not): no table, as vLLM answers
+            return tuple([] for _ in range(self.num_kv_cache_groups))
+        return self.remote.get_block_ids(request_id)
+
+    @_absorbing(lambda *_: None)
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        self.remote.cache_blocks(request, num_computed_tokens)
+        held = self._held.get(request.request_id)
+        if held is not None:
+            held.hashed_tokens = max(held.hashed_tokens, num_computed_tokens)
+
+    def close(self) -> None:
+        """End the session (the server frees what it still holds) and close an owned client."""
+        try:
+            self.remote.close()
+        finally:
+            if self.owned_client is not None:
+                self.owned_client.close()

@@ -84,6 +84,12 @@ def _hit(client: KVCoordClient) -> int:
     return int(client.find_longest_cache_hit("p", _hashes(PROMPT), len(PROMPT)).hit.num_tokens)
 
 
+def _adoption(client: KVCoordClient) -> tuple[int, int, int, int, int]:
+    """GetStats: live and adopted reservations, hit tokens promised and got, short hits."""
+    s = client.get_stats("p").reservations
+    return (s.live, s.adopted, s.promised_tokens, s.got_tokens, s.short_hits)
+
+
 def _storm(address: str, workers: int = 3, rounds: int = 6) -> Callable[[], None]:
     """Start concurrent storms; returns a function that waits for them."""
     errors: list[BaseException] = []
@@ -148,14 +154,7 @@ def test_a_reserved_hit_survives_a_concurrent_eviction_storm(
 
         arrival = Worker(server.address, "arrival")
         assert arrival.admit(PROMPT).hit.num_tokens == 40
-        stats = client.get_stats("p").reservations
-        assert (stats.live, stats.adopted, stats.promised_tokens, stats.got_tokens, stats.short_hits) == (
-            0,
-            1,
-            40,
-            40,
-            0,
-        )
+        assert _adoption(client) == (0, 1, 40, 40, 0)
         metrics = scrape_metrics(server)
         assert metrics[("kvcoord_reservation_promised_tokens_total", (("pool", "p"),))] == 40
         assert metrics[("kvcoord_reservation_got_tokens_total", (("pool", "p"),))] == 40
@@ -243,3 +242,35 @@ def test_reservations_are_bounded_per_tenant() -> None:
         for rid in service.expired_reservations():
             service.release_reservation(rid)
     assert reserve("t1", ["a"]) is not None
+
+
+def test_a_request_of_another_prompt_sharing_the_hit_leaves_the_reservation(
+    make_server: Callable[..., InProcessServer], clock: ManualClock
+) -> None:
+    """A request of a shorter prompt made of the reserved hit's blocks only (its own hit
+    stops a block earlier: at most num_tokens - 1 tokens) does not adopt the
+    reservation made for the scored prompt: the reservation stays live through a
+    concurrent eviction storm, the scored prompt's request then adopts it with the
+    promised hit, and no short hit is counted (GetStats)."""
+    server = make_server()
+    with KVCoordClient(server.address, timeout=10) as client:
+        _warm(server.address)
+        r = client.score_pools(len(PROMPT), _prompt(), reserve_seconds=5.0)
+        assert r.reservation.hit_tokens == 40
+
+        short = PROMPT[:40]
+        expected = client.find_longest_cache_hit("p", _hashes(short), len(short)).hit.num_tokens
+        assert expected < 40
+        other = Worker(server.address, "other")
+        assert other.admit(short).hit.num_tokens == expected
+        other.client.free("p", other.held, session_id=other.sid, fence=other.fence)
+        other.close()
+        stats = client.get_stats("p").reservations
+        assert (stats.live, stats.adopted, stats.short_hits) == (1, 0, 0)
+
+        _storm(server.address)()
+        assert _hit(client) == 40
+        arrival = Worker(server.address, "arrival")
+        assert arrival.admit(PROMPT).hit.num_tokens == 40
+        assert _adoption(client) == (0, 1, 40, 40, 0)
+        arrival.close()

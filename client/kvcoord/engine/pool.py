@@ -303,7 +303,7 @@ class KVCachePool:
         self, reservation_id: str, block_hashes: Sequence[bytes], num_tokens: int, cache_namespace: str = ""
     ) -> CacheHit:
         """:meth:`find_longest_cache_hit`, then hold the hit's blocks against eviction
-        until a request of this prefix adopts them (:meth:`adopt_reservation`) or
+        until a request of this prompt adopts them (:meth:`adopt_reservation`) or
         :meth:`release_reservation`. An empty hit holds nothing and is not kept.
 
         Raises:
@@ -318,7 +318,7 @@ class KVCachePool:
             held: Sequence[Sequence[int]] = hit.block_ids
             if self.config.use_eagle:
                 held = self.hits.cached_under(request_keys(block_hashes, prefix), num_tokens - 1)
-            self.reservations.hold(reservation_id, hit, held, prefix, block_hashes)
+            self.reservations.hold(reservation_id, hit, held, prefix, block_hashes, num_tokens)
         return hit
 
     def release_reservation(self, reservation_id: str) -> bool:
@@ -327,10 +327,10 @@ class KVCachePool:
 
     def adopt_reservation(self, request_id: str, got_tokens: int) -> Reservation | None:
         """The request made its first allocation with a hit of ``got_tokens``: release
-        the oldest reservation of its prefix (call after the allocation, so blocks it
-        shares keep their place)."""
+        the oldest reservation made for its prompt (same namespace, hashes and token
+        count; call after the allocation, so blocks it shares keep their place)."""
         req = self._get(request_id)
-        return self.reservations.adopt(req.cache_prefix, req.block_hashes, got_tokens)
+        return self.reservations.adopt(req.cache_prefix, req.block_hashes, req.num_tokens, got_tokens)
 
     def allocate_slots(
         self,

@@ -4,10 +4,16 @@ A router scores a prompt (the read-only ``find_longest_cache_hit``), sends the r
 to the best pool, and the request arrives there some milliseconds later; meanwhile
 other requests may evict the blocks it was promised. A reservation takes one reference
 on each block of the hit, as a request holding them would, so no allocation can reuse
-them. It ends either when a request with the same prefix (same cache namespace, the
-same hash at the hit's last block) makes its first allocation (the request has taken
-its own references by then, so blocks it shares never move in the free queue), or
-when it is released (time to live, decided by the service).
+them. It ends either when a request of the prompt that was scored (same cache
+namespace, same block hashes, same number of tokens: the request the hit was promised
+to) makes its first allocation (the request has taken its own references by then, so
+blocks it shares never move in the free queue), or when it is released (time to live,
+decided by the service).
+
+Only that prompt adopts it: a request sharing just the hit's blocks may be promised
+less (a hit covers at most ``num_tokens - 1`` tokens, and with EAGLE it depends on the
+block after it), and taking the reservation from the request it was made for would
+let that request's hit be evicted before its time runs out.
 
 vLLM has no reservations: a pool with none behaves exactly like vLLM's manager, and
 one with reservations like a pool where an extra request holds those blocks. Releasing
@@ -31,8 +37,10 @@ class Reservation:
     """One held hit: the hit, the blocks held per group (the hit's, without null
     blocks; with EAGLE also every block cached under the prompt's hashes that the
     search reads, since the hit depends on the block it drops), the cache namespace's
-    key prefix, and the raw hash of the hit's last ``hash_block_size`` block (with
-    the chained hashes, it names the whole prefix)."""
+    key prefix, and the scored prompt: the raw hash of its last full
+    ``hash_block_size`` block (with the chained hashes, it names every block), its
+    number of hashes and its number of tokens (the search's input, so a request of
+    that prompt is promised exactly ``hit``)."""
 
     reservation_id: str
     hit: CacheHit
@@ -40,6 +48,7 @@ class Reservation:
     namespace_prefix: bytes
     last_hash: bytes
     num_hashes: int
+    num_tokens: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -78,18 +87,21 @@ class Reservations:
         held: Sequence[Sequence[int]],
         namespace_prefix: bytes,
         hashes: Sequence[bytes],
+        num_tokens: int,
     ) -> None:
         """Take a reference on every block of ``held`` (per group, in position order:
-        the blocks ``hit``, found just now for these request hashes, depends on) and
-        remember them under ``reservation_id`` (new). ``hit`` is not empty."""
-        assert reservation_id not in self.live and hit.num_tokens > 0
-        n = hit.num_tokens // self.hash_block_size
+        the blocks ``hit``, found just now for the prompt of these hashes and
+        ``num_tokens`` tokens, depends on) and remember them under ``reservation_id``
+        (new). ``hit`` is not empty (so neither is ``hashes``)."""
+        assert reservation_id not in self.live and hit.num_tokens > 0 and hashes
         bp = self.block_pool
         blocks = bp.blocks
         kept = tuple(tuple(b for b in ids if b) for ids in held)
         for ids in kept:
             bp.touch(blocks[b] for b in ids)
-        self.live[reservation_id] = Reservation(reservation_id, hit, kept, namespace_prefix, hashes[n - 1], n)
+        self.live[reservation_id] = Reservation(
+            reservation_id, hit, kept, namespace_prefix, hashes[-1], len(hashes), num_tokens
+        )
         self.counters.made += 1
 
     def release(self, reservation_id: str) -> Reservation | None:
@@ -112,17 +124,18 @@ class Reservations:
         return True
 
     def adopt(
-        self, namespace_prefix: bytes, block_hashes: Sequence[bytes], got_tokens: int
+        self, namespace_prefix: bytes, block_hashes: Sequence[bytes], num_tokens: int, got_tokens: int
     ) -> Reservation | None:
-        """A request with these hashes made its first allocation, with a hit of
-        ``got_tokens``: release the oldest reservation of its prefix, if any, and count
-        what it promised against what the request got."""
+        """A request with these hashes and ``num_tokens`` tokens made its first
+        allocation, with a hit of ``got_tokens``: release the oldest reservation made
+        for its prompt, if any, and count what it promised against what the request
+        got."""
         for r in self.live.values():
-            n = r.num_hashes
             if (
-                r.namespace_prefix == namespace_prefix
-                and len(block_hashes) >= n
-                and block_hashes[n - 1] == r.last_hash
+                r.num_tokens == num_tokens
+                and r.num_hashes == len(block_hashes)
+                and r.namespace_prefix == namespace_prefix
+                and block_hashes[-1] == r.last_hash
             ):
                 self.release(r.reservation_id)
                 c = self.counters

@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 #: the version of the value :func:`export_state` returns
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 class StateError(ValueError):
@@ -137,6 +137,7 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
                 r.namespace_prefix,
                 r.last_hash,
                 r.num_hashes,
+                r.num_tokens,
             ]
             for r in pool.reservations.live.values()
         ],
@@ -219,9 +220,10 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
     bp.partial_tokens = dict(state.get("partial_tokens", ()))
     bp.kv_event_queue = [event_from_value(v) for v in state["pending_events"]]
     live = pool.reservations.live
-    for rid, hit_ids, hit_tokens, held, prefix, last_hash, num_hashes in state["reservations"]:
+    for rid, hit_ids, hit_tokens, held, prefix, last_hash, num_hashes, num_tokens in state["reservations"]:
         hit = CacheHit(tuple(tuple(g) for g in hit_ids), hit_tokens)
-        live[rid] = Reservation(rid, hit, tuple(tuple(g) for g in held), prefix, last_hash, num_hashes)
+        held_ids = tuple(tuple(g) for g in held)
+        live[rid] = Reservation(rid, hit, held_ids, prefix, last_hash, num_hashes, num_tokens)
     pool.reservations.counters = ReservationCounters(*state["reservation_counters"])
     return pool
 

@@ -564,7 +564,7 @@ class PoolService:
 
     def _allocate_adopting(self, s: Session, o: op.Allocate) -> op.Value:
         """:meth:`_allocate`; a request's first allocation then adopts the oldest
-        reservation of its prefix (the pool is vLLM's exactly while none is live)."""
+        reservation made for its prompt (the pool is vLLM's exactly while none is live)."""
         engine = self.engine
         if not engine.reservations.live:
             return self._allocate(s, o)
@@ -577,7 +577,7 @@ class PoolService:
         return value
 
     def _admit_adopting(self, s: Session, o: op.Admit) -> op.Value:
-        """:meth:`_admit`; each admitted request then adopts a reservation of its prefix,
+        """:meth:`_admit`; each admitted request then adopts a reservation of its prompt,
         in admission order."""
         if not self.engine.reservations.live:
             return self._admit(s, o)

@@ -167,7 +167,8 @@ def test_scores_per_tenant_with_each_pools_own_namespace_prefixes(
     different namespace prefix in each pool, and the same prefix names different
     tenants), filler requests evict, and every prompt scored as every tenant in one
     call is, in every pool, that tenant's get_computed_blocks hit (namespace
-    included) and its own find_longest_cache_hit on a plain list."""
+    included) and its own find_longest_cache_hit on a plain list; the hit lengths through
+    a cross-pool index watching every pool from the start are the same."""
     pools = {
         f"p{i}": service(f"p{i}", dataclasses.replace(cfg, hash_length=32)) for i, cfg in enumerate(layouts)
     }
@@ -176,6 +177,9 @@ def test_scores_per_tenant_with_each_pools_own_namespace_prefixes(
         return BlockHasher(*SETTINGS[:2], NONE).extend(tokens)
 
     prompts = [p + [rnd.randrange(4) for _ in range(rnd.randint(1, 30))] for p in PREFIXES[1:]]
+    index = ScoreIndex()  # watching every pool before the tenants cache anything
+    first = prompts[0][:8]
+    score_pools(pools, lambda _: True, [], len(first), [(SETTINGS, hashed(first))], index=index)
     for name, p in pools.items():
         engine = p.engine
         for step in range(rnd.randint(2, 12)):
@@ -199,6 +203,13 @@ def test_scores_per_tenant_with_each_pools_own_namespace_prefixes(
                 clone.add_request("ref", tokens, list(hashes), cache_namespace=namespace)
                 assert s.hit == clone.get_computed_blocks("ref"), (s.pool, tenant)
                 assert s.hit == engine.find_longest_cache_hit(list(hashes), len(tokens), namespace)
+            lengths = score_pools(
+                pools, lambda _: True, [], len(tokens), [(SETTINGS, hashes)], tenant, index=index
+            )
+            assert [(s.pool, s.hit.num_tokens) for s in lengths.scores] == [
+                (s.pool, s.hit.num_tokens) for s in result.scores
+            ], tenant
+    check_index(pools, index)
 
 
 def test_wrong_hashes_are_refused_by_every_pool_sharing_the_prompt() -> None:

@@ -468,24 +468,27 @@ def step_child(watched: bool) -> None:
     lookups, allocations and frees (where a watched map reports its keys)."""
     import importlib
     import json
-    import types
 
-    from kvcoord.engine import FullAttentionSpec, KVCachePool
+    from kvcoord.engine import FullAttentionSpec
 
     # bench/engine.py, imported after kvcoord: it puts this checkout's sources first on
     # sys.path, and an old tree's child must keep the kvcoord its PYTHONPATH gave it
     workload = importlib.import_module("engine")
 
-    made = KVCachePool
     if watched:
+        from kvcoord.service.pool_service import Fence, Limits, PoolService
         from kvcoord.service.scoring import ScoreIndex
+        from kvcoord.service.sessions import SessionTable
+        from kvcoord.service.testing import ManualClock
 
         index = ScoreIndex()
 
         def made_and_watched(cfg: Any) -> Any:
-            pool = made(cfg)
-            assert index.watch("p", types.SimpleNamespace(engine=pool)) is not None  # type: ignore[arg-type]
-            return pool
+            sessions = SessionTable(ManualClock(), 30.0, 60.0)
+            service = PoolService("p", cfg, ("sha256_cbor", 16, "0"), Fence("i", 1), Limits(), sessions)
+            index.forget("p")  # the previous run's pool
+            assert index.watch("p", service) is not None
+            return service.engine
 
         workload.KVCachePool = made_and_watched  # type: ignore[attr-defined]
     for line in sys.stdin:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import multiprocessing
 import os
 import random
@@ -53,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # a --child process imports kvcoord from the tree its PYTHONPATH names (this one or --old's)
 sys.path[:0] = (
     [str(ROOT / "bench")]
-    if "--child" in sys.argv
+    if "--child" in sys.argv or "--step-child" in sys.argv
     else [str(ROOT / "client"), str(ROOT / "server"), str(ROOT / "bench")]
 )
 
@@ -227,17 +228,24 @@ def inprocess_child(n: int) -> None:
             names = build(c, n, prompt)
             infos = [p for p in c.list_pools().pools if p.name in names]
             wire = [prompts_from_pb(hash_prompt(infos, t)) for t in [prompt, *others]]
-        pools = local.running.servicer.registry.pools  # type: ignore[union-attr]
+        registry = local.running.servicer.registry  # type: ignore[union-attr]
+        pools = registry.pools
+        # what the handler passes without include_block_ids: the cross-pool index (a
+        # code without one scores each pool by its own search)
+        index = getattr(registry, "score_index", None)
+        extra = {"index": index} if index is not None else {}
 
-        def run(samples: int) -> list[float]:
+        def run(samples: int) -> dict[str, Any]:
             out = []
+            before = [g["collections"] for g in gc.get_stats()]
             for k in range(samples):
                 hashed = wire[k % len(wire)]
                 t = time.perf_counter()
-                r = score_pools(pools, lambda _: True, names, PROMPT_TOKENS, hashed)
+                r = score_pools(pools, lambda _: True, names, PROMPT_TOKENS, hashed, **extra)
                 out.append(time.perf_counter() - t)
             assert len(r.scores) == n, r
-            return out
+            after = [g["collections"] for g in gc.get_stats()]
+            return {"seconds": out, "collections": [b - a for a, b in zip(before, after, strict=True)]}
 
         freeze_heap()
         for line in sys.stdin:
@@ -304,6 +312,7 @@ def bench_scoring(samples: int, old: str | None) -> None:
     print()
     print("| pools | code | where | p50 ms | p99 ms | mean ms |")
     print("| ---: | --- | --- | ---: | ---: | ---: |")
+    gc_note: list[str] = []
     for n in (1, 16, 64):
         procs: list[subprocess.Popen[Any]] = []
         try:
@@ -326,6 +335,7 @@ def bench_scoring(samples: int, old: str | None) -> None:
                 infos = [p for p in c.list_pools().pools if p.name in names]
                 hashed[label] = [hash_prompt(infos, t) for t in [prompt, *others]]
             local: dict[str, list[float]] = {label: [] for label in trees}
+            collections: dict[str, list[int]] = {label: [0, 0, 0] for label in trees}
             wire: dict[str, list[float]] = {label: [] for label in trees}
             floor: dict[str, list[float]] = {label: [] for label in trees}
             # the gRPC floor: messages of the new code's ScorePools sizes, no kvcoord
@@ -349,7 +359,11 @@ def bench_scoring(samples: int, old: str | None) -> None:
                     assert child.stdin is not None and child.stdout is not None
                     child.stdin.write(f"{samples // rounds}\n")
                     child.stdin.flush()
-                    local[label] += json.loads(child.stdout.readline())
+                    answer = json.loads(child.stdout.readline())
+                    local[label] += answer["seconds"]
+                    collections[label] = [
+                        a + b for a, b in zip(collections[label], answer["collections"], strict=True)
+                    ]
                 # wire: one call to each server in turn
                 for k in range(samples // rounds + (50 if r == 0 else 0)):
                     for label, c in clients.items():
@@ -371,6 +385,8 @@ def bench_scoring(samples: int, old: str | None) -> None:
                 for where, xs in rows:
                     print(f"| {n} | {label} | {where} | {pct(xs, 0.5):.3f} | {pct(xs, 0.99):.3f} | "
                           f"{statistics.mean(xs) * 1e3:.3f} |")  # fmt: skip
+            for label in trees:
+                gc_note.append(f"{n} pools, {label}: " + "/".join(map(str, collections[label])))
             print(f"| {n} | - | gRPC floor | {pct(bare, 0.5):.3f} | {pct(bare, 0.99):.3f} | "
                   f"{statistics.mean(bare) * 1e3:.3f} |")  # fmt: skip
             for c in clients.values():
@@ -382,6 +398,8 @@ def bench_scoring(samples: int, old: str | None) -> None:
                     proc.stdin.close()
                 proc.terminate()
                 proc.wait(10)
+    print()
+    print(f"in-process garbage collections (generations 0/1/2) over {samples} calls: " + "; ".join(gc_note))
     for path in temporary:  # the servers' journals and --old's sources
         shutil.rmtree(path, ignore_errors=True)
 
@@ -443,15 +461,102 @@ def bench_events(seconds: float) -> None:
         print(f"| {subs} | {n} | {max(counts, default=0)} | {min(per):,.0f} - {max(per):,.0f} |")
 
 
+def step_child(watched: bool) -> None:
+    """``--step-child plain|watched``: bench/engine.py's scheduler workload (the code on
+    PYTHONPATH) on a pool that a ScoreIndex watches or not; each line on stdin is a
+    seed: run that many steps' workload and print the engine's total nanoseconds in
+    lookups, allocations and frees (where a watched map reports its keys)."""
+    import importlib
+    import json
+
+    from kvcoord.engine import FullAttentionSpec
+
+    # bench/engine.py, imported after kvcoord: it puts this checkout's sources first on
+    # sys.path, and an old tree's child must keep the kvcoord its PYTHONPATH gave it
+    workload = importlib.import_module("engine")
+
+    if watched:
+        from kvcoord.service.pool_service import Fence, Limits, PoolService
+        from kvcoord.service.scoring import ScoreIndex
+        from kvcoord.service.sessions import SessionTable
+        from kvcoord.service.testing import ManualClock
+
+        index = ScoreIndex()
+
+        def made_and_watched(cfg: Any) -> Any:
+            sessions = SessionTable(ManualClock(), 30.0, 60.0)
+            service = PoolService("p", cfg, ("sha256_cbor", 16, "0"), Fence("i", 1), Limits(), sessions)
+            index.forget("p")  # the previous run's pool
+            assert index.watch("p", service) is not None
+            return service.engine
+
+        workload.KVCachePool = made_and_watched  # type: ignore[attr-defined]
+    for line in sys.stdin:
+        seed = int(line)
+        t = workload.run((FullAttentionSpec(16),), 4096, workload.make_requests(seed, 300), 60)
+        print(json.dumps([sum(t.lookup), sum(t.allocate), sum(t.free), len(t.allocate)]), flush=True)
+
+
+def bench_step_cost(rounds: int, old: str | None) -> None:
+    """What a watched pool's Steps pay: the engine workload on this code's pool
+    unwatched and watched, and on ``old``'s, in turns (one run each per round)."""
+    import json
+
+    trees: dict[str, tuple[Path, str]] = {
+        "new, not watched": (ROOT, "plain"),
+        "new, watched": (ROOT, "watched"),
+    }
+    if old:
+        trees = {"old": (old_tree(old), "plain"), **trees}
+    children = {}
+    for label, (tree, mode) in trees.items():
+        env = dict(os.environ, PYTHONPATH=f"{tree / 'client'}:{tree / 'server'}")
+        children[label] = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--step-child", mode],
+            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+    totals: dict[str, list[list[int]]] = {label: [] for label in trees}
+    try:
+        for r in range(rounds):
+            for label, child in children.items():
+                assert child.stdin is not None and child.stdout is not None
+                child.stdin.write(f"{r}\n")
+                child.stdin.flush()
+                totals[label].append(json.loads(child.stdout.readline()))
+    finally:
+        for child in children.values():
+            if child.stdin is not None:
+                child.stdin.close()
+            child.wait(30)
+    print()
+    print("| code | pool | engine ms per run (median) | per allocate_slots us (median run) |")
+    print("| --- | --- | ---: | ---: |")
+    for label, runs in totals.items():
+        ms = statistics.median((a + b + c) / 1e6 for a, b, c, _ in runs)
+        per = statistics.median(b / n / 1e3 for _, b, _, n in runs)
+        print(f"| {label.split(',')[0]} | {label.split(', ')[-1] if ',' in label else 'not watched'} | "
+              f"{ms:.1f} | {per:.2f} |")  # fmt: skip
+    if old:
+        shutil.rmtree(trees["old"][0], ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=500)
     ap.add_argument("--event-seconds", type=float, default=5.0)
-    ap.add_argument("--only", choices=("scoring", "events"), help="run one part")
+    ap.add_argument("--only", choices=("scoring", "events", "step-cost"), help="run one part")
+    ap.add_argument("--rounds", type=int, default=10, help="step-cost: workload runs per code")
     ap.add_argument("--old", metavar="REV", help="also score with the code of git revision REV, side by side")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)  # inprocess_child
     ap.add_argument("--floor", type=int, help=argparse.SUPPRESS)  # floor_server
+    ap.add_argument("--step-child", choices=("plain", "watched"), help=argparse.SUPPRESS)  # step_child
     a = ap.parse_args()
+    if a.step_child:
+        step_child(a.step_child == "watched")
+        return
+    if a.only == "step-cost":
+        bench_step_cost(a.rounds, a.old)
+        return
     if a.floor:
         floor_server()
         return

@@ -17,7 +17,7 @@ from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, Slidin
 from kvcoord.engine.hash_list import hashes_at_block_size
 from kvcoord.service.errors import ServiceError
 from kvcoord.service.pool_service import UNSCORED_NO_PROMPT, UNSCORED_TOO_LONG, Fence, Limits, PoolService
-from kvcoord.service.scoring import score_pools
+from kvcoord.service.scoring import ScoreIndex, score_pools
 from kvcoord.service.sessions import SessionTable
 from kvcoord.service.testing import ManualClock
 from strategies import PREFIXES, H, configs
@@ -43,12 +43,18 @@ def reference_hit(pool: KVCachePool, tokens: list[int], hashes: list[bytes]):  #
     return clone.get_computed_blocks(rid)
 
 
-def check_scores(pools: dict[str, PoolService], tokens: list[int]) -> None:
-    """Score ``tokens`` everywhere and compare each pool with its reference."""
+def check_scores(pools: dict[str, PoolService], tokens: list[int], index: ScoreIndex | None = None) -> None:
+    """Score ``tokens`` everywhere and compare each pool with its reference; with
+    ``index`` (one kept across the pools' changes) also score the hit lengths through
+    it, and check its bits are each watched pool's keys."""
     hashes = BlockHasher(*SETTINGS[:2], NONE).extend(tokens)
     before = {n: p.engine.snapshot() for n, p in pools.items()}
     counters = {n: repr(p.engine.lookup_counters) for n, p in pools.items()}
     result = score_pools(pools, lambda _: True, [], len(tokens), [(SETTINGS, hashes)])
+    lengths = None
+    if index is not None:
+        lengths = score_pools(pools, lambda _: True, [], len(tokens), [(SETTINGS, hashes)], index=index)
+        check_index(pools, index)
     assert {n: p.engine.snapshot() for n, p in pools.items()} == before
     assert {n: repr(p.engine.lookup_counters) for n, p in pools.items()} == counters
     assert not result.unscored
@@ -61,6 +67,26 @@ def check_scores(pools: dict[str, PoolService], tokens: list[int]) -> None:
         assert s.hit == engine.find_longest_cache_hit(hashes, len(tokens))
         assert (s.num_free_blocks, s.usage) == (engine.num_free_blocks, engine.usage)
         assert s.num_total_blocks == engine.config.num_blocks - 1
+    if lengths is not None:
+        assert not lengths.unscored
+        # the same ranking: pools, hit lengths, free blocks, usage, in the same order
+        assert [
+            (s.pool, s.hit.num_tokens, s.num_free_blocks, s.usage, s.num_total_blocks) for s in lengths.scores
+        ] == [
+            (s.pool, s.hit.num_tokens, s.num_free_blocks, s.usage, s.num_total_blocks) for s in result.scores
+        ]
+
+
+def check_index(pools: dict[str, PoolService], index: ScoreIndex) -> None:
+    """Every pool whose search starts with full attention is watched (it was just
+    scored) and its bits are exactly the keys of that group's map."""
+    for name, p in pools.items():
+        first = p.engine.hits._first_full
+        if first is None or not p.engine.config.enable_caching:
+            assert index.keys_of(name) == set(), name
+            continue
+        live = p.engine.block_pool.cached_block_hash_to_block.first[first[0]]
+        assert index.keys_of(name) == set(live), name
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -75,11 +101,12 @@ def test_every_score_is_the_hit_a_request_gets(
     no pool changes (snapshot, counters)."""
     pools = {f"p{i}": service(f"p{i}", cfg) for i, cfg in enumerate(layouts)}
     names = list(pools)
+    index = ScoreIndex()  # kept across every change the scheduler makes
 
     def probe(pool: KVCachePool, rid: str) -> None:
-        check_scores(pools, list(pool.get_request(rid).all_token_ids))
+        check_scores(pools, list(pool.get_request(rid).all_token_ids), index)
         prompt = rnd.choice(PREFIXES) + [rnd.randrange(4) for _ in range(rnd.randint(1, 20))]
-        check_scores(pools, prompt[:90])
+        check_scores(pools, prompt[:90], index)
 
     # Drive the pools one after another, each probing all of them, so every pool is
     # scored in many states (the others hold what their own runs cached).
@@ -140,7 +167,8 @@ def test_scores_per_tenant_with_each_pools_own_namespace_prefixes(
     different namespace prefix in each pool, and the same prefix names different
     tenants), filler requests evict, and every prompt scored as every tenant in one
     call is, in every pool, that tenant's get_computed_blocks hit (namespace
-    included) and its own find_longest_cache_hit on a plain list."""
+    included) and its own find_longest_cache_hit on a plain list; the hit lengths through
+    a cross-pool index watching every pool from the start are the same."""
     pools = {
         f"p{i}": service(f"p{i}", dataclasses.replace(cfg, hash_length=32)) for i, cfg in enumerate(layouts)
     }
@@ -149,6 +177,9 @@ def test_scores_per_tenant_with_each_pools_own_namespace_prefixes(
         return BlockHasher(*SETTINGS[:2], NONE).extend(tokens)
 
     prompts = [p + [rnd.randrange(4) for _ in range(rnd.randint(1, 30))] for p in PREFIXES[1:]]
+    index = ScoreIndex()  # watching every pool before the tenants cache anything
+    first = prompts[0][:8]
+    score_pools(pools, lambda _: True, [], len(first), [(SETTINGS, hashed(first))], index=index)
     for name, p in pools.items():
         engine = p.engine
         for step in range(rnd.randint(2, 12)):
@@ -172,6 +203,13 @@ def test_scores_per_tenant_with_each_pools_own_namespace_prefixes(
                 clone.add_request("ref", tokens, list(hashes), cache_namespace=namespace)
                 assert s.hit == clone.get_computed_blocks("ref"), (s.pool, tenant)
                 assert s.hit == engine.find_longest_cache_hit(list(hashes), len(tokens), namespace)
+            lengths = score_pools(
+                pools, lambda _: True, [], len(tokens), [(SETTINGS, hashes)], tenant, index=index
+            )
+            assert [(s.pool, s.hit.num_tokens) for s in lengths.scores] == [
+                (s.pool, s.hit.num_tokens) for s in result.scores
+            ], tenant
+    check_index(pools, index)
 
 
 def test_wrong_hashes_are_refused_by_every_pool_sharing_the_prompt() -> None:
@@ -230,3 +268,64 @@ def test_first_block_probe_with_coarser_groups_and_evicted_blocks() -> None:
                 p.engine.evict_blocks([block])
             check_scores(pools, tokens + [1])
             check_scores(pools, tokens[:20])
+
+
+def test_the_index_follows_every_change_of_the_maps() -> None:
+    """One ScoreIndex kept across every kind of change a pool's map sees, in pools whose
+    search starts with full attention (one group, EAGLE, full + sliding window, and
+    full attention of blocks twice the hash block size beside a sliding window) and one
+    whose search does not (sliding window alone): caching and eviction by a scheduler, eviction of named blocks, a prefix-cache
+    reset, the engine replaced from its exported state (a restore, an adoption), and a
+    pool created again under the same name without the index being told. After each,
+    every hit length through the index equals the pool's own search, and each watched
+    pool's bits are exactly its map's keys."""
+    layouts = {
+        "full": KVCacheConfig(
+            num_blocks=24, groups=(FullAttentionSpec(H),), hash_block_size=H, max_model_len=96
+        ),
+        "eagle": KVCacheConfig(24, (FullAttentionSpec(H),), H, max_model_len=96, use_eagle=True),
+        "coarse": KVCacheConfig(
+            24, (FullAttentionSpec(2 * H), SlidingWindowSpec(H, 4 * H)), H, max_model_len=96
+        ),
+        "hybrid": KVCacheConfig(24, (FullAttentionSpec(H), SlidingWindowSpec(H, 2 * H)), H, max_model_len=96),
+        "window": KVCacheConfig(24, (SlidingWindowSpec(H, 2 * H),), H, max_model_len=96),
+    }
+    pools = {name: service(name, cfg) for name, cfg in layouts.items()}
+    index = ScoreIndex()
+    rnd = random.Random(5)
+    prompts = [(p + [rnd.randrange(4) for _ in range(9)])[:60] for p in PREFIXES]
+
+    def check_all() -> None:
+        for tokens in prompts:
+            check_scores(pools, tokens, index)
+
+    def driven(seed: int) -> int:
+        for p in pools.values():
+            drive(p.engine, random.Random(seed), 25)
+        check_all()
+        return sum(len(index.keys_of(n)) for n in pools)
+
+    assert driven(1) > 0
+    for p in pools.values():  # named blocks evicted (half of each map's blocks)
+        p.engine.evict_blocks(p.engine.block_pool.cached_block_ids()[::2])
+    check_all()
+    driven(2)
+    for name, p in pools.items():  # a reset needs every request gone
+        for rid in list(p.engine.requests):
+            p.engine.free(rid)
+        assert p.reset_prefix_cache(), name
+    check_all()
+    assert sum(len(index.keys_of(n)) for n in pools) == 0
+    driven(3)
+    for p in pools.values():  # a new engine with the same state
+        p.import_state(p.export_state())
+    check_all()
+    assert driven(4) > 0
+    for name, cfg in layouts.items():  # a new pool under the same name
+        pools[name] = service(name, cfg)
+    check_all()
+    assert sum(len(index.keys_of(n)) for n in pools) == 0
+    driven(5)
+    index.forget("full")  # a registry drops a deleted pool's bits
+    assert index.keys_of("full") == set()
+    check_all()

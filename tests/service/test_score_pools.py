@@ -210,11 +210,12 @@ def test_tenants_score_only_pools_they_observe(make_server: Callable[..., InProc
 def test_scores_stay_exact_through_every_change_of_the_maps(tmp_path: Path) -> None:
     """Nothing of a score outlives the call (docs/routing.md): in a journaled server
     process, after each change that drops or rebuilds cached blocks (an eviction storm,
-    ResetPrefixCache, a pool deleted and created again, a SIGKILL restart replaying the
+    ResetPrefixCache, pools deleted and created again, a SIGKILL restart replaying the
     journal, a clean restart from its snapshot, a reservation expiring and its blocks
     then evicted), every score of prompts sharing the workload's prefixes equals
-    FindLongestCacheHit on that pool, and the scores moved (hits before, none after a
-    reset)."""
+    FindLongestCacheHit on that pool, with block ids and without (the hit lengths of the
+    server's cross-pool index, which must follow every one of these changes), and the
+    scores moved (hits before, none after a reset or a re-create)."""
     toml = "".join(
         f'[[pools]]\nname = "{name}"\nnum_blocks = 40\nhash_block_size = 4\nhash_algo = "sha256_cbor"\n'
         f'hash_seed = "0"\nenable_caching = true\nmax_model_len = 256\n' + groups
@@ -239,6 +240,13 @@ def test_scores_stay_exact_through_every_change_of_the_maps(tmp_path: Path) -> N
                 response = client.score_pools(
                     len(tokens), hash_prompt(list(client.list_pools().pools), tokens), include_block_ids=True
                 )
+                # without block ids: the hit lengths of the server's cross-pool index
+                lengths = client.score_pools(
+                    len(tokens), hash_prompt(list(client.list_pools().pools), tokens)
+                )
+                assert [(s.pool, s.hit_tokens, s.num_free_blocks) for s in lengths.scores] == [
+                    (s.pool, s.hit_tokens, s.num_free_blocks) for s in response.scores
+                ]
                 assert sorted(s.pool for s in response.scores) == sorted(configs)
                 for s in response.scores:
                     cfg = configs[s.pool]
@@ -289,10 +297,12 @@ def test_scores_stay_exact_through_every_change_of_the_maps(tmp_path: Path) -> N
                 assert client.reset_prefix_cache(name).result
             assert check(client) == 0
             fill(client)
-            cfg = client.get_pool("hybrid").pool.config
-            client.delete_pool("hybrid")
-            client.create_pool("hybrid", cfg)
-            assert check(client) > 0  # the full pool's hits; the new hybrid pool has none
+            assert check(client) > 0
+            for name in ("full", "hybrid"):
+                cfg = client.get_pool(name).pool.config
+                client.delete_pool(name)
+                client.create_pool(name, cfg)
+            assert check(client) == 0  # the new pools have nothing (none of the old ones' keys)
             fill(client, free=False)  # requests still held at the kill
             before = check(client)
         server.kill()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Protocol
 
 from .blocks import KVCacheBlock
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, block_removed
@@ -12,7 +13,19 @@ from .hash_list import NAMESPACE_PREFIX_BYTES, hashes_at_block_size, key_with_gr
 from .request import Request
 from .types import BlockHashWithGroupId, BlockId
 
-__all__ = ["BlockHashToBlockMap", "BlockPool"]
+__all__ = ["BlockHashToBlockMap", "BlockPool", "KeyHook"]
+
+
+class KeyHook(Protocol):
+    """Who is told when a key enters or leaves one group's ``first`` map (not when a
+    key gains or loses a duplicate block: the key stays cached then)."""
+
+    #: the group whose keys are reported
+    gid: int
+
+    def added(self, block_hash: bytes) -> None: ...
+
+    def removed(self, block_hash: bytes) -> None: ...
 
 
 class BlockHashToBlockMap:
@@ -28,11 +41,15 @@ class BlockHashToBlockMap:
         num_groups: number of KV cache groups.
     """
 
-    __slots__ = ("_more", "first")
+    __slots__ = ("_more", "first", "hook")
 
     def __init__(self, num_groups: int) -> None:
         self.first: list[dict[bytes, int]] = [{} for _ in range(max(num_groups, 1))]
         self._more: list[dict[bytes, dict[int, None]]] = [{} for _ in range(max(num_groups, 1))]
+        #: told of every key that enters or leaves ``first[hook.gid]`` (see
+        #: :class:`KeyHook`): a server's cross-pool index of this map; ``None`` here.
+        #: A replaced map (reset, teardown, state restore) starts without one.
+        self.hook: KeyHook | None = None
 
     def get(self, block_hash: bytes, group_id: int) -> int | None:
         """The id of the earliest cached block still under this key, or ``None``."""
@@ -42,6 +59,8 @@ class BlockHashToBlockMap:
         first = self.first[group_id].setdefault(block_hash, block_id)
         if first != block_id:
             self.add_duplicate(block_hash, group_id, first, block_id)
+        elif (hook := self.hook) is not None and hook.gid == group_id:
+            hook.added(block_hash)
 
     def add_duplicate(self, block_hash: bytes, group_id: int, first: int, block_id: int) -> None:
         """Record ``block_id`` as a later block under a key whose first block is ``first``."""
@@ -61,6 +80,8 @@ class BlockHashToBlockMap:
             if first.get(block_hash) != block_id:
                 return False
             del first[block_hash]
+            if (hook := self.hook) is not None and hook.gid == group_id:
+                hook.removed(block_hash)
             return True
         if block_id not in ids:
             return False
@@ -210,6 +231,9 @@ class BlockPool:
         kept: list[int] = []  # positions cached, with events
         cache = self.cached_block_hash_to_block
         first = cache.first[group_id]
+        hook = cache.hook
+        if hook is not None and hook.gid != group_id:
+            hook = None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
@@ -224,6 +248,8 @@ class BlockPool:
             existing = first.setdefault(block_hash, block_id)
             if existing != block_id:
                 cache.add_duplicate(block_hash, group_id, existing, block_id)
+            elif hook is not None:
+                hook.added(block_hash)
             if events:
                 stored.append(originals[i] if prefix else block_hash)
                 kept.append(i)
@@ -288,6 +314,7 @@ class BlockPool:
         elif self.enable_caching:
             cache = self.cached_block_hash_to_block
             firsts, mores = cache.first, cache._more
+            hook = cache.hook
             events = self.kv_event_queue if self.enable_kv_cache_events else None
             evicted = 0
             for block in ret:
@@ -298,6 +325,8 @@ class BlockPool:
                     first = firsts[gid]
                     if first.get(block_hash) == block.block_id and block_hash not in mores[gid]:
                         del first[block_hash]
+                        if hook is not None and hook.gid == gid:
+                            hook.removed(block_hash)
                         block.cached_hash = None
                         evicted += 1
                         if events is not None:

@@ -257,6 +257,48 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
                 del kept[n:]
         return [lst if lst is not None else [] for lst in result], hit
 
+    def hit_length_from_run(self, block_hashes: Sequence[bytes], max_cache_hit_length: int, run: int) -> int:
+        """:meth:`find_longest_cache_hit`'s length alone, for a pool whose first
+        attention group is one full-attention group, given ``run``: how many keys of
+        that group's view are cached from the first on, counted at least up to
+        ``min(max_cache_hit_length // block_size, len(view))`` (a cross-pool index's
+        walk). That group's search is this run, capped, EAGLE's drop and the alignment
+        applied as its manager does; every other group is searched as in the full
+        search (their block ids are made and dropped)."""
+        first_spec, first_ids, _ = self.attention_groups[0]
+        assert self._first_is_full and len(first_ids) == 1, "only for one full-attention group first"
+        hash_block_size = self.config.hash_block_size
+        use_eagle = self.config.use_eagle
+        lcm = self.lcm_block_size
+        views = {
+            spec.block_size: hashes_at_block_size(block_hashes, hash_block_size, spec.block_size)
+            for spec, _, _ in self.attention_groups[1:]
+        }
+        bs = first_spec.block_size
+        n = min(run, max_cache_hit_length // bs)
+        if use_eagle and n:
+            n -= 1
+        while (n * bs) % lcm:
+            n -= 1
+        hit = max_cache_hit_length
+        cur = n * bs
+        first = True
+        while True:
+            if not first:
+                cur = (hit // bs) * bs
+            first = False
+            for spec, ids, cls in self.attention_groups[1:]:
+                lists = cls.find_longest_cache_hit(
+                    views[spec.block_size], cur, ids, self.block_pool, spec, use_eagle, lcm
+                )
+                cur = len(lists[0]) * spec.block_size
+            if cur >= hit:
+                break
+            hit = cur
+            if self.is_simple_hybrid:
+                break
+        return hit
+
 
 class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
     """vLLM 0.33's hybrid coordinator (profile vllm-0.33, no EAGLE).

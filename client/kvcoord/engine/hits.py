@@ -86,6 +86,31 @@ class PrefixHits:
         Raises:
             InvalidArgumentError: see :meth:`KVCachePool.find_longest_cache_hit`.
         """
+        keys = self.lookup_keys(block_hashes, num_tokens, cache_namespace)
+        if keys is None:
+            return self._no_hit
+        first = self._first_full
+        if first is not None:
+            gid, size = first
+            view = hashes_at_block_size(keys, self.hash_block_size, size)
+            if (
+                num_tokens - 1 < size
+                or not view
+                or view[0] not in self.block_pool.cached_block_hash_to_block.first[gid]
+            ):
+                return self._no_hit
+        hit, _ = self.search(keys, num_tokens)
+        return hit
+
+    def lookup_keys(
+        self, block_hashes: Sequence[bytes], num_tokens: int, cache_namespace: str = ""
+    ) -> Sequence[bytes] | None:
+        """The cache keys :meth:`find_longest_cache_hit` searches for (the hashes under
+        the namespace's prefix), after the same checks; ``None`` when caching is off.
+
+        Raises:
+            InvalidArgumentError: see :meth:`KVCachePool.find_longest_cache_hit`.
+        """
         if type(num_tokens) is not int:
             raise InvalidArgumentError(f"num_tokens must be an integer, got {type(num_tokens).__name__}")
         if not 1 <= num_tokens <= self.max_model_len:
@@ -108,23 +133,11 @@ class PrefixHits:
         else:
             hashes = table.check_hashes(block_hashes, 0, num_tokens, f"lookup of {num_tokens} tokens")
         if not self.enable_caching:
-            return self._no_hit
+            return None
         # A namespace not seen yet has cached nothing: its keys take the prefix no
         # namespace is ever given (0), so the same search finds nothing, read-only.
         prefix = table.cache_namespaces.get(cache_namespace, _UNUSED_PREFIX) if cache_namespace else b""
-        keys = request_keys(hashes, prefix)
-        first = self._first_full
-        if first is not None:
-            gid, size = first
-            view = hashes_at_block_size(keys, self.hash_block_size, size)
-            if (
-                num_tokens - 1 < size
-                or not view
-                or view[0] not in self.block_pool.cached_block_hash_to_block.first[gid]
-            ):
-                return self._no_hit
-        hit, _ = self.search(keys, num_tokens)
-        return hit
+        return request_keys(hashes, prefix)
 
     def search(self, block_hashes: Sequence[bytes], num_tokens: int) -> tuple[CacheHit, list[list[int]]]:
         """The coordinator's search for a request of ``num_tokens >= 1`` tokens (caching

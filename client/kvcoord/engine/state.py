@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .block_pool import BlockHashToBlockMap
 from .blocks import KVCacheBlock
 from .config import KVCacheConfig
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -175,9 +176,11 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
     bp.free_block_queue.load(
         created, [blocks[i] for i in state["free_used"]], [blocks[i] for i in state.get("free_front", ())]
     )
-    cache = bp.cached_block_hash_to_block
-    if len(state["hash_first"]) != len(cache.first):
+    if len(state["hash_first"]) != len(bp.cached_block_hash_to_block.first):
         raise StateError("the state's prefix-cache map has another number of groups")
+    # a new map (as a reset makes): whatever watched the old one's keys is not told
+    # of these, and sees the map replaced
+    cache = bp.cached_block_hash_to_block = BlockHashToBlockMap(len(state["hash_first"]))
     for gid, pairs in enumerate(state["hash_first"]):
         cache.first[gid] = dict(pairs)
         cache._more[gid] = {h: dict.fromkeys(ids) for h, ids in state["hash_more"][gid]}

@@ -34,6 +34,7 @@ from kvcoord.engine import (
     RequestCheckpoint,
     StaleCacheHitError,
 )
+from kvcoord.engine.block_pool import BlockHashToBlockMap
 from kvcoord.engine.invariants import PoolCheck, check_pool
 from kvcoord.engine.profiles import VLLM_016
 from kvcoord.engine.reservations import Reservations
@@ -514,6 +515,58 @@ class PoolService:
             raise ServiceError(Status.INVALID, f"pool {self.name!r}: {exc}") from None
         free, usage = engine.free_and_usage()
         return new_score(self.name, hit, free, usage, self.config.num_blocks - 1, self.fence)
+
+    # -- what ScoreIndex (scoring.py) reads: hit lengths without this pool's own search
+    def score_target(self) -> tuple[BlockHashToBlockMap, int, int, int, str] | None:
+        """What a cross-pool score index watches here: the prefix-cache map (a new
+        engine has a new one), the id and block size of the full-attention group the
+        search starts with, the hash block size, and how a hit follows from that
+        group's run of cached keys ("unitary", "eagle": one group; "run": a hybrid whose
+        first attention group is that group alone; "search": the coordinator's own
+        search). ``None`` when caching is off, the search starts otherwise, or the pool
+        follows another profile than vllm-0.16 (vllm-0.33's partial-tail entries and
+        trimmed hits are written and searched by rules the index does not follow: such
+        a pool is scored by its own search)."""
+        engine = self.engine
+        cfg = engine.config
+        first = engine.hits._first_full
+        if first is None or not cfg.enable_caching or cfg.profile != VLLM_016:
+            return None
+        if cfg.coordinator_kind == "unitary":
+            how = "eagle" if cfg.use_eagle else "unitary"
+        else:
+            how = "run" if len(engine.coordinator.attention_groups[0][1]) == 1 else "search"  # type: ignore[attr-defined]
+        return engine.block_pool.cached_block_hash_to_block, first[0], first[1], cfg.hash_block_size, how
+
+    def score_map(self) -> BlockHashToBlockMap:
+        return self.engine.block_pool.cached_block_hash_to_block
+
+    def score_keys(
+        self, prompts: Mapping[HashSettings, Sequence[bytes]], num_tokens: int, tenant: str
+    ) -> Sequence[bytes] | None:
+        """The keys :meth:`score` searches for, after its checks; ``None`` when
+        :meth:`score` answers an :class:`UnscoredPool` (or caching is off).
+
+        Raises:
+            ServiceError: as :meth:`score`.
+        """
+        engine = self.engine
+        hashes = prompts.get(self.hash_settings)
+        if num_tokens > engine.max_model_len or hashes is None:
+            return None
+        try:
+            return engine.hits.lookup_keys(hashes, num_tokens, self.cache_namespace(tenant) if tenant else "")
+        except EngineError as exc:
+            raise ServiceError(Status.INVALID, f"pool {self.name!r}: {exc}") from None
+
+    def score_of_length(self, hit: CacheHit) -> PoolScore:
+        """This pool's score with ``hit`` (found by a score index)."""
+        free, usage = self.engine.free_and_usage()
+        return new_score(self.name, hit, free, usage, self.config.num_blocks - 1, self.fence)
+
+    def hit_length_from_run(self, keys: Sequence[bytes], num_tokens: int, run: int) -> int:
+        """The hit length of a "run" pool (:meth:`score_target`) given its first group's run."""
+        return int(self.engine.coordinator.hit_length_from_run(keys, num_tokens - 1, run))  # type: ignore[attr-defined]
 
     def reserve(
         self, reservation_id: str, hashes: Sequence[bytes], num_tokens: int, tenant: str, seconds: float

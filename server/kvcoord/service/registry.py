@@ -26,6 +26,7 @@ from .idempotency import IdempotencyStore
 from .logs import ids
 from .pool_service import Fence, Limits, PoolService
 from .positions import JournalPositions
+from .scoring import ScoreIndex
 from .sessions import SessionTable
 
 __all__ = ["GcFreezer", "Limits", "Placement", "PoolRegistry", "new_instance_id"]
@@ -123,6 +124,9 @@ class PoolRegistry:
         self.max_message_bytes = 0
         #: which pools this server serves (a cluster's replica: those it owns)
         self.placement = Placement()
+        #: which pools cache each key, for ScorePools without block ids (scoring.py):
+        #: it follows every pool's map by itself; a removed pool's bits are dropped here
+        self.score_index = ScoreIndex()
         #: sessions of pools handed over to another replica -> their pool: a call naming
         #: only the session is sent where the pool went (NOT_OWNER), not told it expired
         self.moved_sessions: dict[str, str] = {}
@@ -277,6 +281,7 @@ class PoolRegistry:
         of a handover to another replica), and journal that: its sessions end here."""
         service = self.pools[name]
         del self.pools[name]
+        self.score_index.forget(name)
         self.memory.used -= self.pool_memory.pop(name, 0)
         for s in self.sessions.of_pool(name):
             self.sessions.close(s.session_id)

@@ -15,12 +15,17 @@ import dataclasses
 import math
 import secrets
 from collections.abc import Callable, Mapping, Sequence
+from itertools import islice
+from typing import Any
 
-from ..engine.hash_list import SharedHashes
+from kvcoord.engine.block_pool import BlockHashToBlockMap
+from kvcoord.engine.hash_list import SharedHashes, hashes_at_block_size
+from kvcoord.engine.results import CacheHit
+
 from .errors import ServiceError, Status
 from .pool_service import HashSettings, PoolScore, PoolService, UnscoredPool
 
-__all__ = ["Reserve", "ReservationMade", "Scores", "score_pools"]
+__all__ = ["Reserve", "ReservationMade", "ScoreIndex", "Scores", "score_pools"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -73,6 +78,7 @@ def score_pools(
     prompts: Sequence[tuple[HashSettings, Sequence[bytes]]],
     tenant: str = "",
     reserve: Reserve | None = None,
+    index: ScoreIndex | None = None,
 ) -> Scores:
     """Score a prompt in each candidate pool (every observable pool without candidates).
 
@@ -84,6 +90,10 @@ def score_pools(
         prompts: the prompt's block hashes per hash settings (at most one each).
         tenant: the caller's tenant (whose prefix-cache namespace is searched).
         reserve: also hold the best pool's hit (``None``: score only).
+        index: the server's cross-pool index: hit lengths alone (the scores' hits carry
+            no block ids) found by one walk per prompt view for every pool it covers;
+            ``None``: each pool's own search, block ids included. Not used with
+            ``reserve`` (the reserved pool's hit needs its block ids).
 
     Raises:
         ServiceError: INVALID_ARGUMENT (num_tokens < 1, a pool named twice, two
@@ -132,12 +142,15 @@ def score_pools(
         names = [n for n in sorted(pools) if may_observe(n)]
     scored: list[PoolScore] = []
     unscored: list[UnscoredPool] = []
-    for name in names:
-        answer = pools[name].score(by_settings, num_tokens, tenant)
-        if isinstance(answer, PoolScore):
-            scored.append(answer)
-        else:
-            unscored.append(answer)
+    if index is not None and reserve is None:
+        index.score(pools, names, num_tokens, by_settings, tenant, scored, unscored)
+    else:
+        for name in names:
+            answer = pools[name].score(by_settings, num_tokens, tenant)
+            if isinstance(answer, PoolScore):
+                scored.append(answer)
+            else:
+                unscored.append(answer)
     scored.sort(key=PoolScore.rank)
     unscored.sort(key=lambda u: u.pool)
     if reserve is None:
@@ -178,3 +191,179 @@ def _reserve(
     return ReservationMade(
         reservation_id, best.pool, hit.num_tokens, reserve.seconds, hashes, num_tokens, tenant
     )
+
+
+class _Watch:
+    """One pool's part of a :class:`ScoreIndex`: its bit, and the map whose keys in the
+    group the search starts with (full attention) the bit marks. It is that map's
+    :class:`~kvcoord.engine.block_pool.KeyHook`, so every key entering or leaving the
+    group's ``first`` dict sets or clears the bit as it happens."""
+
+    __slots__ = ("bit", "first", "gid", "hash_block_size", "how", "map", "masks", "size")
+
+    def __init__(
+        self, masks: dict[bytes, int], bit: int, target: tuple[BlockHashToBlockMap, int, int, int, str]
+    ) -> None:
+        self.masks = masks
+        self.bit = bit
+        self.map, self.gid, self.size, self.hash_block_size, self.how = target
+        self.first = self.map.first[self.gid]
+
+    def added(self, block_hash: bytes) -> None:
+        masks = self.masks
+        masks[block_hash] = masks.get(block_hash, 0) | self.bit
+
+    def removed(self, block_hash: bytes) -> None:
+        masks = self.masks
+        left = masks.get(block_hash, 0) & ~self.bit
+        if left:
+            masks[block_hash] = left
+        else:
+            masks.pop(block_hash, None)
+
+    def current(self, live: BlockHashToBlockMap) -> bool:
+        """Whether the bits still follow the pool's live map: the same map (a new
+        engine, from a journal replay, a state restore or an adoption, has a new one; a
+        reset makes one), with the same dict, and this watch still its hook."""
+        return live is self.map and live.hook is self and live.first[self.gid] is self.first
+
+
+class ScoreIndex:
+    """Which pools cache each key: one bit per pool, over every pool's keys of the
+    group its search starts with (when that is full attention).
+
+    The bits of a pool are exactly the keys of that group's ``first`` dict: the pool's
+    map tells its watch of every key entering or leaving it (the engine's own write
+    paths: caching, eviction, :meth:`BlockHashToBlockMap.pop`), and anything that
+    replaces the map, the dict or the engine (a prefix-cache reset, a state restore,
+    a journal replay into a new engine, a cluster adoption, a delete and re-create)
+    leaves the watch stale: the next score drops its bits (they are the old dict's keys,
+    which nothing changes any more) and marks the live dict's keys again. A pool is
+    watched from the first time it is scored without block ids; its Steps pay one call
+    per key that enters or leaves its map from then on.
+
+    Scoring reads each prompt view's keys once for every watched pool that searches
+    that view (one dictionary lookup per block instead of one per block per pool):
+    a pool of one full-attention group gets its hit length from the walk alone (the
+    run of cached keys from the first, at most ``(num_tokens - 1) // block_size``,
+    one block less with EAGLE); any other watched pool whose run is empty has no hit
+    (the coordinator's first search is that group's, and caps every other), and one
+    whose run is not empty is searched by its own coordinator.
+    """
+
+    def __init__(self) -> None:
+        #: key -> bits of the pools whose watched group caches it
+        self.masks: dict[bytes, int] = {}
+        self._watches: dict[str, _Watch] = {}
+        self._free_bits: list[int] = []
+        self._next_bit = 1
+        #: length-only hits, one per length (frozen, shared: fewer objects per call)
+        self._hits: dict[int, CacheHit] = {}
+
+    def watch(self, name: str, service: PoolService) -> _Watch | None:
+        """The pool's current watch, made or remade as needed; ``None`` when the pool's
+        search does not start with full attention (or caching is off)."""
+        w = self._watches.get(name)
+        if w is not None:
+            if w.current(service.score_map()):
+                return w
+            self.forget(name)
+        target = service.score_target()
+        if target is None or target[0].hook is not None:
+            return None
+        bit = self._free_bits.pop() if self._free_bits else self._next_bit
+        if bit == self._next_bit:
+            self._next_bit <<= 1
+        w = _Watch(self.masks, bit, target)
+        masks = self.masks
+        for key in w.first:
+            masks[key] = masks.get(key, 0) | bit
+        w.map.hook = w
+        self._watches[name] = w
+        return w
+
+    def forget(self, name: str) -> None:
+        """Stop watching ``name`` (deleted, or its map replaced): its bits cleared."""
+        w = self._watches.pop(name, None)
+        if w is None:
+            return
+        if w.map.hook is w:
+            w.map.hook = None
+        remove = w.removed
+        for key in w.first:
+            remove(key)
+        self._free_bits.append(w.bit)
+
+    def keys_of(self, name: str) -> set[bytes]:
+        """The keys whose mask holds ``name``'s bit (tests compare them with the map)."""
+        w = self._watches.get(name)
+        if w is None:
+            return set()
+        return {k for k, m in self.masks.items() if m & w.bit}
+
+    def score(
+        self,
+        pools: Mapping[str, PoolService],
+        names: Sequence[str],
+        num_tokens: int,
+        prompts: Mapping[HashSettings, Sequence[bytes]],
+        tenant: str,
+        scored: list[PoolScore],
+        unscored: list[UnscoredPool],
+    ) -> None:
+        """Score ``names`` (already checked) into ``scored`` and ``unscored``."""
+        # (view, max blocks) -> [view, bits of its pools, its pools]
+        walks: dict[tuple[int, int], list[Any]] = {}
+        for name in names:
+            service = pools[name]
+            w = self.watch(name, service)
+            keys = None if w is None else service.score_keys(prompts, num_tokens, tenant)
+            if keys is None:  # not watched, or not scored (the pool says why)
+                answer = service.score(prompts, num_tokens, tenant)
+                (scored if isinstance(answer, PoolScore) else unscored).append(answer)  # type: ignore[arg-type]
+                continue
+            assert w is not None
+            view = hashes_at_block_size(keys, w.hash_block_size, w.size)
+            limit = min((num_tokens - 1) // w.size, len(view))
+            walk = walks.get((id(view), limit))
+            if walk is None:
+                walk = walks[(id(view), limit)] = [view, 0, []]
+            walk[1] |= w.bit
+            walk[2].append((w, service, keys))
+        get = self.masks.get
+        hits = self._hits
+        for (_, limit), (view, live, members) in walks.items():
+            # (bits that stopped, at that block) in order; the rest run to ``limit``
+            stops: list[tuple[int, int]] = []
+            i = 0
+            for key in islice(view, limit):
+                held = get(key, 0)
+                gone = live & ~held
+                if gone:
+                    stops.append((gone, i))
+                    live &= held
+                    if not live:
+                        break
+                i += 1
+            for w, service, keys in members:
+                bit = w.bit
+                n = limit
+                for gone, at in stops:
+                    if gone & bit:
+                        n = at
+                        break
+                how = w.how
+                if how == "unitary" or not n:
+                    tokens = n * w.size  # (no run: the first search finds nothing, nor any other)
+                elif how == "eagle":
+                    tokens = (n - 1) * w.size
+                elif how == "run":  # the other groups searched, the first group's is this run
+                    tokens = service.hit_length_from_run(keys, num_tokens, n)
+                else:  # the coordinator's own search, bounded above by this run
+                    scored.append(service.score(prompts, num_tokens, tenant))
+                    continue
+                hit = hits.get(tokens)
+                if hit is None:
+                    # no block ids: reading them fails loudly (None is no sequence)
+                    hit = hits[tokens] = CacheHit(None, tokens)  # type: ignore[arg-type]
+                scored.append(service.score_of_length(hit))

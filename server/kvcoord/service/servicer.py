@@ -512,6 +512,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             prompts_from_pb(request.prompts),
             tenant.name,
             reserve,
+            # hit lengths alone through the cross-pool index unless block ids are asked for
+            None if request.include_block_ids else self.registry.score_index,
         )
         response = scores_to_pb(scores.scores, scores.unscored, request.include_block_ids)
         made = scores.reservation

@@ -242,7 +242,8 @@ def test_a_connectors_finish_path_on_requests_without_blocks(monkeypatch: pytest
     server = InProcessServer().start()
     try:
         kv, cfg = engine()
-        m = connect(Settings(target=server.address, pool="finish"), kv, cfg)
+        # the waiting mode (its round trips and block ledger), not the default mirror
+        m = connect(Settings(target=server.address, pool="finish", predict=False), kv, cfg)
         hasher_args = ("sha256", 4, none_hash("sha256", "0"))
         waiting = Req("w", list(range(10)), block_hashes=BlockHasher(*hasher_args).extend(range(10)))
         m.get_computed_blocks(waiting)  # looked up, never allocated: the server knows it
@@ -265,6 +266,39 @@ def test_a_connectors_finish_path_on_requests_without_blocks(monkeypatch: pytest
         m.free(held)
         assert m.get_block_ids("h") == ([], [])
         m.remote.flush()
+        assert m.usage == 0.0
+        m.close()
+    finally:
+        server.stop()
+
+
+def test_a_connectors_finish_path_with_prediction(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same finish path on the default (predicted) manager: a request that never
+    allocated has empty tables, one that holds blocks its own, all answered by the
+    mirror and confirmed by the server's Step."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    server = InProcessServer().start()
+    try:
+        kv, cfg = engine()
+        m = connect(Settings(target=server.address, pool="finish"), kv, cfg)
+        assert type(m.remote).__name__ == "PredictingKVCacheManager"
+        hasher_args = ("sha256", 4, none_hash("sha256", "0"))
+        waiting = Req("w", list(range(10)), block_hashes=BlockHasher(*hasher_args).extend(range(10)))
+        m.get_computed_blocks(waiting)
+        m.remove_skipped_blocks("w", 9)
+        assert m.get_block_ids("w") == ([], [])
+        m.free(waiting)
+        m.remove_skipped_blocks("never-seen", 5)
+        assert m.get_block_ids("never-seen") == ([], [])
+        held = Req("h", list(range(20, 30)), block_hashes=BlockHasher(*hasher_args).extend(range(20, 30)))
+        hit, n = m.get_computed_blocks(held)
+        new = m.allocate_slots(held, 10, n, hit)
+        assert new is not None and new.get_block_ids() == ([1, 2, 3], [4, 5, 6])
+        m.remove_skipped_blocks("h", 12)  # window 8: the first block leaves it
+        assert m.get_block_ids("h") == ([1, 2, 3], [0, 5, 6])
+        m.free(held)
+        assert m.get_block_ids("h") == ([], [])
+        m.remote.flush()  # every call sent and the server's answers compared (raises on a difference)
         assert m.usage == 0.0
         m.close()
     finally:

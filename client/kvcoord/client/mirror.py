@@ -32,7 +32,6 @@ from kvcoord.engine import (
     EngineError,
     LoRA,
     PrefixCacheStats,
-    RequestCheckpoint,
     StaleCacheHitError,
 )
 from kvcoord.engine.managers.base import SingleTypeKVCacheManager
@@ -92,6 +91,7 @@ class Mirror:
         self.log_stats = config.log_stats if config.HasField("log_stats") else True
         engine.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
         self.engine = engine
+        self._update_and_allocate = engine.update_and_allocate
         self.namespace = state.cache_namespace
         #: the cache prefix of the session's events (None: every event is the session's)
         self._prefix: bytes | None = (
@@ -152,25 +152,18 @@ class Mirror:
         num_lookahead_tokens: int,
     ) -> BlockIds | None:  # fmt: skip
         """A registered request's run entry (``RequestTracker.sync_run``'s values, then
-        an allocation without a hit): its update and its new blocks per group, or
-        ``None`` when too few blocks are free. Refused by the engine: nothing changed.
+        an allocation without a hit, in one engine call): its update and its new blocks
+        per group, or ``None`` when too few blocks are free (the update kept, as the
+        server keeps it). Refused by the engine: nothing changed.
 
         Raises:
             KVCoordError: the engine refuses the update or the allocation.
         """
-        engine = self.engine
-        req = engine.requests.get(request_id)
-        before = (
-            None if req is None else (len(req.all_token_ids), len(req.block_hashes), req.num_computed_tokens)
-        )
         try:
-            engine.update_request(
-                request_id, num_computed_tokens=computed, append_token_ids=tokens, append_block_hashes=hashes
+            new = self._update_and_allocate(
+                request_id, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens
             )
-            new = engine.allocate_slots(request_id, num_new_tokens, 0, None, num_lookahead_tokens)
         except EngineError as err:
-            if before is not None:
-                engine.restore_request(request_id, RequestCheckpoint(*before))
             raise engine_error(err) from None
         if self._block_pool.kv_event_queue:
             self._collect()

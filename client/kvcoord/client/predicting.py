@@ -108,6 +108,8 @@ class PredictingKVCacheManager:
         #: what RemoteKVCacheManager uses for lookup hints (KVCoordScheduler sets it);
         #: not needed here: every lookup is answered from the mirror
         self.upcoming: Any = None
+        #: the answer of an allocation that takes no block (shared: empty tuples)
+        self._no_blocks: tuple[Any, ...] = tuple(() for _ in cfg.groups)
 
     def _attach(self) -> pb.AttachResponse:
         """Attach exclusively and load the mirror from the answer's engine state.
@@ -204,6 +206,8 @@ class PredictingKVCacheManager:
                 if new is None:
                     return None
                 assert isinstance(new, tuple)
+                if not return_table and not any(new):
+                    return KVCacheBlockIds(self._no_blocks)  # a decode step inside its last block
                 ids = KVCacheBlockIds(tuple([list(g) for g in new]))
                 if return_table:
                     ids = KVCacheBlockIds(ids.block_ids, table=self.mirror.table(request.request_id))
@@ -232,17 +236,19 @@ class PredictingKVCacheManager:
         if fields is None:
             return _UNREGISTERED
         base_t, base_h, tokens, hashes, computed = fields
-        mirror = self.mirror
         try:
-            new = mirror.grow(rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens)
+            new = self.mirror.grow(rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens)
         except BaseException:
             tracker.restore({rid: mark})
             raise
-        entry = (rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens)
         if new is None:
-            self.sender.refuse(entry)
+            self.sender.refuse(
+                rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens
+            )
             return None
-        self.sender.add_to_run(entry, new)
+        self.sender.add_to_run(
+            rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens, new
+        )
         return new
 
     def _allocate(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,

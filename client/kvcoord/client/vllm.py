@@ -714,7 +714,13 @@ class KVCoordKVCacheManager:
             return self._blocks(ids, held, starts).blocks
 
         if new.resolved:
-            return KVCacheBlocks(make())
+            blocks = make()
+            # no new block (a decode step inside its last block): vLLM's shared empty answer
+            return (
+                self.empty_kv_cache_blocks
+                if blocks is self.empty_kv_cache_blocks.blocks
+                else KVCacheBlocks(blocks)
+            )
         if self._evicted:
             self._unread.append(new)
         return KVCacheBlocks(make=make)

@@ -30,6 +30,7 @@ from kvcoord.engine import (
     BlockRemoved,
     BlockStored,
     EngineError,
+    KVCacheEvent,
     LoRA,
     PrefixCacheStats,
     StaleCacheHitError,
@@ -37,7 +38,7 @@ from kvcoord.engine import (
 from kvcoord.engine.managers.base import SingleTypeKVCacheManager
 from kvcoord.engine.state import STATE_VERSION, StateError, import_state
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import config_from_pb, fill_event, stats_to_pb
+from kvcoord.wire import config_from_pb, stats_to_pb
 from kvcoord.wire.rules import rules_fingerprint
 
 from .errors import KVCoordError, error_from_code
@@ -99,10 +100,10 @@ class Mirror:
         )
         self.enable_events = engine.block_pool.enable_kv_cache_events
         self._block_pool = engine.block_pool
-        #: the session's events since the Step was cut (in a StepResponse's ``events``,
-        #: which the server digests alike), and those not given to the scheduler yet
-        self._step_events = pb.StepResponse()
-        self.events: list[pb.KVEvent] = []
+        #: the session's events (the engine's values) since the Step was cut, for the
+        #: sender to digest as the server does, and those not given to the scheduler yet
+        self._step_events: list[KVCacheEvent] = []
+        self.events: list[KVCacheEvent] = []
         #: statistics since the Step was cut, and since the scheduler last made them
         self.step_stats = PrefixCacheStats()
         self._user_stats = PrefixCacheStats()
@@ -246,20 +247,22 @@ class Mirror:
 
     # -- what is compared -----------------------------------------------------------------
     def _collect(self) -> None:
-        """Keep the session's events of the call just made."""
+        """Keep the session's events of the call just made (as the engine's values: the
+        messages are made off the scheduler's thread, by the sender)."""
         if not self.enable_events or not self._block_pool.kv_event_queue:
             return
         events = self._block_pool.take_events()
         if events:
-            add = self._step_events.events.add
             prefix = self._prefix
-            for event in events:
-                if prefix is not None and isinstance(event, BlockRemoved | BlockStored):
-                    if event.cache_prefix != prefix:
-                        continue  # another namespace's block: not this session's to see
-                message = add()
-                fill_event(message, event)
-                self.events.append(message)
+            if prefix is not None:
+                # another namespace's block: not this session's to see
+                events = [
+                    e
+                    for e in events
+                    if not isinstance(e, BlockRemoved | BlockStored) or e.cache_prefix == prefix
+                ]
+            self._step_events += events
+            self.events += events
 
     def _drain_stats(self) -> None:
         stats = self.engine.make_prefix_cache_stats()
@@ -267,15 +270,15 @@ class Mirror:
             _add_stats(self.step_stats, stats)
             _add_stats(self._user_stats, stats)
 
-    def take_step(self) -> tuple[pb.StepResponse, pb.PrefixCacheStats]:
-        """The events (in a StepResponse's ``events``) and statistics since the previous
-        call: what the server's answer to the Step cut now must give."""
+    def take_step(self) -> tuple[list[KVCacheEvent], pb.PrefixCacheStats]:
+        """The events and statistics since the previous call: what the server's answer
+        to the Step cut now must give (its events digested as a StepResponse's)."""
         self._drain_stats()
-        events, self._step_events = self._step_events, pb.StepResponse()
+        events, self._step_events = self._step_events, []
         stats, self.step_stats = self.step_stats, PrefixCacheStats()
         return events, stats_to_pb(stats)
 
-    def take_events(self) -> list[pb.KVEvent]:
+    def take_events(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []
         return events
 

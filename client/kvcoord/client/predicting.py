@@ -35,7 +35,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import grpc
+from kvcoord.engine import KVCacheEvent
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import event_to_pb
 
 from .batch import KVCacheBlockIds
 from .client import KVCoordClient
@@ -407,6 +409,11 @@ class PredictingKVCacheManager:
     def take_events(self) -> list[pb.KVEvent]:
         """The pool's KV events since the previous call; ends a scheduler step (its
         calls go to the server, or join the next Step while one is in flight)."""
+        return [event_to_pb(e) for e in self.take_engine_events()]
+
+    def take_engine_events(self) -> list[KVCacheEvent]:
+        """:meth:`take_events` as the engine's values (no message made: what vLLM's
+        adapter converts)."""
         self._cut()
         return self.mirror.take_events()
 
@@ -462,7 +469,7 @@ class PredictingKVCacheManager:
         self.sender.cut(self._step_state, wait)
         self._settled()
 
-    def _step_state(self) -> tuple[int, pb.StepResponse, pb.PrefixCacheStats]:
+    def _step_state(self) -> tuple[int, list[KVCacheEvent], pb.PrefixCacheStats]:
         """What the answer to the Step sent now must say: the mirror's free count,
         events and statistics."""
         events, stats = self.mirror.take_step()

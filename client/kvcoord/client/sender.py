@@ -22,7 +22,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+from kvcoord.engine import KVCacheEvent
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import add_events
 
 from .client import KVCoordClient
 from .errors import KVCoordError, error_from_code, status_code
@@ -58,7 +60,8 @@ class _Sent:
         #: new block ids per group), "reset" or "common_prefix"
         self.expected: list[Any] = []
         self.num_free_blocks = 0
-        self.events = pb.StepResponse()
+        #: the mirror's events (the engine's values), digested on the sender thread
+        self.events: list[KVCacheEvent] = []
         self.stats = pb.PrefixCacheStats()
 
 
@@ -194,7 +197,7 @@ class StepSender:
 
     # -- sending --------------------------------------------------------------------------
     def cut(
-        self, state: Callable[[], tuple[int, pb.StepResponse, pb.PrefixCacheStats]], wait: bool = False
+        self, state: Callable[[], tuple[int, list[KVCacheEvent], pb.PrefixCacheStats]], wait: bool = False
     ) -> bool:
         """End a scheduler step: send its calls unless a Step is in flight and the
         backlog allows them to wait. ``state`` gives what the answer must say (the
@@ -297,13 +300,20 @@ class StepSender:
                     "predicted pool %r: the server's event buffer wrapped during a Step; its events "
                     "were not compared (everything else was)", self.pool,
                 )  # fmt: skip
-            elif resp.events_sha256 != hashlib.sha256(sent.events.SerializeToString()).digest():
+            elif resp.events_sha256 != _events_digest(sent.events):
                 raise PredictionMismatchError("the server's KV events differ from the mirror's")
         if self.compare_stats and resp.prefix_cache_stats != sent.stats:
             raise PredictionMismatchError(
                 f"the server's prefix-cache statistics differ from the mirror's: {resp.prefix_cache_stats} "
                 f"against {sent.stats}"
             )
+
+
+def _events_digest(events: list[KVCacheEvent]) -> bytes:
+    """SHA-256 of the events as a StepResponse holding only them (what the server digests)."""
+    message = pb.StepResponse()
+    add_events(message.events, events)
+    return hashlib.sha256(message.SerializeToString()).digest()
 
 
 class _Run:

@@ -252,6 +252,11 @@ def convert_stats(stats: pb.PrefixCacheStats) -> Any:
 
 def convert_events(events: Iterable[pb.KVEvent]) -> list[Any]:
     """Protobuf KV events as vLLM's event types (or kvcoord's plain ones), in order."""
+    return convert_engine_events(events_from_pb(events))
+
+
+def convert_engine_events(events: Iterable[engine.KVCacheEvent]) -> list[Any]:
+    """The engine's KV events as vLLM's event types (or kvcoord's plain ones), in order."""
     stored_t, removed_t, cleared_t = _event_types()
     as_int = _int_hashes()
 
@@ -259,7 +264,7 @@ def convert_events(events: Iterable[pb.KVEvent]) -> list[Any]:
         return int.from_bytes(raw, "big") & ((1 << 64) - 1) if as_int else bytes(raw)
 
     out: list[Any] = []
-    for e in events_from_pb(events):
+    for e in events:
         if isinstance(e, engine.BlockStored):
             out.append(
                 stored_t(
@@ -765,7 +770,10 @@ class KVCoordKVCacheManager:
     def take_events(self) -> list[Any]:
         if not self.enable_kv_cache_events:
             return []
-        return convert_events(self.remote.take_events())
+        remote = self.remote
+        if isinstance(remote, PredictingKVCacheManager):
+            return convert_engine_events(remote.take_engine_events())  # no message made and read
+        return convert_events(remote.take_events())
 
     @_absorbing(lambda self, *_: self.empty_kv_cache_blocks)
     def get_blocks(self, request_id: str) -> KVCacheBlocks:

@@ -110,8 +110,9 @@ class PredictingKVCacheManager:
         #: what RemoteKVCacheManager uses for lookup hints (KVCoordScheduler sets it);
         #: not needed here: every lookup is answered from the mirror
         self.upcoming: Any = None
-        #: the answer of an allocation that takes no block (shared: empty tuples)
-        self._no_blocks: tuple[Any, ...] = tuple(() for _ in cfg.groups)
+        #: the answer of every allocation that takes no block (one shared instance, of
+        #: empty tuples: vLLM's adapter answers it with vLLM's shared empty blocks)
+        self.no_blocks = KVCacheBlockIds(tuple(() for _ in cfg.groups))  # type: ignore[arg-type]
 
     def _attach(self) -> pb.AttachResponse:
         """Attach exclusively and load the mirror from the answer's engine state.
@@ -209,7 +210,7 @@ class PredictingKVCacheManager:
                     return None
                 assert isinstance(new, tuple)
                 if not return_table and not any(new):
-                    return KVCacheBlockIds(self._no_blocks)  # a decode step inside its last block
+                    return self.no_blocks  # a decode step inside its last block
                 ids = KVCacheBlockIds(tuple([list(g) for g in new]))
                 if return_table:
                     ids = KVCacheBlockIds(ids.block_ids, table=self.mirror.table(request.request_id))

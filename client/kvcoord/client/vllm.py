@@ -547,6 +547,8 @@ class KVCoordKVCacheManager:
         #: losses and outages met while absorbing
         self.absorbed = 0
         self._last_usage = 0.0
+        #: the remote's shared answer to an allocation that takes no block (predicted)
+        self._no_blocks: KVCacheBlockIds | None = getattr(remote, "no_blocks", None)
 
     # -- blocks -------------------------------------------------------------------------
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> KVCacheBlocks:
@@ -706,6 +708,8 @@ class KVCoordKVCacheManager:
             cached = local if delay_cache_blocks else min(total + num_new_tokens, int(request.num_tokens))
             if cached > held.hashed_tokens:
                 held.hashed_tokens = cached
+        if new is self._no_blocks:
+            return self.empty_kv_cache_blocks  # a decode step inside its last block, as vLLM answers it
 
         def make() -> tuple[Sequence[KVCacheBlock], ...]:
             ids = new.get_block_ids()

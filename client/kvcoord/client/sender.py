@@ -10,6 +10,11 @@ difference, a failed call) is kept in :attr:`failure` for the facade's next call
 report; nothing is absorbed. While a Step is in flight, the next steps' calls join
 the next one, up to ``max_backlog`` steps or ``max_step_bytes``; then :meth:`cut`
 waits for the answer in flight first.
+
+The scheduler's thread only appends plain values: a run of allocations is gathered as
+Python lists (its columns) and the mirror's events as the engine's values; the sender
+thread writes the run's columns into the Step and makes and digests the events'
+messages just before it sends.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from kvcoord.engine import (
     LoRA,
     PrefixCacheStats,
     StaleCacheHitError,
+    TokenIds,
 )
 from kvcoord.engine.managers.base import SingleTypeKVCacheManager
 from kvcoord.engine.state import STATE_VERSION, StateError, import_state
@@ -123,7 +124,7 @@ class Mirror:
             if sync.new_request:
                 engine.add_request(
                     rid,
-                    sync.append_token_ids,
+                    TokenIds(sync.append_token_ids),  # uint32 on the wire, as the server reads them
                     sync.append_block_hashes,
                     lora=LoRA(sync.lora.adapter_id, sync.lora.name) if sync.lora.name else None,
                     skip_reading_prefix_cache=sync.skip_reading_prefix_cache,
@@ -141,7 +142,7 @@ class Mirror:
             engine.update_request(
                 rid,
                 num_computed_tokens=computed,
-                append_token_ids=sync.append_token_ids,
+                append_token_ids=TokenIds(sync.append_token_ids),
                 append_block_hashes=sync.append_block_hashes,
             )
         except EngineError as err:

@@ -110,9 +110,10 @@ class PredictingKVCacheManager:
         #: what RemoteKVCacheManager uses for lookup hints (KVCoordScheduler sets it);
         #: not needed here: every lookup is answered from the mirror
         self.upcoming: Any = None
-        #: the answer of every allocation that takes no block (one shared instance, of
-        #: empty tuples: vLLM's adapter answers it with vLLM's shared empty blocks)
-        self.no_blocks = KVCacheBlockIds(tuple(() for _ in cfg.groups))  # type: ignore[arg-type]
+        #: the answer of every allocation that takes no block: one shared instance (its
+        #: empty lists are not to be changed), which vLLM's adapter answers with vLLM's
+        #: shared empty blocks
+        self.no_blocks = KVCacheBlockIds(tuple([] for _ in cfg.groups))
 
     def _attach(self) -> pb.AttachResponse:
         """Attach exclusively and load the mirror from the answer's engine state.

@@ -199,6 +199,12 @@ def main() -> None:
                 print(f"{n:>7} {name:<22} {med:8.2f} {mean:8.2f} {pct(t[args.warmup:], 0.99):8.2f} "
                       f"{trips:9.2f} {max(counts[args.warmup:]):8d} {med - base:9.2f} {med / (base + rtt):11.2f}"
                       f" {rtt:7.3f} {med / base:6.2f} {mean / base_mean:6.2f}")  # fmt: skip
+                if predict:
+                    # what the p99 is made of, in part: the steps that waited for the Step in
+                    # flight (the backlog was full), over the whole run (warm-up included)
+                    manager = remote.kv_cache_manager.remote
+                    print(f"{'':>7} {'':<22} waited for the Step in flight: {manager.waited_seconds * 1e3:.1f} ms in "
+                          f"{total} steps; {manager.steps_sent} Steps sent")  # fmt: skip
                 remote.shutdown()
         print("scheduler outputs identical on every step")
     finally:

@@ -5,6 +5,7 @@ tests/reliability/test_faults.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from kvcoord.client import (
     RequestsLostError,
 )
 from kvcoord.client.hashing import BlockHasher
+from kvcoord.engine import BlockStored
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
 from support import NONE, Req, wire_pool_config
@@ -343,11 +345,11 @@ def test_events_the_server_did_not_make_lose_every_request(client: KVCoordClient
     def wrong_events(m: PredictingKVCacheManager) -> None:
         original = m.mirror.take_step
 
-        def take_step() -> tuple[pb.StepResponse, pb.PrefixCacheStats]:
+        def take_step() -> tuple[list[Any], pb.PrefixCacheStats]:
             events, stats = original()
-            for event in events.events:
-                event.block_stored.medium = "CPU"
-            return events, stats
+            return [
+                dataclasses.replace(e, medium="CPU") if isinstance(e, BlockStored) else e for e in events
+            ], stats
 
         m.mirror.take_step = take_step  # type: ignore[method-assign]
 
@@ -476,8 +478,8 @@ def test_a_real_difference_is_caught_across_an_event_gap(make_server: Callable[.
             else:
                 run = m.sender.run
                 assert run is not None
-                (first, *rest), *groups = run.ids[-1]
-                run.ids[-1] = ((first + 1, *rest), *groups)  # one block id the server will not give
+                assert run.block_ids
+                run.block_ids[-1] += 1  # one block id the server will not give
             m.take_events()
             with pytest.raises(RequestsLostError) as info:
                 m.flush()

@@ -30,15 +30,16 @@ from kvcoord.engine import (
     BlockRemoved,
     BlockStored,
     EngineError,
+    KVCacheEvent,
     LoRA,
     PrefixCacheStats,
-    RequestCheckpoint,
     StaleCacheHitError,
+    TokenIds,
 )
 from kvcoord.engine.managers.base import SingleTypeKVCacheManager
 from kvcoord.engine.state import STATE_VERSION, StateError, import_state
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import config_from_pb, fill_event, stats_to_pb
+from kvcoord.wire import config_from_pb, stats_to_pb
 from kvcoord.wire.rules import rules_fingerprint
 
 from .errors import KVCoordError, error_from_code
@@ -92,6 +93,7 @@ class Mirror:
         self.log_stats = config.log_stats if config.HasField("log_stats") else True
         engine.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
         self.engine = engine
+        self._update_and_allocate = engine.update_and_allocate
         self.namespace = state.cache_namespace
         #: the cache prefix of the session's events (None: every event is the session's)
         self._prefix: bytes | None = (
@@ -99,10 +101,10 @@ class Mirror:
         )
         self.enable_events = engine.block_pool.enable_kv_cache_events
         self._block_pool = engine.block_pool
-        #: the session's events since the Step was cut (in a StepResponse's ``events``,
-        #: which the server digests alike), and those not given to the scheduler yet
-        self._step_events = pb.StepResponse()
-        self.events: list[pb.KVEvent] = []
+        #: the session's events (the engine's values) since the Step was cut, for the
+        #: sender to digest as the server does, and those not given to the scheduler yet
+        self._step_events: list[KVCacheEvent] = []
+        self.events: list[KVCacheEvent] = []
         #: statistics since the Step was cut, and since the scheduler last made them
         self.step_stats = PrefixCacheStats()
         self._user_stats = PrefixCacheStats()
@@ -122,7 +124,7 @@ class Mirror:
             if sync.new_request:
                 engine.add_request(
                     rid,
-                    sync.append_token_ids,
+                    TokenIds(sync.append_token_ids),  # uint32 on the wire, as the server reads them
                     sync.append_block_hashes,
                     lora=LoRA(sync.lora.adapter_id, sync.lora.name) if sync.lora.name else None,
                     skip_reading_prefix_cache=sync.skip_reading_prefix_cache,
@@ -140,7 +142,7 @@ class Mirror:
             engine.update_request(
                 rid,
                 num_computed_tokens=computed,
-                append_token_ids=sync.append_token_ids,
+                append_token_ids=TokenIds(sync.append_token_ids),
                 append_block_hashes=sync.append_block_hashes,
             )
         except EngineError as err:
@@ -152,25 +154,18 @@ class Mirror:
         num_lookahead_tokens: int,
     ) -> BlockIds | None:  # fmt: skip
         """A registered request's run entry (``RequestTracker.sync_run``'s values, then
-        an allocation without a hit): its update and its new blocks per group, or
-        ``None`` when too few blocks are free. Refused by the engine: nothing changed.
+        an allocation without a hit, in one engine call): its update and its new blocks
+        per group, or ``None`` when too few blocks are free (the update kept, as the
+        server keeps it). Refused by the engine: nothing changed.
 
         Raises:
             KVCoordError: the engine refuses the update or the allocation.
         """
-        engine = self.engine
-        req = engine.requests.get(request_id)
-        before = (
-            None if req is None else (len(req.all_token_ids), len(req.block_hashes), req.num_computed_tokens)
-        )
         try:
-            engine.update_request(
-                request_id, num_computed_tokens=computed, append_token_ids=tokens, append_block_hashes=hashes
+            new = self._update_and_allocate(
+                request_id, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens
             )
-            new = engine.allocate_slots(request_id, num_new_tokens, 0, None, num_lookahead_tokens)
         except EngineError as err:
-            if before is not None:
-                engine.restore_request(request_id, RequestCheckpoint(*before))
             raise engine_error(err) from None
         if self._block_pool.kv_event_queue:
             self._collect()
@@ -253,20 +248,22 @@ class Mirror:
 
     # -- what is compared -----------------------------------------------------------------
     def _collect(self) -> None:
-        """Keep the session's events of the call just made."""
+        """Keep the session's events of the call just made (as the engine's values: the
+        messages are made off the scheduler's thread, by the sender)."""
         if not self.enable_events or not self._block_pool.kv_event_queue:
             return
         events = self._block_pool.take_events()
         if events:
-            add = self._step_events.events.add
             prefix = self._prefix
-            for event in events:
-                if prefix is not None and isinstance(event, BlockRemoved | BlockStored):
-                    if event.cache_prefix != prefix:
-                        continue  # another namespace's block: not this session's to see
-                message = add()
-                fill_event(message, event)
-                self.events.append(message)
+            if prefix is not None:
+                # another namespace's block: not this session's to see
+                events = [
+                    e
+                    for e in events
+                    if not isinstance(e, BlockRemoved | BlockStored) or e.cache_prefix == prefix
+                ]
+            self._step_events += events
+            self.events += events
 
     def _drain_stats(self) -> None:
         stats = self.engine.make_prefix_cache_stats()
@@ -274,15 +271,15 @@ class Mirror:
             _add_stats(self.step_stats, stats)
             _add_stats(self._user_stats, stats)
 
-    def take_step(self) -> tuple[pb.StepResponse, pb.PrefixCacheStats]:
-        """The events (in a StepResponse's ``events``) and statistics since the previous
-        call: what the server's answer to the Step cut now must give."""
+    def take_step(self) -> tuple[list[KVCacheEvent], pb.PrefixCacheStats]:
+        """The events and statistics since the previous call: what the server's answer
+        to the Step cut now must give (its events digested as a StepResponse's)."""
         self._drain_stats()
-        events, self._step_events = self._step_events, pb.StepResponse()
+        events, self._step_events = self._step_events, []
         stats, self.step_stats = self.step_stats, PrefixCacheStats()
         return events, stats_to_pb(stats)
 
-    def take_events(self) -> list[pb.KVEvent]:
+    def take_events(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []
         return events
 

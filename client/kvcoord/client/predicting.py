@@ -35,7 +35,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import grpc
+from kvcoord.engine import KVCacheEvent
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import event_to_pb
 
 from .client import KVCoordClient
 from .errors import (
@@ -108,6 +110,10 @@ class PredictingKVCacheManager:
         #: what RemoteKVCacheManager uses for lookup hints (KVCoordScheduler sets it);
         #: not needed here: every lookup is answered from the mirror
         self.upcoming: Any = None
+        #: the answer of every allocation that takes no block: one shared instance (its
+        #: empty lists are not to be changed), which vLLM's adapter answers with vLLM's
+        #: shared empty blocks
+        self.no_blocks = KVCacheBlockIds(tuple([] for _ in cfg.groups))
 
     def _attach(self) -> pb.AttachResponse:
         """Attach exclusively and load the mirror from the answer's engine state.
@@ -204,6 +210,8 @@ class PredictingKVCacheManager:
                 if new is None:
                     return None
                 assert isinstance(new, tuple)
+                if not return_table and not any(new):
+                    return self.no_blocks  # a decode step inside its last block
                 ids = KVCacheBlockIds(tuple([list(g) for g in new]))
                 if return_table:
                     ids = KVCacheBlockIds(ids.block_ids, table=self.mirror.table(request.request_id))
@@ -232,17 +240,19 @@ class PredictingKVCacheManager:
         if fields is None:
             return _UNREGISTERED
         base_t, base_h, tokens, hashes, computed = fields
-        mirror = self.mirror
         try:
-            new = mirror.grow(rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens)
+            new = self.mirror.grow(rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens)
         except BaseException:
             tracker.restore({rid: mark})
             raise
-        entry = (rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens)
         if new is None:
-            self.sender.refuse(entry)
+            self.sender.refuse(
+                rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens
+            )
             return None
-        self.sender.add_to_run(entry, new)
+        self.sender.add_to_run(
+            rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens, new
+        )
         return new
 
     def _allocate(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
@@ -401,6 +411,11 @@ class PredictingKVCacheManager:
     def take_events(self) -> list[pb.KVEvent]:
         """The pool's KV events since the previous call; ends a scheduler step (its
         calls go to the server, or join the next Step while one is in flight)."""
+        return [event_to_pb(e) for e in self.take_engine_events()]
+
+    def take_engine_events(self) -> list[KVCacheEvent]:
+        """:meth:`take_events` as the engine's values (no message made: what vLLM's
+        adapter converts)."""
         self._cut()
         return self.mirror.take_events()
 
@@ -456,7 +471,7 @@ class PredictingKVCacheManager:
         self.sender.cut(self._step_state, wait)
         self._settled()
 
-    def _step_state(self) -> tuple[int, pb.StepResponse, pb.PrefixCacheStats]:
+    def _step_state(self) -> tuple[int, list[KVCacheEvent], pb.PrefixCacheStats]:
         """What the answer to the Step sent now must say: the mirror's free count,
         events and statistics."""
         events, stats = self.mirror.take_step()

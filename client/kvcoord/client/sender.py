@@ -10,33 +10,35 @@ difference, a failed call) is kept in :attr:`failure` for the facade's next call
 report; nothing is absorbed. While a Step is in flight, the next steps' calls join
 the next one, up to ``max_backlog`` steps or ``max_step_bytes``; then :meth:`cut`
 waits for the answer in flight first.
+
+The scheduler's thread only appends plain values: a run of allocations is gathered as
+Python lists (its columns) and the mirror's events as the engine's values; the sender
+thread writes the run's columns into the Step and makes and digests the events'
+messages just before it sends.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
+from kvcoord.engine import KVCacheEvent
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import add_events
 
 from .client import KVCoordClient
 from .errors import KVCoordError, error_from_code, status_code
 from .mirror import BlockIds
 from .session import SessionKeeper
 
-__all__ = ["PredictionMismatchError", "RunEntry", "StepSender"]
+__all__ = ["PredictionMismatchError", "StepSender"]
 
 logger = logging.getLogger(__name__)
-
-#: a registered request's allocation in a run: its id, base token and hash counts,
-#: appended tokens and hashes, computed tokens, new tokens and lookahead tokens
-RunEntry = tuple[str, int, int, Sequence[int], Sequence[bytes], int, int, int]
 
 
 class PredictionMismatchError(KVCoordError):
@@ -50,17 +52,21 @@ class _Sent:
     """One Step's operations (written in place into its request) and what the mirror
     says their answers are."""
 
-    __slots__ = ("events", "expected", "num_free_blocks", "request", "size", "stats")
+    __slots__ = ("events", "expected", "num_free_blocks", "request", "runs", "size", "stats")
 
     def __init__(self) -> None:
         self.request = pb.StepRequest(include_state=True, events_digest=True)
         #: about how many bytes the request holds (an upper bound for its tokens and hashes)
         self.size = 0
+        #: each run of allocations and its operation, whose columns are written on the
+        #: sender thread (just before the Step is sent), not on the scheduler's
+        self.runs: list[tuple[pb.Operation, _Run]] = []
         #: per op: its Run, None, or (kind, the mirror's answer): "new" (an allocation's
         #: new block ids per group), "reset" or "common_prefix"
         self.expected: list[Any] = []
         self.num_free_blocks = 0
-        self.events = pb.StepResponse()
+        #: the mirror's events (the engine's values), digested on the sender thread
+        self.events: list[KVCacheEvent] = []
         self.stats = pb.PrefixCacheStats()
 
 
@@ -134,18 +140,37 @@ class StepSender:
         del self.pending.request.ops[-1]
         self.pending.expected.pop()
 
-    def add_to_run(self, entry: RunEntry, new: BlockIds) -> None:
-        """An allocation of a registered request without a hit, and its new blocks."""
+    def add_to_run(
+        self, rid: str, base_t: int, base_h: int, tokens: Sequence[int], hashes: Sequence[bytes], computed: int,
+        num_new_tokens: int, num_lookahead_tokens: int, new: BlockIds,
+    ) -> None:  # fmt: skip
+        """An allocation of a registered request without a hit (``RequestTracker.sync_run``'s
+        values and the call's counts), and the new blocks the mirror gave it."""
         run = self.run
         if run is None:
             run = self.run = _Run()
-        run.entries.append(entry)
-        run.ids.append(new)
+        run.rids.append(rid)
+        run.base_t.append(base_t)
+        run.base_h.append(base_h)
+        run.computed.append(computed)
+        run.new.append(num_new_tokens)
+        run.look.append(num_lookahead_tokens)
+        run.num_tokens.append(len(tokens))
+        run.tokens += tokens
+        if hashes:
+            run.hashes += hashes
+        run.num_hashes.append(len(hashes))
+        for group in new:
+            run.num_blocks.append(len(group))
+            if group:
+                run.block_ids += group
 
-    def refuse(self, entry: RunEntry) -> None:
-        """A refused allocation of a registered request (``entry`` as a run's), for
+    def refuse(
+        self, rid: str, base_t: int, base_h: int, tokens: Sequence[int], hashes: Sequence[bytes], computed: int,
+        num_new_tokens: int, num_lookahead_tokens: int,
+    ) -> None:  # fmt: skip
+        """A refused allocation of a registered request (as :meth:`add_to_run`'s), for
         the server to confirm."""
-        rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens = entry
         a = self.op().allocate
         sync = a.request
         sync.request_id = rid
@@ -159,10 +184,13 @@ class StepSender:
         self.grew(sync)
 
     def close_run(self) -> None:
+        """End the run being gathered: it takes the Step's next operation (its columns
+        are written when the Step is sent)."""
         run = self.run
         if run is not None:
             pending = self.pending
-            pending.size += run.write(pending.request.ops.add().allocate_run)
+            pending.runs.append((pending.request.ops.add(), run))
+            pending.size += 32 * len(run.rids) + 5 * len(run.tokens) + 34 * len(run.hashes)
             pending.expected.append(run)
             self.run = None
 
@@ -174,7 +202,7 @@ class StepSender:
 
     # -- sending --------------------------------------------------------------------------
     def cut(
-        self, state: Callable[[], tuple[int, pb.StepResponse, pb.PrefixCacheStats]], wait: bool = False
+        self, state: Callable[[], tuple[int, list[KVCacheEvent], pb.PrefixCacheStats]], wait: bool = False
     ) -> bool:
         """End a scheduler step: send its calls unless a Step is in flight and the
         backlog allows them to wait. ``state`` gives what the answer must say (the
@@ -231,6 +259,8 @@ class StepSender:
             self.failure = self.failure or KVCoordError(grpc.StatusCode.INTERNAL, repr(err))
 
     def _checked_step(self, sent: _Sent) -> None:
+        for op, run in sent.runs:
+            run.write(op.allocate_run)
         keeper = self.keeper
         at = keeper.clock()
         resp = self.client.send_step(sent.request)
@@ -275,7 +305,7 @@ class StepSender:
                     "predicted pool %r: the server's event buffer wrapped during a Step; its events "
                     "were not compared (everything else was)", self.pool,
                 )  # fmt: skip
-            elif resp.events_sha256 != hashlib.sha256(sent.events.SerializeToString()).digest():
+            elif resp.events_sha256 != _events_digest(sent.events):
                 raise PredictionMismatchError("the server's KV events differ from the mirror's")
         if self.compare_stats and resp.prefix_cache_stats != sent.stats:
             raise PredictionMismatchError(
@@ -284,38 +314,51 @@ class StepSender:
             )
 
 
-class _Run:
-    """A Step's allocations of registered requests without a hit: their entries and
-    the block ids the mirror gave them, turned into one AllocateRunOp's columns when
-    sent."""
+def _events_digest(events: list[KVCacheEvent]) -> bytes:
+    """SHA-256 of the events as a StepResponse holding only them (what the server digests)."""
+    message = pb.StepResponse()
+    add_events(message.events, events)
+    return hashlib.sha256(message.SerializeToString()).digest()
 
-    __slots__ = ("entries", "ids")
+
+class _Run:
+    """A Step's allocations of registered requests without a hit, gathered as the
+    columns of one AllocateRunOp, with the block ids the mirror gave them (the
+    columns of its answer)."""
+
+    __slots__ = (
+        "base_h", "base_t", "block_ids", "computed", "hashes", "look", "new", "num_blocks", "num_hashes",
+        "num_tokens", "rids", "tokens",
+    )  # fmt: skip
 
     def __init__(self) -> None:
-        self.entries: list[RunEntry] = []
-        #: each entry's new block ids per group, in entry order
-        self.ids: list[BlockIds] = []
+        self.rids: list[str] = []
+        self.base_t: list[int] = []
+        self.base_h: list[int] = []
+        self.computed: list[int] = []
+        self.new: list[int] = []
+        self.look: list[int] = []
+        self.num_tokens: list[int] = []
+        self.tokens: list[int] = []
+        self.num_hashes: list[int] = []
+        self.hashes: list[bytes] = []
+        #: each entry's new block count per group, and the ids, in entry order
+        self.num_blocks: list[int] = []
+        self.block_ids: list[int] = []
 
-    def write(self, op: pb.AllocateRunOp) -> int:
-        """The entries as ``op``'s columns; about how many bytes they take (at most)."""
-        rids, base_t, base_h, tokens, hashes, computed, new, look = zip(*self.entries, strict=True)
-        num_tokens = [len(t) for t in tokens]
-        num_hashes = [len(h) for h in hashes]
-        op.request_ids.extend(rids)
-        op.base_num_tokens.extend(base_t)
-        op.base_num_hashes.extend(base_h)
-        op.num_computed_tokens.extend(computed)
-        op.num_new_tokens.extend(new)
-        op.num_lookahead_tokens.extend(look)
-        op.num_append_tokens.extend(num_tokens)
-        op.append_token_ids.extend(itertools.chain.from_iterable(tokens))
-        op.num_append_hashes.extend(num_hashes)
-        op.append_block_hashes.extend(itertools.chain.from_iterable(hashes))
-        return 32 * len(rids) + 5 * sum(num_tokens) + 34 * sum(num_hashes)
+    def write(self, op: pb.AllocateRunOp) -> None:
+        """The entries as ``op``'s columns."""
+        op.request_ids.extend(self.rids)
+        op.base_num_tokens.extend(self.base_t)
+        op.base_num_hashes.extend(self.base_h)
+        op.num_computed_tokens.extend(self.computed)
+        op.num_new_tokens.extend(self.new)
+        op.num_lookahead_tokens.extend(self.look)
+        op.num_append_tokens.extend(self.num_tokens)
+        op.append_token_ids.extend(self.tokens)
+        op.num_append_hashes.extend(self.num_hashes)
+        op.append_block_hashes.extend(self.hashes)
 
     def matches(self, answer: pb.AllocateRunResult) -> bool:
         """Whether the server's answer gives each entry the mirror's blocks."""
-        groups = [g for ids in self.ids for g in ids]
-        return list(answer.num_new_blocks) == [len(g) for g in groups] and list(answer.new_block_ids) == list(
-            itertools.chain.from_iterable(groups)
-        )
+        return list(answer.num_new_blocks) == self.num_blocks and list(answer.new_block_ids) == self.block_ids

@@ -32,6 +32,7 @@ from .predicting import PredictingKVCacheManager
 from .vllm_types import (
     KVCacheBlock,
     KVCacheBlocks,
+    convert_engine_events,
     convert_events,
     convert_stats,
 )
@@ -149,6 +150,8 @@ class KVCoordKVCacheManager:
         #: losses and outages met while absorbing
         self.absorbed = 0
         self._last_usage = 0.0
+        #: the remote's shared answer to an allocation that takes no block (predicted)
+        self._no_blocks: KVCacheBlockIds | None = getattr(remote, "no_blocks", None)
 
     # -- blocks -------------------------------------------------------------------------
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> KVCacheBlocks:
@@ -308,6 +311,8 @@ class KVCoordKVCacheManager:
             cached = local if delay_cache_blocks else min(total + num_new_tokens, int(request.num_tokens))
             if cached > held.hashed_tokens:
                 held.hashed_tokens = cached
+        if new is self._no_blocks:
+            return self.empty_kv_cache_blocks  # a decode step inside its last block, as vLLM answers it
 
         def make() -> tuple[Sequence[KVCacheBlock], ...]:
             ids = new.get_block_ids()
@@ -321,7 +326,13 @@ class KVCoordKVCacheManager:
             return self._blocks(ids, held, starts).blocks
 
         if new.resolved:
-            return KVCacheBlocks(make())
+            blocks = make()
+            # no new block (a decode step inside its last block): vLLM's shared empty answer
+            return (
+                self.empty_kv_cache_blocks
+                if blocks is self.empty_kv_cache_blocks.blocks
+                else KVCacheBlocks(blocks)
+            )
         if self._evicted:
             self._unread.append(new)
         return KVCacheBlocks(make=make)
@@ -366,7 +377,10 @@ class KVCoordKVCacheManager:
     def take_events(self) -> list[Any]:
         if not self.enable_kv_cache_events:
             return []
-        return convert_events(self.remote.take_events())
+        remote = self.remote
+        if isinstance(remote, PredictingKVCacheManager):
+            return convert_engine_events(remote.take_engine_events())  # no message made and read
+        return convert_events(remote.take_events())
 
     @_absorbing(lambda self, *_: self.empty_kv_cache_blocks)
     def get_blocks(self, request_id: str) -> KVCacheBlocks:

@@ -31,6 +31,7 @@ __all__ = [
     "KVCacheBlocks",
     "PoolMismatchError",
     "PrefixCacheStats",
+    "convert_engine_events",
     "convert_events",
     "convert_stats",
     "pool_config_differences",
@@ -205,6 +206,12 @@ def convert_stats(stats: pb.PrefixCacheStats) -> Any:
 def convert_events(events: Iterable[pb.KVEvent], *, fields_033: bool = False) -> list[Any]:
     """Protobuf KV events as vLLM's event types (or kvcoord's plain ones), in order;
     with ``fields_033``, also the fields vLLM 0.33 added (a vllm-0.33 pool's events)."""
+    return convert_engine_events(events_from_pb(events), fields_033=fields_033)
+
+
+def convert_engine_events(events: Iterable[engine.KVCacheEvent], *, fields_033: bool = False) -> list[Any]:
+    """The engine's KV events as vLLM's event types (or kvcoord's plain ones), in order
+    (``fields_033`` as for :func:`convert_events`)."""
     stored_t, removed_t, cleared_t = _event_types()
     as_int = _int_hashes()
 
@@ -212,7 +219,7 @@ def convert_events(events: Iterable[pb.KVEvent], *, fields_033: bool = False) ->
         return int.from_bytes(raw, "big") & ((1 << 64) - 1) if as_int else bytes(raw)
 
     out: list[Any] = []
-    for e in events_from_pb(events):
+    for e in events:
         if isinstance(e, engine.BlockStored):
             out.append(
                 stored_t(

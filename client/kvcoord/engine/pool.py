@@ -470,6 +470,45 @@ class KVCachePool:
             coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens - self._hash_lag))
         return tuple([tuple([b.block_id for b in lst]) for lst in new])
 
+    def update_and_allocate(
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        append_token_ids: Sequence[int],
+        append_block_hashes: Sequence[bytes],
+        num_new_tokens: int,
+        num_lookahead_tokens: int = 0,
+    ) -> BlockIds | None:
+        """:meth:`update_request` then :meth:`allocate_slots` without a hit, in one call
+        (a running request's step, above all a decode): the same checks and the same
+        answer. A refused update changes nothing; an allocation that raises takes the
+        update back with it. A ``None`` answer (too few free blocks) keeps the update,
+        as the two calls would.
+
+        Raises:
+            RequestNotFoundError, InvalidArgumentError, FailedPreconditionError: as the
+                two calls raise them.
+        """
+        req = self.requests.get(request_id)
+        if req is None:
+            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        before = (len(req.all_token_ids), len(req.block_hashes), req.num_computed_tokens)
+        self._update(request_id, num_computed_tokens, append_token_ids, append_block_hashes)
+        try:
+            if (
+                self._plain_managers
+                and type(num_new_tokens) is int
+                and num_new_tokens > 0
+                and type(num_lookahead_tokens) is int
+                and num_lookahead_tokens >= 0
+                and req.num_computed_tokens + num_new_tokens <= self.max_model_len
+            ):
+                return self._allocate_without_hit(req, num_new_tokens, num_lookahead_tokens)
+            return self.allocate_slots(request_id, num_new_tokens, 0, None, num_lookahead_tokens)
+        except BaseException:
+            self.request_table.restore(request_id, RequestCheckpoint(*before))
+            raise
+
     def _allocate_without_hit(
         self, req: Request, num_new_tokens: int, num_lookahead_tokens: int
     ) -> BlockIds | None:

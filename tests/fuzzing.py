@@ -215,6 +215,20 @@ def operations(draw: Any) -> pb.Operation:
         "take_events": pb.TakeEventsOp,
         "make_prefix_cache_stats": lambda: pb.MakePrefixCacheStatsOp(peek=draw(st.booleans())),
         "sync": lambda: pb.SyncOp(request=draw(syncs())),
+        # vllm-0.33's operations (a 0.16 pool refuses them with a documented status)
+        "record_prefix_cache_stats": lambda: pb.RecordPrefixCacheStatsOp(
+            request_id=rid, num_hits=draw(counts)
+        ),
+        "estimate_cached_tokens": lambda: pb.EstimateCachedTokensOp(request_id=rid),
+        "new_step_starts": pb.NewStepStartsOp,
+        "get_num_blocks_to_allocate": lambda: pb.GetNumBlocksToAllocateOp(
+            request_id=rid,
+            num_tokens=draw(counts),
+            total_computed_tokens=draw(counts),
+            num_tokens_main_model=draw(counts),
+            apply_admission_cap=draw(st.booleans()),
+            num_encoder_tokens=draw(counts),
+        ),
         "admit": lambda: pb.AdmitOp(
             requests=draw(st.lists(syncs(), max_size=4)),
             token_budget=draw(counts),

@@ -249,9 +249,15 @@ class Cluster:
     # -- the view -----------------------------------------------------------------------
     async def refresh(self) -> None:
         """Read members, claims and the catalog from the store into the view."""
+        # The catalog is read before the claims, so the claims are never older than
+        # the catalog: a pool created (claim and catalog entry in one transaction)
+        # while this runs is then either in neither or has its claim, never a pool of
+        # the catalog without a claim, which recover_orphans would take for one whose
+        # owner died and rebuild (its own replica replacing its fresh pool, callers
+        # meanwhile bounced between replicas).
         members = await self.client.get_prefix(self._key("members"))
-        claims = await self.client.get_prefix(self._key("owners"))
         catalog = await self.client.get_prefix(self._key("pools"), keys_only=True)
+        claims = await self.client.get_prefix(self._key("owners"))
         before = set(self.view.owned())
         view = self.view
         view.set_members(_decoded(members, lambda kv: decode_member(kv.value)))

@@ -5,12 +5,20 @@ by its own owner), and a delete whose claim moved away changes nothing here."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
+from concurrent import futures
 from typing import Any
 
+import grpc
 import pytest
 from etcd_process import Etcd
+from kvcoord.client import AsyncKVCoordClient, KVCoordClient, NotOwnerError, RetryPolicy
+from kvcoord.client.owners import MAX_HOPS
 from kvcoord.service.cluster import Cluster, _client
 from kvcoord.service.ownership import Member, owner_of
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 
 async def _joined(etcd: Etcd, name: str, replica: str = "r0") -> Cluster:
@@ -69,3 +77,94 @@ def test_a_pool_created_while_the_view_is_read_is_not_an_orphan(
             await cluster.stop()
 
     asyncio.run(run())
+
+
+class _Bouncing(pb_grpc.AllocatorServicer):
+    """A replica whose view is behind for its first ``stale`` calls: it names the
+    other one as the owner (two such replicas bounce a call between them), then serves."""
+
+    def __init__(self, stale: int, calls: list[str]) -> None:
+        self.stale = stale
+        self.calls = calls
+        self.other = ""
+        self.me = ""
+
+    def _answer(self, context: grpc.ServicerContext, rpc: str) -> bool:
+        self.calls.append(f"{rpc}@{self.me}")
+        if len(self.calls) <= self.stale:
+            context.set_trailing_metadata((("kvcoord-reason", "NOT_OWNER"), ("kvcoord-owner", self.other)))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"pool 'p' is served by {self.other}")
+        return True
+
+    def GetPool(self, request: pb.GetPoolRequest, context: grpc.ServicerContext) -> pb.GetPoolResponse:
+        self._answer(context, "GetPool")
+        return pb.GetPoolResponse(pool=pb.PoolInfo(name=request.name))
+
+    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
+        self._answer(context, "Attach")
+        return pb.AttachResponse(session_id="s1")
+
+    def DeletePool(
+        self, request: pb.DeletePoolRequest, context: grpc.ServicerContext
+    ) -> pb.DeletePoolResponse:
+        self._answer(context, "DeletePool")
+        return pb.DeletePoolResponse()
+
+
+@contextlib.contextmanager
+def _bouncing_pair(stale: int) -> Iterator[tuple[list[str], list[str]]]:
+    calls: list[str] = []
+    servers, servicers, addresses = [], [], []
+    for _ in range(2):
+        servicer = _Bouncing(stale, calls)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pb_grpc.add_AllocatorServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        servicers.append(servicer)
+        addresses.append(f"127.0.0.1:{port}")
+    servicers[0].me, servicers[0].other = addresses[0], addresses[1]
+    servicers[1].me, servicers[1].other = addresses[1], addresses[0]
+    try:
+        yield addresses, calls
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
+def test_a_read_or_attach_bounced_past_max_hops_waits_and_is_answered() -> None:
+    """run-s7: while the replicas' views disagree a call is redirected back and forth;
+    past MAX_HOPS a read (GetPool) or an Attach waits and starts over instead of
+    raising NotOwnerError, and is answered once the views agree."""
+    stale = 2 * (MAX_HOPS + 1)
+    for call in ("get_pool", "attach"):
+        with _bouncing_pair(stale) as (addresses, calls):
+            with KVCoordClient(addresses, timeout=5.0, retry=RetryPolicy(initial_backoff=0.01)) as c:
+                if call == "get_pool":
+                    assert c.get_pool("p").pool.name == "p"
+                else:
+                    assert c.attach("p", "sha256", 16, "").session_id == "s1"
+            assert len(calls) == stale + 1  # every bounce was a real answer of a replica
+
+
+def test_an_async_read_bounced_past_max_hops_waits_and_is_answered() -> None:
+    stale = 2 * (MAX_HOPS + 1)
+
+    async def run(addresses: list[str]) -> str:
+        async with AsyncKVCoordClient(addresses, timeout=5.0, retry=RetryPolicy(initial_backoff=0.01)) as c:
+            return (await c.get_pool("p")).pool.name
+
+    with _bouncing_pair(stale) as (addresses, calls):
+        assert asyncio.run(run(addresses)) == "p"
+        assert len(calls) == stale + 1
+
+
+def test_an_unkeyed_mutation_bounced_past_max_hops_is_not_sent_again() -> None:
+    """DeletePool is sent once per redirect followed (a NOT_OWNER answer applied
+    nothing) and never resent after a pause: past MAX_HOPS it raises NotOwnerError."""
+    with _bouncing_pair(100) as (addresses, calls):
+        with KVCoordClient(addresses, timeout=5.0, retry=RetryPolicy(initial_backoff=0.01)) as c:
+            with pytest.raises(NotOwnerError):
+                c.delete_pool("p")
+        assert len(calls) == MAX_HOPS + 1

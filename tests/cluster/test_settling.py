@@ -17,6 +17,7 @@ from kvcoord.client import AsyncKVCoordClient, KVCoordClient, NotOwnerError, Ret
 from kvcoord.client.owners import MAX_HOPS
 from kvcoord.service.cluster import Cluster, _client
 from kvcoord.service.ownership import Member, owner_of
+from kvcoord.service.store_journal import PoolStreams
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
@@ -73,6 +74,39 @@ def test_a_pool_created_while_the_view_is_read_is_not_an_orphan(
             cluster.client.get_prefix, cluster.client.transaction = plain, plain_tx
             assert claim is not None and cluster.view.holds(pool)
             assert pool not in orphans, "the replica's own new pool was taken for an orphan"
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
+def test_a_pool_claimed_after_it_was_found_unclaimed_is_not_rebuilt(
+    etcd: Etcd, request: pytest.FixtureRequest
+) -> None:
+    """recover_orphans / claim_local list the pools nobody claims, then recover them
+    one by one (awaiting the store in between): a pool this replica claimed in the
+    meantime (CreatePool) is left as it is, not dropped and rebuilt from the store."""
+    name = request.node.name[:40]
+
+    async def run() -> None:
+        cluster = await _joined(etcd, name)
+        try:
+            cluster.streams = PoolStreams(lambda: cluster.client, cluster.prefix, lambda: True, 40)
+            dropped: list[str] = []
+            loaded: list[int] = []
+
+            async def load(value: dict[str, Any], term: int) -> None:
+                loaded.append(term)
+
+            cluster.local_pools = lambda: ["fresh"]
+            cluster.drop_local = dropped.append
+            cluster.load_pool = load
+            cluster.scratch_registry = lambda writer: pytest.fail("nothing is rebuilt")
+            assert await cluster.claim("fresh") is not None  # CreatePool, after the list was made
+            assert await cluster.recover("fresh")
+            assert dropped == [] and loaded == [] and cluster.failovers == 0
+            await cluster.refresh()
+            assert cluster.view.holds("fresh") and "fresh" in cluster.view.catalog  # not forgotten
         finally:
             await cluster.stop()
 

@@ -402,6 +402,8 @@ class Cluster:
         from .store_journal import rebuild, stream_rows
 
         view = self.view
+        if pool in view.claims or pool in view.moving or pool in self.adopting:
+            return view.holds(pool)  # claimed (or being moved) since it was found unclaimed
         view.moving.add(pool)
         self.adopting.add(pool)
         try:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,10 +18,13 @@ from etcd_process import Etcd
 from kvcoord.client import AsyncKVCoordClient, KVCoordClient, NotOwnerError, RetryPolicy
 from kvcoord.client.owners import MAX_HOPS
 from kvcoord.service.cluster import Cluster, _client
-from kvcoord.service.ownership import Member, owner_of
+from kvcoord.service.config import parse_config
+from kvcoord.service.ownership import Member, encode_claim, owner_of
+from kvcoord.service.server import start_server
 from kvcoord.service.store_journal import PoolStreams
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from test_replicas import POOL_CONFIG
 
 
 async def _joined(etcd: Etcd, name: str, replica: str = "r0") -> Cluster:
@@ -67,7 +72,7 @@ def test_a_pool_created_while_the_view_is_read_is_not_an_orphan(
 
             cluster.client.get_prefix, cluster.client.transaction = racing_read, slow_answer
             await cluster.refresh()
-            assert len(reads) == 2
+            assert len(reads) >= 2
             orphans = cluster.view.orphans()
             answered.set()
             claim = await creating[0]
@@ -111,6 +116,68 @@ def test_a_pool_claimed_after_it_was_found_unclaimed_is_not_rebuilt(
             await cluster.stop()
 
     asyncio.run(run())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_delete_whose_claim_moved_away_changes_nothing_and_redirects(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A real replica (journal = "store", real etcd, real gRPC) whose view has not yet
+    seen its pool's claim go to another replica gets a DeletePool: it is refused with
+    the redirect to the new holder, and nothing was deleted, neither here nor in the
+    store (it used to remove the pool here, then fail: OutcomeUnknownError). A delete
+    of a pool it does hold removes it here and from the store."""
+    name = request.node.name[:40]
+    address = f"127.0.0.1:{_free_port()}"
+    cfg = parse_config(
+        f'[server]\nlisten = ["{address}"]\ndata_dir = "{tmp_path}"\nsynchronous = "NORMAL"\n'
+        f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{name}"\nreplica_id = "r0"\n'
+        f'lease_seconds = 10\nstore_timeout_seconds = 2.0\njournal = "store"\n'
+    )
+
+    async def run() -> None:
+        running = await start_server(cfg)
+        cluster = running.cluster
+        assert cluster is not None
+        registry = running.servicer.registry
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = pb_grpc.AllocatorStub(channel)
+                for pool in ("kept", "gone"):
+                    await stub.CreatePool(pb.CreatePoolRequest(name=pool, config=POOL_CONFIG))
+                await stub.Attach(
+                    pb.AttachRequest(pool="kept", hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0")
+                )
+                await stub.DeletePool(pb.DeletePoolRequest(name="gone"))
+                assert "gone" not in registry.pools
+                assert not [k for k in await _keys(cluster) if b"gone" in k]
+
+                watch = cluster._tasks[1]  # the view stops following the store (a late watch)
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+                await cluster.client.put(cluster._key("owners", "kept"), encode_claim("r1", "127.0.0.1:9"))
+                before = sorted(await _keys(cluster))
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.DeletePool(pb.DeletePoolRequest(name="kept"))
+                err = refused.value
+                assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert ("kvcoord-owner", "127.0.0.1:9") in tuple(err.trailing_metadata() or ())
+                assert "kept" in registry.pools, "the delete was half done: the pool is gone here"
+                assert sorted(await _keys(cluster)) == before  # catalog, claim and journal kept
+        finally:
+            await running.stop(grace=0)
+
+    asyncio.run(run())
+
+
+async def _keys(cluster: Cluster) -> list[bytes]:
+    return [kv.key for kv in await cluster.client.get_prefix(cluster.prefix, keys_only=True)]
 
 
 class _Bouncing(pb_grpc.AllocatorServicer):

@@ -21,7 +21,8 @@
 # etcd and Prometheus, the latter two built from Debian's packages on the same base
 # image, deploy/etcd/Dockerfile and deploy/prometheus/image/Dockerfile) runs beside it in
 # plaintext, as compose project kvcoord-cluster-<pid> on the subnet KVCOORD_NET.0/24
-# (default 172.29.23); tests/integration/test_cluster.py stops and starts its replicas.
+# (default 172.29.23); tests/integration/test_cluster.py stops, kills and starts its
+# replicas (the stack runs the store journal: a killed replica's pools fail over).
 # KVCOORD_CLUSTER_TARGETS (and _CONTAINERS, _PROMETHEUS) given: an existing stack instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."

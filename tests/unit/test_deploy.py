@@ -22,6 +22,8 @@ from kvcoord.service.sessions import SessionTable
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
+#: etcd's flags for the store journal, whose every record is a revision (deploy/README.md)
+ETCD_COMPACTION = {"--auto-compaction-mode": "periodic", "--auto-compaction-retention": "5m"}
 
 
 def _tool(name: str) -> str:
@@ -89,7 +91,9 @@ def test_cluster_compose_file_runs_three_replicas_on_etcd() -> None:
     """`docker-compose config` accepts the cluster stack: etcd, three kvcoord replicas of
     one image and Prometheus (scraping each, `promtool check config` accepts it). Each
     replica's environment, loaded as `kvcoord serve` loads it, joins the cluster at etcd
-    under its own id and advertises its fixed address on the stack's network."""
+    under its own id, keeps its pools' journal in etcd (a killed replica's pools fail
+    over) and advertises its fixed address on the stack's network; etcd compacts the
+    revisions that journal makes."""
     compose = _tool("docker-compose")
     path = DEPLOY / "docker-compose.cluster.yml"
     proc = subprocess.run([compose, "-f", str(path), "config"], capture_output=True, text=True, timeout=60)
@@ -103,6 +107,7 @@ def test_cluster_compose_file_runs_three_replicas_on_etcd() -> None:
     assert etcd["build"]["context"] == str(DEPLOY / "etcd")
     assert "HEALTHCHECK" in (DEPLOY / "etcd" / "Dockerfile").read_text()
     assert "--advertise-client-urls=http://etcd:2379" in etcd["command"]
+    assert ETCD_COMPACTION.items() <= dict(a.split("=", 1) for a in etcd["command"]).items()
     (subnet,) = (c["subnet"] for c in stack["networks"]["kvcoord"]["ipam"]["config"])
     network = ipaddress.ip_network(subnet)
     advertised = set()
@@ -113,6 +118,7 @@ def test_cluster_compose_file_runs_three_replicas_on_etcd() -> None:
         cfg = load_config(env={**dockerfile_env(), **svc["environment"]})
         assert cfg.cluster.enabled and cfg.cluster.endpoints == ("etcd:2379",)
         assert cfg.cluster.replica_id == name
+        assert cfg.cluster.journal == "store" and cfg.server.journaled
         host, port = cfg.cluster.advertise_address.rsplit(":", 1)
         assert host == svc["networks"]["kvcoord"]["ipv4_address"] and ipaddress.ip_address(host) in network
         assert port == "50051" and cfg.server.listen == ("0.0.0.0:50051",)
@@ -224,7 +230,8 @@ def test_kubernetes_kvcoord_replicas_form_a_cluster_on_etcd() -> None:
     """The kvcoord StatefulSet runs N replicas (a volume each) behind a headless Service,
     each loading the ConfigMap's one file with [cluster] pointed at every member of the
     3-member etcd StatefulSet; the pod's environment makes its replica_id the pod's name
-    and its advertise_address the name the headless Service gives the pod."""
+    and its advertise_address the name the headless Service gives the pod. The replicas
+    keep their pools' journal in etcd (failover) and every etcd member compacts."""
     docs = kubernetes_docs()
     sts, svc = docs["StatefulSet", "kvcoord"], docs["Service", "kvcoord"]
     etcd, etcd_svc = docs["StatefulSet", "etcd"], docs["Service", "etcd"]
@@ -253,6 +260,7 @@ def test_kubernetes_kvcoord_replicas_form_a_cluster_on_etcd() -> None:
     client = next(p["containerPort"] for p in etcd_container["ports"] if p["name"] == "client")
     assert flags["--initial-cluster"] == ",".join(f"{m}=http://{m}.etcd:{peer}" for m in members)
     assert flags["--data-dir"] in {m["mountPath"] for m in etcd_container["volumeMounts"]}
+    assert ETCD_COMPACTION.items() <= flags.items()
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / config_file
@@ -265,6 +273,7 @@ def test_kubernetes_kvcoord_replicas_form_a_cluster_on_etcd() -> None:
                 f"{m}.{etcd_svc['metadata']['name']}:{client}" for m in members
             )
             assert cfg.cluster.replica_id == name
+            assert cfg.cluster.journal == "store" and cfg.server.journaled
             assert cfg.cluster.advertise_address == f"{name}.{svc['metadata']['name']}.infer.svc:50051"
             assert cfg.server.data_dir == mounts["data"]
             assert cfg.server.metrics_listen == "10.0.0.7:9400"

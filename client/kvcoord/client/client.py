@@ -61,10 +61,20 @@ class _Attempts:
         self.backoffs: list[float] | None = None if kind != "once" else []
         self.attempt = 0
 
+    def settling(self, err: KVCoordError) -> bool:
+        """``err`` is a redirect still left after MAX_HOPS: the replicas disagree on
+        the owner for a moment (a claim changing hands, a view not yet re-read). A
+        NOT_OWNER answer applied nothing, so a call that may be repeated anyway (a
+        read, a keyed call, an Attach) waits and starts over; an unkeyed mutation
+        ("once") still raises it."""
+        return isinstance(err, NotOwnerError) and self.kind in ("read", "keyed", "attach")
+
     def next_sleep(self, err: KVCoordError) -> float:
         """Seconds to sleep before the next attempt; raises the final error instead."""
-        retryable = err.code in self.policy.retry_codes or (
-            self.kind == "keyed" and err.code in _UNKNOWN_OUTCOME
+        retryable = (
+            err.code in self.policy.retry_codes
+            or (self.kind == "keyed" and err.code in _UNKNOWN_OUTCOME)
+            or self.settling(err)
         )
         if self.backoffs is None:
             count = None
@@ -307,6 +317,8 @@ class KVCoordClient(_Api):
                 hops += 1
                 continue
             time.sleep(attempts.next_sleep(err))
+            if attempts.settling(err):
+                hops = 0  # the redirects are followed again after the pause
 
     def _unary(self, rpc: _Rpc[_Req, _Resp], request: _Req) -> _Resp:
         return cast(_Resp, self._call(rpc.name, request))
@@ -548,6 +560,8 @@ class AsyncKVCoordClient(_Api):
                 hops += 1
                 continue
             await asyncio.sleep(attempts.next_sleep(err))
+            if attempts.settling(err):
+                hops = 0  # the redirects are followed again after the pause
 
     async def _unary(self, rpc: _Rpc[_Req, _Resp], request: _Req) -> _Resp:
         return cast(_Resp, await self._call(rpc.name, request))

@@ -249,9 +249,17 @@ class Cluster:
     # -- the view -----------------------------------------------------------------------
     async def refresh(self) -> None:
         """Read members, claims and the catalog from the store into the view."""
+        # A pool's claim and catalog entry are created (CreatePool) and removed
+        # (DeletePool) together, but these are separate reads: the catalog is read
+        # before the claims and again after, and only what both reads list counts. A
+        # pool created or deleted meanwhile is then never one of the catalog without a
+        # claim, which recover_orphans would take for a pool whose owner died and
+        # rebuild (its own replica replacing its fresh pool, or claiming a deleted one
+        # again; callers meanwhile bounced between replicas).
         members = await self.client.get_prefix(self._key("members"))
+        listed = await self.client.get_prefix(self._key("pools"), keys_only=True)
         claims = await self.client.get_prefix(self._key("owners"))
-        catalog = await self.client.get_prefix(self._key("pools"), keys_only=True)
+        listed_after = await self.client.get_prefix(self._key("pools"), keys_only=True)
         before = set(self.view.owned())
         view = self.view
         view.set_members(_decoded(members, lambda kv: decode_member(kv.value)))
@@ -263,7 +271,8 @@ class Cluster:
             claims.header.revision,
         )
         pools_prefix = len(self._key("pools"))
-        view.set_catalog(kv.key[pools_prefix:].decode() for kv in catalog)
+        catalog = {kv.key[pools_prefix:].decode() for kv in listed}
+        view.set_catalog(catalog.intersection(kv.key[pools_prefix:].decode() for kv in listed_after))
         if set(view.owned()) != before:
             for fn in self.on_change:
                 fn()
@@ -327,9 +336,11 @@ class Cluster:
                 if self.handed_over is not None:
                     self.handed_over(pool)
 
-    async def forget(self, pool: str) -> None:
+    async def forget(self, pool: str) -> bool:
         """The pool was deleted: drop it from the catalog (and its journal from the
-        store) and release its claim."""
+        store) and release its claim, if the claim is this replica's. False (nothing
+        changed) when it is not and the journal is in the store (it is another
+        owner's now)."""
         tx = self.client.transactions
         key = self._key("owners", pool)
         success = [tx.delete(key), tx.delete(self._key("pools", pool))]
@@ -341,16 +352,13 @@ class Cluster:
             failure=[],
         )
         if not ok and self.streams is not None:
-            # the pool's journal in the store is another owner's now: it would come back there
-            raise ServiceError(
-                Status.UNAVAILABLE,
-                f"pool {pool[:200]!r} has another owner in the cluster now: retry the delete there",
-            )
+            return False  # the pool's journal in the store is another owner's now
         if responses:
             self.view.learned(pool, None, responses[0].response_delete_range.header.revision)
         self.view.catalog.discard(pool)
         for fn in self.on_change:
             fn()
+        return True
 
     async def release(self, pool: str) -> None:
         """Give up this replica's claim of ``pool`` (its journal in the store could not
@@ -396,6 +404,8 @@ class Cluster:
         from .store_journal import rebuild, stream_rows
 
         view = self.view
+        if pool in view.claims or pool in view.moving or pool in self.adopting:
+            return view.holds(pool)  # claimed (or being moved) since it was found unclaimed
         view.moving.add(pool)
         self.adopting.add(pool)
         try:
@@ -680,8 +690,42 @@ class ClusterPlacement(Placement):
             view.check(pool, local=False)  # the holder's redirect
             raise ServiceError(Status.UNAVAILABLE, f"pool {pool[:200]!r} could not be claimed: retry")
 
+    async def before_delete(self, pool: str) -> None:
+        """With the journal in the store, the pool is forgotten in the cluster first
+        (claim, catalog and journal, only while the claim is this replica's), so a
+        delete is never half done: refused with the pool untouched (the claim went to
+        another replica: a redirect there), or final before the pool is removed here.
+        The pool is moving meanwhile: other calls of it are told to retry."""
+        cluster = self.cluster
+        if cluster.streams is None:
+            return
+        view = cluster.view
+        view.check(pool, local=True)
+        view.moving.add(pool)
+        try:
+            forgotten = await cluster.forget(pool)
+        finally:
+            view.moving.discard(pool)
+        if forgotten:
+            return
+        try:
+            await cluster.refresh()
+        except Exception as exc:  # noqa: BLE001 - the claim is unknown: the caller retries
+            raise ServiceError(
+                Status.UNAVAILABLE,
+                f"pool {pool[:200]!r} is not this replica's in the cluster store any more, and the store "
+                f"cannot be read: retry (nothing was deleted): {exc}",
+            ) from None
+        view.check(pool, local=True)  # another holder: the redirect there
+        raise ServiceError(
+            Status.UNAVAILABLE,
+            f"pool {pool[:200]!r} is not this replica's in the cluster store any more: retry (nothing "
+            "was deleted)",
+        )
+
     async def after_delete(self, pool: str) -> None:
-        await self.cluster.forget(pool)
+        if self.cluster.streams is None:  # else before_delete did it
+            await self.cluster.forget(pool)
 
 
 class ReplicasServicer(pb_grpc.ReplicasServicer):

@@ -50,6 +50,7 @@ ENV_CLUSTER_ENDPOINTS = "KVCOORD_CLUSTER_ENDPOINTS"  # comma-separated host:port
 ENV_CLUSTER_NAME = "KVCOORD_CLUSTER_NAME"
 ENV_REPLICA_ID = "KVCOORD_REPLICA_ID"
 ENV_ADVERTISE = "KVCOORD_ADVERTISE_ADDRESS"
+ENV_CLUSTER_JOURNAL = "KVCOORD_CLUSTER_JOURNAL"  # "local" | "store"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -185,7 +186,8 @@ def _cluster_from_env(c: ClusterSettings, env: Mapping[str, str]) -> ClusterSett
     overrides: dict[str, Any] = {}
     if ENV_CLUSTER_ENDPOINTS in env:
         overrides["endpoints"] = tuple(e.strip() for e in env[ENV_CLUSTER_ENDPOINTS].split(",") if e.strip())
-    for key, var in (("name", ENV_CLUSTER_NAME), ("replica_id", ENV_REPLICA_ID), ("advertise_address", ENV_ADVERTISE)):  # fmt: skip
+    for key, var in (("name", ENV_CLUSTER_NAME), ("replica_id", ENV_REPLICA_ID), ("advertise_address", ENV_ADVERTISE),
+                     ("journal", ENV_CLUSTER_JOURNAL)):  # fmt: skip
         if env.get(var):
             overrides[key] = env[var].strip()
     return dataclasses.replace(c, **overrides) if overrides else c

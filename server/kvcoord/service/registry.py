@@ -69,6 +69,14 @@ class Placement:
     async def before_create(self, pool: str) -> None:
         """Make this server the pool's owner before a CreatePool creates it here."""
 
+    async def before_delete(self, pool: str) -> None:
+        """Make the delete final in the cluster before the pool is removed here (it
+        then cannot come back elsewhere); raise, with nothing changed, when it cannot.
+
+        Raises:
+            ServiceError: NOT_OWNER (another replica serves it now) or UNAVAILABLE.
+        """
+
     async def after_delete(self, pool: str) -> None:
         """The pool was deleted here: it no longer exists in the cluster."""
 

@@ -233,7 +233,14 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     async def DeletePool(
         self, request: pb.DeletePoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeletePoolResponse:
-        service = self.registry.delete(request.name)
+        registry = self.registry
+        registry.get(request.name)  # NOT_FOUND, or the owner's redirect, before anything changes
+        # In a store-journal cluster the pool is gone from the cluster after this (so
+        # it is no longer claimed here: removed without the placement check again).
+        await registry.placement.before_delete(request.name)
+        if request.name not in registry.pools:
+            registry.get(request.name)  # deleted by another call meanwhile: NOT_FOUND
+        service = registry.remove(request.name)
         self.observer.pool_deleted(service)
         await self.registry.placement.after_delete(request.name)
         # Freeing millions of used blocks at once would stall every pool: release them

@@ -1,0 +1,271 @@
+"""Races of a store-journal cluster while it settles, against a real etcd: a pool
+created while the replica re-reads the store is not taken for an orphan (and rebuilt
+by its own owner), and a delete whose claim moved away changes nothing here."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from etcd_process import Etcd
+from kvcoord.client import AsyncKVCoordClient, KVCoordClient, NotOwnerError, RetryPolicy
+from kvcoord.client.owners import MAX_HOPS
+from kvcoord.service.cluster import Cluster, _client
+from kvcoord.service.config import parse_config
+from kvcoord.service.ownership import Member, encode_claim, owner_of
+from kvcoord.service.server import start_server
+from kvcoord.service.store_journal import PoolStreams
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from test_replicas import POOL_CONFIG
+
+
+async def _joined(etcd: Etcd, name: str, replica: str = "r0") -> Cluster:
+    cluster = Cluster([etcd.endpoint], name, Member(replica, f"127.0.0.1:{1000 + len(replica)}"), 5, 2.0)
+    cluster.client = _client(etcd.endpoint, 2.0)
+    await cluster.client.connect()
+    await cluster._register()
+    await cluster.refresh()
+    return cluster
+
+
+def test_a_pool_created_while_the_view_is_read_is_not_an_orphan(
+    etcd: Etcd, request: pytest.FixtureRequest
+) -> None:
+    """The claim and the catalog entry of a new pool are one transaction; a refresh
+    that reads one of them before it and the other after must not see a pool of the
+    catalog that nobody claims (run-s7: the owner rebuilt its own new pool)."""
+    name = request.node.name[:40]
+
+    async def run() -> None:
+        cluster = await _joined(etcd, name)
+        try:
+            pool = "fresh"
+            assert owner_of(pool, cluster.view.members.values()) == cluster.me  # the only member
+            plain, plain_tx = cluster.client.get_prefix, cluster.client.transaction
+            committed, answered = asyncio.Event(), asyncio.Event()
+
+            async def slow_answer(*a: Any, **kw: Any) -> Any:  # committed in etcd, answer still on its way
+                out = await plain_tx(*a, **kw)
+                committed.set()
+                await answered.wait()
+                return out
+
+            reads: list[bytes] = []
+            creating: list[asyncio.Task[Any]] = []
+
+            async def racing_read(prefix: bytes, **kw: Any) -> Any:
+                rows = await plain(prefix, **kw)
+                if prefix != cluster._key("members"):
+                    reads.append(prefix)
+                    if len(reads) == 1:  # CreatePool's claim commits between the two reads
+                        creating.append(asyncio.get_running_loop().create_task(cluster.claim(pool)))
+                        await committed.wait()
+                return rows
+
+            cluster.client.get_prefix, cluster.client.transaction = racing_read, slow_answer
+            await cluster.refresh()
+            assert len(reads) >= 2
+            orphans = cluster.view.orphans()
+            answered.set()
+            claim = await creating[0]
+            cluster.client.get_prefix, cluster.client.transaction = plain, plain_tx
+            assert claim is not None and cluster.view.holds(pool)
+            assert pool not in orphans, "the replica's own new pool was taken for an orphan"
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
+def test_a_pool_claimed_after_it_was_found_unclaimed_is_not_rebuilt(
+    etcd: Etcd, request: pytest.FixtureRequest
+) -> None:
+    """recover_orphans / claim_local list the pools nobody claims, then recover them
+    one by one (awaiting the store in between): a pool this replica claimed in the
+    meantime (CreatePool) is left as it is, not dropped and rebuilt from the store."""
+    name = request.node.name[:40]
+
+    async def run() -> None:
+        cluster = await _joined(etcd, name)
+        try:
+            cluster.streams = PoolStreams(lambda: cluster.client, cluster.prefix, lambda: True, 40)
+            dropped: list[str] = []
+            loaded: list[int] = []
+
+            async def load(value: dict[str, Any], term: int) -> None:
+                loaded.append(term)
+
+            cluster.local_pools = lambda: ["fresh"]
+            cluster.drop_local = dropped.append
+            cluster.load_pool = load
+            cluster.scratch_registry = lambda writer: pytest.fail("nothing is rebuilt")
+            assert await cluster.claim("fresh") is not None  # CreatePool, after the list was made
+            assert await cluster.recover("fresh")
+            assert dropped == [] and loaded == [] and cluster.failovers == 0
+            await cluster.refresh()
+            assert cluster.view.holds("fresh") and "fresh" in cluster.view.catalog  # not forgotten
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_delete_whose_claim_moved_away_changes_nothing_and_redirects(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A real replica (journal = "store", real etcd, real gRPC) whose view has not yet
+    seen its pool's claim go to another replica gets a DeletePool: it is refused with
+    the redirect to the new holder, and nothing was deleted, neither here nor in the
+    store (it used to remove the pool here, then fail: OutcomeUnknownError). A delete
+    of a pool it does hold removes it here and from the store."""
+    name = request.node.name[:40]
+    address = f"127.0.0.1:{_free_port()}"
+    cfg = parse_config(
+        f'[server]\nlisten = ["{address}"]\ndata_dir = "{tmp_path}"\nsynchronous = "NORMAL"\n'
+        f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{name}"\nreplica_id = "r0"\n'
+        f'lease_seconds = 10\nstore_timeout_seconds = 2.0\njournal = "store"\n'
+    )
+
+    async def run() -> None:
+        running = await start_server(cfg)
+        cluster = running.cluster
+        assert cluster is not None
+        registry = running.servicer.registry
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = pb_grpc.AllocatorStub(channel)
+                for pool in ("kept", "gone"):
+                    await stub.CreatePool(pb.CreatePoolRequest(name=pool, config=POOL_CONFIG))
+                await stub.Attach(
+                    pb.AttachRequest(pool="kept", hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0")
+                )
+                await stub.DeletePool(pb.DeletePoolRequest(name="gone"))
+                assert "gone" not in registry.pools
+                assert not [k for k in await _keys(cluster) if b"gone" in k]
+
+                watch = cluster._tasks[1]  # the view stops following the store (a late watch)
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+                await cluster.client.put(cluster._key("owners", "kept"), encode_claim("r1", "127.0.0.1:9"))
+                before = sorted(await _keys(cluster))
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.DeletePool(pb.DeletePoolRequest(name="kept"))
+                err = refused.value
+                assert err.code() == grpc.StatusCode.FAILED_PRECONDITION
+                assert ("kvcoord-owner", "127.0.0.1:9") in tuple(err.trailing_metadata() or ())
+                assert "kept" in registry.pools, "the delete was half done: the pool is gone here"
+                assert sorted(await _keys(cluster)) == before  # catalog, claim and journal kept
+        finally:
+            await running.stop(grace=0)
+
+    asyncio.run(run())
+
+
+async def _keys(cluster: Cluster) -> list[bytes]:
+    return [kv.key for kv in await cluster.client.get_prefix(cluster.prefix, keys_only=True)]
+
+
+class _Bouncing(pb_grpc.AllocatorServicer):
+    """A replica whose view is behind for its first ``stale`` calls: it names the
+    other one as the owner (two such replicas bounce a call between them), then serves."""
+
+    def __init__(self, stale: int, calls: list[str]) -> None:
+        self.stale = stale
+        self.calls = calls
+        self.other = ""
+        self.me = ""
+
+    def _answer(self, context: grpc.ServicerContext, rpc: str) -> bool:
+        self.calls.append(f"{rpc}@{self.me}")
+        if len(self.calls) <= self.stale:
+            context.set_trailing_metadata((("kvcoord-reason", "NOT_OWNER"), ("kvcoord-owner", self.other)))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"pool 'p' is served by {self.other}")
+        return True
+
+    def GetPool(self, request: pb.GetPoolRequest, context: grpc.ServicerContext) -> pb.GetPoolResponse:
+        self._answer(context, "GetPool")
+        return pb.GetPoolResponse(pool=pb.PoolInfo(name=request.name))
+
+    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
+        self._answer(context, "Attach")
+        return pb.AttachResponse(session_id="s1")
+
+    def DeletePool(
+        self, request: pb.DeletePoolRequest, context: grpc.ServicerContext
+    ) -> pb.DeletePoolResponse:
+        self._answer(context, "DeletePool")
+        return pb.DeletePoolResponse()
+
+
+@contextlib.contextmanager
+def _bouncing_pair(stale: int) -> Iterator[tuple[list[str], list[str]]]:
+    calls: list[str] = []
+    servers, servicers, addresses = [], [], []
+    for _ in range(2):
+        servicer = _Bouncing(stale, calls)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        pb_grpc.add_AllocatorServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        servicers.append(servicer)
+        addresses.append(f"127.0.0.1:{port}")
+    servicers[0].me, servicers[0].other = addresses[0], addresses[1]
+    servicers[1].me, servicers[1].other = addresses[1], addresses[0]
+    try:
+        yield addresses, calls
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
+def test_a_read_or_attach_bounced_past_max_hops_waits_and_is_answered() -> None:
+    """run-s7: while the replicas' views disagree a call is redirected back and forth;
+    past MAX_HOPS a read (GetPool) or an Attach waits and starts over instead of
+    raising NotOwnerError, and is answered once the views agree."""
+    stale = 2 * (MAX_HOPS + 1)
+    for call in ("get_pool", "attach"):
+        with _bouncing_pair(stale) as (addresses, calls):
+            with KVCoordClient(addresses, timeout=5.0, retry=RetryPolicy(initial_backoff=0.01)) as c:
+                if call == "get_pool":
+                    assert c.get_pool("p").pool.name == "p"
+                else:
+                    assert c.attach("p", "sha256", 16, "").session_id == "s1"
+            assert len(calls) == stale + 1  # every bounce was a real answer of a replica
+
+
+def test_an_async_read_bounced_past_max_hops_waits_and_is_answered() -> None:
+    stale = 2 * (MAX_HOPS + 1)
+
+    async def run(addresses: list[str]) -> str:
+        async with AsyncKVCoordClient(addresses, timeout=5.0, retry=RetryPolicy(initial_backoff=0.01)) as c:
+            return (await c.get_pool("p")).pool.name
+
+    with _bouncing_pair(stale) as (addresses, calls):
+        assert asyncio.run(run(addresses)) == "p"
+        assert len(calls) == stale + 1
+
+
+def test_an_unkeyed_mutation_bounced_past_max_hops_is_not_sent_again() -> None:
+    """DeletePool is sent once per redirect followed (a NOT_OWNER answer applied
+    nothing) and never resent after a pause: past MAX_HOPS it raises NotOwnerError."""
+    with _bouncing_pair(100) as (addresses, calls):
+        with KVCoordClient(addresses, timeout=5.0, retry=RetryPolicy(initial_backoff=0.01)) as c:
+            with pytest.raises(NotOwnerError):
+                c.delete_pool("p")
+        assert len(calls) == MAX_HOPS + 1

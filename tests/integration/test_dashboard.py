@@ -213,8 +213,11 @@ def test_every_panel_rule_and_alert_returns_what_the_load_implies(target: str, p
             value = _value(got[(step, legend)])
             assert 0 < value <= 10 and math.isfinite(value), (legend, value)
         assert {r["metric"]["grpc_method"] for r in got[(step, "RPC p99")]} == {"Step"}
-        # every Step of the load the server answered OK was one observation of the engine
-        assert wait_for(lambda: _steps_since(prometheus, steps_before) > 0), (steps_before, _steps_so_far(prometheus))
+        # the Steps of the load the server answered OK were (nearly all) observed by the engine
+        assert wait_for(lambda: _steps_since(prometheus, steps_before) > 0), (
+            steps_before,
+            _steps_so_far(prometheus),
+        )
         cores = _value(got[("Server CPU and memory", "cores")])
         assert 0 < cores < 64 and math.isfinite(cores), cores
         assert _value(got[("Server CPU and memory", "resident")]) > 1 << 20

@@ -39,9 +39,9 @@ it ended (the client's own retries and NOT_OWNER redirects). Reported per pool: 
 acknowledged in the run; for the killed owner's pools, the seconds from the kill until
 the pool answered the worker again, and until a survivor's ListPools listed it (the
 takeover as the servers see it); the longest acknowledged Step after the kill (for
-the other pools: what the takeover cost them); Steps that needed retries; failed Steps
-(a worker stops at its first: the outcome of an UNAVAILABLE one is unknown, a typed
-error applied nothing). Then every attempt by status, and the check: each worker's
+the other pools: what the takeover cost them) and before it; Steps that needed retries;
+failed Steps (a worker stops at its first: the outcome of an UNAVAILABLE one is
+unknown, a typed error applied nothing). Then every attempt by status, and the check: each worker's
 acknowledged allocations (each live request's block ids, accumulated from its
 acknowledged answers) against InspectPool on the survivors, and no block held twice.
 ``--verbose`` lists each failed attempt on the killed owner's pools.
@@ -428,7 +428,7 @@ def _failover_run(procs: list[ServerProcess], ids: list[str]) -> None:
     survivors = ",".join(p.address for p in procs if p.proc.poll() is None)
     print(f"killed {victim} (owner of {', '.join(pools[i] for i in hit)})")
     print(
-        f"{'pool':<8} {'owner':<6} {'Steps':>6} {'answers again after s':>22} {'longest Step s':>15} "
+        f"{'pool':<8} {'owner':<6} {'Steps':>6} {'answers again after s':>22} {'longest Step s':>15} {'before kill':>11} "
         f"{'retried Steps':>13} {'most attempts':>13} {'listed again after s':>20}  failed"
     )
     for i in range(len(pools)):
@@ -437,12 +437,15 @@ def _failover_run(procs: list[ServerProcess], ids: list[str]) -> None:
         failed = [s[2] for s in steps if s[2] != "ok"]
         again = f"{back[0]:22.2f}" if back and i in hit else f"{'-':>22}"
         longest = f"{back[1]:15.2f}" if back else f"{'never':>15}"
+        before = max(
+            (t1 - t0 for t0, t1, outcome, _ in steps if outcome == "ok" and t1 <= killed), default=0.0
+        )
         retried = sum(1 for s in steps if s[3] > 1)
         most = max((s[3] for s in steps), default=0)
         listed = served.get(pools[i])
         where = f"{listed[0]:.2f} on {listed[1]}" if listed else ("never" if i in hit else "-")
         print(
-            f"{pools[i]:<8} {owners[i]:<6} {len(steps):6d} {again} {longest} {retried:13d} {most:13d} "
+            f"{pools[i]:<8} {owners[i]:<6} {len(steps):6d} {again} {longest} {before:11.2f} {retried:13d} {most:13d} "
             f"{where:>20}  {', '.join(failed) or '-'}"
         )
     attempts: Counter[str] = Counter()

@@ -112,17 +112,21 @@ def placed_pools(prefix: str, replica_ids: list[str], count: int) -> list[str]:
     return out
 
 
-def back_after(steps: list[tuple[float, float, str, int]], at: float) -> tuple[float, float] | None:
-    """(seconds from ``at`` to the pool's first answer after it, the longest
-    acknowledged Step answered after it), from (sent, answered, outcome, attempts)
-    records. The first answer is the first acknowledged Step sent after ``at``, or
-    one in flight at ``at`` that needed more than one attempt (one answered at once
-    came from before ``at``); ``None`` when there is none."""
+def back_after(
+    steps: list[tuple[float, float, str, int]], at: float
+) -> tuple[float | None, float, float] | None:
+    """From (sent, answered, outcome, attempts) records: (seconds from ``at`` to the
+    pool's first answer after it, the longest acknowledged Step answered after ``at``,
+    when that Step was answered, in seconds after ``at``); ``None`` when no Step was
+    acknowledged after ``at``. The first answer is the first acknowledged Step sent
+    after ``at``, or one in flight at ``at`` that needed more than one attempt (one
+    answered at once came from before ``at``); ``None`` in first place without one."""
     after = [(t0, t1, n) for t0, t1, outcome, n in steps if outcome == "ok" and t1 > at]
-    again = [t1 for t0, t1, n in after if t0 >= at or n > 1]
-    if not again:
+    if not after:
         return None
-    return min(again) - at, max(t1 - t0 for t0, t1, _ in after)
+    again = [t1 for t0, t1, n in after if t0 >= at or n > 1]
+    t0, t1, _ = max(after, key=lambda s: s[1] - s[0])
+    return (min(again) - at if again else None), t1 - t0, t1 - at
 
 
 def compare_pool(acked: dict[str, list[int]], unknown: set[str], found: dict[str, list[int]]) -> list[str]:
@@ -428,15 +432,15 @@ def _failover_run(procs: list[ServerProcess], ids: list[str]) -> None:
     survivors = ",".join(p.address for p in procs if p.proc.poll() is None)
     print(f"killed {victim} (owner of {', '.join(pools[i] for i in hit)})")
     print(
-        f"{'pool':<8} {'owner':<6} {'Steps':>6} {'answers again after s':>22} {'longest Step s':>15} {'before kill':>11} "
+        f"{'pool':<8} {'owner':<6} {'Steps':>6} {'answers again after s':>22} {'longest Step s (answered at)':>28} {'before kill':>11} "
         f"{'retried Steps':>13} {'most attempts':>13} {'listed again after s':>20}  failed"
     )
     for i in range(len(pools)):
         steps = got[i][2]
         back = back_after(steps, killed)
         failed = [s[2] for s in steps if s[2] != "ok"]
-        again = f"{back[0]:22.2f}" if back and i in hit else f"{'-':>22}"
-        longest = f"{back[1]:15.2f}" if back else f"{'never':>15}"
+        again = f"{back[0]:22.2f}" if back and back[0] is not None and i in hit else f"{'-':>22}"
+        longest = f"{f'{back[1]:.2f} ({back[2]:.2f})':>28}" if back else f"{'never':>28}"
         before = max(
             (t1 - t0 for t0, t1, outcome, _ in steps if outcome == "ok" and t1 <= killed), default=0.0
         )

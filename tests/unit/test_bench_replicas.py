@@ -51,12 +51,14 @@ def test_recovery_is_read_from_the_first_answer_after_the_kill() -> None:
         (15.0, 15.25, "ok", 1),
         (15.3, 15.4, "operation SYNC_MISMATCH", 1),  # not acknowledged: not an answer
     ]
-    again, longest = back_after(steps, kill)  # type: ignore[misc]
-    assert again == pytest.approx(5.0) and longest == pytest.approx(5.1)
+    again, longest, at = back_after(steps, kill)  # type: ignore[misc]
+    assert again == pytest.approx(5.0) and longest == pytest.approx(5.1) and at == pytest.approx(5.0)
     # a Step in flight at the kill but answered at once came from the old owner: the
     # pool answers again with the next one
     answered_before = [(9.95, 10.01, "ok", 1), (10.01, 14.0, "ok", 9), (14.0, 14.1, "ok", 1)]
-    again, longest = back_after(answered_before, kill)  # type: ignore[misc]
-    assert again == pytest.approx(4.0) and longest == pytest.approx(3.99)
+    again, longest, at = back_after(answered_before, kill)  # type: ignore[misc]
+    assert again == pytest.approx(4.0) and longest == pytest.approx(3.99) and at == pytest.approx(4.0)
+    # answered after the kill, but only by Steps the old owner had answered at once
+    assert back_after(answered_before[:1], kill)[0] is None  # type: ignore[index]
     assert back_after(steps[:1], kill) is None
     assert back_after([(9.9, 12.0, "UnavailableError", 3)], kill) is None

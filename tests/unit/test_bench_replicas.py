@@ -9,11 +9,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from kvcoord.service.ownership import Member, owner_of
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from kvcoord.service.ownership import Member, owner_of  # noqa: E402
-from replicas import back_after, compare_pool, placed_pools  # noqa: E402
+BENCH = str(Path(__file__).resolve().parents[2] / "bench")
+sys.path.insert(0, BENCH)  # the bench's modules, for this import only (their names are generic)
+try:
+    from replicas import back_after, compare_pool, placed_pools
+finally:
+    sys.path.remove(BENCH)
 
 
 def test_the_failover_check_passes_only_an_exact_pool() -> None:

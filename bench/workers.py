@@ -35,6 +35,9 @@ inside the measured time) and a line under each batched row splits its server CP
 operation: the engine's work (``kvcoord_step_engine_seconds_sum`` over
 ``kvcoord_step_operations_total``: applying the Step's operations) and the rest (gRPC,
 decoding and building messages, the journal, the event loop).
+
+bench/replicas.py runs the same workers against a replica set (``run_phase``: an
+address list and the replica pids; ``WorkerProcs``: spawning and gathering workers).
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ inside the measured time) and a line under each batched row splits its server CP
 operation: the engine's work (``kvcoord_step_engine_seconds_sum`` over
 ``kvcoord_step_operations_total``: applying the Step's operations) and the rest (gRPC,
 decoding and building messages, the journal, the event loop).
+
+bench/replicas.py runs the same workers against a replica set (``run_phase``: an
+address list and the replica pids; ``WorkerProcs``: spawning and gathering workers).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -89,10 +93,13 @@ class Req:
 
 
 class Worker:
-    def __init__(self, idx: int, address: str, pool: str, running: int, seed: int) -> None:
+    def __init__(
+        self, idx: int, address: str, pool: str, running: int, seed: int, interceptors: tuple[Any, ...] = ()
+    ) -> None:
         self.idx = idx
         self.pool = pool
-        self.client = KVCoordClient(address, timeout=60)
+        # ``address``: one server, or a replica set (comma-separated): calls follow NOT_OWNER
+        self.client = KVCoordClient(address, timeout=60, interceptors=interceptors)
         att = self.client.attach(pool, ALGO, BS, SEED, f"worker-{idx}")
         self.session, self.fence = att.session_id, att.fence
         self.rnd = random.Random(seed)
@@ -288,72 +295,106 @@ def engine_totals(server: ServerProcess) -> tuple[float, float]:
     return seconds, ops
 
 
-def phase(server: ServerProcess, layout: str, mode: str, args: argparse.Namespace) -> dict[str, float]:
-    """One measured phase: fresh pools, ``args.workers`` processes, one mode."""
-    # blocks a worker can hold at once (longest prompt + longest output, every request)
-    per_worker = args.running * ((PROMPT[1] + OUTPUT[1]) // BS + 2) + 64
-    admin = KVCoordClient(server.address, timeout=60)
-    if layout == "own":
-        pools = [f"{mode}-w{i}" for i in range(args.workers)]
-        for name in pools:
-            admin.create_pool(name, pool_config(per_worker))
-    else:
-        pools = [f"{mode}-shared"] * args.workers
-        admin.create_pool(pools[0], pool_config(per_worker * args.workers))
-    ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(args.workers + 1)
-    results = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=worker_main,
-            name=f"worker-{i}",
-            daemon=True,
-            args=(
-                i,
-                server.address,
-                pools[i],
-                mode,
-                args.running,
-                args.warmup,
-                args.seconds,
-                barrier,
-                results,
-            ),
-        )
-        for i in range(args.workers)
-    ]
-    for p in procs:
-        p.start()
-    got: list[Any] = []
-    broken: BaseException | None = None
-    try:
-        try:
-            barrier.wait(BARRIER_TIMEOUT)
-            cpu0, (busy0, tot0), t0 = server_cpu(server.proc.pid), machine_ticks(), time.perf_counter()
-            engine0 = engine_totals(server) if args.engine_split else (0.0, 0.0)
-            barrier.wait(BARRIER_TIMEOUT)
-            cpu1, (busy1, tot1), t1 = server_cpu(server.proc.pid), machine_ticks(), time.perf_counter()
-            engine1 = engine_totals(server) if args.engine_split else (0.0, 0.0)
-        except threading.BrokenBarrierError as exc:  # a worker failed: its report says why
-            broken = exc
-        deadline = time.monotonic() + 60
-        while len(got) < len(procs) and time.monotonic() < deadline:
+class WorkerProcs:
+    """``count`` worker processes (spawn), worker ``i`` running ``target(i, *args_of(i),
+    barrier, results)``: it meets this process at :attr:`barrier` and puts one report
+    ``(i, error or None, ...)`` on :attr:`results`."""
+
+    def __init__(
+        self, target: Callable[..., None], count: int, args_of: Callable[[int], tuple[Any, ...]]
+    ) -> None:
+        ctx = mp.get_context("spawn")
+        self.barrier = ctx.Barrier(count + 1)
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(
+                target=target,
+                name=f"worker-{i}",
+                daemon=True,
+                args=(i, *args_of(i), self.barrier, self.results),
+            )
+            for i in range(count)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def gather(self, seconds: float, broken: BaseException | None = None) -> list[Any]:
+        """Every worker's report, in worker order, waiting at most ``seconds``.
+
+        Raises:
+            RuntimeError: a worker reported an error, or did not report.
+        """
+        got: list[Any] = []
+        deadline = time.monotonic() + seconds
+        while len(got) < len(self.procs) and time.monotonic() < deadline:
             try:
-                got.append(results.get(timeout=1))
+                got.append(self.results.get(timeout=1))
             except queue.Empty:
-                if not any(p.is_alive() for p in procs) and results.empty():
+                if not any(p.is_alive() for p in self.procs) and self.results.empty():
                     break
         errors = [f"worker {i}: {err}" for i, err, *_ in got if err]
-        if broken or errors or len(got) < len(procs):
+        if broken or errors or len(got) < len(self.procs):
             raise RuntimeError(
-                "; ".join(errors) or f"{len(got)} of {len(procs)} workers reported"
+                "; ".join(errors) or f"{len(got)} of {len(self.procs)} workers reported"
             ) from broken
-    finally:
-        for p in procs:
+        return sorted(got, key=lambda g: g[0])
+
+    def reap(self) -> None:
+        for p in self.procs:
             p.join(30)
             if p.is_alive():
                 p.terminate()
                 p.join(5)
+
+
+def worker_blocks(running: int) -> int:
+    """Blocks a worker can hold at once (longest prompt + longest output, every request)."""
+    return running * ((PROMPT[1] + OUTPUT[1]) // BS + 2) + 64
+
+
+def phase(server: ServerProcess, layout: str, mode: str, args: argparse.Namespace) -> dict[str, float]:
+    """One measured phase on one server: fresh pools, ``args.workers`` processes, one mode."""
+    if layout == "own":
+        pools = [f"{mode}-w{i}" for i in range(args.workers)]
+    else:
+        pools = [f"{mode}-shared"] * args.workers
+    engine = (lambda: engine_totals(server)) if args.engine_split else None
+    return run_phase(server.address, [server.proc.pid], pools, mode, args, engine)
+
+
+def run_phase(
+    address: str,
+    pids: list[int],
+    pools: list[str],
+    mode: str,
+    args: argparse.Namespace,
+    engine: Callable[[], tuple[float, float]] | None = None,
+) -> dict[str, float]:
+    """Worker ``i`` of ``args.workers`` drives ``pools[i]`` (created here, sized for its
+    workers, deleted at the end) through ``address`` (a server or a replica set); the
+    server CPU is the sum over ``pids``; ``engine`` reads (engine seconds, operations)."""
+    admin = KVCoordClient(address, timeout=60)
+    for name in sorted(set(pools)):
+        admin.create_pool(name, pool_config(worker_blocks(args.running) * pools.count(name)))
+    workers = WorkerProcs(
+        worker_main,
+        args.workers,
+        lambda i: (address, pools[i], mode, args.running, args.warmup, args.seconds),
+    )
+    broken: BaseException | None = None
+    try:
+        try:
+            workers.barrier.wait(BARRIER_TIMEOUT)
+            cpu0, (busy0, tot0), t0 = sum(map(server_cpu, pids)), machine_ticks(), time.perf_counter()
+            engine0 = engine() if engine else (0.0, 0.0)
+            workers.barrier.wait(BARRIER_TIMEOUT)
+            cpu1, (busy1, tot1), t1 = sum(map(server_cpu, pids)), machine_ticks(), time.perf_counter()
+            engine1 = engine() if engine else (0.0, 0.0)
+        except threading.BrokenBarrierError as exc:  # a worker failed: its report says why
+            broken = exc
+        got = workers.gather(60, broken)
+    finally:
+        workers.reap()
         for name in sorted(set(pools)):
             admin.delete_pool(name)
         admin.close()
@@ -366,15 +407,14 @@ def phase(server: ServerProcess, layout: str, mode: str, args: argparse.Namespac
         "ops_call": ops / max(1, len(lat)),
         "p50": pct(lat, 0.5),
         "p99": pct(lat, 0.99),
+        "mean": sum(lat) / len(lat) * 1e3 if lat else float("nan"),
         "srv_us": (cpu1 - cpu0) / ops * 1e6,
         "srv_cores": (cpu1 - cpu0) / wall,
         "wrk_us": sum(g[4] for g in got) / ops * 1e6,
         "busy": (busy1 - busy0) / max(1, tot1 - tot0),
         "ops": ops,
         "wall": wall,
-        "engine_us": (engine1[0] - engine0[0]) / max(1.0, engine1[1] - engine0[1]) * 1e6
-        if args.engine_split
-        else 0.0,
+        "engine_us": (engine1[0] - engine0[0]) / max(1.0, engine1[1] - engine0[1]) * 1e6 if engine else 0.0,
     }
 
 

@@ -107,7 +107,7 @@ class PredictingKVCacheManager:
         self._lost: list[str] = []
         self.stale_hits = 0
         self.lost_requests = 0
-        #: what RemoteKVCacheManager uses for lookup hints (KVCoordScheduler sets it);
+        #: set by KVCoordScheduler (the requests it will look up next);
         #: not needed here: every lookup is answered from the mirror
         self.upcoming: Any = None
         #: the answer of every allocation that takes no block: one shared instance (its

@@ -19,19 +19,18 @@ from .errors import AbortedError
 from .items import Item, KVCacheBlockIds, Pending, ids
 
 if TYPE_CHECKING:
+    from .sender import StepSender
     from .tracking import RequestTracker
 
 
 class BatchOwner(Protocol):
     """What the batch builders need of the manager whose Steps carry their calls
     (``RemoteKVCacheManager``): its request positions, its stale-hit count, and
-    the sending of its Steps (no import of the manager here, nothing private of it)."""
+    the sender of its Steps (no import of the manager here, nothing private of it)."""
 
     tracker: RequestTracker
     stale_hits: int
-
-    def defer(self, item: Item | None) -> None: ...
-    def send_items(self, items: list[Item], force: bool = False) -> None: ...
+    sender: StepSender
 
 
 __all__ = ["BatchOwner", "Ops", "StepBatcher"]
@@ -157,12 +156,6 @@ class Ops:
             pb.Operation(free=pb.FreeOp(request_id=rid)), lambda r: None, [], Pending(), deferred=True
         )
 
-    def free_again(self, request_id: str) -> Item:
-        """A free sent again (its first one's outcome unknown): a request the pool no
-        longer holds is not an error."""
-        op = pb.Operation(free=pb.FreeOp(request_id=request_id, if_held=True))
-        return Item(op, lambda r: None, [], Pending(), deferred=True)
-
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> Item:
         op = pb.Operation()
         self.m.tracker.sync(request, op.cache_blocks.request)
@@ -241,7 +234,7 @@ class StepBatcher:
         for item in items:
             if item.op.WhichOneof("op") == "free":
                 item.deferred = True  # nobody waits for it now: its error is the sender's
-                m.defer(item)
+                m.sender.defer(item)
             else:
                 item.pending.set_error(aborted)
 
@@ -302,4 +295,4 @@ class StepBatcher:
     def flush(self) -> None:
         """Send the collected operations (nothing to do when empty)."""
         items, self._items = self._items, []
-        self.m.send_items(items)
+        self.m.sender.send_items(items)

@@ -1,6 +1,9 @@
-"""What a Step carries and what callers hold until it is answered: :class:`Item` (one
-queued operation and how its answer reads), :class:`Pending` (a call's result once its
-Step is answered) and :class:`KVCacheBlockIds` (block ids per group)."""
+"""What a Step carries and what callers hold until it is answered: in the waiting
+mode, :class:`Item` (one queued operation and how its answer reads) and
+:class:`Pending` (a call's result once its Step is answered); in the predicted mode,
+:class:`Gathered` (the Step being gathered, with the mirror's answers) and
+:class:`ColumnRun` (its allocations as the columns of one AllocateRunOp); and
+:class:`KVCacheBlockIds` (block ids per group), which both modes answer with."""
 
 from __future__ import annotations
 
@@ -8,11 +11,12 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
+from kvcoord.engine import KVCacheEvent
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .errors import KVCoordError
 
-__all__ = ["Item", "KVCacheBlockIds", "Pending", "ids"]
+__all__ = ["ColumnRun", "Gathered", "Item", "KVCacheBlockIds", "Pending", "ids"]
 
 T = TypeVar("T")
 
@@ -122,3 +126,90 @@ class Item:
     #: per touched request, its position right after this call's sync (what the
     #: server holds once this call is applied)
     marks: dict[str, tuple[int, int, int, bool] | None] | None = None
+
+
+class Gathered:
+    """A predicted session's Step being gathered: its operations (written in place into its request) and what the mirror
+    says their answers are."""
+
+    __slots__ = ("events", "expected", "num_free_blocks", "request", "runs", "size", "stats")
+
+    def __init__(self) -> None:
+        self.request = pb.StepRequest(include_state=True, events_digest=True)
+        #: about how many bytes the request holds (an upper bound for its tokens and hashes)
+        self.size = 0
+        #: each run of allocations and its operation, whose columns are written on the
+        #: sender thread (just before the Step is sent), not on the scheduler's
+        self.runs: list[tuple[pb.Operation, ColumnRun]] = []
+        #: per op: its ColumnRun, None, or (kind, the mirror's answer): "new" (an allocation's
+        #: new block ids per group), "reset" or "common_prefix"
+        self.expected: list[Any] = []
+        self.num_free_blocks = 0
+        #: the mirror's events (the engine's values), digested on the sender thread
+        self.events: list[KVCacheEvent] = []
+        self.stats = pb.PrefixCacheStats()
+
+
+class ColumnRun:
+    """A Step's allocations of registered requests without a hit, gathered as the
+    columns of one AllocateRunOp, with the block ids the mirror gave them (the
+    columns of its answer)."""
+
+    __slots__ = (
+        "base_h", "base_t", "block_ids", "computed", "hashes", "look", "new", "num_blocks", "num_hashes",
+        "num_tokens", "rids", "tokens",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.rids: list[str] = []
+        self.base_t: list[int] = []
+        self.base_h: list[int] = []
+        self.computed: list[int] = []
+        self.new: list[int] = []
+        self.look: list[int] = []
+        self.num_tokens: list[int] = []
+        self.tokens: list[int] = []
+        self.num_hashes: list[int] = []
+        self.hashes: list[bytes] = []
+        #: each entry's new block count per group, and the ids, in entry order
+        self.num_blocks: list[int] = []
+        self.block_ids: list[int] = []
+
+    def add(
+        self, rid: str, base_t: int, base_h: int, tokens: Sequence[int], hashes: Sequence[bytes], computed: int,
+        num_new_tokens: int, num_lookahead_tokens: int, new: Sequence[Sequence[int]],
+    ) -> None:  # fmt: skip
+        """An entry: the request's sync as plain values, the call's counts, and the new
+        block ids per group the mirror gave it."""
+        self.rids.append(rid)
+        self.base_t.append(base_t)
+        self.base_h.append(base_h)
+        self.computed.append(computed)
+        self.new.append(num_new_tokens)
+        self.look.append(num_lookahead_tokens)
+        self.num_tokens.append(len(tokens))
+        self.tokens += tokens
+        if hashes:
+            self.hashes += hashes
+        self.num_hashes.append(len(hashes))
+        for group in new:
+            self.num_blocks.append(len(group))
+            if group:
+                self.block_ids += group
+
+    def write(self, op: pb.AllocateRunOp) -> None:
+        """The entries as ``op``'s columns."""
+        op.request_ids.extend(self.rids)
+        op.base_num_tokens.extend(self.base_t)
+        op.base_num_hashes.extend(self.base_h)
+        op.num_computed_tokens.extend(self.computed)
+        op.num_new_tokens.extend(self.new)
+        op.num_lookahead_tokens.extend(self.look)
+        op.num_append_tokens.extend(self.num_tokens)
+        op.append_token_ids.extend(self.tokens)
+        op.num_append_hashes.extend(self.num_hashes)
+        op.append_block_hashes.extend(self.hashes)
+
+    def matches(self, answer: pb.AllocateRunResult) -> bool:
+        """Whether the server's answer gives each entry the mirror's blocks."""
+        return list(answer.num_new_blocks) == self.num_blocks and list(answer.new_block_ids) == self.block_ids

@@ -26,68 +26,36 @@ it applies at; a call whose outcome is unknown is retried with the same idempote
 key. When requests are lost anyway (the session expired, the server restarted, an
 outcome could not be settled, the positions disagree), the call raises
 :class:`RequestsLostError` naming them, after re-attaching or cleaning up, so the
-scheduler can preempt and recompute them; the next call works normally.
+scheduler can preempt and recompute them; the next call works normally. Sending,
+answer dispatch and that recovery are the :class:`~kvcoord.client.sender.StepSender`'s
+(the one sender of both modes); this class is the vLLM-facing facade only.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .batch import Ops, StepBatcher
 from .client import KVCoordClient
-from .errors import (
-    AbortedError,
-    AnswerEvictedError,
-    FencedError,
-    KVCoordError,
-    LeaseExpiredError,
-    OutcomeUnknownError,
-    PermissionDeniedError,
-    RequestsLostError,
-    RequestUnknownError,
-    ResourceExhaustedError,
-    SessionExpiredError,
-    SyncMismatchError,
-    UnavailableError,
-    error_from_code,
-    status_code,
-)
+from .errors import FencedError, SessionExpiredError
 from .hashing import pool_seed
 from .items import Item, KVCacheBlockIds, Pending
-from .session import LEASE_MARGIN, SessionKeeper
+from .sender import StepSender
+from .session import SessionKeeper
 from .tracking import RequestTracker
 
 __all__ = ["KVCacheBlockIds", "Pending", "RemoteKVCacheManager", "StepBatcher"]
-
-T = TypeVar("T")
-
-logger = logging.getLogger(__name__)
-
-_STAT_FIELDS = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
-
 
 #: empty Steps take_events sends at most to fetch events the server cut from answers
 #: (StepResponse.events_more); each answer carries up to max_message_bytes of them
 MAX_EVENT_ROUNDS = 64
 
 
-#: errors after which a free is sent again with the next Step (the server may answer
-#: it then); any other refusal would refuse it again
-_TRANSIENT = (UnavailableError, AbortedError, ResourceExhaustedError, LeaseExpiredError)
-
 #: queued operations that make no KV events (nor does a run of checks alone)
 _NO_EVENTS = ("free", "remove_skipped_blocks", "lookup", "get_block_ids")
-
-
-def _touched(items: list[Item]) -> list[str]:
-    """The requests a Step's items sync (only theirs roll back when it fails: calls
-    collected in an open batch keep theirs)."""
-    return [rid for i in items for rid in i.touched]
 
 
 class RemoteKVCacheManager:
@@ -154,24 +122,12 @@ class RemoteKVCacheManager:
         )
         self.num_groups = len(cfg.groups)
         self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
+        #: sends the Steps (inline), dispatches their answers, recovers lost requests
+        self.sender = StepSender(client, pool, self.keeper, self.tracker)
         self._ops = Ops(self)
-        #: calls sent with the next Step (frees, cache_blocks, remove_skipped_blocks, ...)
-        self._queue: list[Item] = []
-        self._usage: float | None = None
-        self._events: list[pb.KVEvent] = []
-        #: the last answer's events were cut (StepResponse.events_more): more wait
-        self._events_more = False
-        self._stats = pb.PrefixCacheStats()
-        self._reattach = False
         #: allocate_slots calls answered None because the hit had gone stale (another
         #: worker reused its blocks after the lookup); the scheduler looks up again.
         self.stale_hits = 0
-        #: requests reported lost (RequestsLostError) since the manager was created
-        self.lost_requests = 0
-        #: Step round trips sent, and the seconds spent waiting on them (from sending
-        #: the request to holding the answer)
-        self.round_trips = 0
-        self.round_trip_seconds = 0.0
         #: set by KVCoordScheduler (the requests it will look up next); unused: every
         #: lookup waits for the server's answer
         self.upcoming: Callable[[Any], Iterable[Any]] | None = None
@@ -179,6 +135,26 @@ class RemoteKVCacheManager:
     @property
     def session_id(self) -> str:
         return self.keeper.session_id
+
+    @property
+    def lost_requests(self) -> int:
+        """Requests reported lost (RequestsLostError) since the manager was created."""
+        return self.sender.lost_requests
+
+    @property
+    def round_trips(self) -> int:
+        """Step round trips sent."""
+        return self.sender.steps_sent
+
+    @property
+    def round_trip_seconds(self) -> float:
+        """The seconds spent waiting on Steps (from sending the request to holding the answer)."""
+        return self.sender.waited_seconds
+
+    @property
+    def _queue(self) -> list[Item]:
+        """The calls the next Step carries (a subclass's extra calls join them)."""
+        return self.sender.queue
 
     def batch(self) -> StepBatcher:
         """Collect calls into one Step RPC: ``with manager.batch() as b: b.free(r) ...``."""
@@ -300,15 +276,16 @@ class RemoteKVCacheManager:
 
     def take_events(self) -> list[pb.KVEvent]:
         """The pool's KV events since the previous call (this session's cursor)."""
+        sender = self.sender
         if not self.keeper.exclusive:
-            self.send_items([], force=True)  # other sessions' calls make events too
-        elif any(i.op.WhichOneof("op") not in _NO_EVENTS for i in self._queue):
-            self.flush()  # queued calls that make events (cache_blocks stores blocks)
+            sender.send_items([], force=True)  # other sessions' calls make events too
+        elif any(i.op.WhichOneof("op") not in _NO_EVENTS for i in sender.queue):
+            sender.flush()  # queued calls that make events (cache_blocks stores blocks)
         for _ in range(MAX_EVENT_ROUNDS):
-            if not self._events_more:
+            if not sender.events_more:
                 break
-            self.send_items([], force=True)  # an answer holds what fits below max_message_bytes
-        events, self._events = self._events, []
+            sender.send_items([], force=True)  # an answer holds what fits below max_message_bytes
+        events, sender.events = sender.events, []
         return events
 
     def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
@@ -316,7 +293,7 @@ class RemoteKVCacheManager:
         pool keeps none)."""
         if not self.log_stats:
             return None
-        stats, self._stats = self._stats, pb.PrefixCacheStats()
+        stats, self.sender.stats = self.sender.stats, pb.PrefixCacheStats()
         return stats
 
     def peek_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
@@ -324,24 +301,23 @@ class RemoteKVCacheManager:
         if not self.log_stats:
             return None
         copy = pb.PrefixCacheStats()
-        copy.CopyFrom(self._stats)
+        copy.CopyFrom(self.sender.stats)
         return copy
 
     @property
     def usage(self) -> float:
         """The pool's usage as of the last answer, sending queued calls first."""
-        if self._queue or self._usage is None:
-            if self._queue:
-                self.flush()
-            else:
-                self._usage = float(self.client.get_stats(self.pool).usage)
-        assert self._usage is not None
-        return self._usage
+        sender = self.sender
+        if sender.queue:
+            sender.flush()
+        elif sender.usage is None:
+            sender.usage = float(self.client.get_stats(self.pool).usage)
+        assert sender.usage is not None
+        return sender.usage
 
     def flush(self) -> None:
         """Send every queued call now."""
-        if self._queue:
-            self.send_items([])
+        self.sender.flush()
 
     def close(self) -> None:
         """Send what is queued, then end the session (the server frees its requests)."""
@@ -354,152 +330,10 @@ class RemoteKVCacheManager:
             except (SessionExpiredError, FencedError):
                 pass  # already gone: its requests were freed
 
-    # -- sending ----------------------------------------------------------------------------
+    # -- sending (the sender's; these serve subclasses with calls of their own) ---------------
     def defer(self, item: Item | None) -> None:
-        if item is not None:
-            item.pending.resolver = self.flush
-            self._queue.append(item)
+        """Send ``item`` with the next Step."""
+        self.sender.defer(item)
 
     def _now(self, item: Item) -> Any:
-        self.send_items([item])
-        return item.pending.result()
-
-    def send_items(self, items: list[Item], force: bool = False) -> None:
-        """One Step with the queued calls, then ``items``; every Pending gets its answer.
-        Without anything to send, nothing is sent unless ``force``.
-
-        Raises:
-            the error of a queued call nobody waited for (after every Pending is set).
-        """
-        items = self._queue + items
-        self._queue = []
-        if not items and not force:
-            return
-        keeper = self.keeper
-        try:
-            if self._reattach:  # the session was lost and re-attaching failed last time
-                self.keeper.start_again()
-                self._reattach = False
-            keeper.vouch()
-            sent = keeper.clock()
-            self.round_trips += 1
-            ops = [item.op for item in items]
-            waited = time.perf_counter()
-            try:
-                resp = self.client.step(self.pool, ops, keeper.session_id, keeper.fence, include_state=True)
-            finally:
-                self.round_trip_seconds += time.perf_counter() - waited
-            if keeper.clock() >= sent + keeper.lease * (1 - LEASE_MARGIN):
-                raise LeaseExpiredError("the answer came after the session's lease could have ended")
-        except KVCoordError as err:
-            if isinstance(err, (SessionExpiredError, FencedError, LeaseExpiredError)):
-                failure: KVCoordError = self._session_lost(err)  # its end frees everything
-            else:
-                if isinstance(err, (OutcomeUnknownError, AnswerEvictedError)) or any(
-                    i.deferred and i.touched for i in items
-                ):
-                    # Applied or not, unknown; or not applied while queued calls in it
-                    # (cache_blocks, remove_skipped_blocks) were already taken as done:
-                    # none of its requests can be trusted.
-                    failure = self._forget([rid for i in items for rid in i.touched], err)
-                else:
-                    self.tracker.rollback(_touched(items))
-                    failure = err
-                # Its queued frees may not have happened: free again (an unknown
-                # request is already free).
-                self._free_again(items)
-            self._fail_all(items, failure)
-            if not items or any(i.deferred for i in items):
-                # Queued calls have no caller waiting to see this: the caller that sent
-                # them (take_events, usage, flush, close, any other call) must.
-                raise failure from None
-            return
-        keeper.renewed(sent)
-        keeper.adopt(resp.fence)
-        self._absorb(resp)
-        failed: KVCoordError | None = None
-        for item, result in zip(items, resp.results, strict=True):
-            if result.status_code == 0:
-                if not item.commits_itself:
-                    self.tracker.commit(item.touched, item.marks)
-                item.pending.set_result(item.decode(result))
-                continue
-            reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
-            op_err = error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
-            kind = item.op.WhichOneof("op")
-            if isinstance(op_err, (SyncMismatchError, RequestUnknownError)) and item.touched:
-                # The server holds another state than this client believed: the request
-                # cannot be trusted any more.
-                op_err = self._forget(item.touched, op_err)
-            elif kind == "free" and item.deferred:
-                # A queued free did not happen and nobody waits to see it: free the
-                # request now, or its blocks stay held by a request the client forgot.
-                self._free_now(item.op.free.request_id)
-            item.pending.set_error(op_err)
-            if item.deferred and failed is None:
-                failed = op_err
-        if any(r.status_code for r in resp.results):
-            self.tracker.rollback(_touched(items))
-        if failed is not None:
-            raise failed
-
-    def _absorb(self, resp: pb.StepResponse) -> None:
-        """What every answer carries: usage, events, statistics."""
-        self._usage = resp.usage
-        if resp.events:
-            self._events.extend(resp.events)
-        self._events_more = resp.events_more
-        if resp.HasField("prefix_cache_stats"):
-            s, new = self._stats, resp.prefix_cache_stats
-            for name in _STAT_FIELDS:
-                setattr(s, name, getattr(s, name) + getattr(new, name))
-            s.reset = s.reset or new.reset
-
-    @staticmethod
-    def _fail_all(items: list[Item], err: KVCoordError) -> None:
-        for i in items:
-            i.pending.set_error(err)
-
-    # -- loss handling ------------------------------------------------------------------
-    def _session_lost(self, err: KVCoordError) -> RequestsLostError:
-        """Every tracked request is gone with the session: forget them and re-attach."""
-        lost = self.tracker.clear()
-        self.lost_requests += len(lost)
-        try:
-            self.keeper.start_again()
-        except KVCoordError:  # e.g. unreachable, or the server's grace period: next call
-            self._reattach = True
-        return RequestsLostError(lost, err)
-
-    def _free_now(self, request_id: str) -> None:
-        """Free a request on the server at once. When the server cannot be reached, the
-        free is queued for the next Step (its blocks must not stay held by a request
-        nobody tracks); an unknown request is free already, a lost session's end frees
-        everything it held, and a request of another session is not this one's to free
-        (its id was taken after this session's request was gone). Any other refusal is
-        logged and the free dropped: sent again it would fail every later Step."""
-        try:
-            self.client.free(self.pool, [request_id], session_id=self.session_id, fence=self.keeper.fence)
-        except (RequestUnknownError, SessionExpiredError, FencedError, PermissionDeniedError):
-            pass
-        except _TRANSIENT:
-            self._queue.append(self._ops.free_again(request_id))
-        except KVCoordError as err:
-            logger.error(
-                "session %s could not free request %r, which may stay held until the session ends: %s",
-                self.session_id, request_id, err,
-            )  # fmt: skip
-
-    def _free_again(self, items: Sequence[Item]) -> None:
-        """The queued frees among ``items``, which may not have been applied."""
-        for i in items:
-            if i.op.WhichOneof("op") == "free":
-                self._free_now(i.op.free.request_id)
-
-    def _forget(self, request_ids: Sequence[str], err: KVCoordError) -> RequestsLostError:
-        """These requests' server state is unknown: free them there (best effort) and here."""
-        lost = self.tracker.forget(request_ids, lost=True)
-        for rid in lost:
-            self._free_now(rid)  # unknown there already, or freed
-        self.lost_requests += len(lost)
-        return RequestsLostError(lost, err)
+        return self.sender.now(item)

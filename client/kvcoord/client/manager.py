@@ -33,7 +33,7 @@ answer dispatch and that recovery are the :class:`~kvcoord.client.sender.StepSen
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvcoord.v1 import allocator_pb2 as pb
@@ -128,9 +128,6 @@ class RemoteKVCacheManager:
         #: allocate_slots calls answered None because the hit had gone stale (another
         #: worker reused its blocks after the lookup); the scheduler looks up again.
         self.stale_hits = 0
-        #: set by KVCoordScheduler (the requests it will look up next); unused: every
-        #: lookup waits for the server's answer
-        self.upcoming: Callable[[Any], Iterable[Any]] | None = None
 
     @property
     def session_id(self) -> str:

@@ -105,9 +105,6 @@ class PredictingKVCacheManager:
         self.sender = StepSender(client, pool, self.keeper, self.tracker, compare_events=cfg.enable_kv_cache_events,
                                  compare_stats=self.log_stats, max_backlog=max_backlog)  # fmt: skip
         self.stale_hits = 0
-        #: set by KVCoordScheduler (the requests it will look up next);
-        #: not needed here: every lookup is answered from the mirror
-        self.upcoming: Any = None
         #: the answer of every allocation that takes no block: one shared instance (its
         #: empty lists are not to be changed), which vLLM's adapter answers with vLLM's
         #: shared empty blocks

@@ -1,29 +1,24 @@
 """The one Step sender of every manager: it sends a session's Steps, inline or from one
 background thread, dispatches their answers, classifies failures and recovers lost
-requests.
-
-Both modes send through :meth:`StepSender._send` (the session's id and fence stamped
-on each Step, the lease renewed and the fence adopted from each answer) and lose
-requests the same way (:attr:`StepSender.lost_requests`, the session started again).
+requests. Both modes stamp, send and renew through :meth:`StepSender._send` and count
+lost requests in :attr:`StepSender.lost_requests`.
 
 The waiting mode (``RemoteKVCacheManager``) sends inline: calls nobody waits for are
-queued (:meth:`StepSender.defer`) and ride with the next call that needs an answer
-(:meth:`StepSender.send_items`), whose Step gives every :class:`Pending` its answer.
-A failure is classified there: a session that ended loses every request; a Step
-whose outcome is unknown loses its requests (freed on the server, best effort); a
-refused Step moves its requests back; a queued free that may not have happened is
-sent again.
+queued (:meth:`~StepSender.defer`) and ride with the next call that needs an answer
+(:meth:`~StepSender.send_items`). A failed Step is classified there: an ended session
+loses every request; an unknown outcome loses the Step's requests (freed on the server,
+best effort); a refused Step moves them back; a queued free that may not have happened
+is sent again.
 
 The predicted mode (``PredictingKVCacheManager``) gathers each scheduler step's calls
-into one Step (:meth:`StepSender.op`, a run of allocations as columns), sends it from
-the background thread when the step ends (:meth:`StepSender.cut`), and compares the
-answer with what the mirror said: every operation's status, every new block id, the
-free count, the KV events (by digest) and the statistics. A failure is kept in
-:attr:`StepSender.failure` for the facade's next call, which :meth:`StepSender.recover`
-turns into every request lost. While a Step is in flight, the next steps' calls join
-the next one, up to ``max_backlog`` steps or ``max_step_bytes``. The scheduler's
-thread only appends plain values; the sender thread writes a run's columns and digests
-the mirror's events just before it sends.
+into one Step (:meth:`~StepSender.op`; allocations as the columns of one run), sends it
+from the background thread when the step ends (:meth:`~StepSender.cut`; while one is
+in flight, later steps' calls join the next, up to ``max_backlog`` steps or
+``max_step_bytes``), and compares the answer with the mirror's: every status, new
+block id, the free count, the KV events (by digest) and the statistics. A failure
+waits in :attr:`~StepSender.failure` for the facade's next call, which
+:meth:`~StepSender.recover` turns into every request lost. The scheduler's thread only
+appends plain values; the sender thread writes the columns and digests the events.
 """
 
 from __future__ import annotations

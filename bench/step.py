@@ -28,10 +28,9 @@ steady. The same seeded workload runs on:
                  when it comes; its RTT column is a burst of no-op Steps before and after
                  the row (a probe between steps would let the Step in flight finish
                  untimed)
-  exclusive      RemoteKVCacheManager(exclusive=True): one session per pool, provable
-                 allocations and refusals answered at once, lookups answered from hints
-                 (the loop names its waiting requests, as KVCoordScheduler does),
-                 everything else batched
+  exclusive      RemoteKVCacheManager(exclusive=True): one session per pool, every
+                 lookup and allocation waits for the server (the waiting mode an
+                 exclusive pool that cannot be predicted runs), frees and state batched
   excl+admit     the same, with the waiting loop sent as one Admit operation
                  (RemoteKVCacheManager.admit) instead of a lookup per admitted request
   shared         RemoteKVCacheManager: frees and state batched, every allocation waits
@@ -407,19 +406,6 @@ def run(
 
     running: list[Req] = []
     waiting: deque[Req] = deque(new_request() for _ in range(running_target))
-    if isinstance(kv, RemoteKVCacheManager):
-        # as KVCoordScheduler does: name the waiting requests the loop may look up next
-        def upcoming(current: Req) -> list[Req]:
-            out, tokens = [], 2 * BUDGET
-            for r in waiting:
-                if tokens <= 0 or len(out) >= 32:
-                    break
-                if r is not current:
-                    out.append(r)
-                    tokens -= len(r.all_token_ids)
-            return out
-
-        kv.upcoming = upcoming
     times: list[float] = []
     decisions: list[Any] = []
     for _ in range(steps):

@@ -8,8 +8,8 @@ changes are worth, so figures taken at different times cannot be compared. This 
 ``bench/step.py``'s scheduler loop (its ``run``: the same seeded workload) for each
 checkout in turn, ``--rounds`` times, each in a fresh process with its own server
 process of that checkout, and prints per round and checkout, for each number of
-running requests and both exclusive modes (``exclusive``: a lookup per waiting
-request; ``admit``: the waiting loop as one AdmitOp):
+running requests and both exclusive waiting modes (``exclusive``: a lookup per waiting
+request; ``admit``: the waiting loop as one AdmitOp; both wait for every answer):
 
   p50      the step's median over the measured steps, ms
   server   the server process's CPU per step (all its threads, /proc), ms

@@ -6,6 +6,7 @@ import dataclasses
 import random
 import urllib.request
 from collections.abc import Sequence
+from typing import Any
 
 from kvcoord.client import KVCoordClient
 from kvcoord.client.hashing import BlockHasher, none_hash
@@ -188,3 +189,23 @@ class PoolWorker:
             self.live.clear()
         else:
             self.live.append(rid)
+
+
+def admit_on_both(manager: Any, local: KVCachePool, request: Any) -> bool:
+    """A waiting request's lookup then its allocation of every remaining token, on a
+    remote manager and on an in-process engine that already holds the request: the
+    hits, the refusal and the block ids must be equal. A refused request is freed on
+    both (a scheduler would keep it waiting). Returns whether it was admitted."""
+    rid, num_tokens = request.request_id, len(request.all_token_ids)
+    hit, n = manager.get_computed_blocks(request)
+    want = local.get_computed_blocks(rid)
+    assert (hit.block_ids, n) == (tuple(list(g) for g in want.block_ids), want.num_tokens)
+    got = manager.allocate_slots(request, num_tokens - n, n, hit)
+    exp = local.allocate_slots(rid, num_tokens - n, n, None if want.is_empty else want)
+    assert (got is None) == (exp is None)
+    if got is None:
+        manager.free(request)
+        local.free(rid)
+        return False
+    assert got.block_ids == tuple(list(g) for g in exp)
+    return True

@@ -103,10 +103,6 @@ def drive(
             running.remove(rid)
         counts["frees"] += 1
 
-    # the requests this loop looks up after the current one (hints, exclusive sessions)
-    remote.upcoming = lambda current: [
-        live[rid] for rid in sorted(live) if rid not in running and rid != current.request_id
-    ][:4]
     for step in range(steps):
         answered: list[tuple[object, object, str]] = []
         if rnd.random() < 0.4:
@@ -212,14 +208,13 @@ def server() -> Iterator[InProcessServer]:
 
 @pytest.mark.parametrize(
     ("exclusive", "full_only"),
-    [(False, False), (True, False), (True, True)],
-    ids=["shared-sessions", "exclusive-sessions", "exclusive-full-attention"],
+    [(False, False), (True, True)],
+    ids=["shared-sessions", "exclusive-full-attention"],
 )
 def test_faulty_network_changes_no_answer(server: InProcessServer, exclusive: bool, full_only: bool) -> None:
     """Four workers, 400 steps each, 5% of answers dropped, 5% late, 5% duplicated, 5%
-    re-delivered later: zero divergences, zero lost requests. With exclusive sessions
-    the manager also answers provable allocations and lookups (hints) before sending
-    them, and on a full-attention pool refusals too (its block ledger)."""
+    re-delivered later: zero divergences, zero lost requests, on shared sessions and on
+    sessions attached exclusively (which wait for every answer too)."""
     workers = 4
     results: dict[int, dict[str, int]] = {}
     injectors: list[FaultInjector] = []
@@ -236,10 +231,6 @@ def test_faulty_network_changes_no_answer(server: InProcessServer, exclusive: bo
             remote = RemoteKVCacheManager(c, pool, hash_seed="0", client_name=f"w{wid}", exclusive=exclusive)
             results[wid] = drive(remote, local_pool(full_only), plain, pool, wid, 400)
             results[wid]["lost"] = remote.lost_requests
-            results[wid]["promised"] = remote.promised
-            results[wid]["checked"] = remote.checked
-            results[wid]["hinted"] = remote.hinted_lookups
-            results[wid]["refused_here"] = remote.refused
             results[wid]["round_trips"] = remote.round_trips
             remote.close()
 
@@ -253,14 +244,6 @@ def test_faulty_network_changes_no_answer(server: InProcessServer, exclusive: bo
     assert faults["dropped"] > 50 and faults["delayed"] > 50
     assert faults["duplicated"] > 50 and faults["reordered"] > 10
     assert total["refusals"] > 0 and total["hits"] > 0 and total["preemptions"] > 0
-    if exclusive:  # many answers were given without waiting, none wrongly
-        assert total["promised"] > total["answers"] / 8
-        assert total["checked"] > 0  # decodes answered as changing nothing, checked through the faults
-        assert total["hinted"] > 0  # (tests/service/test_hints.py runs a loop that hints more)
-    else:
-        assert total["hinted"] == 0  # nothing can prove a hint on a shared pool
-    if full_only:
-        assert total["refused_here"] > 20
 
 
 def test_admit_over_the_wire_equals_one_by_one(server: InProcessServer) -> None:

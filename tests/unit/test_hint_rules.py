@@ -1,5 +1,5 @@
-"""Lookup hints, answered lookups, refusals answered by the client, and the block ledger:
-the engine's margin, the service's checks, and the client's ledger, without gRPC."""
+"""Lookup hints, answered lookups, refusals and runs answered by a client: the engine's
+margin and the service's checks, without gRPC."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import random
 import grpc
 import pytest
 from kvcoord.client.hashing import BlockHasher, none_hash
-from kvcoord.client.promises import BlockLedger
 from kvcoord.engine import (
     CacheHit,
     FullAttentionSpec,
@@ -165,105 +164,6 @@ def test_must_refuse_is_checked() -> None:
     assert p.engine.get_block_ids("small") != ((),)
     (o,) = p.apply(s, [op.Allocate(new("x", list(range(8))), 8, must_refuse=True, must_succeed=True)])  # type: ignore[arg-type]
     assert o.error is not None and o.error.code is grpc.StatusCode.INVALID_ARGUMENT
-
-
-@pytest.mark.parametrize("sliding", [False, True], ids=["full", "full+sliding"])
-def test_ledger_counts_free_blocks_exactly(sliding: bool) -> None:
-    """Random admissions with shared hits, decode steps (sliding-window blocks leaving
-    the window) and frees: the ledger's count of free blocks after each call equals the
-    engine's, and it predicts every refusal."""
-    rnd = random.Random(5)
-    groups = (FullAttentionSpec(4), SlidingWindowSpec(4, 8)) if sliding else (FullAttentionSpec(4),)
-    pool = KVCachePool(KVCacheConfig(num_blocks=40, groups=groups, hash_block_size=4, max_model_len=256))
-    ledger = BlockLedger([4] * len(groups), [0, 8][: len(groups)])
-    free = pool.num_free_blocks
-    prefixes = [[rnd.randrange(40) for _ in range(n)] for n in (8, 16, 24)]
-    live: dict[str, list[int]] = {}
-    checked = {"shared": 0, "refused": 0, "skipped": 0}
-    hashers: dict[str, BlockHasher] = {}
-
-    def allocate(rid: str, n: int, hit: CacheHit | None) -> bool:
-        nonlocal free
-        req = pool.requests[rid]
-        total = req.num_computed_tokens + (hit.num_tokens if hit else 0)
-        released, _ = ledger.skip(rid, total)
-        checked["skipped"] += released
-        free += released
-        before = (
-            [len(t) for t in pool.get_block_ids(rid)]
-            if rid in ledger.held
-            else [len(g) for g in hit.block_ids]
-            if hit
-            else [0] * len(groups)
-        )
-        want = [max(b, -(-(total + n) // 4)) - b for b in before]
-        need = ledger.need(rid, hit.block_ids if hit else None, want, total)
-        got = pool.allocate_slots(rid, n, hit.num_tokens if hit else 0, hit)
-        assert (got is None) == (need > free), (rid, need, free)
-        if got is None:
-            return False
-        assert [len(g) for g in got] == want
-        ledger.named(ledger.allocated(rid, hit.block_ids if hit else None, want, total), got)
-        free -= need
-        return True
-
-    for i in range(500):
-        r = rnd.random()
-        if live and r < 0.3:
-            rid = rnd.choice(sorted(live))
-            released, _ = ledger.release(rid)
-            pool.free(rid)
-            del live[rid]
-            free += released
-        elif live and r < 0.7:
-            rid = rnd.choice(sorted(live))
-            req = pool.requests[rid]
-            tok = [rnd.randrange(40)]
-            pool.update_request(
-                rid,
-                num_computed_tokens=req.num_tokens,
-                append_token_ids=tok,
-                append_block_hashes=hashers[rid].extend(tok),
-            )
-            allocate(rid, 1, None)
-        else:
-            rid = f"r{i}"
-            tokens = rnd.choice(prefixes) + [rnd.randrange(40) for _ in range(rnd.randint(1, 20))]
-            hashers[rid] = BlockHasher("sha256_cbor", 4, NONE)
-            pool.add_request(rid, tokens, hashers[rid].extend(tokens))
-            hit = pool.get_computed_blocks(rid)
-            if allocate(rid, len(tokens) - hit.num_tokens, None if hit.is_empty else hit):
-                live[rid] = tokens
-                if hit.num_tokens and any(pool.block_pool.blocks[b].ref_cnt > 1 for b in hit.block_ids[0]):
-                    checked["shared"] += 1
-            else:
-                checked["refused"] += 1
-                pool.free(rid)  # unregister: it comes back with another id
-        assert free == pool.num_free_blocks, i
-    assert checked["shared"] > 20 and checked["refused"] > 5, checked
-    assert (checked["skipped"] > 20) == sliding, checked
-
-
-def test_ledger_counts_a_request_freed_before_its_blocks_are_named() -> None:
-    ledger = BlockLedger([4], [0])
-    h = ledger.allocated("a", ((5, 6),), [3], 8)
-    ledger.allocated("b", ((5,),), [0], 4)
-    assert ledger.need("c", ((5, 6, 7),), [0], 12) == 1  # only 7 is free
-    assert ledger.release("a") == (4, [6])  # 3 unnamed + block 6; 5 is still held by b
-    ledger.named(h, ((8, 9, 10),))  # the answer came after the free: nothing held
-    assert ledger.refs == {5: 1}
-
-
-def test_ledger_skips_sliding_window_blocks_like_vllm() -> None:
-    """Window 8, blocks of 4: after 16 computed tokens, 9 tokens are outside the window,
-    so two leading blocks become null (the first already null stops the walk)."""
-    ledger = BlockLedger([4, 4], [0, 8])
-    p = ledger.allocated("a", None, [5, 5], 0)
-    ledger.named(p, ((1, 2, 3, 4, 5), (6, 7, 8, 9, 10)))
-    assert ledger.skip("a", 16) == (2, [7, 6])  # walked back from the window, as vLLM frees
-    assert ledger.held["a"].tables[1] == [0, 0, 8, 9, 10]
-    assert ledger.skip("a", 16) == (0, [])
-    assert ledger.need("b", ((1, 2, 3), (0, 0, 8)), [1, 1], 12) == 2  # 8 is held; 1, 2, 3 too
 
 
 def test_free_queue_position_is_a_lower_bound_whatever_the_dead_entries() -> None:

@@ -13,35 +13,24 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import block_ids_to_pb
 
 from . import _requests as rq
 from .errors import AbortedError
 from .items import Item, KVCacheBlockIds, Pending, ids
 
 if TYPE_CHECKING:
-    from .promises import BlockBudget
+    from .sender import StepSender
     from .tracking import RequestTracker
 
 
 class BatchOwner(Protocol):
     """What the batch builders need of the manager whose Steps carry their calls
-    (``RemoteKVCacheManager``): its request positions, its block budget, and one
-    public method per thing a batched call tells it (no import of the manager here,
-    and nothing private of it used)."""
+    (``RemoteKVCacheManager``): its request positions, its stale-hit count, and
+    the sender of its Steps (no import of the manager here, nothing private of it)."""
 
     tracker: RequestTracker
-    budget: BlockBudget
     stale_hits: int
-
-    def freeing(self, request_id: str) -> None: ...
-    def caching(self, request: Any, num_computed_tokens: int) -> None: ...
-    def skipping(self, request_id: str, total_computed_tokens: int) -> None: ...
-    def batched_allocation(self, request_id: str) -> None: ...
-    def abandoned(self, request_ids: Iterable[str]) -> None: ...
-    def defer(self, item: Item | None) -> None: ...
-    def send_items(self, items: list[Item], force: bool = False) -> None: ...
-    def clear_hints(self) -> None: ...
+    sender: StepSender
 
 
 __all__ = ["BatchOwner", "Ops", "StepBatcher"]
@@ -73,28 +62,6 @@ class Ops:
         return self._item(
             op, lambda r: (ids(r.lookup.hit.groups), r.lookup.hit.num_tokens), [request.request_id]
         )
-
-    def hint_lookup(self, request: Any, walk_limit: int) -> Item:
-        """A lookup that records nothing and answers ``(hit, hit_tokens, eviction_margin)``."""
-        op = pb.Operation()
-        lookup = op.lookup
-        self.m.tracker.sync(request, lookup.request)
-        lookup.hint = True
-        lookup.walk_limit = walk_limit
-
-        def decode(r: pb.OperationResult) -> tuple[KVCacheBlockIds, int, int]:
-            return ids(r.lookup.hit.groups), r.lookup.hit.num_tokens, r.lookup.eviction_margin
-
-        return self._item(op, decode, [request.request_id])
-
-    def answered_lookup(self, request: Any, hit: KVCacheBlockIds, num_tokens: int) -> Item:
-        """The lookup the client answered from a hint, for the server to check and record."""
-        op = pb.Operation()
-        lookup = op.lookup
-        self.m.tracker.sync(request, lookup.request)
-        lookup.answered.groups.extend(block_ids_to_pb(hit.block_ids))
-        lookup.answered.num_tokens = num_tokens
-        return self._item(op, lambda r: None, [request.request_id], deferred=True)
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
@@ -177,22 +144,17 @@ class Ops:
 
     def free(self, request: Any) -> Item | None:
         rid = request if isinstance(request, str) else request.request_id
-        self.m.freeing(rid)  # a lost request the scheduler frees is settled
-        if rid not in self.m.tracker:
+        tracker = self.m.tracker
+        tracker.lost.discard(rid)  # a lost request the scheduler frees is settled (vLLM frees
+        # finished and preempted requests alike)
+        if rid not in tracker:
             return None  # never sent to the server (e.g. aborted while waiting): nothing to free
         # Forgotten now: if the request comes back before the free is sent, it is
         # registered again after it (the server applies calls in order).
-        self.m.tracker.forget([rid])
-        self.m.budget.forget(rid)
+        tracker.forget([rid])
         return Item(
             pb.Operation(free=pb.FreeOp(request_id=rid)), lambda r: None, [], Pending(), deferred=True
         )
-
-    def free_again(self, request_id: str) -> Item:
-        """A free sent again (its first one's outcome unknown): a request the pool no
-        longer holds is not an error."""
-        op = pb.Operation(free=pb.FreeOp(request_id=request_id, if_held=True))
-        return Item(op, lambda r: None, [], Pending(), deferred=True)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> Item:
         op = pb.Operation()
@@ -213,15 +175,8 @@ class Ops:
         op = pb.Operation(evict_blocks=pb.EvictBlocksOp(block_ids=list(block_ids)))
         return Item(op, lambda r: None, [], Pending(), deferred=True)
 
-    def get_block_ids(self, request_id: str, answered: Sequence[Sequence[int]] | None = None) -> Item:
-        """With ``answered`` (the table its caller already has), the server checks it,
-        and a table found wrong loses the request (it cannot be trusted any more)."""
+    def get_block_ids(self, request_id: str) -> Item:
         op = pb.Operation(get_block_ids=pb.GetBlockIdsOp(request_id=request_id))
-        if answered is not None:
-            op.get_block_ids.answered.groups.extend(block_ids_to_pb(answered))
-            item = Item(op, lambda r: tuple(list(g.block_ids) for g in r.get_block_ids.groups), [request_id],
-                        Pending(), commits_itself=True)  # fmt: skip
-            return item
         return Item(op, lambda r: tuple(list(g.block_ids) for g in r.get_block_ids.groups), [], Pending())
 
     def get_num_common_prefix_blocks(self, request_id: str) -> Item:
@@ -275,13 +230,11 @@ class StepBatcher:
         # cache_blocks) is left as it is: that call's sync starts where the batch's
         # ended, and fails loudly (SYNC_MISMATCH) when sent.
         tracker.restore({rid: mark for rid, mark in before.items() if tracker.mark(rid) == after[rid]})
-        if items:
-            m.abandoned(list(before))
         aborted = AbortedError(grpc.StatusCode.ABORTED, "not sent: the batch was left by an exception")
         for item in items:
             if item.op.WhichOneof("op") == "free":
                 item.deferred = True  # nobody waits for it now: its error is the sender's
-                m.defer(item)
+                m.sender.defer(item)
             else:
                 item.pending.set_error(aborted)
 
@@ -310,7 +263,6 @@ class StepBatcher:
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0) -> Pending[KVCacheBlockIds | None]:  # fmt: skip
-        self.m.batched_allocation(request.request_id)
         self._moving(request.request_id)
         return self._add(self._ops.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
@@ -324,17 +276,14 @@ class StepBatcher:
         return self._add(item)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> Pending[None]:
-        self.m.caching(request, num_computed_tokens)
         self._moving(request.request_id)
         return self._add(self._ops.cache_blocks(request, num_computed_tokens))
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> Pending[None]:
-        self.m.skipping(request_id, total_computed_tokens)
         self._moving(request_id)
         return self._add(self._ops.remove_skipped_blocks(request_id, total_computed_tokens))
 
     def evict_blocks(self, block_ids: Iterable[int]) -> Pending[None]:
-        self.m.clear_hints()
         return self._add(self._ops.evict_blocks(block_ids))
 
     def get_block_ids(self, request_id: str) -> Pending[tuple[list[int], ...]]:
@@ -346,4 +295,4 @@ class StepBatcher:
     def flush(self) -> None:
         """Send the collected operations (nothing to do when empty)."""
         items, self._items = self._items, []
-        self.m.send_items(items)
+        self.m.sender.send_items(items)

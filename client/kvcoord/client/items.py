@@ -1,20 +1,22 @@
-"""What a Step carries and what callers hold until it is answered: :class:`Item` (one
-queued operation and how its answer reads), :class:`Run` (promised plain allocations
-in columns, one AllocateRunOp), :class:`Pending` (a call's result once its Step is
-answered) and :class:`KVCacheBlockIds` (block ids per group, possibly lazy)."""
+"""What a Step carries and what callers hold until it is answered: in the waiting
+mode, :class:`Item` (one queued operation and how its answer reads) and
+:class:`Pending` (a call's result once its Step is answered); in the predicted mode,
+:class:`Gathered` (the Step being gathered, with the mirror's answers) and
+:class:`ColumnRun` (its allocations as the columns of one AllocateRunOp); and
+:class:`KVCacheBlockIds` (block ids per group), which both modes answer with."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
+from kvcoord.engine import KVCacheEvent
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .errors import KVCoordError
 
-__all__ = ["Item", "KVCacheBlockIds", "Pending", "Run", "ids"]
+__all__ = ["ColumnRun", "Gathered", "Item", "KVCacheBlockIds", "Pending", "ids"]
 
 T = TypeVar("T")
 
@@ -62,220 +64,43 @@ class Pending(Generic[T]):
 class KVCacheBlockIds:
     """Block ids per KV cache group (0 = null block), like vLLM's ``KVCacheBlocks``.
 
-    May be lazy: an allocation the manager proved will succeed is answered at once,
-    and its ids arrive with the next Step; reading them sends that Step if needed.
     ``table`` is the request's whole block table after the allocation, when asked for
     (``allocate_slots(..., return_table=True)``).
     """
 
-    __slots__ = ("_ids", "_index", "_pending", "_run", "_table")
+    __slots__ = ("_ids", "_table")
 
-    def __init__(
-        self,
-        block_ids: tuple[list[int], ...] | None = None,
-        pending: Pending[KVCacheBlockIds | None] | None = None,
-        table: tuple[list[int], ...] | None = None,
-        run: Run | None = None,
-        index: int = 0,
-    ) -> None:
+    def __init__(self, block_ids: tuple[list[int], ...], table: tuple[list[int], ...] | None = None) -> None:
         self._ids = block_ids
-        self._pending = pending
         self._table = table
-        self._run = run  # an entry of a run of promised allocations: its slice of the answer
-        self._index = index
-
-    def _resolve(self) -> None:
-        if self._ids is None:
-            run = self._run
-            if run is not None:
-                run.item.pending.result()  # sends the Step if needed; raises the run's error
-                self._ids = run.ids_of(self._index)
-                self._run = None
-                return
-            assert self._pending is not None
-            resolved = self._pending.result()
-            assert resolved is not None
-            self._ids, self._table = resolved.block_ids, resolved.table
-            self._pending = None
 
     @property
     def block_ids(self) -> tuple[list[int], ...]:
-        self._resolve()
-        assert self._ids is not None
         return self._ids
 
     @property
     def table(self) -> tuple[list[int], ...] | None:
-        self._resolve()
         return self._table
 
     @property
     def resolved(self) -> bool:
-        """True when the ids are here (reading them sends nothing)."""
-        if self._run is not None:
-            return self._run.item.pending.done
-        return self._ids is not None or (self._pending is not None and self._pending.done)
+        """Always True: every answer holds its ids (no manager answers ahead any more)."""
+        return True
 
     def get_block_ids(self) -> tuple[list[int], ...]:
-        return self.block_ids
+        return self._ids
 
     def is_empty(self) -> bool:
-        return not any(self.block_ids)
+        return not any(self._ids)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, KVCacheBlockIds) and self.block_ids == other.block_ids
+        return isinstance(other, KVCacheBlockIds) and self._ids == other.block_ids
 
     def __hash__(self) -> int:
-        return hash(tuple(tuple(g) for g in self.block_ids))
+        return hash(tuple(tuple(g) for g in self._ids))
 
     def __repr__(self) -> str:
-        return (
-            f"KVCacheBlockIds({self.block_ids!r})" if self._ids is not None else "KVCacheBlockIds(<pending>)"
-        )
-
-
-#: the ``op`` of a run's item (its AllocateRunOp is built when the Step is sent)
-_NO_OP = pb.Operation()
-
-
-class Run:
-    """A Step's promised plain allocations, in columns: one AllocateRunOp, answered
-    as a whole. Each entry's :class:`KVCacheBlockIds` reads its slice of the answer
-    when asked (nothing is built per entry when the answer comes).
-
-    Args:
-        num_groups: the pool's KV cache groups.
-        resolve: sends the Step, when an entry's ids are read before it was sent.
-    """
-
-    __slots__ = ("base_h", "base_t", "check_at", "check_computed", "check_look", "check_new", "check_rids",
-                 "check_tokens", "computed", "counts", "expected", "hashes", "item", "look", "marks", "n_hash",
-                 "n_tok", "new", "new_ids", "num_groups", "promises", "rids", "starts", "tokens", "touched")  # fmt: skip
-
-    def __init__(self, num_groups: int, resolve: Callable[[], None]) -> None:
-        self.num_groups = num_groups
-        #: every request of the run, entries and checks (lost together if it fails)
-        self.touched: list[str] = []
-        self.rids: list[str] = []
-        self.base_t: list[int] = []
-        self.base_h: list[int] = []
-        self.computed: list[int] = []
-        self.new: list[int] = []
-        self.look: list[int] = []
-        self.n_tok: list[int] = []
-        self.tokens: list[int] = []
-        self.n_hash: list[int] = []
-        self.hashes: list[bytes] = []
-        #: per entry, the request's position once the entry's sync is applied
-        self.marks: list[tuple[int, int, int, bool] | None] = []
-        #: per entry and group (entry-major), the new blocks its bound expects (-1: unknown)
-        self.expected: list[int] = []
-        #: (entry, ledger, promise) of the entries whose new blocks the ledger waits for
-        self.promises: list[tuple[int, Any, Any]] = []
-        self.counts: list[int] = []
-        self.new_ids: list[int] = []
-        self.starts: list[int] = []
-        # checks: allocations answered as changing nothing, each before entry check_at[j]
-        self.check_rids: list[str] = []
-        self.check_at: list[int] = []
-        self.check_computed: list[int] = []
-        self.check_new: list[int] = []
-        self.check_look: list[int] = []
-        self.check_tokens: list[int] = []
-        self.item = Item(
-            _NO_OP, _no_decode, self.touched, Pending(resolve), deferred=True, commits_itself=True
-        )
-        self.item.run = self
-
-    def add(
-        self,
-        request_id: str,
-        fields: tuple[int, int, Sequence[int], Sequence[bytes], int],
-        num_new_tokens: int,
-        num_lookahead_tokens: int,
-        mark: tuple[int, int, int, bool] | None,
-        expected: Sequence[int] | None,
-    ) -> int:
-        """Append an entry (``fields`` from :meth:`RequestTracker.sync_run`); its index."""
-        bt, bh, toks, hs, comp = fields
-        self.touched.append(request_id)
-        self.rids.append(request_id)
-        self.base_t.append(bt)
-        self.base_h.append(bh)
-        self.computed.append(comp)
-        self.new.append(num_new_tokens)
-        self.look.append(num_lookahead_tokens)
-        self.n_tok.append(len(toks))
-        self.tokens.extend(toks)
-        self.n_hash.append(len(hs))
-        self.hashes.extend(hs)
-        self.marks.append(mark)
-        if expected is None:
-            self.expected.extend([-1] * self.num_groups)
-        else:
-            self.expected.extend(expected)
-        return len(self.rids) - 1
-
-    def check(
-        self, request_id: str, num_computed_tokens: int, num_new_tokens: int, num_lookahead_tokens: int,
-        num_tokens: int,
-    ) -> None:  # fmt: skip
-        """Append a check: an allocation answered as changing nothing, for the server to
-        confirm (it comes before the next entry added)."""
-        self.touched.append(request_id)
-        self.check_rids.append(request_id)
-        self.check_at.append(len(self.rids))
-        self.check_computed.append(num_computed_tokens)
-        self.check_new.append(num_new_tokens)
-        self.check_look.append(num_lookahead_tokens)
-        self.check_tokens.append(num_tokens)
-
-    def op(self) -> pb.Operation:
-        return pb.Operation(
-            allocate_run=pb.AllocateRunOp(
-                request_ids=self.rids, base_num_tokens=self.base_t, base_num_hashes=self.base_h,
-                num_computed_tokens=self.computed, num_new_tokens=self.new, num_lookahead_tokens=self.look,
-                num_append_tokens=self.n_tok, append_token_ids=self.tokens, num_append_hashes=self.n_hash,
-                append_block_hashes=[bytes(h) for h in self.hashes], check_request_ids=self.check_rids,
-                check_at=self.check_at, check_num_computed_tokens=self.check_computed,
-                check_num_new_tokens=self.check_new, check_num_lookahead_tokens=self.check_look,
-                check_num_tokens=self.check_tokens,
-            )
-        )  # fmt: skip
-
-    def answered(self, answer: pb.AllocateRunResult) -> list[int] | None:
-        """Take the answer: None when it does not fit the run, else the entries whose
-        block counts differ from what their bounds expected."""
-        counts = list(answer.num_new_blocks)
-        new_ids = list(answer.new_block_ids)
-        if len(counts) != self.num_groups * len(self.rids) or sum(counts) != len(new_ids):
-            return None
-        self.counts, self.new_ids = counts, new_ids
-        self.starts = list(itertools.accumulate(counts, initial=0))
-        if counts == self.expected:
-            return []
-        ng = self.num_groups
-        expected = self.expected
-        return [
-            k
-            for k in range(len(self.rids))
-            if any(
-                e not in (-1, c)
-                for e, c in zip(expected[k * ng : (k + 1) * ng], counts[k * ng : (k + 1) * ng], strict=True)
-            )
-        ]
-
-    def ids_of(self, index: int) -> tuple[list[int], ...]:
-        """Entry ``index``'s new block ids per group (the answer must be in)."""
-        ng, s, ids = self.num_groups, self.starts, self.new_ids
-        at = index * ng
-        if ng == 1:
-            return (ids[s[at] : s[at + 1]],)
-        return tuple(ids[s[at + g] : s[at + g + 1]] for g in range(ng))
-
-
-def _no_decode(result: Any) -> Any:  # a run's answer is taken by Run.answered
-    raise AssertionError("a run is answered by Run.answered")
+        return f"KVCacheBlockIds({self._ids!r})"
 
 
 def ids(groups: Iterable[pb.BlockIds]) -> KVCacheBlockIds:
@@ -288,7 +113,7 @@ class Item:
     positions it moves, and who waits for it."""
 
     op: pb.Operation
-    #: reads the answer: an OperationResult, or a run entry's block ids per group
+    #: reads the answer (an OperationResult)
     decode: Callable[[Any], Any]
     touched: Sequence[str]
     pending: Pending[Any]
@@ -301,5 +126,90 @@ class Item:
     #: per touched request, its position right after this call's sync (what the
     #: server holds once this call is applied)
     marks: dict[str, tuple[int, int, int, bool] | None] | None = None
-    #: the run of promised allocations this item sends (its op is built at sending)
-    run: Run | None = None
+
+
+class Gathered:
+    """A predicted session's Step being gathered: its operations (written in place into its request) and what the mirror
+    says their answers are."""
+
+    __slots__ = ("events", "expected", "num_free_blocks", "request", "runs", "size", "stats")
+
+    def __init__(self) -> None:
+        self.request = pb.StepRequest(include_state=True, events_digest=True)
+        #: about how many bytes the request holds (an upper bound for its tokens and hashes)
+        self.size = 0
+        #: each run of allocations and its operation, whose columns are written on the
+        #: sender thread (just before the Step is sent), not on the scheduler's
+        self.runs: list[tuple[pb.Operation, ColumnRun]] = []
+        #: per op: its ColumnRun, None, or (kind, the mirror's answer): "new" (an allocation's
+        #: new block ids per group), "reset" or "common_prefix"
+        self.expected: list[Any] = []
+        self.num_free_blocks = 0
+        #: the mirror's events (the engine's values), digested on the sender thread
+        self.events: list[KVCacheEvent] = []
+        self.stats = pb.PrefixCacheStats()
+
+
+class ColumnRun:
+    """A Step's allocations of registered requests without a hit, gathered as the
+    columns of one AllocateRunOp, with the block ids the mirror gave them (the
+    columns of its answer)."""
+
+    __slots__ = (
+        "base_h", "base_t", "block_ids", "computed", "hashes", "look", "new", "num_blocks", "num_hashes",
+        "num_tokens", "rids", "tokens",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.rids: list[str] = []
+        self.base_t: list[int] = []
+        self.base_h: list[int] = []
+        self.computed: list[int] = []
+        self.new: list[int] = []
+        self.look: list[int] = []
+        self.num_tokens: list[int] = []
+        self.tokens: list[int] = []
+        self.num_hashes: list[int] = []
+        self.hashes: list[bytes] = []
+        #: each entry's new block count per group, and the ids, in entry order
+        self.num_blocks: list[int] = []
+        self.block_ids: list[int] = []
+
+    def add(
+        self, rid: str, base_t: int, base_h: int, tokens: Sequence[int], hashes: Sequence[bytes], computed: int,
+        num_new_tokens: int, num_lookahead_tokens: int, new: Sequence[Sequence[int]],
+    ) -> None:  # fmt: skip
+        """An entry: the request's sync as plain values, the call's counts, and the new
+        block ids per group the mirror gave it."""
+        self.rids.append(rid)
+        self.base_t.append(base_t)
+        self.base_h.append(base_h)
+        self.computed.append(computed)
+        self.new.append(num_new_tokens)
+        self.look.append(num_lookahead_tokens)
+        self.num_tokens.append(len(tokens))
+        self.tokens += tokens
+        if hashes:
+            self.hashes += hashes
+        self.num_hashes.append(len(hashes))
+        for group in new:
+            self.num_blocks.append(len(group))
+            if group:
+                self.block_ids += group
+
+    def write(self, op: pb.AllocateRunOp) -> None:
+        """The entries as ``op``'s columns."""
+        op.request_ids.extend(self.rids)
+        op.base_num_tokens.extend(self.base_t)
+        op.base_num_hashes.extend(self.base_h)
+        op.num_computed_tokens.extend(self.computed)
+        op.num_new_tokens.extend(self.new)
+        op.num_lookahead_tokens.extend(self.look)
+        op.num_append_tokens.extend(self.num_tokens)
+        op.append_token_ids.extend(self.tokens)
+        op.num_append_hashes.extend(self.num_hashes)
+        op.append_block_hashes.extend(self.hashes)
+
+    def matches(self, answer: pb.AllocateRunResult) -> bool:
+        """Whether the server's answer gives each entry the mirror's blocks."""
+        return list(answer.num_new_blocks) == self.num_blocks and list(answer.new_block_ids) == self.block_ids

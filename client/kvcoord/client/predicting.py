@@ -1,15 +1,15 @@
 """vLLM's KVCacheManager methods answered at once from a mirror of an exclusive pool.
 
-:class:`RemoteKVCacheManager` waits for the server whenever an answer needs it (a new
-request's blocks, a lookup no hint covers, events). This manager never does: its
-session is the pool's only one, the server gives it the pool's engine state when it
-attaches, and a :class:`~kvcoord.client.mirror.Mirror` (the engine itself, loaded
-from that state) applies each call, so every answer is known in the client, for every
-layout the engine knows. The calls still go to the server, in order, as one Step per
-scheduler step sent from a background thread without waiting; the server applies
-them (it stays the pool's owner: journal, metrics, events for others) and checks what
-it can (hits answered ahead, promised allocations and refusals), and this manager
-compares the rest (every new block id, free count, event and statistic) when the
+:class:`RemoteKVCacheManager` waits for the server whenever an answer needs it. This
+manager never does: its session is the pool's only one, the server gives it the pool's
+engine state when it attaches, and a :class:`~kvcoord.client.mirror.Mirror` (the
+engine itself, loaded from that state) applies each call, so every answer is known in
+the client, for every layout the engine knows. The calls still go to the server, in
+order, as one Step per scheduler step sent from the
+:class:`~kvcoord.client.sender.StepSender`'s background thread without waiting; the
+server applies them (it stays the pool's owner: journal, metrics, events for others)
+and checks what it can (hits answered ahead, promised allocations and refusals), and
+the sender compares the rest (every new block id, free count, event and statistic) when the
 answer comes. Events are compared unless the answer says ``events_gap``: the server's
 event buffer wrapped (an eviction larger than it) and it kept only the newest, so they
 are not comparable; that is no difference, and the rest is still compared.
@@ -44,7 +44,6 @@ from .errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KVCoordError,
-    RequestsLostError,
 )
 from .hashing import pool_seed
 from .items import KVCacheBlockIds
@@ -101,15 +100,11 @@ class PredictingKVCacheManager:
         self._mirror: Mirror | None = None
         self.keeper = SessionKeeper(client, self._attach, renew=renew)
         self.mirror: Mirror = self._loaded()
-        self.sender = StepSender(client, pool, self.keeper, compare_events=cfg.enable_kv_cache_events,
+        #: sends the Steps (from its background thread), compares their answers with the
+        #: mirror's, recovers lost requests
+        self.sender = StepSender(client, pool, self.keeper, self.tracker, compare_events=cfg.enable_kv_cache_events,
                                  compare_stats=self.log_stats, max_backlog=max_backlog)  # fmt: skip
-        #: the requests lost since the last report, stale hits, requests lost in all
-        self._lost: list[str] = []
         self.stale_hits = 0
-        self.lost_requests = 0
-        #: what RemoteKVCacheManager uses for lookup hints (KVCoordScheduler sets it);
-        #: not needed here: every lookup is answered from the mirror
-        self.upcoming: Any = None
         #: the answer of every allocation that takes no block: one shared instance (its
         #: empty lists are not to be changed), which vLLM's adapter answers with vLLM's
         #: shared empty blocks
@@ -148,6 +143,11 @@ class PredictingKVCacheManager:
     @property
     def session_id(self) -> str:
         return self.keeper.session_id
+
+    @property
+    def lost_requests(self) -> int:
+        """Requests reported lost (RequestsLostError) since the manager was created."""
+        return self.sender.lost_requests
 
     @property
     def steps_sent(self) -> int:
@@ -486,21 +486,11 @@ class PredictingKVCacheManager:
             KVCoordError: the server cannot be reached to start again (the next call
                 tries again).
         """
-        sender = self.sender
-        failure = sender.failure
-        if failure is None:
+        if self.sender.failure is None:
             return
-        sender.settle()
-        gone = self.tracker.clear()
-        if gone:
-            logger.warning("predicted pool %r: %s; %d request(s) lost", self.pool, failure, len(gone))
-        self._lost.extend(gone)
-        sender.discard()
-        self.keeper.start_again()
+        lost = self.sender.recover()
         self.mirror = self._loaded()  # from the new session's state
-        lost, self._lost, sender.failure = self._lost, [], None
-        self.lost_requests += len(lost)
-        raise RequestsLostError(lost, failure)
+        raise lost
 
     def _vouch(self) -> None:
         """Answer only while the session's lease certainly runs (else another session

@@ -1,20 +1,24 @@
-"""The Step sender of a predicted session: gathers its calls, sends them without
-waiting, and checks each answer against what the mirror said.
+"""The one Step sender of every manager: it sends a session's Steps, inline or from one
+background thread, dispatches their answers, classifies failures and recovers lost
+requests. Both modes stamp, send and renew through :meth:`StepSender._send` and count
+lost requests in :attr:`StepSender.lost_requests`.
 
-:class:`StepSender` holds the Step being gathered (one operation per call, written in
-place, with the answer the mirror gave it), turns each scheduler step's calls into one
-Step sent from a background thread when the step ends (:meth:`cut`), and compares the
-answer when it comes: every operation's status, every new block id, the free count,
-the KV events (by digest) and the statistics. A failure (a refused operation, a
-difference, a failed call) is kept in :attr:`failure` for the facade's next call to
-report; nothing is absorbed. While a Step is in flight, the next steps' calls join
-the next one, up to ``max_backlog`` steps or ``max_step_bytes``; then :meth:`cut`
-waits for the answer in flight first.
+The waiting mode (``RemoteKVCacheManager``) sends inline: calls nobody waits for are
+queued (:meth:`~StepSender.defer`) and ride with the next call that needs an answer
+(:meth:`~StepSender.send_items`). A failed Step is classified there: an ended session
+loses every request; an unknown outcome loses the Step's requests (freed on the server,
+best effort); a refused Step moves them back; a queued free that may not have happened
+is sent again.
 
-The scheduler's thread only appends plain values: a run of allocations is gathered as
-Python lists (its columns) and the mirror's events as the engine's values; the sender
-thread writes the run's columns into the Step and makes and digests the events'
-messages just before it sends.
+The predicted mode (``PredictingKVCacheManager``) gathers each scheduler step's calls
+into one Step (:meth:`~StepSender.op`; allocations as the columns of one run), sends it
+from the background thread when the step ends (:meth:`~StepSender.cut`; while one is
+in flight, later steps' calls join the next, up to ``max_backlog`` steps or
+``max_step_bytes``), and compares the answer with the mirror's: every status, new
+block id, the free count, the KV events (by digest) and the statistics. A failure
+waits in :attr:`~StepSender.failure` for the facade's next call, which
+:meth:`~StepSender.recover` turns into every request lost. The scheduler's thread only
+appends plain values; the sender thread writes the columns and digests the events.
 """
 
 from __future__ import annotations
@@ -32,13 +36,37 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import add_events
 
 from .client import KVCoordClient
-from .errors import KVCoordError, error_from_code, status_code
+from .errors import (
+    AbortedError,
+    AnswerEvictedError,
+    FencedError,
+    KVCoordError,
+    LeaseExpiredError,
+    OutcomeUnknownError,
+    PermissionDeniedError,
+    RequestsLostError,
+    RequestUnknownError,
+    ResourceExhaustedError,
+    SessionExpiredError,
+    SyncMismatchError,
+    UnavailableError,
+    error_from_code,
+    status_code,
+)
+from .items import ColumnRun, Gathered, Item, Pending
 from .mirror import BlockIds
-from .session import SessionKeeper
+from .session import LEASE_MARGIN, SessionKeeper
+from .tracking import RequestTracker
 
 __all__ = ["PredictionMismatchError", "StepSender"]
 
 logger = logging.getLogger(__name__)
+
+_STAT_FIELDS = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
+
+#: errors after which a free is sent again with the next Step (the server may answer
+#: it then); any other refusal would refuse it again
+_TRANSIENT = (UnavailableError, AbortedError, ResourceExhaustedError, LeaseExpiredError)
 
 
 class PredictionMismatchError(KVCoordError):
@@ -48,38 +76,25 @@ class PredictionMismatchError(KVCoordError):
         super().__init__(grpc.StatusCode.INTERNAL, message, "PREDICTION_FAILED")
 
 
-class _Sent:
-    """One Step's operations (written in place into its request) and what the mirror
-    says their answers are."""
-
-    __slots__ = ("events", "expected", "num_free_blocks", "request", "runs", "size", "stats")
-
-    def __init__(self) -> None:
-        self.request = pb.StepRequest(include_state=True, events_digest=True)
-        #: about how many bytes the request holds (an upper bound for its tokens and hashes)
-        self.size = 0
-        #: each run of allocations and its operation, whose columns are written on the
-        #: sender thread (just before the Step is sent), not on the scheduler's
-        self.runs: list[tuple[pb.Operation, _Run]] = []
-        #: per op: its Run, None, or (kind, the mirror's answer): "new" (an allocation's
-        #: new block ids per group), "reset" or "common_prefix"
-        self.expected: list[Any] = []
-        self.num_free_blocks = 0
-        #: the mirror's events (the engine's values), digested on the sender thread
-        self.events: list[KVCacheEvent] = []
-        self.stats = pb.PrefixCacheStats()
+def _touched(items: list[Item]) -> list[str]:
+    """The requests a Step's items sync (only theirs roll back when it fails: calls
+    collected in an open batch keep theirs)."""
+    return [rid for i in items for rid in i.touched]
 
 
 class StepSender:
-    """Sends one exclusive session's Steps and checks their answers.
+    """Sends one session's Steps, inline (the waiting mode) or from one background
+    thread (the predicted mode), and recovers the requests a failure loses.
 
     Args:
         client: the session's client.
         pool: the pool's name.
         keeper: the session (its id and fence go with each Step; answers renew it).
-        compare_events: the pool keeps KV events (their digest is compared).
-        compare_stats: the pool keeps statistics (they are compared).
-        max_backlog: scheduler steps whose calls may wait for the Step in flight.
+        tracker: the positions of the session's requests (committed or moved back by
+            answers, cleared when the session is lost).
+        compare_events: predicted: the pool keeps KV events (their digest is compared).
+        compare_stats: predicted: the pool keeps statistics (they are compared).
+        max_backlog: predicted: scheduler steps whose calls may wait for the Step in flight.
     """
 
     def __init__(
@@ -87,37 +102,229 @@ class StepSender:
         client: KVCoordClient,
         pool: str,
         keeper: SessionKeeper,
+        tracker: RequestTracker,
         *,
-        compare_events: bool,
-        compare_stats: bool,
-        max_backlog: int,
+        compare_events: bool = False,
+        compare_stats: bool = False,
+        max_backlog: int = 0,
     ) -> None:
         self.client = client
         self.pool = pool
         self.keeper = keeper
+        self.tracker = tracker
+        #: Steps sent, and the seconds callers waited for their answers
+        self.steps_sent = 0
+        self.waited_seconds = 0.0
+        #: requests reported lost (RequestsLostError) since the sender was created
+        self.lost_requests = 0
+        # the waiting mode's state
+        #: calls sent with the next Step (frees, cache_blocks, remove_skipped_blocks, ...)
+        self.queue: list[Item] = []
+        #: what the answers carried: the pool's usage, this session's events (and whether
+        #: the last answer cut them: StepResponse.events_more), its statistics
+        self.usage: float | None = None
+        self.events: list[pb.KVEvent] = []
+        self.events_more = False
+        self.stats = pb.PrefixCacheStats()
+        #: the session was lost and starting it again failed: the next Step tries first
+        self.reattach = False
+        # the predicted mode's state
         self.compare_events = compare_events
         self.compare_stats = compare_stats
         self.max_backlog = max(0, max_backlog)
         #: a Step gathering more than this many bytes is sent as soon as the one in
         #: flight is answered (well under the server's max_message_bytes, 16 MiB by default)
         self.max_step_bytes = 4 << 20
-        self.pending = _Sent()
+        self.pending = Gathered()
         #: the run of allocations being gathered (the Step's next operation)
-        self.run: _Run | None = None
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-predict")
+        self.run: ColumnRun | None = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.in_flight: concurrent.futures.Future[None] | None = None
         #: scheduler steps whose calls joined the Step being gathered
         self.backlog = 0
         #: why the mirror can no longer be trusted (set by the sender thread), until
         #: the facade reports it
         self.failure: KVCoordError | None = None
-        #: Steps sent, the seconds the caller waited for answers, and answers whose
-        #: events were not comparable (the server's event buffer wrapped)
-        self.steps_sent = 0
-        self.waited_seconds = 0.0
+        #: requests lost by a failure not reported yet (starting again failed)
+        self.unreported: list[str] = []
+        #: answers whose events were not comparable (the server's event buffer wrapped)
         self.events_gaps = 0
 
-    # -- gathering ------------------------------------------------------------------------
+    def _send(self, request: pb.StepRequest, answer_within_lease: bool = False) -> pb.StepResponse:
+        """One Step of this session: its id and fence stamped, the lease renewed and the
+        fence adopted from the answer. With ``answer_within_lease``, an answer that came
+        after the lease could have ended is refused (its block ids may be another's)."""
+        keeper = self.keeper
+        request.pool = self.pool
+        request.session_id = keeper.session_id
+        request.fence.CopyFrom(keeper.fence)
+        at = keeper.clock()
+        resp = self.client.send_step(request)
+        if answer_within_lease and keeper.clock() >= at + keeper.lease * (1 - LEASE_MARGIN):
+            raise LeaseExpiredError("the answer came after the session's lease could have ended")
+        keeper.renewed(at)
+        keeper.adopt(resp.fence)
+        return resp
+
+    # -- the waiting mode: inline ---------------------------------------------------------
+    def defer(self, item: Item | None) -> None:
+        """Send ``item`` with the next Step (its Pending, read earlier, sends it)."""
+        if item is not None:
+            item.pending.resolver = self.flush
+            self.queue.append(item)
+
+    def flush(self) -> None:
+        """Send every queued call now."""
+        if self.queue:
+            self.send_items([])
+
+    def now(self, item: Item) -> Any:
+        """Send ``item`` (with the queued calls) and return its answer."""
+        self.send_items([item])
+        return item.pending.result()
+
+    def send_items(self, items: list[Item], force: bool = False) -> None:
+        """One Step with the queued calls, then ``items``; every Pending gets its answer.
+        Without anything to send, nothing is sent unless ``force``.
+
+        Raises:
+            the error of a queued call nobody waited for (after every Pending is set).
+        """
+        items = self.queue + items
+        self.queue = []
+        if not items and not force:
+            return
+        keeper = self.keeper
+        try:
+            if self.reattach:  # the session was lost and re-attaching failed last time
+                keeper.start_again()
+                self.reattach = False
+            keeper.vouch()
+            request = pb.StepRequest(ops=[item.op for item in items], include_state=True)
+            self.steps_sent += 1
+            waited = time.perf_counter()
+            try:
+                resp = self._send(request, answer_within_lease=True)
+            finally:
+                self.waited_seconds += time.perf_counter() - waited
+        except KVCoordError as err:
+            failure = self._failed(items, err)
+            for i in items:
+                i.pending.set_error(failure)
+            if not items or any(i.deferred for i in items):
+                # Queued calls have no caller waiting to see this: the caller that sent
+                # them (take_events, usage, flush, close, any other call) must.
+                raise failure from None
+            return
+        self._absorb(resp)
+        self._dispatch(items, resp)
+
+    def _failed(self, items: list[Item], err: KVCoordError) -> KVCoordError:
+        """What a Step that failed as a whole costs: the error its calls raise."""
+        if isinstance(err, (SessionExpiredError, FencedError, LeaseExpiredError)):
+            return self.session_lost(err)  # its end frees everything
+        if isinstance(err, (OutcomeUnknownError, AnswerEvictedError)) or any(
+            i.deferred and i.touched for i in items
+        ):
+            # Applied or not, unknown; or not applied while queued calls in it
+            # (cache_blocks, remove_skipped_blocks) were already taken as done: none of
+            # its requests can be trusted.
+            failure: KVCoordError = self.forget([rid for i in items for rid in i.touched], err)
+        else:
+            self.tracker.rollback(_touched(items))
+            failure = err
+        # Its queued frees may not have happened: free again (an unknown request is
+        # already free).
+        for i in items:
+            if i.op.WhichOneof("op") == "free":
+                self.free_now(i.op.free.request_id)
+        return failure
+
+    def _dispatch(self, items: list[Item], resp: pb.StepResponse) -> None:
+        """Each call's answer to its Pending (positions committed), or its error.
+
+        Raises:
+            the first error of a queued call nobody waited for.
+        """
+        failed: KVCoordError | None = None
+        for item, result in zip(items, resp.results, strict=True):
+            if result.status_code == 0:
+                if not item.commits_itself:
+                    self.tracker.commit(item.touched, item.marks)
+                item.pending.set_result(item.decode(result))
+                continue
+            reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
+            op_err = error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
+            if isinstance(op_err, (SyncMismatchError, RequestUnknownError)) and item.touched:
+                # The server holds another state than this client believed: the request
+                # cannot be trusted any more.
+                op_err = self.forget(item.touched, op_err)
+            elif item.op.WhichOneof("op") == "free" and item.deferred:
+                # A queued free did not happen and nobody waits to see it: free the
+                # request now, or its blocks stay held by a request the client forgot.
+                self.free_now(item.op.free.request_id)
+            item.pending.set_error(op_err)
+            if item.deferred and failed is None:
+                failed = op_err
+        if any(r.status_code for r in resp.results):
+            self.tracker.rollback(_touched(items))
+        if failed is not None:
+            raise failed
+
+    def _absorb(self, resp: pb.StepResponse) -> None:
+        """What every answer carries: usage, events, statistics."""
+        self.usage = resp.usage
+        if resp.events:
+            self.events.extend(resp.events)
+        self.events_more = resp.events_more
+        if resp.HasField("prefix_cache_stats"):
+            s, new = self.stats, resp.prefix_cache_stats
+            for name in _STAT_FIELDS:
+                setattr(s, name, getattr(s, name) + getattr(new, name))
+            s.reset = s.reset or new.reset
+
+    # -- the waiting mode: lost requests --------------------------------------------------
+    def session_lost(self, err: KVCoordError) -> RequestsLostError:
+        """Every tracked request is gone with the session: forget them and re-attach."""
+        lost = self.tracker.clear()
+        self.lost_requests += len(lost)
+        try:
+            self.keeper.start_again()
+        except KVCoordError:  # e.g. unreachable, or the server's grace period: next call
+            self.reattach = True
+        return RequestsLostError(lost, err)
+
+    def free_now(self, request_id: str) -> None:
+        """Free a request on the server at once. When the server cannot be reached, the
+        free is queued for the next Step (its blocks must not stay held by a request
+        nobody tracks); an unknown request is free already, a lost session's end frees
+        everything it held, and a request of another session is not this one's to free
+        (its id was taken after this session's request was gone). Any other refusal is
+        logged and the free dropped: sent again it would fail every later Step."""
+        keeper = self.keeper
+        try:
+            self.client.free(self.pool, [request_id], session_id=keeper.session_id, fence=keeper.fence)
+        except (RequestUnknownError, SessionExpiredError, FencedError, PermissionDeniedError):
+            pass
+        except _TRANSIENT:
+            # sent again: a request the pool no longer holds is not an error then
+            op = pb.Operation(free=pb.FreeOp(request_id=request_id, if_held=True))
+            self.queue.append(Item(op, lambda r: None, [], Pending(), deferred=True))
+        except KVCoordError as err:
+            logger.error(
+                "session %s could not free request %r, which may stay held until the session ends: %s",
+                keeper.session_id, request_id, err,
+            )  # fmt: skip
+
+    def forget(self, request_ids: Sequence[str], err: KVCoordError) -> RequestsLostError:
+        """These requests' server state is unknown: free them there (best effort) and here."""
+        lost = self.tracker.forget(request_ids, lost=True)
+        for rid in lost:
+            self.free_now(rid)  # unknown there already, or freed
+        self.lost_requests += len(lost)
+        return RequestsLostError(lost, err)
+
+    # -- the predicted mode: gathering ------------------------------------------------------
     def op(self) -> pb.Operation:
         """The next operation of the Step being gathered (:meth:`expect` says what its
         answer must be, if anything)."""
@@ -128,7 +335,7 @@ class StepSender:
         return pending.request.ops.add()
 
     def expect(self, kind: str, value: Any) -> None:
-        """What the last operation's answer must be (see ``_Sent.expected``)."""
+        """What the last operation's answer must be (see ``Gathered.expected``)."""
         self.pending.expected[-1] = (kind, value)
 
     def grew(self, sync: pb.RequestSync) -> None:
@@ -148,22 +355,8 @@ class StepSender:
         values and the call's counts), and the new blocks the mirror gave it."""
         run = self.run
         if run is None:
-            run = self.run = _Run()
-        run.rids.append(rid)
-        run.base_t.append(base_t)
-        run.base_h.append(base_h)
-        run.computed.append(computed)
-        run.new.append(num_new_tokens)
-        run.look.append(num_lookahead_tokens)
-        run.num_tokens.append(len(tokens))
-        run.tokens += tokens
-        if hashes:
-            run.hashes += hashes
-        run.num_hashes.append(len(hashes))
-        for group in new:
-            run.num_blocks.append(len(group))
-            if group:
-                run.block_ids += group
+            run = self.run = ColumnRun()
+        run.add(rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens, new)
 
     def refuse(
         self, rid: str, base_t: int, base_h: int, tokens: Sequence[int], hashes: Sequence[bytes], computed: int,
@@ -196,11 +389,11 @@ class StepSender:
 
     def discard(self) -> None:
         """Forget everything gathered (the session is gone)."""
-        self.pending = _Sent()
+        self.pending = Gathered()
         self.run = None
         self.backlog = 0
 
-    # -- sending --------------------------------------------------------------------------
+    # -- sending in the background ---------------------------------------------------------
     def cut(
         self, state: Callable[[], tuple[int, list[KVCacheEvent], pb.PrefixCacheStats]], wait: bool = False
     ) -> bool:
@@ -226,14 +419,12 @@ class StepSender:
         if self.failure is not None:
             return False  # reported (and everything gathered dropped) by the facade first
         sent = self.pending
-        self.pending = _Sent()
+        self.pending = Gathered()
         sent.num_free_blocks, sent.events, sent.stats = state()
         self.backlog = 0
         self.steps_sent += 1
-        request = sent.request
-        request.pool = self.pool
-        request.session_id = self.keeper.session_id
-        request.fence.CopyFrom(self.keeper.fence)
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-sender")
         self.in_flight = self._executor.submit(self._step, sent)
         return True
 
@@ -246,9 +437,32 @@ class StepSender:
             self.waited_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
 
-    def _step(self, sent: _Sent) -> None:
+    def recover(self) -> RequestsLostError:
+        """After a background Step failed (:attr:`failure` set): every request of the
+        session is lost (the mirror can no longer be trusted), what was gathered is
+        dropped, and the session starts again. Returns the error to raise.
+
+        Raises:
+            KVCoordError: the server cannot be reached to start again (the next call
+                tries again; the requests lost so far are reported then).
+        """
+        failure = self.failure
+        assert failure is not None, "nothing failed"
+        self.settle()
+        gone = self.tracker.clear()
+        if gone:
+            logger.warning("predicted pool %r: %s; %d request(s) lost", self.pool, failure, len(gone))
+        self.unreported.extend(gone)
+        self.discard()
+        self.keeper.start_again()
+        lost, self.unreported, self.failure = self.unreported, [], None
+        self.lost_requests += len(lost)
+        return RequestsLostError(lost, failure)
+
+    def _step(self, sent: Gathered) -> None:
         """On the sender thread: one Step, its answer compared with the mirror's; a
         failure is kept for the caller's next call to report."""
         try:
@@ -258,21 +472,17 @@ class StepSender:
         except Exception as err:  # noqa: BLE001 - anything unexpected is a failure too
             self.failure = self.failure or KVCoordError(grpc.StatusCode.INTERNAL, repr(err))
 
-    def _checked_step(self, sent: _Sent) -> None:
+    def _checked_step(self, sent: Gathered) -> None:
         for op, run in sent.runs:
             run.write(op.allocate_run)
-        keeper = self.keeper
-        at = keeper.clock()
-        resp = self.client.send_step(sent.request)
-        keeper.renewed(at)
-        keeper.adopt(resp.fence)
+        resp = self._send(sent.request)
         for i, (result, expected) in enumerate(zip(resp.results, sent.expected, strict=True)):
             if result.status_code:
                 reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
                 raise error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
             if expected is None:
                 continue
-            if isinstance(expected, _Run):
+            if isinstance(expected, ColumnRun):
                 if not expected.matches(result.allocate_run):
                     raise PredictionMismatchError(f"operation {i}: the server's run of allocations differs")
                 continue
@@ -319,46 +529,3 @@ def _events_digest(events: list[KVCacheEvent]) -> bytes:
     message = pb.StepResponse()
     add_events(message.events, events)
     return hashlib.sha256(message.SerializeToString()).digest()
-
-
-class _Run:
-    """A Step's allocations of registered requests without a hit, gathered as the
-    columns of one AllocateRunOp, with the block ids the mirror gave them (the
-    columns of its answer)."""
-
-    __slots__ = (
-        "base_h", "base_t", "block_ids", "computed", "hashes", "look", "new", "num_blocks", "num_hashes",
-        "num_tokens", "rids", "tokens",
-    )  # fmt: skip
-
-    def __init__(self) -> None:
-        self.rids: list[str] = []
-        self.base_t: list[int] = []
-        self.base_h: list[int] = []
-        self.computed: list[int] = []
-        self.new: list[int] = []
-        self.look: list[int] = []
-        self.num_tokens: list[int] = []
-        self.tokens: list[int] = []
-        self.num_hashes: list[int] = []
-        self.hashes: list[bytes] = []
-        #: each entry's new block count per group, and the ids, in entry order
-        self.num_blocks: list[int] = []
-        self.block_ids: list[int] = []
-
-    def write(self, op: pb.AllocateRunOp) -> None:
-        """The entries as ``op``'s columns."""
-        op.request_ids.extend(self.rids)
-        op.base_num_tokens.extend(self.base_t)
-        op.base_num_hashes.extend(self.base_h)
-        op.num_computed_tokens.extend(self.computed)
-        op.num_new_tokens.extend(self.new)
-        op.num_lookahead_tokens.extend(self.look)
-        op.num_append_tokens.extend(self.num_tokens)
-        op.append_token_ids.extend(self.tokens)
-        op.num_append_hashes.extend(self.num_hashes)
-        op.append_block_hashes.extend(self.hashes)
-
-    def matches(self, answer: pb.AllocateRunResult) -> bool:
-        """Whether the server's answer gives each entry the mirror's blocks."""
-        return list(answer.num_new_blocks) == self.num_blocks and list(answer.new_block_ids) == self.block_ids

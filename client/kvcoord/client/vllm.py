@@ -96,8 +96,8 @@ class Settings:
         timeout: deadline of each call in seconds (``KVCOORD_TIMEOUT``, default 10).
         client_name: shown in server logs (``KVCOORD_CLIENT_NAME``, default host:pid).
         exclusive: the engine is the pool's only session (``KVCOORD_EXCLUSIVE``, default
-            ``1``): allocations it can prove will succeed are answered without a round
-            trip; ``0`` lets several engines share the pool (one round trip per call).
+            ``1``), which prediction needs; ``0`` lets several engines share the pool
+            (one round trip per lookup or allocation).
         predict: answer every call from a mirror of the pool (the engine itself, loaded
             from the server) and never wait (``KVCOORD_PREDICT``, default ``1``; needs
             ``exclusive``): a :class:`PredictingKVCacheManager`, for every layout. When

@@ -62,11 +62,6 @@ def _install(scheduler: Any, settings: Settings) -> KVCoordKVCacheManager:
     return manager
 
 
-#: lookups fetched ahead at most per round trip, and the prompt tokens they may cover
-#: (a multiple of the step's token budget: prefix hits let more requests in)
-HINT_REQUESTS = 32
-HINT_BUDGET_FACTOR = 2
-
 #: schedule() calls in a row that may each be cut short by a loss before the error
 #: reaches vLLM (each attempt preempts what it lost: more means something is wrong)
 MAX_LOSSES_IN_A_ROW = 16
@@ -109,7 +104,6 @@ class _OnKVCoord:
         super().__init__(*args, **kwargs)
         settings = Settings.from_env()
         self.kvcoord = _install(self, settings)
-        self.kvcoord.remote.upcoming = self._upcoming_lookups
         self.kvcoord_max_outage = settings.max_outage
         #: per request, the scheduled steps whose output was not applied yet
         self._in_flight: collections.Counter[str] = collections.Counter()
@@ -286,22 +280,6 @@ class _OnKVCoord:
         for r in reversed(preempt):
             self._preempt(r, now)
         self._put_back(held)
-
-    def _upcoming_lookups(self, current: Any) -> list[Any]:
-        """The waiting requests this step's waiting loop may look up after ``current``,
-        in its order: the round trip that looks ``current`` up fetches their hints."""
-        room = self.max_num_running_reqs - len(self.running) - 1
-        tokens = HINT_BUDGET_FACTOR * self.max_num_scheduled_tokens
-        out: list[Any] = []
-        for request in self.waiting:
-            if room <= 0 or tokens <= 0 or len(out) >= HINT_REQUESTS:
-                break
-            if request is current or request.num_computed_tokens:
-                continue  # only requests starting from zero look up
-            out.append(request)
-            room -= 1
-            tokens -= request.num_tokens
-        return out
 
     def shutdown(self) -> None:
         super().shutdown()  # type: ignore[misc]

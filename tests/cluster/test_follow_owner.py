@@ -9,6 +9,8 @@ when it resolves again calls the dead address on its own, which these tests refu
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -21,7 +23,14 @@ import grpc
 import pytest
 from durable_server import env
 from etcd_process import Etcd
-from kvcoord.client import NO_RETRY, KVCoordClient, OutcomeUnknownError, OwnerChangingError, RetryPolicy
+from kvcoord.client import (
+    NO_RETRY,
+    AsyncKVCoordClient,
+    KVCoordClient,
+    OutcomeUnknownError,
+    OwnerChangingError,
+    RetryPolicy,
+)
 from kvcoord.client.errors import NotOwnerError, error_from_rpc
 from kvcoord.client.owners import RESOLVE_EVERY
 from kvcoord.client.testing import ServerProcess, start_server
@@ -243,10 +252,9 @@ class _Changing(pb_grpc.AllocatorServicer):
         return pb.GetPoolResponse(pool=pb.PoolInfo(name=request.name))
 
 
-def test_owner_changing_keeps_the_replica_as_the_owner_over_real_grpc() -> None:
-    """Two replicas; the second, the owner learned, answers OWNER_CHANGING three
-    times: every later attempt goes to it again (the first address is never asked)."""
-    calls: list[str] = []
+@contextlib.contextmanager
+def _changing_pair(calls: list[str]) -> Iterator[list[str]]:
+    """Two fake replicas: "first" serves at once, "owner" answers OWNER_CHANGING 3 times."""
     servers, addresses = [], []
     for name, changing in (("first", 0), ("owner", 3)):
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -255,13 +263,34 @@ def test_owner_changing_keeps_the_replica_as_the_owner_over_real_grpc() -> None:
         server.start()
         servers.append(server)
     try:
-        with KVCoordClient(addresses, timeout=5.0, retry=RetryPolicy(initial_backoff=0.01)) as c:
-            c.routes.redirected("p", addresses[1])
-            assert c.get_pool("p").pool.name == "p"
-        assert calls == ["owner"] * 4
+        yield addresses
     finally:
         for server in servers:
             server.stop(None)
+
+
+def test_owner_changing_keeps_the_replica_as_the_owner_over_real_grpc() -> None:
+    """Two replicas; the second, the owner learned, answers OWNER_CHANGING three
+    times: every later attempt goes to it again (the first address is never asked)."""
+    calls: list[str] = []
+    with _changing_pair(calls) as addresses:
+        with KVCoordClient(addresses, timeout=5.0, retry=RetryPolicy(initial_backoff=0.01)) as c:
+            c.routes.redirected("p", addresses[1])
+            assert c.get_pool("p").pool.name == "p"
+    assert calls == ["owner"] * 4
+
+
+def test_the_asyncio_client_keeps_a_replica_answering_owner_changing_too() -> None:
+    calls: list[str] = []
+
+    async def run(addresses: list[str]) -> str:
+        async with AsyncKVCoordClient(addresses, timeout=5.0, retry=RetryPolicy(initial_backoff=0.01)) as c:
+            c.routes.redirected("p", addresses[1])
+            return (await c.get_pool("p")).pool.name
+
+    with _changing_pair(calls) as addresses:
+        assert asyncio.run(run(addresses)) == "p"
+    assert calls == ["owner"] * 4
 
 
 class _Nameless(pb_grpc.AllocatorServicer):

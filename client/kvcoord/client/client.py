@@ -129,7 +129,9 @@ class _Api:
         a DNS name whose A records are the replicas (a headless Service). Each pool's
         calls go to its owner: a NOT_OWNER answer names it and is followed (at most
         :data:`~kvcoord.client.owners.MAX_HOPS` times per call), and an owner that
-        does not answer is forgotten (the names are resolved again).
+        does not answer is forgotten and tried after the live replicas until it
+        answers; while the set changes hands the client pauses briefly instead of
+        backing off (``owners.Routes.failed``, ``retry.Attempts``).
 
         Args:
             timeout: deadline of each attempt, in seconds.

@@ -26,6 +26,7 @@ from etcd_process import Etcd
 from kvcoord.client import (
     NO_RETRY,
     AsyncKVCoordClient,
+    FencedError,
     KVCoordClient,
     OutcomeUnknownError,
     OwnerChangingError,
@@ -293,27 +294,36 @@ def test_the_asyncio_client_keeps_a_replica_answering_owner_changing_too() -> No
     assert calls == ["owner"] * 4
 
 
-class _Nameless(pb_grpc.AllocatorServicer):
-    """A replica that answers every Allocate NOT_OWNER without naming the owner."""
+class _Refusing(pb_grpc.AllocatorServicer):
+    """A replica that answers every Allocate FAILED_PRECONDITION with ``reason`` (a
+    NOT_OWNER names no owner)."""
 
-    def __init__(self, calls: list[str]) -> None:
+    def __init__(self, calls: list[str], reason: str) -> None:
         self.calls = calls
+        self.reason = reason
 
     def Allocate(self, request: pb.AllocateRequest, context: grpc.ServicerContext) -> pb.AllocateResponse:
         self.calls.append(request.idempotency_key)
-        context.set_trailing_metadata((("kvcoord-reason", "NOT_OWNER"),))
-        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not the owner")
+        context.set_trailing_metadata((("kvcoord-reason", self.reason),))
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"refused: {self.reason}")
 
 
-def test_a_keyed_call_whose_first_attempt_is_unknown_ends_unknown_whatever_comes_later() -> None:
+@pytest.mark.parametrize(
+    ("reason", "raised"), [("NOT_OWNER", OutcomeUnknownError), ("INSTANCE_CHANGED", FencedError)]
+)
+def test_a_keyed_call_whose_first_attempt_is_unknown_ends_unknown_after_later_redirects(
+    reason: str, raised: type[Exception]
+) -> None:
     """The first attempt of an Allocate goes to an address that does not answer (its
     outcome unknown: a pool owner dying under the call), the next ones to a replica
     that answers NOT_OWNER until the attempts run out: the call ends in
     OutcomeUnknownError (possibly applied), not in the last NotOwnerError (which
-    would say nothing changed). Every retry carried the same idempotency key."""
+    would say nothing changed). An answer that settles it (the server's instance
+    changed: every block id is void) is raised as it is. Every retry carried the same
+    idempotency key."""
     calls: list[str] = []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    pb_grpc.add_AllocatorServicer_to_server(_Nameless(calls), server)
+    pb_grpc.add_AllocatorServicer_to_server(_Refusing(calls, reason), server)
     live = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
     with socket.socket() as sock:  # a port nobody listens on: connections refused
@@ -322,8 +332,9 @@ def test_a_keyed_call_whose_first_attempt_is_unknown_ends_unknown_whatever_comes
     try:
         policy = RetryPolicy(max_attempts=3, initial_backoff=0.01, keyed_deadline=None)
         with KVCoordClient([dead, live], timeout=2.0, retry=policy) as c:
-            with pytest.raises(OutcomeUnknownError):
+            with pytest.raises(raised) as err:
                 c.allocate("p", allocate("a", [1, 2, 3, 4], 4).allocate, "s1")
-        assert len(calls) >= 2 and len(set(calls)) == 1
+        assert type(err.value) is raised
+        assert len(calls) >= 1 and len(set(calls)) == 1
     finally:
         server.stop(None)

@@ -20,8 +20,8 @@ failing server: it then asks again after short pauses (growing to ``settle_backo
 0.25 s) instead of the growing backoff, so the first attempt after the takeover comes
 soon; those pauses use no attempt, and the call's deadline still ends them. An
 attempt whose outcome was unknown (a keyed call in flight when its owner died) makes
-the call end in :class:`~kvcoord.client.errors.OutcomeUnknownError` whatever the last
-attempt answered.
+the call end in :class:`~kvcoord.client.errors.OutcomeUnknownError` when the last
+attempt's answer is only a redirect or another transient failure.
 """
 
 from __future__ import annotations
@@ -164,9 +164,15 @@ class Attempts:
 
     def fail(self, err: KVCoordError) -> NoReturn:
         """Raise the call's final error: ``err``, or OutcomeUnknownError when a keyed
-        or once-only call had an attempt of unknown outcome (a later NOT_OWNER or
-        OWNER_CHANGING answer does not tell whether that one was applied)."""
-        if self.kind in ("keyed", "once") and self.unknown:
+        or once-only call had an attempt of unknown outcome and ``err`` does not
+        settle it (a transient failure, or a NOT_OWNER / OWNER_CHANGING answer, which
+        does not tell whether that attempt was applied). Any other typed answer (a
+        fence, an expired session) is raised as it is: it holds whatever happened."""
+        if (
+            self.kind in ("keyed", "once")
+            and self.unknown
+            and isinstance(err, (UnavailableError, NotOwnerError))
+        ):
             raise OutcomeUnknownError(
                 err.code,
                 f"the outcome of this call is unknown after {self.attempt + self.settles + 1} attempt(s): "

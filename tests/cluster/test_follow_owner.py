@@ -254,10 +254,10 @@ class _Changing(pb_grpc.AllocatorServicer):
 
 
 @contextlib.contextmanager
-def _changing_pair(calls: list[str]) -> Iterator[list[str]]:
-    """Two fake replicas: "first" serves at once, "owner" answers OWNER_CHANGING 3 times."""
+def _changing_pair(calls: list[str], times: int = 3) -> Iterator[list[str]]:
+    """Two fake replicas: "first" serves at once, "owner" answers OWNER_CHANGING ``times`` times."""
     servers, addresses = [], []
-    for name, changing in (("first", 0), ("owner", 3)):
+    for name, changing in (("first", 0), ("owner", times)):
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
         pb_grpc.add_AllocatorServicer_to_server(_Changing(changing, calls, name), server)
         addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
@@ -279,6 +279,22 @@ def test_owner_changing_keeps_the_replica_as_the_owner_over_real_grpc() -> None:
             c.routes.redirected("p", addresses[1])
             assert c.get_pool("p").pool.name == "p"
     assert calls == ["owner"] * 4
+
+
+def test_a_read_waiting_on_owner_changing_ends_typed_within_its_policys_backoffs() -> None:
+    """A read (a session renewal is one) pauses briefly while a replica answers
+    OWNER_CHANGING, but no longer than its policy's backoffs could have lasted (here
+    0.1 + 0.2 s: pauses of at least 0.05, 0.1, 0.125 s fit at most 3 times), then
+    raises the typed error: it must fail in time for a lease to be counted."""
+    calls: list[str] = []
+    policy = RetryPolicy(max_attempts=3, initial_backoff=0.1, multiplier=2.0)
+    assert policy.longest_wait() == pytest.approx(0.3)
+    with _changing_pair(calls, times=10**6) as addresses:
+        with KVCoordClient(addresses, timeout=5.0, retry=policy) as c:
+            c.routes.redirected("p", addresses[1])
+            with pytest.raises(OwnerChangingError):
+                c.get_pool("p")
+    assert 1 <= len(calls) <= 4 and set(calls) == {"owner"}
 
 
 def test_the_asyncio_client_keeps_a_replica_answering_owner_changing_too() -> None:

@@ -18,7 +18,8 @@ While a replica set changes hands (a pool's owner died and another takes it over
 a pool is being handed over) the client knows it is waiting on the set, not on a
 failing server: it then asks again after short pauses (growing to ``settle_backoff``,
 0.25 s) instead of the growing backoff, so the first attempt after the takeover comes
-soon; those pauses use no attempt, and the call's deadline still ends them. An
+soon; those pauses use no attempt, and end by a keyed call's deadline, or for any
+other call once its backoffs could have lasted (about 5 s by default). An
 attempt whose outcome was unknown (a keyed call in flight when its owner died) makes
 the call end in :class:`~kvcoord.client.errors.OutcomeUnknownError` when the last
 attempt's answer is only a redirect or another transient failure.
@@ -76,6 +77,14 @@ class RetryPolicy:
             ceiling = min(ceiling * self.multiplier, self.max_backoff)
         return out
 
+    def longest_wait(self) -> float:
+        """The most the ``max_attempts - 1`` backoffs can add up to (each at its ceiling)."""
+        total, ceiling = 0.0, self.initial_backoff
+        for _ in range(self.max_attempts - 1):
+            total += ceiling
+            ceiling = min(ceiling * self.multiplier, self.max_backoff)
+        return total
+
     def settle_pause(self, n: int, rnd: random.Random | None = None) -> float:
         """The ``n``-th pause (from 0) while the replica set changes hands: the backoff
         without its growth past ``settle_backoff``, jittered between half and all of it."""
@@ -109,8 +118,13 @@ class Attempts:
         #: drawn at the first failure (seeding a generator costs ~10 us, every call)
         self.backoffs: list[float] | None = None if kind != "once" else []
         self.attempt = 0
-        #: pauses taken while the replica set changed hands
+        #: pauses taken while the replica set changed hands, and until when they may go
+        #: on: a keyed call's deadline; any other call no longer than its backoffs could
+        #: have lasted (a session renewal must still fail in time)
         self.settles = 0
+        self.settle_until = self.start + (
+            self.deadline if self.keyed_longer else min(self.deadline, policy.longest_wait())
+        )
         #: an attempt ended without telling whether it was applied
         self.unknown = False
 
@@ -133,11 +147,11 @@ class Attempts:
         ``changing``: the routes say the replica set is changing hands for this pool
         (its owner named by a redirect is down, or the replica called is taking it
         over): a short pause (:meth:`RetryPolicy.settle_pause`) that uses no attempt,
-        for any call but an unkeyed mutation, within the deadline."""
+        for any call but an unkeyed mutation, within ``settle_until``."""
         self.note(err)
         if changing and self.kind != "once" and self.policy.max_attempts > 1:
             pause = self.policy.settle_pause(self.settles)
-            if time.monotonic() - self.start + pause < self.deadline:
+            if time.monotonic() + pause < self.settle_until:
                 self.settles += 1
                 return pause
             self.fail(err)

@@ -120,10 +120,18 @@ def test_an_unclaimed_pool_goes_to_its_placed_member() -> None:
     with pytest.raises(ServiceError) as err:  # state here but no claim yet: never served unclaimed
         o.check(here, local=True)
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert err.value.reason is ErrorReason.OWNER_CHANGING  # clients keep asking this replica
     o.set_catalog([here])  # exists in the cluster, its holder gone: not "not found"
     with pytest.raises(ServiceError) as err:
         o.check(here, local=False)
     assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert err.value.reason is ErrorReason.OWNER_CHANGING
+    o.moving.add(there)  # a pool being handed over or rebuilt here
+    with pytest.raises(ServiceError) as err:
+        o.check(there, local=True)
+    assert err.value.code == grpc.StatusCode.UNAVAILABLE
+    assert err.value.reason is ErrorReason.OWNER_CHANGING
+    o.moving.discard(there)
     assert o.should_claim([here, there]) == sorted([here, there])
 
 

@@ -34,8 +34,8 @@ def test_a_dns_name_is_every_replica_it_resolves_to_and_is_resolved_again() -> N
     routes.unreachable("p", "10.0.0.1:50051")  # within RESOLVE_EVERY: not resolved again
     assert routes.addresses == ["10.0.0.2:50051", "10.0.0.1:50051"]
     clock.now += 5
-    routes.unreachable("p", "10.0.0.2:50051")
-    assert routes.addresses[:2] == ["10.0.0.2:50051", "10.0.0.3:50051"]
+    routes.unreachable("p", "10.0.0.2:50051")  # resolved again: the addresses marked down stay last
+    assert routes.addresses == ["10.0.0.3:50051", "10.0.0.2:50051", "10.0.0.1:50051"]
 
 
 def test_pools_go_to_their_learned_owner_and_sessions_to_their_pool() -> None:
@@ -59,16 +59,46 @@ def test_pools_go_to_their_learned_owner_and_sessions_to_their_pool() -> None:
 
 def test_redirects_are_followed_a_bounded_number_of_times() -> None:
     import grpc
-    from kvcoord.client import KVCoordClient, NotOwnerError, UnavailableError
-    from kvcoord.client.owners import MAX_HOPS
+    from kvcoord.client import NotOwnerError, UnavailableError
+    from kvcoord.client.owners import AGAIN, MAX_HOPS
 
-    with KVCoordClient(["127.0.0.1:1", "127.0.0.1:2"]) as c:  # no call is made
-        err = NotOwnerError(grpc.StatusCode.FAILED_PRECONDITION, "elsewhere", "NOT_OWNER")
-        err.owner = "127.0.0.1:3"
-        assert c._routed(err, "p", "127.0.0.1:1", 0) and c.routes.route("p") == "127.0.0.1:3"
-        assert not c._routed(err, "p", "127.0.0.1:3", MAX_HOPS)  # past the bound: raised to the caller
-        nameless = NotOwnerError(grpc.StatusCode.FAILED_PRECONDITION, "elsewhere", "NOT_OWNER")
-        assert not c._routed(nameless, "p", "127.0.0.1:3", 0)  # no owner named: nothing to follow
-        down = UnavailableError(grpc.StatusCode.UNAVAILABLE, "connection refused")
-        assert not c._routed(down, "p", "127.0.0.1:3", 0)  # retried by the policy, elsewhere
-        assert c.routes.route("p") == "127.0.0.1:1"
+    routes = Routes(["127.0.0.1:1", "127.0.0.1:2"], lambda e: [e], Clock())
+    err = NotOwnerError(grpc.StatusCode.FAILED_PRECONDITION, "elsewhere", "NOT_OWNER")
+    err.owner = "127.0.0.1:3"
+    assert routes.failed(err, "p", "127.0.0.1:1", 0, "read") == AGAIN and routes.route("p") == "127.0.0.1:3"
+    assert not routes.failed(err, "p", "127.0.0.1:3", MAX_HOPS, "read")  # past the bound: the policy
+    nameless = NotOwnerError(grpc.StatusCode.FAILED_PRECONDITION, "elsewhere", "NOT_OWNER")
+    assert not routes.failed(nameless, "p", "127.0.0.1:3", 0, "read")  # no owner named: nothing to follow
+    down = UnavailableError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+    assert not routes.failed(down, "p", "127.0.0.1:3", 0, "once")  # an unkeyed mutation: never again
+    assert routes.route("p") == "127.0.0.1:1"
+
+
+def test_a_dead_owner_stays_last_and_its_redirects_wait_until_it_answers_again() -> None:
+    import grpc
+    from kvcoord.client import NotOwnerError, OwnerChangingError, UnavailableError
+    from kvcoord.client.owners import AGAIN, SETTLE
+
+    clock = Clock()
+    routes = Routes(["a:1", "b:1", "c:1"], lambda e: [e], clock)
+    routes.redirected("p", "a:1")
+    refused = UnavailableError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+    assert routes.failed(refused, "p", "a:1", 0, "keyed") == AGAIN  # ask a live replica at once
+    assert routes.route("p") == "b:1"
+    stale = NotOwnerError(grpc.StatusCode.FAILED_PRECONDITION, "served by a:1", "NOT_OWNER")
+    stale.owner = "a:1"
+    assert routes.failed(stale, "p", "b:1", 1, "keyed") == SETTLE  # not followed: pause, ask again
+    assert routes.failed(stale, "p", "b:1", 0, "once") == ""  # an unkeyed mutation gets the error
+    assert routes.route("p") == "b:1"
+    clock.now += 5  # past RECHECK_DOWN; resolved again: the dead address stays last
+    routes.refresh()
+    assert routes.addresses == ["b:1", "c:1", "a:1"]
+    assert routes.failed(stale, "p", "b:1", 0, "keyed") == AGAIN  # marked long ago: checked again
+    assert routes.route("p") == "a:1"
+    routes.answered("GetPool", pb.GetPoolRequest(name="p"), pb.GetPoolResponse(), "p", "a:1")
+    assert "a:1" not in routes.down
+    clock.now += 5
+    routes.refresh()
+    assert routes.addresses == ["a:1", "b:1", "c:1"]  # it answered: the configured order again
+    taking = OwnerChangingError(grpc.StatusCode.UNAVAILABLE, "taking it over", "OWNER_CHANGING")
+    assert routes.failed(taking, "p", "c:1", 0, "read") == SETTLE and routes.route("p") == "c:1"

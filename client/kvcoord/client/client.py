@@ -21,81 +21,15 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from . import _requests as rq
-from .errors import KVCoordError, NotOwnerError, OutcomeUnknownError, UnavailableError, error_from_rpc
-from .owners import MAX_HOPS, Routes
-from .retry import DEFAULT_RETRY, RetryPolicy
+from .errors import KVCoordError, error_from_rpc
+from .owners import AGAIN, SETTLE, Routes
+from .retry import DEFAULT_RETRY, Attempts, RetryPolicy
 from .tls import TLSOptions
 
 __all__ = ["AsyncKVCoordClient", "KVCoordClient"]
 
 DEFAULT_TIMEOUT = 10.0
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the server's default max_message_bytes
-
-
-#: Codes after which a call may or may not have reached the server (CANCELLED: the
-#: client cancels none of its calls; a server stopping mid-call or a proxy did).
-_UNKNOWN_OUTCOME = frozenset(
-    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
-)
-
-
-class _Attempts:
-    """Decides, after each failed attempt of one call, whether to try again.
-
-    Read-only and keyed calls are retried after a transient failure (a keyed call
-    with the same idempotency key, so it is applied at most once) until the policy's
-    attempts or deadline run out, and never past ``horizon`` (half the server's
-    idempotency window: a retry must reach the server while it still keeps the
-    answer). A keyed or once-only call whose outcome is still unknown then raises
-    :class:`OutcomeUnknownError`: the caller must treat it as possibly applied.
-    """
-
-    def __init__(self, policy: RetryPolicy, kind: str, horizon: float) -> None:
-        self.policy = policy
-        self.kind = kind
-        self.start = time.monotonic()
-        self.keyed_longer = kind == "keyed" and policy.retries_keyed_longer()
-        longest = policy.keyed_deadline if self.keyed_longer and policy.keyed_deadline else policy.deadline
-        self.deadline = min(longest, horizon)
-        #: drawn at the first failure (seeding a generator costs ~10 us, every call)
-        self.backoffs: list[float] | None = None if kind != "once" else []
-        self.attempt = 0
-
-    def settling(self, err: KVCoordError) -> bool:
-        """``err`` is a redirect still left after MAX_HOPS: the replicas disagree on
-        the owner for a moment (a claim changing hands, a view not yet re-read). A
-        NOT_OWNER answer applied nothing, so a call that may be repeated anyway (a
-        read, a keyed call, an Attach) waits and starts over; an unkeyed mutation
-        ("once") still raises it."""
-        return isinstance(err, NotOwnerError) and self.kind in ("read", "keyed", "attach")
-
-    def next_sleep(self, err: KVCoordError) -> float:
-        """Seconds to sleep before the next attempt; raises the final error instead."""
-        retryable = (
-            err.code in self.policy.retry_codes
-            or (self.kind == "keyed" and err.code in _UNKNOWN_OUTCOME)
-            or self.settling(err)
-        )
-        if self.backoffs is None:
-            count = None
-            if self.keyed_longer:  # enough sleeps to reach the deadline, the deadline decides
-                count = max(
-                    self.policy.max_attempts - 1, int(self.deadline / max(self.policy.initial_backoff, 0.01))
-                )
-            self.backoffs = self.policy.backoffs(count=count)
-        if (
-            retryable
-            and self.attempt < len(self.backoffs)
-            and time.monotonic() - self.start + self.backoffs[self.attempt] < self.deadline
-        ):
-            self.attempt += 1
-            return self.backoffs[self.attempt - 1]
-        if self.kind in ("keyed", "once") and err.code in _UNKNOWN_OUTCOME and type(err) is UnavailableError:
-            raise OutcomeUnknownError(
-                err.code,
-                f"the outcome of this call is unknown after {self.attempt + 1} attempt(s): {err.message}",
-            ) from err
-        raise err
 
 
 _Req = TypeVar("_Req", bound=Message)
@@ -195,7 +129,9 @@ class _Api:
         a DNS name whose A records are the replicas (a headless Service). Each pool's
         calls go to its owner: a NOT_OWNER answer names it and is followed (at most
         :data:`~kvcoord.client.owners.MAX_HOPS` times per call), and an owner that
-        does not answer is forgotten (the names are resolved again).
+        does not answer is forgotten and tried after the live replicas until it
+        answers; while the set changes hands the client pauses briefly instead of
+        backing off (``owners.Routes.failed``, ``retry.Attempts``).
 
         Args:
             timeout: deadline of each attempt, in seconds.
@@ -239,26 +175,18 @@ class _Api:
             self._open[address] = got
         return got
 
-    def _routed(self, err: KVCoordError, pool: str, address: str, hops: int, rpc: str = "") -> bool:
-        """After a failed attempt: True to call again at once (a NOT_OWNER redirect to
-        follow, or a read whose remembered owner stopped answering and another replica
-        is now the one to ask); an unreachable owner is forgotten (otherwise the caller's
-        retry policy decides whether to try again, at another replica)."""
-        if isinstance(err, NotOwnerError) and err.owner and pool and hops < MAX_HOPS:
-            self.routes.redirected(pool, err.owner)
-            return True
-        if isinstance(err, UnavailableError) and pool:
-            self.routes.unreachable(pool, address)
-            # A stopped owner's address may swallow packets instead of refusing them:
-            # the read then ends in DEADLINE_EXCEEDED, which no retry policy repeats. A
-            # read is safe to send again, and another replica now routes it.
-            return (
-                err.code == grpc.StatusCode.DEADLINE_EXCEEDED
-                and rq.RPCS.get(rpc) == "read"
-                and hops < MAX_HOPS
-                and self.routes.route(pool) != address
-            )
-        return False
+    def _pause(
+        self, attempts: Attempts, err: KVCoordError, pool: str, address: str, hops: int
+    ) -> float | None:
+        """After a failed attempt: None to call again at once (a redirect to follow,
+        another replica to ask), else the seconds to wait first (the routes decide
+        whether the replica set is changing hands; the policy bounds the wait and
+        raises the final error)."""
+        attempts.note(err)
+        step = self.routes.failed(err, pool, address, hops, attempts.kind)
+        if step == AGAIN:
+            return None
+        return attempts.next_sleep(err, changing=step == SETTLE)
 
     @staticmethod
     def _intercepted(channel: Any, interceptors: Sequence[Any]) -> Any:
@@ -301,7 +229,7 @@ class KVCoordClient(_Api):
             raise ValueError(f"{rpc} on a closed KVCoordClient")
         routes = self.routes
         pool = routes.pool_of(rpc, request)
-        attempts = _Attempts(self.retry, rq.RPCS[rpc], self.retry_horizon)
+        attempts = Attempts(self.retry, rq.RPCS[rpc], self.retry_horizon)
         hops = 0
         while True:
             address = routes.route(pool)
@@ -313,12 +241,10 @@ class KVCoordClient(_Api):
             else:
                 routes.answered(rpc, request, response, pool, address)
                 return response
-            if self._routed(err, pool, address, hops, rpc):
-                hops += 1
-                continue
-            time.sleep(attempts.next_sleep(err))
-            if attempts.settling(err):
-                hops = 0  # the redirects are followed again after the pause
+            pause = self._pause(attempts, err, pool, address, hops)
+            hops = hops + 1 if pause is None else 0  # redirects are followed again after a pause
+            if pause is not None:
+                time.sleep(pause)
 
     def _unary(self, rpc: _Rpc[_Req, _Resp], request: _Req) -> _Resp:
         return cast(_Resp, self._call(rpc.name, request))
@@ -544,7 +470,7 @@ class AsyncKVCoordClient(_Api):
     async def _call(self, rpc: str, request: Any) -> Any:
         routes = self.routes
         pool = routes.pool_of(rpc, request)
-        attempts = _Attempts(self.retry, rq.RPCS[rpc], self.retry_horizon)
+        attempts = Attempts(self.retry, rq.RPCS[rpc], self.retry_horizon)
         hops = 0
         while True:
             address = routes.route(pool)
@@ -556,12 +482,10 @@ class AsyncKVCoordClient(_Api):
             else:
                 routes.answered(rpc, request, response, pool, address)
                 return response
-            if self._routed(err, pool, address, hops, rpc):
-                hops += 1
-                continue
-            await asyncio.sleep(attempts.next_sleep(err))
-            if attempts.settling(err):
-                hops = 0  # the redirects are followed again after the pause
+            pause = self._pause(attempts, err, pool, address, hops)
+            hops = hops + 1 if pause is None else 0  # redirects are followed again after a pause
+            if pause is not None:
+                await asyncio.sleep(pause)
 
     async def _unary(self, rpc: _Rpc[_Req, _Resp], request: _Req) -> _Resp:
         return cast(_Resp, await self._call(rpc.name, request))

@@ -22,6 +22,7 @@ Hierarchy::
     │   └── AnswerEvictedError        applied, but the answer is gone (ANSWER_EVICTED)
     ├── UnavailableError              UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED (transient)
     │   ├── GracePeriodError          the server restarted and waits for old leases (GRACE_PERIOD)
+    │   ├── OwnerChangingError        the pool is changing owner at this replica: retry there (OWNER_CHANGING)
     │   └── OutcomeUnknownError       a call may or may not have been applied (retries ran out)
     ├── LeaseExpiredError             the client can no longer vouch for its session lease
     ├── RequestsLostError             RemoteKVCacheManager: these requests are gone; recompute them
@@ -49,6 +50,7 @@ __all__ = [
     "KeyReusedError",
     "LeaseExpiredError",
     "NotOwnerError",
+    "OwnerChangingError",
     "NotFoundError",
     "OutcomeUnknownError",
     "PermissionDeniedError",
@@ -160,6 +162,12 @@ class GracePeriodError(UnavailableError):
     """The server restarted and hands out no block until old leases have ended."""
 
 
+class OwnerChangingError(UnavailableError):
+    """Pools are sharded over replicas and the one called is taking the pool over (its
+    owner is gone), rebuilding it, or handing it over: nothing was applied. The client
+    keeps this replica as the pool's owner and asks it again shortly."""
+
+
 class OutcomeUnknownError(UnavailableError):
     """A mutating call may or may not have been applied, and retrying it with the same
     idempotency key did not settle it within the retry horizon."""
@@ -227,6 +235,7 @@ _REASONS: dict[str, type[KVCoordError]] = {
     "HASH_MISMATCH": HashMismatchError,
     "NOT_OWNER": NotOwnerError,
     "PROFILE_MISMATCH": ProfileMismatchError,
+    "OWNER_CHANGING": OwnerChangingError,
 }
 
 #: Trailing-metadata key carrying the reason of a failed RPC.

@@ -8,6 +8,16 @@ headless Service), each pool's owner as last learned, and each session's pool (c
 that carry only a session id go where its pool lives). It does no I/O except resolving
 names; the clients (client.py) call it around every RPC.
 
+**When an owner dies.** Until its claim lapses (a lease) the other replicas still name
+it, and it refuses connections. An address that did not answer is marked down: it is
+tried after every live one (resolving the names again keeps it at the back) until it
+answers, and a redirect naming it is not followed for :data:`RECHECK_DOWN` seconds:
+the call waits a short pause and asks a live replica again (:meth:`Routes.failed`
+says ``"settle"``), so the first attempt after the takeover goes where the live
+replicas point. A replica that answers OWNER_CHANGING (it is taking the pool over,
+rebuilding it, or handing it over) stays the pool's owner and is asked again after
+the same short pause.
+
 A single ``host:port`` is a replica set of one: a single-node server never redirects,
 so nothing changes for it.
 """
@@ -20,13 +30,22 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["MAX_HOPS", "Routes", "parse_targets", "resolve"]
+from .errors import GracePeriodError, KVCoordError, NotOwnerError, OwnerChangingError, UnavailableError
+
+__all__ = ["AGAIN", "MAX_HOPS", "SETTLE", "Routes", "parse_targets", "resolve"]
 
 #: NOT_OWNER redirects followed for one call (a pool moving twice under a call is rare;
 #: more means the replicas disagree, which is reported rather than chased)
 MAX_HOPS = 4
 #: re-resolve DNS names at most this often (seconds)
 RESOLVE_EVERY = 1.0
+#: a redirect naming an address marked down is followed again this long after the
+#: mark (seconds): a replica restarted at the same address is found again
+RECHECK_DOWN = 1.0
+#: :meth:`Routes.failed`: call again at once (a redirect, another replica to ask)
+AGAIN = "again"
+#: :meth:`Routes.failed`: the replica set is changing hands: a short pause, then again
+SETTLE = "settle"
 #: sessions whose pool is remembered (the oldest are forgotten: a session that expired
 #: without Detach leaves its entry)
 MAX_SESSIONS = 100_000
@@ -98,6 +117,8 @@ class Routes:
         self.resolver = resolver
         self.clock = clock
         self.addresses: list[str] = []
+        #: address -> when it last failed to answer (cleared when it answers)
+        self.down: dict[str, float] = {}
         self._resolved_at = -float("inf")
         self.refresh()
         #: pool -> the address of its owner, as last learned (a redirect, an answer)
@@ -112,7 +133,8 @@ class Routes:
 
     def refresh(self) -> None:
         """Resolve the entries again (at most every :data:`RESOLVE_EVERY` seconds);
-        addresses learned from redirects are kept."""
+        addresses learned from redirects are kept, and addresses marked down stay
+        after every live one."""
         now = self.clock()
         if now - self._resolved_at < RESOLVE_EVERY:
             return
@@ -121,7 +143,7 @@ class Routes:
         for entry in self.entries:
             fresh.extend(a for a in self.resolver(entry) if a not in fresh)
         learned = [a for a in self.addresses if a not in fresh]
-        self.addresses = fresh + learned
+        self.addresses = sorted(fresh + learned, key=lambda a: a in self.down)
 
     def pool_of(self, rpc: str, request: Any) -> str:
         """The pool a call is about ("" when it names none or an unknown session)."""
@@ -139,6 +161,7 @@ class Routes:
 
     def answered(self, rpc: str, request: Any, response: Any, pool: str, address: str) -> None:
         """A call succeeded at ``address``: remember the pool's owner and a new session's pool."""
+        self.down.pop(address, None)
         if pool:
             self.owner[pool] = address
         if rpc == "Attach":
@@ -148,19 +171,69 @@ class Routes:
         elif rpc == "Detach":
             self.session_pool.pop(request.session_id, None)
 
-    def redirected(self, pool: str, owner: str) -> None:
-        """A replica named ``owner`` as ``pool``'s."""
+    def redirected(self, pool: str, owner: str, by: str = "") -> bool:
+        """The replica at ``by`` named ``owner`` as ``pool``'s. False when ``owner``
+        is marked down (less than :data:`RECHECK_DOWN` seconds ago): not followed, the
+        naming replica's view is behind (the dead owner's claim has not lapsed)."""
+        self.down.pop(by, None)
+        marked = self.down.get(owner)
+        if marked is not None and self.clock() - marked < RECHECK_DOWN:
+            if self.owner.get(pool) == owner:
+                del self.owner[pool]
+            return False
         self.owner[pool] = owner
         if owner not in self.addresses:
             self.addresses.append(owner)
+        return True
+
+    def changing(self, pool: str, address: str) -> None:
+        """``address`` answered that ``pool`` is changing owner there: it stays the
+        pool's owner (it serves the pool or names the next owner shortly)."""
+        self.down.pop(address, None)
+        self.owner[pool] = address
 
     def unreachable(self, pool: str, address: str) -> None:
-        """``address`` did not answer for ``pool``: forget it as the owner, try the
-        others first next time, and resolve the names again (the replica set may
-        have changed: a pod rescheduled, a replica added)."""
+        """``address`` did not answer for ``pool``: forget it as the owner, mark it
+        down (tried after the others until it answers), and resolve the names again
+        (the replica set may have changed: a pod rescheduled, a replica added)."""
         if self.owner.get(pool) == address:
             del self.owner[pool]
-        if address in self.addresses and len(self.addresses) > 1:
-            self.addresses.remove(address)
-            self.addresses.append(address)
+        if len(self.addresses) > 1:
+            self.down[address] = self.clock()
+            if address in self.addresses:
+                self.addresses.remove(address)
+                self.addresses.append(address)
         self.refresh()
+
+    def failed(self, err: KVCoordError, pool: str, address: str, hops: int, kind: str) -> str:
+        """What to do after an attempt at ``address`` failed with ``err``: :data:`AGAIN`
+        (a redirect to follow, or another replica to ask at once), :data:`SETTLE`
+        (the set is changing hands: a short pause, then ask again) or "" (the retry
+        policy decides). ``kind`` is the call's (``_requests.RPCS``); at most
+        :data:`MAX_HOPS` calls in a row go out without a pause.
+
+        A redirect to a live owner is followed (any call: NOT_OWNER applied nothing);
+        one to an owner marked down is not, and an unkeyed mutation ("once") is then
+        answered with the NotOwnerError. An owner that did not answer is forgotten and
+        marked down; a read or keyed call is sent at once to the replica now first
+        (its answer says where the pool is)."""
+        if not pool:
+            return ""
+        repeatable = kind in ("read", "keyed", "attach")
+        if isinstance(err, NotOwnerError) and err.owner:
+            if hops >= MAX_HOPS:
+                return ""
+            if self.redirected(pool, err.owner, address):
+                return AGAIN
+            return SETTLE if repeatable else ""
+        if isinstance(err, OwnerChangingError):
+            self.changing(pool, address)
+            return SETTLE if repeatable else ""
+        if isinstance(err, UnavailableError) and not isinstance(err, GracePeriodError):
+            self.unreachable(pool, address)
+            # A stopped owner's address may refuse connections or swallow packets (the
+            # read then ends in DEADLINE_EXCEEDED, which no retry policy repeats): a
+            # read or keyed call is safe to send again, and another replica routes it.
+            if kind in ("read", "keyed") and hops < MAX_HOPS and self.route(pool) != address:
+                return AGAIN
+        return ""

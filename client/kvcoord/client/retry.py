@@ -13,16 +13,36 @@ of ending in OutcomeUnknownError, and a server that keeps answers for 300 s is n
 retried past them. Other calls keep ``deadline`` and ``max_attempts`` (a session
 renewal must fail in time for its lease to be counted honestly). A policy of one
 attempt never retries.
+
+While a replica set changes hands (a pool's owner died and another takes it over, or
+a pool is being handed over) the client knows it is waiting on the set, not on a
+failing server: it then asks again after short pauses (growing to ``settle_backoff``,
+0.25 s) instead of the growing backoff, so the first attempt after the takeover comes
+soon; those pauses use no attempt, and end by a keyed call's deadline, or for any
+other call once its backoffs could have lasted (about 5 s by default). An
+attempt whose outcome was unknown (a keyed call in flight when its owner died) makes
+the call end in :class:`~kvcoord.client.errors.OutcomeUnknownError` when the last
+attempt's answer is only a redirect or another transient failure.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
+import time
+from typing import NoReturn
 
 import grpc
 
-__all__ = ["DEFAULT_RETRY", "NO_RETRY", "RetryPolicy"]
+from .errors import KVCoordError, NotOwnerError, OutcomeUnknownError, UnavailableError
+
+__all__ = ["DEFAULT_RETRY", "NO_RETRY", "Attempts", "RetryPolicy"]
+
+#: Codes after which a call may or may not have reached the server (CANCELLED: the
+#: client cancels none of its calls; a server stopping mid-call or a proxy did).
+UNKNOWN_OUTCOME = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -37,6 +57,8 @@ class RetryPolicy:
     #: total time for the attempts of a keyed call (see the module docstring); None:
     #: as any other call
     keyed_deadline: float | None = None
+    #: the longest pause while the replica set changes hands (see the module docstring)
+    settle_backoff: float = 0.25
 
     def retries_keyed_longer(self) -> bool:
         """True when keyed calls follow ``keyed_deadline`` instead of the attempts cap."""
@@ -54,6 +76,123 @@ class RetryPolicy:
             out.append(r.uniform(0, ceiling))
             ceiling = min(ceiling * self.multiplier, self.max_backoff)
         return out
+
+    def longest_wait(self) -> float:
+        """The most the ``max_attempts - 1`` backoffs can add up to (each at its ceiling)."""
+        total, ceiling = 0.0, self.initial_backoff
+        for _ in range(self.max_attempts - 1):
+            total += ceiling
+            ceiling = min(ceiling * self.multiplier, self.max_backoff)
+        return total
+
+    def settle_pause(self, n: int, rnd: random.Random | None = None) -> float:
+        """The ``n``-th pause (from 0) while the replica set changes hands: the backoff
+        without its growth past ``settle_backoff``, jittered between half and all of it."""
+        ceiling = min(self.initial_backoff * self.multiplier ** min(n, 30), self.settle_backoff)
+        return (rnd or random).uniform(ceiling / 2, ceiling)
+
+
+class Attempts:
+    """Decides, after each failed attempt of one call, whether to try again.
+
+    Read-only and keyed calls are retried after a transient failure (a keyed call
+    with the same idempotency key, so it is applied at most once) until the policy's
+    attempts or deadline run out, and never past ``horizon`` (half the server's
+    idempotency window: a retry must reach the server while it still keeps the
+    answer). A keyed or once-only call whose outcome is still unknown then raises
+    :class:`OutcomeUnknownError`: the caller must treat it as possibly applied.
+
+    Args:
+        policy: the retry settings.
+        kind: the call's kind (``_requests.RPCS``: read, keyed, attach, once).
+        horizon: seconds a keyed call may be retried (half the idempotency window).
+    """
+
+    def __init__(self, policy: RetryPolicy, kind: str, horizon: float) -> None:
+        self.policy = policy
+        self.kind = kind
+        self.start = time.monotonic()
+        self.keyed_longer = kind == "keyed" and policy.retries_keyed_longer()
+        longest = policy.keyed_deadline if self.keyed_longer and policy.keyed_deadline else policy.deadline
+        self.deadline = min(longest, horizon)
+        #: drawn at the first failure (seeding a generator costs ~10 us, every call)
+        self.backoffs: list[float] | None = None if kind != "once" else []
+        self.attempt = 0
+        #: pauses taken while the replica set changed hands, and until when they may go
+        #: on: a keyed call's deadline; any other call no longer than its backoffs could
+        #: have lasted (a session renewal must still fail in time)
+        self.settles = 0
+        self.settle_until = self.start + (
+            self.deadline if self.keyed_longer else min(self.deadline, policy.longest_wait())
+        )
+        #: an attempt ended without telling whether it was applied
+        self.unknown = False
+
+    def note(self, err: KVCoordError) -> None:
+        """An attempt failed with ``err``: remember whether its outcome is unknown."""
+        if type(err) is UnavailableError and err.code in UNKNOWN_OUTCOME:
+            self.unknown = True
+
+    def settling(self, err: KVCoordError) -> bool:
+        """``err`` is a redirect still left after MAX_HOPS: the replicas disagree on
+        the owner for a moment (a claim changing hands, a view not yet re-read). A
+        NOT_OWNER answer applied nothing, so a call that may be repeated anyway (a
+        read, a keyed call, an Attach) waits and starts over; an unkeyed mutation
+        ("once") still raises it."""
+        return isinstance(err, NotOwnerError) and self.kind in ("read", "keyed", "attach")
+
+    def next_sleep(self, err: KVCoordError, changing: bool = False) -> float:
+        """Seconds to sleep before the next attempt; raises the final error instead.
+
+        ``changing``: the routes say the replica set is changing hands for this pool
+        (its owner named by a redirect is down, or the replica called is taking it
+        over): a short pause (:meth:`RetryPolicy.settle_pause`) that uses no attempt,
+        for any call but an unkeyed mutation, within ``settle_until``."""
+        self.note(err)
+        if changing and self.kind != "once" and self.policy.max_attempts > 1:
+            pause = self.policy.settle_pause(self.settles)
+            if time.monotonic() + pause < self.settle_until:
+                self.settles += 1
+                return pause
+            self.fail(err)
+        retryable = (
+            err.code in self.policy.retry_codes
+            or (self.kind == "keyed" and err.code in UNKNOWN_OUTCOME)
+            or self.settling(err)
+        )
+        if self.backoffs is None:
+            count = None
+            if self.keyed_longer:  # enough sleeps to reach the deadline, the deadline decides
+                count = max(
+                    self.policy.max_attempts - 1, int(self.deadline / max(self.policy.initial_backoff, 0.01))
+                )
+            self.backoffs = self.policy.backoffs(count=count)
+        if (
+            retryable
+            and self.attempt < len(self.backoffs)
+            and time.monotonic() - self.start + self.backoffs[self.attempt] < self.deadline
+        ):
+            self.attempt += 1
+            return self.backoffs[self.attempt - 1]
+        self.fail(err)
+
+    def fail(self, err: KVCoordError) -> NoReturn:
+        """Raise the call's final error: ``err``, or OutcomeUnknownError when a keyed
+        or once-only call had an attempt of unknown outcome and ``err`` does not
+        settle it (a transient failure, or a NOT_OWNER / OWNER_CHANGING answer, which
+        does not tell whether that attempt was applied). Any other typed answer (a
+        fence, an expired session) is raised as it is: it holds whatever happened."""
+        if (
+            self.kind in ("keyed", "once")
+            and self.unknown
+            and isinstance(err, (UnavailableError, NotOwnerError))
+        ):
+            raise OutcomeUnknownError(
+                err.code,
+                f"the outcome of this call is unknown after {self.attempt + self.settles + 1} attempt(s): "
+                f"{err.message}",
+            ) from err
+        raise err
 
 
 #: keyed calls outlast a server restart of a minute; others give up after ~4 s

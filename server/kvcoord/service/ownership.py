@@ -258,8 +258,10 @@ class Ownership:
         Raises:
             ServiceError: FAILED_PRECONDITION with NOT_OWNER and the owner's address
                 (the claim holder, else the placed member); UNAVAILABLE when this
-                replica's lease may have ended, when no member is known, or when the
-                pool exists in the cluster but nobody claims it (its owner is gone).
+                replica's lease may have ended or no member is known; UNAVAILABLE with
+                OWNER_CHANGING (the caller keeps asking this replica) while the pool moves
+                here or away: handed over, claimed, rebuilt, or in the catalog with nobody
+                claiming it and placed here (its owner is gone).
         """
         if not self.lease_valid:
             raise ServiceError(
@@ -271,7 +273,9 @@ class Ownership:
         if pool in self.moving:
             raise ServiceError(
                 Status.UNAVAILABLE,
-                f"pool {pool[:200]!r} is moving to another replica (membership changed): retry",
+                f"pool {pool[:200]!r} is changing owner at replica {self.me.replica_id!r} (being handed over, "
+                "claimed or rebuilt): retry here",
+                ErrorReason.OWNER_CHANGING,
             )
         if claim is not None:
             if claim.replica_id == self.me.replica_id:
@@ -286,12 +290,15 @@ class Ownership:
             raise ServiceError(
                 Status.UNAVAILABLE,
                 f"replica {self.me.replica_id!r} holds pool {pool[:200]!r} but has not claimed it yet: retry",
+                ErrorReason.OWNER_CHANGING,
             )
         if pool in self.catalog:
             raise ServiceError(
                 Status.UNAVAILABLE,
                 f"pool {pool[:200]!r} exists in the cluster but no live replica holds it (its owner "
-                "stopped without handing it over): retry once its owner is back",
+                f"stopped without handing it over): replica {self.me.replica_id!r} takes it over (with the "
+                "journal in the store) or waits for its owner to come back: retry here",
+                ErrorReason.OWNER_CHANGING,
             )
 
     def snapshot(self) -> Mapping[str, object]:

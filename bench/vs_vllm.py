@@ -89,6 +89,7 @@ from kvcoord.engine import (  # noqa: E402
     FullAttentionSpec,
     KVCacheConfig,
     KVCachePool,
+    LoRA,
     MambaCacheMode,
     MambaSpec,
     SlidingWindowSpec,
@@ -376,6 +377,8 @@ LAYOUTS_033: dict[str, list[tuple[str, dict[str, Any]]]] = {
 BUDGET_033 = 2048
 #: EAGLE's draft tokens per decode step (num_speculative_tokens)
 SPEC_TOKENS_033 = 2
+#: the LoRA adapters some requests use: (id, name); the path is ``loras/<name>``
+LORAS_033 = ((1, "adapter-a"), (2, "adapter-b"))
 
 
 def _block_sizes(layout: list[tuple[str, dict[str, Any]]]) -> list[int]:
@@ -414,13 +417,18 @@ class Ours033(Ours):
         self.none = none_hash("sha256_cbor", "0", profile="vllm-0.33")
         self.hashers: dict[str, Any] = {}
 
-    def add(self, rid: str, tokens: list[int]) -> Callable[[], None]:
+    def add(self, rid: str, tokens: list[int], salt: str | None = None,
+            lora: tuple[int, str] | None = None) -> Callable[[], None]:  # fmt: skip
         hashes: list[bytes] = []
         if self.caching:
-            self.hashers[rid] = block_hasher("vllm-0.33", "sha256_cbor", self.hash_block, self.none,
-                                             num_hash_lookahead_tokens=self.lookahead)  # fmt: skip
+            self.hashers[rid] = block_hasher(
+                "vllm-0.33", "sha256_cbor", self.hash_block, self.none, cache_salt=salt,
+                lora_name=lora[1] if lora else None, lora_path=f"loras/{lora[1]}" if lora else None,
+                num_hash_lookahead_tokens=self.lookahead,
+            )  # fmt: skip
             hashes = self.hashers[rid].extend(tokens)
-        return lambda: self.pool.add_request(rid, tokens, hashes)
+        adapter = LoRA(*lora) if lora else None
+        return lambda: self.pool.add_request(rid, tokens, hashes, lora=adapter, cache_salt=salt)
 
     def advance(self, rid: str, computed: int, appended: list[int]) -> Callable[[], None]:
         hasher = self.hashers.get(rid)
@@ -480,6 +488,7 @@ class VLLM033(VLLM):
     def __init__(self, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, eagle: bool,
                  caching: bool = True) -> None:  # fmt: skip
         import torch
+        from vllm.lora.request import LoRARequest
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256_cbor
         from vllm.v1 import kv_cache_interface as k
@@ -517,10 +526,15 @@ class VLLM033(VLLM):
             enable_kv_cache_events=True,
         )  # fmt: skip
         hasher = get_request_block_hasher(hash_block, sha256_cbor, lookahead) if caching else None
-        self._make: Callable[[str, list[int]], Any] = lambda rid, toks: Request(
-            rid, toks, SamplingParams(max_tokens=1000), None, block_hasher=hasher
-        )
+        self._make033: Callable[..., Any] = lambda rid, toks, salt, lora: Request(
+            rid, toks, SamplingParams(max_tokens=1000), None, block_hasher=hasher, cache_salt=salt,
+            lora_request=LoRARequest(lora[1], lora[0], f"loras/{lora[1]}") if lora else None,
+        )  # fmt: skip
         self.reqs: dict[str, Any] = {}
+
+    def add(self, rid: str, tokens: list[int], salt: str | None = None,
+            lora: tuple[int, str] | None = None) -> None:  # fmt: skip
+        self.reqs[rid] = self._make033(rid, tokens, salt, lora)
 
     def lookup(self, rid: str) -> tuple[Any, list[list[int]], int]:
         r = self.reqs[rid]
@@ -618,8 +632,10 @@ def workload033(side: Any, seed: int, steps: int, trace: list[Any], spec_tokens:
     answer to ``trace``.
 
     Arrivals as in :func:`workload` (up to 24 live requests, 1-40 output tokens); a
-    prompt is one of three shared system prompts and a random tail, or a prompt sent
-    before, or the next turn of a finished conversation. Each step:
+    prompt is one of three shared system prompts and a random tail (a tenth of them
+    with one of two cache salts, a tenth with one of two LoRA adapters), or a prompt
+    sent before, or the next turn of a finished conversation (with the same salt and
+    adapter). Each step:
 
     - ``new_step_starts``; now and then ``reset_prefix_cache``, plain (refused while
       blocks are in use) or after preempting every running request; now and then an
@@ -648,8 +664,9 @@ def workload033(side: Any, seed: int, steps: int, trace: list[Any], spec_tokens:
     prompt_len: dict[str, int] = {}
     running: list[str] = []
     waiting: list[str] = []
-    history: list[list[int]] = []  # prompts sent
-    finished: list[list[int]] = []  # finished requests' prompts and outputs
+    request_keys: dict[str, tuple[str | None, tuple[int, str] | None]] = {}  # cache salt, LoRA
+    history: list[tuple[list[int], Any]] = []  # prompts sent, with their keys
+    finished: list[tuple[list[int], Any]] = []  # finished requests' prompts and outputs
     estimated: set[str] = set()
     nid = 0
     rec = trace.append
@@ -664,7 +681,7 @@ def workload033(side: Any, seed: int, steps: int, trace: list[Any], spec_tokens:
         side.free(rid)
         rec(("free", rid, side.num_free()))
         (running if rid in running else waiting).remove(rid)
-        for d in (tokens, computed, decode_left, prompt_len):
+        for d in (tokens, computed, decode_left, prompt_len, request_keys):
             del d[rid]
 
     def after_output(rid: str, new_computed: int, appended: list[int]) -> None:
@@ -691,20 +708,21 @@ def workload033(side: Any, seed: int, steps: int, trace: list[Any], spec_tokens:
             nid += 1
             pick = rnd.random()
             if pick < 0.15 and history:  # the same prompt again
-                toks = list(rnd.choice(history))
+                toks, keys = rnd.choice(history)
             elif pick < 0.35 and finished:  # the next turn of a finished conversation
-                toks = (rnd.choice(finished) + [rnd.randrange(32000) for _ in range(rnd.randint(1, 100))])[
-                    :1400
-                ]
+                toks, keys = rnd.choice(finished)
+                toks = (toks + [rnd.randrange(32000) for _ in range(rnd.randint(1, 100))])[:1400]
             else:
-                toks = (rnd.choice(systems) + [rnd.randrange(32000) for _ in range(rnd.randint(1, 700))])[
-                    :1200
-                ]
-            history.append(toks)
+                toks = rnd.choice(systems) + [rnd.randrange(32000) for _ in range(rnd.randint(1, 700))]
+                toks = toks[:1200]
+                salt = rnd.choice(("salt-a", "salt-b")) if rnd.random() < 0.1 else None
+                keys = (salt, rnd.choice(LORAS_033) if rnd.random() < 0.1 else None)
+            history.append((toks, keys))
             tokens[rid], computed[rid], decode_left[rid] = list(toks), 0, rnd.randint(1, 40)
             prompt_len[rid] = len(toks)
+            request_keys[rid] = keys
             waiting.append(rid)
-            sync = side.add(rid, list(toks))
+            sync = side.add(rid, list(toks), *keys)
             if sync is not None:
                 sync()
         budget = BUDGET_033
@@ -763,7 +781,7 @@ def workload033(side: Any, seed: int, steps: int, trace: list[Any], spec_tokens:
             if decode_left[rid] <= 0:
                 if first:
                     rec(("estimate", rid, side.estimate(rid)))
-                finished.append(tokens[rid])
+                finished.append((tokens[rid], request_keys[rid]))
                 finish(rid)
                 continue
             accepted = rnd.randint(0, drafts)

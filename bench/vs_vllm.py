@@ -1020,13 +1020,10 @@ def main() -> None:
                 b: list[Any] = []
                 workload(VLLM(layout, num_blocks, eagle), seed, args.steps, None, a)
                 workload(Ours(layout, num_blocks, eagle), seed, args.steps, None, b)
-                for i, (x, y) in enumerate(zip(a, b, strict=False)):
-                    if x != y:
-                        raise SystemExit(
-                            f"DIFFERENCE {name} eagle={eagle} seed={seed} at answer {i}: vLLM {x} vs ours {y}"
-                        )
-                if len(a) != len(b):
-                    raise SystemExit(f"DIFFERENCE {name}: {len(a)} vs {len(b)} answers")
+                try:
+                    compare(f"{name} eagle={eagle} seed={seed}", a, b)
+                except Difference as exc:
+                    raise SystemExit(str(exc)) from None
                 compared += len(a)
                 print(
                     f"identical  {name:<31} eagle={eagle!s:<5} seed={seed} blocks={num_blocks}: {len(a)} answers",

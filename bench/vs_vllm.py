@@ -111,16 +111,7 @@ LAYOUTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
 
 class Ours:
     def __init__(self, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, eagle: bool) -> None:
-        groups: list[Any] = []
-        for kind, kw in layout:
-            if kind == "full":
-                groups.append(FullAttentionSpec(16))
-            elif kind == "swa":
-                groups.append(SlidingWindowSpec(16, kw["sliding_window"]))
-            elif kind == "swa32":
-                groups.append(SlidingWindowSpec(32, kw["sliding_window"]))
-            else:
-                groups.append(MambaSpec(16, MambaCacheMode.ALL))
+        groups = [_ours_spec(kind, kw) for kind, kw in layout]
         self.pool = KVCachePool(KVCacheConfig(num_blocks=num_blocks, groups=tuple(groups), hash_block_size=16,
                                               use_eagle=eagle, enable_kv_cache_events=True, max_model_len=8192))  # fmt: skip
         self.none = none_hash("sha256_cbor", "0")

@@ -1,7 +1,17 @@
-"""kvcoord's engine against vLLM 0.16.0's own KVCacheManager, side by side. Not a test.
+"""kvcoord's engine against vLLM's own KVCacheManager (0.16.0 or 0.33.0), side by side.
+Not a test.
 
-Needs vLLM 0.16.0 importable (it is not a kvcoord dependency) in a separate venv. On a
-CPU machine:
+Needs vLLM importable (it is not a kvcoord dependency) in a separate venv; the installed
+release picks the comparison (``--vllm`` names the one expected):
+
+- vLLM 0.16.x: kvcoord's default ``vllm-0.16`` pools, both parts below.
+- vLLM 0.33.x: kvcoord's ``vllm-0.33`` pools, the differential check only (part 3):
+
+    KVCOORD_VLLM_VERSION=0.33.0 scripts/install_vllm.sh    # /var/cache/kvcoord/vllm033-venv
+    PYTHONHASHSEED=0 /var/cache/kvcoord/vllm033-venv/bin/python bench/vs_vllm.py --check-only \
+        [--seeds 3] [--steps 150] [--layouts full16 ...]
+
+For vLLM 0.16.0 on a CPU machine (or scripts/install_vllm.sh):
 
     python3 -m venv /tmp/vllm-venv
     /tmp/vllm-venv/bin/pip install torch==2.13.0 && /tmp/vllm-venv/bin/pip install --no-deps vllm==0.16.0
@@ -32,12 +42,35 @@ Two parts:
    update_request, which vLLM's scheduler does by mutating its own Request (so vLLM has
    no such row). Block hashing is excluded on both sides. The last row divides
    kvcoord's total time over all these calls, sync included, by vLLM's.
+3. Under vLLM 0.33.0 (``workload033``, ``check033``): vLLM 0.33's synchronous scheduler
+   loop reduced to its manager calls (``new_step_starts``, running requests first with
+   preemption on refusal, admissions that must fit the whole sequence, statistics at
+   admission, ``estimate_cached_tokens`` at a request's first output, shared-prefix
+   boundaries kept on the request, EAGLE's drafts with look-ahead
+   slots and ``cache_blocks`` after each output, aborts, resets plain and after preempting
+   everything, resent prompts and next turns of finished conversations) drives vLLM
+   0.33.0's manager and a ``vllm-0.33`` pool on seven layouts (``LAYOUTS_033``: full
+   attention, sliding windows of 16- and 32-token blocks, two windows, chunked local,
+   full attention of two block sizes, both with a window), with prefix caching on and
+   off and EAGLE on and off, set up as vLLM 0.33's engine sets up its manager (hash
+   blocks of the GCD of the block sizes, hits and caching aligned to their LCM, sparse
+   sliding-window retention; EAGLE: one look-ahead hash token with caching on, the
+   last-block drop with caching off, which kvcoord's pool takes as no drop since nothing
+   is looked up). Every answer is compared: hits and shared-prefix boundaries, new block
+   ids and refusals, free counts after each call, every running request's block table
+   and the free queue's head after each step's scheduling, and each step's KV events
+   (0.33's fields included) and prefix-cache statistics; the first difference stops the
+   run. Mamba is not covered: vLLM 0.33 has only "align" mode, which kvcoord's
+   ``vllm-0.33`` profile refuses.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
+import logging
+import math
 import os
 import random
 import statistics
@@ -50,11 +83,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
 
-from kvcoord.client.hashing import BlockHasher, none_hash  # noqa: E402
+from kvcoord.client.hashing import BlockHasher, block_hasher, none_hash  # noqa: E402
 from kvcoord.engine import (  # noqa: E402
+    ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCachePool,
+    LoRA,
     MambaCacheMode,
     MambaSpec,
     SlidingWindowSpec,
@@ -76,16 +111,7 @@ LAYOUTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
 
 class Ours:
     def __init__(self, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, eagle: bool) -> None:
-        groups: list[Any] = []
-        for kind, kw in layout:
-            if kind == "full":
-                groups.append(FullAttentionSpec(16))
-            elif kind == "swa":
-                groups.append(SlidingWindowSpec(16, kw["sliding_window"]))
-            elif kind == "swa32":
-                groups.append(SlidingWindowSpec(32, kw["sliding_window"]))
-            else:
-                groups.append(MambaSpec(16, MambaCacheMode.ALL))
+        groups = [_ours_spec(kind, kw) for kind, kw in layout]
         self.pool = KVCachePool(KVCacheConfig(num_blocks=num_blocks, groups=tuple(groups), hash_block_size=16,
                                               use_eagle=eagle, enable_kv_cache_events=True, max_model_len=8192))  # fmt: skip
         self.none = none_hash("sha256_cbor", "0")
@@ -325,6 +351,489 @@ def workload(side: Any, seed: int, steps: int, timings: dict[str, list[float]] |
     rec(("end", side.finish()))
 
 
+# --- vLLM 0.33.0 (--vllm 0.33): its manager against kvcoord's vllm-0.33 pools ----------
+
+#: layout name -> groups ``(kind, options)``; kinds: full/full32 (full attention, 16- or
+#: 32-token blocks), swa/swa32 (sliding window), chunked (chunked local attention, 16).
+#: Mamba is not here: vLLM 0.33 has only "align" mode, which kvcoord's vllm-0.33 profile
+#: refuses at pool creation (docs/semantics-notes.md).
+LAYOUTS_033: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    **{name: layout for name, layout in LAYOUTS.items() if "mamba" not in name},
+    "full16+chunked16(c64)": [("full", {}), ("chunked", {"attention_chunk_size": 64})],
+    "full16+full32": [("full", {}), ("full32", {})],
+    "full16+full32+swa16(w64)": [("full", {}), ("full32", {}), ("swa", {"sliding_window": 64})],
+}
+#: the scheduler's token budget per step, and so vLLM 0.33's max_in_flight_tokens (one
+#: batch in flight: the synchronous scheduler)
+BUDGET_033 = 2048
+#: EAGLE's draft tokens per decode step (num_speculative_tokens)
+SPEC_TOKENS_033 = 2
+#: the LoRA adapters some requests use: (id, name); the path is ``loras/<name>``
+LORAS_033 = ((1, "adapter-a"), (2, "adapter-b"))
+
+
+def _block_sizes(layout: list[tuple[str, dict[str, Any]]]) -> list[int]:
+    return [32 if kind in ("full32", "swa32") else 16 for kind, _ in layout]
+
+
+def _ours_spec(kind: str, kw: dict[str, Any]) -> Any:
+    size = 32 if kind in ("full32", "swa32") else 16
+    if kind in ("full", "full32"):
+        return FullAttentionSpec(size)
+    if kind in ("swa", "swa32"):
+        return SlidingWindowSpec(size, kw["sliding_window"])
+    if kind == "chunked":
+        return ChunkedLocalAttentionSpec(size, kw["attention_chunk_size"])
+    return MambaSpec(16, MambaCacheMode.ALL)
+
+
+class Ours033(Ours):
+    """kvcoord's engine with a ``vllm-0.33`` pool, set up as vLLM 0.33's engine core sets
+    up its manager: hash blocks of the GCD of the block sizes, hits and caching aligned to
+    their LCM, sparse sliding-window retention (interval 0), and for EAGLE with caching on
+    look-ahead hashes of one token and no last-block drop."""
+
+    def __init__(self, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, eagle: bool,
+                 caching: bool = True) -> None:  # fmt: skip
+        sizes = _block_sizes(layout)
+        self.hash_block = math.gcd(*sizes)
+        self.lookahead = 1 if eagle and caching else 0
+        self.pool = KVCachePool(KVCacheConfig(
+            num_blocks=num_blocks, groups=tuple(_ours_spec(k, kw) for k, kw in layout),
+            hash_block_size=self.hash_block, enable_caching=caching, enable_kv_cache_events=True,
+            max_model_len=8192, profile="vllm-0.33", num_hash_lookahead_tokens=self.lookahead,
+            max_in_flight_tokens=BUDGET_033, scheduler_block_size=math.lcm(*sizes),
+            prefix_cache_retention_interval=0))  # fmt: skip
+        self.caching = caching
+        self.none = none_hash("sha256_cbor", "0", profile="vllm-0.33")
+        self.hashers: dict[str, Any] = {}
+
+    def add(self, rid: str, tokens: list[int], salt: str | None = None,
+            lora: tuple[int, str] | None = None) -> Callable[[], None]:  # fmt: skip
+        hashes: list[bytes] = []
+        if self.caching:
+            self.hashers[rid] = block_hasher(
+                "vllm-0.33", "sha256_cbor", self.hash_block, self.none, cache_salt=salt,
+                lora_name=lora[1] if lora else None, lora_path=f"loras/{lora[1]}" if lora else None,
+                num_hash_lookahead_tokens=self.lookahead,
+            )  # fmt: skip
+            hashes = self.hashers[rid].extend(tokens)
+        adapter = LoRA(*lora) if lora else None
+        return lambda: self.pool.add_request(rid, tokens, hashes, lora=adapter, cache_salt=salt)
+
+    def advance(self, rid: str, computed: int, appended: list[int]) -> Callable[[], None]:
+        hasher = self.hashers.get(rid)
+        hashes = hasher.extend(appended) if hasher is not None else []
+        return lambda: self.pool.update_request(
+            rid, num_computed_tokens=computed, append_token_ids=appended, append_block_hashes=hashes
+        )
+
+    def free(self, rid: str) -> None:
+        self.pool.free(rid)
+        self.hashers.pop(rid, None)
+
+    def boundary(self, rid: str) -> int:
+        return self.pool.shared_prefix_boundary(rid)
+
+    def admit(self, rid: str, n: int, hit_tokens: int, hit: Any, lookahead: int) -> list[list[int]] | None:
+        out = self.pool.allocate_slots(rid, n, hit_tokens, hit, lookahead, full_sequence_must_fit=True)
+        return None if out is None else [list(x) for x in out]
+
+    def grow(self, rid: str, n: int, lookahead: int) -> list[list[int]] | None:
+        out = self.pool.allocate_slots(rid, n, num_lookahead_tokens=lookahead)
+        return None if out is None else [list(x) for x in out]
+
+    def record_stats(self, rid: str, hits: int) -> None:
+        self.pool.record_prefix_cache_stats(rid, hits)
+
+    def estimate(self, rid: str) -> int:
+        return self.pool.estimate_cached_tokens(rid)
+
+    def cache_blocks(self, rid: str, computed: int) -> None:
+        self.pool.cache_blocks(rid, computed)
+
+    def step_start(self) -> None:
+        self.pool.new_step_starts()
+
+    def reset(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def block_ids(self, rid: str) -> list[list[int]]:
+        return [list(x) for x in self.pool.get_block_ids(rid)]
+
+    def free_head(self, limit: int) -> list[int]:
+        return self.pool.free_queue_head(limit)
+
+    def stats(self) -> tuple[Any, ...]:
+        return _stats_tuple(self.pool.make_prefix_cache_stats())
+
+    def events(self) -> list[tuple[Any, ...]]:
+        return [_event_tuple033(e) for e in self.pool.take_events()]
+
+
+class VLLM033(VLLM):
+    """vLLM 0.33.0's own KVCacheManager, built as its Scheduler builds it for the same
+    layout (EAGLE: look-ahead hashes with caching on, the last-block drop with caching
+    off, one prefill look-ahead token, the first group holding the draft layer)."""
+
+    def __init__(self, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, eagle: bool,
+                 caching: bool = True) -> None:  # fmt: skip
+        import torch
+        from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import SamplingParams
+        from vllm.utils.hashing import sha256_cbor
+        from vllm.v1 import kv_cache_interface as k
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.request import Request
+
+        init_none_hash(sha256_cbor)
+        logging.getLogger("vllm").setLevel(logging.ERROR)  # its refused plain resets warn
+        common = {"num_kv_heads": 1, "head_size": 64, "dtype": torch.float16}
+        specs: list[Any] = []
+        for kind, kw in layout:
+            size = 32 if kind in ("full32", "swa32") else 16
+            if kind in ("full", "full32"):
+                specs.append(k.FullAttentionSpec(size, **common))
+            elif kind in ("swa", "swa32"):
+                specs.append(k.SlidingWindowSpec(size, sliding_window=kw["sliding_window"], **common))
+            elif kind == "chunked":
+                specs.append(k.ChunkedLocalAttentionSpec(size, attention_chunk_size=kw["attention_chunk_size"],
+                                                         **common))  # fmt: skip
+            else:
+                raise ValueError(f"layout kind {kind!r} has no vLLM 0.33 spec here")
+        groups = [
+            k.KVCacheGroupSpec([f"layer{i}"], s, is_eagle_group=eagle and i == 0) for i, s in enumerate(specs)
+        ]
+        sizes = _block_sizes(layout)
+        hash_block = math.gcd(*sizes)
+        cfg = k.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+                              prefix_cache_retention_interval=0, hash_block_size=hash_block)  # fmt: skip
+        lookahead = 1 if eagle and caching else 0
+        self.m = KVCacheManager(
+            cfg, max_model_len=8192, scheduler_block_size=math.lcm(*sizes), hash_block_size=hash_block,
+            max_in_flight_tokens=BUDGET_033, enable_caching=caching, use_eagle=eagle and not lookahead,
+            num_hash_lookahead_tokens=lookahead, num_prefill_lookahead=1 if eagle else 0, log_stats=True,
+            enable_kv_cache_events=True,
+        )  # fmt: skip
+        hasher = get_request_block_hasher(hash_block, sha256_cbor, lookahead) if caching else None
+        self._make033: Callable[..., Any] = lambda rid, toks, salt, lora: Request(
+            rid, toks, SamplingParams(max_tokens=1000), None, block_hasher=hasher, cache_salt=salt,
+            lora_request=LoRARequest(lora[1], lora[0], f"loras/{lora[1]}") if lora else None,
+        )  # fmt: skip
+        self.reqs: dict[str, Any] = {}
+
+    def add(self, rid: str, tokens: list[int], salt: str | None = None,
+            lora: tuple[int, str] | None = None) -> None:  # fmt: skip
+        self.reqs[rid] = self._make033(rid, tokens, salt, lora)
+
+    def lookup(self, rid: str) -> tuple[Any, list[list[int]], int]:
+        r = self.reqs[rid]
+        blocks, n, boundary = self.m.get_computed_blocks(r)
+        r.shared_prefix_boundary = boundary  # as the Scheduler does, admitted or not
+        return blocks, [list(x) for x in blocks.get_block_ids()], n
+
+    def boundary(self, rid: str) -> int:
+        return int(self.reqs[rid].shared_prefix_boundary)
+
+    def admit(self, rid: str, n: int, hit_tokens: int, hit: Any, lookahead: int) -> list[list[int]] | None:
+        out = self.m.allocate_slots(self.reqs[rid], n, hit_tokens, hit, num_lookahead_tokens=lookahead,
+                                    full_sequence_must_fit=True)  # fmt: skip
+        return None if out is None else [list(x) for x in out.get_block_ids(allow_none=False)]
+
+    def grow(self, rid: str, n: int, lookahead: int) -> list[list[int]] | None:
+        out = self.m.allocate_slots(self.reqs[rid], n, num_lookahead_tokens=lookahead)
+        return None if out is None else [list(x) for x in out.get_block_ids(allow_none=False)]
+
+    def record_stats(self, rid: str, hits: int) -> None:
+        self.m.record_prefix_cache_stats(self.reqs[rid], hits)
+
+    def estimate(self, rid: str) -> int:
+        return int(self.m.estimate_cached_tokens(self.reqs[rid]))
+
+    def cache_blocks(self, rid: str, computed: int) -> None:
+        self.m.cache_blocks(self.reqs[rid], computed)
+
+    def step_start(self) -> None:
+        self.m.new_step_starts()
+
+    def reset(self) -> bool:
+        return bool(self.m.reset_prefix_cache())
+
+    def block_ids(self, rid: str) -> list[list[int]]:
+        return [list(x) for x in self.m.get_block_ids(rid)]
+
+    def free_head(self, limit: int) -> list[int]:
+        out: list[int] = []
+        queue = self.m.block_pool.free_block_queue
+        block = queue.fake_free_list_head.next_free_block
+        while block is not None and block is not queue.fake_free_list_tail and len(out) < limit:
+            out.append(block.block_id)
+            block = block.next_free_block
+        return out
+
+    def stats(self) -> tuple[Any, ...]:
+        s = self.m.make_prefix_cache_stats()
+        if s is not None and s.hits_by_source:
+            raise SystemExit(f"vLLM's manager reported hits_by_source {s.hits_by_source}: not modelled here")
+        return _stats_tuple(s)
+
+    def events(self) -> list[tuple[Any, ...]]:
+        return [_event_tuple033(e) for e in self.m.take_events()]
+
+
+def _stats_tuple(s: Any) -> tuple[Any, ...]:
+    assert s is not None
+    return (
+        s.reset,
+        s.requests,
+        s.queries,
+        s.hits,
+        s.preempted_requests,
+        s.preempted_queries,
+        s.preempted_hits,
+    )
+
+
+def _event_tuple033(event: Any) -> tuple[Any, ...]:
+    """A KV event of either side with vLLM 0.33's fields; a field kvcoord does not have
+    (locality, ownership, session_id) must be unset on vLLM's side too."""
+
+    def h(x: Any) -> Any:
+        return hash_to_int64(x) if isinstance(x, bytes) else x
+
+    def keys(extra: Any) -> Any:
+        return None if extra is None else tuple(None if e is None else tuple(e) for e in extra)
+
+    unmodelled = tuple(getattr(event, f, None) for f in ("locality", "ownership", "session_id"))
+    name = type(event).__name__
+    if name == "BlockStored":
+        look = event.lookahead_token_ids
+        return (name, tuple(map(h, event.block_hashes)), h(event.parent_block_hash), tuple(event.token_ids),
+                event.block_size, event.lora_id, event.medium, event.lora_name, keys(event.extra_keys),
+                event.group_idx, event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window,
+                None if look is None else tuple(map(tuple, look)), unmodelled)  # fmt: skip
+    if name == "BlockRemoved":
+        return (name, tuple(map(h, event.block_hashes)), event.medium, event.group_idx, unmodelled)
+    return (name,)
+
+
+def workload033(side: Any, seed: int, steps: int, trace: list[Any], spec_tokens: int) -> None:
+    """vLLM 0.33's synchronous scheduler loop, reduced to its manager calls; appends every
+    answer to ``trace``.
+
+    Arrivals as in :func:`workload` (up to 24 live requests, 1-40 output tokens); a
+    prompt is one of three shared system prompts and a random tail (a tenth of them
+    with one of two cache salts, a tenth with one of two LoRA adapters), or a prompt
+    sent before, or the next turn of a finished conversation (with the same salt and
+    adapter). Each step:
+
+    - ``new_step_starts``; now and then ``reset_prefix_cache``, plain (refused while
+      blocks are in use) or after preempting every running request; now and then an
+      abort (``free``) of a running or waiting request;
+    - running requests first, in order: a chunk of their prefill or a decode step (with
+      EAGLE, one token plus ``spec_tokens`` drafts and ``spec_tokens`` look-ahead slots);
+      a refusal preempts the last running request and retries, until it fits or the
+      request itself was preempted;
+    - then, unless something was preempted, waiting requests in order: a lookup (its
+      shared-prefix boundary kept on the request), an admission that must fit the whole
+      sequence (``full_sequence_must_fit``; a refusal stops admissions for the step) and
+      the statistics recorded at admission;
+    - the outputs: a random number of drafts accepted and the rest rolled back; with
+      EAGLE, ``cache_blocks`` after every sampled output; ``estimate_cached_tokens`` at
+      a request's first output; finished requests freed.
+
+    Recorded: hits and boundaries, new block ids or refusals, free counts, every running
+    request's block table and the free queue's head once scheduled, each step's events
+    and statistics.
+    """
+    rnd = random.Random(seed)
+    systems = [[rnd.randrange(32000) for _ in range(n)] for n in (64, 200, 500)]
+    tokens: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    decode_left: dict[str, int] = {}
+    prompt_len: dict[str, int] = {}
+    running: list[str] = []
+    waiting: list[str] = []
+    request_keys: dict[str, tuple[str | None, tuple[int, str] | None]] = {}  # cache salt, LoRA
+    history: list[tuple[list[int], Any]] = []  # prompts sent, with their keys
+    finished: list[tuple[list[int], Any]] = []  # finished requests' prompts and outputs
+    estimated: set[str] = set()
+    nid = 0
+    rec = trace.append
+
+    def preempt(victim: str) -> None:
+        side.preempt(victim)
+        computed[victim] = 0
+        waiting.insert(0, victim)  # back to the front of the queue, as vLLM does
+        rec(("preempt", victim, side.num_free()))
+
+    def finish(rid: str) -> None:
+        side.free(rid)
+        rec(("free", rid, side.num_free()))
+        (running if rid in running else waiting).remove(rid)
+        for d in (tokens, computed, decode_left, prompt_len, request_keys):
+            del d[rid]
+
+    def after_output(rid: str, new_computed: int, appended: list[int]) -> None:
+        computed[rid] = new_computed
+        tokens[rid].extend(appended)
+        sync = side.advance(rid, new_computed, appended)
+        if sync is not None:
+            sync()
+        if spec_tokens and appended:
+            side.cache_blocks(rid, new_computed)
+            rec(("cached", rid, side.num_free()))
+
+    for _ in range(steps):
+        side.step_start()
+        if rnd.random() < 0.03:
+            if rnd.random() < 0.5:
+                while running:
+                    preempt(running.pop())
+            rec(("reset", side.reset(), side.num_free()))
+        if tokens and rnd.random() < 0.05:  # an abort, running or waiting
+            finish(rnd.choice(sorted(tokens)))
+        while len(tokens) < 24 and rnd.random() < 0.7:
+            rid = f"r{nid}"
+            nid += 1
+            pick = rnd.random()
+            if pick < 0.15 and history:  # the same prompt again
+                toks, keys = rnd.choice(history)
+            elif pick < 0.35 and finished:  # the next turn of a finished conversation
+                toks, keys = rnd.choice(finished)
+                toks = (toks + [rnd.randrange(32000) for _ in range(rnd.randint(1, 100))])[:1400]
+            else:
+                toks = rnd.choice(systems) + [rnd.randrange(32000) for _ in range(rnd.randint(1, 700))]
+                toks = toks[:1200]
+                salt = rnd.choice(("salt-a", "salt-b")) if rnd.random() < 0.1 else None
+                keys = (salt, rnd.choice(LORAS_033) if rnd.random() < 0.1 else None)
+            history.append((toks, keys))
+            tokens[rid], computed[rid], decode_left[rid] = list(toks), 0, rnd.randint(1, 40)
+            prompt_len[rid] = len(toks)
+            request_keys[rid] = keys
+            waiting.append(rid)
+            sync = side.add(rid, list(toks), *keys)
+            if sync is not None:
+                sync()
+        budget = BUDGET_033
+        scheduled: list[tuple[str, int, int]] = []  # (request, tokens, drafts)
+        preempted = False
+        index = 0
+        while index < len(running) and budget > 0:
+            rid = running[index]
+            left = len(tokens[rid]) - computed[rid]
+            drafts = spec_tokens if left == 1 and len(tokens[rid]) > prompt_len[rid] else 0
+            n = min(left + drafts, budget, 512)
+            drafts = min(drafts, n - 1)
+            while True:
+                new = side.grow(rid, n, spec_tokens)
+                rec(("alloc", rid, new, side.num_free()))
+                if new is not None:
+                    break
+                victim = running.pop()
+                preempted = True
+                preempt(victim)
+                if victim == rid:
+                    break
+            if new is None:
+                break
+            scheduled.append((rid, n, drafts))
+            budget -= n
+            index += 1
+        while waiting and budget > 0 and not preempted:
+            rid = waiting[0]
+            hit, ids, n_hit = side.lookup(rid)
+            rec(("hit", rid, ids, n_hit, side.boundary(rid)))
+            n = min(len(tokens[rid]) - n_hit, budget, 512)
+            new = side.admit(rid, n, n_hit, hit, spec_tokens)
+            rec(("admit", rid, new, side.num_free()))
+            if new is None:
+                break
+            side.record_stats(rid, n_hit)
+            waiting.pop(0)
+            running.append(rid)
+            computed[rid] = n_hit
+            scheduled.append((rid, n, 0))
+            budget -= n
+        for rid in running:
+            rec(("blocks", rid, side.block_ids(rid)))
+        rec(("free queue", side.free_head(8)))
+        # the model ran: outputs
+        for rid, n, drafts in scheduled:
+            if rid not in running:
+                continue
+            done = computed[rid] + n - drafts
+            if done < len(tokens[rid]):  # a prefill chunk: no output
+                after_output(rid, done, [])
+                continue
+            first = rid not in estimated  # its first output reports its cached tokens
+            estimated.add(rid)
+            if decode_left[rid] <= 0:
+                if first:
+                    rec(("estimate", rid, side.estimate(rid)))
+                finished.append((tokens[rid], request_keys[rid]))
+                finish(rid)
+                continue
+            accepted = rnd.randint(0, drafts)
+            decode_left[rid] -= 1 + accepted
+            after_output(rid, done + accepted, [rnd.randrange(32000) for _ in range(1 + accepted)])
+            if first:
+                rec(("estimate", rid, side.estimate(rid)))
+        rec(("events", side.events()))
+        rec(("stats", side.stats()))
+
+
+def check033(seeds: int, steps: int, layouts: dict[str, list[tuple[str, dict[str, Any]]]] | None = None,
+             out: Callable[[str], None] = print) -> dict[str, int]:  # fmt: skip
+    """The differential check against vLLM 0.33.0: every layout with prefix caching on and
+    off and EAGLE on and off, ``seeds`` seeds each. Raises :class:`Difference` at the first
+    differing answer; returns the number of answers compared per layout."""
+    counts: dict[str, int] = {}
+    for name, layout in (LAYOUTS_033 if layouts is None else layouts).items():
+        counts[name] = 0
+        for caching in (True, False):
+            for eagle in (False, True):
+                for seed in range(seeds):
+                    num_blocks = 300 + 200 * seed
+                    spec = SPEC_TOKENS_033 if eagle else 0
+                    a: list[Any] = []
+                    b: list[Any] = []
+                    workload033(VLLM033(layout, num_blocks, eagle, caching), seed, steps, a, spec)
+                    workload033(Ours033(layout, num_blocks, eagle, caching), seed, steps, b, spec)
+                    where = f"{name} caching={caching} eagle={eagle} seed={seed} blocks={num_blocks}"
+                    compare(where, a, b)
+                    counts[name] += len(a)
+                    out(f"identical  {where}: {len(a)} answers ({_coverage(a)})")
+    return counts
+
+
+def _coverage(trace: list[Any]) -> str:
+    """What a run exercised: lookups that hit, refused allocations and admissions,
+    preemptions, resets that succeeded, KV events."""
+    kinds = [x[0] for x in trace]
+    hits = sum(1 for x in trace if x[0] == "hit" and x[3] > 0)
+    refused = sum(1 for x in trace if x[0] in ("alloc", "admit") and x[2] is None)
+    resets = sum(1 for x in trace if x[0] == "reset" and x[1])
+    events = sum(len(x[1]) for x in trace if x[0] == "events")
+    return (f"{hits}/{kinds.count('hit')} lookups hit, {refused} refusals, {kinds.count('preempt')} "
+            f"preemptions, {resets}/{kinds.count('reset')} resets, {events} events")  # fmt: skip
+
+
+class Difference(AssertionError):
+    """vLLM and kvcoord answered differently."""
+
+
+def compare(where: str, a: list[Any], b: list[Any]) -> None:
+    """Raise :class:`Difference` naming the first answer where vLLM's ``a`` and kvcoord's
+    ``b`` differ."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            raise Difference(f"DIFFERENCE {where} at answer {i}: vLLM {x} vs ours {y}")
+    if len(a) != len(b):
+        raise Difference(f"DIFFERENCE {where}: {len(a)} vs {len(b)} answers")
+
+
 TIMED_OPS = ("lookup", "alloc_decode", "alloc_first", "alloc_chunk", "free", "sync_add", "sync_update")
 OP_LABELS = {
     "lookup": "lookup",
@@ -463,13 +972,34 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1500, help="requests in the timed run")
     parser.add_argument("--blocks", type=int, default=24000, help="pool size of the timed run")
     parser.add_argument("--reps", type=int, default=3, help="timed runs per side (lowest mean kept)")
+    parser.add_argument("--layouts", nargs="*", help="vLLM 0.33: only these layouts (names as printed)")
+    parser.add_argument("--vllm", choices=("auto", "0.16", "0.33"), default="auto",
+                        help="the vLLM release to compare with (auto: the installed one)")  # fmt: skip
     args = parser.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
         raise SystemExit("run with PYTHONHASHSEED=0 so that vLLM's NONE_HASH is the seeded one")
     try:
-        import vllm  # noqa: F401
-    except ImportError:
-        raise SystemExit("vLLM 0.16.0 is not importable here; see this file's docstring") from None
+        installed = importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        raise SystemExit("vLLM is not installed here; see this file's docstring") from None
+    release = ".".join(installed.split(".")[:2])
+    if release not in ("0.16", "0.33") or args.vllm not in ("auto", release):
+        raise SystemExit(f"vLLM {installed} is installed; this compares with 0.16.x or 0.33.x "
+                         f"(--vllm {args.vllm}): use the venv of scripts/install_vllm.sh")  # fmt: skip
+    if release == "0.33":
+        if args.skip_check:
+            raise SystemExit("vLLM 0.33: there is only the differential check (no timings yet)")
+        try:
+            chosen = {k: v for k, v in LAYOUTS_033.items() if not args.layouts or k in args.layouts}
+            counts = check033(args.seeds, args.steps, chosen)
+        except Difference as exc:
+            raise SystemExit(str(exc)) from None
+        for name, n in counts.items():
+            print(f"{name:<31} {n:>9} answers")
+        print(f"differential check: {sum(counts.values())} answers identical to vLLM {installed}")
+        if not args.check_only:
+            print("timings: measured against vLLM 0.16.0 only (run this in its venv)")
+        return
     compared = 0
     for name, layout in [] if args.skip_check else LAYOUTS.items():
         for eagle in (False, True):
@@ -481,13 +1011,10 @@ def main() -> None:
                 b: list[Any] = []
                 workload(VLLM(layout, num_blocks, eagle), seed, args.steps, None, a)
                 workload(Ours(layout, num_blocks, eagle), seed, args.steps, None, b)
-                for i, (x, y) in enumerate(zip(a, b, strict=False)):
-                    if x != y:
-                        raise SystemExit(
-                            f"DIFFERENCE {name} eagle={eagle} seed={seed} at answer {i}: vLLM {x} vs ours {y}"
-                        )
-                if len(a) != len(b):
-                    raise SystemExit(f"DIFFERENCE {name}: {len(a)} vs {len(b)} answers")
+                try:
+                    compare(f"{name} eagle={eagle} seed={seed}", a, b)
+                except Difference as exc:
+                    raise SystemExit(str(exc)) from None
                 compared += len(a)
                 print(
                     f"identical  {name:<31} eagle={eagle!s:<5} seed={seed} blocks={num_blocks}: {len(a)} answers",

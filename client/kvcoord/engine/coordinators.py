@@ -34,6 +34,10 @@ class KVCacheCoordinator:
     are taken group 0 first and freed blocks reach the free queue group 0 first.
     """
 
+    #: the coordinator's cache_blocks stops at the request's hashed tokens itself, after
+    #: its own rounding; otherwise the caller clamps the count first
+    caps_cache_at_hashes = False
+
     def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
         self.config = config
         self.enable_caching = config.enable_caching
@@ -314,7 +318,13 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
     sliding-window blocks a later lookup can reach: the ``cdiv(w - 1, block)`` blocks
     ending at the prompt's replay boundary (``num_prompt_tokens - 1``) or at the
     request's shared-prefix junction, each rounded down to the scheduler block.
+    With look-ahead hashes the count is rounded down first and then stopped at the
+    hashed tokens, as vLLM 0.33's managers do (so a prompt of 64 tokens with 16-token
+    hash blocks, one look-ahead token and a 32-token scheduler block caches 48 tokens
+    of a 16-token group, not 32): the caller passes the unclamped count.
     """
+
+    caps_cache_at_hashes = True
 
     def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
         super().__init__(config, materialize_blocks)

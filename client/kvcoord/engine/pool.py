@@ -75,6 +75,10 @@ class KVCachePool:
         #: vllm-0.33 look-ahead hashes: the last this many tokens have no hash yet, so
         #: caching stops before them (vLLM 0.33 clamps caching at the hashed tokens)
         self._hash_lag = config.num_hash_lookahead_tokens
+        #: what the caching calls hold back from the coordinator: the look-ahead tokens,
+        #: unless the coordinator stops at the hashed tokens itself after rounding down
+        #: (vllm-0.33 hybrids: clamping first would round a smaller count down)
+        self._cache_lag = 0 if self.coordinator.caps_cache_at_hashes else self._hash_lag
         #: vllm-0.33's per-group admission caps (tokens), for the full-sequence gate
         self._admission_caps = admission_cap_tokens(config)
         self.request_table = RequestTable(config)
@@ -467,7 +471,7 @@ class KVCachePool:
             )
         new = coordinator.allocate_new_blocks(request_id, need, main, num_encoder_tokens)
         if self.enable_caching and not delay_cache_blocks:
-            coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens - self._hash_lag))
+            coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens - self._cache_lag))
         return tuple([tuple([b.block_id for b in lst]) for lst in new])
 
     def update_and_allocate(
@@ -824,15 +828,15 @@ class KVCachePool:
             )
         if not self.enable_caching:
             return
-        num_computed_tokens = min(num_computed_tokens, req.num_tokens - self._hash_lag)
+        hashed = min(num_computed_tokens, req.num_tokens - self._hash_lag)
         for m in self.managers:
-            full = num_computed_tokens // m.block_size
+            full = hashed // m.block_size
             held = len(m.req_to_blocks.get(request_id, ()))
             if full > m.num_cached_block.get(request_id, 0) and full > held:
                 raise FailedPreconditionError(
                     f"group {m.group_id}: caching {full} blocks but request {request_id!r} holds only {held}"
                 )
-        self.coordinator.cache_blocks(req, num_computed_tokens)
+        self.coordinator.cache_blocks(req, min(num_computed_tokens, req.num_tokens - self._cache_lag))
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Free blocks that attention no longer reads after ``total_computed_tokens``."""

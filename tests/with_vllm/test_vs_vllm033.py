@@ -1,0 +1,89 @@
+"""The differential check of bench/vs_vllm.py against vLLM 0.33.0's own KVCacheManager,
+with fewer seeds and steps, so CI keeps it true: every layout, prefix caching on and
+off, EAGLE on and off, every answer identical (the bench's full run and its counts are
+in bench/README.md).
+
+Runs in the vLLM 0.33.0 venv only (``KVCOORD_VLLM_VERSION=0.33.0 scripts/test_vllm.sh
+-k vs_vllm033``); under 0.16.0 the same bench's own check (``--check-only``) is the
+differential run.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from harness import V033
+
+pytestmark = pytest.mark.skipif(not V033, reason="vLLM 0.33.0 only (this venv has another release)")
+
+ROOT = Path(__file__).resolve().parents[2]
+#: seeds and scheduler steps per layout, caching and EAGLE setting (the bench: 3 x 150)
+SEEDS, STEPS = 2, 100
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    module = sys.modules.get(name)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def _bench() -> ModuleType:
+    return _load("vs_vllm", ROOT / "bench" / "vs_vllm.py")
+
+
+def _layouts() -> list[str]:
+    return list(_bench().LAYOUTS_033)
+
+
+@pytest.mark.parametrize("layout", _layouts())
+def test_every_answer_equals_vllm_033(layout: str) -> None:
+    """Hits, boundaries, new blocks, refusals, free counts, block tables, the free
+    queue's head, events and statistics: identical at every step (the bench raises at
+    the first difference, naming it)."""
+    bench = _bench()
+    lines: list[str] = []
+    counts = bench.check033(SEEDS, STEPS, {layout: bench.LAYOUTS_033[layout]}, out=lines.append)
+    assert len(lines) == 4 * SEEDS  # caching on/off x EAGLE on/off
+    assert counts[layout] > 0
+
+
+def _vllm_round_down(delayed: bool) -> dict[str, Any]:
+    """tests/conformance/test_differential_033.py's look-ahead scenario on vLLM 0.33.0."""
+    side = _bench().VLLM033([("full", {}), ("swa32", {"sliding_window": 128})], 40, True, True)
+    prompt = list(range(1000, 1064))
+    side.add("a", prompt)
+    hit, _ids, n = side.lookup("a")
+    out = side.m.allocate_slots(
+        side.reqs["a"], 64, n, hit, delay_cache_blocks=delayed, full_sequence_must_fit=True
+    )
+    assert out is not None
+    if delayed:
+        assert side.events() == []
+        side.cache_blocks("a", 64)
+    stored = [(e[9], len(e[1]), e[12]) for e in side.events() if e[0] == "BlockStored"]
+    side.free("a")
+    return {
+        "new": [list(x) for x in out.get_block_ids(allow_none=False)],
+        "stored": stored,
+        "free_queue_head": side.free_head(12),
+        "num_free": side.num_free(),
+    }
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["allocate_slots", "cache_blocks"])
+def test_the_pinned_answers_are_vllm_033s(delayed: bool) -> None:
+    """The answers tests/conformance/test_differential_033.py pins are vLLM 0.33.0's."""
+    pinned = _load(
+        "conformance_differential_033", ROOT / "tests" / "conformance" / "test_differential_033.py"
+    )
+    assert _vllm_round_down(delayed) == pinned.VLLM_LOOKAHEAD_ROUND_DOWN

@@ -41,13 +41,9 @@ def _varint(n: int) -> bytes:
 _SMALL = [_varint(n) for n in range(1 << 14)]
 
 
-def _v(n: int) -> bytes:
-    return _SMALL[n] if n < 16384 else _varint(n)
-
-
 def _field(tag: int, payload: bytes) -> bytes:
     """A length-delimited field (string, bytes or message) with its tag byte."""
-    return bytes((tag,)) + _v(len(payload)) + payload
+    return bytes((tag,)) + _varint(len(payload)) + payload
 
 
 class ScoreEncoder:
@@ -67,6 +63,7 @@ class ScoreEncoder:
         """The bytes of ``ScorePoolsResponse(scores=..., unscored=...)``, each score's
         ``hit`` left unset (no block ids)."""
         fixed = self._fixed
+        small = _SMALL
         out: list[bytes] = []
         append = out.append
         for s in scores:
@@ -79,17 +76,19 @@ class ScoreEncoder:
             hit = s.hit.num_tokens
             free = s.num_free_blocks
             usage = _pack_double(s.usage)
+            # (the varints inline: a call per field costs as much as the rest of a score)
             body = b"".join(
                 (
                     head,
-                    b"\x10" + _v(hit) if hit else b"",
-                    b"\x18" + _v(free) if free else b"",
+                    (b"\x10" + (small[hit] if hit < 16384 else _varint(hit))) if hit else b"",
+                    (b"\x18" + (small[free] if free < 16384 else _varint(free))) if free else b"",
                     b"\x21" + usage if usage != _ZERO_DOUBLE else b"",
                     tail,
                 )
             )
+            size = len(body)
             append(b"\x0a")
-            append(_v(len(body)))
+            append(small[size] if size < 16384 else _varint(size))
             append(body)
         for u in unscored:
             append(

@@ -556,13 +556,18 @@ class PoolService:
         group's run of cached keys ("unitary", "eagle": one group; "run": a hybrid whose
         first attention group is that group alone; "search": the coordinator's own
         search). ``None`` when caching is off, the search starts otherwise, or the pool
-        follows another profile than vllm-0.16 (vllm-0.33's partial-tail entries and
-        trimmed hits are written and searched by rules the index does not follow: such
-        a pool is scored by its own search)."""
+        is a vllm-0.33 hybrid (its partial-tail entries, hits trimmed on every
+        full-attention group and scheduler-block alignment follow rules the index does
+        not: such a pool is scored by its own search). A vllm-0.33 pool of one group
+        has the same search as a 0.16 one (the run of cached keys, at most
+        ``(num_tokens - 1) // block_size`` blocks and one per hash it has: look-ahead
+        hashes are fewer; 0.33 refuses EAGLE's drop), so the index scores it."""
         engine = self.engine
         cfg = engine.config
         first = engine.hits._first_full
-        if first is None or not cfg.enable_caching or cfg.profile != VLLM_016:
+        if first is None or not cfg.enable_caching:
+            return None
+        if cfg.profile != VLLM_016 and (cfg.coordinator_kind != "unitary" or cfg.use_eagle):
             return None
         if cfg.coordinator_kind == "unitary":
             how = "eagle" if cfg.use_eagle else "unitary"

@@ -4,11 +4,12 @@ trace the request's prompt and prefixes of it are scored; each score is the hit 
 request of that prompt gets (get_computed_blocks on a copy of the pool) and
 FindLongestCacheHit's, through the cross-pool index too, and scoring changes nothing.
 
-A vllm-0.33 hybrid is scored by its own search (PoolService.score: the engine's
-find_longest_cache_hit, the very call FindLongestCacheHit makes), a 0.33 pool of one
-group through the index's walk; these tests hold both answers to the reference lookup,
-and check the index's bits are a watched pool's live keys and that it leaves hybrids
-alone.
+With block ids a vllm-0.33 pool is scored by its own search (PoolService.score: the
+engine's find_longest_cache_hit, the very call FindLongestCacheHit makes); for hit
+lengths alone through the index's walk (one-group pools by the walk alone, hybrids by
+their own search unless the first full-attention group's run is empty). These tests
+hold both answers to the reference lookup and check the index's bits are each watched
+pool's live keys.
 """
 
 from __future__ import annotations
@@ -97,13 +98,11 @@ class ScoringTarget(LocalTarget):
         if deep:
             assert score.hit == reference_hit(engine, tokens, hashes)
             assert engine.snapshot() == before  # scoring changed nothing
-        # the index watches a one-group pool (its bits are exactly the group's live
-        # keys) and leaves a hybrid (or caching off) to its own search
-        cfg = engine.config
-        watched = cfg.enable_caching and cfg.coordinator_kind == "unitary"
-        live = set(engine.block_pool.cached_block_hash_to_block.first[0]) if watched else set()
+        # the index watches every pool whose search starts with full attention: its
+        # bits are exactly that group's live keys (none without caching)
+        first = engine.hits._first_full if engine.config.enable_caching else None
+        live = set() if first is None else set(engine.block_pool.cached_block_hash_to_block.first[first[0]])
         assert self.index.keys_of("p33") == live
-        assert watched or not self.index.masks
         self.probes += 1
         self.hits += expected.num_tokens > 0
 

@@ -555,22 +555,24 @@ class PoolService:
         search starts with, the hash block size, and how a hit follows from that
         group's run of cached keys ("unitary", "eagle": one group; "run": a hybrid whose
         first attention group is that group alone; "search": the coordinator's own
-        search). ``None`` when caching is off, the search starts otherwise, or the pool
-        is a vllm-0.33 hybrid (its partial-tail entries, hits trimmed on every
-        full-attention group and scheduler-block alignment follow rules the index does
-        not: such a pool is scored by its own search). A vllm-0.33 pool of one group
-        has the same search as a 0.16 one (the run of cached keys, at most
-        ``(num_tokens - 1) // block_size`` blocks and one per hash it has: look-ahead
-        hashes are fewer; 0.33 refuses EAGLE's drop), so the index scores it."""
+        search). ``None`` when caching is off or the search starts otherwise.
+
+        A vllm-0.33 pool of one group has the same search as a 0.16 one (the run of
+        cached keys, at most ``(num_tokens - 1) // block_size`` blocks and one per hash
+        it has: look-ahead hashes are fewer; 0.33 refuses EAGLE's drop). A vllm-0.33
+        hybrid is "search": its hit is cut back on every full-attention group, so an
+        empty run of the first one means no hit, and any other run is its own
+        coordinator's search (sparse retention, scheduler-block alignment and
+        shared-prefix junctions are rules the run alone does not follow)."""
         engine = self.engine
         cfg = engine.config
         first = engine.hits._first_full
-        if first is None or not cfg.enable_caching:
-            return None
-        if cfg.profile != VLLM_016 and (cfg.coordinator_kind != "unitary" or cfg.use_eagle):
+        if first is None or not cfg.enable_caching or (cfg.profile != VLLM_016 and cfg.use_eagle):
             return None
         if cfg.coordinator_kind == "unitary":
             how = "eagle" if cfg.use_eagle else "unitary"
+        elif cfg.profile != VLLM_016:
+            how = "search"
         else:
             how = "run" if len(engine.coordinator.attention_groups[0][1]) == 1 else "search"  # type: ignore[attr-defined]
         return engine.block_pool.cached_block_hash_to_block, first[0], first[1], cfg.hash_block_size, how

@@ -16,6 +16,10 @@ process of its own (no interceptors, no protobuf: bytes in, bytes out), sent a r
 of the ScorePools request's size and answering with as many bytes as the ScorePools
 answer, called in the same turns: what any Python gRPC call of these sizes costs here.
 
+``--profile vllm-0.33`` scores pools of that semantics profile instead (the same
+layouts; EAGLE's becomes look-ahead hashes, L = 1, as vLLM 0.33 hashes for EAGLE; no
+``--old`` with it: a tree without profile-aware prompt hashing cannot score them).
+
 ``--old REV`` runs the same workload on the code of git revision REV beside this
 checkout's, in one run: two servers and two in-process children, called in turns
 (one call each, and rounds of in-process samples), so a busy machine slows both alike.
@@ -67,6 +71,8 @@ from kvcoord.v1 import allocator_pb2 as pb  # noqa: E402
 G = pb.KVCacheGroupSpec
 PROMPT_TOKENS = 4096
 BLOCK = 16
+#: the pools' semantics profile (--profile; children read it from the environment)
+PROFILE = os.environ.get("KVCOORD_BENCH_PROFILE", "vllm-0.16")
 
 LAYOUTS = {
     "full": [G(full=pb.FullAttentionSpec(block_size=BLOCK))],
@@ -83,7 +89,7 @@ LAYOUTS = {
 
 
 def pool_config(layout: str, num_blocks: int = 4096) -> pb.PoolConfig:
-    return pb.PoolConfig(
+    cfg = pb.PoolConfig(
         num_blocks=num_blocks,
         groups=LAYOUTS[layout],
         hash_block_size=BLOCK,
@@ -94,6 +100,11 @@ def pool_config(layout: str, num_blocks: int = 4096) -> pb.PoolConfig:
         hash_algo="sha256_cbor",
         hash_seed="0",
     )
+    if PROFILE != "vllm-0.16":
+        # vLLM 0.33 hashes EAGLE's next token into each block instead of dropping one
+        cfg.profile, cfg.use_eagle = PROFILE, False
+        cfg.num_hash_lookahead_tokens = 1 if layout == "eagle" else 0
+    return cfg
 
 
 def start_server(config_text: str, tmp: Path, tree: Path = ROOT) -> tuple[subprocess.Popen[bytes], str]:
@@ -177,7 +188,11 @@ def old_tree(rev: str) -> Path:
 def fill(client: KVCoordClient, name: str, cfg: pb.PoolConfig, prefix: list[int]) -> None:
     """Cache ``prefix`` in the pool (a request allocates it and is freed)."""
     prompts = hash_prompt([pb.PoolInfo(name=name, config=cfg)], prefix)
-    r = client.attach(name, "sha256_cbor", BLOCK, "0")
+    if cfg.profile:
+        r = client.attach(name, "sha256_cbor", BLOCK, "0", profile=cfg.profile,
+                          num_hash_lookahead_tokens=cfg.num_hash_lookahead_tokens)  # fmt: skip
+    else:
+        r = client.attach(name, "sha256_cbor", BLOCK, "0")
     sync = pb.RequestSync(
         request_id="fill",
         append_token_ids=prefix,
@@ -547,10 +562,16 @@ def main() -> None:
     ap.add_argument("--only", choices=("scoring", "events", "step-cost"), help="run one part")
     ap.add_argument("--rounds", type=int, default=10, help="step-cost: workload runs per code")
     ap.add_argument("--old", metavar="REV", help="also score with the code of git revision REV, side by side")
+    ap.add_argument("--profile", choices=("vllm-0.16", "vllm-0.33"), help="scoring: the pools' profile")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)  # inprocess_child
     ap.add_argument("--floor", type=int, help=argparse.SUPPRESS)  # floor_server
     ap.add_argument("--step-child", choices=("plain", "watched"), help=argparse.SUPPRESS)  # step_child
     a = ap.parse_args()
+    if a.profile:
+        if a.profile != "vllm-0.16" and a.old:
+            ap.error("--profile vllm-0.33 has no --old: older trees hash every prompt by 0.16's rules")
+        os.environ["KVCOORD_BENCH_PROFILE"] = a.profile  # this process's children
+        globals()["PROFILE"] = a.profile
     if a.step_child:
         step_child(a.step_child == "watched")
         return

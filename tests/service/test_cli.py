@@ -364,6 +364,39 @@ def test_score_a_prompt_file(server: DurableServer, client: KVCoordClient, tmp_p
     assert "neither JSON nor" in one_line_error(proc)
 
 
+def test_score_a_lora_prompt_in_a_033_pool(
+    server: DurableServer, client: KVCoordClient, tmp_path: Path
+) -> None:
+    """`kvcoord score` hashes a LoRA prompt for a vllm-0.33 pool by 0.33's rules (the
+    adapter's path is part of the key): its hit there is FindLongestCacheHit's with
+    those hashes; without the path the prompt cannot be hashed (usage error)."""
+    from kvcoord.client.hashing import block_hasher, none_hash
+
+    cfg = client.get_pool("p").pool.config
+    cfg.profile = "vllm-0.33"
+    client.create_pool("p33", cfg)
+    tokens = list(range(300, 331))
+    hashes = block_hasher("vllm-0.33", "sha256_cbor", 4, none_hash("sha256_cbor", "0", profile="vllm-0.33"),
+                          lora_name="ad", lora_path="/loras/ad").extend(tokens)  # fmt: skip
+    sid, fence = attach(client, "p33", profile="vllm-0.33")
+    sync = pb.RequestSync(request_id="l-1", append_token_ids=tokens, append_block_hashes=hashes, new_request=True,
+                          lora=pb.LoRA(adapter_id=1, name="ad"))  # fmt: skip
+    client.step(
+        "p33", [pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=len(tokens)))], sid, fence
+    )
+    expected = client.find_longest_cache_hit("p33", hashes, len(tokens)).hit.num_tokens
+    assert expected > 0
+    prompt = tmp_path / "lora.json"
+    prompt.write_text(json.dumps({"token_ids": tokens, "lora_name": "ad", "lora_path": "/loras/ad"}))
+    proc = run(server, "score", str(prompt), "--pool", "p33", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert [(s["pool"], s["hit_tokens"]) for s in json.loads(proc.stdout)["scores"]] == [("p33", expected)]
+    prompt.write_text(json.dumps({"token_ids": tokens, "lora_name": "ad"}))
+    proc = run(server, "score", str(prompt), "--pool", "p33")
+    assert proc.returncode == cli_common.EXIT_USAGE
+    assert "lora_path" in one_line_error(proc)
+
+
 def test_serve_cannot_bind_its_port(tmp_path: Path) -> None:
     """`kvcoord serve` on a port in use (gRPC or metrics) exits 3 with one line."""
     with socket.socket() as s:

@@ -1,7 +1,14 @@
-"""A pool's KV events on ZMQ in vLLM 0.16.0's own wire format, decoded with vLLM's own
+"""A pool's KV events on ZMQ in vLLM's own wire format, decoded with vLLM's own
 classes: a subscriber's index equals the pool's prefix-cache map after every step,
 also after it drops its connection and replays what it missed; a subscriber that reads
-nothing never holds up the pool."""
+nothing never holds up the pool.
+
+Runs in both vLLM venvs: under vLLM 0.16.0 the pool follows the vllm-0.16 profile
+(0.16's array-encoded events), under 0.33.0 the vllm-0.33 profile (0.33's map-encoded
+events with their group, spec and extra-key fields, and 0.33's replay framing), each
+decoded by that release's own classes. A 0.33 subscriber's index is keyed by (group,
+hash), as 0.33's group_idx allows, and is compared with the pool's map per group.
+"""
 
 from __future__ import annotations
 
@@ -16,19 +23,27 @@ import msgspec
 import pytest
 import zmq
 from durable_server import DurableServer, free_port
+from harness import V033
 from kvcoord.client import KVCoordClient
-from kvcoord.engine.events import BlockRemoved, BlockStored, hash_to_int64
+from kvcoord.client.hashing import block_hasher, none_hash
+from kvcoord.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, hash_to_int64
+from kvcoord.engine.profiles import VLLM_016, VLLM_033
 from kvcoord.service.kv_publisher import encode_batch
 from kvcoord.service.testing import InProcessServer
+from kvcoord.v1 import allocator_pb2 as pb
 from support import PoolWorker
 from vllm.distributed.kv_events import AllBlocksCleared as VllmCleared
 from vllm.distributed.kv_events import BlockRemoved as VllmRemoved
 from vllm.distributed.kv_events import BlockStored as VllmStored
 from vllm.distributed.kv_events import KVEventBatch
 
-CONFIG = """
+#: the profile of the installed vLLM: the format its decoder classes read
+PROFILE = VLLM_033 if V033 else VLLM_016
+
+CONFIG = f"""
 [[pools]]
 name = "hy"
+profile = "{PROFILE}"
 num_blocks = 48
 hash_block_size = 4
 hash_algo = "sha256_cbor"
@@ -56,6 +71,30 @@ buffer_steps = 100000
 
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)
 
+#: a subscriber's index key: 0.33's events name the group, 0.16's do not
+Key = tuple[int, bytes] | bytes
+
+
+class Worker(PoolWorker):
+    """:class:`PoolWorker` of either profile: it attaches with the pool's profile and
+    hashes as that profile's workers do (0.33: tagged extra keys, the LoRA path)."""
+
+    def __init__(self, client: KVCoordClient, pool: str, cfg: pb.PoolConfig, rnd: random.Random) -> None:
+        self.client, self.pool, self.cfg, self.rnd = client, pool, cfg, rnd
+        r = client.attach(pool, cfg.hash_algo, cfg.hash_block_size, cfg.hash_seed, profile=cfg.profile)
+        self.sid, self.fence = r.session_id, r.fence
+        self.live: list[str] = []
+        self.n = 0
+
+    def hashes(self, tokens: list[int], lora: str | None = None) -> list[bytes]:
+        profile = self.cfg.profile or VLLM_016
+        none = none_hash(self.cfg.hash_algo, self.cfg.hash_seed, profile=profile)
+        path = {"lora_path": f"loras/{lora}"} if lora and profile == VLLM_033 else {}
+        hasher = block_hasher(
+            profile, self.cfg.hash_algo, self.cfg.hash_block_size, none, lora_name=lora, **path
+        )
+        return hasher.extend(tokens)
+
 
 class Subscriber:
     """What a router does with a vLLM engine's events: a SUB socket on the topic, an
@@ -64,11 +103,13 @@ class Subscriber:
 
     def __init__(self, ctx: zmq.Context, endpoint: str, replay: str, topic: bytes) -> None:
         self.ctx, self.endpoint, self.replay_endpoint, self.topic = ctx, endpoint, replay, topic
-        self.index: Counter[bytes] = Counter()
+        self.index: Counter[Key] = Counter()
         self.last = -1
         self.replays = 0
         self.skips = 0
         self.clears = 0
+        #: blocks stored with a LoRA's extra keys (0.33)
+        self.lora_blocks = 0
         self.sub: zmq.Socket | None = None
         self.connect()
 
@@ -95,13 +136,25 @@ class Subscriber:
         for e in batch.events:
             if isinstance(e, VllmStored):
                 assert e.medium == "GPU" and e.block_size in (4, 8)
-                self.index.update(e.block_hashes)
+                if V033:
+                    assert (e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window) == (
+                        ("full_attention", None) if e.group_idx == 0 else ("sliding_window", 16)
+                    ), e
+                    # one entry per hashed block (vLLM skips the blocks sparse retention
+                    # leaves unhashed), with the request's LoRA name when it has one
+                    assert len(e.extra_keys or ()) == len(e.block_hashes), e
+                    assert all(k in (None, ("ad",)) for k in e.extra_keys or ()), e
+                    self.lora_blocks += sum(k == ("ad",) for k in e.extra_keys or ())
+                    self.index.update((e.group_idx, h) for h in e.block_hashes)
+                else:
+                    self.index.update(e.block_hashes)
             elif isinstance(e, VllmRemoved):
                 for h in e.block_hashes:
-                    self.index[h] -= 1
-                    assert self.index[h] >= 0
-                    if not self.index[h]:
-                        del self.index[h]
+                    key: Key = (e.group_idx, h) if V033 else h
+                    self.index[key] -= 1
+                    assert self.index[key] >= 0
+                    if not self.index[key]:
+                        del self.index[key]
             else:
                 assert isinstance(e, VllmCleared)
                 self.clears += 1
@@ -117,8 +170,13 @@ class Subscriber:
             first = True
             for _ in range(1_000_000):
                 assert dealer.poll(10_000), "no replay answer"
-                _, seq_bytes, payload = dealer.recv_multipart()
-                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if V033:  # 0.33 frames a replayed batch as the PUB socket does, topic first
+                    _, topic, seq_bytes, payload = dealer.recv_multipart()
+                    seq = int.from_bytes(seq_bytes, "big", signed=True)
+                    assert topic == (b"" if seq == -1 else self.topic)
+                else:
+                    _, seq_bytes, payload = dealer.recv_multipart()
+                    seq = int.from_bytes(seq_bytes, "big", signed=True)
                 if seq == -1:
                     break
                 if seq > self.last:
@@ -138,7 +196,7 @@ class Subscriber:
             if seq > self.last:  # else a batch a replay delivered already
                 self.apply(seq, payload)
 
-    def pump(self, until: Counter[bytes], timeout: float = 20.0, past: int = -1) -> None:
+    def pump(self, until: Counter[Key], timeout: float = 20.0, past: int = -1) -> None:
         """Receive (and replay on a gap) until the index equals ``until`` (and a batch
         numbered above ``past`` was applied)."""
         assert self.sub is not None
@@ -162,14 +220,16 @@ class Subscriber:
             self.apply(seq, payload)
 
 
-def _pool_map(server: InProcessServer, pool: str) -> Counter[bytes]:
-    """The pool's prefix-cache map as raw hash -> cached blocks under it (every group)."""
+def _pool_map(server: InProcessServer, pool: str) -> Counter[Key]:
+    """The pool's prefix-cache map as raw hash (under 0.33: (group, hash)) -> cached
+    blocks under it (every group)."""
 
-    def read() -> Counter[bytes]:
+    def read() -> Counter[Key]:
         engine = server.running.servicer.registry.pools[pool].engine  # type: ignore[union-attr]
-        out: Counter[bytes] = Counter()
+        out: Counter[Key] = Counter()
         for key, ids in engine.block_pool.cached_block_hash_to_block.items():
-            out[key[:-4]] += len(ids)  # the key is hash ‖ 4-byte group id
+            # the key is hash ‖ 4-byte group id
+            out[(int.from_bytes(key[-4:], "big"), key[:-4]) if V033 else key[:-4]] += len(ids)
         return out
 
     return server.call(read)  # type: ignore[no-any-return]
@@ -210,16 +270,19 @@ def test_subscriber_index_equals_the_pool_after_every_step(events_server: InProc
             sub.disconnect()
     assert sub.replays == 2
     assert len(sub.index) > 0
+    assert sub.lora_blocks > 0 or not V033
 
 
 def _drive(server: InProcessServer, sub: Subscriber, rnd: random.Random, prefixes: list[list[int]]) -> None:
     with KVCoordClient(server.address, timeout=10) as client:
         cfg = client.get_pool("hy").pool.config
-        workers = [PoolWorker(client, "hy", cfg, random.Random(i)) for i in range(3)]
+        workers = [Worker(client, "hy", cfg, random.Random(i)) for i in range(3)]
         offline = set(range(20, 26)) | set(range(50, 53))
         for step in range(90):
             w = workers[step % 3]
-            w.step(rnd.choice(prefixes) + [rnd.randrange(100) for _ in range(rnd.randint(1, 30))], None)
+            # under 0.33 every fifth request has a LoRA: its blocks' events carry extra keys
+            lora = "ad" if V033 and step % 5 == 4 else None
+            w.step(rnd.choice(prefixes) + [rnd.randrange(100) for _ in range(rnd.randint(1, 30))], lora)
             if step in offline:
                 if sub.sub is not None:
                     sub.disconnect()
@@ -232,7 +295,7 @@ def _drive(server: InProcessServer, sub: Subscriber, rnd: random.Random, prefixe
             sub.pump(_pool_map(server, "hy"))
 
 
-def _recovered_map(server: DurableServer, copy: Path, config: str) -> Counter[bytes]:
+def _recovered_map(server: DurableServer, copy: Path, config: str) -> Counter[Key]:
     """The pool's hash map as a server recovering the killed server's data directory
     has it (on a copy: what the restarted server starts from)."""
     shutil.copytree(server.data_dir, copy)
@@ -270,7 +333,7 @@ def test_a_subscriber_follows_the_pool_across_server_restarts(tmp_path: Path) ->
         for restart in range(3):
             with KVCoordClient(server.address, timeout=10) as client:
                 cfg = client.get_pool("hy").pool.config
-                workers = [PoolWorker(client, "hy", cfg, random.Random(10 * restart + i)) for i in range(3)]
+                workers = [Worker(client, "hy", cfg, random.Random(10 * restart + i)) for i in range(3)]
                 for step in range(25):
                     workers[step % 3].step(
                         rnd.choice(prefixes) + [rnd.randrange(100) for _ in range(rnd.randint(1, 30))], None
@@ -288,6 +351,7 @@ def test_a_subscriber_follows_the_pool_across_server_restarts(tmp_path: Path) ->
         server.stop()
 
 
+@pytest.mark.skipif(V033, reason="vLLM 0.16.0's encoding (vllm-0.16 pools); 0.33's is tested below")
 def test_payload_decodes_with_vllms_classes() -> None:
     """Each event kind (bytes and integer hashes, a parent or none, LoRA) decodes into
     vLLM's own classes with every field in place."""
@@ -309,6 +373,63 @@ def test_payload_decodes_with_vllms_classes() -> None:
     assert as_ints.events[0].parent_block_hash == hash_to_int64(b"\x02" * 32)
 
 
+@pytest.mark.skipif(not V033, reason="vLLM 0.33.0's encoding (vllm-0.33 pools)")
+@pytest.mark.parametrize("int_hashes", [False, True])
+def test_033_payload_is_the_bytes_vllm_033_encodes(int_hashes: bool) -> None:
+    """A vllm-0.33 pool's batch is byte for byte what vLLM 0.33.0's publisher encodes
+    for the same events (its own classes through its own msgspec encoder): every
+    optional field set or not (extra keys with LoRA names, salts and multimodal
+    pairs, group, spec kind, sliding window, look-ahead tokens), parents or none,
+    integer hashes or bytes; and it decodes back into those events."""
+    h = [bytes([i]) * 32 for i in range(1, 6)]
+
+    def ext(x: bytes) -> bytes | int:  # vLLM's maybe_convert_block_hash
+        return int.from_bytes(x, "big") & ((1 << 64) - 1) if int_hashes else x
+
+    ours = [
+        BlockStored((h[0], h[1]), None, tuple(range(8)), 4, 3, "ad", extra_keys=(("ad", "salt"), ("ad",)),
+                    group_idx=0, kv_cache_spec_kind="full_attention"),
+        BlockStored((h[2],), h[1], (8, 9, 10, 11), 4, None, None, extra_keys=(None,), group_idx=1,
+                    kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=16,
+                    lookahead_token_ids=((12,),)),
+        BlockStored((), h[2], (12, 13, 14, 15, 16, 17, 18, 19), 8, None, None,
+                    extra_keys=((("img", 3),), None), group_idx=1, kv_cache_spec_kind="sliding_window",
+                    kv_cache_spec_sliding_window=16),
+        BlockStored((h[3],), None, (1, 2, 3, 4), 4, None, None),
+        BlockRemoved((h[0],), group_idx=0),
+        BlockRemoved((h[4],)),
+        AllBlocksCleared(),
+    ]  # fmt: skip
+    theirs = [
+        VllmStored(block_hashes=[ext(h[0]), ext(h[1])], parent_block_hash=None, token_ids=list(range(8)),
+                   block_size=4, lora_id=3, medium="GPU", lora_name="ad", extra_keys=[("ad", "salt"), ("ad",)],
+                   group_idx=0, kv_cache_spec_kind="full_attention"),
+        VllmStored(block_hashes=[ext(h[2])], parent_block_hash=ext(h[1]), token_ids=[8, 9, 10, 11],
+                   block_size=4, lora_id=None, medium="GPU", lora_name=None, extra_keys=[None], group_idx=1,
+                   kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=16,
+                   lookahead_token_ids=[[12]]),
+        VllmStored(block_hashes=[], parent_block_hash=ext(h[2]), token_ids=list(range(12, 20)), block_size=8,
+                   lora_id=None, medium="GPU", lora_name=None, extra_keys=[(("img", 3),), None], group_idx=1,
+                   kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=16),
+        VllmStored(block_hashes=[ext(h[3])], parent_block_hash=None, token_ids=[1, 2, 3, 4], block_size=4,
+                   lora_id=None, medium="GPU", lora_name=None),
+        VllmRemoved(block_hashes=[ext(h[0])], medium="GPU", group_idx=0),
+        VllmRemoved(block_hashes=[ext(h[4])], medium="GPU"),
+        VllmCleared(),
+    ]  # fmt: skip
+    payload = encode_batch(12.5, ours, 1, int_hashes, VLLM_033)
+    # what vLLM 0.33's ZmqEventPublisher sends: its encoder over the scheduler's batch
+    # (the publisher sets the rank)
+    assert payload == msgspec.msgpack.Encoder().encode(
+        KVEventBatch(ts=12.5, events=theirs, data_parallel_rank=1)
+    )
+    batch = DECODER.decode(payload)
+    assert (batch.ts, batch.data_parallel_rank) == (12.5, 1)
+    # field by field (JSON: msgspec decodes the tuples inside extra keys as lists)
+    assert [msgspec.json.encode(e) for e in batch.events] == [msgspec.json.encode(e) for e in theirs]
+    assert [type(e) for e in batch.events] == [type(e) for e in theirs]
+
+
 def test_a_pool_created_again_is_announced_as_cleared(events_server: InProcessServer) -> None:
     """Deleting the pool and creating it again publishes AllBlocksCleared: the
     subscriber's index empties, and then follows the new pool's events."""
@@ -319,12 +440,12 @@ def test_a_pool_created_again_is_announced_as_cleared(events_server: InProcessSe
     try:
         with KVCoordClient(server.address, timeout=10) as client:
             cfg = client.get_pool("hy").pool.config
-            PoolWorker(client, "hy", cfg, random.Random(1)).step(list(range(30)), None)
+            Worker(client, "hy", cfg, random.Random(1)).step(list(range(30)), None)
             sub.pump(_pool_map(server, "hy"))
             assert sub.index
             client.delete_pool("hy")
             client.create_pool("hy", cfg)
-            PoolWorker(client, "hy", cfg, random.Random(2)).step(list(range(50, 70)), None)
+            Worker(client, "hy", cfg, random.Random(2)).step(list(range(50, 70)), None)
             expected = _pool_map(server, "hy")
             sub.pump(expected)
             assert sub.index == expected and b"" not in sub.index

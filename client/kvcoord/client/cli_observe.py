@@ -222,7 +222,7 @@ def _lost(already: bool, why: str) -> bool:
 
 def read_prompt(path: str) -> tuple[list[int], dict[str, Any]]:
     """Token ids from a prompt file: JSON (a list of ints, or an object with
-    ``token_ids`` and optional ``lora_name`` and ``cache_salt``), or text (integers
+    ``token_ids`` and optional ``lora_name``, ``lora_path`` and ``cache_salt``), or text (integers
     separated by spaces, commas or newlines)."""
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text()
@@ -241,7 +241,7 @@ def read_prompt(path: str) -> tuple[list[int], dict[str, Any]]:
             ) from None
     if value is not None:
         if isinstance(value, dict):
-            extra = {k: value[k] for k in ("lora_name", "cache_salt") if value.get(k)}
+            extra = {k: value[k] for k in ("lora_name", "lora_path", "cache_salt") if value.get(k)}
             value = value.get("token_ids")
         if not isinstance(value, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in value
@@ -259,24 +259,36 @@ def read_prompt(path: str) -> tuple[list[int], dict[str, Any]]:
 @click.argument("prompt_file", metavar="PROMPT_FILE", type=click.Path(dir_okay=False, allow_dash=True))
 @click.option("--pool", "pools_", multiple=True, help="score only these pools (repeatable; default: all)")
 @click.option("--lora-name", help="the request's LoRA adapter name (part of every block hash)")
+@click.option("--lora-path", help="the LoRA adapter's path (part of the hash in vllm-0.33 pools)")
 @click.option("--cache-salt", help="the request's cache salt (part of the first block's hash)")
 @connection_options()
 def score(
-    conn: Connection, prompt_file: str, pools_: tuple[str, ...], lora_name: str | None, cache_salt: str | None
+    conn: Connection,
+    prompt_file: str,
+    pools_: tuple[str, ...],
+    lora_name: str | None,
+    lora_path: str | None,
+    cache_salt: str | None,
 ) -> None:
     """Score a prompt against the pools: the prefix-cache hit each would give it.
 
     PROMPT_FILE ('-': stdin) holds token ids, as a JSON list, a JSON object
-    {"token_ids": [...], "lora_name": ..., "cache_salt": ...}, or text (integers
+    {"token_ids": [...], "lora_name": ..., "lora_path": ..., "cache_salt": ...}, or text (integers
     separated by spaces, commas or newlines); no tokenizer is applied. The prompt is
     hashed with each pool's hash settings (kvcoord.client.routing) and scored with
     ScorePools, best first: the longest hit, then the most free blocks. Read-only.
     """
     tokens, extra = read_prompt(prompt_file)
     lora_name = lora_name or extra.get("lora_name")
+    lora_path = lora_path or extra.get("lora_path")
     cache_salt = cache_salt or extra.get("cache_salt")
     with conn.client() as c:
-        response = PoolRouter(c).score(tokens, list(pools_), lora_name=lora_name, cache_salt=cache_salt)
+        try:
+            response = PoolRouter(c).score(
+                tokens, list(pools_), lora_name=lora_name, lora_path=lora_path, cache_salt=cache_salt
+            )
+        except ValueError as exc:  # a LoRA without its path for a vllm-0.33 pool
+            raise CliFailure(f"cannot hash the prompt: {one_line(str(exc))}", EXIT_USAGE) from None
     scores = [
         {
             "pool": s.pool,

@@ -2,9 +2,11 @@
 
 A router that places requests on one of many vLLM engines (one kvcoord pool each)
 asks the server which pool holds most of a prompt's KV cache. Pools may hash blocks
-differently (function, block size, seed), so the prompt is hashed once per distinct
-hash settings, with the request's LoRA name, cache salt and multimodal identifiers,
-exactly as a vLLM engine of that pool would hash it (:class:`BlockHasher`).
+differently (function, block size, seed, and the vLLM release they follow: their
+semantics profile and, for vllm-0.33, look-ahead tokens), so the prompt is hashed once
+per distinct hash settings, with the request's LoRA name (and, for vllm-0.33 pools,
+its path), cache salt and multimodal identifiers, exactly as a vLLM engine of that
+pool would hash it (:func:`~kvcoord.client.hashing.block_hasher`).
 
 The policy :func:`choose_pool` applies, and the order ScorePools answers in:
 
@@ -31,16 +33,22 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
 from .errors import NotFoundError
-from .hashing import BlockHasher, MultiModalItem, none_hash
+from .hashing import MultiModalItem, block_hasher, none_hash
 
 __all__ = ["PoolRouter", "choose_pool", "hash_prompt", "score_rank"]
 
-#: (hash_algo, hash_block_size, hash_seed)
-_Settings = tuple[str, int, str]
+#: (hash_algo, hash_block_size, hash_seed, profile, num_hash_lookahead_tokens)
+_Settings = tuple[str, int, str, str, int]
 
 
 def _settings(config: pb.PoolConfig) -> _Settings:
-    return (config.hash_algo, config.hash_block_size, config.hash_seed)
+    return (
+        config.hash_algo,
+        config.hash_block_size,
+        config.hash_seed,
+        config.profile or "vllm-0.16",
+        config.num_hash_lookahead_tokens,
+    )
 
 
 def hash_prompt(
@@ -48,21 +56,28 @@ def hash_prompt(
     token_ids: Sequence[int],
     *,
     lora_name: str | None = None,
+    lora_path: str | None = None,
     cache_salt: str | None = None,
     mm_items: Sequence[MultiModalItem] = (),
 ) -> list[pb.HashedPrompt]:
     """The prompt's block hashes once per distinct hash settings of ``pools`` that
-    cache prefixes (pools without caching need none).
+    cache prefixes (pools without caching need none): hash function, block size,
+    seed, semantics profile and look-ahead tokens, each profile's hashing rules.
 
     Args:
         pools: the pools to score (``ListPools`` / ``GetPool`` answers).
         token_ids: the prompt.
         lora_name: the request's LoRA adapter name (vLLM adds it to every block's keys).
+        lora_path: the adapter's path (vLLM 0.33 adds it too; needed with
+            ``lora_name`` when a vllm-0.33 pool is scored).
         cache_salt: the request's cache salt (added to the first block's keys).
         mm_items: multimodal items (identifier and token span), as vLLM hashes them.
 
     Returns:
         One HashedPrompt per settings, in the order first met.
+
+    Raises:
+        ValueError: a LoRA name without its path when a vllm-0.33 pool is scored.
     """
     out: dict[_Settings, pb.HashedPrompt] = {}
     for info in pools:
@@ -72,13 +87,15 @@ def hash_prompt(
         key = _settings(cfg)
         if key in out:
             continue
-        algo, size, seed = key
-        hasher = BlockHasher(
-            algo, size, none_hash(algo, seed), lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items
-        )
+        algo, size, seed, profile, lookahead = key
+        hasher = block_hasher(
+            profile, algo, size, none_hash(algo, seed, profile=profile), lora_name=lora_name,
+            lora_path=lora_path, cache_salt=cache_salt, mm_items=mm_items, num_hash_lookahead_tokens=lookahead,
+        )  # fmt: skip
         out[key] = pb.HashedPrompt(
-            hash_algo=algo, hash_block_size=size, hash_seed=seed, block_hashes=hasher.extend(token_ids)
-        )
+            hash_algo=algo, hash_block_size=size, hash_seed=seed, block_hashes=hasher.extend(token_ids),
+            profile="" if profile == "vllm-0.16" else profile, num_hash_lookahead_tokens=lookahead,
+        )  # fmt: skip
     return list(out.values())
 
 
@@ -121,6 +138,7 @@ class PoolRouter:
         candidate_pools: Sequence[str] = (),
         *,
         lora_name: str | None = None,
+        lora_path: str | None = None,
         cache_salt: str | None = None,
         mm_items: Sequence[MultiModalItem] = (),
         include_block_ids: bool = False,
@@ -144,7 +162,12 @@ class PoolRouter:
             pools = self.pools(refresh=attempt == 1)
             wanted = [pools[n] for n in candidate_pools if n in pools] if candidate_pools else pools.values()
             prompts = hash_prompt(
-                wanted, token_ids, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items
+                wanted,
+                token_ids,
+                lora_name=lora_name,
+                lora_path=lora_path,
+                cache_salt=cache_salt,
+                mm_items=mm_items,
             )
             try:
                 response = self.client.score_pools(
@@ -168,6 +191,7 @@ class PoolRouter:
         candidate_pools: Sequence[str] = (),
         *,
         lora_name: str | None = None,
+        lora_path: str | None = None,
         cache_salt: str | None = None,
         mm_items: Sequence[MultiModalItem] = (),
     ) -> pb.PoolScore | None:
@@ -175,6 +199,7 @@ class PoolRouter:
         take it). To also hold its hit, call :meth:`score` with ``reserve_seconds``:
         the server reserves in the pool the policy picks, ``scores[0]``."""
         response = self.score(
-            token_ids, candidate_pools, lora_name=lora_name, cache_salt=cache_salt, mm_items=mm_items
-        )
+            token_ids, candidate_pools, lora_name=lora_name, lora_path=lora_path, cache_salt=cache_salt,
+            mm_items=mm_items,
+        )  # fmt: skip
         return choose_pool(response)

@@ -1137,16 +1137,20 @@ class WatchEventsResponse(_message.Message):
     def __init__(self, sequence: _Optional[int] = ..., event: _Optional[_Union[KVEvent, _Mapping]] = ..., gap: _Optional[bool] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., reset: _Optional[bool] = ...) -> None: ...
 
 class HashedPrompt(_message.Message):
-    __slots__ = ("hash_algo", "hash_block_size", "hash_seed", "block_hashes")
+    __slots__ = ("hash_algo", "hash_block_size", "hash_seed", "block_hashes", "profile", "num_hash_lookahead_tokens")
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_SEED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PROFILE_FIELD_NUMBER: _ClassVar[int]
+    NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     hash_algo: str
     hash_block_size: int
     hash_seed: str
     block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    profile: str
+    num_hash_lookahead_tokens: int
+    def __init__(self, hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class ScorePoolsRequest(_message.Message):
     __slots__ = ("candidate_pools", "num_tokens", "prompts", "include_block_ids", "reserve_seconds")

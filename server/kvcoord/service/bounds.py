@@ -106,6 +106,7 @@ BOUNDS: Mapping[str, int | str] = {
     "ScorePoolsRequest.prompts": "max_pools",
     "HashedPrompt.hash_algo": 32,
     "HashedPrompt.hash_seed": 256,
+    "HashedPrompt.profile": 32,
     "HashedPrompt.block_hashes": "max_tokens_per_request",
     "HashedPrompt.block_hashes[]": MAX_BLOCK_HASH_BYTES,
     "FreeRequest.request_ids": "max_ops_per_step",

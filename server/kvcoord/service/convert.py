@@ -23,7 +23,7 @@ from kvcoord.wire import (
 
 from . import operations as op
 from .errors import ServiceError, Status, bounded
-from .pool_service import Fence, HashSettings, MirrorState, PoolScore, UnscoredPool
+from .pool_service import Fence, MirrorState, PoolScore, ScoreSettings, UnscoredPool, score_settings
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvcoord.engine.reservations import Reservations
@@ -317,11 +317,24 @@ def write_mirror_state(response: pb.AttachResponse, state: MirrorState | str) ->
 
 
 # -- ScorePools ----------------------------------------------------------------------
-def prompts_from_pb(prompts: Iterable[pb.HashedPrompt]) -> list[tuple[HashSettings, Sequence[bytes]]]:
-    """Each prompt's hash settings (as PoolConfig spells them) and its hashes, copied
-    out of the message once (every pool scored reads them; each read of a repeated
-    protobuf field makes new bytes objects)."""
-    return [((p.hash_algo, p.hash_block_size, p.hash_seed), list(p.block_hashes)) for p in prompts]
+def prompts_from_pb(prompts: Iterable[pb.HashedPrompt]) -> list[tuple[ScoreSettings, Sequence[bytes]]]:
+    """Each prompt's hash settings (as PoolConfig spells them, with its profile and
+    look-ahead: :func:`score_settings`) and its hashes, copied out of the message once
+    (every pool scored reads them; each read of a repeated protobuf field makes new
+    bytes objects).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT for an unknown profile or look-ahead outside vllm-0.33.
+    """
+    return [
+        (
+            score_settings(
+                (p.hash_algo, p.hash_block_size, p.hash_seed), p.profile, p.num_hash_lookahead_tokens
+            ),
+            list(p.block_hashes),
+        )
+        for p in prompts
+    ]
 
 
 def scores_to_pb(

@@ -4,7 +4,8 @@ Routers that index vLLM engines' prefix caches (llm-d's KV-cache manager, Dynamo
 router, SGLang's gateway) subscribe to every engine's ZMQ publisher
 (``--kv-events-config '{"publisher": "zmq", ...}'``). A kvcoord pool already knows
 every block the engines sharing it cache, so one publisher per pool replaces one per
-engine, speaking the same protocol as vLLM 0.16.0:
+engine, speaking the same protocol as the vLLM release the pool follows (its semantics
+profile: vLLM 0.16.0 for ``vllm-0.16`` pools, 0.33.0 for ``vllm-0.33`` pools):
 
 * a PUB socket (an XPUB, which is a PUB to subscribers and also tells the publisher
   of each subscription), each message three frames: the topic (UTF-8, may be empty),
@@ -12,16 +13,31 @@ engine, speaking the same protocol as vLLM 0.16.0:
   start) and the payload; each (re)subscription is answered with an empty batch
   under the next number, so a subscriber learns at once whether it missed any;
 * the payload is msgpack of ``KVEventBatch`` in msgspec's array form:
-  ``[ts, [event, ...], data_parallel_rank]``, each event a tagged array:
+  ``[ts, [event, ...], data_parallel_rank]``. In 0.16 each event is a tagged array:
   ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
   medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
-  ``["AllBlocksCleared"]``; hashes are the clients' raw bytes (or, with
-  ``int_hashes``, their last 8 bytes as an unsigned integer, vLLM's
+  ``["AllBlocksCleared"]``. In 0.33 each event is a map tagged by ``"type"``, its
+  keys in vLLM's field order, the optional fields (default ``None``) left out when
+  ``None`` (msgspec's ``omit_defaults``): ``{"type": "BlockStored", "block_hashes",
+  "parent_block_hash", "token_ids", "block_size", "lora_id", "medium", "lora_name"``
+  (always), then ``"extra_keys"`` (one entry per block: ``None`` or the block's
+  untagged extra keys), ``"group_idx"``, ``"kv_cache_spec_kind"``,
+  ``"kv_cache_spec_sliding_window"``, ``"lookahead_token_ids"`` when set``}``;
+  ``{"type": "BlockRemoved", "block_hashes", "medium"[, "group_idx"]}``;
+  ``{"type": "AllBlocksCleared"}``. 0.33's ``locality``, ``ownership`` and
+  ``session_id`` are never set (kvcoord has no offloading tiers and no sessions in
+  vLLM's sense), so they are never written. Hashes are the clients' raw bytes (or,
+  with ``int_hashes``, their last 8 bytes as an unsigned integer, vLLM's
   ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``);
 * an optional ROUTER replay socket: a request ``[b"", start_seq (8 bytes)]`` (from a
   DEALER, or a REQ's envelope) is answered with every buffered batch numbered
-  ``start_seq`` or more, one ``[b"", seq, payload]`` message each, then
-  ``[b"", -1 (8 bytes, signed), b""]``.
+  ``start_seq`` or more, one message each, then an end marker: in 0.16
+  ``[b"", seq, payload]`` and ``[b"", -1 (8 bytes, signed), b""]``; in 0.33 the
+  topic frame comes first, as on the PUB socket: ``[b"", topic, seq, payload]`` and
+  ``[b"", b"", -1, b""]``. The replay answers in the format of the pool's current
+  profile (a pool deleted and created again under the other profile is announced
+  with ``AllBlocksCleared``; a subscriber of one vLLM release cannot follow it past
+  that, as it could not follow an engine upgraded in place).
 
 Only committed events are published (what ``WatchEvents`` would deliver), in journal
 order, so a subscriber that misses nothing holds exactly the pool's prefix-cache map.
@@ -49,6 +65,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -62,6 +79,7 @@ from pathlib import Path
 from typing import Any
 
 from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, hash_to_int64
+from kvcoord.engine.profiles import PROFILES, VLLM_016, VLLM_033
 
 from .logs import ids
 from .registry import PoolRegistry
@@ -139,33 +157,113 @@ def _hash(h: bytes, as_int: bool) -> bytes | int:
     return hash_to_int64(h) if as_int else h
 
 
+def _stored_fields(event: BlockStored, int_hashes: bool) -> list[Any]:
+    """The seven fields every vLLM release's BlockStored has, in their order."""
+    parent = event.parent_block_hash
+    return [
+        [_hash(h, int_hashes) for h in event.block_hashes],
+        None if parent is None else _hash(parent, int_hashes),
+        list(event.token_ids),
+        event.block_size,
+        event.lora_id,
+        event.medium,
+        event.lora_name,
+    ]
+
+
 def event_fields(event: KVCacheEvent, int_hashes: bool = False) -> list[Any]:
-    """One event as vLLM's tagged array (its msgspec ``array_like``, ``tag=True`` form)."""
+    """One event as vLLM 0.16's tagged array (its msgspec ``array_like``, ``tag=True`` form)."""
     if isinstance(event, BlockStored):
-        parent = event.parent_block_hash
-        return [
-            "BlockStored",
-            [_hash(h, int_hashes) for h in event.block_hashes],
-            None if parent is None else _hash(parent, int_hashes),
-            list(event.token_ids),
-            event.block_size,
-            event.lora_id,
-            event.medium,
-            event.lora_name,
-        ]
+        return ["BlockStored", *_stored_fields(event, int_hashes)]
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", [_hash(h, int_hashes) for h in event.block_hashes], event.medium]
     assert isinstance(event, AllBlocksCleared)
     return ["AllBlocksCleared"]
 
 
-def encode_batch(
-    ts: float, events: Sequence[KVCacheEvent], data_parallel_rank: int = 0, int_hashes: bool = False
-) -> bytes:
-    """A ``KVEventBatch`` payload, as vLLM's publisher encodes it."""
+@functools.cache
+def _schema_033() -> tuple[type, type, type]:
+    """vLLM 0.33's event layout as msgspec structs (the map form: ``tag=True``, keyed
+    by ``"type"``, ``omit_defaults``): msgspec sizes a struct's map header by its field
+    count (a 16-entry map16 for BlockStored), so only structs of the same fields, in
+    the same order, encode to the same bytes as vLLM's own publisher."""
     import msgspec
 
-    return msgspec.msgpack.encode([ts, [event_fields(e, int_hashes) for e in events], data_parallel_rank])
+    class Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStored(Event):
+        block_hashes: list[bytes | int]
+        parent_block_hash: bytes | int | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: Any = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
+        # offloading tiers and vLLM sessions: kvcoord has none, never set
+        locality: str | None = None
+        ownership: str | None = None
+        session_id: str | None = None
+        lookahead_token_ids: Any = None
+
+    class BlockRemoved(Event):
+        block_hashes: list[bytes | int]
+        medium: str | None
+        group_idx: int | None = None
+        locality: str | None = None
+        ownership: str | None = None
+
+    class AllBlocksCleared(Event):
+        pass
+
+    return BlockStored, BlockRemoved, AllBlocksCleared
+
+
+def event_struct_033(event: KVCacheEvent, int_hashes: bool = False) -> Any:
+    """One event as vLLM 0.33 encodes it: a map tagged ``"type"``, the fields in vLLM's
+    order, each optional one (default ``None``) only when set."""
+    stored, removed, cleared = _schema_033()
+    if isinstance(event, BlockStored):
+        return stored(
+            *_stored_fields(event, int_hashes),
+            extra_keys=event.extra_keys,
+            group_idx=event.group_idx,
+            kv_cache_spec_kind=event.kv_cache_spec_kind,
+            kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window,
+            lookahead_token_ids=event.lookahead_token_ids,
+        )
+    if isinstance(event, BlockRemoved):
+        return removed([_hash(h, int_hashes) for h in event.block_hashes], event.medium, event.group_idx)
+    assert isinstance(event, AllBlocksCleared)
+    return cleared()
+
+
+def encode_batch(
+    ts: float,
+    events: Sequence[KVCacheEvent],
+    data_parallel_rank: int = 0,
+    int_hashes: bool = False,
+    profile: str = VLLM_016,
+) -> bytes:
+    """A ``KVEventBatch`` payload, as the publisher of the vLLM release ``profile``
+    follows (``vllm-0.16`` or ``vllm-0.33``) encodes it.
+
+    Raises:
+        ValueError: an unknown profile.
+    """
+    import msgspec
+
+    if profile == VLLM_016:
+        encoded: list[Any] = [event_fields(e, int_hashes) for e in events]
+    elif profile == VLLM_033:
+        encoded = [event_struct_033(e, int_hashes) for e in events]
+    else:
+        raise ValueError(f"no KV event format for profile {profile!r} (known: {', '.join(PROFILES)})")
+    return msgspec.msgpack.encode([ts, encoded, data_parallel_rank])
 
 
 #: batch numbers reserved ahead at once (one synced write of the reservation file)
@@ -279,10 +377,16 @@ class KVEventPublisher:
         if decl.replay_endpoint:
             self._replay = ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            # room for a whole replay and its end marker (a ROUTER drops past its
+            # high-water mark; libzmq acknowledges reads only every half of it)
+            self._replay.setsockopt(zmq.SNDHWM, 2 * (decl.buffer_steps + 1))
             self._replay.bind(decl.replay_endpoint)
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._topic = decl.topic.encode()
-        self._queue: queue.SimpleQueue[list[KVCacheEvent] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[list[KVCacheEvent], str] | None] = queue.SimpleQueue()
+        #: the format of the batches sent last (the pool's profile), which the replay
+        #: socket answers in; a pool not seen yet is taken for the default profile
+        self.profile = VLLM_016
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=decl.buffer_steps)
         #: the next batch's sequence number (from the reservation across restarts)
         self.next_sequence = self._reservation.start if self._reservation is not None else 0
@@ -290,9 +394,10 @@ class KVEventPublisher:
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{decl.pool}", daemon=True)
         self._thread.start()
 
-    def submit(self, events: list[KVCacheEvent]) -> None:
-        """Queue one batch (not empty) for publishing."""
-        self._queue.put(events)
+    def submit(self, events: list[KVCacheEvent], profile: str = VLLM_016) -> None:
+        """Queue one batch (not empty) for publishing, in the format of the vLLM release
+        the pool's semantics ``profile`` follows."""
+        self._queue.put((events, profile))
 
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued, then stop the thread and close the sockets."""
@@ -307,12 +412,13 @@ class KVEventPublisher:
                 if self._pub.poll(0):
                     self._joined()
                 try:
-                    events = self._queue.get(timeout=0.05)
+                    item = self._queue.get(timeout=0.05)
                 except queue.Empty:
                     continue
-                if events is None:
+                if item is None:
                     return
-                self._send(events)
+                self.profile = item[1]
+                self._send(item[0])
         except Exception:  # pragma: no cover - logged: a dead publisher must be visible
             logger.exception(
                 "KV event publisher of pool %s stopped", self.decl.pool, extra=ids(pool=self.decl.pool)
@@ -324,7 +430,7 @@ class KVEventPublisher:
 
     def _send(self, events: list[KVCacheEvent]) -> None:
         d = self.decl
-        payload = encode_batch(time.time(), events, d.data_parallel_rank, d.int_hashes)
+        payload = encode_batch(time.time(), events, d.data_parallel_rank, d.int_hashes, self.profile)
         seq = self.next_sequence
         if self._reservation is not None:
             self._reservation.allow(seq)  # synced before the number leaves this process
@@ -367,11 +473,14 @@ class KVEventPublisher:
         first = int.from_bytes(start, "big")
         send = self._replay.send_multipart
         nb = self._zmq.NOBLOCK
+        # vLLM 0.33 puts the topic frame (the end marker's empty) before each number
+        head = (client, b"") if self.profile == VLLM_016 else (client, b"", self._topic)
+        end = (client, b"") if self.profile == VLLM_016 else (client, b"", b"")
         with contextlib.suppress(self._zmq.Again):
             for seq, payload in list(self._buffer):
                 if seq >= first:
-                    send((client, b"", seq.to_bytes(8, "big"), payload), flags=nb)
-            send((client, b"", END_OF_REPLAY, b""), flags=nb)
+                    send((*head, seq.to_bytes(8, "big"), payload), flags=nb)
+            send((*end, END_OF_REPLAY, b""), flags=nb)
 
 
 async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_seconds: float = 1.0) -> None:
@@ -379,20 +488,22 @@ async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_secon
     decl = publisher.decl
     incarnation: int | None = None
     cursor = 0
+    #: the pool's profile (the format of its batches), kept for its deletion's clear
+    profile = VLLM_016
     #: sent before the first events read after the server started (see below)
     head: list[KVCacheEvent] = []
     while True:
         service = registry.pools.get(decl.pool)
         if service is None:
             if incarnation is not None:  # deleted: its cache is gone
-                publisher.submit([AllBlocksCleared()])
+                publisher.submit([AllBlocksCleared()], profile)
                 incarnation = None
             await asyncio.sleep(poll_seconds)
             continue
         journal = service.events
         if service.fence.incarnation != incarnation:
             if incarnation is not None:  # created again: the old cache is gone
-                publisher.submit([AllBlocksCleared()])
+                publisher.submit([AllBlocksCleared()], profile)
             elif journal.oldest_sequence == 1 and journal.last_sequence:
                 # The first look since the server started sends again what the pool
                 # keeps; when that is its whole history, a clear first makes the batch
@@ -400,6 +511,7 @@ async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_secon
                 # presence index exact: each hash's last event is among them).
                 head = [AllBlocksCleared()]
             incarnation = service.fence.incarnation
+            profile = service.config.profile
             cursor = journal.oldest_sequence - 1
         if journal.missed(cursor):
             logger.error(
@@ -418,7 +530,7 @@ async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_secon
         events = head + [e for _, e in items if isinstance(e, AllBlocksCleared) or e.cache_prefix == prefix]
         head = []
         if events:
-            publisher.submit(events)
+            publisher.submit(events, profile)
         await asyncio.sleep(0)  # let Steps run between large batches
 
 

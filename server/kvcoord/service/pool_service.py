@@ -36,7 +36,7 @@ from kvcoord.engine import (
 )
 from kvcoord.engine.block_pool import BlockHashToBlockMap
 from kvcoord.engine.invariants import PoolCheck, check_pool
-from kvcoord.engine.profiles import VLLM_016
+from kvcoord.engine.profiles import PROFILES, VLLM_016
 from kvcoord.engine.reservations import Reservations
 from kvcoord.engine.state import STATE_VERSION, export_state, import_state
 from kvcoord.wire.rules import rules_fingerprint
@@ -60,6 +60,7 @@ __all__ = [
     "UNSCORED_TOO_LONG",
     "Fence",
     "HashSettings",
+    "ScoreSettings",
     "Inspection",
     "Limits",
     "PoolCounters",
@@ -77,6 +78,30 @@ ReplicaState = tuple[int, list[int], list[tuple[bytes, int]]]
 
 #: (hash_algo, hash_block_size, hash_seed): how a pool's clients hash blocks
 HashSettings = tuple[str, int, str]
+
+#: which prompt hashes score a pool (ScorePools): a vllm-0.16 pool's HashSettings, or
+#: for a vllm-0.33 pool its HashSettings, "vllm-0.33" and num_hash_lookahead_tokens
+#: (0.33 hashes differ from 0.16's as soon as a prompt has a LoRA, a salt, multimodal
+#: items or look-ahead tokens: the same three settings must not pick 0.16's hashes)
+ScoreSettings = HashSettings | tuple[str, int, str, str, int]
+
+
+def score_settings(settings: HashSettings, profile: str, num_hash_lookahead_tokens: int) -> ScoreSettings:
+    """The settings a prompt hashed by ``profile``'s rules scores (``""``: vllm-0.16).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT for an unknown profile, or look-ahead tokens
+            outside vllm-0.33.
+    """
+    profile = profile or VLLM_016
+    if profile not in PROFILES:
+        raise ServiceError(Status.INVALID, f"unknown profile {profile[:64]!r} (known: {', '.join(PROFILES)})")
+    if profile == VLLM_016:
+        if num_hash_lookahead_tokens:
+            raise ServiceError(Status.INVALID, "num_hash_lookahead_tokens needs the vllm-0.33 profile")
+        return settings
+    return (*settings, profile, num_hash_lookahead_tokens)
+
 
 #: why a pool was not scored (UnscoredPool.reason)
 UNSCORED_NO_PROMPT = "NO_PROMPT"
@@ -246,6 +271,8 @@ class PoolService:
         self.name = name
         self.config = config
         self.hash_settings = hash_settings
+        #: the prompt settings ScorePools scores this pool with
+        self.score_settings = score_settings(hash_settings, config.profile, config.num_hash_lookahead_tokens)
         self.fence = fence
         self.limits = limits
         self.sessions = sessions
@@ -477,7 +504,7 @@ class PoolService:
 
     # -- routing (ScorePools, scoring.py) -------------------------------------------------
     def score(
-        self, prompts: Mapping[HashSettings, Sequence[bytes]], num_tokens: int, tenant: str = ""
+        self, prompts: Mapping[ScoreSettings, Sequence[bytes]], num_tokens: int, tenant: str = ""
     ) -> PoolScore | UnscoredPool:
         """This pool's score for a prompt of ``num_tokens`` tokens hashed once per hash
         settings: the hit :meth:`find_longest_cache_hit` answers for ``tenant`` (the
@@ -495,14 +522,19 @@ class PoolService:
                 f"the prompt's {num_tokens} tokens exceed the pool's max_model_len {engine.max_model_len}",
             )
         if self.config.enable_caching:
-            hashes = prompts.get(self.hash_settings)
+            hashes = prompts.get(self.score_settings)
             if hashes is None:
                 algo, size, seed = self.hash_settings
                 return UnscoredPool(
                     self.name,
                     UNSCORED_NO_PROMPT,
                     f"no prompt hashed with the pool's settings (hash_algo {algo!r}, hash_block_size "
-                    f"{size}, hash_seed {seed!r})",
+                    f"{size}, hash_seed {seed!r}, profile {self.config.profile!r}"
+                    + (
+                        f", num_hash_lookahead_tokens {self.config.num_hash_lookahead_tokens})"
+                        if self.config.num_hash_lookahead_tokens
+                        else ")"
+                    ),
                 )
         else:
             hashes = ()  # nothing is ever cached: the hit is empty whatever the hashes
@@ -523,17 +555,24 @@ class PoolService:
         search starts with, the hash block size, and how a hit follows from that
         group's run of cached keys ("unitary", "eagle": one group; "run": a hybrid whose
         first attention group is that group alone; "search": the coordinator's own
-        search). ``None`` when caching is off, the search starts otherwise, or the pool
-        follows another profile than vllm-0.16 (vllm-0.33's partial-tail entries and
-        trimmed hits are written and searched by rules the index does not follow: such
-        a pool is scored by its own search)."""
+        search). ``None`` when caching is off or the search starts otherwise.
+
+        A vllm-0.33 pool of one group has the same search as a 0.16 one (the run of
+        cached keys, at most ``(num_tokens - 1) // block_size`` blocks and one per hash
+        it has: look-ahead hashes are fewer; 0.33 refuses EAGLE's drop). A vllm-0.33
+        hybrid is "search": its hit is cut back on every full-attention group, so an
+        empty run of the first one means no hit, and any other run is its own
+        coordinator's search (sparse retention, scheduler-block alignment and
+        shared-prefix junctions are rules the run alone does not follow)."""
         engine = self.engine
         cfg = engine.config
         first = engine.hits._first_full
-        if first is None or not cfg.enable_caching or cfg.profile != VLLM_016:
+        if first is None or not cfg.enable_caching or (cfg.profile != VLLM_016 and cfg.use_eagle):
             return None
         if cfg.coordinator_kind == "unitary":
             how = "eagle" if cfg.use_eagle else "unitary"
+        elif cfg.profile != VLLM_016:
+            how = "search"
         else:
             how = "run" if len(engine.coordinator.attention_groups[0][1]) == 1 else "search"  # type: ignore[attr-defined]
         return engine.block_pool.cached_block_hash_to_block, first[0], first[1], cfg.hash_block_size, how
@@ -542,7 +581,7 @@ class PoolService:
         return self.engine.block_pool.cached_block_hash_to_block
 
     def score_keys(
-        self, prompts: Mapping[HashSettings, Sequence[bytes]], num_tokens: int, tenant: str
+        self, prompts: Mapping[ScoreSettings, Sequence[bytes]], num_tokens: int, tenant: str
     ) -> Sequence[bytes] | None:
         """The keys :meth:`score` searches for, after its checks; ``None`` when
         :meth:`score` answers an :class:`UnscoredPool` (or caching is off).
@@ -551,7 +590,7 @@ class PoolService:
             ServiceError: as :meth:`score`.
         """
         engine = self.engine
-        hashes = prompts.get(self.hash_settings)
+        hashes = prompts.get(self.score_settings)
         if num_tokens > engine.max_model_len or hashes is None:
             return None
         try:

@@ -23,7 +23,7 @@ from kvcoord.engine.hash_list import SharedHashes, hashes_at_block_size
 from kvcoord.engine.results import CacheHit
 
 from .errors import ServiceError, Status
-from .pool_service import HashSettings, PoolScore, PoolService, UnscoredPool
+from .pool_service import PoolScore, PoolService, ScoreSettings, UnscoredPool
 
 __all__ = ["Reserve", "ReservationMade", "ScoreIndex", "Scores", "score_pools"]
 
@@ -75,7 +75,7 @@ def score_pools(
     may_observe: Callable[[str], bool],
     candidates: Sequence[str],
     num_tokens: int,
-    prompts: Sequence[tuple[HashSettings, Sequence[bytes]]],
+    prompts: Sequence[tuple[ScoreSettings, Sequence[bytes]]],
     tenant: str = "",
     reserve: Reserve | None = None,
     index: ScoreIndex | None = None,
@@ -87,7 +87,10 @@ def score_pools(
         may_observe: whether the caller holds the observe role on a pool.
         candidates: pool names; empty = every pool ``may_observe`` accepts.
         num_tokens: the prompt's length in tokens (>= 1).
-        prompts: the prompt's block hashes per hash settings (at most one each).
+        prompts: the prompt's block hashes per hash settings (at most one each): a
+            vllm-0.16 pool is scored with the prompt of its hash settings, a vllm-0.33
+            pool with the one of its settings, profile and look-ahead
+            (:attr:`PoolService.score_settings`).
         tenant: the caller's tenant (whose prefix-cache namespace is searched).
         reserve: also hold the best pool's hit (``None``: score only).
         index: the server's cross-pool index: hit lengths alone (the scores' hits carry
@@ -113,7 +116,7 @@ def score_pools(
             Status.INVALID,
             f"reserve_seconds must be > 0 and at most {reserve.max_seconds}, got {reserve.seconds!r}",
         )
-    by_settings: dict[HashSettings, Sequence[bytes]] = {}
+    by_settings: dict[ScoreSettings, Sequence[bytes]] = {}
     for settings, hashes in prompts:
         if settings in by_settings:
             raise ServiceError(
@@ -166,7 +169,7 @@ def score_pools(
 def _reserve(
     pools: Mapping[str, PoolService],
     best: PoolScore,
-    by_settings: Mapping[HashSettings, Sequence[bytes]],
+    by_settings: Mapping[ScoreSettings, Sequence[bytes]],
     num_tokens: int,
     tenant: str,
     reserve: Reserve,
@@ -184,7 +187,7 @@ def _reserve(
             f"{reserve.max_per_tenant}); let them be adopted or expire",
         )
     service = pools[best.pool]
-    hashes = list(by_settings.get(service.hash_settings, ()))
+    hashes = list(by_settings.get(service.score_settings, ()))
     reservation_id = secrets.token_hex(8)
     hit = service.reserve(reservation_id, hashes, num_tokens, tenant, reserve.seconds)
     assert hit == best.hit, "the pool changed between its score and its reservation"
@@ -306,7 +309,7 @@ class ScoreIndex:
         pools: Mapping[str, PoolService],
         names: Sequence[str],
         num_tokens: int,
-        prompts: Mapping[HashSettings, Sequence[bytes]],
+        prompts: Mapping[ScoreSettings, Sequence[bytes]],
         tenant: str,
         scored: list[PoolScore],
         unscored: list[UnscoredPool],

@@ -64,6 +64,7 @@ from .errors import (
 from .mutations import Mutation, MutationRunner
 from .pool_service import Fence, Limits, PoolService
 from .registry import PoolRegistry
+from .score_wire import ScoreEncoder
 from .scoring import Reserve, score_pools
 from .sessions import Session
 
@@ -157,6 +158,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self.max_message_bytes = max_message_bytes
         #: runs the keyed calls (idempotency, journal, commit wait)
         self.mutations = MutationRunner(registry, max_message_bytes)
+        #: ScorePools answers without block ids, encoded from parts kept per pool
+        self._score_encoder = ScoreEncoder(4 * registry.limits.max_pools)
         #: the Step mutation, observed (engine time, operations, event gaps) for metrics
         self._step = dataclasses.replace(STEP, apply=functools.partial(_apply_step, observer=self.observer))
 
@@ -499,7 +502,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     @map_errors
     async def ScorePools(
         self, request: pb.ScorePoolsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ScorePoolsResponse:
+    ) -> pb.ScorePoolsResponse | bytes:
+        """Scores, best first; without block ids or a reservation, as the encoded bytes
+        of the answer (:class:`~kvcoord.service.score_wire.ScoreEncoder`)."""
         tenant = current_tenant()
         limits = self.registry.limits
         reserve = None
@@ -522,6 +527,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             # hit lengths alone through the cross-pool index unless block ids are asked for
             None if request.include_block_ids else self.registry.score_index,
         )
+        if reserve is None and not request.include_block_ids:
+            # a router's usual call: the answer's bytes joined from parts kept per pool
+            # (add_servicer sends them as they are)
+            return self._score_encoder.encode(scores.scores, scores.unscored)
         response = scores_to_pb(scores.scores, scores.unscored, request.include_block_ids)
         made = scores.reservation
         if made is None:
@@ -794,6 +803,19 @@ def _undecodable_message(r: _Undecodable) -> str:
     return f"the request is not a valid {r.message_type} message ({r.error})"
 
 
+#: methods whose handler may answer with the response's bytes, encoded already
+_BYTES_ANSWERS = frozenset({"ScorePools"})
+
+
+def _as_is_or(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    """A response serializer that sends bytes as they are and serializes messages."""
+
+    def serializer(response: Any) -> bytes:
+        return response if type(response) is bytes else serialize(response)
+
+    return serializer
+
+
 def add_servicer(servicer: AllocatorServicer, server: grpc.aio.Server) -> None:
     """Register the Allocator service with parsers that turn undecodable bytes into
     INVALID_ARGUMENT (gRPC's default answers UNKNOWN and logs a traceback per call)."""
@@ -818,6 +840,8 @@ def add_servicer(servicer: AllocatorServicer, server: grpc.aio.Server) -> None:
         handlers[method.name] = factory(
             behaviour,
             request_deserializer=_parser(request_cls),
-            response_serializer=response_cls.SerializeToString,
+            response_serializer=_as_is_or(response_cls.SerializeToString)
+            if method.name in _BYTES_ANSWERS
+            else response_cls.SerializeToString,
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

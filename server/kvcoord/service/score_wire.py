@@ -1,0 +1,112 @@
+"""ScorePools answers without block ids, encoded straight to protobuf bytes.
+
+A router's ScorePools answer lists every pool scored (64 pools: 64 ``PoolScore``
+messages), and building those messages field by field, then serializing them, was the
+largest part of the handler after scoring itself. A pool's score varies only in three
+fields (``hit_tokens``, ``num_free_blocks``, ``usage``); its name, block total and
+fence change only when the pool is created again. :class:`ScoreEncoder` keeps those
+fixed parts encoded per pool and joins each answer from them and the three varying
+fields, byte for byte what ``ScorePoolsResponse.SerializeToString()`` writes
+(proto3: fields in number order, zeros left out), so clients parse the same message.
+
+Answers with block ids or a reservation keep the message path (``convert.scores_to_pb``).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .pool_service import PoolScore, UnscoredPool
+
+__all__ = ["ScoreEncoder"]
+
+_pack_double = struct.Struct("<d").pack
+_ZERO_DOUBLE = bytes(8)
+
+
+def _varint(n: int) -> bytes:
+    """``n`` (>= 0) as a protobuf varint."""
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+#: small varints, encoded once (hit lengths, free blocks and lengths are mostly small)
+_SMALL = [_varint(n) for n in range(1 << 14)]
+
+
+def _field(tag: int, payload: bytes) -> bytes:
+    """A length-delimited field (string, bytes or message) with its tag byte."""
+    return bytes((tag,)) + _varint(len(payload)) + payload
+
+
+class ScoreEncoder:
+    """Encodes ScorePools answers without block ids (see the module's docstring).
+
+    Args:
+        max_pools: fixed parts kept at most (pools deleted or created again leave
+            theirs behind: past this many, all are dropped and encoded again).
+    """
+
+    def __init__(self, max_pools: int = 4096) -> None:
+        self.max_pools = max_pools
+        #: (pool, num_total_blocks, instance_id, incarnation) -> (name field, fields 5 and 7)
+        self._fixed: dict[tuple[str, int, str, int], tuple[bytes, bytes]] = {}
+
+    def encode(self, scores: Sequence[PoolScore], unscored: Sequence[UnscoredPool]) -> bytes:
+        """The bytes of ``ScorePoolsResponse(scores=..., unscored=...)``, each score's
+        ``hit`` left unset (no block ids)."""
+        fixed = self._fixed
+        small = _SMALL
+        out: list[bytes] = []
+        append = out.append
+        for s in scores:
+            fence = s.fence
+            key = (s.pool, s.num_total_blocks, fence.instance_id, fence.incarnation)
+            parts = fixed.get(key)
+            if parts is None:
+                parts = self._fixed_parts(key)
+            head, tail = parts
+            hit = s.hit.num_tokens
+            free = s.num_free_blocks
+            usage = _pack_double(s.usage)
+            # (the varints inline: a call per field costs as much as the rest of a score)
+            body = b"".join(
+                (
+                    head,
+                    (b"\x10" + (small[hit] if hit < 16384 else _varint(hit))) if hit else b"",
+                    (b"\x18" + (small[free] if free < 16384 else _varint(free))) if free else b"",
+                    b"\x21" + usage if usage != _ZERO_DOUBLE else b"",
+                    tail,
+                )
+            )
+            size = len(body)
+            append(b"\x0a")
+            append(small[size] if size < 16384 else _varint(size))
+            append(body)
+        for u in unscored:
+            append(
+                _field(
+                    0x12, pb.UnscoredPool(pool=u.pool, reason=u.reason, message=u.message).SerializeToString()
+                )
+            )
+        return b"".join(out)
+
+    def _fixed_parts(self, key: tuple[str, int, str, int]) -> tuple[bytes, bytes]:
+        pool, total, instance_id, incarnation = key
+        if len(self._fixed) >= self.max_pools:
+            self._fixed.clear()
+        fence = (_field(0x0A, instance_id.encode()) if instance_id else b"") + (
+            b"\x10" + _varint(incarnation) if incarnation else b""
+        )
+        head = _field(0x0A, pool.encode()) if pool else b""
+        # the fence is always present: the message path sets its fields in place
+        tail = (b"\x28" + _varint(total) if total else b"") + _field(0x3A, fence)
+        parts = self._fixed[key] = (head, tail)
+        return parts

@@ -137,6 +137,8 @@ class Cluster:
         self.adopting: set[str] = set()
         #: metadata of calls to other replicas (a full-access token, if the server has one)
         self.peer_metadata: tuple[tuple[str, str], ...] = ()
+        #: TLS of calls to other replicas (tls.peer_credentials; None: plaintext)
+        self.peer_tls: tuple[grpc.ChannelCredentials, list[tuple[str, str]]] | None = None
         #: told of each claim this replica gains: pool, term (the server records it)
         self.on_term: Callable[[str, int], None] | None = None
         #: handovers done and failed (metrics, tests)
@@ -475,8 +477,7 @@ class Cluster:
                 from_replica=self.me.replica_id,
                 claim_revision=claim.term,
             )
-            options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-            async with grpc.aio.insecure_channel(target.address, options=options) as channel:
+            async with self._peer_channel(target.address) as channel:
                 answer = await pb_grpc.ReplicasStub(channel).AdoptPool(  # type: ignore[no-untyped-call]
                     request, timeout=max(30.0, self.timeout), metadata=self.peer_metadata
                 )
@@ -499,6 +500,14 @@ class Cluster:
         for fn in self.on_change:
             fn()
         return True
+
+    def _peer_channel(self, address: str) -> grpc.aio.Channel:
+        """A channel to another replica: TLS when the replicas serve TLS ([server.tls])."""
+        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        if self.peer_tls is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        credentials, extra = self.peer_tls
+        return grpc.aio.secure_channel(address, credentials, options=[*options, *extra])
 
     async def _settle_failed_handover(self, pool: str, exc: BaseException) -> None:
         """After a handover that failed: serve the pool again if the claim is still

@@ -31,7 +31,7 @@ from .servicer import AllocatorServicer, OperationObserver, add_servicer
 from .sessions import SessionTable
 from .startup import StartupDecision, decide_startup
 from .store_journal import PoolStreams, StoreRecorder, encode_base
-from .tls import server_credentials
+from .tls import PeerTLS, peer_credentials, server_credentials
 
 __all__ = ["ClusterError", "ListenError", "RunningServer", "start_server"]
 
@@ -332,7 +332,13 @@ async def start_server(
         else:
             host = address.rsplit(":", 1)[0]
             addresses.append(f"{host}:{port}")
-    cluster = _cluster(cfg, registry, servicer, access, addresses, server) if cfg.cluster.enabled else None
+    try:
+        cluster = (
+            _cluster(cfg, registry, servicer, access, addresses, server) if cfg.cluster.enabled else None
+        )
+    except ClusterError:
+        await _close_journal(registry.recorder)
+        raise
     await server.start()
     if cluster is not None:
         try:
@@ -396,8 +402,19 @@ def _cluster(
     cluster.on_term = registry.set_term
     if c.journal == "store":
         _store_journal(cfg, cluster, registry, servicer)
-    if cfg.server.auth_tokens:
+    if cfg.server.auth_tokens:  # AdoptPool needs full access: the first full-access token
         cluster.peer_metadata = (("authorization", f"Bearer {cfg.server.auth_tokens[0]}"),)
+    elif access.required:
+        raise ClusterError(
+            "[cluster] with tenants needs a full-access token in server.auth_tokens: the replicas "
+            "hand pools over to each other with it (Replicas.AdoptPool)"
+        )
+    if not cfg.server.tls.enabled and c.peer_tls != PeerTLS():
+        raise ClusterError("cluster.peer_tls is set, but [server.tls] is off: the replicas serve plaintext")
+    try:
+        cluster.peer_tls = peer_credentials(cfg.server.tls, c.peer_tls)
+    except ValueError as exc:
+        raise ClusterError(str(exc)) from None
     placement = ClusterPlacement(cluster, registry)
     registry.placement = placement
     peers = ReplicasServicer(

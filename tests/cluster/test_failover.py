@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from durable_server import env
 from etcd_process import Etcd, EtcdCluster
-from kvcoord.client import KVCoordClient
+from kvcoord.client import KVCoordClient, NotFoundError
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, owner_of
 from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import allocate
 from tcp_proxy import Proxy
-from test_replicas import POOL_CONFIG
+from test_replicas import POOL_CONFIG, claims
 
 REPLICAS = ("r0", "r1", "r2")
 LEASE = 3
@@ -375,6 +375,62 @@ def test_a_pool_rebuilt_from_the_store_has_the_ends_of_its_sessions(
             assert not more.result.refused
             held = {b for ids in acked.values() for b in ids}
             assert not held & set(more.result.new_block_ids[0].block_ids)
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+async def _damage_journal(etcd: Etcd, cluster: str, pool: str) -> int:
+    """Overwrite every record of ``pool``'s journal in the store with bytes that are
+    not CBOR (no replica can rebuild it); returns how many keys were overwritten."""
+    import aetcd
+
+    host, _, port = etcd.endpoint.rpartition(":")
+    async with aetcd.Client(host=host, port=int(port), timeout=5) as c:
+        rows = await c.get_prefix(f"/kvcoord/{cluster}/journal/{pool}/".encode())
+        for kv in rows:
+            await c.put(kv.key, b"\x1c not cbor")
+        return len(list(rows))
+
+
+def test_a_pool_no_replica_can_serve_is_deleted_by_the_replica_placement_names(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """journal = "store": the owner dies and the pool's journal in the store cannot be
+    rebuilt (damaged), so no replica serves the pool (the placed one tries again every
+    lease). DeletePool through the replica set is a definite answer: the placed
+    replica deletes the pool from the store (catalog and journal), then it is
+    NOT_FOUND, and nobody tries to rebuild it any more."""
+    import asyncio
+
+    cluster = request.node.name[:40]
+    members = [Member(r, "") for r in ("r0", "r1")]
+    pool = next(f"z{i}" for i in range(1000) if owner_of(f"z{i}", members).replica_id == "r0")  # type: ignore[union-attr]
+    procs: dict[str, ServerProcess] = {}
+    for r in ("r0", "r1"):
+        procs[r] = start_server(_config([etcd.endpoint], r, tmp_path / r, cluster, "store", 1000), env=env())
+    targets = [procs["r0"].address, procs["r1"].address]
+    try:
+        with KVCoordClient(targets, timeout=5.0) as c:
+            c.create_pool(pool, POOL_CONFIG)
+            s = c.attach(pool, "sha256_cbor", 4, "0")
+            assert not c.allocate(
+                pool, allocate("a", list(range(9)), 9).allocate, s.session_id, s.fence
+            ).result.refused
+        procs["r0"].proc.kill()  # its claim lasts LEASE seconds more: damaged before r1 may rebuild
+        assert asyncio.run(_damage_journal(etcd, cluster, pool)) > 0
+        deadline = time.monotonic() + 30
+        while "cannot be rebuilt" not in procs["r1"].log() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert f"pool {pool} cannot be rebuilt" in procs["r1"].log()
+        with KVCoordClient(targets, timeout=5.0) as c:
+            c.delete_pool(pool)
+            tries = procs["r1"].log().count("cannot be rebuilt")
+            with pytest.raises(NotFoundError):
+                c.get_pool(pool)
+        time.sleep(2 * LEASE)  # past the next try, had the pool stayed in the catalog
+        assert procs["r1"].log().count("cannot be rebuilt") == tries
+        assert pool not in claims(etcd, cluster)
     finally:
         for p in procs.values():
             p.stop()

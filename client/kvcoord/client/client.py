@@ -21,6 +21,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from . import _requests as rq
+from . import errors as _errors
 from .errors import KVCoordError, NotOwnerError, OutcomeUnknownError, UnavailableError, error_from_rpc
 from .owners import MAX_HOPS, Routes
 from .retry import DEFAULT_RETRY, RetryPolicy
@@ -249,15 +250,12 @@ class _Api:
             return True
         if isinstance(err, UnavailableError) and pool:
             self.routes.unreachable(pool, address)
-            # A stopped owner's address may swallow packets instead of refusing them:
-            # the read then ends in DEADLINE_EXCEEDED, which no retry policy repeats. A
-            # read is safe to send again, and another replica now routes it.
-            return (
-                err.code == grpc.StatusCode.DEADLINE_EXCEEDED
-                and rq.RPCS.get(rpc) == "read"
-                and hops < MAX_HOPS
-                and self.routes.route(pool) != address
-            )
+            # Another replica now routes the call: sent there at once when this one never
+            # got it (no connection: any call), or a read ended in DEADLINE_EXCEEDED (a
+            # stopped owner's address may swallow packets; no retry policy repeats it).
+            late_read = err.code == grpc.StatusCode.DEADLINE_EXCEEDED and rq.RPCS.get(rpc) == "read"
+            moved = hops < MAX_HOPS and self.routes.route(pool) != address
+            return (_errors.never_sent(err) or late_read) and moved
         return False
 
     @staticmethod

@@ -24,6 +24,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ANSWER_TOO_LARGE: _ClassVar[ErrorReason]
     NOT_OWNER: _ClassVar[ErrorReason]
     PROFILE_MISMATCH: _ClassVar[ErrorReason]
+    OWNER_GONE: _ClassVar[ErrorReason]
 REASON_UNSPECIFIED: ErrorReason
 INSTANCE_CHANGED: ErrorReason
 INCARNATION_CHANGED: ErrorReason
@@ -39,6 +40,7 @@ HASH_MISMATCH: ErrorReason
 ANSWER_TOO_LARGE: ErrorReason
 NOT_OWNER: ErrorReason
 PROFILE_MISMATCH: ErrorReason
+OWNER_GONE: ErrorReason
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")

@@ -49,7 +49,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from .access import AccessControl
-from .errors import ServiceError, Status, map_errors
+from .errors import ErrorReason, ServiceError, Status, map_errors
 from .ownership import Claim, Member, Ownership, decode_claim, decode_member, encode_claim, encode_member
 from .registry import Placement, PoolRegistry
 
@@ -361,6 +361,31 @@ class Cluster:
         for fn in self.on_change:
             fn()
         return True
+
+    async def delete_unclaimed(self, pool: str) -> bool:
+        """Delete ``pool`` from the cluster (its catalog entry and its journal in the
+        store) only while nobody claims it: True once done; False when a replica
+        claimed it or a delete removed it meanwhile (the view is read again: the usual
+        rules then answer)."""
+        assert self.streams is not None
+        tx = self.client.transactions
+        key = self._key("owners", pool)
+        ok, _ = await self.client.transaction(
+            compare=[tx.version(key) == 0, tx.version(self._key("pools", pool)) > 0],
+            success=[
+                tx.delete(self._key("pools", pool)),
+                tx.delete(*_prefix_range(self.streams.pool_prefix(pool))),
+            ],
+            failure=[],
+        )
+        if ok:
+            self.view.catalog.discard(pool)
+            logger.warning("deleted pool %s, which no replica served, from the cluster store", pool)
+            for fn in self.on_change:
+                fn()
+            return True
+        await self.refresh()
+        return False
 
     async def release(self, pool: str) -> None:
         """Give up this replica's claim of ``pool`` (its journal in the store could not
@@ -735,6 +760,37 @@ class ClusterPlacement(Placement):
     async def after_delete(self, pool: str) -> None:
         if self.cluster.streams is None:  # else before_delete did it
             await self.cluster.forget(pool)
+
+    async def delete_unserved(self, pool: str) -> bool:
+        """A pool of the catalog nobody claims (its owner stopped without handing it
+        over), placed here: with the journal in the store, its history is there and is
+        deleted there (whoever claims it later finds no journal: it does not exist);
+        with local journals its state is on its owner's disk only, and it would come
+        back with its owner: refused, OWNER_GONE, nothing deleted."""
+        cluster, view = self.cluster, self.cluster.view
+        if (
+            pool in self.registry.pools
+            or pool not in view.catalog
+            or pool in view.claims
+            or pool in view.moving
+            or pool in cluster.adopting
+            or not view.lease_valid
+            or not view.placed_here(pool)
+        ):
+            return False
+        if cluster.streams is None:
+            raise ServiceError(
+                Status.PRECONDITION,
+                f"pool {pool[:200]!r} was not deleted: its owner stopped without handing it over and its "
+                'state is on that replica\'s disk only ([cluster] journal = "local"); start that replica '
+                "again (it serves the pool again), then delete it",
+                ErrorReason.OWNER_GONE,
+            )
+        view.moving.add(pool)  # not rebuilt here meanwhile (recover)
+        try:
+            return await cluster.delete_unclaimed(pool)
+        finally:
+            view.moving.discard(pool)
 
 
 class ReplicasServicer(pb_grpc.ReplicasServicer):

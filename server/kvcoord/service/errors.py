@@ -117,6 +117,7 @@ class ErrorReason(enum.Enum):
     ANSWER_TOO_LARGE = 12
     NOT_OWNER = 13
     PROFILE_MISMATCH = 14
+    OWNER_GONE = 15
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -234,6 +234,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self, request: pb.DeletePoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeletePoolResponse:
         registry = self.registry
+        if await registry.placement.delete_unserved(request.name):  # a cluster's pool nobody served
+            return pb.DeletePoolResponse()
         registry.get(request.name)  # NOT_FOUND, or the owner's redirect, before anything changes
         # In a store-journal cluster the pool is gone from the cluster after this (so
         # it is no longer claimed here: removed without the placement check again).

@@ -1,0 +1,125 @@
+"""A large pool's state encoded off the event loop, as it was at one moment.
+
+An exclusive ``Attach`` with ``want_engine_state`` answers the engine's whole state
+(:meth:`~kvcoord.service.pool_service.PoolService.mirror_state`: ``export_state`` as
+CBOR), a pass over every block and request of the pool. On the event loop that pass
+stalls every other pool's calls for as long as it takes, which grows with the pool.
+
+For a pool that has built at least :data:`FORK_BLOCKS` blocks the state is taken
+the way journal snapshots are (durability.py): the process forks, and the child, which
+holds a copy-on-write image of the pool exactly as it is at that moment (the Attach's
+position: calls the loop answers afterwards change only the parent's pool), encodes it
+into a pipe and exits. A thread reads the pipe while the loop goes on answering other
+calls; the loop stands still only for the fork. Smaller pools, and a process in which
+forking is unsafe (gRPC's fork handlers on, see ``kvcoord/service/__init__.py``), are
+encoded on the loop as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import cbor2
+
+from .durability import leave_parent
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .pool_service import MirrorState, PoolService
+
+__all__ = ["FORK_BLOCKS", "ExportError", "encoded_apart", "mirror_state_apart"]
+
+#: blocks a pool has built (handed out at least once) from which its state is encoded in a forked child
+#: (below it the pass on the loop takes about as long as the fork)
+FORK_BLOCKS = 32768
+
+
+class ExportError(Exception):
+    """The child encoding a state failed (its traceback is on the server's stderr)."""
+
+
+def _forkable() -> bool:
+    from . import FORK_SAFE
+
+    return FORK_SAFE and hasattr(os, "fork") and sys.platform != "win32"
+
+
+def _collect(fd: int, pid: int) -> tuple[bytes, int]:
+    """Read the child's pipe to its end, then reap the child (on a thread)."""
+    chunks = []
+    try:
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+        _, status = os.waitpid(pid, 0)
+    return b"".join(chunks), status
+
+
+async def encoded_apart(encode: Callable[[], bytes]) -> bytes:
+    """``encode()`` run in a forked child on the state as it is now; the loop goes on
+    meanwhile. The caller's cancellation kills the child.
+
+    Raises:
+        ExportError: the child failed or was killed.
+    """
+    read_fd, write_fd = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the child: no event loop, no gRPC; only this
+        code = 1
+        try:
+            os.close(read_fd)
+            leave_parent(parent, keep=write_fd)
+            view = memoryview(encode())
+            while view:
+                view = view[os.write(write_fd, view) :]
+            code = 0
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                os.write(2, f"kvcoord state export child failed:\n{traceback.format_exc()}".encode())
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    reading = asyncio.get_running_loop().run_in_executor(None, _collect, read_fd, pid)
+    try:
+        data, status = await asyncio.shield(reading)
+    except BaseException:
+        # the reader thread then sees the pipe's end, closes it and reaps the child
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        raise
+    if status != 0:
+        raise ExportError(f"the child encoding the state ended with wait status {status}")
+    return data
+
+
+async def mirror_state_apart(service: PoolService, cache_namespace: str) -> MirrorState | str:
+    """:meth:`PoolService.mirror_state` as it is now; encoded in a forked child for a
+    large pool (see the module docstring).
+
+    Raises:
+        ExportError: the child failed.
+    """
+    if service.num_materialised_blocks < FORK_BLOCKS or not _forkable():
+        return service.mirror_state(cache_namespace)
+
+    def encode() -> bytes:
+        state = service.mirror_state(cache_namespace)
+        if isinstance(state, str):
+            return cbor2.dumps(state)
+        return cbor2.dumps([state.engine_state, state.version, state.rules, state.cache_namespace])
+
+    from .pool_service import MirrorState
+
+    value = cbor2.loads(await encoded_apart(encode))
+    return value if isinstance(value, str) else MirrorState(*value)

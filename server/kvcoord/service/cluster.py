@@ -129,8 +129,9 @@ class Cluster:
         self.local_pools: Callable[[], Iterable[str]] = list
         #: told of every claim this replica gains or loses (metrics)
         self.on_change: list[Callable[[], None]] = []
-        #: a pool's state for a handover (recovery.dump_pool, CBOR); set by the server
-        self.export_pool: Callable[[str], bytes] | None = None
+        #: a pool's state for a handover (recovery.dump_pool, CBOR; a large pool's
+        #: encoded off the loop, state_export.py); set by the server
+        self.export_pool: Callable[[str], Awaitable[bytes]] | None = None
         #: the end of a handover: the pool is removed here (journaled); set by the server
         self.handed_over: Callable[[str], None] | None = None
         #: pools being adopted: held here, not claimed yet (claim_local leaves them be)
@@ -498,7 +499,7 @@ class Cluster:
         try:
             request = pb.AdoptPoolRequest(
                 pool=pool,
-                state=self.export_pool(pool),
+                state=await self.export_pool(pool),
                 from_replica=self.me.replica_id,
                 claim_revision=claim.term,
             )

@@ -30,6 +30,7 @@ from .registry import GcFreezer, PoolRegistry
 from .servicer import AllocatorServicer, OperationObserver, add_servicer
 from .sessions import SessionTable
 from .startup import StartupDecision, decide_startup
+from .state_export import pool_encoded
 from .store_journal import PoolStreams, StoreRecorder, encode_base
 from .tls import PeerTLS, peer_credentials, server_credentials
 
@@ -393,7 +394,11 @@ def _cluster(
     me = Member(c.replica_id or socket.gethostname(), advertised(c, addresses))
     cluster = Cluster(c.endpoints, c.name, me, c.lease_seconds, c.store_timeout_seconds, registry.clock)
     cluster.local_pools = lambda: list(registry.pools)
-    cluster.export_pool = lambda pool: cbor2.dumps(dump_pool(registry, pool))
+
+    async def export(pool: str) -> bytes:  # the pool is moving: its state is the handover's
+        return await pool_encoded(registry.pools[pool], lambda: cbor2.dumps(dump_pool(registry, pool)))
+
+    cluster.export_pool = export
 
     def handed_over(pool: str) -> None:
         servicer.observer.pool_deleted(registry.handed_over(pool))

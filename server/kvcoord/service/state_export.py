@@ -33,7 +33,16 @@ from .durability import leave_parent
 if TYPE_CHECKING:  # pragma: no cover
     from .pool_service import MirrorState, PoolService
 
-__all__ = ["FORK_BLOCKS", "ExportError", "encoded_apart", "mirror_state_apart"]
+__all__ = [
+    "FORK_BLOCKS",
+    "ExportError",
+    "apart",
+    "collect",
+    "encoded_apart",
+    "fork_encoder",
+    "mirror_state_apart",
+    "pool_encoded",
+]
 
 #: blocks a pool has built (handed out at least once) from which its state is encoded in a forked child
 #: (below it the pass on the loop takes about as long as the fork)
@@ -65,13 +74,9 @@ def _collect(fd: int, pid: int) -> tuple[bytes, int]:
     return b"".join(chunks), status
 
 
-async def encoded_apart(encode: Callable[[], bytes]) -> bytes:
-    """``encode()`` run in a forked child on the state as it is now; the loop goes on
-    meanwhile. The caller's cancellation kills the child.
-
-    Raises:
-        ExportError: the child failed or was killed.
-    """
+def fork_encoder(encode: Callable[[], bytes]) -> tuple[int, int]:
+    """Fork a child that writes ``encode()`` of the state as it is now into a pipe and
+    exits; returns its pid and the pipe's reading end (see :func:`collect`)."""
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
     pid = os.fork()
@@ -90,6 +95,16 @@ async def encoded_apart(encode: Callable[[], bytes]) -> bytes:
         finally:
             os._exit(code)
     os.close(write_fd)
+    return pid, read_fd
+
+
+async def collect(pid: int, read_fd: int) -> bytes:
+    """What the child of :func:`fork_encoder` wrote, read on a thread while the loop
+    goes on; the caller's cancellation kills the child.
+
+    Raises:
+        ExportError: the child failed or was killed.
+    """
     reading = asyncio.get_running_loop().run_in_executor(None, _collect, read_fd, pid)
     try:
         data, status = await asyncio.shield(reading)
@@ -103,6 +118,23 @@ async def encoded_apart(encode: Callable[[], bytes]) -> bytes:
     return data
 
 
+async def encoded_apart(encode: Callable[[], bytes]) -> bytes:
+    """``encode()`` run in a forked child on the state as it is now; the loop goes on
+    meanwhile (see :func:`collect`)."""
+    return await collect(*fork_encoder(encode))
+
+
+def apart(service: PoolService) -> bool:
+    """Whether ``service``'s state is encoded in a forked child (see the module docstring)."""
+    return service.num_materialised_blocks >= FORK_BLOCKS and _forkable()
+
+
+async def pool_encoded(service: PoolService, encode: Callable[[], bytes]) -> bytes:
+    """``encode()`` of ``service``'s state as it is now: in a forked child for a large
+    pool, else here."""
+    return await encoded_apart(encode) if apart(service) else encode()
+
+
 async def mirror_state_apart(service: PoolService, cache_namespace: str) -> MirrorState | str:
     """:meth:`PoolService.mirror_state` as it is now; encoded in a forked child for a
     large pool (see the module docstring).
@@ -110,7 +142,7 @@ async def mirror_state_apart(service: PoolService, cache_namespace: str) -> Mirr
     Raises:
         ExportError: the child failed.
     """
-    if service.num_materialised_blocks < FORK_BLOCKS or not _forkable():
+    if not apart(service):
         return service.mirror_state(cache_namespace)
 
     def encode() -> bytes:

@@ -7,6 +7,7 @@ held by two live requests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 from durable_server import env
 from etcd_process import Etcd, EtcdCluster
-from kvcoord.client import KVCoordClient, NotFoundError
+from kvcoord.client import NO_RETRY, KVCoordClient, NotFoundError
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, owner_of
 from kvcoord.v1 import allocator_pb2 as pb
@@ -434,6 +435,83 @@ def test_a_pool_no_replica_can_serve_is_deleted_by_the_replica_placement_names(
     finally:
         for p in procs.values():
             p.stop()
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def test_a_large_pools_base_in_the_store_is_encoded_off_the_loop_and_rebuilds_it(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """journal = "store": a base record of a pool that has built more than
+    state_export.FORK_BLOCKS blocks is encoded by a forked child, the image of the
+    pool right after the record that made it due. While that child is held (SIGSTOP),
+    another pool is answered and the call whose record made the base due waits for
+    it; then the replica is SIGKILLed and, restarted, rebuilds the pool from the store
+    (that base and the records after it) with every acknowledged allocation."""
+    cluster = request.node.name[:40]
+    per_request = 16384  # blocks: four requests build 65,536 (> FORK_BLOCKS)
+    big = pb.PoolConfig(
+        num_blocks=4 * per_request + 64, hash_block_size=4, hash_algo="sha256_cbor", hash_seed="0",
+        enable_caching=True, groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))],
+    )  # fmt: skip
+    # term, attach and four allocations: 6 records; the base falls due at the 8th
+    text = _config([etcd.endpoint], "solo", tmp_path / "solo", cluster, "store", 8)
+    server = start_server(text, env=env())
+    acked: dict[str, list[int]] = {}
+    try:
+        with KVCoordClient(server.address, timeout=60.0) as c:
+            c.create_pool("big", big)
+            c.create_pool("small", POOL_CONFIG)
+            s = c.attach("big", "sha256_cbor", 4, "0", lease_seconds=600)
+
+            def alloc(rid: str, tokens: list[int]) -> None:
+                got = c.allocate("big", allocate(rid, tokens, len(tokens)).allocate, s.session_id, s.fence)
+                assert not got.result.refused
+                acked[rid] = list(got.result.new_block_ids[0].block_ids)
+
+            for n in range(4):
+                alloc(f"a{n}", list(range(n * 4 * per_request, (n + 1) * 4 * per_request)))
+            assert _children(server.proc.pid) == []
+            # small allocations, one at a time: the record of one of them makes the base
+            # due, and that call waits for the base in the store
+            due = threading.Thread(
+                target=lambda: [alloc(f"b{n}", [n, n, n, n]) for n in range(8)], daemon=True
+            )
+            due.start()
+            deadline = time.monotonic() + 30
+            while (
+                not (child := _children(server.proc.pid)) and due.is_alive() and time.monotonic() < deadline
+            ):
+                time.sleep(0.001)
+            assert child, "no child encodes the base (it was encoded on the loop)"
+            os.kill(child[0], signal.SIGSTOP)
+            try:
+                with KVCoordClient(server.address, timeout=5.0, retry=NO_RETRY) as probe:
+                    assert probe.get_pool("small").pool.name == "small"
+                assert due.is_alive(), "the call that made the base due waits for it"
+            finally:
+                os.kill(child[0], signal.SIGCONT)
+            due.join(60)
+            assert not due.is_alive() and "b7" in acked
+        server.proc.kill()
+        server.stop()
+        server = start_server(text, startup_timeout=60.0, env=env())
+        deadline = time.monotonic() + 30
+        while "big" not in listed([server.address]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "took pool big over from the cluster store" in server.log()
+        with KVCoordClient(server.address, timeout=30.0) as c:
+            view = c.inspect_pool("big", all_requests=True)
+            assert {r.request_id: list(r.groups[0].block_ids) for r in view.requests} == acked
+    finally:
+        server.stop()
 
 
 def test_watchers_see_no_event_before_it_is_in_the_store(

@@ -74,7 +74,10 @@ def _client(endpoint: str, timeout: float) -> Any:
         ) from None
 
     host, _, port = endpoint.rpartition(":")
-    return aetcd.Client(host=host, port=int(port), timeout=timeout)
+    # a pool's journal in the store is read whole when it is rebuilt: a large pool's
+    # base alone passes gRPC's default 4 MiB limit of an answer
+    options = {"grpc.max_receive_message_length": -1}
+    return aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
 
 
 def _targets(endpoints: list[str]) -> list[str]:

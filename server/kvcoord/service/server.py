@@ -30,7 +30,7 @@ from .registry import GcFreezer, PoolRegistry
 from .servicer import AllocatorServicer, OperationObserver, add_servicer
 from .sessions import SessionTable
 from .startup import StartupDecision, decide_startup
-from .state_export import pool_encoded
+from .state_export import apart, collect, fork_encoder, pool_encoded
 from .store_journal import PoolStreams, StoreRecorder, encode_base
 from .tls import PeerTLS, peer_credentials, server_credentials
 
@@ -445,9 +445,18 @@ def _store_journal(
         cfg.cluster.store_snapshot_records,
     )
 
-    def base(pool: str) -> bytes:
+    def base(pool: str) -> bytes | asyncio.Future[bytes]:
         limits = journaled_limits(registry, registry.limits)
-        return encode_base(dump_pool(registry, pool), registry.instance_id, limits, registry.wall_clock())
+        wall = registry.wall_clock()
+
+        def encode() -> bytes:
+            return encode_base(dump_pool(registry, pool), registry.instance_id, limits, wall)
+
+        service = registry.pools.get(pool)
+        if service is None or not apart(service):
+            return encode()
+        # the state right after the record that made the base due, encoded by a forked child
+        return asyncio.ensure_future(collect(*fork_encoder(encode)))
 
     def drop(pool: str) -> None:
         if pool in registry.pools:

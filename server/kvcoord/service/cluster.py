@@ -27,6 +27,13 @@ owner journals it (an ``adopt`` record) and waits until it is durable, then swap
 claim to itself (compare-and-swap on the claim's revision) and serves; only then does
 the old owner remove its copy (journaled). A failure at any step before the swap
 leaves the old owner serving; after it, the new owner's journal has the state.
+The call is made as the replicas serve (``[server.tls]``: TLS, and a client certificate
+under mutual TLS; ``[cluster.peer_tls]``, tls.py) with the first full-access token.
+
+**Deleting a pool nobody serves** (its owner is gone): with the journal in the store
+the replica placement names deletes it there (catalog and journal, only while nobody
+claims it); with local journals it is refused OWNER_GONE, nothing deleted (its state
+is on its owner's disk, and would come back with it).
 
 Safety rests on one rule: a replica serves a pool only while it holds the claim and
 its lease is sure to be alive (it counts the lease from the moment it *sent* the last

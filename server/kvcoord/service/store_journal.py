@@ -17,7 +17,9 @@ the pool's records of the local journal (``attach``, ``call``, ``detach``, ...),
 with its local journal position (answers' fences name it, so replay must too).
 Every ``snapshot_every`` records a new ``base`` is written into the stream, and once
 it is committed every key of the pool before it (older records, older terms' streams)
-is deleted: the log stays bounded.
+is deleted: the log stays bounded. A large pool's base is encoded by a forked child
+(state_export.py: the pool's image right after the record that made it due) while the
+loop goes on; the stream writes it, and the records after it, once it is there.
 
 **Guard.** Every write is one etcd transaction that compares the claim's
 ``mod_revision`` with the stream's term: once another replica holds the claim (a new

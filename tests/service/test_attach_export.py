@@ -9,6 +9,8 @@ still waiting for its state."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +20,7 @@ from typing import Any
 import cbor2
 import pytest
 from durable_server import small_pool
-from kvcoord.client import NO_RETRY, KVCoordClient, ResourceExhaustedError
+from kvcoord.client import NO_RETRY, KVCoordClient, ResourceExhaustedError, UnavailableError
 from kvcoord.service import state_export
 from kvcoord.service.pool_service import PoolService
 from kvcoord.service.testing import InProcessServer
@@ -125,3 +127,40 @@ def test_an_export_too_large_for_one_answer_leaves_no_session(
         assert not server.running.servicer.registry.sessions.sessions  # type: ignore[union-attr]
         s = c.attach("big", "sha256_cbor", 4, "0", exclusive=True)
         assert s.exclusive
+
+
+def _children() -> list[int]:
+    """This process's child processes (Linux): the server runs in it."""
+    out: list[int] = []
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out
+
+
+def test_an_attach_given_up_during_its_export_kills_the_child_and_leaves_no_session(
+    make_server: Callable[..., InProcessServer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's deadline passes while the state is encoded: the child is killed,
+    the session made for the Attach ends, and the pool takes an exclusive session again."""
+    monkeypatch.setattr(state_export, "FORK_BLOCKS", 64)
+    server = make_server(_pools())
+    started, go = tmp_path / "started", tmp_path / "go"
+    with KVCoordClient(server.address, timeout=10) as c:
+        _fill(c, "big", 40)
+        before = set(_children())
+        _hold_exports(monkeypatch, started, go)
+        with KVCoordClient(server.address, timeout=2, retry=NO_RETRY) as impatient:
+            with pytest.raises(UnavailableError):
+                impatient.attach(
+                    "big", "sha256_cbor", 4, "0", exclusive=True, want_pool_state=True, want_engine_state=True
+                )
+        assert started.exists(), "the export had started"
+        registry = server.running.servicer.registry  # type: ignore[union-attr]
+        deadline = time.monotonic() + HOLD_LIMIT
+        while (set(_children()) - before or registry.sessions.sessions) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not set(_children()) - before, "the child encoding the state was killed"
+        assert not registry.sessions.sessions
+        go.write_text("go")
+        assert c.attach("big", "sha256_cbor", 4, "0", exclusive=True).exclusive

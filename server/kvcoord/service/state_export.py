@@ -22,6 +22,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -59,19 +60,36 @@ def _forkable() -> bool:
     return FORK_SAFE and hasattr(os, "fork") and sys.platform != "win32"
 
 
-def _collect(fd: int, pid: int) -> tuple[bytes, int]:
-    """Read the child's pipe to its end, then reap the child (on a thread)."""
-    chunks = []
-    try:
-        while True:
-            chunk = os.read(fd, 1 << 20)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(fd)
-        _, status = os.waitpid(pid, 0)
-    return b"".join(chunks), status
+class _Child:
+    """A forked child and whether it was reaped: it is killed only before (its pid may
+    belong to another process after)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.reaped = False
+        self.lock = threading.Lock()
+
+    def kill(self) -> None:
+        with self.lock:
+            if not self.reaped:
+                os.kill(self.pid, signal.SIGKILL)
+
+    def collect(self, fd: int) -> tuple[bytes, int]:
+        """Read the pipe to its end, wait for the child's exit, reap it (on a thread)."""
+        chunks = []
+        try:
+            while True:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+            os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped yet
+            with self.lock:
+                _, status = os.waitpid(self.pid, 0)
+                self.reaped = True
+        return b"".join(chunks), status
 
 
 def fork_encoder(encode: Callable[[], bytes]) -> tuple[int, int]:
@@ -105,13 +123,13 @@ async def collect(pid: int, read_fd: int) -> bytes:
     Raises:
         ExportError: the child failed or was killed.
     """
-    reading = asyncio.get_running_loop().run_in_executor(None, _collect, read_fd, pid)
+    child = _Child(pid)
+    reading = asyncio.get_running_loop().run_in_executor(None, child.collect, read_fd)
     try:
         data, status = await asyncio.shield(reading)
     except BaseException:
         # the reader thread then sees the pipe's end, closes it and reaps the child
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+        child.kill()
         raise
     if status != 0:
         raise ExportError(f"the child encoding the state ended with wait status {status}")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvcoord.client import KVCoordClient
 from kvcoord.client.hashing import BlockHasher, none_hash
@@ -188,3 +190,12 @@ class PoolWorker:
             self.live.clear()
         else:
             self.live.append(rid)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux: /proc's children lists of its threads)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out

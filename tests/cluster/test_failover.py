@@ -7,7 +7,6 @@ held by two live requests."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import threading
@@ -23,6 +22,7 @@ from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, owner_of
 from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import allocate
+from support import child_pids
 from tcp_proxy import Proxy
 from test_replicas import POOL_CONFIG, claims
 
@@ -437,15 +437,6 @@ def test_a_pool_no_replica_can_serve_is_deleted_by_the_replica_placement_names(
             p.stop()
 
 
-def _children(pid: int) -> list[int]:
-    """The child processes of ``pid`` (Linux)."""
-    out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):
-            out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
 def test_a_large_pools_base_in_the_store_is_encoded_off_the_loop_and_rebuilds_it(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -478,7 +469,7 @@ def test_a_large_pools_base_in_the_store_is_encoded_off_the_loop_and_rebuilds_it
 
             for n in range(4):
                 alloc(f"a{n}", list(range(n * 4 * per_request, (n + 1) * 4 * per_request)))
-            assert _children(server.proc.pid) == []
+            assert child_pids(server.proc.pid) == []
             # small allocations, one at a time: the record of one of them makes the base
             # due, and that call waits for the base in the store
             due = threading.Thread(
@@ -487,7 +478,7 @@ def test_a_large_pools_base_in_the_store_is_encoded_off_the_loop_and_rebuilds_it
             due.start()
             deadline = time.monotonic() + 30
             while (
-                not (child := _children(server.proc.pid)) and due.is_alive() and time.monotonic() < deadline
+                not (child := child_pids(server.proc.pid)) and due.is_alive() and time.monotonic() < deadline
             ):
                 time.sleep(0.001)
             assert child, "no child encodes the base (it was encoded on the loop)"

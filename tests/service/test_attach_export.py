@@ -9,7 +9,6 @@ still waiting for its state."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -26,6 +25,7 @@ from kvcoord.service.pool_service import PoolService
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import allocate
+from support import child_pids
 
 #: seconds the held export waits for the test at most (never reached when it passes)
 HOLD_LIMIT = 30.0
@@ -129,15 +129,6 @@ def test_an_export_too_large_for_one_answer_leaves_no_session(
         assert s.exclusive
 
 
-def _children() -> list[int]:
-    """This process's child processes (Linux): the server runs in it."""
-    out: list[int] = []
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        with contextlib.suppress(OSError):
-            out += [int(c) for c in (task / "children").read_text().split()]
-    return out
-
-
 def test_an_attach_given_up_during_its_export_kills_the_child_and_leaves_no_session(
     make_server: Callable[..., InProcessServer], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -148,7 +139,7 @@ def test_an_attach_given_up_during_its_export_kills_the_child_and_leaves_no_sess
     started, go = tmp_path / "started", tmp_path / "go"
     with KVCoordClient(server.address, timeout=10) as c:
         _fill(c, "big", 40)
-        before = set(_children())
+        before = set(child_pids(os.getpid()))
         _hold_exports(monkeypatch, started, go)
         with KVCoordClient(server.address, timeout=2, retry=NO_RETRY) as impatient:
             with pytest.raises(UnavailableError):
@@ -158,9 +149,11 @@ def test_an_attach_given_up_during_its_export_kills_the_child_and_leaves_no_sess
         assert started.exists(), "the export had started"
         registry = server.running.servicer.registry  # type: ignore[union-attr]
         deadline = time.monotonic() + HOLD_LIMIT
-        while (set(_children()) - before or registry.sessions.sessions) and time.monotonic() < deadline:
+        while (
+            set(child_pids(os.getpid())) - before or registry.sessions.sessions
+        ) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not set(_children()) - before, "the child encoding the state was killed"
+        assert not set(child_pids(os.getpid())) - before, "the child encoding the state was killed"
         assert not registry.sessions.sessions
         go.write_text("go")
         assert c.attach("big", "sha256_cbor", 4, "0", exclusive=True).exclusive

@@ -198,12 +198,12 @@ class Cluster:
         if self.client is None:
             raise ClusterError(f"no cluster store endpoint answers ({', '.join(self.endpoints)}): {last!r}")
         await self._register()
+        # renewed from now on: rebuilding this replica's pools from the store (a large
+        # pool's journal) may take longer than the lease
+        self._tasks = [asyncio.get_running_loop().create_task(self._keep_alive())]
         await self.refresh()
         await self.claim_local()
-        self._tasks = [
-            asyncio.get_running_loop().create_task(self._keep_alive()),
-            asyncio.get_running_loop().create_task(self._watch()),
-        ]
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watch()))
 
     async def _register(self) -> None:
         """Put the member key under a new lease; wait out a previous process of the

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import gc
+import os
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
+from typing import IO
 
 
 def freeze_heap() -> None:
@@ -36,6 +41,17 @@ def rss_mib(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return 0.0
+
+
+def serve(config: Path, sources: Path, log: IO[bytes]) -> subprocess.Popen[bytes]:
+    """A ``kvcoord serve --config config`` process running the checkout ``sources``
+    (its ``client`` and ``server``), its output into ``log``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(sources / "client"), str(sources / "server")]))
+    env.pop("KVCOORD_CONFIG", None)
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(config)],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
 
 
 def wait_serving(address: str, seconds: float = 60.0) -> None:

@@ -24,7 +24,6 @@ import argparse
 import os
 import sqlite3
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -34,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server"), str(ROOT / "bench")]
 
-from common import free_port, pct, rss_mib, wait_serving  # noqa: E402
+from common import free_port, pct, rss_mib, serve, wait_serving  # noqa: E402
 from kvcoord.client import KVCoordClient  # noqa: E402
 from kvcoord.v1 import allocator_pb2 as pb  # noqa: E402
 
@@ -92,13 +91,8 @@ def main() -> None:
         'hash_algo = "sha256_cbor"\nhash_seed = "0"\nenable_caching = true\n'
         f'[[pools.groups]]\ntype = "full"\nblock_size = {BS}\n'
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "client"), str(ROOT / "server")]))
-    env.pop("KVCOORD_CONFIG", None)
     log = open(work / "server.log", "wb")  # noqa: SIM115 - closed at the end
-    server = subprocess.Popen(
-        [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(config)],
-        stdout=log, stderr=subprocess.STDOUT, env=env,
-    )  # fmt: skip
+    server = serve(config, ROOT, log)
     address = f"127.0.0.1:{port}"
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (shared: figures vary)")
     try:

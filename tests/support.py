@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import urllib.request
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from kvcoord.client import KVCoordClient
@@ -209,3 +211,12 @@ def admit_on_both(manager: Any, local: KVCachePool, request: Any) -> bool:
         return False
     assert got.block_ids == tuple(list(g) for g in exp)
     return True
+
+
+def child_pids(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux: /proc's children lists of its threads)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            out += [int(c) for c in (task / "children").read_text().split()]
+    return out

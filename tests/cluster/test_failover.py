@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 from durable_server import env
 from etcd_process import Etcd, EtcdCluster
-from kvcoord.client import KVCoordClient
+from kvcoord.client import NO_RETRY, KVCoordClient, NotFoundError
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, owner_of
 from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import allocate
+from support import child_pids
 from tcp_proxy import Proxy
-from test_replicas import POOL_CONFIG
+from test_replicas import POOL_CONFIG, claims
 
 REPLICAS = ("r0", "r1", "r2")
 LEASE = 3
@@ -378,6 +379,130 @@ def test_a_pool_rebuilt_from_the_store_has_the_ends_of_its_sessions(
     finally:
         for p in procs.values():
             p.stop()
+
+
+async def _damage_journal(etcd: Etcd, cluster: str, pool: str) -> int:
+    """Overwrite every record of ``pool``'s journal in the store with bytes that are
+    not CBOR (no replica can rebuild it); returns how many keys were overwritten."""
+    import aetcd
+
+    host, _, port = etcd.endpoint.rpartition(":")
+    async with aetcd.Client(host=host, port=int(port), timeout=5) as c:
+        rows = await c.get_prefix(f"/kvcoord/{cluster}/journal/{pool}/".encode())
+        for kv in rows:
+            await c.put(kv.key, b"\x1c not cbor")
+        return len(list(rows))
+
+
+def test_a_pool_no_replica_can_serve_is_deleted_by_the_replica_placement_names(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """journal = "store": the owner dies and the pool's journal in the store cannot be
+    rebuilt (damaged), so no replica serves the pool (the placed one tries again every
+    lease). DeletePool through the replica set is a definite answer: the placed
+    replica deletes the pool from the store (catalog and journal), then it is
+    NOT_FOUND, and nobody tries to rebuild it any more."""
+    import asyncio
+
+    cluster = request.node.name[:40]
+    members = [Member(r, "") for r in ("r0", "r1")]
+    pool = next(f"z{i}" for i in range(1000) if owner_of(f"z{i}", members).replica_id == "r0")  # type: ignore[union-attr]
+    procs: dict[str, ServerProcess] = {}
+    for r in ("r0", "r1"):
+        procs[r] = start_server(_config([etcd.endpoint], r, tmp_path / r, cluster, "store", 1000), env=env())
+    targets = [procs["r0"].address, procs["r1"].address]
+    try:
+        with KVCoordClient(targets, timeout=5.0) as c:
+            c.create_pool(pool, POOL_CONFIG)
+            s = c.attach(pool, "sha256_cbor", 4, "0")
+            assert not c.allocate(
+                pool, allocate("a", list(range(9)), 9).allocate, s.session_id, s.fence
+            ).result.refused
+        procs["r0"].proc.kill()  # its claim lasts LEASE seconds more: damaged before r1 may rebuild
+        assert asyncio.run(_damage_journal(etcd, cluster, pool)) > 0
+        deadline = time.monotonic() + 30
+        while "cannot be rebuilt" not in procs["r1"].log() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert f"pool {pool} cannot be rebuilt" in procs["r1"].log()
+        with KVCoordClient(targets, timeout=5.0) as c:
+            c.delete_pool(pool)
+            tries = procs["r1"].log().count("cannot be rebuilt")
+            with pytest.raises(NotFoundError):
+                c.get_pool(pool)
+        time.sleep(2 * LEASE)  # past the next try, had the pool stayed in the catalog
+        assert procs["r1"].log().count("cannot be rebuilt") == tries
+        assert pool not in claims(etcd, cluster)
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+def test_a_large_pools_base_in_the_store_is_encoded_off_the_loop_and_rebuilds_it(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """journal = "store": a base record of a pool that has built more than
+    state_export.FORK_BLOCKS blocks is encoded by a forked child, the image of the
+    pool right after the record that made it due. While that child is held (SIGSTOP),
+    another pool is answered and the call whose record made the base due waits for
+    it; then the replica is SIGKILLed and, restarted, rebuilds the pool from the store
+    (that base and the records after it) with every acknowledged allocation."""
+    cluster = request.node.name[:40]
+    per_request = 16384  # blocks: four requests build 65,536 (> FORK_BLOCKS)
+    big = pb.PoolConfig(
+        num_blocks=4 * per_request + 64, hash_block_size=4, hash_algo="sha256_cbor", hash_seed="0",
+        enable_caching=True, groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))],
+    )  # fmt: skip
+    # term, attach and four allocations: 6 records; the base falls due at the 8th
+    text = _config([etcd.endpoint], "solo", tmp_path / "solo", cluster, "store", 8)
+    server = start_server(text, env=env())
+    acked: dict[str, list[int]] = {}
+    try:
+        with KVCoordClient(server.address, timeout=60.0) as c:
+            c.create_pool("big", big)
+            c.create_pool("small", POOL_CONFIG)
+            s = c.attach("big", "sha256_cbor", 4, "0", lease_seconds=600)
+
+            def alloc(rid: str, tokens: list[int]) -> None:
+                got = c.allocate("big", allocate(rid, tokens, len(tokens)).allocate, s.session_id, s.fence)
+                assert not got.result.refused
+                acked[rid] = list(got.result.new_block_ids[0].block_ids)
+
+            for n in range(4):
+                alloc(f"a{n}", list(range(n * 4 * per_request, (n + 1) * 4 * per_request)))
+            assert child_pids(server.proc.pid) == []
+            # small allocations, one at a time: the record of one of them makes the base
+            # due, and that call waits for the base in the store
+            due = threading.Thread(
+                target=lambda: [alloc(f"b{n}", [n, n, n, n]) for n in range(8)], daemon=True
+            )
+            due.start()
+            deadline = time.monotonic() + 30
+            while (
+                not (child := child_pids(server.proc.pid)) and due.is_alive() and time.monotonic() < deadline
+            ):
+                time.sleep(0.001)
+            assert child, "no child encodes the base (it was encoded on the loop)"
+            os.kill(child[0], signal.SIGSTOP)
+            try:
+                with KVCoordClient(server.address, timeout=5.0, retry=NO_RETRY) as probe:
+                    assert probe.get_pool("small").pool.name == "small"
+                assert due.is_alive(), "the call that made the base due waits for it"
+            finally:
+                os.kill(child[0], signal.SIGCONT)
+            due.join(60)
+            assert not due.is_alive() and "b7" in acked
+        server.proc.kill()
+        server.stop()
+        server = start_server(text, startup_timeout=60.0, env=env())
+        deadline = time.monotonic() + 30
+        while "big" not in listed([server.address]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "took pool big over from the cluster store" in server.log()
+        with KVCoordClient(server.address, timeout=30.0) as c:
+            view = c.inspect_pool("big", all_requests=True)
+            assert {r.request_id: list(r.groups[0].block_ids) for r in view.requests} == acked
+    finally:
+        server.stop()
 
 
 def test_watchers_see_no_event_before_it_is_in_the_store(

@@ -13,7 +13,14 @@ import grpc
 import pytest
 from durable_server import env
 from etcd_process import Etcd
-from kvcoord.client import NO_RETRY, KVCoordClient, NotOwnerError, UnavailableError
+from kvcoord.client import (
+    NO_RETRY,
+    KVCoordClient,
+    NotFoundError,
+    NotOwnerError,
+    OwnerGoneError,
+    UnavailableError,
+)
 from kvcoord.client.errors import error_from_rpc
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, decode_claim, owner_of
@@ -153,6 +160,49 @@ def test_a_replica_redirects_to_the_owner_and_serves_only_what_it_claims(
             c0.get_pool(pool)
         with pytest.raises(UnavailableError, match="no live replica holds it"):
             c0.create_pool(pool, POOL_CONFIG)
+
+
+def test_deleting_a_pool_whose_owner_is_gone_is_refused_for_sure_until_it_is_back(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Local journals: a pool whose owner died holds its state on that replica's disk
+    only. DeletePool through the replica set is refused with a definite OWNER_GONE
+    (never an unknown outcome), nothing deleted: once the owner is back the pool is
+    there with its allocation, and deleting it then works."""
+    cluster = request.node.name
+    pool = placed("g", "r1", ["r0", "r1"])
+    texts = {r: replica_config(etcd, r, tmp_path / r, cluster) for r in ("r0", "r1")}
+    procs = {r: start_server(texts[r], env=env()) for r in ("r0", "r1")}
+    try:
+        wait_members(list(procs.values()), ["r0", "r1"])
+        targets = [procs["r0"].address, procs["r1"].address]
+        with KVCoordClient(targets) as c:
+            c.create_pool(pool, POOL_CONFIG)
+            s = c.attach(pool, "sha256_cbor", 4, "0")
+            got = c.allocate(pool, allocate("a", list(range(9)), 9).allocate, s.session_id, s.fence)
+            blocks = list(got.result.new_block_ids[0].block_ids)
+        procs["r1"].proc.kill()  # SIGKILL: no handover
+        procs["r1"].stop()
+        deadline = time.monotonic() + 20
+        while claims(etcd, cluster) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert claims(etcd, cluster) == {}
+        with KVCoordClient(targets, timeout=2.0) as c:
+            with pytest.raises(OwnerGoneError, match="was not deleted") as refused:
+                c.delete_pool(pool)
+            assert refused.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        procs["r1"] = start_server(texts["r1"], startup_timeout=60.0, env=env())
+        targets[1] = procs["r1"].address
+        assert claims(etcd, cluster) == {pool: "r1"}
+        with KVCoordClient(targets) as c:
+            view = c.inspect_pool(pool, request_ids=["a"])
+            assert [list(g.block_ids) for g in view.requests[0].groups] == [blocks]
+            c.delete_pool(pool)
+            with pytest.raises(NotFoundError):
+                c.get_pool(pool)
+    finally:
+        for p in procs.values():
+            p.stop()
 
 
 def test_a_replica_leaving_hands_its_pools_over(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 from kvcoord.service.config import ConfigFileError, default_config_text, load_config, parse_config
@@ -87,6 +88,12 @@ def test_config_file_from_env(tmp_path: Path) -> None:
             '[[pools]]\nname = "a"\nnum_blocks = 4\nhash_block_size = 4\n[[pools]]\nname = "a"\n',
             "declared twice",
         ),
+        ("[cluster.peer_tls]\nca = 1\n", "cluster.peer_tls: unknown key 'ca'"),
+        (
+            '[cluster.peer_tls]\ncert_file = "/x.pem"\n',
+            "cluster.peer_tls: cert_file and key_file go together",
+        ),
+        ('[cluster.peer_tls]\nca_file = "/nonexistent/ca.pem"\n', "cluster.peer_tls.ca_file: cannot read"),
     ],
 )
 def test_bad_files_name_the_key(text: str, message: str) -> None:
@@ -150,3 +157,18 @@ def test_an_environment_token_held_by_a_tenant_is_refused(tmp_path: Path) -> Non
         load_config(f, env={"KVCOORD_AUTH_TOKENS": "other, dup-token"})
     assert "dup-token" not in str(info.value)
     assert load_config(f, env={"KVCOORD_AUTH_TOKENS": "other"}).server.auth_tokens == ("other",)
+
+
+def test_peer_tls_names_the_files_replicas_dial_each_other_with(certs: Any) -> None:
+    """[cluster.peer_tls]: checked files, kept as given (tls.peer_credentials uses them)."""
+    cfg = parse_config(
+        f'[cluster.peer_tls]\nca_file = "{certs.ca}"\ncert_file = "{certs.client_cert}"\n'
+        f'key_file = "{certs.client_key}"\nserver_name = "localhost"\n'
+    )
+    peer = cfg.cluster.peer_tls
+    assert (peer.ca_file, peer.cert_file, peer.server_name) == (
+        str(certs.ca),
+        str(certs.client_cert),
+        "localhost",
+    )
+    assert parse_config("").cluster.peer_tls == type(peer)()

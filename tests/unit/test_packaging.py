@@ -113,7 +113,7 @@ def test_public_exports_are_pinned() -> None:
     assert sorted(kvcoord.client.__all__) == sorted([
         "DEFAULT_RETRY", "NO_RETRY", "AbortedError", "AlreadyExistsError", "AsyncKVCoordClient", "BlockHasher",
         "FailedPreconditionError", "HashMismatchError", "InternalError", "InvalidArgumentError", "KVCacheBlockIds",
-        "OwnerChangingError",
+        "OwnerChangingError", "OwnerGoneError",
         "KVCoordClient", "KVCoordError", "MultiModalItem", "NotFoundError", "NotOwnerError", "Pending", "PermissionDeniedError",
         "PredictingKVCacheManager", "PredictionMismatchError", "RandomSeedError", "RemoteKVCacheManager", "ResourceExhaustedError", "RetryPolicy", "StepBatcher",
         "TLSOptions", "UnavailableError", "none_hash",

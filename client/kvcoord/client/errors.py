@@ -15,6 +15,7 @@ Hierarchy::
     │   ├── FencedError               server restarted / pool re-created: block ids void
     │   ├── PoolBusyError             an exclusive session holds the pool (POOL_EXCLUSIVE)
     │   ├── NotOwnerError             another replica serves the pool (NOT_OWNER; .owner)
+    │   ├── OwnerGoneError            DeletePool: the pool's owner is gone, nothing deleted (OWNER_GONE)
     │   └── SyncMismatchError         the server holds another position of a request
     ├── PermissionDeniedError         PERMISSION_DENIED, UNAUTHENTICATED
     ├── ResourceExhaustedError        RESOURCE_EXHAUSTED (server limits)
@@ -52,6 +53,7 @@ __all__ = [
     "NotOwnerError",
     "OwnerChangingError",
     "NotFoundError",
+    "OwnerGoneError",
     "OutcomeUnknownError",
     "PermissionDeniedError",
     "PoolBusyError",
@@ -63,6 +65,7 @@ __all__ = [
     "UnavailableError",
     "error_from_code",
     "error_from_rpc",
+    "never_sent",
     "status_code",
 ]
 
@@ -150,6 +153,12 @@ class NotOwnerError(FailedPreconditionError):
     owner = ""
 
 
+class OwnerGoneError(FailedPreconditionError):
+    """DeletePool in a cluster whose journals are local: the pool's owner stopped
+    without handing it over and holds its state on its own disk. Nothing was deleted
+    (a definite answer): start that replica again, then delete."""
+
+
 class SyncMismatchError(FailedPreconditionError):
     """The server holds the request at another position than the client believed."""
 
@@ -234,6 +243,7 @@ _REASONS: dict[str, type[KVCoordError]] = {
     "POOL_EXCLUSIVE": PoolBusyError,
     "HASH_MISMATCH": HashMismatchError,
     "NOT_OWNER": NotOwnerError,
+    "OWNER_GONE": OwnerGoneError,
     "PROFILE_MISMATCH": ProfileMismatchError,
     "OWNER_CHANGING": OwnerChangingError,
 }
@@ -265,6 +275,16 @@ def error_from_rpc(exc: grpc.RpcError, rpc: str = "") -> KVCoordError:
     if isinstance(err, NotOwnerError):
         err.owner = owner
     return err
+
+
+#: what gRPC says when no connection to the target could be made: the call was never
+#: sent (a replica that is down), so it can go to another replica whatever its kind
+_NOT_CONNECTED = "failed to connect to all addresses"
+
+
+def never_sent(err: KVCoordError) -> bool:
+    """``err`` says the call never left the client (no connection to the target)."""
+    return err.code == grpc.StatusCode.UNAVAILABLE and _NOT_CONNECTED in err.message
 
 
 def status_code(value: int) -> grpc.StatusCode:

@@ -30,7 +30,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import GracePeriodError, KVCoordError, NotOwnerError, OwnerChangingError, UnavailableError
+from .errors import (
+    GracePeriodError,
+    KVCoordError,
+    NotOwnerError,
+    OwnerChangingError,
+    UnavailableError,
+    never_sent,
+)
 
 __all__ = ["AGAIN", "MAX_HOPS", "SETTLE", "Routes", "parse_targets", "resolve"]
 
@@ -234,6 +241,12 @@ class Routes:
             # A stopped owner's address may refuse connections or swallow packets (the
             # read then ends in DEADLINE_EXCEEDED, which no retry policy repeats): a
             # read or keyed call is safe to send again, and another replica routes it.
-            if kind in ("read", "keyed") and hops < MAX_HOPS and self.route(pool) != address:
+            # A call that never reached the replica (no connection) is safe to send
+            # anywhere, whatever its kind.
+            if (
+                (kind in ("read", "keyed") or never_sent(err))
+                and hops < MAX_HOPS
+                and self.route(pool) != address
+            ):
                 return AGAIN
         return ""

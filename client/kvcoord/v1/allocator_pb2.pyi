@@ -25,6 +25,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     NOT_OWNER: _ClassVar[ErrorReason]
     PROFILE_MISMATCH: _ClassVar[ErrorReason]
     OWNER_CHANGING: _ClassVar[ErrorReason]
+    OWNER_GONE: _ClassVar[ErrorReason]
 REASON_UNSPECIFIED: ErrorReason
 INSTANCE_CHANGED: ErrorReason
 INCARNATION_CHANGED: ErrorReason
@@ -41,6 +42,7 @@ ANSWER_TOO_LARGE: ErrorReason
 NOT_OWNER: ErrorReason
 PROFILE_MISMATCH: ErrorReason
 OWNER_CHANGING: ErrorReason
+OWNER_GONE: ErrorReason
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")

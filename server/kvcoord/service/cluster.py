@@ -27,6 +27,13 @@ owner journals it (an ``adopt`` record) and waits until it is durable, then swap
 claim to itself (compare-and-swap on the claim's revision) and serves; only then does
 the old owner remove its copy (journaled). A failure at any step before the swap
 leaves the old owner serving; after it, the new owner's journal has the state.
+The call is made as the replicas serve (``[server.tls]``: TLS, and a client certificate
+under mutual TLS; ``[cluster.peer_tls]``, tls.py) with the first full-access token.
+
+**Deleting a pool nobody serves** (its owner is gone): with the journal in the store
+the replica placement names deletes it there (catalog and journal, only while nobody
+claims it); with local journals it is refused OWNER_GONE, nothing deleted (its state
+is on its owner's disk, and would come back with it).
 
 Safety rests on one rule: a replica serves a pool only while it holds the claim and
 its lease is sure to be alive (it counts the lease from the moment it *sent* the last
@@ -49,7 +56,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from .access import AccessControl
-from .errors import ServiceError, Status, map_errors
+from .errors import ErrorReason, ServiceError, Status, map_errors
 from .ownership import Claim, Member, Ownership, decode_claim, decode_member, encode_claim, encode_member
 from .registry import Placement, PoolRegistry
 
@@ -74,7 +81,10 @@ def _client(endpoint: str, timeout: float) -> Any:
         ) from None
 
     host, _, port = endpoint.rpartition(":")
-    return aetcd.Client(host=host, port=int(port), timeout=timeout)
+    # a pool's journal in the store is read whole when it is rebuilt: a large pool's
+    # base alone passes gRPC's default 4 MiB limit of an answer
+    options = {"grpc.max_receive_message_length": -1}
+    return aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
 
 
 def _targets(endpoints: list[str]) -> list[str]:
@@ -129,14 +139,17 @@ class Cluster:
         self.local_pools: Callable[[], Iterable[str]] = list
         #: told of every claim this replica gains or loses (metrics)
         self.on_change: list[Callable[[], None]] = []
-        #: a pool's state for a handover (recovery.dump_pool, CBOR); set by the server
-        self.export_pool: Callable[[str], bytes] | None = None
+        #: a pool's state for a handover (recovery.dump_pool, CBOR; a large pool's
+        #: encoded off the loop, state_export.py); set by the server
+        self.export_pool: Callable[[str], Awaitable[bytes]] | None = None
         #: the end of a handover: the pool is removed here (journaled); set by the server
         self.handed_over: Callable[[str], None] | None = None
         #: pools being adopted: held here, not claimed yet (claim_local leaves them be)
         self.adopting: set[str] = set()
         #: metadata of calls to other replicas (a full-access token, if the server has one)
         self.peer_metadata: tuple[tuple[str, str], ...] = ()
+        #: TLS of calls to other replicas (tls.peer_credentials; None: plaintext)
+        self.peer_tls: tuple[grpc.ChannelCredentials, list[tuple[str, str]]] | None = None
         #: told of each claim this replica gains: pool, term (the server records it)
         self.on_term: Callable[[str, int], None] | None = None
         #: handovers done and failed (metrics, tests)
@@ -185,12 +198,12 @@ class Cluster:
         if self.client is None:
             raise ClusterError(f"no cluster store endpoint answers ({', '.join(self.endpoints)}): {last!r}")
         await self._register()
+        # renewed from now on: rebuilding this replica's pools from the store (a large
+        # pool's journal) may take longer than the lease
+        self._tasks = [asyncio.get_running_loop().create_task(self._keep_alive())]
         await self.refresh()
         await self.claim_local()
-        self._tasks = [
-            asyncio.get_running_loop().create_task(self._keep_alive()),
-            asyncio.get_running_loop().create_task(self._watch()),
-        ]
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watch()))
 
     async def _register(self) -> None:
         """Put the member key under a new lease; wait out a previous process of the
@@ -360,6 +373,31 @@ class Cluster:
             fn()
         return True
 
+    async def delete_unclaimed(self, pool: str) -> bool:
+        """Delete ``pool`` from the cluster (its catalog entry and its journal in the
+        store) only while nobody claims it: True once done; False when a replica
+        claimed it or a delete removed it meanwhile (the view is read again: the usual
+        rules then answer)."""
+        assert self.streams is not None
+        tx = self.client.transactions
+        key = self._key("owners", pool)
+        ok, _ = await self.client.transaction(
+            compare=[tx.version(key) == 0, tx.version(self._key("pools", pool)) > 0],
+            success=[
+                tx.delete(self._key("pools", pool)),
+                tx.delete(*_prefix_range(self.streams.pool_prefix(pool))),
+            ],
+            failure=[],
+        )
+        if ok:
+            self.view.catalog.discard(pool)
+            logger.warning("deleted pool %s, which no replica served, from the cluster store", pool)
+            for fn in self.on_change:
+                fn()
+            return True
+        await self.refresh()
+        return False
+
     async def release(self, pool: str) -> None:
         """Give up this replica's claim of ``pool`` (its journal in the store could not
         be written, or it holds no state of it): whoever placement names claims it and
@@ -471,12 +509,11 @@ class Cluster:
         try:
             request = pb.AdoptPoolRequest(
                 pool=pool,
-                state=self.export_pool(pool),
+                state=await self.export_pool(pool),
                 from_replica=self.me.replica_id,
                 claim_revision=claim.term,
             )
-            options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-            async with grpc.aio.insecure_channel(target.address, options=options) as channel:
+            async with self._peer_channel(target.address) as channel:
                 answer = await pb_grpc.ReplicasStub(channel).AdoptPool(  # type: ignore[no-untyped-call]
                     request, timeout=max(30.0, self.timeout), metadata=self.peer_metadata
                 )
@@ -499,6 +536,14 @@ class Cluster:
         for fn in self.on_change:
             fn()
         return True
+
+    def _peer_channel(self, address: str) -> grpc.aio.Channel:
+        """A channel to another replica: TLS when the replicas serve TLS ([server.tls])."""
+        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        if self.peer_tls is None:
+            return grpc.aio.insecure_channel(address, options=options)
+        credentials, extra = self.peer_tls
+        return grpc.aio.secure_channel(address, credentials, options=[*options, *extra])
 
     async def _settle_failed_handover(self, pool: str, exc: BaseException) -> None:
         """After a handover that failed: serve the pool again if the claim is still
@@ -726,6 +771,37 @@ class ClusterPlacement(Placement):
     async def after_delete(self, pool: str) -> None:
         if self.cluster.streams is None:  # else before_delete did it
             await self.cluster.forget(pool)
+
+    async def delete_unserved(self, pool: str) -> bool:
+        """A pool of the catalog nobody claims (its owner stopped without handing it
+        over), placed here: with the journal in the store, its history is there and is
+        deleted there (whoever claims it later finds no journal: it does not exist);
+        with local journals its state is on its owner's disk only, and it would come
+        back with its owner: refused, OWNER_GONE, nothing deleted."""
+        cluster, view = self.cluster, self.cluster.view
+        if (
+            pool in self.registry.pools
+            or pool not in view.catalog
+            or pool in view.claims
+            or pool in view.moving
+            or pool in cluster.adopting
+            or not view.lease_valid
+            or not view.placed_here(pool)
+        ):
+            return False
+        if cluster.streams is None:
+            raise ServiceError(
+                Status.PRECONDITION,
+                f"pool {pool[:200]!r} was not deleted: its owner stopped without handing it over and its "
+                'state is on that replica\'s disk only ([cluster] journal = "local"); start that replica '
+                "again (it serves the pool again), then delete it",
+                ErrorReason.OWNER_GONE,
+            )
+        view.moving.add(pool)  # not rebuilt here meanwhile (recover)
+        try:
+            return await cluster.delete_unclaimed(pool)
+        finally:
+            view.moving.discard(pool)
 
 
 class ReplicasServicer(pb_grpc.ReplicasServicer):

@@ -23,7 +23,7 @@ from .bounds import check_request
 from .errors import ServiceError
 from .kv_publisher import KVEventsDecl, kv_events_from_list
 from .registry import Limits
-from .tls import TLSFiles, check_tls_files, tls_from_dict, tls_from_env
+from .tls import PeerTLS, TLSFiles, check_tls_files, peer_tls_from_dict, tls_from_dict, tls_from_env
 
 __all__ = [
     "ClusterSettings",
@@ -145,6 +145,8 @@ class ClusterSettings:
     journal: str = "local"
     #: records of a pool between its snapshots in the store (journal = "store")
     store_snapshot_records: int = 1000
+    #: how this replica dials the others (handovers) when [server.tls] is on (tls.py)
+    peer_tls: PeerTLS = PeerTLS()
 
     def __post_init__(self) -> None:
         if self.lease_seconds < 2:
@@ -175,6 +177,12 @@ def _cluster(d: Mapping[str, Any]) -> ClusterSettings:
     for key, value in d.items():
         if key not in known:
             raise ConfigFileError(f"cluster: unknown key {key!r} (known: {sorted(known)})")
+        if key == "peer_tls":
+            try:
+                kwargs[key] = peer_tls_from_dict(value, "cluster.peer_tls")
+            except ValueError as exc:
+                raise ConfigFileError(str(exc)) from None
+            continue
         kwargs[key] = string_list(value, f"cluster.{key}") if key == "endpoints" else value
     try:
         return ClusterSettings(**kwargs)

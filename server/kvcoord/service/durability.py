@@ -77,7 +77,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from .pool_service import PoolService
     from .sessions import Session
 
-__all__ = ["JournalRecorder", "Recorder", "answer_digest", "decode_record", "write_snapshot_file"]
+__all__ = [
+    "JournalRecorder",
+    "Recorder",
+    "answer_digest",
+    "decode_record",
+    "leave_parent",
+    "write_snapshot_file",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -159,10 +166,11 @@ def write_snapshot_file(dump: Callable[[], Any], path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _leave_parent(parent: int) -> None:
-    """In a snapshot child: die with the parent (a SIGKILLed server must not leave a
-    child behind), and close every inherited descriptor (the gRPC listeners above all:
-    a child holding a port the restarted server binds again would take its calls)."""
+def leave_parent(parent: int, keep: int = -1) -> None:
+    """In a forked child (a snapshot, state_export.py): die with the parent (a
+    SIGKILLed server must not leave a child behind), and close every inherited
+    descriptor but ``keep`` (the gRPC listeners above all: a child holding a port the
+    restarted server binds again would take its calls)."""
     gc.disable()
     if sys.platform.startswith("linux"):
         try:
@@ -172,7 +180,11 @@ def _leave_parent(parent: int) -> None:
             pass
         if os.getppid() != parent:  # the parent died before that
             os._exit(1)
-    os.closerange(3, _max_fd())
+    if keep >= 3:
+        os.closerange(3, keep)
+        os.closerange(keep + 1, _max_fd())
+    else:
+        os.closerange(3, _max_fd())
 
 
 def _max_fd() -> int:
@@ -191,7 +203,7 @@ def _fork_snapshot(dump: Callable[[], Any], path: Path) -> int:
         return pid
     code = 1
     try:  # the child: no event loop, no gRPC, no journal; only this
-        _leave_parent(parent)
+        leave_parent(parent)
         write_snapshot_file(dump, path)
         code = 0
     except BaseException:

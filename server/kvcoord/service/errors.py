@@ -118,6 +118,7 @@ class ErrorReason(enum.Enum):
     NOT_OWNER = 13
     PROFILE_MISMATCH = 14
     OWNER_CHANGING = 15
+    OWNER_GONE = 16
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -80,6 +80,17 @@ class Placement:
     async def after_delete(self, pool: str) -> None:
         """The pool was deleted here: it no longer exists in the cluster."""
 
+    async def delete_unserved(self, pool: str) -> bool:
+        """Delete ``pool`` when it exists in the cluster but no replica serves it (its
+        owner stopped without handing it over) and this replica is the one to do it;
+        True once it is deleted. False: the usual rules answer (:meth:`check`).
+
+        Raises:
+            ServiceError: FAILED_PRECONDITION (OWNER_GONE) when it cannot be deleted
+                without its owner; nothing was deleted.
+        """
+        return False
+
     async def adopt(self, pool: str, state: bytes, from_replica: str, claim_revision: int) -> int:
         """Take over a pool another replica hands over; returns its new term.
 

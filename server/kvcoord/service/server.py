@@ -30,8 +30,9 @@ from .registry import GcFreezer, PoolRegistry
 from .servicer import AllocatorServicer, OperationObserver, add_servicer
 from .sessions import SessionTable
 from .startup import StartupDecision, decide_startup
+from .state_export import apart, collect, fork_encoder, pool_encoded
 from .store_journal import PoolStreams, StoreRecorder, encode_base
-from .tls import server_credentials
+from .tls import PeerTLS, peer_credentials, server_credentials
 
 __all__ = ["ClusterError", "ListenError", "RunningServer", "start_server"]
 
@@ -332,7 +333,13 @@ async def start_server(
         else:
             host = address.rsplit(":", 1)[0]
             addresses.append(f"{host}:{port}")
-    cluster = _cluster(cfg, registry, servicer, access, addresses, server) if cfg.cluster.enabled else None
+    try:
+        cluster = (
+            _cluster(cfg, registry, servicer, access, addresses, server) if cfg.cluster.enabled else None
+        )
+    except ClusterError:
+        await _close_journal(registry.recorder)
+        raise
     await server.start()
     if cluster is not None:
         try:
@@ -387,7 +394,11 @@ def _cluster(
     me = Member(c.replica_id or socket.gethostname(), advertised(c, addresses))
     cluster = Cluster(c.endpoints, c.name, me, c.lease_seconds, c.store_timeout_seconds, registry.clock)
     cluster.local_pools = lambda: list(registry.pools)
-    cluster.export_pool = lambda pool: cbor2.dumps(dump_pool(registry, pool))
+
+    async def export(pool: str) -> bytes:  # the pool is moving: its state is the handover's
+        return await pool_encoded(registry.pools[pool], lambda: cbor2.dumps(dump_pool(registry, pool)))
+
+    cluster.export_pool = export
 
     def handed_over(pool: str) -> None:
         servicer.observer.pool_deleted(registry.handed_over(pool))
@@ -396,8 +407,19 @@ def _cluster(
     cluster.on_term = registry.set_term
     if c.journal == "store":
         _store_journal(cfg, cluster, registry, servicer)
-    if cfg.server.auth_tokens:
+    if cfg.server.auth_tokens:  # AdoptPool needs full access: the first full-access token
         cluster.peer_metadata = (("authorization", f"Bearer {cfg.server.auth_tokens[0]}"),)
+    elif access.required:
+        raise ClusterError(
+            "[cluster] with tenants needs a full-access token in server.auth_tokens: the replicas "
+            "hand pools over to each other with it (Replicas.AdoptPool)"
+        )
+    if not cfg.server.tls.enabled and c.peer_tls != PeerTLS():
+        raise ClusterError("cluster.peer_tls is set, but [server.tls] is off: the replicas serve plaintext")
+    try:
+        cluster.peer_tls = peer_credentials(cfg.server.tls, c.peer_tls)
+    except ValueError as exc:
+        raise ClusterError(str(exc)) from None
     placement = ClusterPlacement(cluster, registry)
     registry.placement = placement
     peers = ReplicasServicer(
@@ -423,9 +445,18 @@ def _store_journal(
         cfg.cluster.store_snapshot_records,
     )
 
-    def base(pool: str) -> bytes:
+    def base(pool: str) -> bytes | asyncio.Future[bytes]:
         limits = journaled_limits(registry, registry.limits)
-        return encode_base(dump_pool(registry, pool), registry.instance_id, limits, registry.wall_clock())
+        wall = registry.wall_clock()
+
+        def encode() -> bytes:
+            return encode_base(dump_pool(registry, pool), registry.instance_id, limits, wall)
+
+        service = registry.pools.get(pool)
+        if service is None or not apart(service):
+            return encode()
+        # the state right after the record that made the base due, encoded by a forked child
+        return asyncio.ensure_future(collect(*fork_encoder(encode)))
 
     def drop(pool: str) -> None:
         if pool in registry.pools:

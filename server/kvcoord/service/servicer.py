@@ -67,6 +67,7 @@ from .registry import PoolRegistry
 from .score_wire import ScoreEncoder
 from .scoring import Reserve, score_pools
 from .sessions import Session
+from .state_export import ExportError, mirror_state_apart
 
 __all__ = [
     "AllocatorServicer",
@@ -237,6 +238,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         self, request: pb.DeletePoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeletePoolResponse:
         registry = self.registry
+        if await registry.placement.delete_unserved(request.name):  # a cluster's pool nobody served
+            return pb.DeletePoolResponse()
         registry.get(request.name)  # NOT_FOUND, or the owner's redirect, before anything changes
         # In a store-journal cluster the pool is gone from the cluster after this (so
         # it is no longer claimed here: removed without the placement check again).
@@ -267,18 +270,21 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         """
         if not (request.want_pool_state and request.exclusive and self.max_message_bytes):
             return
+        if request.want_engine_state:  # checked once exported (Attach): the export is the cost
+            return
         probe = pb.AttachResponse(pool=self._info(service), fence=fence_to_pb(service.fence))
-        if request.want_engine_state:
-            write_mirror_state(probe, service.mirror_state(service.cache_namespace(tenant)))
-        else:
-            if service.cache_namespace(tenant):  # the session will cache under a namespace: no state
-                return
-            state = service.pool_state()
-            if isinstance(state, str):
-                return
-            write_pool_state(probe, state)
-        size = probe.ByteSize() + ANSWER_MARGIN_BYTES
-        if size > self.max_message_bytes:
+        if service.cache_namespace(tenant):  # the session will cache under a namespace: no state
+            return
+        state = service.pool_state()
+        if isinstance(state, str):
+            return
+        write_pool_state(probe, state)
+        self._check_answer_fits(service, probe)
+
+    def _check_answer_fits(self, service: PoolService, answer: pb.AttachResponse) -> None:
+        """Raises: ServiceError: RESOURCE_EXHAUSTED (ANSWER_TOO_LARGE) naming both sizes."""
+        size = answer.ByteSize() + ANSWER_MARGIN_BYTES
+        if self.max_message_bytes and size > self.max_message_bytes:
             raise ServiceError(
                 Status.EXHAUSTED,
                 f"the state of pool {service.name!r} takes about {size:,} bytes, more than one answer may "
@@ -311,7 +317,6 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             if exc.reason in (ErrorReason.HASH_MISMATCH, ErrorReason.PROFILE_MISMATCH):
                 self.observer.handshake_refused(request.pool)
             raise
-        self.observer.attached(service)
         response = pb.AttachResponse(
             pool=self._info(service),
             session_id=s.session_id,
@@ -321,12 +326,46 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             exclusive=s.exclusive,
         )
         if request.want_pool_state and request.want_engine_state and s.exclusive:
-            write_mirror_state(response, service.mirror_state(s.cache_namespace))
+            await self._export_engine_state(service, s, response)
         elif request.want_pool_state:
             write_pool_state(
                 response, service.pool_state() if s.exclusive else "the session is not exclusive"
             )
+        self.observer.attached(service)
         return await self._durable(response, lambda r: r.attached(service, s))
+
+    async def _export_engine_state(
+        self, service: PoolService, s: Session, response: pb.AttachResponse
+    ) -> None:
+        """The engine's state at the new exclusive session's start into ``response``,
+        encoded off the loop for a large pool (state_export.py). Nothing of the session
+        is journaled yet: when the answer cannot be sent (too large, the pool deleted or
+        handed over meanwhile, the call cancelled) the session ends unrecorded.
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED (ANSWER_TOO_LARGE); UNAVAILABLE when the
+                pool left this server or the export failed (attach again).
+        """
+        try:
+            try:
+                state = await mirror_state_apart(service, s.cache_namespace)
+            except ExportError as exc:
+                raise ServiceError(Status.UNAVAILABLE, f"exporting the pool's state failed: {exc}") from None
+            if (
+                self.registry.pools.get(service.name) is not service
+                or s.session_id not in self.registry.sessions.sessions
+            ):
+                raise ServiceError(
+                    Status.UNAVAILABLE,
+                    f"pool {service.name!r} was deleted or moved while its state was exported: attach again",
+                )
+            write_mirror_state(response, state)
+            self._check_answer_fits(service, response)
+        except BaseException:
+            if s.session_id in self.registry.sessions.sessions:
+                service.end_session(s)
+                self.registry.idempotency.drop_session(s.session_id)
+            raise
 
     @map_errors
     async def Heartbeat(

@@ -17,7 +17,9 @@ the pool's records of the local journal (``attach``, ``call``, ``detach``, ...),
 with its local journal position (answers' fences name it, so replay must too).
 Every ``snapshot_every`` records a new ``base`` is written into the stream, and once
 it is committed every key of the pool before it (older records, older terms' streams)
-is deleted: the log stays bounded.
+is deleted: the log stays bounded. A large pool's base is encoded by a forked child
+(state_export.py: the pool's image right after the record that made it due) while the
+loop goes on; the stream writes it, and the records after it, once it is there.
 
 **Guard.** Every write is one etcd transaction that compares the claim's
 ``mod_revision`` with the stream's term: once another replica holds the claim (a new
@@ -51,8 +53,8 @@ import asyncio
 import contextvars
 import dataclasses
 import logging
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import cbor2
 
@@ -94,13 +96,17 @@ class _Stream:
     since_base: int = 0
 
 
+#: a record's body, or (a large pool's base) the body being encoded off the loop
+Body: TypeAlias = "bytes | Awaitable[bytes]"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Item:
     gseq: int
     pool: str
     term: int
     seq: int
-    body: bytes
+    body: Body
     base: bool
 
 
@@ -159,7 +165,7 @@ class PoolStreams:
     def is_open(self, pool: str) -> bool:
         return pool in self.streams
 
-    def open(self, pool: str, term: int, base: bytes) -> None:
+    def open(self, pool: str, term: int, base: Body) -> None:
         """Start ``pool``'s stream of ``term`` with ``base`` (its whole state now)."""
         self.streams[pool] = _Stream(term)
         self.append(pool, base, base=True)
@@ -168,9 +174,11 @@ class PoolStreams:
         """The pool is no longer here (deleted, handed over, lost): no more records."""
         self.streams.pop(pool, None)
 
-    def append(self, pool: str, body: bytes, base: bool = False) -> bool:
+    def append(self, pool: str, body: Body, base: bool = False) -> bool:
         """Queue a record of ``pool`` (ignored when its stream is not open). Returns
-        True when the stream is due for a new base."""
+        True when the stream is due for a new base. A body still being encoded (an
+        awaitable: a large pool's base, state_export.py) is awaited when written; the
+        pool's records after it wait for it, and a body that fails loses the pool here."""
         stream = self.streams.get(pool)
         if stream is None:
             return False
@@ -258,7 +266,8 @@ class PoolStreams:
         size = 0
         bases = []
         for item in items:
-            parts = _parts(item.body)
+            body = item.body if isinstance(item.body, bytes) else await item.body
+            parts = _parts(body)
             key = self._record_key(pool, term, item.seq)
             if item.base:
                 bases.append(item.seq)
@@ -383,7 +392,7 @@ class StoreRecorder(JournalRecorder):
 
     streams: PoolStreams | None = None
     #: the base record of a pool now (its state, writer and limits), encoded
-    dump_base: Callable[[str], bytes] | None = None
+    dump_base: Callable[[str], Body] | None = None
     #: the pool of the session whose expiry is being recorded
     _expiring: str | None = None
     #: the last record committed locally
@@ -392,7 +401,7 @@ class StoreRecorder(JournalRecorder):
     #: to watchers only once both are committed: never an event the next owner lacks)
     _store_at: dict[int, int] | None = None
 
-    def attach_streams(self, streams: PoolStreams, dump_base: Callable[[str], bytes]) -> None:
+    def attach_streams(self, streams: PoolStreams, dump_base: Callable[[str], Body]) -> None:
         """Copy pools' records to ``streams`` from now on."""
         self.streams = streams
         self.dump_base = dump_base

@@ -8,8 +8,11 @@ import typing
 from collections.abc import Coroutine
 
 from kvcoord.client import _requests as rq
+from kvcoord.client import aio as aio_module
 from kvcoord.client import client as client_module
-from kvcoord.client.client import UNARY_METHODS, AsyncKVCoordClient, KVCoordClient
+from kvcoord.client.aio import AsyncKVCoordClient
+from kvcoord.client.api import UNARY_METHODS
+from kvcoord.client.client import KVCoordClient
 from kvcoord.v1 import allocator_pb2 as pb
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Allocator"]
@@ -29,7 +32,7 @@ def test_every_unary_rpc_has_a_typed_method() -> None:
 def test_sync_and_async_methods_agree() -> None:
     """Same parameters (names, kinds, defaults, annotations); the sync method returns the
     response, the async one a coroutine of it."""
-    ns = {**vars(client_module), "pb": pb}
+    ns = {**vars(client_module), **vars(aio_module), "pb": pb}
     for name, rpc in UNARY_METHODS.items():
         sync, aio = getattr(KVCoordClient, name), getattr(AsyncKVCoordClient, name)
         assert list(inspect.signature(sync).parameters.values()) == list(

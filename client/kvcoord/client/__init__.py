@@ -4,8 +4,9 @@ It needs grpcio, protobuf and the generated ``kvcoord.v1`` stubs, and nothing fr
 server side.
 """
 
+from .aio import AsyncKVCoordClient
 from .batch import StepBatcher
-from .client import AsyncKVCoordClient, KVCoordClient
+from .client import KVCoordClient
 from .errors import (
     AbortedError,
     AlreadyExistsError,

@@ -1,0 +1,189 @@
+"""What both clients of the Allocator service share: each unary RPC's name and message
+types, the channel set-up per replica, and the merge of several replicas' pool lists.
+
+:mod:`kvcoord.client.client` (blocking) and :mod:`kvcoord.client.aio` (asyncio) define
+the RPC methods over it, each typed with its response.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Coroutine, Sequence
+from typing import Any, Generic, TypeAlias, TypeVar
+
+import grpc
+from google.protobuf.message import Message
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+
+from . import _requests as rq
+from .errors import KVCoordError
+from .owners import AGAIN, SETTLE, Routes
+from .retry import DEFAULT_RETRY, Attempts, RetryPolicy
+from .tls import TLSOptions
+
+__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT", "UNARY_METHODS", "Api", "Coro", "Rpc", "merged"]
+
+DEFAULT_TIMEOUT = 10.0
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the server's default max_message_bytes
+
+
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp", bound=Message)
+_T = TypeVar("_T")
+
+#: what the asyncio client's RPC methods return: a coroutine of the response
+Coro: TypeAlias = Coroutine[Any, Any, _T]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rpc(Generic[Req, Resp]):
+    """One unary RPC of the Allocator service: its name (the stub's attribute and the key
+    of ``_requests.RPCS``) and its message types, which type each client method."""
+
+    name: str
+    request: type[Req]
+    response: type[Resp]
+
+
+CREATE_POOL = Rpc("CreatePool", pb.CreatePoolRequest, pb.CreatePoolResponse)
+GET_POOL = Rpc("GetPool", pb.GetPoolRequest, pb.GetPoolResponse)
+LIST_POOLS = Rpc("ListPools", pb.ListPoolsRequest, pb.ListPoolsResponse)
+DELETE_POOL = Rpc("DeletePool", pb.DeletePoolRequest, pb.DeletePoolResponse)
+ATTACH = Rpc("Attach", pb.AttachRequest, pb.AttachResponse)
+HEARTBEAT = Rpc("Heartbeat", pb.HeartbeatRequest, pb.HeartbeatResponse)
+DETACH = Rpc("Detach", pb.DetachRequest, pb.DetachResponse)
+FIND_LONGEST_CACHE_HIT = Rpc(
+    "FindLongestCacheHit", pb.FindLongestCacheHitRequest, pb.FindLongestCacheHitResponse
+)
+ALLOCATE = Rpc("Allocate", pb.AllocateRequest, pb.AllocateResponse)
+FREE = Rpc("Free", pb.FreeRequest, pb.FreeResponse)
+STEP = Rpc("Step", pb.StepRequest, pb.StepResponse)
+RESET_PREFIX_CACHE = Rpc("ResetPrefixCache", pb.ResetPrefixCacheRequest, pb.ResetPrefixCacheResponse)
+GET_STATS = Rpc("GetStats", pb.GetStatsRequest, pb.GetStatsResponse)
+INSPECT_POOL = Rpc("InspectPool", pb.InspectPoolRequest, pb.InspectPoolResponse)
+CHECK_POOL = Rpc("CheckPool", pb.CheckPoolRequest, pb.CheckPoolResponse)
+SCORE_POOLS = Rpc("ScorePools", pb.ScorePoolsRequest, pb.ScorePoolsResponse)
+LIST_SESSIONS = Rpc("ListSessions", pb.ListSessionsRequest, pb.ListSessionsResponse)
+
+#: every unary RPC the clients call, with the method that calls it (tests check this
+#: against the service descriptor, ``_requests.RPCS`` and both clients' methods)
+UNARY_METHODS: dict[str, Rpc[Any, Any]] = {
+    "create_pool": CREATE_POOL,
+    "get_pool": GET_POOL,
+    "list_pools": LIST_POOLS,
+    "delete_pool": DELETE_POOL,
+    "attach": ATTACH,
+    "heartbeat": HEARTBEAT,
+    "detach": DETACH,
+    "find_longest_cache_hit": FIND_LONGEST_CACHE_HIT,
+    "allocate": ALLOCATE,
+    "free": FREE,
+    "step": STEP,
+    "reset_prefix_cache": RESET_PREFIX_CACHE,
+    "get_stats": GET_STATS,
+    "inspect_pool": INSPECT_POOL,
+    "check_pool": CHECK_POOL,
+    "score_pools": SCORE_POOLS,
+    "list_sessions": LIST_SESSIONS,
+}
+
+
+def merged(routes: Routes, answers: Sequence[tuple[str, pb.ListPoolsResponse]]) -> pb.ListPoolsResponse:
+    """Several replicas' pool lists as one, in name order (a pool two replicas list
+    while it moves: the first listing); each pool's owner is remembered."""
+    pools: dict[str, pb.PoolInfo] = {}
+    for address, answer in answers:
+        for info in answer.pools:
+            if info.name not in pools:
+                pools[info.name] = info
+                routes.owner[info.name] = address
+    return pb.ListPoolsResponse(pools=[pools[n] for n in sorted(pools)])
+
+
+class Api:
+    """The channel set-up shared by both clients. Each client defines the RPC methods
+    itself, typed with their response (the asyncio client's as coroutines), and builds
+    their requests with the same code (``_requests``); ``_call`` is its transport."""
+
+    _channel_factory: Any = None
+    _secure_channel_factory: Any = None
+
+    def __init__(
+        self,
+        target: str | Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        retry: RetryPolicy = DEFAULT_RETRY,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        token: str | None = None,
+        interceptors: Sequence[Any] = (),
+        tls: TLSOptions | None = None,
+    ) -> None:
+        """Open a channel to ``target`` (``host:port`` or ``unix:/path``), or to a
+        replica set: a list of addresses (or one string of them, comma-separated), or
+        a DNS name whose A records are the replicas (a headless Service). Each pool's
+        calls go to its owner: a NOT_OWNER answer names it and is followed (at most
+        :data:`~kvcoord.client.owners.MAX_HOPS` times per call), and an owner that
+        does not answer is forgotten and tried after the live replicas until it
+        answers; while the set changes hands the client pauses briefly instead of
+        backing off (``owners.Routes.failed``, ``retry.Attempts``).
+
+        Args:
+            timeout: deadline of each attempt, in seconds.
+            retry: retry settings for calls that are safe to repeat.
+            max_message_bytes: send/receive limit (match the server's for large Steps).
+            token: bearer token, when the server sets ``auth_tokens``.
+            interceptors: gRPC client interceptors for the channel (e.g. FaultInjector).
+            tls: connect over TLS (mutual TLS with a client certificate); ``None`` is plaintext.
+
+        Raises:
+            ValueError: a TLS file is unreadable or invalid (named in the message).
+        """
+        #: the replica set and each pool's owner as last learned (owners.py)
+        self.routes = Routes(target)
+        self.target = target if isinstance(target, str) else ",".join(target)
+        self.timeout = timeout
+        self.retry = retry
+        #: how long keyed calls may be retried: half the server's idempotency window
+        #: (learned at attach; the server's default until then)
+        self.retry_horizon = 150.0
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._options = rq.channel_options(max_message_bytes)
+        self._tls = tls
+        self._interceptors = interceptors
+        #: address -> (channel, stub), opened on first use
+        self._open: dict[str, tuple[Any, Any]] = {}
+        self.channel, self.stub = self._connection(self.routes.primary)
+
+    def _connection(self, address: str) -> tuple[Any, Any]:
+        """The channel and stub to ``address`` (opened on first use)."""
+        got = self._open.get(address)
+        if got is None:
+            tls = self._tls
+            if tls is None:
+                channel = self._channel_factory(address, options=self._options)
+            else:
+                channel = self._secure_channel_factory(
+                    address, tls.credentials(), options=[*self._options, *tls.channel_options()]
+                )
+            got = (channel, pb_grpc.AllocatorStub(self._intercepted(channel, self._interceptors)))
+            self._open[address] = got
+        return got
+
+    def _pause(
+        self, attempts: Attempts, err: KVCoordError, pool: str, address: str, hops: int
+    ) -> float | None:
+        """After a failed attempt: None to call again at once (a redirect to follow,
+        another replica to ask), else the seconds to wait first (the routes decide
+        whether the replica set is changing hands; the policy bounds the wait and
+        raises the final error)."""
+        attempts.note(err)
+        step = self.routes.failed(err, pool, address, hops, attempts.kind)
+        if step == AGAIN:
+            return None
+        return attempts.next_sleep(err, changing=step == SETTLE)
+
+    @staticmethod
+    def _intercepted(channel: Any, interceptors: Sequence[Any]) -> Any:
+        return grpc.intercept_channel(channel, *interceptors) if interceptors else channel

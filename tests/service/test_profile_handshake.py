@@ -38,12 +38,18 @@ def test_unknown_profile_is_invalid(client: KVCoordClient) -> None:
 
 
 def test_033_refuses_layouts_it_does_not_reproduce(client: KVCoordClient) -> None:
-    """A mamba pool under vllm-0.33 is refused at creation, not answered with other
-    rules."""
+    """A mamba layout the vllm-0.33 profile does not model (a mamba block larger than
+    the hash block: vLLM 0.33's sub-block hits with copy-on-write) is refused at
+    creation with the reason, not answered with other rules; the modelled one (align,
+    mamba block = hash block) is created."""
     cfg = pool("vllm-0.33")
-    cfg.groups.append(pb.KVCacheGroupSpec(mamba=pb.MambaSpec(block_size=4, mamba_cache_mode="align")))
-    with pytest.raises(InvalidArgumentError, match="vllm-0.33 profile does not support yet: group 1: mamba"):
+    cfg.groups.append(pb.KVCacheGroupSpec(mamba=pb.MambaSpec(block_size=8, mamba_cache_mode="align")))
+    with pytest.raises(
+        InvalidArgumentError, match="vllm-0.33 profile does not support yet: group 1: mamba.*copy-on-write"
+    ):
         client.create_pool("hybrid", cfg)
+    cfg.groups[1].mamba.block_size = 4
+    client.create_pool("hybrid", cfg)
 
 
 @pytest.mark.parametrize(("pool_profile", "client_profile"), [("vllm-0.33", ""), ("", "vllm-0.33"),

@@ -78,8 +78,8 @@ class KVCacheConfig:
             hits and caching are aligned to it. 0: the LCM of the block sizes (the
             only value vLLM uses without context parallelism, and the only one taken).
         prefix_cache_retention_interval: (vllm-0.33) ``0`` (vLLM 0.33's default):
-            sliding-window groups hash only the blocks a later lookup can reach (the
-            prompt's replay boundary, a detected shared-prefix junction); ``None``:
+            sliding-window and mamba groups hash only the blocks a later lookup can
+            reach (the prompt's replay boundary, a detected shared-prefix junction); ``None``:
             every full block, as vllm-0.16 does. Positive intervals are not taken yet.
 
     Raises:

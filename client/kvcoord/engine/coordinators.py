@@ -313,7 +313,9 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
     sparse retention (``prefix_cache_retention_interval`` 0), hashes only the
     sliding-window blocks a later lookup can reach: the ``cdiv(w - 1, block)`` blocks
     ending at the prompt's replay boundary (``num_prompt_tokens - 1``) or at the
-    request's shared-prefix junction, each rounded down to the scheduler block.
+    request's shared-prefix junction, each rounded down to the scheduler block. Mamba
+    groups cache by their own rules (:class:`~kvcoord.engine.managers.MambaManager033`),
+    given the same rounded length.
     """
 
     def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:

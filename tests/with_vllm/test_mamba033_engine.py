@@ -55,7 +55,7 @@ def _vllm(mode: str, caching: bool, interval: int | None, num_blocks: int) -> An
     sched = BS if mode == "align" else MAX_LEN
     return KVCacheManager(
         config, max_model_len=MAX_LEN, scheduler_block_size=sched, hash_block_size=BS,
-        max_in_flight_tokens=BUDGET, enable_caching=caching, log_stats=True,
+        max_in_flight_tokens=BUDGET, enable_caching=caching, log_stats=True, enable_kv_cache_events=True,
     )  # fmt: skip
 
 
@@ -68,6 +68,7 @@ def _ours(mode: str, caching: bool, interval: int | None, num_blocks: int) -> An
         KVCacheConfig(
             num_blocks, (FullAttentionSpec(BS), mamba), BS, enable_caching=caching, max_model_len=MAX_LEN,
             profile="vllm-0.33", max_in_flight_tokens=BUDGET, prefix_cache_retention_interval=interval,
+            enable_kv_cache_events=True,
         )
     )  # fmt: skip
 
@@ -86,6 +87,7 @@ class _Both:
         self.ours = _ours(mode, caching, interval, num_blocks)
         self.reqs: dict[str, Any] = {}
         self.calls = 0
+        self.num_events = 0
 
     def same(self, what: str, theirs: Any, ours: Any) -> None:
         self.calls += 1
@@ -174,7 +176,17 @@ class _Both:
             self.theirs.evict_blocks(ids)
             self.ours.evict_blocks(ids)
 
+    def same_events(self) -> None:
+        from kvcoord.conformance.target import event_to_json
+
+        fields = ("type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx",
+                  "kv_cache_spec_kind")  # fmt: skip
+        ours = [{k: e.get(k) for k in fields} for e in map(event_to_json, self.ours.take_events())]
+        self.same("events", [_event(e, fields) for e in self.theirs.take_events()], ours)
+        self.num_events += len(ours)
+
     def end_of_step(self) -> None:
+        self.same_events()
         self.same("offloads", self.theirs.take_boundary_state_offloads(),
                   {r: [tuple(e) for e in v] for r, v in self.ours.take_boundary_state_offloads().items()})  # fmt: skip
         copies, retained = self.theirs.take_kv_cache_block_copies()
@@ -189,6 +201,26 @@ class _Both:
         s, o = self.theirs.make_prefix_cache_stats(), self.ours.make_prefix_cache_stats()
         fields = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
         self.same("stats", [getattr(s, f) for f in fields], [getattr(o, f) for f in fields])
+
+
+def _int64(h: Any) -> int | None:
+    """vLLM's event hash (bytes, or already its integer form) as an integer."""
+    if h is None or isinstance(h, int):
+        return h
+    return int.from_bytes(bytes(h)[-8:], "big")
+
+
+def _event(e: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    """A vLLM 0.33 KV event in the trace's JSON shape (the compared fields)."""
+    out: dict[str, Any] = {"type": type(e).__name__}
+    for f in fields[1:]:
+        out[f] = getattr(e, f, None)
+    if "block_hashes" in out and out["block_hashes"] is not None:
+        out["block_hashes"] = [_int64(h) for h in out["block_hashes"]]
+    out["parent_block_hash"] = _int64(out.get("parent_block_hash"))
+    if out.get("token_ids") is not None:
+        out["token_ids"] = list(out["token_ids"])
+    return out
 
 
 def _chunk(remaining: int, budget: int, left_of_prompt: int) -> int:
@@ -261,6 +293,7 @@ def test_mamba_groups_answer_like_vllm_033(case: str, seed: int) -> None:
         if caching and rng.random() < 0.1:
             both.evict_one(rng)
     assert both.calls > 500
+    assert both.num_events > 20 if caching else both.num_events == 0
 
 
 def test_an_evicted_prompt_boundary_state_is_keyed_again_like_vllm_033() -> None:

@@ -229,6 +229,9 @@ def operations(draw: Any) -> pb.Operation:
             apply_admission_cap=draw(st.booleans()),
             num_encoder_tokens=draw(counts),
         ),
+        "take_new_block_ids": pb.TakeNewBlockIdsOp,
+        "take_boundary_state_offloads": pb.TakeBoundaryStateOffloadsOp,
+        "take_kv_cache_block_copies": pb.TakeKVCacheBlockCopiesOp,
         "admit": lambda: pb.AdmitOp(
             requests=draw(st.lists(syncs(), max_size=4)),
             token_budget=draw(counts),

@@ -1,8 +1,10 @@
 """The vLLM 0.33.0 traces (format 2) replay on the `vllm-0.33` profile, in-process and
-over the wire; the ones kvcoord does not reproduce yet are refused loudly."""
+over the wire; mamba layouts kvcoord does not model are refused loudly."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import hashlib
 import json
 from collections.abc import Iterator
@@ -34,24 +36,19 @@ PASSING = [
     "hybrid_full16_swa16_w64_eagle_k2",
     "hybrid_full16_chunked16_c64",
     "hybrid_full16_full32_swa16_w64",
+    "hybrid_full32_mamba32_align",
 ]
-
-#: Traces the vllm-0.33 profile does not reproduce yet, and why (the pool or the
-#: replayer refuses them before any answer could differ).
-NOT_YET = {
-    "hybrid_full32_mamba32_align": "mamba align (checkpoints, copy-on-write)",
-}
 
 
 def test_all_033_traces_are_present() -> None:
     """The copied traces are the 17 of the manifest, byte for byte, and each is either
-    passing or listed as not reproduced yet."""
+    passing."""
     manifest = json.loads((DATA / "MANIFEST.json").read_text())
     assert manifest["vllm_version"] == "0.33.0"
     assert len(manifest["files"]) == len(TRACES) == 17
     for entry in manifest["files"]:
         assert hashlib.sha256((DATA / entry["file"]).read_bytes()).hexdigest() == entry["sha256"]
-    assert sorted(PASSING + list(NOT_YET)) == sorted(TRACES)
+    assert sorted(PASSING) == sorted(TRACES)
 
 
 @pytest.mark.parametrize("name", PASSING)
@@ -81,10 +78,21 @@ def test_033_trace_replays_over_the_wire(server: InProcessServer, name: str) -> 
     assert result.passed, str(result.mismatch)
 
 
-@pytest.mark.parametrize("name", sorted(NOT_YET))
-def test_033_traces_not_reproduced_are_refused_loudly(name: str) -> None:
-    """A layout or call the profile lacks is an error before any answer, never a
-    silently different block."""
-    result = replay(load_trace(TRACES[name]), LocalTarget())
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        ({"block_size": 64}, "copy-on-write"),  # sub-block hits: mamba block > hash block
+        ({"mamba_cache_mode": "none"}, "requires 'align'"),  # 0.33 caches mamba only in align
+        ({"num_speculative_blocks": 1}, "relocation"),
+    ],
+)
+def test_033_mamba_layouts_not_modelled_are_refused_loudly(change: dict[str, object], reason: str) -> None:
+    """The mamba trace's layout with what the profile does not model: the pool is refused
+    with the reason before any answer, never answered with a silently different block."""
+    trace = load_trace(TRACES["hybrid_full32_mamba32_align"])
+    config = copy.deepcopy(trace.config)
+    config["groups"][1].update(change)
+    result = replay(dataclasses.replace(trace, config=config), LocalTarget())
     assert result.mismatch is not None
-    assert result.mismatch.field in ("exception", "op"), str(result.mismatch)
+    assert (result.mismatch.line, result.mismatch.field) == (1, "exception"), str(result.mismatch)
+    assert reason in str(result.mismatch.got)

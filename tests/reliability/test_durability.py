@@ -90,6 +90,41 @@ def test_033_traces_survive_sigkill(tmp_path: Path) -> None:
     _replay_through_kills(tmp_path, TRACES_033)
 
 
+class _Restarting(list[dict[str, Any]]):
+    """A trace's operations; the server is SIGKILLed and restarted before every
+    ``every``-th one (between calls: nothing in flight)."""
+
+    def __init__(self, ops: list[dict[str, Any]], server: DurableServer, every: int) -> None:
+        super().__init__(ops)
+        self.server = server
+        self.every = every
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for i, op in enumerate(list.__iter__(self)):
+            if i and i % self.every == 0:
+                self.server.restart()
+            yield op
+
+
+def test_033_mamba_trace_survives_restarts(tmp_path: Path) -> None:
+    """The vllm-0.33 mamba trace over the wire, the server SIGKILLed and restarted
+    every 300 operations (its journal replayed, from a snapshot once one is taken):
+    a mamba group's same-step hashes, retired ranges, untaken boundary states and
+    untaken new block ids survive, every answer stays vLLM 0.33's."""
+    server = DurableServer(tmp_path)
+    server.start()
+    try:
+        trace = load_trace(
+            ROOT / "tests" / "conformance" / "data-vllm-0.33" / "hybrid_full32_mamba32_align.jsonl"
+        )
+        paced = dataclasses.replace(trace, ops=_Restarting(trace.ops, server, 300))
+        result = replay(paced, _Target(server.address, retry=PATIENT))
+    finally:
+        server.stop()
+    assert result.passed, result.mismatch
+    assert server.kills >= len(trace.ops) // 300
+
+
 def _replay_through_kills(tmp_path: Path, traces: list[Path]) -> None:
     server = DurableServer(tmp_path)
     server.start()

@@ -38,12 +38,18 @@ def test_unknown_profile_is_invalid(client: KVCoordClient) -> None:
 
 
 def test_033_refuses_layouts_it_does_not_reproduce(client: KVCoordClient) -> None:
-    """A mamba pool under vllm-0.33 is refused at creation, not answered with other
-    rules."""
+    """A mamba layout the vllm-0.33 profile does not model (a mamba block larger than
+    the hash block: vLLM 0.33's sub-block hits with copy-on-write) is refused at
+    creation with the reason, not answered with other rules; the modelled one (align,
+    mamba block = hash block) is created."""
     cfg = pool("vllm-0.33")
-    cfg.groups.append(pb.KVCacheGroupSpec(mamba=pb.MambaSpec(block_size=4, mamba_cache_mode="align")))
-    with pytest.raises(InvalidArgumentError, match="vllm-0.33 profile does not support yet: group 1: mamba"):
+    cfg.groups.append(pb.KVCacheGroupSpec(mamba=pb.MambaSpec(block_size=8, mamba_cache_mode="align")))
+    with pytest.raises(
+        InvalidArgumentError, match="vllm-0.33 profile does not support yet: group 1: mamba.*copy-on-write"
+    ):
         client.create_pool("hybrid", cfg)
+    cfg.groups[1].mamba.block_size = 4
+    client.create_pool("hybrid", cfg)
 
 
 @pytest.mark.parametrize(("pool_profile", "client_profile"), [("vllm-0.33", ""), ("", "vllm-0.33"),
@@ -114,3 +120,28 @@ def test_attach_with_another_lookahead_is_refused(client: KVCoordClient) -> None
     assert client.attach(
         "eagle", "sha256_cbor", 4, "0", profile="vllm-0.33", num_hash_lookahead_tokens=1
     ).session_id
+
+
+def test_the_mamba_drains_are_033_calls(client: KVCoordClient) -> None:
+    """TakeNewBlockIdsOp, TakeBoundaryStateOffloadsOp and TakeKVCacheBlockCopiesOp are
+    vLLM 0.33's calls: a vllm-0.16 pool refuses each with FAILED_PRECONDITION naming it
+    (vLLM 0.16 has none of them); a vllm-0.33 pool answers them (empty here: nothing
+    was allocated)."""
+    ops = {
+        "take_new_block_ids": pb.TakeNewBlockIdsOp(),
+        "take_boundary_state_offloads": pb.TakeBoundaryStateOffloadsOp(),
+        "take_kv_cache_block_copies": pb.TakeKVCacheBlockCopiesOp(),
+    }
+    for profile in ("", "vllm-0.33"):
+        name = f"drains{profile}"
+        client.create_pool(name, pool(profile))
+        att = client.attach(name, "sha256_cbor", 4, "0", profile=profile)
+        for kind, message in ops.items():
+            resp = client.step(name, [pb.Operation(**{kind: message})], att.session_id, att.fence)
+            result = resp.results[0]
+            if profile:
+                assert result.status_code == 0, result.status_message
+                assert result.WhichOneof("result") == kind
+            else:
+                assert result.status_code == 9, kind  # FAILED_PRECONDITION
+                assert f"{kind} is a vllm-0.33 call" in result.status_message

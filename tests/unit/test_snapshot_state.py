@@ -81,12 +81,14 @@ DATA_033 = Path(__file__).resolve().parents[1] / "conformance" / "data-vllm-0.33
         "unitary_full16_sha256_lora_salt",
         "hybrid_full16_swa16_w128_tiny",
         "hybrid_full16_full32_swa16_w64",
+        "hybrid_full32_mamba32_align",
     ],
 )
 def test_033_trace_passes_with_pool_reloaded_from_its_state(name: str) -> None:
     """vllm-0.33 pools too: the blocks freed to the head of the queue, the events'
     extra fields, the requests' cache salts, prompt lengths and shared-prefix
-    boundaries survive export and import."""
+    boundaries survive export and import, and so do a mamba group's retired ranges,
+    same-step hashes, untaken boundary states and the untaken new block ids."""
     target = ReloadingTarget(every=7)
     result = replay(load_trace(DATA_033 / f"{name}.jsonl"), target)
     assert result.mismatch is None, result.mismatch

@@ -12,7 +12,7 @@ from kvcoord.client.errors import error_from_code, status_code
 from kvcoord.client.retry import DEFAULT_RETRY, RetryPolicy
 from kvcoord.engine import LoRA
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import events_from_pb, stats_from_pb
+from kvcoord.wire import copies_from_pb, events_from_pb, offloads_from_pb, stats_from_pb
 
 from .target import BlockIds, event_to_json, stats_to_json
 from .trace import pool_config_from_trace
@@ -255,3 +255,18 @@ class RemoteTarget:
 
     def shared_prefix_boundary(self, rid: str) -> int:
         return self._boundary.get(rid, 0)
+
+    def take_new_block_ids(self) -> list[int]:
+        r = self._step(pb.Operation(take_new_block_ids=pb.TakeNewBlockIdsOp()))
+        return list(r.take_new_block_ids.block_ids)
+
+    def take_boundary_state_offloads(self) -> dict[str, list[list[int]]]:
+        r = self._step(pb.Operation(take_boundary_state_offloads=pb.TakeBoundaryStateOffloadsOp()))
+        return {
+            rid: [list(e) for e in v] for rid, v in offloads_from_pb(r.take_boundary_state_offloads).items()
+        }
+
+    def take_kv_cache_block_copies(self) -> tuple[list[list[int]], list[int]]:
+        r = self._step(pb.Operation(take_kv_cache_block_copies=pb.TakeKVCacheBlockCopiesOp()))
+        copies, retained = copies_from_pb(r.take_kv_cache_block_copies)
+        return [list(c) for c in copies], retained

@@ -114,6 +114,9 @@ class _Replayer:
                 estimate_cached_tokens=self.estimate_cached_tokens,
                 get_num_blocks_to_allocate=self.get_num_blocks_to_allocate,
                 get_block_ids_for_computed_tokens=self.get_block_ids_for_computed_tokens,
+                take_new_block_ids=self.take_new_block_ids,
+                take_boundary_state_offloads=self.take_boundary_state_offloads,
+                take_kv_cache_block_copies=self.take_kv_cache_block_copies,
             )
 
     def expect(self, field: str, expected: Any, got: Any) -> None:
@@ -328,6 +331,17 @@ class _Replayer:
     def get_block_ids_for_computed_tokens(self, op: dict[str, Any]) -> None:
         got = self.target.get_block_ids_for_computed_tokens(op["req"], op["num_computed_tokens"])
         self.expect("block_ids", op["expect"]["block_ids"], got)
+
+    def take_new_block_ids(self, op: dict[str, Any]) -> None:
+        self.expect("block_ids", op["expect"]["block_ids"], self.target.take_new_block_ids())
+
+    def take_boundary_state_offloads(self, op: dict[str, Any]) -> None:
+        self.expect("offloads", op["expect"]["offloads"], self.target.take_boundary_state_offloads())
+
+    def take_kv_cache_block_copies(self, op: dict[str, Any]) -> None:
+        copies, retained = self.target.take_kv_cache_block_copies()
+        self.expect("copies", op["expect"]["copies"], copies)
+        self.expect("retained_block_ids", op["expect"]["retained_block_ids"], retained)
 
     def evict_blocks(self, op: dict[str, Any]) -> None:
         self.target.evict_blocks(list(op["block_ids"]))

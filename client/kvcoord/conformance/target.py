@@ -83,6 +83,9 @@ class ReplayTarget(Protocol):
         apply_admission_cap: bool,
     ) -> int: ...
     def get_block_ids_for_computed_tokens(self, rid: str, num_computed_tokens: int) -> list[list[int]]: ...
+    def take_new_block_ids(self) -> list[int]: ...
+    def take_boundary_state_offloads(self) -> dict[str, list[list[int]]]: ...
+    def take_kv_cache_block_copies(self) -> tuple[list[list[int]], list[int]]: ...
 
 
 def event_to_json(event: KVCacheEvent) -> dict[str, Any]:
@@ -288,3 +291,16 @@ class LocalTarget:
 
     def shared_prefix_boundary(self, rid: str) -> int:
         return self._p().shared_prefix_boundary(rid)
+
+    def take_new_block_ids(self) -> list[int]:
+        return self._p().take_new_block_ids()
+
+    def take_boundary_state_offloads(self) -> dict[str, list[list[int]]]:
+        return {
+            rid: [list(e) for e in entries]
+            for rid, entries in self._p().take_boundary_state_offloads().items()
+        }
+
+    def take_kv_cache_block_copies(self) -> tuple[list[list[int]], list[int]]:
+        copies, retained = self._p().take_kv_cache_block_copies()
+        return [list(c) for c in copies], list(retained)

@@ -12,6 +12,7 @@ from .specs import (
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
     FullAttentionSpec,
+    MambaCacheMode,
     MambaSpec,
     SlidingWindowSpec,
 )
@@ -77,8 +78,8 @@ class KVCacheConfig:
             hits and caching are aligned to it. 0: the LCM of the block sizes (the
             only value vLLM uses without context parallelism, and the only one taken).
         prefix_cache_retention_interval: (vllm-0.33) ``0`` (vLLM 0.33's default):
-            sliding-window groups hash only the blocks a later lookup can reach (the
-            prompt's replay boundary, a detected shared-prefix junction); ``None``:
+            sliding-window and mamba groups hash only the blocks a later lookup can
+            reach (the prompt's replay boundary, a detected shared-prefix junction); ``None``:
             every full block, as vllm-0.16 does. Positive intervals are not taken yet.
 
     Raises:
@@ -213,9 +214,32 @@ def _validate_033_support(cfg: KVCacheConfig) -> None:
         if isinstance(spec, FullAttentionSpec) and spec.sink_len:
             missing.append(f"group {gid}: sink attention (0.33 reserves no sink blocks)")
         if isinstance(spec, MambaSpec):
-            missing.append(f"group {gid}: mamba (0.33's align checkpoints and copy-on-write)")
+            missing.extend(_mamba_033_gaps(cfg, gid, spec))
     if missing:
         raise ConfigError("the vllm-0.33 profile does not support yet: " + "; ".join(missing))
+
+
+def _mamba_033_gaps(cfg: KVCacheConfig, gid: int, spec: MambaSpec) -> list[str]:
+    """What a mamba group needs that the vllm-0.33 profile does not model (see
+    :class:`~kvcoord.engine.managers.mamba.MambaManager033`)."""
+    gaps = []
+    if cfg.enable_caching and spec.mamba_cache_mode != MambaCacheMode.ALIGN:
+        # vLLM 0.33 asserts it: its mamba prefix caching exists only in "align" mode
+        gaps.append(
+            f"group {gid}: mamba prefix caching in mode {spec.mamba_cache_mode.value!r} (0.33 requires 'align')"
+        )
+    if spec.mamba_cache_mode == MambaCacheMode.ALIGN and spec.num_speculative_blocks:
+        gaps.append(
+            f"group {gid}: mamba align with num_speculative_blocks (0.33's speculative-block relocation)"
+        )
+    if cfg.enable_caching and spec.block_size != cfg.hash_block_size:
+        gaps.append(
+            f"group {gid}: mamba block_size {spec.block_size} other than hash_block_size "
+            f"{cfg.hash_block_size} (0.33's sub-block hits with copy-on-write)"
+        )
+    if cfg.enable_caching and len(cfg.groups) == 1:
+        gaps.append(f"group {gid}: a mamba-only pool with prefix caching (0.33's unitary mamba)")
+    return gaps
 
 
 def _validate_caching(cfg: KVCacheConfig) -> None:

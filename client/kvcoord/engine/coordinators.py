@@ -10,7 +10,7 @@ from .block_pool import BlockPool
 from .blocks import KVCacheBlock
 from .config import KVCacheConfig, attention_groups
 from .hash_list import hashes_at_block_size
-from .managers import CrossAttentionManager, SingleTypeKVCacheManager, manager_class
+from .managers import CrossAttentionManager, MambaManager033, SingleTypeKVCacheManager, manager_class
 from .profiles import rules_of
 from .request import Request
 from .specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec, event_spec_fields
@@ -60,7 +60,7 @@ class KVCacheCoordinator:
             ),
         )
         self.managers: list[SingleTypeKVCacheManager] = [
-            manager_class(spec)(spec, self.block_pool, gid, config.enable_caching)
+            manager_class(spec, config.profile)(spec, self.block_pool, gid, config.enable_caching)
             for gid, spec in enumerate(config.groups)
         ]
         self._is_cross = [isinstance(m, CrossAttentionManager) for m in self.managers]
@@ -317,11 +317,13 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
     sparse retention (``prefix_cache_retention_interval`` 0), hashes only the
     sliding-window blocks a later lookup can reach: the ``cdiv(w - 1, block)`` blocks
     ending at the prompt's replay boundary (``num_prompt_tokens - 1``) or at the
-    request's shared-prefix junction, each rounded down to the scheduler block.
-    With look-ahead hashes the count is rounded down first and then stopped at the
-    hashed tokens, as vLLM 0.33's managers do (so a prompt of 64 tokens with 16-token
-    hash blocks, one look-ahead token and a 32-token scheduler block caches 48 tokens
-    of a 16-token group, not 32): the caller passes the unclamped count.
+    request's shared-prefix junction, each rounded down to the scheduler block. Mamba
+    groups cache by their own rules (:class:`~kvcoord.engine.managers.MambaManager033`),
+    given the same rounded length. With look-ahead hashes the count is rounded down
+    first and then stopped at the hashed tokens, as vLLM 0.33's managers do (so a prompt
+    of 64 tokens with 16-token hash blocks, one look-ahead token and a 32-token
+    scheduler block caches 48 tokens of a 16-token group, not 32): the caller passes
+    the unclamped count.
     """
 
     caps_cache_at_hashes = True
@@ -332,6 +334,10 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
         self.sparse = config.prefix_cache_retention_interval == 0
         #: the longest length any group reached in the last search
         self.last_longest_hit = 0
+        for m in self.managers:
+            if isinstance(m, MambaManager033):  # mamba keeps its own caching rules
+                m.alignment = self.scheduler_block_size
+                m.sparse = self.sparse
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
@@ -385,6 +391,9 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
         hbs = self.config.hash_block_size
         for m in self.managers:
             if isinstance(m, CrossAttentionManager):
+                continue
+            if isinstance(m, MambaManager033):
+                m.cache_blocks(request, num_tokens)
                 continue
             bs = m.block_size
             num_cached = m.num_cached_block.get(rid, 0)

@@ -28,13 +28,13 @@ from .errors import FailedPreconditionError, InvalidArgumentError, RequestNotFou
 from .events import KVCacheEvent
 from .hash_list import request_keys
 from .hits import PrefixHits
-from .managers import CrossAttentionManager, MambaManager, SingleTypeKVCacheManager
+from .managers import CrossAttentionManager, MambaManager, MambaManager033, SingleTypeKVCacheManager
 from .profiles import rules_of
 from .request import LoRA, Request
 from .request_table import RequestTable, check_count
 from .reservations import Reservation, Reservations
 from .results import AllocationResult, BlockIds, CacheHit, PoolSnapshot, RequestCheckpoint
-from .specs import FullAttentionSpec
+from .specs import FullAttentionSpec, MambaSpec
 from .stats import LookupCounters, PrefixCacheStats
 
 # The result types are re-exported: ``from kvcoord.engine.pool import CacheHit`` works.
@@ -121,6 +121,16 @@ class KVCachePool:
             or type(m).remove_skipped_blocks is not SingleTypeKVCacheManager.remove_skipped_blocks
         ]
         self._no_new_blocks: BlockIds = tuple(() for _ in self.managers)
+        #: vllm-0.33 mamba groups (per-step state, boundary-state hand-offs)
+        self._mamba033 = [m for m in self.managers if isinstance(m, MambaManager033)]
+        #: vllm-0.33 with mamba layers: the attention groups whose new block ids the
+        #: worker zeroes (vLLM's ``take_new_block_ids``), and those ids per group
+        self._zeroed_groups = (
+            [i for i, spec in enumerate(config.groups) if not isinstance(spec, MambaSpec)]
+            if self._mamba033
+            else []
+        )
+        self.pending_new_block_ids: list[list[int]] = [[] for _ in self.managers]
         #: evict_blocks was called: blocks may have lost their hash while shared
         self.evict_blocks_called = False
         # free/preempt fused over managers that free by the base rule (with whether their
@@ -466,10 +476,24 @@ class KVCachePool:
             self.num_refusals += 1
             return None
         if any(hit_blocks) or num_external_computed_tokens > 0:
+            first_adoption = (
+                self._zeroed_groups
+                and num_external_computed_tokens > 0
+                and not any(coordinator.get_blocks(request_id))
+            )
             coordinator.allocate_new_computed_blocks(
                 request_id, hit_blocks, local, num_external_computed_tokens
             )
+            if first_adoption:  # blocks for the external tokens are zeroed too
+                for gid in self._zeroed_groups:
+                    m = self.managers[gid]
+                    held = m.req_to_blocks.get(request_id, ())
+                    self.pending_new_block_ids[gid].extend(
+                        b.block_id for b in held[m.num_cached_block.get(request_id, 0) :]
+                    )
         new = coordinator.allocate_new_blocks(request_id, need, main, num_encoder_tokens)
+        for gid in self._zeroed_groups:
+            self.pending_new_block_ids[gid].extend(b.block_id for b in new[gid])
         if self.enable_caching and not delay_cache_blocks:
             coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens - self._cache_lag))
         return tuple([tuple([b.block_id for b in lst]) for lst in new])
@@ -778,9 +802,61 @@ class KVCachePool:
         return self._get(request_id).shared_prefix_boundary
 
     def new_step_starts(self) -> None:
-        """vLLM 0.33's ``new_step_starts`` (the scheduler calls it at every step). Only
-        mamba groups keep per-step state, and the vllm-0.33 profile does not take them
-        yet (the config refuses them), so nothing changes."""
+        """vLLM 0.33's ``new_step_starts`` (the scheduler calls it at every step): a
+        mamba group's hits on blocks cached during the step that ends become usable.
+        Nothing changes in pools without mamba groups."""
+        for m in self._mamba033:
+            m.new_step_starts()
+
+    def _require_033(self, call: str) -> None:
+        if not self.rules.full_sequence_admission:
+            raise FailedPreconditionError(
+                f"{call} is a vllm-0.33 call; this pool's profile is {self.config.profile}"
+            )
+
+    def take_new_block_ids(self) -> list[int]:
+        """vLLM 0.33's ``take_new_block_ids``: the ids of blocks attention groups took
+        since the last call, for the worker to zero (group order, then allocation
+        order). Only pools with mamba groups record them (vLLM zeroes for mamba
+        models); the others answer an empty list.
+
+        Raises:
+            FailedPreconditionError: a vllm-0.16 pool.
+        """
+        self._require_033("take_new_block_ids")
+        out: list[int] = []
+        for gid in self._zeroed_groups:
+            out.extend(self.pending_new_block_ids[gid])
+            self.pending_new_block_ids[gid] = []
+        return out
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        """vLLM 0.33's ``take_boundary_state_offloads``: per request, the mamba state
+        blocks hashed since the last call, as ``(group, block id, boundary tokens)``
+        (a KV connector offloads them); requests freed since are left out.
+
+        Raises:
+            FailedPreconditionError: a vllm-0.16 pool.
+        """
+        self._require_033("take_boundary_state_offloads")
+        out: dict[str, list[tuple[int, int, int]]] = {}
+        for m in self._mamba033:
+            for rid, gid, block, tokens in m.take_boundary_state_offloads():
+                out.setdefault(rid, []).append((gid, block.block_id, tokens))
+        return out
+
+    def take_kv_cache_block_copies(self) -> tuple[list[tuple[int, int]], list[int]]:
+        """vLLM 0.33's ``take_kv_cache_block_copies``: copy-on-write pairs
+        ``(source, destination)`` and the block ids they keep referenced. vLLM makes
+        them only for sub-block hits in mamba "align" pools whose mamba block is larger
+        than the hash block, a layout this profile refuses, so the answer is always
+        empty.
+
+        Raises:
+            FailedPreconditionError: a vllm-0.16 pool.
+        """
+        self._require_033("take_kv_cache_block_copies")
+        return [], []
 
     def estimate_cached_tokens(self, request_id: str) -> int:
         """vLLM 0.33's ``estimate_cached_tokens``: per prefix-cacheable group, the end of
@@ -992,6 +1068,14 @@ class KVCachePool:
             extra: tuple[object, ...] = ()
             if isinstance(m, MambaManager):
                 extra = (sorted(m.allocated_block_reqs), sorted(m.last_state_block_idx.items()))
+            if isinstance(m, MambaManager033):
+                extra += (
+                    sorted(m.num_retired_blocks.items()),
+                    sorted(m.cached_this_step),
+                    tuple((r, g, b.block_id, t) for r, g, b, t in m.pending_offloads),
+                )
+            if self._zeroed_groups:
+                extra += (tuple(self.pending_new_block_ids[m.group_id]),)
             managers.append(
                 (
                     tuple((r, tuple(b.block_id for b in bl)) for r, bl in sorted(m.req_to_blocks.items())),

@@ -27,7 +27,7 @@ from .block_pool import BlockHashToBlockMap
 from .blocks import KVCacheBlock
 from .config import KVCacheConfig
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from .managers.mamba import MambaManager
+from .managers.mamba import MambaManager, MambaManager033
 from .pool import KVCachePool
 from .request import LoRA, Request
 from .reservations import Reservation, ReservationCounters
@@ -72,6 +72,10 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
         if isinstance(m, MambaManager):
             entry["mamba_allocated"] = sorted(m.allocated_block_reqs)
             entry["mamba_last_state"] = list(m.last_state_block_idx.items())
+        if isinstance(m, MambaManager033):
+            entry["mamba_retired"] = list(m.num_retired_blocks.items())
+            entry["mamba_cached_this_step"] = [list(k) for k in m.cached_this_step]
+            entry["mamba_offloads"] = [[r, g, b.block_id, t] for r, g, b, t in m.pending_offloads]
         managers.append(entry)
     requests = []
     for r in pool.requests.values():
@@ -143,6 +147,8 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
             for r in pool.reservations.live.values()
         ],
         "reservation_counters": list(dataclasses.astuple(pool.reservations.counters)),
+        # vllm-0.33 with mamba: block ids taken for the worker to zero, not yet taken
+        "new_block_ids": [list(ids) for ids in pool.pending_new_block_ids],
     }
 
 
@@ -192,6 +198,10 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
         if isinstance(m, MambaManager):
             m.allocated_block_reqs = set(entry.get("mamba_allocated", ()))
             m.last_state_block_idx = dict(entry.get("mamba_last_state", ()))
+        if isinstance(m, MambaManager033):
+            m.num_retired_blocks = dict(entry.get("mamba_retired", ()))
+            m.cached_this_step = {(h, g) for h, g in entry.get("mamba_cached_this_step", ())}
+            m.pending_offloads = [(r, g, blocks[b], t) for r, g, b, t in entry.get("mamba_offloads", ())]
     table = pool.requests  # shared with the request table: filled in place
     for entry in state["requests"]:
         rid, tokens, hashes, computed, preemptions, lora, skip, last_hit, prefix = entry[:9]
@@ -228,6 +238,8 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
         held_ids = tuple(tuple(g) for g in held)
         live[rid] = Reservation(rid, hit, held_ids, prefix, last_hash, num_hashes, num_tokens)
     pool.reservations.counters = ReservationCounters(*state["reservation_counters"])
+    for gid, ids in enumerate(state.get("new_block_ids", ())):
+        pool.pending_new_block_ids[gid] = list(ids)
     return pool
 
 

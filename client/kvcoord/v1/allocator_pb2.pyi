@@ -662,6 +662,58 @@ class GetNumBlocksToAllocateResult(_message.Message):
     num_blocks: int
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
+class TakeNewBlockIdsOp(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TakeNewBlockIdsResult(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BoundaryStateOffload(_message.Message):
+    __slots__ = ("request_id", "group_id", "block_id", "boundary_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    group_id: int
+    block_id: int
+    boundary_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., group_id: _Optional[int] = ..., block_id: _Optional[int] = ..., boundary_tokens: _Optional[int] = ...) -> None: ...
+
+class TakeBoundaryStateOffloadsOp(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TakeBoundaryStateOffloadsResult(_message.Message):
+    __slots__ = ("offloads",)
+    OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    offloads: _containers.RepeatedCompositeFieldContainer[BoundaryStateOffload]
+    def __init__(self, offloads: _Optional[_Iterable[_Union[BoundaryStateOffload, _Mapping]]] = ...) -> None: ...
+
+class KVCacheBlockCopy(_message.Message):
+    __slots__ = ("src_block_id", "dst_block_id")
+    SRC_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_ID_FIELD_NUMBER: _ClassVar[int]
+    src_block_id: int
+    dst_block_id: int
+    def __init__(self, src_block_id: _Optional[int] = ..., dst_block_id: _Optional[int] = ...) -> None: ...
+
+class TakeKVCacheBlockCopiesOp(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TakeKVCacheBlockCopiesResult(_message.Message):
+    __slots__ = ("copies", "retained_block_ids")
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    copies: _containers.RepeatedCompositeFieldContainer[KVCacheBlockCopy]
+    retained_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, copies: _Optional[_Iterable[_Union[KVCacheBlockCopy, _Mapping]]] = ..., retained_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class SyncOp(_message.Message):
     __slots__ = ("request",)
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -685,7 +737,7 @@ class AdmitResult(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[AllocateResult, _Mapping]]] = ...) -> None: ...
 
 class Operation(_message.Message):
-    __slots__ = ("lookup", "allocate", "free", "preempt", "cache_blocks", "remove_skipped_blocks", "evict_blocks", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "make_prefix_cache_stats", "sync", "admit", "allocate_run", "record_prefix_cache_stats", "estimate_cached_tokens", "new_step_starts", "get_num_blocks_to_allocate")
+    __slots__ = ("lookup", "allocate", "free", "preempt", "cache_blocks", "remove_skipped_blocks", "evict_blocks", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "make_prefix_cache_stats", "sync", "admit", "allocate_run", "record_prefix_cache_stats", "estimate_cached_tokens", "new_step_starts", "get_num_blocks_to_allocate", "take_new_block_ids", "take_boundary_state_offloads", "take_kv_cache_block_copies")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
@@ -705,6 +757,9 @@ class Operation(_message.Message):
     ESTIMATE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_STEP_STARTS_FIELD_NUMBER: _ClassVar[int]
     GET_NUM_BLOCKS_TO_ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    TAKE_NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TAKE_BOUNDARY_STATE_OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    TAKE_KV_CACHE_BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupOp
     allocate: AllocateOp
     free: FreeOp
@@ -724,10 +779,13 @@ class Operation(_message.Message):
     estimate_cached_tokens: EstimateCachedTokensOp
     new_step_starts: NewStepStartsOp
     get_num_blocks_to_allocate: GetNumBlocksToAllocateOp
-    def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitOp, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunOp, _Mapping]] = ..., record_prefix_cache_stats: _Optional[_Union[RecordPrefixCacheStatsOp, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensOp, _Mapping]] = ..., new_step_starts: _Optional[_Union[NewStepStartsOp, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateOp, _Mapping]] = ...) -> None: ...
+    take_new_block_ids: TakeNewBlockIdsOp
+    take_boundary_state_offloads: TakeBoundaryStateOffloadsOp
+    take_kv_cache_block_copies: TakeKVCacheBlockCopiesOp
+    def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitOp, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunOp, _Mapping]] = ..., record_prefix_cache_stats: _Optional[_Union[RecordPrefixCacheStatsOp, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensOp, _Mapping]] = ..., new_step_starts: _Optional[_Union[NewStepStartsOp, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateOp, _Mapping]] = ..., take_new_block_ids: _Optional[_Union[TakeNewBlockIdsOp, _Mapping]] = ..., take_boundary_state_offloads: _Optional[_Union[TakeBoundaryStateOffloadsOp, _Mapping]] = ..., take_kv_cache_block_copies: _Optional[_Union[TakeKVCacheBlockCopiesOp, _Mapping]] = ...) -> None: ...
 
 class OperationResult(_message.Message):
-    __slots__ = ("status_code", "status_message", "reason", "position", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats", "admit", "allocate_run", "estimate_cached_tokens", "get_num_blocks_to_allocate")
+    __slots__ = ("status_code", "status_message", "reason", "position", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats", "admit", "allocate_run", "estimate_cached_tokens", "get_num_blocks_to_allocate", "take_new_block_ids", "take_boundary_state_offloads", "take_kv_cache_block_copies")
     STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -743,6 +801,9 @@ class OperationResult(_message.Message):
     ALLOCATE_RUN_FIELD_NUMBER: _ClassVar[int]
     ESTIMATE_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GET_NUM_BLOCKS_TO_ALLOCATE_FIELD_NUMBER: _ClassVar[int]
+    TAKE_NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    TAKE_BOUNDARY_STATE_OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    TAKE_KV_CACHE_BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     status_code: int
     status_message: str
     reason: ErrorReason
@@ -758,7 +819,10 @@ class OperationResult(_message.Message):
     allocate_run: AllocateRunResult
     estimate_cached_tokens: EstimateCachedTokensResult
     get_num_blocks_to_allocate: GetNumBlocksToAllocateResult
-    def __init__(self, status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ..., position: _Optional[_Union[RequestPosition, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixResult, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheResult, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResult, _Mapping]] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStatsResult, _Mapping]] = ..., admit: _Optional[_Union[AdmitResult, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunResult, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensResult, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateResult, _Mapping]] = ...) -> None: ...
+    take_new_block_ids: TakeNewBlockIdsResult
+    take_boundary_state_offloads: TakeBoundaryStateOffloadsResult
+    take_kv_cache_block_copies: TakeKVCacheBlockCopiesResult
+    def __init__(self, status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ..., position: _Optional[_Union[RequestPosition, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixResult, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheResult, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResult, _Mapping]] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStatsResult, _Mapping]] = ..., admit: _Optional[_Union[AdmitResult, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunResult, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensResult, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateResult, _Mapping]] = ..., take_new_block_ids: _Optional[_Union[TakeNewBlockIdsResult, _Mapping]] = ..., take_boundary_state_offloads: _Optional[_Union[TakeBoundaryStateOffloadsResult, _Mapping]] = ..., take_kv_cache_block_copies: _Optional[_Union[TakeKVCacheBlockCopiesResult, _Mapping]] = ...) -> None: ...
 
 class FindLongestCacheHitRequest(_message.Message):
     __slots__ = ("pool", "block_hashes", "num_tokens")

@@ -8,6 +8,7 @@ protobuf and the standard library (tests/unit/test_layers.py):
   (config files, conformance traces)
 - :mod:`.values`   block ids, prefix hits, LoRA adapters, prefix-cache statistics
 - :mod:`.events`   KV events and the events digest
+- :mod:`.mamba`    vLLM 0.33's boundary-state offloads and copy-on-write pairs
 - :mod:`.state`    an exclusive session's pool state (AttachResponse.pool_state)
 - :mod:`.hashes`   contract facts about block hashes (digest lengths)
 - :mod:`.pem`      PEM certificate and key readers (client channels, server listeners)
@@ -34,6 +35,7 @@ from .layouts import (
     string_list,
     tables,
 )
+from .mamba import copies_from_pb, copies_to_pb, offloads_from_pb, offloads_to_pb
 from .state import ReplicaState, pool_state_from_pb, write_pool_state
 from .values import (
     STATS_FIELDS,
@@ -57,6 +59,8 @@ __all__ = [
     "add_events",
     "block_ids_to_pb",
     "config_from_pb",
+    "copies_from_pb",
+    "copies_to_pb",
     "event_from_pb",
     "event_to_pb",
     "events_digest",
@@ -68,6 +72,8 @@ __all__ = [
     "hit_to_pb",
     "ids_from_pb",
     "lora_from_pb",
+    "offloads_from_pb",
+    "offloads_to_pb",
     "pool_config_from_table",
     "pool_state_from_pb",
     "spec_from_pb",

@@ -13,10 +13,12 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import (
     add_events,
     block_ids_to_pb,
+    copies_to_pb,
     hit_from_pb,
     hit_to_pb,
     ids_from_pb,
     lora_from_pb,
+    offloads_to_pb,
     stats_to_pb,
     write_ids,
 )
@@ -151,6 +153,12 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         return op.EstimateCachedTokens(o.estimate_cached_tokens.request_id)
     if kind == "new_step_starts":
         return op.NewStepStarts()
+    if kind == "take_new_block_ids":
+        return op.TakeNewBlockIds()
+    if kind == "take_boundary_state_offloads":
+        return op.TakeBoundaryStateOffloads()
+    if kind == "take_kv_cache_block_copies":
+        return op.TakeBlockCopies()
     if kind == "get_num_blocks_to_allocate":
         n = o.get_num_blocks_to_allocate
         return op.GetNumBlocksToAllocate(
@@ -292,6 +300,15 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
     if isinstance(operation, op.GetNumBlocksToAllocate):
         assert isinstance(v, int)
         return pb.OperationResult(get_num_blocks_to_allocate=pb.GetNumBlocksToAllocateResult(num_blocks=v))
+    if isinstance(operation, op.TakeNewBlockIds):
+        assert isinstance(v, list)
+        return pb.OperationResult(take_new_block_ids=pb.TakeNewBlockIdsResult(block_ids=v))
+    if isinstance(operation, op.TakeBoundaryStateOffloads):
+        assert isinstance(v, dict)
+        return pb.OperationResult(take_boundary_state_offloads=offloads_to_pb(v))
+    if isinstance(operation, op.TakeBlockCopies):
+        assert isinstance(v, tuple)
+        return pb.OperationResult(take_kv_cache_block_copies=copies_to_pb(*v))
     if isinstance(operation, op.TakeEvents):
         assert isinstance(v, op.EventsTaken)
         result = pb.OperationResult(take_events=pb.TakeEventsResult(gap=v.gap, more=v.more))

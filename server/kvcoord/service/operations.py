@@ -40,6 +40,9 @@ __all__ = [
     "RecordStats",
     "EstimateCachedTokens",
     "NewStepStarts",
+    "TakeBlockCopies",
+    "TakeBoundaryStateOffloads",
+    "TakeNewBlockIds",
     "GetNumBlocksToAllocate",
 ]
 
@@ -230,6 +233,21 @@ class NewStepStarts:
 
 
 @dataclasses.dataclass(slots=True)
+class TakeNewBlockIds:
+    """vLLM 0.33's take_new_block_ids (vllm-0.33 pools)."""
+
+
+@dataclasses.dataclass(slots=True)
+class TakeBoundaryStateOffloads:
+    """vLLM 0.33's take_boundary_state_offloads (vllm-0.33 pools)."""
+
+
+@dataclasses.dataclass(slots=True)
+class TakeBlockCopies:
+    """vLLM 0.33's take_kv_cache_block_copies (vllm-0.33 pools)."""
+
+
+@dataclasses.dataclass(slots=True)
 class GetNumBlocksToAllocate:
     request_id: str
     num_tokens: int
@@ -268,6 +286,9 @@ Operation = (
     | EstimateCachedTokens
     | NewStepStarts
     | GetNumBlocksToAllocate
+    | TakeNewBlockIds
+    | TakeBoundaryStateOffloads
+    | TakeBlockCopies
 )
 
 
@@ -317,6 +338,9 @@ Value = (
     | int
     | EventsTaken
     | PrefixCacheStats
+    | list[int]
+    | dict[str, list[tuple[int, int, int]]]
+    | tuple[list[tuple[int, int]], list[int]]
     | None
 )
 

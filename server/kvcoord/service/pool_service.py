@@ -1392,6 +1392,15 @@ class PoolService:
         self.engine.new_step_starts()
         return None
 
+    def _take_new_block_ids(self, s: Session, o: op.TakeNewBlockIds) -> op.Value:
+        return self.engine.take_new_block_ids()
+
+    def _take_offloads(self, s: Session, o: op.TakeBoundaryStateOffloads) -> op.Value:
+        return self.engine.take_boundary_state_offloads()
+
+    def _take_copies(self, s: Session, o: op.TakeBlockCopies) -> op.Value:
+        return self.engine.take_kv_cache_block_copies()
+
     def _num_blocks_to_allocate(self, s: Session, o: op.GetNumBlocksToAllocate) -> op.Value:
         self._owned(s, o.request_id)
         return self.engine.get_num_blocks_to_allocate(
@@ -1420,4 +1429,7 @@ _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.EstimateCachedTokens: PoolService._estimate_cached_tokens,  # type: ignore[dict-item]
     op.NewStepStarts: PoolService._new_step_starts,  # type: ignore[dict-item]
     op.GetNumBlocksToAllocate: PoolService._num_blocks_to_allocate,  # type: ignore[dict-item]
+    op.TakeNewBlockIds: PoolService._take_new_block_ids,  # type: ignore[dict-item]
+    op.TakeBoundaryStateOffloads: PoolService._take_offloads,  # type: ignore[dict-item]
+    op.TakeBlockCopies: PoolService._take_copies,  # type: ignore[dict-item]
 }

@@ -14,7 +14,7 @@ from .base import SingleTypeKVCacheManager, cdiv
 from .chunked_local import ChunkedLocalAttentionManager
 from .cross_attention import CrossAttentionManager
 from .full_attention import FullAttentionManager
-from .mamba import MambaManager
+from .mamba import MambaManager, MambaManager033
 from .sliding_window import SlidingWindowManager
 
 __all__ = [
@@ -22,11 +22,13 @@ __all__ = [
     "CrossAttentionManager",
     "FullAttentionManager",
     "MambaManager",
+    "MambaManager033",
     "SingleTypeKVCacheManager",
     "SlidingWindowManager",
     "cdiv",
     "manager_class",
     "spec_manager_map",
+    "spec_manager_map_033",
 ]
 
 spec_manager_map: dict[type, type[SingleTypeKVCacheManager]] = {
@@ -38,6 +40,16 @@ spec_manager_map: dict[type, type[SingleTypeKVCacheManager]] = {
 }
 
 
-def manager_class(spec: AttentionSpec) -> type[SingleTypeKVCacheManager]:
-    """The manager class serving ``spec``."""
+#: the vllm-0.33 profile's own manager classes, where a type's rules changed
+spec_manager_map_033: dict[type, type[SingleTypeKVCacheManager]] = {
+    MambaSpec: MambaManager033,
+}
+
+
+def manager_class(spec: AttentionSpec, profile: str = "vllm-0.16") -> type[SingleTypeKVCacheManager]:
+    """The manager class serving ``spec`` in a pool of ``profile``."""
+    if profile == "vllm-0.33":
+        cls = spec_manager_map_033.get(type(spec))
+        if cls is not None:
+            return cls
     return spec_manager_map[type(spec)]

@@ -1,0 +1,325 @@
+"""kvcoord's vllm-0.33 mamba groups against vLLM 0.33.0's own KVCacheManager, call by call.
+
+Runs in the vLLM 0.33.0 venv only (``KVCOORD_VLLM_VERSION=0.33.0 scripts/test_vllm.sh
+-k mamba033``). A seeded synchronous scheduler (shared prefixes, resends, chunks cut at
+mamba block boundaries as vLLM's scheduler cuts them, decode, frees, preemptions, a
+connector's evict_blocks) drives both managers with the same calls; every answer is
+compared: new block ids, hits and junctions, free counts, the free queue's order, the
+tables, the three per-step drains (new block ids, boundary-state offloads, copy pairs)
+and the statistics. Beyond the one recorded trace (hybrid_full32_mamba32_align), it
+covers the layouts and calls that trace lacks: dense retention, "none" mode and align
+mode with caching off, evictions of held state blocks, preemption.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from harness import V033
+
+pytestmark = pytest.mark.skipif(not V033, reason="vLLM 0.33.0 only (this venv has another release)")
+
+BS = 32
+MAX_LEN = 1024
+BUDGET = 192
+
+#: name -> (mamba_cache_mode, enable_caching, prefix_cache_retention_interval)
+CASES = {
+    "align-sparse": ("align", True, 0),
+    "align-dense": ("align", True, None),
+    "align-nocache": ("align", False, 0),
+    "none-nocache": ("none", False, 0),
+}
+
+
+def _vllm(mode: str, caching: bool, interval: int | None, num_blocks: int) -> Any:
+    import torch
+    from vllm.v1 import kv_cache_interface as k
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    full = k.FullAttentionSpec(BS, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    mamba = k.MambaSpec(
+        block_size=BS if mode == "align" else MAX_LEN,
+        shapes=((2, 16), (4, 8)),
+        dtypes=(torch.float16, torch.float16),
+        mamba_cache_mode=mode,
+    )
+    config = k.KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[k.KVCacheGroupSpec(["attn"], full), k.KVCacheGroupSpec(["mixer"], mamba)],
+    )
+    config.prefix_cache_retention_interval = interval
+    sched = BS if mode == "align" else MAX_LEN
+    return KVCacheManager(
+        config, max_model_len=MAX_LEN, scheduler_block_size=sched, hash_block_size=BS,
+        max_in_flight_tokens=BUDGET, enable_caching=caching, log_stats=True, enable_kv_cache_events=True,
+    )  # fmt: skip
+
+
+def _ours(mode: str, caching: bool, interval: int | None, num_blocks: int) -> Any:
+    from kvcoord.engine import KVCacheConfig, KVCachePool
+    from kvcoord.engine.specs import FullAttentionSpec, MambaCacheMode, MambaSpec
+
+    mamba = MambaSpec(BS if mode == "align" else MAX_LEN, MambaCacheMode(mode))
+    return KVCachePool(
+        KVCacheConfig(
+            num_blocks, (FullAttentionSpec(BS), mamba), BS, enable_caching=caching, max_model_len=MAX_LEN,
+            profile="vllm-0.33", max_in_flight_tokens=BUDGET, prefix_cache_retention_interval=interval,
+            enable_kv_cache_events=True,
+        )
+    )  # fmt: skip
+
+
+class _Both:
+    """One vLLM manager and one kvcoord pool, called alike; every answer compared."""
+
+    def __init__(self, mode: str, caching: bool, interval: int | None, num_blocks: int) -> None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        fn = get_hash_fn_by_name("sha256_cbor")
+        init_none_hash(fn)
+        self.hasher = get_request_block_hasher(BS, fn) if caching else None
+        self.theirs = _vllm(mode, caching, interval, num_blocks)
+        self.ours = _ours(mode, caching, interval, num_blocks)
+        self.reqs: dict[str, Any] = {}
+        self.calls = 0
+        self.num_events = 0
+
+    def same(self, what: str, theirs: Any, ours: Any) -> None:
+        self.calls += 1
+        assert ours == theirs, f"{what}: vLLM {theirs!r}, kvcoord {ours!r}"
+
+    def add(self, rid: str, prompt: list[int]) -> None:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        r = Request(rid, prompt, SamplingParams(max_tokens=64), None, block_hasher=self.hasher)
+        self.reqs[rid] = r
+        self.ours.add_request(rid, prompt, [bytes(h) for h in r.block_hashes])
+
+    def step(self) -> None:
+        self.theirs.new_step_starts()
+        self.ours.new_step_starts()
+
+    def admit(self, rid: str, budget: int) -> int | None:
+        """Lookup and admission (full sequence must fit); the tokens scheduled, or None."""
+        from vllm.v1.request import RequestStatus
+
+        r = self.reqs[rid]
+        r.status = RequestStatus.WAITING
+        blocks, hit, junction = self.theirs.get_computed_blocks(r)
+        r.shared_prefix_boundary = junction
+        ours = self.ours.get_computed_blocks(rid)
+        self.same("hit", (blocks.get_block_ids(), hit, junction),
+                  (tuple(list(g) for g in ours.block_ids), ours.num_tokens, self.ours.shared_prefix_boundary(rid)))  # fmt: skip
+        n = _chunk(r.num_tokens - hit, budget, r.num_tokens - hit)
+        if n == 0:
+            return None
+        new = self.theirs.allocate_slots(
+            r, n, hit, blocks, full_sequence_must_fit=True, has_scheduled_reqs=True
+        )
+        got = self.ours.allocate_slots(rid, n, hit, ours if hit else None, full_sequence_must_fit=True)
+        self._same_alloc(new, got)
+        if new is None:
+            return None
+        r.status = RequestStatus.RUNNING
+        self.theirs.record_prefix_cache_stats(r, hit)
+        self.ours.record_prefix_cache_stats(rid, hit)
+        r.num_computed_tokens = hit  # advanced by n after the step
+        return n
+
+    def allocate(self, rid: str, n: int) -> bool:
+        r = self.reqs[rid]
+        new = self.theirs.allocate_slots(r, n)
+        got = self.ours.allocate_slots(rid, n)
+        self._same_alloc(new, got)
+        return new is not None
+
+    def _same_alloc(self, new: Any, got: Any) -> None:
+        theirs = None if new is None else [list(g) for g in new.get_block_ids()]
+        if theirs is not None and not any(theirs):
+            theirs = [[] for _ in theirs]
+        self.same("new blocks", theirs, None if got is None else [list(g) for g in got])
+        self.same("free", self.theirs.block_pool.get_num_free_blocks(), self.ours.num_free_blocks)
+
+    def advance(self, rid: str, computed: int, token: int | None) -> None:
+        r = self.reqs[rid]
+        r.num_computed_tokens = computed
+        before = len(r.block_hashes)
+        if token is not None:
+            r.append_output_token_ids(token)
+        self.ours.update_request(
+            rid, num_computed_tokens=computed, append_token_ids=[] if token is None else [token],
+            append_block_hashes=[bytes(h) for h in r.block_hashes[before:]],
+        )  # fmt: skip
+
+    def free(self, rid: str) -> None:
+        self.theirs.free(self.reqs.pop(rid))
+        self.ours.free(rid)
+
+    def preempt(self, rid: str) -> None:
+        r = self.reqs[rid]
+        self.theirs.free(r)
+        r.num_computed_tokens = 0
+        r.num_preemptions += 1
+        self.ours.preempt(rid)
+
+    def evict_one(self, rng: random.Random) -> None:
+        """A connector's failed load: drop the hash of a random held block."""
+        held = sorted({b for r in self.reqs for g in self.ours.get_block_ids(r) for b in g if b})
+        if held:
+            ids = {rng.choice(held)}
+            self.theirs.evict_blocks(ids)
+            self.ours.evict_blocks(ids)
+
+    def same_events(self) -> None:
+        from kvcoord.conformance.target import event_to_json
+
+        fields = ("type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "group_idx",
+                  "kv_cache_spec_kind")  # fmt: skip
+        ours = [{k: e.get(k) for k in fields} for e in map(event_to_json, self.ours.take_events())]
+        self.same("events", [_event(e, fields) for e in self.theirs.take_events()], ours)
+        self.num_events += len(ours)
+
+    def end_of_step(self) -> None:
+        self.same_events()
+        self.same("offloads", self.theirs.take_boundary_state_offloads(),
+                  {r: [tuple(e) for e in v] for r, v in self.ours.take_boundary_state_offloads().items()})  # fmt: skip
+        copies, retained = self.theirs.take_kv_cache_block_copies()
+        self.same("copies", ([(c.src_block_id, c.dst_block_id) for c in copies], [b.block_id for b in retained]),
+                  self.ours.take_kv_cache_block_copies())  # fmt: skip
+        self.same("new block ids", self.theirs.take_new_block_ids(), self.ours.take_new_block_ids())
+        queue = [b.block_id for b in self.theirs.block_pool.free_block_queue.get_all_free_blocks()]
+        self.same("free queue", queue, self.ours.free_queue_head(None))
+        for rid in self.reqs:
+            self.same(f"table {rid}", [list(g) for g in self.theirs.get_block_ids(rid)],
+                      [list(g) for g in self.ours.get_block_ids(rid)])  # fmt: skip
+        s, o = self.theirs.make_prefix_cache_stats(), self.ours.make_prefix_cache_stats()
+        fields = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
+        self.same("stats", [getattr(s, f) for f in fields], [getattr(o, f) for f in fields])
+
+
+def _int64(h: Any) -> int | None:
+    """vLLM's event hash (bytes, or already its integer form) as an integer."""
+    if h is None or isinstance(h, int):
+        return h
+    return int.from_bytes(bytes(h)[-8:], "big")
+
+
+def _event(e: Any, fields: tuple[str, ...]) -> dict[str, Any]:
+    """A vLLM 0.33 KV event in the trace's JSON shape (the compared fields)."""
+    out: dict[str, Any] = {"type": type(e).__name__}
+    for f in fields[1:]:
+        out[f] = getattr(e, f, None)
+    if "block_hashes" in out and out["block_hashes"] is not None:
+        out["block_hashes"] = [_int64(h) for h in out["block_hashes"]]
+    out["parent_block_hash"] = _int64(out.get("parent_block_hash"))
+    if out.get("token_ids") is not None:
+        out["token_ids"] = list(out["token_ids"])
+    return out
+
+
+def _chunk(remaining: int, budget: int, left_of_prompt: int) -> int:
+    """vLLM's scheduler with mamba align: a chunk that is not the prompt's last ends on
+    a block boundary."""
+    n = min(remaining, budget)
+    if n < left_of_prompt:
+        n = n // BS * BS
+    return n
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_mamba_groups_answer_like_vllm_033(case: str, seed: int) -> None:
+    mode, caching, interval = CASES[case]
+    rng = random.Random(seed)
+    both = _Both(mode, caching, interval, num_blocks=70)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.choice([32, 64, 100, 160]))] for _ in range(3)]
+    sent: list[list[int]] = []
+    waiting: list[str] = []
+    running: dict[str, int] = {}  # request -> output tokens still to produce
+    next_id = 0
+    for _ in range(90):
+        both.step()
+        for _ in range(rng.choice([0, 1, 1, 2])):
+            if sent and rng.random() < 0.25:
+                prompt = list(rng.choice(sent))  # a resend
+            else:
+                prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 90))]
+            sent.append(prompt)
+            rid = f"r{next_id}"
+            next_id += 1
+            both.add(rid, prompt)
+            waiting.append(rid)
+        budget = BUDGET
+        scheduled: dict[str, int] = {}
+        for rid in list(running):
+            r = both.reqs[rid]
+            n = _chunk(
+                r.num_tokens - r.num_computed_tokens, budget, r.num_prompt_tokens - r.num_computed_tokens
+            )
+            if n <= 0:
+                continue
+            if not both.allocate(rid, n):
+                both.preempt(rid)
+                del running[rid]
+                waiting.insert(0, rid)
+                continue
+            scheduled[rid] = n
+            budget -= n
+        while waiting and budget > 0:
+            n = both.admit(waiting[0], budget)
+            if n is None:
+                break
+            rid = waiting.pop(0)
+            running.setdefault(rid, rng.randrange(1, 12))
+            scheduled[rid] = n
+            budget -= n
+        both.end_of_step()
+        for rid, n in scheduled.items():
+            r = both.reqs[rid]
+            computed = r.num_computed_tokens + n
+            token = rng.randrange(1000) if computed >= r.num_tokens else None
+            both.advance(rid, computed, token)
+            if token is not None:
+                running[rid] -= 1
+                if running[rid] <= 0 or rng.random() < 0.05:
+                    del running[rid]
+                    both.free(rid)
+        if caching and rng.random() < 0.1:
+            both.evict_one(rng)
+    assert both.calls > 500
+    assert both.num_events > 20 if caching else both.num_events == 0
+
+
+def test_an_evicted_prompt_boundary_state_is_keyed_again_like_vllm_033() -> None:
+    """A connector's evict_blocks drops the hash of a prompt's boundary state block while
+    the prefill is still running (its first chunk ended exactly there); the chunk that
+    completes the prompt caches up to that boundary again, and vLLM 0.33 keys the state
+    block anew (its prompt-boundary rule), so a resend of the prompt hits it. kvcoord
+    does the same: same tables, same hit."""
+    both = _Both("align", True, 0, num_blocks=40)
+    prompt = list(range(120))  # boundary (120 - 1) // 32 * 32 = 96: the state block 2
+    both.step()
+    both.add("a", prompt)
+    assert both.admit("a", 96) == 96  # the first chunk ends at the boundary
+    both.end_of_step()
+    both.advance("a", 96, None)
+    state = both.ours.get_block_ids("a")[1][2]
+    assert state in both.ours.cached_block_ids()
+    both.theirs.evict_blocks({state})
+    both.ours.evict_blocks({state})
+    assert state not in both.ours.cached_block_ids()
+    both.step()
+    assert both.allocate("a", 24)  # caches up to 96 again
+    both.end_of_step()
+    assert state in both.ours.cached_block_ids()
+    both.advance("a", 120, 7)
+    both.step()
+    both.add("b", prompt)
+    assert both.admit("b", BUDGET) == 24  # the hit: 96 tokens, the re-keyed state
+    both.end_of_step()

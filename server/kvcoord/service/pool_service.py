@@ -769,8 +769,11 @@ class PoolService:
                     failed = i
                 else:
                     out.append(op.Outcome(value))
-                self._publish()
         finally:
+            # Once for the whole Step: an operation reading the journal (TakeEvents,
+            # a prefix-cache reset) publishes what came before it itself, and the
+            # journal keeps the same events whether they come one by one or at once.
+            self._publish()
             if shared_stats is not None:
                 s.stats = engine.prefix_cache_stats
                 engine.prefix_cache_stats = shared_stats
@@ -905,7 +908,8 @@ class PoolService:
                 s.owned.pop(rid, None)
 
             return forget
-        self._owned(s, rid)
+        if self.owners.get(rid) is not s:  # (a request id of s is never empty)
+            self._owned(s, rid)  # raises, saying why
         req = engine.requests[rid]
         if req.num_tokens != sync.base_num_tokens or len(req.block_hashes) != sync.base_num_hashes:
             raise ServiceError(
@@ -919,7 +923,8 @@ class PoolService:
         computed = sync.num_computed_tokens
         if not sync.append_token_ids and not sync.append_block_hashes and computed is None:
             return _noop
-        checkpoint = engine.checkpoint_request(rid)
+        # engine.checkpoint_request's value, from the record at hand
+        checkpoint = RequestCheckpoint(req.num_tokens, len(req.block_hashes), req.num_computed_tokens)
         engine.update_request(
             rid,
             num_computed_tokens=computed,

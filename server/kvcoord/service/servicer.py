@@ -48,7 +48,7 @@ from .convert import (
     reservation_to_pb,
     scores_to_pb,
     write_mirror_state,
-    write_outcome,
+    write_results,
 )
 from .durability import Recorder
 from .errors import (
@@ -650,9 +650,7 @@ def step_answer(
     call (``events_more``), never lost in a refused answer. Replay (recovery.py) builds
     the same answer under the budget the call was answered with."""
     response = pb.StepResponse(num_free_blocks=service.num_free_blocks, usage=service.usage, fence=fence)
-    add = response.results.add
-    for o, r in zip(ops, outcomes, strict=True):
-        write_outcome(add(), o, r)
+    write_results(response, ops, outcomes)
     if request.include_state:
         if request.events_digest or not max_message_bytes:
             taken = service.take_events(s)

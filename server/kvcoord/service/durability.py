@@ -204,6 +204,10 @@ def _fork_snapshot(dump: Callable[[], Any], path: Path) -> int:
     return 0  # pragma: no cover - never reached
 
 
+def _never() -> bool:
+    return False
+
+
 class JournalRecorder(Recorder):
     """Appends every mutation to ``journal``.
 
@@ -239,6 +243,9 @@ class JournalRecorder(Recorder):
             fork = FORK_SAFE and hasattr(os, "fork") and sys.platform != "win32"
         self.fork = fork
         self.since_snapshot = 0
+        #: while this is true no snapshot starts (the next record tries again): a pool
+        #: is mid-Step (pool_locks.py), and a snapshot would hold half of it
+        self.paused: Callable[[], bool] = _never
         #: snapshots taken (written into the journal)
         self.snapshots = 0
         self.snapshot_failures = 0
@@ -275,7 +282,7 @@ class JournalRecorder(Recorder):
         is in the journal, or None."""
         if self.snapshot_task is not None and not self.snapshot_task.done():
             return None
-        if self.journal.failed is not None:
+        if self.journal.failed is not None or self.paused():
             return None
         seq = self.journal.appended
         path = self.journal.store.path.with_name(f"snapshot-{seq}.part")

@@ -17,9 +17,11 @@ only as bytes, a pool, a session id, a key and a fence; it imports no gRPC.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hashlib
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import Message
@@ -30,7 +32,7 @@ from .pool_service import Fence, PoolService
 from .registry import PoolRegistry
 from .sessions import Session
 
-__all__ = ["Mutation", "MutationRunner", "request_digest", "take_events_budget"]
+__all__ = ["SLICE_OPS", "SLICE_SECONDS", "Mutation", "MutationRunner", "request_digest", "take_events_budget"]
 
 
 #: an answer message (its ``fence`` is stamped with journal positions)
@@ -50,12 +52,25 @@ class Mutation(Generic[A]):
             pool (journaled too: an Allocate refused with must_succeed has removed
             skipped blocks, as vLLM's does). An error raised instead changed nothing
             and is not journaled.
+        slices: see below.
     """
 
     rpc: str
     parse: Callable[[bytes], Any]
     parse_answer: Callable[[bytes], A]
     apply: Callable[[PoolService, Session, Any, Fence, int], A | ServiceError]
+    #: ``apply`` in slices (None: applied at once): ``slices(service, session,
+    #: request, answer fence, max_message_bytes, every)`` yields after every ``every``
+    #: operations, returns what ``apply`` would; a live call runs it (replay: ``apply``)
+    slices: (
+        Callable[[PoolService, Session, Any, Fence, int, int], Generator[None, None, A | ServiceError]] | None
+    ) = None
+
+
+#: the longest a sliced call (a large Step) holds the event loop at once, in seconds
+SLICE_SECONDS = 0.002
+#: operations between two looks at the clock in a sliced call
+SLICE_OPS = 64
 
 
 def request_digest(request: Message) -> bytes:
@@ -82,15 +97,25 @@ class MutationRunner:
     def __init__(self, registry: PoolRegistry, max_message_bytes: int = 0) -> None:
         self.registry = registry
         self.max_message_bytes = max_message_bytes
+        #: the longest a sliced call holds the event loop at once (0: a slice each
+        #: SLICE_OPS operations)
+        self.slice_seconds = SLICE_SECONDS
 
     async def run(self, m: Mutation[A], request: Any, fence: Fence | None) -> A:
         """Apply ``request`` once (a duplicate gets the kept answer) and answer once durable.
+
+        A call whose Mutation has ``slices`` (a Step) that takes longer than
+        ``slice_seconds`` goes on in a task of its own that holds the pool
+        (pool_locks.py) and lets the event loop serve other pools between slices; the
+        call waits for it (a call cancelled meanwhile, its client gone, still has it
+        applied, journaled and its answer kept, once).
 
         Raises:
             ServiceError: the pool's, the session's or the key's refusal, or the call's
                 own error (after it is journaled when it changed the pool).
         """
         registry = self.registry
+        await registry.locks.wait(request.pool)  # a Step applied to it in slices ends first
         service = registry.get(request.pool)
         s = service.session(request.session_id, fence)
         key = request.idempotency_key
@@ -99,12 +124,63 @@ class MutationRunner:
         if kept is not None:
             return await self.durable(m.parse_answer(kept))
         service.answer_event_bytes = take_events_budget(self.max_message_bytes)
-        answer = m.apply(service, s, request, service.fence, self.max_message_bytes)
+        if m.slices is None:
+            answer = m.apply(service, s, request, service.fence, self.max_message_bytes)
+        else:
+            work = m.slices(service, s, request, service.fence, self.max_message_bytes, SLICE_OPS)
+            end = time.perf_counter() + self.slice_seconds
+            while True:
+                try:
+                    next(work)
+                except StopIteration as done:
+                    answer = done.value
+                    break
+                if time.perf_counter() >= end:
+                    registry.locks.take(service.name)  # no await since the wait above
+                    task = asyncio.get_running_loop().create_task(
+                        self._sliced(m, service, s, request, key, digest, work)
+                    )
+                    return await self._answer(await asyncio.shield(task))
+        return await self._answer(self._keep(m, service, s, request, key, digest, answer))
+
+    async def _answer(self, result: A | ServiceError) -> A:
+        """The answer once durable; a journaled error is raised once durable."""
+        if isinstance(result, ServiceError):
+            await self.registry.recorder.durable()
+            raise result
+        return await self.durable(result)
+
+    async def _sliced(
+        self, m: Mutation[A], service: PoolService, s: Session, request: Any, key: str, digest: bytes,
+        work: Generator[None, None, A | ServiceError],
+    ) -> A | ServiceError:  # fmt: skip
+        """The rest of a sliced call, the pool held (given back once it is journaled)."""
+        try:
+            end = time.perf_counter() + self.slice_seconds
+            while True:
+                try:
+                    next(work)
+                except StopIteration as done:
+                    answer = done.value
+                    break
+                if time.perf_counter() >= end:
+                    await asyncio.sleep(0)
+                    end = time.perf_counter() + self.slice_seconds
+            return self._keep(m, service, s, request, key, digest, answer)
+        finally:
+            self.registry.locks.give(service.name)
+
+    def _keep(
+        self, m: Mutation[A], service: PoolService, s: Session, request: Any, key: str, digest: bytes,
+        answer: A | ServiceError,
+    ) -> A | ServiceError:  # fmt: skip
+        """Journal an applied call and keep its answer under its key (no await); the
+        call's own error is journaled too (it changed the pool) and returned."""
+        registry = self.registry
         recorder = registry.recorder
         if isinstance(answer, ServiceError):
             recorder.called(service, m.rpc, request, "", b"", None)
-            await recorder.durable()
-            raise answer
+            return answer
         journal = self._journal()
         if journal is not None and answer.HasField("fence"):
             # the record appended next is this call's: the answer is durable once it is
@@ -115,7 +191,7 @@ class MutationRunner:
         if key:
             registry.idempotency.remember(s.session_id, m.rpc, key, digest, body)
         recorder.called(service, m.rpc, request, key, digest, body)
-        return await self.durable(answer)
+        return answer
 
     def replay(
         self, m: Mutation[Any], body: bytes, key: str, digest: bytes, told: bytes | None, writer: str,

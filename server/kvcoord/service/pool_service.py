@@ -18,8 +18,8 @@ request sync made for a failed operation is undone).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import cbor2
 from kvcoord.engine import (
@@ -57,6 +57,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "UNSCORED_NO_PROMPT",
+    "drain",
     "UNSCORED_TOO_LONG",
     "Fence",
     "HashSettings",
@@ -213,6 +214,19 @@ class MirrorState:
 
 def _noop() -> None:
     pass
+
+
+T = TypeVar("T")
+
+
+def drain(work: Generator[None, None, T]) -> T:
+    """Run a sliced piece of work (:meth:`PoolService.applying`) to its end at once."""
+    while True:
+        try:
+            next(work)
+        except StopIteration as done:
+            value: T = done.value
+            return value
 
 
 #: the checks of a run that has none
@@ -747,6 +761,19 @@ class PoolService:
         Raises:
             ServiceError: RESOURCE_EXHAUSTED when there are too many operations.
         """
+        return drain(self.applying(s, ops))
+
+    def applying(
+        self, s: Session, ops: Sequence[op.Operation], every: int = 0
+    ) -> Generator[None, None, list[op.Outcome]]:
+        """:meth:`apply` in slices: a generator that yields after every ``every``
+        operations (0: never) and returns the outcomes. Its caller may serve other
+        pools between slices, but nothing may touch this pool until it returns (the
+        session's statistics are swapped into the engine meanwhile; pool_locks.py).
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED when there are too many operations.
+        """
         self.check_step_size(len(ops))
         engine = self.engine
         shared_stats = engine.prefix_cache_stats
@@ -759,6 +786,8 @@ class PoolService:
                 if failed >= 0:
                     out.append(op.Outcome(aborted_by=failed))
                     continue
+                if every and i and not i % every:
+                    yield
                 try:
                     value = _HANDLERS[type(o)](self, s, o)
                 except ServiceError as exc:

@@ -120,7 +120,9 @@ class RunningServer:
         if isinstance(recorder, JournalRecorder):
             if snapshot and recorder.journal.failed is None:
                 # a clean stop: the next start loads this snapshot and replays nothing
+                # (once every Step applied in slices is done: its call may be gone)
                 try:
+                    await self.servicer.registry.locks.wait_all()
                     await recorder.final_snapshot()
                 except Exception as exc:  # the records are still there: the next start replays them
                     logger.error("the snapshot at stop failed: %s", exc)
@@ -388,6 +390,7 @@ def _cluster(
     cluster = Cluster(c.endpoints, c.name, me, c.lease_seconds, c.store_timeout_seconds, registry.clock)
     cluster.local_pools = lambda: list(registry.pools)
     cluster.export_pool = lambda pool: cbor2.dumps(dump_pool(registry, pool))
+    cluster.pool_free = registry.locks.wait
 
     def handed_over(pool: str) -> None:
         servicer.observer.pool_deleted(registry.handed_over(pool))

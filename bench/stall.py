@@ -2,7 +2,7 @@
 (every pool of a server shares one event loop). Not a test.
 
     python bench/stall.py [--scenarios step alloc lifecycle] [--rounds 3] [--old REV]
-        [--step-ops 65536] [--step-tokens 48] [--alloc-blocks 65536] [--blocks 5000000]
+        [--step-ops 65536] [--step-tokens 80] [--alloc-blocks 65536] [--blocks 5000000]
 
 A server process (journal in a temporary directory, ``synchronous = NORMAL``) serves a
 small pool and a large one. A client thread calls GetStats on the small pool every
@@ -10,7 +10,7 @@ small pool and a large one. A client thread calls GetStats on the small pool eve
 
   step       sends one Step of ``--step-ops`` operations to the large pool, each
              registering a request of ``--step-tokens`` tokens and allocating its
-             blocks (65,536 x 48 tokens: about 15 MB on the wire), then frees them
+             blocks (65,536 x 80 tokens: about 15 MB on the wire), then frees them
   alloc      allocates ``--alloc-blocks`` blocks to one request in one operation,
              then frees it
   lifecycle  creates a pool of ``--blocks`` blocks, fills it with 100,000-block
@@ -80,7 +80,9 @@ def big_step(c: KVCoordClient, session: str, ops: int, tokens: int, rnd: int) ->
         pb.Operation(
             allocate=pb.AllocateOp(
                 request=pb.RequestSync(
-                    request_id=f"s{rnd}-{i}", new_request=True, append_token_ids=list(range(tokens))
+                    request_id=f"s{rnd}-{i}",
+                    new_request=True,
+                    append_token_ids=[(i * 7919 + k * 131) % 32000 for k in range(tokens)],
                 ),
                 num_new_tokens=tokens,
             )
@@ -161,7 +163,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--old", metavar="REV", help="also run the server of git revision REV, in turns")
     ap.add_argument("--step-ops", type=int, default=65_536)
-    ap.add_argument("--step-tokens", type=int, default=48)
+    ap.add_argument("--step-tokens", type=int, default=80)
     ap.add_argument("--alloc-blocks", type=int, default=65_536)
     ap.add_argument("--blocks", type=int, default=5_000_000, help="lifecycle: the created pool's blocks")
     args = ap.parse_args()
@@ -179,8 +181,8 @@ def main() -> None:
         for code, tree in trees.items():
             text = (
                 f'[server]\nlog_level = "WARNING"\nmetrics_listen = ""\ndata_dir = "{tmp}/data-{code}"\n'
-                f'synchronous = "NORMAL"\n[limits]\nmax_blocks_per_pool = {max(args.blocks, big_blocks) + 1}\n'
-                "max_message_bytes = 67108864\n"
+                f'synchronous = "NORMAL"\nmax_message_bytes = 67108864\n'
+                f"[limits]\nmax_blocks_per_pool = {max(args.blocks, big_blocks) + 1}\n"
             )
             env = dict(os.environ, PYTHONPATH=f"{tree / 'client'}:{tree / 'server'}")
             servers[code] = server = start_server(text, env=env)

@@ -115,9 +115,11 @@ class Recorder:
         """``pool``: the session's (not journaled locally; the store journal needs it)."""
 
     def called(
-        self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None
-    ) -> None:
-        """``answer``: the answer's bytes, or ``None`` when its client was told an error."""
+        self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None,
+        body: bytes | None = None,
+    ) -> None:  # fmt: skip
+        """``answer``: the answer's bytes, or ``None`` when its client was told an error;
+        ``body``: the request serialized already (else it is serialized here)."""
 
     def prefix_cache_reset(self, service: PoolService) -> None:
         pass
@@ -359,12 +361,13 @@ class JournalRecorder(Recorder):
         self._append("expire", session_id)
 
     def called(
-        self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None
-    ) -> None:
+        self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None,
+        body: bytes | None = None,
+    ) -> None:  # fmt: skip
         self._append(
             "call",
             rpc,
-            request.SerializeToString(),
+            request.SerializeToString() if body is None else body,
             key,
             digest,
             None if answer is None else answer_digest(answer),

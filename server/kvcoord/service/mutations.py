@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import hashlib
 import time
 from collections.abc import Callable, Generator
@@ -70,13 +71,19 @@ class Mutation(Generic[A]):
 #: the longest a sliced call (a large Step) holds the event loop at once, in seconds
 SLICE_SECONDS = 0.002
 #: operations between two looks at the clock in a sliced call
-SLICE_OPS = 64
+SLICE_OPS = 16
+#: slices between two freezes of what is alive (gc.freeze) in a sliced call
+FREEZE_EVERY_SLICES = 16
 
 
 def request_digest(request: Message) -> bytes:
     """What binds an idempotency key to its request: a hash of the whole request (the
     key included, which a retry repeats unchanged)."""
-    body = request.SerializeToString(deterministic=True)
+    return body_digest(request.SerializeToString(deterministic=True))
+
+
+def body_digest(body: bytes) -> bytes:
+    """:func:`request_digest` of a request serialized deterministically as ``body``."""
     return hashlib.blake2b(body, digest_size=16).digest()
 
 
@@ -119,7 +126,9 @@ class MutationRunner:
         service = registry.get(request.pool)
         s = service.session(request.session_id, fence)
         key = request.idempotency_key
-        digest = request_digest(request) if key else b""
+        # serialized once: the key's digest and the journal's record (a Step may be 15 MB)
+        body = request.SerializeToString(deterministic=True) if key else None
+        digest = body_digest(body) if body is not None else b""
         kept = registry.idempotency.lookup(s.session_id, m.rpc, key, digest)
         if kept is not None:
             return await self.durable(m.parse_answer(kept))
@@ -138,10 +147,10 @@ class MutationRunner:
                 if time.perf_counter() >= end:
                     registry.locks.take(service.name)  # no await since the wait above
                     task = asyncio.get_running_loop().create_task(
-                        self._sliced(m, service, s, request, key, digest, work)
+                        self._sliced(m, service, s, request, key, digest, body, work)
                     )
                     return await self._answer(await asyncio.shield(task))
-        return await self._answer(self._keep(m, service, s, request, key, digest, answer))
+        return await self._answer(self._keep(m, service, s, request, key, digest, body, answer))
 
     async def _answer(self, result: A | ServiceError) -> A:
         """The answer once durable; a journaled error is raised once durable."""
@@ -152,11 +161,12 @@ class MutationRunner:
 
     async def _sliced(
         self, m: Mutation[A], service: PoolService, s: Session, request: Any, key: str, digest: bytes,
-        work: Generator[None, None, A | ServiceError],
+        body: bytes | None, work: Generator[None, None, A | ServiceError],
     ) -> A | ServiceError:  # fmt: skip
         """The rest of a sliced call, the pool held (given back once it is journaled)."""
         try:
             end = time.perf_counter() + self.slice_seconds
+            slices = 0
             while True:
                 try:
                     next(work)
@@ -164,22 +174,30 @@ class MutationRunner:
                     answer = done.value
                     break
                 if time.perf_counter() >= end:
+                    slices += 1
+                    if not slices % FREEZE_EVERY_SLICES:
+                        # A large Step makes millions of objects (its requests' tokens):
+                        # every full pass of the cyclic collector over them would hold the
+                        # loop for 100-300 ms. Young garbage is collected and what is alive
+                        # frozen, as registry.GcFreezer does for blocks.
+                        gc.collect(1)
+                        gc.freeze()
                     await asyncio.sleep(0)
                     end = time.perf_counter() + self.slice_seconds
-            return self._keep(m, service, s, request, key, digest, answer)
+            return self._keep(m, service, s, request, key, digest, body, answer)
         finally:
             self.registry.locks.give(service.name)
 
     def _keep(
         self, m: Mutation[A], service: PoolService, s: Session, request: Any, key: str, digest: bytes,
-        answer: A | ServiceError,
+        body: bytes | None, answer: A | ServiceError,
     ) -> A | ServiceError:  # fmt: skip
         """Journal an applied call and keep its answer under its key (no await); the
         call's own error is journaled too (it changed the pool) and returned."""
         registry = self.registry
         recorder = registry.recorder
         if isinstance(answer, ServiceError):
-            recorder.called(service, m.rpc, request, "", b"", None)
+            recorder.called(service, m.rpc, request, "", b"", None, body)
             return answer
         journal = self._journal()
         if journal is not None and answer.HasField("fence"):
@@ -187,10 +205,10 @@ class MutationRunner:
             # committed (durable waits for that), and a retry gets it byte for byte
             # (replay stamps the same position)
             answer.fence.position = journal.appended + 1  # type: ignore[attr-defined]
-        body = answer.SerializeToString()
+        kept_answer = answer.SerializeToString()
         if key:
-            registry.idempotency.remember(s.session_id, m.rpc, key, digest, body)
-        recorder.called(service, m.rpc, request, key, digest, body)
+            registry.idempotency.remember(s.session_id, m.rpc, key, digest, kept_answer)
+        recorder.called(service, m.rpc, request, key, digest, kept_answer, body)
         return answer
 
     def replay(

@@ -17,8 +17,8 @@ small pool and a large one. A client thread calls GetStats on the small pool eve
              allocations and deletes it
 
 Printed per scenario (and per code with ``--old``): p50 / p99 / max of the probe's
-latency while the large call runs, next to the idle server's, and how long the large
-call took. ``--old REV`` runs the same on a server of git revision REV's code in turns
+latency while the large call runs (the Step or allocation alone: the Free after it is
+outside the window), next to the idle server's, and how long the large call took. ``--old REV`` runs the same on a server of git revision REV's code in turns
 (old, new, old, new, ...), so a busy machine slows both alike.
 """
 
@@ -75,7 +75,7 @@ def summary(xs: list[float]) -> str:
     )
 
 
-def big_step(c: KVCoordClient, session: str, ops: int, tokens: int, rnd: int) -> None:
+def big_step(c: KVCoordClient, session: str, ops: int, tokens: int, rnd: int) -> tuple[float, float]:
     step = [
         pb.Operation(
             allocate=pb.AllocateOp(
@@ -89,23 +89,31 @@ def big_step(c: KVCoordClient, session: str, ops: int, tokens: int, rnd: int) ->
         )
         for i in range(ops)
     ]
+    t0 = time.perf_counter()
     answer = c.step("big", step, session)
+    t1 = time.perf_counter()
     if any(r.status_code or r.allocate.refused for r in answer.results):
         raise RuntimeError("the large Step was refused: pool too small")
+    time.sleep(0.2)
     c.free("big", [f"s{rnd}-{i}" for i in range(ops)], session_id=session)
+    return t0, t1
 
 
-def big_alloc(c: KVCoordClient, session: str, blocks: int, rnd: int) -> None:
+def big_alloc(c: KVCoordClient, session: str, blocks: int, rnd: int) -> tuple[float, float]:
     sync = pb.RequestSync(request_id=f"a{rnd}", new_request=True, append_token_ids=[1] * (blocks * BS))
-    answer = c.step(
-        "big", [pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=blocks * BS))], session
-    )
+    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=blocks * BS))
+    t0 = time.perf_counter()
+    answer = c.step("big", [op], session)
+    t1 = time.perf_counter()
     if answer.results[0].allocate.refused:
         raise RuntimeError("the large allocation was refused: pool too small")
+    time.sleep(0.2)
     c.free("big", [f"a{rnd}"], session_id=session)
+    return t0, t1
 
 
-def lifecycle(c: KVCoordClient, blocks: int) -> None:
+def lifecycle(c: KVCoordClient, blocks: int) -> tuple[float, float]:
+    t0 = time.perf_counter()
     c.create_pool("huge", pool_config(blocks))
     sid = c.attach("huge", "", BS, "").session_id
     per_request = 100_000
@@ -116,6 +124,7 @@ def lifecycle(c: KVCoordClient, blocks: int) -> None:
         )
     c.delete_pool("huge")
     time.sleep(1.0)  # the teardown runs on the loop in slices meanwhile
+    return t0, time.perf_counter()
 
 
 def run(
@@ -129,14 +138,12 @@ def run(
         session = c.attach("big", "", BS, "").session_id
         t.start()
         time.sleep(0.1)
-        t0 = time.perf_counter()
         if scenario == "step":
-            big_step(c, session, args.step_ops, args.step_tokens, rnd)
+            t0, t1 = big_step(c, session, args.step_ops, args.step_tokens, rnd)
         elif scenario == "alloc":
-            big_alloc(c, session, args.alloc_blocks, rnd)
+            t0, t1 = big_alloc(c, session, args.alloc_blocks, rnd)
         else:
-            lifecycle(c, args.blocks)
-        t1 = time.perf_counter()
+            t0, t1 = lifecycle(c, args.blocks)
         stop.set()
         t.join()
         c.detach(session)

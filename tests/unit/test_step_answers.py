@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from kvcoord.engine import CacheHit
 from kvcoord.service import operations as op
+from kvcoord.service.bounds import check_request, check_request_slices
 from kvcoord.service.convert import allocate_from_pb, operation_from_pb, write_outcome, write_results
 from kvcoord.service.errors import ErrorReason, Position, ServiceError, Status
+from kvcoord.service.mutations import serialized_slices
+from kvcoord.service.pool_service import Limits, drain
 from kvcoord.v1 import allocator_pb2 as pb
 
 
@@ -86,3 +90,47 @@ def test_a_new_requests_registration_fields_are_read() -> None:
     got = allocate_from_pb(pb.AllocateOp(request=sync, num_new_tokens=2), 1).sync
     assert got.new_request and got.lora is not None and got.lora.name == "a"
     assert got.skip_reading_prefix_cache and got.num_preemptions == 2 and got.cache_salt == "s"
+
+
+def _request(n: int, rnd: random.Random) -> pb.StepRequest:
+    ops = []
+    for i in range(n):
+        sync = pb.RequestSync(
+            request_id=f"r{i}", append_token_ids=[rnd.randrange(1 << 20) for _ in range(rnd.randrange(5))]
+        )
+        ops.append(pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=rnd.randrange(1, 9))))
+        if rnd.random() < 0.2:
+            ops.append(pb.Operation(free=pb.FreeOp(request_id=f"f{i}")))
+    return pb.StepRequest(
+        pool="p",
+        session_id="s",
+        ops=ops,
+        idempotency_key="k" * 32,
+        fence=pb.Fence(instance_id="i", incarnation=3, position=9),
+        include_state=rnd.random() < 0.5,
+        events_digest=rnd.random() < 0.5,
+    )
+
+
+def test_a_step_serialized_in_slices_is_the_step_serialized_at_once() -> None:
+    for seed in range(10):
+        rnd = random.Random(seed)
+        request = _request(rnd.randrange(1, 60), rnd)
+        assert drain(serialized_slices(request, 7)) == request.SerializeToString(deterministic=True)
+
+
+def test_a_step_checked_in_slices_names_the_field_check_request_names() -> None:
+    limits = Limits()
+    request = _request(30, random.Random(1))
+    request.ops[21].allocate.request.request_id = "x" * 1000
+    with pytest.raises(ServiceError) as whole:
+        check_request(request, limits)
+    with pytest.raises(ServiceError) as sliced:
+        drain(check_request_slices(request, limits, 4))
+    assert sliced.value.message == whole.value.message and sliced.value.message.startswith("ops[21].")
+    request.idempotency_key = "k" * 1000  # outside the operations: checked first
+    with pytest.raises(ServiceError, match="^idempotency_key"):
+        drain(check_request_slices(request, limits, 4))
+    request.idempotency_key = "k"
+    request.ops[21].allocate.request.request_id = "ok"
+    drain(check_request_slices(request, limits, 4))  # nothing past a bound

@@ -27,6 +27,7 @@ from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import Message
 
+from .bounds import fields_of
 from .durability import Recorder, answer_digest
 from .errors import ServiceError
 from .pool_service import Fence, PoolService
@@ -72,6 +73,9 @@ class Mutation(Generic[A]):
 SLICE_SECONDS = 0.002
 #: operations between two looks at the clock in a sliced call
 SLICE_OPS = 16
+#: operations of a large Step serialized (its key's digest, its record) or checked
+#: (bounds.py) at once, between two turns of the event loop
+SERIALIZE_SLICE_OPS = 1024
 #: slices between two freezes of what is alive (gc.freeze) in a sliced call
 FREEZE_EVERY_SLICES = 16
 
@@ -80,6 +84,29 @@ def request_digest(request: Message) -> bytes:
     """What binds an idempotency key to its request: a hash of the whole request (the
     key included, which a retry repeats unchanged)."""
     return body_digest(request.SerializeToString(deterministic=True))
+
+
+def serialized_slices(request: Message, every: int) -> Generator[None, None, bytes]:
+    """``request.SerializeToString(deterministic=True)``, a Step's operations serialized
+    ``every`` at a time (yielding between slices): its fields in field-number order,
+    the operations' bytes where their field's number puts them. A request of at most
+    ``every`` operations, or one whose parts do not add up to its size (fields this
+    code does not know), is serialized at once."""
+    fields = request.DESCRIPTOR.fields_by_name
+    if "ops" not in fields or len(request.ops) <= every:  # type: ignore[attr-defined]
+        return request.SerializeToString(deterministic=True)
+    number = fields["ops"].number
+    low = fields_of(request, lambda fd: fd.number < number).SerializeToString(deterministic=True)
+    high = fields_of(request, lambda fd: fd.number > number).SerializeToString(deterministic=True)
+    ops = request.ops  # type: ignore[attr-defined]
+    parts = [low]
+    for k in range(0, len(ops), every):
+        yield
+        parts.append(type(request)(ops=ops[k : k + every]).SerializeToString(deterministic=True))
+    parts.append(high)
+    if sum(map(len, parts)) != request.ByteSize():
+        return request.SerializeToString(deterministic=True)
+    return b"".join(parts)
 
 
 def body_digest(body: bytes) -> bytes:
@@ -122,13 +149,21 @@ class MutationRunner:
                 own error (after it is journaled when it changed the pool).
         """
         registry = self.registry
+        key = request.idempotency_key
+        body = None
+        if key:  # serialized once: the key's digest and the journal's record (a Step may be 15 MB)
+            serializing = serialized_slices(request, SERIALIZE_SLICE_OPS)
+            while True:
+                try:
+                    next(serializing)
+                except StopIteration as serialized:
+                    body = serialized.value
+                    break
+                await asyncio.sleep(0)  # (the pool is not touched yet)
+        digest = body_digest(body) if body is not None else b""
         await registry.locks.wait(request.pool)  # a Step applied to it in slices ends first
         service = registry.get(request.pool)
         s = service.session(request.session_id, fence)
-        key = request.idempotency_key
-        # serialized once: the key's digest and the journal's record (a Step may be 15 MB)
-        body = request.SerializeToString(deterministic=True) if key else None
-        digest = body_digest(body) if body is not None else b""
         kept = registry.idempotency.lookup(s.session_id, m.rpc, key, digest)
         if kept is not None:
             return await self.durable(m.parse_answer(kept))

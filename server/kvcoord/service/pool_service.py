@@ -11,7 +11,8 @@ itself. The servicer only converts messages to and from these calls. Failures ar
 imports no gRPC.
 
 Every pool operation runs on the server's event loop without awaiting, so a pool is
-linearizable. A failed operation changes nothing (the engine validates first; a
+linearizable; a large Step is applied in slices (:meth:`PoolService.applying`) while its
+pool is held and nothing else reads or changes it (pool_locks.py). A failed operation changes nothing (the engine validates first; a
 request sync made for a failed operation is undone).
 """
 

@@ -5,7 +5,9 @@ lives in :mod:`.pool_service`, :mod:`.sessions` and :mod:`.idempotency`; a keyed
 call's idempotency, journal record and commit wait in :mod:`.mutations` (which
 replays it with the same :class:`~.mutations.Mutation`); errors become gRPC statuses
 in :mod:`.errors`. This module only translates. Handlers run on the server's event
-loop and never await inside a pool call, so each pool sees one operation at a time, in arrival order.
+loop and never await inside a pool call, so each pool sees one operation at a time, in arrival order;
+a large Step is applied in slices with its pool held (:mod:`.pool_locks`), and every call
+that may touch that pool waits for it first (the guard's ``pools_free``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from kvcoord.wire import (
 from . import bounds
 from . import operations as op
 from .access import AccessControl, Role, current_tenant
-from .bounds import check_request
+from .bounds import check_request_slices
 from .budget import BLOCK_BYTES, TOKEN_BYTES
 from .convert import (
     allocate_from_pb,
@@ -61,7 +63,7 @@ from .errors import (
     map_errors,
     map_stream_errors,
 )
-from .mutations import Mutation, MutationRunner
+from .mutations import SERIALIZE_SLICE_OPS, Mutation, MutationRunner
 from .pool_service import Fence, Limits, PoolService, drain
 from .registry import PoolRegistry
 from .scoring import Reserve, score_pools
@@ -841,7 +843,8 @@ def _guard(
             access.bind(tenant)
             if isinstance(request, _Undecodable):
                 raise ServiceError(Status.INVALID, _undecodable_message(request))
-            check_request(request, limits)
+            for _ in check_request_slices(request, limits, SERIALIZE_SLICE_OPS):
+                await asyncio.sleep(0)  # a large Step checked a slice at a time
             access.authorize(tenant, rpc, request)
         except ServiceError as exc:
             code, message = grpc_code(exc)

@@ -189,6 +189,8 @@ def main() -> None:
             text = (
                 f'[server]\nlog_level = "WARNING"\nmetrics_listen = ""\ndata_dir = "{tmp}/data-{code}"\n'
                 f'synchronous = "NORMAL"\nmax_message_bytes = 67108864\n'
+                # a Step of the old code may hold the loop longer than a default lease
+                "max_session_lease_seconds = 3600\nsession_lease_seconds = 3600\nidempotency_window_seconds = 7200\n"
                 f"[limits]\nmax_blocks_per_pool = {max(args.blocks, big_blocks) + 1}\n"
             )
             env = dict(os.environ, PYTHONPATH=f"{tree / 'client'}:{tree / 'server'}")

@@ -7,9 +7,12 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import IO
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def freeze_heap() -> None:
@@ -73,3 +76,13 @@ def wait_serving(address: str, seconds: float = 60.0) -> None:
                 pass
             time.sleep(0.1)
     raise TimeoutError(f"no server answered at {address} within {seconds:g} s")
+
+
+def old_tree(rev: str) -> Path:
+    """The client and server sources of git revision ``rev``, in a temporary directory."""
+    out = Path(tempfile.mkdtemp(prefix="kvcoord-old-"))
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "client", "server"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out

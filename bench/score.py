@@ -62,7 +62,7 @@ sys.path[:0] = (
     else [str(ROOT / "client"), str(ROOT / "server"), str(ROOT / "bench")]
 )
 
-from common import freeze_heap, pct  # noqa: E402
+from common import freeze_heap, old_tree, pct  # noqa: E402
 from kvcoord.client import KVCoordClient  # noqa: E402
 from kvcoord.client import _requests as rq  # noqa: E402
 from kvcoord.client.routing import hash_prompt  # noqa: E402
@@ -173,16 +173,6 @@ def start_floor() -> tuple[subprocess.Popen[bytes], Any]:
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     grpc.channel_ready_future(channel).result(timeout=30)
     return proc, channel
-
-
-def old_tree(rev: str) -> Path:
-    """The client and server sources of git revision ``rev``, in a temporary directory."""
-    out = Path(tempfile.mkdtemp(prefix="kvcoord-old-"))
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", rev, "client", "server"], check=True, capture_output=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
-    return out
 
 
 def fill(client: KVCoordClient, name: str, cfg: pb.PoolConfig, prefix: list[int]) -> None:

@@ -1,124 +1,230 @@
-"""How long a small call on one pool waits while a huge pool is created and deleted on
-another (the server runs every pool on one event loop).
+"""How long a small call on one pool waits while another pool does something large
+(every pool of a server shares one event loop). Not a test.
 
-    python bench/stall.py [--blocks 5000000] [--rounds 3]
+    python bench/stall.py [--scenarios step alloc lifecycle] [--rounds 3] [--old REV]
+        [--step-ops 65536] [--step-tokens 80] [--alloc-blocks 65536] [--blocks 5000000]
 
-Prints p50 / p99 / max latency of GetStats on a small pool, measured by a client
-thread, first with nothing else happening, then while another client creates a pool
-of --blocks blocks, fills it (every block used by a few huge requests), and deletes
-it, --rounds times, side by side in one run.
+A server process (journal in a temporary directory, ``synchronous = NORMAL``) serves a
+small pool and a large one. A client thread calls GetStats on the small pool every
+2 ms and times each answer; another client meanwhile, ``--rounds`` times:
+
+  step       sends one Step of ``--step-ops`` operations to the large pool, each
+             registering a request of ``--step-tokens`` tokens and allocating its
+             blocks (65,536 x 80 tokens: about 15 MB on the wire), then frees them
+  alloc      allocates ``--alloc-blocks`` blocks to one request in one operation,
+             then frees it
+  lifecycle  creates a pool of ``--blocks`` blocks, fills it with 100,000-block
+             allocations and deletes it
+
+Printed per scenario (and per code with ``--old``): p50 / p99 / max of the probe's
+latency while the large call runs (the Step or allocation alone: the Free after it is
+outside the window), next to the idle server's, and how long the large call took. ``--old REV`` runs the same on a server of git revision REV's code in turns
+(old, new, old, new, ...), so a busy machine slows both alike.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
+import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 
-from kvcoord.client import KVCoordClient
-from kvcoord.service.registry import Limits
-from kvcoord.service.testing import InProcessServer
-from kvcoord.v1 import allocator_pb2 as pb
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
 
-SMALL = """
-[[pools]]
-name = "small"
-num_blocks = 1024
-hash_block_size = 16
-[[pools.groups]]
-type = "full"
-block_size = 16
-"""
+from common import old_tree  # noqa: E402
+from kvcoord.client import KVCoordClient  # noqa: E402
+from kvcoord.client.testing import ServerProcess, start_server  # noqa: E402
+from kvcoord.v1 import allocator_pb2 as pb  # noqa: E402
+
+BS = 16
 
 
-def probe(address: str, stop: threading.Event, out: list[float], at: list[float] | None = None) -> None:
-    with KVCoordClient(address) as c:
+def pool_config(num_blocks: int) -> pb.PoolConfig:
+    return pb.PoolConfig(
+        num_blocks=num_blocks,
+        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=BS))],
+        hash_block_size=BS,
+        max_model_len=0,
+    )
+
+
+def probe(address: str, stop: threading.Event, out: list[tuple[float, float]]) -> None:
+    """GetStats on "small" every 2 ms: (start, seconds) of each."""
+    with KVCoordClient(address, timeout=600) as c:
         while not stop.is_set():
             t0 = time.perf_counter()
             c.get_stats("small")
-            out.append(time.perf_counter() - t0)
-            if at is not None:
-                at.append(t0)
+            out.append((t0, time.perf_counter() - t0))
             time.sleep(0.002)
 
 
-def window(samples: list[float], at: list[float], spans: list[tuple[float, float]]) -> list[float]:
-    """The samples that started inside one of ``spans``."""
-    return [x for x, t in zip(samples, at, strict=True) if any(a <= t <= b for a, b in spans)]
-
-
 def summary(xs: list[float]) -> str:
+    if not xs:
+        return "n=    0"
     xs = sorted(xs)
     p99 = xs[min(len(xs) - 1, int(len(xs) * 0.99))]
-    return f"n={len(xs):5d} p50={statistics.median(xs) * 1e3:7.2f} ms p99={p99 * 1e3:8.2f} ms max={xs[-1] * 1e3:8.2f} ms"
+    return (
+        f"n={len(xs):5d} p50={statistics.median(xs) * 1e3:7.2f} ms p99={p99 * 1e3:8.2f} ms "
+        f"max={xs[-1] * 1e3:8.2f} ms"
+    )
+
+
+def big_step(c: KVCoordClient, session: str, ops: int, tokens: int, rnd: int) -> tuple[float, float]:
+    step = [
+        pb.Operation(
+            allocate=pb.AllocateOp(
+                request=pb.RequestSync(
+                    request_id=f"s{rnd}-{i}",
+                    new_request=True,
+                    append_token_ids=[(i * 7919 + k * 131) % 32000 for k in range(tokens)],
+                ),
+                num_new_tokens=tokens,
+            )
+        )
+        for i in range(ops)
+    ]
+    t0 = time.perf_counter()
+    answer = c.step("big", step, session)
+    t1 = time.perf_counter()
+    if any(r.status_code or r.allocate.refused for r in answer.results):
+        raise RuntimeError("the large Step was refused: pool too small")
+    time.sleep(0.2)
+    c.free("big", [f"s{rnd}-{i}" for i in range(ops)], session_id=session)
+    return t0, t1
+
+
+def big_alloc(c: KVCoordClient, session: str, blocks: int, rnd: int) -> tuple[float, float]:
+    sync = pb.RequestSync(request_id=f"a{rnd}", new_request=True, append_token_ids=[1] * (blocks * BS))
+    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=blocks * BS))
+    t0 = time.perf_counter()
+    answer = c.step("big", [op], session)
+    t1 = time.perf_counter()
+    if answer.results[0].allocate.refused:
+        raise RuntimeError("the large allocation was refused: pool too small")
+    time.sleep(0.2)
+    c.free("big", [f"a{rnd}"], session_id=session)
+    return t0, t1
+
+
+def lifecycle(c: KVCoordClient, blocks: int) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    c.create_pool("huge", pool_config(blocks))
+    sid = c.attach("huge", "", BS, "").session_id
+    per_request = 100_000
+    for i in range((blocks - 1) // per_request):
+        sync = pb.RequestSync(request_id=f"r{i}", append_token_ids=[1] * (per_request * BS), new_request=True)
+        c.step(
+            "huge", [pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=per_request * BS))], sid
+        )
+    c.delete_pool("huge")
+    time.sleep(1.0)  # the teardown runs on the loop in slices meanwhile
+    return t0, time.perf_counter()
+
+
+def run(
+    server: ServerProcess, scenario: str, args: argparse.Namespace, rnd: int
+) -> tuple[list[float], float]:
+    """One large call while the probe runs: the probe's latencies and the call's time."""
+    samples: list[tuple[float, float]] = []
+    stop = threading.Event()
+    t = threading.Thread(target=probe, args=(server.address, stop, samples))
+    with KVCoordClient(server.address, timeout=600) as c:
+        session = c.attach("big", "", BS, "").session_id
+        t.start()
+        time.sleep(0.1)
+        if scenario == "step":
+            t0, t1 = big_step(c, session, args.step_ops, args.step_tokens, rnd)
+        elif scenario == "alloc":
+            t0, t1 = big_alloc(c, session, args.alloc_blocks, rnd)
+        else:
+            t0, t1 = lifecycle(c, args.blocks)
+        stop.set()
+        t.join()
+        c.detach(session)
+    # the probes that started while the large call ran (or waited on it)
+    return [dt for at, dt in samples if t0 <= at <= t1 or (at < t0 < at + dt)], t1 - t0
+
+
+def idle(server: ServerProcess) -> list[float]:
+    samples: list[tuple[float, float]] = []
+    stop = threading.Event()
+    t = threading.Thread(target=probe, args=(server.address, stop, samples))
+    t.start()
+    time.sleep(1.0)
+    stop.set()
+    t.join()
+    return [dt for _, dt in samples]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--blocks", type=int, default=5_000_000)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--scenarios", nargs="+", choices=("step", "alloc", "lifecycle"), default=["step", "alloc"]
+    )
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--old", metavar="REV", help="also run the server of git revision REV, in turns")
+    ap.add_argument("--step-ops", type=int, default=65_536)
+    ap.add_argument("--step-tokens", type=int, default=80)
+    ap.add_argument("--alloc-blocks", type=int, default=65_536)
+    ap.add_argument("--blocks", type=int, default=5_000_000, help="lifecycle: the created pool's blocks")
     args = ap.parse_args()
-    server = InProcessServer(SMALL, limits=Limits(max_blocks_per_pool=args.blocks + 1)).start()
+    print(
+        f"machine: {os.cpu_count()} CPUs, load average {', '.join(f'{x:.2f}' for x in os.getloadavg())} "
+        "(shared: other processes slow every figure)"
+    )
+    trees = {"new": ROOT}
+    if args.old:
+        trees = {"old": old_tree(args.old), "new": ROOT}
+    tmp = tempfile.mkdtemp(prefix="kvcoord-stall-")
+    big_blocks = max(args.step_ops * (-(-args.step_tokens // BS)), args.alloc_blocks) + 16
+    servers: dict[str, ServerProcess] = {}
     try:
-        quiet: list[float] = []
-        stop = threading.Event()
-        t = threading.Thread(target=probe, args=(server.address, stop, quiet))
-        t.start()
-        time.sleep(2.0)
-        stop.set()
-        t.join()
-        busy: list[float] = []
-        at: list[float] = []
-        stop = threading.Event()
-        t = threading.Thread(target=probe, args=(server.address, stop, busy, at))
-        t.start()
-        cfg = pb.PoolConfig(
-            num_blocks=args.blocks,
-            groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=16))],
-            hash_block_size=16,
-            max_model_len=0,
-        )
-        create, fill, delete = [], [], []
-        create_spans, fill_spans, delete_spans = [], [], []
-        per_request = 100_000  # blocks per request; a few requests use the whole pool
-        with KVCoordClient(server.address, timeout=600) as c:
-            for _ in range(args.rounds):
-                t0 = time.perf_counter()
-                c.create_pool("huge", cfg)
-                create.append(time.perf_counter() - t0)
-                create_spans.append((t0 - 0.05, time.perf_counter() + 0.05))
-                sid = c.attach("huge", "", 16, "").session_id
-                t0 = time.perf_counter()
-                for i in range((args.blocks - 1) // per_request):
-                    sync = pb.RequestSync(
-                        request_id=f"r{i}", append_token_ids=[1] * (per_request * 16), new_request=True
-                    )
-                    c.step(
-                        "huge",
-                        [pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=per_request * 16))],
-                        sid,
-                    )
-                fill.append(time.perf_counter() - t0)
-                fill_spans.append((t0, time.perf_counter()))
-                time.sleep(0.2)
-                t0 = time.perf_counter()
-                c.delete_pool("huge")
-                delete.append(time.perf_counter() - t0)
-                time.sleep(1.0)  # the teardown runs on the loop in slices meanwhile
-                delete_spans.append((t0, time.perf_counter()))
-        stop.set()
-        t.join()
-        n = f"{args.blocks:,}-block pool"
-        print(f"GetStats on 'small', idle server:              {summary(quiet)}")
-        print(f"  while a {n} is created: {summary(window(busy, at, create_spans))}")
-        print(f"  while it is deleted (+1 s of teardown):         {summary(window(busy, at, delete_spans))}")
-        print(f"  while it is filled (100,000-block allocations): {summary(window(busy, at, fill_spans))}")
-        print("CreatePool: " + ", ".join(f"{x * 1e3:.1f} ms" for x in create))
-        print("Filling it over the wire: " + ", ".join(f"{x:.1f} s" for x in fill))
-        print("DeletePool of the used pool: " + ", ".join(f"{x * 1e3:.1f} ms" for x in delete))
+        for code, tree in trees.items():
+            text = (
+                f'[server]\nlog_level = "WARNING"\nmetrics_listen = ""\ndata_dir = "{tmp}/data-{code}"\n'
+                f'synchronous = "NORMAL"\nmax_message_bytes = 67108864\n'
+                # a Step of the old code may hold the loop longer than a default lease
+                "max_session_lease_seconds = 3600\nsession_lease_seconds = 3600\nidempotency_window_seconds = 7200\n"
+                f"[limits]\nmax_blocks_per_pool = {max(args.blocks, big_blocks) + 1}\n"
+            )
+            env = dict(os.environ, PYTHONPATH=f"{tree / 'client'}:{tree / 'server'}")
+            servers[code] = server = start_server(text, env=env)
+            with KVCoordClient(server.address, timeout=600) as c:
+                c.create_pool("small", pool_config(1024))
+                c.create_pool("big", pool_config(big_blocks))
+        for code, server in servers.items():
+            print(f"{code:<4} GetStats on 'small', idle server:      {summary(idle(server))}")
+        for scenario in args.scenarios:
+            got: dict[str, list[float]] = {code: [] for code in servers}
+            took: dict[str, list[float]] = {code: [] for code in servers}
+            for rnd in range(args.rounds):
+                for code, server in servers.items():
+                    lat, seconds = run(server, scenario, args, rnd)
+                    got[code] += lat
+                    took[code].append(seconds)
+            what = {
+                "step": f"a Step of {args.step_ops:,} ops x {args.step_tokens} tokens",
+                "alloc": f"one {args.alloc_blocks:,}-block allocation",
+                "lifecycle": f"create, fill, delete a {args.blocks:,}-block pool",
+            }[scenario]
+            for code in servers:
+                print(
+                    f"{code:<4} while {what}: {summary(got[code])}; the call took "
+                    + ", ".join(f"{x * 1e3:.0f}" for x in took[code])
+                    + " ms"
+                )
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+        if args.old:
+            shutil.rmtree(trees["old"], ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     PYTHONPATH=client:server python bench/workers.py [--workers 8] [--running 64] \
         [--seconds 5] [--warmup 1.5] [--pools own shared] [--durability none journal] \
-        [--journal-sync FULL]
+        [--journal-sync FULL] [--modes batched unary] [--old REV [--rounds 3]]
 
 One ``kvcoord serve`` process on loopback per durability mode ("none": memory only, so
 that the journal does not dominate; "journal": a data_dir in a temporary directory with
@@ -30,6 +30,13 @@ Allocate/Free, as the worker sees it), server CPU µs per operation and cores us
 workers' CPU µs per operation, and the machine's busy fraction; then batched/unary.
 Workers and server share the machine's cores (say how many: they bound every figure).
 
+``--old REV``: a second server runs the code of git revision REV (its client and server
+sources, ``git archive``d to a temporary directory) beside this checkout's, and each
+phase runs ``--rounds`` times on each server in turns (old, new, old, new, ...), so a
+machine whose speed drifts slows both alike; a row per round and code, then the
+medians and new/old of the server CPU per operation. The workers always run this
+checkout's client.
+
 ``--engine-split``: the server also serves /metrics (scraped once at each barrier,
 inside the measured time) and a line under each batched row splits its server CPU per
 operation: the engine's work (``kvcoord_step_engine_seconds_sum`` over
@@ -48,6 +55,7 @@ import os
 import queue
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import threading
@@ -60,6 +68,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
 
+from common import old_tree  # noqa: E402
 from kvcoord.client import KVCoordClient  # noqa: E402
 from kvcoord.client.hashing import BlockHasher, none_hash  # noqa: E402
 from kvcoord.client.testing import ServerProcess, start_server  # noqa: E402
@@ -425,6 +434,14 @@ def config_text(durability: str, data_dir: str, sync: str) -> str:
     return text + f'durability = "journal"\ndata_dir = "{data_dir}"\nsynchronous = "{sync}"\n'
 
 
+def row(label: str, layout: str, mode: str, m: dict[str, float]) -> str:
+    return (
+        f"{label:<16} {layout:<6} {mode:<8} {m['ops_s']:8.0f} {m['calls_s']:8.0f} "
+        f"{m['ops_call']:8.1f} {m['p50']:8.2f} {m['p99']:8.2f} {m['srv_us']:9.1f} "
+        f"{m['srv_cores']:9.2f} {m['wrk_us']:9.1f} {m['busy']:5.0%}"
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", type=int, default=8)
@@ -434,6 +451,9 @@ def main() -> None:
     ap.add_argument("--pools", nargs="+", choices=("own", "shared"), default=["own", "shared"])
     ap.add_argument("--durability", nargs="+", choices=("none", "journal"), default=["none", "journal"])
     ap.add_argument("--journal-sync", choices=("FULL", "NORMAL", "OFF"), default="FULL")
+    ap.add_argument("--modes", nargs="+", choices=("batched", "unary"), default=["batched", "unary"])
+    ap.add_argument("--old", metavar="REV", help="also run the server of git revision REV, in turns")
+    ap.add_argument("--rounds", type=int, default=3, help="with --old: phases per code and mode")
     ap.add_argument(
         "--engine-split", action="store_true", help="split server CPU per op: the engine's work and the rest"
     )
@@ -453,9 +473,12 @@ def main() -> None:
         + ", ".join(f"{x:.2f}" for x in os.getloadavg())
         + "  (busy = the whole machine's, other processes included)"
     )
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "client"), str(ROOT / "server")]))
+    trees = {"new": ROOT}
+    if args.old:
+        trees = {"old": old_tree(args.old), "new": ROOT}
+    rounds = args.rounds if args.old else 1
     header = (
-        f"{'durability':<12} {'pools':<6} {'mode':<8} {'ops/s':>8} {'calls/s':>8} {'ops/call':>8} "
+        f"{'durability':<16} {'pools':<6} {'mode':<8} {'ops/s':>8} {'calls/s':>8} {'ops/call':>8} "
         f"{'p50 ms':>8} {'p99 ms':>8} {'srv µs/op':>9} {'srv cores':>9} {'wrk µs/op':>9} "
         f"{'busy':>5}"
     )
@@ -464,36 +487,56 @@ def main() -> None:
     for durability in args.durability:
         tmp = tempfile.mkdtemp(prefix="kvcoord-workers-")
         label = durability if durability == "none" else f"journal {args.journal_sync}"
-        text = config_text(durability, os.path.join(tmp, "data"), args.journal_sync)
-        if args.engine_split:
-            text = text.replace('metrics_listen = ""\n', "")
-        server = start_server(text, env=env, metrics=args.engine_split)
+        servers: dict[str, ServerProcess] = {}
         try:
-            for layout in args.pools:
-                r = {mode: phase(server, layout, mode, args) for mode in ("batched", "unary")}
-                for mode, m in r.items():
-                    print(
-                        f"{label:<12} {layout:<6} {mode:<8} {m['ops_s']:8.0f} {m['calls_s']:8.0f} "
-                        f"{m['ops_call']:8.1f} {m['p50']:8.2f} {m['p99']:8.2f} {m['srv_us']:9.1f} "
-                        f"{m['srv_cores']:9.2f} {m['wrk_us']:9.1f} {m['busy']:5.0%}",
-                        flush=True,
-                    )
-                    if args.engine_split and mode == "batched":
-                        print(
-                            f"{'':12} {'':6} {'':8}   server µs/op: engine {m['engine_us']:.1f} "
-                            f"(applying the operations), the rest {m['srv_us'] - m['engine_us']:.1f}",
-                            flush=True,
-                        )
-                ratio = r["batched"]["ops_s"] / r["unary"]["ops_s"]
-                cpu_ratio = r["unary"]["srv_us"] / r["batched"]["srv_us"]
-                summary.append(
-                    f"{label:<12} {layout:<6} batched/unary ops/s {ratio:5.1f} x "
-                    f"({'meets' if ratio >= 10 else 'MISSES'} >= 10 x); "
-                    f"server CPU per op unary/batched {cpu_ratio:5.1f} x"
+            for code, tree in trees.items():
+                text = config_text(durability, os.path.join(tmp, f"data-{code}"), args.journal_sync)
+                if args.engine_split:
+                    text = text.replace('metrics_listen = ""\n', "")
+                env = dict(
+                    os.environ, PYTHONPATH=os.pathsep.join([str(tree / "client"), str(tree / "server")])
                 )
+                servers[code] = start_server(text, env=env, metrics=args.engine_split)
+            for layout in args.pools:
+                r: dict[tuple[str, str], list[dict[str, float]]] = {}
+                for k in range(rounds):
+                    for mode in args.modes:
+                        for code, server in servers.items():
+                            m = phase(server, layout, mode, args)
+                            r.setdefault((code, mode), []).append(m)
+                            tag = label if not args.old else f"{label} {code} r{k + 1}"
+                            print(row(tag, layout, mode, m), flush=True)
+                            if args.engine_split and mode == "batched":
+                                print(
+                                    f"{'':16} {'':6} {'':8}   server µs/op: engine {m['engine_us']:.1f} "
+                                    f"(applying the operations), the rest {m['srv_us'] - m['engine_us']:.1f}",
+                                    flush=True,
+                                )
+                med = {key: {f: statistics.median(x[f] for x in ms) for f in ms[0]} for key, ms in r.items()}
+                if args.old:
+                    for mode in args.modes:
+                        old, new = med[("old", mode)], med[("new", mode)]
+                        summary.append(
+                            f"{label:<12} {layout:<6} {mode:<8} median over {rounds} rounds: server µs/op "
+                            f"old {old['srv_us']:.1f}, new {new['srv_us']:.1f} (new/old "
+                            f"{new['srv_us'] / old['srv_us']:.2f}); ops/s old {old['ops_s']:.0f}, new "
+                            f"{new['ops_s']:.0f}; p99 ms old {old['p99']:.2f}, new {new['p99']:.2f}"
+                        )
+                if "batched" in args.modes and "unary" in args.modes:
+                    for code in servers:
+                        b, u = med[(code, "batched")], med[(code, "unary")]
+                        ratio = b["ops_s"] / u["ops_s"]
+                        summary.append(
+                            f"{label:<12} {layout:<6} {code} batched/unary ops/s {ratio:5.1f} x "
+                            f"({'meets' if ratio >= 10 else 'MISSES'} >= 10 x); "
+                            f"server CPU per op unary/batched {u['srv_us'] / b['srv_us']:5.1f} x"
+                        )
         finally:
-            server.stop()
+            for server in servers.values():
+                server.stop()
             shutil.rmtree(tmp, ignore_errors=True)
+    if args.old:
+        shutil.rmtree(trees["old"], ignore_errors=True)
     print("\n".join(summary))
     print("load average (1, 5, 15 min) at the end: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
 

@@ -26,7 +26,8 @@ Plain Python over protobuf descriptors; no gRPC types beyond the status code.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
@@ -36,6 +37,8 @@ from .errors import ServiceError, Status
 
 __all__ = [
     "BOUNDS",
+    "check_request_slices",
+    "fields_of",
     "ELSEWHERE",
     "MAX_CLIENT_NAME_LENGTH",
     "MAX_IDEMPOTENCY_KEY_LENGTH",
@@ -393,3 +396,45 @@ def check_request(request: Any, limits: Any) -> None:
             f"{exc.path.lstrip('.')} is {exc.size:,} {exc.unit} long; the longest accepted is "
             f"{exc.bound:,}{setting} (docs/input-bounds.md); nothing was changed",
         ) from None
+
+
+def fields_of(request: Any, keep: Callable[[FieldDescriptor], bool]) -> Any:
+    """A new message of ``request``'s type holding the fields ``keep`` is true of."""
+    shell = type(request)()
+    for fd, value in request.ListFields():
+        if not keep(fd):
+            continue
+        if _is_repeated(fd):
+            getattr(shell, fd.name).extend(value)
+        elif fd.type == FieldDescriptor.TYPE_MESSAGE:
+            getattr(shell, fd.name).CopyFrom(value)
+        else:
+            setattr(shell, fd.name, value)
+    return shell
+
+
+_OPS_PATH = re.compile(r"^ops\[(\d+)\]")
+
+
+def check_request_slices(request: Any, limits: Any, every: int) -> Iterator[None]:
+    """:func:`check_request` yielding after every ``every`` operations of a Step (a
+    request with more: the rest of it first, then its operations a slice at a time), so
+    that a 65,536-operation Step does not hold the event loop while it is checked.
+
+    Raises:
+        ServiceError: as :func:`check_request`, naming the same field.
+    """
+    fields = request.DESCRIPTOR.fields_by_name
+    if "ops" not in fields or len(request.ops) <= every:
+        check_request(request, limits)
+        return
+    check_request(fields_of(request, lambda fd: fd.name != "ops"), limits)
+    ops = request.ops
+    for k in range(0, len(ops), every):
+        yield
+        part = type(request)(ops=ops[k : k + every])
+        try:
+            check_request(part, limits)
+        except ServiceError as exc:  # the part's operation i is the request's k + i
+            message = _OPS_PATH.sub(lambda m: f"ops[{k + int(m.group(1))}]", exc.message)  # noqa: B023
+            raise ServiceError(exc.status, message, exc.reason) from None

@@ -142,6 +142,8 @@ class Cluster:
         #: a pool's state for a handover (recovery.dump_pool, CBOR; a large pool's
         #: encoded off the loop, state_export.py); set by the server
         self.export_pool: Callable[[str], Awaitable[bytes]] | None = None
+        #: returns once no Step is applied to the pool in slices (pool_locks.py)
+        self.pool_free: Callable[[str], Awaitable[None]] | None = None
         #: the end of a handover: the pool is removed here (journaled); set by the server
         self.handed_over: Callable[[str], None] | None = None
         #: pools being adopted: held here, not claimed yet (claim_local leaves them be)
@@ -507,6 +509,8 @@ class Cluster:
         view = self.view
         view.moving.add(pool)
         try:
+            if self.pool_free is not None:  # a Step applied to it in slices ends first
+                await self.pool_free(pool)
             request = pb.AdoptPoolRequest(
                 pool=pool,
                 state=await self.export_pool(pool),

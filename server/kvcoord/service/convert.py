@@ -46,8 +46,8 @@ __all__ = [
     "scores_to_pb",
     "write_outcome",
     "write_mirror_state",
+    "write_results",
     "sync_from_pb",
-    "write_outcome",
 ]
 
 
@@ -66,10 +66,23 @@ def fence_to_pb(fence: Fence) -> pb.Fence:
 
 
 def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
+    if not s.new_request:
+        # A registered request's positioned sync: what registers a request (lora,
+        # skip_reading_prefix_cache, num_preemptions, cache_salt) is read only when it
+        # is new (PoolService.sync), so it is not read here (a decode step's syncs).
+        return op.RequestSync(
+            s.request_id,
+            TokenIds(s.append_token_ids[:]),  # a slice is copied in C, not item by item
+            s.append_block_hashes[:],
+            False,
+            s.base_num_tokens,
+            s.base_num_hashes,
+            s.num_computed_tokens if s.HasField("num_computed_tokens") else None,
+        )
     return op.RequestSync(
         s.request_id,
-        TokenIds(s.append_token_ids),  # uint32 on the wire: the engine need not check each one
-        s.append_block_hashes,
+        TokenIds(s.append_token_ids[:]),  # uint32 on the wire: the engine need not check each one
+        s.append_block_hashes[:],
         s.new_request,
         s.base_num_tokens,
         s.base_num_hashes,
@@ -81,7 +94,21 @@ def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
     )
 
 
+_ALLOCATE_FIELD = pb.AllocateOp.DESCRIPTOR.fields_by_name
+_REQUEST_NUMBER = _ALLOCATE_FIELD["request"].number
+_NUM_NEW_TOKENS_NUMBER = _ALLOCATE_FIELD["num_new_tokens"].number
+
+
 def allocate_from_pb(a: pb.AllocateOp, num_groups: int) -> op.Allocate:
+    fields = a.ListFields()
+    if (
+        len(fields) == 2
+        and fields[0][0].number == _REQUEST_NUMBER
+        and fields[1][0].number == _NUM_NEW_TOKENS_NUMBER
+    ):
+        # a plain allocation (every other field at its default: a decode step's), read
+        # from the fields set alone (one call, not one per field)
+        return op.Allocate(sync_from_pb(fields[0][1]), fields[1][1])
     return op.Allocate(
         sync_from_pb(a.request),
         a.num_new_tokens,
@@ -247,6 +274,63 @@ def write_outcome(target: pb.OperationResult, operation: op.Operation, o: op.Out
         write_allocate(target.allocate, o.value)  # the common case, without copies
         return
     target.CopyFrom(outcome_to_pb(operation, o))
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+#: StepResponse.results (field 1, length-delimited): one element's tag
+_RESULTS_TAG = b"\x0a"
+#: the encoded StepResponse.results element of an allocation that took no block, by
+#: (groups, num_new_tokens): a decode step inside its last block (most decode steps)
+_UNCHANGED_RESULTS: dict[tuple[int, int], bytes] = {}
+
+
+def _unchanged_result(groups: int, num_new_tokens: int) -> bytes:
+    """``results`` element bytes of OperationResult{allocate{new_block_ids: ``groups``
+    empty lists, num_new_tokens}}, made by protobuf itself once and kept (the answer is
+    parsed back from them, then serialized from the message as any other answer)."""
+    key = (groups, num_new_tokens)
+    chunk = _UNCHANGED_RESULTS.get(key)
+    if chunk is None:
+        r = pb.OperationResult()
+        write_allocate(r.allocate, op.AllocateOutcome(((),) * groups, num_new_tokens))
+        body = r.SerializeToString()
+        chunk = _RESULTS_TAG + _varint(len(body)) + body
+        if len(_UNCHANGED_RESULTS) < 4096:  # a handful in practice (groups x tokens per step)
+            _UNCHANGED_RESULTS[key] = chunk
+    return chunk
+
+
+def write_results(
+    response: pb.StepResponse, ops: Sequence[op.Operation], outcomes: Sequence[op.Outcome]
+) -> None:
+    """Append each operation's result to ``response.results``, in order: what
+    :func:`write_outcome` on each new element writes. An allocation that took no block
+    (most of a decode step's) is appended from bytes kept per shape, runs of them
+    merged at once: reading its fields one by one costs more than the rest of it."""
+    results = response.results
+    pending: list[bytes] = []
+    for operation, o in zip(ops, outcomes, strict=True):
+        if type(operation) is op.Allocate and o.error is None and o.aborted_by is None:
+            v = o.value
+            assert isinstance(v, op.AllocateOutcome)
+            ids = v.new_block_ids
+            if ids is not None and v.hit is None and v.table is None and not v.stale_hit and not any(ids):
+                pending.append(_unchanged_result(len(ids), v.num_new_tokens))
+                continue
+        if pending:
+            response.MergeFromString(b"".join(pending))
+            pending = []
+        write_outcome(results.add(), operation, o)
+    if pending:
+        response.MergeFromString(b"".join(pending))
 
 
 def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:

@@ -122,9 +122,11 @@ class Recorder:
         """``pool``: the session's (not journaled locally; the store journal needs it)."""
 
     def called(
-        self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None
-    ) -> None:
-        """``answer``: the answer's bytes, or ``None`` when its client was told an error."""
+        self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None,
+        body: bytes | None = None,
+    ) -> None:  # fmt: skip
+        """``answer``: the answer's bytes, or ``None`` when its client was told an error;
+        ``body``: the request serialized already (else it is serialized here)."""
 
     def prefix_cache_reset(self, service: PoolService) -> None:
         pass
@@ -216,6 +218,10 @@ def _fork_snapshot(dump: Callable[[], Any], path: Path) -> int:
     return 0  # pragma: no cover - never reached
 
 
+def _never() -> bool:
+    return False
+
+
 class JournalRecorder(Recorder):
     """Appends every mutation to ``journal``.
 
@@ -251,6 +257,9 @@ class JournalRecorder(Recorder):
             fork = FORK_SAFE and hasattr(os, "fork") and sys.platform != "win32"
         self.fork = fork
         self.since_snapshot = 0
+        #: while this is true no snapshot starts (the next record tries again): a pool
+        #: is mid-Step (pool_locks.py), and a snapshot would hold half of it
+        self.paused: Callable[[], bool] = _never
         #: snapshots taken (written into the journal)
         self.snapshots = 0
         self.snapshot_failures = 0
@@ -287,7 +296,7 @@ class JournalRecorder(Recorder):
         is in the journal, or None."""
         if self.snapshot_task is not None and not self.snapshot_task.done():
             return None
-        if self.journal.failed is not None:
+        if self.journal.failed is not None or self.paused():
             return None
         seq = self.journal.appended
         path = self.journal.store.path.with_name(f"snapshot-{seq}.part")
@@ -364,12 +373,13 @@ class JournalRecorder(Recorder):
         self._append("expire", session_id)
 
     def called(
-        self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None
-    ) -> None:
+        self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None,
+        body: bytes | None = None,
+    ) -> None:  # fmt: skip
         self._append(
             "call",
             rpc,
-            request.SerializeToString(),
+            request.SerializeToString() if body is None else body,
             key,
             digest,
             None if answer is None else answer_digest(answer),

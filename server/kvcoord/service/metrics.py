@@ -75,6 +75,9 @@ class _PoolCollector(Collector):
         yield from families
 
     async def _read(self) -> list[Any]:
+        servicer = self.metrics.servicer
+        if servicer is not None:  # never half a Step applied in slices (pool_locks.py)
+            await servicer.registry.locks.wait_all()
         return list(self._families())
 
     def _families(self) -> Iterator[Any]:

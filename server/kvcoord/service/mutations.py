@@ -17,20 +17,24 @@ only as bytes, a pool, a session id, a key and a fence; it imports no gRPC.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import gc
 import hashlib
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import Message
 
+from .bounds import fields_of
 from .durability import Recorder, answer_digest
 from .errors import ServiceError
 from .pool_service import Fence, PoolService
 from .registry import PoolRegistry
 from .sessions import Session
 
-__all__ = ["Mutation", "MutationRunner", "request_digest", "take_events_budget"]
+__all__ = ["SLICE_OPS", "SLICE_SECONDS", "Mutation", "MutationRunner", "request_digest", "take_events_budget"]
 
 
 #: an answer message (its ``fence`` is stamped with journal positions)
@@ -50,18 +54,63 @@ class Mutation(Generic[A]):
             pool (journaled too: an Allocate refused with must_succeed has removed
             skipped blocks, as vLLM's does). An error raised instead changed nothing
             and is not journaled.
+        slices: see below.
     """
 
     rpc: str
     parse: Callable[[bytes], Any]
     parse_answer: Callable[[bytes], A]
     apply: Callable[[PoolService, Session, Any, Fence, int], A | ServiceError]
+    #: ``apply`` in slices (None: applied at once): ``slices(service, session,
+    #: request, answer fence, max_message_bytes, every)`` yields after every ``every``
+    #: operations, returns what ``apply`` would; a live call runs it (replay: ``apply``)
+    slices: (
+        Callable[[PoolService, Session, Any, Fence, int, int], Generator[None, None, A | ServiceError]] | None
+    ) = None
+
+
+#: the longest a sliced call (a large Step) holds the event loop at once, in seconds
+SLICE_SECONDS = 0.002
+#: operations between two looks at the clock in a sliced call
+SLICE_OPS = 16
+#: operations of a large Step serialized (its key's digest, its record) or checked
+#: (bounds.py) at once, between two turns of the event loop
+SERIALIZE_SLICE_OPS = 1024
+#: slices between two freezes of what is alive (gc.freeze) in a sliced call
+FREEZE_EVERY_SLICES = 16
 
 
 def request_digest(request: Message) -> bytes:
     """What binds an idempotency key to its request: a hash of the whole request (the
     key included, which a retry repeats unchanged)."""
-    body = request.SerializeToString(deterministic=True)
+    return body_digest(request.SerializeToString(deterministic=True))
+
+
+def serialized_slices(request: Message, every: int) -> Generator[None, None, bytes]:
+    """``request.SerializeToString(deterministic=True)``, a Step's operations serialized
+    ``every`` at a time (yielding between slices): its fields in field-number order,
+    the operations' bytes where their field's number puts them. A request of at most
+    ``every`` operations, or one whose parts do not add up to its size (fields this
+    code does not know), is serialized at once."""
+    fields = request.DESCRIPTOR.fields_by_name
+    if "ops" not in fields or len(request.ops) <= every:  # type: ignore[attr-defined]
+        return request.SerializeToString(deterministic=True)
+    number = fields["ops"].number
+    low = fields_of(request, lambda fd: fd.number < number).SerializeToString(deterministic=True)
+    high = fields_of(request, lambda fd: fd.number > number).SerializeToString(deterministic=True)
+    ops = request.ops  # type: ignore[attr-defined]
+    parts = [low]
+    for k in range(0, len(ops), every):
+        yield
+        parts.append(type(request)(ops=ops[k : k + every]).SerializeToString(deterministic=True))
+    parts.append(high)
+    if sum(map(len, parts)) != request.ByteSize():
+        return request.SerializeToString(deterministic=True)
+    return b"".join(parts)
+
+
+def body_digest(body: bytes) -> bytes:
+    """:func:`request_digest` of a request serialized deterministically as ``body``."""
     return hashlib.blake2b(body, digest_size=16).digest()
 
 
@@ -82,40 +131,120 @@ class MutationRunner:
     def __init__(self, registry: PoolRegistry, max_message_bytes: int = 0) -> None:
         self.registry = registry
         self.max_message_bytes = max_message_bytes
+        #: the longest a sliced call holds the event loop at once (0: a slice each
+        #: SLICE_OPS operations)
+        self.slice_seconds = SLICE_SECONDS
 
     async def run(self, m: Mutation[A], request: Any, fence: Fence | None) -> A:
         """Apply ``request`` once (a duplicate gets the kept answer) and answer once durable.
+
+        A call whose Mutation has ``slices`` (a Step) that takes longer than
+        ``slice_seconds`` goes on in a task of its own that holds the pool
+        (pool_locks.py) and lets the event loop serve other pools between slices; the
+        call waits for it (a call cancelled meanwhile, its client gone, still has it
+        applied, journaled and its answer kept, once).
 
         Raises:
             ServiceError: the pool's, the session's or the key's refusal, or the call's
                 own error (after it is journaled when it changed the pool).
         """
         registry = self.registry
+        key = request.idempotency_key
+        body = None
+        if key:  # serialized once: the key's digest and the journal's record (a Step may be 15 MB)
+            serializing = serialized_slices(request, SERIALIZE_SLICE_OPS)
+            while True:
+                try:
+                    next(serializing)
+                except StopIteration as serialized:
+                    body = serialized.value
+                    break
+                await asyncio.sleep(0)  # (the pool is not touched yet)
+        digest = body_digest(body) if body is not None else b""
+        await registry.locks.wait(request.pool)  # a Step applied to it in slices ends first
         service = registry.get(request.pool)
         s = service.session(request.session_id, fence)
-        key = request.idempotency_key
-        digest = request_digest(request) if key else b""
         kept = registry.idempotency.lookup(s.session_id, m.rpc, key, digest)
         if kept is not None:
             return await self.durable(m.parse_answer(kept))
         service.answer_event_bytes = take_events_budget(self.max_message_bytes)
-        answer = m.apply(service, s, request, service.fence, self.max_message_bytes)
+        if m.slices is None:
+            answer = m.apply(service, s, request, service.fence, self.max_message_bytes)
+        else:
+            work = m.slices(service, s, request, service.fence, self.max_message_bytes, SLICE_OPS)
+            end = time.perf_counter() + self.slice_seconds
+            while True:
+                try:
+                    next(work)
+                except StopIteration as done:
+                    answer = done.value
+                    break
+                if time.perf_counter() >= end:
+                    registry.locks.take(service.name)  # no await since the wait above
+                    task = asyncio.get_running_loop().create_task(
+                        self._sliced(m, service, s, request, key, digest, body, work)
+                    )
+                    return await self._answer(await asyncio.shield(task))
+        return await self._answer(self._keep(m, service, s, request, key, digest, body, answer))
+
+    async def _answer(self, result: A | ServiceError) -> A:
+        """The answer once durable; a journaled error is raised once durable."""
+        if isinstance(result, ServiceError):
+            await self.registry.recorder.durable()
+            raise result
+        return await self.durable(result)
+
+    async def _sliced(
+        self, m: Mutation[A], service: PoolService, s: Session, request: Any, key: str, digest: bytes,
+        body: bytes | None, work: Generator[None, None, A | ServiceError],
+    ) -> A | ServiceError:  # fmt: skip
+        """The rest of a sliced call, the pool held (given back once it is journaled)."""
+        try:
+            end = time.perf_counter() + self.slice_seconds
+            slices = 0
+            while True:
+                try:
+                    next(work)
+                except StopIteration as done:
+                    answer = done.value
+                    break
+                if time.perf_counter() >= end:
+                    slices += 1
+                    if not slices % FREEZE_EVERY_SLICES:
+                        # A large Step makes millions of objects (its requests' tokens):
+                        # every full pass of the cyclic collector over them would hold the
+                        # loop for 100-300 ms. Young garbage is collected and what is alive
+                        # frozen, as registry.GcFreezer does for blocks.
+                        gc.collect(1)
+                        gc.freeze()
+                    await asyncio.sleep(0)
+                    end = time.perf_counter() + self.slice_seconds
+            return self._keep(m, service, s, request, key, digest, body, answer)
+        finally:
+            self.registry.locks.give(service.name)
+
+    def _keep(
+        self, m: Mutation[A], service: PoolService, s: Session, request: Any, key: str, digest: bytes,
+        body: bytes | None, answer: A | ServiceError,
+    ) -> A | ServiceError:  # fmt: skip
+        """Journal an applied call and keep its answer under its key (no await); the
+        call's own error is journaled too (it changed the pool) and returned."""
+        registry = self.registry
         recorder = registry.recorder
         if isinstance(answer, ServiceError):
-            recorder.called(service, m.rpc, request, "", b"", None)
-            await recorder.durable()
-            raise answer
+            recorder.called(service, m.rpc, request, "", b"", None, body)
+            return answer
         journal = self._journal()
         if journal is not None and answer.HasField("fence"):
             # the record appended next is this call's: the answer is durable once it is
             # committed (durable waits for that), and a retry gets it byte for byte
             # (replay stamps the same position)
             answer.fence.position = journal.appended + 1  # type: ignore[attr-defined]
-        body = answer.SerializeToString()
+        kept_answer = answer.SerializeToString()
         if key:
-            registry.idempotency.remember(s.session_id, m.rpc, key, digest, body)
-        recorder.called(service, m.rpc, request, key, digest, body)
-        return await self.durable(answer)
+            registry.idempotency.remember(s.session_id, m.rpc, key, digest, kept_answer)
+        recorder.called(service, m.rpc, request, key, digest, kept_answer, body)
+        return answer
 
     def replay(
         self, m: Mutation[Any], body: bytes, key: str, digest: bytes, told: bytes | None, writer: str,

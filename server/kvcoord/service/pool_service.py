@@ -11,15 +11,16 @@ itself. The servicer only converts messages to and from these calls. Failures ar
 imports no gRPC.
 
 Every pool operation runs on the server's event loop without awaiting, so a pool is
-linearizable. A failed operation changes nothing (the engine validates first; a
+linearizable; a large Step is applied in slices (:meth:`PoolService.applying`) while its
+pool is held and nothing else reads or changes it (pool_locks.py). A failed operation changes nothing (the engine validates first; a
 request sync made for a failed operation is undone).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import cbor2
 from kvcoord.engine import (
@@ -57,6 +58,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = [
     "UNSCORED_NO_PROMPT",
+    "drain",
     "UNSCORED_TOO_LONG",
     "Fence",
     "HashSettings",
@@ -238,6 +240,19 @@ class MirrorState:
 
 def _noop() -> None:
     pass
+
+
+T = TypeVar("T")
+
+
+def drain(work: Generator[None, None, T]) -> T:
+    """Run a sliced piece of work (:meth:`PoolService.applying`) to its end at once."""
+    while True:
+        try:
+            next(work)
+        except StopIteration as done:
+            value: T = done.value
+            return value
 
 
 #: the checks of a run that has none
@@ -786,6 +801,19 @@ class PoolService:
         Raises:
             ServiceError: RESOURCE_EXHAUSTED when there are too many operations.
         """
+        return drain(self.applying(s, ops))
+
+    def applying(
+        self, s: Session, ops: Sequence[op.Operation], every: int = 0
+    ) -> Generator[None, None, list[op.Outcome]]:
+        """:meth:`apply` in slices: a generator that yields after every ``every``
+        operations (0: never) and returns the outcomes. Its caller may serve other
+        pools between slices, but nothing may touch this pool until it returns (the
+        session's statistics are swapped into the engine meanwhile; pool_locks.py).
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED when there are too many operations.
+        """
         self.check_step_size(len(ops))
         engine = self.engine
         shared_stats = engine.prefix_cache_stats
@@ -798,6 +826,8 @@ class PoolService:
                 if failed >= 0:
                     out.append(op.Outcome(aborted_by=failed))
                     continue
+                if every and i and not i % every:
+                    yield
                 try:
                     value = _HANDLERS[type(o)](self, s, o)
                 except ServiceError as exc:
@@ -808,8 +838,11 @@ class PoolService:
                     failed = i
                 else:
                     out.append(op.Outcome(value))
-                self._publish()
         finally:
+            # Once for the whole Step: an operation reading the journal (TakeEvents,
+            # a prefix-cache reset) publishes what came before it itself, and the
+            # journal keeps the same events whether they come one by one or at once.
+            self._publish()
             if shared_stats is not None:
                 s.stats = engine.prefix_cache_stats
                 engine.prefix_cache_stats = shared_stats
@@ -944,7 +977,8 @@ class PoolService:
                 s.owned.pop(rid, None)
 
             return forget
-        self._owned(s, rid)
+        if self.owners.get(rid) is not s:  # (a request id of s is never empty)
+            self._owned(s, rid)  # raises, saying why
         req = engine.requests[rid]
         if req.num_tokens != sync.base_num_tokens or len(req.block_hashes) != sync.base_num_hashes:
             raise ServiceError(
@@ -958,7 +992,8 @@ class PoolService:
         computed = sync.num_computed_tokens
         if not sync.append_token_ids and not sync.append_block_hashes and computed is None:
             return _noop
-        checkpoint = engine.checkpoint_request(rid)
+        # engine.checkpoint_request's value, from the record at hand
+        checkpoint = RequestCheckpoint(req.num_tokens, len(req.block_hashes), req.num_computed_tokens)
         engine.update_request(
             rid,
             num_computed_tokens=computed,

@@ -455,6 +455,9 @@ def open_journal(
     # the records replayed count toward the next snapshot: a crash loop, whose instances
     # each live shorter than snapshot_every records, does not replay ever more of them
     recorder.since_snapshot = count
+    # a snapshot waits while a pool is mid-Step (pool_locks.py): it would hold half a
+    # Step whose record comes after it
+    recorder.paused = registry.locks.any_busy
     for service in registry.pools.values():
         service.events.durable_sequence = service.events.last_sequence
     clock = registry.sessions.clock

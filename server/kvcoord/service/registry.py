@@ -24,6 +24,7 @@ from .durability import Recorder
 from .errors import ServiceError, Status
 from .idempotency import IdempotencyStore
 from .logs import ids
+from .pool_locks import PoolLocks
 from .pool_service import Fence, Limits, PoolService
 from .positions import JournalPositions
 from .scoring import ScoreIndex
@@ -149,6 +150,9 @@ class PoolRegistry:
         #: sessions of pools handed over to another replica -> their pool: a call naming
         #: only the session is sent where the pool went (NOT_OWNER), not told it expired
         self.moved_sessions: dict[str, str] = {}
+        #: the pools a Step is being applied to in slices: every other call on one
+        #: waits for it (pool_locks.py)
+        self.locks = PoolLocks()
 
     def set_term(self, name: str, term: int) -> None:
         """The pool's ownership term is now ``term`` (journaled: answers carry it)."""

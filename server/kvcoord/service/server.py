@@ -121,7 +121,9 @@ class RunningServer:
         if isinstance(recorder, JournalRecorder):
             if snapshot and recorder.journal.failed is None:
                 # a clean stop: the next start loads this snapshot and replays nothing
+                # (once every Step applied in slices is done: its call may be gone)
                 try:
+                    await self.servicer.registry.locks.wait_all()
                     await recorder.final_snapshot()
                 except Exception as exc:  # the records are still there: the next start replays them
                     logger.error("the snapshot at stop failed: %s", exc)
@@ -399,6 +401,7 @@ def _cluster(
         return await pool_encoded(registry.pools[pool], lambda: cbor2.dumps(dump_pool(registry, pool)))
 
     cluster.export_pool = export
+    cluster.pool_free = registry.locks.wait
 
     def handed_over(pool: str) -> None:
         servicer.observer.pool_deleted(registry.handed_over(pool))

@@ -5,7 +5,9 @@ lives in :mod:`.pool_service`, :mod:`.sessions` and :mod:`.idempotency`; a keyed
 call's idempotency, journal record and commit wait in :mod:`.mutations` (which
 replays it with the same :class:`~.mutations.Mutation`); errors become gRPC statuses
 in :mod:`.errors`. This module only translates. Handlers run on the server's event
-loop and never await inside a pool call, so each pool sees one operation at a time, in arrival order.
+loop and never await inside a pool call, so each pool sees one operation at a time, in arrival order;
+a large Step is applied in slices with its pool held (:mod:`.pool_locks`), and every call
+that may touch that pool waits for it first (the guard's ``pools_free``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -35,7 +37,7 @@ from kvcoord.wire import (
 from . import bounds
 from . import operations as op
 from .access import AccessControl, Role, current_tenant
-from .bounds import check_request
+from .bounds import check_request_slices
 from .budget import BLOCK_BYTES, TOKEN_BYTES
 from .convert import (
     allocate_from_pb,
@@ -48,7 +50,7 @@ from .convert import (
     reservation_to_pb,
     scores_to_pb,
     write_mirror_state,
-    write_outcome,
+    write_results,
 )
 from .durability import Recorder
 from .errors import (
@@ -61,8 +63,8 @@ from .errors import (
     map_errors,
     map_stream_errors,
 )
-from .mutations import Mutation, MutationRunner
-from .pool_service import Fence, Limits, PoolService
+from .mutations import SERIALIZE_SLICE_OPS, Mutation, MutationRunner
+from .pool_service import Fence, Limits, PoolService, drain
 from .registry import PoolRegistry
 from .score_wire import ScoreEncoder
 from .scoring import Reserve, score_pools
@@ -162,7 +164,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         #: ScorePools answers without block ids, encoded from parts kept per pool
         self._score_encoder = ScoreEncoder(4 * registry.limits.max_pools)
         #: the Step mutation, observed (engine time, operations, event gaps) for metrics
-        self._step = dataclasses.replace(STEP, apply=functools.partial(_apply_step, observer=self.observer))
+        self._step = dataclasses.replace(
+            STEP,
+            apply=functools.partial(_apply_step, observer=self.observer),
+            slices=functools.partial(_step_slices, observer=self.observer),
+        )
 
     def _info(self, p: PoolService) -> pb.PoolInfo:
         """The pool as the caller may see it (other tenants' names only to its administrators)."""
@@ -197,10 +203,23 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 f"journal write failed ({self.journal_failure}); {STOPPING_AFTER_JOURNAL_FAILURE}",
             )
 
+    async def wait_for_pools(self, request: Any) -> None:
+        """Return once no Step is applied in slices to a pool the call may touch (the
+        pool it names, the pool of the session it names, else every pool); the handler
+        then runs on without awaiting before it reads or changes that pool."""
+        locks = self.registry.locks
+        if not locks.any_busy():
+            return
+        pool = _pool_named(request, self.registry)
+        if pool is None:
+            await locks.wait_all()
+        else:
+            await locks.wait(pool)
+
     def reap_expired_sessions(self) -> int:
         """Free the requests of every session whose lease ran out."""
-        if self.journal_failure is not None:
-            return 0
+        if self.journal_failure is not None or self.registry.locks.any_busy():
+            return 0  # (a pool mid-Step: the next round reaps them)
         expired = self.registry.reap_expired_sessions()
         for _, pool, _ in expired:
             self.observer.detached(pool)
@@ -244,6 +263,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         # In a store-journal cluster the pool is gone from the cluster after this (so
         # it is no longer claimed here: removed without the placement check again).
         await registry.placement.before_delete(request.name)
+        await registry.locks.wait(request.name)  # a Step applied to it in slices ends first
         if request.name not in registry.pools:
             registry.get(request.name)  # deleted by another call meanwhile: NOT_FOUND
         service = registry.remove(request.name)
@@ -588,6 +608,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             return 0
         n = 0
         for service in list(self.registry.pools.values()):
+            if self.registry.locks.busy(service.name):
+                continue  # mid-Step: the next round releases them
             for reservation_id in service.expired_reservations():
                 service.release_reservation(reservation_id)
                 # called at once, inside the loop: the loop variables are the current ones
@@ -697,10 +719,27 @@ def step_answer(
     ``max_message_bytes`` (0: no bound) events past what fits are kept for the next
     call (``events_more``), never lost in a refused answer. Replay (recovery.py) builds
     the same answer under the budget the call was answered with."""
+    return drain(_answer_slices(service, s, request, ops, outcomes, fence, max_message_bytes, 0))
+
+
+def _answer_slices(
+    service: PoolService,
+    s: Session,
+    request: pb.StepRequest,
+    ops: list[op.Operation],
+    outcomes: list[op.Outcome],
+    fence: pb.Fence,
+    max_message_bytes: int,
+    every: int,
+) -> Generator[None, None, pb.StepResponse]:
+    """:func:`step_answer`, yielding after every ``every`` results written (0: never)."""
     response = pb.StepResponse(num_free_blocks=service.num_free_blocks, usage=service.usage, fence=fence)
-    add = response.results.add
-    for o, r in zip(ops, outcomes, strict=True):
-        write_outcome(add(), o, r)
+    if every and len(ops) > every:
+        for k in range(0, len(ops), every):
+            write_results(response, ops[k : k + every], outcomes[k : k + every])
+            yield
+    else:
+        write_results(response, ops, outcomes)
     if request.include_state:
         if request.events_digest or not max_message_bytes:
             taken = service.take_events(s)
@@ -741,13 +780,41 @@ def _apply_step(
     service: PoolService, s: Session, request: pb.StepRequest, fence: Fence, max_message_bytes: int,
     observer: OperationObserver | None = None,
 ) -> pb.StepResponse:  # fmt: skip
+    return drain(_step_slices(service, s, request, fence, max_message_bytes, 0, observer))
+
+
+def _step_slices(
+    service: PoolService, s: Session, request: pb.StepRequest, fence: Fence, max_message_bytes: int,
+    every: int, observer: OperationObserver | None = None,
+) -> Generator[None, None, pb.StepResponse]:  # fmt: skip
+    """A Step read, applied and answered, yielding after every ``every`` operations
+    read, applied or answered (0: never); the pool's engine time goes to
+    ``observer`` (a live call: replay observes nothing)."""
     service.check_step_size(len(request.ops))  # before any operation is read
     groups = len(service.config.groups)
-    ops = [operation_from_pb(o, groups) for o in request.ops]
-    t0 = time.perf_counter()
-    outcomes = service.apply(s, ops)
-    seconds = time.perf_counter() - t0
-    response = step_answer(service, s, request, ops, outcomes, fence_to_pb(fence), max_message_bytes)
+    wire = request.ops
+    if every and len(wire) > every:
+        ops: list[op.Operation] = []
+        for k in range(0, len(wire), every):
+            ops.extend([operation_from_pb(o, groups) for o in wire[k : k + every]])
+            yield
+    else:
+        ops = [operation_from_pb(o, groups) for o in wire]
+    seconds = 0.0
+    work = service.applying(s, ops, every)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            next(work)
+        except StopIteration as done:
+            outcomes: list[op.Outcome] = done.value
+            seconds += time.perf_counter() - t0
+            break
+        seconds += time.perf_counter() - t0
+        yield
+    response = yield from _answer_slices(
+        service, s, request, ops, outcomes, fence_to_pb(fence), max_message_bytes, every
+    )
     if observer is not None:  # a live call (replay observes nothing)
         weight, takes_events = step_weight(ops)
         observer.step_applied(service.name, weight, seconds)
@@ -763,7 +830,7 @@ ALLOCATE = Mutation(
     "Allocate", pb.AllocateRequest.FromString, pb.AllocateResponse.FromString, _apply_allocate
 )
 FREE = Mutation("Free", pb.FreeRequest.FromString, pb.FreeResponse.FromString, _apply_free)
-STEP = Mutation("Step", pb.StepRequest.FromString, pb.StepResponse.FromString, _apply_step)
+STEP = Mutation("Step", pb.StepRequest.FromString, pb.StepResponse.FromString, _apply_step, _step_slices)
 MUTATIONS = {m.rpc: m for m in (ALLOCATE, FREE, STEP)}
 
 
@@ -790,6 +857,18 @@ def _parser(cls: type[Message]) -> Callable[[bytes], Any]:
     return parse
 
 
+def _pool_named(request: Any, registry: PoolRegistry) -> str | None:
+    """The pool a request names (by name, or by its session), or None: every pool."""
+    fields = request.DESCRIPTOR.fields_by_name
+    for name in ("pool", "name"):
+        if name in fields:
+            return str(getattr(request, name))
+    if "session_id" in fields:
+        s = registry.sessions.sessions.get(request.session_id)
+        return s.pool if s is not None else ""
+    return None
+
+
 def _guard(
     handler: Callable[..., Any],
     streaming: bool,
@@ -797,11 +876,13 @@ def _guard(
     access: AccessControl,
     serving: Callable[[], None],
     limits: Limits,
+    pools_free: Callable[[Any], Awaitable[None]],
 ) -> Callable[..., Any]:
     """Refuse every call once the server stopped serving (``serving`` raises), check the
     caller (access.py: credentials, then the role :data:`RPC_RULES` names) and refuse
     an undecodable request or one past an input bound (bounds.py), before the handler
-    sees any of them."""
+    sees any of them; then wait until no Step is applied in slices to a pool the
+    call may touch (``pools_free``)."""
 
     async def admit(request: Any, context: grpc.aio.ServicerContext) -> None:
         try:
@@ -810,7 +891,8 @@ def _guard(
             access.bind(tenant)
             if isinstance(request, _Undecodable):
                 raise ServiceError(Status.INVALID, _undecodable_message(request))
-            check_request(request, limits)
+            for _ in check_request_slices(request, limits, SERIALIZE_SLICE_OPS):
+                await asyncio.sleep(0)  # a large Step checked a slice at a time
             access.authorize(tenant, rpc, request)
         except ServiceError as exc:
             code, message = grpc_code(exc)
@@ -821,6 +903,7 @@ def _guard(
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             await admit(request, context)
+            await pools_free(request)
             async for item in handler(request, context):
                 yield item
 
@@ -828,6 +911,7 @@ def _guard(
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await admit(request, context)
+        await pools_free(request)
         return await handler(request, context)
 
     return unary
@@ -870,6 +954,7 @@ def add_servicer(servicer: AllocatorServicer, server: grpc.aio.Server) -> None:
             servicer.access,
             servicer.check_serving,
             servicer.registry.limits,
+            servicer.wait_for_pools,
         )
         factory = (
             grpc.unary_stream_rpc_method_handler

@@ -1,0 +1,82 @@
+"""One lock per pool, held while a Step is applied in slices.
+
+A large Step is applied a slice at a time, the event loop serving other pools
+between slices (mutations.py). Meanwhile nothing else may read or change that
+pool: every call naming it waits for the lock first (servicer.py's guard), keyed
+calls hold it while they apply (so calls on one pool still run one at a time, in
+arrival order), and what reads every pool (ListPools, ScorePools, a metrics
+scrape, a snapshot, the session reaper) waits, or is put off, until no pool is
+mid-Step. Plain asyncio; no gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+
+__all__ = ["PoolLocks"]
+
+
+class PoolLocks:
+    """Which pools a sliced Step holds now, and the calls waiting for each.
+
+    A pool is held from :meth:`take` (made without awaiting, right after the call
+    found the pool free) to :meth:`give`, which hands it to the oldest waiter, so
+    calls on a pool keep their arrival order."""
+
+    def __init__(self) -> None:
+        #: pool -> the futures of the calls waiting for it (present while it is held)
+        self._held: dict[str, deque[asyncio.Future[None]]] = {}
+
+    def take(self, pool: str) -> None:
+        """Hold ``pool`` (free now: the caller awaited :meth:`wait` and has not
+        awaited since)."""
+        if pool in self._held:
+            raise RuntimeError(f"pool {pool!r} is held already")  # pragma: no cover - a bug
+        self._held[pool] = deque()
+
+    def give(self, pool: str) -> None:
+        """Stop holding ``pool``: the oldest waiter holds it now, else nobody."""
+        waiters = self._held[pool]
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():  # (a waiter cancelled meanwhile is skipped)
+                waiter.set_result(None)
+                return
+        del self._held[pool]
+
+    async def acquire(self, pool: str) -> None:
+        """Hold ``pool`` once the calls before this one are done with it."""
+        waiters = self._held.get(pool)
+        if waiters is None:
+            self.take(pool)
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.give(pool)  # handed over as this call was cancelled: pass it on
+            raise
+
+    async def wait(self, pool: str) -> None:
+        """Return once ``pool`` is not held (at once when it is not), in turn with the
+        calls that waited before; the caller then runs on without awaiting, so nothing
+        else touches the pool before it does."""
+        if pool in self._held:
+            await self.acquire(pool)
+            self.give(pool)
+
+    async def wait_all(self) -> None:
+        """Return once no pool is held."""
+        while self._held:
+            await self.wait(next(iter(self._held)))
+
+    def busy(self, pool: str) -> bool:
+        """Whether ``pool`` is held now (a Step is applied to it in slices)."""
+        return pool in self._held
+
+    def any_busy(self) -> bool:
+        """Whether some pool is held now."""
+        return bool(self._held)

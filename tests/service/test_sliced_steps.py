@@ -1,0 +1,151 @@
+"""A large Step is applied in slices: calls on other pools are answered between its
+slices, calls on its own pool wait for it, and its answer is the one an unsliced
+Step gives (a real server over real gRPC)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from kvcoord.client import KVCoordClient
+from kvcoord.service.testing import InProcessServer
+from kvcoord.v1 import allocator_pb2 as pb
+
+#: operations of the large Step (each registers a request and allocates one block)
+N = 6000
+
+TWO_POOLS = """
+[[pools]]
+name = "a"
+num_blocks = 20000
+hash_block_size = 4
+[[pools.groups]]
+type = "full"
+block_size = 4
+
+[[pools]]
+name = "b"
+num_blocks = 64
+hash_block_size = 4
+[[pools.groups]]
+type = "full"
+block_size = 4
+"""
+
+
+def _big_step(prefix: str = "r") -> list[pb.Operation]:
+    return [
+        pb.Operation(
+            allocate=pb.AllocateOp(
+                request=pb.RequestSync(
+                    request_id=f"{prefix}{i}", new_request=True, append_token_ids=[1, 2, 3, 4]
+                ),
+                num_new_tokens=4,
+            )
+        )
+        for i in range(N)
+    ]
+
+
+def _count_syncs(server: InProcessServer, pool: str) -> list[int]:
+    """Count, on the server, the request syncs pool ``pool`` applies (one per operation
+    of the big Step); the list holds the count."""
+    service = server.running.servicer.registry.pools[pool]  # type: ignore[union-attr]
+    seen = [0]
+    original: Callable[..., Any] = service.sync
+
+    def counting(*args: Any) -> Any:
+        seen[0] += 1
+        return original(*args)
+
+    service.sync = counting  # type: ignore[method-assign]
+    return seen
+
+
+def test_another_pools_call_is_answered_between_the_slices_of_a_large_step(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    server = make_server(TWO_POOLS)
+    applied = _count_syncs(server, "a")
+    # what pool "a" had applied of the big Step each time a call on "b" was answered
+    # (read on the server's loop, as the answer is made)
+    progress_at_b: list[int] = []
+    b = server.running.servicer.registry.pools["b"]  # type: ignore[union-attr]
+    original_stats = b.lifetime_prefix_cache_stats
+
+    def stats_seen() -> Any:
+        progress_at_b.append(applied[0])
+        return original_stats()
+
+    b.lifetime_prefix_cache_stats = stats_seen  # type: ignore[method-assign]
+    answers: list[pb.StepResponse] = []
+    done = threading.Event()
+
+    def send_big() -> None:
+        with KVCoordClient(server.address, timeout=120) as c:
+            session = c.attach("a", "", 4, "")
+            answers.append(c.step("a", _big_step(), session.session_id, session.fence))
+        done.set()
+
+    sender = threading.Thread(target=send_big)
+    sender.start()
+    with KVCoordClient(server.address, timeout=120) as c:
+        while not applied[0] and sender.is_alive():  # until pool "a" applies its first operation
+            c.get_stats("b")
+        while not done.is_set():
+            c.get_stats("b")
+    sender.join(120)
+    assert len(answers) == 1 and len(answers[0].results) == N
+    assert all(r.status_code == 0 and not r.allocate.refused for r in answers[0].results)
+    during = [p for p in progress_at_b if 0 < p < N]
+    assert during, (
+        f"no call on pool 'b' was answered while pool 'a' applied its Step (progress seen at each: "
+        f"{sorted(set(progress_at_b))[:10]} ...)"
+    )
+
+
+def test_a_sliced_step_answers_as_an_unsliced_one(make_server: Callable[..., InProcessServer]) -> None:
+    """The same Step on two pools alike, once cut into a slice every 64 operations and
+    once whole: the same answer (their fences aside), the same pool afterwards."""
+    two = TWO_POOLS.replace('name = "b"\nnum_blocks = 64', 'name = "b"\nnum_blocks = 20000')
+    server = make_server(two)
+    mutations = server.running.servicer.mutations  # type: ignore[union-attr]
+    got = {}
+    with KVCoordClient(server.address, timeout=120) as c:
+        for pool, seconds in (("a", 0.0), ("b", 1e9)):
+            mutations.slice_seconds = seconds
+            session = c.attach(pool, "", 4, "")
+            ops = _big_step()
+            # a failing operation in the middle: the rest are aborted in both
+            ops[N // 2] = pb.Operation(free=pb.FreeOp(request_id="unknown"))
+            answer = c.step(pool, ops, session.session_id, session.fence, include_state=True)
+            answer.ClearField("fence")
+            # (the failed operation's message names its pool)
+            body = answer.SerializeToString().replace(f"pool '{pool}'".encode(), b"pool 'x'")
+            got[pool] = (body, c.get_stats(pool).num_free_blocks)
+    assert got["a"] == got["b"]
+
+
+def test_a_call_on_the_same_pool_waits_for_the_sliced_step(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """A call on the pool a sliced Step is applied to is answered after that Step is
+    done with it: it sees all of it."""
+    server = make_server(TWO_POOLS)
+    applied = _count_syncs(server, "a")
+    seen: list[int] = []
+    with KVCoordClient(server.address, timeout=120) as c:
+        session = c.attach("a", "", 4, "")
+
+        def send_big() -> None:
+            with KVCoordClient(server.address, timeout=120) as c2:
+                c2.step("a", _big_step(), session.session_id, session.fence)
+
+        sender = threading.Thread(target=send_big)
+        sender.start()
+        while not applied[0] and sender.is_alive():
+            pass
+        seen.append(c.get_stats("a").num_requests)
+        sender.join(120)
+    assert seen == [N]

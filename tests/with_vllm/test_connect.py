@@ -166,10 +166,9 @@ def test_scheduler_cls_option_runs_on_kvcoord(
         assert [r.req_id for r in out.scheduled_new_reqs] == ["r0"]
         (table,) = out.scheduled_new_reqs[0].block_ids
         assert len(table) == 3  # 40 tokens in 16-token blocks, from the kvcoord pool
-        # predicted by default (an exclusive pool): the step's calls reach the server
-        # with its Step, sent when the step ends; flush sends it now. vLLM 0.33's plug-in
-        # has no prediction yet: its manager waits for the server (docs/vllm-integration.md)
-        expected = "Remote033KVCacheManager" if V033 else "PredictingKVCacheManager"
+        # predicted by default (an exclusive pool), under vLLM 0.33 too: the step's calls
+        # reach the server with its Step, sent when the step ends; flush sends it now
+        expected = "Predicting033KVCacheManager" if V033 else "PredictingKVCacheManager"
         assert type(scheduler.kv_cache_manager.remote).__name__ == expected
         scheduler.kv_cache_manager.remote.flush()
         stats = scheduler.kv_cache_manager.remote.client.get_stats(f"serve-{asynchronous}")

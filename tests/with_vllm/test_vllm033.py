@@ -97,20 +97,25 @@ def test_a_pool_of_the_016_profile_is_refused(model_dir: Path, pool_env: str, se
         make_scheduler(_kvcoord("sync"), config, kv)
 
 
+@pytest.mark.parametrize("predict", [False, True], ids=["waiting", "predicted"])
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_resets_priorities_and_salts_decide_like_vllm_033(
-    kind: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+    kind: str, predict: bool, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """test_scheduler_equivalence's resets/priorities/salts case without what 0.33 refuses
     (LoRA adapters at start, prompt embeddings per request): resets refused and forced,
     preemption by priority, salted requests (0.33 names the salt in BlockStored.extra_keys)
-    all decide and publish as vLLM 0.33's own manager does."""
+    all decide and publish as vLLM 0.33's own manager does, waiting for the server or
+    predicted (the mirror names the salt too: else its events differ from the server's
+    and the session is lost)."""
     from test_scheduler_equivalence import NUM_BLOCKS as BLOCKS
     from test_scheduler_equivalence import first_difference, run_both
 
     extras = frozenset({"resets", "priority", "salt"})
-    r = run_both(kind, "full", BLOCKS, 23, model_dir, server, monkeypatch, extras=extras)
+    r = run_both(kind, "full", BLOCKS, 23, model_dir, server, monkeypatch, extras=extras, predict=predict)
     assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.manager.lost_requests == 0
+    assert not predict or r.manager.steps_sent > 20, r.manager
     resets = [entry[2] for entry in r.want if entry[0] == "reset"]
     assert len(resets) >= 10 and any(resets) and not all(resets), resets
     # (0.33 publishes extra keys untagged: a salted first block reads ('a',) or ('b',))

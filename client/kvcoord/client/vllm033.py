@@ -6,7 +6,10 @@ more ways than 0.16.0's (a 3-tuple from ``get_computed_blocks``, statistics reco
 admission, ``full_sequence_must_fit`` and ``reserved_blocks`` on ``allocate_slots``,
 ``new_step_starts``, and reach into ``coordinator`` and ``block_pool``). Each decision is
 the pool's: the pool runs vLLM 0.33's rules (the ``vllm-0.33`` profile, part of the
-attach handshake).
+attach handshake). An exclusive pool is predicted, as under 0.16
+(:class:`Predicting033KVCacheManager`: the client's mirror is the pool's engine under the
+``vllm-0.33`` profile); otherwise every call waits for the pool's answer
+(:class:`Remote033KVCacheManager`).
 
 What kvcoord cannot reproduce for 0.33 is refused when the scheduler starts
 (:func:`unsupported_033` names the reason), or, for a property of one request, when the
@@ -24,31 +27,31 @@ prompt-embedding extra keys or ask for the ``full`` report mode.
 from __future__ import annotations
 
 import importlib.metadata
-import logging
 import types
 from typing import Any
 
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
-from .hashing import RandomSeedError
-from .items import Item, Pending
+from .items import Item, KVCacheBlockIds, Pending
 from .manager import RemoteKVCacheManager
+from .predicting import PredictingKVCacheManager
+from .tracking import RequestTracker
 from .vllm import (
     KVCacheBlocks,
     KVCoordKVCacheManager,
+    ManagerKinds,
     Settings,
-    convert_events,
-    find_pool,
+    attach_manager,
     pool_config_from_vllm,
 )
-
-logger = logging.getLogger(__name__)
+from .vllm_types import convert_engine_events, convert_events
 
 __all__ = [
     "VLLM_016",
     "VLLM_033",
     "KVCoord033KVCacheManager",
+    "Predicting033KVCacheManager",
     "Remote033KVCacheManager",
     "Unsupported033Error",
     "UnsupportedVLLMError",
@@ -130,26 +133,32 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     return None
 
 
+def _name_salts(tracker: RequestTracker) -> None:
+    """A vllm-0.33 pool names a request's cache salt in its BlockStored.extra_keys: the
+    tracker's first sync of a request carries it."""
+    sync = tracker.sync
+
+    def sync_with_salt(request: Any, into: pb.RequestSync | None = None) -> pb.RequestSync:
+        message = sync(request, into)
+        if message.new_request and getattr(request, "cache_salt", None):
+            message.cache_salt = str(request.cache_salt)
+        return message
+
+    tracker.sync = sync_with_salt  # type: ignore[method-assign]
+
+
 class Remote033KVCacheManager(RemoteKVCacheManager):
     """:class:`RemoteKVCacheManager` attached as a ``vllm-0.33`` worker, with 0.33's
     extra calls. Never exclusive: its allocations wait for the pool's answer (the
-    client's promises and predictions follow 0.16's refusal rules)."""
+    client's promises and lookup hints follow 0.16's refusal rules; an exclusive 0.33
+    pool is predicted instead, :class:`Predicting033KVCacheManager`)."""
 
     def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
         kwargs["exclusive"] = False
         super().__init__(client, pool, profile=VLLM_033, **kwargs)
         #: full_sequence_must_fit and reserved_blocks of the allocation being built
         self.admission: tuple[bool, int] = (False, 0)
-        sync = self.tracker.sync
-
-        def sync_with_salt(request: Any, into: pb.RequestSync | None = None) -> pb.RequestSync:
-            # a vllm-0.33 pool names a request's cache salt in its BlockStored.extra_keys
-            message = sync(request, into)
-            if message.new_request and getattr(request, "cache_salt", None):
-                message.cache_salt = str(request.cache_salt)
-            return message
-
-        self.tracker.sync = sync_with_salt  # type: ignore[method-assign]
+        _name_salts(self.tracker)
 
     def _item(self, *args: Any) -> Item:
         item = super()._item(*args)
@@ -188,6 +197,47 @@ class Remote033KVCacheManager(RemoteKVCacheManager):
         if self._queue:
             self.flush()
         return super().peek_prefix_cache_stats()
+
+
+class Predicting033KVCacheManager(PredictingKVCacheManager):
+    """:class:`PredictingKVCacheManager` attached as a ``vllm-0.33`` worker: its mirror is
+    the pool's engine under the ``vllm-0.33`` profile, so it answers 0.33's calls (its
+    admission inputs, statistics recorded at admission, ``new_step_starts``) at once,
+    as the server will, and sends them with the step's Step."""
+
+    def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
+        super().__init__(client, pool, profile=VLLM_033, **kwargs)
+        #: full_sequence_must_fit and reserved_blocks of the allocation being made
+        self.admission: tuple[bool, int] = (False, 0)
+        _name_salts(self.tracker)
+
+    def allocate_slots(  # type: ignore[override]
+        self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
+        return_table: bool = False,
+    ) -> KVCacheBlockIds | None:  # fmt: skip
+        fit, reserved = self.admission
+        return super().allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table, fit, reserved,
+        )  # fmt: skip
+
+    def new_step_starts(self) -> None:
+        self._settled()
+        self.mirror.call("new_step_starts")
+        self.sender.op().new_step_starts.SetInParent()
+
+    def record_prefix_cache_stats(self, request_id: str, num_hits: int) -> None:
+        self._settled()
+        self.mirror.call("record_prefix_cache_stats", request_id, num_hits)
+        op = self.sender.op().record_prefix_cache_stats
+        op.request_id = request_id
+        op.num_hits = num_hits
+
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        self._settled()
+        return int(self.mirror.call("estimate_cached_tokens", request_id))
 
 
 class _Coordinator:
@@ -232,9 +282,11 @@ class _BlockPool:
 class KVCoord033KVCacheManager(KVCoordKVCacheManager):
     """vLLM 0.33.0's ``KVCacheManager`` interface over a ``vllm-0.33`` kvcoord pool."""
 
-    remote: Remote033KVCacheManager
+    remote: Remote033KVCacheManager | Predicting033KVCacheManager
 
-    def __init__(self, remote: Remote033KVCacheManager, kv_cache_config: Any) -> None:
+    def __init__(
+        self, remote: Remote033KVCacheManager | Predicting033KVCacheManager, kv_cache_config: Any
+    ) -> None:
         super().__init__(remote, kv_cache_config)
         self.remote033 = remote
         self.coordinator = _Coordinator(kv_cache_config)
@@ -320,7 +372,10 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
     def take_events(self) -> list[Any]:
         if not self.enable_kv_cache_events:
             return []
-        return convert_events(self.remote.take_events(), fields_033=True)
+        remote = self.remote
+        if isinstance(remote, PredictingKVCacheManager):
+            return convert_engine_events(remote.take_engine_events(), fields_033=True)
+        return convert_events(remote.take_events(), fields_033=True)
 
     # nothing to hand over: no zeroing, no copy-on-write, no mamba boundary states
     def take_new_block_ids(self) -> list[int]:
@@ -377,8 +432,12 @@ def connect_033(
     """:func:`kvcoord.client.vllm.connect` for vLLM 0.33: create or find the ``vllm-0.33``
     pool, check it matches the engine, attach as a ``vllm-0.33`` worker, wrap.
 
-    ``KVCOORD_EXCLUSIVE`` and ``KVCOORD_PREDICT`` do not apply (a warning says so): every
-    allocation waits for the pool's answer.
+    As under 0.16, an exclusive pool (``KVCOORD_EXCLUSIVE=1``, ``KVCOORD_PREDICT=1``, the
+    defaults) is predicted (:class:`Predicting033KVCacheManager`); otherwise, or when the
+    server gives no state this client can mirror (a warning says why), every
+    allocation waits for the pool's answer (:class:`Remote033KVCacheManager`: 0.16's
+    promises do not apply to 0.33's rules, so ``KVCOORD_EXCLUSIVE`` without prediction
+    changes nothing but the handshake).
 
     Raises:
         PoolMismatchError: the pool exists with other settings or another profile.
@@ -386,31 +445,10 @@ def connect_033(
         KVCoordError: the server refused or could not be reached.
     """
     expected = pool_config_033(kv_cache_config, vllm_config, hash_block_size, log_stats=log_stats)
-    if expected.enable_caching and not expected.hash_seed:
-        raise RandomSeedError(
-            "PYTHONHASHSEED is not set: vLLM then hashes blocks with a seed no other process "
-            "shares; set it (to the same value) for the engine"
-        )
-    if settings.predict:
-        logger.warning("KVCOORD_PREDICT: not available with vLLM 0.33 yet; running without prediction")
-    own = client is None
-    c = (
-        client
-        if client is not None
-        else KVCoordClient(settings.target, timeout=settings.timeout, token=settings.token)
-    )
-    try:
-        find_pool(c, settings, expected)
-        remote = Remote033KVCacheManager(
-            c, settings.pool, hash_seed=expected.hash_seed, client_name=settings.client_name,
-            num_hash_lookahead_tokens=expected.num_hash_lookahead_tokens,
-        )  # fmt: skip
-    except BaseException:
-        if own:
-            c.close()
-        raise
-    manager = KVCoord033KVCacheManager(remote, kv_cache_config)
-    manager.owned_client = c if own else None
-    if settings.create_pool:
-        manager.pool_to_create = (settings.pool, expected)
+    kinds = ManagerKinds(
+        Predicting033KVCacheManager, Remote033KVCacheManager, KVCoord033KVCacheManager,
+        {"num_hash_lookahead_tokens": expected.num_hash_lookahead_tokens},
+    )  # fmt: skip
+    manager = attach_manager(settings, expected, kv_cache_config, client, kinds)
+    assert isinstance(manager, KVCoord033KVCacheManager)
     return manager

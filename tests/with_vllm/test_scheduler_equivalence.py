@@ -189,7 +189,10 @@ def test_scheduler_decisions_equal(
     kind: str, layout: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """300 steps with shared prefixes, preemption, aborts and length stops: identical every step."""
-    r = run_both(kind, layout, NUM_BLOCKS, 11 + LAYOUTS.index(layout), model_dir, server, monkeypatch)
+    seed = 11 + LAYOUTS.index(layout)
+    if V033 and (kind, layout) == ("pp2", "full+swa"):
+        seed = 14  # under vLLM 0.33's full-sequence admission seed 12 preempts nothing here
+    r = run_both(kind, layout, NUM_BLOCKS, seed, model_dir, server, monkeypatch)
     want_counts, counter = r.want_counts, r.counter
     assert r.got == r.want, first_difference(r.want, r.got)
     assert r.got_counts == want_counts

@@ -40,8 +40,11 @@ def pool_env(
             c.delete_pool(name)
 
 
+@pytest.mark.parametrize("layout", ["full", "full+swa"])
 @pytest.mark.parametrize("kind", ["sync", "async"])
-def test_the_engine_core_reads_the_manager_as_from_vllms(kind: str, model_dir: Path, pool_env: str) -> None:
+def test_the_engine_core_reads_the_manager_as_from_vllms(
+    kind: str, layout: str, model_dir: Path, pool_env: str
+) -> None:
     """What 0.33's EngineCore reads from the scheduler's manager after building it (the
     effective attention block size, each group's metadata for event consumers) is the
     same on kvcoord as on vLLM's own manager; the pool follows the vllm-0.33 profile."""
@@ -50,7 +53,7 @@ def test_the_engine_core_reads_the_manager_as_from_vllms(kind: str, model_dir: P
     answers = []
     for cls in (SCHEDULERS[kind], _kvcoord(kind)):
         config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=kind == "async")
-        sched = make_scheduler(cls, config, kv_cache_config("full", NUM_BLOCKS))
+        sched = make_scheduler(cls, config, kv_cache_config(layout, NUM_BLOCKS))
         core = types.SimpleNamespace(vllm_config=config, scheduler=sched)
         config.cache_config.effective_attention_block_size = -1
         EngineCore._initialize_effective_attention_block_size(core)  # type: ignore[arg-type]
@@ -81,6 +84,19 @@ def test_what_kvcoord_does_not_reproduce_is_refused_at_start(
     config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False, **options)
     with pytest.raises(Unsupported033Error, match=reason):
         make_scheduler(_kvcoord("sync"), config, kv_cache_config("full", NUM_BLOCKS))
+
+
+def test_periodic_retention_is_refused_at_start(model_dir: Path, pool_env: str) -> None:
+    """A KVCacheConfig with a positive prefix_cache_retention_interval (periodic
+    sliding-window checkpoints, which the vllm-0.33 profile does not reproduce) is
+    refused when the scheduler starts, naming it; sparse (0) and dense (None) run."""
+    from kvcoord.client.vllm033 import Unsupported033Error
+
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False)
+    kv = kv_cache_config("full+swa", NUM_BLOCKS)
+    kv.prefix_cache_retention_interval = 32
+    with pytest.raises(Unsupported033Error, match="prefix_cache_retention_interval 32"):
+        make_scheduler(_kvcoord("sync"), config, kv)
 
 
 def test_a_pool_of_the_016_profile_is_refused(model_dir: Path, pool_env: str, server: InProcessServer,

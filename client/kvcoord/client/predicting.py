@@ -196,11 +196,11 @@ class PredictingKVCacheManager:
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0, return_table: bool = False, full_sequence_must_fit: bool = False,
-                       reserved_blocks: int = 0) -> KVCacheBlockIds | None:  # fmt: skip
+                       reserved_blocks: int = 0, num_in_flight_tokens: int = 0) -> KVCacheBlockIds | None:  # fmt: skip
         """New block ids, or ``None`` when the pool has too few free blocks, answered now
         (with ``return_table``, the answer's ``table`` is the request's whole table;
-        ``full_sequence_must_fit`` and ``reserved_blocks``: vLLM 0.33's admission inputs,
-        for a ``vllm-0.33`` pool)."""
+        ``full_sequence_must_fit``, ``reserved_blocks`` and ``num_in_flight_tokens``:
+        vLLM 0.33's inputs, for a ``vllm-0.33`` pool)."""
         keeper = self.keeper
         if (
             not (
@@ -210,6 +210,7 @@ class PredictingKVCacheManager:
                 or num_encoder_tokens
                 or full_sequence_must_fit
                 or reserved_blocks
+                or num_in_flight_tokens
             )  # fmt: skip
             and self.sender.failure is None
             and keeper.lost is None
@@ -236,7 +237,8 @@ class PredictingKVCacheManager:
             self._vouch()
         got = self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                              num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-                             num_encoder_tokens, full_sequence_must_fit, reserved_blocks)  # fmt: skip
+                             num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
+                             num_in_flight_tokens)  # fmt: skip
         if got is None:
             return None
         ids = KVCacheBlockIds(tuple([list(g) for g in got]))
@@ -273,7 +275,7 @@ class PredictingKVCacheManager:
                   new_computed_blocks: KVCacheBlockIds | None, num_lookahead_tokens: int,
                   num_external_computed_tokens: int, delay_cache_blocks: bool,
                   num_encoder_tokens: int, full_sequence_must_fit: bool = False,
-                  reserved_blocks: int = 0) -> BlockIds | None:  # fmt: skip
+                  reserved_blocks: int = 0, num_in_flight_tokens: int = 0) -> BlockIds | None:  # fmt: skip
         """allocate_slots for a new request, a hit, a KV connector's or encoder's tokens,
         or bad input (the mirror's engine names it, and nothing is sent)."""
         rid = request.request_id
@@ -296,6 +298,7 @@ class PredictingKVCacheManager:
         a.num_encoder_tokens = num_encoder_tokens
         a.full_sequence_must_fit = full_sequence_must_fit
         a.reserved_blocks = reserved_blocks
+        a.num_in_flight_tokens = num_in_flight_tokens
         if hit is not None:
             a.num_new_computed_tokens = num_new_computed_tokens
             for group in hit:
@@ -306,7 +309,7 @@ class PredictingKVCacheManager:
                 rid, num_new_tokens, num_new_computed_tokens if hit is not None else 0,
                 hit, num_lookahead_tokens,
                 num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
-                full_sequence_must_fit, reserved_blocks,
+                full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
             )  # fmt: skip
         except StaleCacheHitError:
             # as the server answers a stale hit: refused, nothing changed (its sync undone)

@@ -14,14 +14,17 @@ attach handshake). An exclusive pool is predicted, as under 0.16
 What kvcoord cannot reproduce for 0.33 is refused when the scheduler starts
 (:func:`unsupported_033` names the reason), or, for a property of one request, when the
 scheduler first passes that request (:class:`Unsupported033Error`): never a silent guess.
-Supported: KV cache groups of full attention (one block size), prefix caching on or
-off, KV events, statistics, the synchronous and the asynchronous scheduler, the FCFS and
-priority policies, and n-gram / draft-model speculative decoding without look-ahead
-hashes. Refused: other group types (sliding window, chunked local, mamba, cross
-attention: 0.33's processed-token basis, sparse retention and mamba checkpoints are not
-on the wire yet), EAGLE/MTP, KV connectors, the watermark, fine-grained (partial) hits,
-LoRA adapters, and, with KV events on, requests whose blocks carry multimodal or
-prompt-embedding extra keys or ask for the ``full`` report mode.
+Supported: KV cache groups of full attention, sliding window and chunked local
+attention (one block size; 0.33's processed-token basis travels as
+``AllocateOp.num_in_flight_tokens``, sparse or dense retention as the KVCacheConfig
+says), prefix caching on or off, KV events, statistics, the synchronous and the
+asynchronous scheduler, the FCFS and priority policies, cache salts, and n-gram /
+draft-model speculative decoding without look-ahead hashes. Refused: other group types
+(mamba, cross attention, MLA and sink subclasses: mamba checkpoints are not on the wire
+yet), a positive ``prefix_cache_retention_interval``, EAGLE/MTP, KV connectors, the
+watermark, fine-grained (partial) hits, LoRA adapters, and, with KV events on,
+requests whose blocks carry multimodal or prompt-embedding extra keys or ask for the
+``full`` report mode.
 """
 
 from __future__ import annotations
@@ -65,6 +68,11 @@ VLLM_016 = "vllm-0.16"
 VLLM_033 = "vllm-0.33"
 
 
+#: what a Remote033 / Predicting033 manager's ``admission`` is outside vLLM 0.33's
+#: allocate_slots: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens
+NO_ADMISSION = (False, 0, 0)
+
+
 class UnsupportedVLLMError(RuntimeError):
     """The installed vLLM is a release kvcoord has no semantics profile for."""
 
@@ -98,16 +106,17 @@ def vllm_profile(version: str | None = None) -> str:
 def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int) -> str | None:
     """Why an engine with these configs cannot run its vLLM 0.33 scheduler on kvcoord
     (``None``: it can)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
-        if type(spec) is not FullAttentionSpec:  # (MLA and other subclasses too)
+        # (exact types: MLA, sinks and the other subclasses are not taken)
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec):
             return (
                 f"KV cache group {i} is {type(spec).__name__}: kvcoord's vllm-0.33 plug-in supports "
-                "full attention only (0.33's processed-token frees, sparse retention and mamba "
-                "checkpoints are not on the wire yet)"
+                "full attention, sliding window and chunked local attention only (mamba checkpoints "
+                "and cross-attention are not on the wire yet)"
             )
         if getattr(spec, "sink_len", None):
             return f"KV cache group {i} has attention sinks: not supported by the vllm-0.33 profile"
@@ -118,6 +127,11 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
         return (
             f"hash_block_size {hash_block_size} differs from the block size {sizes.pop()}: "
             "fine-grained (partial) prefix hits are not supported"
+        )
+    if getattr(kv_cache_config, "prefix_cache_retention_interval", 0):
+        return (
+            f"prefix_cache_retention_interval {kv_cache_config.prefix_cache_retention_interval}: "
+            "periodic sliding-window checkpoints are not supported by the vllm-0.33 profile"
         )
     if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
         return "the KV cache needs zeroing (a mamba model): not supported"
@@ -156,15 +170,15 @@ class Remote033KVCacheManager(RemoteKVCacheManager):
     def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
         kwargs["exclusive"] = False
         super().__init__(client, pool, profile=VLLM_033, **kwargs)
-        #: full_sequence_must_fit and reserved_blocks of the allocation being built
-        self.admission: tuple[bool, int] = (False, 0)
+        #: full_sequence_must_fit, reserved_blocks and num_in_flight_tokens of the
+        #: allocation being built
+        self.admission: tuple[bool, int, int] = NO_ADMISSION
         _name_salts(self.tracker)
 
     def _item(self, *args: Any) -> Item:
         item = super()._item(*args)
-        fit, reserved = self.admission
-        item.op.allocate.full_sequence_must_fit = fit
-        item.op.allocate.reserved_blocks = reserved
+        a = item.op.allocate
+        a.full_sequence_must_fit, a.reserved_blocks, a.num_in_flight_tokens = self.admission
         return item
 
     def _unary_op(self, op: pb.Operation, decode: Any, deferred: bool) -> Any:
@@ -207,8 +221,9 @@ class Predicting033KVCacheManager(PredictingKVCacheManager):
 
     def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
         super().__init__(client, pool, profile=VLLM_033, **kwargs)
-        #: full_sequence_must_fit and reserved_blocks of the allocation being made
-        self.admission: tuple[bool, int] = (False, 0)
+        #: full_sequence_must_fit, reserved_blocks and num_in_flight_tokens of the
+        #: allocation being made
+        self.admission: tuple[bool, int, int] = NO_ADMISSION
         _name_salts(self.tracker)
 
     def allocate_slots(  # type: ignore[override]
@@ -217,10 +232,9 @@ class Predicting033KVCacheManager(PredictingKVCacheManager):
         num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
         return_table: bool = False,
     ) -> KVCacheBlockIds | None:  # fmt: skip
-        fit, reserved = self.admission
         return super().allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
-            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table, fit, reserved,
+            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table, *self.admission,
         )  # fmt: skip
 
     def new_step_starts(self) -> None:
@@ -289,6 +303,10 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
     ) -> None:
         super().__init__(remote, kv_cache_config)
         self.remote033 = remote
+        #: a group frees blocks that leave its window (sliding window, chunked local)
+        self._windows = any(
+            g.WhichOneof("spec") in ("sliding_window", "chunked_local") for g in remote.config.groups
+        )
         self.coordinator = _Coordinator(kv_cache_config)
         self.block_pool = _BlockPool()
         self.mamba_shared_prefix_checkpoint = False
@@ -341,14 +359,17 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
         # zeroing only: both refused at start
         self._check_request(request)
         remote = self.remote033
-        remote.admission = (full_sequence_must_fit, reserved_blocks)
+        # the processed-token basis matters only to a group with a window (full
+        # attention frees nothing early): elsewhere 0, so decode steps stay plain
+        in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0) if self._windows else 0
+        remote.admission = (full_sequence_must_fit, reserved_blocks, in_flight)
         try:
             return super().allocate_slots(
                 request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
                 num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
             )  # fmt: skip
         finally:
-            remote.admission = (False, 0)
+            remote.admission = NO_ADMISSION
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -417,6 +438,15 @@ def pool_config_033(
     cfg.hash_block_size = int(hash_block_size)
     cfg.use_eagle = False  # EAGLE is refused (unsupported_033)
     cfg.num_hash_lookahead_tokens = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+    # sparse retention, as 0.33's coordinator reads it from the KVCacheConfig (EngineCore
+    # copies it from cache_config; None keeps every sliding-window hash, on the wire -1)
+    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", 0)
+    if retention is None:
+        cfg.prefix_cache_retention_interval = -1
+    elif retention:
+        cfg.prefix_cache_retention_interval = int(retention)  # refused by unsupported_033
+    # the admission cap of sliding-window and chunked-local groups (0: max_model_len, as vLLM)
+    cfg.max_in_flight_tokens = int(getattr(vllm_config, "max_in_flight_tokens", 0) or 0)
     return cfg
 
 

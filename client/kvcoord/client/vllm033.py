@@ -18,11 +18,12 @@ Supported: KV cache groups of full attention, sliding window and chunked local
 attention (one block size; 0.33's processed-token basis travels as
 ``AllocateOp.num_in_flight_tokens``, sparse or dense retention as the KVCacheConfig
 says), prefix caching on or off, KV events, statistics, the synchronous and the
-asynchronous scheduler, the FCFS and priority policies, cache salts, and n-gram /
-draft-model speculative decoding without look-ahead hashes. Refused: other group types
+asynchronous scheduler, the FCFS and priority policies, cache salts, LoRA adapters (their
+path is in the hashes vLLM computes; events name the adapter), and n-gram / draft-model
+speculative decoding without look-ahead hashes. Refused: other group types
 (mamba, cross attention, MLA and sink subclasses: mamba checkpoints are not on the wire
 yet), a positive ``prefix_cache_retention_interval``, EAGLE/MTP, KV connectors, the
-watermark, fine-grained (partial) hits, LoRA adapters, and, with KV events on,
+watermark, fine-grained (partial) hits, and, with KV events on,
 requests whose blocks carry multimodal or prompt-embedding extra keys or ask for the
 ``full`` report mode.
 """
@@ -142,8 +143,6 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
         return "EAGLE/MTP speculative decoding (0.33's per-group EAGLE rules and look-ahead hashes in schedulers)"
     if getattr(vllm_config.scheduler_config, "watermark", 0.0):
         return "scheduler_config.watermark > 0: the watermark is not on the wire"
-    if vllm_config.lora_config is not None:
-        return "LoRA adapters: 0.33's LoRA path in block events is not on the wire"
     return None
 
 

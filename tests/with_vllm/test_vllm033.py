@@ -70,17 +70,21 @@ def test_the_engine_core_reads_the_manager_as_from_vllms(
 @pytest.mark.parametrize(
     ("options", "reason"),
     [
-        ({"speculative": "eagle"}, "EAGLE"),
+        ({"speculative": "eagle"}, "EAGLE/MTP with the trailing-block drop"),
         ({"connector": "LoadedHalfConnector"}, "a KV connector"),
     ],
-    ids=["eagle", "connector"],
+    ids=["eagle-block-drop", "connector"],
 )
 def test_what_kvcoord_does_not_reproduce_is_refused_at_start(
     options: dict[str, Any], reason: str, model_dir: Path, pool_env: str
 ) -> None:
+    """(EAGLE with 0.33's default look-ahead block hashes runs: test_scheduler_equivalence;
+    with those hashes turned off, its trailing-block drop is refused.)"""
     from kvcoord.client.vllm033 import Unsupported033Error
 
     config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False, **options)
+    if config.speculative_config is not None:
+        config.speculative_config.disable_lookahead_block_hashes = True
     with pytest.raises(Unsupported033Error, match=reason):
         make_scheduler(_kvcoord("sync"), config, kv_cache_config("full", NUM_BLOCKS))
 

@@ -19,10 +19,11 @@ attention (one block size; 0.33's processed-token basis travels as
 ``AllocateOp.num_in_flight_tokens``, sparse or dense retention as the KVCacheConfig
 says), prefix caching on or off, KV events, statistics, the synchronous and the
 asynchronous scheduler, the FCFS and priority policies, cache salts, LoRA adapters (their
-path is in the hashes vLLM computes; events name the adapter), and n-gram / draft-model
-speculative decoding without look-ahead hashes. Refused: other group types
+path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
+speculative decoding, and EAGLE/MTP with 0.33's default look-ahead block hashes. Refused: other group types
 (mamba, cross attention, MLA and sink subclasses: mamba checkpoints are not on the wire
-yet), a positive ``prefix_cache_retention_interval``, EAGLE/MTP, KV connectors, the
+yet), a positive ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block
+drop (look-ahead hashes turned off), KV connectors, the
 watermark, fine-grained (partial) hits, and, with KV events on,
 requests whose blocks carry multimodal or prompt-embedding extra keys or ask for the
 ``full`` report mode.
@@ -139,8 +140,16 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     if vllm_config.kv_transfer_config is not None:
         return "a KV connector: 0.33's deferred frees, connector lookups and load fences are not supported"
     spec = vllm_config.speculative_config
-    if (spec is not None and spec.use_eagle()) or getattr(vllm_config, "num_hash_lookahead_tokens", 0):
-        return "EAGLE/MTP speculative decoding (0.33's per-group EAGLE rules and look-ahead hashes in schedulers)"
+    if (
+        spec is not None
+        and spec.use_eagle_block_drop()
+        and not getattr(vllm_config, "num_hash_lookahead_tokens", 0)
+    ):
+        # (0.33's default for EAGLE/MTP with prefix caching is look-ahead hashes, taken)
+        return (
+            "EAGLE/MTP with the trailing-block drop (look-ahead block hashes off): 0.33's per-group "
+            "EAGLE drop is not supported by the vllm-0.33 profile"
+        )
     if getattr(vllm_config.scheduler_config, "watermark", 0.0):
         return "scheduler_config.watermark > 0: the watermark is not on the wire"
     return None
@@ -435,7 +444,7 @@ def pool_config_033(
     cfg = pool_config_from_vllm(kv_cache_config, vllm_config, log_stats=log_stats)
     cfg.profile = VLLM_033
     cfg.hash_block_size = int(hash_block_size)
-    cfg.use_eagle = False  # EAGLE is refused (unsupported_033)
+    cfg.use_eagle = False  # no trailing-block drop: look-ahead hashes (the drop is refused, unsupported_033)
     cfg.num_hash_lookahead_tokens = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
     # sparse retention, as 0.33's coordinator reads it from the KVCacheConfig (EngineCore
     # copies it from cache_config; None keeps every sliding-window hash, on the wire -1)

@@ -261,6 +261,12 @@ class Predicting033KVCacheManager(PredictingKVCacheManager):
         self._settled()
         return int(self.mirror.call("estimate_cached_tokens", request_id))
 
+    def shared_prefix_boundary(self, request_id: str) -> int:
+        """vLLM 0.33's third ``get_computed_blocks`` value for the request's last lookup."""
+        if not self.mirror.holds(request_id):
+            return 0
+        return int(self.mirror.call("shared_prefix_boundary", request_id))
+
 
 class _Coordinator:
     """What vLLM 0.33's scheduler and engine core read from ``kv_cache_manager.coordinator``:
@@ -346,23 +352,29 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
             )
         self._check_request(request)
         blocks, num_tokens = super().get_computed_blocks(request)
-        return blocks, num_tokens, 0  # no sparse-retention group: no shared-prefix boundary
+        # The third value (where a shared prefix ends that a sliding-window group has not
+        # cached) feeds only 0.33's mamba chunk stops (mamba is refused); the pool keeps
+        # its own from this lookup for its caching. The predicted session knows it.
+        remote = self.remote
+        boundary = (
+            remote.shared_prefix_boundary(request.request_id)
+            if isinstance(remote, Predicting033KVCacheManager)
+            else 0
+        )
+        return blocks, num_tokens, boundary
 
     def allocate_slots(
         self,
         request: Any,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None,
-        num_lookahead_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-        delay_cache_blocks: bool = False,
-        num_encoder_tokens: int = 0,
+        *args: Any,
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
+        **kwargs: Any,
     ) -> KVCacheBlocks | None:
+        """0.16's ``allocate_slots`` (its arguments in ``args`` / ``kwargs``) with 0.33's
+        keyword arguments."""
         # has_scheduled_reqs matters for the watermark only, skip_zeroing_group_ids for
         # zeroing only: both refused at start
         self._check_request(request)
@@ -372,10 +384,7 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
         in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0) if self._windows else 0
         remote.admission = (full_sequence_must_fit, reserved_blocks, in_flight)
         try:
-            return super().allocate_slots(
-                request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
-                num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
-            )  # fmt: skip
+            return super().allocate_slots(request, *args, **kwargs)
         finally:
             remote.admission = NO_ADMISSION
 

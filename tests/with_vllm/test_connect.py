@@ -177,7 +177,9 @@ def test_scheduler_cls_option_runs_on_kvcoord(
         scheduler.shutdown()
 
 
-@pytest.mark.skipif(V033, reason="vLLM 0.33: no exclusive or predicted sessions yet (and 0.16's manager API)")
+@pytest.mark.skipif(
+    V033, reason="vLLM 0.33: this test drives vLLM 0.16's KVCacheManager API (its constructor, connect)"
+)
 @pytest.mark.parametrize("predict", [False, True], ids=["exclusive", "predicted"])
 def test_an_evicted_block_reports_no_hash_while_held(
     predict: bool, model_dir: Path, server: InProcessServer

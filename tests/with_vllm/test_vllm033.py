@@ -72,8 +72,9 @@ def test_the_engine_core_reads_the_manager_as_from_vllms(
     [
         ({"speculative": "eagle"}, "EAGLE/MTP with the trailing-block drop"),
         ({"connector": "LoadedHalfConnector"}, "a KV connector"),
+        ({"watermark": 0.1}, "watermark > 0"),
     ],
-    ids=["eagle-block-drop", "connector"],
+    ids=["eagle-block-drop", "connector", "watermark"],
 )
 def test_what_kvcoord_does_not_reproduce_is_refused_at_start(
     options: dict[str, Any], reason: str, model_dir: Path, pool_env: str
@@ -82,7 +83,10 @@ def test_what_kvcoord_does_not_reproduce_is_refused_at_start(
     with those hashes turned off, its trailing-block drop is refused.)"""
     from kvcoord.client.vllm033 import Unsupported033Error
 
+    options = dict(options)
+    watermark = options.pop("watermark", 0.0)
     config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False, **options)
+    config.scheduler_config.watermark = watermark
     if config.speculative_config is not None:
         config.speculative_config.disable_lookahead_block_hashes = True
     with pytest.raises(Unsupported033Error, match=reason):

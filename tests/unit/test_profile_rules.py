@@ -108,6 +108,8 @@ def test_016_refuses_033_inputs() -> None:
         p.allocate_slots("r", 20, full_sequence_must_fit=True)
     with pytest.raises(InvalidArgumentError, match="vLLM 0.33 inputs"):
         p.allocate_slots("r", 20, reserved_blocks=1)
+    with pytest.raises(InvalidArgumentError, match="vLLM 0.33 inputs"):
+        p.allocate_slots("r", 20, num_in_flight_tokens=1)
 
 
 def test_common_prefix_blocks_are_zeros_in_033() -> None:

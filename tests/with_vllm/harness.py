@@ -406,7 +406,9 @@ def run_workload(
     # as EngineCore does: the configured hash (vLLM's default sha256), NONE_HASH from PYTHONHASHSEED
     hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+    # (vLLM 0.33's engine core also passes the look-ahead tokens each hash covers: EAGLE/MTP)
+    lookahead = int(getattr(sched.vllm_config, "num_hash_lookahead_tokens", 0) or 0) if V033 else 0
+    hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn, *((lookahead,) if lookahead else ()))
     recorder = Recorder()
     sched.kv_event_publisher = recorder  # type: ignore[assignment]
     encoder = MsgpackEncoder()

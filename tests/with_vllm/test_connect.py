@@ -166,10 +166,9 @@ def test_scheduler_cls_option_runs_on_kvcoord(
         assert [r.req_id for r in out.scheduled_new_reqs] == ["r0"]
         (table,) = out.scheduled_new_reqs[0].block_ids
         assert len(table) == 3  # 40 tokens in 16-token blocks, from the kvcoord pool
-        # predicted by default (an exclusive pool): the step's calls reach the server
-        # with its Step, sent when the step ends; flush sends it now. vLLM 0.33's plug-in
-        # has no prediction yet: its manager waits for the server (docs/vllm-integration.md)
-        expected = "Remote033KVCacheManager" if V033 else "PredictingKVCacheManager"
+        # predicted by default (an exclusive pool), under vLLM 0.33 too: the step's calls
+        # reach the server with its Step, sent when the step ends; flush sends it now
+        expected = "Predicting033KVCacheManager" if V033 else "PredictingKVCacheManager"
         assert type(scheduler.kv_cache_manager.remote).__name__ == expected
         scheduler.kv_cache_manager.remote.flush()
         stats = scheduler.kv_cache_manager.remote.client.get_stats(f"serve-{asynchronous}")
@@ -178,7 +177,9 @@ def test_scheduler_cls_option_runs_on_kvcoord(
         scheduler.shutdown()
 
 
-@pytest.mark.skipif(V033, reason="vLLM 0.33: no exclusive or predicted sessions yet (and 0.16's manager API)")
+@pytest.mark.skipif(
+    V033, reason="vLLM 0.33: this test drives vLLM 0.16's KVCacheManager API (its constructor, connect)"
+)
 @pytest.mark.parametrize("predict", [False, True], ids=["exclusive", "predicted"])
 def test_an_evicted_block_reports_no_hash_while_held(
     predict: bool, model_dir: Path, server: InProcessServer

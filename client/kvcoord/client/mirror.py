@@ -130,6 +130,7 @@ class Mirror:
                     skip_reading_prefix_cache=sync.skip_reading_prefix_cache,
                     num_preemptions=sync.num_preemptions,
                     cache_namespace=self.namespace,
+                    cache_salt=sync.cache_salt or None,  # named in a vllm-0.33 pool's events
                 )
                 if computed is not None:
                     try:

@@ -70,6 +70,9 @@ class PredictingKVCacheManager:
         max_backlog: scheduler steps (``take_events`` calls) whose calls may wait for
             the Step in flight before the manager waits for its answer: how late a
             difference may be found, and how far the client may run ahead.
+        profile, num_hash_lookahead_tokens: the semantics profile the caller follows
+            (``vllm-0.16`` when empty, or ``vllm-0.33``) and its look-ahead hash tokens,
+            checked by the handshake (the mirror runs the pool's profile).
 
     Raises:
         FailedPreconditionError: the pool has another session, or the server gives no
@@ -87,6 +90,8 @@ class PredictingKVCacheManager:
         lease_seconds: float = 0,
         renew: bool = True,
         max_backlog: int = 8,
+        profile: str = "",
+        num_hash_lookahead_tokens: int = 0,
     ) -> None:
         self.client = client
         self.pool = pool
@@ -97,6 +102,7 @@ class PredictingKVCacheManager:
         self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
         self.enable_caching = cfg.enable_caching
         self._attach_args = (pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds)
+        self._handshake = (profile, num_hash_lookahead_tokens)
         self._mirror: Mirror | None = None
         self.keeper = SessionKeeper(client, self._attach, renew=renew)
         self.mirror: Mirror = self._loaded()
@@ -118,7 +124,10 @@ class PredictingKVCacheManager:
                 is ended first).
         """
         client, cfg = self.client, self.config
-        response = client.attach(*self._attach_args, True, True, want_engine_state=True)
+        response = client.attach(
+            *self._attach_args, True, True, want_engine_state=True, profile=self._handshake[0],
+            num_hash_lookahead_tokens=self._handshake[1],
+        )  # fmt: skip
         why = response.pool_state_unavailable or "the server sent no pool state"
         if response.HasField("pool_state"):
             try:
@@ -186,9 +195,12 @@ class PredictingKVCacheManager:
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
-                       num_encoder_tokens: int = 0, return_table: bool = False) -> KVCacheBlockIds | None:  # fmt: skip
+                       num_encoder_tokens: int = 0, return_table: bool = False, full_sequence_must_fit: bool = False,
+                       reserved_blocks: int = 0, num_in_flight_tokens: int = 0) -> KVCacheBlockIds | None:  # fmt: skip
         """New block ids, or ``None`` when the pool has too few free blocks, answered now
-        (with ``return_table``, the answer's ``table`` is the request's whole table)."""
+        (with ``return_table``, the answer's ``table`` is the request's whole table;
+        ``full_sequence_must_fit``, ``reserved_blocks`` and ``num_in_flight_tokens``:
+        vLLM 0.33's inputs, for a ``vllm-0.33`` pool)."""
         keeper = self.keeper
         if (
             not (
@@ -196,6 +208,9 @@ class PredictingKVCacheManager:
                 or num_external_computed_tokens
                 or delay_cache_blocks
                 or num_encoder_tokens
+                or full_sequence_must_fit
+                or reserved_blocks
+                or num_in_flight_tokens
             )  # fmt: skip
             and self.sender.failure is None
             and keeper.lost is None
@@ -222,7 +237,8 @@ class PredictingKVCacheManager:
             self._vouch()
         got = self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                              num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-                             num_encoder_tokens)  # fmt: skip
+                             num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
+                             num_in_flight_tokens)  # fmt: skip
         if got is None:
             return None
         ids = KVCacheBlockIds(tuple([list(g) for g in got]))
@@ -258,7 +274,8 @@ class PredictingKVCacheManager:
     def _allocate(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
                   new_computed_blocks: KVCacheBlockIds | None, num_lookahead_tokens: int,
                   num_external_computed_tokens: int, delay_cache_blocks: bool,
-                  num_encoder_tokens: int) -> BlockIds | None:  # fmt: skip
+                  num_encoder_tokens: int, full_sequence_must_fit: bool = False,
+                  reserved_blocks: int = 0, num_in_flight_tokens: int = 0) -> BlockIds | None:  # fmt: skip
         """allocate_slots for a new request, a hit, a KV connector's or encoder's tokens,
         or bad input (the mirror's engine names it, and nothing is sent)."""
         rid = request.request_id
@@ -279,6 +296,9 @@ class PredictingKVCacheManager:
         a.num_external_computed_tokens = num_external_computed_tokens
         a.delay_cache_blocks = delay_cache_blocks
         a.num_encoder_tokens = num_encoder_tokens
+        a.full_sequence_must_fit = full_sequence_must_fit
+        a.reserved_blocks = reserved_blocks
+        a.num_in_flight_tokens = num_in_flight_tokens
         if hit is not None:
             a.num_new_computed_tokens = num_new_computed_tokens
             for group in hit:
@@ -289,6 +309,7 @@ class PredictingKVCacheManager:
                 rid, num_new_tokens, num_new_computed_tokens if hit is not None else 0,
                 hit, num_lookahead_tokens,
                 num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
+                full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
             )  # fmt: skip
         except StaleCacheHitError:
             # as the server answers a stale hit: refused, nothing changed (its sync undone)

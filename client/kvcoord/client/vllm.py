@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from kvcoord.v1 import allocator_pb2 as pb
@@ -67,9 +68,11 @@ __all__ = [
     "KVCacheBlock",
     "KVCacheBlocks",
     "KVCoordKVCacheManager",
+    "ManagerKinds",
     "PoolMismatchError",
     "PrefixCacheStats",
     "Settings",
+    "attach_manager",
     "connect",
     "convert_events",
     "convert_stats",
@@ -184,6 +187,38 @@ def connect(
         KVCoordError: the server refused or could not be reached.
     """
     expected = pool_config_from_vllm(kv_cache_config, vllm_config, log_stats=log_stats)
+    return attach_manager(
+        settings, expected, kv_cache_config, client,
+        ManagerKinds(PredictingKVCacheManager, RemoteKVCacheManager, KVCoordKVCacheManager),
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ManagerKinds:
+    """The classes :func:`attach_manager` builds for one vLLM release: the predicted
+    session, the waiting one, the vLLM-facing adapter, and keyword arguments both
+    sessions take (the release's handshake)."""
+
+    predicting: Callable[..., Any]
+    remote: Callable[..., Any]
+    adapter: Callable[[Any, Any], KVCoordKVCacheManager]
+    handshake: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def attach_manager(
+    settings: Settings,
+    expected: pb.PoolConfig,
+    kv_cache_config: Any,
+    client: KVCoordClient | None,
+    kinds: ManagerKinds,
+) -> KVCoordKVCacheManager:
+    """Create or find the pool ``expected`` describes, attach (predicted when
+    ``settings`` allow it and the server gives a state this client can mirror, else
+    waiting for the server), and wrap in the release's adapter.
+
+    Raises:
+        PoolMismatchError, RandomSeedError, KVCoordError: as :func:`connect`.
+    """
     if expected.enable_caching and not expected.hash_seed:
         raise RandomSeedError(
             "PYTHONHASHSEED is not set: vLLM then hashes blocks with a random seed no other "
@@ -195,17 +230,16 @@ def connect(
         if client is not None
         else KVCoordClient(settings.target, timeout=settings.timeout, token=settings.token)
     )
+    common = {"hash_seed": expected.hash_seed, "client_name": settings.client_name, **kinds.handshake}
     try:
         find_pool(c, settings, expected)
-        remote: RemoteKVCacheManager | PredictingKVCacheManager | None = None
+        remote: Any = None
         # Prediction needs the pool to itself: with KVCOORD_EXCLUSIVE=0 the engine shares
         # it and waits for the server, as asked (no warning: nothing is missing).
         why: str | None = None
         if settings.predict and settings.exclusive:
             try:
-                remote = PredictingKVCacheManager(
-                    c, settings.pool, hash_seed=expected.hash_seed, client_name=settings.client_name
-                )
+                remote = kinds.predicting(c, settings.pool, **common)
             except (FailedPreconditionError, ResourceExhaustedError) as err:
                 if isinstance(err, PoolBusyError) or (
                     isinstance(err, ResourceExhaustedError) and err.reason != "ANSWER_TOO_LARGE"
@@ -225,18 +259,12 @@ def connect(
             )
             exclusive = False
         if remote is None:
-            remote = RemoteKVCacheManager(
-                c,
-                settings.pool,
-                hash_seed=expected.hash_seed,
-                client_name=settings.client_name,
-                exclusive=exclusive,
-            )
+            remote = kinds.remote(c, settings.pool, exclusive=exclusive, **common)
     except BaseException:
         if own:
             c.close()
         raise
-    manager = KVCoordKVCacheManager(remote, kv_cache_config)
+    manager = kinds.adapter(remote, kv_cache_config)
     manager.owned_client = c if own else None
     if settings.create_pool:
         manager.pool_to_create = (settings.pool, expected)

@@ -6,49 +6,57 @@ more ways than 0.16.0's (a 3-tuple from ``get_computed_blocks``, statistics reco
 admission, ``full_sequence_must_fit`` and ``reserved_blocks`` on ``allocate_slots``,
 ``new_step_starts``, and reach into ``coordinator`` and ``block_pool``). Each decision is
 the pool's: the pool runs vLLM 0.33's rules (the ``vllm-0.33`` profile, part of the
-attach handshake).
+attach handshake). An exclusive pool is predicted, as under 0.16
+(:class:`Predicting033KVCacheManager`: the client's mirror is the pool's engine under the
+``vllm-0.33`` profile); otherwise every call waits for the pool's answer
+(:class:`Remote033KVCacheManager`).
 
 What kvcoord cannot reproduce for 0.33 is refused when the scheduler starts
 (:func:`unsupported_033` names the reason), or, for a property of one request, when the
 scheduler first passes that request (:class:`Unsupported033Error`): never a silent guess.
-Supported: KV cache groups of full attention (one block size), prefix caching on or
-off, KV events, statistics, the synchronous and the asynchronous scheduler, the FCFS and
-priority policies, and n-gram / draft-model speculative decoding without look-ahead
-hashes. Refused: other group types (sliding window, chunked local, mamba, cross
-attention: 0.33's processed-token basis, sparse retention and mamba checkpoints are not
-on the wire yet), EAGLE/MTP, KV connectors, the watermark, fine-grained (partial) hits,
-LoRA adapters, and, with KV events on, requests whose blocks carry multimodal or
-prompt-embedding extra keys or ask for the ``full`` report mode.
+Supported: KV cache groups of full attention, sliding window and chunked local
+attention (one block size; 0.33's processed-token basis travels as
+``AllocateOp.num_in_flight_tokens``, sparse or dense retention as the KVCacheConfig
+says), prefix caching on or off, KV events, statistics, the synchronous and the
+asynchronous scheduler, the FCFS and priority policies, cache salts, LoRA adapters (their
+path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
+speculative decoding, and EAGLE/MTP with 0.33's default look-ahead block hashes. Refused: other group types
+(mamba, cross attention, MLA and sink subclasses: mamba checkpoints are not on the wire
+yet), a positive ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block
+drop (look-ahead hashes turned off), KV connectors, the
+watermark, fine-grained (partial) hits, and, with KV events on,
+requests whose blocks carry multimodal or prompt-embedding extra keys or ask for the
+``full`` report mode.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import logging
 import types
 from typing import Any
 
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
-from .hashing import RandomSeedError
-from .items import Item, Pending
+from .items import Item, KVCacheBlockIds, Pending
 from .manager import RemoteKVCacheManager
+from .predicting import PredictingKVCacheManager
+from .tracking import RequestTracker
 from .vllm import (
     KVCacheBlocks,
     KVCoordKVCacheManager,
+    ManagerKinds,
     Settings,
-    convert_events,
-    find_pool,
+    attach_manager,
     pool_config_from_vllm,
 )
-
-logger = logging.getLogger(__name__)
+from .vllm_types import convert_engine_events, convert_events
 
 __all__ = [
     "VLLM_016",
     "VLLM_033",
     "KVCoord033KVCacheManager",
+    "Predicting033KVCacheManager",
     "Remote033KVCacheManager",
     "Unsupported033Error",
     "UnsupportedVLLMError",
@@ -60,6 +68,11 @@ __all__ = [
 
 VLLM_016 = "vllm-0.16"
 VLLM_033 = "vllm-0.33"
+
+
+#: what a Remote033 / Predicting033 manager's ``admission`` is outside vLLM 0.33's
+#: allocate_slots: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens
+NO_ADMISSION = (False, 0, 0)
 
 
 class UnsupportedVLLMError(RuntimeError):
@@ -95,16 +108,17 @@ def vllm_profile(version: str | None = None) -> str:
 def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int) -> str | None:
     """Why an engine with these configs cannot run its vLLM 0.33 scheduler on kvcoord
     (``None``: it can)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
     groups = kv_cache_config.kv_cache_groups
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
-        if type(spec) is not FullAttentionSpec:  # (MLA and other subclasses too)
+        # (exact types: MLA, sinks and the other subclasses are not taken)
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec):
             return (
                 f"KV cache group {i} is {type(spec).__name__}: kvcoord's vllm-0.33 plug-in supports "
-                "full attention only (0.33's processed-token frees, sparse retention and mamba "
-                "checkpoints are not on the wire yet)"
+                "full attention, sliding window and chunked local attention only (mamba checkpoints "
+                "and cross-attention are not on the wire yet)"
             )
         if getattr(spec, "sink_len", None):
             return f"KV cache group {i} has attention sinks: not supported by the vllm-0.33 profile"
@@ -116,46 +130,63 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
             f"hash_block_size {hash_block_size} differs from the block size {sizes.pop()}: "
             "fine-grained (partial) prefix hits are not supported"
         )
+    if getattr(kv_cache_config, "prefix_cache_retention_interval", 0):
+        return (
+            f"prefix_cache_retention_interval {kv_cache_config.prefix_cache_retention_interval}: "
+            "periodic sliding-window checkpoints are not supported by the vllm-0.33 profile"
+        )
     if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
         return "the KV cache needs zeroing (a mamba model): not supported"
     if vllm_config.kv_transfer_config is not None:
         return "a KV connector: 0.33's deferred frees, connector lookups and load fences are not supported"
     spec = vllm_config.speculative_config
-    if (spec is not None and spec.use_eagle()) or getattr(vllm_config, "num_hash_lookahead_tokens", 0):
-        return "EAGLE/MTP speculative decoding (0.33's per-group EAGLE rules and look-ahead hashes in schedulers)"
+    if (
+        spec is not None
+        and spec.use_eagle_block_drop()
+        and not getattr(vllm_config, "num_hash_lookahead_tokens", 0)
+    ):
+        # (0.33's default for EAGLE/MTP with prefix caching is look-ahead hashes, taken)
+        return (
+            "EAGLE/MTP with the trailing-block drop (look-ahead block hashes off): 0.33's per-group "
+            "EAGLE drop is not supported by the vllm-0.33 profile"
+        )
     if getattr(vllm_config.scheduler_config, "watermark", 0.0):
         return "scheduler_config.watermark > 0: the watermark is not on the wire"
-    if vllm_config.lora_config is not None:
-        return "LoRA adapters: 0.33's LoRA path in block events is not on the wire"
     return None
+
+
+def _name_salts(tracker: RequestTracker) -> None:
+    """A vllm-0.33 pool names a request's cache salt in its BlockStored.extra_keys: the
+    tracker's first sync of a request carries it."""
+    sync = tracker.sync
+
+    def sync_with_salt(request: Any, into: pb.RequestSync | None = None) -> pb.RequestSync:
+        message = sync(request, into)
+        if message.new_request and getattr(request, "cache_salt", None):
+            message.cache_salt = str(request.cache_salt)
+        return message
+
+    tracker.sync = sync_with_salt  # type: ignore[method-assign]
 
 
 class Remote033KVCacheManager(RemoteKVCacheManager):
     """:class:`RemoteKVCacheManager` attached as a ``vllm-0.33`` worker, with 0.33's
     extra calls. Never exclusive: its allocations wait for the pool's answer (the
-    client's promises and predictions follow 0.16's refusal rules)."""
+    client's promises and lookup hints follow 0.16's refusal rules; an exclusive 0.33
+    pool is predicted instead, :class:`Predicting033KVCacheManager`)."""
 
     def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
         kwargs["exclusive"] = False
         super().__init__(client, pool, profile=VLLM_033, **kwargs)
-        #: full_sequence_must_fit and reserved_blocks of the allocation being built
-        self.admission: tuple[bool, int] = (False, 0)
-        sync = self.tracker.sync
-
-        def sync_with_salt(request: Any, into: pb.RequestSync | None = None) -> pb.RequestSync:
-            # a vllm-0.33 pool names a request's cache salt in its BlockStored.extra_keys
-            message = sync(request, into)
-            if message.new_request and getattr(request, "cache_salt", None):
-                message.cache_salt = str(request.cache_salt)
-            return message
-
-        self.tracker.sync = sync_with_salt  # type: ignore[method-assign]
+        #: full_sequence_must_fit, reserved_blocks and num_in_flight_tokens of the
+        #: allocation being built
+        self.admission: tuple[bool, int, int] = NO_ADMISSION
+        _name_salts(self.tracker)
 
     def _item(self, *args: Any) -> Item:
         item = super()._item(*args)
-        fit, reserved = self.admission
-        item.op.allocate.full_sequence_must_fit = fit
-        item.op.allocate.reserved_blocks = reserved
+        a = item.op.allocate
+        a.full_sequence_must_fit, a.reserved_blocks, a.num_in_flight_tokens = self.admission
         return item
 
     def _unary_op(self, op: pb.Operation, decode: Any, deferred: bool) -> Any:
@@ -188,6 +219,53 @@ class Remote033KVCacheManager(RemoteKVCacheManager):
         if self._queue:
             self.flush()
         return super().peek_prefix_cache_stats()
+
+
+class Predicting033KVCacheManager(PredictingKVCacheManager):
+    """:class:`PredictingKVCacheManager` attached as a ``vllm-0.33`` worker: its mirror is
+    the pool's engine under the ``vllm-0.33`` profile, so it answers 0.33's calls (its
+    admission inputs, statistics recorded at admission, ``new_step_starts``) at once,
+    as the server will, and sends them with the step's Step."""
+
+    def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
+        super().__init__(client, pool, profile=VLLM_033, **kwargs)
+        #: full_sequence_must_fit, reserved_blocks and num_in_flight_tokens of the
+        #: allocation being made
+        self.admission: tuple[bool, int, int] = NO_ADMISSION
+        _name_salts(self.tracker)
+
+    def allocate_slots(  # type: ignore[override]
+        self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False, num_encoder_tokens: int = 0,
+        return_table: bool = False,
+    ) -> KVCacheBlockIds | None:  # fmt: skip
+        return super().allocate_slots(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table, *self.admission,
+        )  # fmt: skip
+
+    def new_step_starts(self) -> None:
+        self._settled()
+        self.mirror.call("new_step_starts")
+        self.sender.op().new_step_starts.SetInParent()
+
+    def record_prefix_cache_stats(self, request_id: str, num_hits: int) -> None:
+        self._settled()
+        self.mirror.call("record_prefix_cache_stats", request_id, num_hits)
+        op = self.sender.op().record_prefix_cache_stats
+        op.request_id = request_id
+        op.num_hits = num_hits
+
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        self._settled()
+        return int(self.mirror.call("estimate_cached_tokens", request_id))
+
+    def shared_prefix_boundary(self, request_id: str) -> int:
+        """vLLM 0.33's third ``get_computed_blocks`` value for the request's last lookup."""
+        if not self.mirror.holds(request_id):
+            return 0
+        return int(self.mirror.call("shared_prefix_boundary", request_id))
 
 
 class _Coordinator:
@@ -232,11 +310,17 @@ class _BlockPool:
 class KVCoord033KVCacheManager(KVCoordKVCacheManager):
     """vLLM 0.33.0's ``KVCacheManager`` interface over a ``vllm-0.33`` kvcoord pool."""
 
-    remote: Remote033KVCacheManager
+    remote: Remote033KVCacheManager | Predicting033KVCacheManager
 
-    def __init__(self, remote: Remote033KVCacheManager, kv_cache_config: Any) -> None:
+    def __init__(
+        self, remote: Remote033KVCacheManager | Predicting033KVCacheManager, kv_cache_config: Any
+    ) -> None:
         super().__init__(remote, kv_cache_config)
         self.remote033 = remote
+        #: a group frees blocks that leave its window (sliding window, chunked local)
+        self._windows = any(
+            g.WhichOneof("spec") in ("sliding_window", "chunked_local") for g in remote.config.groups
+        )
         self.coordinator = _Coordinator(kv_cache_config)
         self.block_pool = _BlockPool()
         self.mamba_shared_prefix_checkpoint = False
@@ -268,35 +352,41 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
             )
         self._check_request(request)
         blocks, num_tokens = super().get_computed_blocks(request)
-        return blocks, num_tokens, 0  # no sparse-retention group: no shared-prefix boundary
+        # The third value (where a shared prefix ends that a sliding-window group has not
+        # cached) feeds only 0.33's mamba chunk stops (mamba is refused); the pool keeps
+        # its own from this lookup for its caching. The predicted session knows it.
+        remote = self.remote
+        boundary = (
+            remote.shared_prefix_boundary(request.request_id)
+            if isinstance(remote, Predicting033KVCacheManager)
+            else 0
+        )
+        return blocks, num_tokens, boundary
 
     def allocate_slots(
         self,
         request: Any,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: KVCacheBlocks | None = None,
-        num_lookahead_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-        delay_cache_blocks: bool = False,
-        num_encoder_tokens: int = 0,
+        *args: Any,
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
         has_scheduled_reqs: bool = True,
         skip_zeroing_group_ids: tuple[int, ...] = (),
+        **kwargs: Any,
     ) -> KVCacheBlocks | None:
+        """0.16's ``allocate_slots`` (its arguments in ``args`` / ``kwargs``) with 0.33's
+        keyword arguments."""
         # has_scheduled_reqs matters for the watermark only, skip_zeroing_group_ids for
         # zeroing only: both refused at start
         self._check_request(request)
         remote = self.remote033
-        remote.admission = (full_sequence_must_fit, reserved_blocks)
+        # the processed-token basis matters only to a group with a window (full
+        # attention frees nothing early): elsewhere 0, so decode steps stay plain
+        in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0) if self._windows else 0
+        remote.admission = (full_sequence_must_fit, reserved_blocks, in_flight)
         try:
-            return super().allocate_slots(
-                request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
-                num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
-            )  # fmt: skip
+            return super().allocate_slots(request, *args, **kwargs)
         finally:
-            remote.admission = (False, 0)
+            remote.admission = NO_ADMISSION
 
     def remove_skipped_blocks(
         self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: int | None = None
@@ -320,7 +410,10 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
     def take_events(self) -> list[Any]:
         if not self.enable_kv_cache_events:
             return []
-        return convert_events(self.remote.take_events(), fields_033=True)
+        remote = self.remote
+        if isinstance(remote, PredictingKVCacheManager):
+            return convert_engine_events(remote.take_engine_events(), fields_033=True)
+        return convert_events(remote.take_events(), fields_033=True)
 
     # nothing to hand over: no zeroing, no copy-on-write, no mamba boundary states
     def take_new_block_ids(self) -> list[int]:
@@ -360,8 +453,17 @@ def pool_config_033(
     cfg = pool_config_from_vllm(kv_cache_config, vllm_config, log_stats=log_stats)
     cfg.profile = VLLM_033
     cfg.hash_block_size = int(hash_block_size)
-    cfg.use_eagle = False  # EAGLE is refused (unsupported_033)
+    cfg.use_eagle = False  # no trailing-block drop: look-ahead hashes (the drop is refused, unsupported_033)
     cfg.num_hash_lookahead_tokens = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+    # sparse retention, as 0.33's coordinator reads it from the KVCacheConfig (EngineCore
+    # copies it from cache_config; None keeps every sliding-window hash, on the wire -1)
+    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", 0)
+    if retention is None:
+        cfg.prefix_cache_retention_interval = -1
+    elif retention:
+        cfg.prefix_cache_retention_interval = int(retention)  # refused by unsupported_033
+    # the admission cap of sliding-window and chunked-local groups (0: max_model_len, as vLLM)
+    cfg.max_in_flight_tokens = int(getattr(vllm_config, "max_in_flight_tokens", 0) or 0)
     return cfg
 
 
@@ -377,8 +479,12 @@ def connect_033(
     """:func:`kvcoord.client.vllm.connect` for vLLM 0.33: create or find the ``vllm-0.33``
     pool, check it matches the engine, attach as a ``vllm-0.33`` worker, wrap.
 
-    ``KVCOORD_EXCLUSIVE`` and ``KVCOORD_PREDICT`` do not apply (a warning says so): every
-    allocation waits for the pool's answer.
+    As under 0.16, an exclusive pool (``KVCOORD_EXCLUSIVE=1``, ``KVCOORD_PREDICT=1``, the
+    defaults) is predicted (:class:`Predicting033KVCacheManager`); otherwise, or when the
+    server gives no state this client can mirror (a warning says why), every
+    allocation waits for the pool's answer (:class:`Remote033KVCacheManager`: 0.16's
+    promises do not apply to 0.33's rules, so ``KVCOORD_EXCLUSIVE`` without prediction
+    changes nothing but the handshake).
 
     Raises:
         PoolMismatchError: the pool exists with other settings or another profile.
@@ -386,31 +492,10 @@ def connect_033(
         KVCoordError: the server refused or could not be reached.
     """
     expected = pool_config_033(kv_cache_config, vllm_config, hash_block_size, log_stats=log_stats)
-    if expected.enable_caching and not expected.hash_seed:
-        raise RandomSeedError(
-            "PYTHONHASHSEED is not set: vLLM then hashes blocks with a seed no other process "
-            "shares; set it (to the same value) for the engine"
-        )
-    if settings.predict:
-        logger.warning("KVCOORD_PREDICT: not available with vLLM 0.33 yet; running without prediction")
-    own = client is None
-    c = (
-        client
-        if client is not None
-        else KVCoordClient(settings.target, timeout=settings.timeout, token=settings.token)
-    )
-    try:
-        find_pool(c, settings, expected)
-        remote = Remote033KVCacheManager(
-            c, settings.pool, hash_seed=expected.hash_seed, client_name=settings.client_name,
-            num_hash_lookahead_tokens=expected.num_hash_lookahead_tokens,
-        )  # fmt: skip
-    except BaseException:
-        if own:
-            c.close()
-        raise
-    manager = KVCoord033KVCacheManager(remote, kv_cache_config)
-    manager.owned_client = c if own else None
-    if settings.create_pool:
-        manager.pool_to_create = (settings.pool, expected)
+    kinds = ManagerKinds(
+        Predicting033KVCacheManager, Remote033KVCacheManager, KVCoord033KVCacheManager,
+        {"num_hash_lookahead_tokens": expected.num_hash_lookahead_tokens},
+    )  # fmt: skip
+    manager = attach_manager(settings, expected, kv_cache_config, client, kinds)
+    assert isinstance(manager, KVCoord033KVCacheManager)
     return manager

@@ -358,6 +358,7 @@ class KVCachePool:
         num_encoder_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
+        num_in_flight_tokens: int = 0,
     ) -> BlockIds | None:
         """vLLM's ``allocate_slots``: adopt a prefix hit, take new blocks, cache full ones.
 
@@ -375,6 +376,10 @@ class KVCachePool:
                 the request's whole sequence fits (vLLM 0.33's admission gate).
             reserved_blocks: (vllm-0.33 only) free blocks the allocation must leave
                 for other in-flight requests.
+            num_in_flight_tokens: (vllm-0.33 only) the request's computed tokens still in
+                flight (an asynchronous scheduler's or a batch queue's steps whose output
+                is not applied yet): blocks leave a window on the processed-token basis,
+                ``computed - in flight``, as vLLM 0.33 frees them.
 
         Returns:
             The newly taken block ids per group, or ``None`` when too few blocks are
@@ -406,6 +411,7 @@ class KVCachePool:
             and delay_cache_blocks is False
             and full_sequence_must_fit is False
             and reserved_blocks == 0
+            and num_in_flight_tokens == 0
             and req.num_computed_tokens + num_new_tokens <= self.max_model_len
         ):
             return self._allocate_without_hit(req, num_new_tokens, num_lookahead_tokens)
@@ -419,10 +425,13 @@ class KVCachePool:
         if not isinstance(full_sequence_must_fit, bool):
             raise InvalidArgumentError("full_sequence_must_fit must be a bool")
         check_count(reserved_blocks, "reserved_blocks")
-        if (full_sequence_must_fit or reserved_blocks) and not self.rules.full_sequence_admission:
+        check_count(num_in_flight_tokens, "num_in_flight_tokens")
+        if (
+            full_sequence_must_fit or reserved_blocks or num_in_flight_tokens
+        ) and not self.rules.full_sequence_admission:
             raise InvalidArgumentError(
-                f"full_sequence_must_fit and reserved_blocks are vLLM 0.33 inputs; this pool's "
-                f"profile is {self.config.profile}"
+                f"full_sequence_must_fit, reserved_blocks and num_in_flight_tokens are vLLM 0.33 inputs; "
+                f"this pool's profile is {self.config.profile}"
             )
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             # vLLM 0.31+ also lets a step adopt a local hit with no new token.
@@ -463,7 +472,8 @@ class KVCachePool:
             if k > self.block_pool.get_num_free_blocks():
                 self.num_refusals += 1
                 return None
-        coordinator.remove_skipped_blocks(request_id, total)
+        # vLLM 0.33 frees on the processed-token basis (steps in flight still read the window)
+        coordinator.remove_skipped_blocks(request_id, max(0, total - num_in_flight_tokens))
         k = coordinator.get_num_blocks_to_allocate(
             request_id,
             need,
@@ -659,6 +669,7 @@ class KVCachePool:
         num_encoder_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
+        num_in_flight_tokens: int = 0,
     ) -> AllocationResult:
         """Look up the prefix and allocate in one step, so the hit cannot go stale.
 
@@ -716,6 +727,7 @@ class KVCachePool:
                 num_encoder_tokens,
                 full_sequence_must_fit,
                 reserved_blocks,
+                num_in_flight_tokens,
             )
         except Exception:
             req.last_hit = last_hit

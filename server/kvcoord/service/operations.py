@@ -109,6 +109,7 @@ class Allocate:
     return_table: bool = False
     full_sequence_must_fit: bool = False
     reserved_blocks: int = 0
+    num_in_flight_tokens: int = 0
 
 
 @dataclasses.dataclass(slots=True)

@@ -1068,6 +1068,7 @@ class PoolService:
                     o.num_encoder_tokens,
                     o.full_sequence_must_fit,
                     o.reserved_blocks,
+                    o.num_in_flight_tokens,
                 )
                 if res.new_block_ids is None and o.must_succeed:
                     raise self._prediction_failed(rid)
@@ -1086,6 +1087,7 @@ class PoolService:
                 o.num_encoder_tokens,
                 o.full_sequence_must_fit,
                 o.reserved_blocks,
+                o.num_in_flight_tokens,
             )
             if new is None and o.must_succeed:
                 raise self._prediction_failed(rid)

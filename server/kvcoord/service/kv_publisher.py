@@ -399,6 +399,12 @@ class KVEventPublisher:
         the pool's semantics ``profile`` follows."""
         self._queue.put((events, profile))
 
+    def follow_profile(self, profile: str) -> None:
+        """The pool now follows ``profile``: the replay socket answers in its framing
+        from now on, even before the pool's first batch (queued after what was submitted
+        before, so earlier batches keep their format)."""
+        self._queue.put(([], profile))
+
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued, then stop the thread and close the sockets."""
         self._queue.put(None)
@@ -418,7 +424,8 @@ class KVEventPublisher:
                 if item is None:
                     return
                 self.profile = item[1]
-                self._send(item[0])
+                if item[0]:  # else only the profile (follow_profile)
+                    self._send(item[0])
         except Exception:  # pragma: no cover - logged: a dead publisher must be visible
             logger.exception(
                 "KV event publisher of pool %s stopped", self.decl.pool, extra=ids(pool=self.decl.pool)
@@ -512,6 +519,7 @@ async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_secon
                 head = [AllBlocksCleared()]
             incarnation = service.fence.incarnation
             profile = service.config.profile
+            publisher.follow_profile(profile)  # replays are framed as its profile's from now on
             cursor = journal.oldest_sequence - 1
         if journal.missed(cursor):
             logger.error(

@@ -343,7 +343,9 @@ class KVEventPublisher:
         ValueError: the reservation file is damaged.
     """
 
-    def __init__(self, decl: KVEventsDecl, data_dir: str | Path | None = None) -> None:
+    def __init__(
+        self, decl: KVEventsDecl, data_dir: str | Path | None = None, profile: str = VLLM_016
+    ) -> None:
         try:
             import msgspec  # noqa: F401 - the thread's encoder, checked before binding anything
             import zmq
@@ -385,8 +387,9 @@ class KVEventPublisher:
         self._topic = decl.topic.encode()
         self._queue: queue.SimpleQueue[tuple[list[KVCacheEvent], str] | None] = queue.SimpleQueue()
         #: the format of the batches sent last (the pool's profile), which the replay
-        #: socket answers in; a pool not seen yet is taken for the default profile
-        self.profile = VLLM_016
+        #: socket answers in; ``profile``: the pool's when it exists at the start, else
+        #: the default, until :func:`follow` sees the pool (follow_profile)
+        self.profile = profile
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=decl.buffer_steps)
         #: the next batch's sequence number (from the reservation across restarts)
         self.next_sequence = self._reservation.start if self._reservation is not None else 0
@@ -552,7 +555,13 @@ class Publishers:
         poll_seconds: float = 1.0,
         data_dir: str | Path | None = None,
     ) -> None:
-        self.publishers = {d.pool: KVEventPublisher(d, data_dir) for d in decls}
+        pools = registry.pools
+        self.publishers = {
+            d.pool: KVEventPublisher(
+                d, data_dir, pools[d.pool].config.profile if d.pool in pools else VLLM_016
+            )
+            for d in decls
+        }
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(follow(registry, p, poll_seconds)) for p in self.publishers.values()]
         for p in self.publishers.values():

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcoord.client import KVCoordClient
+from kvcoord.client import KVCoordClient, KVCoordError
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import (
     AttentionSpec,
@@ -22,6 +22,7 @@ from kvcoord.engine import (
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 from prometheus_client.parser import text_string_to_metric_families
+from service.helpers import allocate
 
 
 @dataclasses.dataclass
@@ -220,3 +221,66 @@ def child_pids(pid: int) -> list[int]:
         with contextlib.suppress(OSError):
             out += [int(c) for c in (task / "children").read_text().split()]
     return out
+
+
+#: a server process's ``sitecustomize``: ``os.fork`` fails as under a pids limit, and
+#: state_export counts pools of FORK_BLOCKS blocks or more as large
+_FORK_REFUSED = """
+import errno
+import os
+
+import kvcoord.service.state_export as _export
+
+_export.FORK_BLOCKS = {fork_blocks}
+
+
+def _refused():
+    raise OSError(errno.EAGAIN, "Resource temporarily unavailable (fork refused by the test)")
+
+
+os.fork = _refused
+"""
+
+
+def fork_refused_env(base: dict[str, str], hook_dir: Path, fork_blocks: int = 16) -> dict[str, str]:
+    """``base`` (a server process's environment) with a ``sitecustomize`` first on its
+    PYTHONPATH that makes every ``os.fork`` of the server fail (EAGAIN) and counts a pool
+    of ``fork_blocks`` blocks as large (state_export.FORK_BLOCKS)."""
+    hook_dir.mkdir(parents=True, exist_ok=True)
+    (hook_dir / "sitecustomize.py").write_text(_FORK_REFUSED.format(fork_blocks=fork_blocks))
+    env = dict(base)
+    env["PYTHONPATH"] = f"{hook_dir}:{env.get('PYTHONPATH', '')}"
+    return env
+
+
+def held_blocks(client: KVCoordClient, pool: str) -> dict[str, list[int]]:
+    """Every request of ``pool`` with its first group's block ids (InspectPool)."""
+    view = client.inspect_pool(pool, all_requests=True)
+    return {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
+
+
+def allocate_each_answered_truly(
+    client: KVCoordClient, pool: str, count: int, tokens_each: int
+) -> dict[str, list[int]]:
+    """Attach to ``pool`` (hash settings sha256_cbor, 4, "0") and allocate ``count``
+    requests of ``tokens_each`` tokens, one call each; assert that no call answered
+    with an error was applied (an error hiding an applied allocation makes its client
+    reuse or lose blocks it never knew it held). Returns the answered block ids, which
+    must be what the pool holds."""
+    s = client.attach(pool, "sha256_cbor", 4, "0", lease_seconds=600)
+    answered: dict[str, list[int]] = {}
+    failed: dict[str, str] = {}
+    for n in range(count):
+        rid = f"r{n}"
+        tokens = list(range(n * tokens_each, (n + 1) * tokens_each))
+        try:
+            got = client.allocate(pool, allocate(rid, tokens, tokens_each).allocate, s.session_id, s.fence)
+        except KVCoordError as err:
+            failed[rid] = str(err)
+            continue
+        assert not got.result.refused
+        answered[rid] = list(got.result.new_block_ids[0].block_ids)
+    held = held_blocks(client, pool)
+    assert not (set(failed) & set(held)), f"applied, but answered {failed}"
+    assert held == answered
+    return answered

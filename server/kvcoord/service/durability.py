@@ -301,8 +301,13 @@ class JournalRecorder(Recorder):
         seq = self.journal.appended
         path = self.journal.store.path.with_name(f"snapshot-{seq}.part")
         started = time.perf_counter()
+        pid = 0
         if self.fork:
-            pid = _fork_snapshot(self.dump, path)
+            try:
+                pid = _fork_snapshot(self.dump, path)
+            except OSError as exc:  # a pids limit, memory: the call whose record this is was applied
+                logger.warning("cannot fork to take a snapshot (%s): taken on the loop", exc)
+        if pid:
             self.last_capture_seconds = time.perf_counter() - started
             work: Callable[[], None] = lambda: _wait_child(pid, path)  # noqa: E731
         else:

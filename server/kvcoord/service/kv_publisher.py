@@ -343,7 +343,9 @@ class KVEventPublisher:
         ValueError: the reservation file is damaged.
     """
 
-    def __init__(self, decl: KVEventsDecl, data_dir: str | Path | None = None) -> None:
+    def __init__(
+        self, decl: KVEventsDecl, data_dir: str | Path | None = None, profile: str = VLLM_016
+    ) -> None:
         try:
             import msgspec  # noqa: F401 - the thread's encoder, checked before binding anything
             import zmq
@@ -385,8 +387,9 @@ class KVEventPublisher:
         self._topic = decl.topic.encode()
         self._queue: queue.SimpleQueue[tuple[list[KVCacheEvent], str] | None] = queue.SimpleQueue()
         #: the format of the batches sent last (the pool's profile), which the replay
-        #: socket answers in; a pool not seen yet is taken for the default profile
-        self.profile = VLLM_016
+        #: socket answers in; ``profile``: the pool's when it exists at the start, else
+        #: the default, until :func:`follow` sees the pool (follow_profile)
+        self.profile = profile
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=decl.buffer_steps)
         #: the next batch's sequence number (from the reservation across restarts)
         self.next_sequence = self._reservation.start if self._reservation is not None else 0
@@ -398,6 +401,12 @@ class KVEventPublisher:
         """Queue one batch (not empty) for publishing, in the format of the vLLM release
         the pool's semantics ``profile`` follows."""
         self._queue.put((events, profile))
+
+    def follow_profile(self, profile: str) -> None:
+        """The pool now follows ``profile``: the replay socket answers in its framing
+        from now on, even before the pool's first batch (queued after what was submitted
+        before, so earlier batches keep their format)."""
+        self._queue.put(([], profile))
 
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued, then stop the thread and close the sockets."""
@@ -418,7 +427,8 @@ class KVEventPublisher:
                 if item is None:
                     return
                 self.profile = item[1]
-                self._send(item[0])
+                if item[0]:  # else only the profile (follow_profile)
+                    self._send(item[0])
         except Exception:  # pragma: no cover - logged: a dead publisher must be visible
             logger.exception(
                 "KV event publisher of pool %s stopped", self.decl.pool, extra=ids(pool=self.decl.pool)
@@ -512,6 +522,7 @@ async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_secon
                 head = [AllBlocksCleared()]
             incarnation = service.fence.incarnation
             profile = service.config.profile
+            publisher.follow_profile(profile)  # replays are framed as its profile's from now on
             cursor = journal.oldest_sequence - 1
         if journal.missed(cursor):
             logger.error(
@@ -544,7 +555,13 @@ class Publishers:
         poll_seconds: float = 1.0,
         data_dir: str | Path | None = None,
     ) -> None:
-        self.publishers = {d.pool: KVEventPublisher(d, data_dir) for d in decls}
+        pools = registry.pools
+        self.publishers = {
+            d.pool: KVEventPublisher(
+                d, data_dir, pools[d.pool].config.profile if d.pool in pools else VLLM_016
+            )
+            for d in decls
+        }
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(follow(registry, p, poll_seconds)) for p in self.publishers.values()]
         for p in self.publishers.values():

@@ -30,7 +30,7 @@ from .registry import GcFreezer, PoolRegistry
 from .servicer import AllocatorServicer, OperationObserver, add_servicer
 from .sessions import SessionTable
 from .startup import StartupDecision, decide_startup
-from .state_export import apart, collect, fork_encoder, pool_encoded
+from .state_export import apart, encode_started, pool_encoded
 from .store_journal import PoolStreams, StoreRecorder, encode_base
 from .tls import PeerTLS, peer_credentials, server_credentials
 
@@ -458,8 +458,9 @@ def _store_journal(
         service = registry.pools.get(pool)
         if service is None or not apart(service):
             return encode()
-        # the state right after the record that made the base due, encoded by a forked child
-        return asyncio.ensure_future(collect(*fork_encoder(encode)))
+        # the state right after the record that made the base due, encoded by a forked
+        # child (here when the process cannot fork: the record's call is applied already)
+        return encode_started(encode)
 
     def drop(pool: str) -> None:
         if pool in registry.pools:

@@ -12,13 +12,15 @@ position: calls the loop answers afterwards change only the parent's pool), enco
 into a pipe and exits. A thread reads the pipe while the loop goes on answering other
 calls; the loop stands still only for the fork. Smaller pools, and a process in which
 forking is unsafe (gRPC's fork handlers on, see ``kvcoord/service/__init__.py``), are
-encoded on the loop as before.
+encoded on the loop as before, and so is a state whose fork is refused (EAGAIN under a
+pids limit, ENOMEM): the call that made it due has been applied, and must be answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -39,11 +41,14 @@ __all__ = [
     "ExportError",
     "apart",
     "collect",
+    "encode_started",
     "encoded_apart",
     "fork_encoder",
     "mirror_state_apart",
     "pool_encoded",
 ]
+
+logger = logging.getLogger(__name__)
 
 #: blocks a pool has built (handed out at least once) from which its state is encoded in a forked child
 #: (below it the pass on the loop takes about as long as the fork)
@@ -97,7 +102,12 @@ def fork_encoder(encode: Callable[[], bytes]) -> tuple[int, int]:
     exits; returns its pid and the pipe's reading end (see :func:`collect`)."""
     read_fd, write_fd = os.pipe()
     parent = os.getpid()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except BaseException:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise
     if pid == 0:  # the child: no event loop, no gRPC; only this
         code = 1
         try:
@@ -136,10 +146,28 @@ async def collect(pid: int, read_fd: int) -> bytes:
     return data
 
 
+def _forked(encode: Callable[[], bytes]) -> tuple[int, int] | None:
+    """:func:`fork_encoder`, or None when the process cannot fork (an OSError: a pids
+    limit, memory); the caller then encodes on the loop."""
+    try:
+        return fork_encoder(encode)
+    except OSError as exc:
+        logger.warning("cannot fork to encode a pool's state off the loop (%s): encoded on the loop", exc)
+        return None
+
+
+def encode_started(encode: Callable[[], bytes]) -> bytes | asyncio.Future[bytes]:
+    """``encode()`` of the state as it is now, started in a forked child (a future of
+    its bytes: see :func:`collect`), or its bytes encoded here when forking fails."""
+    forked = _forked(encode)
+    return encode() if forked is None else asyncio.ensure_future(collect(*forked))
+
+
 async def encoded_apart(encode: Callable[[], bytes]) -> bytes:
     """``encode()`` run in a forked child on the state as it is now; the loop goes on
-    meanwhile (see :func:`collect`)."""
-    return await collect(*fork_encoder(encode))
+    meanwhile (see :func:`collect`). Encoded here when forking fails."""
+    forked = _forked(encode)
+    return encode() if forked is None else await collect(*forked)
 
 
 def apart(service: PoolService) -> bool:

@@ -52,7 +52,9 @@ class DurableServer:
     """``kvcoord serve`` with a data directory; :meth:`kill` is SIGKILL, :meth:`start`
     (re)starts it on the same port and waits until it answers health checks."""
 
-    def __init__(self, tmp: Path, pools_toml: str = "", synchronous: str = "NORMAL") -> None:
+    def __init__(
+        self, tmp: Path, pools_toml: str = "", synchronous: str = "NORMAL", snapshot_every: int = 2000
+    ) -> None:
         self.tmp = tmp
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
@@ -60,7 +62,7 @@ class DurableServer:
         self.config = tmp / "kvcoord.toml"
         self.config.write_text(
             f'[server]\nlisten = ["{self.address}"]\nmetrics_listen = ""\n'
-            f'data_dir = "{self.data_dir}"\nsynchronous = "{synchronous}"\nsnapshot_every = 2000\n'
+            f'data_dir = "{self.data_dir}"\nsynchronous = "{synchronous}"\nsnapshot_every = {snapshot_every}\n'
             f'log_level = "WARNING"\n{pools_toml}'
         )
         self.proc: subprocess.Popen[bytes] | None = None

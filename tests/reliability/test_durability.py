@@ -91,17 +91,17 @@ def test_033_traces_survive_sigkill(tmp_path: Path) -> None:
 
 
 class _Restarting(list[dict[str, Any]]):
-    """A trace's operations; the server is SIGKILLed and restarted before every
-    ``every``-th one (between calls: nothing in flight)."""
+    """A trace's operations; the server is SIGKILLed and restarted before each
+    operation whose index is in ``points`` (between calls: nothing in flight)."""
 
-    def __init__(self, ops: list[dict[str, Any]], server: DurableServer, every: int) -> None:
+    def __init__(self, ops: list[dict[str, Any]], server: DurableServer, points: set[int]) -> None:
         super().__init__(ops)
         self.server = server
-        self.every = every
+        self.points = points
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for i, op in enumerate(list.__iter__(self)):
-            if i and i % self.every == 0:
+            if i in self.points:
                 self.server.restart()
             yield op
 
@@ -117,12 +117,62 @@ def test_033_mamba_trace_survives_restarts(tmp_path: Path) -> None:
         trace = load_trace(
             ROOT / "tests" / "conformance" / "data-vllm-0.33" / "hybrid_full32_mamba32_align.jsonl"
         )
-        paced = dataclasses.replace(trace, ops=_Restarting(trace.ops, server, 300))
+        paced = dataclasses.replace(
+            trace, ops=_Restarting(trace.ops, server, set(range(300, len(trace.ops), 300)))
+        )
         result = replay(paced, _Target(server.address, retry=PATIENT))
     finally:
         server.stop()
     assert result.passed, result.mismatch
     assert server.kills >= len(trace.ops) // 300
+
+
+#: the vLLM 0.33 calls a mamba pool's answers depend on: a kill lands right after one
+_MAMBA_KILL_AFTER = (
+    "new_step_starts",
+    "allocate_slots",
+    "get_computed_blocks",
+    "free",
+    "take_new_block_ids",
+    "take_boundary_state_offloads",
+    "take_kv_cache_block_copies",
+    "record_prefix_cache_stats",
+    "make_prefix_cache_stats",
+)
+
+
+def _mamba_kill_points(ops: list[dict[str, Any]], per_kind: int, rnd: random.Random) -> set[int]:
+    """``per_kind`` operations of each kind in :data:`_MAMBA_KILL_AFTER`, spread over
+    the trace at random: the server dies right after each (so between a Step and its
+    drains, between ``new_step_starts`` and the next allocation, ...)."""
+    points = set()
+    for kind in _MAMBA_KILL_AFTER:
+        where = [i + 1 for i, op in enumerate(ops) if op.get("op") == kind and i + 1 < len(ops)]
+        points.update(rnd.sample(where, min(per_kind, len(where))))
+    return points
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_033_mamba_trace_survives_kills_after_each_kind_of_call(tmp_path: Path, seed: int) -> None:
+    """The vllm-0.33 mamba trace over the wire, the server SIGKILLed right after calls
+    of every kind that changes what a mamba group answers (27 kill points over the
+    trace), with a snapshot every 40 records so that restarts load snapshots taken
+    at many different places of the trace (between a Step and its drains too): every
+    restart replays its journal and every answer stays vLLM 0.33's."""
+    server = DurableServer(tmp_path, snapshot_every=40)
+    server.start()
+    try:
+        trace = load_trace(
+            ROOT / "tests" / "conformance" / "data-vllm-0.33" / "hybrid_full32_mamba32_align.jsonl"
+        )
+        points = _mamba_kill_points(trace.ops, 3, random.Random(seed))
+        paced = dataclasses.replace(trace, ops=_Restarting(trace.ops, server, points))
+        result = replay(paced, _Target(server.address, retry=PATIENT))
+    finally:
+        server.stop()
+    assert result.passed, result.mismatch
+    assert server.kills == len(points) == 3 * len(_MAMBA_KILL_AFTER)
 
 
 def _replay_through_kills(tmp_path: Path, traces: list[Path]) -> None:

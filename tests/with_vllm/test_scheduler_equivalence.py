@@ -83,7 +83,7 @@ class CallCounter:
         inner = connector.update_state_after_alloc
 
         def counted(request: Any, blocks: Any, num_external_tokens: int) -> None:
-            if num_external_tokens:
+            if num_external_tokens and self.external:  # (none before the first counted step)
                 self.external[-1] += 1
             inner(request, blocks, num_external_tokens)
 

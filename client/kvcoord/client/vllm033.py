@@ -20,11 +20,16 @@ attention (one block size; 0.33's processed-token basis travels as
 says), prefix caching on or off, KV events, statistics, the synchronous and the
 asynchronous scheduler, the FCFS and priority policies, cache salts, LoRA adapters (their
 path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
-speculative decoding, and EAGLE/MTP with 0.33's default look-ahead block hashes. Refused: other group types
+speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, and KV
+connectors (loads, failed loads, delayed and deferred frees:
+:mod:`kvcoord.client.vllm033_connector`). Refused: other group types
 (mamba, cross attention, MLA and sink subclasses: mamba checkpoints are not on the wire
 yet), a positive ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block
-drop (look-ahead hashes turned off), KV connectors, the
-watermark, fine-grained (partial) hits, and, with KV events on,
+drop (look-ahead hashes turned off), the watermark, a KV connector with a HiSparse
+host pool (load fences), an auxiliary-output connector, a KV connector with
+speculative decoding on a pool with a sliding-window or chunked-local group (block
+ids seen to differ from vLLM 0.33.0's, cause not found; see
+:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), fine-grained (partial) hits, and, with KV events on,
 requests whose blocks carry multimodal or prompt-embedding extra keys or ask for the
 ``full`` report mode.
 """

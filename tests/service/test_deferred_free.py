@@ -8,23 +8,15 @@ from __future__ import annotations
 from kvcoord.client import KVCoordClient
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool, SlidingWindowSpec
 from kvcoord.v1 import allocator_pb2 as pb
+from workload import pool_config
 
 NUM_BLOCKS = 32
 
 
 def pool(profile: str) -> pb.PoolConfig:
-    return pb.PoolConfig(
-        num_blocks=NUM_BLOCKS,
-        groups=[
-            pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4)),
-            pb.KVCacheGroupSpec(sliding_window=pb.SlidingWindowSpec(block_size=4, sliding_window=64)),
-        ],
-        hash_block_size=4,
-        enable_caching=True,
-        hash_algo="sha256_cbor",
-        hash_seed="0",
-        profile=profile,
-    )
+    cfg = pool_config(NUM_BLOCKS)  # full attention and a sliding window, blocks of 16 tokens
+    cfg.profile = profile
+    return cfg
 
 
 def hashes(n: int, salt: int) -> list[bytes]:
@@ -33,7 +25,7 @@ def hashes(n: int, salt: int) -> list[bytes]:
 
 def allocate(rid: str, tokens: int, salt: int) -> pb.Operation:
     sync = pb.RequestSync(
-        request_id=rid, append_token_ids=list(range(tokens)), append_block_hashes=hashes(tokens // 4, salt),
+        request_id=rid, append_token_ids=list(range(tokens)), append_block_hashes=hashes(tokens // 16, salt),
         new_request=True,
     )  # fmt: skip
     return pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=tokens))
@@ -43,11 +35,11 @@ def run(client: KVCoordClient, name: str, deferred: bool) -> list[list[int]]:
     """Allocate a request (3 hashed blocks and a partial one per group), free it, then
     allocate one that takes every free block: its table shows the free queue's order."""
     client.create_pool(name, pool("vllm-0.33"))
-    att = client.attach(name, "sha256_cbor", 4, "0", profile="vllm-0.33")
+    att = client.attach(name, "sha256_cbor", 16, "0", profile="vllm-0.33")
     free = pb.Operation(free=pb.FreeOp(request_id="a", all_groups_reversed=deferred))
-    big = (NUM_BLOCKS - 1) // 2 * 4
+    big = (NUM_BLOCKS - 1) // 2 * 16
     results = client.step(
-        name, [allocate("a", 14, 1), free, allocate("b", big, 2)], att.session_id, att.fence
+        name, [allocate("a", 56, 1), free, allocate("b", big, 2)], att.session_id, att.fence
     )
     assert all(r.status_code == 0 for r in results.results), results
     return [list(g.block_ids) for g in results.results[2].allocate.new_block_ids]
@@ -55,13 +47,13 @@ def run(client: KVCoordClient, name: str, deferred: bool) -> list[list[int]]:
 
 def engine_table(deferred: bool) -> list[list[int]]:
     """The same calls on the engine (the rule, unit-tested in test_profile_rules)."""
-    groups = (FullAttentionSpec(4), SlidingWindowSpec(4, 64))
-    p = KVCachePool(KVCacheConfig(NUM_BLOCKS, groups, 4, enable_caching=True, profile="vllm-0.33"))
-    p.add_request("a", list(range(14)), hashes(3, 1))
-    p.allocate_slots("a", 14)
+    groups = (FullAttentionSpec(16), SlidingWindowSpec(16, 64))
+    p = KVCachePool(KVCacheConfig(NUM_BLOCKS, groups, 16, enable_caching=True, profile="vllm-0.33"))
+    p.add_request("a", list(range(56)), hashes(3, 1))
+    p.allocate_slots("a", 56)
     p.free("a", all_groups_reversed=deferred)
-    big = (NUM_BLOCKS - 1) // 2 * 4
-    p.add_request("b", list(range(big)), hashes(big // 4, 2))
+    big = (NUM_BLOCKS - 1) // 2 * 16
+    p.add_request("b", list(range(big)), hashes(big // 16, 2))
     table = p.allocate_slots("b", big)
     assert table is not None
     return [list(g) for g in table]
@@ -77,9 +69,9 @@ def test_a_deferred_free_frees_in_vllm_033s_order(client: KVCoordClient) -> None
 def test_a_deferred_free_is_refused_by_a_016_pool(client: KVCoordClient) -> None:
     cfg = pool("")
     client.create_pool("old", cfg)
-    att = client.attach("old", "sha256_cbor", 4, "0")
+    att = client.attach("old", "sha256_cbor", 16, "0")
     free = pb.Operation(free=pb.FreeOp(request_id="a", all_groups_reversed=True))
-    results = client.step("old", [allocate("a", 14, 1), free], att.session_id, att.fence).results
+    results = client.step("old", [allocate("a", 56, 1), free], att.session_id, att.fence).results
     assert results[0].status_code == 0
     assert results[1].status_code == 9 and "vllm-0.33" in results[1].status_message  # FAILED_PRECONDITION
     assert client.get_pool("old").pool.num_requests == 1  # still held

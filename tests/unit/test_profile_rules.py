@@ -205,3 +205,50 @@ def test_sliding_window_retention(profile: str, retention: int | None, hashed: l
     cached = set(p.cached_block_ids())
     assert [i for i, b in enumerate(full) if b in cached] == list(range(10))
     assert [i for i, b in enumerate(window) if b in cached] == hashed
+
+
+def hybrid_033(caching: bool = True) -> KVCachePool:
+    groups = (FullAttentionSpec(16), SlidingWindowSpec(16, 64))
+    return KVCachePool(KVCacheConfig(24, groups, 16, enable_caching=caching, profile="vllm-0.33"))
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_deferred_free_releases_all_groups_in_one_reversed_pass(caching: bool) -> None:
+    """vLLM 0.33's deferred free (a KV-consumer connector with overlapping steps) pops
+    every group's list and frees their concatenation reversed: the last group's tail
+    first. A plain free goes group by group; both are compared with the rule here."""
+    plain, deferred = hybrid_033(caching), hybrid_033(caching)
+    for p in (plain, deferred):
+        p.add_request("a", list(range(40)), hashes(2) if caching else [])
+        table = p.allocate_slots("a", 40)
+        assert table is not None and all(len(g) == 3 for g in table)
+        before = p.free_queue_head()
+    plain.free("a")
+    deferred.free("a", all_groups_reversed=True)
+    held = [b for g in table for b in g]
+    # what each order leaves in the queue: the freed blocks' positions, by the rule
+    freed_plain = [b for g in table for b in reversed(g)]
+    freed_deferred = list(reversed(held))
+    assert sorted(plain.free_queue_head()) == sorted(deferred.free_queue_head()) == sorted(before + held)
+
+    def order(p: KVCachePool) -> list[int]:
+        return [b for b in p.free_queue_head() if b in held]
+
+    if caching:  # hashed blocks (0 and 1 of each group) to the tail, the partial ones to the head
+        hashed = {g[0] for g in table} | {g[1] for g in table}
+        assert [b for b in order(plain) if b in hashed] == [b for b in freed_plain if b in hashed]
+        assert [b for b in order(deferred) if b in hashed] == [b for b in freed_deferred if b in hashed]
+        assert order(plain) != order(deferred)
+    else:  # every freed block goes to the head, in the order freed; per call for the plain free
+        assert order(deferred) == freed_deferred
+        assert order(plain) == [b for g in reversed(table) for b in reversed(g)]
+    assert not deferred.has_request("a")
+
+
+def test_deferred_free_is_a_033_call() -> None:
+    p = pool("vllm-0.16")
+    p.add_request("a", list(range(20)), hashes(1))
+    p.allocate_slots("a", 20)
+    with pytest.raises(FailedPreconditionError, match="vllm-0.33"):
+        p.free("a", all_groups_reversed=True)
+    assert p.has_request("a")

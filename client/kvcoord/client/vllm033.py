@@ -20,11 +20,16 @@ attention (one block size; 0.33's processed-token basis travels as
 says), prefix caching on or off, KV events, statistics, the synchronous and the
 asynchronous scheduler, the FCFS and priority policies, cache salts, LoRA adapters (their
 path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
-speculative decoding, and EAGLE/MTP with 0.33's default look-ahead block hashes. Refused: other group types
+speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, and KV
+connectors (loads, failed loads, delayed and deferred frees:
+:mod:`kvcoord.client.vllm033_connector`). Refused: other group types
 (mamba, cross attention, MLA and sink subclasses: mamba checkpoints are not on the wire
 yet), a positive ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block
-drop (look-ahead hashes turned off), KV connectors, the
-watermark, fine-grained (partial) hits, and, with KV events on,
+drop (look-ahead hashes turned off), the watermark, a KV connector with a HiSparse
+host pool (load fences), an auxiliary-output connector, a KV connector with
+speculative decoding on a pool with a sliding-window or chunked-local group (block
+ids seen to differ from vLLM 0.33.0's, cause not found; see
+:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), fine-grained (partial) hits, and, with KV events on,
 requests whose blocks carry multimodal or prompt-embedding extra keys or ask for the
 ``full`` report mode.
 """
@@ -50,11 +55,19 @@ from .vllm import (
     attach_manager,
     pool_config_from_vllm,
 )
+from .vllm033_connector import (
+    AdapterConnector033,
+    DeferredFree,
+    PredictingConnector033,
+    RemoteConnector033,
+    connector_refusal_033,
+)
 from .vllm_types import convert_engine_events, convert_events
 
 __all__ = [
     "VLLM_016",
     "VLLM_033",
+    "DeferredFree",
     "KVCoord033KVCacheManager",
     "Predicting033KVCacheManager",
     "Remote033KVCacheManager",
@@ -137,8 +150,9 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
         )
     if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
         return "the KV cache needs zeroing (a mamba model): not supported"
-    if vllm_config.kv_transfer_config is not None:
-        return "a KV connector: 0.33's deferred frees, connector lookups and load fences are not supported"
+    why = connector_refusal_033(kv_cache_config, vllm_config)
+    if why is not None:
+        return why
     spec = vllm_config.speculative_config
     if (
         spec is not None
@@ -169,7 +183,7 @@ def _name_salts(tracker: RequestTracker) -> None:
     tracker.sync = sync_with_salt  # type: ignore[method-assign]
 
 
-class Remote033KVCacheManager(RemoteKVCacheManager):
+class Remote033KVCacheManager(RemoteConnector033, RemoteKVCacheManager):
     """:class:`RemoteKVCacheManager` attached as a ``vllm-0.33`` worker, with 0.33's
     extra calls. Never exclusive: its allocations wait for the pool's answer (the
     client's promises and lookup hints follow 0.16's refusal rules; an exclusive 0.33
@@ -221,7 +235,7 @@ class Remote033KVCacheManager(RemoteKVCacheManager):
         return super().peek_prefix_cache_stats()
 
 
-class Predicting033KVCacheManager(PredictingKVCacheManager):
+class Predicting033KVCacheManager(PredictingConnector033, PredictingKVCacheManager):
     """:class:`PredictingKVCacheManager` attached as a ``vllm-0.33`` worker: its mirror is
     the pool's engine under the ``vllm-0.33`` profile, so it answers 0.33's calls (its
     admission inputs, statistics recorded at admission, ``new_step_starts``) at once,
@@ -270,9 +284,13 @@ class Predicting033KVCacheManager(PredictingKVCacheManager):
 
 class _Coordinator:
     """What vLLM 0.33's scheduler and engine core read from ``kv_cache_manager.coordinator``:
-    per group its block size and spec, and whether fine-grained hits are on (never)."""
+    per group its block size and spec, whether fine-grained hits are on (never), and
+    ``get_num_blocks_to_allocate`` (a KV connector's asynchronous loads reserve blocks)."""
 
-    def __init__(self, kv_cache_config: Any) -> None:
+    def __init__(
+        self, kv_cache_config: Any, remote: Remote033KVCacheManager | Predicting033KVCacheManager
+    ) -> None:
+        self.remote = remote
         self.single_type_managers = tuple(
             types.SimpleNamespace(
                 kv_cache_group_id=i, block_size=int(g.kv_cache_spec.block_size), kv_cache_spec=g.kv_cache_spec
@@ -283,12 +301,23 @@ class _Coordinator:
         self.eagle_group_ids: tuple[int, ...] = ()
         self.num_reprefillable_tokens = 0
 
-    def get_num_blocks_to_allocate(self, *args: Any, **kwargs: Any) -> int:
-        # 0.33's scheduler asks this only to reserve blocks for a KV connector's
-        # asynchronous loads: refused at start
-        raise Unsupported033Error(
-            "coordinator.get_num_blocks_to_allocate (a KV connector's asynchronous loads)"
-        )
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Any, num_encoder_tokens: int,
+        total_computed_tokens: int, num_local_computed_tokens: int, num_tokens_main_model: int,
+        apply_admission_cap: bool = False, prefill_end: int = 0,
+    ) -> int:  # fmt: skip
+        """The blocks the request would still take (vLLM 0.33's scheduler sums them into
+        ``reserved_blocks`` for a KV connector's asynchronous loads), the pool's count.
+        ``prefill_end`` matters to mamba groups only (refused)."""
+        if any(new_computed_blocks) or num_local_computed_tokens != total_computed_tokens:
+            raise Unsupported033Error(
+                "coordinator.get_num_blocks_to_allocate with a new hit or external tokens: kvcoord "
+                "counts a request's remaining blocks only"
+            )
+        return self.remote.get_num_blocks_to_allocate(
+            request_id, num_tokens, total_computed_tokens, num_tokens_main_model, apply_admission_cap,
+            num_encoder_tokens,
+        )  # fmt: skip
 
     def __getattr__(self, name: str) -> Any:
         raise Unsupported033Error(
@@ -297,8 +326,21 @@ class _Coordinator:
 
 
 class _BlockPool:
-    """vLLM 0.33 returns blocks to ``block_pool`` directly only for deferred frees and
-    copy-on-write retentions (KV connectors, partial hits): refused at start."""
+    """vLLM 0.33 returns blocks to ``block_pool`` directly for deferred frees (a
+    KV-consumer connector with overlapping steps: taken, :class:`DeferredFree`) and
+    copy-on-write retentions (partial hits: refused at start)."""
+
+    def __init__(self, free_deferred: Any) -> None:
+        self.free_deferred = free_deferred
+
+    def free_blocks(self, ordered_blocks: Any) -> None:
+        for item in ordered_blocks:
+            if not isinstance(item, DeferredFree):
+                raise Unsupported033Error(
+                    "vLLM 0.33 freed blocks through kv_cache_manager.block_pool that are not a deferred "
+                    "free (copy-on-write retentions): not supported by kvcoord's vllm-0.33 plug-in"
+                )
+            self.free_deferred(item.request_id)
 
     def __getattr__(self, name: str) -> Any:
         raise Unsupported033Error(
@@ -307,10 +349,11 @@ class _BlockPool:
         )
 
 
-class KVCoord033KVCacheManager(KVCoordKVCacheManager):
+class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     """vLLM 0.33.0's ``KVCacheManager`` interface over a ``vllm-0.33`` kvcoord pool."""
 
     remote: Remote033KVCacheManager | Predicting033KVCacheManager
+    remote033: Remote033KVCacheManager | Predicting033KVCacheManager
 
     def __init__(
         self, remote: Remote033KVCacheManager | Predicting033KVCacheManager, kv_cache_config: Any
@@ -321,8 +364,8 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
         self._windows = any(
             g.WhichOneof("spec") in ("sliding_window", "chunked_local") for g in remote.config.groups
         )
-        self.coordinator = _Coordinator(kv_cache_config)
-        self.block_pool = _BlockPool()
+        self.coordinator = _Coordinator(kv_cache_config, remote)
+        self.block_pool = _BlockPool(self.free_deferred)
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.watermark_blocks = 0
@@ -426,11 +469,6 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
         return {}
 
     # reached only with features refused at start
-    def pop_blocks_for_free(self, request: Any) -> list[Any]:
-        raise Unsupported033Error("pop_blocks_for_free (deferred frees of a KV connector)")
-
-    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
-        raise Unsupported033Error("finalize_partial_tail_offloads (a KV producer's partial tails)")
 
     def get_computed_blocks_for_connector(self, request: Any, max_cache_hit_length: int | None = None) -> Any:
         raise Unsupported033Error("get_computed_blocks_for_connector (a KV connector)")
@@ -440,9 +478,6 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         raise Unsupported033Error("record_blocks_for_zeroing (KV cache zeroing)")
-
-    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> Any:
-        raise Unsupported033Error("get_block_ids_for_computed_tokens (a finished request's KV connector)")
 
 
 def pool_config_033(

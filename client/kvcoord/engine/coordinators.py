@@ -133,6 +133,19 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.free(request_id)
 
+    def free_all_groups_reversed(self, request_id: str) -> None:
+        """vLLM 0.33's deferred free (a KV-consumer connector with overlapping steps):
+        every group's list is taken at once (``pop_blocks_for_free``), concatenated in
+        group order, and released later in one reversed pass: the last group's tail
+        reaches the free queue first, group 0's head last. For managers that free by
+        the base rule only (the pool checks)."""
+        blocks: list[KVCacheBlock] = []
+        for manager in self.managers:
+            blocks.extend(manager.req_to_blocks.pop(request_id, []))
+            manager.num_cached_block.pop(request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         for manager in self.managers:
             manager.remove_skipped_blocks(request_id, total_computed_tokens)

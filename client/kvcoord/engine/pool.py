@@ -891,10 +891,32 @@ class KVCachePool:
             out = end if out is None else min(out, end)
         return out or 0
 
-    def free(self, request_id: str) -> None:
-        """Release the request's blocks (tail first, group order) and forget it."""
+    def free(self, request_id: str, all_groups_reversed: bool = False) -> None:
+        """Release the request's blocks (tail first, group order) and forget it.
+
+        ``all_groups_reversed`` (vllm-0.33 only): the order of vLLM 0.33's deferred
+        free (``pop_blocks_for_free`` then ``block_pool.free_blocks(reversed(...))``, a
+        KV-consumer connector with overlapping steps): all groups' blocks concatenated
+        in group order, released in one reversed pass. The same as the plain order for
+        one group.
+
+        Raises:
+            RequestNotFoundError: unknown request.
+            FailedPreconditionError: ``all_groups_reversed`` on a vllm-0.16 pool, or with a
+                group that frees by its own rule (mamba, cross attention).
+        """
+        if all_groups_reversed:
+            self._require_033("a deferred free (all_groups_reversed)")
+            if any(type(m).free is not SingleTypeKVCacheManager.free for m in self.managers):
+                raise FailedPreconditionError(
+                    "a deferred free (all_groups_reversed) needs every group to free by the base "
+                    "rule (full attention, sliding window, chunked local)"
+                )
         if self.requests.pop(request_id, None) is None:
             raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        if all_groups_reversed and len(self.managers) > 1:
+            self.coordinator.free_all_groups_reversed(request_id)
+            return
         self._release(request_id)
 
     def preempt(self, request_id: str) -> None:

@@ -148,7 +148,7 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
             answered = CacheHit(ids_from_pb(lk.answered.groups), lk.answered.num_tokens)
         return op.Lookup(sync_from_pb(lk.request), lk.hint, lk.walk_limit, answered)
     if kind == "free":
-        return op.Free(o.free.request_id, o.free.if_held)
+        return op.Free(o.free.request_id, o.free.if_held, o.free.all_groups_reversed)
     if kind == "preempt":
         return op.Preempt(o.preempt.request_id)
     if kind == "cache_blocks":

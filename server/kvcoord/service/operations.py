@@ -157,6 +157,8 @@ class Free:
     #: free it only if this session holds it: a request unknown, or another
     #: session's, is not an error (a free sent again)
     if_held: bool = False
+    #: vLLM 0.33's deferred-free order: all groups concatenated, one reversed pass
+    all_groups_reversed: bool = False
 
 
 @dataclasses.dataclass(slots=True)

@@ -1230,7 +1230,7 @@ class PoolService:
             # applied, or the id is another session's request by now), nothing to do.
             return None
         self._owned(s, o.request_id)
-        self.engine.free(o.request_id)
+        self.engine.free(o.request_id, o.all_groups_reversed)
         del self.owners[o.request_id]
         s.owned.pop(o.request_id, None)
         return None

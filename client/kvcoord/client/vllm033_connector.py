@@ -1,0 +1,204 @@
+"""vLLM 0.33's KV connector calls over a ``vllm-0.33`` kvcoord pool.
+
+The pieces :mod:`kvcoord.client.vllm033` mixes into its sessions and its adapter so that
+vLLM 0.33's scheduler runs a KV connector on kvcoord and decides as with its own
+manager: a connector's synchronous and asynchronous loads (their block reservation,
+``coordinator.get_num_blocks_to_allocate``), failed loads (recompute and fail), frees
+delayed while KV is sent, the tables a finished request hands over
+(``get_block_ids_for_computed_tokens``), and deferred frees: with a KV consumer and
+overlapping steps (the async scheduler, pipeline parallelism) vLLM 0.33 takes a
+finished request's blocks (``pop_blocks_for_free``) and returns them a step later
+(``block_pool.free_blocks(reversed(blocks))``: all groups' blocks in one reversed pass).
+The pool frees the request at that later call, in that order (``FreeOp.all_groups_reversed``).
+
+What is not reproduced is named by :func:`connector_refusal_033` (refused at start) or
+refused when first used (see :mod:`kvcoord.client.vllm033`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .errors import KVCoordError
+
+__all__ = [
+    "AdapterConnector033",
+    "DeferredFree",
+    "PredictingConnector033",
+    "RemoteConnector033",
+    "connector_refusal_033",
+]
+
+
+def connector_refusal_033(kv_cache_config: Any, vllm_config: Any) -> str | None:
+    """Why kvcoord cannot serve this engine's KV connector under vLLM 0.33 (``None``: it
+    can, or there is none): the load fence (``defer_async_loads``, which vLLM 0.33 sets
+    only with a HiSparse host pool, itself not reproduced) and an auxiliary-output
+    connector (it caps prefix hits), and a connector with speculative decoding on a
+    pool with a sliding-window or chunked-local group: with prefix caching on, n-gram
+    or draft-model drafts and a sliding-window group, vLLM 0.33.0 and kvcoord were
+    seen to hand out different block ids (once also to admit a different request)
+    after some hundred steps, sync and async; with caching off the one seed tried
+    matched, so which blocks are cached is suspected; the rule that differs is not
+    found yet, so the combination is refused, chunked local (untried) too. A connector
+    asking for per-group divergent hits
+    (``get_computed_blocks_for_connector``) or sub-block tails
+    (``truncate_computed_blocks``, with fine-grained hits, refused) is refused when first
+    used."""
+    if vllm_config.kv_transfer_config is None:
+        return None
+    if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
+        return (
+            "a KV connector with a HiSparse host pool: 0.33's deferred asynchronous loads (load "
+            "fences) and HiSparse are not supported"
+        )
+    aux = getattr(vllm_config, "aux_output_config", None)
+    if aux is not None and getattr(aux, "enabled", False):
+        return "an auxiliary-output connector (it caps prefix hits): not supported by the vllm-0.33 profile"
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    windows = [
+        type(g.kv_cache_spec).__name__
+        for g in kv_cache_config.kv_cache_groups
+        if isinstance(g.kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec))
+    ]
+    if windows and vllm_config.speculative_config is not None:
+        return (
+            f"a KV connector with speculative decoding and a {windows[0]} group: vLLM 0.33's block "
+            "ids were seen to differ from kvcoord's (n-gram or draft model, sliding window); not supported yet"
+        )
+    return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DeferredFree:
+    """What ``pop_blocks_for_free`` answers vLLM 0.33's scheduler in place of a request's
+    blocks (its one item): the scheduler keeps it until the step that may still write
+    the blocks is processed, then hands it to ``block_pool.free_blocks``, which frees
+    the request in the pool in vLLM's deferred order (all groups, one reversed pass).
+    Until then the pool still holds the request's blocks, as vLLM's pool does."""
+
+    request_id: str
+
+
+class RemoteConnector033:
+    """The connector calls of a waiting ``vllm-0.33`` session (mixed into
+    :class:`~kvcoord.client.vllm033.Remote033KVCacheManager`)."""
+
+    _ops: Any
+    defer: Any
+    _unary_op: Any
+
+    def free_all_groups_reversed(self, request_id: str) -> None:
+        """vLLM 0.33's deferred free of the request (sent with the next call)."""
+        item = self._ops.free(request_id)
+        if item is not None:
+            item.op.free.all_groups_reversed = True
+            self.defer(item)
+
+    def get_num_blocks_to_allocate(self, request_id: str, *args: Any) -> int:
+        """vLLM 0.33's ``coordinator.get_num_blocks_to_allocate`` with no new hit (``args``:
+        num_tokens, total_computed_tokens, num_tokens_main_model, apply_admission_cap,
+        num_encoder_tokens): one round trip."""
+        op = pb.GetNumBlocksToAllocateOp(request_id=request_id)
+        (op.num_tokens, op.total_computed_tokens, op.num_tokens_main_model, op.apply_admission_cap,
+         op.num_encoder_tokens) = args  # fmt: skip
+        n: int = self._unary_op(
+            pb.Operation(get_num_blocks_to_allocate=op),
+            lambda r: int(r.get_num_blocks_to_allocate.num_blocks),
+            False,
+        )
+        return n
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        """vLLM 0.33's ``get_block_ids_for_computed_tokens``: one round trip."""
+        op = pb.GetBlockIdsOp(request_id=request_id, computed_tokens=num_computed_tokens)
+        ids: tuple[list[int], ...] = self._unary_op(
+            pb.Operation(get_block_ids=op),
+            lambda r: tuple(list(g.block_ids) for g in r.get_block_ids.groups),
+            False,
+        )
+        return ids
+
+
+class PredictingConnector033:
+    """The connector calls of a predicted ``vllm-0.33`` session (mixed into
+    :class:`~kvcoord.client.vllm033.Predicting033KVCacheManager`): answered by the
+    mirror; only the deferred free changes anything, and is sent with the next Step."""
+
+    tracker: Any
+    mirror: Any
+    sender: Any
+    _settled: Any
+
+    def free_all_groups_reversed(self, request_id: str) -> None:
+        """vLLM 0.33's deferred free of the request: applied to the mirror now, sent
+        with the next Step (as ``free``)."""
+        self.tracker.lost.discard(request_id)
+        if request_id not in self.tracker:
+            return  # never sent (or lost with its session): nothing to free
+        if self.mirror.holds(request_id):
+            self.mirror.call("free", request_id, True)
+        self.tracker.forget([request_id])
+        op = self.sender.op().free
+        op.request_id = request_id
+        op.all_groups_reversed = True
+
+    def get_num_blocks_to_allocate(self, request_id: str, *args: Any) -> int:
+        """As :meth:`RemoteConnector033.get_num_blocks_to_allocate`, read from the mirror
+        (nothing is sent: it changes nothing)."""
+        self._settled()
+        return int(self.mirror.call("get_num_blocks_to_allocate", request_id, *args))
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> tuple[list[int], ...]:
+        self._settled()
+        ids = self.mirror.call("get_block_ids_for_computed_tokens", request_id, num_computed_tokens)
+        return tuple(list(g) for g in ids)
+
+
+class AdapterConnector033:
+    """The connector calls of vLLM 0.33's ``KVCacheManager`` surface (mixed into
+    :class:`~kvcoord.client.vllm033.KVCoord033KVCacheManager`)."""
+
+    _held: dict[str, Any]
+    _tables: dict[str, Any]
+    remote033: Any
+    absorbing: bool
+    _absorb: Any
+    num_kv_cache_groups: int
+
+    def pop_blocks_for_free(self, request: Any) -> list[DeferredFree]:
+        """vLLM 0.33's deferred free, first half: the request is gone for the scheduler
+        (no table, no hashes); its blocks stay held in the pool until
+        ``block_pool.free_blocks`` gets the answer back (:meth:`free_deferred`)."""
+        rid = request.request_id
+        self._held.pop(rid, None)
+        self._tables.pop(rid, None)
+        return [DeferredFree(rid)]
+
+    def free_deferred(self, request_id: str) -> None:
+        """The deferred free's second half: the pool frees the request (all groups, one
+        reversed pass). Inside ``update_from_output`` a loss or an outage is kept for
+        the scheduler, as for every other call there."""
+        try:
+            self.remote033.free_all_groups_reversed(request_id)
+        except KVCoordError as err:
+            if not self.absorbing:
+                raise
+            self._absorb(err)
+
+    def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
+        # only mamba groups in align mode keep a producer's partial tails (refused at start)
+        return []
+
+    def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> Any:
+        if request_id not in self._held:
+            return tuple([] for _ in range(self.num_kv_cache_groups))  # no table, as vLLM answers
+        return self.remote033.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)

@@ -32,10 +32,12 @@ requests whose blocks carry multimodal or prompt-embedding extra keys or ask for
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import types
 from typing import Any
 
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import copies_from_pb, offloads_from_pb
 
 from .client import KVCoordClient
 from .items import Item, KVCacheBlockIds, Pending
@@ -108,21 +110,31 @@ def vllm_profile(version: str | None = None) -> str:
 def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int) -> str | None:
     """Why an engine with these configs cannot run its vLLM 0.33 scheduler on kvcoord
     (``None``: it can)."""
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     groups = kv_cache_config.kv_cache_groups
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
         # (exact types: MLA, sinks and the other subclasses are not taken)
-        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec):
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec):
             return (
                 f"KV cache group {i} is {type(spec).__name__}: kvcoord's vllm-0.33 plug-in supports "
-                "full attention, sliding window and chunked local attention only (mamba checkpoints "
-                "and cross-attention are not on the wire yet)"
+                "full attention, sliding window, chunked local attention and mamba only "
+                "(cross-attention is not on the wire yet)"
             )
+        why = _unsupported_mamba_033(i, spec, vllm_config)
+        if why is not None:
+            return why
         if getattr(spec, "sink_len", None):
             return f"KV cache group {i} has attention sinks: not supported by the vllm-0.33 profile"
     sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    if len(sizes) > 1 and _uncached_mamba_hybrid(groups, vllm_config, hash_block_size):
+        sizes = set()  # nothing hashed or cached: one scheduler block size, their LCM
     if len(sizes) > 1:
         return f"KV cache groups of several block sizes {sorted(sizes)}: hybrid caching is not supported yet"
     if sizes and hash_block_size not in sizes:
@@ -135,8 +147,11 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
             f"prefix_cache_retention_interval {kv_cache_config.prefix_cache_retention_interval}: "
             "periodic sliding-window checkpoints are not supported by the vllm-0.33 profile"
         )
-    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
-        return "the KV cache needs zeroing (a mamba model): not supported"
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False) and not any(
+        hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups
+    ):
+        # (a mamba pool records the attention blocks to zero: take_new_block_ids)
+        return "the KV cache needs zeroing without a mamba group: not supported"
     if vllm_config.kv_transfer_config is not None:
         return "a KV connector: 0.33's deferred frees, connector lookups and load fences are not supported"
     spec = vllm_config.speculative_config
@@ -153,6 +168,35 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     if getattr(vllm_config.scheduler_config, "watermark", 0.0):
         return "scheduler_config.watermark > 0: the watermark is not on the wire"
     return None
+
+
+def _unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
+    """Why mamba group ``i`` (``spec``) cannot run on a vllm-0.33 pool (``None``: it can,
+    or it is not a mamba group)."""
+    if not hasattr(spec, "mamba_cache_mode"):
+        return None
+    if getattr(spec, "num_speculative_blocks", 0):
+        return f"KV cache group {i}: mamba with speculative blocks is not supported by the vllm-0.33 profile"
+    if getattr(spec, "num_prefill_checkpoint_blocks", 0) or getattr(
+        vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", False
+    ):
+        return (
+            f"KV cache group {i}: mamba prefill checkpoint blocks / shared-prefix checkpoints are not "
+            "supported by the vllm-0.33 profile"
+        )
+    return None
+
+
+def _uncached_mamba_hybrid(groups: Any, vllm_config: Any, hash_block_size: int) -> bool:
+    """Attention groups of one block size beside mamba groups of another, with nothing
+    hashed (prefix caching off, no connector): vLLM 0.33 schedules by their LCM, the
+    pool's scheduler block size, and keeps no hash."""
+    if vllm_config.cache_config.enable_prefix_caching or vllm_config.kv_transfer_config is not None:
+        return False
+    mamba = [g for g in groups if hasattr(g.kv_cache_spec, "mamba_cache_mode")]
+    others = {int(g.kv_cache_spec.block_size) for g in groups if g not in mamba}
+    lcm = math.lcm(*(int(g.kv_cache_spec.block_size) for g in groups))
+    return bool(mamba) and len(others) == 1 and hash_block_size == lcm
 
 
 def _name_salts(tracker: RequestTracker) -> None:
@@ -181,7 +225,30 @@ class Remote033KVCacheManager(RemoteKVCacheManager):
         #: full_sequence_must_fit, reserved_blocks and num_in_flight_tokens of the
         #: allocation being built
         self.admission: tuple[bool, int, int] = NO_ADMISSION
+        #: the request of the last lookup and its shared-prefix boundary
+        self.boundary: tuple[str, int] = ("", 0)
         _name_salts(self.tracker)
+
+    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlockIds, int]:
+        """0.16's lookup, keeping the pool's shared-prefix boundary of its answer."""
+        item = self._ops.get_computed_blocks(request)
+        decode = item.decode
+
+        def with_boundary(r: pb.OperationResult) -> tuple[KVCacheBlockIds, int]:
+            self.boundary = (request.request_id, int(r.lookup.shared_prefix_boundary))
+            looked_up: tuple[KVCacheBlockIds, int] = decode(r)
+            return looked_up
+
+        item.decode = with_boundary
+        self.boundary = (request.request_id, 0)
+        looked_up: tuple[KVCacheBlockIds, int] = self._now(item)
+        return looked_up
+
+    def shared_prefix_boundary(self, request_id: str) -> int:
+        """vLLM 0.33's third ``get_computed_blocks`` value: the pool's, from the request's
+        lookup just made."""
+        rid, boundary = self.boundary
+        return boundary if rid == request_id else 0
 
     def _item(self, *args: Any) -> Item:
         item = super()._item(*args)
@@ -209,6 +276,26 @@ class Remote033KVCacheManager(RemoteKVCacheManager):
             pb.Operation(estimate_cached_tokens=op), lambda r: int(r.estimate_cached_tokens.num_tokens), False
         )
         return n
+
+    # vLLM 0.33's per-step drains (mamba pools; the others answer empty without a call)
+    def take_new_block_ids(self) -> list[int]:
+        op = pb.Operation(take_new_block_ids=pb.TakeNewBlockIdsOp())
+        ids: list[int] = self._unary_op(op, lambda r: list(r.take_new_block_ids.block_ids), False)
+        return ids
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        op = pb.Operation(take_boundary_state_offloads=pb.TakeBoundaryStateOffloadsOp())
+        out: dict[str, list[tuple[int, int, int]]] = self._unary_op(
+            op, lambda r: offloads_from_pb(r.take_boundary_state_offloads), False
+        )
+        return out
+
+    def take_kv_cache_block_copies(self) -> tuple[list[tuple[int, int]], list[int]]:
+        op = pb.Operation(take_kv_cache_block_copies=pb.TakeKVCacheBlockCopiesOp())
+        out: tuple[list[tuple[int, int]], list[int]] = self._unary_op(
+            op, lambda r: copies_from_pb(r.take_kv_cache_block_copies), False
+        )
+        return out
 
     def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
         if self._queue:
@@ -260,6 +347,26 @@ class Predicting033KVCacheManager(PredictingKVCacheManager):
     def estimate_cached_tokens(self, request_id: str) -> int:
         self._settled()
         return int(self.mirror.call("estimate_cached_tokens", request_id))
+
+    # vLLM 0.33's per-step drains: the mirror's answer now; the server drains its own
+    # with the step's Step
+    def take_new_block_ids(self) -> list[int]:
+        self._settled()
+        ids = list(self.mirror.call("take_new_block_ids"))
+        self.sender.op().take_new_block_ids.SetInParent()
+        return ids
+
+    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
+        self._settled()
+        out: dict[str, list[tuple[int, int, int]]] = self.mirror.call("take_boundary_state_offloads")
+        self.sender.op().take_boundary_state_offloads.SetInParent()
+        return out
+
+    def take_kv_cache_block_copies(self) -> tuple[list[tuple[int, int]], list[int]]:
+        self._settled()
+        out: tuple[list[tuple[int, int]], list[int]] = self.mirror.call("take_kv_cache_block_copies")
+        self.sender.op().take_kv_cache_block_copies.SetInParent()
+        return out
 
     def shared_prefix_boundary(self, request_id: str) -> int:
         """vLLM 0.33's third ``get_computed_blocks`` value for the request's last lookup."""
@@ -321,6 +428,8 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
         self._windows = any(
             g.WhichOneof("spec") in ("sliding_window", "chunked_local") for g in remote.config.groups
         )
+        #: a mamba group: the pool records per-step state the scheduler drains
+        self._mamba = any(g.WhichOneof("spec") == "mamba" for g in remote.config.groups)
         self.coordinator = _Coordinator(kv_cache_config)
         self.block_pool = _BlockPool()
         self.mamba_shared_prefix_checkpoint = False
@@ -353,15 +462,9 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
         self._check_request(request)
         blocks, num_tokens = super().get_computed_blocks(request)
         # The third value (where a shared prefix ends that a sliding-window group has not
-        # cached) feeds only 0.33's mamba chunk stops (mamba is refused); the pool keeps
-        # its own from this lookup for its caching. The predicted session knows it.
-        remote = self.remote
-        boundary = (
-            remote.shared_prefix_boundary(request.request_id)
-            if isinstance(remote, Predicting033KVCacheManager)
-            else 0
-        )
-        return blocks, num_tokens, boundary
+        # cached) feeds 0.33's mamba chunk stops; the pool keeps its own from this lookup
+        # for its caching
+        return blocks, num_tokens, self.remote033.shared_prefix_boundary(request.request_id)
 
     def allocate_slots(
         self,
@@ -415,15 +518,20 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
             return convert_engine_events(remote.take_engine_events(), fields_033=True)
         return convert_events(remote.take_events(), fields_033=True)
 
-    # nothing to hand over: no zeroing, no copy-on-write, no mamba boundary states
+    # vLLM 0.33's per-step drains, the pool's: only a pool with a mamba group records
+    # anything (zeroing, boundary states, copy-on-write), so the others answer empty
+    # without a call
     def take_new_block_ids(self) -> list[int]:
-        return []
+        return self.remote033.take_new_block_ids() if self._mamba else []
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        return [], []
+        if not self._mamba:
+            return [], []
+        copies, retained = self.remote033.take_kv_cache_block_copies()
+        return list(copies), list(retained)
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        return {}
+        return self.remote033.take_boundary_state_offloads() if self._mamba else {}
 
     # reached only with features refused at start
     def pop_blocks_for_free(self, request: Any) -> list[Any]:

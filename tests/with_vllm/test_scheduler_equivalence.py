@@ -449,11 +449,6 @@ def test_blocks_behave_like_vllms(
     remote.shutdown()
 
 
-@pytest.mark.skipif(
-    V033,
-    reason="vLLM 0.33: with 0.5 s leases, a Step answered late on a loaded machine loses the session, "
-    "which the 0.33 plug-in does not recover from yet (0.16's recomputes)",
-)
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_engine_idle_past_its_lease_carries_on(
     kind: str, model_dir: Path, monkeypatch: pytest.MonkeyPatch

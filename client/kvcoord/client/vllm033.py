@@ -40,6 +40,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import copies_from_pb, offloads_from_pb
 
 from .client import KVCoordClient
+from .errors import RequestsLostError
 from .items import Item, KVCacheBlockIds, Pending
 from .manager import RemoteKVCacheManager
 from .predicting import PredictingKVCacheManager
@@ -263,6 +264,10 @@ class Remote033KVCacheManager(RemoteKVCacheManager):
             return None
         return self._now(item)
 
+    def check_session(self) -> None:
+        """Nothing to check: every answer waits for the pool, so a loss is met by the
+        call it interrupts."""
+
     def new_step_starts(self) -> None:
         self._unary_op(pb.Operation(new_step_starts=pb.NewStepStartsOp()), lambda r: None, True)
 
@@ -331,6 +336,16 @@ class Predicting033KVCacheManager(PredictingKVCacheManager):
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table, *self.admission,
         )  # fmt: skip
+
+    def check_session(self) -> None:
+        """Raise now a loss the session met since the last call (a Step that failed, a
+        lease that may have run out), before the scheduler's step changes anything.
+
+        Raises:
+            RequestsLostError: naming every request the session held.
+        """
+        self._vouch()
+        self._settled()
 
     def new_step_starts(self) -> None:
         self._settled()
@@ -499,6 +514,15 @@ class KVCoord033KVCacheManager(KVCoordKVCacheManager):
 
     def new_step_starts(self) -> None:
         self.remote033.new_step_starts()
+
+    def surface_losses(self) -> set[str]:
+        """The requests reported lost since the last call, a loss the session met since
+        the last call included (the scheduler preempts them before its step)."""
+        try:
+            self.remote033.check_session()
+        except RequestsLostError as err:
+            self.lost.update(err.request_ids)
+        return self.take_lost()
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):

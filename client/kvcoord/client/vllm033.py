@@ -32,12 +32,10 @@ requests whose blocks carry multimodal or prompt-embedding extra keys or ask for
 from __future__ import annotations
 
 import importlib.metadata
-import math
 import types
 from typing import Any
 
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import copies_from_pb, offloads_from_pb
 
 from .client import KVCoordClient
 from .errors import RequestsLostError
@@ -53,6 +51,7 @@ from .vllm import (
     attach_manager,
     pool_config_from_vllm,
 )
+from .vllm033_mamba import PredictedMamba033, RemoteMamba033, uncached_mamba_hybrid, unsupported_mamba_033
 from .vllm_types import convert_engine_events, convert_events
 
 __all__ = [
@@ -128,13 +127,13 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
                 "full attention, sliding window, chunked local attention and mamba only "
                 "(cross-attention is not on the wire yet)"
             )
-        why = _unsupported_mamba_033(i, spec, vllm_config)
+        why = unsupported_mamba_033(i, spec, vllm_config)
         if why is not None:
             return why
         if getattr(spec, "sink_len", None):
             return f"KV cache group {i} has attention sinks: not supported by the vllm-0.33 profile"
     sizes = {int(g.kv_cache_spec.block_size) for g in groups}
-    if len(sizes) > 1 and _uncached_mamba_hybrid(groups, vllm_config, hash_block_size):
+    if len(sizes) > 1 and uncached_mamba_hybrid(groups, vllm_config, hash_block_size):
         sizes = set()  # nothing hashed or cached: one scheduler block size, their LCM
     if len(sizes) > 1:
         return f"KV cache groups of several block sizes {sorted(sizes)}: hybrid caching is not supported yet"
@@ -171,35 +170,6 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     return None
 
 
-def _unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
-    """Why mamba group ``i`` (``spec``) cannot run on a vllm-0.33 pool (``None``: it can,
-    or it is not a mamba group)."""
-    if not hasattr(spec, "mamba_cache_mode"):
-        return None
-    if getattr(spec, "num_speculative_blocks", 0):
-        return f"KV cache group {i}: mamba with speculative blocks is not supported by the vllm-0.33 profile"
-    if getattr(spec, "num_prefill_checkpoint_blocks", 0) or getattr(
-        vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", False
-    ):
-        return (
-            f"KV cache group {i}: mamba prefill checkpoint blocks / shared-prefix checkpoints are not "
-            "supported by the vllm-0.33 profile"
-        )
-    return None
-
-
-def _uncached_mamba_hybrid(groups: Any, vllm_config: Any, hash_block_size: int) -> bool:
-    """Attention groups of one block size beside mamba groups of another, with nothing
-    hashed (prefix caching off, no connector): vLLM 0.33 schedules by their LCM, the
-    pool's scheduler block size, and keeps no hash."""
-    if vllm_config.cache_config.enable_prefix_caching or vllm_config.kv_transfer_config is not None:
-        return False
-    mamba = [g for g in groups if hasattr(g.kv_cache_spec, "mamba_cache_mode")]
-    others = {int(g.kv_cache_spec.block_size) for g in groups if g not in mamba}
-    lcm = math.lcm(*(int(g.kv_cache_spec.block_size) for g in groups))
-    return bool(mamba) and len(others) == 1 and hash_block_size == lcm
-
-
 def _name_salts(tracker: RequestTracker) -> None:
     """A vllm-0.33 pool names a request's cache salt in its BlockStored.extra_keys: the
     tracker's first sync of a request carries it."""
@@ -214,7 +184,7 @@ def _name_salts(tracker: RequestTracker) -> None:
     tracker.sync = sync_with_salt  # type: ignore[method-assign]
 
 
-class Remote033KVCacheManager(RemoteKVCacheManager):
+class Remote033KVCacheManager(RemoteMamba033, RemoteKVCacheManager):
     """:class:`RemoteKVCacheManager` attached as a ``vllm-0.33`` worker, with 0.33's
     extra calls. Never exclusive: its allocations wait for the pool's answer (the
     client's promises and lookup hints follow 0.16's refusal rules; an exclusive 0.33
@@ -230,27 +200,6 @@ class Remote033KVCacheManager(RemoteKVCacheManager):
         self.boundary: tuple[str, int] = ("", 0)
         _name_salts(self.tracker)
 
-    def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlockIds, int]:
-        """0.16's lookup, keeping the pool's shared-prefix boundary of its answer."""
-        item = self._ops.get_computed_blocks(request)
-        decode = item.decode
-
-        def with_boundary(r: pb.OperationResult) -> tuple[KVCacheBlockIds, int]:
-            self.boundary = (request.request_id, int(r.lookup.shared_prefix_boundary))
-            looked_up: tuple[KVCacheBlockIds, int] = decode(r)
-            return looked_up
-
-        item.decode = with_boundary
-        self.boundary = (request.request_id, 0)
-        looked_up: tuple[KVCacheBlockIds, int] = self._now(item)
-        return looked_up
-
-    def shared_prefix_boundary(self, request_id: str) -> int:
-        """vLLM 0.33's third ``get_computed_blocks`` value: the pool's, from the request's
-        lookup just made."""
-        rid, boundary = self.boundary
-        return boundary if rid == request_id else 0
-
     def _item(self, *args: Any) -> Item:
         item = super()._item(*args)
         a = item.op.allocate
@@ -263,10 +212,6 @@ class Remote033KVCacheManager(RemoteKVCacheManager):
             self.defer(item)
             return None
         return self._now(item)
-
-    def check_session(self) -> None:
-        """Nothing to check: every answer waits for the pool, so a loss is met by the
-        call it interrupts."""
 
     def new_step_starts(self) -> None:
         self._unary_op(pb.Operation(new_step_starts=pb.NewStepStartsOp()), lambda r: None, True)
@@ -282,26 +227,6 @@ class Remote033KVCacheManager(RemoteKVCacheManager):
         )
         return n
 
-    # vLLM 0.33's per-step drains (mamba pools; the others answer empty without a call)
-    def take_new_block_ids(self) -> list[int]:
-        op = pb.Operation(take_new_block_ids=pb.TakeNewBlockIdsOp())
-        ids: list[int] = self._unary_op(op, lambda r: list(r.take_new_block_ids.block_ids), False)
-        return ids
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        op = pb.Operation(take_boundary_state_offloads=pb.TakeBoundaryStateOffloadsOp())
-        out: dict[str, list[tuple[int, int, int]]] = self._unary_op(
-            op, lambda r: offloads_from_pb(r.take_boundary_state_offloads), False
-        )
-        return out
-
-    def take_kv_cache_block_copies(self) -> tuple[list[tuple[int, int]], list[int]]:
-        op = pb.Operation(take_kv_cache_block_copies=pb.TakeKVCacheBlockCopiesOp())
-        out: tuple[list[tuple[int, int]], list[int]] = self._unary_op(
-            op, lambda r: copies_from_pb(r.take_kv_cache_block_copies), False
-        )
-        return out
-
     def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
         if self._queue:
             self.flush()  # statistics recorded at admission travel with the next Step
@@ -313,7 +238,7 @@ class Remote033KVCacheManager(RemoteKVCacheManager):
         return super().peek_prefix_cache_stats()
 
 
-class Predicting033KVCacheManager(PredictingKVCacheManager):
+class Predicting033KVCacheManager(PredictedMamba033, PredictingKVCacheManager):
     """:class:`PredictingKVCacheManager` attached as a ``vllm-0.33`` worker: its mirror is
     the pool's engine under the ``vllm-0.33`` profile, so it answers 0.33's calls (its
     admission inputs, statistics recorded at admission, ``new_step_starts``) at once,
@@ -337,16 +262,6 @@ class Predicting033KVCacheManager(PredictingKVCacheManager):
             num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table, *self.admission,
         )  # fmt: skip
 
-    def check_session(self) -> None:
-        """Raise now a loss the session met since the last call (a Step that failed, a
-        lease that may have run out), before the scheduler's step changes anything.
-
-        Raises:
-            RequestsLostError: naming every request the session held.
-        """
-        self._vouch()
-        self._settled()
-
     def new_step_starts(self) -> None:
         self._settled()
         self.mirror.call("new_step_starts")
@@ -362,26 +277,6 @@ class Predicting033KVCacheManager(PredictingKVCacheManager):
     def estimate_cached_tokens(self, request_id: str) -> int:
         self._settled()
         return int(self.mirror.call("estimate_cached_tokens", request_id))
-
-    # vLLM 0.33's per-step drains: the mirror's answer now; the server drains its own
-    # with the step's Step
-    def take_new_block_ids(self) -> list[int]:
-        self._settled()
-        ids = list(self.mirror.call("take_new_block_ids"))
-        self.sender.op().take_new_block_ids.SetInParent()
-        return ids
-
-    def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        self._settled()
-        out: dict[str, list[tuple[int, int, int]]] = self.mirror.call("take_boundary_state_offloads")
-        self.sender.op().take_boundary_state_offloads.SetInParent()
-        return out
-
-    def take_kv_cache_block_copies(self) -> tuple[list[tuple[int, int]], list[int]]:
-        self._settled()
-        out: tuple[list[tuple[int, int]], list[int]] = self.mirror.call("take_kv_cache_block_copies")
-        self.sender.op().take_kv_cache_block_copies.SetInParent()
-        return out
 
     def shared_prefix_boundary(self, request_id: str) -> int:
         """vLLM 0.33's third ``get_computed_blocks`` value for the request's last lookup."""

@@ -300,6 +300,7 @@ class _OnKVCoord033:
     a step cut short is not written for it yet."""
 
     kvcoord: Any
+    running: list[Any]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -319,10 +320,10 @@ class _OnKVCoord033:
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         """vLLM 0.33's schedule(), after preempting the running requests lost."""
         lost = self.kvcoord.surface_losses()
-        victims = [r for r in self.running if r.request_id in lost]  # type: ignore[attr-defined]
+        victims = [r for r in self.running if r.request_id in lost]
         if victims:
             logger.warning("kvcoord: %d running request(s) lost: preempted, to be recomputed", len(victims))
-            self.running = [r for r in self.running if r.request_id not in lost]  # type: ignore[attr-defined]
+            self.running = [r for r in self.running if r.request_id not in lost]
             now = time.monotonic()
             for request in reversed(victims):  # the first ends at the front, as vLLM's order
                 self._preempt_request(request, now)  # type: ignore[attr-defined]

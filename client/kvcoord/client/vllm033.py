@@ -20,9 +20,13 @@ attention (one block size; 0.33's processed-token basis travels as
 says), prefix caching on or off, KV events, statistics, the synchronous and the
 asynchronous scheduler, the FCFS and priority policies, cache salts, LoRA adapters (their
 path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
-speculative decoding, and EAGLE/MTP with 0.33's default look-ahead block hashes. Refused: other group types
-(mamba, cross attention, MLA and sink subclasses: mamba checkpoints are not on the wire
-yet), a positive ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block
+speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, and mamba
+groups beside full attention (``align`` mode, or ``none`` with prefix caching off; the
+pool's shared-prefix boundary and per-step drains, :mod:`.vllm033_mamba`). A session
+lost between steps costs recomputation (``check_session``; the scheduler preempts the
+requests lost). Refused: other group types (cross attention, MLA and sink subclasses),
+mamba with speculative or prefill checkpoint blocks, a positive
+``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block
 drop (look-ahead hashes turned off), KV connectors, the
 watermark, fine-grained (partial) hits, and, with KV events on,
 requests whose blocks carry multimodal or prompt-embedding extra keys or ask for the

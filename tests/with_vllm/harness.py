@@ -274,14 +274,28 @@ class AsyncLoadsConnector(LoadedHalfConnector):
         return out
 
 
+def block_sizes(config: VllmConfig, kv_config: k.KVCacheConfig) -> tuple[int, int]:
+    """The scheduler block size and hash block size EngineCore gives the scheduler: under
+    vLLM 0.16.0 the cache block size; under 0.33.0 resolved from the groups (the LCM of
+    their block sizes; a mamba group outside "align" mode makes it its own size)."""
+    if not V033:
+        return BLOCK_SIZE, BLOCK_SIZE
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kv_config, config)
+    return int(scheduler_block_size), int(hash_block_size)
+
+
 def make_scheduler(cls: type[Scheduler], config: VllmConfig, kv_config: k.KVCacheConfig) -> Scheduler:
     """As vLLM's EngineCore builds it (log_stats on)."""
+    scheduler_block_size, hash_block_size = block_sizes(config, kv_config)
     return cls(
         vllm_config=config,
         kv_cache_config=kv_config,
         structured_output_manager=StructuredOutputManager(config),
-        block_size=BLOCK_SIZE,
+        block_size=scheduler_block_size,
         log_stats=True,
+        **({"hash_block_size": hash_block_size} if V033 else {}),
     )
 
 
@@ -408,7 +422,8 @@ def run_workload(
     init_none_hash(hash_fn)
     # (vLLM 0.33's engine core also passes the look-ahead tokens each hash covers: EAGLE/MTP)
     lookahead = int(getattr(sched.vllm_config, "num_hash_lookahead_tokens", 0) or 0) if V033 else 0
-    hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn, *((lookahead,) if lookahead else ()))
+    hash_block_size = int(sched.hash_block_size) if V033 else BLOCK_SIZE  # (0.33: as EngineCore resolves it)
+    hasher = get_request_block_hasher(hash_block_size, hash_fn, *((lookahead,) if lookahead else ()))
     recorder = Recorder()
     sched.kv_event_publisher = recorder  # type: ignore[assignment]
     encoder = MsgpackEncoder()

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 from harness import (
-    BLOCK_SIZE,
     LAYOUTS,
     SCHEDULERS,
     V033,
+    block_sizes,
     kv_cache_config,
     make_scheduler,
     run_workload,
@@ -115,14 +115,9 @@ def refused_033(kind: str, config: Any, kv_config: Any, layout: str) -> None:
     scheduler starts, naming the reason (checked here), and the case is skipped."""
     from kvcoord.client.vllm033 import Unsupported033Error, unsupported_033
 
-    why = unsupported_033(kv_config, config, BLOCK_SIZE)
+    why = unsupported_033(kv_config, config, block_sizes(config, kv_config)[1])
     if why is None:
         return
-    if layout.startswith("full+mamba"):
-        # vLLM 0.33's own scheduler rejects this harness's 0.16-style mamba groups (block
-        # size max_model_len: 0.33's engine core sizes them otherwise) before kvcoord's
-        # check runs; test_vllm033 checks that mamba groups are refused
-        pytest.skip(f"vLLM 0.33: kvcoord refuses this engine at start: {why}")
     with pytest.raises(Unsupported033Error, match="kvcoord cannot be this vLLM 0.33 engine"):
         make_scheduler(KVCOORD[kind], config, kv_config)
     pytest.skip(f"vLLM 0.33: kvcoord refuses this engine at start (checked): {why}")
@@ -168,6 +163,8 @@ def run_both(
     asynchronous = kind == "async"
     overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
     kind = "sync" if kind == "pp2" else kind
+    if V033 and layout == "full+mamba":
+        caching = False  # vLLM 0.33 caches mamba state only in "align" mode (its manager asserts it)
 
     def config() -> Any:
         return vllm_config(
@@ -499,11 +496,6 @@ def test_blocks_behave_like_vllms(
     remote.shutdown()
 
 
-@pytest.mark.skipif(
-    V033,
-    reason="vLLM 0.33: with 0.5 s leases, a Step answered late on a loaded machine loses the session, "
-    "which the 0.33 plug-in does not recover from yet (0.16's recomputes)",
-)
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_engine_idle_past_its_lease_carries_on(
     kind: str, model_dir: Path, monkeypatch: pytest.MonkeyPatch
@@ -638,7 +630,8 @@ def test_the_predicting_manager_decides_like_vllm(
     assert r.want_counts["finished"] > 20, r.want_counts
     assert speculative or connector or r.want_counts["preempted"] > 0, r.want_counts
     assert (r.want_counts["hit_tokens"] > 0) == (layout != "full+mamba"), r.want_counts
-    assert r.want_counts["events"] > 0, r.want_counts
+    # (under vLLM 0.33 "full+mamba" runs with caching off: nothing cached, no event)
+    assert (r.want_counts["events"] > 0) == (not V033 or layout != "full+mamba"), r.want_counts
     assert r.manager.lost_requests == 0 and r.manager.steps_sent > 20
     if connector is not None:
         assert sum(r.counter.external) > 30, r.counter.external  # allocations with a connector's tokens

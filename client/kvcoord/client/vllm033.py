@@ -20,16 +20,20 @@ attention (one block size; 0.33's processed-token basis travels as
 says), prefix caching on or off, KV events, statistics, the synchronous and the
 asynchronous scheduler, the FCFS and priority policies, cache salts, LoRA adapters (their
 path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
-speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, and KV
-connectors (loads, failed loads, delayed and deferred frees:
-:mod:`kvcoord.client.vllm033_connector`). Refused: other group types
-(mamba, cross attention, MLA and sink subclasses: mamba checkpoints are not on the wire
-yet), a positive ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block
-drop (look-ahead hashes turned off), the watermark, a KV connector with a HiSparse
-host pool (load fences), an auxiliary-output connector, a KV connector with
-speculative decoding on a pool with a sliding-window or chunked-local group (block
-ids seen to differ from vLLM 0.33.0's, cause not found; see
-:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), fine-grained (partial) hits, and, with KV events on,
+speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, mamba
+groups beside full attention (``align`` mode, or ``none`` with prefix caching off; the
+pool's shared-prefix boundary and per-step drains, :mod:`.vllm033_mamba`), and KV
+connectors (loads, failed loads, delayed and deferred frees: :mod:`.vllm033_connector`).
+A session lost between steps costs recomputation (``check_session``; the scheduler
+preempts the requests lost). Refused: other group types (cross attention, MLA and sink
+subclasses), mamba with speculative or prefill checkpoint blocks, a positive
+``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block drop (look-ahead
+hashes turned off), the watermark, a KV connector with a HiSparse host pool (load
+fences), an auxiliary-output connector, a KV connector beside a mamba group (not tried
+together), a KV connector with speculative decoding on a pool with a sliding-window or
+chunked-local group (block ids seen to differ from vLLM 0.33.0's, cause not found; see
+:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), fine-grained (partial)
+hits, and, with KV events on,
 requests whose blocks carry multimodal or prompt-embedding extra keys or ask for the
 ``full`` report mode.
 """
@@ -37,12 +41,12 @@ requests whose blocks carry multimodal or prompt-embedding extra keys or ask for
 from __future__ import annotations
 
 import importlib.metadata
-import types
 from typing import Any
 
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
+from .errors import RequestsLostError
 from .items import Item, KVCacheBlockIds, Pending
 from .manager import RemoteKVCacheManager
 from .predicting import PredictingKVCacheManager
@@ -62,6 +66,8 @@ from .vllm033_connector import (
     RemoteConnector033,
     connector_refusal_033,
 )
+from .vllm033_mamba import PredictedMamba033, RemoteMamba033, uncached_mamba_hybrid, unsupported_mamba_033
+from .vllm033_parts import BlockPool033, Coordinator033, Unsupported033Error, UnsupportedVLLMError
 from .vllm_types import convert_engine_events, convert_events
 
 __all__ = [
@@ -86,14 +92,6 @@ VLLM_033 = "vllm-0.33"
 #: what a Remote033 / Predicting033 manager's ``admission`` is outside vLLM 0.33's
 #: allocate_slots: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens
 NO_ADMISSION = (False, 0, 0)
-
-
-class UnsupportedVLLMError(RuntimeError):
-    """The installed vLLM is a release kvcoord has no semantics profile for."""
-
-
-class Unsupported033Error(NotImplementedError):
-    """A vLLM 0.33 feature kvcoord's ``vllm-0.33`` pools do not reproduce (named)."""
 
 
 def vllm_profile(version: str | None = None) -> str:
@@ -121,21 +119,31 @@ def vllm_profile(version: str | None = None) -> str:
 def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int) -> str | None:
     """Why an engine with these configs cannot run its vLLM 0.33 scheduler on kvcoord
     (``None``: it can)."""
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     groups = kv_cache_config.kv_cache_groups
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
         # (exact types: MLA, sinks and the other subclasses are not taken)
-        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec):
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec):
             return (
                 f"KV cache group {i} is {type(spec).__name__}: kvcoord's vllm-0.33 plug-in supports "
-                "full attention, sliding window and chunked local attention only (mamba checkpoints "
-                "and cross-attention are not on the wire yet)"
+                "full attention, sliding window, chunked local attention and mamba only "
+                "(cross-attention is not on the wire yet)"
             )
+        why = unsupported_mamba_033(i, spec, vllm_config)
+        if why is not None:
+            return why
         if getattr(spec, "sink_len", None):
             return f"KV cache group {i} has attention sinks: not supported by the vllm-0.33 profile"
     sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    if len(sizes) > 1 and uncached_mamba_hybrid(groups, vllm_config, hash_block_size):
+        sizes = set()  # nothing hashed or cached: one scheduler block size, their LCM
     if len(sizes) > 1:
         return f"KV cache groups of several block sizes {sorted(sizes)}: hybrid caching is not supported yet"
     if sizes and hash_block_size not in sizes:
@@ -148,8 +156,15 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
             f"prefix_cache_retention_interval {kv_cache_config.prefix_cache_retention_interval}: "
             "periodic sliding-window checkpoints are not supported by the vllm-0.33 profile"
         )
-    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False):
-        return "the KV cache needs zeroing (a mamba model): not supported"
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False) and not any(
+        hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups
+    ):
+        # (a mamba pool records the attention blocks to zero: take_new_block_ids)
+        return "the KV cache needs zeroing without a mamba group: not supported"
+    if vllm_config.kv_transfer_config is not None and any(
+        hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups
+    ):
+        return "a KV connector beside a mamba group: not supported together under vLLM 0.33 yet"
     why = connector_refusal_033(kv_cache_config, vllm_config)
     if why is not None:
         return why
@@ -183,7 +198,7 @@ def _name_salts(tracker: RequestTracker) -> None:
     tracker.sync = sync_with_salt  # type: ignore[method-assign]
 
 
-class Remote033KVCacheManager(RemoteConnector033, RemoteKVCacheManager):
+class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheManager):
     """:class:`RemoteKVCacheManager` attached as a ``vllm-0.33`` worker, with 0.33's
     extra calls. Never exclusive: its allocations wait for the pool's answer (the
     client's promises and lookup hints follow 0.16's refusal rules; an exclusive 0.33
@@ -195,6 +210,8 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteKVCacheManager):
         #: full_sequence_must_fit, reserved_blocks and num_in_flight_tokens of the
         #: allocation being built
         self.admission: tuple[bool, int, int] = NO_ADMISSION
+        #: the request of the last lookup and its shared-prefix boundary
+        self.boundary: tuple[str, int] = ("", 0)
         _name_salts(self.tracker)
 
     def _item(self, *args: Any) -> Item:
@@ -235,7 +252,7 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteKVCacheManager):
         return super().peek_prefix_cache_stats()
 
 
-class Predicting033KVCacheManager(PredictingConnector033, PredictingKVCacheManager):
+class Predicting033KVCacheManager(PredictingConnector033, PredictedMamba033, PredictingKVCacheManager):
     """:class:`PredictingKVCacheManager` attached as a ``vllm-0.33`` worker: its mirror is
     the pool's engine under the ``vllm-0.33`` profile, so it answers 0.33's calls (its
     admission inputs, statistics recorded at admission, ``new_step_starts``) at once,
@@ -282,73 +299,6 @@ class Predicting033KVCacheManager(PredictingConnector033, PredictingKVCacheManag
         return int(self.mirror.call("shared_prefix_boundary", request_id))
 
 
-class _Coordinator:
-    """What vLLM 0.33's scheduler and engine core read from ``kv_cache_manager.coordinator``:
-    per group its block size and spec, whether fine-grained hits are on (never), and
-    ``get_num_blocks_to_allocate`` (a KV connector's asynchronous loads reserve blocks)."""
-
-    def __init__(
-        self, kv_cache_config: Any, remote: Remote033KVCacheManager | Predicting033KVCacheManager
-    ) -> None:
-        self.remote = remote
-        self.single_type_managers = tuple(
-            types.SimpleNamespace(
-                kv_cache_group_id=i, block_size=int(g.kv_cache_spec.block_size), kv_cache_spec=g.kv_cache_spec
-            )
-            for i, g in enumerate(kv_cache_config.kv_cache_groups)
-        )
-        self.enable_partial_hash_hits = False
-        self.eagle_group_ids: tuple[int, ...] = ()
-        self.num_reprefillable_tokens = 0
-
-    def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: Any, num_encoder_tokens: int,
-        total_computed_tokens: int, num_local_computed_tokens: int, num_tokens_main_model: int,
-        apply_admission_cap: bool = False, prefill_end: int = 0,
-    ) -> int:  # fmt: skip
-        """The blocks the request would still take (vLLM 0.33's scheduler sums them into
-        ``reserved_blocks`` for a KV connector's asynchronous loads), the pool's count.
-        ``prefill_end`` matters to mamba groups only (refused)."""
-        if any(new_computed_blocks) or num_local_computed_tokens != total_computed_tokens:
-            raise Unsupported033Error(
-                "coordinator.get_num_blocks_to_allocate with a new hit or external tokens: kvcoord "
-                "counts a request's remaining blocks only"
-            )
-        return self.remote.get_num_blocks_to_allocate(
-            request_id, num_tokens, total_computed_tokens, num_tokens_main_model, apply_admission_cap,
-            num_encoder_tokens,
-        )  # fmt: skip
-
-    def __getattr__(self, name: str) -> Any:
-        raise Unsupported033Error(
-            f"vLLM 0.33 read kv_cache_manager.coordinator.{name}: kvcoord's vllm-0.33 plug-in does not provide it"
-        )
-
-
-class _BlockPool:
-    """vLLM 0.33 returns blocks to ``block_pool`` directly for deferred frees (a
-    KV-consumer connector with overlapping steps: taken, :class:`DeferredFree`) and
-    copy-on-write retentions (partial hits: refused at start)."""
-
-    def __init__(self, free_deferred: Any) -> None:
-        self.free_deferred = free_deferred
-
-    def free_blocks(self, ordered_blocks: Any) -> None:
-        for item in ordered_blocks:
-            if not isinstance(item, DeferredFree):
-                raise Unsupported033Error(
-                    "vLLM 0.33 freed blocks through kv_cache_manager.block_pool that are not a deferred "
-                    "free (copy-on-write retentions): not supported by kvcoord's vllm-0.33 plug-in"
-                )
-            self.free_deferred(item.request_id)
-
-    def __getattr__(self, name: str) -> Any:
-        raise Unsupported033Error(
-            f"vLLM 0.33 used kv_cache_manager.block_pool.{name} (deferred frees or copy-on-write "
-            "retentions): not supported by kvcoord's vllm-0.33 plug-in"
-        )
-
-
 class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     """vLLM 0.33.0's ``KVCacheManager`` interface over a ``vllm-0.33`` kvcoord pool."""
 
@@ -364,8 +314,10 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         self._windows = any(
             g.WhichOneof("spec") in ("sliding_window", "chunked_local") for g in remote.config.groups
         )
-        self.coordinator = _Coordinator(kv_cache_config, remote)
-        self.block_pool = _BlockPool(self.free_deferred)
+        #: a mamba group: the pool records per-step state the scheduler drains
+        self._mamba = any(g.WhichOneof("spec") == "mamba" for g in remote.config.groups)
+        self.coordinator = Coordinator033(kv_cache_config, remote)
+        self.block_pool = BlockPool033(self.free_deferred)
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         self.watermark_blocks = 0
@@ -396,15 +348,9 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         self._check_request(request)
         blocks, num_tokens = super().get_computed_blocks(request)
         # The third value (where a shared prefix ends that a sliding-window group has not
-        # cached) feeds only 0.33's mamba chunk stops (mamba is refused); the pool keeps
-        # its own from this lookup for its caching. The predicted session knows it.
-        remote = self.remote
-        boundary = (
-            remote.shared_prefix_boundary(request.request_id)
-            if isinstance(remote, Predicting033KVCacheManager)
-            else 0
-        )
-        return blocks, num_tokens, boundary
+        # cached) feeds 0.33's mamba chunk stops; the pool keeps its own from this lookup
+        # for its caching
+        return blocks, num_tokens, self.remote033.shared_prefix_boundary(request.request_id)
 
     def allocate_slots(
         self,
@@ -440,6 +386,15 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     def new_step_starts(self) -> None:
         self.remote033.new_step_starts()
 
+    def surface_losses(self) -> set[str]:
+        """The requests reported lost since the last call, a loss the session met since
+        the last call included (the scheduler preempts them before its step)."""
+        try:
+            self.remote033.check_session()
+        except RequestsLostError as err:
+            self.lost.update(err.request_ids)
+        return self.take_lost()
+
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
             return
@@ -458,15 +413,20 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
             return convert_engine_events(remote.take_engine_events(), fields_033=True)
         return convert_events(remote.take_events(), fields_033=True)
 
-    # nothing to hand over: no zeroing, no copy-on-write, no mamba boundary states
+    # vLLM 0.33's per-step drains, the pool's: only a pool with a mamba group records
+    # anything (zeroing, boundary states, copy-on-write), so the others answer empty
+    # without a call
     def take_new_block_ids(self) -> list[int]:
-        return []
+        return self.remote033.take_new_block_ids() if self._mamba else []
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        return [], []
+        if not self._mamba:
+            return [], []
+        copies, retained = self.remote033.take_kv_cache_block_copies()
+        return list(copies), list(retained)
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        return {}
+        return self.remote033.take_boundary_state_offloads() if self._mamba else {}
 
     # reached only with features refused at start
 

@@ -1,0 +1,132 @@
+"""The mamba groups and lost sessions of :mod:`kvcoord.client.vllm033` (vLLM 0.33.0's
+``KVCacheManager`` surface): the checks that decide which mamba layouts a ``vllm-0.33``
+pool reproduces, and the calls its two manager kinds add for them (the pool's
+shared-prefix boundary, the three per-step drains) and for a session lost between
+steps (``check_session``)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import copies_from_pb, offloads_from_pb
+
+from .items import KVCacheBlockIds
+
+__all__ = ["PredictedMamba033", "RemoteMamba033", "uncached_mamba_hybrid", "unsupported_mamba_033"]
+
+
+def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
+    """Why mamba group ``i`` (``spec``) cannot run on a vllm-0.33 pool (``None``: it can,
+    or it is not a mamba group)."""
+    if not hasattr(spec, "mamba_cache_mode"):
+        return None
+    if getattr(spec, "num_speculative_blocks", 0):
+        return f"KV cache group {i}: mamba with speculative blocks is not supported by the vllm-0.33 profile"
+    if getattr(spec, "num_prefill_checkpoint_blocks", 0) or getattr(
+        vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", False
+    ):
+        return (
+            f"KV cache group {i}: mamba prefill checkpoint blocks / shared-prefix checkpoints are not "
+            "supported by the vllm-0.33 profile"
+        )
+    return None
+
+
+def uncached_mamba_hybrid(groups: Any, vllm_config: Any, hash_block_size: int) -> bool:
+    """Attention groups of one block size beside mamba groups of another, with nothing
+    hashed (prefix caching off, no connector): vLLM 0.33 schedules by their LCM, the
+    pool's scheduler block size, and keeps no hash."""
+    if vllm_config.cache_config.enable_prefix_caching or vllm_config.kv_transfer_config is not None:
+        return False
+    mamba = [g for g in groups if hasattr(g.kv_cache_spec, "mamba_cache_mode")]
+    others = {int(g.kv_cache_spec.block_size) for g in groups if g not in mamba}
+    lcm = math.lcm(*(int(g.kv_cache_spec.block_size) for g in groups))
+    return bool(mamba) and len(others) == 1 and hash_block_size == lcm
+
+
+class RemoteMamba033:
+    """Remote033KVCacheManager's calls for mamba groups and lost sessions: every answer
+    is the pool's (methods of a RemoteKVCacheManager subclass)."""
+
+    def get_computed_blocks(self: Any, request: Any) -> tuple[KVCacheBlockIds, int]:
+        """0.16's lookup, keeping the pool's shared-prefix boundary of its answer."""
+        item = self._ops.get_computed_blocks(request)
+        decode = item.decode
+
+        def with_boundary(r: pb.OperationResult) -> tuple[KVCacheBlockIds, int]:
+            self.boundary = (request.request_id, int(r.lookup.shared_prefix_boundary))
+            looked_up: tuple[KVCacheBlockIds, int] = decode(r)
+            return looked_up
+
+        item.decode = with_boundary
+        self.boundary = (request.request_id, 0)
+        looked_up: tuple[KVCacheBlockIds, int] = self._now(item)
+        return looked_up
+
+    def shared_prefix_boundary(self: Any, request_id: str) -> int:
+        """vLLM 0.33's third ``get_computed_blocks`` value: the pool's, from the request's
+        lookup just made."""
+        rid, boundary = self.boundary
+        return boundary if rid == request_id else 0
+
+    def check_session(self: Any) -> None:
+        """Nothing to check: every answer waits for the pool, so a loss is met by the
+        call it interrupts."""
+
+    # vLLM 0.33's per-step drains (mamba pools; the others answer empty without a call)
+    def take_new_block_ids(self: Any) -> list[int]:
+        op = pb.Operation(take_new_block_ids=pb.TakeNewBlockIdsOp())
+        ids: list[int] = self._unary_op(op, lambda r: list(r.take_new_block_ids.block_ids), False)
+        return ids
+
+    def take_boundary_state_offloads(self: Any) -> dict[str, list[tuple[int, int, int]]]:
+        op = pb.Operation(take_boundary_state_offloads=pb.TakeBoundaryStateOffloadsOp())
+        out: dict[str, list[tuple[int, int, int]]] = self._unary_op(
+            op, lambda r: offloads_from_pb(r.take_boundary_state_offloads), False
+        )
+        return out
+
+    def take_kv_cache_block_copies(self: Any) -> tuple[list[tuple[int, int]], list[int]]:
+        op = pb.Operation(take_kv_cache_block_copies=pb.TakeKVCacheBlockCopiesOp())
+        out: tuple[list[tuple[int, int]], list[int]] = self._unary_op(
+            op, lambda r: copies_from_pb(r.take_kv_cache_block_copies), False
+        )
+        return out
+
+
+class PredictedMamba033:
+    """Predicting033KVCacheManager's calls for mamba groups and lost sessions: the
+    mirror answers, the server does the same with the step's Step (methods of a
+    PredictingKVCacheManager subclass)."""
+
+    def check_session(self: Any) -> None:
+        """Raise now a loss the session met since the last call (a Step that failed, a
+        lease that may have run out), before the scheduler's step changes anything.
+
+        Raises:
+            RequestsLostError: naming every request the session held.
+        """
+        self._vouch()
+        self._settled()
+
+    # vLLM 0.33's per-step drains: the mirror's answer now; the server drains its own
+    # with the step's Step
+    def take_new_block_ids(self: Any) -> list[int]:
+        self._settled()
+        ids = list(self.mirror.call("take_new_block_ids"))
+        self.sender.op().take_new_block_ids.SetInParent()
+        return ids
+
+    def take_boundary_state_offloads(self: Any) -> dict[str, list[tuple[int, int, int]]]:
+        self._settled()
+        out: dict[str, list[tuple[int, int, int]]] = self.mirror.call("take_boundary_state_offloads")
+        self.sender.op().take_boundary_state_offloads.SetInParent()
+        return out
+
+    def take_kv_cache_block_copies(self: Any) -> tuple[list[tuple[int, int]], list[int]]:
+        self._settled()
+        out: tuple[list[tuple[int, int]], list[int]] = self.mirror.call("take_kv_cache_block_copies")
+        self.sender.op().take_kv_cache_block_copies.SetInParent()
+        return out

@@ -14,11 +14,15 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 #: operations of the large Step (each registers a request and allocates one block)
 N = 6000
+#: operations of the Step other pools are probed during: long enough for many slices
+#: on a fast, quiet machine too (a call on another pool needs several turns of the
+#: loop, one between two slices each, to be read, handled and answered)
+N_PROBED = 30000
 
 TWO_POOLS = """
 [[pools]]
 name = "a"
-num_blocks = 20000
+num_blocks = 40000
 hash_block_size = 4
 [[pools.groups]]
 type = "full"
@@ -34,7 +38,7 @@ block_size = 4
 """
 
 
-def _big_step(prefix: str = "r") -> list[pb.Operation]:
+def _big_step(prefix: str = "r", n: int = N) -> list[pb.Operation]:
     return [
         pb.Operation(
             allocate=pb.AllocateOp(
@@ -44,7 +48,7 @@ def _big_step(prefix: str = "r") -> list[pb.Operation]:
                 num_new_tokens=4,
             )
         )
-        for i in range(N)
+        for i in range(n)
     ]
 
 
@@ -85,7 +89,7 @@ def test_another_pools_call_is_answered_between_the_slices_of_a_large_step(
     def send_big() -> None:
         with KVCoordClient(server.address, timeout=120) as c:
             session = c.attach("a", "", 4, "")
-            answers.append(c.step("a", _big_step(), session.session_id, session.fence))
+            answers.append(c.step("a", _big_step(n=N_PROBED), session.session_id, session.fence))
         done.set()
 
     sender = threading.Thread(target=send_big)
@@ -96,9 +100,9 @@ def test_another_pools_call_is_answered_between_the_slices_of_a_large_step(
         while not done.is_set():
             c.get_stats("b")
     sender.join(120)
-    assert len(answers) == 1 and len(answers[0].results) == N
+    assert len(answers) == 1 and len(answers[0].results) == N_PROBED
     assert all(r.status_code == 0 and not r.allocate.refused for r in answers[0].results)
-    during = [p for p in progress_at_b if 0 < p < N]
+    during = [p for p in progress_at_b if 0 < p < N_PROBED]
     assert during, (
         f"no call on pool 'b' was answered while pool 'a' applied its Step (progress seen at each: "
         f"{sorted(set(progress_at_b))[:10]} ...)"
@@ -108,7 +112,7 @@ def test_another_pools_call_is_answered_between_the_slices_of_a_large_step(
 def test_a_sliced_step_answers_as_an_unsliced_one(make_server: Callable[..., InProcessServer]) -> None:
     """The same Step on two pools alike, once cut into a slice every 64 operations and
     once whole: the same answer (their fences aside), the same pool afterwards."""
-    two = TWO_POOLS.replace('name = "b"\nnum_blocks = 64', 'name = "b"\nnum_blocks = 20000')
+    two = TWO_POOLS.replace('name = "b"\nnum_blocks = 64', 'name = "b"\nnum_blocks = 40000')
     server = make_server(two)
     mutations = server.running.servicer.mutations  # type: ignore[union-attr]
     got = {}

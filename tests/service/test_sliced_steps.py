@@ -4,8 +4,13 @@ Step gives (a real server over real gRPC)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from kvcoord.client import KVCoordClient
@@ -67,10 +72,9 @@ def _count_syncs(server: InProcessServer, pool: str) -> list[int]:
     return seen
 
 
-def test_another_pools_call_is_answered_between_the_slices_of_a_large_step(
-    make_server: Callable[..., InProcessServer],
-) -> None:
-    server = make_server(TWO_POOLS)
+def probe_during_a_large_step(server: InProcessServer) -> list[int]:
+    """Send one N_PROBED-operation Step to pool "a" and call pool "b" until it is
+    answered; returns what "a" had applied of it each time "b" answered."""
     applied = _count_syncs(server, "a")
     # what pool "a" had applied of the big Step each time a call on "b" was answered
     # (read on the server's loop, as the answer is made)
@@ -102,6 +106,31 @@ def test_another_pools_call_is_answered_between_the_slices_of_a_large_step(
     sender.join(120)
     assert len(answers) == 1 and len(answers[0].results) == N_PROBED
     assert all(r.status_code == 0 and not r.allocate.refused for r in answers[0].results)
+    return progress_at_b
+
+
+def test_another_pools_call_is_answered_between_the_slices_of_a_large_step() -> None:
+    """Run in a process of its own: in the whole suite's process (the in-process server
+    shares one GIL with every thread earlier tests left behind) no probe got through
+    while the Step ran, even at 30,000 operations; alone it does each time."""
+    code = (
+        "import json, test_sliced_steps as t\n"
+        "from kvcoord.service.testing import InProcessServer\n"
+        "server = InProcessServer(t.TWO_POOLS).start()\n"
+        "try:\n"
+        "    print(json.dumps(t.probe_during_a_large_step(server)))\n"
+        "finally:\n"
+        "    server.stop()\n"
+    )
+    here = Path(__file__).resolve().parent
+    root = here.parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(str(root / d) for d in ("client", "server")) + os.pathsep + str(here),
+    }
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    progress_at_b = json.loads(done.stdout.strip().splitlines()[-1])
     during = [p for p in progress_at_b if 0 < p < N_PROBED]
     assert during, (
         f"no call on pool 'b' was answered while pool 'a' applied its Step (progress seen at each: "

@@ -449,6 +449,8 @@ class Journal:
                 chunk = await loop.run_in_executor(
                     self._executor, self._write, batch, None if snapshot is None else snapshot[0]
                 )
+            except GeneratorExit:  # the coroutine closed (its loop gone): not a write failure
+                raise
             except BaseException as exc:  # disk full, I/O error: nothing after this is durable
                 logger.critical("journal write failed, no further mutation is acknowledged: %s", exc)
                 self.failed = exc

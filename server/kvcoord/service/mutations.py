@@ -73,6 +73,8 @@ class Mutation(Generic[A]):
 SLICE_SECONDS = 0.002
 #: operations between two looks at the clock in a sliced call
 SLICE_OPS = 16
+#: seconds the loop waits between two slices of a sliced call (other calls are read then)
+SLICE_PAUSE = 0.0005
 #: operations of a large Step serialized (its key's digest, its record) or checked
 #: (bounds.py) at once, between two turns of the event loop
 SERIALIZE_SLICE_OPS = 1024
@@ -217,7 +219,11 @@ class MutationRunner:
                         # frozen, as registry.GcFreezer does for blocks.
                         gc.collect(1)
                         gc.freeze()
-                    await asyncio.sleep(0)
+                    # A real pause, not sleep(0): the loop thread then waits in select
+                    # without the GIL, so gRPC's poller thread can hand it other pools'
+                    # calls; with sleep(0) it took the GIL back at once and, on a quiet
+                    # machine, no other call was read until the Step ended.
+                    await asyncio.sleep(SLICE_PAUSE)
                     end = time.perf_counter() + self.slice_seconds
             return self._keep(m, service, s, request, key, digest, body, answer)
         finally:

@@ -110,9 +110,10 @@ def probe_during_a_large_step(server: InProcessServer) -> list[int]:
 
 
 def test_another_pools_call_is_answered_between_the_slices_of_a_large_step() -> None:
-    """Run in a process of its own: in the whole suite's process (the in-process server
-    shares one GIL with every thread earlier tests left behind) no probe got through
-    while the Step ran, even at 30,000 operations; alone it does each time."""
+    """Run in a process of its own, as a server is: no other test's threads share its
+    GIL. On a quiet machine this failed while the loop paused between slices with
+    ``sleep(0)`` (gRPC's poller never got the GIL to hand over the probe's call);
+    it needs mutations.SLICE_PAUSE."""
     code = (
         "import json, test_sliced_steps as t\n"
         "from kvcoord.service.testing import InProcessServer\n"

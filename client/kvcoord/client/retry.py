@@ -5,7 +5,7 @@ Only transient codes are retried, and only for calls that are safe to repeat
 (read-only, naturally idempotent, or carrying an idempotency key).
 
 With ``keyed_deadline`` set (:data:`DEFAULT_RETRY`: 90 s), keyed calls (Allocate,
-Free, Step: applied at most once) are retried that long whatever ``max_attempts``
+Free, Step, a reserving ScorePools: applied at most once) are retried that long whatever ``max_attempts``
 says, capped by half the server's idempotency window (the client's
 ``retry_horizon``, from Attach): a call in flight while its server restarts (a kill
 and a journaled recovery taking up to a minute) is answered from the journal instead

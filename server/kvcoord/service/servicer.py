@@ -63,7 +63,7 @@ from .errors import (
     map_errors,
     map_stream_errors,
 )
-from .mutations import SERIALIZE_SLICE_OPS, Mutation, MutationRunner
+from .mutations import SERIALIZE_SLICE_OPS, Mutation, MutationRunner, request_digest
 from .pool_service import Fence, Limits, PoolService, drain
 from .registry import PoolRegistry
 from .score_wire import ScoreEncoder
@@ -567,6 +567,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         tenant = current_tenant()
         limits = self.registry.limits
         reserve = None
+        keyed = b""  # a reserving call's idempotency digest ("": no key)
         if request.reserve_seconds:
             reserve = Reserve(
                 request.reserve_seconds,
@@ -574,6 +575,13 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 limits.max_reservation_seconds,
                 limits.max_reservations_per_tenant,
             )
+            if request.idempotency_key:
+                keyed = request_digest(request)
+                kept = self.registry.idempotency.lookup(
+                    _score_key_owner(tenant.name), "ScorePools", request.idempotency_key, keyed
+                )
+                if kept is not None:  # a retry: the first answer, nothing reserved again
+                    return await self._durable(pb.ScorePoolsResponse.FromString(kept))
         scores = score_pools(
             self.registry.served(),
             # full access holds every role: no check per pool (64 pools: about 30 us)
@@ -596,6 +604,14 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             response.reservation_skipped = scores.reservation_skipped
             return response
         response.reservation.CopyFrom(reservation_to_pb(made))
+        if keyed:
+            self.registry.idempotency.remember(
+                _score_key_owner(tenant.name),
+                "ScorePools",
+                request.idempotency_key,
+                keyed,
+                response.SerializeToString(deterministic=True),
+            )
         held = self.registry.pools[made.pool]
         return await self._durable(
             response,
@@ -915,6 +931,13 @@ def _guard(
         return await handler(request, context)
 
     return unary
+
+
+def _score_key_owner(tenant: str) -> str:
+    """Whose a reserving ScorePools' idempotency key is in the idempotency store: the
+    caller's tenant (the call has no session). No session id has this form (they are
+    hex digits), so the two never share keys."""
+    return f"score-pools:{tenant}"
 
 
 def _everywhere(_pool: str) -> bool:

@@ -140,7 +140,9 @@ def test_routes_shared_by_threads_stay_consistent(monkeypatch: pytest.MonkeyPatc
                 step = rnd.randrange(7)
                 if step == 0:
                     attach = pb.AttachRequest(pool=pool)
-                    routes.answered("Attach", attach, pb.AttachResponse(session_id=f"s{seed}.{i}"), pool, address)
+                    routes.answered(
+                        "Attach", attach, pb.AttachResponse(session_id=f"s{seed}.{i}"), pool, address
+                    )
                 elif step == 1:
                     gone = pb.DetachRequest(session_id=f"s{rnd.randrange(8)}.{rnd.randrange(i + 1)}")
                     routes.answered("Detach", gone, pb.DetachResponse(), pool, address)
@@ -149,7 +151,9 @@ def test_routes_shared_by_threads_stay_consistent(monkeypatch: pytest.MonkeyPatc
                     err.owner = rnd.choice(addresses)
                     routes.failed(err, pool, address, 0, "read")
                 elif step == 3:
-                    routes.failed(UnavailableError(grpc.StatusCode.UNAVAILABLE, "reset"), pool, address, 0, "keyed")
+                    routes.failed(
+                        UnavailableError(grpc.StatusCode.UNAVAILABLE, "reset"), pool, address, 0, "keyed"
+                    )
                 elif step == 4:
                     routes.unreachable(pool, address)
                 elif step == 5:

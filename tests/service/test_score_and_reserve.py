@@ -284,7 +284,9 @@ class _LoseFirstAnswer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         self.lost = 0
         self.sent: list[pb.ScorePoolsRequest] = []
 
-    def intercept_unary_unary(self, continuation: Callable[..., object], details: object, request: object) -> object:
+    def intercept_unary_unary(
+        self, continuation: Callable[..., object], details: object, request: object
+    ) -> object:
         from kvcoord.client.faults import _InjectedError
 
         if isinstance(request, pb.ScorePoolsRequest):

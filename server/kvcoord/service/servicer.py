@@ -63,7 +63,7 @@ from .errors import (
     map_errors,
     map_stream_errors,
 )
-from .mutations import SERIALIZE_SLICE_OPS, Mutation, MutationRunner, request_digest
+from .mutations import SERIALIZE_SLICE_OPS, Mutation, MutationRunner
 from .pool_service import Fence, Limits, PoolService, drain
 from .registry import PoolRegistry
 from .score_wire import ScoreEncoder
@@ -567,7 +567,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         tenant = current_tenant()
         limits = self.registry.limits
         reserve = None
-        keyed = b""  # a reserving call's idempotency digest ("": no key)
+        digest = b""  # a reserving call's key's digest (none: no key)
         if request.reserve_seconds:
             reserve = Reserve(
                 request.reserve_seconds,
@@ -576,12 +576,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 limits.max_reservations_per_tenant,
             )
             if request.idempotency_key:
-                keyed = request_digest(request)
-                kept = self.registry.idempotency.lookup(
-                    _score_key_owner(tenant.name), "ScorePools", request.idempotency_key, keyed
+                digest, kept = self.mutations.kept_unjournaled(
+                    _score_key_owner(tenant.name), "ScorePools", request, pb.ScorePoolsResponse
                 )
                 if kept is not None:  # a retry: the first answer, nothing reserved again
-                    return await self._durable(pb.ScorePoolsResponse.FromString(kept))
+                    return await self._durable(kept)
         scores = score_pools(
             self.registry.served(),
             # full access holds every role: no check per pool (64 pools: about 30 us)
@@ -604,13 +603,9 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             response.reservation_skipped = scores.reservation_skipped
             return response
         response.reservation.CopyFrom(reservation_to_pb(made))
-        if keyed:
-            self.registry.idempotency.remember(
-                _score_key_owner(tenant.name),
-                "ScorePools",
-                request.idempotency_key,
-                keyed,
-                response.SerializeToString(deterministic=True),
+        if digest:
+            self.mutations.keep_unjournaled(
+                _score_key_owner(tenant.name), "ScorePools", request, digest, response
             )
         held = self.registry.pools[made.pool]
         return await self._durable(

@@ -330,8 +330,10 @@ class _Refusing(pb_grpc.AllocatorServicer):
 def test_a_keyed_call_whose_first_attempt_is_unknown_ends_unknown_after_later_redirects(
     reason: str, raised: type[Exception]
 ) -> None:
-    """The first attempt of an Allocate goes to an address that does not answer (its
-    outcome unknown: a pool owner dying under the call), the next ones to a replica
+    """The first attempt of an Allocate goes to an address that takes the connection
+    and never answers (its outcome unknown: a pool owner dying under the call; a
+    refused connection would be a call never sent, whose outcome is known), the next
+    ones to a replica
     that answers NOT_OWNER until the attempts run out: the call ends in
     OutcomeUnknownError (possibly applied), not in the last NotOwnerError (which
     would say nothing changed). An answer that settles it (the server's instance
@@ -342,9 +344,10 @@ def test_a_keyed_call_whose_first_attempt_is_unknown_ends_unknown_after_later_re
     pb_grpc.add_AllocatorServicer_to_server(_Refusing(calls, reason), server)
     live = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     server.start()
-    with socket.socket() as sock:  # a port nobody listens on: connections refused
-        sock.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{sock.getsockname()[1]}"
+    hole = socket.socket()  # the kernel completes connections; nobody ever answers on them
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(1)
+    dead = f"127.0.0.1:{hole.getsockname()[1]}"
     try:
         policy = RetryPolicy(max_attempts=3, initial_backoff=0.01, keyed_deadline=None)
         with KVCoordClient([dead, live], timeout=2.0, retry=policy) as c:
@@ -354,3 +357,4 @@ def test_a_keyed_call_whose_first_attempt_is_unknown_ends_unknown_after_later_re
         assert len(calls) >= 1 and len(set(calls)) == 1
     finally:
         server.stop(None)
+        hole.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from kvcoord.client.owners import Routes, parse_targets, resolve
 from kvcoord.v1 import allocator_pb2 as pb
@@ -102,3 +103,78 @@ def test_a_dead_owner_stays_last_and_its_redirects_wait_until_it_answers_again()
     assert routes.addresses == ["a:1", "b:1", "c:1"]  # it answered: the configured order again
     taking = OwnerChangingError(grpc.StatusCode.UNAVAILABLE, "taking it over", "OWNER_CHANGING")
     assert routes.failed(taking, "p", "c:1", 0, "read") == SETTLE and routes.route("p") == "c:1"
+
+
+def test_routes_shared_by_threads_stay_consistent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocking client is called from several threads at once (a manager's sender
+    thread and the scheduler's): they all learn into one Routes. Hammered from eight
+    threads (answers, sessions past MAX_SESSIONS, redirects, unreachable owners, pool
+    lists merged), no call raises and the table stays whole: each address once, every
+    known owner one of them, at most MAX_SESSIONS sessions, the primary an address."""
+    import random
+    import sys
+    import threading
+
+    from kvcoord.client import owners
+    from kvcoord.client.api import merged
+    from kvcoord.client.errors import NotOwnerError, UnavailableError
+
+    monkeypatch.setattr(owners, "MAX_SESSIONS", 4)
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as CPython allows
+    clock = Clock()
+    routes = Routes(["a:1", "b:2", "c:3"], clock=clock)
+    pools = [f"p{i}" for i in range(4)]
+    addresses = ["a:1", "b:2", "c:3", "d:4"]  # d:4 is learned from redirects
+    failures: list[BaseException] = []
+    start = threading.Barrier(8)
+
+    def hammer(seed: int) -> None:
+        rnd = random.Random(seed)
+        start.wait()
+        try:
+            for i in range(2_000):
+                # the address called is one the table knows (the client calls route()'s)
+                pool, address = rnd.choice(pools), rnd.choice(list(routes.addresses))
+                clock.now += 0.001
+                step = rnd.randrange(7)
+                if step == 0:
+                    attach = pb.AttachRequest(pool=pool)
+                    routes.answered(
+                        "Attach", attach, pb.AttachResponse(session_id=f"s{seed}.{i}"), pool, address
+                    )
+                elif step == 1:
+                    gone = pb.DetachRequest(session_id=f"s{rnd.randrange(8)}.{rnd.randrange(i + 1)}")
+                    routes.answered("Detach", gone, pb.DetachResponse(), pool, address)
+                elif step == 2:
+                    err = NotOwnerError(grpc.StatusCode.FAILED_PRECONDITION, "not mine", "NOT_OWNER")
+                    err.owner = rnd.choice(addresses)
+                    routes.failed(err, pool, address, 0, "read")
+                elif step == 3:
+                    routes.failed(
+                        UnavailableError(grpc.StatusCode.UNAVAILABLE, "reset"), pool, address, 0, "keyed"
+                    )
+                elif step == 4:
+                    routes.unreachable(pool, address)
+                elif step == 5:
+                    listed = pb.ListPoolsResponse(pools=[pb.PoolInfo(name=p) for p in pools[:2]])
+                    merged(routes, [(address, listed)])
+                else:
+                    routes.pool_of("Heartbeat", pb.HeartbeatRequest(session_id=f"s{seed}.{i - 1}"))
+                    assert routes.route(pool) in routes.addresses
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=hammer, args=(n,)) for n in range(8)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old_interval)
+    assert failures == []
+    assert len(routes.addresses) == len(set(routes.addresses)) == 4
+    assert set(routes.addresses) == set(addresses) and routes.primary in addresses
+    assert set(routes.owner.values()) <= set(addresses)
+    assert len(routes.session_pool) <= 4

@@ -362,3 +362,54 @@ def test_a_read_whose_remembered_owner_swallows_packets_goes_to_another_replica(
     finally:
         srv.stop()
         hole.close()
+
+
+class _Outcomes(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Passes every call on and records the status gRPC itself ended it with."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[grpc.StatusCode, str]] = []
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        outcome = continuation(details, request)
+        try:
+            outcome.result()
+        except grpc.RpcError as exc:
+            self.seen.append((exc.code(), exc.details() or ""))
+        return outcome
+
+
+def test_a_call_never_sent_has_a_known_outcome(tmp_path: Any) -> None:
+    """A call whose channel could not connect (nothing listens at the address, or no
+    such unix socket) was never sent: it applied nothing, so a once-only or keyed call
+    ends in UnavailableError, not in OutcomeUnknownError (before, every UNAVAILABLE
+    counted as an attempt that may have been applied)."""
+    from kvcoord.client.errors import OutcomeUnknownError
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    policy = RetryPolicy(initial_backoff=0.001, max_backoff=0.002, deadline=2.0, max_attempts=3)
+    for target in ("127.0.0.1:1", f"unix:{tmp_path}/nobody.sock"):
+        seen = _Outcomes()
+        with KVCoordClient(target, timeout=5, retry=policy, interceptors=[seen]) as c:
+            with pytest.raises(UnavailableError) as once:
+                c.delete_pool("p")
+            with pytest.raises(UnavailableError) as keyed:
+                c.allocate("p", pb.AllocateOp(num_new_tokens=4), "s")
+        assert not isinstance(once.value, OutcomeUnknownError), once.value
+        assert not isinstance(keyed.value, OutcomeUnknownError), keyed.value
+        # gRPC itself failed each attempt (1 once-only, 3 keyed), none of them sent
+        assert len(seen.seen) == 4
+        assert {code for code, _ in seen.seen} == {grpc.StatusCode.UNAVAILABLE}
+
+
+def test_a_call_sent_and_lost_still_has_an_unknown_outcome(server: InProcessServer) -> None:
+    """The other side of the line: DeletePool sent and applied, its answer lost
+    (UNAVAILABLE after the server answered), is OutcomeUnknownError."""
+    from kvcoord.client.errors import OutcomeUnknownError
+    from kvcoord.client.faults import FaultInjector
+
+    lose = FaultInjector(0, drop=1.0, methods=("DeletePool",))
+    with KVCoordClient(server.address, timeout=10, interceptors=[lose]) as c:
+        with pytest.raises(OutcomeUnknownError):
+            c.delete_pool("p")
+    assert lose.counts["dropped"] == 1

@@ -274,3 +274,76 @@ def test_a_request_of_another_prompt_sharing_the_hit_leaves_the_reservation(
         assert arrival.admit(PROMPT).hit.num_tokens == 40
         assert _adoption(client) == (0, 1, 40, 40, 0)
         arrival.close()
+
+
+class _LoseFirstAnswer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """The first ScorePools reaches the server and is applied; its answer is lost
+    (UNAVAILABLE, as a connection reset after the server answered)."""
+
+    def __init__(self) -> None:
+        self.lost = 0
+        self.sent: list[pb.ScorePoolsRequest] = []
+
+    def intercept_unary_unary(
+        self, continuation: Callable[..., object], details: object, request: object
+    ) -> object:
+        from kvcoord.client.faults import _InjectedError
+
+        if isinstance(request, pb.ScorePoolsRequest):
+            self.sent.append(request)
+        if isinstance(request, pb.ScorePoolsRequest) and not self.lost:
+            self.lost += 1
+            continuation(details, request).result()  # applied by the server
+            raise _InjectedError(grpc.StatusCode.UNAVAILABLE, "injected: connection lost before the answer")
+        return continuation(details, request)
+
+
+def test_a_reserving_score_pools_whose_answer_is_lost_reserves_once(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """A reserving ScorePools is a mutation: retried after its answer was lost, it is
+    retried with its idempotency key and answered from the first call, so exactly one
+    reservation is held (before, it was retried as a read and reserved twice). A
+    scoring-only call carries no key (a read: nothing to keep)."""
+    server = make_server()
+    lose = _LoseFirstAnswer()
+    with KVCoordClient(server.address, timeout=10, interceptors=[lose]) as client:
+        _warm(server.address)
+        r = client.score_pools(len(PROMPT), _prompt(), reserve_seconds=5.0)
+        assert lose.lost == 1 and len(lose.sent) == 2
+        assert r.reservation.pool == "p" and r.reservation.hit_tokens == 40
+        stats = client.get_stats("p").reservations
+        assert (stats.live, stats.made) == (1, 1)
+        assert lose.sent[0].idempotency_key and lose.sent[0] == lose.sent[1]
+        # a new call is a new reservation
+        again = client.score_pools(len(PROMPT), _prompt(), reserve_seconds=5.0)
+        assert again.reservation.reservation_id != r.reservation.reservation_id
+        assert client.get_stats("p").reservations.live == 2
+        client.score_pools(len(PROMPT), _prompt())
+        assert lose.sent[-1].idempotency_key == ""
+
+
+def test_a_score_pools_key_is_bound_to_its_body_and_tenant(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """The same key with another body is KEY_REUSED (nothing reserved); the same key
+    and body is the first answer."""
+    from kvcoord.client.errors import KeyReusedError, error_from_rpc
+
+    server = make_server()
+    with KVCoordClient(server.address, timeout=10) as client:
+        _warm(server.address)
+        first = pb.ScorePoolsRequest(
+            num_tokens=len(PROMPT), prompts=_prompt(), reserve_seconds=5.0, idempotency_key="k1"
+        )
+        a = client.stub.ScorePools(first)
+        b = client.stub.ScorePools(first)
+        assert a == b and a.reservation.reservation_id
+        other = pb.ScorePoolsRequest(
+            num_tokens=len(PROMPT), prompts=_prompt(), reserve_seconds=4.0, idempotency_key="k1"
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.ScorePools(other)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert isinstance(error_from_rpc(err.value), KeyReusedError)
+        assert client.get_stats("p").reservations.made == 1

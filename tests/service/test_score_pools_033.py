@@ -20,7 +20,7 @@ from kvcoord.client.routing import PoolRouter, hash_prompt
 from kvcoord.conformance import load_trace, replay
 from kvcoord.conformance.remote import RemoteTarget
 from kvcoord.conformance.trace import config_from_trace
-from kvcoord.engine import ConfigError, LoRA
+from kvcoord.engine import ConfigError
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 
@@ -38,31 +38,12 @@ class RoutedTarget(RemoteTarget):
         super().__init__(address)
         self.router = PoolRouter(self.client)
         self.lora_paths = lora_paths
-        self.prompts: dict[str, tuple[list[int], list[bytes], LoRA | None, str | None]] = {}
         self.probes = 0
         self.hits = 0
 
-    def add_request(
-        self,
-        rid: str,
-        prompt: list[int],
-        hashes: list[bytes],
-        lora: LoRA | None,
-        skip_read: bool,
-        cache_salt: str | None = None,
-    ) -> None:
-        self.prompts[rid] = (list(prompt), list(hashes), lora, cache_salt)
-        super().add_request(rid, prompt, hashes, lora, skip_read, cache_salt)
-
-    def update_request(
-        self, rid: str, num_computed_tokens: int, tokens: list[int], hashes: list[bytes]
-    ) -> None:
-        self.prompts[rid][0].extend(tokens)
-        self.prompts[rid][1].extend(hashes)
-        super().update_request(rid, num_computed_tokens, tokens, hashes)
-
     def get_computed_blocks(self, rid: str) -> tuple[list[list[int]], int]:
-        tokens, hashes, lora, salt = self.prompts[rid]
+        p = self.prompts[rid]  # the request's prompt as the trace gave it (RemoteTarget)
+        tokens, hashes, lora, salt = p.tokens, p.hashes, p.lora, p.cache_salt
         named = {"lora_name": lora.name, "lora_path": self.lora_paths[lora.name]} if lora else {}
         info = self.router.pools()[self.pool]
         if info.config.enable_caching:

@@ -73,7 +73,10 @@ def test_idempotency_and_journaling_live_in_the_mutation_runner() -> None:
 
 def test_every_keyed_rpc_is_a_mutation() -> None:
     """Each RPC whose request carries an idempotency key is run by the mutation runner,
-    live (its handler) and on replay (the same Mutation)."""
+    live (its handler) and on replay (the same Mutation); but ScorePools, whose key
+    (kept only with reserve_seconds) belongs to a tenant, not a session, and whose
+    kept answers are not journaled (a restart releases every reservation): its
+    handler keeps them through the runner's kept_unjournaled / keep_unjournaled."""
     from kvcoord.service import servicer
     from kvcoord.v1 import allocator_pb2 as pb
 
@@ -82,7 +85,11 @@ def test_every_keyed_rpc_is_a_mutation() -> None:
         for m in pb.DESCRIPTOR.services_by_name["Allocator"].methods
         if "idempotency_key" in m.input_type.fields_by_name
     }
-    assert keyed == {"Allocate", "Free", "Step"}
+    assert keyed - {"ScorePools"} == {"Allocate", "Free", "Step"}
+    keyed -= {"ScorePools"}
+    tree = ast.parse((SERVICE / "servicer.py").read_text())
+    (score,) = (n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef) and n.name == "ScorePools")
+    assert {"kept_unjournaled", "keep_unjournaled"} <= set(_calls_in(score))
     assert set(servicer.MUTATIONS) == keyed
     tree = ast.parse((SERVICE / "servicer.py").read_text())
     handlers = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef) and n.name in keyed}

@@ -28,9 +28,18 @@ RPCS: dict[str, str] = {
     "GetStats": "read",
     "InspectPool": "read",
     "CheckPool": "read",
-    "ScorePools": "read",
+    "ScorePools": "read",  # a reserving one is "keyed": kind_of()
     "ListSessions": "read",
 }
+
+
+def kind_of(rpc: str, request: object) -> str:
+    """How a failure of this call whose outcome is unknown is handled (:data:`RPCS`):
+    a ScorePools that reserves (``reserve_seconds > 0``) is a mutation sent with an
+    idempotency key, "keyed"; every other call, its RPC's kind."""
+    if rpc == "ScorePools" and getattr(request, "reserve_seconds", 0) > 0:
+        return "keyed"
+    return RPCS[rpc]
 
 
 def key() -> str:
@@ -143,12 +152,15 @@ def score_pools(
     include_block_ids: bool,
     reserve_seconds: float,
 ) -> pb.ScorePoolsRequest:
+    """A reserving call (``reserve_seconds > 0``) carries an idempotency key: a retry
+    after a lost answer is answered from the first call and reserves nothing again."""
     return pb.ScorePoolsRequest(
         num_tokens=num_tokens,
         prompts=list(prompts),
         candidate_pools=list(candidate_pools),
         include_block_ids=include_block_ids,
         reserve_seconds=reserve_seconds,
+        idempotency_key=key() if reserve_seconds > 0 else "",
     )
 
 

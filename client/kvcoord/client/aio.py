@@ -70,7 +70,7 @@ class AsyncKVCoordClient(Api):
     async def _call(self, rpc: str, request: Any) -> Any:
         routes = self.routes
         pool = routes.pool_of(rpc, request)
-        attempts = Attempts(self.retry, rq.RPCS[rpc], self.retry_horizon)
+        attempts = Attempts(self.retry, rq.kind_of(rpc, request), self.retry_horizon)
         hops = 0
         while True:
             address = routes.route(pool)
@@ -229,11 +229,13 @@ class AsyncKVCoordClient(Api):
         include_block_ids: bool = False,
         reserve_seconds: float = 0.0,
     ) -> Coro[pb.ScorePoolsResponse]:
-        """Exact prefix-cache scores of a prompt in many pools, best first (read-only;
-        needs observe on each pool). ``prompts``: the prompt hashed once per pool hash
+        """Exact prefix-cache scores of a prompt in many pools, best first (read-only
+        without ``reserve_seconds``; needs observe on each pool). ``prompts``: the prompt hashed once per pool hash
         settings (:func:`kvcoord.client.routing.hash_prompt`); ``candidate_pools``: the
         pools to score (empty: every pool the caller may observe); ``reserve_seconds``:
-        hold the best pool's hit that long, until a request of the prompt adopts it."""
+        hold the best pool's hit that long, until a request of the prompt adopts it (a
+        reserving call carries an idempotency key: a retry after a lost answer reserves
+        nothing again)."""
         return self._unary(
             SCORE_POOLS,
             rq.score_pools(num_tokens, prompts, candidate_pools, include_block_ids, reserve_seconds),

@@ -97,7 +97,7 @@ def merged(routes: Routes, answers: Sequence[tuple[str, pb.ListPoolsResponse]]) 
         for info in answer.pools:
             if info.name not in pools:
                 pools[info.name] = info
-                routes.owner[info.name] = address
+                routes.listed(info.name, address)
     return pb.ListPoolsResponse(pools=[pools[n] for n in sorted(pools)])
 
 

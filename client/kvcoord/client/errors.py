@@ -277,14 +277,20 @@ def error_from_rpc(exc: grpc.RpcError, rpc: str = "") -> KVCoordError:
     return err
 
 
-#: what gRPC says when no connection to the target could be made: the call was never
-#: sent (a replica that is down), so it can go to another replica whatever its kind
-_NOT_CONNECTED = "failed to connect to all addresses"
+#: how gRPC's UNAVAILABLE begins when the call was never sent: no connection to the
+#: target could be made (a replica that is down, a missing unix socket), or its name
+#: did not resolve (gRPC's native resolver: "errors resolving"; c-ares: "DNS
+#: resolution failed"). gRPC writes nothing before a connection is up, so such a call
+#: can go to another replica whatever its kind, and applied nothing anywhere. Any
+#: other UNAVAILABLE (a connection reset, a server stopping mid-call) may have been
+#: applied.
+_NOT_SENT = ("failed to connect to all addresses", "errors resolving ", "DNS resolution failed")
 
 
 def never_sent(err: KVCoordError) -> bool:
-    """``err`` says the call never left the client (no connection to the target)."""
-    return err.code == grpc.StatusCode.UNAVAILABLE and _NOT_CONNECTED in err.message
+    """``err`` says the call never left the client (no connection to the target, or
+    its name did not resolve): it applied nothing."""
+    return err.code == grpc.StatusCode.UNAVAILABLE and err.message.startswith(_NOT_SENT)
 
 
 def status_code(value: int) -> grpc.StatusCode:

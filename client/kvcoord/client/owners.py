@@ -18,6 +18,12 @@ replicas point. A replica that answers OWNER_CHANGING (it is taking the pool ove
 rebuilding it, or handing it over) stays the pool's owner and is asked again after
 the same short pause.
 
+**Threads.** A blocking client is called from several threads at once (a manager's
+sender thread and the scheduler's): every method that changes the table holds one lock,
+so two threads learning at once neither lose an update nor break the table (an address
+listed twice, a session map iterated while it shrinks). Reads (:meth:`Routes.route`,
+:meth:`Routes.pool_of`) take no lock: they read one field, which is always whole.
+
 A single ``host:port`` is a replica set of one: a single-node server never redirects,
 so nothing changes for it.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -121,6 +128,9 @@ class Routes:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.entries = parse_targets(targets)
+        #: held by every method that changes the table (see the module docstring);
+        #: reentrant: unreachable() resolves the names again under it
+        self._lock = threading.RLock()
         self.resolver = resolver
         self.clock = clock
         self.addresses: list[str] = []
@@ -142,15 +152,16 @@ class Routes:
         """Resolve the entries again (at most every :data:`RESOLVE_EVERY` seconds);
         addresses learned from redirects are kept, and addresses marked down stay
         after every live one."""
-        now = self.clock()
-        if now - self._resolved_at < RESOLVE_EVERY:
-            return
-        self._resolved_at = now
-        fresh: list[str] = []
-        for entry in self.entries:
-            fresh.extend(a for a in self.resolver(entry) if a not in fresh)
-        learned = [a for a in self.addresses if a not in fresh]
-        self.addresses = sorted(fresh + learned, key=lambda a: a in self.down)
+        with self._lock:
+            now = self.clock()
+            if now - self._resolved_at < RESOLVE_EVERY:
+                return
+            self._resolved_at = now
+            fresh: list[str] = []
+            for entry in self.entries:
+                fresh.extend(a for a in self.resolver(entry) if a not in fresh)
+            learned = [a for a in self.addresses if a not in fresh]
+            self.addresses = sorted(fresh + learned, key=lambda a: a in self.down)
 
     def pool_of(self, rpc: str, request: Any) -> str:
         """The pool a call is about ("" when it names none or an unknown session)."""
@@ -168,49 +179,58 @@ class Routes:
 
     def answered(self, rpc: str, request: Any, response: Any, pool: str, address: str) -> None:
         """A call succeeded at ``address``: remember the pool's owner and a new session's pool."""
-        self.down.pop(address, None)
-        if pool:
+        with self._lock:
+            self.down.pop(address, None)
+            if pool:
+                self.owner[pool] = address
+            if rpc == "Attach":
+                self.session_pool[response.session_id] = request.pool
+                while len(self.session_pool) > MAX_SESSIONS:
+                    del self.session_pool[next(iter(self.session_pool))]
+            elif rpc == "Detach":
+                self.session_pool.pop(request.session_id, None)
+
+    def listed(self, pool: str, address: str) -> None:
+        """``address`` listed ``pool`` among the pools it serves: its owner."""
+        with self._lock:
             self.owner[pool] = address
-        if rpc == "Attach":
-            self.session_pool[response.session_id] = request.pool
-            while len(self.session_pool) > MAX_SESSIONS:
-                del self.session_pool[next(iter(self.session_pool))]
-        elif rpc == "Detach":
-            self.session_pool.pop(request.session_id, None)
 
     def redirected(self, pool: str, owner: str, by: str = "") -> bool:
         """The replica at ``by`` named ``owner`` as ``pool``'s. False when ``owner``
         is marked down (less than :data:`RECHECK_DOWN` seconds ago): not followed, the
         naming replica's view is behind (the dead owner's claim has not lapsed)."""
-        self.down.pop(by, None)
-        marked = self.down.get(owner)
-        if marked is not None and self.clock() - marked < RECHECK_DOWN:
-            if self.owner.get(pool) == owner:
-                del self.owner[pool]
-            return False
-        self.owner[pool] = owner
-        if owner not in self.addresses:
-            self.addresses.append(owner)
-        return True
+        with self._lock:
+            self.down.pop(by, None)
+            marked = self.down.get(owner)
+            if marked is not None and self.clock() - marked < RECHECK_DOWN:
+                if self.owner.get(pool) == owner:
+                    del self.owner[pool]
+                return False
+            self.owner[pool] = owner
+            if owner not in self.addresses:
+                self.addresses.append(owner)
+            return True
 
     def changing(self, pool: str, address: str) -> None:
         """``address`` answered that ``pool`` is changing owner there: it stays the
         pool's owner (it serves the pool or names the next owner shortly)."""
-        self.down.pop(address, None)
-        self.owner[pool] = address
+        with self._lock:
+            self.down.pop(address, None)
+            self.owner[pool] = address
 
     def unreachable(self, pool: str, address: str) -> None:
         """``address`` did not answer for ``pool``: forget it as the owner, mark it
         down (tried after the others until it answers), and resolve the names again
         (the replica set may have changed: a pod rescheduled, a replica added)."""
-        if self.owner.get(pool) == address:
-            del self.owner[pool]
-        if len(self.addresses) > 1:
-            self.down[address] = self.clock()
-            if address in self.addresses:
-                self.addresses.remove(address)
-                self.addresses.append(address)
-        self.refresh()
+        with self._lock:
+            if self.owner.get(pool) == address:
+                del self.owner[pool]
+            if len(self.addresses) > 1:
+                self.down[address] = self.clock()
+                if address in self.addresses:
+                    self.addresses.remove(address)
+                    self.addresses.append(address)
+            self.refresh()
 
     def failed(self, err: KVCoordError, pool: str, address: str, hops: int, kind: str) -> str:
         """What to do after an attempt at ``address`` failed with ``err``: :data:`AGAIN`

@@ -5,7 +5,7 @@ Only transient codes are retried, and only for calls that are safe to repeat
 (read-only, naturally idempotent, or carrying an idempotency key).
 
 With ``keyed_deadline`` set (:data:`DEFAULT_RETRY`: 90 s), keyed calls (Allocate,
-Free, Step: applied at most once) are retried that long whatever ``max_attempts``
+Free, Step, a reserving ScorePools: applied at most once) are retried that long whatever ``max_attempts``
 says, capped by half the server's idempotency window (the client's
 ``retry_horizon``, from Attach): a call in flight while its server restarts (a kill
 and a journaled recovery taking up to a minute) is answered from the journal instead
@@ -22,7 +22,8 @@ soon; those pauses use no attempt, and end by a keyed call's deadline, or for an
 other call once its backoffs could have lasted (about 5 s by default). An
 attempt whose outcome was unknown (a keyed call in flight when its owner died) makes
 the call end in :class:`~kvcoord.client.errors.OutcomeUnknownError` when the last
-attempt's answer is only a redirect or another transient failure.
+attempt's answer is only a redirect or another transient failure; an attempt that was
+never sent (no connection could be made) is not one of them.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import NoReturn
 
 import grpc
 
-from .errors import KVCoordError, NotOwnerError, OutcomeUnknownError, UnavailableError
+from .errors import KVCoordError, NotOwnerError, OutcomeUnknownError, UnavailableError, never_sent
 
 __all__ = ["DEFAULT_RETRY", "NO_RETRY", "Attempts", "RetryPolicy"]
 
@@ -129,8 +130,10 @@ class Attempts:
         self.unknown = False
 
     def note(self, err: KVCoordError) -> None:
-        """An attempt failed with ``err``: remember whether its outcome is unknown."""
-        if type(err) is UnavailableError and err.code in UNKNOWN_OUTCOME:
+        """An attempt failed with ``err``: remember whether its outcome is unknown. An
+        attempt that was never sent (no connection, a name that did not resolve:
+        :func:`~kvcoord.client.errors.never_sent`) applied nothing: its outcome is known."""
+        if type(err) is UnavailableError and err.code in UNKNOWN_OUTCOME and not never_sent(err):
             self.unknown = True
 
     def settling(self, err: KVCoordError) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -17,7 +18,7 @@ from kvcoord.wire import copies_from_pb, events_from_pb, offloads_from_pb, stats
 from .target import BlockIds, event_to_json, stats_to_json
 from .trace import pool_config_from_trace
 
-__all__ = ["RemoteTarget"]
+__all__ = ["Prompt", "RemoteTarget"]
 
 
 def _lists(groups: Sequence[pb.BlockIds]) -> list[list[int]]:
@@ -27,6 +28,17 @@ def _lists(groups: Sequence[pb.BlockIds]) -> list[list[int]]:
 def _stats_json(r: pb.OperationResult) -> dict[str, Any] | None:
     stats = r.prefix_cache_stats
     return stats_to_json(stats_from_pb(stats.stats)) if stats.HasField("stats") else None
+
+
+@dataclasses.dataclass(slots=True)
+class Prompt:
+    """A request's tokens and block hashes so far, its LoRA and cache salt, as the
+    trace gave them (what a router scoring the request's prompt needs)."""
+
+    tokens: list[int]
+    hashes: list[bytes]
+    lora: LoRA | None
+    cache_salt: str | None
 
 
 class RemoteTarget:
@@ -57,6 +69,8 @@ class RemoteTarget:
         self._usage = 0.0
         #: the shared-prefix boundary each request's last lookup answered (vllm-0.33)
         self._boundary: dict[str, int] = {}
+        #: each live request's prompt so far
+        self.prompts: dict[str, Prompt] = {}
 
     def open(self, trace_config: dict[str, Any]) -> None:
         self.pool = f"conformance-{trace_config.get('name', 'trace')}-{uuid.uuid4().hex[:8]}"
@@ -132,6 +146,7 @@ class RemoteTarget:
             sync.lora.adapter_id = lora.adapter_id
             sync.lora.name = lora.name
         self._pending[rid] = sync
+        self.prompts[rid] = Prompt(list(prompt), list(hashes), lora, cache_salt)
 
     def update_request(
         self, rid: str, num_computed_tokens: int, tokens: list[int], hashes: list[bytes]
@@ -140,6 +155,10 @@ class RemoteTarget:
         sync.append_token_ids.extend(tokens)
         sync.append_block_hashes.extend(hashes)
         sync.num_computed_tokens = num_computed_tokens
+        prompt = self.prompts.get(rid)
+        if prompt is not None:  # else the server refuses the sync: the replay reports it
+            prompt.tokens.extend(tokens)
+            prompt.hashes.extend(hashes)
 
     def get_computed_blocks(self, rid: str) -> tuple[list[list[int]], int]:
         r = self._step(pb.Operation(lookup=pb.LookupOp(request=self._sync(rid))))
@@ -162,6 +181,7 @@ class RemoteTarget:
     def free(self, rid: str) -> None:
         self._step(*self._flush(rid), pb.Operation(free=pb.FreeOp(request_id=rid)))
         self._pos.pop(rid, None)
+        self.prompts.pop(rid, None)
 
     def preempt(self, rid: str) -> None:
         self._step(*self._flush(rid), pb.Operation(preempt=pb.PreemptOp(request_id=rid)))

@@ -1223,18 +1223,20 @@ class HashedPrompt(_message.Message):
     def __init__(self, hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ...) -> None: ...
 
 class ScorePoolsRequest(_message.Message):
-    __slots__ = ("candidate_pools", "num_tokens", "prompts", "include_block_ids", "reserve_seconds")
+    __slots__ = ("candidate_pools", "num_tokens", "prompts", "include_block_ids", "reserve_seconds", "idempotency_key")
     CANDIDATE_POOLS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     RESERVE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     candidate_pools: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: int
     prompts: _containers.RepeatedCompositeFieldContainer[HashedPrompt]
     include_block_ids: bool
     reserve_seconds: float
-    def __init__(self, candidate_pools: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[HashedPrompt, _Mapping]]] = ..., include_block_ids: _Optional[bool] = ..., reserve_seconds: _Optional[float] = ...) -> None: ...
+    idempotency_key: str
+    def __init__(self, candidate_pools: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[int] = ..., prompts: _Optional[_Iterable[_Union[HashedPrompt, _Mapping]]] = ..., include_block_ids: _Optional[bool] = ..., reserve_seconds: _Optional[float] = ..., idempotency_key: _Optional[str] = ...) -> None: ...
 
 class PoolScore(_message.Message):
     __slots__ = ("pool", "hit_tokens", "num_free_blocks", "usage", "num_total_blocks", "hit", "fence")

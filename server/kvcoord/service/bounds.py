@@ -92,6 +92,7 @@ BOUNDS: Mapping[str, int | str] = {
     "AllocateRequest.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,
     "FreeRequest.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,
     "StepRequest.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,
+    "ScorePoolsRequest.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,
     "AttachRequest.client_name": MAX_CLIENT_NAME_LENGTH,
     "AttachRequest.hash_algo": 32,
     "AttachRequest.hash_seed": 256,

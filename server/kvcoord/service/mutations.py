@@ -5,7 +5,9 @@ session is checked, its idempotency key looked up (a duplicate is answered with 
 kept answer, never applied again), the call applied, its answer stamped with the
 journal position of its own record, the answer kept under its key, the call
 journaled with the answer's digest, and the answer sent only once the record is
-durable. Every other mutating call ends with the same commit wait (:meth:`durable`).
+durable. Every other mutating call ends with the same commit wait (:meth:`durable`);
+a reserving ScorePools keeps its answer under its tenant's key here too, unjournaled
+(:meth:`MutationRunner.kept_unjournaled`).
 Replay (recovery.py) applies a journaled call with the same :class:`Mutation`, so
 the answer it rebuilds is the one the client was told, byte for byte, or the start
 stops.
@@ -308,6 +310,28 @@ class MutationRunner:
 
     def _journal(self) -> Any:
         return getattr(self.registry.recorder, "journal", None)
+
+    def kept_unjournaled(
+        self, owner: str, rpc: str, request: Any, answer_type: type[A]
+    ) -> tuple[bytes, A | None]:
+        """A keyed call that is not a :class:`Mutation` (a reserving ScorePools: it has
+        no session, its key is ``owner``'s): its request's digest, and the answer kept
+        for its key (``None``: a new key, whose answer the caller keeps with
+        :meth:`keep_unjournaled` once made). Such answers are not journaled: a restart
+        forgets them, and what they made (a reservation) ends with it.
+
+        Raises:
+            ServiceError: as :meth:`IdempotencyStore.lookup` (KEY_REUSED, ...).
+        """
+        digest = request_digest(request)
+        kept = self.registry.idempotency.lookup(owner, rpc, request.idempotency_key, digest)
+        return digest, None if kept is None else answer_type.FromString(kept)
+
+    def keep_unjournaled(self, owner: str, rpc: str, request: Any, digest: bytes, answer: Message) -> None:
+        """Keep the answer of a call :meth:`kept_unjournaled` found new."""
+        self.registry.idempotency.remember(
+            owner, rpc, request.idempotency_key, digest, answer.SerializeToString(deterministic=True)
+        )
 
     def record(self, note: Callable[[Recorder], None]) -> None:
         """Journal a change made without a call (a reservation's time ran out)."""

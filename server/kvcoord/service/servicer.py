@@ -567,6 +567,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         tenant = current_tenant()
         limits = self.registry.limits
         reserve = None
+        digest = b""  # a reserving call's key's digest (none: no key)
         if request.reserve_seconds:
             reserve = Reserve(
                 request.reserve_seconds,
@@ -574,6 +575,12 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
                 limits.max_reservation_seconds,
                 limits.max_reservations_per_tenant,
             )
+            if request.idempotency_key:
+                digest, kept = self.mutations.kept_unjournaled(
+                    _score_key_owner(tenant.name), "ScorePools", request, pb.ScorePoolsResponse
+                )
+                if kept is not None:  # a retry: the first answer, nothing reserved again
+                    return await self._durable(kept)
         scores = score_pools(
             self.registry.served(),
             # full access holds every role: no check per pool (64 pools: about 30 us)
@@ -596,6 +603,10 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             response.reservation_skipped = scores.reservation_skipped
             return response
         response.reservation.CopyFrom(reservation_to_pb(made))
+        if digest:
+            self.mutations.keep_unjournaled(
+                _score_key_owner(tenant.name), "ScorePools", request, digest, response
+            )
         held = self.registry.pools[made.pool]
         return await self._durable(
             response,
@@ -915,6 +926,13 @@ def _guard(
         return await handler(request, context)
 
     return unary
+
+
+def _score_key_owner(tenant: str) -> str:
+    """Whose a reserving ScorePools' idempotency key is in the idempotency store: the
+    caller's tenant (the call has no session). No session id has this form (they are
+    hex digits), so the two never share keys."""
+    return f"score-pools:{tenant}"
 
 
 def _everywhere(_pool: str) -> bool:

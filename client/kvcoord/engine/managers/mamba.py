@@ -50,6 +50,11 @@ class MambaManager(SingleTypeKVCacheManager):
         """The base rule: free the skipped prefix, from its end down to the first null."""
         super().remove_skipped_blocks(request_id, total_computed_tokens)
 
+    def _hit_not_yet_usable(self, last: KVCacheBlock) -> bool:
+        """A hit ending at ``last`` cannot be adopted yet (0.33's same-step refusal);
+        0.16 adopts every hit."""
+        return False
+
     def get_num_blocks_to_allocate(
         self,
         request_id: str,
@@ -58,6 +63,9 @@ class MambaManager(SingleTypeKVCacheManager):
         total_computed_tokens: int,
         num_tokens_main_model: int,
     ) -> int:
+        if new_computed_blocks and self._hit_not_yet_usable(new_computed_blocks[-1]):
+            # vLLM answers "one block more than the pool has", so the caller refuses
+            return self.block_pool.num_blocks + 1
         S = self.num_speculative_blocks
         if not self.align:
             return super().get_num_blocks_to_allocate(
@@ -252,27 +260,12 @@ class MambaManager033(MambaManager):
         return True  # conservative: callers then take the general path
 
     # -- allocation -----------------------------------------------------------------------
-    def get_num_blocks_to_allocate(
-        self,
-        request_id: str,
-        num_tokens: int,
-        new_computed_blocks: Sequence[KVCacheBlock],
-        total_computed_tokens: int,
-        num_tokens_main_model: int,
-    ) -> int:
-        if new_computed_blocks:
-            last = new_computed_blocks[-1]
-            if (
-                last.cached_hash is not None
-                and (last.cached_hash, last.cached_group) in self.cached_this_step
-            ):
-                # vLLM answers "one block more than the pool has", so the caller refuses
-                return self.block_pool.num_blocks + 1
-        # 0.33 caps align mode's new blocks at one per step rather than setting one; the
-        # same count, as the speculative blocks that would tell them apart are refused
-        return super().get_num_blocks_to_allocate(
-            request_id, num_tokens, new_computed_blocks, total_computed_tokens, num_tokens_main_model
-        )
+    # get_num_blocks_to_allocate is 0.16's: 0.33 caps align mode's new blocks at one per
+    # step rather than setting one, the same count, as the speculative blocks that
+    # would tell them apart are refused.
+    def _hit_not_yet_usable(self, last: KVCacheBlock) -> bool:
+        """The hit's last block was cached during the current scheduler step."""
+        return last.cached_hash is not None and (last.cached_hash, last.cached_group) in self.cached_this_step
 
     def check_allocation(self, request_id: str, num_tokens_main_model: int) -> str | None:
         if not self.align:

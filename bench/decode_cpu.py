@@ -1,7 +1,8 @@
 """Server CPU per block operation on decode-heavy Steps, in-process and over gRPC. Not a test.
 
     PYTHONPATH=client:server python bench/decode_cpu.py [--running 64] [--steps 300] \
-        [--warmup 100] [--shapes ops run] [--old REV] [--rounds 3] [--profile]
+        [--warmup 100] [--shapes ops run] [--old REV] [--rounds 3] [--where in-process grpc] \
+        [--profile | --toggle]
 
 The workload is bench/workers.py's (one worker's scheduler: ``--running`` requests in
 decode, each step one allocation per running request, finished requests freed and
@@ -30,6 +31,14 @@ server, ``git archive``d) and shape, in turns for ``--rounds`` rounds:
 Every allocation's new block ids are digested per shape and code: a line says whether
 every code and shape answered the same blocks (they must). ``--profile``: the
 in-process child of this checkout prints a cProfile of the loop thread instead.
+
+``--toggle`` (this checkout only, shape ops): one in-process server, two pools fed the
+same Steps in alternation (which pool goes first alternates too), a plain decode
+AllocateOp on the pool's direct path (``PoolService._allocate_plain``) in one and on the
+general path in the other (the wire reader's ``plain`` mark cleared); the loop
+thread's CPU per Step of each, and the median of their per-Step ratio. On a machine
+shared with other jobs this pairs every Step with its twin, where two runs apart can
+differ by 20 %.
 """
 
 from __future__ import annotations
@@ -208,6 +217,71 @@ def child(trace: Path, shape: str, warmup: int, running: int, profile: bool) -> 
     }
 
 
+def toggle(trace: Path, warmup: int, running: int) -> None:
+    """``--toggle``: see the module's docstring."""
+    import workers as W
+    from kvcoord.client import KVCoordClient
+    from kvcoord.service import operations as op
+    from kvcoord.service import servicer as servicer_module
+    from kvcoord.service.testing import InProcessServer
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    bodies = load(trace)
+    read = servicer_module.operation_from_pb
+    general = {"on": False}
+
+    def reader(o: Any, groups: int) -> Any:  # the same wrapper on both sides
+        value = read(o, groups)
+        if general["on"] and type(value) is op.Allocate:
+            value.plain = False
+        return value
+
+    servicer_module.operation_from_pb = reader  # type: ignore[assignment]
+    srv = InProcessServer(metrics=False).start()
+    servicer = srv.running.servicer  # type: ignore[union-attr]
+    cpu: dict[str, list[float]] = {"direct": [], "general": []}
+    answers: dict[str, list[bytes]] = {"direct": [], "general": []}
+    try:
+        with KVCoordClient(srv.address, timeout=60) as c:
+            wire: dict[str, list[bytes]] = {}
+            for name in cpu:
+                c.create_pool(name, W.pool_config(W.worker_blocks(running)))
+                att = c.attach(name, W.ALGO, W.BS, W.SEED, "bench")
+                wire[name] = [
+                    pb.StepRequest(pool=name, session_id=att.session_id, ops=shaped(pb, b, "ops"),
+                                   idempotency_key=f"k{k}").SerializeToString()
+                    for k, b in enumerate(bodies)
+                ]  # fmt: skip
+
+            async def run() -> None:
+                for k in range(len(bodies)):
+                    for name in ("direct", "general") if k % 2 else ("general", "direct"):
+                        general["on"] = name == "general"
+                        t0 = time.thread_time()
+                        resp = await servicer.Step(pb.StepRequest.FromString(wire[name][k]), None)
+                        answers[name].append(resp.SerializeToString())
+                        cpu[name].append(time.thread_time() - t0)
+
+            srv._run(run(), 900)
+    finally:
+        srv.stop()
+    same = [new_blocks(pb.StepResponse.FromString(a)) for a in answers["direct"]] == [
+        new_blocks(pb.StepResponse.FromString(a)) for a in answers["general"]
+    ]
+    n = [weight(b, pb) for b in bodies[warmup:]]
+    print(
+        f"{running} running, {len(n)} measured Steps, each applied to both pools in turns (loop thread CPU):\n"
+    )
+    print("| path | µs CPU per op (mean) | ms per Step (median) |")
+    print("| --- | ---: | ---: |")
+    for name, xs in cpu.items():
+        xs = xs[warmup:]
+        print(f"| {name} | {sum(xs) / sum(n) * 1e6:.2f} | {statistics.median(xs) * 1e3:.3f} |")
+    ratios = [d / g for d, g in zip(cpu["direct"][warmup:], cpu["general"][warmup:], strict=True) if g]
+    print(f"\ndirect / general, median per Step: {statistics.median(ratios):.3f}")
+    print(f"new block ids: {'the same' if same else 'DIFFERENT'} on both paths")
+
+
 def in_process(
     tree: Path, trace: Path, shape: str, args: argparse.Namespace, profile: bool
 ) -> dict[str, Any]:
@@ -292,6 +366,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--where", nargs="+", default=["in-process", "grpc"], choices=["in-process", "grpc"])
     ap.add_argument("--profile", action="store_true", help="cProfile this checkout's in-process child")
+    ap.add_argument("--toggle", action="store_true", help="the direct path against the general one, in turns")
     args = ap.parse_args()
     _paths(ROOT)
     from common import old_tree
@@ -299,6 +374,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvcoord-decode-cpu-"))
     trace = tmp / "trace.bin"
     build(args.running, args.warmup + args.steps, trace)
+    if args.toggle:
+        toggle(trace, args.warmup, args.running)
+        return
     if args.profile:
         for shape in args.shapes:
             print(f"--- {shape}", flush=True)

@@ -511,7 +511,7 @@ class KVCachePool:
     def update_and_allocate(
         self,
         request_id: str,
-        num_computed_tokens: int,
+        num_computed_tokens: int | None,
         append_token_ids: Sequence[int],
         append_block_hashes: Sequence[bytes],
         num_new_tokens: int,
@@ -521,7 +521,7 @@ class KVCachePool:
         (a running request's step, above all a decode): the same checks and the same
         answer. A refused update changes nothing; an allocation that raises takes the
         update back with it. A ``None`` answer (too few free blocks) keeps the update,
-        as the two calls would.
+        as the two calls would. ``num_computed_tokens`` ``None`` leaves the count as it is.
 
         Raises:
             RequestNotFoundError, InvalidArgumentError, FailedPreconditionError: as the

@@ -108,7 +108,8 @@ def allocate_from_pb(a: pb.AllocateOp, num_groups: int) -> op.Allocate:
     ):
         # a plain allocation (every other field at its default: a decode step's), read
         # from the fields set alone (one call, not one per field)
-        return op.Allocate(sync_from_pb(fields[0][1]), fields[1][1])
+        sync = sync_from_pb(fields[0][1])
+        return op.Allocate(sync, fields[1][1], plain=not sync.new_request)
     return op.Allocate(
         sync_from_pb(a.request),
         a.num_new_tokens,

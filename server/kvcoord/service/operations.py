@@ -110,6 +110,11 @@ class Allocate:
     full_sequence_must_fit: bool = False
     reserved_blocks: int = 0
     num_in_flight_tokens: int = 0
+    #: every field after ``num_new_tokens`` is at its default and the sync is of a
+    #: registered request (a decode step's allocation): the pool may apply it on its
+    #: direct path (PoolService._allocate_plain), which answers exactly as the general
+    #: one. Set only by whoever checked that (the wire reader); False is always right.
+    plain: bool = dataclasses.field(default=False, compare=False)
 
 
 @dataclasses.dataclass(slots=True)

@@ -674,7 +674,7 @@ class PoolService:
         reservation made for its prompt (the pool is vLLM's exactly while none is live)."""
         engine = self.engine
         if not engine.reservations.live:
-            return self._allocate(s, o)
+            return self._allocate_plain(s, o) if o.plain else self._allocate(s, o)
         rid = o.sync.request_id
         first = not (rid in engine.requests and any(m.req_to_blocks.get(rid) for m in engine.managers))
         value = self._allocate(s, o)
@@ -1113,6 +1113,29 @@ class PoolService:
             )
         table = engine.get_block_ids(rid) if o.return_table and new is not None else None
         return op.AllocateOutcome(new, o.num_new_tokens, table=table)
+
+    def _allocate_plain(self, s: Session, o: op.Allocate) -> op.Value:
+        """:meth:`_allocate` for a plain allocation (``o.plain``: a decode step's): the
+        request's update and its allocation in one engine call, without the general
+        path's undo. Anything the general path would refuse or treat otherwise (not
+        this session's request, another position, nothing to update) goes to it."""
+        sync = o.sync
+        rid = sync.request_id
+        req = self.engine.requests.get(rid)
+        if (
+            self.owners.get(rid) is not s
+            or req is None
+            or len(req.all_token_ids) != sync.base_num_tokens
+            or len(req.block_hashes) != sync.base_num_hashes
+            or not sync.append_token_ids
+        ):
+            return self._allocate(s, o)
+        # A refused update changes nothing; an allocation that raises takes the update
+        # back (as _allocate's undo does); a refusal (None) keeps the update, as there.
+        new = self.engine.update_and_allocate(
+            rid, sync.num_computed_tokens, sync.append_token_ids, sync.append_block_hashes, o.num_new_tokens
+        )
+        return op.AllocateOutcome(new, o.num_new_tokens)
 
     def _allocate_run(self, s: Session, o: op.AllocateRun) -> op.Value:
         """Each entry as an AllocateOp with its sync and must_succeed, in order."""

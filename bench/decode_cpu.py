@@ -1,0 +1,435 @@
+"""Server CPU per block operation on decode-heavy Steps, in-process and over gRPC. Not a test.
+
+    PYTHONPATH=client:server python bench/decode_cpu.py [--running 64] [--steps 300] \
+        [--warmup 100] [--shapes ops run] [--old REV] [--rounds 3] [--where in-process grpc] \
+        [--profile | --toggle]
+
+The workload is bench/workers.py's (one worker's scheduler: ``--running`` requests in
+decode, each step one allocation per running request, finished requests freed and
+replaced by a prefilled new one), recorded once as a fixed list of Steps and replayed
+against each server, so every code sees the same calls. Shapes:
+
+  ops   what workers.py's batched mode sends: one AllocateOp (with its positioned
+        RequestSync) per allocation, a FreeOp per finished request
+  run   the same calls, the allocations of registered requests as one AllocateRunOp
+        (columns; what the predicting client's sender sends)
+
+For each code (this checkout, and with ``--old REV`` that git revision's client and
+server, ``git archive``d) and shape, in turns for ``--rounds`` rounds:
+
+  in-process  a child process of that code runs an in-process server and applies the
+              Steps on its event loop as gRPC's handler would: the request parsed from
+              its bytes, ``Servicer.Step`` (session, idempotency key, the Step applied,
+              its answer kept), the answer serialized; CPU is the loop thread's
+              (``time.thread_time``) over the measured Steps
+  grpc        a ``kvcoord serve`` process of that code (metrics off), one client (this
+              checkout's) sending the Steps one after another; CPU is the server
+              process's ``utime + stime`` (``/proc``, all its threads) over the measured
+              Steps, and the Step's latency as the client sees it (p50 / mean)
+
+"µs/op" is CPU per block operation (each allocation and each free is one operation).
+Every allocation's new block ids are digested per shape and code: a line says whether
+every code and shape answered the same blocks (they must). ``--profile``: the
+in-process child of this checkout prints a cProfile of the loop thread instead.
+
+``--toggle`` (this checkout only, shape ops): one in-process server, two pools fed the
+same Steps in alternation (which pool goes first alternates too), a plain decode
+AllocateOp on the pool's direct path (``PoolService._allocate_plain``) in one and on the
+general path in the other (the wire reader's ``plain`` mark cleared); the loop
+thread's CPU per Step of each, and the median of their per-Step ratio. On a machine
+shared with other jobs this pairs every Step with its twin, where two runs apart can
+differ by 20 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve()
+
+_BUILD = "build"
+_CHILD = "child"
+
+
+def _paths(tree: Path) -> None:
+    sys.path[:0] = [str(HERE.parent), str(tree / "client"), str(tree / "server")]
+
+
+# ---------------------------------------------------------------------------
+# the recorded workload (built with this checkout's protobuf classes, kept as bytes)
+
+
+def build(running: int, steps: int, out: Path) -> None:
+    """Record ``steps`` Steps of one workers.py worker (attached to a throwaway
+    in-process server: the worker needs a session to exist) as length-prefixed
+    serialized operation lists in ``out``."""
+    import workers as W
+    from kvcoord.client import KVCoordClient
+    from kvcoord.service.testing import InProcessServer
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    srv = InProcessServer(metrics=False).start()
+    try:
+        with KVCoordClient(srv.address, timeout=60) as c:
+            c.create_pool("p", W.pool_config(W.worker_blocks(running)))
+        w = W.Worker(0, srv.address, "p", running, seed=1)
+        with out.open("wb") as f:
+            for _ in range(steps):
+                body = pb.StepRequest(ops=w.step_ops()).SerializeToString()
+                f.write(len(body).to_bytes(4, "little") + body)
+        w.client.close()
+    finally:
+        srv.stop()
+
+
+def load(path: Path) -> list[bytes]:
+    data = path.read_bytes()
+    out, k = [], 0
+    while k < len(data):
+        n = int.from_bytes(data[k : k + 4], "little")
+        out.append(data[k + 4 : k + 4 + n])
+        k += 4 + n
+    return out
+
+
+def shaped(pb: Any, body: bytes, shape: str) -> list[Any]:
+    """A recorded Step's operations in ``shape`` (a run holds the allocations of
+    registered requests between two other operations: the order is kept)."""
+    ops = list(pb.StepRequest.FromString(body).ops)
+    if shape == "ops":
+        return ops
+    out: list[Any] = []
+    run = None
+    for o in ops:
+        if o.HasField("allocate") and not o.allocate.request.new_request:
+            if run is None:
+                out.append(pb.Operation(allocate_run=pb.AllocateRunOp()))
+                run = out[-1].allocate_run
+            s = o.allocate.request
+            run.request_ids.append(s.request_id)
+            run.base_num_tokens.append(s.base_num_tokens)
+            run.base_num_hashes.append(s.base_num_hashes)
+            run.num_computed_tokens.append(s.num_computed_tokens)
+            run.num_new_tokens.append(o.allocate.num_new_tokens)
+            run.num_lookahead_tokens.append(o.allocate.num_lookahead_tokens)
+            run.num_append_tokens.append(len(s.append_token_ids))
+            run.append_token_ids.extend(s.append_token_ids)
+            run.num_append_hashes.append(len(s.append_block_hashes))
+            run.append_block_hashes.extend(s.append_block_hashes)
+        else:
+            out.append(o)
+            run = None
+    return out
+
+
+def weight(body: bytes, pb: Any) -> int:
+    return len(pb.StepRequest.FromString(body).ops)
+
+
+def new_blocks(resp: Any) -> list[list[int]]:
+    """Each allocation's new block ids (all groups, flattened), in the Step's order."""
+    out: list[list[int]] = []
+    for r in resp.results:
+        if r.status_code:
+            raise RuntimeError(f"operation failed: {r.status_code} {r.status_message}")
+        if r.HasField("allocate"):
+            if r.allocate.refused or r.allocate.stale_hit:
+                raise RuntimeError("allocation refused: the pool is too small")
+            out.append([b for g in r.allocate.new_block_ids for b in g.block_ids])
+        elif r.HasField("allocate_run"):
+            ids = list(r.allocate_run.new_block_ids)
+            k = 0
+            for n in r.allocate_run.num_new_blocks:  # one group per entry (full attention)
+                out.append(ids[k : k + n])
+                k += n
+    return out
+
+
+# ---------------------------------------------------------------------------
+# in-process (a child of the code measured)
+
+
+def child(trace: Path, shape: str, warmup: int, running: int, profile: bool) -> dict[str, Any]:
+    import asyncio  # noqa: F401
+    import cProfile
+    import pstats
+
+    import workers as W
+    from kvcoord.client import KVCoordClient
+    from kvcoord.service.testing import InProcessServer
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    bodies = load(trace)
+    srv = InProcessServer(metrics=False).start()
+    servicer = srv.running.servicer  # type: ignore[union-attr]
+    digest = hashlib.sha256()
+    try:
+        with KVCoordClient(srv.address, timeout=60) as c:
+            c.create_pool("p", W.pool_config(W.worker_blocks(running)))
+            att = c.attach("p", W.ALGO, W.BS, W.SEED, "bench")
+            wire = []
+            for k, b in enumerate(bodies):
+                req = pb.StepRequest(
+                    pool="p", session_id=att.session_id, ops=shaped(pb, b, shape), idempotency_key=f"k{k}"
+                )
+                wire.append(req.SerializeToString())
+            ops = sum(weight(b, pb) for b in bodies[warmup:])
+            prof = cProfile.Profile() if profile else None
+
+            async def run(part: list[bytes], timed: bool) -> tuple[float, list[bytes]]:
+                answers = []
+                if prof is not None and timed:
+                    prof.enable()
+                t0 = time.thread_time()
+                for body in part:
+                    resp = await servicer.Step(pb.StepRequest.FromString(body), None)
+                    answers.append(resp.SerializeToString())
+                cpu = time.thread_time() - t0
+                if prof is not None and timed:
+                    prof.disable()
+                return cpu, answers
+
+            _, warm = srv._run(run(wire[:warmup], False), 600)
+            cpu, timed = srv._run(run(wire[warmup:], True), 600)
+            for a in warm + timed:
+                blocks = new_blocks(pb.StepResponse.FromString(a))
+                digest.update(json.dumps(blocks).encode())
+            c.detach(att.session_id, att.fence)
+    finally:
+        srv.stop()
+    if prof is not None:
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(35)
+    return {
+        "us_op": cpu / ops * 1e6,
+        "ms_step": cpu / len(bodies[warmup:]) * 1e3,
+        "digest": digest.hexdigest(),
+    }
+
+
+def toggle(trace: Path, warmup: int, running: int) -> None:
+    """``--toggle``: see the module's docstring."""
+    import workers as W
+    from kvcoord.client import KVCoordClient
+    from kvcoord.service import operations as op
+    from kvcoord.service import servicer as servicer_module
+    from kvcoord.service.testing import InProcessServer
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    bodies = load(trace)
+    read = servicer_module.operation_from_pb
+    general = {"on": False}
+
+    def reader(o: Any, groups: int) -> Any:  # the same wrapper on both sides
+        value = read(o, groups)
+        if general["on"] and type(value) is op.Allocate:
+            value.plain = False
+        return value
+
+    servicer_module.operation_from_pb = reader  # type: ignore[assignment]
+    srv = InProcessServer(metrics=False).start()
+    servicer = srv.running.servicer  # type: ignore[union-attr]
+    cpu: dict[str, list[float]] = {"direct": [], "general": []}
+    answers: dict[str, list[bytes]] = {"direct": [], "general": []}
+    try:
+        with KVCoordClient(srv.address, timeout=60) as c:
+            wire: dict[str, list[bytes]] = {}
+            for name in cpu:
+                c.create_pool(name, W.pool_config(W.worker_blocks(running)))
+                att = c.attach(name, W.ALGO, W.BS, W.SEED, "bench")
+                wire[name] = [
+                    pb.StepRequest(pool=name, session_id=att.session_id, ops=shaped(pb, b, "ops"),
+                                   idempotency_key=f"k{k}").SerializeToString()
+                    for k, b in enumerate(bodies)
+                ]  # fmt: skip
+
+            async def run() -> None:
+                for k in range(len(bodies)):
+                    for name in ("direct", "general") if k % 2 else ("general", "direct"):
+                        general["on"] = name == "general"
+                        t0 = time.thread_time()
+                        resp = await servicer.Step(pb.StepRequest.FromString(wire[name][k]), None)
+                        answers[name].append(resp.SerializeToString())
+                        cpu[name].append(time.thread_time() - t0)
+
+            srv._run(run(), 900)
+    finally:
+        srv.stop()
+    same = [new_blocks(pb.StepResponse.FromString(a)) for a in answers["direct"]] == [
+        new_blocks(pb.StepResponse.FromString(a)) for a in answers["general"]
+    ]
+    n = [weight(b, pb) for b in bodies[warmup:]]
+    print(
+        f"{running} running, {len(n)} measured Steps, each applied to both pools in turns (loop thread CPU):\n"
+    )
+    print("| path | µs CPU per op (mean) | ms per Step (median) |")
+    print("| --- | ---: | ---: |")
+    for name, xs in cpu.items():
+        xs = xs[warmup:]
+        print(f"| {name} | {sum(xs) / sum(n) * 1e6:.2f} | {statistics.median(xs) * 1e3:.3f} |")
+    ratios = [d / g for d, g in zip(cpu["direct"][warmup:], cpu["general"][warmup:], strict=True) if g]
+    print(f"\ndirect / general, median per Step: {statistics.median(ratios):.3f}")
+    print(f"new block ids: {'the same' if same else 'DIFFERENT'} on both paths")
+
+
+def in_process(
+    tree: Path, trace: Path, shape: str, args: argparse.Namespace, profile: bool
+) -> dict[str, Any]:
+    env = dict(os.environ, PYTHONPATH="")
+    cmd = [
+        sys.executable,
+        str(HERE),
+        _CHILD,
+        str(tree),
+        str(trace),
+        shape,
+        str(args.warmup),
+        str(args.running),
+    ]
+    if profile:
+        cmd.append("--profile")
+    out = subprocess.run(cmd, env=env, check=True, capture_output=not profile, text=True).stdout
+    return dict(json.loads(out.strip().splitlines()[-1])) if out else {}
+
+
+# ---------------------------------------------------------------------------
+# over gRPC (a server process of the code measured; this checkout's client)
+
+
+def server_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def over_grpc(tree: Path, trace: Path, shape: str, args: argparse.Namespace) -> dict[str, Any]:
+    import workers as W
+    from kvcoord.client import KVCoordClient
+    from kvcoord.client.testing import start_server
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    bodies = load(trace)
+    env = dict(os.environ, PYTHONPATH=f"{tree / 'client'}:{tree / 'server'}")
+    server = start_server(W.config_text("none", "", "FULL"), env=env)  # memory only, metrics off
+    digest = hashlib.sha256()
+    try:
+        with KVCoordClient(server.address, timeout=60) as c:
+            c.create_pool("p", W.pool_config(W.worker_blocks(args.running)))
+            att = c.attach("p", W.ALGO, W.BS, W.SEED, "bench")
+            reqs = [shaped(pb, b, shape) for b in bodies]
+            lat: list[float] = []
+            cpu0 = 0.0
+            for k, ops in enumerate(reqs):
+                if k == args.warmup:
+                    cpu0 = server_cpu(server.proc.pid)
+                t0 = time.perf_counter()
+                resp = c.step("p", ops, att.session_id, att.fence)
+                lat.append(time.perf_counter() - t0)
+                digest.update(json.dumps(new_blocks(resp)).encode())
+            cpu = server_cpu(server.proc.pid) - cpu0
+            c.detach(att.session_id, att.fence)
+    finally:
+        server.stop()
+    lat = lat[args.warmup :]
+    ops_n = sum(weight(b, pb) for b in bodies[args.warmup :])
+    return {
+        "us_op": cpu / ops_n * 1e6,
+        "p50": statistics.median(lat) * 1e3,
+        "mean": statistics.fmean(lat) * 1e3,
+        "digest": digest.hexdigest(),
+    }
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == _CHILD:
+        tree, trace, shape, warmup, running = sys.argv[2:7]
+        _paths(Path(tree))
+        res = child(Path(trace), shape, int(warmup), int(running), "--profile" in sys.argv)
+        print(json.dumps(res))
+        return
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--running", type=int, default=64, help="running requests (allocations per Step)")
+    ap.add_argument("--steps", type=int, default=300, help="measured Steps")
+    ap.add_argument("--warmup", type=int, default=100, help="Steps applied before measuring")
+    ap.add_argument("--shapes", nargs="+", default=["ops", "run"], choices=["ops", "run"])
+    ap.add_argument("--old", help="a git revision to compare against (its client and server)")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--where", nargs="+", default=["in-process", "grpc"], choices=["in-process", "grpc"])
+    ap.add_argument("--profile", action="store_true", help="cProfile this checkout's in-process child")
+    ap.add_argument("--toggle", action="store_true", help="the direct path against the general one, in turns")
+    args = ap.parse_args()
+    _paths(ROOT)
+    from common import old_tree
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvcoord-decode-cpu-"))
+    trace = tmp / "trace.bin"
+    build(args.running, args.warmup + args.steps, trace)
+    if args.toggle:
+        toggle(trace, args.warmup, args.running)
+        return
+    if args.profile:
+        for shape in args.shapes:
+            print(f"--- {shape}", flush=True)
+            in_process(ROOT, trace, shape, args, True)
+        return
+    trees = {"new": ROOT} if not args.old else {"old": old_tree(args.old), "new": ROOT}
+    rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for rnd in range(args.rounds):
+        for where in args.where:
+            for shape in args.shapes:
+                for code, tree in trees.items():
+                    if where == "in-process":
+                        r = in_process(tree, trace, shape, args, False)
+                    else:
+                        r = over_grpc(tree, trace, shape, args)
+                    rows.setdefault((where, shape, code), []).append(r)
+                    extra = f"  p50 {r['p50']:.2f} ms  mean {r['mean']:.2f} ms" if "p50" in r else ""
+                    print(
+                        f"round {rnd + 1} {where:10} {shape:4} {code}: {r['us_op']:6.2f} µs/op{extra}",
+                        flush=True,
+                    )
+    print(f"\n{args.running} running, {args.steps} measured Steps (medians over {args.rounds} round(s)):\n")
+    print(
+        "| where | shape | " + " | ".join(f"{c} µs CPU/op" for c in trees) + " | new/old | p50 ms | mean ms |"
+    )
+    print("| --- | --- |" + " ---: |" * (len(trees) + 3))
+    for where in args.where:
+        for shape in args.shapes:
+            med = {c: statistics.median(r["us_op"] for r in rows[(where, shape, c)]) for c in trees}
+            ratio = f"{med['new'] / med['old']:.2f}" if "old" in med else "-"
+            lat = ""
+            if where == "grpc":
+                lat = " / ".join(
+                    f"{statistics.median(r['p50'] for r in rows[(where, shape, c)]):.2f}" for c in trees
+                )
+                lat += " | " + " / ".join(
+                    f"{statistics.median(r['mean'] for r in rows[(where, shape, c)]):.2f}" for c in trees
+                )
+            else:
+                lat = "- | -"
+            print(
+                f"| {where} | {shape} | "
+                + " | ".join(f"{med[c]:.2f}" for c in trees)
+                + f" | {ratio} | {lat} |"
+            )
+    digests = {r["digest"] for rs in rows.values() for r in rs}
+    if len(digests) > 1:
+        for key, rs in rows.items():
+            print(key, [r["digest"][:12] for r in rs])
+    print(
+        f"\nnew block ids: {'the same' if len(digests) == 1 else 'DIFFERENT'} in every code, shape and place"
+    )
+
+
+if __name__ == "__main__":
+    main()

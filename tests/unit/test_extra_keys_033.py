@@ -63,8 +63,10 @@ def test_prompt_embeds_digests_name_every_block_past_the_prompt_too() -> None:
 
 def test_sources_that_do_not_fit_the_prompt_are_refused() -> None:
     d = Driver((FullAttentionSpec(4),), num_blocks=12, enable_kv_cache_events=True, profile="vllm-0.33")
-    with pytest.raises(InvalidArgumentError, match="want 3 sha256 digests"):
-        d.add("A", [0] * 9, extra_key_sources=ExtraKeySources(embeds_digests=(EMPTY_EMBEDS_DIGEST,)))
+    with pytest.raises(InvalidArgumentError, match="want 1 to 3 sha256 digests"):
+        d.add("A", [0] * 9, extra_key_sources=ExtraKeySources(embeds_digests=(EMPTY_EMBEDS_DIGEST,) * 4))
+    with pytest.raises(InvalidArgumentError, match="want 1 to 3 sha256 digests"):
+        d.add("A", [0] * 9, extra_key_sources=ExtraKeySources(embeds_digests=(b"short",)))
     with pytest.raises(InvalidArgumentError, match="sorted by offset"):
         d.add("B", [0] * 9, extra_key_sources=ExtraKeySources(tuple(reversed(ITEMS))))
     assert not d.pool.requests

@@ -119,11 +119,13 @@ class RequestTable:
         digests = sources.embeds_digests
         if digests is None:
             return
-        want = -(-num_prompt_tokens // self.hash_block_size)
-        if len(digests) != want or not all(isinstance(d, bytes) and len(d) == 32 for d in digests):
+        # (a request registered again after a free counts its outputs as prompt: the
+        # embeddings cover only the first tokens)
+        most = -(-num_prompt_tokens // self.hash_block_size)
+        if not 0 < len(digests) <= most or not all(isinstance(d, bytes) and len(d) == 32 for d in digests):
             raise InvalidArgumentError(
-                f"prompt-embeds digests: want {want} sha256 digests (one per hash block starting in "
-                f"the {num_prompt_tokens}-token prompt), got {len(digests)}"
+                f"prompt-embeds digests: want 1 to {most} sha256 digests (one per hash block starting "
+                f"in the embedded prompt, of {num_prompt_tokens} tokens at most), got {len(digests)}"
             )
         if self.enable_caching and not self.one_block_size:
             raise InvalidArgumentError(

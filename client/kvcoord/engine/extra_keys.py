@@ -15,9 +15,7 @@ Stdlib only.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
-import hashlib
 from collections.abc import Sequence
 
 __all__ = [
@@ -28,8 +26,8 @@ __all__ = [
     "event_extra_keys",
 ]
 
-#: the prompt-embeds digest of a span past the prompt (no embedding bytes)
-EMPTY_EMBEDS_DIGEST = hashlib.sha256(b"").digest()
+#: the prompt-embeds digest of a span past the prompt: sha256 of no bytes
+EMPTY_EMBEDS_DIGEST = bytes.fromhex("e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,12 +57,12 @@ class ExtraKeySources:
 def mm_keys_033(items: Sequence[MultiModalItem], start: int, end: int) -> list[tuple[str, str, int]]:
     """``("mm", identifier, offset - start)`` of each item overlapping ``[start, end)``
     (``items`` sorted by offset, not overlapping)."""
-    # the first item ending after start, then every one beginning before end
-    i = bisect.bisect_right(items, start, key=lambda m: m.offset + m.length)
     keys: list[tuple[str, str, int]] = []
-    while i < len(items) and items[i].offset < end:
-        keys.append(("mm", items[i].identifier, items[i].offset - start))
-        i += 1
+    for item in items:
+        if item.offset >= end:
+            break
+        if item.offset + item.length > start:
+            keys.append(("mm", item.identifier, item.offset - start))
     return keys
 
 

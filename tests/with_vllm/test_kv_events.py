@@ -430,6 +430,92 @@ def test_033_payload_is_the_bytes_vllm_033_encodes(int_hashes: bool) -> None:
     assert [type(e) for e in batch.events] == [type(e) for e in theirs]
 
 
+@pytest.mark.skipif(not V033, reason="vLLM 0.33.0's extra keys (vllm-0.33 pools)")
+@pytest.mark.parametrize("lookahead", [0, 1])
+@pytest.mark.parametrize("kind", ["embeds", "mm"])
+def test_033_extra_keys_of_embeds_and_multimodal_requests_are_vllm_033s(
+    kind: str, lookahead: int, server: InProcessServer
+) -> None:
+    """A request given as prompt embeddings, and one with two multimodal items (one
+    starting inside a block, one spanning four): vLLM 0.33.0's own KVCacheManager
+    publishes each cached block's prompt-embeds digest or (identifier, offset) pairs
+    (negative offsets for an item begun in an earlier block; with look-ahead hashes the
+    span reaches the next token) in BlockStored.extra_keys. kvcoord's client registers
+    the request's sources (extract_key_sources_033 of the same vLLM request), the pool
+    publishes the events over the wire, and their batch is byte for byte what vLLM
+    0.33.0's encoder makes of vLLM's events. (Before, the plug-in refused both requests,
+    and a pool published only LoRA names and salts.)"""
+    import torch
+    from kvcoord.client.vllm033 import extra_key_sources_033
+    from kvcoord.wire import events_from_pb, write_extra_key_sources
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1 import kv_cache_interface as k
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    block, n = 4, 22
+    init_none_hash(sha256_cbor)
+    spec = k.FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8, dtype=torch.float16)
+    kv = k.KVCacheConfig(
+        num_blocks=32,
+        kv_cache_tensors=[],
+        kv_cache_groups=[k.KVCacheGroupSpec(["l0"], spec)],
+        hash_block_size=block,
+    )
+    theirs_manager = KVCacheManager(
+        kv, max_model_len=256, scheduler_block_size=block, hash_block_size=block, enable_caching=True,
+        num_hash_lookahead_tokens=lookahead, enable_kv_cache_events=True,
+    )  # fmt: skip
+    hasher = get_request_block_hasher(block, sha256_cbor, lookahead)
+    if kind == "embeds":
+        embeds = torch.randn(n, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float32)
+        request = Request(
+            "r", None, SamplingParams(max_tokens=4), None, prompt_embeds=embeds, block_hasher=hasher
+        )
+    else:
+        features = [
+            MultiModalFeatureSpec(None, "image", ident, PlaceholderRange(offset=off, length=length))
+            for ident, off, length in (("img-a", 2, 5), ("img-b", 9, 8))
+        ]
+        request = Request("r", list(range(100, 100 + n)), SamplingParams(max_tokens=4), None,
+                          mm_features=features, block_hasher=hasher)  # fmt: skip
+    assert theirs_manager.allocate_slots(request, n) is not None
+    theirs = theirs_manager.take_events()
+    assert theirs and all(e.extra_keys for e in theirs), theirs
+
+    cfg = pb.PoolConfig(
+        num_blocks=32, hash_block_size=block, enable_caching=True, enable_kv_cache_events=True,
+        max_model_len=256, hash_algo="sha256_cbor", hash_seed="0", profile=VLLM_033,
+        num_hash_lookahead_tokens=lookahead, scheduler_block_size=block,
+    )  # fmt: skip
+    cfg.groups.add().full.CopyFrom(
+        pb.FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8, dtype="float16")
+    )
+    pool = f"xk-{kind}-{lookahead}"
+    with KVCoordClient(server.address) as c:
+        c.create_pool(pool, cfg)
+        a = c.attach(pool, "sha256_cbor", block, "0", profile=VLLM_033, num_hash_lookahead_tokens=lookahead)
+        sync = pb.RequestSync(
+            request_id="r", new_request=True, append_token_ids=request.all_token_ids,
+            append_block_hashes=[bytes(h) for h in request.block_hashes],
+        )  # fmt: skip
+        sources = extra_key_sources_033(request, block, lookahead)
+        assert sources is not None
+        write_extra_key_sources(sources, sync)
+        op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=n))
+        r = c.step(pool, [op], a.session_id, fence=a.fence, include_state=True)
+        assert not r.results[0].allocate.refused
+        ours = events_from_pb(r.events)
+        c.delete_pool(pool)
+    assert msgspec.msgpack.Encoder().encode(KVEventBatch(ts=3.0, events=theirs, data_parallel_rank=0)) == (
+        # (vLLM's hashes are integers unless VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0)
+        encode_batch(3.0, ours, 0, isinstance(theirs[0].block_hashes[0], int), VLLM_033)
+    )
+
+
 def test_a_pool_created_again_is_announced_as_cleared(events_server: InProcessServer) -> None:
     """Deleting the pool and creating it again publishes AllBlocksCleared: the
     subscriber's index empties, and then follows the new pool's events."""

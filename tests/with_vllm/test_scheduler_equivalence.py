@@ -123,22 +123,6 @@ def refused_033(kind: str, config: Any, kv_config: Any, layout: str) -> None:
     pytest.skip(f"vLLM 0.33: kvcoord refuses this engine at start (checked): {why}")
 
 
-def refused_when_scheduled_033(
-    remote: Any, seed: int, overlap: bool, extras: frozenset[str], depth: int
-) -> None:
-    """Under vLLM 0.33 with KV events on: a prompt given as embeddings (whose digest 0.33
-    publishes in BlockStored.extra_keys, which kvcoord does not) stops the scheduler
-    loudly when it first passes such a request (checked here); the case is skipped."""
-    from kvcoord.client.vllm033 import Unsupported033Error
-
-    with pytest.raises(Unsupported033Error, match="prompt embeddings"):
-        run_workload(remote, seed=seed, steps=STEPS, async_overlap=overlap, extras=extras, queue_depth=depth)
-    remote.shutdown()
-    pytest.skip(
-        "vLLM 0.33: kvcoord refuses a request given as embeddings when scheduled (checked), with events on"
-    )
-
-
 @dataclasses.dataclass
 class Runs:
     """One seeded workload run with vLLM's manager and with kvcoord's."""
@@ -199,8 +183,6 @@ def run_both(
         counter.count_external(remote.connector)
         if V033:
             counter.count_deferred_frees(remote.kv_cache_manager)
-    if V033 and events and "embeds" in extras:
-        refused_when_scheduled_033(remote, seed, overlap, extras, depth)
     got, got_counts = run_workload(
         remote,
         seed=seed,

@@ -184,14 +184,29 @@ def test_resets_priorities_and_salts_decide_like_vllm_033(
     assert adapters, "no BlockStored named a LoRA adapter"
 
 
-def test_a_request_kvcoord_cannot_publish_is_refused_when_scheduled(
-    model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("predict", [False, True], ids=["waiting", "predicted"])
+def test_prompt_embeddings_publish_vllm_033s_extra_keys(
+    predict: bool, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With KV events on, a prompt given as embeddings (0.33 publishes its digest in
-    BlockStored.extra_keys, which kvcoord does not) stops the scheduler loudly."""
+    """With KV events on, prompts given as embeddings (0.33 publishes each block's
+    prompt-embeds digest in BlockStored.extra_keys; before, kvcoord refused them when
+    scheduled): the client registers the digests with the request, and the pool (and
+    the predicting mirror) publish them as vLLM 0.33's own manager does."""
     from test_scheduler_equivalence import NUM_BLOCKS as BLOCKS
-    from test_scheduler_equivalence import run_both
+    from test_scheduler_equivalence import first_difference, run_both
 
-    # run_both checks the refusal (Unsupported033Error naming prompt embeddings), then skips
-    with pytest.raises(pytest.skip.Exception, match="embeddings when scheduled \\(checked\\)"):
-        run_both("sync", "full", BLOCKS, 24, model_dir, server, monkeypatch, extras=frozenset({"embeds"}))
+    r = run_both(
+        "sync",
+        "full",
+        BLOCKS,
+        24,
+        model_dir,
+        server,
+        monkeypatch,
+        extras=frozenset({"embeds"}),
+        predict=predict,
+    )
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.manager.lost_requests == 0
+    digests = [e for entry in r.want if entry[0] == "events" for e in entry[1] if "extra_keys=[(b'" in e]
+    assert digests, "no BlockStored named a prompt-embeds digest"

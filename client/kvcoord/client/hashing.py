@@ -26,8 +26,6 @@ This module imports nothing from the server side.
 
 from __future__ import annotations
 
-import bisect
-import dataclasses
 import hashlib
 import os
 import pickle
@@ -35,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import cbor2
+from kvcoord.engine.extra_keys import MultiModalItem, block_extra_keys_033
 
 __all__ = [
     "pool_seed",
@@ -47,6 +46,7 @@ __all__ = [
     "hash_block_tokens",
     "hash_function",
     "none_hash",
+    "prompt_embeds_digests",
 ]
 
 
@@ -156,15 +156,6 @@ def hash_block_tokens(
 ) -> bytes:
     """One block's hash. An empty or missing parent becomes ``none``."""
     return fn((parent_block_hash or none, tuple(token_ids), extra_keys))
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class MultiModalItem:
-    """A multimodal input: its identifier and the token span it occupies."""
-
-    identifier: str
-    offset: int
-    length: int
 
 
 class BlockHasher:
@@ -335,64 +326,47 @@ class BlockHasher033(BlockHasher):
         limit = len(tokens) - look
         if start + bs > limit:
             return []
-        mm_idx = 0
-        if start > 0 and self._mm:
-            last = self._mm[-1]
-            if last.offset + last.length > start:
-                # the first item ending after the block start
-                mm_idx = bisect.bisect_left(self._mm, start + 1, key=lambda m: m.offset + m.length)
         parent = self.block_hashes[-1] if self.block_hashes else None
         new: list[bytes] = []
         while start + bs <= limit:
             end = start + bs
             extra: Any
             if look:
-                keys, mm_idx = self._extra_keys(start, end + look, mm_idx)
-                while mm_idx > 0:  # keep the items that reach into the next block
-                    item = self._mm[mm_idx - 1]
-                    if item.offset + item.length <= end:
-                        break
-                    mm_idx -= 1
+                keys = self.block_extra_keys(start, end + look)
                 extra = (keys, tokens[end]) if look == 1 else (keys, *tokens[end : end + look])
             else:
-                extra, mm_idx = self._extra_keys(start, end, mm_idx)
+                extra = self.block_extra_keys(start, end)
             parent = hash_block_tokens(self._fn, parent, tokens[start:end], extra, self._none)
             new.append(parent)
             start = end
         self.block_hashes.extend(new)
         return new
 
-    def _extra_keys(self, start: int, end: int, mm_idx: int) -> tuple[tuple[Any, ...] | None, int]:
-        keys: list[Any] = []
-        if self._lora is not None:
-            keys.append(self._lora)
-        mm_idx = self._tagged_mm_keys(start, end, mm_idx, keys)
-        if start == 0 and self._cache_salt:
-            keys.append(("cache_salt", self._cache_salt))
-        if self._embeds is not None:
-            keys.append(("prompt_embeds", hashlib.sha256(b"".join(self._embeds[start:end])).digest()))
-        return (tuple(keys) if keys else None), mm_idx
+    def block_extra_keys(self, start: int, end: int) -> tuple[Any, ...] | None:
+        """The tagged extra keys of the span ``[start, end)`` (the block and its
+        look-ahead tokens): :func:`kvcoord.engine.extra_keys.block_extra_keys_033`."""
+        digest = None if self._embeds is None else embeds_digest(self._embeds, start, end)
+        return block_extra_keys_033(
+            start, end, lora=self._lora, mm_items=self._mm, cache_salt=self._cache_salt, embeds_digest=digest
+        )
 
-    def _tagged_mm_keys(self, start: int, end: int, idx: int, keys: list[Any]) -> int:
-        items = self._mm
-        if not items:
-            return idx
-        last = items[-1]
-        if last.offset + last.length <= start:
-            return idx
-        while idx < len(items):
-            item = items[idx]
-            if end <= item.offset:
-                break
-            if start >= item.offset + item.length:
-                idx += 1
-                continue
-            keys.append(("mm", item.identifier, item.offset - start))
-            if end >= item.offset + item.length:
-                idx += 1
-            else:
-                break
-        return idx
+
+def embeds_digest(rows: Sequence[bytes], start: int, end: int) -> bytes:
+    """vLLM 0.33's prompt-embeds key of the span ``[start, end)``: the sha256 of its
+    rows' bytes (of none past the prompt)."""
+    return hashlib.sha256(b"".join(rows[start:end])).digest()
+
+
+def prompt_embeds_digests(
+    rows: Sequence[bytes], block_size: int, num_hash_lookahead_tokens: int = 0
+) -> tuple[bytes, ...]:
+    """The prompt-embeds digest of each hash block starting inside the prompt (its
+    span: the block and its look-ahead tokens), as a vllm-0.33 pool takes them
+    (:class:`kvcoord.engine.extra_keys.ExtraKeySources`) to publish the blocks' keys."""
+    return tuple(
+        embeds_digest(rows, start, start + block_size + num_hash_lookahead_tokens)
+        for start in range(0, len(rows), block_size)
+    )
 
 
 def block_hasher(

@@ -39,7 +39,7 @@ from kvcoord.engine import (
 from kvcoord.engine.managers.base import SingleTypeKVCacheManager
 from kvcoord.engine.state import STATE_VERSION, StateError, import_state
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import config_from_pb, stats_to_pb
+from kvcoord.wire import config_from_pb, extra_key_sources_from_pb, stats_to_pb
 from kvcoord.wire.rules import rules_fingerprint
 
 from .errors import KVCoordError, error_from_code
@@ -131,6 +131,7 @@ class Mirror:
                     num_preemptions=sync.num_preemptions,
                     cache_namespace=self.namespace,
                     cache_salt=sync.cache_salt or None,  # named in a vllm-0.33 pool's events
+                    extra_key_sources=extra_key_sources_from_pb(sync),  # (as well)
                 )
                 if computed is not None:
                     try:

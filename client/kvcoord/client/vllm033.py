@@ -34,8 +34,10 @@ together), a KV connector with speculative decoding on a pool with a sliding-win
 chunked-local group (block ids seen to differ from vLLM 0.33.0's, cause not found; see
 :func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), fine-grained (partial)
 hits, and, with KV events on,
-requests whose blocks carry multimodal or prompt-embedding extra keys or ask for the
-``full`` report mode.
+requests asking for the ``full`` report mode. With KV events on, a request's
+multimodal items and prompt-embeds digests travel with its registration
+(:func:`extra_key_sources_033`) so that the pool publishes vLLM 0.33's
+``BlockStored.extra_keys`` for its blocks.
 """
 
 from __future__ import annotations
@@ -43,10 +45,13 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
+from kvcoord.engine.extra_keys import ExtraKeySources, MultiModalItem
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import write_extra_key_sources
 
 from .client import KVCoordClient
 from .errors import RequestsLostError
+from .hashing import prompt_embeds_digests
 from .items import Item, KVCacheBlockIds, Pending
 from .manager import RemoteKVCacheManager
 from .predicting import PredictingKVCacheManager
@@ -80,6 +85,7 @@ __all__ = [
     "Unsupported033Error",
     "UnsupportedVLLMError",
     "connect_033",
+    "extra_key_sources_033",
     "pool_config_033",
     "unsupported_033",
     "vllm_profile",
@@ -184,18 +190,50 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     return None
 
 
-def _name_salts(tracker: RequestTracker) -> None:
-    """A vllm-0.33 pool names a request's cache salt in its BlockStored.extra_keys: the
-    tracker's first sync of a request carries it."""
-    sync = tracker.sync
+def extra_key_sources_033(
+    request: Any, hash_block_size: int, num_hash_lookahead_tokens: int
+) -> ExtraKeySources | None:
+    """What a vLLM 0.33 request's blocks' extra keys derive from besides its LoRA and
+    salt (``None``: nothing): its multimodal items, and for a prompt given as
+    embeddings the digest of each hash block's embedding bytes (vLLM's ``tensor_data``
+    of each row, :func:`~kvcoord.client.hashing.prompt_embeds_digests`)."""
+    features = getattr(request, "mm_features", None) or ()
+    embeds = getattr(request, "prompt_embeds", None)
+    if not features and embeds is None:
+        return None
+    items = tuple(
+        MultiModalItem(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
+        for f in features
+    )
+    digests = None
+    if embeds is not None:
+        from vllm.v1.utils import tensor_data
 
-    def sync_with_salt(request: Any, into: pb.RequestSync | None = None) -> pb.RequestSync:
+        rows = [bytes(tensor_data(row)) for row in embeds]
+        digests = prompt_embeds_digests(rows, hash_block_size, num_hash_lookahead_tokens)
+    return ExtraKeySources(items, digests)
+
+
+def _name_extra_keys(tracker: RequestTracker, config: pb.PoolConfig) -> None:
+    """A vllm-0.33 pool names a request's cache salt, multimodal items and prompt-embeds
+    digests in its BlockStored.extra_keys: the sync registering a request carries them
+    (the items and digests only to a pool publishing events of cached blocks)."""
+    sync = tracker.sync
+    publish = config.enable_kv_cache_events and config.enable_caching
+    hash_block_size, lookahead = config.hash_block_size, config.num_hash_lookahead_tokens
+
+    def sync_with_keys(request: Any, into: pb.RequestSync | None = None) -> pb.RequestSync:
         message = sync(request, into)
-        if message.new_request and getattr(request, "cache_salt", None):
-            message.cache_salt = str(request.cache_salt)
+        if message.new_request:
+            if getattr(request, "cache_salt", None):
+                message.cache_salt = str(request.cache_salt)
+            if publish:
+                sources = extra_key_sources_033(request, hash_block_size, lookahead)
+                if sources is not None:
+                    write_extra_key_sources(sources, message)
         return message
 
-    tracker.sync = sync_with_salt  # type: ignore[method-assign]
+    tracker.sync = sync_with_keys  # type: ignore[method-assign]
 
 
 class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheManager):
@@ -212,7 +250,7 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
         self.admission: tuple[bool, int, int] = NO_ADMISSION
         #: the request of the last lookup and its shared-prefix boundary
         self.boundary: tuple[str, int] = ("", 0)
-        _name_salts(self.tracker)
+        _name_extra_keys(self.tracker, self.config)
 
     def _item(self, *args: Any) -> Item:
         item = super()._item(*args)
@@ -263,7 +301,7 @@ class Predicting033KVCacheManager(PredictingConnector033, PredictedMamba033, Pre
         #: full_sequence_must_fit, reserved_blocks and num_in_flight_tokens of the
         #: allocation being made
         self.admission: tuple[bool, int, int] = NO_ADMISSION
-        _name_salts(self.tracker)
+        _name_extra_keys(self.tracker, self.config)
 
     def allocate_slots(  # type: ignore[override]
         self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -328,11 +366,6 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
             return  # extra keys change only hashes, which vLLM computes itself
         if getattr(request, "kv_cache_report_mode", "incremental") == "full":
             raise Unsupported033Error(f"request {request.request_id}: kv_cache_report_mode 'full'")
-        if getattr(request, "mm_features", None) or getattr(request, "prompt_embeds", None) is not None:
-            raise Unsupported033Error(
-                f"request {request.request_id}: its blocks carry extra keys (multimodal inputs or "
-                "prompt embeddings) whose BlockStored.extra_keys kvcoord does not publish yet"
-            )
 
     # -- vLLM 0.33's calls ----------------------------------------------------------------
     def prefix_cache_lookup_enabled(self, request: Any) -> bool:

@@ -287,7 +287,7 @@ class BlockPool:
             lookahead = tuple(tuple(tokens[(i + 1) * size : (i + 1) * size + look]) for i in kept)
         return dataclasses.replace(
             event,
-            extra_keys=tuple(extra(i) for i in kept) or None,  # vLLM writes none for no block
+            extra_keys=tuple(extra(i, event.block_size, look) for i in kept) or None,  # none for no block
             group_idx=group_id,
             kv_cache_spec_kind=kind,
             kv_cache_spec_sliding_window=window,
@@ -468,7 +468,11 @@ class BlockPool:
             kind, window = self.group_event_fields[group_id]
             event = dataclasses.replace(
                 event,
-                extra_keys=(request.event_extra_keys(start // self.hash_block_size),),
+                extra_keys=(
+                    request.event_extra_keys(
+                        start // self.hash_block_size, self.hash_block_size, self.num_hash_lookahead_tokens
+                    ),
+                ),
                 group_idx=group_id,
                 kv_cache_spec_kind=kind,
                 kv_cache_spec_sliding_window=window,

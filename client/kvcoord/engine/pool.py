@@ -26,6 +26,7 @@ from .config import KVCacheConfig, admission_cap_tokens
 from .coordinators import get_kv_cache_coordinator
 from .errors import FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
 from .events import KVCacheEvent
+from .extra_keys import ExtraKeySources
 from .hash_list import request_keys
 from .hits import PrefixHits
 from .managers import CrossAttentionManager, MambaManager, MambaManager033, SingleTypeKVCacheManager
@@ -153,11 +154,13 @@ class KVCachePool:
         num_preemptions: int = 0,
         cache_namespace: str = "",
         cache_salt: str | None = None,
+        extra_key_sources: ExtraKeySources | None = None,
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes.
 
-        ``cache_salt`` is only reported in vllm-0.33 pools' KV events (the hashes already
-        include it).
+        ``cache_salt`` and ``extra_key_sources`` (multimodal items, prompt-embeds
+        digests) are only reported in vllm-0.33 pools' KV events (the hashes already
+        include them).
 
         ``cache_namespace`` isolates prefix caching: the request hits only blocks cached
         by requests of the same namespace, whatever its hashes. ``""`` (the default) is
@@ -177,6 +180,7 @@ class KVCachePool:
             num_preemptions,
             cache_namespace,
             cache_salt,
+            extra_key_sources,
         )
 
     @property

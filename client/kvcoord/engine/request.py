@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .extra_keys import EMPTY_EMBEDS_DIGEST, ExtraKeySources, block_extra_keys_033, event_extra_keys
 from .types import RequestId
 
 __all__ = ["LoRA", "Request"]
@@ -44,17 +45,34 @@ class Request:
     #: vllm-0.33: where the last lookup found a shared prefix that a sparse group has
     #: not cached (0: none); the request's later caching keeps that junction hittable
     shared_prefix_boundary: int = 0
+    #: vllm-0.33: the multimodal items and prompt-embeds digests its blocks' extra keys
+    #: derive from (reported in events; ``None``: neither)
+    extra_key_sources: ExtraKeySources | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
-    def event_extra_keys(self, block_index: int) -> tuple[object, ...] | None:
-        """vLLM 0.33's untagged extra keys of one block for KV events: the LoRA name
-        (every block), then the cache salt (first block only); ``None`` when empty."""
-        keys: list[object] = []
-        if self.lora is not None:
-            keys.append(self.lora.name)
-        if block_index == 0 and self.cache_salt:
-            keys.append(self.cache_salt)
-        return tuple(keys) if keys else None
+    def event_extra_keys(
+        self, block_index: int, block_size: int, lookahead: int
+    ) -> tuple[object, ...] | None:
+        """vLLM 0.33's untagged extra keys of block ``block_index`` (of ``block_size``
+        tokens, its span reaching ``lookahead`` tokens further) for KV events:
+        :func:`~kvcoord.engine.extra_keys.block_extra_keys_033`'s, untagged; ``None``
+        when empty. (Prompt-embeds digests are per hash block: the pool admits them
+        only where every group's block is one hash block.)"""
+        start = block_index * block_size
+        lora = ("lora", self.lora.name, "") if self.lora is not None else None  # (events name it only)
+        sources = self.extra_key_sources
+        if sources is None:
+            keys = block_extra_keys_033(start, start + block_size, lora=lora, cache_salt=self.cache_salt)
+        else:
+            digests = sources.embeds_digests
+            digest = None
+            if digests is not None:
+                digest = digests[block_index] if block_index < len(digests) else EMPTY_EMBEDS_DIGEST
+            keys = block_extra_keys_033(
+                start, start + block_size + lookahead, lora=lora, mm_items=sources.mm_items,
+                cache_salt=self.cache_salt, embeds_digest=digest,
+            )  # fmt: skip
+        return event_extra_keys(keys)

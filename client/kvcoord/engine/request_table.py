@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from .config import KVCacheConfig
 from .errors import InvalidArgumentError, RequestExistsError, RequestNotFoundError
+from .extra_keys import ExtraKeySources, MultiModalItem
 from .hash_list import NAMESPACE_PREFIX_BYTES
 from .request import LoRA, Request
 from .results import RequestCheckpoint
@@ -71,6 +72,8 @@ class RequestTable:
         self.hash_lag = config.num_hash_lookahead_tokens
         #: cache namespace name -> its key prefix, assigned in order of first use
         self.cache_namespaces: dict[str, bytes] = {}
+        #: every group's block is one hash block (prompt-embeds digests are per hash block)
+        self.one_block_size = all(g.block_size == config.hash_block_size for g in config.groups)
 
     def namespace_prefix(self, name: str) -> bytes:
         """The key prefix of cache namespace ``name`` (``b""`` for ``""``).
@@ -97,6 +100,39 @@ class RequestTable:
             )
         return prefix
 
+    def check_extra_key_sources(self, sources: ExtraKeySources, num_prompt_tokens: int) -> None:
+        """Raises InvalidArgumentError unless ``sources`` fit a prompt of this length."""
+        if not isinstance(sources, ExtraKeySources):
+            raise InvalidArgumentError("extra_key_sources must be an ExtraKeySources")
+        end = 0
+        for item in sources.mm_items:
+            if not isinstance(item, MultiModalItem) or not isinstance(item.identifier, str):
+                raise InvalidArgumentError(f"multimodal item {item!r}: not a MultiModalItem")
+            if (
+                check_count(item.offset, "mm item offset") < end
+                or check_count(item.length, "mm item length") < 1
+            ):
+                raise InvalidArgumentError(
+                    "multimodal items must be sorted by offset, not overlapping, each one token or more"
+                )
+            end = item.offset + item.length
+        digests = sources.embeds_digests
+        if digests is None:
+            return
+        # (a request registered again after a free counts its outputs as prompt: the
+        # embeddings cover only the first tokens)
+        most = -(-num_prompt_tokens // self.hash_block_size)
+        if not 0 < len(digests) <= most or not all(isinstance(d, bytes) and len(d) == 32 for d in digests):
+            raise InvalidArgumentError(
+                f"prompt-embeds digests: want 1 to {most} sha256 digests (one per hash block starting "
+                f"in the embedded prompt, of {num_prompt_tokens} tokens at most), got {len(digests)}"
+            )
+        if self.enable_caching and not self.one_block_size:
+            raise InvalidArgumentError(
+                "prompt-embeds digests are per hash block: a pool with a group whose block is not "
+                "one hash block cannot publish its blocks' keys"
+            )
+
     def add(
         self,
         request_id: str,
@@ -107,6 +143,7 @@ class RequestTable:
         num_preemptions: int,
         cache_namespace: str = "",
         cache_salt: str | None = None,
+        extra_key_sources: ExtraKeySources | None = None,
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes (in cache
         namespace ``cache_namespace``: see :meth:`KVCachePool.add_request`).
@@ -134,6 +171,8 @@ class RequestTable:
         check_count(num_preemptions, "num_preemptions")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidArgumentError("cache_salt must be a string")
+        if extra_key_sources is not None:
+            self.check_extra_key_sources(extra_key_sources, len(tokens))
         prefix = self.namespace_prefix(cache_namespace)
         self.requests[request_id] = Request(
             RequestId(request_id),
@@ -145,6 +184,7 @@ class RequestTable:
             cache_prefix=prefix,
             cache_salt=cache_salt or None,
             num_prompt_tokens=len(tokens),
+            extra_key_sources=extra_key_sources,
         )
 
     def update(
@@ -230,6 +270,7 @@ class RequestTable:
                 r.cache_salt,
                 r.num_prompt_tokens,
                 r.shared_prefix_boundary,
+                r.extra_key_sources,
             )
             for r in sorted(self.requests.values(), key=lambda r: r.request_id)
         )

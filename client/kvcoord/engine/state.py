@@ -27,6 +27,7 @@ from .block_pool import BlockHashToBlockMap
 from .blocks import KVCacheBlock
 from .config import KVCacheConfig
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from .extra_keys import ExtraKeySources, MultiModalItem
 from .managers.mamba import MambaManager, MambaManager033
 from .pool import KVCachePool
 from .request import LoRA, Request
@@ -93,6 +94,7 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
                 r.cache_salt,
                 r.num_prompt_tokens,
                 r.shared_prefix_boundary,
+                _sources_to_value(r.extra_key_sources),
             ]
         )
     stats = pool.prefix_cache_stats
@@ -206,8 +208,9 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
     for entry in state["requests"]:
         rid, tokens, hashes, computed, preemptions, lora, skip, last_hit, prefix = entry[:9]
         # absent from older kvcoord's states (only vllm-0.33 pools read the last two)
-        defaults = [None, len(tokens), 0]  # salt, prompt length, shared-prefix boundary
-        salt, num_prompt, junction = list(entry[9:12]) + defaults[len(entry[9:12]) :]
+        # salt, prompt length, shared-prefix boundary, extra-key sources
+        defaults = [None, len(tokens), 0, None]
+        salt, num_prompt, junction, sources = list(entry[9:13]) + defaults[len(entry[9:13]) :]
         table[rid] = Request(
             rid,
             list(tokens),
@@ -221,6 +224,7 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
             salt,
             num_prompt,
             junction,
+            _sources_from_value(sources),
         )
     pool.request_table.cache_namespaces.update(dict(state["namespaces"]))
     stats = state["prefix_cache_stats"]
@@ -241,6 +245,27 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
     for gid, ids in enumerate(state.get("new_block_ids", ())):
         pool.pending_new_block_ids[gid] = list(ids)
     return pool
+
+
+def _sources_to_value(sources: ExtraKeySources | None) -> list[Any] | None:
+    if sources is None:
+        return None
+    digests = None if sources.embeds_digests is None else list(sources.embeds_digests)
+    return [[[m.identifier, m.offset, m.length] for m in sources.mm_items], digests]
+
+
+def _sources_from_value(value: list[Any] | None) -> ExtraKeySources | None:
+    if value is None:
+        return None
+    items, digests = value
+    return ExtraKeySources(
+        tuple(MultiModalItem(i, o, n) for i, o, n in items), None if digests is None else tuple(digests)
+    )
+
+
+def _event_keys(keys: list[Any]) -> tuple[Any, ...]:
+    """One block's untagged keys read back (a multimodal key is a pair)."""
+    return tuple(tuple(k) if isinstance(k, list) else k for k in keys)
 
 
 def event_to_value(event: KVCacheEvent) -> list[Any]:
@@ -280,7 +305,7 @@ def event_from_value(value: list[Any]) -> KVCacheEvent:
         extra, group, spec_kind, window, lookahead = (list(value[9:14]) + [None] * 5)[:5]
         return BlockStored(
             tuple(hashes), parent, tuple(tokens), size, lora_id, lora_name, medium, prefix,
-            None if extra is None else tuple(None if k is None else tuple(k) for k in extra),
+            None if extra is None else tuple(None if k is None else _event_keys(k) for k in extra),
             group, spec_kind, window,
             None if lookahead is None else tuple(tuple(t) for t in lookahead),
         )  # fmt: skip

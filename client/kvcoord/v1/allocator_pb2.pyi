@@ -349,7 +349,7 @@ class LoRA(_message.Message):
     def __init__(self, adapter_id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class RequestSync(_message.Message):
-    __slots__ = ("request_id", "append_token_ids", "append_block_hashes", "new_request", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "lora", "skip_reading_prefix_cache", "num_preemptions", "cache_salt")
+    __slots__ = ("request_id", "append_token_ids", "append_block_hashes", "new_request", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "lora", "skip_reading_prefix_cache", "num_preemptions", "cache_salt", "mm_items", "prompt_embeds_digests")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     APPEND_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -361,6 +361,8 @@ class RequestSync(_message.Message):
     SKIP_READING_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_EMBEDS_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     append_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -372,7 +374,19 @@ class RequestSync(_message.Message):
     skip_reading_prefix_cache: bool
     num_preemptions: int
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., new_request: _Optional[bool] = ..., base_num_tokens: _Optional[int] = ..., base_num_hashes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., lora: _Optional[_Union[LoRA, _Mapping]] = ..., skip_reading_prefix_cache: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    mm_items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
+    prompt_embeds_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, request_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., new_request: _Optional[bool] = ..., base_num_tokens: _Optional[int] = ..., base_num_hashes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., lora: _Optional[_Union[LoRA, _Mapping]] = ..., skip_reading_prefix_cache: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., cache_salt: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class MultiModalItem(_message.Message):
+    __slots__ = ("identifier", "offset", "length")
+    IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    identifier: str
+    offset: int
+    length: int
+    def __init__(self, identifier: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class RequestPosition(_message.Message):
     __slots__ = ("request_id", "exists", "num_tokens", "num_hashes", "num_computed_tokens")
@@ -1151,12 +1165,32 @@ class EventTokens(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EventExtraKeys(_message.Message):
-    __slots__ = ("present", "keys")
+    __slots__ = ("present", "keys", "values")
     PRESENT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
     present: bool
     keys: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, present: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ...) -> None: ...
+    values: _containers.RepeatedCompositeFieldContainer[EventExtraKey]
+    def __init__(self, present: _Optional[bool] = ..., keys: _Optional[_Iterable[str]] = ..., values: _Optional[_Iterable[_Union[EventExtraKey, _Mapping]]] = ...) -> None: ...
+
+class EventExtraKey(_message.Message):
+    __slots__ = ("text", "digest", "mm")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MM_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    digest: bytes
+    mm: EventMultiModalKey
+    def __init__(self, text: _Optional[str] = ..., digest: _Optional[bytes] = ..., mm: _Optional[_Union[EventMultiModalKey, _Mapping]] = ...) -> None: ...
+
+class EventMultiModalKey(_message.Message):
+    __slots__ = ("identifier", "offset")
+    IDENTIFIER_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    identifier: str
+    offset: int
+    def __init__(self, identifier: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class BlockRemoved(_message.Message):
     __slots__ = ("block_hashes", "medium", "group_idx")

@@ -40,12 +40,14 @@ from .state import ReplicaState, pool_state_from_pb, write_pool_state
 from .values import (
     STATS_FIELDS,
     block_ids_to_pb,
+    extra_key_sources_from_pb,
     hit_from_pb,
     hit_to_pb,
     ids_from_pb,
     lora_from_pb,
     stats_from_pb,
     stats_to_pb,
+    write_extra_key_sources,
     write_ids,
 )
 
@@ -71,6 +73,7 @@ __all__ = [
     "hit_from_pb",
     "hit_to_pb",
     "ids_from_pb",
+    "extra_key_sources_from_pb",
     "lora_from_pb",
     "offloads_from_pb",
     "offloads_to_pb",
@@ -81,6 +84,7 @@ __all__ = [
     "stats_to_pb",
     "string_list",
     "tables",
+    "write_extra_key_sources",
     "write_ids",
     "write_pool_state",
 ]

@@ -69,10 +69,44 @@ def fill_event(message: pb.KVEvent, event: KVCacheEvent) -> None:
             entry = stored.extra_keys.add()
             if keys is not None:
                 entry.present = True
-                entry.keys.extend(str(k) for k in keys)
+                if all(type(k) is str for k in keys):
+                    entry.keys.extend(keys)  # type: ignore[arg-type]
+                else:
+                    for k in keys:
+                        _extra_key_to_pb(k, entry.values.add())
     else:
         assert isinstance(event, AllBlocksCleared)
         message.all_blocks_cleared.SetInParent()
+
+
+def _extra_key_to_pb(key: object, out: pb.EventExtraKey) -> None:
+    if isinstance(key, str):
+        out.text = key
+    elif isinstance(key, bytes):
+        out.digest = key
+    elif isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], str) and isinstance(key[1], int):
+        out.mm.identifier, out.mm.offset = key
+    else:
+        raise WireError(f"an event extra key kvcoord cannot send: {key!r}")
+
+
+def _extra_keys_from_pb(entry: pb.EventExtraKeys) -> tuple[object, ...] | None:
+    if not entry.present:
+        return None
+    if not entry.values:
+        return tuple(entry.keys)
+    out: list[object] = []
+    for k in entry.values:
+        kind = k.WhichOneof("key")
+        if kind == "text":
+            out.append(k.text)
+        elif kind == "digest":
+            out.append(k.digest)
+        elif kind == "mm":
+            out.append((k.mm.identifier, k.mm.offset))
+        else:
+            raise WireError("an event extra key with no value")
+    return tuple(out)
 
 
 def event_from_pb(message: pb.KVEvent) -> KVCacheEvent:
@@ -93,9 +127,7 @@ def event_from_pb(message: pb.KVEvent) -> KVCacheEvent:
             lora_name=s.lora_name if s.HasField("lora_name") else None,
             medium=s.medium,
             # vllm-0.33's fields (None when not sent, as a 0.16 pool's events)
-            extra_keys=tuple(tuple(k.keys) if k.present else None for k in s.extra_keys)
-            if s.extra_keys
-            else None,
+            extra_keys=tuple(_extra_keys_from_pb(k) for k in s.extra_keys) if s.extra_keys else None,
             group_idx=s.group_idx if s.HasField("group_idx") else None,
             kv_cache_spec_kind=s.kv_cache_spec_kind if s.HasField("kv_cache_spec_kind") else None,
             kv_cache_spec_sliding_window=(

@@ -1,5 +1,5 @@
-"""Block ids, prefix hits, LoRA adapters and prefix-cache statistics: engine values <->
-messages."""
+"""Block ids, prefix hits, LoRA adapters, a request's extra-key sources and prefix-cache
+statistics: engine values <-> messages."""
 
 from __future__ import annotations
 
@@ -7,11 +7,14 @@ from collections.abc import Iterable, Sequence
 from typing import Any, overload
 
 from kvcoord.engine import CacheHit, LoRA, PrefixCacheStats
+from kvcoord.engine.extra_keys import ExtraKeySources, MultiModalItem
 from kvcoord.v1 import allocator_pb2 as pb
 
 __all__ = [
     "STATS_FIELDS",
     "block_ids_to_pb",
+    "extra_key_sources_from_pb",
+    "write_extra_key_sources",
     "hit_from_pb",
     "hit_to_pb",
     "ids_from_pb",
@@ -58,6 +61,24 @@ def hit_from_pb(hit: pb.CacheHit) -> CacheHit | None:
 def lora_from_pb(lora: pb.LoRA) -> LoRA | None:
     """``None`` for an unnamed adapter (no LoRA)."""
     return LoRA(lora.adapter_id, lora.name) if lora.name else None
+
+
+def extra_key_sources_from_pb(sync: pb.RequestSync) -> ExtraKeySources | None:
+    """A RequestSync's multimodal items and prompt-embeds digests (``None``: neither)."""
+    if not sync.mm_items and not sync.prompt_embeds_digests:
+        return None
+    return ExtraKeySources(
+        tuple(MultiModalItem(m.identifier, m.offset, m.length) for m in sync.mm_items),
+        tuple(sync.prompt_embeds_digests) if sync.prompt_embeds_digests else None,
+    )
+
+
+def write_extra_key_sources(sources: ExtraKeySources, sync: pb.RequestSync) -> None:
+    """Write ``sources`` into a new request's sync."""
+    for m in sources.mm_items:
+        sync.mm_items.add(identifier=m.identifier, offset=m.offset, length=m.length)
+    if sources.embeds_digests is not None:
+        sync.prompt_embeds_digests.extend(sources.embeds_digests)
 
 
 @overload

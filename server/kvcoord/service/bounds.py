@@ -103,6 +103,11 @@ BOUNDS: Mapping[str, int | str] = {
     "RequestSync.append_token_ids": "max_tokens_per_request",
     "RequestSync.append_block_hashes": "max_tokens_per_request",
     "RequestSync.cache_salt": 256,
+    # (each item is one token or more; one digest per hash block of the prompt)
+    "RequestSync.mm_items": "max_tokens_per_request",
+    "MultiModalItem.identifier": 256,
+    "RequestSync.prompt_embeds_digests": "max_tokens_per_request",
+    "RequestSync.prompt_embeds_digests[]": 32,
     "FindLongestCacheHitRequest.block_hashes": "max_tokens_per_request",
     "FindLongestCacheHitRequest.block_hashes[]": MAX_BLOCK_HASH_BYTES,
     "ScorePoolsRequest.candidate_pools": "max_pools",

@@ -14,6 +14,7 @@ from kvcoord.wire import (
     add_events,
     block_ids_to_pb,
     copies_to_pb,
+    extra_key_sources_from_pb,
     hit_from_pb,
     hit_to_pb,
     ids_from_pb,
@@ -91,6 +92,7 @@ def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
         s.skip_reading_prefix_cache,
         s.num_preemptions if s.HasField("num_preemptions") else None,
         s.cache_salt or None,
+        extra_key_sources_from_pb(s),
     )
 
 

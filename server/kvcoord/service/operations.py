@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from kvcoord.engine import CacheHit, KVCacheEvent, LoRA, PrefixCacheStats
+from kvcoord.engine.extra_keys import ExtraKeySources
 
 from .errors import ServiceError
 
@@ -64,6 +65,7 @@ class RequestSync:
     skip_reading_prefix_cache: bool = False
     num_preemptions: int | None = None
     cache_salt: str | None = None
+    extra_key_sources: ExtraKeySources | None = None
 
 
 @dataclasses.dataclass(slots=True)

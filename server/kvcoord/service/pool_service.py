@@ -961,6 +961,7 @@ class PoolService:
                 num_preemptions=sync.num_preemptions or 0,
                 cache_namespace=s.cache_namespace,
                 cache_salt=sync.cache_salt,
+                extra_key_sources=sync.extra_key_sources,
             )
             if sync.num_computed_tokens is not None:
                 try:

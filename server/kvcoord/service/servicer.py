@@ -761,7 +761,17 @@ def _answer_slices(
 def _apply_allocate(
     service: PoolService, s: Session, request: pb.AllocateRequest, fence: Fence, max_message_bytes: int
 ) -> pb.AllocateResponse | ServiceError:
-    (outcome,) = service.apply(s, [allocate_from_pb(request.op, len(service.config.groups))])
+    return drain(_allocate_slices(service, s, request, fence, max_message_bytes, 0))
+
+
+def _allocate_slices(
+    service: PoolService, s: Session, request: pb.AllocateRequest, fence: Fence, max_message_bytes: int,
+    every: int,
+) -> Generator[None, None, pb.AllocateResponse | ServiceError]:  # fmt: skip
+    """An Allocate applied, a large one's blocks taken and cached in slices (yielding
+    between them: pool_service.py's SLICED_ALLOCATE_TOKENS) when ``every`` is not 0."""
+    ops = [allocate_from_pb(request.op, len(service.config.groups))]
+    (outcome,) = yield from service.applying(s, ops, every)
     if outcome.error is not None:
         # A refusal turned into an error (must_succeed) has still removed skipped
         # blocks, as vLLM's refusals do: the call is journaled, so recovery replays it too.
@@ -827,7 +837,11 @@ def _step_slices(
 
 #: the keyed mutating calls, run live and replayed alike (mutations.py)
 ALLOCATE = Mutation(
-    "Allocate", pb.AllocateRequest.FromString, pb.AllocateResponse.FromString, _apply_allocate
+    "Allocate",
+    pb.AllocateRequest.FromString,
+    pb.AllocateResponse.FromString,
+    _apply_allocate,
+    _allocate_slices,
 )
 FREE = Mutation("Free", pb.FreeRequest.FromString, pb.FreeResponse.FromString, _apply_free)
 STEP = Mutation("Step", pb.StepRequest.FromString, pb.StepResponse.FromString, _apply_step, _step_slices)

@@ -140,7 +140,7 @@ class MutationRunner:
     async def run(self, m: Mutation[A], request: Any, fence: Fence | None) -> A:
         """Apply ``request`` once (a duplicate gets the kept answer) and answer once durable.
 
-        A call whose Mutation has ``slices`` (a Step) that takes longer than
+        A call whose Mutation has ``slices`` (a Step, an Allocate) that takes longer than
         ``slice_seconds`` goes on in a task of its own that holds the pool
         (pool_locks.py) and lets the event loop serve other pools between slices; the
         call waits for it (a call cancelled meanwhile, its client gone, still has it

@@ -875,12 +875,24 @@ class PoolService:
                 (REQUEST_UNKNOWN) for an unknown request or another tenant's,
                 PERMISSION_DENIED for another session's request of the same tenant.
         """
+        drain(self.freeing_requests(s, request_ids, preempt))
+
+    def freeing_requests(
+        self, s: Session, request_ids: Sequence[str], preempt: bool, every: int = 0
+    ) -> Generator[None, None, None]:
+        """:meth:`free_requests` in slices: a generator that yields after every
+        ``every`` requests freed (0: never), every check made before the first; nothing
+        may touch this pool until it returns (pool_locks.py).
+
+        Raises:
+            ServiceError: as :meth:`free_requests`, before the first yield.
+        """
         if len(set(request_ids)) != len(request_ids):
             raise ServiceError(Status.INVALID, "request_ids lists a request twice")
         for rid in request_ids:
             self._owned(s, rid)
         kind = op.Preempt if preempt else op.Free
-        outcomes = self.apply(s, [kind(rid) for rid in request_ids])
+        outcomes = yield from self.applying(s, [kind(rid) for rid in request_ids], every)
         for o in outcomes:
             if o.error is not None:  # pragma: no cover - every failure is checked above
                 raise o.error

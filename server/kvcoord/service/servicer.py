@@ -782,7 +782,15 @@ def _allocate_slices(
 def _apply_free(
     service: PoolService, s: Session, request: pb.FreeRequest, fence: Fence, max_message_bytes: int
 ) -> pb.FreeResponse:
-    service.free_requests(s, request.request_ids, request.preempt)
+    return drain(_free_slices(service, s, request, fence, max_message_bytes, 0))
+
+
+def _free_slices(
+    service: PoolService, s: Session, request: pb.FreeRequest, fence: Fence, max_message_bytes: int,
+    every: int,
+) -> Generator[None, None, pb.FreeResponse]:  # fmt: skip
+    """A Free applied, yielding after every ``every`` requests freed (0: never)."""
+    yield from service.freeing_requests(s, request.request_ids, request.preempt, every)
     return free_answer(service, fence_to_pb(fence))
 
 
@@ -843,7 +851,7 @@ ALLOCATE = Mutation(
     _apply_allocate,
     _allocate_slices,
 )
-FREE = Mutation("Free", pb.FreeRequest.FromString, pb.FreeResponse.FromString, _apply_free)
+FREE = Mutation("Free", pb.FreeRequest.FromString, pb.FreeResponse.FromString, _apply_free, _free_slices)
 STEP = Mutation("Step", pb.StepRequest.FromString, pb.StepResponse.FromString, _apply_step, _step_slices)
 MUTATIONS = {m.rpc: m for m in (ALLOCATE, FREE, STEP)}
 

@@ -1,7 +1,7 @@
-"""A large allocation takes and caches its blocks in slices: calls on other pools are
-answered between its slices, and its answer is the one an unsliced allocation gives
-(a real server over real gRPC; the probe runs in a process of its own, as in
-test_sliced_steps.py)."""
+"""A large allocation takes and caches its blocks in slices, a Free of many requests
+frees them in slices: calls on other pools are answered between their slices, and
+their answers are those of unsliced calls (a real server over real gRPC; the probes
+run in a process of their own, as in test_sliced_steps.py)."""
 
 from __future__ import annotations
 
@@ -86,15 +86,58 @@ def probe_during_a_large_allocation(server: InProcessServer) -> list[int]:
     return taken_at_b
 
 
-def test_another_pools_call_is_answered_between_the_slices_of_a_large_allocation() -> None:
-    """Before, the allocation was one engine call: no call on "b" was answered while
-    "a" had taken some of its blocks but not all."""
+#: requests freed by the probed Free (one block each)
+FREED = 40_000
+
+
+def probe_during_a_large_free(server: InProcessServer) -> list[int]:
+    """Register FREED requests in pool "a", free them in one Free call and call pool
+    "b" until it is answered; returns the requests "a" had freed each time "b"
+    answered."""
+    registry = server.running.servicer.registry  # type: ignore[union-attr]
+    a, b = registry.pools["a"], registry.pools["b"]
+    freed_at_b: list[int] = []
+    original_stats = b.lifetime_prefix_cache_stats
+
+    def stats_seen() -> object:
+        freed_at_b.append(FREED - len(a.engine.requests))
+        return original_stats()
+
+    b.lifetime_prefix_cache_stats = stats_seen  # type: ignore[method-assign]
+    started = threading.Event()
+    done = threading.Event()
+    answers: list[pb.FreeResponse] = []
+
+    def send_big() -> None:
+        with KVCoordClient(server.address, timeout=120) as c:
+            session = c.attach("a", "", 4, "")
+            sid, fence = session.session_id, session.fence
+            ids = [f"r{i}" for i in range(FREED)]
+            step = [pb.Operation(allocate=_op(rid, [1, 2, 3, 4], 4)) for rid in ids]
+            assert not any(r.status_code for r in c.step("a", step, sid, fence).results)
+            started.set()
+            answers.append(c.free("a", ids, session_id=sid, fence=fence))
+        done.set()
+
+    sender = threading.Thread(target=send_big)
+    sender.start()
+    with KVCoordClient(server.address, timeout=120) as c:
+        started.wait(120)
+        while not done.is_set():
+            c.get_stats("b")
+    sender.join(120)
+    assert len(answers) == 1 and not a.engine.requests
+    return freed_at_b
+
+
+def _run_probe(name: str) -> list[int]:
+    """``name`` (a probe of this module) run in a process of its own; what it returned."""
     code = (
-        "import json, test_sliced_allocations as t\n"
+        "import json, test_sliced_calls as t\n"
         "from kvcoord.service.testing import InProcessServer\n"
         "server = InProcessServer(t.POOLS).start()\n"
         "try:\n"
-        "    print(json.dumps(t.probe_during_a_large_allocation(server)))\n"
+        f"    print(json.dumps(t.{name}(server)))\n"
         "finally:\n"
         "    server.stop()\n"
     )
@@ -106,11 +149,28 @@ def test_another_pools_call_is_answered_between_the_slices_of_a_large_allocation
     }
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    taken_at_b = json.loads(done.stdout.strip().splitlines()[-1])
+    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def test_another_pools_call_is_answered_between_the_slices_of_a_large_allocation() -> None:
+    """Before, the allocation was one engine call: no call on "b" was answered while
+    "a" had taken some of its blocks but not all."""
+    taken_at_b = _run_probe("probe_during_a_large_allocation")
     during = [n for n in taken_at_b if 0 < n < BLOCKS]
     assert during, (
         f"no call on pool 'b' was answered while pool 'a' took its blocks (blocks taken at each: "
         f"{sorted(set(taken_at_b))[:10]} ...)"
+    )
+
+
+def test_another_pools_call_is_answered_between_the_slices_of_a_large_free() -> None:
+    """Before, a Free was applied at once: no call on "b" was answered while "a" had
+    freed some of its requests but not all."""
+    freed_at_b = _run_probe("probe_during_a_large_free")
+    during = [n for n in freed_at_b if 0 < n < FREED]
+    assert during, (
+        f"no call on pool 'b' was answered while pool 'a' freed its requests (requests freed at each: "
+        f"{sorted(set(freed_at_b))[:10]} ...)"
     )
 
 
@@ -134,17 +194,25 @@ def test_a_sliced_allocation_answers_as_an_unsliced_one(make_server: Callable[..
             answers = [c.allocate(pool, _op("r1", prompt, 8192), sid, fence)]
             step = [pb.Operation(allocate=_op("r2", prompt[::-1] + prompt[:1000], 9192))]
             answers.append(c.step(pool, step, sid, fence, include_state=True))
-            c.free(pool, ["r1"], session_id=sid, fence=fence)
+            answers.append(c.free(pool, ["r1"], session_id=sid, fence=fence))
             # evicts r1's cached blocks; then one too large to fit is refused
             answers.append(c.allocate(pool, _op("r3", [5] * 10000, 10000), sid, fence))
             answers.append(c.allocate(pool, _op("r4", [6] * 12000, 12000), sid, fence))
+            many = [f"m{i}" for i in range(100)]
+            c.step(
+                pool,
+                [pb.Operation(allocate=_op(rid, [i % 7] * 9, 9)) for i, rid in enumerate(many)],
+                sid,
+                fence,
+            )
+            answers.append(c.free(pool, many, session_id=sid, fence=fence))
             answers.append(c.step(pool, [], sid, fence, include_state=True))
             for answer in answers:
                 answer.ClearField("fence")
             got[pool] = ([a.SerializeToString() for a in answers], c.get_stats(pool).num_free_blocks)
     assert got["a"] == got["b"]
     allocated, refused = (
-        pb.AllocateResponse.FromString(got["a"][0][2]),
         pb.AllocateResponse.FromString(got["a"][0][3]),
+        pb.AllocateResponse.FromString(got["a"][0][4]),
     )
     assert len(allocated.result.new_block_ids[0].block_ids) == 2500 and refused.result.refused

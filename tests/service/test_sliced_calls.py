@@ -12,8 +12,10 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvcoord.client import KVCoordClient
+from kvcoord.service.pool_service import PoolService
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 
@@ -45,45 +47,58 @@ def _op(rid: str, tokens: list[int], num_new_tokens: int) -> pb.AllocateOp:
     return pb.AllocateOp(request=sync, num_new_tokens=num_new_tokens)
 
 
-def probe_during_a_large_allocation(server: InProcessServer) -> list[int]:
-    """Allocate BLOCKS blocks to one request of pool "a" (one Allocate call) and call
-    pool "b" until it is answered; returns the blocks "a" had taken each time "b"
-    answered (read on the server's loop, as the answer is made)."""
+def _probe(
+    server: InProcessServer,
+    progress: Callable[[PoolService], int],
+    big: Callable[[KVCoordClient, str, pb.Fence], Any],
+) -> tuple[list[int], Any]:
+    """Call ``big(client, session, fence)`` on pool "a" (it signals ``started`` before
+    its large call) and call pool "b" until it returns; returns ``progress`` of "a"
+    each time "b" answered (read on the server's loop, as the answer is made) and
+    what ``big`` returned."""
     registry = server.running.servicer.registry  # type: ignore[union-attr]
     a, b = registry.pools["a"], registry.pools["b"]
-    taken_at_b: list[int] = []
-    free = a.engine.num_free_blocks
+    seen: list[int] = []
     original_stats = b.lifetime_prefix_cache_stats
 
     def stats_seen() -> object:
-        taken_at_b.append(free - a.engine.num_free_blocks)
+        seen.append(progress(a))
         return original_stats()
 
     b.lifetime_prefix_cache_stats = stats_seen  # type: ignore[method-assign]
-    answers: list[pb.AllocateResponse] = []
-    started = threading.Event()
+    answers: list[Any] = []
     done = threading.Event()
 
     def send_big() -> None:
-        with KVCoordClient(server.address, timeout=120) as c:
-            session = c.attach("a", "", 4, "")
-            started.set()
-            # a short prompt: the blocks past it are taken, not cached (no large message)
-            answers.append(
-                c.allocate("a", _op("big", [1, 2, 3, 4], BLOCKS * 4), session.session_id, session.fence)
-            )
-        done.set()
+        try:
+            with KVCoordClient(server.address, timeout=120) as c:
+                session = c.attach("a", "", 4, "")
+                answers.append(big(c, session.session_id, session.fence))
+        finally:
+            done.set()
 
     sender = threading.Thread(target=send_big)
     sender.start()
     with KVCoordClient(server.address, timeout=120) as c:
-        started.wait(60)
         while not done.is_set():
             c.get_stats("b")
     sender.join(120)
-    assert len(answers) == 1 and not answers[0].result.refused
-    assert len(answers[0].result.new_block_ids[0].block_ids) == BLOCKS
-    return taken_at_b
+    assert len(answers) == 1
+    return seen, answers[0]
+
+
+def probe_during_a_large_allocation(server: InProcessServer) -> list[int]:
+    """Allocate BLOCKS blocks to one request of pool "a" (one Allocate call); the
+    blocks "a" had taken each time a call on "b" was answered."""
+    free = server.running.servicer.registry.pools["a"].engine.num_free_blocks  # type: ignore[union-attr]
+    # a short prompt: the blocks past it are taken, not cached (no large message)
+    seen, answer = _probe(
+        server,
+        lambda a: free - a.engine.num_free_blocks,
+        lambda c, sid, fence: c.allocate("a", _op("big", [1, 2, 3, 4], BLOCKS * 4), sid, fence),
+    )
+    assert not answer.result.refused and len(answer.result.new_block_ids[0].block_ids) == BLOCKS
+    return seen
 
 
 #: requests freed by the probed Free (one block each)
@@ -91,43 +106,19 @@ FREED = 40_000
 
 
 def probe_during_a_large_free(server: InProcessServer) -> list[int]:
-    """Register FREED requests in pool "a", free them in one Free call and call pool
-    "b" until it is answered; returns the requests "a" had freed each time "b"
-    answered."""
-    registry = server.running.servicer.registry  # type: ignore[union-attr]
-    a, b = registry.pools["a"], registry.pools["b"]
-    freed_at_b: list[int] = []
-    original_stats = b.lifetime_prefix_cache_stats
+    """Register FREED requests in pool "a", then free them in one Free call; the
+    requests "a" had freed each time a call on "b" was answered (-1 before the Free)."""
+    ids = [f"r{i}" for i in range(FREED)]
+    freeing = threading.Event()  # set once every request is registered, before the Free
 
-    def stats_seen() -> object:
-        freed_at_b.append(FREED - len(a.engine.requests))
-        return original_stats()
+    def big(c: KVCoordClient, sid: str, fence: pb.Fence) -> pb.FreeResponse:
+        step = [pb.Operation(allocate=_op(rid, [1, 2, 3, 4], 4)) for rid in ids]
+        assert not any(r.status_code for r in c.step("a", step, sid, fence).results)
+        freeing.set()
+        return c.free("a", ids, session_id=sid, fence=fence)
 
-    b.lifetime_prefix_cache_stats = stats_seen  # type: ignore[method-assign]
-    started = threading.Event()
-    done = threading.Event()
-    answers: list[pb.FreeResponse] = []
-
-    def send_big() -> None:
-        with KVCoordClient(server.address, timeout=120) as c:
-            session = c.attach("a", "", 4, "")
-            sid, fence = session.session_id, session.fence
-            ids = [f"r{i}" for i in range(FREED)]
-            step = [pb.Operation(allocate=_op(rid, [1, 2, 3, 4], 4)) for rid in ids]
-            assert not any(r.status_code for r in c.step("a", step, sid, fence).results)
-            started.set()
-            answers.append(c.free("a", ids, session_id=sid, fence=fence))
-        done.set()
-
-    sender = threading.Thread(target=send_big)
-    sender.start()
-    with KVCoordClient(server.address, timeout=120) as c:
-        started.wait(120)
-        while not done.is_set():
-            c.get_stats("b")
-    sender.join(120)
-    assert len(answers) == 1 and not a.engine.requests
-    return freed_at_b
+    seen, _ = _probe(server, lambda a: FREED - len(a.engine.requests) if freeing.is_set() else -1, big)
+    return seen
 
 
 def _run_probe(name: str) -> list[int]:

@@ -425,15 +425,19 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     @map_errors
     async def Allocate(
         self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AllocateResponse:
+    ) -> pb.AllocateResponse | bytes:
         return await self.mutations.run(ALLOCATE, request, _fence(request))
 
     @map_errors
-    async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.FreeResponse:
+    async def Free(
+        self, request: pb.FreeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FreeResponse | bytes:
         return await self.mutations.run(FREE, request, _fence(request))
 
     @map_errors
-    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+    async def Step(
+        self, request: pb.StepRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StepResponse | bytes:
         return await self.mutations.run(self._step, request, _fence(request))
 
     @map_errors
@@ -949,7 +953,7 @@ def _undecodable_message(r: _Undecodable) -> str:
 
 
 #: methods whose handler may answer with the response's bytes, encoded already
-_BYTES_ANSWERS = frozenset({"ScorePools"})
+_BYTES_ANSWERS = frozenset({"ScorePools", "Allocate", "Free", "Step"})
 
 
 def _as_is_or(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:

@@ -13,7 +13,7 @@ small pool and a large one. A client thread calls GetStats on the small pool eve
              blocks (65,536 x 80 tokens: about 15 MB on the wire), then frees them
   alloc      allocates ``--alloc-blocks`` blocks to one request in one operation,
              then frees it
-  lifecycle  creates a pool of ``--blocks`` blocks, fills it with 100,000-block
+  lifecycle  creates a pool of ``--blocks`` blocks, fills it with 65,536-block
              allocations and deletes it
 
 Printed per scenario (and per code with ``--old``): p50 / p99 / max of the probe's
@@ -116,7 +116,7 @@ def lifecycle(c: KVCoordClient, blocks: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     c.create_pool("huge", pool_config(blocks))
     sid = c.attach("huge", "", BS, "").session_id
-    per_request = 100_000
+    per_request = 65_536  # 1,048,576 tokens: [limits] max_tokens_per_request
     for i in range((blocks - 1) // per_request):
         sync = pb.RequestSync(request_id=f"r{i}", append_token_ids=[1] * (per_request * BS), new_request=True)
         c.step(

@@ -219,6 +219,28 @@ class BlockPool:
         """
         if num_cached_blocks >= num_full_blocks:
             return
+        for _ in self.caching_full_blocks(
+            request, blocks, num_cached_blocks, num_full_blocks, block_size, group_id, block_mask, 0
+        ):
+            pass  # pragma: no cover - never yields with every=0
+
+    def caching_full_blocks(
+        self,
+        request: Request,
+        blocks: list[KVCacheBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        block_size: int,
+        group_id: int,
+        block_mask: Sequence[bool] | None = None,
+        every: int = 0,
+    ) -> Iterator[None]:
+        """:meth:`cache_full_blocks` as a generator that yields after every ``every``
+        positions (0: never), the block pool held by its caller meanwhile; the run's
+        one BlockStored event is queued once the last position is cached, so the
+        events are those of one call."""
+        if num_cached_blocks >= num_full_blocks:
+            return
         prefix = request.cache_prefix
         originals = hashes_at_block_size(request.block_hashes, self.hash_block_size, block_size)
         hashes = (
@@ -234,25 +256,29 @@ class BlockPool:
         hook = cache.hook
         if hook is not None and hook.gid != group_id:
             hook = None
-        for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
-            if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
-                continue
-            assert block.cached_hash is None, f"block {block.block_id} is already cached"
-            block_hash = hashes[i]
-            block.cached_hash = block_hash
-            block.cached_group = group_id
-            if prefix:
-                block.event_hash = originals[i]
-            block_id = block.block_id
-            existing = first.setdefault(block_hash, block_id)
-            if existing != block_id:
-                cache.add_duplicate(block_hash, group_id, existing, block_id)
-            elif hook is not None:
-                hook.added(block_hash)
-            if events:
-                stored.append(originals[i] if prefix else block_hash)
-                kept.append(i)
+        step = every if every > 0 else num_full_blocks - num_cached_blocks
+        for start in range(num_cached_blocks, num_full_blocks, step):
+            if start != num_cached_blocks:
+                yield
+            for i in range(start, min(start + step, num_full_blocks)):
+                block = blocks[i]
+                if block.is_null or (block_mask is not None and not block_mask[i - num_cached_blocks]):
+                    continue
+                assert block.cached_hash is None, f"block {block.block_id} is already cached"
+                block_hash = hashes[i]
+                block.cached_hash = block_hash
+                block.cached_group = group_id
+                if prefix:
+                    block.event_hash = originals[i]
+                block_id = block.block_id
+                existing = first.setdefault(block_hash, block_id)
+                if existing != block_id:
+                    cache.add_duplicate(block_hash, group_id, existing, block_id)
+                elif hook is not None:
+                    hook.added(block_hash)
+                if events:
+                    stored.append(originals[i] if prefix else block_hash)
+                    kept.append(i)
         if events:
             parent = originals[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             lora = request.lora

@@ -20,7 +20,7 @@ raised :class:`~kvcoord.engine.errors.EngineError` leaves the pool as it was.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 
 from .config import KVCacheConfig, admission_cap_tokens
 from .coordinators import get_kv_cache_coordinator
@@ -399,25 +399,10 @@ class KVCachePool:
         req = self.requests.get(request_id)
         if req is None:
             raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
-        if (
-            new_computed_blocks is None
-            and self._plain_managers
-            and type(num_new_tokens) is int
-            and num_new_tokens > 0
-            and type(num_lookahead_tokens) is int
-            and num_lookahead_tokens >= 0
-            and num_new_computed_tokens == 0
-            and num_external_computed_tokens == 0
-            and num_encoder_tokens == 0
-            and type(num_new_computed_tokens) is int
-            and type(num_external_computed_tokens) is int
-            and type(num_encoder_tokens) is int
-            and delay_cache_blocks is False
-            and full_sequence_must_fit is False
-            and reserved_blocks == 0
-            and num_in_flight_tokens == 0
-            and req.num_computed_tokens + num_new_tokens <= self.max_model_len
-        ):
+        if new_computed_blocks is None and self._plain_call(
+            req, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
+            delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
+        ):  # fmt: skip
             return self._allocate_without_hit(req, num_new_tokens, num_lookahead_tokens)
         counts = (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
                   num_encoder_tokens)  # fmt: skip
@@ -512,6 +497,124 @@ class KVCachePool:
             coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens - self._cache_lag))
         return tuple([tuple([b.block_id for b in lst]) for lst in new])
 
+    def _plain_call(
+        self, req: Request, num_new_tokens: int, num_new_computed_tokens: int, num_lookahead_tokens: int,
+        num_external_computed_tokens: int, delay_cache_blocks: bool, num_encoder_tokens: int,
+        full_sequence_must_fit: bool, reserved_blocks: int, num_in_flight_tokens: int,
+    ) -> bool:  # fmt: skip
+        """Whether an ``allocate_slots`` call without a hit is the common one
+        (:meth:`_allocate_without_hit`): valid counts, no external, encoder or in-flight
+        tokens, cached as usual, within ``max_model_len``, plain managers."""
+        return (
+            self._plain_managers
+            and type(num_new_tokens) is int
+            and num_new_tokens > 0
+            and type(num_lookahead_tokens) is int
+            and num_lookahead_tokens >= 0
+            and num_new_computed_tokens == 0
+            and num_external_computed_tokens == 0
+            and num_encoder_tokens == 0
+            and type(num_new_computed_tokens) is int
+            and type(num_external_computed_tokens) is int
+            and type(num_encoder_tokens) is int
+            and delay_cache_blocks is False
+            and full_sequence_must_fit is False
+            and reserved_blocks == 0
+            and num_in_flight_tokens == 0
+            and req.num_computed_tokens + num_new_tokens <= self.max_model_len
+        )
+
+    def allocating_slots(
+        self,
+        every: int,
+        request_id: str,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: CacheHit | Sequence[Sequence[int]] | None = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        num_in_flight_tokens: int = 0,
+    ) -> Generator[None, None, BlockIds | None]:
+        """:meth:`allocate_slots` in slices: a generator that returns its answer and,
+        for the common call (no hit, no external, encoder or in-flight tokens: a large
+        prompt's first allocation), yields after every ``every`` blocks taken or cached.
+        Everything that can refuse or raise (the counts, the free-block check) happens
+        before the first yield; nothing after it can fail. Its caller must let nothing
+        else touch the pool until it returns; the blocks, the answer and the events are
+        then those of one call. Any other call is made at once (no yield).
+
+        Raises:
+            As :meth:`allocate_slots`, before the first yield.
+        """
+        req = self.requests.get(request_id)
+        if (
+            req is None
+            or every <= 0
+            or new_computed_blocks is not None
+            or not self._plain_call(
+                req,
+                num_new_tokens,
+                num_new_computed_tokens,
+                num_lookahead_tokens,
+                num_external_computed_tokens,
+                delay_cache_blocks,
+                num_encoder_tokens,
+                full_sequence_must_fit,
+                reserved_blocks,
+                num_in_flight_tokens,
+            )  # fmt: skip
+        ):
+            return self.allocate_slots(
+                request_id, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
+                num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit,
+                reserved_blocks, num_in_flight_tokens,
+            )  # fmt: skip
+        rid = req.request_id
+        total = req.num_computed_tokens
+        main = total + num_new_tokens
+        need = min(main + num_lookahead_tokens, self.max_model_len)
+        for m in self._skipping_managers:
+            m.remove_skipped_blocks(rid, total)
+        if self._num_to_take(rid, need, total, main) > self.block_pool.free_block_queue.num_free_blocks:
+            self.num_refusals += 1
+            return None
+        # Nothing below can fail: the blocks are taken, then cached, ``every`` at a time.
+        bp = self.block_pool
+        managers = self.managers
+        out: list[tuple[int, ...]] | None = None
+        for i, m in enumerate(managers):
+            req_blocks = m.req_to_blocks.get(rid)
+            if req_blocks is None:
+                req_blocks = m.req_to_blocks[rid] = []
+            n = -(-need // m.block_size) - len(req_blocks)
+            ids: list[int] = []
+            while n > 0:
+                yield
+                new_blocks = bp.get_new_blocks(min(n, every))
+                req_blocks += new_blocks
+                ids += [b.block_id for b in new_blocks]
+                n -= len(new_blocks)
+            if ids:
+                if out is None:
+                    out = [()] * len(managers)
+                out[i] = tuple(ids)
+        if self.enable_caching:
+            num_tokens = len(req.all_token_ids) - self._hash_lag
+            cached = main if main < num_tokens else num_tokens
+            for m in managers:
+                num_full = cached // m.block_size
+                num_cached = m.num_cached_block.get(rid, 0)
+                if num_cached < num_full:
+                    yield from bp.caching_full_blocks(
+                        req, m.req_to_blocks[rid], num_cached, num_full, m.block_size, m.group_id, None, every
+                    )
+                    m.num_cached_block[rid] = num_full
+        return self._no_new_blocks if out is None else tuple(out)
+
     def update_and_allocate(
         self,
         request_id: str,
@@ -571,17 +674,8 @@ class KVCachePool:
         for m in self._skipping_managers:
             m.remove_skipped_blocks(rid, total)
         managers = self.managers
-        k = 0
-        for m in managers:
-            if rid in m.num_cached_block:  # admitted: no hit possible, nothing skipped to add
-                blocks = m.req_to_blocks.get(rid)
-                n = -(-need // m.block_size) - (len(blocks) if blocks is not None else 0)
-                if n > 0:
-                    k += n
-            else:
-                k += m.get_num_blocks_to_allocate(rid, need, (), total, main)
         bp = self.block_pool
-        if k > bp.free_block_queue.num_free_blocks:
+        if self._num_to_take(rid, need, total, main) > bp.free_block_queue.num_free_blocks:
             self.num_refusals += 1
             return None
         out: list[tuple[int, ...]] | None = None
@@ -609,6 +703,19 @@ class KVCachePool:
                     )
                     m.num_cached_block[rid] = num_full
         return result
+
+    def _num_to_take(self, rid: str, need: int, total: int, main: int) -> int:
+        """Blocks a call without a hit takes for ``need`` slots (skipped blocks removed)."""
+        k = 0
+        for m in self.managers:
+            if rid in m.num_cached_block:  # admitted: no hit possible, nothing skipped to add
+                blocks = m.req_to_blocks.get(rid)
+                n = -(-need // m.block_size) - (len(blocks) if blocks is not None else 0)
+                if n > 0:
+                    k += n
+            else:
+                k += m.get_num_blocks_to_allocate(rid, need, (), total, main)
+        return k
 
     def allocation_changes_nothing(
         self,

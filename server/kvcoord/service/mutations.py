@@ -36,7 +36,15 @@ from .pool_service import Fence, PoolService
 from .registry import PoolRegistry
 from .sessions import Session
 
-__all__ = ["SLICE_OPS", "SLICE_SECONDS", "Mutation", "MutationRunner", "request_digest", "take_events_budget"]
+__all__ = [
+    "BYTES_ANSWER_MIN",
+    "SLICE_OPS",
+    "SLICE_SECONDS",
+    "Mutation",
+    "MutationRunner",
+    "request_digest",
+    "take_events_budget",
+]
 
 
 #: an answer message (its ``fence`` is stamped with journal positions)
@@ -82,6 +90,10 @@ SLICE_PAUSE = 0.0005
 SERIALIZE_SLICE_OPS = 1024
 #: slices between two freezes of what is alive (gc.freeze) in a sliced call
 FREEZE_EVERY_SLICES = 16
+#: an answer of at least this many bytes is answered with the bytes serialized for its
+#: key and its journal record (gRPC sends them as they are: servicer._BYTES_ANSWERS),
+#: not serialized a second time; a smaller one is answered as a message
+BYTES_ANSWER_MIN = 1 << 20
 
 
 def request_digest(request: Message) -> bytes:
@@ -139,10 +151,12 @@ class MutationRunner:
         #: SLICE_OPS operations)
         self.slice_seconds = SLICE_SECONDS
 
-    async def run(self, m: Mutation[A], request: Any, fence: Fence | None) -> A:
-        """Apply ``request`` once (a duplicate gets the kept answer) and answer once durable.
+    async def run(self, m: Mutation[A], request: Any, fence: Fence | None) -> A | bytes:
+        """Apply ``request`` once (a duplicate gets the kept answer) and answer once
+        durable: the answer, or its serialized bytes when it has at least
+        BYTES_ANSWER_MIN of them (serialized once, for its key, its record and its client).
 
-        A call whose Mutation has ``slices`` (a Step) that takes longer than
+        A call whose Mutation has ``slices`` (a Step, an Allocate) that takes longer than
         ``slice_seconds`` goes on in a task of its own that holds the pool
         (pool_locks.py) and lets the event loop serve other pools between slices; the
         call waits for it (a call cancelled meanwhile, its client gone, still has it
@@ -170,6 +184,9 @@ class MutationRunner:
         s = service.session(request.session_id, fence)
         kept = registry.idempotency.lookup(s.session_id, m.rpc, key, digest)
         if kept is not None:
+            if len(kept) >= BYTES_ANSWER_MIN:  # (its fence stamped already, as the call's)
+                await registry.recorder.durable()
+                return kept
             return await self.durable(m.parse_answer(kept))
         service.answer_event_bytes = take_events_budget(self.max_message_bytes)
         if m.slices is None:
@@ -191,17 +208,20 @@ class MutationRunner:
                     return await self._answer(await asyncio.shield(task))
         return await self._answer(self._keep(m, service, s, request, key, digest, body, answer))
 
-    async def _answer(self, result: A | ServiceError) -> A:
+    async def _answer(self, result: A | bytes | ServiceError) -> A | bytes:
         """The answer once durable; a journaled error is raised once durable."""
         if isinstance(result, ServiceError):
             await self.registry.recorder.durable()
             raise result
+        if isinstance(result, bytes):  # its fence stamped already (_keep)
+            await self.registry.recorder.durable()
+            return result
         return await self.durable(result)
 
     async def _sliced(
         self, m: Mutation[A], service: PoolService, s: Session, request: Any, key: str, digest: bytes,
         body: bytes | None, work: Generator[None, None, A | ServiceError],
-    ) -> A | ServiceError:  # fmt: skip
+    ) -> A | bytes | ServiceError:  # fmt: skip
         """The rest of a sliced call, the pool held (given back once it is journaled)."""
         try:
             end = time.perf_counter() + self.slice_seconds
@@ -234,9 +254,11 @@ class MutationRunner:
     def _keep(
         self, m: Mutation[A], service: PoolService, s: Session, request: Any, key: str, digest: bytes,
         body: bytes | None, answer: A | ServiceError,
-    ) -> A | ServiceError:  # fmt: skip
+    ) -> A | bytes | ServiceError:  # fmt: skip
         """Journal an applied call and keep its answer under its key (no await); the
-        call's own error is journaled too (it changed the pool) and returned."""
+        call's own error is journaled too (it changed the pool) and returned. Returns
+        the answer, as its bytes when they are BYTES_ANSWER_MIN or more (its fence
+        stamped: what :meth:`positioned` would add is there already)."""
         registry = self.registry
         recorder = registry.recorder
         if isinstance(answer, ServiceError):
@@ -252,7 +274,7 @@ class MutationRunner:
         if key:
             registry.idempotency.remember(s.session_id, m.rpc, key, digest, kept_answer)
         recorder.called(service, m.rpc, request, key, digest, kept_answer, body)
-        return answer
+        return kept_answer if len(kept_answer) >= BYTES_ANSWER_MIN else answer
 
     def replay(
         self, m: Mutation[Any], body: bytes, key: str, digest: bytes, told: bytes | None, writer: str,

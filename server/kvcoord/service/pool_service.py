@@ -39,6 +39,7 @@ from kvcoord.engine.block_pool import BlockHashToBlockMap
 from kvcoord.engine.invariants import PoolCheck, check_pool
 from kvcoord.engine.profiles import PROFILES, VLLM_016
 from kvcoord.engine.reservations import Reservations
+from kvcoord.engine.results import BlockIds
 from kvcoord.engine.state import STATE_VERSION, export_state, import_state
 from kvcoord.wire.rules import rules_fingerprint
 
@@ -51,6 +52,11 @@ from .sessions import Session, SessionTable
 
 #: free-queue positions a hint lookup walks by default, and at most
 DEFAULT_WALK_LIMIT = 4096
+#: an Allocate of at least this many new tokens, in a Step applied in slices, takes its
+#: blocks in slices too (the pool held: pool_locks.py)
+SLICED_ALLOCATE_TOKENS = 4096
+#: blocks taken or cached between two yields of such an Allocate
+ALLOCATE_SLICE_BLOCKS = 256
 MAX_WALK_LIMIT = 1 << 16
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -829,7 +835,10 @@ class PoolService:
                 if every and i and not i % every:
                     yield
                 try:
-                    value = _HANDLERS[type(o)](self, s, o)
+                    if every and type(o) is op.Allocate and self._sliceable(o):
+                        value = yield from self._allocating(s, o, ALLOCATE_SLICE_BLOCKS)
+                    else:
+                        value = _HANDLERS[type(o)](self, s, o)
                 except ServiceError as exc:
                     out.append(op.Outcome(error=exc))
                     failed = i
@@ -866,12 +875,24 @@ class PoolService:
                 (REQUEST_UNKNOWN) for an unknown request or another tenant's,
                 PERMISSION_DENIED for another session's request of the same tenant.
         """
+        drain(self.freeing_requests(s, request_ids, preempt))
+
+    def freeing_requests(
+        self, s: Session, request_ids: Sequence[str], preempt: bool, every: int = 0
+    ) -> Generator[None, None, None]:
+        """:meth:`free_requests` in slices: a generator that yields after every
+        ``every`` requests freed (0: never), every check made before the first; nothing
+        may touch this pool until it returns (pool_locks.py).
+
+        Raises:
+            ServiceError: as :meth:`free_requests`, before the first yield.
+        """
         if len(set(request_ids)) != len(request_ids):
             raise ServiceError(Status.INVALID, "request_ids lists a request twice")
         for rid in request_ids:
             self._owned(s, rid)
         kind = op.Preempt if preempt else op.Free
-        outcomes = self.apply(s, [kind(rid) for rid in request_ids])
+        outcomes = yield from self.applying(s, [kind(rid) for rid in request_ids], every)
         for o in outcomes:
             if o.error is not None:  # pragma: no cover - every failure is checked above
                 raise o.error
@@ -1055,9 +1076,7 @@ class PoolService:
     def _allocate(self, s: Session, o: op.Allocate) -> op.Value:
         engine = self.engine
         rid = o.sync.request_id
-        if o.must_refuse and (o.must_succeed or o.lookup):
-            raise ServiceError(Status.INVALID, "must_refuse cannot be combined with must_succeed or lookup")
-        undo = self.sync(s, o.sync)
+        undo = self._allocate_begins(s, o)
         try:
             if o.lookup:
                 res = engine.allocate_slots_with_lookup(
@@ -1092,17 +1111,71 @@ class PoolService:
             )
             if new is None and o.must_succeed:
                 raise self._prediction_failed(rid)
-        except StaleCacheHitError:
-            # A concurrency conflict, not bad input: an outcome with nothing changed
-            # (the request sync that came with it is undone too) -- unless the client
-            # already answered it as a success.
-            undo()
-            if o.must_succeed:
-                raise self._prediction_failed(rid) from None
-            return op.AllocateOutcome(None, o.num_new_tokens, stale_hit=True)
-        except Exception:
-            undo()
-            raise
+        except Exception as exc:
+            return self._allocate_failed(exc, undo, o)
+        return self._allocate_granted(new, o)
+
+    def _sliceable(self, o: op.Allocate) -> bool:
+        """Whether an Allocate of a Step applied in slices takes its blocks in slices
+        too (:meth:`_allocating`): a large one without lookup, no reservation live
+        (a first allocation may adopt one: :meth:`_allocate_adopting`)."""
+        return (
+            not o.lookup
+            and type(o.num_new_tokens) is int
+            and o.num_new_tokens >= SLICED_ALLOCATE_TOKENS
+            and not self.engine.reservations.live
+        )
+
+    def _allocating(self, s: Session, o: op.Allocate, every: int) -> Generator[None, None, op.Value]:
+        """:meth:`_allocate` without lookup, the engine taking and caching the blocks
+        ``every`` at a time (yielding between slices, after every check that can
+        refuse: engine.KVCachePool.allocating_slots); the same outcome and pool."""
+        rid = o.sync.request_id
+        undo = self._allocate_begins(s, o)
+        try:
+            new = yield from self.engine.allocating_slots(
+                every,
+                rid,
+                o.num_new_tokens,
+                o.num_new_computed_tokens,
+                o.new_computed_blocks,
+                o.num_lookahead_tokens,
+                o.num_external_computed_tokens,
+                o.delay_cache_blocks,
+                o.num_encoder_tokens,
+                o.full_sequence_must_fit,
+                o.reserved_blocks,
+                o.num_in_flight_tokens,
+            )
+            if new is None and o.must_succeed:
+                raise self._prediction_failed(rid)
+        except Exception as exc:
+            return self._allocate_failed(exc, undo, o)
+        return self._allocate_granted(new, o)
+
+    def _allocate_begins(self, s: Session, o: op.Allocate) -> Callable[[], None]:
+        """An Allocate's checks and request sync; returns what undoes the sync."""
+        if o.must_refuse and (o.must_succeed or o.lookup):
+            raise ServiceError(Status.INVALID, "must_refuse cannot be combined with must_succeed or lookup")
+        return self.sync(s, o.sync)
+
+    def _allocate_failed(self, exc: Exception, undo: Callable[[], None], o: op.Allocate) -> op.Value:
+        """An Allocate whose engine call raised ``exc``: the sync undone, the error
+        raised again, except a stale hit."""
+        undo()
+        if not isinstance(exc, StaleCacheHitError):
+            raise exc
+        # A concurrency conflict, not bad input: an outcome with nothing changed
+        # (the request sync that came with it is undone too) -- unless the client
+        # already answered it as a success.
+        if o.must_succeed:
+            raise self._prediction_failed(o.sync.request_id) from None
+        return op.AllocateOutcome(None, o.num_new_tokens, stale_hit=True)
+
+    def _allocate_granted(self, new: BlockIds | None, o: op.Allocate) -> op.Value:
+        """The outcome of an Allocate the engine answered ``new``."""
+        engine = self.engine
+        rid = o.sync.request_id
         if new is not None and o.must_refuse:
             # Applied (its blocks stay with the request until the client frees it).
             raise ServiceError(

@@ -425,15 +425,19 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     @map_errors
     async def Allocate(
         self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AllocateResponse:
+    ) -> pb.AllocateResponse | bytes:
         return await self.mutations.run(ALLOCATE, request, _fence(request))
 
     @map_errors
-    async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> pb.FreeResponse:
+    async def Free(
+        self, request: pb.FreeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.FreeResponse | bytes:
         return await self.mutations.run(FREE, request, _fence(request))
 
     @map_errors
-    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> pb.StepResponse:
+    async def Step(
+        self, request: pb.StepRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StepResponse | bytes:
         return await self.mutations.run(self._step, request, _fence(request))
 
     @map_errors
@@ -775,7 +779,17 @@ def _answer_slices(
 def _apply_allocate(
     service: PoolService, s: Session, request: pb.AllocateRequest, fence: Fence, max_message_bytes: int
 ) -> pb.AllocateResponse | ServiceError:
-    (outcome,) = service.apply(s, [allocate_from_pb(request.op, len(service.config.groups))])
+    return drain(_allocate_slices(service, s, request, fence, max_message_bytes, 0))
+
+
+def _allocate_slices(
+    service: PoolService, s: Session, request: pb.AllocateRequest, fence: Fence, max_message_bytes: int,
+    every: int,
+) -> Generator[None, None, pb.AllocateResponse | ServiceError]:  # fmt: skip
+    """An Allocate applied, a large one's blocks taken and cached in slices (yielding
+    between them: pool_service.py's SLICED_ALLOCATE_TOKENS) when ``every`` is not 0."""
+    ops = [allocate_from_pb(request.op, len(service.config.groups))]
+    (outcome,) = yield from service.applying(s, ops, every)
     if outcome.error is not None:
         # A refusal turned into an error (must_succeed) has still removed skipped
         # blocks, as vLLM's refusals do: the call is journaled, so recovery replays it too.
@@ -786,7 +800,15 @@ def _apply_allocate(
 def _apply_free(
     service: PoolService, s: Session, request: pb.FreeRequest, fence: Fence, max_message_bytes: int
 ) -> pb.FreeResponse:
-    service.free_requests(s, request.request_ids, request.preempt)
+    return drain(_free_slices(service, s, request, fence, max_message_bytes, 0))
+
+
+def _free_slices(
+    service: PoolService, s: Session, request: pb.FreeRequest, fence: Fence, max_message_bytes: int,
+    every: int,
+) -> Generator[None, None, pb.FreeResponse]:  # fmt: skip
+    """A Free applied, yielding after every ``every`` requests freed (0: never)."""
+    yield from service.freeing_requests(s, request.request_ids, request.preempt, every)
     return free_answer(service, fence_to_pb(fence))
 
 
@@ -841,9 +863,13 @@ def _step_slices(
 
 #: the keyed mutating calls, run live and replayed alike (mutations.py)
 ALLOCATE = Mutation(
-    "Allocate", pb.AllocateRequest.FromString, pb.AllocateResponse.FromString, _apply_allocate
+    "Allocate",
+    pb.AllocateRequest.FromString,
+    pb.AllocateResponse.FromString,
+    _apply_allocate,
+    _allocate_slices,
 )
-FREE = Mutation("Free", pb.FreeRequest.FromString, pb.FreeResponse.FromString, _apply_free)
+FREE = Mutation("Free", pb.FreeRequest.FromString, pb.FreeResponse.FromString, _apply_free, _free_slices)
 STEP = Mutation("Step", pb.StepRequest.FromString, pb.StepResponse.FromString, _apply_step, _step_slices)
 MUTATIONS = {m.rpc: m for m in (ALLOCATE, FREE, STEP)}
 
@@ -948,7 +974,7 @@ def _undecodable_message(r: _Undecodable) -> str:
 
 
 #: methods whose handler may answer with the response's bytes, encoded already
-_BYTES_ANSWERS = frozenset({"ScorePools"})
+_BYTES_ANSWERS = frozenset({"ScorePools", "Allocate", "Free", "Step"})
 
 
 def _as_is_or(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:

@@ -1,0 +1,84 @@
+"""KVCachePool.allocating_slots: an allocation taken and cached a slice at a time gives
+the answer, tables, free counts and events of one allocate_slots call."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from kvcoord.engine import FullAttentionSpec, SlidingWindowSpec
+from kvcoord.engine.pool import KVCachePool
+from kvcoord.engine.results import BlockIds
+from support import Driver
+
+
+def drive(pool: KVCachePool, every: int, rid: str, *args: object) -> tuple[BlockIds | None, int]:
+    """``allocating_slots`` run to its end: its answer and how often it yielded."""
+    work = pool.allocating_slots(every, rid, *args)  # type: ignore[arg-type]
+    yields = 0
+    while True:
+        try:
+            next(work)
+        except StopIteration as done:
+            return done.value, yields
+        yields += 1
+
+
+@pytest.mark.parametrize(
+    "specs", [(FullAttentionSpec(4),), (FullAttentionSpec(4), SlidingWindowSpec(4, sliding_window=8))]
+)
+def test_sliced_allocation_equals_one_call(specs: tuple[object, ...]) -> None:
+    """Large and small prompts, chunked and whole, over a pool reused until its cached
+    blocks are evicted, refusals and lookahead included: the same answers, tables, free
+    counts and events as one call; large allocations yield between slices."""
+    rnd = random.Random(23)
+    whole, sliced = (Driver(specs, num_blocks=300, enable_kv_cache_events=True) for _ in range(2))
+    seen = {"sliced": 0, "refused": 0}
+    live: list[str] = []
+    for i in range(120):
+        rid = f"r{i}"
+        tokens = [rnd.randrange(6) for _ in range(rnd.randint(1, 400))]
+        for d in (whole, sliced):
+            d.add(rid, tokens)
+        n = rnd.choice((len(tokens), max(1, len(tokens) // 2)))
+        look = rnd.choice((0, 0, 3))
+        every = rnd.choice((1, 7, 16))
+        want = whole.pool.allocate_slots(rid, n, 0, None, look)
+        got, yields = drive(sliced.pool, every, rid, n, 0, None, look)
+        assert got == want
+        if got is None:
+            seen["refused"] += 1
+            assert yields == 0
+        elif sum(map(len, got)) > every:
+            seen["sliced"] += 1
+            assert yields >= sum(map(len, got)) // every
+        assert sliced.pool.get_block_ids(rid) == whole.pool.get_block_ids(rid)
+        assert sliced.pool.num_free_blocks == whole.pool.num_free_blocks
+        assert sliced.pool.take_events() == whole.pool.take_events()
+        assert sliced.pool.snapshot() == whole.pool.snapshot()
+        live.append(rid)
+        while live and (got is None or rnd.random() < 0.5):
+            gone = live.pop(rnd.randrange(len(live)))
+            for d in (whole, sliced):
+                d.pool.free(gone)
+            got = ()
+    assert seen["sliced"] > 20 and seen["refused"] > 3, seen
+
+
+def test_a_call_with_a_hit_is_made_at_once() -> None:
+    """A call outside the common path (here a hit to adopt) is allocate_slots itself,
+    with no yield."""
+    whole, sliced = (
+        Driver((FullAttentionSpec(4),), num_blocks=64, enable_kv_cache_events=True) for _ in range(2)
+    )
+    tokens = list(range(40))
+    for d in (whole, sliced):
+        d.add("a", tokens)
+        d.pool.allocate_slots("a", 40)
+        d.add("b", tokens + [7] * 40)
+    hit = whole.hit("b")
+    assert hit.num_tokens
+    want = whole.pool.allocate_slots("b", 80 - hit.num_tokens, hit.num_tokens, hit)
+    got, yields = drive(sliced.pool, 1, "b", 80 - hit.num_tokens, hit.num_tokens, sliced.hit("b"))
+    assert (got, yields) == (want, 0)
+    assert sliced.pool.take_events() == whole.pool.take_events()

@@ -29,11 +29,9 @@ preempts the requests lost). Refused: other group types (cross attention, MLA an
 subclasses), mamba with speculative or prefill checkpoint blocks, a positive
 ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block drop (look-ahead
 hashes turned off), the watermark, a KV connector with a HiSparse host pool (load
-fences), an auxiliary-output connector, a KV connector beside a mamba group (not tried
-together), a KV connector with speculative decoding on a pool with a sliding-window or
-chunked-local group (block ids seen to differ from vLLM 0.33.0's, cause not found; see
-:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), fine-grained (partial)
-hits, and, with KV events on,
+fences), an auxiliary-output connector (see
+:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV connector beside a
+mamba group (not tried together), fine-grained (partial) hits, and, with KV events on,
 requests whose blocks carry multimodal or prompt-embedding extra keys or ask for the
 ``full`` report mode.
 """

@@ -455,6 +455,31 @@ def test_without_prefix_caching_or_events(
     assert r.manager.lost_requests == 0
 
 
+@pytest.mark.skipif(not V033, reason="vLLM 0.16.0 runs no KV connector beside a mamba group")
+@pytest.mark.parametrize(
+    ("kind", "layout", "connector"),
+    [
+        ("sync", "full+mamba-align", "LoadedHalfConnector"), ("sync", "full+mamba-align", "AsyncLoadsConnector"),
+        # refused at start (checked, then skipped): a KV consumer's deferred frees beside
+        # mamba (the async scheduler), and mamba's "none" mode
+        ("async", "full+mamba-align", "LoadedHalfConnector"), ("sync", "full+mamba", "LoadedHalfConnector"),
+    ],
+)  # fmt: skip
+def test_a_kv_connector_beside_a_mamba_group_decides_like_vllm(
+    kind: str, layout: str, connector: str, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """vLLM 0.33: a KV connector (synchronous or asynchronous loads) beside a mamba group
+    whose state is cached at block boundaries (align), on the synchronous scheduler:
+    identical decisions, under memory pressure and with blocks to spare."""
+    for blocks, seed in ((64, 5), (4096, 71)):
+        r = run_both(kind, layout, blocks, seed, model_dir, server, monkeypatch, connector=connector)
+        assert r.got == r.want, first_difference(r.want, r.got)
+        assert r.want_counts["finished"] > 20, r.want_counts
+        assert sum(r.counter.external) > 10, r.counter.external  # allocations with a connector's tokens
+        assert r.manager.lost_requests == 0
+
+
 @pytest.mark.parametrize(
     ("kind", "layout"),
     # vLLM 0.16.0 refuses async scheduling with prefix caching of mamba state

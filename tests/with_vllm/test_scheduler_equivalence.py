@@ -332,6 +332,29 @@ def test_a_kv_connector_keeps_decisions_and_round_trips(
           f"mean {sum(steps) / len(steps):.2f}, max {max(steps)}")  # fmt: skip
 
 
+@pytest.mark.parametrize("layout", ["full+swa", "full+chunked"])
+@pytest.mark.parametrize(
+    ("kind", "speculative"), [("sync", "ngram"), ("sync", "draft_model"), ("async", "draft_model")]
+)
+def test_a_kv_connector_with_drafts_beside_a_window_decides_like_vllm(
+    kind: str, speculative: str, layout: str, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A KV connector loading half of most prompts, drafts, and a sliding-window or
+    chunked-local group beside full attention, in a pool small enough that hit blocks
+    wait in the free queue: identical decisions. (Under vLLM 0.33 this was refused at
+    start: an admission with external tokens took the window group's hit block for
+    the full group's external tokens before the hit was touched, as vLLM 0.16 does;
+    vLLM 0.33 touches every group's hit first.)"""
+    for seed in (1003, 71):
+        r = run_both(kind, layout, 40, seed, model_dir, server, monkeypatch, connector="LoadedHalfConnector",
+                     speculative=speculative)  # fmt: skip
+        assert r.got == r.want, first_difference(r.want, r.got)
+        assert r.want_counts["hit_tokens"] > 0 and r.want_counts["finished"] > 20, r.want_counts
+        assert sum(r.counter.external) > 10, r.counter.external  # allocations with a connector's tokens
+        assert r.manager.lost_requests == 0
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
     ("kind", "speculative"),
@@ -412,6 +435,31 @@ def test_without_prefix_caching_or_events(
     assert r.want_counts["preempted"] > 0 and r.want_counts["events"] == 0, r.want_counts
     assert (r.want_counts["hit_tokens"] > 0) == caching, r.want_counts
     assert r.manager.lost_requests == 0
+
+
+@pytest.mark.skipif(not V033, reason="vLLM 0.16.0 runs no KV connector beside a mamba group")
+@pytest.mark.parametrize(
+    ("kind", "layout", "connector"),
+    [
+        ("sync", "full+mamba-align", "LoadedHalfConnector"), ("sync", "full+mamba-align", "AsyncLoadsConnector"),
+        # refused at start (checked, then skipped): a KV consumer's deferred frees beside
+        # mamba (the async scheduler), and mamba's "none" mode
+        ("async", "full+mamba-align", "LoadedHalfConnector"), ("sync", "full+mamba", "LoadedHalfConnector"),
+    ],
+)  # fmt: skip
+def test_a_kv_connector_beside_a_mamba_group_decides_like_vllm(
+    kind: str, layout: str, connector: str, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """vLLM 0.33: a KV connector (synchronous or asynchronous loads) beside a mamba group
+    whose state is cached at block boundaries (align), on the synchronous scheduler:
+    identical decisions, under memory pressure and with blocks to spare."""
+    for blocks, seed in ((64, 5), (4096, 71)):
+        r = run_both(kind, layout, blocks, seed, model_dir, server, monkeypatch, connector=connector)
+        assert r.got == r.want, first_difference(r.want, r.got)
+        assert r.want_counts["finished"] > 20, r.want_counts
+        assert sum(r.counter.external) > 10, r.counter.external  # allocations with a connector's tokens
+        assert r.manager.lost_requests == 0
 
 
 @pytest.mark.parametrize(

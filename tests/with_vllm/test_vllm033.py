@@ -92,32 +92,17 @@ def test_what_kvcoord_does_not_reproduce_is_refused_at_start(
         make_scheduler(_kvcoord("sync"), config, kv_cache_config("full", NUM_BLOCKS))
 
 
-@pytest.mark.parametrize("what", ["hisparse", "aux-output", "drafts-swa"])
+@pytest.mark.parametrize("what", ["hisparse", "aux-output"])
 def test_what_of_a_kv_connector_kvcoord_does_not_reproduce_is_named(what: str, model_dir: Path) -> None:
     """A KV connector runs on kvcoord under vLLM 0.33 (test_scheduler_equivalence: loads,
     failed loads, delayed and deferred frees); what it does not reproduce is named: the
-    load fence of a HiSparse host pool, an auxiliary-output connector's hit cap, drafts
-    with a sliding-window group (decisions seen to differ)."""
+    load fence of a HiSparse host pool, an auxiliary-output connector's hit cap."""
     from kvcoord.client.vllm033 import unsupported_033
 
     config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=True, connector="AsyncLoadsConnector")
     kv = kv_cache_config("full", NUM_BLOCKS)
     assert unsupported_033(kv, config, BLOCK_SIZE) is None
-    if what == "drafts-swa":
-        # each alone runs (test_scheduler_equivalence), drafts on full attention too
-        swa = kv_cache_config("full+swa", NUM_BLOCKS)
-        assert unsupported_033(swa, config, BLOCK_SIZE) is None
-        config = vllm_config(
-            model_dir,
-            NUM_BLOCKS,
-            async_scheduling=True,
-            connector="AsyncLoadsConnector",
-            speculative="draft_model",
-        )
-        assert unsupported_033(kv, config, BLOCK_SIZE) is None
-        kv = swa
-        reason = "speculative decoding and a SlidingWindowSpec group"
-    elif what == "hisparse":
+    if what == "hisparse":
         kv.hisparse_host_num_blocks = 8
         reason = "HiSparse host pool"
     else:
@@ -125,6 +110,24 @@ def test_what_of_a_kv_connector_kvcoord_does_not_reproduce_is_named(what: str, m
         reason = "auxiliary-output connector"
     why = unsupported_033(kv, config, BLOCK_SIZE)
     assert why is not None and reason in why, why
+
+
+@pytest.mark.parametrize("layout", ["full+swa", "full+chunked"])
+def test_a_kv_connector_with_drafts_beside_a_window_starts(layout: str, model_dir: Path) -> None:
+    """A KV connector with drafts beside a sliding-window or chunked-local group is no
+    longer refused (it was while its block ids differed: the pool now touches every
+    group's hit before any group's external blocks, as vLLM 0.33 does;
+    test_scheduler_equivalence compares its decisions)."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    config = vllm_config(
+        model_dir,
+        NUM_BLOCKS,
+        async_scheduling=True,
+        connector="AsyncLoadsConnector",
+        speculative="draft_model",
+    )
+    assert unsupported_033(kv_cache_config(layout, NUM_BLOCKS), config, BLOCK_SIZE) is None
 
 
 def test_periodic_retention_is_refused_at_start(model_dir: Path, pool_env: str) -> None:

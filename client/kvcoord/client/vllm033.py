@@ -29,15 +29,13 @@ preempts the requests lost). Refused: other group types (cross attention, MLA an
 subclasses), mamba with speculative or prefill checkpoint blocks, a positive
 ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block drop (look-ahead
 hashes turned off), the watermark, a KV connector with a HiSparse host pool (load
-fences), an auxiliary-output connector, a KV connector beside a mamba group (not tried
-together), a KV connector with speculative decoding on a pool with a sliding-window or
-chunked-local group (block ids seen to differ from vLLM 0.33.0's, cause not found; see
-:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), fine-grained (partial)
-hits, and, with KV events on,
-requests asking for the ``full`` report mode. With KV events on, a request's
-multimodal items and prompt-embeds digests travel with its registration
-(:func:`extra_key_sources_033`) so that the pool publishes vLLM 0.33's
-``BlockStored.extra_keys`` for its blocks.
+fences), an auxiliary-output connector (see
+:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV connector beside a
+mamba group in ``none`` mode or, for a KV consumer, with overlapping steps (deferred
+frees), fine-grained (partial) hits, and, with KV events on, requests asking for the
+``full`` report mode. With KV events on, a request's multimodal items and prompt-embeds
+digests travel with its registration (:func:`extra_key_sources_033`) so that the pool
+publishes vLLM 0.33's ``BlockStored.extra_keys`` for its blocks.
 """
 
 from __future__ import annotations
@@ -167,10 +165,19 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     ):
         # (a mamba pool records the attention blocks to zero: take_new_block_ids)
         return "the KV cache needs zeroing without a mamba group: not supported"
-    if vllm_config.kv_transfer_config is not None and any(
-        hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups
-    ):
-        return "a KV connector beside a mamba group: not supported together under vLLM 0.33 yet"
+    transfer = vllm_config.kv_transfer_config
+    modes = {g.kv_cache_spec.mamba_cache_mode for g in groups if hasattr(g.kv_cache_spec, "mamba_cache_mode")}
+    if transfer is not None and modes:
+        # vLLM 0.33 defers a KV consumer's frees with overlapping steps and drops a
+        # mamba group's per-request state when it pops the blocks, a step before they
+        # return: the pool's deferred free does not model that (and refuses mamba)
+        if vllm_config.max_concurrent_batches > 1 and transfer.is_kv_consumer:
+            return (
+                "a KV connector (a KV consumer) beside a mamba group with overlapping steps (async "
+                "scheduling or pipeline parallelism: deferred frees): not supported under vLLM 0.33 yet"
+            )
+        if modes != {"align"}:
+            return "a KV connector beside a mamba group in 'none' mode: not supported under vLLM 0.33 yet"
     why = connector_refusal_033(kv_cache_config, vllm_config)
     if why is not None:
         return why

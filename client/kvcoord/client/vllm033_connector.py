@@ -37,14 +37,7 @@ def connector_refusal_033(kv_cache_config: Any, vllm_config: Any) -> str | None:
     """Why kvcoord cannot serve this engine's KV connector under vLLM 0.33 (``None``: it
     can, or there is none): the load fence (``defer_async_loads``, which vLLM 0.33 sets
     only with a HiSparse host pool, itself not reproduced) and an auxiliary-output
-    connector (it caps prefix hits), and a connector with speculative decoding on a
-    pool with a sliding-window or chunked-local group: with prefix caching on, n-gram
-    or draft-model drafts and a sliding-window group, vLLM 0.33.0 and kvcoord were
-    seen to hand out different block ids (once also to admit a different request)
-    after some hundred steps, sync and async; with caching off the one seed tried
-    matched, so which blocks are cached is suspected; the rule that differs is not
-    found yet, so the combination is refused, chunked local (untried) too. A connector
-    asking for per-group divergent hits
+    connector (it caps prefix hits). A connector asking for per-group divergent hits
     (``get_computed_blocks_for_connector``) or sub-block tails
     (``truncate_computed_blocks``, with fine-grained hits, refused) is refused when first
     used."""
@@ -58,18 +51,6 @@ def connector_refusal_033(kv_cache_config: Any, vllm_config: Any) -> str | None:
     aux = getattr(vllm_config, "aux_output_config", None)
     if aux is not None and getattr(aux, "enabled", False):
         return "an auxiliary-output connector (it caps prefix hits): not supported by the vllm-0.33 profile"
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
-
-    windows = [
-        type(g.kv_cache_spec).__name__
-        for g in kv_cache_config.kv_cache_groups
-        if isinstance(g.kv_cache_spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec))
-    ]
-    if windows and vllm_config.speculative_config is not None:
-        return (
-            f"a KV connector with speculative decoding and a {windows[0]} group: vLLM 0.33's block "
-            "ids were seen to differ from kvcoord's (n-gram or draft model, sliding window); not supported yet"
-        )
     return None
 
 

@@ -64,6 +64,7 @@ class KVCacheCoordinator:
             for gid, spec in enumerate(config.groups)
         ]
         self._is_cross = [isinstance(m, CrossAttentionManager) for m in self.managers]
+        self._two_phase_external = rules.two_phase_external
 
     def get_num_blocks_to_allocate(
         self,
@@ -101,13 +102,31 @@ class KVCacheCoordinator:
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
     ) -> None:
+        """A first-use request adopts its prefix hit and gets blocks for its external
+        (KV connector) tokens. vLLM 0.16 does both group by group, so an earlier
+        group's external blocks may evict a later group's hit blocks before they are
+        touched; vLLM 0.33 (``two_phase_external``) touches every group's hit first,
+        then allocates every group's external blocks."""
+        if not self._two_phase_external:
+            for gid, manager in enumerate(self.managers):
+                manager.allocate_new_computed_blocks(
+                    request_id,
+                    new_computed_blocks[gid],
+                    num_local_computed_tokens,
+                    num_external_computed_tokens,
+                )
+            return
+        if any(request_id in m.num_cached_block for m in self.managers):
+            return  # admitted: no new hit
         for gid, manager in enumerate(self.managers):
-            manager.allocate_new_computed_blocks(
-                request_id,
-                new_computed_blocks[gid],
-                num_local_computed_tokens,
-                num_external_computed_tokens,
+            manager.add_local_computed_blocks(
+                request_id, new_computed_blocks[gid], num_local_computed_tokens, num_external_computed_tokens
             )
+        if num_external_computed_tokens > 0:
+            for manager in self.managers:
+                manager.allocate_external_computed_blocks(
+                    request_id, num_local_computed_tokens, num_external_computed_tokens
+                )
 
     def allocate_new_blocks(
         self,

@@ -107,7 +107,9 @@ class KVCachePool:
         self._plain_managers = all(
             type(m).allocate_new_blocks is SingleTypeKVCacheManager.allocate_new_blocks
             and type(m).cache_blocks is SingleTypeKVCacheManager.cache_blocks
-            and type(m).allocate_new_computed_blocks is SingleTypeKVCacheManager.allocate_new_computed_blocks
+            and type(m).add_local_computed_blocks is SingleTypeKVCacheManager.add_local_computed_blocks
+            and type(m).allocate_external_computed_blocks
+            is SingleTypeKVCacheManager.allocate_external_computed_blocks
             and type(m).get_num_blocks_to_allocate is SingleTypeKVCacheManager.get_num_blocks_to_allocate
             for m in self.managers
         )

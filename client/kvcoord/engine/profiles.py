@@ -38,6 +38,9 @@ class ProfileRules:
             (vLLM 0.17+ / 0.20+ / 0.22+).
         full_sequence_admission: ``allocate_slots`` takes ``full_sequence_must_fit``,
             ``reserved_blocks`` and the watermark inputs (vLLM 0.19+ / 0.23+ / 0.24+).
+        two_phase_external: a first-use request's hit blocks are touched in every
+            group before any group takes blocks for its external (KV connector)
+            tokens (vLLM 0.24+); otherwise group by group, touch then external.
     """
 
     prepend_unhashed_frees: bool
@@ -45,11 +48,12 @@ class ProfileRules:
     common_prefix_zeros: bool
     event_fields: bool
     full_sequence_admission: bool
+    two_phase_external: bool
 
 
 _RULES = {
-    VLLM_016: ProfileRules(False, False, False, False, False),
-    VLLM_033: ProfileRules(True, True, True, True, True),
+    VLLM_016: ProfileRules(False, False, False, False, False, False),
+    VLLM_033: ProfileRules(True, True, True, True, True, True),
 }
 
 

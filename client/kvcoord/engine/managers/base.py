@@ -79,25 +79,59 @@ class SingleTypeKVCacheManager:
         num_local_computed_tokens: int,
         num_external_computed_tokens: int,
     ) -> None:
-        """Adopt a prefix hit (and blocks for externally computed tokens) on first use."""
+        """Adopt a prefix hit (and blocks for externally computed tokens) on first use,
+        this group alone (vLLM 0.16: the coordinator calls it group by group)."""
         if request_id in self.num_cached_block:
             return
+        self.add_local_computed_blocks(
+            request_id, new_computed_blocks, num_local_computed_tokens, num_external_computed_tokens
+        )
+        self.allocate_external_computed_blocks(
+            request_id, num_local_computed_tokens, num_external_computed_tokens, clamp_below_a_block=False
+        )
+
+    def add_local_computed_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> None:
+        """Adopt a prefix hit on first use: touch the hit blocks past the window
+        (null blocks stand for the skipped ones). Blocks for external tokens come
+        from :meth:`allocate_external_computed_blocks`."""
         req_blocks = self.req_to_blocks.setdefault(request_id, [])
         assert not req_blocks, "a request adopts prefix hits only before it holds blocks"
         total = num_local_computed_tokens + num_external_computed_tokens
-        skipped_tokens = self.get_num_skipped_tokens(total)
-        skipped = skipped_tokens // self.block_size
+        skipped = self.get_num_skipped_tokens(total) // self.block_size
         if skipped > 0:
             new_computed_blocks = new_computed_blocks[skipped:]
-            num_external_computed_tokens = min(total - skipped_tokens, num_external_computed_tokens)
         if self.enable_caching:
             self.block_pool.touch(new_computed_blocks)
         if skipped > 0:
             req_blocks.extend([self.null_block] * skipped)
         req_blocks.extend(new_computed_blocks)
         self.num_cached_block[request_id] = len(req_blocks)
-        if num_external_computed_tokens > 0:
-            req_blocks.extend(self.block_pool.get_new_blocks(cdiv(total, self.block_size) - len(req_blocks)))
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        clamp_below_a_block: bool = True,
+    ) -> None:
+        """New blocks for a first-use request's external (KV connector) tokens, after
+        :meth:`add_local_computed_blocks`. External tokens the window skips need none:
+        vLLM 0.33 clamps them as soon as any token is skipped, vLLM 0.16 (not
+        ``clamp_below_a_block``) only once a whole block is."""
+        total = num_local_computed_tokens + num_external_computed_tokens
+        skipped_tokens = self.get_num_skipped_tokens(total)
+        if skipped_tokens >= (1 if clamp_below_a_block else self.block_size):
+            num_external_computed_tokens = min(total - skipped_tokens, num_external_computed_tokens)
+        if num_external_computed_tokens <= 0:
+            return
+        req_blocks = self.req_to_blocks[request_id]
+        req_blocks.extend(self.block_pool.get_new_blocks(cdiv(total, self.block_size) - len(req_blocks)))
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int

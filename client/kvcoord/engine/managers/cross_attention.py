@@ -23,7 +23,7 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
 
     uses_null_blocks = False
 
-    def allocate_new_computed_blocks(
+    def add_local_computed_blocks(
         self,
         request_id: str,
         new_computed_blocks: Sequence[KVCacheBlock],
@@ -31,8 +31,18 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         num_external_computed_tokens: int,
     ) -> None:
         # Cross-attention KV comes from the encoder, not from prefix tokens: nothing
-        # to adopt, and external (decoder) tokens need no cross-attention blocks.
+        # to adopt
         assert not new_computed_blocks
+
+    def allocate_external_computed_blocks(
+        self,
+        request_id: str,
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+        clamp_below_a_block: bool = True,
+    ) -> None:
+        # external (decoder) tokens need no cross-attention blocks
+        return
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         raise AssertionError("cross-attention blocks are never cached")

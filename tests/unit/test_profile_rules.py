@@ -72,6 +72,23 @@ def test_reserved_blocks_are_left_free() -> None:
     assert p.allocate_slots("r", 48, reserved_blocks=1) == ((1, 2, 3),)
 
 
+def test_watermark_blocks_are_left_free_besides_reserved_ones() -> None:
+    """vLLM 0.33's watermark (0.24.0): both admission checks need n + watermark blocks,
+    the full-sequence gate without the reserved blocks, the step's check with them."""
+    p = pool("vllm-0.33", num_blocks=6)  # 5 usable blocks
+    p.add_request("r", list(range(48)), hashes(3))
+    before = p.snapshot()
+    assert p.allocate_slots("r", 16, full_sequence_must_fit=True, watermark_blocks=3) is None
+    assert p.snapshot() == before
+    assert p.allocate_slots("r", 16, watermark_blocks=4, reserved_blocks=1) is None
+    assert p.allocate_slots("r", 16, full_sequence_must_fit=True, watermark_blocks=2, reserved_blocks=2) == (
+        (1,),
+    )
+    p.add_request("s", list(range(100, 132)), hashes(2, 1))
+    assert p.allocate_slots_with_lookup("s", 32, watermark_blocks=3).new_block_ids is None
+    assert p.allocate_slots_with_lookup("s", 32, watermark_blocks=2).new_block_ids == ((2, 3),)
+
+
 def test_statistics_count_admissions_in_033() -> None:
     """A lookup records nothing in vllm-0.33; record_prefix_cache_stats does."""
     p = pool("vllm-0.33")
@@ -110,6 +127,8 @@ def test_016_refuses_033_inputs() -> None:
         p.allocate_slots("r", 20, reserved_blocks=1)
     with pytest.raises(InvalidArgumentError, match="vLLM 0.33 inputs"):
         p.allocate_slots("r", 20, num_in_flight_tokens=1)
+    with pytest.raises(InvalidArgumentError, match="vLLM 0.33 inputs"):
+        p.allocate_slots("r", 20, watermark_blocks=1)
 
 
 def test_common_prefix_blocks_are_zeros_in_033() -> None:

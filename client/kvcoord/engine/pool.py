@@ -359,6 +359,7 @@ class KVCachePool:
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
         num_in_flight_tokens: int = 0,
+        watermark_blocks: int = 0,
     ) -> BlockIds | None:
         """vLLM's ``allocate_slots``: adopt a prefix hit, take new blocks, cache full ones.
 
@@ -380,6 +381,10 @@ class KVCachePool:
                 flight (an asynchronous scheduler's or a batch queue's steps whose output
                 is not applied yet): blocks leave a window on the processed-token basis,
                 ``computed - in flight``, as vLLM 0.33 frees them.
+            watermark_blocks: (vllm-0.33 only) vLLM 0.33's watermark: free blocks the
+                allocation must leave besides ``reserved_blocks``, in the full-sequence
+                gate too (the caller sends 0 unless vLLM 0.33 would apply it: a waiting
+                or preempted request while another is already scheduled).
 
         Returns:
             The newly taken block ids per group, or ``None`` when too few blocks are
@@ -412,6 +417,7 @@ class KVCachePool:
             and full_sequence_must_fit is False
             and reserved_blocks == 0
             and num_in_flight_tokens == 0
+            and watermark_blocks == 0
             and req.num_computed_tokens + num_new_tokens <= self.max_model_len
         ):
             return self._allocate_without_hit(req, num_new_tokens, num_lookahead_tokens)
@@ -426,11 +432,13 @@ class KVCachePool:
             raise InvalidArgumentError("full_sequence_must_fit must be a bool")
         check_count(reserved_blocks, "reserved_blocks")
         check_count(num_in_flight_tokens, "num_in_flight_tokens")
+        check_count(watermark_blocks, "watermark_blocks")
         if (
-            full_sequence_must_fit or reserved_blocks or num_in_flight_tokens
+            full_sequence_must_fit or reserved_blocks or num_in_flight_tokens or watermark_blocks
         ) and not self.rules.full_sequence_admission:
             raise InvalidArgumentError(
-                f"full_sequence_must_fit, reserved_blocks and num_in_flight_tokens are vLLM 0.33 inputs; "
+                "full_sequence_must_fit, reserved_blocks, num_in_flight_tokens and watermark_blocks are "
+                f"vLLM 0.33 inputs; "
                 f"this pool's profile is {self.config.profile}"
             )
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
@@ -469,7 +477,7 @@ class KVCachePool:
                 full,
                 self._admission_caps,
             )
-            if k > self.block_pool.get_num_free_blocks():
+            if k + watermark_blocks > self.block_pool.get_num_free_blocks():
                 self.num_refusals += 1
                 return None
         # vLLM 0.33 frees on the processed-token basis (steps in flight still read the window)
@@ -482,7 +490,7 @@ class KVCachePool:
             local + num_external_computed_tokens,
             main,
         )
-        if k > self.block_pool.get_num_free_blocks() - reserved_blocks:
+        if k + watermark_blocks > self.block_pool.get_num_free_blocks() - reserved_blocks:
             self.num_refusals += 1
             return None
         if any(hit_blocks) or num_external_computed_tokens > 0:
@@ -670,6 +678,7 @@ class KVCachePool:
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
         num_in_flight_tokens: int = 0,
+        watermark_blocks: int = 0,
     ) -> AllocationResult:
         """Look up the prefix and allocate in one step, so the hit cannot go stale.
 
@@ -728,6 +737,7 @@ class KVCachePool:
                 full_sequence_must_fit,
                 reserved_blocks,
                 num_in_flight_tokens,
+                watermark_blocks,
             )
         except Exception:
             req.last_hit = last_hit

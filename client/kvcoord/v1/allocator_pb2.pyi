@@ -425,7 +425,7 @@ class LookupResult(_message.Message):
     def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ..., eviction_margin: _Optional[int] = ..., shared_prefix_boundary: _Optional[int] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed", "return_table", "must_refuse", "full_sequence_must_fit", "reserved_blocks", "num_in_flight_tokens")
+    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed", "return_table", "must_refuse", "full_sequence_must_fit", "reserved_blocks", "num_in_flight_tokens", "watermark_blocks")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -441,6 +441,7 @@ class AllocateOp(_message.Message):
     FULL_SEQUENCE_MUST_FIT_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request: RequestSync
     num_new_tokens: int
     num_new_computed_tokens: int
@@ -456,7 +457,8 @@ class AllocateOp(_message.Message):
     full_sequence_must_fit: bool
     reserved_blocks: int
     num_in_flight_tokens: int
-    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ..., return_table: _Optional[bool] = ..., must_refuse: _Optional[bool] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ...) -> None: ...
+    watermark_blocks: int
+    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ..., return_table: _Optional[bool] = ..., must_refuse: _Optional[bool] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ..., watermark_blocks: _Optional[int] = ...) -> None: ...
 
 class AllocateRunOp(_message.Message):
     __slots__ = ("request_ids", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "num_new_tokens", "num_lookahead_tokens", "num_append_tokens", "append_token_ids", "num_append_hashes", "append_block_hashes", "check_request_ids", "check_at", "check_num_computed_tokens", "check_num_new_tokens", "check_num_lookahead_tokens", "check_num_tokens")

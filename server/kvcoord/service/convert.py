@@ -125,6 +125,7 @@ def allocate_from_pb(a: pb.AllocateOp, num_groups: int) -> op.Allocate:
         a.full_sequence_must_fit,
         a.reserved_blocks,
         a.num_in_flight_tokens,
+        a.watermark_blocks,
     )
 
 

@@ -110,6 +110,7 @@ class Allocate:
     full_sequence_must_fit: bool = False
     reserved_blocks: int = 0
     num_in_flight_tokens: int = 0
+    watermark_blocks: int = 0
 
 
 @dataclasses.dataclass(slots=True)

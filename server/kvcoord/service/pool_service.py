@@ -1069,6 +1069,7 @@ class PoolService:
                     o.full_sequence_must_fit,
                     o.reserved_blocks,
                     o.num_in_flight_tokens,
+                    o.watermark_blocks,
                 )
                 if res.new_block_ids is None and o.must_succeed:
                     raise self._prediction_failed(rid)
@@ -1088,6 +1089,7 @@ class PoolService:
                 o.full_sequence_must_fit,
                 o.reserved_blocks,
                 o.num_in_flight_tokens,
+                o.watermark_blocks,
             )
             if new is None and o.must_succeed:
                 raise self._prediction_failed(rid)

@@ -271,3 +271,27 @@ def test_deferred_free_is_a_033_call() -> None:
     with pytest.raises(FailedPreconditionError, match="vllm-0.33"):
         p.free("a", all_groups_reversed=True)
     assert p.has_request("a")
+
+
+@pytest.mark.parametrize(("num_prompt_tokens", "partial"), [(None, []), (20, [(1, 16)])])
+def test_the_prompt_length_of_a_request_registered_again_places_its_partial_tail(
+    num_prompt_tokens: int | None, partial: list[tuple[int, int]]
+) -> None:
+    """A request freed on preemption is registered again with its output tokens; vLLM
+    0.33 keeps its prompt length, and with it the prompt's last hash boundary, where a
+    32-token full-attention group registers a partial entry (hashes of 16 tokens). With
+    ``num_prompt_tokens`` (the wire's RequestSync.num_prompt_tokens) the pool places it
+    as vLLM: at 16 tokens for a 20-token prompt, not at 32 (a block edge: no entry)."""
+    p = KVCachePool(
+        KVCacheConfig(
+            16, (FullAttentionSpec(16), FullAttentionSpec(32)), 16, profile="vllm-0.33",
+            enable_kv_cache_events=True,
+        )
+    )  # fmt: skip
+    p.add_request("r", list(range(40)), hashes(2), num_prompt_tokens=num_prompt_tokens)
+    assert p.allocate_slots("r", 40) is not None
+    stored = [(e.group_idx, e.block_size) for e in p.take_events() if type(e).__name__ == "BlockStored"]
+    assert [s for s in stored if s[1] == 16 and s[0] == 1] == partial
+    for bad in (0, 41):
+        with pytest.raises(InvalidArgumentError, match="num_prompt_tokens"):
+            p.add_request(f"bad{bad}", list(range(40)), hashes(2), num_prompt_tokens=bad)

@@ -112,6 +112,19 @@ def kv_cache_config(layout: str, num_blocks: int) -> k.KVCacheConfig:
                 ),
             )
         )  # fmt: skip
+    if layout == "full+full32":  # (vLLM 0.33: hashes of 16 tokens, hits and caching at 32)
+        groups.append(
+            k.KVCacheGroupSpec(
+                ["model.layers.1.self_attn.attn"], k.FullAttentionSpec(2 * BLOCK_SIZE, **common)
+            )
+        )
+    if layout == "full+swa32":
+        groups.append(
+            k.KVCacheGroupSpec(
+                ["model.layers.1.self_attn.attn"],
+                k.SlidingWindowSpec(2 * BLOCK_SIZE, sliding_window=128, **common),
+            )
+        )
     if layout == "full+swa":
         groups.append(
             k.KVCacheGroupSpec(

@@ -270,6 +270,33 @@ def test_the_watermark_decides_like_vllm_033(
     assert without != r.want
 
 
+@pytest.mark.skipif(not V033, reason="vLLM 0.16 layouts of several block sizes: test_connect (LCM)")
+@pytest.mark.parametrize("predict", [False, True], ids=["waiting", "predicted"])
+@pytest.mark.parametrize("layout", ["full+full32", "full+swa32"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_several_block_sizes_decide_like_vllm_033(
+    kind: str, layout: str, predict: bool, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Groups of 16- and 32-token blocks with prefix caching on (vLLM 0.33: hashes of
+    16 tokens, hits and caching at their LCM, a 32-token full-attention group's partial
+    tail entry, sparse sliding-window retention): identical decisions and events, under
+    memory pressure, waiting for the pool's answers and predicted."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=kind == "async")
+    kv = kv_cache_config(layout, NUM_BLOCKS)
+    assert block_sizes(config, kv) == (32, 16)
+    assert unsupported_033(kv, config, 16) is None  # not skipped: taken
+    r = run_both(kind, layout, NUM_BLOCKS, 11, model_dir, server, monkeypatch, predict=predict)
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.got_counts == r.want_counts
+    for what in ("preempted", "hit_tokens", "events"):
+        assert r.want_counts[what] > 0, r.want_counts
+    assert r.want_counts["finished"] > 20, r.want_counts
+    assert r.manager.lost_requests == 0
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["sync", "async", "pp2"])
 def test_scheduler_decisions_equal(

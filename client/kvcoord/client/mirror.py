@@ -131,6 +131,7 @@ class Mirror:
                     num_preemptions=sync.num_preemptions,
                     cache_namespace=self.namespace,
                     cache_salt=sync.cache_salt or None,  # named in a vllm-0.33 pool's events
+                    num_prompt_tokens=sync.num_prompt_tokens if sync.HasField("num_prompt_tokens") else None,
                 )
                 if computed is not None:
                     try:

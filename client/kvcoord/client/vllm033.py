@@ -15,7 +15,8 @@ What kvcoord cannot reproduce for 0.33 is refused when the scheduler starts
 (:func:`unsupported_033` names the reason), or, for a property of one request, when the
 scheduler first passes that request (:class:`Unsupported033Error`): never a silent guess.
 Supported: KV cache groups of full attention, sliding window and chunked local
-attention (one block size; 0.33's processed-token basis travels as
+attention (of one block size or several: hashes of the smallest, hits and caching at
+their LCM; 0.33's processed-token basis travels as
 ``AllocateOp.num_in_flight_tokens``, sparse or dense retention as the KVCacheConfig
 says), prefix caching on or off, KV events, statistics, the synchronous and the
 asynchronous scheduler, the FCFS and priority policies, the watermark
@@ -146,11 +147,15 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     sizes = {int(g.kv_cache_spec.block_size) for g in groups}
     if len(sizes) > 1 and uncached_mamba_hybrid(groups, vllm_config, hash_block_size):
         sizes = set()  # nothing hashed or cached: one scheduler block size, their LCM
-    if len(sizes) > 1:
-        return f"KV cache groups of several block sizes {sorted(sizes)}: hybrid caching is not supported yet"
-    if sizes and hash_block_size not in sizes:
+    if len(sizes) > 1 and any(hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups):
         return (
-            f"hash_block_size {hash_block_size} differs from the block size {sizes.pop()}: "
+            f"KV cache groups of several block sizes {sorted(sizes)} beside a mamba group with "
+            "hashes: not supported by the vllm-0.33 profile"
+        )
+    if sizes and (hash_block_size not in sizes or any(size % hash_block_size for size in sizes)):
+        # (several sizes run: hashes of the smallest, hits and caching at their LCM)
+        return (
+            f"hash_block_size {hash_block_size} is not the smallest block size of {sorted(sizes)}: "
             "fine-grained (partial) prefix hits are not supported"
         )
     if getattr(kv_cache_config, "prefix_cache_retention_interval", 0):

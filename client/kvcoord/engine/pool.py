@@ -153,8 +153,13 @@ class KVCachePool:
         num_preemptions: int = 0,
         cache_namespace: str = "",
         cache_salt: str | None = None,
+        num_prompt_tokens: int | None = None,
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes.
+
+        ``num_prompt_tokens`` (default: every token given) is how many of the tokens are
+        the prompt, for a request registered again after a preemption with its output
+        tokens: vllm-0.33 pools keep its replay boundary at the prompt's end, as vLLM.
 
         ``cache_salt`` is only reported in vllm-0.33 pools' KV events (the hashes already
         include it).
@@ -177,6 +182,7 @@ class KVCachePool:
             num_preemptions,
             cache_namespace,
             cache_salt,
+            num_prompt_tokens,
         )
 
     @property

@@ -107,6 +107,7 @@ class RequestTable:
         num_preemptions: int,
         cache_namespace: str = "",
         cache_salt: str | None = None,
+        num_prompt_tokens: int | None = None,
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes (in cache
         namespace ``cache_namespace``: see :meth:`KVCachePool.add_request`).
@@ -134,6 +135,13 @@ class RequestTable:
         check_count(num_preemptions, "num_preemptions")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidArgumentError("cache_salt must be a string")
+        if num_prompt_tokens is None:
+            num_prompt_tokens = len(tokens)
+        elif not 0 < check_count(num_prompt_tokens, "num_prompt_tokens") <= len(tokens):
+            raise InvalidArgumentError(
+                f"request {request_id!r}: num_prompt_tokens {num_prompt_tokens} must be in "
+                f"1..{len(tokens)} (the tokens registered)"
+            )
         prefix = self.namespace_prefix(cache_namespace)
         self.requests[request_id] = Request(
             RequestId(request_id),
@@ -144,7 +152,7 @@ class RequestTable:
             skip_reading_prefix_cache=skip_reading_prefix_cache,
             cache_prefix=prefix,
             cache_salt=cache_salt or None,
-            num_prompt_tokens=len(tokens),
+            num_prompt_tokens=num_prompt_tokens,
         )
 
     def update(

@@ -64,6 +64,7 @@ class RequestSync:
     skip_reading_prefix_cache: bool = False
     num_preemptions: int | None = None
     cache_salt: str | None = None
+    num_prompt_tokens: int | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -961,6 +961,7 @@ class PoolService:
                 num_preemptions=sync.num_preemptions or 0,
                 cache_namespace=s.cache_namespace,
                 cache_salt=sync.cache_salt,
+                num_prompt_tokens=sync.num_prompt_tokens,
             )
             if sync.num_computed_tokens is not None:
                 try:

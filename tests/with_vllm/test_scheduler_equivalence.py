@@ -238,10 +238,19 @@ def test_a_kv_consumers_deferred_frees_keep_vllm_033s_order(
     assert r.manager.lost_requests == 0  # the server freed as the mirror did
 
 
-@pytest.mark.skipif(not V033, reason="vLLM 0.16 has no watermark (vLLM 0.24.0 added it)")
-@pytest.mark.parametrize("predict", [False, True], ids=["waiting", "predicted"])
-@pytest.mark.parametrize("layout", ["full", "full+swa"])
-@pytest.mark.parametrize("kind", ["sync", "async"])
+def _033_cases(layouts: list[str], why: str) -> Any:
+    """vLLM 0.33 only (``why``): sync and async, each layout, waiting and predicted."""
+
+    def mark(test: Any) -> Any:
+        test = pytest.mark.parametrize("predict", [False, True], ids=["waiting", "predicted"])(test)
+        test = pytest.mark.parametrize("layout", layouts)(test)
+        test = pytest.mark.parametrize("kind", ["sync", "async"])(test)
+        return pytest.mark.skipif(not V033, reason=why)(test)
+
+    return mark
+
+
+@_033_cases(["full", "full+swa"], "vLLM 0.16 has no watermark (vLLM 0.24.0 added it)")
 def test_the_watermark_decides_like_vllm_033(
     kind: str, layout: str, predict: bool, model_dir: Path, server: InProcessServer,
     monkeypatch: pytest.MonkeyPatch,
@@ -270,10 +279,7 @@ def test_the_watermark_decides_like_vllm_033(
     assert without != r.want
 
 
-@pytest.mark.skipif(not V033, reason="vLLM 0.16 layouts of several block sizes: test_connect (LCM)")
-@pytest.mark.parametrize("predict", [False, True], ids=["waiting", "predicted"])
-@pytest.mark.parametrize("layout", ["full+full32", "full+swa32"])
-@pytest.mark.parametrize("kind", ["sync", "async"])
+@_033_cases(["full+full32", "full+swa32"], "vLLM 0.16 layouts of several block sizes: test_connect (LCM)")
 def test_several_block_sizes_decide_like_vllm_033(
     kind: str, layout: str, predict: bool, model_dir: Path, server: InProcessServer,
     monkeypatch: pytest.MonkeyPatch,

@@ -86,6 +86,30 @@ def test_033_calls_on_a_016_pool_are_refused(client: KVCoordClient) -> None:
     assert res.status_code == 9 and "records statistics at each lookup" in res.status_message
 
 
+def test_watermark_travels_with_the_allocation(client: KVCoordClient) -> None:
+    """AllocateOp.watermark_blocks reaches the vllm-0.33 engine's admission check: the
+    allocation must leave that many blocks free (31 usable, one block taken)."""
+    client.create_pool("new", pool("vllm-0.33"))
+    att = client.attach("new", "sha256_cbor", 4, "0", profile="vllm-0.33")
+    results = []
+    for rid, watermark in (("a", 31), ("b", 30)):
+        sync = pb.RequestSync(request_id=rid, append_token_ids=[1, 2, 3], new_request=True)
+        a = pb.AllocateOp(request=sync, num_new_tokens=3, watermark_blocks=watermark)
+        results.append(client.step("new", [pb.Operation(allocate=a)], att.session_id, att.fence).results[0])
+    assert results[0].status_code == 0 and results[0].allocate.refused
+    assert (
+        results[1].status_code == 0
+        and not results[1].allocate.refused
+        and list(results[1].allocate.new_block_ids[0].block_ids) == [1]
+    )
+    client.create_pool("old", pool())
+    old = client.attach("old", "sha256_cbor", 4, "0")
+    sync = pb.RequestSync(request_id="r", append_token_ids=[1, 2, 3], new_request=True)
+    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=3, watermark_blocks=1))
+    res = client.step("old", [op], old.session_id, old.fence).results[0]
+    assert res.status_code == 3 and "vLLM 0.33 inputs" in res.status_message  # INVALID_ARGUMENT
+
+
 def test_config_file_pool_profile(make_server: object) -> None:
     """A [[pools]] table takes `profile`."""
     text = """

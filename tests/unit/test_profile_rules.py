@@ -72,6 +72,23 @@ def test_reserved_blocks_are_left_free() -> None:
     assert p.allocate_slots("r", 48, reserved_blocks=1) == ((1, 2, 3),)
 
 
+def test_watermark_blocks_are_left_free_besides_reserved_ones() -> None:
+    """vLLM 0.33's watermark (0.24.0): both admission checks need n + watermark blocks,
+    the full-sequence gate without the reserved blocks, the step's check with them."""
+    p = pool("vllm-0.33", num_blocks=6)  # 5 usable blocks
+    p.add_request("r", list(range(48)), hashes(3))
+    before = p.snapshot()
+    assert p.allocate_slots("r", 16, full_sequence_must_fit=True, watermark_blocks=3) is None
+    assert p.snapshot() == before
+    assert p.allocate_slots("r", 16, watermark_blocks=4, reserved_blocks=1) is None
+    assert p.allocate_slots("r", 16, full_sequence_must_fit=True, watermark_blocks=2, reserved_blocks=2) == (
+        (1,),
+    )
+    p.add_request("s", list(range(100, 132)), hashes(2, 1))
+    assert p.allocate_slots_with_lookup("s", 32, watermark_blocks=3).new_block_ids is None
+    assert p.allocate_slots_with_lookup("s", 32, watermark_blocks=2).new_block_ids == ((2, 3),)
+
+
 def test_statistics_count_admissions_in_033() -> None:
     """A lookup records nothing in vllm-0.33; record_prefix_cache_stats does."""
     p = pool("vllm-0.33")
@@ -110,6 +127,8 @@ def test_016_refuses_033_inputs() -> None:
         p.allocate_slots("r", 20, reserved_blocks=1)
     with pytest.raises(InvalidArgumentError, match="vLLM 0.33 inputs"):
         p.allocate_slots("r", 20, num_in_flight_tokens=1)
+    with pytest.raises(InvalidArgumentError, match="vLLM 0.33 inputs"):
+        p.allocate_slots("r", 20, watermark_blocks=1)
 
 
 def test_common_prefix_blocks_are_zeros_in_033() -> None:
@@ -286,3 +305,27 @@ def test_external_tokens_take_blocks_after_every_groups_hit_is_touched(
     table = p.allocate_slots("b", 16, 16, hit, num_external_computed_tokens=16)
     assert table is not None
     assert p.get_block_ids("b") == (full, window)
+
+
+@pytest.mark.parametrize(("num_prompt_tokens", "partial"), [(None, []), (20, [(1, 16)])])
+def test_the_prompt_length_of_a_request_registered_again_places_its_partial_tail(
+    num_prompt_tokens: int | None, partial: list[tuple[int, int]]
+) -> None:
+    """A request freed on preemption is registered again with its output tokens; vLLM
+    0.33 keeps its prompt length, and with it the prompt's last hash boundary, where a
+    32-token full-attention group registers a partial entry (hashes of 16 tokens). With
+    ``num_prompt_tokens`` (the wire's RequestSync.num_prompt_tokens) the pool places it
+    as vLLM: at 16 tokens for a 20-token prompt, not at 32 (a block edge: no entry)."""
+    p = KVCachePool(
+        KVCacheConfig(
+            16, (FullAttentionSpec(16), FullAttentionSpec(32)), 16, profile="vllm-0.33",
+            enable_kv_cache_events=True,
+        )
+    )  # fmt: skip
+    p.add_request("r", list(range(40)), hashes(2), num_prompt_tokens=num_prompt_tokens)
+    assert p.allocate_slots("r", 40) is not None
+    stored = [(e.group_idx, e.block_size) for e in p.take_events() if type(e).__name__ == "BlockStored"]
+    assert [s for s in stored if s[1] == 16 and s[0] == 1] == partial
+    for bad in (0, 41):
+        with pytest.raises(InvalidArgumentError, match="num_prompt_tokens"):
+            p.add_request(f"bad{bad}", list(range(40)), hashes(2), num_prompt_tokens=bad)

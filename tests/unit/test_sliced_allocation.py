@@ -82,3 +82,56 @@ def test_a_call_with_a_hit_is_made_at_once() -> None:
     got, yields = drive(sliced.pool, 1, "b", 80 - hit.num_tokens, hit.num_tokens, sliced.hit("b"))
     assert (got, yields) == (want, 0)
     assert sliced.pool.take_events() == whole.pool.take_events()
+
+
+def test_a_large_allocation_in_a_sliced_step_keeps_its_watermark() -> None:
+    """A vllm-0.33 pool's Step applied in slices (as the server does): an allocation
+    large enough to be taken in slices (SLICED_ALLOCATE_TOKENS) that would leave fewer
+    free blocks than its watermark is refused, as the same Step applied at once
+    refuses it. (The sliced path once dropped AllocateOp.watermark_blocks: the
+    allocation was granted.)"""
+    from kvcoord.engine import KVCacheConfig
+    from kvcoord.service import operations as op
+    from kvcoord.service.pool_service import SLICED_ALLOCATE_TOKENS, Fence, Limits, PoolService
+    from kvcoord.service.sessions import SessionTable
+    from kvcoord.service.testing import ManualClock
+
+    bs = 16
+    n = SLICED_ALLOCATE_TOKENS
+    need = n // bs
+
+    def pool() -> PoolService:
+        cfg = KVCacheConfig(
+            num_blocks=need + 10, groups=(FullAttentionSpec(bs),), hash_block_size=bs,
+            enable_caching=False, max_model_len=2 * n, profile="vllm-0.33",
+        )  # fmt: skip
+        return PoolService("p", cfg, ("sha256_cbor", bs, "0"), Fence("i", 1), Limits(),
+                           SessionTable(ManualClock(), 30.0, 60.0))  # fmt: skip
+
+    answers = []
+    for every in (0, 1):
+        p = pool()
+        s = p.attach("sha256_cbor", bs, "0", "test", 0, profile="vllm-0.33")
+        free = p.num_free_blocks
+        for watermark in (free - need + 1, free - need):  # refused, then granted at the edge
+            rid = f"r{watermark}"
+            sync = op.RequestSync(rid, append_token_ids=list(range(n)), new_request=True)
+            ops = [op.Allocate(sync, n, num_new_computed_tokens=0, watermark_blocks=watermark)]
+            outcomes = drain_with(p, s, ops, every)
+            value = outcomes[0].value
+            answers.append(
+                (every, watermark - (free - need), value.new_block_ids is not None, outcomes[0].error)
+            )  # type: ignore[attr-defined]
+    # at once and sliced: one block over the edge refused, at the edge granted
+    assert [(over, granted) for _, over, granted, _ in answers] == [(1, False), (0, True)] * 2
+    assert all(err is None for *_, err in answers)
+
+
+def drain_with(p: object, s: object, ops: list[object], every: int) -> list[object]:
+    """``PoolService.applying`` run to its end (every: 0 applies at once)."""
+    work = p.applying(s, ops, every)  # type: ignore[attr-defined]
+    while True:
+        try:
+            next(work)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]

@@ -68,3 +68,20 @@ def test_another_request_under_a_tracked_id_is_refused() -> None:
         with pytest.raises(InvalidArgumentError):
             tracker.sync(Req("r", other))
     assert tracker.mark("r") == (9, 2, 0, True)
+
+
+def test_a_request_registered_again_after_a_preemption_names_its_prompt_length() -> None:
+    """vLLM keeps a preempted request's prompt length; registered again with its output
+    tokens, the first sync says how many are the prompt (vllm-0.33 pools place replay
+    boundaries at its end); a request registered with its prompt alone does not."""
+    tracker = RequestTracker(_config(), none_hash("sha256_cbor", "0"))
+    resumed = Req("r", list(range(25)), num_preemptions=1)
+    resumed.num_prompt_tokens = 20  # type: ignore[attr-defined]
+    first = tracker.sync(resumed)
+    assert first.new_request and first.HasField("num_prompt_tokens") and first.num_prompt_tokens == 20
+    tracker.commit(["r"])
+    resumed.all_token_ids.append(7)
+    assert not tracker.sync(resumed).HasField("num_prompt_tokens")
+    fresh = Req("s", list(range(20)))
+    fresh.num_prompt_tokens = 20  # type: ignore[attr-defined]
+    assert not tracker.sync(fresh).HasField("num_prompt_tokens")

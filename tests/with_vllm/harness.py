@@ -112,6 +112,19 @@ def kv_cache_config(layout: str, num_blocks: int) -> k.KVCacheConfig:
                 ),
             )
         )  # fmt: skip
+    if layout == "full+full32":  # (vLLM 0.33: hashes of 16 tokens, hits and caching at 32)
+        groups.append(
+            k.KVCacheGroupSpec(
+                ["model.layers.1.self_attn.attn"], k.FullAttentionSpec(2 * BLOCK_SIZE, **common)
+            )
+        )
+    if layout == "full+swa32":
+        groups.append(
+            k.KVCacheGroupSpec(
+                ["model.layers.1.self_attn.attn"],
+                k.SlidingWindowSpec(2 * BLOCK_SIZE, sliding_window=128, **common),
+            )
+        )
     if layout == "full+swa":
         groups.append(
             k.KVCacheGroupSpec(
@@ -138,12 +151,13 @@ def vllm_config(
     lora: bool = False,
     mamba_cache_mode: str = "none",
     prompt_embeds: bool = False,
+    watermark: float = 0.0,
 ) -> VllmConfig:
     """``speculative``: "ngram" (3 drafts a step, no lookahead slots), "draft_model"
     (2 drafts, and 2 lookahead slots in every allocation, as a draft model needs; the
     draft model is this same weightless model) or "eagle" (the same, and prefix hits
     drop their last block, as vLLM's manager does for EAGLE; a one-layer Llama-shaped
-    draft config beside the model)."""
+    draft config beside the model). ``watermark``: the scheduler's (vLLM 0.24+)."""
     model = ModelConfig(
         model=str(model_dir), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float16",
         enable_prompt_embeds=prompt_embeds,
@@ -168,6 +182,8 @@ def vllm_config(
         async_scheduling=async_scheduling,
         policy=policy,
     )
+    if watermark:
+        sched.watermark = watermark
     return VllmConfig(
         model_config=model,
         cache_config=cache,

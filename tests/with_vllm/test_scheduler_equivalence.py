@@ -139,7 +139,7 @@ def run_both(
     kind: str, layout: str, blocks: int, seed: int, model_dir: Path, server: InProcessServer,
     monkeypatch: pytest.MonkeyPatch, connector: str | None = None, policy: str = "recompute",
     speculative: str | None = None, extras: frozenset[str] = frozenset(), caching: bool = True,
-    events: bool = True, predict: bool = False,
+    events: bool = True, predict: bool = False, watermark: float = 0.0,
 ) -> Runs:  # fmt: skip
     """The workload on vLLM's scheduler in-process, then on kvcoord's (its RPCs counted).
     ``kind`` "pp2" is the sync scheduler with two steps' outputs pending (the engine
@@ -164,6 +164,7 @@ def run_both(
             events=events,
             mamba_cache_mode="align" if layout.endswith("align") else "none",
             prompt_embeds="embeds" in extras,
+            watermark=watermark,
         )
 
     if V033:
@@ -217,6 +218,71 @@ def test_a_kv_consumers_deferred_frees_keep_vllm_033s_order(
     assert r.counter.deferred["released"] > 5, r.counter.deferred
     assert r.want_counts["finished"] > 20, r.want_counts
     assert r.manager.lost_requests == 0  # the server freed as the mirror did
+
+
+def _033_cases(layouts: list[str], why: str) -> Any:
+    """vLLM 0.33 only (``why``): sync and async, each layout, waiting and predicted."""
+
+    def mark(test: Any) -> Any:
+        test = pytest.mark.parametrize("predict", [False, True], ids=["waiting", "predicted"])(test)
+        test = pytest.mark.parametrize("layout", layouts)(test)
+        test = pytest.mark.parametrize("kind", ["sync", "async"])(test)
+        return pytest.mark.skipif(not V033, reason=why)(test)
+
+    return mark
+
+
+@_033_cases(["full", "full+swa"], "vLLM 0.16 has no watermark (vLLM 0.24.0 added it)")
+def test_the_watermark_decides_like_vllm_033(
+    kind: str, layout: str, predict: bool, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """vLLM 0.33's watermark (waiting and preempted requests admitted beside scheduled
+    ones must leave int(watermark * num_blocks) blocks free): identical decisions in a
+    pool that preempts without it, waiting for the pool's answers and predicted; vLLM's
+    own decisions differ from those without a watermark (it was exercised)."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=kind == "async", watermark=0.1)
+    assert unsupported_033(kv_cache_config(layout, NUM_BLOCKS), config, 16) is None  # not skipped: taken
+    seed = 11 + LAYOUTS.index(layout)
+    r = run_both(
+        kind, layout, NUM_BLOCKS, seed, model_dir, server, monkeypatch, predict=predict, watermark=0.1
+    )
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.got_counts == r.want_counts
+    assert r.want_counts["finished"] > 20 and r.want_counts["hit_tokens"] > 0, r.want_counts
+    assert r.manager.lost_requests == 0
+    plain = make_scheduler(
+        SCHEDULERS[kind], vllm_config(model_dir, NUM_BLOCKS, async_scheduling=kind == "async"),
+        kv_cache_config(layout, NUM_BLOCKS),
+    )  # fmt: skip
+    without, _ = run_workload(plain, seed=seed, steps=STEPS, async_overlap=kind == "async")
+    assert without != r.want
+
+
+@_033_cases(["full+full32", "full+swa32"], "vLLM 0.16 layouts of several block sizes: test_connect (LCM)")
+def test_several_block_sizes_decide_like_vllm_033(
+    kind: str, layout: str, predict: bool, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """Groups of 16- and 32-token blocks with prefix caching on (vLLM 0.33: hashes of
+    16 tokens, hits and caching at their LCM, a 32-token full-attention group's partial
+    tail entry, sparse sliding-window retention): identical decisions and events, under
+    memory pressure, waiting for the pool's answers and predicted."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=kind == "async")
+    kv = kv_cache_config(layout, NUM_BLOCKS)
+    assert block_sizes(config, kv) == (32, 16)
+    assert unsupported_033(kv, config, 16) is None  # not skipped: taken
+    r = run_both(kind, layout, NUM_BLOCKS, 11, model_dir, server, monkeypatch, predict=predict)
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.got_counts == r.want_counts
+    for what in ("preempted", "hit_tokens", "events"):
+        assert r.want_counts[what] > 0, r.want_counts
+    assert r.want_counts["finished"] > 20, r.want_counts
+    assert r.manager.lost_requests == 0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -71,21 +71,18 @@ def test_the_engine_core_reads_the_manager_as_from_vllms(
     ("options", "reason"),
     [
         ({"speculative": "eagle"}, "EAGLE/MTP with the trailing-block drop"),
-        ({"watermark": 0.1}, "watermark > 0"),
     ],
-    ids=["eagle-block-drop", "watermark"],
+    ids=["eagle-block-drop"],
 )
 def test_what_kvcoord_does_not_reproduce_is_refused_at_start(
     options: dict[str, Any], reason: str, model_dir: Path, pool_env: str
 ) -> None:
     """(EAGLE with 0.33's default look-ahead block hashes runs: test_scheduler_equivalence;
-    with those hashes turned off, its trailing-block drop is refused.)"""
+    with those hashes turned off, its trailing-block drop is refused. The watermark,
+    once refused here, runs too: test_the_watermark_decides_like_vllm_033.)"""
     from kvcoord.client.vllm033 import Unsupported033Error
 
-    options = dict(options)
-    watermark = options.pop("watermark", 0.0)
     config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False, **options)
-    config.scheduler_config.watermark = watermark
     if config.speculative_config is not None:
         config.speculative_config.disable_lookahead_block_hashes = True
     with pytest.raises(Unsupported033Error, match=reason):

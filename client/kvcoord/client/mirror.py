@@ -132,6 +132,7 @@ class Mirror:
                     cache_namespace=self.namespace,
                     cache_salt=sync.cache_salt or None,  # named in a vllm-0.33 pool's events
                     extra_key_sources=extra_key_sources_from_pb(sync),  # (as well)
+                    num_prompt_tokens=sync.num_prompt_tokens if sync.HasField("num_prompt_tokens") else None,
                 )
                 if computed is not None:
                     try:

@@ -196,11 +196,12 @@ class PredictingKVCacheManager:
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0, return_table: bool = False, full_sequence_must_fit: bool = False,
-                       reserved_blocks: int = 0, num_in_flight_tokens: int = 0) -> KVCacheBlockIds | None:  # fmt: skip
+                       reserved_blocks: int = 0, num_in_flight_tokens: int = 0,
+                       watermark_blocks: int = 0) -> KVCacheBlockIds | None:  # fmt: skip
         """New block ids, or ``None`` when the pool has too few free blocks, answered now
         (with ``return_table``, the answer's ``table`` is the request's whole table;
-        ``full_sequence_must_fit``, ``reserved_blocks`` and ``num_in_flight_tokens``:
-        vLLM 0.33's inputs, for a ``vllm-0.33`` pool)."""
+        ``full_sequence_must_fit``, ``reserved_blocks``, ``num_in_flight_tokens`` and
+        ``watermark_blocks``: vLLM 0.33's inputs, for a ``vllm-0.33`` pool)."""
         keeper = self.keeper
         if (
             not (
@@ -211,6 +212,7 @@ class PredictingKVCacheManager:
                 or full_sequence_must_fit
                 or reserved_blocks
                 or num_in_flight_tokens
+                or watermark_blocks
             )  # fmt: skip
             and self.sender.failure is None
             and keeper.lost is None
@@ -238,7 +240,7 @@ class PredictingKVCacheManager:
         got = self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                              num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
                              num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
-                             num_in_flight_tokens)  # fmt: skip
+                             num_in_flight_tokens, watermark_blocks)  # fmt: skip
         if got is None:
             return None
         ids = KVCacheBlockIds(tuple([list(g) for g in got]))
@@ -275,7 +277,8 @@ class PredictingKVCacheManager:
                   new_computed_blocks: KVCacheBlockIds | None, num_lookahead_tokens: int,
                   num_external_computed_tokens: int, delay_cache_blocks: bool,
                   num_encoder_tokens: int, full_sequence_must_fit: bool = False,
-                  reserved_blocks: int = 0, num_in_flight_tokens: int = 0) -> BlockIds | None:  # fmt: skip
+                  reserved_blocks: int = 0, num_in_flight_tokens: int = 0,
+                  watermark_blocks: int = 0) -> BlockIds | None:  # fmt: skip
         """allocate_slots for a new request, a hit, a KV connector's or encoder's tokens,
         or bad input (the mirror's engine names it, and nothing is sent)."""
         rid = request.request_id
@@ -299,6 +302,7 @@ class PredictingKVCacheManager:
         a.full_sequence_must_fit = full_sequence_must_fit
         a.reserved_blocks = reserved_blocks
         a.num_in_flight_tokens = num_in_flight_tokens
+        a.watermark_blocks = watermark_blocks
         if hit is not None:
             a.num_new_computed_tokens = num_new_computed_tokens
             for group in hit:
@@ -309,7 +313,7 @@ class PredictingKVCacheManager:
                 rid, num_new_tokens, num_new_computed_tokens if hit is not None else 0,
                 hit, num_lookahead_tokens,
                 num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
-                full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
+                full_sequence_must_fit, reserved_blocks, num_in_flight_tokens, watermark_blocks,
             )  # fmt: skip
         except StaleCacheHitError:
             # as the server answers a stale hit: refused, nothing changed (its sync undone)

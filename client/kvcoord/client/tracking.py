@@ -140,6 +140,9 @@ class RequestTracker:
                 sync.lora.name = str(getattr(lora, "lora_name", getattr(lora, "name", "")))
             sync.skip_reading_prefix_cache = bool(getattr(request, "skip_reading_prefix_cache", False))
             sync.num_preemptions = int(getattr(request, "num_preemptions", 0))
+            prompt = getattr(request, "num_prompt_tokens", None)
+            if type(prompt) is int and 0 < prompt < n:
+                sync.num_prompt_tokens = prompt  # registered again after a preemption
             t.registered = True
         return sync
 

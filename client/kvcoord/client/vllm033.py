@@ -15,10 +15,12 @@ What kvcoord cannot reproduce for 0.33 is refused when the scheduler starts
 (:func:`unsupported_033` names the reason), or, for a property of one request, when the
 scheduler first passes that request (:class:`Unsupported033Error`): never a silent guess.
 Supported: KV cache groups of full attention, sliding window and chunked local
-attention (one block size; 0.33's processed-token basis travels as
+attention (of one block size or several: hashes of the smallest, hits and caching at
+their LCM; 0.33's processed-token basis travels as
 ``AllocateOp.num_in_flight_tokens``, sparse or dense retention as the KVCacheConfig
 says), prefix caching on or off, KV events, statistics, the synchronous and the
-asynchronous scheduler, the FCFS and priority policies, cache salts, LoRA adapters (their
+asynchronous scheduler, the FCFS and priority policies, the watermark
+(``AllocateOp.watermark_blocks``), cache salts, LoRA adapters (their
 path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
 speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, mamba
 groups beside full attention (``align`` mode, or ``none`` with prefix caching off; the
@@ -28,7 +30,7 @@ A session lost between steps costs recomputation (``check_session``; the schedul
 preempts the requests lost). Refused: other group types (cross attention, MLA and sink
 subclasses), mamba with speculative or prefill checkpoint blocks, a positive
 ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block drop (look-ahead
-hashes turned off), the watermark, a KV connector with a HiSparse host pool (load
+hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
 :func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV connector beside a
 mamba group in ``none`` mode or, for a KV consumer, with overlapping steps (deferred
@@ -94,8 +96,9 @@ VLLM_033 = "vllm-0.33"
 
 
 #: what a Remote033 / Predicting033 manager's ``admission`` is outside vLLM 0.33's
-#: allocate_slots: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens
-NO_ADMISSION = (False, 0, 0)
+#: allocate_slots: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
+#: watermark_blocks
+NO_ADMISSION = (False, 0, 0, 0)
 
 
 def vllm_profile(version: str | None = None) -> str:
@@ -148,11 +151,15 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     sizes = {int(g.kv_cache_spec.block_size) for g in groups}
     if len(sizes) > 1 and uncached_mamba_hybrid(groups, vllm_config, hash_block_size):
         sizes = set()  # nothing hashed or cached: one scheduler block size, their LCM
-    if len(sizes) > 1:
-        return f"KV cache groups of several block sizes {sorted(sizes)}: hybrid caching is not supported yet"
-    if sizes and hash_block_size not in sizes:
+    if len(sizes) > 1 and any(hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups):
         return (
-            f"hash_block_size {hash_block_size} differs from the block size {sizes.pop()}: "
+            f"KV cache groups of several block sizes {sorted(sizes)} beside a mamba group with "
+            "hashes: not supported by the vllm-0.33 profile"
+        )
+    if sizes and (hash_block_size not in sizes or any(size % hash_block_size for size in sizes)):
+        # (several sizes run: hashes of the smallest, hits and caching at their LCM)
+        return (
+            f"hash_block_size {hash_block_size} is not the smallest block size of {sorted(sizes)}: "
             "fine-grained (partial) prefix hits are not supported"
         )
     if getattr(kv_cache_config, "prefix_cache_retention_interval", 0):
@@ -192,8 +199,6 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
             "EAGLE/MTP with the trailing-block drop (look-ahead block hashes off): 0.33's per-group "
             "EAGLE drop is not supported by the vllm-0.33 profile"
         )
-    if getattr(vllm_config.scheduler_config, "watermark", 0.0):
-        return "scheduler_config.watermark > 0: the watermark is not on the wire"
     return None
 
 
@@ -252,9 +257,9 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
     def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
         kwargs["exclusive"] = False
         super().__init__(client, pool, profile=VLLM_033, **kwargs)
-        #: full_sequence_must_fit, reserved_blocks and num_in_flight_tokens of the
-        #: allocation being built
-        self.admission: tuple[bool, int, int] = NO_ADMISSION
+        #: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens and
+        #: watermark_blocks of the allocation being built
+        self.admission: tuple[bool, int, int, int] = NO_ADMISSION
         #: the request of the last lookup and its shared-prefix boundary
         self.boundary: tuple[str, int] = ("", 0)
         _name_extra_keys(self.tracker, self.config)
@@ -262,7 +267,9 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
     def _item(self, *args: Any) -> Item:
         item = super()._item(*args)
         a = item.op.allocate
-        a.full_sequence_must_fit, a.reserved_blocks, a.num_in_flight_tokens = self.admission
+        a.full_sequence_must_fit, a.reserved_blocks, a.num_in_flight_tokens, a.watermark_blocks = (
+            self.admission
+        )
         return item
 
     def _unary_op(self, op: pb.Operation, decode: Any, deferred: bool) -> Any:
@@ -305,9 +312,9 @@ class Predicting033KVCacheManager(PredictingConnector033, PredictedMamba033, Pre
 
     def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
         super().__init__(client, pool, profile=VLLM_033, **kwargs)
-        #: full_sequence_must_fit, reserved_blocks and num_in_flight_tokens of the
-        #: allocation being made
-        self.admission: tuple[bool, int, int] = NO_ADMISSION
+        #: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens and
+        #: watermark_blocks of the allocation being made
+        self.admission: tuple[bool, int, int, int] = NO_ADMISSION
         _name_extra_keys(self.tracker, self.config)
 
     def allocate_slots(  # type: ignore[override]
@@ -365,6 +372,7 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         self.block_pool = BlockPool033(self.free_deferred)
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
+        #: vLLM 0.33's int(scheduler_config.watermark * num_blocks) (set by connect_033)
         self.watermark_blocks = 0
 
     # -- per request: what the pool cannot reproduce is refused, not guessed ----------------
@@ -404,14 +412,21 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     ) -> KVCacheBlocks | None:
         """0.16's ``allocate_slots`` (its arguments in ``args`` / ``kwargs``) with 0.33's
         keyword arguments."""
-        # has_scheduled_reqs matters for the watermark only, skip_zeroing_group_ids for
-        # zeroing only: both refused at start
+        # skip_zeroing_group_ids matters for zeroing only (refused at start)
         self._check_request(request)
         remote = self.remote033
         # the processed-token basis matters only to a group with a window (full
         # attention frees nothing early): elsewhere 0, so decode steps stay plain
         in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0) if self._windows else 0
-        remote.admission = (full_sequence_must_fit, reserved_blocks, in_flight)
+        # vLLM 0.33's watermark: for a waiting or preempted request only, and only when
+        # something is already scheduled this step
+        watermark = 0
+        if self.watermark_blocks and has_scheduled_reqs:
+            from vllm.v1.request import RequestStatus
+
+            if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+                watermark = self.watermark_blocks
+        remote.admission = (full_sequence_must_fit, reserved_blocks, in_flight, watermark)
         try:
             return super().allocate_slots(request, *args, **kwargs)
         finally:
@@ -533,4 +548,7 @@ def connect_033(
     )  # fmt: skip
     manager = attach_manager(settings, expected, kv_cache_config, client, kinds)
     assert isinstance(manager, KVCoord033KVCacheManager)
+    # the watermark is the worker's (its scheduler config), sent with each allocation
+    watermark = float(getattr(vllm_config.scheduler_config, "watermark", 0.0) or 0.0)
+    manager.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
     return manager

@@ -157,8 +157,13 @@ class KVCachePool:
         cache_namespace: str = "",
         cache_salt: str | None = None,
         extra_key_sources: ExtraKeySources | None = None,
+        num_prompt_tokens: int | None = None,
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes.
+
+        ``num_prompt_tokens`` (default: every token given) is how many of the tokens are
+        the prompt, for a request registered again after a preemption with its output
+        tokens: vllm-0.33 pools keep its replay boundary at the prompt's end, as vLLM.
 
         ``cache_salt`` and ``extra_key_sources`` (multimodal items, prompt-embeds
         digests) are only reported in vllm-0.33 pools' KV events (the hashes already
@@ -183,6 +188,7 @@ class KVCachePool:
             cache_namespace,
             cache_salt,
             extra_key_sources,
+            num_prompt_tokens,
         )
 
     @property
@@ -365,6 +371,7 @@ class KVCachePool:
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
         num_in_flight_tokens: int = 0,
+        watermark_blocks: int = 0,
     ) -> BlockIds | None:
         """vLLM's ``allocate_slots``: adopt a prefix hit, take new blocks, cache full ones.
 
@@ -386,6 +393,10 @@ class KVCachePool:
                 flight (an asynchronous scheduler's or a batch queue's steps whose output
                 is not applied yet): blocks leave a window on the processed-token basis,
                 ``computed - in flight``, as vLLM 0.33 frees them.
+            watermark_blocks: (vllm-0.33 only) vLLM 0.33's watermark: free blocks the
+                allocation must leave besides ``reserved_blocks``, in the full-sequence
+                gate too (the caller sends 0 unless vLLM 0.33 would apply it: a waiting
+                or preempted request while another is already scheduled).
 
         Returns:
             The newly taken block ids per group, or ``None`` when too few blocks are
@@ -403,7 +414,7 @@ class KVCachePool:
             raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
         if new_computed_blocks is None and self._plain_call(
             req, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
-            delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
+            delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit, reserved_blocks, num_in_flight_tokens, watermark_blocks,
         ):  # fmt: skip
             return self._allocate_without_hit(req, num_new_tokens, num_lookahead_tokens)
         counts = (num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
@@ -417,11 +428,13 @@ class KVCachePool:
             raise InvalidArgumentError("full_sequence_must_fit must be a bool")
         check_count(reserved_blocks, "reserved_blocks")
         check_count(num_in_flight_tokens, "num_in_flight_tokens")
+        check_count(watermark_blocks, "watermark_blocks")
         if (
-            full_sequence_must_fit or reserved_blocks or num_in_flight_tokens
+            full_sequence_must_fit or reserved_blocks or num_in_flight_tokens or watermark_blocks
         ) and not self.rules.full_sequence_admission:
             raise InvalidArgumentError(
-                f"full_sequence_must_fit, reserved_blocks and num_in_flight_tokens are vLLM 0.33 inputs; "
+                "full_sequence_must_fit, reserved_blocks, num_in_flight_tokens and watermark_blocks are "
+                f"vLLM 0.33 inputs; "
                 f"this pool's profile is {self.config.profile}"
             )
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
@@ -460,7 +473,7 @@ class KVCachePool:
                 full,
                 self._admission_caps,
             )
-            if k > self.block_pool.get_num_free_blocks():
+            if k + watermark_blocks > self.block_pool.get_num_free_blocks():
                 self.num_refusals += 1
                 return None
         # vLLM 0.33 frees on the processed-token basis (steps in flight still read the window)
@@ -473,7 +486,7 @@ class KVCachePool:
             local + num_external_computed_tokens,
             main,
         )
-        if k > self.block_pool.get_num_free_blocks() - reserved_blocks:
+        if k + watermark_blocks > self.block_pool.get_num_free_blocks() - reserved_blocks:
             self.num_refusals += 1
             return None
         if any(hit_blocks) or num_external_computed_tokens > 0:
@@ -502,7 +515,7 @@ class KVCachePool:
     def _plain_call(
         self, req: Request, num_new_tokens: int, num_new_computed_tokens: int, num_lookahead_tokens: int,
         num_external_computed_tokens: int, delay_cache_blocks: bool, num_encoder_tokens: int,
-        full_sequence_must_fit: bool, reserved_blocks: int, num_in_flight_tokens: int,
+        full_sequence_must_fit: bool, reserved_blocks: int, num_in_flight_tokens: int, watermark_blocks: int,
     ) -> bool:  # fmt: skip
         """Whether an ``allocate_slots`` call without a hit is the common one
         (:meth:`_allocate_without_hit`): valid counts, no external, encoder or in-flight
@@ -523,6 +536,7 @@ class KVCachePool:
             and full_sequence_must_fit is False
             and reserved_blocks == 0
             and num_in_flight_tokens == 0
+            and watermark_blocks == 0
             and req.num_computed_tokens + num_new_tokens <= self.max_model_len
         )
 
@@ -540,6 +554,7 @@ class KVCachePool:
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
         num_in_flight_tokens: int = 0,
+        watermark_blocks: int = 0,
     ) -> Generator[None, None, BlockIds | None]:
         """:meth:`allocate_slots` in slices: a generator that returns its answer and,
         for the common call (no hit, no external, encoder or in-flight tokens: a large
@@ -568,12 +583,13 @@ class KVCachePool:
                 full_sequence_must_fit,
                 reserved_blocks,
                 num_in_flight_tokens,
+                watermark_blocks,
             )  # fmt: skip
         ):
             return self.allocate_slots(
                 request_id, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
                 num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit,
-                reserved_blocks, num_in_flight_tokens,
+                reserved_blocks, num_in_flight_tokens, watermark_blocks,
             )  # fmt: skip
         rid = req.request_id
         total = req.num_computed_tokens
@@ -783,6 +799,7 @@ class KVCachePool:
         full_sequence_must_fit: bool = False,
         reserved_blocks: int = 0,
         num_in_flight_tokens: int = 0,
+        watermark_blocks: int = 0,
     ) -> AllocationResult:
         """Look up the prefix and allocate in one step, so the hit cannot go stale.
 
@@ -841,6 +858,7 @@ class KVCachePool:
                 full_sequence_must_fit,
                 reserved_blocks,
                 num_in_flight_tokens,
+                watermark_blocks,
             )
         except Exception:
             req.last_hit = last_hit

@@ -144,6 +144,7 @@ class RequestTable:
         cache_namespace: str = "",
         cache_salt: str | None = None,
         extra_key_sources: ExtraKeySources | None = None,
+        num_prompt_tokens: int | None = None,
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes (in cache
         namespace ``cache_namespace``: see :meth:`KVCachePool.add_request`).
@@ -171,6 +172,13 @@ class RequestTable:
         check_count(num_preemptions, "num_preemptions")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidArgumentError("cache_salt must be a string")
+        if num_prompt_tokens is None:
+            num_prompt_tokens = len(tokens)
+        elif not 0 < check_count(num_prompt_tokens, "num_prompt_tokens") <= len(tokens):
+            raise InvalidArgumentError(
+                f"request {request_id!r}: num_prompt_tokens {num_prompt_tokens} must be in "
+                f"1..{len(tokens)} (the tokens registered)"
+            )
         if extra_key_sources is not None:
             self.check_extra_key_sources(extra_key_sources, len(tokens))
         prefix = self.namespace_prefix(cache_namespace)
@@ -183,7 +191,7 @@ class RequestTable:
             skip_reading_prefix_cache=skip_reading_prefix_cache,
             cache_prefix=prefix,
             cache_salt=cache_salt or None,
-            num_prompt_tokens=len(tokens),
+            num_prompt_tokens=num_prompt_tokens,
             extra_key_sources=extra_key_sources,
         )
 

@@ -349,7 +349,7 @@ class LoRA(_message.Message):
     def __init__(self, adapter_id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class RequestSync(_message.Message):
-    __slots__ = ("request_id", "append_token_ids", "append_block_hashes", "new_request", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "lora", "skip_reading_prefix_cache", "num_preemptions", "cache_salt", "mm_items", "prompt_embeds_digests")
+    __slots__ = ("request_id", "append_token_ids", "append_block_hashes", "new_request", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "lora", "skip_reading_prefix_cache", "num_preemptions", "cache_salt", "mm_items", "prompt_embeds_digests", "num_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     APPEND_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -363,6 +363,7 @@ class RequestSync(_message.Message):
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     MM_ITEMS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_EMBEDS_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     append_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -376,7 +377,8 @@ class RequestSync(_message.Message):
     cache_salt: str
     mm_items: _containers.RepeatedCompositeFieldContainer[MultiModalItem]
     prompt_embeds_digests: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, request_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., new_request: _Optional[bool] = ..., base_num_tokens: _Optional[int] = ..., base_num_hashes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., lora: _Optional[_Union[LoRA, _Mapping]] = ..., skip_reading_prefix_cache: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., cache_salt: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    num_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., new_request: _Optional[bool] = ..., base_num_tokens: _Optional[int] = ..., base_num_hashes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., lora: _Optional[_Union[LoRA, _Mapping]] = ..., skip_reading_prefix_cache: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., cache_salt: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class MultiModalItem(_message.Message):
     __slots__ = ("identifier", "offset", "length")
@@ -439,7 +441,7 @@ class LookupResult(_message.Message):
     def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ..., eviction_margin: _Optional[int] = ..., shared_prefix_boundary: _Optional[int] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed", "return_table", "must_refuse", "full_sequence_must_fit", "reserved_blocks", "num_in_flight_tokens")
+    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed", "return_table", "must_refuse", "full_sequence_must_fit", "reserved_blocks", "num_in_flight_tokens", "watermark_blocks")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +457,7 @@ class AllocateOp(_message.Message):
     FULL_SEQUENCE_MUST_FIT_FIELD_NUMBER: _ClassVar[int]
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WATERMARK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request: RequestSync
     num_new_tokens: int
     num_new_computed_tokens: int
@@ -470,7 +473,8 @@ class AllocateOp(_message.Message):
     full_sequence_must_fit: bool
     reserved_blocks: int
     num_in_flight_tokens: int
-    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ..., return_table: _Optional[bool] = ..., must_refuse: _Optional[bool] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ...) -> None: ...
+    watermark_blocks: int
+    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ..., return_table: _Optional[bool] = ..., must_refuse: _Optional[bool] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ..., watermark_blocks: _Optional[int] = ...) -> None: ...
 
 class AllocateRunOp(_message.Message):
     __slots__ = ("request_ids", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "num_new_tokens", "num_lookahead_tokens", "num_append_tokens", "append_token_ids", "num_append_hashes", "append_block_hashes", "check_request_ids", "check_at", "check_num_computed_tokens", "check_num_new_tokens", "check_num_lookahead_tokens", "check_num_tokens")

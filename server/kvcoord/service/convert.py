@@ -69,7 +69,7 @@ def fence_to_pb(fence: Fence) -> pb.Fence:
 def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
     if not s.new_request:
         # A registered request's positioned sync: what registers a request (lora,
-        # skip_reading_prefix_cache, num_preemptions, cache_salt) is read only when it
+        # skip_reading_prefix_cache, num_preemptions, cache_salt, num_prompt_tokens) is read only when it
         # is new (PoolService.sync), so it is not read here (a decode step's syncs).
         return op.RequestSync(
             s.request_id,
@@ -93,6 +93,7 @@ def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
         s.num_preemptions if s.HasField("num_preemptions") else None,
         s.cache_salt or None,
         extra_key_sources_from_pb(s),
+        s.num_prompt_tokens if s.HasField("num_prompt_tokens") else None,
     )
 
 
@@ -128,6 +129,7 @@ def allocate_from_pb(a: pb.AllocateOp, num_groups: int) -> op.Allocate:
         a.full_sequence_must_fit,
         a.reserved_blocks,
         a.num_in_flight_tokens,
+        a.watermark_blocks,
     )
 
 

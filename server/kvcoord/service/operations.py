@@ -66,6 +66,7 @@ class RequestSync:
     num_preemptions: int | None = None
     cache_salt: str | None = None
     extra_key_sources: ExtraKeySources | None = None
+    num_prompt_tokens: int | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -112,6 +113,7 @@ class Allocate:
     full_sequence_must_fit: bool = False
     reserved_blocks: int = 0
     num_in_flight_tokens: int = 0
+    watermark_blocks: int = 0
     #: every field after ``num_new_tokens`` is at its default and the sync is of a
     #: registered request (a decode step's allocation): the pool may apply it on its
     #: direct path (PoolService._allocate_plain), which answers exactly as the general

@@ -983,6 +983,7 @@ class PoolService:
                 cache_namespace=s.cache_namespace,
                 cache_salt=sync.cache_salt,
                 extra_key_sources=sync.extra_key_sources,
+                num_prompt_tokens=sync.num_prompt_tokens,
             )
             if sync.num_computed_tokens is not None:
                 try:
@@ -1089,6 +1090,7 @@ class PoolService:
                     o.full_sequence_must_fit,
                     o.reserved_blocks,
                     o.num_in_flight_tokens,
+                    o.watermark_blocks,
                 )
                 if res.new_block_ids is None and o.must_succeed:
                     raise self._prediction_failed(rid)
@@ -1108,6 +1110,7 @@ class PoolService:
                 o.full_sequence_must_fit,
                 o.reserved_blocks,
                 o.num_in_flight_tokens,
+                o.watermark_blocks,
             )
             if new is None and o.must_succeed:
                 raise self._prediction_failed(rid)
@@ -1146,6 +1149,7 @@ class PoolService:
                 o.full_sequence_must_fit,
                 o.reserved_blocks,
                 o.num_in_flight_tokens,
+                o.watermark_blocks,
             )
             if new is None and o.must_succeed:
                 raise self._prediction_failed(rid)

@@ -24,8 +24,8 @@ speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, mam
 groups beside full attention (``align`` mode, or ``none`` with prefix caching off; the
 pool's shared-prefix boundary and per-step drains, :mod:`.vllm033_mamba`), and KV
 connectors (loads, failed loads, delayed and deferred frees: :mod:`.vllm033_connector`).
-A session lost between steps costs recomputation (``check_session``; the scheduler
-preempts the requests lost). Refused: other group types (cross attention, MLA and sink
+A lost session costs recomputation (``check_session`` surfaces a loss met in the
+background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA and sink
 subclasses), mamba with speculative or prefill checkpoint blocks, a positive
 ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block drop (look-ahead
 hashes turned off), the watermark, a KV connector with a HiSparse host pool (load

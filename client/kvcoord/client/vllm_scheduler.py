@@ -20,7 +20,7 @@ release is refused at import (``UnsupportedVLLMError``).
 
 A lost session (a partition longer than the lease, a server restarted without its
 journal, an answer the manager could not settle) costs recomputation, never the
-engine (under vLLM 0.33: when met between steps, see :class:`_OnKVCoord033`): the requests the manager reports lost (``RequestsLostError``) are preempted as
+engine, under vLLM 0.16 and 0.33 alike: the requests the manager reports lost (``RequestsLostError``) are preempted as
 vLLM preempts a request (blocks freed, computed tokens back to 0, back to the front of
 the waiting queue) before the next allocation, and recomputed. While the server cannot
 be reached, ``schedule()`` waits and tries again (at most ``KVCOORD_MAX_OUTAGE``

@@ -2,15 +2,14 @@
 of vLLM 0.16.0 or 0.33.0 (KVCOORD_VLLM_VERSION picks the venv).
 
 Under an interpreter without vLLM this directory is not collected (see tests/conftest.py).
-Under vLLM 0.33 the files below, which drive the 0.16 plug-in's own machinery (loss
-recovery, the outage loop), are not collected: it has none for 0.33 yet (see
+Under vLLM 0.33 every file runs: test_lost_sessions.py and test_failures.py drive the
+0.33 plug-in's loss recovery and outage loop as they drive 0.16's (see
 docs/vllm-integration.md). test_kv_events.py runs under both: the pool follows the
 installed release's profile and its events are decoded by that release's classes.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,9 +19,6 @@ from harness import write_model_dir
 from kvcoord.service.testing import InProcessServer
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
-
-if importlib.metadata.version("vllm").startswith("0.33."):
-    collect_ignore = ["test_failures.py", "test_lost_sessions.py"]
 
 
 @pytest.fixture(scope="session")

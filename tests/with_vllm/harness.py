@@ -530,6 +530,12 @@ def run_workload(
 SCHEDULERS: dict[str, type[Scheduler]] = {"sync": Scheduler, "async": AsyncScheduler}
 
 
+def manager_class_name(predict: bool) -> str:
+    """The class of a kvcoord scheduler's session under this venv's vLLM: predicted or
+    waiting for the pool, 0.33's kinds under vLLM 0.33."""
+    return ("Predicting" if predict else "Remote") + ("033" if V033 else "") + "KVCacheManager"
+
+
 class FailingLoadsConnector(AsyncLoadsConnector):
     """Also failed loads: for one load in four, asynchronous or not, the worker reports
     the last block it loaded into invalid (``invalid_block_ids``) with the next output.

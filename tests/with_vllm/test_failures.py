@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from durable_server import DurableServer
-from harness import SCHEDULERS, kv_cache_config, make_scheduler, run_workload, vllm_config
+from harness import SCHEDULERS, kv_cache_config, make_scheduler, manager_class_name, run_workload, vllm_config
 from kvcoord.client import KVCoordClient
 from kvcoord.client import vllm as kvcoord_vllm
 from kvcoord.client.faults import FaultInjector
@@ -80,7 +80,7 @@ def test_decisions_survive_server_sigkills(
     assert got == want, first_difference(want, got)
     assert got_counts == want_counts and want_counts["preempted"] > 0
     assert server.kills == 3
-    assert type(manager).__name__ == ("PredictingKVCacheManager" if predict else "RemoteKVCacheManager")
+    assert type(manager).__name__ == manager_class_name(predict)
     assert manager.lost_requests == 0
 
 
@@ -128,4 +128,4 @@ def test_decisions_survive_a_faulty_network(
     c = faults.counts
     assert min(c["dropped"], c["delayed"], c["duplicated"], c["reordered"]) > (2 if predict else 5), c
     assert manager.lost_requests == 0
-    assert type(manager).__name__ == ("PredictingKVCacheManager" if predict else "RemoteKVCacheManager")
+    assert type(manager).__name__ == manager_class_name(predict)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from durable_server import DurableServer
-from harness import SCHEDULERS, kv_cache_config, make_scheduler, run_workload, vllm_config
+from harness import SCHEDULERS, kv_cache_config, make_scheduler, manager_class_name, run_workload, vllm_config
 from kvcoord.client import KVCoordClient
 from kvcoord.client import vllm as kvcoord_vllm
 from kvcoord.client.faults import FaultInjector
@@ -43,15 +43,21 @@ def outputs_by_request(trace: list[Any]) -> dict[str, tuple[list[int], str]]:
     return out
 
 
+def _config(kind: str, model_dir: Path, layout: str) -> Any:
+    """The engine's VllmConfig for ``layout`` (a mamba group not in "align" mode: caching
+    off, as vLLM 0.33 requires)."""
+    align = layout.endswith("align")
+    return vllm_config(
+        model_dir, 64, async_scheduling=kind == "async", enable_caching=not layout.startswith("full+mamba") or align,
+        mamba_cache_mode="align" if align else "none",
+    )  # fmt: skip
+
+
 def _vllms_own(
-    kind: str, model_dir: Path, extras: frozenset[str] = frozenset()
+    kind: str, model_dir: Path, extras: frozenset[str] = frozenset(), layout: str = "full"
 ) -> dict[str, tuple[list[int], str]]:
     asynchronous = kind == "async"
-    local = make_scheduler(
-        SCHEDULERS[kind],
-        vllm_config(model_dir, 64, async_scheduling=asynchronous),
-        kv_cache_config("full", 64),
-    )
+    local = make_scheduler(SCHEDULERS[kind], _config(kind, model_dir, layout), kv_cache_config(layout, 64))
     trace, _ = run_workload(
         local, seed=5, steps=STEPS, async_overlap=asynchronous, aborts=False, drain=True, positional=True,
         extras=extras,
@@ -62,14 +68,13 @@ def _vllms_own(
 
 
 def _run_on_kvcoord(
-    kind: str, model_dir: Path, on_step: Any, prepare: Any = None, extras: frozenset[str] = frozenset()
-) -> tuple[dict[str, tuple[list[int], str]], Any]:
+    kind: str, model_dir: Path, on_step: Any, prepare: Any = None, extras: frozenset[str] = frozenset(),
+    layout: str = "full",
+) -> tuple[dict[str, tuple[list[int], str]], Any]:  # fmt: skip
     """The workload on KVCoordScheduler / KVCoordAsyncScheduler (``prepare(scheduler)``
     first, when given): each request's outputs, and the scheduler (shut down)."""
     asynchronous = kind == "async"
-    remote = make_scheduler(
-        KVCOORD[kind], vllm_config(model_dir, 64, async_scheduling=asynchronous), kv_cache_config("full", 64)
-    )
+    remote = make_scheduler(KVCOORD[kind], _config(kind, model_dir, layout), kv_cache_config(layout, 64))
     if prepare is not None:
         prepare(remote)
     try:
@@ -92,7 +97,7 @@ def _check(got: dict[str, Any], want: dict[str, Any], remote: Any, predict: bool
     differ = sorted(rid for rid in want.keys() | got.keys() if got.get(rid) != want.get(rid))
     assert not differ, [(rid, want.get(rid), got.get(rid)) for rid in differ[:5]]
     manager = remote.kv_cache_manager.remote
-    assert type(manager).__name__ == ("PredictingKVCacheManager" if predict else "RemoteKVCacheManager")
+    assert type(manager).__name__ == manager_class_name(predict)
     assert manager.lost_requests > 0  # the loss happened: requests were lost
     assert remote.kvcoord_preempted > 0  # and preempted for recomputation
 

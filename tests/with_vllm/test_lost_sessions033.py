@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from harness import SCHEDULERS, V033, kv_cache_config, make_scheduler, run_workload, vllm_config
@@ -72,3 +73,94 @@ def test_a_session_ended_between_steps_costs_recomputation(
     assert ended and manager.session_id != ended[0]  # a new session
     assert manager.lost_requests > 0  # requests were lost
     assert remote.kvcoord_preempted > 0  # and preempted for recomputation
+
+
+@pytest.mark.parametrize("event", ["inside a step", "partition", "emptied", "sigkill"])
+@pytest.mark.parametrize("layout", ["full+swa", "full+mamba-align", "full+mamba"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_hybrid_and_mamba_layouts_recover_like_full_attention(
+    kind: str, layout: str, event: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.33's schedulers, predicted, on a full + sliding-window pool and on full +
+    mamba pools (state cached at block boundaries, or not at all): the session ended on
+    the server inside schedule() (before its second allocation) at steps 40 and 80; or a
+    partition of 3 x the lease from step 80; or the server SIGKILLed at step 80 and
+    started with its data directory deleted; or SIGKILLed and restarted on its journal
+    at steps 40 and 80. Every request completes with vLLM's own tokens; a loss costs
+    recomputation, a restart on the journal costs nothing. (Before, the loss or the
+    outage left schedule() and vLLM 0.33's engine core died.)"""
+    import shutil
+    import threading
+
+    from durable_server import DurableServer
+    from kvcoord.client import vllm as kvcoord_vllm
+    from kvcoord.client.faults import FaultInjector
+    from test_lost_sessions import LEASE, _run_on_kvcoord, _vllms_own
+
+    want = _vllms_own(kind, model_dir, layout=layout)
+    lease = f"session_lease_seconds = {LEASE}\n" if event == "partition" else ""
+    server = DurableServer(tmp_path, pools_toml=lease)
+    server.start()
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_POOL", f"l033-{kind}-{layout.replace('+', '-')}-{event.replace(' ', '-')}")
+    monkeypatch.setenv("KVCOORD_PREDICT", "1")
+    faults = FaultInjector(0)
+    timer = threading.Timer(3 * LEASE, lambda: setattr(faults, "partitioned", False))
+    if event == "partition":
+
+        def faulty_client(target: str, **kw: object) -> KVCoordClient:
+            return KVCoordClient(target, interceptors=[faults], **kw)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(kvcoord_vllm, "KVCoordClient", faulty_client)
+    armed = {"on": False, "allocations": 0, "ended": 0}
+    remote: Any = None
+
+    def wrap(scheduler: Any) -> None:
+        nonlocal remote
+        remote = scheduler
+        adapter = scheduler.kv_cache_manager
+        allocate = adapter.allocate_slots
+
+        def allocate_slots(*args: Any, **kwargs: Any) -> Any:
+            if armed["on"]:
+                armed["allocations"] += 1
+                if armed["allocations"] == 2:
+                    manager = adapter.remote
+                    manager.client.detach(manager.session_id, manager.keeper.fence)
+                    armed["on"] = False
+                    armed["ended"] += 1
+            return allocate(*args, **kwargs)
+
+        adapter.allocate_slots = allocate_slots
+
+    def on_step(step: int) -> None:
+        if step not in (40, 80):
+            return
+        if event == "inside a step":
+            armed["on"], armed["allocations"] = True, 0
+        elif event == "sigkill":
+            server.kill()
+            server.start()
+        elif step == 80 and event == "emptied":
+            server.kill()
+            shutil.rmtree(server.data_dir)
+            server.start()
+        elif step == 80:
+            faults.partitioned = True
+            timer.start()
+
+    try:
+        got, scheduler = _run_on_kvcoord(kind, model_dir, on_step, wrap, layout=layout)
+    finally:
+        timer.cancel()
+        server.stop()
+    differ = sorted(rid for rid in want.keys() | got.keys() if got.get(rid) != want.get(rid))
+    assert not differ, [(rid, want.get(rid), got.get(rid)) for rid in differ[:5]]
+    manager = scheduler.kv_cache_manager.remote
+    assert type(manager).__name__ == "Predicting033KVCacheManager"
+    if event == "sigkill":
+        assert server.kills == 2 and manager.lost_requests == 0
+    else:
+        assert manager.lost_requests > 0 and scheduler.kvcoord_preempted > 0
+    if event == "inside a step":
+        assert armed["ended"] == 2

@@ -26,8 +26,8 @@ speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, mam
 groups beside full attention (``align`` mode, or ``none`` with prefix caching off; the
 pool's shared-prefix boundary and per-step drains, :mod:`.vllm033_mamba`), and KV
 connectors (loads, failed loads, delayed and deferred frees: :mod:`.vllm033_connector`).
-A session lost between steps costs recomputation (``check_session``; the scheduler
-preempts the requests lost). Refused: other group types (cross attention, MLA and sink
+A lost session costs recomputation (``check_session`` surfaces a loss met in the
+background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA and sink
 subclasses), mamba with speculative or prefill checkpoint blocks, a positive
 ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block drop (look-ahead
 hashes turned off), a KV connector with a HiSparse host pool (load
@@ -73,6 +73,7 @@ from .vllm033_connector import (
 )
 from .vllm033_mamba import PredictedMamba033, RemoteMamba033, uncached_mamba_hybrid, unsupported_mamba_033
 from .vllm033_parts import BlockPool033, Coordinator033, Unsupported033Error, UnsupportedVLLMError
+from .vllm_manager import _absorbing
 from .vllm_types import convert_engine_events, convert_events
 
 __all__ = [
@@ -455,11 +456,13 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
             return
         self.remote033.record_prefix_cache_stats(request.request_id, num_hits)
 
+    @_absorbing(lambda *_: 0)  # read by update_from_output
     def estimate_cached_tokens(self, request: Any) -> int:
         if request.request_id not in self._held:
             return 0
         return self.remote033.estimate_cached_tokens(request.request_id)
 
+    @_absorbing(lambda *_: [])
     def take_events(self) -> list[Any]:
         if not self.enable_kv_cache_events:
             return []

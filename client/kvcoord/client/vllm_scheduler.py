@@ -20,7 +20,7 @@ release is refused at import (``UnsupportedVLLMError``).
 
 A lost session (a partition longer than the lease, a server restarted without its
 journal, an answer the manager could not settle) costs recomputation, never the
-engine (under vLLM 0.33: when met between steps, see :class:`_OnKVCoord033`): the requests the manager reports lost (``RequestsLostError``) are preempted as
+engine, under vLLM 0.16 and 0.33 alike: the requests the manager reports lost (``RequestsLostError``) are preempted as
 vLLM preempts a request (blocks freed, computed tokens back to 0, back to the front of
 the waiting queue) before the next allocation, and recomputed. While the server cannot
 be reached, ``schedule()`` waits and tries again (at most ``KVCOORD_MAX_OUTAGE``
@@ -104,6 +104,9 @@ class _OnKVCoord:
         super().__init__(*args, **kwargs)
         settings = Settings.from_env()
         self.kvcoord = _install(self, settings)
+        self._init_recovery(settings)
+
+    def _init_recovery(self, settings: Settings) -> None:
         self.kvcoord_max_outage = settings.max_outage
         #: per request, the scheduled steps whose output was not applied yet
         self._in_flight: collections.Counter[str] = collections.Counter()
@@ -134,6 +137,7 @@ class _OnKVCoord:
             manager.allocated.clear()
             manager.seen.clear()
             try:
+                self._preempt_lost(self._losses_met())
                 out = super().schedule()  # type: ignore[misc]
             except (RequestsLostError, *OUTAGE_ERRORS) as err:
                 lost = isinstance(err, RequestsLostError)
@@ -169,6 +173,11 @@ class _OnKVCoord:
         for rid in out.num_scheduled_tokens:
             self._in_flight[rid] += 1
         return out
+
+    def _losses_met(self) -> set[str]:
+        """Requests lost that the manager learns of only when asked (none here: a loss
+        raises in the call that meets it)."""
+        return set()
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         """vLLM's update_from_output(); a loss or an outage met in it is kept for the next
@@ -286,24 +295,21 @@ class _OnKVCoord:
         _close(self.kvcoord)
 
 
-class _OnKVCoord033:
+class _OnKVCoord033(_OnKVCoord):
     """Installs a ``vllm-0.33`` kvcoord pool as a vLLM 0.33 scheduler's ``kv_cache_manager``.
 
     Refuses at start, naming the reason, an engine whose configuration kvcoord does not
-    reproduce for 0.33 (:func:`unsupported_033`). A lost session met between steps (a
-    Step sent in the background that failed, a lease that ran out, a loss met while
-    applying outputs) costs recomputation: before each ``schedule()`` the running
-    requests lost are preempted with vLLM 0.33's own preemption (which accounts for
-    their outputs in flight) and recomputed. A loss met inside ``schedule()`` (an
-    allocation waiting for the pool's answer when the session ends) or an outage still
-    reaches vLLM: 0.33's scheduler changes more state per step than 0.16's, and undoing
-    a step cut short is not written for it yet."""
+    reproduce for 0.33 (:func:`unsupported_033`). A lost session and an outage cost
+    recomputation as under 0.16 (:class:`_OnKVCoord`): losses met between steps (a Step
+    sent in the background that failed, a lease that ran out) are asked of the manager
+    before each ``schedule()`` (``surface_losses``) and the running requests lost are
+    preempted with vLLM 0.33's own preemption (which accounts for their outputs in
+    flight); a ``schedule()`` cut short by a loss or an outage is undone and made again."""
 
     kvcoord: Any
-    running: list[Any]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super(_OnKVCoord, self).__init__(*args, **kwargs)  # vLLM's, not _OnKVCoord's install
         why = unsupported_033(self.kv_cache_config, self.vllm_config, self.hash_block_size)  # type: ignore[attr-defined]
         if why is not None:
             raise Unsupported033Error(f"kvcoord cannot be this vLLM 0.33 engine's KV cache manager: {why}")
@@ -314,36 +320,13 @@ class _OnKVCoord033:
         )  # fmt: skip
         # vLLM's own manager (built by Scheduler.__init__) holds nothing yet: drop it
         self.kv_cache_manager = self.kvcoord
-        #: since the scheduler was made: running requests preempted here (lost)
-        self.kvcoord_preempted = 0
+        self._init_recovery(settings)
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        """vLLM 0.33's schedule(), after preempting the running requests lost."""
-        lost = self.kvcoord.surface_losses()
-        victims = [r for r in self.running if r.request_id in lost]
-        if victims:
-            logger.warning("kvcoord: %d running request(s) lost: preempted, to be recomputed", len(victims))
-            self.running = [r for r in self.running if r.request_id not in lost]
-            now = time.monotonic()
-            for request in reversed(victims):  # the first ends at the front, as vLLM's order
-                self._preempt_request(request, now)  # type: ignore[attr-defined]
-                self.prev_step_scheduled_req_ids.discard(request.request_id)  # type: ignore[attr-defined]
-                self.kvcoord_preempted += 1
-        return super().schedule(*args, **kwargs)  # type: ignore[misc]
-
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        """vLLM 0.33's update_from_output(); a loss met in it is kept for the next
-        schedule() (the step's outputs are delivered: the tokens were sampled)."""
-        manager = self.kvcoord
-        manager.absorbing = True
-        try:
-            return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        finally:
-            manager.absorbing = False
-
-    def shutdown(self) -> None:
-        super().shutdown()  # type: ignore[misc]
-        _close(self.kvcoord)
+    def _losses_met(self) -> set[str]:
+        """The requests lost since the last step, a loss the predicted session met in the
+        background included (raises an outage: the server cannot be reached)."""
+        lost: set[str] = self.kvcoord.surface_losses()
+        return lost
 
 
 if PROFILE == VLLM_033:

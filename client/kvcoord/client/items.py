@@ -132,7 +132,7 @@ class Gathered:
     """A predicted session's Step being gathered: its operations (written in place into its request) and what the mirror
     says their answers are."""
 
-    __slots__ = ("events", "expected", "num_free_blocks", "request", "runs", "size", "stats")
+    __slots__ = ("events", "expected", "num_free_blocks", "request", "runs", "size", "stats", "writes")
 
     def __init__(self) -> None:
         self.request = pb.StepRequest(include_state=True, events_digest=True)
@@ -141,6 +141,8 @@ class Gathered:
         #: each run of allocations and its operation, whose columns are written on the
         #: sender thread (just before the Step is sent), not on the scheduler's
         self.runs: list[tuple[pb.Operation, ColumnRun]] = []
+        #: (operation index, what writes the rest of its fields), also on the sender thread
+        self.writes: list[tuple[int, Callable[[], None]]] = []
         #: per op: its ColumnRun, None, or (kind, the mirror's answer): "new" (an allocation's
         #: new block ids per group), "reset" or "common_prefix"
         self.expected: list[Any] = []

@@ -30,11 +30,11 @@ from kvcoord.engine import (
     BlockRemoved,
     BlockStored,
     EngineError,
+    InvalidArgumentError,
     KVCacheEvent,
     LoRA,
     PrefixCacheStats,
     StaleCacheHitError,
-    TokenIds,
 )
 from kvcoord.engine.managers.base import SingleTypeKVCacheManager
 from kvcoord.engine.state import STATE_VERSION, StateError, import_state
@@ -43,10 +43,13 @@ from kvcoord.wire import config_from_pb, stats_to_pb
 from kvcoord.wire.rules import rules_fingerprint
 
 from .errors import KVCoordError, error_from_code
+from .tracking import SyncValues
 
 __all__ = ["Mirror", "MirrorUnavailableError", "StaleCacheHitError"]
 
 BlockIds = tuple[tuple[int, ...], ...]
+
+_UINT32_MAX = 0xFFFFFFFF
 
 
 class MirrorUnavailableError(Exception):
@@ -111,22 +114,33 @@ class Mirror:
         self.block_size = engine.config.groups[0].block_size if engine.config.groups else 0
 
     # -- requests -------------------------------------------------------------------------
-    def sync(self, sync: pb.RequestSync) -> Callable[[], None]:
-        """Apply a request sync as the server will; returns how to undo it.
+    def apply(self, sync: SyncValues) -> Callable[[], None]:
+        """Apply a request sync (the tracker's values: the message is written later, on
+        the sender thread) as the server will apply its message; returns how to undo it.
 
         Raises:
-            KVCoordError: the engine refuses it (nothing changed).
+            KVCoordError: the engine refuses it, or a token does not fit the wire's
+                ``uint32`` (nothing changed).
         """
         engine = self.engine
         rid = sync.request_id
-        computed = sync.num_computed_tokens if sync.HasField("num_computed_tokens") else None
+        computed = sync.computed
+        tokens = sync.tokens
+        if tokens:
+            try:
+                too_big = max(tokens) > _UINT32_MAX
+            except TypeError:
+                too_big = False  # not integers: the engine names the bad one
+            if too_big:
+                raise engine_error(InvalidArgumentError(f"request {rid!r}: a token id does not fit uint32"))
         try:
             if sync.new_request:
+                lora = sync.lora
                 engine.add_request(
                     rid,
-                    TokenIds(sync.append_token_ids),  # uint32 on the wire, as the server reads them
-                    sync.append_block_hashes,
-                    lora=LoRA(sync.lora.adapter_id, sync.lora.name) if sync.lora.name else None,
+                    tokens,
+                    sync.hashes,
+                    lora=LoRA(*lora) if lora is not None and lora[1] else None,
                     skip_reading_prefix_cache=sync.skip_reading_prefix_cache,
                     num_preemptions=sync.num_preemptions,
                     cache_namespace=self.namespace,
@@ -141,10 +155,7 @@ class Mirror:
                 return lambda: engine.restore_request(rid, None)
             checkpoint = engine.checkpoint_request(rid)
             engine.update_request(
-                rid,
-                num_computed_tokens=computed,
-                append_token_ids=TokenIds(sync.append_token_ids),
-                append_block_hashes=sync.append_block_hashes,
+                rid, num_computed_tokens=computed, append_token_ids=tokens, append_block_hashes=sync.hashes
             )
         except EngineError as err:
             raise engine_error(err) from None

@@ -187,15 +187,7 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
 def _name_salts(tracker: RequestTracker) -> None:
     """A vllm-0.33 pool names a request's cache salt in its BlockStored.extra_keys: the
     tracker's first sync of a request carries it."""
-    sync = tracker.sync
-
-    def sync_with_salt(request: Any, into: pb.RequestSync | None = None) -> pb.RequestSync:
-        message = sync(request, into)
-        if message.new_request and getattr(request, "cache_salt", None):
-            message.cache_salt = str(request.cache_salt)
-        return message
-
-    tracker.sync = sync_with_salt  # type: ignore[method-assign]
+    tracker.name_salts = True
 
 
 class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheManager):

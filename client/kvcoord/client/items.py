@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
-from kvcoord.engine import KVCacheEvent
+from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .errors import KVCoordError
@@ -142,14 +142,15 @@ class Gathered:
         #: sender thread (just before the Step is sent), not on the scheduler's
         self.runs: list[tuple[pb.Operation, ColumnRun]] = []
         #: (operation index, what writes the rest of its fields), also on the sender thread
-        self.writes: list[tuple[int, Callable[[], None]]] = []
+        self.writes: list[tuple[int, Callable[[], object]]] = []
         #: per op: its ColumnRun, None, or (kind, the mirror's answer): "new" (an allocation's
         #: new block ids per group), "reset" or "common_prefix"
         self.expected: list[Any] = []
         self.num_free_blocks = 0
         #: the mirror's events (the engine's values), digested on the sender thread
         self.events: list[KVCacheEvent] = []
-        self.stats = pb.PrefixCacheStats()
+        #: the mirror's statistics (the engine's value)
+        self.stats = PrefixCacheStats()
 
 
 class ColumnRun:

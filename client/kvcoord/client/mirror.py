@@ -39,7 +39,7 @@ from kvcoord.engine import (
 from kvcoord.engine.managers.base import SingleTypeKVCacheManager
 from kvcoord.engine.state import STATE_VERSION, StateError, import_state
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import config_from_pb, stats_to_pb
+from kvcoord.wire import config_from_pb
 from kvcoord.wire.rules import rules_fingerprint
 
 from .errors import KVCoordError, error_from_code
@@ -283,27 +283,28 @@ class Mirror:
             _add_stats(self.step_stats, stats)
             _add_stats(self._user_stats, stats)
 
-    def take_step(self) -> tuple[list[KVCacheEvent], pb.PrefixCacheStats]:
+    def take_step(self) -> tuple[list[KVCacheEvent], PrefixCacheStats]:
         """The events and statistics since the previous call: what the server's answer
-        to the Step cut now must give (its events digested as a StepResponse's)."""
+        to the Step cut now must give (its events digested as a StepResponse's, its
+        statistics as its message: both made on the sender thread)."""
         self._drain_stats()
         events, self._step_events = self._step_events, []
         stats, self.step_stats = self.step_stats, PrefixCacheStats()
-        return events, stats_to_pb(stats)
+        return events, stats
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []
         return events
 
-    def take_stats(self) -> pb.PrefixCacheStats:
+    def take_stats(self) -> PrefixCacheStats:
         """The statistics since the previous call (vLLM's make_prefix_cache_stats)."""
         self._drain_stats()
         stats, self._user_stats = self._user_stats, PrefixCacheStats()
-        return stats_to_pb(stats)
+        return stats
 
-    def peek_stats(self) -> pb.PrefixCacheStats:
+    def peek_stats(self) -> PrefixCacheStats:
         self._drain_stats()
-        return stats_to_pb(self._user_stats)
+        return self._user_stats.copy()
 
 
 def _add_stats(into: PrefixCacheStats, more: PrefixCacheStats) -> None:

@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
-from kvcoord.engine import KVCacheEvent
+from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import event_to_pb
+from kvcoord.wire import event_to_pb, stats_to_pb
 
 from .client import KVCoordClient
 from .errors import (
@@ -411,7 +411,11 @@ class PredictingKVCacheManager:
         """What make_prefix_cache_stats would return, without resetting it."""
         if not self.log_stats:
             return None
-        return self.mirror.peek_stats()
+        return stats_to_pb(self.mirror.peek_stats())
+
+    def peek_engine_stats(self) -> PrefixCacheStats | None:
+        """:meth:`peek_prefix_cache_stats` as the engine's value (no message made)."""
+        return self.mirror.peek_stats() if self.log_stats else None
 
     @property
     def usage(self) -> float:
@@ -430,9 +434,12 @@ class PredictingKVCacheManager:
 
     def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
         """This session's prefix-cache statistics since the previous call."""
-        if not self.log_stats:
-            return None
-        return self.mirror.take_stats()
+        return stats_to_pb(self.take_engine_stats())
+
+    def take_engine_stats(self) -> PrefixCacheStats | None:
+        """:meth:`make_prefix_cache_stats` as the engine's value (no message made: what
+        vLLM's adapter converts)."""
+        return self.mirror.take_stats() if self.log_stats else None
 
     def flush(self) -> None:
         """Send every call and wait until the server confirmed every answer.
@@ -494,7 +501,7 @@ class PredictingKVCacheManager:
         self.sender.cut(self._step_state, wait)
         self._settled()
 
-    def _step_state(self) -> tuple[int, list[KVCacheEvent], pb.PrefixCacheStats]:
+    def _step_state(self) -> tuple[int, list[KVCacheEvent], PrefixCacheStats]:
         """What the answer to the Step sent now must say: the mirror's free count,
         events and statistics."""
         events, stats = self.mirror.take_step()

@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
-from kvcoord.engine import KVCacheEvent
+from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import add_events
+from kvcoord.wire import add_events, stats_to_pb
 
 from .client import KVCoordClient
 from .errors import (
@@ -342,7 +342,7 @@ class StepSender:
         """The last operation carries this many appended tokens and hashes (its size counts)."""
         self.pending.size += 5 * num_tokens + 34 * num_hashes
 
-    def later(self, write: Callable[[], None]) -> None:
+    def later(self, write: Callable[[], object]) -> None:
         """Fields of the last operation that ``write`` sets on the sender thread, just
         before the Step is sent (a request sync's tokens and hashes, a lookup's answer)."""
         pending = self.pending
@@ -405,7 +405,7 @@ class StepSender:
 
     # -- sending in the background ---------------------------------------------------------
     def cut(
-        self, state: Callable[[], tuple[int, list[KVCacheEvent], pb.PrefixCacheStats]], wait: bool = False
+        self, state: Callable[[], tuple[int, list[KVCacheEvent], PrefixCacheStats]], wait: bool = False
     ) -> bool:
         """End a scheduler step: send its calls unless a Step is in flight and the
         backlog allows them to wait. ``state`` gives what the answer must say (the
@@ -529,11 +529,13 @@ class StepSender:
                 )  # fmt: skip
             elif resp.events_sha256 != _events_digest(sent.events):
                 raise PredictionMismatchError("the server's KV events differ from the mirror's")
-        if self.compare_stats and resp.prefix_cache_stats != sent.stats:
-            raise PredictionMismatchError(
-                f"the server's prefix-cache statistics differ from the mirror's: {resp.prefix_cache_stats} "
-                f"against {sent.stats}"
-            )
+        if self.compare_stats:
+            stats = stats_to_pb(sent.stats)
+            if resp.prefix_cache_stats != stats:
+                raise PredictionMismatchError(
+                    f"the server's prefix-cache statistics differ from the mirror's: {resp.prefix_cache_stats} "
+                    f"against {stats}"
+                )
 
 
 def _events_digest(events: list[KVCacheEvent]) -> bytes:

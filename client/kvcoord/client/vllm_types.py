@@ -195,8 +195,9 @@ def _int_hashes() -> bool:
     return bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
 
 
-def convert_stats(stats: pb.PrefixCacheStats) -> Any:
-    """A protobuf PrefixCacheStats as vLLM's type (or :class:`PrefixCacheStats`)."""
+def convert_stats(stats: pb.PrefixCacheStats | engine.PrefixCacheStats) -> Any:
+    """A PrefixCacheStats (the message or the engine's value) as vLLM's type (or
+    :class:`PrefixCacheStats`)."""
     out = _stats_type()()
     for name in STATS_FIELDS:
         setattr(out, name, getattr(stats, name))

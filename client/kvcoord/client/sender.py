@@ -393,7 +393,7 @@ class StepSender:
         if run is not None:
             pending = self.pending
             pending.runs.append((pending.request.ops.add(), run))
-            pending.size += 32 * len(run.rids) + 5 * len(run.tokens) + 34 * len(run.hashes)
+            pending.size += run.size
             pending.expected.append(run)
             self.run = None
 

@@ -288,7 +288,9 @@ def test_bad_calls_are_refused_before_anything_is_sent(client: KVCoordClient, po
 
 
 @pytest.mark.parametrize("bad", [-1, 1 << 32])
-def test_tokens_the_wire_cannot_carry_are_refused_at_the_call(client: KVCoordClient, pool: str, bad: int) -> None:
+def test_tokens_the_wire_cannot_carry_are_refused_at_the_call(
+    client: KVCoordClient, pool: str, bad: int
+) -> None:
     """The mirror applies a request's tokens as they stand (no message is made on the
     scheduler's thread): a token id the wire's uint32 cannot carry is refused then, as
     InvalidArgumentError, with nothing queued for the server, not found later on the

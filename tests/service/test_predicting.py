@@ -287,6 +287,32 @@ def test_bad_calls_are_refused_before_anything_is_sent(client: KVCoordClient, po
     m.close()
 
 
+@pytest.mark.parametrize("bad", [-1, 1 << 32])
+def test_tokens_the_wire_cannot_carry_are_refused_at_the_call(
+    client: KVCoordClient, pool: str, bad: int
+) -> None:
+    """The mirror applies a request's tokens as they stand (no message is made on the
+    scheduler's thread): a token id the wire's uint32 cannot carry is refused then, as
+    InvalidArgumentError, with nothing queued for the server, not found later on the
+    sender thread (nor raised untyped by the message's field)."""
+    from kvcoord.client import InvalidArgumentError
+
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    free = m.mirror.num_free_blocks
+    wrong = _req("a", [1, 2, bad, 4, 5, 6, 7, 8, 9])
+    with pytest.raises(InvalidArgumentError):
+        m.get_computed_blocks(wrong)
+    with pytest.raises(InvalidArgumentError):
+        m.allocate_slots(wrong, 9)
+    assert m.mirror.num_free_blocks == free and "a" not in m.tracker and not m.mirror.holds("a")
+    m.flush()
+    assert _tables(client, pool) == {}
+    told = _admit(m, _req("a", list(range(9))))  # the id, with tokens the wire carries
+    m.flush()
+    assert _tables(client, pool) == {"a": told}
+    m.close()
+
+
 def test_kv_connector_tokens_and_delayed_caching_are_predicted(client: KVCoordClient, pool: str) -> None:
     """A KV connector's external tokens with delayed caching, then cache_blocks once
     the load is done, as vLLM's scheduler calls them: answered from the mirror, equal
@@ -478,8 +504,11 @@ def test_a_real_difference_is_caught_across_an_event_gap(make_server: Callable[.
             else:
                 run = m.sender.run
                 assert run is not None
-                assert run.block_ids
-                run.block_ids[-1] += 1  # one block id the server will not give
+                i = max(j for j, e in enumerate(run.entries) if any(e[-1]))
+                *values, new = run.entries[i]
+                last = max(g for g, ids in enumerate(new) if ids)
+                wrong = tuple(ids[:-1] + (ids[-1] + 1,) if g == last else ids for g, ids in enumerate(new))
+                run.entries[i] = (*values, wrong)  # one block id the server will not give
             m.take_events()
             with pytest.raises(RequestsLostError) as info:
                 m.flush()

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
-from kvcoord.engine import KVCacheEvent
+from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .errors import KVCoordError
@@ -132,7 +132,7 @@ class Gathered:
     """A predicted session's Step being gathered: its operations (written in place into its request) and what the mirror
     says their answers are."""
 
-    __slots__ = ("events", "expected", "num_free_blocks", "request", "runs", "size", "stats")
+    __slots__ = ("events", "expected", "num_free_blocks", "request", "runs", "size", "stats", "writes")
 
     def __init__(self) -> None:
         self.request = pb.StepRequest(include_state=True, events_digest=True)
@@ -141,75 +141,87 @@ class Gathered:
         #: each run of allocations and its operation, whose columns are written on the
         #: sender thread (just before the Step is sent), not on the scheduler's
         self.runs: list[tuple[pb.Operation, ColumnRun]] = []
+        #: (operation index, what writes the rest of its fields), also on the sender thread
+        self.writes: list[tuple[int, Callable[[], object]]] = []
         #: per op: its ColumnRun, None, or (kind, the mirror's answer): "new" (an allocation's
         #: new block ids per group), "reset" or "common_prefix"
         self.expected: list[Any] = []
         self.num_free_blocks = 0
         #: the mirror's events (the engine's values), digested on the sender thread
         self.events: list[KVCacheEvent] = []
-        self.stats = pb.PrefixCacheStats()
+        #: the mirror's statistics (the engine's value)
+        self.stats = PrefixCacheStats()
 
 
 class ColumnRun:
     """A Step's allocations of registered requests without a hit, gathered as the
     columns of one AllocateRunOp, with the block ids the mirror gave them (the
-    columns of its answer)."""
+    columns of its answer). The scheduler's thread only appends each entry's values;
+    the columns are made on the sender thread (:meth:`write`, :meth:`matches`)."""
 
-    __slots__ = (
-        "base_h", "base_t", "block_ids", "computed", "hashes", "look", "new", "num_blocks", "num_hashes",
-        "num_tokens", "rids", "tokens",
-    )  # fmt: skip
+    __slots__ = ("entries", "size")
 
     def __init__(self) -> None:
-        self.rids: list[str] = []
-        self.base_t: list[int] = []
-        self.base_h: list[int] = []
-        self.computed: list[int] = []
-        self.new: list[int] = []
-        self.look: list[int] = []
-        self.num_tokens: list[int] = []
-        self.tokens: list[int] = []
-        self.num_hashes: list[int] = []
-        self.hashes: list[bytes] = []
-        #: each entry's new block count per group, and the ids, in entry order
-        self.num_blocks: list[int] = []
-        self.block_ids: list[int] = []
+        #: (request id, base tokens, base hashes, appended tokens, appended hashes,
+        #: computed tokens, new tokens, look-ahead tokens, new block ids per group)
+        self.entries: list[tuple[Any, ...]] = []
+        #: about how many bytes the entries take on the wire
+        self.size = 0
 
     def add(
         self, rid: str, base_t: int, base_h: int, tokens: Sequence[int], hashes: Sequence[bytes], computed: int,
         num_new_tokens: int, num_lookahead_tokens: int, new: Sequence[Sequence[int]],
     ) -> None:  # fmt: skip
-        """An entry: the request's sync as plain values, the call's counts, and the new
-        block ids per group the mirror gave it."""
-        self.rids.append(rid)
-        self.base_t.append(base_t)
-        self.base_h.append(base_h)
-        self.computed.append(computed)
-        self.new.append(num_new_tokens)
-        self.look.append(num_lookahead_tokens)
-        self.num_tokens.append(len(tokens))
-        self.tokens += tokens
-        if hashes:
-            self.hashes += hashes
-        self.num_hashes.append(len(hashes))
-        for group in new:
-            self.num_blocks.append(len(group))
-            if group:
-                self.block_ids += group
+        """An entry: the request's sync as plain values (``tokens`` and ``hashes`` are
+        kept, not copied: they must not change), the call's counts, and the new block
+        ids per group the mirror gave it."""
+        self.entries.append(
+            (rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens, new)
+        )
+        self.size += 32 + 5 * len(tokens) + 34 * len(hashes)
 
     def write(self, op: pb.AllocateRunOp) -> None:
         """The entries as ``op``'s columns."""
-        op.request_ids.extend(self.rids)
-        op.base_num_tokens.extend(self.base_t)
-        op.base_num_hashes.extend(self.base_h)
-        op.num_computed_tokens.extend(self.computed)
-        op.num_new_tokens.extend(self.new)
-        op.num_lookahead_tokens.extend(self.look)
-        op.num_append_tokens.extend(self.num_tokens)
-        op.append_token_ids.extend(self.tokens)
-        op.num_append_hashes.extend(self.num_hashes)
-        op.append_block_hashes.extend(self.hashes)
+        rids: list[str] = []
+        base_t: list[int] = []
+        base_h: list[int] = []
+        computed: list[int] = []
+        new: list[int] = []
+        look: list[int] = []
+        num_tokens: list[int] = []
+        tokens: list[int] = []
+        num_hashes: list[int] = []
+        hashes: list[bytes] = []
+        for rid, bt, bh, tk, hs, c, n, la, _ in self.entries:
+            rids.append(rid)
+            base_t.append(bt)
+            base_h.append(bh)
+            computed.append(c)
+            new.append(n)
+            look.append(la)
+            num_tokens.append(len(tk))
+            tokens += tk
+            num_hashes.append(len(hs))
+            if hs:
+                hashes += hs
+        op.request_ids.extend(rids)
+        op.base_num_tokens.extend(base_t)
+        op.base_num_hashes.extend(base_h)
+        op.num_computed_tokens.extend(computed)
+        op.num_new_tokens.extend(new)
+        op.num_lookahead_tokens.extend(look)
+        op.num_append_tokens.extend(num_tokens)
+        op.append_token_ids.extend(tokens)
+        op.num_append_hashes.extend(num_hashes)
+        op.append_block_hashes.extend(hashes)
 
     def matches(self, answer: pb.AllocateRunResult) -> bool:
         """Whether the server's answer gives each entry the mirror's blocks."""
-        return list(answer.num_new_blocks) == self.num_blocks and list(answer.new_block_ids) == self.block_ids
+        num_blocks: list[int] = []
+        block_ids: list[int] = []
+        for *_, groups in self.entries:
+            for group in groups:
+                num_blocks.append(len(group))
+                if group:
+                    block_ids += group
+        return list(answer.num_new_blocks) == num_blocks and list(answer.new_block_ids) == block_ids

@@ -30,23 +30,26 @@ from kvcoord.engine import (
     BlockRemoved,
     BlockStored,
     EngineError,
+    InvalidArgumentError,
     KVCacheEvent,
     LoRA,
     PrefixCacheStats,
     StaleCacheHitError,
-    TokenIds,
 )
 from kvcoord.engine.managers.base import SingleTypeKVCacheManager
 from kvcoord.engine.state import STATE_VERSION, StateError, import_state
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import config_from_pb, extra_key_sources_from_pb, stats_to_pb
+from kvcoord.wire import config_from_pb
 from kvcoord.wire.rules import rules_fingerprint
 
 from .errors import KVCoordError, error_from_code
+from .tracking import SyncValues
 
 __all__ = ["Mirror", "MirrorUnavailableError", "StaleCacheHitError"]
 
 BlockIds = tuple[tuple[int, ...], ...]
+
+_UINT32_MAX = 0xFFFFFFFF
 
 
 class MirrorUnavailableError(Exception):
@@ -111,28 +114,39 @@ class Mirror:
         self.block_size = engine.config.groups[0].block_size if engine.config.groups else 0
 
     # -- requests -------------------------------------------------------------------------
-    def sync(self, sync: pb.RequestSync) -> Callable[[], None]:
-        """Apply a request sync as the server will; returns how to undo it.
+    def apply(self, sync: SyncValues) -> Callable[[], None]:
+        """Apply a request sync (the tracker's values: the message is written later, on
+        the sender thread) as the server will apply its message; returns how to undo it.
 
         Raises:
-            KVCoordError: the engine refuses it (nothing changed).
+            KVCoordError: the engine refuses it, or a token does not fit the wire's
+                ``uint32`` (nothing changed).
         """
         engine = self.engine
         rid = sync.request_id
-        computed = sync.num_computed_tokens if sync.HasField("num_computed_tokens") else None
+        computed = sync.computed
+        tokens = sync.tokens
+        if tokens:
+            try:
+                too_big = max(tokens) > _UINT32_MAX
+            except TypeError:
+                too_big = False  # not integers: the engine names the bad one
+            if too_big:
+                raise engine_error(InvalidArgumentError(f"request {rid!r}: a token id does not fit uint32"))
         try:
             if sync.new_request:
+                lora = sync.lora
                 engine.add_request(
                     rid,
-                    TokenIds(sync.append_token_ids),  # uint32 on the wire, as the server reads them
-                    sync.append_block_hashes,
-                    lora=LoRA(sync.lora.adapter_id, sync.lora.name) if sync.lora.name else None,
+                    tokens,
+                    sync.hashes,
+                    lora=LoRA(*lora) if lora is not None and lora[1] else None,
                     skip_reading_prefix_cache=sync.skip_reading_prefix_cache,
                     num_preemptions=sync.num_preemptions,
                     cache_namespace=self.namespace,
                     cache_salt=sync.cache_salt or None,  # named in a vllm-0.33 pool's events
-                    extra_key_sources=extra_key_sources_from_pb(sync),  # (as well)
-                    num_prompt_tokens=sync.num_prompt_tokens if sync.HasField("num_prompt_tokens") else None,
+                    extra_key_sources=sync.extra_key_sources,  # (as well)
+                    num_prompt_tokens=sync.num_prompt_tokens,
                 )
                 if computed is not None:
                     try:
@@ -143,10 +157,7 @@ class Mirror:
                 return lambda: engine.restore_request(rid, None)
             checkpoint = engine.checkpoint_request(rid)
             engine.update_request(
-                rid,
-                num_computed_tokens=computed,
-                append_token_ids=TokenIds(sync.append_token_ids),
-                append_block_hashes=sync.append_block_hashes,
+                rid, num_computed_tokens=computed, append_token_ids=tokens, append_block_hashes=sync.hashes
             )
         except EngineError as err:
             raise engine_error(err) from None
@@ -274,27 +285,28 @@ class Mirror:
             _add_stats(self.step_stats, stats)
             _add_stats(self._user_stats, stats)
 
-    def take_step(self) -> tuple[list[KVCacheEvent], pb.PrefixCacheStats]:
+    def take_step(self) -> tuple[list[KVCacheEvent], PrefixCacheStats]:
         """The events and statistics since the previous call: what the server's answer
-        to the Step cut now must give (its events digested as a StepResponse's)."""
+        to the Step cut now must give (its events digested as a StepResponse's, its
+        statistics as its message: both made on the sender thread)."""
         self._drain_stats()
         events, self._step_events = self._step_events, []
         stats, self.step_stats = self.step_stats, PrefixCacheStats()
-        return events, stats_to_pb(stats)
+        return events, stats
 
     def take_events(self) -> list[KVCacheEvent]:
         events, self.events = self.events, []
         return events
 
-    def take_stats(self) -> pb.PrefixCacheStats:
+    def take_stats(self) -> PrefixCacheStats:
         """The statistics since the previous call (vLLM's make_prefix_cache_stats)."""
         self._drain_stats()
         stats, self._user_stats = self._user_stats, PrefixCacheStats()
-        return stats_to_pb(stats)
+        return stats
 
-    def peek_stats(self) -> pb.PrefixCacheStats:
+    def peek_stats(self) -> PrefixCacheStats:
         self._drain_stats()
-        return stats_to_pb(self._user_stats)
+        return self._user_stats.copy()
 
 
 def _add_stats(into: PrefixCacheStats, more: PrefixCacheStats) -> None:

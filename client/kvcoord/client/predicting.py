@@ -31,13 +31,13 @@ runs without prediction.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
-from kvcoord.engine import KVCacheEvent
+from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import event_to_pb
+from kvcoord.wire import event_to_pb, stats_to_pb
 
 from .client import KVCoordClient
 from .errors import (
@@ -50,7 +50,7 @@ from .items import KVCacheBlockIds
 from .mirror import BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
 from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper
-from .tracking import RequestTracker
+from .tracking import RequestTracker, SyncValues
 
 __all__ = ["PredictingKVCacheManager", "PredictionMismatchError"]
 
@@ -176,20 +176,18 @@ class PredictingKVCacheManager:
         self._settled()
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return KVCacheBlockIds(tuple([] for _ in self.config.groups)), 0
-        rid = request.request_id
-        mark = self.tracker.mark(rid)
-        lookup = self.sender.op().lookup
-        self._synced(request, lookup.request)
-        try:
-            self.mirror.sync(lookup.request)
-        except BaseException:
-            self._take_back(rid, mark)
-            raise
-        block_ids, num_tokens = self.mirror.lookup(rid)
-        answered = lookup.answered
-        for group in block_ids:
-            answered.groups.add().block_ids.extend(group)
-        answered.num_tokens = num_tokens
+        op, sync, _, _ = self._synced(request)
+        block_ids, num_tokens = self.mirror.lookup(sync.request_id)
+
+        def write() -> None:
+            lookup = op.lookup
+            sync.write(lookup.request)
+            answered = lookup.answered
+            for group in block_ids:
+                answered.groups.add().block_ids.extend(group)
+            answered.num_tokens = num_tokens
+
+        self.sender.later(write)
         return KVCacheBlockIds(tuple([list(g) for g in block_ids])), num_tokens
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
@@ -285,15 +283,10 @@ class PredictingKVCacheManager:
         hit: tuple[tuple[int, ...], ...] | None = None
         if new_computed_blocks is not None and num_new_computed_tokens:
             hit = tuple(tuple(g) for g in new_computed_blocks.block_ids)
-        tracker, mirror = self.tracker, self.mirror
-        mark = tracker.mark(rid)
-        a = self.sender.op().allocate
-        self._synced(request, a.request)
-        try:
-            undo = mirror.sync(a.request)
-        except BaseException:
-            self._take_back(rid, mark)
-            raise
+        mirror = self.mirror
+        op, sync, mark, undo = self._synced(request)
+        a = op.allocate
+        self.sender.later(lambda: sync.write(a.request))
         a.num_new_tokens = num_new_tokens
         a.num_lookahead_tokens = num_lookahead_tokens
         a.num_external_computed_tokens = num_external_computed_tokens
@@ -407,15 +400,10 @@ class PredictingKVCacheManager:
             or not mirror.caches_more(rid, num_computed_tokens)
         ):
             return
-        mark = self.tracker.mark(rid)
-        op = self.sender.op().cache_blocks
-        self._synced(request, op.request)
-        op.num_computed_tokens = num_computed_tokens
-        try:
-            undo = mirror.sync(op.request)
-        except BaseException:
-            self._take_back(rid, mark)
-            raise
+        op, sync, mark, undo = self._synced(request)
+        cache = op.cache_blocks
+        cache.num_computed_tokens = num_computed_tokens
+        self.sender.later(lambda: sync.write(cache.request))
         try:
             mirror.call("cache_blocks", rid, num_computed_tokens)
         except BaseException:
@@ -427,7 +415,11 @@ class PredictingKVCacheManager:
         """What make_prefix_cache_stats would return, without resetting it."""
         if not self.log_stats:
             return None
-        return self.mirror.peek_stats()
+        return stats_to_pb(self.mirror.peek_stats())
+
+    def peek_engine_stats(self) -> PrefixCacheStats | None:
+        """:meth:`peek_prefix_cache_stats` as the engine's value (no message made)."""
+        return self.mirror.peek_stats() if self.log_stats else None
 
     @property
     def usage(self) -> float:
@@ -446,9 +438,12 @@ class PredictingKVCacheManager:
 
     def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
         """This session's prefix-cache statistics since the previous call."""
-        if not self.log_stats:
-            return None
-        return self.mirror.take_stats()
+        return stats_to_pb(self.take_engine_stats())
+
+    def take_engine_stats(self) -> PrefixCacheStats | None:
+        """:meth:`make_prefix_cache_stats` as the engine's value (no message made: what
+        vLLM's adapter converts)."""
+        return self.mirror.take_stats() if self.log_stats else None
 
     def flush(self) -> None:
         """Send every call and wait until the server confirmed every answer.
@@ -473,16 +468,30 @@ class PredictingKVCacheManager:
                 pass  # already gone: its requests were freed
 
     # -- sending ----------------------------------------------------------------------------
-    def _synced(self, request: Any, into: pb.RequestSync) -> None:
-        """The request's sync into the operation just begun; when the tracker refuses
-        it (a lost request used again, another request under a tracked id), that
+    def _synced(
+        self, request: Any
+    ) -> tuple[pb.Operation, SyncValues, tuple[int, int, int, bool] | None, Callable[[], None]]:
+        """Begin an operation carrying the request's sync and apply the sync to the
+        mirror: the operation (its sync is written on the sender thread, see
+        :meth:`StepSender.later`), the sync, the request's position before it and how
+        to undo it in the mirror. When the tracker or the mirror refuses it (a lost
+        request used again, another request under a tracked id, bad values), that
         operation is taken back, so the Step sent next holds only whole operations."""
+        rid = request.request_id
+        mark = self.tracker.mark(rid)
+        op = self.sender.op()
         try:
-            self.tracker.sync(request, into)
+            sync = self.tracker.sync_values(request)
         except BaseException:
             self.sender.take_back()
             raise
-        self.sender.grew(into)
+        self.sender.grew(len(sync.tokens), len(sync.hashes))
+        try:
+            undo = self.mirror.apply(sync)
+        except BaseException:
+            self._take_back(rid, mark)
+            raise
+        return op, sync, mark, undo
 
     def _take_back(self, request_id: str, mark: tuple[int, int, int, bool] | None) -> None:
         """Take back the operation just begun (the mirror refused it): nothing of it is
@@ -496,7 +505,7 @@ class PredictingKVCacheManager:
         self.sender.cut(self._step_state, wait)
         self._settled()
 
-    def _step_state(self) -> tuple[int, list[KVCacheEvent], pb.PrefixCacheStats]:
+    def _step_state(self) -> tuple[int, list[KVCacheEvent], PrefixCacheStats]:
         """What the answer to the Step sent now must say: the mirror's free count,
         events and statistics."""
         events, stats = self.mirror.take_step()

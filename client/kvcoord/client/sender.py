@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
-from kvcoord.engine import KVCacheEvent
+from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import add_events
+from kvcoord.wire import add_events, stats_to_pb
 
 from .client import KVCoordClient
 from .errors import (
@@ -338,14 +338,24 @@ class StepSender:
         """What the last operation's answer must be (see ``Gathered.expected``)."""
         self.pending.expected[-1] = (kind, value)
 
-    def grew(self, sync: pb.RequestSync) -> None:
-        """The last operation carries this request sync (its size counts)."""
-        self.pending.size += 5 * len(sync.append_token_ids) + 34 * len(sync.append_block_hashes)
+    def grew(self, num_tokens: int, num_hashes: int) -> None:
+        """The last operation carries this many appended tokens and hashes (its size counts)."""
+        self.pending.size += 5 * num_tokens + 34 * num_hashes
+
+    def later(self, write: Callable[[], object]) -> None:
+        """Fields of the last operation that ``write`` sets on the sender thread, just
+        before the Step is sent (a request sync's tokens and hashes, a lookup's answer)."""
+        pending = self.pending
+        pending.writes.append((len(pending.request.ops) - 1, write))
 
     def take_back(self) -> None:
         """Drop the last operation (refused before it was sent)."""
-        del self.pending.request.ops[-1]
-        self.pending.expected.pop()
+        pending = self.pending
+        ops = pending.request.ops
+        if pending.writes and pending.writes[-1][0] == len(ops) - 1:
+            pending.writes.pop()
+        del ops[-1]
+        pending.expected.pop()
 
     def add_to_run(
         self, rid: str, base_t: int, base_h: int, tokens: Sequence[int], hashes: Sequence[bytes], computed: int,
@@ -374,7 +384,7 @@ class StepSender:
         a.num_new_tokens = num_new_tokens
         a.num_lookahead_tokens = num_lookahead_tokens
         a.must_refuse = True
-        self.grew(sync)
+        self.grew(len(tokens), len(hashes))
 
     def close_run(self) -> None:
         """End the run being gathered: it takes the Step's next operation (its columns
@@ -383,7 +393,7 @@ class StepSender:
         if run is not None:
             pending = self.pending
             pending.runs.append((pending.request.ops.add(), run))
-            pending.size += 32 * len(run.rids) + 5 * len(run.tokens) + 34 * len(run.hashes)
+            pending.size += run.size
             pending.expected.append(run)
             self.run = None
 
@@ -395,7 +405,7 @@ class StepSender:
 
     # -- sending in the background ---------------------------------------------------------
     def cut(
-        self, state: Callable[[], tuple[int, list[KVCacheEvent], pb.PrefixCacheStats]], wait: bool = False
+        self, state: Callable[[], tuple[int, list[KVCacheEvent], PrefixCacheStats]], wait: bool = False
     ) -> bool:
         """End a scheduler step: send its calls unless a Step is in flight and the
         backlog allows them to wait. ``state`` gives what the answer must say (the
@@ -473,6 +483,8 @@ class StepSender:
             self.failure = self.failure or KVCoordError(grpc.StatusCode.INTERNAL, repr(err))
 
     def _checked_step(self, sent: Gathered) -> None:
+        for _, write in sent.writes:
+            write()
         for op, run in sent.runs:
             run.write(op.allocate_run)
         resp = self._send(sent.request)
@@ -517,11 +529,13 @@ class StepSender:
                 )  # fmt: skip
             elif resp.events_sha256 != _events_digest(sent.events):
                 raise PredictionMismatchError("the server's KV events differ from the mirror's")
-        if self.compare_stats and resp.prefix_cache_stats != sent.stats:
-            raise PredictionMismatchError(
-                f"the server's prefix-cache statistics differ from the mirror's: {resp.prefix_cache_stats} "
-                f"against {sent.stats}"
-            )
+        if self.compare_stats:
+            stats = stats_to_pb(sent.stats)
+            if resp.prefix_cache_stats != stats:
+                raise PredictionMismatchError(
+                    f"the server's prefix-cache statistics differ from the mirror's: {resp.prefix_cache_stats} "
+                    f"against {stats}"
+                )
 
 
 def _events_digest(events: list[KVCacheEvent]) -> bytes:

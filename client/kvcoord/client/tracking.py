@@ -10,16 +10,18 @@ request's history.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
+from kvcoord.engine.extra_keys import ExtraKeySources
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import write_extra_key_sources
 
 from .errors import InvalidArgumentError, KVCoordError, RequestsLostError
 from .hashing import BlockHasher, MultiModalItem
 
-__all__ = ["LostRequestInUseError", "RequestTracker"]
+__all__ = ["LostRequestInUseError", "RequestTracker", "SyncValues"]
 
 
 class LostRequestInUseError(RequestsLostError):
@@ -65,6 +67,56 @@ class _Tracked:
             self.hasher.truncate(self.sent_tokens)
 
 
+@dataclasses.dataclass(slots=True)
+class SyncValues:
+    """One request sync as plain values (what :meth:`write` puts in a ``RequestSync``):
+    registration (``new_request``, with its LoRA, flags and salt) or the position it
+    applies at, the appended tokens and block hashes, and the computed-token count
+    (``None``: unchanged)."""
+
+    request_id: str
+    new_request: bool
+    base_num_tokens: int
+    base_num_hashes: int
+    tokens: Sequence[int] = ()
+    hashes: Sequence[bytes] = ()
+    computed: int | None = None
+    lora: tuple[int, str] | None = None
+    skip_reading_prefix_cache: bool = False
+    num_preemptions: int = 0
+    cache_salt: str = ""
+    #: fewer than every token registered: the prompt's length (registered again)
+    num_prompt_tokens: int | None = None
+    #: what a vllm-0.33 pool's events derive blocks' extra keys from (multimodal items,
+    #: prompt-embeds digests)
+    extra_key_sources: ExtraKeySources | None = None
+
+    def write(self, into: pb.RequestSync) -> pb.RequestSync:
+        into.request_id = self.request_id
+        if self.new_request:
+            into.new_request = True
+            if self.lora is not None:
+                into.lora.adapter_id, into.lora.name = self.lora
+            into.skip_reading_prefix_cache = self.skip_reading_prefix_cache
+            into.num_preemptions = self.num_preemptions
+            if self.cache_salt:
+                into.cache_salt = self.cache_salt
+            if self.num_prompt_tokens is not None:
+                into.num_prompt_tokens = self.num_prompt_tokens
+            if self.extra_key_sources is not None:
+                write_extra_key_sources(self.extra_key_sources, into)
+        else:
+            into.base_num_tokens = self.base_num_tokens
+            into.base_num_hashes = self.base_num_hashes
+        if self.tokens:
+            into.append_token_ids.extend(self.tokens)
+        if self.hashes:
+            into.append_block_hashes.extend(self.hashes)
+        if self.computed is not None:
+            into.num_computed_tokens = self.computed
+        return into
+
+
 class RequestTracker:
     """Positions of the requests one session has on the server.
 
@@ -80,6 +132,11 @@ class RequestTracker:
         self._tracked: dict[str, _Tracked] = {}
         #: requests reported lost (RequestsLostError) that the scheduler has not reset yet
         self.lost: set[str] = set()
+        #: a first sync names the request's cache salt (a vllm-0.33 pool's events name it)
+        self.name_salts = False
+        #: a first sync carries what the request's blocks' event extra keys derive from
+        #: (a vllm-0.33 pool publishing events of cached blocks: kvcoord.client.vllm033)
+        self.extra_keys_of: Callable[[Any], ExtraKeySources | None] | None = None
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._tracked
@@ -95,6 +152,12 @@ class RequestTracker:
         """The sync bringing the server to the request's current state (registers a
         request the first time), written into ``into`` when given: the field of the
         operation that carries it, so a long prompt is not copied again."""
+        return self.sync_values(request).write(pb.RequestSync() if into is None else into)
+
+    def sync_values(self, request: Any) -> SyncValues:
+        """:meth:`sync`'s values, not written into any message (the predicted mode
+        applies them to its mirror at once and writes the message on its sender
+        thread): the appended tokens and hashes are slices taken now."""
         rid = request.request_id
         t = self._tracked.get(rid)
         if t is None:
@@ -110,41 +173,39 @@ class RequestTracker:
         else:
             self._check_same(request, t)
         tokens = request.all_token_ids
-        if into is None:
-            sync = pb.RequestSync(request_id=rid)
-        else:
-            sync = into
-            sync.request_id = rid
-        if t.registered:
-            sync.base_num_tokens = t.sent_tokens
-            sync.base_num_hashes = t.sent_hashes
-        else:
-            sync.new_request = True
+        new = not t.registered
+        values = SyncValues(rid, new, t.sent_tokens, t.sent_hashes)
         n = len(tokens)
         if n > t.sent_tokens:
-            sync.append_token_ids.extend(tokens[t.sent_tokens :])
+            values.tokens = tokens[t.sent_tokens :]
             if self.enable_caching:
-                new = self._new_hashes(request, t)
-                if new:
-                    sync.append_block_hashes.extend(new)
-                    t.sent_hashes += len(new)
+                hashes = self._new_hashes(request, t)
+                if hashes:
+                    values.hashes = hashes
+                    t.sent_hashes += len(hashes)
             t.sent_tokens = n
         computed = int(request.num_computed_tokens)
         if computed != t.sent_computed:
-            sync.num_computed_tokens = computed
+            values.computed = computed
             t.sent_computed = computed
-        if not t.registered:
+        if new:
             lora = getattr(request, "lora_request", None)
             if lora is not None:
-                sync.lora.adapter_id = int(getattr(lora, "lora_int_id", getattr(lora, "adapter_id", 0)))
-                sync.lora.name = str(getattr(lora, "lora_name", getattr(lora, "name", "")))
-            sync.skip_reading_prefix_cache = bool(getattr(request, "skip_reading_prefix_cache", False))
-            sync.num_preemptions = int(getattr(request, "num_preemptions", 0))
+                values.lora = (
+                    int(getattr(lora, "lora_int_id", getattr(lora, "adapter_id", 0))),
+                    str(getattr(lora, "lora_name", getattr(lora, "name", ""))),
+                )
+            values.skip_reading_prefix_cache = bool(getattr(request, "skip_reading_prefix_cache", False))
+            values.num_preemptions = int(getattr(request, "num_preemptions", 0))
+            if self.name_salts and getattr(request, "cache_salt", None):
+                values.cache_salt = str(request.cache_salt)
             prompt = getattr(request, "num_prompt_tokens", None)
             if type(prompt) is int and 0 < prompt < n:
-                sync.num_prompt_tokens = prompt  # registered again after a preemption
+                values.num_prompt_tokens = prompt  # registered again after a preemption
+            if self.extra_keys_of is not None:
+                values.extra_key_sources = self.extra_keys_of(request)
             t.registered = True
-        return sync
+        return values
 
     def sync_run(self, request: Any) -> tuple[int, int, Sequence[int], Sequence[bytes], int] | None:
         """What :meth:`sync` sends, as plain values for a run of allocations (an

@@ -47,7 +47,6 @@ from typing import Any
 
 from kvcoord.engine.extra_keys import ExtraKeySources, MultiModalItem
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import write_extra_key_sources
 
 from .client import KVCoordClient
 from .errors import RequestsLostError
@@ -231,22 +230,10 @@ def _name_extra_keys(tracker: RequestTracker, config: pb.PoolConfig) -> None:
     """A vllm-0.33 pool names a request's cache salt, multimodal items and prompt-embeds
     digests in its BlockStored.extra_keys: the sync registering a request carries them
     (the items and digests only to a pool publishing events of cached blocks)."""
-    sync = tracker.sync
-    publish = config.enable_kv_cache_events and config.enable_caching
-    hash_block_size, lookahead = config.hash_block_size, config.num_hash_lookahead_tokens
-
-    def sync_with_keys(request: Any, into: pb.RequestSync | None = None) -> pb.RequestSync:
-        message = sync(request, into)
-        if message.new_request:
-            if getattr(request, "cache_salt", None):
-                message.cache_salt = str(request.cache_salt)
-            if publish:
-                sources = extra_key_sources_033(request, hash_block_size, lookahead)
-                if sources is not None:
-                    write_extra_key_sources(sources, message)
-        return message
-
-    tracker.sync = sync_with_keys  # type: ignore[method-assign]
+    tracker.name_salts = True
+    if config.enable_kv_cache_events and config.enable_caching:
+        hash_block_size, lookahead = config.hash_block_size, config.num_hash_lookahead_tokens
+        tracker.extra_keys_of = lambda request: extra_key_sources_033(request, hash_block_size, lookahead)
 
 
 class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheManager):

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvcoord.engine import PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import group_kinds
 
@@ -236,14 +237,20 @@ class KVCoordKVCacheManager:
         """The statistics gathered since the last ``make_prefix_cache_stats`` (not reset)."""
         if not self.log_stats:
             return None
-        return convert_stats(self.remote.peek_prefix_cache_stats() or pb.PrefixCacheStats())
+        remote = self.remote
+        if isinstance(remote, PredictingKVCacheManager):
+            return convert_stats(remote.peek_engine_stats() or PrefixCacheStats())  # no message made and read
+        return convert_stats(remote.peek_prefix_cache_stats() or pb.PrefixCacheStats())
 
     @_absorbing(lambda self, *_: convert_stats(pb.PrefixCacheStats()) if self.log_stats else None)
     def make_prefix_cache_stats(self) -> Any:
         """Get (and reset) the prefix cache stats; ``None`` with stats off."""
         if not self.log_stats:
             return None
-        stats = self.remote.make_prefix_cache_stats()
+        remote = self.remote
+        if isinstance(remote, PredictingKVCacheManager):
+            return convert_stats(remote.take_engine_stats() or PrefixCacheStats())  # no message made and read
+        stats = remote.make_prefix_cache_stats()
         return convert_stats(stats if stats is not None else pb.PrefixCacheStats())
 
     def _seen(self, request: Any) -> None:

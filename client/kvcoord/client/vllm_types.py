@@ -195,8 +195,9 @@ def _int_hashes() -> bool:
     return bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
 
 
-def convert_stats(stats: pb.PrefixCacheStats) -> Any:
-    """A protobuf PrefixCacheStats as vLLM's type (or :class:`PrefixCacheStats`)."""
+def convert_stats(stats: pb.PrefixCacheStats | engine.PrefixCacheStats) -> Any:
+    """A PrefixCacheStats (the message or the engine's value) as vLLM's type (or
+    :class:`PrefixCacheStats`)."""
     out = _stats_type()()
     for name in STATS_FIELDS:
         setattr(out, name, getattr(stats, name))
@@ -214,32 +215,64 @@ def convert_engine_events(events: Iterable[engine.KVCacheEvent], *, fields_033: 
     (``fields_033`` as for :func:`convert_events`)."""
     stored_t, removed_t, cleared_t = _event_types()
     as_int = _int_hashes()
+    mask = (1 << 64) - 1
+    stored, removed = engine.BlockStored, engine.BlockRemoved
 
-    def h(raw: bytes) -> bytes | int:
-        return int.from_bytes(raw, "big") & ((1 << 64) - 1) if as_int else bytes(raw)
+    def hashes(raw: Sequence[bytes]) -> list[Any]:
+        if as_int:
+            return [int.from_bytes(x, "big") & mask for x in raw]
+        return [x if type(x) is bytes else bytes(x) for x in raw]
+
+    def parent(raw: bytes | None) -> bytes | int | None:
+        if raw is None:
+            return None
+        return int.from_bytes(raw, "big") & mask if as_int else bytes(raw)
 
     out: list[Any] = []
+    append = out.append
     for e in events:
-        if isinstance(e, engine.BlockStored):
-            out.append(
+        kind = type(e)
+        if kind is stored or isinstance(e, stored):
+            assert isinstance(e, stored)
+            if fields_033:
+                append(
+                    stored_t(
+                        block_hashes=hashes(e.block_hashes),
+                        parent_block_hash=parent(e.parent_block_hash),
+                        token_ids=list(e.token_ids),
+                        block_size=e.block_size,
+                        lora_id=e.lora_id,
+                        medium=e.medium or _MEDIUM_GPU,
+                        lora_name=e.lora_name,
+                        **_stored_fields_033(e),
+                    )
+                )
+                continue
+            append(
                 stored_t(
-                    block_hashes=[h(x) for x in e.block_hashes],
-                    parent_block_hash=None if e.parent_block_hash is None else h(e.parent_block_hash),
+                    block_hashes=hashes(e.block_hashes),
+                    parent_block_hash=parent(e.parent_block_hash),
                     token_ids=list(e.token_ids),
                     block_size=e.block_size,
                     lora_id=e.lora_id,
                     medium=e.medium or _MEDIUM_GPU,
                     lora_name=e.lora_name,
-                    **(_stored_fields_033(e) if fields_033 else {}),
                 )
             )
-        elif isinstance(e, engine.BlockRemoved):
-            more = {"group_idx": e.group_idx} if fields_033 else {}
-            out.append(
-                removed_t(block_hashes=[h(x) for x in e.block_hashes], medium=e.medium or _MEDIUM_GPU, **more)
-            )
+        elif kind is removed or isinstance(e, removed):
+            assert isinstance(e, removed)
+            if fields_033:
+                append(
+                    removed_t(
+                        block_hashes=hashes(e.block_hashes),
+                        medium=e.medium or _MEDIUM_GPU,
+                        group_idx=e.group_idx,
+                    )
+                )
+            else:
+                append(removed_t(block_hashes=hashes(e.block_hashes), medium=e.medium or _MEDIUM_GPU))
         else:
-            out.append(cleared_t())
+            append(cleared_t())
     return out
 
 

@@ -72,7 +72,7 @@ from .vllm033_connector import (
 )
 from .vllm033_mamba import PredictedMamba033, RemoteMamba033, uncached_mamba_hybrid, unsupported_mamba_033
 from .vllm033_parts import BlockPool033, Coordinator033, Unsupported033Error, UnsupportedVLLMError
-from .vllm_manager import _absorbing
+from .vllm_manager import absorbing
 from .vllm_types import convert_engine_events, convert_events
 
 __all__ = [
@@ -443,13 +443,13 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
             return
         self.remote033.record_prefix_cache_stats(request.request_id, num_hits)
 
-    @_absorbing(lambda *_: 0)  # read by update_from_output
+    @absorbing(lambda *_: 0)  # read by update_from_output
     def estimate_cached_tokens(self, request: Any) -> int:
         if request.request_id not in self._held:
             return 0
         return self.remote033.estimate_cached_tokens(request.request_id)
 
-    @_absorbing(lambda *_: [])
+    @absorbing(lambda *_: [])
     def take_events(self) -> list[Any]:
         if not self.enable_kv_cache_events:
             return []

@@ -56,7 +56,7 @@ OUTAGE_ERRORS = (
 # -- the manager -----------------------------------------------------------------------
 
 
-def _absorbing(default: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def absorbing(default: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A manager method that, while the manager is ``absorbing``, keeps a loss or an
     outage for the scheduler (``_absorb``) and answers ``default(self, *args)``."""
 
@@ -242,7 +242,7 @@ class KVCoordKVCacheManager:
             return convert_stats(remote.peek_engine_stats() or PrefixCacheStats())  # no message made and read
         return convert_stats(remote.peek_prefix_cache_stats() or pb.PrefixCacheStats())
 
-    @_absorbing(lambda self, *_: convert_stats(pb.PrefixCacheStats()) if self.log_stats else None)
+    @absorbing(lambda self, *_: convert_stats(pb.PrefixCacheStats()) if self.log_stats else None)
     def make_prefix_cache_stats(self) -> Any:
         """Get (and reset) the prefix cache stats; ``None`` with stats off."""
         if not self.log_stats:
@@ -350,20 +350,20 @@ class KVCoordKVCacheManager:
             for group in ids:
                 self._evicted.difference_update(group)
 
-    @_absorbing(lambda *_: None)
+    @absorbing(lambda *_: None)
     def free(self, request: Any) -> None:
         self._held.pop(request.request_id, None)
         self._tables.pop(request.request_id, None)
         self.remote.free(request)
 
-    @_absorbing(lambda *_: None)
+    @absorbing(lambda *_: None)
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         if request_id not in self._held:
             return  # vLLM's scheduler asks for any finished request (a connector's): no table, nothing to skip
         self._tables.pop(request_id, None)
         self.remote.remove_skipped_blocks(request_id, total_computed_tokens)
 
-    @_absorbing(lambda *_: None)
+    @absorbing(lambda *_: None)
     def evict_blocks(self, block_ids: set[int]) -> None:
         self.remote.evict_blocks(block_ids)
         self._evicted.update(block_ids)
@@ -380,7 +380,7 @@ class KVCoordKVCacheManager:
     def get_num_common_prefix_blocks(self, running_request_id: str) -> list[int]:
         return self.remote.get_num_common_prefix_blocks(running_request_id)
 
-    @_absorbing(lambda *_: [])
+    @absorbing(lambda *_: [])
     def take_events(self) -> list[Any]:
         if not self.enable_kv_cache_events:
             return []
@@ -389,7 +389,7 @@ class KVCoordKVCacheManager:
             return convert_engine_events(remote.take_engine_events())  # no message made and read
         return convert_events(remote.take_events())
 
-    @_absorbing(lambda self, *_: self.empty_kv_cache_blocks)
+    @absorbing(lambda self, *_: self.empty_kv_cache_blocks)
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         held = self._held.get(request_id)
         if held is None:
@@ -407,7 +407,7 @@ class KVCoordKVCacheManager:
         ids = self.remote.get_block_ids(request_id)
         return self._blocks(ids, held, [0] * len(ids))
 
-    @_absorbing(lambda self, *_: tuple([] for _ in range(self.num_kv_cache_groups)))
+    @absorbing(lambda self, *_: tuple([] for _ in range(self.num_kv_cache_groups)))
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         if request_id not in self._held:
             # never allocated here, or freed (vLLM's scheduler asks when a connector's
@@ -415,7 +415,7 @@ class KVCoordKVCacheManager:
             return tuple([] for _ in range(self.num_kv_cache_groups))
         return self.remote.get_block_ids(request_id)
 
-    @_absorbing(lambda *_: None)
+    @absorbing(lambda *_: None)
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if not self.enable_caching:
             return

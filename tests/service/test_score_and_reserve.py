@@ -7,6 +7,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -347,3 +348,38 @@ def test_a_score_pools_key_is_bound_to_its_body_and_tenant(
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert isinstance(error_from_rpc(err.value), KeyReusedError)
         assert client.get_stats("p").reservations.made == 1
+
+
+def test_a_reserving_score_pools_retried_after_a_restart_from_a_snapshot_reserves_anew(
+    tmp_path: Path,
+) -> None:
+    """A reserving ScorePools' kept answer is not journaled: a restart releases the
+    reservation it names, so a retry of the same key afterwards must reserve anew. A
+    snapshot written between the call and the restart once carried the kept answer
+    across it: the retry was answered with the released reservation and no reservation
+    was live (a hit the router believed held could be evicted)."""
+    from durable_server import DurableServer
+    from support import POOL_TOML
+
+    server = DurableServer(tmp_path, pools_toml=POOL_TOML, snapshot_every=1)
+    server.start()
+    try:
+        _warm(server.address)
+        req = pb.ScorePoolsRequest(
+            num_tokens=len(PROMPT), prompts=_prompt(), reserve_seconds=30.0, idempotency_key="k1"
+        )
+        with KVCoordClient(server.address, timeout=10) as c:
+            first = c.stub.ScorePools(req)
+            assert first.HasField("reservation")
+            assert c.get_stats("p").reservations.live == 1
+            _warm(server.address)  # more journal records: a snapshot follows the call
+        server.kill()
+        server.start()
+        with KVCoordClient(server.address, timeout=10) as c:
+            again = c.stub.ScorePools(req)
+            live = c.get_stats("p").reservations.live
+        assert again.HasField("reservation")
+        assert again.reservation.reservation_id != first.reservation.reservation_id
+        assert live == 1
+    finally:
+        server.stop()

@@ -176,10 +176,14 @@ class IdempotencyStore:
                     del self._by_session[sid]
 
     def export(self) -> list[tuple[str, str, str, bytes, float, bytes | None]]:
-        """Every entry as (session, key, rpc, digest, age in seconds, answer), oldest first."""
+        """Every entry kept across a restart as (session, key, rpc, digest, age in
+        seconds, answer), oldest first: not the unjournaled ones (:func:`score_key_owner`),
+        which a restart forgets, from a snapshot too."""
         now = self.clock()
         return [
-            (sid, key, e.rpc, e.digest, now - e.made_at, e.answer) for (sid, key), e in self._entries.items()
+            (sid, key, e.rpc, e.digest, now - e.made_at, e.answer)
+            for (sid, key), e in self._entries.items()
+            if not sid.startswith(_UNJOURNALED)
         ]
 
     def restore(self, entries: list[tuple[str, str, str, bytes, float, bytes | None]]) -> None:
@@ -209,3 +213,15 @@ class IdempotencyStore:
             if entry.answer is not None:
                 self.bytes -= len(entry.answer)
                 entry.answer = None
+
+
+_UNJOURNALED = "score-pools:"
+
+
+def score_key_owner(tenant: str) -> str:
+    """Whose a reserving ScorePools' idempotency key is: the caller's tenant (the call
+    has no session). No session id has this form (they are hex digits), so the two never
+    share keys. These answers are not journaled and not exported into snapshots: the
+    reservations they name are released by a restart, so a retry after one reserves
+    anew."""
+    return _UNJOURNALED + tenant

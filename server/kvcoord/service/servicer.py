@@ -63,6 +63,7 @@ from .errors import (
     map_errors,
     map_stream_errors,
 )
+from .idempotency import score_key_owner
 from .mutations import SERIALIZE_SLICE_OPS, Mutation, MutationRunner
 from .pool_service import Fence, Limits, PoolService, drain
 from .registry import PoolRegistry
@@ -581,7 +582,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             )
             if request.idempotency_key:
                 digest, kept = self.mutations.kept_unjournaled(
-                    _score_key_owner(tenant.name), "ScorePools", request, pb.ScorePoolsResponse
+                    score_key_owner(tenant.name), "ScorePools", request, pb.ScorePoolsResponse
                 )
                 if kept is not None:  # a retry: the first answer, nothing reserved again
                     return await self._durable(kept)
@@ -609,7 +610,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         response.reservation.CopyFrom(reservation_to_pb(made))
         if digest:
             self.mutations.keep_unjournaled(
-                _score_key_owner(tenant.name), "ScorePools", request, digest, response
+                score_key_owner(tenant.name), "ScorePools", request, digest, response
             )
         held = self.registry.pools[made.pool]
         return await self._durable(
@@ -955,13 +956,6 @@ def _guard(
         return await handler(request, context)
 
     return unary
-
-
-def _score_key_owner(tenant: str) -> str:
-    """Whose a reserving ScorePools' idempotency key is in the idempotency store: the
-    caller's tenant (the call has no session). No session id has this form (they are
-    hex digits), so the two never share keys."""
-    return f"score-pools:{tenant}"
 
 
 def _everywhere(_pool: str) -> bool:

@@ -586,3 +586,84 @@ def test_a_pool_holding_a_routers_reservation_is_not_predicted(client: KVCoordCl
     RemoteKVCacheManager(
         client, pool, hash_seed="0", renew=False, exclusive=True
     ).close()  # nothing left attached
+
+
+@pytest.mark.parametrize("bad", [-1, 1 << 32])
+@pytest.mark.parametrize("path", ["run", "general"])
+def test_a_decode_token_the_wire_cannot_carry_is_refused_at_the_call(
+    client: KVCoordClient, pool: str, bad: int, path: str
+) -> None:
+    """A registered request's decode step appends a token id the wire's uint32 cannot
+    carry: the call is refused (InvalidArgumentError) with nothing queued or changed,
+    and the session goes on. (Before, the run path took it into the mirror and the
+    sender thread failed writing the Step: every request of the session was lost.)"""
+    from kvcoord.client import InvalidArgumentError
+
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    r = _req("a", list(range(6)))
+    told = _admit(m, r)
+    r.num_computed_tokens = 6
+    m.flush()
+    free = m.mirror.num_free_blocks
+    r.all_token_ids.append(bad)
+    with pytest.raises(InvalidArgumentError):
+        if path == "run":
+            m.allocate_slots(r, 1)
+        else:
+            m.allocate_slots(r, 1, delay_cache_blocks=True)
+    assert m.mirror.num_free_blocks == free
+    m.flush()
+    assert _tables(client, pool) == {"a": told}
+    r.all_token_ids[-1] = 6  # the step again, with a token the wire carries
+    assert m.allocate_slots(r, 1) is not None
+    m.flush()
+    assert _tables(client, pool) == {"a": list(m.mirror.engine.get_block_ids("a")[0])}
+    m.close()
+
+
+def test_a_registration_whose_extra_keys_fail_can_be_made_again(client: KVCoordClient, pool: str) -> None:
+    """The tracker's hook for a request's extra-key sources (the vLLM 0.33 plug-in's)
+    raises on the first registration: the call fails and the tracker is left as before,
+    so the next call registers the whole prompt. (Before, the tracker had already
+    counted the prompt as sent: the next registration carried no tokens and was
+    refused.)"""
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    calls: list[int] = []
+
+    def extra(request: object) -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("digest failed")
+
+    m.tracker.extra_keys_of = extra
+    r = _req("a", list(range(9)))
+    with pytest.raises(RuntimeError):
+        m.get_computed_blocks(r)
+    m.get_computed_blocks(r)
+    assert list(m.mirror.engine.requests["a"].all_token_ids) == list(range(9))
+    m.close()
+
+
+def test_a_lookup_that_fails_in_the_mirror_leaves_nothing_to_send(
+    client: KVCoordClient, pool: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mirror's lookup raises after the request's sync was applied: the call fails,
+    the sync is undone and its operation taken back, so the next Step holds only whole
+    operations and the session goes on. (Before, an operation with nothing set was
+    left in the Step: the server refused it and the session's requests were lost.)"""
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    lookup = m.mirror.lookup
+
+    def failing(request_id: str) -> object:
+        monkeypatch.setattr(m.mirror, "lookup", lookup)
+        raise RuntimeError("lookup failed")
+
+    monkeypatch.setattr(m.mirror, "lookup", failing)
+    r = _req("a", list(range(9)))
+    with pytest.raises(RuntimeError):
+        m.get_computed_blocks(r)
+    assert not m.mirror.holds("a")
+    told = _admit(m, r)
+    m.flush()
+    assert _tables(client, pool) == {"a": told}
+    m.close()

@@ -126,13 +126,7 @@ class Mirror:
         rid = sync.request_id
         computed = sync.computed
         tokens = sync.tokens
-        if tokens:
-            try:
-                too_big = max(tokens) > _UINT32_MAX
-            except TypeError:
-                too_big = False  # not integers: the engine names the bad one
-            if too_big:
-                raise engine_error(InvalidArgumentError(f"request {rid!r}: a token id does not fit uint32"))
+        _check_wire_tokens(rid, tokens)
         try:
             if sync.new_request:
                 lora = sync.lora
@@ -175,6 +169,7 @@ class Mirror:
         Raises:
             KVCoordError: the engine refuses the update or the allocation.
         """
+        _check_wire_tokens(request_id, tokens)
         try:
             new = self._update_and_allocate(
                 request_id, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens
@@ -317,3 +312,18 @@ def _add_stats(into: PrefixCacheStats, more: PrefixCacheStats) -> None:
     into.preempted_requests += more.preempted_requests
     into.preempted_queries += more.preempted_queries
     into.preempted_hits += more.preempted_hits
+
+
+def _check_wire_tokens(request_id: str, tokens: Sequence[int]) -> None:
+    """Refuse token ids the wire's ``uint32`` cannot carry before the mirror takes them
+    (the Step's message is written later, on the sender thread, where the error would
+    lose the session); negative and non-integer ids are the engine's to name."""
+    if tokens:
+        try:
+            too_big = max(tokens) > _UINT32_MAX
+        except TypeError:
+            return
+        if too_big:
+            raise engine_error(
+                InvalidArgumentError(f"request {request_id!r}: a token id does not fit uint32")
+            )

@@ -176,8 +176,13 @@ class PredictingKVCacheManager:
         self._settled()
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return KVCacheBlockIds(tuple([] for _ in self.config.groups)), 0
-        op, sync, _, _ = self._synced(request)
-        block_ids, num_tokens = self.mirror.lookup(sync.request_id)
+        op, sync, mark, undo = self._synced(request)
+        try:
+            block_ids, num_tokens = self.mirror.lookup(sync.request_id)
+        except BaseException:  # nothing of the call is kept or sent
+            undo()
+            self._take_back(sync.request_id, mark)
+            raise
 
         def write() -> None:
             lookup = op.lookup

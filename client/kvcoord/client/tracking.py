@@ -174,6 +174,8 @@ class RequestTracker:
             self._check_same(request, t)
         tokens = request.all_token_ids
         new = not t.registered
+        # (what may raise comes before the tracker moves: a failed call leaves it as it was)
+        extra = self.extra_keys_of(request) if new and self.extra_keys_of is not None else None
         values = SyncValues(rid, new, t.sent_tokens, t.sent_hashes)
         n = len(tokens)
         if n > t.sent_tokens:
@@ -202,8 +204,7 @@ class RequestTracker:
             prompt = getattr(request, "num_prompt_tokens", None)
             if type(prompt) is int and 0 < prompt < n:
                 values.num_prompt_tokens = prompt  # registered again after a preemption
-            if self.extra_keys_of is not None:
-                values.extra_key_sources = self.extra_keys_of(request)
+            values.extra_key_sources = extra
             t.registered = True
         return values
 

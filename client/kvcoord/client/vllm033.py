@@ -222,7 +222,10 @@ def extra_key_sources_033(
         from vllm.v1.utils import tensor_data
 
         rows = [bytes(tensor_data(row)) for row in embeds]
-        digests = prompt_embeds_digests(rows, hash_block_size, num_hash_lookahead_tokens)
+        # (no rows: no digests, as the wire reads an empty list)
+        digests = prompt_embeds_digests(rows, hash_block_size, num_hash_lookahead_tokens) or None
+    if not items and digests is None:
+        return None
     return ExtraKeySources(items, digests)
 
 

@@ -427,7 +427,9 @@ def run_workload(
     requests with one of three LoRA adapters, two at most per step, for a scheduler
     with a LoRA config; an adapter's blocks hash apart and its events name it) and
     "embeds" (one request in four given as prompt embeddings, no token ids, for a
-    model config that enables them; two shared embedding prefixes give hits).
+    model config that enables them; two shared embedding prefixes give hits) and
+    "report" (two requests in five with vLLM 0.26+'s ``kv_cache_report_mode = "full"``:
+    with events on, their hits are re-announced).
     Without ``aborts`` no request is aborted (which ones are depends on the requests
     still live, so on scheduling); with ``drain`` the run goes on past ``steps``,
     adding nothing, until every request finished (at most 2,000 more steps);
@@ -486,6 +488,8 @@ def run_workload(
             nid += 1
             prompt = rnd.choice(prefixes) + [rnd.randrange(VOCAB) for _ in range(rnd.randint(1, 60))]
             params = SamplingParams(max_tokens=rnd.randint(1, 40), ignore_eos=True)
+            if "report" in extras and extra_rnd.random() < 0.4:
+                params.extra_args = {"kv_cache_report_mode": "full"}
             priority = extra_rnd.randrange(3) if "priority" in extras else 0
             salt = extra_rnd.choice((None, None, None, "a", "b")) if "salt" in extras else None
             lora = None

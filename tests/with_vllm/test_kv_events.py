@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -537,3 +538,115 @@ def test_a_pool_created_again_is_announced_as_cleared(events_server: InProcessSe
             assert sub.index == expected and b"" not in sub.index
     finally:
         sub.disconnect()
+
+
+@pytest.mark.skipif(not V033, reason="vLLM 0.33.0's kv_cache_report_mode (vllm-0.33 pools)")
+@pytest.mark.parametrize("via", ["lookup", "atomic"])
+@pytest.mark.parametrize("layout", ["full", "full+swa"])
+def test_033_full_report_mode_re_announces_hits_as_vllm_033(
+    layout: str, via: str, server: InProcessServer
+) -> None:
+    """A request with ``kv_cache_report_mode="full"`` (sampling_params.extra_args) whose
+    prefix is cached: vLLM 0.33.0's own KVCacheManager re-emits a BlockStored per group
+    for the hit's blocks in get_computed_blocks (from block 0, no parent, the sliding
+    window's null positions listed too), then the allocation's own stores. kvcoord's
+    pool, told the mode at registration (RequestSync.kv_cache_report_full), publishes
+    the same batch byte for byte, through a LookupOp then an allocation of its hit, or
+    an atomic lookup-and-allocate. (Before, the 0.33 plug-in refused the request, and
+    a pool published only the allocation's stores.)"""
+    import torch
+    from kvcoord.wire import events_from_pb
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1 import kv_cache_interface as k
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    block, window, n = 4, 6, 26
+    init_none_hash(sha256_cbor)
+    specs = [k.FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8, dtype=torch.float16)]
+    if layout == "full+swa":
+        specs.append(k.SlidingWindowSpec(
+            block_size=block, num_kv_heads=1, head_size=8, dtype=torch.float16, sliding_window=window
+        ))  # fmt: skip
+    kv = k.KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[k.KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)],
+        hash_block_size=block,
+    )
+    vllm_manager = KVCacheManager(
+        kv, max_model_len=256, scheduler_block_size=block, hash_block_size=block, enable_caching=True,
+        enable_kv_cache_events=True,
+    )  # fmt: skip
+    hasher = get_request_block_hasher(block, sha256_cbor)
+    first = Request("a", list(range(100, 100 + n)), SamplingParams(max_tokens=4), None, block_hasher=hasher)
+    params = SamplingParams(max_tokens=4, extra_args={"kv_cache_report_mode": "full"})
+    tokens = [*range(100, 100 + 18), *range(500, 500 + 7)]
+    second = Request("b", tokens, params, None, block_hasher=hasher)
+    assert second.kv_cache_report_mode == "full"
+    assert vllm_manager.allocate_slots(first, n) is not None
+    vllm_manager.free(first)
+    vllm_manager.take_events()
+    hit_blocks, hit_tokens, _ = vllm_manager.get_computed_blocks(second)
+    assert hit_tokens == 16
+    # (the sliding window's hit starts with null blocks: re-announced with the rest)
+    assert layout == "full" or hit_blocks.blocks[1][0].is_null
+    new = vllm_manager.allocate_slots(second, len(tokens) - hit_tokens, hit_tokens, hit_blocks)
+    assert new is not None
+    theirs = vllm_manager.take_events()
+    re_announced = [e for e in theirs if e.parent_block_hash is None and len(e.block_hashes) == 4]
+    assert len(re_announced) == len(specs), theirs
+
+    cfg = pb.PoolConfig(
+        num_blocks=64, hash_block_size=block, enable_caching=True, enable_kv_cache_events=True,
+        max_model_len=256, hash_algo="sha256_cbor", hash_seed="0", profile=VLLM_033, scheduler_block_size=block,
+    )  # fmt: skip
+    cfg.groups.add().full.CopyFrom(
+        pb.FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=8, dtype="float16")
+    )
+    if layout == "full+swa":
+        cfg.groups.add().sliding_window.CopyFrom(pb.SlidingWindowSpec(
+            block_size=block, sliding_window=window, num_kv_heads=1, head_size=8, dtype="float16"
+        ))  # fmt: skip
+    if kv.prefix_cache_retention_interval is None:  # (vLLM keeps every sliding-window hash)
+        cfg.prefix_cache_retention_interval = -1
+    pool = f"report-{layout.replace('+', '-')}-{via}"
+
+    def sync_of(request: Any) -> pb.RequestSync:
+        return pb.RequestSync(
+            request_id=request.request_id, new_request=True, append_token_ids=request.all_token_ids,
+            append_block_hashes=[bytes(h) for h in request.block_hashes],
+        )  # fmt: skip
+
+    with KVCoordClient(server.address) as c:
+        c.create_pool(pool, cfg)
+        a = c.attach(pool, "sha256_cbor", block, "0", profile=VLLM_033)
+        r = c.step(pool, [
+            pb.Operation(allocate=pb.AllocateOp(request=sync_of(first), num_new_tokens=n)),
+            pb.Operation(free=pb.FreeOp(request_id="a")),
+        ], a.session_id, fence=a.fence, include_state=True)  # fmt: skip
+        assert not r.results[0].allocate.refused and r.events  # (the first request's stores)
+        sync = sync_of(second)
+        sync.kv_cache_report_full = True
+        if via == "lookup":
+            lookup = pb.Operation(lookup=pb.LookupOp(request=sync))
+            r = c.step(pool, [lookup], a.session_id, fence=a.fence, include_state=True)
+            hit = r.results[0].lookup.hit
+            assert hit.num_tokens == hit_tokens
+            events = events_from_pb(r.events)
+            alloc = pb.AllocateOp(
+                request=pb.RequestSync(request_id="b", base_num_tokens=len(tokens), base_num_hashes=len(tokens) // block),
+                num_new_tokens=len(tokens) - hit_tokens, num_new_computed_tokens=hit_tokens, new_computed_blocks=hit,
+            )  # fmt: skip
+        else:
+            events = []
+            alloc = pb.AllocateOp(request=sync, num_new_tokens=len(tokens), lookup=True)
+        r = c.step(pool, [pb.Operation(allocate=alloc)], a.session_id, fence=a.fence, include_state=True)
+        assert r.results[0].status_code == 0 and not r.results[0].allocate.refused, r.results[0]
+        events += events_from_pb(r.events)
+        c.delete_pool(pool)
+    assert msgspec.msgpack.Encoder().encode(KVEventBatch(ts=3.0, events=theirs, data_parallel_rank=0)) == (
+        encode_batch(3.0, events, 0, isinstance(theirs[0].block_hashes[0], int), VLLM_033)
+    )

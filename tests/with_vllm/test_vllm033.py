@@ -6,6 +6,7 @@ the decisions themselves are compared step by step in test_scheduler_equivalence
 
 from __future__ import annotations
 
+import re
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -210,3 +211,39 @@ def test_prompt_embeddings_publish_vllm_033s_extra_keys(
     assert r.manager.lost_requests == 0
     digests = [e for entry in r.want if entry[0] == "events" for e in entry[1] if "extra_keys=[(b'" in e]
     assert digests, "no BlockStored named a prompt-embeds digest"
+
+
+@pytest.mark.parametrize("predict", [False, True], ids=["waiting", "predicted"])
+@pytest.mark.parametrize("layout", ["full", "full+swa"])
+def test_full_report_mode_requests_publish_as_vllm_033(
+    layout: str, predict: bool, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests asking for ``kv_cache_report_mode = "full"`` (two in five), KV events on:
+    vLLM 0.33's manager re-announces each hit they look up (a BlockStored per group from
+    block 0, no parent). The plug-in registers the mode with the request (before, it
+    refused such a request when scheduled) and the pool, waiting or predicted (the
+    mirror re-announces too: else its events differ from the server's and the session
+    is lost), publishes as vLLM 0.33's own manager does."""
+    from test_scheduler_equivalence import NUM_BLOCKS as BLOCKS
+    from test_scheduler_equivalence import first_difference, run_both
+
+    r = run_both("sync", layout, BLOCKS, 25, model_dir, server, monkeypatch, extras=frozenset({"report"}),
+                 predict=predict)  # fmt: skip
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.manager.lost_requests == 0
+    # a re-announcement: a store from block 0 of a hash still cached in its group
+    cached: set[tuple[str, str]] = set()
+    re_announced = 0
+    for entry in r.want:
+        for e in entry[1] if entry[0] == "events" else ():
+            found = re.search(r"block_hashes=\[([^]]*)\].*group_idx=(\d+)", e)
+            if found is None:
+                continue
+            hashes, group = found.group(1).split(", "), found.group(2)
+            if e.startswith("BlockRemoved"):
+                cached.difference_update((h, group) for h in hashes)
+                continue
+            if "parent_block_hash=None" in e and (hashes[0], group) in cached:
+                re_announced += 1
+            cached.update((h, group) for h in hashes)
+    assert r.want_counts["hit_tokens"] > 0 and re_announced > 20, (r.want_counts, re_announced)

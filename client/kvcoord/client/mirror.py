@@ -141,6 +141,7 @@ class Mirror:
                     cache_salt=sync.cache_salt or None,  # named in a vllm-0.33 pool's events
                     extra_key_sources=sync.extra_key_sources,  # (as well)
                     num_prompt_tokens=sync.num_prompt_tokens,
+                    kv_cache_report_full=sync.kv_cache_report_full,  # (hits re-announced)
                 )
                 if computed is not None:
                     try:
@@ -187,6 +188,7 @@ class Mirror:
     def lookup(self, request_id: str) -> tuple[BlockIds, int]:
         """The request's prefix hit (statistics recorded, as the server records them)."""
         hit = self.engine.get_computed_blocks(request_id)
+        self._collect()  # (a "full" report-mode request's hit is re-announced)
         return hit.block_ids, hit.num_tokens
 
     def allocate(self, request_id: str, *args: Any) -> BlockIds | None:

@@ -90,6 +90,9 @@ class SyncValues:
     #: what a vllm-0.33 pool's events derive blocks' extra keys from (multimodal items,
     #: prompt-embeds digests)
     extra_key_sources: ExtraKeySources | None = None
+    #: vLLM 0.33's kv_cache_report_mode "full" (a vllm-0.33 pool publishing events
+    #: re-announces the request's hits)
+    kv_cache_report_full: bool = False
 
     def write(self, into: pb.RequestSync) -> pb.RequestSync:
         into.request_id = self.request_id
@@ -105,6 +108,8 @@ class SyncValues:
                 into.num_prompt_tokens = self.num_prompt_tokens
             if self.extra_key_sources is not None:
                 write_extra_key_sources(self.extra_key_sources, into)
+            if self.kv_cache_report_full:
+                into.kv_cache_report_full = True
         else:
             into.base_num_tokens = self.base_num_tokens
             into.base_num_hashes = self.base_num_hashes
@@ -137,6 +142,9 @@ class RequestTracker:
         #: a first sync carries what the request's blocks' event extra keys derive from
         #: (a vllm-0.33 pool publishing events of cached blocks: kvcoord.client.vllm033)
         self.extra_keys_of: Callable[[Any], ExtraKeySources | None] | None = None
+        #: a first sync names the request's report mode when it is vLLM 0.33's "full"
+        #: (a vllm-0.33 pool publishing events: kvcoord.client.vllm033)
+        self.report_modes = False
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._tracked
@@ -205,6 +213,10 @@ class RequestTracker:
             if type(prompt) is int and 0 < prompt < n:
                 values.num_prompt_tokens = prompt  # registered again after a preemption
             values.extra_key_sources = extra
+            if self.report_modes:
+                values.kv_cache_report_full = (
+                    getattr(request, "kv_cache_report_mode", "incremental") == "full"
+                )
             t.registered = True
         return values
 

@@ -34,10 +34,11 @@ hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
 :func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV connector beside a
 mamba group in ``none`` mode or, for a KV consumer, with overlapping steps (deferred
-frees), fine-grained (partial) hits, and, with KV events on, requests asking for the
-``full`` report mode. With KV events on, a request's multimodal items and prompt-embeds
-digests travel with its registration (:func:`extra_key_sources_033`) so that the pool
-publishes vLLM 0.33's ``BlockStored.extra_keys`` for its blocks.
+frees), and fine-grained (partial) hits. With KV events on, a request's multimodal items
+and prompt-embeds digests travel with its registration (:func:`extra_key_sources_033`)
+so that the pool publishes vLLM 0.33's ``BlockStored.extra_keys`` for its blocks, and
+so does its ``full`` report mode (``RequestSync.kv_cache_report_full``), so that the pool
+re-announces each hit the request looks up, as vLLM 0.33's ``get_computed_blocks``.
 """
 
 from __future__ import annotations
@@ -232,8 +233,10 @@ def extra_key_sources_033(
 def _name_extra_keys(tracker: RequestTracker, config: pb.PoolConfig) -> None:
     """A vllm-0.33 pool names a request's cache salt, multimodal items and prompt-embeds
     digests in its BlockStored.extra_keys: the sync registering a request carries them
-    (the items and digests only to a pool publishing events of cached blocks)."""
+    (the items and digests only to a pool publishing events of cached blocks), and, to
+    a pool publishing events, the ``full`` report mode (its hits are re-announced)."""
     tracker.name_salts = True
+    tracker.report_modes = config.enable_kv_cache_events
     if config.enable_kv_cache_events and config.enable_caching:
         hash_block_size, lookahead = config.hash_block_size, config.num_hash_lookahead_tokens
         tracker.extra_keys_of = lambda request: extra_key_sources_033(request, hash_block_size, lookahead)
@@ -366,13 +369,6 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         #: vLLM 0.33's int(scheduler_config.watermark * num_blocks) (set by connect_033)
         self.watermark_blocks = 0
 
-    # -- per request: what the pool cannot reproduce is refused, not guessed ----------------
-    def _check_request(self, request: Any) -> None:
-        if not self.enable_kv_cache_events:
-            return  # extra keys change only hashes, which vLLM computes itself
-        if getattr(request, "kv_cache_report_mode", "incremental") == "full":
-            raise Unsupported033Error(f"request {request.request_id}: kv_cache_report_mode 'full'")
-
     # -- vLLM 0.33's calls ----------------------------------------------------------------
     def prefix_cache_lookup_enabled(self, request: Any) -> bool:
         return self.enable_caching and not getattr(request, "skip_reading_prefix_cache", False)
@@ -384,7 +380,6 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
             raise Unsupported033Error(
                 "get_computed_blocks with max_cache_hit_length (an aux-output connector)"
             )
-        self._check_request(request)
         blocks, num_tokens = super().get_computed_blocks(request)
         # The third value (where a shared prefix ends that a sliding-window group has not
         # cached) feeds 0.33's mamba chunk stops; the pool keeps its own from this lookup
@@ -404,7 +399,6 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         """0.16's ``allocate_slots`` (its arguments in ``args`` / ``kwargs``) with 0.33's
         keyword arguments."""
         # skip_zeroing_group_ids matters for zeroing only (refused at start)
-        self._check_request(request)
         remote = self.remote033
         # the processed-token basis matters only to a group with a window (full
         # attention frees nothing early): elsewhere 0, so decode steps stay plain

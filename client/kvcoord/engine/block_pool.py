@@ -320,6 +320,26 @@ class BlockPool:
             lookahead_token_ids=lookahead,
         )
 
+    def hit_stored_event(
+        self, request: Request, num_blocks: int, block_size: int, group_id: int
+    ) -> BlockStored:
+        """vLLM 0.33's re-announcement of a hit (a request in the "full" report mode):
+        one BlockStored for positions ``0 .. num_blocks-1`` of the group's hit, every
+        position listed (a null one too, with the request's hash there), no parent, the
+        hit's tokens, with 0.33's fields. Changes nothing; the caller queues it."""
+        originals = hashes_at_block_size(request.block_hashes, self.hash_block_size, block_size)
+        lora = request.lora
+        event = BlockStored(
+            block_hashes=tuple(originals[i] for i in range(num_blocks)),
+            parent_block_hash=None,
+            token_ids=tuple(request.all_token_ids[: num_blocks * block_size]),
+            block_size=block_size,
+            lora_id=lora.adapter_id if lora else None,
+            lora_name=lora.name if lora else None,
+            cache_prefix=request.cache_prefix,
+        )
+        return self._with_033_fields(event, request, range(num_blocks), group_id)
+
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` from the head, evicting their cached hashes.
 

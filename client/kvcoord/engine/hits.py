@@ -16,6 +16,7 @@ from .blocks import KVCacheBlock
 from .config import KVCacheConfig
 from .coordinators import KVCacheCoordinator
 from .errors import FailedPreconditionError, HintMismatchError, InvalidArgumentError, StaleCacheHitError
+from .events import BlockStored
 from .hash_list import NAMESPACE_PREFIX_BYTES, SharedHashes, hashes_at_block_size, request_keys
 from .managers import CrossAttentionManager, FullAttentionManager
 from .profiles import rules_of
@@ -58,6 +59,8 @@ class PrefixHits:
         self._stats_at_lookup = not rules_of(config.profile).stats_at_admission
         #: vllm-0.33 hybrids report a shared prefix a sparse group lags behind
         self._junctions = getattr(coordinator, "last_longest_hit", None) is not None
+        #: vllm-0.33 with events: a "full" report-mode request's hits are re-announced
+        self._hit_events = rules_of(config.profile).hit_events and config.enable_kv_cache_events
         self.lookup_counters = LookupCounters(group_hit_tokens=[0] * len(config.groups))
         self._alignment = coordinator.alignment_tokens
         self._group_block_sizes = [g.block_size for g in config.groups]
@@ -155,7 +158,23 @@ class PrefixHits:
         if self._junctions:
             self.note_junction(req, hit.num_tokens)
         self.record_lookup(req, hit, lists)
+        if self._hit_events and req.kv_cache_report_full:
+            self.block_pool.kv_event_queue += self.hit_events(req, hit)
         return hit
+
+    def hit_events(self, req: Request, hit: CacheHit) -> list[BlockStored]:
+        """vLLM 0.33's ``get_computed_blocks`` for a request in the "full" report mode
+        (``kv_cache_report_full``), KV events on: a hit of one token or more is
+        re-announced, one BlockStored per group whose hit is not empty (its every
+        position from block 0, no parent: :meth:`BlockPool.hit_stored_event`). Empty
+        otherwise, and in vllm-0.16 pools (vLLM 0.16 has no report mode). Queues
+        nothing: the lookup queues them, before anything the request's allocation
+        queues."""
+        if not (self._hit_events and req.kv_cache_report_full and hit.num_tokens):
+            return []
+        stored = self.block_pool.hit_stored_event
+        sizes = self._group_block_sizes
+        return [stored(req, len(ids), sizes[gid], gid) for gid, ids in enumerate(hit.block_ids) if ids]
 
     def note_junction(self, req: Request, hit_tokens: int) -> None:
         """vLLM 0.33: after a lookup the request keeps ``shared_prefix_boundary``, the
@@ -263,6 +282,8 @@ class PrefixHits:
         if self.enable_caching and not req.skip_reading_prefix_cache:
             self.note_junction(req, hit.num_tokens)
             self.record_lookup(req, hit, lists)
+            if self._hit_events and req.kv_cache_report_full:
+                self.block_pool.kv_event_queue += self.hit_events(req, hit)
         else:
             req.shared_prefix_boundary = 0
         return hit

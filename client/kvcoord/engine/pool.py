@@ -158,6 +158,7 @@ class KVCachePool:
         cache_salt: str | None = None,
         extra_key_sources: ExtraKeySources | None = None,
         num_prompt_tokens: int | None = None,
+        kv_cache_report_full: bool = False,
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes.
 
@@ -168,6 +169,11 @@ class KVCachePool:
         ``cache_salt`` and ``extra_key_sources`` (multimodal items, prompt-embeds
         digests) are only reported in vllm-0.33 pools' KV events (the hashes already
         include them).
+
+        ``kv_cache_report_full`` is vLLM 0.33's ``kv_cache_report_mode == "full"``: in a
+        vllm-0.33 pool with KV events each lookup of the request that finds a hit
+        re-announces the hit's blocks (:meth:`PrefixHits.hit_events`); vllm-0.16 pools
+        ignore it, as vLLM 0.16 does.
 
         ``cache_namespace`` isolates prefix caching: the request hits only blocks cached
         by requests of the same namespace, whatever its hashes. ``""`` (the default) is
@@ -189,6 +195,7 @@ class KVCachePool:
             cache_salt,
             extra_key_sources,
             num_prompt_tokens,
+            kv_cache_report_full,
         )
 
     @property
@@ -843,6 +850,10 @@ class KVCachePool:
         num_new = min(req.num_tokens - hit.num_tokens - num_external_computed_tokens, max_num_new_tokens)
         if num_new < 0:
             num_new = 0
+        # vllm-0.33, a "full" report-mode request: its lookup's events come before the
+        # allocation's, and only once the allocation did not raise (refused: kept)
+        hit_events = self.hits.hit_events(req, hit) if lists is not None else []
+        queued = len(self.block_pool.kv_event_queue)
         last_hit = req.last_hit
         fresh = req.last_hit = (hit.block_ids, self.block_pool.hash_epoch)  # trusted by allocate_slots
         try:
@@ -863,6 +874,8 @@ class KVCachePool:
         except Exception:
             req.last_hit = last_hit
             raise
+        if hit_events:
+            self.block_pool.kv_event_queue[queued:queued] = hit_events
         if lists is not None:
             self._record_lookup(req, hit, lists)
             req.last_hit = fresh

@@ -41,6 +41,9 @@ class ProfileRules:
         two_phase_external: a first-use request's hit blocks are touched in every
             group before any group takes blocks for its external (KV connector)
             tokens (vLLM 0.24+); otherwise group by group, touch then external.
+        hit_events: with KV events on, a lookup of a request in the "full" report
+            mode (``Request.kv_cache_report_full``) that finds a hit re-announces the
+            hit's blocks in a BlockStored per group (vLLM 0.26+).
     """
 
     prepend_unhashed_frees: bool
@@ -49,11 +52,12 @@ class ProfileRules:
     event_fields: bool
     full_sequence_admission: bool
     two_phase_external: bool
+    hit_events: bool
 
 
 _RULES = {
-    VLLM_016: ProfileRules(False, False, False, False, False, False),
-    VLLM_033: ProfileRules(True, True, True, True, True, True),
+    VLLM_016: ProfileRules(False, False, False, False, False, False, False),
+    VLLM_033: ProfileRules(True, True, True, True, True, True, True),
 }
 
 

@@ -48,6 +48,9 @@ class Request:
     #: vllm-0.33: the multimodal items and prompt-embeds digests its blocks' extra keys
     #: derive from (reported in events; ``None``: neither)
     extra_key_sources: ExtraKeySources | None = None
+    #: vLLM 0.33's ``kv_cache_report_mode == "full"``: a vllm-0.33 pool with events
+    #: re-announces the blocks of each hit the request looks up (PrefixHits)
+    kv_cache_report_full: bool = False
 
     @property
     def num_tokens(self) -> int:

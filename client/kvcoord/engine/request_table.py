@@ -145,6 +145,7 @@ class RequestTable:
         cache_salt: str | None = None,
         extra_key_sources: ExtraKeySources | None = None,
         num_prompt_tokens: int | None = None,
+        kv_cache_report_full: bool = False,
     ) -> None:
         """Register a request with its prompt and the prompt's block hashes (in cache
         namespace ``cache_namespace``: see :meth:`KVCachePool.add_request`).
@@ -172,6 +173,8 @@ class RequestTable:
         check_count(num_preemptions, "num_preemptions")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise InvalidArgumentError("cache_salt must be a string")
+        if not isinstance(kv_cache_report_full, bool):
+            raise InvalidArgumentError("kv_cache_report_full must be a bool")
         if num_prompt_tokens is None:
             num_prompt_tokens = len(tokens)
         elif not 0 < check_count(num_prompt_tokens, "num_prompt_tokens") <= len(tokens):
@@ -193,6 +196,7 @@ class RequestTable:
             cache_salt=cache_salt or None,
             num_prompt_tokens=num_prompt_tokens,
             extra_key_sources=extra_key_sources,
+            kv_cache_report_full=kv_cache_report_full,
         )
 
     def update(
@@ -279,6 +283,7 @@ class RequestTable:
                 r.num_prompt_tokens,
                 r.shared_prefix_boundary,
                 r.extra_key_sources,
+                r.kv_cache_report_full,
             )
             for r in sorted(self.requests.values(), key=lambda r: r.request_id)
         )

@@ -95,6 +95,7 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
                 r.num_prompt_tokens,
                 r.shared_prefix_boundary,
                 _sources_to_value(r.extra_key_sources),
+                r.kv_cache_report_full,
             ]
         )
     stats = pool.prefix_cache_stats
@@ -208,9 +209,9 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
     for entry in state["requests"]:
         rid, tokens, hashes, computed, preemptions, lora, skip, last_hit, prefix = entry[:9]
         # absent from older kvcoord's states (only vllm-0.33 pools read the last two)
-        # salt, prompt length, shared-prefix boundary, extra-key sources
-        defaults = [None, len(tokens), 0, None]
-        salt, num_prompt, junction, sources = list(entry[9:13]) + defaults[len(entry[9:13]) :]
+        # salt, prompt length, shared-prefix boundary, extra-key sources, report mode
+        defaults = [None, len(tokens), 0, None, False]
+        salt, num_prompt, junction, sources, report_full = list(entry[9:14]) + defaults[len(entry[9:14]) :]
         table[rid] = Request(
             rid,
             list(tokens),
@@ -225,6 +226,7 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
             num_prompt,
             junction,
             _sources_from_value(sources),
+            kv_cache_report_full=report_full,
         )
     pool.request_table.cache_namespaces.update(dict(state["namespaces"]))
     stats = state["prefix_cache_stats"]

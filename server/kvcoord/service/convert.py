@@ -69,7 +69,8 @@ def fence_to_pb(fence: Fence) -> pb.Fence:
 def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
     if not s.new_request:
         # A registered request's positioned sync: what registers a request (lora,
-        # skip_reading_prefix_cache, num_preemptions, cache_salt, num_prompt_tokens) is read only when it
+        # skip_reading_prefix_cache, num_preemptions, cache_salt, num_prompt_tokens,
+        # kv_cache_report_full) is read only when it
         # is new (PoolService.sync), so it is not read here (a decode step's syncs).
         return op.RequestSync(
             s.request_id,
@@ -94,6 +95,7 @@ def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
         s.cache_salt or None,
         extra_key_sources_from_pb(s),
         s.num_prompt_tokens if s.HasField("num_prompt_tokens") else None,
+        s.kv_cache_report_full,
     )
 
 

@@ -67,6 +67,7 @@ class RequestSync:
     cache_salt: str | None = None
     extra_key_sources: ExtraKeySources | None = None
     num_prompt_tokens: int | None = None
+    kv_cache_report_full: bool = False
 
 
 @dataclasses.dataclass(slots=True)

@@ -984,6 +984,7 @@ class PoolService:
                 cache_salt=sync.cache_salt,
                 extra_key_sources=sync.extra_key_sources,
                 num_prompt_tokens=sync.num_prompt_tokens,
+                kv_cache_report_full=sync.kv_cache_report_full,
             )
             if sync.num_computed_tokens is not None:
                 try:

@@ -22,8 +22,6 @@ def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
     or it is not a mamba group)."""
     if not hasattr(spec, "mamba_cache_mode"):
         return None
-    if getattr(spec, "num_speculative_blocks", 0):
-        return f"KV cache group {i}: mamba with speculative blocks is not supported by the vllm-0.33 profile"
     if getattr(spec, "num_prefill_checkpoint_blocks", 0) or getattr(
         vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", False
     ):

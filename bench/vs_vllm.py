@@ -49,9 +49,11 @@ Two parts:
    boundaries kept on the request, EAGLE's drafts with look-ahead
    slots and ``cache_blocks`` after each output, aborts, resets plain and after preempting
    everything, resent prompts and next turns of finished conversations) drives vLLM
-   0.33.0's manager and a ``vllm-0.33`` pool on seven layouts (``LAYOUTS_033``: full
+   0.33.0's manager and a ``vllm-0.33`` pool on eight layouts (``LAYOUTS_033``: full
    attention, sliding windows of 16- and 32-token blocks, two windows, chunked local,
-   full attention of two block sizes, both with a window), with prefix caching on and
+   full attention of two block sizes, both with a window, full attention with a mamba
+   "align" group, which has 2 speculative blocks with EAGLE/MTP on, its prefill chunks
+   ending on block boundaries as 0.33's scheduler clips them), with prefix caching on and
    off and EAGLE on and off, set up as vLLM 0.33's engine sets up its manager (hash
    blocks of the GCD of the block sizes, hits and caching aligned to their LCM, sparse
    sliding-window retention; EAGLE: one look-ahead hash token with caching on, the
@@ -60,8 +62,7 @@ Two parts:
    ids and refusals, free counts after each call, every running request's block table
    and the free queue's head after each step's scheduling, and each step's KV events
    (0.33's fields included) and prefix-cache statistics; the first difference stops the
-   run. Mamba is not covered: vLLM 0.33 has only "align" mode, which kvcoord's
-   ``vllm-0.33`` profile refuses.
+   run.
 """
 
 from __future__ import annotations
@@ -355,13 +356,16 @@ def workload(side: Any, seed: int, steps: int, timings: dict[str, list[float]] |
 
 #: layout name -> groups ``(kind, options)``; kinds: full/full32 (full attention, 16- or
 #: 32-token blocks), swa/swa32 (sliding window), chunked (chunked local attention, 16).
-#: Mamba is not here: vLLM 0.33 has only "align" mode, which kvcoord's vllm-0.33 profile
-#: refuses at pool creation (docs/semantics-notes.md).
+#: mamba_align: mamba in "align" mode (16), with SPEC_TOKENS_033 speculative blocks when
+#: EAGLE/MTP is on.
 LAYOUTS_033: dict[str, list[tuple[str, dict[str, Any]]]] = {
     **{name: layout for name, layout in LAYOUTS.items() if "mamba" not in name},
     "full16+chunked16(c64)": [("full", {}), ("chunked", {"attention_chunk_size": 64})],
     "full16+full32": [("full", {}), ("full32", {})],
     "full16+full32+swa16(w64)": [("full", {}), ("full32", {}), ("swa", {"sliding_window": 64})],
+    # mamba "align" (0.33's only caching mode); with EAGLE/MTP on, one speculative block
+    # per draft token
+    "full16+mamba16(align)": [("full", {}), ("mamba_align", {})],
 }
 #: the scheduler's token budget per step, and so vLLM 0.33's max_in_flight_tokens (one
 #: batch in flight: the synchronous scheduler)
@@ -376,8 +380,10 @@ def _block_sizes(layout: list[tuple[str, dict[str, Any]]]) -> list[int]:
     return [32 if kind in ("full32", "swa32") else 16 for kind, _ in layout]
 
 
-def _ours_spec(kind: str, kw: dict[str, Any]) -> Any:
+def _ours_spec(kind: str, kw: dict[str, Any], spec_blocks: int = 0) -> Any:
     size = 32 if kind in ("full32", "swa32") else 16
+    if kind == "mamba_align":
+        return MambaSpec(16, MambaCacheMode.ALIGN, spec_blocks)
     if kind in ("full", "full32"):
         return FullAttentionSpec(size)
     if kind in ("swa", "swa32"):
@@ -396,10 +402,12 @@ class Ours033(Ours):
     def __init__(self, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, eagle: bool,
                  caching: bool = True) -> None:  # fmt: skip
         sizes = _block_sizes(layout)
+        self.mamba_align = any(kind == "mamba_align" for kind, _ in layout)
         self.hash_block = math.gcd(*sizes)
         self.lookahead = 1 if eagle and caching else 0
+        spec_blocks = SPEC_TOKENS_033 if eagle else 0
         self.pool = KVCachePool(KVCacheConfig(
-            num_blocks=num_blocks, groups=tuple(_ours_spec(k, kw) for k, kw in layout),
+            num_blocks=num_blocks, groups=tuple(_ours_spec(k, kw, spec_blocks) for k, kw in layout),
             hash_block_size=self.hash_block, enable_caching=caching, enable_kv_cache_events=True,
             max_model_len=8192, profile="vllm-0.33", num_hash_lookahead_tokens=self.lookahead,
             max_in_flight_tokens=BUDGET_033, scheduler_block_size=math.lcm(*sizes),
@@ -489,6 +497,7 @@ class VLLM033(VLLM):
 
         init_none_hash(sha256_cbor)
         logging.getLogger("vllm").setLevel(logging.ERROR)  # its refused plain resets warn
+        self.mamba_align = any(kind == "mamba_align" for kind, _ in layout)
         common = {"num_kv_heads": 1, "head_size": 64, "dtype": torch.float16}
         specs: list[Any] = []
         for kind, kw in layout:
@@ -500,6 +509,10 @@ class VLLM033(VLLM):
             elif kind == "chunked":
                 specs.append(k.ChunkedLocalAttentionSpec(size, attention_chunk_size=kw["attention_chunk_size"],
                                                          **common))  # fmt: skip
+            elif kind == "mamba_align":
+                # as vLLM sizes it: one speculative block per draft token (MTP/EAGLE)
+                specs.append(k.MambaSpec(16, shapes=((8,),), dtypes=(torch.float16,), mamba_cache_mode="align",
+                                         num_speculative_blocks=SPEC_TOKENS_033 if eagle else 0))  # fmt: skip
             else:
                 raise ValueError(f"layout kind {kind!r} has no vLLM 0.33 spec here")
         groups = [
@@ -618,6 +631,14 @@ def _event_tuple033(event: Any) -> tuple[Any, ...]:
     return (name,)
 
 
+def _aligned_chunk(side: Any, start: int, n: int, prefill_end: int) -> int:
+    """A mamba "align" layout's prefill chunk that stops before ``prefill_end`` ends on a
+    block boundary (as vLLM 0.33's scheduler clips it; 0: nothing this step)."""
+    if not side.mamba_align or start + n >= prefill_end:
+        return n
+    return (start + n) // 16 * 16 - start if (start + n) // 16 * 16 > start else 0
+
+
 def workload033(side: Any, seed: int, steps: int, trace: list[Any], spec_tokens: int) -> None:
     """vLLM 0.33's synchronous scheduler loop, reduced to its manager calls; appends every
     answer to ``trace``.
@@ -726,6 +747,10 @@ def workload033(side: Any, seed: int, steps: int, trace: list[Any], spec_tokens:
             drafts = spec_tokens if left == 1 and len(tokens[rid]) > prompt_len[rid] else 0
             n = min(left + drafts, budget, 512)
             drafts = min(drafts, n - 1)
+            n = _aligned_chunk(side, computed[rid], n, max(prompt_len[rid], len(tokens[rid]) - 1))
+            if n == 0:
+                index += 1
+                continue
             while True:
                 new = side.grow(rid, n, spec_tokens)
                 rec(("alloc", rid, new, side.num_free()))
@@ -746,6 +771,9 @@ def workload033(side: Any, seed: int, steps: int, trace: list[Any], spec_tokens:
             hit, ids, n_hit = side.lookup(rid)
             rec(("hit", rid, ids, n_hit, side.boundary(rid)))
             n = min(len(tokens[rid]) - n_hit, budget, 512)
+            n = _aligned_chunk(side, n_hit, n, max(prompt_len[rid], len(tokens[rid]) - 1))
+            if n == 0:
+                break
             new = side.admit(rid, n, n_hit, hit, spec_tokens)
             rec(("admit", rid, new, side.num_free()))
             if new is None:

@@ -83,7 +83,6 @@ def test_033_trace_replays_over_the_wire(server: InProcessServer, name: str) -> 
     [
         ({"block_size": 64}, "copy-on-write"),  # sub-block hits: mamba block > hash block
         ({"mamba_cache_mode": "none"}, "requires 'align'"),  # 0.33 caches mamba only in align
-        ({"num_speculative_blocks": 1}, "relocation"),
     ],
 )
 def test_033_mamba_layouts_not_modelled_are_refused_loudly(change: dict[str, object], reason: str) -> None:

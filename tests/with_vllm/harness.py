@@ -88,8 +88,10 @@ def write_eagle_dir(model_dir: Path) -> Path:
     return path
 
 
-def kv_cache_config(layout: str, num_blocks: int) -> k.KVCacheConfig:
-    """The engine's KVCacheConfig for ``layout`` (as get_kv_cache_configs would group it)."""
+def kv_cache_config(layout: str, num_blocks: int, num_speculative_blocks: int = 0) -> k.KVCacheConfig:
+    """The engine's KVCacheConfig for ``layout`` (as get_kv_cache_configs would group it;
+    a mamba group has ``num_speculative_blocks``, which vLLM sets to the draft token
+    count when speculative decoding is on)."""
     common: dict[str, Any] = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
     groups = [
         k.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], k.FullAttentionSpec(BLOCK_SIZE, **common))
@@ -109,6 +111,7 @@ def kv_cache_config(layout: str, num_blocks: int) -> k.KVCacheConfig:
                 k.MambaSpec(
                     block_size=BLOCK_SIZE if mode == "align" else MAX_MODEL_LEN, shapes=((2, 16), (4, 8)),
                     dtypes=(torch.float16, torch.float16), mamba_cache_mode=mode,
+                    num_speculative_blocks=num_speculative_blocks,
                 ),
             )
         )  # fmt: skip

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from harness import (
+    BLOCK_SIZE,
     LAYOUTS,
     SCHEDULERS,
     V033,
@@ -149,6 +150,8 @@ def run_both(
     kind = "sync" if kind == "pp2" else kind
     if V033 and layout == "full+mamba":
         caching = False  # vLLM 0.33 caches mamba state only in "align" mode (its manager asserts it)
+    # vLLM gives a mamba group one speculative block per draft token
+    spec_blocks = 0 if speculative is None or "mamba" not in layout else 3 if speculative == "ngram" else 2
 
     def config() -> Any:
         return vllm_config(
@@ -168,15 +171,15 @@ def run_both(
         )
 
     if V033:
-        refused_033(kind, config(), kv_cache_config(layout, blocks), layout)
-    local = make_scheduler(SCHEDULERS[kind], config(), kv_cache_config(layout, blocks))
+        refused_033(kind, config(), kv_cache_config(layout, blocks, spec_blocks), layout)
+    local = make_scheduler(SCHEDULERS[kind], config(), kv_cache_config(layout, blocks, spec_blocks))
     want, want_counts = run_workload(
         local, seed=seed, steps=STEPS, async_overlap=overlap, extras=extras, queue_depth=depth
     )
     monkeypatch.setenv("KVCOORD_TARGET", server.address)
     monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
     monkeypatch.setenv("KVCOORD_POOL", f"{kind}-{layout.replace('+', '-')}-{next(_pool_ids)}")
-    remote = make_scheduler(KVCOORD[kind], config(), kv_cache_config(layout, blocks))
+    remote = make_scheduler(KVCOORD[kind], config(), kv_cache_config(layout, blocks, spec_blocks))
     assert isinstance(remote.kv_cache_manager, KVCoordKVCacheManager)
     assert not V033 or remote.kv_cache_manager.remote.config.profile == "vllm-0.33"
     counter = CallCounter(remote.kv_cache_manager)
@@ -548,6 +551,61 @@ def test_mamba_and_chunked_local_hybrids_decide_like_vllm(
     assert r.want_counts["preempted"] > 0, r.want_counts
     assert (r.want_counts["hit_tokens"] > 0) == (layout != "full+mamba"), r.want_counts
     assert r.manager.lost_requests == 0
+
+
+@pytest.mark.skipif(
+    not V033, reason="the vllm-0.33 profile's rule (issue 25); 0.16.0's is not rechecked here"
+)
+@pytest.mark.parametrize("predict", [False, True], ids=["remote", "predicted"])
+@pytest.mark.parametrize("speculative", ["eagle", "draft_model", "ngram"])
+def test_speculative_decoding_on_a_mamba_hybrid_decides_like_vllm(
+    speculative: str, predict: bool, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """MTP/EAGLE (look-ahead hashes), a draft model or n-gram drafts on full attention
+    with a mamba "align" group of one speculative block per draft (vLLM 0.33's
+    MambaManager: 1 + those new blocks at a request's first allocation, the speculative
+    blocks moved to the end of the list as the state crosses a block boundary, prefill
+    split at block boundaries), vLLM's synchronous Scheduler: identical decisions under
+    memory pressure and with blocks to spare, the pool's answers or the client's
+    predictions."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    layout = "full+mamba-align"
+    spec_blocks = 3 if speculative == "ngram" else 2
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False, speculative=speculative,
+                         mamba_cache_mode="align")  # fmt: skip
+    # taken, not skipped as refused (the plug-in refused it before)
+    assert unsupported_033(kv_cache_config(layout, NUM_BLOCKS, spec_blocks), config, BLOCK_SIZE) is None
+    for blocks, seed in ((40, 17), (4096, 6)):
+        r = run_both("sync", layout, blocks, seed, model_dir, server, monkeypatch, speculative=speculative,
+                     predict=predict)  # fmt: skip
+        assert r.got == r.want, first_difference(r.want, r.got)
+        assert r.want_counts["finished"] > 20, r.want_counts
+        assert blocks != 40 or r.want_counts["preempted"] > 0, r.want_counts
+        assert r.manager.lost_requests == 0
+        assert r.manager.config.groups[1].mamba.num_speculative_blocks == spec_blocks
+        assert (r.manager.config.num_hash_lookahead_tokens > 0) == (speculative == "eagle")
+    drafts = [len(t) for kind, *rest in r.want if kind == "schedule" for t in rest[1]["drafts"].values()]
+    assert len(drafts) > 500, len(drafts)  # requests scheduled with drafts
+
+
+@pytest.mark.skipif(not V033, reason="the vllm-0.33 plug-in's refusal")
+@pytest.mark.parametrize("speculative", ["eagle", "draft_model"])
+def test_speculative_decoding_on_a_mamba_hybrid_with_async_scheduling_is_refused(
+    speculative: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.33's AsyncScheduler with drafts beside a mamba "align" group: refused at
+    start, naming the reason (its caching of a drafted request's in-flight outputs gave
+    other answers when run, with and without speculative blocks: not modelled yet),
+    never run with other rules."""
+    from kvcoord.client.vllm033 import Unsupported033Error
+
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_POOL", f"mamba-async-spec-{next(_pool_ids)}")
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=True, speculative=speculative,
+                         mamba_cache_mode="align")  # fmt: skip
+    with pytest.raises(Unsupported033Error, match="mamba with speculative decoding and overlapping steps"):
+        make_scheduler(KVCOORD["async"], config, kv_cache_config("full+mamba-align", NUM_BLOCKS, 2))
 
 
 def test_blocks_behave_like_vllms(

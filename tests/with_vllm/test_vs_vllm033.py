@@ -87,3 +87,12 @@ def test_the_pinned_answers_are_vllm_033s(delayed: bool) -> None:
         "conformance_differential_033", ROOT / "tests" / "conformance" / "test_differential_033.py"
     )
     assert _vllm_round_down(delayed) == pinned.VLLM_LOOKAHEAD_ROUND_DOWN
+
+
+def test_the_pinned_mamba_speculative_answers_are_vllm_033s() -> None:
+    """tests/conformance/test_differential_033.py's MTP-on-mamba scenario, on vLLM 0.33.0."""
+    pinned = _load(
+        "conformance_differential_033", ROOT / "tests" / "conformance" / "test_differential_033.py"
+    )
+    side = _bench().VLLM033([("full", {}), ("mamba_align", {})], 40, True, True)
+    assert pinned.mamba_speculative_scenario(side) == pinned.VLLM_MAMBA_SPECULATIVE

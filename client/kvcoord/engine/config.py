@@ -228,10 +228,6 @@ def _mamba_033_gaps(cfg: KVCacheConfig, gid: int, spec: MambaSpec) -> list[str]:
         gaps.append(
             f"group {gid}: mamba prefix caching in mode {spec.mamba_cache_mode.value!r} (0.33 requires 'align')"
         )
-    if spec.mamba_cache_mode == MambaCacheMode.ALIGN and spec.num_speculative_blocks:
-        gaps.append(
-            f"group {gid}: mamba align with num_speculative_blocks (0.33's speculative-block relocation)"
-        )
     if cfg.enable_caching and spec.block_size != cfg.hash_block_size:
         gaps.append(
             f"group {gid}: mamba block_size {spec.block_size} other than hash_block_size "

@@ -201,9 +201,15 @@ class MambaManager033(MambaManager):
       ``take_boundary_state_offloads``; a request's records are dropped when it is
       freed.
 
+    - *Speculative blocks* (MTP/EAGLE): as in 0.16; 0.33 caps align mode's new blocks
+      at 1 + ``num_speculative_blocks`` for a request's first allocation and 1 after,
+      where 0.16 set those counts, and a request needing any new block needs at least
+      that many, so the answers are the same (checked against vLLM 0.33.0's manager:
+      tests/conformance/test_differential_033.py and bench/vs_vllm.py).
+
     Not modelled, and refused by the configuration: prefill checkpoint blocks, sub-block
-    (partial) hits with copy-on-write (a block larger than the hash block), speculative
-    blocks in align mode, and prefix caching outside align mode.
+    (partial) hits with copy-on-write (a block larger than the hash block), and prefix
+    caching outside align mode.
     """
 
     def __init__(
@@ -260,9 +266,10 @@ class MambaManager033(MambaManager):
         return True  # conservative: callers then take the general path
 
     # -- allocation -----------------------------------------------------------------------
-    # get_num_blocks_to_allocate is 0.16's: 0.33 caps align mode's new blocks at one per
-    # step rather than setting one, the same count, as the speculative blocks that
-    # would tell them apart are refused.
+    # get_num_blocks_to_allocate is 0.16's: 0.33 caps align mode's new blocks (1, or
+    # 1 + num_speculative_blocks for a first allocation) where 0.16 sets them; a first
+    # allocation needs at least 1 + num_speculative_blocks blocks (its hit ends before
+    # the tokens it computes), so the cap and the set count agree.
     def _hit_not_yet_usable(self, last: KVCacheBlock) -> bool:
         """The hit's last block was cached during the current scheduler step."""
         return last.cached_hash is not None and (last.cached_hash, last.cached_group) in self.cached_this_step

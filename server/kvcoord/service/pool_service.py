@@ -1099,20 +1099,7 @@ class PoolService:
                     engine.get_block_ids(rid) if o.return_table and res.new_block_ids is not None else None
                 )
                 return op.AllocateOutcome(res.new_block_ids, res.num_new_tokens, res.hit, table=table)
-            new = engine.allocate_slots(
-                rid,
-                o.num_new_tokens,
-                o.num_new_computed_tokens,
-                o.new_computed_blocks,
-                o.num_lookahead_tokens,
-                o.num_external_computed_tokens,
-                o.delay_cache_blocks,
-                o.num_encoder_tokens,
-                o.full_sequence_must_fit,
-                o.reserved_blocks,
-                o.num_in_flight_tokens,
-                o.watermark_blocks,
-            )
+            new = engine.allocate_slots(rid, *_allocate_args(o))
             if new is None and o.must_succeed:
                 raise self._prediction_failed(rid)
         except Exception as exc:
@@ -1137,21 +1124,7 @@ class PoolService:
         rid = o.sync.request_id
         undo = self._allocate_begins(s, o)
         try:
-            new = yield from self.engine.allocating_slots(
-                every,
-                rid,
-                o.num_new_tokens,
-                o.num_new_computed_tokens,
-                o.new_computed_blocks,
-                o.num_lookahead_tokens,
-                o.num_external_computed_tokens,
-                o.delay_cache_blocks,
-                o.num_encoder_tokens,
-                o.full_sequence_must_fit,
-                o.reserved_blocks,
-                o.num_in_flight_tokens,
-                o.watermark_blocks,
-            )
+            new = yield from self.engine.allocating_slots(every, rid, *_allocate_args(o))
             if new is None and o.must_succeed:
                 raise self._prediction_failed(rid)
         except Exception as exc:
@@ -1572,3 +1545,22 @@ _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.TakeBoundaryStateOffloads: PoolService._take_offloads,  # type: ignore[dict-item]
     op.TakeBlockCopies: PoolService._take_copies,  # type: ignore[dict-item]
 }
+
+
+def _allocate_args(o: op.Allocate) -> tuple[Any, ...]:
+    """An Allocate's arguments to ``KVCachePool.allocate_slots`` after the request id, in
+    its order: written once for the call made at once and the one made in slices (the
+    two once carried different fields)."""
+    return (
+        o.num_new_tokens,
+        o.num_new_computed_tokens,
+        o.new_computed_blocks,
+        o.num_lookahead_tokens,
+        o.num_external_computed_tokens,
+        o.delay_cache_blocks,
+        o.num_encoder_tokens,
+        o.full_sequence_must_fit,
+        o.reserved_blocks,
+        o.num_in_flight_tokens,
+        o.watermark_blocks,
+    )

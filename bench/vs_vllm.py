@@ -49,14 +49,15 @@ Two parts:
    boundaries kept on the request, EAGLE's drafts with look-ahead
    slots and ``cache_blocks`` after each output, aborts, resets plain and after preempting
    everything, resent prompts and next turns of finished conversations) drives vLLM
-   0.33.0's manager and a ``vllm-0.33`` pool on eight layouts (``LAYOUTS_033``: full
+   0.33.0's manager and a ``vllm-0.33`` pool on thirteen layouts (``LAYOUTS_033``: full
    attention, sliding windows of 16- and 32-token blocks, two windows, chunked local,
    full attention of two block sizes, both with a window, full attention with a mamba
    "align" group, which has 2 speculative blocks with EAGLE/MTP on, its prefill chunks
    ending on block boundaries as 0.33's scheduler clips them), with prefix caching on and
    off and EAGLE on and off, set up as vLLM 0.33's engine sets up its manager (hash
    blocks of the GCD of the block sizes, hits and caching aligned to their LCM, sparse
-   sliding-window retention; EAGLE: one look-ahead hash token with caching on, the
+   sliding-window retention unless the layout sets another (a window alone, periodic
+   intervals, dense); EAGLE: one look-ahead hash token with caching on, the
    last-block drop with caching off, which kvcoord's pool takes as no drop since nothing
    is looked up). Every answer is compared: hits and shared-prefix boundaries, new block
    ids and refusals, free counts after each call, every running request's block table

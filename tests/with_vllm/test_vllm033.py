@@ -133,8 +133,9 @@ def test_periodic_retention_beside_mamba_and_sinks_are_refused_at_start(
 ) -> None:
     """A positive prefix_cache_retention_interval runs beside sliding windows
     (test_scheduler_equivalence) but is refused beside a mamba group (periodic mamba
-    checkpoints are not reproduced), naming it; attention sinks are refused naming
-    why: vLLM 0.33.0's own manager cannot be built for them (checked here)."""
+    checkpoints are not reproduced), naming it. Attention sinks: vLLM 0.33.0's own
+    manager cannot be built for them (checked here), so the plug-in's scheduler fails at
+    start with vLLM's error, and unsupported_033 names why."""
     import torch
     from kvcoord.client.vllm033 import Unsupported033Error, unsupported_033
     from vllm.v1 import kv_cache_interface as k
@@ -153,7 +154,11 @@ def test_periodic_retention_beside_mamba_and_sinks_are_refused_at_start(
         KVCacheManager(kv, max_model_len=1024, scheduler_block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE,
                        max_in_flight_tokens=256, enable_caching=True)  # fmt: skip
     config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False)
-    with pytest.raises(Unsupported033Error, match="attention sinks .*cannot build its sink manager"):
+    why = unsupported_033(kv, config, BLOCK_SIZE)
+    assert why is not None and "cannot build its sink manager" in why, why
+    # the plug-in fails at start as vLLM's own scheduler does (its base class builds
+    # vLLM's manager first): loudly, never scheduling
+    with pytest.raises(TypeError, match="needs_kv_cache_zeroing"):
         make_scheduler(_kvcoord("sync"), config, kv)
 
 

@@ -49,14 +49,15 @@ Two parts:
    boundaries kept on the request, EAGLE's drafts with look-ahead
    slots and ``cache_blocks`` after each output, aborts, resets plain and after preempting
    everything, resent prompts and next turns of finished conversations) drives vLLM
-   0.33.0's manager and a ``vllm-0.33`` pool on eight layouts (``LAYOUTS_033``: full
+   0.33.0's manager and a ``vllm-0.33`` pool on thirteen layouts (``LAYOUTS_033``: full
    attention, sliding windows of 16- and 32-token blocks, two windows, chunked local,
    full attention of two block sizes, both with a window, full attention with a mamba
    "align" group, which has 2 speculative blocks with EAGLE/MTP on, its prefill chunks
    ending on block boundaries as 0.33's scheduler clips them), with prefix caching on and
    off and EAGLE on and off, set up as vLLM 0.33's engine sets up its manager (hash
    blocks of the GCD of the block sizes, hits and caching aligned to their LCM, sparse
-   sliding-window retention; EAGLE: one look-ahead hash token with caching on, the
+   sliding-window retention unless the layout sets another (a window alone, periodic
+   intervals, dense); EAGLE: one look-ahead hash token with caching on, the
    last-block drop with caching off, which kvcoord's pool takes as no drop since nothing
    is looked up). Every answer is compared: hits and shared-prefix boundaries, new block
    ids and refusals, free counts after each call, every running request's block table
@@ -366,6 +367,14 @@ LAYOUTS_033: dict[str, list[tuple[str, dict[str, Any]]]] = {
     # mamba "align" (0.33's only caching mode); with EAGLE/MTP on, one speculative block
     # per draft token
     "full16+mamba16(align)": [("full", {}), ("mamba_align", {})],
+    # a positive prefix_cache_retention_interval (a window tail once per interval) and
+    # dense retention (None: a tail at every scheduler block) where a window tail is
+    # shorter than the segment
+    "swa16(w64)": [("swa", {"sliding_window": 64})],
+    "swa16(w16) r64": [("swa", {"sliding_window": 16, "retention": 64})],
+    "full16+swa16(w32) r64": [("full", {}), ("swa", {"sliding_window": 32, "retention": 64})],
+    "full32+swa16(w16) r128": [("full32", {}), ("swa", {"sliding_window": 16, "retention": 128})],
+    "full32+swa16(w16) dense": [("full32", {}), ("swa", {"sliding_window": 16, "retention": None})],
 }
 #: the scheduler's token budget per step, and so vLLM 0.33's max_in_flight_tokens (one
 #: batch in flight: the synchronous scheduler)
@@ -378,6 +387,15 @@ LORAS_033 = ((1, "adapter-a"), (2, "adapter-b"))
 
 def _block_sizes(layout: list[tuple[str, dict[str, Any]]]) -> list[int]:
     return [32 if kind in ("full32", "swa32") else 16 for kind, _ in layout]
+
+
+def _retention(layout: list[tuple[str, dict[str, Any]]]) -> int | None:
+    """The layout's prefix_cache_retention_interval (a group's ``retention`` option;
+    0.33's default 0, sparse, when none gives one)."""
+    for _, kw in layout:
+        if "retention" in kw:
+            return kw["retention"]
+    return 0
 
 
 def _ours_spec(kind: str, kw: dict[str, Any], spec_blocks: int = 0) -> Any:
@@ -396,7 +414,8 @@ def _ours_spec(kind: str, kw: dict[str, Any], spec_blocks: int = 0) -> Any:
 class Ours033(Ours):
     """kvcoord's engine with a ``vllm-0.33`` pool, set up as vLLM 0.33's engine core sets
     up its manager: hash blocks of the GCD of the block sizes, hits and caching aligned to
-    their LCM, sparse sliding-window retention (interval 0), and for EAGLE with caching on
+    their LCM, the layout's sliding-window retention (sparse, interval 0, unless a group's
+    ``retention`` option says otherwise), and for EAGLE with caching on
     look-ahead hashes of one token and no last-block drop."""
 
     def __init__(self, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, eagle: bool,
@@ -411,7 +430,7 @@ class Ours033(Ours):
             hash_block_size=self.hash_block, enable_caching=caching, enable_kv_cache_events=True,
             max_model_len=8192, profile="vllm-0.33", num_hash_lookahead_tokens=self.lookahead,
             max_in_flight_tokens=BUDGET_033, scheduler_block_size=math.lcm(*sizes),
-            prefix_cache_retention_interval=0))  # fmt: skip
+            prefix_cache_retention_interval=_retention(layout)))  # fmt: skip
         self.caching = caching
         self.none = none_hash("sha256_cbor", "0", profile="vllm-0.33")
         self.hashers: dict[str, Any] = {}
@@ -521,7 +540,8 @@ class VLLM033(VLLM):
         sizes = _block_sizes(layout)
         hash_block = math.gcd(*sizes)
         cfg = k.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
-                              prefix_cache_retention_interval=0, hash_block_size=hash_block)  # fmt: skip
+                              prefix_cache_retention_interval=_retention(layout),
+                              hash_block_size=hash_block)  # fmt: skip
         lookahead = 1 if eagle and caching else 0
         self.m = KVCacheManager(
             cfg, max_model_len=8192, scheduler_block_size=math.lcm(*sizes), hash_block_size=hash_block,

@@ -91,11 +91,18 @@ def write_eagle_dir(model_dir: Path) -> Path:
 def kv_cache_config(layout: str, num_blocks: int, num_speculative_blocks: int = 0) -> k.KVCacheConfig:
     """The engine's KVCacheConfig for ``layout`` (as get_kv_cache_configs would group it;
     a mamba group has ``num_speculative_blocks``, which vLLM sets to the draft token
-    count when speculative decoding is on)."""
+    count when speculative decoding is on). ``swa``: one sliding-window group alone. A
+    suffix (vLLM 0.33) sets ``prefix_cache_retention_interval``: `` rN`` to N, `` sparse``
+    to 0 (what EngineCore copies from 0.33's CacheConfig by default); without one it
+    keeps KVCacheConfig's own default, None (dense)."""
+    layout, _, retention = layout.partition(" ")
     common: dict[str, Any] = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
     groups = [
         k.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], k.FullAttentionSpec(BLOCK_SIZE, **common))
     ]
+    if layout == "swa":
+        groups = []
+        layout = "full+swa"
     if layout == "full+chunked":
         groups.append(
             k.KVCacheGroupSpec(
@@ -135,7 +142,10 @@ def kv_cache_config(layout: str, num_blocks: int, num_speculative_blocks: int = 
                 k.SlidingWindowSpec(BLOCK_SIZE, sliding_window=64, **common),
             )
         )
-    return k.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    config = k.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    if retention:
+        config.prefix_cache_retention_interval = 0 if retention == "sparse" else int(retention.lstrip("r"))
+    return config
 
 
 def vllm_config(

@@ -178,7 +178,9 @@ def run_both(
     )
     monkeypatch.setenv("KVCOORD_TARGET", server.address)
     monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
-    monkeypatch.setenv("KVCOORD_POOL", f"{kind}-{layout.replace('+', '-')}-{next(_pool_ids)}")
+    monkeypatch.setenv(
+        "KVCOORD_POOL", f"{kind}-{layout.replace('+', '-').replace(' ', '-')}-{next(_pool_ids)}"
+    )
     remote = make_scheduler(KVCOORD[kind], config(), kv_cache_config(layout, blocks, spec_blocks))
     assert isinstance(remote.kv_cache_manager, KVCoordKVCacheManager)
     assert not V033 or remote.kv_cache_manager.remote.config.profile == "vllm-0.33"
@@ -286,6 +288,32 @@ def test_several_block_sizes_decide_like_vllm_033(
         assert r.want_counts[what] > 0, r.want_counts
     assert r.want_counts["finished"] > 20, r.want_counts
     assert r.manager.lost_requests == 0
+
+
+@_033_cases(["swa sparse", "swa r128", "full+swa r128"], "vLLM 0.16 has no retention interval (0.30+)")
+def test_sliding_window_retention_decides_like_vllm_033(
+    kind: str, layout: str, predict: bool, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """vLLM 0.33 hashes only the sliding-window blocks its retention keeps: sparse (0)
+    the window's tail at the prompt's replay boundary, periodic (128) also one tail per
+    128 tokens, for a window group alone as beside full attention. Identical decisions
+    and events, waiting for the pool's answers and predicted; vLLM's own events differ
+    from dense retention's (the interval was exercised)."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=kind == "async")
+    assert unsupported_033(kv_cache_config(layout, NUM_BLOCKS), config, 16) is None  # not skipped: taken
+    r = run_both(kind, layout, NUM_BLOCKS, 11, model_dir, server, monkeypatch, predict=predict)
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.got_counts == r.want_counts
+    for what in ("hit_tokens", "events"):
+        assert r.want_counts[what] > 0, r.want_counts
+    assert r.want_counts["finished"] > 20, r.want_counts
+    assert r.manager.lost_requests == 0
+    dense = make_scheduler(SCHEDULERS[kind], config, kv_cache_config(layout.split()[0], NUM_BLOCKS))
+    without, _ = run_workload(dense, seed=11, steps=STEPS, async_overlap=kind == "async")
+    assert without != r.want
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

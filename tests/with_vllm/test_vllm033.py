@@ -128,16 +128,37 @@ def test_a_kv_connector_with_drafts_beside_a_window_starts(layout: str, model_di
     assert unsupported_033(kv_cache_config(layout, NUM_BLOCKS), config, BLOCK_SIZE) is None
 
 
-def test_periodic_retention_is_refused_at_start(model_dir: Path, pool_env: str) -> None:
-    """A KVCacheConfig with a positive prefix_cache_retention_interval (periodic
-    sliding-window checkpoints, which the vllm-0.33 profile does not reproduce) is
-    refused when the scheduler starts, naming it; sparse (0) and dense (None) run."""
-    from kvcoord.client.vllm033 import Unsupported033Error
+def test_periodic_retention_beside_mamba_and_sinks_are_refused_at_start(
+    model_dir: Path, pool_env: str
+) -> None:
+    """A positive prefix_cache_retention_interval runs beside sliding windows
+    (test_scheduler_equivalence) but is refused beside a mamba group (periodic mamba
+    checkpoints are not reproduced), naming it. Attention sinks: vLLM 0.33.0's own
+    manager cannot be built for them (checked here), so the plug-in's scheduler fails at
+    start with vLLM's error, and unsupported_033 names why."""
+    import torch
+    from kvcoord.client.vllm033 import Unsupported033Error, unsupported_033
+    from vllm.v1 import kv_cache_interface as k
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False)
-    kv = kv_cache_config("full+swa", NUM_BLOCKS)
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False, mamba_cache_mode="align")
+    kv = kv_cache_config("full+mamba-align", NUM_BLOCKS)
+    assert unsupported_033(kv, config, BLOCK_SIZE) is None
     kv.prefix_cache_retention_interval = 32
-    with pytest.raises(Unsupported033Error, match="prefix_cache_retention_interval 32"):
+    with pytest.raises(Unsupported033Error, match="prefix_cache_retention_interval 32 beside a mamba group"):
+        make_scheduler(_kvcoord("sync"), config, kv)
+
+    sink = k.SinkFullAttentionSpec(BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16, sink_len=16)
+    kv = k.KVCacheConfig(NUM_BLOCKS, [], [k.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], sink)])
+    with pytest.raises(TypeError, match="needs_kv_cache_zeroing"):
+        KVCacheManager(kv, max_model_len=1024, scheduler_block_size=BLOCK_SIZE, hash_block_size=BLOCK_SIZE,
+                       max_in_flight_tokens=256, enable_caching=True)  # fmt: skip
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False)
+    why = unsupported_033(kv, config, BLOCK_SIZE)
+    assert why is not None and "cannot build its sink manager" in why, why
+    # the plug-in fails at start as vLLM's own scheduler does (its base class builds
+    # vLLM's manager first): loudly, never scheduling
+    with pytest.raises(TypeError, match="needs_kv_cache_zeroing"):
         make_scheduler(_kvcoord("sync"), config, kv)
 
 

@@ -17,8 +17,8 @@ scheduler first passes that request (:class:`Unsupported033Error`): never a sile
 Supported: KV cache groups of full attention, sliding window and chunked local
 attention (of one block size or several: hashes of the smallest, hits and caching at
 their LCM; 0.33's processed-token basis travels as
-``AllocateOp.num_in_flight_tokens``, sparse or dense retention as the KVCacheConfig
-says), prefix caching on or off, KV events, statistics, the synchronous and the
+``AllocateOp.num_in_flight_tokens``, sparse, dense or periodic sliding-window
+retention as the KVCacheConfig's ``prefix_cache_retention_interval`` says), prefix caching on or off, KV events, statistics, the synchronous and the
 asynchronous scheduler, the FCFS and priority policies, the watermark
 (``AllocateOp.watermark_blocks``), cache salts, LoRA adapters (their
 path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
@@ -27,9 +27,9 @@ groups beside full attention (``align`` mode, or ``none`` with prefix caching of
 pool's shared-prefix boundary and per-step drains, :mod:`.vllm033_mamba`), and KV
 connectors (loads, failed loads, delayed and deferred frees: :mod:`.vllm033_connector`).
 A lost session costs recomputation (``check_session`` surfaces a loss met in the
-background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA and sink
-subclasses), mamba with speculative or prefill checkpoint blocks, a positive
-``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block drop (look-ahead
+background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA subclasses; attention sinks,
+which vLLM 0.33.0 itself cannot start), mamba with speculative or prefill checkpoint
+blocks, a positive ``prefix_cache_retention_interval`` beside a mamba group, EAGLE/MTP with the trailing-block drop (look-ahead
 hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
 :func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV connector beside a
@@ -137,7 +137,14 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     groups = kv_cache_config.kv_cache_groups
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
-        # (exact types: MLA, sinks and the other subclasses are not taken)
+        if getattr(spec, "sink_len", None):
+            return (
+                f"KV cache group {i} has attention sinks ({type(spec).__name__}): vLLM 0.33.0 itself "
+                "cannot build its sink manager (SinkFullAttentionManager does not take the "
+                "needs_kv_cache_zeroing argument its coordinator passes), so there is no 0.33 "
+                "behaviour for the vllm-0.33 profile to reproduce"
+            )
+        # (exact types: MLA and the other subclasses are not taken)
         if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec):
             return (
                 f"KV cache group {i} is {type(spec).__name__}: kvcoord's vllm-0.33 plug-in supports "
@@ -147,8 +154,6 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
         why = unsupported_mamba_033(i, spec, vllm_config)
         if why is not None:
             return why
-        if getattr(spec, "sink_len", None):
-            return f"KV cache group {i} has attention sinks: not supported by the vllm-0.33 profile"
     sizes = {int(g.kv_cache_spec.block_size) for g in groups}
     if len(sizes) > 1 and uncached_mamba_hybrid(groups, vllm_config, hash_block_size):
         sizes = set()  # nothing hashed or cached: one scheduler block size, their LCM
@@ -163,16 +168,23 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
             f"hash_block_size {hash_block_size} is not the smallest block size of {sorted(sizes)}: "
             "fine-grained (partial) prefix hits are not supported"
         )
-    if getattr(kv_cache_config, "prefix_cache_retention_interval", 0):
+    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", 0)
+    if retention and any(hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups):
+        # (periodic sliding-window retention is the pool's: window_block_mask)
         return (
-            f"prefix_cache_retention_interval {kv_cache_config.prefix_cache_retention_interval}: "
-            "periodic sliding-window checkpoints are not supported by the vllm-0.33 profile"
+            f"prefix_cache_retention_interval {retention} beside a mamba group: periodic mamba "
+            "state checkpoints are not supported by the vllm-0.33 profile"
         )
     if getattr(kv_cache_config, "needs_kv_cache_zeroing", False) and not any(
         hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups
     ):
         # (a mamba pool records the attention blocks to zero: take_new_block_ids)
-        return "the KV cache needs zeroing without a mamba group: not supported"
+        return (
+            "the KV cache needs zeroing without a mamba group (a mixed-precision KV cache): not "
+            "supported yet: a vllm-0.33 pool records the attention blocks to zero "
+            "(take_new_block_ids) only beside a mamba group; the pool configuration does not "
+            "carry the zeroing flag on the wire"
+        )
     transfer = vllm_config.kv_transfer_config
     modes = {g.kv_cache_spec.mamba_cache_mode for g in groups if hasattr(g.kv_cache_spec, "mamba_cache_mode")}
     if transfer is not None and modes:
@@ -498,7 +510,7 @@ def pool_config_033(
     if retention is None:
         cfg.prefix_cache_retention_interval = -1
     elif retention:
-        cfg.prefix_cache_retention_interval = int(retention)  # refused by unsupported_033
+        cfg.prefix_cache_retention_interval = int(retention)  # periodic (beside mamba: refused)
     # the admission cap of sliding-window and chunked-local groups (0: max_model_len, as vLLM)
     cfg.max_in_flight_tokens = int(getattr(vllm_config, "max_in_flight_tokens", 0) or 0)
     return cfg

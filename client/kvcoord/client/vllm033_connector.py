@@ -45,12 +45,19 @@ def connector_refusal_033(kv_cache_config: Any, vllm_config: Any) -> str | None:
         return None
     if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is not None:
         return (
-            "a KV connector with a HiSparse host pool: 0.33's deferred asynchronous loads (load "
-            "fences) and HiSparse are not supported"
+            "a KV connector with a HiSparse host pool: not supported (out of scope): HiSparse "
+            "keeps a second, host-side block pool with its own managers and coordinator, and "
+            "0.33 defers asynchronous loads behind load fences only with it; a kvcoord pool is "
+            "one block pool"
         )
     aux = getattr(vllm_config, "aux_output_config", None)
     if aux is not None and getattr(aux, "enabled", False):
-        return "an auxiliary-output connector (it caps prefix hits): not supported by the vllm-0.33 profile"
+        return (
+            "an auxiliary-output connector: not supported by the vllm-0.33 profile: its scheduler "
+            "side reads vLLM's block pool directly (cached-hash lookups per block through "
+            "coordinator.single_type_managers) to cap each prefix hit and to retain or release "
+            "hashes, state that lives in the kvcoord pool"
+        )
     return None
 
 

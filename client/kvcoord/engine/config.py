@@ -80,7 +80,9 @@ class KVCacheConfig:
         prefix_cache_retention_interval: (vllm-0.33) ``0`` (vLLM 0.33's default):
             sliding-window and mamba groups hash only the blocks a later lookup can
             reach (the prompt's replay boundary, a detected shared-prefix junction); ``None``:
-            every full block, as vllm-0.16 does. Positive intervals are not taken yet.
+            a window tail at every scheduler block (dense). A positive multiple of the
+            scheduler block size (a model with a sliding-window group, no mamba group):
+            a window tail once per interval, and those of the reachable boundaries.
 
     Raises:
         ConfigError: the layout breaks a rule vLLM enforces (at construction or at its
@@ -206,17 +208,40 @@ def _validate_033_support(cfg: KVCacheConfig) -> None:
     lcm = math.lcm(*(g.block_size for g in cfg.groups)) if cfg.groups else 0
     if cfg.scheduler_block_size not in (0, lcm):
         missing.append(f"scheduler_block_size {cfg.scheduler_block_size} other than the LCM {lcm}")
-    if cfg.prefix_cache_retention_interval not in (None, 0):
-        missing.append("a positive prefix_cache_retention_interval")
+    for gid, spec in enumerate(cfg.groups):
+        if isinstance(spec, FullAttentionSpec) and spec.sink_len:
+            # vLLM 0.33.0's SinkFullAttentionManager does not take the needs_kv_cache_zeroing
+            # argument its coordinator passes every manager: its engine fails at start
+            missing.append(f"group {gid}: sink attention (vLLM 0.33.0 itself cannot build its sink manager)")
+    interval = cfg.prefix_cache_retention_interval
+    if interval not in (None, 0):
+        _validate_retention_interval(cfg, interval, cfg.scheduler_block_size or lcm)
+        if any(isinstance(spec, MambaSpec) for spec in cfg.groups):
+            missing.append("a positive prefix_cache_retention_interval beside a mamba group")
     if cfg.use_eagle:
         missing.append("EAGLE/MTP (lookahead block hashes, the per-group drop)")
     for gid, spec in enumerate(cfg.groups):
-        if isinstance(spec, FullAttentionSpec) and spec.sink_len:
-            missing.append(f"group {gid}: sink attention (0.33 reserves no sink blocks)")
         if isinstance(spec, MambaSpec):
             missing.extend(_mamba_033_gaps(cfg, gid, spec))
     if missing:
         raise ConfigError("the vllm-0.33 profile does not support yet: " + "; ".join(missing))
+
+
+def _validate_retention_interval(cfg: KVCacheConfig, interval: object, scheduler_block_size: int) -> None:
+    """vLLM 0.33's rules for a positive ``prefix_cache_retention_interval``: it applies to
+    sliding-window and mamba groups only, at multiples of the scheduler block size."""
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise ConfigError(f"prefix_cache_retention_interval must be None or >= 0, got {interval!r}")
+    if not any(isinstance(spec, (SlidingWindowSpec, MambaSpec)) for spec in cfg.groups):
+        raise ConfigError(
+            "prefix_cache_retention_interval is positive but no group is sliding window or mamba "
+            "(it applies to those only; vLLM requires 0)"
+        )
+    if interval % scheduler_block_size:
+        raise ConfigError(
+            f"prefix_cache_retention_interval {interval} must be a multiple of the scheduler "
+            f"block size {scheduler_block_size}"
+        )
 
 
 def _mamba_033_gaps(cfg: KVCacheConfig, gid: int, spec: MambaSpec) -> list[str]:

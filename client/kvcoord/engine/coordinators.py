@@ -37,6 +37,10 @@ class KVCacheCoordinator:
     #: the coordinator's cache_blocks stops at the request's hashed tokens itself, after
     #: its own rounding; otherwise the caller clamps the count first
     caps_cache_at_hashes = False
+    #: every manager caches its newly full blocks by the base rule (the pool's
+    #: allocate_slots fast path may then cache them itself); False when this
+    #: coordinator's cache_blocks has rules of its own
+    plain_caching = True
 
     def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
         self.config = config
@@ -229,6 +233,42 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
         return hit, len(hit[0]) * self.block_size
 
 
+class UnitaryKVCacheCoordinator033(UnitaryKVCacheCoordinator):
+    """vLLM 0.33's coordinator of one group (profile vllm-0.33): a sliding-window group
+    hashes only the blocks its retention keeps (:func:`window_block_mask`; the replay
+    boundary is the prompt's, as one group has no shared-prefix junction); every other
+    type caches as under 0.16."""
+
+    def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
+        super().__init__(config, materialize_blocks)
+        self.plain_caching = not isinstance(self.spec, SlidingWindowSpec)
+
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        m = self.managers[0]
+        spec = self.spec
+        if not isinstance(spec, SlidingWindowSpec):
+            m.cache_blocks(request, num_computed_tokens)
+            return
+        rid = request.request_id
+        bs = self.block_size
+        num_cached = m.num_cached_block.get(rid, 0)
+        num_full = num_computed_tokens // bs
+        if num_cached >= num_full:
+            return
+        mask = window_block_mask(
+            spec.sliding_window,
+            bs,
+            bs,
+            self.config.prefix_cache_retention_interval,
+            num_cached,
+            num_full,
+            (request.num_prompt_tokens - 1,),
+        )
+        blocks = m.req_to_blocks.setdefault(rid, [])
+        self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id, mask)
+        m.num_cached_block[rid] = num_full
+
+
 class HybridKVCacheCoordinator(KVCacheCoordinator):
     """Several distinct specs: a fixed-point search over attention groups.
 
@@ -349,7 +389,8 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
     sparse retention (``prefix_cache_retention_interval`` 0), hashes only the
     sliding-window blocks a later lookup can reach: the ``cdiv(w - 1, block)`` blocks
     ending at the prompt's replay boundary (``num_prompt_tokens - 1``) or at the
-    request's shared-prefix junction, each rounded down to the scheduler block. Mamba
+    request's shared-prefix junction, each rounded down to the scheduler block (dense
+    and periodic retention: :func:`window_block_mask`). Mamba
     groups cache by their own rules (:class:`~kvcoord.engine.managers.MambaManager033`),
     given the same rounded length. With look-ahead hashes the count is rounded down
     first and then stopped at the hashed tokens, as vLLM 0.33's managers do (so a prompt
@@ -359,11 +400,14 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
     """
 
     caps_cache_at_hashes = True
+    plain_caching = False  # round-down, sparse masks
 
     def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
         super().__init__(config, materialize_blocks)
         self.scheduler_block_size = config.scheduler_block_size or self.lcm_block_size
-        self.sparse = config.prefix_cache_retention_interval == 0
+        #: prefix_cache_retention_interval: 0 sparse, None dense, positive periodic
+        self.retention = config.prefix_cache_retention_interval
+        self.sparse = self.retention == 0
         #: the longest length any group reached in the last search
         self.last_longest_hit = 0
         for m in self.managers:
@@ -443,28 +487,30 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
         num_full: int,
         boundaries: list[int],
     ) -> None:
-        """Cache blocks ``num_cached .. num_full-1`` of one group (sparse for sliding
-        window), after dropping the partial entries those blocks held."""
+        """Cache blocks ``num_cached .. num_full-1`` of one group (a sliding window's
+        by its retention, :func:`window_block_mask`), after dropping the partial
+        entries those blocks held."""
         bp = self.block_pool
         rid = request.request_id
         bs = m.block_size
-        align = self.scheduler_block_size
         blocks = m.req_to_blocks.setdefault(rid, [])
         spec = m.spec
         if bp.multi_key_blocks:
             for i in range(num_cached, num_full):  # a partial entry gives way to the full block
                 if blocks[i].cached_hash is not None:
                     bp.evict_all_keys(blocks[i])
-        if self.sparse and isinstance(spec, SlidingWindowSpec):
-            need = -(-(spec.sliding_window - 1) // bs)
-            mask = [False] * (num_full - num_cached)
-            for boundary in boundaries:
-                end = boundary // align * align // bs
-                for j in range(max(num_cached, end - need), min(num_full, end)):
-                    mask[j - num_cached] = True
-            bp.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id, mask)
-        else:
-            bp.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id)
+        mask = None
+        if isinstance(spec, SlidingWindowSpec):
+            mask = window_block_mask(
+                spec.sliding_window,
+                bs,
+                self.scheduler_block_size,
+                self.retention,
+                num_cached,
+                num_full,
+                boundaries,
+            )
+        bp.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id, mask)
         m.num_cached_block[rid] = num_full
 
     def _cache_partial_tail(self, request: Request, m: SingleTypeKVCacheManager, num_tokens: int) -> None:
@@ -481,6 +527,40 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
             self.block_pool.cache_partial_block(request, blocks[index], boundary, m.group_id)
 
 
+def window_block_mask(
+    window: int,
+    block_size: int,
+    scheduler_block_size: int,
+    retention: int | None,
+    num_cached: int,
+    num_full: int,
+    boundaries: Sequence[int],
+) -> list[bool] | None:
+    """vLLM 0.33's sliding-window caching: which of blocks ``num_cached .. num_full-1``
+    get a hash (``None``: all). A hit needs ``need = cdiv(w - 1, block)`` blocks; they
+    are kept ending at the end of every segment (a scheduler block under dense
+    retention, ``retention`` tokens under a positive interval, no segment under sparse
+    retention, 0) and, unless dense (``None``), ending at each reachable ``boundaries``
+    position rounded down to the scheduler block. Where ``need`` covers a whole
+    segment every block is kept."""
+    need = -(-(window - 1) // block_size)
+    segment = scheduler_block_size if retention is None else retention
+    mask = [False] * (num_full - num_cached)
+    if segment:
+        per_segment = segment // block_size
+        if need >= per_segment:
+            return None
+        for i in range(num_cached, num_full):
+            if i % per_segment >= per_segment - need:
+                mask[i - num_cached] = True
+    if retention is not None:
+        for boundary in boundaries:
+            end = boundary // scheduler_block_size * scheduler_block_size // block_size
+            for j in range(max(num_cached, end - need), min(num_full, end)):
+                mask[j - num_cached] = True
+    return mask
+
+
 def get_kv_cache_coordinator(config: KVCacheConfig, materialize_blocks: bool = False) -> KVCacheCoordinator:
     """vLLM's factory rule: no caching, one group, or several groups.
 
@@ -490,8 +570,11 @@ def get_kv_cache_coordinator(config: KVCacheConfig, materialize_blocks: bool = F
             (same answers; a reference for tests).
     """
     kind = config.coordinator_kind
-    if kind == "hybrid" and config.profile == "vllm-0.33":
-        return HybridKVCacheCoordinator033(config, materialize_blocks)
+    if config.profile == "vllm-0.33":
+        if kind == "hybrid":
+            return HybridKVCacheCoordinator033(config, materialize_blocks)
+        if kind == "unitary":
+            return UnitaryKVCacheCoordinator033(config, materialize_blocks)
     return _COORDINATORS[kind](config, materialize_blocks)
 
 

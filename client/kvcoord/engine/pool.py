@@ -113,8 +113,9 @@ class KVCachePool:
             and type(m).get_num_blocks_to_allocate is SingleTypeKVCacheManager.get_num_blocks_to_allocate
             for m in self.managers
         )
-        if config.profile != "vllm-0.16" and config.coordinator_kind == "hybrid":
-            # vllm-0.33 hybrids cache through their coordinator (round-down, sparse masks)
+        if not self.coordinator.plain_caching:
+            # vllm-0.33 hybrids and sliding windows cache through their coordinator
+            # (round-down, retention masks)
             self._plain_managers = False
         # Managers that may free blocks in remove_skipped_blocks (a skip rule).
         self._skipping_managers = [

@@ -122,3 +122,21 @@ def test_a_prefill_checkpoint_step_keeps_the_column_before_the_state_block() -> 
         table = p.get_block_ids("a")
         assert list(table[1]) == expected
         assert (table[1][2] in p.cached_block_ids()) == bool(blocks)
+
+
+@pytest.mark.parametrize("alignment", [None, 1, 64])
+def test_prefill_checkpoint_fields_travel_on_the_wire(alignment: int | None) -> None:
+    """PoolConfig's MambaSpec carries num_prefill_checkpoint_blocks and the optional
+    prefill_checkpoint_alignment (unset: None, the backend cannot export) to the engine."""
+    from kvcoord.v1 import allocator_pb2 as pb
+    from kvcoord.wire import config_from_pb
+
+    mamba = pb.MambaSpec(block_size=32, mamba_cache_mode="align", num_prefill_checkpoint_blocks=1,
+                         prefill_checkpoint_alignment=alignment)  # fmt: skip
+    cfg = pb.PoolConfig(
+        num_blocks=40, hash_block_size=32, max_model_len=1024, profile="vllm-0.33",
+        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=32)), pb.KVCacheGroupSpec(mamba=mamba)],
+    )  # fmt: skip
+    spec = config_from_pb(cfg).groups[1]
+    assert isinstance(spec, MambaSpec)
+    assert (spec.num_prefill_checkpoint_blocks, spec.prefill_checkpoint_alignment) == (1, alignment)

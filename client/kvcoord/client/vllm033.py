@@ -356,9 +356,13 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     ) -> None:
         super().__init__(remote, kv_cache_config)
         self.remote033 = remote
-        #: a group frees blocks that leave its window (sliding window, chunked local)
+        #: a group frees blocks that leave its window (sliding window, chunked local), or
+        #: a mamba group's prefill checkpoint block, freed once processed (async steps
+        #: keep it while the chunk that wrote it is in flight)
         self._windows = any(
-            g.WhichOneof("spec") in ("sliding_window", "chunked_local") for g in remote.config.groups
+            g.WhichOneof("spec") in ("sliding_window", "chunked_local")
+            or (g.WhichOneof("spec") == "mamba" and g.mamba.num_prefill_checkpoint_blocks > 0)
+            for g in remote.config.groups
         )
         #: a mamba group: the pool records per-step state the scheduler drains
         self._mamba = any(g.WhichOneof("spec") == "mamba" for g in remote.config.groups)

@@ -24,11 +24,14 @@ asynchronous scheduler, the FCFS and priority policies, the watermark
 path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
 speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, mamba
 groups beside full attention (``align`` mode, or ``none`` with prefix caching off; the
-pool's shared-prefix boundary and per-step drains, :mod:`.vllm033_mamba`), and KV
+pool's shared-prefix boundary and per-step drains, :mod:`.vllm033_mamba`; prefill
+checkpoint blocks, ``MambaSpec.num_prefill_checkpoint_blocks`` as vLLM's Mamba2 / GDN
+layers set it, with their in-flight tokens), and KV
 connectors (loads, failed loads, delayed and deferred frees: :mod:`.vllm033_connector`).
 A lost session costs recomputation (``check_session`` surfaces a loss met in the
 background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA and sink
-subclasses), mamba with speculative or prefill checkpoint blocks, a positive
+subclasses), mamba with speculative blocks and overlapping steps, mamba shared-prefix
+checkpoints (``enable_mamba_shared_prefix_checkpoint``), a positive
 ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block drop (look-ahead
 hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see

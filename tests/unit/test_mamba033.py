@@ -80,3 +80,63 @@ def test_hand_offs_and_copies_survive_the_wire() -> None:
     assert offloads_from_pb(offloads_to_pb(offloads)) == offloads
     assert offloads_from_pb(offloads_to_pb({})) == {}
     assert copies_from_pb(copies_to_pb([(4, 5), (6, 8)], [4, 5, 6, 8])) == ([(4, 5), (6, 8)], [4, 5, 6, 8])
+
+
+@pytest.mark.parametrize(
+    ("profile", "blocks", "alignment", "message"),
+    [
+        ("vllm-0.16", 1, 1, "prefill checkpoint blocks are a vLLM 0.33 field"),
+        ("vllm-0.33", -1, 1, "num_prefill_checkpoint_blocks must be >= 0"),
+        ("vllm-0.33", 1, 0, "prefill_checkpoint_alignment"),
+    ],
+)
+def test_prefill_checkpoint_fields_are_checked(
+    profile: str, blocks: int, alignment: int, message: str
+) -> None:
+    """A mamba group's prefill checkpoint fields exist only under vllm-0.33, and in range."""
+    from kvcoord.engine import ConfigError
+
+    spec = MambaSpec(32, MambaCacheMode.ALIGN, num_prefill_checkpoint_blocks=blocks,
+                     prefill_checkpoint_alignment=alignment)  # fmt: skip
+    with pytest.raises(ConfigError, match=message):
+        KVCachePool(KVCacheConfig(40, (FullAttentionSpec(32), spec), 32, profile=profile, max_model_len=1024))
+
+
+def test_a_prefill_checkpoint_step_keeps_the_column_before_the_state_block() -> None:
+    """vLLM 0.33 with one prefill checkpoint block (alignment 1): a 100-token prompt in
+    one chunk keeps a live block at column cdiv(100, 32) - 2 = 2 (the state at 96, the
+    prompt's reusable boundary, hashed there) beside the running state block at 3;
+    without checkpoint blocks that column is null. The expected tables are vLLM 0.33.0's
+    own manager's for the same calls (its venv: tests/with_vllm/test_mamba033_engine.py's
+    ``_Both("align", True, 0, num_blocks=40, ckpt=1 or None)``, add "a" with
+    ``range(100)``, admit with budget 192, ``theirs.get_block_ids("a")``: full group
+    [1, 2, 3, 4], mamba group [0, 0, 5, 6] and [0, 0, 0, 5])."""
+    for blocks, expected in ((1, [0, 0, 5, 6]), (0, [0, 0, 0, 5])):
+        spec = MambaSpec(32, MambaCacheMode.ALIGN, num_prefill_checkpoint_blocks=blocks,
+                         prefill_checkpoint_alignment=1)  # fmt: skip
+        p = KVCachePool(
+            KVCacheConfig(40, (FullAttentionSpec(32), spec), 32, profile="vllm-0.33", max_model_len=1024)
+        )
+        p.add_request("a", list(range(100)), hashes(3))
+        assert p.allocate_slots("a", 100) is not None
+        table = p.get_block_ids("a")
+        assert list(table[1]) == expected
+        assert (table[1][2] in p.cached_block_ids()) == bool(blocks)
+
+
+@pytest.mark.parametrize("alignment", [None, 1, 64])
+def test_prefill_checkpoint_fields_travel_on_the_wire(alignment: int | None) -> None:
+    """PoolConfig's MambaSpec carries num_prefill_checkpoint_blocks and the optional
+    prefill_checkpoint_alignment (unset: None, the backend cannot export) to the engine."""
+    from kvcoord.v1 import allocator_pb2 as pb
+    from kvcoord.wire import config_from_pb
+
+    mamba = pb.MambaSpec(block_size=32, mamba_cache_mode="align", num_prefill_checkpoint_blocks=1,
+                         prefill_checkpoint_alignment=alignment)  # fmt: skip
+    cfg = pb.PoolConfig(
+        num_blocks=40, hash_block_size=32, max_model_len=1024, profile="vllm-0.33",
+        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=32)), pb.KVCacheGroupSpec(mamba=mamba)],
+    )  # fmt: skip
+    spec = config_from_pb(cfg).groups[1]
+    assert isinstance(spec, MambaSpec)
+    assert (spec.num_prefill_checkpoint_blocks, spec.prefill_checkpoint_alignment) == (1, alignment)

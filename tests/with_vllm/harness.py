@@ -119,6 +119,9 @@ def kv_cache_config(layout: str, num_blocks: int, num_speculative_blocks: int = 
                     block_size=BLOCK_SIZE if mode == "align" else MAX_MODEL_LEN, shapes=((2, 16), (4, 8)),
                     dtypes=(torch.float16, torch.float16), mamba_cache_mode=mode,
                     num_speculative_blocks=num_speculative_blocks,
+                    # vLLM 0.33's Mamba2 layers: one prefill checkpoint block, alignment 1
+                    **({"num_prefill_checkpoint_blocks": 1, "prefill_checkpoint_alignment": 1}
+                       if "ckpt" in layout else {}),
                 ),
             )
         )  # fmt: skip

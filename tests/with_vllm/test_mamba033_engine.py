@@ -25,16 +25,24 @@ BS = 32
 MAX_LEN = 1024
 BUDGET = 192
 
-#: name -> (mamba_cache_mode, enable_caching, prefix_cache_retention_interval)
+#: name -> (mamba_cache_mode, enable_caching, prefix_cache_retention_interval, prefill
+#: checkpoint alignment: ``None`` for no prefill checkpoint block, else the group has one)
 CASES = {
-    "align-sparse": ("align", True, 0),
-    "align-dense": ("align", True, None),
-    "align-nocache": ("align", False, 0),
-    "none-nocache": ("none", False, 0),
+    "align-sparse": ("align", True, 0, None),
+    "align-dense": ("align", True, None, None),
+    "align-nocache": ("align", False, 0, None),
+    "none-nocache": ("none", False, 0, None),
+    # Mamba2 models' layout (mamba_mixer2.py: one checkpoint block, alignment 1)
+    "align-sparse-ckpt1": ("align", True, 0, 1),
+    # GDN models' layout (a coarser grid: here the block size)
+    "align-sparse-ckpt32": ("align", True, 0, BS),
+    "align-dense-ckpt1": ("align", True, None, 1),
+    # a grid coarser than the block: only some chunks can take the checkpoint
+    "align-sparse-ckpt64": ("align", True, 0, 2 * BS),
 }
 
 
-def _vllm(mode: str, caching: bool, interval: int | None, num_blocks: int) -> Any:
+def _vllm(mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None) -> Any:
     import torch
     from vllm.v1 import kv_cache_interface as k
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -45,6 +53,8 @@ def _vllm(mode: str, caching: bool, interval: int | None, num_blocks: int) -> An
         shapes=((2, 16), (4, 8)),
         dtypes=(torch.float16, torch.float16),
         mamba_cache_mode=mode,
+        num_prefill_checkpoint_blocks=int(ckpt is not None),
+        prefill_checkpoint_alignment=ckpt,
     )
     config = k.KVCacheConfig(
         num_blocks=num_blocks,
@@ -59,11 +69,14 @@ def _vllm(mode: str, caching: bool, interval: int | None, num_blocks: int) -> An
     )  # fmt: skip
 
 
-def _ours(mode: str, caching: bool, interval: int | None, num_blocks: int) -> Any:
+def _ours(mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None) -> Any:
     from kvcoord.engine import KVCacheConfig, KVCachePool
     from kvcoord.engine.specs import FullAttentionSpec, MambaCacheMode, MambaSpec
 
-    mamba = MambaSpec(BS if mode == "align" else MAX_LEN, MambaCacheMode(mode))
+    mamba = MambaSpec(
+        BS if mode == "align" else MAX_LEN, MambaCacheMode(mode),
+        num_prefill_checkpoint_blocks=int(ckpt is not None), prefill_checkpoint_alignment=ckpt,
+    )  # fmt: skip
     return KVCachePool(
         KVCacheConfig(
             num_blocks, (FullAttentionSpec(BS), mamba), BS, enable_caching=caching, max_model_len=MAX_LEN,
@@ -76,15 +89,17 @@ def _ours(mode: str, caching: bool, interval: int | None, num_blocks: int) -> An
 class _Both:
     """One vLLM manager and one kvcoord pool, called alike; every answer compared."""
 
-    def __init__(self, mode: str, caching: bool, interval: int | None, num_blocks: int) -> None:
+    def __init__(
+        self, mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None
+    ) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
         fn = get_hash_fn_by_name("sha256_cbor")
         init_none_hash(fn)
         self.hasher = get_request_block_hasher(BS, fn) if caching else None
-        self.theirs = _vllm(mode, caching, interval, num_blocks)
-        self.ours = _ours(mode, caching, interval, num_blocks)
+        self.theirs = _vllm(mode, caching, interval, num_blocks, ckpt)
+        self.ours = _ours(mode, caching, interval, num_blocks, ckpt)
         self.reqs: dict[str, Any] = {}
         self.calls = 0
         self.num_events = 0
@@ -235,9 +250,9 @@ def _chunk(remaining: int, budget: int, left_of_prompt: int) -> int:
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_mamba_groups_answer_like_vllm_033(case: str, seed: int) -> None:
-    mode, caching, interval = CASES[case]
+    mode, caching, interval, ckpt = CASES[case]
     rng = random.Random(seed)
-    both = _Both(mode, caching, interval, num_blocks=70)
+    both = _Both(mode, caching, interval, num_blocks=70, ckpt=ckpt)
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice([32, 64, 100, 160]))] for _ in range(3)]
     sent: list[list[int]] = []
     waiting: list[str] = []
@@ -323,3 +338,41 @@ def test_an_evicted_prompt_boundary_state_is_keyed_again_like_vllm_033() -> None
     both.add("b", prompt)
     assert both.admit("b", BUDGET) == 24  # the hit: 96 tokens, the re-keyed state
     both.end_of_step()
+
+
+@pytest.mark.parametrize("interval", [0, None])
+def test_a_resumed_prefill_checkpoint_is_keyed_or_dropped_like_vllm_033(interval: int | None) -> None:
+    """vLLM 0.33 with one prefill checkpoint block (Mamba2's layout): a preempted request
+    replays its outputs as prefill, so its last chunk takes a checkpoint at a boundary
+    past its prompt. Under sparse retention no lookup reaches that boundary, so vLLM
+    leaves the block unkeyed; under dense retention it is keyed. kvcoord
+    does the same: same new blocks (the checkpoint column holds a live block), tables,
+    events, hashes. The ids are vLLM 0.33.0's own manager's, computed beside kvcoord's
+    in this test (this venv)."""
+    both = _Both("align", True, interval, num_blocks=40, ckpt=1)
+    prompt = list(range(100))
+    both.step()
+    both.add("a", prompt)
+    assert both.admit("a", BUDGET) == 100  # one chunk: its checkpoint is at 96, block 2
+    both.end_of_step()
+    assert both.ours.get_block_ids("a")[1][2] != 0  # the checkpoint block, not a null
+    both.advance("a", 100, 1000)
+    for i in range(70):  # decode up to 171 tokens
+        both.step()
+        assert both.allocate("a", 1)
+        both.end_of_step()
+        r = both.reqs["a"]
+        both.advance("a", r.num_computed_tokens + 1, 1001 + i)
+    both.step()
+    both.preempt("a")
+    evicted = set(both.ours.cached_block_ids())
+    both.theirs.evict_blocks(evicted)  # no hit: the replay starts at 0
+    both.ours.evict_blocks(evicted)
+    assert both.admit("a", BUDGET) == 171  # the whole replay: its checkpoint is at 160, block 4
+    both.end_of_step()
+    ours = both.ours.get_block_ids("a")[1]
+    assert ours[4] != 0  # the checkpoint column
+    if interval == 0:
+        assert ours[4] not in both.ours.cached_block_ids()
+    else:
+        assert ours[4] in both.ours.cached_block_ids()

@@ -617,6 +617,34 @@ def test_speculative_decoding_on_a_mamba_hybrid_decides_like_vllm(
     assert len(drafts) > 500, len(drafts)  # requests scheduled with drafts
 
 
+@pytest.mark.skipif(not V033, reason="prefill checkpoint blocks are vLLM 0.33's (issue 25)")
+@pytest.mark.parametrize("predict", [False, True], ids=["remote", "predicted"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_mamba_hybrid_with_prefill_checkpoint_blocks_decides_like_vllm(
+    kind: str, predict: bool, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.33's Mamba2 / GDN layout: a mamba "align" group with one prefill checkpoint
+    block (alignment 1), prefix caching on. vLLM's scheduler then runs a prompt's last
+    chunk past its last block boundary (the backend exports the state there into the
+    checkpoint block) instead of stopping at it, and its manager keeps that block live
+    and hashed. Synchronous and async schedulers, the pool's answers or the client's
+    predictions: identical decisions under memory pressure and with blocks to spare."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    layout = "full+mamba-ckpt-align"
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=kind == "async", mamba_cache_mode="align")
+    # taken, not skipped as refused (the plug-in refused it before)
+    assert unsupported_033(kv_cache_config(layout, NUM_BLOCKS), config, BLOCK_SIZE) is None
+    for blocks, seed in ((40, 13), (4096, 5)):
+        r = run_both(kind, layout, blocks, seed, model_dir, server, monkeypatch, predict=predict)
+        assert r.got == r.want, first_difference(r.want, r.got)
+        assert r.want_counts["finished"] > 20, r.want_counts
+        assert r.want_counts["hit_tokens"] > 0, r.want_counts
+        assert blocks != 40 or r.want_counts["preempted"] > 0, r.want_counts
+        assert r.manager.lost_requests == 0
+        assert r.manager.config.groups[1].mamba.num_prefill_checkpoint_blocks == 1
+
+
 @pytest.mark.skipif(not V033, reason="the vllm-0.33 plug-in's refusal")
 @pytest.mark.parametrize("speculative", ["eagle", "draft_model"])
 def test_speculative_decoding_on_a_mamba_hybrid_with_async_scheduling_is_refused(

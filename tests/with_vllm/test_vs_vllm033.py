@@ -53,7 +53,13 @@ def test_every_answer_equals_vllm_033(layout: str) -> None:
     bench = _bench()
     lines: list[str] = []
     counts = bench.check033(SEEDS, STEPS, {layout: bench.LAYOUTS_033[layout]}, out=lines.append)
-    assert len(lines) == 4 * SEEDS  # caching on/off x EAGLE on/off
+    identical = [line for line in lines if line.startswith("identical")]
+    skipped = [line for line in lines if line.startswith("skipped")]
+    # caching on/off x EAGLE on/off; a layout with prefill checkpoint blocks skips caching
+    # off with EAGLE on (the profile refuses EAGLE's drop, which moves the checkpoint)
+    expect_skipped = ["skipped"] if "ckpt" in layout else []
+    assert [line.split()[0] for line in skipped] == expect_skipped, skipped
+    assert len(identical) == (4 - len(expect_skipped)) * SEEDS, lines
     assert counts[layout] > 0
 
 

@@ -24,12 +24,15 @@ asynchronous scheduler, the FCFS and priority policies, the watermark
 path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
 speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, mamba
 groups beside full attention (``align`` mode, or ``none`` with prefix caching off; the
-pool's shared-prefix boundary and per-step drains, :mod:`.vllm033_mamba`), and KV
+pool's shared-prefix boundary and per-step drains, :mod:`.vllm033_mamba`; prefill
+checkpoint blocks, ``MambaSpec.num_prefill_checkpoint_blocks`` as vLLM's Mamba2 / GDN
+layers set it, with their in-flight tokens), and KV
 connectors (loads, failed loads, delayed and deferred frees: :mod:`.vllm033_connector`).
 A lost session costs recomputation (``check_session`` surfaces a loss met in the
 background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA subclasses; attention sinks,
-which vLLM 0.33.0 itself cannot start), mamba with speculative or prefill checkpoint
-blocks, a positive ``prefix_cache_retention_interval`` beside a mamba group, EAGLE/MTP with the trailing-block drop (look-ahead
+which vLLM 0.33.0 itself cannot start), mamba with speculative blocks and overlapping
+steps, mamba shared-prefix checkpoints (``enable_mamba_shared_prefix_checkpoint``), a
+positive ``prefix_cache_retention_interval`` beside a mamba group, EAGLE/MTP with the trailing-block drop (look-ahead
 hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
 :func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV connector beside a
@@ -368,9 +371,13 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     ) -> None:
         super().__init__(remote, kv_cache_config)
         self.remote033 = remote
-        #: a group frees blocks that leave its window (sliding window, chunked local)
+        #: a group frees blocks that leave its window (sliding window, chunked local), or
+        #: a mamba group's prefill checkpoint block, freed once processed (async steps
+        #: keep it while the chunk that wrote it is in flight)
         self._windows = any(
-            g.WhichOneof("spec") in ("sliding_window", "chunked_local") for g in remote.config.groups
+            g.WhichOneof("spec") in ("sliding_window", "chunked_local")
+            or (g.WhichOneof("spec") == "mamba" and g.mamba.num_prefill_checkpoint_blocks > 0)
+            for g in remote.config.groups
         )
         #: a mamba group: the pool records per-step state the scheduler drains
         self._mamba = any(g.WhichOneof("spec") == "mamba" for g in remote.config.groups)

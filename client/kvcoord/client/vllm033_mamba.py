@@ -32,12 +32,12 @@ def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
             f"KV cache group {i}: mamba with speculative decoding and overlapping steps (async "
             "scheduling or pipeline parallelism): not supported under vLLM 0.33 yet"
         )
-    if getattr(spec, "num_prefill_checkpoint_blocks", 0) or getattr(
-        vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", False
-    ):
+    # (prefill checkpoint blocks, num_prefill_checkpoint_blocks > 0, are carried to the
+    # pool and modelled; the shared-prefix junction checkpoint is not)
+    if getattr(vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", False):
         return (
-            f"KV cache group {i}: mamba prefill checkpoint blocks / shared-prefix checkpoints are not "
-            "supported by the vllm-0.33 profile"
+            f"KV cache group {i}: mamba shared-prefix checkpoints (enable_mamba_shared_prefix_checkpoint) "
+            "are not supported by the vllm-0.33 profile"
         )
     return None
 

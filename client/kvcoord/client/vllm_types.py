@@ -345,6 +345,10 @@ def _group_spec(spec: Any) -> pb.KVCacheGroupSpec:
                 num_speculative_blocks=int(spec.num_speculative_blocks),
                 shape_dims=[int(d) for shape in spec.shapes for d in shape],
                 dtypes=[_dtype_name(d) for d in spec.dtypes],
+                num_prefill_checkpoint_blocks=int(getattr(spec, "num_prefill_checkpoint_blocks", 0)),
+                prefill_checkpoint_alignment=_optional_int(
+                    getattr(spec, "prefill_checkpoint_alignment", None)
+                ),
             )
         )
     if kind == "CrossAttentionSpec":
@@ -395,11 +399,21 @@ def pool_config_from_vllm(
     )
 
 
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
 _GROUP_FIELDS = {
     "full": ("block_size", "sink_len"),
     "sliding_window": ("block_size", "sliding_window"),
     "chunked_local": ("block_size", "attention_chunk_size"),
-    "mamba": ("block_size", "mamba_cache_mode", "num_speculative_blocks"),
+    "mamba": (
+        "block_size",
+        "mamba_cache_mode",
+        "num_speculative_blocks",
+        "num_prefill_checkpoint_blocks",
+        "prefill_checkpoint_alignment",
+    ),  # fmt: skip
     "cross_attention": ("block_size",),
 }
 

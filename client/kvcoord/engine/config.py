@@ -181,6 +181,7 @@ def _validate(cfg: KVCacheConfig) -> None:
             n = spec.num_speculative_blocks
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise ConfigError(f"group {gid}: num_speculative_blocks must be >= 0, got {n!r}")
+            _validate_checkpoint_fields(cfg, gid, spec)
         elif isinstance(spec, FullAttentionSpec) and spec.sink_len is not None:
             _positive_int(spec.sink_len, f"group {gid}: sink_len")
             if spec.sink_len % spec.block_size:
@@ -199,6 +200,21 @@ def _validate(cfg: KVCacheConfig) -> None:
     if not cfg.enable_caching:
         return
     _validate_caching(cfg)
+
+
+def _validate_checkpoint_fields(cfg: KVCacheConfig, gid: int, spec: MambaSpec) -> None:
+    """A mamba group's prefill checkpoint fields (vLLM 0.33's): counts in range, and only
+    where that release has them."""
+    n = spec.num_prefill_checkpoint_blocks
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ConfigError(f"group {gid}: num_prefill_checkpoint_blocks must be >= 0, got {n!r}")
+    a = spec.prefill_checkpoint_alignment
+    if a is not None:
+        _positive_int(a, f"group {gid}: prefill_checkpoint_alignment")
+    if (n or a is not None) and cfg.profile != VLLM_033:
+        raise ConfigError(
+            f"group {gid}: prefill checkpoint blocks are a vLLM 0.33 field; this pool's profile is {cfg.profile}"
+        )
 
 
 def _validate_033_support(cfg: KVCacheConfig) -> None:

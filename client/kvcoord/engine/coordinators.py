@@ -79,9 +79,14 @@ class KVCacheCoordinator:
         total_computed_tokens: int,
         num_tokens_main_model: int,
         token_caps: Sequence[int | None] | None = None,
+        prefill_end: int = 0,
     ) -> int:
         """Free blocks the allocation would consume over every group. ``token_caps``
-        (vLLM 0.33's admission cap): per group, the most tokens counted (``None``: no cap)."""
+        (vLLM 0.33's admission cap): per group, the most tokens counted (``None``: no cap);
+        a capped count records nothing (vLLM 0.33's mamba prefill checkpoint is planned
+        by the uncapped count). ``prefill_end``: where the request's prefill ends."""
+        if self.config.prefix_cache_retention_interval != 0:
+            prefill_end = 0  # dense retention: every chunk publishes a state (vLLM 0.33)
         total = 0
         for gid, manager in enumerate(self.managers):
             if self._is_cross[gid]:
@@ -96,6 +101,8 @@ class KVCacheCoordinator:
                     new_computed_blocks[gid],
                     total_computed_tokens,
                     num_tokens_main_model,
+                    prefill_end=prefill_end,
+                    record=token_caps is None,
                 )
         return total
 

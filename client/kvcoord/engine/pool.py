@@ -463,8 +463,10 @@ class KVCachePool:
         total = min(local + num_external_computed_tokens, self.max_model_len)
         main = total + num_new_tokens
         need = min(main + num_lookahead_tokens, self.max_model_len)
+        # vLLM 0.33's prefill end (mamba prefill checkpoints): resumed requests replay outputs
+        prefill_end = max(req.num_prompt_tokens, req.num_tokens - 1)
         for manager in self._prechecked_managers:
-            reason = manager.check_allocation(request_id, main)
+            reason = manager.check_allocation(request_id, main, total, prefill_end)
             if reason is not None:
                 raise FailedPreconditionError(f"group {manager.group_id}: {reason}")
 
@@ -480,6 +482,7 @@ class KVCachePool:
                 local + num_external_computed_tokens,
                 full,
                 self._admission_caps,
+                prefill_end,
             )
             if k + watermark_blocks > self.block_pool.get_num_free_blocks():
                 self.num_refusals += 1
@@ -493,6 +496,7 @@ class KVCachePool:
             num_encoder_tokens,
             local + num_external_computed_tokens,
             main,
+            prefill_end=prefill_end,
         )
         if k + watermark_blocks > self.block_pool.get_num_free_blocks() - reserved_blocks:
             self.num_refusals += 1
@@ -915,14 +919,15 @@ class KVCachePool:
     ) -> int:
         """vLLM 0.33's ``coordinator.get_num_blocks_to_allocate`` with no new hit: the
         free blocks the request would still take to hold ``num_tokens`` (its scheduler
-        sums them into ``reserved_blocks``). Changes nothing.
+        sums them into ``reserved_blocks``). Changes nothing, except as vLLM 0.33 does
+        without ``apply_admission_cap``: a mamba group plans its prefill checkpoint.
 
         Raises:
             RequestNotFoundError: unknown request.
             InvalidArgumentError: bad counts.
             FailedPreconditionError: a vllm-0.16 pool (vLLM 0.16 has no such call).
         """
-        self._get(request_id)
+        req = self._get(request_id)
         for name, value in (("num_tokens", num_tokens), ("total_computed_tokens", total_computed_tokens),
                             ("num_tokens_main_model", num_tokens_main_model),
                             ("num_encoder_tokens", num_encoder_tokens)):  # fmt: skip
@@ -939,6 +944,7 @@ class KVCachePool:
             total_computed_tokens,
             num_tokens_main_model,
             self._admission_caps if apply_admission_cap else None,
+            max(req.num_prompt_tokens, req.num_tokens - 1),
         )
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> BlockIds:

@@ -78,6 +78,12 @@ class MambaSpec:
     num_speculative_blocks: int = 0
     shapes: tuple[tuple[int, ...], ...] = ()
     dtypes: tuple[str, ...] = ()
+    #: vLLM 0.33, align mode: blocks reserved so a prompt's final chunk can export the
+    #: state at its last reusable boundary (0: none; vLLM's models set 1)
+    num_prefill_checkpoint_blocks: int = 0
+    #: vLLM 0.33: the grid (tokens from the chunk's start) the backend can export that
+    #: state on; ``None``: it cannot, so no checkpoint is taken
+    prefill_checkpoint_alignment: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

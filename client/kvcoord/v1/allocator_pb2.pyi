@@ -89,18 +89,22 @@ class ChunkedLocalAttentionSpec(_message.Message):
     def __init__(self, block_size: _Optional[int] = ..., attention_chunk_size: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class MambaSpec(_message.Message):
-    __slots__ = ("block_size", "mamba_cache_mode", "num_speculative_blocks", "shape_dims", "dtypes")
+    __slots__ = ("block_size", "mamba_cache_mode", "num_speculative_blocks", "shape_dims", "dtypes", "num_prefill_checkpoint_blocks", "prefill_checkpoint_alignment")
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAMBA_CACHE_MODE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPECULATIVE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SHAPE_DIMS_FIELD_NUMBER: _ClassVar[int]
     DTYPES_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_CHECKPOINT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHECKPOINT_ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     block_size: int
     mamba_cache_mode: str
     num_speculative_blocks: int
     shape_dims: _containers.RepeatedScalarFieldContainer[int]
     dtypes: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, block_size: _Optional[int] = ..., mamba_cache_mode: _Optional[str] = ..., num_speculative_blocks: _Optional[int] = ..., shape_dims: _Optional[_Iterable[int]] = ..., dtypes: _Optional[_Iterable[str]] = ...) -> None: ...
+    num_prefill_checkpoint_blocks: int
+    prefill_checkpoint_alignment: int
+    def __init__(self, block_size: _Optional[int] = ..., mamba_cache_mode: _Optional[str] = ..., num_speculative_blocks: _Optional[int] = ..., shape_dims: _Optional[_Iterable[int]] = ..., dtypes: _Optional[_Iterable[str]] = ..., num_prefill_checkpoint_blocks: _Optional[int] = ..., prefill_checkpoint_alignment: _Optional[int] = ...) -> None: ...
 
 class CrossAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype")

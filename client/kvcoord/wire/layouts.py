@@ -74,7 +74,11 @@ def spec_from_pb(group: pb.KVCacheGroupSpec, gid: int) -> AttentionSpec:
                 f"groups[{gid}].mamba.mamba_cache_mode must be none, all or align, got {m.mamba_cache_mode!r}"
             ) from None
         shapes = (tuple(m.shape_dims),) if m.shape_dims else ()
-        return MambaSpec(m.block_size, mode, m.num_speculative_blocks, shapes, tuple(m.dtypes))
+        alignment = m.prefill_checkpoint_alignment if m.HasField("prefill_checkpoint_alignment") else None
+        return MambaSpec(
+            m.block_size, mode, m.num_speculative_blocks, shapes, tuple(m.dtypes),
+            m.num_prefill_checkpoint_blocks, alignment,
+        )  # fmt: skip
     if kind == "cross_attention":
         x = group.cross_attention
         return CrossAttentionSpec(x.block_size, x.num_kv_heads or 1, x.head_size or 1, x.dtype or "auto")

@@ -55,8 +55,13 @@ class SingleTypeKVCacheManager:
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int,
         num_tokens_main_model: int,
+        *,
+        prefill_end: int = 0,
+        record: bool = True,
     ) -> int:
-        """Free blocks this group would consume, evictable hit blocks included."""
+        """Free blocks this group would consume, evictable hit blocks included.
+        ``prefill_end`` and ``record`` serve vLLM 0.33's mamba prefill checkpoints
+        (:class:`~kvcoord.engine.managers.mamba.MambaManager033`); other rules ignore them."""
         bs = self.block_size
         required = cdiv(num_tokens, bs)
         blocks = self.req_to_blocks.get(request_id)

@@ -62,6 +62,9 @@ class MambaManager(SingleTypeKVCacheManager):
         new_computed_blocks: Sequence[KVCacheBlock],
         total_computed_tokens: int,
         num_tokens_main_model: int,
+        *,
+        prefill_end: int = 0,
+        record: bool = True,
     ) -> int:
         if new_computed_blocks and self._hit_not_yet_usable(new_computed_blocks[-1]):
             # vLLM answers "one block more than the pool has", so the caller refuses
@@ -83,8 +86,11 @@ class MambaManager(SingleTypeKVCacheManager):
         evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return new + evictable
 
-    def check_allocation(self, request_id: str, num_tokens_main_model: int) -> str | None:
-        """Mirror of the align-mode assertions in :meth:`allocate_new_blocks`, on lengths only."""
+    def check_allocation(
+        self, request_id: str, num_tokens_main_model: int, query_start: int = 0, prefill_end: int = 0
+    ) -> str | None:
+        """Mirror of the align-mode assertions in :meth:`allocate_new_blocks`, on lengths
+        only (``query_start`` and ``prefill_end``: for vLLM 0.33's prefill checkpoints)."""
         if not self.align:
             return None
         S = self.num_speculative_blocks
@@ -207,9 +213,19 @@ class MambaManager033(MambaManager):
       that many, so the answers are the same (checked against vLLM 0.33.0's manager:
       tests/conformance/test_differential_033.py and bench/vs_vllm.py).
 
-    Not modelled, and refused by the configuration: prefill checkpoint blocks, sub-block
-    (partial) hits with copy-on-write (a block larger than the hash block), and prefix
-    caching outside align mode.
+    - *Prefill checkpoint blocks* (align, ``num_prefill_checkpoint_blocks`` > 0): the
+      chunk reaching the prefill's end keeps one more block alive, at column
+      ``cdiv(end, block_size) - 2``, where the worker exports the state at the last
+      reusable boundary below the end (``checkpoint_position``); that block is not
+      nulled, it is hashed at that boundary (or, when the boundary is not one a lookup
+      can reach, its hash is dropped). Planned by the uncapped block count
+      (:meth:`plan_checkpoint`), taken by :meth:`allocate_new_blocks`, keyed by
+      :meth:`cache_blocks`. The worker needs nothing more: it derives the column from
+      the same lengths (vLLM's ``compute_mamba_prefill_checkpoints``).
+
+    Not modelled, and refused by the configuration: sub-block (partial) hits with
+    copy-on-write (a block larger than the hash block), shared-prefix checkpoints, and
+    prefix caching outside align mode.
     """
 
     def __init__(
@@ -226,6 +242,12 @@ class MambaManager033(MambaManager):
         self.cached_this_step: set[tuple[bytes, int]] = set()
         #: boundary states not yet taken: (request, group, block, tokens)
         self.pending_offloads: list[tuple[str, int, KVCacheBlock, int]] = []
+        assert isinstance(spec, MambaSpec)
+        #: align mode with prefill checkpoint blocks (vLLM 0.33's ``has_prefill_checkpoint_blocks``)
+        self.has_checkpoint_blocks = self.align and spec.num_prefill_checkpoint_blocks > 0
+        self.checkpoint_alignment = spec.prefill_checkpoint_alignment
+        #: per request, the planned prefill checkpoint: (position, block index)
+        self.checkpoints: dict[str, tuple[int, int]] = {}
 
     # -- steps --------------------------------------------------------------------------
     def new_step_starts(self) -> None:
@@ -274,17 +296,57 @@ class MambaManager033(MambaManager):
         """The hit's last block was cached during the current scheduler step."""
         return last.cached_hash is not None and (last.cached_hash, last.cached_group) in self.cached_this_step
 
-    def check_allocation(self, request_id: str, num_tokens_main_model: int) -> str | None:
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        *,
+        prefill_end: int = 0,
+        record: bool = True,
+    ) -> int:
+        if not self.has_checkpoint_blocks or (
+            new_computed_blocks and self._hit_not_yet_usable(new_computed_blocks[-1])
+        ):
+            return super().get_num_blocks_to_allocate(
+                request_id, num_tokens, new_computed_blocks, total_computed_tokens, num_tokens_main_model
+            )
+        point = self.plan_checkpoint(request_id, total_computed_tokens, num_tokens_main_model, prefill_end)
+        if record:
+            if point is None:
+                self.checkpoints.pop(request_id, None)
+            else:
+                self.checkpoints[request_id] = point
+        S = self.num_speculative_blocks
+        have = len(self.req_to_blocks.get(request_id, ()))
+        new = cdiv(num_tokens_main_model, self.block_size) + S - len(new_computed_blocks) - have
+        if new > 0:
+            cap = 1 + int(point is not None) + (0 if request_id in self.allocated_block_reqs else S)
+            new = min(new, cap)
+        evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return new + evictable
+
+    def check_allocation(
+        self, request_id: str, num_tokens_main_model: int, query_start: int = 0, prefill_end: int = 0
+    ) -> str | None:
         if not self.align:
             return None
         have = len(self.req_to_blocks.get(request_id, ()))
         if cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks <= have:
             return None  # 0.33 tolerates a step needing fewer blocks than held
+        if self.has_checkpoint_blocks and self.plan_checkpoint(
+            request_id, query_start, num_tokens_main_model, prefill_end
+        ):
+            return self._check_checkpoint_allocation(request_id, num_tokens_main_model)
         return super().check_allocation(request_id, num_tokens_main_model)
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int
     ) -> list[KVCacheBlock]:
+        if self.align and request_id in self.checkpoints:
+            return self._allocate_with_checkpoint(request_id, num_tokens_main_model)
         if self.align:
             have = len(self.req_to_blocks.setdefault(request_id, []))
             if cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks <= have:
@@ -294,6 +356,7 @@ class MambaManager033(MambaManager):
 
     def free(self, request_id: str) -> None:
         self.num_retired_blocks.pop(request_id, None)
+        self.checkpoints.pop(request_id, None)
         if self.pending_offloads:
             # the blocks go back to the pool now: a later hand-off could name a block
             # another request holds by then
@@ -321,7 +384,9 @@ class MambaManager033(MambaManager):
                         mask[index - num_cached] = True
             self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full, bs, self.group_id, mask)
             self.num_cached_block[rid] = num_full
-        if self.align:
+        if self.align and rid in self.checkpoints:
+            self._key_checkpoint(request, blocks)
+        elif self.align:
             self._cache_prompt_boundary(request, num_tokens, blocks)
         for index in range(num_cached, num_full):
             block = blocks[index]
@@ -354,3 +419,126 @@ class MambaManager033(MambaManager):
         block = blocks[index]
         if block.cached_hash is not None:
             self.cached_this_step.add((block.cached_hash, block.cached_group))
+
+    # -- prefill checkpoint blocks (vLLM 0.33) ----------------------------------------------
+    def _checkpoint_position(self, num_tokens: int) -> int:
+        """vLLM 0.33's reusable boundary of a prefix of ``num_tokens``: the last hit
+        alignment strictly below it, leaving the token(s) whose hash is not known yet."""
+        lag = max(1, self.block_pool.num_hash_lookahead_tokens)
+        return max((num_tokens - lag) // self.alignment * self.alignment, 0)
+
+    def plan_checkpoint(
+        self, request_id: str, query_start: int, query_end: int, prefill_end: int
+    ) -> tuple[int, int] | None:
+        """The prefill checkpoint a step computing tokens ``query_start..query_end`` takes,
+        as ``(position, block index)``, or ``None``: only the chunk reaching the prefill's
+        end (``prefill_end``) takes one, where the backend can export the state (its start
+        on a hash block, on the checkpoint grid from the start, a whole hash block below
+        the position, the column past the one holding the initial state), and only where
+        that column holds no live block yet (or a speculative block the step relocates)."""
+        if not self.has_checkpoint_blocks or self.checkpoint_alignment is None or query_end < prefill_end:
+            return None
+        bs = self.block_size
+        hbs = self.block_pool.hash_block_size
+        position = self._checkpoint_position(query_end)
+        index = cdiv(query_end, bs) - 2
+        if not (
+            query_start % hbs == 0
+            and index > (query_start - 1) // bs
+            and query_start + hbs <= position
+            and query_start < position < query_end
+            and (position - query_start) % self.checkpoint_alignment == 0
+            and index >= 0
+        ):
+            return None
+        blocks = self.req_to_blocks.get(request_id, [])
+        if (
+            index >= len(blocks)
+            or blocks[index].is_null
+            or (
+                request_id in self.allocated_block_reqs and index >= len(blocks) - self.num_speculative_blocks
+            )
+        ):
+            return position, index
+        return None
+
+    def _check_checkpoint_allocation(self, request_id: str, num_tokens_main_model: int) -> str | None:
+        """:meth:`check_allocation` for a step taking a checkpoint block: one more new
+        block allowed, the checkpoint column not nulled."""
+        S = self.num_speculative_blocks
+        have = len(self.req_to_blocks.get(request_id, ()))
+        required = cdiv(num_tokens_main_model, self.block_size) + S
+        seen = request_id in self.allocated_block_reqs
+        upto = required - S - 2
+        length = max(have, upto)
+        if seen:
+            length += sum(1 for j in range(have - S, have) if j < upto)
+        new = max(required - length, 0)
+        limit = 2 if seen else S + 2
+        if new > limit:
+            return (
+                f"mamba align mode: this step would need {new} new blocks but at most "
+                f"{limit} are allowed (a prefill checkpoint step); schedule chunks that end on "
+                f"block boundaries (block size {self.block_size})"
+            )
+        return None
+
+    def _allocate_with_checkpoint(self, request_id: str, num_tokens_main_model: int) -> list[KVCacheBlock]:
+        """Align mode's allocation for a step taking a prefill checkpoint: as without
+        one, except that the column before the last state block is left for a new block
+        (the checkpoint target) instead of a null, and a speculative block standing
+        there stays in place."""
+        S = self.num_speculative_blocks
+        req_blocks = self.req_to_blocks.setdefault(request_id, [])
+        required = cdiv(num_tokens_main_model, self.block_size) + S
+        prev = len(req_blocks)
+        seen = request_id in self.allocated_block_reqs
+        if seen:
+            self.last_state_block_idx[request_id] = prev - 1 - S
+        elif prev > 0:
+            self.last_state_block_idx[request_id] = prev - 1
+        upto = required - S - 2  # the skipped columns, less the checkpoint's
+        null = self.null_block
+        if prev < upto:
+            req_blocks.extend([null] * (upto - prev))
+        if seen:
+            for j in range(prev - S, prev):
+                if j >= upto:
+                    break
+                req_blocks.append(req_blocks[j])
+                req_blocks[j] = null
+        num_new = max(required - len(req_blocks), 0)
+        assert num_new <= (2 if seen else S + 2)
+        req_blocks.extend(self.block_pool.get_new_blocks(num_new))
+        self.allocated_block_reqs.add(request_id)
+        return req_blocks[prev:]
+
+    def _key_checkpoint(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """vLLM 0.33 keys the checkpoint block at its boundary when that boundary is one
+        a lookup can reach (the prompt's own, every one under dense retention, the
+        request's shared-prefix junction); otherwise the exported state is transient and
+        any key the block got this step is dropped."""
+        position, index = self.checkpoints[request.request_id]
+        block = blocks[index]
+        reachable = (
+            position == self._checkpoint_position(request.num_prompt_tokens)
+            or (not self.sparse and position % self.block_size == 0)
+            or position == request.shared_prefix_boundary
+        )
+        if not reachable:
+            self._drop_keys(block)
+            return
+        if block.cached_hash is not None:
+            if position == (index + 1) * self.block_size:
+                return  # keyed at this boundary already (the block ends there)
+            self._drop_keys(block)  # the exported state replaced what the key named
+        self.block_pool.cache_partial_block(request, block, position, self.group_id)
+        if block.cached_hash is not None:
+            self.cached_this_step.add((block.cached_hash, block.cached_group))
+
+    def _drop_keys(self, block: KVCacheBlock) -> None:
+        bp = self.block_pool
+        if bp.multi_key_blocks:
+            bp.evict_all_keys(block)
+        else:
+            bp._evict_cached_block(block)

@@ -7,10 +7,15 @@
 #   scripts/test.sh --fast              everything except the container suite (make test-fast)
 #   scripts/test.sh --integration-only  only the container suite
 #
-# The Python suites run in parallel with pytest-xdist (CI's machine has 2 cores; most of
-# the suites' time is spent waiting on leases, restarts, SIGKILLs and timeouts, not on the
-# CPU, so more workers than cores overlap the waits). Every test fixture binds ephemeral
-# ports and temporary directories, so tests need no grouping: `--dist load`.
+# The Python suites run in parallel with pytest-xdist. CI's machine has 2 cores; run
+# serially, `pytest tests` kept about 0.7 of one busy (873 s of CPU, children included,
+# against 1,240 s of wall time: the rest is waiting on leases, restarts, SIGKILLs and
+# timeouts), so 4 workers overlap the waits and fill both cores; the tests/with_vllm runs
+# are mostly CPU (vLLM's scheduler in Python): 2 workers each, the two releases side by
+# side. Every fixture binds ephemeral ports (free_port(), port 0) and per-test temporary
+# directories (tmp_path; etcd per module), so no test needs a group. `--dist worksteal`: the
+# slow tests (SIGKILL/restart loops of minutes) sit next to each other in collection
+# order; an idle worker takes tests queued on a busy one instead of waiting.
 #   KVCOORD_TEST_WORKERS       workers of `pytest tests` (default 4; 0 runs it serially)
 #   KVCOORD_VLLM_TEST_WORKERS  workers of each tests/with_vllm run (default 2; 0: serially)
 # The vLLM 0.16.0 and 0.33.0 runs of tests/with_vllm go on side by side, each writing to
@@ -48,8 +53,8 @@ status=0
 if [ "${1:-}" != "--integration-only" ]; then
   # -p no:benchmark: pytest-benchmark, where installed, warns that xdist disables it, and
   # the suite's filterwarnings = error makes that an internal error (no test here uses it)
-  "$PYTHON" -m pytest tests --ignore=tests/integration -p no:benchmark -n "${KVCOORD_TEST_WORKERS:-4}" || status=$?
-  vllm_workers=(-n "${KVCOORD_VLLM_TEST_WORKERS:-2}")
+  "$PYTHON" -m pytest tests --ignore=tests/integration -p no:benchmark -n "${KVCOORD_TEST_WORKERS:-4}" --dist worksteal || status=$?
+  vllm_workers=(-n "${KVCOORD_VLLM_TEST_WORKERS:-2}" --dist worksteal)
   if [ -n "${KVCOORD_VLLM_SERIAL:-}" ]; then
     ./scripts/test_vllm.sh "${vllm_workers[@]}" || status=$?
     KVCOORD_VLLM_VERSION=0.33.0 ./scripts/test_vllm.sh "${vllm_workers[@]}" || status=$?

@@ -8,9 +8,9 @@
 #   scripts/test.sh --integration-only  only the container suite
 #
 # The Python suites run in parallel with pytest-xdist. CI's machine has 2 cores; run
-# serially, `pytest tests` kept about 0.7 of one busy (873 s of CPU, children included,
-# against 1,240 s of wall time: the rest is waiting on leases, restarts, SIGKILLs and
-# timeouts), so 4 workers overlap the waits and fill both cores; the tests/with_vllm runs
+# serially, `pytest tests` took 1,240 s of wall time for about 870 s of CPU (children
+# included; measured under -n 4): about 0.7 of one core, the rest waiting on leases,
+# restarts, SIGKILLs and timeouts, so 4 workers overlap the waits and fill both cores; the tests/with_vllm runs
 # are mostly CPU (vLLM's scheduler in Python): 2 workers each, the two releases side by
 # side. Every fixture binds ephemeral ports (free_port(), port 0) and per-test temporary
 # directories (tmp_path; etcd per module), so no test needs a group. `--dist worksteal`: the

@@ -10,13 +10,11 @@ install-vllm:       ## only the cached vLLM 0.16.0 and 0.33.0 venvs for tests/wi
 	./scripts/install_vllm.sh
 	KVCOORD_VLLM_VERSION=0.33.0 ./scripts/install_vllm.sh
 
-test:               ## everything: fast suites, then the Docker image + Prometheus integration suite
+test:               ## everything: fast suites (in parallel, pytest-xdist), then the Docker image + Prometheus integration suite
 	./scripts/test.sh
 
-test-fast:          ## everything except the container suite
-	$(PYTHON) -m pytest tests --ignore=tests/integration
-	./scripts/test_vllm.sh
-	KVCOORD_VLLM_VERSION=0.33.0 ./scripts/test_vllm.sh
+test-fast:          ## everything except the container suite (in parallel: see scripts/test.sh)
+	./scripts/test.sh --fast
 
 test-vllm:          ## only vLLM's real schedulers on kvcoord (in the vLLM 0.16.0 and 0.33.0 venvs)
 	./scripts/test_vllm.sh

@@ -71,6 +71,7 @@ fi
 KVCOORD_MODULES=(
   "grpcio>=1.85.1" "protobuf>=6.31.1" "grpcio-health-checking>=1.85.1" "grpcio-reflection>=1.85.1"
   "prometheus-client>=0.20" "structlog>=24.1" "click>=8.1" "cbor2>=5.6" "xxhash>=3.4" "pytest>=8.3" "pytest-timeout>=2.3"
+  "pytest-xdist>=3.6"
 )
 
 stamp="$VENV/.kvcoord-stamp"

@@ -4,7 +4,23 @@
 # integration suite against the kvcoord Docker image, scraped by a real Prometheus.
 #
 #   scripts/test.sh                     everything
+#   scripts/test.sh --fast              everything except the container suite (make test-fast)
 #   scripts/test.sh --integration-only  only the container suite
+#
+# The Python suites run in parallel with pytest-xdist. CI's machine has 2 cores; run
+# serially, `pytest tests` took 1,240 s of wall time for about 870 s of CPU (children
+# included; measured under -n 4): about 0.7 of one core, the rest waiting on leases,
+# restarts, SIGKILLs and timeouts, so 4 workers overlap the waits and fill both cores; the tests/with_vllm runs
+# are mostly CPU (vLLM's scheduler in Python): 2 workers each, the two releases side by
+# side. Every fixture binds ephemeral ports (free_port(), port 0) and per-test temporary
+# directories (tmp_path; etcd per module), so no test needs a group. `--dist worksteal`: the
+# slow tests (SIGKILL/restart loops of minutes) sit next to each other in collection
+# order; an idle worker takes tests queued on a busy one instead of waiting.
+#   KVCOORD_TEST_WORKERS       workers of `pytest tests` (default 4; 0 runs it serially)
+#   KVCOORD_VLLM_TEST_WORKERS  workers of each tests/with_vllm run (default 2; 0: serially)
+# The vLLM 0.16.0 and 0.33.0 runs of tests/with_vllm go on side by side, each writing to
+# a log that is printed when both have ended (KVCOORD_VLLM_SERIAL=1: one after the other,
+# straight to the terminal).
 #
 # KVCOORD_TARGET=host:port and KVCOORD_METRICS=host:port run the integration suite
 # against an existing deployment instead of starting the container (add
@@ -35,9 +51,30 @@ CLUSTER_COMPOSE=(docker-compose -p "kvcoord-cluster-$$" -f deploy/docker-compose
 status=0
 
 if [ "${1:-}" != "--integration-only" ]; then
-  "$PYTHON" -m pytest tests --ignore=tests/integration || status=$?
-  ./scripts/test_vllm.sh || status=$?
-  KVCOORD_VLLM_VERSION=0.33.0 ./scripts/test_vllm.sh || status=$?
+  # -p no:benchmark: pytest-benchmark, where installed, warns that xdist disables it, and
+  # the suite's filterwarnings = error makes that an internal error (no test here uses it)
+  "$PYTHON" -m pytest tests --ignore=tests/integration -p no:benchmark -n "${KVCOORD_TEST_WORKERS:-4}" --dist worksteal || status=$?
+  vllm_workers=(-n "${KVCOORD_VLLM_TEST_WORKERS:-2}" --dist worksteal)
+  if [ -n "${KVCOORD_VLLM_SERIAL:-}" ]; then
+    ./scripts/test_vllm.sh "${vllm_workers[@]}" || status=$?
+    KVCOORD_VLLM_VERSION=0.33.0 ./scripts/test_vllm.sh "${vllm_workers[@]}" || status=$?
+  else
+    mkdir -p "$WORK"
+    ./scripts/test_vllm.sh "${vllm_workers[@]}" >"$WORK/vllm-0.16.0.log" 2>&1 &
+    pid016=$!
+    KVCOORD_VLLM_VERSION=0.33.0 ./scripts/test_vllm.sh "${vllm_workers[@]}" >"$WORK/vllm-0.33.0.log" 2>&1 &
+    pid033=$!
+    rc016=0 rc033=0
+    wait "$pid016" || rc016=$?
+    wait "$pid033" || rc033=$?
+    echo "######## tests/with_vllm under vLLM 0.16.0 (exit $rc016)"
+    cat "$WORK/vllm-0.16.0.log"
+    echo "######## tests/with_vllm under vLLM 0.33.0 (exit $rc033)"
+    cat "$WORK/vllm-0.33.0.log"
+    [ "$rc016" -eq 0 ] || status=$rc016
+    [ "$rc033" -eq 0 ] || status=$rc033
+  fi
+  [ "${1:-}" != "--fast" ] || exit $status
 fi
 
 cleanup() {

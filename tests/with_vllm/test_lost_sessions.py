@@ -231,11 +231,14 @@ def test_a_loss_met_inside_a_step(
     assert armed["ended"] == 5
     _check(got, want, scheduler, predict)
     undone, absorbed = scheduler.kvcoord_undone, scheduler.kv_cache_manager.absorbed
+    # (vLLM 0.33, predicted: a loss the background Step met before the next step began
+    # is surfaced then, and the requests it names preempted, before any allocation)
+    surfaced = scheduler.kv_cache_manager.surfaced
     if predict or (kind == "sync" and where == "update_from_output"):
         # predicted: met wherever the failed Step's answer is read first; the waiting
         # mode under the sync scheduler: by the first call of update_from_output that
         # waits for the server, or else by the next schedule()
-        assert undone + absorbed >= 5, (undone, absorbed)
+        assert undone + absorbed + surfaced >= 5, (undone, absorbed, surfaced)
     elif where == "schedule":  # the allocation that met it was schedule()'s
         assert undone >= 5 and absorbed == 0, (undone, absorbed)
     else:  # the async scheduler's cache_blocks make events: take_events sends them

@@ -452,6 +452,7 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
             self.remote033.check_session()
         except RequestsLostError as err:
             self.lost.update(err.request_ids)
+            self.surfaced += 1
         return self.take_lost()
 
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:

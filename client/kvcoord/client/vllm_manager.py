@@ -150,6 +150,9 @@ class KVCoordKVCacheManager:
         self.lost: set[str] = set()
         #: losses and outages met while absorbing
         self.absorbed = 0
+        #: losses met between steps, surfaced before a step (vLLM 0.33: a predicted
+        #: session's background Step met it; see surface_losses)
+        self.surfaced = 0
         self._last_usage = 0.0
         #: the remote's shared answer to an allocation that takes no block (predicted)
         self._no_blocks: KVCacheBlockIds | None = getattr(remote, "no_blocks", None)

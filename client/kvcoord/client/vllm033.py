@@ -17,18 +17,19 @@ scheduler first passes that request (:class:`Unsupported033Error`): never a sile
 Supported: KV cache groups of full attention, sliding window and chunked local
 attention (of one block size or several: hashes of the smallest, hits and caching at
 their LCM; 0.33's processed-token basis travels as
-``AllocateOp.num_in_flight_tokens``, sparse or dense retention as the KVCacheConfig
-says), prefix caching on or off, KV events, statistics, the synchronous and the
+``AllocateOp.num_in_flight_tokens`` for every group that frees blocks early, windows
+and mamba, sparse or dense retention as the KVCacheConfig says), prefix caching on or off, KV events, statistics, the synchronous and the
 asynchronous scheduler, the FCFS and priority policies, the watermark
 (``AllocateOp.watermark_blocks``), cache salts, LoRA adapters (their
 path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
 speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, mamba
-groups beside full attention (``align`` mode, or ``none`` with prefix caching off; the
-pool's shared-prefix boundary and per-step drains, :mod:`.vllm033_mamba`), and KV
+groups beside full attention (``align`` mode, or ``none`` with prefix caching off;
+speculative blocks, on every scheduler; the pool's shared-prefix boundary and per-step
+drains, :mod:`.vllm033_mamba`), and KV
 connectors (loads, failed loads, delayed and deferred frees: :mod:`.vllm033_connector`).
 A lost session costs recomputation (``check_session`` surfaces a loss met in the
 background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA and sink
-subclasses), mamba with speculative or prefill checkpoint blocks, a positive
+subclasses), mamba with prefill checkpoint blocks, a positive
 ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block drop (look-ahead
 hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
@@ -356,9 +357,10 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     ) -> None:
         super().__init__(remote, kv_cache_config)
         self.remote033 = remote
-        #: a group frees blocks that leave its window (sliding window, chunked local)
-        self._windows = any(
-            g.WhichOneof("spec") in ("sliding_window", "chunked_local") for g in remote.config.groups
+        #: a group frees blocks before the request ends: those that leave its window
+        #: (sliding window, chunked local) or a mamba group's skipped and superseded states
+        self._skipping = any(
+            g.WhichOneof("spec") in ("sliding_window", "chunked_local", "mamba") for g in remote.config.groups
         )
         #: a mamba group: the pool records per-step state the scheduler drains
         self._mamba = any(g.WhichOneof("spec") == "mamba" for g in remote.config.groups)
@@ -400,9 +402,10 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         keyword arguments."""
         # skip_zeroing_group_ids matters for zeroing only (refused at start)
         remote = self.remote033
-        # the processed-token basis matters only to a group with a window (full
-        # attention frees nothing early): elsewhere 0, so decode steps stay plain
-        in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0) if self._windows else 0
+        # the processed-token basis matters only to a group that frees blocks early (a
+        # window, or mamba: full attention frees nothing early): elsewhere 0, so decode
+        # steps stay plain
+        in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0) if self._skipping else 0
         # vLLM 0.33's watermark: for a waiting or preempted request only, and only when
         # something is already scheduled this step
         watermark = 0

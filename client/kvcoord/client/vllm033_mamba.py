@@ -22,16 +22,6 @@ def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
     or it is not a mamba group)."""
     if not hasattr(spec, "mamba_cache_mode"):
         return None
-    if getattr(spec, "num_speculative_blocks", 0) and (
-        vllm_config.max_concurrent_batches > 1 or vllm_config.scheduler_config.async_scheduling
-    ):
-        # (synchronous steps are taken: every answer equals vLLM 0.33's; with overlapping
-        # steps the scheduler's caching of drafted requests' in-flight outputs differs, a
-        # difference found with and without speculative blocks and not modelled yet)
-        return (
-            f"KV cache group {i}: mamba with speculative decoding and overlapping steps (async "
-            "scheduling or pipeline parallelism): not supported under vLLM 0.33 yet"
-        )
     if getattr(spec, "num_prefill_checkpoint_blocks", 0) or getattr(
         vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", False
     ):

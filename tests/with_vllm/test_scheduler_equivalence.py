@@ -511,9 +511,10 @@ def test_without_prefix_caching_or_events(
     ("kind", "layout", "connector"),
     [
         ("sync", "full+mamba-align", "LoadedHalfConnector"), ("sync", "full+mamba-align", "AsyncLoadsConnector"),
+        ("sync", "full+mamba", "LoadedHalfConnector"), ("sync", "full+mamba", "AsyncLoadsConnector"),
         # refused at start (checked, then skipped): a KV consumer's deferred frees beside
-        # mamba (the async scheduler), and mamba's "none" mode
-        ("async", "full+mamba-align", "LoadedHalfConnector"), ("sync", "full+mamba", "LoadedHalfConnector"),
+        # mamba (the async scheduler)
+        ("async", "full+mamba-align", "LoadedHalfConnector"),
     ],
 )  # fmt: skip
 def test_a_kv_connector_beside_a_mamba_group_decides_like_vllm(
@@ -521,8 +522,19 @@ def test_a_kv_connector_beside_a_mamba_group_decides_like_vllm(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """vLLM 0.33: a KV connector (synchronous or asynchronous loads) beside a mamba group
-    whose state is cached at block boundaries (align), on the synchronous scheduler:
-    identical decisions, under memory pressure and with blocks to spare."""
+    whose state is cached at block boundaries (align), or not cached ("none": prefix
+    caching off, the mamba block larger, vLLM's hashes of their LCM for the connector
+    only), on the synchronous scheduler: identical decisions, under memory pressure and
+    with blocks to spare. (The "none" mode was refused at start before; run with the
+    refusals lifted, the old code decided identically: no rule was missing.)"""
+    if kind == "sync":
+        from kvcoord.client.vllm033 import unsupported_033
+
+        config = vllm_config(model_dir, 64, async_scheduling=False, connector=connector,
+                             enable_caching=layout.endswith("align"),
+                             mamba_cache_mode="align" if layout.endswith("align") else "none")  # fmt: skip
+        kv_config = kv_cache_config(layout, 64)
+        assert unsupported_033(kv_config, config, block_sizes(config, kv_config)[1]) is None  # taken
     for blocks, seed in ((64, 5), (4096, 71)):
         r = run_both(kind, layout, blocks, seed, model_dir, server, monkeypatch, connector=connector)
         assert r.got == r.want, first_difference(r.want, r.got)

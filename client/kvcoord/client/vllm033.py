@@ -33,9 +33,8 @@ subclasses), mamba with prefill checkpoint blocks, a positive
 ``prefix_cache_retention_interval``, EAGLE/MTP with the trailing-block drop (look-ahead
 hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
-:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV connector beside a
-mamba group in ``none`` mode or, for a KV consumer, with overlapping steps (deferred
-frees), and fine-grained (partial) hits. With KV events on, a request's multimodal items
+:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV consumer
+connector beside a mamba group with overlapping steps (deferred frees), and fine-grained (partial) hits. With KV events on, a request's multimodal items
 and prompt-embeds digests travel with its registration (:func:`extra_key_sources_033`)
 so that the pool publishes vLLM 0.33's ``BlockStored.extra_keys`` for its blocks, and
 so does its ``full`` report mode (``RequestSync.kv_cache_report_full``), so that the pool
@@ -185,8 +184,6 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
                 "a KV connector (a KV consumer) beside a mamba group with overlapping steps (async "
                 "scheduling or pipeline parallelism: deferred frees): not supported under vLLM 0.33 yet"
             )
-        if modes != {"align"}:
-            return "a KV connector beside a mamba group in 'none' mode: not supported under vLLM 0.33 yet"
     why = connector_refusal_033(kv_cache_config, vllm_config)
     if why is not None:
         return why

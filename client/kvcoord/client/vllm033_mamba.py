@@ -34,9 +34,11 @@ def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
 
 def uncached_mamba_hybrid(groups: Any, vllm_config: Any, hash_block_size: int) -> bool:
     """Attention groups of one block size beside mamba groups of another, with nothing
-    hashed (prefix caching off, no connector): vLLM 0.33 schedules by their LCM, the
-    pool's scheduler block size, and keeps no hash."""
-    if vllm_config.cache_config.enable_prefix_caching or vllm_config.kv_transfer_config is not None:
+    cached (prefix caching off): vLLM 0.33 schedules by their LCM, the pool's scheduler
+    block size, and keeps no hash. (A KV connector's request hashes, then of the LCM
+    too, are vLLM's for the connector: the pool takes the external tokens it reports and
+    caches nothing.)"""
+    if vllm_config.cache_config.enable_prefix_caching:
         return False
     mamba = [g for g in groups if hasattr(g.kv_cache_spec, "mamba_cache_mode")]
     others = {int(g.kv_cache_spec.block_size) for g in groups if g not in mamba}

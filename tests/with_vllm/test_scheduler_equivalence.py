@@ -539,9 +539,10 @@ def test_without_prefix_caching_or_events(
     ("kind", "layout", "connector"),
     [
         ("sync", "full+mamba-align", "LoadedHalfConnector"), ("sync", "full+mamba-align", "AsyncLoadsConnector"),
+        ("sync", "full+mamba", "LoadedHalfConnector"), ("sync", "full+mamba", "AsyncLoadsConnector"),
         # refused at start (checked, then skipped): a KV consumer's deferred frees beside
-        # mamba (the async scheduler), and mamba's "none" mode
-        ("async", "full+mamba-align", "LoadedHalfConnector"), ("sync", "full+mamba", "LoadedHalfConnector"),
+        # mamba (the async scheduler)
+        ("async", "full+mamba-align", "LoadedHalfConnector"),
     ],
 )  # fmt: skip
 def test_a_kv_connector_beside_a_mamba_group_decides_like_vllm(
@@ -549,8 +550,19 @@ def test_a_kv_connector_beside_a_mamba_group_decides_like_vllm(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """vLLM 0.33: a KV connector (synchronous or asynchronous loads) beside a mamba group
-    whose state is cached at block boundaries (align), on the synchronous scheduler:
-    identical decisions, under memory pressure and with blocks to spare."""
+    whose state is cached at block boundaries (align), or not cached ("none": prefix
+    caching off, the mamba block larger, vLLM's hashes of their LCM for the connector
+    only), on the synchronous scheduler: identical decisions, under memory pressure and
+    with blocks to spare. (The "none" mode was refused at start before; run with the
+    refusals lifted, the old code decided identically: no rule was missing.)"""
+    if kind == "sync":
+        from kvcoord.client.vllm033 import unsupported_033
+
+        config = vllm_config(model_dir, 64, async_scheduling=False, connector=connector,
+                             enable_caching=layout.endswith("align"),
+                             mamba_cache_mode="align" if layout.endswith("align") else "none")  # fmt: skip
+        kv_config = kv_cache_config(layout, 64)
+        assert unsupported_033(kv_config, config, block_sizes(config, kv_config)[1]) is None  # taken
     for blocks, seed in ((64, 5), (4096, 71)):
         r = run_both(kind, layout, blocks, seed, model_dir, server, monkeypatch, connector=connector)
         assert r.got == r.want, first_difference(r.want, r.got)
@@ -645,23 +657,52 @@ def test_a_mamba_hybrid_with_prefill_checkpoint_blocks_decides_like_vllm(
         assert r.manager.config.groups[1].mamba.num_prefill_checkpoint_blocks == 1
 
 
-@pytest.mark.skipif(not V033, reason="the vllm-0.33 plug-in's refusal")
-@pytest.mark.parametrize("speculative", ["eagle", "draft_model"])
-def test_speculative_decoding_on_a_mamba_hybrid_with_async_scheduling_is_refused(
-    speculative: str, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """vLLM 0.33's AsyncScheduler with drafts beside a mamba "align" group: refused at
-    start, naming the reason (its caching of a drafted request's in-flight outputs gave
-    other answers when run, with and without speculative blocks: not modelled yet),
-    never run with other rules."""
-    from kvcoord.client.vllm033 import Unsupported033Error
+@pytest.mark.skipif(
+    not V033,
+    reason="the vllm-0.33 profile's rule (issue 25); vLLM 0.16.0 refuses async scheduling with mamba caching",
+)
+@pytest.mark.parametrize("predict", [False, True], ids=["remote", "predicted"])
+@pytest.mark.parametrize(
+    ("kind", "speculative"),
+    [("async", None), ("pp2", None), ("async", "eagle"), ("async", "draft_model"), ("async", "ngram"),
+     ("pp2", "eagle")],
+)  # fmt: skip
+def test_a_mamba_align_group_with_overlapping_steps_decides_like_vllm(
+    kind: str, speculative: str | None, predict: bool, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """vLLM 0.33's AsyncScheduler, or its Scheduler with two steps' outputs pending (two
+    pipeline stages), on full attention beside a mamba "align" group, without drafts or
+    with MTP/EAGLE, draft-model or n-gram drafts (one speculative block per draft; the
+    harness proposes drafts only when no step is pending, so "pp2" runs the speculative
+    blocks without drafts): identical decisions under memory pressure and with blocks to spare, the pool's
+    answers or the client's predictions. vLLM frees a mamba group's skipped and
+    superseded state blocks on the processed-token basis (``num_computed_tokens -
+    num_in_flight_tokens``): the block the in-flight step still copies its state from
+    stays held, and stays cached. (Before, the plug-in sent no in-flight tokens for a
+    mamba group: kvcoord freed that block a step early, two blocks fewer held than
+    vLLM, its hit and ``num_cache_creation_tokens`` lost; without drafts this ran
+    unrefused, with drafts it was refused at start.)"""
+    from kvcoord.client.vllm033 import unsupported_033
 
-    monkeypatch.setenv("KVCOORD_TARGET", server.address)
-    monkeypatch.setenv("KVCOORD_POOL", f"mamba-async-spec-{next(_pool_ids)}")
-    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=True, speculative=speculative,
+    layout = "full+mamba-align"
+    spec_blocks = 0 if speculative is None else 3 if speculative == "ngram" else 2
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=kind == "async", speculative=speculative,
                          mamba_cache_mode="align")  # fmt: skip
-    with pytest.raises(Unsupported033Error, match="mamba with speculative decoding and overlapping steps"):
-        make_scheduler(KVCOORD["async"], config, kv_cache_config("full+mamba-align", NUM_BLOCKS, 2))
+    # taken, not skipped as refused (the plug-in refused it with drafts before)
+    assert unsupported_033(kv_cache_config(layout, NUM_BLOCKS, spec_blocks), config, BLOCK_SIZE) is None
+    for blocks, seed in ((40, 17), (4096, 6)):
+        r = run_both(kind, layout, blocks, seed, model_dir, server, monkeypatch, speculative=speculative,
+                     predict=predict)  # fmt: skip
+        assert r.got == r.want, first_difference(r.want, r.got)
+        assert r.want_counts["finished"] > 10, r.want_counts
+        assert r.want_counts["hit_tokens"] > 0, r.want_counts
+        assert blocks != 40 or r.want_counts["preempted"] > 0, r.want_counts
+        assert r.manager.lost_requests == 0
+        assert r.manager.config.groups[1].mamba.num_speculative_blocks == spec_blocks
+    drafts = [len(t) for entry, *rest in r.want if entry == "schedule" for t in rest[1]["drafts"].values()]
+    if speculative is not None and kind == "async":
+        assert len(drafts) > 300, len(drafts)  # requests scheduled with drafts
 
 
 def test_blocks_behave_like_vllms(

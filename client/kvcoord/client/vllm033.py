@@ -17,27 +17,27 @@ scheduler first passes that request (:class:`Unsupported033Error`): never a sile
 Supported: KV cache groups of full attention, sliding window and chunked local
 attention (of one block size or several: hashes of the smallest, hits and caching at
 their LCM; 0.33's processed-token basis travels as
-``AllocateOp.num_in_flight_tokens``, sparse, dense or periodic sliding-window
-retention as the KVCacheConfig's ``prefix_cache_retention_interval`` says), prefix caching on or off, KV events, statistics, the synchronous and the
+``AllocateOp.num_in_flight_tokens`` for every group that frees blocks early, windows
+and mamba; sparse, dense or periodic sliding-window retention as the KVCacheConfig's
+``prefix_cache_retention_interval`` says), prefix caching on or off, KV events, statistics, the synchronous and the
 asynchronous scheduler, the FCFS and priority policies, the watermark
 (``AllocateOp.watermark_blocks``), cache salts, LoRA adapters (their
 path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
 speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, mamba
-groups beside full attention (``align`` mode, or ``none`` with prefix caching off; the
-pool's shared-prefix boundary and per-step drains, :mod:`.vllm033_mamba`; prefill
-checkpoint blocks, ``MambaSpec.num_prefill_checkpoint_blocks`` as vLLM's Mamba2 / GDN
-layers set it, with their in-flight tokens), and KV
+groups beside full attention (``align`` mode, or ``none`` with prefix caching off;
+speculative blocks, on every scheduler; the pool's shared-prefix boundary and per-step
+drains, :mod:`.vllm033_mamba`; prefill checkpoint blocks,
+``MambaSpec.num_prefill_checkpoint_blocks`` as vLLM's Mamba2 / GDN layers set it), and KV
 connectors (loads, failed loads, delayed and deferred frees: :mod:`.vllm033_connector`).
 A lost session costs recomputation (``check_session`` surfaces a loss met in the
 background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA subclasses; attention sinks,
-which vLLM 0.33.0 itself cannot start), mamba with speculative blocks and overlapping
-steps, mamba shared-prefix checkpoints (``enable_mamba_shared_prefix_checkpoint``), a
-positive ``prefix_cache_retention_interval`` beside a mamba group, EAGLE/MTP with the trailing-block drop (look-ahead
+which vLLM 0.33.0 itself cannot start), mamba shared-prefix checkpoints
+(``enable_mamba_shared_prefix_checkpoint``), a positive
+``prefix_cache_retention_interval`` beside a mamba group, EAGLE/MTP with the trailing-block drop (look-ahead
 hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
-:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV connector beside a
-mamba group in ``none`` mode or, for a KV consumer, with overlapping steps (deferred
-frees), and fine-grained (partial) hits. With KV events on, a request's multimodal items
+:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV consumer
+connector beside a mamba group with overlapping steps (deferred frees), and fine-grained (partial) hits. With KV events on, a request's multimodal items
 and prompt-embeds digests travel with its registration (:func:`extra_key_sources_033`)
 so that the pool publishes vLLM 0.33's ``BlockStored.extra_keys`` for its blocks, and
 so does its ``full`` report mode (``RequestSync.kv_cache_report_full``), so that the pool
@@ -199,8 +199,6 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
                 "a KV connector (a KV consumer) beside a mamba group with overlapping steps (async "
                 "scheduling or pipeline parallelism: deferred frees): not supported under vLLM 0.33 yet"
             )
-        if modes != {"align"}:
-            return "a KV connector beside a mamba group in 'none' mode: not supported under vLLM 0.33 yet"
     why = connector_refusal_033(kv_cache_config, vllm_config)
     if why is not None:
         return why
@@ -371,13 +369,12 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     ) -> None:
         super().__init__(remote, kv_cache_config)
         self.remote033 = remote
-        #: a group frees blocks that leave its window (sliding window, chunked local), or
-        #: a mamba group's prefill checkpoint block, freed once processed (async steps
-        #: keep it while the chunk that wrote it is in flight)
-        self._windows = any(
-            g.WhichOneof("spec") in ("sliding_window", "chunked_local")
-            or (g.WhichOneof("spec") == "mamba" and g.mamba.num_prefill_checkpoint_blocks > 0)
-            for g in remote.config.groups
+        #: a group frees blocks before the request ends: those that leave its window
+        #: (sliding window, chunked local) or a mamba group's skipped and superseded
+        #: states and its prefill checkpoint block, freed once processed (async steps
+        #: keep them while the chunk that wrote them is in flight)
+        self._skipping = any(
+            g.WhichOneof("spec") in ("sliding_window", "chunked_local", "mamba") for g in remote.config.groups
         )
         #: a mamba group: the pool records per-step state the scheduler drains
         self._mamba = any(g.WhichOneof("spec") == "mamba" for g in remote.config.groups)
@@ -419,9 +416,10 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         keyword arguments."""
         # skip_zeroing_group_ids matters for zeroing only (refused at start)
         remote = self.remote033
-        # the processed-token basis matters only to a group with a window (full
-        # attention frees nothing early): elsewhere 0, so decode steps stay plain
-        in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0) if self._windows else 0
+        # the processed-token basis matters only to a group that frees blocks early (a
+        # window, or mamba: full attention frees nothing early): elsewhere 0, so decode
+        # steps stay plain
+        in_flight = int(getattr(request, "num_in_flight_tokens", 0) or 0) if self._skipping else 0
         # vLLM 0.33's watermark: for a waiting or preempted request only, and only when
         # something is already scheduled this step
         watermark = 0

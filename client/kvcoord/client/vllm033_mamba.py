@@ -22,16 +22,6 @@ def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
     or it is not a mamba group)."""
     if not hasattr(spec, "mamba_cache_mode"):
         return None
-    if getattr(spec, "num_speculative_blocks", 0) and (
-        vllm_config.max_concurrent_batches > 1 or vllm_config.scheduler_config.async_scheduling
-    ):
-        # (synchronous steps are taken: every answer equals vLLM 0.33's; with overlapping
-        # steps the scheduler's caching of drafted requests' in-flight outputs differs, a
-        # difference found with and without speculative blocks and not modelled yet)
-        return (
-            f"KV cache group {i}: mamba with speculative decoding and overlapping steps (async "
-            "scheduling or pipeline parallelism): not supported under vLLM 0.33 yet"
-        )
     # (prefill checkpoint blocks, num_prefill_checkpoint_blocks > 0, are carried to the
     # pool and modelled; the shared-prefix junction checkpoint is not)
     if getattr(vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", False):
@@ -44,9 +34,11 @@ def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
 
 def uncached_mamba_hybrid(groups: Any, vllm_config: Any, hash_block_size: int) -> bool:
     """Attention groups of one block size beside mamba groups of another, with nothing
-    hashed (prefix caching off, no connector): vLLM 0.33 schedules by their LCM, the
-    pool's scheduler block size, and keeps no hash."""
-    if vllm_config.cache_config.enable_prefix_caching or vllm_config.kv_transfer_config is not None:
+    cached (prefix caching off): vLLM 0.33 schedules by their LCM, the pool's scheduler
+    block size, and keeps no hash. (A KV connector's request hashes, then of the LCM
+    too, are vLLM's for the connector: the pool takes the external tokens it reports and
+    caches nothing.)"""
+    if vllm_config.cache_config.enable_prefix_caching:
         return False
     mamba = [g for g in groups if hasattr(g.kv_cache_spec, "mamba_cache_mode")]
     others = {int(g.kv_cache_spec.block_size) for g in groups if g not in mamba}

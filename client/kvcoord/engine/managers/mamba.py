@@ -207,9 +207,10 @@ class MambaManager033(MambaManager):
       that many, so the answers are the same (checked against vLLM 0.33.0's manager:
       tests/conformance/test_differential_033.py and bench/vs_vllm.py).
 
-    Not modelled, and refused by the configuration: prefill checkpoint blocks, sub-block
-    (partial) hits with copy-on-write (a block larger than the hash block), and prefix
-    caching outside align mode.
+    Sub-block (partial) hits with copy-on-write (a block larger than the hash block) are
+    :class:`~kvcoord.engine.managers.partial.PartialMambaManager`'s. Not modelled, and
+    refused by the configuration: prefill checkpoint blocks and prefix caching outside
+    align mode.
     """
 
     def __init__(

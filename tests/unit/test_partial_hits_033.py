@@ -169,3 +169,24 @@ def test_partial_hits_are_taken_only_where_modelled() -> None:
     with pytest.raises(ConfigError, match="copy-on-write.*beside groups of another block size"):
         KVCacheConfig(24, (FullAttentionSpec(16), mamba), HBS, profile="vllm-0.33")
     assert not KVCacheConfig(24, (FullAttentionSpec(32), mamba), HBS, profile="vllm-0.16").partial_hash_hits
+
+
+def test_the_state_export_keeps_tails_copies_and_retentions() -> None:
+    """A pool restored from export_state answers the rest of the sequence as the
+    original does: the producer's tail, a pair not taken yet and a taken one."""
+    from kvcoord.engine.state import export_state, import_state
+
+    p = pool()
+    admit(p, "A", P, 48)
+    assert p.allocate_slots("A", 8) == ((), ())
+    p.update_request("A", num_computed_tokens=56)
+    assert drain(p) == ([(3, 4)], [3, 4])  # taken, not released
+    admit(p, "B", B_TOKENS, 64)  # its pairs not taken yet
+    q = import_state(p.config, export_state(p))
+    assert q.snapshot() == p.snapshot()
+    ok(q)
+    for x in (p, q):
+        assert drain(x) == ([(2, 5), (4, 6)], [2, 5, 4, 6])
+        x.release_retained_blocks([3, 4, 2, 5, 4, 6])
+        ok(x)
+    assert q.snapshot() == p.snapshot()

@@ -103,6 +103,12 @@ class RemoteMamba033:
         )
         return out
 
+    def release_retained_blocks(self: Any, block_ids: list[int]) -> None:
+        """The scheduler's release of the copies' blocks once their step ran (sent with
+        the next Step; a block not retained fails it, BLOCK_NOT_RETAINED)."""
+        op = pb.Operation(release_retained_blocks=pb.ReleaseRetainedBlocksOp(block_ids=block_ids))
+        self._unary_op(op, lambda r: None, True)
+
 
 class PredictedMamba033:
     """Predicting033KVCacheManager's calls for mamba groups and lost sessions: the
@@ -138,3 +144,11 @@ class PredictedMamba033:
         out: tuple[list[tuple[int, int]], list[int]] = self.mirror.call("take_kv_cache_block_copies")
         self.sender.op().take_kv_cache_block_copies.SetInParent()
         return out
+
+    def release_retained_blocks(self: Any, block_ids: list[int]) -> None:
+        """The mirror releases now; the server does the same with the step's Step."""
+        self._settled()
+        self.mirror.call("release_retained_blocks", list(block_ids))
+        release = self.sender.op().release_retained_blocks
+        release.SetInParent()
+        release.block_ids.extend(block_ids)

@@ -26,13 +26,7 @@ speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, mam
 groups beside full attention (``align`` mode, or ``none`` with prefix caching off; the
 pool's shared-prefix boundary and per-step drains, :mod:`.vllm033_mamba`), and KV
 connectors (loads, failed loads, delayed and deferred frees: :mod:`.vllm033_connector`),
-and 0.33's fine-grained (partial) hits on the synchronous scheduler (full attention and a
-mamba ``align`` group of one block size larger than the hash block, no drafts, no KV
-connector): ``coordinator.enable_partial_hash_hits`` is the layout's,
-``take_kv_cache_block_copies`` answers the pool's copy-on-write pairs as vLLM's
-``KVCacheBlockCopy`` with :class:`~.vllm033_parts.RetainedBlock` handles, which
-``block_pool.free_blocks`` releases in the pool in the order given
-(``ReleaseRetainedBlocksOp``, sent with the next Step).
+fine-grained (partial) hits (:func:`.vllm033_mamba.partial_hits_033` says which).
 A lost session costs recomputation (``check_session`` surfaces a loss met in the
 background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA and sink
 subclasses), mamba with speculative or prefill checkpoint blocks, a positive
@@ -41,8 +35,7 @@ hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
 :func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV connector beside a
 mamba group in ``none`` mode or, for a KV consumer, with overlapping steps (deferred
-frees), and fine-grained (partial) hits beside other groups, with drafts, a KV connector
-or overlapping steps. With KV events on, a request's multimodal items
+frees), and other fine-grained (partial) hits. With KV events on, a request's multimodal items
 and prompt-embeds digests travel with its registration (:func:`extra_key_sources_033`)
 so that the pool publishes vLLM 0.33's ``BlockStored.extra_keys`` for its blocks, and
 so does its ``full`` report mode (``RequestSync.kv_cache_report_full``), so that the pool
@@ -80,13 +73,7 @@ from .vllm033_connector import (
     connector_refusal_033,
 )
 from .vllm033_mamba import PredictedMamba033, RemoteMamba033, uncached_mamba_hybrid, unsupported_mamba_033
-from .vllm033_parts import (
-    BlockPool033,
-    Coordinator033,
-    RetainedBlock,
-    Unsupported033Error,
-    UnsupportedVLLMError,
-)
+from .vllm033_parts import BlockPool033, Coordinator033, Unsupported033Error, UnsupportedVLLMError
 from .vllm_manager import absorbing
 from .vllm_types import convert_engine_events, convert_events
 
@@ -138,34 +125,6 @@ def vllm_profile(version: str | None = None) -> str:
     )
 
 
-def partial_hits_033(groups: Any, vllm_config: Any, hash_block_size: int) -> str | None:
-    """``None`` unless vLLM 0.33 turns fine-grained (partial) hits on (prefix caching and a
-    mamba "align" group whose block is larger than the hash block); then ``""`` when
-    kvcoord takes the layout (full attention and mamba "align" groups of one block size,
-    no speculative decoding, no KV connector, no periodic retention), else why not."""
-    if not vllm_config.cache_config.enable_prefix_caching:
-        return None
-    specs = [g.kv_cache_spec for g in groups]
-    if not any(
-        getattr(s, "mamba_cache_mode", None) == "align" and int(s.block_size) > hash_block_size for s in specs
-    ):
-        return None
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
-
-    why = "fine-grained (partial) prefix hits with copy-on-write are supported"
-    if any(type(s) not in (FullAttentionSpec, MambaSpec) for s in specs):
-        return f"{why} beside full attention only"
-    if len({int(s.block_size) for s in specs}) > 1 or any(int(s.block_size) % hash_block_size for s in specs):
-        return f"{why} with groups of one block size (a multiple of hash_block_size {hash_block_size}) only"
-    if vllm_config.speculative_config is not None or vllm_config.kv_transfer_config is not None:
-        return f"{why} without speculative decoding and KV connectors only"
-    if vllm_config.max_concurrent_batches > 1 or vllm_config.scheduler_config.async_scheduling:
-        # (a mamba "align" group with prefix caching gave other answers under vLLM 0.33's
-        # AsyncScheduler, with and without fine-grained hits: not modelled yet)
-        return f"{why} without overlapping steps (async scheduling or pipeline parallelism) only"
-    return ""
-
-
 def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int) -> str | None:
     """Why an engine with these configs cannot run its vLLM 0.33 scheduler on kvcoord
     (``None``: it can)."""
@@ -192,14 +151,15 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
         if getattr(spec, "sink_len", None):
             return f"KV cache group {i} has attention sinks: not supported by the vllm-0.33 profile"
     sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    from .vllm033_mamba import partial_hits_033
+
     partial = partial_hits_033(groups, vllm_config, hash_block_size)
     if partial:
         return partial
     if partial is not None or (
         len(sizes) > 1 and uncached_mamba_hybrid(groups, vllm_config, hash_block_size)
     ):
-        # nothing hashed or cached: one scheduler block size, their LCM; or fine-grained
-        # hits (one block size, hashes of a fraction of it)
+        # fine-grained hits (one size), or nothing hashed: one scheduler block, their LCM
         sizes = set()
     if len(sizes) > 1 and any(hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups):
         return (
@@ -412,14 +372,6 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         #: a mamba group: the pool records per-step state the scheduler drains
         self._mamba = any(g.WhichOneof("spec") == "mamba" for g in remote.config.groups)
         self.coordinator = Coordinator033(kv_cache_config, remote)
-        cfg = remote.config
-        #: fine-grained (partial) hits: a mamba "align" block larger than the hash block
-        self.coordinator.enable_partial_hash_hits = cfg.enable_caching and any(
-            g.WhichOneof("spec") == "mamba"
-            and g.mamba.mamba_cache_mode == "align"
-            and g.mamba.block_size > cfg.hash_block_size
-            for g in cfg.groups
-        )
         self.block_pool = BlockPool033(self.free_deferred, remote.release_retained_blocks)
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
@@ -519,17 +471,9 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         return self.remote033.take_new_block_ids() if self._mamba else []
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        if not self._mamba:
-            return [], []
-        copies, retained = self.remote033.take_kv_cache_block_copies()
-        if not copies:
-            return [], []
-        from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+        from .vllm033_parts import copies_for_vllm  # (imports vLLM)
 
-        return (
-            [KVCacheBlockCopy(src_block_id=s, dst_block_id=d) for s, d in copies],
-            [RetainedBlock(b) for b in retained],
-        )
+        return copies_for_vllm(*self.remote033.take_kv_cache_block_copies()) if self._mamba else ([], [])
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         return self.remote033.take_boundary_state_offloads() if self._mamba else {}

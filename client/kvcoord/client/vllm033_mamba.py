@@ -14,7 +14,13 @@ from kvcoord.wire import copies_from_pb, offloads_from_pb
 
 from .items import KVCacheBlockIds
 
-__all__ = ["PredictedMamba033", "RemoteMamba033", "uncached_mamba_hybrid", "unsupported_mamba_033"]
+__all__ = [
+    "PredictedMamba033",
+    "RemoteMamba033",
+    "partial_hits_033",
+    "uncached_mamba_hybrid",
+    "unsupported_mamba_033",
+]
 
 
 def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
@@ -40,6 +46,41 @@ def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
             "supported by the vllm-0.33 profile"
         )
     return None
+
+
+def partial_hits_033(groups: Any, vllm_config: Any, hash_block_size: int) -> str | None:
+    """vLLM 0.33's fine-grained (partial) hits (issue 25), taken on the synchronous
+    scheduler: ``coordinator.enable_partial_hash_hits`` is then True,
+    ``take_kv_cache_block_copies`` answers the pool's pairs as vLLM's ``KVCacheBlockCopy``
+    with :class:`~.vllm033_parts.RetainedBlock` handles, and ``block_pool.free_blocks``
+    releases those in the pool in the order given (``ReleaseRetainedBlocksOp``, with the
+    next Step).
+
+    ``None`` unless vLLM 0.33 turns fine-grained (partial) hits on (prefix caching and a
+    mamba "align" group whose block is larger than the hash block); then ``""`` when
+    kvcoord takes the layout (full attention and mamba "align" groups of one block size,
+    no speculative decoding, no KV connector, no periodic retention), else why not."""
+    if not vllm_config.cache_config.enable_prefix_caching:
+        return None
+    specs = [g.kv_cache_spec for g in groups]
+    if not any(
+        getattr(s, "mamba_cache_mode", None) == "align" and int(s.block_size) > hash_block_size for s in specs
+    ):
+        return None
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    why = "fine-grained (partial) prefix hits with copy-on-write are supported"
+    if any(type(s) not in (FullAttentionSpec, MambaSpec) for s in specs):
+        return f"{why} beside full attention only"
+    if len({int(s.block_size) for s in specs}) > 1 or any(int(s.block_size) % hash_block_size for s in specs):
+        return f"{why} with groups of one block size (a multiple of hash_block_size {hash_block_size}) only"
+    if vllm_config.speculative_config is not None or vllm_config.kv_transfer_config is not None:
+        return f"{why} without speculative decoding and KV connectors only"
+    if vllm_config.max_concurrent_batches > 1 or vllm_config.scheduler_config.async_scheduling:
+        # (a mamba "align" group with prefix caching gave other answers under vLLM 0.33's
+        # AsyncScheduler, with and without fine-grained hits: not modelled yet)
+        return f"{why} without overlapping steps (async scheduling or pipeline parallelism) only"
+    return ""
 
 
 def uncached_mamba_hybrid(groups: Any, vllm_config: Any, hash_block_size: int) -> bool:

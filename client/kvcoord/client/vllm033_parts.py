@@ -12,7 +12,14 @@ from typing import Any
 
 from .vllm033_connector import DeferredFree
 
-__all__ = ["BlockPool033", "Coordinator033", "RetainedBlock", "Unsupported033Error", "UnsupportedVLLMError"]
+__all__ = [
+    "BlockPool033",
+    "Coordinator033",
+    "RetainedBlock",
+    "Unsupported033Error",
+    "UnsupportedVLLMError",
+    "copies_for_vllm",
+]
 
 
 class UnsupportedVLLMError(RuntimeError):
@@ -32,6 +39,18 @@ class RetainedBlock:
     block_id: int
 
 
+def copies_for_vllm(copies: list[tuple[int, int]], retained: list[int]) -> tuple[list[Any], list[Any]]:
+    """The pool's copy-on-write pairs as vLLM 0.33's ``KVCacheBlockCopy``, and handles for
+    the retained blocks that ``block_pool.free_blocks`` takes back."""
+    if not copies:
+        return [], []
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    return [KVCacheBlockCopy(src_block_id=s, dst_block_id=d) for s, d in copies], [
+        RetainedBlock(b) for b in retained
+    ]
+
+
 class Coordinator033:
     """What vLLM 0.33's scheduler and engine core read from ``kv_cache_manager.coordinator``:
     per group its block size and spec, whether fine-grained hits are on (the pool's
@@ -46,7 +65,14 @@ class Coordinator033:
             )
             for i, g in enumerate(kv_cache_config.kv_cache_groups)
         )
-        self.enable_partial_hash_hits = False
+        cfg = remote.config
+        #: fine-grained (partial) hits: a mamba "align" block larger than the hash block
+        self.enable_partial_hash_hits = cfg.enable_caching and any(
+            g.WhichOneof("spec") == "mamba"
+            and g.mamba.mamba_cache_mode == "align"
+            and g.mamba.block_size > cfg.hash_block_size
+            for g in cfg.groups
+        )
         self.eagle_group_ids: tuple[int, ...] = ()
         self.num_reprefillable_tokens = 0
 

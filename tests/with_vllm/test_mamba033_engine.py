@@ -26,23 +26,28 @@ MAX_LEN = 1024
 BUDGET = 192
 
 #: name -> (mamba_cache_mode, enable_caching, prefix_cache_retention_interval, prefill
-#: checkpoint alignment: ``None`` for no prefill checkpoint block, else the group has one)
+#: checkpoint alignment: ``None`` for no prefill checkpoint block, else the group has one;
+#: hash block)
 CASES = {
-    "align-sparse": ("align", True, 0, None),
-    "align-dense": ("align", True, None, None),
-    "align-nocache": ("align", False, 0, None),
-    "none-nocache": ("none", False, 0, None),
+    "align-sparse": ("align", True, 0, None, BS),
+    "align-dense": ("align", True, None, None, BS),
+    "align-nocache": ("align", False, 0, None, BS),
+    "none-nocache": ("none", False, 0, None, BS),
     # Mamba2 models' layout (mamba_mixer2.py: one checkpoint block, alignment 1)
-    "align-sparse-ckpt1": ("align", True, 0, 1),
+    "align-sparse-ckpt1": ("align", True, 0, 1, BS),
     # GDN models' layout (a coarser grid: here the block size)
-    "align-sparse-ckpt32": ("align", True, 0, BS),
-    "align-dense-ckpt1": ("align", True, None, 1),
+    "align-sparse-ckpt32": ("align", True, 0, BS, BS),
+    "align-dense-ckpt1": ("align", True, None, 1, BS),
     # a grid coarser than the block: only some chunks can take the checkpoint
-    "align-sparse-ckpt64": ("align", True, 0, 2 * BS),
+    "align-sparse-ckpt64": ("align", True, 0, 2 * BS, BS),
+    # fine-grained (partial) hits with copy-on-write: a hash block of half the block
+    "align-partial": ("align", True, 0, None, BS // 2),
 }
 
 
-def _vllm(mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None) -> Any:
+def _vllm(
+    mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None, hbs: int = BS
+) -> Any:
     import torch
     from vllm.v1 import kv_cache_interface as k
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -64,12 +69,14 @@ def _vllm(mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt:
     config.prefix_cache_retention_interval = interval
     sched = BS if mode == "align" else MAX_LEN
     return KVCacheManager(
-        config, max_model_len=MAX_LEN, scheduler_block_size=sched, hash_block_size=BS,
+        config, max_model_len=MAX_LEN, scheduler_block_size=sched, hash_block_size=hbs,
         max_in_flight_tokens=BUDGET, enable_caching=caching, log_stats=True, enable_kv_cache_events=True,
     )  # fmt: skip
 
 
-def _ours(mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None) -> Any:
+def _ours(
+    mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None, hbs: int = BS
+) -> Any:
     from kvcoord.engine import KVCacheConfig, KVCachePool
     from kvcoord.engine.specs import FullAttentionSpec, MambaCacheMode, MambaSpec
 
@@ -79,7 +86,7 @@ def _ours(mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt:
     )  # fmt: skip
     return KVCachePool(
         KVCacheConfig(
-            num_blocks, (FullAttentionSpec(BS), mamba), BS, enable_caching=caching, max_model_len=MAX_LEN,
+            num_blocks, (FullAttentionSpec(BS), mamba), hbs, enable_caching=caching, max_model_len=MAX_LEN,
             profile="vllm-0.33", max_in_flight_tokens=BUDGET, prefix_cache_retention_interval=interval,
             enable_kv_cache_events=True,
         )
@@ -90,19 +97,27 @@ class _Both:
     """One vLLM manager and one kvcoord pool, called alike; every answer compared."""
 
     def __init__(
-        self, mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None
+        self,
+        mode: str,
+        caching: bool,
+        interval: int | None,
+        num_blocks: int,
+        ckpt: int | None = None,
+        hbs: int = BS,
     ) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
         fn = get_hash_fn_by_name("sha256_cbor")
         init_none_hash(fn)
-        self.hasher = get_request_block_hasher(BS, fn) if caching else None
-        self.theirs = _vllm(mode, caching, interval, num_blocks, ckpt)
-        self.ours = _ours(mode, caching, interval, num_blocks, ckpt)
+        self.hasher = get_request_block_hasher(hbs, fn) if caching else None
+        self.theirs = _vllm(mode, caching, interval, num_blocks, ckpt, hbs)
+        self.ours = _ours(mode, caching, interval, num_blocks, ckpt, hbs)
+        self.hbs = hbs
         self.reqs: dict[str, Any] = {}
         self.calls = 0
         self.num_events = 0
+        self.num_copies = 0
 
     def same(self, what: str, theirs: Any, ours: Any) -> None:
         self.calls += 1
@@ -131,7 +146,7 @@ class _Both:
         ours = self.ours.get_computed_blocks(rid)
         self.same("hit", (blocks.get_block_ids(), hit, junction),
                   (tuple(list(g) for g in ours.block_ids), ours.num_tokens, self.ours.shared_prefix_boundary(rid)))  # fmt: skip
-        n = _chunk(r.num_tokens - hit, budget, r.num_tokens - hit)
+        n = self.chunk(r, hit, budget, r.num_tokens - hit)
         if n == 0:
             return None
         new = self.theirs.allocate_slots(
@@ -146,6 +161,17 @@ class _Both:
         self.ours.record_prefix_cache_stats(rid, hit)
         r.num_computed_tokens = hit  # advanced by n after the step
         return n
+
+    def chunk(self, r: Any, start: int, budget: int, left_of_prompt: int) -> int:
+        """The tokens vLLM 0.33's scheduler gives a request from ``start`` on."""
+        if self.hbs == BS:
+            return _chunk(r.num_tokens - start, budget, left_of_prompt)
+        return _chunk_partial(r.num_prompt_tokens, r.num_tokens, start, budget, self.hbs)
+
+    def release(self, retained: Any) -> None:
+        """The scheduler's release of the copies' blocks once they ran."""
+        self.theirs.block_pool.free_blocks(retained)
+        self.ours.release_retained_blocks([b.block_id for b in retained])
 
     def allocate(self, rid: str, n: int) -> bool:
         r = self.reqs[rid]
@@ -207,6 +233,9 @@ class _Both:
         copies, retained = self.theirs.take_kv_cache_block_copies()
         self.same("copies", ([(c.src_block_id, c.dst_block_id) for c in copies], [b.block_id for b in retained]),
                   self.ours.take_kv_cache_block_copies())  # fmt: skip
+        self.num_copies += len(copies)
+        if retained:
+            self.release(retained)
         self.same("new block ids", self.theirs.take_new_block_ids(), self.ours.take_new_block_ids())
         queue = [b.block_id for b in self.theirs.block_pool.free_block_queue.get_all_free_blocks()]
         self.same("free queue", queue, self.ours.free_queue_head(None))
@@ -238,6 +267,28 @@ def _event(e: Any, fields: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def _chunk_partial(prompt: int, tokens: int, start: int, budget: int, hbs: int) -> int:
+    """vLLM 0.33's scheduler with mamba align and partial hits (no checkpoint blocks, no
+    EAGLE, no junction stop): a prefill chunk ends on a block boundary unless it is the
+    prompt's last, stops at the next boundary when it starts inside a block, at the last
+    cacheable block boundary, and at the prompt's last hash boundary."""
+    end = start + min(tokens - start, budget)
+    prefill_end = max(prompt, tokens - 1)
+    if start >= prefill_end:
+        return end - start
+    if end < prefill_end:
+        end = end // BS * BS
+    last_cache = (tokens - 1) // BS * BS
+    tail = (prompt - 1) // hbs * hbs
+    stops = (
+        (start // BS + 1) * BS if start % BS else 0,
+        last_cache,
+        tail if last_cache < tail < prompt else 0,
+    )
+    end = min((s for s in stops if start < s < end), default=end)
+    return max(end - start, 0)
+
+
 def _chunk(remaining: int, budget: int, left_of_prompt: int) -> int:
     """vLLM's scheduler with mamba align: a chunk that is not the prompt's last ends on
     a block boundary."""
@@ -250,9 +301,9 @@ def _chunk(remaining: int, budget: int, left_of_prompt: int) -> int:
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_mamba_groups_answer_like_vllm_033(case: str, seed: int) -> None:
-    mode, caching, interval, ckpt = CASES[case]
+    mode, caching, interval, ckpt, hbs = CASES[case]
     rng = random.Random(seed)
-    both = _Both(mode, caching, interval, num_blocks=70, ckpt=ckpt)
+    both = _Both(mode, caching, interval, num_blocks=70, ckpt=ckpt, hbs=hbs)
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice([32, 64, 100, 160]))] for _ in range(3)]
     sent: list[list[int]] = []
     waiting: list[str] = []
@@ -274,9 +325,7 @@ def test_mamba_groups_answer_like_vllm_033(case: str, seed: int) -> None:
         scheduled: dict[str, int] = {}
         for rid in list(running):
             r = both.reqs[rid]
-            n = _chunk(
-                r.num_tokens - r.num_computed_tokens, budget, r.num_prompt_tokens - r.num_computed_tokens
-            )
+            n = both.chunk(r, r.num_computed_tokens, budget, r.num_prompt_tokens - r.num_computed_tokens)
             if n <= 0:
                 continue
             if not both.allocate(rid, n):
@@ -309,6 +358,8 @@ def test_mamba_groups_answer_like_vllm_033(case: str, seed: int) -> None:
             both.evict_one(rng)
     assert both.calls > 500
     assert both.num_events > 20 if caching else both.num_events == 0
+    if hbs != BS:
+        assert both.num_copies > 3
 
 
 def test_an_evicted_prompt_boundary_state_is_keyed_again_like_vllm_033() -> None:

@@ -915,3 +915,94 @@ def test_predict_falls_back_where_the_pool_cannot_be_predicted(
     assert "is not predicted (pool " in caplog.text and "running the waiting mode" in caplog.text
     assert "the server's engine rules are 'state2-another-release'" in caplog.text
     assert r.got == r.want, first_difference(r.want, r.got)
+
+
+def _partial_hits_kv_config(num_blocks: int) -> Any:
+    """Full attention and mamba "align" of 32-token blocks (hashes of 16 tokens)."""
+    import torch
+    from vllm.v1 import kv_cache_interface as k
+
+    common = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
+    mamba = k.MambaSpec(block_size=32, shapes=((2, 16), (4, 8)), dtypes=(torch.float16, torch.float16),
+                        mamba_cache_mode="align")  # fmt: skip
+    return k.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+        k.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], k.FullAttentionSpec(32, **common)),
+        k.KVCacheGroupSpec(["model.layers.1.mixer"], mamba),
+    ])  # fmt: skip
+
+
+def _recording_copies(manager: Any, log: list[Any]) -> None:
+    """Record each step's copy pairs and retained block ids as the scheduler takes them."""
+    take = manager.take_kv_cache_block_copies
+
+    def wrapped() -> Any:
+        copies, retained = take()
+        log.append(([(c.src_block_id, c.dst_block_id) for c in copies], [b.block_id for b in retained]))
+        return copies, retained
+
+    manager.take_kv_cache_block_copies = wrapped
+
+
+@pytest.mark.skipif(not V033, reason="vLLM 0.33's fine-grained (partial) hits (issue 25)")
+@pytest.mark.parametrize("predict", [False, True], ids=["remote", "predicted"])
+def test_partial_hits_with_copy_on_write_decide_like_vllm_033(
+    predict: bool, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.33's Scheduler with full attention and a mamba "align" group of 32-token
+    blocks hashed every 16 tokens (``prefix_match_unit`` 16): vLLM turns fine-grained hits
+    on; hits end inside blocks, the scheduler hands copy-on-write pairs to the worker
+    every few steps and releases their blocks after. kvcoord: the same decisions and the
+    same pairs, step by step, the pool's answers or the client's predictions. (The
+    AsyncScheduler is refused: see the next test.)"""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    kind, asynchronous = "sync", False
+
+    def config() -> Any:
+        cfg = vllm_config(model_dir, 200, async_scheduling=asynchronous, mamba_cache_mode="align")
+        cfg.cache_config.block_size = 32
+        cfg.cache_config.prefix_match_unit = 16
+        return cfg
+
+    assert block_sizes(config(), _partial_hits_kv_config(200)) == (32, 16)
+    # taken, not refused (the plug-in refused it before)
+    assert unsupported_033(_partial_hits_kv_config(200), config(), 16) is None
+    local = make_scheduler(SCHEDULERS[kind], config(), _partial_hits_kv_config(200))
+    assert local.kv_cache_manager.coordinator.enable_partial_hash_hits
+    want_copies: list[Any] = []
+    _recording_copies(local.kv_cache_manager, want_copies)
+    want, want_counts = run_workload(local, seed=3, steps=120, async_overlap=asynchronous)
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
+    monkeypatch.setenv("KVCOORD_POOL", f"{kind}-partial-{next(_pool_ids)}")
+    remote = make_scheduler(KVCOORD[kind], config(), _partial_hits_kv_config(200))
+    assert remote.kv_cache_manager.coordinator.enable_partial_hash_hits
+    got_copies: list[Any] = []
+    _recording_copies(remote.kv_cache_manager, got_copies)
+    got, got_counts = run_workload(remote, seed=3, steps=120, async_overlap=asynchronous)
+    manager = remote.kv_cache_manager.remote
+    remote.shutdown()
+    with KVCoordClient(server.address) as c:
+        c.delete_pool(manager.pool)
+    assert got == want, first_difference(want, got)
+    assert got_copies == want_copies
+    assert sum(len(c) for c, _ in want_copies) > 20, want_copies  # copies made in many steps
+    assert want_counts["hit_tokens"] > 0, want_counts
+    assert manager.lost_requests == 0
+
+
+@pytest.mark.skipif(not V033, reason="the vllm-0.33 plug-in's refusal")
+def test_partial_hits_with_async_scheduling_are_refused(model_dir: Path) -> None:
+    """The same layout under vLLM 0.33's AsyncScheduler: refused at start, naming the
+    reason, never run with other rules (a mamba "align" group with prefix caching gave
+    other answers under overlapping steps, with and without fine-grained hits: not
+    modelled yet)."""
+    from kvcoord.client.vllm033 import Unsupported033Error, unsupported_033
+
+    cfg = vllm_config(model_dir, 200, async_scheduling=True, mamba_cache_mode="align")
+    cfg.cache_config.block_size = 32
+    cfg.cache_config.prefix_match_unit = 16
+    why = unsupported_033(_partial_hits_kv_config(200), cfg, 16)
+    assert why is not None and "overlapping steps" in why
+    with pytest.raises(Unsupported033Error, match="overlapping steps"):
+        make_scheduler(KVCOORD["async"], cfg, _partial_hits_kv_config(200))

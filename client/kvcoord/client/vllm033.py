@@ -12,7 +12,7 @@ attach handshake). An exclusive pool is predicted, as under 0.16
 (:class:`Remote033KVCacheManager`).
 
 What kvcoord cannot reproduce for 0.33 is refused when the scheduler starts
-(:func:`unsupported_033` names the reason), or, for a property of one request, when the
+(:func:`~.vllm033_refusals.unsupported_033` names the reason), or, for a property of one request, when the
 scheduler first passes that request (:class:`Unsupported033Error`): never a silent guess.
 Supported: KV cache groups of full attention, sliding window and chunked local
 attention (of one block size or several: hashes of the smallest, hits and caching at
@@ -28,7 +28,8 @@ groups beside full attention (``align`` mode, or ``none`` with prefix caching of
 speculative blocks, on every scheduler; the pool's shared-prefix boundary and per-step
 drains, :mod:`.vllm033_mamba`; prefill checkpoint blocks,
 ``MambaSpec.num_prefill_checkpoint_blocks`` as vLLM's Mamba2 / GDN layers set it), and KV
-connectors (loads, failed loads, delayed and deferred frees: :mod:`.vllm033_connector`).
+connectors (loads, failed loads, delayed and deferred frees: :mod:`.vllm033_connector`),
+fine-grained (partial) hits (:func:`.vllm033_mamba.partial_hits_033` says which).
 A lost session costs recomputation (``check_session`` surfaces a loss met in the
 background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA subclasses; attention sinks,
 which vLLM 0.33.0 itself cannot start), mamba shared-prefix checkpoints
@@ -37,7 +38,8 @@ which vLLM 0.33.0 itself cannot start), mamba shared-prefix checkpoints
 hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
 :func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV consumer
-connector beside a mamba group with overlapping steps (deferred frees), and fine-grained (partial) hits. With KV events on, a request's multimodal items
+connector beside a mamba group with overlapping steps (deferred frees), and other
+fine-grained (partial) hits. With KV events on, a request's multimodal items
 and prompt-embeds digests travel with its registration (:func:`extra_key_sources_033`)
 so that the pool publishes vLLM 0.33's ``BlockStored.extra_keys`` for its blocks, and
 so does its ``full`` report mode (``RequestSync.kv_cache_report_full``), so that the pool
@@ -72,10 +74,10 @@ from .vllm033_connector import (
     DeferredFree,
     PredictingConnector033,
     RemoteConnector033,
-    connector_refusal_033,
 )
-from .vllm033_mamba import PredictedMamba033, RemoteMamba033, uncached_mamba_hybrid, unsupported_mamba_033
+from .vllm033_mamba import PredictedMamba033, RemoteMamba033
 from .vllm033_parts import BlockPool033, Coordinator033, Unsupported033Error, UnsupportedVLLMError
+from .vllm033_refusals import unsupported_033
 from .vllm_manager import absorbing
 from .vllm_types import convert_engine_events, convert_events
 
@@ -125,95 +127,6 @@ def vllm_profile(version: str | None = None) -> str:
         f"vLLM {version} is installed: kvcoord matches vLLM 0.16.x (profile vllm-0.16) and "
         "0.33.x (profile vllm-0.33) only; other releases allocate differently"
     )
-
-
-def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int) -> str | None:
-    """Why an engine with these configs cannot run its vLLM 0.33 scheduler on kvcoord
-    (``None``: it can)."""
-    from vllm.v1.kv_cache_interface import (
-        ChunkedLocalAttentionSpec,
-        FullAttentionSpec,
-        MambaSpec,
-        SlidingWindowSpec,
-    )
-
-    groups = kv_cache_config.kv_cache_groups
-    for i, g in enumerate(groups):
-        spec = g.kv_cache_spec
-        if getattr(spec, "sink_len", None):
-            return (
-                f"KV cache group {i} has attention sinks ({type(spec).__name__}): vLLM 0.33.0 itself "
-                "cannot build its sink manager (SinkFullAttentionManager does not take the "
-                "needs_kv_cache_zeroing argument its coordinator passes), so there is no 0.33 "
-                "behaviour for the vllm-0.33 profile to reproduce"
-            )
-        # (exact types: MLA and the other subclasses are not taken)
-        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec):
-            return (
-                f"KV cache group {i} is {type(spec).__name__}: kvcoord's vllm-0.33 plug-in supports "
-                "full attention, sliding window, chunked local attention and mamba only "
-                "(cross-attention is not on the wire yet)"
-            )
-        why = unsupported_mamba_033(i, spec, vllm_config)
-        if why is not None:
-            return why
-    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
-    if len(sizes) > 1 and uncached_mamba_hybrid(groups, vllm_config, hash_block_size):
-        sizes = set()  # nothing hashed or cached: one scheduler block size, their LCM
-    if len(sizes) > 1 and any(hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups):
-        return (
-            f"KV cache groups of several block sizes {sorted(sizes)} beside a mamba group with "
-            "hashes: not supported by the vllm-0.33 profile"
-        )
-    if sizes and (hash_block_size not in sizes or any(size % hash_block_size for size in sizes)):
-        # (several sizes run: hashes of the smallest, hits and caching at their LCM)
-        return (
-            f"hash_block_size {hash_block_size} is not the smallest block size of {sorted(sizes)}: "
-            "fine-grained (partial) prefix hits are not supported"
-        )
-    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", 0)
-    if retention and any(hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups):
-        # (periodic sliding-window retention is the pool's: window_block_mask)
-        return (
-            f"prefix_cache_retention_interval {retention} beside a mamba group: periodic mamba "
-            "state checkpoints are not supported by the vllm-0.33 profile"
-        )
-    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False) and not any(
-        hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups
-    ):
-        # (a mamba pool records the attention blocks to zero: take_new_block_ids)
-        return (
-            "the KV cache needs zeroing without a mamba group (a mixed-precision KV cache): not "
-            "supported yet: a vllm-0.33 pool records the attention blocks to zero "
-            "(take_new_block_ids) only beside a mamba group; the pool configuration does not "
-            "carry the zeroing flag on the wire"
-        )
-    transfer = vllm_config.kv_transfer_config
-    modes = {g.kv_cache_spec.mamba_cache_mode for g in groups if hasattr(g.kv_cache_spec, "mamba_cache_mode")}
-    if transfer is not None and modes:
-        # vLLM 0.33 defers a KV consumer's frees with overlapping steps and drops a
-        # mamba group's per-request state when it pops the blocks, a step before they
-        # return: the pool's deferred free does not model that (and refuses mamba)
-        if vllm_config.max_concurrent_batches > 1 and transfer.is_kv_consumer:
-            return (
-                "a KV connector (a KV consumer) beside a mamba group with overlapping steps (async "
-                "scheduling or pipeline parallelism: deferred frees): not supported under vLLM 0.33 yet"
-            )
-    why = connector_refusal_033(kv_cache_config, vllm_config)
-    if why is not None:
-        return why
-    spec = vllm_config.speculative_config
-    if (
-        spec is not None
-        and spec.use_eagle_block_drop()
-        and not getattr(vllm_config, "num_hash_lookahead_tokens", 0)
-    ):
-        # (0.33's default for EAGLE/MTP with prefix caching is look-ahead hashes, taken)
-        return (
-            "EAGLE/MTP with the trailing-block drop (look-ahead block hashes off): 0.33's per-group "
-            "EAGLE drop is not supported by the vllm-0.33 profile"
-        )
-    return None
 
 
 def extra_key_sources_033(
@@ -379,7 +292,7 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         #: a mamba group: the pool records per-step state the scheduler drains
         self._mamba = any(g.WhichOneof("spec") == "mamba" for g in remote.config.groups)
         self.coordinator = Coordinator033(kv_cache_config, remote)
-        self.block_pool = BlockPool033(self.free_deferred)
+        self.block_pool = BlockPool033(self.free_deferred, remote.release_retained_blocks)
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         #: vLLM 0.33's int(scheduler_config.watermark * num_blocks) (set by connect_033)
@@ -480,10 +393,9 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         return self.remote033.take_new_block_ids() if self._mamba else []
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
-        if not self._mamba:
-            return [], []
-        copies, retained = self.remote033.take_kv_cache_block_copies()
-        return list(copies), list(retained)
+        from .vllm033_parts import copies_for_vllm  # (imports vLLM)
+
+        return copies_for_vllm(*self.remote033.take_kv_cache_block_copies()) if self._mamba else ([], [])
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         return self.remote033.take_boundary_state_offloads() if self._mamba else {}

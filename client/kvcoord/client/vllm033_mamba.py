@@ -14,7 +14,13 @@ from kvcoord.wire import copies_from_pb, offloads_from_pb
 
 from .items import KVCacheBlockIds
 
-__all__ = ["PredictedMamba033", "RemoteMamba033", "uncached_mamba_hybrid", "unsupported_mamba_033"]
+__all__ = [
+    "PredictedMamba033",
+    "RemoteMamba033",
+    "partial_hits_033",
+    "uncached_mamba_hybrid",
+    "unsupported_mamba_033",
+]
 
 
 def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
@@ -30,6 +36,45 @@ def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
             "are not supported by the vllm-0.33 profile"
         )
     return None
+
+
+def partial_hits_033(groups: Any, vllm_config: Any, hash_block_size: int) -> str | None:
+    """vLLM 0.33's fine-grained (partial) hits (issue 25), taken on the synchronous
+    scheduler: ``coordinator.enable_partial_hash_hits`` is then True,
+    ``take_kv_cache_block_copies`` answers the pool's pairs as vLLM's ``KVCacheBlockCopy``
+    with :class:`~.vllm033_parts.RetainedBlock` handles, and ``block_pool.free_blocks``
+    releases those in the pool in the order given (``ReleaseRetainedBlocksOp``, with the
+    next Step).
+
+    ``None`` unless vLLM 0.33 turns fine-grained (partial) hits on (prefix caching and a
+    mamba "align" group whose block is larger than the hash block); then ``""`` when
+    kvcoord takes the layout (full attention and mamba "align" groups of one block size,
+    no speculative decoding, no KV connector, no periodic retention), else why not."""
+    if not vllm_config.cache_config.enable_prefix_caching:
+        return None
+    specs = [g.kv_cache_spec for g in groups]
+    if not any(
+        getattr(s, "mamba_cache_mode", None) == "align" and int(s.block_size) > hash_block_size for s in specs
+    ):
+        return None
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    why = "fine-grained (partial) prefix hits with copy-on-write are supported"
+    if any(type(s) not in (FullAttentionSpec, MambaSpec) for s in specs):
+        return f"{why} beside full attention only"
+    if len({int(s.block_size) for s in specs}) > 1 or any(int(s.block_size) % hash_block_size for s in specs):
+        return f"{why} with groups of one block size (a multiple of hash_block_size {hash_block_size}) only"
+    if vllm_config.speculative_config is not None or vllm_config.kv_transfer_config is not None:
+        return f"{why} without speculative decoding and KV connectors only"
+    if any(getattr(s, "num_prefill_checkpoint_blocks", 0) for s in specs):
+        # (vLLM 0.33 keys a partial tail where a prefill checkpoint is exported: the two
+        # rules together are not modelled)
+        return f"{why} without mamba prefill checkpoint blocks only"
+    if vllm_config.max_concurrent_batches > 1 or vllm_config.scheduler_config.async_scheduling:
+        # (the copies' retention across overlapping steps is not checked against vLLM
+        # 0.33's AsyncScheduler yet)
+        return f"{why} without overlapping steps (async scheduling or pipeline parallelism) only"
+    return ""
 
 
 def uncached_mamba_hybrid(groups: Any, vllm_config: Any, hash_block_size: int) -> bool:
@@ -95,6 +140,12 @@ class RemoteMamba033:
         )
         return out
 
+    def release_retained_blocks(self: Any, block_ids: list[int]) -> None:
+        """The scheduler's release of the copies' blocks once their step ran (sent with
+        the next Step; a block not retained fails it, BLOCK_NOT_RETAINED)."""
+        op = pb.Operation(release_retained_blocks=pb.ReleaseRetainedBlocksOp(block_ids=block_ids))
+        self._unary_op(op, lambda r: None, True)
+
 
 class PredictedMamba033:
     """Predicting033KVCacheManager's calls for mamba groups and lost sessions: the
@@ -130,3 +181,11 @@ class PredictedMamba033:
         out: tuple[list[tuple[int, int]], list[int]] = self.mirror.call("take_kv_cache_block_copies")
         self.sender.op().take_kv_cache_block_copies.SetInParent()
         return out
+
+    def release_retained_blocks(self: Any, block_ids: list[int]) -> None:
+        """The mirror releases now; the server does the same with the step's Step."""
+        self._settled()
+        self.mirror.call("release_retained_blocks", list(block_ids))
+        release = self.sender.op().release_retained_blocks
+        release.SetInParent()
+        release.block_ids.extend(block_ids)

@@ -6,12 +6,20 @@ what it does not), and the errors that name what the ``vllm-0.33`` plug-in refus
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
 from .vllm033_connector import DeferredFree
 
-__all__ = ["BlockPool033", "Coordinator033", "Unsupported033Error", "UnsupportedVLLMError"]
+__all__ = [
+    "BlockPool033",
+    "Coordinator033",
+    "RetainedBlock",
+    "Unsupported033Error",
+    "UnsupportedVLLMError",
+    "copies_for_vllm",
+]
 
 
 class UnsupportedVLLMError(RuntimeError):
@@ -22,9 +30,31 @@ class Unsupported033Error(NotImplementedError):
     """A vLLM 0.33 feature kvcoord's ``vllm-0.33`` pools do not reproduce (named)."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class RetainedBlock:
+    """A block a copy-on-write pair keeps referenced (vLLM 0.33's ``retained_blocks`` of
+    ``take_kv_cache_block_copies``): the scheduler hands it back to
+    ``kv_cache_manager.block_pool.free_blocks`` once the copy's step ran."""
+
+    block_id: int
+
+
+def copies_for_vllm(copies: list[tuple[int, int]], retained: list[int]) -> tuple[list[Any], list[Any]]:
+    """The pool's copy-on-write pairs as vLLM 0.33's ``KVCacheBlockCopy``, and handles for
+    the retained blocks that ``block_pool.free_blocks`` takes back."""
+    if not copies:
+        return [], []
+    from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
+
+    return [KVCacheBlockCopy(src_block_id=s, dst_block_id=d) for s, d in copies], [
+        RetainedBlock(b) for b in retained
+    ]
+
+
 class Coordinator033:
     """What vLLM 0.33's scheduler and engine core read from ``kv_cache_manager.coordinator``:
-    per group its block size and spec, whether fine-grained hits are on (never), and
+    per group its block size and spec, whether fine-grained hits are on (the pool's
+    layout: a mamba "align" block larger than the hash block), and
     ``get_num_blocks_to_allocate`` (a KV connector's asynchronous loads reserve blocks)."""
 
     def __init__(self, kv_cache_config: Any, remote: Any) -> None:
@@ -35,7 +65,14 @@ class Coordinator033:
             )
             for i, g in enumerate(kv_cache_config.kv_cache_groups)
         )
-        self.enable_partial_hash_hits = False
+        cfg = remote.config
+        #: fine-grained (partial) hits: a mamba "align" block larger than the hash block
+        self.enable_partial_hash_hits = cfg.enable_caching and any(
+            g.WhichOneof("spec") == "mamba"
+            and g.mamba.mamba_cache_mode == "align"
+            and g.mamba.block_size > cfg.hash_block_size
+            for g in cfg.groups
+        )
         self.eagle_group_ids: tuple[int, ...] = ()
         self.num_reprefillable_tokens = 0
 
@@ -67,23 +104,34 @@ class Coordinator033:
 
 class BlockPool033:
     """vLLM 0.33 returns blocks to ``block_pool`` directly for deferred frees (a
-    KV-consumer connector with overlapping steps: taken, :class:`DeferredFree`) and
-    copy-on-write retentions (partial hits: refused at start)."""
+    KV-consumer connector with overlapping steps: :class:`DeferredFree`) and for
+    copy-on-write retentions once the copies ran (:class:`RetainedBlock`: released in
+    the pool, in the order given)."""
 
-    def __init__(self, free_deferred: Any) -> None:
+    def __init__(self, free_deferred: Any, release_retained: Any = None) -> None:
         self.free_deferred = free_deferred
+        self.release_retained = release_retained
 
     def free_blocks(self, ordered_blocks: Any) -> None:
+        retained: list[int] = []
         for item in ordered_blocks:
+            if isinstance(item, RetainedBlock) and self.release_retained is not None:
+                retained.append(item.block_id)
+                continue
+            if retained:
+                self.release_retained(retained)
+                retained = []
             if not isinstance(item, DeferredFree):
                 raise Unsupported033Error(
-                    "vLLM 0.33 freed blocks through kv_cache_manager.block_pool that are not a deferred "
-                    "free (copy-on-write retentions): not supported by kvcoord's vllm-0.33 plug-in"
+                    "vLLM 0.33 freed blocks through kv_cache_manager.block_pool that are neither a "
+                    "deferred free nor a copy's retained block: not supported by kvcoord's vllm-0.33 plug-in"
                 )
             self.free_deferred(item.request_id)
+        if retained:
+            self.release_retained(retained)
 
     def __getattr__(self, name: str) -> Any:
         raise Unsupported033Error(
-            f"vLLM 0.33 used kv_cache_manager.block_pool.{name} (deferred frees or copy-on-write "
-            "retentions): not supported by kvcoord's vllm-0.33 plug-in"
+            f"vLLM 0.33 used kv_cache_manager.block_pool.{name}: kvcoord's vllm-0.33 plug-in provides "
+            "only free_blocks (deferred frees, copy-on-write retentions)"
         )

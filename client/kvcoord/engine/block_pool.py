@@ -465,6 +465,39 @@ class BlockPool:
         self.hash_epoch += 1
         return True
 
+    def has_key(self, block: KVCacheBlock, key: bytes, group_id: int) -> bool:
+        """Whether ``block`` is cached under ``key`` for the group, as its primary key or
+        (vllm-0.33 partial entries) one more."""
+        if block.cached_hash == key and block.cached_group == group_id:
+            return True
+        return any(k == key and g == group_id for k, g, _ in self.secondary_keys.get(block.block_id, ()))
+
+    def move_block_hashes(self, source: KVCacheBlock, target: KVCacheBlock) -> None:
+        """vLLM 0.33's copy-on-write for a request still writing ``source``: every key
+        of ``source`` (primary first, with its partial token count) now names
+        ``target``, which holds none; no event (the entries stay live)."""
+        assert target.cached_hash is None and target.block_id not in self.secondary_keys
+        if source.cached_hash is None:
+            return
+        sid, tid = source.block_id, target.block_id
+        keys = [
+            (source.cached_hash, source.cached_group, source.event_hash),
+            *self.secondary_keys.pop(sid, ()),
+        ]
+        tokens = self.partial_tokens.pop(sid, None)
+        source.cached_hash = None
+        source.event_hash = None
+        cache = self.cached_block_hash_to_block
+        for key, group, _ in keys:
+            cache.pop(key, group, sid)
+            cache.insert(key, group, tid)
+        target.cached_hash, target.cached_group, target.event_hash = keys[0]
+        if len(keys) > 1:
+            self.secondary_keys[tid] = keys[1:]
+        if tokens is not None:
+            self.partial_tokens[tid] = tokens
+        self.hash_epoch += 1  # a hit naming the source is stale now
+
     def cache_partial_block(
         self, request: Request, block: KVCacheBlock, num_tokens: int, group_id: int
     ) -> None:
@@ -478,11 +511,7 @@ class BlockPool:
         original = request.block_hashes[n - 1]
         key = request_keys(request.block_hashes[n - 1 : n], request.cache_prefix)[0]
         bid = block.block_id
-        secondary = self.secondary_keys.get(bid, ())
-        already = (block.cached_hash == key and block.cached_group == group_id) or any(
-            k == key and g == group_id for k, g, _ in secondary
-        )
-        if already:
+        if self.has_key(block, key, group_id):
             return
         partial = self.partial_tokens.get(bid)
         if block.cached_hash is not None and partial is not None and partial < num_tokens:

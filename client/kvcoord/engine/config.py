@@ -111,6 +111,29 @@ class KVCacheConfig:
         _validate(self)
 
     @property
+    def partial_hash_hits(self) -> bool:
+        """vLLM 0.33's fine-grained (partial) prefix hits (``enable_partial_hash_hits``):
+        a vllm-0.33 hybrid pool with caching whose mamba "align" group has a block
+        larger than the hash block, every other group being full attention or mamba
+        (whose managers search hash by hash). Hits then end on any hash-block
+        boundary, copy-on-write included (:mod:`kvcoord.engine.managers.partial`)."""
+        return (
+            self.profile == VLLM_033
+            and self.enable_caching
+            and len(self.groups) > 1
+            and any(
+                isinstance(g, MambaSpec)
+                and g.mamba_cache_mode == MambaCacheMode.ALIGN
+                and g.block_size > self.hash_block_size
+                for g in self.groups
+            )
+            and all(
+                isinstance(g, (FullAttentionSpec, MambaSpec)) or g.block_size == self.hash_block_size
+                for g in self.groups
+            )
+        )
+
+    @property
     def coordinator_kind(self) -> str:
         """``"no_prefix_cache"``, ``"unitary"`` or ``"hybrid"``, by vLLM's factory rule."""
         if not self.enable_caching:
@@ -270,12 +293,34 @@ def _mamba_033_gaps(cfg: KVCacheConfig, gid: int, spec: MambaSpec) -> list[str]:
             f"group {gid}: mamba prefix caching in mode {spec.mamba_cache_mode.value!r} (0.33 requires 'align')"
         )
     if cfg.enable_caching and spec.block_size != cfg.hash_block_size:
-        gaps.append(
-            f"group {gid}: mamba block_size {spec.block_size} other than hash_block_size "
-            f"{cfg.hash_block_size} (0.33's sub-block hits with copy-on-write)"
-        )
+        why = _partial_hit_gaps(cfg, spec)
+        if why:
+            gaps.append(
+                f"group {gid}: mamba block_size {spec.block_size} other than hash_block_size "
+                f"{cfg.hash_block_size} (0.33's sub-block hits with copy-on-write) " + ", ".join(why)
+            )
     if cfg.enable_caching and len(cfg.groups) == 1:
         gaps.append(f"group {gid}: a mamba-only pool with prefix caching (0.33's unitary mamba)")
+    return gaps
+
+
+def _partial_hit_gaps(cfg: KVCacheConfig, spec: MambaSpec) -> list[str]:
+    """What a mamba group with sub-block hits needs that kvcoord does not model yet."""
+    if not cfg.partial_hash_hits:
+        return ["beside a group that needs block-aligned hits"]
+    gaps = []
+    if spec.num_speculative_blocks:
+        gaps.append("with speculative mamba blocks")
+    if any(not isinstance(g, (FullAttentionSpec, MambaSpec)) for g in cfg.groups):
+        gaps.append("beside sliding-window or chunked-local groups")
+    if len({g.block_size for g in cfg.groups}) > 1:
+        gaps.append("beside groups of another block size")
+    if cfg.num_hash_lookahead_tokens:
+        gaps.append("with look-ahead block hashes")
+    if spec.num_prefill_checkpoint_blocks:
+        # (vLLM 0.33 keys a partial tail where the prefill checkpoint is exported: the
+        # two rules together are not modelled)
+        gaps.append("with prefill checkpoint blocks")
     return gaps
 
 

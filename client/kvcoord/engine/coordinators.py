@@ -11,6 +11,7 @@ from .blocks import KVCacheBlock
 from .config import KVCacheConfig, attention_groups
 from .hash_list import hashes_at_block_size
 from .managers import CrossAttentionManager, MambaManager033, SingleTypeKVCacheManager, manager_class
+from .managers.partial import find_partial_full_hit, find_partial_mamba_hit
 from .profiles import rules_of
 from .request import Request
 from .specs import AttentionSpec, FullAttentionSpec, SlidingWindowSpec, event_spec_fields
@@ -58,13 +59,17 @@ class KVCacheCoordinator:
             num_hash_lookahead_tokens=config.num_hash_lookahead_tokens,
             multi_key_blocks=rules.event_fields
             and config.enable_caching
-            and any(
-                isinstance(g, FullAttentionSpec) and g.block_size > config.hash_block_size
-                for g in config.groups
+            and (
+                config.partial_hash_hits
+                or any(
+                    isinstance(g, FullAttentionSpec) and g.block_size > config.hash_block_size
+                    for g in config.groups
+                )
             ),
         )
+        partial = config.partial_hash_hits
         self.managers: list[SingleTypeKVCacheManager] = [
-            manager_class(spec, config.profile)(spec, self.block_pool, gid, config.enable_caching)
+            manager_class(spec, config.profile, partial)(spec, self.block_pool, gid, config.enable_caching)
             for gid, spec in enumerate(config.groups)
         ]
         self._is_cross = [isinstance(m, CrossAttentionManager) for m in self.managers]
@@ -415,17 +420,47 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
         #: prefix_cache_retention_interval: 0 sparse, None dense, positive periodic
         self.retention = config.prefix_cache_retention_interval
         self.sparse = self.retention == 0
+        #: fine-grained (partial) hits: hits and caching on hash-block boundaries
+        self.partial_hash_hits = config.partial_hash_hits
         #: the longest length any group reached in the last search
         self.last_longest_hit = 0
         for m in self.managers:
             if isinstance(m, MambaManager033):  # mamba keeps its own caching rules
-                m.alignment = self.scheduler_block_size
+                m.alignment = config.hash_block_size if self.partial_hash_hits else self.scheduler_block_size
                 m.sparse = self.sparse
+
+    def hit_length_from_run(self, block_hashes: Sequence[bytes], max_cache_hit_length: int, run: int) -> int:
+        if not self.partial_hash_hits:
+            return super().hit_length_from_run(block_hashes, max_cache_hit_length, run)
+        longest = self.last_longest_hit  # the full search, which leaves the junction as it was
+        hit = self.find_longest_cache_hit(block_hashes, max_cache_hit_length)[1]
+        self.last_longest_hit = longest
+        return hit
+
+    def _search_group(
+        self,
+        spec: AttentionSpec,
+        ids: list[int],
+        cls: type[SingleTypeKVCacheManager],
+        block_hashes: Sequence[bytes],
+        views: dict[int, Sequence[bytes]],
+        cur: int,
+    ) -> tuple[IdLists, int]:
+        """One attention group's search of at most ``cur`` tokens: its block ids per group
+        and its length. With fine-grained hits the length is any hash-block multiple
+        (:mod:`~kvcoord.engine.managers.partial`), else whole blocks at the scheduler
+        block's alignment."""
+        if not self.partial_hash_hits:
+            lists = cls.find_longest_cache_hit(
+                views[spec.block_size], cur, ids, self.block_pool, spec, False, self.scheduler_block_size
+            )
+            return lists, len(lists[0]) * spec.block_size
+        find = find_partial_full_hit if isinstance(spec, FullAttentionSpec) else find_partial_mamba_hit
+        return find(block_hashes, views[spec.block_size], cur, ids, self.block_pool, spec.block_size)
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> tuple[IdLists, int]:
-        align = self.scheduler_block_size
         views = self._views(block_hashes)
         result: list[list[int] | None] = [None] * len(self.managers)
         group_hit = [0] * len(self.managers)
@@ -437,10 +472,7 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
                 if isinstance(spec, FullAttentionSpec) and result[ids[0]] is not None:
                     cur = min(cur, group_hit[ids[0]])
                     continue
-                lists = cls.find_longest_cache_hit(
-                    views[spec.block_size], cur, ids, self.block_pool, spec, False, align
-                )
-                cur = len(lists[0]) * spec.block_size
+                lists, cur = self._search_group(spec, ids, cls, block_hashes, views, cur)
                 for gid, lst in zip(ids, lists, strict=False):
                     result[gid] = lst
                     group_hit[gid] = cur
@@ -461,8 +493,10 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
         return [lst if lst is not None else [] for lst in result], hit
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
-        align = self.scheduler_block_size
-        num_tokens = num_computed_tokens // align * align
+        # fine-grained hits: no rounding (even to the hash block, which would
+        # register a copied mamba tail again)
+        align = 1 if self.partial_hash_hits else self.scheduler_block_size
+        num_tokens = raw = num_computed_tokens // align * align
         hashed = len(request.block_hashes) * self.config.hash_block_size
         if hashed < num_tokens:
             num_tokens = hashed
@@ -476,7 +510,10 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
             if isinstance(m, CrossAttentionManager):
                 continue
             if isinstance(m, MambaManager033):
-                m.cache_blocks(request, num_tokens)
+                # with fine-grained hits the prompt-boundary rule reads the count as it
+                # comes (a step past the boundary does not key it again); the manager
+                # stops its whole blocks at the hashed tokens itself
+                m.cache_blocks(request, raw if self.partial_hash_hits else num_tokens)
                 continue
             bs = m.block_size
             num_cached = m.num_cached_block.get(rid, 0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import enum
 
 __all__ = [
+    "BlockNotRetainedError",
     "ConfigError",
     "EngineError",
     "ErrorStatus",
@@ -93,3 +94,9 @@ class HintMismatchError(FailedPreconditionError):
     sends one; a mismatch means the proof was wrong and the client's decisions
     since then cannot be trusted.
     """
+
+
+class BlockNotRetainedError(FailedPreconditionError):
+    """A release names a block the pool does not retain for a copy-on-write pair (or
+    more times than it does): releasing it would drop a reference a request or
+    another pair holds. Nothing was released."""

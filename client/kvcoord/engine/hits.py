@@ -54,6 +54,7 @@ class PrefixHits:
         self.hash_block_size = config.hash_block_size
         self.use_eagle = config.use_eagle
         self._hybrid = config.coordinator_kind == "hybrid"
+        self._partial = config.partial_hash_hits
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if config.log_stats else None
         #: vllm-0.33: statistics count admissions (record_admission), not lookups
         self._stats_at_lookup = not rules_of(config.profile).stats_at_admission
@@ -77,7 +78,8 @@ class PrefixHits:
             self._first_full = (0, self._group_block_sizes[0])
         elif self._hybrid:
             _spec, ids, cls = coordinator.attention_groups[0]  # type: ignore[attr-defined]
-            if cls is FullAttentionManager:
+            # (with fine-grained hits a hit may end inside the first block)
+            if cls is FullAttentionManager and not self._partial:
                 self._first_full = (ids[0], self._group_block_sizes[ids[0]])
 
     def find_longest_cache_hit(
@@ -382,7 +384,9 @@ class PrefixHits:
                     f"group {m.group_id}: {len(ids)} hit blocks cover fewer than "
                     f"num_new_computed_tokens={num_new_computed_tokens} tokens"
                 )
-            if len(ids) * m.block_size > req.num_tokens:
+            if len(ids) * m.block_size > req.num_tokens and not (
+                self._partial and (len(ids) - 1) * m.block_size < req.num_tokens  # a partial tail
+            ):
                 raise InvalidArgumentError(
                     f"group {m.group_id}: {len(ids)} hit blocks but the request has only "
                     f"{req.num_tokens // m.block_size} full blocks"
@@ -390,11 +394,13 @@ class PrefixHits:
             if trusted:
                 out.append([blocks[bid] for bid in ids])
                 continue
-            hashes = hashes_at_block_size(
-                request_keys(req.block_hashes, req.cache_prefix), self.hash_block_size, m.block_size
-            )
+            keys = request_keys(req.block_hashes, req.cache_prefix)
+            hashes = hashes_at_block_size(keys, self.hash_block_size, m.block_size)
             resolved = []
             gid = m.group_id
+            # fine-grained hits: a hit ending inside a block names it under the key of
+            # the hash block ending there (a partial entry)
+            tail = len(ids) - 1 if self._partial and ids and num_new_computed_tokens % m.block_size else -1
             for pos, bid in enumerate(ids):
                 if isinstance(bid, bool) or not isinstance(bid, int) or not 0 <= bid < bp.num_blocks:
                     raise InvalidArgumentError(f"group {gid}: invalid block id {bid!r}")
@@ -406,7 +412,13 @@ class PrefixHits:
                     resolved.append(bp.null_block)
                     continue
                 block = bp.get_block(bid)
-                if block is None or block.cached_hash != hashes[pos] or block.cached_group != gid:
+                if pos == tail:
+                    ok = block is not None and bp.has_key(
+                        block, keys[num_new_computed_tokens // self.hash_block_size - 1], gid
+                    )
+                else:
+                    ok = block is not None and block.cached_hash == hashes[pos] and block.cached_group == gid
+                if block is None or not ok:
                     raise StaleCacheHitError(
                         f"group {gid}: block {bid} at position {pos} is no longer "
                         "cached for this request's prefix; look up again (or allocate "

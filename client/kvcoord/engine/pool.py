@@ -20,16 +20,18 @@ raised :class:`~kvcoord.engine.errors.EngineError` leaves the pool as it was.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 
 from .config import KVCacheConfig, admission_cap_tokens
 from .coordinators import get_kv_cache_coordinator
-from .errors import FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
+from .errors import BlockNotRetainedError, FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
 from .events import KVCacheEvent
 from .extra_keys import ExtraKeySources
 from .hash_list import request_keys
 from .hits import PrefixHits
 from .managers import CrossAttentionManager, MambaManager, MambaManager033, SingleTypeKVCacheManager
+from .managers.partial import CopyOnWrite, PartialMambaManager
 from .profiles import rules_of
 from .request import LoRA, Request
 from .request_table import RequestTable, check_count
@@ -135,6 +137,10 @@ class KVCachePool:
             else []
         )
         self.pending_new_block_ids: list[list[int]] = [[] for _ in self.managers]
+        #: vllm-0.33 fine-grained hits: the groups making copy-on-write pairs, and the
+        #: ids of the copies' blocks taken but not released yet (each entry one reference)
+        self._cow_managers: list[CopyOnWrite] = [m for m in self.managers if isinstance(m, CopyOnWrite)]
+        self.retained: Counter[int] = Counter()
         #: evict_blocks was called: blocks may have lost their hash while shared
         self.evict_blocks_called = False
         # free/preempt fused over managers that free by the base rule (with whether their
@@ -451,6 +457,11 @@ class KVCachePool:
                 raise InvalidArgumentError(
                     "num_new_tokens must be > 0 unless num_external_computed_tokens is > 0"
                 )
+        if num_external_computed_tokens and self._cow_managers:
+            raise FailedPreconditionError(
+                "external (KV connector) tokens in a pool with fine-grained (partial) prefix hits "
+                "are not supported yet"
+            )
         hit_blocks = self._resolve_hit(req, new_computed_blocks, num_new_computed_tokens)
         local = req.num_computed_tokens + num_new_computed_tokens
         if local + num_external_computed_tokens + num_new_tokens > self.max_model_len:
@@ -1009,17 +1020,78 @@ class KVCachePool:
         return out
 
     def take_kv_cache_block_copies(self) -> tuple[list[tuple[int, int]], list[int]]:
-        """vLLM 0.33's ``take_kv_cache_block_copies``: copy-on-write pairs
-        ``(source, destination)`` and the block ids they keep referenced. vLLM makes
-        them only for sub-block hits in mamba "align" pools whose mamba block is larger
-        than the hash block, a layout this profile refuses, so the answer is always
-        empty.
+        """vLLM 0.33's ``take_kv_cache_block_copies``: the copy-on-write pairs
+        ``(source, destination)`` made since the last call (group order, then the order
+        they were made) and the ids of their blocks, each pair's source then its
+        destination. The worker runs the copies in the step they are handed to; each id
+        listed holds one reference (*retained*) until :meth:`release_retained_blocks`
+        returns it. Only pools with fine-grained (partial) hits make copies (see
+        :attr:`KVCacheConfig.partial_hash_hits`); the others answer empty lists.
 
         Raises:
             FailedPreconditionError: a vllm-0.16 pool.
         """
         self._require_033("take_kv_cache_block_copies")
-        return [], []
+        copies: list[tuple[int, int]] = []
+        retained: list[int] = []
+        for m in self._cow_managers:
+            for source, target in m.take_pending_cow_copies():
+                copies.append((source.block_id, target.block_id))
+                retained += (source.block_id, target.block_id)
+        self.retained.update(retained)
+        return copies, retained
+
+    def release_retained_blocks(self, block_ids: Sequence[int]) -> None:
+        """vLLM 0.33's ``block_pool.free_blocks(retained)`` once the copies ran: drop
+        one retained reference per listed id, in order (a block reaching no reference
+        goes to the free queue as any freed block). The ids must be ones
+        :meth:`take_kv_cache_block_copies` handed out and not released yet (an id as
+        many times as it is retained at most); otherwise nothing changes.
+
+        Raises:
+            FailedPreconditionError: a vllm-0.16 pool.
+            InvalidArgumentError: an id is not an integer.
+            BlockNotRetainedError: an id is not retained (that many times).
+        """
+        self._require_033("release_retained_blocks")
+        ids = list(block_ids)
+        for bid in ids:
+            check_count(bid, "block id")
+        wanted = Counter(ids)
+        for bid, n in wanted.items():
+            if self.retained[bid] < n:
+                held = self.retained[bid]
+                raise BlockNotRetainedError(
+                    f"block {bid} is released {n} time(s) but retained {held} time(s): only ids "
+                    "from take_kv_cache_block_copies not released yet can be released"
+                )
+        self.retained.subtract(wanted)
+        self.retained += Counter()  # drop the ids at zero
+        blocks = self.block_pool.blocks
+        self.block_pool.free_blocks([blocks[bid] for bid in ids])
+
+    def finalize_partial_tail_offloads(
+        self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int = 0
+    ) -> list[tuple[int, int, int]]:
+        """vLLM 0.33's ``finalize_partial_tail_offloads`` (a KV producer's request
+        finishing): per mamba group that made the request a producer of a partial tail
+        and saw it stop exactly at that boundary with nothing in flight, ``(group,
+        block id, boundary tokens)``; the producer records are consumed. Call it before
+        :meth:`free`.
+
+        Raises:
+            FailedPreconditionError: a vllm-0.16 pool.
+            RequestNotFoundError: unknown request.
+        """
+        self._require_033("finalize_partial_tail_offloads")
+        self._get(request_id)
+        out: list[tuple[int, int, int]] = []
+        for m in self.managers:
+            if isinstance(m, PartialMambaManager):
+                got = m.finalize_partial_tail_offload(request_id, num_computed_tokens, num_in_flight_tokens)
+                if got is not None:
+                    out.append((got[0], got[1].block_id, got[2]))
+        return out
 
     def estimate_cached_tokens(self, request_id: str) -> int:
         """vLLM 0.33's ``estimate_cached_tokens``: per prefix-cacheable group, the end of
@@ -1259,6 +1331,13 @@ class KVCachePool:
                     sorted(m.cached_this_step),
                     tuple((r, g, b.block_id, t) for r, g, b, t in m.pending_offloads),
                 )
+            if isinstance(m, CopyOnWrite):
+                extra += (
+                    tuple(sorted((r, i, b.block_id) for r, (i, b) in m.partial_hit_reqs.items())),
+                    tuple((a.block_id, b.block_id) for a, b in m.pending_cow),
+                )
+            if isinstance(m, PartialMambaManager):
+                extra += (tuple(sorted((r, b.block_id, t) for r, (b, t) in m.producer_tails.items())),)
             if self._zeroed_groups:
                 extra += (tuple(self.pending_new_block_ids[m.group_id]),)
             managers.append(
@@ -1274,7 +1353,8 @@ class KVCachePool:
             block_hashes=bp.block_hashes(),
             hash_map=tuple((k, tuple(v)) for k, v in bp.cached_block_hash_to_block.items()),
             requests=self.request_table.snapshot(),
-            managers=tuple(managers),
+            managers=tuple(managers)
+            + ((tuple(sorted(self.retained.items())),) if self._cow_managers else ()),
             pending_events=tuple(bp.kv_event_queue),
             stats=self.peek_prefix_cache_stats(),
         )

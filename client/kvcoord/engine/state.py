@@ -21,6 +21,7 @@ another version.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any
 
 from .block_pool import BlockHashToBlockMap
@@ -29,6 +30,7 @@ from .config import KVCacheConfig
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from .extra_keys import ExtraKeySources, MultiModalItem
 from .managers.mamba import MambaManager, MambaManager033
+from .managers.partial import CopyOnWrite, PartialMambaManager
 from .pool import KVCachePool
 from .request import LoRA, Request
 from .reservations import Reservation, ReservationCounters
@@ -77,6 +79,11 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
             entry["mamba_retired"] = list(m.num_retired_blocks.items())
             entry["mamba_cached_this_step"] = [list(k) for k in m.cached_this_step]
             entry["mamba_offloads"] = [[r, g, b.block_id, t] for r, g, b, t in m.pending_offloads]
+        if isinstance(m, CopyOnWrite):  # vllm-0.33 fine-grained hits
+            entry["cow_tails"] = [[r, i, b.block_id] for r, (i, b) in m.partial_hit_reqs.items()]
+            entry["cow_pending"] = [[a.block_id, b.block_id] for a, b in m.pending_cow]
+        if isinstance(m, PartialMambaManager):
+            entry["cow_producers"] = [[r, b.block_id, t] for r, (b, t) in m.producer_tails.items()]
         managers.append(entry)
     requests = []
     for r in pool.requests.values():
@@ -134,6 +141,8 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
         # token counts of primary keys that are partial entries
         "secondary_keys": [(bid, [list(k) for k in keys]) for bid, keys in bp.secondary_keys.items()],
         "partial_tokens": list(bp.partial_tokens.items()),
+        # vllm-0.33 fine-grained hits: copy blocks taken and not released (block, count)
+        "retained": sorted(pool.retained.items()),
         "pending_events": [event_to_value(e) for e in bp.kv_event_queue],
         # routers' reservations (their references are in ref_cnt above), oldest first
         "reservations": [
@@ -205,6 +214,12 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
             m.num_retired_blocks = dict(entry.get("mamba_retired", ()))
             m.cached_this_step = {(h, g) for h, g in entry.get("mamba_cached_this_step", ())}
             m.pending_offloads = [(r, g, blocks[b], t) for r, g, b, t in entry.get("mamba_offloads", ())]
+        if isinstance(m, CopyOnWrite):
+            m.partial_hit_reqs = {r: (i, blocks[b]) for r, i, b in entry.get("cow_tails", ())}
+            m.pending_cow = [(blocks[a], blocks[b]) for a, b in entry.get("cow_pending", ())]
+        if isinstance(m, PartialMambaManager):
+            m.producer_tails = {r: (blocks[b], t) for r, b, t in entry.get("cow_producers", ())}
+    pool.retained = Counter(dict(state.get("retained", ())))
     table = pool.requests  # shared with the request table: filled in place
     for entry in state["requests"]:
         rid, tokens, hashes, computed, preemptions, lora, skip, last_hit, prefix = entry[:9]

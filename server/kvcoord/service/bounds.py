@@ -139,6 +139,7 @@ BOUNDS: Mapping[str, int | str] = {
     "GetBlockIdsResult.groups": MAX_GROUPS,
     "BlockIds.block_ids": "max_blocks_per_pool",
     "EvictBlocksOp.block_ids": "max_blocks_per_pool",
+    "ReleaseRetainedBlocksOp.block_ids": "max_blocks_per_pool",
     # pool configurations
     "PoolConfig.groups": MAX_GROUPS,
     "PoolConfig.hash_algo": 32,

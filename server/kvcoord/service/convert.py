@@ -194,6 +194,8 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         return op.TakeBoundaryStateOffloads()
     if kind == "take_kv_cache_block_copies":
         return op.TakeBlockCopies()
+    if kind == "release_retained_blocks":
+        return op.ReleaseRetained(list(o.release_retained_blocks.block_ids))
     if kind == "get_num_blocks_to_allocate":
         n = o.get_num_blocks_to_allocate
         return op.GetNumBlocksToAllocate(
@@ -401,6 +403,8 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
     if isinstance(operation, op.TakeBlockCopies):
         assert isinstance(v, tuple)
         return pb.OperationResult(take_kv_cache_block_copies=copies_to_pb(*v))
+    if isinstance(operation, op.ReleaseRetained):
+        return pb.OperationResult(release_retained_blocks=pb.ReleaseRetainedBlocksResult())
     if isinstance(operation, op.TakeEvents):
         assert isinstance(v, op.EventsTaken)
         result = pb.OperationResult(take_events=pb.TakeEventsResult(gap=v.gap, more=v.more))

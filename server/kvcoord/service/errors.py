@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import grpc
 from kvcoord.engine import EngineError, ErrorStatus
+from kvcoord.engine.errors import BlockNotRetainedError
 
 from .journal import JournalError
 
@@ -119,6 +120,7 @@ class ErrorReason(enum.Enum):
     PROFILE_MISMATCH = 14
     OWNER_CHANGING = 15
     OWNER_GONE = 16
+    BLOCK_NOT_RETAINED = 17
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -181,7 +183,8 @@ def as_service_error(exc: Exception) -> ServiceError:
     if isinstance(exc, ServiceError):
         return exc
     if isinstance(exc, EngineError):
-        return ServiceError(_ENGINE_STATUSES[exc.status], bounded(str(exc)))
+        reason = ErrorReason.BLOCK_NOT_RETAINED if isinstance(exc, BlockNotRetainedError) else None
+        return ServiceError(_ENGINE_STATUSES[exc.status], bounded(str(exc)), reason)
     logger.exception("internal error", exc_info=exc)
     return ServiceError(Status.INTERNAL, INTERNAL_MESSAGE)
 

@@ -42,6 +42,7 @@ __all__ = [
     "EstimateCachedTokens",
     "NewStepStarts",
     "TakeBlockCopies",
+    "ReleaseRetained",
     "TakeBoundaryStateOffloads",
     "TakeNewBlockIds",
     "GetNumBlocksToAllocate",
@@ -261,6 +262,13 @@ class TakeBlockCopies:
 
 
 @dataclasses.dataclass(slots=True)
+class ReleaseRetained:
+    """vLLM 0.33's release of the copies' retained blocks, in order (vllm-0.33 pools)."""
+
+    block_ids: Sequence[int]
+
+
+@dataclasses.dataclass(slots=True)
 class GetNumBlocksToAllocate:
     request_id: str
     num_tokens: int
@@ -302,6 +310,7 @@ Operation = (
     | TakeNewBlockIds
     | TakeBoundaryStateOffloads
     | TakeBlockCopies
+    | ReleaseRetained
 )
 
 

@@ -1513,6 +1513,10 @@ class PoolService:
     def _take_copies(self, s: Session, o: op.TakeBlockCopies) -> op.Value:
         return self.engine.take_kv_cache_block_copies()
 
+    def _release_retained(self, s: Session, o: op.ReleaseRetained) -> op.Value:
+        self.engine.release_retained_blocks(o.block_ids)
+        return None
+
     def _num_blocks_to_allocate(self, s: Session, o: op.GetNumBlocksToAllocate) -> op.Value:
         self._owned(s, o.request_id)
         return self.engine.get_num_blocks_to_allocate(
@@ -1544,6 +1548,7 @@ _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.TakeNewBlockIds: PoolService._take_new_block_ids,  # type: ignore[dict-item]
     op.TakeBoundaryStateOffloads: PoolService._take_offloads,  # type: ignore[dict-item]
     op.TakeBlockCopies: PoolService._take_copies,  # type: ignore[dict-item]
+    op.ReleaseRetained: PoolService._release_retained,  # type: ignore[dict-item]
 }
 
 

@@ -223,9 +223,10 @@ class MambaManager033(MambaManager):
       :meth:`cache_blocks`. The worker needs nothing more: it derives the column from
       the same lengths (vLLM's ``compute_mamba_prefill_checkpoints``).
 
-    Not modelled, and refused by the configuration: sub-block (partial) hits with
-    copy-on-write (a block larger than the hash block), shared-prefix checkpoints, and
-    prefix caching outside align mode.
+    Sub-block (partial) hits with copy-on-write (a block larger than the hash block) are
+    :class:`~kvcoord.engine.managers.partial.PartialMambaManager`'s (without prefill
+    checkpoint blocks: the two together are refused). Not modelled, and refused by the
+    configuration: shared-prefix checkpoints, and prefix caching outside align mode.
     """
 
     def __init__(

@@ -1,0 +1,109 @@
+"""Why an engine cannot run vLLM 0.33's scheduler on kvcoord (:func:`unsupported_033`):
+each layout or option the ``vllm-0.33`` profile does not reproduce, named, so that the
+plug-in refuses it at start instead of answering other than vLLM would. The mamba and
+KV-connector rules are their modules' (:mod:`.vllm033_mamba`, :mod:`.vllm033_connector`);
+``docs/semantics-notes.md`` lists each refusal with why."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .vllm033_connector import connector_refusal_033
+from .vllm033_mamba import partial_hits_033, uncached_mamba_hybrid, unsupported_mamba_033
+
+__all__ = ["unsupported_033"]
+
+
+def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int) -> str | None:
+    """Why an engine with these configs cannot run its vLLM 0.33 scheduler on kvcoord
+    (``None``: it can)."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    groups = kv_cache_config.kv_cache_groups
+    for i, g in enumerate(groups):
+        spec = g.kv_cache_spec
+        if getattr(spec, "sink_len", None):
+            return (
+                f"KV cache group {i} has attention sinks ({type(spec).__name__}): vLLM 0.33.0 itself "
+                "cannot build its sink manager (SinkFullAttentionManager does not take the "
+                "needs_kv_cache_zeroing argument its coordinator passes), so there is no 0.33 "
+                "behaviour for the vllm-0.33 profile to reproduce"
+            )
+        # (exact types: MLA and the other subclasses are not taken)
+        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec):
+            return (
+                f"KV cache group {i} is {type(spec).__name__}: kvcoord's vllm-0.33 plug-in supports "
+                "full attention, sliding window, chunked local attention and mamba only "
+                "(cross-attention is not on the wire yet)"
+            )
+        why = unsupported_mamba_033(i, spec, vllm_config)
+        if why is not None:
+            return why
+    sizes = {int(g.kv_cache_spec.block_size) for g in groups}
+    partial = partial_hits_033(groups, vllm_config, hash_block_size)
+    if partial:
+        return partial
+    if partial is not None or (
+        len(sizes) > 1 and uncached_mamba_hybrid(groups, vllm_config, hash_block_size)
+    ):
+        # fine-grained hits (one size), or nothing hashed: one scheduler block, their LCM
+        sizes = set()
+    if len(sizes) > 1 and any(hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups):
+        return (
+            f"KV cache groups of several block sizes {sorted(sizes)} beside a mamba group with "
+            "hashes: not supported by the vllm-0.33 profile"
+        )
+    if sizes and (hash_block_size not in sizes or any(size % hash_block_size for size in sizes)):
+        # (several sizes run: hashes of the smallest, hits and caching at their LCM)
+        return (
+            f"hash_block_size {hash_block_size} is not the smallest block size of {sorted(sizes)}: "
+            "fine-grained (partial) prefix hits are not supported"
+        )
+    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", 0)
+    if retention and any(hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups):
+        # (periodic sliding-window retention is the pool's: window_block_mask)
+        return (
+            f"prefix_cache_retention_interval {retention} beside a mamba group: periodic mamba "
+            "state checkpoints are not supported by the vllm-0.33 profile"
+        )
+    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False) and not any(
+        hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups
+    ):
+        # (a mamba pool records the attention blocks to zero: take_new_block_ids)
+        return (
+            "the KV cache needs zeroing without a mamba group (a mixed-precision KV cache): not "
+            "supported yet: a vllm-0.33 pool records the attention blocks to zero "
+            "(take_new_block_ids) only beside a mamba group; the pool configuration does not "
+            "carry the zeroing flag on the wire"
+        )
+    transfer = vllm_config.kv_transfer_config
+    modes = {g.kv_cache_spec.mamba_cache_mode for g in groups if hasattr(g.kv_cache_spec, "mamba_cache_mode")}
+    if transfer is not None and modes:
+        # vLLM 0.33 defers a KV consumer's frees with overlapping steps and drops a
+        # mamba group's per-request state when it pops the blocks, a step before they
+        # return: the pool's deferred free does not model that (and refuses mamba)
+        if vllm_config.max_concurrent_batches > 1 and transfer.is_kv_consumer:
+            return (
+                "a KV connector (a KV consumer) beside a mamba group with overlapping steps (async "
+                "scheduling or pipeline parallelism: deferred frees): not supported under vLLM 0.33 yet"
+            )
+    why = connector_refusal_033(kv_cache_config, vllm_config)
+    if why is not None:
+        return why
+    spec = vllm_config.speculative_config
+    if (
+        spec is not None
+        and spec.use_eagle_block_drop()
+        and not getattr(vllm_config, "num_hash_lookahead_tokens", 0)
+    ):
+        # (0.33's default for EAGLE/MTP with prefix caching is look-ahead hashes, taken)
+        return (
+            "EAGLE/MTP with the trailing-block drop (look-ahead block hashes off): 0.33's per-group "
+            "EAGLE drop is not supported by the vllm-0.33 profile"
+        )
+    return None

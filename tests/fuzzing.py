@@ -232,6 +232,9 @@ def operations(draw: Any) -> pb.Operation:
         "take_new_block_ids": pb.TakeNewBlockIdsOp,
         "take_boundary_state_offloads": pb.TakeBoundaryStateOffloadsOp,
         "take_kv_cache_block_copies": pb.TakeKVCacheBlockCopiesOp,
+        "release_retained_blocks": lambda: pb.ReleaseRetainedBlocksOp(
+            block_ids=draw(st.lists(st.integers(0, 60) | counts, max_size=6))
+        ),
         "admit": lambda: pb.AdmitOp(
             requests=draw(st.lists(syncs(), max_size=4)),
             token_budget=draw(counts),

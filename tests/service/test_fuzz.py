@@ -49,7 +49,10 @@ def test_every_call_gets_a_documented_status(fuzzer: Fuzzer, call: Call) -> None
 
 def test_after_fuzzing_pools_are_intact_and_traces_pass(fuzzer: Fuzzer, fuzz_server: InProcessServer) -> None:
     """After the fuzz run (the test above, on the same server): every pool passes
-    CheckPool, and every vLLM conformance trace replays on that server exactly."""
+    CheckPool, and every vLLM conformance trace replays on that server exactly. (Under
+    pytest-xdist the fuzz run may have gone to another worker: it is then run here.)"""
+    if fuzzer.calls == 0:
+        test_every_call_gets_a_documented_status(fuzzer=fuzzer)
     assert fuzzer.calls >= 400
     assert fuzzer.check_pools() == {name: [] for name in fuzzer.check_pools()}
     for path in TRACES:

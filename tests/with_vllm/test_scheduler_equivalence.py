@@ -148,6 +148,8 @@ def run_both(
     asynchronous = kind == "async"
     overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
     kind = "sync" if kind == "pp2" else kind
+    overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
+    kind = "sync" if kind == "pp2" else kind
     if V033 and layout == "full+mamba":
         caching = False  # vLLM 0.33 caches mamba state only in "align" mode (its manager asserts it)
     # vLLM gives a mamba group one speculative block per draft token
@@ -756,6 +758,8 @@ def test_engine_idle_past_its_lease_carries_on(
     import time
 
     asynchronous = kind == "async"
+    overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
+    kind = "sync" if kind == "pp2" else kind
     cfg = {"async_scheduling": asynchronous}
     local = make_scheduler(SCHEDULERS[kind], vllm_config(model_dir, NUM_BLOCKS, **cfg),
                            kv_cache_config("full", NUM_BLOCKS))  # fmt: skip
@@ -945,18 +949,23 @@ def _recording_copies(manager: Any, log: list[Any]) -> None:
 
 @pytest.mark.skipif(not V033, reason="vLLM 0.33's fine-grained (partial) hits (issue 25)")
 @pytest.mark.parametrize("predict", [False, True], ids=["remote", "predicted"])
+@pytest.mark.parametrize("kind", ["sync", "async", "pp2"])
 def test_partial_hits_with_copy_on_write_decide_like_vllm_033(
-    predict: bool, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+    kind: str, predict: bool, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """vLLM 0.33's Scheduler with full attention and a mamba "align" group of 32-token
     blocks hashed every 16 tokens (``prefix_match_unit`` 16): vLLM turns fine-grained hits
     on; hits end inside blocks, the scheduler hands copy-on-write pairs to the worker
     every few steps and releases their blocks after. kvcoord: the same decisions and the
-    same pairs, step by step, the pool's answers or the client's predictions. (The
-    AsyncScheduler is refused: see the next test.)"""
+    same pairs, step by step, the pool's answers or the client's predictions; on the
+    synchronous scheduler, the AsyncScheduler and with two steps' outputs pending ("pp2",
+    a batch queue). (The AsyncScheduler and the batch queue were refused before; run,
+    they need the pool to free mamba states on the processed-token basis.)"""
     from kvcoord.client.vllm033 import unsupported_033
 
-    kind, asynchronous = "sync", False
+    asynchronous = kind == "async"
+    overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
+    kind = "sync" if kind == "pp2" else kind
 
     def config() -> Any:
         cfg = vllm_config(model_dir, 200, async_scheduling=asynchronous, mamba_cache_mode="align")
@@ -971,7 +980,7 @@ def test_partial_hits_with_copy_on_write_decide_like_vllm_033(
     assert local.kv_cache_manager.coordinator.enable_partial_hash_hits
     want_copies: list[Any] = []
     _recording_copies(local.kv_cache_manager, want_copies)
-    want, want_counts = run_workload(local, seed=3, steps=120, async_overlap=asynchronous)
+    want, want_counts = run_workload(local, seed=3, steps=120, async_overlap=overlap, queue_depth=depth)
     monkeypatch.setenv("KVCOORD_TARGET", server.address)
     monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
     monkeypatch.setenv("KVCOORD_POOL", f"{kind}-partial-{next(_pool_ids)}")
@@ -979,7 +988,7 @@ def test_partial_hits_with_copy_on_write_decide_like_vllm_033(
     assert remote.kv_cache_manager.coordinator.enable_partial_hash_hits
     got_copies: list[Any] = []
     _recording_copies(remote.kv_cache_manager, got_copies)
-    got, got_counts = run_workload(remote, seed=3, steps=120, async_overlap=asynchronous)
+    got, got_counts = run_workload(remote, seed=3, steps=120, async_overlap=overlap, queue_depth=depth)
     manager = remote.kv_cache_manager.remote
     remote.shutdown()
     with KVCoordClient(server.address) as c:
@@ -989,20 +998,3 @@ def test_partial_hits_with_copy_on_write_decide_like_vllm_033(
     assert sum(len(c) for c, _ in want_copies) > 20, want_copies  # copies made in many steps
     assert want_counts["hit_tokens"] > 0, want_counts
     assert manager.lost_requests == 0
-
-
-@pytest.mark.skipif(not V033, reason="the vllm-0.33 plug-in's refusal")
-def test_partial_hits_with_async_scheduling_are_refused(model_dir: Path) -> None:
-    """The same layout under vLLM 0.33's AsyncScheduler: refused at start, naming the
-    reason, never run with other rules (a mamba "align" group with prefix caching gave
-    other answers under overlapping steps, with and without fine-grained hits: not
-    modelled yet)."""
-    from kvcoord.client.vllm033 import Unsupported033Error, unsupported_033
-
-    cfg = vllm_config(model_dir, 200, async_scheduling=True, mamba_cache_mode="align")
-    cfg.cache_config.block_size = 32
-    cfg.cache_config.prefix_match_unit = 16
-    why = unsupported_033(_partial_hits_kv_config(200), cfg, 16)
-    assert why is not None and "overlapping steps" in why
-    with pytest.raises(Unsupported033Error, match="overlapping steps"):
-        make_scheduler(KVCOORD["async"], cfg, _partial_hits_kv_config(200))

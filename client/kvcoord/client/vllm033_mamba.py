@@ -39,8 +39,9 @@ def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
 
 
 def partial_hits_033(groups: Any, vllm_config: Any, hash_block_size: int) -> str | None:
-    """vLLM 0.33's fine-grained (partial) hits (issue 25), taken on the synchronous
-    scheduler: ``coordinator.enable_partial_hash_hits`` is then True,
+    """vLLM 0.33's fine-grained (partial) hits (issue 25), on every scheduler (a step
+    in flight included: the pool frees mamba states on the processed-token basis):
+    ``coordinator.enable_partial_hash_hits`` is then True,
     ``take_kv_cache_block_copies`` answers the pool's pairs as vLLM's ``KVCacheBlockCopy``
     with :class:`~.vllm033_parts.RetainedBlock` handles, and ``block_pool.free_blocks``
     releases those in the pool in the order given (``ReleaseRetainedBlocksOp``, with the
@@ -70,10 +71,6 @@ def partial_hits_033(groups: Any, vllm_config: Any, hash_block_size: int) -> str
         # (vLLM 0.33 keys a partial tail where a prefill checkpoint is exported: the two
         # rules together are not modelled)
         return f"{why} without mamba prefill checkpoint blocks only"
-    if vllm_config.max_concurrent_batches > 1 or vllm_config.scheduler_config.async_scheduling:
-        # (the copies' retention across overlapping steps is not checked against vLLM
-        # 0.33's AsyncScheduler yet)
-        return f"{why} without overlapping steps (async scheduling or pipeline parallelism) only"
     return ""
 
 

@@ -140,3 +140,27 @@ def test_prefill_checkpoint_fields_travel_on_the_wire(alignment: int | None) -> 
     spec = config_from_pb(cfg).groups[1]
     assert isinstance(spec, MambaSpec)
     assert (spec.num_prefill_checkpoint_blocks, spec.prefill_checkpoint_alignment) == (1, alignment)
+
+
+def test_a_planned_prefill_checkpoint_survives_the_state_export() -> None:
+    """A prefill checkpoint planned by an allocation whose caching is delayed (a KV
+    connector's asynchronous load) is keyed by the later cache_blocks: the pool's state
+    as a value (snapshots, Attach's engine state) carries it, so a pool restored from it
+    keys the same block at the same boundary as the pool it was taken from."""
+    from kvcoord.engine.state import export_state, import_state
+
+    spec = MambaSpec(
+        32, MambaCacheMode.ALIGN, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1
+    )
+    config = KVCacheConfig(40, (FullAttentionSpec(32), spec), 32, profile="vllm-0.33", max_model_len=1024)
+    p = KVCachePool(config)
+    p.add_request("a", list(range(100)), hashes(3))
+    assert p.allocate_slots("a", 100, delay_cache_blocks=True) is not None
+    assert p.managers[1].checkpoints  # planned, not yet keyed
+    q = import_state(config, export_state(p))
+    assert q.managers[1].checkpoints == p.managers[1].checkpoints
+    assert q.snapshot() == p.snapshot()
+    p.cache_blocks("a", 100)
+    q.cache_blocks("a", 100)
+    assert q.snapshot() == p.snapshot()
+    assert q.cached_block_ids() == p.cached_block_ids()

@@ -1330,6 +1330,7 @@ class KVCachePool:
                     sorted(m.num_retired_blocks.items()),
                     sorted(m.cached_this_step),
                     tuple((r, g, b.block_id, t) for r, g, b, t in m.pending_offloads),
+                    tuple(sorted(m.checkpoints.items())),
                 )
             if isinstance(m, CopyOnWrite):
                 extra += (

@@ -79,6 +79,8 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
             entry["mamba_retired"] = list(m.num_retired_blocks.items())
             entry["mamba_cached_this_step"] = [list(k) for k in m.cached_this_step]
             entry["mamba_offloads"] = [[r, g, b.block_id, t] for r, g, b, t in m.pending_offloads]
+            # prefill checkpoints planned, not yet keyed (cache_blocks may come later)
+            entry["mamba_checkpoints"] = [[r, pos, i] for r, (pos, i) in m.checkpoints.items()]
         if isinstance(m, CopyOnWrite):  # vllm-0.33 fine-grained hits
             entry["cow_tails"] = [[r, i, b.block_id] for r, (i, b) in m.partial_hit_reqs.items()]
             entry["cow_pending"] = [[a.block_id, b.block_id] for a, b in m.pending_cow]
@@ -214,6 +216,7 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
             m.num_retired_blocks = dict(entry.get("mamba_retired", ()))
             m.cached_this_step = {(h, g) for h, g in entry.get("mamba_cached_this_step", ())}
             m.pending_offloads = [(r, g, blocks[b], t) for r, g, b, t in entry.get("mamba_offloads", ())]
+            m.checkpoints = {r: (pos, i) for r, pos, i in entry.get("mamba_checkpoints", ())}
         if isinstance(m, CopyOnWrite):
             m.partial_hit_reqs = {r: (i, blocks[b]) for r, i, b in entry.get("cow_tails", ())}
             m.pending_cow = [(blocks[a], blocks[b]) for a, b in entry.get("cow_pending", ())]

@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import add_events, stats_to_pb
+from kvcoord.wire import add_events, copies_from_pb, stats_to_pb
 
 from .client import KVCoordClient
 from .errors import (
@@ -504,6 +504,9 @@ class StepSender:
                 value = [list(g) for g in value]
             elif kind == "reset":
                 got = bool(result.reset_prefix_cache.result)
+            elif kind == "copies":  # vLLM 0.33's copy-on-write pairs and retained blocks
+                got = copies_from_pb(result.take_kv_cache_block_copies)
+                value = ([tuple(c) for c in value[0]], list(value[1]))
             else:
                 got = list(result.common_prefix.num_blocks)
             if got != value:

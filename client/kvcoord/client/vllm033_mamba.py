@@ -177,6 +177,7 @@ class PredictedMamba033:
         self._settled()
         out: tuple[list[tuple[int, int]], list[int]] = self.mirror.call("take_kv_cache_block_copies")
         self.sender.op().take_kv_cache_block_copies.SetInParent()
+        self.sender.expect("copies", out)  # the server's pairs must be the mirror's
         return out
 
     def release_retained_blocks(self: Any, block_ids: list[int]) -> None:

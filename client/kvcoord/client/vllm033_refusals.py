@@ -48,12 +48,6 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     partial = partial_hits_033(groups, vllm_config, hash_block_size)
     if partial:
         return partial
-    if partial is not None and getattr(kv_cache_config, "prefix_cache_retention_interval", 0) != 0:
-        # (compared with vLLM 0.33.0 under sparse retention, its default, only)
-        return (
-            "fine-grained (partial) prefix hits with copy-on-write are supported with sparse "
-            "retention (prefix_cache_retention_interval 0) only"
-        )
     if partial is not None or (
         len(sizes) > 1 and uncached_mamba_hybrid(groups, vllm_config, hash_block_size)
     ):

@@ -321,9 +321,6 @@ def _partial_hit_gaps(cfg: KVCacheConfig, spec: MambaSpec) -> list[str]:
         # (vLLM 0.33 keys a partial tail where the prefill checkpoint is exported: the
         # two rules together are not modelled)
         gaps.append("with prefill checkpoint blocks")
-    if cfg.prefix_cache_retention_interval != 0:
-        # (compared with vLLM 0.33.0 under sparse retention only)
-        gaps.append("with dense or periodic retention")
     return gaps
 
 

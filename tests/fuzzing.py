@@ -235,6 +235,7 @@ def operations(draw: Any) -> pb.Operation:
         "release_retained_blocks": lambda: pb.ReleaseRetainedBlocksOp(
             block_ids=draw(st.lists(st.integers(0, 60) | counts, max_size=6))
         ),
+        "drop_boundary_state_offloads": lambda: pb.DropBoundaryStateOffloadsOp(request_id=rid),
         "admit": lambda: pb.AdmitOp(
             requests=draw(st.lists(syncs(), max_size=4)),
             token_budget=draw(counts),

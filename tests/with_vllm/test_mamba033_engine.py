@@ -118,6 +118,7 @@ class _Both:
         self.calls = 0
         self.num_events = 0
         self.num_copies = 0
+        self.popped: list[tuple[str, Any]] = []
 
     def same(self, what: str, theirs: Any, ours: Any) -> None:
         self.calls += 1
@@ -201,6 +202,19 @@ class _Both:
     def free(self, rid: str) -> None:
         self.theirs.free(self.reqs.pop(rid))
         self.ours.free(rid)
+
+    def pop(self, rid: str) -> None:
+        """vLLM 0.33's deferred free, first half (a KV consumer with overlapping steps):
+        the blocks taken, returned by :meth:`release_popped`."""
+        self.popped.append((rid, self.theirs.pop_blocks_for_free(self.reqs.pop(rid))))
+        self.ours.drop_boundary_state_offloads(rid)
+
+    def release_popped(self) -> None:
+        """The deferred frees' second half, oldest first (the scheduler's drain)."""
+        for rid, blocks in self.popped:
+            self.theirs.block_pool.free_blocks(reversed(blocks))
+            self.ours.free(rid, all_groups_reversed=True)
+        self.popped = []
 
     def preempt(self, rid: str) -> None:
         r = self.reqs[rid]
@@ -301,6 +315,28 @@ def _chunk(remaining: int, budget: int, left_of_prompt: int) -> int:
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_mamba_groups_answer_like_vllm_033(case: str, seed: int) -> None:
+    _run_seeded(case, seed, deferred=False)
+
+
+#: the layouts a KV consumer runs with overlapping steps (fine-grained hits refuse a
+#: KV connector)
+DEFERRED_CASES = sorted(c for c in CASES if c != "align-partial")
+
+
+@pytest.mark.parametrize("case", DEFERRED_CASES)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_deferred_frees_beside_a_mamba_group_answer_like_vllm_033(case: str, seed: int) -> None:
+    """vLLM 0.33's deferred frees (a KV consumer with overlapping steps): a finished or
+    preempted request's blocks are taken (``pop_blocks_for_free``: the mamba group drops
+    the request's state and pending hand-offs at once) and returned after the next step
+    (``block_pool.free_blocks(reversed(...))``: all groups in one pass). kvcoord's
+    ``drop_boundary_state_offloads`` then ``free(all_groups_reversed=True)``: the same
+    tables, new blocks, free queue and drains as vLLM 0.33.0's own manager, driven
+    alike in this test. (The pool refused a deferred free beside mamba before.)"""
+    _run_seeded(case, seed, deferred=True)
+
+
+def _run_seeded(case: str, seed: int, deferred: bool) -> None:
     mode, caching, interval, ckpt, hbs = CASES[case]
     rng = random.Random(seed)
     both = _Both(mode, caching, interval, num_blocks=70, ckpt=ckpt, hbs=hbs)
@@ -329,8 +365,11 @@ def test_mamba_groups_answer_like_vllm_033(case: str, seed: int) -> None:
             if n <= 0:
                 continue
             if not both.allocate(rid, n):
-                both.preempt(rid)
                 del running[rid]
+                if deferred:  # taken for a deferred free (not resumed here)
+                    both.pop(rid)
+                    continue
+                both.preempt(rid)
                 waiting.insert(0, rid)
                 continue
             scheduled[rid] = n
@@ -344,7 +383,10 @@ def test_mamba_groups_answer_like_vllm_033(case: str, seed: int) -> None:
             scheduled[rid] = n
             budget -= n
         both.end_of_step()
+        both.release_popped()  # the step before is processed: its frees return
         for rid, n in scheduled.items():
+            if rid not in both.reqs:
+                continue
             r = both.reqs[rid]
             computed = r.num_computed_tokens + n
             token = rng.randrange(1000) if computed >= r.num_tokens else None
@@ -353,13 +395,41 @@ def test_mamba_groups_answer_like_vllm_033(case: str, seed: int) -> None:
                 running[rid] -= 1
                 if running[rid] <= 0 or rng.random() < 0.05:
                     del running[rid]
-                    both.free(rid)
+                    if deferred:
+                        both.pop(rid)
+                    else:
+                        both.free(rid)
         if caching and rng.random() < 0.1:
             both.evict_one(rng)
     assert both.calls > 500
     assert both.num_events > 20 if caching else both.num_events == 0
     if hbs != BS:
         assert both.num_copies > 3
+
+
+def test_a_deferred_free_drops_pending_hand_offs_when_vllm_033_takes_the_blocks() -> None:
+    """A request whose chunk just hashed a boundary state (a hand-off pending) has its
+    blocks taken for a deferred free before the scheduler drains the hand-offs (vLLM
+    0.33's priority preemption of a request scheduled this step): vLLM's MambaManager
+    drops the hand-off at the take, and returns the blocks after the next step. kvcoord
+    answers as vLLM 0.33.0's own manager, driven alike here: no hand-off for the
+    request, then the same free queue, and a new request gets the same blocks."""
+    both = _Both("align", True, 0, num_blocks=40)
+    prompt = list(range(120))  # the prompt's boundary state: block 2 (96 tokens)
+    both.step()
+    both.add("a", prompt)
+    assert both.admit("a", 96) == 96
+    # a hand-off is pending on both sides (not drained yet)
+    theirs = both.theirs.coordinator.single_type_managers[1]._pending_boundary_state_offloads
+    assert [e[0] for e in theirs] == ["a"]
+    assert [e[0] for e in both.ours.managers[1].pending_offloads] == ["a"]
+    both.pop("a")  # before the drain
+    both.end_of_step()  # the drain: nothing for "a" on either side
+    both.step()
+    both.release_popped()
+    both.add("b", list(range(500, 600)))
+    assert both.admit("b", BUDGET) == 100
+    both.end_of_step()
 
 
 def test_an_evicted_prompt_boundary_state_is_keyed_again_like_vllm_033() -> None:

@@ -538,38 +538,48 @@ def test_without_prefix_caching_or_events(
 
 @pytest.mark.skipif(not V033, reason="vLLM 0.16.0 runs no KV connector beside a mamba group")
 @pytest.mark.parametrize(
-    ("kind", "layout", "connector"),
+    ("kind", "layout", "connector", "predict"),
     [
-        ("sync", "full+mamba-align", "LoadedHalfConnector"), ("sync", "full+mamba-align", "AsyncLoadsConnector"),
-        ("sync", "full+mamba", "LoadedHalfConnector"), ("sync", "full+mamba", "AsyncLoadsConnector"),
-        # refused at start (checked, then skipped): a KV consumer's deferred frees beside
-        # mamba (the async scheduler)
-        ("async", "full+mamba-align", "LoadedHalfConnector"),
+        ("sync", "full+mamba-align", "LoadedHalfConnector", False),
+        ("sync", "full+mamba-align", "AsyncLoadsConnector", False),
+        ("sync", "full+mamba", "LoadedHalfConnector", False), ("sync", "full+mamba", "AsyncLoadsConnector", False),
+        # a KV consumer's deferred frees beside mamba (the async scheduler): refused at
+        # start before (the pool's deferred free refused mamba groups)
+        ("async", "full+mamba-align", "LoadedHalfConnector", False),
+        ("async", "full+mamba-align", "LoadedHalfConnector", True),
+        ("async", "full+mamba", "LoadedHalfConnector", False),
+        ("async", "full+mamba", "LoadedHalfConnector", True),
     ],
 )  # fmt: skip
 def test_a_kv_connector_beside_a_mamba_group_decides_like_vllm(
-    kind: str, layout: str, connector: str, model_dir: Path, server: InProcessServer,
+    kind: str, layout: str, connector: str, predict: bool, model_dir: Path, server: InProcessServer,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     """vLLM 0.33: a KV connector (synchronous or asynchronous loads) beside a mamba group
     whose state is cached at block boundaries (align), or not cached ("none": prefix
     caching off, the mamba block larger, vLLM's hashes of their LCM for the connector
-    only), on the synchronous scheduler: identical decisions, under memory pressure and
-    with blocks to spare. (The "none" mode was refused at start before; run with the
+    only), on the synchronous scheduler, and, a KV consumer, on the asynchronous one
+    (its frees deferred: taken a step before the blocks return, all groups in one
+    reversed pass), waiting and predicted: identical decisions, under memory pressure
+    and with blocks to spare. (The "none" mode was refused at start before; run with the
     refusals lifted, the old code decided identically: no rule was missing.)"""
-    if kind == "sync":
-        from kvcoord.client.vllm033 import unsupported_033
+    from kvcoord.client.vllm033 import unsupported_033
 
-        config = vllm_config(model_dir, 64, async_scheduling=False, connector=connector,
-                             enable_caching=layout.endswith("align"),
-                             mamba_cache_mode="align" if layout.endswith("align") else "none")  # fmt: skip
-        kv_config = kv_cache_config(layout, 64)
-        assert unsupported_033(kv_config, config, block_sizes(config, kv_config)[1]) is None  # taken
+    config = vllm_config(model_dir, 64, async_scheduling=kind == "async", connector=connector,
+                         enable_caching=layout.endswith("align"),
+                         mamba_cache_mode="align" if layout.endswith("align") else "none")  # fmt: skip
+    kv_config = kv_cache_config(layout, 64)
+    assert unsupported_033(kv_config, config, block_sizes(config, kv_config)[1]) is None  # taken
     for blocks, seed in ((64, 5), (4096, 71)):
-        r = run_both(kind, layout, blocks, seed, model_dir, server, monkeypatch, connector=connector)
+        r = run_both(kind, layout, blocks, seed, model_dir, server, monkeypatch, connector=connector,
+                     predict=predict)  # fmt: skip
         assert r.got == r.want, first_difference(r.want, r.got)
         assert r.want_counts["finished"] > 20, r.want_counts
         assert sum(r.counter.external) > 10, r.counter.external  # allocations with a connector's tokens
+        if kind == "async":
+            deferred = r.counter.deferred
+            print(f"\n{layout} {blocks} blocks, predict={predict}: deferred frees {deferred}")
+            assert deferred["popped"] == deferred["released"] > 0, deferred
         assert r.manager.lost_requests == 0
 
 

@@ -28,7 +28,8 @@ groups beside full attention (``align`` mode, or ``none`` with prefix caching of
 speculative blocks, on every scheduler; the pool's shared-prefix boundary and per-step
 drains, :mod:`.vllm033_mamba`; prefill checkpoint blocks,
 ``MambaSpec.num_prefill_checkpoint_blocks`` as vLLM's Mamba2 / GDN layers set it), and KV
-connectors (loads, failed loads, delayed and deferred frees: :mod:`.vllm033_connector`),
+connectors (loads, failed loads, delayed and deferred frees, beside a mamba group too:
+:mod:`.vllm033_connector`),
 fine-grained (partial) hits (:func:`.vllm033_mamba.partial_hits_033` says which).
 A lost session costs recomputation (``check_session`` surfaces a loss met in the
 background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA subclasses; attention sinks,
@@ -37,8 +38,7 @@ which vLLM 0.33.0 itself cannot start), mamba shared-prefix checkpoints
 ``prefix_cache_retention_interval`` beside a mamba group, EAGLE/MTP with the trailing-block drop (look-ahead
 hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
-:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV consumer
-connector beside a mamba group with overlapping steps (deferred frees), and other
+:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), and other
 fine-grained (partial) hits. With KV events on, a request's multimodal items
 and prompt-embeds digests travel with its registration (:func:`extra_key_sources_033`)
 so that the pool publishes vLLM 0.33's ``BlockStored.extra_keys`` for its blocks, and

@@ -9,7 +9,10 @@ delayed while KV is sent, the tables a finished request hands over
 overlapping steps (the async scheduler, pipeline parallelism) vLLM 0.33 takes a
 finished request's blocks (``pop_blocks_for_free``) and returns them a step later
 (``block_pool.free_blocks(reversed(blocks))``: all groups' blocks in one reversed pass).
-The pool frees the request at that later call, in that order (``FreeOp.all_groups_reversed``).
+The pool frees the request at that later call, in that order (``FreeOp.all_groups_reversed``);
+beside a mamba group, what vLLM drops when it takes the blocks and the scheduler could
+see before they return (the request's pending boundary-state hand-offs) is dropped at
+the take (``DropBoundaryStateOffloadsOp``).
 
 What is not reproduced is named by :func:`connector_refusal_033` (refused at start) or
 refused when first used (see :mod:`kvcoord.client.vllm033`).
@@ -79,6 +82,7 @@ class RemoteConnector033:
     _ops: Any
     defer: Any
     _unary_op: Any
+    tracker: Any
 
     def free_all_groups_reversed(self, request_id: str) -> None:
         """vLLM 0.33's deferred free of the request (sent with the next call)."""
@@ -86,6 +90,13 @@ class RemoteConnector033:
         if item is not None:
             item.op.free.all_groups_reversed = True
             self.defer(item)
+
+    def drop_boundary_state_offloads(self, request_id: str) -> None:
+        """The request's pending boundary-state hand-offs dropped as vLLM 0.33 takes its
+        blocks (sent with the next call; nothing for a request the pool never got)."""
+        if request_id in self.tracker:
+            op = pb.DropBoundaryStateOffloadsOp(request_id=request_id)
+            self._unary_op(pb.Operation(drop_boundary_state_offloads=op), lambda r: None, True)
 
     def get_num_blocks_to_allocate(self, request_id: str, *args: Any) -> int:
         """vLLM 0.33's ``coordinator.get_num_blocks_to_allocate`` with no new hit (``args``:
@@ -137,6 +148,15 @@ class PredictingConnector033:
         op.request_id = request_id
         op.all_groups_reversed = True
 
+    def drop_boundary_state_offloads(self, request_id: str) -> None:
+        """As :meth:`RemoteConnector033.drop_boundary_state_offloads`: applied to the
+        mirror now, sent with the next Step."""
+        if request_id not in self.tracker or not self.mirror.holds(request_id):
+            return
+        self._settled()
+        self.mirror.call("drop_boundary_state_offloads", request_id)
+        self.sender.op().drop_boundary_state_offloads.request_id = request_id
+
     def get_num_blocks_to_allocate(self, request_id: str, *args: Any) -> int:
         """As :meth:`RemoteConnector033.get_num_blocks_to_allocate`, read from the mirror
         (nothing is sent: it changes nothing)."""
@@ -161,6 +181,7 @@ class AdapterConnector033:
     absorbing: bool
     _absorb: Any
     num_kv_cache_groups: int
+    _mamba: bool
 
     def pop_blocks_for_free(self, request: Any) -> list[DeferredFree]:
         """vLLM 0.33's deferred free, first half: the request is gone for the scheduler
@@ -169,14 +190,20 @@ class AdapterConnector033:
         rid = request.request_id
         self._held.pop(rid, None)
         self._tables.pop(rid, None)
+        if self._mamba:  # its pending hand-offs go now, as vLLM's MambaManager drops them
+            self._kept_for_scheduler(self.remote033.drop_boundary_state_offloads, rid)
         return [DeferredFree(rid)]
 
     def free_deferred(self, request_id: str) -> None:
         """The deferred free's second half: the pool frees the request (all groups, one
-        reversed pass). Inside ``update_from_output`` a loss or an outage is kept for
-        the scheduler, as for every other call there."""
+        reversed pass)."""
+        self._kept_for_scheduler(self.remote033.free_all_groups_reversed, request_id)
+
+    def _kept_for_scheduler(self, call: Any, request_id: str) -> None:
+        """``call(request_id)``; inside ``update_from_output`` a loss or an outage is kept
+        for the scheduler, as for every other call there."""
         try:
-            self.remote033.free_all_groups_reversed(request_id)
+            call(request_id)
         except KVCoordError as err:
             if not self.absorbing:
                 raise

@@ -81,17 +81,8 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
             "(take_new_block_ids) only beside a mamba group; the pool configuration does not "
             "carry the zeroing flag on the wire"
         )
-    transfer = vllm_config.kv_transfer_config
-    modes = {g.kv_cache_spec.mamba_cache_mode for g in groups if hasattr(g.kv_cache_spec, "mamba_cache_mode")}
-    if transfer is not None and modes:
-        # vLLM 0.33 defers a KV consumer's frees with overlapping steps and drops a
-        # mamba group's per-request state when it pops the blocks, a step before they
-        # return: the pool's deferred free does not model that (and refuses mamba)
-        if vllm_config.max_concurrent_batches > 1 and transfer.is_kv_consumer:
-            return (
-                "a KV connector (a KV consumer) beside a mamba group with overlapping steps (async "
-                "scheduling or pipeline parallelism: deferred frees): not supported under vLLM 0.33 yet"
-            )
+    # (a KV consumer beside mamba with overlapping steps runs: deferred frees, the
+    # mamba state dropped by the pool's free, its pending hand-offs at the take)
     why = connector_refusal_033(kv_cache_config, vllm_config)
     if why is not None:
         return why

@@ -172,12 +172,13 @@ class KVCacheCoordinator:
         """vLLM 0.33's deferred free (a KV-consumer connector with overlapping steps):
         every group's list is taken at once (``pop_blocks_for_free``), concatenated in
         group order, and released later in one reversed pass: the last group's tail
-        reaches the free queue first, group 0's head last. For managers that free by
-        the base rule only (the pool checks)."""
+        reaches the free queue first, group 0's head last. Each manager forgets the
+        request by its own rule (``pop_blocks_for_free``: a mamba group drops its
+        per-request state). For managers whose ``free`` is the base one only (the pool
+        checks)."""
         blocks: list[KVCacheBlock] = []
         for manager in self.managers:
-            blocks.extend(manager.req_to_blocks.pop(request_id, []))
-            manager.num_cached_block.pop(request_id, None)
+            blocks.extend(manager.pop_blocks_for_free(request_id))
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
 

@@ -144,11 +144,16 @@ class KVCachePool:
         #: evict_blocks was called: blocks may have lost their hash while shared
         self.evict_blocks_called = False
         # free/preempt fused over managers that free by the base rule (with whether their
-        # lists can hold the null block); None when any manager has its own rule.
+        # lists can hold the null block); None when any manager has its own rule (its
+        # own free, or per-request state to drop: its own pop_blocks_for_free).
         self._fused_free: list[tuple[SingleTypeKVCacheManager, bool]] | None = [
             (m, m.uses_null_blocks) for m in self.managers
         ]
-        if any(type(m).free is not SingleTypeKVCacheManager.free for m in self.managers):
+        if any(
+            type(m).free is not SingleTypeKVCacheManager.free
+            or type(m).pop_blocks_for_free is not SingleTypeKVCacheManager.pop_blocks_for_free
+            for m in self.managers
+        ):
             self._fused_free = None
 
     # -- request table --------------------------------------------------------------
@@ -1019,6 +1024,21 @@ class KVCachePool:
                 out.setdefault(rid, []).append((gid, block.block_id, tokens))
         return out
 
+    def drop_boundary_state_offloads(self, request_id: str) -> None:
+        """The part of vLLM 0.33's ``pop_blocks_for_free`` (a KV-consumer connector with
+        overlapping steps: the free is deferred) that cannot wait for the deferred
+        :meth:`free`: the request's boundary-state hand-offs not taken yet are dropped
+        now (vLLM's scheduler drains them every step). Its blocks stay held.
+
+        Raises:
+            FailedPreconditionError: a vllm-0.16 pool.
+            RequestNotFoundError: unknown request.
+        """
+        self._require_033("drop_boundary_state_offloads")
+        self._get(request_id)
+        for m in self._mamba033:
+            m.drop_boundary_state_offloads(request_id)
+
     def take_kv_cache_block_copies(self) -> tuple[list[tuple[int, int]], list[int]]:
         """vLLM 0.33's ``take_kv_cache_block_copies``: the copy-on-write pairs
         ``(source, destination)`` made since the last call (group order, then the order
@@ -1120,20 +1140,23 @@ class KVCachePool:
         ``all_groups_reversed`` (vllm-0.33 only): the order of vLLM 0.33's deferred
         free (``pop_blocks_for_free`` then ``block_pool.free_blocks(reversed(...))``, a
         KV-consumer connector with overlapping steps): all groups' blocks concatenated
-        in group order, released in one reversed pass. The same as the plain order for
-        one group.
+        in group order (each group's leading nulls left out), released in one reversed
+        pass. The same as the plain order for one group. A mamba group drops its
+        per-request state as its plain free does; its pending boundary-state hand-offs
+        were dropped when vLLM took the blocks (:meth:`drop_boundary_state_offloads`).
 
         Raises:
             RequestNotFoundError: unknown request.
             FailedPreconditionError: ``all_groups_reversed`` on a vllm-0.16 pool, or with a
-                group that frees by its own rule (mamba, cross attention).
+                group whose free has a rule of its own (fine-grained hits' copy-on-write
+                managers: their tails are not dropped at the take).
         """
         if all_groups_reversed:
             self._require_033("a deferred free (all_groups_reversed)")
             if any(type(m).free is not SingleTypeKVCacheManager.free for m in self.managers):
                 raise FailedPreconditionError(
                     "a deferred free (all_groups_reversed) needs every group to free by the base "
-                    "rule (full attention, sliding window, chunked local)"
+                    "rule or mamba's (not fine-grained hits' copy-on-write managers)"
                 )
         if self.requests.pop(request_id, None) is None:
             raise RequestNotFoundError(f"request {request_id!r} is not in this pool")

@@ -43,6 +43,7 @@ __all__ = [
     "NewStepStarts",
     "TakeBlockCopies",
     "ReleaseRetained",
+    "DropOffloads",
     "TakeBoundaryStateOffloads",
     "TakeNewBlockIds",
     "GetNumBlocksToAllocate",
@@ -269,6 +270,14 @@ class ReleaseRetained:
 
 
 @dataclasses.dataclass(slots=True)
+class DropOffloads:
+    """The request's pending boundary-state hand-offs dropped, as vLLM 0.33's
+    pop_blocks_for_free does (vllm-0.33 pools)."""
+
+    request_id: str
+
+
+@dataclasses.dataclass(slots=True)
 class GetNumBlocksToAllocate:
     request_id: str
     num_tokens: int
@@ -311,6 +320,7 @@ Operation = (
     | TakeBoundaryStateOffloads
     | TakeBlockCopies
     | ReleaseRetained
+    | DropOffloads
 )
 
 

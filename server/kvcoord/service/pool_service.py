@@ -1517,6 +1517,11 @@ class PoolService:
         self.engine.release_retained_blocks(o.block_ids)
         return None
 
+    def _drop_offloads(self, s: Session, o: op.DropOffloads) -> op.Value:
+        self._owned(s, o.request_id)
+        self.engine.drop_boundary_state_offloads(o.request_id)
+        return None
+
     def _num_blocks_to_allocate(self, s: Session, o: op.GetNumBlocksToAllocate) -> op.Value:
         self._owned(s, o.request_id)
         return self.engine.get_num_blocks_to_allocate(
@@ -1549,6 +1554,7 @@ _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.TakeBoundaryStateOffloads: PoolService._take_offloads,  # type: ignore[dict-item]
     op.TakeBlockCopies: PoolService._take_copies,  # type: ignore[dict-item]
     op.ReleaseRetained: PoolService._release_retained,  # type: ignore[dict-item]
+    op.DropOffloads: PoolService._drop_offloads,  # type: ignore[dict-item]
 }
 
 

@@ -167,12 +167,23 @@ class SingleTypeKVCacheManager:
         )
         self.num_cached_block[rid] = num_full
 
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """Forget the request (its list and cached count, and any per-request state of
+        the group's rule) and return its blocks in list order, leading null blocks left
+        out, without releasing them: the caller releases them, tail first (vLLM 0.33's
+        deferred free takes them here and returns them a step later)."""
+        blocks = self.req_to_blocks.pop(request_id, None) or []
+        self.num_cached_block.pop(request_id, None)
+        head = 0
+        while head < len(blocks) and blocks[head] is self.null_block:
+            head += 1
+        return blocks[head:]
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first (so its last block is evicted first)."""
-        blocks = self.req_to_blocks.pop(request_id, None)
+        blocks = self.pop_blocks_for_free(request_id)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
-        self.num_cached_block.pop(request_id, None)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Replace blocks no longer needed by the null block and free them."""

@@ -152,11 +152,11 @@ class MambaManager(SingleTypeKVCacheManager):
         self.allocated_block_reqs.add(request_id)
         return req_blocks[prev:]
 
-    def free(self, request_id: str) -> None:
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
         if self.align:
             self.allocated_block_reqs.discard(request_id)
             self.last_state_block_idx.pop(request_id, None)
-        super().free(request_id)
+        return super().pop_blocks_for_free(request_id)
 
     @classmethod
     def find_longest_cache_hit(
@@ -355,14 +355,19 @@ class MambaManager033(MambaManager):
                 return []
         return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
 
-    def free(self, request_id: str) -> None:
+    def pop_blocks_for_free(self, request_id: str) -> list[KVCacheBlock]:
+        """As vLLM 0.33 drops a request's mamba state when it takes its blocks (at once
+        for a free, a step before they return for a deferred one)."""
         self.num_retired_blocks.pop(request_id, None)
         self.checkpoints.pop(request_id, None)
+        self.drop_boundary_state_offloads(request_id)
+        return super().pop_blocks_for_free(request_id)
+
+    def drop_boundary_state_offloads(self, request_id: str) -> None:
+        """Forget the request's hand-offs not taken yet: its blocks are going back to the
+        pool, so a later hand-off could name a block another request holds by then."""
         if self.pending_offloads:
-            # the blocks go back to the pool now: a later hand-off could name a block
-            # another request holds by then
             self.pending_offloads = [e for e in self.pending_offloads if e[0] != request_id]
-        super().free(request_id)
 
     # -- caching ----------------------------------------------------------------------------
     def cache_blocks(self, request: Request, num_tokens: int) -> None:

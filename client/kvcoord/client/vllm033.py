@@ -103,8 +103,8 @@ VLLM_033 = "vllm-0.33"
 
 #: what a Remote033 / Predicting033 manager's ``admission`` is outside vLLM 0.33's
 #: allocate_slots: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
-#: watermark_blocks
-NO_ADMISSION = (False, 0, 0, 0)
+#: watermark_blocks, skip_zeroing_group_ids
+NO_ADMISSION: tuple[bool, int, int, int, tuple[int, ...]] = (False, 0, 0, 0, ())
 
 
 def vllm_profile(version: str | None = None) -> str:
@@ -177,9 +177,9 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
     def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
         kwargs["exclusive"] = False
         super().__init__(client, pool, profile=VLLM_033, **kwargs)
-        #: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens and
-        #: watermark_blocks of the allocation being built
-        self.admission: tuple[bool, int, int, int] = NO_ADMISSION
+        #: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
+        #: watermark_blocks and skip_zeroing_group_ids of the allocation being built
+        self.admission: tuple[bool, int, int, int, tuple[int, ...]] = NO_ADMISSION
         #: the request of the last lookup and its shared-prefix boundary
         self.boundary: tuple[str, int] = ("", 0)
         _name_extra_keys(self.tracker, self.config)
@@ -187,9 +187,11 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
     def _item(self, *args: Any) -> Item:
         item = super()._item(*args)
         a = item.op.allocate
+        full, reserved, in_flight, watermark, skip_zeroing = self.admission
         a.full_sequence_must_fit, a.reserved_blocks, a.num_in_flight_tokens, a.watermark_blocks = (
-            self.admission
-        )
+            full, reserved, in_flight, watermark,
+        )  # fmt: skip
+        a.skip_zeroing_group_ids.extend(skip_zeroing)
         return item
 
     def _unary_op(self, op: pb.Operation, decode: Any, deferred: bool) -> Any:
@@ -232,9 +234,9 @@ class Predicting033KVCacheManager(PredictingConnector033, PredictedMamba033, Pre
 
     def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
         super().__init__(client, pool, profile=VLLM_033, **kwargs)
-        #: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens and
-        #: watermark_blocks of the allocation being made
-        self.admission: tuple[bool, int, int, int] = NO_ADMISSION
+        #: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
+        #: watermark_blocks and skip_zeroing_group_ids of the allocation being made
+        self.admission: tuple[bool, int, int, int, tuple[int, ...]] = NO_ADMISSION
         _name_extra_keys(self.tracker, self.config)
 
     def allocate_slots(  # type: ignore[override]
@@ -291,6 +293,9 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         )
         #: a mamba group: the pool records per-step state the scheduler drains
         self._mamba = any(g.WhichOneof("spec") == "mamba" for g in remote.config.groups)
+        #: the pool records new attention blocks for the worker to zero: beside a mamba
+        #: group, or with vLLM 0.33's needs_kv_cache_zeroing (a mixed-precision KV cache)
+        self._zeroing = self._mamba or remote.config.needs_kv_cache_zeroing
         self.coordinator = Coordinator033(kv_cache_config, remote)
         self.block_pool = BlockPool033(self.free_deferred, remote.release_retained_blocks)
         self.mamba_shared_prefix_checkpoint = False
@@ -327,7 +332,6 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     ) -> KVCacheBlocks | None:
         """0.16's ``allocate_slots`` (its arguments in ``args`` / ``kwargs``) with 0.33's
         keyword arguments."""
-        # skip_zeroing_group_ids matters for zeroing only (refused at start)
         remote = self.remote033
         # the processed-token basis matters only to a group that frees blocks early (a
         # window, or mamba: full attention frees nothing early): elsewhere 0, so decode
@@ -341,7 +345,10 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
 
             if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 watermark = self.watermark_blocks
-        remote.admission = (full_sequence_must_fit, reserved_blocks, in_flight, watermark)
+        # the groups an async KV load writes: their external blocks are not zeroed (only
+        # a zeroing pool records any, and only blocks for external tokens are skipped)
+        skip_zeroing = tuple(int(g) for g in skip_zeroing_group_ids) if self._zeroing else ()
+        remote.admission = (full_sequence_must_fit, reserved_blocks, in_flight, watermark, skip_zeroing)
         try:
             return super().allocate_slots(request, *args, **kwargs)
         finally:
@@ -387,10 +394,10 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         return convert_events(remote.take_events(), fields_033=True)
 
     # vLLM 0.33's per-step drains, the pool's: only a pool with a mamba group records
-    # anything (zeroing, boundary states, copy-on-write), so the others answer empty
-    # without a call
+    # boundary states and copy-on-write pairs, and only one with a mamba group or
+    # needs_kv_cache_zeroing new blocks to zero, so the others answer empty without a call
     def take_new_block_ids(self) -> list[int]:
-        return self.remote033.take_new_block_ids() if self._mamba else []
+        return self.remote033.take_new_block_ids() if self._zeroing else []
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         from .vllm033_parts import copies_for_vllm  # (imports vLLM)
@@ -431,6 +438,9 @@ def pool_config_033(
         cfg.prefix_cache_retention_interval = int(retention)  # periodic (beside mamba: refused)
     # the admission cap of sliding-window and chunked-local groups (0: max_model_len, as vLLM)
     cfg.max_in_flight_tokens = int(getattr(vllm_config, "max_in_flight_tokens", 0) or 0)
+    # the worker zeroes new blocks (mamba layers, a mixed-precision KV cache): the pool
+    # records the attention groups' new blocks for take_new_block_ids
+    cfg.needs_kv_cache_zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
     return cfg
 
 

@@ -29,7 +29,10 @@ speculative blocks, on every scheduler; the pool's shared-prefix boundary and pe
 drains, :mod:`.vllm033_mamba`; prefill checkpoint blocks,
 ``MambaSpec.num_prefill_checkpoint_blocks`` as vLLM's Mamba2 / GDN layers set it), and KV
 connectors (loads, failed loads, delayed and deferred frees: :mod:`.vllm033_connector`),
-fine-grained (partial) hits (:func:`.vllm033_mamba.partial_hits_033` says which).
+fine-grained (partial) hits (:func:`.vllm033_mamba.partial_hits_033` says which), and KV
+cache zeroing (``take_new_block_ids``: beside a mamba group, or for a mixed-precision KV
+cache with ``PoolConfig.needs_kv_cache_zeroing``, set from the KVCacheConfig; an async
+load's ``skip_zeroing_group_ids`` travel as ``AllocateOp.skip_zeroing_group_ids``).
 A lost session costs recomputation (``check_session`` surfaces a loss met in the
 background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA subclasses; attention sinks,
 which vLLM 0.33.0 itself cannot start), mamba shared-prefix checkpoints
@@ -39,7 +42,8 @@ hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
 :func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), a KV consumer
 connector beside a mamba group with overlapping steps (deferred frees), and other
-fine-grained (partial) hits. With KV events on, a request's multimodal items
+fine-grained (partial) hits, and (when first called) ``record_blocks_for_zeroing`` (re-zeroing
+after a failed load). With KV events on, a request's multimodal items
 and prompt-embeds digests travel with its registration (:func:`extra_key_sources_033`)
 so that the pool publishes vLLM 0.33's ``BlockStored.extra_keys`` for its blocks, and
 so does its ``full`` report mode (``RequestSync.kv_cache_report_full``), so that the pool
@@ -407,7 +411,7 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         return self.remote033.take_boundary_state_offloads() if self._mamba else {}
 
-    # reached only with features refused at start
+    # refused when first reached (docs/semantics-notes.md)
 
     def get_computed_blocks_for_connector(self, request: Any, max_cache_hit_length: int | None = None) -> Any:
         raise Unsupported033Error("get_computed_blocks_for_connector (a KV connector)")
@@ -416,7 +420,10 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         raise Unsupported033Error("truncate_computed_blocks (a KV connector's partial tails)")
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        raise Unsupported033Error("record_blocks_for_zeroing (KV cache zeroing)")
+        # (vLLM 0.33 calls it in a zeroing pool for a failed async load that left computed tokens)
+        raise Unsupported033Error(
+            "record_blocks_for_zeroing (re-zeroing blocks a failed KV load left unwritten)"
+        )
 
 
 def pool_config_033(

@@ -10,6 +10,7 @@ recorded per step, so two runs (vLLM's in-process manager, kvcoord) compare step
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import random
@@ -94,8 +95,12 @@ def kv_cache_config(layout: str, num_blocks: int, num_speculative_blocks: int = 
     count when speculative decoding is on). ``swa``: one sliding-window group alone. A
     suffix (vLLM 0.33) sets ``prefix_cache_retention_interval``: `` rN`` to N, `` sparse``
     to 0 (what EngineCore copies from 0.33's CacheConfig by default); without one it
-    keeps KVCacheConfig's own default, None (dense)."""
-    layout, _, retention = layout.partition(" ")
+    keeps KVCacheConfig's own default, None (dense). `` mixed`` gives the last group a
+    bfloat16 KV cache beside the others' float16: a mixed-precision KV cache, for which
+    vLLM 0.33 zeroes new blocks (``needs_kv_cache_zeroing``)."""
+    layout, *options = layout.split(" ")
+    mixed = "mixed" in options
+    retention = next((o for o in options if o != "mixed"), "")
     common: dict[str, Any] = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
     groups = [
         k.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], k.FullAttentionSpec(BLOCK_SIZE, **common))
@@ -144,6 +149,10 @@ def kv_cache_config(layout: str, num_blocks: int, num_speculative_blocks: int = 
                 ["model.layers.1.self_attn.attn"],
                 k.SlidingWindowSpec(BLOCK_SIZE, sliding_window=64, **common),
             )
+        )
+    if mixed:
+        groups[-1] = dataclasses.replace(
+            groups[-1], kv_cache_spec=dataclasses.replace(groups[-1].kv_cache_spec, dtype=torch.bfloat16)
         )
     config = k.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     if retention:
@@ -363,6 +372,8 @@ def summarize(out: SchedulerOutput) -> dict[str, Any]:
         "finished": sorted(out.finished_req_ids),
         "common_prefix": list(out.num_common_prefix_blocks),
         "drafts": {r: list(t) for r, t in sorted(out.scheduled_spec_decode_tokens.items())},
+        # (vLLM 0.33: the blocks the worker zeroes, take_new_block_ids)
+        "zero": getattr(out, "new_block_ids_to_zero", None),
     }
 
 
@@ -464,7 +475,15 @@ def run_workload(
     rnd = random.Random(seed)
     prefixes = [[rnd.randrange(VOCAB) for _ in range(n)] for n in (16, 40, 100, 170)]
     trace: list[Any] = []
-    counts = {"preempted": 0, "aborted": 0, "finished": 0, "hit_tokens": 0, "events": 0, "scheduled": 0}
+    counts = {
+        "preempted": 0,
+        "aborted": 0,
+        "finished": 0,
+        "hit_tokens": 0,
+        "events": 0,
+        "scheduled": 0,
+        "zeroed": 0,
+    }
     pending: deque[tuple[SchedulerOutput, ModelRunnerOutput]] = deque()
     nid = 0
     extra_rnd = random.Random(seed * 31 + 7)
@@ -530,6 +549,7 @@ def run_workload(
         counts["preempted"] += len(summary["preempted"])
         counts["scheduled"] += len(summary["num_scheduled_tokens"])
         counts["hit_tokens"] += sum(n for _, _, n, _ in summary["new"])
+        counts["zeroed"] += len(summary["zero"] or ())
         trace.append(("schedule", step, summary))
         mro = fake_runner_output(sched, out, positional)
         if async_overlap:

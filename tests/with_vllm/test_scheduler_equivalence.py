@@ -268,6 +268,31 @@ def test_the_watermark_decides_like_vllm_033(
     assert without != r.want
 
 
+@_033_cases(["full+swa mixed", "full+chunked mixed"], "vLLM 0.16 zeroes no KV cache blocks")
+def test_kv_cache_zeroing_without_mamba_decides_like_vllm_033(
+    kind: str, layout: str, predict: bool, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A mixed-precision KV cache (a bfloat16 group beside a float16 one, no mamba
+    group): vLLM 0.33 sets ``needs_kv_cache_zeroing`` and every scheduler output names
+    the new blocks the worker zeroes (``new_block_ids_to_zero``, the manager's
+    ``take_new_block_ids``). Identical outputs, those ids included, waiting for the
+    pool's answers and predicted; the pool carries the flag."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=kind == "async")
+    kv = kv_cache_config(layout, NUM_BLOCKS)
+    assert kv.needs_kv_cache_zeroing and not kv.has_mamba_layers
+    assert unsupported_033(kv, config, 16) is None  # not skipped: taken
+    r = run_both(kind, layout, NUM_BLOCKS, 11, model_dir, server, monkeypatch, predict=predict)
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.got_counts == r.want_counts
+    assert r.want_counts["zeroed"] > 100 and r.want_counts["preempted"] > 0, r.want_counts
+    assert r.want_counts["finished"] > 20, r.want_counts
+    assert r.manager.config.needs_kv_cache_zeroing
+    assert r.manager.lost_requests == 0
+
+
 @_033_cases(["full+full32", "full+swa32"], "vLLM 0.16 layouts of several block sizes: test_connect (LCM)")
 def test_several_block_sizes_decide_like_vllm_033(
     kind: str, layout: str, predict: bool, model_dir: Path, server: InProcessServer,

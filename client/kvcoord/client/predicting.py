@@ -199,12 +199,11 @@ class PredictingKVCacheManager:
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
                        num_encoder_tokens: int = 0, return_table: bool = False, full_sequence_must_fit: bool = False,
-                       reserved_blocks: int = 0, num_in_flight_tokens: int = 0,
-                       watermark_blocks: int = 0) -> KVCacheBlockIds | None:  # fmt: skip
+                       reserved_blocks: int = 0, num_in_flight_tokens: int = 0, watermark_blocks: int = 0,
+                       skip_zeroing_group_ids: tuple[int, ...] = ()) -> KVCacheBlockIds | None:  # fmt: skip
         """New block ids, or ``None`` when the pool has too few free blocks, answered now
         (with ``return_table``, the answer's ``table`` is the request's whole table;
-        ``full_sequence_must_fit``, ``reserved_blocks``, ``num_in_flight_tokens`` and
-        ``watermark_blocks``: vLLM 0.33's inputs, for a ``vllm-0.33`` pool)."""
+        the arguments after it: vLLM 0.33's inputs, for a ``vllm-0.33`` pool)."""
         keeper = self.keeper
         if (
             not (
@@ -216,6 +215,7 @@ class PredictingKVCacheManager:
                 or reserved_blocks
                 or num_in_flight_tokens
                 or watermark_blocks
+                or skip_zeroing_group_ids
             )  # fmt: skip
             and self.sender.failure is None
             and keeper.lost is None
@@ -243,7 +243,7 @@ class PredictingKVCacheManager:
         got = self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                              num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
                              num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
-                             num_in_flight_tokens, watermark_blocks)  # fmt: skip
+                             num_in_flight_tokens, watermark_blocks, skip_zeroing_group_ids)  # fmt: skip
         if got is None:
             return None
         ids = KVCacheBlockIds(tuple([list(g) for g in got]))
@@ -280,8 +280,8 @@ class PredictingKVCacheManager:
                   new_computed_blocks: KVCacheBlockIds | None, num_lookahead_tokens: int,
                   num_external_computed_tokens: int, delay_cache_blocks: bool,
                   num_encoder_tokens: int, full_sequence_must_fit: bool = False,
-                  reserved_blocks: int = 0, num_in_flight_tokens: int = 0,
-                  watermark_blocks: int = 0) -> BlockIds | None:  # fmt: skip
+                  reserved_blocks: int = 0, num_in_flight_tokens: int = 0, watermark_blocks: int = 0,
+                  skip_zeroing_group_ids: tuple[int, ...] = ()) -> BlockIds | None:  # fmt: skip
         """allocate_slots for a new request, a hit, a KV connector's or encoder's tokens,
         or bad input (the mirror's engine names it, and nothing is sent)."""
         rid = request.request_id
@@ -301,6 +301,7 @@ class PredictingKVCacheManager:
         a.reserved_blocks = reserved_blocks
         a.num_in_flight_tokens = num_in_flight_tokens
         a.watermark_blocks = watermark_blocks
+        a.skip_zeroing_group_ids.extend(skip_zeroing_group_ids)
         if hit is not None:
             a.num_new_computed_tokens = num_new_computed_tokens
             for group in hit:
@@ -311,7 +312,7 @@ class PredictingKVCacheManager:
                 rid, num_new_tokens, num_new_computed_tokens if hit is not None else 0,
                 hit, num_lookahead_tokens,
                 num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
-                full_sequence_must_fit, reserved_blocks, num_in_flight_tokens, watermark_blocks,
+                full_sequence_must_fit, reserved_blocks, num_in_flight_tokens, watermark_blocks, skip_zeroing_group_ids,
             )  # fmt: skip
         except StaleCacheHitError:
             # as the server answers a stale hit: refused, nothing changed (its sync undone)

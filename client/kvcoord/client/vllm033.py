@@ -30,7 +30,10 @@ drains, :mod:`.vllm033_mamba`; prefill checkpoint blocks,
 ``MambaSpec.num_prefill_checkpoint_blocks`` as vLLM's Mamba2 / GDN layers set it), and KV
 connectors (loads, failed loads, delayed and deferred frees, beside a mamba group too:
 :mod:`.vllm033_connector`),
-fine-grained (partial) hits (:func:`.vllm033_mamba.partial_hits_033` says which).
+fine-grained (partial) hits (:func:`.vllm033_mamba.partial_hits_033` says which), and KV
+cache zeroing (``take_new_block_ids``: beside a mamba group, or for a mixed-precision KV
+cache with ``PoolConfig.needs_kv_cache_zeroing``, set from the KVCacheConfig; an async
+load's ``skip_zeroing_group_ids`` travel as ``AllocateOp.skip_zeroing_group_ids``).
 A lost session costs recomputation (``check_session`` surfaces a loss met in the
 background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA subclasses; attention sinks,
 which vLLM 0.33.0 itself cannot start), mamba shared-prefix checkpoints
@@ -38,8 +41,9 @@ which vLLM 0.33.0 itself cannot start), mamba shared-prefix checkpoints
 ``prefix_cache_retention_interval`` beside a mamba group, EAGLE/MTP with the trailing-block drop (look-ahead
 hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
-:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), and other
-fine-grained (partial) hits. With KV events on, a request's multimodal items
+:func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), other
+fine-grained (partial) hits, and (when first called) ``record_blocks_for_zeroing``
+(re-zeroing after a failed load). With KV events on, a request's multimodal items
 and prompt-embeds digests travel with its registration (:func:`extra_key_sources_033`)
 so that the pool publishes vLLM 0.33's ``BlockStored.extra_keys`` for its blocks, and
 so does its ``full`` report mode (``RequestSync.kv_cache_report_full``), so that the pool
@@ -103,8 +107,8 @@ VLLM_033 = "vllm-0.33"
 
 #: what a Remote033 / Predicting033 manager's ``admission`` is outside vLLM 0.33's
 #: allocate_slots: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
-#: watermark_blocks
-NO_ADMISSION = (False, 0, 0, 0)
+#: watermark_blocks, skip_zeroing_group_ids
+NO_ADMISSION: tuple[bool, int, int, int, tuple[int, ...]] = (False, 0, 0, 0, ())
 
 
 def vllm_profile(version: str | None = None) -> str:
@@ -177,9 +181,9 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
     def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
         kwargs["exclusive"] = False
         super().__init__(client, pool, profile=VLLM_033, **kwargs)
-        #: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens and
-        #: watermark_blocks of the allocation being built
-        self.admission: tuple[bool, int, int, int] = NO_ADMISSION
+        #: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
+        #: watermark_blocks and skip_zeroing_group_ids of the allocation being built
+        self.admission: tuple[bool, int, int, int, tuple[int, ...]] = NO_ADMISSION
         #: the request of the last lookup and its shared-prefix boundary
         self.boundary: tuple[str, int] = ("", 0)
         _name_extra_keys(self.tracker, self.config)
@@ -187,9 +191,11 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
     def _item(self, *args: Any) -> Item:
         item = super()._item(*args)
         a = item.op.allocate
+        full, reserved, in_flight, watermark, skip_zeroing = self.admission
         a.full_sequence_must_fit, a.reserved_blocks, a.num_in_flight_tokens, a.watermark_blocks = (
-            self.admission
-        )
+            full, reserved, in_flight, watermark,
+        )  # fmt: skip
+        a.skip_zeroing_group_ids.extend(skip_zeroing)
         return item
 
     def _unary_op(self, op: pb.Operation, decode: Any, deferred: bool) -> Any:
@@ -232,9 +238,9 @@ class Predicting033KVCacheManager(PredictingConnector033, PredictedMamba033, Pre
 
     def __init__(self, client: Any, pool: str, **kwargs: Any) -> None:
         super().__init__(client, pool, profile=VLLM_033, **kwargs)
-        #: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens and
-        #: watermark_blocks of the allocation being made
-        self.admission: tuple[bool, int, int, int] = NO_ADMISSION
+        #: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
+        #: watermark_blocks and skip_zeroing_group_ids of the allocation being made
+        self.admission: tuple[bool, int, int, int, tuple[int, ...]] = NO_ADMISSION
         _name_extra_keys(self.tracker, self.config)
 
     def allocate_slots(  # type: ignore[override]
@@ -291,6 +297,9 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         )
         #: a mamba group: the pool records per-step state the scheduler drains
         self._mamba = any(g.WhichOneof("spec") == "mamba" for g in remote.config.groups)
+        #: the pool records new attention blocks for the worker to zero: beside a mamba
+        #: group, or with vLLM 0.33's needs_kv_cache_zeroing (a mixed-precision KV cache)
+        self._zeroing = self._mamba or remote.config.needs_kv_cache_zeroing
         self.coordinator = Coordinator033(kv_cache_config, remote)
         self.block_pool = BlockPool033(self.free_deferred, remote.release_retained_blocks)
         self.mamba_shared_prefix_checkpoint = False
@@ -327,7 +336,6 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     ) -> KVCacheBlocks | None:
         """0.16's ``allocate_slots`` (its arguments in ``args`` / ``kwargs``) with 0.33's
         keyword arguments."""
-        # skip_zeroing_group_ids matters for zeroing only (refused at start)
         remote = self.remote033
         # the processed-token basis matters only to a group that frees blocks early (a
         # window, or mamba: full attention frees nothing early): elsewhere 0, so decode
@@ -341,7 +349,10 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
 
             if request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
                 watermark = self.watermark_blocks
-        remote.admission = (full_sequence_must_fit, reserved_blocks, in_flight, watermark)
+        # the groups an async KV load writes: their external blocks are not zeroed (only
+        # a zeroing pool records any, and only blocks for external tokens are skipped)
+        skip_zeroing = tuple(int(g) for g in skip_zeroing_group_ids) if self._zeroing else ()
+        remote.admission = (full_sequence_must_fit, reserved_blocks, in_flight, watermark, skip_zeroing)
         try:
             return super().allocate_slots(request, *args, **kwargs)
         finally:
@@ -387,10 +398,10 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         return convert_events(remote.take_events(), fields_033=True)
 
     # vLLM 0.33's per-step drains, the pool's: only a pool with a mamba group records
-    # anything (zeroing, boundary states, copy-on-write), so the others answer empty
-    # without a call
+    # boundary states and copy-on-write pairs, and only one with a mamba group or
+    # needs_kv_cache_zeroing new blocks to zero, so the others answer empty without a call
     def take_new_block_ids(self) -> list[int]:
-        return self.remote033.take_new_block_ids() if self._mamba else []
+        return self.remote033.take_new_block_ids() if self._zeroing else []
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         from .vllm033_parts import copies_for_vllm  # (imports vLLM)
@@ -400,7 +411,7 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         return self.remote033.take_boundary_state_offloads() if self._mamba else {}
 
-    # reached only with features refused at start
+    # refused when first reached (docs/semantics-notes.md)
 
     def get_computed_blocks_for_connector(self, request: Any, max_cache_hit_length: int | None = None) -> Any:
         raise Unsupported033Error("get_computed_blocks_for_connector (a KV connector)")
@@ -409,7 +420,10 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         raise Unsupported033Error("truncate_computed_blocks (a KV connector's partial tails)")
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        raise Unsupported033Error("record_blocks_for_zeroing (KV cache zeroing)")
+        # (vLLM 0.33 calls it in a zeroing pool for a failed async load that left computed tokens)
+        raise Unsupported033Error(
+            "record_blocks_for_zeroing (re-zeroing blocks a failed KV load left unwritten)"
+        )
 
 
 def pool_config_033(
@@ -431,6 +445,9 @@ def pool_config_033(
         cfg.prefix_cache_retention_interval = int(retention)  # periodic (beside mamba: refused)
     # the admission cap of sliding-window and chunked-local groups (0: max_model_len, as vLLM)
     cfg.max_in_flight_tokens = int(getattr(vllm_config, "max_in_flight_tokens", 0) or 0)
+    # the worker zeroes new blocks (mamba layers, a mixed-precision KV cache): the pool
+    # records the attention groups' new blocks for take_new_block_ids
+    cfg.needs_kv_cache_zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
     return cfg
 
 

@@ -71,16 +71,6 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
             f"prefix_cache_retention_interval {retention} beside a mamba group: periodic mamba "
             "state checkpoints are not supported by the vllm-0.33 profile"
         )
-    if getattr(kv_cache_config, "needs_kv_cache_zeroing", False) and not any(
-        hasattr(g.kv_cache_spec, "mamba_cache_mode") for g in groups
-    ):
-        # (a mamba pool records the attention blocks to zero: take_new_block_ids)
-        return (
-            "the KV cache needs zeroing without a mamba group (a mixed-precision KV cache): not "
-            "supported yet: a vllm-0.33 pool records the attention blocks to zero "
-            "(take_new_block_ids) only beside a mamba group; the pool configuration does not "
-            "carry the zeroing flag on the wire"
-        )
     # (a KV consumer beside mamba with overlapping steps runs: deferred frees, the
     # mamba state dropped by the pool's free, its pending hand-offs at the take)
     why = connector_refusal_033(kv_cache_config, vllm_config)

@@ -229,7 +229,8 @@ class _Replayer:
             op.get("num_encoder_tokens", 0),
             # Format 2's other inputs: has_scheduled_reqs and status only matter with a
             # watermark (the trace's config must have none) and skip_zeroing_group_ids
-            # only for the worker's zeroing, so they change no answer.
+            # only for the worker's zeroing (no recorded trace both zeroes and skips),
+            # so they change no answer.
             **(
                 {
                     "full_sequence_must_fit": bool(op.get("full_sequence_must_fit", False)),

@@ -83,6 +83,11 @@ class KVCacheConfig:
             a window tail at every scheduler block (dense). A positive multiple of the
             scheduler block size (a model with a sliding-window group, no mamba group):
             a window tail once per interval, and those of the reachable boundaries.
+        needs_kv_cache_zeroing: (vllm-0.33) the worker zeroes newly allocated KV cache
+            blocks (vLLM 0.33's ``KVCacheConfig.needs_kv_cache_zeroing``, set for a
+            mixed-precision KV cache): the pool records the ids of the blocks its
+            attention groups take for ``take_new_block_ids``. A pool with a mamba group
+            records them whatever this says (vLLM zeroes for mamba layers always).
 
     Raises:
         ConfigError: the layout breaks a rule vLLM enforces (at construction or at its
@@ -105,6 +110,7 @@ class KVCacheConfig:
     max_in_flight_tokens: int = 0
     scheduler_block_size: int = 0
     prefix_cache_retention_interval: int | None = 0
+    needs_kv_cache_zeroing: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -191,6 +197,12 @@ def _validate(cfg: KVCacheConfig) -> None:
     m = cfg.max_in_flight_tokens
     if isinstance(m, bool) or not isinstance(m, int) or m < 0:
         raise ConfigError(f"max_in_flight_tokens must be >= 0, got {m!r}")
+    if not isinstance(cfg.needs_kv_cache_zeroing, bool):
+        raise ConfigError(f"needs_kv_cache_zeroing must be a bool, got {cfg.needs_kv_cache_zeroing!r}")
+    if cfg.needs_kv_cache_zeroing and cfg.profile != VLLM_033:
+        raise ConfigError(
+            "needs_kv_cache_zeroing is a vLLM 0.33 field; this pool's profile is " + cfg.profile
+        )
     sink_blocks = 0
     for gid, spec in enumerate(cfg.groups):
         if not isinstance(spec, _SPEC_TYPES):

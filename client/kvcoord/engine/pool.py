@@ -115,9 +115,9 @@ class KVCachePool:
             and type(m).get_num_blocks_to_allocate is SingleTypeKVCacheManager.get_num_blocks_to_allocate
             for m in self.managers
         )
-        if not self.coordinator.plain_caching:
+        if not self.coordinator.plain_caching or config.needs_kv_cache_zeroing:
             # vllm-0.33 hybrids and sliding windows cache through their coordinator
-            # (round-down, retention masks)
+            # (round-down, retention masks); a zeroing pool records its new blocks
             self._plain_managers = False
         # Managers that may free blocks in remove_skipped_blocks (a skip rule).
         self._skipping_managers = [
@@ -129,11 +129,12 @@ class KVCachePool:
         self._no_new_blocks: BlockIds = tuple(() for _ in self.managers)
         #: vllm-0.33 mamba groups (per-step state, boundary-state hand-offs)
         self._mamba033 = [m for m in self.managers if isinstance(m, MambaManager033)]
-        #: vllm-0.33 with mamba layers: the attention groups whose new block ids the
-        #: worker zeroes (vLLM's ``take_new_block_ids``), and those ids per group
+        #: vllm-0.33 with mamba layers or needs_kv_cache_zeroing: the attention groups
+        #: whose new block ids the worker zeroes (vLLM's ``take_new_block_ids``), and
+        #: those ids per group
         self._zeroed_groups = (
             [i for i, spec in enumerate(config.groups) if not isinstance(spec, MambaSpec)]
-            if self._mamba033
+            if self._mamba033 or config.needs_kv_cache_zeroing
             else []
         )
         self.pending_new_block_ids: list[list[int]] = [[] for _ in self.managers]
@@ -391,6 +392,7 @@ class KVCachePool:
         reserved_blocks: int = 0,
         num_in_flight_tokens: int = 0,
         watermark_blocks: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> BlockIds | None:
         """vLLM's ``allocate_slots``: adopt a prefix hit, take new blocks, cache full ones.
 
@@ -416,6 +418,10 @@ class KVCachePool:
                 allocation must leave besides ``reserved_blocks``, in the full-sequence
                 gate too (the caller sends 0 unless vLLM 0.33 would apply it: a waiting
                 or preempted request while another is already scheduled).
+            skip_zeroing_group_ids: (vllm-0.33 only) groups whose blocks for
+                ``num_external_computed_tokens`` an asynchronous load writes: they are
+                not recorded for zeroing (:meth:`take_new_block_ids`), as vLLM 0.33's
+                ``skip_zeroing_group_ids``.
 
         Returns:
             The newly taken block ids per group, or ``None`` when too few blocks are
@@ -431,7 +437,7 @@ class KVCachePool:
         req = self.requests.get(request_id)
         if req is None:
             raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
-        if new_computed_blocks is None and self._plain_call(
+        if new_computed_blocks is None and not skip_zeroing_group_ids and self._plain_call(
             req, num_new_tokens, num_new_computed_tokens, num_lookahead_tokens, num_external_computed_tokens,
             delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit, reserved_blocks, num_in_flight_tokens, watermark_blocks,
         ):  # fmt: skip
@@ -456,6 +462,7 @@ class KVCachePool:
                 f"vLLM 0.33 inputs; "
                 f"this pool's profile is {self.config.profile}"
             )
+        skip_zeroing = self._check_skip_zeroing(skip_zeroing_group_ids)
         if num_new_tokens == 0 and num_external_computed_tokens == 0:
             # vLLM 0.31+ also lets a step adopt a local hit with no new token.
             if not (self.rules.full_sequence_admission and num_new_computed_tokens):
@@ -526,8 +533,10 @@ class KVCachePool:
             coordinator.allocate_new_computed_blocks(
                 request_id, hit_blocks, local, num_external_computed_tokens
             )
-            if first_adoption:  # blocks for the external tokens are zeroed too
+            if first_adoption:  # blocks for the external tokens are zeroed too (unless loaded)
                 for gid in self._zeroed_groups:
+                    if gid in skip_zeroing:
+                        continue
                     m = self.managers[gid]
                     held = m.req_to_blocks.get(request_id, ())
                     self.pending_new_block_ids[gid].extend(
@@ -539,6 +548,22 @@ class KVCachePool:
         if self.enable_caching and not delay_cache_blocks:
             coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens - self._cache_lag))
         return tuple([tuple([b.block_id for b in lst]) for lst in new])
+
+    def _check_skip_zeroing(self, group_ids: Sequence[int]) -> frozenset[int]:
+        """``allocate_slots``' ``skip_zeroing_group_ids``, checked: group ids of this
+        pool, vllm-0.33 only."""
+        if not group_ids:
+            return frozenset()
+        if not self.rules.full_sequence_admission:
+            raise InvalidArgumentError(
+                f"skip_zeroing_group_ids is a vLLM 0.33 input; this pool's profile is {self.config.profile}"
+            )
+        for gid in group_ids:
+            if type(gid) is not int or not 0 <= gid < len(self.managers):
+                raise InvalidArgumentError(
+                    f"skip_zeroing_group_ids: {gid!r} is not a group of this pool (0..{len(self.managers) - 1})"
+                )
+        return frozenset(group_ids)
 
     def _plain_call(
         self, req: Request, num_new_tokens: int, num_new_computed_tokens: int, num_lookahead_tokens: int,
@@ -583,6 +608,7 @@ class KVCachePool:
         reserved_blocks: int = 0,
         num_in_flight_tokens: int = 0,
         watermark_blocks: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> Generator[None, None, BlockIds | None]:
         """:meth:`allocate_slots` in slices: a generator that returns its answer and,
         for the common call (no hit, no external, encoder or in-flight tokens: a large
@@ -600,6 +626,7 @@ class KVCachePool:
             req is None
             or every <= 0
             or new_computed_blocks is not None
+            or skip_zeroing_group_ids
             or not self._plain_call(
                 req,
                 num_new_tokens,
@@ -617,7 +644,7 @@ class KVCachePool:
             return self.allocate_slots(
                 request_id, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
                 num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, full_sequence_must_fit,
-                reserved_blocks, num_in_flight_tokens, watermark_blocks,
+                reserved_blocks, num_in_flight_tokens, watermark_blocks, skip_zeroing_group_ids,
             )  # fmt: skip
         rid = req.request_id
         total = req.num_computed_tokens
@@ -828,6 +855,7 @@ class KVCachePool:
         reserved_blocks: int = 0,
         num_in_flight_tokens: int = 0,
         watermark_blocks: int = 0,
+        skip_zeroing_group_ids: Sequence[int] = (),
     ) -> AllocationResult:
         """Look up the prefix and allocate in one step, so the hit cannot go stale.
 
@@ -891,6 +919,7 @@ class KVCachePool:
                 reserved_blocks,
                 num_in_flight_tokens,
                 watermark_blocks,
+                skip_zeroing_group_ids,
             )
         except Exception:
             req.last_hit = last_hit
@@ -996,8 +1025,9 @@ class KVCachePool:
     def take_new_block_ids(self) -> list[int]:
         """vLLM 0.33's ``take_new_block_ids``: the ids of blocks attention groups took
         since the last call, for the worker to zero (group order, then allocation
-        order). Only pools with mamba groups record them (vLLM zeroes for mamba
-        models); the others answer an empty list.
+        order). Only pools with mamba groups or ``needs_kv_cache_zeroing`` record them
+        (vLLM zeroes for mamba models and mixed-precision KV caches); the others answer
+        an empty list.
 
         Raises:
             FailedPreconditionError: a vllm-0.16 pool.

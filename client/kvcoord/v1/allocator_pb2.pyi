@@ -135,7 +135,7 @@ class KVCacheGroupSpec(_message.Message):
     def __init__(self, full: _Optional[_Union[FullAttentionSpec, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindowSpec, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttentionSpec, _Mapping]] = ..., mamba: _Optional[_Union[MambaSpec, _Mapping]] = ..., cross_attention: _Optional[_Union[CrossAttentionSpec, _Mapping]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events", "log_stats", "max_model_len", "hash_algo", "hash_seed", "shared_cache_tenants", "profile", "num_hash_lookahead_tokens", "max_in_flight_tokens", "scheduler_block_size", "prefix_cache_retention_interval")
+    __slots__ = ("num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events", "log_stats", "max_model_len", "hash_algo", "hash_seed", "shared_cache_tenants", "profile", "num_hash_lookahead_tokens", "max_in_flight_tokens", "scheduler_block_size", "prefix_cache_retention_interval", "needs_kv_cache_zeroing")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class PoolConfig(_message.Message):
     MAX_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCHEDULER_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_RETENTION_INTERVAL_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_KV_CACHE_ZEROING_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroupSpec]
     hash_block_size: int
@@ -168,7 +169,8 @@ class PoolConfig(_message.Message):
     max_in_flight_tokens: int
     scheduler_block_size: int
     prefix_cache_retention_interval: int
-    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., shared_cache_tenants: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ...) -> None: ...
+    needs_kv_cache_zeroing: bool
+    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., shared_cache_tenants: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ..., needs_kv_cache_zeroing: _Optional[bool] = ...) -> None: ...
 
 class Fence(_message.Message):
     __slots__ = ("instance_id", "incarnation", "position", "term")
@@ -449,7 +451,7 @@ class LookupResult(_message.Message):
     def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ..., eviction_margin: _Optional[int] = ..., shared_prefix_boundary: _Optional[int] = ...) -> None: ...
 
 class AllocateOp(_message.Message):
-    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed", "return_table", "must_refuse", "full_sequence_must_fit", "reserved_blocks", "num_in_flight_tokens", "watermark_blocks")
+    __slots__ = ("request", "num_new_tokens", "num_new_computed_tokens", "new_computed_blocks", "num_lookahead_tokens", "num_external_computed_tokens", "delay_cache_blocks", "num_encoder_tokens", "lookup", "must_succeed", "return_table", "must_refuse", "full_sequence_must_fit", "reserved_blocks", "num_in_flight_tokens", "watermark_blocks", "skip_zeroing_group_ids")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -466,6 +468,7 @@ class AllocateOp(_message.Message):
     RESERVED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_IN_FLIGHT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WATERMARK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SKIP_ZEROING_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     request: RequestSync
     num_new_tokens: int
     num_new_computed_tokens: int
@@ -482,7 +485,8 @@ class AllocateOp(_message.Message):
     reserved_blocks: int
     num_in_flight_tokens: int
     watermark_blocks: int
-    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ..., return_table: _Optional[bool] = ..., must_refuse: _Optional[bool] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ..., watermark_blocks: _Optional[int] = ...) -> None: ...
+    skip_zeroing_group_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request: _Optional[_Union[RequestSync, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., num_new_computed_tokens: _Optional[int] = ..., new_computed_blocks: _Optional[_Union[CacheHit, _Mapping]] = ..., num_lookahead_tokens: _Optional[int] = ..., num_external_computed_tokens: _Optional[int] = ..., delay_cache_blocks: _Optional[bool] = ..., num_encoder_tokens: _Optional[int] = ..., lookup: _Optional[bool] = ..., must_succeed: _Optional[bool] = ..., return_table: _Optional[bool] = ..., must_refuse: _Optional[bool] = ..., full_sequence_must_fit: _Optional[bool] = ..., reserved_blocks: _Optional[int] = ..., num_in_flight_tokens: _Optional[int] = ..., watermark_blocks: _Optional[int] = ..., skip_zeroing_group_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AllocateRunOp(_message.Message):
     __slots__ = ("request_ids", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "num_new_tokens", "num_lookahead_tokens", "num_append_tokens", "append_token_ids", "num_append_hashes", "append_block_hashes", "check_request_ids", "check_at", "check_num_computed_tokens", "check_num_new_tokens", "check_num_lookahead_tokens", "check_num_tokens")

@@ -138,6 +138,7 @@ BOUNDS: Mapping[str, int | str] = {
     # block ids
     "CacheHit.groups": MAX_GROUPS,
     "GetBlockIdsResult.groups": MAX_GROUPS,
+    "AllocateOp.skip_zeroing_group_ids": MAX_GROUPS,
     "BlockIds.block_ids": "max_blocks_per_pool",
     "EvictBlocksOp.block_ids": "max_blocks_per_pool",
     "ReleaseRetainedBlocksOp.block_ids": "max_blocks_per_pool",

@@ -132,6 +132,7 @@ def allocate_from_pb(a: pb.AllocateOp, num_groups: int) -> op.Allocate:
         a.reserved_blocks,
         a.num_in_flight_tokens,
         a.watermark_blocks,
+        tuple(a.skip_zeroing_group_ids),
     )
 
 

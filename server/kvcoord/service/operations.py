@@ -117,6 +117,7 @@ class Allocate:
     reserved_blocks: int = 0
     num_in_flight_tokens: int = 0
     watermark_blocks: int = 0
+    skip_zeroing_group_ids: tuple[int, ...] = ()
     #: every field after ``num_new_tokens`` is at its default and the sync is of a
     #: registered request (a decode step's allocation): the pool may apply it on its
     #: direct path (PoolService._allocate_plain), which answers exactly as the general

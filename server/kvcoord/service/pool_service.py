@@ -1092,6 +1092,7 @@ class PoolService:
                     o.reserved_blocks,
                     o.num_in_flight_tokens,
                     o.watermark_blocks,
+                    o.skip_zeroing_group_ids,
                 )
                 if res.new_block_ids is None and o.must_succeed:
                     raise self._prediction_failed(rid)
@@ -1574,4 +1575,5 @@ def _allocate_args(o: op.Allocate) -> tuple[Any, ...]:
         o.reserved_blocks,
         o.num_in_flight_tokens,
         o.watermark_blocks,
+        o.skip_zeroing_group_ids,
     )

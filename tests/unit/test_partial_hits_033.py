@@ -160,6 +160,37 @@ def test_retained_blocks_keep_the_prefix_cache_from_being_reset() -> None:
     ok(p)
 
 
+def test_a_session_end_drops_the_copies_and_retentions_it_left() -> None:
+    """The session whose scheduler would run the copies and release their blocks is
+    gone (detach, lease expiry, fence change): its pairs, taken or not, return their
+    references as a release would, and the prefix cache can be reset again."""
+    p = pool()
+    free0 = p.block_pool.get_num_free_blocks()
+    admit(p, "A", P, 48)
+    p.new_step_starts()
+    assert p.allocate_slots("A", 8) == ((), ())
+    assert drain(p) == ([(3, 4)], [3, 4])  # taken, never released
+    p.free("A")
+    assert dict(p.retained) == {3: 1, 4: 1}
+    assert not p.reset_prefix_cache()
+    assert p.drop_block_copies() == 2
+    assert (dict(p.retained), refs(p, [3, 4])) == ({}, [0, 0])
+    assert p.block_pool.get_num_free_blocks() == free0
+    ok(p)
+    assert p.reset_prefix_cache()
+    assert p.drop_block_copies() == 0  # nothing left: nothing changes
+    # a pair made and not taken yet is dropped too
+    q = pool()
+    admit(q, "A", P, 48)
+    assert q.allocate_slots("A", 8) == ((), ())
+    q.free("A")
+    assert q.drop_block_copies() == 2
+    assert q.take_kv_cache_block_copies() == ([], [])
+    assert q.block_pool.get_num_free_blocks() == free0
+    ok(q)
+    assert q.reset_prefix_cache()
+
+
 def test_partial_hits_are_taken_only_where_modelled() -> None:
     """Fine-grained hits beside a sliding-window group, or with groups of several block
     sizes, stay refused by name."""

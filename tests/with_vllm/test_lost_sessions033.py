@@ -164,3 +164,106 @@ def test_hybrid_and_mamba_layouts_recover_like_full_attention(
         assert manager.lost_requests > 0 and scheduler.kvcoord_preempted > 0
     if event == "inside a step":
         assert armed["ended"] == 2
+
+
+@pytest.mark.parametrize("event", ["detach", "emptied"])
+@pytest.mark.parametrize("predict", [False, True], ids=["remote", "predicted"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_session_ended_between_a_copy_and_its_release_costs_recomputation(
+    kind: str, predict: bool, event: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fine-grained hits with copy-on-write (full attention + mamba "align" of 32-token
+    blocks hashed every 16 tokens): right after the scheduler took copy pairs (twice in
+    the run) the engine's session ends: another client detaches it, or the server is
+    SIGKILLed and started with its data directory deleted (the plug-in creates the pool
+    again). The scheduler frees those pairs' handles only once a new session began (as
+    vLLM 0.33 defers them behind overlapping steps with a KV-consumer connector): the
+    plug-in drops them, their retentions ended with the session. Every request completes
+    with vLLM's own tokens, and once the engine shut down every block is free and the
+    prefix cache can be reset. (Before, the detached session's blocks stayed retained,
+    and a stale handle in a pool made again failed BLOCK_NOT_RETAINED: vLLM's engine
+    core died.)"""
+    import shutil
+
+    from durable_server import DurableServer
+    from kvcoord.client.vllm033_parts import RetainedBlock
+    from kvcoord.client.vllm_scheduler import KVCoordAsyncScheduler, KVCoordScheduler
+    from test_scheduler_equivalence import _partial_hits_kv_config
+
+    asynchronous = kind == "async"
+
+    def config() -> Any:
+        cfg = vllm_config(model_dir, 200, async_scheduling=asynchronous, mamba_cache_mode="align")
+        cfg.cache_config.block_size = 32
+        cfg.cache_config.prefix_match_unit = 16
+        return cfg
+
+    local = make_scheduler(SCHEDULERS[kind], config(), _partial_hits_kv_config(200))
+    trace, _ = run_workload(local, seed=3, steps=STEPS, async_overlap=asynchronous, aborts=False, drain=True,
+                            positional=True)  # fmt: skip
+    want = outputs_by_request(trace)
+    assert want and all(reason == "length" for _, reason in want.values())
+
+    server = DurableServer(tmp_path)
+    server.start()
+    pool = f"cowlost-{kind}-{int(predict)}-{event}"
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_POOL", pool)
+    monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
+    cls = KVCoordAsyncScheduler if asynchronous else KVCoordScheduler
+    remote = make_scheduler(cls, config(), _partial_hits_kv_config(200))
+    adapter = remote.kv_cache_manager
+    manager = adapter.remote
+    take, free_blocks = adapter.take_kv_cache_block_copies, adapter.block_pool.free_blocks
+    ended: list[str] = []
+    taken = [0]
+    late: list[Any] = []  # handles freed after a session ended, freed once a new one began
+    stashing = [False]
+    freed_late = [0]
+
+    def take_then_end() -> Any:
+        if stashing[0] and manager.session_id not in ended:
+            stashing[0] = False
+            free_blocks(list(late))
+            freed_late[0] += len(late)
+            late.clear()
+        copies, retained = take()
+        taken[0] += bool(copies)
+        if copies and taken[0] in (3, 8):
+            ended.append(manager.session_id)
+            stashing[0] = True
+            if event == "detach":
+                with KVCoordClient(server.address) as other:
+                    other.detach(manager.session_id)
+            else:
+                server.kill()
+                shutil.rmtree(server.data_dir)
+                server.start()
+        return copies, retained
+
+    def free_late(blocks: Any) -> None:
+        blocks = list(blocks)
+        stale = [b for b in blocks if stashing[0] and isinstance(b, RetainedBlock)]
+        late.extend(stale)
+        free_blocks([b for b in blocks if not any(b is x for x in stale)])
+
+    adapter.take_kv_cache_block_copies = take_then_end
+    adapter.block_pool.free_blocks = free_late
+    try:
+        try:
+            trace, _ = run_workload(remote, seed=3, steps=STEPS, async_overlap=asynchronous, aborts=False,
+                                    drain=True, positional=True)  # fmt: skip
+        finally:
+            remote.shutdown()
+        got = outputs_by_request(trace)
+        differ = sorted(rid for rid in want.keys() | got.keys() if got.get(rid) != want.get(rid))
+        assert not differ, [(rid, want.get(rid), got.get(rid)) for rid in differ[:5]]
+        assert len(ended) == 2 and manager.session_id not in ended  # the sessions ended, new ones began
+        assert freed_late[0] > 0 and not late  # stale handles were freed in a new session
+        assert manager.lost_requests > 0
+        with KVCoordClient(server.address) as c:
+            assert c.get_stats(pool).num_free_blocks == 199  # every block but the null block
+            assert list(c.check_pool(pool).violations) == []
+            assert c.reset_prefix_cache(pool).result
+    finally:
+        server.stop()

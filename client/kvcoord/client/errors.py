@@ -143,7 +143,8 @@ class FencedError(FailedPreconditionError):
 
 class PoolBusyError(FailedPreconditionError):
     """Attach refused: the pool has an exclusive session, or an exclusive session was
-    asked for while others are attached."""
+    asked for while others are attached, or a pool with fine-grained (partial) hits has
+    a session already."""
 
 
 class NotOwnerError(FailedPreconditionError):

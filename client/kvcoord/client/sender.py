@@ -199,6 +199,17 @@ class StepSender:
             if self.reattach:  # the session was lost and re-attaching failed last time
                 keeper.start_again()
                 self.reattach = False
+                # releases queued meanwhile name the lost session's blocks: their
+                # retentions ended with it (nothing was taken since: no session)
+                kept = []
+                for i in items:
+                    if i.op.WhichOneof("op") == "release_retained_blocks":
+                        i.pending.set_result(None)
+                    else:
+                        kept.append(i)
+                items = kept
+                if not items and not force:
+                    return
             keeper.vouch()
             request = pb.StepRequest(ops=[item.op for item in items], include_state=True)
             self.steps_sent += 1
@@ -222,10 +233,15 @@ class StepSender:
     def _failed(self, items: list[Item], err: KVCoordError) -> KVCoordError:
         """What a Step that failed as a whole costs: the error its calls raise."""
         if isinstance(err, (SessionExpiredError, FencedError, LeaseExpiredError)):
-            return self.session_lost(err)  # its end frees everything
-        if isinstance(err, (OutcomeUnknownError, AnswerEvictedError)) or any(
-            i.deferred and i.touched for i in items
-        ):
+            return self.session_lost(err)  # its end frees everything (retained blocks too)
+        unknown = isinstance(err, (OutcomeUnknownError, AnswerEvictedError))
+        releases = [i.op for i in items if i.op.WhichOneof("op") == "release_retained_blocks"]
+        if unknown and releases:
+            # Whether its release of copy-on-write blocks happened is unknown: sent again
+            # it could release a pair the Step made since, not sent the blocks stay
+            # retained. The session's end releases them either way.
+            return self.session_lost(err)
+        if unknown or any(i.deferred and i.touched for i in items):
             # Applied or not, unknown; or not applied while queued calls in it
             # (cache_blocks, remove_skipped_blocks) were already taken as done: none of
             # its requests can be trusted.
@@ -238,6 +254,9 @@ class StepSender:
         for i in items:
             if i.op.WhichOneof("op") == "free":
                 self.free_now(i.op.free.request_id)
+        # Its releases did not happen (the Step was not applied): the next Step sends
+        # them first (the blocks are still retained, nothing was made since).
+        self.queue[:0] = [Item(o, lambda r: None, [], Pending(), deferred=True) for o in releases]
         return failure
 
     def _dispatch(self, items: list[Item], resp: pb.StepResponse) -> None:

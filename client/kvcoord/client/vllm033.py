@@ -301,7 +301,9 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         #: group, or with vLLM 0.33's needs_kv_cache_zeroing (a mixed-precision KV cache)
         self._zeroing = self._mamba or remote.config.needs_kv_cache_zeroing
         self.coordinator = Coordinator033(kv_cache_config, remote)
-        self.block_pool = BlockPool033(self.free_deferred, remote.release_retained_blocks)
+        self.block_pool = BlockPool033(
+            self.free_deferred, remote.release_retained_blocks, lambda: self.remote033.session_id
+        )
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
         #: vLLM 0.33's int(scheduler_config.watermark * num_blocks) (set by connect_033)
@@ -406,7 +408,10 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         from .vllm033_parts import copies_for_vllm  # (imports vLLM)
 
-        return copies_for_vllm(*self.remote033.take_kv_cache_block_copies()) if self._mamba else ([], [])
+        if not self._mamba:
+            return [], []
+        copies, retained = self.remote033.take_kv_cache_block_copies()
+        return copies_for_vllm(copies, retained, self.remote033.session_id)  # the session that took them
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
         return self.remote033.take_boundary_state_offloads() if self._mamba else {}

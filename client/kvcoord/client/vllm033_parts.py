@@ -34,20 +34,26 @@ class Unsupported033Error(NotImplementedError):
 class RetainedBlock:
     """A block a copy-on-write pair keeps referenced (vLLM 0.33's ``retained_blocks`` of
     ``take_kv_cache_block_copies``): the scheduler hands it back to
-    ``kv_cache_manager.block_pool.free_blocks`` once the copy's step ran."""
+    ``kv_cache_manager.block_pool.free_blocks`` once the copy's step ran. ``session`` is
+    the session that took it: the retention ends with that session (the server
+    releases what a session leaves), so a handle of an earlier one is not sent."""
 
     block_id: int
+    session: str = ""
 
 
-def copies_for_vllm(copies: list[tuple[int, int]], retained: list[int]) -> tuple[list[Any], list[Any]]:
+def copies_for_vllm(
+    copies: list[tuple[int, int]], retained: list[int], session: str
+) -> tuple[list[Any], list[Any]]:
     """The pool's copy-on-write pairs as vLLM 0.33's ``KVCacheBlockCopy``, and handles for
-    the retained blocks that ``block_pool.free_blocks`` takes back."""
+    the retained blocks that ``block_pool.free_blocks`` takes back (of ``session``, the
+    session that took them)."""
     if not copies:
         return [], []
     from vllm.v1.core.kv_cache_utils import KVCacheBlockCopy
 
     return [KVCacheBlockCopy(src_block_id=s, dst_block_id=d) for s, d in copies], [
-        RetainedBlock(b) for b in retained
+        RetainedBlock(b, session) for b in retained
     ]
 
 
@@ -106,17 +112,22 @@ class BlockPool033:
     """vLLM 0.33 returns blocks to ``block_pool`` directly for deferred frees (a
     KV-consumer connector with overlapping steps: :class:`DeferredFree`) and for
     copy-on-write retentions once the copies ran (:class:`RetainedBlock`: released in
-    the pool, in the order given)."""
+    the pool, in the order given; a handle of a session that ended is dropped, its
+    retention ended with it, see ``session``)."""
 
-    def __init__(self, free_deferred: Any, release_retained: Any = None) -> None:
+    def __init__(self, free_deferred: Any, release_retained: Any = None, session: Any = None) -> None:
         self.free_deferred = free_deferred
         self.release_retained = release_retained
+        #: the current session's id (a callable), or None: every handle is sent
+        self.session = session
 
     def free_blocks(self, ordered_blocks: Any) -> None:
         retained: list[int] = []
+        current = self.session() if self.session is not None else None
         for item in ordered_blocks:
             if isinstance(item, RetainedBlock) and self.release_retained is not None:
-                retained.append(item.block_id)
+                if current is None or item.session == current:
+                    retained.append(item.block_id)
                 continue
             if retained:
                 self.release_retained(retained)

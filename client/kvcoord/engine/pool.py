@@ -1120,6 +1120,28 @@ class KVCachePool:
         blocks = self.block_pool.blocks
         self.block_pool.free_blocks([blocks[bid] for bid in ids])
 
+    def drop_block_copies(self) -> int:
+        """The copy-on-write pairs' references end with the session that made them (its
+        scheduler will never run the copies nor release the blocks): drop the pairs not
+        taken yet and every retention, each reference returned as
+        :meth:`release_retained_blocks` returns it, in ascending block id order (so a
+        pool restored from its exported state drops them alike). Pools without
+        fine-grained hits hold none: nothing changes.
+
+        Returns:
+            the number of references dropped.
+        """
+        for m in self._cow_managers:
+            for source, target in m.take_pending_cow_copies():
+                self.retained.update((source.block_id, target.block_id))
+        if not self.retained:
+            return 0
+        blocks = self.block_pool.blocks
+        ids = sorted(self.retained.elements())
+        self.retained.clear()
+        self.block_pool.free_blocks([blocks[bid] for bid in ids])
+        return len(ids)
+
     def finalize_partial_tail_offloads(
         self, request_id: str, num_computed_tokens: int, num_in_flight_tokens: int = 0
     ) -> list[tuple[int, int, int]]:

@@ -381,7 +381,7 @@ class PoolService:
         Raises:
             ServiceError: FAILED_PRECONDITION when the client follows another profile
                 (PROFILE_MISMATCH), naming each hash difference (HASH_MISMATCH), or when an exclusive session would share the pool
-                (POOL_EXCLUSIVE); UNAVAILABLE (GRACE_PERIOD)
+                or a pool with fine-grained hits has a session already (POOL_EXCLUSIVE); UNAVAILABLE (GRACE_PERIOD)
                 right after a restart; RESOURCE_EXHAUSTED when the tenant already has
                 ``max_sessions`` (default: max_sessions_per_tenant) live sessions.
         """
@@ -422,6 +422,16 @@ class PoolService:
                 ErrorReason.GRACE_PERIOD,
             )
         others = self.sessions.of_pool(self.name)
+        if self.config.partial_hash_hits and others:
+            # The copy-on-write pairs and their retained blocks are the pool's, not a
+            # session's: one session takes and releases them all, and drops them when
+            # it ends (end_session).
+            raise ServiceError(
+                Status.PRECONDITION,
+                f"pool {self.name!r} has fine-grained (partial) hits, whose copy-on-write pairs one "
+                f"session takes and releases: it already has {len(others)} session(s); attach once it ends",
+                ErrorReason.POOL_EXCLUSIVE,
+            )
         holder = next((o for o in others if o.exclusive), None)
         if holder is not None or (exclusive and others):
             if holder is None:
@@ -506,13 +516,19 @@ class PoolService:
         return s
 
     def end_session(self, s: Session) -> int:
-        """Free every request the session still owns (detach or lease expiry)."""
+        """Free every request the session still owns (detach, lease expiry, a restored
+        server's void sessions). In a pool with fine-grained hits (one session at a
+        time: :meth:`attach`) the copy-on-write pairs it was handed and did not release,
+        or not taken yet, end with it: nobody else would run the copies or release
+        their blocks."""
         self.sessions.close(s.session_id)
         owned = list(s.owned)
         for rid in owned:
             self.engine.free(rid)
             del self.owners[rid]
         s.owned.clear()
+        if self.config.partial_hash_hits:
+            self.engine.drop_block_copies()
         self._publish()
         return len(owned)
 

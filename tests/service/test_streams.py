@@ -337,15 +337,23 @@ def test_the_event_buffer_estimate_covers_what_it_holds(kind: str) -> None:
     """Scenario 9: the bytes the buffer counts (and the budget counts, budget.py) are at
     least what its events take, measured by tracemalloc; and past max_bytes it drops
     its oldest, so what it holds stays within the bound however many are published."""
-    rng = random.Random(7)
-    journal = EventJournal(capacity=1 << 20)
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        journal.publish(_fresh_events(kind, 4000, rng))
-        held = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
+    # tracemalloc counts every thread of the process: a thread left by an earlier test
+    # in the same (pytest-xdist) worker can allocate during a measurement and only add
+    # to it. The same publication is measured three times; the least is what it takes.
+    helds, sizes = [], set()
+    for _ in range(3):
+        rng = random.Random(7)
+        journal = EventJournal(capacity=1 << 20)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            journal.publish(_fresh_events(kind, 4000, rng))
+            helds.append(tracemalloc.get_traced_memory()[0] - before)
+        finally:
+            tracemalloc.stop()
+        sizes.add(journal.bytes)
+    assert len(sizes) == 1  # the same events, the same count
+    held = min(helds)
     assert held <= journal.bytes <= 1.5 * held
     bounded = EventJournal(capacity=1 << 20, max_bytes=journal.bytes // 10)
     for _ in range(20):

@@ -24,7 +24,6 @@ appends plain values; the sender thread writes the columns and digests the event
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -33,8 +32,9 @@ from typing import Any
 import grpc
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import add_events, copies_from_pb, stats_to_pb
+from kvcoord.wire import stats_to_pb
 
+from .answers import PredictionMismatchError, check_result, events_digest
 from .client import KVCoordClient
 from .errors import (
     AbortedError,
@@ -67,13 +67,6 @@ _STAT_FIELDS = ("requests", "queries", "hits", "preempted_requests", "preempted_
 #: errors after which a free is sent again with the next Step (the server may answer
 #: it then); any other refusal would refuse it again
 _TRANSIENT = (UnavailableError, AbortedError, ResourceExhaustedError, LeaseExpiredError)
-
-
-class PredictionMismatchError(KVCoordError):
-    """The server's answer differs from the mirror's (the cause of a RequestsLostError)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(grpc.StatusCode.INTERNAL, message, "PREDICTION_FAILED")
 
 
 def _touched(items: list[Item]) -> list[str]:
@@ -508,30 +501,7 @@ class StepSender:
             run.write(op.allocate_run)
         resp = self._send(sent.request)
         for i, (result, expected) in enumerate(zip(resp.results, sent.expected, strict=True)):
-            if result.status_code:
-                reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
-                raise error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
-            if expected is None:
-                continue
-            if isinstance(expected, ColumnRun):
-                if not expected.matches(result.allocate_run):
-                    raise PredictionMismatchError(f"operation {i}: the server's run of allocations differs")
-                continue
-            kind, value = expected
-            if kind == "new":
-                got: Any = [list(g.block_ids) for g in result.allocate.new_block_ids]
-                value = [list(g) for g in value]
-            elif kind == "reset":
-                got = bool(result.reset_prefix_cache.result)
-            elif kind == "copies":  # vLLM 0.33's copy-on-write pairs and retained blocks
-                got = copies_from_pb(result.take_kv_cache_block_copies)
-                value = ([tuple(c) for c in value[0]], list(value[1]))
-            else:
-                got = list(result.common_prefix.num_blocks)
-            if got != value:
-                raise PredictionMismatchError(
-                    f"operation {i} ({kind}): the server answered {got}, the mirror {value}"
-                )
+            check_result(i, result, expected)
         if resp.num_free_blocks != sent.num_free_blocks:
             raise PredictionMismatchError(
                 f"the server has {resp.num_free_blocks} free blocks, the mirror {sent.num_free_blocks}"
@@ -549,7 +519,7 @@ class StepSender:
                     "predicted pool %r: the server's event buffer wrapped during a Step; its events "
                     "were not compared (everything else was)", self.pool,
                 )  # fmt: skip
-            elif resp.events_sha256 != _events_digest(sent.events):
+            elif resp.events_sha256 != events_digest(sent.events):
                 raise PredictionMismatchError("the server's KV events differ from the mirror's")
         if self.compare_stats:
             stats = stats_to_pb(sent.stats)
@@ -558,10 +528,3 @@ class StepSender:
                     f"the server's prefix-cache statistics differ from the mirror's: {resp.prefix_cache_stats} "
                     f"against {stats}"
                 )
-
-
-def _events_digest(events: list[KVCacheEvent]) -> bytes:
-    """SHA-256 of the events as a StepResponse holding only them (what the server digests)."""
-    message = pb.StepResponse()
-    add_events(message.events, events)
-    return hashlib.sha256(message.SerializeToString()).digest()

@@ -15,7 +15,10 @@
 # side. Every fixture binds ephemeral ports (free_port(), port 0) and per-test temporary
 # directories (tmp_path; etcd per module), so no test needs a group. `--dist worksteal`: the
 # slow tests (SIGKILL/restart loops of minutes) sit next to each other in collection
-# order; an idle worker takes tests queued on a busy one instead of waiting.
+# order; an idle worker takes tests queued on a busy one instead of waiting. tests/cluster
+# runs after the rest, serially: its replicas hold ownership leases of a few seconds in a
+# real etcd cluster, and beside 4 busy workers a pool being rebuilt by another replica
+# outlasted a client's 5 s retry budget (test_failover.py failed once in two parallel runs).
 #   KVCOORD_TEST_WORKERS       workers of `pytest tests` (default 4; 0 runs it serially)
 #   KVCOORD_VLLM_TEST_WORKERS  workers of each tests/with_vllm run (default 2; 0: serially)
 # The vLLM 0.16.0 and 0.33.0 runs of tests/with_vllm go on side by side, each writing to
@@ -53,7 +56,10 @@ status=0
 if [ "${1:-}" != "--integration-only" ]; then
   # -p no:benchmark: pytest-benchmark, where installed, warns that xdist disables it, and
   # the suite's filterwarnings = error makes that an internal error (no test here uses it)
-  "$PYTHON" -m pytest tests --ignore=tests/integration -p no:benchmark -n "${KVCOORD_TEST_WORKERS:-4}" --dist worksteal || status=$?
+  "$PYTHON" -m pytest tests --ignore=tests/integration --ignore=tests/cluster -p no:benchmark \
+    -n "${KVCOORD_TEST_WORKERS:-4}" --dist worksteal || status=$?
+  # the replica-cluster tests alone, one at a time (their ownership leases are seconds long)
+  "$PYTHON" -m pytest tests/cluster -p no:benchmark || status=$?
   vllm_workers=(-n "${KVCOORD_VLLM_TEST_WORKERS:-2}" --dist worksteal)
   if [ -n "${KVCOORD_VLLM_SERIAL:-}" ]; then
     ./scripts/test_vllm.sh "${vllm_workers[@]}" || status=$?

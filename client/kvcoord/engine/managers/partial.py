@@ -24,7 +24,9 @@ and mamba "align" of one block size, with no speculative mamba blocks
   stops exactly there, makes the state block reachable under a partial key. At the
   request's next allocation that key moves to a new block (the copy's target; no
   event) while the request keeps writing its own block, and the pair is retained the
-  same way; the target is also offered as a boundary-state hand-off.
+  same way; the target is also offered as a boundary-state hand-off. With
+  ``KVCacheConfig.mamba_shared_prefix_checkpoint`` (vLLM 0.33's shared-prefix
+  checkpoints) the request's shared-prefix junction is keyed the same way.
 
 Retention is the pool's: see :meth:`KVCachePool.take_kv_cache_block_copies` and
 :meth:`KVCachePool.release_retained_blocks`.

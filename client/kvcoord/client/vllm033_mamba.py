@@ -20,16 +20,7 @@ __all__ = [
     "partial_hits_033",
     "shared_prefix_checkpoint_033",
     "uncached_mamba_hybrid",
-    "unsupported_mamba_033",
 ]
-
-
-def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
-    """Why mamba group ``i`` (``spec``) cannot run on a vllm-0.33 pool (``None``: it can,
-    or it is not a mamba group). (Prefill checkpoint blocks, num_prefill_checkpoint_blocks
-    > 0, and shared-prefix checkpoints, :func:`shared_prefix_checkpoint_033`, are carried to
-    the pool and modelled; what they are refused beside is :func:`partial_hits_033`'s.)"""
-    return None
 
 
 def shared_prefix_checkpoint_033(groups: Any, vllm_config: Any, hash_block_size: int) -> bool:

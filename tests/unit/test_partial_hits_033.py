@@ -226,3 +226,33 @@ def test_the_state_export_keeps_tails_copies_and_retentions() -> None:
         x.release_retained_blocks([3, 4, 2, 5, 4, 6])
         ok(x)
     assert q.snapshot() == p.snapshot()
+
+
+def test_shared_prefix_checkpoints_are_taken_where_vllm_033_turns_them_on_only() -> None:
+    """``mamba_shared_prefix_checkpoint`` (vLLM 0.33's manager flag, the engine option
+    ``enable_mamba_shared_prefix_checkpoint`` as it narrows it): fine-grained hits only,
+    where vLLM can turn it on; a bool. The wire carries it (PoolConfig, the table form)."""
+    from kvcoord.v1 import allocator_pb2 as pb
+    from kvcoord.wire.layouts import config_from_pb, pool_config_from_table
+
+    groups = (FullAttentionSpec(32), MambaSpec(32, MambaCacheMode.ALIGN))
+    cfg = KVCacheConfig(24, groups, HBS, profile="vllm-0.33", mamba_shared_prefix_checkpoint=True)
+    p = KVCachePool(cfg)
+    assert [getattr(m, "shared_prefix_checkpoint", None) for m in p.coordinator.managers] == [None, True]
+    for kwargs in (
+        {"hash_block_size": 32, "profile": "vllm-0.33"},  # no fine-grained hits
+        {"hash_block_size": HBS, "profile": "vllm-0.33", "enable_caching": False},
+        {"hash_block_size": HBS, "profile": "vllm-0.16"},
+    ):
+        with pytest.raises(ConfigError, match="mamba_shared_prefix_checkpoint needs the vllm-0.33 profile"):
+            KVCacheConfig(24, groups, mamba_shared_prefix_checkpoint=True, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="must be a bool"):
+        KVCacheConfig(24, groups, HBS, profile="vllm-0.33", mamba_shared_prefix_checkpoint=1)  # type: ignore[arg-type]
+    table = {
+        "num_blocks": 24, "hash_block_size": HBS, "hash_algo": "sha256", "hash_seed": "0",
+        "enable_caching": True, "profile": "vllm-0.33", "mamba_shared_prefix_checkpoint": True,
+        "groups": [{"type": "full", "block_size": 32}, {"type": "mamba", "block_size": 32, "mamba_cache_mode": "align"}],
+    }  # fmt: skip
+    wire = pool_config_from_table(table, "pools[0]")
+    assert isinstance(wire, pb.PoolConfig) and wire.mamba_shared_prefix_checkpoint
+    assert config_from_pb(wire).mamba_shared_prefix_checkpoint is True

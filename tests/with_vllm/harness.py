@@ -456,7 +456,10 @@ def run_workload(
     "embeds" (one request in four given as prompt embeddings, no token ids, for a
     model config that enables them; two shared embedding prefixes give hits) and
     "report" (two requests in five with vLLM 0.26+'s ``kv_cache_report_mode = "full"``:
-    with events on, their hits are re-announced).
+    with events on, their hits are re-announced) and "junctions" (shared prefixes of
+    48, 80, 112 and 170 tokens, three prompts in ten a prefix and one token: their last
+    hash boundaries, keyed, end inside 32-token blocks, so that siblings meet
+    shared-prefix junctions there).
     Without ``aborts`` no request is aborted (which ones are depends on the requests
     still live, so on scheduling); with ``drain`` the run goes on past ``steps``,
     adding nothing, until every request finished (at most 2,000 more steps);
@@ -473,7 +476,8 @@ def run_workload(
     sched.kv_event_publisher = recorder  # type: ignore[assignment]
     encoder = MsgpackEncoder()
     rnd = random.Random(seed)
-    prefixes = [[rnd.randrange(VOCAB) for _ in range(n)] for n in (16, 40, 100, 170)]
+    lengths = (48, 80, 112, 170) if "junctions" in extras else (16, 40, 100, 170)
+    prefixes = [[rnd.randrange(VOCAB) for _ in range(n)] for n in lengths]
     trace: list[Any] = []
     counts = {
         "preempted": 0,
@@ -521,7 +525,10 @@ def run_workload(
         for _ in range(rnd.choice((0, 0, 1, 1, 2)) if step < steps else 0):
             rid = f"r{nid}"
             nid += 1
-            prompt = rnd.choice(prefixes) + [rnd.randrange(VOCAB) for _ in range(rnd.randint(1, 60))]
+            short = "junctions" in extras and extra_rnd.random() < 0.3
+            prompt = rnd.choice(prefixes) + [
+                rnd.randrange(VOCAB) for _ in range(1 if short else rnd.randint(1, 60))
+            ]
             params = SamplingParams(max_tokens=rnd.randint(1, 40), ignore_eos=True)
             if "report" in extras and extra_rnd.random() < 0.4:
                 params.extra_args = {"kv_cache_report_mode": "full"}

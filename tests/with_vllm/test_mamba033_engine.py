@@ -46,7 +46,13 @@ CASES = {
 
 
 def _vllm(
-    mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None, hbs: int = BS
+    mode: str,
+    caching: bool,
+    interval: int | None,
+    num_blocks: int,
+    ckpt: int | None = None,
+    hbs: int = BS,
+    junction: bool = False,
 ) -> Any:
     import torch
     from vllm.v1 import kv_cache_interface as k
@@ -64,18 +70,29 @@ def _vllm(
     config = k.KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[k.KVCacheGroupSpec(["attn"], full), k.KVCacheGroupSpec(["mixer"], mamba)],
+        # (an EAGLE group: vLLM 0.33 turns enable_mamba_shared_prefix_checkpoint on only then)
+        kv_cache_groups=[
+            k.KVCacheGroupSpec(["attn"], full),
+            k.KVCacheGroupSpec(["mixer"], mamba, is_eagle_group=junction),
+        ],
     )
     config.prefix_cache_retention_interval = interval
     sched = BS if mode == "align" else MAX_LEN
     return KVCacheManager(
         config, max_model_len=MAX_LEN, scheduler_block_size=sched, hash_block_size=hbs,
         max_in_flight_tokens=BUDGET, enable_caching=caching, log_stats=True, enable_kv_cache_events=True,
+        enable_mamba_shared_prefix_checkpoint=junction,
     )  # fmt: skip
 
 
 def _ours(
-    mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None, hbs: int = BS
+    mode: str,
+    caching: bool,
+    interval: int | None,
+    num_blocks: int,
+    ckpt: int | None = None,
+    hbs: int = BS,
+    junction: bool = False,
 ) -> Any:
     from kvcoord.engine import KVCacheConfig, KVCachePool
     from kvcoord.engine.specs import FullAttentionSpec, MambaCacheMode, MambaSpec
@@ -88,7 +105,7 @@ def _ours(
         KVCacheConfig(
             num_blocks, (FullAttentionSpec(BS), mamba), hbs, enable_caching=caching, max_model_len=MAX_LEN,
             profile="vllm-0.33", max_in_flight_tokens=BUDGET, prefix_cache_retention_interval=interval,
-            enable_kv_cache_events=True,
+            enable_kv_cache_events=True, mamba_shared_prefix_checkpoint=junction,
         )
     )  # fmt: skip
 
@@ -104,6 +121,7 @@ class _Both:
         num_blocks: int,
         ckpt: int | None = None,
         hbs: int = BS,
+        junction: bool = False,
     ) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -111,9 +129,13 @@ class _Both:
         fn = get_hash_fn_by_name("sha256_cbor")
         init_none_hash(fn)
         self.hasher = get_request_block_hasher(hbs, fn) if caching else None
-        self.theirs = _vllm(mode, caching, interval, num_blocks, ckpt, hbs)
-        self.ours = _ours(mode, caching, interval, num_blocks, ckpt, hbs)
+        self.theirs = _vllm(mode, caching, interval, num_blocks, ckpt, hbs, junction)
+        self.ours = _ours(mode, caching, interval, num_blocks, ckpt, hbs, junction)
+        assert self.theirs.mamba_shared_prefix_checkpoint == junction
         self.hbs = hbs
+        self.junction = junction
+        #: chunks that stopped exactly at their request's shared-prefix junction
+        self.junction_stops = 0
         self.reqs: dict[str, Any] = {}
         self.calls = 0
         self.num_events = 0
@@ -167,7 +189,11 @@ class _Both:
         """The tokens vLLM 0.33's scheduler gives a request from ``start`` on."""
         if self.hbs == BS:
             return _chunk(r.num_tokens - start, budget, left_of_prompt)
-        return _chunk_partial(r.num_prompt_tokens, r.num_tokens, start, budget, self.hbs)
+        n = _chunk_partial(r.num_prompt_tokens, r.num_tokens, start, budget, self.hbs,
+                           r.shared_prefix_boundary, self.junction)  # fmt: skip
+        if n and start + n == r.shared_prefix_boundary:
+            self.junction_stops += 1
+        return n
 
     def release(self, retained: Any) -> None:
         """The scheduler's release of the copies' blocks once they ran."""
@@ -281,11 +307,15 @@ def _event(e: Any, fields: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def _chunk_partial(prompt: int, tokens: int, start: int, budget: int, hbs: int) -> int:
+def _chunk_partial(
+    prompt: int, tokens: int, start: int, budget: int, hbs: int, junction: int = 0, checkpoint: bool = False
+) -> int:
     """vLLM 0.33's scheduler with mamba align and partial hits (no checkpoint blocks, no
-    EAGLE, no junction stop): a prefill chunk ends on a block boundary unless it is the
-    prompt's last, stops at the next boundary when it starts inside a block, at the last
-    cacheable block boundary, and at the prompt's last hash boundary."""
+    EAGLE drop): a prefill chunk ends on a block boundary unless it is the prompt's last,
+    stops at the next boundary when it starts inside a block, at the last cacheable
+    block boundary, at the prompt's last hash boundary, and before the shared-prefix
+    ``junction`` (block-floored from the start; at the junction itself within the
+    prompt with ``checkpoint``, enable_mamba_shared_prefix_checkpoint)."""
     end = start + min(tokens - start, budget)
     prefill_end = max(prompt, tokens - 1)
     if start >= prefill_end:
@@ -298,6 +328,9 @@ def _chunk_partial(prompt: int, tokens: int, start: int, budget: int, hbs: int) 
         (start // BS + 1) * BS if start % BS else 0,
         last_cache,
         tail if last_cache < tail < prompt else 0,
+        (junction if checkpoint and junction <= prompt else start + (junction - start) // BS * BS)
+        if start < junction < end
+        else 0,
     )
     end = min((s for s in stops if start < s < end), default=end)
     return max(end - start, 0)
@@ -336,11 +369,18 @@ def test_deferred_frees_beside_a_mamba_group_answer_like_vllm_033(case: str, see
     _run_seeded(case, seed, deferred=True)
 
 
-def _run_seeded(case: str, seed: int, deferred: bool) -> None:
+def _run_seeded(
+    case: str,
+    seed: int,
+    deferred: bool,
+    junction: bool = False,
+    lengths: tuple[int, ...] = (32, 64, 100, 160),
+    short_tails: float = 0.0,
+) -> Any:
     mode, caching, interval, ckpt, hbs = CASES[case]
     rng = random.Random(seed)
-    both = _Both(mode, caching, interval, num_blocks=70, ckpt=ckpt, hbs=hbs)
-    prefixes = [[rng.randrange(1000) for _ in range(rng.choice([32, 64, 100, 160]))] for _ in range(3)]
+    both = _Both(mode, caching, interval, num_blocks=70, ckpt=ckpt, hbs=hbs, junction=junction)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.choice(lengths))] for _ in range(3)]
     sent: list[list[int]] = []
     waiting: list[str] = []
     running: dict[str, int] = {}  # request -> output tokens still to produce
@@ -351,7 +391,8 @@ def _run_seeded(case: str, seed: int, deferred: bool) -> None:
             if sent and rng.random() < 0.25:
                 prompt = list(rng.choice(sent))  # a resend
             else:
-                prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 90))]
+                tail = 1 if rng.random() < short_tails else rng.randrange(1, 90)
+                prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(tail)]
             sent.append(prompt)
             rid = f"r{next_id}"
             next_id += 1
@@ -405,6 +446,24 @@ def _run_seeded(case: str, seed: int, deferred: bool) -> None:
     assert both.num_events > 20 if caching else both.num_events == 0
     if hbs != BS:
         assert both.num_copies > 3
+    return both
+
+
+@pytest.mark.parametrize("seed", range(1, 9))
+def test_shared_prefix_checkpoints_answer_like_vllm_033(seed: int) -> None:
+    """vLLM 0.33's ``enable_mamba_shared_prefix_checkpoint`` (issue 25), as its manager
+    turns it on: fine-grained hits and an EAGLE group (here the mamba group, without
+    look-ahead hashes or drafts). Siblings sharing a prefix find a junction (the
+    attention hit past the mamba one); the scheduler stops a prefill chunk there and the
+    mamba group keys its state at it, a partial key inside a block (copied at the
+    request's next allocation) or a whole block. kvcoord's pool with
+    ``mamba_shared_prefix_checkpoint``: the same answers, tables, copies, hand-offs and
+    events, call by call. (The pool refused the option before.)"""
+    # shared prefixes ending inside blocks (and on a block end): junctions at partial keys
+    both = _run_seeded(
+        "align-partial", seed, deferred=False, junction=True, lengths=(48, 80, 112), short_tails=0.3
+    )
+    assert both.junction_stops > 0
 
 
 def test_a_deferred_free_drops_pending_hand_offs_when_vllm_033_takes_the_blocks() -> None:

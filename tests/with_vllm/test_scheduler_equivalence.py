@@ -956,8 +956,9 @@ def test_predict_falls_back_where_the_pool_cannot_be_predicted(
     assert r.got == r.want, first_difference(r.want, r.got)
 
 
-def _partial_hits_kv_config(num_blocks: int) -> Any:
-    """Full attention and mamba "align" of 32-token blocks (hashes of 16 tokens)."""
+def _partial_hits_kv_config(num_blocks: int, eagle: bool = False) -> Any:
+    """Full attention and mamba "align" of 32-token blocks (hashes of 16 tokens); with
+    ``eagle`` the mamba group is flagged an EAGLE group."""
     import torch
     from vllm.v1 import kv_cache_interface as k
 
@@ -966,7 +967,7 @@ def _partial_hits_kv_config(num_blocks: int) -> Any:
                         mamba_cache_mode="align")  # fmt: skip
     return k.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         k.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], k.FullAttentionSpec(32, **common)),
-        k.KVCacheGroupSpec(["model.layers.1.mixer"], mamba),
+        k.KVCacheGroupSpec(["model.layers.1.mixer"], mamba, is_eagle_group=eagle),
     ])  # fmt: skip
 
 
@@ -1033,3 +1034,77 @@ def test_partial_hits_with_copy_on_write_decide_like_vllm_033(
     assert sum(len(c) for c, _ in want_copies) > 20, want_copies  # copies made in many steps
     assert want_counts["hit_tokens"] > 0, want_counts
     assert manager.lost_requests == 0
+
+
+@pytest.mark.skipif(not V033, reason="vLLM 0.33's mamba shared-prefix checkpoints (issue 25)")
+@pytest.mark.parametrize("predict", [False, True], ids=["remote", "predicted"])
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_shared_prefix_checkpoints_decide_like_vllm_033(
+    kind: str, predict: bool, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.33's ``enable_mamba_shared_prefix_checkpoint`` where its manager turns it on
+    (fine-grained hits, an EAGLE group: here the mamba group is flagged one, without
+    drafts): the scheduler stops a prefill chunk at a request's shared-prefix junction
+    and the mamba group keys its state there. kvcoord (the pool's
+    ``mamba_shared_prefix_checkpoint``, the flag the scheduler reads): the same
+    decisions and copy pairs, step by step, the pool's answers or the client's
+    predictions, on the Scheduler and the AsyncScheduler. (60 blocks: evictions leave
+    the attention group hits the mamba group lacks, so junctions occur, inside blocks
+    too. The plug-in refused the option before.)"""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    asynchronous = kind == "async"
+
+    def config() -> Any:
+        cfg = vllm_config(model_dir, 60, async_scheduling=asynchronous, mamba_cache_mode="align")
+        cfg.cache_config.block_size = 32
+        cfg.cache_config.prefix_match_unit = 16
+        cfg.cache_config.enable_mamba_shared_prefix_checkpoint = True
+        return cfg
+
+    assert unsupported_033(_partial_hits_kv_config(60, eagle=True), config(), 16) is None
+    local = make_scheduler(SCHEDULERS[kind], config(), _partial_hits_kv_config(60, eagle=True))
+    assert local.kv_cache_manager.mamba_shared_prefix_checkpoint and local.mamba_shared_prefix_checkpoint
+    want_copies: list[Any] = []
+    _recording_copies(local.kv_cache_manager, want_copies)
+    junctions = frozenset({"junctions"})
+    want, want_counts = run_workload(local, seed=5, steps=120, async_overlap=asynchronous, extras=junctions)
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
+    monkeypatch.setenv("KVCOORD_POOL", f"{kind}-junction-{next(_pool_ids)}")
+    remote = make_scheduler(KVCOORD[kind], config(), _partial_hits_kv_config(60, eagle=True))
+    assert remote.kv_cache_manager.mamba_shared_prefix_checkpoint and remote.mamba_shared_prefix_checkpoint
+    got_copies: list[Any] = []
+    _recording_copies(remote.kv_cache_manager, got_copies)
+    got, got_counts = run_workload(remote, seed=5, steps=120, async_overlap=asynchronous, extras=junctions)
+    manager = remote.kv_cache_manager.remote
+    remote.shutdown()
+    with KVCoordClient(server.address) as c:
+        assert c.get_pool(manager.pool).pool.config.mamba_shared_prefix_checkpoint
+        c.delete_pool(manager.pool)
+    assert got == want, first_difference(want, got)
+    assert got_copies == want_copies
+    assert want_counts["hit_tokens"] > 0, want_counts
+    assert manager.lost_requests == 0
+
+
+@pytest.mark.skipif(not V033, reason="vLLM 0.33's mamba shared-prefix checkpoints (issue 25)")
+@pytest.mark.parametrize("eagle", [False, True], ids=["no-eagle-group", "eagle-group"])
+@pytest.mark.parametrize("unit", [16, 32], ids=["partial-hits", "block-hits"])
+def test_the_shared_prefix_checkpoint_flag_is_vllm_033s(eagle: bool, unit: int, model_dir: Path) -> None:
+    """``enable_mamba_shared_prefix_checkpoint`` on: vLLM 0.33's manager keeps it only with
+    an EAGLE group and fine-grained hits; the plug-in sends the pool that narrowed flag
+    (``PoolConfig.mamba_shared_prefix_checkpoint``), as vLLM's own manager computes it,
+    and takes the layout either way (off, the option changes nothing in vLLM)."""
+    from kvcoord.client.vllm033 import pool_config_033, unsupported_033
+
+    cfg = vllm_config(model_dir, 60, async_scheduling=False, mamba_cache_mode="align")
+    cfg.cache_config.block_size = 32
+    cfg.cache_config.prefix_match_unit = unit
+    cfg.cache_config.enable_mamba_shared_prefix_checkpoint = True
+    kv = _partial_hits_kv_config(60, eagle=eagle)
+    local = make_scheduler(SCHEDULERS["sync"], cfg, kv)
+    assert unsupported_033(kv, cfg, unit) is None
+    want = local.kv_cache_manager.mamba_shared_prefix_checkpoint
+    assert want == (eagle and unit == 16)
+    assert pool_config_033(kv, cfg, unit).mamba_shared_prefix_checkpoint == want

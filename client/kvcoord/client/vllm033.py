@@ -30,14 +30,14 @@ drains, :mod:`.vllm033_mamba`; prefill checkpoint blocks,
 ``MambaSpec.num_prefill_checkpoint_blocks`` as vLLM's Mamba2 / GDN layers set it), and KV
 connectors (loads, failed loads, delayed and deferred frees, beside a mamba group too:
 :mod:`.vllm033_connector`),
-fine-grained (partial) hits (:func:`.vllm033_mamba.partial_hits_033` says which), and KV
+fine-grained (partial) hits (:func:`.vllm033_mamba.partial_hits_033` says which; with
+``enable_mamba_shared_prefix_checkpoint`` too, :func:`.vllm033_mamba.shared_prefix_checkpoint_033`), and KV
 cache zeroing (``take_new_block_ids``: beside a mamba group, or for a mixed-precision KV
 cache with ``PoolConfig.needs_kv_cache_zeroing``, set from the KVCacheConfig; an async
 load's ``skip_zeroing_group_ids`` travel as ``AllocateOp.skip_zeroing_group_ids``).
 A lost session costs recomputation (``check_session`` surfaces a loss met in the
 background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA subclasses; attention sinks,
-which vLLM 0.33.0 itself cannot start), mamba shared-prefix checkpoints
-(``enable_mamba_shared_prefix_checkpoint``), a positive
+which vLLM 0.33.0 itself cannot start), a positive
 ``prefix_cache_retention_interval`` beside a mamba group, EAGLE/MTP with the trailing-block drop (look-ahead
 hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
@@ -79,7 +79,7 @@ from .vllm033_connector import (
     PredictingConnector033,
     RemoteConnector033,
 )
-from .vllm033_mamba import PredictedMamba033, RemoteMamba033
+from .vllm033_mamba import PredictedMamba033, RemoteMamba033, shared_prefix_checkpoint_033
 from .vllm033_parts import BlockPool033, Coordinator033, Unsupported033Error, UnsupportedVLLMError
 from .vllm033_refusals import unsupported_033
 from .vllm_manager import absorbing
@@ -304,7 +304,8 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         self.block_pool = BlockPool033(
             self.free_deferred, remote.release_retained_blocks, lambda: self.remote033.session_id
         )
-        self.mamba_shared_prefix_checkpoint = False
+        #: vLLM 0.33's flag its scheduler reads to stop a chunk at the junction (the pool's)
+        self.mamba_shared_prefix_checkpoint = remote.config.mamba_shared_prefix_checkpoint
         self.retained_hit_group_ids: tuple[int, ...] = ()
         #: vLLM 0.33's int(scheduler_config.watermark * num_blocks) (set by connect_033)
         self.watermark_blocks = 0
@@ -453,6 +454,11 @@ def pool_config_033(
     # the worker zeroes new blocks (mamba layers, a mixed-precision KV cache): the pool
     # records the attention groups' new blocks for take_new_block_ids
     cfg.needs_kv_cache_zeroing = bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False))
+    # enable_mamba_shared_prefix_checkpoint as vLLM's manager narrows it (the pool keys
+    # mamba states at shared-prefix junctions; off, the option changes nothing)
+    cfg.mamba_shared_prefix_checkpoint = shared_prefix_checkpoint_033(
+        kv_cache_config.kv_cache_groups, vllm_config, hash_block_size
+    )
     return cfg
 
 

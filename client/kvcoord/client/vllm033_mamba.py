@@ -18,24 +18,29 @@ __all__ = [
     "PredictedMamba033",
     "RemoteMamba033",
     "partial_hits_033",
+    "shared_prefix_checkpoint_033",
     "uncached_mamba_hybrid",
-    "unsupported_mamba_033",
 ]
 
 
-def unsupported_mamba_033(i: int, spec: Any, vllm_config: Any) -> str | None:
-    """Why mamba group ``i`` (``spec``) cannot run on a vllm-0.33 pool (``None``: it can,
-    or it is not a mamba group)."""
-    if not hasattr(spec, "mamba_cache_mode"):
-        return None
-    # (prefill checkpoint blocks, num_prefill_checkpoint_blocks > 0, are carried to the
-    # pool and modelled; the shared-prefix junction checkpoint is not)
-    if getattr(vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", False):
-        return (
-            f"KV cache group {i}: mamba shared-prefix checkpoints (enable_mamba_shared_prefix_checkpoint) "
-            "are not supported by the vllm-0.33 profile"
-        )
-    return None
+def shared_prefix_checkpoint_033(groups: Any, vllm_config: Any, hash_block_size: int) -> bool:
+    """vLLM 0.33's ``KVCacheManager.mamba_shared_prefix_checkpoint``: the engine option
+    ``enable_mamba_shared_prefix_checkpoint`` as vLLM's manager narrows it, on only with an
+    EAGLE group (a group flagged ``is_eagle_group``, or every group under the EAGLE drop),
+    fine-grained (partial) hits and no multi-module MTP re-prefill tail (more than one
+    prefill look-ahead token). Off, the option changes nothing in vLLM 0.33 (its scheduler
+    reads the narrowed flag); on, the pool keys mamba states at shared-prefix junctions
+    (``PoolConfig.mamba_shared_prefix_checkpoint``) and the scheduler stops chunks there."""
+    if not getattr(vllm_config.cache_config, "enable_mamba_shared_prefix_checkpoint", False):
+        return False
+    spec = vllm_config.speculative_config
+    drop = spec is not None and bool(spec.use_eagle_block_drop())
+    if not (drop or any(getattr(g, "is_eagle_group", False) for g in groups)):
+        return False
+    # (the scheduler's num_prefill_lookahead: a multi-module MTP drafter's k, else at most 1)
+    if int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 1:
+        return False
+    return partial_hits_033(groups, vllm_config, hash_block_size) is not None
 
 
 def partial_hits_033(groups: Any, vllm_config: Any, hash_block_size: int) -> str | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from .vllm033_connector import connector_refusal_033
-from .vllm033_mamba import partial_hits_033, uncached_mamba_hybrid, unsupported_mamba_033
+from .vllm033_mamba import partial_hits_033, uncached_mamba_hybrid
 
 __all__ = ["unsupported_033"]
 
@@ -41,9 +41,8 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
                 "full attention, sliding window, chunked local attention and mamba only "
                 "(cross-attention is not on the wire yet)"
             )
-        why = unsupported_mamba_033(i, spec, vllm_config)
-        if why is not None:
-            return why
+        # (mamba prefill checkpoint blocks and shared-prefix checkpoints run: the pool
+        # models them; what they are refused beside is partial_hits_033's)
     sizes = {int(g.kv_cache_spec.block_size) for g in groups}
     partial = partial_hits_033(groups, vllm_config, hash_block_size)
     if partial:

@@ -430,7 +430,8 @@ def pool_config_differences(expected: pb.PoolConfig, actual: pb.PoolConfig) -> l
 
     Compared: the groups (type, block size and the fields that change allocation; page-size
     fields only decide grouping, which the engine already did), block count, hash block
-    size, caching, EAGLE, events, stats, max_model_len, hash algorithm and seed.
+    size, caching, EAGLE, events, stats, max_model_len, mamba shared-prefix checkpoints,
+    hash algorithm and seed.
     """
     diffs: list[str] = []
 
@@ -452,6 +453,11 @@ def pool_config_differences(expected: pb.PoolConfig, actual: pb.PoolConfig) -> l
         not actual.HasField("log_stats") or actual.log_stats,
     )
     differ("max_model_len", expected.max_model_len, actual.max_model_len)
+    differ(
+        "mamba_shared_prefix_checkpoint",
+        expected.mamba_shared_prefix_checkpoint,
+        actual.mamba_shared_prefix_checkpoint,
+    )
     if expected.enable_caching:
         differ("hash_algo", expected.hash_algo, actual.hash_algo)
         differ("hash_seed", expected.hash_seed, actual.hash_seed)

@@ -88,6 +88,12 @@ class KVCacheConfig:
             mixed-precision KV cache): the pool records the ids of the blocks its
             attention groups take for ``take_new_block_ids``. A pool with a mamba group
             records them whatever this says (vLLM zeroes for mamba layers always).
+        mamba_shared_prefix_checkpoint: (vllm-0.33, fine-grained hits only) vLLM 0.33's
+            ``KVCacheManager.mamba_shared_prefix_checkpoint``: the option
+            ``enable_mamba_shared_prefix_checkpoint`` as vLLM narrows it (an EAGLE group,
+            fine-grained hits, no MTP re-prefill tail). Each mamba group then also keys
+            its state at the request's shared-prefix junction when a step computing a
+            prompt chunk stops exactly there (besides the prompt's last hash boundary).
 
     Raises:
         ConfigError: the layout breaks a rule vLLM enforces (at construction or at its
@@ -111,6 +117,7 @@ class KVCacheConfig:
     scheduler_block_size: int = 0
     prefix_cache_retention_interval: int | None = 0
     needs_kv_cache_zeroing: bool = False
+    mamba_shared_prefix_checkpoint: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
@@ -203,6 +210,7 @@ def _validate(cfg: KVCacheConfig) -> None:
         raise ConfigError(
             "needs_kv_cache_zeroing is a vLLM 0.33 field; this pool's profile is " + cfg.profile
         )
+    _validate_shared_prefix_checkpoint(cfg)
     sink_blocks = 0
     for gid, spec in enumerate(cfg.groups):
         if not isinstance(spec, _SPEC_TYPES):
@@ -276,6 +284,20 @@ def _validate_033_support(cfg: KVCacheConfig) -> None:
             missing.extend(_mamba_033_gaps(cfg, gid, spec))
     if missing:
         raise ConfigError("the vllm-0.33 profile does not support yet: " + "; ".join(missing))
+
+
+def _validate_shared_prefix_checkpoint(cfg: KVCacheConfig) -> None:
+    """``mamba_shared_prefix_checkpoint``: a bool, and True only where vLLM 0.33's
+    manager can turn it on (fine-grained hits, which need the vllm-0.33 profile)."""
+    flag = cfg.mamba_shared_prefix_checkpoint
+    if not isinstance(flag, bool):
+        raise ConfigError(f"mamba_shared_prefix_checkpoint must be a bool, got {flag!r}")
+    if flag and not cfg.partial_hash_hits:
+        raise ConfigError(
+            "mamba_shared_prefix_checkpoint needs the vllm-0.33 profile with fine-grained hits "
+            "(prefix caching, a mamba align group whose block is larger than the hash block): "
+            "vLLM 0.33's manager turns it off otherwise"
+        )
 
 
 def _validate_retention_interval(cfg: KVCacheConfig, interval: object, scheduler_block_size: int) -> None:

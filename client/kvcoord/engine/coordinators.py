@@ -72,6 +72,9 @@ class KVCacheCoordinator:
             manager_class(spec, config.profile, partial)(spec, self.block_pool, gid, config.enable_caching)
             for gid, spec in enumerate(config.groups)
         ]
+        for m in self.managers:
+            if isinstance(m, MambaManager033):
+                m.shared_prefix_checkpoint = config.mamba_shared_prefix_checkpoint
         self._is_cross = [isinstance(m, CrossAttentionManager) for m in self.managers]
         self._two_phase_external = rules.two_phase_external
 

@@ -128,6 +128,7 @@ def config_from_pb(cfg: pb.PoolConfig) -> KVCacheConfig:
         scheduler_block_size=cfg.scheduler_block_size,
         prefix_cache_retention_interval=_retention_from_pb(cfg),
         needs_kv_cache_zeroing=cfg.needs_kv_cache_zeroing,
+        mamba_shared_prefix_checkpoint=cfg.mamba_shared_prefix_checkpoint,
     )
 
 
@@ -165,7 +166,7 @@ _POOL_KEYS = {
     "num_blocks", "hash_block_size", "hash_algo", "hash_seed", "enable_caching", "use_eagle",
     "enable_kv_cache_events", "log_stats", "max_model_len", "shared_cache_tenants", "profile",
     "num_hash_lookahead_tokens", "max_in_flight_tokens", "scheduler_block_size",
-    "prefix_cache_retention_interval", "needs_kv_cache_zeroing",
+    "prefix_cache_retention_interval", "needs_kv_cache_zeroing", "mamba_shared_prefix_checkpoint",
 }  # fmt: skip
 
 

@@ -226,7 +226,8 @@ class MambaManager033(MambaManager):
     Sub-block (partial) hits with copy-on-write (a block larger than the hash block) are
     :class:`~kvcoord.engine.managers.partial.PartialMambaManager`'s (without prefill
     checkpoint blocks: the two together are refused). Not modelled, and refused by the
-    configuration: shared-prefix checkpoints, and prefix caching outside align mode.
+    configuration: prefix caching outside align mode. (Shared-prefix checkpoints,
+    :attr:`shared_prefix_checkpoint`, are modelled with partial hits only.)
     """
 
     def __init__(
@@ -235,6 +236,10 @@ class MambaManager033(MambaManager):
         super().__init__(spec, block_pool, group_id, enable_caching)
         #: the hit alignment (the scheduler block size in a hybrid pool)
         self.alignment = spec.block_size
+        #: vLLM 0.33's ``shared_prefix_checkpoint`` (set by the coordinator from
+        #: ``KVCacheConfig.mamba_shared_prefix_checkpoint``): also key the state at the
+        #: request's shared-prefix junction (:class:`~.partial.PartialMambaManager`)
+        self.shared_prefix_checkpoint = False
         #: sparse retention (``prefix_cache_retention_interval`` 0) rather than dense
         self.sparse = True
         #: align: positions below this are retired (freed or null) per request
@@ -418,7 +423,10 @@ class MambaManager033(MambaManager):
         boundary = max((request.num_prompt_tokens - lag) // hbs * hbs, 0)
         if num_tokens <= 0 or num_tokens % hbs or num_tokens != boundary:
             return
-        index = cdiv(num_tokens, self.block_size) - 1
+        self._key_whole_block(request, cdiv(num_tokens, self.block_size) - 1, blocks)
+
+    def _key_whole_block(self, request: Request, index: int, blocks: list[KVCacheBlock]) -> None:
+        """Hash block ``index`` as one more full block, unless null or keyed already."""
         if index >= len(blocks) or blocks[index].is_null or blocks[index].cached_hash is not None:
             return
         self.block_pool.cache_full_blocks(request, blocks, index, index + 1, self.block_size, self.group_id)

@@ -24,7 +24,9 @@ and mamba "align" of one block size, with no speculative mamba blocks
   stops exactly there, makes the state block reachable under a partial key. At the
   request's next allocation that key moves to a new block (the copy's target; no
   event) while the request keeps writing its own block, and the pair is retained the
-  same way; the target is also offered as a boundary-state hand-off.
+  same way; the target is also offered as a boundary-state hand-off. With
+  ``KVCacheConfig.mamba_shared_prefix_checkpoint`` (vLLM 0.33's shared-prefix
+  checkpoints) the request's shared-prefix junction is keyed the same way.
 
 Retention is the pool's: see :meth:`KVCachePool.take_kv_cache_block_copies` and
 :meth:`KVCachePool.release_retained_blocks`.
@@ -267,17 +269,25 @@ class PartialMambaManager(CopyOnWrite, MambaManager033):
         """The prompt's last hash boundary below its end, when a step stops exactly
         there: inside a block it becomes a partial key of that block (and the request a
         producer whose next allocation moves it); at a block end the block is cached
-        whole."""
+        whole. With :attr:`shared_prefix_checkpoint` (vLLM 0.33's
+        ``enable_mamba_shared_prefix_checkpoint``, as its manager narrows it) the
+        request's shared-prefix junction is keyed the same way, when the step computing
+        it ends there inside the prompt (never from a decode step: the state block then
+        changes in place)."""
         hbs = self.block_pool.hash_block_size
         if num_tokens <= 0 or num_tokens % hbs:
             return
         lag = max(1, self.block_pool.num_hash_lookahead_tokens)
-        if num_tokens != max((request.num_prompt_tokens - lag) // hbs * hbs, 0):
-            return
-        if num_tokens % self.block_size == 0:
-            super()._cache_prompt_boundary(request, num_tokens, blocks)
+        if num_tokens != max((request.num_prompt_tokens - lag) // hbs * hbs, 0) and not (
+            self.shared_prefix_checkpoint
+            and num_tokens == request.shared_prefix_boundary
+            and request.num_computed_tokens < num_tokens <= request.num_prompt_tokens
+        ):
             return
         index = cdiv(num_tokens, self.block_size) - 1
+        if num_tokens % self.block_size == 0:
+            self._key_whole_block(request, index, blocks)
+            return
         if index >= len(blocks) or blocks[index].is_null:
             return
         block = blocks[index]

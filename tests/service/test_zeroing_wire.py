@@ -6,8 +6,11 @@ tests/unit/test_zeroing033.py, which makes the same calls on the engine)."""
 
 from __future__ import annotations
 
+import pytest
 from kvcoord.client import KVCoordClient
+from kvcoord.client.vllm033 import NO_ADMISSION, Predicting033KVCacheManager, Remote033KVCacheManager
 from kvcoord.v1 import allocator_pb2 as pb
+from support import Req
 
 INVALID_ARGUMENT = 3
 PERMISSION_DENIED = 7
@@ -111,3 +114,28 @@ def test_recording_for_zeroing_is_a_033_call_over_grpc(client: KVCoordClient) ->
     assert a.status_code == 0, a.status_message
     assert r.status_code == FAILED_PRECONDITION, r.status_message
     assert "record_blocks_for_zeroing is a vllm-0.33 call" in r.status_message
+
+
+@pytest.mark.parametrize("predict", [False, True], ids=["waiting", "predicted"])
+def test_the_plug_in_s_sessions_record_for_zeroing(client: KVCoordClient, predict: bool) -> None:
+    """The 0.33 plug-in's sessions, waiting for the pool's answers (the op goes with the
+    next call) and predicted (the mirror answers the next take at once; the Step checks
+    the server's answer against it): the ids of the test above."""
+    name = f"zero-{'p' if predict else 'w'}"
+    client.create_pool(name, pool())
+    cls = Predicting033KVCacheManager if predict else Remote033KVCacheManager
+    m = cls(client, name, hash_seed="0", renew=False)
+    m.admission = (False, 0, 0, 0, (0, 1))  # A's 48 tokens come from an asynchronous load
+    a = m.allocate_slots(Req("A", list(range(50))), 0, 0, None, 0, 48, True)
+    assert a is not None and a.block_ids == ([], [])
+    m.admission = NO_ADMISSION
+    b = m.allocate_slots(Req("B", list(range(40))), 40)
+    assert b is not None and b.block_ids == ([6, 7, 8], [9, 10, 11])
+    assert m.take_new_block_ids() == [6, 7, 8, 9, 10, 11]
+    m.record_blocks_for_zeroing("A", 16)
+    assert m.take_new_block_ids() == [2, 3, 4, 5]
+    m.record_blocks_for_zeroing("A", 0)
+    assert m.take_new_block_ids() == [1, 2, 3, 0, 4, 5]
+    m.flush()
+    assert list(client.check_pool(name).violations) == []
+    m.close()

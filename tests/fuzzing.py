@@ -236,6 +236,9 @@ def operations(draw: Any) -> pb.Operation:
             block_ids=draw(st.lists(st.integers(0, 60) | counts, max_size=6))
         ),
         "drop_boundary_state_offloads": lambda: pb.DropBoundaryStateOffloadsOp(request_id=rid),
+        "record_blocks_for_zeroing": lambda: pb.RecordBlocksForZeroingOp(
+            request_id=rid, start_token=draw(st.sampled_from([0, 16, 32]) | counts)
+        ),
         "admit": lambda: pb.AdmitOp(
             requests=draw(st.lists(syncs(), max_size=4)),
             token_budget=draw(counts),

@@ -6,7 +6,14 @@ asynchronous load writes (``skip_zeroing_group_ids``) excepted."""
 from __future__ import annotations
 
 import pytest
-from kvcoord.engine import ConfigError, InvalidArgumentError, KVCacheConfig, KVCachePool
+from kvcoord.engine import (
+    ConfigError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    KVCacheConfig,
+    KVCachePool,
+    RequestNotFoundError,
+)
 from kvcoord.engine.specs import FullAttentionSpec, SlidingWindowSpec
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import config_from_pb
@@ -118,3 +125,61 @@ def test_the_flag_travels_in_the_pool_config() -> None:
     assert config_from_pb(wire).needs_kv_cache_zeroing
     wire.needs_kv_cache_zeroing = False
     assert not config_from_pb(wire).needs_kv_cache_zeroing
+
+
+def test_blocks_a_failed_load_left_are_recorded_again_as_vllm_033_does() -> None:
+    """vLLM 0.33's ``record_blocks_for_zeroing`` (its scheduler calls it when an
+    asynchronous KV load failed but left computed tokens). The ids vLLM 0.33.0's own
+    KVCacheManager answered in its venv for the pool of
+    :func:`test_new_blocks_to_zero_are_vllm_033s`: ``a`` (50 tokens) takes blocks for 48
+    external tokens with ``skip_zeroing_group_ids=(0, 1)`` (nothing recorded), ``b`` (40)
+    allocates ([6, 7, 8, 9, 10, 11] to zero); then ``record_blocks_for_zeroing("a", s)``
+    and ``take_new_block_ids()`` for s = 16: [2, 3, 4, 5]; 48: []; 0: [1, 2, 3, 0, 4, 5]
+    (the window's null block, id 0, included); 64: []."""
+    p = zeroing_pool()
+    p.add_request("a", list(range(50)))
+    got = p.allocate_slots(
+        "a", 0, num_external_computed_tokens=48, delay_cache_blocks=True, skip_zeroing_group_ids=(0, 1)
+    )
+    assert got == ((), ()) and p.take_new_block_ids() == []
+    p.add_request("b", list(range(40)))
+    assert p.allocate_slots("b", 40) == ((6, 7, 8), (9, 10, 11))
+    assert p.take_new_block_ids() == [6, 7, 8, 9, 10, 11]
+    assert p.get_block_ids("a") == ((1, 2, 3), (0, 4, 5))
+    for start, ids in ((16, [2, 3, 4, 5]), (48, []), (0, [1, 2, 3, 0, 4, 5]), (64, [])):
+        p.record_blocks_for_zeroing("a", start)
+        assert p.take_new_block_ids() == ids, start
+
+
+def test_recording_for_zeroing_is_refused_when_vllm_033_would_not_do_it() -> None:
+    """A start not aligned to a recording group's block (vLLM 0.33.0 asserts, after it
+    recorded the earlier groups': refused here with nothing recorded), an unknown
+    request, a vllm-0.16 pool; a pool that records nothing records nothing."""
+    p = KVCachePool(
+        KVCacheConfig(
+            40, (FullAttentionSpec(16, 2, 16, "float16"), SlidingWindowSpec(32, 32, 2, 16, "bfloat16")), 16,
+            enable_caching=False, profile="vllm-0.33", max_model_len=1024, max_in_flight_tokens=256,
+            needs_kv_cache_zeroing=True,
+        )
+    )  # fmt: skip
+    p.add_request("a", list(range(50)))
+    assert p.allocate_slots("a", 50) == ((1, 2, 3, 4), (5, 6))
+    assert p.take_new_block_ids() == [1, 2, 3, 4, 5, 6]
+    with pytest.raises(InvalidArgumentError, match="not a multiple of group 1's block size 32"):
+        p.record_blocks_for_zeroing("a", 16)
+    assert p.take_new_block_ids() == []
+    p.record_blocks_for_zeroing("a", 32)  # vLLM 0.33.0: [3, 4, 6]
+    assert p.take_new_block_ids() == [3, 4, 6]
+    with pytest.raises(RequestNotFoundError):
+        p.record_blocks_for_zeroing("x", 0)
+    with pytest.raises(InvalidArgumentError, match="start_token"):
+        p.record_blocks_for_zeroing("a", -16)
+    p016 = KVCachePool(KVCacheConfig(8, (FullAttentionSpec(16),), 16, enable_caching=False))
+    p016.add_request("a", list(range(20)))
+    with pytest.raises(FailedPreconditionError, match="record_blocks_for_zeroing is a vllm-0.33 call"):
+        p016.record_blocks_for_zeroing("a", 0)
+    quiet = zeroing_pool(zeroing=False)
+    quiet.add_request("a", list(range(40)))
+    assert quiet.allocate_slots("a", 40) is not None
+    quiet.record_blocks_for_zeroing("a", 0)
+    assert quiet.take_new_block_ids() == []

@@ -620,3 +620,31 @@ class FailingLoadsConnector(AsyncLoadsConnector):
         out.invalid_block_ids = set(self.invalid)
         self.invalid.clear()
         return out
+
+
+class FailedRecvingConnector(AsyncLoadsConnector):
+    """Also failed asynchronous loads reported per request, as vLLM 0.33 requires with
+    several KV cache groups (``invalid_block_ids`` raises there: block ids are per
+    group): one asynchronous load in three is reported in ``failed_recving`` beside
+    ``finished_recving``. vLLM 0.33's scheduler then sets the request's computed tokens
+    to 0 (recompute policy) and frees its blocks before it is scheduled again."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.counts["failed loads"] = 0
+        self.failing: set[str] = set()
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        before = self.counts["async loads"]
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if self.counts["async loads"] > before and self.counts["async loads"] % 3 == 0:
+            self.failing.add(request.request_id)
+            self.counts["failed loads"] += 1
+
+    def worker_output(self) -> KVConnectorOutput | None:
+        failed = self.failing & self.receiving
+        out = super().worker_output()
+        if out is not None and failed:
+            out.failed_recving = failed
+            self.failing -= failed
+        return out

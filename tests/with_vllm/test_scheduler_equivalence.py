@@ -293,6 +293,41 @@ def test_kv_cache_zeroing_without_mamba_decides_like_vllm_033(
     assert r.manager.lost_requests == 0
 
 
+@_033_cases(["full+swa mixed", "full+chunked mixed"], "vLLM 0.16 zeroes no KV cache blocks")
+def test_failed_loads_in_a_zeroing_pool_decide_like_vllm_033(
+    kind: str, layout: str, predict: bool, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A mixed-precision KV cache (``needs_kv_cache_zeroing``) with a KV connector whose
+    asynchronous loads fail now and then (``failed_recving``), recomputed: identical
+    outputs, ``new_block_ids_to_zero`` included, waiting for the pool's answers and
+    predicted. vLLM 0.33.0 calls ``record_blocks_for_zeroing`` only for a failed load
+    that left computed tokens, which its scheduler never leaves in a zeroing pool: with
+    several groups (a mixed-precision cache has them) block-level failures raise and a
+    failed request's computed tokens are set to 0, so its blocks are freed; the count
+    below shows it was not called (docs/semantics-notes.md)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    calls: list[tuple[str, int]] = []
+    record = KVCacheManager.record_blocks_for_zeroing
+
+    def counted(self: Any, request_id: str, start_token: int) -> None:
+        calls.append((request_id, start_token))
+        record(self, request_id, start_token)
+
+    monkeypatch.setattr(KVCacheManager, "record_blocks_for_zeroing", counted)
+    assert kv_cache_config(layout, 4096).needs_kv_cache_zeroing
+    r = run_both(kind, layout, 4096, 71, model_dir, server, monkeypatch, connector="FailedRecvingConnector",
+                 policy="recompute", predict=predict)  # fmt: skip
+    assert r.got == r.want, first_difference(r.want, r.got)
+    assert r.got_counts == r.want_counts
+    counts = r.counter.connector.counts
+    assert counts["async loads"] > 10 and counts["failed loads"] > 3, counts
+    assert calls == []
+    assert r.want_counts["zeroed"] > 100 and r.want_counts["finished"] > 20, r.want_counts
+    assert r.manager.lost_requests == 0
+
+
 @_033_cases(["full+full32", "full+swa32"], "vLLM 0.16 layouts of several block sizes: test_connect (LCM)")
 def test_several_block_sizes_decide_like_vllm_033(
     kind: str, layout: str, predict: bool, model_dir: Path, server: InProcessServer,

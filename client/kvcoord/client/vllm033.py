@@ -42,8 +42,7 @@ which vLLM 0.33.0 itself cannot start), a positive
 hashes turned off), a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
 :func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), other
-fine-grained (partial) hits, and (when first called) ``record_blocks_for_zeroing``
-(re-zeroing after a failed load). With KV events on, a request's multimodal items
+and fine-grained (partial) hits. With KV events on, a request's multimodal items
 and prompt-embeds digests travel with its registration (:func:`extra_key_sources_033`)
 so that the pool publishes vLLM 0.33's ``BlockStored.extra_keys`` for its blocks, and
 so does its ``full`` report mode (``RequestSync.kv_cache_report_full``), so that the pool
@@ -424,12 +423,6 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
 
     def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
         raise Unsupported033Error("truncate_computed_blocks (a KV connector's partial tails)")
-
-    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        # (vLLM 0.33 calls it in a zeroing pool for a failed async load that left computed tokens)
-        raise Unsupported033Error(
-            "record_blocks_for_zeroing (re-zeroing blocks a failed KV load left unwritten)"
-        )
 
 
 def pool_config_033(

@@ -5,7 +5,8 @@ vLLM 0.33's scheduler runs a KV connector on kvcoord and decides as with its own
 manager: a connector's synchronous and asynchronous loads (their block reservation,
 ``coordinator.get_num_blocks_to_allocate``), failed loads (recompute and fail), frees
 delayed while KV is sent, the tables a finished request hands over
-(``get_block_ids_for_computed_tokens``), and deferred frees: with a KV consumer and
+(``get_block_ids_for_computed_tokens``), the blocks a failed load left unwritten
+recorded again for zeroing (``record_blocks_for_zeroing``), and deferred frees: with a KV consumer and
 overlapping steps (the async scheduler, pipeline parallelism) vLLM 0.33 takes a
 finished request's blocks (``pop_blocks_for_free``) and returns them a step later
 (``block_pool.free_blocks(reversed(blocks))``: all groups' blocks in one reversed pass).
@@ -98,6 +99,13 @@ class RemoteConnector033:
             op = pb.DropBoundaryStateOffloadsOp(request_id=request_id)
             self._unary_op(pb.Operation(drop_boundary_state_offloads=op), lambda r: None, True)
 
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """vLLM 0.33's ``record_blocks_for_zeroing`` (sent with the next call; nothing for
+        a request the pool never got: it holds no blocks of it)."""
+        if request_id in self.tracker:
+            op = pb.RecordBlocksForZeroingOp(request_id=request_id, start_token=start_token)
+            self._unary_op(pb.Operation(record_blocks_for_zeroing=op), lambda r: None, True)
+
     def get_num_blocks_to_allocate(self, request_id: str, *args: Any) -> int:
         """vLLM 0.33's ``coordinator.get_num_blocks_to_allocate`` with no new hit (``args``:
         num_tokens, total_computed_tokens, num_tokens_main_model, apply_admission_cap,
@@ -157,6 +165,16 @@ class PredictingConnector033:
         self.mirror.call("drop_boundary_state_offloads", request_id)
         self.sender.op().drop_boundary_state_offloads.request_id = request_id
 
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """As :meth:`RemoteConnector033.record_blocks_for_zeroing`: applied to the mirror
+        now (its next ``take_new_block_ids`` answers them), sent with the next Step."""
+        if request_id not in self.tracker or not self.mirror.holds(request_id):
+            return
+        self._settled()
+        self.mirror.call("record_blocks_for_zeroing", request_id, start_token)
+        op = self.sender.op().record_blocks_for_zeroing
+        op.request_id, op.start_token = request_id, start_token
+
     def get_num_blocks_to_allocate(self, request_id: str, *args: Any) -> int:
         """As :meth:`RemoteConnector033.get_num_blocks_to_allocate`, read from the mirror
         (nothing is sent: it changes nothing)."""
@@ -182,6 +200,7 @@ class AdapterConnector033:
     _absorb: Any
     num_kv_cache_groups: int
     _mamba: bool
+    _zeroing: bool
 
     def pop_blocks_for_free(self, request: Any) -> list[DeferredFree]:
         """vLLM 0.33's deferred free, first half: the request is gone for the scheduler
@@ -208,6 +227,15 @@ class AdapterConnector033:
             if not self.absorbing:
                 raise
             self._absorb(err)
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """vLLM 0.33's scheduler calls it in a zeroing pool when an asynchronous KV load
+        failed but left valid computed tokens (``start_token``): the pool records the
+        request's blocks from there on again for ``take_new_block_ids``."""
+        if self._zeroing:
+            self._kept_for_scheduler(
+                lambda rid: self.remote033.record_blocks_for_zeroing(rid, start_token), request_id
+            )
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
         # only mamba groups in align mode keep a producer's partial tails (refused at start)

@@ -1069,6 +1069,36 @@ class KVCachePool:
         for m in self._mamba033:
             m.drop_boundary_state_offloads(request_id)
 
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """vLLM 0.33's ``record_blocks_for_zeroing`` (its scheduler calls it in a pool
+        that zeroes new blocks when an asynchronous KV load failed but left valid
+        computed tokens): the request's blocks from the one starting at ``start_token``
+        on, in every group that records new block ids, are recorded again for
+        :meth:`take_new_block_ids` (the failed load left them unwritten), as vLLM
+        records them: every block the request holds there, a window's null blocks
+        (id 0) included. A pool that records nothing records nothing here.
+
+        Raises:
+            FailedPreconditionError: a vllm-0.16 pool.
+            RequestNotFoundError: unknown request.
+            InvalidArgumentError: ``start_token`` not a count, or not a multiple of a
+                recording group's block size (vLLM asserts it: zeroing a block would
+                wipe its valid prefix); nothing is recorded then.
+        """
+        self._require_033("record_blocks_for_zeroing")
+        self._get(request_id)
+        check_count(start_token, "start_token")
+        for gid in self._zeroed_groups:
+            if start_token % self.managers[gid].block_size:
+                raise InvalidArgumentError(
+                    f"record_blocks_for_zeroing: start_token {start_token} is not a multiple of "
+                    f"group {gid}'s block size {self.managers[gid].block_size}"
+                )
+        for gid in self._zeroed_groups:
+            m = self.managers[gid]
+            held = m.req_to_blocks.get(request_id, ())
+            self.pending_new_block_ids[gid].extend(b.block_id for b in held[start_token // m.block_size :])
+
     def take_kv_cache_block_copies(self) -> tuple[list[tuple[int, int]], list[int]]:
         """vLLM 0.33's ``take_kv_cache_block_copies``: the copy-on-write pairs
         ``(source, destination)`` made since the last call (group order, then the order

@@ -770,6 +770,18 @@ class DropBoundaryStateOffloadsResult(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RecordBlocksForZeroingOp(_message.Message):
+    __slots__ = ("request_id", "start_token")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    start_token: int
+    def __init__(self, request_id: _Optional[str] = ..., start_token: _Optional[int] = ...) -> None: ...
+
+class RecordBlocksForZeroingResult(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class SyncOp(_message.Message):
     __slots__ = ("request",)
     REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -793,7 +805,7 @@ class AdmitResult(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[AllocateResult, _Mapping]]] = ...) -> None: ...
 
 class Operation(_message.Message):
-    __slots__ = ("lookup", "allocate", "free", "preempt", "cache_blocks", "remove_skipped_blocks", "evict_blocks", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "make_prefix_cache_stats", "sync", "admit", "allocate_run", "record_prefix_cache_stats", "estimate_cached_tokens", "new_step_starts", "get_num_blocks_to_allocate", "take_new_block_ids", "take_boundary_state_offloads", "take_kv_cache_block_copies", "release_retained_blocks", "drop_boundary_state_offloads")
+    __slots__ = ("lookup", "allocate", "free", "preempt", "cache_blocks", "remove_skipped_blocks", "evict_blocks", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "make_prefix_cache_stats", "sync", "admit", "allocate_run", "record_prefix_cache_stats", "estimate_cached_tokens", "new_step_starts", "get_num_blocks_to_allocate", "take_new_block_ids", "take_boundary_state_offloads", "take_kv_cache_block_copies", "release_retained_blocks", "drop_boundary_state_offloads", "record_blocks_for_zeroing")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
@@ -818,6 +830,7 @@ class Operation(_message.Message):
     TAKE_KV_CACHE_BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DROP_BOUNDARY_STATE_OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_BLOCKS_FOR_ZEROING_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupOp
     allocate: AllocateOp
     free: FreeOp
@@ -842,10 +855,11 @@ class Operation(_message.Message):
     take_kv_cache_block_copies: TakeKVCacheBlockCopiesOp
     release_retained_blocks: ReleaseRetainedBlocksOp
     drop_boundary_state_offloads: DropBoundaryStateOffloadsOp
-    def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitOp, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunOp, _Mapping]] = ..., record_prefix_cache_stats: _Optional[_Union[RecordPrefixCacheStatsOp, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensOp, _Mapping]] = ..., new_step_starts: _Optional[_Union[NewStepStartsOp, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateOp, _Mapping]] = ..., take_new_block_ids: _Optional[_Union[TakeNewBlockIdsOp, _Mapping]] = ..., take_boundary_state_offloads: _Optional[_Union[TakeBoundaryStateOffloadsOp, _Mapping]] = ..., take_kv_cache_block_copies: _Optional[_Union[TakeKVCacheBlockCopiesOp, _Mapping]] = ..., release_retained_blocks: _Optional[_Union[ReleaseRetainedBlocksOp, _Mapping]] = ..., drop_boundary_state_offloads: _Optional[_Union[DropBoundaryStateOffloadsOp, _Mapping]] = ...) -> None: ...
+    record_blocks_for_zeroing: RecordBlocksForZeroingOp
+    def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitOp, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunOp, _Mapping]] = ..., record_prefix_cache_stats: _Optional[_Union[RecordPrefixCacheStatsOp, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensOp, _Mapping]] = ..., new_step_starts: _Optional[_Union[NewStepStartsOp, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateOp, _Mapping]] = ..., take_new_block_ids: _Optional[_Union[TakeNewBlockIdsOp, _Mapping]] = ..., take_boundary_state_offloads: _Optional[_Union[TakeBoundaryStateOffloadsOp, _Mapping]] = ..., take_kv_cache_block_copies: _Optional[_Union[TakeKVCacheBlockCopiesOp, _Mapping]] = ..., release_retained_blocks: _Optional[_Union[ReleaseRetainedBlocksOp, _Mapping]] = ..., drop_boundary_state_offloads: _Optional[_Union[DropBoundaryStateOffloadsOp, _Mapping]] = ..., record_blocks_for_zeroing: _Optional[_Union[RecordBlocksForZeroingOp, _Mapping]] = ...) -> None: ...
 
 class OperationResult(_message.Message):
-    __slots__ = ("status_code", "status_message", "reason", "position", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats", "admit", "allocate_run", "estimate_cached_tokens", "get_num_blocks_to_allocate", "take_new_block_ids", "take_boundary_state_offloads", "take_kv_cache_block_copies", "release_retained_blocks", "drop_boundary_state_offloads")
+    __slots__ = ("status_code", "status_message", "reason", "position", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats", "admit", "allocate_run", "estimate_cached_tokens", "get_num_blocks_to_allocate", "take_new_block_ids", "take_boundary_state_offloads", "take_kv_cache_block_copies", "release_retained_blocks", "drop_boundary_state_offloads", "record_blocks_for_zeroing")
     STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -866,6 +880,7 @@ class OperationResult(_message.Message):
     TAKE_KV_CACHE_BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DROP_BOUNDARY_STATE_OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    RECORD_BLOCKS_FOR_ZEROING_FIELD_NUMBER: _ClassVar[int]
     status_code: int
     status_message: str
     reason: ErrorReason
@@ -886,7 +901,8 @@ class OperationResult(_message.Message):
     take_kv_cache_block_copies: TakeKVCacheBlockCopiesResult
     release_retained_blocks: ReleaseRetainedBlocksResult
     drop_boundary_state_offloads: DropBoundaryStateOffloadsResult
-    def __init__(self, status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ..., position: _Optional[_Union[RequestPosition, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixResult, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheResult, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResult, _Mapping]] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStatsResult, _Mapping]] = ..., admit: _Optional[_Union[AdmitResult, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunResult, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensResult, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateResult, _Mapping]] = ..., take_new_block_ids: _Optional[_Union[TakeNewBlockIdsResult, _Mapping]] = ..., take_boundary_state_offloads: _Optional[_Union[TakeBoundaryStateOffloadsResult, _Mapping]] = ..., take_kv_cache_block_copies: _Optional[_Union[TakeKVCacheBlockCopiesResult, _Mapping]] = ..., release_retained_blocks: _Optional[_Union[ReleaseRetainedBlocksResult, _Mapping]] = ..., drop_boundary_state_offloads: _Optional[_Union[DropBoundaryStateOffloadsResult, _Mapping]] = ...) -> None: ...
+    record_blocks_for_zeroing: RecordBlocksForZeroingResult
+    def __init__(self, status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ..., position: _Optional[_Union[RequestPosition, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixResult, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheResult, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResult, _Mapping]] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStatsResult, _Mapping]] = ..., admit: _Optional[_Union[AdmitResult, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunResult, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensResult, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateResult, _Mapping]] = ..., take_new_block_ids: _Optional[_Union[TakeNewBlockIdsResult, _Mapping]] = ..., take_boundary_state_offloads: _Optional[_Union[TakeBoundaryStateOffloadsResult, _Mapping]] = ..., take_kv_cache_block_copies: _Optional[_Union[TakeKVCacheBlockCopiesResult, _Mapping]] = ..., release_retained_blocks: _Optional[_Union[ReleaseRetainedBlocksResult, _Mapping]] = ..., drop_boundary_state_offloads: _Optional[_Union[DropBoundaryStateOffloadsResult, _Mapping]] = ..., record_blocks_for_zeroing: _Optional[_Union[RecordBlocksForZeroingResult, _Mapping]] = ...) -> None: ...
 
 class FindLongestCacheHitRequest(_message.Message):
     __slots__ = ("pool", "block_hashes", "num_tokens")

@@ -199,6 +199,9 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         return op.ReleaseRetained(list(o.release_retained_blocks.block_ids))
     if kind == "drop_boundary_state_offloads":
         return op.DropOffloads(o.drop_boundary_state_offloads.request_id)
+    if kind == "record_blocks_for_zeroing":
+        z = o.record_blocks_for_zeroing
+        return op.RecordForZeroing(z.request_id, z.start_token)
     if kind == "get_num_blocks_to_allocate":
         n = o.get_num_blocks_to_allocate
         return op.GetNumBlocksToAllocate(
@@ -410,6 +413,8 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
         return pb.OperationResult(release_retained_blocks=pb.ReleaseRetainedBlocksResult())
     if isinstance(operation, op.DropOffloads):
         return pb.OperationResult(drop_boundary_state_offloads=pb.DropBoundaryStateOffloadsResult())
+    if isinstance(operation, op.RecordForZeroing):
+        return pb.OperationResult(record_blocks_for_zeroing=pb.RecordBlocksForZeroingResult())
     if isinstance(operation, op.TakeEvents):
         assert isinstance(v, op.EventsTaken)
         result = pb.OperationResult(take_events=pb.TakeEventsResult(gap=v.gap, more=v.more))

@@ -44,6 +44,7 @@ __all__ = [
     "TakeBlockCopies",
     "ReleaseRetained",
     "DropOffloads",
+    "RecordForZeroing",
     "TakeBoundaryStateOffloads",
     "TakeNewBlockIds",
     "GetNumBlocksToAllocate",
@@ -279,6 +280,15 @@ class DropOffloads:
 
 
 @dataclasses.dataclass(slots=True)
+class RecordForZeroing:
+    """The request's blocks from start_token on recorded again for zeroing, as vLLM
+    0.33's record_blocks_for_zeroing (vllm-0.33 pools)."""
+
+    request_id: str
+    start_token: int
+
+
+@dataclasses.dataclass(slots=True)
 class GetNumBlocksToAllocate:
     request_id: str
     num_tokens: int
@@ -322,6 +332,7 @@ Operation = (
     | TakeBlockCopies
     | ReleaseRetained
     | DropOffloads
+    | RecordForZeroing
 )
 
 

@@ -1539,6 +1539,11 @@ class PoolService:
         self.engine.drop_boundary_state_offloads(o.request_id)
         return None
 
+    def _record_for_zeroing(self, s: Session, o: op.RecordForZeroing) -> op.Value:
+        self._owned(s, o.request_id)
+        self.engine.record_blocks_for_zeroing(o.request_id, o.start_token)
+        return None
+
     def _num_blocks_to_allocate(self, s: Session, o: op.GetNumBlocksToAllocate) -> op.Value:
         self._owned(s, o.request_id)
         return self.engine.get_num_blocks_to_allocate(
@@ -1572,6 +1577,7 @@ _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.TakeBlockCopies: PoolService._take_copies,  # type: ignore[dict-item]
     op.ReleaseRetained: PoolService._release_retained,  # type: ignore[dict-item]
     op.DropOffloads: PoolService._drop_offloads,  # type: ignore[dict-item]
+    op.RecordForZeroing: PoolService._record_for_zeroing,  # type: ignore[dict-item]
 }
 
 

@@ -45,6 +45,7 @@ from kvcoord.wire.rules import rules_fingerprint
 
 from . import operations as op
 from .budget import event_buffer_bytes
+from .decode import apply_decode
 from .errors import ErrorReason, Position, ServiceError, Status, as_service_error
 from .events import EventJournal, event_wire_bytes
 from .fences import Fence
@@ -1305,6 +1306,17 @@ class PoolService:
                 "free blocks"
             )  # fmt: skip
 
+    def _decode(self, s: Session, o: op.Decode) -> op.Value:
+        return apply_decode(self, s, o)
+
+    def allocate_entry(self, s: Session, o: op.Allocate) -> op.Value:
+        """One Allocate as a Step applies it (a DecodeOp entry off the fused path: decode.py)."""
+        return self._allocate_adopting(s, o)
+
+    def prediction_failed(self, rid: str) -> ServiceError:
+        """PREDICTION_FAILED for an allocation refused that the client answered as granted."""
+        return self._prediction_failed(rid)
+
     def _prediction_failed(self, rid: str, what: str = "") -> ServiceError:
         what = what or (
             f"the pool refused an allocation the client had already answered as successful "
@@ -1563,6 +1575,7 @@ _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.Sync: PoolService._sync,  # type: ignore[dict-item]
     op.Admit: PoolService._admit_adopting,  # type: ignore[dict-item]
     op.AllocateRun: PoolService._allocate_run,  # type: ignore[dict-item]
+    op.Decode: PoolService._decode,  # type: ignore[dict-item]
     op.RecordStats: PoolService._record_stats,  # type: ignore[dict-item]
     op.EstimateCachedTokens: PoolService._estimate_cached_tokens,  # type: ignore[dict-item]
     op.NewStepStarts: PoolService._new_step_starts,  # type: ignore[dict-item]

@@ -61,9 +61,8 @@ def apply_decode(service: PoolService, s: Session, o: op.Decode) -> op.Value:
     ids: list[int] = []
     refused: list[int] = []
     t = h = 0
-    for i in range(n):
-        rid = rids[i]
-        nt, nh = num_t[i], num_h[i]
+    entries = zip(rids, base_t, base_h, computed, new_tokens, look, num_t, num_h, strict=True)
+    for i, (rid, bt, bh, c, nn, la, nt, nh) in enumerate(entries):
         tk, hs = tokens[t : t + nt], hashes[h : h + nh]
         t += nt
         h += nh
@@ -74,18 +73,19 @@ def apply_decode(service: PoolService, s: Session, o: op.Decode) -> op.Value:
                 and nt
                 and req is not None
                 and owners.get(rid) is s
-                and len(req.all_token_ids) == base_t[i]
-                and len(req.block_hashes) == base_h[i]
+                and len(req.all_token_ids) == bt
+                and len(req.block_hashes) == bh
             ):
-                before = (base_t[i], base_h[i], req.num_computed_tokens)
-                new = update_and_allocate(rid, computed[i], tk, hs, new_tokens[i], look[i])
+                before = (bt, bh, req.num_computed_tokens)
+                new = update_and_allocate(rid, c, tk, hs, nn, la)
                 if new is None and must:  # as the Allocate handler: the sync undone, then the error
                     engine.restore_request(rid, RequestCheckpoint(*before))
                     raise service.prediction_failed(rid)
             else:
-                sync = op.RequestSync(rid, tk, hs, False, base_t[i], base_h[i], computed[i])
-                value = service.allocate_entry(s, op.Allocate(sync, new_tokens[i], num_lookahead_tokens=look[i],
-                                                        must_succeed=must))  # fmt: skip
+                sync = op.RequestSync(rid, tk, hs, False, bt, bh, c)
+                value = service.allocate_entry(
+                    s, op.Allocate(sync, nn, num_lookahead_tokens=la, must_succeed=must)
+                )
                 assert isinstance(value, op.AllocateOutcome)
                 new = value.new_block_ids
         except Exception as exc:  # noqa: BLE001 - every failure is the entry's answer

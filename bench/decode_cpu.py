@@ -12,7 +12,9 @@ against each server, so every code sees the same calls. Shapes:
   ops   what workers.py's batched mode sends: one AllocateOp (with its positioned
         RequestSync) per allocation, a FreeOp per finished request
   run   the same calls, the allocations of registered requests as one AllocateRunOp
-        (columns; what the predicting client's sender sends)
+        (columns; what the predicting client's sender sends to a server without DecodeOp)
+  columnar  the same runs as one DecodeOp each (the same columns, refusable entries;
+        what the predicting client sends to a server listing "decode_op")
 
 For each code (this checkout, and with ``--old REV`` that git revision's client and
 server, ``git archive``d) and shape, in turns for ``--rounds`` rounds:
@@ -114,8 +116,12 @@ def shaped(pb: Any, body: bytes, shape: str) -> list[Any]:
     for o in ops:
         if o.HasField("allocate") and not o.allocate.request.new_request:
             if run is None:
-                out.append(pb.Operation(allocate_run=pb.AllocateRunOp()))
-                run = out[-1].allocate_run
+                if shape == "columnar":
+                    out.append(pb.Operation(decode=pb.DecodeOp()))
+                    run = out[-1].decode
+                else:
+                    out.append(pb.Operation(allocate_run=pb.AllocateRunOp()))
+                    run = out[-1].allocate_run
             s = o.allocate.request
             run.request_ids.append(s.request_id)
             run.base_num_tokens.append(s.base_num_tokens)
@@ -151,6 +157,14 @@ def new_blocks(resp: Any) -> list[list[int]]:
             ids = list(r.allocate_run.new_block_ids)
             k = 0
             for n in r.allocate_run.num_new_blocks:  # one group per entry (full attention)
+                out.append(ids[k : k + n])
+                k += n
+        elif r.HasField("decode"):
+            if r.decode.refused:
+                raise RuntimeError("allocation refused: the pool is too small")
+            ids = list(r.decode.new_block_ids)
+            k = 0
+            for n in r.decode.num_new_blocks:  # one group per entry (full attention)
                 out.append(ids[k : k + n])
                 k += n
     return out
@@ -361,7 +375,9 @@ def main() -> None:
     ap.add_argument("--running", type=int, default=64, help="running requests (allocations per Step)")
     ap.add_argument("--steps", type=int, default=300, help="measured Steps")
     ap.add_argument("--warmup", type=int, default=100, help="Steps applied before measuring")
-    ap.add_argument("--shapes", nargs="+", default=["ops", "run"], choices=["ops", "run"])
+    ap.add_argument(
+        "--shapes", nargs="+", default=["ops", "run", "columnar"], choices=["ops", "run", "columnar"]
+    )
     ap.add_argument("--old", help="a git revision to compare against (its client and server)")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--where", nargs="+", default=["in-process", "grpc"], choices=["in-process", "grpc"])

@@ -179,6 +179,15 @@ def allocate_runs(draw: Any) -> pb.AllocateRunOp:
     )
 
 
+def decode_of(run: pb.AllocateRunOp, must_succeed: bool) -> pb.DecodeOp:
+    """A run's columns as a DecodeOp (the same fields, by name)."""
+    d = pb.DecodeOp(must_succeed=must_succeed)
+    for field in pb.DecodeOp.DESCRIPTOR.fields:
+        if field.name != "must_succeed":
+            getattr(d, field.name).extend(getattr(run, field.name))
+    return d
+
+
 @st.composite
 def lookups(draw: Any) -> pb.LookupOp:
     op = pb.LookupOp(request=draw(syncs()))
@@ -199,6 +208,7 @@ def operations(draw: Any) -> pb.Operation:
     build: dict[str, Any] = {
         "lookup": lambda: draw(lookups()),
         "allocate_run": lambda: draw(allocate_runs()),
+        "decode": lambda: decode_of(draw(allocate_runs()), draw(st.booleans())),
         "allocate": lambda: draw(allocate_ops()),
         "free": lambda: pb.FreeOp(request_id=rid),
         "preempt": lambda: pb.PreemptOp(request_id=rid),

@@ -667,3 +667,43 @@ def test_a_lookup_that_fails_in_the_mirror_leaves_nothing_to_send(
     m.flush()
     assert _tables(client, pool) == {"a": told}
     m.close()
+
+
+@pytest.mark.parametrize("advertised", [True, False])
+def test_decode_steps_go_as_a_decode_op_where_the_server_applies_one(
+    client: KVCoordClient, pool: str, advertised: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server listing "decode_op" in AttachResponse.capabilities gets each Step's run
+    of allocations as one DecodeOp (must_succeed); one that does not, as an
+    AllocateRunOp. Either way every answer equals the mirror's and the server holds
+    the tables told."""
+    from kvcoord.client.sender import StepSender
+    from kvcoord.service import servicer
+
+    if not advertised:
+        monkeypatch.setattr(servicer, "CAPABILITIES", ())
+    kinds: list[str] = []
+    send = StepSender._send
+
+    def recording(self: StepSender, request: pb.StepRequest, *args: Any, **kw: Any) -> Any:
+        kinds.extend(str(o.WhichOneof("op")) for o in request.ops)
+        assert all(o.decode.must_succeed for o in request.ops if o.HasField("decode"))
+        return send(self, request, *args, **kw)
+
+    monkeypatch.setattr(StepSender, "_send", recording)
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    reqs = [_req(f"r{i}", list(range(10 * i, 10 * i + 6))) for i in range(3)]
+    told = {r.request_id: _admit(m, r) for r in reqs}
+    for step in range(9):
+        for r in reqs:
+            _grow(r, [900 + step])
+            new = m.allocate_slots(r, 1)
+            assert new is not None
+            r.num_computed_tokens += 1
+            told[r.request_id] = list(m.get_block_ids(r.request_id)[0])
+        m.take_events()
+    m.flush()
+    assert m.lost_requests == 0
+    assert _tables(client, pool) == told
+    assert ("decode" in kinds) == advertised and ("allocate_run" in kinds) != advertised
+    m.close()

@@ -34,7 +34,7 @@ def check_result(i: int, result: pb.OperationResult, expected: Any) -> None:
     if expected is None:
         return
     if isinstance(expected, ColumnRun):
-        if not expected.matches(result.allocate_run):
+        if not expected.matches(result.decode if result.HasField("decode") else result.allocate_run):
             raise PredictionMismatchError(f"operation {i}: the server's run of allocations differs")
         return
     kind, value = expected

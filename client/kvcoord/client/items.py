@@ -180,8 +180,9 @@ class ColumnRun:
         )
         self.size += 32 + 5 * len(tokens) + 34 * len(hashes)
 
-    def write(self, op: pb.AllocateRunOp) -> None:
-        """The entries as ``op``'s columns."""
+    def write(self, op: pb.AllocateRunOp | pb.DecodeOp) -> None:
+        """The entries as ``op``'s columns (an AllocateRunOp, or a DecodeOp with
+        must_succeed where the server applies one: the same columns)."""
         rids: list[str] = []
         base_t: list[int] = []
         base_h: list[int] = []
@@ -215,8 +216,13 @@ class ColumnRun:
         op.num_append_hashes.extend(num_hashes)
         op.append_block_hashes.extend(hashes)
 
-    def matches(self, answer: pb.AllocateRunResult) -> bool:
-        """Whether the server's answer gives each entry the mirror's blocks."""
+    def matches(self, answer: pb.AllocateRunResult | pb.DecodeResult) -> bool:
+        """Whether the server's answer gives each entry the mirror's blocks (a
+        DecodeResult: and applies every entry, none refused)."""
+        if isinstance(answer, pb.DecodeResult) and (
+            answer.num_applied != len(self.entries) or answer.refused
+        ):
+            return False
         num_blocks: list[int] = []
         block_ids: list[int] = []
         for *_, groups in self.entries:

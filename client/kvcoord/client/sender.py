@@ -497,8 +497,11 @@ class StepSender:
     def _checked_step(self, sent: Gathered) -> None:
         for _, write in sent.writes:
             write()
+        decode = "decode_op" in self.keeper.capabilities  # the server applies DecodeOp
         for op, run in sent.runs:
-            run.write(op.allocate_run)
+            if decode:
+                op.decode.must_succeed = True
+            run.write(op.decode if decode else op.allocate_run)
         resp = self._send(sent.request)
         for i, (result, expected) in enumerate(zip(resp.results, sent.expected, strict=True)):
             check_result(i, result, expected)

@@ -57,6 +57,7 @@ class SessionKeeper:
         self.fence = pb.Fence()
         self.lease = 0.0
         self.exclusive = False
+        self.capabilities: frozenset[str] = frozenset()
         self.valid_until = 0.0
         #: the error that ended this session, if it ended (set by the renewal thread)
         self.lost: KVCoordError | None = None
@@ -76,6 +77,8 @@ class SessionKeeper:
             self.fence = response.fence
             self.lease = float(response.lease_seconds)
             self.exclusive = bool(response.exclusive)
+            #: the server's AttachResponse.capabilities ("decode_op": it applies DecodeOp)
+            self.capabilities = frozenset(getattr(response, "capabilities", ()))
             self.valid_until = sent + self.lease * (1 - LEASE_MARGIN)
             self.lost = None
         self.client.retry_horizon = max(1.0, float(response.idempotency_window_seconds) / 2)

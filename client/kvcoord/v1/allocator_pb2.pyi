@@ -301,7 +301,7 @@ class PoolState(_message.Message):
     def __init__(self, next_fresh: _Optional[int] = ..., used_free_blocks: _Optional[_Iterable[int]] = ..., cached_block_ids: _Optional[_Iterable[int]] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., engine_state: _Optional[bytes] = ..., engine_state_version: _Optional[int] = ..., engine_rules: _Optional[str] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("pool", "session_id", "lease_seconds", "idempotency_window_seconds", "fence", "exclusive", "pool_state", "pool_state_unavailable")
+    __slots__ = ("pool", "session_id", "lease_seconds", "idempotency_window_seconds", "fence", "exclusive", "pool_state", "pool_state_unavailable", "capabilities")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +310,7 @@ class AttachResponse(_message.Message):
     EXCLUSIVE_FIELD_NUMBER: _ClassVar[int]
     POOL_STATE_FIELD_NUMBER: _ClassVar[int]
     POOL_STATE_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     pool: PoolInfo
     session_id: str
     lease_seconds: float
@@ -318,7 +319,8 @@ class AttachResponse(_message.Message):
     exclusive: bool
     pool_state: PoolState
     pool_state_unavailable: str
-    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., idempotency_window_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., exclusive: _Optional[bool] = ..., pool_state: _Optional[_Union[PoolState, _Mapping]] = ..., pool_state_unavailable: _Optional[str] = ...) -> None: ...
+    capabilities: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., idempotency_window_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., exclusive: _Optional[bool] = ..., pool_state: _Optional[_Union[PoolState, _Mapping]] = ..., pool_state_unavailable: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id", "fence")
@@ -525,6 +527,44 @@ class AllocateRunOp(_message.Message):
     check_num_lookahead_tokens: _containers.RepeatedScalarFieldContainer[int]
     check_num_tokens: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., base_num_tokens: _Optional[_Iterable[int]] = ..., base_num_hashes: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., num_append_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., num_append_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., check_request_ids: _Optional[_Iterable[str]] = ..., check_at: _Optional[_Iterable[int]] = ..., check_num_computed_tokens: _Optional[_Iterable[int]] = ..., check_num_new_tokens: _Optional[_Iterable[int]] = ..., check_num_lookahead_tokens: _Optional[_Iterable[int]] = ..., check_num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class DecodeOp(_message.Message):
+    __slots__ = ("request_ids", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "num_new_tokens", "num_lookahead_tokens", "num_append_tokens", "append_token_ids", "num_append_hashes", "append_block_hashes", "must_succeed")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    BASE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BASE_NUM_HASHES_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_APPEND_HASHES_FIELD_NUMBER: _ClassVar[int]
+    APPEND_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    MUST_SUCCEED_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    base_num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    base_num_hashes: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_lookahead_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_append_tokens: _containers.RepeatedScalarFieldContainer[int]
+    append_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_append_hashes: _containers.RepeatedScalarFieldContainer[int]
+    append_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    must_succeed: bool
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., base_num_tokens: _Optional[_Iterable[int]] = ..., base_num_hashes: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., num_append_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., num_append_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., must_succeed: _Optional[bool] = ...) -> None: ...
+
+class DecodeResult(_message.Message):
+    __slots__ = ("num_applied", "num_new_blocks", "new_block_ids", "refused")
+    NUM_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    num_applied: int
+    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    refused: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_applied: _Optional[int] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., refused: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AllocateRunResult(_message.Message):
     __slots__ = ("num_new_blocks", "new_block_ids")
@@ -805,7 +845,7 @@ class AdmitResult(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[AllocateResult, _Mapping]]] = ...) -> None: ...
 
 class Operation(_message.Message):
-    __slots__ = ("lookup", "allocate", "free", "preempt", "cache_blocks", "remove_skipped_blocks", "evict_blocks", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "make_prefix_cache_stats", "sync", "admit", "allocate_run", "record_prefix_cache_stats", "estimate_cached_tokens", "new_step_starts", "get_num_blocks_to_allocate", "take_new_block_ids", "take_boundary_state_offloads", "take_kv_cache_block_copies", "release_retained_blocks", "drop_boundary_state_offloads", "record_blocks_for_zeroing")
+    __slots__ = ("lookup", "allocate", "free", "preempt", "cache_blocks", "remove_skipped_blocks", "evict_blocks", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "make_prefix_cache_stats", "sync", "admit", "allocate_run", "record_prefix_cache_stats", "estimate_cached_tokens", "new_step_starts", "get_num_blocks_to_allocate", "take_new_block_ids", "take_boundary_state_offloads", "take_kv_cache_block_copies", "release_retained_blocks", "drop_boundary_state_offloads", "decode", "record_blocks_for_zeroing")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
@@ -830,6 +870,7 @@ class Operation(_message.Message):
     TAKE_KV_CACHE_BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DROP_BOUNDARY_STATE_OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     RECORD_BLOCKS_FOR_ZEROING_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupOp
     allocate: AllocateOp
@@ -855,11 +896,12 @@ class Operation(_message.Message):
     take_kv_cache_block_copies: TakeKVCacheBlockCopiesOp
     release_retained_blocks: ReleaseRetainedBlocksOp
     drop_boundary_state_offloads: DropBoundaryStateOffloadsOp
+    decode: DecodeOp
     record_blocks_for_zeroing: RecordBlocksForZeroingOp
-    def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitOp, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunOp, _Mapping]] = ..., record_prefix_cache_stats: _Optional[_Union[RecordPrefixCacheStatsOp, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensOp, _Mapping]] = ..., new_step_starts: _Optional[_Union[NewStepStartsOp, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateOp, _Mapping]] = ..., take_new_block_ids: _Optional[_Union[TakeNewBlockIdsOp, _Mapping]] = ..., take_boundary_state_offloads: _Optional[_Union[TakeBoundaryStateOffloadsOp, _Mapping]] = ..., take_kv_cache_block_copies: _Optional[_Union[TakeKVCacheBlockCopiesOp, _Mapping]] = ..., release_retained_blocks: _Optional[_Union[ReleaseRetainedBlocksOp, _Mapping]] = ..., drop_boundary_state_offloads: _Optional[_Union[DropBoundaryStateOffloadsOp, _Mapping]] = ..., record_blocks_for_zeroing: _Optional[_Union[RecordBlocksForZeroingOp, _Mapping]] = ...) -> None: ...
+    def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitOp, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunOp, _Mapping]] = ..., record_prefix_cache_stats: _Optional[_Union[RecordPrefixCacheStatsOp, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensOp, _Mapping]] = ..., new_step_starts: _Optional[_Union[NewStepStartsOp, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateOp, _Mapping]] = ..., take_new_block_ids: _Optional[_Union[TakeNewBlockIdsOp, _Mapping]] = ..., take_boundary_state_offloads: _Optional[_Union[TakeBoundaryStateOffloadsOp, _Mapping]] = ..., take_kv_cache_block_copies: _Optional[_Union[TakeKVCacheBlockCopiesOp, _Mapping]] = ..., release_retained_blocks: _Optional[_Union[ReleaseRetainedBlocksOp, _Mapping]] = ..., drop_boundary_state_offloads: _Optional[_Union[DropBoundaryStateOffloadsOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeOp, _Mapping]] = ..., record_blocks_for_zeroing: _Optional[_Union[RecordBlocksForZeroingOp, _Mapping]] = ...) -> None: ...
 
 class OperationResult(_message.Message):
-    __slots__ = ("status_code", "status_message", "reason", "position", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats", "admit", "allocate_run", "estimate_cached_tokens", "get_num_blocks_to_allocate", "take_new_block_ids", "take_boundary_state_offloads", "take_kv_cache_block_copies", "release_retained_blocks", "drop_boundary_state_offloads", "record_blocks_for_zeroing")
+    __slots__ = ("status_code", "status_message", "reason", "position", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats", "admit", "allocate_run", "estimate_cached_tokens", "get_num_blocks_to_allocate", "take_new_block_ids", "take_boundary_state_offloads", "take_kv_cache_block_copies", "release_retained_blocks", "drop_boundary_state_offloads", "decode", "record_blocks_for_zeroing")
     STATUS_CODE_FIELD_NUMBER: _ClassVar[int]
     STATUS_MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -880,6 +922,7 @@ class OperationResult(_message.Message):
     TAKE_KV_CACHE_BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     DROP_BOUNDARY_STATE_OFFLOADS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_FIELD_NUMBER: _ClassVar[int]
     RECORD_BLOCKS_FOR_ZEROING_FIELD_NUMBER: _ClassVar[int]
     status_code: int
     status_message: str
@@ -901,8 +944,9 @@ class OperationResult(_message.Message):
     take_kv_cache_block_copies: TakeKVCacheBlockCopiesResult
     release_retained_blocks: ReleaseRetainedBlocksResult
     drop_boundary_state_offloads: DropBoundaryStateOffloadsResult
+    decode: DecodeResult
     record_blocks_for_zeroing: RecordBlocksForZeroingResult
-    def __init__(self, status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ..., position: _Optional[_Union[RequestPosition, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixResult, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheResult, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResult, _Mapping]] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStatsResult, _Mapping]] = ..., admit: _Optional[_Union[AdmitResult, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunResult, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensResult, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateResult, _Mapping]] = ..., take_new_block_ids: _Optional[_Union[TakeNewBlockIdsResult, _Mapping]] = ..., take_boundary_state_offloads: _Optional[_Union[TakeBoundaryStateOffloadsResult, _Mapping]] = ..., take_kv_cache_block_copies: _Optional[_Union[TakeKVCacheBlockCopiesResult, _Mapping]] = ..., release_retained_blocks: _Optional[_Union[ReleaseRetainedBlocksResult, _Mapping]] = ..., drop_boundary_state_offloads: _Optional[_Union[DropBoundaryStateOffloadsResult, _Mapping]] = ..., record_blocks_for_zeroing: _Optional[_Union[RecordBlocksForZeroingResult, _Mapping]] = ...) -> None: ...
+    def __init__(self, status_code: _Optional[int] = ..., status_message: _Optional[str] = ..., reason: _Optional[_Union[ErrorReason, str]] = ..., position: _Optional[_Union[RequestPosition, _Mapping]] = ..., lookup: _Optional[_Union[LookupResult, _Mapping]] = ..., allocate: _Optional[_Union[AllocateResult, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsResult, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixResult, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheResult, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsResult, _Mapping]] = ..., prefix_cache_stats: _Optional[_Union[PrefixCacheStatsResult, _Mapping]] = ..., admit: _Optional[_Union[AdmitResult, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunResult, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensResult, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateResult, _Mapping]] = ..., take_new_block_ids: _Optional[_Union[TakeNewBlockIdsResult, _Mapping]] = ..., take_boundary_state_offloads: _Optional[_Union[TakeBoundaryStateOffloadsResult, _Mapping]] = ..., take_kv_cache_block_copies: _Optional[_Union[TakeKVCacheBlockCopiesResult, _Mapping]] = ..., release_retained_blocks: _Optional[_Union[ReleaseRetainedBlocksResult, _Mapping]] = ..., drop_boundary_state_offloads: _Optional[_Union[DropBoundaryStateOffloadsResult, _Mapping]] = ..., decode: _Optional[_Union[DecodeResult, _Mapping]] = ..., record_blocks_for_zeroing: _Optional[_Union[RecordBlocksForZeroingResult, _Mapping]] = ...) -> None: ...
 
 class FindLongestCacheHitRequest(_message.Message):
     __slots__ = ("pool", "block_hashes", "num_tokens")

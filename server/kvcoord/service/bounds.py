@@ -15,7 +15,7 @@ operations; token and hash lists like one request's tokens.
 
 A few fields are bounded elsewhere (:data:`ELSEWHERE`, in the table too):
 ``StepRequest.ops`` by ``max_ops_per_step`` (RESOURCE_EXHAUSTED, pool_service.py); an
-``AllocateRunOp``'s per-entry columns by its ``request_ids`` (each needs one value per
+``AllocateRunOp``'s and a ``DecodeOp``'s per-entry columns by their ``request_ids`` (each needs one value per
 entry); its token and hash columns (every entry's appends together) by the message
 size only, each entry's share then checked against the pool's ``max_model_len``; and
 each appended block hash by the engine (a pool with caching takes exactly its hash
@@ -136,6 +136,8 @@ BOUNDS: Mapping[str, int | str] = {
     "AllocateRunOp.request_ids[]": MAX_REQUEST_ID_LENGTH,
     "AllocateRunOp.check_request_ids": "max_ops_per_step",
     "AllocateRunOp.check_request_ids[]": MAX_REQUEST_ID_LENGTH,
+    "DecodeOp.request_ids": "max_ops_per_step",
+    "DecodeOp.request_ids[]": MAX_REQUEST_ID_LENGTH,
     # block ids
     "CacheHit.groups": MAX_GROUPS,
     "GetBlockIdsResult.groups": MAX_GROUPS,
@@ -160,21 +162,21 @@ BOUNDS: Mapping[str, int | str] = {
     "MambaSpec.dtypes[]": 64,
 }
 
+#: an AllocateRunOp's and a DecodeOp's columns with one value per entry
+_ENTRY_COLUMNS = (
+    "base_num_tokens",
+    "base_num_hashes",
+    "num_computed_tokens",
+    "num_new_tokens",
+    "num_lookahead_tokens",
+    "num_append_tokens",
+    "num_append_hashes",
+)
+
 #: lists bounded elsewhere (see the module docstring): field -> what bounds it
 ELSEWHERE: Mapping[str, str] = {
     "StepRequest.ops": "max_ops_per_step (RESOURCE_EXHAUSTED)",
-    **{
-        f"AllocateRunOp.{name}": "one value per entry (request_ids)"
-        for name in (
-            "base_num_tokens",
-            "base_num_hashes",
-            "num_computed_tokens",
-            "num_new_tokens",
-            "num_lookahead_tokens",
-            "num_append_tokens",
-            "num_append_hashes",
-        )  # fmt: skip
-    },
+    **{f"AllocateRunOp.{name}": "one value per entry (request_ids)" for name in _ENTRY_COLUMNS},
     **{
         f"AllocateRunOp.{name}": "one value per check (check_request_ids)"
         for name in (
@@ -185,11 +187,15 @@ ELSEWHERE: Mapping[str, str] = {
             "check_num_tokens",
         )  # fmt: skip
     },
+    **{f"DecodeOp.{name}": "one value per entry (request_ids)" for name in _ENTRY_COLUMNS},
+    "DecodeOp.append_token_ids": "max_message_bytes",
+    "DecodeOp.append_block_hashes": "max_message_bytes",
     "AllocateRunOp.append_token_ids": "max_message_bytes",
     "AllocateRunOp.append_block_hashes": "max_message_bytes",
     # a pool with caching on takes hashes of exactly its hash length, one without ignores them
     "RequestSync.append_block_hashes[]": "the pool's hash length (engine)",
     "AllocateRunOp.append_block_hashes[]": "the pool's hash length (engine)",
+    "DecodeOp.append_block_hashes[]": "the pool's hash length (engine)",
 }
 
 

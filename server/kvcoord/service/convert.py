@@ -232,10 +232,34 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
             if run.check_request_ids or run.check_at
             else None,
         )
+    if kind == "decode":
+        d = o.decode
+        return op.Decode(  # lists: indexing and slicing one costs less than a wire container's
+            list(d.request_ids),
+            list(d.base_num_tokens),
+            list(d.base_num_hashes),
+            list(d.num_computed_tokens),
+            list(d.num_new_tokens),
+            list(d.num_lookahead_tokens),
+            list(d.num_append_tokens),
+            list(d.append_token_ids),
+            list(d.num_append_hashes),
+            list(d.append_block_hashes),
+            d.must_succeed,
+        )
     if kind == "admit":
         a = o.admit
         return op.Admit([sync_from_pb(r) for r in a.requests], a.token_budget, a.num_lookahead_tokens)
     raise _invalid("operation has no op set")
+
+
+def write_decode(out: pb.DecodeResult, d: op.DecodeOutcome) -> None:
+    """Fill ``out`` with a Decode's answer (the columns at once)."""
+    out.num_applied = d.num_applied
+    out.num_new_blocks.extend(d.num_new_blocks)
+    out.new_block_ids.extend(d.new_block_ids)
+    out.refused.extend(d.refused)
+    out.SetInParent()
 
 
 def write_allocate(out: pb.AllocateResult, a: op.AllocateOutcome) -> None:
@@ -356,7 +380,10 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
             status_code=_ABORTED, status_message=f"not applied: operation {o.aborted_by} failed"
         )
     if o.error is not None:
-        return error_to_result(o.error)
+        r = error_to_result(o.error)
+        if isinstance(o.error, op.DecodeFailed):  # the entries before the failing one
+            write_decode(r.decode, o.error.partial)
+        return r
     v = o.value
     if isinstance(operation, op.Allocate):
         assert isinstance(v, op.AllocateOutcome)
@@ -367,6 +394,11 @@ def outcome_to_pb(operation: op.Operation, o: op.Outcome) -> pb.OperationResult:
         r.allocate_run.num_new_blocks.extend(v.num_new_blocks)
         r.allocate_run.new_block_ids.extend(v.new_block_ids)
         r.allocate_run.SetInParent()
+        return r
+    if isinstance(operation, op.Decode):
+        assert isinstance(v, op.DecodeOutcome)
+        r = pb.OperationResult()
+        write_decode(r.decode, v)
         return r
     if isinstance(operation, op.Admit):
         assert isinstance(v, op.Admitted)

@@ -24,6 +24,9 @@ __all__ = [
     "AllocateOutcome",
     "CacheBlocks",
     "CommonPrefix",
+    "Decode",
+    "DecodeFailed",
+    "DecodeOutcome",
     "EventsTaken",
     "EvictBlocks",
     "Free",
@@ -142,6 +145,44 @@ class AllocateRun:
     append_block_hashes: Sequence[bytes]
     #: allocations the client answered as changing nothing, checked in order
     checks: RunChecks | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Decode:
+    """A decode step's allocations in columns, each applied as its AllocateOp would be
+    (see the proto's DecodeOp)."""
+
+    request_ids: Sequence[str]
+    base_num_tokens: Sequence[int]
+    base_num_hashes: Sequence[int]
+    num_computed_tokens: Sequence[int]
+    num_new_tokens: Sequence[int]
+    num_lookahead_tokens: Sequence[int]
+    num_append_tokens: Sequence[int]
+    append_token_ids: Sequence[int]
+    num_append_hashes: Sequence[int]
+    append_block_hashes: Sequence[bytes]
+    must_succeed: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class DecodeOutcome:
+    """A Decode's answer: the entries applied, their new blocks (counts per entry and
+    group, then the ids) and the indices of the refused ones."""
+
+    num_applied: int
+    num_new_blocks: list[int]
+    new_block_ids: list[int]
+    refused: list[int]
+
+
+class DecodeFailed(ServiceError):
+    """Entry ``partial.num_applied`` of a Decode failed with this (its AllocateOp's own)
+    error; the entries before it, in ``partial``, stay applied."""
+
+    def __init__(self, err: ServiceError, partial: DecodeOutcome) -> None:
+        super().__init__(err.status, err.message, err.reason, err.position, err.owner)
+        self.partial = partial
 
 
 @dataclasses.dataclass(slots=True)
@@ -323,6 +364,7 @@ Operation = (
     | Sync
     | Admit
     | AllocateRun
+    | Decode
     | RecordStats
     | EstimateCachedTokens
     | NewStepStarts
@@ -374,6 +416,7 @@ Value = (
     | LookedUp
     | Hinted
     | RunOutcome
+    | DecodeOutcome
     | AllocateOutcome
     | Admitted
     | BlockIds

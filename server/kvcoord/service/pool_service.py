@@ -1305,6 +1305,89 @@ class PoolService:
                 "free blocks"
             )  # fmt: skip
 
+    def _decode(self, s: Session, o: op.Decode) -> op.Value:
+        """A DecodeOp: a decode step's allocations in columns, each entry answered, and
+        leaving the pool, exactly as its AllocateOp would in the same Step. An entry of
+        this session's request at its position with tokens to append, while no
+        reservation is live, takes the engine's fused update-and-allocate (as
+        :meth:`_allocate_plain`); any other entry is built into its Allocate and applied
+        by the Allocate handler, which says what is wrong with it. The first entry that
+        fails fails the operation with its own error (op.DecodeFailed, carrying the
+        entries before it, which stay applied).
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT (nothing applied) when the columns do not have
+                one value per entry or the appended values do not add up;
+                :class:`~.operations.DecodeFailed` when an entry fails.
+        """
+        rids = o.request_ids
+        n = len(rids)
+        base_t, base_h, computed = o.base_num_tokens, o.base_num_hashes, o.num_computed_tokens
+        new_tokens, look, num_t, num_h = (
+            o.num_new_tokens,
+            o.num_lookahead_tokens,
+            o.num_append_tokens,
+            o.num_append_hashes,
+        )
+        if any(len(c) != n for c in (base_t, base_h, computed, new_tokens, look, num_t, num_h)):
+            raise ServiceError(Status.INVALID, "decode: every column needs one value per entry")
+        tokens, hashes = o.append_token_ids, o.append_block_hashes
+        if sum(num_t) != len(tokens) or sum(num_h) != len(hashes):
+            raise ServiceError(
+                Status.INVALID,
+                "decode: num_append_tokens / num_append_hashes do not add up to the appended values",
+            )
+        engine = self.engine
+        must = o.must_succeed
+        fused = not engine.reservations.live  # else a first allocation may adopt one: the handler's
+        owners, requests = self.owners, engine.requests
+        update_and_allocate = engine.update_and_allocate
+        refused_groups = [0] * len(engine.managers)
+        counts: list[int] = []
+        ids: list[int] = []
+        refused: list[int] = []
+        t = h = 0
+        entries = zip(rids, base_t, base_h, computed, new_tokens, look, num_t, num_h, strict=True)
+        for i, (rid, bt, bh, c, nn, la, nt, nh) in enumerate(entries):
+            tk, hs = tokens[t : t + nt], hashes[h : h + nh]
+            t += nt
+            h += nh
+            try:
+                req = requests.get(rid)
+                if (
+                    fused
+                    and nt
+                    and req is not None
+                    and owners.get(rid) is s
+                    and len(req.all_token_ids) == bt
+                    and len(req.block_hashes) == bh
+                ):
+                    before = (bt, bh, req.num_computed_tokens)
+                    new = update_and_allocate(rid, c, tk, hs, nn, la)
+                    if new is None and must:  # as the Allocate handler: the sync undone, then the error
+                        engine.restore_request(rid, RequestCheckpoint(*before))
+                        raise self._prediction_failed(rid)
+                else:
+                    sync = op.RequestSync(rid, tk, hs, False, bt, bh, c)
+                    value = self._allocate_adopting(
+                        s, op.Allocate(sync, nn, num_lookahead_tokens=la, must_succeed=must)
+                    )
+                    assert isinstance(value, op.AllocateOutcome)
+                    new = value.new_block_ids
+            except Exception as exc:  # noqa: BLE001 - every failure is the entry's answer
+                raise op.DecodeFailed(
+                    as_service_error(exc), op.DecodeOutcome(i, counts, ids, refused)
+                ) from exc
+            if new is None:
+                refused.append(i)
+                counts += refused_groups
+            else:
+                for group in new:
+                    counts.append(len(group))
+                    if group:
+                        ids += group
+        return op.DecodeOutcome(n, counts, ids, refused)
+
     def _prediction_failed(self, rid: str, what: str = "") -> ServiceError:
         what = what or (
             f"the pool refused an allocation the client had already answered as successful "
@@ -1568,6 +1651,7 @@ _HANDLERS: dict[type, Callable[[PoolService, Session, object], op.Value]] = {
     op.Sync: PoolService._sync,  # type: ignore[dict-item]
     op.Admit: PoolService._admit_adopting,  # type: ignore[dict-item]
     op.AllocateRun: PoolService._allocate_run,  # type: ignore[dict-item]
+    op.Decode: PoolService._decode,  # type: ignore[dict-item]
     op.RecordStats: PoolService._record_stats,  # type: ignore[dict-item]
     op.EstimateCachedTokens: PoolService._estimate_cached_tokens,  # type: ignore[dict-item]
     op.NewStepStarts: PoolService._new_step_starts,  # type: ignore[dict-item]

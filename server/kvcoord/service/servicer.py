@@ -136,6 +136,9 @@ def _fence(request: Any) -> Fence | None:
 #: what an answer keeps free besides its events or pool state (fields written after
 #: the budget is taken: statistics, flags, the session id, gRPC's framing)
 ANSWER_MARGIN_BYTES = 1024
+#: AttachResponse.capabilities: the operations beyond every server's this one applies
+#: ("decode_op": DecodeOp); a client sends one only when it is listed
+CAPABILITIES = ("decode_op",)
 
 
 class AllocatorServicer(pb_grpc.AllocatorServicer):
@@ -345,6 +348,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             idempotency_window_seconds=self.registry.idempotency.window,
             fence=fence_to_pb(service.fence),
             exclusive=s.exclusive,
+            capabilities=CAPABILITIES,
         )
         if request.want_pool_state and request.want_engine_state and s.exclusive:
             await self._export_engine_state(service, s, response)
@@ -704,7 +708,7 @@ def free_answer(service: PoolService, fence: pb.Fence) -> pb.FreeResponse:
 def step_weight(ops: list[op.Operation]) -> tuple[int, bool]:
     """A Step's operations as the engine applies them, and whether one is a TakeEvents.
 
-    An AllocateRun counts each entry and each check, an Admit each request it may
+    An AllocateRun counts each entry and each check, a Decode each entry, an Admit each request it may
     admit, any other operation one: what ``kvcoord_step_operations_total`` counts, so
     that engine time per operation means the same whether a client sends a decode
     step as one run or as one AllocateOp per request."""
@@ -716,6 +720,8 @@ def step_weight(ops: list[op.Operation]) -> tuple[int, bool]:
             n += 1
         elif isinstance(o, op.AllocateRun):
             n += len(o.request_ids) + (len(o.checks.request_ids) if o.checks is not None else 0)
+        elif isinstance(o, op.Decode):
+            n += len(o.request_ids)
         elif isinstance(o, op.Admit):
             n += len(o.syncs)
         else:

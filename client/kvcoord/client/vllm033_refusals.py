@@ -53,7 +53,7 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     )
 
     groups = kv_cache_config.kv_cache_groups
-    parallel = vllm_config.parallel_config
+    parallel = getattr(vllm_config, "parallel_config", None)
     dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
     pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
     if dcp > 1 or pcp > 1:

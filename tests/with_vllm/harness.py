@@ -121,10 +121,11 @@ def kv_cache_config(layout: str, num_blocks: int, num_speculative_blocks: int = 
     to 0 (what EngineCore copies from 0.33's CacheConfig by default); without one it
     keeps KVCacheConfig's own default, None (dense). `` mixed`` gives the last group a
     bfloat16 KV cache beside the others' float16: a mixed-precision KV cache, for which
-    vLLM 0.33 zeroes new blocks (``needs_kv_cache_zeroing``)."""
+    vLLM 0.33 zeroes new blocks (``needs_kv_cache_zeroing``). `` mtp`` flags the first
+    group ``is_eagle_group`` (it holds the MTP layer, as vLLM 0.33's planner marks it)."""
     layout, *options = layout.split(" ")
     mixed = "mixed" in options
-    retention = next((o for o in options if o != "mixed"), "")
+    retention = next((o for o in options if o not in ("mixed", "mtp")), "")
     common: dict[str, Any] = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
     groups = [
         k.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], k.FullAttentionSpec(BLOCK_SIZE, **common))
@@ -177,6 +178,8 @@ def kv_cache_config(layout: str, num_blocks: int, num_speculative_blocks: int = 
                 k.SlidingWindowSpec(BLOCK_SIZE, sliding_window=64, **common),
             )
         )
+    if "mtp" in options:  # the group of the MTP layer, as vLLM's planner flags it (0.33)
+        groups[0] = dataclasses.replace(groups[0], is_eagle_group=True)
     if mixed:
         groups[-1] = dataclasses.replace(
             groups[-1], kv_cache_spec=dataclasses.replace(groups[-1].kv_cache_spec, dtype=torch.bfloat16)

@@ -153,7 +153,7 @@ def run_both(
     kind = "sync" if kind == "pp2" else kind
     if layout.startswith("mla"):
         # (MLA: a DeepSeek-shaped model, use_mla; "mla-mtp2": of two MTP layers)
-        model_dir = write_deepseek_dir(model_dir, 2 if layout == "mla-mtp2" else 1)
+        model_dir = write_deepseek_dir(model_dir, 2 if layout.startswith("mla-mtp2") else 1)
     if V033 and layout == "full+mamba":
         caching = False  # vLLM 0.33 caches mamba state only in "align" mode (its manager asserts it)
     # vLLM gives a mamba group one speculative block per draft token
@@ -732,6 +732,8 @@ def test_an_mla_pool_decides_like_vllm_033(
     assert lookahead == (0 if speculative is None else mtp_layers), lookahead
     # taken, not skipped as refused (the plug-in refused MLA groups before)
     assert unsupported_033(kv_cache_config(layout, NUM_BLOCKS), config, BLOCK_SIZE) is None
+    if speculative:
+        layout += " mtp"  # (the group holds the MTP layer: is_eagle_group)
     for blocks, seed in ((40, 19), (4096, 6)):
         r = run_both(kind, layout, blocks, seed, model_dir, server, monkeypatch, speculative=speculative,
                      predict=predict)  # fmt: skip

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import BLOCK_SIZE, SCHEDULERS, V033, kv_cache_config, make_scheduler, vllm_config
+from harness import (
+    BLOCK_SIZE,
+    SCHEDULERS,
+    V033,
+    kv_cache_config,
+    make_scheduler,
+    vllm_config,
+    write_deepseek_dir,
+)
 from kvcoord.client import KVCoordClient
 from kvcoord.service.testing import InProcessServer
 
@@ -41,7 +49,7 @@ def pool_env(
             c.delete_pool(name)
 
 
-@pytest.mark.parametrize("layout", ["full", "full+swa"])
+@pytest.mark.parametrize("layout", ["full", "full+swa", "mla"])
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_the_engine_core_reads_the_manager_as_from_vllms(
     kind: str, layout: str, model_dir: Path, pool_env: str
@@ -52,6 +60,8 @@ def test_the_engine_core_reads_the_manager_as_from_vllms(
     from vllm.v1.engine.core import EngineCore
 
     answers = []
+    if layout == "mla":
+        model_dir = write_deepseek_dir(model_dir)  # (use_mla; the group's kind "mla_attention")
     for cls in (SCHEDULERS[kind], _kvcoord(kind)):
         config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=kind == "async")
         sched = make_scheduler(cls, config, kv_cache_config(layout, NUM_BLOCKS))

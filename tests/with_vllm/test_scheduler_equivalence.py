@@ -719,7 +719,8 @@ def test_an_mla_pool_decides_like_vllm_033(
     """A DeepSeek-like engine (``use_mla``: one MLAAttentionSpec group, which vLLM 0.33's
     FullAttentionManager manages), alone or with MTP drafts (0.33's default look-ahead
     block hashes: one token, or two for two MTP layers, multi-module), on vLLM's
-    Scheduler and AsyncScheduler: identical decisions and events (``kv_cache_spec_kind``
+    Scheduler and AsyncScheduler, with prefix-cache resets, priorities, cache salts and
+    re-announced hits: identical decisions and events (``kv_cache_spec_kind``
     "mla_attention") under memory pressure and with blocks to spare, the pool's answers
     or the client's predictions."""
     from kvcoord.client.vllm033 import unsupported_033
@@ -734,12 +735,14 @@ def test_an_mla_pool_decides_like_vllm_033(
     assert unsupported_033(kv_cache_config(layout, NUM_BLOCKS), config, BLOCK_SIZE) is None
     if speculative:
         layout += " mtp"  # (the group holds the MTP layer: is_eagle_group)
+    extras = frozenset({"resets", "priority", "salt", "report"})
     for blocks, seed in ((40, 19), (4096, 6)):
         r = run_both(kind, layout, blocks, seed, model_dir, server, monkeypatch, speculative=speculative,
-                     predict=predict)  # fmt: skip
+                     predict=predict, extras=extras)  # fmt: skip
         assert r.got == r.want, first_difference(r.want, r.got)
         assert r.got_counts == r.want_counts
         assert r.want_counts["finished"] > 20 and r.want_counts["hit_tokens"] > 0, r.want_counts
+        assert r.want_counts["resets"] > 0, r.want_counts
         assert blocks != 40 or r.want_counts["preempted"] > 0, r.want_counts
         assert r.manager.lost_requests == 0
         assert r.manager.config.groups[0].full.use_mla

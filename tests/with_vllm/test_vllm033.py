@@ -328,3 +328,20 @@ def test_full_report_mode_requests_publish_as_vllm_033(
                 re_announced += 1
             cached.update((h, group) for h in hashes)
     assert r.want_counts["hit_tokens"] > 0 and re_announced > 20, (r.want_counts, re_announced)
+
+
+def test_multi_module_mtp_beside_a_kv_connector_is_refused(model_dir: Path) -> None:
+    """Multi-module MTP (two MTP layers, two drafts: a prefill look-ahead of 2) runs on its
+    look-ahead hashes (test_an_mla_pool_decides_like_vllm_033: the pool caches up to
+    computed - 1, vLLM 0.33's re-prefillable tail); beside a KV connector vLLM keeps the
+    legacy hashes but still holds back that tail, which the pool cannot know: named."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    deepseek = write_deepseek_dir(model_dir, 2)
+    kv = kv_cache_config("mla", NUM_BLOCKS)
+    config = vllm_config(deepseek, NUM_BLOCKS, async_scheduling=False, speculative="mtp")
+    assert unsupported_033(kv, config, BLOCK_SIZE) is None
+    config = vllm_config(deepseek, NUM_BLOCKS, async_scheduling=False, speculative="mtp",
+                         connector="LoadedHalfConnector")  # fmt: skip
+    why = unsupported_033(kv, config, BLOCK_SIZE)
+    assert why is not None and "multi-module MTP (a prefill look-ahead of 2 tokens)" in why, why

@@ -123,6 +123,20 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     why = connector_refusal_033(kv_cache_config, vllm_config)
     if why is not None:
         return why
+    prefill_lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+    hash_lookahead = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+    if (
+        prefill_lookahead > 1
+        and prefill_lookahead != hash_lookahead
+        and vllm_config.cache_config.enable_prefix_caching
+    ):
+        # (the pool's re-prefillable tail is its look-ahead L - 1: 0.33's is the prefill
+        # look-ahead's, which only look-ahead hashes carry)
+        return (
+            f"multi-module MTP (a prefill look-ahead of {prefill_lookahead} tokens) with block "
+            f"hashes of {hash_lookahead} look-ahead tokens (a KV connector keeps the legacy "
+            "hashes): its re-prefillable tail is not supported by the vllm-0.33 profile"
+        )
     spec = vllm_config.speculative_config
     if (
         spec is not None

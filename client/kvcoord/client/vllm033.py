@@ -24,7 +24,8 @@ and mamba; sparse, dense or periodic sliding-window retention as the KVCacheConf
 asynchronous scheduler, the FCFS and priority policies, the watermark
 (``AllocateOp.watermark_blocks``), cache salts, LoRA adapters (their
 path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
-speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, mamba
+speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes (multi-module
+MTP too: the pool holds back its re-prefillable tail from caching), mamba
 groups beside full attention (``align`` mode, or ``none`` with prefix caching off;
 speculative blocks, on every scheduler; the pool's shared-prefix boundary and per-step
 drains, :mod:`.vllm033_mamba`; prefill checkpoint blocks,
@@ -42,7 +43,7 @@ with ``tokens_per_state`` other than 1, DeepseekV4 fields or a sparse-MLA indexe
 attention sinks, which vLLM 0.33.0 itself cannot start), decode / prefill context
 parallelism, a positive
 ``prefix_cache_retention_interval`` beside a mamba group, EAGLE/MTP with the trailing-block drop (look-ahead
-hashes turned off), a KV connector with a HiSparse host pool (load
+hashes turned off), multi-module MTP beside a KV connector, a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
 :func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), other
 and fine-grained (partial) hits. With KV events on, a request's multimodal items

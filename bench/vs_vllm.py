@@ -49,12 +49,12 @@ Two parts:
    boundaries kept on the request, EAGLE's drafts with look-ahead
    slots and ``cache_blocks`` after each output, aborts, resets plain and after preempting
    everything, resent prompts and next turns of finished conversations) drives vLLM
-   0.33.0's manager and a ``vllm-0.33`` pool on fourteen layouts (``LAYOUTS_033``: full
+   0.33.0's manager and a ``vllm-0.33`` pool on fifteen layouts (``LAYOUTS_033``: full
    attention, sliding windows of 16- and 32-token blocks, two windows, chunked local,
    full attention of two block sizes, both with a window, full attention with a mamba
    "align" group, which has 2 speculative blocks with EAGLE/MTP on, its prefill chunks
    ending on block boundaries as 0.33's scheduler clips them, and the same with one
-   prefill checkpoint block), with prefix caching on and
+   prefill checkpoint block, and one MLA group), with prefix caching on and
    off and EAGLE on and off, set up as vLLM 0.33's engine sets up its manager (hash
    blocks of the GCD of the block sizes, hits and caching aligned to their LCM, sparse
    sliding-window retention unless the layout sets another (a window alone, periodic
@@ -360,7 +360,8 @@ def workload(side: Any, seed: int, steps: int, timings: dict[str, list[float]] |
 #: 32-token blocks), swa/swa32 (sliding window), chunked (chunked local attention, 16).
 #: mamba_align: mamba in "align" mode (16), with SPEC_TOKENS_033 speculative blocks when
 #: EAGLE/MTP is on; mamba_align_ckpt: the same with one prefill checkpoint block
-#: (alignment 1, as vLLM 0.33's Mamba2 layers set it).
+#: (alignment 1, as vLLM 0.33's Mamba2 layers set it). mla: one MLA group (16), as
+#: DeepSeek V2/V3/R1 and Kimi K2 have (with EAGLE on: MTP's one look-ahead token).
 LAYOUTS_033: dict[str, list[tuple[str, dict[str, Any]]]] = {
     **{name: layout for name, layout in LAYOUTS.items() if "mamba" not in name},
     "full16+chunked16(c64)": [("full", {}), ("chunked", {"attention_chunk_size": 64})],
@@ -378,6 +379,7 @@ LAYOUTS_033: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "full32+swa16(w16) r128": [("full32", {}), ("swa", {"sliding_window": 16, "retention": 128})],
     "full32+swa16(w16) dense": [("full32", {}), ("swa", {"sliding_window": 16, "retention": None})],
     "full16+mamba16(align,ckpt)": [("full", {}), ("mamba_align_ckpt", {})],
+    "mla16": [("mla", {})],
 }
 #: the scheduler's token budget per step, and so vLLM 0.33's max_in_flight_tokens (one
 #: batch in flight: the synchronous scheduler)
@@ -407,8 +409,8 @@ def _ours_spec(kind: str, kw: dict[str, Any], spec_blocks: int = 0) -> Any:
         ckpt = int(kind == "mamba_align_ckpt")
         return MambaSpec(16, MambaCacheMode.ALIGN, spec_blocks, num_prefill_checkpoint_blocks=ckpt,
                          prefill_checkpoint_alignment=1 if ckpt else None)  # fmt: skip
-    if kind in ("full", "full32"):
-        return FullAttentionSpec(size)
+    if kind in ("full", "full32", "mla"):
+        return FullAttentionSpec(size, use_mla=kind == "mla")
     if kind in ("swa", "swa32"):
         return SlidingWindowSpec(size, kw["sliding_window"])
     if kind == "chunked":
@@ -528,6 +530,8 @@ class VLLM033(VLLM):
             size = 32 if kind in ("full32", "swa32") else 16
             if kind in ("full", "full32"):
                 specs.append(k.FullAttentionSpec(size, **common))
+            elif kind == "mla":  # (one latent vector per token)
+                specs.append(k.MLAAttentionSpec(size, num_kv_heads=1, head_size=576, dtype=torch.float16))
             elif kind in ("swa", "swa32"):
                 specs.append(k.SlidingWindowSpec(size, sliding_window=kw["sliding_window"], **common))
             elif kind == "chunked":

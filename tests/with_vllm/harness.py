@@ -61,7 +61,9 @@ VOCAB = 1000
 #: layout name -> KV cache group specs (vLLM's); "full+swa" is a hybrid (two groups);
 #: "full+mamba" / "full+mamba-align" (not in LAYOUTS) add a mamba group instead, its
 #: state cached not at all / at block boundaries (vLLM's mamba_cache_mode), and
-#: "full+chunked" a chunked local attention group (chunks of 64 tokens)
+#: "full+chunked" a chunked local attention group (chunks of 64 tokens); "mla" (vLLM
+#: 0.33, not in LAYOUTS) is one MLAAttentionSpec group, as DeepSeek V2/V3/R1 and Kimi K2
+#: have, for the model of :func:`write_deepseek_dir` ("mla-mtp2": of two MTP layers)
 LAYOUTS = ("full", "full+swa")
 
 
@@ -74,6 +76,28 @@ def write_model_dir(path: Path) -> Path:
         "num_hidden_layers": 2, "head_dim": 16, "vocab_size": VOCAB, "max_position_embeddings": 4096,
         "sliding_window": None, "torch_dtype": "float16", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "tie_word_embeddings": False,
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def write_deepseek_dir(model_dir: Path, mtp_layers: int = 1) -> Path:
+    """A DeepSeek-V3-shaped model of two layers beside ``model_dir`` (MLA: vLLM's
+    ``use_mla``; ``mtp_layers`` MTP layers, ``num_nextn_predict_layers``: with two, MTP
+    of two drafts is multi-module, its look-ahead two tokens): only what ModelConfig and
+    an MTP SpeculativeConfig inspect."""
+    path = model_dir.parent / f"{model_dir.name}-deepseek{mtp_layers}"
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+        "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": VOCAB, "max_position_embeddings": 4096,
+        "torch_dtype": "float16", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "kv_lora_rank": 32,
+        "q_lora_rank": None, "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+        "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2, "first_k_dense_replace": 1,
+        "moe_layer_freq": 1, "n_group": 1, "topk_group": 1, "num_nextn_predict_layers": mtp_layers,
+        "routed_scaling_factor": 1.0, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "norm_topk_prob": True, "tie_word_embeddings": False, "rope_scaling": None,
     }  # fmt: skip
     (path / "config.json").write_text(json.dumps(cfg))
     return path
@@ -97,14 +121,18 @@ def kv_cache_config(layout: str, num_blocks: int, num_speculative_blocks: int = 
     to 0 (what EngineCore copies from 0.33's CacheConfig by default); without one it
     keeps KVCacheConfig's own default, None (dense). `` mixed`` gives the last group a
     bfloat16 KV cache beside the others' float16: a mixed-precision KV cache, for which
-    vLLM 0.33 zeroes new blocks (``needs_kv_cache_zeroing``)."""
+    vLLM 0.33 zeroes new blocks (``needs_kv_cache_zeroing``). `` mtp`` flags the first
+    group ``is_eagle_group`` (it holds the MTP layer, as vLLM 0.33's planner marks it)."""
     layout, *options = layout.split(" ")
     mixed = "mixed" in options
-    retention = next((o for o in options if o != "mixed"), "")
+    retention = next((o for o in options if o not in ("mixed", "mtp")), "")
     common: dict[str, Any] = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
     groups = [
         k.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], k.FullAttentionSpec(BLOCK_SIZE, **common))
     ]
+    if layout.startswith("mla"):  # ("mla-mtp2" too; a latent vector, kv_lora_rank + qk_rope_head_dim)
+        mla = k.MLAAttentionSpec(BLOCK_SIZE, num_kv_heads=1, head_size=48, dtype=torch.float16)
+        groups = [k.KVCacheGroupSpec(["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"], mla)]
     if layout == "swa":
         groups = []
         layout = "full+swa"
@@ -150,6 +178,8 @@ def kv_cache_config(layout: str, num_blocks: int, num_speculative_blocks: int = 
                 k.SlidingWindowSpec(BLOCK_SIZE, sliding_window=64, **common),
             )
         )
+    if "mtp" in options:  # the group of the MTP layer, as vLLM's planner flags it (0.33)
+        groups[0] = dataclasses.replace(groups[0], is_eagle_group=True)
     if mixed:
         groups[-1] = dataclasses.replace(
             groups[-1], kv_cache_spec=dataclasses.replace(groups[-1].kv_cache_spec, dtype=torch.bfloat16)
@@ -182,7 +212,8 @@ def vllm_config(
     (2 drafts, and 2 lookahead slots in every allocation, as a draft model needs; the
     draft model is this same weightless model) or "eagle" (the same, and prefix hits
     drop their last block, as vLLM's manager does for EAGLE; a one-layer Llama-shaped
-    draft config beside the model). ``watermark``: the scheduler's (vLLM 0.24+)."""
+    draft config beside the model) or "mtp" (2 drafts from the model's own MTP layer:
+    ``model_dir`` of :func:`write_deepseek_dir`). ``watermark``: the scheduler's (vLLM 0.24+)."""
     model = ModelConfig(
         model=str(model_dir), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float16",
         enable_prompt_embeds=prompt_embeds,

@@ -29,6 +29,7 @@ from harness import (
     make_scheduler,
     run_workload,
     vllm_config,
+    write_deepseek_dir,
 )
 from kvcoord.client import KVCoordClient
 from kvcoord.client.vllm import KVCacheBlocks, KVCoordKVCacheManager
@@ -150,6 +151,9 @@ def run_both(
     kind = "sync" if kind == "pp2" else kind
     overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
     kind = "sync" if kind == "pp2" else kind
+    if layout.startswith("mla"):
+        # (MLA: a DeepSeek-shaped model, use_mla; "mla-mtp2": of two MTP layers)
+        model_dir = write_deepseek_dir(model_dir, 2 if layout.startswith("mla-mtp2") else 1)
     if V033 and layout == "full+mamba":
         caching = False  # vLLM 0.33 caches mamba state only in "align" mode (its manager asserts it)
     # vLLM gives a mamba group one speculative block per draft token
@@ -699,6 +703,56 @@ def test_speculative_decoding_on_a_mamba_hybrid_decides_like_vllm(
         assert (r.manager.config.num_hash_lookahead_tokens > 0) == (speculative == "eagle")
     drafts = [len(t) for kind, *rest in r.want if kind == "schedule" for t in rest[1]["drafts"].values()]
     assert len(drafts) > 500, len(drafts)  # requests scheduled with drafts
+
+
+@pytest.mark.skipif(not V033, reason="the vllm-0.33 plug-in's MLA groups (issue 25; 0.16: test_connect)")
+@pytest.mark.parametrize("predict", [False, True], ids=["remote", "predicted"])
+@pytest.mark.parametrize(
+    ("kind", "speculative", "layout"),
+    [("sync", None, "mla"), ("async", None, "mla"), ("sync", "mtp", "mla"), ("async", "mtp", "mla"),
+     ("sync", "mtp", "mla-mtp2"), ("async", "mtp", "mla-mtp2")],
+)  # fmt: skip
+def test_an_mla_pool_decides_like_vllm_033(
+    kind: str, speculative: str | None, layout: str, predict: bool, model_dir: Path,
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A DeepSeek-like engine (``use_mla``: one MLAAttentionSpec group, which vLLM 0.33's
+    FullAttentionManager manages), alone or with MTP drafts (0.33's default look-ahead
+    block hashes: one token, or two for two MTP layers, multi-module), on vLLM's
+    Scheduler and AsyncScheduler, with prefix-cache resets, priorities, cache salts and
+    re-announced hits: identical decisions and events (``kv_cache_spec_kind``
+    "mla_attention") under memory pressure and with blocks to spare, the pool's answers
+    or the client's predictions."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    mtp_layers = 2 if layout == "mla-mtp2" else 1
+    deepseek = write_deepseek_dir(model_dir, mtp_layers)
+    config = vllm_config(deepseek, NUM_BLOCKS, async_scheduling=kind == "async", speculative=speculative)
+    assert config.model_config.use_mla
+    lookahead = int(config.num_hash_lookahead_tokens)
+    assert lookahead == (0 if speculative is None else mtp_layers), lookahead
+    # taken, not skipped as refused (the plug-in refused MLA groups before)
+    assert unsupported_033(kv_cache_config(layout, NUM_BLOCKS), config, BLOCK_SIZE) is None
+    if speculative:
+        layout += " mtp"  # (the group holds the MTP layer: is_eagle_group)
+    extras = frozenset({"resets", "priority", "salt", "report"})
+    for blocks, seed in ((40, 19), (4096, 6)):
+        r = run_both(kind, layout, blocks, seed, model_dir, server, monkeypatch, speculative=speculative,
+                     predict=predict, extras=extras)  # fmt: skip
+        assert r.got == r.want, first_difference(r.want, r.got)
+        assert r.got_counts == r.want_counts
+        assert r.want_counts["finished"] > 20 and r.want_counts["hit_tokens"] > 0, r.want_counts
+        assert r.want_counts["resets"] > 0, r.want_counts
+        assert blocks != 40 or r.want_counts["preempted"] > 0, r.want_counts
+        assert r.manager.lost_requests == 0
+        assert r.manager.config.groups[0].full.use_mla
+        assert r.manager.config.num_hash_lookahead_tokens == lookahead
+    assert any("mla_attention" in e for kind_, *rest in r.want if kind_ == "events" for e in rest[0])
+    if speculative:
+        drafts = [
+            len(t) for kind_, *rest in r.want if kind_ == "schedule" for t in rest[1]["drafts"].values()
+        ]
+        assert len(drafts) > 500, len(drafts)  # requests scheduled with drafts
 
 
 @pytest.mark.skipif(not V033, reason="prefill checkpoint blocks are vLLM 0.33's (issue 25)")

@@ -13,7 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import BLOCK_SIZE, SCHEDULERS, V033, kv_cache_config, make_scheduler, vllm_config
+from harness import (
+    BLOCK_SIZE,
+    SCHEDULERS,
+    V033,
+    kv_cache_config,
+    make_scheduler,
+    vllm_config,
+    write_deepseek_dir,
+)
 from kvcoord.client import KVCoordClient
 from kvcoord.service.testing import InProcessServer
 
@@ -41,7 +49,7 @@ def pool_env(
             c.delete_pool(name)
 
 
-@pytest.mark.parametrize("layout", ["full", "full+swa"])
+@pytest.mark.parametrize("layout", ["full", "full+swa", "mla"])
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_the_engine_core_reads_the_manager_as_from_vllms(
     kind: str, layout: str, model_dir: Path, pool_env: str
@@ -52,6 +60,8 @@ def test_the_engine_core_reads_the_manager_as_from_vllms(
     from vllm.v1.engine.core import EngineCore
 
     answers = []
+    if layout == "mla":
+        model_dir = write_deepseek_dir(model_dir)  # (use_mla; the group's kind "mla_attention")
     for cls in (SCHEDULERS[kind], _kvcoord(kind)):
         config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=kind == "async")
         sched = make_scheduler(cls, config, kv_cache_config(layout, NUM_BLOCKS))
@@ -68,26 +78,76 @@ def test_the_engine_core_reads_the_manager_as_from_vllms(
     assert answers[1] == answers[0]
 
 
+def _group(kind: str) -> Any:
+    """A vLLM 0.33 KV cache group spec the plug-in does not take (:func:`_REFUSED`)."""
+    import torch
+    from vllm.v1 import kv_cache_interface as k
+
+    mla: dict[str, Any] = {"num_kv_heads": 1, "head_size": 48, "dtype": torch.float16}
+    return {
+        "mla-compressed": lambda: k.MLAAttentionSpec(BLOCK_SIZE, tokens_per_state=4, **mla),
+        "mla-deepseek-v4": lambda: k.MLAAttentionSpec(BLOCK_SIZE, model_version="deepseek_v4", **mla),
+        "mla-indexer": lambda: k.MLAAttentionSpec(BLOCK_SIZE, cache_role=k.SparseCacheRole.INDEXER, **mla),
+        "mla-index-leader": lambda: k.MLAAttentionSpec(BLOCK_SIZE, is_index_group_leader=True, **mla),
+        "hidden-state": lambda: k.HiddenStateCacheSpec(BLOCK_SIZE, **mla),
+        "swa-mla": lambda: k.SlidingWindowMLASpec(BLOCK_SIZE, sliding_window=64, **mla),
+        "cross": lambda: k.CrossAttentionSpec(BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16),
+    }[kind]()
+
+
+#: a group kind (:func:`_group`, beside the "full" layout's group) -> the reason named
+_REFUSED = {
+    "mla-compressed": "MLA storing one state per 4 tokens",
+    "mla-deepseek-v4": "model_version 'deepseek_v4'",
+    "mla-indexer": "sparse MLA with an indexer \\(cache_role 'indexer'",
+    "mla-index-leader": "sparse MLA with an indexer \\(cache_role 'sparse', is_index_group_leader True",
+    "hidden-state": "KV cache group 1 is HiddenStateCacheSpec",
+    "swa-mla": "KV cache group 1 is SlidingWindowMLASpec",
+    "cross": "KV cache group 1 is CrossAttentionSpec \\(an encoder-decoder model\\)",
+}
+
+
 @pytest.mark.parametrize(
     ("options", "reason"),
-    [
-        ({"speculative": "eagle"}, "EAGLE/MTP with the trailing-block drop"),
-    ],
-    ids=["eagle-block-drop"],
+    [({"speculative": "eagle"}, "EAGLE/MTP with the trailing-block drop")]
+    + [({"group": kind}, reason) for kind, reason in _REFUSED.items()],
+    ids=["eagle-block-drop", *_REFUSED],
 )
 def test_what_kvcoord_does_not_reproduce_is_refused_at_start(
     options: dict[str, Any], reason: str, model_dir: Path, pool_env: str
 ) -> None:
     """(EAGLE with 0.33's default look-ahead block hashes runs: test_scheduler_equivalence;
     with those hashes turned off, its trailing-block drop is refused. The watermark,
-    once refused here, runs too: test_the_watermark_decides_like_vllm_033.)"""
+    once refused here, runs too: test_the_watermark_decides_like_vllm_033. A plain MLA
+    group runs, MTP too: test_an_mla_pool_decides_like_vllm_033; what of MLA changes
+    allocation or grouping (DeepseekV4's compression and fields, sparse MLA's indexer
+    groups), its subclasses and cross-attention groups are refused by name.)"""
     from kvcoord.client.vllm033 import Unsupported033Error
+    from vllm.v1 import kv_cache_interface as k
 
+    options = dict(options)
+    group = options.pop("group", None)
     config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False, **options)
     if config.speculative_config is not None:
         config.speculative_config.disable_lookahead_block_hashes = True
+    kv = kv_cache_config("full", NUM_BLOCKS)
+    if group is not None:
+        kv.kv_cache_groups.append(k.KVCacheGroupSpec(["model.layers.1.self_attn.attn"], _group(group)))
     with pytest.raises(Unsupported033Error, match=reason):
-        make_scheduler(_kvcoord("sync"), config, kv_cache_config("full", NUM_BLOCKS))
+        make_scheduler(_kvcoord("sync"), config, kv)
+
+
+def test_context_parallelism_is_refused_at_start(model_dir: Path) -> None:
+    """Decode context parallelism (MLA's DCP) scales a sharded group's block under vLLM
+    0.33, which the vllm-0.33 profile does not model: named, not answered."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False)
+    kv = kv_cache_config("mla", NUM_BLOCKS)
+    assert unsupported_033(kv, config, BLOCK_SIZE) is None
+    config.parallel_config.decode_context_parallel_size = 2
+    why = unsupported_033(kv, config, BLOCK_SIZE)
+    assert why is not None and "decode / prefill context parallelism (2 / 1)" in why, why
 
 
 @pytest.mark.parametrize("what", ["hisparse", "aux-output"])
@@ -268,3 +328,20 @@ def test_full_report_mode_requests_publish_as_vllm_033(
                 re_announced += 1
             cached.update((h, group) for h in hashes)
     assert r.want_counts["hit_tokens"] > 0 and re_announced > 20, (r.want_counts, re_announced)
+
+
+def test_multi_module_mtp_beside_a_kv_connector_is_refused(model_dir: Path) -> None:
+    """Multi-module MTP (two MTP layers, two drafts: a prefill look-ahead of 2) runs on its
+    look-ahead hashes (test_an_mla_pool_decides_like_vllm_033: the pool caches up to
+    computed - 1, vLLM 0.33's re-prefillable tail); beside a KV connector vLLM keeps the
+    legacy hashes but still holds back that tail, which the pool cannot know: named."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    deepseek = write_deepseek_dir(model_dir, 2)
+    kv = kv_cache_config("mla", NUM_BLOCKS)
+    config = vllm_config(deepseek, NUM_BLOCKS, async_scheduling=False, speculative="mtp")
+    assert unsupported_033(kv, config, BLOCK_SIZE) is None
+    config = vllm_config(deepseek, NUM_BLOCKS, async_scheduling=False, speculative="mtp",
+                         connector="LoadedHalfConnector")  # fmt: skip
+    why = unsupported_033(kv, config, BLOCK_SIZE)
+    assert why is not None and "multi-module MTP (a prefill look-ahead of 2 tokens)" in why, why

@@ -14,8 +14,9 @@ attach handshake). An exclusive pool is predicted, as under 0.16
 What kvcoord cannot reproduce for 0.33 is refused when the scheduler starts
 (:func:`~.vllm033_refusals.unsupported_033` names the reason), or, for a property of one request, when the
 scheduler first passes that request (:class:`Unsupported033Error`): never a silent guess.
-Supported: KV cache groups of full attention, sliding window and chunked local
-attention (of one block size or several: hashes of the smallest, hits and caching at
+Supported: KV cache groups of full attention, MLA (``MLAAttentionSpec``, full attention
+with ``use_mla`` as vLLM 0.33's FullAttentionManager takes it; MTP drafts too), sliding
+window and chunked local attention (of one block size or several: hashes of the smallest, hits and caching at
 their LCM; 0.33's processed-token basis travels as
 ``AllocateOp.num_in_flight_tokens`` for every group that frees blocks early, windows
 and mamba; sparse, dense or periodic sliding-window retention as the KVCacheConfig's
@@ -23,7 +24,8 @@ and mamba; sparse, dense or periodic sliding-window retention as the KVCacheConf
 asynchronous scheduler, the FCFS and priority policies, the watermark
 (``AllocateOp.watermark_blocks``), cache salts, LoRA adapters (their
 path is in the hashes vLLM computes; events name the adapter), n-gram / draft-model
-speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes, mamba
+speculative decoding, EAGLE/MTP with 0.33's default look-ahead block hashes (multi-module
+MTP too: the pool holds back its re-prefillable tail from caching), mamba
 groups beside full attention (``align`` mode, or ``none`` with prefix caching off;
 speculative blocks, on every scheduler; the pool's shared-prefix boundary and per-step
 drains, :mod:`.vllm033_mamba`; prefill checkpoint blocks,
@@ -36,10 +38,12 @@ cache zeroing (``take_new_block_ids``: beside a mamba group, or for a mixed-prec
 cache with ``PoolConfig.needs_kv_cache_zeroing``, set from the KVCacheConfig; an async
 load's ``skip_zeroing_group_ids`` travel as ``AllocateOp.skip_zeroing_group_ids``).
 A lost session costs recomputation (``check_session`` surfaces a loss met in the
-background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention, MLA subclasses; attention sinks,
-which vLLM 0.33.0 itself cannot start), a positive
+background; the scheduler preempts the requests lost, and undoes a step cut short). Refused: other group types (cross attention; MLA's subclasses, and MLA
+with ``tokens_per_state`` other than 1, DeepseekV4 fields or a sparse-MLA indexer role;
+attention sinks, which vLLM 0.33.0 itself cannot start), decode / prefill context
+parallelism, a positive
 ``prefix_cache_retention_interval`` beside a mamba group, EAGLE/MTP with the trailing-block drop (look-ahead
-hashes turned off), a KV connector with a HiSparse host pool (load
+hashes turned off), multi-module MTP beside a KV connector, a KV connector with a HiSparse host pool (load
 fences), an auxiliary-output connector (see
 :func:`~kvcoord.client.vllm033_connector.connector_refusal_033`), other
 and fine-grained (partial) hits. With KV events on, a request's multimodal items

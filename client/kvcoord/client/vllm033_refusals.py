@@ -14,17 +14,55 @@ from .vllm033_mamba import partial_hits_033, uncached_mamba_hybrid
 __all__ = ["unsupported_033"]
 
 
+def unsupported_mla_033(i: int, spec: Any) -> str | None:
+    """Why KV cache group ``i``, an ``MLAAttentionSpec``, is not taken (``None``: it is,
+    as full attention, which vLLM 0.33's FullAttentionManager makes it). Its padding
+    (``alignment``) and kernel fields change no block id; what changes allocation or
+    grouping is refused by name."""
+    tokens_per_state = getattr(spec, "tokens_per_state", 1)
+    if tokens_per_state != 1:
+        return (
+            f"KV cache group {i} is MLA storing one state per {tokens_per_state} tokens "
+            "(tokens_per_state, DeepseekV4 compression): not supported by the vllm-0.33 profile"
+        )
+    if getattr(spec, "model_version", None) is not None:
+        return (
+            f"KV cache group {i} is MLA of model_version {spec.model_version!r} (DeepseekV4 "
+            "fields): not supported by the vllm-0.33 profile"
+        )
+    role = getattr(getattr(spec, "cache_role", None), "value", "sparse")
+    if role != "sparse" or getattr(spec, "is_index_group_leader", False):
+        return (
+            f"KV cache group {i} is sparse MLA with an indexer (cache_role {role!r}, "
+            f"is_index_group_leader {bool(getattr(spec, 'is_index_group_leader', False))}: "
+            "DeepSeek V3.2): not checked against vLLM 0.33, not supported by the vllm-0.33 profile"
+        )
+    return None
+
+
 def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int) -> str | None:
     """Why an engine with these configs cannot run its vLLM 0.33 scheduler on kvcoord
     (``None``: it can)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
+        CrossAttentionSpec,
         FullAttentionSpec,
         MambaSpec,
+        MLAAttentionSpec,
         SlidingWindowSpec,
     )
 
     groups = kv_cache_config.kv_cache_groups
+    parallel = getattr(vllm_config, "parallel_config", None)
+    dcp = int(getattr(parallel, "decode_context_parallel_size", 1) or 1)
+    pcp = int(getattr(parallel, "prefill_context_parallel_size", 1) or 1)
+    if dcp > 1 or pcp > 1:
+        # (0.33 scales a sharded group's block by the DCP size for its lookups and the
+        # scheduler block size; the pool's groups keep the per-rank size)
+        return (
+            f"decode / prefill context parallelism ({dcp} / {pcp}): vLLM 0.33 scales each "
+            "sharded group's block by it, which the vllm-0.33 profile does not model"
+        )
     for i, g in enumerate(groups):
         spec = g.kv_cache_spec
         if getattr(spec, "sink_len", None):
@@ -34,12 +72,22 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
                 "needs_kv_cache_zeroing argument its coordinator passes), so there is no 0.33 "
                 "behaviour for the vllm-0.33 profile to reproduce"
             )
-        # (exact types: MLA and the other subclasses are not taken)
-        if type(spec) not in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec):
+        # (exact types: MLA's own subclasses and the other ones are not taken)
+        if type(spec) is MLAAttentionSpec:
+            why = unsupported_mla_033(i, spec)
+            if why is not None:
+                return why
+        elif type(spec) is CrossAttentionSpec:
+            return (
+                f"KV cache group {i} is CrossAttentionSpec (an encoder-decoder model): kvcoord's "
+                "vllm-0.33 plug-in has not been checked against vLLM 0.33's scheduler with encoder "
+                "inputs (cross-attention blocks for num_encoder_tokens, the encoder budget), so it "
+                "does not take it"
+            )
+        elif type(spec) not in (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec):
             return (
                 f"KV cache group {i} is {type(spec).__name__}: kvcoord's vllm-0.33 plug-in supports "
-                "full attention, sliding window, chunked local attention and mamba only "
-                "(cross-attention is not on the wire yet)"
+                "full attention, MLA, sliding window, chunked local attention and mamba only"
             )
         # (mamba prefill checkpoint blocks and shared-prefix checkpoints run: the pool
         # models them; what they are refused beside is partial_hits_033's)
@@ -75,6 +123,20 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     why = connector_refusal_033(kv_cache_config, vllm_config)
     if why is not None:
         return why
+    prefill_lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+    hash_lookahead = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+    if (
+        prefill_lookahead > 1
+        and prefill_lookahead != hash_lookahead
+        and vllm_config.cache_config.enable_prefix_caching
+    ):
+        # (the pool's re-prefillable tail is its look-ahead L - 1: 0.33's is the prefill
+        # look-ahead's, which only look-ahead hashes carry)
+        return (
+            f"multi-module MTP (a prefill look-ahead of {prefill_lookahead} tokens) with block "
+            f"hashes of {hash_lookahead} look-ahead tokens (a KV connector keeps the legacy "
+            "hashes): its re-prefillable tail is not supported by the vllm-0.33 profile"
+        )
     spec = vllm_config.speculative_config
     if (
         spec is not None

@@ -82,6 +82,10 @@ class KVCachePool:
         #: unless the coordinator stops at the hashed tokens itself after rounding down
         #: (vllm-0.33 hybrids: clamping first would round a smaller count down)
         self._cache_lag = 0 if self.coordinator.caps_cache_at_hashes else self._hash_lag
+        #: vLLM 0.33's re-prefillable tail (multi-module MTP, whose look-ahead L is the
+        #: draft count): its coordinator caches only ``computed - (L - 1)`` tokens, the
+        #: last L - 1 may be prefilled again (0 for L <= 1)
+        self._reprefillable = max(0, self._hash_lag - 1)
         #: vllm-0.33's per-group admission caps (tokens), for the full-sequence gate
         self._admission_caps = admission_cap_tokens(config)
         self.request_table = RequestTable(config)
@@ -546,7 +550,7 @@ class KVCachePool:
         for gid in self._zeroed_groups:
             self.pending_new_block_ids[gid].extend(b.block_id for b in new[gid])
         if self.enable_caching and not delay_cache_blocks:
-            coordinator.cache_blocks(req, min(total + num_new_tokens, req.num_tokens - self._cache_lag))
+            self._cache_finalized(req, min(total + num_new_tokens, req.num_tokens))
         return tuple([tuple([b.block_id for b in lst]) for lst in new])
 
     def _check_skip_zeroing(self, group_ids: Sequence[int]) -> frozenset[int]:
@@ -1266,7 +1270,7 @@ class KVCachePool:
             )
         if not self.enable_caching:
             return
-        hashed = min(num_computed_tokens, req.num_tokens - self._hash_lag)
+        hashed = min(max(0, num_computed_tokens - self._reprefillable), req.num_tokens - self._hash_lag)
         for m in self.managers:
             full = hashed // m.block_size
             held = len(m.req_to_blocks.get(request_id, ()))
@@ -1274,7 +1278,14 @@ class KVCachePool:
                 raise FailedPreconditionError(
                     f"group {m.group_id}: caching {full} blocks but request {request_id!r} holds only {held}"
                 )
-        self.coordinator.cache_blocks(req, min(num_computed_tokens, req.num_tokens - self._cache_lag))
+        self._cache_finalized(req, num_computed_tokens)
+
+    def _cache_finalized(self, req: Request, num_tokens: int) -> None:
+        """The coordinator caches the request's blocks up to ``num_tokens`` less the
+        re-prefillable tail, and short of the tokens not hashed yet."""
+        self.coordinator.cache_blocks(
+            req, min(max(0, num_tokens - self._reprefillable), req.num_tokens - self._cache_lag)
+        )
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:
         """Free blocks that attention no longer reads after ``total_computed_tokens``."""

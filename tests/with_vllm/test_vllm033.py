@@ -69,25 +69,29 @@ def test_the_engine_core_reads_the_manager_as_from_vllms(
 
 
 @pytest.mark.parametrize(
-    ("options", "reason"),
+    ("options", "layout", "reason"),
     [
-        ({"speculative": "eagle"}, "EAGLE/MTP with the trailing-block drop"),
+        (
+            {"speculative": "eagle", "mamba_cache_mode": "align"},
+            "full+mamba-align",
+            "EAGLE/MTP with the trailing-block drop .* beside mamba group 1",
+        ),
     ],
-    ids=["eagle-block-drop"],
+    ids=["eagle-block-drop-beside-mamba"],
 )
 def test_what_kvcoord_does_not_reproduce_is_refused_at_start(
-    options: dict[str, Any], reason: str, model_dir: Path, pool_env: str
+    options: dict[str, Any], layout: str, reason: str, model_dir: Path, pool_env: str
 ) -> None:
-    """(EAGLE with 0.33's default look-ahead block hashes runs: test_scheduler_equivalence;
-    with those hashes turned off, its trailing-block drop is refused. The watermark,
-    once refused here, runs too: test_the_watermark_decides_like_vllm_033.)"""
+    """(EAGLE with 0.33's default look-ahead block hashes runs, and with those hashes
+    turned off its trailing-block drop on full attention and windows:
+    test_scheduler_equivalence; beside a mamba group the drop moves 0.33's mamba
+    checkpoints, which is refused. The watermark, once refused here, runs too:
+    test_the_watermark_decides_like_vllm_033.)"""
     from kvcoord.client.vllm033 import Unsupported033Error
 
-    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False, **options)
-    if config.speculative_config is not None:
-        config.speculative_config.disable_lookahead_block_hashes = True
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False, disable_lookahead=True, **options)
     with pytest.raises(Unsupported033Error, match=reason):
-        make_scheduler(_kvcoord("sync"), config, kv_cache_config("full", NUM_BLOCKS))
+        make_scheduler(_kvcoord("sync"), config, kv_cache_config(layout, NUM_BLOCKS, 2))
 
 
 @pytest.mark.parametrize("what", ["hisparse", "aux-output"])

@@ -119,3 +119,45 @@ def test_the_pinned_mamba_speculative_answers_are_vllm_033s() -> None:
     )
     side = _bench().VLLM033([("full", {}), ("mamba_align", {})], 40, True, True)
     assert pinned.mamba_speculative_scenario(side) == pinned.VLLM_MAMBA_SPECULATIVE
+
+
+def _drop_once_scenario(side: Any, evict: tuple[tuple[int, int], ...]) -> tuple[int, list[list[int]]]:
+    """A prompt of 10 blocks cached in three attention groups (full attention, windows of
+    32 and 64 tokens), the blocks at ``evict`` ((group, index) pairs) evicted, then a
+    longer prompt's lookup: its hit tokens and block ids."""
+    prompt = list(range(2000, 2160))
+    for rid, tokens in (("a", prompt), ("b", [*prompt, *range(5000, 5040)])):
+        sync = side.add(rid, tokens)
+        if sync is not None:
+            sync()
+        hit, ids, n = side.lookup(rid)
+        if rid == "b":
+            return n, ids
+        assert side.admit(rid, len(tokens), n, hit, 0) is not None
+        side.cache_blocks(rid, len(tokens))
+        table = side.block_ids(rid)
+        side.free(rid)
+        ids_out = {table[g][i] for g, i in evict}
+        (side.m if hasattr(side, "m") else side.pool).evict_blocks(ids_out)
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("evict", [(), ((1, 4),), ((1, 4), (2, 5)), ((1, 3), (2, 5))])
+def test_an_eagle_group_drops_once_per_candidate_length(evict: tuple[tuple[int, int], ...]) -> None:
+    """vLLM 0.33's hybrid search drops EAGLE's block at most once per candidate length
+    per attention group (no repeated drop, 0.16's "spiral"): with block 4 of the 32-token
+    window and block 5 of the 64-token window evicted, the 64-token window cuts the hit
+    to 64 tokens, and the 32-token window, already dropped at that length, keeps it
+    (dropping again would peek at its evicted block 4 and end at 48). kvcoord's
+    vllm-0.33 pool answers as vLLM 0.33.0's own manager in each case."""
+    bench = _bench()
+    layout = [
+        ("full", {}),
+        ("swa", {"sliding_window": 32, "retention": None}),
+        ("swa", {"sliding_window": 64}),
+    ]
+    theirs = _drop_once_scenario(bench.VLLM033(layout, 64, True, True, "all"), evict)
+    ours = _drop_once_scenario(bench.Ours033(layout, 64, True, True, "all"), evict)
+    assert ours == theirs
+    if evict == ((1, 4), (2, 5)):
+        assert theirs[0] == 64  # (the case a repeated drop answers 48)

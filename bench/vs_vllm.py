@@ -58,9 +58,10 @@ Two parts:
    off and EAGLE on and off, set up as vLLM 0.33's engine sets up its manager (hash
    blocks of the GCD of the block sizes, hits and caching aligned to their LCM, sparse
    sliding-window retention unless the layout sets another (a window alone, periodic
-   intervals, dense); EAGLE: one look-ahead hash token with caching on, the
-   last-block drop with caching off, which kvcoord's pool takes as no drop since nothing
-   is looked up). Every answer is compared: hits and shared-prefix boundaries, new block
+   intervals, dense); EAGLE: one look-ahead hash token with caching on, and also the
+   trailing-block drop with legacy hashes, as 0.33 runs it beside a KV connector or with
+   ``disable_lookahead_block_hashes``, in the draft's group (the first) or in every group
+   (none flagged); the drop with caching off). Every answer is compared: hits and shared-prefix boundaries, new block
    ids and refusals, free counts after each call, every running request's block table
    and the free queue's head after each step's scheduling, and each step's KV events
    (0.33's fields included) and prefix-cache statistics; the first difference stops the
@@ -89,6 +90,7 @@ sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
 from kvcoord.client.hashing import BlockHasher, block_hasher, none_hash  # noqa: E402
 from kvcoord.engine import (  # noqa: E402
     ChunkedLocalAttentionSpec,
+    ConfigError,
     FullAttentionSpec,
     KVCacheConfig,
     KVCachePool,
@@ -426,13 +428,14 @@ class Ours033(Ours):
     look-ahead hashes of one token and no last-block drop."""
 
     def __init__(self, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, eagle: bool,
-                 caching: bool = True) -> None:  # fmt: skip
+                 caching: bool = True, drop: str = "") -> None:  # fmt: skip
         sizes = _block_sizes(layout)
         self.mamba_align = any(kind.startswith("mamba_align") for kind, _ in layout)
         self.hash_block = math.gcd(*sizes)
-        self.lookahead = 1 if eagle and caching else 0
+        self.lookahead = 1 if eagle and caching and not drop else 0
         spec_blocks = SPEC_TOKENS_033 if eagle else 0
         self.pool = KVCachePool(KVCacheConfig(
+            use_eagle=eagle and not self.lookahead, eagle_group_ids=(0,) if eagle and drop != "all" else (),
             num_blocks=num_blocks, groups=tuple(_ours_spec(k, kw, spec_blocks) for k, kw in layout),
             hash_block_size=self.hash_block, enable_caching=caching, enable_kv_cache_events=True,
             max_model_len=8192, profile="vllm-0.33", num_hash_lookahead_tokens=self.lookahead,
@@ -511,7 +514,7 @@ class VLLM033(VLLM):
     off, one prefill look-ahead token, the first group holding the draft layer)."""
 
     def __init__(self, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, eagle: bool,
-                 caching: bool = True) -> None:  # fmt: skip
+                 caching: bool = True, drop: str = "") -> None:  # fmt: skip
         import torch
         from vllm.lora.request import LoRARequest
         from vllm.sampling_params import SamplingParams
@@ -547,14 +550,15 @@ class VLLM033(VLLM):
             else:
                 raise ValueError(f"layout kind {kind!r} has no vLLM 0.33 spec here")
         groups = [
-            k.KVCacheGroupSpec([f"layer{i}"], s, is_eagle_group=eagle and i == 0) for i, s in enumerate(specs)
+            k.KVCacheGroupSpec([f"layer{i}"], s, is_eagle_group=eagle and i == 0 and drop != "all")
+            for i, s in enumerate(specs)
         ]
         sizes = _block_sizes(layout)
         hash_block = math.gcd(*sizes)
         cfg = k.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
                               prefix_cache_retention_interval=_retention(layout),
                               hash_block_size=hash_block)  # fmt: skip
-        lookahead = 1 if eagle and caching else 0
+        lookahead = 1 if eagle and caching and not drop else 0
         self.m = KVCacheManager(
             cfg, max_model_len=8192, scheduler_block_size=math.lcm(*sizes), hash_block_size=hash_block,
             max_in_flight_tokens=BUDGET_033, enable_caching=caching, use_eagle=eagle and not lookahead,
@@ -853,21 +857,29 @@ def check033(seeds: int, steps: int, layouts: dict[str, list[tuple[str, dict[str
     for name, layout in (LAYOUTS_033 if layouts is None else layouts).items():
         counts[name] = 0
         for caching in (True, False):
-            for eagle in (False, True):
-                if eagle and not caching and any(kind == "mamba_align_ckpt" for kind, _ in layout):
-                    # EAGLE without look-ahead hashes (caching off) moves vLLM 0.33's mamba
-                    # checkpoint back a block (its per-group EAGLE drop), which the
-                    # vllm-0.33 profile refuses (use_eagle) and the plug-in too
-                    out(f"skipped    {name} caching={caching} eagle={eagle}: refused (EAGLE's drop)")
+            # EAGLE: with caching on look-ahead hashes (eagle=True) or, as with a KV connector
+            # or disable_lookahead_block_hashes, the trailing-block drop in the first group
+            # (the draft's, drop=first) or in every group (none flagged, drop=all); with
+            # caching off the drop (nothing is looked up)
+            modes = [(False, ""), (True, "")] + ([(True, "first"), (True, "all")] if caching else [])
+            for eagle, drop in modes:
+                label = f"eagle={eagle}" + (f" drop={drop}" if drop else "")
+                try:
+                    Ours033(layout, 2, eagle, caching, drop)
+                except ConfigError as exc:
+                    # EAGLE's drop beside a mamba group (it moves 0.33's mamba checkpoints
+                    # back a block) and a window of another block size than the LCM: the
+                    # vllm-0.33 profile refuses them, and the plug-in too
+                    out(f"skipped    {name} caching={caching} {label}: refused ({exc})")
                     continue
                 for seed in range(seeds):
                     num_blocks = 300 + 200 * seed
                     spec = SPEC_TOKENS_033 if eagle else 0
                     a: list[Any] = []
                     b: list[Any] = []
-                    workload033(VLLM033(layout, num_blocks, eagle, caching), seed, steps, a, spec)
-                    workload033(Ours033(layout, num_blocks, eagle, caching), seed, steps, b, spec)
-                    where = f"{name} caching={caching} eagle={eagle} seed={seed} blocks={num_blocks}"
+                    workload033(VLLM033(layout, num_blocks, eagle, caching, drop), seed, steps, a, spec)
+                    workload033(Ours033(layout, num_blocks, eagle, caching, drop), seed, steps, b, spec)
+                    where = f"{name} caching={caching} {label} seed={seed} blocks={num_blocks}"
                     compare(where, a, b)
                     counts[name] += len(a)
                     out(f"identical  {where}: {len(a)} answers ({_coverage(a)})")

@@ -10,6 +10,8 @@ from kvcoord.engine import (
     InvalidArgumentError,
     KVCacheConfig,
     KVCachePool,
+    MambaCacheMode,
+    MambaSpec,
     SlidingWindowSpec,
 )
 
@@ -146,8 +148,32 @@ def test_common_prefix_blocks_are_zeros_in_033() -> None:
 def test_unknown_profile_and_unsupported_033_layouts() -> None:
     with pytest.raises(ConfigError, match="profile must be one of"):
         KVCacheConfig(4, (FullAttentionSpec(16),), 16, profile="vllm-0.17")
-    with pytest.raises(ConfigError, match="does not support yet: EAGLE"):
-        KVCacheConfig(4, (FullAttentionSpec(16),), 16, use_eagle=True, profile="vllm-0.33")
+    with pytest.raises(
+        ConfigError, match="does not support yet: group 1: EAGLE's trailing-block drop beside a mamba"
+    ):
+        KVCacheConfig(
+            4,
+            (FullAttentionSpec(16), MambaSpec(16, MambaCacheMode.ALIGN)),
+            16,
+            use_eagle=True,
+            profile="vllm-0.33",
+        )
+    with pytest.raises(
+        ConfigError, match="does not support yet: EAGLE's trailing-block drop together with look-ahead"
+    ):
+        KVCacheConfig(
+            4, (FullAttentionSpec(16),), 16, use_eagle=True, profile="vllm-0.33", num_hash_lookahead_tokens=1
+        )
+    with pytest.raises(ConfigError, match="eagle_group_ids is a vLLM 0.33 field"):
+        KVCacheConfig(4, (FullAttentionSpec(16),), 16, use_eagle=True, eagle_group_ids=(0,))
+    with pytest.raises(ConfigError, match="eagle_group_ids must be distinct group ids below 1"):
+        KVCacheConfig(
+            4, (FullAttentionSpec(16),), 16, use_eagle=True, eagle_group_ids=(1,), profile="vllm-0.33"
+        )
+    # the drop on full attention and windows of the LCM's block: taken (bench/vs_vllm.py)
+    KVCacheConfig(
+        4, (FullAttentionSpec(16), SlidingWindowSpec(16, 64)), 16, use_eagle=True, profile="vllm-0.33"
+    )
     with pytest.raises(ConfigError, match="scheduler_block_size 32 other than the LCM 16"):
         KVCacheConfig(
             4,

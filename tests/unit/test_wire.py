@@ -159,6 +159,23 @@ def test_layouts_from_the_table_form_to_the_engine() -> None:
         pool_config_from_table({"shared_cache_tenants": "a"}, "pools[0]")
 
 
+def test_eagle_group_ids_reach_the_engine() -> None:
+    """vLLM 0.33's is_eagle_group flags (PoolConfig.eagle_group_ids), from the table form
+    and the wire, pick the groups whose hits drop EAGLE's block."""
+    table = {
+        "num_blocks": 64, "hash_block_size": 16, "enable_caching": True, "hash_algo": "xxhash", "hash_seed": "0",
+        "use_eagle": True, "profile": "vllm-0.33", "eagle_group_ids": [1],
+        "groups": [{"type": "full", "block_size": 16}, {"type": "sliding_window", "block_size": 16, "sliding_window": 64}],
+    }  # fmt: skip
+    engine = config_from_pb(pool_config_from_table(table, "pools[0]"))
+    assert engine.eagle_group_ids == (1,) and engine.eagle_drop_groups == {1}
+    assert config_from_pb(
+        pool_config_from_table({**table, "eagle_group_ids": []}, "p")
+    ).eagle_drop_groups == {0, 1}
+    with pytest.raises(ConfigFileError, match=r"pools\[0\]\.eagle_group_ids: must be a list"):
+        pool_config_from_table({"eagle_group_ids": 1}, "pools[0]")
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [

@@ -207,13 +207,16 @@ def vllm_config(
     mamba_cache_mode: str = "none",
     prompt_embeds: bool = False,
     watermark: float = 0.0,
+    disable_lookahead: bool = False,
 ) -> VllmConfig:
     """``speculative``: "ngram" (3 drafts a step, no lookahead slots), "draft_model"
     (2 drafts, and 2 lookahead slots in every allocation, as a draft model needs; the
     draft model is this same weightless model) or "eagle" (the same, and prefix hits
     drop their last block, as vLLM's manager does for EAGLE; a one-layer Llama-shaped
     draft config beside the model) or "mtp" (2 drafts from the model's own MTP layer:
-    ``model_dir`` of :func:`write_deepseek_dir`). ``watermark``: the scheduler's (vLLM 0.24+)."""
+    ``model_dir`` of :func:`write_deepseek_dir`). ``watermark``: the scheduler's (vLLM 0.24+).
+    ``disable_lookahead``: (vLLM 0.33) ``speculative_config.disable_lookahead_block_hashes``:
+    EAGLE keeps the legacy hashes and the trailing-block drop."""
     model = ModelConfig(
         model=str(model_dir), skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float16",
         enable_prompt_embeds=prompt_embeds,
@@ -225,6 +228,7 @@ def vllm_config(
             method=speculative, model=draft.get(speculative),
             num_speculative_tokens=3 if speculative == "ngram" else 2, prompt_lookup_max=4, prompt_lookup_min=2,
             target_model_config=model, target_parallel_config=ParallelConfig(distributed_executor_backend="uni"),
+            **({"disable_lookahead_block_hashes": True} if disable_lookahead else {}),
         )  # fmt: skip
     cache = CacheConfig(
         block_size=BLOCK_SIZE, enable_prefix_caching=enable_caching, mamba_cache_mode=mamba_cache_mode

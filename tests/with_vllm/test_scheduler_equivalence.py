@@ -141,7 +141,7 @@ def run_both(
     kind: str, layout: str, blocks: int, seed: int, model_dir: Path, server: InProcessServer,
     monkeypatch: pytest.MonkeyPatch, connector: str | None = None, policy: str = "recompute",
     speculative: str | None = None, extras: frozenset[str] = frozenset(), caching: bool = True,
-    events: bool = True, predict: bool = False, watermark: float = 0.0,
+    events: bool = True, predict: bool = False, watermark: float = 0.0, disable_lookahead: bool = False,
 ) -> Runs:  # fmt: skip
     """The workload on vLLM's scheduler in-process, then on kvcoord's (its RPCs counted).
     ``kind`` "pp2" is the sync scheduler with two steps' outputs pending (the engine
@@ -174,6 +174,7 @@ def run_both(
             mamba_cache_mode="align" if layout.endswith("align") else "none",
             prompt_embeds="embeds" in extras,
             watermark=watermark,
+            disable_lookahead=disable_lookahead,
         )
 
     if V033:
@@ -552,6 +553,45 @@ def test_speculative_decoding_decides_like_vllm(
         assert not V033 or (r.manager.config.num_hash_lookahead_tokens > 0) == (speculative == "eagle")
     drafts = [len(t) for kind, *rest in r.want if kind == "schedule" for t in rest[1]["drafts"].values()]
     assert len(drafts) > 500, len(drafts)  # requests scheduled with drafts
+
+
+@pytest.mark.skipif(not V033, reason="vLLM 0.33's look-ahead hashes and per-group drop (0.16 always drops)")
+@pytest.mark.parametrize("layout", [*LAYOUTS, "swa"])
+@pytest.mark.parametrize(
+    ("kind", "how", "predict"),
+    [
+        ("sync", "connector", False),
+        ("async", "connector", True),
+        ("sync", "disable_lookahead_block_hashes", True),
+        ("async", "disable_lookahead_block_hashes", False),
+    ],
+)
+def test_eagle_with_the_trailing_block_drop_decides_like_vllm_033(
+    kind: str, how: str, predict: bool, layout: str, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """vLLM 0.33 runs EAGLE/MTP with the legacy hashes and its per-group trailing-block
+    drop (one block of look-ahead margin, no repeated drop, the extra cached block, the
+    window's shifted tails) beside a KV connector (here one loading half of most
+    prompts) or with ``disable_lookahead_block_hashes``: identical decisions on its
+    Scheduler and AsyncScheduler, remote and predicted, under memory pressure and with
+    blocks to spare. (Refused at start before the vllm-0.33 profile had the drop.)"""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    connector = "LoadedHalfConnector" if how == "connector" else None
+    config = vllm_config(model_dir, 40, async_scheduling=kind == "async", connector=connector, speculative="eagle",
+                         disable_lookahead=how == "disable_lookahead_block_hashes")  # fmt: skip
+    assert config.num_hash_lookahead_tokens == 0 and config.speculative_config.use_eagle_block_drop()
+    kv_config = kv_cache_config(layout, 40)
+    assert unsupported_033(kv_config, config, block_sizes(config, kv_config)[1]) is None
+    for blocks, seed in ((40, 23), (4096, 6)):
+        r = run_both(kind, layout, blocks, seed, model_dir, server, monkeypatch, speculative="eagle",
+                     connector=connector, predict=predict,
+                     disable_lookahead=how == "disable_lookahead_block_hashes")  # fmt: skip
+        assert r.got == r.want, first_difference(r.want, r.got)
+        assert r.want_counts["finished"] > 20 and r.want_counts["hit_tokens"] > 0, r.want_counts
+        assert r.manager.config.use_eagle and r.manager.config.num_hash_lookahead_tokens == 0
+        assert r.manager.lost_requests == 0
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

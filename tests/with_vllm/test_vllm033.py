@@ -108,29 +108,35 @@ _REFUSED = {
 
 
 @pytest.mark.parametrize(
-    ("options", "reason"),
-    [({"speculative": "eagle"}, "EAGLE/MTP with the trailing-block drop")]
-    + [({"group": kind}, reason) for kind, reason in _REFUSED.items()],
-    ids=["eagle-block-drop", *_REFUSED],
+    ("options", "layout", "reason"),
+    [
+        (
+            {"speculative": "eagle", "mamba_cache_mode": "align"},
+            "full+mamba-align",
+            "EAGLE/MTP with the trailing-block drop .* beside mamba group 1",
+        ),
+    ]
+    + [({"group": kind}, "full", reason) for kind, reason in _REFUSED.items()],
+    ids=["eagle-block-drop-beside-mamba", *_REFUSED],
 )
 def test_what_kvcoord_does_not_reproduce_is_refused_at_start(
-    options: dict[str, Any], reason: str, model_dir: Path, pool_env: str
+    options: dict[str, Any], layout: str, reason: str, model_dir: Path, pool_env: str
 ) -> None:
-    """(EAGLE with 0.33's default look-ahead block hashes runs: test_scheduler_equivalence;
-    with those hashes turned off, its trailing-block drop is refused. The watermark,
-    once refused here, runs too: test_the_watermark_decides_like_vllm_033. A plain MLA
-    group runs, MTP too: test_an_mla_pool_decides_like_vllm_033; what of MLA changes
-    allocation or grouping (DeepseekV4's compression and fields, sparse MLA's indexer
-    groups), its subclasses and cross-attention groups are refused by name.)"""
+    """(EAGLE with 0.33's default look-ahead block hashes runs, and with those hashes
+    turned off its trailing-block drop on full attention and windows:
+    test_scheduler_equivalence; beside a mamba group the drop moves 0.33's mamba
+    checkpoints, which is refused. The watermark, once refused here, runs too:
+    test_the_watermark_decides_like_vllm_033. A plain MLA group runs, MTP too:
+    test_an_mla_pool_decides_like_vllm_033; what of MLA changes allocation or grouping
+    (DeepseekV4's compression and fields, sparse MLA's indexer groups), its subclasses
+    and cross-attention groups are refused by name.)"""
     from kvcoord.client.vllm033 import Unsupported033Error
     from vllm.v1 import kv_cache_interface as k
 
     options = dict(options)
     group = options.pop("group", None)
-    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False, **options)
-    if config.speculative_config is not None:
-        config.speculative_config.disable_lookahead_block_hashes = True
-    kv = kv_cache_config("full", NUM_BLOCKS)
+    config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=False, disable_lookahead=True, **options)
+    kv = kv_cache_config(layout, NUM_BLOCKS, 2)
     if group is not None:
         kv.kv_cache_groups.append(k.KVCacheGroupSpec(["model.layers.1.self_attn.attn"], _group(group)))
     with pytest.raises(Unsupported033Error, match=reason):

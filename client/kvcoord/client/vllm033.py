@@ -84,7 +84,7 @@ from .vllm033_connector import (
 )
 from .vllm033_mamba import PredictedMamba033, RemoteMamba033, shared_prefix_checkpoint_033
 from .vllm033_parts import BlockPool033, Coordinator033, Unsupported033Error, UnsupportedVLLMError
-from .vllm033_refusals import unsupported_033
+from .vllm033_refusals import eagle_drops_033, unsupported_033
 from .vllm_manager import absorbing
 from .vllm_types import convert_engine_events, convert_events
 
@@ -437,7 +437,14 @@ def pool_config_033(
     cfg = pool_config_from_vllm(kv_cache_config, vllm_config, log_stats=log_stats)
     cfg.profile = VLLM_033
     cfg.hash_block_size = int(hash_block_size)
-    cfg.use_eagle = False  # no trailing-block drop: look-ahead hashes (the drop is refused, unsupported_033)
+    # EAGLE's trailing-block drop where 0.33 runs it (no look-ahead hashes), in the
+    # groups it flags (none flagged: every group)
+    cfg.use_eagle = eagle_drops_033(vllm_config)
+    if cfg.use_eagle:
+        flagged = [
+            i for i, g in enumerate(kv_cache_config.kv_cache_groups) if getattr(g, "is_eagle_group", False)
+        ]
+        cfg.eagle_group_ids.extend(flagged)
     cfg.num_hash_lookahead_tokens = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
     # sparse retention, as 0.33's coordinator reads it from the KVCacheConfig (EngineCore
     # copies it from cache_config; None keeps every sliding-window hash, on the wire -1)

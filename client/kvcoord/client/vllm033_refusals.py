@@ -6,12 +6,13 @@ KV-connector rules are their modules' (:mod:`.vllm033_mamba`, :mod:`.vllm033_con
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .vllm033_connector import connector_refusal_033
 from .vllm033_mamba import partial_hits_033, uncached_mamba_hybrid
 
-__all__ = ["unsupported_033"]
+__all__ = ["eagle_drop_refusal_033", "eagle_drops_033", "unsupported_033"]
 
 
 def unsupported_mla_033(i: int, spec: Any) -> str | None:
@@ -137,15 +138,54 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
             f"hashes of {hash_lookahead} look-ahead tokens (a KV connector keeps the legacy "
             "hashes): its re-prefillable tail is not supported by the vllm-0.33 profile"
         )
+    return eagle_drop_refusal_033(groups, vllm_config)
+
+
+def eagle_drops_033(vllm_config: Any) -> bool:
+    """Whether vLLM 0.33's Scheduler runs its manager with EAGLE's trailing-block drop
+    (``use_eagle``): EAGLE/EAGLE3/MTP drafts without look-ahead block hashes (a KV
+    connector, ``disable_lookahead_block_hashes`` or prefix caching off)."""
     spec = vllm_config.speculative_config
-    if (
+    return bool(
         spec is not None
         and spec.use_eagle_block_drop()
         and not getattr(vllm_config, "num_hash_lookahead_tokens", 0)
-    ):
-        # (0.33's default for EAGLE/MTP with prefix caching is look-ahead hashes, taken)
+    )
+
+
+def eagle_drop_refusal_033(groups: Any, vllm_config: Any) -> str | None:
+    """What of EAGLE's trailing-block drop the vllm-0.33 profile does not reproduce
+    (``None``: all of it, or no drop)."""
+    if not eagle_drops_033(vllm_config):
+        return None
+    caching = bool(vllm_config.cache_config.enable_prefix_caching)
+    specs = [g.kv_cache_spec for g in groups]
+    for i, spec in enumerate(specs):
+        if hasattr(spec, "mamba_cache_mode") and (
+            caching or bool(getattr(spec, "num_prefill_checkpoint_blocks", 0))
+        ):
+            return (
+                f"EAGLE/MTP with the trailing-block drop (look-ahead block hashes off: a KV connector "
+                f"or disable_lookahead_block_hashes) beside mamba group {i}: 0.33 then moves the mamba "
+                "checkpoints back a block, which the vllm-0.33 profile does not reproduce"
+            )
+    if caching and int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) > 1:
         return (
-            "EAGLE/MTP with the trailing-block drop (look-ahead block hashes off): 0.33's per-group "
-            "EAGLE drop is not supported by the vllm-0.33 profile"
+            "multi-module MTP with the trailing-block drop and prefix caching: 0.33 keeps the "
+            "re-prefilled tokens out of caching, which the vllm-0.33 profile does not reproduce"
         )
+    flagged = [i for i, g in enumerate(groups) if getattr(g, "is_eagle_group", False)] or range(len(groups))
+    lcm = math.lcm(*(int(s.block_size) for s in specs)) if specs else 0
+    for i, spec in enumerate(specs):
+        # (a spec group drops when any of its groups is flagged)
+        if not caching or not any(j in flagged for j, other in enumerate(specs) if other == spec):
+            continue
+        kind = type(spec).__name__
+        if kind == "SlidingWindowSpec" and len(specs) > 1 and int(spec.block_size) != lcm:
+            return (
+                f"EAGLE/MTP with the trailing-block drop on sliding-window group {i} of block size "
+                f"{spec.block_size} other than the LCM {lcm}: not supported by the vllm-0.33 profile"
+            )
+        if kind == "ChunkedLocalAttentionSpec":
+            return f"EAGLE/MTP with the trailing-block drop on chunked-local group {i}: vLLM 0.33 asserts it away"
     return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 
 from .errors import ConfigError
 from .profiles import PROFILES, VLLM_016, VLLM_033
@@ -56,7 +57,8 @@ class KVCacheConfig:
         groups: KV cache group specs in group-id order.
         hash_block_size: token granularity of the request block hashes.
         enable_caching: prefix caching on/off.
-        use_eagle: EAGLE/MTP drafting: every prefix hit drops its last block.
+        use_eagle: EAGLE/MTP drafting: every prefix hit drops its last block (vllm-0.33:
+            the hit of each group in ``eagle_group_ids``, per vLLM 0.33's coordinator).
         enable_kv_cache_events: record BlockStored / BlockRemoved / AllBlocksCleared.
         log_stats: keep prefix-cache statistics.
         max_model_len: caps token counts in ``allocate_slots``.
@@ -94,6 +96,10 @@ class KVCacheConfig:
             fine-grained hits, no MTP re-prefill tail). Each mamba group then also keys
             its state at the request's shared-prefix junction when a step computing a
             prompt chunk stops exactly there (besides the prompt's last hash boundary).
+        eagle_group_ids: (vllm-0.33, with ``use_eagle``) the groups vLLM 0.33 flags
+            ``is_eagle_group`` (those holding draft layers): only their hits drop a block
+            (with their attention group's: groups of one spec are searched together).
+            Empty: every group drops, as vLLM does when no group is flagged.
 
     Raises:
         ConfigError: the layout breaks a rule vLLM enforces (at construction or at its
@@ -118,9 +124,11 @@ class KVCacheConfig:
     prefix_cache_retention_interval: int | None = 0
     needs_kv_cache_zeroing: bool = False
     mamba_shared_prefix_checkpoint: bool = False
+    eagle_group_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "groups", tuple(self.groups))
+        object.__setattr__(self, "eagle_group_ids", tuple(self.eagle_group_ids))
         _validate(self)
 
     @property
@@ -145,6 +153,21 @@ class KVCacheConfig:
                 for g in self.groups
             )
         )
+
+    @property
+    def eagle_drop_groups(self) -> frozenset[int]:
+        """The groups whose prefix hits drop EAGLE's last block: none without
+        ``use_eagle``; else the flagged ``eagle_group_ids`` (vllm-0.33), all when none is
+        flagged."""
+        if not self.use_eagle:
+            return frozenset()
+        return frozenset(self.eagle_group_ids or range(len(self.groups)))
+
+    def eagle_drops(self, ids: Sequence[int]) -> bool:
+        """Whether the attention group of these group ids drops EAGLE's block (any of
+        them flagged: vLLM decides it for the whole spec group)."""
+        drops = self.eagle_drop_groups
+        return any(gid in drops for gid in ids)
 
     @property
     def coordinator_kind(self) -> str:
@@ -206,6 +229,13 @@ def _validate(cfg: KVCacheConfig) -> None:
         raise ConfigError(f"max_in_flight_tokens must be >= 0, got {m!r}")
     if not isinstance(cfg.needs_kv_cache_zeroing, bool):
         raise ConfigError(f"needs_kv_cache_zeroing must be a bool, got {cfg.needs_kv_cache_zeroing!r}")
+    ids = cfg.eagle_group_ids
+    if any(isinstance(g, bool) or not isinstance(g, int) or not 0 <= g < len(cfg.groups) for g in ids) or len(
+        set(ids)
+    ) != len(ids):
+        raise ConfigError(f"eagle_group_ids must be distinct group ids below {len(cfg.groups)}, got {ids!r}")
+    if ids and cfg.profile != VLLM_033:
+        raise ConfigError("eagle_group_ids is a vLLM 0.33 field; this pool's profile is " + cfg.profile)
     if cfg.needs_kv_cache_zeroing and cfg.profile != VLLM_033:
         raise ConfigError(
             "needs_kv_cache_zeroing is a vLLM 0.33 field; this pool's profile is " + cfg.profile
@@ -278,7 +308,7 @@ def _validate_033_support(cfg: KVCacheConfig) -> None:
         if any(isinstance(spec, MambaSpec) for spec in cfg.groups):
             missing.append("a positive prefix_cache_retention_interval beside a mamba group")
     if cfg.use_eagle:
-        missing.append("EAGLE/MTP (lookahead block hashes, the per-group drop)")
+        missing.extend(_eagle_033_gaps(cfg))
     for gid, spec in enumerate(cfg.groups):
         if isinstance(spec, MambaSpec):
             missing.extend(_mamba_033_gaps(cfg, gid, spec))
@@ -298,6 +328,25 @@ def _validate_shared_prefix_checkpoint(cfg: KVCacheConfig) -> None:
             "(prefix caching, a mamba align group whose block is larger than the hash block): "
             "vLLM 0.33's manager turns it off otherwise"
         )
+
+
+def _eagle_033_gaps(cfg: KVCacheConfig) -> list[str]:
+    """What vLLM 0.33's EAGLE/MTP trailing-block drop (``use_eagle``) needs that the
+    vllm-0.33 profile does not model: the drop beside a mamba group (0.33 moves the mamba
+    checkpoints back a block, ``drop_eagle_checkpoint_block``) and with look-ahead hashes
+    (vLLM never combines them)."""
+    gaps = []
+    if cfg.num_hash_lookahead_tokens:
+        gaps.append(
+            "EAGLE's trailing-block drop together with look-ahead block hashes (vLLM uses one or the other)"
+        )
+    for gid, spec in enumerate(cfg.groups):
+        if isinstance(spec, MambaSpec) and (cfg.enable_caching or spec.num_prefill_checkpoint_blocks):
+            gaps.append(
+                f"group {gid}: EAGLE's trailing-block drop beside a mamba group (0.33 moves its "
+                "checkpoints back a block)"
+            )
+    return gaps
 
 
 def _validate_retention_interval(cfg: KVCacheConfig, interval: object, scheduler_block_size: int) -> None:
@@ -367,7 +416,7 @@ def _validate_caching(cfg: KVCacheConfig) -> None:
                 f"group {gid}: cross-attention blocks cannot be prefix-cached; "
                 "create the pool with enable_caching=false"
             )
-        if isinstance(spec, ChunkedLocalAttentionSpec) and cfg.use_eagle:
+        if isinstance(spec, ChunkedLocalAttentionSpec) and cfg.eagle_drops([gid]):
             raise ConfigError(f"group {gid}: chunked local attention does not support EAGLE")
     if len(cfg.groups) == 1:
         bs = cfg.groups[0].block_size
@@ -391,12 +440,14 @@ def _validate_caching(cfg: KVCacheConfig) -> None:
         )
     lcm = math.lcm(*(spec.block_size for spec, _ in groups))
     for spec, ids in groups:
+        if isinstance(spec, ChunkedLocalAttentionSpec) and cfg.eagle_drops(ids):
+            raise ConfigError(f"group {ids[0]}: chunked local attention does not support EAGLE")
         if isinstance(spec, ChunkedLocalAttentionSpec) and spec.block_size != lcm:
             raise ConfigError(
                 f"group {ids[0]}: chunked local attention needs block_size equal to the "
                 f"LCM of all block sizes ({lcm}), got {spec.block_size}"
             )
-        if isinstance(spec, SlidingWindowSpec) and cfg.use_eagle and spec.block_size != lcm:
+        if isinstance(spec, SlidingWindowSpec) and cfg.eagle_drops(ids) and spec.block_size != lcm:
             raise ConfigError(
                 f"group {ids[0]}: with EAGLE a sliding-window group needs block_size equal "
                 f"to the LCM of all block sizes ({lcm}), got {spec.block_size}"

@@ -252,12 +252,23 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 class UnitaryKVCacheCoordinator033(UnitaryKVCacheCoordinator):
     """vLLM 0.33's coordinator of one group (profile vllm-0.33): a sliding-window group
     hashes only the blocks its retention keeps (:func:`window_block_mask`; the replay
-    boundary is the prompt's, as one group has no shared-prefix junction); every other
-    type caches as under 0.16."""
+    boundaries are the prompt's, :func:`replay_boundaries`, as one group has no
+    shared-prefix junction); every other type caches as under 0.16. With EAGLE's drop
+    (``use_eagle``, the group flagged or none) the search drops the last matched block
+    as 0.16's does."""
 
     def __init__(self, config: KVCacheConfig, materialize_blocks: bool = False) -> None:
         super().__init__(config, materialize_blocks)
         self.plain_caching = not isinstance(self.spec, SlidingWindowSpec)
+        self.eagle = config.eagle_drops((0,))
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> tuple[IdLists, int]:
+        hit = self._search(
+            block_hashes, max_cache_hit_length, (0,), self.block_pool, self.spec, self.eagle, self.block_size
+        )
+        return hit, len(hit[0]) * self.block_size
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         m = self.managers[0]
@@ -278,7 +289,8 @@ class UnitaryKVCacheCoordinator033(UnitaryKVCacheCoordinator):
             self.config.prefix_cache_retention_interval,
             num_cached,
             num_full,
-            (request.num_prompt_tokens - 1,),
+            replay_boundaries(request.num_prompt_tokens, bs, self.eagle),
+            self.eagle,
         )
         blocks = m.req_to_blocks.setdefault(rid, [])
         self.block_pool.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id, mask)
@@ -393,7 +405,7 @@ class HybridKVCacheCoordinator(KVCacheCoordinator):
 
 
 class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
-    """vLLM 0.33's hybrid coordinator (profile vllm-0.33, no EAGLE).
+    """vLLM 0.33's hybrid coordinator (profile vllm-0.33).
 
     The search is 0.16's fixed point, except that every full-attention group is cut
     back to the final length (0.16 cut back only the first), and it also reports the
@@ -413,6 +425,16 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
     of 64 tokens with 16-token hash blocks, one look-ahead token and a 32-token
     scheduler block caches 48 tokens of a 16-token group, not 32): the caller passes
     the unclamped count.
+
+    EAGLE's trailing-block drop (``use_eagle``: the attention groups holding a group of
+    ``eagle_group_ids``, all when none is flagged) is 0.33's per group: such a group
+    searches one block past the candidate length (clipped at the request's hashed
+    tokens), drops its last matched block and realigns, at most once per candidate
+    length (a shorter candidate from another group makes it search again); it caches one
+    block past the scheduler-block boundary (a later search's peek); and its sliding
+    window keeps one more block, shifted one block up, at each replay boundary (with
+    the drop on: one block below the prompt's last and its resend's aligned ends) and
+    one block below a shared-prefix junction too.
     """
 
     caps_cache_at_hashes = True
@@ -428,13 +450,20 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
         self.partial_hash_hits = config.partial_hash_hits
         #: the longest length any group reached in the last search
         self.last_longest_hit = 0
+        #: per attention group: its hits drop EAGLE's last block
+        self.eagle = [config.eagle_drops(ids) for _, ids, _ in self.attention_groups]
+        #: per group: it caches as an EAGLE group (its attention group drops)
+        self.eagle_group = [False] * len(config.groups)
+        for (_, ids, _), drops in zip(self.attention_groups, self.eagle, strict=True):
+            for gid in ids:
+                self.eagle_group[gid] = drops
         for m in self.managers:
             if isinstance(m, MambaManager033):  # mamba keeps its own caching rules
                 m.alignment = config.hash_block_size if self.partial_hash_hits else self.scheduler_block_size
                 m.sparse = self.sparse
 
     def hit_length_from_run(self, block_hashes: Sequence[bytes], max_cache_hit_length: int, run: int) -> int:
-        if not self.partial_hash_hits:
+        if not self.partial_hash_hits and not any(self.eagle):
             return super().hit_length_from_run(block_hashes, max_cache_hit_length, run)
         longest = self.last_longest_hit  # the full search, which leaves the junction as it was
         hit = self.find_longest_cache_hit(block_hashes, max_cache_hit_length)[1]
@@ -449,6 +478,7 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
         block_hashes: Sequence[bytes],
         views: dict[int, Sequence[bytes]],
         cur: int,
+        drop: bool = False,
     ) -> tuple[IdLists, int]:
         """One attention group's search of at most ``cur`` tokens: its block ids per group
         and its length. With fine-grained hits the length is any hash-block multiple
@@ -456,7 +486,7 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
         block's alignment."""
         if not self.partial_hash_hits:
             lists = cls.find_longest_cache_hit(
-                views[spec.block_size], cur, ids, self.block_pool, spec, False, self.scheduler_block_size
+                views[spec.block_size], cur, ids, self.block_pool, spec, drop, self.scheduler_block_size
             )
             return lists, len(lists[0]) * spec.block_size
         find = find_partial_full_hit if isinstance(spec, FullAttentionSpec) else find_partial_mamba_hit
@@ -470,13 +500,23 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
         group_hit = [0] * len(self.managers)
         longest = 0
         hit = max_cache_hit_length
+        hashed = len(block_hashes) * self.config.hash_block_size
+        verified: set[int] = set()  # EAGLE groups whose drop holds at the current length
         while True:
             cur = hit
-            for spec, ids, cls in self.attention_groups:
+            for idx, (spec, ids, cls) in enumerate(self.attention_groups):
                 if isinstance(spec, FullAttentionSpec) and result[ids[0]] is not None:
                     cur = min(cur, group_hit[ids[0]])
                     continue
-                lists, cur = self._search_group(spec, ids, cls, block_hashes, views, cur)
+                drop = self.eagle[idx] and idx not in verified
+                # EAGLE peeks one block past the candidate, then drops back
+                limit = min(cur + spec.block_size, hashed) if drop else cur
+                lists, found = self._search_group(spec, ids, cls, block_hashes, views, limit, drop)
+                if drop:
+                    verified.add(idx)
+                elif found < cur:
+                    verified.clear()
+                cur = found
                 for gid, lst in zip(ids, lists, strict=False):
                     result[gid] = lst
                     group_hit[gid] = cur
@@ -504,9 +544,9 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
         hashed = len(request.block_hashes) * self.config.hash_block_size
         if hashed < num_tokens:
             num_tokens = hashed
-        boundaries = [request.num_prompt_tokens - 1]
-        if request.shared_prefix_boundary:
-            boundaries.append(request.shared_prefix_boundary)
+        eagle = any(self.eagle)
+        boundaries = list(replay_boundaries(request.num_prompt_tokens, self.scheduler_block_size, eagle))
+        junction = request.shared_prefix_boundary
         bp = self.block_pool
         rid = request.request_id
         hbs = self.config.hash_block_size
@@ -520,12 +560,19 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
                 m.cache_blocks(request, raw if self.partial_hash_hits else num_tokens)
                 continue
             bs = m.block_size
+            group_tokens = num_tokens
+            ends = boundaries + [junction] if junction else boundaries
+            if self.eagle_group[m.group_id]:
+                if raw:  # the peek block past the boundary
+                    group_tokens = min(num_computed_tokens, raw + bs, hashed)
+                if junction:  # a sibling diverging right past it cannot peek
+                    ends = ends + [junction - bs]
             num_cached = m.num_cached_block.get(rid, 0)
-            num_full = num_tokens // bs
+            num_full = group_tokens // bs
             if num_cached < num_full:
-                self._cache_group(request, m, num_cached, num_full, boundaries)
+                self._cache_group(request, m, num_cached, num_full, ends)
             if bp.multi_key_blocks and isinstance(m.spec, FullAttentionSpec) and bs != hbs:
-                self._cache_partial_tail(request, m, num_tokens)
+                self._cache_partial_tail(request, m, group_tokens)
 
     def _cache_group(
         self,
@@ -557,6 +604,7 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
                 num_cached,
                 num_full,
                 boundaries,
+                self.eagle_group[m.group_id],
             )
         bp.cache_full_blocks(request, blocks, num_cached, num_full, bs, m.group_id, mask)
         m.num_cached_block[rid] = num_full
@@ -564,9 +612,12 @@ class HybridKVCacheCoordinator033(HybridKVCacheCoordinator):
     def _cache_partial_tail(self, request: Request, m: SingleTypeKVCacheManager, num_tokens: int) -> None:
         """vLLM 0.33: a full-attention group whose block is larger than the hash block
         also makes the prompt's last hash boundary below ``num_prompt_tokens`` reachable
-        when it ends inside a block (a partial entry on that block)."""
+        when it ends inside a block (a partial entry on that block; an EAGLE group's
+        search reads the whole prompt before it drops, so there the limit is
+        ``num_prompt_tokens``)."""
         hbs = self.config.hash_block_size
-        boundary = min((request.num_prompt_tokens - 1) // hbs, len(request.block_hashes)) * hbs
+        limit = request.num_prompt_tokens - (0 if self.eagle_group[m.group_id] else 1)
+        boundary = min(limit // hbs, len(request.block_hashes)) * hbs
         if boundary == 0 or boundary > num_tokens or boundary % m.block_size == 0:
             return
         blocks = m.req_to_blocks.get(request.request_id, ())
@@ -583,6 +634,7 @@ def window_block_mask(
     num_cached: int,
     num_full: int,
     boundaries: Sequence[int],
+    eagle: bool = False,
 ) -> list[bool] | None:
     """vLLM 0.33's sliding-window caching: which of blocks ``num_cached .. num_full-1``
     get a hash (``None``: all). A hit needs ``need = cdiv(w - 1, block)`` blocks; they
@@ -590,23 +642,38 @@ def window_block_mask(
     retention, ``retention`` tokens under a positive interval, no segment under sparse
     retention, 0) and, unless dense (``None``), ending at each reachable ``boundaries``
     position rounded down to the scheduler block. Where ``need`` covers a whole
-    segment every block is kept."""
-    need = -(-(window - 1) // block_size)
+    segment every block is kept. With EAGLE's drop (``eagle``) a hit needs one block
+    more, the block past each end (the one its search peeks at and drops)."""
+    shift = 1 if eagle else 0
+    need = -(-(window - 1) // block_size) + shift
     segment = scheduler_block_size if retention is None else retention
     mask = [False] * (num_full - num_cached)
     if segment:
         per_segment = segment // block_size
         if need >= per_segment:
             return None
-        for i in range(num_cached, num_full):
-            if i % per_segment >= per_segment - need:
+        for i in range(max(num_cached, shift), num_full):
+            if (i - shift) % per_segment >= per_segment - need:
                 mask[i - num_cached] = True
     if retention is not None:
         for boundary in boundaries:
-            end = boundary // scheduler_block_size * scheduler_block_size // block_size
+            end = boundary // scheduler_block_size * scheduler_block_size // block_size + shift
             for j in range(max(num_cached, end - need), min(num_full, end)):
                 mask[j - num_cached] = True
     return mask
+
+
+def replay_boundaries(num_prompt_tokens: int, scheduler_block_size: int, eagle: bool) -> tuple[int, ...]:
+    """vLLM 0.33's positions a later request replaying a prompt can resume at, whose
+    sliding-window tails sparse retention keeps: ``num_prompt_tokens - 1`` (a resend's
+    cap); with EAGLE's drop the two aligned ends one block lower (a resend's, capped at
+    ``num_prompt_tokens - 1``, and a longer sibling's), not below 0."""
+    if not eagle:
+        return (num_prompt_tokens - 1,)
+    block = scheduler_block_size
+    resend = (num_prompt_tokens - 1) // block * block
+    extension = num_prompt_tokens // block * block
+    return tuple(sorted({max(resend - block, 0), max(extension - block, 0)}))
 
 
 def get_kv_cache_coordinator(config: KVCacheConfig, materialize_blocks: bool = False) -> KVCacheCoordinator:

@@ -19,7 +19,7 @@ from .errors import FailedPreconditionError, HintMismatchError, InvalidArgumentE
 from .events import BlockStored
 from .hash_list import NAMESPACE_PREFIX_BYTES, SharedHashes, hashes_at_block_size, request_keys
 from .managers import CrossAttentionManager, FullAttentionManager
-from .profiles import rules_of
+from .profiles import VLLM_016, rules_of
 from .request import Request
 from .request_table import RequestTable
 from .results import BlockIds, CacheHit, new_hit
@@ -55,6 +55,8 @@ class PrefixHits:
         self.use_eagle = config.use_eagle
         self._hybrid = config.coordinator_kind == "hybrid"
         self._partial = config.partial_hash_hits
+        #: vllm-0.33 hybrids: an EAGLE search peeks up to the request's hashed tokens
+        self._peek_to_hashes = self._hybrid and config.profile != VLLM_016
         self.prefix_cache_stats: PrefixCacheStats | None = PrefixCacheStats() if config.log_stats else None
         #: vllm-0.33: statistics count admissions (record_admission), not lookups
         self._stats_at_lookup = not rules_of(config.profile).stats_at_admission
@@ -207,7 +209,7 @@ class PrefixHits:
             # Each pass of the fixed point drops a block of its own, which the final
             # lists do not show: count every block cached under the request's hashes
             # (no other block can change the search), held ones capping the margin.
-            under, held = self._cached_under(keys, len(req.all_token_ids) - 1)
+            under, held = self._cached_under(keys, self.eagle_reach(keys, len(req.all_token_ids)))
             if held:
                 limit = min(limit, self.block_pool.get_num_free_blocks())
             return hit, self.block_pool.free_block_queue.first_position(free | under, limit)
@@ -220,6 +222,13 @@ class PrefixHits:
                 # now, so at most that many may move.
                 limit = min(limit, self.block_pool.get_num_free_blocks())
         return hit, self.block_pool.free_block_queue.first_position(free, limit)
+
+    def eagle_reach(self, keys: Sequence[bytes], num_tokens: int) -> int:
+        """How many tokens a hybrid search with EAGLE's drop may read: ``num_tokens - 1``;
+        vllm-0.33's may peek a block past that, up to the request's hashed tokens."""
+        if self._peek_to_hashes:
+            return max(num_tokens - 1, len(keys) * self.hash_block_size)
+        return num_tokens - 1
 
     def _cached_under(self, keys: Sequence[bytes], max_tokens: int) -> tuple[set[int], bool]:
         """The free blocks cached under the request's hashes that a search of up to

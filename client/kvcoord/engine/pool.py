@@ -367,7 +367,8 @@ class KVCachePool:
             prefix = self.cache_namespaces[cache_namespace] if cache_namespace else b""
             held: Sequence[Sequence[int]] = hit.block_ids
             if self.config.use_eagle:
-                held = self.hits.cached_under(request_keys(block_hashes, prefix), num_tokens - 1)
+                keys = request_keys(block_hashes, prefix)
+                held = self.hits.cached_under(keys, self.hits.eagle_reach(keys, num_tokens))
             self.reservations.hold(reservation_id, hit, held, prefix, block_hashes, num_tokens)
         return hit
 

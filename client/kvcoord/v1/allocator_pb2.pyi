@@ -135,7 +135,7 @@ class KVCacheGroupSpec(_message.Message):
     def __init__(self, full: _Optional[_Union[FullAttentionSpec, _Mapping]] = ..., sliding_window: _Optional[_Union[SlidingWindowSpec, _Mapping]] = ..., chunked_local: _Optional[_Union[ChunkedLocalAttentionSpec, _Mapping]] = ..., mamba: _Optional[_Union[MambaSpec, _Mapping]] = ..., cross_attention: _Optional[_Union[CrossAttentionSpec, _Mapping]] = ...) -> None: ...
 
 class PoolConfig(_message.Message):
-    __slots__ = ("num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events", "log_stats", "max_model_len", "hash_algo", "hash_seed", "shared_cache_tenants", "profile", "num_hash_lookahead_tokens", "max_in_flight_tokens", "scheduler_block_size", "prefix_cache_retention_interval", "needs_kv_cache_zeroing", "mamba_shared_prefix_checkpoint")
+    __slots__ = ("num_blocks", "groups", "hash_block_size", "enable_caching", "use_eagle", "enable_kv_cache_events", "log_stats", "max_model_len", "hash_algo", "hash_seed", "shared_cache_tenants", "profile", "num_hash_lookahead_tokens", "max_in_flight_tokens", "scheduler_block_size", "prefix_cache_retention_interval", "needs_kv_cache_zeroing", "mamba_shared_prefix_checkpoint", "eagle_group_ids")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     GROUPS_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class PoolConfig(_message.Message):
     PREFIX_CACHE_RETENTION_INTERVAL_FIELD_NUMBER: _ClassVar[int]
     NEEDS_KV_CACHE_ZEROING_FIELD_NUMBER: _ClassVar[int]
     MAMBA_SHARED_PREFIX_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    EAGLE_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     groups: _containers.RepeatedCompositeFieldContainer[KVCacheGroupSpec]
     hash_block_size: int
@@ -172,7 +173,8 @@ class PoolConfig(_message.Message):
     prefix_cache_retention_interval: int
     needs_kv_cache_zeroing: bool
     mamba_shared_prefix_checkpoint: bool
-    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., shared_cache_tenants: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ..., needs_kv_cache_zeroing: _Optional[bool] = ..., mamba_shared_prefix_checkpoint: _Optional[bool] = ...) -> None: ...
+    eagle_group_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., shared_cache_tenants: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ..., needs_kv_cache_zeroing: _Optional[bool] = ..., mamba_shared_prefix_checkpoint: _Optional[bool] = ..., eagle_group_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Fence(_message.Message):
     __slots__ = ("instance_id", "incarnation", "position", "term")

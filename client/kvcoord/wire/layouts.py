@@ -129,6 +129,7 @@ def config_from_pb(cfg: pb.PoolConfig) -> KVCacheConfig:
         prefix_cache_retention_interval=_retention_from_pb(cfg),
         needs_kv_cache_zeroing=cfg.needs_kv_cache_zeroing,
         mamba_shared_prefix_checkpoint=cfg.mamba_shared_prefix_checkpoint,
+        eagle_group_ids=tuple(cfg.eagle_group_ids),
     )
 
 
@@ -167,6 +168,7 @@ _POOL_KEYS = {
     "enable_kv_cache_events", "log_stats", "max_model_len", "shared_cache_tenants", "profile",
     "num_hash_lookahead_tokens", "max_in_flight_tokens", "scheduler_block_size",
     "prefix_cache_retention_interval", "needs_kv_cache_zeroing", "mamba_shared_prefix_checkpoint",
+    "eagle_group_ids",
 }  # fmt: skip
 
 
@@ -212,6 +214,16 @@ def pool_config_from_table(d: Mapping[str, Any], where: str) -> pb.PoolConfig:
             )
         if key == "shared_cache_tenants":
             cfg.shared_cache_tenants.extend(string_list(value, f"{where}.{key}"))
+            continue
+        if key == "eagle_group_ids":
+            if not isinstance(value, list):
+                raise ConfigFileError(
+                    f"{where}.{key}: must be a list of group ids, got {type(value).__name__}"
+                )
+            try:
+                cfg.eagle_group_ids.extend(value)
+            except (TypeError, ValueError) as exc:
+                raise ConfigFileError(f"{where}.{key}: {exc}") from None
             continue
         try:
             setattr(cfg, key, value)

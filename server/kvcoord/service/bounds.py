@@ -147,6 +147,7 @@ BOUNDS: Mapping[str, int | str] = {
     "ReleaseRetainedBlocksOp.block_ids": "max_blocks_per_pool",
     # pool configurations
     "PoolConfig.groups": MAX_GROUPS,
+    "PoolConfig.eagle_group_ids": MAX_GROUPS,
     "PoolConfig.hash_algo": 32,
     "PoolConfig.hash_seed": 256,
     "PoolConfig.profile": 32,

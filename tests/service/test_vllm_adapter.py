@@ -103,10 +103,12 @@ def test_pool_config_from_engine_and_differences() -> None:
     other.CopyFrom(want)
     other.num_blocks, other.enable_kv_cache_events, other.log_stats = 31, False, False
     other.groups[1].sliding_window.sliding_window = 16
+    other.eagle_group_ids.append(1)  # (vLLM 0.33: which groups drop EAGLE's block)
     diffs = pool_config_differences(want, other)
     assert [d.split(":")[0] for d in diffs] == [
         "num_blocks",
         "group 1",
+        "eagle_group_ids",
         "enable_kv_cache_events",
         "log_stats",
     ]

@@ -430,7 +430,7 @@ def pool_config_differences(expected: pb.PoolConfig, actual: pb.PoolConfig) -> l
 
     Compared: the groups (type, block size and the fields that change allocation; page-size
     fields only decide grouping, which the engine already did), block count, hash block
-    size, caching, EAGLE, events, stats, max_model_len, mamba shared-prefix checkpoints,
+    size, caching, EAGLE (and its groups), events, stats, max_model_len, mamba shared-prefix checkpoints,
     hash algorithm and seed.
     """
     diffs: list[str] = []
@@ -446,6 +446,7 @@ def pool_config_differences(expected: pb.PoolConfig, actual: pb.PoolConfig) -> l
     differ("hash_block_size", expected.hash_block_size, actual.hash_block_size)
     differ("enable_caching", expected.enable_caching, actual.enable_caching)
     differ("use_eagle", expected.use_eagle, actual.use_eagle)
+    differ("eagle_group_ids", list(expected.eagle_group_ids), list(actual.eagle_group_ids))
     differ("enable_kv_cache_events", expected.enable_kv_cache_events, actual.enable_kv_cache_events)
     differ(
         "log_stats",

@@ -42,6 +42,10 @@ CASES = {
     "align-sparse-ckpt64": ("align", True, 0, 2 * BS, BS),
     # fine-grained (partial) hits with copy-on-write: a hash block of half the block
     "align-partial": ("align", True, 0, None, BS // 2),
+    # both: Mamba2's and GDN's prefill checkpoint block beside fine-grained hits
+    "align-partial-ckpt1": ("align", True, 0, 1, BS // 2),
+    "align-partial-ckpt32": ("align", True, 0, BS, BS // 2),
+    "align-partial-dense-ckpt1": ("align", True, None, 1, BS // 2),
 }
 
 
@@ -114,6 +118,7 @@ class _Both:
         self.theirs = _vllm(mode, caching, interval, num_blocks, ckpt, hbs)
         self.ours = _ours(mode, caching, interval, num_blocks, ckpt, hbs)
         self.hbs = hbs
+        self.ckpt = ckpt
         self.reqs: dict[str, Any] = {}
         self.calls = 0
         self.num_events = 0
@@ -167,7 +172,7 @@ class _Both:
         """The tokens vLLM 0.33's scheduler gives a request from ``start`` on."""
         if self.hbs == BS:
             return _chunk(r.num_tokens - start, budget, left_of_prompt)
-        return _chunk_partial(r.num_prompt_tokens, r.num_tokens, start, budget, self.hbs)
+        return _chunk_partial(r.num_prompt_tokens, r.num_tokens, start, budget, self.hbs, self.ckpt)
 
     def release(self, retained: Any) -> None:
         """The scheduler's release of the copies' blocks once they ran."""
@@ -281,21 +286,35 @@ def _event(e: Any, fields: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def _chunk_partial(prompt: int, tokens: int, start: int, budget: int, hbs: int) -> int:
-    """vLLM 0.33's scheduler with mamba align and partial hits (no checkpoint blocks, no
-    EAGLE, no junction stop): a prefill chunk ends on a block boundary unless it is the
-    prompt's last, stops at the next boundary when it starts inside a block, at the last
-    cacheable block boundary, and at the prompt's last hash boundary."""
+def _chunk_partial(
+    prompt: int, tokens: int, start: int, budget: int, hbs: int, ckpt: int | None = None
+) -> int:
+    """vLLM 0.33's scheduler with mamba align and partial hits (no EAGLE, no junction
+    stop): a prefill chunk ends on a block boundary unless it is the prompt's last, stops
+    at the next boundary when it starts inside a block, at the last cacheable block
+    boundary, and at the prompt's last hash boundary; but the chunk reaching the
+    prefill's end that can export the prefill checkpoint (``ckpt``: the checkpoint
+    alignment of a group with a prefill checkpoint block) runs on to it."""
     end = start + min(tokens - start, budget)
     prefill_end = max(prompt, tokens - 1)
     if start >= prefill_end:
         return end - start
+    position = (prefill_end - 1) // hbs * hbs
+    internal = (
+        ckpt is not None
+        and end >= prefill_end
+        and start % hbs == 0
+        and -(-end // BS) - 2 > (start - 1) // BS
+        and start + hbs <= position
+        and start < position < end
+        and (position - start) % ckpt == 0
+    )
     if end < prefill_end:
         end = end // BS * BS
-    last_cache = (tokens - 1) // BS * BS
-    tail = (prompt - 1) // hbs * hbs
+    last_cache = 0 if internal else (tokens - 1) // BS * BS
+    tail = 0 if internal else (prompt - 1) // hbs * hbs
     stops = (
-        (start // BS + 1) * BS if start % BS else 0,
+        (start // BS + 1) * BS if start % BS and not internal else 0,
         last_cache,
         tail if last_cache < tail < prompt else 0,
     )
@@ -320,7 +339,7 @@ def test_mamba_groups_answer_like_vllm_033(case: str, seed: int) -> None:
 
 #: the layouts a KV consumer runs with overlapping steps (fine-grained hits refuse a
 #: KV connector)
-DEFERRED_CASES = sorted(c for c in CASES if c != "align-partial")
+DEFERRED_CASES = sorted(c for c in CASES if not c.startswith("align-partial"))
 
 
 @pytest.mark.parametrize("case", DEFERRED_CASES)
@@ -350,6 +369,12 @@ def _run_seeded(case: str, seed: int, deferred: bool) -> None:
         for _ in range(rng.choice([0, 1, 1, 2])):
             if sent and rng.random() < 0.25:
                 prompt = list(rng.choice(sent))  # a resend
+            elif sent and ckpt is not None and hbs != BS and rng.random() < 0.4:
+                # a sent prompt cut and extended: a hit inside a block whose chunk runs on
+                # to the prefill's end, taking the checkpoint beside the copied tail
+                cut = rng.choice(sent)
+                prompt = cut[: len(cut) - rng.randrange(hbs)]  # hits its tail's state
+                prompt += [rng.randrange(1000) for _ in range(rng.randrange(40, 120))]
             else:
                 prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 90))]
             sent.append(prompt)
@@ -497,3 +522,34 @@ def test_a_resumed_prefill_checkpoint_is_keyed_or_dropped_like_vllm_033(interval
         assert ours[4] not in both.ours.cached_block_ids()
     else:
         assert ours[4] in both.ours.cached_block_ids()
+
+
+def test_a_hit_inside_a_block_takes_the_prefill_checkpoint_beside_its_copy_like_vllm_033() -> None:
+    """vLLM 0.33 with fine-grained hits (hash block 16, block 32) and one prefill
+    checkpoint block (Mamba2's layout, alignment 1): a 90-token prompt
+    exports its state at 80 into the checkpoint block (column 1), keyed there; a longer
+    prompt sharing 85 tokens hits at 80, inside a block, and its one chunk runs on to its
+    prefill's end (the scheduler does not stop at the block boundary: the backend saves
+    the checkpoint at 176 within the chunk). Its allocation takes the copy-on-write
+    target, the checkpoint block (column 4, not nulled) and the last state block at
+    once. kvcoord answers as vLLM 0.33.0's own manager, driven alike here: same new
+    blocks, tables, copy pairs, hand-offs (the checkpoint's at the tokens its key names)
+    and events. (kvcoord refused the layout before.)"""
+    both = _Both("align", True, 0, num_blocks=40, ckpt=1, hbs=BS // 2)
+    prompt = list(range(90))
+    both.step()
+    both.add("a", prompt)
+    assert both.admit("a", BUDGET) == 90  # one chunk: its checkpoint is at 80, column 1
+    both.end_of_step()
+    both.advance("a", 90, 7)
+    both.free("a")
+    both.step()
+    both.add("b", prompt[:85] + list(range(500, 600)))
+    n = both.admit("b", BUDGET)
+    mamba = both.ours.managers[1]
+    assert both.reqs["b"].num_computed_tokens == 80  # the hit ends inside block 2
+    assert n == 105  # to the prefill's end
+    assert mamba.checkpoints["b"] == (176, 4)
+    assert both.ours.get_block_ids("b")[1][4] != 0  # the checkpoint column, not a null
+    both.end_of_step()
+    assert both.num_copies == 2  # full attention's and mamba's tails

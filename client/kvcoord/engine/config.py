@@ -329,10 +329,7 @@ def _partial_hit_gaps(cfg: KVCacheConfig, spec: MambaSpec) -> list[str]:
         gaps.append("beside groups of another block size")
     if cfg.num_hash_lookahead_tokens:
         gaps.append("with look-ahead block hashes")
-    if spec.num_prefill_checkpoint_blocks:
-        # (vLLM 0.33 keys a partial tail where the prefill checkpoint is exported: the
-        # two rules together are not modelled)
-        gaps.append("with prefill checkpoint blocks")
+    # (prefill checkpoint blocks are modelled beside sub-block hits: PartialMambaManager)
     return gaps
 
 

@@ -224,8 +224,8 @@ class MambaManager033(MambaManager):
       the same lengths (vLLM's ``compute_mamba_prefill_checkpoints``).
 
     Sub-block (partial) hits with copy-on-write (a block larger than the hash block) are
-    :class:`~kvcoord.engine.managers.partial.PartialMambaManager`'s (without prefill
-    checkpoint blocks: the two together are refused). Not modelled, and refused by the
+    :class:`~kvcoord.engine.managers.partial.PartialMambaManager`'s (prefill checkpoint
+    blocks beside them included). Not modelled, and refused by the
     configuration: shared-prefix checkpoints, and prefix caching outside align mode.
     """
 
@@ -399,8 +399,9 @@ class MambaManager033(MambaManager):
             if block.is_null or block.cached_hash is None:
                 continue
             self.cached_this_step.add((block.cached_hash, block.cached_group))
-            if self.align:
-                self.pending_offloads.append((rid, self.group_id, block, (index + 1) * bs))
+            if self.align:  # at the tokens its key names (a checkpoint re-keyed inside it)
+                tokens = self.block_pool.partial_tokens.get(block.block_id, (index + 1) * bs)
+                self.pending_offloads.append((rid, self.group_id, block, tokens))
 
     def _reachable_boundaries(self, request: Request) -> list[int]:
         out = [request.num_prompt_tokens - 1]

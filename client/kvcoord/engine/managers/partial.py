@@ -25,6 +25,11 @@ and mamba "align" of one block size, with no speculative mamba blocks
   request's next allocation that key moves to a new block (the copy's target; no
   event) while the request keeps writing its own block, and the pair is retained the
   same way; the target is also offered as a boundary-state hand-off.
+- *Prefill checkpoint blocks* (mamba, vLLM 0.33's Mamba2 and GDN layouts): planned as
+  without partial hits (:meth:`MambaManager033.plan_checkpoint`, at the hash block): the
+  chunk reaching the prefill's end may start at a copied tail and run past block
+  boundaries; it then takes the copy's target, the checkpoint block (its column not
+  nulled) and the last state block in one step.
 
 Retention is the pool's: see :meth:`KVCachePool.take_kv_cache_block_copies` and
 :meth:`KVCachePool.release_retained_blocks`.
@@ -154,7 +159,8 @@ class PartialFullAttentionManager(CopyOnWrite, FullAttentionManager):
 class PartialMambaManager(CopyOnWrite, MambaManager033):
     """Mamba "align" in a pool with partial hits (no speculative blocks): one block
     more while a tail is to be copied, the copy on a waiting request's first allocation
-    or, for a producer still running, the partial key moved to the new block."""
+    or, for a producer still running, the partial key moved to the new block; one more
+    again for a prefill checkpoint block, as :class:`MambaManager033` takes it."""
 
     def __init__(
         self, spec: AttentionSpec, block_pool: BlockPool, group_id: int, enable_caching: bool
@@ -187,8 +193,18 @@ class PartialMambaManager(CopyOnWrite, MambaManager033):
         )
         if partial:
             new = max(new, 0) + 1
+        point = None
+        if self.has_checkpoint_blocks:  # planned as without partial hits (vLLM 0.33)
+            point = self.plan_checkpoint(
+                request_id, total_computed_tokens, num_tokens_main_model, prefill_end
+            )
+            if record:
+                if point is None:
+                    self.checkpoints.pop(request_id, None)
+                else:
+                    self.checkpoints[request_id] = point
         if new > 0:
-            new = min(new, 1 + int(partial))
+            new = min(new, 1 + int(partial) + int(point is not None))
         evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return new + evictable
 
@@ -205,10 +221,11 @@ class PartialMambaManager(CopyOnWrite, MambaManager033):
         running = request_id in self.allocated_block_reqs
         if prev > 0:  # the hit's or the previous step's state block
             self.last_state_block_idx[request_id] = prev - 1
-        if prev < required - 1:
-            blocks.extend([self.null_block] * (required - 1 - prev))
+        checkpoint = int(request_id in self.checkpoints)  # its column is not nulled
+        if prev < required - 1 - checkpoint:
+            blocks.extend([self.null_block] * (required - 1 - checkpoint - prev))
         num_new = max(required - len(blocks), 0) + 1
-        assert num_new <= 2
+        assert num_new <= 2 + checkpoint
         new = self.block_pool.get_new_blocks(num_new)
         target, new = new[0], new[1:]
         returned = blocks[prev:]
@@ -235,8 +252,13 @@ class PartialMambaManager(CopyOnWrite, MambaManager033):
     def check_allocation(
         self, request_id: str, num_tokens_main_model: int, query_start: int = 0, prefill_end: int = 0
     ) -> str | None:
-        # (prefill checkpoint blocks are refused beside partial hits: KVCacheConfig)
         if request_id in self.partial_hit_reqs:
+            if self.has_checkpoint_blocks and self.plan_checkpoint(
+                request_id, query_start, num_tokens_main_model, prefill_end
+            ):
+                # the chunk reaching the prefill's end runs past block boundaries (vLLM
+                # 0.33's scheduler does not stop it): the columns between are nulled
+                return None
             have = len(self.req_to_blocks.get(request_id, ()))
             if cdiv(num_tokens_main_model, self.block_size) - have > 1:
                 return (

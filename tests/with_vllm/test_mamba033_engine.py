@@ -46,12 +46,16 @@ CASES = {
     "align-partial-ckpt1": ("align", True, 0, 1, BS // 2),
     "align-partial-ckpt32": ("align", True, 0, BS, BS // 2),
     "align-partial-dense-ckpt1": ("align", True, None, 1, BS // 2),
+    # with speculative mamba blocks (n-gram drafts or a draft model: one per draft token)
+    "align-partial-spec2": ("align", True, 0, None, BS // 2),
+    "align-partial-ckpt1-spec3": ("align", True, 0, 1, BS // 2),
 }
+#: name -> the mamba group's num_speculative_blocks (0 when not listed)
+SPEC_BLOCKS = {"align-partial-spec2": 2, "align-partial-ckpt1-spec3": 3}
 
 
-def _vllm(
-    mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None, hbs: int = BS
-) -> Any:
+def _vllm(mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None,
+          hbs: int = BS, spec: int = 0) -> Any:  # fmt: skip
     import torch
     from vllm.v1 import kv_cache_interface as k
     from vllm.v1.core.kv_cache_manager import KVCacheManager
@@ -64,6 +68,7 @@ def _vllm(
         mamba_cache_mode=mode,
         num_prefill_checkpoint_blocks=int(ckpt is not None),
         prefill_checkpoint_alignment=ckpt,
+        num_speculative_blocks=spec,
     )
     config = k.KVCacheConfig(
         num_blocks=num_blocks,
@@ -78,15 +83,15 @@ def _vllm(
     )  # fmt: skip
 
 
-def _ours(
-    mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None, hbs: int = BS
-) -> Any:
+def _ours(mode: str, caching: bool, interval: int | None, num_blocks: int, ckpt: int | None = None,
+          hbs: int = BS, spec: int = 0) -> Any:  # fmt: skip
     from kvcoord.engine import KVCacheConfig, KVCachePool
     from kvcoord.engine.specs import FullAttentionSpec, MambaCacheMode, MambaSpec
 
     mamba = MambaSpec(
         BS if mode == "align" else MAX_LEN, MambaCacheMode(mode),
         num_prefill_checkpoint_blocks=int(ckpt is not None), prefill_checkpoint_alignment=ckpt,
+        num_speculative_blocks=spec,
     )  # fmt: skip
     return KVCachePool(
         KVCacheConfig(
@@ -108,6 +113,7 @@ class _Both:
         num_blocks: int,
         ckpt: int | None = None,
         hbs: int = BS,
+        spec: int = 0,
     ) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -115,8 +121,8 @@ class _Both:
         fn = get_hash_fn_by_name("sha256_cbor")
         init_none_hash(fn)
         self.hasher = get_request_block_hasher(hbs, fn) if caching else None
-        self.theirs = _vllm(mode, caching, interval, num_blocks, ckpt, hbs)
-        self.ours = _ours(mode, caching, interval, num_blocks, ckpt, hbs)
+        self.theirs = _vllm(mode, caching, interval, num_blocks, ckpt, hbs, spec)
+        self.ours = _ours(mode, caching, interval, num_blocks, ckpt, hbs, spec)
         self.hbs = hbs
         self.ckpt = ckpt
         self.reqs: dict[str, Any] = {}
@@ -358,7 +364,7 @@ def test_deferred_frees_beside_a_mamba_group_answer_like_vllm_033(case: str, see
 def _run_seeded(case: str, seed: int, deferred: bool) -> None:
     mode, caching, interval, ckpt, hbs = CASES[case]
     rng = random.Random(seed)
-    both = _Both(mode, caching, interval, num_blocks=70, ckpt=ckpt, hbs=hbs)
+    both = _Both(mode, caching, interval, num_blocks=70, ckpt=ckpt, hbs=hbs, spec=SPEC_BLOCKS.get(case, 0))
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice([32, 64, 100, 160]))] for _ in range(3)]
     sent: list[list[int]] = []
     waiting: list[str] = []

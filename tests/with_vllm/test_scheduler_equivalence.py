@@ -956,16 +956,17 @@ def test_predict_falls_back_where_the_pool_cannot_be_predicted(
     assert r.got == r.want, first_difference(r.want, r.got)
 
 
-def _partial_hits_kv_config(num_blocks: int, ckpt: int | None = None) -> Any:
+def _partial_hits_kv_config(num_blocks: int, ckpt: int | None = None, spec: int = 0) -> Any:
     """Full attention and mamba "align" of 32-token blocks (hashes of 16 tokens); ``ckpt``:
-    the mamba group's prefill checkpoint alignment (one checkpoint block), or none."""
+    the mamba group's prefill checkpoint alignment (one checkpoint block), or none;
+    ``spec``: its speculative blocks (vLLM sets one per draft token)."""
     import torch
     from vllm.v1 import kv_cache_interface as k
 
     common = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
     mamba = k.MambaSpec(block_size=32, shapes=((2, 16), (4, 8)), dtypes=(torch.float16, torch.float16),
                         mamba_cache_mode="align", num_prefill_checkpoint_blocks=int(ckpt is not None),
-                        prefill_checkpoint_alignment=ckpt)  # fmt: skip
+                        prefill_checkpoint_alignment=ckpt, num_speculative_blocks=spec)  # fmt: skip
     return k.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         k.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], k.FullAttentionSpec(32, **common)),
         k.KVCacheGroupSpec(["model.layers.1.mixer"], mamba),
@@ -1004,6 +1005,68 @@ def _counting_checkpoints(manager: Any) -> collections.Counter[str]:
     return counts
 
 
+@dataclasses.dataclass
+class PartialRuns:
+    """One workload on vLLM 0.33's scheduler and on kvcoord's, with fine-grained hits."""
+
+    want: list[Any]
+    want_counts: dict[str, int]
+    want_copies: list[Any]
+    checkpoints: collections.Counter[str]
+    manager: Any
+
+
+def _run_partial_hits(
+    kind: str, speculative: str | None, ckpt: int | None, spec_blocks: int, model_dir: Path,
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch, predict: bool,
+) -> PartialRuns:  # fmt: skip
+    """Full attention and mamba "align" of 32-token blocks hashed every 16 tokens
+    (``prefix_match_unit`` 16: vLLM turns fine-grained hits on) on vLLM's scheduler, then
+    on kvcoord's: the layout taken (not refused), the same decisions and copy pairs.
+    ``kind`` "pp2": the sync scheduler with two steps' outputs pending."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    asynchronous = kind == "async"
+    overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
+    kind = "sync" if kind == "pp2" else kind
+
+    def config() -> Any:
+        cfg = vllm_config(model_dir, 200, async_scheduling=asynchronous, speculative=speculative,
+                          mamba_cache_mode="align")  # fmt: skip
+        cfg.cache_config.block_size = 32
+        cfg.cache_config.prefix_match_unit = 16
+        return cfg
+
+    def kv() -> Any:
+        return _partial_hits_kv_config(200, ckpt, spec_blocks)
+
+    assert block_sizes(config(), kv()) == (32, 16)
+    # taken, not refused (the plug-in refused it before; with checkpoint blocks or drafts
+    # until issue 25)
+    assert unsupported_033(kv(), config(), 16) is None
+    local = make_scheduler(SCHEDULERS[kind], config(), kv())
+    assert local.kv_cache_manager.coordinator.enable_partial_hash_hits
+    want_copies: list[Any] = []
+    _recording_copies(local.kv_cache_manager, want_copies)
+    checkpoints = _counting_checkpoints(local.kv_cache_manager)
+    want, want_counts = run_workload(local, seed=3, steps=120, async_overlap=overlap, queue_depth=depth)
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
+    monkeypatch.setenv("KVCOORD_POOL", f"{kind}-partial-{speculative}-{next(_pool_ids)}")
+    remote = make_scheduler(KVCOORD[kind], config(), kv())
+    assert remote.kv_cache_manager.coordinator.enable_partial_hash_hits
+    got_copies: list[Any] = []
+    _recording_copies(remote.kv_cache_manager, got_copies)
+    got, _ = run_workload(remote, seed=3, steps=120, async_overlap=overlap, queue_depth=depth)
+    manager = remote.kv_cache_manager.remote
+    remote.shutdown()
+    with KVCoordClient(server.address) as c:
+        c.delete_pool(manager.pool)
+    assert got == want, first_difference(want, got)
+    assert got_copies == want_copies
+    return PartialRuns(want, want_counts, want_copies, checkpoints, manager)
+
+
 @pytest.mark.skipif(not V033, reason="vLLM 0.33's fine-grained (partial) hits (issue 25)")
 @pytest.mark.parametrize("ckpt", [None, 1, 32], ids=["no-ckpt", "ckpt1", "ckpt32"])
 @pytest.mark.parametrize("predict", [False, True], ids=["remote", "predicted"])
@@ -1027,49 +1090,54 @@ def test_partial_hits_with_copy_on_write_decide_like_vllm_033(
     mamba group also has a prefill checkpoint block (Mamba2's alignment 1, GDN's grid of
     the block size), as vLLM 0.33's Mamba2 and GDN layers always do: the chunk reaching
     a prefill's end exports a checkpoint, beside a copied tail too (refused before)."""
+    r = _run_partial_hits(kind, None, ckpt, 0, model_dir, server, monkeypatch, predict)
+    if ckpt is not None:  # vLLM took prefill checkpoints (on Mamba2's grid some beside a copied tail)
+        assert r.checkpoints["checkpoint"] > 5, r.checkpoints
+        assert (r.checkpoints["beside a copy"] > 0) == (ckpt == 1), r.checkpoints
+    # copies made in many steps (fewer where checkpoints take the prompts' tails)
+    assert sum(len(c) for c, _ in r.want_copies) > (20 if ckpt is None else 10), r.want_copies
+    assert r.want_counts["hit_tokens"] > 0, r.want_counts
+    assert r.manager.lost_requests == 0
+
+
+@pytest.mark.skipif(not V033, reason="vLLM 0.33's fine-grained (partial) hits (issue 25)")
+@pytest.mark.parametrize("ckpt", [None, 1], ids=["no-ckpt", "ckpt1"])
+@pytest.mark.parametrize("predict", [False, True], ids=["remote", "predicted"])
+@pytest.mark.parametrize(
+    ("kind", "speculative"), [("sync", "ngram"), ("sync", "draft_model"), ("async", "draft_model")]
+)
+def test_partial_hits_with_drafts_decide_like_vllm_033(
+    kind: str, speculative: str, predict: bool, ckpt: int | None, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """vLLM 0.33's fine-grained hits (``prefix_match_unit`` 16 under 32-token blocks) with
+    n-gram drafts (3 a step) or a draft model (2): the mamba "align" group has one
+    speculative block per draft token, moved to the end of the request's list as its
+    state crosses a block boundary, beside the copied tails (and, ``ckpt``, the prefill
+    checkpoint block). kvcoord: the same decisions and copy pairs as vLLM 0.33.0's own
+    Scheduler / AsyncScheduler, the pool's answers or the client's predictions. (The
+    plug-in refused fine-grained hits with any speculative decoding before; MTP/EAGLE's
+    look-ahead hashes stay refused.)"""
+    spec_blocks = 3 if speculative == "ngram" else 2
+    r = _run_partial_hits(kind, speculative, ckpt, spec_blocks, model_dir, server, monkeypatch, predict)
+    assert sum(len(c) for c, _ in r.want_copies) > 10, r.want_copies
+    assert r.want_counts["hit_tokens"] > 0, r.want_counts
+    drafts = [len(t) for k, *rest in r.want if k == "schedule" for t in rest[1]["drafts"].values()]
+    assert len(drafts) > 100, len(drafts)  # requests scheduled with drafts
+    assert r.manager.config.groups[1].mamba.num_speculative_blocks == spec_blocks
+    assert r.manager.lost_requests == 0
+
+
+@pytest.mark.skipif(not V033, reason="vLLM 0.33's fine-grained (partial) hits (issue 25)")
+def test_partial_hits_with_mtp_or_eagle_drafts_stay_refused_by_name(model_dir: Path) -> None:
+    """MTP/EAGLE drafts hash every block with look-ahead tokens, which moves each partial
+    key; kvcoord does not model that beside fine-grained hits: the plug-in refuses it,
+    naming the reason (the drafts without look-ahead hashes run: above)."""
     from kvcoord.client.vllm033 import unsupported_033
 
-    asynchronous = kind == "async"
-    overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
-    kind = "sync" if kind == "pp2" else kind
-
-    def config() -> Any:
-        cfg = vllm_config(model_dir, 200, async_scheduling=asynchronous, mamba_cache_mode="align")
-        cfg.cache_config.block_size = 32
-        cfg.cache_config.prefix_match_unit = 16
-        return cfg
-
-    def kv() -> Any:
-        return _partial_hits_kv_config(200, ckpt)
-
-    assert block_sizes(config(), kv()) == (32, 16)
-    # taken, not refused (the plug-in refused it before; with checkpoint blocks until issue 25)
-    assert unsupported_033(kv(), config(), 16) is None
-    local = make_scheduler(SCHEDULERS[kind], config(), kv())
-    assert local.kv_cache_manager.coordinator.enable_partial_hash_hits
-    want_copies: list[Any] = []
-    _recording_copies(local.kv_cache_manager, want_copies)
-    checkpoints = _counting_checkpoints(local.kv_cache_manager)
-    want, want_counts = run_workload(local, seed=3, steps=120, async_overlap=overlap, queue_depth=depth)
-    if ckpt is not None:  # vLLM took prefill checkpoints (on Mamba2's grid some beside a copied tail)
-        assert checkpoints["checkpoint"] > 5 and (checkpoints["beside a copy"] > 0) == (ckpt == 1), (
-            checkpoints
-        )
-    monkeypatch.setenv("KVCOORD_TARGET", server.address)
-    monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
-    monkeypatch.setenv("KVCOORD_POOL", f"{kind}-partial-{next(_pool_ids)}")
-    remote = make_scheduler(KVCOORD[kind], config(), kv())
-    assert remote.kv_cache_manager.coordinator.enable_partial_hash_hits
-    got_copies: list[Any] = []
-    _recording_copies(remote.kv_cache_manager, got_copies)
-    got, got_counts = run_workload(remote, seed=3, steps=120, async_overlap=overlap, queue_depth=depth)
-    manager = remote.kv_cache_manager.remote
-    remote.shutdown()
-    with KVCoordClient(server.address) as c:
-        c.delete_pool(manager.pool)
-    assert got == want, first_difference(want, got)
-    assert got_copies == want_copies
-    # copies made in many steps (fewer where checkpoints take the prompts' tails)
-    assert sum(len(c) for c, _ in want_copies) > (20 if ckpt is None else 10), want_copies
-    assert want_counts["hit_tokens"] > 0, want_counts
-    assert manager.lost_requests == 0
+    cfg = vllm_config(model_dir, 200, async_scheduling=False, speculative="eagle", mamba_cache_mode="align")
+    cfg.cache_config.block_size = 32
+    cfg.cache_config.prefix_match_unit = 16
+    assert cfg.num_hash_lookahead_tokens > 0
+    why = unsupported_033(_partial_hits_kv_config(200, 1, 2), cfg, 16)
+    assert why is not None and "look-ahead block hashes (MTP/EAGLE drafts)" in why, why

@@ -321,8 +321,6 @@ def _partial_hit_gaps(cfg: KVCacheConfig, spec: MambaSpec) -> list[str]:
     if not cfg.partial_hash_hits:
         return ["beside a group that needs block-aligned hits"]
     gaps = []
-    if spec.num_speculative_blocks:
-        gaps.append("with speculative mamba blocks")
     if any(not isinstance(g, (FullAttentionSpec, MambaSpec)) for g in cfg.groups):
         gaps.append("beside sliding-window or chunked-local groups")
     if len({g.block_size for g in cfg.groups}) > 1:

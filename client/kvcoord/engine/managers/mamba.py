@@ -536,8 +536,8 @@ class MambaManager033(MambaManager):
             self._drop_keys(block)
             return
         if block.cached_hash is not None:
-            if position == (index + 1) * self.block_size:
-                return  # keyed at this boundary already (the block ends there)
+            if position == self.block_pool.partial_tokens.get(block.block_id, (index + 1) * self.block_size):
+                return  # keyed at this boundary already (the block ends there, or an earlier step)
             self._drop_keys(block)  # the exported state replaced what the key named
         self.block_pool.cache_partial_block(request, block, position, self.group_id)
         if block.cached_hash is not None:

@@ -193,8 +193,8 @@ def test_a_session_end_drops_the_copies_and_retentions_it_left() -> None:
 
 def test_partial_hits_are_taken_only_where_modelled() -> None:
     """Fine-grained hits beside a sliding-window group, or with groups of several block
-    sizes, stay refused by name; beside prefill checkpoint blocks and speculative mamba
-    blocks they are taken."""
+    sizes, stay refused by name; beside prefill checkpoint blocks, speculative mamba
+    blocks and look-ahead hashes they are taken."""
     mamba = MambaSpec(32, MambaCacheMode.ALIGN)
     with pytest.raises(ConfigError, match="copy-on-write.*block-aligned hits"):
         KVCacheConfig(24, (SlidingWindowSpec(32, 64), mamba), HBS, profile="vllm-0.33")
@@ -209,6 +209,10 @@ def test_partial_hits_are_taken_only_where_modelled() -> None:
     assert KVCacheConfig(24, (FullAttentionSpec(32), ckpt), HBS, profile="vllm-0.33").partial_hash_hits
     spec = MambaSpec(32, MambaCacheMode.ALIGN, num_speculative_blocks=2)
     assert KVCacheConfig(24, (FullAttentionSpec(32), spec), HBS, profile="vllm-0.33").partial_hash_hits
+    lookahead = KVCacheConfig(
+        24, (FullAttentionSpec(32), spec), HBS, profile="vllm-0.33", num_hash_lookahead_tokens=1
+    )
+    assert lookahead.partial_hash_hits  # MTP/EAGLE's look-ahead hashes
 
 
 def test_the_state_export_keeps_tails_copies_and_retentions() -> None:

@@ -1104,7 +1104,14 @@ def test_partial_hits_with_copy_on_write_decide_like_vllm_033(
 @pytest.mark.parametrize("ckpt", [None, 1], ids=["no-ckpt", "ckpt1"])
 @pytest.mark.parametrize("predict", [False, True], ids=["remote", "predicted"])
 @pytest.mark.parametrize(
-    ("kind", "speculative"), [("sync", "ngram"), ("sync", "draft_model"), ("async", "draft_model")]
+    ("kind", "speculative"),
+    [
+        ("sync", "ngram"),
+        ("sync", "draft_model"),
+        ("async", "draft_model"),
+        ("sync", "eagle"),
+        ("async", "eagle"),
+    ],
 )
 def test_partial_hits_with_drafts_decide_like_vllm_033(
     kind: str, speculative: str, predict: bool, ckpt: int | None, model_dir: Path, server: InProcessServer,
@@ -1116,8 +1123,9 @@ def test_partial_hits_with_drafts_decide_like_vllm_033(
     state crosses a block boundary, beside the copied tails (and, ``ckpt``, the prefill
     checkpoint block). kvcoord: the same decisions and copy pairs as vLLM 0.33.0's own
     Scheduler / AsyncScheduler, the pool's answers or the client's predictions. (The
-    plug-in refused fine-grained hits with any speculative decoding before; MTP/EAGLE's
-    look-ahead hashes stay refused.)"""
+    plug-in refused fine-grained hits with any speculative decoding before.) With
+    MTP/EAGLE ("eagle", 2 drafts) every hash also covers look-ahead tokens (vLLM 0.33's
+    default for them): partial tails and checkpoints sit at the same boundaries."""
     spec_blocks = 3 if speculative == "ngram" else 2
     r = _run_partial_hits(kind, speculative, ckpt, spec_blocks, model_dir, server, monkeypatch, predict)
     assert sum(len(c) for c, _ in r.want_copies) > 10, r.want_copies
@@ -1125,19 +1133,5 @@ def test_partial_hits_with_drafts_decide_like_vllm_033(
     drafts = [len(t) for k, *rest in r.want if k == "schedule" for t in rest[1]["drafts"].values()]
     assert len(drafts) > 100, len(drafts)  # requests scheduled with drafts
     assert r.manager.config.groups[1].mamba.num_speculative_blocks == spec_blocks
+    assert (r.manager.config.num_hash_lookahead_tokens > 0) == (speculative == "eagle")
     assert r.manager.lost_requests == 0
-
-
-@pytest.mark.skipif(not V033, reason="vLLM 0.33's fine-grained (partial) hits (issue 25)")
-def test_partial_hits_with_mtp_or_eagle_drafts_stay_refused_by_name(model_dir: Path) -> None:
-    """MTP/EAGLE drafts hash every block with look-ahead tokens, which moves each partial
-    key; kvcoord does not model that beside fine-grained hits: the plug-in refuses it,
-    naming the reason (the drafts without look-ahead hashes run: above)."""
-    from kvcoord.client.vllm033 import unsupported_033
-
-    cfg = vllm_config(model_dir, 200, async_scheduling=False, speculative="eagle", mamba_cache_mode="align")
-    cfg.cache_config.block_size = 32
-    cfg.cache_config.prefix_match_unit = 16
-    assert cfg.num_hash_lookahead_tokens > 0
-    why = unsupported_033(_partial_hits_kv_config(200, 1, 2), cfg, 16)
-    assert why is not None and "look-ahead block hashes (MTP/EAGLE drafts)" in why, why

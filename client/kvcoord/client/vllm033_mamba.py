@@ -50,8 +50,8 @@ def partial_hits_033(groups: Any, vllm_config: Any, hash_block_size: int) -> str
     ``None`` unless vLLM 0.33 turns fine-grained (partial) hits on (prefix caching and a
     mamba "align" group whose block is larger than the hash block); then ``""`` when
     kvcoord takes the layout (full attention and mamba "align" groups of one block size,
-    prefill checkpoint blocks or not, n-gram or draft-model drafts or none, no MTP/EAGLE
-    look-ahead hashes, no KV connector, no periodic retention), else why not."""
+    prefill checkpoint blocks or not, drafts (n-gram, draft model, MTP/EAGLE with
+    look-ahead hashes) or none, no KV connector, no periodic retention), else why not."""
     if not vllm_config.cache_config.enable_prefix_caching:
         return None
     specs = [g.kv_cache_spec for g in groups]
@@ -68,10 +68,8 @@ def partial_hits_033(groups: Any, vllm_config: Any, hash_block_size: int) -> str
         return f"{why} with groups of one block size (a multiple of hash_block_size {hash_block_size}) only"
     if vllm_config.kv_transfer_config is not None:
         return f"{why} without KV connectors only"
-    if getattr(vllm_config, "num_hash_lookahead_tokens", 0):
-        # (n-gram drafts and a draft model run: the mamba group's speculative blocks are
-        # modelled; MTP/EAGLE's look-ahead hashes move every partial key: not modelled)
-        return f"{why} without look-ahead block hashes (MTP/EAGLE drafts) only"
+    # (drafts run: the mamba group's speculative blocks are modelled, and MTP/EAGLE's
+    # look-ahead hashes key partial tails at the same boundaries as vLLM 0.33)
     # (mamba prefill checkpoint blocks, Mamba2's and GDN's layouts, are modelled beside
     # them: the chunk reaching the prefill's end may take the copy and the checkpoint)
     return ""

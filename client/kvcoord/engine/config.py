@@ -325,9 +325,8 @@ def _partial_hit_gaps(cfg: KVCacheConfig, spec: MambaSpec) -> list[str]:
         gaps.append("beside sliding-window or chunked-local groups")
     if len({g.block_size for g in cfg.groups}) > 1:
         gaps.append("beside groups of another block size")
-    if cfg.num_hash_lookahead_tokens:
-        gaps.append("with look-ahead block hashes")
-    # (prefill checkpoint blocks are modelled beside sub-block hits: PartialMambaManager)
+    # (prefill checkpoint blocks, speculative mamba blocks and look-ahead hashes are
+    # modelled beside sub-block hits: PartialMambaManager)
     return gaps
 
 

@@ -3,8 +3,9 @@
 vLLM 0.33 enables them (``enable_partial_hash_hits``) when a mamba group in "align"
 mode has a block larger than the hash block: a hit may then end on any hash-block
 boundary, inside a block. kvcoord takes them for pools whose groups are full attention
-and mamba "align" of one block size, with no look-ahead block hashes
-(:attr:`KVCacheConfig.partial_hash_hits`); the managers here replace
+and mamba "align" of one block size (:attr:`KVCacheConfig.partial_hash_hits`),
+speculative mamba blocks, look-ahead hashes and prefill checkpoint blocks included;
+the managers here replace
 :class:`FullAttentionManager` and :class:`MambaManager033` in those pools.
 
 - *Lookup*: full attention matches whole blocks from the start, then probes the next
@@ -25,7 +26,7 @@ and mamba "align" of one block size, with no look-ahead block hashes
   request's next allocation that key moves to a new block (the copy's target; no
   event) while the request keeps writing its own block, and the pair is retained the
   same way; the target is also offered as a boundary-state hand-off.
-- *Speculative blocks* (mamba, n-gram drafts or a draft model): as without partial
+- *Speculative blocks* (mamba, one per draft token): as without partial
   hits (``num_speculative_blocks`` more columns, 1 + them new at a request's first
   allocation, those a running request leaves behind moved to the end of its list),
   the copy's target drawn first as always.

@@ -193,7 +193,8 @@ def test_a_session_end_drops_the_copies_and_retentions_it_left() -> None:
 
 def test_partial_hits_are_taken_only_where_modelled() -> None:
     """Fine-grained hits beside a sliding-window group, or with groups of several block
-    sizes, stay refused by name."""
+    sizes, stay refused by name; beside prefill checkpoint blocks, speculative mamba
+    blocks and look-ahead hashes they are taken."""
     mamba = MambaSpec(32, MambaCacheMode.ALIGN)
     with pytest.raises(ConfigError, match="copy-on-write.*block-aligned hits"):
         KVCacheConfig(24, (SlidingWindowSpec(32, 64), mamba), HBS, profile="vllm-0.33")
@@ -203,8 +204,15 @@ def test_partial_hits_are_taken_only_where_modelled() -> None:
     ckpt = MambaSpec(
         32, MambaCacheMode.ALIGN, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1
     )
-    with pytest.raises(ConfigError, match="copy-on-write.*prefill checkpoint blocks"):
-        KVCacheConfig(24, (FullAttentionSpec(32), ckpt), HBS, profile="vllm-0.33")
+    # taken beside prefill checkpoint blocks (refused before; vLLM 0.33's Mamba2 and GDN
+    # layers always have one: tests/with_vllm/test_mamba033_engine.py compares them)
+    assert KVCacheConfig(24, (FullAttentionSpec(32), ckpt), HBS, profile="vllm-0.33").partial_hash_hits
+    spec = MambaSpec(32, MambaCacheMode.ALIGN, num_speculative_blocks=2)
+    assert KVCacheConfig(24, (FullAttentionSpec(32), spec), HBS, profile="vllm-0.33").partial_hash_hits
+    lookahead = KVCacheConfig(
+        24, (FullAttentionSpec(32), spec), HBS, profile="vllm-0.33", num_hash_lookahead_tokens=1
+    )
+    assert lookahead.partial_hash_hits  # MTP/EAGLE's look-ahead hashes
 
 
 def test_the_state_export_keeps_tails_copies_and_retentions() -> None:
@@ -248,6 +256,21 @@ def test_shared_prefix_checkpoints_are_taken_where_vllm_033_turns_them_on_only()
             KVCacheConfig(24, groups, mamba_shared_prefix_checkpoint=True, **kwargs)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="must be a bool"):
         KVCacheConfig(24, groups, HBS, profile="vllm-0.33", mamba_shared_prefix_checkpoint=1)  # type: ignore[arg-type]
+    # each runs beside fine-grained hits, but not with the junction's key too: refused, named
+    for mamba, lookahead in (
+        (
+            MambaSpec(
+                32, MambaCacheMode.ALIGN, num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=1
+            ),
+            0,
+        ),
+        (MambaSpec(32, MambaCacheMode.ALIGN, num_speculative_blocks=2), 0),
+        (MambaSpec(32, MambaCacheMode.ALIGN), 1),
+    ):
+        KVCacheConfig(24, (groups[0], mamba), HBS, profile="vllm-0.33", num_hash_lookahead_tokens=lookahead)
+        with pytest.raises(ConfigError, match="not modelled together"):
+            KVCacheConfig(24, (groups[0], mamba), HBS, profile="vllm-0.33", num_hash_lookahead_tokens=lookahead,
+                          mamba_shared_prefix_checkpoint=True)  # fmt: skip
     table = {
         "num_blocks": 24, "hash_block_size": HBS, "hash_algo": "sha256", "hash_seed": "0",
         "enable_caching": True, "profile": "vllm-0.33", "mamba_shared_prefix_checkpoint": True,

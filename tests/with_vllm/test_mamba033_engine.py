@@ -42,7 +42,16 @@ CASES = {
     "align-sparse-ckpt64": ("align", True, 0, 2 * BS, BS),
     # fine-grained (partial) hits with copy-on-write: a hash block of half the block
     "align-partial": ("align", True, 0, None, BS // 2),
+    # both: Mamba2's and GDN's prefill checkpoint block beside fine-grained hits
+    "align-partial-ckpt1": ("align", True, 0, 1, BS // 2),
+    "align-partial-ckpt32": ("align", True, 0, BS, BS // 2),
+    "align-partial-dense-ckpt1": ("align", True, None, 1, BS // 2),
+    # with speculative mamba blocks (n-gram drafts or a draft model: one per draft token)
+    "align-partial-spec2": ("align", True, 0, None, BS // 2),
+    "align-partial-ckpt1-spec3": ("align", True, 0, 1, BS // 2),
 }
+#: name -> the mamba group's num_speculative_blocks (0 when not listed)
+SPEC_BLOCKS = {"align-partial-spec2": 2, "align-partial-ckpt1-spec3": 3}
 
 
 def _vllm(
@@ -53,6 +62,7 @@ def _vllm(
     ckpt: int | None = None,
     hbs: int = BS,
     junction: bool = False,
+    spec: int = 0,
 ) -> Any:
     import torch
     from vllm.v1 import kv_cache_interface as k
@@ -66,6 +76,7 @@ def _vllm(
         mamba_cache_mode=mode,
         num_prefill_checkpoint_blocks=int(ckpt is not None),
         prefill_checkpoint_alignment=ckpt,
+        num_speculative_blocks=spec,
     )
     config = k.KVCacheConfig(
         num_blocks=num_blocks,
@@ -93,6 +104,7 @@ def _ours(
     ckpt: int | None = None,
     hbs: int = BS,
     junction: bool = False,
+    spec: int = 0,
 ) -> Any:
     from kvcoord.engine import KVCacheConfig, KVCachePool
     from kvcoord.engine.specs import FullAttentionSpec, MambaCacheMode, MambaSpec
@@ -100,6 +112,7 @@ def _ours(
     mamba = MambaSpec(
         BS if mode == "align" else MAX_LEN, MambaCacheMode(mode),
         num_prefill_checkpoint_blocks=int(ckpt is not None), prefill_checkpoint_alignment=ckpt,
+        num_speculative_blocks=spec,
     )  # fmt: skip
     return KVCachePool(
         KVCacheConfig(
@@ -122,6 +135,7 @@ class _Both:
         ckpt: int | None = None,
         hbs: int = BS,
         junction: bool = False,
+        spec: int = 0,
     ) -> None:
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -129,10 +143,11 @@ class _Both:
         fn = get_hash_fn_by_name("sha256_cbor")
         init_none_hash(fn)
         self.hasher = get_request_block_hasher(hbs, fn) if caching else None
-        self.theirs = _vllm(mode, caching, interval, num_blocks, ckpt, hbs, junction)
-        self.ours = _ours(mode, caching, interval, num_blocks, ckpt, hbs, junction)
+        self.theirs = _vllm(mode, caching, interval, num_blocks, ckpt, hbs, junction, spec)
+        self.ours = _ours(mode, caching, interval, num_blocks, ckpt, hbs, junction, spec)
         assert self.theirs.mamba_shared_prefix_checkpoint == junction
         self.hbs = hbs
+        self.ckpt = ckpt
         self.junction = junction
         #: chunks that stopped exactly at their request's shared-prefix junction
         self.junction_stops = 0
@@ -189,7 +204,7 @@ class _Both:
         """The tokens vLLM 0.33's scheduler gives a request from ``start`` on."""
         if self.hbs == BS:
             return _chunk(r.num_tokens - start, budget, left_of_prompt)
-        n = _chunk_partial(r.num_prompt_tokens, r.num_tokens, start, budget, self.hbs,
+        n = _chunk_partial(r.num_prompt_tokens, r.num_tokens, start, budget, self.hbs, self.ckpt,
                            r.shared_prefix_boundary, self.junction)  # fmt: skip
         if n and start + n == r.shared_prefix_boundary:
             self.junction_stops += 1
@@ -308,24 +323,39 @@ def _event(e: Any, fields: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _chunk_partial(
-    prompt: int, tokens: int, start: int, budget: int, hbs: int, junction: int = 0, checkpoint: bool = False
-) -> int:
-    """vLLM 0.33's scheduler with mamba align and partial hits (no checkpoint blocks, no
-    EAGLE drop): a prefill chunk ends on a block boundary unless it is the prompt's last,
-    stops at the next boundary when it starts inside a block, at the last cacheable
-    block boundary, at the prompt's last hash boundary, and before the shared-prefix
-    ``junction`` (block-floored from the start; at the junction itself within the
-    prompt with ``checkpoint``, enable_mamba_shared_prefix_checkpoint)."""
+    prompt: int, tokens: int, start: int, budget: int, hbs: int, ckpt: int | None = None,
+    junction: int = 0, checkpoint: bool = False,
+) -> int:  # fmt: skip
+    """vLLM 0.33's scheduler with mamba align and partial hits (no EAGLE drop): a prefill
+    chunk ends on a block boundary unless it is the prompt's last, stops at the next
+    boundary when it starts inside a block, at the last cacheable block boundary, at the
+    prompt's last hash boundary, and before the shared-prefix ``junction``
+    (block-floored from the start; at the junction itself within the prompt with
+    ``checkpoint``, enable_mamba_shared_prefix_checkpoint); but the chunk reaching the
+    prefill's end that can export the prefill checkpoint (``ckpt``: the checkpoint
+    alignment of a group with a prefill checkpoint block) runs on to it. (The junction
+    stop and the prefill checkpoint together are not modelled: the pool refuses
+    shared-prefix checkpoints beside prefill checkpoint blocks.)"""
     end = start + min(tokens - start, budget)
     prefill_end = max(prompt, tokens - 1)
     if start >= prefill_end:
         return end - start
+    position = (prefill_end - 1) // hbs * hbs
+    internal = (
+        ckpt is not None
+        and end >= prefill_end
+        and start % hbs == 0
+        and -(-end // BS) - 2 > (start - 1) // BS
+        and start + hbs <= position
+        and start < position < end
+        and (position - start) % ckpt == 0
+    )
     if end < prefill_end:
         end = end // BS * BS
-    last_cache = (tokens - 1) // BS * BS
-    tail = (prompt - 1) // hbs * hbs
+    last_cache = 0 if internal else (tokens - 1) // BS * BS
+    tail = 0 if internal else (prompt - 1) // hbs * hbs
     stops = (
-        (start // BS + 1) * BS if start % BS else 0,
+        (start // BS + 1) * BS if start % BS and not internal else 0,
         last_cache,
         tail if last_cache < tail < prompt else 0,
         (junction if checkpoint and junction <= prompt else start + (junction - start) // BS * BS)
@@ -353,7 +383,7 @@ def test_mamba_groups_answer_like_vllm_033(case: str, seed: int) -> None:
 
 #: the layouts a KV consumer runs with overlapping steps (fine-grained hits refuse a
 #: KV connector)
-DEFERRED_CASES = sorted(c for c in CASES if c != "align-partial")
+DEFERRED_CASES = sorted(c for c in CASES if not c.startswith("align-partial"))
 
 
 @pytest.mark.parametrize("case", DEFERRED_CASES)
@@ -379,7 +409,8 @@ def _run_seeded(
 ) -> Any:
     mode, caching, interval, ckpt, hbs = CASES[case]
     rng = random.Random(seed)
-    both = _Both(mode, caching, interval, num_blocks=70, ckpt=ckpt, hbs=hbs, junction=junction)
+    both = _Both(mode, caching, interval, num_blocks=70, ckpt=ckpt, hbs=hbs, junction=junction,
+                 spec=SPEC_BLOCKS.get(case, 0))  # fmt: skip
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice(lengths))] for _ in range(3)]
     sent: list[list[int]] = []
     waiting: list[str] = []
@@ -390,6 +421,12 @@ def _run_seeded(
         for _ in range(rng.choice([0, 1, 1, 2])):
             if sent and rng.random() < 0.25:
                 prompt = list(rng.choice(sent))  # a resend
+            elif sent and ckpt is not None and hbs != BS and rng.random() < 0.4:
+                # a sent prompt cut and extended: a hit inside a block whose chunk runs on
+                # to the prefill's end, taking the checkpoint beside the copied tail
+                cut = rng.choice(sent)
+                prompt = cut[: len(cut) - rng.randrange(hbs)]  # hits its tail's state
+                prompt += [rng.randrange(1000) for _ in range(rng.randrange(40, 120))]
             else:
                 tail = 1 if rng.random() < short_tails else rng.randrange(1, 90)
                 prompt = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(tail)]
@@ -556,3 +593,34 @@ def test_a_resumed_prefill_checkpoint_is_keyed_or_dropped_like_vllm_033(interval
         assert ours[4] not in both.ours.cached_block_ids()
     else:
         assert ours[4] in both.ours.cached_block_ids()
+
+
+def test_a_hit_inside_a_block_takes_the_prefill_checkpoint_beside_its_copy_like_vllm_033() -> None:
+    """vLLM 0.33 with fine-grained hits (hash block 16, block 32) and one prefill
+    checkpoint block (Mamba2's layout, alignment 1): a 90-token prompt
+    exports its state at 80 into the checkpoint block (column 1), keyed there; a longer
+    prompt sharing 85 tokens hits at 80, inside a block, and its one chunk runs on to its
+    prefill's end (the scheduler does not stop at the block boundary: the backend saves
+    the checkpoint at 176 within the chunk). Its allocation takes the copy-on-write
+    target, the checkpoint block (column 4, not nulled) and the last state block at
+    once. kvcoord answers as vLLM 0.33.0's own manager, driven alike here: same new
+    blocks, tables, copy pairs, hand-offs (the checkpoint's at the tokens its key names)
+    and events. (kvcoord refused the layout before.)"""
+    both = _Both("align", True, 0, num_blocks=40, ckpt=1, hbs=BS // 2)
+    prompt = list(range(90))
+    both.step()
+    both.add("a", prompt)
+    assert both.admit("a", BUDGET) == 90  # one chunk: its checkpoint is at 80, column 1
+    both.end_of_step()
+    both.advance("a", 90, 7)
+    both.free("a")
+    both.step()
+    both.add("b", prompt[:85] + list(range(500, 600)))
+    n = both.admit("b", BUDGET)
+    mamba = both.ours.managers[1]
+    assert both.reqs["b"].num_computed_tokens == 80  # the hit ends inside block 2
+    assert n == 105  # to the prefill's end
+    assert mamba.checkpoints["b"] == (176, 4)
+    assert both.ours.get_block_ids("b")[1][4] != 0  # the checkpoint column, not a null
+    both.end_of_step()
+    assert both.num_copies == 2  # full attention's and mamba's tails

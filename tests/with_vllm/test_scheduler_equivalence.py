@@ -1085,15 +1085,20 @@ def test_predict_falls_back_where_the_pool_cannot_be_predicted(
     assert r.got == r.want, first_difference(r.want, r.got)
 
 
-def _partial_hits_kv_config(num_blocks: int, eagle: bool = False) -> Any:
-    """Full attention and mamba "align" of 32-token blocks (hashes of 16 tokens); with
-    ``eagle`` the mamba group is flagged an EAGLE group."""
+def _partial_hits_kv_config(
+    num_blocks: int, ckpt: int | None = None, spec: int = 0, eagle: bool = False
+) -> Any:
+    """Full attention and mamba "align" of 32-token blocks (hashes of 16 tokens); ``ckpt``:
+    the mamba group's prefill checkpoint alignment (one checkpoint block), or none;
+    ``spec``: its speculative blocks (vLLM sets one per draft token); with ``eagle`` the
+    mamba group is flagged an EAGLE group."""
     import torch
     from vllm.v1 import kv_cache_interface as k
 
     common = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
     mamba = k.MambaSpec(block_size=32, shapes=((2, 16), (4, 8)), dtypes=(torch.float16, torch.float16),
-                        mamba_cache_mode="align")  # fmt: skip
+                        mamba_cache_mode="align", num_prefill_checkpoint_blocks=int(ckpt is not None),
+                        prefill_checkpoint_alignment=ckpt, num_speculative_blocks=spec)  # fmt: skip
     return k.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
         k.KVCacheGroupSpec(["model.layers.0.self_attn.attn"], k.FullAttentionSpec(32, **common)),
         k.KVCacheGroupSpec(["model.layers.1.mixer"], mamba, is_eagle_group=eagle),
@@ -1112,11 +1117,99 @@ def _recording_copies(manager: Any, log: list[Any]) -> None:
     manager.take_kv_cache_block_copies = wrapped
 
 
+def _counting_checkpoints(manager: Any) -> collections.Counter[str]:
+    """Count the mamba group's allocations that take a prefill checkpoint block, and of
+    those the ones that also copy a partial tail (vLLM 0.33's own manager)."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    counts: collections.Counter[str] = collections.Counter()
+    for m in manager.coordinator.single_type_managers:
+        if isinstance(m, MambaManager):
+            allocate = m.allocate_new_blocks
+
+            def counted(request_id: str, *args: Any, m: Any = m, allocate: Any = allocate) -> Any:
+                if request_id in m._checkpoints:
+                    counts["checkpoint"] += 1
+                    counts["beside a copy"] += request_id in m._partial_hit_reqs
+                return allocate(request_id, *args)
+
+            m.allocate_new_blocks = counted
+    return counts
+
+
+@dataclasses.dataclass
+class PartialRuns:
+    """One workload on vLLM 0.33's scheduler and on kvcoord's, with fine-grained hits."""
+
+    want: list[Any]
+    want_counts: dict[str, int]
+    want_copies: list[Any]
+    checkpoints: collections.Counter[str]
+    manager: Any
+
+
+def _run_partial_hits(
+    kind: str, speculative: str | None, ckpt: int | None, spec_blocks: int, model_dir: Path,
+    server: InProcessServer, monkeypatch: pytest.MonkeyPatch, predict: bool,
+) -> PartialRuns:  # fmt: skip
+    """Full attention and mamba "align" of 32-token blocks hashed every 16 tokens
+    (``prefix_match_unit`` 16: vLLM turns fine-grained hits on) on vLLM's scheduler, then
+    on kvcoord's: the layout taken (not refused), the same decisions and copy pairs.
+    ``kind`` "pp2": the sync scheduler with two steps' outputs pending."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    asynchronous = kind == "async"
+    overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
+    kind = "sync" if kind == "pp2" else kind
+
+    def config() -> Any:
+        cfg = vllm_config(model_dir, 200, async_scheduling=asynchronous, speculative=speculative,
+                          mamba_cache_mode="align")  # fmt: skip
+        cfg.cache_config.block_size = 32
+        cfg.cache_config.prefix_match_unit = 16
+        return cfg
+
+    def kv() -> Any:
+        return _partial_hits_kv_config(200, ckpt, spec_blocks)
+
+    assert block_sizes(config(), kv()) == (32, 16)
+    # taken, not refused (the plug-in refused it before; with checkpoint blocks or drafts
+    # until issue 25)
+    assert unsupported_033(kv(), config(), 16) is None
+    local = make_scheduler(SCHEDULERS[kind], config(), kv())
+    assert local.kv_cache_manager.coordinator.enable_partial_hash_hits
+    want_copies: list[Any] = []
+    _recording_copies(local.kv_cache_manager, want_copies)
+    checkpoints = _counting_checkpoints(local.kv_cache_manager)
+    want, want_counts = run_workload(local, seed=3, steps=120, async_overlap=overlap, queue_depth=depth)
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
+    monkeypatch.setenv("KVCOORD_POOL", f"{kind}-partial-{speculative}-{next(_pool_ids)}")
+    remote = make_scheduler(KVCOORD[kind], config(), kv())
+    assert remote.kv_cache_manager.coordinator.enable_partial_hash_hits
+    got_copies: list[Any] = []
+    _recording_copies(remote.kv_cache_manager, got_copies)
+    got, _ = run_workload(remote, seed=3, steps=120, async_overlap=overlap, queue_depth=depth)
+    manager = remote.kv_cache_manager.remote
+    remote.shutdown()
+    with KVCoordClient(server.address) as c:
+        c.delete_pool(manager.pool)
+    assert got == want, first_difference(want, got)
+    assert got_copies == want_copies
+    return PartialRuns(want, want_counts, want_copies, checkpoints, manager)
+
+
 @pytest.mark.skipif(not V033, reason="vLLM 0.33's fine-grained (partial) hits (issue 25)")
+@pytest.mark.parametrize("ckpt", [None, 1, 32], ids=["no-ckpt", "ckpt1", "ckpt32"])
 @pytest.mark.parametrize("predict", [False, True], ids=["remote", "predicted"])
 @pytest.mark.parametrize("kind", ["sync", "async", "pp2"])
 def test_partial_hits_with_copy_on_write_decide_like_vllm_033(
-    kind: str, predict: bool, model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+    kind: str,
+    predict: bool,
+    ckpt: int | None,
+    model_dir: Path,
+    server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """vLLM 0.33's Scheduler with full attention and a mamba "align" group of 32-token
     blocks hashed every 16 tokens (``prefix_match_unit`` 16): vLLM turns fine-grained hits
@@ -1125,44 +1218,18 @@ def test_partial_hits_with_copy_on_write_decide_like_vllm_033(
     same pairs, step by step, the pool's answers or the client's predictions; on the
     synchronous scheduler, the AsyncScheduler and with two steps' outputs pending ("pp2",
     a batch queue). (The AsyncScheduler and the batch queue were refused before; run,
-    they need the pool to free mamba states on the processed-token basis.)"""
-    from kvcoord.client.vllm033 import unsupported_033
-
-    asynchronous = kind == "async"
-    overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
-    kind = "sync" if kind == "pp2" else kind
-
-    def config() -> Any:
-        cfg = vllm_config(model_dir, 200, async_scheduling=asynchronous, mamba_cache_mode="align")
-        cfg.cache_config.block_size = 32
-        cfg.cache_config.prefix_match_unit = 16
-        return cfg
-
-    assert block_sizes(config(), _partial_hits_kv_config(200)) == (32, 16)
-    # taken, not refused (the plug-in refused it before)
-    assert unsupported_033(_partial_hits_kv_config(200), config(), 16) is None
-    local = make_scheduler(SCHEDULERS[kind], config(), _partial_hits_kv_config(200))
-    assert local.kv_cache_manager.coordinator.enable_partial_hash_hits
-    want_copies: list[Any] = []
-    _recording_copies(local.kv_cache_manager, want_copies)
-    want, want_counts = run_workload(local, seed=3, steps=120, async_overlap=overlap, queue_depth=depth)
-    monkeypatch.setenv("KVCOORD_TARGET", server.address)
-    monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")
-    monkeypatch.setenv("KVCOORD_POOL", f"{kind}-partial-{next(_pool_ids)}")
-    remote = make_scheduler(KVCOORD[kind], config(), _partial_hits_kv_config(200))
-    assert remote.kv_cache_manager.coordinator.enable_partial_hash_hits
-    got_copies: list[Any] = []
-    _recording_copies(remote.kv_cache_manager, got_copies)
-    got, got_counts = run_workload(remote, seed=3, steps=120, async_overlap=overlap, queue_depth=depth)
-    manager = remote.kv_cache_manager.remote
-    remote.shutdown()
-    with KVCoordClient(server.address) as c:
-        c.delete_pool(manager.pool)
-    assert got == want, first_difference(want, got)
-    assert got_copies == want_copies
-    assert sum(len(c) for c, _ in want_copies) > 20, want_copies  # copies made in many steps
-    assert want_counts["hit_tokens"] > 0, want_counts
-    assert manager.lost_requests == 0
+    they need the pool to free mamba states on the processed-token basis.) ``ckpt``: the
+    mamba group also has a prefill checkpoint block (Mamba2's alignment 1, GDN's grid of
+    the block size), as vLLM 0.33's Mamba2 and GDN layers always do: the chunk reaching
+    a prefill's end exports a checkpoint, beside a copied tail too (refused before)."""
+    r = _run_partial_hits(kind, None, ckpt, 0, model_dir, server, monkeypatch, predict)
+    if ckpt is not None:  # vLLM took prefill checkpoints (on Mamba2's grid some beside a copied tail)
+        assert r.checkpoints["checkpoint"] > 5, r.checkpoints
+        assert (r.checkpoints["beside a copy"] > 0) == (ckpt == 1), r.checkpoints
+    # copies made in many steps (fewer where checkpoints take the prompts' tails)
+    assert sum(len(c) for c, _ in r.want_copies) > (20 if ckpt is None else 10), r.want_copies
+    assert r.want_counts["hit_tokens"] > 0, r.want_counts
+    assert r.manager.lost_requests == 0
 
 
 @pytest.mark.skipif(not V033, reason="vLLM 0.33's mamba shared-prefix checkpoints (issue 25)")
@@ -1237,3 +1304,63 @@ def test_the_shared_prefix_checkpoint_flag_is_vllm_033s(eagle: bool, unit: int, 
     want = local.kv_cache_manager.mamba_shared_prefix_checkpoint
     assert want == (eagle and unit == 16)
     assert pool_config_033(kv, cfg, unit).mamba_shared_prefix_checkpoint == want
+
+
+@pytest.mark.skipif(not V033, reason="vLLM 0.33's mamba shared-prefix checkpoints (issue 25)")
+@pytest.mark.parametrize("beside", ["ckpt", "drafts"])
+def test_shared_prefix_checkpoints_beside_checkpoint_blocks_or_drafts_are_refused(
+    beside: str, model_dir: Path
+) -> None:
+    """Shared-prefix checkpoints where vLLM 0.33 turns them on, beside mamba prefill
+    checkpoint blocks or drafts: each runs with fine-grained hits, the three together are
+    not modelled, so the plug-in names it at start instead of answering."""
+    from kvcoord.client.vllm033 import unsupported_033
+
+    cfg = vllm_config(model_dir, 60, async_scheduling=False, mamba_cache_mode="align",
+                      speculative="draft_model" if beside == "drafts" else None)  # fmt: skip
+    cfg.cache_config.block_size = 32
+    cfg.cache_config.prefix_match_unit = 16
+    kv = _partial_hits_kv_config(
+        60, ckpt=1 if beside == "ckpt" else None, spec=2 if beside == "drafts" else 0, eagle=True
+    )
+    assert unsupported_033(kv, cfg, 16) is None  # the option off: taken
+    cfg.cache_config.enable_mamba_shared_prefix_checkpoint = True
+    why = unsupported_033(kv, cfg, 16)
+    assert why is not None and "not modelled together" in why, why
+
+
+@pytest.mark.skipif(not V033, reason="vLLM 0.33's fine-grained (partial) hits (issue 25)")
+@pytest.mark.parametrize("ckpt", [None, 1], ids=["no-ckpt", "ckpt1"])
+@pytest.mark.parametrize("predict", [False, True], ids=["remote", "predicted"])
+@pytest.mark.parametrize(
+    ("kind", "speculative"),
+    [
+        ("sync", "ngram"),
+        ("sync", "draft_model"),
+        ("async", "draft_model"),
+        ("sync", "eagle"),
+        ("async", "eagle"),
+    ],
+)
+def test_partial_hits_with_drafts_decide_like_vllm_033(
+    kind: str, speculative: str, predict: bool, ckpt: int | None, model_dir: Path, server: InProcessServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """vLLM 0.33's fine-grained hits (``prefix_match_unit`` 16 under 32-token blocks) with
+    n-gram drafts (3 a step) or a draft model (2): the mamba "align" group has one
+    speculative block per draft token, moved to the end of the request's list as its
+    state crosses a block boundary, beside the copied tails (and, ``ckpt``, the prefill
+    checkpoint block). kvcoord: the same decisions and copy pairs as vLLM 0.33.0's own
+    Scheduler / AsyncScheduler, the pool's answers or the client's predictions. (The
+    plug-in refused fine-grained hits with any speculative decoding before.) With
+    MTP/EAGLE ("eagle", 2 drafts) every hash also covers look-ahead tokens (vLLM 0.33's
+    default for them): partial tails and checkpoints sit at the same boundaries."""
+    spec_blocks = 3 if speculative == "ngram" else 2
+    r = _run_partial_hits(kind, speculative, ckpt, spec_blocks, model_dir, server, monkeypatch, predict)
+    assert sum(len(c) for c, _ in r.want_copies) > 10, r.want_copies
+    assert r.want_counts["hit_tokens"] > 0, r.want_counts
+    drafts = [len(t) for k, *rest in r.want if k == "schedule" for t in rest[1]["drafts"].values()]
+    assert len(drafts) > 100, len(drafts)  # requests scheduled with drafts
+    assert r.manager.config.groups[1].mamba.num_speculative_blocks == spec_blocks
+    assert (r.manager.config.num_hash_lookahead_tokens > 0) == (speculative == "eagle")
+    assert r.manager.lost_requests == 0

@@ -55,7 +55,8 @@ def partial_hits_033(groups: Any, vllm_config: Any, hash_block_size: int) -> str
     ``None`` unless vLLM 0.33 turns fine-grained (partial) hits on (prefix caching and a
     mamba "align" group whose block is larger than the hash block); then ``""`` when
     kvcoord takes the layout (full attention and mamba "align" groups of one block size,
-    no speculative decoding, no KV connector, no periodic retention), else why not."""
+    prefill checkpoint blocks or not, drafts (n-gram, draft model, MTP/EAGLE with
+    look-ahead hashes) or none, no KV connector, no periodic retention), else why not."""
     if not vllm_config.cache_config.enable_prefix_caching:
         return None
     specs = [g.kv_cache_spec for g in groups]
@@ -70,12 +71,12 @@ def partial_hits_033(groups: Any, vllm_config: Any, hash_block_size: int) -> str
         return f"{why} beside full attention only"
     if len({int(s.block_size) for s in specs}) > 1 or any(int(s.block_size) % hash_block_size for s in specs):
         return f"{why} with groups of one block size (a multiple of hash_block_size {hash_block_size}) only"
-    if vllm_config.speculative_config is not None or vllm_config.kv_transfer_config is not None:
-        return f"{why} without speculative decoding and KV connectors only"
-    if any(getattr(s, "num_prefill_checkpoint_blocks", 0) for s in specs):
-        # (vLLM 0.33 keys a partial tail where a prefill checkpoint is exported: the two
-        # rules together are not modelled)
-        return f"{why} without mamba prefill checkpoint blocks only"
+    if vllm_config.kv_transfer_config is not None:
+        return f"{why} without KV connectors only"
+    # (drafts run: the mamba group's speculative blocks are modelled, and MTP/EAGLE's
+    # look-ahead hashes key partial tails at the same boundaries as vLLM 0.33)
+    # (mamba prefill checkpoint blocks, Mamba2's and GDN's layouts, are modelled beside
+    # them: the chunk reaching the prefill's end may take the copy and the checkpoint)
     return ""
 
 

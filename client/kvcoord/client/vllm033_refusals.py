@@ -10,7 +10,7 @@ import math
 from typing import Any
 
 from .vllm033_connector import connector_refusal_033
-from .vllm033_mamba import partial_hits_033, uncached_mamba_hybrid
+from .vllm033_mamba import partial_hits_033, shared_prefix_checkpoint_033, uncached_mamba_hybrid
 
 __all__ = ["eagle_drop_refusal_033", "eagle_drops_033", "unsupported_033"]
 
@@ -96,6 +96,16 @@ def unsupported_033(kv_cache_config: Any, vllm_config: Any, hash_block_size: int
     partial = partial_hits_033(groups, vllm_config, hash_block_size)
     if partial:
         return partial
+    if shared_prefix_checkpoint_033(groups, vllm_config, hash_block_size) and (
+        vllm_config.speculative_config is not None
+        or any(getattr(g.kv_cache_spec, "num_prefill_checkpoint_blocks", 0) for g in groups)
+    ):
+        # (each runs beside fine-grained hits; with the junction's key too, untested against vLLM)
+        return (
+            "mamba shared-prefix checkpoints (enable_mamba_shared_prefix_checkpoint, on with an "
+            "EAGLE group and fine-grained hits) beside drafts or mamba prefill checkpoint blocks: "
+            "not modelled together by the vllm-0.33 profile"
+        )
     if partial is not None or (
         len(sizes) > 1 and uncached_mamba_hybrid(groups, vllm_config, hash_block_size)
     ):

@@ -328,6 +328,18 @@ def _validate_shared_prefix_checkpoint(cfg: KVCacheConfig) -> None:
             "(prefix caching, a mamba align group whose block is larger than the hash block): "
             "vLLM 0.33's manager turns it off otherwise"
         )
+    if flag and (
+        cfg.num_hash_lookahead_tokens
+        or any(
+            isinstance(g, MambaSpec) and (g.num_prefill_checkpoint_blocks or g.num_speculative_blocks)
+            for g in cfg.groups
+        )
+    ):
+        # (each runs beside fine-grained hits; with the junction's key too, untested against vLLM)
+        raise ConfigError(
+            "mamba_shared_prefix_checkpoint beside prefill checkpoint blocks, speculative mamba "
+            "blocks or look-ahead block hashes: not modelled together by the vllm-0.33 profile"
+        )
 
 
 def _eagle_033_gaps(cfg: KVCacheConfig) -> list[str]:
@@ -392,18 +404,12 @@ def _partial_hit_gaps(cfg: KVCacheConfig, spec: MambaSpec) -> list[str]:
     if not cfg.partial_hash_hits:
         return ["beside a group that needs block-aligned hits"]
     gaps = []
-    if spec.num_speculative_blocks:
-        gaps.append("with speculative mamba blocks")
     if any(not isinstance(g, (FullAttentionSpec, MambaSpec)) for g in cfg.groups):
         gaps.append("beside sliding-window or chunked-local groups")
     if len({g.block_size for g in cfg.groups}) > 1:
         gaps.append("beside groups of another block size")
-    if cfg.num_hash_lookahead_tokens:
-        gaps.append("with look-ahead block hashes")
-    if spec.num_prefill_checkpoint_blocks:
-        # (vLLM 0.33 keys a partial tail where the prefill checkpoint is exported: the
-        # two rules together are not modelled)
-        gaps.append("with prefill checkpoint blocks")
+    # (prefill checkpoint blocks, speculative mamba blocks and look-ahead hashes are
+    # modelled beside sub-block hits: PartialMambaManager)
     return gaps
 
 

@@ -224,9 +224,9 @@ class MambaManager033(MambaManager):
       the same lengths (vLLM's ``compute_mamba_prefill_checkpoints``).
 
     Sub-block (partial) hits with copy-on-write (a block larger than the hash block) are
-    :class:`~kvcoord.engine.managers.partial.PartialMambaManager`'s (without prefill
-    checkpoint blocks: the two together are refused). Not modelled, and refused by the
-    configuration: prefix caching outside align mode. (Shared-prefix checkpoints,
+    :class:`~kvcoord.engine.managers.partial.PartialMambaManager`'s (prefill checkpoint
+    blocks beside them included). Not modelled, and refused by the configuration: prefix
+    caching outside align mode. (Shared-prefix checkpoints,
     :attr:`shared_prefix_checkpoint`, are modelled with partial hits only.)
     """
 
@@ -404,8 +404,9 @@ class MambaManager033(MambaManager):
             if block.is_null or block.cached_hash is None:
                 continue
             self.cached_this_step.add((block.cached_hash, block.cached_group))
-            if self.align:
-                self.pending_offloads.append((rid, self.group_id, block, (index + 1) * bs))
+            if self.align:  # at the tokens its key names (a checkpoint re-keyed inside it)
+                tokens = self.block_pool.partial_tokens.get(block.block_id, (index + 1) * bs)
+                self.pending_offloads.append((rid, self.group_id, block, tokens))
 
     def _reachable_boundaries(self, request: Request) -> list[int]:
         out = [request.num_prompt_tokens - 1]
@@ -543,8 +544,8 @@ class MambaManager033(MambaManager):
             self._drop_keys(block)
             return
         if block.cached_hash is not None:
-            if position == (index + 1) * self.block_size:
-                return  # keyed at this boundary already (the block ends there)
+            if position == self.block_pool.partial_tokens.get(block.block_id, (index + 1) * self.block_size):
+                return  # keyed at this boundary already (the block ends there, or an earlier step)
             self._drop_keys(block)  # the exported state replaced what the key named
         self.block_pool.cache_partial_block(request, block, position, self.group_id)
         if block.cached_hash is not None:

@@ -3,8 +3,9 @@
 vLLM 0.33 enables them (``enable_partial_hash_hits``) when a mamba group in "align"
 mode has a block larger than the hash block: a hit may then end on any hash-block
 boundary, inside a block. kvcoord takes them for pools whose groups are full attention
-and mamba "align" of one block size, with no speculative mamba blocks
-(:attr:`KVCacheConfig.partial_hash_hits`); the managers here replace
+and mamba "align" of one block size (:attr:`KVCacheConfig.partial_hash_hits`),
+speculative mamba blocks, look-ahead hashes and prefill checkpoint blocks included;
+the managers here replace
 :class:`FullAttentionManager` and :class:`MambaManager033` in those pools.
 
 - *Lookup*: full attention matches whole blocks from the start, then probes the next
@@ -27,6 +28,15 @@ and mamba "align" of one block size, with no speculative mamba blocks
   same way; the target is also offered as a boundary-state hand-off. With
   ``KVCacheConfig.mamba_shared_prefix_checkpoint`` (vLLM 0.33's shared-prefix
   checkpoints) the request's shared-prefix junction is keyed the same way.
+- *Speculative blocks* (mamba, one per draft token): as without partial
+  hits (``num_speculative_blocks`` more columns, 1 + them new at a request's first
+  allocation, those a running request leaves behind moved to the end of its list),
+  the copy's target drawn first as always.
+- *Prefill checkpoint blocks* (mamba, vLLM 0.33's Mamba2 and GDN layouts): planned as
+  without partial hits (:meth:`MambaManager033.plan_checkpoint`, at the hash block): the
+  chunk reaching the prefill's end may start at a copied tail and run past block
+  boundaries; it then takes the copy's target, the checkpoint block (its column not
+  nulled) and the last state block in one step.
 
 Retention is the pool's: see :meth:`KVCachePool.take_kv_cache_block_copies` and
 :meth:`KVCachePool.release_retained_blocks`.
@@ -154,17 +164,16 @@ class PartialFullAttentionManager(CopyOnWrite, FullAttentionManager):
 
 
 class PartialMambaManager(CopyOnWrite, MambaManager033):
-    """Mamba "align" in a pool with partial hits (no speculative blocks): one block
+    """Mamba "align" in a pool with partial hits: one block
     more while a tail is to be copied, the copy on a waiting request's first allocation
-    or, for a producer still running, the partial key moved to the new block."""
+    or, for a producer still running, the partial key moved to the new block; one more
+    again for a prefill checkpoint block, as :class:`MambaManager033` takes it."""
 
     def __init__(
         self, spec: AttentionSpec, block_pool: BlockPool, group_id: int, enable_caching: bool
     ) -> None:
         super().__init__(spec, block_pool, group_id, enable_caching)
-        assert self.align and not self.num_speculative_blocks, (
-            "partial hits: align mode, no speculative blocks"
-        )
+        assert self.align, "partial hits: align mode"
         #: producers of a partial tail: request -> (its block, boundary tokens)
         self.producer_tails: dict[str, tuple[KVCacheBlock, int]] = {}
 
@@ -181,7 +190,8 @@ class PartialMambaManager(CopyOnWrite, MambaManager033):
     ) -> int:
         if new_computed_blocks and self._hit_not_yet_usable(new_computed_blocks[-1]):
             return self.block_pool.num_blocks + 1
-        required = cdiv(num_tokens_main_model, self.block_size)
+        S = self.num_speculative_blocks
+        required = cdiv(num_tokens_main_model, self.block_size) + S
         new = required - len(new_computed_blocks) - len(self.req_to_blocks.get(request_id, ()))
         partial = (
             _partial_local_hit(self.block_size, new_computed_blocks, total_computed_tokens)
@@ -189,8 +199,19 @@ class PartialMambaManager(CopyOnWrite, MambaManager033):
         )
         if partial:
             new = max(new, 0) + 1
+        point = None
+        if self.has_checkpoint_blocks:  # planned as without partial hits (vLLM 0.33)
+            point = self.plan_checkpoint(
+                request_id, total_computed_tokens, num_tokens_main_model, prefill_end
+            )
+            if record:
+                if point is None:
+                    self.checkpoints.pop(request_id, None)
+                else:
+                    self.checkpoints[request_id] = point
         if new > 0:
-            new = min(new, 1 + int(partial))
+            first = 0 if request_id in self.allocated_block_reqs else S
+            new = min(new, 1 + int(partial) + int(point is not None) + first)
         evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return new + evictable
 
@@ -201,16 +222,28 @@ class PartialMambaManager(CopyOnWrite, MambaManager033):
         if tail is None:
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         index, source = tail
+        S = self.num_speculative_blocks
         blocks = self.req_to_blocks.setdefault(request_id, [])
-        required = cdiv(num_tokens_main_model, self.block_size)
+        required = cdiv(num_tokens_main_model, self.block_size) + S
         prev = len(blocks)
         running = request_id in self.allocated_block_reqs
-        if prev > 0:  # the hit's or the previous step's state block
+        if running:  # the previous step's state block, before its speculative blocks
+            self.last_state_block_idx[request_id] = prev - 1 - S
+        elif prev > 0:  # the hit's state block
             self.last_state_block_idx[request_id] = prev - 1
-        if prev < required - 1:
-            blocks.extend([self.null_block] * (required - 1 - prev))
+        checkpoint = int(request_id in self.checkpoints)  # its column is not nulled
+        upto = required - S - 1 - checkpoint
+        null = self.null_block
+        if prev < upto:
+            blocks.extend([null] * (upto - prev))
+        if running:  # speculative blocks left behind move to the end (as without a tail)
+            for j in range(prev - S, prev):
+                if j >= upto:
+                    break
+                blocks.append(blocks[j])
+                blocks[j] = null
         num_new = max(required - len(blocks), 0) + 1
-        assert num_new <= 2
+        assert num_new <= 2 + checkpoint + (0 if running else S)
         new = self.block_pool.get_new_blocks(num_new)
         target, new = new[0], new[1:]
         returned = blocks[prev:]
@@ -237,10 +270,15 @@ class PartialMambaManager(CopyOnWrite, MambaManager033):
     def check_allocation(
         self, request_id: str, num_tokens_main_model: int, query_start: int = 0, prefill_end: int = 0
     ) -> str | None:
-        # (prefill checkpoint blocks are refused beside partial hits: KVCacheConfig)
         if request_id in self.partial_hit_reqs:
+            if self.has_checkpoint_blocks and self.plan_checkpoint(
+                request_id, query_start, num_tokens_main_model, prefill_end
+            ):
+                # the chunk reaching the prefill's end runs past block boundaries (vLLM
+                # 0.33's scheduler does not stop it): the columns between are nulled
+                return None
             have = len(self.req_to_blocks.get(request_id, ()))
-            if cdiv(num_tokens_main_model, self.block_size) - have > 1:
+            if cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks - have > 1:
                 return (
                     f"mamba align mode: a step may add at most one block besides the copied "
                     f"tail; schedule chunks that end on block boundaries (block size {self.block_size})"

@@ -96,7 +96,6 @@ class Twins:
         self.rnd = random.Random(seed)
         profile = self.config.profile
         self.none = none_hash(ALGO, "0", profile=profile)
-        self.hashers: dict[str, BlockHasher | BlockHasher033] = {}
 
     def both(self, name: str, *args: Any, **kw: Any) -> object:
         a = call(self.fast, name, *args, **kw)
@@ -105,46 +104,27 @@ class Twins:
         assert observed(self.fast) == observed(self.slow), (name, args, kw)
         return a
 
-    def add(self, rid: str, prompt: Sequence[int]) -> None:
-        h = block_hasher(
+    def hasher(self) -> BlockHasher | BlockHasher033:
+        return block_hasher(
             self.config.profile,
             ALGO,
             BS,
             self.none,
             num_hash_lookahead_tokens=self.config.num_hash_lookahead_tokens,
         )
-        self.hashers[rid] = h
-        hashes = h.extend(list(prompt)) if self.config.enable_caching else []
+
+    def add(self, rid: str, prompt: Sequence[int]) -> None:
+        hashes = self.hasher().extend(list(prompt)) if self.config.enable_caching else []
         self.both("add_request", rid, list(prompt), hashes)
 
     def hashes_for(self, rid: str, tokens: list[int]) -> list[bytes]:
-        """The new hashes ``tokens`` complete, without advancing the hasher (a call may fail)."""
+        """The new hashes ``tokens`` would complete for the request as the pool holds it."""
         if not self.config.enable_caching:
             return []
-        h = self.hashers[rid]
-        clone = block_hasher(
-            self.config.profile,
-            ALGO,
-            BS,
-            self.none,
-            num_hash_lookahead_tokens=self.config.num_hash_lookahead_tokens,
-        )
         req = self.slow.requests[rid]
-        old = clone.extend(list(req.all_token_ids))
-        assert len(old) == len(req.block_hashes), h
-        return clone.extend(tokens)
-
-    def resync(self, rid: str) -> None:
-        """Rebuild the request's hasher from what the pool holds (after any call)."""
-        h = block_hasher(
-            self.config.profile,
-            ALGO,
-            BS,
-            self.none,
-            num_hash_lookahead_tokens=self.config.num_hash_lookahead_tokens,
-        )
-        h.extend(list(self.slow.requests[rid].all_token_ids))
-        self.hashers[rid] = h
+        h = self.hasher()
+        assert len(h.extend(list(req.all_token_ids))) == len(req.block_hashes)
+        return h.extend(tokens)
 
     def decode(self, rid: str) -> None:
         """One running request's step: usually a plain decode, sometimes a variant the
@@ -220,5 +200,4 @@ def test_fast_path_equals_general_path(layout: str) -> None:
                 running.remove(rid)
                 continue
             t.decode(rid)
-            t.resync(rid)
     assert t.taken > 200 if t.fast._decode_fast_path else t.taken == 0, t.taken

@@ -719,6 +719,8 @@ class KVCachePool:
         answer. A refused update changes nothing; an allocation that raises takes the
         update back with it. A ``None`` answer (too few free blocks) keeps the update,
         as the two calls would. ``num_computed_tokens`` ``None`` leaves the count as it is.
+        A decode step inside the request's blocks is answered without either call
+        (:meth:`_decode_inside_blocks`: the same state and answer).
 
         Raises:
             RequestNotFoundError, InvalidArgumentError, FailedPreconditionError: as the

@@ -34,7 +34,7 @@ from .managers import CrossAttentionManager, MambaManager, MambaManager033, Sing
 from .managers.partial import CopyOnWrite, PartialMambaManager
 from .profiles import rules_of
 from .request import LoRA, Request
-from .request_table import RequestTable, check_count
+from .request_table import RequestTable, TokenIds, check_count
 from .reservations import Reservation, Reservations
 from .results import AllocationResult, BlockIds, CacheHit, PoolSnapshot, RequestCheckpoint
 from .specs import FullAttentionSpec, MambaSpec
@@ -42,6 +42,12 @@ from .stats import LookupCounters, PrefixCacheStats
 
 # The result types are re-exported: ``from kvcoord.engine.pool import CacheHit`` works.
 __all__ = ["AllocationResult", "CacheHit", "KVCachePool", "PoolSnapshot", "RequestCheckpoint"]
+
+#: Whether new pools answer a decode step inside its blocks without the general path
+#: (:meth:`KVCachePool._decode_inside_blocks`); the tests turn it off to compare.
+DECODE_FAST_PATH = True
+#: The token sequences that fast path reads (anything else takes the general path).
+_TOKEN_LISTS = (list, TokenIds, tuple)
 
 _ALLOCATE_COUNT_NAMES = (
     "num_new_tokens",
@@ -131,6 +137,17 @@ class KVCachePool:
             or type(m).remove_skipped_blocks is not SingleTypeKVCacheManager.remove_skipped_blocks
         ]
         self._no_new_blocks: BlockIds = tuple(() for _ in self.managers)
+        #: update_and_allocate answers a decode step inside its blocks at once
+        #: (:meth:`_decode_inside_blocks`); off only to test it against the general path
+        self._decode_fast_path = (
+            DECODE_FAST_PATH
+            and self._plain_managers
+            and all(
+                type(m).remove_skipped_blocks is SingleTypeKVCacheManager.remove_skipped_blocks
+                and type(m).skips_blocks is SingleTypeKVCacheManager.skips_blocks
+                for m in self.managers
+            )
+        )
         #: vllm-0.33 mamba groups (per-step state, boundary-state hand-offs)
         self._mamba033 = [m for m in self.managers if isinstance(m, MambaManager033)]
         #: vllm-0.33 with mamba layers or needs_kv_cache_zeroing: the attention groups
@@ -707,6 +724,8 @@ class KVCachePool:
         answer. A refused update changes nothing; an allocation that raises takes the
         update back with it. A ``None`` answer (too few free blocks) keeps the update,
         as the two calls would. ``num_computed_tokens`` ``None`` leaves the count as it is.
+        A decode step inside the request's blocks is answered without either call
+        (:meth:`_decode_inside_blocks`: the same state and answer).
 
         Raises:
             RequestNotFoundError, InvalidArgumentError, FailedPreconditionError: as the
@@ -715,6 +734,15 @@ class KVCachePool:
         req = self.requests.get(request_id)
         if req is None:
             raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        if self._decode_fast_path and self._decode_inside_blocks(
+            req,
+            num_computed_tokens,
+            append_token_ids,
+            append_block_hashes,
+            num_new_tokens,
+            num_lookahead_tokens,
+        ):
+            return self._no_new_blocks
         before = (len(req.all_token_ids), len(req.block_hashes), req.num_computed_tokens)
         self._update(request_id, num_computed_tokens, append_token_ids, append_block_hashes)
         try:
@@ -731,6 +759,74 @@ class KVCachePool:
         except BaseException:
             self.request_table.restore(request_id, RequestCheckpoint(*before))
             raise
+
+    def _decode_inside_blocks(
+        self,
+        req: Request,
+        num_computed_tokens: int | None,
+        append_token_ids: Sequence[int],
+        append_block_hashes: Sequence[bytes],
+        num_new_tokens: int,
+        num_lookahead_tokens: int,
+    ) -> bool:
+        """:meth:`update_and_allocate`'s decode step inside the request's blocks: one
+        valid token appended completing no hashed block, valid counts, every group's
+        blocks already covering the slots, no block leaving a window and none to cache.
+        Then the update is applied and ``True`` returned: the general path would change
+        nothing else and answer no new block (no refusal is possible: it takes none).
+        Anything else returns ``False`` with nothing changed, for the general path,
+        which raises what it raises.
+
+        Only for pools whose groups all allocate and cache by the base rules (the
+        caller's ``_decode_fast_path``): there the general path is
+        :meth:`_allocate_without_hit`, whose every step this checks.
+        """
+        if type(append_token_ids) not in _TOKEN_LISTS or len(append_token_ids) != 1:
+            return False
+        token = append_token_ids[0]
+        tokens = req.all_token_ids
+        have = len(tokens)
+        max_len = self.max_model_len
+        computed = req.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        if (
+            type(token) is not int
+            or token < 0
+            or have >= max_len  # the token would pass max_model_len
+            or type(computed) is not int
+            or computed < 0
+            or type(num_new_tokens) is not int
+            or num_new_tokens <= 0
+            or type(num_lookahead_tokens) is not int
+            or num_lookahead_tokens < 0
+        ):
+            return False
+        main = computed + num_new_tokens
+        if main > max_len:
+            return False
+        need = main + num_lookahead_tokens
+        if need > max_len:
+            need = max_len
+        rid = req.request_id
+        caching = self.enable_caching
+        if caching:
+            hashed = have + 1 - self._hash_lag
+            if append_block_hashes or (hashed if hashed > 0 else 0) // self.hash_block_size != len(
+                req.block_hashes
+            ):
+                return False  # a block hash due (or one too many): the general path checks it
+            cached = main if main < hashed else hashed
+        for m in self._skipping_managers:
+            if m.skips_blocks(rid, computed):
+                return False
+        for m in self.managers:
+            blocks = m.req_to_blocks.get(rid)
+            if blocks is None or len(blocks) * m.block_size < need:
+                return False
+            if caching and m.num_cached_block.get(rid, 0) < cached // m.block_size:
+                return False
+        req.num_computed_tokens = computed
+        tokens.append(token)
+        return True
 
     def _allocate_without_hit(
         self, req: Request, num_new_tokens: int, num_lookahead_tokens: int

@@ -815,15 +815,10 @@ class KVCachePool:
             ):
                 return False  # a block hash due (or one too many): the general path checks it
             cached = main if main < hashed else hashed
-        for m in self._skipping_managers:
-            if m.skips_blocks(rid, computed):
-                return False
-        for m in self.managers:
-            blocks = m.req_to_blocks.get(rid)
-            if blocks is None or len(blocks) * m.block_size < need:
-                return False
-            if caching and m.num_cached_block.get(rid, 0) < cached // m.block_size:
-                return False
+        else:
+            cached = 0
+        if not self._changes_nothing(rid, computed, need, cached):
+            return False
         req.num_computed_tokens = computed
         tokens.append(token)
         return True
@@ -933,14 +928,22 @@ class KVCachePool:
         need = min(main + num_lookahead_tokens, self.max_model_len)
         hashed = num_tokens - self._hash_lag
         cached = main if main < hashed else hashed
+        return self._changes_nothing(request_id, num_computed_tokens, need, cached)
+
+    def _changes_nothing(self, request_id: str, num_computed_tokens: int, need: int, cached: int) -> bool:
+        """Whether an allocation of a request with ``num_computed_tokens`` computed that
+        needs slots for ``need`` tokens and caching up to ``cached`` tokens (used only
+        when caching is on) leaves every group as it is: no block leaving a window, every
+        group's blocks covering ``need``, every full block up to ``cached`` cached."""
         for m in self._skipping_managers:
             if m.skips_blocks(request_id, num_computed_tokens):
                 return False
+        caching = self.enable_caching
         for m in self.managers:
             blocks = m.req_to_blocks.get(request_id)
             if blocks is None or len(blocks) * m.block_size < need:
                 return False
-            if self.enable_caching and m.num_cached_block.get(request_id, 0) < cached // m.block_size:
+            if caching and m.num_cached_block.get(request_id, 0) < cached // m.block_size:
                 return False
         return True
 

@@ -130,8 +130,9 @@ class Allocate:
 
 
 @dataclasses.dataclass(slots=True)
-class AllocateRun:
-    """Promised decode allocations in columns (see the proto's AllocateRunOp)."""
+class RunColumns:
+    """The columns AllocateRun and Decode share: per entry a request, where it stands,
+    its counts and what it appends (tokens and hashes flattened, with their counts)."""
 
     request_ids: Sequence[str]
     base_num_tokens: Sequence[int]
@@ -143,25 +144,21 @@ class AllocateRun:
     append_token_ids: Sequence[int]
     num_append_hashes: Sequence[int]
     append_block_hashes: Sequence[bytes]
+
+
+@dataclasses.dataclass(slots=True)
+class AllocateRun(RunColumns):
+    """Promised decode allocations in columns (see the proto's AllocateRunOp)."""
+
     #: allocations the client answered as changing nothing, checked in order
     checks: RunChecks | None = None
 
 
 @dataclasses.dataclass(slots=True)
-class Decode:
+class Decode(RunColumns):
     """A decode step's allocations in columns, each applied as its AllocateOp would be
     (see the proto's DecodeOp)."""
 
-    request_ids: Sequence[str]
-    base_num_tokens: Sequence[int]
-    base_num_hashes: Sequence[int]
-    num_computed_tokens: Sequence[int]
-    num_new_tokens: Sequence[int]
-    num_lookahead_tokens: Sequence[int]
-    num_append_tokens: Sequence[int]
-    append_token_ids: Sequence[int]
-    num_append_hashes: Sequence[int]
-    append_block_hashes: Sequence[bytes]
     must_succeed: bool = False
 
 

@@ -154,6 +154,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     ) -> None:
         self.registry = registry
         self.observer: OperationObserver = observer or NullObserver()
+        registry.on_session_expired = self._session_expired
         self.watch_poll_seconds = watch_poll_seconds
         self.stopping = False
         #: set when the journal could not be written: every call is refused from then on
@@ -224,11 +225,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         """Free the requests of every session whose lease ran out."""
         if self.journal_failure is not None or self.registry.locks.any_busy():
             return 0  # (a pool mid-Step: the next round reaps them)
-        expired = self.registry.reap_expired_sessions()
-        for _, pool, _ in expired:
-            self.observer.detached(pool)
-            self.observer.session_expired(pool)
-        return len(expired)
+        return len(self.registry.reap_expired_sessions())
+
+    def _session_expired(self, pool: str) -> None:
+        self.observer.detached(pool)
+        self.observer.session_expired(pool)
 
     # -- pools ------------------------------------------------------------------
     @map_errors
@@ -320,7 +321,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     # -- sessions -----------------------------------------------------------------
     @map_errors
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
-        service = self.registry.get(request.pool)
+        service = self.registry.for_attach(request.pool)
         tenant = current_tenant()
         self._check_pool_state_fits(request, service, tenant.name)
         try:

@@ -109,13 +109,21 @@ class SessionTable:
     def close(self, session_id: str) -> Session | None:
         return self.sessions.pop(session_id, None)
 
-    def expired(self) -> list[Session]:
-        """Remove and return every session whose lease ran out."""
+    def expired(self, pool: str | None = None) -> list[Session]:
+        """Remove and return every session whose lease ran out (only ``pool``'s when given)."""
         now = self.clock()
-        dead = [s for s in self.sessions.values() if s.expires_at <= now]
+        dead = [s for s in self.sessions.values() if s.expires_at <= now and pool in (None, s.pool)]
         for s in dead:
             del self.sessions[s.session_id]
         return dead
+
+    def ran_out(self, session_id: str) -> Session | None:
+        """Remove and return the session when its lease ran out (None: unknown or live)."""
+        s = self.sessions.get(session_id)
+        if s is None or s.expires_at > self.clock():
+            return None
+        del self.sessions[session_id]
+        return s
 
     def count_of_tenant(self, tenant: str) -> int:
         """Live sessions of ``tenant`` (every pool)."""

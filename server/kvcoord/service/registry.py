@@ -21,7 +21,7 @@ from kvcoord.wire import MAX_MODEL_LEN_UNLIMITED, config_from_pb
 from .bounds import MAX_NAME_LENGTH
 from .budget import MemoryBudget
 from .durability import Recorder
-from .errors import ServiceError, Status
+from .errors import ErrorReason, ServiceError, Status
 from .idempotency import IdempotencyStore
 from .logs import ids
 from .pool_locks import PoolLocks
@@ -286,6 +286,28 @@ class PoolRegistry:
         for s in self.sessions.expired(name):
             self._expire(s)
         return service
+
+    def attached_before(self, service: PoolService, key: str, tenant: str, exclusive: bool) -> Session | None:
+        """The live session an earlier Attach of ``tenant`` with ``key`` made in this pool
+        (its answer was lost: a retry gets the same session), renewed; None when there is
+        none (or no key).
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT (KEY_REUSED) when that Attach asked for
+                another ``exclusive``.
+        """
+        s = self.sessions.attached_with(service.name, tenant, key)
+        if s is None:
+            return None
+        if s.exclusive != exclusive:
+            raise ServiceError(
+                Status.INVALID,
+                f"attach_key {key[:64]!r} was used by an Attach with exclusive={s.exclusive}; use a new key "
+                "for another Attach",
+                ErrorReason.KEY_REUSED,
+            )
+        self.sessions.renew(s)
+        return s
 
     def pool_of_session(self, session_id: str) -> PoolService:
         """The pool a live session is attached to (SESSION_EXPIRED when there is none: a

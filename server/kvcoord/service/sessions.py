@@ -39,6 +39,8 @@ class Session:
     tenant: str = ""
     #: the prefix-cache namespace of its requests (derived from tenant and pool)
     cache_namespace: str = ""
+    #: the client's key of the Attach that made it (AttachRequest.attach_key; "": none)
+    attach_key: str = ""
 
 
 class SessionTable:
@@ -124,6 +126,17 @@ class SessionTable:
             return None
         del self.sessions[session_id]
         return s
+
+    def attached_with(self, pool: str, tenant: str, key: str) -> Session | None:
+        """The live session of ``pool`` that ``tenant`` attached with ``key`` (None
+        without a key, or when there is none)."""
+        if not key:
+            return None
+        now = self.clock()
+        for s in self.sessions.values():
+            if s.attach_key == key and s.pool == pool and s.tenant == tenant and s.expires_at > now:
+                return s
+        return None
 
     def count_of_tenant(self, tenant: str) -> int:
         """Live sessions of ``tenant`` (every pool)."""

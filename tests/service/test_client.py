@@ -413,3 +413,26 @@ def test_a_call_sent_and_lost_still_has_an_unknown_outcome(server: InProcessServ
         with pytest.raises(OutcomeUnknownError):
             c.delete_pool("p")
     assert lose.counts["dropped"] == 1
+
+
+def test_an_attach_whose_answer_was_lost_is_retried_into_the_same_session(server: InProcessServer) -> None:
+    """An exclusive Attach applied on the server whose answer is lost is retried with
+    the same attach_key: the retry gets the session the first made (old code: that
+    session held the pool, so the retry was refused POOL_EXCLUSIVE until its lease ran
+    out), and the pool has that one session."""
+    from kvcoord.client.faults import FaultInjector
+
+    class FirstAttachLost(FaultInjector):
+        def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+            try:
+                return super().intercept_unary_unary(continuation, details, request)
+            finally:
+                self.enabled = False  # only the first answer is lost
+
+    lose = FirstAttachLost(0, drop=1.0, methods=("Attach",))
+    with KVCoordClient(server.address, timeout=10, interceptors=[lose]) as c:
+        got = c.attach("p", "sha256_cbor", 4, "0", client_name="engine-0", exclusive=True)
+        assert lose.counts["dropped"] == 1
+        assert got.exclusive
+        assert [s.session_id for s in c.list_sessions("p").sessions] == [got.session_id]
+        assert c.get_stats("p").num_sessions == 1

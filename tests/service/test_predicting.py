@@ -264,6 +264,33 @@ def test_an_expired_session_loses_every_request_and_starts_again(
         m.close()
 
 
+def test_a_lapsed_session_no_reaper_ended_is_recovered_from(
+    make_server: Callable[..., InProcessServer], clock: ManualClock
+) -> None:
+    """The session's lease ran out on the server and no reaper ended it yet (the
+    lapsed exclusive session still sits in the table): the manager's recovery ends it and
+    attaches again at once instead of being refused the pool by its own lost session."""
+    server = make_server("")
+    with KVCoordClient(server.address, timeout=10) as c:
+        c.create_pool("p", wire_pool_config(32))
+        m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False, lease_seconds=5)
+        lost = m.keeper.session_id
+        _admit(m, _req("a", list(range(9))))
+        m.flush()
+        clock.advance(30)  # and nothing reaps
+        _admit(m, _req("b", list(range(40, 50))))
+        m.take_events()
+        with pytest.raises(RequestsLostError) as info:
+            m.flush()
+        assert sorted(info.value.request_ids) == ["a", "b"]
+        assert m.keeper.session_id != lost
+        told = _admit(m, _req("c", list(range(9))))
+        m.flush()
+        assert _tables(c, "p") == {"c": told}
+        assert [s.session_id for s in c.list_sessions("p").sessions] == [m.keeper.session_id]
+        m.close()
+
+
 def test_bad_calls_are_refused_before_anything_is_sent(client: KVCoordClient, pool: str) -> None:
     """Bad counts raise InvalidArgumentError (the engine's own message, as the server
     would answer) and change nothing, neither in the mirror nor on the server."""

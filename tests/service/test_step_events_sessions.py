@@ -210,6 +210,25 @@ def test_expired_session_frees_its_requests(
     assert hit.num_tokens == 12
 
 
+def test_a_lapsed_exclusive_session_no_reaper_ended_does_not_hold_its_pool(
+    server: InProcessServer, client: KVCoordClient, clock: ManualClock
+) -> None:
+    """No reaper runs here (production's runs about once a second): an exclusive
+    session whose lease ran out is ended by the next Attach of its pool, as the reaper
+    would end it (its request freed, counted as expired), and that Attach is granted."""
+    sid, fence = attach(client, lease_seconds=5, exclusive=True, client_name="engine-0")
+    client.allocate("p", allocate("a", list(range(200, 212)), 12).allocate, sid, fence)
+    clock.advance(6)
+    again = client.attach("p", "sha256_cbor", 4, "0", client_name="engine-0", lease_seconds=5, exclusive=True)
+    assert again.exclusive and again.session_id != sid
+    assert [s.session_id for s in client.list_sessions("p").sessions] == [again.session_id]
+    assert client.get_stats("p").num_requests == 0
+    assert server.metrics is not None
+    assert server.metrics.sessions_expired.labels("p")._value.get() == 1
+    with pytest.raises(SessionExpiredError):
+        client.detach(sid, fence)
+
+
 def test_detach_frees_owned_requests(client: KVCoordClient) -> None:
     """Detach frees what the session still owns and reports how many (not another
     session's requests); a mutating call without a session is refused."""

@@ -10,8 +10,9 @@ from kvcoord.wire import block_ids_to_pb
 
 #: rpc name -> how a failure whose outcome is unknown (UNAVAILABLE, DEADLINE_EXCEEDED)
 #: is handled: "read" (no effect: retry), "keyed" (retry with the same idempotency
-#: key: applied at most once), "attach" (retry: a lost answer only leaves an empty
-#: session that expires), "once" (never retried: OutcomeUnknownError).
+#: key: applied at most once), "attach" (retry with the same attach_key: the server
+#: answers with the session a lost answer named), "once" (never retried:
+#: OutcomeUnknownError).
 RPCS: dict[str, str] = {
     "CreatePool": "read",  # creating an identical pool again is a no-op
     "GetPool": "read",
@@ -125,6 +126,7 @@ def attach(
     num_hash_lookahead_tokens: int = 0,
 ) -> pb.AttachRequest:
     return pb.AttachRequest(
+        attach_key=key(),  # its retries carry it: a lost answer leaves no second session
         profile=profile,
         num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         want_pool_state=want_pool_state,

@@ -163,6 +163,8 @@ class AllocatorServicer:
         with the pool is FAILED_PRECONDITION (HASH_MISMATCH) naming the difference, and a
         pool held by an exclusive session FAILED_PRECONDITION (POOL_EXCLUSIVE). Returns a
         session whose requests are freed if the session is not renewed within its lease.
+        Sessions of the pool whose lease ran out, not yet ended by the server's periodic
+        reaper, are ended first, as the reaper ends them: they never refuse an Attach.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -178,7 +180,9 @@ class AllocatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Detach(self, request, context):
-        """Ends a session, freeing every request it still owns.
+        """Ends a session, freeing every request it still owns. A Detach (or Heartbeat) of a
+        session whose lease ran out is NOT_FOUND (SESSION_EXPIRED) and ends it as lease
+        expiry does, if the reaper had not yet.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -94,6 +94,7 @@ BOUNDS: Mapping[str, int | str] = {
     "StepRequest.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,
     "ScorePoolsRequest.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,
     "AttachRequest.client_name": MAX_CLIENT_NAME_LENGTH,
+    "AttachRequest.attach_key": MAX_IDEMPOTENCY_KEY_LENGTH,
     "AttachRequest.hash_algo": 32,
     "AttachRequest.hash_seed": 256,
     "AttachRequest.profile": 32,

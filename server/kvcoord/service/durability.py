@@ -15,7 +15,8 @@ replay gave the client the same answer. Records are CBOR lists ``[kind, wall_tim
               records are replayed under the limits they were applied with
 ``create``    pool name, wire ``PoolConfig`` bytes, incarnation, creation wall time
 ``delete``    pool name
-``attach``    pool, session id, client name, lease seconds, exclusive, tenant
+``attach``    pool, session id, client name, lease seconds, exclusive, tenant, and its
+              attach key when it has one
 ``detach``    session id
 ``expire``    session id (its lease ran out; its requests were freed)
 ``call``      rpc (Step, Allocate, Free), wire request bytes, idempotency key,
@@ -367,8 +368,9 @@ class JournalRecorder(Recorder):
         self._append("delete", name)
 
     def attached(self, service: PoolService, s: Session) -> None:
+        key = (s.attach_key,) if s.attach_key else ()
         self._append(
-            "attach", service.name, s.session_id, s.client_name, s.lease_seconds, s.exclusive, s.tenant
+            "attach", service.name, s.session_id, s.client_name, s.lease_seconds, s.exclusive, s.tenant, *key
         )
 
     def detached(self, service: PoolService, session_id: str) -> None:

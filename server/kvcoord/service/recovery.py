@@ -85,10 +85,10 @@ def pool_value(service: PoolService) -> dict[str, Any]:
 
 
 def session_value(s: Session) -> tuple[Any, ...]:
-    """One session as plain values."""
+    """One session as plain values (its attach key last, when it has one)."""
     return (
         s.session_id, s.pool, s.client_name, s.lease_seconds, list(s.owned), s.events_cursor,
-        _stats(s.stats), s.exclusive, s.tenant,
+        _stats(s.stats), s.exclusive, s.tenant, *((s.attach_key,) if s.attach_key else ()),
     )  # fmt: skip
 
 
@@ -149,8 +149,9 @@ def _load_pools(
         service.events.restore([(seq, event_from_value(v)) for seq, v in p["events"]], p["last_sequence"])
         services[p["name"]] = (service, p["owners"])
     table = registry.sessions
-    for sid, pool, client_name, lease, owned, cursor, stats, exclusive, tenant in sessions:
-        s = Session(sid, pool, client_name, lease, table.clock() + lease, exclusive=exclusive, tenant=tenant)
+    for sid, pool, client_name, lease, owned, cursor, stats, exclusive, tenant, *key in sessions:
+        s = Session(sid, pool, client_name, lease, table.clock() + lease, exclusive=exclusive, tenant=tenant,
+                    attach_key=key[0] if key else "")  # fmt: skip
         s.owned = dict.fromkeys(owned)
         s.events_cursor = cursor
         s.stats = None if stats is None else PrefixCacheStats(*stats)
@@ -280,12 +281,13 @@ class Replayer:
             adopt_pool(registry, record[2])
             self.touched[record[2]["pool"]["name"]] = seq
         elif kind == "attach":
-            _, _, pool, sid, client_name, lease, exclusive, tenant = record
+            _, _, pool, sid, client_name, lease, exclusive, tenant, *key = record
             service = registry.pools[pool]
             table = registry.sessions
             s = Session(
-                sid, pool, client_name, lease, table.clock() + lease, exclusive=exclusive, tenant=tenant
-            )
+                sid, pool, client_name, lease, table.clock() + lease, exclusive=exclusive, tenant=tenant,
+                attach_key=key[0] if key else "",
+            )  # fmt: skip
             table.sessions[sid] = s
             service.init_session(s)
         elif kind in ("detach", "expire"):

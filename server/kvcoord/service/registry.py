@@ -21,14 +21,14 @@ from kvcoord.wire import MAX_MODEL_LEN_UNLIMITED, config_from_pb
 from .bounds import MAX_NAME_LENGTH
 from .budget import MemoryBudget
 from .durability import Recorder
-from .errors import ServiceError, Status
+from .errors import ErrorReason, ServiceError, Status
 from .idempotency import IdempotencyStore
 from .logs import ids
 from .pool_locks import PoolLocks
 from .pool_service import Fence, Limits, PoolService
 from .positions import JournalPositions
 from .scoring import ScoreIndex
-from .sessions import SessionTable
+from .sessions import Session, SessionTable
 
 __all__ = ["GcFreezer", "Limits", "Placement", "PoolRegistry", "new_instance_id"]
 
@@ -153,6 +153,8 @@ class PoolRegistry:
         #: the pools a Step is being applied to in slices: every other call on one
         #: waits for it (pool_locks.py)
         self.locks = PoolLocks()
+        #: told the pool of every session ended because its lease ran out (metrics)
+        self.on_session_expired: Callable[[str], None] = lambda pool: None
 
     def set_term(self, name: str, term: int) -> None:
         """The pool's ownership term is now ``term`` (journaled: answers carry it)."""
@@ -275,12 +277,48 @@ class PoolRegistry:
             )
         return service
 
+    def for_attach(self, name: str) -> PoolService:
+        """The pool called ``name`` (see :meth:`get`), its sessions whose lease ran out
+        but which were not reaped yet ended first, as the reaper would end them: an
+        Attach decides on live sessions only (a lapsed exclusive session would refuse
+        every Attach, its own client's too, until the reaper ran)."""
+        service = self.get(name)
+        for s in self.sessions.expired(name):
+            self._expire(s)
+        return service
+
+    def attached_before(self, service: PoolService, key: str, tenant: str, exclusive: bool) -> Session | None:
+        """The live session an earlier Attach of ``tenant`` with ``key`` made in this pool
+        (its answer was lost: a retry gets the same session), renewed; None when there is
+        none (or no key).
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT (KEY_REUSED) when that Attach asked for
+                another ``exclusive``.
+        """
+        s = self.sessions.attached_with(service.name, tenant, key)
+        if s is None:
+            return None
+        if s.exclusive != exclusive:
+            raise ServiceError(
+                Status.INVALID,
+                f"attach_key {key[:64]!r} was used by an Attach with exclusive={s.exclusive}; use a new key "
+                "for another Attach",
+                ErrorReason.KEY_REUSED,
+            )
+        self.sessions.renew(s)
+        return s
+
     def pool_of_session(self, session_id: str) -> PoolService:
-        """The pool a live session is attached to (SESSION_EXPIRED when there is none;
-        NOT_OWNER when its pool was handed over to another replica)."""
+        """The pool a live session is attached to (SESSION_EXPIRED when there is none: a
+        session whose lease ran out is ended first, as the reaper would end it; NOT_OWNER
+        when its pool was handed over to another replica)."""
         moved = self.moved_sessions.get(session_id)
         if moved is not None and session_id not in self.sessions.sessions:
             self.placement.check(moved, moved in self.pools)
+        lapsed = self.sessions.ran_out(session_id)
+        if lapsed is not None:
+            self._expire(lapsed)
         s = self.sessions.get(session_id)
         return self.get(s.pool)
 
@@ -321,24 +359,28 @@ class PoolRegistry:
         Returns:
             (session id, pool, requests freed) per expired session.
         """
-        out = []
-        for s in self.sessions.expired():
-            self.idempotency.drop_session(s.session_id)
-            service = self.pools.get(s.pool)
-            freed = service.end_session(s) if service is not None else 0
-            # recorded after the change: a snapshot the record triggers holds the state after it
-            self.recorder.session_expired(s.session_id, s.pool)
-            logger.warning(
-                "session %s (%s) of pool %s expired; freed %d requests",
-                s.session_id,
-                s.client_name,
-                s.pool,
-                freed,
-                extra=ids(pool=s.pool, session=s.session_id, tenant=s.tenant or None, requests_freed=freed),
-            )
-            out.append((s.session_id, s.pool, freed))
+        out = [self._expire(s) for s in self.sessions.expired()]
         self.idempotency.expire()
         return out
+
+    def _expire(self, s: Session) -> tuple[str, str, int]:
+        """End a session whose lease ran out (taken out of the session table already):
+        its requests freed, journaled as expired, counted and logged."""
+        self.idempotency.drop_session(s.session_id)
+        service = self.pools.get(s.pool)
+        freed = service.end_session(s) if service is not None else 0
+        # recorded after the change: a snapshot the record triggers holds the state after it
+        self.recorder.session_expired(s.session_id, s.pool)
+        self.on_session_expired(s.pool)
+        logger.warning(
+            "session %s (%s) of pool %s expired; freed %d requests",
+            s.session_id,
+            s.client_name,
+            s.pool,
+            freed,
+            extra=ids(pool=s.pool, session=s.session_id, tenant=s.tenant or None, requests_freed=freed),
+        )
+        return s.session_id, s.pool, freed
 
 
 class GcFreezer:

@@ -154,6 +154,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     ) -> None:
         self.registry = registry
         self.observer: OperationObserver = observer or NullObserver()
+        registry.on_session_expired = self._session_expired
         self.watch_poll_seconds = watch_poll_seconds
         self.stopping = False
         #: set when the journal could not be written: every call is refused from then on
@@ -224,11 +225,11 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         """Free the requests of every session whose lease ran out."""
         if self.journal_failure is not None or self.registry.locks.any_busy():
             return 0  # (a pool mid-Step: the next round reaps them)
-        expired = self.registry.reap_expired_sessions()
-        for _, pool, _ in expired:
-            self.observer.detached(pool)
-            self.observer.session_expired(pool)
-        return len(expired)
+        return len(self.registry.reap_expired_sessions())
+
+    def _session_expired(self, pool: str) -> None:
+        self.observer.detached(pool)
+        self.observer.session_expired(pool)
 
     # -- pools ------------------------------------------------------------------
     @map_errors
@@ -320,27 +321,14 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
     # -- sessions -----------------------------------------------------------------
     @map_errors
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
-        service = self.registry.get(request.pool)
+        service = self.registry.for_attach(request.pool)
         tenant = current_tenant()
         self._check_pool_state_fits(request, service, tenant.name)
-        try:
-            s = service.attach(
-                request.hash_algo,
-                request.hash_block_size,
-                request.hash_seed,
-                request.client_name,
-                request.lease_seconds,
-                request.exclusive,
-                tenant.name,
-                tenant.max_sessions,
-                request.profile,
-                request.num_hash_lookahead_tokens,
-            )
-        except ServiceError as exc:
-            # only the hash handshake: an exclusive pool's refusal is not a hashing fault
-            if exc.reason in (ErrorReason.HASH_MISMATCH, ErrorReason.PROFILE_MISMATCH):
-                self.observer.handshake_refused(request.pool)
-            raise
+        # a retry whose first answer was lost gets the session that Attach made
+        s = self.registry.attached_before(service, request.attach_key, tenant.name, request.exclusive)
+        new = s is None
+        if s is None:
+            s = self._new_session(request, service, tenant.name, tenant.max_sessions)
         response = pb.AttachResponse(
             pool=self._info(service),
             session_id=s.session_id,
@@ -351,21 +339,49 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             capabilities=CAPABILITIES,
         )
         if request.want_pool_state and request.want_engine_state and s.exclusive:
-            await self._export_engine_state(service, s, response)
+            await self._export_engine_state(service, s, response, new)
         elif request.want_pool_state:
             write_pool_state(
                 response, service.pool_state() if s.exclusive else "the session is not exclusive"
             )
+        if not new:  # journaled and counted when it was made
+            return await self._durable(response)
         self.observer.attached(service)
         return await self._durable(response, lambda r: r.attached(service, s))
 
+    def _new_session(
+        self, request: pb.AttachRequest, service: PoolService, tenant: str, most: int
+    ) -> Session:
+        """The hash handshake, then a new session of ``tenant`` (``most``: its session limit)."""
+        try:
+            s = service.attach(
+                request.hash_algo,
+                request.hash_block_size,
+                request.hash_seed,
+                request.client_name,
+                request.lease_seconds,
+                request.exclusive,
+                tenant,
+                most,
+                request.profile,
+                request.num_hash_lookahead_tokens,
+            )
+        except ServiceError as exc:
+            # only the hash handshake: an exclusive pool's refusal is not a hashing fault
+            if exc.reason in (ErrorReason.HASH_MISMATCH, ErrorReason.PROFILE_MISMATCH):
+                self.observer.handshake_refused(request.pool)
+            raise
+        s.attach_key = request.attach_key
+        return s
+
     async def _export_engine_state(
-        self, service: PoolService, s: Session, response: pb.AttachResponse
+        self, service: PoolService, s: Session, response: pb.AttachResponse, new: bool = True
     ) -> None:
         """The engine's state at the new exclusive session's start into ``response``,
-        encoded off the loop for a large pool (state_export.py). Nothing of the session
-        is journaled yet: when the answer cannot be sent (too large, the pool deleted or
-        handed over meanwhile, the call cancelled) the session ends unrecorded.
+        encoded off the loop for a large pool (state_export.py). Nothing of a ``new``
+        session is journaled yet: when the answer cannot be sent (too large, the pool
+        deleted or handed over meanwhile, the call cancelled) it ends unrecorded (a
+        retried Attach's session, journaled already, is left to its lease).
 
         Raises:
             ServiceError: RESOURCE_EXHAUSTED (ANSWER_TOO_LARGE); UNAVAILABLE when the
@@ -387,7 +403,7 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
             write_mirror_state(response, state)
             self._check_answer_fits(service, response)
         except BaseException:
-            if s.session_id in self.registry.sessions.sessions:
+            if new and s.session_id in self.registry.sessions.sessions:
                 service.end_session(s)
                 self.registry.idempotency.drop_session(s.session_id)
             raise

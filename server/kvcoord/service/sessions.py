@@ -39,6 +39,8 @@ class Session:
     tenant: str = ""
     #: the prefix-cache namespace of its requests (derived from tenant and pool)
     cache_namespace: str = ""
+    #: the client's key of the Attach that made it (AttachRequest.attach_key; "": none)
+    attach_key: str = ""
 
 
 class SessionTable:
@@ -109,13 +111,32 @@ class SessionTable:
     def close(self, session_id: str) -> Session | None:
         return self.sessions.pop(session_id, None)
 
-    def expired(self) -> list[Session]:
-        """Remove and return every session whose lease ran out."""
+    def expired(self, pool: str | None = None) -> list[Session]:
+        """Remove and return every session whose lease ran out (only ``pool``'s when given)."""
         now = self.clock()
-        dead = [s for s in self.sessions.values() if s.expires_at <= now]
+        dead = [s for s in self.sessions.values() if s.expires_at <= now and pool in (None, s.pool)]
         for s in dead:
             del self.sessions[s.session_id]
         return dead
+
+    def ran_out(self, session_id: str) -> Session | None:
+        """Remove and return the session when its lease ran out (None: unknown or live)."""
+        s = self.sessions.get(session_id)
+        if s is None or s.expires_at > self.clock():
+            return None
+        del self.sessions[session_id]
+        return s
+
+    def attached_with(self, pool: str, tenant: str, key: str) -> Session | None:
+        """The live session of ``pool`` that ``tenant`` attached with ``key`` (None
+        without a key, or when there is none)."""
+        if not key:
+            return None
+        now = self.clock()
+        for s in self.sessions.values():
+            if s.attach_key == key and s.pool == pool and s.tenant == tenant and s.expires_at > now:
+                return s
+        return None
 
     def count_of_tenant(self, tenant: str) -> int:
         """Live sessions of ``tenant`` (every pool)."""

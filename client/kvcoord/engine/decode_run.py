@@ -1,0 +1,334 @@
+"""A decode step's allocations in one engine call: the entries of a DecodeOp (columns).
+
+:func:`decode_run` applies entries one after another exactly as
+:meth:`~kvcoord.engine.pool.KVCachePool.update_and_allocate` would, for as long as each
+is a decode step it can answer without any check that could fail after the pool has
+changed: one valid token appended (with the hash of the block it completes, if it
+completes one), valid counts, the request's blocks held in every group, no block
+leaving a window, and enough free blocks. It stops at the first entry that is anything
+else (and leaves that entry untouched), so that its caller applies it by the general
+path, which answers, refuses or raises exactly as it would have, and then calls again.
+
+Two kinds of entry are taken:
+
+* inside its blocks (most decode steps): the update alone (as
+  ``KVCachePool._decode_inside_blocks``);
+* one that takes a new block or caches a full one (one decode step in a block's
+  worth): the update, the blocks taken and the full blocks cached as
+  ``KVCachePool._allocate_without_hit`` does, the same calls to the block pool (its
+  events and counters too).
+
+Only for pools whose every group allocates, caches and skips by the base rules (the
+pool's ``_decode_fast_path``); any other pool takes no entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from .request_table import TokenIds
+
+if TYPE_CHECKING:
+    from .managers import SingleTypeKVCacheManager
+    from .pool import KVCachePool
+    from .request import Request
+
+__all__ = ["DecodeColumns", "decode_run"]
+
+
+class DecodeColumns(Protocol):
+    """A decode step's allocations in columns (the service's ``RunColumns``): per entry
+    a request, where it stands (tokens and hashes held), its computed count, its
+    counts, and how many tokens and hashes it appends from the flattened columns."""
+
+    request_ids: Sequence[str]
+    base_num_tokens: Sequence[int]
+    base_num_hashes: Sequence[int]
+    num_computed_tokens: Sequence[int]
+    num_new_tokens: Sequence[int]
+    num_lookahead_tokens: Sequence[int]
+    num_append_tokens: Sequence[int]
+    append_token_ids: Sequence[int]
+    num_append_hashes: Sequence[int]
+    append_block_hashes: Sequence[bytes]
+
+
+def decode_run(
+    pool: KVCachePool,
+    cols: DecodeColumns,
+    start: int,
+    stop: int,
+    t: int,
+    h: int,
+    counts: list[int],
+    ids: list[int],
+) -> tuple[int, int, int]:
+    """Apply entries ``start .. stop-1`` of ``cols`` (the appended tokens and hashes
+    read from positions ``t`` and ``h``) while each is one this module takes; see the
+    module's docstring. Entry ``i``'s new block count of group ``g`` is written to
+    ``counts[i * groups + g]`` (left as it is, 0, when it takes none) and its new block
+    ids appended to ``ids``, group after group.
+
+    The caller checks that the columns have one value per entry and that the appended
+    values add up, and that the entries' requests are its own.
+
+    Returns:
+        ``(i, t, h)``: the first entry not applied (``stop`` when every one was) and
+        where its appended tokens and hashes start. Entry ``i`` is left untouched.
+    """
+    if not pool._decode_fast_path or start >= stop:
+        return start, t, h
+    if _plain_columns(cols, start, stop, t):
+        return _run_plain(pool, cols, start, stop, t, h, counts, ids)
+    return _run_checked(pool, cols, start, stop, t, h, counts, ids)
+
+
+def _plain_columns(cols: DecodeColumns, start: int, stop: int, t: int) -> bool:
+    """Whether every entry ``start .. stop-1`` appends one token (a non-negative int)
+    and at most one hash, with counts that are ints, computed and look-ahead counts
+    not negative and new-token counts positive: then :func:`_run_plain` need not check
+    them entry by entry. Each check is one pass in C."""
+    n = stop - start
+    if cols.num_append_tokens[start:stop].count(1) != n:
+        return False
+    tokens = cols.append_token_ids
+    if type(tokens) is not TokenIds:
+        segment = tokens[t : t + n]
+        if set(map(type, segment)) != {int} or min(segment) < 0:
+            return False
+    hashes = cols.num_append_hashes[start:stop]
+    if set(map(type, hashes)) != {int} or min(hashes) < 0 or max(hashes) > 1:
+        return False
+    for column, least in (
+        (cols.num_computed_tokens, 0),
+        (cols.num_lookahead_tokens, 0),
+        (cols.num_new_tokens, 1),
+    ):
+        segment = column[start:stop]
+        if set(map(type, segment)) != {int} or min(segment) < least:
+            return False
+    return True
+
+
+def _run_plain(
+    pool: KVCachePool,
+    cols: DecodeColumns,
+    start: int,
+    stop: int,
+    t: int,
+    h: int,
+    counts: list[int],
+    ids: list[int],
+) -> tuple[int, int, int]:
+    """:func:`decode_run` over entries whose columns :func:`_plain_columns` checked."""
+    requests_get = pool.requests.get
+    managers = pool.managers
+    groups = len(managers)
+    single = managers[0] if groups == 1 else None
+    blocks_of = managers[0].req_to_blocks.get
+    cached_of = managers[0].num_cached_block.get
+    size = managers[0].block_size
+    skipping = pool._skipping_managers
+    max_len = pool.max_model_len
+    caching = pool.enable_caching
+    lag = pool._hash_lag
+    hash_block = pool.hash_block_size
+    hashes = cols.append_block_hashes
+    n = stop - start
+    entries = zip(
+        range(start, stop),
+        cols.request_ids[start:stop],
+        cols.base_num_tokens[start:stop],
+        cols.base_num_hashes[start:stop],
+        cols.num_computed_tokens[start:stop],
+        cols.num_new_tokens[start:stop],
+        cols.num_lookahead_tokens[start:stop],
+        cols.append_token_ids[t : t + n],
+        cols.num_append_hashes[start:stop],
+        strict=True,
+    )
+    for i, rid, base_t, base_h, computed, num_new, look, token, nh in entries:
+        req = requests_get(rid)
+        if req is None:
+            break
+        all_tokens = req.all_token_ids
+        have = len(all_tokens)
+        if have != base_t or have >= max_len or len(req.block_hashes) != base_h:
+            break  # (at max_model_len: the token would pass it)
+        main = computed + num_new
+        if main > max_len:
+            break
+        need = main + look
+        if need > max_len:
+            need = max_len
+        if caching:
+            hashed = have + 1 - lag
+            if (hashed if hashed > 0 else 0) // hash_block - base_h != nh:
+                break  # a hash due and missing, or one too many: the general path says so
+            cached = main if main < hashed else hashed
+        elif nh:
+            break  # (hashes are ignored without caching: the general path reads them)
+        else:
+            cached = 0
+        if skipping and any(m.skips_blocks(rid, computed) for m in skipping):
+            break
+        if single is not None:
+            blocks = blocks_of(rid)
+            if blocks is None:
+                break  # (no block yet: a first allocation, the general path's)
+            inside = len(blocks) * size >= need and (not caching or cached_of(rid, 0) >= cached // size)
+        else:
+            held = _inside(managers, rid, need, cached if caching else 0)
+            if held is None:
+                break
+            inside = held
+        if inside and not nh:  # inside its blocks: the update alone
+            req.num_computed_tokens = computed
+            all_tokens.append(token)
+        elif _grow(
+            pool, req, computed, main, need, cached, token, hashes[h] if nh else None, counts, i * groups, ids
+        ):
+            h += nh
+        else:
+            break
+    else:
+        return stop, t + n, h
+    return i, t + i - start, h
+
+
+def _run_checked(
+    pool: KVCachePool,
+    cols: DecodeColumns,
+    start: int,
+    stop: int,
+    t: int,
+    h: int,
+    counts: list[int],
+    ids: list[int],
+) -> tuple[int, int, int]:
+    """:func:`decode_run` checking every entry's values as it goes."""
+    requests = pool.requests
+    rids = cols.request_ids
+    base_t, base_h = cols.base_num_tokens, cols.base_num_hashes
+    computed_col, new_col, look_col = cols.num_computed_tokens, cols.num_new_tokens, cols.num_lookahead_tokens
+    num_t, num_h = cols.num_append_tokens, cols.num_append_hashes
+    tokens, hashes = cols.append_token_ids, cols.append_block_hashes
+    checked = type(tokens) is TokenIds  # non-negative ints already (a uint32 wire column)
+    managers = pool.managers
+    groups = len(managers)
+    skipping = pool._skipping_managers
+    max_len = pool.max_model_len
+    caching = pool.enable_caching
+    lag = pool._hash_lag
+    hash_block = pool.hash_block_size
+    i = start
+    while i < stop:
+        nh = num_h[i]
+        if num_t[i] != 1 or type(nh) is not int or not 0 <= nh <= 1:
+            break
+        rid = rids[i]
+        req = requests.get(rid)
+        if req is None:
+            break
+        all_tokens = req.all_token_ids
+        have = len(all_tokens)
+        if have != base_t[i] or len(req.block_hashes) != base_h[i]:
+            break
+        token = tokens[t]
+        computed = computed_col[i]
+        num_new = new_col[i]
+        look = look_col[i]
+        if (
+            not checked
+            and (type(token) is not int or token < 0)
+            or have >= max_len  # the token would pass max_model_len
+            or type(computed) is not int
+            or computed < 0
+            or type(num_new) is not int
+            or num_new <= 0
+            or type(look) is not int
+            or look < 0
+        ):
+            break
+        main = computed + num_new
+        if main > max_len:
+            break
+        need = main + look
+        if need > max_len:
+            need = max_len
+        if caching:
+            hashed = have + 1 - lag
+            if (hashed if hashed > 0 else 0) // hash_block - len(req.block_hashes) != nh:
+                break
+            cached = main if main < hashed else hashed
+        elif nh:
+            break
+        else:
+            cached = 0
+        if skipping and any(m.skips_blocks(rid, computed) for m in skipping):
+            break
+        inside = _inside(managers, rid, need, cached if caching else 0)
+        if inside is None:
+            break
+        if inside and not nh:
+            req.num_computed_tokens = computed
+            all_tokens.append(token)
+        elif not _grow(
+            pool, req, computed, main, need, cached, token, hashes[h] if nh else None, counts, i * groups, ids
+        ):
+            break
+        i += 1
+        t += 1
+        h += nh
+    return i, t, h
+
+
+def _inside(managers: Sequence[SingleTypeKVCacheManager], rid: str, need: int, cached: int) -> bool | None:
+    """Whether every group's blocks of ``rid`` cover ``need`` slots and its full blocks
+    up to ``cached`` tokens are cached (``None``: a group holds no list for it yet)."""
+    inside = True
+    for m in managers:
+        blocks = m.req_to_blocks.get(rid)
+        if blocks is None:
+            return None
+        size = m.block_size
+        if len(blocks) * size < need or m.num_cached_block.get(rid, 0) < cached // size:
+            inside = False
+    return inside
+
+
+def _grow(
+    pool: KVCachePool, req: Request, computed: int, main: int, need: int, cached: int, token: int,
+    new_hash: bytes | None, counts: list[int], at: int, ids: list[int],
+) -> bool:  # fmt: skip
+    """An entry that takes new blocks or caches full ones, applied as
+    ``KVCachePool._allocate_without_hit`` would after the update (the blocks taken
+    group by group, then the full ones cached): ``False``, with nothing changed, when
+    its hash is not one the update would take or too few blocks are free (for the
+    general path, which raises or refuses)."""
+    if new_hash is not None:
+        length = pool.config.hash_length
+        if type(new_hash) is not bytes or not new_hash or (length is not None and len(new_hash) != length):
+            return False
+    rid = req.request_id
+    bp = pool.block_pool
+    if pool._num_to_take(rid, need, computed, main) > bp.free_block_queue.num_free_blocks:
+        return False  # a refusal: the general path counts it (and keeps the update)
+    # Nothing below can fail: the update, the blocks taken, the full ones cached.
+    req.num_computed_tokens = computed
+    req.all_token_ids.append(token)
+    if new_hash is not None:
+        req.block_hashes.append(new_hash)
+    managers = pool.managers
+    for g, m in enumerate(managers):
+        blocks = m.req_to_blocks[rid]
+        n = -(-need // m.block_size) - len(blocks)
+        if n > 0:
+            new_blocks = bp.get_new_blocks(n)
+            blocks += new_blocks
+            counts[at + g] = n
+            ids += [b.block_id for b in new_blocks]
+    if pool.enable_caching:
+        pool._cache_full_blocks(req, cached)
+    return True

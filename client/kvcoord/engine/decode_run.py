@@ -77,38 +77,73 @@ def decode_run(
         ``(i, t, h)``: the first entry not applied (``stop`` when every one was) and
         where its appended tokens and hashes start. Entry ``i`` is left untouched.
     """
-    if not pool._decode_fast_path or start >= stop:
+    if not pool._decode_fast_path:
         return start, t, h
-    if _plain_columns(cols, start, stop, t):
-        return _run_plain(pool, cols, start, stop, t, h, counts, ids)
-    return _run_checked(pool, cols, start, stop, t, h, counts, ids)
+    while start < stop:
+        end = _plain_end(cols, start, stop, t)
+        if end == start:
+            break  # entry ``start`` is not one this module takes: the general path's
+        i, t, h = _run_plain(pool, cols, start, end, t, h, counts, ids)
+        if i < end:
+            return i, t, h
+        start = end
+    return start, t, h
 
 
-def _plain_columns(cols: DecodeColumns, start: int, stop: int, t: int) -> bool:
-    """Whether every entry ``start .. stop-1`` appends one token (a non-negative int)
-    and at most one hash, with counts that are ints, computed and look-ahead counts
-    not negative and new-token counts positive: then :func:`_run_plain` need not check
-    them entry by entry. Each check is one pass in C."""
-    n = stop - start
-    if cols.num_append_tokens[start:stop].count(1) != n:
-        return False
+def plain_values(num_tokens: object, token: object, computed: object, num_new: object, look: object) -> bool:
+    """Whether one decode step's values are those the fast paths take: one token, a
+    non-negative int (not bool); computed and look-ahead counts non-negative ints, the
+    new-token count a positive int. (Counts past max_model_len are the caller's.)"""
+    return (
+        num_tokens == 1
+        and type(token) is int
+        and token >= 0
+        and type(computed) is int
+        and computed >= 0
+        and type(num_new) is int
+        and num_new > 0
+        and type(look) is int
+        and look >= 0
+    )
+
+
+def _plain_end(cols: DecodeColumns, start: int, stop: int, t: int) -> int:
+    """The first entry from ``start`` (``stop`` if none) whose values :func:`_run_plain`
+    does not read as a plain decode step's (:func:`plain_values`, at most one hash).
+    Entry ``start`` is read first; then the whole range column by column in C (a decode
+    step's usual case), and only when that fails the entries one by one."""
+    num_t, num_h = cols.num_append_tokens, cols.num_append_hashes
     tokens = cols.append_token_ids
-    if type(tokens) is not TokenIds:
+    computed, new, look = cols.num_computed_tokens, cols.num_new_tokens, cols.num_lookahead_tokens
+
+    def plain(i: int) -> bool:  # (the entries before i append one token each)
+        nh = num_h[i]
+        token = tokens[t + i - start] if num_t[i] == 1 else None
+        return (
+            type(nh) is int and 0 <= nh <= 1 and plain_values(num_t[i], token, computed[i], new[i], look[i])
+        )
+
+    if not plain(start):
+        return start
+    n = stop - start
+    if num_t[start:stop].count(1) == n:
         segment = tokens[t : t + n]
-        if set(map(type, segment)) != {int} or min(segment) < 0:
-            return False
-    hashes = cols.num_append_hashes[start:stop]
-    if set(map(type, hashes)) != {int} or min(hashes) < 0 or max(hashes) > 1:
-        return False
-    for column, least in (
-        (cols.num_computed_tokens, 0),
-        (cols.num_lookahead_tokens, 0),
-        (cols.num_new_tokens, 1),
-    ):
-        segment = column[start:stop]
-        if set(map(type, segment)) != {int} or min(segment) < least:
-            return False
-    return True
+        hashes = num_h[start:stop]
+        if (
+            (type(tokens) is TokenIds or (set(map(type, segment)) == {int} and min(segment) >= 0))
+            and set(map(type, hashes)) == {int}
+            and 0 <= min(hashes)
+            and max(hashes) <= 1
+            and all(
+                set(map(type, column)) == {int} and min(column) >= least
+                for column, least in ((computed[start:stop], 0), (look[start:stop], 0), (new[start:stop], 1))
+            )
+        ):
+            return stop
+    i = start + 1
+    while i < stop and plain(i):
+        i += 1
+    return i
 
 
 def _run_plain(
@@ -121,7 +156,7 @@ def _run_plain(
     counts: list[int],
     ids: list[int],
 ) -> tuple[int, int, int]:
-    """:func:`decode_run` over entries whose columns :func:`_plain_columns` checked."""
+    """:func:`decode_run` over entries whose values :func:`_plain_end` checked."""
     requests_get = pool.requests.get
     managers = pool.managers
     groups = len(managers)
@@ -195,93 +230,6 @@ def _run_plain(
     else:
         return stop, t + n, h
     return i, t + i - start, h
-
-
-def _run_checked(
-    pool: KVCachePool,
-    cols: DecodeColumns,
-    start: int,
-    stop: int,
-    t: int,
-    h: int,
-    counts: list[int],
-    ids: list[int],
-) -> tuple[int, int, int]:
-    """:func:`decode_run` checking every entry's values as it goes."""
-    requests = pool.requests
-    rids = cols.request_ids
-    base_t, base_h = cols.base_num_tokens, cols.base_num_hashes
-    computed_col, new_col, look_col = cols.num_computed_tokens, cols.num_new_tokens, cols.num_lookahead_tokens
-    num_t, num_h = cols.num_append_tokens, cols.num_append_hashes
-    tokens, hashes = cols.append_token_ids, cols.append_block_hashes
-    checked = type(tokens) is TokenIds  # non-negative ints already (a uint32 wire column)
-    managers = pool.managers
-    groups = len(managers)
-    skipping = pool._skipping_managers
-    max_len = pool.max_model_len
-    caching = pool.enable_caching
-    lag = pool._hash_lag
-    hash_block = pool.hash_block_size
-    i = start
-    while i < stop:
-        nh = num_h[i]
-        if num_t[i] != 1 or type(nh) is not int or not 0 <= nh <= 1:
-            break
-        rid = rids[i]
-        req = requests.get(rid)
-        if req is None:
-            break
-        all_tokens = req.all_token_ids
-        have = len(all_tokens)
-        if have != base_t[i] or len(req.block_hashes) != base_h[i]:
-            break
-        token = tokens[t]
-        computed = computed_col[i]
-        num_new = new_col[i]
-        look = look_col[i]
-        if (
-            not checked
-            and (type(token) is not int or token < 0)
-            or have >= max_len  # the token would pass max_model_len
-            or type(computed) is not int
-            or computed < 0
-            or type(num_new) is not int
-            or num_new <= 0
-            or type(look) is not int
-            or look < 0
-        ):
-            break
-        main = computed + num_new
-        if main > max_len:
-            break
-        need = main + look
-        if need > max_len:
-            need = max_len
-        if caching:
-            hashed = have + 1 - lag
-            if (hashed if hashed > 0 else 0) // hash_block - len(req.block_hashes) != nh:
-                break
-            cached = main if main < hashed else hashed
-        elif nh:
-            break
-        else:
-            cached = 0
-        if skipping and any(m.skips_blocks(rid, computed) for m in skipping):
-            break
-        inside = _inside(managers, rid, need, cached if caching else 0)
-        if inside is None:
-            break
-        if inside and not nh:
-            req.num_computed_tokens = computed
-            all_tokens.append(token)
-        elif not _grow(
-            pool, req, computed, main, need, cached, token, hashes[h] if nh else None, counts, i * groups, ids
-        ):
-            break
-        i += 1
-        t += 1
-        h += nh
-    return i, t, h
 
 
 def _inside(managers: Sequence[SingleTypeKVCacheManager], rid: str, need: int, cached: int) -> bool | None:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 
 from .config import KVCacheConfig, admission_cap_tokens
 from .coordinators import get_kv_cache_coordinator
-from .decode_run import DecodeColumns, decode_run
+from .decode_run import DecodeColumns, decode_run, plain_values
 from .errors import BlockNotRetainedError, FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
 from .events import KVCacheEvent
 from .extra_keys import ExtraKeySources
@@ -797,18 +797,8 @@ class KVCachePool:
         have = len(tokens)
         max_len = self.max_model_len
         computed = req.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
-        if (
-            type(token) is not int
-            or token < 0
-            or have >= max_len  # the token would pass max_model_len
-            or type(computed) is not int
-            or computed < 0
-            or type(num_new_tokens) is not int
-            or num_new_tokens <= 0
-            or type(num_lookahead_tokens) is not int
-            or num_lookahead_tokens < 0
-        ):
-            return False
+        if have >= max_len or not plain_values(1, token, computed, num_new_tokens, num_lookahead_tokens):
+            return False  # (at max_model_len: the token would pass it)
         main = computed + num_new_tokens
         if main > max_len:
             return False

@@ -30,11 +30,32 @@ from typing import TYPE_CHECKING, Protocol
 from .request_table import TokenIds
 
 if TYPE_CHECKING:
+    from .block_pool import BlockPool
+    from .config import KVCacheConfig
     from .managers import SingleTypeKVCacheManager
-    from .pool import KVCachePool
     from .request import Request
 
 __all__ = ["DecodeColumns", "decode_run"]
+
+
+class KVCachePool(Protocol):
+    """What this module reads of :class:`~kvcoord.engine.pool.KVCachePool` (whose part
+    it is; named so that this module need not import the pool's)."""
+
+    config: KVCacheConfig
+    requests: dict[str, Request]
+    managers: list[SingleTypeKVCacheManager]
+    block_pool: BlockPool
+    max_model_len: int
+    enable_caching: bool
+    hash_block_size: int
+    _decode_fast_path: bool
+    _hash_lag: int
+    _skipping_managers: list[SingleTypeKVCacheManager]
+
+    def _num_to_take(self, rid: str, need: int, total: int, main: int) -> int: ...
+
+    def _cache_full_blocks(self, req: Request, cached: int) -> None: ...
 
 
 class DecodeColumns(Protocol):

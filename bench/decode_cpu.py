@@ -29,7 +29,10 @@ server, ``git archive``d) and shape, in turns for ``--rounds`` rounds:
               process's ``utime + stime`` (``/proc``, all its threads) over the measured
               Steps, and the Step's latency as the client sees it (p50 / mean)
 
-"µs/op" is CPU per block operation (each allocation and each free is one operation).
+"µs/op" is CPU per block operation (each allocation and each free is one operation);
+the table gives each code's median over the rounds and, with ``--old``, the median of
+each round's new/old ratio (the two codes run one after the other in every round, so a
+load that changes between rounds moves both).
 Every allocation's new block ids are digested per shape and code: a line says whether
 every code and shape answered the same blocks (they must). ``--profile``: the
 in-process child of this checkout prints a cProfile of the loop thread instead.
@@ -93,6 +96,14 @@ def build(running: int, steps: int, out: Path) -> None:
         w.client.close()
     finally:
         srv.stop()
+    # what a child needs of workers.py, which it must not import (importing it puts
+    # this checkout's client and server first on sys.path: an old tree's child would
+    # then run this checkout's code)
+    pool = {
+        "config": W.pool_config(W.worker_blocks(running)).SerializeToString().hex(),
+        "attach": [W.ALGO, W.BS, W.SEED],
+    }
+    out.with_suffix(".pool.json").write_text(json.dumps(pool))
 
 
 def load(path: Path) -> list[bytes]:
@@ -179,19 +190,20 @@ def child(trace: Path, shape: str, warmup: int, running: int, profile: bool) -> 
     import cProfile
     import pstats
 
-    import workers as W
     from kvcoord.client import KVCoordClient
     from kvcoord.service.testing import InProcessServer
     from kvcoord.v1 import allocator_pb2 as pb
 
     bodies = load(trace)
+    pool = json.loads(trace.with_suffix(".pool.json").read_text())
+    config = pb.PoolConfig.FromString(bytes.fromhex(pool["config"]))
     srv = InProcessServer(metrics=False).start()
     servicer = srv.running.servicer  # type: ignore[union-attr]
     digest = hashlib.sha256()
     try:
         with KVCoordClient(srv.address, timeout=60) as c:
-            c.create_pool("p", W.pool_config(W.worker_blocks(running)))
-            att = c.attach("p", W.ALGO, W.BS, W.SEED, "bench")
+            c.create_pool("p", config)
+            att = c.attach("p", *pool["attach"], "bench")
             wire = []
             for k, b in enumerate(bodies):
                 req = pb.StepRequest(
@@ -369,6 +381,11 @@ def main() -> None:
         tree, trace, shape, warmup, running = sys.argv[2:7]
         _paths(Path(tree))
         res = child(Path(trace), shape, int(warmup), int(running), "--profile" in sys.argv)
+        import kvcoord.engine.pool
+        import kvcoord.service.pool_service
+
+        for module in (kvcoord.engine.pool, kvcoord.service.pool_service):  # the code meant, no other
+            assert Path(str(module.__file__)).resolve().is_relative_to(Path(tree).resolve()), module.__file__
         print(json.dumps(res))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -416,13 +433,21 @@ def main() -> None:
                     )
     print(f"\n{args.running} running, {args.steps} measured Steps (medians over {args.rounds} round(s)):\n")
     print(
-        "| where | shape | " + " | ".join(f"{c} µs CPU/op" for c in trees) + " | new/old | p50 ms | mean ms |"
+        "| where | shape | "
+        + " | ".join(f"{c} µs CPU/op" for c in trees)
+        + " | new/old (paired) | p50 ms | mean ms |"
     )
     print("| --- | --- |" + " ---: |" * (len(trees) + 3))
     for where in args.where:
         for shape in args.shapes:
             med = {c: statistics.median(r["us_op"] for r in rows[(where, shape, c)]) for c in trees}
-            ratio = f"{med['new'] / med['old']:.2f}" if "old" in med else "-"
+            # paired: each round's new against the same round's old (run one after the
+            # other), so a load that changes between rounds moves both
+            ratio = (
+                f"{statistics.median(n['us_op'] / o['us_op'] for n, o in zip(rows[(where, shape, 'new')], rows[(where, shape, 'old')], strict=True)):.2f}"
+                if "old" in med
+                else "-"
+            )
             lat = ""
             if where == "grpc":
                 lat = " / ".join(

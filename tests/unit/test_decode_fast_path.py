@@ -117,6 +117,18 @@ class Twins:
         hashes = self.hasher().extend(list(prompt)) if self.config.enable_caching else []
         self.both("add_request", rid, list(prompt), hashes)
 
+    def admit(self, rid: str, prefixes: Sequence[Sequence[int]]) -> bool:
+        """Register ``rid`` with a prompt starting with one of ``prefixes`` and allocate
+        it (with a prefix lookup); ``False`` (freed again) when the pool refused it."""
+        rnd = self.rnd
+        prompt = [*rnd.choice(prefixes), *(rnd.randrange(60) for _ in range(rnd.randint(1, 12)))]
+        self.add(rid, prompt)
+        answer = self.both("allocate_slots_with_lookup", rid, len(prompt))
+        if answer[0] == "ok" and answer[1].new_block_ids is not None:  # type: ignore[index]
+            return True
+        self.both("free", rid)
+        return False
+
     def hashes_for(self, rid: str, tokens: list[int]) -> list[bytes]:
         """The new hashes ``tokens`` would complete for the request as the pool holds it."""
         if not self.config.enable_caching:
@@ -184,15 +196,8 @@ def test_fast_path_equals_general_path(layout: str) -> None:
     prefixes = [[rnd.randrange(60) for _ in range(n)] for n in (3, 8, 13)]
     running: list[str] = []
     for step in range(300):
-        if len(running) < 6 and rnd.random() < 0.5:
-            rid = f"r{step}"
-            prompt = rnd.choice(prefixes) + [rnd.randrange(60) for _ in range(rnd.randint(1, 12))]
-            t.add(rid, prompt)
-            answer = t.both("allocate_slots_with_lookup", rid, len(prompt))
-            if answer[0] == "ok" and answer[1].new_block_ids is not None:  # type: ignore[index]
-                running.append(rid)
-            else:
-                t.both("free", rid)
+        if len(running) < 6 and rnd.random() < 0.5 and t.admit(f"r{step}", prefixes):
+            running.append(f"r{step}")
         for rid in list(running):
             req = t.slow.requests[rid]
             if rnd.random() < 0.05 or (req.num_tokens >= MAX_LEN and rnd.random() < 0.3):

@@ -24,6 +24,9 @@ def pool_seen(p: PoolService) -> tuple[object, ...]:
         p.engine.snapshot(),
         p.num_free_blocks,
         [(e.block_hashes, e.block_ids) if hasattr(e, "block_ids") else e for e in events],
+        p.events.kept(),  # the Step's events, published to the journal
+        p.events.last_sequence,
+        p.engine.num_refusals,
         p.check().violations,
     )
 
@@ -81,6 +84,39 @@ def unpacked(ops: list[object], outcomes: list[op.Outcome], groups: int) -> list
     return out
 
 
+def as_run(allocs: list[pb.AllocateOp]) -> op.AllocateRun:
+    """The same allocations as one AllocateRunOp (each entry must succeed), read from the wire."""
+    d = as_decode(allocs, True)
+    r = pb.AllocateRunOp()
+    for name in ("request_ids", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "num_new_tokens",
+                 "num_lookahead_tokens", "num_append_tokens", "append_token_ids", "num_append_hashes",
+                 "append_block_hashes"):  # fmt: skip
+        getattr(r, name).extend(getattr(d, name))
+    o = operation_from_pb(pb.Operation.FromString(pb.Operation(allocate_run=r).SerializeToString()), 1)
+    assert isinstance(o, op.AllocateRun)
+    return o
+
+
+def check_run(run: op.AllocateRun, res: op.Outcome, answers: list[object], groups: int) -> None:
+    """An AllocateRun's outcome against its allocations' as AllocateOps (``answers``,
+    read by :func:`one_by_one`): aborted alike; failed with the first failing one's
+    status and reason; else the same new blocks."""
+    failed = [a for a in answers if isinstance(a, tuple) and a and not isinstance(a[0], tuple)]
+    if res.aborted_by is not None:
+        assert set(answers) == {"aborted"}
+    elif failed:
+        assert res.error is not None and error(res.error)[:2] == failed[0][:2]  # type: ignore[index]
+    else:
+        assert res.error is None and isinstance(res.value, op.RunOutcome), res
+        ids = iter(res.value.new_block_ids)
+        counts = res.value.num_new_blocks
+        got = [
+            tuple(tuple(next(ids) for _ in range(c)) for c in counts[i * groups : (i + 1) * groups])
+            for i in range(len(run.request_ids))
+        ]
+        assert got == answers
+
+
 def as_decode(allocs: list[pb.AllocateOp], must_succeed: bool) -> op.Decode:
     d = pb.DecodeOp(must_succeed=must_succeed)
     for a in allocs:
@@ -110,16 +146,18 @@ class Driver:
         self.adopted = 0
         self.prompt = [1, 2, 3, 4, 5]
         self.groups = len(groups)
-        self.pools = (make(groups, num_blocks), make(groups, num_blocks))
-        self.sessions: list[tuple[Session, Session]] = []
+        # DecodeOps / AllocateOps / AllocateRunOps (in steps whose allocations must
+        # succeed; AllocateOps in the others)
+        self.pools = (make(groups, num_blocks), make(groups, num_blocks), make(groups, num_blocks))
+        self.sessions: list[tuple[Session, ...]] = []
         for _ in range(2):
-            a, b = (p.attach("sha256_cbor", BS, "0", "test", 0) for p in self.pools)
-            self.sessions.append((a, b))
+            self.sessions.append(tuple(p.attach("sha256_cbor", BS, "0", "test", 0) for p in self.pools))
         self.reqs: dict[str, int] = {}  # live request -> its session (0 or 1)
         self.count = 0
         self.kinds: dict[str, int] = {}
         self.refused = 0
         self.failed = 0
+        self.runs = 0
 
     def allocation(self, rid: str, must_succeed: bool) -> tuple[int, pb.AllocateOp]:
         """A decode-like allocation of ``rid``: usually right, sometimes wrong in one of
@@ -204,19 +242,36 @@ class Driver:
             self.reqs[rid] = who
         for who in range(2):
             columns: list[object] = []
+            runs: list[object] = []
             single: list[object] = []
             for o in by_session[who]:
                 if isinstance(o, list):
                     columns.append(as_decode(o, must))
+                    runs.append(as_run(o))
                     single += [operation_from_pb(pb.Operation(allocate=a), 1) for a in o]
                 else:
                     columns.append(o)
+                    runs.append(o)
                     single.append(o)
             col_out = self.pools[0].apply(self.sessions[who][0], columns)  # type: ignore[arg-type]
             one_out = self.pools[1].apply(self.sessions[who][1], single)  # type: ignore[arg-type]
             answers = one_by_one(one_out)
             assert unpacked(columns, col_out, self.groups) == answers
             assert pool_seen(self.pools[0]) == pool_seen(self.pools[1])
+            if must:
+                run_out = self.pools[2].apply(self.sessions[who][2], runs)  # type: ignore[arg-type]
+                k = 0
+                for r, res in zip(runs, run_out, strict=True):
+                    m = len(r.request_ids) if isinstance(r, op.AllocateRun) else 1
+                    if isinstance(r, op.AllocateRun):
+                        check_run(r, res, answers[k : k + m], self.groups)
+                    else:
+                        assert one_by_one([res]) == answers[k : k + m]
+                    k += m
+                self.runs += sum(isinstance(r, op.AllocateRun) for r in runs)
+            else:
+                self.pools[2].apply(self.sessions[who][2], single)  # type: ignore[arg-type]
+            assert pool_seen(self.pools[2]) == pool_seen(self.pools[1])
             for c, res in zip(columns, col_out, strict=True):
                 if isinstance(c, op.Decode):
                     assert outcome_to_pb(c, res).HasField("decode") == (res.aborted_by is None)
@@ -243,10 +298,12 @@ def test_a_decode_op_answers_as_its_allocate_ops(
 ) -> None:
     """Random Steps of two sessions (refusals, wrong positions, other sessions' and
     unknown requests, bad hashes and counts, look-ahead, must_succeed, reservations
-    live): the same answers, pool and events."""
+    live): the same answers, pool and events; AllocateRunOps (each entry must succeed)
+    too."""
     d = Driver(groups, num_blocks, seed, reserve)
     for _ in range(60):
         d.step()
+    assert d.runs > 10
     assert d.failed > 10  # wrong positions, sessions, hashes, counts, unknown requests
     if num_blocks == 12:
         assert d.refused > 0

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Protocol
 
 from .blocks import KVCacheBlock
-from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, block_removed
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, block_removed, block_stored
 from .free_queue import FreeKVCacheBlockQueue
 from .hash_list import NAMESPACE_PREFIX_BYTES, hashes_at_block_size, key_with_group, request_keys
 from .request import Request
@@ -282,16 +282,14 @@ class BlockPool:
         if events:
             parent = originals[num_cached_blocks - 1] if num_cached_blocks > 0 else None
             lora = request.lora
-            event = BlockStored(
-                block_hashes=tuple(stored),
-                parent_block_hash=parent,
-                token_ids=tuple(
-                    request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]
-                ),
-                block_size=block_size,
-                lora_id=lora.adapter_id if lora else None,
-                lora_name=lora.name if lora else None,
-                cache_prefix=prefix,
+            event = block_stored(
+                tuple(stored),
+                parent,
+                tuple(request.all_token_ids[num_cached_blocks * block_size : num_full_blocks * block_size]),
+                block_size,
+                lora.adapter_id if lora else None,
+                lora.name if lora else None,
+                prefix,
             )
             if self.group_event_fields is not None:
                 event = self._with_033_fields(event, request, kept, group_id)

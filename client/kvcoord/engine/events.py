@@ -101,6 +101,46 @@ def block_removed(block_hash: bytes, cache_prefix: bytes = b"", group_idx: int |
     return event
 
 
+(
+    _set_hashes,
+    _set_parent,
+    _set_tokens,
+    _set_size,
+    _set_lora_id,
+    _set_lora_name,
+    _set_medium,
+    _set_prefix,
+    *_set_033_fields,
+) = (vars(BlockStored)[f.name].__set__ for f in dataclasses.fields(BlockStored))
+
+
+def block_stored(
+    block_hashes: tuple[bytes, ...],
+    parent_block_hash: bytes | None,
+    token_ids: tuple[int, ...],
+    block_size: int,
+    lora_id: int | None,
+    lora_name: str | None,
+    cache_prefix: bytes = b"",
+) -> BlockStored:
+    """``BlockStored(...)`` of a vllm-0.16 pool (vLLM 0.33's fields ``None``), built
+    without the frozen dataclass's ``__init__`` as :func:`block_removed` is (one per
+    run of blocks cached: the generated one costs several times more); equal to the
+    normally built event."""
+    event: BlockStored = _new(BlockStored)
+    _set_hashes(event, block_hashes)
+    _set_parent(event, parent_block_hash)
+    _set_tokens(event, token_ids)
+    _set_size(event, block_size)
+    _set_lora_id(event, lora_id)
+    _set_lora_name(event, lora_name)
+    _set_medium(event, MEDIUM_GPU)
+    _set_prefix(event, cache_prefix)
+    for put in _set_033_fields:
+        put(event, None)
+    return event
+
+
 def hash_to_int64(block_hash: bytes) -> int:
     """vLLM's integer form of a hash in events: the last 8 bytes, big-endian."""
     return int.from_bytes(block_hash[-8:], "big")

@@ -25,6 +25,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 
 from .config import KVCacheConfig, admission_cap_tokens
 from .coordinators import get_kv_cache_coordinator
+from .decode_run import DecodeColumns, decode_run, plain_values
 from .errors import BlockNotRetainedError, FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
 from .events import KVCacheEvent
 from .extra_keys import ExtraKeySources
@@ -760,6 +761,14 @@ class KVCachePool:
             self.request_table.restore(request_id, RequestCheckpoint(*before))
             raise
 
+    def decode_run(
+        self, cols: DecodeColumns, start: int, stop: int, t: int, h: int, counts: list[int], ids: list[int]
+    ) -> tuple[int, int, int]:
+        """Entries ``start .. stop-1`` of a decode step's columns, each applied as
+        :meth:`update_and_allocate` would, until the first that is not a plain decode
+        step (left untouched, for the general path): see :mod:`.decode_run`."""
+        return decode_run(self, cols, start, stop, t, h, counts, ids)
+
     def _decode_inside_blocks(
         self,
         req: Request,
@@ -788,18 +797,8 @@ class KVCachePool:
         have = len(tokens)
         max_len = self.max_model_len
         computed = req.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
-        if (
-            type(token) is not int
-            or token < 0
-            or have >= max_len  # the token would pass max_model_len
-            or type(computed) is not int
-            or computed < 0
-            or type(num_new_tokens) is not int
-            or num_new_tokens <= 0
-            or type(num_lookahead_tokens) is not int
-            or num_lookahead_tokens < 0
-        ):
-            return False
+        if have >= max_len or not plain_values(1, token, computed, num_new_tokens, num_lookahead_tokens):
+            return False  # (at max_model_len: the token would pass it)
         main = computed + num_new_tokens
         if main > max_len:
             return False
@@ -862,16 +861,22 @@ class KVCachePool:
         result = self._no_new_blocks if out is None else tuple(out)
         if self.enable_caching:
             num_tokens = len(req.all_token_ids) - self._hash_lag
-            cached = main if main < num_tokens else num_tokens
-            for m in managers:
-                num_full = cached // m.block_size
-                num_cached = m.num_cached_block.get(rid, 0)
-                if num_cached < num_full:
-                    bp.cache_full_blocks(
-                        req, m.req_to_blocks[rid], num_cached, num_full, m.block_size, m.group_id
-                    )
-                    m.num_cached_block[rid] = num_full
+            self._cache_full_blocks(req, main if main < num_tokens else num_tokens)
         return result
+
+    def _cache_full_blocks(self, req: Request, cached: int) -> None:
+        """Cache every group's full blocks of ``req`` up to ``cached`` tokens (the base
+        rule: :meth:`_allocate_without_hit`'s last phase)."""
+        rid = req.request_id
+        bp = self.block_pool
+        for m in self.managers:
+            num_full = cached // m.block_size
+            num_cached = m.num_cached_block.get(rid, 0)
+            if num_cached < num_full:
+                bp.cache_full_blocks(
+                    req, m.req_to_blocks[rid], num_cached, num_full, m.block_size, m.group_id
+                )
+                m.num_cached_block[rid] = num_full
 
     def _num_to_take(self, rid: str, need: int, total: int, main: int) -> int:
         """Blocks a call without a hit takes for ``need`` slots (skipped blocks removed)."""

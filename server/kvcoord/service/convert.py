@@ -210,47 +210,51 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         )  # fmt: skip
     if kind == "allocate_run":
         run = o.allocate_run
-        return op.AllocateRun(
-            list(run.request_ids),
-            list(run.base_num_tokens),
-            list(run.base_num_hashes),
-            list(run.num_computed_tokens),
-            list(run.num_new_tokens),
-            list(run.num_lookahead_tokens),
-            list(run.num_append_tokens),
-            list(run.append_token_ids),
-            list(run.num_append_hashes),
-            list(run.append_block_hashes),
-            op.RunChecks(
-                list(run.check_request_ids),
-                list(run.check_at),
-                list(run.check_num_computed_tokens),
-                list(run.check_num_new_tokens),
-                list(run.check_num_lookahead_tokens),
-                list(run.check_num_tokens),
-            )
-            if run.check_request_ids or run.check_at
-            else None,
-        )
+        return op.AllocateRun(*_run_columns(run), _run_checks(run))
     if kind == "decode":
         d = o.decode
-        return op.Decode(  # lists: indexing and slicing one costs less than a wire container's
-            list(d.request_ids),
-            list(d.base_num_tokens),
-            list(d.base_num_hashes),
-            list(d.num_computed_tokens),
-            list(d.num_new_tokens),
-            list(d.num_lookahead_tokens),
-            list(d.num_append_tokens),
-            list(d.append_token_ids),
-            list(d.num_append_hashes),
-            list(d.append_block_hashes),
-            d.must_succeed,
-        )
+        return op.Decode(*_run_columns(d), d.must_succeed)
     if kind == "admit":
         a = o.admit
         return op.Admit([sync_from_pb(r) for r in a.requests], a.token_budget, a.num_lookahead_tokens)
     raise _invalid("operation has no op set")
+
+
+_Columns = tuple[
+    Sequence[str], Sequence[int], Sequence[int], Sequence[int], Sequence[int], Sequence[int], Sequence[int],
+    Sequence[int], Sequence[int], Sequence[bytes],
+]  # fmt: skip
+
+
+def _run_columns(run: pb.AllocateRunOp | pb.DecodeOp) -> _Columns:
+    """An AllocateRunOp's or DecodeOp's columns as lists (indexing and slicing one costs
+    less than a wire container's; a slice is copied in C, ``list()`` reads item by item),
+    the tokens as TokenIds (uint32 on the wire: the engine need not check each one)."""
+    return (
+        run.request_ids[:],
+        run.base_num_tokens[:],
+        run.base_num_hashes[:],
+        run.num_computed_tokens[:],
+        run.num_new_tokens[:],
+        run.num_lookahead_tokens[:],
+        run.num_append_tokens[:],
+        TokenIds(run.append_token_ids[:]),
+        run.num_append_hashes[:],
+        run.append_block_hashes[:],
+    )
+
+
+def _run_checks(run: pb.AllocateRunOp) -> op.RunChecks | None:
+    if not run.check_request_ids and not run.check_at:
+        return None
+    return op.RunChecks(
+        run.check_request_ids[:],
+        run.check_at[:],
+        run.check_num_computed_tokens[:],
+        run.check_num_new_tokens[:],
+        run.check_num_lookahead_tokens[:],
+        run.check_num_tokens[:],
+    )
 
 
 def write_decode(out: pb.DecodeResult, d: op.DecodeOutcome) -> None:

@@ -1221,53 +1221,63 @@ class PoolService:
                 "allocate_run: num_append_tokens / num_append_hashes do not add up to the appended values",
             )
         engine = self.engine
-        allocate = engine.allocate_slots
-        update = engine.update_request
-        owners = self.owners
         requests = engine.requests
         tokens, hashes = o.append_token_ids, o.append_block_hashes
-        counts: list[int] = []
+        groups = len(engine.managers)
+        counts = [0] * (n * groups)  # an entry taking no block (most) leaves its zeros
         new_ids: list[int] = []
-        t = h = 0
         checks = o.checks or _NO_CHECKS
         check_at = self._check_positions(checks, n)
-        c = 0
-        for i in range(n):
+        mine = self._owned_prefix(s, o.request_ids)
+        i = t = h = c = 0
+        while i < n:
             while c < len(check_at) and check_at[c] == i:
                 self._check_unchanged(s, checks, c)
                 c += 1
+            stop = min(mine, check_at[c] if c < len(check_at) else n)
+            if i < stop:
+                # plain decode steps up to the next check, in one engine call; entry i
+                # is the first it left (untouched) for the one-by-one path below
+                i, t, h = engine.decode_run(o, i, stop, t, h, counts, new_ids)
+                if i == stop:
+                    continue
             rid = o.request_ids[i]
             nt, nh = o.num_append_tokens[i], o.num_append_hashes[i]
             base_t, base_h = o.base_num_tokens[i], o.base_num_hashes[i]
             req = requests.get(rid)
-            if (
-                owners.get(rid) is not s
-                or req is None
-                or req.num_tokens != base_t
-                or len(req.block_hashes) != base_h
-            ):
+            if i >= mine or req is None or req.num_tokens != base_t or len(req.block_hashes) != base_h:
                 # not this session's, or not at that position: the general path says which
                 self.sync(s, op.RequestSync(rid, (), (), False, base_t, base_h))
                 raise AssertionError(f"request {rid!r} passed the checks it failed")  # pragma: no cover
             before = (req.num_tokens, len(req.block_hashes), req.num_computed_tokens)
-            update(rid, num_computed_tokens=o.num_computed_tokens[i], append_token_ids=tokens[t : t + nt],
-                   append_block_hashes=hashes[h : h + nh])  # fmt: skip
+            engine.update_request(rid, num_computed_tokens=o.num_computed_tokens[i],
+                                  append_token_ids=tokens[t : t + nt], append_block_hashes=hashes[h : h + nh])  # fmt: skip
             t += nt
             h += nh
             try:
-                new = allocate(rid, o.num_new_tokens[i], 0, None, o.num_lookahead_tokens[i])
+                new = engine.allocate_slots(rid, o.num_new_tokens[i], 0, None, o.num_lookahead_tokens[i])
                 if new is None:
                     raise self._prediction_failed(rid)
             except Exception:
                 engine.restore_request(rid, RequestCheckpoint(*before))
                 raise
-            for group in new:
-                counts.append(len(group))
-                new_ids.extend(group)
+            for g, group in enumerate(new):
+                if group:
+                    counts[i * groups + g] = len(group)
+                    new_ids += group
+            i += 1
         while c < len(check_at):
             self._check_unchanged(s, checks, c)
             c += 1
         return op.RunOutcome(counts, new_ids)
+
+    def _owned_prefix(self, s: Session, request_ids: Sequence[str]) -> int:
+        """How many of ``request_ids``, from the first, are requests ``s`` holds (all of
+        them, in a session's own decode step; one pass in C)."""
+        holders = list(map(self.owners.get, request_ids))
+        if holders.count(s) == len(holders):
+            return len(holders)
+        return next(k for k, x in enumerate(holders) if x is not s)
 
     @staticmethod
     def _check_positions(checks: op.RunChecks, n: int) -> Sequence[int]:
@@ -1339,33 +1349,43 @@ class PoolService:
             )
         engine = self.engine
         must = o.must_succeed
-        fused = not engine.reservations.live  # else a first allocation may adopt one: the handler's
-        owners, requests = self.owners, engine.requests
-        update_and_allocate = engine.update_and_allocate
-        refused_groups = [0] * len(engine.managers)
-        counts: list[int] = []
+        groups = len(engine.managers)
+        counts = [0] * (n * groups)  # an entry taking no block (most) leaves its zeros
         ids: list[int] = []
         refused: list[int] = []
-        t = h = 0
-        entries = zip(rids, base_t, base_h, computed, new_tokens, look, num_t, num_h, strict=True)
-        for i, (rid, bt, bh, c, nn, la, nt, nh) in enumerate(entries):
+        # Entries of this session's requests, up to the first that is not (it fails and
+        # stops the operation), take the engine's fused paths; none while a reservation is
+        # live (a first allocation may adopt one: the handler's).
+        mine = 0 if engine.reservations.live else self._owned_prefix(s, rids)
+        requests = engine.requests
+        run = engine.decode_run
+        i = t = h = 0
+        while i < n:
+            if i < mine:
+                # the run of plain decode steps, in one engine call; entry i is the first
+                # it left (untouched) for the one-by-one path below
+                i, t, h = run(o, i, mine, t, h, counts, ids)
+                if i == n:
+                    break
+            rid, bt, bh, c, nn, la, nt, nh = (
+                rids[i], base_t[i], base_h[i], computed[i], new_tokens[i], look[i], num_t[i], num_h[i]
+            )  # fmt: skip
             tk, hs = tokens[t : t + nt], hashes[h : h + nh]
             t += nt
             h += nh
             try:
                 req = requests.get(rid)
                 if (
-                    fused
+                    i < mine
                     and nt
                     and req is not None
-                    and owners.get(rid) is s
                     and len(req.all_token_ids) == bt
                     and len(req.block_hashes) == bh
                 ):
-                    before = (bt, bh, req.num_computed_tokens)
-                    new = update_and_allocate(rid, c, tk, hs, nn, la)
+                    before = RequestCheckpoint(bt, bh, req.num_computed_tokens)
+                    new = engine.update_and_allocate(rid, c, tk, hs, nn, la)
                     if new is None and must:  # as the Allocate handler: the sync undone, then the error
-                        engine.restore_request(rid, RequestCheckpoint(*before))
+                        engine.restore_request(rid, before)
                         raise self._prediction_failed(rid)
                 else:
                     sync = op.RequestSync(rid, tk, hs, False, bt, bh, c)
@@ -1376,16 +1396,16 @@ class PoolService:
                     new = value.new_block_ids
             except Exception as exc:  # noqa: BLE001 - every failure is the entry's answer
                 raise op.DecodeFailed(
-                    as_service_error(exc), op.DecodeOutcome(i, counts, ids, refused)
+                    as_service_error(exc), op.DecodeOutcome(i, counts[: i * groups], ids, refused)
                 ) from exc
             if new is None:
                 refused.append(i)
-                counts += refused_groups
             else:
-                for group in new:
-                    counts.append(len(group))
+                for g, group in enumerate(new):
                     if group:
+                        counts[i * groups + g] = len(group)
                         ids += group
+            i += 1
         return op.DecodeOutcome(n, counts, ids, refused)
 
     def _prediction_failed(self, rid: str, what: str = "") -> ServiceError:

@@ -1,0 +1,303 @@
+"""A decode step's allocations in one engine call: the entries of a DecodeOp (columns).
+
+:func:`decode_run` applies entries one after another exactly as
+:meth:`~kvcoord.engine.pool.KVCachePool.update_and_allocate` would, for as long as each
+is a decode step it can answer without any check that could fail after the pool has
+changed: one valid token appended (with the hash of the block it completes, if it
+completes one), valid counts, the request's blocks held in every group, no block
+leaving a window, and enough free blocks. It stops at the first entry that is anything
+else (and leaves that entry untouched), so that its caller applies it by the general
+path, which answers, refuses or raises exactly as it would have, and then calls again.
+
+Two kinds of entry are taken:
+
+* inside its blocks (most decode steps): the update alone (as
+  ``KVCachePool._decode_inside_blocks``);
+* one that takes a new block or caches a full one (one decode step in a block's
+  worth): the update, the blocks taken and the full blocks cached as
+  ``KVCachePool._allocate_without_hit`` does, the same calls to the block pool (its
+  events and counters too).
+
+Only for pools whose every group allocates, caches and skips by the base rules (the
+pool's ``_decode_fast_path``); any other pool takes no entry here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from .request_table import TokenIds
+
+if TYPE_CHECKING:
+    from .block_pool import BlockPool
+    from .config import KVCacheConfig
+    from .managers import SingleTypeKVCacheManager
+    from .request import Request
+
+__all__ = ["DecodeColumns", "decode_run"]
+
+
+class KVCachePool(Protocol):
+    """What this module reads of :class:`~kvcoord.engine.pool.KVCachePool` (whose part
+    it is; named so that this module need not import the pool's)."""
+
+    config: KVCacheConfig
+    requests: dict[str, Request]
+    managers: list[SingleTypeKVCacheManager]
+    block_pool: BlockPool
+    max_model_len: int
+    enable_caching: bool
+    hash_block_size: int
+    _decode_fast_path: bool
+    _hash_lag: int
+    _skipping_managers: list[SingleTypeKVCacheManager]
+
+    def _num_to_take(self, rid: str, need: int, total: int, main: int) -> int: ...
+
+    def _cache_full_blocks(self, req: Request, cached: int) -> None: ...
+
+
+class DecodeColumns(Protocol):
+    """A decode step's allocations in columns (the service's ``RunColumns``): per entry
+    a request, where it stands (tokens and hashes held), its computed count, its
+    counts, and how many tokens and hashes it appends from the flattened columns."""
+
+    request_ids: Sequence[str]
+    base_num_tokens: Sequence[int]
+    base_num_hashes: Sequence[int]
+    num_computed_tokens: Sequence[int]
+    num_new_tokens: Sequence[int]
+    num_lookahead_tokens: Sequence[int]
+    num_append_tokens: Sequence[int]
+    append_token_ids: Sequence[int]
+    num_append_hashes: Sequence[int]
+    append_block_hashes: Sequence[bytes]
+
+
+def decode_run(
+    pool: KVCachePool,
+    cols: DecodeColumns,
+    start: int,
+    stop: int,
+    t: int,
+    h: int,
+    counts: list[int],
+    ids: list[int],
+) -> tuple[int, int, int]:
+    """Apply entries ``start .. stop-1`` of ``cols`` (the appended tokens and hashes
+    read from positions ``t`` and ``h``) while each is one this module takes; see the
+    module's docstring. Entry ``i``'s new block count of group ``g`` is written to
+    ``counts[i * groups + g]`` (left as it is, 0, when it takes none) and its new block
+    ids appended to ``ids``, group after group.
+
+    The caller checks that the columns have one value per entry and that the appended
+    values add up, and that the entries' requests are its own.
+
+    Returns:
+        ``(i, t, h)``: the first entry not applied (``stop`` when every one was) and
+        where its appended tokens and hashes start. Entry ``i`` is left untouched.
+    """
+    if not pool._decode_fast_path:
+        return start, t, h
+    while start < stop:
+        end = _plain_end(cols, start, stop, t)
+        if end == start:
+            break  # entry ``start`` is not one this module takes: the general path's
+        i, t, h = _run_plain(pool, cols, start, end, t, h, counts, ids)
+        if i < end:
+            return i, t, h
+        start = end
+    return start, t, h
+
+
+def plain_values(num_tokens: object, token: object, computed: object, num_new: object, look: object) -> bool:
+    """Whether one decode step's values are those the fast paths take: one token, a
+    non-negative int (not bool); computed and look-ahead counts non-negative ints, the
+    new-token count a positive int. (Counts past max_model_len are the caller's.)"""
+    return (
+        num_tokens == 1
+        and type(token) is int
+        and token >= 0
+        and type(computed) is int
+        and computed >= 0
+        and type(num_new) is int
+        and num_new > 0
+        and type(look) is int
+        and look >= 0
+    )
+
+
+def _plain_end(cols: DecodeColumns, start: int, stop: int, t: int) -> int:
+    """The first entry from ``start`` (``stop`` if none) whose values :func:`_run_plain`
+    does not read as a plain decode step's (:func:`plain_values`, at most one hash).
+    Entry ``start`` is read first; then the whole range column by column in C (a decode
+    step's usual case), and only when that fails the entries one by one."""
+    num_t, num_h = cols.num_append_tokens, cols.num_append_hashes
+    tokens = cols.append_token_ids
+    computed, new, look = cols.num_computed_tokens, cols.num_new_tokens, cols.num_lookahead_tokens
+
+    def plain(i: int) -> bool:  # (the entries before i append one token each)
+        nh = num_h[i]
+        token = tokens[t + i - start] if num_t[i] == 1 else None
+        return (
+            type(nh) is int and 0 <= nh <= 1 and plain_values(num_t[i], token, computed[i], new[i], look[i])
+        )
+
+    if not plain(start):
+        return start
+    n = stop - start
+    if num_t[start:stop].count(1) == n:
+        segment = tokens[t : t + n]
+        hashes = num_h[start:stop]
+        if (
+            (type(tokens) is TokenIds or (set(map(type, segment)) == {int} and min(segment) >= 0))
+            and set(map(type, hashes)) == {int}
+            and 0 <= min(hashes)
+            and max(hashes) <= 1
+            and all(
+                set(map(type, column)) == {int} and min(column) >= least
+                for column, least in ((computed[start:stop], 0), (look[start:stop], 0), (new[start:stop], 1))
+            )
+        ):
+            return stop
+    i = start + 1
+    while i < stop and plain(i):
+        i += 1
+    return i
+
+
+def _run_plain(
+    pool: KVCachePool,
+    cols: DecodeColumns,
+    start: int,
+    stop: int,
+    t: int,
+    h: int,
+    counts: list[int],
+    ids: list[int],
+) -> tuple[int, int, int]:
+    """:func:`decode_run` over entries whose values :func:`_plain_end` checked."""
+    requests_get = pool.requests.get
+    managers = pool.managers
+    groups = len(managers)
+    single = managers[0] if groups == 1 else None
+    blocks_of = managers[0].req_to_blocks.get
+    cached_of = managers[0].num_cached_block.get
+    size = managers[0].block_size
+    skipping = pool._skipping_managers
+    max_len = pool.max_model_len
+    caching = pool.enable_caching
+    lag = pool._hash_lag
+    hash_block = pool.hash_block_size
+    hashes = cols.append_block_hashes
+    n = stop - start
+    entries = zip(
+        range(start, stop),
+        cols.request_ids[start:stop],
+        cols.base_num_tokens[start:stop],
+        cols.base_num_hashes[start:stop],
+        cols.num_computed_tokens[start:stop],
+        cols.num_new_tokens[start:stop],
+        cols.num_lookahead_tokens[start:stop],
+        cols.append_token_ids[t : t + n],
+        cols.num_append_hashes[start:stop],
+        strict=True,
+    )
+    for i, rid, base_t, base_h, computed, num_new, look, token, nh in entries:
+        req = requests_get(rid)
+        if req is None:
+            break
+        all_tokens = req.all_token_ids
+        have = len(all_tokens)
+        if have != base_t or have >= max_len or len(req.block_hashes) != base_h:
+            break  # (at max_model_len: the token would pass it)
+        main = computed + num_new
+        if main > max_len:
+            break
+        need = main + look
+        if need > max_len:
+            need = max_len
+        if caching:
+            hashed = have + 1 - lag
+            if (hashed if hashed > 0 else 0) // hash_block - base_h != nh:
+                break  # a hash due and missing, or one too many: the general path says so
+            cached = main if main < hashed else hashed
+        elif nh:
+            break  # (hashes are ignored without caching: the general path reads them)
+        else:
+            cached = 0
+        if skipping and any(m.skips_blocks(rid, computed) for m in skipping):
+            break
+        if single is not None:
+            blocks = blocks_of(rid)
+            if blocks is None:
+                break  # (no block yet: a first allocation, the general path's)
+            inside = len(blocks) * size >= need and (not caching or cached_of(rid, 0) >= cached // size)
+        else:
+            held = _inside(managers, rid, need, cached if caching else 0)
+            if held is None:
+                break
+            inside = held
+        if inside and not nh:  # inside its blocks: the update alone
+            req.num_computed_tokens = computed
+            all_tokens.append(token)
+        elif _grow(
+            pool, req, computed, main, need, cached, token, hashes[h] if nh else None, counts, i * groups, ids
+        ):
+            h += nh
+        else:
+            break
+    else:
+        return stop, t + n, h
+    return i, t + i - start, h
+
+
+def _inside(managers: Sequence[SingleTypeKVCacheManager], rid: str, need: int, cached: int) -> bool | None:
+    """Whether every group's blocks of ``rid`` cover ``need`` slots and its full blocks
+    up to ``cached`` tokens are cached (``None``: a group holds no list for it yet)."""
+    inside = True
+    for m in managers:
+        blocks = m.req_to_blocks.get(rid)
+        if blocks is None:
+            return None
+        size = m.block_size
+        if len(blocks) * size < need or m.num_cached_block.get(rid, 0) < cached // size:
+            inside = False
+    return inside
+
+
+def _grow(
+    pool: KVCachePool, req: Request, computed: int, main: int, need: int, cached: int, token: int,
+    new_hash: bytes | None, counts: list[int], at: int, ids: list[int],
+) -> bool:  # fmt: skip
+    """An entry that takes new blocks or caches full ones, applied as
+    ``KVCachePool._allocate_without_hit`` would after the update (the blocks taken
+    group by group, then the full ones cached): ``False``, with nothing changed, when
+    its hash is not one the update would take or too few blocks are free (for the
+    general path, which raises or refuses)."""
+    if new_hash is not None:
+        length = pool.config.hash_length
+        if type(new_hash) is not bytes or not new_hash or (length is not None and len(new_hash) != length):
+            return False
+    rid = req.request_id
+    bp = pool.block_pool
+    if pool._num_to_take(rid, need, computed, main) > bp.free_block_queue.num_free_blocks:
+        return False  # a refusal: the general path counts it (and keeps the update)
+    # Nothing below can fail: the update, the blocks taken, the full ones cached.
+    req.num_computed_tokens = computed
+    req.all_token_ids.append(token)
+    if new_hash is not None:
+        req.block_hashes.append(new_hash)
+    managers = pool.managers
+    for g, m in enumerate(managers):
+        blocks = m.req_to_blocks[rid]
+        n = -(-need // m.block_size) - len(blocks)
+        if n > 0:
+            new_blocks = bp.get_new_blocks(n)
+            blocks += new_blocks
+            counts[at + g] = n
+            ids += [b.block_id for b in new_blocks]
+    if pool.enable_caching:
+        pool._cache_full_blocks(req, cached)
+    return True

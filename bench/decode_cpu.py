@@ -2,7 +2,7 @@
 
     PYTHONPATH=client:server python bench/decode_cpu.py [--running 64] [--steps 300] \
         [--warmup 100] [--shapes ops run] [--old REV] [--rounds 3] [--where in-process grpc] \
-        [--profile | --toggle]
+        [--metrics] [--profile | --toggle]
 
 The workload is bench/workers.py's (one worker's scheduler: ``--running`` requests in
 decode, each step one allocation per running request, finished requests freed and
@@ -24,10 +24,13 @@ server, ``git archive``d) and shape, in turns for ``--rounds`` rounds:
               its bytes, ``Servicer.Step`` (session, idempotency key, the Step applied,
               its answer kept), the answer serialized; CPU is the loop thread's
               (``time.thread_time``) over the measured Steps
-  grpc        a ``kvcoord serve`` process of that code (metrics off), one client (this
-              checkout's) sending the Steps one after another; CPU is the server
-              process's ``utime + stime`` (``/proc``, all its threads) over the measured
-              Steps, and the Step's latency as the client sees it (p50 / mean)
+  grpc        a ``kvcoord serve`` process of each code, all at once (``--metrics``: each
+              also serves /metrics, as ``kvcoord serve`` does by default; the metrics
+              interceptor and observer run either way), one client (this checkout's)
+              sending each Step to every server in turn, which goes first alternating,
+              so that other jobs on the machine slow every code alike; CPU is each
+              server process's (all its threads; Linux's process CPU clock, in ns) over
+              the measured Steps, and the Step's latency as the client sees it (p50 / mean)
 
 "µs/op" is CPU per block operation (each allocation and each free is one operation);
 the table gives each code's median over the rounds and, with ``--old``, the median of
@@ -333,47 +336,70 @@ def in_process(
 
 
 def server_cpu(pid: int) -> float:
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """Seconds of CPU process ``pid`` has used (all its threads): Linux's CPU clock of
+    another process (nanoseconds), else ``/proc`` (clock ticks, 10 ms)."""
+    try:
+        return time.clock_gettime_ns((~pid << 3) | 2) / 1e9  # CPUCLOCK_SCHED of the process
+    except OSError:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def over_grpc(tree: Path, trace: Path, shape: str, args: argparse.Namespace) -> dict[str, Any]:
+def over_grpc(
+    trees: dict[str, Path], trace: Path, shape: str, args: argparse.Namespace
+) -> dict[str, dict[str, Any]]:
+    """One ``kvcoord serve`` process per code, all serving at once; each Step is sent to
+    every server in turn (which goes first alternates), so a machine shared with other
+    jobs slows every code alike. Returns each code's figures."""
     import workers as W
     from kvcoord.client import KVCoordClient
     from kvcoord.client.testing import start_server
     from kvcoord.v1 import allocator_pb2 as pb
 
     bodies = load(trace)
-    env = dict(os.environ, PYTHONPATH=f"{tree / 'client'}:{tree / 'server'}")
-    server = start_server(W.config_text("none", "", "FULL"), env=env)  # memory only, metrics off
-    digest = hashlib.sha256()
+    reqs = [shaped(pb, b, shape) for b in bodies]
+    runs: dict[str, dict[str, Any]] = {}
     try:
-        with KVCoordClient(server.address, timeout=60) as c:
+        for code, tree in trees.items():
+            env = dict(os.environ, PYTHONPATH=f"{tree / 'client'}:{tree / 'server'}")
+            # memory only; the metrics interceptor and observer run either way, --metrics
+            # also serves /metrics (as `kvcoord serve` does by default)
+            server = start_server(W.config_text("none", "", "FULL"), env=env, metrics=args.metrics)
+            runs[code] = run = {"server": server, "lat": [], "digest": hashlib.sha256()}
+            run["client"] = c = KVCoordClient(server.address, timeout=60)
             c.create_pool("p", W.pool_config(W.worker_blocks(args.running)))
-            att = c.attach("p", W.ALGO, W.BS, W.SEED, "bench")
-            reqs = [shaped(pb, b, shape) for b in bodies]
-            lat: list[float] = []
-            cpu0 = 0.0
-            for k, ops in enumerate(reqs):
-                if k == args.warmup:
-                    cpu0 = server_cpu(server.proc.pid)
+            run["att"] = c.attach("p", W.ALGO, W.BS, W.SEED, "bench")
+        order = list(runs.values())
+        for k, ops in enumerate(reqs):
+            if k == args.warmup:
+                for run in order:
+                    run["cpu0"] = server_cpu(run["server"].proc.pid)
+            for run in order if k % 2 else order[::-1]:
+                att = run["att"]
                 t0 = time.perf_counter()
-                resp = c.step("p", ops, att.session_id, att.fence)
-                lat.append(time.perf_counter() - t0)
-                digest.update(json.dumps(new_blocks(resp)).encode())
-            cpu = server_cpu(server.proc.pid) - cpu0
-            c.detach(att.session_id, att.fence)
+                resp = run["client"].step("p", ops, att.session_id, att.fence)
+                run["lat"].append(time.perf_counter() - t0)
+                run["digest"].update(json.dumps(new_blocks(resp)).encode())
+        for run in order:
+            run["cpu"] = server_cpu(run["server"].proc.pid) - run["cpu0"]
+            run["client"].detach(run["att"].session_id, run["att"].fence)
     finally:
-        server.stop()
-    lat = lat[args.warmup :]
+        for run in runs.values():
+            if "client" in run:
+                run["client"].close()
+            run["server"].stop()
     ops_n = sum(weight(b, pb) for b in bodies[args.warmup :])
-    return {
-        "us_op": cpu / ops_n * 1e6,
-        "p50": statistics.median(lat) * 1e3,
-        "mean": statistics.fmean(lat) * 1e3,
-        "digest": digest.hexdigest(),
-    }
+    out = {}
+    for code, run in runs.items():
+        lat = run["lat"][args.warmup :]
+        out[code] = {
+            "us_op": run["cpu"] / ops_n * 1e6,
+            "p50": statistics.median(lat) * 1e3,
+            "mean": statistics.fmean(lat) * 1e3,
+            "digest": run["digest"].hexdigest(),
+        }
+    return out
 
 
 def main() -> None:
@@ -399,6 +425,11 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--where", nargs="+", default=["in-process", "grpc"], choices=["in-process", "grpc"])
     ap.add_argument("--profile", action="store_true", help="cProfile this checkout's in-process child")
+    ap.add_argument(
+        "--metrics",
+        action="store_true",
+        help="grpc: the servers also serve /metrics (the default of kvcoord serve)",
+    )
     ap.add_argument("--toggle", action="store_true", help="the direct path against the general one, in turns")
     args = ap.parse_args()
     _paths(ROOT)
@@ -420,18 +451,22 @@ def main() -> None:
     for rnd in range(args.rounds):
         for where in args.where:
             for shape in args.shapes:
-                for code, tree in trees.items():
-                    if where == "in-process":
-                        r = in_process(tree, trace, shape, args, False)
-                    else:
-                        r = over_grpc(tree, trace, shape, args)
+                if where == "grpc":
+                    got = over_grpc(trees, trace, shape, args)
+                else:
+                    got = {code: in_process(tree, trace, shape, args, False) for code, tree in trees.items()}
+                for code, r in got.items():
                     rows.setdefault((where, shape, code), []).append(r)
                     extra = f"  p50 {r['p50']:.2f} ms  mean {r['mean']:.2f} ms" if "p50" in r else ""
                     print(
                         f"round {rnd + 1} {where:10} {shape:4} {code}: {r['us_op']:6.2f} µs/op{extra}",
                         flush=True,
                     )
-    print(f"\n{args.running} running, {args.steps} measured Steps (medians over {args.rounds} round(s)):\n")
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(
+        f"\n{args.running} running, {args.steps} measured Steps (medians over {args.rounds} round(s)); "
+        f"/metrics {'served' if args.metrics else 'off'}; load average {load}:\n"
+    )
     print(
         "| where | shape | "
         + " | ".join(f"{c} µs CPU/op" for c in trees)

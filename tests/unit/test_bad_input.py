@@ -27,7 +27,14 @@ from kvcoord.engine import (
     StaleCacheHitError,
     TokenIds,
 )
-from kvcoord.service.bounds import BOUNDS, ELSEWHERE, MAX_REQUEST_ID_LENGTH, check_request, request_fields
+from kvcoord.service.bounds import (
+    BOUNDS,
+    ELSEWHERE,
+    MAX_REQUEST_ID_LENGTH,
+    SIZE_FIRST_ITEMS,
+    check_request,
+    request_fields,
+)
 from kvcoord.service.config import ConfigFileError, parse_config
 from kvcoord.service.errors import ServiceError
 from kvcoord.service.registry import Limits
@@ -438,14 +445,19 @@ def test_every_request_field_has_a_documented_bound() -> None:
     assert rows == expected
 
 
-def test_a_small_step_is_checked_by_its_size_alone() -> None:
-    """Operations no larger than the smallest bound inside them are skipped (their size
-    proves them within every bound); one past a bound in a large operation is found."""
-    ops = [pb.Operation(free=pb.FreeOp(request_id=f"r{i}")) for i in range(3)]
+@pytest.mark.parametrize("small", [3, SIZE_FIRST_ITEMS, SIZE_FIRST_ITEMS + 1, 40])
+def test_a_step_of_small_operations_is_checked_by_their_size(small: int) -> None:
+    """In a long list, operations no larger than the smallest bound inside them are
+    skipped (their size proves them within every bound); in a short one each is checked
+    at once. Either way one past a bound is found, named by its place in the Step."""
+    ops = [pb.Operation(free=pb.FreeOp(request_id=f"r{i}")) for i in range(small)]
     ops.append(pb.Operation(free=pb.FreeOp(request_id="y" * (MAX_REQUEST_ID_LENGTH + 1))))
-    with pytest.raises(ServiceError, match=r"ops\[3\]\.free\.request_id is 257 characters"):
+    ops.append(pb.Operation(decode=pb.DecodeOp(request_ids=["z" * (MAX_REQUEST_ID_LENGTH + 1)])))
+    with pytest.raises(ServiceError, match=rf"ops\[{small}\]\.free\.request_id is 257 characters"):
         check_request(pb.StepRequest(ops=ops), Limits())
-    check_request(pb.StepRequest(ops=ops[:3]), Limits())
+    with pytest.raises(ServiceError, match=rf"ops\[{small}\]\.decode\.request_ids\[0\] is 257 characters"):
+        check_request(pb.StepRequest(ops=[*ops[:small], ops[-1]]), Limits())
+    check_request(pb.StepRequest(ops=ops[:small]), Limits())
 
 
 def test_the_config_file_is_held_to_the_same_bounds() -> None:

@@ -44,6 +44,7 @@ __all__ = [
     "MAX_IDEMPOTENCY_KEY_LENGTH",
     "MAX_NAME_LENGTH",
     "MAX_REQUEST_ID_LENGTH",
+    "SIZE_FIRST_ITEMS",
     "check_request",
     "request_fields",
 ]
@@ -246,6 +247,10 @@ def request_fields() -> list[tuple[str, FieldDescriptor]]:
 
 _UNCHECKED_STRING = 1024  # a string field missing from BOUNDS (a test forbids that)
 
+#: a list of more messages than this has each one's size read first (a small one is not
+#: checked further); a shorter list has each checked at once
+SIZE_FIRST_ITEMS = 16
+
 #: checks one message: (message, limits) -> None, raising _TooLong
 _Checker = Callable[[Any, Any], None]
 
@@ -342,15 +347,18 @@ def _source(d: Descriptor, name: str, subs: dict[str, str]) -> list[str]:
                 f"    raise _TooLong({'.' + f.name!r}, len(v), {value}, {setting}, {unit!r})",
             ]
         elif sub is not None:
-            # Items this small cannot be past a bound: only their size is read (a Step's
-            # operations are mostly small; ByteSize costs less than reading their fields).
+            # Items this small cannot be past a bound: only their size is read (a Step of
+            # many small operations; ByteSize costs less than reading their fields). But
+            # ByteSize serializes the item: in a short list (a decode Step's few runs, a
+            # new request's prompt) the items are large, and reading their size cost as
+            # much as checking them again, so each is checked at once.
             least, settings = _smallest(_message(f))
             parts = [str(least)] + [f"limits.{x}" for x in sorted(settings)]
             safe = f"min({', '.join(parts)})" if len(parts) > 1 else parts[0]
             lines += [
-                f"safe = {safe}",
+                f"safe = {safe} if len(v) > {SIZE_FIRST_ITEMS} else -1",
                 "for i, item in enumerate(v):",
-                "    if item.ByteSize() <= safe:",
+                "    if safe >= 0 and item.ByteSize() <= safe:",
                 "        continue",
                 "    try:",
                 f"        {sub}(item, limits)",

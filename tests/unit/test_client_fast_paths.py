@@ -73,6 +73,10 @@ def _events() -> list[engine.KVCacheEvent]:
     out.append(engine.BlockRemoved((rng.randbytes(32), rng.randbytes(32))))
     out.append(engine.BlockRemoved((rng.randbytes(32),), medium=""))
     out.append(engine.BlockStored((rng.randbytes(32),), rng.randbytes(32), tuple(range(16)), 16, 3, "lora"))
+    out.append(
+        engine.BlockStored((rng.randbytes(32),), b"\xfe" * 32, tuple(range(16)), 16, None, None, medium="")
+    )
+    out.append(engine.BlockStored((rng.randbytes(32),), None, tuple(range(16)), 16, None, None))
     out.append(engine.BlockStored((rng.randbytes(32),) * 2, None, tuple(range(32)), 16, None, None))
     out.append(engine.AllBlocksCleared())
     out.append(block_removed(b"\xff" * 32))
@@ -81,7 +85,7 @@ def _events() -> list[engine.KVCacheEvent]:
 
 @pytest.mark.parametrize("ints", ["1", "0"])
 def test_converted_events_are_the_general_conversions(monkeypatch: pytest.MonkeyPatch, ints: str) -> None:
-    """``convert_engine_events`` converts a one-block removal inline: what it gives is
+    """``convert_engine_events`` converts one-block removals and stores inline: what it gives is
     what the per-event conversion gives, event for event, in order (vLLM 0.33's
     fields: tests/with_vllm, with vLLM 0.33's types)."""
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", ints)

@@ -218,24 +218,44 @@ def convert_engine_events(events: Iterable[engine.KVCacheEvent], *, fields_033: 
     """The engine's KV events as vLLM's event types (or kvcoord's plain ones), in order
     (``fields_033`` as for :func:`convert_events`).
 
-    A removal of one block (a cached block reused: most of a busy pool's events) is
-    converted inline; every other event by :func:`_convert_event`."""
+    With integer hashes, a removal of one block (a cached block reused: most of a busy
+    pool's events) and a store of one block (a decode filling a block) are converted
+    inline; every other event by :func:`_convert_event`."""
     stored_t, removed_t, cleared_t = _event_types()
     as_int = _int_hashes()
+    if fields_033 or not as_int:
+        return [_convert_event(e, stored_t, removed_t, cleared_t, as_int, fields_033) for e in events]
     mask = _MASK64
     from_bytes = int.from_bytes
-    removed = engine.BlockRemoved
+    removed, stored = engine.BlockRemoved, engine.BlockStored
     out: list[Any] = []
     append = out.append
     for e in events:
-        if type(e) is removed and not fields_033:
+        kind = type(e)
+        if kind is removed:
             raw = e.block_hashes
-            if len(raw) == 1 and as_int:
+            if len(raw) == 1:
                 append(
                     removed_t(block_hashes=[from_bytes(raw[0], "big") & mask], medium=e.medium or _MEDIUM_GPU)
                 )
                 continue
-        append(_convert_event(e, stored_t, removed_t, cleared_t, as_int, fields_033))
+        elif kind is stored:
+            raw = e.block_hashes
+            parent = e.parent_block_hash
+            if len(raw) == 1 and parent is not None:
+                append(
+                    stored_t(
+                        block_hashes=[from_bytes(raw[0], "big") & mask],
+                        parent_block_hash=from_bytes(parent, "big") & mask,
+                        token_ids=list(e.token_ids),
+                        block_size=e.block_size,
+                        lora_id=e.lora_id,
+                        medium=e.medium or _MEDIUM_GPU,
+                        lora_name=e.lora_name,
+                    )
+                )
+                continue
+        append(_convert_event(e, stored_t, removed_t, cleared_t, as_int, False))
     return out
 
 

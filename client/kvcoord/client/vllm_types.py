@@ -231,15 +231,14 @@ def convert_engine_events(events: Iterable[engine.KVCacheEvent], *, fields_033: 
     out: list[Any] = []
     append = out.append
     for e in events:
-        kind = type(e)
-        if kind is removed:
+        if type(e) is removed:
             raw = e.block_hashes
             if len(raw) == 1:
                 append(
                     removed_t(block_hashes=[from_bytes(raw[0], "big") & mask], medium=e.medium or _MEDIUM_GPU)
                 )
                 continue
-        elif kind is stored:
+        elif type(e) is stored:
             raw = e.block_hashes
             parent = e.parent_block_hash
             if len(raw) == 1 and parent is not None:

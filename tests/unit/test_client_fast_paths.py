@@ -23,6 +23,9 @@ class _Token(enum.IntEnum):
 class _Index:
     """Not an int, but usable as one (``__index__``), as a numpy integer is."""
 
+    def __repr__(self) -> str:
+        return "_Index()"
+
     def __index__(self) -> int:
         return 3
 

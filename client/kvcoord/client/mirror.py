@@ -21,6 +21,7 @@ without prediction. Never a guess.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,7 @@ from kvcoord.engine import (
     LoRA,
     PrefixCacheStats,
     StaleCacheHitError,
+    TokenIds,
 )
 from kvcoord.engine.managers.base import SingleTypeKVCacheManager
 from kvcoord.engine.state import STATE_VERSION, StateError, import_state
@@ -125,8 +127,7 @@ class Mirror:
         engine = self.engine
         rid = sync.request_id
         computed = sync.computed
-        tokens = sync.tokens
-        _check_wire_tokens(rid, tokens)
+        tokens = wire_tokens(rid, sync.tokens)
         try:
             if sync.new_request:
                 lora = sync.lora
@@ -170,7 +171,10 @@ class Mirror:
         Raises:
             KVCoordError: the engine refuses the update or the allocation.
         """
-        _check_wire_tokens(request_id, tokens)
+        if (
+            len(tokens) != 1 or type(tokens[0]) is not int or tokens[0] > _UINT32_MAX
+        ):  # (a decode's one token)
+            _check_wire_tokens(request_id, tokens)
         try:
             new = self._update_and_allocate(
                 request_id, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens
@@ -207,9 +211,13 @@ class Mirror:
         self._collect()
         return new
 
-    def free(self, request_id: str) -> None:
-        self.engine.free(request_id)
-        self._collect()
+    def free_if_held(self, request_id: str) -> None:
+        """Free the request's blocks and forget it (nothing for a request it does not hold)."""
+        engine = self.engine
+        if request_id in engine.requests:
+            engine.free(request_id)
+            if self._block_pool.kv_event_queue:
+                self._collect()
 
     def call(self, method: str, *args: Any) -> Any:
         """Any other engine call (``cache_blocks``, ``remove_skipped_blocks``,
@@ -329,3 +337,27 @@ def _check_wire_tokens(request_id: str, tokens: Sequence[int]) -> None:
             raise engine_error(
                 InvalidArgumentError(f"request {request_id!r}: a token id does not fit uint32")
             )
+
+
+#: a prompt this long or longer is checked by :func:`wire_tokens`'s two C passes
+_CHECK_IN_BULK = 16
+_UINT32_ARRAY = "I" if array("I").itemsize == 4 else ""
+
+
+def wire_tokens(request_id: str, tokens: Sequence[int]) -> Sequence[int]:
+    """``tokens`` as :class:`TokenIds` (which the engine copies without checking each
+    again) once every one is an ``int`` (not a subclass) the wire's ``uint32`` carries:
+    one C pass for the range (``array``), one for the exact types. Anything else, or a
+    short list, goes through :func:`_check_wire_tokens` and is given back as it is, for
+    the engine's own check to name a bad token."""
+    n = len(tokens)
+    if n >= _CHECK_IN_BULK and _UINT32_ARRAY:
+        try:
+            array(_UINT32_ARRAY, tokens)
+        except (OverflowError, TypeError, ValueError):
+            pass
+        else:
+            if list(map(type, tokens)).count(int) == n:
+                return TokenIds(tokens)
+    _check_wire_tokens(request_id, tokens)
+    return tokens

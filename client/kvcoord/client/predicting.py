@@ -255,12 +255,12 @@ class PredictingKVCacheManager:
         """A registered request's allocation without a hit (decode above all), as an
         entry of the Step's run of allocations; ``_UNREGISTERED`` for a request the
         server does not hold yet (it needs a full sync)."""
-        tracker, rid = self.tracker, request.request_id
-        mark = tracker.mark(rid)
+        tracker = self.tracker
         fields = tracker.sync_run(request)
         if fields is None:
             return _UNREGISTERED
-        base_t, base_h, tokens, hashes, computed = fields
+        mark, base_t, base_h, tokens, hashes, computed = fields
+        rid = request.request_id
         try:
             new = self.mirror.grow(rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens)
         except BaseException:
@@ -334,12 +334,13 @@ class PredictingKVCacheManager:
     def free(self, request: Any) -> None:
         """Free the request's blocks (sent with the next Step)."""
         rid = request if isinstance(request, str) else request.request_id
-        self.tracker.lost.discard(rid)  # a lost request the scheduler frees is settled
-        if rid not in self.tracker:
+        tracker = self.tracker
+        if tracker.lost:
+            tracker.lost.discard(rid)  # a lost request the scheduler frees is settled
+        if rid not in tracker:
             return  # never sent (or lost with its session): nothing to free
-        if self.mirror.holds(rid):
-            self.mirror.free(rid)
-        self.tracker.forget([rid])
+        self.mirror.free_if_held(rid)
+        tracker.forget((rid,))
         self.sender.op().free.request_id = rid
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:

@@ -220,15 +220,20 @@ class RequestTracker:
             t.registered = True
         return values
 
-    def sync_run(self, request: Any) -> tuple[int, int, Sequence[int], Sequence[bytes], int] | None:
+    def sync_run(
+        self, request: Any
+    ) -> tuple[tuple[int, int, int, bool], int, int, Sequence[int], Sequence[bytes], int] | None:
         """What :meth:`sync` sends, as plain values for a run of allocations (an
-        AllocateRunOp entry): ``(base_num_tokens, base_num_hashes, append_token_ids,
-        append_block_hashes, num_computed_tokens)``; ``None`` (nothing changed here)
-        for a request not registered yet, which needs a full sync."""
+        AllocateRunOp entry), with the request's position before it (its :meth:`mark`,
+        to :meth:`restore` when the call fails): ``(mark, base_num_tokens,
+        base_num_hashes, append_token_ids, append_block_hashes, num_computed_tokens)``;
+        ``None`` (nothing changed here) for a request not registered yet, which needs a
+        full sync."""
         t = self._tracked.get(request.request_id)
         if t is None or not t.registered:
             return None
         base_t, base_h = t.sent_tokens, t.sent_hashes
+        mark = (base_t, base_h, t.sent_computed, True)
         tokens = request.all_token_ids
         n = len(tokens)
         if n < base_t or (base_t and t.hasher is not None):
@@ -241,13 +246,14 @@ class RequestTracker:
                 given = getattr(request, "block_hashes", None)
                 if given is None:
                     new_hashes = self._new_hashes(request, t)
+                    t.sent_hashes = base_h + len(new_hashes)
                 elif len(given) > base_h:
                     new_hashes = [bytes(h) for h in given[base_h:]]
-                t.sent_hashes = base_h + len(new_hashes)
+                    t.sent_hashes = base_h + len(new_hashes)
             t.sent_tokens = n
         computed = int(request.num_computed_tokens)
         t.sent_computed = computed
-        return base_t, base_h, new_tokens, new_hashes, computed
+        return mark, base_t, base_h, new_tokens, new_hashes, computed
 
     def hashes(self, request: Any) -> Sequence[bytes]:
         """The request's block hashes as sent (a tracked request; empty when caching is

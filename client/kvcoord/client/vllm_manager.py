@@ -175,24 +175,39 @@ class KVCoordKVCacheManager:
             for new in unread:  # after an eviction only: their ids may say a block was given anew
                 self._allocated_anew(new.get_block_ids())
         return KVCacheBlocks(
-            tuple(
-                [KVCacheBlock(b, self._hash_of(held, g, starts[g] + j, b)) for j, b in enumerate(group)]
-                for g, group in enumerate(ids)
-            )
+            tuple(self._group_blocks(held, g, starts[g], group) for g, group in enumerate(ids))
         )
 
-    def _hash_of(self, held: _Held, group: int, index: int, block_id: int) -> bytes | None:
+    def _group_blocks(
+        self, held: _Held, group: int, start: int, block_ids: Sequence[int]
+    ) -> list[KVCacheBlock]:
+        """Group ``group``'s blocks ``block_ids``, the first at table position ``start``,
+        each with its ``block_hash``: a positional group's block within the request's
+        hashed tokens holds its hash followed by the group id, unless it is the null
+        block, its hash was dropped while held (``evict_blocks``, as vLLM's block) or
+        the request has not that many hashes."""
         size = self.block_sizes[group]
-        if not self._positional[group] or block_id == 0 or (index + 1) * size > held.hashed_tokens:
-            return None
-        if self._evicted and block_id in self._evicted:
-            return None  # its hash was dropped (evict_blocks) while held, as vLLM's block
+        if not self._positional[group]:
+            return [KVCacheBlock(b) for b in block_ids]
+        limit = held.hashed_tokens // size  # positions below it are hashed
         hashes = getattr(held.request, "block_hashes", None) or ()
         scale = size // self.hash_block_size
-        parts = hashes[index * scale : (index + 1) * scale]
-        if len(parts) < scale:
-            return None
-        return b"".join(bytes(p) for p in parts) + group.to_bytes(4, "big")
+        have = len(hashes) // scale  # positions whose every hash exists
+        if limit > have:
+            limit = have
+        evicted = self._evicted
+        suffix = group.to_bytes(4, "big")
+        out = []
+        for j, b in enumerate(block_ids, start):
+            if j >= limit or b == 0 or (evicted and b in evicted):
+                out.append(KVCacheBlock(b))
+            elif scale == 1:
+                out.append(KVCacheBlock(b, bytes(hashes[j]) + suffix))
+            else:
+                out.append(
+                    KVCacheBlock(b, b"".join(map(bytes, hashes[j * scale : (j + 1) * scale])) + suffix)
+                )
+        return out
 
     # -- losses ---------------------------------------------------------------------------
     def _absorb(self, err: KVCoordError) -> None:
@@ -273,11 +288,9 @@ class KVCoordKVCacheManager:
             return self.empty_kv_cache_blocks, num_tokens
         # hit blocks are cached blocks: each one holds its hash
         held = _Held(request, num_tokens)
-        groups = tuple(
-            [KVCacheBlock(b, self._hash_of(held, g, j, b)) for j, b in enumerate(group)]
-            for g, group in enumerate(ids)
-        )
-        return KVCacheBlocks(groups), num_tokens
+        return KVCacheBlocks(
+            tuple(self._group_blocks(held, g, 0, group) for g, group in enumerate(ids))
+        ), num_tokens
 
     def allocate_slots(
         self,
@@ -311,12 +324,12 @@ class KVCoordKVCacheManager:
             held = self._held[rid] = _Held(request)
         else:
             held.request = request
-        # vLLM's accounting: what is computed, what needs a slot, what gets cached
+        # vLLM's accounting: what is computed, what gets cached
         local = int(request.num_computed_tokens) + num_new_computed_tokens
         total = local + num_external_computed_tokens
-        need = total + num_new_tokens + num_lookahead_tokens
-        if self.max_model_len:
-            total, need = min(total, self.max_model_len), min(need, self.max_model_len)
+        limit = self.max_model_len
+        if limit and total > limit:
+            total = limit
         if self.enable_caching:
             cached = local if delay_cache_blocks else min(total + num_new_tokens, int(request.num_tokens))
             if cached > held.hashed_tokens:
@@ -330,6 +343,9 @@ class KVCoordKVCacheManager:
             if not any(ids):
                 return self.empty_kv_cache_blocks.blocks  # a decode step's usual answer
             # tables only grow: new blocks end the table, which now covers `need` tokens
+            need = total + num_new_tokens + num_lookahead_tokens
+            if limit and need > limit:
+                need = limit
             starts = [
                 -(-need // size) - len(group) for size, group in zip(self.block_sizes, ids, strict=True)
             ]

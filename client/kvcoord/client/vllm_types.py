@@ -8,6 +8,7 @@ configuration built from the engine's ``KVCacheConfig`` and ``VllmConfig``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
@@ -170,7 +171,9 @@ class AllBlocksCleared:
     pass
 
 
+@functools.cache
 def _event_types() -> tuple[Any, Any, Any]:
+    """vLLM's event types (or kvcoord's plain ones), looked up once."""
     try:
         from vllm.distributed import kv_events
     except ImportError:
@@ -178,6 +181,7 @@ def _event_types() -> tuple[Any, Any, Any]:
     return kv_events.BlockStored, kv_events.BlockRemoved, kv_events.AllBlocksCleared
 
 
+@functools.cache
 def _stats_type() -> Any:
     try:
         from vllm.v1.metrics.stats import PrefixCacheStats as VllmPrefixCacheStats
@@ -212,68 +216,84 @@ def convert_events(events: Iterable[pb.KVEvent], *, fields_033: bool = False) ->
 
 def convert_engine_events(events: Iterable[engine.KVCacheEvent], *, fields_033: bool = False) -> list[Any]:
     """The engine's KV events as vLLM's event types (or kvcoord's plain ones), in order
-    (``fields_033`` as for :func:`convert_events`)."""
+    (``fields_033`` as for :func:`convert_events`).
+
+    With integer hashes, a removal of one block (a cached block reused: most of a busy
+    pool's events) and a store of one block (a decode filling a block) are converted
+    inline; every other event by :func:`_convert_event`."""
     stored_t, removed_t, cleared_t = _event_types()
     as_int = _int_hashes()
-    mask = (1 << 64) - 1
-    stored, removed = engine.BlockStored, engine.BlockRemoved
-
-    def hashes(raw: Sequence[bytes]) -> list[Any]:
-        if as_int:
-            return [int.from_bytes(x, "big") & mask for x in raw]
-        return [x if type(x) is bytes else bytes(x) for x in raw]
-
-    def parent(raw: bytes | None) -> bytes | int | None:
-        if raw is None:
-            return None
-        return int.from_bytes(raw, "big") & mask if as_int else bytes(raw)
-
+    if fields_033 or not as_int:
+        return [_convert_event(e, stored_t, removed_t, cleared_t, as_int, fields_033) for e in events]
+    mask = _MASK64
+    from_bytes = int.from_bytes
+    removed, stored = engine.BlockRemoved, engine.BlockStored
     out: list[Any] = []
     append = out.append
     for e in events:
-        kind = type(e)
-        if kind is stored or isinstance(e, stored):
-            assert isinstance(e, stored)
-            if fields_033:
+        if type(e) is removed:
+            raw = e.block_hashes
+            if len(raw) == 1:
+                append(
+                    removed_t(block_hashes=[from_bytes(raw[0], "big") & mask], medium=e.medium or _MEDIUM_GPU)
+                )
+                continue
+        elif type(e) is stored:
+            raw = e.block_hashes
+            parent = e.parent_block_hash
+            if len(raw) == 1 and parent is not None:
                 append(
                     stored_t(
-                        block_hashes=hashes(e.block_hashes),
-                        parent_block_hash=parent(e.parent_block_hash),
+                        block_hashes=[from_bytes(raw[0], "big") & mask],
+                        parent_block_hash=from_bytes(parent, "big") & mask,
                         token_ids=list(e.token_ids),
                         block_size=e.block_size,
                         lora_id=e.lora_id,
                         medium=e.medium or _MEDIUM_GPU,
                         lora_name=e.lora_name,
-                        **_stored_fields_033(e),
                     )
                 )
                 continue
-            append(
-                stored_t(
-                    block_hashes=hashes(e.block_hashes),
-                    parent_block_hash=parent(e.parent_block_hash),
-                    token_ids=list(e.token_ids),
-                    block_size=e.block_size,
-                    lora_id=e.lora_id,
-                    medium=e.medium or _MEDIUM_GPU,
-                    lora_name=e.lora_name,
-                )
-            )
-        elif kind is removed or isinstance(e, removed):
-            assert isinstance(e, removed)
-            if fields_033:
-                append(
-                    removed_t(
-                        block_hashes=hashes(e.block_hashes),
-                        medium=e.medium or _MEDIUM_GPU,
-                        group_idx=e.group_idx,
-                    )
-                )
-            else:
-                append(removed_t(block_hashes=hashes(e.block_hashes), medium=e.medium or _MEDIUM_GPU))
-        else:
-            append(cleared_t())
+        append(_convert_event(e, stored_t, removed_t, cleared_t, as_int, False))
     return out
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _hashes(raw: Sequence[bytes], as_int: bool) -> list[Any]:
+    if as_int:
+        return [int.from_bytes(x, "big") & _MASK64 for x in raw]
+    return [x if type(x) is bytes else bytes(x) for x in raw]
+
+
+def _convert_event(
+    e: engine.KVCacheEvent, stored_t: Any, removed_t: Any, cleared_t: Any, as_int: bool, fields_033: bool
+) -> Any:
+    """One engine event as vLLM's type (see :func:`convert_engine_events`)."""
+    if isinstance(e, engine.BlockStored):
+        raw = e.parent_block_hash
+        parent = None if raw is None else int.from_bytes(raw, "big") & _MASK64 if as_int else bytes(raw)
+        more = _stored_fields_033(e) if fields_033 else {}
+        return stored_t(
+            block_hashes=_hashes(e.block_hashes, as_int),
+            parent_block_hash=parent,
+            token_ids=list(e.token_ids),
+            block_size=e.block_size,
+            lora_id=e.lora_id,
+            medium=e.medium or _MEDIUM_GPU,
+            lora_name=e.lora_name,
+            **more,
+        )
+    if isinstance(e, engine.BlockRemoved):
+        if fields_033:
+            return removed_t(
+                block_hashes=_hashes(e.block_hashes, as_int),
+                medium=e.medium or _MEDIUM_GPU,
+                group_idx=e.group_idx,
+            )
+        return removed_t(block_hashes=_hashes(e.block_hashes, as_int), medium=e.medium or _MEDIUM_GPU)
+    return cleared_t()
 
 
 def _stored_fields_033(e: engine.BlockStored) -> dict[str, Any]:

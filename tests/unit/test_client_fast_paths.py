@@ -1,0 +1,98 @@
+"""The predicted client's fast paths against its general ones (issue 21 item 6): each
+gives what the general path gives, and breaking one fails here."""
+
+from __future__ import annotations
+
+import enum
+import random
+
+import pytest
+from kvcoord import engine
+from kvcoord.client.errors import KVCoordError
+from kvcoord.client.mirror import _check_wire_tokens, wire_tokens
+from kvcoord.client.vllm_types import _convert_event, _event_types, _int_hashes, convert_engine_events
+from kvcoord.engine import FullAttentionSpec, KVCacheConfig, TokenIds
+from kvcoord.engine.events import block_removed
+from kvcoord.engine.request_table import RequestTable
+
+
+class _Token(enum.IntEnum):
+    ONE = 1
+
+
+class _Index:
+    """Not an int, but usable as one (``__index__``), as a numpy integer is."""
+
+    def __repr__(self) -> str:
+        return "_Index()"
+
+    def __index__(self) -> int:
+        return 3
+
+
+def _general_accepts(tokens: list[object]) -> bool:
+    """What the mirror's general path decides for a prompt: the wire's uint32 check,
+    then the engine's own check of every token."""
+    table = RequestTable(
+        KVCacheConfig(num_blocks=8, groups=(FullAttentionSpec(4),), hash_block_size=4, max_model_len=1 << 20)
+    )
+    try:
+        _check_wire_tokens("r", tokens)  # type: ignore[arg-type]
+        table.check_tokens(tokens, 0, "prompt_token_ids")  # type: ignore[arg-type]
+    except (KVCoordError, engine.InvalidArgumentError):
+        return False
+    return True
+
+
+BAD = [-1, 1 << 32, True, False, 2.0, "7", None, _Token.ONE, _Index()]
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 900])
+@pytest.mark.parametrize("bad", [*BAD, "none"], ids=repr)
+def test_wire_tokens_takes_exactly_what_the_general_path_takes(length: int, bad: object) -> None:
+    """A prompt checked in bulk (``wire_tokens``: two C passes, then the engine skips
+    its own) is taken exactly when the general checks take it; anything else goes on
+    to them unchanged (so the engine names the bad token) or is refused as too big."""
+    rng = random.Random(length)
+    tokens: list[object] = [rng.randrange(1 << 32) for _ in range(length)]
+    if bad != "none":
+        tokens[rng.randrange(length)] = bad
+    accepted = _general_accepts(tokens)
+    try:
+        got = wire_tokens("r", tokens)  # type: ignore[arg-type]
+    except KVCoordError:
+        assert not accepted
+        return
+    if type(got) is TokenIds:
+        assert accepted and got == tokens
+    else:
+        assert got is tokens
+        assert accepted == (length < 16 and _general_accepts(tokens))
+
+
+def _events() -> list[engine.KVCacheEvent]:
+    rng = random.Random(0)
+    out: list[engine.KVCacheEvent] = [block_removed(rng.randbytes(32)) for _ in range(5)]
+    out.append(engine.BlockRemoved((rng.randbytes(32), rng.randbytes(32))))
+    out.append(engine.BlockRemoved((rng.randbytes(32),), medium=""))
+    out.append(engine.BlockStored((rng.randbytes(32),), rng.randbytes(32), tuple(range(16)), 16, 3, "lora"))
+    out.append(
+        engine.BlockStored((rng.randbytes(32),), b"\xfe" * 32, tuple(range(16)), 16, None, None, medium="")
+    )
+    out.append(engine.BlockStored((rng.randbytes(32),), None, tuple(range(16)), 16, None, None))
+    out.append(engine.BlockStored((rng.randbytes(32),) * 2, None, tuple(range(32)), 16, None, None))
+    out.append(engine.AllBlocksCleared())
+    out.append(block_removed(b"\xff" * 32))
+    return out
+
+
+@pytest.mark.parametrize("ints", ["1", "0"])
+def test_converted_events_are_the_general_conversions(monkeypatch: pytest.MonkeyPatch, ints: str) -> None:
+    """``convert_engine_events`` converts one-block removals and stores inline: what it gives is
+    what the per-event conversion gives, event for event, in order (vLLM 0.33's
+    fields: tests/with_vllm, with vLLM 0.33's types)."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", ints)
+    events = _events()
+    types = _event_types()
+    want = [_convert_event(e, *types, _int_hashes(), False) for e in events]
+    assert convert_engine_events(events) == want

@@ -64,13 +64,14 @@ from .errors import (
     map_stream_errors,
 )
 from .idempotency import score_key_owner
-from .mutations import SERIALIZE_SLICE_OPS, Mutation, MutationRunner
+from .mutations import SERIALIZE_SLICE_OPS, SLICE_PAUSE, SLICE_SECONDS, Mutation, MutationRunner
 from .pool_service import Fence, Limits, PoolService, drain
 from .registry import PoolRegistry
 from .score_wire import ScoreEncoder
 from .scoring import Reserve, score_pools
 from .sessions import Session
 from .state_export import ExportError, mirror_state_apart
+from .wire_slices import parse_in_turns
 
 __all__ = [
     "AllocatorServicer",
@@ -904,6 +905,24 @@ def _parser(cls: type[Message]) -> Callable[[bytes], Any]:
     return parse
 
 
+#: methods whose request is parsed from its bytes in slices between other calls
+#: (wire_slices.py: a 14.7 MB Step held the event loop 120-210 ms in gRPC's parser)
+_SLICED_PARSE = frozenset({"Step"})
+
+
+def _parsed_in_turns(cls: type[Message], behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    """``behaviour`` given the request its bytes parse into, parsed in slices."""
+
+    async def unary(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request: Any = await parse_in_turns(cls, data, SLICE_SECONDS, SLICE_PAUSE)
+        except (DecodeError, ValueError, RuntimeError) as exc:
+            request = _Undecodable(cls.DESCRIPTOR.full_name, str(exc)[:200])
+        return await behaviour(request, context)
+
+    return unary
+
+
 def _pool_named(request: Any, registry: PoolRegistry) -> str | None:
     """The pool a request names (by name, or by its session), or None: every pool."""
     fields = request.DESCRIPTOR.fields_by_name
@@ -1008,9 +1027,10 @@ def add_servicer(servicer: AllocatorServicer, server: grpc.aio.Server) -> None:
             if method.server_streaming
             else grpc.unary_unary_rpc_method_handler
         )
+        sliced = method.name in _SLICED_PARSE  # (its handler is given the bytes)
         handlers[method.name] = factory(
-            behaviour,
-            request_deserializer=_parser(request_cls),
+            _parsed_in_turns(request_cls, behaviour) if sliced else behaviour,
+            request_deserializer=None if sliced else _parser(request_cls),
             response_serializer=_as_is_or(response_cls.SerializeToString)
             if method.name in _BYTES_ANSWERS
             else response_cls.SerializeToString,

@@ -579,7 +579,14 @@ class BlockPool:
         """Drop every block, ``chunk`` at a time, yielding after each slice, so that
         freeing millions of objects never happens in one go. Unusable afterwards."""
         yield from self.free_block_queue.drain(chunk)
-        self.cached_block_hash_to_block = BlockHashToBlockMap(len(self.cached_block_hash_to_block.first))
+        cached = self.cached_block_hash_to_block
+        self.cached_block_hash_to_block = BlockHashToBlockMap(len(cached.first))
+        # the old map's keys dropped ``chunk`` at a time too (1,000,000 at once: ~30 ms)
+        for keys in (*cached.first, *cached._more):
+            while keys:
+                for _ in range(min(chunk, len(keys))):
+                    keys.popitem()
+                yield
         blocks = self.blocks
         while blocks:
             del blocks[-chunk:]

@@ -866,6 +866,10 @@ def _step_slices(
             takes_events and any(isinstance(o.value, op.EventsTaken) and o.value.gap for o in outcomes)
         ):
             observer.events_gap(service.name, "step")
+    if every:  # what the Step made, dropped a slice at a time (at once: 45 ms for 65,536 operations)
+        for k in range(len(ops) - every, -every, -every):
+            del ops[max(k, 0) :], outcomes[max(k, 0) :]
+            yield
     return response
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from .blocks import KVCacheBlock
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, block_removed
@@ -582,7 +582,8 @@ class BlockPool:
         cached = self.cached_block_hash_to_block
         self.cached_block_hash_to_block = BlockHashToBlockMap(len(cached.first))
         # the old map's keys dropped ``chunk`` at a time too (1,000,000 at once: ~30 ms)
-        for keys in (*cached.first, *cached._more):
+        maps: list[dict[bytes, Any]] = [*cached.first, *cached._more]
+        for keys in maps:
             while keys:
                 for _ in range(min(chunk, len(keys))):
                     keys.popitem()

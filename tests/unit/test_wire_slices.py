@@ -5,7 +5,6 @@ serializations, byte for byte."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Generator
 from typing import Any
 
 import pytest
@@ -15,19 +14,9 @@ from hypothesis import strategies as st
 from kvcoord.service import mutations, wire_slices
 from kvcoord.service.wire_slices import parse_in_turns, parse_slices
 from kvcoord.v1 import allocator_pb2 as pb
+from support import drive
 
 KINDS = [f.name for f in pb.Operation.DESCRIPTOR.oneofs_by_name["op"].fields]
-
-
-def _run(work: Generator[None, None, Any]) -> tuple[Any, int]:
-    """What a generator returns, and how many times it yielded."""
-    n = 0
-    while True:
-        try:
-            next(work)
-        except StopIteration as done:
-            return done.value, n
-        n += 1
 
 
 def _operation(kind: str, rid: str, tokens: list[int]) -> pb.Operation:
@@ -97,7 +86,7 @@ def test_a_step_parsed_in_slices_is_its_bytes_parsed_at_once(data: bytes, slice_
     saved = wire_slices.PARSE_AT_ONCE_BYTES
     wire_slices.PARSE_AT_ONCE_BYTES = 0  # (hypothesis runs the examples in one test call)
     try:
-        sliced, _ = _run(parse_slices(pb.StepRequest, data, slice_bytes))
+        sliced, _ = drive(parse_slices(pb.StepRequest, data, slice_bytes))
     finally:
         wire_slices.PARSE_AT_ONCE_BYTES = saved
     assert sliced == once
@@ -115,7 +104,7 @@ def test_bytes_that_do_not_parse_fail_as_they_do_at_once(data: bytes, cut: int, 
     saved = wire_slices.PARSE_AT_ONCE_BYTES
     wire_slices.PARSE_AT_ONCE_BYTES = 0
     try:
-        sliced: Any = _run(parse_slices(pb.StepRequest, bad, 16))[0]
+        sliced: Any = drive(parse_slices(pb.StepRequest, bad, 16))[0]
     except DecodeError:
         sliced = DecodeError
     finally:
@@ -136,10 +125,10 @@ def _large_step(n: int) -> pb.StepRequest:
 def test_a_large_step_is_parsed_in_many_slices_and_an_empty_one_at_once() -> None:
     data = _large_step(60_000).SerializeToString()
     assert len(data) > wire_slices.PARSE_AT_ONCE_BYTES
-    parsed, yields = _run(parse_slices(pb.StepRequest, data))
+    parsed, yields = drive(parse_slices(pb.StepRequest, data))
     assert parsed == pb.StepRequest.FromString(data)
     assert yields >= len(data) // wire_slices.PARSE_SLICE_BYTES
-    assert _run(parse_slices(pb.StepRequest, b"")) == (pb.StepRequest(), 0)
+    assert drive(parse_slices(pb.StepRequest, b"")) == (pb.StepRequest(), 0)
 
 
 def test_other_tasks_run_between_the_slices_of_a_parse(slice_everything: None) -> None:
@@ -179,7 +168,7 @@ def test_a_step_serialized_and_hashed_in_slices_is_serialized_and_hashed_at_once
         pool="p", session_id="s", idempotency_key="k", fence=pb.Fence(instance_id="o"), include_state=True,
         ops=[_operation(k, r, t) for k, r, t in ops],
     )  # fmt: skip
-    body, digest = _run(mutations.keyed_body_slices(request, every))[0]
+    body, digest = drive(mutations.keyed_body_slices(request, every))[0]
     assert body == request.SerializeToString(deterministic=True)
     assert digest == mutations.request_digest(request)
 
@@ -202,5 +191,5 @@ def test_an_answer_serialized_in_slices_is_serialized_at_once(
         events=[pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared()) for _ in range(events)],
         events_more=more,
     )
-    parts = _run(mutations.repeated_slices(answer, "results", every))[0]
+    parts = drive(mutations.repeated_slices(answer, "results", every))[0]
     assert mutations.joined(answer, "results", parts) == answer.SerializeToString()

@@ -64,6 +64,7 @@ from .errors import (
     map_stream_errors,
 )
 from .idempotency import score_key_owner
+from .long_syncs import allocate_in_slices, is_long
 from .mutations import SERIALIZE_SLICE_OPS, SLICE_PAUSE, SLICE_SECONDS, Mutation, MutationRunner
 from .pool_service import Fence, Limits, PoolService, drain
 from .registry import PoolRegistry
@@ -796,7 +797,10 @@ def _allocate_slices(
 ) -> Generator[None, None, pb.AllocateResponse | ServiceError]:  # fmt: skip
     """An Allocate applied, a large one's blocks taken and cached in slices (yielding
     between them: pool_service.py's SLICED_ALLOCATE_TOKENS) when ``every`` is not 0."""
-    ops = [allocate_from_pb(request.op, len(service.config.groups))]
+    groups = len(service.config.groups)
+    ops: list[op.Operation] = [
+        (yield from allocate_in_slices(request.op, groups)) if every else allocate_from_pb(request.op, groups)
+    ]
     (outcome,) = yield from service.applying(s, ops, every)
     if outcome.error is not None:
         # A refusal turned into an error (must_succeed) has still removed skipped
@@ -843,7 +847,12 @@ def _step_slices(
             ops.extend([operation_from_pb(o, groups) for o in wire[k : k + every]])
             yield
     else:
-        ops = [operation_from_pb(o, groups) for o in wire]
+        ops = []
+        for o in wire:  # (a long AllocateOp's tokens read in slices: long_syncs.py)
+            long = every and o.WhichOneof("op") == "allocate" and is_long(o.allocate)
+            ops.append(
+                (yield from allocate_in_slices(o.allocate, groups)) if long else operation_from_pb(o, groups)
+            )
     seconds = 0.0
     work = service.applying(s, ops, every)
     while True:

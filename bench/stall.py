@@ -5,8 +5,8 @@
         [--step-ops 65536] [--step-tokens 80] [--alloc-blocks 65536] [--blocks 5000000]
 
 A server process (journal in a temporary directory, ``synchronous = NORMAL``) serves a
-small pool and a large one. A client thread calls GetStats on the small pool every
-2 ms and times each answer; another client meanwhile, ``--rounds`` times:
+small pool and a large one. A client in a process of its own calls GetStats on the
+small pool every 2 ms and times each answer; another client meanwhile, ``--rounds`` times:
 
   step       sends one Step of ``--step-ops`` operations to the large pool, each
              registering a request of ``--step-tokens`` tokens and allocating its
@@ -29,14 +29,15 @@ a busy machine delays the probe but does not lengthen the stretches. ``--old REV
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
@@ -59,14 +60,45 @@ def pool_config(num_blocks: int) -> pb.PoolConfig:
     )
 
 
-def probe(address: str, stop: threading.Event, out: list[tuple[float, float]]) -> None:
+def probe(address: str, stop: Any, out: list[tuple[float, float]], ready: Any = None) -> None:
     """GetStats on "small" every 2 ms: (start, seconds) of each."""
     with KVCoordClient(address, timeout=600) as c:
         while not stop.is_set():
             t0 = time.monotonic()
             c.get_stats("small")
             out.append((t0, time.monotonic() - t0))
+            if ready is not None:
+                ready.set()
             time.sleep(0.002)
+
+
+def _probe_process(address: str, stop: Any, ready: Any, send: Any) -> None:
+    samples: list[tuple[float, float]] = []
+    probe(address, stop, samples, ready)
+    send.send(samples)
+
+
+class Prober:
+    """:func:`probe` in a process of its own: in this one the large call's client (15 MB
+    serialized) would hold the GIL the probe's calls need, and count as the server's
+    delay. Times are ``time.monotonic`` (one clock for every process)."""
+
+    def __init__(self, address: str) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        self.stop = ctx.Event()
+        ready = ctx.Event()
+        self.recv, send = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_probe_process, args=(address, self.stop, ready, send), daemon=True)
+        self.proc.start()
+        if not ready.wait(120):
+            raise RuntimeError("the probe process did not start")
+
+    def samples(self) -> list[tuple[float, float]]:
+        """Stop probing; the probe's (start, seconds) pairs."""
+        self.stop.set()
+        out: list[tuple[float, float]] = self.recv.recv()
+        self.proc.join(60)
+        return out
 
 
 def held(path: str, windows: list[tuple[float, float]]) -> str:
@@ -149,12 +181,9 @@ def run(
 ) -> tuple[list[float], float, tuple[float, float]]:
     """One large call while the probe runs: the probe's latencies, the call's time and
     its window (time.monotonic)."""
-    samples: list[tuple[float, float]] = []
-    stop = threading.Event()
-    t = threading.Thread(target=probe, args=(server.address, stop, samples))
     with KVCoordClient(server.address, timeout=600) as c:
         session = c.attach("big", "", BS, "").session_id
-        t.start()
+        prober = Prober(server.address)
         time.sleep(0.1)
         if scenario == "step":
             t0, t1 = big_step(c, session, args.step_ops, args.step_tokens, rnd)
@@ -162,22 +191,17 @@ def run(
             t0, t1 = big_alloc(c, session, args.alloc_blocks, rnd)
         else:
             t0, t1 = lifecycle(c, args.blocks)
-        stop.set()
-        t.join()
+        samples = prober.samples()
         c.detach(session)
     # the probes that started while the large call ran (or waited on it)
     return [dt for at, dt in samples if t0 <= at <= t1 or (at < t0 < at + dt)], t1 - t0, (t0, t1)
 
 
 def idle(server: ServerProcess) -> tuple[list[float], tuple[float, float]]:
-    samples: list[tuple[float, float]] = []
+    prober = Prober(server.address)
     t0 = time.monotonic()
-    stop = threading.Event()
-    t = threading.Thread(target=probe, args=(server.address, stop, samples))
-    t.start()
     time.sleep(1.0)
-    stop.set()
-    t.join()
+    samples = prober.samples()
     return [dt for _, dt in samples], (t0, time.monotonic())
 
 

@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import random
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -284,3 +284,14 @@ def allocate_each_answered_truly(
     assert not (set(failed) & set(held)), f"applied, but answered {failed}"
     assert held == answered
     return answered
+
+
+def drive(work: Generator[None, None, Any]) -> tuple[Any, int]:
+    """A sliced generator run to its end: what it returns and how often it yielded."""
+    yields = 0
+    while True:
+        try:
+            next(work)
+        except StopIteration as done:
+            return done.value, yields
+        yields += 1

@@ -17,6 +17,7 @@ from kvcoord.client import NO_RETRY, KVCoordClient, PermissionDeniedError
 from kvcoord.client.testing import start_server
 from kvcoord.service.config import ConfigFileError, load_config
 from kvcoord.service.logs import configure, ids
+from kvcoord.v1 import allocator_pb2 as pb
 from support import POOL_TOML
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,6 +71,7 @@ def test_json_logs_carry_ids_and_the_access_log_but_no_token_or_prompt() -> None
                 "p", allocate("req-a", PROMPT, len(PROMPT)).allocate, sid, fence
             ).result.refused
             c.free("p", ["req-a"], session_id=sid, fence=fence)
+            c.step("p", [pb.Operation(free=pb.FreeOp(request_id="req-a"))], sid, fence)
             gone, _ = attach(c, "p", lease_seconds=1.0)
         with KVCoordClient(server.address, token=WRONG, timeout=10, retry=NO_RETRY) as c:
             with pytest.raises(PermissionDeniedError):
@@ -98,6 +100,8 @@ def test_json_logs_carry_ids_and_the_access_log_but_no_token_or_prompt() -> None
         "team", "p", sid, "req-a", "OK",
     )  # fmt: skip
     assert by_rpc["Free"]["request"] == ["req-a"]
+    # (a Step's handler is given its bytes and parses them itself: wire_slices.py)
+    assert (by_rpc["Step"]["pool"], by_rpc["Step"]["session"]) == ("p", sid)
     assert isinstance(alloc["duration_ms"], float) and alloc["duration_ms"] >= 0
     refused = by_rpc["GetStats"]
     assert (refused["status"], refused["tenant"]) == ("UNAUTHENTICATED", "(not authenticated)")

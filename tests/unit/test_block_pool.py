@@ -223,3 +223,27 @@ def test_teardown_releases_a_used_pool_in_bounded_slices() -> None:
     assert len(sizes) >= 36_001 // 5_000  # many slices, none larger than the chunk
     assert all(a - b <= 5_000 for a, b in zip([36_001, *sizes], sizes, strict=False))
     assert blocks == [] and pool.requests == {}
+
+
+def test_teardown_drops_requests_and_cached_keys_in_slices() -> None:
+    """A deleted pool's requests (each with its block hashes) are dropped one per slice
+    and its cached keys ``chunk`` at a time: each used to go at once (a filled
+    1,000,000-block pool's keys held a server's loop ~30 ms)."""
+    from kvcoord.engine import FullAttentionSpec, KVCacheConfig, KVCachePool
+
+    pool = KVCachePool(KVCacheConfig(num_blocks=24_001, groups=(FullAttentionSpec(16),), hash_block_size=16,
+                                     max_model_len=1 << 30))  # fmt: skip
+    for i in range(4):
+        hashes = [f"{i}-{k}".encode() for k in range(6_000)]  # (cached: 6,000 keys each)
+        pool.add_request(f"r{i}", [i + 1] * (6_000 * 16), hashes)
+        assert pool.allocate_slots(f"r{i}", 6_000 * 16) is not None
+    keys = pool.block_pool.cached_block_hash_to_block.first[0]
+    assert len(keys) == 24_000
+    seen = []  # (requests, cached keys) at each yield
+    for _ in pool.teardown(chunk=1_000):
+        seen.append((len(pool.requests), len(keys)))
+    assert [r for r, _ in seen if r] == [4, 4, 4, 4, 3, 2, 1]  # four tables, then one request a slice
+    assert all(
+        a - b <= 1_000 for a, b in zip([24_000] + [k for _, k in seen], [k for _, k in seen], strict=False)
+    )
+    assert keys == {} and pool.requests == {}

@@ -10,18 +10,12 @@ from kvcoord.engine import FullAttentionSpec, SlidingWindowSpec
 from kvcoord.engine.pool import KVCachePool
 from kvcoord.engine.results import BlockIds
 from support import Driver
+from support import drive as run_to_end
 
 
 def drive(pool: KVCachePool, every: int, rid: str, *args: object) -> tuple[BlockIds | None, int]:
     """``allocating_slots`` run to its end: its answer and how often it yielded."""
-    work = pool.allocating_slots(every, rid, *args)  # type: ignore[arg-type]
-    yields = 0
-    while True:
-        try:
-            next(work)
-        except StopIteration as done:
-            return done.value, yields
-        yields += 1
+    return run_to_end(pool.allocating_slots(every, rid, *args))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

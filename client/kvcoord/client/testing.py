@@ -68,17 +68,20 @@ def start_server(
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     startup_timeout: float = 30.0,
+    launcher: Sequence[str] = (),
 ) -> ServerProcess:
     """Start a server on 127.0.0.1 with a free port; ``config_text`` is a TOML config.
 
     Unless ``env`` or the config names a data directory, the server's (a journaled
     server always has one) is a fresh temporary directory, never the user's default.
+    ``launcher``: the command given ``serve`` and its arguments (default ``python -m
+    kvcoord.service.cli``; bench/stall.py's wraps the server in a probe).
     """
     tmp = tempfile.mkdtemp(prefix="kvcoord-test-")
     env = dict(os.environ if env is None else env)
     if "data_dir" not in (config_text or ""):
         env.setdefault("KVCOORD_DATA_DIR", os.path.join(tmp, "data"))
-    args = [sys.executable, "-m", "kvcoord.service.cli", "serve", "--listen", "127.0.0.1:0",
+    args = [*(launcher or (sys.executable, "-m", "kvcoord.service.cli")), "serve", "--listen", "127.0.0.1:0",
             "--metrics-listen", "127.0.0.1:0" if metrics else ""]  # fmt: skip
     if config_text is not None:
         path = os.path.join(tmp, "config.toml")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from .blocks import KVCacheBlock
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, block_removed, block_stored
@@ -577,7 +577,15 @@ class BlockPool:
         """Drop every block, ``chunk`` at a time, yielding after each slice, so that
         freeing millions of objects never happens in one go. Unusable afterwards."""
         yield from self.free_block_queue.drain(chunk)
-        self.cached_block_hash_to_block = BlockHashToBlockMap(len(self.cached_block_hash_to_block.first))
+        cached = self.cached_block_hash_to_block
+        self.cached_block_hash_to_block = BlockHashToBlockMap(len(cached.first))
+        # the old map's keys dropped ``chunk`` at a time too (1,000,000 at once: ~30 ms)
+        maps: list[dict[bytes, Any]] = [*cached.first, *cached._more]
+        for keys in maps:
+            while keys:
+                for _ in range(min(chunk, len(keys))):
+                    keys.popitem()
+                yield
         blocks = self.blocks
         while blocks:
             del blocks[-chunk:]

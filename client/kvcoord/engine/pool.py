@@ -1423,19 +1423,23 @@ class KVCachePool:
             self.prefix_cache_stats.reset = True
         return True
 
-    def teardown(self, chunk: int = 65_536) -> Iterator[None]:
+    def teardown(self, chunk: int = 16_384) -> Iterator[None]:
         """Release the pool's objects a slice at a time, yielding after each slice.
 
         A caller on an event loop steps through it between other work, so deleting a
         pool whose millions of blocks were used never stalls anything for long (each
-        slice frees at most ``chunk`` objects). The pool is unusable afterwards.
+        slice frees at most ``chunk`` objects, or one request: its block hashes). The
+        pool is unusable afterwards.
         """
         for m in self.managers:
             tables = m.req_to_blocks
             while tables:
                 tables.popitem()[1].clear()
                 yield
-        self.requests.clear()
+        requests = self.requests
+        while requests:
+            requests.popitem()
+            yield
         yield from self.block_pool.teardown(chunk)
 
     def take_events(self) -> list[KVCacheEvent]:

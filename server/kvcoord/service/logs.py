@@ -34,6 +34,7 @@ import grpc
 import structlog
 
 from .intercept import observed, status_name
+from .wire_slices import PARSED
 
 __all__ = [
     "ACCESS",
@@ -165,6 +166,9 @@ class AccessLogInterceptor(grpc.aio.ServerInterceptor):
 
     def _line(self, rpc: str, request: Any, context: grpc.aio.ServicerContext, ok: bool, t0: float) -> None:
         from .access import checked_tenant  # the handler's check bound it in this task
+
+        if isinstance(request, bytes):  # a Step's bytes, parsed by its handler in slices
+            request = PARSED.get()
 
         status = status_name(context, ok)
         self.log.info(

@@ -28,6 +28,7 @@ from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
 from google.protobuf.message import Message
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from .bounds import fields_of
 from .durability import Recorder, answer_digest
@@ -49,6 +50,7 @@ __all__ = [
 
 #: an answer message (its ``fence`` is stamped with journal positions)
 A = TypeVar("A", bound=Message)
+T = TypeVar("T")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,8 +88,10 @@ SLICE_OPS = 16
 #: seconds the loop waits between two slices of a sliced call (other calls are read then)
 SLICE_PAUSE = 0.0005
 #: operations of a large Step serialized (its key's digest, its record) or checked
-#: (bounds.py) at once, between two turns of the event loop
-SERIALIZE_SLICE_OPS = 1024
+#: (bounds.py) at once, between two turns of the event loop (1,024 held it 8-20 ms)
+SERIALIZE_SLICE_OPS = 128
+#: bytes of a large Step's body hashed (its key's digest) at once
+DIGEST_SLICE_BYTES = 1 << 20
 #: slices between two freezes of what is alive (gc.freeze) in a sliced call
 FREEZE_EVERY_SLICES = 16
 #: an answer of at least this many bytes is answered with the bytes serialized for its
@@ -106,23 +110,47 @@ def serialized_slices(request: Message, every: int) -> Generator[None, None, byt
     """``request.SerializeToString(deterministic=True)``, a Step's operations serialized
     ``every`` at a time (yielding between slices): its fields in field-number order,
     the operations' bytes where their field's number puts them. A request of at most
-    ``every`` operations, or one whose parts do not add up to its size (fields this
-    code does not know), is serialized at once."""
+    ``every`` operations, or one with top-level fields this code does not know, is
+    serialized at once."""
     fields = request.DESCRIPTOR.fields_by_name
-    if "ops" not in fields or len(request.ops) <= every:  # type: ignore[attr-defined]
+    if "ops" not in fields or len(request.ops) <= every or len(UnknownFieldSet(request)):  # type: ignore[attr-defined]
         return request.SerializeToString(deterministic=True)
-    number = fields["ops"].number
-    low = fields_of(request, lambda fd: fd.number < number).SerializeToString(deterministic=True)
-    high = fields_of(request, lambda fd: fd.number > number).SerializeToString(deterministic=True)
-    ops = request.ops  # type: ignore[attr-defined]
-    parts = [low]
-    for k in range(0, len(ops), every):
+    parts = yield from repeated_slices(request, "ops", every)
+    return joined(request, "ops", parts)
+
+
+def repeated_slices(message: Message, name: str, every: int) -> Generator[None, None, list[bytes]]:
+    """The encoding of ``message``'s repeated message field ``name``, ``every`` entries
+    at a time (yielding before each): a repeated field's encoding is the concatenation
+    of its entries' (tag, length, bytes)."""
+    items = getattr(message, name)
+    parts = []
+    for k in range(0, len(items), every):
         yield
-        parts.append(type(request)(ops=ops[k : k + every]).SerializeToString(deterministic=True))
-    parts.append(high)
-    if sum(map(len, parts)) != request.ByteSize():
-        return request.SerializeToString(deterministic=True)
-    return b"".join(parts)
+        parts.append(type(message)(**{name: items[k : k + every]}).SerializeToString(deterministic=True))
+    return parts
+
+
+def joined(message: Message, name: str, parts: list[bytes]) -> bytes:
+    """``message`` serialized (deterministically: no field of ours is a map, so as
+    ``SerializeToString()`` too) with ``parts`` (:func:`repeated_slices`) as the encoding
+    of its field ``name``: the fields numbered below it, the parts, the fields above."""
+    number = message.DESCRIPTOR.fields_by_name[name].number
+    low = fields_of(message, lambda fd: fd.number < number).SerializeToString(deterministic=True)
+    high = fields_of(message, lambda fd: fd.number > number).SerializeToString(deterministic=True)
+    return b"".join([low, *parts, high])
+
+
+def keyed_body_slices(request: Message, every: int) -> Generator[None, None, tuple[bytes, bytes]]:
+    """The request serialized (:func:`serialized_slices`) and its :func:`body_digest`,
+    hashed DIGEST_SLICE_BYTES at a time (a 15 MB body took 20-30 ms at once)."""
+    body = yield from serialized_slices(request, every)
+    h = hashlib.blake2b(digest_size=16)
+    view = memoryview(body)
+    for k in range(0, len(body), DIGEST_SLICE_BYTES):
+        yield
+        h.update(view[k : k + DIGEST_SLICE_BYTES])
+    return body, h.digest()
 
 
 def body_digest(body: bytes) -> bytes:
@@ -169,16 +197,16 @@ class MutationRunner:
         registry = self.registry
         key = request.idempotency_key
         body = None
+        digest = b""
         if key:  # serialized once: the key's digest and the journal's record (a Step may be 15 MB)
-            serializing = serialized_slices(request, SERIALIZE_SLICE_OPS)
+            serializing = keyed_body_slices(request, SERIALIZE_SLICE_OPS)
             while True:
                 try:
                     next(serializing)
                 except StopIteration as serialized:
-                    body = serialized.value
+                    body, digest = serialized.value
                     break
                 await asyncio.sleep(0)  # (the pool is not touched yet)
-        digest = body_digest(body) if body is not None else b""
         await registry.locks.wait(request.pool)  # a Step applied to it in slices ends first
         service = registry.get(request.pool)
         s = service.session(request.session_id, fence)
@@ -224,41 +252,55 @@ class MutationRunner:
     ) -> A | bytes | ServiceError:  # fmt: skip
         """The rest of a sliced call, the pool held (given back once it is journaled)."""
         try:
-            end = time.perf_counter() + self.slice_seconds
-            slices = 0
-            while True:
-                try:
-                    next(work)
-                except StopIteration as done:
-                    answer = done.value
-                    break
-                if time.perf_counter() >= end:
-                    slices += 1
-                    if not slices % FREEZE_EVERY_SLICES:
-                        # A large Step makes millions of objects (its requests' tokens):
-                        # every full pass of the cyclic collector over them would hold the
-                        # loop for 100-300 ms. Young garbage is collected and what is alive
-                        # frozen, as registry.GcFreezer does for blocks.
-                        gc.collect(1)
-                        gc.freeze()
-                    # A real pause, not sleep(0): the loop thread then waits in select
-                    # without the GIL, so gRPC's poller thread can hand it other pools'
-                    # calls; with sleep(0) it took the GIL back at once and, on a quiet
-                    # machine, no other call was read until the Step ended.
-                    await asyncio.sleep(SLICE_PAUSE)
-                    end = time.perf_counter() + self.slice_seconds
-            return self._keep(m, service, s, request, key, digest, body, answer)
+            answer = await self._in_turns(work, freeze=True)
+            parts = None
+            if (
+                not isinstance(answer, ServiceError)
+                and len(getattr(answer, "results", ())) > SERIALIZE_SLICE_OPS
+            ):
+                # a large Step's results serialized in slices too, the pool still held
+                # (its fence, stamped at once with the journal position, is encoded last)
+                parts = await self._in_turns(repeated_slices(answer, "results", SERIALIZE_SLICE_OPS))
+            return self._keep(m, service, s, request, key, digest, body, answer, parts)
         finally:
             self.registry.locks.give(service.name)
 
+    async def _in_turns(self, work: Generator[None, None, T], freeze: bool = False) -> T:
+        """What ``work`` returns, run at most ``slice_seconds`` at a time between
+        pauses for other calls; with ``freeze``, what is alive is frozen out of the
+        cyclic collector every FREEZE_EVERY_SLICES slices."""
+        end = time.perf_counter() + self.slice_seconds
+        slices = 0
+        while True:
+            try:
+                next(work)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            if time.perf_counter() >= end:
+                slices += 1
+                if freeze and not slices % FREEZE_EVERY_SLICES:
+                    # A large Step makes millions of objects (its requests' tokens):
+                    # every full pass of the cyclic collector over them would hold the
+                    # loop for 100-300 ms. Young garbage is collected and what is alive
+                    # frozen, as registry.GcFreezer does for blocks.
+                    gc.collect(1)
+                    gc.freeze()
+                # A real pause, not sleep(0): the loop thread then waits in select
+                # without the GIL, so gRPC's poller thread can hand it other pools'
+                # calls; with sleep(0) it took the GIL back at once and, on a quiet
+                # machine, no other call was read until the Step ended.
+                await asyncio.sleep(SLICE_PAUSE)
+                end = time.perf_counter() + self.slice_seconds
+
     def _keep(
         self, m: Mutation[A], service: PoolService, s: Session, request: Any, key: str, digest: bytes,
-        body: bytes | None, answer: A | ServiceError,
+        body: bytes | None, answer: A | ServiceError, results: list[bytes] | None = None,
     ) -> A | bytes | ServiceError:  # fmt: skip
         """Journal an applied call and keep its answer under its key (no await); the
         call's own error is journaled too (it changed the pool) and returned. Returns
         the answer, as its bytes when they are BYTES_ANSWER_MIN or more (its fence
-        stamped: what :meth:`positioned` would add is there already)."""
+        stamped: what :meth:`positioned` would add is there already). ``results``: the
+        encoding of the answer's results, made already (:func:`repeated_slices`)."""
         registry = self.registry
         recorder = registry.recorder
         if isinstance(answer, ServiceError):
@@ -270,7 +312,7 @@ class MutationRunner:
             # committed (durable waits for that), and a retry gets it byte for byte
             # (replay stamps the same position)
             answer.fence.position = journal.appended + 1  # type: ignore[attr-defined]
-        kept_answer = answer.SerializeToString()
+        kept_answer = answer.SerializeToString() if results is None else joined(answer, "results", results)
         if key:
             registry.idempotency.remember(s.session_id, m.rpc, key, digest, kept_answer)
         recorder.called(service, m.rpc, request, key, digest, kept_answer, body)

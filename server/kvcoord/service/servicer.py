@@ -64,13 +64,15 @@ from .errors import (
     map_stream_errors,
 )
 from .idempotency import score_key_owner
-from .mutations import SERIALIZE_SLICE_OPS, Mutation, MutationRunner
+from .long_syncs import allocate_in_slices, is_long
+from .mutations import SERIALIZE_SLICE_OPS, SLICE_PAUSE, SLICE_SECONDS, Mutation, MutationRunner
 from .pool_service import Fence, Limits, PoolService, drain
 from .registry import PoolRegistry
 from .score_wire import ScoreEncoder
 from .scoring import Reserve, score_pools
 from .sessions import Session
 from .state_export import ExportError, mirror_state_apart
+from .wire_slices import parse_in_turns
 
 __all__ = [
     "AllocatorServicer",
@@ -811,7 +813,10 @@ def _allocate_slices(
 ) -> Generator[None, None, pb.AllocateResponse | ServiceError]:  # fmt: skip
     """An Allocate applied, a large one's blocks taken and cached in slices (yielding
     between them: pool_service.py's SLICED_ALLOCATE_TOKENS) when ``every`` is not 0."""
-    ops = [allocate_from_pb(request.op, len(service.config.groups))]
+    groups = len(service.config.groups)
+    ops: list[op.Operation] = [
+        (yield from allocate_in_slices(request.op, groups)) if every else allocate_from_pb(request.op, groups)
+    ]
     (outcome,) = yield from service.applying(s, ops, every)
     if outcome.error is not None:
         # A refusal turned into an error (must_succeed) has still removed skipped
@@ -858,7 +863,12 @@ def _step_slices(
             ops.extend([operation_from_pb(o, groups) for o in wire[k : k + every]])
             yield
     else:
-        ops = [operation_from_pb(o, groups) for o in wire]
+        ops = []
+        for o in wire:  # (a long AllocateOp's tokens read in slices: long_syncs.py)
+            long = every and o.WhichOneof("op") == "allocate" and is_long(o.allocate)
+            ops.append(
+                (yield from allocate_in_slices(o.allocate, groups)) if long else operation_from_pb(o, groups)
+            )
     seconds = 0.0
     work = service.applying(s, ops, every)
     while True:
@@ -881,6 +891,10 @@ def _step_slices(
             takes_events and any(isinstance(o.value, op.EventsTaken) and o.value.gap for o in outcomes)
         ):
             observer.events_gap(service.name, "step")
+    if every:  # what the Step made, dropped a slice at a time (at once: 45 ms for 65,536 operations)
+        for k in range(len(ops) - every, -every, -every):
+            del ops[max(k, 0) :], outcomes[max(k, 0) :]
+            yield
     return response
 
 
@@ -918,6 +932,24 @@ def _parser(cls: type[Message]) -> Callable[[bytes], Any]:
             return _Undecodable(cls.DESCRIPTOR.full_name, str(exc)[:200])
 
     return parse
+
+
+#: methods whose request is parsed from its bytes in slices between other calls
+#: (wire_slices.py: a 14.7 MB Step held the event loop 120-210 ms in gRPC's parser)
+_SLICED_PARSE = frozenset({"Step"})
+
+
+def _parsed_in_turns(cls: type[Message], behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    """``behaviour`` given the request its bytes parse into, parsed in slices."""
+
+    async def unary(data: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request: Any = await parse_in_turns(cls, data, SLICE_SECONDS, SLICE_PAUSE)
+        except (DecodeError, ValueError, RuntimeError) as exc:
+            request = _Undecodable(cls.DESCRIPTOR.full_name, str(exc)[:200])
+        return await behaviour(request, context)
+
+    return unary
 
 
 def _pool_named(request: Any, registry: PoolRegistry) -> str | None:
@@ -1024,9 +1056,10 @@ def add_servicer(servicer: AllocatorServicer, server: grpc.aio.Server) -> None:
             if method.server_streaming
             else grpc.unary_unary_rpc_method_handler
         )
+        sliced = method.name in _SLICED_PARSE  # (its handler is given the bytes)
         handlers[method.name] = factory(
-            behaviour,
-            request_deserializer=_parser(request_cls),
+            _parsed_in_turns(request_cls, behaviour) if sliced else behaviour,
+            request_deserializer=None if sliced else _parser(request_cls),
             response_serializer=_as_is_or(response_cls.SerializeToString)
             if method.name in _BYTES_ANSWERS
             else response_cls.SerializeToString,

@@ -24,6 +24,7 @@ pool's ``_decode_fast_path``); any other pool takes no entry here.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -58,10 +59,12 @@ class KVCachePool(Protocol):
     def _cache_full_blocks(self, req: Request, cached: int) -> None: ...
 
 
-class DecodeColumns(Protocol):
-    """A decode step's allocations in columns (the service's ``RunColumns``): per entry
-    a request, where it stands (tokens and hashes held), its computed count, its
-    counts, and how many tokens and hashes it appends from the flattened columns."""
+@dataclasses.dataclass(slots=True)
+class DecodeColumns:
+    """A decode step's allocations in columns (the service's AllocateRun and Decode
+    operations are these): per entry a request, where it stands (tokens and hashes
+    held), its computed count, its counts, and how many tokens and hashes it appends
+    from the flattened columns."""
 
     request_ids: Sequence[str]
     base_num_tokens: Sequence[int]

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from kvcoord.engine import CacheHit, KVCacheEvent, LoRA, PrefixCacheStats
+from kvcoord.engine.decode_run import DecodeColumns
 from kvcoord.engine.extra_keys import ExtraKeySources
 
 from .errors import ServiceError
@@ -129,21 +130,8 @@ class Allocate:
     plain: bool = dataclasses.field(default=False, compare=False)
 
 
-@dataclasses.dataclass(slots=True)
-class RunColumns:
-    """The columns AllocateRun and Decode share: per entry a request, where it stands,
-    its counts and what it appends (tokens and hashes flattened, with their counts)."""
-
-    request_ids: Sequence[str]
-    base_num_tokens: Sequence[int]
-    base_num_hashes: Sequence[int]
-    num_computed_tokens: Sequence[int]
-    num_new_tokens: Sequence[int]
-    num_lookahead_tokens: Sequence[int]
-    num_append_tokens: Sequence[int]
-    append_token_ids: Sequence[int]
-    num_append_hashes: Sequence[int]
-    append_block_hashes: Sequence[bytes]
+#: the columns AllocateRun and Decode share: the engine's own value (one definition)
+RunColumns = DecodeColumns
 
 
 @dataclasses.dataclass(slots=True)

@@ -1,7 +1,7 @@
 """Where a served Step's CPU goes: the handler, the loop thread around it, the other threads. Not a test.
 
     PYTHONPATH=client:server python bench/step_split.py [--running 64 256] [--steps 1000] \
-        [--warmup 100] [--old REV] [--rounds 3] [--metrics] [--loop-detail]
+        [--warmup 100] [--old REV] [--rounds 3] [--metrics] [--loop-detail] [--new-env KEY=VALUE ...]
 
 The Steps are decode_cpu.py's (one workers.py worker's scheduler, ``--running``
 requests in decode, the columnar shape), sent unary one after another from one client.
@@ -20,7 +20,12 @@ Step, for each code:
   other     the process's CPU (Linux's process CPU clock) minus the loop thread's: gRPC's
             poller threads, the metrics HTTP thread when served
   gc        of the loop thread's, CPU in cyclic collections (gc.callbacks) and their count
+  bounds    of loop-out, the input bounds check (servicer's ``check_request_slices``)
+  parse     of loop-out, the request parsed from its bytes (servicer's ``parse_in_turns``)
   select    with ``--loop-detail``: the loop's ``select`` calls per Step and CPU in them
+
+``--new-env KEY=VALUE``: environment of this checkout's server only (with ``--old HEAD``,
+a setting or an environment variable against none).
 
 The figures are medians over the rounds; "new-old" is the median of each round's
 difference (paired). Block ids are checked equal across codes.

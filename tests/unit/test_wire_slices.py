@@ -193,3 +193,25 @@ def test_an_answer_serialized_in_slices_is_serialized_at_once(
     )
     parts = drive(mutations.repeated_slices(answer, "results", every))[0]
     assert mutations.joined(answer, "results", parts) == answer.SerializeToString()
+
+
+@pytest.mark.parametrize("body_bytes", [0, 10_000, mutations.DIGEST_SLICE_BYTES - 200])
+def test_a_keyed_body_of_one_slice_is_digested_without_a_turn_of_the_loop(body_bytes: int) -> None:
+    """Each yield of the keyed call's serializing is a turn of the event loop (an
+    ``await asyncio.sleep(0)`` in MutationRunner.run): a decode Step's 10 kB took one
+    turn that did nothing but let others run for a few microseconds."""
+    request = pb.StepRequest(pool="p", session_id="s", idempotency_key="k" * 32)
+    if body_bytes:
+        request.ops.add().free.request_id = "r" * body_bytes
+    (body, digest), yields = drive(mutations.keyed_body_slices(request, mutations.SERIALIZE_SLICE_OPS))
+    assert yields == 0
+    assert body == request.SerializeToString(deterministic=True)
+    assert digest == mutations.request_digest(request)
+
+
+def test_a_keyed_body_past_one_slice_is_still_digested_a_slice_at_a_time() -> None:
+    request = pb.StepRequest(pool="p", session_id="s", idempotency_key="k" * 32)
+    request.ops.add().free.request_id = "r" * (2 * mutations.DIGEST_SLICE_BYTES + 1)
+    (body, digest), yields = drive(mutations.keyed_body_slices(request, mutations.SERIALIZE_SLICE_OPS))
+    assert yields == 3
+    assert digest == mutations.request_digest(request)

@@ -324,6 +324,7 @@ def _source(d: Descriptor, name: str, subs: dict[str, str]) -> list[str]:
             continue
         if not (repeated or text):
             continue
+        mark = len(lines)
         lines.append(f"v = m.{f.name}")
         if repeated and key in BOUNDS:
             value, setting = _bound_expr(BOUNDS[key])
@@ -366,6 +367,8 @@ def _source(d: Descriptor, name: str, subs: dict[str, str]) -> list[str]:
                 f"        exc.path = f'.{f.name}[{{i}}]' + exc.path",
                 "        raise",
             ]
+        if len(lines) == mark + 1:  # nothing checked (a column bounded elsewhere): not even read
+            del lines[mark:]
     for group, members in oneofs.items():
         lines += [f"k = m.WhichOneof({group!r})"]
         for i, member in enumerate(members):

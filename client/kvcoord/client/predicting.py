@@ -82,6 +82,8 @@ class PredictingKVCacheManager:
 
     #: vLLM 0.33's admission inputs of the allocation being made (``Predicting033KVCacheManager``)
     admission: tuple[Any, ...] = ()
+    #: what the engine's events are given as (see :meth:`convert_events_with`)
+    event_converter: Callable[[list[KVCacheEvent]], list[Any]] | None = None
 
     def __init__(
         self,
@@ -150,7 +152,14 @@ class PredictingKVCacheManager:
         """The mirror the last Attach loaded."""
         mirror, self._mirror = self._mirror, None
         assert mirror is not None, "attached without a mirror"
+        mirror.convert = self.event_converter
         return mirror
+
+    def convert_events_with(self, convert: Callable[[list[KVCacheEvent]], list[Any]]) -> None:
+        """From now on, :meth:`take_engine_events` gives what ``convert`` makes of the
+        engine's events, made as each call makes them (vLLM's adapter: vLLM's types)."""
+        self.event_converter = self.mirror.convert = convert
+        self.mirror.events = convert(self.mirror.events)
 
     @property
     def session_id(self) -> str:
@@ -432,11 +441,12 @@ class PredictingKVCacheManager:
     def take_events(self) -> list[pb.KVEvent]:
         """The pool's KV events since the previous call; ends a scheduler step (its
         calls go to the server, or join the next Step while one is in flight)."""
+        assert self.event_converter is None, "the events are converted (convert_events_with)"
         return [event_to_pb(e) for e in self.take_engine_events()]
 
-    def take_engine_events(self) -> list[KVCacheEvent]:
-        """:meth:`take_events` as the engine's values (no message made: what vLLM's
-        adapter converts)."""
+    def take_engine_events(self) -> list[Any]:
+        """:meth:`take_events` as the engine's values (no message made), or what
+        :meth:`convert_events_with`'s function made of them."""
         self._cut()
         return self.mirror.take_events()
 

@@ -33,9 +33,9 @@ from .predicting import NOT_TAKEN, PredictingKVCacheManager
 from .vllm_types import (
     KVCacheBlock,
     KVCacheBlocks,
-    convert_engine_events,
     convert_events,
     convert_stats,
+    event_converter,
 )
 
 __all__ = ["OUTAGE_ERRORS", "KVCoordKVCacheManager"]
@@ -156,6 +156,12 @@ class KVCoordKVCacheManager:
         self._allocate_running = (
             remote.allocate_running if isinstance(remote, PredictingKVCacheManager) else None
         )
+        if (
+            isinstance(remote, PredictingKVCacheManager)
+            and self.enable_kv_cache_events
+            and type(self).take_events is KVCoordKVCacheManager.take_events
+        ):
+            remote.convert_events_with(event_converter())  # as the engine makes them, as vLLM does
 
     # -- blocks -------------------------------------------------------------------------
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> KVCacheBlocks:
@@ -407,7 +413,7 @@ class KVCoordKVCacheManager:
             return []
         remote = self.remote
         if isinstance(remote, PredictingKVCacheManager):
-            return convert_engine_events(remote.take_engine_events())  # no message made and read
+            return remote.take_engine_events()  # converted as they were made
         return convert_events(remote.take_events())
 
     @absorbing(lambda self, *_: self.empty_kv_cache_blocks)

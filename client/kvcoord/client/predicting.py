@@ -241,25 +241,17 @@ class PredictingKVCacheManager:
         return KVCacheBlockIds(tuple([list(g) for g in new]), table=self.mirror.table(request.request_id))
 
     def allocate_running(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int = 0) -> object:
-        """``allocate_slots`` of a request the server holds, with nothing but new and
-        look-ahead tokens (a running request's step, a decode above all): its sync and
-        allocation in one engine call (whose decode fast path answers a step inside the
-        last block), gathered as an entry of the Step's run. Answers the new block ids
-        per group (the engine's tuples: not to be changed), ``None`` (too few free
-        blocks), or ``NOT_TAKEN`` with nothing changed (a request the server does not
-        hold yet, a failure to report, a lease to vouch for, other counts: the general
-        path's)."""
+        """``allocate_slots`` of a request the server holds, with only new and look-ahead
+        tokens (a running request's step): its sync and allocation in one engine call,
+        gathered as an entry of the Step's run. The new block ids per group (the engine's
+        tuples: not to be changed), ``None`` (too few free blocks), or ``NOT_TAKEN``,
+        nothing changed (an unregistered request, a failure or lease, other counts)."""
         keeper = self.keeper
         if (
-            self.sender.failure is not None
-            or keeper.lost is not None
-            or keeper.clock() >= keeper.valid_until
-            or type(num_new_tokens) is not int
-            or num_new_tokens <= 0
-            or type(num_lookahead_tokens) is not int
-            or num_lookahead_tokens < 0
-            or any(self.admission)
-        ):
+            self.sender.failure is not None or keeper.lost is not None or keeper.clock() >= keeper.valid_until
+            or type(num_new_tokens) is not int or num_new_tokens <= 0
+            or type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0 or any(self.admission)
+        ):  # fmt: skip
             return NOT_TAKEN
         tracker = self.tracker
         fields = tracker.sync_run(request)

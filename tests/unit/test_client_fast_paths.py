@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import enum
 import random
+from typing import Any
 
 import pytest
 from kvcoord import engine
 from kvcoord.client.errors import KVCoordError
 from kvcoord.client.mirror import _check_wire_tokens, wire_tokens
+from kvcoord.client.tracking import _as_bytes
 from kvcoord.client.vllm_types import _convert_event, _event_types, _int_hashes, convert_engine_events
 from kvcoord.engine import FullAttentionSpec, KVCacheConfig, TokenIds
 from kvcoord.engine.events import block_removed
@@ -96,3 +98,19 @@ def test_converted_events_are_the_general_conversions(monkeypatch: pytest.Monkey
     types = _event_types()
     want = [_convert_event(e, *types, _int_hashes(), False) for e in events]
     assert convert_engine_events(events) == want
+
+
+@pytest.mark.parametrize("kind", [bytes, bytearray, memoryview, "mixed", "tuple"])
+def test_hashes_given_as_bytes_are_what_the_general_conversion_gives(kind: object) -> None:
+    """The tracker's hashes (``_as_bytes``): a list of ``bytes`` is taken as it is, any
+    other bytes-like value converted, as ``[bytes(h) for h in hashes]`` would."""
+    rng = random.Random(1)
+    raw = [rng.randbytes(32) for _ in range(5)]
+    if kind == "mixed":
+        given: Any = [raw[0], bytearray(raw[1]), *raw[2:]]
+    elif kind == "tuple":
+        given = tuple(raw)
+    else:
+        given = [kind(h) for h in raw]  # type: ignore[operator]
+    got = _as_bytes(given)
+    assert got == [bytes(h) for h in given] and {type(h) for h in got} == {bytes}

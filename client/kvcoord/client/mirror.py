@@ -108,8 +108,11 @@ class Mirror:
         self._block_pool = engine.block_pool
         #: the session's events (the engine's values) since the Step was cut, for the
         #: sender to digest as the server does, and those not given to the scheduler yet
+        #: (what ``convert`` made of them, when set: vLLM's types, made as the engine
+        #: makes its events, as vLLM's block pool builds its own)
         self._step_events: list[KVCacheEvent] = []
-        self.events: list[KVCacheEvent] = []
+        self.events: list[Any] = []
+        self.convert: Callable[[list[KVCacheEvent]], list[Any]] | None = None
         #: statistics since the Step was cut, and since the scheduler last made them
         self.step_stats = PrefixCacheStats()
         self._user_stats = PrefixCacheStats()
@@ -282,7 +285,8 @@ class Mirror:
                     if not isinstance(e, BlockRemoved | BlockStored) or e.cache_prefix == prefix
                 ]
             self._step_events += events
-            self.events += events
+            convert = self.convert
+            self.events += events if convert is None else convert(events)
 
     def _drain_stats(self) -> None:
         stats = self.engine.make_prefix_cache_stats()
@@ -299,7 +303,8 @@ class Mirror:
         stats, self.step_stats = self.step_stats, PrefixCacheStats()
         return events, stats
 
-    def take_events(self) -> list[KVCacheEvent]:
+    def take_events(self) -> list[Any]:
+        """The events since the previous call (the engine's values, or ``convert``'s)."""
         events, self.events = self.events, []
         return events
 

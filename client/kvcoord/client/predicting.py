@@ -52,7 +52,7 @@ from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper
 from .tracking import RequestTracker, SyncValues
 
-__all__ = ["PredictingKVCacheManager", "PredictionMismatchError"]
+__all__ = ["NOT_TAKEN", "PredictingKVCacheManager", "PredictionMismatchError"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,11 @@ class PredictingKVCacheManager:
             state this client can mirror (the reason is in the message).
         RandomSeedError: caching is on and no seed is known.
     """
+
+    #: vLLM 0.33's admission inputs of the allocation being made (``Predicting033KVCacheManager``)
+    admission: tuple[Any, ...] = ()
+    #: what the engine's events are given as (see :meth:`convert_events_with`)
+    event_converter: Callable[[list[KVCacheEvent]], list[Any]] | None = None
 
     def __init__(
         self,
@@ -147,7 +152,14 @@ class PredictingKVCacheManager:
         """The mirror the last Attach loaded."""
         mirror, self._mirror = self._mirror, None
         assert mirror is not None, "attached without a mirror"
+        mirror.convert = self.event_converter
         return mirror
+
+    def convert_events_with(self, convert: Callable[[list[KVCacheEvent]], list[Any]]) -> None:
+        """From now on, :meth:`take_engine_events` gives what ``convert`` makes of the
+        engine's events, made as each call makes them (vLLM's adapter: vLLM's types)."""
+        self.event_converter = self.mirror.convert = convert
+        self.mirror.events = convert(self.mirror.events)
 
     @property
     def session_id(self) -> str:
@@ -204,61 +216,47 @@ class PredictingKVCacheManager:
         """New block ids, or ``None`` when the pool has too few free blocks, answered now
         (with ``return_table``, the answer's ``table`` is the request's whole table;
         the arguments after it: vLLM 0.33's inputs, for a ``vllm-0.33`` pool)."""
+        new: object = NOT_TAKEN
+        if not (
+            num_new_computed_tokens or num_external_computed_tokens or delay_cache_blocks or num_encoder_tokens
+            or full_sequence_must_fit or reserved_blocks or num_in_flight_tokens or watermark_blocks
+            or skip_zeroing_group_ids
+        ):  # fmt: skip
+            new = self.allocate_running(request, num_new_tokens, num_lookahead_tokens)
+        if new is NOT_TAKEN:
+            if self.sender.failure is not None:
+                self._settled()
+            keeper = self.keeper
+            if keeper.lost is not None or keeper.clock() >= keeper.valid_until:
+                self._vouch()
+            new = self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+                                 num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+                                 num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
+                                 num_in_flight_tokens, watermark_blocks, skip_zeroing_group_ids)  # fmt: skip
+        if new is None:
+            return None
+        assert isinstance(new, tuple)
+        if not return_table:
+            return KVCacheBlockIds(tuple([list(g) for g in new])) if any(new) else self.no_blocks
+        return KVCacheBlockIds(tuple([list(g) for g in new]), table=self.mirror.table(request.request_id))
+
+    def allocate_running(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int = 0) -> object:
+        """``allocate_slots`` of a request the server holds, with only new and look-ahead
+        tokens (a running request's step): its sync and allocation in one engine call,
+        gathered as an entry of the Step's run. The new block ids per group (the engine's
+        tuples: not to be changed), ``None`` (too few free blocks), or ``NOT_TAKEN``,
+        nothing changed (an unregistered request, a failure or lease, other counts)."""
         keeper = self.keeper
         if (
-            not (
-                num_new_computed_tokens
-                or num_external_computed_tokens
-                or delay_cache_blocks
-                or num_encoder_tokens
-                or full_sequence_must_fit
-                or reserved_blocks
-                or num_in_flight_tokens
-                or watermark_blocks
-                or skip_zeroing_group_ids
-            )  # fmt: skip
-            and self.sender.failure is None
-            and keeper.lost is None
-            and keeper.clock() < keeper.valid_until
-            and type(num_new_tokens) is int
-            and 0 < num_new_tokens
-            and type(num_lookahead_tokens) is int
-            and num_lookahead_tokens >= 0
-        ):
-            new = self._allocate_registered(request, num_new_tokens, num_lookahead_tokens)
-            if new is not _UNREGISTERED:
-                if new is None:
-                    return None
-                assert isinstance(new, tuple)
-                if not return_table and not any(new):
-                    return self.no_blocks  # a decode step inside its last block
-                ids = KVCacheBlockIds(tuple([list(g) for g in new]))
-                if return_table:
-                    ids = KVCacheBlockIds(ids.block_ids, table=self.mirror.table(request.request_id))
-                return ids
-        if self.sender.failure is not None:
-            self._settled()
-        if keeper.lost is not None or keeper.clock() >= keeper.valid_until:
-            self._vouch()
-        got = self._allocate(request, num_new_tokens, num_new_computed_tokens, new_computed_blocks,
-                             num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
-                             num_encoder_tokens, full_sequence_must_fit, reserved_blocks,
-                             num_in_flight_tokens, watermark_blocks, skip_zeroing_group_ids)  # fmt: skip
-        if got is None:
-            return None
-        ids = KVCacheBlockIds(tuple([list(g) for g in got]))
-        if return_table:
-            ids = KVCacheBlockIds(ids.block_ids, table=self.mirror.table(request.request_id))
-        return ids
-
-    def _allocate_registered(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int) -> object:
-        """A registered request's allocation without a hit (decode above all), as an
-        entry of the Step's run of allocations; ``_UNREGISTERED`` for a request the
-        server does not hold yet (it needs a full sync)."""
+            self.sender.failure is not None or keeper.lost is not None or keeper.clock() >= keeper.valid_until
+            or type(num_new_tokens) is not int or num_new_tokens <= 0
+            or type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0 or any(self.admission)
+        ):  # fmt: skip
+            return NOT_TAKEN
         tracker = self.tracker
         fields = tracker.sync_run(request)
         if fields is None:
-            return _UNREGISTERED
+            return NOT_TAKEN
         mark, base_t, base_h, tokens, hashes, computed = fields
         rid = request.request_id
         try:
@@ -435,11 +433,12 @@ class PredictingKVCacheManager:
     def take_events(self) -> list[pb.KVEvent]:
         """The pool's KV events since the previous call; ends a scheduler step (its
         calls go to the server, or join the next Step while one is in flight)."""
+        assert self.event_converter is None, "the events are converted (convert_events_with)"
         return [event_to_pb(e) for e in self.take_engine_events()]
 
-    def take_engine_events(self) -> list[KVCacheEvent]:
-        """:meth:`take_events` as the engine's values (no message made: what vLLM's
-        adapter converts)."""
+    def take_engine_events(self) -> list[Any]:
+        """:meth:`take_events` as the engine's values (no message made), or what
+        :meth:`convert_events_with`'s function made of them."""
         self._cut()
         return self.mirror.take_events()
 
@@ -546,5 +545,5 @@ class PredictingKVCacheManager:
             self._settled()
 
 
-#: what ``_allocate_registered`` answers for a request the server does not hold yet
-_UNREGISTERED = object()
+#: what :meth:`PredictingKVCacheManager.allocate_running` answers for a call it does not take
+NOT_TAKEN = object()

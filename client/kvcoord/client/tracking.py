@@ -248,7 +248,7 @@ class RequestTracker:
                     new_hashes = self._new_hashes(request, t)
                     t.sent_hashes = base_h + len(new_hashes)
                 elif len(given) > base_h:
-                    new_hashes = [bytes(h) for h in given[base_h:]]
+                    new_hashes = _as_bytes(given[base_h:])
                     t.sent_hashes = base_h + len(new_hashes)
             t.sent_tokens = n
         computed = int(request.num_computed_tokens)
@@ -387,7 +387,7 @@ class RequestTracker:
         """Hashes of blocks completed since the last sync (only those: no history copy)."""
         given = getattr(request, "block_hashes", None)
         if given is not None:
-            return [bytes(h) for h in given[t.sent_hashes :]]
+            return _as_bytes(given[t.sent_hashes :])
         assert t.hasher is not None
         tokens = request.all_token_ids
         have = t.sent_tokens
@@ -395,3 +395,12 @@ class RequestTracker:
         if len(tokens) > have:
             t.hasher.extend(tokens[have:])
         return t.hasher.block_hashes[t.sent_hashes :]
+
+
+def _as_bytes(hashes: Sequence[Any]) -> list[bytes]:
+    """``hashes`` as a list of ``bytes`` (vLLM's are ``bytes`` already: then one C pass
+    checks it and the list is the slice itself, not copied again)."""
+    out = hashes if type(hashes) is list else list(hashes)
+    if list(map(type, out)).count(bytes) != len(out):
+        out = [bytes(h) for h in out]
+    return out

@@ -29,13 +29,13 @@ from .errors import (
     UnavailableError,
 )
 from .manager import KVCacheBlockIds, RemoteKVCacheManager
-from .predicting import PredictingKVCacheManager
+from .predicting import NOT_TAKEN, PredictingKVCacheManager
 from .vllm_types import (
     KVCacheBlock,
     KVCacheBlocks,
-    convert_engine_events,
     convert_events,
     convert_stats,
+    event_converter,
 )
 
 __all__ = ["OUTAGE_ERRORS", "KVCoordKVCacheManager"]
@@ -126,10 +126,8 @@ class KVCoordKVCacheManager:
         #: whole tables that came with a request's first allocation, until it changes
         self._tables: dict[str, KVCacheBlockIds] = {}
         #: blocks whose hash evict_blocks dropped: they report none until allocated anew
-        #: (a request holding one never caches it again); and, while there are any, the
-        #: allocations whose new ids were not read yet (read before hashes are given)
+        #: (a request holding one never caches it again)
         self._evicted: set[int] = set()
-        self._unread: list[KVCacheBlockIds] = []
         #: closed by close() (set by connect when it opened the client)
         self.owned_client: KVCoordClient | None = None
         #: the pool's name and configuration, to create it again on a server that lost
@@ -154,8 +152,16 @@ class KVCoordKVCacheManager:
         #: session's background Step met it; see surface_losses)
         self.surfaced = 0
         self._last_usage = 0.0
-        #: the remote's shared answer to an allocation that takes no block (predicted)
-        self._no_blocks: KVCacheBlockIds | None = getattr(remote, "no_blocks", None)
+        #: a predicted session's allocation of a running request (see ``allocate_slots``)
+        self._allocate_running = (
+            remote.allocate_running if isinstance(remote, PredictingKVCacheManager) else None
+        )
+        if (
+            isinstance(remote, PredictingKVCacheManager)
+            and self.enable_kv_cache_events
+            and type(self).take_events is KVCoordKVCacheManager.take_events
+        ):
+            remote.convert_events_with(event_converter())  # as the engine makes them, as vLLM does
 
     # -- blocks -------------------------------------------------------------------------
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> KVCacheBlocks:
@@ -170,10 +176,6 @@ class KVCoordKVCacheManager:
             return self.empty_kv_cache_blocks
         if held is None or not self.enable_caching:
             return KVCacheBlocks(tuple([KVCacheBlock(b) for b in group] for group in ids))
-        if self._unread:
-            unread, self._unread = self._unread, []
-            for new in unread:  # after an eviction only: their ids may say a block was given anew
-                self._allocated_anew(new.get_block_ids())
         return KVCacheBlocks(
             tuple(self._group_blocks(held, g, starts[g], group) for g, group in enumerate(ids))
         )
@@ -303,65 +305,71 @@ class KVCoordKVCacheManager:
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
     ) -> KVCacheBlocks | None:
-        hit = new_computed_blocks.to_block_ids() if new_computed_blocks is not None else None
         rid = request.request_id
-        if new_computed_blocks is not None:  # vLLM's waiting loop (a running request's passes none)
-            self._seen(request)
         self.allocated.add(rid)
         held = self._held.get(rid)
-        fresh = held is None  # vLLM will ask for its whole table (get_blocks)
-        new = self.remote.allocate_slots(
-            request, num_new_tokens, num_new_computed_tokens, hit, num_lookahead_tokens,
-            num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table=fresh,
-        )  # fmt: skip
+        running = self._allocate_running
+        new: Any = NOT_TAKEN
+        if (
+            held is not None
+            and running is not None
+            and new_computed_blocks is None
+            and not (
+                num_new_computed_tokens
+                or num_external_computed_tokens
+                or delay_cache_blocks
+                or num_encoder_tokens
+            )
+        ):  # a running request's step (vLLM passes no hit): one call to the engine's decode path
+            new = running(request, num_new_tokens, num_lookahead_tokens)
         tables = self._tables
-        if tables:
+        if new is NOT_TAKEN:
+            if new_computed_blocks is not None:  # vLLM's waiting loop (a running request's passes none)
+                self._seen(request)
+            got = self.remote.allocate_slots(
+                request, num_new_tokens, num_new_computed_tokens,
+                new_computed_blocks.to_block_ids() if new_computed_blocks is not None else None,
+                num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens,
+                return_table=held is None,  # vLLM will ask for its whole table (get_blocks)
+            )  # fmt: skip
+            if tables:
+                tables.pop(rid, None)
+            if got is None:
+                return None
+            new = got.get_block_ids()
+            if held is None:
+                tables[rid] = got
+        elif tables:
             tables.pop(rid, None)
         if new is None:
             return None
         if held is None:
-            tables[rid] = new
             held = self._held[rid] = _Held(request)
         else:
             held.request = request
         # vLLM's accounting: what is computed, what gets cached
-        local = int(request.num_computed_tokens) + num_new_computed_tokens
-        total = local + num_external_computed_tokens
+        total = int(request.num_computed_tokens) + num_new_computed_tokens + num_external_computed_tokens
         limit = self.max_model_len
         if limit and total > limit:
             total = limit
         if self.enable_caching:
-            cached = local if delay_cache_blocks else min(total + num_new_tokens, int(request.num_tokens))
+            if delay_cache_blocks:
+                cached = int(request.num_computed_tokens) + num_new_computed_tokens
+            else:
+                cached = total + num_new_tokens
+                if cached > request.num_tokens:
+                    cached = int(request.num_tokens)
             if cached > held.hashed_tokens:
                 held.hashed_tokens = cached
-        if new is self._no_blocks:
+        if not any(new):
             return self.empty_kv_cache_blocks  # a decode step inside its last block, as vLLM answers it
-
-        def make() -> tuple[Sequence[KVCacheBlock], ...]:
-            ids = new.get_block_ids()
-            self._allocated_anew(ids)
-            if not any(ids):
-                return self.empty_kv_cache_blocks.blocks  # a decode step's usual answer
-            # tables only grow: new blocks end the table, which now covers `need` tokens
-            need = total + num_new_tokens + num_lookahead_tokens
-            if limit and need > limit:
-                need = limit
-            starts = [
-                -(-need // size) - len(group) for size, group in zip(self.block_sizes, ids, strict=True)
-            ]
-            return self._blocks(ids, held, starts).blocks
-
-        if new.resolved:
-            blocks = make()
-            # no new block (a decode step inside its last block): vLLM's shared empty answer
-            return (
-                self.empty_kv_cache_blocks
-                if blocks is self.empty_kv_cache_blocks.blocks
-                else KVCacheBlocks(blocks)
-            )
-        if self._evicted:
-            self._unread.append(new)
-        return KVCacheBlocks(make=make)
+        self._allocated_anew(new)
+        # tables only grow: new blocks end the table, which now covers `need` tokens
+        need = total + num_new_tokens + num_lookahead_tokens
+        if limit and need > limit:
+            need = limit
+        starts = [-(-need // size) - len(group) for size, group in zip(self.block_sizes, new, strict=True)]
+        return self._blocks(new, held, starts)
 
     def _allocated_anew(self, ids: Sequence[Sequence[int]]) -> None:
         """Blocks just allocated report their new holder's hashes again."""
@@ -405,7 +413,7 @@ class KVCoordKVCacheManager:
             return []
         remote = self.remote
         if isinstance(remote, PredictingKVCacheManager):
-            return convert_engine_events(remote.take_engine_events())  # no message made and read
+            return remote.take_engine_events()  # converted as they were made
         return convert_events(remote.take_events())
 
     @absorbing(lambda self, *_: self.empty_kv_cache_blocks)

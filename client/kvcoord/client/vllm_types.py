@@ -35,6 +35,7 @@ __all__ = [
     "convert_engine_events",
     "convert_events",
     "convert_stats",
+    "event_converter",
     "pool_config_differences",
     "pool_config_from_vllm",
     "vllm_available",
@@ -216,7 +217,14 @@ def convert_events(events: Iterable[pb.KVEvent], *, fields_033: bool = False) ->
 
 def convert_engine_events(events: Iterable[engine.KVCacheEvent], *, fields_033: bool = False) -> list[Any]:
     """The engine's KV events as vLLM's event types (or kvcoord's plain ones), in order
-    (``fields_033`` as for :func:`convert_events`).
+    (``fields_033`` as for :func:`convert_events`): :func:`event_converter`'s, made now."""
+    return event_converter(fields_033=fields_033)(events)
+
+
+def event_converter(*, fields_033: bool = False) -> Callable[[Iterable[engine.KVCacheEvent]], list[Any]]:
+    """What :func:`convert_engine_events` does, with vLLM's event types and its
+    VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES read once, now (a predicted manager converts
+    each call's events as the engine makes them, as vLLM's block pool builds its own).
 
     With integer hashes, a removal of one block (a cached block reused: most of a busy
     pool's events) and a store of one block (a decode filling a block) are converted
@@ -224,38 +232,45 @@ def convert_engine_events(events: Iterable[engine.KVCacheEvent], *, fields_033: 
     stored_t, removed_t, cleared_t = _event_types()
     as_int = _int_hashes()
     if fields_033 or not as_int:
-        return [_convert_event(e, stored_t, removed_t, cleared_t, as_int, fields_033) for e in events]
+
+        def each(events: Iterable[engine.KVCacheEvent]) -> list[Any]:
+            return [_convert_event(e, stored_t, removed_t, cleared_t, as_int, fields_033) for e in events]
+
+        return each
     mask = _MASK64
     from_bytes = int.from_bytes
     removed, stored = engine.BlockRemoved, engine.BlockStored
-    out: list[Any] = []
-    append = out.append
-    for e in events:
-        if type(e) is removed:
-            raw = e.block_hashes
-            if len(raw) == 1:
-                append(
-                    removed_t(block_hashes=[from_bytes(raw[0], "big") & mask], medium=e.medium or _MEDIUM_GPU)
-                )
-                continue
-        elif type(e) is stored:
-            raw = e.block_hashes
-            parent = e.parent_block_hash
-            if len(raw) == 1 and parent is not None:
-                append(
-                    stored_t(
-                        block_hashes=[from_bytes(raw[0], "big") & mask],
-                        parent_block_hash=from_bytes(parent, "big") & mask,
-                        token_ids=list(e.token_ids),
-                        block_size=e.block_size,
-                        lora_id=e.lora_id,
-                        medium=e.medium or _MEDIUM_GPU,
-                        lora_name=e.lora_name,
+    gpu = _MEDIUM_GPU
+
+    def convert(events: Iterable[engine.KVCacheEvent]) -> list[Any]:
+        out: list[Any] = []
+        append = out.append
+        for e in events:
+            if type(e) is removed:
+                raw = e.block_hashes
+                if len(raw) == 1:
+                    append(removed_t(block_hashes=[from_bytes(raw[0], "big") & mask], medium=e.medium or gpu))
+                    continue
+            elif type(e) is stored:
+                raw = e.block_hashes
+                parent = e.parent_block_hash
+                if len(raw) == 1 and parent is not None:
+                    append(
+                        stored_t(
+                            block_hashes=[from_bytes(raw[0], "big") & mask],
+                            parent_block_hash=from_bytes(parent, "big") & mask,
+                            token_ids=list(e.token_ids),
+                            block_size=e.block_size,
+                            lora_id=e.lora_id,
+                            medium=e.medium or gpu,
+                            lora_name=e.lora_name,
+                        )
                     )
-                )
-                continue
-        append(_convert_event(e, stored_t, removed_t, cleared_t, as_int, False))
-    return out
+                    continue
+            append(_convert_event(e, stored_t, removed_t, cleared_t, True, False))
+        return out
+
+    return convert
 
 
 _MASK64 = (1 << 64) - 1

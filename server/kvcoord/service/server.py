@@ -303,7 +303,7 @@ async def start_server(
     # Credentials and roles are checked per call in front of every Allocator handler
     # (servicer.add_servicer, access.py); health and reflection stay open.
     server = grpc.aio.server(options=_options(cfg), interceptors=list(interceptors))
-    add_servicer(servicer, server)
+    add_servicer(servicer, server, interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

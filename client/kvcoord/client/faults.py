@@ -103,6 +103,13 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInt
                 held.append(item)
         return fault, late
 
+    def draw_message(self, request: Any) -> tuple[str, Any]:
+        """A StepStream message's fault and late old copy (:meth:`_draw`); "cut" while
+        partitioned."""
+        if self.partitioned:
+            return "cut", None
+        return self._draw(request, self._held_messages)
+
     def intercept_stream_stream(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
         if not self.enabled or details.method.rsplit("/", 1)[-1] not in self.methods:
             return continuation(details, requests)
@@ -124,10 +131,10 @@ class _FaultyStream:
         """What reaches the server (read on gRPC's thread): each message, with its late
         old copy before it and its duplicate after it."""
         for request in requests:
-            if self.faults.partitioned:
-                self.plans.put(("cut", False))
+            fault, late = self.faults.draw_message(request)
+            if fault == "cut":
+                self.plans.put((fault, False))
                 return
-            fault, late = self.faults._draw(request, self.faults._held_messages)
             if late is not None:
                 yield late
             yield request

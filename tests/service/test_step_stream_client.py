@@ -75,7 +75,7 @@ def test_server_without_the_capability_gets_unary_steps(make_server: Make, monke
 @pytest.mark.parametrize(
     ("fault", "timeout"),
     [("drop", 10.0), ("delay", 0.3), ("duplicate", 10.0), ("reorder", 10.0)],
-)
+)  # (delay: held until the per-Step timeout cancels the stream)
 def test_faults_on_the_stream_change_no_answer(make_server: Make, fault: str, timeout: float) -> None:
     """Answers dropped (the stream broken after the server applied the Step), held past
     the per-Step timeout (the stream cancelled), duplicated or old copies delivered
@@ -83,7 +83,7 @@ def test_faults_on_the_stream_change_no_answer(make_server: Make, fault: str, ti
     answers and the pool match the fault-free unary run block for block."""
     steps = _ops(16)
     expected = _reference(make_server, steps)
-    faults = FaultInjector(3, **{fault: 0.3})
+    faults = FaultInjector(3, hold_delayed=True, **{fault: 0.3})
     with KVCoordClient(make_server().address, timeout=timeout, interceptors=[faults]) as c:
         got = _run(c, steps)
         opened = c._carrier.opened

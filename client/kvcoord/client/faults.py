@@ -10,8 +10,9 @@ what a worker does when the network misbehaves *after* the server applied a call
 
 On a StepStream (each message one Step) the same faults are drawn per message: a
 dropped answer breaks the stream (UNAVAILABLE) after the server answered; a delayed
-one is never delivered, the stream hangs until the client cancels it (its per-Step
-timeout); a duplicate or a late old copy is sent on the stream too, its answer read
+one cancels the stream and fails DEADLINE_EXCEEDED (with ``hold_delayed``: it is never
+delivered, the stream hangs until the client cancels it by its per-Step timeout); a
+duplicate or a late old copy is sent on the stream too, its answer read
 and discarded; a partition fails the stream before the message is sent.
 
 Every fault is drawn from a seeded generator, so a run is repeatable; the counters
@@ -38,6 +39,8 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInt
     seed: the generator's seed.
     drop, delay, duplicate, reorder: probability of each fault per call.
     methods: RPC names the faults apply to (others pass untouched).
+    hold_delayed: a delayed StepStream answer is held until the client cancels the
+        stream (its per-Step timeout), instead of failing at once.
     """
 
     def __init__(
@@ -49,7 +52,9 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInt
         duplicate: float = 0.0,
         reorder: float = 0.0,
         methods: Collection[str] = ("Step", "StepStream", "Allocate", "Free"),
+        hold_delayed: bool = False,
     ) -> None:
+        self.hold_delayed = hold_delayed
         self.rnd = random.Random(seed)
         self.p = (drop, delay, duplicate, reorder)
         self.methods = set(methods)
@@ -163,6 +168,9 @@ class _FaultyStream:
             raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: stream broken before the answer")
         if fault == "delay":
             counts["delayed"] += 1
+            if not self.faults.hold_delayed:
+                self.call.cancel()
+                raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "injected: answer after the deadline")
             self.cancelled.wait(60)  # held until the client gives up on it (bounded)
             raise LocalRpcError(grpc.StatusCode.CANCELLED, "injected: answer held until cancelled")
         return answer

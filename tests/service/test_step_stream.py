@@ -6,6 +6,7 @@ server given the same Steps; a Step that fails ends the stream with its unary st
 
 from __future__ import annotations
 
+import asyncio
 import queue
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -203,3 +204,24 @@ def test_cancelled_stream_resent_under_its_key_applies_once(
         held = {t.request_id: list(t.groups[0].block_ids) for t in tables}
         assert held["r0"] == list(first.results[0].allocate.new_block_ids[0].block_ids)
         assert sorted(held) == ["r0", "r1"]
+
+
+def test_stop_ends_an_idle_stream_at_once(make_server: Callable[..., InProcessServer]) -> None:
+    """A stream waiting for its next Step is cancelled as the server stops: it never
+    holds the stop for its grace period (120 s here; answered within ANSWER_WITHIN)."""
+    server = make_server()
+    with KVCoordClient(server.address) as c:
+        sid, _ = attach(c)
+        stream = Stream(server.address)
+        try:
+            stream.send(_steps(sid)[0])
+            running = server.running
+            assert running is not None
+            stopping = asyncio.run_coroutine_threadsafe(running.stop(120.0), server.loop)
+            stopping.result(ANSWER_WITHIN)
+            server.running = None
+            with pytest.raises(grpc.RpcError) as ended:
+                stream.send(_steps(sid)[1])
+            assert ended.value.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE)
+        finally:
+            stream.close()

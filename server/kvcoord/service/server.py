@@ -103,6 +103,7 @@ class RunningServer:
             except Exception as exc:  # noqa: BLE001 - the pools stay unclaimed until this replica is back
                 logger.error("handing the pools over at stop failed: %s", exc)
         self.servicer.stopping = True
+        self.servicer.step_streams.end()  # (an idle Step stream never holds the grace period)
         await self.health.enter_graceful_shutdown()
         self._reaper.cancel()
         with contextlib.suppress(asyncio.CancelledError):

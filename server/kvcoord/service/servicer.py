@@ -72,7 +72,7 @@ from .score_wire import ScoreEncoder
 from .scoring import Reserve, score_pools
 from .sessions import Session
 from .state_export import ExportError, mirror_state_apart
-from .step_stream import step_stream_handler
+from .step_stream import StepStreams, step_stream_handler
 from .wire_slices import parse_in_turns
 
 __all__ = [
@@ -161,6 +161,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         registry.on_session_expired = self._session_expired
         self.watch_poll_seconds = watch_poll_seconds
         self.stopping = False
+        #: the open StepStream calls (step_stream.py), ended when the server stops
+        self.step_streams = StepStreams()
         #: set when the journal could not be written: every call is refused from then on
         self.journal_failure: str | None = None
         self._teardowns: set[asyncio.Task[None]] = set()
@@ -1074,5 +1076,7 @@ def add_servicer(
             if method.name in _BYTES_ANSWERS
             else response_cls.SerializeToString,
         )
-    handlers["StepStream"] = step_stream_handler(handlers["Step"], f"/{service.full_name}/Step", interceptors)
+    handlers["StepStream"] = step_stream_handler(
+        handlers["Step"], f"/{service.full_name}/Step", servicer.step_streams, interceptors
+    )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -51,7 +51,7 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInt
         delay: float = 0.0,
         duplicate: float = 0.0,
         reorder: float = 0.0,
-        methods: Collection[str] = ("Step", "StepStream", "Allocate", "Free"),
+        methods: Collection[str] = ("Step", "Allocate", "Free"),
         hold_delayed: bool = False,
     ) -> None:
         self.hold_delayed = hold_delayed
@@ -109,14 +109,16 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInt
         return fault, late
 
     def draw_message(self, request: Any) -> tuple[str, Any]:
-        """A StepStream message's fault and late old copy (:meth:`_draw`); "cut" while
-        partitioned."""
+        """A StepStream message's fault and late old copy (:meth:`_draw`; a message is a
+        Step: faulted when "Step" is in ``methods``); "cut" while partitioned."""
         if self.partitioned:
             return "cut", None
+        if not self.enabled or "Step" not in self.methods:
+            return "none", None
         return self._draw(request, self._held_messages)
 
     def intercept_stream_stream(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
-        if not self.enabled or details.method.rsplit("/", 1)[-1] not in self.methods:
+        if not details.method.endswith("/StepStream"):
             return continuation(details, requests)
         return _FaultyStream(self, continuation, details, requests)
 
@@ -151,13 +153,24 @@ class _FaultyStream:
         return self
 
     def __next__(self) -> Any:
-        fault, late = self.plans.get()
+        while True:  # until the message was sent, or the call ended (then never read)
+            try:
+                fault, late = self.plans.get(timeout=0.05)
+                break
+            except queue.Empty:
+                if self.cancelled.is_set() or not self.call.is_active():
+                    return next(self.call)  # raises how the call ended
         counts = self.faults.counts
         if fault == "cut":
             self.call.cancel()
             raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: network partition")
         if late:
-            next(self.call)  # the old copy's answer goes nowhere
+            try:
+                next(self.call)  # the old copy's answer goes nowhere
+            except grpc.RpcError:  # its refusal ended the stream: this message was never read
+                raise LocalRpcError(
+                    grpc.StatusCode.UNAVAILABLE, "injected: a late old copy's refusal ended the stream"
+                ) from None
         answer = next(self.call)
         if fault == "duplicate":
             counts["duplicated"] += 1

@@ -5,7 +5,8 @@ without faults injected on the stream (faults.py)."""
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -18,6 +19,7 @@ from kvcoord.client.faults import FaultInjector
 from kvcoord.service import servicer
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 Make = Callable[..., InProcessServer]
 
@@ -133,3 +135,46 @@ def test_partition_fails_like_unary(make_server: Make) -> None:
         faults.partitioned = False
         assert failed.value.code == grpc.StatusCode.UNAVAILABLE
         assert c.get_stats("p").num_free_blocks == free
+
+
+class _NotOwner(pb_grpc.AllocatorServicer):
+    """A replica that serves Attach for its neighbour (the owner, whose answer lists
+    "step_stream") and answers every streamed Step NOT_OWNER naming it."""
+
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
+        self.channel = grpc.insecure_channel(owner)
+        self.refused = 0
+
+    def Attach(self, request: pb.AttachRequest, context: grpc.ServicerContext) -> pb.AttachResponse:
+        answer: pb.AttachResponse = pb_grpc.AllocatorStub(self.channel).Attach(request, timeout=10)
+        return answer
+
+    def StepStream(self, requests: Iterator[pb.StepRequest], context: grpc.ServicerContext) -> Any:
+        for _ in requests:
+            self.refused += 1
+            context.set_trailing_metadata((("kvcoord-reason", "NOT_OWNER"), ("kvcoord-owner", self.owner)))
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"pool p is served by {self.owner}")
+        return iter(())
+
+
+def test_a_streamed_step_follows_not_owner(make_server: Make) -> None:
+    """A Step refused NOT_OWNER on a replica's stream is sent to the owner it names
+    (NOT_OWNER applied nothing), and answered there as on a single server."""
+    steps = _ops(3)
+    expected = _reference(make_server, steps)
+    owner = make_server()
+    fake = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    not_owner = _NotOwner(owner.address)
+    pb_grpc.add_AllocatorServicer_to_server(not_owner, fake)
+    first = f"127.0.0.1:{fake.add_insecure_port('127.0.0.1:0')}"
+    fake.start()
+    try:
+        with KVCoordClient([first, owner.address]) as c:
+            c.routes.redirected("p", first)
+            assert _run(c, steps) == expected
+            assert not_owner.refused >= 1
+            assert c.routes.route("p") == owner.address
+    finally:
+        fake.stop(None)
+        not_owner.channel.close()

@@ -142,12 +142,12 @@ class _FaultyStream:
             if fault == "cut":
                 self.plans.put((fault, False))
                 return
+            self.plans.put((fault, late is not None))  # (before sending: a late copy's refusal ends the call)
             if late is not None:
                 yield late
             yield request
             if fault == "duplicate":
                 yield request
-            self.plans.put((fault, late is not None))
 
     def __iter__(self) -> _FaultyStream:
         return self

@@ -178,3 +178,13 @@ def test_a_streamed_step_follows_not_owner(make_server: Make) -> None:
     finally:
         fake.stop(None)
         not_owner.channel.close()
+
+
+def test_the_stream_carries_the_clients_token(make_server: Make) -> None:
+    """With auth_tokens, every streamed Step is checked with the client's bearer token
+    (the stream's metadata), as a unary Step is."""
+    steps = _ops(3)
+    expected = _reference(make_server, steps)
+    with KVCoordClient(make_server(auth_tokens=("s3cret-token",)).address, token="s3cret-token") as c:
+        assert _run(c, steps) == expected
+        assert c._carrier.opened == 1

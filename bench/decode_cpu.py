@@ -1,7 +1,8 @@
 """Server CPU per block operation on decode-heavy Steps, in-process and over gRPC. Not a test.
 
     PYTHONPATH=client:server python bench/decode_cpu.py [--running 64] [--steps 300] \
-        [--warmup 100] [--shapes ops run] [--old REV] [--rounds 3] [--where in-process grpc] \
+        [--warmup 100] [--shapes ops run] [--old REV] [--rounds 3] \
+        [--where in-process grpc grpc-stream] \
         [--metrics] [--profile | --toggle]
 
 The workload is bench/workers.py's (one worker's scheduler: ``--running`` requests in
@@ -31,6 +32,12 @@ server, ``git archive``d) and shape, in turns for ``--rounds`` rounds:
               so that other jobs on the machine slow every code alike; CPU is each
               server process's (all its threads; Linux's process CPU clock, in ns) over
               the measured Steps, and the Step's latency as the client sees it (p50 / mean)
+              and the client's CPU per Step (the benchmark process's, all its threads,
+              over each call: gRPC's own threads included)
+  grpc-stream the same, each Step sent on the client's StepStream (its default when
+              the server lists "step_stream"; ``grpc`` sends unary Steps); with both,
+              every Step goes to one server per code and transport in turn (paired),
+              and a line gives the median per-round stream/unary ratio of server CPU
 
 "µs/op" is CPU per block operation (each allocation and each free is one operation);
 the table gives each code's median over the rounds and, with ``--old``, the median of
@@ -347,11 +354,12 @@ def server_cpu(pid: int) -> float:
 
 
 def over_grpc(
-    trees: dict[str, Path], trace: Path, shape: str, args: argparse.Namespace
-) -> dict[str, dict[str, Any]]:
-    """One ``kvcoord serve`` process per code, all serving at once; each Step is sent to
-    every server in turn (which goes first alternates), so a machine shared with other
-    jobs slows every code alike. Returns each code's figures."""
+    trees: dict[str, Path], trace: Path, shape: str, args: argparse.Namespace, wheres: list[str]
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """One ``kvcoord serve`` process per code and transport (``wheres``: grpc, unary
+    Steps; grpc-stream, Steps on a StepStream), all serving at once; each Step is sent
+    to every server in turn (which goes first alternates), so a machine shared with
+    other jobs slows every code alike. Returns each (where, code)'s figures."""
     import workers as W
     from kvcoord.client import KVCoordClient
     from kvcoord.client.testing import start_server
@@ -359,15 +367,15 @@ def over_grpc(
 
     bodies = load(trace)
     reqs = [shaped(pb, b, shape) for b in bodies]
-    runs: dict[str, dict[str, Any]] = {}
+    runs: dict[tuple[str, str], dict[str, Any]] = {}
     try:
-        for code, tree in trees.items():
+        for where, (code, tree) in ((w, c) for w in wheres for c in trees.items()):
             env = dict(os.environ, PYTHONPATH=f"{tree / 'client'}:{tree / 'server'}")
             # memory only; the metrics interceptor and observer run either way, --metrics
             # also serves /metrics (as `kvcoord serve` does by default)
             server = start_server(W.config_text("none", "", "FULL"), env=env, metrics=args.metrics)
-            runs[code] = run = {"server": server, "lat": [], "digest": hashlib.sha256()}
-            run["client"] = c = KVCoordClient(server.address, timeout=60)
+            runs[(where, code)] = run = {"server": server, "lat": [], "cli": [], "digest": hashlib.sha256()}
+            run["client"] = c = KVCoordClient(server.address, timeout=60, step_stream=where == "grpc-stream")
             c.create_pool("p", W.pool_config(W.worker_blocks(args.running)))
             run["att"] = c.attach("p", W.ALGO, W.BS, W.SEED, "bench")
         order = list(runs.values())
@@ -377,9 +385,10 @@ def over_grpc(
                     run["cpu0"] = server_cpu(run["server"].proc.pid)
             for run in order if k % 2 else order[::-1]:
                 att = run["att"]
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 resp = run["client"].step("p", ops, att.session_id, att.fence)
                 run["lat"].append(time.perf_counter() - t0)
+                run["cli"].append(time.process_time() - c0)
                 run["digest"].update(json.dumps(new_blocks(resp)).encode())
         for run in order:
             run["cpu"] = server_cpu(run["server"].proc.pid) - run["cpu0"]
@@ -391,12 +400,13 @@ def over_grpc(
             run["server"].stop()
     ops_n = sum(weight(b, pb) for b in bodies[args.warmup :])
     out = {}
-    for code, run in runs.items():
+    for key, run in runs.items():
         lat = run["lat"][args.warmup :]
-        out[code] = {
+        out[key] = {
             "us_op": run["cpu"] / ops_n * 1e6,
             "p50": statistics.median(lat) * 1e3,
             "mean": statistics.fmean(lat) * 1e3,
+            "client_ms": statistics.fmean(run["cli"][args.warmup :]) * 1e3,
             "digest": run["digest"].hexdigest(),
         }
     return out
@@ -423,7 +433,9 @@ def main() -> None:
     )
     ap.add_argument("--old", help="a git revision to compare against (its client and server)")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--where", nargs="+", default=["in-process", "grpc"], choices=["in-process", "grpc"])
+    ap.add_argument(
+        "--where", nargs="+", default=["in-process", "grpc"], choices=["in-process", "grpc", "grpc-stream"]
+    )
     ap.add_argument("--profile", action="store_true", help="cProfile this checkout's in-process child")
     ap.add_argument(
         "--metrics",
@@ -448,18 +460,28 @@ def main() -> None:
         return
     trees = {"new": ROOT} if not args.old else {"old": old_tree(args.old), "new": ROOT}
     rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    grpc_wheres = [w for w in args.where if w.startswith("grpc")]
     for rnd in range(args.rounds):
         for where in args.where:
+            if where.startswith("grpc") and where != grpc_wheres[0]:
+                continue  # (measured with the first, paired)
             for shape in args.shapes:
-                if where == "grpc":
-                    got = over_grpc(trees, trace, shape, args)
+                if where.startswith("grpc"):
+                    got = over_grpc(trees, trace, shape, args, grpc_wheres)
                 else:
-                    got = {code: in_process(tree, trace, shape, args, False) for code, tree in trees.items()}
-                for code, r in got.items():
-                    rows.setdefault((where, shape, code), []).append(r)
-                    extra = f"  p50 {r['p50']:.2f} ms  mean {r['mean']:.2f} ms" if "p50" in r else ""
+                    got = {
+                        (where, code): in_process(tree, trace, shape, args, False)
+                        for code, tree in trees.items()
+                    }
+                for (w, code), r in got.items():
+                    rows.setdefault((w, shape, code), []).append(r)
+                    extra = (
+                        f"  p50 {r['p50']:.2f} ms  mean {r['mean']:.2f} ms  client {r['client_ms']:.3f} ms CPU/Step"
+                        if "p50" in r
+                        else ""
+                    )
                     print(
-                        f"round {rnd + 1} {where:10} {shape:4} {code}: {r['us_op']:6.2f} µs/op{extra}",
+                        f"round {rnd + 1} {w:11} {shape:4} {code}: {r['us_op']:6.2f} µs/op{extra}",
                         flush=True,
                     )
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
@@ -470,9 +492,9 @@ def main() -> None:
     print(
         "| where | shape | "
         + " | ".join(f"{c} µs CPU/op" for c in trees)
-        + " | new/old (paired) | p50 ms | mean ms |"
+        + " | new/old (paired) | p50 ms | mean ms | client ms CPU/Step |"
     )
-    print("| --- | --- |" + " ---: |" * (len(trees) + 3))
+    print("| --- | --- |" + " ---: |" * (len(trees) + 4))
     for where in args.where:
         for shape in args.shapes:
             med = {c: statistics.median(r["us_op"] for r in rows[(where, shape, c)]) for c in trees}
@@ -484,20 +506,33 @@ def main() -> None:
                 else "-"
             )
             lat = ""
-            if where == "grpc":
+            if where.startswith("grpc"):
                 lat = " / ".join(
                     f"{statistics.median(r['p50'] for r in rows[(where, shape, c)]):.2f}" for c in trees
                 )
                 lat += " | " + " / ".join(
                     f"{statistics.median(r['mean'] for r in rows[(where, shape, c)]):.2f}" for c in trees
                 )
+                lat += " | " + " / ".join(
+                    f"{statistics.median(r['client_ms'] for r in rows[(where, shape, c)]):.3f}" for c in trees
+                )
             else:
-                lat = "- | -"
+                lat = "- | - | -"
             print(
                 f"| {where} | {shape} | "
                 + " | ".join(f"{med[c]:.2f}" for c in trees)
                 + f" | {ratio} | {lat} |"
             )
+    if {"grpc", "grpc-stream"} <= set(args.where):
+        for shape in args.shapes:
+            for c in trees:
+                pairs = zip(rows[("grpc-stream", shape, c)], rows[("grpc", shape, c)], strict=True)
+                print(
+                    f"{shape} {c}: server CPU stream/unary (paired, median per round) "
+                    f"{statistics.median(s['us_op'] / u['us_op'] for s, u in pairs):.2f}; client CPU "
+                    f"{statistics.median(r['client_ms'] for r in rows[('grpc-stream', shape, c)]):.3f} / "
+                    f"{statistics.median(r['client_ms'] for r in rows[('grpc', shape, c)]):.3f} ms per Step"
+                )
     digests = {r["digest"] for rs in rows.values() for r in rs}
     if len(digests) > 1:
         for key, rs in rows.items():

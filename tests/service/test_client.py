@@ -180,7 +180,7 @@ def test_backoffs_are_drawn_only_when_a_call_fails(
     """A call that succeeds at once draws no backoffs (seeding their generator cost about
     10 us on every call); one that fails with UNAVAILABLE draws them once and is retried."""
     import grpc
-    from kvcoord.client.faults import _InjectedError
+    from kvcoord.client.errors import LocalRpcError
     from kvcoord.v1 import allocator_pb2 as pb
 
     drawn: list[int] = []
@@ -196,7 +196,7 @@ def test_backoffs_are_drawn_only_when_a_call_fails(
         def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
             if self.armed:
                 self.armed = False
-                raise _InjectedError(grpc.StatusCode.UNAVAILABLE, "injected: one lost call")
+                raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: one lost call")
             return continuation(details, request)
 
     monkeypatch.setattr(RetryPolicy, "backoffs", counted)
@@ -310,9 +310,9 @@ class _CancelFirstAnswer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc
         if details.method.endswith("/Step") and not self.cancelled:
             answer.result()  # applied on the server
             self.cancelled += 1
-            from kvcoord.client.faults import _InjectedError
+            from kvcoord.client.errors import LocalRpcError
 
-            raise _InjectedError(grpc.StatusCode.CANCELLED, "CANCELLED")
+            raise LocalRpcError(grpc.StatusCode.CANCELLED, "CANCELLED")
         return answer
 
 
@@ -325,7 +325,8 @@ def test_a_cancelled_answer_is_an_unknown_outcome_and_a_keyed_call_is_retried(
     once-only call would raise OutcomeUnknownError. (Before, CANCELLED was an InternalError
     that reached the worker as a failure, its request's fate unknown.)"""
     cancel = _CancelFirstAnswer()
-    with KVCoordClient(server.address, timeout=10, interceptors=[cancel]) as c:
+    # (step_stream=False: the interceptor sees unary Steps; test_step_stream_client.py has the stream's)
+    with KVCoordClient(server.address, timeout=10, interceptors=[cancel], step_stream=False) as c:
         s = c.attach("p", "sha256_cbor", 4, "0", "w")
         answer = c.step("p", [allocate("a", list(range(8)), 8)], s.session_id, s.fence)
         assert cancel.cancelled == 1

@@ -288,14 +288,14 @@ class _LoseFirstAnswer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     def intercept_unary_unary(
         self, continuation: Callable[..., object], details: object, request: object
     ) -> object:
-        from kvcoord.client.faults import _InjectedError
+        from kvcoord.client.errors import LocalRpcError
 
         if isinstance(request, pb.ScorePoolsRequest):
             self.sent.append(request)
         if isinstance(request, pb.ScorePoolsRequest) and not self.lost:
             self.lost += 1
             continuation(details, request).result()  # applied by the server
-            raise _InjectedError(grpc.StatusCode.UNAVAILABLE, "injected: connection lost before the answer")
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: connection lost before the answer")
         return continuation(details, request)
 
 

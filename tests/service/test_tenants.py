@@ -35,6 +35,7 @@ REQUIRED: dict[str, str | None] = {
     "Allocate": "use",
     "Free": "use",
     "Step": "use",
+    "StepStream": "use",
     "ResetPrefixCache": "administer",
     "GetStats": "observe",
     "InspectPool": "administer",
@@ -127,7 +128,7 @@ def _request(rpc: str, caller: str, sid: str, fence: pb.Fence) -> Any:
         return pb.AllocateRequest(pool="a-pool", session_id=sid, op=op)
     if rpc == "Free":
         return pb.FreeRequest(pool="a-pool", session_id=sid, request_ids=["never-registered"])
-    if rpc == "Step":
+    if rpc in ("Step", "StepStream"):  # (StepStream: one Step on the stream)
         op = pb.Operation(sync=pb.SyncOp(request=new_request(rid, tokens)))
         return pb.StepRequest(pool="a-pool", session_id=sid, ops=[op])
     if rpc == "ScorePools":
@@ -173,7 +174,7 @@ def test_every_rpc_for_every_role_and_tenant(tenant_server: InProcessServer, raw
         need = REQUIRED[rpc]
         if roles is None:
             expected: grpc.StatusCode | None = UNAUTH
-        elif rpc in ("Heartbeat", "Detach", "Allocate", "Free", "Step") and not can_use:
+        elif rpc in ("Heartbeat", "Detach", "Allocate", "Free", "Step", "StepStream") and not can_use:
             expected = DENIED  # another tenant's session (and no use role)
         elif need is not None and need not in roles:
             expected = DENIED

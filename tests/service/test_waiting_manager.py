@@ -138,7 +138,9 @@ def test_round_trip_seconds_count_the_time_spent_waiting_on_steps(server: InProc
     """``round_trip_seconds`` grows by the wait of each Step round trip (here each
     answer is held back 50 ms), and ``round_trips`` counts every Step sent."""
     slow = _SlowSteps(0.05)
-    with KVCoordClient(server.address, timeout=10, interceptors=[slow]) as c:
+    with KVCoordClient(
+        server.address, timeout=10, interceptors=[slow], step_stream=False
+    ) as c:  # (unary Steps)
         c.create_pool("timed", pool_config(64))
         m = RemoteKVCacheManager(c, "timed", hash_seed="0", exclusive=True)
         try:

@@ -43,6 +43,7 @@ from .api import (
 )
 from .errors import error_from_rpc
 from .retry import Attempts
+from .stream_carrier import STEP_STREAM, StepCarrier
 
 __all__ = ["KVCoordClient"]
 
@@ -57,10 +58,22 @@ class KVCoordClient(Api):
         max_message_bytes: send/receive limit (match the server's for large Steps).
         token: bearer token, when the server sets ``auth_tokens``.
         tls: :class:`TLSOptions` for a TLS listener; ``None`` is plaintext.
+        step_stream: send Steps on one StepStream call per replica when the replica
+            lists the "step_stream" capability at Attach (stream_carrier.py); False:
+            every Step is a unary call.
     """
 
     _channel_factory = staticmethod(grpc.insecure_channel)
     _secure_channel_factory = staticmethod(grpc.secure_channel)
+
+    def __init__(self, target: str | Sequence[str], *, step_stream: bool = True, **kw: Any) -> None:
+        super().__init__(target, **kw)
+        self.step_stream = step_stream
+        #: the replicas that serve StepStream (their Attach answer listed it)
+        self._streamed: set[str] = set()
+        self._carrier = StepCarrier(
+            lambda address: self._connection(address)[1], self._metadata, self.timeout
+        )
 
     def __enter__(self) -> KVCoordClient:
         return self
@@ -73,6 +86,7 @@ class KVCoordClient(Api):
 
     def close(self) -> None:
         self.closed = True
+        self._carrier.close()
         for channel, _ in self._open.values():
             channel.close()
 
@@ -87,9 +101,8 @@ class KVCoordClient(Api):
         hops = 0
         while True:
             address = routes.route(pool)
-            method = getattr(self._connection(address)[1], rpc)
             try:
-                response = method(request, timeout=self.timeout, metadata=self._metadata)
+                response = self._attempt(rpc, request, address)
             except grpc.RpcError as exc:
                 err = error_from_rpc(exc, rpc)
             else:
@@ -99,6 +112,32 @@ class KVCoordClient(Api):
             hops = hops + 1 if pause is None else 0  # redirects are followed again after a pause
             if pause is not None:
                 time.sleep(pause)
+
+    def _attempt(self, rpc: str, request: Any, address: str) -> Any:
+        """One attempt of the call at ``address``: a Step on the replica's stream when it
+        serves StepStream, any other call (or a Step the stream cannot take) unary."""
+        if rpc == "Step" and address in self._streamed:
+            answer = self._streamed_step(address, request)
+            if answer is not None:
+                return answer
+        response = getattr(self._connection(address)[1], rpc)(
+            request, timeout=self.timeout, metadata=self._metadata
+        )
+        if rpc == "Attach" and self.step_stream and STEP_STREAM in response.capabilities:
+            self._streamed.add(address)
+        return response
+
+    def _streamed_step(self, address: str, request: pb.StepRequest) -> pb.StepResponse | None:
+        """A Step sent on ``address``'s stream; None: send it unary (another thread's
+        Step is on the stream, or the replica no longer serves StepStream: a server
+        restarted at an older version, which applied nothing of it)."""
+        try:
+            return self._carrier.try_send(address, request)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            self._streamed.discard(address)
+            return None
 
     def _unary(self, rpc: Rpc[Req, Resp], request: Req) -> Resp:
         return cast(Resp, self._call(rpc.name, request))

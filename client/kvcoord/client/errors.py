@@ -34,6 +34,8 @@ Running out of free blocks is not an error: allocate_slots returns ``None``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
 __all__ = [
@@ -49,6 +51,7 @@ __all__ = [
     "InvalidArgumentError",
     "KVCoordError",
     "KeyReusedError",
+    "LocalRpcError",
     "LeaseExpiredError",
     "NotOwnerError",
     "OwnerChangingError",
@@ -300,3 +303,37 @@ def status_code(value: int) -> grpc.StatusCode:
         if code.value[0] == value:
             return code
     return grpc.StatusCode.UNKNOWN
+
+
+class LocalRpcError(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+    """A failed call the client itself reports (a Step stream's timeout, an injected
+    fault in tests): its code and details, no trailing metadata."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+    def initial_metadata(self) -> tuple[()]:
+        return ()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> None:
+        return None
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        return False

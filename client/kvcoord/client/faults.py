@@ -8,12 +8,20 @@ what a worker does when the network misbehaves *after* the server applied a call
 * duplicate: the server receives the same request twice;
 * reorder: an old request is delivered again, late, after newer calls.
 
+On a StepStream (each message one Step) the same faults are drawn per message: a
+dropped answer breaks the stream (UNAVAILABLE) after the server answered; a delayed
+one cancels the stream and fails DEADLINE_EXCEEDED (with ``hold_delayed``: it is never
+delivered, the stream hangs until the client cancels it by its per-Step timeout); a
+duplicate or a late old copy is sent on the stream too, its answer read
+and discarded; a partition fails the stream before the message is sent.
+
 Every fault is drawn from a seeded generator, so a run is repeatable; the counters
 say what was injected.
 """
 
 from __future__ import annotations
 
+import queue
 import random
 import threading
 from collections.abc import Callable, Collection
@@ -21,45 +29,18 @@ from typing import Any
 
 import grpc
 
+from .errors import LocalRpcError
+
 __all__ = ["FaultInjector"]
 
 
-class _InjectedError(grpc.RpcError, grpc.Call):  # type: ignore[misc]
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code = code
-        self._details = details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> tuple[()]:
-        return ()
-
-    def initial_metadata(self) -> tuple[()]:
-        return ()
-
-    def is_active(self) -> bool:
-        return False
-
-    def time_remaining(self) -> None:
-        return None
-
-    def cancel(self) -> bool:
-        return False
-
-    def add_callback(self, callback: Callable[[], None]) -> bool:
-        return False
-
-
-class FaultInjector(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+class FaultInjector(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):  # type: ignore[misc]
     """Args:
     seed: the generator's seed.
     drop, delay, duplicate, reorder: probability of each fault per call.
     methods: RPC names the faults apply to (others pass untouched).
+    hold_delayed: a delayed StepStream answer is held until the client cancels the
+        stream (its per-Step timeout), instead of failing at once.
     """
 
     def __init__(
@@ -71,12 +52,15 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         duplicate: float = 0.0,
         reorder: float = 0.0,
         methods: Collection[str] = ("Step", "Allocate", "Free"),
+        hold_delayed: bool = False,
     ) -> None:
+        self.hold_delayed = hold_delayed
         self.rnd = random.Random(seed)
         self.p = (drop, delay, duplicate, reorder)
         self.methods = set(methods)
         self.counts = {"calls": 0, "dropped": 0, "delayed": 0, "duplicated": 0, "reordered": 0}
         self._held: list[tuple[Any, Any]] = []
+        self._held_messages: list[Any] = []  # (StepStream's)
         self._lock = threading.Lock()
         self.enabled = True
         #: while True, every call (of any method) fails without reaching the server
@@ -84,34 +68,129 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
 
     def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
         if self.partitioned:
-            raise _InjectedError(grpc.StatusCode.UNAVAILABLE, "injected: network partition")
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: network partition")
         if not self.enabled or details.method.rsplit("/", 1)[-1] not in self.methods:
             return continuation(details, request)
+        fault, late = self._draw((details, request), self._held)
+        if late is not None:
+            # An old copy arrives after newer calls; whatever it gets back goes nowhere.
+            _deliver(continuation, *late)
+        if fault == "drop":
+            _deliver(continuation, details, request)
+            self.counts["dropped"] += 1
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: connection lost before the answer")
+        if fault == "delay":
+            _deliver(continuation, details, request)
+            self.counts["delayed"] += 1
+            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "injected: answer after the deadline")
+        if fault == "duplicate":
+            _deliver(continuation, details, request)
+            self.counts["duplicated"] += 1
+        return continuation(details, request)
+
+    def _draw(self, item: Any, held: list[Any]) -> tuple[str, Any]:
+        """One call's (or stream message's) fault: "drop", "delay", "duplicate", "hold"
+        (``item`` kept in ``held``, to be delivered late) or "none"; and the late old
+        copy to deliver before it, if any."""
         with self._lock:
             self.counts["calls"] += 1
             draw = self.rnd.random()
-            late = self._held.pop(0) if self._held and self.rnd.random() < self.p[3] else None
-        if late is not None:
-            # An old copy arrives after newer calls; whatever it gets back goes nowhere.
-            self.counts["reordered"] += 1
-            _deliver(continuation, *late)
-        drop, delay, duplicate, reorder = self.p
-        if draw < drop:
-            _deliver(continuation, details, request)
-            self.counts["dropped"] += 1
-            raise _InjectedError(grpc.StatusCode.UNAVAILABLE, "injected: connection lost before the answer")
-        if draw < drop + delay:
-            _deliver(continuation, details, request)
-            self.counts["delayed"] += 1
-            raise _InjectedError(grpc.StatusCode.DEADLINE_EXCEEDED, "injected: answer after the deadline")
-        if draw < drop + delay + duplicate:
-            _deliver(continuation, details, request)
-            self.counts["duplicated"] += 1
-            return continuation(details, request)
-        if draw < drop + delay + duplicate + reorder:
-            with self._lock:
-                self._held.append((details, request))
-        return continuation(details, request)
+            late = held.pop(0) if held and self.rnd.random() < self.p[3] else None
+            if late is not None:
+                self.counts["reordered"] += 1
+            fault = "none"
+            for name, p in zip(("drop", "delay", "duplicate", "hold"), self.p, strict=True):
+                if draw < p:
+                    fault = name
+                    break
+                draw -= p
+            if fault == "hold":
+                held.append(item)
+        return fault, late
+
+    def draw_message(self, request: Any) -> tuple[str, Any]:
+        """A StepStream message's fault and late old copy (:meth:`_draw`; a message is a
+        Step: faulted when "Step" is in ``methods``); "cut" while partitioned."""
+        if self.partitioned:
+            return "cut", None
+        if not self.enabled or "Step" not in self.methods:
+            return "none", None
+        return self._draw(request, self._held_messages)
+
+    def intercept_stream_stream(self, continuation: Callable[..., Any], details: Any, requests: Any) -> Any:
+        if not details.method.endswith("/StepStream"):
+            return continuation(details, requests)
+        return _FaultyStream(self, continuation, details, requests)
+
+
+class _FaultyStream:
+    """A StepStream call with the injector's faults drawn per message (one in flight)."""
+
+    def __init__(
+        self, faults: FaultInjector, continuation: Callable[..., Any], details: Any, requests: Any
+    ) -> None:
+        self.faults = faults
+        self.plans: queue.SimpleQueue[tuple[str, bool]] = queue.SimpleQueue()
+        self.cancelled = threading.Event()
+        self.call = continuation(details, self._sent(iter(requests)))
+
+    def _sent(self, requests: Any) -> Any:
+        """What reaches the server (read on gRPC's thread): each message, with its late
+        old copy before it and its duplicate after it."""
+        for request in requests:
+            fault, late = self.faults.draw_message(request)
+            if fault == "cut":
+                self.plans.put((fault, False))
+                return
+            self.plans.put((fault, late is not None))  # (before sending: a late copy's refusal ends the call)
+            if late is not None:
+                yield late
+            yield request
+            if fault == "duplicate":
+                yield request
+
+    def __iter__(self) -> _FaultyStream:
+        return self
+
+    def __next__(self) -> Any:
+        while True:  # until the message was sent, or the call ended (then never read)
+            try:
+                fault, late = self.plans.get(timeout=0.05)
+                break
+            except queue.Empty:
+                if self.cancelled.is_set() or not self.call.is_active():
+                    return next(self.call)  # raises how the call ended
+        counts = self.faults.counts
+        if fault == "cut":
+            self.call.cancel()
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: network partition")
+        if late:
+            try:
+                next(self.call)  # the old copy's answer goes nowhere
+            except grpc.RpcError:  # its refusal ended the stream: this message was never read
+                raise LocalRpcError(
+                    grpc.StatusCode.UNAVAILABLE, "injected: a late old copy's refusal ended the stream"
+                ) from None
+        answer = next(self.call)
+        if fault == "duplicate":
+            counts["duplicated"] += 1
+            return next(self.call)  # the second copy's answer (the first one's, kept)
+        if fault == "drop":
+            counts["dropped"] += 1
+            self.call.cancel()
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: stream broken before the answer")
+        if fault == "delay":
+            counts["delayed"] += 1
+            if not self.faults.hold_delayed:
+                self.call.cancel()
+                raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "injected: answer after the deadline")
+            self.cancelled.wait(60)  # held until the client gives up on it (bounded)
+            raise LocalRpcError(grpc.StatusCode.CANCELLED, "injected: answer held until cancelled")
+        return answer
+
+    def cancel(self) -> bool:
+        self.cancelled.set()
+        return bool(self.call.cancel())
 
 
 def _deliver(continuation: Callable[..., Any], details: Any, request: Any) -> None:

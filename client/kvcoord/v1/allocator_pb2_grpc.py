@@ -89,6 +89,11 @@ class AllocatorStub:
                 request_serializer=kvcoord_dot_v1_dot_allocator__pb2.StepRequest.SerializeToString,
                 response_deserializer=kvcoord_dot_v1_dot_allocator__pb2.StepResponse.FromString,
                 _registered_method=True)
+        self.StepStream = channel.stream_stream(
+                '/kvcoord.v1.Allocator/StepStream',
+                request_serializer=kvcoord_dot_v1_dot_allocator__pb2.StepRequest.SerializeToString,
+                response_deserializer=kvcoord_dot_v1_dot_allocator__pb2.StepResponse.FromString,
+                _registered_method=True)
         self.ResetPrefixCache = channel.unary_unary(
                 '/kvcoord.v1.Allocator/ResetPrefixCache',
                 request_serializer=kvcoord_dot_v1_dot_allocator__pb2.ResetPrefixCacheRequest.SerializeToString,
@@ -220,6 +225,22 @@ class AllocatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StepStream(self, request_iterator, context):
+        """Steps on one long-lived call (only to a server whose AttachResponse.capabilities
+        lists "step_stream"; it costs the server about half of a unary call's gRPC work).
+        Each request is exactly a Step: the same checks (credentials, role, bounds,
+        session, fence, idempotency key), the same effects and the same answer. Requests
+        are applied and answered one at a time, in order: one answer per request. A Step
+        that fails ends the stream with the status (and trailing ErrorReason) that Step
+        would have had as a unary call; requests after it are not read, so not applied.
+        A client that lost the stream (its deadline, a broken connection) resends each
+        unanswered Step under its idempotency key, on a new stream or as a unary Step:
+        a Step applied already is answered from its kept answer, never applied twice.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ResetPrefixCache(self, request, context):
         """Forgets every cached hash; refused (result = false) while any block is held.
         """
@@ -338,6 +359,11 @@ def add_AllocatorServicer_to_server(servicer, server):
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
+                    request_deserializer=kvcoord_dot_v1_dot_allocator__pb2.StepRequest.FromString,
+                    response_serializer=kvcoord_dot_v1_dot_allocator__pb2.StepResponse.SerializeToString,
+            ),
+            'StepStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.StepStream,
                     request_deserializer=kvcoord_dot_v1_dot_allocator__pb2.StepRequest.FromString,
                     response_serializer=kvcoord_dot_v1_dot_allocator__pb2.StepResponse.SerializeToString,
             ),
@@ -672,6 +698,33 @@ class Allocator:
             request,
             target,
             '/kvcoord.v1.Allocator/Step',
+            kvcoord_dot_v1_dot_allocator__pb2.StepRequest.SerializeToString,
+            kvcoord_dot_v1_dot_allocator__pb2.StepResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StepStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvcoord.v1.Allocator/StepStream',
             kvcoord_dot_v1_dot_allocator__pb2.StepRequest.SerializeToString,
             kvcoord_dot_v1_dot_allocator__pb2.StepResponse.FromString,
             options,

@@ -155,6 +155,7 @@ RPC_RULES: Mapping[str, Rule] = {
     "Allocate": Rule(_U),
     "Free": Rule(_U),
     "Step": Rule(_U),
+    "StepStream": Rule(_U),  # (each message is checked as a Step)
     "ResetPrefixCache": Rule(_A),
     "GetStats": Rule(_O),
     "InspectPool": Rule(_A),

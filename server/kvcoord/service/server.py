@@ -103,6 +103,7 @@ class RunningServer:
             except Exception as exc:  # noqa: BLE001 - the pools stay unclaimed until this replica is back
                 logger.error("handing the pools over at stop failed: %s", exc)
         self.servicer.stopping = True
+        self.servicer.step_streams.end()  # (an idle Step stream never holds the grace period)
         await self.health.enter_graceful_shutdown()
         self._reaper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -303,7 +304,7 @@ async def start_server(
     # Credentials and roles are checked per call in front of every Allocator handler
     # (servicer.add_servicer, access.py); health and reflection stay open.
     server = grpc.aio.server(options=_options(cfg), interceptors=list(interceptors))
-    add_servicer(servicer, server)
+    add_servicer(servicer, server, interceptors)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

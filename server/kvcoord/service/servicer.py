@@ -17,7 +17,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -72,6 +72,7 @@ from .score_wire import ScoreEncoder
 from .scoring import Reserve, score_pools
 from .sessions import Session
 from .state_export import ExportError, mirror_state_apart
+from .step_stream import StepStreams, step_stream_handler
 from .wire_slices import parse_in_turns
 
 __all__ = [
@@ -138,9 +139,10 @@ def _fence(request: Any) -> Fence | None:
 #: what an answer keeps free besides its events or pool state (fields written after
 #: the budget is taken: statistics, flags, the session id, gRPC's framing)
 ANSWER_MARGIN_BYTES = 1024
-#: AttachResponse.capabilities: the operations beyond every server's this one applies
-#: ("decode_op": DecodeOp); a client sends one only when it is listed
-CAPABILITIES = ("decode_op",)
+#: AttachResponse.capabilities: the operations and calls beyond every server's this one
+#: serves ("decode_op": DecodeOp; "step_stream": StepStream, step_stream.py); a client
+#: uses one only when it is listed
+CAPABILITIES = ("decode_op", "step_stream")
 
 
 class AllocatorServicer(pb_grpc.AllocatorServicer):
@@ -159,6 +161,8 @@ class AllocatorServicer(pb_grpc.AllocatorServicer):
         registry.on_session_expired = self._session_expired
         self.watch_poll_seconds = watch_poll_seconds
         self.stopping = False
+        #: the open StepStream calls (step_stream.py), ended when the server stops
+        self.step_streams = StepStreams()
         #: set when the journal could not be written: every call is refused from then on
         self.journal_failure: str | None = None
         self._teardowns: set[asyncio.Task[None]] = set()
@@ -1039,12 +1043,20 @@ def _as_is_or(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
     return serializer
 
 
-def add_servicer(servicer: AllocatorServicer, server: grpc.aio.Server) -> None:
+def add_servicer(
+    servicer: AllocatorServicer,
+    server: grpc.aio.Server,
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> None:
     """Register the Allocator service with parsers that turn undecodable bytes into
-    INVALID_ARGUMENT (gRPC's default answers UNKNOWN and logs a traceback per call)."""
+    INVALID_ARGUMENT (gRPC's default answers UNKNOWN and logs a traceback per call).
+    StepStream runs each message through the Step handler registered here, wrapped by
+    the server's ``interceptors`` as a unary Step is (step_stream.py)."""
     service = pb.DESCRIPTOR.services_by_name["Allocator"]
     handlers = {}
     for method in service.methods:
+        if method.client_streaming:  # StepStream: built from Step's handler below
+            continue
         request_cls = getattr(pb, method.input_type.name)
         response_cls = getattr(pb, method.output_type.name)
         behaviour = _guard(
@@ -1069,4 +1081,7 @@ def add_servicer(servicer: AllocatorServicer, server: grpc.aio.Server) -> None:
             if method.name in _BYTES_ANSWERS
             else response_cls.SerializeToString,
         )
+    handlers["StepStream"] = step_stream_handler(
+        handlers["Step"], f"/{service.full_name}/Step", servicer.step_streams, interceptors
+    )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))

@@ -54,6 +54,10 @@ class _InjectedError(grpc.RpcError, grpc.Call):  # type: ignore[misc]
     def add_callback(self, callback: Callable[[], None]) -> bool:
         return False
 
+    def result(self, timeout: float | None = None) -> Any:
+        # an outer interceptor's continuation returns this error as the call's outcome
+        raise self
+
 
 class FaultInjector(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     """Args:

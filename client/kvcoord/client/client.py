@@ -204,7 +204,8 @@ class KVCoordClient(Api):
         include_state: bool = False,
     ) -> pb.StepResponse:
         """Apply ``ops`` in order in one round trip: one result each (and the session's
-        new events and statistics with ``include_state``)."""
+        new events and statistics with ``include_state``); one larger than
+        ``step_piece_bytes`` is sent in pieces (:mod:`kvcoord.client.step_pieces`)."""
         return self.send_step(rq.step(pool, ops, session_id, fence, include_state))
 
     def send_step(self, request: pb.StepRequest) -> pb.StepResponse:

@@ -31,7 +31,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Awaitable, Callable, Generator
 
+import grpc
 from kvcoord.v1 import allocator_pb2 as pb
+
+from .errors import InternalError
 
 __all__ = ["DEFAULT_STEP_PIECE_BYTES", "pieces", "send_in_pieces", "send_in_pieces_async"]
 
@@ -108,6 +111,12 @@ class _Joiner:
 
     def add(self, i: int, answer: pb.StepResponse) -> bool:
         """Take piece ``i``'s answer; False once an operation failed (send no more)."""
+        if len(answer.results) != len(self.parts[i].ops):
+            raise InternalError(
+                grpc.StatusCode.INTERNAL,
+                f"Step piece {i + 1} of {len(self.parts)} got {len(answer.results)} results for "
+                f"{len(self.parts[i].ops)} operations: the joined answer would be wrong",
+            )
         offset = len(self.answer.results)
         results = self.answer.results
         for j, r in enumerate(answer.results):

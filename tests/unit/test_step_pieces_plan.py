@@ -19,12 +19,14 @@ def _request(sizes: list[int], key: str = "k") -> pb.StepRequest:
 
 def test_whole_operations_in_order_each_piece_under_the_limit_but_a_larger_one_alone() -> None:
     request = _request([100, 100, 100, 3000, 100, 100])
-    parts = pieces(request, 400)
-    assert parts is not None
+    limit = 1024 + 300  # (the other fields are counted as 1 KiB): two of these operations a piece
+    parts = pieces(request, limit)
+    assert parts is not None and len(parts) == 4
     assert [op for p in parts for op in p.ops] == list(request.ops)
     assert [p.idempotency_key for p in parts] == [f"k/{i}" for i in range(len(parts))]
-    assert all(p.ByteSize() <= 400 for p in parts if len(p.ops) > 1)
-    assert any(len(p.ops) == 1 and p.ByteSize() > 400 for p in parts)
+    assert [len(p.ops) for p in parts] == [2, 1, 1, 2]  # the large one alone
+    assert all(p.ByteSize() <= limit for p in parts if len(p.ops) > 1)
+    assert parts[2].ByteSize() > limit
     assert [p.include_state for p in parts] == [False] * (len(parts) - 1) + [True]
     assert parts[-1].events_digest and not parts[0].events_digest
     assert all(p.fence == request.fence and p.pool == "p" and p.session_id == "s" for p in parts)
@@ -43,8 +45,8 @@ def test_a_long_key_gives_short_piece_keys() -> None:
 
 
 def test_an_answer_with_the_wrong_number_of_results_is_refused() -> None:
-    request = _request([100] * 6)
-    parts = pieces(request, 300)
+    request = _request([100] * 20)
+    parts = pieces(request, 1024 + 300)
     assert parts is not None
 
     def send(piece: pb.StepRequest) -> pb.StepResponse:

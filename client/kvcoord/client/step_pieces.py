@@ -43,6 +43,9 @@ DEFAULT_STEP_PIECE_BYTES = 1 << 20
 #: the servers' bound on an idempotency key (bounds.MAX_IDEMPOTENCY_KEY_LENGTH)
 _MAX_KEY = 128
 _ABORTED = 10  # google.rpc.Code ABORTED
+#: what a piece's fields besides its operations are counted as (pool, session, key,
+#: fence, flags: usually far less)
+_HEAD_BYTES = 1024
 
 
 def _varint_len(n: int) -> int:
@@ -71,7 +74,9 @@ def pieces(request: pb.StepRequest, limit: int) -> list[pb.StepRequest] | None:
     head = pb.StepRequest(pool=request.pool, session_id=request.session_id)
     if request.HasField("fence"):
         head.fence.CopyFrom(request.fence)
-    base = head.ByteSize() + 2 + _varint_len(_MAX_KEY) + _MAX_KEY  # the fields besides the operations
+    # the cuts depend on the operations alone (a request sent again with another fence
+    # is cut the same way): the other fields are counted as at most _HEAD_BYTES
+    base = _HEAD_BYTES
     groups: list[list[pb.Operation]] = []
     group: list[pb.Operation] = []
     size = base

@@ -3,6 +3,7 @@
 
     python bench/stall.py [--scenarios step alloc lifecycle] [--rounds 3] [--old REV]
         [--step-ops 65536] [--step-tokens 80] [--alloc-blocks 65536] [--blocks 5000000]
+        [--piece-bytes N]
 
 A server process (journal in a temporary directory, ``synchronous = NORMAL``) serves a
 small pool and a large one. A client in a process of its own calls GetStats on the
@@ -10,7 +11,8 @@ small pool every 2 ms and times each answer; another client meanwhile, ``--round
 
   step       sends one Step of ``--step-ops`` operations to the large pool, each
              registering a request of ``--step-tokens`` tokens and allocating its
-             blocks (65,536 x 80 tokens: about 15 MB on the wire), then frees them
+             blocks (65,536 x 80 tokens: about 15 MB, sent in pieces of at most
+             ``--piece-bytes``, 1 MiB by default, 0: one message), then frees them
   alloc      allocates ``--alloc-blocks`` blocks to one request in one operation,
              then frees it
   lifecycle  creates a pool of ``--blocks`` blocks, fills it with 65,536-block
@@ -44,6 +46,7 @@ sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
 
 from common import old_tree  # noqa: E402
 from kvcoord.client import KVCoordClient  # noqa: E402
+from kvcoord.client.step_pieces import DEFAULT_STEP_PIECE_BYTES  # noqa: E402
 from kvcoord.client.testing import ServerProcess, start_server  # noqa: E402
 from kvcoord.v1 import allocator_pb2 as pb  # noqa: E402
 from loop_probe import read as read_probe  # noqa: E402
@@ -181,7 +184,7 @@ def run(
 ) -> tuple[list[float], float, tuple[float, float]]:
     """One large call while the probe runs: the probe's latencies, the call's time and
     its window (time.monotonic)."""
-    with KVCoordClient(server.address, timeout=600) as c:
+    with KVCoordClient(server.address, timeout=600, step_piece_bytes=args.piece_bytes) as c:
         session = c.attach("big", "", BS, "").session_id
         prober = Prober(server.address)
         time.sleep(0.1)
@@ -215,6 +218,10 @@ def main() -> None:
     ap.add_argument("--step-ops", type=int, default=65_536)
     ap.add_argument("--step-tokens", type=int, default=80)
     ap.add_argument("--alloc-blocks", type=int, default=65_536)
+    ap.add_argument(
+        "--piece-bytes", type=int, default=DEFAULT_STEP_PIECE_BYTES,
+        help="the large call's client's step_piece_bytes (0: the Step in one message, as older clients send it)",
+    )  # fmt: skip
     ap.add_argument("--blocks", type=int, default=5_000_000, help="lifecycle: the created pool's blocks")
     args = ap.parse_args()
     print(

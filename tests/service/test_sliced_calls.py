@@ -71,7 +71,7 @@ def _probe(
 
     def send_big() -> None:
         try:
-            with KVCoordClient(server.address, timeout=120) as c:
+            with KVCoordClient(server.address, timeout=120, step_piece_bytes=0) as c:
                 session = c.attach("a", "", 4, "")
                 answers.append(big(c, session.session_id, session.fence))
         finally:
@@ -79,7 +79,7 @@ def _probe(
 
     sender = threading.Thread(target=send_big)
     sender.start()
-    with KVCoordClient(server.address, timeout=120) as c:
+    with KVCoordClient(server.address, timeout=120, step_piece_bytes=0) as c:
         while not done.is_set():
             c.get_stats("b")
     sender.join(120)
@@ -176,7 +176,7 @@ def test_a_sliced_allocation_answers_as_an_unsliced_one(make_server: Callable[..
     server = make_server(two)
     mutations = server.running.servicer.mutations  # type: ignore[union-attr]
     got = {}
-    with KVCoordClient(server.address, timeout=120) as c:
+    with KVCoordClient(server.address, timeout=120, step_piece_bytes=0) as c:
         for pool, seconds in (("a", 0.0), ("b", 1e9)):
             mutations.slice_seconds = seconds
             session = c.attach(pool, "", 4, "")

@@ -84,7 +84,10 @@ def test_other_tasks_run_while_a_large_step_is_parsed(
 
     monkeypatch.setattr(servicer_module, "parse_in_turns", watched, raising=False)
     ops = _ops()
-    with turns_while(server, parsing) as turns, KVCoordClient(server.address, timeout=120) as c:
+    with (
+        turns_while(server, parsing) as turns,
+        KVCoordClient(server.address, timeout=120, step_piece_bytes=0) as c,
+    ):
         session = c.attach("a", "", 4, "")
         answer = c.step("a", ops, session.session_id, session.fence)
     assert len(pb.StepRequest(ops=ops).SerializeToString()) > wire_slices.PARSE_AT_ONCE_BYTES
@@ -102,7 +105,7 @@ def test_a_step_parsed_in_slices_answers_as_one_parsed_at_once(
     for at_once in (wire_slices.PARSE_AT_ONCE_BYTES, 1 << 40):
         monkeypatch.setattr(wire_slices, "PARSE_AT_ONCE_BYTES", at_once)
         server = make_server(POOL)
-        with KVCoordClient(server.address, timeout=120) as c:
+        with KVCoordClient(server.address, timeout=120, step_piece_bytes=0) as c:
             session = c.attach("a", "", 4, "")
             request = pb.StepRequest(
                 pool="a", session_id=session.session_id, fence=session.fence, ops=_ops(), idempotency_key="k1"
@@ -152,7 +155,10 @@ def test_other_tasks_run_while_a_long_sync_is_read(
     n = 262_144
     sync = pb.RequestSync(request_id="long", new_request=True, append_token_ids=[k % 97 for k in range(n)])
     a = pb.AllocateOp(request=sync, num_new_tokens=n // 8)
-    with turns_while(server, reading) as turns, KVCoordClient(server.address, timeout=120) as c:
+    with (
+        turns_while(server, reading) as turns,
+        KVCoordClient(server.address, timeout=120, step_piece_bytes=0) as c,
+    ):
         session = c.attach("a", "", 4, "")
         if rpc == "Step":
             (result,) = c.step("a", [pb.Operation(allocate=a)], session.session_id, session.fence).results

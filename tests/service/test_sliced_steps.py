@@ -91,14 +91,14 @@ def probe_during_a_large_step(server: InProcessServer) -> list[int]:
     done = threading.Event()
 
     def send_big() -> None:
-        with KVCoordClient(server.address, timeout=120) as c:
+        with KVCoordClient(server.address, timeout=120, step_piece_bytes=0) as c:
             session = c.attach("a", "", 4, "")
             answers.append(c.step("a", _big_step(n=N_PROBED), session.session_id, session.fence))
         done.set()
 
     sender = threading.Thread(target=send_big)
     sender.start()
-    with KVCoordClient(server.address, timeout=120) as c:
+    with KVCoordClient(server.address, timeout=120, step_piece_bytes=0) as c:
         while not applied[0] and sender.is_alive():  # until pool "a" applies its first operation
             c.get_stats("b")
         while not done.is_set():
@@ -146,7 +146,7 @@ def test_a_sliced_step_answers_as_an_unsliced_one(make_server: Callable[..., InP
     server = make_server(two)
     mutations = server.running.servicer.mutations  # type: ignore[union-attr]
     got = {}
-    with KVCoordClient(server.address, timeout=120) as c:
+    with KVCoordClient(server.address, timeout=120, step_piece_bytes=0) as c:
         for pool, seconds in (("a", 0.0), ("b", 1e9)):
             mutations.slice_seconds = seconds
             session = c.attach(pool, "", 4, "")
@@ -169,11 +169,11 @@ def test_a_call_on_the_same_pool_waits_for_the_sliced_step(
     server = make_server(TWO_POOLS)
     applied = _count_syncs(server, "a")
     seen: list[int] = []
-    with KVCoordClient(server.address, timeout=120) as c:
+    with KVCoordClient(server.address, timeout=120, step_piece_bytes=0) as c:
         session = c.attach("a", "", 4, "")
 
         def send_big() -> None:
-            with KVCoordClient(server.address, timeout=120) as c2:
+            with KVCoordClient(server.address, timeout=120, step_piece_bytes=0) as c2:
                 c2.step("a", _big_step(), session.session_id, session.fence)
 
         sender = threading.Thread(target=send_big)

@@ -4,7 +4,7 @@ being the one convert.allocate_from_pb gives, its other fields included."""
 from __future__ import annotations
 
 import pytest
-from kvcoord.engine import TokenIds
+from kvcoord.engine import HandedTokenIds
 from kvcoord.service import long_syncs
 from kvcoord.service.convert import allocate_from_pb
 from kvcoord.v1 import allocator_pb2 as pb
@@ -18,7 +18,7 @@ def _drive(a: pb.AllocateOp) -> tuple[object, int]:
 def _ops(n: int) -> list[pb.AllocateOp]:
     tokens = [(k * 7919) % 50_000 for k in range(n)]
     new = pb.RequestSync(
-        request_id="r", new_request=True, append_token_ids=tokens, append_block_hashes=[b"h" * 8] * 3,
+        request_id="r", new_request=True, append_token_ids=tokens, append_block_hashes=[b"h" * 8] * 9_000,
         lora=pb.LoRA(adapter_id=3, name="x"), cache_salt="salt", num_prompt_tokens=n - 1,
         num_preemptions=2, skip_reading_prefix_cache=True,
     )  # fmt: skip
@@ -41,8 +41,9 @@ def test_a_long_operation_read_in_slices_is_read_at_once(k: int) -> None:
     got, yields = _drive(a)
     want = allocate_from_pb(a, 1)
     assert got == want
-    assert type(got.sync.append_token_ids) is TokenIds  # type: ignore[attr-defined]
-    assert yields == -(-n // long_syncs.TOKENS_SLICE)
+    assert type(got.sync.append_token_ids) is HandedTokenIds  # type: ignore[attr-defined]
+    hashes = len(a.request.append_block_hashes)
+    assert yields == -(-n // long_syncs.TOKENS_SLICE) + -(-hashes // long_syncs.HASHES_SLICE)
 
 
 def test_a_short_operation_is_read_at_once() -> None:

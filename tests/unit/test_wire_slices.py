@@ -215,3 +215,21 @@ def test_a_keyed_body_past_one_slice_is_still_digested_a_slice_at_a_time() -> No
     (body, digest), yields = drive(mutations.keyed_body_slices(request, mutations.SERIALIZE_SLICE_OPS))
     assert yields == 3
     assert digest == mutations.request_digest(request)
+
+
+def test_one_large_operation_is_parsed_in_slices_too() -> None:
+    """A Step of one operation registering a long request (one 4 MB top-level field at
+    1,048,576 tokens) is entered: its tokens (a packed field) and hashes merged a slice
+    at a time."""
+    sync = pb.RequestSync(
+        request_id="r", new_request=True, append_token_ids=[(k * 7919) % 200_000 for k in range(300_000)],
+        append_block_hashes=[k.to_bytes(4, "big") * 8 for k in range(300_000 // 16)],
+    )  # fmt: skip
+    request = pb.StepRequest(
+        pool="p", ops=[pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=5))]
+    )
+    request.ops.add().free.request_id = "x"
+    data = request.SerializeToString()
+    parsed, yields = drive(parse_slices(pb.StepRequest, data))
+    assert parsed == request and parsed.SerializeToString() == data
+    assert yields >= len(data) // wire_slices.PARSE_SLICE_BYTES

@@ -39,6 +39,7 @@ from .api import (
 )
 from .errors import error_from_rpc
 from .retry import Attempts
+from .step_pieces import pieces, send_in_pieces_async
 
 __all__ = ["AsyncKVCoordClient"]
 
@@ -193,8 +194,13 @@ class AsyncKVCoordClient(Api):
         include_state: bool = False,
     ) -> Coro[pb.StepResponse]:
         """Apply ``ops`` in order in one round trip: one result each (and the session's
-        new events and statistics with ``include_state``)."""
-        return self._unary(STEP, rq.step(pool, ops, session_id, fence, include_state))
+        new events and statistics with ``include_state``); one larger than
+        ``step_piece_bytes`` is sent in pieces (:mod:`kvcoord.client.step_pieces`)."""
+        request = rq.step(pool, ops, session_id, fence, include_state)
+        parts = pieces(request, self.step_piece_bytes)
+        if parts is not None:
+            return send_in_pieces_async(request, parts, lambda piece: self._unary(STEP, piece))
+        return self._unary(STEP, request)
 
     def reset_prefix_cache(
         self, pool: str, session_id: str = "", fence: pb.Fence | None = None

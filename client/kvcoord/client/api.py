@@ -20,6 +20,7 @@ from . import _requests as rq
 from .errors import KVCoordError
 from .owners import AGAIN, SETTLE, Routes
 from .retry import DEFAULT_RETRY, Attempts, RetryPolicy
+from .step_pieces import DEFAULT_STEP_PIECE_BYTES
 from .tls import TLSOptions
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT", "UNARY_METHODS", "Api", "Coro", "Rpc", "merged"]
@@ -119,6 +120,7 @@ class Api:
         token: str | None = None,
         interceptors: Sequence[Any] = (),
         tls: TLSOptions | None = None,
+        step_piece_bytes: int = DEFAULT_STEP_PIECE_BYTES,
     ) -> None:
         """Open a channel to ``target`` (``host:port`` or ``unix:/path``), or to a
         replica set: a list of addresses (or one string of them, comma-separated), or
@@ -136,6 +138,9 @@ class Api:
             token: bearer token, when the server sets ``auth_tokens``.
             interceptors: gRPC client interceptors for the channel (e.g. FaultInjector).
             tls: connect over TLS (mutual TLS with a client certificate); ``None`` is plaintext.
+            step_piece_bytes: a Step serialized larger than this is sent as several
+                Steps of whole operations, answered as one (:mod:`kvcoord.client.step_pieces`;
+                0: never split).
 
         Raises:
             ValueError: a TLS file is unreadable or invalid (named in the message).
@@ -144,6 +149,8 @@ class Api:
         self.routes = Routes(target)
         self.target = target if isinstance(target, str) else ",".join(target)
         self.timeout = timeout
+        #: a Step larger than this is sent in pieces (step_pieces.py; 0: never)
+        self.step_piece_bytes = step_piece_bytes
         self.retry = retry
         #: how long keyed calls may be retried: half the server's idempotency window
         #: (learned at attach; the server's default until then)

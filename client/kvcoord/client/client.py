@@ -43,6 +43,7 @@ from .api import (
 )
 from .errors import error_from_rpc
 from .retry import Attempts
+from .step_pieces import pieces, send_in_pieces
 from .stream_carrier import STEP_STREAM, StepCarrier
 
 __all__ = ["KVCoordClient"]
@@ -242,14 +243,19 @@ class KVCoordClient(Api):
         include_state: bool = False,
     ) -> pb.StepResponse:
         """Apply ``ops`` in order in one round trip: one result each (and the session's
-        new events and statistics with ``include_state``)."""
-        return self._unary(STEP, rq.step(pool, ops, session_id, fence, include_state))
+        new events and statistics with ``include_state``); one larger than
+        ``step_piece_bytes`` is sent in pieces (:mod:`kvcoord.client.step_pieces`)."""
+        return self.send_step(rq.step(pool, ops, session_id, fence, include_state))
 
     def send_step(self, request: pb.StepRequest) -> pb.StepResponse:
         """:meth:`step` for a request the caller built (its operations written in place,
-        so nothing is copied); an idempotency key is added when it has none."""
+        so nothing is copied); an idempotency key is added when it has none. One larger
+        than ``step_piece_bytes`` is sent in pieces (:mod:`kvcoord.client.step_pieces`)."""
         if not request.idempotency_key:
             request.idempotency_key = rq.key()
+        parts = pieces(request, self.step_piece_bytes)
+        if parts is not None:
+            return send_in_pieces(request, parts, lambda piece: self._unary(STEP, piece))
         return self._unary(STEP, request)
 
     def reset_prefix_cache(

@@ -19,7 +19,7 @@ from .errors import (
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, hash_to_int64
 from .pool import AllocationResult, CacheHit, KVCachePool, PoolSnapshot, RequestCheckpoint
 from .request import LoRA
-from .request_table import TokenIds
+from .request_table import HandedTokenIds, TokenIds
 from .specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -61,6 +61,7 @@ __all__ = [
     "SlidingWindowSpec",
     "HintMismatchError",
     "StaleCacheHitError",
+    "HandedTokenIds",
     "TokenIds",
     "attention_groups",
     "hash_to_int64",

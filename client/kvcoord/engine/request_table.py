@@ -13,6 +13,7 @@ so a decode step costs the same whatever the request's length.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 from .config import KVCacheConfig
 from .errors import InvalidArgumentError, RequestExistsError, RequestNotFoundError
@@ -22,7 +23,7 @@ from .request import LoRA, Request
 from .results import RequestCheckpoint
 from .types import RequestId
 
-__all__ = ["RequestTable", "TokenIds", "check_count"]
+__all__ = ["HandedTokenIds", "RequestTable", "TokenIds", "check_count"]
 
 
 def check_count(value: object, name: str) -> int:
@@ -42,6 +43,15 @@ class TokenIds(list[int]):
     """Token ids their maker guarantees are non-negative ``int``s, such as those read
     from a ``uint32`` wire field: :meth:`RequestTable.check_tokens` copies such a list
     without checking each element again (only the total length is checked)."""
+
+    __slots__ = ()
+
+
+class HandedTokenIds(TokenIds):
+    """:class:`TokenIds` handed over by their maker, which keeps no reference to the
+    list and never changes it again: :meth:`RequestTable.check_tokens` then keeps this
+    very list instead of a copy (copying a 1,048,576-token prompt took 7-18 ms of one
+    call). Made only for the one call it is given to."""
 
     __slots__ = ()
 
@@ -295,9 +305,10 @@ class RequestTable:
         Raises:
             InvalidArgumentError: naming ``name`` and the first bad token, or the total.
         """
-        out = list(tokens)
+        kind = type(tokens)
+        out = cast(list[int], tokens) if kind is HandedTokenIds else list(tokens)  # (its maker let it go)
         n = len(out)
-        if type(tokens) is TokenIds:
+        if kind is TokenIds or kind is HandedTokenIds:
             ok = True  # checked by whoever made it (a uint32 wire field cannot be negative)
         elif n == 1:
             t = out[0]

@@ -70,6 +70,8 @@ from typing import TYPE_CHECKING, Any
 
 import cbor2
 
+from .journal_cbor import record_bytes
+
 if TYPE_CHECKING:  # pragma: no cover
     from google.protobuf.message import Message
 
@@ -277,7 +279,7 @@ class JournalRecorder(Recorder):
         journal.on_commit.append(self._committed)
 
     def _append(self, *fields: object, service: PoolService | None = None) -> None:
-        body = cbor2.dumps([fields[0], self.wall_clock(), *fields[1:]])
+        body = record_bytes((fields[0], self.wall_clock(), *fields[1:]))  # cbor2.dumps of the list
         self.bytes_appended += len(body)
         self.records_appended += 1
         seq = self.journal.append(body)

@@ -1,0 +1,228 @@
+"""A Step too large for one message, sent as several (issue 23 item 3).
+
+Every pool of a server shares its event loop, and a message is received and parsed
+whole before any of it can be sliced: one 15 MB Step held the loop for 20+ ms in gRPC's
+C code alone. The clients therefore send a Step whose serialization exceeds
+``step_piece_bytes`` (:data:`DEFAULT_STEP_PIECE_BYTES`; 0 never splits) as consecutive
+Steps ("pieces") of whole operations, in order, each at most that size unless one
+operation alone is larger (it then goes alone). The caller sees one StepResponse,
+the one a single message gets:
+
+* each piece carries its own idempotency key, derived from the request's (``KEY/i``),
+  so sending the same request again (same key) gets the pieces already applied from
+  their kept answers and applies only the rest, each once;
+* only the last piece carries ``include_state`` / ``events_digest``, so the answer's
+  events, statistics, free count and fence are those after every operation;
+* the results are joined in order. When an operation fails, a Step applies nothing
+  after it (those results are ABORTED, "not applied: operation N failed", N counted
+  from the first operation of the whole request): the later pieces are not sent and
+  their operations get that same result; with ``include_state`` an empty Step then
+  fetches the state (key ``KEY/state``);
+* when a piece's call itself fails (its retries spent), the error is raised with a
+  note naming the piece and its operations: the earlier pieces are applied, nothing
+  of the later ones; sending the same request again completes it exactly once.
+
+Servers keep accepting a large Step in one message (from older clients), applied in
+slices as before (server/kvcoord/service/wire_slices.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Awaitable, Callable, Generator
+
+import grpc
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .errors import InternalError
+
+__all__ = ["DEFAULT_STEP_PIECE_BYTES", "pieces", "send_in_pieces", "send_in_pieces_async"]
+
+#: a Step serialized larger than this is sent in pieces (see the module docstring)
+DEFAULT_STEP_PIECE_BYTES = 1 << 20
+#: the servers' bound on an idempotency key (bounds.MAX_IDEMPOTENCY_KEY_LENGTH)
+_MAX_KEY = 128
+_ABORTED = 10  # google.rpc.Code ABORTED
+#: what a piece's fields besides its operations are counted as (pool, session, key,
+#: fence, flags: usually far less)
+_HEAD_BYTES = 1024
+
+
+def _varint_len(n: int) -> int:
+    size = 1
+    while n >= 0x80:
+        n >>= 7
+        size += 1
+    return size
+
+
+def piece_key(key: str, suffix: str) -> str:
+    """The idempotency key of one piece of a Step keyed ``key`` (at most 128 characters)."""
+    out = f"{key}/{suffix}"
+    if len(out) > _MAX_KEY:
+        out = f"{hashlib.sha256(key.encode()).hexdigest()}/{suffix}"
+    return out
+
+
+def pieces(request: pb.StepRequest, limit: int) -> list[pb.StepRequest] | None:
+    """``request`` cut into Steps of whole operations of at most ``limit`` serialized
+    bytes each (an operation larger than that alone), keyed from its key; ``None`` when
+    it fits in one message (or ``limit`` is 0, or it has fewer than two operations)."""
+    ops = request.ops
+    if limit <= 0 or len(ops) < 2 or request.ByteSize() <= limit:
+        return None
+    head = pb.StepRequest(pool=request.pool, session_id=request.session_id)
+    if request.HasField("fence"):
+        head.fence.CopyFrom(request.fence)
+    # the cuts depend on the operations alone (a request sent again with another fence
+    # is cut the same way): the other fields are counted as at most _HEAD_BYTES
+    base = _HEAD_BYTES
+    groups: list[list[pb.Operation]] = []
+    group: list[pb.Operation] = []
+    size = base
+    for op in ops:
+        n = op.ByteSize()
+        n += 1 + _varint_len(n)
+        if group and size + n > limit:
+            groups.append(group)
+            group, size = [], base
+        group.append(op)
+        size += n
+    groups.append(group)
+    out = []
+    for i, group in enumerate(groups):
+        piece = pb.StepRequest()
+        piece.CopyFrom(head)
+        piece.idempotency_key = piece_key(request.idempotency_key, str(i))
+        piece.ops.extend(group)
+        out.append(piece)
+    last = out[-1]
+    last.include_state = request.include_state
+    last.events_digest = request.events_digest
+    return out
+
+
+class _Joiner:
+    """The pieces' answers joined into the answer of the whole request."""
+
+    def __init__(self, request: pb.StepRequest, parts: list[pb.StepRequest]) -> None:
+        self.request = request
+        self.parts = parts
+        self.total = len(request.ops)
+        self.answer = pb.StepResponse()
+        self.last: pb.StepResponse | None = None
+        #: the index (in the whole request) of the operation that failed
+        self.failed: int | None = None
+
+    def add(self, i: int, answer: pb.StepResponse) -> bool:
+        """Take piece ``i``'s answer; False once an operation failed (send no more)."""
+        if len(answer.results) != len(self.parts[i].ops):
+            raise InternalError(
+                grpc.StatusCode.INTERNAL,
+                f"Step piece {i + 1} of {len(self.parts)} got {len(answer.results)} results for "
+                f"{len(self.parts[i].ops)} operations: the joined answer would be wrong",
+            )
+        offset = len(self.answer.results)
+        results = self.answer.results
+        for j, r in enumerate(answer.results):
+            if self.failed is None:
+                results.append(r)
+                if r.status_code:
+                    self.failed = offset + j
+            else:
+                results.add(status_code=_ABORTED, status_message=self._aborted())
+        self.last = answer
+        return self.failed is None
+
+    def _aborted(self) -> str:
+        return f"not applied: operation {self.failed} failed"
+
+    def stopped_early(self) -> bool:
+        return len(self.answer.results) < self.total
+
+    def state_request(self) -> pb.StepRequest:
+        """The empty Step that fetches the state after a failure stopped the pieces."""
+        head = self.parts[0]
+        state = pb.StepRequest(
+            pool=head.pool,
+            session_id=head.session_id,
+            idempotency_key=piece_key(self.request.idempotency_key, "state"),
+            include_state=True,
+            events_digest=self.request.events_digest,
+        )
+        if head.HasField("fence"):
+            state.fence.CopyFrom(head.fence)
+        return state
+
+    def finish(self, state: pb.StepResponse | None) -> pb.StepResponse:
+        results = self.answer.results
+        for _ in range(len(results), self.total):
+            results.add(status_code=_ABORTED, status_message=self._aborted())
+        rest = state if state is not None else self.last
+        assert rest is not None
+        rest.ClearField("results")
+        self.answer.MergeFrom(rest)
+        return self.answer
+
+    def note(self, exc: BaseException, i: int) -> None:
+        if i == len(self.parts):
+            exc.add_note(f"the Step's state, after operation {self.failed} failed, was not fetched")
+            return
+        first = sum(len(p.ops) for p in self.parts[:i])
+        exc.add_note(
+            f"Step piece {i + 1} of {len(self.parts)} (operations {first}..{first + len(self.parts[i].ops) - 1}"
+            f" of {self.total}) failed: the earlier pieces are applied, none after it was sent; "
+            "sending the same request again (same idempotency key) applies the rest once"
+        )
+
+    def talk(self) -> Generator[tuple[int, pb.StepRequest], pb.StepResponse, pb.StepResponse]:
+        """Yields (index, message) to send, is sent its answer; returns the joined answer
+        (index ``len(parts)``: the state's empty Step)."""
+        for i, piece in enumerate(self.parts):
+            if not self.add(i, (yield i, piece)):
+                break
+        state = None
+        if self.stopped_early() and self.request.include_state:
+            state = yield len(self.parts), self.state_request()
+        return self.finish(state)
+
+
+def send_in_pieces(
+    request: pb.StepRequest, parts: list[pb.StepRequest], send: Callable[[pb.StepRequest], pb.StepResponse]
+) -> pb.StepResponse:
+    """Send ``parts`` (:func:`pieces` of ``request``) in order through ``send`` and join
+    their answers (module docstring)."""
+    joiner = _Joiner(request, parts)
+    talk = joiner.talk()
+    i, message = next(talk)
+    while True:
+        try:
+            answer = send(message)
+        except Exception as exc:
+            joiner.note(exc, i)
+            raise
+        try:
+            i, message = talk.send(answer)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+
+
+async def send_in_pieces_async(
+    request: pb.StepRequest,
+    parts: list[pb.StepRequest],
+    send: Callable[[pb.StepRequest], Awaitable[pb.StepResponse]],
+) -> pb.StepResponse:
+    """:func:`send_in_pieces` for the asyncio client."""
+    joiner = _Joiner(request, parts)
+    talk = joiner.talk()
+    i, message = next(talk)
+    while True:
+        try:
+            answer = await send(message)
+        except Exception as exc:
+            joiner.note(exc, i)
+            raise
+        try:
+            i, message = talk.send(answer)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]

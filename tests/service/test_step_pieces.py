@@ -1,0 +1,254 @@
+"""A Step larger than the client's step_piece_bytes is sent as several Steps and
+answered as one (kvcoord.client.step_pieces): the same answer, pool state and
+recovered journal as the one-message Step, each operation applied once whatever
+happens to a piece's answer, and other pools' calls answered between the pieces
+(real servers over real gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from kvcoord.client import AsyncKVCoordClient, KVCoordClient, KVCoordError
+from kvcoord.client import _requests as rq
+from kvcoord.client.errors import LocalRpcError
+from kvcoord.client.faults import FaultInjector
+from kvcoord.service.testing import InProcessServer
+from kvcoord.v1 import allocator_pb2 as pb
+from service.helpers import allocate
+
+TOML = """
+[[pools]]
+name = "a"
+num_blocks = 600
+hash_block_size = 4
+hash_algo = "sha256_cbor"
+hash_seed = "0"
+enable_caching = true
+enable_kv_cache_events = true
+max_model_len = 256
+[[pools.groups]]
+type = "full"
+block_size = 4
+
+[[pools]]
+name = "b"
+num_blocks = 16
+hash_block_size = 4
+[[pools.groups]]
+type = "full"
+block_size = 4
+"""
+
+#: small enough that the Steps below go in several pieces
+PIECE = 2048
+N = 60
+
+
+def _ops(n: int = N, fail_at: int | None = None) -> list[pb.Operation]:
+    """Register and allocate ``n`` requests sharing a prefix (cache hits, events), free
+    every third; ``fail_at``: that operation frees a request that does not exist."""
+    ops = []
+    for i in range(n):
+        if fail_at == i:
+            ops.append(pb.Operation(free=pb.FreeOp(request_id="nobody")))
+        elif i % 3 == 2:
+            ops.append(pb.Operation(free=pb.FreeOp(request_id=f"r{i - 1}")))
+        else:
+            tokens = [1, 2, 3, 4, 5, 6, 7, 8, *range(100 + i * 8, 108 + i * 8), 9]
+            ops.append(allocate(f"r{i}", tokens, len(tokens)))
+    return ops
+
+
+class Sizes(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Notes the serialized size of every Step sent (and runs ``before`` first)."""
+
+    def __init__(self, before: Callable[[], None] | None = None) -> None:
+        self.sizes: list[int] = []
+        self.before = before
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        if details.method.endswith("/Step"):
+            self.sizes.append(request.ByteSize())
+            if self.before is not None:
+                self.before()
+        return continuation(details, request)
+
+
+def _strip(answer: pb.StepResponse) -> pb.StepResponse:
+    """The answer without what differs between two servers (its fence)."""
+    out = pb.StepResponse()
+    out.CopyFrom(answer)
+    out.ClearField("fence")
+    return out
+
+
+def _state(c: KVCoordClient) -> pb.InspectPoolResponse:
+    return c.inspect_pool("a", free_queue_limit=10_000, all_requests=True, include_cached_blocks=True)
+
+
+@pytest.fixture
+def twins(tmp_path: Path) -> Iterator[Callable[[str], InProcessServer]]:
+    started: list[InProcessServer] = []
+
+    def make(name: str) -> InProcessServer:
+        s = InProcessServer(TOML, data_dir=str(tmp_path / name)).start()
+        started.append(s)
+        return s
+
+    yield make
+    for s in started:
+        s.stop()
+
+
+def _step(server: InProcessServer, ops: list[pb.Operation], piece: int, **kw: Any) -> tuple[Any, ...]:
+    """One Step of ``ops`` with the state, through a client with ``piece``; returns the
+    answer (fence stripped), the pool's state, and the Steps' sizes."""
+    sizes = kw.pop("sizes", None) or Sizes()
+    # unary Steps: the interceptors watch (and fault) each piece as a unary call
+    with KVCoordClient(
+        server.address, timeout=30, interceptors=[sizes, *kw.pop("interceptors", ())], step_stream=False
+    ) as c:
+        c.step_piece_bytes = piece
+        s = c.attach("a", "sha256_cbor", 4, "0")
+        answer = c.step("a", ops, s.session_id, s.fence, include_state=True)
+        return _strip(answer), _state(c), sizes.sizes
+
+
+def test_pieces_ride_the_step_stream_as_they_do_unary_calls(twins: Callable[[str], InProcessServer]) -> None:
+    """A client on a server listing step_stream sends the pieces as messages of its
+    Step stream: the same answer and state as one unary message."""
+    one, many = twins("one"), twins("many")
+    want, want_state, _ = _step(one, _ops(), 0)
+    with KVCoordClient(many.address, timeout=30) as c:
+        c.step_piece_bytes = PIECE
+        s = c.attach("a", "sha256_cbor", 4, "0")
+        got = c.step("a", _ops(), s.session_id, s.fence, include_state=True)
+        assert c._carrier.opened == 1  # the pieces went on one stream
+        assert _strip(got) == want and _state(c) == want_state
+
+
+def test_pieces_answer_as_one_message_and_recover_the_same(
+    twins: Callable[[str], InProcessServer], tmp_path: Path
+) -> None:
+    one, many = twins("one"), twins("many")
+    want, want_state, one_sizes = _step(one, _ops(), 0)
+    got, got_state, sizes = _step(many, _ops(), PIECE)
+    assert len(one_sizes) == 1 and one_sizes[0] > 3 * PIECE
+    assert len(sizes) > 3 and max(sizes) <= PIECE  # several messages, none over the limit
+    assert got == want
+    assert len(got.results) == N and got.events  # events of every piece, taken by the last
+    assert got_state == want_state
+    for server, name in ((one, "one"), (many, "many")):
+        server.stop()
+        again = InProcessServer(TOML, data_dir=str(tmp_path / name)).start()
+        try:
+            with KVCoordClient(again.address, timeout=30) as c:
+                assert _state(c) == want_state
+        finally:
+            again.stop()
+
+
+def test_a_failed_operation_stops_the_pieces(twins: Callable[[str], InProcessServer]) -> None:
+    one, many = twins("one"), twins("many")
+    fail_at = N // 2
+    want, want_state, _ = _step(one, _ops(fail_at=fail_at), 0)
+    got, got_state, sizes = _step(many, _ops(fail_at=fail_at), PIECE)
+    assert want.results[fail_at].status_code != 0
+    assert want.results[fail_at + 1].status_message == f"not applied: operation {fail_at} failed"
+    assert got == want and got_state == want_state
+    # the pieces after the failing one were not sent: the last Step is the state's, empty
+    _, _, all_sizes = _step(twins("all"), _ops(), PIECE)
+    assert 1 < len(sizes) < len(all_sizes)
+
+
+@pytest.mark.parametrize("seed", [1, 3])
+def test_lost_and_repeated_answers_of_pieces_apply_nothing_twice(
+    twins: Callable[[str], InProcessServer], seed: int
+) -> None:
+    one, many = twins("one"), twins("many")
+    want, want_state, _ = _step(one, _ops(), 0)
+    faults = FaultInjector(seed, drop=0.3, duplicate=0.3, methods=("Step",))
+    got, got_state, sizes = _step(many, _ops(), PIECE, interceptors=[faults])
+    assert len(sizes) > 3 and max(sizes) <= PIECE
+    assert faults.counts["dropped"] and faults.counts["duplicated"]
+    assert got == want and got_state == want_state
+
+
+class FailOnce(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Step number ``at`` (from 0) fails once, not sent (a non-retried status)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.steps = 0
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        if details.method.endswith("/Step"):
+            self.steps += 1
+            if self.steps == self.at + 1:
+                raise LocalRpcError(grpc.StatusCode.INTERNAL, "injected: piece lost")
+        return continuation(details, request)
+
+
+def test_a_piece_that_fails_names_itself_and_the_same_request_completes_once(
+    twins: Callable[[str], InProcessServer],
+) -> None:
+    one, many = twins("one"), twins("many")
+    want, want_state, _ = _step(one, _ops(), 0)
+    with KVCoordClient(many.address, timeout=30, interceptors=[FailOnce(2)], step_stream=False) as c:
+        c.step_piece_bytes = PIECE
+        s = c.attach("a", "sha256_cbor", 4, "0")
+        request = rq.step("a", _ops(), s.session_id, s.fence, include_state=True)
+        with pytest.raises(KVCoordError) as failed:
+            c.send_step(request)
+        assert "Step piece 3 of" in "".join(getattr(failed.value, "__notes__", ()))
+        assert c.inspect_pool("a", all_requests=True).requests  # the first pieces applied
+        got = c.send_step(request)  # the same request (same key): the rest, once
+        assert _strip(got) == want and _state(c) == want_state
+
+
+def test_another_pools_calls_are_answered_between_the_pieces(twins: Callable[[str], InProcessServer]) -> None:
+    """Before each piece, a call on pool "b" (another client) is answered: the requests
+    pool "a" holds then are counted, so the interleaving is seen without timing."""
+    server = twins("one")
+    seen: list[int] = []
+    with KVCoordClient(server.address, timeout=30) as other:
+
+        def call_b() -> None:
+            other.get_stats("b")
+            seen.append(len(other.inspect_pool("a", all_requests=True).requests))
+
+        got, _, sizes = _step(server, _ops(), PIECE, sizes=Sizes(call_b))
+    assert len(sizes) > 3
+    # calls on "b" ran between the pieces, with "a" part way through the large Step
+    assert seen[0] == 0 and len(set(seen)) == len(sizes) and all(0 < n for n in seen[1:])
+    assert len(got.results) == N
+
+
+def test_the_asyncio_client_sends_pieces_too(twins: Callable[[str], InProcessServer]) -> None:
+    one, many = twins("one"), twins("many")
+    want, want_state, _ = _step(one, _ops(fail_at=N // 2), 0)
+    sizes: list[int] = []
+
+    async def run() -> pb.StepResponse:
+        async with AsyncKVCoordClient(many.address, timeout=30) as c:
+            c.step_piece_bytes = PIECE
+            unary = c._unary
+
+            def counted(rpc: Any, request: Any) -> Any:
+                sizes.append(request.ByteSize())
+                return unary(rpc, request)
+
+            c._unary = counted  # type: ignore[method-assign]
+            s = await c.attach("a", "sha256_cbor", 4, "0")
+            return await c.step("a", _ops(fail_at=N // 2), s.session_id, s.fence, include_state=True)
+
+    got = asyncio.run(run())
+    assert len(sizes) > 2 and max(sizes) <= PIECE
+    assert _strip(got) == want
+    with KVCoordClient(many.address, timeout=30) as c:
+        assert _state(c) == want_state

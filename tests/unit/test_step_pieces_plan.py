@@ -1,0 +1,56 @@
+"""How a large Step is cut (kvcoord.client.step_pieces), without a server."""
+
+from __future__ import annotations
+
+import pytest
+from kvcoord.client.errors import InternalError
+from kvcoord.client.step_pieces import piece_key, pieces, send_in_pieces
+from kvcoord.v1 import allocator_pb2 as pb
+
+
+def _request(sizes: list[int], key: str = "k") -> pb.StepRequest:
+    return pb.StepRequest(
+        pool="p", session_id="s", idempotency_key=key, fence=pb.Fence(instance_id="i", position=3),
+        include_state=True, events_digest=True,
+        ops=[pb.Operation(allocate=pb.AllocateOp(request=pb.RequestSync(request_id=f"r{i}",
+             append_token_ids=[7] * n))) for i, n in enumerate(sizes)],
+    )  # fmt: skip
+
+
+def test_whole_operations_in_order_each_piece_under_the_limit_but_a_larger_one_alone() -> None:
+    request = _request([100, 100, 100, 3000, 100, 100])
+    limit = 1024 + 300  # (the other fields are counted as 1 KiB): two of these operations a piece
+    parts = pieces(request, limit)
+    assert parts is not None and len(parts) == 4
+    assert [op for p in parts for op in p.ops] == list(request.ops)
+    assert [p.idempotency_key for p in parts] == [f"k/{i}" for i in range(len(parts))]
+    assert [len(p.ops) for p in parts] == [2, 1, 1, 2]  # the large one alone
+    assert all(p.ByteSize() <= limit for p in parts if len(p.ops) > 1)
+    assert parts[2].ByteSize() > limit
+    assert [p.include_state for p in parts] == [False] * (len(parts) - 1) + [True]
+    assert parts[-1].events_digest and not parts[0].events_digest
+    assert all(p.fence == request.fence and p.pool == "p" and p.session_id == "s" for p in parts)
+
+
+def test_what_fits_or_cannot_be_cut_goes_in_one_message() -> None:
+    assert pieces(_request([100, 100]), 1 << 20) is None
+    assert pieces(_request([5000]), 400) is None
+    assert pieces(_request([5000, 5000]), 0) is None
+
+
+def test_a_long_key_gives_short_piece_keys() -> None:
+    key = "x" * 128
+    assert len(piece_key(key, "17")) <= 128 and piece_key(key, "17") != piece_key(key, "18")
+    assert piece_key("abc", "state") == "abc/state"
+
+
+def test_an_answer_with_the_wrong_number_of_results_is_refused() -> None:
+    request = _request([100] * 20)
+    parts = pieces(request, 1024 + 300)
+    assert parts is not None
+
+    def send(piece: pb.StepRequest) -> pb.StepResponse:
+        return pb.StepResponse(results=[pb.OperationResult()] * (len(piece.ops) - 1))
+
+    with pytest.raises(InternalError, match="results for"):
+        send_in_pieces(request, parts, send)

@@ -36,7 +36,15 @@ if TYPE_CHECKING:
     from .managers import SingleTypeKVCacheManager
     from .request import Request
 
-__all__ = ["DecodeColumns", "decode_run"]
+__all__ = ["Counts", "DecodeColumns", "decode_run"]
+
+
+class Counts(list[int]):
+    """A column of counts its maker guarantees are non-negative ``int``s (not ``bool``),
+    such as one read from a ``uint32`` wire column: :func:`decode_run` checks only the
+    bounds such a column's values could break (as :class:`TokenIds` for tokens)."""
+
+    __slots__ = ()
 
 
 class KVCachePool(Protocol):
@@ -150,24 +158,30 @@ def _plain_end(cols: DecodeColumns, start: int, stop: int, t: int) -> int:
     if not plain(start):
         return start
     n = stop - start
-    if num_t[start:stop].count(1) == n:
-        segment = tokens[t : t + n]
-        hashes = num_h[start:stop]
-        if (
-            (type(tokens) is TokenIds or (set(map(type, segment)) == {int} and min(segment) >= 0))
-            and set(map(type, hashes)) == {int}
-            and 0 <= min(hashes)
-            and max(hashes) <= 1
-            and all(
-                set(map(type, column)) == {int} and min(column) >= least
-                for column, least in ((computed[start:stop], 0), (look[start:stop], 0), (new[start:stop], 1))
-            )
-        ):
-            return stop
+    if (
+        num_t[start:stop].count(1) == n
+        and _at_least(tokens, t, t + n, 0)
+        and _at_least(num_h, start, stop, 0)
+        and max(num_h[start:stop]) <= 1
+        and _at_least(computed, start, stop, 0)
+        and _at_least(look, start, stop, 0)
+        and _at_least(new, start, stop, 1)
+    ):
+        return stop
     i = start + 1
     while i < stop and plain(i):
         i += 1
     return i
+
+
+def _at_least(column: Sequence[int], start: int = 0, stop: int | None = None, least: int = 0) -> bool:
+    """Whether ``column[start:stop]`` (not empty) holds ints (not bools) of at least
+    ``least``: a pass or two in C; a :class:`Counts` or :class:`TokenIds` column's
+    are ints, and >= 0."""
+    part = column[start:stop]
+    if type(column) is Counts or type(column) is TokenIds:
+        return least <= 0 or min(part) >= least
+    return set(map(type, part)) == {int} and min(part) >= least
 
 
 def _run_plain(

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
-from kvcoord.engine import CacheHit, PrefixCacheStats, TokenIds
+from kvcoord.engine import CacheHit, Counts, PrefixCacheStats, TokenIds
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import (
     add_events,
@@ -229,17 +229,18 @@ _Columns = tuple[
 def _run_columns(run: pb.AllocateRunOp | pb.DecodeOp) -> _Columns:
     """An AllocateRunOp's or DecodeOp's columns as lists (indexing and slicing one costs
     less than a wire container's; a slice is copied in C, ``list()`` reads item by item),
-    the tokens as TokenIds (uint32 on the wire: the engine need not check each one)."""
+    the tokens as TokenIds and the counts the engine checks as Counts (uint32 on the
+    wire: the engine need not check each one's type and sign)."""
     return (
         run.request_ids[:],
         run.base_num_tokens[:],
         run.base_num_hashes[:],
-        run.num_computed_tokens[:],
-        run.num_new_tokens[:],
-        run.num_lookahead_tokens[:],
+        Counts(run.num_computed_tokens[:]),
+        Counts(run.num_new_tokens[:]),
+        Counts(run.num_lookahead_tokens[:]),
         run.num_append_tokens[:],
         TokenIds(run.append_token_ids[:]),
-        run.num_append_hashes[:],
+        Counts(run.num_append_hashes[:]),
         run.append_block_hashes[:],
     )
 

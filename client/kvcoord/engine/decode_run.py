@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Protocol
 
+from .events import block_stored
 from .request_table import TokenIds
 
 if TYPE_CHECKING:
@@ -209,9 +211,12 @@ def _run_plain(
     hash_block = pool.hash_block_size
     hashes = cols.append_block_hashes
     n = stop - start
+    rids = cols.request_ids[start:stop]
     entries = zip(
         range(start, stop),
-        cols.request_ids[start:stop],
+        rids,
+        map(requests_get, rids),  # (looked up in C, as the loop reaches each entry)
+        map(blocks_of, rids) if single is not None else repeat(None, n),
         cols.base_num_tokens[start:stop],
         cols.base_num_hashes[start:stop],
         cols.num_computed_tokens[start:stop],
@@ -221,8 +226,7 @@ def _run_plain(
         cols.num_append_hashes[start:stop],
         strict=True,
     )
-    for i, rid, base_t, base_h, computed, num_new, look, token, nh in entries:
-        req = requests_get(rid)
+    for i, rid, req, blocks, base_t, base_h, computed, num_new, look, token, nh in entries:
         if req is None:
             break
         all_tokens = req.all_token_ids
@@ -247,7 +251,6 @@ def _run_plain(
         if skipping and any(m.skips_blocks(rid, computed) for m in skipping):
             break
         if single is not None:
-            blocks = blocks_of(rid)
             if blocks is None:
                 break  # (no block yet: a first allocation, the general path's)
             inside = len(blocks) * size >= need and (not caching or cached_of(rid, 0) >= cached // size)
@@ -316,5 +319,47 @@ def _grow(
             counts[at + g] = n
             ids += [b.block_id for b in new_blocks]
     if pool.enable_caching:
-        pool._cache_full_blocks(req, cached)
+        m = managers[0]
+        k = m.num_cached_block.get(rid, 0)
+        full = cached // m.block_size
+        if len(managers) > 1 or full > k + 1 or (full == k + 1 and not _cache_one(bp, req, m, k)):
+            pool._cache_full_blocks(req, cached)
+        elif full == k + 1:
+            m.num_cached_block[rid] = full
+        # (else nothing to cache, as _cache_full_blocks would find)
+    return True
+
+
+def _cache_one(bp: BlockPool, req: Request, m: SingleTypeKVCacheManager, k: int) -> bool:
+    """Block ``k`` of ``req``'s blocks of group ``m`` cached as ``BlockPool.cache_full_blocks``
+    caches a run of one block, in a pool whose hashes are at that group's block size and
+    whose events are vLLM 0.16's, for a request of the default cache namespace; ``False``,
+    with nothing changed, for anything else (the general path's). The caller records
+    the block as cached."""
+    size, gid = m.block_size, m.group_id
+    if bp.group_event_fields is not None or bp.hash_block_size != size or req.cache_prefix:
+        return False
+    block = m.req_to_blocks[req.request_id][k]
+    if block.is_null:
+        return False
+    assert block.cached_hash is None, f"block {block.block_id} is already cached"
+    hashes = req.block_hashes
+    block_hash = hashes[k]
+    block.cached_hash = block_hash
+    block.cached_group = gid
+    block_id = block.block_id
+    cache = bp.cached_block_hash_to_block
+    existing = cache.first[gid].setdefault(block_hash, block_id)
+    if existing != block_id:
+        cache.add_duplicate(block_hash, gid, existing, block_id)
+    elif cache.hook is not None and cache.hook.gid == gid:
+        cache.hook.added(block_hash)
+    if bp.enable_kv_cache_events:
+        lora = req.lora
+        bp.kv_event_queue.append(
+            block_stored(
+                (block_hash,), hashes[k - 1] if k else None, tuple(req.all_token_ids[k * size : (k + 1) * size]),
+                size, lora.adapter_id if lora else None, lora.name if lora else None,
+            )
+        )  # fmt: skip
     return True

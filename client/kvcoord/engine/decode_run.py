@@ -302,14 +302,19 @@ def _grow(
             return False
     rid = req.request_id
     bp = pool.block_pool
-    if pool._num_to_take(rid, need, computed, main) > bp.free_block_queue.num_free_blocks:
+    managers = pool.managers
+    first = managers[0]
+    if len(managers) == 1 and rid in first.num_cached_block:  # (KVCachePool._num_to_take's)
+        take = -(-need // first.block_size) - len(first.req_to_blocks[rid])
+    else:
+        take = pool._num_to_take(rid, need, computed, main)
+    if take > bp.free_block_queue.num_free_blocks:
         return False  # a refusal: the general path counts it (and keeps the update)
     # Nothing below can fail: the update, the blocks taken, the full ones cached.
     req.num_computed_tokens = computed
     req.all_token_ids.append(token)
     if new_hash is not None:
         req.block_hashes.append(new_hash)
-    managers = pool.managers
     for g, m in enumerate(managers):
         blocks = m.req_to_blocks[rid]
         n = -(-need // m.block_size) - len(blocks)
@@ -319,13 +324,12 @@ def _grow(
             counts[at + g] = n
             ids += [b.block_id for b in new_blocks]
     if pool.enable_caching:
-        m = managers[0]
-        k = m.num_cached_block.get(rid, 0)
-        full = cached // m.block_size
-        if len(managers) > 1 or full > k + 1 or (full == k + 1 and not _cache_one(bp, req, m, k)):
+        k = first.num_cached_block.get(rid, 0)
+        full = cached // first.block_size
+        if len(managers) > 1 or full > k + 1 or (full == k + 1 and not _cache_one(bp, req, first, k)):
             pool._cache_full_blocks(req, cached)
         elif full == k + 1:
-            m.num_cached_block[rid] = full
+            first.num_cached_block[rid] = full
         # (else nothing to cache, as _cache_full_blocks would find)
     return True
 

@@ -141,6 +141,9 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
     kind = o.WhichOneof("op")
     if kind == "allocate":
         return allocate_from_pb(o.allocate, num_groups)
+    if kind == "decode":
+        d = o.decode
+        return op.Decode(*_run_columns(d), d.must_succeed)
     if kind == "lookup":
         lk = o.lookup
         if not lk.hint and not lk.HasField("answered"):
@@ -211,9 +214,6 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
     if kind == "allocate_run":
         run = o.allocate_run
         return op.AllocateRun(*_run_columns(run), _run_checks(run))
-    if kind == "decode":
-        d = o.decode
-        return op.Decode(*_run_columns(d), d.must_succeed)
     if kind == "admit":
         a = o.admit
         return op.Admit([sync_from_pb(r) for r in a.requests], a.token_budget, a.num_lookahead_tokens)
@@ -314,10 +314,15 @@ _ABORTED = int(grpc.StatusCode.ABORTED.value[0])
 
 def write_outcome(target: pb.OperationResult, operation: op.Operation, o: op.Outcome) -> None:
     """Fill ``target`` (an element of the answer being built) with an outcome."""
-    if type(operation) is op.Allocate and o.error is None and o.aborted_by is None:
-        assert isinstance(o.value, op.AllocateOutcome)
-        write_allocate(target.allocate, o.value)  # the common case, without copies
-        return
+    if o.error is None and o.aborted_by is None:  # the common cases, without copies
+        if type(operation) is op.Allocate:
+            assert isinstance(o.value, op.AllocateOutcome)
+            write_allocate(target.allocate, o.value)
+            return
+        if type(operation) is op.Decode:
+            assert isinstance(o.value, op.DecodeOutcome)
+            write_decode(target.decode, o.value)
+            return
     target.CopyFrom(outcome_to_pb(operation, o))
 
 

@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import pytest
-from kvcoord.engine import EngineError, KVCachePool, TokenIds
+from kvcoord.engine import Counts, EngineError, KVCachePool, TokenIds
 from unit.test_decode_fast_path import LAYOUTS, MAX_LEN, Twins, observed
 
 
@@ -113,8 +113,8 @@ class Steps(Twins):
         num_new, look = 1, 0
         kind = rnd.choices(
             ("decode", "spec", "lookahead", "behind", "lag", "huge", "bad_token", "bad_hash", "no_hash",
-             "extra_hash", "stale", "unknown", "bool", "nothing"),
-            (60, 5, 6, 3, 5, 2, 2, 2, 2, 2, 2, 2, 1, 2),
+             "extra_hash", "stale", "unknown", "bool", "nothing", "no_new"),
+            (60, 5, 6, 3, 5, 2, 2, 2, 2, 2, 2, 2, 1, 2, 1),
         )[0]  # fmt: skip
         if kind == "spec":
             tokens += [rnd.randrange(60) for _ in range(rnd.randint(1, 2))]
@@ -130,6 +130,8 @@ class Steps(Twins):
             num_new = MAX_LEN
         elif kind == "nothing":
             tokens = []
+        elif kind == "no_new":
+            num_new = 0
         hashes = self.hashes_for(rid, tokens)
         if kind == "bad_token":
             tokens[0] = -1
@@ -161,6 +163,10 @@ class Steps(Twins):
             self.entry(cols, rid)
         if type(cols.append_token_ids) is TokenIds and min(cols.append_token_ids, default=0) < 0:
             cols.append_token_ids = list(cols.append_token_ids)  # (TokenIds vouch for >= 0)
+        for name in ("num_computed_tokens", "num_new_tokens", "num_lookahead_tokens", "num_append_hashes"):
+            column = getattr(cols, name)
+            if self.rnd.random() < 0.5 and all(type(v) is int and v >= 0 for v in column):
+                setattr(cols, name, Counts(column))  # as the wire reader hands them (Counts vouch for >= 0)
         fast, taken = by_run(self.fast, cols)
         slow = one_by_one(self.slow, cols)
         assert fast == slow, cols

@@ -5,6 +5,7 @@ results and events into messages, logs and metrics.
 """
 
 from .config import KVCacheConfig, attention_groups
+from .decode_run import Counts
 from .errors import (
     ConfigError,
     EngineError,
@@ -40,11 +41,13 @@ __all__ = [
     "CacheHit",
     "ChunkedLocalAttentionSpec",
     "ConfigError",
+    "Counts",
     "CrossAttentionSpec",
     "EngineError",
     "ErrorStatus",
     "FailedPreconditionError",
     "FullAttentionSpec",
+    "HintMismatchError",
     "InvalidArgumentError",
     "KVCacheConfig",
     "KVCacheEvent",
@@ -59,7 +62,6 @@ __all__ = [
     "RequestExistsError",
     "RequestNotFoundError",
     "SlidingWindowSpec",
-    "HintMismatchError",
     "StaleCacheHitError",
     "HandedTokenIds",
     "TokenIds",

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Protocol
 
+from .events import block_stored
 from .request_table import TokenIds
 
 if TYPE_CHECKING:
@@ -36,7 +38,15 @@ if TYPE_CHECKING:
     from .managers import SingleTypeKVCacheManager
     from .request import Request
 
-__all__ = ["DecodeColumns", "decode_run"]
+__all__ = ["Counts", "DecodeColumns", "decode_run"]
+
+
+class Counts(list[int]):
+    """A column of counts its maker guarantees are non-negative ``int``s (not ``bool``),
+    such as one read from a ``uint32`` wire column: :func:`decode_run` checks only the
+    bounds such a column's values could break (as :class:`TokenIds` for tokens)."""
+
+    __slots__ = ()
 
 
 class KVCachePool(Protocol):
@@ -150,24 +160,30 @@ def _plain_end(cols: DecodeColumns, start: int, stop: int, t: int) -> int:
     if not plain(start):
         return start
     n = stop - start
-    if num_t[start:stop].count(1) == n:
-        segment = tokens[t : t + n]
-        hashes = num_h[start:stop]
-        if (
-            (type(tokens) is TokenIds or (set(map(type, segment)) == {int} and min(segment) >= 0))
-            and set(map(type, hashes)) == {int}
-            and 0 <= min(hashes)
-            and max(hashes) <= 1
-            and all(
-                set(map(type, column)) == {int} and min(column) >= least
-                for column, least in ((computed[start:stop], 0), (look[start:stop], 0), (new[start:stop], 1))
-            )
-        ):
-            return stop
+    if (
+        num_t[start:stop].count(1) == n
+        and _at_least(tokens, t, t + n, 0)
+        and _at_least(num_h, start, stop, 0)
+        and max(num_h[start:stop]) <= 1
+        and _at_least(computed, start, stop, 0)
+        and _at_least(look, start, stop, 0)
+        and _at_least(new, start, stop, 1)
+    ):
+        return stop
     i = start + 1
     while i < stop and plain(i):
         i += 1
     return i
+
+
+def _at_least(column: Sequence[int], start: int = 0, stop: int | None = None, least: int = 0) -> bool:
+    """Whether ``column[start:stop]`` (not empty) holds ints (not bools) of at least
+    ``least``: a pass or two in C; a :class:`Counts` or :class:`TokenIds` column's
+    are ints, and >= 0."""
+    part = column[start:stop]
+    if type(column) is Counts or type(column) is TokenIds:
+        return least <= 0 or min(part) >= least
+    return set(map(type, part)) == {int} and min(part) >= least
 
 
 def _run_plain(
@@ -195,9 +211,12 @@ def _run_plain(
     hash_block = pool.hash_block_size
     hashes = cols.append_block_hashes
     n = stop - start
+    rids = cols.request_ids[start:stop]
     entries = zip(
         range(start, stop),
-        cols.request_ids[start:stop],
+        rids,
+        map(requests_get, rids),  # (looked up in C, as the loop reaches each entry)
+        map(blocks_of, rids) if single is not None else repeat(None, n),
         cols.base_num_tokens[start:stop],
         cols.base_num_hashes[start:stop],
         cols.num_computed_tokens[start:stop],
@@ -207,8 +226,7 @@ def _run_plain(
         cols.num_append_hashes[start:stop],
         strict=True,
     )
-    for i, rid, base_t, base_h, computed, num_new, look, token, nh in entries:
-        req = requests_get(rid)
+    for i, rid, req, blocks, base_t, base_h, computed, num_new, look, token, nh in entries:
         if req is None:
             break
         all_tokens = req.all_token_ids
@@ -233,7 +251,6 @@ def _run_plain(
         if skipping and any(m.skips_blocks(rid, computed) for m in skipping):
             break
         if single is not None:
-            blocks = blocks_of(rid)
             if blocks is None:
                 break  # (no block yet: a first allocation, the general path's)
             inside = len(blocks) * size >= need and (not caching or cached_of(rid, 0) >= cached // size)
@@ -285,14 +302,19 @@ def _grow(
             return False
     rid = req.request_id
     bp = pool.block_pool
-    if pool._num_to_take(rid, need, computed, main) > bp.free_block_queue.num_free_blocks:
+    managers = pool.managers
+    first = managers[0]
+    if len(managers) == 1 and rid in first.num_cached_block:  # (KVCachePool._num_to_take's)
+        take = -(-need // first.block_size) - len(first.req_to_blocks[rid])
+    else:
+        take = pool._num_to_take(rid, need, computed, main)
+    if take > bp.free_block_queue.num_free_blocks:
         return False  # a refusal: the general path counts it (and keeps the update)
     # Nothing below can fail: the update, the blocks taken, the full ones cached.
     req.num_computed_tokens = computed
     req.all_token_ids.append(token)
     if new_hash is not None:
         req.block_hashes.append(new_hash)
-    managers = pool.managers
     for g, m in enumerate(managers):
         blocks = m.req_to_blocks[rid]
         n = -(-need // m.block_size) - len(blocks)
@@ -302,5 +324,46 @@ def _grow(
             counts[at + g] = n
             ids += [b.block_id for b in new_blocks]
     if pool.enable_caching:
-        pool._cache_full_blocks(req, cached)
+        k = first.num_cached_block.get(rid, 0)
+        full = cached // first.block_size
+        if len(managers) > 1 or full > k + 1 or (full == k + 1 and not _cache_one(bp, req, first, k)):
+            pool._cache_full_blocks(req, cached)
+        elif full == k + 1:
+            first.num_cached_block[rid] = full
+        # (else nothing to cache, as _cache_full_blocks would find)
+    return True
+
+
+def _cache_one(bp: BlockPool, req: Request, m: SingleTypeKVCacheManager, k: int) -> bool:
+    """Block ``k`` of ``req``'s blocks of group ``m`` cached as ``BlockPool.cache_full_blocks``
+    caches a run of one block, in a pool whose hashes are at that group's block size and
+    whose events are vLLM 0.16's, for a request of the default cache namespace; ``False``,
+    with nothing changed, for anything else (the general path's). The caller records
+    the block as cached."""
+    size, gid = m.block_size, m.group_id
+    if bp.group_event_fields is not None or bp.hash_block_size != size or req.cache_prefix:
+        return False
+    block = m.req_to_blocks[req.request_id][k]
+    if block.is_null:
+        return False
+    assert block.cached_hash is None, f"block {block.block_id} is already cached"
+    hashes = req.block_hashes
+    block_hash = hashes[k]
+    block.cached_hash = block_hash
+    block.cached_group = gid
+    block_id = block.block_id
+    cache = bp.cached_block_hash_to_block
+    existing = cache.first[gid].setdefault(block_hash, block_id)
+    if existing != block_id:
+        cache.add_duplicate(block_hash, gid, existing, block_id)
+    elif cache.hook is not None and cache.hook.gid == gid:
+        cache.hook.added(block_hash)
+    if bp.enable_kv_cache_events:
+        lora = req.lora
+        bp.kv_event_queue.append(
+            block_stored(
+                (block_hash,), hashes[k - 1] if k else None, tuple(req.all_token_ids[k * size : (k + 1) * size]),
+                size, lora.adapter_id if lora else None, lora.name if lora else None,
+            )
+        )  # fmt: skip
     return True

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
-from kvcoord.engine import CacheHit, PrefixCacheStats, TokenIds
+from kvcoord.engine import CacheHit, Counts, PrefixCacheStats, TokenIds
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import (
     add_events,
@@ -141,6 +141,9 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
     kind = o.WhichOneof("op")
     if kind == "allocate":
         return allocate_from_pb(o.allocate, num_groups)
+    if kind == "decode":
+        d = o.decode
+        return op.Decode(*_run_columns(d), d.must_succeed)
     if kind == "lookup":
         lk = o.lookup
         if not lk.hint and not lk.HasField("answered"):
@@ -211,9 +214,6 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
     if kind == "allocate_run":
         run = o.allocate_run
         return op.AllocateRun(*_run_columns(run), _run_checks(run))
-    if kind == "decode":
-        d = o.decode
-        return op.Decode(*_run_columns(d), d.must_succeed)
     if kind == "admit":
         a = o.admit
         return op.Admit([sync_from_pb(r) for r in a.requests], a.token_budget, a.num_lookahead_tokens)
@@ -229,17 +229,18 @@ _Columns = tuple[
 def _run_columns(run: pb.AllocateRunOp | pb.DecodeOp) -> _Columns:
     """An AllocateRunOp's or DecodeOp's columns as lists (indexing and slicing one costs
     less than a wire container's; a slice is copied in C, ``list()`` reads item by item),
-    the tokens as TokenIds (uint32 on the wire: the engine need not check each one)."""
+    the tokens as TokenIds and the counts the engine checks as Counts (uint32 on the
+    wire: the engine need not check each one's type and sign)."""
     return (
         run.request_ids[:],
         run.base_num_tokens[:],
         run.base_num_hashes[:],
-        run.num_computed_tokens[:],
-        run.num_new_tokens[:],
-        run.num_lookahead_tokens[:],
+        Counts(run.num_computed_tokens[:]),
+        Counts(run.num_new_tokens[:]),
+        Counts(run.num_lookahead_tokens[:]),
         run.num_append_tokens[:],
         TokenIds(run.append_token_ids[:]),
-        run.num_append_hashes[:],
+        Counts(run.num_append_hashes[:]),
         run.append_block_hashes[:],
     )
 
@@ -313,10 +314,15 @@ _ABORTED = int(grpc.StatusCode.ABORTED.value[0])
 
 def write_outcome(target: pb.OperationResult, operation: op.Operation, o: op.Outcome) -> None:
     """Fill ``target`` (an element of the answer being built) with an outcome."""
-    if type(operation) is op.Allocate and o.error is None and o.aborted_by is None:
-        assert isinstance(o.value, op.AllocateOutcome)
-        write_allocate(target.allocate, o.value)  # the common case, without copies
-        return
+    if o.error is None and o.aborted_by is None:  # the common cases, without copies
+        if type(operation) is op.Allocate:
+            assert isinstance(o.value, op.AllocateOutcome)
+            write_allocate(target.allocate, o.value)
+            return
+        if type(operation) is op.Decode:
+            assert isinstance(o.value, op.DecodeOutcome)
+            write_decode(target.decode, o.value)
+            return
     target.CopyFrom(outcome_to_pb(operation, o))
 
 

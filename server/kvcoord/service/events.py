@@ -19,11 +19,12 @@ loop built on it cannot spin).
 from __future__ import annotations
 
 import asyncio
-import collections
+import bisect
 import time
 from collections.abc import Iterable
+from itertools import accumulate
 
-from kvcoord.engine import AllBlocksCleared, BlockStored, KVCacheEvent
+from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 __all__ = [
     "EVENT_BYTES",
@@ -35,7 +36,9 @@ __all__ = [
 ]
 
 #: estimated memory of one kept event beyond its hashes and token ids: the event
-#: object, its tuples, the journal's (sequence, event) entry and the sequence number
+#: object, its tuples, the journal's entries for it (sized when these were a
+#: (sequence, event) tuple and a deque slot; kept since the journal holds less per
+#: event, so that its bound and the pools' estimates stay as they were)
 EVENT_BYTES = 288
 #: one block hash a kept event holds (a 32-byte ``bytes`` and its slot)
 EVENT_HASH_BYTES = 80
@@ -46,6 +49,8 @@ EVENT_TOKEN_BYTES = 40
 def event_memory_bytes(event: KVCacheEvent) -> int:
     """The estimated memory a kept event holds (an upper bound for 32-byte hashes and
     token ids below 2**30; tests/service/test_streams.py measures it)."""
+    if type(event) is BlockRemoved:  # (most events: one per evicted block)
+        return EVENT_BYTES + EVENT_HASH_BYTES * len(event.block_hashes)
     if isinstance(event, AllBlocksCleared):
         return EVENT_BYTES
     n = EVENT_BYTES + EVENT_HASH_BYTES * len(event.block_hashes)
@@ -76,6 +81,10 @@ def event_wire_bytes(event: KVCacheEvent) -> int:
     return n
 
 
+#: dropped events past which the journal's list is cut (once they are most of it)
+_COMPACT_AFTER = 4096
+
+
 class EventJournal:
     """Events get sequence numbers 1, 2, ...; the newest are kept, at most ``capacity``
     of them and at most ``max_bytes`` of estimated memory (0: no byte bound).
@@ -83,21 +92,31 @@ class EventJournal:
     Readers (watch streams, each session's TakeEvents) read by sequence number and
     can resume after a disconnect, learning of a gap when what they missed is no
     longer kept.
+
+    The kept events are ``_events[_head:]`` (a list whose dropped front is cut off
+    now and then), the oldest numbered ``_first``; ``_ends[i]`` is the estimated
+    memory of ``_events[:i]`` and then some constant (only differences are read), so
+    a Step's events are added and the oldest dropped without a Python step per event.
     """
 
     def __init__(self, capacity: int, max_bytes: int = 0) -> None:
         self.capacity = capacity
         self.max_bytes = max_bytes
-        self._events: collections.deque[tuple[int, KVCacheEvent]] = collections.deque()
-        self._sizes: collections.deque[int] = collections.deque()
-        #: the estimated memory of the kept events (:func:`event_memory_bytes`)
-        self.bytes = 0
+        self._events: list[KVCacheEvent] = []
+        self._ends: list[int] = [0]
+        self._head = 0
+        self._first = 1
         self.last_sequence = 0
         self._changed = asyncio.Event()
         self.closed = False
         #: the last sequence number that is durable (journal mode; None = every event
         #: is): watchers see nothing a crash could take back
         self.durable_sequence: int | None = None
+
+    @property
+    def bytes(self) -> int:
+        """The estimated memory of the kept events (:func:`event_memory_bytes`)."""
+        return self._ends[-1] - self._ends[self._head]
 
     @property
     def visible_sequence(self) -> int:
@@ -117,45 +136,51 @@ class EventJournal:
 
     def publish(self, events: Iterable[KVCacheEvent]) -> int:
         """Append events (dropping the oldest past either bound); returns how many were added."""
-        n = 0
-        kept, sizes = self._events, self._sizes
-        for event in events:
-            self.last_sequence += 1
-            size = event_memory_bytes(event)
-            kept.append((self.last_sequence, event))
-            sizes.append(size)
-            self.bytes += size
-            n += 1
-        if n:
-            self._trim()
-            self._wake()
-        return n
+        if type(events) is not list:
+            events = list(events)
+        if not events:
+            return 0
+        ends = self._ends
+        sizes = accumulate(map(event_memory_bytes, events), initial=ends[-1])
+        next(sizes)
+        ends += sizes
+        self._events += events
+        self.last_sequence += len(events)
+        self._trim()
+        self._wake()
+        return len(events)
 
     def _trim(self) -> None:
-        kept, sizes = self._events, self._sizes
-        over_bytes = self.max_bytes > 0
-        while len(kept) > self.capacity or (over_bytes and self.bytes > self.max_bytes and len(kept) > 1):
-            kept.popleft()
-            self.bytes -= sizes.popleft()
+        """Drop the oldest events past ``capacity``, then past ``max_bytes`` (keeping
+        one at least); the list's dropped front is cut off once it is most of it."""
+        events, ends = self._events, self._ends
+        end = len(events)
+        head = max(self._head, end - self.capacity)
+        if self.max_bytes > 0 and head < end and ends[end] - ends[head] > self.max_bytes:
+            # the first position from which the kept events fit (ends is non-decreasing)
+            head = min(bisect.bisect_left(ends, ends[end] - self.max_bytes, head), end - 1)
+        self._first += head - self._head
+        if head > _COMPACT_AFTER and head > end >> 1:
+            del events[:head], ends[:head]
+            head = 0
+        self._head = head
 
     @property
     def oldest_sequence(self) -> int:
-        return self._events[0][0] if self._events else self.last_sequence + 1
+        return self._first
 
     def since(
         self, after: int, limit: int | None = None, upto: int | None = None
     ) -> list[tuple[int, KVCacheEvent]]:
         """Kept events with a sequence number above ``after`` (and at most ``upto``), oldest first."""
         last = self.last_sequence if upto is None else min(upto, self.last_sequence)
-        oldest = self.oldest_sequence
-        first = max(after + 1, oldest)
+        first = max(after + 1, self._first)
+        if limit is not None:
+            last = min(last, first + limit - 1)
         if first > last:
             return []
-        stop = last - oldest + 1
-        if limit is not None:
-            stop = min(stop, first - oldest + limit)
-        kept = self._events
-        return [kept[i] for i in range(first - oldest, stop)]
+        at = self._head - self._first
+        return list(zip(range(first, last + 1), self._events[at + first : at + last + 1], strict=True))
 
     def missed(self, after: int) -> bool:
         """True when events after sequence ``after`` were dropped unread."""
@@ -181,24 +206,29 @@ class EventJournal:
                 return
 
     def restore(self, events: list[tuple[int, KVCacheEvent]], last_sequence: int) -> None:
-        """Load kept events and the sequence counter (recovery)."""
-        self._events.clear()
-        self._sizes.clear()
-        self._events.extend(events)
-        self._sizes.extend(event_memory_bytes(e) for _, e in events)
-        self.bytes = sum(self._sizes)
+        """Load kept events and the sequence counter (recovery).
+
+        Raises:
+            ValueError: the events are not numbered one after another up to ``last_sequence``.
+        """
+        first = last_sequence + 1 - len(events)
+        if [seq for seq, _ in events] != list(range(first, last_sequence + 1)):
+            raise ValueError(f"kept events must be numbered {first}..{last_sequence}, one after another")
+        self._events = [e for _, e in events]
+        self._ends = [0, *accumulate(map(event_memory_bytes, self._events))]
+        self._head = 0
+        self._first = first
         self.last_sequence = last_sequence
         self._trim()
 
     def resize(self, capacity: int) -> None:
         """Keep the newest ``capacity`` events from now on (a limit changed at restart)."""
-        if capacity != self.capacity:
-            self.capacity = capacity
-            self._events = collections.deque(self._events, maxlen=capacity)
+        self.capacity = capacity
+        self._trim()
 
     def kept(self) -> list[tuple[int, KVCacheEvent]]:
         """The kept events, oldest first (snapshots)."""
-        return list(self._events)
+        return self.since(0)
 
     def close(self) -> None:
         self.closed = True

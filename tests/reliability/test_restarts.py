@@ -518,7 +518,12 @@ def _attach_refused_for_grace_on(address: str, pool: str, lease: float) -> bool:
             s = c.attach(pool, "sha256_cbor", 16, "0", "probe", lease_seconds=lease)
         except GracePeriodError:
             return True
-        c.detach(s.session_id, s.fence)
+        try:
+            c.detach(s.session_id, s.fence)
+        except SessionExpiredError:
+            # a worker's call proved the restore between the two calls: the server
+            # then ended every session, this probe's too, and the grace began
+            return False
     return False
 
 

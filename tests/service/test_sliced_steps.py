@@ -183,3 +183,33 @@ def test_a_call_on_the_same_pool_waits_for_the_sliced_step(
         seen.append(c.get_stats("a").num_requests)
         sender.join(120)
     assert seen == [N]
+
+
+def test_calls_queued_behind_a_sliced_step_each_hold_the_pool_for_their_own_slices(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """Four sliced Steps on one pool at once (every Step cut after its first slice):
+    each call that waited for the pool must hold it for its own slices. A call that
+    only waited ran on while the pool had been handed to the next waiter, and its own
+    slicing then failed with INTERNAL ("pool 'a' is held already")."""
+    server = make_server(TWO_POOLS)
+    server.running.servicer.mutations.slice_seconds = 0.0  # type: ignore[union-attr]
+    errors: list[BaseException] = []
+    with KVCoordClient(server.address, timeout=120, step_piece_bytes=0) as c:
+        session = c.attach("a", "", 4, "")
+
+        def send(k: int) -> None:
+            try:
+                with KVCoordClient(server.address, timeout=120, step_piece_bytes=0) as ck:
+                    answer = ck.step("a", _big_step(f"w{k}-", 1500), session.session_id, session.fence)
+                    assert all(r.status_code == 0 for r in answer.results)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        senders = [threading.Thread(target=send, args=(k,)) for k in range(4)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join(120)
+        assert not errors, errors
+        assert c.get_stats("a").num_requests == 4 * 1500

@@ -211,34 +211,47 @@ class MutationRunner:
                     body, digest = serialized.value
                     break
                 await asyncio.sleep(0)  # (the pool is not touched yet)
-        await registry.locks.wait(request.pool)  # a Step applied to it in slices ends first
-        service = registry.get(request.pool)
-        s = service.session(request.session_id, fence)
-        kept = registry.idempotency.lookup(s.session_id, m.rpc, key, digest)
-        if kept is not None:
-            if len(kept) >= BYTES_ANSWER_MIN:  # (its fence stamped already, as the call's)
-                await registry.recorder.durable()
-                return kept
-            return await self.durable(m.parse_answer(kept))
-        service.answer_event_bytes = take_events_budget(self.max_message_bytes)
-        if m.slices is None:
-            answer = m.apply(service, s, request, service.fence, self.max_message_bytes)
-        else:
-            work = m.slices(service, s, request, service.fence, self.max_message_bytes, SLICE_OPS)
-            end = time.perf_counter() + self.slice_seconds
-            while True:
-                try:
-                    next(work)
-                except StopIteration as done:
-                    answer = done.value
-                    break
-                if time.perf_counter() >= end:
-                    registry.locks.take(service.name)  # no await since the wait above
-                    task = asyncio.get_running_loop().create_task(
-                        self._sliced(m, service, s, request, key, digest, body, work)
-                    )
-                    return await self._answer(await asyncio.shield(task))
-        return await self._answer(self._keep(m, service, s, request, key, digest, body, answer))
+        # Held from here until the call is applied (or handed to the task applying it in
+        # slices): a call that merely waited for the pool would run on while the pool was
+        # already handed to the next waiter, and could not hold it for its own slices.
+        pool = request.pool
+        await registry.locks.acquire(pool)  # a Step applied to it in slices ends first
+        held = True
+        try:
+            service = registry.get(pool)
+            s = service.session(request.session_id, fence)
+            kept = registry.idempotency.lookup(s.session_id, m.rpc, key, digest)
+            if kept is not None:
+                held = False
+                registry.locks.give(pool)
+                if len(kept) >= BYTES_ANSWER_MIN:  # (its fence stamped already, as the call's)
+                    await registry.recorder.durable()
+                    return kept
+                return await self.durable(m.parse_answer(kept))
+            service.answer_event_bytes = take_events_budget(self.max_message_bytes)
+            if m.slices is None:
+                answer = m.apply(service, s, request, service.fence, self.max_message_bytes)
+            else:
+                work = m.slices(service, s, request, service.fence, self.max_message_bytes, SLICE_OPS)
+                end = time.perf_counter() + self.slice_seconds
+                while True:
+                    try:
+                        next(work)
+                    except StopIteration as done:
+                        answer = done.value
+                        break
+                    if time.perf_counter() >= end:
+                        # the task holds the pool now, and gives it back once journaled
+                        task = asyncio.get_running_loop().create_task(
+                            self._sliced(m, service, s, request, key, digest, body, work)
+                        )
+                        held = False
+                        return await self._answer(await asyncio.shield(task))
+            result = self._keep(m, service, s, request, key, digest, body, answer)
+        finally:
+            if held:
+                registry.locks.give(pool)
+        return await self._answer(result)
 
     async def _answer(self, result: A | bytes | ServiceError) -> A | bytes:
         """The answer once durable; a journaled error is raised once durable."""

@@ -214,6 +214,7 @@ class MutationRunner:
         # Held from here until the call is applied (or handed to the task applying it in
         # slices): a call that merely waited for the pool would run on while the pool was
         # already handed to the next waiter, and could not hold it for its own slices.
+        # Nothing awaits while it is held, so no other task sees the hold.
         pool = request.pool
         await registry.locks.acquire(pool)  # a Step applied to it in slices ends first
         held = True
@@ -247,11 +248,12 @@ class MutationRunner:
                         )
                         held = False
                         return await self._answer(await asyncio.shield(task))
-            result = self._keep(m, service, s, request, key, digest, body, answer)
         finally:
             if held:
                 registry.locks.give(pool)
-        return await self._answer(result)
+        # journaled and kept without an await since the pool was given back: nothing
+        # else reads or changes it first (and a snapshot due now is not put off by it)
+        return await self._answer(self._keep(m, service, s, request, key, digest, body, answer))
 
     async def _answer(self, result: A | bytes | ServiceError) -> A | bytes:
         """The answer once durable; a journaled error is raised once durable."""

@@ -178,3 +178,39 @@ def test_routes_shared_by_threads_stay_consistent(monkeypatch: pytest.MonkeyPatc
     assert set(routes.addresses) == set(addresses) and routes.primary in addresses
     assert set(routes.owner.values()) <= set(addresses)
     assert len(routes.session_pool) <= 4
+
+
+def test_a_reader_never_sees_an_address_list_missing_one() -> None:
+    """A replica marked down moves to the end of the list. A thread routing a call
+    at that moment (no lock: ``route``, ``primary``, the list itself) sees every
+    address: the list is replaced whole, never changed in place (the in-place
+    remove-then-append showed readers a list one address short: CI at 9f7ead7)."""
+    import sys
+    import threading
+
+    clock = Clock()
+    routes = Routes(["a:1", "b:2", "c:3"], clock=clock)
+    stop = threading.Event()
+    short: list[list[str]] = []
+
+    def mark_down() -> None:
+        try:
+            for i in range(20_000):
+                routes.unreachable("p", ("a:1", "b:2", "c:3")[i % 3])
+        finally:
+            stop.set()
+
+    old_interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    writer = threading.Thread(target=mark_down)
+    try:
+        writer.start()
+        while not stop.is_set():
+            seen = routes.addresses
+            if len(seen) != 3:
+                short.append(list(seen))
+    finally:
+        sys.setswitchinterval(old_interval)
+        writer.join()
+    assert short == []
+    assert sorted(routes.addresses) == ["a:1", "b:2", "c:3"]

@@ -22,7 +22,9 @@ the same short pause.
 sender thread and the scheduler's): every method that changes the table holds one lock,
 so two threads learning at once neither lose an update nor break the table (an address
 listed twice, a session map iterated while it shrinks). Reads (:meth:`Routes.route`,
-:meth:`Routes.pool_of`) take no lock: they read one field, which is always whole.
+:meth:`Routes.pool_of`) take no lock: they read one field, which is always whole
+(the address list is replaced, never changed in place: a reader never sees it
+between an address's removal and its return at the end).
 
 A single ``host:port`` is a replica set of one: a single-node server never redirects,
 so nothing changes for it.
@@ -208,7 +210,7 @@ class Routes:
                 return False
             self.owner[pool] = owner
             if owner not in self.addresses:
-                self.addresses.append(owner)
+                self.addresses = [*self.addresses, owner]
             return True
 
     def changing(self, pool: str, address: str) -> None:
@@ -228,8 +230,7 @@ class Routes:
             if len(self.addresses) > 1:
                 self.down[address] = self.clock()
                 if address in self.addresses:
-                    self.addresses.remove(address)
-                    self.addresses.append(address)
+                    self.addresses = [a for a in self.addresses if a != address] + [address]
             self.refresh()
 
     def failed(self, err: KVCoordError, pool: str, address: str, hops: int, kind: str) -> str:

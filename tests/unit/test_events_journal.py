@@ -142,3 +142,25 @@ def test_restore_refuses_events_not_numbered_in_a_row() -> None:
         j.restore([(1, AllBlocksCleared()), (3, AllBlocksCleared())], 3)
     j.restore([(4, AllBlocksCleared()), (5, AllBlocksCleared())], 5)
     assert j.oldest_sequence == 4 and [s for s, _ in j.kept()] == [4, 5]
+
+
+def test_a_reader_cancelled_as_an_event_comes_is_cancelled() -> None:
+    """A watch stream closed (its reader task cancelled) in the same loop turn that an
+    event wakes it ends cancelled. With asyncio.wait_for on Python 3.11 the wake-up
+    won over the cancellation: the reader went on waiting for its whole timeout."""
+    import asyncio
+
+    async def run() -> None:
+        j = EventJournal(capacity=8)
+        j.durable_sequence = 0  # journal mode: published events wait for their commit
+        reader = asyncio.get_running_loop().create_task(j.wait(0, 60.0))
+        await asyncio.sleep(0)  # the reader waits for a deliverable event
+        j.publish([AllBlocksCleared()])  # wakes it (still nothing deliverable: not durable)
+        reader.cancel()  # ... in the same turn as its stream closes
+        try:
+            await asyncio.wait([reader], timeout=5.0)  # a bound, not a measurement
+            assert reader.cancelled(), "the cancellation was lost: the reader waits on"
+        finally:
+            reader.cancel()
+
+    asyncio.run(run())

@@ -59,6 +59,7 @@ from .access import AccessControl
 from .errors import ErrorReason, ServiceError, Status, map_errors
 from .ownership import Claim, Member, Ownership, decode_claim, decode_member, encode_claim, encode_member
 from .registry import Placement, PoolRegistry
+from .tasks import cancel_and_wait
 
 if TYPE_CHECKING:  # pragma: no cover
     from .store_journal import PoolStreams
@@ -244,11 +245,7 @@ class Cluster:
     async def stop(self) -> None:
         """Leave the cluster: revoke the lease (the member key and every claim go)."""
         self.stopping = True
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(self._tasks)
         self.view.valid_until = 0.0
         if self.client is None:
             return
@@ -602,7 +599,8 @@ class Cluster:
             await asyncio.sleep(every)
             sent = self.clock()
             try:
-                reply = await asyncio.wait_for(self.client.refresh_lease(self.lease.id), self.timeout)
+                async with asyncio.timeout(self.timeout):  # not wait_for: see _watch
+                    reply = await self.client.refresh_lease(self.lease.id)
                 if reply is not None and reply.TTL > 0:
                     self.view.valid_until = sent + reply.TTL
                     continue
@@ -625,8 +623,13 @@ class Cluster:
                 reader = asyncio.get_running_loop().create_task(self._changes(watch))
                 try:
                     while not reader.done():
-                        with contextlib.suppress(asyncio.TimeoutError):
-                            await asyncio.wait_for(self._changed.wait(), self.lease_seconds)
+                        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns
+                        # the result when the change comes in the same turn as stop()'s
+                        # cancellation, the cancellation is lost, and stop() waits for
+                        # this loop forever
+                        with contextlib.suppress(TimeoutError):
+                            async with asyncio.timeout(self.lease_seconds):
+                                await self._changed.wait()
                         self._changed.clear()
                         await self.refresh()
                         await self.claim_local()

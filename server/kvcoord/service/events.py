@@ -201,7 +201,12 @@ class EventJournal:
             if left <= 0:
                 return
             try:
-                await asyncio.wait_for(self._changed.wait(), left)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the
+                # result when its inner wait ends in the same turn as a cancellation of
+                # the waiting task, and the cancellation is lost (a closed watch stream
+                # kept waiting)
+                async with asyncio.timeout(left):
+                    await self._changed.wait()
             except TimeoutError:
                 return
 

@@ -83,6 +83,7 @@ from kvcoord.engine.profiles import PROFILES, VLLM_016, VLLM_033
 
 from .logs import ids
 from .registry import PoolRegistry
+from .tasks import cancel_and_wait
 
 __all__ = ["KVEventPublisher", "KVEventsDecl", "Publishers", "encode_batch", "kv_events_from_list"]
 
@@ -574,10 +575,6 @@ class Publishers:
             )
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
+        await cancel_and_wait(self._tasks)
         for p in self.publishers.values():
             await asyncio.to_thread(p.close)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import socket
@@ -32,6 +31,7 @@ from .sessions import SessionTable
 from .startup import StartupDecision, decide_startup
 from .state_export import apart, encode_started, pool_encoded
 from .store_journal import PoolStreams, StoreRecorder, encode_base
+from .tasks import cancel_and_wait
 from .tls import PeerTLS, peer_credentials, server_credentials
 
 __all__ = ["ClusterError", "ListenError", "RunningServer", "start_server"]
@@ -105,9 +105,7 @@ class RunningServer:
         self.servicer.stopping = True
         self.servicer.step_streams.end()  # (an idle Step stream never holds the grace period)
         await self.health.enter_graceful_shutdown()
-        self._reaper.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reaper
+        await cancel_and_wait([self._reaper])
         await self.server.stop(grace)
         if self.publishers is not None:
             await self.publishers.close()

@@ -4,114 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import Any
 
+from .block_hash_map import BlockHashToBlockMap, KeyHook
+from .block_pool_partial import PartialKeys
 from .blocks import KVCacheBlock
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, block_removed, block_stored
 from .free_queue import FreeKVCacheBlockQueue
-from .hash_list import NAMESPACE_PREFIX_BYTES, hashes_at_block_size, key_with_group, request_keys
+from .hash_list import NAMESPACE_PREFIX_BYTES, hashes_at_block_size, request_keys
 from .request import Request
 from .types import BlockHashWithGroupId, BlockId
 
+# The map is re-exported: ``from kvcoord.engine.block_pool import BlockHashToBlockMap`` works.
 __all__ = ["BlockHashToBlockMap", "BlockPool", "KeyHook"]
 
 
-class KeyHook(Protocol):
-    """Who is told when a key enters or leaves one group's ``first`` map (not when a
-    key gains or loses a duplicate block: the key stays cached then)."""
-
-    #: the group whose keys are reported
-    gid: int
-
-    def added(self, block_hash: bytes) -> None: ...
-
-    def removed(self, block_hash: bytes) -> None: ...
-
-
-class BlockHashToBlockMap:
-    """Cached block ids by (block hash, group).
-
-    Several blocks may share a key (vLLM never de-duplicates, so block tables stay
-    append-only); lookups return the earliest inserted survivor. ``first[g]`` maps a
-    hash of group ``g`` to that block's id, so a lookup is one dict access with no key
-    to build; the rare keys held by several blocks also list all of them, in insertion
-    order, in ``_more[g]``.
-
-    Args:
-        num_groups: number of KV cache groups.
-    """
-
-    __slots__ = ("_more", "first", "hook")
-
-    def __init__(self, num_groups: int) -> None:
-        self.first: list[dict[bytes, int]] = [{} for _ in range(max(num_groups, 1))]
-        self._more: list[dict[bytes, dict[int, None]]] = [{} for _ in range(max(num_groups, 1))]
-        #: told of every key that enters or leaves ``first[hook.gid]`` (see
-        #: :class:`KeyHook`): a server's cross-pool index of this map; ``None`` here.
-        #: A replaced map (reset, teardown, state restore) starts without one.
-        self.hook: KeyHook | None = None
-
-    def get(self, block_hash: bytes, group_id: int) -> int | None:
-        """The id of the earliest cached block still under this key, or ``None``."""
-        return self.first[group_id].get(block_hash)
-
-    def insert(self, block_hash: bytes, group_id: int, block_id: int) -> None:
-        first = self.first[group_id].setdefault(block_hash, block_id)
-        if first != block_id:
-            self.add_duplicate(block_hash, group_id, first, block_id)
-        elif (hook := self.hook) is not None and hook.gid == group_id:
-            hook.added(block_hash)
-
-    def add_duplicate(self, block_hash: bytes, group_id: int, first: int, block_id: int) -> None:
-        """Record ``block_id`` as a later block under a key whose first block is ``first``."""
-        more = self._more[group_id]
-        ids = more.get(block_hash)
-        if ids is None:
-            more[block_hash] = {first: None, block_id: None}
-        else:
-            ids[block_id] = None
-
-    def pop(self, block_hash: bytes, group_id: int, block_id: int) -> bool:
-        """Drop ``block_id`` from the key; ``False`` if it was not there."""
-        more = self._more[group_id]
-        first = self.first[group_id]
-        ids = more.get(block_hash) if more else None
-        if ids is None:
-            if first.get(block_hash) != block_id:
-                return False
-            del first[block_hash]
-            if (hook := self.hook) is not None and hook.gid == group_id:
-                hook.removed(block_hash)
-            return True
-        if block_id not in ids:
-            return False
-        del ids[block_id]
-        first[block_hash] = next(iter(ids))
-        if len(ids) == 1:
-            del more[block_hash]
-        return True
-
-    def __len__(self) -> int:
-        return sum(len(d) for d in self.first)
-
-    def items(self) -> Iterator[tuple[BlockHashWithGroupId, list[int]]]:
-        """``(hash ‖ group, block ids)`` per key: group order, then insertion order."""
-        for gid, first in enumerate(self.first):
-            more = self._more[gid]
-            for block_hash, block_id in first.items():
-                ids = more.get(block_hash)
-                yield key_with_group(block_hash, gid), list(ids) if ids is not None else [block_id]
-
-    def block_ids(self) -> Iterator[int]:
-        """Every cached block id (unordered)."""
-        for gid, first in enumerate(self.first):
-            more = self._more[gid]
-            yield from first.values()
-            for ids in more.values():
-                yield from list(ids)[1:]
-
-
-class BlockPool:
+class BlockPool(PartialKeys):
     """Physical blocks, the free queue, the prefix-cache map and the event queue.
 
     Block 0 is popped at construction and becomes the null block. Usable capacity is
@@ -437,125 +345,6 @@ class BlockPool:
         for block_id in block_ids:
             if block_id < len(blocks):  # a never-used block holds no hash
                 evict(blocks[block_id])
-
-    def evict_all_keys(self, block: KVCacheBlock) -> bool:
-        """vllm-0.33 with partial-tail entries: forget every key of ``block`` (its
-        primary one first), a BlockRemoved per key."""
-        block_hash = block.cached_hash
-        if block_hash is None:
-            return False
-        bid = block.block_id
-        keys = [(block_hash, block.cached_group, block.event_hash), *self.secondary_keys.pop(bid, ())]
-        self.partial_tokens.pop(bid, None)
-        block.cached_hash = None
-        block.event_hash = None
-        cache = self.cached_block_hash_to_block
-        for key, group, original in keys:
-            if not cache.pop(key, group, bid):
-                continue
-            self.num_evictions += 1
-            if self.enable_kv_cache_events:
-                self.kv_event_queue.append(
-                    block_removed(key, b"", group)
-                    if original is None
-                    else block_removed(original, key[:NAMESPACE_PREFIX_BYTES], group)
-                )
-        self.hash_epoch += 1
-        return True
-
-    def has_key(self, block: KVCacheBlock, key: bytes, group_id: int) -> bool:
-        """Whether ``block`` is cached under ``key`` for the group, as its primary key or
-        (vllm-0.33 partial entries) one more."""
-        if block.cached_hash == key and block.cached_group == group_id:
-            return True
-        return any(k == key and g == group_id for k, g, _ in self.secondary_keys.get(block.block_id, ()))
-
-    def move_block_hashes(self, source: KVCacheBlock, target: KVCacheBlock) -> None:
-        """vLLM 0.33's copy-on-write for a request still writing ``source``: every key
-        of ``source`` (primary first, with its partial token count) now names
-        ``target``, which holds none; no event (the entries stay live)."""
-        assert target.cached_hash is None and target.block_id not in self.secondary_keys
-        if source.cached_hash is None:
-            return
-        sid, tid = source.block_id, target.block_id
-        keys = [
-            (source.cached_hash, source.cached_group, source.event_hash),
-            *self.secondary_keys.pop(sid, ()),
-        ]
-        tokens = self.partial_tokens.pop(sid, None)
-        source.cached_hash = None
-        source.event_hash = None
-        cache = self.cached_block_hash_to_block
-        for key, group, _ in keys:
-            cache.pop(key, group, sid)
-            cache.insert(key, group, tid)
-        target.cached_hash, target.cached_group, target.event_hash = keys[0]
-        if len(keys) > 1:
-            self.secondary_keys[tid] = keys[1:]
-        if tokens is not None:
-            self.partial_tokens[tid] = tokens
-        self.hash_epoch += 1  # a hit naming the source is stale now
-
-    def cache_partial_block(
-        self, request: Request, block: KVCacheBlock, num_tokens: int, group_id: int
-    ) -> None:
-        """vLLM 0.33's partial-tail entry: make ``block`` reachable under the request's
-        hash at ``num_tokens`` (a multiple of the hash block inside the block), as its
-        primary key when it has none, else as one more key. Its BlockStored covers the
-        hash block ending there."""
-        if block.is_null:
-            return
-        n = num_tokens // self.hash_block_size
-        original = request.block_hashes[n - 1]
-        key = request_keys(request.block_hashes[n - 1 : n], request.cache_prefix)[0]
-        bid = block.block_id
-        if self.has_key(block, key, group_id):
-            return
-        partial = self.partial_tokens.get(bid)
-        if block.cached_hash is not None and partial is not None and partial < num_tokens:
-            self.evict_all_keys(block)  # a shorter partial entry gives way
-        if block.cached_hash is None:
-            block.cached_hash = key
-            block.cached_group = group_id
-            block.event_hash = original if request.cache_prefix else None
-            self.partial_tokens[bid] = num_tokens
-        else:
-            self.secondary_keys.setdefault(bid, []).append(
-                (key, group_id, original if request.cache_prefix else None)
-            )
-        self.cached_block_hash_to_block.insert(key, group_id, bid)
-        if not self.enable_kv_cache_events:
-            return
-        start = (n - 1) * self.hash_block_size
-        lora = request.lora
-        event = BlockStored(
-            block_hashes=(original,),
-            parent_block_hash=request.block_hashes[n - 2] if n > 1 else None,
-            token_ids=tuple(request.all_token_ids[start:num_tokens]),
-            block_size=num_tokens - start,
-            lora_id=lora.adapter_id if lora else None,
-            lora_name=lora.name if lora else None,
-            cache_prefix=request.cache_prefix,
-        )
-        if self.group_event_fields is not None:
-            kind, window = self.group_event_fields[group_id]
-            event = dataclasses.replace(
-                event,
-                extra_keys=(
-                    request.event_extra_keys(
-                        start // self.hash_block_size, self.hash_block_size, self.num_hash_lookahead_tokens
-                    ),
-                ),
-                group_idx=group_id,
-                kv_cache_spec_kind=kind,
-                kv_cache_spec_sliding_window=window,
-                lookahead_token_ids=(
-                    (tuple(request.all_token_ids[num_tokens : num_tokens + self.num_hash_lookahead_tokens]),)
-                    if self.num_hash_lookahead_tokens
-                    else None
-                ),
-            )
-        self.kv_event_queue.append(event)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, only if no block besides the null block is held."""

@@ -380,7 +380,7 @@ def _validate_retention_interval(cfg: KVCacheConfig, interval: object, scheduler
 
 def _mamba_033_gaps(cfg: KVCacheConfig, gid: int, spec: MambaSpec) -> list[str]:
     """What a mamba group needs that the vllm-0.33 profile does not model (see
-    :class:`~kvcoord.engine.managers.mamba.MambaManager033`)."""
+    :class:`~kvcoord.engine.managers.mamba033.MambaManager033`)."""
     gaps = []
     if cfg.enable_caching and spec.mamba_cache_mode != MambaCacheMode.ALIGN:
         # vLLM 0.33 asserts it: its mamba prefix caching exists only in "align" mode

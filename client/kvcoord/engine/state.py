@@ -29,7 +29,8 @@ from .blocks import KVCacheBlock
 from .config import KVCacheConfig
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from .extra_keys import ExtraKeySources, MultiModalItem
-from .managers.mamba import MambaManager, MambaManager033
+from .managers.mamba import MambaManager
+from .managers.mamba033 import MambaManager033
 from .managers.partial import CopyOnWrite, PartialMambaManager
 from .pool import KVCachePool
 from .request import LoRA, Request

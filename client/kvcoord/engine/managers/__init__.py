@@ -14,7 +14,8 @@ from .base import SingleTypeKVCacheManager, cdiv
 from .chunked_local import ChunkedLocalAttentionManager
 from .cross_attention import CrossAttentionManager
 from .full_attention import FullAttentionManager
-from .mamba import MambaManager, MambaManager033
+from .mamba import MambaManager
+from .mamba033 import MambaManager033
 from .partial import PartialFullAttentionManager, PartialMambaManager
 from .sliding_window import SlidingWindowManager
 

@@ -61,7 +61,7 @@ class SingleTypeKVCacheManager:
     ) -> int:
         """Free blocks this group would consume, evictable hit blocks included.
         ``prefill_end`` and ``record`` serve vLLM 0.33's mamba prefill checkpoints
-        (:class:`~kvcoord.engine.managers.mamba.MambaManager033`); other rules ignore them."""
+        (:class:`~kvcoord.engine.managers.mamba033.MambaManager033`); other rules ignore them."""
         bs = self.block_size
         required = cdiv(num_tokens, bs)
         blocks = self.req_to_blocks.get(request_id)

@@ -52,7 +52,7 @@ from ..request import Request
 from ..specs import AttentionSpec
 from .base import SingleTypeKVCacheManager, cdiv
 from .full_attention import FullAttentionManager
-from .mamba import MambaManager033
+from .mamba033 import MambaManager033
 
 __all__ = [
     "CopyOnWrite",

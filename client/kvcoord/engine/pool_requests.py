@@ -1,0 +1,205 @@
+"""The pool's requests: register, update, checkpoint and restore, read, free and preempt.
+
+Requests live in the :class:`~kvcoord.engine.request_table.RequestTable`; freeing one
+gives its blocks back (:meth:`PoolRequests._release`: the coordinator's free, fused
+for managers that free by the base rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .errors import FailedPreconditionError, RequestNotFoundError
+from .extra_keys import ExtraKeySources
+from .managers import SingleTypeKVCacheManager
+from .pool_parts import PoolParts
+from .request import LoRA, Request
+from .results import RequestCheckpoint
+
+
+class PoolRequests(PoolParts):
+    """:class:`~kvcoord.engine.pool.KVCachePool`'s request calls."""
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        block_hashes: Sequence[bytes] = (),
+        *,
+        lora: LoRA | None = None,
+        skip_reading_prefix_cache: bool = False,
+        num_preemptions: int = 0,
+        cache_namespace: str = "",
+        cache_salt: str | None = None,
+        extra_key_sources: ExtraKeySources | None = None,
+        num_prompt_tokens: int | None = None,
+        kv_cache_report_full: bool = False,
+    ) -> None:
+        """Register a request with its prompt and the prompt's block hashes.
+
+        ``num_prompt_tokens`` (default: every token given) is how many of the tokens are
+        the prompt, for a request registered again after a preemption with its output
+        tokens: vllm-0.33 pools keep its replay boundary at the prompt's end, as vLLM.
+
+        ``cache_salt`` and ``extra_key_sources`` (multimodal items, prompt-embeds
+        digests) are only reported in vllm-0.33 pools' KV events (the hashes already
+        include them).
+
+        ``kv_cache_report_full`` is vLLM 0.33's ``kv_cache_report_mode == "full"``: in a
+        vllm-0.33 pool with KV events each lookup of the request that finds a hit
+        re-announces the hit's blocks (:meth:`PrefixHits.hit_events`); vllm-0.16 pools
+        ignore it, as vLLM 0.16 does.
+
+        ``cache_namespace`` isolates prefix caching: the request hits only blocks cached
+        by requests of the same namespace, whatever its hashes. ``""`` (the default) is
+        vLLM's single cache, with vLLM's keys.
+
+        Raises:
+            RequestExistsError: the id is in use.
+            InvalidArgumentError: bad id, tokens, hashes or LoRA, or an empty prompt
+                (vLLM never schedules one: its lookup would search ``-1`` tokens).
+        """
+        self.request_table.add(
+            request_id,
+            prompt_token_ids,
+            block_hashes,
+            lora,
+            skip_reading_prefix_cache,
+            num_preemptions,
+            cache_namespace,
+            cache_salt,
+            extra_key_sources,
+            num_prompt_tokens,
+            kv_cache_report_full,
+        )
+
+    @property
+    def cache_namespaces(self) -> dict[str, bytes]:
+        """Cache namespace name -> its key prefix (see :meth:`add_request`)."""
+        return self.request_table.cache_namespaces
+
+    def cache_namespace_prefix(self, name: str) -> bytes:
+        """The key prefix of a cache namespace, assigned on first use."""
+        return self.request_table.namespace_prefix(name)
+
+    def update_request(
+        self,
+        request_id: str,
+        *,
+        num_computed_tokens: int | None = None,
+        append_token_ids: Sequence[int] = (),
+        append_block_hashes: Sequence[bytes] = (),
+    ) -> None:
+        """Report the scheduler's progress: computed tokens, then appended tokens.
+
+        ``append_block_hashes`` are the hashes of blocks the appended tokens completed.
+        Only the delta is checked, so a decode step costs O(1) whatever the request's
+        length.
+
+        Raises:
+            RequestNotFoundError: unknown id.
+            InvalidArgumentError: counts, tokens or hashes that do not fit.
+        """
+        self._update(request_id, num_computed_tokens, append_token_ids, append_block_hashes)
+
+    def checkpoint_request(self, request_id: str) -> RequestCheckpoint | None:
+        """What :meth:`restore_request` needs to undo later request updates
+        (``None`` for an unknown id, meaning "undo = forget it")."""
+        return self.request_table.checkpoint(request_id)
+
+    def restore_request(self, request_id: str, checkpoint: RequestCheckpoint | None) -> None:
+        """Undo :meth:`add_request` / :meth:`update_request` calls made since ``checkpoint``.
+
+        Only valid while no pool operation has run for the request in between (the
+        service uses it when the operation that followed a request update failed).
+
+        Raises:
+            FailedPreconditionError: ``checkpoint`` is ``None`` (forget the request)
+                but the request holds blocks.
+        """
+        if checkpoint is not None:
+            self.request_table.restore(request_id, checkpoint)
+            return
+        if request_id not in self.requests:
+            return
+        if any(self.coordinator.get_blocks(request_id)):
+            raise FailedPreconditionError(f"request {request_id!r} holds blocks; cannot forget it")
+        self.coordinator.free(request_id)
+        del self.requests[request_id]
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def get_request(self, request_id: str) -> Request:
+        """The request's state (read it, do not change it).
+
+        Raises:
+            RequestNotFoundError: unknown id.
+        """
+        return self._get(request_id)
+
+    def free(self, request_id: str, all_groups_reversed: bool = False) -> None:
+        """Release the request's blocks (tail first, group order) and forget it.
+
+        ``all_groups_reversed`` (vllm-0.33 only): the order of vLLM 0.33's deferred
+        free (``pop_blocks_for_free`` then ``block_pool.free_blocks(reversed(...))``, a
+        KV-consumer connector with overlapping steps): all groups' blocks concatenated
+        in group order (each group's leading nulls left out), released in one reversed
+        pass. The same as the plain order for one group. A mamba group drops its
+        per-request state as its plain free does; its pending boundary-state hand-offs
+        were dropped when vLLM took the blocks (:meth:`drop_boundary_state_offloads`).
+
+        Raises:
+            RequestNotFoundError: unknown request.
+            FailedPreconditionError: ``all_groups_reversed`` on a vllm-0.16 pool, or with a
+                group whose free has a rule of its own (fine-grained hits' copy-on-write
+                managers: their tails are not dropped at the take).
+        """
+        if all_groups_reversed:
+            self._require_033("a deferred free (all_groups_reversed)")
+            if any(type(m).free is not SingleTypeKVCacheManager.free for m in self.managers):
+                raise FailedPreconditionError(
+                    "a deferred free (all_groups_reversed) needs every group to free by the base "
+                    "rule or mamba's (not fine-grained hits' copy-on-write managers)"
+                )
+        if self.requests.pop(request_id, None) is None:
+            raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        if all_groups_reversed and len(self.managers) > 1:
+            self.coordinator.free_all_groups_reversed(request_id)
+            return
+        self._release(request_id)
+
+    def preempt(self, request_id: str) -> None:
+        """Release the request's blocks but keep it: computed tokens go back to 0 and its
+        later lookups count as preempted."""
+        req = self._get(request_id)
+        self._release(request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+
+    def _release(self, request_id: str) -> None:
+        """The coordinator's ``free``, fused for managers that free by the base rule: each
+        group's list goes to the free queue tail first, group order."""
+        if self._fused_free is None:
+            self.coordinator.free(request_id)
+            return
+        bp = self.block_pool
+        null = bp.null_block
+        freed = 0
+        if bp.prepend_unhashed_frees:
+            split = bp.free_block_queue.release_split
+            caching = self.enable_caching
+            for m, may_hold_null in self._fused_free:
+                blocks = m.req_to_blocks.pop(request_id, None)
+                if blocks:
+                    freed += split(reversed(blocks), null if may_hold_null else None, caching)
+                m.num_cached_block.pop(request_id, None)
+            bp.num_freed += freed
+            return
+        release = bp.free_block_queue.release
+        for m, may_hold_null in self._fused_free:
+            blocks = m.req_to_blocks.pop(request_id, None)
+            if blocks:
+                freed += release(reversed(blocks), null if may_hold_null else None)
+            m.num_cached_block.pop(request_id, None)
+        bp.num_freed += freed

@@ -118,6 +118,58 @@ def test_a_pool_claimed_after_it_was_found_unclaimed_is_not_rebuilt(
     asyncio.run(run())
 
 
+def test_a_journal_read_that_fails_leaves_the_pool_to_a_later_try(
+    etcd: Etcd, request: pytest.FixtureRequest
+) -> None:
+    """Taking over an orphan, the read of its journal from the store fails (the store
+    slow: DEADLINE_EXCEEDED). recover() answers False and gives the claim back, for a
+    later try (which reads the store again); it used to raise, and at start that ended
+    the replica with exit 1 (a crash loop while the store is slow)."""
+    import aetcd.exceptions
+
+    name = request.node.name[:40]
+
+    async def run() -> None:
+        cluster = await _joined(etcd, name)
+        try:
+            cluster.streams = PoolStreams(lambda: cluster.client, cluster.prefix, lambda: True, 40)
+            cluster.local_pools = lambda: []
+            cluster.drop_local = lambda pool: None
+
+            async def load(value: dict[str, Any], term: int) -> None:
+                pytest.fail("nothing is loaded: the pool has no journal")
+
+            cluster.load_pool = load
+            cluster.scratch_registry = lambda writer: pytest.fail("nothing is rebuilt")
+            await cluster.client.put(cluster._key("pools", "orphan"), b"")  # in the catalog, unclaimed
+            await cluster.refresh()
+            assert "orphan" in cluster.view.orphans()
+            plain = cluster.client.get_prefix
+            reads: list[bytes] = []
+
+            async def slow_store(prefix: bytes, *a: Any, **kw: Any) -> Any:
+                if prefix == cluster.streams.pool_prefix("orphan"):  # type: ignore[union-attr]
+                    reads.append(prefix)
+                    if len(reads) == 1:
+                        raise aetcd.exceptions.ConnectionTimeoutError("Deadline Exceeded")
+                return await plain(prefix, *a, **kw)
+
+            cluster.client.get_prefix = slow_store  # type: ignore[method-assign]
+            assert await cluster.recover("orphan") is False
+            await cluster.refresh()
+            assert "orphan" not in cluster.view.claims, "the claim is kept by a replica that serves nothing"
+            assert "orphan" in cluster.view.orphans()
+            # the next try reads the store again: no journal there, so the pool is forgotten
+            assert await cluster.recover("orphan") is False
+            assert len(reads) == 2
+            await cluster.refresh()
+            assert "orphan" not in cluster.view.catalog
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
 def test_stop_ends_the_watch_when_a_change_comes_in_the_same_turn(
     etcd: Etcd, request: pytest.FixtureRequest
 ) -> None:

@@ -452,7 +452,21 @@ class Cluster:
             if claim is None:
                 return False
             prefix = self.streams.pool_prefix(pool)
-            rows = await self.client.get_prefix(prefix)
+            try:
+                rows = await self.client.get_prefix(prefix)
+            except Exception as exc:  # noqa: BLE001 - a slow or cut-off store: tried again later
+                # (was: raised on; at start that ended the process, exit 1, and a
+                # store slow for a moment put the replica in a crash loop)
+                logger.error(
+                    "pool %s: its journal could not be read from the cluster store (tried again in %d s): %r",
+                    pool, self.lease_seconds, exc,
+                )  # fmt: skip
+                self._retry_at[pool] = self.clock() + self.lease_seconds
+                try:
+                    await self.release(pool)
+                except Exception as again:  # noqa: BLE001 - recover_orphans releases it later
+                    logger.warning("pool %s: its claim could not be released: %r", pool, again)
+                return False
             try:
                 rebuilt = rebuild(stream_rows(rows, prefix), self.scratch_registry, pool)
             except Exception as exc:  # noqa: BLE001 - loud, and the pool stays unserved here

@@ -171,3 +171,17 @@ def test_a_registration_writes_its_prompt_however_the_engine_extends_it() -> Non
     assert list(values.write(pb.RequestSync()).append_token_ids) == list(range(40))
     later = tracker.sync_values(request)  # the next sync: only vLLM's new token, a plain slice
     assert later.tokens == [5] and type(later.tokens) is list
+
+
+def test_a_freed_request_registers_again_as_forget_would() -> None:
+    """``drop`` (a free's fast path) leaves the tracker as ``forget`` does: the id's next
+    sync registers it afresh (a preempted request, reset by vLLM, starts over)."""
+    request = types.SimpleNamespace(request_id="r", all_token_ids=list(range(8)), num_computed_tokens=0)
+    syncs = []
+    for stop in ("drop", "forget"):
+        tracker = RequestTracker(pb.PoolConfig(enable_caching=False), b"")
+        tracker.sync_values(request)
+        assert tracker.drop("r") if stop == "drop" else tracker.forget(["r"]) == ["r"]
+        assert "r" not in tracker and not tracker.drop("r")
+        syncs.append(tracker.sync_values(request).write(pb.RequestSync()))
+    assert syncs[0] == syncs[1] and syncs[0].new_request

@@ -345,6 +345,10 @@ class RequestTracker:
             else:
                 t.restore(mark)
 
+    def drop(self, request_id: str) -> bool:
+        """Stop tracking one request (a free); whether it was tracked."""
+        return self._tracked.pop(request_id, None) is not None
+
     def forget(self, request_ids: Iterable[str], lost: bool = False) -> list[str]:
         """Stop tracking these requests; returns those that were tracked. With ``lost``
         they are remembered as lost until the scheduler resets them."""

@@ -13,7 +13,14 @@ from kvcoord import engine
 from kvcoord.client.errors import KVCoordError
 from kvcoord.client.mirror import _check_wire_tokens, wire_tokens
 from kvcoord.client.tracking import RequestTracker, _as_bytes
-from kvcoord.client.vllm_types import _convert_event, _event_types, _int_hashes, convert_engine_events
+from kvcoord.client.vllm_manager import KVCoordKVCacheManager, _Held
+from kvcoord.client.vllm_types import (
+    KVCacheBlocks,
+    _convert_event,
+    _event_types,
+    _int_hashes,
+    convert_engine_events,
+)
 from kvcoord.engine import FullAttentionSpec, HandedTokenIds, KVCacheConfig, TokenIds
 from kvcoord.engine.events import block_removed
 from kvcoord.engine.request_table import RequestTable
@@ -185,3 +192,32 @@ def test_a_freed_request_registers_again_as_forget_would() -> None:
         assert "r" not in tracker and not tracker.drop("r")
         syncs.append(tracker.sync_values(request).write(pb.RequestSync()))
     assert syncs[0] == syncs[1] and syncs[0].new_request
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lazy_blocks_are_the_blocks_built_at_the_call(seed: int) -> None:
+    """vLLM's adapter answers blocks built when first read (their ids at once): they are
+    what building them at the call gives, whatever vLLM does meanwhile (hashes
+    appended, the request reset, blocks evicted, more tokens cached)."""
+    rng = random.Random(seed)
+    m = object.__new__(KVCoordKVCacheManager)
+    m.enable_caching, m.hash_block_size, m._evicted = True, 16, set()
+    m.block_sizes, m._positional = [16, 32, 16], [True, True, False]
+    m.empty_kv_cache_blocks = KVCacheBlocks(((), (), ()))
+    hashes = [rng.randbytes(32) for _ in range(rng.randrange(0, 40))]
+    request = types.SimpleNamespace(block_hashes=hashes)
+    held = _Held(request, rng.randrange(0, 700))
+    m._evicted.update(rng.sample(range(1, 60), rng.randrange(0, 4)))
+    starts = [rng.randrange(0, 30) for _ in range(3)]
+    ids = tuple([rng.choice([0, *range(1, 60)]) for _ in range(rng.randrange(0, 12))] for _ in range(3))
+    lazy = m._blocks(ids, held, starts)
+    now = m._blocks(ids, held, starts).blocks  # read at once
+    assert now == tuple(m._group_blocks(held, g, starts[g], group) for g, group in enumerate(ids)) or not any(
+        ids
+    )
+    hashes.append(rng.randbytes(32))  # vLLM goes on: another hash, more tokens cached,
+    held.hashed_tokens += 64
+    m._evicted.update(b for group in ids for b in group[:2])  # blocks evicted,
+    hashes[:] = [rng.randbytes(32) for _ in hashes]  # the request reset and hashed anew
+    assert lazy.get_block_ids() == tuple(list(g) for g in ids) or not any(ids)
+    assert lazy.blocks == now

@@ -5,17 +5,26 @@ from __future__ import annotations
 
 import enum
 import random
+import types
 from typing import Any
 
 import pytest
 from kvcoord import engine
 from kvcoord.client.errors import KVCoordError
 from kvcoord.client.mirror import _check_wire_tokens, wire_tokens
-from kvcoord.client.tracking import _as_bytes
-from kvcoord.client.vllm_types import _convert_event, _event_types, _int_hashes, convert_engine_events
-from kvcoord.engine import FullAttentionSpec, KVCacheConfig, TokenIds
+from kvcoord.client.tracking import RequestTracker, _as_bytes
+from kvcoord.client.vllm_manager import KVCoordKVCacheManager, _Held
+from kvcoord.client.vllm_types import (
+    KVCacheBlocks,
+    _convert_event,
+    _event_types,
+    _int_hashes,
+    convert_engine_events,
+)
+from kvcoord.engine import FullAttentionSpec, HandedTokenIds, KVCacheConfig, TokenIds
 from kvcoord.engine.events import block_removed
 from kvcoord.engine.request_table import RequestTable
+from kvcoord.v1 import allocator_pb2 as pb
 
 
 class _Token(enum.IntEnum):
@@ -114,3 +123,101 @@ def test_hashes_given_as_bytes_are_what_the_general_conversion_gives(kind: objec
         given = [kind(h) for h in raw]  # type: ignore[operator]
     got = _as_bytes(given)
     assert got == [bytes(h) for h in given] and {type(h) for h in got} == {bytes}
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 900])
+@pytest.mark.parametrize("bad", [-1, 1 << 32, True, _Index(), "none"], ids=repr)
+def test_a_handed_prompt_is_kept_only_once_checked(length: int, bad: object) -> None:
+    """The tracker's registration (a :class:`HandedTokenIds`) comes back itself, which
+    the engine keeps unchecked, only when the bulk check took it; otherwise as a plain
+    list, which the engine checks token by token (it names the bad one)."""
+    rng = random.Random(length)
+    tokens: list[object] = [rng.randrange(1 << 32) for _ in range(length)]
+    if bad != "none":
+        tokens[rng.randrange(length)] = bad
+    accepted = _general_accepts(tokens)
+    handed = HandedTokenIds(tokens)  # type: ignore[arg-type]
+    try:
+        got = wire_tokens("r", handed)
+    except KVCoordError:
+        assert not accepted
+        return
+    if got is handed:
+        assert accepted and length >= 16
+    else:
+        assert type(got) is list and got == tokens  # the engine checks each again
+
+
+def test_a_registration_writes_its_prompt_however_the_engine_extends_it() -> None:
+    """A registration's prompt is copied once, into the list the mirror's engine keeps
+    and later extends (a decode's tokens) or cuts back (an undone sync): the sync's
+    message, written later on the sender thread, carries exactly the prompt."""
+    tracker = RequestTracker(pb.PoolConfig(enable_caching=False), b"")
+    prompt = list(range(40))
+    request = types.SimpleNamespace(request_id="r", all_token_ids=prompt, num_computed_tokens=0)
+    values = tracker.sync_values(request)
+    assert type(values.tokens) is HandedTokenIds and values.tokens is not prompt
+    table = RequestTable(
+        KVCacheConfig(
+            num_blocks=8,
+            groups=(FullAttentionSpec(4),),
+            hash_block_size=4,
+            max_model_len=1 << 10,
+            enable_caching=False,
+        )  # fmt: skip
+    )
+    table.add("r", wire_tokens("r", values.tokens), [], None, False, 0)
+    held = table.get("r").all_token_ids
+    assert held is values.tokens  # kept, not copied again
+    checkpoint = table.checkpoint("r")
+    table.update("r", 40, [7, 8, 9], [])  # the engine's list grows after the sync
+    prompt.append(5)  # and vLLM's own
+    assert list(values.write(pb.RequestSync()).append_token_ids) == list(range(40))
+    assert checkpoint is not None
+    table.restore("r", checkpoint)
+    assert list(values.write(pb.RequestSync()).append_token_ids) == list(range(40))
+    later = tracker.sync_values(request)  # the next sync: only vLLM's new token, a plain slice
+    assert later.tokens == [5] and type(later.tokens) is list
+
+
+def test_a_freed_request_registers_again_as_forget_would() -> None:
+    """``drop`` (a free's fast path) leaves the tracker as ``forget`` does: the id's next
+    sync registers it afresh (a preempted request, reset by vLLM, starts over)."""
+    request = types.SimpleNamespace(request_id="r", all_token_ids=list(range(8)), num_computed_tokens=0)
+    syncs = []
+    for stop in ("drop", "forget"):
+        tracker = RequestTracker(pb.PoolConfig(enable_caching=False), b"")
+        tracker.sync_values(request)
+        assert tracker.drop("r") if stop == "drop" else tracker.forget(["r"]) == ["r"]
+        assert "r" not in tracker and not tracker.drop("r")
+        syncs.append(tracker.sync_values(request).write(pb.RequestSync()))
+    assert syncs[0] == syncs[1] and syncs[0].new_request
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_lazy_blocks_are_the_blocks_built_at_the_call(seed: int) -> None:
+    """vLLM's adapter answers blocks built when first read (their ids at once): they are
+    what building them at the call gives, whatever vLLM does meanwhile (hashes
+    appended, the request reset, blocks evicted, more tokens cached)."""
+    rng = random.Random(seed)
+    m = object.__new__(KVCoordKVCacheManager)
+    m.enable_caching, m.hash_block_size, m._evicted = True, 16, set()
+    m.block_sizes, m._positional = [16, 32, 16], [True, True, False]
+    m.empty_kv_cache_blocks = KVCacheBlocks(((), (), ()))
+    hashes = [rng.randbytes(32) for _ in range(rng.randrange(0, 40))]
+    request = types.SimpleNamespace(block_hashes=hashes)
+    held = _Held(request, rng.randrange(0, 700))
+    m._evicted.update(rng.sample(range(1, 60), rng.randrange(0, 4)))
+    starts = [rng.randrange(0, 30) for _ in range(3)]
+    ids = tuple([rng.choice([0, *range(1, 60)]) for _ in range(rng.randrange(0, 12))] for _ in range(3))
+    lazy = m._blocks(ids, held, starts)
+    now = m._blocks(ids, held, starts).blocks  # read at once
+    assert now == tuple(m._group_blocks(held, g, starts[g], group) for g, group in enumerate(ids)) or not any(
+        ids
+    )
+    hashes.append(rng.randbytes(32))  # vLLM goes on: another hash, more tokens cached,
+    held.hashed_tokens += 64
+    m._evicted.update(b for group in ids for b in group[:2])  # blocks evicted,
+    hashes[:] = [rng.randbytes(32) for _ in hashes]  # the request reset and hashed anew
+    assert lazy.get_block_ids() == tuple(list(g) for g in ids) or not any(ids)
+    assert lazy.blocks == now

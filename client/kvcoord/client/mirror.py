@@ -31,6 +31,7 @@ from kvcoord.engine import (
     BlockRemoved,
     BlockStored,
     EngineError,
+    HandedTokenIds,
     InvalidArgumentError,
     KVCacheEvent,
     LoRA,
@@ -352,10 +353,13 @@ _UINT32_ARRAY = "I" if array("I").itemsize == 4 else ""
 def wire_tokens(request_id: str, tokens: Sequence[int]) -> Sequence[int]:
     """``tokens`` as :class:`TokenIds` (which the engine copies without checking each
     again) once every one is an ``int`` (not a subclass) the wire's ``uint32`` carries:
-    one C pass for the range (``array``), one for the exact types. Anything else, or a
-    short list, goes through :func:`_check_wire_tokens` and is given back as it is, for
-    the engine's own check to name a bad token."""
+    one C pass for the range (``array``), one for the exact types. A
+    :class:`HandedTokenIds` (the tracker's registration, made for this one call) is
+    given back itself, which the engine keeps without a copy. Anything else, or a
+    short list, goes through :func:`_check_wire_tokens` and is given back unchecked
+    (a plain list), for the engine's own check to name a bad token."""
     n = len(tokens)
+    handed = type(tokens) is HandedTokenIds
     if n >= _CHECK_IN_BULK and _UINT32_ARRAY:
         try:
             array(_UINT32_ARRAY, tokens)
@@ -363,6 +367,6 @@ def wire_tokens(request_id: str, tokens: Sequence[int]) -> Sequence[int]:
             pass
         else:
             if list(map(type, tokens)).count(int) == n:
-                return TokenIds(tokens)
+                return tokens if handed else TokenIds(tokens)
     _check_wire_tokens(request_id, tokens)
-    return tokens
+    return list(tokens) if handed else tokens  # (not marked checked: the engine checks each)

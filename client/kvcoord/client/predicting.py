@@ -338,7 +338,7 @@ class PredictingKVCacheManager:
         if rid not in tracker:
             return  # never sent (or lost with its session): nothing to free
         self.mirror.free_if_held(rid)
-        tracker.forget((rid,))
+        tracker.drop(rid)
         self.sender.op().free.request_id = rid
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:

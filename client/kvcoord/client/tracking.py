@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
+from kvcoord.engine import HandedTokenIds
 from kvcoord.engine.extra_keys import ExtraKeySources
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import write_extra_key_sources
@@ -78,7 +79,12 @@ class SyncValues:
     new_request: bool
     base_num_tokens: int
     base_num_hashes: int
+    #: a registration's tokens are a :class:`HandedTokenIds`, made for the mirror's
+    #: engine, which keeps that very list and appends the request's later tokens to
+    #: it: only its first ``num_tokens`` are this sync's (:meth:`write` reads no more;
+    #: ``None``: every one)
     tokens: Sequence[int] = ()
+    num_tokens: int | None = None
     hashes: Sequence[bytes] = ()
     computed: int | None = None
     lora: tuple[int, str] | None = None
@@ -113,8 +119,10 @@ class SyncValues:
         else:
             into.base_num_tokens = self.base_num_tokens
             into.base_num_hashes = self.base_num_hashes
-        if self.tokens:
-            into.append_token_ids.extend(self.tokens)
+        tokens = self.tokens
+        if tokens:
+            n = self.num_tokens
+            into.append_token_ids.extend(tokens if n is None or len(tokens) == n else tokens[:n])
         if self.hashes:
             into.append_block_hashes.extend(self.hashes)
         if self.computed is not None:
@@ -187,7 +195,9 @@ class RequestTracker:
         values = SyncValues(rid, new, t.sent_tokens, t.sent_hashes)
         n = len(tokens)
         if n > t.sent_tokens:
-            values.tokens = tokens[t.sent_tokens :]
+            # a registration's prompt: copied once, into the list the mirror's engine keeps
+            values.tokens = HandedTokenIds(tokens) if not t.sent_tokens else tokens[t.sent_tokens :]
+            values.num_tokens = n - t.sent_tokens
             if self.enable_caching:
                 hashes = self._new_hashes(request, t)
                 if hashes:
@@ -334,6 +344,10 @@ class RequestTracker:
                 del tracked[rid]
             else:
                 t.restore(mark)
+
+    def drop(self, request_id: str) -> bool:
+        """Stop tracking one request (a free); whether it was tracked."""
+        return self._tracked.pop(request_id, None) is not None
 
     def forget(self, request_ids: Iterable[str], lost: bool = False) -> list[str]:
         """Stop tracking these requests; returns those that were tracked. With ``lost``

@@ -76,6 +76,29 @@ def absorbing(default: Callable[..., Any]) -> Callable[[Callable[..., Any]], Cal
     return wrap
 
 
+#: (table position of the first block, positions below which blocks are hashed, the
+#: hashes from the first block's on, hashes per block, the group id suffix, evicted
+#: blocks among them or None)
+_HashView = tuple[int, int, Sequence[bytes], int, bytes, "set[int] | None"]
+
+
+def _hashed_blocks(block_ids: Sequence[int], view: _HashView | None) -> list[KVCacheBlock]:
+    """The blocks ``block_ids`` with the hashes ``view`` took for them."""
+    if view is None:
+        return [KVCacheBlock(b) for b in block_ids]
+    start, limit, hashes, scale, suffix, evicted = view
+    out = []
+    for j, b in enumerate(block_ids, start):
+        if j >= limit or b == 0 or (evicted and b in evicted):
+            out.append(KVCacheBlock(b))
+        elif scale == 1:
+            out.append(KVCacheBlock(b, hashes[j - start] + suffix))
+        else:
+            k = (j - start) * scale
+            out.append(KVCacheBlock(b, b"".join(hashes[k : k + scale]) + suffix))
+    return out
+
+
 @dataclasses.dataclass(slots=True)
 class _Held:
     """What the adapter knows of a request holding blocks: for ``block_hash``."""
@@ -171,45 +194,50 @@ class KVCoordKVCacheManager:
     def _blocks(
         self, ids: Sequence[Sequence[int]], held: _Held | None, starts: Sequence[int]
     ) -> KVCacheBlocks:
-        """Blocks for ``ids``; ``starts[g]`` is the table position of group ``g``'s first."""
+        """Blocks for ``ids``; ``starts[g]`` is the table position of group ``g``'s first.
+        Built when first read (their ids answer at once), from what they hash to now:
+        vLLM may append to the request or evict blocks before then."""
         if not any(ids):
             return self.empty_kv_cache_blocks
         if held is None or not self.enable_caching:
-            return KVCacheBlocks(tuple([KVCacheBlock(b) for b in group] for group in ids))
+            return KVCacheBlocks(
+                make=lambda: tuple([KVCacheBlock(b) for b in group] for group in ids), ids=ids
+            )
+        views = [self._hash_view(held, g, starts[g], group) for g, group in enumerate(ids)]
         return KVCacheBlocks(
-            tuple(self._group_blocks(held, g, starts[g], group) for g, group in enumerate(ids))
+            make=lambda: tuple(_hashed_blocks(group, v) for group, v in zip(ids, views, strict=True)), ids=ids
         )
 
     def _group_blocks(
         self, held: _Held, group: int, start: int, block_ids: Sequence[int]
     ) -> list[KVCacheBlock]:
-        """Group ``group``'s blocks ``block_ids``, the first at table position ``start``,
-        each with its ``block_hash``: a positional group's block within the request's
+        """Group ``group``'s blocks ``block_ids`` (the first at table position ``start``),
+        built now."""
+        return _hashed_blocks(block_ids, self._hash_view(held, group, start, block_ids))
+
+    def _hash_view(self, held: _Held, group: int, start: int, block_ids: Sequence[int]) -> _HashView | None:
+        """What the blocks ``block_ids`` of group ``group`` (the first at table position
+        ``start``) hash to, taken now: a positional group's block within the request's
         hashed tokens holds its hash followed by the group id, unless it is the null
         block, its hash was dropped while held (``evict_blocks``, as vLLM's block) or
-        the request has not that many hashes."""
+        the request has not that many hashes. ``None``: no block holds one."""
         size = self.block_sizes[group]
         if not self._positional[group]:
-            return [KVCacheBlock(b) for b in block_ids]
+            return None
         limit = held.hashed_tokens // size  # positions below it are hashed
         hashes = getattr(held.request, "block_hashes", None) or ()
         scale = size // self.hash_block_size
         have = len(hashes) // scale  # positions whose every hash exists
         if limit > have:
             limit = have
+        if limit <= start:
+            return None
+        taken = hashes[start * scale : min(limit, start + len(block_ids)) * scale]
+        if list(map(type, taken)).count(bytes) != len(taken):
+            taken = [bytes(h) for h in taken]
         evicted = self._evicted
-        suffix = group.to_bytes(4, "big")
-        out = []
-        for j, b in enumerate(block_ids, start):
-            if j >= limit or b == 0 or (evicted and b in evicted):
-                out.append(KVCacheBlock(b))
-            elif scale == 1:
-                out.append(KVCacheBlock(b, bytes(hashes[j]) + suffix))
-            else:
-                out.append(
-                    KVCacheBlock(b, b"".join(map(bytes, hashes[j * scale : (j + 1) * scale])) + suffix)
-                )
-        return out
+        gone = {b for b in block_ids if b in evicted} if evicted else None
+        return start, limit, taken, scale, group.to_bytes(4, "big"), gone
 
     # -- losses ---------------------------------------------------------------------------
     def _absorb(self, err: KVCoordError) -> None:
@@ -289,10 +317,7 @@ class KVCoordKVCacheManager:
         if not any(ids):
             return self.empty_kv_cache_blocks, num_tokens
         # hit blocks are cached blocks: each one holds its hash
-        held = _Held(request, num_tokens)
-        return KVCacheBlocks(
-            tuple(self._group_blocks(held, g, 0, group) for g, group in enumerate(ids))
-        ), num_tokens
+        return self._blocks(ids, _Held(request, num_tokens), [0] * len(ids)), num_tokens
 
     def allocate_slots(
         self,

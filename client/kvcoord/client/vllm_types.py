@@ -75,19 +75,22 @@ class KVCacheBlock:
 class KVCacheBlocks:
     """Blocks per KV cache group: ``blocks[g][j]`` is group ``g``'s ``j``-th block.
 
-    May be lazy (``make``): an allocation answered before its Step was sent builds its
-    blocks when first read, which sends the Step if it has not gone yet.
+    May be lazy (``make``): the blocks are built when first read. ``ids``, when given,
+    are their ids per group, which answer ``get_block_ids`` and ``to_block_ids``
+    without building them (what vLLM's scheduler reads of most answers).
     """
 
-    __slots__ = ("_blocks", "_make")
+    __slots__ = ("_blocks", "_ids", "_make")
 
     def __init__(
         self,
         blocks: tuple[Sequence[KVCacheBlock], ...] | None = None,
         make: Callable[[], tuple[Sequence[KVCacheBlock], ...]] | None = None,
+        ids: Sequence[Sequence[int]] | None = None,
     ) -> None:
         self._blocks = blocks
         self._make = make
+        self._ids = ids
 
     @property
     def blocks(self) -> tuple[Sequence[KVCacheBlock], ...]:
@@ -118,6 +121,9 @@ class KVCacheBlocks:
 
     def get_block_ids(self, allow_none: bool = False) -> tuple[list[int], ...] | None:
         """Block ids per group; with ``allow_none``, ``None`` when every group is empty."""
+        ids = self._ids
+        if ids is not None:
+            return None if allow_none and not any(ids) else tuple([*group] for group in ids)
         if allow_none and not any(self.blocks):
             return None
         return tuple([b.block_id for b in group] for group in self.blocks)
@@ -131,7 +137,7 @@ class KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in self.blocks))
 
     def to_block_ids(self) -> KVCacheBlockIds:
-        return KVCacheBlockIds(tuple([b.block_id for b in group] for group in self.blocks))
+        return KVCacheBlockIds(self.get_block_ids())
 
 
 # -- stats and events (plain forms; vLLM's types replace them when importable) ---------

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from durable_server import env
 from etcd_process import Etcd
@@ -19,7 +20,7 @@ from kvcoord.client import KVCoordClient
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, owner_of
 from service.helpers import allocate
-from test_replicas import POOL_CONFIG, replica_config
+from test_replicas import POOL_CONFIG, replica_config, wait_members
 
 
 class Allocator(threading.Thread):
@@ -136,6 +137,14 @@ def test_pools_move_with_their_state_when_a_replica_joins_and_another_leaves(
 
     try:
         start("r0"), start("r1")
+        # both see both before a pool is placed (a loaded machine: r0's view without r1
+        # yet placed m-pools on r0; CI 10:37, load 17-22)
+        credentials = None
+        if security == "mutual_tls":
+            credentials = grpc.ssl_channel_credentials(
+                certs.ca.read_bytes(), certs.client_key.read_bytes(), certs.client_cert.read_bytes()
+            )
+        wait_members([procs["r0"], procs["r1"]], ["r0", "r1"], credentials=credentials)
         # pools that move when r2 joins, and pools that move when r0 then leaves
         pools = [f"m{i}" for i in range(8)]
         before = {p: owner_of(p, [Member("r0", ""), Member("r1", "")]).replica_id for p in pools}  # type: ignore[union-attr]

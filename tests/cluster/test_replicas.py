@@ -86,13 +86,24 @@ def owned_gauge(server: ServerProcess) -> dict[tuple[str, str], float]:
     }
 
 
-def wait_members(procs: list[ServerProcess], ids: list[str], timeout: float = 30.0) -> None:
+def wait_members(
+    procs: list[ServerProcess],
+    ids: list[str],
+    timeout: float = 30.0,
+    credentials: grpc.ChannelCredentials | None = None,
+) -> None:
     """Until every replica's view has every member: each redirects a (nonexistent)
-    pool placed on another replica instead of calling it unknown."""
+    pool placed on another replica instead of calling it unknown (``credentials``:
+    the channel's, for replicas serving TLS)."""
     deadline = time.monotonic() + timeout
     for i, proc in enumerate(procs):
         probe = placed("probe-", ids[(i + 1) % len(ids)], ids)
-        with grpc.insecure_channel(proc.address) as ch:
+        channel = (
+            grpc.insecure_channel(proc.address)
+            if credentials is None
+            else grpc.secure_channel(proc.address, credentials)
+        )
+        with channel as ch:
             stub = pb_grpc.AllocatorStub(ch)
             while True:
                 try:

@@ -12,7 +12,7 @@ naming the file.
 Records are replayed under the limits they were applied with (``limits`` records), so
 raising a limit (or changing anything that changes no acknowledged answer) never
 prevents a restart; each replayed call is applied and answered as it was live
-(mutations.py, with the servicer's :data:`~.servicer.MUTATIONS`) and its answer's
+(mutations.py, with :data:`~.mutating_calls.MUTATIONS`) and its answer's
 digest compared with the journaled one. Once replayed, the
 configured limits apply: a pool holding more than a lowered limit allows stops the
 start, naming the pool and the record.
@@ -35,10 +35,10 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .durability import SNAPSHOT_FILE_GLOB, JournalRecorder, decode_record
 from .journal import Journal, JournalError, JournalStore
+from .mutating_calls import MUTATIONS
 from .mutations import MutationRunner, take_events_budget
 from .pool_service import Limits, PoolService
 from .registry import PoolRegistry
-from .servicer import MUTATIONS
 from .sessions import Session
 
 __all__ = [
@@ -293,7 +293,7 @@ class Replayer:
         elif kind in ("detach", "expire"):
             s = registry.sessions.sessions[record[2]]
             self.touched[s.pool] = seq
-            _end_session(registry, s)
+            registry.end_session(s)
         elif kind == "call":
             self._call(record, when)
         elif kind == "reset":
@@ -349,17 +349,6 @@ class Replayer:
                 + "; ".join(problems)
                 + ". Start with limits at least that high (lower them once the pools hold less)"
             )
-
-
-def _end_session(registry: PoolRegistry, s: Session) -> None:
-    """End a session as Detach or lease expiry does: its answers forgotten, its
-    requests freed."""
-    registry.idempotency.drop_session(s.session_id)
-    owner = registry.pools.get(s.pool)
-    if owner is not None:
-        owner.end_session(s)
-    else:
-        registry.sessions.close(s.session_id)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -515,7 +504,7 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     registry.lineage.clear()
     registry.positions.voided()
     for s in list(registry.sessions.sessions.values()):
-        _end_session(registry, s)
+        registry.end_session(s)
         recorder.session_expired(s.session_id, s.pool)
     for service in registry.pools.values():
         if not service.reset_prefix_cache():

@@ -23,10 +23,11 @@ from .durability import JournalRecorder
 from .idempotency import IdempotencyStore
 from .kv_publisher import Publishers
 from .logs import ids
+from .observers import OperationObserver
 from .ownership import Member
 from .recovery import Recovery, adopt_pool, dump_pool, fence_restored, journaled_limits, open_journal
 from .registry import GcFreezer, PoolRegistry
-from .servicer import AllocatorServicer, OperationObserver, add_servicer
+from .servicer import AllocatorServicer, add_servicer
 from .sessions import SessionTable
 from .startup import StartupDecision, decide_startup
 from .state_export import apart, encode_started, pool_encoded

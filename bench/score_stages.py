@@ -37,8 +37,11 @@ from kvcoord.client.routing import hash_prompt  # noqa: E402
 from kvcoord.service import routing_calls  # noqa: E402
 from kvcoord.service import servicer as servicer_module  # noqa: E402
 from kvcoord.service.bounds import check_request  # noqa: E402
-from kvcoord.service.convert import prompts_from_pb, scores_to_pb  # noqa: E402
-from kvcoord.service.score_wire import ScoreEncoder  # noqa: E402
+from kvcoord.service.score_wire import (  # noqa: E402
+    ScoreEncoder,  # noqa: E402
+    prompts_from_pb,
+    scores_to_pb,
+)
 from kvcoord.service.scoring import score_pools  # noqa: E402
 from kvcoord.service.testing import InProcessServer  # noqa: E402
 from kvcoord.v1 import allocator_pb2 as pb  # noqa: E402

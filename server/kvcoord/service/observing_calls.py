@@ -13,8 +13,9 @@ from kvcoord.wire import block_ids_to_pb, event_to_pb, stats_to_pb
 from . import bounds
 from .access import Role, current_tenant
 from .budget import BLOCK_BYTES, TOKEN_BYTES
-from .convert import fence_to_pb, reservation_stats_to_pb
+from .convert import fence_to_pb
 from .errors import map_errors, map_stream_errors
+from .score_wire import reservation_stats_to_pb
 from .servicer_core import ServicerCore
 
 __all__ = ["ObservingCalls"]

@@ -7,9 +7,9 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .access import Role, current_tenant
-from .convert import prompts_from_pb, reservation_to_pb, scores_to_pb
 from .errors import map_errors
 from .idempotency import score_key_owner
+from .score_wire import prompts_from_pb, reservation_to_pb, scores_to_pb
 from .scoring import Reserve, score_pools
 from .servicer_core import ServicerCore
 

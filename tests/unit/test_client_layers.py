@@ -21,8 +21,6 @@ KNOWN_LARGE: dict[str, int] = {
     "service/pool_service.py": 1705,
     "service/cluster.py": 838,
     "service/kv_publisher.py": 580,
-    "service/server.py": 528,
-    "service/recovery.py": 514,
     "service/journal.py": 505,
 }
 

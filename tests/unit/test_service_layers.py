@@ -146,6 +146,7 @@ GRPC_MODULES = {
     "rpc_guard.py",
     "step_stream.py",
     "server.py",
+    "server_cluster.py",
     "intercept.py",
     "logs.py",
     "metrics.py",

@@ -41,7 +41,7 @@ replay gave the client the same answer. Records are CBOR lists ``[kind, wall_tim
 Lease renewals are not journaled: a recovered session gets a fresh lease.
 
 :class:`Recorder` records nothing (durability ``none``); :class:`JournalRecorder`
-appends to a :class:`~kvcoord.service.journal.Journal` and takes a snapshot every
+appends to a :class:`~kvcoord.service.journal_writer.Journal` and takes a snapshot every
 ``snapshot_every`` records without stopping the event loop: the process forks (a
 copy-on-write image of the state, a few milliseconds), the child encodes the state
 (registry_state.py's ``dump_state``, plain values) into a file beside the journal and
@@ -76,7 +76,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from google.protobuf.message import Message
 
     from .events import EventJournal
-    from .journal import Journal
+    from .journal_writer import Journal
     from .pool_service import PoolService
     from .sessions import Session
 

@@ -33,7 +33,8 @@ import cbor2
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .durability import SNAPSHOT_FILE_GLOB, JournalRecorder, decode_record
-from .journal import Journal, JournalError, JournalStore
+from .journal import JournalError, JournalStore
+from .journal_writer import Journal
 from .mutating_calls import MUTATIONS
 from .mutations import MutationRunner
 from .pool_service import Limits

@@ -9,7 +9,7 @@ Storage (``<data_dir>/journal.sqlite``, WAL mode):
   encodes them), ``crc`` its CRC-32, checked on every read.
 * ``snapshots``: ``(seq, fingerprint, sha256, body)``: the whole state after record
   ``seq``; ``body`` is empty and the state is in ``snapshot_parts`` ``(seq, part,
-  body)``, chunks of :data:`SNAPSHOT_CHUNK_BYTES` (far below SQLite's 1 GB value
+  body)``, chunks of :data:`~.journal_writer.SNAPSHOT_CHUNK_BYTES` (far below SQLite's 1 GB value
   limit), each written in its own transaction between record commits. The row is
   written with the last chunk, in the transaction that deletes the records and
   snapshots it covers, so the file holds one complete snapshot plus the records after
@@ -49,7 +49,6 @@ from pathlib import Path
 
 __all__ = [
     "FORMAT_VERSION",
-    "SNAPSHOT_CHUNK_BYTES",
     "JournalError",
     "JournalStore",
     "SnapshotChunk",
@@ -58,8 +57,6 @@ __all__ = [
 
 #: Bump when the meaning of records or snapshots changes; older files are refused.
 FORMAT_VERSION = 2
-#: bytes of a snapshot written per transaction
-SNAPSHOT_CHUNK_BYTES = 16 << 20
 #: pages incremental vacuum gives back per step (one step after each commit)
 VACUUM_PAGES_PER_STEP = 512
 #: bytes of WAL kept after a checkpoint

@@ -14,11 +14,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .journal import SNAPSHOT_CHUNK_BYTES, JournalError, JournalStore, SnapshotChunk
+from .journal import JournalError, JournalStore, SnapshotChunk
 
-__all__ = ["Journal"]
+__all__ = ["SNAPSHOT_CHUNK_BYTES", "Journal"]
 
 logger = logging.getLogger(__name__)
+
+#: bytes of a snapshot written per transaction
+SNAPSHOT_CHUNK_BYTES = 16 << 20
 
 
 def _chunks(seq: int, fingerprint: str, path: Path) -> Iterator[SnapshotChunk]:

@@ -257,13 +257,13 @@ def toggle(trace: Path, warmup: int, running: int) -> None:
     """``--toggle``: see the module's docstring."""
     import workers as W
     from kvcoord.client import KVCoordClient
+    from kvcoord.service import mutating_calls
     from kvcoord.service import operations as op
-    from kvcoord.service import servicer as servicer_module
     from kvcoord.service.testing import InProcessServer
     from kvcoord.v1 import allocator_pb2 as pb
 
     bodies = load(trace)
-    read = servicer_module.operation_from_pb
+    read = mutating_calls.operation_from_pb
     general = {"on": False}
 
     def reader(o: Any, groups: int) -> Any:  # the same wrapper on both sides
@@ -272,7 +272,7 @@ def toggle(trace: Path, warmup: int, running: int) -> None:
             value.plain = False
         return value
 
-    servicer_module.operation_from_pb = reader  # type: ignore[assignment]
+    mutating_calls.operation_from_pb = reader  # type: ignore[assignment]
     srv = InProcessServer(metrics=False).start()
     servicer = srv.running.servicer  # type: ignore[union-attr]
     cpu: dict[str, list[float]] = {"direct": [], "general": []}
@@ -353,6 +353,34 @@ def server_cpu(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def open_session(run: dict[str, Any], address: str, running: int, **client: Any) -> None:
+    """Into ``run``: a client of the server at ``address`` (``client``: its options), pool
+    "p" made there for ``running`` requests, and a session on it (``run["att"]``)."""
+    import workers as W
+    from kvcoord.client import KVCoordClient
+
+    run["client"] = c = KVCoordClient(address, timeout=60, **client)
+    c.create_pool("p", W.pool_config(W.worker_blocks(running)))
+    run["att"] = c.attach("p", W.ALGO, W.BS, W.SEED, "bench")
+
+
+def close_runs(runs: dict[Any, dict[str, Any]]) -> None:
+    """Close every run's client and stop its server."""
+    for run in runs.values():
+        if "client" in run:
+            run["client"].close()
+        run["server"].stop()
+
+
+def print_table_head(title: str, metrics: bool, columns: list[str], text_columns: int = 1) -> None:
+    """A results table's title (with /metrics and the load average) and its header: the
+    first ``text_columns`` columns left-aligned, the rest numbers."""
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"\n{title}; /metrics {'served' if metrics else 'off'}; load average {load}:\n")
+    print("| " + " | ".join(columns) + " |")
+    print("|" + " --- |" * text_columns + " ---: |" * (len(columns) - text_columns))
+
+
 def over_grpc(
     trees: dict[str, Path], trace: Path, shape: str, args: argparse.Namespace, wheres: list[str]
 ) -> dict[tuple[str, str], dict[str, Any]]:
@@ -361,7 +389,6 @@ def over_grpc(
     to every server in turn (which goes first alternates), so a machine shared with
     other jobs slows every code alike. Returns each (where, code)'s figures."""
     import workers as W
-    from kvcoord.client import KVCoordClient
     from kvcoord.client.testing import start_server
     from kvcoord.v1 import allocator_pb2 as pb
 
@@ -375,9 +402,7 @@ def over_grpc(
             # also serves /metrics (as `kvcoord serve` does by default)
             server = start_server(W.config_text("none", "", "FULL"), env=env, metrics=args.metrics)
             runs[(where, code)] = run = {"server": server, "lat": [], "cli": [], "digest": hashlib.sha256()}
-            run["client"] = c = KVCoordClient(server.address, timeout=60, step_stream=where == "grpc-stream")
-            c.create_pool("p", W.pool_config(W.worker_blocks(args.running)))
-            run["att"] = c.attach("p", W.ALGO, W.BS, W.SEED, "bench")
+            open_session(run, server.address, args.running, step_stream=where == "grpc-stream")
         order = list(runs.values())
         for k, ops in enumerate(reqs):
             if k == args.warmup:
@@ -394,10 +419,7 @@ def over_grpc(
             run["cpu"] = server_cpu(run["server"].proc.pid) - run["cpu0"]
             run["client"].detach(run["att"].session_id, run["att"].fence)
     finally:
-        for run in runs.values():
-            if "client" in run:
-                run["client"].close()
-            run["server"].stop()
+        close_runs(runs)
     ops_n = sum(weight(b, pb) for b in bodies[args.warmup :])
     out = {}
     for key, run in runs.items():
@@ -484,17 +506,13 @@ def main() -> None:
                         f"round {rnd + 1} {w:11} {shape:4} {code}: {r['us_op']:6.2f} µs/op{extra}",
                         flush=True,
                     )
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(
-        f"\n{args.running} running, {args.steps} measured Steps (medians over {args.rounds} round(s)); "
-        f"/metrics {'served' if args.metrics else 'off'}; load average {load}:\n"
-    )
-    print(
-        "| where | shape | "
-        + " | ".join(f"{c} µs CPU/op" for c in trees)
-        + " | new/old (paired) | p50 ms | mean ms | client ms CPU/Step |"
-    )
-    print("| --- | --- |" + " ---: |" * (len(trees) + 4))
+    print_table_head(
+        f"{args.running} running, {args.steps} measured Steps (medians over {args.rounds} round(s))",
+        args.metrics,
+        ["where", "shape", *(f"{c} µs CPU/op" for c in trees), "new/old (paired)", "p50 ms", "mean ms",
+         "client ms CPU/Step"],
+        text_columns=2,
+    )  # fmt: skip
     for where in args.where:
         for shape in args.shapes:
             med = {c: statistics.median(r["us_op"] for r in rows[(where, shape, c)]) for c in trees}

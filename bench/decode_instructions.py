@@ -6,7 +6,7 @@
 A load-independent companion of bench/decode_cpu.py (whose CPU times move by 10-30 %
 with other jobs on the machine): the same recorded workload (decode_cpu.py's
 ``build``), applied to one pool of each code without gRPC or asyncio (each Step
-parsed from its bytes, ``servicer._apply_step``, the answer serialized; no session
+parsed from its bytes, ``mutating_calls.apply_step``, the answer serialized; no session
 renewal, idempotency key or kept answer), under ``valgrind --tool=cachegrind``. The
 instructions of 10 measured Steps are subtracted from those of 40 (after ``--warmup``
 Steps, 100 by default; from about 500 at 256 running the pool's event buffer is full,
@@ -36,7 +36,11 @@ def child(tree: Path, trace: Path, shape: str, steps: int, warm: int) -> None:
     """Apply the trace's Steps (``warm``, then ``steps`` more) with ``tree``'s code."""
     sys.path[:0] = [str(tree / "client"), str(tree / "server")]
     import decode_cpu as D  # (this checkout's; imports no kvcoord module)
-    from kvcoord.service import servicer
+
+    try:
+        from kvcoord.service.mutating_calls import apply_step
+    except ImportError:  # a tree from before the servicer's split
+        from kvcoord.service.servicer import _apply_step as apply_step  # type: ignore[attr-defined,no-redef]
     from kvcoord.service.pool_service import Fence, Limits, PoolService
     from kvcoord.service.sessions import SessionTable
     from kvcoord.service.testing import ManualClock
@@ -58,7 +62,7 @@ def child(tree: Path, trace: Path, shape: str, steps: int, warm: int) -> None:
         for b in bodies
     ]
     for body in wire[: warm + steps]:
-        servicer._apply_step(p, s, pb.StepRequest.FromString(body), p.fence, 0).SerializeToString()
+        apply_step(p, s, pb.StepRequest.FromString(body), p.fence, 0).SerializeToString()
 
 
 def instructions(tree: Path, trace: Path, shape: str, steps: int, tmp: Path, warm: int) -> int:

@@ -221,8 +221,12 @@ def inprocess_child(n: int) -> None:
     a fixed set) and print the seconds as one JSON line."""
     import json
 
-    from kvcoord.service.convert import prompts_from_pb
     from kvcoord.service.scoring import score_pools
+
+    try:
+        from kvcoord.service.score_wire import prompts_from_pb
+    except ImportError:  # code from before fix-split7s
+        from kvcoord.service.convert import prompts_from_pb  # type: ignore[attr-defined,no-redef]
     from kvcoord.service.testing import InProcessServer
 
     prompt, others = prompts()

@@ -34,10 +34,14 @@ import score as bench  # noqa: E402
 from kvcoord.client import KVCoordClient  # noqa: E402
 from kvcoord.client import _requests as rq  # noqa: E402
 from kvcoord.client.routing import hash_prompt  # noqa: E402
+from kvcoord.service import routing_calls  # noqa: E402
 from kvcoord.service import servicer as servicer_module  # noqa: E402
 from kvcoord.service.bounds import check_request  # noqa: E402
-from kvcoord.service.convert import prompts_from_pb, scores_to_pb  # noqa: E402
-from kvcoord.service.score_wire import ScoreEncoder  # noqa: E402
+from kvcoord.service.score_wire import (  # noqa: E402
+    ScoreEncoder,  # noqa: E402
+    prompts_from_pb,
+    scores_to_pb,
+)
 from kvcoord.service.scoring import score_pools  # noqa: E402
 from kvcoord.service.testing import InProcessServer  # noqa: E402
 from kvcoord.v1 import allocator_pb2 as pb  # noqa: E402
@@ -119,7 +123,7 @@ print(json.dumps([statistics.median(score[WARM:]), statistics.median(get[WARM:])
 def inside(samples: int, warm: int = 200) -> None:
     handler_times: list[float] = []
     scoring_times: list[float] = []
-    real_score = servicer_module.score_pools
+    real_score = routing_calls.score_pools
     real_handler = servicer_module.AllocatorServicer.ScorePools
 
     def timed_score(*args: Any, **kw: Any) -> Any:
@@ -136,7 +140,7 @@ def inside(samples: int, warm: int = 200) -> None:
         finally:
             handler_times.append(time.perf_counter() - t)
 
-    servicer_module.score_pools = timed_score  # type: ignore[assignment]
+    routing_calls.score_pools = timed_score  # type: ignore[assignment]
     servicer_module.AllocatorServicer.ScorePools = timed_handler  # type: ignore[method-assign]
     local, _, _ = _server()
     try:
@@ -152,7 +156,7 @@ def inside(samples: int, warm: int = 200) -> None:
         score, get = json.loads(done.stdout.strip().splitlines()[-1])
     finally:
         local.stop()
-        servicer_module.score_pools = real_score
+        routing_calls.score_pools = real_score
         servicer_module.AllocatorServicer.ScorePools = real_handler  # type: ignore[method-assign]
     p50 = lambda v: statistics.median(v[warm:]) * 1e3  # noqa: E731
     print(f"client: ScorePools p50 {score * 1e3:.3f} ms, GetPool p50 {get * 1e3:.3f} ms")

@@ -62,6 +62,11 @@ def serve() -> None:
 
     from kvcoord.service import servicer as S
 
+    try:  # where the guard reads the bounds and the parser (servicer.py before its split)
+        from kvcoord.service import rpc_guard as G
+    except ImportError:
+        G = S
+
     acc = {
         "handler": 0.0,
         "steps": 0,
@@ -83,7 +88,7 @@ def serve() -> None:
             acc["steps"] += 1
 
     S.AllocatorServicer.Step = timed  # type: ignore[method-assign]
-    check = S.check_request_slices
+    check = G.check_request_slices
 
     def checked(request: Any, limits: Any, every: int) -> Any:  # the input bounds, timed
         work = check(request, limits, every)
@@ -97,8 +102,8 @@ def serve() -> None:
                 acc["bounds"] += time.thread_time() - t0
             yield
 
-    S.check_request_slices = checked
-    parse = S.parse_in_turns
+    G.check_request_slices = checked
+    parse = G.parse_in_turns
 
     async def parsed(cls: Any, data: bytes, seconds: float, pause: float) -> Any:  # the request's parse
         t0 = time.thread_time()
@@ -107,7 +112,7 @@ def serve() -> None:
         finally:
             acc["parse"] += time.thread_time() - t0
 
-    S.parse_in_turns = parsed
+    G.parse_in_turns = parsed
     main_thread = __import__("threading").get_ident()
     gc_t0 = [0.0]
 
@@ -169,7 +174,6 @@ def run_round(
 ) -> dict[str, dict[str, float | str]]:
     import decode_cpu as D
     import workers as W
-    from kvcoord.client import KVCoordClient
     from kvcoord.client.testing import start_server
     from kvcoord.v1 import allocator_pb2 as pb
 
@@ -189,9 +193,7 @@ def run_round(
                 launcher=[sys.executable, str(HERE), _SERVE],
             )  # fmt: skip
             runs[code] = run = {"server": server, "out": out, "digest": hashlib.sha256()}
-            run["client"] = c = KVCoordClient(server.address, timeout=60)
-            c.create_pool("p", W.pool_config(W.worker_blocks(args.running)))
-            run["att"] = c.attach("p", W.ALGO, W.BS, W.SEED, "bench")
+            D.open_session(run, server.address, args.running)
         order = list(runs.values())
         for k, ops in enumerate(reqs):
             if k == args.warmup:
@@ -211,10 +213,7 @@ def run_round(
             run["d"] = {key: t1[key] - run["t0"][key] for key in t1}
             run["client"].detach(run["att"].session_id, run["att"].fence)
     finally:
-        for run in runs.values():
-            if "client" in run:
-                run["client"].close()
-            run["server"].stop()
+        D.close_runs(runs)
     n = len(bodies) - args.warmup
     ops_n = sum(D.weight(b, pb) for b in bodies[args.warmup :])
     got: dict[str, dict[str, float | str]] = {}
@@ -290,16 +289,12 @@ def main() -> None:
                     + "  ".join(f"{c} {float(r[c]):.2f}" for c in COLUMNS),
                     flush=True,
                 )
-        load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-        print(
-            f"\n{running} running, {args.steps} measured Steps, unary, columnar; medians over "
-            f"{args.rounds} round(s); /metrics {'served' if args.metrics else 'off'}; load average {load}"
-        )
-        print(
-            "| code | µs/op | µs/Step | handler | loop outside | other threads | gc (n) | bounds | parse "
-            "| select (n) |"
-        )
-        print("| --- |" + " ---: |" * 9)
+        D.print_table_head(
+            f"{running} running, {args.steps} measured Steps, unary, columnar; medians over {args.rounds} round(s)",
+            args.metrics,
+            ["code", "µs/op", "µs/Step", "handler", "loop outside", "other threads", "gc (n)", "bounds", "parse",
+             "select (n)"],
+        )  # fmt: skip
         pairs = [(c, rows[c]) for c in trees]
         if args.old:
             diff = [

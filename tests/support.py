@@ -107,27 +107,40 @@ def toks(a: int, b: int) -> list[int]:
     return list(range(a, b + 1))
 
 
-#: Pool "p" of the service and reliability suites: full4 + sliding4 (window 8), 64 blocks.
-POOL_TOML = """
+def pool_toml(name: str, num_blocks: int, *, caching: bool = True, sliding_window: int = 0) -> str:
+    """One pool of a server's config file, blocks of 4 tokens: a full-attention group
+    (and a sliding-window one of ``sliding_window`` tokens); with ``caching``, prefix
+    caching on the sha256_cbor hashes of seed "0", with KV events and max_model_len 256."""
+    text = f"""
 [[pools]]
-name = "p"
-num_blocks = 64
+name = "{name}"
+num_blocks = {num_blocks}
 hash_block_size = 4
-hash_algo = "sha256_cbor"
+"""
+    if caching:
+        text += """hash_algo = "sha256_cbor"
 hash_seed = "0"
 enable_caching = true
 enable_kv_cache_events = true
 max_model_len = 256
-
+"""
+    text += """
 [[pools.groups]]
 type = "full"
 block_size = 4
-
+"""
+    if sliding_window:
+        text += f"""
 [[pools.groups]]
 type = "sliding_window"
 block_size = 4
-sliding_window = 8
+sliding_window = {sliding_window}
 """
+    return text
+
+
+#: Pool "p" of the service and reliability suites: full4 + sliding4 (window 8), 64 blocks.
+POOL_TOML = pool_toml("p", 64, sliding_window=8)
 
 
 def scrape_metrics(server: InProcessServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -705,10 +705,10 @@ def test_decode_steps_go_as_a_decode_op_where_the_server_applies_one(
     AllocateRunOp. Either way every answer equals the mirror's and the server holds
     the tables told."""
     from kvcoord.client.sender import StepSender
-    from kvcoord.service import servicer
+    from kvcoord.service import session_calls
 
     if not advertised:
-        monkeypatch.setattr(servicer, "CAPABILITIES", ())
+        monkeypatch.setattr(session_calls, "CAPABILITIES", ())
     kinds: list[str] = []
     send = StepSender._send
 

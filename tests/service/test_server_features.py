@@ -246,7 +246,7 @@ def test_step_weight_counts_what_the_engine_applies() -> None:
     AllocateOp per request; and a Step is scanned for a TakeEvents gap only when it
     has a TakeEvents."""
     from kvcoord.service import operations as op
-    from kvcoord.service.servicer import step_weight
+    from kvcoord.service.mutating_calls import step_weight
 
     def run(n: int, checks: int) -> op.AllocateRun:
         ids = [f"r{i}" for i in range(n)]

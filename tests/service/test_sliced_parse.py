@@ -13,8 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from kvcoord.client import KVCoordClient
-from kvcoord.service import long_syncs, wire_slices
-from kvcoord.service import servicer as servicer_module
+from kvcoord.service import long_syncs, mutating_calls, rpc_guard, wire_slices
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 
@@ -82,7 +81,7 @@ def test_other_tasks_run_while_a_large_step_is_parsed(
         finally:
             parsing[0] = False
 
-    monkeypatch.setattr(servicer_module, "parse_in_turns", watched, raising=False)
+    monkeypatch.setattr(rpc_guard, "parse_in_turns", watched)
     ops = _ops()
     with (
         turns_while(server, parsing) as turns,
@@ -151,7 +150,7 @@ def test_other_tasks_run_while_a_long_sync_is_read(
         finally:
             reading[0] = False
 
-    monkeypatch.setattr(servicer_module, "allocate_in_slices", watched, raising=False)
+    monkeypatch.setattr(mutating_calls, "allocate_in_slices", watched)
     n = 262_144
     sync = pb.RequestSync(request_id="long", new_request=True, append_token_ids=[k % 97 for k in range(n)])
     a = pb.AllocateOp(request=sync, num_new_tokens=n // 8)

@@ -20,29 +20,9 @@ from kvcoord.client.faults import FaultInjector
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import allocate
+from support import pool_toml
 
-TOML = """
-[[pools]]
-name = "a"
-num_blocks = 600
-hash_block_size = 4
-hash_algo = "sha256_cbor"
-hash_seed = "0"
-enable_caching = true
-enable_kv_cache_events = true
-max_model_len = 256
-[[pools.groups]]
-type = "full"
-block_size = 4
-
-[[pools]]
-name = "b"
-num_blocks = 16
-hash_block_size = 4
-[[pools.groups]]
-type = "full"
-block_size = 4
-"""
+TOML = pool_toml("a", 600) + pool_toml("b", 16, caching=False)
 
 #: small enough that the Steps below go in several pieces
 PIECE = 2048

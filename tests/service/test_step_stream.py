@@ -17,7 +17,7 @@ from helpers import allocate, attach
 from kvcoord.client import KVCoordClient
 from kvcoord.client import _requests as rq
 from kvcoord.client.errors import error_from_rpc
-from kvcoord.service.servicer import CAPABILITIES
+from kvcoord.service.session_calls import CAPABILITIES
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc

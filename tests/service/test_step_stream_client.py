@@ -16,7 +16,7 @@ from kvcoord.client import KVCoordClient
 from kvcoord.client import _requests as rq
 from kvcoord.client.errors import FencedError, KVCoordError
 from kvcoord.client.faults import FaultInjector
-from kvcoord.service import servicer
+from kvcoord.service import session_calls
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
@@ -66,7 +66,7 @@ def test_client_streams_steps_as_unary_would(make_server: Make) -> None:
 
 
 def test_server_without_the_capability_gets_unary_steps(make_server: Make, monkeypatch: Any) -> None:
-    monkeypatch.setattr(servicer, "CAPABILITIES", ("decode_op",))  # an older server
+    monkeypatch.setattr(session_calls, "CAPABILITIES", ("decode_op",))  # an older server
     steps = _ops(4)
     expected = _reference(make_server, steps)
     with KVCoordClient(make_server().address) as c:

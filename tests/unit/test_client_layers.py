@@ -1,6 +1,7 @@
 """The client's modules, checked on their sources: none reaches into another object's
-private members or imports another module's private names, and none grows past
-about 500 lines (issue 21, item 7). Import cycles are test_layers.py's."""
+private members or imports another module's private names; and no module of the
+client or the service grows past about 500 lines (issue 21, item 7). Import cycles
+are test_layers.py's."""
 
 from __future__ import annotations
 
@@ -9,13 +10,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT = ROOT / "client" / "kvcoord" / "client"
+SERVICE = ROOT / "server" / "kvcoord" / "service"
 
-#: the most lines one module of kvcoord.client may have ("about 500")
-MAX_LINES = 550
+#: the most lines one module of kvcoord.client or kvcoord.service may have ("about 500")
+MAX_LINES = 500
 
 #: modules still over MAX_LINES, with the line count they may not grow past; issue 21
 #: splits them, and an entry whose module shrank under MAX_LINES fails the test (delete it)
-KNOWN_LARGE: dict[str, int] = {}
+KNOWN_LARGE: dict[str, int] = {
+    "service/pool_service.py": 1705,
+    "service/cluster.py": 838,
+    "service/kv_publisher.py": 580,
+}
 
 
 def _private(name: str) -> bool:
@@ -70,8 +76,13 @@ def test_the_private_check_sees_a_reach(tmp_path: Path) -> None:
     assert private_reaches(sample) == ["sample.py:1 from .batch import _pack", "sample.py:5 other._y"]
 
 
-def test_no_client_module_is_over_about_500_lines() -> None:
+def test_no_module_is_over_about_500_lines() -> None:
+    """kvcoord.client's modules (named as in the package) and kvcoord.service's
+    (``service/`` and the name)."""
+    service = sorted(SERVICE.glob("*.py"))
+    assert len(service) > 20 and any(p.name == "servicer.py" for p in service)
     sizes = {p.relative_to(CLIENT).as_posix(): len(p.read_text().splitlines()) for p in _modules()}
+    sizes |= {f"service/{p.name}": len(p.read_text().splitlines()) for p in service}
     grown = {n: s for n, s in sizes.items() if s > MAX_LINES and s > KNOWN_LARGE.get(n, 0)}
     assert not grown, f"modules over {MAX_LINES} lines (split them by role): {grown}"
     shrunk = [n for n, cap in KNOWN_LARGE.items() if sizes.get(n, 0) <= MAX_LINES]

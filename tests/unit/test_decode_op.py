@@ -12,7 +12,7 @@ from kvcoord.service import operations as op
 from kvcoord.service.convert import operation_from_pb, outcome_to_pb
 from kvcoord.service.errors import ErrorReason
 from kvcoord.service.pool_service import PoolService
-from kvcoord.service.servicer import CAPABILITIES
+from kvcoord.service.session_calls import CAPABILITIES
 from kvcoord.service.sessions import Session
 from kvcoord.v1 import allocator_pb2 as pb
 from unit.test_plain_allocate import BS, NONE, make

@@ -1,4 +1,4 @@
-"""The guard every Allocator handler runs behind (servicer._guard): what it reads of a call."""
+"""The guard every Allocator handler runs behind (rpc_guard.guard): what it reads of a call."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import grpc
 import pytest
 from kvcoord.service.access import FULL_ACCESS, AccessControl, Tenant, current_tenant
 from kvcoord.service.pool_service import Limits
-from kvcoord.service.servicer import _guard
+from kvcoord.service.rpc_guard import guard
 from kvcoord.service.sessions import SessionTable
 from kvcoord.v1 import allocator_pb2 as pb
 
@@ -43,7 +43,7 @@ def _call(access: AccessControl, context: _Context) -> tuple[Any, list[Tenant]]:
     async def pools_free(_request: Any) -> None:
         return None
 
-    guarded = _guard(handler, False, "GetStats", access, lambda: None, Limits(), pools_free)
+    guarded = guard(handler, False, "GetStats", access, lambda: None, Limits(), pools_free)
     return asyncio.run(guarded(pb.GetStatsRequest(pool="p"), context)), seen
 
 

@@ -420,9 +420,9 @@ def test_a_snapshot_is_chunked_and_its_fingerprint_checked(
     """A snapshot is stored in chunks (here of 1 KiB; 16 MiB by default, far below
     SQLite's 1 GB value limit) and recovered whole; one of another format is refused
     with a message naming the file."""
-    from kvcoord.service import journal as journal_module
+    from kvcoord.service import journal_writer
 
-    monkeypatch.setattr(journal_module, "SNAPSHOT_CHUNK_BYTES", 1024)
+    monkeypatch.setattr(journal_writer, "SNAPSHOT_CHUNK_BYTES", 1024)
     a = _busy_node(loop, tmp_path, 30, every=20)
     a.settle()
     before = state_of(a)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from kvcoord.client import _requests as rq
 from kvcoord.client.hashing import BlockHasher
-from kvcoord.service.servicer import NullObserver
+from kvcoord.service.observers import NullObserver
 from kvcoord.service.sessions import SessionTable
 from kvcoord.service.testing import ManualClock
 from kvcoord.v1 import allocator_pb2 as pb

@@ -1,5 +1,5 @@
 """ScoreEncoder's bytes are protobuf's own encoding of the same ScorePoolsResponse
-(the message path, convert.scores_to_pb, serialized), for any scores and unscored
+(the message path, score_wire.scores_to_pb, serialized), for any scores and unscored
 pools, with its per-pool parts kept, dropped and made again."""
 
 from __future__ import annotations
@@ -7,9 +7,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvcoord.engine.results import CacheHit
-from kvcoord.service.convert import scores_to_pb
 from kvcoord.service.pool_service import Fence, PoolScore, UnscoredPool, new_score
-from kvcoord.service.score_wire import ScoreEncoder
+from kvcoord.service.score_wire import ScoreEncoder, scores_to_pb
 from kvcoord.v1 import allocator_pb2 as pb
 
 U32 = st.integers(0, 2**32 - 1)

@@ -66,9 +66,24 @@ def test_idempotency_and_journaling_live_in_the_mutation_runner() -> None:
     modules = sorted(SERVICE.glob("*.py"))
     bad = [use for p in modules if p.name != "mutations.py" for use in _calls(p, KEYED_STEPS)]
     assert not bad, "idempotency or call journaling outside mutations.py: " + ", ".join(bad)
-    servicer = ast.parse((SERVICE / "servicer.py").read_text())
-    reached = [n.lineno for n in ast.walk(servicer) if isinstance(n, ast.Attribute) and n.attr == "recorder"]
-    assert not reached, f"servicer.py reaches the recorder at lines {reached}"
+    reached = [
+        f"{name}:{n.lineno}"
+        for name, tree in _servicer_trees().items()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr == "recorder"
+    ]
+    assert not reached, f"the servicer reaches the recorder at {reached}"
+
+
+#: the servicer's modules: its class and add_servicer, what its parts share, the
+#: handlers by role, the guard around them and the keyed calls they run
+SERVICER_MODULES = ("servicer.py", "servicer_core.py", "rpc_guard.py", "mutating_calls.py")
+
+
+def _servicer_trees() -> dict[str, ast.AST]:
+    names = [*SERVICER_MODULES, *sorted(p.name for p in SERVICE.glob("*_calls.py"))]
+    assert {"session_calls.py", "pool_calls.py", "observing_calls.py", "routing_calls.py"} <= set(names)
+    return {name: ast.parse((SERVICE / name).read_text()) for name in dict.fromkeys(names)}
 
 
 def test_every_keyed_rpc_is_a_mutation() -> None:
@@ -77,7 +92,7 @@ def test_every_keyed_rpc_is_a_mutation() -> None:
     (kept only with reserve_seconds) belongs to a tenant, not a session, and whose
     kept answers are not journaled (a restart releases every reservation): its
     handler keeps them through the runner's kept_unjournaled / keep_unjournaled."""
-    from kvcoord.service import servicer
+    from kvcoord.service import mutating_calls
     from kvcoord.v1 import allocator_pb2 as pb
 
     keyed = {
@@ -88,12 +103,21 @@ def test_every_keyed_rpc_is_a_mutation() -> None:
     }
     assert keyed - {"ScorePools"} == {"Allocate", "Free", "Step"}
     keyed -= {"ScorePools"}
-    tree = ast.parse((SERVICE / "servicer.py").read_text())
-    (score,) = (n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef) and n.name == "ScorePools")
+    trees = list(_servicer_trees().values())
+    (score,) = (
+        n
+        for t in trees
+        for n in ast.walk(t)
+        if isinstance(n, ast.AsyncFunctionDef) and n.name == "ScorePools"
+    )
     assert {"kept_unjournaled", "keep_unjournaled"} <= set(_calls_in(score))
-    assert set(servicer.MUTATIONS) == keyed
-    tree = ast.parse((SERVICE / "servicer.py").read_text())
-    handlers = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef) and n.name in keyed}
+    assert set(mutating_calls.MUTATIONS) == keyed
+    handlers = {
+        n.name: n
+        for t in trees
+        for n in ast.walk(t)
+        if isinstance(n, ast.AsyncFunctionDef) and n.name in keyed
+    }
     for name, fn in handlers.items():
         runs = [c for c in _calls_in(fn) if c == "run"]
         assert runs == ["run"], f"{name} does not go through MutationRunner.run"
@@ -106,7 +130,8 @@ def _calls_in(fn: ast.AST) -> list[str]:
     ]
 
 
-#: the service modules that speak gRPC: the servicer and the server around it, their
+#: the service modules that speak gRPC: the servicer (its handlers by role and the guard
+#: around them) and the server around it, their
 #: interceptors and credentials, the wire conversion, errors.py, whose one table
 #: turns a rules Status into a gRPC code, and cluster.py, which dials other replicas and
 #: serves their AdoptPool calls (its rules are ownership.py's). Every other module is
@@ -114,8 +139,14 @@ def _calls_in(fn: ast.AST) -> list[str]:
 GRPC_MODULES = {
     "errors.py",
     "servicer.py",
+    "pool_calls.py",
+    "session_calls.py",
+    "observing_calls.py",
+    "routing_calls.py",
+    "rpc_guard.py",
     "step_stream.py",
     "server.py",
+    "server_cluster.py",
     "intercept.py",
     "logs.py",
     "metrics.py",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from kvcoord.client.errors import InternalError
-from kvcoord.client.step_pieces import piece_key, pieces, send_in_pieces
+from kvcoord.client.step_pieces import piece_key, pieces, send_in_pieces, send_in_pieces_async
 from kvcoord.v1 import allocator_pb2 as pb
 
 
@@ -54,3 +56,51 @@ def test_an_answer_with_the_wrong_number_of_results_is_refused() -> None:
 
     with pytest.raises(InternalError, match="results for"):
         send_in_pieces(request, parts, send)
+
+
+def test_the_blocking_and_the_asyncio_sender_join_alike_and_name_a_failed_piece() -> None:
+    """send_in_pieces and send_in_pieces_async give the same joined answer (a failed
+    operation stops the pieces and the state is fetched), and a piece whose sending
+    fails is named in a note by both."""
+    request = _request([100] * 16)
+    parts = pieces(request, 1024 + 300)
+    assert parts is not None and len(parts) == 8
+    sent: list[list[str]] = [[], []]
+
+    def send(piece: pb.StepRequest, log: list[str]) -> pb.StepResponse:
+        log.append(piece.idempotency_key)
+        failing = piece.idempotency_key == "k/1"  # its second operation fails
+        return pb.StepResponse(
+            results=[
+                pb.OperationResult(status_code=3 if failing and j else 0) for j in range(len(piece.ops))
+            ],
+            num_free_blocks=len(log),
+        )
+
+    async def send_async(piece: pb.StepRequest) -> pb.StepResponse:
+        return send(piece, sent[1])
+
+    blocking = send_in_pieces(request, parts, lambda piece: send(piece, sent[0]))
+    assert asyncio.run(send_in_pieces_async(request, parts, send_async)) == blocking
+    assert sent[0] == sent[1] == ["k/0", "k/1", "k/state"]
+    assert len(blocking.results) == 16 and blocking.results[3].status_code == 3
+    assert blocking.num_free_blocks == 3  # (the state's answer)
+
+    def broken(piece: pb.StepRequest) -> pb.StepResponse:
+        if piece.idempotency_key == "c/2":
+            raise ConnectionError("lost")
+        return send(piece, [])
+
+    async def broken_async(piece: pb.StepRequest) -> pb.StepResponse:
+        return broken(piece)
+
+    clean = _request([100] * 16, key="c")
+    parts = pieces(clean, 1024 + 300)
+    assert parts is not None
+    for run in (
+        lambda: send_in_pieces(clean, parts, broken),
+        lambda: asyncio.run(send_in_pieces_async(clean, parts, broken_async)),
+    ):
+        with pytest.raises(ConnectionError) as failed:
+            run()
+        assert "Step piece 3 of 8" in "".join(getattr(failed.value, "__notes__", ()))

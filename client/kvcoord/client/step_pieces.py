@@ -28,8 +28,9 @@ slices as before (server/kvcoord/service/wire_slices.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable, Generator, Iterator
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
@@ -192,19 +193,11 @@ def send_in_pieces(
 ) -> pb.StepResponse:
     """Send ``parts`` (:func:`pieces` of ``request``) in order through ``send`` and join
     their answers (module docstring)."""
-    joiner = _Joiner(request, parts)
-    talk = joiner.talk()
-    i, message = next(talk)
-    while True:
-        try:
-            answer = send(message)
-        except Exception as exc:
-            joiner.note(exc, i)
-            raise
-        try:
-            i, message = talk.send(answer)
-        except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+    exchange = _Exchange(request, parts)
+    while (message := exchange.next_message()) is not None:
+        with exchange.noting():
+            exchange.answer = send(message)
+    return exchange.joined()
 
 
 async def send_in_pieces_async(
@@ -213,16 +206,51 @@ async def send_in_pieces_async(
     send: Callable[[pb.StepRequest], Awaitable[pb.StepResponse]],
 ) -> pb.StepResponse:
     """:func:`send_in_pieces` for the asyncio client."""
-    joiner = _Joiner(request, parts)
-    talk = joiner.talk()
-    i, message = next(talk)
-    while True:
+    exchange = _Exchange(request, parts)
+    while (message := exchange.next_message()) is not None:
+        with exchange.noting():
+            exchange.answer = await send(message)
+    return exchange.joined()
+
+
+class _Exchange:
+    """The messages of :func:`send_in_pieces` one at a time (both clients send them
+    their way): each message, then its answer (:attr:`answer`), until the answers are
+    joined (:meth:`joined`)."""
+
+    def __init__(self, request: pb.StepRequest, parts: list[pb.StepRequest]) -> None:
+        self.joiner = _Joiner(request, parts)
+        self.talk = self.joiner.talk()
+        #: the answer to the message last given (set by the sender)
+        self.answer: pb.StepResponse | None = None
+        #: the index of the message last given (-1: none yet)
+        self.at = -1
+        self.result: pb.StepResponse | None = None
+
+    def next_message(self) -> pb.StepRequest | None:
+        """The next message to send; None once every answer is in."""
         try:
-            answer = await send(message)
-        except Exception as exc:
-            joiner.note(exc, i)
-            raise
-        try:
-            i, message = talk.send(answer)
+            if self.at < 0:
+                self.at, message = next(self.talk)
+            else:
+                answer, self.answer = self.answer, None
+                assert answer is not None, "the previous message was not answered"
+                self.at, message = self.talk.send(answer)
         except StopIteration as done:
-            return done.value  # type: ignore[no-any-return]
+            self.result = done.value
+            return None
+        return message
+
+    @contextlib.contextmanager
+    def noting(self) -> Iterator[None]:
+        """A failure while sending the message last given gets a note naming its piece."""
+        try:
+            yield
+        except Exception as exc:
+            self.joiner.note(exc, self.at)
+            raise
+
+    def joined(self) -> pb.StepResponse:
+        """The answer of the whole request."""
+        assert self.result is not None, "the pieces are not all answered"
+        return self.result

@@ -45,18 +45,16 @@ from .hashing import RandomSeedError
 from .manager import RemoteKVCacheManager
 from .predicting import PredictingKVCacheManager
 from .vllm_manager import OUTAGE_ERRORS, KVCoordKVCacheManager
+from .vllm_pool_config import PoolMismatchError, pool_config_differences, pool_config_from_vllm
 from .vllm_types import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVCacheBlock,
     KVCacheBlocks,
-    PoolMismatchError,
     PrefixCacheStats,
     convert_events,
     convert_stats,
-    pool_config_differences,
-    pool_config_from_vllm,
     vllm_available,
 )
 

@@ -58,16 +58,13 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
-from kvcoord.engine.extra_keys import ExtraKeySources, MultiModalItem
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
 from .errors import RequestsLostError
-from .hashing import prompt_embeds_digests
 from .items import Item, KVCacheBlockIds, Pending
 from .manager import RemoteKVCacheManager
 from .predicting import PredictingKVCacheManager
-from .tracking import RequestTracker
 from .vllm import (
     KVCacheBlocks,
     KVCoordKVCacheManager,
@@ -82,6 +79,7 @@ from .vllm033_connector import (
     PredictingConnector033,
     RemoteConnector033,
 )
+from .vllm033_extra_keys import extra_key_sources_033, name_extra_keys_033
 from .vllm033_mamba import PredictedMamba033, RemoteMamba033, shared_prefix_checkpoint_033
 from .vllm033_parts import BlockPool033, Coordinator033, Unsupported033Error, UnsupportedVLLMError
 from .vllm033_refusals import eagle_drops_033, unsupported_033
@@ -136,45 +134,6 @@ def vllm_profile(version: str | None = None) -> str:
     )
 
 
-def extra_key_sources_033(
-    request: Any, hash_block_size: int, num_hash_lookahead_tokens: int
-) -> ExtraKeySources | None:
-    """What a vLLM 0.33 request's blocks' extra keys derive from besides its LoRA and
-    salt (``None``: nothing): its multimodal items, and for a prompt given as
-    embeddings the digest of each hash block's embedding bytes (vLLM's ``tensor_data``
-    of each row, :func:`~kvcoord.client.hashing.prompt_embeds_digests`)."""
-    features = getattr(request, "mm_features", None) or ()
-    embeds = getattr(request, "prompt_embeds", None)
-    if not features and embeds is None:
-        return None
-    items = tuple(
-        MultiModalItem(str(f.identifier), int(f.mm_position.offset), int(f.mm_position.length))
-        for f in features
-    )
-    digests = None
-    if embeds is not None:
-        from vllm.v1.utils import tensor_data
-
-        rows = [bytes(tensor_data(row)) for row in embeds]
-        # (no rows: no digests, as the wire reads an empty list)
-        digests = prompt_embeds_digests(rows, hash_block_size, num_hash_lookahead_tokens) or None
-    if not items and digests is None:
-        return None
-    return ExtraKeySources(items, digests)
-
-
-def _name_extra_keys(tracker: RequestTracker, config: pb.PoolConfig) -> None:
-    """A vllm-0.33 pool names a request's cache salt, multimodal items and prompt-embeds
-    digests in its BlockStored.extra_keys: the sync registering a request carries them
-    (the items and digests only to a pool publishing events of cached blocks), and, to
-    a pool publishing events, the ``full`` report mode (its hits are re-announced)."""
-    tracker.name_salts = True
-    tracker.report_modes = config.enable_kv_cache_events
-    if config.enable_kv_cache_events and config.enable_caching:
-        hash_block_size, lookahead = config.hash_block_size, config.num_hash_lookahead_tokens
-        tracker.extra_keys_of = lambda request: extra_key_sources_033(request, hash_block_size, lookahead)
-
-
 class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheManager):
     """:class:`RemoteKVCacheManager` attached as a ``vllm-0.33`` worker, with 0.33's
     extra calls. Never exclusive: its allocations wait for the pool's answer (the
@@ -189,7 +148,7 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
         self.admission: tuple[bool, int, int, int, tuple[int, ...]] = NO_ADMISSION
         #: the request of the last lookup and its shared-prefix boundary
         self.boundary: tuple[str, int] = ("", 0)
-        _name_extra_keys(self.tracker, self.config)
+        name_extra_keys_033(self.tracker, self.config)
 
     def _item(self, *args: Any) -> Item:
         item = super()._item(*args)
@@ -244,7 +203,7 @@ class Predicting033KVCacheManager(PredictingConnector033, PredictedMamba033, Pre
         #: full_sequence_must_fit, reserved_blocks, num_in_flight_tokens,
         #: watermark_blocks and skip_zeroing_group_ids of the allocation being made
         self.admission: tuple[bool, int, int, int, tuple[int, ...]] = NO_ADMISSION
-        _name_extra_keys(self.tracker, self.config)
+        name_extra_keys_033(self.tracker, self.config)
 
     def allocate_slots(  # type: ignore[override]
         self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,

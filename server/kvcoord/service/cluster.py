@@ -21,7 +21,7 @@ never NOT_FOUND, and never silently created again empty elsewhere.
 **Handover.** When a member joins, each replica hands the pools placement now puts on
 the joiner over to it; a replica leaving gracefully (SIGTERM) hands each of its pools
 to placement over the others. The old owner stops serving the pool (calls are
-UNAVAILABLE: clients retry), sends its state (recovery.dump_pool: engine, events,
+UNAVAILABLE: clients retry), sends its state (registry_state.dump_pool: engine, events,
 sessions with cursors, kept answers, lineage) with ``Replicas.AdoptPool``; the new
 owner journals it (an ``adopt`` record) and waits until it is durable, then swaps the
 claim to itself (compare-and-swap on the claim's revision) and serves; only then does
@@ -140,7 +140,7 @@ class Cluster:
         self.local_pools: Callable[[], Iterable[str]] = list
         #: told of every claim this replica gains or loses (metrics)
         self.on_change: list[Callable[[], None]] = []
-        #: a pool's state for a handover (recovery.dump_pool, CBOR; a large pool's
+        #: a pool's state for a handover (registry_state.dump_pool, CBOR; a large pool's
         #: encoded off the loop, state_export.py); set by the server
         self.export_pool: Callable[[str], Awaitable[bytes]] | None = None
         #: returns once no Step is applied to the pool in slices (pool_locks.py)
@@ -691,7 +691,7 @@ class ClusterPlacement(Placement):
     async def adopt(self, pool: str, state: bytes, from_replica: str, claim_revision: int) -> int:
         """The new owner's side of a handover: load, journal, wait until durable, swap
         the claim, serve. Nothing is kept when the swap fails."""
-        from .recovery import adopt_pool
+        from .registry_state import adopt_pool
 
         cluster, registry = self.cluster, self.registry
         if not cluster.view.may_adopt(pool, from_replica):

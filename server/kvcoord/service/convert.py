@@ -1,11 +1,11 @@
-"""The servicer's own conversions: operations and their outcomes, fences, scores and
-reservations. Engine values both sides convert (layouts, ids, hits, stats, events,
-pool state) live in :mod:`kvcoord.wire`. Engine types never see protobuf."""
+"""The servicer's own conversions: operations and their outcomes, fences, an exclusive
+session's pool state (ScorePools' are :mod:`.score_wire`'s). Engine values both sides
+convert (layouts, ids, hits, stats, events, pool state) live in :mod:`kvcoord.wire`.
+Engine types never see protobuf."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import grpc
 from kvcoord.engine import CacheHit, Counts, PrefixCacheStats, TokenIds
@@ -26,12 +26,7 @@ from kvcoord.wire import (
 
 from . import operations as op
 from .errors import ServiceError, Status, bounded
-from .pool_service import Fence, MirrorState, PoolScore, ScoreSettings, UnscoredPool, score_settings
-
-if TYPE_CHECKING:  # pragma: no cover
-    from kvcoord.engine.reservations import Reservations
-
-    from .scoring import ReservationMade
+from .pool_service import Fence, MirrorState
 
 __all__ = [
     "allocate_from_pb",
@@ -41,10 +36,6 @@ __all__ = [
     "fence_to_pb",
     "operation_from_pb",
     "outcome_to_pb",
-    "prompts_from_pb",
-    "reservation_stats_to_pb",
-    "reservation_to_pb",
-    "scores_to_pb",
     "write_outcome",
     "write_mirror_state",
     "write_results",
@@ -479,70 +470,3 @@ def write_mirror_state(response: pb.AttachResponse, state: MirrorState | str) ->
     out.engine_state_version = state.version
     out.engine_rules = state.rules
     out.cache_namespace = state.cache_namespace
-
-
-# -- ScorePools ----------------------------------------------------------------------
-def prompts_from_pb(prompts: Iterable[pb.HashedPrompt]) -> list[tuple[ScoreSettings, Sequence[bytes]]]:
-    """Each prompt's hash settings (as PoolConfig spells them, with its profile and
-    look-ahead: :func:`score_settings`) and its hashes, copied out of the message once
-    (every pool scored reads them; each read of a repeated protobuf field makes new
-    bytes objects).
-
-    Raises:
-        ServiceError: INVALID_ARGUMENT for an unknown profile or look-ahead outside vllm-0.33.
-    """
-    return [
-        (
-            score_settings(
-                (p.hash_algo, p.hash_block_size, p.hash_seed), p.profile, p.num_hash_lookahead_tokens
-            ),
-            list(p.block_hashes),
-        )
-        for p in prompts
-    ]
-
-
-def scores_to_pb(
-    scores: Sequence[PoolScore], unscored: Sequence[UnscoredPool], include_block_ids: bool
-) -> pb.ScorePoolsResponse:
-    out = pb.ScorePoolsResponse(
-        unscored=[pb.UnscoredPool(pool=u.pool, reason=u.reason, message=u.message) for u in unscored]
-    )
-    add = out.scores.add
-    for sc in scores:
-        m = add(
-            pool=sc.pool,
-            hit_tokens=sc.hit.num_tokens,
-            num_free_blocks=sc.num_free_blocks,
-            usage=sc.usage,
-            num_total_blocks=sc.num_total_blocks,
-        )
-        # set in place: a Fence message built per pool and copied in costs a third more
-        fence = m.fence
-        fence.instance_id = sc.fence.instance_id
-        fence.incarnation = sc.fence.incarnation
-        if include_block_ids:
-            m.hit.CopyFrom(hit_to_pb(sc.hit))
-    return out
-
-
-def reservation_to_pb(made: ReservationMade) -> pb.Reservation:
-    return pb.Reservation(
-        reservation_id=made.reservation_id,
-        pool=made.pool,
-        hit_tokens=made.hit_tokens,
-        ttl_seconds=made.seconds,
-    )
-
-
-def reservation_stats_to_pb(reservations: Reservations) -> pb.ReservationStats:
-    c = reservations.counters
-    return pb.ReservationStats(
-        live=len(reservations.live),
-        made=c.made,
-        adopted=c.adopted,
-        expired=c.released,
-        promised_tokens=c.promised_tokens,
-        got_tokens=c.got_tokens,
-        short_hits=c.short_hits,
-    )

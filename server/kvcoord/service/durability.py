@@ -29,7 +29,7 @@ replay gave the client the same answer. Records are CBOR lists ``[kind, wall_tim
               server releases it at once, recording ``unreserve``)
 ``unreserve`` pool name, reservation id (its time ran out; adoption by a request is
               part of that request's ``call``)
-``adopt``     a pool another replica handed over (recovery.dump_pool's value: its
+``adopt``     a pool another replica handed over (registry_state.dump_pool's value: its
               engine state, events, sessions and their kept answers, lineage)
 ``term``      pool name, term: the pool's ownership term in a cluster from here on
               (answers' fences carry it)
@@ -41,10 +41,10 @@ replay gave the client the same answer. Records are CBOR lists ``[kind, wall_tim
 Lease renewals are not journaled: a recovered session gets a fresh lease.
 
 :class:`Recorder` records nothing (durability ``none``); :class:`JournalRecorder`
-appends to a :class:`~kvcoord.service.journal.Journal` and takes a snapshot every
+appends to a :class:`~kvcoord.service.journal_writer.Journal` and takes a snapshot every
 ``snapshot_every`` records without stopping the event loop: the process forks (a
 copy-on-write image of the state, a few milliseconds), the child encodes the state
-(recovery.py's ``dump_state``, plain values) into a file beside the journal and
+(registry_state.py's ``dump_state``, plain values) into a file beside the journal and
 exits, and the journal's writer thread copies that file into the journal in chunks
 between record commits (journal.py). Handlers await :meth:`Recorder.durable` before
 an answer leaves.
@@ -76,7 +76,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from google.protobuf.message import Message
 
     from .events import EventJournal
-    from .journal import Journal
+    from .journal_writer import Journal
     from .pool_service import PoolService
     from .sessions import Session
 
@@ -138,7 +138,7 @@ class Recorder:
         pass
 
     def adopted(self, value: dict[str, Any]) -> None:
-        """A pool handed over by another replica (recovery.dump_pool's value)."""
+        """A pool handed over by another replica (registry_state.dump_pool's value)."""
 
     def term_changed(self, service: PoolService) -> None:
         """The pool's ownership term (its fence's) changed."""
@@ -231,8 +231,8 @@ class JournalRecorder(Recorder):
     Args:
         journal: the group-commit journal.
         snapshot_every: records between snapshots.
-        dump: the whole state as plain values, for snapshots (recovery.dump_state).
-        fingerprint: names the snapshot format (recovery.snapshot_fingerprint).
+        dump: the whole state as plain values, for snapshots (registry_state.dump_state).
+        fingerprint: names the snapshot format (registry_state.snapshot_fingerprint).
         wall_clock: seconds since the epoch (record times: idempotency windows).
         fork: take snapshots in a forked child (default: where ``os.fork`` exists and
             gRPC's fork handlers are off, see ``kvcoord/service/__init__.py``);

@@ -33,8 +33,8 @@ from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from .intercept import WrappedHandlers, observed, status_name
+from .observers import NullObserver
 from .pool_service import PoolService
-from .servicer import NullObserver
 from .tls import TLSFiles
 
 if TYPE_CHECKING:

@@ -322,6 +322,28 @@ class PoolRegistry:
         s = self.sessions.get(session_id)
         return self.get(s.pool)
 
+    def session_of(self, session_id: str, fence: Fence | None) -> tuple[PoolService, Session]:
+        """The pool and the live session a call names (:meth:`pool_of_session`), the
+        call's fence checked (Heartbeat, Detach).
+
+        Raises:
+            ServiceError: as :meth:`pool_of_session` and :meth:`PoolService.session`.
+        """
+        service = self.pool_of_session(session_id)
+        return service, service.session(session_id, fence)
+
+    def end_session(self, s: Session, service: PoolService | None = None) -> int:
+        """End a session (Detach, an exclusive Attach whose answer cannot be sent, their
+        replay): its kept answers forgotten, its requests freed in ``service`` (by
+        default the pool of its name held here; none: the session is only closed).
+        Returns how many requests were freed."""
+        self.idempotency.drop_session(s.session_id)
+        owner = service if service is not None else self.pools.get(s.pool)
+        if owner is None:
+            self.sessions.close(s.session_id)
+            return 0
+        return owner.end_session(s)
+
     def delete(self, name: str) -> PoolService:
         """Remove a pool: its sessions end (their requests go with the pool)."""
         self.get(name)

@@ -9,19 +9,33 @@ fixed parts encoded per pool and joins each answer from them and the three varyi
 fields, byte for byte what ``ScorePoolsResponse.SerializeToString()`` writes
 (proto3: fields in number order, zeros left out), so clients parse the same message.
 
-Answers with block ids or a reservation keep the message path (``convert.scores_to_pb``).
+Answers with block ids or a reservation keep the message path (:func:`scores_to_pb`); the
+rest of ScorePools' wire (prompts read, reservations and their counters written) is here too.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import hit_to_pb
 
-from .pool_service import PoolScore, UnscoredPool
+from .pool_service import PoolScore, ScoreSettings, UnscoredPool, score_settings
 
-__all__ = ["ScoreEncoder"]
+if TYPE_CHECKING:  # pragma: no cover
+    from kvcoord.engine.reservations import Reservations
+
+    from .scoring import ReservationMade
+
+__all__ = [
+    "ScoreEncoder",
+    "prompts_from_pb",
+    "reservation_stats_to_pb",
+    "reservation_to_pb",
+    "scores_to_pb",
+]
 
 _pack_double = struct.Struct("<d").pack
 _ZERO_DOUBLE = bytes(8)
@@ -110,3 +124,70 @@ class ScoreEncoder:
         tail = (b"\x28" + _varint(total) if total else b"") + _field(0x3A, fence)
         parts = self._fixed[key] = (head, tail)
         return parts
+
+
+# -- ScorePools ----------------------------------------------------------------------
+def prompts_from_pb(prompts: Iterable[pb.HashedPrompt]) -> list[tuple[ScoreSettings, Sequence[bytes]]]:
+    """Each prompt's hash settings (as PoolConfig spells them, with its profile and
+    look-ahead: :func:`score_settings`) and its hashes, copied out of the message once
+    (every pool scored reads them; each read of a repeated protobuf field makes new
+    bytes objects).
+
+    Raises:
+        ServiceError: INVALID_ARGUMENT for an unknown profile or look-ahead outside vllm-0.33.
+    """
+    return [
+        (
+            score_settings(
+                (p.hash_algo, p.hash_block_size, p.hash_seed), p.profile, p.num_hash_lookahead_tokens
+            ),
+            list(p.block_hashes),
+        )
+        for p in prompts
+    ]
+
+
+def scores_to_pb(
+    scores: Sequence[PoolScore], unscored: Sequence[UnscoredPool], include_block_ids: bool
+) -> pb.ScorePoolsResponse:
+    out = pb.ScorePoolsResponse(
+        unscored=[pb.UnscoredPool(pool=u.pool, reason=u.reason, message=u.message) for u in unscored]
+    )
+    add = out.scores.add
+    for sc in scores:
+        m = add(
+            pool=sc.pool,
+            hit_tokens=sc.hit.num_tokens,
+            num_free_blocks=sc.num_free_blocks,
+            usage=sc.usage,
+            num_total_blocks=sc.num_total_blocks,
+        )
+        # set in place: a Fence message built per pool and copied in costs a third more
+        fence = m.fence
+        fence.instance_id = sc.fence.instance_id
+        fence.incarnation = sc.fence.incarnation
+        if include_block_ids:
+            m.hit.CopyFrom(hit_to_pb(sc.hit))
+    return out
+
+
+def reservation_to_pb(made: ReservationMade) -> pb.Reservation:
+    return pb.Reservation(
+        reservation_id=made.reservation_id,
+        pool=made.pool,
+        hit_tokens=made.hit_tokens,
+        ttl_seconds=made.seconds,
+    )
+
+
+def reservation_stats_to_pb(reservations: Reservations) -> pb.ReservationStats:
+    c = reservations.counters
+    return pb.ReservationStats(
+        live=len(reservations.live),
+        made=c.made,
+        adopted=c.adopted,
+        expired=c.released,
+        promised_tokens=c.promised_tokens,
+        got_tokens=c.got_tokens,
+        short_hits=c.short_hits,
+    )

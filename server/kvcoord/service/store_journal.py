@@ -11,7 +11,7 @@ owner's claim, ownership.py)::
     /kvcoord/<cluster>/journal/<pool>/<term:020d>/<seq:020d>/<part:06d>/<parts:06d>
 
 Each stream starts with a ``base`` record (seq 0): the pool's whole state as
-:func:`~kvcoord.service.recovery.dump_pool` makes it, with the instance that writes
+:func:`~kvcoord.service.registry_state.dump_pool` makes it, with the instance that writes
 the stream and the limits its records are applied with. The records after it are
 the pool's records of the local journal (``attach``, ``call``, ``detach``, ...), each
 with its local journal position (answers' fences name it, so replay must too).
@@ -345,14 +345,15 @@ def stream_rows(rows: Any, pool_prefix: bytes) -> dict[int, dict[int, list[Any]]
 def rebuild(
     streams: dict[int, dict[int, list[Any]]], make_registry: Callable[[str], Any], pool: str
 ) -> tuple[dict[str, Any], int, int] | None:
-    """The pool's state from its streams, as :func:`~.recovery.dump_pool` makes it, and
+    """The pool's state from its streams, as :func:`~.registry_state.dump_pool` makes it, and
     the term and number of records it came from; None when no stream has a base (the
     pool was never acknowledged anything).
 
     Raises:
         ValueError: a record cannot be replayed as its client was told.
     """
-    from .recovery import Replayer, adopt_pool, apply_limits, dump_pool, limits_from
+    from .recovery import Replayer
+    from .registry_state import adopt_pool, apply_limits, dump_pool, limits_from
 
     for term in sorted(streams, reverse=True):
         records = streams[term]

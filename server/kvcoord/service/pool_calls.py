@@ -1,0 +1,93 @@
+"""The Allocator's pool administration calls: CreatePool, GetPool, ListPools,
+DeletePool (its blocks released a slice at a time afterwards) and ResetPrefixCache."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .access import current_tenant
+from .errors import map_errors
+from .pool_service import PoolService
+from .servicer_core import ServicerCore, fence_of
+
+__all__ = ["PoolCalls"]
+
+
+class PoolCalls(ServicerCore):
+    """CreatePool, GetPool, ListPools, DeletePool and ResetPrefixCache."""
+
+    @map_errors
+    async def CreatePool(
+        self, request: pb.CreatePoolRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CreatePoolResponse:
+        await self.registry.placement.before_create(request.name)
+        service, created = self.registry.create(request.name, request.config)
+        if created:
+            self.observer.pool_created(service)
+        return await self._durable(pb.CreatePoolResponse(pool=self._info(service), created=created))
+
+    @map_errors
+    async def GetPool(
+        self, request: pb.GetPoolRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetPoolResponse:
+        return pb.GetPoolResponse(pool=self._info(self.registry.get(request.name)))
+
+    @map_errors
+    async def ListPools(
+        self, request: pb.ListPoolsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListPoolsResponse:
+        pools = self.registry.served()
+        tenant = current_tenant()
+        visible = [n for n in sorted(pools) if self.access.visible(tenant, n)]
+        return pb.ListPoolsResponse(pools=[self._info(pools[n]) for n in visible])
+
+    @map_errors
+    async def DeletePool(
+        self, request: pb.DeletePoolRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DeletePoolResponse:
+        registry = self.registry
+        if await registry.placement.delete_unserved(request.name):  # a cluster's pool nobody served
+            return pb.DeletePoolResponse()
+        registry.get(request.name)  # NOT_FOUND, or the owner's redirect, before anything changes
+        # In a store-journal cluster the pool is gone from the cluster after this (so
+        # it is no longer claimed here: removed without the placement check again).
+        await registry.placement.before_delete(request.name)
+        await registry.locks.wait(request.name)  # a Step applied to it in slices ends first
+        if request.name not in registry.pools:
+            registry.get(request.name)  # deleted by another call meanwhile: NOT_FOUND
+        service = registry.remove(request.name)
+        self.observer.pool_deleted(service)
+        await self.registry.placement.after_delete(request.name)
+        # Freeing millions of used blocks at once would stall every pool: release them
+        # a slice at a time between other calls.
+        task = asyncio.get_running_loop().create_task(_tear_down(service))
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
+        return await self._durable(pb.DeletePoolResponse())
+
+    async def teardowns_done(self) -> None:
+        """Return once every deleted pool's sliced teardown has finished."""
+        while self._teardowns:
+            await asyncio.gather(*self._teardowns)
+
+    @map_errors
+    async def ResetPrefixCache(
+        self, request: pb.ResetPrefixCacheRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ResetPrefixCacheResponse:
+        service = self.registry.get(request.pool)
+        service.check_fence(fence_of(request))
+        if request.session_id:
+            service.session(request.session_id, None)
+        result = service.reset_prefix_cache()
+        return await self._durable(
+            pb.ResetPrefixCacheResponse(result=result, num_free_blocks=service.num_free_blocks),
+            lambda r: r.prefix_cache_reset(service),
+        )
+
+
+async def _tear_down(service: PoolService) -> None:
+    for _ in service.teardown():
+        await asyncio.sleep(0)

@@ -1,0 +1,168 @@
+"""The Allocator's session calls: Attach (the hash handshake, the pool's state or an
+exclusive session's engine state in the answer, checked against the answer size),
+Heartbeat and Detach."""
+
+from __future__ import annotations
+
+import grpc
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import write_pool_state
+
+from .access import current_tenant
+from .convert import fence_to_pb, write_mirror_state
+from .errors import ErrorReason, ServiceError, Status, map_errors
+from .mutating_calls import ANSWER_MARGIN_BYTES
+from .pool_service import PoolService
+from .servicer_core import ServicerCore, fence_of
+from .sessions import Session
+from .state_export import ExportError, mirror_state_apart
+
+__all__ = ["CAPABILITIES", "SessionCalls"]
+
+#: AttachResponse.capabilities: the operations and calls beyond every server's this one
+#: serves ("decode_op": DecodeOp; "step_stream": StepStream, step_stream.py); a client
+#: uses one only when it is listed
+CAPABILITIES = ("decode_op", "step_stream")
+
+
+class SessionCalls(ServicerCore):
+    """Attach, Heartbeat and Detach."""
+
+    def _check_pool_state_fits(self, request: pb.AttachRequest, service: PoolService, tenant: str) -> None:
+        """Refuse an exclusive Attach whose pool state would not fit in its answer,
+        before any session exists.
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED (ANSWER_TOO_LARGE) naming both sizes.
+        """
+        if not (request.want_pool_state and request.exclusive and self.max_message_bytes):
+            return
+        if request.want_engine_state:  # checked once exported (Attach): the export is the cost
+            return
+        probe = pb.AttachResponse(pool=self._info(service), fence=fence_to_pb(service.fence))
+        if service.cache_namespace(tenant):  # the session will cache under a namespace: no state
+            return
+        state = service.pool_state()
+        if isinstance(state, str):
+            return
+        write_pool_state(probe, state)
+        self._check_answer_fits(service, probe)
+
+    def _check_answer_fits(self, service: PoolService, answer: pb.AttachResponse) -> None:
+        """Raises: ServiceError: RESOURCE_EXHAUSTED (ANSWER_TOO_LARGE) naming both sizes."""
+        size = answer.ByteSize() + ANSWER_MARGIN_BYTES
+        if self.max_message_bytes and size > self.max_message_bytes:
+            raise ServiceError(
+                Status.EXHAUSTED,
+                f"the state of pool {service.name!r} takes about {size:,} bytes, more than one answer may "
+                f"(max_message_bytes {self.max_message_bytes:,}); no session was made: attach without "
+                "want_pool_state (no prediction) or raise server.max_message_bytes",
+                ErrorReason.ANSWER_TOO_LARGE,
+            )
+
+    @map_errors
+    async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
+        service = self.registry.for_attach(request.pool)
+        tenant = current_tenant()
+        self._check_pool_state_fits(request, service, tenant.name)
+        # a retry whose first answer was lost gets the session that Attach made
+        s = self.registry.attached_before(service, request.attach_key, tenant.name, request.exclusive)
+        new = s is None
+        if s is None:
+            s = self._new_session(request, service, tenant.name, tenant.max_sessions)
+        response = pb.AttachResponse(
+            pool=self._info(service),
+            session_id=s.session_id,
+            lease_seconds=s.lease_seconds,
+            idempotency_window_seconds=self.registry.idempotency.window,
+            fence=fence_to_pb(service.fence),
+            exclusive=s.exclusive,
+            capabilities=CAPABILITIES,
+        )
+        if request.want_pool_state and request.want_engine_state and s.exclusive:
+            await self._export_engine_state(service, s, response, new)
+        elif request.want_pool_state:
+            write_pool_state(
+                response, service.pool_state() if s.exclusive else "the session is not exclusive"
+            )
+        if not new:  # journaled and counted when it was made
+            return await self._durable(response)
+        self.observer.attached(service)
+        return await self._durable(response, lambda r: r.attached(service, s))
+
+    def _new_session(
+        self, request: pb.AttachRequest, service: PoolService, tenant: str, most: int
+    ) -> Session:
+        """The hash handshake, then a new session of ``tenant`` (``most``: its session limit)."""
+        try:
+            s = service.attach(
+                request.hash_algo,
+                request.hash_block_size,
+                request.hash_seed,
+                request.client_name,
+                request.lease_seconds,
+                request.exclusive,
+                tenant,
+                most,
+                request.profile,
+                request.num_hash_lookahead_tokens,
+            )
+        except ServiceError as exc:
+            # only the hash handshake: an exclusive pool's refusal is not a hashing fault
+            if exc.reason in (ErrorReason.HASH_MISMATCH, ErrorReason.PROFILE_MISMATCH):
+                self.observer.handshake_refused(request.pool)
+            raise
+        s.attach_key = request.attach_key
+        return s
+
+    async def _export_engine_state(
+        self, service: PoolService, s: Session, response: pb.AttachResponse, new: bool = True
+    ) -> None:
+        """The engine's state at the new exclusive session's start into ``response``,
+        encoded off the loop for a large pool (state_export.py). Nothing of a ``new``
+        session is journaled yet: when the answer cannot be sent (too large, the pool
+        deleted or handed over meanwhile, the call cancelled) it ends unrecorded (a
+        retried Attach's session, journaled already, is left to its lease).
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED (ANSWER_TOO_LARGE); UNAVAILABLE when the
+                pool left this server or the export failed (attach again).
+        """
+        try:
+            try:
+                state = await mirror_state_apart(service, s.cache_namespace)
+            except ExportError as exc:
+                raise ServiceError(Status.UNAVAILABLE, f"exporting the pool's state failed: {exc}") from None
+            if (
+                self.registry.pools.get(service.name) is not service
+                or s.session_id not in self.registry.sessions.sessions
+            ):
+                raise ServiceError(
+                    Status.UNAVAILABLE,
+                    f"pool {service.name!r} was deleted or moved while its state was exported: attach again",
+                )
+            write_mirror_state(response, state)
+            self._check_answer_fits(service, response)
+        except BaseException:
+            if new and s.session_id in self.registry.sessions.sessions:
+                self.registry.end_session(s, service)
+            raise
+
+    @map_errors
+    async def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        service, s = self.registry.session_of(request.session_id, fence_of(request))
+        return self.mutations.positioned(
+            pb.HeartbeatResponse(lease_seconds=s.lease_seconds, fence=fence_to_pb(service.fence))
+        )
+
+    @map_errors
+    async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
+        service, s = self.registry.session_of(request.session_id, fence_of(request))
+        freed = self.registry.end_session(s, service)
+        self.observer.detached(service.name)
+        # recorded after the change: a snapshot the record triggers holds the state after it
+        return await self._durable(
+            pb.DetachResponse(num_freed_requests=freed), lambda r: r.detached(service, s.session_id)
+        )

@@ -153,6 +153,7 @@ GRPC_MODULES = {
     "tls.py",
     "convert.py",
     "cluster.py",
+    "cluster_placement.py",
 }
 
 

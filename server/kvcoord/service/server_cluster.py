@@ -14,7 +14,8 @@ import grpc
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from .access import AccessControl
-from .cluster import Cluster, ClusterError, ClusterPlacement, ReplicasServicer
+from .cluster import Cluster, ClusterError
+from .cluster_placement import ClusterPlacement, ReplicasServicer
 from .config import ClusterSettings, ServerConfig
 from .idempotency import IdempotencyStore
 from .ownership import Member

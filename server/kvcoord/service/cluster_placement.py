@@ -1,0 +1,196 @@
+"""How a clustered replica's registry and its ``Replicas`` RPCs see the cluster: the
+registry's :class:`~kvcoord.service.registry.Placement` made of :class:`Ownership`'s rules
+and :class:`~kvcoord.service.cluster.Cluster`'s claims (creating, deleting, adopting a
+pool handed over), and the servicer of the replicas' own service, which only translates."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import cbor2
+import grpc
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+
+from .access import AccessControl
+from .cluster import Cluster
+from .errors import ErrorReason, ServiceError, Status, map_errors
+from .registry import Placement, PoolRegistry
+
+__all__ = ["ClusterPlacement", "ReplicasServicer"]
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterPlacement(Placement):
+    """A clustered replica's :class:`~kvcoord.service.registry.Placement`: the
+    rules of :class:`Ownership`, with claims made through :class:`Cluster`."""
+
+    def __init__(self, cluster: Cluster, registry: PoolRegistry) -> None:
+        self.cluster = cluster
+        self.registry = registry
+        self.replica_id = cluster.me.replica_id
+
+    async def adopt(self, pool: str, state: bytes, from_replica: str, claim_revision: int) -> int:
+        """The new owner's side of a handover: load, journal, wait until durable, swap
+        the claim, serve. Nothing is kept when the swap fails."""
+        from .registry_state import adopt_pool
+
+        cluster, registry = self.cluster, self.registry
+        if not cluster.view.may_adopt(pool, from_replica):
+            raise ServiceError(
+                Status.PRECONDITION,
+                f"placement does not put pool {pool[:200]!r} on replica {cluster.me.replica_id!r} "
+                f"(without {from_replica!r}): not adopted",
+            )
+        if cluster.stopping:
+            raise ServiceError(Status.UNAVAILABLE, f"replica {cluster.me.replica_id!r} is leaving")
+        if pool in cluster.adopting:
+            raise ServiceError(Status.ABORTED, f"pool {pool[:200]!r} is being adopted already")
+        cluster.adopting.add(pool)
+        try:
+            try:
+                value = cbor2.loads(state)
+                adopt_pool(registry, value)
+            except (ValueError, KeyError, TypeError, cbor2.CBORDecodeError) as exc:
+                raise ServiceError(
+                    Status.INVALID,
+                    f"the handed-over state of pool {pool[:200]!r} cannot be loaded: {exc}",
+                ) from None
+            registry.recorder.adopted(value)
+            await registry.recorder.durable()
+            claim = await cluster.take_over(pool, from_replica, claim_revision)
+            if claim is None:
+                registry.remove(pool)
+                await registry.recorder.durable()
+                raise ServiceError(
+                    Status.PRECONDITION,
+                    f"the claim of pool {pool[:200]!r} is no longer revision {claim_revision} of replica "
+                    f"{from_replica!r}: not adopted",
+                )
+        finally:
+            cluster.adopting.discard(pool)
+        logger.info("adopted pool %s from replica %s (term %d)", pool, from_replica, claim.term)
+        return claim.term
+
+    def check(self, pool: str, local: bool) -> None:
+        cluster = self.cluster
+        cluster.view.check(pool, local)
+        streams = cluster.streams
+        if streams is not None and local and not streams.is_open(pool):
+            raise ServiceError(
+                Status.UNAVAILABLE,
+                f"pool {pool[:200]!r} is not journaled in the cluster store here yet: retry",
+            )
+
+    def serves(self, pool: str) -> bool:
+        return self.cluster.view.holds(pool)
+
+    def term(self, pool: str) -> int:
+        view = self.cluster.view
+        return view.term(pool) if view.holds(pool) else 0
+
+    async def before_create(self, pool: str) -> None:
+        view = self.cluster.view
+        if view.holds(pool):
+            return
+        view.check(pool, local=False)
+        if await self.cluster.claim(pool) is None:
+            view.check(pool, local=False)  # the holder's redirect
+            raise ServiceError(Status.UNAVAILABLE, f"pool {pool[:200]!r} could not be claimed: retry")
+
+    async def before_delete(self, pool: str) -> None:
+        """With the journal in the store, the pool is forgotten in the cluster first
+        (claim, catalog and journal, only while the claim is this replica's), so a
+        delete is never half done: refused with the pool untouched (the claim went to
+        another replica: a redirect there), or final before the pool is removed here.
+        The pool is moving meanwhile: other calls of it are told to retry."""
+        cluster = self.cluster
+        if cluster.streams is None:
+            return
+        view = cluster.view
+        view.check(pool, local=True)
+        view.moving.add(pool)
+        try:
+            forgotten = await cluster.forget(pool)
+        finally:
+            view.moving.discard(pool)
+        if forgotten:
+            return
+        try:
+            await cluster.refresh()
+        except Exception as exc:  # noqa: BLE001 - the claim is unknown: the caller retries
+            raise ServiceError(
+                Status.UNAVAILABLE,
+                f"pool {pool[:200]!r} is not this replica's in the cluster store any more, and the store "
+                f"cannot be read: retry (nothing was deleted): {exc}",
+            ) from None
+        view.check(pool, local=True)  # another holder: the redirect there
+        raise ServiceError(
+            Status.UNAVAILABLE,
+            f"pool {pool[:200]!r} is not this replica's in the cluster store any more: retry (nothing "
+            "was deleted)",
+        )
+
+    async def after_delete(self, pool: str) -> None:
+        if self.cluster.streams is None:  # else before_delete did it
+            await self.cluster.forget(pool)
+
+    async def delete_unserved(self, pool: str) -> bool:
+        """A pool of the catalog nobody claims (its owner stopped without handing it
+        over), placed here: with the journal in the store, its history is there and is
+        deleted there (whoever claims it later finds no journal: it does not exist);
+        with local journals its state is on its owner's disk only, and it would come
+        back with its owner: refused, OWNER_GONE, nothing deleted."""
+        cluster, view = self.cluster, self.cluster.view
+        if (
+            pool in self.registry.pools
+            or pool not in view.catalog
+            or pool in view.claims
+            or pool in view.moving
+            or pool in cluster.adopting
+            or not view.lease_valid
+            or not view.placed_here(pool)
+        ):
+            return False
+        if cluster.streams is None:
+            raise ServiceError(
+                Status.PRECONDITION,
+                f"pool {pool[:200]!r} was not deleted: its owner stopped without handing it over and its "
+                'state is on that replica\'s disk only ([cluster] journal = "local"); start that replica '
+                "again (it serves the pool again), then delete it",
+                ErrorReason.OWNER_GONE,
+            )
+        view.moving.add(pool)  # not rebuilt here meanwhile (recover)
+        try:
+            return await cluster.delete_unclaimed(pool)
+        finally:
+            view.moving.discard(pool)
+
+
+class ReplicasServicer(pb_grpc.ReplicasServicer):
+    """The ``Replicas`` service: only translates (the rules are the placement's)."""
+
+    def __init__(
+        self, placement: ClusterPlacement, access: AccessControl, created: Callable[[str], None]
+    ) -> None:
+        self.placement = placement
+        self.access = access
+        self.created = created
+
+    @map_errors
+    async def AdoptPool(
+        self, request: pb.AdoptPoolRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdoptPoolResponse:
+        tenant = self.access.authenticate(context.invocation_metadata(), context.auth_context)
+        if not tenant.full_access:
+            raise ServiceError(
+                Status.DENIED,
+                "AdoptPool is between replicas: it needs a full-access token",
+            )
+        term = await self.placement.adopt(
+            request.pool, request.state, request.from_replica, request.claim_revision
+        )
+        self.created(request.pool)
+        return pb.AdoptPoolResponse(term=term)

@@ -170,6 +170,42 @@ def test_a_journal_read_that_fails_leaves_the_pool_to_a_later_try(
     asyncio.run(run())
 
 
+def test_a_claim_that_fails_at_start_is_made_at_the_next_pass(
+    etcd: Etcd, request: pytest.FixtureRequest
+) -> None:
+    """claim_local (at start, then at every pass of the watch) claims the pools held
+    here. A claim whose transaction fails (the store slow: DEADLINE_EXCEEDED) is logged
+    and made at the next pass; it used to raise, and at start the replica exited 1."""
+    import aetcd.exceptions
+
+    name = request.node.name[:40]
+
+    async def run() -> None:
+        cluster = await _joined(etcd, name)
+        try:
+            cluster.local_pools = lambda: ["mine"]
+            plain = cluster.client.transaction
+            tries: list[int] = []
+
+            async def slow_store(*a: Any, **kw: Any) -> Any:
+                tries.append(1)
+                if len(tries) == 1:
+                    raise aetcd.exceptions.ConnectionTimeoutError("Deadline Exceeded")
+                return await plain(*a, **kw)
+
+            cluster.client.transaction = slow_store  # type: ignore[method-assign]
+            await cluster.claim_local()  # the store times out: nothing claimed, nothing raised
+            await cluster.refresh()
+            assert not cluster.view.holds("mine")
+            await cluster.claim_local()  # the next pass
+            await cluster.refresh()
+            assert cluster.view.holds("mine") and len(tries) == 2
+        finally:
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
 def test_stop_ends_the_watch_when_a_change_comes_in_the_same_turn(
     etcd: Etcd, request: pytest.FixtureRequest
 ) -> None:

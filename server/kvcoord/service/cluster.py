@@ -326,10 +326,15 @@ class Cluster:
         here may be behind what a later owner acknowledged)."""
         local = [p for p in self.local_pools() if p not in self.adopting]
         for pool in self.view.should_claim(local):
-            if self.streams is not None:
-                await self.recover(pool)
-            else:
-                await self.claim(pool)
+            try:
+                if self.streams is not None:
+                    await self.recover(pool)
+                else:
+                    await self.claim(pool)
+            except Exception as exc:  # noqa: BLE001 - a slow store: claimed at the next pass
+                # (the watch passes again at every change and every lease; was: raised
+                # on, and at start the replica exited 1 while the store was slow)
+                logger.error("pool %s could not be claimed (tried again within a lease): %r", pool, exc)
         for pool in local:
             holder = self.view.claims.get(pool)
             if (

@@ -49,7 +49,7 @@ in-process child of this checkout prints a cProfile of the loop thread instead.
 
 ``--toggle`` (this checkout only, shape ops): one in-process server, two pools fed the
 same Steps in alternation (which pool goes first alternates too), a plain decode
-AllocateOp on the pool's direct path (``PoolService._allocate_plain``) in one and on the
+AllocateOp on the pool's direct path (``PoolAllocations.allocate_plain``) in one and on the
 general path in the other (the wire reader's ``plain`` mark cleared); the loop
 thread's CPU per Step of each, and the median of their per-Step ratio. On a machine
 shared with other jobs this pairs every Step with its twin, where two runs apart can

@@ -62,13 +62,14 @@ def _count_syncs(server: InProcessServer, pool: str) -> list[int]:
     of the big Step); the list holds the count."""
     service = server.running.servicer.registry.pools[pool]  # type: ignore[union-attr]
     seen = [0]
-    original: Callable[..., Any] = service.sync
+    syncs = service.syncs  # the pool's request syncs (pool_requests.py), which its Step calls
+    original: Callable[..., Any] = syncs.sync
 
     def counting(*args: Any) -> Any:
         seen[0] += 1
         return original(*args)
 
-    service.sync = counting  # type: ignore[method-assign]
+    syncs.sync = counting  # type: ignore[method-assign]
     return seen
 
 

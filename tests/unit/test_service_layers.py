@@ -11,6 +11,17 @@ SERVICE = ROOT / "server" / "kvcoord" / "service"
 
 #: the one module that holds a pool's engine; every other reaches it through PoolService
 ENGINE_DOOR = {"pool_service.py"}
+#: PoolService's parts by role (each reads the engine through the PoolService that owns
+#: it); only pool_service.py and the parts themselves import them
+POOL_PARTS = {
+    "pool_core.py",
+    "pool_allocations.py",
+    "pool_events.py",
+    "pool_requests.py",
+    "pool_reservations.py",
+    "pool_scores.py",
+    "pool_steps.py",
+}
 
 
 def _engine_uses(path: Path) -> list[str]:
@@ -35,8 +46,37 @@ def test_pool_service_is_the_only_door_to_the_engine() -> None:
     inspection, checks, state, stats, snapshots and metrics go through PoolService."""
     modules = sorted(SERVICE.glob("*.py"))
     assert len(modules) > 10 and any(p.name == "servicer.py" for p in modules)
-    bad = [use for p in modules if p.name not in ENGINE_DOOR for use in _engine_uses(p)]
+    bad = [use for p in modules if p.name not in ENGINE_DOOR | POOL_PARTS for use in _engine_uses(p)]
     assert not bad, "engine reached around PoolService: " + ", ".join(bad)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The service modules ``path`` imports (``from .x import ...``, ``from . import x``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names = [node.module] if node.module else [a.name for a in node.names]
+            out |= {f"{n.split('.')[0]}.py" for n in names}
+        elif isinstance(node, ast.ImportFrom) and (module := node.module or "").startswith(
+            "kvcoord.service."
+        ):
+            out.add(f"{module.split('.')[2]}.py")
+    return out
+
+
+def test_pool_service_parts_are_reached_only_through_it() -> None:
+    """PoolService's parts (POOL_PARTS) touch the engine, so no other service module
+    imports them: they are reached through the PoolService that owns them."""
+    modules = sorted(SERVICE.glob("*.py"))
+    assert POOL_PARTS <= {p.name for p in modules}
+    # pool_core.py is the parts' view of PoolService, which builds every other part
+    assert POOL_PARTS - _imported_modules(SERVICE / "pool_service.py") == {"pool_core.py"}
+    bad = [
+        f"{p.name} imports {sorted(_imported_modules(p) & POOL_PARTS)}"
+        for p in modules
+        if p.name not in ENGINE_DOOR | POOL_PARTS and _imported_modules(p) & POOL_PARTS
+    ]
+    assert not bad, "PoolService's parts imported around it: " + ", ".join(bad)
 
 
 def test_the_engine_check_sees_an_engine_access(tmp_path: Path) -> None:

@@ -147,7 +147,7 @@ def _allocate_slices(
     every: int,
 ) -> Generator[None, None, pb.AllocateResponse | ServiceError]:  # fmt: skip
     """An Allocate applied, a large one's blocks taken and cached in slices (yielding
-    between them: pool_service.py's SLICED_ALLOCATE_TOKENS) when ``every`` is not 0."""
+    between them: pool_allocations.py's SLICED_ALLOCATE_TOKENS) when ``every`` is not 0."""
     groups = len(service.config.groups)
     ops: list[op.Operation] = [
         (yield from allocate_in_slices(request.op, groups)) if every else allocate_from_pb(request.op, groups)

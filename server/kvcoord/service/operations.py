@@ -125,7 +125,7 @@ class Allocate:
     skip_zeroing_group_ids: tuple[int, ...] = ()
     #: every field after ``num_new_tokens`` is at its default and the sync is of a
     #: registered request (a decode step's allocation): the pool may apply it on its
-    #: direct path (PoolService._allocate_plain), which answers exactly as the general
+    #: direct path (PoolAllocations.allocate_plain), which answers exactly as the general
     #: one. Set only by whoever checked that (the wire reader); False is always right.
     plain: bool = dataclasses.field(default=False, compare=False)
 

@@ -81,7 +81,7 @@ def check_index(pools: dict[str, PoolService], index: ScoreIndex) -> None:
     """Every pool whose search starts with full attention is watched (it was just
     scored) and its bits are exactly the keys of that group's map."""
     for name, p in pools.items():
-        first = p.engine.hits._first_full
+        first = p.engine.hits.first_full
         if first is None or not p.engine.config.enable_caching:
             assert index.keys_of(name) == set(), name
             continue

@@ -100,7 +100,7 @@ class ScoringTarget(LocalTarget):
             assert engine.snapshot() == before  # scoring changed nothing
         # the index watches every pool whose search starts with full attention: its
         # bits are exactly that group's live keys (none without caching)
-        first = engine.hits._first_full if engine.config.enable_caching else None
+        first = engine.hits.first_full if engine.config.enable_caching else None
         live = set() if first is None else set(engine.block_pool.cached_block_hash_to_block.first[first[0]])
         assert self.index.keys_of("p33") == live
         self.probes += 1

@@ -75,14 +75,14 @@ class PrefixHits:
         #: full attention (whose hit is a run of cached blocks from position 0, and
         #: every other group's search is capped by it): a miss of the first key there
         #: means no hit at all. None when the first search is of another type.
-        self._first_full: tuple[int, int] | None = None
+        self.first_full: tuple[int, int] | None = None
         if config.coordinator_kind == "unitary" and type(self.managers[0]) is FullAttentionManager:
-            self._first_full = (0, self._group_block_sizes[0])
+            self.first_full = (0, self._group_block_sizes[0])
         elif self._hybrid:
             _spec, ids, cls = coordinator.attention_groups[0]  # type: ignore[attr-defined]
             # (with fine-grained hits a hit may end inside the first block)
             if cls is FullAttentionManager and not self._partial:
-                self._first_full = (ids[0], self._group_block_sizes[ids[0]])
+                self.first_full = (ids[0], self._group_block_sizes[ids[0]])
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], num_tokens: int, cache_namespace: str = ""
@@ -96,7 +96,7 @@ class PrefixHits:
         keys = self.lookup_keys(block_hashes, num_tokens, cache_namespace)
         if keys is None:
             return self._no_hit
-        first = self._first_full
+        first = self.first_full
         if first is not None:
             gid, size = first
             view = hashes_at_block_size(keys, self.hash_block_size, size)

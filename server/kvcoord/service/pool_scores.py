@@ -92,7 +92,7 @@ class PoolScoring:
         shared-prefix junctions are rules the run alone does not follow)."""
         engine = self.pool.engine
         cfg = engine.config
-        first = engine.hits._first_full
+        first = engine.hits.first_full
         if first is None or not cfg.enable_caching or (cfg.profile != VLLM_016 and cfg.use_eagle):
             return None
         if cfg.coordinator_kind == "unitary":

@@ -73,7 +73,7 @@ class RunningServer:
     #: this replica's membership and claims ([cluster]; None on a single node)
     cluster: Cluster | None = None
 
-    def _journal_failed(self, exc: BaseException) -> None:
+    def on_journal_failure(self, exc: BaseException) -> None:
         """Stop serving loudly: in memory the state is ahead of the disk, so a restart
         (which recovers the committed prefix) is the only way back."""
         logger.critical(
@@ -353,12 +353,12 @@ async def start_server(
         server, servicer, health_servicer, addresses, cfg.server.grace_seconds, reaper, recovery
     )
     if isinstance(registry.recorder, JournalRecorder):
-        registry.recorder.journal.on_failure.append(running._journal_failed)
+        registry.recorder.journal.on_failure.append(running.on_journal_failure)
     if cfg.kv_events:
         running.publishers = Publishers(
             cfg.kv_events, registry, data_dir=cfg.server.data_dir if cfg.server.journaled else None
         )
-    decision.on_marker_failure = running._journal_failed
+    decision.on_marker_failure = running.on_journal_failure
     running.startup = decision
     running.cluster = cluster
     return running

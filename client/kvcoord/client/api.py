@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
@@ -65,6 +66,22 @@ class Rpc(Generic[P, Req, Resp]):
     request: type[Req]
     response: type[Resp]
     build: Callable[P, Req]
+    #: the method's function (made once): its first argument is the client
+    function: Callable[..., Any] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        rpc, build = self, self.build
+
+        def function(client: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return client.unary(rpc, build(*args, **kwargs))
+
+        function.__name__ = function.__qualname__ = build.__name__
+        function.__doc__ = build.__doc__
+        params = inspect.signature(build).parameters.values()
+        function.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter("client", inspect.Parameter.POSITIONAL_ONLY), *params]
+        )
+        object.__setattr__(self, "function", function)
 
     @overload
     def __get__(self, client: None, owner: type | None = None) -> Rpc[P, Req, Resp]: ...
@@ -73,28 +90,7 @@ class Rpc(Generic[P, Req, Resp]):
     @overload
     def __get__(self, client: BlockingApi, owner: type | None = None) -> Callable[P, Resp]: ...
     def __get__(self, client: Any, owner: type | None = None) -> Any:
-        if client is None:
-            return self
-        send, build = client.unary, self.build
-
-        def method(*args: Any, **kwargs: Any) -> Any:
-            return send(self, build(*args, **kwargs))
-
-        method.__name__ = method.__qualname__ = build.__name__
-        method.__doc__ = build.__doc__
-        method.__signature__ = _signature(build)  # type: ignore[attr-defined]
-        return method
-
-
-_SIGNATURES: dict[Callable[..., Any], inspect.Signature] = {}
-
-
-def _signature(build: Callable[..., Any]) -> inspect.Signature:
-    """A client method's signature: its builder's parameters (computed once)."""
-    got = _SIGNATURES.get(build)
-    if got is None:
-        got = _SIGNATURES[build] = inspect.signature(build).replace(return_annotation=inspect.Signature.empty)
-    return got
+        return self if client is None else types.MethodType(self.function, client)
 
 
 #: the two RPCs whose methods each client writes itself (a merge of replicas' lists;

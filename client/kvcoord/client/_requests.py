@@ -183,7 +183,9 @@ def step(
     fence: pb.Fence | None = None,
     include_state: bool = False,
 ) -> pb.StepRequest:
-    """A Step of ``ops`` with an idempotency key of its own (the clients' ``step``)."""
+    """Apply ``ops`` in order in one round trip: one result each (and the session's
+    new events and statistics with ``include_state``); one larger than
+    ``step_piece_bytes`` is sent in pieces (:mod:`kvcoord.client.step_pieces`)."""
     return pb.StepRequest(
         pool=pool,
         session_id=session_id,

@@ -12,7 +12,7 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from . import _requests as rq
-from .api import LIST_POOLS, STEP, AsyncApi, Coro, Req, Resp, Rpc, merged
+from .api import LIST_POOLS, AsyncApi, Coro, Req, Resp, Rpc, merged
 from .errors import error_from_rpc
 from .retry import Attempts
 from .step_pieces import pieces, send_in_pieces_async
@@ -65,7 +65,14 @@ class AsyncKVCoordClient(AsyncApi):
                 await asyncio.sleep(pause)
 
     async def unary(self, rpc: Rpc[Any, Req, Resp], request: Req) -> Resp:
-        """Send ``request`` as ``rpc`` (routed and retried as :class:`KVCoordClient` does)."""
+        """Send ``request`` as ``rpc`` (routed and retried as :class:`KVCoordClient` does;
+        a Step larger than ``step_piece_bytes`` in pieces, :mod:`kvcoord.client.step_pieces`)."""
+        if rpc.name == "Step":
+            step = cast(pb.StepRequest, request)
+            parts = pieces(step, self.step_piece_bytes)
+            if parts is not None:
+                answer = await send_in_pieces_async(step, parts, lambda piece: self._call("Step", piece))
+                return cast(Resp, answer)
         return cast(Resp, await self._call(rpc.name, request))
 
     def list_pools(self) -> Coro[pb.ListPoolsResponse]:
@@ -86,23 +93,6 @@ class AsyncKVCoordClient(AsyncApi):
                 raise error_from_rpc(exc, "ListPools") from None
             answers.append((address, answer))
         return merged(self.routes, answers)
-
-    def step(
-        self,
-        pool: str,
-        ops: Sequence[pb.Operation],
-        session_id: str,
-        fence: pb.Fence | None = None,
-        include_state: bool = False,
-    ) -> Coro[pb.StepResponse]:
-        """Apply ``ops`` in order in one round trip: one result each (and the session's
-        new events and statistics with ``include_state``); one larger than
-        ``step_piece_bytes`` is sent in pieces (:mod:`kvcoord.client.step_pieces`)."""
-        request = rq.step(pool, ops, session_id, fence, include_state)
-        parts = pieces(request, self.step_piece_bytes)
-        if parts is not None:
-            return send_in_pieces_async(request, parts, lambda piece: self.unary(STEP, piece))
-        return self.unary(STEP, request)
 
     async def watch_events(
         self, pool: str, after_sequence: int = 0, fence: pb.Fence | None = None

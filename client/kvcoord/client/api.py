@@ -3,7 +3,7 @@ types and request builder) bound as a method of both, the channel set-up per rep
 and the merge of several replicas' pool lists.
 
 :mod:`kvcoord.client.client` (blocking) and :mod:`kvcoord.client.aio` (asyncio) each
-give the transport (``unary``) and the methods that differ (``list_pools``, ``step``,
+give the transport (``unary``) and the methods that differ (``list_pools``,
 ``watch_events``); every other RPC method is one line of :class:`Api`.
 """
 
@@ -93,10 +93,8 @@ class Rpc(Generic[P, Req, Resp]):
         return self if client is None else types.MethodType(self.function, client)
 
 
-#: the two RPCs whose methods each client writes itself (a merge of replicas' lists;
-#: a Step sent in pieces)
+#: the RPC whose method each client writes itself (a merge of replicas' lists)
 LIST_POOLS = Rpc("ListPools", pb.ListPoolsRequest, pb.ListPoolsResponse, rq.list_pools)
-STEP = Rpc("Step", pb.StepRequest, pb.StepResponse, rq.step)
 
 
 def merged(routes: Routes, answers: Sequence[tuple[str, pb.ListPoolsResponse]]) -> pb.ListPoolsResponse:
@@ -131,6 +129,8 @@ class Api:
     )
     allocate = Rpc("Allocate", pb.AllocateRequest, pb.AllocateResponse, rq.allocate)
     free = Rpc("Free", pb.FreeRequest, pb.FreeResponse, rq.free)
+    #: (a Step larger than ``step_piece_bytes`` is sent in pieces: each client's ``unary``)
+    step = Rpc("Step", pb.StepRequest, pb.StepResponse, rq.step)
     reset_prefix_cache = Rpc(
         "ResetPrefixCache", pb.ResetPrefixCacheRequest, pb.ResetPrefixCacheResponse, rq.reset_prefix_cache
     )
@@ -243,5 +243,4 @@ class AsyncApi(Api):
 UNARY_METHODS: dict[str, Rpc[Any, Any, Any]] = {
     **{name: rpc for name, rpc in vars(Api).items() if isinstance(rpc, Rpc)},
     "list_pools": LIST_POOLS,
-    "step": STEP,
 }

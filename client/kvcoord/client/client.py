@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from . import _requests as rq
-from .api import LIST_POOLS, STEP, BlockingApi, Req, Resp, Rpc, merged
+from .api import LIST_POOLS, BlockingApi, Req, Resp, Rpc, merged
 from .errors import error_from_rpc
 from .retry import Attempts
 from .step_pieces import pieces, send_in_pieces
@@ -119,7 +119,10 @@ class KVCoordClient(BlockingApi):
 
     def unary(self, rpc: Rpc[Any, Req, Resp], request: Req) -> Resp:
         """Send ``request`` as ``rpc``: to the pool's owner, retried as the call's kind
-        allows (``_requests.RPCS``); the response, or a typed :class:`KVCoordError`."""
+        allows (``_requests.RPCS``); the response, or a typed :class:`KVCoordError`. A
+        Step goes through :meth:`send_step`."""
+        if rpc.name == "Step":
+            return cast(Resp, self.send_step(cast(pb.StepRequest, request)))
         return cast(Resp, self._call(rpc.name, request))
 
     def list_pools(self) -> pb.ListPoolsResponse:
@@ -138,29 +141,16 @@ class KVCoordClient(BlockingApi):
             answers.append((address, answer))
         return merged(self.routes, answers)
 
-    def step(
-        self,
-        pool: str,
-        ops: Sequence[pb.Operation],
-        session_id: str,
-        fence: pb.Fence | None = None,
-        include_state: bool = False,
-    ) -> pb.StepResponse:
-        """Apply ``ops`` in order in one round trip: one result each (and the session's
-        new events and statistics with ``include_state``); one larger than
-        ``step_piece_bytes`` is sent in pieces (:mod:`kvcoord.client.step_pieces`)."""
-        return self.send_step(rq.step(pool, ops, session_id, fence, include_state))
-
     def send_step(self, request: pb.StepRequest) -> pb.StepResponse:
-        """:meth:`step` for a request the caller built (its operations written in place,
+        """``step`` for a request the caller built (its operations written in place,
         so nothing is copied); an idempotency key is added when it has none. One larger
         than ``step_piece_bytes`` is sent in pieces (:mod:`kvcoord.client.step_pieces`)."""
         if not request.idempotency_key:
             request.idempotency_key = rq.key()
         parts = pieces(request, self.step_piece_bytes)
         if parts is not None:
-            return send_in_pieces(request, parts, lambda piece: self.unary(STEP, piece))
-        return self.unary(STEP, request)
+            return send_in_pieces(request, parts, lambda piece: self._call("Step", piece))
+        return cast(pb.StepResponse, self._call("Step", request))
 
     def watch_events(
         self,

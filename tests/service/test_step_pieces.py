@@ -217,13 +217,13 @@ def test_the_asyncio_client_sends_pieces_too(twins: Callable[[str], InProcessSer
     async def run() -> pb.StepResponse:
         async with AsyncKVCoordClient(many.address, timeout=30) as c:
             c.step_piece_bytes = PIECE
-            unary = c._unary
+            call = c._call
 
-            def counted(rpc: Any, request: Any) -> Any:
+            def counted(rpc: str, request: Any) -> Any:
                 sizes.append(request.ByteSize())
-                return unary(rpc, request)
+                return call(rpc, request)
 
-            c._unary = counted  # type: ignore[method-assign]
+            c._call = counted  # type: ignore[method-assign]
             s = await c.attach("a", "sha256_cbor", 4, "0")
             return await c.step("a", _ops(fail_at=N // 2), s.session_id, s.fence, include_state=True)
 

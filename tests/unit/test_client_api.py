@@ -30,11 +30,23 @@ def test_every_unary_rpc_has_a_typed_method() -> None:
 
 
 def test_sync_and_async_methods_agree() -> None:
-    """Same parameters (names, kinds, defaults, annotations); the sync method returns the
+    """One method per RPC, shared by both clients: its builder's parameters and docstring,
+    a request of the RPC's type. The one each client writes itself (``list_pools``)
+    has the same parameters and docstring; the sync method returns the
     response, the async one a coroutine of it."""
     ns = {**vars(client_module), **vars(aio_module), "pb": pb}
+    own = {"list_pools"}
     for name, rpc in UNARY_METHODS.items():
+        assert typing.get_type_hints(rpc.build, vars(rq))["return"] is rpc.request, name
         sync, aio = getattr(KVCoordClient, name), getattr(AsyncKVCoordClient, name)
+        if name not in own:
+            assert sync is aio is rpc, name
+            bound = rpc.__get__(_Sent())
+            assert inspect.signature(bound) == inspect.signature(rpc.build).replace(
+                return_annotation=inspect.Signature.empty
+            ), name
+            assert bound.__doc__ == rpc.build.__doc__ and bound.__doc__, name
+            continue
         assert list(inspect.signature(sync).parameters.values()) == list(
             inspect.signature(aio).parameters.values()
         ), name
@@ -43,3 +55,26 @@ def test_sync_and_async_methods_agree() -> None:
         assert typing.get_origin(returned) is Coroutine, name
         assert typing.get_args(returned)[-1] is rpc.response, name
         assert sync.__doc__ == aio.__doc__, name
+
+
+class _Sent:
+    """A client whose transport records what it was asked to send."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, object]] = []
+
+    def unary(self, rpc: object, request: object) -> object:
+        self.sent.append((rpc.name, request))  # type: ignore[attr-defined]
+        return "answer"
+
+
+def test_a_shared_method_sends_its_builders_request() -> None:
+    """``client.free(...)`` sends ``_requests.free(...)`` as the Free RPC and returns
+    what the transport returns (each client's ``unary``: a response or a coroutine)."""
+    client = _Sent()
+    assert KVCoordClient.free.__get__(client)("p", ["a"], session_id="s") == "answer"
+    ((name, request),) = client.sent
+    assert name == "Free"
+    assert isinstance(request, pb.FreeRequest)
+    assert (request.pool, list(request.request_ids), request.session_id) == ("p", ["a"], "s")
+    assert request.idempotency_key

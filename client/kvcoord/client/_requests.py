@@ -1,4 +1,8 @@
-"""Request builders shared by the sync and asyncio clients (one place, two transports)."""
+"""Request builders shared by the sync and asyncio clients (one place, two transports).
+
+Each builder's parameters and docstring are those of the clients' method of the same
+name (``api.Api`` binds them: ``client.get_pool(name)`` sends ``get_pool(name)``).
+"""
 
 from __future__ import annotations
 
@@ -78,38 +82,23 @@ def allocate_op(
     return op
 
 
-def allocate(pool: str, op: pb.AllocateOp, session_id: str, fence: pb.Fence | None) -> pb.AllocateRequest:
-    return pb.AllocateRequest(pool=pool, session_id=session_id, op=op, idempotency_key=key(), fence=fence)
+def create_pool(name: str, config: pb.PoolConfig) -> pb.CreatePoolRequest:
+    """Create a pool (a no-op when an identical one exists)."""
+    return pb.CreatePoolRequest(name=name, config=config)
 
 
-def free(
-    pool: str, request_ids: Iterable[str], preempt: bool, session_id: str, fence: pb.Fence | None
-) -> pb.FreeRequest:
-    return pb.FreeRequest(
-        pool=pool,
-        session_id=session_id,
-        request_ids=list(request_ids),
-        preempt=preempt,
-        idempotency_key=key(),
-        fence=fence,
-    )
+def get_pool(name: str) -> pb.GetPoolRequest:
+    """The pool ``name``: its configuration and state."""
+    return pb.GetPoolRequest(name=name)
 
 
-def step(
-    pool: str,
-    ops: Sequence[pb.Operation],
-    session_id: str,
-    fence: pb.Fence | None,
-    include_state: bool = False,
-) -> pb.StepRequest:
-    return pb.StepRequest(
-        pool=pool,
-        session_id=session_id,
-        ops=list(ops),
-        idempotency_key=key(),
-        fence=fence,
-        include_state=include_state,
-    )
+def list_pools() -> pb.ListPoolsRequest:
+    return pb.ListPoolsRequest()
+
+
+def delete_pool(name: str) -> pb.DeletePoolRequest:
+    """Delete the pool ``name`` (never retried: an unknown outcome is OutcomeUnknownError)."""
+    return pb.DeletePoolRequest(name=name)
 
 
 def attach(
@@ -117,14 +106,18 @@ def attach(
     hash_algo: str,
     hash_block_size: int,
     hash_seed: str,
-    client_name: str,
-    lease_seconds: float,
+    client_name: str = "",
+    lease_seconds: float = 0,
     exclusive: bool = False,
     want_pool_state: bool = False,
     want_engine_state: bool = False,
     profile: str = "",
     num_hash_lookahead_tokens: int = 0,
 ) -> pb.AttachRequest:
+    """Hash handshake: a session id and fence. HashMismatchError on a mismatch,
+    ProfileMismatchError when the pool follows another ``profile``.
+    ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state
+    (with ``want_engine_state``, the engine's own state, for a mirror)."""
     return pb.AttachRequest(
         attach_key=key(),  # its retries carry it: a lost answer leaves no second session
         profile=profile,
@@ -141,21 +134,112 @@ def attach(
     )
 
 
+def heartbeat(session_id: str, fence: pb.Fence | None = None) -> pb.HeartbeatRequest:
+    """Renew a session lease; SessionExpiredError / FencedError when lost."""
+    return pb.HeartbeatRequest(session_id=session_id, fence=fence)
+
+
+def detach(session_id: str, fence: pb.Fence | None = None) -> pb.DetachRequest:
+    """End a session: the server frees every request it owned."""
+    return pb.DetachRequest(session_id=session_id, fence=fence)
+
+
 def find_longest_cache_hit(
     pool: str, block_hashes: Sequence[bytes], num_tokens: int
 ) -> pb.FindLongestCacheHitRequest:
+    """Read-only longest hit for these hashes; changes nothing."""
     return pb.FindLongestCacheHitRequest(pool=pool, block_hashes=list(block_hashes), num_tokens=num_tokens)
+
+
+def allocate(
+    pool: str, op: pb.AllocateOp, session_id: str, fence: pb.Fence | None = None
+) -> pb.AllocateRequest:
+    """allocate_slots (``result.refused`` when out of blocks)."""
+    return pb.AllocateRequest(pool=pool, session_id=session_id, op=op, idempotency_key=key(), fence=fence)
+
+
+def free(
+    pool: str,
+    request_ids: Iterable[str],
+    preempt: bool = False,
+    session_id: str = "",
+    fence: pb.Fence | None = None,
+) -> pb.FreeRequest:
+    """Free (or, with ``preempt``, preempt) these requests' blocks."""
+    return pb.FreeRequest(
+        pool=pool,
+        session_id=session_id,
+        request_ids=list(request_ids),
+        preempt=preempt,
+        idempotency_key=key(),
+        fence=fence,
+    )
+
+
+def step(
+    pool: str,
+    ops: Sequence[pb.Operation],
+    session_id: str,
+    fence: pb.Fence | None = None,
+    include_state: bool = False,
+) -> pb.StepRequest:
+    """Apply ``ops`` in order in one round trip: one result each (and the session's
+    new events and statistics with ``include_state``); one larger than
+    ``step_piece_bytes`` is sent in pieces (:mod:`kvcoord.client.step_pieces`)."""
+    return pb.StepRequest(
+        pool=pool,
+        session_id=session_id,
+        ops=list(ops),
+        idempotency_key=key(),
+        fence=fence,
+        include_state=include_state,
+    )
+
+
+def reset_prefix_cache(
+    pool: str, session_id: str = "", fence: pb.Fence | None = None
+) -> pb.ResetPrefixCacheRequest:
+    """vLLM's reset_prefix_cache on the pool (never retried)."""
+    return pb.ResetPrefixCacheRequest(pool=pool, session_id=session_id, fence=fence)
+
+
+def get_stats(pool: str) -> pb.GetStatsRequest:
+    """The pool's counters, prefix-cache statistics and the server's limits."""
+    return pb.GetStatsRequest(pool=pool)
+
+
+def inspect_pool(
+    pool: str,
+    free_queue_limit: int = 0,
+    request_ids: Iterable[str] = (),
+    *,
+    all_requests: bool = False,
+    include_cached_blocks: bool = False,
+) -> pb.InspectPoolRequest:
+    """Block tables, free-queue head and cached blocks, read in one consistent step."""
+    return pb.InspectPoolRequest(
+        pool=pool,
+        free_queue_limit=free_queue_limit,
+        request_ids=list(request_ids),
+        all_requests=all_requests,
+        include_cached_blocks=include_cached_blocks,
+    )
 
 
 def score_pools(
     num_tokens: int,
-    prompts: Iterable[pb.HashedPrompt],
-    candidate_pools: Iterable[str],
-    include_block_ids: bool,
-    reserve_seconds: float,
+    prompts: Sequence[pb.HashedPrompt],
+    candidate_pools: Sequence[str] = (),
+    include_block_ids: bool = False,
+    reserve_seconds: float = 0.0,
 ) -> pb.ScorePoolsRequest:
-    """A reserving call (``reserve_seconds > 0``) carries an idempotency key: a retry
-    after a lost answer is answered from the first call and reserves nothing again."""
+    """Exact prefix-cache scores of a prompt in many pools, best first (read-only
+    without ``reserve_seconds``; needs observe on each pool). ``prompts``: the prompt hashed once per pool hash
+    settings (:func:`kvcoord.client.routing.hash_prompt`); ``candidate_pools``: the
+    pools to score (empty: every pool the caller may observe); ``reserve_seconds``:
+    hold the best pool's hit that long, until a request of the prompt adopts it (a
+    reserving call carries an idempotency key: a retry after a lost answer reserves
+    nothing again)."""
     return pb.ScorePoolsRequest(
         num_tokens=num_tokens,
         prompts=list(prompts),
@@ -166,20 +250,14 @@ def score_pools(
     )
 
 
-def inspect_pool(
-    pool: str,
-    free_queue_limit: int,
-    request_ids: Iterable[str],
-    all_requests: bool,
-    include_cached_blocks: bool,
-) -> pb.InspectPoolRequest:
-    return pb.InspectPoolRequest(
-        pool=pool,
-        free_queue_limit=free_queue_limit,
-        request_ids=list(request_ids),
-        all_requests=all_requests,
-        include_cached_blocks=include_cached_blocks,
-    )
+def check_pool(pool: str) -> pb.CheckPoolRequest:
+    """The pool's invariant violations (none when it is sound); read-only, linear in its size."""
+    return pb.CheckPoolRequest(pool=pool)
+
+
+def list_sessions(pool: str) -> pb.ListSessionsRequest:
+    """The pool's live sessions, every tenant's (administer role); read-only."""
+    return pb.ListSessionsRequest(pool=pool)
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -1,15 +1,19 @@
-"""What both clients of the Allocator service share: each unary RPC's name and message
-types, the channel set-up per replica, and the merge of several replicas' pool lists.
+"""What both clients of the Allocator service share: each unary RPC (its name, message
+types and request builder) bound as a method of both, the channel set-up per replica,
+and the merge of several replicas' pool lists.
 
-:mod:`kvcoord.client.client` (blocking) and :mod:`kvcoord.client.aio` (asyncio) define
-the RPC methods over it, each typed with its response.
+:mod:`kvcoord.client.client` (blocking) and :mod:`kvcoord.client.aio` (asyncio) each
+give the transport (``unary``) and the methods that differ (``list_pools``,
+``watch_events``); every other RPC method is one line of :class:`Api`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Coroutine, Sequence
-from typing import Any, Generic, TypeAlias, TypeVar
+import inspect
+import types
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Generic, ParamSpec, TypeAlias, TypeVar, overload
 
 import grpc
 from google.protobuf.message import Message
@@ -23,7 +27,17 @@ from .retry import DEFAULT_RETRY, Attempts, RetryPolicy
 from .step_pieces import DEFAULT_STEP_PIECE_BYTES
 from .tls import TLSOptions
 
-__all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TIMEOUT", "UNARY_METHODS", "Api", "Coro", "Rpc", "merged"]
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "DEFAULT_TIMEOUT",
+    "UNARY_METHODS",
+    "Api",
+    "AsyncApi",
+    "BlockingApi",
+    "Coro",
+    "Rpc",
+    "merged",
+]
 
 DEFAULT_TIMEOUT = 10.0
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the server's default max_message_bytes
@@ -31,63 +45,56 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # the server's default max_message
 
 Req = TypeVar("Req", bound=Message)
 Resp = TypeVar("Resp", bound=Message)
+P = ParamSpec("P")
 _T = TypeVar("_T")
 
 #: what the asyncio client's RPC methods return: a coroutine of the response
 Coro: TypeAlias = Coroutine[Any, Any, _T]
 
 
-@dataclasses.dataclass(frozen=True)
-class Rpc(Generic[Req, Resp]):
+@dataclasses.dataclass(frozen=True, eq=False)
+class Rpc(Generic[P, Req, Resp]):
     """One unary RPC of the Allocator service: its name (the stub's attribute and the key
-    of ``_requests.RPCS``) and its message types, which type each client method."""
+    of ``_requests.RPCS``), its message types, and the function that builds its request
+    from the client method's arguments (whose parameters and docstring the method has).
+
+    As a class attribute of a client it is that method: ``client.get_pool(name)`` sends
+    ``build(name)`` through the client's ``unary``, typed with the response (the
+    asyncio client's, a coroutine of it)."""
 
     name: str
     request: type[Req]
     response: type[Resp]
+    build: Callable[P, Req]
+    #: the method's function (made once): its first argument is the client
+    function: Callable[..., Any] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        rpc, build = self, self.build
+
+        def function(client: Any, /, *args: Any, **kwargs: Any) -> Any:
+            return client.unary(rpc, build(*args, **kwargs))
+
+        function.__name__ = function.__qualname__ = build.__name__
+        function.__doc__ = build.__doc__
+        params = inspect.signature(build).parameters.values()
+        function.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter("client", inspect.Parameter.POSITIONAL_ONLY), *params]
+        )
+        object.__setattr__(self, "function", function)
+
+    @overload
+    def __get__(self, client: None, owner: type | None = None) -> Rpc[P, Req, Resp]: ...
+    @overload
+    def __get__(self, client: AsyncApi, owner: type | None = None) -> Callable[P, Coro[Resp]]: ...
+    @overload
+    def __get__(self, client: BlockingApi, owner: type | None = None) -> Callable[P, Resp]: ...
+    def __get__(self, client: Any, owner: type | None = None) -> Any:
+        return self if client is None else types.MethodType(self.function, client)
 
 
-CREATE_POOL = Rpc("CreatePool", pb.CreatePoolRequest, pb.CreatePoolResponse)
-GET_POOL = Rpc("GetPool", pb.GetPoolRequest, pb.GetPoolResponse)
-LIST_POOLS = Rpc("ListPools", pb.ListPoolsRequest, pb.ListPoolsResponse)
-DELETE_POOL = Rpc("DeletePool", pb.DeletePoolRequest, pb.DeletePoolResponse)
-ATTACH = Rpc("Attach", pb.AttachRequest, pb.AttachResponse)
-HEARTBEAT = Rpc("Heartbeat", pb.HeartbeatRequest, pb.HeartbeatResponse)
-DETACH = Rpc("Detach", pb.DetachRequest, pb.DetachResponse)
-FIND_LONGEST_CACHE_HIT = Rpc(
-    "FindLongestCacheHit", pb.FindLongestCacheHitRequest, pb.FindLongestCacheHitResponse
-)
-ALLOCATE = Rpc("Allocate", pb.AllocateRequest, pb.AllocateResponse)
-FREE = Rpc("Free", pb.FreeRequest, pb.FreeResponse)
-STEP = Rpc("Step", pb.StepRequest, pb.StepResponse)
-RESET_PREFIX_CACHE = Rpc("ResetPrefixCache", pb.ResetPrefixCacheRequest, pb.ResetPrefixCacheResponse)
-GET_STATS = Rpc("GetStats", pb.GetStatsRequest, pb.GetStatsResponse)
-INSPECT_POOL = Rpc("InspectPool", pb.InspectPoolRequest, pb.InspectPoolResponse)
-CHECK_POOL = Rpc("CheckPool", pb.CheckPoolRequest, pb.CheckPoolResponse)
-SCORE_POOLS = Rpc("ScorePools", pb.ScorePoolsRequest, pb.ScorePoolsResponse)
-LIST_SESSIONS = Rpc("ListSessions", pb.ListSessionsRequest, pb.ListSessionsResponse)
-
-#: every unary RPC the clients call, with the method that calls it (tests check this
-#: against the service descriptor, ``_requests.RPCS`` and both clients' methods)
-UNARY_METHODS: dict[str, Rpc[Any, Any]] = {
-    "create_pool": CREATE_POOL,
-    "get_pool": GET_POOL,
-    "list_pools": LIST_POOLS,
-    "delete_pool": DELETE_POOL,
-    "attach": ATTACH,
-    "heartbeat": HEARTBEAT,
-    "detach": DETACH,
-    "find_longest_cache_hit": FIND_LONGEST_CACHE_HIT,
-    "allocate": ALLOCATE,
-    "free": FREE,
-    "step": STEP,
-    "reset_prefix_cache": RESET_PREFIX_CACHE,
-    "get_stats": GET_STATS,
-    "inspect_pool": INSPECT_POOL,
-    "check_pool": CHECK_POOL,
-    "score_pools": SCORE_POOLS,
-    "list_sessions": LIST_SESSIONS,
-}
+#: the RPC whose method each client writes itself (a merge of replicas' lists)
+LIST_POOLS = Rpc("ListPools", pb.ListPoolsRequest, pb.ListPoolsResponse, rq.list_pools)
 
 
 def merged(routes: Routes, answers: Sequence[tuple[str, pb.ListPoolsResponse]]) -> pb.ListPoolsResponse:
@@ -103,9 +110,35 @@ def merged(routes: Routes, answers: Sequence[tuple[str, pb.ListPoolsResponse]]) 
 
 
 class Api:
-    """The channel set-up shared by both clients. Each client defines the RPC methods
-    itself, typed with their response (the asyncio client's as coroutines), and builds
-    their requests with the same code (``_requests``); ``_call`` is its transport."""
+    """The RPC methods and channel set-up shared by both clients. Each RPC method below
+    builds its request with ``_requests`` and sends it through the client's ``unary``
+    (:class:`Rpc`), typed by whether the client is a :class:`BlockingApi` or an
+    :class:`AsyncApi`."""
+
+    create_pool = Rpc("CreatePool", pb.CreatePoolRequest, pb.CreatePoolResponse, rq.create_pool)
+    get_pool = Rpc("GetPool", pb.GetPoolRequest, pb.GetPoolResponse, rq.get_pool)
+    delete_pool = Rpc("DeletePool", pb.DeletePoolRequest, pb.DeletePoolResponse, rq.delete_pool)
+    attach = Rpc("Attach", pb.AttachRequest, pb.AttachResponse, rq.attach)
+    heartbeat = Rpc("Heartbeat", pb.HeartbeatRequest, pb.HeartbeatResponse, rq.heartbeat)
+    detach = Rpc("Detach", pb.DetachRequest, pb.DetachResponse, rq.detach)
+    find_longest_cache_hit = Rpc(
+        "FindLongestCacheHit",
+        pb.FindLongestCacheHitRequest,
+        pb.FindLongestCacheHitResponse,
+        rq.find_longest_cache_hit,
+    )
+    allocate = Rpc("Allocate", pb.AllocateRequest, pb.AllocateResponse, rq.allocate)
+    free = Rpc("Free", pb.FreeRequest, pb.FreeResponse, rq.free)
+    #: (a Step larger than ``step_piece_bytes`` is sent in pieces: each client's ``unary``)
+    step = Rpc("Step", pb.StepRequest, pb.StepResponse, rq.step)
+    reset_prefix_cache = Rpc(
+        "ResetPrefixCache", pb.ResetPrefixCacheRequest, pb.ResetPrefixCacheResponse, rq.reset_prefix_cache
+    )
+    get_stats = Rpc("GetStats", pb.GetStatsRequest, pb.GetStatsResponse, rq.get_stats)
+    inspect_pool = Rpc("InspectPool", pb.InspectPoolRequest, pb.InspectPoolResponse, rq.inspect_pool)
+    check_pool = Rpc("CheckPool", pb.CheckPoolRequest, pb.CheckPoolResponse, rq.check_pool)
+    score_pools = Rpc("ScorePools", pb.ScorePoolsRequest, pb.ScorePoolsResponse, rq.score_pools)
+    list_sessions = Rpc("ListSessions", pb.ListSessionsRequest, pb.ListSessionsResponse, rq.list_sessions)
 
     _channel_factory: Any = None
     _secure_channel_factory: Any = None
@@ -194,3 +227,20 @@ class Api:
     @staticmethod
     def _intercepted(channel: Any, interceptors: Sequence[Any]) -> Any:
         return grpc.intercept_channel(channel, *interceptors) if interceptors else channel
+
+
+class BlockingApi(Api):
+    """An :class:`Api` whose RPC methods return the response (:class:`KVCoordClient`)."""
+
+
+class AsyncApi(Api):
+    """An :class:`Api` whose RPC methods return a coroutine of the response
+    (:class:`AsyncKVCoordClient`)."""
+
+
+#: every unary RPC the clients call, with the method that calls it (tests check this
+#: against the service descriptor, ``_requests.RPCS`` and both clients' methods)
+UNARY_METHODS: dict[str, Rpc[Any, Any, Any]] = {
+    **{name: rpc for name, rpc in vars(Api).items() if isinstance(rpc, Rpc)},
+    "list_pools": LIST_POOLS,
+}

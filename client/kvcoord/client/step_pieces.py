@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from collections.abc import Awaitable, Callable, Generator, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
@@ -138,9 +138,6 @@ class _Joiner:
     def _aborted(self) -> str:
         return f"not applied: operation {self.failed} failed"
 
-    def stopped_early(self) -> bool:
-        return len(self.answer.results) < self.total
-
     def state_request(self) -> pb.StepRequest:
         """The empty Step that fetches the state after a failure stopped the pieces."""
         head = self.parts[0]
@@ -165,27 +162,32 @@ class _Joiner:
         self.answer.MergeFrom(rest)
         return self.answer
 
-    def note(self, exc: BaseException, i: int) -> None:
-        if i == len(self.parts):
-            exc.add_note(f"the Step's state, after operation {self.failed} failed, was not fetched")
-            return
-        first = sum(len(p.ops) for p in self.parts[:i])
-        exc.add_note(
-            f"Step piece {i + 1} of {len(self.parts)} (operations {first}..{first + len(self.parts[i].ops) - 1}"
-            f" of {self.total}) failed: the earlier pieces are applied, none after it was sent; "
-            "sending the same request again (same idempotency key) applies the rest once"
-        )
+    @contextlib.contextmanager
+    def noting(self, i: int) -> Iterator[None]:
+        """A failure while sending message ``i`` (``len(parts)``: the state's empty
+        Step) gets a note naming its piece."""
+        try:
+            yield
+        except Exception as exc:
+            if i == len(self.parts):
+                exc.add_note(f"the Step's state, after operation {self.failed} failed, was not fetched")
+                raise
+            first = sum(len(p.ops) for p in self.parts[:i])
+            exc.add_note(
+                f"Step piece {i + 1} of {len(self.parts)} (operations {first}..{first + len(self.parts[i].ops) - 1}"
+                f" of {self.total}) failed: the earlier pieces are applied, none after it was sent; "
+                "sending the same request again (same idempotency key) applies the rest once"
+            )
+            raise
 
-    def talk(self) -> Generator[tuple[int, pb.StepRequest], pb.StepResponse, pb.StepResponse]:
-        """Yields (index, message) to send, is sent its answer; returns the joined answer
-        (index ``len(parts)``: the state's empty Step)."""
-        for i, piece in enumerate(self.parts):
-            if not self.add(i, (yield i, piece)):
-                break
-        state = None
-        if self.stopped_early() and self.request.include_state:
-            state = yield len(self.parts), self.state_request()
-        return self.finish(state)
+    def wants_state(self) -> bool:
+        """Whether a failure stopped the pieces before the last, which was to carry the
+        state: an empty Step then fetches it (:meth:`state_request`)."""
+        return len(self.answer.results) < self.total and self.request.include_state
+
+
+# The two senders below take the same steps, one blocking and one awaiting: each piece
+# in order until an operation fails, then the state if the request asked for it.
 
 
 def send_in_pieces(
@@ -193,11 +195,17 @@ def send_in_pieces(
 ) -> pb.StepResponse:
     """Send ``parts`` (:func:`pieces` of ``request``) in order through ``send`` and join
     their answers (module docstring)."""
-    exchange = _Exchange(request, parts)
-    while (message := exchange.next_message()) is not None:
-        with exchange.noting():
-            exchange.answer = send(message)
-    return exchange.joined()
+    joiner = _Joiner(request, parts)
+    for i, piece in enumerate(parts):
+        with joiner.noting(i):
+            answer = send(piece)
+        if not joiner.add(i, answer):
+            break
+    state = None
+    if joiner.wants_state():
+        with joiner.noting(len(parts)):
+            state = send(joiner.state_request())
+    return joiner.finish(state)
 
 
 async def send_in_pieces_async(
@@ -206,51 +214,14 @@ async def send_in_pieces_async(
     send: Callable[[pb.StepRequest], Awaitable[pb.StepResponse]],
 ) -> pb.StepResponse:
     """:func:`send_in_pieces` for the asyncio client."""
-    exchange = _Exchange(request, parts)
-    while (message := exchange.next_message()) is not None:
-        with exchange.noting():
-            exchange.answer = await send(message)
-    return exchange.joined()
-
-
-class _Exchange:
-    """The messages of :func:`send_in_pieces` one at a time (both clients send them
-    their way): each message, then its answer (:attr:`answer`), until the answers are
-    joined (:meth:`joined`)."""
-
-    def __init__(self, request: pb.StepRequest, parts: list[pb.StepRequest]) -> None:
-        self.joiner = _Joiner(request, parts)
-        self.talk = self.joiner.talk()
-        #: the answer to the message last given (set by the sender)
-        self.answer: pb.StepResponse | None = None
-        #: the index of the message last given (-1: none yet)
-        self.at = -1
-        self.result: pb.StepResponse | None = None
-
-    def next_message(self) -> pb.StepRequest | None:
-        """The next message to send; None once every answer is in."""
-        try:
-            if self.at < 0:
-                self.at, message = next(self.talk)
-            else:
-                answer, self.answer = self.answer, None
-                assert answer is not None, "the previous message was not answered"
-                self.at, message = self.talk.send(answer)
-        except StopIteration as done:
-            self.result = done.value
-            return None
-        return message
-
-    @contextlib.contextmanager
-    def noting(self) -> Iterator[None]:
-        """A failure while sending the message last given gets a note naming its piece."""
-        try:
-            yield
-        except Exception as exc:
-            self.joiner.note(exc, self.at)
-            raise
-
-    def joined(self) -> pb.StepResponse:
-        """The answer of the whole request."""
-        assert self.result is not None, "the pieces are not all answered"
-        return self.result
+    joiner = _Joiner(request, parts)
+    for i, piece in enumerate(parts):
+        with joiner.noting(i):
+            answer = await send(piece)
+        if not joiner.add(i, answer):
+            break
+    state = None
+    if joiner.wants_state():
+        with joiner.noting(len(parts)):
+            state = await send(joiner.state_request())
+    return joiner.finish(state)

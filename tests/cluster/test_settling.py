@@ -17,7 +17,8 @@ import pytest
 from etcd_process import Etcd
 from kvcoord.client import AsyncKVCoordClient, KVCoordClient, NotOwnerError, RetryPolicy
 from kvcoord.client.owners import MAX_HOPS
-from kvcoord.service.cluster import Cluster, _client
+from kvcoord.service.cluster import Cluster
+from kvcoord.service.cluster_store import store_client
 from kvcoord.service.config import parse_config
 from kvcoord.service.ownership import Member, encode_claim, owner_of
 from kvcoord.service.server import start_server
@@ -29,9 +30,9 @@ from test_replicas import POOL_CONFIG
 
 async def _joined(etcd: Etcd, name: str, replica: str = "r0") -> Cluster:
     cluster = Cluster([etcd.endpoint], name, Member(replica, f"127.0.0.1:{1000 + len(replica)}"), 5, 2.0)
-    cluster.client = _client(etcd.endpoint, 2.0)
+    cluster.client = store_client(etcd.endpoint, 2.0)
     await cluster.client.connect()
-    await cluster._register()
+    await cluster.register()
     await cluster.refresh()
     return cluster
 
@@ -63,7 +64,7 @@ def test_a_pool_created_while_the_view_is_read_is_not_an_orphan(
 
             async def racing_read(prefix: bytes, **kw: Any) -> Any:
                 rows = await plain(prefix, **kw)
-                if prefix != cluster._key("members"):
+                if prefix != cluster.key("members"):
                     reads.append(prefix)
                     if len(reads) == 1:  # CreatePool's claim commits between the two reads
                         creating.append(asyncio.get_running_loop().create_task(cluster.claim(pool)))
@@ -141,7 +142,7 @@ def test_a_journal_read_that_fails_leaves_the_pool_to_a_later_try(
 
             cluster.load_pool = load
             cluster.scratch_registry = lambda writer: pytest.fail("nothing is rebuilt")
-            await cluster.client.put(cluster._key("pools", "orphan"), b"")  # in the catalog, unclaimed
+            await cluster.client.put(cluster.key("pools", "orphan"), b"")  # in the catalog, unclaimed
             await cluster.refresh()
             assert "orphan" in cluster.view.orphans()
             plain = cluster.client.get_prefix
@@ -219,7 +220,7 @@ def test_stop_ends_the_watch_when_a_change_comes_in_the_same_turn(
     async def run() -> None:
         cluster = await _joined(etcd, name)
         watch = asyncio.get_running_loop().create_task(cluster._watch())
-        cluster._tasks = [watch]
+        cluster.tasks = [watch]
         stopping = None
         try:
             for _ in range(200):  # bounded: the watch is set up and waits for a change
@@ -260,7 +261,7 @@ def test_stop_cancelled_is_cancelled(etcd: Etcd, request: pytest.FixtureRequest)
                     await stuck.wait()
 
         task = asyncio.get_running_loop().create_task(refusing())
-        cluster._tasks = [task]
+        cluster.tasks = [task]
         await asyncio.sleep(0)
         stopping = asyncio.get_running_loop().create_task(cluster.stop())
         await asyncio.sleep(0.05)
@@ -315,11 +316,11 @@ def test_a_delete_whose_claim_moved_away_changes_nothing_and_redirects(
                 assert "gone" not in registry.pools
                 assert not [k for k in await _keys(cluster) if b"gone" in k]
 
-                watch = cluster._tasks[1]  # the view stops following the store (a late watch)
+                watch = cluster.tasks[1]  # the view stops following the store (a late watch)
                 watch.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watch
-                await cluster.client.put(cluster._key("owners", "kept"), encode_claim("r1", "127.0.0.1:9"))
+                await cluster.client.put(cluster.key("owners", "kept"), encode_claim("r1", "127.0.0.1:9"))
                 before = sorted(await _keys(cluster))
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.DeletePool(pb.DeletePoolRequest(name="kept"))

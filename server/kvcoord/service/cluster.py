@@ -31,6 +31,7 @@ from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
 from .cluster_store import ClusterError, ClusterStore
 from .ownership import Claim, Member
+from .tasks import raise_if_cancelled
 
 __all__ = ["Cluster", "ClusterError"]
 
@@ -98,7 +99,9 @@ class Cluster(ClusterStore):
         held here whose claim another replica holds was handed over (this replica
         stopped before removing it): it is removed. With the journal in the store, the
         store is the pool's history: a pool claimed again is rebuilt from it (the copy
-        here may be behind what a later owner acknowledged)."""
+        here may be behind what a later owner acknowledged). A pool held here and
+        claimed here is told its claim's term (on_term: that of a claim whose answer
+        was lost is learned here, at the next pass)."""
         local = [p for p in self.local_pools() if p not in self.adopting]
         for pool in self.view.should_claim(local):
             try:
@@ -112,6 +115,9 @@ class Cluster(ClusterStore):
                 logger.error("pool %s could not be claimed (tried again within a lease): %r", pool, exc)
         for pool in local:
             holder = self.view.claims.get(pool)
+            if self.on_term is not None and self.view.holds(pool) and pool not in self.view.moving:
+                assert holder is not None
+                self.on_term(pool, holder.term)  # a claim whose answer was lost: its term
             if (
                 holder is not None
                 and holder.replica_id != self.me.replica_id
@@ -135,7 +141,10 @@ class Cluster(ClusterStore):
         local = set(self.local_pools())
         for pool in view.owned():
             if pool not in local and pool not in self.adopting and pool not in view.moving:
-                await self.release(pool)
+                try:
+                    await self.release(pool)
+                except Exception as exc:  # noqa: BLE001 - given back at the next pass; never served meanwhile
+                    logger.warning("pool %s: its claim could not be released (tried again): %r", pool, exc)
         now = self.clock()
         for pool in view.orphans():
             if self.stopping or not view.lease_valid:
@@ -325,6 +334,7 @@ class Cluster(ClusterStore):
                 watch = await self.client.watch_prefix(self.prefix)
                 reader = asyncio.get_running_loop().create_task(self._changes(watch))
                 try:
+                    raise_if_cancelled()  # aetcd waits for the watch with wait_for (tasks.py)
                     while not reader.done():
                         # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns
                         # the result when the change comes in the same turn as stop()'s

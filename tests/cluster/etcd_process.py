@@ -29,9 +29,10 @@ def etcd_binary() -> str:
 
 
 class Etcd:
-    """One etcd member on 127.0.0.1; :attr:`endpoint` is its client host:port."""
+    """One etcd member on 127.0.0.1; :attr:`endpoint` is its client host:port.
+    ``args``: more of etcd's flags (``--quota-backend-bytes``, ...)."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, args: tuple[str, ...] = ()) -> None:
         binary = etcd_binary()
         self.port, peer = free_port(), free_port()
         self.endpoint = f"127.0.0.1:{self.port}"
@@ -43,7 +44,7 @@ class Etcd:
              "--listen-client-urls", f"http://{self.endpoint}", "--advertise-client-urls", f"http://{self.endpoint}",
              "--listen-peer-urls", f"http://127.0.0.1:{peer}",
              "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-cluster", f"t=http://127.0.0.1:{peer}", "--log-level", "warn"],
+             "--initial-cluster", f"t=http://127.0.0.1:{peer}", "--log-level", "warn", *args],
             stdout=self._log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self._wait_ready(30.0)

@@ -1,5 +1,7 @@
 """A TCP proxy on loopback that a test can cut (every connection closed, new ones
-refused at once) and heal: a partition between one process and another."""
+refused at once) and heal: a partition between one process and another; or deafen
+(what the target answers is dropped, what it is sent still reaches it): a request
+that is carried out while its answer is lost."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class Proxy:
         self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
         self.cut_off = threading.Event()
         self.closed = threading.Event()
+        self.deaf = threading.Event()
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._thread = threading.Thread(target=self._accept, daemon=True)
@@ -31,6 +34,14 @@ class Proxy:
 
     def heal(self) -> None:
         self.cut_off.clear()
+
+    def deafen(self) -> None:
+        """Drop every byte the target sends from now on (requests still reach it)
+        until :meth:`cut` and :meth:`heal` start over on fresh connections."""
+        self.deaf.set()
+
+    def hear(self) -> None:
+        self.deaf.clear()
 
     def close(self) -> None:
         self.closed.set()
@@ -66,16 +77,17 @@ class Proxy:
             upstream.settimeout(None)
             with self._lock:
                 self._sockets.update((client, upstream))
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, answers in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._pipe, args=(a, b, answers), daemon=True).start()
 
-    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(self, src: socket.socket, dst: socket.socket, answers: bool) -> None:
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
                     break
-                dst.sendall(data)
+                if not (answers and self.deaf.is_set()):
+                    dst.sendall(data)
         except OSError:
             pass
         finally:

@@ -11,7 +11,6 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,15 +27,6 @@ from test_replicas import POOL_CONFIG, claims
 
 REPLICAS = ("r0", "r1", "r2")
 LEASE = 3
-
-
-@pytest.fixture(scope="module")
-def etcd3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
-    cluster = EtcdCluster(tmp_path_factory.mktemp("etcd3"))
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
 
 
 def _config(

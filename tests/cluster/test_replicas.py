@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from durable_server import env
+from durable_server import env, free_port
 from etcd_process import Etcd
 from kvcoord.client import (
     NO_RETRY,
@@ -23,6 +23,7 @@ from kvcoord.client import (
 )
 from kvcoord.client.errors import error_from_rpc
 from kvcoord.client.testing import ServerProcess, start_server
+from kvcoord.service.config import ServerConfig, parse_config
 from kvcoord.service.ownership import Member, decode_claim, owner_of
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
@@ -41,6 +42,20 @@ def replica_config(etcd: Etcd, replica: str, data_dir: Path, cluster: str) -> st
         f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
         f"lease_seconds = 2\nstore_timeout_seconds = 2.0\n"
     )
+
+
+def in_process_store_replica(
+    endpoint: str, name: str, data_dir: Path, lease: int
+) -> tuple[str, ServerConfig]:
+    """The address and config of a replica r0 started in the test's process (service
+    start_server), journal = "store", on a free port."""
+    address = f"127.0.0.1:{free_port()}"
+    cfg = parse_config(
+        f'[server]\nlisten = ["{address}"]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\n'
+        f'[cluster]\nendpoints = ["{endpoint}"]\nname = "{name}"\nreplica_id = "r0"\n'
+        f'lease_seconds = {lease}\nstore_timeout_seconds = 2.0\njournal = "store"\n'
+    )
+    return address, cfg
 
 
 def placed(pool_prefix: str, replica: str, ids: list[str]) -> str:

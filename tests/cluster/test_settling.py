@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -17,21 +16,21 @@ import pytest
 from etcd_process import Etcd
 from kvcoord.client import AsyncKVCoordClient, KVCoordClient, NotOwnerError, RetryPolicy
 from kvcoord.client.owners import MAX_HOPS
-from kvcoord.service.cluster import Cluster, _client
-from kvcoord.service.config import parse_config
+from kvcoord.service.cluster import Cluster
+from kvcoord.service.cluster_store import store_client
 from kvcoord.service.ownership import Member, encode_claim, owner_of
 from kvcoord.service.server import start_server
 from kvcoord.service.store_journal import PoolStreams
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
-from test_replicas import POOL_CONFIG
+from test_replicas import POOL_CONFIG, in_process_store_replica
 
 
 async def _joined(etcd: Etcd, name: str, replica: str = "r0") -> Cluster:
     cluster = Cluster([etcd.endpoint], name, Member(replica, f"127.0.0.1:{1000 + len(replica)}"), 5, 2.0)
-    cluster.client = _client(etcd.endpoint, 2.0)
+    cluster.client = store_client(etcd.endpoint, 2.0)
     await cluster.client.connect()
-    await cluster._register()
+    await cluster.register()
     await cluster.refresh()
     return cluster
 
@@ -63,7 +62,7 @@ def test_a_pool_created_while_the_view_is_read_is_not_an_orphan(
 
             async def racing_read(prefix: bytes, **kw: Any) -> Any:
                 rows = await plain(prefix, **kw)
-                if prefix != cluster._key("members"):
+                if prefix != cluster.key("members"):
                     reads.append(prefix)
                     if len(reads) == 1:  # CreatePool's claim commits between the two reads
                         creating.append(asyncio.get_running_loop().create_task(cluster.claim(pool)))
@@ -141,7 +140,7 @@ def test_a_journal_read_that_fails_leaves_the_pool_to_a_later_try(
 
             cluster.load_pool = load
             cluster.scratch_registry = lambda writer: pytest.fail("nothing is rebuilt")
-            await cluster.client.put(cluster._key("pools", "orphan"), b"")  # in the catalog, unclaimed
+            await cluster.client.put(cluster.key("pools", "orphan"), b"")  # in the catalog, unclaimed
             await cluster.refresh()
             assert "orphan" in cluster.view.orphans()
             plain = cluster.client.get_prefix
@@ -218,29 +217,72 @@ def test_stop_ends_the_watch_when_a_change_comes_in_the_same_turn(
 
     async def run() -> None:
         cluster = await _joined(etcd, name)
-        watch = asyncio.get_running_loop().create_task(cluster._watch())
-        cluster._tasks = [watch]
-        stopping = None
-        try:
+
+        async def waiting() -> None:
             for _ in range(200):  # bounded: the watch is set up and waits for a change
                 if cluster._changed._waiters:  # type: ignore[attr-defined]
                     break
                 await asyncio.sleep(0.02)
             assert cluster._changed._waiters, "the watch never waited for a change"  # type: ignore[attr-defined]
-            cluster._changed.set()  # a change comes ...
-            stopping = asyncio.get_running_loop().create_task(cluster.stop())
-            await asyncio.sleep(0)  # ... and stop() cancels the watch in the same turn
-            await asyncio.wait([stopping], timeout=15)  # a bound, not a measurement
-            assert stopping.done(), "stop() waits for a watch that lost its cancellation"
-            assert watch.cancelled()
-        finally:
-            watch.cancel()
-            if stopping is not None and not stopping.done():
-                stopping.cancel()
-            if cluster.client is not None:
-                await cluster.client.close()
+
+        await _stopped_in_the_same_turn(cluster, waiting, cluster._changed.set)  # a change comes
 
     asyncio.run(run())
+
+
+def test_stop_ends_the_watch_when_the_watch_is_made_in_the_same_turn(
+    etcd: Etcd, request: pytest.FixtureRequest
+) -> None:
+    """aetcd's watch_prefix waits for etcd's "created" answer with asyncio.wait_for:
+    on Python 3.11 an answer that comes in the same loop turn as stop()'s cancellation
+    makes it return, the cancellation lost, and the watch went on (stop() waited for
+    it forever). Here watch_prefix is aetcd's, its answer held back until then."""
+    name = request.node.name[:40]
+
+    async def run() -> None:
+        cluster = await _joined(etcd, name)
+        plain = cluster.client.watch_prefix
+        asked, answered = asyncio.Event(), asyncio.Event()
+
+        async def made_when_told(prefix: bytes, **kw: Any) -> Any:
+            watch = await plain(prefix, **kw)  # made in etcd; its "created" answer is on its way
+            asked.set()
+            await asyncio.wait_for(answered.wait(), 15)  # as aetcd's add_callback waits for it
+            return watch
+
+        cluster.client.watch_prefix = made_when_told
+
+        async def asking() -> None:
+            await asyncio.wait_for(asked.wait(), 15)  # a bound, not a measurement
+            await asyncio.sleep(0)
+
+        await _stopped_in_the_same_turn(cluster, asking, answered.set)  # the answer comes
+
+    asyncio.run(run())
+
+
+async def _stopped_in_the_same_turn(
+    cluster: Cluster, ready: Callable[[], Awaitable[None]], comes: Callable[[], None]
+) -> None:
+    """Run the watch until ``ready`` returns; then what it waits for ``comes`` and
+    stop() cancels it in the same loop turn: stop() returns, the watch cancelled."""
+    watch = asyncio.get_running_loop().create_task(cluster._watch())
+    cluster.tasks = [watch]
+    stopping = None
+    try:
+        await ready()
+        comes()
+        stopping = asyncio.get_running_loop().create_task(cluster.stop())
+        await asyncio.sleep(0)  # stop() cancels the watch in this turn
+        await asyncio.wait([stopping], timeout=15)  # a bound, not a measurement
+        assert stopping.done(), "stop() waits for a watch that lost its cancellation"
+        assert watch.cancelled()
+    finally:
+        watch.cancel()
+        if stopping is not None and not stopping.done():
+            stopping.cancel()
+        if cluster.client is not None:
+            await cluster.client.close()
 
 
 def test_stop_cancelled_is_cancelled(etcd: Etcd, request: pytest.FixtureRequest) -> None:
@@ -260,7 +302,7 @@ def test_stop_cancelled_is_cancelled(etcd: Etcd, request: pytest.FixtureRequest)
                     await stuck.wait()
 
         task = asyncio.get_running_loop().create_task(refusing())
-        cluster._tasks = [task]
+        cluster.tasks = [task]
         await asyncio.sleep(0)
         stopping = asyncio.get_running_loop().create_task(cluster.stop())
         await asyncio.sleep(0.05)
@@ -276,12 +318,6 @@ def test_stop_cancelled_is_cancelled(etcd: Etcd, request: pytest.FixtureRequest)
     asyncio.run(run())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_a_delete_whose_claim_moved_away_changes_nothing_and_redirects(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -291,12 +327,7 @@ def test_a_delete_whose_claim_moved_away_changes_nothing_and_redirects(
     store (it used to remove the pool here, then fail: OutcomeUnknownError). A delete
     of a pool it does hold removes it here and from the store."""
     name = request.node.name[:40]
-    address = f"127.0.0.1:{_free_port()}"
-    cfg = parse_config(
-        f'[server]\nlisten = ["{address}"]\ndata_dir = "{tmp_path}"\nsynchronous = "NORMAL"\n'
-        f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{name}"\nreplica_id = "r0"\n'
-        f'lease_seconds = 10\nstore_timeout_seconds = 2.0\njournal = "store"\n'
-    )
+    address, cfg = in_process_store_replica(etcd.endpoint, name, tmp_path, 10)
 
     async def run() -> None:
         running = await start_server(cfg)
@@ -315,11 +346,11 @@ def test_a_delete_whose_claim_moved_away_changes_nothing_and_redirects(
                 assert "gone" not in registry.pools
                 assert not [k for k in await _keys(cluster) if b"gone" in k]
 
-                watch = cluster._tasks[1]  # the view stops following the store (a late watch)
+                watch = cluster.tasks[1]  # the view stops following the store (a late watch)
                 watch.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await watch
-                await cluster.client.put(cluster._key("owners", "kept"), encode_claim("r1", "127.0.0.1:9"))
+                await cluster.client.put(cluster.key("owners", "kept"), encode_claim("r1", "127.0.0.1:9"))
                 before = sorted(await _keys(cluster))
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.DeletePool(pb.DeletePoolRequest(name="kept"))

@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import os
+from pathlib import Path
 
 import aetcd
+import aetcd.exceptions
 import cbor2
 import pytest
 from etcd_process import Etcd
@@ -85,3 +87,49 @@ def test_big_records_round_trip_and_a_deposed_owner_cannot_write(
             assert 6 not in stream_rows(rows, streams.pool_prefix("p")).get(term, {})
 
     asyncio.run(run())
+
+
+def test_a_write_the_store_refuses_gives_the_pool_up_at_once(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """etcd out of space (past its quota: the NOSPACE alarm) refuses every write while
+    its lease keep-alives still pass, so the owner's lease stays valid. A refused write
+    used to be retried as if its outcome were unknown, for as long as the lease was
+    valid: the call waiting for it hung (flush never returned). A refusal is final:
+    the pool is given up here at once, and the caller told UNAVAILABLE."""
+    etcd = Etcd(tmp_path, ("--quota-backend-bytes", str(1 << 20)))
+    prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
+
+    async def run() -> None:
+        async with _client(etcd) as c:
+            streams = PoolStreams(lambda: c, prefix, lambda: True, snapshot_every=40)
+            term = await _claim(c, streams.owner_key("p"))
+            for n in range(100):  # bounded: 100 KB a put, the quota is 1 MiB
+                try:
+                    await c.put(prefix + b"fill/%d" % n, os.urandom(100_000))
+                except aetcd.exceptions.ClientError as exc:
+                    assert "space exceeded" in str(exc), exc
+                    break
+            else:
+                pytest.fail("etcd never ran out of space")
+            lost: list[str] = []
+            streams.on_lost = lost.append
+
+            async def call() -> None:
+                streams.open("p", term, cbor2.dumps([0, ["base", 0.0, b"p"]]))
+                await streams.flush()
+
+            task = asyncio.create_task(call(), context=contextvars.Context())
+            try:
+                await asyncio.wait([task], timeout=15)  # a bound, not a measurement
+                assert task.done(), "a write the store refused is retried while the lease is valid"
+                with pytest.raises(ServiceError) as err:
+                    task.result()
+                assert err.value.status == Status.UNAVAILABLE and lost == ["p"]
+            finally:
+                task.cancel()
+
+    try:
+        asyncio.run(run())
+    finally:
+        etcd.stop()

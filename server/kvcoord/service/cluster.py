@@ -1,22 +1,8 @@
-"""A replica's membership and pool ownership, held in etcd (``[cluster]``).
-
-etcd already has exactly what a sharded allocator needs, so none of it is ours:
-
-* **leases** are membership: a replica registers its member key
-  (``/kvcoord/<cluster>/members/<replica id>``: its address) under a lease it keeps
-  alive; a replica that stops renewing (dead, partitioned) leaves when the lease ends,
-  and every key under the lease goes with it;
-* **compare-and-swap transactions** are ownership: a pool's claim
-  (``/kvcoord/<cluster>/owners/<pool>``: the holder's id and address) is created only
-  if absent, under the claimant's lease, so at most one replica holds it, and is
-  passed from one holder to the next in one transaction comparing its revision; the
-  revision that last wrote it is the pool's *term* (it grows with every owner);
-* **watches** tell every replica when members or claims change, so its view
-  (:class:`~kvcoord.service.ownership.Ownership`) follows the store.
-
-``/kvcoord/<cluster>/pools/<pool>`` (no lease) is the catalog of pools that exist in
-the cluster: a pool listed there whose claim is gone (its owner died) is UNAVAILABLE,
-never NOT_FOUND, and never silently created again empty elsewhere.
+"""What a replica does as its cluster changes (``[cluster]``): it follows the store
+(a watch, and a lease it keeps alive), claims the pools it holds state of, takes over
+the pools whose owner died (failover, with the journal in the store) and hands its
+pools over when a member joins or it leaves. The calls to the store (membership,
+claims, the catalog) are :mod:`.cluster_store`'s; the rules are :mod:`.ownership`'s.
 
 **Handover.** When a member joins, each replica hands the pools placement now puts on
 the joiner over to it; a replica leaving gracefully (SIGTERM) hands each of its pools
@@ -29,16 +15,6 @@ the old owner remove its copy (journaled). A failure at any step before the swap
 leaves the old owner serving; after it, the new owner's journal has the state.
 The call is made as the replicas serve (``[server.tls]``: TLS, and a client certificate
 under mutual TLS; ``[cluster.peer_tls]``, tls.py) with the first full-access token.
-
-**Deleting a pool nobody serves** (its owner is gone): with the journal in the store
-the replica placement names deletes it there (catalog and journal, only while nobody
-claims it); with local journals it is refused OWNER_GONE, nothing deleted (its state
-is on its owner's disk, and would come back with it).
-
-Safety rests on one rule: a replica serves a pool only while it holds the claim and
-its lease is sure to be alive (it counts the lease from the moment it *sent* the last
-renewal that succeeded, so it stops before etcd can hand the claim to anyone else).
-The rules themselves are in :mod:`.ownership`; this module only does the I/O.
 """
 
 from __future__ import annotations
@@ -48,69 +24,25 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
-from .ownership import Claim, Member, Ownership, decode_claim, decode_member, encode_claim, encode_member
-from .tasks import cancel_and_wait
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .store_journal import PoolStreams
+from .cluster_store import ClusterError, ClusterStore
+from .ownership import Claim, Member
+from .tasks import raise_if_cancelled
 
 __all__ = ["Cluster", "ClusterError"]
 
 logger = logging.getLogger(__name__)
 
 
-class ClusterError(Exception):
-    """The cluster store cannot be reached or refuses this replica (at start)."""
-
-
-def _client(endpoint: str, timeout: float) -> Any:
-    try:
-        import aetcd  # type: ignore[import-untyped]  # the "cluster" extra: only a clustered replica needs it
-    except ImportError:
-        raise ClusterError(
-            "[cluster] needs etcd's client: pip install 'kvcoord[cluster]' (the aetcd package)"
-        ) from None
-
-    host, _, port = endpoint.rpartition(":")
-    # a pool's journal in the store is read whole when it is rebuilt: a large pool's
-    # base alone passes gRPC's default 4 MiB limit of an answer
-    options = {"grpc.max_receive_message_length": -1}
-    return aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
-
-
-def _targets(endpoints: list[str]) -> list[str]:
-    """What to connect to, in order. Endpoints that are all IPv4 addresses become one
-    gRPC target listing them all, so the channel moves to another store member by
-    itself when the one it uses dies (pick-first over the list); names are tried one
-    by one at start (a Kubernetes service name already leads to a live member)."""
-    hosts = [e.rpartition(":")[0] for e in endpoints]
-    if len(endpoints) > 1 and all(_is_ipv4(h) for h in hosts):
-        return ["ipv4:" + ",".join(endpoints)]
-    return endpoints
-
-
-def _is_ipv4(host: str) -> bool:
-    parts = host.split(".")
-    return len(parts) == 4 and all(p.isdigit() and int(p) < 256 for p in parts)
-
-
-class Cluster:
-    """One replica's connection to the store: its lease, its view, its claims.
-
-    Args:
-        endpoints: etcd endpoints (host:port), tried in order.
-        name: the cluster's key prefix.
-        me: this replica.
-        lease_seconds: the membership lease.
-        timeout: the deadline of each store call.
-        clock: monotonic seconds.
-    """
+class Cluster(ClusterStore):
+    """One replica in its cluster: its connection to the store (:class:`ClusterStore`,
+    whose arguments it takes) and what it does as the cluster changes: claims,
+    failover, handovers."""
 
     def __init__(
         self,
@@ -121,21 +53,10 @@ class Cluster:
         timeout: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.endpoints = list(endpoints)
-        self.prefix = f"/kvcoord/{name}/".encode()
-        self.me = me
-        self.lease_seconds = lease_seconds
-        self.timeout = timeout
-        self.clock = clock
-        self.view = Ownership(me, clock)
-        self.client: Any = None
-        self.lease: Any = None
-        self._tasks: list[asyncio.Task[None]] = []
+        super().__init__(endpoints, name, me, lease_seconds, timeout, clock)
         self._changed = asyncio.Event()
         #: the pools this replica holds state of (the registry's); set by the server
         self.local_pools: Callable[[], Iterable[str]] = list
-        #: told of every claim this replica gains or loses (metrics)
-        self.on_change: list[Callable[[], None]] = []
         #: a pool's state for a handover (registry_state.dump_pool, CBOR; a large pool's
         #: encoded off the loop, state_export.py); set by the server
         self.export_pool: Callable[[str], Awaitable[bytes]] | None = None
@@ -149,14 +70,9 @@ class Cluster:
         self.peer_metadata: tuple[tuple[str, str], ...] = ()
         #: TLS of calls to other replicas (tls.peer_credentials; None: plaintext)
         self.peer_tls: tuple[grpc.ChannelCredentials, list[tuple[str, str]]] | None = None
-        #: told of each claim this replica gains: pool, term (the server records it)
-        self.on_term: Callable[[str, int], None] | None = None
         #: handovers done and failed (metrics, tests)
         self.handovers = 0
         self.handover_failures = 0
-        self.stopping = False
-        #: the pools' journals in the store (journal = "store"; None: local only)
-        self.streams: PoolStreams | None = None
         #: remove the local copy of a pool (recorded locally, no redirect); set by the server
         self.drop_local: Callable[[str], None] | None = None
         #: load a pool rebuilt from the store under a new term, and wait until durable
@@ -168,11 +84,7 @@ class Cluster:
         #: pools whose rebuilding failed -> when to try again
         self._retry_at: dict[str, float] = {}
 
-    # -- keys ----------------------------------------------------------------------
-    def _key(self, kind: str, name: str = "") -> bytes:
-        return self.prefix + kind.encode() + b"/" + name.encode()
-
-    # -- start and stop ----------------------------------------------------------------
+    # -- start ------------------------------------------------------------------------
     async def start(self) -> None:
         """Connect, register this replica under a fresh lease, read the view, claim
         the pools this replica holds state of, and keep all of it up to date.
@@ -181,149 +93,24 @@ class Cluster:
             ClusterError: no endpoint answers, or another live process registered
                 this replica id and its lease did not end within lease_seconds.
         """
-        last: BaseException | None = None
-        for endpoint in _targets(self.endpoints):
-            client = _client(endpoint, self.timeout)
-            try:
-                await client.connect()
-                await client.status()
-            except Exception as exc:  # noqa: BLE001 - the next endpoint, then a ClusterError
-                last = exc
-                with contextlib.suppress(Exception):
-                    await client.close()
-                continue
-            self.client = client
-            break
-        if self.client is None:
-            raise ClusterError(f"no cluster store endpoint answers ({', '.join(self.endpoints)}): {last!r}")
-        await self._register()
+        await self.connect()
+        await self.register()
         # renewed from now on: rebuilding this replica's pools from the store (a large
         # pool's journal) may take longer than the lease
-        self._tasks = [asyncio.get_running_loop().create_task(self._keep_alive())]
+        self.tasks = [asyncio.get_running_loop().create_task(self._keep_alive())]
         await self.refresh()
         await self.claim_local()
-        self._tasks.append(asyncio.get_running_loop().create_task(self._watch()))
+        self.tasks.append(asyncio.get_running_loop().create_task(self._watch()))
 
-    async def _register(self) -> None:
-        """Put the member key under a new lease; wait out a previous process of the
-        same replica id (its lease, and the claims under it, end by themselves)."""
-        key = self._key("members", self.me.replica_id)
-        deadline = self.clock() + self.lease_seconds + 2 * self.timeout
-        while True:
-            sent = self.clock()
-            lease = await self.client.lease(self.lease_seconds)
-            tx = self.client.transactions
-            ok, _ = await self.client.transaction(
-                compare=[tx.version(key) == 0],
-                success=[tx.put(key, encode_member(self.me), lease=lease.id)],
-                failure=[],
-            )
-            if ok:
-                self.lease = lease
-                self.view.valid_until = sent + lease.ttl
-                logger.info(
-                    "replica %s joined cluster %s as %s (lease %d s)",
-                    self.me.replica_id, self.prefix.decode(), self.me.address, lease.ttl,
-                )  # fmt: skip
-                return
-            await self.client.revoke_lease(lease.id)
-            if self.clock() > deadline:
-                raise ClusterError(
-                    f"replica id {self.me.replica_id!r} is registered by another live process "
-                    f"(its lease did not end within {self.lease_seconds} s): give each replica its own id"
-                )
-            logger.warning(
-                "replica id %s is still registered (a previous process?): waiting for its lease to end",
-                self.me.replica_id,
-            )
-            await asyncio.sleep(1.0)
-
-    async def stop(self) -> None:
-        """Leave the cluster: revoke the lease (the member key and every claim go)."""
-        self.stopping = True
-        await cancel_and_wait(self._tasks)
-        self.view.valid_until = 0.0
-        if self.client is None:
-            return
-        if self.lease is not None:
-            try:
-                await self.client.revoke_lease(self.lease.id)
-            except Exception as exc:  # noqa: BLE001 - the lease then ends by itself
-                logger.warning("revoking the cluster lease failed (it ends by itself): %s", exc)
-        with contextlib.suppress(Exception):
-            await self.client.close()
-        self.client = None
-
-    # -- the view -----------------------------------------------------------------------
-    async def refresh(self) -> None:
-        """Read members, claims and the catalog from the store into the view."""
-        # A pool's claim and catalog entry are created (CreatePool) and removed
-        # (DeletePool) together, but these are separate reads: the catalog is read
-        # before the claims and again after, and only what both reads list counts. A
-        # pool created or deleted meanwhile is then never one of the catalog without a
-        # claim, which recover_orphans would take for a pool whose owner died and
-        # rebuild (its own replica replacing its fresh pool, or claiming a deleted one
-        # again; callers meanwhile bounced between replicas).
-        members = await self.client.get_prefix(self._key("members"))
-        listed = await self.client.get_prefix(self._key("pools"), keys_only=True)
-        claims = await self.client.get_prefix(self._key("owners"))
-        listed_after = await self.client.get_prefix(self._key("pools"), keys_only=True)
-        before = set(self.view.owned())
-        view = self.view
-        view.set_members(_decoded(members, lambda kv: decode_member(kv.value)))
-        owners_prefix = len(self._key("owners"))
-        view.set_claims(
-            _decoded(
-                claims, lambda kv: decode_claim(kv.key[owners_prefix:].decode(), kv.value, kv.mod_revision)
-            ),
-            claims.header.revision,
-        )
-        pools_prefix = len(self._key("pools"))
-        catalog = {kv.key[pools_prefix:].decode() for kv in listed}
-        view.set_catalog(catalog.intersection(kv.key[pools_prefix:].decode() for kv in listed_after))
-        if set(view.owned()) != before:
-            for fn in self.on_change:
-                fn()
-
-    async def claim(self, pool: str) -> Claim | None:
-        """Create ``pool``'s claim under this replica's lease if nobody holds it, and
-        list the pool in the catalog. Returns the claim (None: another replica holds it)."""
-        key = self._key("owners", pool)
-        tx = self.client.transactions
-        ok, responses = await self.client.transaction(
-            compare=[tx.version(key) == 0],
-            success=[
-                tx.put(key, encode_claim(self.me.replica_id, self.me.address), lease=self.lease.id),
-                tx.put(self._key("pools", pool), b""),
-            ],
-            failure=[tx.get(key)],
-        )
-        if ok:
-            claim = Claim(
-                pool, self.me.replica_id, self.me.address, responses[0].response_put.header.revision
-            )
-            logger.info("claimed pool %s (term %d)", pool, claim.term)
-        else:
-            rows = responses[0]
-            if not rows:  # released between the compare and the read: the next call retries
-                return None
-            value, kv = rows[0]
-            claim = decode_claim(pool, value, kv.mod_revision)
-        self.view.learned(pool, claim, claim.term)
-        for fn in self.on_change:
-            fn()
-        if claim.replica_id != self.me.replica_id:
-            return None
-        if self.on_term is not None:
-            self.on_term(pool, claim.term)
-        return claim
-
+    # -- claims -------------------------------------------------------------------------
     async def claim_local(self) -> None:
         """Claim every pool this replica holds state of that nobody claims. A copy
         held here whose claim another replica holds was handed over (this replica
         stopped before removing it): it is removed. With the journal in the store, the
         store is the pool's history: a pool claimed again is rebuilt from it (the copy
-        here may be behind what a later owner acknowledged)."""
+        here may be behind what a later owner acknowledged). A pool held here and
+        claimed here is told its claim's term (on_term: that of a claim whose answer
+        was lost is learned here, at the next pass)."""
         local = [p for p in self.local_pools() if p not in self.adopting]
         for pool in self.view.should_claim(local):
             try:
@@ -337,6 +124,9 @@ class Cluster:
                 logger.error("pool %s could not be claimed (tried again within a lease): %r", pool, exc)
         for pool in local:
             holder = self.view.claims.get(pool)
+            if self.on_term is not None and self.view.holds(pool) and pool not in self.view.moving:
+                assert holder is not None
+                self.on_term(pool, holder.term)  # a claim whose answer was lost: its term
             if (
                 holder is not None
                 and holder.replica_id != self.me.replica_id
@@ -349,73 +139,6 @@ class Cluster:
                 if self.handed_over is not None:
                     self.handed_over(pool)
 
-    async def forget(self, pool: str) -> bool:
-        """The pool was deleted: drop it from the catalog (and its journal from the
-        store) and release its claim, if the claim is this replica's. False (nothing
-        changed) when it is not and the journal is in the store (it is another
-        owner's now)."""
-        tx = self.client.transactions
-        key = self._key("owners", pool)
-        success = [tx.delete(key), tx.delete(self._key("pools", pool))]
-        if self.streams is not None:
-            success.append(tx.delete(*_prefix_range(self.streams.pool_prefix(pool))))
-        ok, responses = await self.client.transaction(
-            compare=[tx.value(key) == encode_claim(self.me.replica_id, self.me.address)],
-            success=success,
-            failure=[],
-        )
-        if not ok and self.streams is not None:
-            return False  # the pool's journal in the store is another owner's now
-        if responses:
-            self.view.learned(pool, None, responses[0].response_delete_range.header.revision)
-        self.view.catalog.discard(pool)
-        for fn in self.on_change:
-            fn()
-        return True
-
-    async def delete_unclaimed(self, pool: str) -> bool:
-        """Delete ``pool`` from the cluster (its catalog entry and its journal in the
-        store) only while nobody claims it: True once done; False when a replica
-        claimed it or a delete removed it meanwhile (the view is read again: the usual
-        rules then answer)."""
-        assert self.streams is not None
-        tx = self.client.transactions
-        key = self._key("owners", pool)
-        ok, _ = await self.client.transaction(
-            compare=[tx.version(key) == 0, tx.version(self._key("pools", pool)) > 0],
-            success=[
-                tx.delete(self._key("pools", pool)),
-                tx.delete(*_prefix_range(self.streams.pool_prefix(pool))),
-            ],
-            failure=[],
-        )
-        if ok:
-            self.view.catalog.discard(pool)
-            logger.warning("deleted pool %s, which no replica served, from the cluster store", pool)
-            for fn in self.on_change:
-                fn()
-            return True
-        await self.refresh()
-        return False
-
-    async def release(self, pool: str) -> None:
-        """Give up this replica's claim of ``pool`` (its journal in the store could not
-        be written, or it holds no state of it): whoever placement names claims it and
-        rebuilds it from the store."""
-        claim = self.view.claims.get(pool)
-        if claim is None or claim.replica_id != self.me.replica_id or self.client is None:
-            return
-        tx = self.client.transactions
-        key = self._key("owners", pool)
-        ok, responses = await self.client.transaction(
-            compare=[tx.mod(key) == claim.term], success=[tx.delete(key)], failure=[]
-        )
-        if ok:
-            self.view.learned(pool, None, responses[0].response_delete_range.header.revision)
-            logger.warning("released the claim of pool %s (term %d)", pool, claim.term)
-            for fn in self.on_change:
-                fn()
-
     # -- failover (journal = "store") ----------------------------------------------------
     async def recover_orphans(self) -> None:
         """Claim and rebuild from the store every pool of the catalog nobody claims
@@ -427,7 +150,10 @@ class Cluster:
         local = set(self.local_pools())
         for pool in view.owned():
             if pool not in local and pool not in self.adopting and pool not in view.moving:
-                await self.release(pool)
+                try:
+                    await self.release(pool)
+                except Exception as exc:  # noqa: BLE001 - given back at the next pass; never served meanwhile
+                    logger.warning("pool %s: its claim could not be released (tried again): %r", pool, exc)
         now = self.clock()
         for pool in view.orphans():
             if self.stopping or not view.lease_valid:
@@ -507,7 +233,7 @@ class Cluster:
         (one without a live member to go to stays unclaimed until this one is back)."""
         self.stopping = True
         try:  # no other replica places a pool here from now on
-            await self.client.delete(self._key("members", self.me.replica_id))
+            await self.client.delete(self.key("members", self.me.replica_id))
         except Exception as exc:  # noqa: BLE001 - its lease still ends it
             logger.warning("leaving: the member key could not be deleted: %s", exc)
         for pool, target in self.view.leaving().items():
@@ -584,26 +310,6 @@ class Cluster:
             logger.error("handing pool %s over failed; it is served here again: %s", pool, exc)
         view.moving.discard(pool)
 
-    async def take_over(self, pool: str, from_replica: str, claim_revision: int) -> Claim | None:
-        """Swap ``pool``'s claim from ``from_replica`` (at ``claim_revision``) to this
-        replica, under its lease; None when the claim is no longer that one."""
-        key = self._key("owners", pool)
-        tx = self.client.transactions
-        ok, responses = await self.client.transaction(
-            compare=[tx.mod(key) == claim_revision],
-            success=[tx.put(key, encode_claim(self.me.replica_id, self.me.address), lease=self.lease.id)],
-            failure=[],
-        )
-        if not ok:
-            return None
-        claim = Claim(pool, self.me.replica_id, self.me.address, responses[0].response_put.header.revision)
-        self.view.learned(pool, claim, claim.term)
-        for fn in self.on_change:
-            fn()
-        if self.on_term is not None:
-            self.on_term(pool, claim.term)
-        return claim
-
     # -- background ---------------------------------------------------------------------
     async def _keep_alive(self) -> None:
         """Renew the lease every third of its time. A renewal that fails leaves the
@@ -621,7 +327,7 @@ class Cluster:
                     continue
                 logger.error("replica %s lost its cluster lease: joining again", self.me.replica_id)
                 self.view.valid_until = 0.0
-                await self._register()
+                await self.register()
                 await self.refresh()
                 await self.claim_local()
             except (asyncio.CancelledError, GeneratorExit):
@@ -637,6 +343,7 @@ class Cluster:
                 watch = await self.client.watch_prefix(self.prefix)
                 reader = asyncio.get_running_loop().create_task(self._changes(watch))
                 try:
+                    raise_if_cancelled()  # aetcd waits for the watch with wait_for (tasks.py)
                     while not reader.done():
                         # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns
                         # the result when the change comes in the same turn as stop()'s
@@ -663,18 +370,3 @@ class Cluster:
     async def _changes(self, watch: Any) -> None:
         async for _ in watch:
             self._changed.set()
-
-
-def _prefix_range(prefix: bytes) -> tuple[bytes, bytes]:
-    """The key range of every key that starts with ``prefix`` (it ends in "/")."""
-    return prefix, prefix[:-1] + bytes([prefix[-1] + 1])
-
-
-def _decoded(rows: Any, decode: Callable[[Any], Any]) -> list[Any]:
-    out = []
-    for kv in rows:
-        try:
-            out.append(decode(kv))
-        except ValueError as exc:
-            logger.error("ignoring a malformed cluster record %r: %s", kv.key[:200], exc)
-    return out

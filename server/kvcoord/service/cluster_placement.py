@@ -75,13 +75,29 @@ class ClusterPlacement(Placement):
         return claim.term
 
     def check(self, pool: str, local: bool) -> None:
+        """:meth:`Ownership.check`; and with the journal in the store, a pool is served
+        only once its stream is open here, and a pool of the catalog claimed here
+        without its state here (a takeover whose read of the store failed, or whose
+        claim's answer was lost) is never served: its history is in the store, so
+        neither NOT_FOUND nor CreatePool making it again empty (recover_orphans gives
+        the claim back at the next pass and takes the pool over again)."""
         cluster = self.cluster
-        cluster.view.check(pool, local)
+        view = cluster.view
+        view.check(pool, local)
         streams = cluster.streams
-        if streams is not None and local and not streams.is_open(pool):
+        if streams is None:
+            return
+        if local and not streams.is_open(pool):
             raise ServiceError(
                 Status.UNAVAILABLE,
                 f"pool {pool[:200]!r} is not journaled in the cluster store here yet: retry",
+            )
+        if not local and pool in view.catalog and view.holds(pool):
+            raise ServiceError(
+                Status.UNAVAILABLE,
+                f"pool {pool[:200]!r} is claimed by replica {cluster.me.replica_id!r} but its state is not "
+                "loaded here (taking it over from the cluster store failed): it is taken over again: retry here",
+                ErrorReason.OWNER_CHANGING,
             )
 
     def serves(self, pool: str) -> bool:
@@ -94,9 +110,20 @@ class ClusterPlacement(Placement):
     async def before_create(self, pool: str) -> None:
         view = self.cluster.view
         if view.holds(pool):
+            self.check(pool, pool in self.registry.pools)  # not made again over its history
             return
         view.check(pool, local=False)
-        if await self.cluster.claim(pool) is None:
+        try:
+            claim = await self.cluster.claim(pool)
+        except Exception as exc:  # noqa: BLE001 - a slow or cut-off store: the caller retries
+            # (was: INTERNAL, which no client retries). The claim may have been made:
+            # the retry finds it this replica's, and makes the pool under it once
+            # (or, seen first by the watch, it is given back: nothing was created)
+            raise ServiceError(
+                Status.UNAVAILABLE,
+                f"pool {pool[:200]!r} could not be claimed: the cluster store did not answer ({exc!r}): retry",
+            ) from None
+        if claim is None:
             view.check(pool, local=False)  # the holder's redirect
             raise ServiceError(Status.UNAVAILABLE, f"pool {pool[:200]!r} could not be claimed: retry")
 

@@ -1,7 +1,7 @@
 """Which replica serves which pool: the rules, in plain Python (no store, no I/O).
 
 A cluster of kvcoord replicas shares its membership and ownership through a
-replicated store (etcd: :mod:`.cluster` does the I/O). This module holds what the
+replicated store (etcd: :mod:`.cluster_store` does the I/O). This module holds what the
 replicas decide from what the store says:
 
 * **Members** are the live replicas: a replica id and the address clients reach it

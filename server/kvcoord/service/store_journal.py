@@ -25,9 +25,9 @@ loop goes on; the stream writes it, and the records after it, once it is there.
 ``mod_revision`` with the stream's term: once another replica holds the claim (a new
 term), the deposed owner's writes fail, so it never acknowledges anything after
 losing the pool. A write whose outcome is unknown (the store did not answer) is
-retried while the replica's lease is sure to be alive; then the pool is given up here
-(:attr:`PoolStreams.on_lost`): its calls get UNAVAILABLE, and whoever claims it next
-rebuilds it from the store.
+retried while the replica's lease is sure to be alive, one the store refuses (out of
+space) is not; then the pool is given up here (:attr:`PoolStreams.on_lost`): its calls
+get UNAVAILABLE, and whoever claims it next rebuilds it from the store.
 
 **Size.** etcd refuses requests above 1.5 MiB (``--max-request-bytes``) and
 transactions of more than 128 operations (``--max-txn-ops``). A record is cut into
@@ -76,6 +76,9 @@ TXN_BYTES = 1 << 20
 TXN_OPS = 64
 #: seconds between retries of a write whose outcome is unknown
 RETRY_SECONDS = 0.1
+#: gRPC statuses of a write the store refused for good (NOSPACE, too large, access; not
+#: "too many requests"): not retried. Any other failure's write may have been made.
+REFUSALS = frozenset({"RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "PERMISSION_DENIED"})
 
 
 #: the pools the running task (one call's handler) queued records of: a pool whose
@@ -86,7 +89,7 @@ _TOUCHED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
 
 
 class StoreWriteError(Exception):
-    """A pool's records could not be written (its claim is gone, or the store is unreachable)."""
+    """A pool's records could not be written (claim gone, store refused or unreachable)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -299,9 +302,9 @@ class PoolStreams:
                     compare=[tx.mod(self.owner_key(pool)) == term], success=success, failure=[]
                 )
             except Exception as exc:  # noqa: BLE001 - outcome unknown: the same write again is harmless
-                if not self.lease_valid():
+                if refused(exc) or not self.lease_valid():  # (a refusal was retried: callers hung)
                     raise StoreWriteError(
-                        f"the store did not answer while the lease was valid: {exc!r}"
+                        f"the store refused the write or did not answer in time: {exc!r}"
                     ) from None
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
@@ -310,6 +313,15 @@ class PoolStreams:
             self.txns += 1
             self.bytes += sum(len(v) for _, v in puts)
             return
+
+
+def refused(exc: BaseException) -> bool:
+    """The store refused the write (:data:`REFUSALS`; aetcd's error or its cause)."""
+    for error in (exc, exc.__cause__):
+        code, details = getattr(error, "code", None), getattr(error, "details", None)
+        if callable(code) and getattr(code(), "name", None) in REFUSALS:
+            return "too many requests" not in str(details() if callable(details) else "")
+    return False
 
 
 def encode_item(local_seq: int, record_body: bytes) -> bytes:

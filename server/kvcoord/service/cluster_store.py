@@ -1,0 +1,369 @@
+"""One replica's calls to the cluster store (etcd, ``[cluster]``): its membership,
+its view and its claims; what the replica does with them is :mod:`.cluster`'s.
+
+etcd already has exactly what a sharded allocator needs, so none of it is ours:
+
+* **leases** are membership: a replica registers its member key
+  (``/kvcoord/<cluster>/members/<replica id>``: its address) under a lease it keeps
+  alive; a replica that stops renewing (dead, partitioned) leaves when the lease ends,
+  and every key under the lease goes with it;
+* **compare-and-swap transactions** are ownership: a pool's claim
+  (``/kvcoord/<cluster>/owners/<pool>``: the holder's id and address) is created only
+  if absent, under the claimant's lease, so at most one replica holds it, and is
+  passed from one holder to the next in one transaction comparing its revision; the
+  revision that last wrote it is the pool's *term* (it grows with every owner);
+* **watches** tell every replica when members or claims change, so its view
+  (:class:`~kvcoord.service.ownership.Ownership`) follows the store.
+
+``/kvcoord/<cluster>/pools/<pool>`` (no lease) is the catalog of pools that exist in
+the cluster: a pool listed there whose claim is gone (its owner died) is UNAVAILABLE,
+never NOT_FOUND, and never silently created again empty elsewhere.
+
+**Deleting a pool nobody serves** (its owner is gone): with the journal in the store
+the replica placement names deletes it there (catalog and journal, only while nobody
+claims it); with local journals it is refused OWNER_GONE, nothing deleted (its state
+is on its owner's disk, and would come back with it).
+
+Safety rests on one rule: a replica serves a pool only while it holds the claim and
+its lease is sure to be alive (it counts the lease from the moment it *sent* the last
+renewal that succeeded, so it stops before etcd can hand the claim to anyone else).
+The rules themselves are in :mod:`.ownership`; this module only does the I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from .ownership import Claim, Member, Ownership, decode_claim, decode_member, encode_claim, encode_member
+from .tasks import cancel_and_wait
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .store_journal import PoolStreams
+
+__all__ = ["ClusterError", "ClusterStore", "store_client"]
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterError(Exception):
+    """The cluster store cannot be reached or refuses this replica (at start)."""
+
+
+def store_client(endpoint: str, timeout: float) -> Any:
+    try:
+        import aetcd  # type: ignore[import-untyped]  # the "cluster" extra: only a clustered replica needs it
+    except ImportError:
+        raise ClusterError(
+            "[cluster] needs etcd's client: pip install 'kvcoord[cluster]' (the aetcd package)"
+        ) from None
+
+    host, _, port = endpoint.rpartition(":")
+    # a pool's journal in the store is read whole when it is rebuilt: a large pool's
+    # base alone passes gRPC's default 4 MiB limit of an answer
+    options = {"grpc.max_receive_message_length": -1}
+    return aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
+
+
+def _targets(endpoints: list[str]) -> list[str]:
+    """What to connect to, in order. Endpoints that are all IPv4 addresses become one
+    gRPC target listing them all, so the channel moves to another store member by
+    itself when the one it uses dies (pick-first over the list); names are tried one
+    by one at start (a Kubernetes service name already leads to a live member)."""
+    hosts = [e.rpartition(":")[0] for e in endpoints]
+    if len(endpoints) > 1 and all(_is_ipv4(h) for h in hosts):
+        return ["ipv4:" + ",".join(endpoints)]
+    return endpoints
+
+
+def _is_ipv4(host: str) -> bool:
+    parts = host.split(".")
+    return len(parts) == 4 and all(p.isdigit() and int(p) < 256 for p in parts)
+
+
+class ClusterStore:
+    """One replica's connection to the store: its lease, its view, its claims.
+
+    Args:
+        endpoints: etcd endpoints (host:port), tried in order.
+        name: the cluster's key prefix.
+        me: this replica.
+        lease_seconds: the membership lease.
+        timeout: the deadline of each store call.
+        clock: monotonic seconds.
+    """
+
+    def __init__(
+        self,
+        endpoints: Iterable[str],
+        name: str,
+        me: Member,
+        lease_seconds: int,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.endpoints = list(endpoints)
+        self.prefix = f"/kvcoord/{name}/".encode()
+        self.me = me
+        self.lease_seconds = lease_seconds
+        self.timeout = timeout
+        self.clock = clock
+        self.view = Ownership(me, clock)
+        self.client: Any = None
+        self.lease: Any = None
+        self.tasks: list[asyncio.Task[None]] = []
+        #: told of every claim this replica gains or loses (metrics)
+        self.on_change: list[Callable[[], None]] = []
+        #: told of each claim this replica gains: pool, term (the server records it)
+        self.on_term: Callable[[str, int], None] | None = None
+        self.stopping = False
+        #: the pools' journals in the store (journal = "store"; None: local only)
+        self.streams: PoolStreams | None = None
+
+    # -- keys ----------------------------------------------------------------------
+    def key(self, kind: str, name: str = "") -> bytes:
+        """The store key of ``name`` of ``kind`` (members, owners, pools)."""
+        return self.prefix + kind.encode() + b"/" + name.encode()
+
+    # -- connect and stop ----------------------------------------------------------------
+    async def connect(self) -> None:
+        """Connect to the first endpoint that answers.
+
+        Raises:
+            ClusterError: no endpoint answers.
+        """
+        last: BaseException | None = None
+        for endpoint in _targets(self.endpoints):
+            client = store_client(endpoint, self.timeout)
+            try:
+                await client.connect()
+                await client.status()
+            except Exception as exc:  # noqa: BLE001 - the next endpoint, then a ClusterError
+                last = exc
+                with contextlib.suppress(Exception):
+                    await client.close()
+                continue
+            self.client = client
+            break
+        if self.client is None:
+            raise ClusterError(f"no cluster store endpoint answers ({', '.join(self.endpoints)}): {last!r}")
+
+    async def register(self) -> None:
+        """Put the member key under a new lease; wait out a previous process of the
+        same replica id (its lease, and the claims under it, end by themselves)."""
+        key = self.key("members", self.me.replica_id)
+        deadline = self.clock() + self.lease_seconds + 2 * self.timeout
+        while True:
+            sent = self.clock()
+            lease = await self.client.lease(self.lease_seconds)
+            tx = self.client.transactions
+            ok, _ = await self.client.transaction(
+                compare=[tx.version(key) == 0],
+                success=[tx.put(key, encode_member(self.me), lease=lease.id)],
+                failure=[],
+            )
+            if ok:
+                self.lease = lease
+                self.view.valid_until = sent + lease.ttl
+                logger.info(
+                    "replica %s joined cluster %s as %s (lease %d s)",
+                    self.me.replica_id, self.prefix.decode(), self.me.address, lease.ttl,
+                )  # fmt: skip
+                return
+            await self.client.revoke_lease(lease.id)
+            if self.clock() > deadline:
+                raise ClusterError(
+                    f"replica id {self.me.replica_id!r} is registered by another live process "
+                    f"(its lease did not end within {self.lease_seconds} s): give each replica its own id"
+                )
+            logger.warning(
+                "replica id %s is still registered (a previous process?): waiting for its lease to end",
+                self.me.replica_id,
+            )
+            await asyncio.sleep(1.0)
+
+    async def stop(self) -> None:
+        """Leave the cluster: revoke the lease (the member key and every claim go)."""
+        self.stopping = True
+        await cancel_and_wait(self.tasks)
+        self.view.valid_until = 0.0
+        if self.client is None:
+            return
+        if self.lease is not None:
+            try:
+                await self.client.revoke_lease(self.lease.id)
+            except Exception as exc:  # noqa: BLE001 - the lease then ends by itself
+                logger.warning("revoking the cluster lease failed (it ends by itself): %s", exc)
+        with contextlib.suppress(Exception):
+            await self.client.close()
+        self.client = None
+
+    # -- the view -----------------------------------------------------------------------
+    async def refresh(self) -> None:
+        """Read members, claims and the catalog from the store into the view."""
+        # A pool's claim and catalog entry are created (CreatePool) and removed
+        # (DeletePool) together, but these are separate reads: the catalog is read
+        # before the claims and again after, and only what both reads list counts. A
+        # pool created or deleted meanwhile is then never one of the catalog without a
+        # claim, which recover_orphans would take for a pool whose owner died and
+        # rebuild (its own replica replacing its fresh pool, or claiming a deleted one
+        # again; callers meanwhile bounced between replicas).
+        members = await self.client.get_prefix(self.key("members"))
+        listed = await self.client.get_prefix(self.key("pools"), keys_only=True)
+        claims = await self.client.get_prefix(self.key("owners"))
+        listed_after = await self.client.get_prefix(self.key("pools"), keys_only=True)
+        before = set(self.view.owned())
+        view = self.view
+        view.set_members(_decoded(members, lambda kv: decode_member(kv.value)))
+        owners_prefix = len(self.key("owners"))
+        view.set_claims(
+            _decoded(
+                claims, lambda kv: decode_claim(kv.key[owners_prefix:].decode(), kv.value, kv.mod_revision)
+            ),
+            claims.header.revision,
+        )
+        pools_prefix = len(self.key("pools"))
+        catalog = {kv.key[pools_prefix:].decode() for kv in listed}
+        view.set_catalog(catalog.intersection(kv.key[pools_prefix:].decode() for kv in listed_after))
+        if set(view.owned()) != before:
+            for fn in self.on_change:
+                fn()
+
+    async def claim(self, pool: str) -> Claim | None:
+        """Create ``pool``'s claim under this replica's lease if nobody holds it, and
+        list the pool in the catalog. Returns the claim (None: another replica holds it)."""
+        key = self.key("owners", pool)
+        tx = self.client.transactions
+        ok, responses = await self.client.transaction(
+            compare=[tx.version(key) == 0],
+            success=[
+                tx.put(key, encode_claim(self.me.replica_id, self.me.address), lease=self.lease.id),
+                tx.put(self.key("pools", pool), b""),
+            ],
+            failure=[tx.get(key)],
+        )
+        if ok:
+            claim = Claim(
+                pool, self.me.replica_id, self.me.address, responses[0].response_put.header.revision
+            )
+            logger.info("claimed pool %s (term %d)", pool, claim.term)
+        else:
+            rows = responses[0]
+            if not rows:  # released between the compare and the read: the next call retries
+                return None
+            value, kv = rows[0]
+            claim = decode_claim(pool, value, kv.mod_revision)
+        self.view.learned(pool, claim, claim.term)
+        for fn in self.on_change:
+            fn()
+        if claim.replica_id != self.me.replica_id:
+            return None
+        if self.on_term is not None:
+            self.on_term(pool, claim.term)
+        return claim
+
+    async def forget(self, pool: str) -> bool:
+        """The pool was deleted: drop it from the catalog (and its journal from the
+        store) and release its claim, if the claim is this replica's. False (nothing
+        changed) when it is not and the journal is in the store (it is another
+        owner's now)."""
+        tx = self.client.transactions
+        key = self.key("owners", pool)
+        success = [tx.delete(key), tx.delete(self.key("pools", pool))]
+        if self.streams is not None:
+            success.append(tx.delete(*_prefix_range(self.streams.pool_prefix(pool))))
+        ok, responses = await self.client.transaction(
+            compare=[tx.value(key) == encode_claim(self.me.replica_id, self.me.address)],
+            success=success,
+            failure=[],
+        )
+        if not ok and self.streams is not None:
+            return False  # the pool's journal in the store is another owner's now
+        if responses:
+            self.view.learned(pool, None, responses[0].response_delete_range.header.revision)
+        self.view.catalog.discard(pool)
+        for fn in self.on_change:
+            fn()
+        return True
+
+    async def delete_unclaimed(self, pool: str) -> bool:
+        """Delete ``pool`` from the cluster (its catalog entry and its journal in the
+        store) only while nobody claims it: True once done; False when a replica
+        claimed it or a delete removed it meanwhile (the view is read again: the usual
+        rules then answer)."""
+        assert self.streams is not None
+        tx = self.client.transactions
+        key = self.key("owners", pool)
+        ok, _ = await self.client.transaction(
+            compare=[tx.version(key) == 0, tx.version(self.key("pools", pool)) > 0],
+            success=[
+                tx.delete(self.key("pools", pool)),
+                tx.delete(*_prefix_range(self.streams.pool_prefix(pool))),
+            ],
+            failure=[],
+        )
+        if ok:
+            self.view.catalog.discard(pool)
+            logger.warning("deleted pool %s, which no replica served, from the cluster store", pool)
+            for fn in self.on_change:
+                fn()
+            return True
+        await self.refresh()
+        return False
+
+    async def release(self, pool: str) -> None:
+        """Give up this replica's claim of ``pool`` (its journal in the store could not
+        be written, or it holds no state of it): whoever placement names claims it and
+        rebuilds it from the store."""
+        claim = self.view.claims.get(pool)
+        if claim is None or claim.replica_id != self.me.replica_id or self.client is None:
+            return
+        tx = self.client.transactions
+        key = self.key("owners", pool)
+        ok, responses = await self.client.transaction(
+            compare=[tx.mod(key) == claim.term], success=[tx.delete(key)], failure=[]
+        )
+        if ok:
+            self.view.learned(pool, None, responses[0].response_delete_range.header.revision)
+            logger.warning("released the claim of pool %s (term %d)", pool, claim.term)
+            for fn in self.on_change:
+                fn()
+
+    async def take_over(self, pool: str, from_replica: str, claim_revision: int) -> Claim | None:
+        """Swap ``pool``'s claim from ``from_replica`` (at ``claim_revision``) to this
+        replica, under its lease; None when the claim is no longer that one."""
+        key = self.key("owners", pool)
+        tx = self.client.transactions
+        ok, responses = await self.client.transaction(
+            compare=[tx.mod(key) == claim_revision],
+            success=[tx.put(key, encode_claim(self.me.replica_id, self.me.address), lease=self.lease.id)],
+            failure=[],
+        )
+        if not ok:
+            return None
+        claim = Claim(pool, self.me.replica_id, self.me.address, responses[0].response_put.header.revision)
+        self.view.learned(pool, claim, claim.term)
+        for fn in self.on_change:
+            fn()
+        if self.on_term is not None:
+            self.on_term(pool, claim.term)
+        return claim
+
+
+def _prefix_range(prefix: bytes) -> tuple[bytes, bytes]:
+    """The key range of every key that starts with ``prefix`` (it ends in "/")."""
+    return prefix, prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+def _decoded(rows: Any, decode: Callable[[Any], Any]) -> list[Any]:
+    out = []
+    for kv in rows:
+        try:
+            out.append(decode(kv))
+        except ValueError as exc:
+            logger.error("ignoring a malformed cluster record %r: %s", kv.key[:200], exc)
+    return out

@@ -519,6 +519,32 @@ def test_the_sender_threads_step_is_in_flight_until_answered(client: KVCoordClie
     assert sender._thread is None
 
 
+def test_anything_a_step_raises_loses_the_requests_and_the_sender_goes_on(
+    client: KVCoordClient, pool: str
+) -> None:
+    """Even a BaseException raised on the sender thread is the Step's failure: the next
+    call reports every request lost, and the sender thread sends the next Steps."""
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    checked = m.sender._checked_step
+    raised = []
+
+    def once(sent: Any) -> None:
+        if not raised:
+            raised.append(True)
+            raise SystemExit("on the sender thread")
+        checked(sent)
+
+    m.sender._checked_step = once  # type: ignore[method-assign]
+    _admit(m, _req("a", list(range(9))))
+    with pytest.raises(RequestsLostError) as info:
+        m.flush()
+    assert info.value.request_ids == ["a"] and "SystemExit" in str(info.value)
+    assert _admit(m, _req("b", list(range(20, 29))))
+    m.flush()
+    assert _tables(client, pool) == {"b": m.get_block_ids("b")[0]}
+    m.close()
+
+
 _SMALL_BUFFER = "[limits]\nevent_buffer = 8\n"
 
 

@@ -434,7 +434,7 @@ class StepSender(StepGathering):
             self._checked_step(sent)
         except KVCoordError as err:
             self.failure = self.failure or err
-        except Exception as err:  # noqa: BLE001 - anything unexpected is a failure too
+        except BaseException as err:  # noqa: BLE001 - anything else too (the thread goes on)
             self.failure = self.failure or KVCoordError(grpc.StatusCode.INTERNAL, repr(err))
 
     def _checked_step(self, sent: Gathered) -> None:

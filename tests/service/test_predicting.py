@@ -363,6 +363,25 @@ def test_kv_connector_tokens_and_delayed_caching_are_predicted(client: KVCoordCl
     m.close()
 
 
+@pytest.mark.parametrize("computed", [0, 8])
+def test_a_registration_carries_its_computed_tokens_into_the_mirror(
+    client: KVCoordClient, pool: str, computed: int
+) -> None:
+    """A request registered by its first allocation with tokens already computed (0 or
+    more: the mirror skips the update that would set a new record's 0 again) is
+    allocated from there by the mirror as by the server: its new blocks cover only the
+    tokens past them."""
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    r = _req("a", list(range(20)))
+    r.num_computed_tokens = computed
+    new = m.allocate_slots(r, 4)
+    assert new is not None and len(new.block_ids[0]) == (computed + 4) // 4
+    assert m.mirror.engine.requests["a"].num_computed_tokens == computed
+    m.flush()  # the server's answer is the mirror's
+    assert _tables(client, pool) == {"a": m.get_block_ids("a")[0]}
+    m.close()
+
+
 def test_an_events_digest_is_the_digest_of_the_events(client: KVCoordClient) -> None:
     """Step.events_digest answers, instead of the events, the SHA-256 of a StepResponse
     holding only them: the same operations on two pools, one answered each way."""
@@ -466,6 +485,63 @@ def test_steps_join_while_one_is_in_flight_up_to_a_size(client: KVCoordClient, p
     assert m.steps_sent == sent + 1 and m.sender.backlog == 0 and not m.sender.pending.request.ops
     m.flush()
     assert sorted(_tables(client, pool)) == ["a", "b", "c"]
+    m.close()
+
+
+def test_the_sender_threads_step_is_in_flight_until_answered(client: KVCoordClient, pool: str) -> None:
+    """The Step handed to the sender thread is in flight (the next steps' calls join
+    the next Step) until its answer is checked, and ``flush`` waits for it."""
+    import threading
+
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False, max_backlog=4)
+    sender = m.sender
+    go, started = threading.Event(), threading.Event()
+    checked = sender._checked_step
+
+    def held(sent: Any) -> None:
+        started.set()
+        assert go.wait(60), "the test never let the Step go"
+        checked(sent)
+
+    sender._checked_step = held  # type: ignore[method-assign]
+    _admit(m, _req("a", list(range(9))))
+    m.take_events()
+    assert started.wait(60)
+    flight = sender.in_flight
+    assert flight is not None and not flight.done()
+    _admit(m, _req("b", list(range(20, 29))))
+    m.take_events()
+    assert sender.backlog == 1 and m.steps_sent == 1  # joined the next Step
+    threading.Timer(0.2, go.set).start()
+    m.flush()  # waits for the first Step, then sends and waits for the second
+    assert flight.done() and m.steps_sent == 2 and sorted(_tables(client, pool)) == ["a", "b"]
+    m.close()
+    assert sender._thread is None
+
+
+def test_anything_a_step_raises_loses_the_requests_and_the_sender_goes_on(
+    client: KVCoordClient, pool: str
+) -> None:
+    """Even a BaseException raised on the sender thread is the Step's failure: the next
+    call reports every request lost, and the sender thread sends the next Steps."""
+    m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
+    checked = m.sender._checked_step
+    raised = []
+
+    def once(sent: Any) -> None:
+        if not raised:
+            raised.append(True)
+            raise SystemExit("on the sender thread")
+        checked(sent)
+
+    m.sender._checked_step = once  # type: ignore[method-assign]
+    _admit(m, _req("a", list(range(9))))
+    with pytest.raises(RequestsLostError) as info:
+        m.flush()
+    assert info.value.request_ids == ["a"] and "SystemExit" in str(info.value)
+    assert _admit(m, _req("b", list(range(20, 29))))
+    m.flush()
+    assert _tables(client, pool) == {"b": m.get_block_ids("b")[0]}
     m.close()
 
 

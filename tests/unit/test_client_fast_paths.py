@@ -221,3 +221,31 @@ def test_lazy_blocks_are_the_blocks_built_at_the_call(seed: int) -> None:
     hashes[:] = [rng.randbytes(32) for _ in hashes]  # the request reset and hashed anew
     assert lazy.get_block_ids() == tuple(list(g) for g in ids) or not any(ids)
     assert lazy.blocks == now
+
+
+def test_a_runs_answer_matches_only_the_mirrors_blocks() -> None:
+    """``ColumnRun.matches`` (made by C passes over the entries) takes the server's answer
+    only when it gives every entry, in order, the mirror's blocks of every group."""
+    from kvcoord.client.items import ColumnRun
+
+    run = ColumnRun()
+    given = [((), (7,)), ((3, 4), ()), ((), ()), ((9,), (10, 11))]
+    for i, new in enumerate(given):
+        run.add(f"r{i}", 4, 1, [5], [], 4, 1, 0, new)
+
+    def answer(groups: list[tuple[int, ...]], kind: type = pb.AllocateRunResult) -> Any:
+        out = kind()
+        out.num_new_blocks.extend(len(g) for g in groups)
+        out.new_block_ids.extend(b for g in groups for b in g)
+        return out
+
+    mirror = [g for new in given for g in new]
+    assert run.matches(answer(mirror))
+    decode = answer(mirror, pb.DecodeResult)
+    decode.num_applied = len(given)
+    assert run.matches(decode)
+    moved = [*mirror[:2], (4,), (3,), *mirror[4:]]  # the same ids, another entry's
+    other = [*mirror[:-1], (10, 12)]
+    assert not any(run.matches(answer(a)) for a in (moved, other, mirror[:-1], [*mirror, ()]))
+    decode.refused.append(2)
+    assert not run.matches(decode)

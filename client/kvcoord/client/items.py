@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
+from itertools import chain
+from operator import itemgetter
 from typing import Any, Generic, TypeVar
 
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
@@ -223,11 +225,7 @@ class ColumnRun:
             answer.num_applied != len(self.entries) or answer.refused
         ):
             return False
-        num_blocks: list[int] = []
-        block_ids: list[int] = []
-        for *_, groups in self.entries:
-            for group in groups:
-                num_blocks.append(len(group))
-                if group:
-                    block_ids += group
-        return list(answer.num_new_blocks) == num_blocks and list(answer.new_block_ids) == block_ids
+        groups = list(chain.from_iterable(map(itemgetter(8), self.entries)))  # every entry's, in order
+        return list(answer.num_new_blocks) == list(map(len, groups)) and list(answer.new_block_ids) == list(
+            chain.from_iterable(groups)
+        )

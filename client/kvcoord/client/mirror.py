@@ -148,7 +148,7 @@ class Mirror:
                     num_prompt_tokens=sync.num_prompt_tokens,
                     kv_cache_report_full=sync.kv_cache_report_full,  # (hits re-announced)
                 )
-                if computed is not None:
+                if computed:  # (a new record counts 0 computed tokens already)
                     try:
                         engine.update_request(rid, num_computed_tokens=computed)
                     except EngineError:
@@ -362,7 +362,10 @@ def wire_tokens(request_id: str, tokens: Sequence[int]) -> Sequence[int]:
     handed = type(tokens) is HandedTokenIds
     if n >= _CHECK_IN_BULK and _UINT32_ARRAY:
         try:
-            array(_UINT32_ARRAY, tokens)
+            # (``array`` reads only an exact list or tuple in one C pass: a list subclass,
+            # such as a HandedTokenIds, goes element by element, about 5 x slower than a
+            # copy as a plain list and the pass over it)
+            array(_UINT32_ARRAY, tokens if type(tokens) is list else list(tokens))
         except (OverflowError, TypeError, ValueError):
             pass
         else:

@@ -23,8 +23,9 @@ appends plain values; the sender thread writes the columns and digests the event
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -131,8 +132,10 @@ class StepSender(StepGathering):
         self.pending = Gathered()
         #: the run of allocations being gathered (the Step's next operation)
         self.run: ColumnRun | None = None
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self.in_flight: concurrent.futures.Future[None] | None = None
+        #: the sender thread's inbox (started by the first cut), and the Step it works on
+        self._inbox: queue.SimpleQueue[tuple[Gathered, _Flight] | None] | None = None
+        self._thread: threading.Thread | None = None
+        self.in_flight: _Flight | None = None
         #: scheduler steps whose calls joined the Step being gathered
         self.backlog = 0
         #: why the mirror can no longer be trusted (set by the sender thread), until
@@ -366,9 +369,14 @@ class StepSender(StepGathering):
         sent.num_free_blocks, sent.events, sent.stats = state()
         self.backlog = 0
         self.steps_sent += 1
-        if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-sender")
-        self.in_flight = self._executor.submit(self._step, sent)
+        inbox = self._inbox
+        if inbox is None:
+            inbox = self._inbox = queue.SimpleQueue()
+            self._thread = threading.Thread(target=self._serve, args=(inbox,), name="kvcoord-sender")
+            self._thread.daemon = True
+            self._thread.start()
+        self.in_flight = flight = _Flight()
+        inbox.put((sent, flight))
         return True
 
     def settle(self) -> None:
@@ -380,8 +388,22 @@ class StepSender(StepGathering):
             self.waited_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        """Let the Step in flight finish and stop the sender thread (a cut starts one)."""
+        inbox, thread = self._inbox, self._thread
+        self._inbox = self._thread = None
+        if inbox is not None and thread is not None:
+            inbox.put(None)
+            thread.join()
+
+    def _serve(self, inbox: queue.SimpleQueue[tuple[Gathered, _Flight] | None]) -> None:
+        """The sender thread: each Step handed over by :meth:`cut`, in order, until
+        :meth:`close`."""
+        while (item := inbox.get()) is not None:
+            sent, flight = item
+            try:
+                self._step(sent)
+            finally:
+                flight.finish()
 
     def recover(self) -> RequestsLostError:
         """After a background Step failed (:attr:`failure` set): every request of the
@@ -412,7 +434,7 @@ class StepSender(StepGathering):
             self._checked_step(sent)
         except KVCoordError as err:
             self.failure = self.failure or err
-        except Exception as err:  # noqa: BLE001 - anything unexpected is a failure too
+        except BaseException as err:  # noqa: BLE001 - anything else too (the thread goes on)
             self.failure = self.failure or KVCoordError(grpc.StatusCode.INTERNAL, repr(err))
 
     def _checked_step(self, sent: Gathered) -> None:
@@ -452,3 +474,27 @@ class StepSender(StepGathering):
                     f"the server's prefix-cache statistics differ from the mirror's: {resp.prefix_cache_stats} "
                     f"against {stats}"
                 )
+
+
+class _Flight:
+    """A Step handed to the sender thread, :meth:`done` and :meth:`result` as a
+    ``Future``'s: one lock, held until the Step is answered (an executor's future
+    costs a work item, a condition and a queue per Step)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def done(self) -> bool:
+        return not self._lock.locked()
+
+    def result(self) -> None:
+        """Wait until the Step is answered (its failure, if any, is the sender's)."""
+        with self._lock:
+            pass
+
+    def finish(self) -> None:
+        """On the sender thread: the Step is answered (or failed)."""
+        self._lock.release()

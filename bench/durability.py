@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 from kvcoord.client import KVCoordClient
-from kvcoord.client import _requests as rq
 from kvcoord.client.errors import KVCoordError
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import allocate_op
 
 ROOT = Path(__file__).resolve().parents[1]
 POOL = """
@@ -103,7 +103,7 @@ class Worker:
             request_id=rid, append_token_ids=tokens, new_request=True,
             append_block_hashes=BlockHasher("sha256_cbor", 16, NONE).extend(tokens),
         )  # fmt: skip
-        ops = [pb.Operation(allocate=rq.allocate_op(sync, 64))]
+        ops = [pb.Operation(allocate=allocate_op(sync, 64))]
         if self.prev:
             ops.append(pb.Operation(free=pb.FreeOp(request_id=self.prev)))
         self.client.step("bench", ops, self.session, self.fence)

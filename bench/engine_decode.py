@@ -39,7 +39,7 @@ def run(fast: bool, groups: tuple[Any, ...], steps: int, running: int, seed: int
         max_model_len=4096,
     )
     pool = KVCachePool(cfg)
-    pool._decode_fast_path = fast and pool._decode_fast_path
+    pool.decode_fast_path = fast and pool.decode_fast_path
     rnd = random.Random(seed)
     none = none_hash("sha256_cbor", "0")
     hashers: dict[str, BlockHasher] = {}

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from kvcoord.client import KVCoordClient
-from kvcoord.client import _requests as rq
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import allocate_op
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from support import scrape_metrics
@@ -52,7 +52,7 @@ def test_scrapes_see_one_consistent_state_while_pools_change() -> None:
                         request_id=f"r{i}", append_token_ids=list(range(64)), new_request=True
                     )
                     ops = [
-                        pb.Operation(allocate=rq.allocate_op(sync, 64)),
+                        pb.Operation(allocate=allocate_op(sync, 64)),
                         pb.Operation(free=pb.FreeOp(request_id=f"r{i}")),
                     ]
                     if i % 3:
@@ -110,7 +110,7 @@ GROUP = (("group", "0"), ("pool", "p"), ("type", "FullAttentionSpec"))
 def _allocate(c: KVCoordClient, rid: str) -> None:
     sid = c.attach("p", "", 4, "").session_id
     sync = pb.RequestSync(request_id=rid, append_token_ids=list(range(64)), new_request=True)
-    c.step("p", [pb.Operation(allocate=rq.allocate_op(sync, 64))], sid)
+    c.step("p", [pb.Operation(allocate=allocate_op(sync, 64))], sid)
     c.detach(sid)
 
 

@@ -23,11 +23,11 @@ from kvcoord.client import (
     RequestsLostError,
     RetryPolicy,
 )
-from kvcoord.client import _requests as rq
 from kvcoord.client.faults import FaultInjector
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import allocate_op
 from support import POOL_TOML as POOL
 from support import Req
 
@@ -85,7 +85,7 @@ def test_dead_worker_blocks_are_freed_and_sessionless_calls_refused(started: lis
         server.call(server.running.servicer.reap_expired_sessions)  # type: ignore[union-attr]
         assert held(c) == {}
         assert c.get_stats("p").num_free_blocks == 63
-        op = rq.allocate_op(pb.RequestSync(request_id="x", append_token_ids=[1, 2], new_request=True), 2)
+        op = allocate_op(pb.RequestSync(request_id="x", append_token_ids=[1, 2], new_request=True), 2)
         with pytest.raises(Exception) as err:
             c.step("p", [pb.Operation(allocate=op)], session_id="")
         assert "session_id is required" in str(err.value)
@@ -163,7 +163,7 @@ def test_idempotency_keys_are_scoped_and_bound(started: list[InProcessServer]) -
     with KVCoordClient(server.address) as c:
         s1 = c.attach("p", "sha256_cbor", 4, "0").session_id
         s2 = c.attach("p", "sha256_cbor", 4, "0").session_id
-        op = rq.allocate_op(pb.RequestSync(request_id="a", append_token_ids=[1, 2, 3], new_request=True), 3)
+        op = allocate_op(pb.RequestSync(request_id="a", append_token_ids=[1, 2, 3], new_request=True), 3)
         req = pb.StepRequest(pool="p", session_id=s1, ops=[pb.Operation(allocate=op)], idempotency_key="k")
         first = c._call("Step", req)
         assert c._call("Step", req) == first  # a retry is answered, not applied again
@@ -360,7 +360,6 @@ def test_a_failed_allocate_that_changed_the_pool_is_journaled(
     """A must_succeed refusal still removes sliding-window blocks (as vLLM's refusals
     do) and fails: the journal has it, so a restart recovers exactly that state (before,
     the recovered pool gave the freed blocks back to the old request)."""
-    from kvcoord.client import _requests as rq
 
     pool = POOL.replace("enable_caching = true", "enable_caching = false")
 
@@ -379,13 +378,13 @@ def test_a_failed_allocate_that_changed_the_pool_is_journaled(
 
         def alloc(rid: str, n: int) -> None:
             sync = pb.RequestSync(request_id=rid, append_token_ids=list(range(n)), new_request=True)
-            c.allocate("p", rq.allocate_op(sync, n), sid, fence)
+            c.allocate("p", allocate_op(sync, n), sid, fence)
 
         alloc("a", 20)
         alloc("f", 96)
         sync = pb.RequestSync(request_id="a", base_num_tokens=20, append_token_ids=list(range(20, 60)),
                               num_computed_tokens=20)  # fmt: skip
-        op = rq.allocate_op(sync, 40)
+        op = allocate_op(sync, 40)
         op.must_succeed = True
         with pytest.raises(Exception, match="PREDICTION_FAILED|refused an allocation"):
             c.allocate("p", op, sid, fence)

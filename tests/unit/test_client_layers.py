@@ -1,7 +1,7 @@
-"""The client's modules, checked on their sources: none reaches into another object's
-private members or imports another module's private names; and no module of the
-client or the service grows past about 500 lines (issue 21, item 7). Import cycles
-are test_layers.py's."""
+"""The client's, the engine's, the wire's and the service's modules, checked on their
+sources: none reaches into another object's private members or imports another
+module's private names; and no module of the client or the service grows past about
+500 lines (issue 21, item 7). Import cycles are test_layers.py's."""
 
 from __future__ import annotations
 
@@ -61,10 +61,13 @@ def _modules() -> list[Path]:
 
 
 def test_no_client_module_reaches_into_private_members() -> None:
-    """kvcoord.client's modules and kvcoord.service's (issue 21 item 4)."""
+    """kvcoord.client's modules, the engine's, the wire's, the conformance tools' and
+    kvcoord.service's (issue 21 item 4)."""
     service = sorted(SERVICE.glob("*.py"))
     assert len(service) > 30 and any(p.name == "pool_service.py" for p in service)
-    bad = [use for p in _modules() + service for use in private_reaches(p)]
+    shared = [p for d in ("engine", "wire", "conformance") for p in sorted((CLIENT.parent / d).rglob("*.py"))]
+    assert len(shared) > 40 and any(p.name == "decode_run.py" for p in shared)
+    bad = [use for p in _modules() + service + shared for use in private_reaches(p)]
     assert not bad, "private members reached from outside their object:\n" + "\n".join(bad)
 
 

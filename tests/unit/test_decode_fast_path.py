@@ -83,7 +83,7 @@ class Twins:
             **kw,
         )
         self.fast, self.slow = KVCachePool(self.config), KVCachePool(self.config)
-        self.slow._decode_fast_path = False
+        self.slow.decode_fast_path = False
         self.taken = 0
         inner = self.fast._decode_inside_blocks
 
@@ -205,4 +205,4 @@ def test_fast_path_equals_general_path(layout: str) -> None:
                 running.remove(rid)
                 continue
             t.decode(rid)
-    assert t.taken > 200 if t.fast._decode_fast_path else t.taken == 0, t.taken
+    assert t.taken > 200 if t.fast.decode_fast_path else t.taken == 0, t.taken

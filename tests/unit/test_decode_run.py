@@ -193,7 +193,7 @@ def test_decode_run_equals_the_general_path(layout: str) -> None:
             if rnd.random() < 0.05 or (req.num_tokens >= MAX_LEN - 2 and rnd.random() < 0.5):
                 t.both("free", rid)
                 running.remove(rid)
-    if t.fast._decode_fast_path:
+    if t.fast.decode_fast_path:
         assert taken > 300, taken
     else:
         assert taken == 0

@@ -25,6 +25,7 @@ from kvcoord.service.servicer import AllocatorServicer
 from kvcoord.service.sessions import SessionTable
 from kvcoord.service.testing import ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import allocate_op
 from support import wire_pool_config
 
 DATA = Path(__file__).resolve().parents[1] / "conformance" / "data"
@@ -196,7 +197,7 @@ def test_keyed_answer_survives_and_is_not_applied_twice(
         request_id="r", append_token_ids=tokens, new_request=True,
         append_block_hashes=BlockHasher("sha256_cbor", 4, NONE).extend(tokens),
     )  # fmt: skip
-    req = rq.step("p", [pb.Operation(allocate=rq.allocate_op(sync, 12))], att.session_id, att.fence)
+    req = rq.step("p", [pb.Operation(allocate=allocate_op(sync, 12))], att.session_id, att.fence)
     first = a.call("Step", req)
     a.crash()
     b = Node(loop, tmp_path)
@@ -366,7 +367,7 @@ def _busy_node(loop: asyncio.AbstractEventLoop, tmp_path: Path, steps: int, ever
             append_block_hashes=hasher.extend(tokens),
         )  # fmt: skip
         hasher = BlockHasher("sha256_cbor", 4, NONE)
-        ops = [pb.Operation(allocate=rq.allocate_op(sync, 64))]
+        ops = [pb.Operation(allocate=allocate_op(sync, 64))]
         if i:
             ops.insert(0, pb.Operation(free=pb.FreeOp(request_id=f"r{i - 1}")))
         client.step("p", ops, att.session_id, att.fence)

@@ -17,6 +17,7 @@ from kvcoord.service.observers import NullObserver
 from kvcoord.service.sessions import SessionTable
 from kvcoord.service.testing import ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import allocate_op
 from test_journal import NONE, Aborted, Node, _pool_config, state_of
 
 
@@ -49,9 +50,7 @@ def _allocate(node: Node, att: pb.AttachResponse, rid: str) -> None:
         request_id=rid, append_token_ids=tokens, new_request=True,
         append_block_hashes=BlockHasher("sha256_cbor", 4, NONE).extend(tokens),
     )  # fmt: skip
-    node.call(
-        "Step", rq.step("p", [pb.Operation(allocate=rq.allocate_op(sync, 12))], att.session_id, att.fence)
-    )
+    node.call("Step", rq.step("p", [pb.Operation(allocate=allocate_op(sync, 12))], att.session_id, att.fence))
 
 
 def _lapsed_node(loop: asyncio.AbstractEventLoop, tmp_path: Path) -> tuple[Node, Counted, pb.AttachResponse]:

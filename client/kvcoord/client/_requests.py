@@ -10,7 +10,6 @@ import uuid
 from collections.abc import Iterable, Sequence
 
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import block_ids_to_pb
 
 #: rpc name -> how a failure whose outcome is unknown (UNAVAILABLE, DEADLINE_EXCEEDED)
 #: is handled: "read" (no effect: retry), "keyed" (retry with the same idempotency
@@ -49,37 +48,6 @@ def kind_of(rpc: str, request: object) -> str:
 
 def key() -> str:
     return uuid.uuid4().hex
-
-
-def allocate_op(
-    sync: pb.RequestSync | None,
-    num_new_tokens: int,
-    num_new_computed_tokens: int = 0,
-    new_computed_blocks: Sequence[Sequence[int]] | None = None,
-    num_lookahead_tokens: int = 0,
-    num_external_computed_tokens: int = 0,
-    delay_cache_blocks: bool = False,
-    num_encoder_tokens: int = 0,
-    lookup: bool = False,
-    into: pb.AllocateOp | None = None,
-) -> pb.AllocateOp:
-    """allocate_slots' arguments as an AllocateOp carrying a copy of ``sync`` (an empty
-    hit is sent as none); written into ``into`` when given, whose request sync the
-    caller fills in place (``sync`` is then ``None``: a long prompt is not copied)."""
-    op = pb.AllocateOp() if into is None else into
-    if sync is not None:
-        op.request.CopyFrom(sync)
-    op.num_new_tokens = num_new_tokens
-    op.num_new_computed_tokens = num_new_computed_tokens
-    op.num_lookahead_tokens = num_lookahead_tokens
-    op.num_external_computed_tokens = num_external_computed_tokens
-    op.delay_cache_blocks = delay_cache_blocks
-    op.num_encoder_tokens = num_encoder_tokens
-    op.lookup = lookup
-    if new_computed_blocks is not None and any(new_computed_blocks):
-        op.new_computed_blocks.groups.extend(block_ids_to_pb(new_computed_blocks))
-        op.new_computed_blocks.num_tokens = num_new_computed_tokens
-    return op
 
 
 def create_pool(name: str, config: pb.PoolConfig) -> pb.CreatePoolRequest:

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import allocate_op
 
-from . import _requests as rq
 from .errors import AbortedError
 from .items import Item, KVCacheBlockIds, Pending, ids
 
@@ -71,7 +71,7 @@ class Ops:
         op = pb.Operation()
         a = op.allocate
         self.m.tracker.sync(request, a.request)
-        rq.allocate_op(None, num_new_tokens, num_new_computed_tokens, hit, num_lookahead_tokens,
+        allocate_op(None, num_new_tokens, num_new_computed_tokens, hit, num_lookahead_tokens,
                        num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, into=a)  # fmt: skip
         a.return_table = return_table
         m = self.m
@@ -99,7 +99,7 @@ class Ops:
         op = pb.Operation()
         a = op.allocate
         self.m.tracker.sync(request, a.request)
-        rq.allocate_op(
+        allocate_op(
             None,
             max_num_new_tokens,
             num_lookahead_tokens=num_lookahead_tokens,

@@ -8,12 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvcoord.client import KVCoordClient, TLSOptions
-from kvcoord.client import _requests as rq
 from kvcoord.client.errors import error_from_code, status_code
 from kvcoord.client.retry import DEFAULT_RETRY, RetryPolicy
 from kvcoord.engine import LoRA
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import copies_from_pb, events_from_pb, offloads_from_pb, stats_from_pb
+from kvcoord.wire import allocate_op, copies_from_pb, events_from_pb, offloads_from_pb, stats_from_pb
 
 from .target import BlockIds, event_to_json, stats_to_json
 from .trace import pool_config_from_trace
@@ -170,7 +169,7 @@ class RemoteTarget:
                        num_external_computed_tokens: int, delay_cache_blocks: bool,
                        num_encoder_tokens: int, full_sequence_must_fit: bool = False,
                        reserved_blocks: int = 0) -> list[list[int]] | None:  # fmt: skip
-        op = rq.allocate_op(self._sync(rid), num_new_tokens, num_new_computed_tokens, new_computed_blocks,
+        op = allocate_op(self._sync(rid), num_new_tokens, num_new_computed_tokens, new_computed_blocks,
                             num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
                             num_encoder_tokens)  # fmt: skip
         op.full_sequence_must_fit = full_sequence_must_fit

@@ -29,17 +29,17 @@ class BlockHashToBlockMap:
     append-only); lookups return the earliest inserted survivor. ``first[g]`` maps a
     hash of group ``g`` to that block's id, so a lookup is one dict access with no key
     to build; the rare keys held by several blocks also list all of them, in insertion
-    order, in ``_more[g]``.
+    order, in ``more[g]``.
 
     Args:
         num_groups: number of KV cache groups.
     """
 
-    __slots__ = ("_more", "first", "hook")
+    __slots__ = ("more", "first", "hook")
 
     def __init__(self, num_groups: int) -> None:
         self.first: list[dict[bytes, int]] = [{} for _ in range(max(num_groups, 1))]
-        self._more: list[dict[bytes, dict[int, None]]] = [{} for _ in range(max(num_groups, 1))]
+        self.more: list[dict[bytes, dict[int, None]]] = [{} for _ in range(max(num_groups, 1))]
         #: told of every key that enters or leaves ``first[hook.gid]`` (see
         #: :class:`KeyHook`): a server's cross-pool index of this map; ``None`` here.
         #: A replaced map (reset, teardown, state restore) starts without one.
@@ -58,7 +58,7 @@ class BlockHashToBlockMap:
 
     def add_duplicate(self, block_hash: bytes, group_id: int, first: int, block_id: int) -> None:
         """Record ``block_id`` as a later block under a key whose first block is ``first``."""
-        more = self._more[group_id]
+        more = self.more[group_id]
         ids = more.get(block_hash)
         if ids is None:
             more[block_hash] = {first: None, block_id: None}
@@ -67,7 +67,7 @@ class BlockHashToBlockMap:
 
     def pop(self, block_hash: bytes, group_id: int, block_id: int) -> bool:
         """Drop ``block_id`` from the key; ``False`` if it was not there."""
-        more = self._more[group_id]
+        more = self.more[group_id]
         first = self.first[group_id]
         ids = more.get(block_hash) if more else None
         if ids is None:
@@ -91,7 +91,7 @@ class BlockHashToBlockMap:
     def items(self) -> Iterator[tuple[BlockHashWithGroupId, list[int]]]:
         """``(hash ‖ group, block ids)`` per key: group order, then insertion order."""
         for gid, first in enumerate(self.first):
-            more = self._more[gid]
+            more = self.more[gid]
             for block_hash, block_id in first.items():
                 ids = more.get(block_hash)
                 yield key_with_group(block_hash, gid), list(ids) if ids is not None else [block_id]
@@ -99,7 +99,7 @@ class BlockHashToBlockMap:
     def block_ids(self) -> Iterator[int]:
         """Every cached block id (unordered)."""
         for gid, first in enumerate(self.first):
-            more = self._more[gid]
+            more = self.more[gid]
             yield from first.values()
             for ids in more.values():
                 yield from list(ids)[1:]

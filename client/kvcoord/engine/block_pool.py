@@ -265,7 +265,7 @@ class BlockPool(PartialKeys):
                 block.ref_cnt = 1
         elif self.enable_caching:
             cache = self.cached_block_hash_to_block
-            firsts, mores = cache.first, cache._more
+            firsts, mores = cache.first, cache.more
             hook = cache.hook
             events = self.kv_event_queue if self.enable_kv_cache_events else None
             evicted = 0
@@ -291,7 +291,7 @@ class BlockPool(PartialKeys):
                             )
                         block.event_hash = None
                     else:
-                        self._evict_cached_block(block)
+                        self.evict_cached_block(block)
                 block.ref_cnt = 1
             if evicted:
                 self.num_evictions += evicted
@@ -302,7 +302,7 @@ class BlockPool(PartialKeys):
         self.num_allocated += num_blocks
         return ret
 
-    def _evict_cached_block(self, block: KVCacheBlock) -> bool:
+    def evict_cached_block(self, block: KVCacheBlock) -> bool:
         block_hash = block.cached_hash
         if block_hash is None:
             return False
@@ -341,7 +341,7 @@ class BlockPool(PartialKeys):
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the cached hash of each listed block; ref counts and queue order stay."""
         blocks = self.blocks
-        evict = self.evict_all_keys if self.multi_key_blocks else self._evict_cached_block
+        evict = self.evict_all_keys if self.multi_key_blocks else self.evict_cached_block
         for block_id in block_ids:
             if block_id < len(blocks):  # a never-used block holds no hash
                 evict(blocks[block_id])
@@ -369,7 +369,7 @@ class BlockPool(PartialKeys):
         cached = self.cached_block_hash_to_block
         self.cached_block_hash_to_block = BlockHashToBlockMap(len(cached.first))
         # the old map's keys dropped ``chunk`` at a time too (1,000,000 at once: ~30 ms)
-        maps: list[dict[bytes, Any]] = [*cached.first, *cached._more]
+        maps: list[dict[bytes, Any]] = [*cached.first, *cached.more]
         for keys in maps:
             while keys:
                 for _ in range(min(chunk, len(keys))):

@@ -19,7 +19,7 @@ Two kinds of entry are taken:
   events and counters too).
 
 Only for pools whose every group allocates, caches and skips by the base rules (the
-pool's ``_decode_fast_path``); any other pool takes no entry here.
+pool's ``decode_fast_path``); any other pool takes no entry here.
 """
 
 from __future__ import annotations
@@ -60,13 +60,13 @@ class KVCachePool(Protocol):
     max_model_len: int
     enable_caching: bool
     hash_block_size: int
-    _decode_fast_path: bool
-    _hash_lag: int
-    _skipping_managers: list[SingleTypeKVCacheManager]
+    decode_fast_path: bool
+    hash_lag: int
+    skipping_managers: list[SingleTypeKVCacheManager]
 
-    def _num_to_take(self, rid: str, need: int, total: int, main: int) -> int: ...
+    def num_to_take(self, rid: str, need: int, total: int, main: int) -> int: ...
 
-    def _cache_full_blocks(self, req: Request, cached: int) -> None: ...
+    def cache_full_request_blocks(self, req: Request, cached: int) -> None: ...
 
 
 @dataclasses.dataclass(slots=True)
@@ -111,7 +111,7 @@ def decode_run(
         ``(i, t, h)``: the first entry not applied (``stop`` when every one was) and
         where its appended tokens and hashes start. Entry ``i`` is left untouched.
     """
-    if not pool._decode_fast_path:
+    if not pool.decode_fast_path:
         return start, t, h
     while start < stop:
         end = _plain_end(cols, start, stop, t)
@@ -204,10 +204,10 @@ def _run_plain(
     blocks_of = managers[0].req_to_blocks.get
     cached_of = managers[0].num_cached_block.get
     size = managers[0].block_size
-    skipping = pool._skipping_managers
+    skipping = pool.skipping_managers
     max_len = pool.max_model_len
     caching = pool.enable_caching
-    lag = pool._hash_lag
+    lag = pool.hash_lag
     hash_block = pool.hash_block_size
     hashes = cols.append_block_hashes
     n = stop - start
@@ -304,10 +304,10 @@ def _grow(
     bp = pool.block_pool
     managers = pool.managers
     first = managers[0]
-    if len(managers) == 1 and rid in first.num_cached_block:  # (KVCachePool._num_to_take's)
+    if len(managers) == 1 and rid in first.num_cached_block:  # (KVCachePool.num_to_take's)
         take = -(-need // first.block_size) - len(first.req_to_blocks[rid])
     else:
-        take = pool._num_to_take(rid, need, computed, main)
+        take = pool.num_to_take(rid, need, computed, main)
     if take > bp.free_block_queue.num_free_blocks:
         return False  # a refusal: the general path counts it (and keeps the update)
     # Nothing below can fail: the update, the blocks taken, the full ones cached.
@@ -327,10 +327,10 @@ def _grow(
         k = first.num_cached_block.get(rid, 0)
         full = cached // first.block_size
         if len(managers) > 1 or full > k + 1 or (full == k + 1 and not _cache_one(bp, req, first, k)):
-            pool._cache_full_blocks(req, cached)
+            pool.cache_full_request_blocks(req, cached)
         elif full == k + 1:
             first.num_cached_block[rid] = full
-        # (else nothing to cache, as _cache_full_blocks would find)
+        # (else nothing to cache, as cache_full_request_blocks would find)
     return True
 
 

@@ -88,7 +88,7 @@ def _check(
     # copy-on-write pairs (vllm-0.33 partial hits): each end of a pair not yet taken,
     # and each block taken and not released, holds one reference
     holders.update(pool.retained)
-    for cow in pool._cow_managers:
+    for cow in pool.cow_managers:
         for source, target in cow.pending_cow:
             holders[source.block_id] += 1
             holders[target.block_id] += 1

@@ -149,7 +149,7 @@ class KVCachePool(FastPaths, PoolLookups, Pool033Calls):
                 raise InvalidArgumentError(
                     "num_new_tokens must be > 0 unless num_external_computed_tokens is > 0"
                 )
-        if num_external_computed_tokens and self._cow_managers:
+        if num_external_computed_tokens and self.cow_managers:
             raise FailedPreconditionError(
                 "external (KV connector) tokens in a pool with fine-grained (partial) prefix hits "
                 "are not supported yet"
@@ -256,7 +256,7 @@ class KVCachePool(FastPaths, PoolLookups, Pool033Calls):
             )
         if not self.enable_caching:
             return
-        hashed = min(max(0, num_computed_tokens - self._reprefillable), req.num_tokens - self._hash_lag)
+        hashed = min(max(0, num_computed_tokens - self._reprefillable), req.num_tokens - self.hash_lag)
         for m in self.managers:
             full = hashed // m.block_size
             held = len(m.req_to_blocks.get(request_id, ()))

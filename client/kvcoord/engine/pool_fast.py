@@ -114,9 +114,9 @@ class FastPaths(PoolParts):
         total = req.num_computed_tokens
         main = total + num_new_tokens
         need = min(main + num_lookahead_tokens, self.max_model_len)
-        for m in self._skipping_managers:
+        for m in self.skipping_managers:
             m.remove_skipped_blocks(rid, total)
-        if self._num_to_take(rid, need, total, main) > self.block_pool.free_block_queue.num_free_blocks:
+        if self.num_to_take(rid, need, total, main) > self.block_pool.free_block_queue.num_free_blocks:
             self.num_refusals += 1
             return None
         # Nothing below can fail: the blocks are taken, then cached, ``every`` at a time.
@@ -140,7 +140,7 @@ class FastPaths(PoolParts):
                     out = [()] * len(managers)
                 out[i] = tuple(ids)
         if self.enable_caching:
-            num_tokens = len(req.all_token_ids) - self._hash_lag
+            num_tokens = len(req.all_token_ids) - self.hash_lag
             cached = main if main < num_tokens else num_tokens
             for m in managers:
                 num_full = cached // m.block_size
@@ -176,7 +176,7 @@ class FastPaths(PoolParts):
         req = self.requests.get(request_id)
         if req is None:
             raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
-        if self._decode_fast_path and self._decode_inside_blocks(
+        if self.decode_fast_path and self._decode_inside_blocks(
             req,
             num_computed_tokens,
             append_token_ids,
@@ -228,7 +228,7 @@ class FastPaths(PoolParts):
         which raises what it raises.
 
         Only for pools whose groups all allocate and cache by the base rules (the
-        caller's ``_decode_fast_path``): there the general path is
+        caller's ``decode_fast_path``): there the general path is
         :meth:`_allocate_without_hit`, whose every step this checks.
         """
         if type(append_token_ids) not in _TOKEN_LISTS or len(append_token_ids) != 1:
@@ -249,7 +249,7 @@ class FastPaths(PoolParts):
         rid = req.request_id
         caching = self.enable_caching
         if caching:
-            hashed = have + 1 - self._hash_lag
+            hashed = have + 1 - self.hash_lag
             if append_block_hashes or (hashed if hashed > 0 else 0) // self.hash_block_size != len(
                 req.block_hashes
             ):
@@ -280,11 +280,11 @@ class FastPaths(PoolParts):
         need = main + num_lookahead_tokens
         if need > self.max_model_len:
             need = self.max_model_len
-        for m in self._skipping_managers:
+        for m in self.skipping_managers:
             m.remove_skipped_blocks(rid, total)
         managers = self.managers
         bp = self.block_pool
-        if self._num_to_take(rid, need, total, main) > bp.free_block_queue.num_free_blocks:
+        if self.num_to_take(rid, need, total, main) > bp.free_block_queue.num_free_blocks:
             self.num_refusals += 1
             return None
         out: list[tuple[int, ...]] | None = None
@@ -301,11 +301,11 @@ class FastPaths(PoolParts):
                 out[i] = tuple([b.block_id for b in new_blocks])
         result = self._no_new_blocks if out is None else tuple(out)
         if self.enable_caching:
-            num_tokens = len(req.all_token_ids) - self._hash_lag
-            self._cache_full_blocks(req, main if main < num_tokens else num_tokens)
+            num_tokens = len(req.all_token_ids) - self.hash_lag
+            self.cache_full_request_blocks(req, main if main < num_tokens else num_tokens)
         return result
 
-    def _cache_full_blocks(self, req: Request, cached: int) -> None:
+    def cache_full_request_blocks(self, req: Request, cached: int) -> None:
         """Cache every group's full blocks of ``req`` up to ``cached`` tokens (the base
         rule: :meth:`_allocate_without_hit`'s last phase)."""
         rid = req.request_id
@@ -319,7 +319,7 @@ class FastPaths(PoolParts):
                 )
                 m.num_cached_block[rid] = num_full
 
-    def _num_to_take(self, rid: str, need: int, total: int, main: int) -> int:
+    def num_to_take(self, rid: str, need: int, total: int, main: int) -> int:
         """Blocks a call without a hit takes for ``need`` slots (skipped blocks removed)."""
         k = 0
         for m in self.managers:
@@ -372,7 +372,7 @@ class FastPaths(PoolParts):
             return False
         main = num_computed_tokens + num_new_tokens
         need = min(main + num_lookahead_tokens, self.max_model_len)
-        hashed = num_tokens - self._hash_lag
+        hashed = num_tokens - self.hash_lag
         cached = main if main < hashed else hashed
         return self._changes_nothing(request_id, num_computed_tokens, need, cached)
 
@@ -381,7 +381,7 @@ class FastPaths(PoolParts):
         needs slots for ``need`` tokens and caching up to ``cached`` tokens (used only
         when caching is on) leaves every group as it is: no block leaving a window, every
         group's blocks covering ``need``, every full block up to ``cached`` cached."""
-        for m in self._skipping_managers:
+        for m in self.skipping_managers:
             if m.skips_blocks(request_id, num_computed_tokens):
                 return False
         caching = self.enable_caching

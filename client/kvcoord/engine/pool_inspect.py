@@ -117,7 +117,7 @@ class PoolInspection(PoolRequests):
         fresh = queue.next_fresh
         used = queue.head_ids()[self.config.num_blocks - fresh :]
         cache = self.block_pool.cached_block_hash_to_block
-        first, more = cache.first[0], cache._more[0]
+        first, more = cache.first[0], cache.more[0]
         pairs: list[tuple[bytes, int]] = []
         for block_hash, block_id in first.items():
             later = more.get(block_hash)
@@ -161,8 +161,7 @@ class PoolInspection(PoolRequests):
             block_hashes=bp.block_hashes(),
             hash_map=tuple((k, tuple(v)) for k, v in bp.cached_block_hash_to_block.items()),
             requests=self.request_table.snapshot(),
-            managers=tuple(managers)
-            + ((tuple(sorted(self.retained.items())),) if self._cow_managers else ()),
+            managers=tuple(managers) + ((tuple(sorted(self.retained.items())),) if self.cow_managers else ()),
             pending_events=tuple(bp.kv_event_queue),
             stats=self.peek_prefix_cache_stats(),
         )

@@ -48,15 +48,15 @@ class PoolParts:
         self.hash_block_size = config.hash_block_size
         #: vllm-0.33 look-ahead hashes: the last this many tokens have no hash yet, so
         #: caching stops before them (vLLM 0.33 clamps caching at the hashed tokens)
-        self._hash_lag = config.num_hash_lookahead_tokens
+        self.hash_lag = config.num_hash_lookahead_tokens
         #: what the caching calls hold back from the coordinator: the look-ahead tokens,
         #: unless the coordinator stops at the hashed tokens itself after rounding down
         #: (vllm-0.33 hybrids: clamping first would round a smaller count down)
-        self._cache_lag = 0 if self.coordinator.caps_cache_at_hashes else self._hash_lag
+        self._cache_lag = 0 if self.coordinator.caps_cache_at_hashes else self.hash_lag
         #: vLLM 0.33's re-prefillable tail (multi-module MTP, whose look-ahead L is the
         #: draft count): its coordinator caches only ``computed - (L - 1)`` tokens, the
         #: last L - 1 may be prefilled again (0 for L <= 1)
-        self._reprefillable = max(0, self._hash_lag - 1)
+        self._reprefillable = max(0, self.hash_lag - 1)
         #: vllm-0.33's per-group admission caps (tokens), for the full-sequence gate
         self._admission_caps = admission_cap_tokens(config)
         self.request_table = RequestTable(config)
@@ -95,7 +95,7 @@ class PoolParts:
             # (round-down, retention masks); a zeroing pool records its new blocks
             self._plain_managers = False
         # Managers that may free blocks in remove_skipped_blocks (a skip rule).
-        self._skipping_managers = [
+        self.skipping_managers = [
             m
             for m in self.managers
             if type(m).get_num_skipped_tokens is not SingleTypeKVCacheManager.get_num_skipped_tokens
@@ -104,7 +104,7 @@ class PoolParts:
         self._no_new_blocks: BlockIds = tuple(() for _ in self.managers)
         #: update_and_allocate answers a decode step inside its blocks at once
         #: (:meth:`_decode_inside_blocks`); off only to test it against the general path
-        self._decode_fast_path = (
+        self.decode_fast_path = (
             DECODE_FAST_PATH
             and self._plain_managers
             and all(
@@ -126,7 +126,7 @@ class PoolParts:
         self.pending_new_block_ids: list[list[int]] = [[] for _ in self.managers]
         #: vllm-0.33 fine-grained hits: the groups making copy-on-write pairs, and the
         #: ids of the copies' blocks taken but not released yet (each entry one reference)
-        self._cow_managers: list[CopyOnWrite] = [m for m in self.managers if isinstance(m, CopyOnWrite)]
+        self.cow_managers: list[CopyOnWrite] = [m for m in self.managers if isinstance(m, CopyOnWrite)]
         self.retained: Counter[int] = Counter()
         #: evict_blocks was called: blocks may have lost their hash while shared
         self.evict_blocks_called = False

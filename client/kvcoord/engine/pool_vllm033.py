@@ -195,7 +195,7 @@ class Pool033Calls(PoolInspection):
         self._require_033("take_kv_cache_block_copies")
         copies: list[tuple[int, int]] = []
         retained: list[int] = []
-        for m in self._cow_managers:
+        for m in self.cow_managers:
             for source, target in m.take_pending_cow_copies():
                 copies.append((source.block_id, target.block_id))
                 retained += (source.block_id, target.block_id)
@@ -242,7 +242,7 @@ class Pool033Calls(PoolInspection):
         Returns:
             the number of references dropped.
         """
-        for m in self._cow_managers:
+        for m in self.cow_managers:
             for source, target in m.take_pending_cow_copies():
                 self.retained.update((source.block_id, target.block_id))
         if not self.retained:

@@ -126,7 +126,7 @@ def export_state(pool: KVCachePool) -> dict[str, Any]:
         "free_front": queue.front_ids(),
         "free_used": queue.head_ids()[len(queue.front_ids()) + bp.num_blocks - created :],
         "hash_first": [list(first.items()) for first in cache.first],
-        "hash_more": [[(h, list(ids)) for h, ids in more.items()] for more in cache._more],
+        "hash_more": [[(h, list(ids)) for h, ids in more.items()] for more in cache.more],
         "managers": managers,
         "requests": requests,
         "namespaces": list(pool.cache_namespaces.items()),
@@ -204,7 +204,7 @@ def import_state(config: KVCacheConfig, state: dict[str, Any]) -> KVCachePool:
     cache = bp.cached_block_hash_to_block = BlockHashToBlockMap(len(state["hash_first"]))
     for gid, pairs in enumerate(state["hash_first"]):
         cache.first[gid] = dict(pairs)
-        cache._more[gid] = {h: dict.fromkeys(ids) for h, ids in state["hash_more"][gid]}
+        cache.more[gid] = {h: dict.fromkeys(ids) for h, ids in state["hash_more"][gid]}
     if len(state["managers"]) != len(pool.managers):
         raise StateError("the state has another number of KV cache groups")
     for m, entry in zip(pool.managers, state["managers"], strict=True):

@@ -39,6 +39,7 @@ from .mamba import copies_from_pb, copies_to_pb, offloads_from_pb, offloads_to_p
 from .state import ReplicaState, pool_state_from_pb, write_pool_state
 from .values import (
     STATS_FIELDS,
+    allocate_op,
     block_ids_to_pb,
     extra_key_sources_from_pb,
     hit_from_pb,
@@ -55,6 +56,7 @@ __all__ = [
     "HASH_LENGTHS",
     "MAX_MODEL_LEN_UNLIMITED",
     "STATS_FIELDS",
+    "allocate_op",
     "ConfigFileError",
     "ReplicaState",
     "WireError",

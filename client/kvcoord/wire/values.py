@@ -1,4 +1,4 @@
-"""Block ids, prefix hits, LoRA adapters, a request's extra-key sources and prefix-cache
+"""Block ids, an allocation's arguments, prefix hits, LoRA adapters, a request's extra-key sources and prefix-cache
 statistics: engine values <-> messages."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 __all__ = [
     "STATS_FIELDS",
+    "allocate_op",
     "block_ids_to_pb",
     "extra_key_sources_from_pb",
     "write_extra_key_sources",
@@ -93,3 +94,34 @@ def stats_to_pb(stats: PrefixCacheStats | None) -> pb.PrefixCacheStats | None:
 
 def stats_from_pb(stats: pb.PrefixCacheStats) -> PrefixCacheStats:
     return PrefixCacheStats(**{f: getattr(stats, f) for f in STATS_FIELDS})
+
+
+def allocate_op(
+    sync: pb.RequestSync | None,
+    num_new_tokens: int,
+    num_new_computed_tokens: int = 0,
+    new_computed_blocks: Sequence[Sequence[int]] | None = None,
+    num_lookahead_tokens: int = 0,
+    num_external_computed_tokens: int = 0,
+    delay_cache_blocks: bool = False,
+    num_encoder_tokens: int = 0,
+    lookup: bool = False,
+    into: pb.AllocateOp | None = None,
+) -> pb.AllocateOp:
+    """allocate_slots' arguments as an AllocateOp carrying a copy of ``sync`` (an empty
+    hit is sent as none); written into ``into`` when given, whose request sync the
+    caller fills in place (``sync`` is then ``None``: a long prompt is not copied)."""
+    op = pb.AllocateOp() if into is None else into
+    if sync is not None:
+        op.request.CopyFrom(sync)
+    op.num_new_tokens = num_new_tokens
+    op.num_new_computed_tokens = num_new_computed_tokens
+    op.num_lookahead_tokens = num_lookahead_tokens
+    op.num_external_computed_tokens = num_external_computed_tokens
+    op.delay_cache_blocks = delay_cache_blocks
+    op.num_encoder_tokens = num_encoder_tokens
+    op.lookup = lookup
+    if new_computed_blocks is not None and any(new_computed_blocks):
+        op.new_computed_blocks.groups.extend(block_ids_to_pb(new_computed_blocks))
+        op.new_computed_blocks.num_tokens = num_new_computed_tokens
+    return op

@@ -386,4 +386,4 @@ class MambaManager033(MambaManager):
         if bp.multi_key_blocks:
             bp.evict_all_keys(block)
         else:
-            bp._evict_cached_block(block)
+            bp.evict_cached_block(block)

@@ -45,6 +45,7 @@ from .hashing import pool_seed
 from .items import Item, KVCacheBlockIds, Pending
 from .sender import StepSender
 from .session import SessionKeeper
+from .session_facts import SessionFacts
 from .tracking import RequestTracker
 
 __all__ = ["KVCacheBlockIds", "Pending", "RemoteKVCacheManager", "StepBatcher"]
@@ -58,7 +59,7 @@ MAX_EVENT_ROUNDS = 64
 _NO_EVENTS = ("free", "remove_skipped_blocks", "lookup", "get_block_ids")
 
 
-class RemoteKVCacheManager:
+class RemoteKVCacheManager(SessionFacts):
     """vLLM KVCacheManager methods over a kvcoord pool.
 
     Args:
@@ -128,15 +129,6 @@ class RemoteKVCacheManager:
         #: allocate_slots calls answered None because the hit had gone stale (another
         #: worker reused its blocks after the lookup); the scheduler looks up again.
         self.stale_hits = 0
-
-    @property
-    def session_id(self) -> str:
-        return self.keeper.session_id
-
-    @property
-    def lost_requests(self) -> int:
-        """Requests reported lost (RequestsLostError) since the manager was created."""
-        return self.sender.lost_requests
 
     @property
     def round_trips(self) -> int:

@@ -14,11 +14,12 @@ from kvcoord.wire import event_to_pb, stats_to_pb
 from .mirror import Mirror
 from .sender import StepSender
 from .session import SessionKeeper
+from .session_facts import SessionFacts
 
 __all__ = ["PredictedReports"]
 
 
-class PredictedReports:
+class PredictedReports(SessionFacts):
     """The reporting half of vLLM's KVCacheManager interface over a mirror."""
 
     #: what the engine's events are given as (see :meth:`convert_events_with`)
@@ -33,15 +34,6 @@ class PredictedReports:
         engine's events, made as each call makes them (vLLM's adapter: vLLM's types)."""
         self.event_converter = self.mirror.convert = convert
         self.mirror.events = convert(self.mirror.events)
-
-    @property
-    def session_id(self) -> str:
-        return self.keeper.session_id
-
-    @property
-    def lost_requests(self) -> int:
-        """Requests reported lost (RequestsLostError) since the manager was created."""
-        return self.sender.lost_requests
 
     @property
     def steps_sent(self) -> int:

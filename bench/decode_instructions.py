@@ -20,7 +20,8 @@ StepStream runs per message: the guard, the parse, the input bounds, the session
 idempotency key and its digest, the kept answer, the metrics) and its answer encoded by
 the handler's serializer, on an asyncio loop without gRPC (a stub call context,
 memory-only registry): the per-Step work of the served path that is kvcoord's, gRPC's
-own excepted. The cyclic collector is off there, hashes are seeded the same and no
+own excepted. The cyclic collector is off there, hashes are seeded the same, the clock
+stands still (no lease or kept answer runs out at valgrind's pace) and no
 Step is applied in slices (under valgrind every Step outlasts ``slice_seconds``, and
 where the clock cut it moved the count by 5-15 % between two runs of one code).
 """
@@ -81,7 +82,6 @@ def served_child(tree: Path, trace: Path, shape: str, steps: int, warm: int) -> 
     sys.path[:0] = [str(tree / "client"), str(tree / "server")]
     import asyncio
     import gc
-    import time as _time
 
     import decode_cpu as D
     from common import CallDetails, Registrar, StubContext
@@ -91,12 +91,14 @@ def served_child(tree: Path, trace: Path, shape: str, steps: int, warm: int) -> 
     from kvcoord.service.registry import PoolRegistry
     from kvcoord.service.servicer import AllocatorServicer, add_servicer
     from kvcoord.service.sessions import SessionTable
+    from kvcoord.service.testing import ManualClock
     from kvcoord.v1 import allocator_pb2 as pb
 
     pool = json.loads(trace.with_suffix(".pool.json").read_text())
     algo, bs, seed = pool["attach"]
+    clock = ManualClock()  # (leases and kept answers never run out under valgrind's pace)
     registry = PoolRegistry(
-        Limits(), SessionTable(_time.monotonic, 30, 60), IdempotencyStore(_time.monotonic, 60, 1 << 30)
+        Limits(), SessionTable(clock, 30, 60), IdempotencyStore(clock, 60, 1 << 30), clock=clock
     )
     metrics = Metrics()
     servicer = AllocatorServicer(registry, metrics)

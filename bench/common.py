@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,3 +86,39 @@ def old_tree(rev: str) -> Path:
     ).stdout
     subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
     return out
+
+
+# the servicer's handler chain called without gRPC (step_overhead.py, decode_instructions.py)
+
+
+class StubContext:
+    """What the guard and the metrics wrapper read of a call's context (no credentials)."""
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("user-agent", "bench"),)
+
+    def auth_context(self) -> dict[str, Any]:
+        return {}
+
+    def code(self) -> None:
+        return None
+
+    async def abort(self, code: Any, message: str, trailers: Any = ()) -> None:
+        raise RuntimeError(f"{code}: {message}")
+
+
+class Registrar:
+    """Takes the generic handler ``add_servicer`` registers."""
+
+    handler: Any = None
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        self.handler = handlers[0]
+
+
+class CallDetails:
+    """What an interceptor is told of a call (grpc.HandlerCallDetails)."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.invocation_metadata = ()

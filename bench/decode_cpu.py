@@ -23,7 +23,8 @@ server, ``git archive``d) and shape, in turns for ``--rounds`` rounds:
   in-process  a child process of that code runs an in-process server and applies the
               Steps on its event loop as gRPC's handler would: the request parsed from
               its bytes, ``Servicer.Step`` (session, idempotency key, the Step applied,
-              its answer kept), the answer serialized; CPU is the loop thread's
+              its answer kept), the answer serialized (the kept bytes: code since
+              fix-srv23 answers with them); CPU is the loop thread's
               (``time.thread_time``) over the measured Steps
   grpc        a ``kvcoord serve`` process of each code, all at once (``--metrics``: each
               also serves /metrics, as ``kvcoord serve`` does by default; the metrics
@@ -230,7 +231,7 @@ def child(trace: Path, shape: str, warmup: int, running: int, profile: bool) -> 
                 t0 = time.thread_time()
                 for body in part:
                     resp = await servicer.Step(pb.StepRequest.FromString(body), None)
-                    answers.append(resp.SerializeToString())
+                    answers.append(resp if type(resp) is bytes else resp.SerializeToString())
                 cpu = time.thread_time() - t0
                 if prof is not None and timed:
                     prof.disable()
@@ -295,7 +296,7 @@ def toggle(trace: Path, warmup: int, running: int) -> None:
                         general["on"] = name == "general"
                         t0 = time.thread_time()
                         resp = await servicer.Step(pb.StepRequest.FromString(wire[name][k]), None)
-                        answers[name].append(resp.SerializeToString())
+                        answers[name].append(resp if type(resp) is bytes else resp.SerializeToString())
                         cpu[name].append(time.thread_time() - t0)
 
             srv._run(run(), 900)

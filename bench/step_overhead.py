@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT / "client"), str(ROOT / "server")]
 
 import decode_cpu as D  # noqa: E402
+from common import CallDetails, Registrar, StubContext  # noqa: E402
 
 _SERVE = "serve"
 
@@ -125,37 +126,6 @@ def floor(bodies: list[bytes], answer_bytes: int, warmup: int) -> dict[str, floa
             p.wait()
 
 
-class _Context:
-    """What the guard and the metrics wrapper read of a call's context (no credentials)."""
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("user-agent", "bench"),)
-
-    def auth_context(self) -> dict[str, Any]:
-        return {}
-
-    def code(self) -> None:
-        return None
-
-    async def abort(self, code: Any, message: str, trailers: Any = ()) -> None:
-        raise RuntimeError(f"{code}: {message}")
-
-
-class _Registrar:
-    """Takes the generic handler ``add_servicer`` registers."""
-
-    handler: Any = None
-
-    def add_generic_rpc_handlers(self, handlers: Any) -> None:
-        self.handler = handlers[0]
-
-
-class _Details:
-    def __init__(self, method: str) -> None:
-        self.method = method
-        self.invocation_metadata = ()
-
-
 def layers(trace: Path, running: int, warmup: int) -> dict[str, float]:
     """Loop-thread µs per Step of ``Servicer.Step`` alone and of the handler chain."""
     import workers as W
@@ -178,15 +148,15 @@ def layers(trace: Path, running: int, warmup: int) -> dict[str, float]:
                            idempotency_key=f"k{k}").SerializeToString()
             for k, b in enumerate(bodies)
         ]  # fmt: skip
-        registrar = _Registrar()
+        registrar = Registrar()
         add_servicer(servicer, registrar)  # type: ignore[arg-type]
-        handler = registrar.handler.service(_Details(method))
+        handler = registrar.handler.service(CallDetails(method))
         interceptor = srv.metrics.interceptor()  # type: ignore[union-attr]
 
         async def found(_details: Any, handler: Any = handler) -> Any:
             return handler
 
-        handler = srv._run(interceptor.intercept_service(found, _Details(method)))  # type: ignore[arg-type]
+        handler = srv._run(interceptor.intercept_service(found, CallDetails(method)))  # type: ignore[arg-type]
         sides[name] = (srv, servicer, wire, handler)
     cpu: dict[str, list[float]] = {"step": [], "chain": []}
     answers: dict[str, list[bytes]] = {"step": [], "chain": []}
@@ -199,7 +169,7 @@ def layers(trace: Path, running: int, warmup: int) -> dict[str, float]:
             body = answer if type(answer) is bytes else answer.SerializeToString()
         else:
             parse = handler.request_deserializer  # (None: the handler parses the bytes itself)
-            answer = await handler.unary_unary(wire[k] if parse is None else parse(wire[k]), _Context())
+            answer = await handler.unary_unary(wire[k] if parse is None else parse(wire[k]), StubContext())
             body = handler.response_serializer(answer)
         cpu[name].append(time.thread_time() - t0)
         answers[name].append(body)

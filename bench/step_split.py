@@ -1,10 +1,12 @@
 """Where a served Step's CPU goes: the handler, the loop thread around it, the other threads. Not a test.
 
     PYTHONPATH=client:server python bench/step_split.py [--running 64 256] [--steps 1000] \
-        [--warmup 100] [--old REV] [--rounds 3] [--metrics] [--loop-detail] [--new-env KEY=VALUE ...]
+        [--warmup 100] [--old REV] [--rounds 3] [--metrics] [--loop-detail] [--stream] \
+        [--new-env KEY=VALUE ...]
 
 The Steps are decode_cpu.py's (one workers.py worker's scheduler, ``--running``
-requests in decode, the columnar shape), sent unary one after another from one client.
+requests in decode, the columnar shape), sent unary one after another from one client (``--stream``: as
+the messages of the client's StepStream, one at a time).
 Each code (this checkout, and with ``--old REV`` that revision's client and server)
 runs as a ``kvcoord serve`` process started through this file's ``serve`` mode, which
 wraps ``AllocatorServicer.Step`` (before the server registers it) to add up the loop
@@ -23,6 +25,8 @@ Step, for each code:
   bounds    of loop-out, the input bounds check (servicer's ``check_request_slices``)
   parse     of loop-out, the request parsed from its bytes (servicer's ``parse_in_turns``)
   select    with ``--loop-detail``: the loop's ``select`` calls per Step and CPU in them
+  layers    with ``--stream``: of loop-out, the CPU in a message's handler chain outside
+            the handler (interceptors' wrappers, parse, guard, bounds, error mapping)
 
 ``--new-env KEY=VALUE``: environment of this checkout's server only (with ``--old HEAD``,
 a setting or an environment variable against none).
@@ -76,6 +80,7 @@ def serve() -> None:
         "gcs": 0,
         "select": 0.0,
         "selects": 0,
+        "chain": 0.0,
     }
     step = S.AllocatorServicer.Step
 
@@ -88,6 +93,29 @@ def serve() -> None:
             acc["steps"] += 1
 
     S.AllocatorServicer.Step = timed  # type: ignore[method-assign]
+    try:
+        from kvcoord.service import step_stream as SS
+    except ImportError:  # a tree from before StepStream
+        SS = None
+    if SS is not None:
+        intercepted = SS._intercepted
+
+        async def chain(
+            interceptors: Any, handler: Any, details: Any
+        ) -> Any:  # a message's whole chain, timed
+            wrapped = await intercepted(interceptors, handler, details)
+            inner = wrapped.unary_unary
+
+            async def unary(data: bytes, context: Any) -> Any:
+                t0 = time.thread_time()
+                try:
+                    return await inner(data, context)
+                finally:
+                    acc["chain"] += time.thread_time() - t0
+
+            return wrapped._replace(unary_unary=unary)
+
+        SS._intercepted = chain
     check = G.check_request_slices
 
     def checked(request: Any, limits: Any, every: int) -> Any:  # the input bounds, timed
@@ -193,7 +221,7 @@ def run_round(
                 launcher=[sys.executable, str(HERE), _SERVE],
             )  # fmt: skip
             runs[code] = run = {"server": server, "out": out, "digest": hashlib.sha256()}
-            D.open_session(run, server.address, args.running)
+            D.open_session(run, server.address, args.running, step_stream=args.stream)
         order = list(runs.values())
         for k, ops in enumerate(reqs):
             if k == args.warmup:
@@ -232,6 +260,7 @@ def run_round(
             "gcs": d["gcs"] / n,
             "select": d["select"] / n * 1e6,
             "selects": d["selects"] / n,
+            "layers": (d.get("chain", 0.0) - d["handler"]) / n * 1e6 if d.get("chain") else 0.0,
             "digest": run["digest"].hexdigest(),
         }
     return got
@@ -249,6 +278,7 @@ COLUMNS = (
     "parse",
     "select",
     "selects",
+    "layers",
 )
 
 
@@ -268,6 +298,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--metrics", action="store_true", help="the servers also serve /metrics")
     ap.add_argument("--loop-detail", action="store_true", help="count and time the loop's select calls")
+    ap.add_argument("--stream", action="store_true", help="Steps on the client's StepStream (else unary)")
     ap.add_argument(
         "--new-env", nargs="*", default=[], metavar="KEY=VALUE",
         help="environment of this checkout's server only (with --old HEAD: a setting against none)",
@@ -290,10 +321,10 @@ def main() -> None:
                     flush=True,
                 )
         D.print_table_head(
-            f"{running} running, {args.steps} measured Steps, unary, columnar; medians over {args.rounds} round(s)",
+            f"{running} running, {args.steps} measured Steps, {'stream' if args.stream else 'unary'}, columnar; medians over {args.rounds} round(s)",
             args.metrics,
             ["code", "µs/op", "µs/Step", "handler", "loop outside", "other threads", "gc (n)", "bounds", "parse",
-             "select (n)"],
+             "select (n)", "layers"],
         )  # fmt: skip
         pairs = [(c, rows[c]) for c in trees]
         if args.old:
@@ -308,7 +339,7 @@ def main() -> None:
                 f"| {code} | {med['us_op']:.2f} | {med['total']:.0f} | {med['handler']:.0f} | "
                 f"{med['loop_out']:.0f} | {med['other']:.0f} | {med['gc']:.0f} ({med['gcs']:.2f}) | "
                 f"{med['bounds']:.0f} | {med['parse']:.0f} | "
-                f"{med['select']:.0f} ({med['selects']:.1f}) |"
+                f"{med['select']:.0f} ({med['selects']:.1f}) | {med['layers']:.0f} |"
             )
         digests = {r["digest"] for rs in rows.values() for r in rs}
         print(f"new block ids: {'the same' if len(digests) == 1 else 'DIFFERENT'} in every code and round\n")

@@ -276,7 +276,7 @@ def test_a_wall_clock_ahead_after_a_restart_expires_no_answer(tmp_path: Path, sn
             return request, answer
 
         request, answer = loop.run_until_complete(first())
-        assert answer.results[0].status_code == 0
+        assert pb.StepResponse.FromString(answer).results[0].status_code == 0
 
         async def after_restart() -> tuple[Any, int]:
             servicer, recovery = node(lambda: time.time() + 3600.0)

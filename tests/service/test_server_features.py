@@ -205,6 +205,29 @@ def test_step_and_session_series_count_what_the_server_did(
     assert m[(expired, p)] == 1
 
 
+def test_a_pool_made_again_counts_its_step_operations_anew(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """A deleted pool's kvcoord_step_operations_total goes with it, and a pool made
+    again under its name counts from 0 (the series' child the metrics keep per pool
+    is dropped with it, not counted into after its series was removed)."""
+    srv = make_server()
+    ops = ("kvcoord_step_operations_total", (("pool", "p"),))
+    with KVCoordClient(srv.address) as c:
+        config = c.get_pool("p").pool.config
+        sid, fence = attach(c)
+        c.step("p", [allocate("a", list(range(10)), 10), allocate("b", list(range(20, 28)), 8)], sid, fence)
+        assert scrape_metrics(srv)[ops] == 2
+        c.detach(sid, fence)
+        c.delete_pool("p")
+        assert ops not in scrape_metrics(srv)
+        c.create_pool("p", config)
+        assert scrape_metrics(srv)[ops] == 0
+        sid, fence = attach(c)
+        c.step("p", [allocate("c", list(range(10)), 10)], sid, fence)
+        assert scrape_metrics(srv)[ops] == 1
+
+
 _STEP_LABELS = (("grpc_method", "Step"), ("grpc_service", "kvcoord.v1.Allocator"), ("grpc_type", "unary"))
 
 

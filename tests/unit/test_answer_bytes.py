@@ -1,7 +1,7 @@
-"""A keyed call's answer is serialized once: an answer of at least
-mutations.BYTES_ANSWER_MIN bytes is answered with the bytes kept for its key and its
-journal record (gRPC sends them as they are), the same bytes a message answer would
-have been serialized to, its fence's journal position included; a retry gets them too."""
+"""A keyed call's answer is serialized once: Step, Allocate and Free are answered with
+the bytes kept for their key and their journal record (gRPC sends them as they are),
+their fence's journal position stamped; a retry gets the same bytes, also after a
+restart (replay rebuilds them byte for byte)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 from kvcoord.client import _requests as rq
 from kvcoord.client.hashing import BlockHasher, none_hash
-from kvcoord.service import mutations
 from kvcoord.service.idempotency import IdempotencyStore
 from kvcoord.service.recovery import open_journal
 from kvcoord.service.registry import Limits, PoolRegistry
@@ -36,16 +34,22 @@ class Ctx:
         raise AssertionError(f"{code}: {message}")
 
 
-def _answers(tmp_path: Path) -> list[Any]:
-    """A Step, the same Step again (a retry), an Allocate and a Free on a fresh
-    journaled server: their answers as the servicer returns them."""
+def _servicer(data_dir: Path | None) -> tuple[AllocatorServicer, Any]:
+    clock = ManualClock()
+    registry = PoolRegistry(
+        Limits(), SessionTable(clock, 30.0, 60.0), IdempotencyStore(clock, 300.0, 1 << 20)
+    )
+    recovery = None if data_dir is None else open_journal(registry, str(data_dir), "OFF", 10_000, time.time)
+    return AllocatorServicer(registry), recovery
 
-    async def calls() -> list[Any]:
-        clock = ManualClock()
-        tables = SessionTable(clock, 30.0, 60.0), IdempotencyStore(clock, 300.0, 1 << 20)
-        registry = PoolRegistry(Limits(), *tables)
-        recovery = open_journal(registry, str(tmp_path), "OFF", 10_000, time.time)
-        servicer = AllocatorServicer(registry)
+
+def _answers(data_dir: Path | None) -> tuple[list[Any], bytes | None]:
+    """A Step, the same Step again (a retry), an Allocate and a Free on a fresh server
+    (journaled in ``data_dir``, else memory only): their answers as the servicer returns
+    them; and, journaled, the Step's retry after a restart."""
+
+    async def calls() -> tuple[list[Any], bytes | None]:
+        servicer, recovery = _servicer(data_dir)
         await servicer.CreatePool(pb.CreatePoolRequest(name="p", config=wire_pool_config(50)), Ctx())
         a = await servicer.Attach(rq.attach("p", "sha256_cbor", 4, "0", "w", 0), Ctx())
         sync = _sync("r1", list(range(32)))
@@ -64,8 +68,13 @@ def _answers(tmp_path: Path) -> list[Any]:
             await servicer.Allocate(allocate, Ctx()),
             await servicer.Free(free, Ctx()),
         ]
+        if recovery is None:
+            return out, None
         await recovery.recorder.journal.close()
-        return out
+        servicer, recovery = _servicer(data_dir)  # restarted: the calls replayed
+        again = await servicer.Step(step, Ctx())
+        await recovery.recorder.journal.close()
+        return out, again
 
     loop = asyncio.new_event_loop()
     try:
@@ -74,21 +83,25 @@ def _answers(tmp_path: Path) -> list[Any]:
         loop.close()
 
 
-def test_a_large_answer_is_its_kept_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    messages = _answers(tmp_path / "messages")
-    assert not any(isinstance(m, bytes) for m in messages)
-    monkeypatch.setattr(mutations, "BYTES_ANSWER_MIN", 1, raising=False)  # every answer is "large"
-    answers = _answers(tmp_path / "bytes")
-    assert all(isinstance(b, bytes) for b in answers)
-    step = pb.StepResponse.FromString(answers[0])
-    assert step.fence.position and step.results[0].allocate.new_block_ids[0].block_ids
+def test_every_keyed_answer_is_its_kept_bytes(tmp_path: Path) -> None:
+    answers, after_restart = _answers(tmp_path)
+    assert all(type(b) is bytes for b in answers)
+    types = (pb.StepResponse, pb.StepResponse, pb.AllocateResponse, pb.FreeResponse)
+    messages = [t.FromString(b) for t, b in zip(types, answers, strict=True)]
+    step = messages[0]
+    assert step.results[0].allocate.new_block_ids[0].block_ids
     assert answers[1] == answers[0]  # the retry
-    # what a message answer is serialized to, the same journal positions (the fences
-    # name each server's own instance otherwise)
+    assert after_restart == answers[0]  # replay rebuilt the same bytes
+    # each fence names its own call's record (the retry's is the call's)
+    positions = [m.fence.position for m in messages]
+    assert positions[0] == positions[1] > 0 and positions[0] < positions[2] < positions[3]
     for b, m in zip(answers, messages, strict=True):
-        got = type(m).FromString(b)
-        assert got.fence.position == m.fence.position > 0
-        for fence in (got.fence, m.fence):
-            fence.ClearField("instance_id")
-            fence.ClearField("incarnation")
-        assert got.SerializeToString() == m.SerializeToString()
+        assert m.SerializeToString() == b  # what a message answer is serialized to
+
+
+def test_a_memory_only_server_answers_bytes_too() -> None:
+    answers, _ = _answers(None)
+    assert all(type(b) is bytes for b in answers)
+    step = pb.StepResponse.FromString(answers[0])
+    assert step.results[0].allocate.new_block_ids[0].block_ids and not step.fence.position
+    assert answers[1] == answers[0]

@@ -360,6 +360,9 @@ class Metrics(NullObserver):
             "KV event readers told of a gap: events dropped from the pool's buffer before they read them.",
             ["pool", "stream"], registry=self.registry,
         )  # fmt: skip
+        #: step_operations' child per pool, resolved once (labels() per Step cost more
+        #: than the count); dropped with the pool's series
+        self._step_operations: dict[str, Any] = {}
         build = Gauge(
             "kvcoord_build_info",
             "Build information (always 1).",
@@ -394,6 +397,7 @@ class Metrics(NullObserver):
 
     def pool_deleted(self, service: PoolService) -> None:
         # A deleted pool's series go with it (the collector's are read live).
+        self._step_operations.pop(service.name, None)
         for counter in self._pool_counters():
             with contextlib.suppress(KeyError):
                 counter.remove(service.name)
@@ -411,7 +415,10 @@ class Metrics(NullObserver):
         self.sessions_expired.labels(pool).inc()
 
     def step_applied(self, pool: str, operations: int, seconds: float) -> None:
-        self.step_operations.labels(pool).inc(operations)
+        child = self._step_operations.get(pool)
+        if child is None:
+            child = self._step_operations[pool] = self.step_operations.labels(pool)
+        child.inc(operations)
         self.step_engine.observe(seconds)
 
     def events_gap(self, pool: str, stream: str) -> None:

@@ -234,13 +234,7 @@ def step_slices(
 
 
 #: the keyed mutating calls, run live and replayed alike (mutations.py)
-ALLOCATE = Mutation(
-    "Allocate",
-    pb.AllocateRequest.FromString,
-    pb.AllocateResponse.FromString,
-    _apply_allocate,
-    _allocate_slices,
-)
-FREE = Mutation("Free", pb.FreeRequest.FromString, pb.FreeResponse.FromString, _apply_free, _free_slices)
-STEP = Mutation("Step", pb.StepRequest.FromString, pb.StepResponse.FromString, apply_step, step_slices)
+ALLOCATE = Mutation("Allocate", pb.AllocateRequest.FromString, _apply_allocate, _allocate_slices)
+FREE = Mutation("Free", pb.FreeRequest.FromString, _apply_free, _free_slices)
+STEP = Mutation("Step", pb.StepRequest.FromString, apply_step, step_slices)
 MUTATIONS = {m.rpc: m for m in (ALLOCATE, FREE, STEP)}

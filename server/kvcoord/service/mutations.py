@@ -5,7 +5,8 @@ session is checked, its idempotency key looked up (a duplicate is answered with 
 kept answer, never applied again), the call applied, its answer stamped with the
 journal position of its own record, the answer kept under its key, the call
 journaled with the answer's digest, and the answer sent only once the record is
-durable. Every other mutating call ends with the same commit wait (:meth:`durable`);
+durable: as the bytes serialized for its key and its record (gRPC sends them as they
+are: rpc_guard.BYTES_ANSWERS), never serialized a second time. Every other mutating call ends with the same commit wait (:meth:`durable`);
 a reserving ScorePools keeps its answer under its tenant's key here too, unjournaled
 (:meth:`MutationRunner.kept_unjournaled`).
 Replay (recovery.py) applies a journaled call with the same :class:`Mutation`, so
@@ -38,7 +39,6 @@ from .registry import PoolRegistry
 from .sessions import Session
 
 __all__ = [
-    "BYTES_ANSWER_MIN",
     "SLICE_OPS",
     "SLICE_SECONDS",
     "Mutation",
@@ -60,7 +60,6 @@ class Mutation(Generic[A]):
     Args:
         rpc: its name (the idempotency store's and the journal's).
         parse: its request from bytes (the journal keeps the request's bytes).
-        parse_answer: its answer from bytes (a duplicate is answered with kept bytes).
         apply: ``apply(service, session, request, answer fence, max_message_bytes)``:
             the answer, or the error its client is told after the call changed the
             pool (journaled too: an Allocate refused with must_succeed has removed
@@ -71,7 +70,6 @@ class Mutation(Generic[A]):
 
     rpc: str
     parse: Callable[[bytes], Any]
-    parse_answer: Callable[[bytes], A]
     apply: Callable[[PoolService, Session, Any, Fence, int], A | ServiceError]
     #: ``apply`` in slices (None: applied at once): ``slices(service, session,
     #: request, answer fence, max_message_bytes, every)`` yields after every ``every``
@@ -94,10 +92,6 @@ SERIALIZE_SLICE_OPS = 128
 DIGEST_SLICE_BYTES = 1 << 20
 #: slices between two freezes of what is alive (gc.freeze) in a sliced call
 FREEZE_EVERY_SLICES = 16
-#: an answer of at least this many bytes is answered with the bytes serialized for its
-#: key and its journal record (gRPC sends them as they are: servicer._BYTES_ANSWERS),
-#: not serialized a second time; a smaller one is answered as a message
-BYTES_ANSWER_MIN = 1 << 20
 
 
 def request_digest(request: Message) -> bytes:
@@ -112,11 +106,20 @@ def serialized_slices(request: Message, every: int) -> Generator[None, None, byt
     the operations' bytes where their field's number puts them. A request of at most
     ``every`` operations, or one with top-level fields this code does not know, is
     serialized at once."""
+    body = small_body(request, every)
+    if body is not None:
+        return body
+    parts = yield from repeated_slices(request, "ops", every)
+    return joined(request, "ops", parts)
+
+
+def small_body(request: Message, every: int) -> bytes | None:
+    """``request.SerializeToString(deterministic=True)`` when :func:`serialized_slices`
+    serializes it at once (None: in slices)."""
     fields = request.DESCRIPTOR.fields_by_name
     if "ops" not in fields or len(request.ops) <= every or len(UnknownFieldSet(request)):  # type: ignore[attr-defined]
         return request.SerializeToString(deterministic=True)
-    parts = yield from repeated_slices(request, "ops", every)
-    return joined(request, "ops", parts)
+    return None
 
 
 def repeated_slices(message: Message, name: str, every: int) -> Generator[None, None, list[bytes]]:
@@ -141,12 +144,15 @@ def joined(message: Message, name: str, parts: list[bytes]) -> bytes:
     return b"".join([low, *parts, high])
 
 
-def keyed_body_slices(request: Message, every: int) -> Generator[None, None, tuple[bytes, bytes]]:
-    """The request serialized (:func:`serialized_slices`) and its :func:`body_digest`,
-    hashed DIGEST_SLICE_BYTES at a time (a 15 MB body took 20-30 ms at once). A body of
-    one slice or less is hashed without a yield: each yield is a turn of the event loop
-    (a decode Step's 10 kB took one turn more than it needed)."""
-    body = yield from serialized_slices(request, every)
+def keyed_body_slices(
+    request: Message, every: int, body: bytes | None = None
+) -> Generator[None, None, tuple[bytes, bytes]]:
+    """The request serialized (:func:`serialized_slices`; ``body``: serialized already)
+    and its :func:`body_digest`, hashed DIGEST_SLICE_BYTES at a time (a 15 MB body took
+    20-30 ms at once). A body of one slice or less is hashed without a yield: each yield
+    is a turn of the event loop (a decode Step's 10 kB took one turn more than it needed)."""
+    if body is None:
+        body = yield from serialized_slices(request, every)
     if len(body) <= DIGEST_SLICE_BYTES:
         return body, body_digest(body)
     h = hashlib.blake2b(digest_size=16)
@@ -183,10 +189,10 @@ class MutationRunner:
         #: SLICE_OPS operations)
         self.slice_seconds = SLICE_SECONDS
 
-    async def run(self, m: Mutation[A], request: Any, fence: Fence | None) -> A | bytes:
+    async def run(self, m: Mutation[A], request: Any, fence: Fence | None) -> bytes:
         """Apply ``request`` once (a duplicate gets the kept answer) and answer once
-        durable: the answer, or its serialized bytes when it has at least
-        BYTES_ANSWER_MIN of them (serialized once, for its key, its record and its client).
+        durable, with the answer's serialized bytes (serialized once, for its key, its
+        record and its client; its fence stamped with its record's journal position).
 
         A call whose Mutation has ``slices`` (a Step, an Allocate) that takes longer than
         ``slice_seconds`` goes on in a task of its own that holds the pool
@@ -203,14 +209,18 @@ class MutationRunner:
         body = None
         digest = b""
         if key:  # serialized once: the key's digest and the journal's record (a Step may be 15 MB)
-            serializing = keyed_body_slices(request, SERIALIZE_SLICE_OPS)
-            while True:
-                try:
-                    next(serializing)
-                except StopIteration as serialized:
-                    body, digest = serialized.value
-                    break
-                await asyncio.sleep(0)  # (the pool is not touched yet)
+            body = small_body(request, SERIALIZE_SLICE_OPS)
+            if body is not None and len(body) <= DIGEST_SLICE_BYTES:  # (most calls: no generator)
+                digest = body_digest(body)
+            else:
+                serializing = keyed_body_slices(request, SERIALIZE_SLICE_OPS, body)
+                while True:
+                    try:
+                        next(serializing)
+                    except StopIteration as serialized:
+                        body, digest = serialized.value
+                        break
+                    await asyncio.sleep(0)  # (the pool is not touched yet)
         # Held from here until the call is applied (or handed to the task applying it in
         # slices): a call that merely waited for the pool would run on while the pool was
         # already handed to the next waiter, and could not hold it for its own slices.
@@ -222,13 +232,11 @@ class MutationRunner:
             service = registry.get(pool)
             s = service.session(request.session_id, fence)
             kept = registry.idempotency.lookup(s.session_id, m.rpc, key, digest)
-            if kept is not None:
+            if kept is not None:  # (its fence stamped already, as the call's was)
                 held = False
                 registry.locks.give(pool)
-                if len(kept) >= BYTES_ANSWER_MIN:  # (its fence stamped already, as the call's)
-                    await registry.recorder.durable()
-                    return kept
-                return await self.durable(m.parse_answer(kept))
+                await registry.recorder.durable()
+                return kept
             service.answer_event_bytes = take_events_budget(self.max_message_bytes)
             if m.slices is None:
                 answer = m.apply(service, s, request, service.fence, self.max_message_bytes)
@@ -255,20 +263,18 @@ class MutationRunner:
         # else reads or changes it first (and a snapshot due now is not put off by it)
         return await self._answer(self._keep(m, service, s, request, key, digest, body, answer))
 
-    async def _answer(self, result: A | bytes | ServiceError) -> A | bytes:
-        """The answer once durable; a journaled error is raised once durable."""
+    async def _answer(self, result: bytes | ServiceError) -> bytes:
+        """The answer's bytes once durable (its fence stamped already: :meth:`_keep`); a
+        journaled error is raised once durable."""
+        await self.registry.recorder.durable()
         if isinstance(result, ServiceError):
-            await self.registry.recorder.durable()
             raise result
-        if isinstance(result, bytes):  # its fence stamped already (_keep)
-            await self.registry.recorder.durable()
-            return result
-        return await self.durable(result)
+        return result
 
     async def _sliced(
         self, m: Mutation[A], service: PoolService, s: Session, request: Any, key: str, digest: bytes,
         body: bytes | None, work: Generator[None, None, A | ServiceError],
-    ) -> A | bytes | ServiceError:  # fmt: skip
+    ) -> bytes | ServiceError:  # fmt: skip
         """The rest of a sliced call, the pool held (given back once it is journaled)."""
         try:
             answer = await self._in_turns(work, freeze=True)
@@ -314,12 +320,12 @@ class MutationRunner:
     def _keep(
         self, m: Mutation[A], service: PoolService, s: Session, request: Any, key: str, digest: bytes,
         body: bytes | None, answer: A | ServiceError, results: list[bytes] | None = None,
-    ) -> A | bytes | ServiceError:  # fmt: skip
+    ) -> bytes | ServiceError:  # fmt: skip
         """Journal an applied call and keep its answer under its key (no await); the
         call's own error is journaled too (it changed the pool) and returned. Returns
-        the answer, as its bytes when they are BYTES_ANSWER_MIN or more (its fence
-        stamped: what :meth:`positioned` would add is there already). ``results``: the
-        encoding of the answer's results, made already (:func:`repeated_slices`)."""
+        the answer's bytes (its fence stamped: what :meth:`positioned` would add is
+        there already). ``results``: the encoding of the answer's results, made already
+        (:func:`repeated_slices`)."""
         registry = self.registry
         recorder = registry.recorder
         if isinstance(answer, ServiceError):
@@ -335,7 +341,7 @@ class MutationRunner:
         if key:
             registry.idempotency.remember(s.session_id, m.rpc, key, digest, kept_answer)
         recorder.called(service, m.rpc, request, key, digest, kept_answer, body)
-        return kept_answer if len(kept_answer) >= BYTES_ANSWER_MIN else answer
+        return kept_answer
 
     def replay(
         self, m: Mutation[Any], body: bytes, key: str, digest: bytes, told: bytes | None, writer: str,

@@ -58,21 +58,15 @@ class AllocatorServicer(PoolCalls, SessionCalls, ObservingCalls, RoutingCalls, p
         )
 
     @map_errors
-    async def Allocate(
-        self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
-    ) -> pb.AllocateResponse | bytes:
+    async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> bytes:
         return await self.mutations.run(ALLOCATE, request, fence_of(request))
 
     @map_errors
-    async def Free(
-        self, request: pb.FreeRequest, context: grpc.aio.ServicerContext
-    ) -> pb.FreeResponse | bytes:
+    async def Free(self, request: pb.FreeRequest, context: grpc.aio.ServicerContext) -> bytes:
         return await self.mutations.run(FREE, request, fence_of(request))
 
     @map_errors
-    async def Step(
-        self, request: pb.StepRequest, context: grpc.aio.ServicerContext
-    ) -> pb.StepResponse | bytes:
+    async def Step(self, request: pb.StepRequest, context: grpc.aio.ServicerContext) -> bytes:
         return await self.mutations.run(self._step, request, fence_of(request))
 
 

@@ -185,6 +185,10 @@ async def parse_in_turns(cls: type[M], data: bytes, seconds: float, pause: float
     Raises:
         google.protobuf.message.DecodeError: as ``cls.FromString(data)`` does.
     """
+    if len(data) < PARSE_AT_ONCE_BYTES:  # (as parse_slices would: at once, without a generator)
+        message = cls.FromString(data)
+        PARSED.set(message)
+        return message
     work = parse_slices(cls, data)
     end = time.perf_counter() + seconds
     while True:

@@ -30,9 +30,9 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
-from .cluster_store import ClusterError, ClusterStore
+from .cluster_store import ClusterError, ClusterStore, follow_changes
 from .ownership import Claim, Member
-from .tasks import raise_if_cancelled
+from .tasks import cancel_and_wait
 
 __all__ = ["Cluster", "ClusterError"]
 
@@ -336,15 +336,17 @@ class Cluster(ClusterStore):
                 logger.warning("renewing the cluster lease failed: %s", exc)
 
     async def _watch(self) -> None:
-        """Follow members and claims: re-read the view on every change (and every
-        lease period, in case a watch missed one)."""
+        """Follow members and claims: re-read the view once the watch is made (what
+        changed while there was none), on every change, and every lease period (in
+        case a watch missed one); a watch that fails is made again after a pause."""
         while True:
             try:
-                watch = await self.client.watch_prefix(self.prefix)
-                reader = asyncio.get_running_loop().create_task(self._changes(watch))
+                reader = asyncio.get_running_loop().create_task(
+                    follow_changes(self.client, self.prefix, self._changed.set, self.timeout)
+                )
+                reader.add_done_callback(lambda _: self._changed.set())  # its end wakes the loop
                 try:
-                    raise_if_cancelled()  # aetcd waits for the watch with wait_for (tasks.py)
-                    while not reader.done():
+                    while True:
                         # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns
                         # the result when the change comes in the same turn as stop()'s
                         # cancellation, the cancellation is lost, and stop() waits for
@@ -353,20 +355,19 @@ class Cluster(ClusterStore):
                             async with asyncio.timeout(self.lease_seconds):
                                 await self._changed.wait()
                         self._changed.clear()
+                        if reader.done():
+                            break
                         await self.refresh()
                         await self.claim_local()
                         await self.recover_orphans()
                         await self.rebalance()
                 finally:
-                    reader.cancel()
-                    with contextlib.suppress(Exception):
-                        await watch.cancel()
+                    await cancel_and_wait([reader])  # the stream ends at once (follow_changes)
+                if reader.cancelled():
+                    raise ClusterError("the watch of the cluster store was cancelled")
+                reader.result()  # why it ended (it never returns)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - watched again after a pause
                 logger.warning("watching the cluster store failed: %s", exc)
                 await asyncio.sleep(min(1.0, self.lease_seconds / 3))
-
-    async def _changes(self, watch: Any) -> None:
-        async for _ in watch:
-            self._changed.set()

@@ -224,37 +224,75 @@ class PoolStreams:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def _loop(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending, []
-            by_pool: dict[str, list[_Item]] = {}
-            for item in batch:
-                by_pool.setdefault(item.pool, []).append(item)
-            results = await asyncio.gather(
-                *(self._write_pool(pool, items) for pool, items in by_pool.items()), return_exceptions=True
-            )
-            for (pool, items), result in zip(by_pool.items(), results, strict=True):
-                if isinstance(result, BaseException):
-                    logger.error("the journal of pool %s could not be written to the store: %s", pool, result)
-                    self._failed.extend((i.gseq, pool) for i in items)
-                    stream = self.streams.get(pool)
-                    if stream is not None and stream.term == items[0].term:
-                        self.close(pool)
-                        if self.on_lost is not None:
-                            self.on_lost(pool)
-            self.committed = batch[-1].gseq
-            keep = []
-            for start, target, w in self._waiters:
-                if target <= self.committed:
-                    if not w.done():
-                        w.set_result(None)
-                else:
-                    keep.append((start, target, w))
-            self._waiters = keep
-            for fn in self.on_commit:
+        """Write what is queued, batch by batch, until nothing is. Whatever ends it
+        before it settled everything (cancelled at the loop's shutdown, a fault of
+        ours) first gives up every pool of what it had not settled (those records may
+        or may not be in the store): their flushes end with UNAVAILABLE, never wait
+        for a loop that is gone (they used to wait forever)."""
+        batch: list[_Item] = []
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                await self._write(batch)
+                self._settled(batch[-1].gseq)
+                batch = []
+        except BaseException as exc:
+            unsettled, self._pending = [*batch, *self._pending], []
+            if unsettled:
+                self._give_up(unsettled, exc)
+                self._settled(unsettled[-1].gseq)
+            if not isinstance(exc, Exception):
+                raise  # cancelled
+            logger.exception("the store journal's write loop failed (its pools are given up here)")
+
+    async def _write(self, batch: list[_Item]) -> None:
+        by_pool: dict[str, list[_Item]] = {}
+        for item in batch:
+            by_pool.setdefault(item.pool, []).append(item)
+        results = await asyncio.gather(
+            *(self._write_pool(pool, items) for pool, items in by_pool.items()), return_exceptions=True
+        )
+        for items, result in zip(by_pool.values(), results, strict=True):
+            if isinstance(result, BaseException):
+                self._give_up(items, result)
+
+    def _give_up(self, items: list[_Item], exc: BaseException) -> None:
+        """The records ``items`` may not be in the store: their pools are not served
+        here from now on (on_lost), and their flushes fail."""
+        by_pool: dict[str, list[_Item]] = {}
+        for item in items:
+            by_pool.setdefault(item.pool, []).append(item)
+        for pool, mine in by_pool.items():
+            logger.error("the journal of pool %s could not be written to the store: %r", pool, exc)
+            self._failed.extend((i.gseq, pool) for i in mine)
+            stream = self.streams.get(pool)
+            if stream is not None and stream.term == mine[0].term:
+                self.close(pool)
+                if self.on_lost is not None:
+                    try:
+                        self.on_lost(pool)
+                    except Exception:  # noqa: BLE001 - logged; the stream is closed: nothing more is acknowledged
+                        logger.exception("giving pool %s up failed", pool)
+
+    def _settled(self, gseq: int) -> None:
+        """Every record up to ``gseq`` is committed or given up: wake their flushes."""
+        self.committed = gseq
+        keep = []
+        for start, target, w in self._waiters:
+            if target <= gseq:
+                if not w.done():
+                    w.set_result(None)
+            else:
+                keep.append((start, target, w))
+        self._waiters = keep
+        for fn in self.on_commit:
+            try:
                 fn()
-            if len(self._failed) > 4096:
-                oldest = min((s for s, _, _ in self._waiters), default=self.committed)
-                self._failed = [(g, p) for g, p in self._failed if g > oldest]
+            except Exception:  # noqa: BLE001 - a listener's fault: the writes go on (it used to end them)
+                logger.exception("a listener of the store journal's commits failed")
+        if len(self._failed) > 4096:
+            oldest = min((s for s, _, _ in self._waiters), default=self.committed)
+            self._failed = [(g, p) for g, p in self._failed if g > oldest]
 
     async def _write_pool(self, pool: str, items: list[_Item]) -> None:
         """Write ``items`` (one pool's, in order) in guarded transactions; then, after a

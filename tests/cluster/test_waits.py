@@ -7,17 +7,24 @@ measurement of speed): the old code waited forever."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from etcd_process import EtcdCluster
 from kvcoord.service.cluster import Cluster
 from kvcoord.service.cluster_store import store_client
 from kvcoord.service.errors import ServiceError, Status
-from kvcoord.service.ownership import Member, encode_claim
+from kvcoord.service.ownership import Member, encode_claim, encode_member
+from kvcoord.service.server import start_server
 from kvcoord.service.store_journal import PoolStreams
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from tcp_proxy import Proxy
+from test_replicas import POOL_CONFIG, in_process_store_replica, placed
 
 #: no lease ends while a test holds the store's answers back
 LEASE = 30
@@ -227,5 +234,76 @@ def test_a_flush_ends_when_a_commit_listener_fails(
             assert len(await _records(cluster, streams, "p")) == 3  # base, one, two
         finally:
             await _bounded(cluster.stop(), "Cluster.stop() did not return")
+
+    asyncio.run(run())
+
+
+class _Unanswering(pb_grpc.ReplicasServicer):
+    """A replica that takes every AdoptPool and never answers it (a peer stuck
+    journaling, or cut off after the call reached it)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.ended: list[str] = []
+
+    async def AdoptPool(self, request: pb.AdoptPoolRequest, context: Any) -> pb.AdoptPoolResponse:
+        self.calls.append(request.pool)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self.ended.append(request.pool)
+        raise AssertionError("never answered")
+
+
+def test_a_leave_whose_handovers_do_not_finish_ends_within_the_grace(
+    etcd3: EtcdCluster, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A replica (journal = "store", real gRPC) stops gracefully with four pools, and
+    placement over the others names a replica that never answers AdoptPool. The leave
+    used to hand them over one by one, up to 30 s each (two minutes here, past any
+    grace or terminationGracePeriod); it ends within server.grace_seconds: the
+    handovers still running are cancelled (the peer sees each call end), and each pool,
+    not handed over, loses its claim with this replica's lease and keeps its catalog
+    entry and its journal in the store, for whoever placement names to rebuild."""
+    name = request.node.name[:40]
+    address, cfg = in_process_store_replica(etcd3.endpoints[0], name, tmp_path, LEASE, grace=2.0)
+    pools = [placed(f"leaving{n}-", "r0", ["r0", "r9"]) for n in range(4)]
+
+    async def run() -> None:
+        peer = grpc.aio.server()
+        unanswering = _Unanswering()
+        pb_grpc.add_ReplicasServicer_to_server(unanswering, peer)
+        peer_address = f"127.0.0.1:{peer.add_insecure_port('127.0.0.1:0')}"
+        await peer.start()
+        other = store_client(etcd3.endpoints[1], 2.0)
+        await other.connect()
+        lease = await other.lease(LEASE)
+        await other.put(
+            f"/kvcoord/{name}/members/r9".encode(), encode_member(Member("r9", peer_address)), lease=lease
+        )
+        running = await start_server(cfg)
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = pb_grpc.AllocatorStub(channel)
+                for pool in pools:
+                    await stub.CreatePool(pb.CreatePoolRequest(name=pool, config=POOL_CONFIG))
+            await _bounded(running.stop(), "the leave waits for handovers past the grace")
+            assert unanswering.calls, "no handover was tried"
+            for _ in range(int(BOUND / 0.1)):  # bounded: each call's end reaches the peer
+                if len(unanswering.ended) == len(unanswering.calls):
+                    break
+                await asyncio.sleep(0.1)
+            assert sorted(unanswering.ended) == sorted(unanswering.calls), "a handover was left running"
+            prefix = f"/kvcoord/{name}/".encode()
+            keys = [kv.key.decode() for kv in await other.get_prefix(prefix, keys_only=True)]
+            for pool in pools:
+                assert f"/kvcoord/{name}/owners/{pool}" not in keys, f"{pool} is still claimed"
+                assert f"/kvcoord/{name}/pools/{pool}" in keys, f"{pool} left the catalog"
+                assert any(k.startswith(f"/kvcoord/{name}/journal/{pool}/") for k in keys), pool
+        finally:
+            with contextlib.suppress(Exception):  # (it ended by itself if the test ran long)
+                await other.revoke_lease(lease.id)
+            await other.close()
+            await peer.stop(None)
 
     asyncio.run(run())

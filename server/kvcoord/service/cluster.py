@@ -6,8 +6,8 @@ claims, the catalog) are :mod:`.cluster_store`'s; the rules are :mod:`.ownership
 
 **Handover.** When a member joins, each replica hands the pools placement now puts on
 the joiner over to it; a replica leaving gracefully (SIGTERM) hands each of its pools
-to placement over the others. The old owner stops serving the pool (calls are
-UNAVAILABLE: clients retry), sends its state (registry_state.dump_pool: engine, events,
+to placement over the others, all within server.grace_seconds (:meth:`Cluster.leave`).
+The old owner stops serving the pool (calls are UNAVAILABLE: clients retry), sends its state (registry_state.dump_pool: engine, events,
 sessions with cursors, kept answers, lineage) with ``Replicas.AdoptPool``; the new
 owner journals it (an ``adopt`` record) and waits until it is durable, then swaps the
 claim to itself (compare-and-swap on the claim's revision) and serves; only then does
@@ -37,6 +37,11 @@ from .tasks import cancel_and_wait
 __all__ = ["Cluster", "ClusterError"]
 
 logger = logging.getLogger(__name__)
+
+#: seconds a handover's AdoptPool call may take (at least the store timeout)
+HANDOVER_SECONDS = 30.0
+#: handovers at a time when a replica leaves
+LEAVE_PARALLEL = 4
 
 
 class Cluster(ClusterStore):
@@ -81,6 +86,8 @@ class Cluster(ClusterStore):
         self.scratch_registry: Callable[[str], Any] | None = None
         #: pools rebuilt from the store after their owner was gone (metrics, tests)
         self.failovers = 0
+        #: seconds a graceful leave may take, its handovers included (server.grace_seconds)
+        self.leave_seconds = HANDOVER_SECONDS
         #: pools whose rebuilding failed -> when to try again
         self._retry_at: dict[str, float] = {}
 
@@ -230,21 +237,49 @@ class Cluster(ClusterStore):
 
     async def leave(self) -> None:
         """A graceful stop: hand every pool over to placement over the other members
-        (one without a live member to go to stays unclaimed until this one is back)."""
+        (one without a live member to go to stays unclaimed until this one is back),
+        :data:`LEAVE_PARALLEL` at a time, all within :attr:`leave_seconds`
+        (server.grace_seconds). A handover still running then is cancelled, and its
+        pool is not served here any more: the new owner has it if it swapped the claim
+        already; else the claim goes with this replica's lease (stop), and with
+        journal = "store" the replica placement names rebuilds the pool from the store
+        (nothing acknowledged is lost: every answer waited for its record there); with
+        "local" it stays unclaimed until this replica is back (its journal is here)."""
         self.stopping = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.leave_seconds
         try:  # no other replica places a pool here from now on
-            await self.client.delete(self.key("members", self.me.replica_id))
+            async with asyncio.timeout_at(deadline):
+                await self.client.delete(self.key("members", self.me.replica_id))
         except Exception as exc:  # noqa: BLE001 - its lease still ends it
-            logger.warning("leaving: the member key could not be deleted: %s", exc)
-        for pool, target in self.view.leaving().items():
-            await self.hand_over(pool, target)
+            logger.warning("leaving: the member key could not be deleted: %r", exc)
+        gate = asyncio.Semaphore(LEAVE_PARALLEL)
 
-    async def hand_over(self, pool: str, target: Member) -> bool:
-        """Move ``pool`` to ``target`` (see the module docstring); True once it has it."""
-        claim = self.view.claims.get(pool)
+        async def move(pool: str, target: Member) -> None:
+            async with gate:
+                await self.hand_over(pool, target, deadline)
+
+        moves = {loop.create_task(move(pool, target)): pool for pool, target in self.view.leaving().items()}
+        if not moves:
+            return
+        _, late = await asyncio.wait(moves, timeout=max(0.0, deadline - loop.time()))
+        await cancel_and_wait(moves)
+        if late:
+            logger.error(
+                "leaving: %d pool(s) not handed over within %.1f s (server.grace_seconds), not served here "
+                "any more; their claims end with this replica's lease: %s",
+                len(late), self.leave_seconds, ", ".join(sorted(moves[t][:200] for t in late)),
+            )  # fmt: skip
+
+    async def hand_over(self, pool: str, target: Member, deadline: float | None = None) -> bool:
+        """Move ``pool`` to ``target`` (see the module docstring); True once it has it.
+        ``deadline`` (the loop's time) bounds the call to ``target`` (leave)."""
+        view = self.view
+        claim = view.claims.get(pool)
         if claim is None or claim.replica_id != self.me.replica_id or self.export_pool is None:
             return False
-        view = self.view
+        if pool in view.moving:  # being handed over already (a member joined: rebalance)
+            return False
         view.moving.add(pool)
         try:
             if self.pool_free is not None:  # a Step applied to it in slices ends first
@@ -255,9 +290,12 @@ class Cluster(ClusterStore):
                 from_replica=self.me.replica_id,
                 claim_revision=claim.term,
             )
+            limit = max(HANDOVER_SECONDS, self.timeout)
+            if deadline is not None:
+                limit = min(limit, deadline - asyncio.get_running_loop().time())
             async with self._peer_channel(target.address) as channel:
                 answer = await pb_grpc.ReplicasStub(channel).AdoptPool(  # type: ignore[no-untyped-call]
-                    request, timeout=max(30.0, self.timeout), metadata=self.peer_metadata
+                    request, timeout=limit, metadata=self.peer_metadata
                 )
         except Exception as exc:  # noqa: BLE001 - the pool stays here, served again
             self.handover_failures += 1

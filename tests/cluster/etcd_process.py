@@ -222,9 +222,33 @@ class EtcdCluster:
             proc.wait(10)
 
     def restart(self, i: int) -> None:
+        """SIGKILL member ``i`` and start it again on its data; returns once it answers
+        a linearizable read (it caught up with a leader: a read through it right after
+        used to time out at load 8, a test's failure 1 run in 20)."""
         self.kill(i)
         self._start(i)
         self._wait_ready(i, 30.0)
+        self.wait_serving(i, 30.0)
+
+    def wait_serving(self, i: int, timeout: float) -> None:
+        """Until member ``i`` answers a linearizable read (a bound, then the error)."""
+        import asyncio
+
+        import aetcd
+
+        async def read() -> None:
+            async with aetcd.Client(host="127.0.0.1", port=self.client_ports[i], timeout=2) as c:
+                await c.get(b"/ready")
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                asyncio.run(read())
+                return
+            except Exception:  # noqa: BLE001 - no leader yet, or catching up
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def stop(self) -> None:
         for proc in self.procs:

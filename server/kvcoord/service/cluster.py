@@ -7,13 +7,13 @@ claims, the catalog) are :mod:`.cluster_store`'s; the rules are :mod:`.ownership
 **Handover.** When a member joins, each replica hands the pools placement now puts on
 the joiner over to it; a replica leaving gracefully (SIGTERM) hands each of its pools
 to placement over the others, all within server.grace_seconds (:meth:`Cluster.leave`).
-The old owner stops serving the pool (calls are UNAVAILABLE: clients retry), sends its state (registry_state.dump_pool: engine, events,
-sessions with cursors, kept answers, lineage) with ``Replicas.AdoptPool``; the new
-owner journals it (an ``adopt`` record) and waits until it is durable, then swaps the
-claim to itself (compare-and-swap on the claim's revision) and serves; only then does
-the old owner remove its copy (journaled). A failure at any step before the swap
-leaves the old owner serving; after it, the new owner's journal has the state.
-The call is made as the replicas serve (``[server.tls]``: TLS, and a client certificate
+The old owner stops serving the pool (calls are UNAVAILABLE: clients retry), sends its
+state (registry_state.dump_pool: engine, events, sessions with cursors, kept answers,
+lineage) with ``Replicas.AdoptPool``; the new owner journals it (an ``adopt`` record)
+and waits until it is durable, then swaps the claim to itself (compare-and-swap on the
+claim's revision) and serves; only then does the old owner remove its copy
+(journaled). A failure at any step before the swap leaves the old owner serving;
+after it, the new owner's journal has the state. The call is made as the replicas serve (``[server.tls]``: TLS, and a client certificate
 under mutual TLS; ``[cluster.peer_tls]``, tls.py) with the first full-access token.
 """
 

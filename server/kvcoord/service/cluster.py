@@ -172,7 +172,7 @@ class Cluster(ClusterStore):
         """Claim ``pool`` (a new term: its former owner can write nothing more), rebuild
         it from its journal in the store and serve it. True once served here."""
         assert self.streams is not None and self.load_pool is not None and self.scratch_registry is not None
-        from .store_journal import rebuild, stream_rows
+        from .store_rebuild import rebuild, stream_rows
 
         view = self.view
         if pool in view.claims or pool in view.moving or pool in self.adopting:

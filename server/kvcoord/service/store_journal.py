@@ -40,7 +40,7 @@ its parts are there; an answer is sent only once all of them are committed.
 them is committed both locally and in the store (:class:`StoreRecorder`), so no
 watcher sees an event the next owner, rebuilt from the store, would not have.
 
-**Rebuilding** (:func:`rebuild`): the highest term whose stream has a complete
+**Rebuilding** (store_rebuild.py, :func:`~.store_rebuild.rebuild`): the highest term whose stream has a complete
 ``base`` is taken; its latest complete base is loaded into a scratch registry and the
 records after it replayed there (recovery.py's :class:`~.recovery.Replayer`, with the
 digests of what clients were told checked), and the result is the pool's state as a
@@ -64,7 +64,7 @@ from .errors import ServiceError, Status
 if TYPE_CHECKING:  # pragma: no cover
     from .pool_service import PoolService
 
-__all__ = ["PART_BYTES", "PoolStreams", "StoreRecorder", "StoreWriteError", "rebuild", "stream_rows"]
+__all__ = ["PART_BYTES", "PoolStreams", "StoreRecorder", "StoreWriteError", "encode_base", "encode_item"]
 
 logger = logging.getLogger(__name__)
 
@@ -369,65 +369,6 @@ def encode_item(local_seq: int, record_body: bytes) -> bytes:
 
 def encode_base(value: dict[str, Any], writer: str, limits: dict[str, int], wall: float) -> bytes:
     return cbor2.dumps([0, ["base", wall, value, writer, limits]])
-
-
-def stream_rows(rows: Any, pool_prefix: bytes) -> dict[int, dict[int, list[Any]]]:
-    """The complete records under a pool's prefix: term -> seq -> [position, record]
-    (a record some of whose parts are missing is left out: it was never acknowledged)."""
-    parts: dict[tuple[int, int], dict[int, bytes]] = {}
-    counts: dict[tuple[int, int], int] = {}
-    for kv in rows:
-        value = kv.value
-        fields = kv.key[len(pool_prefix) :].decode().split("/")
-        if len(fields) != 4:
-            continue
-        term, seq, part, total = (int(f) for f in fields)
-        parts.setdefault((term, seq), {})[part] = value
-        counts[(term, seq)] = total
-    out: dict[int, dict[int, list[Any]]] = {}
-    for (term, seq), got in parts.items():
-        if len(got) != counts[(term, seq)]:
-            continue
-        out.setdefault(term, {})[seq] = cbor2.loads(b"".join(got[n] for n in range(len(got))))
-    return out
-
-
-def rebuild(
-    streams: dict[int, dict[int, list[Any]]], make_registry: Callable[[str], Any], pool: str
-) -> tuple[dict[str, Any], int, int] | None:
-    """The pool's state from its streams, as :func:`~.registry_state.dump_pool` makes it, and
-    the term and number of records it came from; None when no stream has a base (the
-    pool was never acknowledged anything).
-
-    Raises:
-        ValueError: a record cannot be replayed as its client was told.
-    """
-    from .recovery import Replayer
-    from .registry_state import adopt_pool, apply_limits, dump_pool, limits_from
-
-    for term in sorted(streams, reverse=True):
-        records = streams[term]
-        bases = [seq for seq, (_, rec) in records.items() if rec[0] == "base"]
-        if not bases:
-            continue
-        start = max(bases)
-        _, (_, wall, value, writer, limits) = records[start]
-        tail = []
-        seq = start + 1
-        while seq in records:  # contiguous: a gap ends what was acknowledged
-            tail.append(records[seq])
-            seq += 1
-        registry = make_registry(writer)
-        apply_limits(registry, limits_from(limits), int(limits.get("max_message_bytes", 0)))
-        adopt_pool(registry, value)
-        last_wall = tail[-1][1][1] if tail else wall
-        replayer = Replayer(registry, float(last_wall), writer)
-        for position, record in tail:
-            replayer.apply(int(position), record)
-        if pool not in registry.pools:  # deleted in its last records
-            return None
-        return dump_pool(registry, pool), term, len(tail)
-    return None
 
 
 #: record kinds copied into a pool's stream that name their pool, and where

@@ -38,8 +38,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import grpc
-
 from .ownership import Claim, Member, Ownership, decode_claim, decode_member, encode_claim, encode_member
 from .tasks import cancel_and_wait
 
@@ -99,22 +97,21 @@ async def follow_changes(client: Any, prefix: bytes, changed: Callable[[], None]
     if getattr(client, "channel", None) is None:
         raise ClusterError("not connected to the cluster store")
     call = rpc.WatchStub(client.channel).Watch(metadata=client.metadata)
+    answers = aiter(call)
     try:
         create = rpc.WatchCreateRequest(key=prefix, range_end=_prefix_range(prefix)[1])
         async with asyncio.timeout(timeout):
             await call.write(rpc.WatchRequest(create_request=create))
-            made = await call.read()
-        if made is grpc.aio.EOF or not made.created or made.canceled:
+            made = await anext(answers, None)
+        if made is None or not made.created or made.canceled:
             raise ClusterError(f"the cluster store did not make the watch: {made}")
         changed()
-        while True:
-            answer = await call.read()
-            if answer is grpc.aio.EOF:
-                raise ClusterError("the cluster store ended the watch")
+        async for answer in answers:
             if answer.canceled or answer.compact_revision:
                 raise ClusterError(f"the cluster store cancelled the watch: {answer.cancel_reason!r}")
             if answer.events:
                 changed()
+        raise ClusterError("the cluster store ended the watch")
     finally:
         call.cancel()
 

@@ -9,12 +9,69 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from durable_server import free_port
 
 REQUIRE = os.environ.get("KVCOORD_REQUIRE_ETCD") == "1"
+#: starts tried, each on fresh ports, when a port was taken before etcd bound it
+STARTS = 3
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now, below the kernel's range of ephemeral ports. A
+    port from that range (bind to port 0) could be taken by any outgoing connection,
+    or handed to another test process, before etcd bound it: etcd then exited 1
+    ("address already in use") and a whole test module failed at its fixture."""
+    import random
+    import socket
+
+    low = _ephemeral_low()
+    out: list[int] = []
+    for _ in range(1000):  # bounded: nearly every port there is free
+        if len(out) == n:
+            return out
+        port = random.randrange(10000, low) if low > 11000 else random.randrange(low - 1000, low)
+        if port in out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        out.append(port)
+    raise RuntimeError(f"no {n} free ports below {low}")
+
+
+class PortTaken(RuntimeError):
+    """etcd could not bind a port it was given (taken meanwhile): started again elsewhere."""
+
+
+def _start_over(start: Callable[[Path], None], stop: Callable[[], None], tmp: Path) -> None:
+    """``start(tmp / "start<n>")``; stopped and started again, on fresh ports, when a
+    port was taken (:class:`PortTaken`), at most :data:`STARTS` times."""
+    for attempt in range(STARTS):
+        try:
+            start(tmp / f"start{attempt}")
+            return
+        except PortTaken:
+            stop()
+            if attempt == STARTS - 1:
+                raise
+
+
+def _exited(log: Path, what: str, code: int | None) -> RuntimeError:
+    text = log.read_text(errors="replace")
+    error = PortTaken if "address already in use" in text else RuntimeError
+    return error(f"{what} exited with {code}: {text[-2000:]}")
 
 
 def etcd_binary() -> str:
@@ -33,8 +90,12 @@ class Etcd:
     ``args``: more of etcd's flags (``--quota-backend-bytes``, ...)."""
 
     def __init__(self, tmp: Path, args: tuple[str, ...] = ()) -> None:
+        _start_over(lambda where: self._start(where, args), self.stop, tmp)
+
+    def _start(self, tmp: Path, args: tuple[str, ...]) -> None:
         binary = etcd_binary()
-        self.port, peer = free_port(), free_port()
+        tmp.mkdir(parents=True)
+        self.port, peer = free_ports(2)
         self.endpoint = f"127.0.0.1:{self.port}"
         self.log_path = tmp / "etcd.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
@@ -55,7 +116,8 @@ class Etcd:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"etcd exited with {self.proc.returncode}: {self.log_path.read_text()}")
+                self._log.flush()
+                raise _exited(self.log_path, "etcd", self.proc.returncode)
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
                     return
@@ -79,12 +141,16 @@ class EtcdCluster:
     :meth:`kill` SIGKILLs a member, :meth:`restart` starts it again on its data."""
 
     def __init__(self, tmp: Path, size: int = 3) -> None:
+        _start_over(lambda where: self._start_all(where, size), self.stop, tmp)
+
+    def _start_all(self, tmp: Path, size: int) -> None:
         binary = etcd_binary()
+        tmp.mkdir(parents=True)
         self.binary = binary
         self.tmp = tmp
         self.names = [f"e{i}" for i in range(size)]
-        self.client_ports = [free_port() for _ in self.names]
-        self.peer_ports = [free_port() for _ in self.names]
+        ports = free_ports(2 * size)
+        self.client_ports, self.peer_ports = ports[:size], ports[size:]
         self.endpoints = [f"127.0.0.1:{p}" for p in self.client_ports]
         self.initial = ",".join(
             f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports, strict=True)
@@ -140,7 +206,8 @@ class EtcdCluster:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise RuntimeError(f"etcd {self.names[i]} exited with {proc.returncode}")
+                self._logs[i].flush()
+                raise _exited(self.tmp / f"{self.names[i]}.log", f"etcd {self.names[i]}", proc.returncode)
             try:
                 with socket.create_connection(("127.0.0.1", self.client_ports[i]), timeout=0.5):
                     return
@@ -155,9 +222,33 @@ class EtcdCluster:
             proc.wait(10)
 
     def restart(self, i: int) -> None:
+        """SIGKILL member ``i`` and start it again on its data; returns once it answers
+        a linearizable read (it caught up with a leader: a read through it right after
+        used to time out at load 8, a test's failure 1 run in 20)."""
         self.kill(i)
         self._start(i)
         self._wait_ready(i, 30.0)
+        self.wait_serving(i, 30.0)
+
+    def wait_serving(self, i: int, timeout: float) -> None:
+        """Until member ``i`` answers a linearizable read (a bound, then the error)."""
+        import asyncio
+
+        import aetcd
+
+        async def read() -> None:
+            async with aetcd.Client(host="127.0.0.1", port=self.client_ports[i], timeout=2) as c:
+                await c.get(b"/ready")
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                asyncio.run(read())
+                return
+            except Exception:  # noqa: BLE001 - no leader yet, or catching up
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
 
     def stop(self) -> None:
         for proc in self.procs:

@@ -35,7 +35,7 @@ def _config(
     listed = ", ".join(f'"{e}"' for e in endpoints)
     return (
         f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
-        f"grace_seconds = 1.0\n"
+        f"grace_seconds = 5.0\n"
         f'[cluster]\nendpoints = [{listed}]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
         f'lease_seconds = {LEASE}\nstore_timeout_seconds = 1.0\njournal = "{journal}"\n'
         f"store_snapshot_records = {every}\n"

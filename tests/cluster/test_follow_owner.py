@@ -83,7 +83,7 @@ def logging_client(targets: list[str], log: list[Attempt], **kw: Any) -> KVCoord
 
 def config(etcd: Etcd, replica: str, data_dir: Path, cluster: str, journal: str) -> str:
     return (
-        f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\ngrace_seconds = 1.0\n'
+        f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\ngrace_seconds = 5.0\n'
         f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
         f'lease_seconds = {LEASE}\nstore_timeout_seconds = 1.0\njournal = "{journal}"\n'
     )

@@ -38,20 +38,21 @@ POOL_CONFIG = pb.PoolConfig(
 def replica_config(etcd: Etcd, replica: str, data_dir: Path, cluster: str) -> str:
     return (
         f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
-        f"grace_seconds = 1.0\n"
+        f"grace_seconds = 5.0\n"
         f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
         f"lease_seconds = 2\nstore_timeout_seconds = 2.0\n"
     )
 
 
 def in_process_store_replica(
-    endpoint: str, name: str, data_dir: Path, lease: int
+    endpoint: str, name: str, data_dir: Path, lease: int, grace: float = 10.0
 ) -> tuple[str, ServerConfig]:
     """The address and config of a replica r0 started in the test's process (service
     start_server), journal = "store", on a free port."""
     address = f"127.0.0.1:{free_port()}"
     cfg = parse_config(
         f'[server]\nlisten = ["{address}"]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\n'
+        f"grace_seconds = {grace}\n"
         f'[cluster]\nendpoints = ["{endpoint}"]\nname = "{name}"\nreplica_id = "r0"\n'
         f'lease_seconds = {lease}\nstore_timeout_seconds = 2.0\njournal = "store"\n'
     )

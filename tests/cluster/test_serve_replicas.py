@@ -79,7 +79,7 @@ def test_serve_replicas_runs_supervised_replicas_that_share_the_pools(
     config = tmp_path / "kvcoord.toml"
     config.write_text(
         f'[server]\nlisten = ["127.0.0.1:{port}"]\nmetrics_listen = ""\ndata_dir = "{tmp_path / "data"}"\n'
-        f'synchronous = "NORMAL"\ngrace_seconds = 1.0\n'
+        f'synchronous = "NORMAL"\ngrace_seconds = 5.0\n'
         f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{request.node.name}"\nreplica_id = "h"\n'
         "lease_seconds = 2\n"
     )

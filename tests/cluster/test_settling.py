@@ -231,29 +231,35 @@ def test_stop_ends_the_watch_when_a_change_comes_in_the_same_turn(
 
 
 def test_stop_ends_the_watch_when_the_watch_is_made_in_the_same_turn(
-    etcd: Etcd, request: pytest.FixtureRequest
+    etcd: Etcd, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """aetcd's watch_prefix waits for etcd's "created" answer with asyncio.wait_for:
-    on Python 3.11 an answer that comes in the same loop turn as stop()'s cancellation
-    makes it return, the cancellation lost, and the watch went on (stop() waited for
-    it forever). Here watch_prefix is aetcd's, its answer held back until then."""
+    """The watch is made (etcd's "created" answer comes) in the same loop turn as
+    stop()'s cancellation: stop() returns, the watch cancelled. (aetcd's watch_prefix
+    waited for that answer with asyncio.wait_for, which on Python 3.11 then returned
+    and lost the cancellation: stop() waited forever; the watch is now
+    cluster_store.follow_changes, here with its answer held back until then.)"""
+    import kvcoord.service.cluster as cluster_module
+
     name = request.node.name[:40]
 
     async def run() -> None:
         cluster = await _joined(etcd, name)
-        plain = cluster.client.watch_prefix
+        plain = cluster_module.follow_changes
         asked, answered = asyncio.Event(), asyncio.Event()
 
-        async def made_when_told(prefix: bytes, **kw: Any) -> Any:
-            watch = await plain(prefix, **kw)  # made in etcd; its "created" answer is on its way
+        async def made_when_told(
+            client: Any, prefix: bytes, changed: Callable[[], None], timeout: float
+        ) -> None:
             asked.set()
-            await asyncio.wait_for(answered.wait(), 15)  # as aetcd's add_callback waits for it
-            return watch
+            async with asyncio.timeout(15):  # the "created" answer, held back until told
+                await answered.wait()
+            await plain(client, prefix, changed, timeout)
 
-        cluster.client.watch_prefix = made_when_told
+        monkeypatch.setattr(cluster_module, "follow_changes", made_when_told)
 
         async def asking() -> None:
-            await asyncio.wait_for(asked.wait(), 15)  # a bound, not a measurement
+            async with asyncio.timeout(15):  # a bound, not a measurement
+                await asked.wait()
             await asyncio.sleep(0)
 
         await _stopped_in_the_same_turn(cluster, asking, answered.set)  # the answer comes

@@ -81,8 +81,15 @@ def _refused_until_rebuilt(placement: ClusterPlacement, pool: str) -> None:
 
 
 async def _holder(client: Any, key: bytes) -> tuple[str, int] | None:
-    """The claim at ``key`` as the store has it: (replica, lease id)."""
-    got = await client.get(key)
+    """The claim at ``key`` as the store has it: (replica, lease id). Read until the
+    store answers (a member restarted by the test before may still be catching up)."""
+    got = None
+
+    async def read() -> None:
+        nonlocal got
+        got = await client.get(key)
+
+    await _until(read)
     if got is None:
         return None
     return decode_claim("", got.value, got.mod_revision).replica_id, got.lease

@@ -16,7 +16,8 @@ import cbor2
 import pytest
 from etcd_process import Etcd
 from kvcoord.service.errors import ServiceError, Status
-from kvcoord.service.store_journal import PART_BYTES, PoolStreams, stream_rows
+from kvcoord.service.store_journal import PART_BYTES, PoolStreams
+from kvcoord.service.store_rebuild import stream_rows
 
 
 def _client(etcd: Etcd) -> aetcd.Client:

@@ -6,14 +6,14 @@ claims, the catalog) are :mod:`.cluster_store`'s; the rules are :mod:`.ownership
 
 **Handover.** When a member joins, each replica hands the pools placement now puts on
 the joiner over to it; a replica leaving gracefully (SIGTERM) hands each of its pools
-to placement over the others. The old owner stops serving the pool (calls are
-UNAVAILABLE: clients retry), sends its state (registry_state.dump_pool: engine, events,
-sessions with cursors, kept answers, lineage) with ``Replicas.AdoptPool``; the new
-owner journals it (an ``adopt`` record) and waits until it is durable, then swaps the
-claim to itself (compare-and-swap on the claim's revision) and serves; only then does
-the old owner remove its copy (journaled). A failure at any step before the swap
-leaves the old owner serving; after it, the new owner's journal has the state.
-The call is made as the replicas serve (``[server.tls]``: TLS, and a client certificate
+to placement over the others, all within server.grace_seconds (:meth:`Cluster.leave`).
+The old owner stops serving the pool (calls are UNAVAILABLE: clients retry), sends its
+state (registry_state.dump_pool: engine, events, sessions with cursors, kept answers,
+lineage) with ``Replicas.AdoptPool``; the new owner journals it (an ``adopt`` record)
+and waits until it is durable, then swaps the claim to itself (compare-and-swap on the
+claim's revision) and serves; only then does the old owner remove its copy
+(journaled). A failure at any step before the swap leaves the old owner serving;
+after it, the new owner's journal has the state. The call is made as the replicas serve (``[server.tls]``: TLS, and a client certificate
 under mutual TLS; ``[cluster.peer_tls]``, tls.py) with the first full-access token.
 """
 
@@ -30,13 +30,18 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
-from .cluster_store import ClusterError, ClusterStore
+from .cluster_store import ClusterError, ClusterStore, follow_changes
 from .ownership import Claim, Member
-from .tasks import raise_if_cancelled
+from .tasks import cancel_and_wait
 
 __all__ = ["Cluster", "ClusterError"]
 
 logger = logging.getLogger(__name__)
+
+#: seconds a handover's AdoptPool call may take (at least the store timeout)
+HANDOVER_SECONDS = 30.0
+#: handovers at a time when a replica leaves
+LEAVE_PARALLEL = 4
 
 
 class Cluster(ClusterStore):
@@ -81,6 +86,8 @@ class Cluster(ClusterStore):
         self.scratch_registry: Callable[[str], Any] | None = None
         #: pools rebuilt from the store after their owner was gone (metrics, tests)
         self.failovers = 0
+        #: seconds a graceful leave may take, its handovers included (server.grace_seconds)
+        self.leave_seconds = HANDOVER_SECONDS
         #: pools whose rebuilding failed -> when to try again
         self._retry_at: dict[str, float] = {}
 
@@ -165,7 +172,7 @@ class Cluster(ClusterStore):
         """Claim ``pool`` (a new term: its former owner can write nothing more), rebuild
         it from its journal in the store and serve it. True once served here."""
         assert self.streams is not None and self.load_pool is not None and self.scratch_registry is not None
-        from .store_journal import rebuild, stream_rows
+        from .store_rebuild import rebuild, stream_rows
 
         view = self.view
         if pool in view.claims or pool in view.moving or pool in self.adopting:
@@ -230,21 +237,49 @@ class Cluster(ClusterStore):
 
     async def leave(self) -> None:
         """A graceful stop: hand every pool over to placement over the other members
-        (one without a live member to go to stays unclaimed until this one is back)."""
+        (one without a live member to go to stays unclaimed until this one is back),
+        :data:`LEAVE_PARALLEL` at a time, all within :attr:`leave_seconds`
+        (server.grace_seconds). A handover still running then is cancelled, and its
+        pool is not served here any more: the new owner has it if it swapped the claim
+        already; else the claim goes with this replica's lease (stop), and with
+        journal = "store" the replica placement names rebuilds the pool from the store
+        (nothing acknowledged is lost: every answer waited for its record there); with
+        "local" it stays unclaimed until this replica is back (its journal is here)."""
         self.stopping = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.leave_seconds
         try:  # no other replica places a pool here from now on
-            await self.client.delete(self.key("members", self.me.replica_id))
+            async with asyncio.timeout_at(deadline):
+                await self.client.delete(self.key("members", self.me.replica_id))
         except Exception as exc:  # noqa: BLE001 - its lease still ends it
-            logger.warning("leaving: the member key could not be deleted: %s", exc)
-        for pool, target in self.view.leaving().items():
-            await self.hand_over(pool, target)
+            logger.warning("leaving: the member key could not be deleted: %r", exc)
+        gate = asyncio.Semaphore(LEAVE_PARALLEL)
 
-    async def hand_over(self, pool: str, target: Member) -> bool:
-        """Move ``pool`` to ``target`` (see the module docstring); True once it has it."""
-        claim = self.view.claims.get(pool)
+        async def move(pool: str, target: Member) -> None:
+            async with gate:
+                await self.hand_over(pool, target, deadline)
+
+        moves = {loop.create_task(move(pool, target)): pool for pool, target in self.view.leaving().items()}
+        if not moves:
+            return
+        _, late = await asyncio.wait(moves, timeout=max(0.0, deadline - loop.time()))
+        await cancel_and_wait(moves)
+        if late:
+            logger.error(
+                "leaving: %d pool(s) not handed over within %.1f s (server.grace_seconds), not served here "
+                "any more; their claims end with this replica's lease: %s",
+                len(late), self.leave_seconds, ", ".join(sorted(moves[t][:200] for t in late)),
+            )  # fmt: skip
+
+    async def hand_over(self, pool: str, target: Member, deadline: float | None = None) -> bool:
+        """Move ``pool`` to ``target`` (see the module docstring); True once it has it.
+        ``deadline`` (the loop's time) bounds the call to ``target`` (leave)."""
+        view = self.view
+        claim = view.claims.get(pool)
         if claim is None or claim.replica_id != self.me.replica_id or self.export_pool is None:
             return False
-        view = self.view
+        if pool in view.moving:  # being handed over already (a member joined: rebalance)
+            return False
         view.moving.add(pool)
         try:
             if self.pool_free is not None:  # a Step applied to it in slices ends first
@@ -255,9 +290,12 @@ class Cluster(ClusterStore):
                 from_replica=self.me.replica_id,
                 claim_revision=claim.term,
             )
+            limit = max(HANDOVER_SECONDS, self.timeout)
+            if deadline is not None:
+                limit = min(limit, deadline - asyncio.get_running_loop().time())
             async with self._peer_channel(target.address) as channel:
                 answer = await pb_grpc.ReplicasStub(channel).AdoptPool(  # type: ignore[no-untyped-call]
-                    request, timeout=max(30.0, self.timeout), metadata=self.peer_metadata
+                    request, timeout=limit, metadata=self.peer_metadata
                 )
         except Exception as exc:  # noqa: BLE001 - the pool stays here, served again
             self.handover_failures += 1
@@ -336,15 +374,17 @@ class Cluster(ClusterStore):
                 logger.warning("renewing the cluster lease failed: %s", exc)
 
     async def _watch(self) -> None:
-        """Follow members and claims: re-read the view on every change (and every
-        lease period, in case a watch missed one)."""
+        """Follow members and claims: re-read the view once the watch is made (what
+        changed while there was none), on every change, and every lease period (in
+        case a watch missed one); a watch that fails is made again after a pause."""
         while True:
             try:
-                watch = await self.client.watch_prefix(self.prefix)
-                reader = asyncio.get_running_loop().create_task(self._changes(watch))
+                reader = asyncio.get_running_loop().create_task(
+                    follow_changes(self.client, self.prefix, self._changed.set, self.timeout)
+                )
+                reader.add_done_callback(lambda _: self._changed.set())  # its end wakes the loop
                 try:
-                    raise_if_cancelled()  # aetcd waits for the watch with wait_for (tasks.py)
-                    while not reader.done():
+                    while True:
                         # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns
                         # the result when the change comes in the same turn as stop()'s
                         # cancellation, the cancellation is lost, and stop() waits for
@@ -353,20 +393,19 @@ class Cluster(ClusterStore):
                             async with asyncio.timeout(self.lease_seconds):
                                 await self._changed.wait()
                         self._changed.clear()
+                        if reader.done():
+                            break
                         await self.refresh()
                         await self.claim_local()
                         await self.recover_orphans()
                         await self.rebalance()
                 finally:
-                    reader.cancel()
-                    with contextlib.suppress(Exception):
-                        await watch.cancel()
+                    await cancel_and_wait([reader])  # the stream ends at once (follow_changes)
+                if reader.cancelled():
+                    raise ClusterError("the watch of the cluster store was cancelled")
+                reader.result()  # why it ended (it never returns)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - watched again after a pause
                 logger.warning("watching the cluster store failed: %s", exc)
                 await asyncio.sleep(min(1.0, self.lease_seconds / 3))
-
-    async def _changes(self, watch: Any) -> None:
-        async for _ in watch:
-            self._changed.set()

@@ -33,7 +33,6 @@ The rules themselves are in :mod:`.ownership`; this module only does the I/O.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -45,7 +44,7 @@ from .tasks import cancel_and_wait
 if TYPE_CHECKING:  # pragma: no cover
     from .store_journal import PoolStreams
 
-__all__ = ["ClusterError", "ClusterStore", "store_client"]
+__all__ = ["ClusterError", "ClusterStore", "close_client", "follow_changes", "store_client"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +66,54 @@ def store_client(endpoint: str, timeout: float) -> Any:
     # base alone passes gRPC's default 4 MiB limit of an answer
     options = {"grpc.max_receive_message_length": -1}
     return aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
+
+
+async def close_client(client: Any, timeout: float) -> None:
+    """Close an etcd client, within ``timeout`` (logged past it: the process is
+    stopping, or the client is replaced). Nothing of ours waits on the store in it: the
+    watch is :func:`follow_changes`' (aetcd's watcher, never set up, has nothing queued)."""
+    try:
+        async with asyncio.timeout(timeout):
+            await client.close()
+    except Exception as exc:  # noqa: BLE001 - given up: the process stops, or the client is replaced
+        logger.warning("closing the cluster store client failed: %r", exc)
+
+
+async def follow_changes(client: Any, prefix: bytes, changed: Callable[[], None], timeout: float) -> None:
+    """Watch every key under ``prefix`` (it ends in "/"): ``changed()`` once the
+    watch is made (what changed before it is read then) and at every change after.
+    Returns never: raises when the watch is not made within ``timeout`` or the stream
+    fails or ends; cancelled, it ends the stream at once.
+
+    One gRPC stream of its own, not aetcd's watch: aetcd queues watch requests (10)
+    behind a lock that its cancel and its client's close take too; with the store's
+    answers lost (a member frozen, its replies dropped) the client's writes stall, the
+    queue fills, and watch_prefix, the watch's cancel and the client's close each
+    waited forever (a replica's stop hung past every lease; tests/cluster/test_waits.py).
+    Here nothing is queued or locked, and nothing is left behind that fires later.
+    """
+    from aetcd import rpc  # the "cluster" extra (store_client says so when it is missing)
+
+    if getattr(client, "channel", None) is None:
+        raise ClusterError("not connected to the cluster store")
+    call = rpc.WatchStub(client.channel).Watch(metadata=client.metadata)
+    answers = aiter(call)
+    try:
+        create = rpc.WatchCreateRequest(key=prefix, range_end=_prefix_range(prefix)[1])
+        async with asyncio.timeout(timeout):
+            await call.write(rpc.WatchRequest(create_request=create))
+            made = await anext(answers, None)
+        if made is None or not made.created or made.canceled:
+            raise ClusterError(f"the cluster store did not make the watch: {made}")
+        changed()
+        async for answer in answers:
+            if answer.canceled or answer.compact_revision:
+                raise ClusterError(f"the cluster store cancelled the watch: {answer.cancel_reason!r}")
+            if answer.events:
+                changed()
+        raise ClusterError("the cluster store ended the watch")
+    finally:
+        call.cancel()
 
 
 def _targets(endpoints: list[str]) -> list[str]:
@@ -144,8 +191,7 @@ class ClusterStore:
                 await client.status()
             except Exception as exc:  # noqa: BLE001 - the next endpoint, then a ClusterError
                 last = exc
-                with contextlib.suppress(Exception):
-                    await client.close()
+                await close_client(client, self.timeout)
                 continue
             self.client = client
             break
@@ -198,8 +244,7 @@ class ClusterStore:
                 await self.client.revoke_lease(self.lease.id)
             except Exception as exc:  # noqa: BLE001 - the lease then ends by itself
                 logger.warning("revoking the cluster lease failed (it ends by itself): %s", exc)
-        with contextlib.suppress(Exception):
-            await self.client.close()
+        await close_client(self.client, self.timeout)
         self.client = None
 
     # -- the view -----------------------------------------------------------------------

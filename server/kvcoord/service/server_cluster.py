@@ -60,6 +60,7 @@ def cluster_of(
     me = Member(c.replica_id or socket.gethostname(), advertised(c, addresses))
     cluster = Cluster(c.endpoints, c.name, me, c.lease_seconds, c.store_timeout_seconds, registry.clock)
     cluster.local_pools = lambda: list(registry.pools)
+    cluster.leave_seconds = cfg.server.grace_seconds
 
     async def export(pool: str) -> bytes:  # the pool is moving: its state is the handover's
         return await pool_encoded(registry.pools[pool], lambda: cbor2.dumps(dump_pool(registry, pool)))

@@ -40,7 +40,7 @@ its parts are there; an answer is sent only once all of them are committed.
 them is committed both locally and in the store (:class:`StoreRecorder`), so no
 watcher sees an event the next owner, rebuilt from the store, would not have.
 
-**Rebuilding** (:func:`rebuild`): the highest term whose stream has a complete
+**Rebuilding** (store_rebuild.py, :func:`~.store_rebuild.rebuild`): the highest term whose stream has a complete
 ``base`` is taken; its latest complete base is loaded into a scratch registry and the
 records after it replayed there (recovery.py's :class:`~.recovery.Replayer`, with the
 digests of what clients were told checked), and the result is the pool's state as a
@@ -64,7 +64,7 @@ from .errors import ServiceError, Status
 if TYPE_CHECKING:  # pragma: no cover
     from .pool_service import PoolService
 
-__all__ = ["PART_BYTES", "PoolStreams", "StoreRecorder", "StoreWriteError", "rebuild", "stream_rows"]
+__all__ = ["PART_BYTES", "PoolStreams", "StoreRecorder", "StoreWriteError", "encode_base", "encode_item"]
 
 logger = logging.getLogger(__name__)
 
@@ -224,37 +224,75 @@ class PoolStreams:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def _loop(self) -> None:
-        while self._pending:
-            batch, self._pending = self._pending, []
-            by_pool: dict[str, list[_Item]] = {}
-            for item in batch:
-                by_pool.setdefault(item.pool, []).append(item)
-            results = await asyncio.gather(
-                *(self._write_pool(pool, items) for pool, items in by_pool.items()), return_exceptions=True
-            )
-            for (pool, items), result in zip(by_pool.items(), results, strict=True):
-                if isinstance(result, BaseException):
-                    logger.error("the journal of pool %s could not be written to the store: %s", pool, result)
-                    self._failed.extend((i.gseq, pool) for i in items)
-                    stream = self.streams.get(pool)
-                    if stream is not None and stream.term == items[0].term:
-                        self.close(pool)
-                        if self.on_lost is not None:
-                            self.on_lost(pool)
-            self.committed = batch[-1].gseq
-            keep = []
-            for start, target, w in self._waiters:
-                if target <= self.committed:
-                    if not w.done():
-                        w.set_result(None)
-                else:
-                    keep.append((start, target, w))
-            self._waiters = keep
-            for fn in self.on_commit:
+        """Write what is queued, batch by batch, until nothing is. Whatever ends it
+        before it settled everything (cancelled at the loop's shutdown, a fault of
+        ours) first gives up every pool of what it had not settled (those records may
+        or may not be in the store): their flushes end with UNAVAILABLE, never wait
+        for a loop that is gone (they used to wait forever)."""
+        batch: list[_Item] = []
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                await self._write(batch)
+                self._settled(batch[-1].gseq)
+                batch = []
+        except BaseException as exc:
+            unsettled, self._pending = [*batch, *self._pending], []
+            if unsettled:
+                self._give_up(unsettled, exc)
+                self._settled(unsettled[-1].gseq)
+            if not isinstance(exc, Exception):
+                raise  # cancelled
+            logger.exception("the store journal's write loop failed (its pools are given up here)")
+
+    async def _write(self, batch: list[_Item]) -> None:
+        by_pool: dict[str, list[_Item]] = {}
+        for item in batch:
+            by_pool.setdefault(item.pool, []).append(item)
+        results = await asyncio.gather(
+            *(self._write_pool(pool, items) for pool, items in by_pool.items()), return_exceptions=True
+        )
+        for items, result in zip(by_pool.values(), results, strict=True):
+            if isinstance(result, BaseException):
+                self._give_up(items, result)
+
+    def _give_up(self, items: list[_Item], exc: BaseException) -> None:
+        """The records ``items`` may not be in the store: their pools are not served
+        here from now on (on_lost), and their flushes fail."""
+        by_pool: dict[str, list[_Item]] = {}
+        for item in items:
+            by_pool.setdefault(item.pool, []).append(item)
+        for pool, mine in by_pool.items():
+            logger.error("the journal of pool %s could not be written to the store: %r", pool, exc)
+            self._failed.extend((i.gseq, pool) for i in mine)
+            stream = self.streams.get(pool)
+            if stream is not None and stream.term == mine[0].term:
+                self.close(pool)
+                if self.on_lost is not None:
+                    try:
+                        self.on_lost(pool)
+                    except Exception:  # noqa: BLE001 - logged; the stream is closed: nothing more is acknowledged
+                        logger.exception("giving pool %s up failed", pool)
+
+    def _settled(self, gseq: int) -> None:
+        """Every record up to ``gseq`` is committed or given up: wake their flushes."""
+        self.committed = gseq
+        keep = []
+        for start, target, w in self._waiters:
+            if target <= gseq:
+                if not w.done():
+                    w.set_result(None)
+            else:
+                keep.append((start, target, w))
+        self._waiters = keep
+        for fn in self.on_commit:
+            try:
                 fn()
-            if len(self._failed) > 4096:
-                oldest = min((s for s, _, _ in self._waiters), default=self.committed)
-                self._failed = [(g, p) for g, p in self._failed if g > oldest]
+            except Exception:  # noqa: BLE001 - a listener's fault: the writes go on (it used to end them)
+                logger.exception("a listener of the store journal's commits failed")
+        if len(self._failed) > 4096:
+            oldest = min((s for s, _, _ in self._waiters), default=self.committed)
+            self._failed = [(g, p) for g, p in self._failed if g > oldest]
 
     async def _write_pool(self, pool: str, items: list[_Item]) -> None:
         """Write ``items`` (one pool's, in order) in guarded transactions; then, after a
@@ -331,65 +369,6 @@ def encode_item(local_seq: int, record_body: bytes) -> bytes:
 
 def encode_base(value: dict[str, Any], writer: str, limits: dict[str, int], wall: float) -> bytes:
     return cbor2.dumps([0, ["base", wall, value, writer, limits]])
-
-
-def stream_rows(rows: Any, pool_prefix: bytes) -> dict[int, dict[int, list[Any]]]:
-    """The complete records under a pool's prefix: term -> seq -> [position, record]
-    (a record some of whose parts are missing is left out: it was never acknowledged)."""
-    parts: dict[tuple[int, int], dict[int, bytes]] = {}
-    counts: dict[tuple[int, int], int] = {}
-    for kv in rows:
-        value = kv.value
-        fields = kv.key[len(pool_prefix) :].decode().split("/")
-        if len(fields) != 4:
-            continue
-        term, seq, part, total = (int(f) for f in fields)
-        parts.setdefault((term, seq), {})[part] = value
-        counts[(term, seq)] = total
-    out: dict[int, dict[int, list[Any]]] = {}
-    for (term, seq), got in parts.items():
-        if len(got) != counts[(term, seq)]:
-            continue
-        out.setdefault(term, {})[seq] = cbor2.loads(b"".join(got[n] for n in range(len(got))))
-    return out
-
-
-def rebuild(
-    streams: dict[int, dict[int, list[Any]]], make_registry: Callable[[str], Any], pool: str
-) -> tuple[dict[str, Any], int, int] | None:
-    """The pool's state from its streams, as :func:`~.registry_state.dump_pool` makes it, and
-    the term and number of records it came from; None when no stream has a base (the
-    pool was never acknowledged anything).
-
-    Raises:
-        ValueError: a record cannot be replayed as its client was told.
-    """
-    from .recovery import Replayer
-    from .registry_state import adopt_pool, apply_limits, dump_pool, limits_from
-
-    for term in sorted(streams, reverse=True):
-        records = streams[term]
-        bases = [seq for seq, (_, rec) in records.items() if rec[0] == "base"]
-        if not bases:
-            continue
-        start = max(bases)
-        _, (_, wall, value, writer, limits) = records[start]
-        tail = []
-        seq = start + 1
-        while seq in records:  # contiguous: a gap ends what was acknowledged
-            tail.append(records[seq])
-            seq += 1
-        registry = make_registry(writer)
-        apply_limits(registry, limits_from(limits), int(limits.get("max_message_bytes", 0)))
-        adopt_pool(registry, value)
-        last_wall = tail[-1][1][1] if tail else wall
-        replayer = Replayer(registry, float(last_wall), writer)
-        for position, record in tail:
-            replayer.apply(int(position), record)
-        if pool not in registry.pools:  # deleted in its last records
-            return None
-        return dump_pool(registry, pool), term, len(tail)
-    return None
 
 
 #: record kinds copied into a pool's stream that name their pool, and where

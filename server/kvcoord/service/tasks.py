@@ -1,4 +1,4 @@
-"""Ending background tasks at stop, and noticing a stop that an await lost."""
+"""Ending background tasks at stop."""
 
 from __future__ import annotations
 
@@ -24,18 +24,3 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task[object]]) -> None:
     for task in tasks:
         if not task.cancelled():
             task.exception()
-
-
-def raise_if_cancelled() -> None:
-    """Raise CancelledError when the current task was asked to stop (cancelled) but
-    the await it was in returned anyway.
-
-    ``asyncio.wait_for`` on Python 3.11 does that when what it waits for comes in the
-    same loop turn as the cancellation: it returns the result, and the cancellation is
-    lost (a loop then runs on, and whoever cancelled it waits forever). Our own code
-    uses ``asyncio.timeout`` instead; call this after awaiting a library that uses
-    ``wait_for`` (aetcd's watch_prefix).
-    """
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError

@@ -373,7 +373,11 @@ class KVCoordKVCacheManager:
         else:
             held.request = request
         # vLLM's accounting: what is computed, what gets cached
-        total = int(request.num_computed_tokens) + num_new_computed_tokens + num_external_computed_tokens
+        total = request.num_computed_tokens
+        if type(total) is not int:
+            total = int(total)
+        if num_new_computed_tokens or num_external_computed_tokens:
+            total += num_new_computed_tokens + num_external_computed_tokens
         limit = self.max_model_len
         if limit and total > limit:
             total = limit

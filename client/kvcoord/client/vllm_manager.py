@@ -437,6 +437,13 @@ class KVCoordKVCacheManager:
         return self.remote.get_num_common_prefix_blocks(running_request_id)
 
     @absorbing(lambda *_: [])
+    def scheduled(self) -> None:
+        """vLLM's schedule() returned and the model runs: a predicted session sends the
+        Step the last step's end cut now (``StepSender.release``)."""
+        remote = self.remote
+        if isinstance(remote, PredictingKVCacheManager):
+            remote.sender.release()
+
     def take_events(self) -> list[Any]:
         if not self.enable_kv_cache_events:
             return []

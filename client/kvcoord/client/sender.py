@@ -14,7 +14,8 @@ The predicted mode (``PredictingKVCacheManager``) gathers each scheduler step's 
 into one Step (:meth:`~StepSender.op`; allocations as the columns of one run), sends it
 from the background thread when the step ends (:meth:`~StepSender.cut`; while one is
 in flight, later steps' calls join the next, up to ``max_backlog`` steps or
-``max_step_bytes``), and compares the answer with the mirror's: every status, new
+``max_step_bytes``; under vLLM's scheduler the thread starts on it once the next
+schedule() returns and the model runs: :meth:`~StepSender.release`), and compares the answer with the mirror's: every status, new
 block id, the free count, the KV events (by digest) and the statistics. A failure
 waits in :attr:`~StepSender.failure` for the facade's next call, which
 :meth:`~StepSender.recover` turns into every request lost. The scheduler's thread only

@@ -3,7 +3,7 @@
     KVCOORD_VENV=$(scripts/install_vllm.sh --print-venv)
     PYTHONPATH=client:server:tests PYTHONHASHSEED=0 $KVCOORD_VENV/bin/python bench/vllm_step.py \\
         [--running 16 64 256] [--steps 200] [--warmup 150] [--layouts full full+swa] \\
-        [--kinds sync async] [--modes exclusive predicted]
+        [--kinds sync async] [--modes exclusive predicted] [--model-ms 5 0]
 
 For each number of running requests the same seeded workload (prompts 256-900 tokens,
 half sharing one of 8 prefixes, 16-128 output tokens, token budget 8,192, a pool large
@@ -16,7 +16,15 @@ an answer needs the server), ``predicted`` with it (``KVCOORD_PREDICT=1``, the
 default: every call answered from the client's mirror of the pool; its round trip is a
 burst of probes before and after the row, since a probe between steps would let its
 Step in flight finish untimed). A step is ``schedule()`` plus
-``update_from_output()`` with a fake model output. Prints p50 / mean / p99 per step, the
+``update_from_output()`` with a fake model output; between the two the model runs
+(``--model-ms``, each value a row group of its own: 5 ms by default, a realistic
+forward time, and 0, the steps back to back): a sleep, untimed, for vLLM's own
+scheduler and kvcoord's alike (the GIL released, as vLLM's engine core waits for its
+workers), in which the predicted client's sender thread sends the Step the previous
+step's cut handed it. Under each predicted row: what its slowest 1 % of steps are
+made of (the wait for the Step in flight, garbage collection, new requests admitted),
+the steps that waited, and the sender thread's CPU per step with the share of it
+spent inside the model's run. Prints p50 / mean / p99 per step, the
 round trips per step (every RPC the manager's client makes; mean and max) and the
 milliseconds kvcoord adds, the p50 over (vLLM's p50 + one no-op round trip: a ListPools
 sent after each step of the row, untimed by the step, p50), and checks that every step's
@@ -26,6 +34,7 @@ scheduler output is identical.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import os
 import random
@@ -62,10 +71,20 @@ VOCAB = 1000
 
 
 def run(
-    sched: Any, running: int, steps: int, seed: int, counter: list[int] | None, between: Any = None
+    sched: Any,
+    running: int,
+    steps: int,
+    seed: int,
+    counter: list[int] | None,
+    between: Any = None,
+    model_s: float = 0.0,
+    gap: Any = None,
 ) -> tuple[list[float], list[Any]]:
-    """Seconds per step and each step's summarized output; ``between()`` (when given) is
-    called after each step, untimed by it."""
+    """Seconds per step (``schedule()`` plus ``update_from_output()``) and each step's
+    summarized output; between the two the model runs for ``model_s`` seconds (a sleep,
+    untimed: the GIL released, as vLLM's engine core waits for its workers), with
+    ``gap(True)`` and ``gap(False)`` called at its start and end when given;
+    ``between()`` (when given) is called after each step, untimed by it."""
     hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
@@ -86,19 +105,118 @@ def run(
     for _ in range(running):
         add()
     times, trace = [], []
+    clock = time.perf_counter
     for _ in range(steps):
         while len(sched.requests) < running:
             add()
         if counter is not None:
             counter.append(0)
-        t0 = time.perf_counter()
+        t0 = clock()
         out = sched.schedule()
+        t1 = clock()
+        if gap is not None:
+            gap(True)
+        if model_s:
+            time.sleep(model_s)
+        if gap is not None:
+            gap(False)
+        t2 = clock()
         sched.update_from_output(out, fake_runner_output(sched, out))
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t2 + (t1 - t0))
         trace.append(summarize(out))
         if between is not None:
             between()
     return times, trace
+
+
+class Makeup:
+    """What a predicted row's steps are made of, besides the step's own calls: per step,
+    the wait for the Step in flight (the backlog was full), the garbage collector's
+    time and the new requests admitted; and the sender thread's CPU, inside the model's
+    run (the gap between ``schedule()`` and ``update_from_output()``) and outside it."""
+
+    def __init__(self, manager: Any, warmup: int) -> None:
+        self.manager, self.warmup = manager, warmup
+        self.waits: list[float] = []
+        self.gcs: list[float] = []
+        self._gc = 0.0
+        self._gc_at = 0.0
+        self._waited = 0.0
+        self._step = 0
+        self._clock: int | None = None
+        self._at = 0.0
+        #: the sender thread's CPU seconds in the model's gaps and in all, measured steps
+        self.in_gaps = 0.0
+        self.total = 0.0
+        self._start = 0.0
+
+    def _collector(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_at = time.perf_counter()
+        else:
+            self._gc += time.perf_counter() - self._gc_at
+
+    def __enter__(self) -> Makeup:
+        gc.callbacks.append(self._collector)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._collector)
+        if self._clock is not None:
+            self.total = time.clock_gettime(self._clock) - self._start
+
+    def _sender_cpu(self) -> float | None:
+        if self._clock is None:
+            thread = self.manager.sender._thread
+            if thread is None or thread.ident is None:
+                return None
+            self._clock = time.pthread_getcpuclockid(thread.ident)
+            self._start = time.clock_gettime(self._clock)
+        return time.clock_gettime(self._clock)
+
+    def gap(self, starts: bool) -> None:
+        """Called at the start and the end of the model's run."""
+        if self._step < self.warmup:
+            return
+        cpu = self._sender_cpu()
+        if cpu is None:
+            return
+        if starts:
+            self._at = cpu
+        else:
+            self.in_gaps += cpu - self._at
+
+    def between(self) -> None:
+        """Called after each step."""
+        self._step += 1
+        waited = self.manager.waited_seconds
+        self.waits.append(waited - self._waited)
+        self._waited = waited
+        self.gcs.append(self._gc)
+        self._gc = 0.0
+        if self._step == self.warmup:
+            self._clock = None  # the sender's CPU counted from here
+            self._sender_cpu()
+
+    def report(self, times: list[float], trace: list[Any], steps_sent: int) -> str:
+        w = self.warmup
+        t, waits, gcs = times[w:], self.waits[w:], self.gcs[w:]
+        new = [len(s["new"]) for s in trace[w:]]
+        top = sorted(range(len(t)), key=t.__getitem__)[int(len(t) * 0.99) :]
+        k = len(top)
+
+        def mean_ms(xs: list[float], ix: list[int]) -> float:
+            return sum(xs[i] for i in ix) / max(1, len(ix)) * 1e3
+
+        inside = self.in_gaps / self.total * 100 if self.total else 0.0
+        return (
+            f"{'':>7} {'':<22} p99 steps ({k}): {mean_ms(t, top):.2f} ms, of which waiting for the Step in "
+            f"flight {mean_ms(waits, top):.2f}, garbage collection {mean_ms(gcs, top):.2f}; "
+            f"{sum(new[i] for i in top) / max(1, k):.1f} new requests (all steps: {statistics.fmean(new):.1f})\n"
+            f"{'':>7} {'':<22} all measured steps: waited {sum(waits) * 1e3:.1f} ms in "
+            f"{sum(1 for x in waits if x > 1e-4)} of {len(t)} (over 0.1 ms); {steps_sent} Steps sent in the run; the sender "
+            f"thread's CPU {self.total / len(t) * 1e3:.2f} ms / step, {inside:.0f} % of it in the model's run"
+        )
 
 
 def main() -> None:
@@ -114,6 +232,11 @@ def main() -> None:
     ap.add_argument(
         "--modes", nargs="+", default=["exclusive", "predicted"], choices=["exclusive", "predicted"]
     )
+    ap.add_argument(
+        "--model-ms", type=float, nargs="+", default=[5.0, 0.0],
+        help="the model's run between schedule() and update_from_output() (a sleep, untimed); "
+        "0: the steps back to back",
+    )  # fmt: skip
     args = ap.parse_args()
     os.environ.setdefault("PYTHONHASHSEED", "0")
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'client'}:{ROOT / 'server'}")
@@ -136,10 +259,12 @@ def main() -> None:
         f"{'running':>7} {'scheduler':<22} {'p50 ms':>8} {'mean ms':>8} {'p99 ms':>8} {'RTT/step':>9} {'max RTT':>8}"
         f" {'+ms/step':>9} {'vs vLLM+RTT':>11} {'RTT ms':>7} {'p50 x':>6} {'mean x':>6}"
     )
+    rows = itertools.product(args.model_ms, args.layouts, args.kinds, args.running)
     try:
-        for layout, kind, n in itertools.product(args.layouts, args.kinds, args.running):
+        for model_ms, layout, kind, n in rows:
             blocks = n * (900 + 128) // BLOCK_SIZE * 2 + 64  # never full: nothing preempted
             total = args.steps + args.warmup
+            model_s = model_ms / 1e3
 
             def config(blocks: int = blocks, n: int = n, kind: str = kind) -> Any:
                 return vllm_config(
@@ -150,10 +275,10 @@ def main() -> None:
                     max_num_batched_tokens=8192,
                 )
 
-            print(f"-- {layout}, {kind}")
+            print(f"-- {layout}, {kind}, the model's run {model_ms:g} ms per step (untimed)")
             local = make_scheduler(SCHEDULERS[kind], config(), kv_cache_config(layout, blocks))
             freeze_heap()
-            base_t, base_trace = run(local, n, total, seed=n, counter=None)
+            base_t, base_trace = run(local, n, total, seed=n, counter=None, model_s=model_s)
             base = sorted(base_t[args.warmup :])[len(base_t[args.warmup :]) // 2] * 1e3
             base_mean = statistics.fmean(base_t[args.warmup :]) * 1e3
             print(
@@ -162,7 +287,8 @@ def main() -> None:
             os.environ["KVCOORD_TARGET"] = server.address
             for predict in [mode == "predicted" for mode in args.modes]:
                 os.environ["KVCOORD_POOL"] = (
-                    f"bench-{layout.replace('+', '-')}-{kind}-{n}-{'predicted' if predict else 'exclusive'}"
+                    f"bench-{layout.replace('+', '-')}-{kind}-{n}-{model_ms:g}-"
+                    f"{'predicted' if predict else 'exclusive'}"
                 )
                 os.environ["KVCOORD_PREDICT"] = "1" if predict else "0"
                 cls = KVCoordAsyncScheduler if kind == "async" else KVCoordScheduler
@@ -179,17 +305,20 @@ def main() -> None:
 
                 client._call = counted  # type: ignore[method-assign]
                 rtts.clear()
+                manager = remote.kv_cache_manager.remote
                 if predict:
                     # A probe between steps would let the Step in flight finish untimed:
                     # the round trip is a burst of probes before and after the row.
                     for _ in range(200):
                         probe()
-                    t, trace = run(remote, n, total, seed=n, counter=counts)
+                    with Makeup(manager, args.warmup) as makeup:
+                        t, trace = run(remote, n, total, seed=n, counter=counts, between=makeup.between,
+                                       model_s=model_s, gap=makeup.gap)  # fmt: skip
                     for _ in range(200):
                         probe()
                     rtt = pct(rtts, 0.5)
                 else:
-                    t, trace = run(remote, n, total, seed=n, counter=counts, between=probe)
+                    t, trace = run(remote, n, total, seed=n, counter=counts, between=probe, model_s=model_s)
                     rtt = pct(rtts[args.warmup :], 0.5)
                 assert trace == base_trace, "kvcoord's scheduler decided differently"
                 med = sorted(t[args.warmup :])[len(t[args.warmup :]) // 2] * 1e3
@@ -200,11 +329,7 @@ def main() -> None:
                       f"{trips:9.2f} {max(counts[args.warmup:]):8d} {med - base:9.2f} {med / (base + rtt):11.2f}"
                       f" {rtt:7.3f} {med / base:6.2f} {mean / base_mean:6.2f}")  # fmt: skip
                 if predict:
-                    # what the p99 is made of, in part: the steps that waited for the Step in
-                    # flight (the backlog was full), over the whole run (warm-up included)
-                    manager = remote.kv_cache_manager.remote
-                    print(f"{'':>7} {'':<22} waited for the Step in flight: {manager.waited_seconds * 1e3:.1f} ms in "
-                          f"{total} steps; {manager.steps_sent} Steps sent")  # fmt: skip
+                    print(makeup.report(t, trace, manager.steps_sent))
                 remote.shutdown()
         print("scheduler outputs identical on every step")
     finally:

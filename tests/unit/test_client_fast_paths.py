@@ -12,7 +12,7 @@ import pytest
 from kvcoord import engine
 from kvcoord.client.errors import KVCoordError
 from kvcoord.client.mirror import _check_wire_tokens, wire_tokens
-from kvcoord.client.tracking import RequestTracker, _as_bytes
+from kvcoord.client.tracking import RequestTracker, _as_bytes, token_list
 from kvcoord.client.vllm_manager import KVCoordKVCacheManager, _Held
 from kvcoord.client.vllm_types import (
     KVCacheBlocks,
@@ -127,14 +127,15 @@ def test_hashes_given_as_bytes_are_what_the_general_conversion_gives(kind: objec
 
 @pytest.mark.parametrize("length", [1, 15, 16, 900])
 @pytest.mark.parametrize("bad", [-1, 1 << 32, True, _Index(), "none"], ids=repr)
-def test_a_handed_prompt_is_kept_only_once_checked(length: int, bad: object) -> None:
+@pytest.mark.parametrize("where", ["first", "last", "any"])
+def test_a_handed_prompt_is_kept_only_once_checked(length: int, bad: object, where: str) -> None:
     """The tracker's registration (a :class:`HandedTokenIds`) comes back itself, which
     the engine keeps unchecked, only when the bulk check took it; otherwise as a plain
     list, which the engine checks token by token (it names the bad one)."""
     rng = random.Random(length)
     tokens: list[object] = [rng.randrange(1 << 32) for _ in range(length)]
     if bad != "none":
-        tokens[rng.randrange(length)] = bad
+        tokens[{"first": 0, "last": length - 1, "any": rng.randrange(length)}[where]] = bad
     accepted = _general_accepts(tokens)
     handed = HandedTokenIds(tokens)  # type: ignore[arg-type]
     try:
@@ -249,3 +250,73 @@ def test_a_runs_answer_matches_only_the_mirrors_blocks() -> None:
     assert not any(run.matches(answer(a)) for a in (moved, other, mirror[:-1], [*mirror, ()]))
     decode.refused.append(2)
     assert not run.matches(decode)
+
+
+class _View:
+    """vLLM's ``ConstantList``: a read-only view of the request's own token list, which
+    vLLM appends to and cuts in place (every ``len()`` and slice a Python call)."""
+
+    def __init__(self, x: list[int]) -> None:
+        self._x = x
+
+    def __len__(self) -> int:
+        return len(self._x)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._x[i]
+
+    def __iter__(self) -> Any:
+        return iter(self._x)
+
+
+def test_token_list_is_the_list_behind_a_view_only() -> None:
+    tokens = [1, 2, 3]
+    assert token_list(types.SimpleNamespace(all_token_ids=_View(tokens))) is tokens
+    for other in (tokens, tuple(tokens), _View(tuple(tokens)), range(3)):  # read as they are
+        assert token_list(types.SimpleNamespace(all_token_ids=other)) is None
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_running_requests_tokens_are_read_in_place_as_its_view_gives_them(seed: int) -> None:
+    """``sync_run`` reads the list behind vLLM's view of a registered request's tokens
+    in place: whatever vLLM does (tokens appended or cut in place, computed tokens
+    moved, another request object under the id), each run entry and refusal is what
+    reading the view itself gives (a twin request whose tokens are a plain list, read
+    as they are), and a registration's prompt is a copy vLLM's changes do not reach."""
+    rng = random.Random(seed)
+    trackers = [RequestTracker(pb.PoolConfig(enable_caching=False), b"") for _ in range(2)]
+    lists = [[rng.randrange(1000) for _ in range(rng.randrange(1, 40))]]
+    lists.append(list(lists[0]))
+    reqs = [
+        types.SimpleNamespace(request_id="r", all_token_ids=_View(lists[0]), num_computed_tokens=0),
+        types.SimpleNamespace(request_id="r", all_token_ids=lists[1], num_computed_tokens=0),
+    ]
+    first = [t.sync_values(r) for t, r in zip(trackers, reqs, strict=True)]
+    prompt = list(lists[1])
+    for _ in range(60):
+        action = rng.random()
+        if action < 0.6:  # a decode (or a few tokens)
+            new = [rng.randrange(1000) for _ in range(rng.choice((1, 1, 1, 3)))]
+            for x in lists:
+                x += new
+        elif action < 0.7:  # cut in place (a streaming session's update)
+            k = rng.randrange(len(lists[0]) + 1)
+            for x in lists:
+                del x[k:]
+        elif action < 0.8:  # another object under the id, with its own tokens
+            tokens = [rng.randrange(1000) for _ in range(len(lists[0]) + rng.randrange(0, 4))]
+            lists = [tokens, list(tokens)]
+            reqs = [
+                types.SimpleNamespace(request_id="r", all_token_ids=_View(lists[0]), num_computed_tokens=0),
+                types.SimpleNamespace(request_id="r", all_token_ids=lists[1], num_computed_tokens=0),
+            ]
+        computed = rng.randrange(len(lists[0]) + 1)
+        got = []
+        for t, r in zip(trackers, reqs, strict=True):
+            r.num_computed_tokens = computed
+            try:
+                got.append(t.sync_run(r))
+            except KVCoordError as err:
+                got.append(type(err))
+        assert got[0] == got[1]
+    assert list(first[0].tokens) == list(first[1].tokens) == prompt  # not vLLM's list itself

@@ -68,7 +68,11 @@ class StepGathering:
         run = self.run
         if run is None:
             run = self.run = ColumnRun()
-        run.add(rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens, new)
+        # (ColumnRun.add's body, written out: this is every running request's step)
+        run.entries.append(
+            (rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens, new)
+        )
+        run.size += 32 + 5 * len(tokens) + 34 * len(hashes)
 
     def refuse(
         self, rid: str, base_t: int, base_h: int, tokens: Sequence[int], hashes: Sequence[bytes], computed: int,

@@ -221,7 +221,8 @@ class PredictingKVCacheManager(PredictedReports):
         if (
             self.sender.failure is not None or keeper.lost is not None or keeper.clock() >= keeper.valid_until
             or type(num_new_tokens) is not int or num_new_tokens <= 0
-            or type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0 or any(self.admission)
+            or type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0
+            or (self.admission and any(self.admission))
         ):  # fmt: skip
             return NOT_TAKEN
         tracker = self.tracker

@@ -14,7 +14,8 @@ The predicted mode (``PredictingKVCacheManager``) gathers each scheduler step's 
 into one Step (:meth:`~StepSender.op`; allocations as the columns of one run), sends it
 from the background thread when the step ends (:meth:`~StepSender.cut`; while one is
 in flight, later steps' calls join the next, up to ``max_backlog`` steps or
-``max_step_bytes``), and compares the answer with the mirror's: every status, new
+``max_step_bytes``; under vLLM's scheduler the thread starts on it once the next
+schedule() returns and the model runs: :meth:`~StepSender.release`), and compares the answer with the mirror's: every status, new
 block id, the free count, the KV events (by digest) and the statistics. A failure
 waits in :attr:`~StepSender.failure` for the facade's next call, which
 :meth:`~StepSender.recover` turns into every request lost. The scheduler's thread only
@@ -54,6 +55,7 @@ from .errors import (
     error_from_code,
     status_code,
 )
+from .flight import Flight, Gate
 from .gathering import StepGathering
 from .items import ColumnRun, Gathered, Item, Pending
 from .session import LEASE_MARGIN, SessionKeeper
@@ -133,11 +135,13 @@ class StepSender(StepGathering):
         #: the run of allocations being gathered (the Step's next operation)
         self.run: ColumnRun | None = None
         #: the sender thread's inbox (started by the first cut), and the Step it works on
-        self._inbox: queue.SimpleQueue[tuple[Gathered, _Flight] | None] | None = None
+        self._inbox: queue.SimpleQueue[tuple[Gathered, Flight] | None] | None = None
         self._thread: threading.Thread | None = None
-        self.in_flight: _Flight | None = None
+        self.in_flight: Flight | None = None
         #: scheduler steps whose calls joined the Step being gathered
         self.backlog = 0
+        #: when the sender thread may write and send the Step handed to it (see :meth:`release`)
+        self.gate = Gate()
         #: why the mirror can no longer be trusted (set by the sender thread), until
         #: the facade reports it
         self.failure: KVCoordError | None = None
@@ -375,14 +379,21 @@ class StepSender(StepGathering):
             self._thread = threading.Thread(target=self._serve, args=(inbox,), name="kvcoord-sender")
             self._thread.daemon = True
             self._thread.start()
-        self.in_flight = flight = _Flight()
+        self.in_flight = flight = Flight()
+        self.gate.shut()  # (the thread is idle: nothing in flight)
         inbox.put((sent, flight))
         return True
+
+    def release(self) -> None:
+        """The model runs now (vLLM's schedule() returned): the Step cut last is sent
+        now, and every Step cut from now on waits for the next release (see :class:`Gate`)."""
+        self.gate.open(for_good=True)
 
     def settle(self) -> None:
         """Wait for the Step in flight (its failure, if any, is in :attr:`failure`)."""
         in_flight, self.in_flight = self.in_flight, None
         if in_flight is not None:
+            self.gate.open()  # (waited for now: sent at once)
             t0 = time.perf_counter()
             in_flight.result()
             self.waited_seconds += time.perf_counter() - t0
@@ -392,14 +403,17 @@ class StepSender(StepGathering):
         inbox, thread = self._inbox, self._thread
         self._inbox = self._thread = None
         if inbox is not None and thread is not None:
+            self.gate.open()
             inbox.put(None)
             thread.join()
 
-    def _serve(self, inbox: queue.SimpleQueue[tuple[Gathered, _Flight] | None]) -> None:
+    def _serve(self, inbox: queue.SimpleQueue[tuple[Gathered, Flight] | None]) -> None:
         """The sender thread: each Step handed over by :meth:`cut`, in order, until
         :meth:`close`."""
+        gate = self.gate
         while (item := inbox.get()) is not None:
             sent, flight = item
+            gate.wait()
             try:
                 self._step(sent)
             finally:
@@ -474,27 +488,3 @@ class StepSender(StepGathering):
                     f"the server's prefix-cache statistics differ from the mirror's: {resp.prefix_cache_stats} "
                     f"against {stats}"
                 )
-
-
-class _Flight:
-    """A Step handed to the sender thread, :meth:`done` and :meth:`result` as a
-    ``Future``'s: one lock, held until the Step is answered (an executor's future
-    costs a work item, a condition and a queue per Step)."""
-
-    __slots__ = ("_lock",)
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._lock.acquire()
-
-    def done(self) -> bool:
-        return not self._lock.locked()
-
-    def result(self) -> None:
-        """Wait until the Step is answered (its failure, if any, is the sender's)."""
-        with self._lock:
-            pass
-
-    def finish(self) -> None:
-        """On the sender thread: the Step is answered (or failed)."""
-        self._lock.release()

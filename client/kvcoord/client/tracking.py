@@ -54,6 +54,11 @@ class _Tracked:
     sent_computed: int = -1
     registered: bool = False
     committed: tuple[int, int, int, bool] = (0, 0, -1, False)
+    #: the request object registered, and the list behind its tokens' read-only view
+    #: (:func:`token_list`): :meth:`RequestTracker.sync_run` reads that list in place
+    #: only while it is called with this very object
+    request: Any = None
+    tokens: list[int] | None = None
 
     def commit(self) -> None:
         self.committed = (self.sent_tokens, self.sent_hashes, self.sent_computed, self.registered)
@@ -190,13 +195,19 @@ class RequestTracker:
             self._check_same(request, t)
         tokens = request.all_token_ids
         new = not t.registered
+        raw = token_list(request) if new else None
         # (what may raise comes before the tracker moves: a failed call leaves it as it was)
         extra = self.extra_keys_of(request) if new and self.extra_keys_of is not None else None
         values = SyncValues(rid, new, t.sent_tokens, t.sent_hashes)
         n = len(tokens)
         if n > t.sent_tokens:
             # a registration's prompt: copied once, into the list the mirror's engine keeps
-            values.tokens = HandedTokenIds(tokens) if not t.sent_tokens else tokens[t.sent_tokens :]
+            # (from vLLM's own list when it has one: one C copy, not an iteration of its view)
+            values.tokens = (
+                HandedTokenIds(tokens if raw is None else raw)
+                if not t.sent_tokens
+                else tokens[t.sent_tokens :]
+            )
             values.num_tokens = n - t.sent_tokens
             if self.enable_caching:
                 hashes = self._new_hashes(request, t)
@@ -228,6 +239,7 @@ class RequestTracker:
                     getattr(request, "kv_cache_report_mode", "incremental") == "full"
                 )
             t.registered = True
+            t.request, t.tokens = request, raw
         return values
 
     def sync_run(
@@ -244,7 +256,9 @@ class RequestTracker:
             return None
         base_t, base_h = t.sent_tokens, t.sent_hashes
         mark = (base_t, base_h, t.sent_computed, True)
-        tokens = request.all_token_ids
+        tokens = t.tokens
+        if tokens is None or t.request is not request:
+            tokens = request.all_token_ids
         n = len(tokens)
         if n < base_t or (base_t and t.hasher is not None):
             self._check_same(request, t)  # (with hashes given, only the length says anything)
@@ -261,7 +275,9 @@ class RequestTracker:
                     new_hashes = _as_bytes(given[base_h:])
                     t.sent_hashes = base_h + len(new_hashes)
             t.sent_tokens = n
-        computed = int(request.num_computed_tokens)
+        computed = request.num_computed_tokens
+        if type(computed) is not int:
+            computed = int(computed)
         t.sent_computed = computed
         return mark, base_t, base_h, new_tokens, new_hashes, computed
 
@@ -409,6 +425,18 @@ class RequestTracker:
         if len(tokens) > have:
             t.hasher.extend(tokens[have:])
         return t.hasher.block_hashes[t.sent_hashes :]
+
+
+def token_list(request: Any) -> list[int] | None:
+    """The list behind vLLM's read-only ``ConstantList`` view of a request's tokens
+    (``all_token_ids``, whose every ``len()`` and slice is a Python call; vLLM makes the
+    view once and only appends to or cuts its list in place), to read in place; ``None``
+    when ``all_token_ids`` is a list itself (read as cheaply) or any other sequence."""
+    tokens = request.all_token_ids
+    if type(tokens) is list:
+        return None
+    inner = getattr(tokens, "_x", None)
+    return inner if type(inner) is list else None
 
 
 def _as_bytes(hashes: Sequence[Any]) -> list[bytes]:

@@ -373,7 +373,11 @@ class KVCoordKVCacheManager:
         else:
             held.request = request
         # vLLM's accounting: what is computed, what gets cached
-        total = int(request.num_computed_tokens) + num_new_computed_tokens + num_external_computed_tokens
+        total = request.num_computed_tokens
+        if type(total) is not int:
+            total = int(total)
+        if num_new_computed_tokens or num_external_computed_tokens:
+            total += num_new_computed_tokens + num_external_computed_tokens
         limit = self.max_model_len
         if limit and total > limit:
             total = limit
@@ -433,6 +437,14 @@ class KVCoordKVCacheManager:
         return self.remote.get_num_common_prefix_blocks(running_request_id)
 
     @absorbing(lambda *_: [])
+    def scheduled(self) -> None:
+        """vLLM's schedule() returned and the model runs: a predicted session sends the
+        Step the last step's end cut now (``StepSender.release``)."""
+        remote = self.remote
+        if isinstance(remote, PredictingKVCacheManager):
+            remote.sender.release()
+
+    @absorbing(lambda *_: [])  # the step's end, in update_from_output (as vLLM 0.33's adapter)
     def take_events(self) -> list[Any]:
         if not self.enable_kv_cache_events:
             return []

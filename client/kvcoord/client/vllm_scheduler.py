@@ -172,6 +172,7 @@ class _OnKVCoord:
             self._preempted_here = set()
         for rid in out.num_scheduled_tokens:
             self._in_flight[rid] += 1
+        manager.scheduled()  # the model runs now: the Step cut last goes meanwhile
         return out
 
     def _losses_met(self) -> set[str]:

@@ -3,7 +3,7 @@
     PYTHONPATH=client:server python bench/decode_cpu.py [--running 64] [--steps 300] \
         [--warmup 100] [--shapes ops run] [--old REV] [--rounds 3] \
         [--where in-process grpc grpc-stream] \
-        [--metrics] [--profile | --toggle]
+        [--metrics] [--profile | --toggle | --baseline REV]
 
 The workload is bench/workers.py's (one worker's scheduler: ``--running`` requests in
 decode, each step one allocation per running request, finished requests freed and
@@ -47,6 +47,12 @@ load that changes between rounds moves both).
 Every allocation's new block ids are digested per shape and code: a line says whether
 every code and shape answered the same blocks (they must). ``--profile``: the
 in-process child of this checkout prints a cProfile of the loop thread instead.
+
+``--baseline REV``: three servers at once, each sent every Step in turn: REV's with
+unary Steps of runs (what a server without DecodeOp or StepStream served best: the code
+at issue 23's filing is a2bf467), this checkout's the same way, and this checkout's with
+streamed DecodeOps (what the predicting client sends); each one's server CPU per
+operation and its median per-round ratio to REV's.
 
 ``--toggle`` (this checkout only, shape ops): one in-process server, two pools fed the
 same Steps in alternation (which pool goes first alternates too), a plain decode
@@ -389,30 +395,41 @@ def over_grpc(
     Steps; grpc-stream, Steps on a StepStream), all serving at once; each Step is sent
     to every server in turn (which goes first alternates), so a machine shared with
     other jobs slows every code alike. Returns each (where, code)'s figures."""
+    runs = [(where, code, tree, shape) for where in wheres for code, tree in trees.items()]
+    return {(where, code): r for (where, code, _), r in served(runs, trace, args).items()}
+
+
+def served(
+    runs_of: list[tuple[str, str, Path, str]], trace: Path, args: argparse.Namespace
+) -> dict[tuple[str, str, str], dict[str, Any]]:
+    """:func:`over_grpc` for any list of (where, code, tree, shape): each server is sent
+    the recorded Steps in its own shape. Returns each (where, code, shape)'s figures."""
     import workers as W
     from kvcoord.client.testing import start_server
     from kvcoord.v1 import allocator_pb2 as pb
 
     bodies = load(trace)
-    reqs = [shaped(pb, b, shape) for b in bodies]
-    runs: dict[tuple[str, str], dict[str, Any]] = {}
+    by_shape = {shape: [shaped(pb, b, shape) for b in bodies] for *_, shape in runs_of}
+    runs: dict[tuple[str, str, str], dict[str, Any]] = {}
     try:
-        for where, (code, tree) in ((w, c) for w in wheres for c in trees.items()):
+        for where, code, tree, shape in runs_of:
             env = dict(os.environ, PYTHONPATH=f"{tree / 'client'}:{tree / 'server'}")
             # memory only; the metrics interceptor and observer run either way, --metrics
             # also serves /metrics (as `kvcoord serve` does by default)
             server = start_server(W.config_text("none", "", "FULL"), env=env, metrics=args.metrics)
-            runs[(where, code)] = run = {"server": server, "lat": [], "cli": [], "digest": hashlib.sha256()}
+            runs[(where, code, shape)] = run = {
+                "server": server, "lat": [], "cli": [], "digest": hashlib.sha256(), "reqs": by_shape[shape]
+            }  # fmt: skip
             open_session(run, server.address, args.running, step_stream=where == "grpc-stream")
         order = list(runs.values())
-        for k, ops in enumerate(reqs):
+        for k in range(len(bodies)):
             if k == args.warmup:
                 for run in order:
                     run["cpu0"] = server_cpu(run["server"].proc.pid)
             for run in order if k % 2 else order[::-1]:
                 att = run["att"]
                 c0, t0 = time.process_time(), time.perf_counter()
-                resp = run["client"].step("p", ops, att.session_id, att.fence)
+                resp = run["client"].step("p", run["reqs"][k], att.session_id, att.fence)
                 run["lat"].append(time.perf_counter() - t0)
                 run["cli"].append(time.process_time() - c0)
                 run["digest"].update(json.dumps(new_blocks(resp)).encode())
@@ -433,6 +450,43 @@ def over_grpc(
             "digest": run["digest"].hexdigest(),
         }
     return out
+
+
+def baseline(old: Path, trace: Path, args: argparse.Namespace) -> None:
+    """``--baseline REV``: in every round, three servers at once, each sent every recorded
+    Step in turn: REV's (unary Steps, allocations as runs: what a server without DecodeOp
+    or StepStream served best), this checkout's the same way, and this checkout's with
+    the Steps streamed as DecodeOps (what the predicting client sends it). Prints each
+    one's server CPU per operation and its median per-round ratio to REV's."""
+    runs = [
+        ("grpc", "base", old, "run"),
+        ("grpc", "new", ROOT, "run"),
+        ("grpc-stream", "new", ROOT, "columnar"),
+    ]
+    rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for rnd in range(args.rounds):
+        for key, r in served(runs, trace, args).items():
+            rows.setdefault(key, []).append(r)
+            print(
+                f"round {rnd + 1} {' '.join(key):28} {r['us_op']:6.2f} µs/op  p50 {r['p50']:.2f} ms",
+                flush=True,
+            )
+    print_table_head(
+        f"{args.running} running, {args.steps} measured Steps (medians over {args.rounds} round(s)), "
+        f"base {args.baseline}",
+        args.metrics,
+        ["where", "code", "shape", "µs CPU/op", "x base (paired)", "p50 ms", "mean ms"],
+        text_columns=3,
+    )
+    base = rows[("grpc", "base", "run")]
+    for key, rs in rows.items():
+        ratio = statistics.median(r["us_op"] / b["us_op"] for r, b in zip(rs, base, strict=True))
+        print(
+            f"| {' | '.join(key)} | {statistics.median(r['us_op'] for r in rs):.2f} | {ratio:.2f} | "
+            f"{statistics.median(r['p50'] for r in rs):.2f} | {statistics.median(r['mean'] for r in rs):.2f} |"
+        )
+    same = len({r["digest"] for rs in rows.values() for r in rs}) == 1
+    print(f"\nnew block ids: {'the same' if same else 'DIFFERENT'} in every code, shape and place")
 
 
 def main() -> None:
@@ -466,6 +520,12 @@ def main() -> None:
         help="grpc: the servers also serve /metrics (the default of kvcoord serve)",
     )
     ap.add_argument("--toggle", action="store_true", help="the direct path against the general one, in turns")
+    ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="REV's server sent unary Steps of runs (what it served best) against this checkout's, "
+        "unary runs and streamed DecodeOps, paired Step by Step",
+    )
     args = ap.parse_args()
     _paths(ROOT)
     from common import old_tree
@@ -480,6 +540,9 @@ def main() -> None:
         for shape in args.shapes:
             print(f"--- {shape}", flush=True)
             in_process(ROOT, trace, shape, args, True)
+        return
+    if args.baseline:
+        baseline(old_tree(args.baseline), trace, args)
         return
     trees = {"new": ROOT} if not args.old else {"old": old_tree(args.old), "new": ROOT}
     rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}

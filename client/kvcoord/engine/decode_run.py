@@ -196,7 +196,10 @@ def _run_plain(
     counts: list[int],
     ids: list[int],
 ) -> tuple[int, int, int]:
-    """:func:`decode_run` over entries whose values :func:`_plain_end` checked."""
+    """:func:`decode_run` over entries whose values :func:`_plain_end` checked (by
+    :func:`_run_next_token` when they are all a plain next token's)."""
+    if _next_token_columns(pool, cols, start, stop):
+        return _run_next_token(pool, cols, start, stop, t, h, counts, ids)
     requests_get = pool.requests.get
     managers = pool.managers
     groups = len(managers)
@@ -265,6 +268,79 @@ def _run_plain(
         elif _grow(
             pool, req, computed, main, need, cached, token, hashes[h] if nh else None, counts, i * groups, ids
         ):
+            h += nh
+        else:
+            break
+    else:
+        return stop, t + n, h
+    return i, t + i - start, h
+
+
+def _next_token_columns(pool: KVCachePool, cols: DecodeColumns, start: int, stop: int) -> bool:
+    """Whether entries ``start .. stop-1`` are all a decode step's usual one (each
+    request's next token: computed count at the position, one new token, no
+    look-ahead, position below ``max_model_len``) in a caching pool of one group
+    without skip rule or hash lag: a few passes in C."""
+    if len(pool.managers) != 1 or pool.skipping_managers or not pool.enable_caching or pool.hash_lag:
+        return False
+    base_t = cols.base_num_tokens[start:stop]
+    n = stop - start
+    return (
+        cols.num_new_tokens[start:stop].count(1) == n
+        and cols.num_lookahead_tokens[start:stop].count(0) == n
+        and cols.num_computed_tokens[start:stop] == base_t
+        and max(base_t) < pool.max_model_len
+    )
+
+
+def _run_next_token(
+    pool: KVCachePool,
+    cols: DecodeColumns,
+    start: int,
+    stop: int,
+    t: int,
+    h: int,
+    counts: list[int],
+    ids: list[int],
+) -> tuple[int, int, int]:
+    """:func:`_run_plain`'s loop for entries :func:`_next_token_columns` vouched for:
+    with the computed count at the position (so that after the update it is one short of
+    the tokens), one new token and no look-ahead, the slots needed, the tokens hashed and
+    those cached are all the tokens after it, at most ``max_model_len``."""
+    m = pool.managers[0]
+    blocks_of = m.req_to_blocks.get
+    cached_of = m.num_cached_block.get
+    size = m.block_size
+    hash_block = pool.hash_block_size
+    hashes = cols.append_block_hashes
+    n = stop - start
+    rids = cols.request_ids[start:stop]
+    entries = zip(
+        range(start, stop),
+        rids,
+        map(pool.requests.get, rids),
+        map(blocks_of, rids),
+        cols.base_num_tokens[start:stop],
+        cols.base_num_hashes[start:stop],
+        cols.num_computed_tokens[start:stop],
+        cols.append_token_ids[t : t + n],
+        cols.num_append_hashes[start:stop],
+        strict=True,
+    )
+    for i, rid, req, blocks, base_t, base_h, computed, token, nh in entries:
+        if req is None or blocks is None:
+            break  # (no block yet: a first allocation, the general path's)
+        all_tokens = req.all_token_ids
+        have = len(all_tokens)
+        if have != base_t or len(req.block_hashes) != base_h:
+            break
+        need = have + 1  # (also what is hashed, and so cached)
+        if need // hash_block - base_h != nh:
+            break  # a hash due and missing, or one too many: the general path says so
+        if not nh and len(blocks) * size >= need and cached_of(rid, 0) >= need // size:
+            req.num_computed_tokens = computed  # inside its blocks: the update alone
+            all_tokens.append(token)
+        elif _grow(pool, req, computed, need, need, need, token, hashes[h] if nh else None, counts, i, ids):
             h += nh
         else:
             break

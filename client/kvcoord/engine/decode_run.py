@@ -34,6 +34,7 @@ from .request_table import TokenIds
 
 if TYPE_CHECKING:
     from .block_pool import BlockPool
+    from .blocks import KVCacheBlock
     from .config import KVCacheConfig
     from .managers import SingleTypeKVCacheManager
     from .request import Request
@@ -340,13 +341,53 @@ def _run_next_token(
         if not nh and len(blocks) * size >= need and cached_of(rid, 0) >= need // size:
             req.num_computed_tokens = computed  # inside its blocks: the update alone
             all_tokens.append(token)
-        elif _grow(pool, req, computed, need, need, need, token, hashes[h] if nh else None, counts, i, ids):
+        elif _grow_next(pool, req, blocks, computed, need, token, hashes[h] if nh else None, counts, i, ids):
             h += nh
         else:
             break
     else:
         return stop, t + n, h
     return i, t + i - start, h
+
+
+def _grow_next(
+    pool: KVCachePool, req: Request, blocks: list[KVCacheBlock], computed: int, need: int, token: int,
+    new_hash: bytes | None, counts: list[int], i: int, ids: list[int],
+) -> bool:  # fmt: skip
+    """:func:`_grow` for :func:`_run_next_token`'s entries (one group, caching, no hash
+    lag: the main and cached counts are ``need``), ``blocks`` the request's."""
+    if new_hash is not None:
+        length = pool.config.hash_length
+        if type(new_hash) is not bytes or not new_hash or (length is not None and len(new_hash) != length):
+            return False
+    rid = req.request_id
+    bp = pool.block_pool
+    m = pool.managers[0]
+    size = m.block_size
+    cached_blocks = m.num_cached_block
+    take = -(-need // size) - len(blocks)
+    if rid not in cached_blocks:  # (KVCachePool.num_to_take's)
+        take = pool.num_to_take(rid, need, computed, need)
+    if take > bp.free_block_queue.num_free_blocks:
+        return False  # a refusal: the general path counts it (and keeps the update)
+    # Nothing below can fail: the update, the blocks taken, the full ones cached.
+    req.num_computed_tokens = computed
+    req.all_token_ids.append(token)
+    if new_hash is not None:
+        req.block_hashes.append(new_hash)
+    n = -(-need // size) - len(blocks)
+    if n > 0:
+        new_blocks = bp.get_new_blocks(n)
+        blocks += new_blocks
+        counts[i] = n
+        ids += [b.block_id for b in new_blocks]
+    k = cached_blocks.get(rid, 0)
+    full = need // size
+    if full > k + 1 or (full == k + 1 and not _cache_one(bp, req, m, k)):
+        pool.cache_full_request_blocks(req, need)
+    elif full == k + 1:
+        cached_blocks[rid] = full
+    return True
 
 
 def _inside(managers: Sequence[SingleTypeKVCacheManager], rid: str, need: int, cached: int) -> bool | None:

@@ -107,7 +107,7 @@ KINDS = ("decode", "spec", "lookahead", "behind", "lag", "huge", "bad_token", "b
          "extra_hash", "stale", "unknown", "bool", "nothing", "no_new", "twice")  # fmt: skip
 MIXES = {
     "random": (60, 5, 6, 3, 5, 2, 2, 2, 2, 2, 2, 2, 1, 2, 1, 1),
-    "decode": (400, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2),
+    "decode": (400, 1, 1, 1, 1, 1, 1, 8, 1, 1, 1, 1, 1, 1, 1, 3),
 }
 
 

@@ -147,7 +147,7 @@ class Steps(Twins):
         if kind == "bad_token":
             tokens[0] = -1
         elif kind == "bad_hash":
-            hashes = [b"\x01" * 7] if hashes else hashes
+            hashes = [rnd.choice((b"\x01" * 7, b""))] if hashes else hashes  # (b"": no hash)
         elif kind == "no_hash":
             hashes = []
         elif kind == "extra_hash":

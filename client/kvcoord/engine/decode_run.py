@@ -368,7 +368,7 @@ def _grow_next(
     take = -(-need // size) - len(blocks)
     if rid not in cached_blocks:  # (KVCachePool.num_to_take's)
         take = pool.num_to_take(rid, need, computed, need)
-    if take > bp.free_block_queue.num_free_blocks:
+    if take > 0 and take > bp.free_block_queue.num_free_blocks:
         return False  # a refusal: the general path counts it (and keeps the update)
     # Nothing below can fail: the update, the blocks taken, the full ones cached.
     req.num_computed_tokens = computed

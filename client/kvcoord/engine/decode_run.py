@@ -25,7 +25,7 @@ pool's ``decode_fast_path``); any other pool takes no entry here.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING, Protocol
 
@@ -34,7 +34,6 @@ from .request_table import TokenIds
 
 if TYPE_CHECKING:
     from .block_pool import BlockPool
-    from .blocks import KVCacheBlock
     from .config import KVCacheConfig
     from .managers import SingleTypeKVCacheManager
     from .request import Request
@@ -201,11 +200,9 @@ def _run_plain(
     :func:`_run_next_token` when they are all a plain next token's)."""
     if _next_token_columns(pool, cols, start, stop):
         return _run_next_token(pool, cols, start, stop, t, h, counts, ids)
-    requests_get = pool.requests.get
     managers = pool.managers
     groups = len(managers)
     single = managers[0] if groups == 1 else None
-    blocks_of = managers[0].req_to_blocks.get
     cached_of = managers[0].num_cached_block.get
     size = managers[0].block_size
     skipping = pool.skipping_managers
@@ -215,22 +212,13 @@ def _run_plain(
     hash_block = pool.hash_block_size
     hashes = cols.append_block_hashes
     n = stop - start
-    rids = cols.request_ids[start:stop]
     entries = zip(
-        range(start, stop),
-        rids,
-        map(requests_get, rids),  # (looked up in C, as the loop reaches each entry)
-        map(blocks_of, rids) if single is not None else repeat(None, n),
-        cols.base_num_tokens[start:stop],
-        cols.base_num_hashes[start:stop],
-        cols.num_computed_tokens[start:stop],
+        *_entry_columns(pool, cols, start, stop, t, single is not None),
         cols.num_new_tokens[start:stop],
         cols.num_lookahead_tokens[start:stop],
-        cols.append_token_ids[t : t + n],
-        cols.num_append_hashes[start:stop],
         strict=True,
     )
-    for i, rid, req, blocks, base_t, base_h, computed, num_new, look, token, nh in entries:
+    for i, rid, req, blocks, base_t, base_h, computed, token, nh, num_new, look in entries:
         if req is None:
             break
         all_tokens = req.all_token_ids
@@ -277,6 +265,27 @@ def _run_plain(
     return i, t + i - start, h
 
 
+def _entry_columns(
+    pool: KVCachePool, cols: DecodeColumns, start: int, stop: int, t: int, single: bool
+) -> tuple[Iterable[object], ...]:
+    """What both loops read of entries ``start .. stop-1``, to zip: the entry, its
+    request id, request (looked up in C as the loop reaches each entry), its blocks in
+    a pool of one group (else ``None``), base tokens and hashes, computed count, token
+    and hash count."""
+    rids = cols.request_ids[start:stop]
+    return (
+        range(start, stop),
+        rids,
+        map(pool.requests.get, rids),
+        map(pool.managers[0].req_to_blocks.get, rids) if single else repeat(None, stop - start),
+        cols.base_num_tokens[start:stop],
+        cols.base_num_hashes[start:stop],
+        cols.num_computed_tokens[start:stop],
+        cols.append_token_ids[t : t + stop - start],
+        cols.num_append_hashes[start:stop],
+    )
+
+
 def _next_token_columns(pool: KVCachePool, cols: DecodeColumns, start: int, stop: int) -> bool:
     """Whether entries ``start .. stop-1`` are all a decode step's usual one (each
     request's next token: computed count at the position, one new token, no
@@ -295,39 +304,18 @@ def _next_token_columns(pool: KVCachePool, cols: DecodeColumns, start: int, stop
 
 
 def _run_next_token(
-    pool: KVCachePool,
-    cols: DecodeColumns,
-    start: int,
-    stop: int,
-    t: int,
-    h: int,
-    counts: list[int],
-    ids: list[int],
-) -> tuple[int, int, int]:
+    pool: KVCachePool, cols: DecodeColumns, start: int, stop: int, t: int, h: int, counts: list[int], ids: list[int],
+) -> tuple[int, int, int]:  # fmt: skip
     """:func:`_run_plain`'s loop for entries :func:`_next_token_columns` vouched for:
     with the computed count at the position (so that after the update it is one short of
     the tokens), one new token and no look-ahead, the slots needed, the tokens hashed and
     those cached are all the tokens after it, at most ``max_model_len``."""
     m = pool.managers[0]
-    blocks_of = m.req_to_blocks.get
     cached_of = m.num_cached_block.get
-    size = m.block_size
-    hash_block = pool.hash_block_size
+    size, hash_block = m.block_size, pool.hash_block_size
     hashes = cols.append_block_hashes
     n = stop - start
-    rids = cols.request_ids[start:stop]
-    entries = zip(
-        range(start, stop),
-        rids,
-        map(pool.requests.get, rids),
-        map(blocks_of, rids),
-        cols.base_num_tokens[start:stop],
-        cols.base_num_hashes[start:stop],
-        cols.num_computed_tokens[start:stop],
-        cols.append_token_ids[t : t + n],
-        cols.num_append_hashes[start:stop],
-        strict=True,
-    )
+    entries = zip(*_entry_columns(pool, cols, start, stop, t, True), strict=True)
     for i, rid, req, blocks, base_t, base_h, computed, token, nh in entries:
         if req is None or blocks is None:
             break  # (no block yet: a first allocation, the general path's)
@@ -341,53 +329,13 @@ def _run_next_token(
         if not nh and len(blocks) * size >= need and cached_of(rid, 0) >= need // size:
             req.num_computed_tokens = computed  # inside its blocks: the update alone
             all_tokens.append(token)
-        elif _grow_next(pool, req, blocks, computed, need, token, hashes[h] if nh else None, counts, i, ids):
+        elif _grow(pool, req, computed, need, need, need, token, hashes[h] if nh else None, counts, i, ids):
             h += nh
         else:
             break
     else:
         return stop, t + n, h
     return i, t + i - start, h
-
-
-def _grow_next(
-    pool: KVCachePool, req: Request, blocks: list[KVCacheBlock], computed: int, need: int, token: int,
-    new_hash: bytes | None, counts: list[int], i: int, ids: list[int],
-) -> bool:  # fmt: skip
-    """:func:`_grow` for :func:`_run_next_token`'s entries (one group, caching, no hash
-    lag: the main and cached counts are ``need``), ``blocks`` the request's."""
-    if new_hash is not None:
-        length = pool.config.hash_length
-        if type(new_hash) is not bytes or not new_hash or (length is not None and len(new_hash) != length):
-            return False
-    rid = req.request_id
-    bp = pool.block_pool
-    m = pool.managers[0]
-    size = m.block_size
-    cached_blocks = m.num_cached_block
-    take = -(-need // size) - len(blocks)
-    if rid not in cached_blocks:  # (KVCachePool.num_to_take's)
-        take = pool.num_to_take(rid, need, computed, need)
-    if take > 0 and take > bp.free_block_queue.num_free_blocks:
-        return False  # a refusal: the general path counts it (and keeps the update)
-    # Nothing below can fail: the update, the blocks taken, the full ones cached.
-    req.num_computed_tokens = computed
-    req.all_token_ids.append(token)
-    if new_hash is not None:
-        req.block_hashes.append(new_hash)
-    n = -(-need // size) - len(blocks)
-    if n > 0:
-        new_blocks = bp.get_new_blocks(n)
-        blocks += new_blocks
-        counts[i] = n
-        ids += [b.block_id for b in new_blocks]
-    k = cached_blocks.get(rid, 0)
-    full = need // size
-    if full > k + 1 or (full == k + 1 and not _cache_one(bp, req, m, k)):
-        pool.cache_full_request_blocks(req, need)
-    elif full == k + 1:
-        cached_blocks[rid] = full
-    return True
 
 
 def _inside(managers: Sequence[SingleTypeKVCacheManager], rid: str, need: int, cached: int) -> bool | None:
@@ -421,18 +369,19 @@ def _grow(
     bp = pool.block_pool
     managers = pool.managers
     first = managers[0]
-    if len(managers) == 1 and rid in first.num_cached_block:  # (KVCachePool.num_to_take's)
+    single = len(managers) == 1
+    if single and rid in first.num_cached_block:  # (KVCachePool.num_to_take's)
         take = -(-need // first.block_size) - len(first.req_to_blocks[rid])
     else:
         take = pool.num_to_take(rid, need, computed, main)
-    if take > bp.free_block_queue.num_free_blocks:
+    if take > 0 and take > bp.free_block_queue.num_free_blocks:
         return False  # a refusal: the general path counts it (and keeps the update)
     # Nothing below can fail: the update, the blocks taken, the full ones cached.
     req.num_computed_tokens = computed
     req.all_token_ids.append(token)
     if new_hash is not None:
         req.block_hashes.append(new_hash)
-    for g, m in enumerate(managers):
+    for g, m in enumerate(managers) if not single or take > 0 else ():  # (one group taking none: no loop)
         blocks = m.req_to_blocks[rid]
         n = -(-need // m.block_size) - len(blocks)
         if n > 0:
@@ -443,7 +392,7 @@ def _grow(
     if pool.enable_caching:
         k = first.num_cached_block.get(rid, 0)
         full = cached // first.block_size
-        if len(managers) > 1 or full > k + 1 or (full == k + 1 and not _cache_one(bp, req, first, k)):
+        if not single or full > k + 1 or (full == k + 1 and not _cache_one(bp, req, first, k)):
             pool.cache_full_request_blocks(req, cached)
         elif full == k + 1:
             first.num_cached_block[rid] = full

@@ -19,7 +19,10 @@ Two kinds of entry are taken:
   events and counters too).
 
 Only for pools whose every group allocates, caches and skips by the base rules (the
-pool's ``decode_fast_path``); any other pool takes no entry here.
+pool's ``decode_fast_path``); any other pool takes no entry here. A run whose entries
+are all each request's next token (computed count at the position, one new token, no
+look-ahead), in a caching pool of one group without skip rule or hash lag, takes a
+shorter loop (:func:`_run_next_token`), the same checks with fewer values to read.
 """
 
 from __future__ import annotations

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
+import kvcoord.engine.decode_run as decode_run
 import pytest
 from kvcoord.engine import Counts, EngineError, KVCachePool, TokenIds
 from unit.test_decode_fast_path import LAYOUTS, MAX_LEN, Twins, observed
@@ -98,8 +100,21 @@ def one_by_one(pool: KVCachePool, cols: Columns) -> Answer:
     return counts, ids, None
 
 
+#: each kind of entry's weight in a mix: "random" is mostly plain decode steps among
+#: every other kind; "decode" is a decode step's usual columns (each request's next
+#: token), so that whole runs take the next-token loop, with an odd entry among them
+KINDS = ("decode", "spec", "lookahead", "behind", "lag", "huge", "bad_token", "bad_hash", "no_hash",
+         "extra_hash", "stale", "unknown", "bool", "nothing", "no_new", "twice")  # fmt: skip
+MIXES = {
+    "random": (60, 5, 6, 3, 5, 2, 2, 2, 2, 2, 2, 2, 1, 2, 1, 1),
+    "decode": (400, 1, 1, 1, 1, 1, 1, 8, 1, 1, 1, 1, 1, 1, 1, 3),
+}
+
+
 class Steps(Twins):
     """Random decode steps of the running requests, as columns."""
+
+    mix = "random"
 
     def entry(self, cols: Columns, rid: str) -> None:
         """One running request's entry: usually a plain decode step (inside its blocks,
@@ -111,11 +126,7 @@ class Steps(Twins):
         computed = n_tok
         tokens = [rnd.randrange(60)]
         num_new, look = 1, 0
-        kind = rnd.choices(
-            ("decode", "spec", "lookahead", "behind", "lag", "huge", "bad_token", "bad_hash", "no_hash",
-             "extra_hash", "stale", "unknown", "bool", "nothing", "no_new"),
-            (60, 5, 6, 3, 5, 2, 2, 2, 2, 2, 2, 2, 1, 2, 1),
-        )[0]  # fmt: skip
+        kind = rnd.choices(KINDS, MIXES[self.mix])[0]
         if kind == "spec":
             tokens += [rnd.randrange(60) for _ in range(rnd.randint(1, 2))]
             num_new = len(tokens) + rnd.randint(0, 2)
@@ -136,13 +147,19 @@ class Steps(Twins):
         if kind == "bad_token":
             tokens[0] = -1
         elif kind == "bad_hash":
-            hashes = [b"\x01" * 7] if hashes else hashes
+            hashes = [rnd.choice((b"\x01" * 7, b""))] if hashes else hashes  # (b"": no hash)
         elif kind == "no_hash":
             hashes = []
         elif kind == "extra_hash":
             hashes = hashes + [b"\x01" * 32]
         elif kind == "bool":
             num_new = True  # type: ignore[assignment]
+        listed = [r for r in cols.request_ids if r in self.slow.requests]
+        if kind == "twice" and listed:  # a request listed again, at its position before the step
+            rid = rnd.choice(listed)
+            req = self.slow.requests[rid]
+            n_tok = computed = req.num_tokens
+            hashes = self.hashes_for(rid, tokens)
         cols.request_ids.append(f"gone{rnd.randrange(9)}" if kind == "unknown" else rid)
         cols.base_num_tokens.append(n_tok + (kind == "stale"))
         cols.base_num_hashes.append(len(req.block_hashes))
@@ -174,15 +191,26 @@ class Steps(Twins):
         return taken
 
 
+@pytest.mark.parametrize("mix", sorted(MIXES))
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_decode_run_equals_the_general_path(layout: str) -> None:
-    t = Steps(layout, seed=7 + sum(map(ord, layout)))
+def test_decode_run_equals_the_general_path(layout: str, mix: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    t = Steps(layout, seed=7 + sum(map(ord, layout + mix)))
+    t.mix = mix
+    next_token = {"entries": 0}
+    inner = decode_run._run_next_token
+
+    def counted(*a: Any) -> tuple[int, int, int]:
+        got = inner(*a)
+        next_token["entries"] += got[0] - a[2]
+        return got
+
+    monkeypatch.setattr(decode_run, "_run_next_token", counted)
     rnd = t.rnd
     prefixes = [[rnd.randrange(60) for _ in range(n)] for n in (3, 8, 13)]
     running: list[str] = []
     taken = 0
     for step in range(250):
-        while len(running) < 6 and rnd.random() < 0.6:
+        while len(running) < (6 if mix == "random" else 10) and rnd.random() < 0.6:
             rid = f"r{step}-{len(running)}"
             if not t.admit(rid, prefixes):
                 break
@@ -197,3 +225,8 @@ def test_decode_run_equals_the_general_path(layout: str) -> None:
         assert taken > 300, taken
     else:
         assert taken == 0
+    config = t.fast.config
+    if len(config.groups) > 1 or not config.enable_caching or config.num_hash_lookahead_tokens:
+        assert next_token["entries"] == 0, next_token  # (pools the next-token loop does not serve)
+    elif mix == "decode":
+        assert next_token["entries"] > 500, next_token

@@ -19,13 +19,16 @@ Two kinds of entry are taken:
   events and counters too).
 
 Only for pools whose every group allocates, caches and skips by the base rules (the
-pool's ``decode_fast_path``); any other pool takes no entry here.
+pool's ``decode_fast_path``); any other pool takes no entry here. A run whose entries
+are all each request's next token (computed count at the position, one new token, no
+look-ahead), in a caching pool of one group without skip rule or hash lag, takes a
+shorter loop (:func:`_run_next_token`), the same checks with fewer values to read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING, Protocol
 
@@ -196,12 +199,13 @@ def _run_plain(
     counts: list[int],
     ids: list[int],
 ) -> tuple[int, int, int]:
-    """:func:`decode_run` over entries whose values :func:`_plain_end` checked."""
-    requests_get = pool.requests.get
+    """:func:`decode_run` over entries whose values :func:`_plain_end` checked (by
+    :func:`_run_next_token` when they are all a plain next token's)."""
+    if _next_token_columns(pool, cols, start, stop):
+        return _run_next_token(pool, cols, start, stop, t, h, counts, ids)
     managers = pool.managers
     groups = len(managers)
     single = managers[0] if groups == 1 else None
-    blocks_of = managers[0].req_to_blocks.get
     cached_of = managers[0].num_cached_block.get
     size = managers[0].block_size
     skipping = pool.skipping_managers
@@ -211,22 +215,13 @@ def _run_plain(
     hash_block = pool.hash_block_size
     hashes = cols.append_block_hashes
     n = stop - start
-    rids = cols.request_ids[start:stop]
     entries = zip(
-        range(start, stop),
-        rids,
-        map(requests_get, rids),  # (looked up in C, as the loop reaches each entry)
-        map(blocks_of, rids) if single is not None else repeat(None, n),
-        cols.base_num_tokens[start:stop],
-        cols.base_num_hashes[start:stop],
-        cols.num_computed_tokens[start:stop],
+        *_entry_columns(pool, cols, start, stop, t, single is not None),
         cols.num_new_tokens[start:stop],
         cols.num_lookahead_tokens[start:stop],
-        cols.append_token_ids[t : t + n],
-        cols.num_append_hashes[start:stop],
         strict=True,
     )
-    for i, rid, req, blocks, base_t, base_h, computed, num_new, look, token, nh in entries:
+    for i, rid, req, blocks, base_t, base_h, computed, token, nh, num_new, look in entries:
         if req is None:
             break
         all_tokens = req.all_token_ids
@@ -273,6 +268,79 @@ def _run_plain(
     return i, t + i - start, h
 
 
+def _entry_columns(
+    pool: KVCachePool, cols: DecodeColumns, start: int, stop: int, t: int, single: bool
+) -> tuple[Iterable[object], ...]:
+    """What both loops read of entries ``start .. stop-1``, to zip: the entry, its
+    request id, request (looked up in C as the loop reaches each entry), its blocks in
+    a pool of one group (else ``None``), base tokens and hashes, computed count, token
+    and hash count."""
+    rids = cols.request_ids[start:stop]
+    return (
+        range(start, stop),
+        rids,
+        map(pool.requests.get, rids),
+        map(pool.managers[0].req_to_blocks.get, rids) if single else repeat(None, stop - start),
+        cols.base_num_tokens[start:stop],
+        cols.base_num_hashes[start:stop],
+        cols.num_computed_tokens[start:stop],
+        cols.append_token_ids[t : t + stop - start],
+        cols.num_append_hashes[start:stop],
+    )
+
+
+def _next_token_columns(pool: KVCachePool, cols: DecodeColumns, start: int, stop: int) -> bool:
+    """Whether entries ``start .. stop-1`` are all a decode step's usual one (each
+    request's next token: computed count at the position, one new token, no
+    look-ahead, position below ``max_model_len``) in a caching pool of one group
+    without skip rule or hash lag: a few passes in C."""
+    if len(pool.managers) != 1 or pool.skipping_managers or not pool.enable_caching or pool.hash_lag:
+        return False
+    base_t = cols.base_num_tokens[start:stop]
+    n = stop - start
+    return (
+        cols.num_new_tokens[start:stop].count(1) == n
+        and cols.num_lookahead_tokens[start:stop].count(0) == n
+        and cols.num_computed_tokens[start:stop] == base_t
+        and max(base_t) < pool.max_model_len
+    )
+
+
+def _run_next_token(
+    pool: KVCachePool, cols: DecodeColumns, start: int, stop: int, t: int, h: int, counts: list[int], ids: list[int],
+) -> tuple[int, int, int]:  # fmt: skip
+    """:func:`_run_plain`'s loop for entries :func:`_next_token_columns` vouched for:
+    with the computed count at the position (so that after the update it is one short of
+    the tokens), one new token and no look-ahead, the slots needed, the tokens hashed and
+    those cached are all the tokens after it, at most ``max_model_len``."""
+    m = pool.managers[0]
+    cached_of = m.num_cached_block.get
+    size, hash_block = m.block_size, pool.hash_block_size
+    hashes = cols.append_block_hashes
+    n = stop - start
+    entries = zip(*_entry_columns(pool, cols, start, stop, t, True), strict=True)
+    for i, rid, req, blocks, base_t, base_h, computed, token, nh in entries:
+        if req is None or blocks is None:
+            break  # (no block yet: a first allocation, the general path's)
+        all_tokens = req.all_token_ids
+        have = len(all_tokens)
+        if have != base_t or len(req.block_hashes) != base_h:
+            break
+        need = have + 1  # (also what is hashed, and so cached)
+        if need // hash_block - base_h != nh:
+            break  # a hash due and missing, or one too many: the general path says so
+        if not nh and len(blocks) * size >= need and cached_of(rid, 0) >= need // size:
+            req.num_computed_tokens = computed  # inside its blocks: the update alone
+            all_tokens.append(token)
+        elif _grow(pool, req, computed, need, need, need, token, hashes[h] if nh else None, counts, i, ids):
+            h += nh
+        else:
+            break
+    else:
+        return stop, t + n, h
+    return i, t + i - start, h
+
+
 def _inside(managers: Sequence[SingleTypeKVCacheManager], rid: str, need: int, cached: int) -> bool | None:
     """Whether every group's blocks of ``rid`` cover ``need`` slots and its full blocks
     up to ``cached`` tokens are cached (``None``: a group holds no list for it yet)."""
@@ -304,18 +372,19 @@ def _grow(
     bp = pool.block_pool
     managers = pool.managers
     first = managers[0]
-    if len(managers) == 1 and rid in first.num_cached_block:  # (KVCachePool.num_to_take's)
+    single = len(managers) == 1
+    if single and rid in first.num_cached_block:  # (KVCachePool.num_to_take's)
         take = -(-need // first.block_size) - len(first.req_to_blocks[rid])
     else:
         take = pool.num_to_take(rid, need, computed, main)
-    if take > bp.free_block_queue.num_free_blocks:
+    if take > 0 and take > bp.free_block_queue.num_free_blocks:
         return False  # a refusal: the general path counts it (and keeps the update)
     # Nothing below can fail: the update, the blocks taken, the full ones cached.
     req.num_computed_tokens = computed
     req.all_token_ids.append(token)
     if new_hash is not None:
         req.block_hashes.append(new_hash)
-    for g, m in enumerate(managers):
+    for g, m in enumerate(managers) if not single or take > 0 else ():  # (one group taking none: no loop)
         blocks = m.req_to_blocks[rid]
         n = -(-need // m.block_size) - len(blocks)
         if n > 0:
@@ -326,7 +395,7 @@ def _grow(
     if pool.enable_caching:
         k = first.num_cached_block.get(rid, 0)
         full = cached // first.block_size
-        if len(managers) > 1 or full > k + 1 or (full == k + 1 and not _cache_one(bp, req, first, k)):
+        if not single or full > k + 1 or (full == k + 1 and not _cache_one(bp, req, first, k)):
             pool.cache_full_request_blocks(req, cached)
         elif full == k + 1:
             first.num_cached_block[rid] = full

@@ -305,7 +305,7 @@ class PoolAllocations:
             o.num_append_tokens,
             o.num_append_hashes,
         )
-        if any(len(c) != n for c in (base_t, base_h, computed, new_tokens, look, num_t, num_h)):
+        if set(map(len, (base_t, base_h, computed, new_tokens, look, num_t, num_h))) != {n}:
             raise ServiceError(Status.INVALID, "decode: every column needs one value per entry")
         tokens, hashes = o.append_token_ids, o.append_block_hashes
         if sum(num_t) != len(tokens) or sum(num_h) != len(hashes):

@@ -181,11 +181,11 @@ def _plain_end(cols: DecodeColumns, start: int, stop: int, t: int) -> int:
     return i
 
 
-def _part(column: Sequence[T], start: int, stop: int) -> Sequence[T]:
+def _part(column: Sequence[T], start: int, stop: int | None) -> Sequence[T]:
     """``column[start:stop]`` for reading only: the column itself when that is all of it
     (a decode Step's usual single run: no copy of each column, two or three times over),
     else a copy of the part."""
-    return column if start == 0 and stop == len(column) else column[start:stop]
+    return column if start == 0 and (stop is None or stop == len(column)) else column[start:stop]
 
 
 def _at_least(column: Sequence[int], start: int = 0, stop: int | None = None, least: int = 0) -> bool:

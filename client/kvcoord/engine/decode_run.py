@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from .events import block_stored
 from .request_table import TokenIds
@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from .request import Request
 
 __all__ = ["Counts", "DecodeColumns", "decode_run"]
+
+T = TypeVar("T")
 
 
 class Counts(list[int]):
@@ -164,10 +166,10 @@ def _plain_end(cols: DecodeColumns, start: int, stop: int, t: int) -> int:
         return start
     n = stop - start
     if (
-        num_t[start:stop].count(1) == n
+        _part(num_t, start, stop).count(1) == n
         and _at_least(tokens, t, t + n, 0)
         and _at_least(num_h, start, stop, 0)
-        and max(num_h[start:stop]) <= 1
+        and max(_part(num_h, start, stop)) <= 1
         and _at_least(computed, start, stop, 0)
         and _at_least(look, start, stop, 0)
         and _at_least(new, start, stop, 1)
@@ -179,11 +181,18 @@ def _plain_end(cols: DecodeColumns, start: int, stop: int, t: int) -> int:
     return i
 
 
+def _part(column: Sequence[T], start: int, stop: int | None) -> Sequence[T]:
+    """``column[start:stop]`` for reading only: the column itself when that is all of it
+    (a decode Step's usual single run: no copy of each column, two or three times over),
+    else a copy of the part."""
+    return column if start == 0 and (stop is None or stop == len(column)) else column[start:stop]
+
+
 def _at_least(column: Sequence[int], start: int = 0, stop: int | None = None, least: int = 0) -> bool:
     """Whether ``column[start:stop]`` (not empty) holds ints (not bools) of at least
     ``least``: a pass or two in C; a :class:`Counts` or :class:`TokenIds` column's
     are ints, and >= 0."""
-    part = column[start:stop]
+    part = _part(column, start, stop)
     if type(column) is Counts or type(column) is TokenIds:
         return least <= 0 or min(part) >= least
     return set(map(type, part)) == {int} and min(part) >= least
@@ -217,8 +226,8 @@ def _run_plain(
     n = stop - start
     entries = zip(
         *_entry_columns(pool, cols, start, stop, t, single is not None),
-        cols.num_new_tokens[start:stop],
-        cols.num_lookahead_tokens[start:stop],
+        _part(cols.num_new_tokens, start, stop),
+        _part(cols.num_lookahead_tokens, start, stop),
         strict=True,
     )
     for i, rid, req, blocks, base_t, base_h, computed, token, nh, num_new, look in entries:
@@ -275,17 +284,17 @@ def _entry_columns(
     request id, request (looked up in C as the loop reaches each entry), its blocks in
     a pool of one group (else ``None``), base tokens and hashes, computed count, token
     and hash count."""
-    rids = cols.request_ids[start:stop]
+    rids = _part(cols.request_ids, start, stop)
     return (
         range(start, stop),
         rids,
         map(pool.requests.get, rids),
         map(pool.managers[0].req_to_blocks.get, rids) if single else repeat(None, stop - start),
-        cols.base_num_tokens[start:stop],
-        cols.base_num_hashes[start:stop],
-        cols.num_computed_tokens[start:stop],
-        cols.append_token_ids[t : t + stop - start],
-        cols.num_append_hashes[start:stop],
+        _part(cols.base_num_tokens, start, stop),
+        _part(cols.base_num_hashes, start, stop),
+        _part(cols.num_computed_tokens, start, stop),
+        _part(cols.append_token_ids, t, t + stop - start),
+        _part(cols.num_append_hashes, start, stop),
     )
 
 
@@ -296,12 +305,12 @@ def _next_token_columns(pool: KVCachePool, cols: DecodeColumns, start: int, stop
     without skip rule or hash lag: a few passes in C."""
     if len(pool.managers) != 1 or pool.skipping_managers or not pool.enable_caching or pool.hash_lag:
         return False
-    base_t = cols.base_num_tokens[start:stop]
+    base_t = _part(cols.base_num_tokens, start, stop)
     n = stop - start
     return (
-        cols.num_new_tokens[start:stop].count(1) == n
-        and cols.num_lookahead_tokens[start:stop].count(0) == n
-        and cols.num_computed_tokens[start:stop] == base_t
+        _part(cols.num_new_tokens, start, stop).count(1) == n
+        and _part(cols.num_lookahead_tokens, start, stop).count(0) == n
+        and _part(cols.num_computed_tokens, start, stop) == base_t
         and max(base_t) < pool.max_model_len
     )
 

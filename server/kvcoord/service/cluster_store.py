@@ -49,6 +49,19 @@ __all__ = ["ClusterError", "ClusterStore", "close_client", "follow_changes", "st
 logger = logging.getLogger(__name__)
 
 
+#: seconds without a byte from the store member in use before the channel pings it
+#: (HTTP/2 PING, only while a call is open: the watch always is). etcd closes a
+#: connection whose client pings more often than its --grpc-keepalive-min-time
+#: (5 s by default; GOAWAY "too_many_pings"), and refuses pings on a connection with no
+#: call open: 6 s, no pings without calls.
+KEEPALIVE_SECONDS = 6.0
+#: seconds a ping may go unanswered before the connection is closed and the channel
+#: connects again (another member, with several endpoints): a dead connection (a
+#: member frozen, a partition that drops packets, answers lost) is left within about
+#: KEEPALIVE_SECONDS + this after the last byte it brought, inside the default lease
+KEEPALIVE_TIMEOUT_SECONDS = 3.0
+
+
 class ClusterError(Exception):
     """The cluster store cannot be reached or refuses this replica (at start)."""
 
@@ -64,7 +77,19 @@ def store_client(endpoint: str, timeout: float) -> Any:
     host, _, port = endpoint.rpartition(":")
     # a pool's journal in the store is read whole when it is rebuilt: a large pool's
     # base alone passes gRPC's default 4 MiB limit of an answer
-    options = {"grpc.max_receive_message_length": -1}
+    options = {
+        "grpc.max_receive_message_length": -1,
+        # without keepalive nothing closed a connection to a member that stopped
+        # answering: TCP never gives up while the peer's kernel acknowledges (a frozen
+        # member), nor once lost answers broke the connection's HTTP/2 framing; every
+        # store call timed out until then (tests/cluster/test_keepalive.py)
+        "grpc.keepalive_time_ms": int(KEEPALIVE_SECONDS * 1000),
+        "grpc.keepalive_timeout_ms": int(KEEPALIVE_TIMEOUT_SECONDS * 1000),
+        # how long any ping waits for its answer (gRPC's default: 60 s)
+        "grpc.http2.ping_timeout_ms": int(KEEPALIVE_TIMEOUT_SECONDS * 1000),
+        # keep pinging while calls wait and nothing is sent (the default stops at 2)
+        "grpc.http2.max_pings_without_data": 0,
+    }
     return aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
 
 

@@ -1,0 +1,170 @@
+"""The store channel's keepalive, against a real 3-member etcd on loopback: a member
+that stops answering (SIGSTOPped: its sockets stay open, the kernel still acknowledges
+every byte) or a connection whose answers were dropped long enough to use up HTTP/2's
+flow-control window, then restored. Without keepalive nothing ever closed such a
+connection (TCP never gives up while the peer's kernel acknowledges): every store call
+timed out, and the watch failed at every pass, for as long as the test waited. With it
+the connection is closed within a keepalive period and a ping timeout, and the channel
+connects again (to another member, or afresh). And etcd accepts our pings: a healthy,
+idle connection is never closed for pinging too often. Every wait is bounded (a bound,
+never a measurement of speed)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import pytest
+from etcd_process import EtcdCluster
+from kvcoord.service import cluster_store
+from kvcoord.service.cluster import Cluster
+from kvcoord.service.cluster_store import store_client
+from kvcoord.service.ownership import Member, encode_claim
+from tcp_proxy import Proxy
+
+#: no lease ends while a test holds the store's answers back
+LEASE = 30
+#: the deadline of each store call here
+TIMEOUT = 1.0
+#: a bound on every wait here (a connection is closed within a keepalive period and a
+#: ping timeout, about 9 s); not a measurement
+BOUND = 45.0
+
+
+async def _member_ids(etcd3: EtcdCluster) -> dict[int, int]:
+    """Each member's id -> its index."""
+    from aetcd import rpc
+
+    ids = {}
+    for i, endpoint in enumerate(etcd3.endpoints):
+        one = store_client(endpoint, 2.0)
+        await one.connect()
+        try:
+            ids[(await one.maintenancestub.Status(rpc.StatusRequest(), timeout=2.0)).header.member_id] = i
+        finally:
+            await one.close()
+    return ids
+
+
+async def _member_in_use(client: Any, ids: dict[int, int]) -> int:
+    """The index of the member ``client``'s channel talks to."""
+    from aetcd import rpc
+
+    answer = await client.maintenancestub.Status(rpc.StatusRequest(), timeout=2.0)
+    return ids[answer.header.member_id]
+
+
+async def _watching(endpoints: list[str], name: str) -> Cluster:
+    """A replica's connection (connect(): every endpoint, one channel), registered, with
+    its watch running (a stream always open on the connection, as in a replica)."""
+    cluster = Cluster(endpoints, name, Member("r0", "127.0.0.1:1001"), LEASE, TIMEOUT)
+    await cluster.connect()
+    await cluster.register()
+    await cluster.refresh()
+    cluster.tasks = [asyncio.get_running_loop().create_task(cluster._watch())]
+    return cluster
+
+
+async def _answers_again(cluster: Cluster) -> None:
+    """A store call answers (bounded: the connection in use may be dead for good)."""
+    for _ in range(int(BOUND / (TIMEOUT + 0.5))):
+        try:
+            await cluster.client.get(cluster.key("members", "r0"))
+            return
+        except Exception:  # noqa: BLE001 - times out while the connection is the dead one
+            await asyncio.sleep(0.5)
+    pytest.fail(f"no store call answered within {BOUND} s: the dead connection is still in use")
+
+
+async def _follows(cluster: Cluster, other: Any, pool: str) -> None:
+    """A claim put by another client reaches the view (the watch follows again)."""
+    await other.put(cluster.key("owners", pool), encode_claim("r9", "127.0.0.1:9"))
+    for _ in range(int(BOUND / 0.2)):
+        if pool in cluster.view.claims:
+            return
+        await asyncio.sleep(0.2)
+    pytest.fail("the watch does not follow the store any more")
+
+
+def test_store_calls_answer_again_when_the_member_in_use_freezes(
+    etcd3: EtcdCluster, request: pytest.FixtureRequest
+) -> None:
+    """The member the replica's channel uses is SIGSTOPped (a frozen VM, a partition
+    that drops packets): its sockets stay open and its kernel acknowledges what is
+    sent, so the connection never fails by itself. Keepalive closes it and the channel
+    moves to a live member: store calls answer again and the watch follows."""
+    name = request.node.name[:40]
+
+    async def run() -> None:
+        ids = await _member_ids(etcd3)
+        cluster = await _watching(etcd3.endpoints, name)
+        frozen: int | None = None
+        try:
+            frozen = await _member_in_use(cluster.client, ids)
+            other = store_client(etcd3.endpoints[(frozen + 1) % 3], 2.0)
+            await other.connect()
+            etcd3.freeze(frozen)
+            await _answers_again(cluster)
+            assert await _member_in_use(cluster.client, ids) != frozen
+            await _follows(cluster, other, "after-freeze")
+            await other.close()
+        finally:
+            if frozen is not None:
+                await asyncio.to_thread(etcd3.thaw, frozen)  # (its own event loop)
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
+def test_store_calls_answer_again_once_dropped_answers_come_back(
+    etcd3: EtcdCluster, request: pytest.FixtureRequest
+) -> None:
+    """The replica reaches etcd through a proxy that drops whatever etcd sends while
+    large writes use up the connection's flow-control window; then etcd's answers
+    pass again, on the same connection. That connection was stuck for good (the
+    bytes lost broke its HTTP/2 framing): keepalive closes it, a fresh one is made, and
+    store calls answer and the watch follows again, with no cut of the proxy."""
+    name = request.node.name[:40]
+    proxy = Proxy(etcd3.endpoints[0])
+
+    async def run() -> None:
+        cluster = await _watching([proxy.address], name)
+        other = store_client(etcd3.endpoints[1], 2.0)
+        await other.connect()
+        try:
+            proxy.deafen()
+            for n in range(3):  # more than the window, their answers lost
+                with contextlib.suppress(Exception):  # times out: its answer is dropped
+                    await cluster.client.put(cluster.key("journal", f"big{n}"), b"x" * 200_000)
+            proxy.hear()
+            await _answers_again(cluster)
+            await _follows(cluster, other, "after-deaf")
+        finally:
+            await other.close()
+            await cluster.stop()
+            proxy.close()
+
+    asyncio.run(run())
+
+
+def test_etcd_keeps_a_healthy_idle_connection(etcd3: EtcdCluster, request: pytest.FixtureRequest) -> None:
+    """etcd closes a connection whose client pings more often than its
+    --grpc-keepalive-min-time (5 s by default; GOAWAY "too_many_pings" after a few):
+    over several keepalive periods with only the watch open and nothing said, the
+    replica's one connection stays up (the proxy saw one) and still answers."""
+    name = request.node.name[:40]
+    proxy = Proxy(etcd3.endpoints[0])
+    periods = 3.5
+
+    async def run() -> None:
+        cluster = await _watching([proxy.address], name)
+        try:
+            await asyncio.sleep(periods * cluster_store.KEEPALIVE_SECONDS)
+            await cluster.client.get(cluster.key("members", "r0"))
+            assert proxy.accepted == 1, f"etcd closed the connection: {proxy.accepted} made"
+        finally:
+            await cluster.stop()
+            proxy.close()
+
+    asyncio.run(run())

@@ -1,13 +1,15 @@
-"""The store channel's keepalive, against a real 3-member etcd on loopback: a member
-that stops answering (SIGSTOPped: its sockets stay open, the kernel still acknowledges
-every byte) or a connection whose answers were dropped long enough to use up HTTP/2's
-flow-control window, then restored. Without keepalive nothing ever closed such a
-connection (TCP never gives up while the peer's kernel acknowledges): every store call
-timed out, and the watch failed at every pass, for as long as the test waited. With it
-the connection is closed within a keepalive period and a ping timeout, and the channel
-connects again (to another member, or afresh). And etcd accepts our pings: a healthy,
-idle connection is never closed for pinging too often. Every wait is bounded (a bound,
-never a measurement of speed)."""
+"""The store channel against a real 3-member etcd on loopback: a member that stops
+answering (SIGSTOPped: its sockets stay open, the kernel still acknowledges every
+byte), or a connection that answers keepalive pings and never a call (the store's
+answers were dropped long enough to lose its flow-control WINDOW_UPDATEs: no request
+can be sent on it again). Without keepalive nothing ever closed the first (TCP never
+gives up while the peer's kernel acknowledges): every store call timed out, and the
+watch failed at every pass, for as long as the test waited; keepalive closes it within
+a keepalive period and a ping timeout and the channel moves to another member.
+Keepalive cannot see the second (its pings are answered): a lease renewal that fails
+with nothing answered since it was sent makes a new connection. And etcd accepts our
+pings: a healthy, idle connection is never closed for pinging too often. Every wait is
+bounded (a bound, never a measurement of speed)."""
 
 from __future__ import annotations
 
@@ -55,14 +57,18 @@ async def _member_in_use(client: Any, ids: dict[int, int]) -> int:
     return ids[answer.header.member_id]
 
 
-async def _watching(endpoints: list[str], name: str) -> Cluster:
+async def _watching(endpoints: list[str], name: str, renewing: bool = False) -> Cluster:
     """A replica's connection (connect(): every endpoint, one channel), registered, with
-    its watch running (a stream always open on the connection, as in a replica)."""
+    its watch running (a stream always open on the connection, as in a replica), and
+    with ``renewing`` its lease renewed too (as in a replica)."""
     cluster = Cluster(endpoints, name, Member("r0", "127.0.0.1:1001"), LEASE, TIMEOUT)
     await cluster.connect()
     await cluster.register()
     await cluster.refresh()
-    cluster.tasks = [asyncio.get_running_loop().create_task(cluster._watch())]
+    loop = asyncio.get_running_loop()
+    cluster.tasks = [loop.create_task(cluster._watch())]
+    if renewing:
+        cluster.tasks.append(loop.create_task(cluster._keep_alive()))
     return cluster
 
 
@@ -121,24 +127,37 @@ def test_store_calls_answer_again_once_dropped_answers_come_back(
     etcd3: EtcdCluster, request: pytest.FixtureRequest
 ) -> None:
     """The replica reaches etcd through a proxy that drops whatever etcd sends while
-    large writes use up the connection's flow-control window; then etcd's answers
-    pass again, on the same connection. That connection was stuck for good (the
-    bytes lost broke its HTTP/2 framing): keepalive closes it, a fresh one is made, and
-    store calls answer and the watch follows again, with no cut of the proxy."""
+    large writes use up the connection's flow-control window: the WINDOW_UPDATE frames
+    that would open it again are lost, and etcd never sends them again. Then etcd's
+    answers pass again, on the same connection, whole frames only (nothing is in
+    flight then). That connection answers keepalive pings (so keepalive keeps it) and
+    can never carry a request again: every store call timed out, the watch at every
+    try, until the lease ended (the CI failure of 759aad7: it passed only when, by
+    chance, a lost answer had also put the client's header decoder out of step, or a
+    ping was in flight when the answers were dropped, and gRPC closed the connection).
+    The next lease renewal fails with nothing answered since it was sent: a new
+    connection is made, store calls answer and the watch follows."""
     name = request.node.name[:40]
     proxy = Proxy(etcd3.endpoints[0])
 
     async def run() -> None:
-        cluster = await _watching([proxy.address], name)
+        cluster = await _watching([proxy.address], name, renewing=True)
         other = store_client(etcd3.endpoints[1], 2.0)
         await other.connect()
         try:
+            await _follows(cluster, other, "before-deaf")  # the watch is made
+            await asyncio.sleep(TIMEOUT)  # the pings its answer brought are answered: nothing in flight
             proxy.deafen()
             for n in range(3):  # more than the window, their answers lost
-                with contextlib.suppress(Exception):  # times out: its answer is dropped
-                    await cluster.client.put(cluster.key("journal", f"big{n}"), b"x" * 200_000)
+                with contextlib.suppress(Exception, TimeoutError):
+                    # cancelled well before the call's deadline, when etcd would answer
+                    # (its answer, lost, would put the client's header decoder out of step)
+                    async with asyncio.timeout(TIMEOUT / 2):
+                        await cluster.client.put(cluster.key("journal", f"big{n}"), b"x" * 200_000)
+            await asyncio.sleep(TIMEOUT / 2)  # what etcd sends meanwhile is dropped whole
             proxy.hear()
             await _answers_again(cluster)
+            assert proxy.accepted == 2, f"{proxy.accepted} connections made (a new one was expected)"
             await _follows(cluster, other, "after-deaf")
         finally:
             await other.close()

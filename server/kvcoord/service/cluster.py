@@ -381,14 +381,24 @@ class Cluster(ClusterStore):
     async def _keep_alive(self) -> None:
         """Renew the lease every third of its time. A renewal that fails leaves the
         view's validity where the last success put it: past it, nothing is served. A
-        lease etcd no longer knows (it ended) is replaced: register again, claim again."""
+        lease etcd no longer knows (it ended) is replaced: register again, claim again.
+
+        A renewal that fails while the store answered nothing since it was sent makes a
+        new connection (:meth:`reconnect`: the old one may answer keepalive pings and
+        never a call) and is sent again on it at once, within the lease (was: every
+        store call timed out for as long as that connection lasted, and the lease
+        ended). At most one new connection per renewal period."""
         every = self.lease_seconds / 3
+        again = False
         while True:
-            await asyncio.sleep(every)
+            if not again:
+                await asyncio.sleep(every)
+            retried, again = again, False
             sent = self.clock()
             try:
                 async with asyncio.timeout(self.timeout):  # not wait_for: see _watch
                     reply = await self.client.refresh_lease(self.lease.id)
+                self.answered_at = self.clock()
                 if reply is not None and reply.TTL > 0:
                     self.view.valid_until = sent + reply.TTL
                     continue
@@ -401,6 +411,8 @@ class Cluster(ClusterStore):
                 raise
             except Exception as exc:  # noqa: BLE001 - retried; serving stops when the lease may end
                 logger.warning("renewing the cluster lease failed: %s", exc)
+                if not retried and self.answered_at < sent and not self.stopping:
+                    again = await self.reconnect()
 
     async def _watch(self) -> None:
         """Follow members and claims: re-read the view once the watch is made (what

@@ -187,3 +187,16 @@ def test_etcd_keeps_a_healthy_idle_connection(etcd3: EtcdCluster, request: pytes
             proxy.close()
 
     asyncio.run(run())
+
+
+def test_a_new_connection_starts_at_the_next_endpoint() -> None:
+    """reconnect()'s client tries the endpoints from the next one on (a member cut
+    off from the quorum answers pings and no renewal: it is not the first tried again)."""
+    from kvcoord.service.cluster_store import _targets
+
+    ips = ["127.0.0.1:1", "127.0.0.2:2", "127.0.0.3:3"]
+    assert _targets(ips) == ["ipv4:127.0.0.1:1,127.0.0.2:2,127.0.0.3:3"]
+    assert _targets(ips, 1) == ["ipv4:127.0.0.2:2,127.0.0.3:3,127.0.0.1:1"]
+    assert _targets(ips, 4) == _targets(ips, 1)
+    assert _targets(["a:1", "b:2"], 1) == ["b:2", "a:1"]
+    assert _targets(["a:1"], 7) == ["a:1"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -220,6 +221,20 @@ class EtcdCluster:
         if proc is not None and proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+    def freeze(self, i: int) -> None:
+        """SIGSTOP member ``i``: its sockets stay open (the kernel still accepts and
+        acknowledges), nothing is answered."""
+        proc = self.procs[i]
+        assert proc is not None and proc.poll() is None
+        proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self, i: int) -> None:
+        """SIGCONT member ``i``; returns once it answers a linearizable read."""
+        proc = self.procs[i]
+        assert proc is not None
+        proc.send_signal(signal.SIGCONT)
+        self.wait_serving(i, 30.0)
 
     def restart(self, i: int) -> None:
         """SIGKILL member ``i`` and start it again on its data; returns once it answers

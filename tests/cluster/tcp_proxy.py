@@ -22,6 +22,8 @@ class Proxy:
         self.cut_off = threading.Event()
         self.closed = threading.Event()
         self.deaf = threading.Event()
+        #: connections accepted and forwarded so far
+        self.accepted = 0
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._thread = threading.Thread(target=self._accept, daemon=True)
@@ -77,6 +79,7 @@ class Proxy:
             upstream.settimeout(None)
             with self._lock:
                 self._sockets.update((client, upstream))
+                self.accepted += 1
             for a, b, answers in ((client, upstream, False), (upstream, client, True)):
                 threading.Thread(target=self._pipe, args=(a, b, answers), daemon=True).start()
 

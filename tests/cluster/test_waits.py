@@ -255,6 +255,19 @@ class _Unanswering(pb_grpc.ReplicasServicer):
         raise AssertionError("never answered")
 
 
+async def _unanswering_peer(endpoint: str) -> tuple[grpc.aio.Server, _Unanswering, str, Any]:
+    """A started gRPC server whose Replicas service never answers, its address, and a
+    store client connected to ``endpoint`` (the test's own)."""
+    peer = grpc.aio.server()
+    unanswering = _Unanswering()
+    pb_grpc.add_ReplicasServicer_to_server(unanswering, peer)
+    address = f"127.0.0.1:{peer.add_insecure_port('127.0.0.1:0')}"
+    await peer.start()
+    other = store_client(endpoint, 2.0)
+    await other.connect()
+    return peer, unanswering, address, other
+
+
 def test_a_leave_whose_handovers_do_not_finish_ends_within_the_grace(
     etcd3: EtcdCluster, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -270,13 +283,7 @@ def test_a_leave_whose_handovers_do_not_finish_ends_within_the_grace(
     pools = [placed(f"leaving{n}-", "r0", ["r0", "r9"]) for n in range(4)]
 
     async def run() -> None:
-        peer = grpc.aio.server()
-        unanswering = _Unanswering()
-        pb_grpc.add_ReplicasServicer_to_server(unanswering, peer)
-        peer_address = f"127.0.0.1:{peer.add_insecure_port('127.0.0.1:0')}"
-        await peer.start()
-        other = store_client(etcd3.endpoints[1], 2.0)
-        await other.connect()
+        peer, unanswering, peer_address, other = await _unanswering_peer(etcd3.endpoints[1])
         lease = await other.lease(LEASE)
         await other.put(
             f"/kvcoord/{name}/members/r9".encode(), encode_member(Member("r9", peer_address)), lease=lease
@@ -302,6 +309,57 @@ def test_a_leave_whose_handovers_do_not_finish_ends_within_the_grace(
                 assert any(k.startswith(f"/kvcoord/{name}/journal/{pool}/") for k in keys), pool
         finally:
             with contextlib.suppress(Exception):  # (it ended by itself if the test ran long)
+                await other.revoke_lease(lease.id)
+            await other.close()
+            await peer.stop(None)
+
+    asyncio.run(run())
+
+
+def test_the_watch_follows_the_store_while_pools_go_to_a_joiner_that_never_answers(
+    etcd3: EtcdCluster, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A replica (journal = "store", real gRPC) holds six pools that placement puts on
+    a member that joins, and the joiner never answers AdoptPool. The rebalance used to
+    hand them over one by one, up to 30 s each, inside the watch loop: for three
+    minutes the watch's passes stopped (an orphaned pool was neither taken nor
+    removed). It runs beside the watch, four at a time: a pool of the catalog placed
+    here that nobody claims is dealt with meanwhile, and no more than four calls are
+    open."""
+    name = request.node.name[:40]
+    address, cfg = in_process_store_replica(etcd3.endpoints[0], name, tmp_path, LEASE, grace=2.0)
+    pools = [placed(f"joining{n}-", "r9", ["r0", "r9"]) for n in range(6)]
+
+    async def run() -> None:
+        peer, unanswering, peer_address, other = await _unanswering_peer(etcd3.endpoints[1])
+        running = await start_server(cfg)
+        lease = await other.lease(LEASE)
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = pb_grpc.AllocatorStub(channel)
+                for pool in pools:
+                    await stub.CreatePool(pb.CreatePoolRequest(name=pool, config=POOL_CONFIG))
+            await other.put(
+                f"/kvcoord/{name}/members/r9".encode(), encode_member(Member("r9", peer_address)), lease=lease
+            )
+            for _ in range(int(BOUND / 0.1)):  # bounded: the rebalance starts
+                if unanswering.calls:
+                    break
+                await asyncio.sleep(0.1)
+            assert unanswering.calls, "no handover was tried"
+            # a pool of the catalog nobody claims, placed here, never acknowledged
+            # anything (no journal): the watch's pass takes it and removes it (recover)
+            orphan = f"/kvcoord/{name}/pools/{placed('orphan-', 'r0', ['r0', 'r9'])}".encode()
+            await other.put(orphan, b"")
+            for _ in range(int(BOUND / 0.2)):  # bounded: the watch's passes go on meanwhile
+                if await other.get(orphan) is None:
+                    break
+                await asyncio.sleep(0.2)
+            assert await other.get(orphan) is None, "the watch does nothing while pools are handed over"
+            assert len(unanswering.calls) - len(unanswering.ended) <= 4, unanswering.calls
+        finally:
+            await _bounded(running.stop(), "the stop waits for a rebalance past the grace")
+            with contextlib.suppress(Exception):
                 await other.revoke_lease(lease.id)
             await other.close()
             await peer.stop(None)

@@ -5,7 +5,7 @@ pools over when a member joins or it leaves. The calls to the store (membership,
 claims, the catalog) are :mod:`.cluster_store`'s; the rules are :mod:`.ownership`'s.
 
 **Handover.** When a member joins, each replica hands the pools placement now puts on
-the joiner over to it; a replica leaving gracefully (SIGTERM) hands each of its pools
+the joiner over to it (:meth:`Cluster.rebalance`, beside the watch); a replica leaving gracefully (SIGTERM) hands each of its pools
 to placement over the others, all within server.grace_seconds (:meth:`Cluster.leave`).
 The old owner stops serving the pool (calls are UNAVAILABLE: clients retry), sends its
 state (registry_state.dump_pool: engine, events, sessions with cursors, kept answers,
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 #: seconds a handover's AdoptPool call may take (at least the store timeout)
 HANDOVER_SECONDS = 30.0
-#: handovers at a time when a replica leaves
+#: handovers at a time when a replica leaves or hands pools to a joiner
 LEAVE_PARALLEL = 4
 
 
@@ -90,6 +90,8 @@ class Cluster(ClusterStore):
         self.leave_seconds = HANDOVER_SECONDS
         #: pools whose rebuilding failed -> when to try again
         self._retry_at: dict[str, float] = {}
+        #: the rebalance pass running beside the watch, if any
+        self._rebalancing: asyncio.Task[None] | None = None
 
     # -- start ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -229,11 +231,35 @@ class Cluster(ClusterStore):
 
     # -- handovers ----------------------------------------------------------------------
     async def rebalance(self) -> None:
-        """Hand over every pool placement now puts on another member (one joined)."""
-        for pool, target in self.view.hand_overs().items():
-            if self.stopping:
-                return
-            await self.hand_over(pool, target)
+        """Hand over every pool placement now puts on another member (one joined),
+        :data:`LEAVE_PARALLEL` at a time, all within :data:`HANDOVER_SECONDS`: each
+        call to the joiner ends by then (a pool whose handover failed is served here
+        again), and a pool whose handover has not started by then stays here until
+        the next pass. Run beside the watch (:meth:`_rebalance_beside`): was one pool
+        at a time, up to 30 s each, inside it, and the watch followed nothing else
+        meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(HANDOVER_SECONDS, self.timeout)
+        gate = asyncio.Semaphore(LEAVE_PARALLEL)
+
+        async def move(pool: str, target: Member) -> None:
+            async with gate:
+                if not self.stopping and loop.time() < deadline:
+                    await self.hand_over(pool, target, deadline)
+
+        moves = [loop.create_task(move(pool, target)) for pool, target in self.view.hand_overs().items()]
+        if moves:  # each ends by itself: its call by the deadline, then a store call
+            await asyncio.gather(*moves)
+
+    def _rebalance_beside(self) -> None:
+        """Start a rebalance pass unless one runs (the watch goes on meanwhile)."""
+        running = self._rebalancing
+        if (running is not None and not running.done()) or self.stopping or not self.view.hand_overs():
+            return
+        task = asyncio.get_running_loop().create_task(self.rebalance())
+        task.add_done_callback(_logged)
+        self._rebalancing = task
+        self.tasks = [t for t in self.tasks if not t.done() and t is not running] + [task]
 
     async def leave(self) -> None:
         """A graceful stop: hand every pool over to placement over the other members
@@ -259,6 +285,9 @@ class Cluster(ClusterStore):
             async with gate:
                 await self.hand_over(pool, target, deadline)
 
+        rebalancing = self._rebalancing
+        if rebalancing is not None and not rebalancing.done():  # its handovers end within the grace too
+            await asyncio.wait([rebalancing], timeout=max(0.0, deadline - loop.time()))
         moves = {loop.create_task(move(pool, target)): pool for pool, target in self.view.leaving().items()}
         if not moves:
             return
@@ -352,14 +381,24 @@ class Cluster(ClusterStore):
     async def _keep_alive(self) -> None:
         """Renew the lease every third of its time. A renewal that fails leaves the
         view's validity where the last success put it: past it, nothing is served. A
-        lease etcd no longer knows (it ended) is replaced: register again, claim again."""
+        lease etcd no longer knows (it ended) is replaced: register again, claim again.
+
+        A renewal that fails while the store answered nothing since it was sent makes a
+        new connection (:meth:`reconnect`: the old one may answer keepalive pings and
+        never a call) and is sent again on it at once, within the lease (was: every
+        store call timed out for as long as that connection lasted, and the lease
+        ended). At most one new connection per renewal period."""
         every = self.lease_seconds / 3
+        again = False
         while True:
-            await asyncio.sleep(every)
+            if not again:
+                await asyncio.sleep(every)
+            retried, again = again, False
             sent = self.clock()
             try:
                 async with asyncio.timeout(self.timeout):  # not wait_for: see _watch
                     reply = await self.client.refresh_lease(self.lease.id)
+                self.answered_at = self.clock()
                 if reply is not None and reply.TTL > 0:
                     self.view.valid_until = sent + reply.TTL
                     continue
@@ -372,6 +411,8 @@ class Cluster(ClusterStore):
                 raise
             except Exception as exc:  # noqa: BLE001 - retried; serving stops when the lease may end
                 logger.warning("renewing the cluster lease failed: %s", exc)
+                if not retried and self.answered_at < sent and not self.stopping:
+                    again = await self.reconnect()
 
     async def _watch(self) -> None:
         """Follow members and claims: re-read the view once the watch is made (what
@@ -398,7 +439,7 @@ class Cluster(ClusterStore):
                         await self.refresh()
                         await self.claim_local()
                         await self.recover_orphans()
-                        await self.rebalance()
+                        self._rebalance_beside()
                 finally:
                     await cancel_and_wait([reader])  # the stream ends at once (follow_changes)
                 if reader.cancelled():
@@ -409,3 +450,8 @@ class Cluster(ClusterStore):
             except Exception as exc:  # noqa: BLE001 - watched again after a pause
                 logger.warning("watching the cluster store failed: %s", exc)
                 await asyncio.sleep(min(1.0, self.lease_seconds / 3))
+
+
+def _logged(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("a rebalance pass failed (tried again at the next change): %r", task.exception())

@@ -49,6 +49,19 @@ __all__ = ["ClusterError", "ClusterStore", "close_client", "follow_changes", "st
 logger = logging.getLogger(__name__)
 
 
+#: seconds without a byte from the store member in use before the channel pings it
+#: (HTTP/2 PING, only while a call is open: the watch always is). etcd closes a
+#: connection whose client pings more often than its --grpc-keepalive-min-time
+#: (5 s by default; GOAWAY "too_many_pings"), and refuses pings on a connection with no
+#: call open: 6 s, no pings without calls.
+KEEPALIVE_SECONDS = 6.0
+#: seconds a ping may go unanswered before the connection is closed and the channel
+#: connects again (another member, with several endpoints): a dead connection (a
+#: member frozen, a partition that drops packets, answers lost) is left within about
+#: KEEPALIVE_SECONDS + this after the last byte it brought, inside the default lease
+KEEPALIVE_TIMEOUT_SECONDS = 3.0
+
+
 class ClusterError(Exception):
     """The cluster store cannot be reached or refuses this replica (at start)."""
 
@@ -64,7 +77,23 @@ def store_client(endpoint: str, timeout: float) -> Any:
     host, _, port = endpoint.rpartition(":")
     # a pool's journal in the store is read whole when it is rebuilt: a large pool's
     # base alone passes gRPC's default 4 MiB limit of an answer
-    options = {"grpc.max_receive_message_length": -1}
+    options = {
+        "grpc.max_receive_message_length": -1,
+        # without keepalive nothing closed a connection to a member that stopped
+        # answering: TCP never gives up while the peer's kernel acknowledges (a frozen
+        # member), nor once lost answers broke the connection's HTTP/2 framing; every
+        # store call timed out until then (tests/cluster/test_keepalive.py)
+        "grpc.keepalive_time_ms": int(KEEPALIVE_SECONDS * 1000),
+        "grpc.keepalive_timeout_ms": int(KEEPALIVE_TIMEOUT_SECONDS * 1000),
+        # how long any ping waits for its answer (gRPC's default: 60 s)
+        "grpc.http2.ping_timeout_ms": int(KEEPALIVE_TIMEOUT_SECONDS * 1000),
+        # keep pinging while calls wait and nothing is sent (the default stops at 2)
+        "grpc.http2.max_pings_without_data": 0,
+        # a channel of its own connections: gRPC shares a connection among the
+        # channels of one process with the same target and options, and a new client
+        # (ClusterStore.reconnect) got the very connection it was made to leave
+        "grpc.use_local_subchannel_pool": 1,
+    }
     return aetcd.Client(host=host, port=int(port), timeout=timeout, options=options)
 
 
@@ -116,11 +145,14 @@ async def follow_changes(client: Any, prefix: bytes, changed: Callable[[], None]
         call.cancel()
 
 
-def _targets(endpoints: list[str]) -> list[str]:
-    """What to connect to, in order. Endpoints that are all IPv4 addresses become one
-    gRPC target listing them all, so the channel moves to another store member by
-    itself when the one it uses dies (pick-first over the list); names are tried one
-    by one at start (a Kubernetes service name already leads to a live member)."""
+def _targets(endpoints: list[str], turn: int = 0) -> list[str]:
+    """What to connect to, in order, starting at endpoint ``turn`` (modulo their
+    number). Endpoints that are all IPv4 addresses become one gRPC target listing them
+    all, so the channel moves to another store member by itself when the one it uses
+    dies (pick-first over the list); names are tried one by one at start (a Kubernetes
+    service name already leads to a live member)."""
+    first = turn % len(endpoints) if endpoints else 0
+    endpoints = endpoints[first:] + endpoints[:first]
     hosts = [e.rpartition(":")[0] for e in endpoints]
     if len(endpoints) > 1 and all(_is_ipv4(h) for h in hosts):
         return ["ipv4:" + ",".join(endpoints)]
@@ -161,6 +193,12 @@ class ClusterStore:
         self.clock = clock
         self.view = Ownership(me, clock)
         self.client: Any = None
+        #: clients replaced by :meth:`reconnect`, each closed once its calls had their time
+        self.retired: set[asyncio.Task[None]] = set()
+        #: connections made so far (:meth:`reconnect` starts at the next endpoint)
+        self.connects = 0
+        #: the clock when the store last answered a renewal or a read of the view
+        self.answered_at = -float("inf")
         self.lease: Any = None
         self.tasks: list[asyncio.Task[None]] = []
         #: told of every claim this replica gains or loses (metrics)
@@ -183,20 +221,64 @@ class ClusterStore:
         Raises:
             ClusterError: no endpoint answers.
         """
+        self.client = await self._connected()
+
+    async def _connected(self) -> Any:
+        """A new client of the first endpoint that answers, from endpoint number
+        :attr:`connects` on (a new channel: a new connection).
+
+        Raises:
+            ClusterError: no endpoint answers.
+        """
         last: BaseException | None = None
-        for endpoint in _targets(self.endpoints):
+        turn = self.connects
+        self.connects += 1
+        for endpoint in _targets(self.endpoints, turn):
             client = store_client(endpoint, self.timeout)
             try:
                 await client.connect()
                 await client.status()
+            except asyncio.CancelledError:
+                await close_client(client, self.timeout)
+                raise
             except Exception as exc:  # noqa: BLE001 - the next endpoint, then a ClusterError
                 last = exc
                 await close_client(client, self.timeout)
                 continue
-            self.client = client
-            break
-        if self.client is None:
-            raise ClusterError(f"no cluster store endpoint answers ({', '.join(self.endpoints)}): {last!r}")
+            return client
+        raise ClusterError(f"no cluster store endpoint answers ({', '.join(self.endpoints)}): {last!r}")
+
+    async def reconnect(self) -> bool:
+        """Replace the client by a new one (a new channel and connection), its
+        endpoints tried from the next one on; the old client is closed once every
+        unary call on it has passed its deadline (``timeout``), its watch with it (made
+        again on the new one). For a connection that answers gRPC's keepalive pings
+        but no call: one whose flow-control window was used up while the store's
+        WINDOW_UPDATE frames were lost (no request can be sent on it, ever), a member
+        cut off from the quorum, a proxy answering for a dead member. Keepalive sees
+        such a connection alive, and the channel kept it for good (every store call
+        timed out, the lease ended; tests/cluster/test_keepalive.py). True once
+        replaced (False: no endpoint answers now; the old client is kept)."""
+        try:
+            client = await self._connected()
+        except ClusterError as exc:
+            logger.warning(
+                "connecting to the cluster store again failed (the old connection is kept): %s", exc
+            )
+            return False
+        old, self.client = self.client, client
+        if old is not None:
+            task = asyncio.get_running_loop().create_task(self._retire(old))
+            self.retired.add(task)
+            task.add_done_callback(self.retired.discard)
+        logger.warning("the cluster store did not answer: connected to it again (a new connection)")
+        return True
+
+    async def _retire(self, client: Any) -> None:
+        try:
+            await asyncio.sleep(self.timeout)  # the calls on it end by their deadlines
+        finally:  # at once when cancelled (stop)
+            await close_client(client, self.timeout)
 
     async def register(self) -> None:
         """Put the member key under a new lease; wait out a previous process of the
@@ -235,7 +317,7 @@ class ClusterStore:
     async def stop(self) -> None:
         """Leave the cluster: revoke the lease (the member key and every claim go)."""
         self.stopping = True
-        await cancel_and_wait(self.tasks)
+        await cancel_and_wait([*self.tasks, *self.retired])
         self.view.valid_until = 0.0
         if self.client is None:
             return
@@ -274,6 +356,7 @@ class ClusterStore:
         pools_prefix = len(self.key("pools"))
         catalog = {kv.key[pools_prefix:].decode() for kv in listed}
         view.set_catalog(catalog.intersection(kv.key[pools_prefix:].decode() for kv in listed_after))
+        self.answered_at = self.clock()
         if set(view.owned()) != before:
             for fn in self.on_change:
                 fn()

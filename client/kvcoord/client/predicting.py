@@ -22,10 +22,14 @@ mirror that is consistent by construction (it never gives a held block to a seco
 request); what a difference shows is a server that disagrees with it, found at most
 ``max_backlog`` scheduler steps later.
 
-A pool is refused (:class:`FailedPreconditionError`, naming why) only when the server
+A pool is refused (:class:`PredictionUnavailableError`, naming why) only when the server
 gives no engine state or its engine's rules fingerprint differs from this client's
 (another kvcoord release on one side): then the answers could differ, so the caller
-runs without prediction.
+runs without prediction. The same can happen mid-run, when a lost session is attached
+again to a server restarted meanwhile with another engine (a rolling upgrade) or one
+that has no state to give: every request is lost as for any loss, and
+:attr:`PredictingKVCacheManager.on_unpredictable` (vLLM's adapter) takes over with a
+session that waits for the server; without it the error is raised, naming why.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from .errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     KVCoordError,
+    RequestsLostError,
+    ResourceExhaustedError,
 )
 from .hashing import pool_seed
 from .items import KVCacheBlockIds
@@ -52,9 +58,20 @@ from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper
 from .tracking import RequestTracker, SyncValues
 
-__all__ = ["NOT_TAKEN", "PredictingKVCacheManager", "PredictionMismatchError"]
+__all__ = ["NOT_TAKEN", "PredictingKVCacheManager", "PredictionMismatchError", "PredictionUnavailableError"]
 
 logger = logging.getLogger(__name__)
+
+
+class PredictionUnavailableError(FailedPreconditionError):
+    """The server gives no state this client can mirror (``why``: no engine state,
+    another state version or rules fingerprint, routers' reservations): the pool's
+    answers cannot be predicted, so its sessions must wait for the server's
+    (``RemoteKVCacheManager``)."""
+
+    def __init__(self, pool: str, why: str) -> None:
+        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, f"pool {pool!r} cannot be predicted: {why}")
+        self.why = why
 
 
 class PredictingKVCacheManager(PredictedReports):
@@ -75,8 +92,9 @@ class PredictingKVCacheManager(PredictedReports):
             checked by the handshake (the mirror runs the pool's profile).
 
     Raises:
-        FailedPreconditionError: the pool has another session, or the server gives no
-            state this client can mirror (the reason is in the message).
+        FailedPreconditionError: the pool has another session (PoolBusyError), or the
+            server gives no state this client can mirror (PredictionUnavailableError,
+            the reason in the message).
         RandomSeedError: caching is on and no seed is known.
     """
 
@@ -107,6 +125,11 @@ class PredictingKVCacheManager(PredictedReports):
         self._attach_args = (pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds)
         self._handshake = (profile, num_hash_lookahead_tokens)
         self._mirror: Mirror | None = None
+        #: called when a lost session, attached again, can no longer be predicted (see
+        #: :meth:`_settled`); vLLM's adapter sets it to go on waiting for the server
+        self.on_unpredictable: Callable[[PredictionUnavailableError], None] | None = None
+        #: why this manager's prediction ended (its session too), once it did
+        self.ended: PredictionUnavailableError | None = None
         self.keeper = SessionKeeper(client, self._attach, renew=renew)
         self.mirror: Mirror = self._loaded()
         #: sends the Steps (from its background thread), compares their answers with the
@@ -123,8 +146,8 @@ class PredictingKVCacheManager(PredictedReports):
         """Attach exclusively and load the mirror from the answer's engine state.
 
         Raises:
-            FailedPreconditionError: no state this client can mirror (the session made
-                is ended first).
+            PredictionUnavailableError: no state this client can mirror (the session
+                made is ended first).
         """
         client, cfg = self.client, self.config
         response = client.attach(
@@ -142,9 +165,7 @@ class PredictingKVCacheManager(PredictedReports):
         try:
             client.detach(response.session_id, response.fence)
         finally:
-            raise FailedPreconditionError(
-                grpc.StatusCode.FAILED_PRECONDITION, f"pool {self.pool!r} cannot be predicted: {why}"
-            )
+            raise PredictionUnavailableError(self.pool, why)
 
     def _loaded(self) -> Mirror:
         """The mirror the last Attach loaded."""
@@ -458,16 +479,51 @@ class PredictingKVCacheManager(PredictedReports):
         """Report a failure: every request is lost, and the session starts again from
         the server's state.
 
+        A pool that can no longer be predicted (the session attached again to a server
+        restarted with another engine, or one with no state to give) ends this manager:
+        its requests are reported lost as for any loss, once :attr:`on_unpredictable`
+        made the session that takes over.
+
         Raises:
             RequestsLostError: naming every request the session held.
-            KVCoordError: the server cannot be reached to start again (the next call
-                tries again).
+            PredictionUnavailableError: the pool can no longer be predicted and nothing
+                takes over (no :attr:`on_unpredictable`); the requests lost are reported
+                by the call that gets past it.
+            KVCoordError: the server cannot be reached to start again, or the session
+                taking over could not be made (the next call tries again).
         """
         if self.sender.failure is None:
             return
-        lost = self.sender.recover()
+        if self.ended is not None:
+            raise self.ended
+        try:
+            lost = self.sender.recover()
+        except PredictionUnavailableError as err:
+            raise self._end(err) from None
+        except ResourceExhaustedError as err:
+            if err.reason != "ANSWER_TOO_LARGE":
+                raise
+            raise self._end(PredictionUnavailableError(self.pool, err.message)) from None
         self.mirror = self._loaded()  # from the new session's state
         raise lost
+
+    def _end(self, err: PredictionUnavailableError) -> KVCoordError:
+        """The lost session's new one cannot be predicted (``err``; none is attached):
+        hand over to :attr:`on_unpredictable` and return what the call raises, every
+        request lost; without it, ``err``."""
+        take_over = self.on_unpredictable
+        if take_over is None:
+            return err
+        take_over(err)  # raises (nothing changed here) when it cannot: the next call tries again
+        sender = self.sender
+        lost, sender.unreported = sender.unreported, []
+        failure, sender.failure = sender.failure, err  # (a call made on this manager still refuses)
+        assert failure is not None
+        sender.lost_requests += len(lost)
+        self.ended = err
+        sender.close()
+        self.keeper.close()
+        return RequestsLostError(lost, failure)
 
     def _vouch(self) -> None:
         """Answer only while the session's lease certainly runs (else another session

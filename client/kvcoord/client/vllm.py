@@ -27,6 +27,7 @@ Pieces, from the inside out:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -264,6 +265,9 @@ def attach_manager(
         raise
     manager = kinds.adapter(remote, kv_cache_config)
     manager.owned_client = c if own else None
+    # a pool that can no longer be predicted mid-run (a rolling upgrade to another engine)
+    # goes on waiting for the server, as one that cannot be predicted from the start
+    manager.go_on_waiting_with(functools.partial(kinds.remote, c, settings.pool, exclusive=False, **common))
     if settings.create_pool:
         manager.pool_to_create = (settings.pool, expected)
     return manager

@@ -29,7 +29,7 @@ from .errors import (
     UnavailableError,
 )
 from .manager import KVCacheBlockIds, RemoteKVCacheManager
-from .predicting import NOT_TAKEN, PredictingKVCacheManager
+from .predicting import NOT_TAKEN, PredictingKVCacheManager, PredictionUnavailableError
 from .vllm_types import (
     KVCacheBlock,
     KVCacheBlocks,
@@ -179,6 +179,8 @@ class KVCoordKVCacheManager:
         self._allocate_running = (
             remote.allocate_running if isinstance(remote, PredictingKVCacheManager) else None
         )
+        #: why the session stopped being predicted mid-run (see :meth:`go_on_waiting_with`)
+        self.unpredicted: str | None = None
         if (
             isinstance(remote, PredictingKVCacheManager)
             and self.enable_kv_cache_events
@@ -248,6 +250,40 @@ class KVCoordKVCacheManager:
             raise err
         self.absorbed += 1
         logger.warning("kvcoord pool %r: %s (handled at the next schedule)", self.remote.pool, err)
+
+    def go_on_waiting_with(self, make_waiting: Callable[[], RemoteKVCacheManager]) -> None:
+        """When the predicted session's pool can no longer be predicted mid-run (a lost
+        session attached again to a server restarted with another engine, a rolling
+        upgrade; or to one with no state to give), ``make_waiting()`` takes over: a
+        session that waits for the server's every answer, as :func:`connect` runs one
+        from the start. The predicted session's requests are reported lost (the
+        scheduler preempts and recomputes them) and nothing it answered is kept."""
+        remote = self.remote
+        if isinstance(remote, PredictingKVCacheManager):
+            remote.on_unpredictable = functools.partial(self._wait_from_now, make_waiting)
+
+    def _wait_from_now(
+        self, make_waiting: Callable[[], RemoteKVCacheManager], err: PredictionUnavailableError
+    ) -> None:
+        """The waiting session takes over from the predicted one (see :meth:`go_on_waiting_with`).
+
+        Raises:
+            KVCoordError: it could not be made (nothing changed: the predicted session
+                tries to attach again at its next call).
+        """
+        waiting = make_waiting()
+        self.remote = waiting
+        self._allocate_running = None
+        self._took_over(waiting)
+        self.unpredicted = err.why
+        logger.warning(
+            "KVCOORD_PREDICT: pool %r can no longer be predicted (%s); its requests are lost (recomputed) and "
+            "the engine runs the waiting mode from now on: every call is answered by the server, as on a "
+            "shared pool", waiting.pool, err.why,
+        )  # fmt: skip
+
+    def _took_over(self, remote: RemoteKVCacheManager) -> None:
+        """``remote`` replaced the session (for what holds it besides ``remote``)."""
 
     def take_lost(self) -> set[str]:
         """The requests reported lost while absorbing, since the last call."""
@@ -490,8 +526,13 @@ class KVCoordKVCacheManager:
 
     def close(self) -> None:
         """End the session (the server frees what it still holds) and close an owned client."""
+        remote = self.remote
         try:
-            self.remote.close()
+            remote.close()
         finally:
-            if self.owned_client is not None:
-                self.owned_client.close()
+            try:
+                if self.remote is not remote:  # a waiting session took over as it closed
+                    self.remote.close()
+            finally:
+                if self.owned_client is not None:
+                    self.owned_client.close()

@@ -126,6 +126,7 @@ def test_a_rolling_upgrade_to_another_engine_goes_on_in_the_waiting_mode(
         waiting = m.remote
         assert type(waiting) is RemoteKVCacheManager and not waiting.exclusive
         assert predicted.ended is not None and predicted.lost_requests == 2
+        assert waiting.lost_requests == 2  # the engine's count goes on
         with pytest.raises(PredictionUnavailableError):  # the predicted manager is done
             predicted.get_computed_blocks(c)
 

@@ -8,11 +8,12 @@ run."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import manager_class_name
+from harness import check_manager, manager_class_name
 from kvcoord.client import KVCoordClient
 from kvcoord.service.testing import InProcessServer
 from test_lost_sessions import _env, _run_on_kvcoord, _vllms_own
@@ -77,5 +78,37 @@ def test_a_rolling_upgrade_to_another_engine_goes_on_in_the_waiting_mode(
     assert type(adapter.remote).__name__ == manager_class_name(False) and not adapter.remote.exclusive
     assert adapter.unpredicted is not None and "state9-another-release" in adapter.unpredicted
     assert "can no longer be predicted" in caplog.text and "state9-another-release" in caplog.text
-    assert seen["predicted"].lost_requests > 0  # the loss happened: requests were lost
+    lost = seen["predicted"].lost_requests
+    assert lost > 0 and adapter.remote.lost_requests == lost  # the loss happened; the engine's count goes on
     assert scheduler.kvcoord_preempted > 0  # and preempted for recomputation
+
+
+def test_a_predicted_engine_may_wait_only_after_the_fingerprint_warning() -> None:
+    """check_manager (the tests' "must be predicted" check) accepts a predicted engine
+    in the waiting mode only beside the plug-in's warning that the server's engine has
+    other rules; the waiting kind where prediction was not asked for; nothing else."""
+    predicted = type(manager_class_name(True), (), {})()
+    waiting = type(manager_class_name(False), (), {})()
+
+    def warning(name: str, msg: str, level: int = logging.WARNING) -> logging.LogRecord:
+        return logging.LogRecord(name, level, __file__, 1, msg, None, None)
+
+    mismatch = (
+        "the server's engine rules are 'state9-x', this client's 'state3-y' (another kvcoord release ...)"
+    )
+    check_manager(predicted, True, [])
+    check_manager(waiting, False, [])
+    with pytest.raises(AssertionError):
+        check_manager(predicted, False, [])
+    with pytest.raises(AssertionError, match="without the warning"):
+        check_manager(waiting, True, [])
+    unrelated = [warning("kvcoord.client.vllm", "KVCOORD_PREDICT: pool 'p' is not predicted (the pool holds routers' "
+                         "reservations); running the waiting mode"),
+                 warning("kvcoord.client.vllm", f"pool 'p' is not predicted ({mismatch})", logging.INFO),
+                 warning("somebody.else", f"pool 'p' is not predicted ({mismatch})")]  # fmt: skip
+    with pytest.raises(AssertionError, match="without the warning"):
+        check_manager(waiting, True, unrelated)
+    check_manager(waiting, True, [warning("kvcoord.client.vllm", f"KVCOORD_PREDICT: pool 'p' is not predicted "
+                                          f"({mismatch}); running the waiting mode")])  # fmt: skip
+    check_manager(waiting, True, [warning("kvcoord.client.vllm_manager", f"KVCOORD_PREDICT: pool 'p' can no longer "
+                                          f"be predicted ({mismatch}); its requests are lost")])  # fmt: skip

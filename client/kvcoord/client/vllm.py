@@ -107,7 +107,9 @@ class Settings:
             kvcoord release, a state larger than one answer, routers' reservations),
             a warning says why and the engine runs the waiting mode with a shared
             pool's semantics: every call answered by the server, never from a second
-            copy of the rules.
+            copy of the rules. Mid-run too: a lost session attached again to a server
+            restarted meanwhile with another engine (a rolling upgrade) goes on in the
+            waiting mode, its requests recomputed.
         max_outage: seconds the scheduler keeps trying again while the server cannot be
             reached, is in its grace period or has lost the pool
             (``KVCOORD_MAX_OUTAGE``, default 600); then the error reaches vLLM.

@@ -271,7 +271,10 @@ class KVCoordKVCacheManager:
             KVCoordError: it could not be made (nothing changed: the predicted session
                 tries to attach again at its next call).
         """
+        predicted = self.remote
         waiting = make_waiting()
+        # the engine's count of requests lost goes on (those this loss reports included)
+        waiting.sender.lost_requests += predicted.lost_requests + len(predicted.sender.unreported)
         self.remote = waiting
         self._allocate_running = None
         self._took_over(waiting)

@@ -115,7 +115,7 @@ def test_a_rolling_upgrade_to_another_engine_goes_on_in_the_waiting_mode(
         predicted.sender.settle()
         assert predicted.sender.failure is not None
         c = _req("c", list(range(200, 209)))
-        with caplog.at_level("WARNING", logger="kvcoord.client.vllm_manager"):
+        with caplog.at_level("WARNING", logger="kvcoord.client"):
             with pytest.raises(RequestsLostError) as lost:
                 m.get_computed_blocks(c)
         assert sorted(lost.value.request_ids) == ["a", "b"]
@@ -182,7 +182,7 @@ def test_a_reattach_to_a_pool_without_state_goes_on_in_the_waiting_mode(
         m.remote.sender.settle()
         _reserve(address, "reserved", list(range(40)))
         b = _req("b", list(range(300, 309)))
-        with caplog.at_level("WARNING", logger="kvcoord.client.vllm_manager"):
+        with caplog.at_level("WARNING", logger="kvcoord.client"):
             with pytest.raises(RequestsLostError) as lost:
                 _admit(m, b)
         assert lost.value.request_ids == ["a"]

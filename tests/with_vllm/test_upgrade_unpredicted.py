@@ -67,7 +67,7 @@ def test_a_rolling_upgrade_to_another_engine_goes_on_in_the_waiting_mode(
                 other.detach(adapter.remote.session_id)
 
     try:
-        with caplog.at_level("WARNING", logger="kvcoord.client.vllm_manager"):
+        with caplog.at_level("WARNING", logger="kvcoord.client"):
             got, scheduler = _run_on_kvcoord(kind, model_dir, on_step, keep)
     finally:
         servers[-1].stop()
@@ -110,5 +110,5 @@ def test_a_predicted_engine_may_wait_only_after_the_fingerprint_warning() -> Non
         check_manager(waiting, True, unrelated)
     check_manager(waiting, True, [warning("kvcoord.client.vllm", f"KVCOORD_PREDICT: pool 'p' is not predicted "
                                           f"({mismatch}); running the waiting mode")])  # fmt: skip
-    check_manager(waiting, True, [warning("kvcoord.client.vllm_manager", f"KVCOORD_PREDICT: pool 'p' can no longer "
+    check_manager(waiting, True, [warning("kvcoord.client.vllm_losses", f"KVCOORD_PREDICT: pool 'p' can no longer "
                                           f"be predicted ({mismatch}); its requests are lost")])  # fmt: skip

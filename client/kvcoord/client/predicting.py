@@ -43,16 +43,11 @@ from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
-from .errors import (
-    FailedPreconditionError,
-    InvalidArgumentError,
-    KVCoordError,
-    RequestsLostError,
-    ResourceExhaustedError,
-)
+from .errors import InvalidArgumentError, KVCoordError
 from .hashing import pool_seed
 from .items import KVCacheBlockIds
 from .mirror import BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
+from .predicting_losses import PredictedLosses, PredictionUnavailableError
 from .predicting_reports import PredictedReports
 from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper
@@ -63,18 +58,7 @@ __all__ = ["NOT_TAKEN", "PredictingKVCacheManager", "PredictionMismatchError", "
 logger = logging.getLogger(__name__)
 
 
-class PredictionUnavailableError(FailedPreconditionError):
-    """The server gives no state this client can mirror (``why``: no engine state,
-    another state version or rules fingerprint, routers' reservations): the pool's
-    answers cannot be predicted, so its sessions must wait for the server's
-    (``RemoteKVCacheManager``)."""
-
-    def __init__(self, pool: str, why: str) -> None:
-        super().__init__(grpc.StatusCode.FAILED_PRECONDITION, f"pool {pool!r} cannot be predicted: {why}")
-        self.why = why
-
-
-class PredictingKVCacheManager(PredictedReports):
+class PredictingKVCacheManager(PredictedLosses, PredictedReports):
     """vLLM KVCacheManager methods over an exclusive kvcoord pool, never waiting.
 
     Args:
@@ -125,11 +109,6 @@ class PredictingKVCacheManager(PredictedReports):
         self._attach_args = (pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds)
         self._handshake = (profile, num_hash_lookahead_tokens)
         self._mirror: Mirror | None = None
-        #: called when a lost session, attached again, can no longer be predicted (see
-        #: :meth:`_settled`); vLLM's adapter sets it to go on waiting for the server
-        self.on_unpredictable: Callable[[PredictionUnavailableError], None] | None = None
-        #: why this manager's prediction ended (its session too), once it did
-        self.ended: PredictionUnavailableError | None = None
         self.keeper = SessionKeeper(client, self._attach, renew=renew)
         self.mirror: Mirror = self._loaded()
         #: sends the Steps (from its background thread), compares their answers with the
@@ -474,68 +453,6 @@ class PredictingKVCacheManager(PredictedReports):
         events and statistics."""
         events, stats = self.mirror.take_step()
         return self.mirror.num_free_blocks, events, stats
-
-    def _settled(self) -> None:
-        """Report a failure: every request is lost, and the session starts again from
-        the server's state.
-
-        A pool that can no longer be predicted (the session attached again to a server
-        restarted with another engine, or one with no state to give) ends this manager:
-        its requests are reported lost as for any loss, once :attr:`on_unpredictable`
-        made the session that takes over.
-
-        Raises:
-            RequestsLostError: naming every request the session held.
-            PredictionUnavailableError: the pool can no longer be predicted and nothing
-                takes over (no :attr:`on_unpredictable`); the requests lost are reported
-                by the call that gets past it.
-            KVCoordError: the server cannot be reached to start again, or the session
-                taking over could not be made (the next call tries again).
-        """
-        if self.sender.failure is None:
-            return
-        if self.ended is not None:
-            raise self.ended
-        try:
-            lost = self.sender.recover()
-        except PredictionUnavailableError as err:
-            raise self._end(err) from None
-        except ResourceExhaustedError as err:
-            if err.reason != "ANSWER_TOO_LARGE":
-                raise
-            raise self._end(PredictionUnavailableError(self.pool, err.message)) from None
-        self.mirror = self._loaded()  # from the new session's state
-        raise lost
-
-    def _end(self, err: PredictionUnavailableError) -> KVCoordError:
-        """The lost session's new one cannot be predicted (``err``; none is attached):
-        hand over to :attr:`on_unpredictable` and return what the call raises, every
-        request lost; without it, ``err``."""
-        take_over = self.on_unpredictable
-        if take_over is None:
-            return err
-        take_over(err)  # raises (nothing changed here) when it cannot: the next call tries again
-        sender = self.sender
-        lost, sender.unreported = sender.unreported, []
-        failure, sender.failure = sender.failure, err  # (a call made on this manager still refuses)
-        assert failure is not None
-        sender.lost_requests += len(lost)
-        self.ended = err
-        sender.close()
-        self.keeper.close()
-        return RequestsLostError(lost, failure)
-
-    def _vouch(self) -> None:
-        """Answer only while the session's lease certainly runs (else another session
-        could be given these blocks)."""
-        keeper = self.keeper
-        if keeper.lost is not None or keeper.clock() >= keeper.valid_until:
-            self.sender.settle()  # the answer in flight renews the lease
-            try:
-                keeper.vouch()
-            except KVCoordError as err:
-                self.sender.failure = self.sender.failure or err
-            self._settled()
 
 
 #: what :meth:`PredictingKVCacheManager.allocate_running` answers for a call it does not take

@@ -18,18 +18,12 @@ from kvcoord.wire import group_kinds
 
 from .client import KVCoordClient
 from .errors import (
-    AlreadyExistsError,
-    FencedError,
     KVCoordError,
-    LeaseExpiredError,
-    NotFoundError,
-    PoolBusyError,
     RequestsLostError,
-    SessionExpiredError,
-    UnavailableError,
 )
 from .manager import KVCacheBlockIds, RemoteKVCacheManager
-from .predicting import NOT_TAKEN, PredictingKVCacheManager, PredictionUnavailableError
+from .predicting import NOT_TAKEN, PredictingKVCacheManager
+from .vllm_losses import OUTAGE_ERRORS, AdapterLosses
 from .vllm_types import (
     KVCacheBlock,
     KVCacheBlocks,
@@ -41,17 +35,6 @@ from .vllm_types import (
 __all__ = ["OUTAGE_ERRORS", "KVCoordKVCacheManager"]
 
 logger = logging.getLogger(__name__)
-
-#: Errors that end no request by themselves: the server cannot be reached (or is in a
-#: grace period), a lease cannot be vouched for, a session or the pool is gone from a
-#: server that restarted, an exclusive session still holds the pool (one whose Attach
-#: answer was lost, until its lease ends). The managers turn what they cost into
-#: RequestsLostError when they can attach again; until then the scheduler waits and
-#: tries again.
-OUTAGE_ERRORS = (
-    UnavailableError, LeaseExpiredError, FencedError, SessionExpiredError, NotFoundError, PoolBusyError,
-)  # fmt: skip
-
 
 # -- the manager -----------------------------------------------------------------------
 
@@ -107,7 +90,7 @@ class _Held:
     hashed_tokens: int = 0
 
 
-class KVCoordKVCacheManager:
+class KVCoordKVCacheManager(AdapterLosses):
     """vLLM 0.16.0's ``KVCacheManager`` interface over a kvcoord pool.
 
     Every call is one call of the wrapped :class:`RemoteKVCacheManager` (one round trip),
@@ -179,8 +162,6 @@ class KVCoordKVCacheManager:
         self._allocate_running = (
             remote.allocate_running if isinstance(remote, PredictingKVCacheManager) else None
         )
-        #: why the session stopped being predicted mid-run (see :meth:`go_on_waiting_with`)
-        self.unpredicted: str | None = None
         if (
             isinstance(remote, PredictingKVCacheManager)
             and self.enable_kv_cache_events
@@ -240,71 +221,6 @@ class KVCoordKVCacheManager:
         evicted = self._evicted
         gone = {b for b in block_ids if b in evicted} if evicted else None
         return start, limit, taken, scale, group.to_bytes(4, "big"), gone
-
-    # -- losses ---------------------------------------------------------------------------
-    def _absorb(self, err: KVCoordError) -> None:
-        """Keep what ``err`` says for the scheduler (while ``absorbing``), or raise it."""
-        if isinstance(err, RequestsLostError):
-            self.lost.update(err.request_ids)
-        elif not isinstance(err, OUTAGE_ERRORS):
-            raise err
-        self.absorbed += 1
-        logger.warning("kvcoord pool %r: %s (handled at the next schedule)", self.remote.pool, err)
-
-    def go_on_waiting_with(self, make_waiting: Callable[[], RemoteKVCacheManager]) -> None:
-        """When the predicted session's pool can no longer be predicted mid-run (a lost
-        session attached again to a server restarted with another engine, a rolling
-        upgrade; or to one with no state to give), ``make_waiting()`` takes over: a
-        session that waits for the server's every answer, as :func:`connect` runs one
-        from the start. The predicted session's requests are reported lost (the
-        scheduler preempts and recomputes them) and nothing it answered is kept."""
-        remote = self.remote
-        if isinstance(remote, PredictingKVCacheManager):
-            remote.on_unpredictable = functools.partial(self._wait_from_now, make_waiting)
-
-    def _wait_from_now(
-        self, make_waiting: Callable[[], RemoteKVCacheManager], err: PredictionUnavailableError
-    ) -> None:
-        """The waiting session takes over from the predicted one (see :meth:`go_on_waiting_with`).
-
-        Raises:
-            KVCoordError: it could not be made (nothing changed: the predicted session
-                tries to attach again at its next call).
-        """
-        predicted = self.remote
-        waiting = make_waiting()
-        # the engine's count of requests lost goes on (those this loss reports included)
-        waiting.sender.lost_requests += predicted.lost_requests + len(predicted.sender.unreported)
-        self.remote = waiting
-        self._allocate_running = None
-        self._took_over(waiting)
-        self.unpredicted = err.why
-        logger.warning(
-            "KVCOORD_PREDICT: pool %r can no longer be predicted (%s); its requests are lost (recomputed) and "
-            "the engine runs the waiting mode from now on: every call is answered by the server, as on a "
-            "shared pool", waiting.pool, err.why,
-        )  # fmt: skip
-
-    def _took_over(self, remote: RemoteKVCacheManager) -> None:
-        """``remote`` replaced the session (for what holds it besides ``remote``)."""
-
-    def take_lost(self) -> set[str]:
-        """The requests reported lost while absorbing, since the last call."""
-        lost, self.lost = self.lost, set()
-        return lost
-
-    def create_pool_again(self) -> bool:
-        """Create the pool (as connect did) on a server that no longer has it; False when
-        this manager was not told how (KVCOORD_CREATE_POOL=0)."""
-        if self.pool_to_create is None:
-            return False
-        name, config = self.pool_to_create
-        try:
-            self.remote.client.create_pool(name, config)
-        except AlreadyExistsError:
-            pass  # made meanwhile (by another engine, or the call's own retry)
-        logger.warning("kvcoord pool %r was gone from the server: created again", name)
-        return True
 
     # -- KVCacheManager -----------------------------------------------------------------
     @property

@@ -219,3 +219,43 @@ def test_a_reattach_to_a_pool_without_state_goes_on_in_the_waiting_mode(
             bare.keeper.close()
     finally:
         server.stop()
+
+
+def test_a_reattach_whose_state_outgrew_an_answer_goes_on_in_the_waiting_mode(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The pool's state fitted in the first Attach's answer, not in the re-attach's
+    (ResourceExhaustedError, ANSWER_TOO_LARGE, under the server's max_message_bytes):
+    the adapter goes on in the waiting mode, naming why, as connect does when the
+    state is too large from the start."""
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    server = InProcessServer(max_message_bytes=64 << 10, data_dir=str(tmp_path / "data")).start()
+    address = server.address
+    try:
+        kv, cfg = engine(4000)
+        m = connect(Settings(target=address, pool="grown"), kv, cfg)
+        assert type(m.remote) is PredictingKVCacheManager
+        reqs = [_req(f"r{i}", list(range(1000 * i, 1000 * i + 200))) for i in range(12)]
+        for r in reqs:
+            _admit(m, r)
+            m.take_events()
+            m.remote.flush()
+        _check_equal(m, address, "grown", reqs)
+        _end_session(address, m)  # every block stays cached: the state is now larger than an answer
+        _decode(m, reqs[:1], 5)
+        m.remote.sender.settle()
+        with pytest.raises(RequestsLostError) as lost:
+            m.get_computed_blocks(_req("x", list(range(9))))
+        assert sorted(lost.value.request_ids) == sorted(r.request_id for r in reqs)
+        assert type(m.remote) is RemoteKVCacheManager
+        assert m.unpredicted is not None and "max_message_bytes" in m.unpredicted
+        assert "can no longer be predicted" in caplog.text
+        for r in reqs[:2]:
+            m.free(r)
+            r.num_computed_tokens = 0
+            _admit(m, r)
+        m.take_events()
+        _check_equal(m, address, "grown", reqs[:2])
+        m.close()
+    finally:
+        server.stop()

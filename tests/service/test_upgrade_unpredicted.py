@@ -15,6 +15,7 @@ from kvcoord.client import KVCoordClient, PredictingKVCacheManager, RemoteKVCach
 from kvcoord.client.errors import FailedPreconditionError
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.client.predicting import PredictionUnavailableError
+from kvcoord.client.tracking import LostRequestInUseError
 from kvcoord.client.vllm import Settings, connect
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
@@ -130,6 +131,10 @@ def test_a_rolling_upgrade_to_another_engine_goes_on_in_the_waiting_mode(
         with pytest.raises(PredictionUnavailableError):  # the predicted manager is done
             predicted.get_computed_blocks(c)
 
+        # a lost request used again before the scheduler preempted it is refused, never
+        # registered afresh beside its lost table
+        with pytest.raises(LostRequestInUseError):
+            _decode(m, [a], 3500)
         # the scheduler preempts the lost requests (freed) and recomputes them
         for r in (a, b):
             m.free(r)

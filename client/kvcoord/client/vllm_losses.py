@@ -81,8 +81,11 @@ class AdapterLosses:
         """
         predicted = self.remote
         waiting = make_waiting()
-        # the engine's count of requests lost goes on (those this loss reports included)
+        # the engine's count of requests lost goes on (those this loss reports included),
+        # and a lost request used again before the scheduler preempted it is refused as
+        # by the predicted session (never registered afresh beside its lost table)
         waiting.sender.lost_requests += predicted.lost_requests + len(predicted.sender.unreported)
+        waiting.tracker.lost.update(predicted.tracker.lost)
         self.remote = waiting
         self._allocate_running = None
         self._took_over(waiting)

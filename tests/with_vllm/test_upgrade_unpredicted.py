@@ -13,18 +13,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import check_manager, manager_class_name
+from harness import V033, check_manager, manager_class_name
 from kvcoord.client import KVCoordClient
 from kvcoord.service.testing import InProcessServer
 from test_lost_sessions import _env, _run_on_kvcoord, _vllms_own
 
 #: the step at which the server is upgraded, and the one at which the session is lost
 UPGRADE_STEP, LOSS_STEP = 50, 80
+#: full attention, a hybrid, and under 0.33 mamba with fine-grained hits (copy-on-write
+#: blocks retained across the switch)
+LAYOUTS = ["full", "full+swa"] + (["full+mamba-align"] if V033 else [])
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_a_rolling_upgrade_to_another_engine_goes_on_in_the_waiting_mode(
     kind: str,
+    layout: str,
     model_dir: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -39,11 +44,11 @@ def test_a_rolling_upgrade_to_another_engine_goes_on_in_the_waiting_mode(
     FailedPreconditionError left schedule() and the engine stopped.)"""
     import kvcoord.service.pool_service as pool_service
 
-    want = _vllms_own(kind, model_dir)
+    want = _vllms_own(kind, model_dir, layout=layout)
     data = str(tmp_path / "data")
     servers = [InProcessServer(data_dir=data).start()]
     address = servers[0].address
-    _env(monkeypatch, servers[0], f"upgrade-{kind}", True)
+    _env(monkeypatch, servers[0], f"upgrade-{kind}-{layout.replace('+', '-')}", True)
     scheduler: Any = None
     seen: dict[str, Any] = {}
 
@@ -68,7 +73,7 @@ def test_a_rolling_upgrade_to_another_engine_goes_on_in_the_waiting_mode(
 
     try:
         with caplog.at_level("WARNING", logger="kvcoord.client"):
-            got, scheduler = _run_on_kvcoord(kind, model_dir, on_step, keep)
+            got, scheduler = _run_on_kvcoord(kind, model_dir, on_step, keep, layout=layout)
     finally:
         servers[-1].stop()
     differ = sorted(rid for rid in want.keys() | got.keys() if got.get(rid) != want.get(rid))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import logging
 import random
 from collections import deque
 from collections.abc import Callable
@@ -616,6 +617,37 @@ def manager_class_name(predict: bool) -> str:
     """The class of a kvcoord scheduler's session under this venv's vLLM: predicted or
     waiting for the pool, 0.33's kinds under vLLM 0.33."""
     return ("Predicting" if predict else "Remote") + ("033" if V033 else "") + "KVCacheManager"
+
+
+def fingerprint_warnings(records: list[logging.LogRecord]) -> list[str]:
+    """The plug-in's warnings that a pool is not, or no longer, predicted because the
+    server's engine has other rules than this process's (its rules fingerprint)."""
+    out = []
+    for r in records:
+        msg = r.getMessage()
+        if (
+            r.levelno >= logging.WARNING and r.name.startswith("kvcoord.client.vllm")
+            and ("is not predicted" in msg or "can no longer be predicted" in msg) and "engine rules are" in msg
+        ):  # fmt: skip
+            out.append(msg)
+    return out
+
+
+def check_manager(manager: Any, predict: bool, records: list[logging.LogRecord]) -> None:
+    """``manager`` (a scheduler's ``kv_cache_manager.remote``) is the session kind
+    ``predict`` asks for. A predicted engine may run the waiting mode instead only when
+    the plug-in warned that the server's engine has other rules (``records``: the
+    test's log records): engine sources edited while the tests run give a server process
+    started later another fingerprint than this process's, cached at its first use.
+    Never silently."""
+    name = type(manager).__name__
+    if name == manager_class_name(predict):
+        return
+    assert predict and name == manager_class_name(False), (name, predict)
+    assert fingerprint_warnings(records), (
+        f"a predicted engine runs the waiting mode ({name}) without the warning that the server's engine has "
+        "other rules"
+    )
 
 
 class FailingLoadsConnector(AsyncLoadsConnector):

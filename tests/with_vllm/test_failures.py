@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from durable_server import DurableServer
-from harness import SCHEDULERS, kv_cache_config, make_scheduler, manager_class_name, run_workload, vllm_config
+from harness import SCHEDULERS, check_manager, kv_cache_config, make_scheduler, run_workload, vllm_config
 from kvcoord.client import KVCoordClient
 from kvcoord.client import vllm as kvcoord_vllm
 from kvcoord.client.faults import FaultInjector
@@ -25,13 +25,15 @@ KVCOORD = {"sync": KVCoordScheduler, "async": KVCoordAsyncScheduler}
 @pytest.mark.parametrize("when", ["between steps", "during a step"])
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_decisions_survive_server_sigkills(
-    kind: str, when: str, predict: bool, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    kind: str, when: str, predict: bool, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
     """The server is killed with SIGKILL and restarted on its journal three times in a
     300-step run under memory pressure, between two steps or 0-5 ms into one (a Step
     in flight, answered or not): every decision, output and event equals vLLM's own
     manager's, as if nothing had happened; also with KVCOORD_PREDICT=1, whose Steps are
     in flight while the engine runs on."""
+    caplog.set_level("WARNING", logger="kvcoord.client")
     asynchronous = kind == "async"
     local = make_scheduler(
         SCHEDULERS[kind],
@@ -80,7 +82,7 @@ def test_decisions_survive_server_sigkills(
     assert got == want, first_difference(want, got)
     assert got_counts == want_counts and want_counts["preempted"] > 0
     assert server.kills == 3
-    assert type(manager).__name__ == manager_class_name(predict)
+    check_manager(manager, predict, caplog.records)  # (a server process may read edited engine sources)
     assert manager.lost_requests == 0
 
 
@@ -92,13 +94,14 @@ def test_decisions_survive_server_sigkills(
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_decisions_survive_a_faulty_network(
     kind: str, layout: str, predict: bool, model_dir: Path, server: InProcessServer,
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
     """5 % of the manager's calls each have their answer dropped, delayed, duplicated
     or re-delivered later (a client interceptor; 20 % each with KVCOORD_PREDICT=1,
     which makes few calls): retries with idempotency keys and position checks keep
     every decision, output and event equal to vLLM's own manager's, and no request is
     lost."""
+    caplog.set_level("WARNING", logger="kvcoord.client")
     asynchronous = kind == "async"
     local = make_scheduler(
         SCHEDULERS[kind],
@@ -128,4 +131,4 @@ def test_decisions_survive_a_faulty_network(
     c = faults.counts
     assert min(c["dropped"], c["delayed"], c["duplicated"], c["reordered"]) > (2 if predict else 5), c
     assert manager.lost_requests == 0
-    assert type(manager).__name__ == manager_class_name(predict)
+    check_manager(manager, predict, caplog.records)

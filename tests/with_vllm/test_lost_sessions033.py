@@ -9,7 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import SCHEDULERS, V033, kv_cache_config, make_scheduler, run_workload, vllm_config
+from harness import (
+    SCHEDULERS,
+    V033,
+    check_manager,
+    kv_cache_config,
+    make_scheduler,
+    run_workload,
+    vllm_config,
+)
 from kvcoord.client import KVCoordClient
 from kvcoord.service.testing import InProcessServer
 from test_lost_sessions import outputs_by_request
@@ -79,8 +87,9 @@ def test_a_session_ended_between_steps_costs_recomputation(
 @pytest.mark.parametrize("layout", ["full+swa", "full+mamba-align", "full+mamba"])
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_hybrid_and_mamba_layouts_recover_like_full_attention(
-    kind: str, layout: str, event: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+    kind: str, layout: str, event: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:  # fmt: skip
     """vLLM 0.33's schedulers, predicted, on a full + sliding-window pool and on full +
     mamba pools (state cached at block boundaries, or not at all): the session ended on
     the server inside schedule() (before its second allocation) at steps 40 and 80; or a
@@ -97,6 +106,7 @@ def test_hybrid_and_mamba_layouts_recover_like_full_attention(
     from kvcoord.client.faults import FaultInjector
     from test_lost_sessions import LEASE, _run_on_kvcoord, _vllms_own
 
+    caplog.set_level("WARNING", logger="kvcoord.client")
     want = _vllms_own(kind, model_dir, layout=layout)
     lease = f"session_lease_seconds = {LEASE}\n" if event == "partition" else ""
     server = DurableServer(tmp_path, pools_toml=lease)
@@ -157,7 +167,7 @@ def test_hybrid_and_mamba_layouts_recover_like_full_attention(
     differ = sorted(rid for rid in want.keys() | got.keys() if got.get(rid) != want.get(rid))
     assert not differ, [(rid, want.get(rid), got.get(rid)) for rid in differ[:5]]
     manager = scheduler.kv_cache_manager.remote
-    assert type(manager).__name__ == "Predicting033KVCacheManager"
+    check_manager(manager, True, caplog.records)  # (a server process may read edited engine sources)
     if event == "sigkill":
         assert server.kills == 2 and manager.lost_requests == 0
     else:

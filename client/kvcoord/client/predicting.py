@@ -22,10 +22,14 @@ mirror that is consistent by construction (it never gives a held block to a seco
 request); what a difference shows is a server that disagrees with it, found at most
 ``max_backlog`` scheduler steps later.
 
-A pool is refused (:class:`FailedPreconditionError`, naming why) only when the server
+A pool is refused (:class:`PredictionUnavailableError`, naming why) only when the server
 gives no engine state or its engine's rules fingerprint differs from this client's
 (another kvcoord release on one side): then the answers could differ, so the caller
-runs without prediction.
+runs without prediction. The same can happen mid-run, when a lost session is attached
+again to a server restarted meanwhile with another engine (a rolling upgrade) or one
+that has no state to give: every request is lost as for any loss, and
+:attr:`PredictingKVCacheManager.on_unpredictable` (vLLM's adapter) takes over with a
+session that waits for the server; without it the error is raised, naming why.
 """
 
 from __future__ import annotations
@@ -39,25 +43,22 @@ from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
-from .errors import (
-    FailedPreconditionError,
-    InvalidArgumentError,
-    KVCoordError,
-)
+from .errors import InvalidArgumentError, KVCoordError
 from .hashing import pool_seed
 from .items import KVCacheBlockIds
 from .mirror import BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
+from .predicting_losses import PredictedLosses, PredictionUnavailableError
 from .predicting_reports import PredictedReports
 from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper
 from .tracking import RequestTracker, SyncValues
 
-__all__ = ["NOT_TAKEN", "PredictingKVCacheManager", "PredictionMismatchError"]
+__all__ = ["NOT_TAKEN", "PredictingKVCacheManager", "PredictionMismatchError", "PredictionUnavailableError"]
 
 logger = logging.getLogger(__name__)
 
 
-class PredictingKVCacheManager(PredictedReports):
+class PredictingKVCacheManager(PredictedLosses, PredictedReports):
     """vLLM KVCacheManager methods over an exclusive kvcoord pool, never waiting.
 
     Args:
@@ -75,8 +76,9 @@ class PredictingKVCacheManager(PredictedReports):
             checked by the handshake (the mirror runs the pool's profile).
 
     Raises:
-        FailedPreconditionError: the pool has another session, or the server gives no
-            state this client can mirror (the reason is in the message).
+        FailedPreconditionError: the pool has another session (PoolBusyError), or the
+            server gives no state this client can mirror (PredictionUnavailableError,
+            the reason in the message).
         RandomSeedError: caching is on and no seed is known.
     """
 
@@ -123,8 +125,8 @@ class PredictingKVCacheManager(PredictedReports):
         """Attach exclusively and load the mirror from the answer's engine state.
 
         Raises:
-            FailedPreconditionError: no state this client can mirror (the session made
-                is ended first).
+            PredictionUnavailableError: no state this client can mirror (the session
+                made is ended first).
         """
         client, cfg = self.client, self.config
         response = client.attach(
@@ -142,9 +144,7 @@ class PredictingKVCacheManager(PredictedReports):
         try:
             client.detach(response.session_id, response.fence)
         finally:
-            raise FailedPreconditionError(
-                grpc.StatusCode.FAILED_PRECONDITION, f"pool {self.pool!r} cannot be predicted: {why}"
-            )
+            raise PredictionUnavailableError(self.pool, why)
 
     def _loaded(self) -> Mirror:
         """The mirror the last Attach loaded."""
@@ -453,33 +453,6 @@ class PredictingKVCacheManager(PredictedReports):
         events and statistics."""
         events, stats = self.mirror.take_step()
         return self.mirror.num_free_blocks, events, stats
-
-    def _settled(self) -> None:
-        """Report a failure: every request is lost, and the session starts again from
-        the server's state.
-
-        Raises:
-            RequestsLostError: naming every request the session held.
-            KVCoordError: the server cannot be reached to start again (the next call
-                tries again).
-        """
-        if self.sender.failure is None:
-            return
-        lost = self.sender.recover()
-        self.mirror = self._loaded()  # from the new session's state
-        raise lost
-
-    def _vouch(self) -> None:
-        """Answer only while the session's lease certainly runs (else another session
-        could be given these blocks)."""
-        keeper = self.keeper
-        if keeper.lost is not None or keeper.clock() >= keeper.valid_until:
-            self.sender.settle()  # the answer in flight renews the lease
-            try:
-                keeper.vouch()
-            except KVCoordError as err:
-                self.sender.failure = self.sender.failure or err
-            self._settled()
 
 
 #: what :meth:`PredictingKVCacheManager.allocate_running` answers for a call it does not take

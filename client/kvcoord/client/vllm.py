@@ -27,6 +27,7 @@ Pieces, from the inside out:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -106,7 +107,9 @@ class Settings:
             kvcoord release, a state larger than one answer, routers' reservations),
             a warning says why and the engine runs the waiting mode with a shared
             pool's semantics: every call answered by the server, never from a second
-            copy of the rules.
+            copy of the rules. Mid-run too: a lost session attached again to a server
+            restarted meanwhile with another engine (a rolling upgrade) goes on in the
+            waiting mode, its requests recomputed.
         max_outage: seconds the scheduler keeps trying again while the server cannot be
             reached, is in its grace period or has lost the pool
             (``KVCOORD_MAX_OUTAGE``, default 600); then the error reaches vLLM.
@@ -264,6 +267,9 @@ def attach_manager(
         raise
     manager = kinds.adapter(remote, kv_cache_config)
     manager.owned_client = c if own else None
+    # a pool that can no longer be predicted mid-run (a rolling upgrade to another engine)
+    # goes on waiting for the server, as one that cannot be predicted from the start
+    manager.go_on_waiting_with(functools.partial(kinds.remote, c, settings.pool, exclusive=False, **common))
     if settings.create_pool:
         manager.pool_to_create = (settings.pool, expected)
     return manager

@@ -264,13 +264,18 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         self._zeroing = self._mamba or remote.config.needs_kv_cache_zeroing
         self.coordinator = Coordinator033(kv_cache_config, remote)
         self.block_pool = BlockPool033(
-            self.free_deferred, remote.release_retained_blocks, lambda: self.remote033.session_id
-        )
+            self.free_deferred, lambda ids: self.remote033.release_retained_blocks(ids),
+            lambda: self.remote033.session_id,
+        )  # fmt: skip
         #: vLLM 0.33's flag its scheduler reads to stop a chunk at the junction (the pool's)
         self.mamba_shared_prefix_checkpoint = remote.config.mamba_shared_prefix_checkpoint
         self.retained_hit_group_ids: tuple[int, ...] = ()
         #: vLLM 0.33's int(scheduler_config.watermark * num_blocks) (set by connect_033)
         self.watermark_blocks = 0
+
+    def _took_over(self, remote: Any) -> None:
+        self.remote033 = remote
+        self.coordinator.remote = remote
 
     # -- vLLM 0.33's calls ----------------------------------------------------------------
     def prefix_cache_lookup_enabled(self, request: Any) -> bool:

@@ -18,18 +18,12 @@ from kvcoord.wire import group_kinds
 
 from .client import KVCoordClient
 from .errors import (
-    AlreadyExistsError,
-    FencedError,
     KVCoordError,
-    LeaseExpiredError,
-    NotFoundError,
-    PoolBusyError,
     RequestsLostError,
-    SessionExpiredError,
-    UnavailableError,
 )
 from .manager import KVCacheBlockIds, RemoteKVCacheManager
 from .predicting import NOT_TAKEN, PredictingKVCacheManager
+from .vllm_losses import OUTAGE_ERRORS, AdapterLosses
 from .vllm_types import (
     KVCacheBlock,
     KVCacheBlocks,
@@ -41,17 +35,6 @@ from .vllm_types import (
 __all__ = ["OUTAGE_ERRORS", "KVCoordKVCacheManager"]
 
 logger = logging.getLogger(__name__)
-
-#: Errors that end no request by themselves: the server cannot be reached (or is in a
-#: grace period), a lease cannot be vouched for, a session or the pool is gone from a
-#: server that restarted, an exclusive session still holds the pool (one whose Attach
-#: answer was lost, until its lease ends). The managers turn what they cost into
-#: RequestsLostError when they can attach again; until then the scheduler waits and
-#: tries again.
-OUTAGE_ERRORS = (
-    UnavailableError, LeaseExpiredError, FencedError, SessionExpiredError, NotFoundError, PoolBusyError,
-)  # fmt: skip
-
 
 # -- the manager -----------------------------------------------------------------------
 
@@ -107,7 +90,7 @@ class _Held:
     hashed_tokens: int = 0
 
 
-class KVCoordKVCacheManager:
+class KVCoordKVCacheManager(AdapterLosses):
     """vLLM 0.16.0's ``KVCacheManager`` interface over a kvcoord pool.
 
     Every call is one call of the wrapped :class:`RemoteKVCacheManager` (one round trip),
@@ -238,34 +221,6 @@ class KVCoordKVCacheManager:
         evicted = self._evicted
         gone = {b for b in block_ids if b in evicted} if evicted else None
         return start, limit, taken, scale, group.to_bytes(4, "big"), gone
-
-    # -- losses ---------------------------------------------------------------------------
-    def _absorb(self, err: KVCoordError) -> None:
-        """Keep what ``err`` says for the scheduler (while ``absorbing``), or raise it."""
-        if isinstance(err, RequestsLostError):
-            self.lost.update(err.request_ids)
-        elif not isinstance(err, OUTAGE_ERRORS):
-            raise err
-        self.absorbed += 1
-        logger.warning("kvcoord pool %r: %s (handled at the next schedule)", self.remote.pool, err)
-
-    def take_lost(self) -> set[str]:
-        """The requests reported lost while absorbing, since the last call."""
-        lost, self.lost = self.lost, set()
-        return lost
-
-    def create_pool_again(self) -> bool:
-        """Create the pool (as connect did) on a server that no longer has it; False when
-        this manager was not told how (KVCOORD_CREATE_POOL=0)."""
-        if self.pool_to_create is None:
-            return False
-        name, config = self.pool_to_create
-        try:
-            self.remote.client.create_pool(name, config)
-        except AlreadyExistsError:
-            pass  # made meanwhile (by another engine, or the call's own retry)
-        logger.warning("kvcoord pool %r was gone from the server: created again", name)
-        return True
 
     # -- KVCacheManager -----------------------------------------------------------------
     @property
@@ -490,8 +445,13 @@ class KVCoordKVCacheManager:
 
     def close(self) -> None:
         """End the session (the server frees what it still holds) and close an owned client."""
+        remote = self.remote
         try:
-            self.remote.close()
+            remote.close()
         finally:
-            if self.owned_client is not None:
-                self.owned_client.close()
+            try:
+                if self.remote is not remote:  # a waiting session took over as it closed
+                    self.remote.close()
+            finally:
+                if self.owned_client is not None:
+                    self.owned_client.close()

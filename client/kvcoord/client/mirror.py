@@ -100,6 +100,9 @@ class Mirror:
         engine.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
         self.engine = engine
         self._update_and_allocate = engine.update_and_allocate
+        #: a decode step inside the request's blocks, or ``None`` (nothing changed):
+        #: the engine's ``decode_token``, which makes no event and no statistic
+        self.decode_token = engine.decode_token
         self.namespace = state.cache_namespace
         #: the cache prefix of the session's events (None: every event is the session's)
         self._prefix: bytes | None = (

@@ -226,11 +226,22 @@ class PredictingKVCacheManager(PredictedReports):
         ):  # fmt: skip
             return NOT_TAKEN
         tracker = self.tracker
+        rid = request.request_id
+        step = tracker.next_token(request)
+        if step is not None:  # a decode step, above all one inside its blocks: no sync made, one engine check
+            base_t, base_h, token, computed, was = step
+            if type(token) is int and token <= _UINT32_MAX:  # (else the general path names it)
+                new = self.mirror.decode_token(rid, computed, token, num_new_tokens, num_lookahead_tokens)
+                if new is not None:
+                    self.sender.add_to_run(
+                        rid, base_t, base_h, (token,), (), computed, num_new_tokens, num_lookahead_tokens, new
+                    )
+                    return new
+            tracker.restore({rid: (base_t, base_h, was, True)})  # the general path's, below
         fields = tracker.sync_run(request)
         if fields is None:
             return NOT_TAKEN
         mark, base_t, base_h, tokens, hashes, computed = fields
-        rid = request.request_id
         try:
             new = self.mirror.grow(rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens)
         except BaseException:
@@ -484,3 +495,5 @@ class PredictingKVCacheManager(PredictedReports):
 
 #: what :meth:`PredictingKVCacheManager.allocate_running` answers for a call it does not take
 NOT_TAKEN = object()
+#: the largest token the wire's uint32 carries (the mirror checks every other path's)
+_UINT32_MAX = 0xFFFFFFFF

@@ -9,7 +9,9 @@ The workload is ``bench/vllm_step.py``'s. Each manager method the scheduler call
 wrapped and timed with the calling thread's CPU clock (``time.thread_time``), which a
 loaded machine disturbs far less than the wall clock: time spent descheduled or waiting
 for the GIL is not counted. Prints, per method, the mean and the 25th percentile of its
-calls (microseconds) for both managers and their ratio, and per step: the CPU of all
+calls (microseconds) for both managers and their ratio (``allocate_slots`` also by what
+each call did: a running request's step inside its blocks or taking blocks, a waiting
+request's first allocation), and per step: the CPU of all
 timed calls, of the scheduler's thread, and of the whole process (the sender thread
 included; the server's CPU is not).
 """
@@ -50,6 +52,16 @@ METHODS = (
 )
 
 
+def _path(args: Any, kwargs: Any, out: Any) -> str:
+    """What an ``allocate_slots`` call did: a running request's step inside its blocks,
+    one taking blocks, a waiting request's first allocation, or a refusal."""
+    if out is None:
+        return "refused"
+    if len(args) > 2 or any(k != "num_lookahead_tokens" for k in kwargs):  # vLLM's waiting loop
+        return "first"
+    return "taking" if any(out.get_block_ids()) else "inside"
+
+
 def measure(sched: Any, n: int, steps: int, warmup: int) -> dict[str, float]:
     manager = sched.kv_cache_manager
     times: dict[str, list[float]] = collections.defaultdict(list)
@@ -61,7 +73,10 @@ def measure(sched: Any, n: int, steps: int, warmup: int) -> dict[str, float]:
             t0 = time.thread_time()
             out = _inner(*args, **kwargs)
             if on[0]:
-                times[_name].append(time.thread_time() - t0)
+                took = time.thread_time() - t0
+                times[_name].append(took)
+                if _name == "allocate_slots":  # by path (read after the clock stopped)
+                    times[f"allocate_slots ({_path(args, kwargs, out)})"].append(took)
             return out
 
         setattr(manager, name, timed)

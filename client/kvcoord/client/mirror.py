@@ -52,7 +52,8 @@ __all__ = ["Mirror", "MirrorUnavailableError", "StaleCacheHitError"]
 
 BlockIds = tuple[tuple[int, ...], ...]
 
-_UINT32_MAX = 0xFFFFFFFF
+#: the largest token id the wire's uint32 carries
+UINT32_MAX = 0xFFFFFFFF
 
 
 class MirrorUnavailableError(Exception):
@@ -178,9 +179,7 @@ class Mirror:
         Raises:
             KVCoordError: the engine refuses the update or the allocation.
         """
-        if (
-            len(tokens) != 1 or type(tokens[0]) is not int or tokens[0] > _UINT32_MAX
-        ):  # (a decode's one token)
+        if len(tokens) != 1 or type(tokens[0]) is not int or tokens[0] > UINT32_MAX:  # (a decode's one token)
             _check_wire_tokens(request_id, tokens)
         try:
             new = self._update_and_allocate(
@@ -339,7 +338,7 @@ def _check_wire_tokens(request_id: str, tokens: Sequence[int]) -> None:
     lose the session); negative and non-integer ids are the engine's to name."""
     if tokens:
         try:
-            too_big = max(tokens) > _UINT32_MAX
+            too_big = max(tokens) > UINT32_MAX
         except TypeError:
             return
         if too_big:

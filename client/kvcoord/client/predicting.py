@@ -31,7 +31,7 @@ runs without prediction.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -46,7 +46,7 @@ from .errors import (
 )
 from .hashing import pool_seed
 from .items import KVCacheBlockIds
-from .mirror import BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
+from .mirror import UINT32_MAX, BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
 from .predicting_reports import PredictedReports
 from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper
@@ -227,21 +227,24 @@ class PredictingKVCacheManager(PredictedReports):
             return NOT_TAKEN
         tracker = self.tracker
         rid = request.request_id
+        tokens: Sequence[int]
+        hashes: Sequence[bytes]
         step = tracker.next_token(request)
         if step is not None:  # a decode step, above all one inside its blocks: no sync made, one engine check
             base_t, base_h, token, computed, was = step
-            if type(token) is int and token <= _UINT32_MAX:  # (else the general path names it)
+            if type(token) is int and token <= UINT32_MAX:  # (else grow names it)
                 new = self.mirror.decode_token(rid, computed, token, num_new_tokens, num_lookahead_tokens)
                 if new is not None:
                     self.sender.add_to_run(
                         rid, base_t, base_h, (token,), (), computed, num_new_tokens, num_lookahead_tokens, new
                     )
                     return new
-            tracker.restore({rid: (base_t, base_h, was, True)})  # the general path's, below
-        fields = tracker.sync_run(request)
-        if fields is None:
-            return NOT_TAKEN
-        mark, base_t, base_h, tokens, hashes, computed = fields
+            mark, tokens, hashes = (base_t, base_h, was, True), (token,), ()  # (as sync_run gives them)
+        else:
+            fields = tracker.sync_run(request)
+            if fields is None:
+                return NOT_TAKEN
+            mark, base_t, base_h, tokens, hashes, computed = fields
         try:
             new = self.mirror.grow(rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens)
         except BaseException:
@@ -495,5 +498,3 @@ class PredictingKVCacheManager(PredictedReports):
 
 #: what :meth:`PredictingKVCacheManager.allocate_running` answers for a call it does not take
 NOT_TAKEN = object()
-#: the largest token the wire's uint32 carries (the mirror checks every other path's)
-_UINT32_MAX = 0xFFFFFFFF

@@ -286,9 +286,10 @@ class RequestTracker:
         place (:meth:`sync_run`'s case, the very object registered) whose only change
         since its last sync is one token appended and no block hash (vLLM's hashes),
         ``(base_num_tokens, base_num_hashes, the token, num_computed_tokens, the
-        computed count before)``, what :meth:`sync_run` would give (``restore`` the
-        position with ``(base_num_tokens, base_num_hashes, the count before, True)``);
-        ``None`` for anything else, nothing changed (:meth:`sync_run` then)."""
+        computed count before)``: what :meth:`sync_run` would give (its appended tokens
+        the one token, no hash; its mark ``(base_num_tokens, base_num_hashes, the count
+        before, True)``); ``None`` for anything else, nothing changed (:meth:`sync_run`
+        then)."""
         t = self._tracked.get(request.request_id)
         if t is None or t.request is not request or not t.registered or t.hasher is not None:
             return None

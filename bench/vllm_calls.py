@@ -3,15 +3,20 @@ predicted one (``KVCoordScheduler``, ``KVCOORD_PREDICT=1``), in one process.
 
     KVCOORD_VENV=$(scripts/install_vllm.sh --print-venv)
     PYTHONPATH=client:server:tests PYTHONHASHSEED=0 $KVCOORD_VENV/bin/python bench/vllm_calls.py \\
-        [--running 256] [--layout full] [--kind sync] [--steps 150] [--warmup 150]
+        [--running 256] [--layout full] [--kind sync] [--steps 150] [--warmup 150] [--interleave]
 
 The workload is ``bench/vllm_step.py``'s. Each manager method the scheduler calls is
 wrapped and timed with the calling thread's CPU clock (``time.thread_time``), which a
 loaded machine disturbs far less than the wall clock: time spent descheduled or waiting
 for the GIL is not counted. Prints, per method, the mean and the 25th percentile of its
-calls (microseconds) for both managers and their ratio, and per step: the CPU of all
+calls (microseconds) for both managers and their ratio (``allocate_slots`` also by what
+each call did: a running request's step inside its blocks or taking blocks, a waiting
+request's first allocation), and per step: the CPU of all
 timed calls, of the scheduler's thread, and of the whole process (the sender thread
-included; the server's CPU is not).
+included; the server's CPU is not). With ``--interleave`` the two schedulers step in
+turns (one step each, each on its own thread), so that a machine whose load moves
+during the run moves both sides alike: the per-call figures to read on a shared
+machine (the process CPU is then not given).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -50,41 +56,102 @@ METHODS = (
 )
 
 
+def _path(args: Any, kwargs: Any, out: Any) -> str:
+    """What an ``allocate_slots`` call did: a running request's step inside its blocks,
+    one taking blocks, a waiting request's first allocation, or a refusal."""
+    if out is None:
+        return "refused"
+    if len(args) > 2 or any(k != "num_lookahead_tokens" for k in kwargs):  # vLLM's waiting loop
+        return "first"
+    return "taking" if any(out.get_block_ids()) else "inside"
+
+
+class _Side:
+    """One scheduler's manager with each method timed (from the ``warmup``-th step on)."""
+
+    def __init__(self, sched: Any, warmup: int) -> None:
+        self.sched = sched
+        self.warmup = warmup
+        self.times: dict[str, list[float]] = collections.defaultdict(list)
+        self.on = False
+        self.done = 0
+        self.start: dict[str, float] = {}
+        manager = sched.kv_cache_manager
+        for name in METHODS:
+            inner = getattr(manager, name)
+
+            def timed(*args: Any, _inner: Any = inner, _name: str = name, **kwargs: Any) -> Any:
+                t0 = time.thread_time()
+                out = _inner(*args, **kwargs)
+                if self.on:
+                    took = time.thread_time() - t0
+                    self.times[_name].append(took)
+                    if _name == "allocate_slots":  # by path (read after the clock stopped)
+                        self.times[f"allocate_slots ({_path(args, kwargs, out)})"].append(took)
+                return out
+
+            setattr(manager, name, timed)
+
+    def between(self) -> None:
+        self.done += 1
+        if self.done == self.warmup:
+            self.on = True
+            self.start["thread"], self.start["process"] = time.thread_time(), time.process_time()
+
+    def result(self, steps: int, process: bool = True) -> dict[str, float]:
+        """The figures (called on the scheduler's thread once its steps are done)."""
+        times = self.times
+        out = {
+            "timed calls, ms / step": sum(sum(v) for k, v in times.items() if k in METHODS) / steps * 1e3,
+            "scheduler thread CPU, ms / step": (time.thread_time() - self.start["thread"]) / steps * 1e3,
+        }
+        if process:
+            out["process CPU, ms / step"] = (time.process_time() - self.start["process"]) / steps * 1e3
+        for name, v in times.items():
+            out[f"{name} mean us"] = statistics.fmean(v) * 1e6
+            out[f"{name} p25 us"] = sorted(v)[len(v) // 4] * 1e6
+        return out
+
+
 def measure(sched: Any, n: int, steps: int, warmup: int) -> dict[str, float]:
-    manager = sched.kv_cache_manager
-    times: dict[str, list[float]] = collections.defaultdict(list)
-    on = [False]
-    for name in METHODS:
-        inner = getattr(manager, name)
+    side = _Side(sched, warmup)
+    freeze_heap()
+    run(sched, n, steps + warmup, seed=n, counter=None, between=side.between)
+    return side.result(steps)
 
-        def timed(*args: Any, _inner: Any = inner, _name: str = name, **kwargs: Any) -> Any:
-            t0 = time.thread_time()
-            out = _inner(*args, **kwargs)
-            if on[0]:
-                times[_name].append(time.thread_time() - t0)
-            return out
 
-        setattr(manager, name, timed)
-    start: dict[str, float] = {}
-    done = [0]
+def measure_interleaved(scheds: list[Any], n: int, steps: int, warmup: int) -> list[dict[str, float]]:
+    """Both schedulers step in turns, each on a thread of its own (one steps while the
+    other waits), so that the machine's load moves both sides' figures alike; the
+    process CPU is not given (a sender thread may work during the other's turn)."""
+    sides = [_Side(s, warmup) for s in scheds]
+    turns = [threading.Semaphore(1), threading.Semaphore(0)]
+    total = steps + warmup
+    results: list[dict[str, float]] = [{}, {}]
 
-    def between() -> None:
-        done[0] += 1
-        if done[0] == warmup:
-            on[0] = True
-            start["thread"], start["process"] = time.thread_time(), time.process_time()
+    def go(i: int) -> None:
+        side = sides[i]
+
+        def between() -> None:
+            side.between()
+            turns[1 - i].release()
+            if side.done < total:
+                turns[i].acquire()
+
+        turns[i].acquire()
+        try:
+            run(side.sched, n, total, seed=n, counter=None, between=between)
+            results[i] = side.result(steps, process=False)
+        finally:
+            turns[1 - i].release()  # (the other side ends alone)
 
     freeze_heap()
-    run(sched, n, steps + warmup, seed=n, counter=None, between=between)
-    out = {
-        "timed calls, ms / step": sum(sum(v) for v in times.values()) / steps * 1e3,
-        "scheduler thread CPU, ms / step": (time.thread_time() - start["thread"]) / steps * 1e3,
-        "process CPU, ms / step": (time.process_time() - start["process"]) / steps * 1e3,
-    }
-    for name, v in times.items():
-        out[f"{name} mean us"] = statistics.fmean(v) * 1e6
-        out[f"{name} p25 us"] = sorted(v)[len(v) // 4] * 1e6
-    return out
+    threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
 
 
 def main() -> None:
@@ -94,6 +161,9 @@ def main() -> None:
     ap.add_argument("--kind", default="sync", choices=["sync", "async"])
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument(
+        "--interleave", action="store_true", help="both managers step in turns (see measure_interleaved)"
+    )
     args = ap.parse_args()
     os.environ.setdefault("PYTHONHASHSEED", "0")
     server = start_server("", env=dict(os.environ, PYTHONPATH=f"{ROOT / 'client'}:{ROOT / 'server'}"))
@@ -110,10 +180,14 @@ def main() -> None:
     try:
         ours = SCHEDULERS[args.kind]
         theirs = make_scheduler(ours, config(), kv_cache_config(args.layout, blocks))
-        base = measure(theirs, n, args.steps, args.warmup)
         cls = KVCoordAsyncScheduler if args.kind == "async" else KVCoordScheduler
-        remote = make_scheduler(cls, config(), kv_cache_config(args.layout, blocks))
-        got = measure(remote, n, args.steps, args.warmup)
+        if args.interleave:
+            remote = make_scheduler(cls, config(), kv_cache_config(args.layout, blocks))
+            base, got = measure_interleaved([theirs, remote], n, args.steps, args.warmup)
+        else:
+            base = measure(theirs, n, args.steps, args.warmup)
+            remote = make_scheduler(cls, config(), kv_cache_config(args.layout, blocks))
+            got = measure(remote, n, args.steps, args.warmup)
         remote.shutdown()
     finally:
         server.stop()

@@ -52,7 +52,8 @@ __all__ = ["Mirror", "MirrorUnavailableError", "StaleCacheHitError"]
 
 BlockIds = tuple[tuple[int, ...], ...]
 
-_UINT32_MAX = 0xFFFFFFFF
+#: the largest token id the wire's uint32 carries
+UINT32_MAX = 0xFFFFFFFF
 
 
 class MirrorUnavailableError(Exception):
@@ -100,6 +101,9 @@ class Mirror:
         engine.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
         self.engine = engine
         self._update_and_allocate = engine.update_and_allocate
+        #: a decode step inside the request's blocks, or ``None`` (nothing changed):
+        #: the engine's ``decode_token``, which makes no event and no statistic
+        self.decode_token = engine.decode_token
         self.namespace = state.cache_namespace
         #: the cache prefix of the session's events (None: every event is the session's)
         self._prefix: bytes | None = (
@@ -175,9 +179,7 @@ class Mirror:
         Raises:
             KVCoordError: the engine refuses the update or the allocation.
         """
-        if (
-            len(tokens) != 1 or type(tokens[0]) is not int or tokens[0] > _UINT32_MAX
-        ):  # (a decode's one token)
+        if len(tokens) != 1 or type(tokens[0]) is not int or tokens[0] > UINT32_MAX:  # (a decode's one token)
             _check_wire_tokens(request_id, tokens)
         try:
             new = self._update_and_allocate(
@@ -336,7 +338,7 @@ def _check_wire_tokens(request_id: str, tokens: Sequence[int]) -> None:
     lose the session); negative and non-integer ids are the engine's to name."""
     if tokens:
         try:
-            too_big = max(tokens) > _UINT32_MAX
+            too_big = max(tokens) > UINT32_MAX
         except TypeError:
             return
         if too_big:

@@ -35,7 +35,7 @@ session that waits for the server; without it the error is raised, naming why.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
@@ -46,7 +46,7 @@ from .client import KVCoordClient
 from .errors import InvalidArgumentError, KVCoordError
 from .hashing import pool_seed
 from .items import KVCacheBlockIds
-from .mirror import BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
+from .mirror import UINT32_MAX, BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
 from .predicting_losses import PredictedLosses, PredictionUnavailableError
 from .predicting_reports import PredictedReports
 from .sender import PredictionMismatchError, StepSender
@@ -226,11 +226,25 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         ):  # fmt: skip
             return NOT_TAKEN
         tracker = self.tracker
-        fields = tracker.sync_run(request)
-        if fields is None:
-            return NOT_TAKEN
-        mark, base_t, base_h, tokens, hashes, computed = fields
         rid = request.request_id
+        tokens: Sequence[int]
+        hashes: Sequence[bytes]
+        step = tracker.next_token(request)
+        if step is not None:  # a decode step, above all one inside its blocks: no sync made, one engine check
+            base_t, base_h, token, computed, was = step
+            if type(token) is int and token <= UINT32_MAX:  # (else grow names it)
+                new = self.mirror.decode_token(rid, computed, token, num_new_tokens, num_lookahead_tokens)
+                if new is not None:
+                    self.sender.add_to_run(
+                        rid, base_t, base_h, (token,), (), computed, num_new_tokens, num_lookahead_tokens, new
+                    )
+                    return new
+            mark, tokens, hashes = (base_t, base_h, was, True), (token,), ()  # (as sync_run gives them)
+        else:
+            fields = tracker.sync_run(request)
+            if fields is None:
+                return NOT_TAKEN
+            mark, base_t, base_h, tokens, hashes, computed = fields
         try:
             new = self.mirror.grow(rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens)
         except BaseException:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 
 from .blocks import KVCacheBlock
-from .types import BlockId
 
 __all__ = ["FreeKVCacheBlockQueue"]
 
@@ -107,14 +106,16 @@ class FreeKVCacheBlockQueue:
         num_fresh = self._num_blocks - fresh
         if n > num_fresh + self._live:
             raise IndexError(f"{n} blocks requested, {self.num_free_blocks} free")
+        # (blocks made as first taken: their ids are ``i`` itself, where ``BlockId(i)``
+        # is a Python call per block, half of a fresh block's cost)
         if n <= num_fresh:
-            out = [KVCacheBlock(BlockId(i)) for i in range(fresh, fresh + n)]
+            out = [KVCacheBlock(i) for i in range(fresh, fresh + n)]  # type: ignore[arg-type]
             self._blocks.extend(out)
             self._next_fresh = fresh + n
             return out
         out = []
         if num_fresh:
-            out = [KVCacheBlock(BlockId(i)) for i in range(fresh, self._num_blocks)]
+            out = [KVCacheBlock(i) for i in range(fresh, self._num_blocks)]  # type: ignore[arg-type]
             self._blocks.extend(out)
             self._next_fresh = self._num_blocks
         left = n - num_fresh

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 
-from .decode_run import DecodeColumns, decode_run, plain_values
+from .decode_run import DecodeColumns, decode_run
 from .errors import RequestNotFoundError
 from .pool_parts import PoolParts
 from .request import Request
@@ -231,37 +231,61 @@ class FastPaths(PoolParts):
         caller's ``decode_fast_path``): there the general path is
         :meth:`_allocate_without_hit`, whose every step this checks.
         """
-        if type(append_token_ids) not in _TOKEN_LISTS or len(append_token_ids) != 1:
+        if type(append_token_ids) not in _TOKEN_LISTS or len(append_token_ids) != 1 or append_block_hashes:
             return False
-        token = append_token_ids[0]
+        if num_computed_tokens is None:
+            num_computed_tokens = req.num_computed_tokens
+        return (
+            self.decode_token(
+                req.request_id, num_computed_tokens, append_token_ids[0], num_new_tokens, num_lookahead_tokens
+            )
+            is not None
+        )
+
+    def decode_token(
+        self, request_id: str, computed: int, token: int, num_new_tokens: int, num_lookahead_tokens: int
+    ) -> BlockIds | None:
+        """A decode step inside the request's blocks, its one token given alone:
+        ``update_and_allocate(request_id, computed, [token], [], num_new_tokens,
+        num_lookahead_tokens)`` when that would append the token, set the computed
+        count and answer no new block (what :meth:`_decode_inside_blocks` checks,
+        written out for a running request's every step). Then the update is applied
+        and that answer returned (the shared empty one); anything else (an unknown
+        request, a pool without ``decode_fast_path``, a hash due, a block to take,
+        cache or leave a window, values the fast paths do not read) returns ``None``
+        with nothing changed, for :meth:`update_and_allocate`. Never raises."""
+        req = self.requests.get(request_id)
+        if req is None or not self.decode_fast_path:
+            return None
         tokens = req.all_token_ids
         have = len(tokens)
         max_len = self.max_model_len
-        computed = req.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
-        if have >= max_len or not plain_values(1, token, computed, num_new_tokens, num_lookahead_tokens):
-            return False  # (at max_model_len: the token would pass it)
+        if (
+            have >= max_len  # (the token would pass it)
+            or type(token) is not int or token < 0
+            or type(computed) is not int or computed < 0
+            or type(num_new_tokens) is not int or num_new_tokens <= 0
+            or type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0
+        ):  # fmt: skip
+            return None
         main = computed + num_new_tokens
         if main > max_len:
-            return False
+            return None
         need = main + num_lookahead_tokens
         if need > max_len:
             need = max_len
-        rid = req.request_id
         caching = self.enable_caching
+        cached = 0
         if caching:
             hashed = have + 1 - self.hash_lag
-            if append_block_hashes or (hashed if hashed > 0 else 0) // self.hash_block_size != len(
-                req.block_hashes
-            ):
-                return False  # a block hash due (or one too many): the general path checks it
+            if (hashed if hashed > 0 else 0) // self.hash_block_size != len(req.block_hashes):
+                return None  # a block hash due (or one too many): the general path checks it
             cached = main if main < hashed else hashed
-        else:
-            cached = 0
-        if not self._changes_nothing(rid, computed, need, cached):
-            return False
+        if not self._changes_nothing(request_id, computed, need, cached):
+            return None
         req.num_computed_tokens = computed
         tokens.append(token)
-        return True
+        return self._no_new_blocks
 
     def _allocate_without_hit(
         self, req: Request, num_new_tokens: int, num_lookahead_tokens: int

@@ -473,8 +473,22 @@ class PoolService:
         )
 
     def teardown(self) -> Iterator[None]:
-        """Release a deleted pool's objects a slice at a time (yields between slices)."""
-        return self.engine.teardown()
+        """Release a deleted pool's objects a slice at a time (yields between slices),
+        then drop every reference this service holds.
+
+        Its parts and the calls it forwards to them refer back to it (reference cycles),
+        and the server moves whatever is alive out of the cyclic collector's view from
+        time to time (``gc.freeze``: registry.GcFreezer, a Step applied in slices), so a
+        deleted pool frozen once would otherwise keep its engine, events and sessions
+        forever. With its and its parts' attributes gone nothing of it is in a cycle: reference counting
+        frees it, frozen or not, with no collector pass over the rest of the heap. The
+        service is unusable afterwards (no call reaches a deleted pool's service: the
+        registry forgot it before the teardown began).
+        """
+        yield from self.engine.teardown()
+        parts = (self.syncs, self.reserving, self.allocations, self.event_feed, self.scoring, self.steps)
+        for holder in (self, *parts):
+            vars(holder).clear()
 
     def export_state(self) -> dict[str, Any]:
         """The engine's state as plain values (snapshots: recovery.py)."""

@@ -10,7 +10,6 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .access import current_tenant
 from .errors import map_errors
-from .pool_service import PoolService
 from .servicer_core import ServicerCore, fence_of
 
 __all__ = ["PoolCalls"]
@@ -61,11 +60,6 @@ class PoolCalls(ServicerCore):
         service = registry.remove(request.name)
         self.observer.pool_deleted(service)
         await self.registry.placement.after_delete(request.name)
-        # Freeing millions of used blocks at once would stall every pool: release them
-        # a slice at a time between other calls.
-        task = asyncio.get_running_loop().create_task(_tear_down(service))
-        self._teardowns.add(task)
-        task.add_done_callback(self._teardowns.discard)
         return await self._durable(pb.DeletePoolResponse())
 
     async def teardowns_done(self) -> None:
@@ -86,8 +80,3 @@ class PoolCalls(ServicerCore):
             pb.ResetPrefixCacheResponse(result=result, num_free_blocks=service.num_free_blocks),
             lambda r: r.prefix_cache_reset(service),
         )
-
-
-async def _tear_down(service: PoolService) -> None:
-    for _ in service.teardown():
-        await asyncio.sleep(0)

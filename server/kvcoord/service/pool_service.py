@@ -473,8 +473,28 @@ class PoolService:
         )
 
     def teardown(self) -> Iterator[None]:
-        """Release a deleted pool's objects a slice at a time (yields between slices)."""
-        return self.engine.teardown()
+        """Release a deleted pool's objects a slice at a time (yields between slices),
+        then let go of its engine and its parts.
+
+        The parts, and the calls this service forwards to them, refer back to it
+        (reference cycles), and the server moves whatever is alive out of the cyclic
+        collector's view from time to time (``gc.freeze``: registry.GcFreezer, a Step
+        applied in slices): a deleted pool frozen once kept its engine, parts, events
+        and sessions forever. Without them nothing of it is in a cycle, so reference
+        counting frees it, frozen or not, with no collector pass over the rest of the
+        heap. What is left are plain facts (name, config, fence, the closed event
+        journal) for a watcher still ending; every call that needs the engine fails
+        (no call reaches a deleted pool's service: the registry forgot it first).
+        """
+        yield from self.engine.teardown()
+        parts = (self.syncs, self.reserving, self.allocations, self.event_feed, self.scoring, self.steps)
+        held = vars(self)
+        for name, value in list(held.items()):
+            if any(value is p or getattr(value, "__self__", None) is p for p in parts):
+                del held[name]
+        del held["engine"]
+        for part in parts:
+            vars(part).clear()
 
     def export_state(self) -> dict[str, Any]:
         """The engine's state as plain values (snapshots: recovery.py)."""

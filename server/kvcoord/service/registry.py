@@ -155,6 +155,9 @@ class PoolRegistry:
         self.locks = PoolLocks()
         #: told the pool of every session ended because its lease ran out (metrics)
         self.on_session_expired: Callable[[str], None] = lambda pool: None
+        #: given every pool removed (deleted, handed over, dropped, replaced): the
+        #: servicer releases its objects a slice at a time (PoolService.teardown)
+        self.on_removed: Callable[[PoolService], None] = lambda service: None
 
     def set_term(self, name: str, term: int) -> None:
         """The pool's ownership term is now ``term`` (journaled: answers carry it)."""
@@ -373,6 +376,7 @@ class PoolRegistry:
         service.events.close()
         self.recorder.pool_deleted(name)
         logger.info("deleted pool %s", name, extra=ids(pool=name))
+        self.on_removed(service)
         return service
 
     def reap_expired_sessions(self) -> list[tuple[str, str, int]]:

@@ -52,6 +52,7 @@ class ServicerCore:
         self.registry = registry
         self.observer: OperationObserver = observer or NullObserver()
         registry.on_session_expired = self._session_expired
+        registry.on_removed = self._tear_down
         self.watch_poll_seconds = watch_poll_seconds
         self.stopping = False
         #: the open StepStream calls (step_stream.py), ended when the server stops
@@ -126,6 +127,24 @@ class ServicerCore:
             return 0  # (a pool mid-Step: the next round reaps them)
         return len(self.registry.reap_expired_sessions())
 
+    def _tear_down(self, service: PoolService) -> None:
+        """A pool removed from the registry (deleted, handed over, dropped, replaced) is
+        released a slice at a time between other calls: freeing millions of used blocks
+        at once would stall every pool. With no loop running, nothing is done here: the
+        objects are left to reference counting and the collector, as before."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(_release_slices(service))
+        self._teardowns.add(task)
+        task.add_done_callback(self._teardowns.discard)
+
     def _session_expired(self, pool: str) -> None:
         self.observer.detached(pool)
         self.observer.session_expired(pool)
+
+
+async def _release_slices(service: PoolService) -> None:
+    for _ in service.teardown():
+        await asyncio.sleep(0)

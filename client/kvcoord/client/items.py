@@ -15,10 +15,11 @@ from typing import Any, Generic, TypeVar
 
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import STATS_FIELDS
 
 from .errors import KVCoordError
 
-__all__ = ["ColumnRun", "Gathered", "Item", "KVCacheBlockIds", "Pending", "ids", "no_answer"]
+__all__ = ["ColumnRun", "Gathered", "Item", "KVCacheBlockIds", "Pending", "add_stats", "ids", "no_answer"]
 
 T = TypeVar("T")
 
@@ -107,6 +108,16 @@ class KVCacheBlockIds:
 
 def ids(groups: Iterable[pb.BlockIds]) -> KVCacheBlockIds:
     return KVCacheBlockIds(tuple(list(g.block_ids) for g in groups))
+
+
+_COUNTS = tuple(name for name in STATS_FIELDS if name != "reset")
+
+
+def add_stats(into: Any, more: Any) -> None:
+    """Add ``more``'s prefix-cache statistics to ``into`` (engine values or messages)."""
+    into.reset = into.reset or more.reset
+    for name in _COUNTS:
+        setattr(into, name, getattr(into, name) + getattr(more, name))
 
 
 def no_answer(result: Any) -> None:

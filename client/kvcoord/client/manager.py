@@ -41,12 +41,10 @@ from kvcoord.v1 import allocator_pb2 as pb
 from .batch import Admitted, Ops, StepBatcher
 from .client import KVCoordClient
 from .errors import FencedError, SessionExpiredError
-from .hashing import pool_seed
 from .items import Item, KVCacheBlockIds, Pending, no_answer
 from .sender import StepSender
 from .session import SessionKeeper
 from .session_facts import SessionFacts
-from .tracking import RequestTracker
 
 __all__ = ["KVCacheBlockIds", "Pending", "RemoteKVCacheManager", "StepBatcher"]
 
@@ -98,14 +96,7 @@ class RemoteKVCacheManager(SessionFacts):
         profile: str = "",
         num_hash_lookahead_tokens: int = 0,
     ) -> None:
-        self.client = client
-        self.pool = pool
-        info = client.get_pool(pool).pool
-        cfg = info.config
-        self.config = cfg
-        self.enable_caching = cfg.enable_caching
-        seed, none = pool_seed(cfg, hash_seed)
-        self.tracker = RequestTracker(cfg, none)
+        cfg, seed = self._open(client, pool, hash_seed)
         self.exclusive = exclusive
         self.keeper = SessionKeeper(
             client,
@@ -123,14 +114,9 @@ class RemoteKVCacheManager(SessionFacts):
             ),
             renew=renew,
         )
-        self.num_groups = len(cfg.groups)
-        self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
         #: sends the Steps (inline), dispatches their answers, recovers lost requests
         self.sender = StepSender(client, pool, self.keeper, self.tracker)
         self._ops = Ops(self)
-        #: allocate_slots calls answered None because the hit had gone stale (another
-        #: worker reused its blocks after the lookup); the scheduler looks up again.
-        self.stale_hits = 0
 
     @property
     def round_trips(self) -> int:

@@ -57,7 +57,7 @@ from .errors import (
 )
 from .flight import Flight, Gate
 from .gathering import StepGathering
-from .items import ColumnRun, Gathered, Item, no_answer
+from .items import ColumnRun, Gathered, Item, add_stats, no_answer
 from .session import LEASE_MARGIN, SessionKeeper
 from .tracking import RequestTracker
 
@@ -66,8 +66,6 @@ __all__ = ["PredictionMismatchError", "StepSender"]
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-_STAT_FIELDS = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
 
 #: errors after which a free is sent again with the next Step (the server may answer
 #: it then); any other refusal would refuse it again
@@ -299,10 +297,7 @@ class StepSender(StepGathering):
             self.events.extend(resp.events)
         self.events_more = resp.events_more
         if resp.HasField("prefix_cache_stats"):
-            s, new = self.stats, resp.prefix_cache_stats
-            for name in _STAT_FIELDS:
-                setattr(s, name, getattr(s, name) + getattr(new, name))
-            s.reset = s.reset or new.reset
+            add_stats(self.stats, resp.prefix_cache_stats)
 
     # -- the waiting mode: lost requests --------------------------------------------------
     def session_lost(self, err: KVCoordError) -> RequestsLostError:

@@ -15,7 +15,6 @@ from typing import Any, Generic, TypeVar
 
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import STATS_FIELDS
 
 from .errors import KVCoordError
 
@@ -110,14 +109,16 @@ def ids(groups: Iterable[pb.BlockIds]) -> KVCacheBlockIds:
     return KVCacheBlockIds(tuple(list(g.block_ids) for g in groups))
 
 
-_COUNTS = tuple(name for name in STATS_FIELDS if name != "reset")
-
-
 def add_stats(into: Any, more: Any) -> None:
-    """Add ``more``'s prefix-cache statistics to ``into`` (engine values or messages)."""
+    """Add ``more``'s prefix-cache statistics to ``into`` (engine values or messages;
+    written out: a predicted session adds them every scheduler step)."""
     into.reset = into.reset or more.reset
-    for name in _COUNTS:
-        setattr(into, name, getattr(into, name) + getattr(more, name))
+    into.requests += more.requests
+    into.queries += more.queries
+    into.hits += more.hits
+    into.preempted_requests += more.preempted_requests
+    into.preempted_queries += more.preempted_queries
+    into.preempted_hits += more.preempted_hits
 
 
 def no_answer(result: Any) -> None:

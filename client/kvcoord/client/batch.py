@@ -9,14 +9,14 @@ the :class:`Pending` results callers hold are in :mod:`.items`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import allocate_op
 
 from .errors import AbortedError
-from .items import Item, KVCacheBlockIds, Pending, ids
+from .items import Item, KVCacheBlockIds, Pending, ids, no_answer
 
 if TYPE_CHECKING:
     from .sender import StepSender
@@ -33,7 +33,12 @@ class BatchOwner(Protocol):
     sender: StepSender
 
 
-__all__ = ["BatchOwner", "Ops", "StepBatcher"]
+__all__ = ["Admitted", "BatchOwner", "Ops", "StepBatcher"]
+
+T = TypeVar("T")
+#: an admitted request's answer: its hit, hit tokens, tokens scheduled and new blocks
+#: (``None``: refused)
+Admitted = tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]
 
 
 class Ops:
@@ -45,18 +50,16 @@ class Ops:
     def _item(
         self,
         op: pb.Operation,
-        decode: Callable[[pb.OperationResult], Any],
+        decode: Callable[[pb.OperationResult], T],
         touched: Sequence[str],
         deferred: bool = False,
         commits_itself: bool = False,
-    ) -> Item:
+    ) -> Item[T]:
         """An item whose touched requests are marked at their positions right now."""
         mark = self.m.tracker.mark
-        return Item(
-            op, decode, touched, Pending(), deferred, commits_itself, {rid: mark(rid) for rid in touched}
-        )
+        return Item(op, decode, touched, deferred, commits_itself, {rid: mark(rid) for rid in touched})
 
-    def get_computed_blocks(self, request: Any) -> Item:
+    def get_computed_blocks(self, request: Any) -> Item[tuple[KVCacheBlockIds, int]]:
         op = pb.Operation()
         self.m.tracker.sync(request, op.lookup.request)
         return self._item(
@@ -66,7 +69,7 @@ class Ops:
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
                        num_external_computed_tokens: int = 0, delay_cache_blocks: bool = False,
-                       num_encoder_tokens: int = 0, return_table: bool = False) -> Item:  # fmt: skip
+                       num_encoder_tokens: int = 0, return_table: bool = False) -> Item[KVCacheBlockIds | None]:  # fmt: skip
         hit = new_computed_blocks.block_ids if new_computed_blocks is not None else None
         op = pb.Operation()
         a = op.allocate
@@ -95,7 +98,7 @@ class Ops:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
-    ) -> Item:
+    ) -> Item[Admitted]:
         op = pb.Operation()
         a = op.allocate
         self.m.tracker.sync(request, a.request)
@@ -110,14 +113,16 @@ class Ops:
             into=a,
         )
 
-        def decode(r: pb.OperationResult) -> tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]:
+        def decode(r: pb.OperationResult) -> Admitted:
             res = r.allocate
             new = None if res.refused else ids(res.new_block_ids)
             return ids(res.hit.groups), res.hit.num_tokens, res.num_new_tokens, new
 
         return self._item(op, decode, [request.request_id])
 
-    def admit(self, requests: Sequence[Any], token_budget: int, num_lookahead_tokens: int = 0) -> Item:
+    def admit(
+        self, requests: Sequence[Any], token_budget: int, num_lookahead_tokens: int = 0
+    ) -> Item[list[Admitted]]:
         tracker = self.m.tracker
         op = pb.Operation()
         admit = op.admit
@@ -128,7 +133,7 @@ class Ops:
         admit.num_lookahead_tokens = num_lookahead_tokens
         rids = [r.request_id for r in requests]
 
-        def decode(r: pb.OperationResult) -> list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]]:
+        def decode(r: pb.OperationResult) -> list[Admitted]:
             out = []
             for a in r.admit.results:
                 new = None if a.refused else ids(a.new_block_ids)
@@ -142,7 +147,7 @@ class Ops:
         item = self._item(op, decode, rids, commits_itself=True)
         return item
 
-    def free(self, request: Any) -> Item | None:
+    def free(self, request: Any) -> Item[None] | None:
         rid = request if isinstance(request, str) else request.request_id
         tracker = self.m.tracker
         tracker.lost.discard(rid)  # a lost request the scheduler frees is settled (vLLM frees
@@ -152,40 +157,43 @@ class Ops:
         # Forgotten now: if the request comes back before the free is sent, it is
         # registered again after it (the server applies calls in order).
         tracker.forget([rid])
-        return Item(
-            pb.Operation(free=pb.FreeOp(request_id=rid)), lambda r: None, [], Pending(), deferred=True
-        )
+        return Item(pb.Operation(free=pb.FreeOp(request_id=rid)), no_answer, deferred=True)
 
-    def cache_blocks(self, request: Any, num_computed_tokens: int) -> Item:
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> Item[None]:
         op = pb.Operation()
         self.m.tracker.sync(request, op.cache_blocks.request)
         op.cache_blocks.num_computed_tokens = num_computed_tokens
-        return self._item(op, lambda r: None, [request.request_id], deferred=True)
+        return self._item(op, no_answer, [request.request_id], deferred=True)
 
-    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> Item:
+    def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> Item[None]:
         op = pb.Operation(
             remove_skipped_blocks=pb.RemoveSkippedBlocksOp(
                 request=self.m.tracker.position(request_id), total_computed_tokens=total_computed_tokens
             )
         )
-        return self._item(op, lambda r: None, [request_id], deferred=True)
+        return self._item(op, no_answer, [request_id], deferred=True)
 
-    def evict_blocks(self, block_ids: Iterable[int]) -> Item:
+    def evict_blocks(self, block_ids: Iterable[int]) -> Item[None]:
         # in the caller's order: vLLM's block pool evicts (and reports) in its set's order
         op = pb.Operation(evict_blocks=pb.EvictBlocksOp(block_ids=list(block_ids)))
-        return Item(op, lambda r: None, [], Pending(), deferred=True)
+        return Item(op, no_answer, deferred=True)
 
-    def get_block_ids(self, request_id: str) -> Item:
-        op = pb.Operation(get_block_ids=pb.GetBlockIdsOp(request_id=request_id))
-        return Item(op, lambda r: tuple(list(g.block_ids) for g in r.get_block_ids.groups), [], Pending())
+    def get_block_ids(
+        self, request_id: str, computed_tokens: int | None = None
+    ) -> Item[tuple[list[int], ...]]:
+        """The request's table (with ``computed_tokens``: vLLM 0.33's cut to that many tokens)."""
+        op = pb.Operation(
+            get_block_ids=pb.GetBlockIdsOp(request_id=request_id, computed_tokens=computed_tokens)
+        )
+        return Item(op, lambda r: tuple(list(g.block_ids) for g in r.get_block_ids.groups))
 
-    def get_num_common_prefix_blocks(self, request_id: str) -> Item:
+    def get_num_common_prefix_blocks(self, request_id: str) -> Item[list[int]]:
         op = pb.Operation(common_prefix=pb.CommonPrefixOp(request_id=request_id))
-        return Item(op, lambda r: list(r.common_prefix.num_blocks), [], Pending())
+        return Item(op, lambda r: list(r.common_prefix.num_blocks))
 
-    def reset_prefix_cache(self) -> Item:
+    def reset_prefix_cache(self) -> Item[bool]:
         op = pb.Operation(reset_prefix_cache=pb.ResetPrefixCacheOp())
-        return Item(op, lambda r: bool(r.reset_prefix_cache.result), [], Pending())
+        return Item(op, lambda r: bool(r.reset_prefix_cache.result))
 
 
 class StepBatcher:
@@ -202,7 +210,7 @@ class StepBatcher:
     def __init__(self, manager: BatchOwner) -> None:
         self.m = manager
         self._ops = Ops(manager)
-        self._items: list[Item] = []
+        self._items: list[Item[Any]] = []
         #: per request a call of this batch synced or freed, its position before the
         #: batch (None: not tracked, or freed by the batch, whose free is sent anyway)
         self._before: dict[str, tuple[int, int, int, bool] | None] = {}
@@ -243,7 +251,7 @@ class StepBatcher:
         if request_id not in self._before:
             self._before[request_id] = self.m.tracker.mark(request_id)
 
-    def _add(self, item: Item | None) -> Pending[Any]:
+    def _add(self, item: Item[Any] | None) -> Pending[Any]:
         if item is None:
             done: Pending[Any] = Pending()
             done.set_result(None)

@@ -27,15 +27,22 @@ from .errors import NotFoundError, PermissionDeniedError
 # -- status -----------------------------------------------------------------------------
 
 
-def pool_status(info: pb.PoolInfo, stats: pb.GetStatsResponse) -> dict[str, Any]:
-    """One row of ``kvcoord status`` as plain values (the --json form)."""
-    total = stats.num_total_blocks
-    p = stats.prefix_cache_stats
+def _pool_row(info: pb.PoolInfo) -> dict[str, Any]:
+    """What ``kvcoord status`` shows of a pool whatever its statistics."""
     return {
         "pool": info.name,
         "replica": info.replica,
         "coordinator": info.coordinator,
         "groups": len(info.config.groups),
+    }
+
+
+def pool_status(info: pb.PoolInfo, stats: pb.GetStatsResponse) -> dict[str, Any]:
+    """One row of ``kvcoord status`` as plain values (the --json form)."""
+    total = stats.num_total_blocks
+    p = stats.prefix_cache_stats
+    return {
+        **_pool_row(info),
         "blocks_used": total - stats.num_free_blocks,
         "blocks_total": total,
         "usage": stats.usage,
@@ -102,15 +109,7 @@ def status(conn: Connection) -> None:
             except NotFoundError:  # deleted between the two calls
                 continue
             except PermissionDeniedError as err:  # a tenant with only the use role on it
-                rows.append(
-                    {
-                        "pool": info.name,
-                        "replica": info.replica,
-                        "coordinator": info.coordinator,
-                        "groups": len(info.config.groups),
-                        "unreadable": one_line(err.message),
-                    }
-                )
+                rows.append({**_pool_row(info), "unreadable": one_line(err.message)})
                 continue
             rows.append(pool_status(info, stats))
     if conn.as_json:

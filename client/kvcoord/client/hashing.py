@@ -199,30 +199,36 @@ class BlockHasher:
         self.token_ids: list[int] = []
         self.block_hashes: list[bytes] = []
 
+    #: tokens after a block its hash covers too (vllm-0.33's look-ahead: BlockHasher033)
+    _lookahead = 0
+
     def extend(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Append tokens; return the hashes of the blocks they completed."""
-        self.token_ids.extend(token_ids)
+        """Append tokens; return the hashes of the blocks that became hashable (full,
+        and followed by the look-ahead tokens their hashes cover)."""
+        tokens = self.token_ids
+        tokens.extend(token_ids)
         bs = self.block_size
         start = len(self.block_hashes) * bs
-        if start + bs > len(self.token_ids):
+        limit = len(tokens) - self._lookahead
+        if start + bs > limit:
             return []
-        mm_idx = -1 if start > 0 else 0
+        mm_idx = -1 if start > 0 else 0  # (a later call's multimodal cursor starts at the last item)
         parent = self.block_hashes[-1] if self.block_hashes else None
         new: list[bytes] = []
-        while start + bs <= len(self.token_ids):
+        while start + bs <= limit:
             end = start + bs
             extra, mm_idx = self._extra_keys(start, end, mm_idx)
-            parent = hash_block_tokens(self._fn, parent, self.token_ids[start:end], extra, self._none)
+            parent = hash_block_tokens(self._fn, parent, tokens[start:end], extra, self._none)
             new.append(parent)
             start = end
         self.block_hashes.extend(new)
         return new
 
     def truncate(self, num_tokens: int) -> None:
-        """Forget the tokens from ``num_tokens`` on, and the hashes of the blocks they
-        were part of (the next :meth:`extend` hashes from there again)."""
+        """Forget the tokens from ``num_tokens`` on, and the hashes that covered any of
+        them (the next :meth:`extend` hashes from there again)."""
         del self.token_ids[num_tokens:]
-        del self.block_hashes[num_tokens // self.block_size :]
+        del self.block_hashes[max(num_tokens - self._lookahead, 0) // self.block_size :]
 
     def _extra_keys(self, start: int, end: int, mm_idx: int) -> tuple[tuple[Any, ...] | None, int]:
         keys: list[Any] = []
@@ -310,37 +316,15 @@ class BlockHasher033(BlockHasher):
         self._lora = ("lora", lora_name, lora_path) if lora_name else None
         self._lookahead = num_hash_lookahead_tokens
 
-    def truncate(self, num_tokens: int) -> None:
-        """Forget the tokens from ``num_tokens`` on, and the hashes that covered any of
-        them (a block's hash covers its look-ahead tokens too)."""
-        del self.token_ids[num_tokens:]
-        del self.block_hashes[max(num_tokens - self._lookahead, 0) // self.block_size :]
-
-    def extend(self, token_ids: Sequence[int]) -> list[bytes]:
-        """Append tokens; return the hashes of the blocks that became hashable."""
-        self.token_ids.extend(token_ids)
-        bs = self.block_size
+    def _extra_keys(self, start: int, end: int, mm_idx: int) -> tuple[Any, int]:
+        """The block's tagged extra keys, followed by its look-ahead tokens when it has
+        any (the multimodal cursor is not used: items are found by offset)."""
         look = self._lookahead
+        if not look:
+            return self.block_extra_keys(start, end), mm_idx
+        keys = self.block_extra_keys(start, end + look)
         tokens = self.token_ids
-        start = len(self.block_hashes) * bs
-        limit = len(tokens) - look
-        if start + bs > limit:
-            return []
-        parent = self.block_hashes[-1] if self.block_hashes else None
-        new: list[bytes] = []
-        while start + bs <= limit:
-            end = start + bs
-            extra: Any
-            if look:
-                keys = self.block_extra_keys(start, end + look)
-                extra = (keys, tokens[end]) if look == 1 else (keys, *tokens[end : end + look])
-            else:
-                extra = self.block_extra_keys(start, end)
-            parent = hash_block_tokens(self._fn, parent, tokens[start:end], extra, self._none)
-            new.append(parent)
-            start = end
-        self.block_hashes.extend(new)
-        return new
+        return ((keys, tokens[end]) if look == 1 else (keys, *tokens[end : end + look])), mm_idx
 
     def block_extra_keys(self, start: int, end: int) -> tuple[Any, ...] | None:
         """The tagged extra keys of the span ``[start, end)`` (the block and its

@@ -18,7 +18,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .errors import KVCoordError
 
-__all__ = ["ColumnRun", "Gathered", "Item", "KVCacheBlockIds", "Pending", "ids"]
+__all__ = ["ColumnRun", "Gathered", "Item", "KVCacheBlockIds", "Pending", "add_stats", "ids", "no_answer"]
 
 T = TypeVar("T")
 
@@ -109,16 +109,30 @@ def ids(groups: Iterable[pb.BlockIds]) -> KVCacheBlockIds:
     return KVCacheBlockIds(tuple(list(g.block_ids) for g in groups))
 
 
+def add_stats(into: Any, more: Any) -> None:
+    """Add ``more``'s prefix-cache statistics to ``into`` (engine values or messages;
+    written out: a predicted session adds them every scheduler step)."""
+    into.reset = into.reset or more.reset
+    into.requests += more.requests
+    into.queries += more.queries
+    into.hits += more.hits
+    into.preempted_requests += more.preempted_requests
+    into.preempted_queries += more.preempted_queries
+    into.preempted_hits += more.preempted_hits
+
+
+def no_answer(result: Any) -> None:
+    """How an operation whose answer says nothing (a free, cache_blocks, ...) reads it."""
+
+
 @dataclasses.dataclass(slots=True)
-class Item:
-    """One queued operation: the op, how to read its result, the requests whose
-    positions it moves, and who waits for it."""
+class Item(Generic[T]):
+    """One queued operation: the op, how to read its result (an OperationResult), the
+    requests whose positions it moves, and who waits for it."""
 
     op: pb.Operation
-    #: reads the answer (an OperationResult)
-    decode: Callable[[Any], Any]
-    touched: Sequence[str]
-    pending: Pending[Any]
+    decode: Callable[[Any], T]
+    touched: Sequence[str] = ()
     #: True when nobody waits for the answer (frees, cache_blocks, ...): its error, if
     #: any, is raised by whichever call sends it
     deferred: bool = False
@@ -128,6 +142,7 @@ class Item:
     #: per touched request, its position right after this call's sync (what the
     #: server holds once this call is applied)
     marks: dict[str, tuple[int, int, int, bool] | None] | None = None
+    pending: Pending[T] = dataclasses.field(default_factory=Pending)
 
 
 class Gathered:

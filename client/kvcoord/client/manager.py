@@ -34,21 +34,21 @@ answer dispatch and that recovery are the :class:`~kvcoord.client.sender.StepSen
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .batch import Ops, StepBatcher
+from .batch import Admitted, Ops, StepBatcher
 from .client import KVCoordClient
 from .errors import FencedError, SessionExpiredError
-from .hashing import pool_seed
-from .items import Item, KVCacheBlockIds, Pending
+from .items import Item, KVCacheBlockIds, Pending, no_answer
 from .sender import StepSender
 from .session import SessionKeeper
 from .session_facts import SessionFacts
-from .tracking import RequestTracker
 
 __all__ = ["KVCacheBlockIds", "Pending", "RemoteKVCacheManager", "StepBatcher"]
+
+T = TypeVar("T")
 
 #: empty Steps take_events sends at most to fetch events the server cut from answers
 #: (StepResponse.events_more); each answer carries up to max_message_bytes of them
@@ -96,14 +96,7 @@ class RemoteKVCacheManager(SessionFacts):
         profile: str = "",
         num_hash_lookahead_tokens: int = 0,
     ) -> None:
-        self.client = client
-        self.pool = pool
-        info = client.get_pool(pool).pool
-        cfg = info.config
-        self.config = cfg
-        self.enable_caching = cfg.enable_caching
-        seed, none = pool_seed(cfg, hash_seed)
-        self.tracker = RequestTracker(cfg, none)
+        cfg, seed = self._open(client, pool, hash_seed)
         self.exclusive = exclusive
         self.keeper = SessionKeeper(
             client,
@@ -121,14 +114,9 @@ class RemoteKVCacheManager(SessionFacts):
             ),
             renew=renew,
         )
-        self.num_groups = len(cfg.groups)
-        self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
         #: sends the Steps (inline), dispatches their answers, recovers lost requests
         self.sender = StepSender(client, pool, self.keeper, self.tracker)
         self._ops = Ops(self)
-        #: allocate_slots calls answered None because the hit had gone stale (another
-        #: worker reused its blocks after the lookup); the scheduler looks up again.
-        self.stale_hits = 0
 
     @property
     def round_trips(self) -> int:
@@ -141,7 +129,7 @@ class RemoteKVCacheManager(SessionFacts):
         return self.sender.waited_seconds
 
     @property
-    def _queue(self) -> list[Item]:
+    def _queue(self) -> list[Item[Any]]:
         """The calls the next Step carries (a subclass's extra calls join them)."""
         return self.sender.queue
 
@@ -152,8 +140,7 @@ class RemoteKVCacheManager(SessionFacts):
     # -- KVCacheManager interface ------------------------------------------------------------
     def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlockIds, int]:
         """The longest prefix hit (a hint until adopted by allocate_slots)."""
-        looked_up: tuple[KVCacheBlockIds, int] = self._now(self._ops.get_computed_blocks(request))
-        return looked_up
+        return self._now(self._ops.get_computed_blocks(request))
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
@@ -163,15 +150,14 @@ class RemoteKVCacheManager(SessionFacts):
 
         With ``return_table`` the answer's ``table`` is the request's whole block table.
         """
-        new: KVCacheBlockIds | None = self._now(self._item(
+        return self._now(self._item(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
             num_external_computed_tokens, delay_cache_blocks, num_encoder_tokens, return_table))  # fmt: skip
-        return new
 
     def _item(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
               new_computed_blocks: KVCacheBlockIds | None, num_lookahead_tokens: int,
               num_external_computed_tokens: int, delay_cache_blocks: bool, num_encoder_tokens: int,
-              return_table: bool) -> Item:  # fmt: skip
+              return_table: bool) -> Item[KVCacheBlockIds | None]:  # fmt: skip
         """allocate_slots as an AllocateOp (a subclass adds its profile's fields here)."""
         return self._ops.allocate_slots(
             request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens,
@@ -185,7 +171,7 @@ class RemoteKVCacheManager(SessionFacts):
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         num_encoder_tokens: int = 0,
-    ) -> tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]:
+    ) -> Admitted:
         """Look up and allocate atomically (the hit cannot go stale in between).
 
         Returns:
@@ -193,21 +179,13 @@ class RemoteKVCacheManager(SessionFacts):
             scheduled (``min(remaining, max_num_new_tokens)``) and the new blocks, or
             ``None`` for them when the pool is out of blocks.
         """
-        result: tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None] = self._now(
-            self._ops.allocate_with_lookup(
-                request,
-                max_num_new_tokens,
-                num_lookahead_tokens,
-                num_external_computed_tokens,
-                delay_cache_blocks,
-                num_encoder_tokens,
-            )
-        )
-        return result
+        return self._now(self._ops.allocate_with_lookup(
+            request, max_num_new_tokens, num_lookahead_tokens, num_external_computed_tokens, delay_cache_blocks,
+            num_encoder_tokens))  # fmt: skip
 
     def admit(
         self, requests: Sequence[Any], token_budget: int, num_lookahead_tokens: int = 0
-    ) -> list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]]:
+    ) -> list[Admitted]:
         """A scheduler's waiting loop, usually in one round trip: for each request in
         order, its prefix hit, then ``allocate_slots`` for ``min(remaining tokens, budget
         left)``, exactly as ``get_computed_blocks`` + ``allocate_slots`` one by one; stops
@@ -220,7 +198,7 @@ class RemoteKVCacheManager(SessionFacts):
             ``(hit, hit_tokens, num_new_tokens, new_blocks)`` per request processed, in
             order; ``new_blocks`` is ``None`` for a last, refused one.
         """
-        out: list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]] = []
+        out: list[Admitted] = []
         start, budget = 0, token_budget
         while start < len(requests) and budget > 0:
             end, covered = start, 0
@@ -228,9 +206,7 @@ class RemoteKVCacheManager(SessionFacts):
                 covered += len(requests[end].all_token_ids) - int(requests[end].num_computed_tokens)
                 end += 1
             chunk = requests[start:end]
-            result: list[tuple[KVCacheBlockIds, int, int, KVCacheBlockIds | None]] = self._now(
-                self._ops.admit(chunk, budget, num_lookahead_tokens)
-            )
+            result = self._now(self._ops.admit(chunk, budget, num_lookahead_tokens))
             budget -= sum(n for _, _, n, new in result if new is not None)
             out.extend(result)
             if len(result) < len(chunk) or (result and result[-1][3] is None):
@@ -253,15 +229,13 @@ class RemoteKVCacheManager(SessionFacts):
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table per group (null blocks as 0)."""
-        ids: tuple[list[int], ...] = self._now(self._ops.get_block_ids(request_id))
-        return ids
+        return self._now(self._ops.get_block_ids(request_id))
 
     def get_num_common_prefix_blocks(self, request_id: str) -> list[int]:
-        n: list[int] = self._now(self._ops.get_num_common_prefix_blocks(request_id))
-        return n
+        return self._now(self._ops.get_num_common_prefix_blocks(request_id))
 
     def reset_prefix_cache(self) -> bool:
-        return bool(self._now(self._ops.reset_prefix_cache()))
+        return self._now(self._ops.reset_prefix_cache())
 
     def take_events(self) -> list[pb.KVEvent]:
         """The pool's KV events since the previous call (this session's cursor)."""
@@ -320,9 +294,13 @@ class RemoteKVCacheManager(SessionFacts):
                 pass  # already gone: its requests were freed
 
     # -- sending (the sender's; these serve subclasses with calls of their own) ---------------
-    def defer(self, item: Item | None) -> None:
+    def defer(self, item: Item[Any] | None) -> None:
         """Send ``item`` with the next Step."""
         self.sender.defer(item)
 
-    def _now(self, item: Item) -> Any:
+    def defer_op(self, op: pb.Operation) -> None:
+        """Send ``op``, whose answer says nothing, with the next Step."""
+        self.sender.defer(Item(op, no_answer, deferred=True))
+
+    def _now(self, item: Item[T]) -> T:
         return self.sender.now(item)

@@ -46,6 +46,7 @@ from kvcoord.wire import config_from_pb
 from kvcoord.wire.rules import rules_fingerprint
 
 from .errors import KVCoordError, error_from_code
+from .items import add_stats
 from .tracking import SyncValues
 
 __all__ = ["Mirror", "MirrorUnavailableError", "StaleCacheHitError"]
@@ -294,8 +295,8 @@ class Mirror:
     def _drain_stats(self) -> None:
         stats = self.engine.make_prefix_cache_stats()
         if stats is not None:
-            _add_stats(self.step_stats, stats)
-            _add_stats(self._user_stats, stats)
+            add_stats(self.step_stats, stats)
+            add_stats(self._user_stats, stats)
 
     def take_step(self) -> tuple[list[KVCacheEvent], PrefixCacheStats]:
         """The events and statistics since the previous call: what the server's answer
@@ -320,16 +321,6 @@ class Mirror:
     def peek_stats(self) -> PrefixCacheStats:
         self._drain_stats()
         return self._user_stats.copy()
-
-
-def _add_stats(into: PrefixCacheStats, more: PrefixCacheStats) -> None:
-    into.reset = into.reset or more.reset
-    into.requests += more.requests
-    into.queries += more.queries
-    into.hits += more.hits
-    into.preempted_requests += more.preempted_requests
-    into.preempted_queries += more.preempted_queries
-    into.preempted_hits += more.preempted_hits
 
 
 def _check_wire_tokens(request_id: str, tokens: Sequence[int]) -> None:

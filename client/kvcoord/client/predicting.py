@@ -44,14 +44,13 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
 from .errors import InvalidArgumentError, KVCoordError
-from .hashing import pool_seed
 from .items import KVCacheBlockIds
 from .mirror import UINT32_MAX, BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
 from .predicting_losses import PredictedLosses, PredictionUnavailableError
 from .predicting_reports import PredictedReports
 from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper
-from .tracking import RequestTracker, SyncValues
+from .tracking import SyncValues
 
 __all__ = ["NOT_TAKEN", "PredictingKVCacheManager", "PredictionMismatchError", "PredictionUnavailableError"]
 
@@ -98,14 +97,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         profile: str = "",
         num_hash_lookahead_tokens: int = 0,
     ) -> None:
-        self.client = client
-        self.pool = pool
-        cfg = client.get_pool(pool).pool.config
-        self.config = cfg
-        seed, none = pool_seed(cfg, hash_seed)
-        self.tracker = RequestTracker(cfg, none)
-        self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
-        self.enable_caching = cfg.enable_caching
+        cfg, seed = self._open(client, pool, hash_seed)
         self._attach_args = (pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds)
         self._handshake = (profile, num_hash_lookahead_tokens)
         self._mirror: Mirror | None = None
@@ -115,7 +107,6 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         #: mirror's, recovers lost requests
         self.sender = StepSender(client, pool, self.keeper, self.tracker, compare_events=cfg.enable_kv_cache_events,
                                  compare_stats=self.log_stats, max_backlog=max_backlog)  # fmt: skip
-        self.stale_hits = 0
         #: the answer of every allocation that takes no block: one shared instance (its
         #: empty lists are not to be changed), which vLLM's adapter answers with vLLM's
         #: shared empty blocks

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
+from collections.abc import Iterator
 from typing import NoReturn
 
 import grpc
@@ -67,24 +68,22 @@ class RetryPolicy:
             self.max_attempts > 1 and self.keyed_deadline is not None and self.keyed_deadline > self.deadline
         )
 
+    def _ceilings(self, count: int) -> Iterator[float]:
+        """The longest sleep before each of ``count`` retries (growing to ``max_backoff``)."""
+        ceiling = self.initial_backoff
+        for _ in range(count):
+            yield ceiling
+            ceiling = min(ceiling * self.multiplier, self.max_backoff)
+
     def backoffs(self, rnd: random.Random | None = None, count: int | None = None) -> list[float]:
         """Sleep before each retry (full jitter): ``count`` of them, by default
         ``max_attempts - 1``."""
         r = rnd or random.Random()
-        out = []
-        ceiling = self.initial_backoff
-        for _ in range(self.max_attempts - 1 if count is None else count):
-            out.append(r.uniform(0, ceiling))
-            ceiling = min(ceiling * self.multiplier, self.max_backoff)
-        return out
+        return [r.uniform(0, c) for c in self._ceilings(self.max_attempts - 1 if count is None else count)]
 
     def longest_wait(self) -> float:
         """The most the ``max_attempts - 1`` backoffs can add up to (each at its ceiling)."""
-        total, ceiling = 0.0, self.initial_backoff
-        for _ in range(self.max_attempts - 1):
-            total += ceiling
-            ceiling = min(ceiling * self.multiplier, self.max_backoff)
-        return total
+        return sum(self._ceilings(self.max_attempts - 1), 0.0)
 
     def settle_pause(self, n: int, rnd: random.Random | None = None) -> float:
         """The ``n``-th pause (from 0) while the replica set changes hands: the backoff

@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
@@ -57,7 +57,7 @@ from .errors import (
 )
 from .flight import Flight, Gate
 from .gathering import StepGathering
-from .items import ColumnRun, Gathered, Item, Pending
+from .items import ColumnRun, Gathered, Item, add_stats, no_answer
 from .session import LEASE_MARGIN, SessionKeeper
 from .tracking import RequestTracker
 
@@ -65,14 +65,14 @@ __all__ = ["PredictionMismatchError", "StepSender"]
 
 logger = logging.getLogger(__name__)
 
-_STAT_FIELDS = ("requests", "queries", "hits", "preempted_requests", "preempted_queries", "preempted_hits")
+T = TypeVar("T")
 
 #: errors after which a free is sent again with the next Step (the server may answer
 #: it then); any other refusal would refuse it again
 _TRANSIENT = (UnavailableError, AbortedError, ResourceExhaustedError, LeaseExpiredError)
 
 
-def _touched(items: list[Item]) -> list[str]:
+def _touched(items: list[Item[Any]]) -> list[str]:
     """The requests a Step's items sync (only theirs roll back when it fails: calls
     collected in an open batch keep theirs)."""
     return [rid for i in items for rid in i.touched]
@@ -115,7 +115,7 @@ class StepSender(StepGathering):
         self.lost_requests = 0
         # the waiting mode's state
         #: calls sent with the next Step (frees, cache_blocks, remove_skipped_blocks, ...)
-        self.queue: list[Item] = []
+        self.queue: list[Item[Any]] = []
         #: what the answers carried: the pool's usage, this session's events (and whether
         #: the last answer cut them: StepResponse.events_more), its statistics
         self.usage: float | None = None
@@ -167,7 +167,7 @@ class StepSender(StepGathering):
         return resp
 
     # -- the waiting mode: inline ---------------------------------------------------------
-    def defer(self, item: Item | None) -> None:
+    def defer(self, item: Item[Any] | None) -> None:
         """Send ``item`` with the next Step (its Pending, read earlier, sends it)."""
         if item is not None:
             item.pending.resolver = self.flush
@@ -178,12 +178,12 @@ class StepSender(StepGathering):
         if self.queue:
             self.send_items([])
 
-    def now(self, item: Item) -> Any:
+    def now(self, item: Item[T]) -> T:
         """Send ``item`` (with the queued calls) and return its answer."""
         self.send_items([item])
         return item.pending.result()
 
-    def send_items(self, items: list[Item], force: bool = False) -> None:
+    def send_items(self, items: list[Item[Any]], force: bool = False) -> None:
         """One Step with the queued calls, then ``items``; every Pending gets its answer.
         Without anything to send, nothing is sent unless ``force``.
 
@@ -230,7 +230,7 @@ class StepSender(StepGathering):
         self._absorb(resp)
         self._dispatch(items, resp)
 
-    def _failed(self, items: list[Item], err: KVCoordError) -> KVCoordError:
+    def _failed(self, items: list[Item[Any]], err: KVCoordError) -> KVCoordError:
         """What a Step that failed as a whole costs: the error its calls raise."""
         if isinstance(err, (SessionExpiredError, FencedError, LeaseExpiredError)):
             return self.session_lost(err)  # its end frees everything (retained blocks too)
@@ -256,10 +256,10 @@ class StepSender(StepGathering):
                 self.free_now(i.op.free.request_id)
         # Its releases did not happen (the Step was not applied): the next Step sends
         # them first (the blocks are still retained, nothing was made since).
-        self.queue[:0] = [Item(o, lambda r: None, [], Pending(), deferred=True) for o in releases]
+        self.queue[:0] = [Item(o, no_answer, deferred=True) for o in releases]
         return failure
 
-    def _dispatch(self, items: list[Item], resp: pb.StepResponse) -> None:
+    def _dispatch(self, items: list[Item[Any]], resp: pb.StepResponse) -> None:
         """Each call's answer to its Pending (positions committed), or its error.
 
         Raises:
@@ -297,10 +297,7 @@ class StepSender(StepGathering):
             self.events.extend(resp.events)
         self.events_more = resp.events_more
         if resp.HasField("prefix_cache_stats"):
-            s, new = self.stats, resp.prefix_cache_stats
-            for name in _STAT_FIELDS:
-                setattr(s, name, getattr(s, name) + getattr(new, name))
-            s.reset = s.reset or new.reset
+            add_stats(self.stats, resp.prefix_cache_stats)
 
     # -- the waiting mode: lost requests --------------------------------------------------
     def session_lost(self, err: KVCoordError) -> RequestsLostError:
@@ -328,7 +325,7 @@ class StepSender(StepGathering):
         except _TRANSIENT:
             # sent again: a request the pool no longer holds is not an error then
             op = pb.Operation(free=pb.FreeOp(request_id=request_id, if_held=True))
-            self.queue.append(Item(op, lambda r: None, [], Pending(), deferred=True))
+            self.queue.append(Item(op, no_answer, deferred=True))
         except KVCoordError as err:
             logger.error(
                 "session %s could not free request %r, which may stay held until the session ends: %s",

@@ -4,16 +4,37 @@ keeper and its Step sender, written once for both."""
 
 from __future__ import annotations
 
+from kvcoord.v1 import allocator_pb2 as pb
+
+from .client import KVCoordClient
+from .hashing import pool_seed
 from .sender import StepSender
 from .session import SessionKeeper
+from .tracking import RequestTracker
 
 
 class SessionFacts:
-    """The session's id and its lost requests; the class using it sets ``keeper`` and
-    ``sender``."""
+    """The pool's settings both managers keep, the session's id and its lost requests;
+    the class using it sets ``keeper`` and ``sender``."""
 
     keeper: SessionKeeper
     sender: StepSender
+
+    def _open(
+        self, client: KVCoordClient, pool: str, hash_seed: str | None
+    ) -> tuple[pb.PoolConfig, str | None]:
+        """Read the pool's configuration and keep what both managers need of it; returns
+        it and the hash seed workers hash with (see :func:`~.hashing.pool_seed`)."""
+        self.client, self.pool = client, pool
+        cfg = self.config = client.get_pool(pool).pool.config
+        self.enable_caching = cfg.enable_caching
+        self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
+        seed, none = pool_seed(cfg, hash_seed)
+        self.tracker = RequestTracker(cfg, none)
+        #: allocate_slots calls answered None because the hit had gone stale (another
+        #: worker reused its blocks after the lookup); the scheduler looks up again.
+        self.stale_hits = 0
+        return cfg, seed
 
     @property
     def session_id(self) -> str:

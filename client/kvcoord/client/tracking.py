@@ -165,10 +165,6 @@ class RequestTracker:
     def __len__(self) -> int:
         return len(self._tracked)
 
-    def registered_ids(self) -> list[str]:
-        """Requests the server acknowledged registering (the others hold nothing there)."""
-        return [rid for rid, t in self._tracked.items() if t.committed[3]]
-
     def sync(self, request: Any, into: pb.RequestSync | None = None) -> pb.RequestSync:
         """The sync bringing the server to the request's current state (registers a
         request the first time), written into ``into`` when given: the field of the
@@ -348,19 +344,6 @@ class RequestTracker:
                 t.commit()
             else:
                 t.committed = mark
-
-    def commit_marks(
-        self, request_ids: Sequence[str], marks: Sequence[tuple[int, int, int, bool] | None]
-    ) -> None:
-        """The server applied these syncs: each request up to its mark (a run's entries)."""
-        tracked = self._tracked
-        for rid, mark in zip(request_ids, marks, strict=True):
-            t = tracked.get(rid)
-            if t is not None:
-                if mark is None:
-                    t.commit()
-                else:
-                    t.committed = mark
 
     def rollback(self, request_ids: Iterable[str] | None = None) -> None:
         """Positions back to what the server acknowledged (of these requests, or all).

@@ -62,7 +62,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
 from .errors import RequestsLostError
-from .items import Item, KVCacheBlockIds, Pending
+from .items import Item, KVCacheBlockIds
 from .manager import RemoteKVCacheManager
 from .predicting import PredictingKVCacheManager
 from .vllm import (
@@ -150,7 +150,7 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
         self.boundary: tuple[str, int] = ("", 0)
         name_extra_keys_033(self.tracker, self.config)
 
-    def _item(self, *args: Any) -> Item:
+    def _item(self, *args: Any) -> Item[Any]:
         item = super()._item(*args)
         a = item.op.allocate
         full, reserved, in_flight, watermark, skip_zeroing = self.admission
@@ -160,26 +160,16 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
         a.skip_zeroing_group_ids.extend(skip_zeroing)
         return item
 
-    def _unary_op(self, op: pb.Operation, decode: Any, deferred: bool) -> Any:
-        item = Item(op, decode, [], Pending(), deferred=deferred)
-        if deferred:
-            self.defer(item)
-            return None
-        return self._now(item)
-
     def new_step_starts(self) -> None:
-        self._unary_op(pb.Operation(new_step_starts=pb.NewStepStartsOp()), lambda r: None, True)
+        self.defer_op(pb.Operation(new_step_starts=pb.NewStepStartsOp()))
 
     def record_prefix_cache_stats(self, request_id: str, num_hits: int) -> None:
         op = pb.RecordPrefixCacheStatsOp(request_id=request_id, num_hits=num_hits)
-        self._unary_op(pb.Operation(record_prefix_cache_stats=op), lambda r: None, True)
+        self.defer_op(pb.Operation(record_prefix_cache_stats=op))
 
     def estimate_cached_tokens(self, request_id: str) -> int:
-        op = pb.EstimateCachedTokensOp(request_id=request_id)
-        n: int = self._unary_op(
-            pb.Operation(estimate_cached_tokens=op), lambda r: int(r.estimate_cached_tokens.num_tokens), False
-        )
-        return n
+        op = pb.Operation(estimate_cached_tokens=pb.EstimateCachedTokensOp(request_id=request_id))
+        return self._now(Item(op, lambda r: int(r.estimate_cached_tokens.num_tokens)))
 
     def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
         if self._queue:

@@ -22,11 +22,14 @@ refused when first used (see :mod:`kvcoord.client.vllm033`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .errors import KVCoordError
+from .items import Item
+
+T = TypeVar("T")
 
 __all__ = [
     "AdapterConnector033",
@@ -82,8 +85,11 @@ class RemoteConnector033:
 
     _ops: Any
     defer: Any
-    _unary_op: Any
+    defer_op: Any
     tracker: Any
+    if TYPE_CHECKING:
+
+        def _now(self, item: Item[T]) -> T: ...
 
     def free_all_groups_reversed(self, request_id: str) -> None:
         """vLLM 0.33's deferred free of the request (sent with the next call)."""
@@ -96,15 +102,18 @@ class RemoteConnector033:
         """The request's pending boundary-state hand-offs dropped as vLLM 0.33 takes its
         blocks (sent with the next call; nothing for a request the pool never got)."""
         if request_id in self.tracker:
-            op = pb.DropBoundaryStateOffloadsOp(request_id=request_id)
-            self._unary_op(pb.Operation(drop_boundary_state_offloads=op), lambda r: None, True)
+            self.defer_op(
+                pb.Operation(
+                    drop_boundary_state_offloads=pb.DropBoundaryStateOffloadsOp(request_id=request_id)
+                )
+            )
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """vLLM 0.33's ``record_blocks_for_zeroing`` (sent with the next call; nothing for
         a request the pool never got: it holds no blocks of it)."""
         if request_id in self.tracker:
             op = pb.RecordBlocksForZeroingOp(request_id=request_id, start_token=start_token)
-            self._unary_op(pb.Operation(record_blocks_for_zeroing=op), lambda r: None, True)
+            self.defer_op(pb.Operation(record_blocks_for_zeroing=op))
 
     def get_num_blocks_to_allocate(self, request_id: str, *args: Any) -> int:
         """vLLM 0.33's ``coordinator.get_num_blocks_to_allocate`` with no new hit (``args``:
@@ -113,24 +122,18 @@ class RemoteConnector033:
         op = pb.GetNumBlocksToAllocateOp(request_id=request_id)
         (op.num_tokens, op.total_computed_tokens, op.num_tokens_main_model, op.apply_admission_cap,
          op.num_encoder_tokens) = args  # fmt: skip
-        n: int = self._unary_op(
-            pb.Operation(get_num_blocks_to_allocate=op),
-            lambda r: int(r.get_num_blocks_to_allocate.num_blocks),
-            False,
+        return self._now(
+            Item(
+                pb.Operation(get_num_blocks_to_allocate=op),
+                lambda r: int(r.get_num_blocks_to_allocate.num_blocks),
+            )
         )
-        return n
 
     def get_block_ids_for_computed_tokens(
         self, request_id: str, num_computed_tokens: int
     ) -> tuple[list[int], ...]:
         """vLLM 0.33's ``get_block_ids_for_computed_tokens``: one round trip."""
-        op = pb.GetBlockIdsOp(request_id=request_id, computed_tokens=num_computed_tokens)
-        ids: tuple[list[int], ...] = self._unary_op(
-            pb.Operation(get_block_ids=op),
-            lambda r: tuple(list(g.block_ids) for g in r.get_block_ids.groups),
-            False,
-        )
-        return ids
+        return self._now(self._ops.get_block_ids(request_id, num_computed_tokens))
 
 
 class PredictingConnector033:

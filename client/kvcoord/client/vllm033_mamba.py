@@ -12,7 +12,7 @@ from typing import Any
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import copies_from_pb, offloads_from_pb
 
-from .items import KVCacheBlockIds
+from .items import Item, KVCacheBlockIds
 
 __all__ = [
     "PredictedMamba033",
@@ -126,28 +126,26 @@ class RemoteMamba033:
     # vLLM 0.33's per-step drains (mamba pools; the others answer empty without a call)
     def take_new_block_ids(self: Any) -> list[int]:
         op = pb.Operation(take_new_block_ids=pb.TakeNewBlockIdsOp())
-        ids: list[int] = self._unary_op(op, lambda r: list(r.take_new_block_ids.block_ids), False)
-        return ids
+        return list(self._now(Item(op, lambda r: r.take_new_block_ids.block_ids)))
 
     def take_boundary_state_offloads(self: Any) -> dict[str, list[tuple[int, int, int]]]:
         op = pb.Operation(take_boundary_state_offloads=pb.TakeBoundaryStateOffloadsOp())
-        out: dict[str, list[tuple[int, int, int]]] = self._unary_op(
-            op, lambda r: offloads_from_pb(r.take_boundary_state_offloads), False
+        out: dict[str, list[tuple[int, int, int]]] = self._now(
+            Item(op, lambda r: offloads_from_pb(r.take_boundary_state_offloads))
         )
         return out
 
     def take_kv_cache_block_copies(self: Any) -> tuple[list[tuple[int, int]], list[int]]:
         op = pb.Operation(take_kv_cache_block_copies=pb.TakeKVCacheBlockCopiesOp())
-        out: tuple[list[tuple[int, int]], list[int]] = self._unary_op(
-            op, lambda r: copies_from_pb(r.take_kv_cache_block_copies), False
+        out: tuple[list[tuple[int, int]], list[int]] = self._now(
+            Item(op, lambda r: copies_from_pb(r.take_kv_cache_block_copies))
         )
         return out
 
     def release_retained_blocks(self: Any, block_ids: list[int]) -> None:
         """The scheduler's release of the copies' blocks once their step ran (sent with
         the next Step; a block not retained fails it, BLOCK_NOT_RETAINED)."""
-        op = pb.Operation(release_retained_blocks=pb.ReleaseRetainedBlocksOp(block_ids=block_ids))
-        self._unary_op(op, lambda r: None, True)
+        self.defer_op(pb.Operation(release_retained_blocks=pb.ReleaseRetainedBlocksOp(block_ids=block_ids)))
 
 
 class PredictedMamba033:

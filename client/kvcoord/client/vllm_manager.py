@@ -191,13 +191,6 @@ class KVCoordKVCacheManager(AdapterLosses):
             make=lambda: tuple(_hashed_blocks(group, v) for group, v in zip(ids, views, strict=True)), ids=ids
         )
 
-    def _group_blocks(
-        self, held: _Held, group: int, start: int, block_ids: Sequence[int]
-    ) -> list[KVCacheBlock]:
-        """Group ``group``'s blocks ``block_ids`` (the first at table position ``start``),
-        built now."""
-        return _hashed_blocks(block_ids, self._hash_view(held, group, start, block_ids))
-
     def _hash_view(self, held: _Held, group: int, start: int, block_ids: Sequence[int]) -> _HashView | None:
         """What the blocks ``block_ids`` of group ``group`` (the first at table position
         ``start``) hash to, taken now: a positional group's block within the request's

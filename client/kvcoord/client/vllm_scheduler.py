@@ -52,16 +52,6 @@ __all__ = ["KVCoordAsyncScheduler", "KVCoordScheduler"]
 logger = logging.getLogger(__name__)
 
 
-def _install(scheduler: Any, settings: Settings) -> KVCoordKVCacheManager:
-    """Replace the scheduler's in-process manager with one on the configured pool."""
-    manager = connect(
-        settings, scheduler.kv_cache_config, scheduler.vllm_config, log_stats=scheduler.log_stats
-    )
-    # vLLM's own manager (built by Scheduler.__init__) holds nothing yet: drop it
-    scheduler.kv_cache_manager = manager
-    return manager
-
-
 #: schedule() calls in a row that may each be cut short by a loss before the error
 #: reaches vLLM (each attempt preempts what it lost: more means something is wrong)
 MAX_LOSSES_IN_A_ROW = 16
@@ -99,14 +89,17 @@ class _OnKVCoord:
     running: list[Any]
     max_num_running_reqs: int
     max_num_scheduled_tokens: int
+    kv_cache_config: Any
+    vllm_config: Any
+    log_stats: bool
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._refuse_unsupported()
         settings = Settings.from_env()
-        self.kvcoord = _install(self, settings)
-        self._init_recovery(settings)
-
-    def _init_recovery(self, settings: Settings) -> None:
+        self.kvcoord = self._connect(settings)
+        # vLLM's own manager (built by Scheduler.__init__) holds nothing yet: drop it
+        self.kv_cache_manager = self.kvcoord
         self.kvcoord_max_outage = settings.max_outage
         #: per request, the scheduled steps whose output was not applied yet
         self._in_flight: collections.Counter[str] = collections.Counter()
@@ -120,6 +113,13 @@ class _OnKVCoord:
         self.kvcoord_preempted = 0
         self.kvcoord_undone = 0
         self.kvcoord_outages = 0
+
+    def _refuse_unsupported(self) -> None:
+        """Raise, naming the reason, for an engine kvcoord does not reproduce (none here)."""
+
+    def _connect(self, settings: Settings) -> KVCoordKVCacheManager:
+        """The manager on the configured pool."""
+        return connect(settings, self.kv_cache_config, self.vllm_config, log_stats=self.log_stats)
 
     # -- a lost session costs recomputation ----------------------------------------------
     def schedule(self) -> Any:
@@ -262,7 +262,7 @@ class _OnKVCoord:
             if fields is None:
                 continue  # not looked at by the call
             if r.request_id in allocated:
-                self.kv_cache_manager.free(r)  # type: ignore[attr-defined]
+                self.kv_cache_manager.free(r)
                 self.encoder_cache_manager.free(r)  # type: ignore[attr-defined]
             r.status, r.num_computed_tokens, r.num_cached_tokens, r.num_external_computed_tokens = fields
         keep, preempt, preempted = [], [], []
@@ -308,20 +308,17 @@ class _OnKVCoord033(_OnKVCoord):
     flight); a ``schedule()`` cut short by a loss or an outage is undone and made again."""
 
     kvcoord: Any
+    hash_block_size: int
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super(_OnKVCoord, self).__init__(*args, **kwargs)  # vLLM's, not _OnKVCoord's install
-        why = unsupported_033(self.kv_cache_config, self.vllm_config, self.hash_block_size)  # type: ignore[attr-defined]
+    def _refuse_unsupported(self) -> None:
+        why = unsupported_033(self.kv_cache_config, self.vllm_config, self.hash_block_size)
         if why is not None:
             raise Unsupported033Error(f"kvcoord cannot be this vLLM 0.33 engine's KV cache manager: {why}")
-        settings = Settings.from_env()
-        self.kvcoord = connect_033(
-            settings, self.kv_cache_config, self.vllm_config, self.hash_block_size,  # type: ignore[attr-defined]
-            log_stats=self.log_stats,  # type: ignore[attr-defined]
-        )  # fmt: skip
-        # vLLM's own manager (built by Scheduler.__init__) holds nothing yet: drop it
-        self.kv_cache_manager = self.kvcoord
-        self._init_recovery(settings)
+
+    def _connect(self, settings: Settings) -> KVCoordKVCacheManager:
+        return connect_033(
+            settings, self.kv_cache_config, self.vllm_config, self.hash_block_size, log_stats=self.log_stats
+        )
 
     def _losses_met(self) -> set[str]:
         """The requests lost since the last step, a loss the predicted session met in the

@@ -3,7 +3,7 @@
     PYTHONPATH=client:server python bench/decode_cpu.py [--running 64] [--steps 300] \
         [--warmup 100] [--shapes ops run] [--old REV] [--rounds 3] \
         [--where in-process grpc grpc-stream] \
-        [--metrics] [--profile | --toggle | --baseline REV]
+        [--metrics] [--profile | --toggle | --baseline REV] [--engine-build DIR]
 
 The workload is bench/workers.py's (one worker's scheduler: ``--running`` requests in
 decode, each step one allocation per running request, finished requests freed and
@@ -54,6 +54,12 @@ at issue 23's filing is a2bf467), this checkout's the same way, and this checkou
 streamed DecodeOps (what the predicting client sends); each one's server CPU per
 operation and its median per-round ratio to REV's.
 
+``--engine-build DIR``: DIR holds this checkout's engine compiled by mypyc (built by
+``python bench/compile_engine.py DIR``), put first on the path of a code "compiled": this checkout
+with that engine, measured beside "new" (this checkout, pure Python) wherever "new" is,
+with the median of each round's compiled/new ratio (with ``--baseline``: two more
+servers, compiled with unary runs and with streamed DecodeOps).
+
 ``--toggle`` (this checkout only, shape ops): one in-process server, two pools fed the
 same Steps in alternation (which pool goes first alternates too), a plain decode
 AllocateOp on the pool's direct path (``PoolAllocations.allocate_plain``) in one and on the
@@ -82,10 +88,24 @@ HERE = Path(__file__).resolve()
 
 _BUILD = "build"
 _CHILD = "child"
+#: code name -> the compiled engine's build directory put first on its path (``--engine-build``)
+ENGINE_BUILDS: dict[str, Path] = {}
 
 
-def _paths(tree: Path) -> None:
-    sys.path[:0] = [str(HERE.parent), str(tree / "client"), str(tree / "server")]
+def _paths(tree: Path, engine: str = "") -> None:
+    sys.path[:0] = [
+        *([engine] if engine else []),
+        str(HERE.parent),
+        str(tree / "client"),
+        str(tree / "server"),
+    ]
+
+
+def code_path(code: str, tree: Path) -> str:
+    """The PYTHONPATH of code ``code`` (its tree's client and server, after its compiled
+    engine's build directory if it has one)."""
+    build = ENGINE_BUILDS.get(code)
+    return ":".join([*([str(build)] if build else []), str(tree / "client"), str(tree / "server")])
 
 
 # ---------------------------------------------------------------------------
@@ -326,7 +346,7 @@ def toggle(trace: Path, warmup: int, running: int) -> None:
 
 
 def in_process(
-    tree: Path, trace: Path, shape: str, args: argparse.Namespace, profile: bool
+    tree: Path, trace: Path, shape: str, args: argparse.Namespace, profile: bool, code: str = "new"
 ) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH="")
     cmd = [
@@ -341,6 +361,8 @@ def in_process(
     ]
     if profile:
         cmd.append("--profile")
+    if code in ENGINE_BUILDS:
+        cmd += ["--engine", str(ENGINE_BUILDS[code])]
     out = subprocess.run(cmd, env=env, check=True, capture_output=not profile, text=True).stdout
     return dict(json.loads(out.strip().splitlines()[-1])) if out else {}
 
@@ -413,7 +435,7 @@ def served(
     runs: dict[tuple[str, str, str], dict[str, Any]] = {}
     try:
         for where, code, tree, shape in runs_of:
-            env = dict(os.environ, PYTHONPATH=f"{tree / 'client'}:{tree / 'server'}")
+            env = dict(os.environ, PYTHONPATH=code_path(code, tree))
             # memory only; the metrics interceptor and observer run either way, --metrics
             # also serves /metrics (as `kvcoord serve` does by default)
             server = start_server(W.config_text("none", "", "FULL"), env=env, metrics=args.metrics)
@@ -462,7 +484,9 @@ def baseline(old: Path, trace: Path, args: argparse.Namespace) -> None:
         ("grpc", "base", old, "run"),
         ("grpc", "new", ROOT, "run"),
         ("grpc-stream", "new", ROOT, "columnar"),
-    ]
+        *((where, code, ROOT, shape) for code in ENGINE_BUILDS for where, _, _, shape in
+          [("grpc", "", "", "run"), ("grpc-stream", "", "", "columnar")]),
+    ]  # fmt: skip
     rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for rnd in range(args.rounds):
         for key, r in served(runs, trace, args).items():
@@ -485,6 +509,11 @@ def baseline(old: Path, trace: Path, args: argparse.Namespace) -> None:
             f"| {' | '.join(key)} | {statistics.median(r['us_op'] for r in rs):.2f} | {ratio:.2f} | "
             f"{statistics.median(r['p50'] for r in rs):.2f} | {statistics.median(r['mean'] for r in rs):.2f} |"
         )
+    for code in ENGINE_BUILDS:
+        for where, shape in (("grpc", "run"), ("grpc-stream", "columnar")):
+            pairs = zip(rows[(where, code, shape)], rows[(where, "new", shape)], strict=True)
+            ratio = statistics.median(c["us_op"] / n["us_op"] for c, n in pairs)
+            print(f"{where} {shape}: {code}/new server CPU per op (paired, median per round) {ratio:.2f}")
     same = len({r["digest"] for rs in rows.values() for r in rs}) == 1
     print(f"\nnew block ids: {'the same' if same else 'DIFFERENT'} in every code, shape and place")
 
@@ -492,13 +521,15 @@ def baseline(old: Path, trace: Path, args: argparse.Namespace) -> None:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == _CHILD:
         tree, trace, shape, warmup, running = sys.argv[2:7]
-        _paths(Path(tree))
+        engine = sys.argv[sys.argv.index("--engine") + 1] if "--engine" in sys.argv else ""
+        _paths(Path(tree), engine)
         res = child(Path(trace), shape, int(warmup), int(running), "--profile" in sys.argv)
         import kvcoord.engine.pool
         import kvcoord.service.pool_service
 
-        for module in (kvcoord.engine.pool, kvcoord.service.pool_service):  # the code meant, no other
-            assert Path(str(module.__file__)).resolve().is_relative_to(Path(tree).resolve()), module.__file__
+        for module, home in ((kvcoord.engine.pool, engine or tree), (kvcoord.service.pool_service, tree)):
+            # the code meant, no other
+            assert Path(str(module.__file__)).resolve().is_relative_to(Path(home).resolve()), module.__file__
         print(json.dumps(res))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -526,7 +557,15 @@ def main() -> None:
         help="REV's server sent unary Steps of runs (what it served best) against this checkout's, "
         "unary runs and streamed DecodeOps, paired Step by Step",
     )
+    ap.add_argument(
+        "--engine-build",
+        metavar="DIR",
+        type=Path,
+        help="this checkout with the compiled engine built in DIR, measured as code 'compiled'",
+    )
     args = ap.parse_args()
+    if args.engine_build:
+        ENGINE_BUILDS["compiled"] = args.engine_build.resolve()
     _paths(ROOT)
     from common import old_tree
 
@@ -545,6 +584,7 @@ def main() -> None:
         baseline(old_tree(args.baseline), trace, args)
         return
     trees = {"new": ROOT} if not args.old else {"old": old_tree(args.old), "new": ROOT}
+    trees.update({code: ROOT for code in ENGINE_BUILDS})
     rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     grpc_wheres = [w for w in args.where if w.startswith("grpc")]
     for rnd in range(args.rounds):
@@ -556,7 +596,7 @@ def main() -> None:
                     got = over_grpc(trees, trace, shape, args, grpc_wheres)
                 else:
                     got = {
-                        (where, code): in_process(tree, trace, shape, args, False)
+                        (where, code): in_process(tree, trace, shape, args, False, code)
                         for code, tree in trees.items()
                     }
                 for (w, code), r in got.items():
@@ -605,6 +645,14 @@ def main() -> None:
                 + " | ".join(f"{med[c]:.2f}" for c in trees)
                 + f" | {ratio} | {lat} |"
             )
+    for code in ENGINE_BUILDS:
+        for where in args.where:
+            for shape in args.shapes:
+                pairs = zip(rows[(where, shape, code)], rows[(where, shape, "new")], strict=True)
+                print(
+                    f"{where} {shape}: {code}/new server CPU per op (paired, median per round) "
+                    f"{statistics.median(c['us_op'] / n['us_op'] for c, n in pairs):.2f}"
+                )
     if {"grpc", "grpc-stream"} <= set(args.where):
         for shape in args.shapes:
             for c in trees:

@@ -3,7 +3,8 @@ predicted one (``KVCoordScheduler``, ``KVCOORD_PREDICT=1``), in one process.
 
     KVCOORD_VENV=$(scripts/install_vllm.sh --print-venv)
     PYTHONPATH=client:server:tests PYTHONHASHSEED=0 $KVCOORD_VENV/bin/python bench/vllm_calls.py \\
-        [--running 256] [--layout full] [--kind sync] [--steps 150] [--warmup 150] [--interleave]
+        [--running 256] [--layout full] [--kind sync] [--steps 150] [--warmup 150] [--interleave] \
+        [--engine-build DIR]
 
 The workload is ``bench/vllm_step.py``'s. Each manager method the scheduler calls is
 wrapped and timed with the calling thread's CPU clock (``time.thread_time``), which a
@@ -17,6 +18,11 @@ included; the server's CPU is not). With ``--interleave`` the two schedulers ste
 turns (one step each, each on its own thread), so that a machine whose load moves
 during the run moves both sides alike: the per-call figures to read on a shared
 machine (the process CPU is then not given).
+
+``--engine-build DIR``: kvcoord's engine (the client's predictions and the server) is
+the compiled one built in DIR (``python bench/compile_engine.py DIR`` with a Python
+of the venv's version, 3.11), put first on the path. Run once with and once without it to compare the two against
+vLLM's manager.
 """
 
 from __future__ import annotations
@@ -33,7 +39,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+#: ``--engine-build DIR`` (read before the imports below, which it decides)
+ENGINE_BUILD = (
+    [str(Path(sys.argv[sys.argv.index("--engine-build") + 1]).resolve())]
+    if "--engine-build" in sys.argv
+    else []
+)
 sys.path[:0] = [
+    *ENGINE_BUILD,
     str(ROOT / "bench"),
     str(ROOT / "client"),
     str(ROOT / "server"),
@@ -164,9 +177,16 @@ def main() -> None:
     ap.add_argument(
         "--interleave", action="store_true", help="both managers step in turns (see measure_interleaved)"
     )
+    ap.add_argument(
+        "--engine-build", metavar="DIR", help="the compiled engine built in DIR (client and server)"
+    )
     args = ap.parse_args()
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    server = start_server("", env=dict(os.environ, PYTHONPATH=f"{ROOT / 'client'}:{ROOT / 'server'}"))
+    import kvcoord.engine.pool
+
+    print(f"engine: {kvcoord.engine.pool.__file__}")
+    path = ":".join([*ENGINE_BUILD, str(ROOT / "client"), str(ROOT / "server")])
+    server = start_server("", env=dict(os.environ, PYTHONPATH=path))
     model = write_model_dir(Path(tempfile.mkdtemp(prefix="kvcoord-bench-model-")))
     n = args.running
     blocks = n * (900 + 128) // BLOCK_SIZE * 2 + 64

@@ -27,11 +27,12 @@ shorter loop (:func:`_run_next_token`), the same checks with fewer values to rea
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
+from ._mypyc import mypyc_attr
+from .decode_columns import DecodeColumns
 from .events import block_stored
 from .request_table import TokenIds
 
@@ -46,6 +47,7 @@ __all__ = ["Counts", "DecodeColumns", "decode_run"]
 T = TypeVar("T")
 
 
+@mypyc_attr(native_class=False)  # a list: mypyc compiles no subclass of one
 class Counts(list[int]):
     """A column of counts its maker guarantees are non-negative ``int``s (not ``bool``),
     such as one read from a ``uint32`` wire column: :func:`decode_run` checks only the
@@ -72,25 +74,6 @@ class KVCachePool(Protocol):
     def num_to_take(self, rid: str, need: int, total: int, main: int) -> int: ...
 
     def cache_full_request_blocks(self, req: Request, cached: int) -> None: ...
-
-
-@dataclasses.dataclass(slots=True)
-class DecodeColumns:
-    """A decode step's allocations in columns (the service's AllocateRun and Decode
-    operations are these): per entry a request, where it stands (tokens and hashes
-    held), its computed count, its counts, and how many tokens and hashes it appends
-    from the flattened columns."""
-
-    request_ids: Sequence[str]
-    base_num_tokens: Sequence[int]
-    base_num_hashes: Sequence[int]
-    num_computed_tokens: Sequence[int]
-    num_new_tokens: Sequence[int]
-    num_lookahead_tokens: Sequence[int]
-    num_append_tokens: Sequence[int]
-    append_token_ids: Sequence[int]
-    num_append_hashes: Sequence[int]
-    append_block_hashes: Sequence[bytes]
 
 
 def decode_run(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import cast
 
+from ._mypyc import mypyc_attr
 from .errors import InvalidArgumentError
 from .types import BlockHashWithGroupId
 
@@ -75,6 +76,7 @@ class PrefixedHashes(Sequence[bytes]):
         return self._prefix + self._hashes[i]
 
 
+@mypyc_attr(native_class=False)  # a list: mypyc compiles no subclass of one
 class SharedHashes(list[bytes]):
     """One prompt's hashes read by many pools in one call (ScorePools), never changed.
 

@@ -27,8 +27,6 @@ from collections.abc import Iterable, Iterator, Sequence
 
 from .errors import FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
 from .pool_fast import FastPaths
-from .pool_lookups import PoolLookups
-from .pool_vllm033 import Pool033Calls
 from .request import Request
 from .request_table import check_count
 from .results import AllocationResult, BlockIds, CacheHit, PoolSnapshot, RequestCheckpoint
@@ -45,7 +43,7 @@ _ALLOCATE_COUNT_NAMES = (
 )
 
 
-class KVCachePool(FastPaths, PoolLookups, Pool033Calls):
+class KVCachePool(FastPaths):
     """One pool of KV blocks shared by all groups, with vLLM's manager semantics.
 
     Creating a pool costs O(1) in ``num_blocks``: block objects are created on first

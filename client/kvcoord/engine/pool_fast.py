@@ -14,7 +14,7 @@ from collections.abc import Callable, Generator, Sequence
 
 from .decode_run import DecodeColumns, decode_run
 from .errors import RequestNotFoundError
-from .pool_parts import PoolParts
+from .pool_lookups import PoolLookups
 from .request import Request
 from .request_table import TokenIds
 from .results import BlockIds, CacheHit, RequestCheckpoint
@@ -23,7 +23,7 @@ from .results import BlockIds, CacheHit, RequestCheckpoint
 _TOKEN_LISTS = (list, TokenIds, tuple)
 
 
-class FastPaths(PoolParts):
+class FastPaths(PoolLookups):
     """:class:`~kvcoord.engine.pool.KVCachePool`'s fused paths."""
 
     #: the general allocation (:class:`~kvcoord.engine.pool.KVCachePool`)

@@ -9,13 +9,13 @@ from collections.abc import Callable, Sequence
 
 from .errors import FailedPreconditionError, InvalidArgumentError
 from .hash_list import request_keys
-from .pool_requests import PoolRequests
+from .pool_vllm033 import Pool033Calls
 from .request_table import check_count
 from .reservations import Reservation
 from .results import AllocationResult, BlockIds, CacheHit
 
 
-class PoolLookups(PoolRequests):
+class PoolLookups(Pool033Calls):
     """:class:`~kvcoord.engine.pool.KVCachePool`'s lookup calls."""
 
     #: the general allocation (:class:`~kvcoord.engine.pool.KVCachePool`)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
+from ._mypyc import mypyc_attr
 from .config import KVCacheConfig
 from .errors import InvalidArgumentError, RequestExistsError, RequestNotFoundError
 from .extra_keys import ExtraKeySources, MultiModalItem
@@ -39,6 +40,7 @@ def check_count(value: object, name: str) -> int:
     return value
 
 
+@mypyc_attr(native_class=False)  # a list: mypyc compiles no subclass of one
 class TokenIds(list[int]):
     """Token ids their maker guarantees are non-negative ``int``s, such as those read
     from a ``uint32`` wire field: :meth:`RequestTable.check_tokens` copies such a list
@@ -47,6 +49,7 @@ class TokenIds(list[int]):
     __slots__ = ()
 
 
+@mypyc_attr(native_class=False)  # a list: mypyc compiles no subclass of one
 class HandedTokenIds(TokenIds):
     """:class:`TokenIds` handed over by their maker, which keeps no reference to the
     list and never changes it again: :meth:`RequestTable.check_tokens` then keeps this

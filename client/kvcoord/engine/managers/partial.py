@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .._mypyc import trait
 from ..block_pool import BlockPool
 from ..blocks import KVCacheBlock
 from ..request import Request
@@ -63,34 +64,28 @@ __all__ = [
 ]
 
 
+@trait
 class CopyOnWrite:
-    """The copy-on-write bookkeeping both partial-hit managers share (a mix-in placed
-    before the manager class)."""
+    """The copy-on-write bookkeeping both partial-hit managers share: a mypyc trait,
+    listed after the manager class (a compiled class has one non-trait base), so each
+    manager calls :meth:`_no_copies_yet` in its ``__init__`` and :meth:`_mark_partial_hit`
+    after its adoption itself."""
 
     #: request -> (position, source block) of a tail to copy at its next allocation
     partial_hit_reqs: dict[str, tuple[int, KVCacheBlock]]
     #: copies not yet taken, in the order they were made: (source, target)
     pending_cow: list[tuple[KVCacheBlock, KVCacheBlock]]
 
-    def __init__(
-        self, spec: AttentionSpec, block_pool: BlockPool, group_id: int, enable_caching: bool
-    ) -> None:
-        super().__init__(spec, block_pool, group_id, enable_caching)  # type: ignore[call-arg]
+    def _no_copies_yet(self) -> None:
+        """The two records, empty (the manager's ``__init__`` calls this)."""
         self.partial_hit_reqs = {}
         self.pending_cow = []
 
-    def add_local_computed_blocks(
-        self,
-        request_id: str,
-        new_computed_blocks: Sequence[KVCacheBlock],
-        num_local_computed_tokens: int,
-        num_external_computed_tokens: int,
+    def _mark_partial_hit(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock], num_local_computed_tokens: int
     ) -> None:
-        """The manager's adoption, then: a hit ending inside a block marks its tail for
+        """After the manager's adoption: a hit ending inside a block marks its tail for
         the copy and caps the request's cached-block count before it."""
-        super().add_local_computed_blocks(  # type: ignore[misc]
-            request_id, new_computed_blocks, num_local_computed_tokens, num_external_computed_tokens
-        )
         m: SingleTypeKVCacheManager = self  # type: ignore[assignment]
         if not new_computed_blocks or num_local_computed_tokens % m.block_size == 0:
             return
@@ -122,9 +117,21 @@ def _partial_local_hit(
     return bool(new_computed_blocks) and num_local_computed_tokens % block_size != 0
 
 
-class PartialFullAttentionManager(CopyOnWrite, FullAttentionManager):
+class PartialFullAttentionManager(FullAttentionManager, CopyOnWrite):
     """Full attention in a pool with partial hits: one block more for a hit ending
     inside a block, and its tail copied on the request's first allocation."""
+
+    def __init__(
+        self, spec: AttentionSpec, block_pool: BlockPool, group_id: int, enable_caching: bool
+    ) -> None:
+        super().__init__(spec, block_pool, group_id, enable_caching)
+        self._no_copies_yet()
+
+    def add_local_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock], local: int, external: int
+    ) -> None:
+        super().add_local_computed_blocks(request_id, new_computed_blocks, local, external)
+        self._mark_partial_hit(request_id, new_computed_blocks, local)
 
     def get_num_blocks_to_allocate(
         self,
@@ -163,7 +170,7 @@ class PartialFullAttentionManager(CopyOnWrite, FullAttentionManager):
         super().free(request_id)
 
 
-class PartialMambaManager(CopyOnWrite, MambaManager033):
+class PartialMambaManager(MambaManager033, CopyOnWrite):
     """Mamba "align" in a pool with partial hits: one block
     more while a tail is to be copied, the copy on a waiting request's first allocation
     or, for a producer still running, the partial key moved to the new block; one more
@@ -173,9 +180,16 @@ class PartialMambaManager(CopyOnWrite, MambaManager033):
         self, spec: AttentionSpec, block_pool: BlockPool, group_id: int, enable_caching: bool
     ) -> None:
         super().__init__(spec, block_pool, group_id, enable_caching)
+        self._no_copies_yet()
         assert self.align, "partial hits: align mode"
         #: producers of a partial tail: request -> (its block, boundary tokens)
         self.producer_tails: dict[str, tuple[KVCacheBlock, int]] = {}
+
+    def add_local_computed_blocks(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock], local: int, external: int
+    ) -> None:
+        super().add_local_computed_blocks(request_id, new_computed_blocks, local, external)
+        self._mark_partial_hit(request_id, new_computed_blocks, local)
 
     def get_num_blocks_to_allocate(
         self,

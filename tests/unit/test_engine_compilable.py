@@ -4,9 +4,12 @@ pool's roles one chain (a compiled class has one base) in the order the facade h
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
+import kvcoord.engine
 from kvcoord.engine import KVCachePool, TokenIds, _mypyc
 from kvcoord.engine.managers.partial import CopyOnWrite, PartialFullAttentionManager, PartialMambaManager
 
@@ -17,7 +20,12 @@ def test_the_engine_runs_without_mypy_extensions() -> None:
         "import kvcoord.engine, kvcoord.engine.managers.partial\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    # the child imports this very engine (the checkout's client/, installed or not)
+    client = str(Path(kvcoord.engine.__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([client, os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60, env=env
+    )
     assert out.stdout.strip() == "ok"
 
 

@@ -474,17 +474,10 @@ class PoolService:
 
     def teardown(self) -> Iterator[None]:
         """Release a deleted pool's objects a slice at a time (yields between slices),
-        then let go of its engine and its parts.
-
-        The parts, and the calls this service forwards to them, refer back to it
-        (reference cycles), and the server moves whatever is alive out of the cyclic
-        collector's view from time to time (``gc.freeze``: registry.GcFreezer, a Step
-        applied in slices): a deleted pool frozen once kept its engine, parts, events
-        and sessions forever. Without them nothing of it is in a cycle, so reference
-        counting frees it, frozen or not, with no collector pass over the rest of the
-        heap. What is left are plain facts (name, config, fence, the closed event
-        journal) for a watcher still ending; every call that needs the engine fails
-        (no call reaches a deleted pool's service: the registry forgot it first).
+        then drop its engine, parts and the calls forwarded to them: they refer back to
+        it, and a pool the server froze (``gc.freeze``: GcFreezer, sliced Steps) would
+        keep them forever; without the cycles reference counting frees it. Plain facts
+        (name, config, fence, the closed event journal) stay for a watcher still ending.
         """
         yield from self.engine.teardown()
         parts = (self.syncs, self.reserving, self.allocations, self.event_feed, self.scoring, self.steps)

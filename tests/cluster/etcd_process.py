@@ -252,6 +252,39 @@ class EtcdCluster:
             if j != i:
                 proxy.cut_from(proc.pid)
 
+    def lead(self, i: int, timeout: float = 30.0) -> None:
+        """Until member ``i`` is the leader (etcd's MoveLeader, asked of the leader;
+        a bound, then the error)."""
+        import asyncio
+
+        import aetcd
+        from aetcd import rpc
+
+        async def move() -> bool:
+            status = {}
+            for j, port in enumerate(self.client_ports):
+                async with aetcd.Client(host="127.0.0.1", port=port, timeout=2) as c:
+                    status[j] = await c.maintenancestub.Status(rpc.StatusRequest(), timeout=2)
+            leader = next(j for j, s in status.items() if s.header.member_id == s.leader)
+            if leader == i:
+                return True
+            async with aetcd.Client(host="127.0.0.1", port=self.client_ports[leader], timeout=5) as c:
+                target = status[i].header.member_id
+                await c.maintenancestub.MoveLeader(rpc.MoveLeaderRequest(targetID=target), timeout=5)
+            return False
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if asyncio.run(move()):
+                    return
+            except Exception:  # noqa: BLE001 - no leader yet, or it changed meanwhile
+                if time.monotonic() > deadline:
+                    raise
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"etcd {self.names[i]} did not become the leader within {timeout} s")
+            time.sleep(0.2)
+
     def rejoin(self, i: int) -> None:
         """Heal what :meth:`isolate` cut; returns once member ``i`` answers a
         linearizable read again."""

@@ -6,7 +6,9 @@ it hang until their deadline. The other two keep the quorum. Real processes: a
 kvcoord replicas with the journal in the store, a client allocating and freeing in
 every pool meanwhile.
 
-r0 lists the member first (its channel uses it), r1 lists it last. Whatever r0 does
+r0 lists the member first (its channel uses it), r1 lists it last; the member is
+the leader when it is cut off (with replicas), or a follower (the store connection
+alone). Whatever r0 does
 (moves to a member of the majority and keeps its lease, or loses it and r1 takes its
 pools over from the store), every pool is served again by one replica, every
 acknowledged allocation is there, and no block is held by two requests (a deposed
@@ -100,6 +102,9 @@ def test_a_replica_whose_store_member_lost_the_quorum_loses_nothing(
         worker = Worker(targets, sessions)
         worker.start()
         time.sleep(2.0)
+        # the member cut off leads: until it sees it lost the quorum it still renews
+        # leases itself, and the majority has to elect a leader first
+        etcd3p.lead(CUT)
         etcd3p.isolate(CUT)
         isolated = True
         time.sleep(PARTITION)  # the client allocates and frees meanwhile
@@ -165,6 +170,7 @@ def test_the_store_connection_leaves_a_member_that_lost_the_quorum(
         isolated = False
         try:
             assert await _member_in_use(cluster.client, ids) == CUT
+            await asyncio.to_thread(etcd3p.lead, (CUT + 1) % 3)  # the member cut off follows
             etcd3p.isolate(CUT)
             isolated = True
             for _ in range(int(BOUND / 0.5)):
@@ -183,6 +189,45 @@ def test_the_store_connection_leaves_a_member_that_lost_the_quorum(
             if isolated:
                 await asyncio.to_thread(etcd3p.rejoin, CUT)
             await other.close()
+            await cluster.stop()
+
+    asyncio.run(run())
+
+
+def test_a_new_store_connection_is_never_made_to_a_member_without_a_leader(
+    etcd3p: EtcdCluster, request: pytest.FixtureRequest
+) -> None:
+    """Each new connection (ClusterStore.reconnect: a renewal failed) starts at the
+    next endpoint, round the list. A member cut off from the quorum still answers
+    etcd's Status (no leader needed), and the connection was made to it when its turn
+    came (a replica whose renewals failed twice on the majority, an election there,
+    went back to the member that can commit nothing, and lost another renewal there):
+    a member that names no leader is passed over while another endpoint has one."""
+    e = etcd3p.endpoints
+
+    async def run() -> None:
+        ids = await _member_ids(etcd3p)
+        cluster = Cluster(e, request.node.name[:40], Member("r0", "127.0.0.1:1001"), 3, 1.0)
+        await cluster.connect()
+        isolated = False
+        try:
+            assert await _member_in_use(cluster.client, ids) == 0
+            await asyncio.to_thread(etcd3p.lead, 1)
+            etcd3p.isolate(0)
+            isolated = True
+            for _ in range(int(BOUND / 0.2)):  # until member 0 knows it has no leader
+                async with cluster_store.store_client(e[0], 2.0) as alone:
+                    if (await alone.status()).leader is None:
+                        break
+                await asyncio.sleep(0.2)
+            used = []
+            for _ in range(2 * len(e)):  # every endpoint's turn comes, twice
+                assert await cluster.reconnect()
+                used.append(await _member_in_use(cluster.client, ids))
+            assert 0 not in used, f"connected to the member cut off from the quorum: {used}"
+        finally:
+            if isolated:
+                await asyncio.to_thread(etcd3p.rejoin, 0)
             await cluster.stop()
 
     asyncio.run(run())

@@ -159,6 +159,16 @@ def _targets(endpoints: list[str], turn: int = 0) -> list[str]:
     return endpoints
 
 
+def _candidates(endpoints: list[str], turn: int) -> list[str]:
+    """The targets a new connection tries, in order, starting at endpoint ``turn``:
+    :func:`_targets`, and when that is one target listing them all, that list started
+    at each endpoint in turn (its first is the one the channel connects to)."""
+    targets = _targets(endpoints, turn)
+    if len(targets) == 1 and len(endpoints) > 1:
+        return [_targets(endpoints, turn + k)[0] for k in range(len(endpoints))]
+    return targets
+
+
 def _is_ipv4(host: str) -> bool:
     parts = host.split(".")
     return len(parts) == 4 and all(p.isdigit() and int(p) < 256 for p in parts)
@@ -225,7 +235,8 @@ class ClusterStore:
 
     async def _connected(self) -> Any:
         """A new client of the first endpoint that answers, from endpoint number
-        :attr:`connects` on (a new channel: a new connection).
+        :attr:`connects` on (a new channel: a new connection); an endpoint whose member
+        names no leader (cut off from the quorum) only when none names one.
 
         Raises:
             ClusterError: no endpoint answers.
@@ -233,19 +244,37 @@ class ClusterStore:
         last: BaseException | None = None
         turn = self.connects
         self.connects += 1
-        for endpoint in _targets(self.endpoints, turn):
-            client = store_client(endpoint, self.timeout)
-            try:
-                await client.connect()
-                await client.status()
-            except asyncio.CancelledError:
-                await close_client(client, self.timeout)
-                raise
-            except Exception as exc:  # noqa: BLE001 - the next endpoint, then a ClusterError
-                last = exc
-                await close_client(client, self.timeout)
-                continue
-            return client
+        leaderless: Any = None
+        try:
+            for endpoint in _candidates(self.endpoints, turn):
+                client = store_client(endpoint, self.timeout)
+                try:
+                    await client.connect()
+                    status = await client.status()
+                except asyncio.CancelledError:
+                    await close_client(client, self.timeout)
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the next endpoint, then a ClusterError
+                    last = exc
+                    await close_client(client, self.timeout)
+                    continue
+                if status.leader is not None:
+                    if leaderless is not None:
+                        await close_client(leaderless, self.timeout)
+                    return client
+                # a member cut off from the quorum answers Status, and no renewal, read
+                # or write: the next endpoint first (it was taken when its turn came)
+                last = ClusterError(f"the cluster store member at {endpoint} has no leader")
+                if leaderless is None:
+                    leaderless, client = client, None
+                else:
+                    await close_client(client, self.timeout)
+        except BaseException:
+            if leaderless is not None:
+                await close_client(leaderless, self.timeout)
+            raise
+        if leaderless is not None:  # none has a leader now (an election): as before
+            return leaderless
         raise ClusterError(f"no cluster store endpoint answers ({', '.join(self.endpoints)}): {last!r}")
 
     async def reconnect(self) -> bool:

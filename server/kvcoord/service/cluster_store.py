@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from .cluster_endpoints import candidates
 from .ownership import Claim, Member, Ownership, decode_claim, decode_member, encode_claim, encode_member
 from .tasks import cancel_and_wait
 
@@ -145,35 +146,6 @@ async def follow_changes(client: Any, prefix: bytes, changed: Callable[[], None]
         call.cancel()
 
 
-def _targets(endpoints: list[str], turn: int = 0) -> list[str]:
-    """What to connect to, in order, starting at endpoint ``turn`` (modulo their
-    number). Endpoints that are all IPv4 addresses become one gRPC target listing them
-    all, so the channel moves to another store member by itself when the one it uses
-    dies (pick-first over the list); names are tried one by one at start (a Kubernetes
-    service name already leads to a live member)."""
-    first = turn % len(endpoints) if endpoints else 0
-    endpoints = endpoints[first:] + endpoints[:first]
-    hosts = [e.rpartition(":")[0] for e in endpoints]
-    if len(endpoints) > 1 and all(_is_ipv4(h) for h in hosts):
-        return ["ipv4:" + ",".join(endpoints)]
-    return endpoints
-
-
-def _candidates(endpoints: list[str], turn: int) -> list[str]:
-    """The targets a new connection tries, in order, starting at endpoint ``turn``:
-    :func:`_targets`, and when that is one target listing them all, that list started
-    at each endpoint in turn (its first is the one the channel connects to)."""
-    targets = _targets(endpoints, turn)
-    if len(targets) == 1 and len(endpoints) > 1:
-        return [_targets(endpoints, turn + k)[0] for k in range(len(endpoints))]
-    return targets
-
-
-def _is_ipv4(host: str) -> bool:
-    parts = host.split(".")
-    return len(parts) == 4 and all(p.isdigit() and int(p) < 256 for p in parts)
-
-
 class ClusterStore:
     """One replica's connection to the store: its lease, its view, its claims.
 
@@ -246,7 +218,7 @@ class ClusterStore:
         self.connects += 1
         leaderless: Any = None
         try:
-            for endpoint in _candidates(self.endpoints, turn):
+            for endpoint in candidates(self.endpoints, turn):
                 client = store_client(endpoint, self.timeout)
                 try:
                     await client.connect()

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from tcp_proxy import Proxy
 
 #: starts tried, each on fresh ports, when a port was taken before etcd bound it
 STARTS = 3
@@ -134,12 +135,16 @@ class Etcd:
 
 class EtcdCluster:
     """Three etcd members on 127.0.0.1 (a real Raft quorum: one member may die).
-    :meth:`kill` SIGKILLs a member, :meth:`restart` starts it again on its data."""
+    :meth:`kill` SIGKILLs a member, :meth:`restart` starts it again on its data.
+    With ``peer_proxies`` each member's peer URL is a :class:`~tcp_proxy.Proxy` to it:
+    :meth:`isolate` cuts one member off from the others (a minority partition; its
+    client port still answers), :meth:`rejoin` heals it."""
 
-    def __init__(self, tmp: Path, size: int = 3) -> None:
-        _start_over(lambda where: self._start_all(where, size), self.stop, tmp)
+    def __init__(self, tmp: Path, size: int = 3, peer_proxies: bool = False) -> None:
+        self.proxies: list[Proxy] = []
+        _start_over(lambda where: self._start_all(where, size, peer_proxies), self.stop, tmp)
 
-    def _start_all(self, tmp: Path, size: int) -> None:
+    def _start_all(self, tmp: Path, size: int, peer_proxies: bool) -> None:
         binary = etcd_binary()
         tmp.mkdir(parents=True)
         self.binary = binary
@@ -148,9 +153,14 @@ class EtcdCluster:
         ports = free_ports(2 * size)
         self.client_ports, self.peer_ports = ports[:size], ports[size:]
         self.endpoints = [f"127.0.0.1:{p}" for p in self.client_ports]
-        self.initial = ",".join(
-            f"{n}=http://127.0.0.1:{p}" for n, p in zip(self.names, self.peer_ports, strict=True)
-        )
+        if peer_proxies:
+            self.proxies = [Proxy(f"127.0.0.1:{p}") for p in self.peer_ports]
+        #: the peer URL each member advertises (its proxy's, with peer_proxies)
+        self.peer_urls = [
+            f"http://{self.proxies[i].address}" if self.proxies else f"http://127.0.0.1:{p}"
+            for i, p in enumerate(self.peer_ports)
+        ]
+        self.initial = ",".join(f"{n}={u}" for n, u in zip(self.names, self.peer_urls, strict=True))
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * size
         self._logs = [open(tmp / f"{n}.log", "ab") for n in self.names]  # noqa: SIM115 - closed in stop()
         for i in range(size):
@@ -188,7 +198,7 @@ class EtcdCluster:
              "--listen-client-urls", f"http://127.0.0.1:{client}",
              "--advertise-client-urls", f"http://127.0.0.1:{client}",
              "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-advertise-peer-urls", self.peer_urls[i],
              "--initial-cluster", self.initial, "--initial-cluster-state", "new",
              "--heartbeat-interval", "50", "--election-timeout", "500", "--log-level", "warn"],
             stdout=self._logs[i], stderr=subprocess.STDOUT,
@@ -231,6 +241,57 @@ class EtcdCluster:
         proc.send_signal(signal.SIGCONT)
         self.wait_serving(i, 30.0)
 
+    def isolate(self, i: int) -> None:
+        """Cut member ``i``'s peer links, both ways (peer_proxies): it keeps running
+        and answering its clients, without a leader and unable to commit; the others
+        keep the quorum."""
+        proc = self.procs[i]
+        assert self.proxies and proc is not None and proc.poll() is None
+        self.proxies[i].cut()
+        for j, proxy in enumerate(self.proxies):
+            if j != i:
+                proxy.cut_from(proc.pid)
+
+    def lead(self, i: int, timeout: float = 30.0) -> None:
+        """Until member ``i`` is the leader (etcd's MoveLeader, asked of the leader;
+        a bound, then the error)."""
+        import asyncio
+
+        import aetcd
+        from aetcd import rpc
+
+        async def move() -> bool:
+            status = {}
+            for j, port in enumerate(self.client_ports):
+                async with aetcd.Client(host="127.0.0.1", port=port, timeout=2) as c:
+                    status[j] = await c.maintenancestub.Status(rpc.StatusRequest(), timeout=2)
+            leader = next(j for j, s in status.items() if s.header.member_id == s.leader)
+            if leader == i:
+                return True
+            async with aetcd.Client(host="127.0.0.1", port=self.client_ports[leader], timeout=5) as c:
+                target = status[i].header.member_id
+                await c.maintenancestub.MoveLeader(rpc.MoveLeaderRequest(targetID=target), timeout=5)
+            return False
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if asyncio.run(move()):
+                    return
+            except Exception:  # noqa: BLE001 - no leader yet, or it changed meanwhile
+                if time.monotonic() > deadline:
+                    raise
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"etcd {self.names[i]} did not become the leader within {timeout} s")
+            time.sleep(0.2)
+
+    def rejoin(self, i: int) -> None:
+        """Heal what :meth:`isolate` cut; returns once member ``i`` answers a
+        linearizable read again."""
+        for proxy in self.proxies:
+            proxy.heal()
+        self.wait_serving(i, 30.0)
+
     def restart(self, i: int) -> None:
         """SIGKILL member ``i`` and start it again on its data; returns once it answers
         a linearizable read (it caught up with a leader: a read through it right after
@@ -271,3 +332,6 @@ class EtcdCluster:
                     proc.wait(10)
         for log in self._logs:
             log.close()
+        for proxy in self.proxies:
+            proxy.close()
+        self.proxies = []

@@ -1,13 +1,17 @@
 """A TCP proxy on loopback that a test can cut (every connection closed, new ones
 refused at once) and heal: a partition between one process and another; or deafen
 (what the target answers is dropped, what it is sent still reaches it): a request
-that is carried out while its answer is lost."""
+that is carried out while its answer is lost. :meth:`Proxy.cut_from` cuts only the
+connections one process makes (its peer links, the others' kept): a member of a
+cluster isolated from the others, each of whose peer URLs is a proxy."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
+from pathlib import Path
 
 
 class Proxy:
@@ -22,10 +26,14 @@ class Proxy:
         self.cut_off = threading.Event()
         self.closed = threading.Event()
         self.deaf = threading.Event()
+        #: processes whose connections are cut (cut_from), until heal
+        self.cut_pids: set[int] = set()
         #: connections accepted and forwarded so far
         self.accepted = 0
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
+        #: the accepted connection of each pair of sockets it forwards
+        self._accepted: dict[socket.socket, socket.socket] = {}
         self._thread = threading.Thread(target=self._accept, daemon=True)
         self._thread.start()
 
@@ -34,8 +42,31 @@ class Proxy:
         self.cut_off.set()
         self._close_all()
 
+    def cut_from(self, pid: int) -> None:
+        """Close every connection process ``pid`` made to the proxy and refuse its new
+        ones until :meth:`heal`; other processes' connections pass."""
+        self.cut_pids.add(pid)
+        with self._lock:
+            pairs = list(self._accepted.items())
+        for client, upstream in pairs:
+            if self._from_cut_pid(client):
+                for s in (client, upstream):
+                    with contextlib.suppress(OSError):
+                        s.shutdown(socket.SHUT_RDWR)
+
     def heal(self) -> None:
         self.cut_off.clear()
+        self.cut_pids.clear()
+
+    def _from_cut_pid(self, client: socket.socket) -> bool:
+        if not self.cut_pids:
+            return False
+        try:
+            port = client.getpeername()[1]
+        except OSError:
+            return False
+        inode = _socket_inode(port, self.server.getsockname()[1])
+        return inode is not None and any(_holds(pid, inode) for pid in list(self.cut_pids))
 
     def deafen(self) -> None:
         """Drop every byte the target sends from now on (requests still reach it)
@@ -59,6 +90,7 @@ class Proxy:
                 with contextlib.suppress(OSError):
                     s.close()
             self._sockets.clear()
+            self._accepted.clear()
 
     def _accept(self) -> None:
         while not self.closed.is_set():
@@ -68,7 +100,7 @@ class Proxy:
                 continue
             except OSError:
                 return
-            if self.cut_off.is_set():
+            if self.cut_off.is_set() or self._from_cut_pid(client):
                 client.close()
                 continue
             try:
@@ -79,6 +111,7 @@ class Proxy:
             upstream.settimeout(None)
             with self._lock:
                 self._sockets.update((client, upstream))
+                self._accepted[client] = upstream
                 self.accepted += 1
             for a, b, answers in ((client, upstream, False), (upstream, client, True)):
                 threading.Thread(target=self._pipe, args=(a, b, answers), daemon=True).start()
@@ -94,6 +127,37 @@ class Proxy:
         except OSError:
             pass
         finally:
+            with self._lock:
+                self._accepted.pop(src, None)
             for s in (src, dst):
                 with contextlib.suppress(OSError):
                     s.close()
+
+
+def _socket_inode(local_port: int, remote_port: int) -> str | None:
+    """The inode of this host's TCP socket 127.0.0.1:``local_port`` connected to
+    127.0.0.1:``remote_port`` (/proc/net/tcp; Linux), if any."""
+    want = (f"0100007F:{local_port:04X}", f"0100007F:{remote_port:04X}")
+    try:
+        lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if (fields[1], fields[2]) == want:
+            return fields[9]
+    return None
+
+
+def _holds(pid: int, inode: str) -> bool:
+    """Whether process ``pid`` has socket ``inode`` open."""
+    target = f"socket:[{inode}]"
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                return True
+    return False

@@ -192,11 +192,15 @@ def test_etcd_keeps_a_healthy_idle_connection(etcd3: EtcdCluster, request: pytes
 def test_a_new_connection_starts_at_the_next_endpoint() -> None:
     """reconnect()'s client tries the endpoints from the next one on (a member cut
     off from the quorum answers pings and no renewal: it is not the first tried again)."""
-    from kvcoord.service.cluster_store import _targets
+    from kvcoord.service.cluster_endpoints import candidates, targets
 
     ips = ["127.0.0.1:1", "127.0.0.2:2", "127.0.0.3:3"]
-    assert _targets(ips) == ["ipv4:127.0.0.1:1,127.0.0.2:2,127.0.0.3:3"]
-    assert _targets(ips, 1) == ["ipv4:127.0.0.2:2,127.0.0.3:3,127.0.0.1:1"]
-    assert _targets(ips, 4) == _targets(ips, 1)
-    assert _targets(["a:1", "b:2"], 1) == ["b:2", "a:1"]
-    assert _targets(["a:1"], 7) == ["a:1"]
+    assert targets(ips) == ["ipv4:127.0.0.1:1,127.0.0.2:2,127.0.0.3:3"]
+    assert targets(ips, 1) == ["ipv4:127.0.0.2:2,127.0.0.3:3,127.0.0.1:1"]
+    assert targets(ips, 4) == targets(ips, 1)
+    assert targets(["a:1", "b:2"], 1) == ["b:2", "a:1"]
+    assert targets(["a:1"], 7) == ["a:1"]
+    # a new connection tries each endpoint first in turn (one with a leader is taken)
+    assert candidates(ips, 1) == [targets(ips, 1)[0], targets(ips, 2)[0], targets(ips, 0)[0]]
+    assert candidates(["a:1", "b:2"], 1) == ["b:2", "a:1"]
+    assert candidates(["a:1"], 0) == ["a:1"]

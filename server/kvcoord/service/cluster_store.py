@@ -38,6 +38,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from .cluster_endpoints import candidates
 from .ownership import Claim, Member, Ownership, decode_claim, decode_member, encode_claim, encode_member
 from .tasks import cancel_and_wait
 
@@ -145,25 +146,6 @@ async def follow_changes(client: Any, prefix: bytes, changed: Callable[[], None]
         call.cancel()
 
 
-def _targets(endpoints: list[str], turn: int = 0) -> list[str]:
-    """What to connect to, in order, starting at endpoint ``turn`` (modulo their
-    number). Endpoints that are all IPv4 addresses become one gRPC target listing them
-    all, so the channel moves to another store member by itself when the one it uses
-    dies (pick-first over the list); names are tried one by one at start (a Kubernetes
-    service name already leads to a live member)."""
-    first = turn % len(endpoints) if endpoints else 0
-    endpoints = endpoints[first:] + endpoints[:first]
-    hosts = [e.rpartition(":")[0] for e in endpoints]
-    if len(endpoints) > 1 and all(_is_ipv4(h) for h in hosts):
-        return ["ipv4:" + ",".join(endpoints)]
-    return endpoints
-
-
-def _is_ipv4(host: str) -> bool:
-    parts = host.split(".")
-    return len(parts) == 4 and all(p.isdigit() and int(p) < 256 for p in parts)
-
-
 class ClusterStore:
     """One replica's connection to the store: its lease, its view, its claims.
 
@@ -225,7 +207,8 @@ class ClusterStore:
 
     async def _connected(self) -> Any:
         """A new client of the first endpoint that answers, from endpoint number
-        :attr:`connects` on (a new channel: a new connection).
+        :attr:`connects` on (a new channel: a new connection); an endpoint whose member
+        names no leader (cut off from the quorum) only when none names one.
 
         Raises:
             ClusterError: no endpoint answers.
@@ -233,19 +216,37 @@ class ClusterStore:
         last: BaseException | None = None
         turn = self.connects
         self.connects += 1
-        for endpoint in _targets(self.endpoints, turn):
-            client = store_client(endpoint, self.timeout)
-            try:
-                await client.connect()
-                await client.status()
-            except asyncio.CancelledError:
-                await close_client(client, self.timeout)
-                raise
-            except Exception as exc:  # noqa: BLE001 - the next endpoint, then a ClusterError
-                last = exc
-                await close_client(client, self.timeout)
-                continue
-            return client
+        leaderless: Any = None
+        try:
+            for endpoint in candidates(self.endpoints, turn):
+                client = store_client(endpoint, self.timeout)
+                try:
+                    await client.connect()
+                    status = await client.status()
+                except asyncio.CancelledError:
+                    await close_client(client, self.timeout)
+                    raise
+                except Exception as exc:  # noqa: BLE001 - the next endpoint, then a ClusterError
+                    last = exc
+                    await close_client(client, self.timeout)
+                    continue
+                if status.leader is not None:
+                    if leaderless is not None:
+                        await close_client(leaderless, self.timeout)
+                    return client
+                # a member cut off from the quorum answers Status, and no renewal, read
+                # or write: the next endpoint first (it was taken when its turn came)
+                last = ClusterError(f"the cluster store member at {endpoint} has no leader")
+                if leaderless is None:
+                    leaderless, client = client, None
+                else:
+                    await close_client(client, self.timeout)
+        except BaseException:
+            if leaderless is not None:
+                await close_client(leaderless, self.timeout)
+            raise
+        if leaderless is not None:  # none has a leader now (an election): as before
+            return leaderless
         raise ClusterError(f"no cluster store endpoint answers ({', '.join(self.endpoints)}): {last!r}")
 
     async def reconnect(self) -> bool:

@@ -20,6 +20,7 @@ from kvcoord.wire import (
     ids_from_pb,
     lora_from_pb,
     offloads_to_pb,
+    packed_decode_columns,
     stats_to_pb,
     write_ids,
 )
@@ -134,7 +135,8 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         return allocate_from_pb(o.allocate, num_groups)
     if kind == "decode":
         d = o.decode
-        return op.Decode(*_run_columns(d), d.must_succeed)
+        packed = packed_decode_columns(d)
+        return op.Decode(*(_run_columns(d) if packed is None else packed), d.must_succeed)
     if kind == "lookup":
         lk = o.lookup
         if not lk.hint and not lk.HasField("answered"):

@@ -189,7 +189,7 @@ def shaped(pb: Any, body: bytes, shape: str) -> list[Any]:
             out.append(o)
             run = None
     if shape == "packed":
-        from kvcoord.wire import write_packed_decode
+        from kvcoord.wire.columns import write_packed_decode
 
         for o in out:
             if o.HasField("decode"):

@@ -12,8 +12,8 @@ from kvcoord.engine import FullAttentionSpec, SlidingWindowSpec
 from kvcoord.service import operations as op
 from kvcoord.service.convert import operation_from_pb
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import WireError, packed_decode_columns, write_packed_decode
-from kvcoord.wire.columns import pack_uint32, unpack_uint32
+from kvcoord.wire import WireError
+from kvcoord.wire.columns import pack_uint32, packed_decode_columns, unpack_uint32, write_packed_decode
 from unit import test_decode_op
 from unit.test_decode_op import Driver
 

@@ -34,7 +34,8 @@ from typing import Any, TypeVar
 import grpc
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import stats_to_pb, write_packed_decode
+from kvcoord.wire import stats_to_pb
+from kvcoord.wire.columns import write_packed_decode
 
 from .answers import PredictionMismatchError, check_result, events_digest
 from .client import KVCoordClient

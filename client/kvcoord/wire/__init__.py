@@ -12,10 +12,10 @@ protobuf and the standard library (tests/unit/test_layers.py):
 - :mod:`.state`    an exclusive session's pool state (AttachResponse.pool_state)
 - :mod:`.hashes`   contract facts about block hashes (digest lengths)
 - :mod:`.pem`      PEM certificate and key readers (client channels, server listeners)
-- :mod:`.columns`  a DecodeOp's packed columns (little-endian uint32 arrays)
+- :mod:`.columns`  a DecodeOp's packed columns (little-endian uint32 arrays; imported from
+  the module itself, not re-exported here)
 """
 
-from .columns import packed_decode_columns, write_packed_decode
 from .errors import WireError
 from .events import (
     add_events,
@@ -62,7 +62,6 @@ __all__ = [
     "ConfigFileError",
     "ReplicaState",
     "WireError",
-    "packed_decode_columns",
     "add_events",
     "block_ids_to_pb",
     "config_from_pb",
@@ -91,6 +90,5 @@ __all__ = [
     "tables",
     "write_extra_key_sources",
     "write_ids",
-    "write_packed_decode",
     "write_pool_state",
 ]

@@ -20,10 +20,10 @@ from kvcoord.wire import (
     ids_from_pb,
     lora_from_pb,
     offloads_to_pb,
-    packed_decode_columns,
     stats_to_pb,
     write_ids,
 )
+from kvcoord.wire.columns import packed_decode_columns
 
 from . import operations as op
 from .errors import ServiceError, Status, bounded

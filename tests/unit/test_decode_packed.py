@@ -83,13 +83,17 @@ def test_packed_values_are_little_endian_uint32() -> None:
         pack_uint32([2**32])
 
 
-def test_hashes_of_different_lengths_are_sent_repeated() -> None:
-    """Only the repeated form carries hashes of several lengths: the client writes it."""
+@pytest.mark.parametrize("other", [b"k" * 31, b""])
+def test_hashes_of_different_lengths_or_empty_are_sent_repeated(other: bytes) -> None:
+    """Only the repeated form carries hashes of several lengths, or empty ones: the
+    client writes it."""
     d = sample()
-    d.append_block_hashes[1] = b"k" * 31
+    d.append_block_hashes[1] = other
     p = packed(d)
     assert not p.packed_append_block_hashes and not p.packed_base_num_tokens
     assert p == d
+    d.append_block_hashes[0] = other  # all of one length: packed, unless empty
+    assert (packed(d) == d) == (not other)
 
 
 def test_an_empty_run_is_read_as_no_entries() -> None:

@@ -141,11 +141,12 @@ class _ColumnLists:
 
 def write_packed_decode(d: pb.DecodeOp, run: _Writes) -> None:
     """``run``'s columns written into ``d`` in the packed form; in the repeated form
-    when its appended hashes are not all of one length (which only that form carries)."""
+    when its appended hashes are not all of one length, or are empty (which only that
+    form carries: the server then answers them as it answers any such hash)."""
     c = _ColumnLists()
     run.write(c)
     hashes = c.append_block_hashes
-    if len(set(map(len, hashes))) > 1:
+    if len(set(map(len, hashes))) > 1 or (hashes and not hashes[0]):
         run.write(d)
         return
     d.request_ids.extend(c.request_ids)

@@ -15,7 +15,10 @@ against each server, so every code sees the same calls. Shapes:
   run   the same calls, the allocations of registered requests as one AllocateRunOp
         (columns; what the predicting client's sender sends to a server without DecodeOp)
   columnar  the same runs as one DecodeOp each (the same columns, refusable entries;
-        what the predicting client sends to a server listing "decode_op")
+        what the predicting client sent to a server listing "decode_op" before the
+        packed form), its columns repeated fields
+  packed    the same DecodeOps with their columns packed (the ``packed_*`` fields: one
+        bytes field per column; what the predicting client sends now). This checkout only
 
 For each code (this checkout, and with ``--old REV`` that git revision's client and
 server, ``git archive``d) and shape, in turns for ``--rounds`` rounds:
@@ -48,11 +51,12 @@ Every allocation's new block ids are digested per shape and code: a line says wh
 every code and shape answered the same blocks (they must). ``--profile``: the
 in-process child of this checkout prints a cProfile of the loop thread instead.
 
-``--baseline REV``: three servers at once, each sent every Step in turn: REV's with
+``--baseline REV``: four servers at once, each sent every Step in turn: REV's with
 unary Steps of runs (what a server without DecodeOp or StepStream served best: the code
 at issue 23's filing is a2bf467), this checkout's the same way, and this checkout's with
-streamed DecodeOps (what the predicting client sends); each one's server CPU per
-operation and its median per-round ratio to REV's.
+streamed DecodeOps, columns repeated (columnar) and packed (what the predicting client
+sends); each one's server CPU per operation and its median per-round ratio to REV's,
+and the packed one's to the columnar one's (paired: the packed form's gain).
 
 ``--engine-build DIR``: DIR holds this checkout's engine compiled by mypyc (built by
 ``python bench/compile_engine.py DIR``), put first on the path of a code "compiled": this checkout
@@ -164,7 +168,7 @@ def shaped(pb: Any, body: bytes, shape: str) -> list[Any]:
     for o in ops:
         if o.HasField("allocate") and not o.allocate.request.new_request:
             if run is None:
-                if shape == "columnar":
+                if shape in ("columnar", "packed"):
                     out.append(pb.Operation(decode=pb.DecodeOp()))
                     run = out[-1].decode
                 else:
@@ -184,7 +188,27 @@ def shaped(pb: Any, body: bytes, shape: str) -> list[Any]:
         else:
             out.append(o)
             run = None
+    if shape == "packed":
+        from kvcoord.wire.columns import write_packed_decode
+
+        for o in out:
+            if o.HasField("decode"):
+                columns = _Columns(o.decode)
+                o.decode.Clear()
+                write_packed_decode(o.decode, columns)
     return out
+
+
+class _Columns:
+    """A repeated-form DecodeOp's columns, written as the client's ColumnRun writes its
+    own (for :func:`~kvcoord.wire.write_packed_decode`)."""
+
+    def __init__(self, d: Any) -> None:
+        self.values = [(f.name, list(v)) for f, v in d.ListFields() if f.name != "must_succeed"]
+
+    def write(self, into: Any) -> None:
+        for name, values in self.values:
+            getattr(into, name).extend(values)
 
 
 def weight(body: bytes, pb: Any) -> int:
@@ -484,8 +508,9 @@ def baseline(old: Path, trace: Path, args: argparse.Namespace) -> None:
         ("grpc", "base", old, "run"),
         ("grpc", "new", ROOT, "run"),
         ("grpc-stream", "new", ROOT, "columnar"),
+        ("grpc-stream", "new", ROOT, "packed"),
         *((where, code, ROOT, shape) for code in ENGINE_BUILDS for where, _, _, shape in
-          [("grpc", "", "", "run"), ("grpc-stream", "", "", "columnar")]),
+          [("grpc", "", "", "run"), ("grpc-stream", "", "", "packed")]),
     ]  # fmt: skip
     rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for rnd in range(args.rounds):
@@ -509,8 +534,11 @@ def baseline(old: Path, trace: Path, args: argparse.Namespace) -> None:
             f"| {' | '.join(key)} | {statistics.median(r['us_op'] for r in rs):.2f} | {ratio:.2f} | "
             f"{statistics.median(r['p50'] for r in rs):.2f} | {statistics.median(r['mean'] for r in rs):.2f} |"
         )
+    pairs = zip(rows[("grpc-stream", "new", "packed")], rows[("grpc-stream", "new", "columnar")], strict=True)
+    ratio = statistics.median(p["us_op"] / c["us_op"] for p, c in pairs)
+    print(f"\ngrpc-stream new: packed/columnar server CPU per op (paired, median per round) {ratio:.3f}")
     for code in ENGINE_BUILDS:
-        for where, shape in (("grpc", "run"), ("grpc-stream", "columnar")):
+        for where, shape in (("grpc", "run"), ("grpc-stream", "packed")):
             pairs = zip(rows[(where, code, shape)], rows[(where, "new", shape)], strict=True)
             ratio = statistics.median(c["us_op"] / n["us_op"] for c, n in pairs)
             print(f"{where} {shape}: {code}/new server CPU per op (paired, median per round) {ratio:.2f}")
@@ -537,7 +565,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=300, help="measured Steps")
     ap.add_argument("--warmup", type=int, default=100, help="Steps applied before measuring")
     ap.add_argument(
-        "--shapes", nargs="+", default=["ops", "run", "columnar"], choices=["ops", "run", "columnar"]
+        "--shapes",
+        nargs="+",
+        default=["ops", "run", "columnar"],
+        choices=["ops", "run", "columnar", "packed"],
     )
     ap.add_argument("--old", help="a git revision to compare against (its client and server)")
     ap.add_argument("--rounds", type=int, default=1)

@@ -174,7 +174,7 @@ def main() -> None:
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--running", type=int, default=256)
-    ap.add_argument("--shape", default="columnar", choices=["ops", "run", "columnar"])
+    ap.add_argument("--shape", default="columnar", choices=["ops", "run", "columnar", "packed"])
     ap.add_argument("--old", help="a git revision to compare against (its client and server)")
     ap.add_argument("--warmup", type=int, default=WARM, help="Steps applied before the counted ones")
     ap.add_argument("--path", default="apply", choices=["apply", "served"], help="see the module's docstring")

@@ -1,11 +1,12 @@
 """Where a served Step's CPU goes: the handler, the loop thread around it, the other threads. Not a test.
 
     PYTHONPATH=client:server python bench/step_split.py [--running 64 256] [--steps 1000] \
-        [--warmup 100] [--old REV] [--rounds 3] [--metrics] [--loop-detail] [--stream] \
+        [--warmup 100] [--old REV] [--rounds 3] [--metrics] [--loop-detail] [--stream] [--shape packed] \
         [--new-env KEY=VALUE ...]
 
 The Steps are decode_cpu.py's (one workers.py worker's scheduler, ``--running``
-requests in decode, the columnar shape), sent unary one after another from one client (``--stream``: as
+requests in decode, the columnar shape; ``--shape packed``: its DecodeOps' columns
+packed, what the predicting client sends, which only code since fix-cols23 reads), sent unary one after another from one client (``--stream``: as
 the messages of the client's StepStream, one at a time).
 Each code (this checkout, and with ``--old REV`` that revision's client and server)
 runs as a ``kvcoord serve`` process started through this file's ``serve`` mode, which
@@ -206,7 +207,7 @@ def run_round(
     from kvcoord.v1 import allocator_pb2 as pb
 
     bodies = D.load(trace)
-    reqs = [D.shaped(pb, b, "columnar") for b in bodies]
+    reqs = [D.shaped(pb, b, args.shape) for b in bodies]
     runs: dict[str, dict[str, Any]] = {}
     try:
         for code, tree in trees.items():
@@ -299,6 +300,7 @@ def main() -> None:
     ap.add_argument("--metrics", action="store_true", help="the servers also serve /metrics")
     ap.add_argument("--loop-detail", action="store_true", help="count and time the loop's select calls")
     ap.add_argument("--stream", action="store_true", help="Steps on the client's StepStream (else unary)")
+    ap.add_argument("--shape", choices=["columnar", "packed"], default="columnar", help="DecodeOps' columns")
     ap.add_argument(
         "--new-env", nargs="*", default=[], metavar="KEY=VALUE",
         help="environment of this checkout's server only (with --old HEAD: a setting against none)",
@@ -321,7 +323,7 @@ def main() -> None:
                     flush=True,
                 )
         D.print_table_head(
-            f"{running} running, {args.steps} measured Steps, {'stream' if args.stream else 'unary'}, columnar; medians over {args.rounds} round(s)",
+            f"{running} running, {args.steps} measured Steps, {'stream' if args.stream else 'unary'}, {args.shape}; medians over {args.rounds} round(s)",
             args.metrics,
             ["code", "µs/op", "µs/Step", "handler", "loop outside", "other threads", "gc (n)", "bounds", "parse",
              "select (n)", "layers"],

@@ -35,6 +35,7 @@ import grpc
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import stats_to_pb
+from kvcoord.wire.columns import write_packed_decode
 
 from .answers import PredictionMismatchError, check_result, events_digest
 from .client import KVCoordClient
@@ -455,7 +456,9 @@ class StepSender(StepGathering):
         for op, run in sent.runs:
             if decode:
                 op.decode.must_succeed = True
-            run.write(op.decode if decode else op.allocate_run)
+                write_packed_decode(op.decode, run)
+            else:
+                run.write(op.allocate_run)
         resp = self._send(sent.request)
         for i, (result, expected) in enumerate(zip(resp.results, sent.expected, strict=True)):
             check_result(i, result, expected)

@@ -533,7 +533,7 @@ class AllocateRunOp(_message.Message):
     def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., base_num_tokens: _Optional[_Iterable[int]] = ..., base_num_hashes: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., num_append_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., num_append_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., check_request_ids: _Optional[_Iterable[str]] = ..., check_at: _Optional[_Iterable[int]] = ..., check_num_computed_tokens: _Optional[_Iterable[int]] = ..., check_num_new_tokens: _Optional[_Iterable[int]] = ..., check_num_lookahead_tokens: _Optional[_Iterable[int]] = ..., check_num_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DecodeOp(_message.Message):
-    __slots__ = ("request_ids", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "num_new_tokens", "num_lookahead_tokens", "num_append_tokens", "append_token_ids", "num_append_hashes", "append_block_hashes", "must_succeed")
+    __slots__ = ("request_ids", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "num_new_tokens", "num_lookahead_tokens", "num_append_tokens", "append_token_ids", "num_append_hashes", "append_block_hashes", "must_succeed", "packed_base_num_tokens", "packed_base_num_hashes", "packed_num_computed_tokens", "packed_num_new_tokens", "packed_num_lookahead_tokens", "packed_num_append_tokens", "packed_append_token_ids", "packed_num_append_hashes", "packed_append_block_hashes", "packed_hash_length")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     BASE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     BASE_NUM_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -545,6 +545,16 @@ class DecodeOp(_message.Message):
     NUM_APPEND_HASHES_FIELD_NUMBER: _ClassVar[int]
     APPEND_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     MUST_SUCCEED_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BASE_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_BASE_NUM_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_NUM_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_NUM_APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_NUM_APPEND_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_APPEND_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PACKED_HASH_LENGTH_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     base_num_tokens: _containers.RepeatedScalarFieldContainer[int]
     base_num_hashes: _containers.RepeatedScalarFieldContainer[int]
@@ -556,7 +566,17 @@ class DecodeOp(_message.Message):
     num_append_hashes: _containers.RepeatedScalarFieldContainer[int]
     append_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
     must_succeed: bool
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., base_num_tokens: _Optional[_Iterable[int]] = ..., base_num_hashes: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., num_append_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., num_append_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., must_succeed: _Optional[bool] = ...) -> None: ...
+    packed_base_num_tokens: bytes
+    packed_base_num_hashes: bytes
+    packed_num_computed_tokens: bytes
+    packed_num_new_tokens: bytes
+    packed_num_lookahead_tokens: bytes
+    packed_num_append_tokens: bytes
+    packed_append_token_ids: bytes
+    packed_num_append_hashes: bytes
+    packed_append_block_hashes: bytes
+    packed_hash_length: int
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., base_num_tokens: _Optional[_Iterable[int]] = ..., base_num_hashes: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., num_lookahead_tokens: _Optional[_Iterable[int]] = ..., num_append_tokens: _Optional[_Iterable[int]] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., num_append_hashes: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., must_succeed: _Optional[bool] = ..., packed_base_num_tokens: _Optional[bytes] = ..., packed_base_num_hashes: _Optional[bytes] = ..., packed_num_computed_tokens: _Optional[bytes] = ..., packed_num_new_tokens: _Optional[bytes] = ..., packed_num_lookahead_tokens: _Optional[bytes] = ..., packed_num_append_tokens: _Optional[bytes] = ..., packed_append_token_ids: _Optional[bytes] = ..., packed_num_append_hashes: _Optional[bytes] = ..., packed_append_block_hashes: _Optional[bytes] = ..., packed_hash_length: _Optional[int] = ...) -> None: ...
 
 class DecodeResult(_message.Message):
     __slots__ = ("num_applied", "num_new_blocks", "new_block_ids", "refused")

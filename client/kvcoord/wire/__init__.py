@@ -12,6 +12,8 @@ protobuf and the standard library (tests/unit/test_layers.py):
 - :mod:`.state`    an exclusive session's pool state (AttachResponse.pool_state)
 - :mod:`.hashes`   contract facts about block hashes (digest lengths)
 - :mod:`.pem`      PEM certificate and key readers (client channels, server listeners)
+- :mod:`.columns`  a DecodeOp's packed columns (little-endian uint32 arrays; imported from
+  the module itself, not re-exported here)
 """
 
 from .errors import WireError

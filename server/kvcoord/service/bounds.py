@@ -199,6 +199,10 @@ ELSEWHERE: Mapping[str, str] = {
     "RequestSync.append_block_hashes[]": "the pool's hash length (engine)",
     "AllocateRunOp.append_block_hashes[]": "the pool's hash length (engine)",
     "DecodeOp.append_block_hashes[]": "the pool's hash length (engine)",
+    # the packed form of a DecodeOp's columns (one bytes field each, read in one call)
+    **{f"DecodeOp.packed_{name}": "4 bytes per entry (request_ids)" for name in _ENTRY_COLUMNS},
+    "DecodeOp.packed_append_token_ids": "max_message_bytes",
+    "DecodeOp.packed_append_block_hashes": "max_message_bytes",
 }
 
 
@@ -340,6 +344,8 @@ def _source(d: Descriptor, name: str, subs: dict[str, str]) -> list[str]:
                 f"if v and max(map(len, v)) > {value}:",
                 f"    raise _element_too_long({'.' + f.name!r}, v, {value}, {setting})",
             ]
+        elif text and key in ELSEWHERE:
+            pass
         elif text:
             value, setting = _bound_expr(BOUNDS.get(key, _UNCHECKED_STRING))
             unit = "bytes" if f.type == FieldDescriptor.TYPE_BYTES else "characters"

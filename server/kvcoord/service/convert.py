@@ -23,6 +23,7 @@ from kvcoord.wire import (
     stats_to_pb,
     write_ids,
 )
+from kvcoord.wire.columns import packed_decode_columns
 
 from . import operations as op
 from .errors import ServiceError, Status, bounded
@@ -134,7 +135,8 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
         return allocate_from_pb(o.allocate, num_groups)
     if kind == "decode":
         d = o.decode
-        return op.Decode(*_run_columns(d), d.must_succeed)
+        packed = packed_decode_columns(d)
+        return op.Decode(*(_run_columns(d) if packed is None else packed), d.must_succeed)
     if kind == "lookup":
         lk = o.lookup
         if not lk.hint and not lk.HasField("answered"):

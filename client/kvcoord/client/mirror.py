@@ -170,12 +170,14 @@ class Mirror:
 
     def grow(
         self, request_id: str, computed: int, tokens: Sequence[int], hashes: Sequence[bytes], num_new_tokens: int,
-        num_lookahead_tokens: int,
+        num_lookahead_tokens: int, inside_checked: bool = False,
     ) -> BlockIds | None:  # fmt: skip
         """A registered request's run entry (``RequestTracker.sync_run``'s values, then
         an allocation without a hit, in one engine call): its update and its new blocks
         per group, or ``None`` when too few blocks are free (the update kept, as the
-        server keeps it). Refused by the engine: nothing changed.
+        server keeps it). Refused by the engine: nothing changed. ``inside_checked``:
+        :attr:`decode_token` of these values just answered ``None`` (the engine's
+        ``update_and_allocate`` does not check it again).
 
         Raises:
             KVCoordError: the engine refuses the update or the allocation.
@@ -184,7 +186,7 @@ class Mirror:
             _check_wire_tokens(request_id, tokens)
         try:
             new = self._update_and_allocate(
-                request_id, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens
+                request_id, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens, inside_checked
             )
         except EngineError as err:
             raise engine_error(err) from None

@@ -221,6 +221,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         tokens: Sequence[int]
         hashes: Sequence[bytes]
         step = tracker.next_token(request)
+        checked = False
         if step is not None:  # a decode step, above all one inside its blocks: no sync made, one engine check
             base_t, base_h, token, computed, was = step
             if type(token) is int and token <= UINT32_MAX:  # (else grow names it)
@@ -230,6 +231,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
                         rid, base_t, base_h, (token,), (), computed, num_new_tokens, num_lookahead_tokens, new
                     )
                     return new
+                checked = True  # (a block to take: grow does not check it again)
             mark, tokens, hashes = (base_t, base_h, was, True), (token,), ()  # (as sync_run gives them)
         else:
             fields = tracker.sync_run(request)
@@ -237,7 +239,9 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
                 return NOT_TAKEN
             mark, base_t, base_h, tokens, hashes, computed = fields
         try:
-            new = self.mirror.grow(rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens)
+            new = self.mirror.grow(
+                rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens, checked
+            )
         except BaseException:
             tracker.restore({rid: mark})
             raise

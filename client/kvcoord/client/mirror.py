@@ -170,12 +170,14 @@ class Mirror:
 
     def grow(
         self, request_id: str, computed: int, tokens: Sequence[int], hashes: Sequence[bytes], num_new_tokens: int,
-        num_lookahead_tokens: int,
+        num_lookahead_tokens: int, inside_checked: bool = False,
     ) -> BlockIds | None:  # fmt: skip
         """A registered request's run entry (``RequestTracker.sync_run``'s values, then
         an allocation without a hit, in one engine call): its update and its new blocks
         per group, or ``None`` when too few blocks are free (the update kept, as the
-        server keeps it). Refused by the engine: nothing changed.
+        server keeps it). Refused by the engine: nothing changed. ``inside_checked``:
+        :attr:`decode_token` of these values just answered ``None`` (the engine's
+        ``update_and_allocate`` does not check it again).
 
         Raises:
             KVCoordError: the engine refuses the update or the allocation.
@@ -184,7 +186,7 @@ class Mirror:
             _check_wire_tokens(request_id, tokens)
         try:
             new = self._update_and_allocate(
-                request_id, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens
+                request_id, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens, inside_checked
             )
         except EngineError as err:
             raise engine_error(err) from None
@@ -355,14 +357,10 @@ def wire_tokens(request_id: str, tokens: Sequence[int]) -> Sequence[int]:
     handed = type(tokens) is HandedTokenIds
     if n >= _CHECK_IN_BULK and _UINT32_ARRAY:
         try:
-            # (``array`` reads only an exact list or tuple in one C pass: a list subclass,
-            # such as a HandedTokenIds, goes element by element, about 5 x slower than a
-            # copy as a plain list and the pass over it; its slice is that exact list, made
-            # by one C copy, where ``list()`` iterates it)
-            array(
-                _UINT32_ARRAY,
-                tokens if type(tokens) is list else tokens[:] if isinstance(tokens, list) else list(tokens),
-            )
+            # (``fromlist`` reads any list, a HandedTokenIds included, in one C pass with
+            # no copy; ``array(code, tokens)`` would read a list subclass element by
+            # element, about 5 x slower)
+            array(_UINT32_ARRAY).fromlist(tokens if isinstance(tokens, list) else list(tokens))
         except (OverflowError, TypeError, ValueError):
             pass
         else:

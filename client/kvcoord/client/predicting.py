@@ -111,6 +111,8 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         #: empty lists are not to be changed), which vLLM's adapter answers with vLLM's
         #: shared empty blocks
         self.no_blocks = KVCacheBlockIds(tuple([] for _ in cfg.groups))
+        #: the engine's form of an empty hit (:meth:`lookup_ids`)
+        self.no_hit: BlockIds = tuple(() for _ in cfg.groups)
 
     def _attach(self) -> pb.AttachResponse:
         """Attach exclusively and load the mirror from the answer's engine state.
@@ -147,9 +149,15 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
     # -- KVCacheManager interface ------------------------------------------------------------
     def get_computed_blocks(self, request: Any) -> tuple[KVCacheBlockIds, int]:
         """The longest prefix hit, answered now (the server checks it)."""
+        block_ids, num_tokens = self.lookup_ids(request)
+        return KVCacheBlockIds(tuple([list(g) for g in block_ids])), num_tokens
+
+    def lookup_ids(self, request: Any) -> tuple[BlockIds, int]:
+        """:meth:`get_computed_blocks`'s hit as the engine's block id tuples per group
+        (not to be changed: vLLM's adapter reads them in place) and its token count."""
         self._settled()
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
-            return KVCacheBlockIds(tuple([] for _ in self.config.groups)), 0
+            return self.no_hit, 0
         op, sync, mark, undo = self._synced(request)
         try:
             block_ids, num_tokens = self.mirror.lookup(sync.request_id)
@@ -167,7 +175,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
             answered.num_tokens = num_tokens
 
         self.sender.later(write)
-        return KVCacheBlockIds(tuple([list(g) for g in block_ids])), num_tokens
+        return block_ids, num_tokens
 
     def allocate_slots(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlockIds | None = None, num_lookahead_tokens: int = 0,
@@ -221,6 +229,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         tokens: Sequence[int]
         hashes: Sequence[bytes]
         step = tracker.next_token(request)
+        checked = False
         if step is not None:  # a decode step, above all one inside its blocks: no sync made, one engine check
             base_t, base_h, token, computed, was = step
             if type(token) is int and token <= UINT32_MAX:  # (else grow names it)
@@ -230,6 +239,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
                         rid, base_t, base_h, (token,), (), computed, num_new_tokens, num_lookahead_tokens, new
                     )
                     return new
+                checked = True  # (a block to take: grow does not check it again)
             mark, tokens, hashes = (base_t, base_h, was, True), (token,), ()  # (as sync_run gives them)
         else:
             fields = tracker.sync_run(request)
@@ -237,7 +247,9 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
                 return NOT_TAKEN
             mark, base_t, base_h, tokens, hashes, computed = fields
         try:
-            new = self.mirror.grow(rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens)
+            new = self.mirror.grow(
+                rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens, checked
+            )
         except BaseException:
             tracker.restore({rid: mark})
             raise
@@ -312,10 +324,9 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         tracker = self.tracker
         if tracker.lost:
             tracker.lost.discard(rid)  # a lost request the scheduler frees is settled
-        if rid not in tracker:
+        if not tracker.drop(rid):
             return  # never sent (or lost with its session): nothing to free
         self.mirror.free_if_held(rid)
-        tracker.drop(rid)
         self.sender.op().free.request_id = rid
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:

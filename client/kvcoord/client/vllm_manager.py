@@ -158,7 +158,8 @@ class KVCoordKVCacheManager(AdapterLosses):
         #: session's background Step met it; see surface_losses)
         self.surfaced = 0
         self._last_usage = 0.0
-        #: a predicted session's allocation of a running request (see ``allocate_slots``)
+        #: a predicted session's allocation of a running request (see ``allocate_slots``);
+        #: set, its lookups read the engine's hit in place (``get_computed_blocks``)
         self._allocate_running = (
             remote.allocate_running if isinstance(remote, PredictingKVCacheManager) else None
         )
@@ -260,8 +261,13 @@ class KVCoordKVCacheManager(AdapterLosses):
         self._seen(request)
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return self.empty_kv_cache_blocks, 0
-        hit, num_tokens = self.remote.get_computed_blocks(request)
-        ids = hit.get_block_ids()
+        ids: Sequence[Sequence[int]]
+        remote = self.remote
+        if self._allocate_running is not None and isinstance(remote, PredictingKVCacheManager):
+            ids, num_tokens = remote.lookup_ids(request)  # a predicted session's hit: the engine's tuples
+        else:
+            hit, num_tokens = remote.get_computed_blocks(request)
+            ids = hit.get_block_ids()
         if not any(ids):
             return self.empty_kv_cache_blocks, num_tokens
         # hit blocks are cached blocks: each one holds its hash
@@ -354,11 +360,20 @@ class KVCoordKVCacheManager(AdapterLosses):
             for group in ids:
                 self._evicted.difference_update(group)
 
-    @absorbing(lambda *_: None)
     def free(self, request: Any) -> None:
-        self._held.pop(request.request_id, None)
-        self._tables.pop(request.request_id, None)
-        self.remote.free(request)
+        # (``absorbing``'s rule written out: every finished request's call)
+        rid = request.request_id
+        self._held.pop(rid, None)
+        tables = self._tables
+        if tables:
+            tables.pop(rid, None)
+        if not self.absorbing:
+            self.remote.free(request)
+            return
+        try:
+            self.remote.free(request)
+        except KVCoordError as err:
+            self._absorb(err)
 
     @absorbing(lambda *_: None)
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:

@@ -160,6 +160,7 @@ class FastPaths(PoolLookups):
         append_block_hashes: Sequence[bytes],
         num_new_tokens: int,
         num_lookahead_tokens: int = 0,
+        inside_checked: bool = False,
     ) -> BlockIds | None:
         """:meth:`update_request` then :meth:`allocate_slots` without a hit, in one call
         (a running request's step, above all a decode): the same checks and the same
@@ -167,7 +168,9 @@ class FastPaths(PoolLookups):
         update back with it. A ``None`` answer (too few free blocks) keeps the update,
         as the two calls would. ``num_computed_tokens`` ``None`` leaves the count as it is.
         A decode step inside the request's blocks is answered without either call
-        (:meth:`_decode_inside_blocks`: the same state and answer).
+        (:meth:`_decode_inside_blocks`: the same state and answer); ``inside_checked``:
+        the caller's :meth:`decode_token` of these very values just answered ``None``
+        (so that check would fail: it is not made again).
 
         Raises:
             RequestNotFoundError, InvalidArgumentError, FailedPreconditionError: as the
@@ -176,13 +179,17 @@ class FastPaths(PoolLookups):
         req = self.requests.get(request_id)
         if req is None:
             raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
-        if self.decode_fast_path and self._decode_inside_blocks(
-            req,
-            num_computed_tokens,
-            append_token_ids,
-            append_block_hashes,
-            num_new_tokens,
-            num_lookahead_tokens,
+        if (
+            self.decode_fast_path
+            and not inside_checked
+            and self._decode_inside_blocks(
+                req,
+                num_computed_tokens,
+                append_token_ids,
+                append_block_hashes,
+                num_new_tokens,
+                num_lookahead_tokens,
+            )
         ):
             return self._no_new_blocks
         before = (len(req.all_token_ids), len(req.block_hashes), req.num_computed_tokens)

@@ -16,15 +16,18 @@ from kvcoord.v1 import allocator_pb2 as pb
 SHARED_PREFIXES_SEED = 99
 
 
-def pool_config(num_blocks: int = 300) -> pb.PoolConfig:
-    """full16 + sliding16 (w64): small enough that four workers hit refusals."""
+def pool_config(num_blocks: int = 300, block_size: int = 16, window: int = 64) -> pb.PoolConfig:
+    """full + sliding window, by default full16 + sliding16 (w64): small enough that four
+    workers hit refusals."""
     return pb.PoolConfig(
         num_blocks=num_blocks,
         groups=[
-            pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=16)),
-            pb.KVCacheGroupSpec(sliding_window=pb.SlidingWindowSpec(block_size=16, sliding_window=64)),
+            pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=block_size)),
+            pb.KVCacheGroupSpec(
+                sliding_window=pb.SlidingWindowSpec(block_size=block_size, sliding_window=window)
+            ),
         ],
-        hash_block_size=16,
+        hash_block_size=block_size,
         enable_caching=True,
         enable_kv_cache_events=True,
         max_model_len=2048,

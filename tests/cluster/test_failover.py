@@ -23,7 +23,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import allocate
 from support import child_pids
 from tcp_proxy import Proxy
-from test_replicas import POOL_CONFIG, claims
+from test_replicas import POOL_CONFIG, claims, placed_many
 
 REPLICAS = ("r0", "r1", "r2")
 LEASE = 3
@@ -142,16 +142,17 @@ def check(targets: list[str], worker: Worker) -> None:
             assert len(blocks) == len(set(blocks)), f"{pool}: a block held by two requests"
 
 
-def _placed(replica: str, count: int, taken: list[str]) -> list[str]:
-    members = [Member(r, "") for r in REPLICAS]
-    out = []
-    for i in range(1000):
-        name = f"f{i}"
-        if name not in taken and owner_of(name, members).replica_id == replica:  # type: ignore[union-attr]
-            out.append(name)
-            if len(out) == count:
-                return out
-    raise AssertionError("no pool name placed there")
+def create_and_attach(
+    targets: list[str], pools: list[str], lease_seconds: int
+) -> dict[str, tuple[str, object]]:
+    """Create each pool and attach one session to it: pool -> (session id, fence)."""
+    sessions: dict[str, tuple[str, object]] = {}
+    with KVCoordClient(targets) as c:
+        for pool in pools:
+            c.create_pool(pool, POOL_CONFIG)
+            s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=lease_seconds)
+            sessions[pool] = (s.session_id, s.fence)
+    return sessions
 
 
 def test_pools_fail_over_without_loss_when_owners_and_store_members_die(
@@ -171,15 +172,8 @@ def test_pools_fail_over_without_loss_when_owners_and_store_members_die(
         for r in REPLICAS:
             start(r)
         # two pools placed on each replica
-        pools: list[str] = []
-        for r in REPLICAS:
-            pools += _placed(r, 2, pools)
-        sessions: dict[str, tuple[str, object]] = {}
-        with KVCoordClient(addresses()) as c:
-            for pool in pools:
-                c.create_pool(pool, POOL_CONFIG)
-                s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
-                sessions[pool] = (s.session_id, s.fence)
+        pools = [p for r in REPLICAS for p in placed_many(f"f{r}-", r, list(REPLICAS), 2)]
+        sessions = create_and_attach(addresses(), pools, 120)
         targets = addresses()
         worker = Worker(targets, sessions)
         worker.start()
@@ -260,16 +254,9 @@ def test_an_owner_cut_off_from_the_store_loses_its_pools_and_nothing_acknowledge
         for r in REPLICAS:
             endpoints = [proxy.address] if r == "r0" else etcd3.endpoints
             procs[r] = start_server(_config(endpoints, r, tmp_path / r, cluster, "store", 40), env=env())
-        pools: list[str] = []
-        for r in REPLICAS:
-            pools += _placed(r, 2, pools)
+        pools = [p for r in REPLICAS for p in placed_many(f"f{r}-", r, list(REPLICAS), 2)]
         targets = [p.address for p in procs.values()]
-        sessions: dict[str, tuple[str, object]] = {}
-        with KVCoordClient(targets) as c:
-            for pool in pools:
-                c.create_pool(pool, POOL_CONFIG)
-                s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
-                sessions[pool] = (s.session_id, s.fence)
+        sessions = create_and_attach(targets, pools, 120)
         worker = Worker(targets, sessions)
         worker.start()
         time.sleep(2.0)

@@ -26,15 +26,14 @@ from typing import Any
 import pytest
 from durable_server import env
 from etcd_process import EtcdCluster
-from kvcoord.client import KVCoordClient
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service import cluster_store
 from kvcoord.service.cluster import Cluster
 from kvcoord.service.cluster_store import store_client
-from kvcoord.service.ownership import Member, owner_of
-from test_failover import LEASE, Worker, _config, check, listed, wait_served
+from kvcoord.service.ownership import Member
+from test_failover import LEASE, Worker, _config, check, create_and_attach, listed, wait_served
 from test_keepalive import _follows, _member_ids, _member_in_use
-from test_replicas import POOL_CONFIG
+from test_replicas import placed_many
 
 #: the member cut off (first of r0's endpoints)
 CUT = 0
@@ -53,13 +52,6 @@ def etcd3p(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
         yield cluster
     finally:
         cluster.stop()
-
-
-def _placed(replica: str, count: int) -> list[str]:
-    members = [Member(r, "") for r in ("r0", "r1")]
-    names = (f"m{i}" for i in range(1000))
-    out = [n for n in names if owner_of(n, members).replica_id == replica]  # type: ignore[union-attr]
-    return out[:count]
 
 
 def _served_once(procs: dict[str, ServerProcess], pools: list[str]) -> dict[str, list[str]]:
@@ -90,14 +82,9 @@ def test_a_replica_whose_store_member_lost_the_quorum_loses_nothing(
     try:
         for r, eps in endpoints.items():
             procs[r] = start_server(_config(eps, r, tmp_path / r, cluster, "store", 40), env=env())
-        pools = _placed("r0", 2) + _placed("r1", 1)
+        pools = placed_many("m", "r0", ["r0", "r1"], 2) + placed_many("m", "r1", ["r0", "r1"], 1)
         targets = [p.address for p in procs.values()]
-        sessions: dict[str, tuple[str, object]] = {}
-        with KVCoordClient(targets) as c:
-            for pool in pools:
-                c.create_pool(pool, POOL_CONFIG)
-                s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=300)
-                sessions[pool] = (s.session_id, s.fence)
+        sessions = create_and_attach(targets, pools, 300)
         assert set(wait_served(targets, pools).values()) == {"r0", "r1"}
         worker = Worker(targets, sessions)
         worker.start()

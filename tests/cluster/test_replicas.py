@@ -69,6 +69,15 @@ def placed(pool_prefix: str, replica: str, ids: list[str]) -> str:
     )
 
 
+def placed_many(pool_prefix: str, replica: str, ids: list[str], count: int) -> list[str]:
+    """``count`` pool names rendezvous hashing places on ``replica`` among ``ids``."""
+    members = [Member(i, "") for i in ids]
+    names = (f"{pool_prefix}{n}" for n in range(1000))
+    out = [n for n in names if owner_of(n, members).replica_id == replica][:count]  # type: ignore[union-attr]
+    assert len(out) == count, f"fewer than {count} pool names placed on {replica}"
+    return out
+
+
 async def _claims(etcd: Etcd, cluster: str) -> dict[str, str]:
     import aetcd
 

@@ -12,22 +12,7 @@ import pytest
 from helpers import allocate, attach
 from kvcoord.client import KVCoordClient
 from kvcoord.service.testing import InProcessServer
-from kvcoord.v1 import allocator_pb2 as pb
-
-
-def pool_config() -> pb.PoolConfig:
-    return pb.PoolConfig(
-        num_blocks=256,
-        groups=[
-            pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4)),
-            pb.KVCacheGroupSpec(sliding_window=pb.SlidingWindowSpec(block_size=4, sliding_window=8)),
-        ],
-        hash_block_size=4,
-        enable_caching=True,
-        enable_kv_cache_events=True,
-        hash_algo="sha256_cbor",
-        hash_seed="0",
-    )
+from workload import pool_config
 
 
 @pytest.fixture
@@ -43,7 +28,7 @@ def test_a_deleted_pool_frozen_by_the_server_is_freed(unfrozen: None) -> None:
     server = InProcessServer().start()
     try:
         with KVCoordClient(server.address, timeout=10) as client:
-            client.create_pool("q", pool_config())
+            client.create_pool("q", pool_config(256, block_size=4, window=8))
             sid, fence = attach(client, "q")
             ops = [allocate(f"r{i}", list(range(100 * i, 100 * i + 30)), 30) for i in range(8)]
             assert [r.status_code for r in client.step("q", ops, sid, fence).results] == [0] * 8
@@ -62,7 +47,7 @@ def test_a_deleted_pool_frozen_by_the_server_is_freed(unfrozen: None) -> None:
             assert engine_ref() is None, "the deleted pool's engine is still alive"
             assert service_ref() is None, "the deleted pool's service is still alive"
             # the server goes on: another pool under the same name works
-            client.create_pool("q", pool_config())
+            client.create_pool("q", pool_config(256, block_size=4, window=8))
             sid, fence = attach(client, "q")
             r = client.step("q", [allocate("a", list(range(20)), 20)], sid, fence)
             assert r.results[0].status_code == 0

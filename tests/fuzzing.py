@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from kvcoord.wire.columns import write_packed_decode
 
 SC = grpc.StatusCode
 #: Every status the proto's error model names (DEADLINE_EXCEEDED: a WatchEvents
@@ -179,12 +180,33 @@ def allocate_runs(draw: Any) -> pb.AllocateRunOp:
     )
 
 
-def decode_of(run: pb.AllocateRunOp, must_succeed: bool) -> pb.DecodeOp:
-    """A run's columns as a DecodeOp (the same fields, by name)."""
+class _RunColumns:
+    """A run's columns written by DecodeOp field name (what write_packed_decode reads)."""
+
+    def __init__(self, run: pb.AllocateRunOp) -> None:
+        self.run = run
+
+    def write(self, op: Any) -> None:
+        for name in REPEATED_DECODE_FIELDS:
+            getattr(op, name).extend(getattr(self.run, name))
+
+
+#: DecodeOp's repeated columns, each also a field of AllocateRunOp by the same name
+REPEATED_DECODE_FIELDS = [
+    f.name
+    for f in pb.DecodeOp.DESCRIPTOR.fields
+    if f.name != "must_succeed" and f.name in pb.AllocateRunOp.DESCRIPTOR.fields_by_name
+]
+
+
+def decode_of(run: pb.AllocateRunOp, must_succeed: bool, packed: bool = False) -> pb.DecodeOp:
+    """A run's columns as a DecodeOp (the same fields, by name), in the repeated or the
+    packed form (the predicting client's)."""
     d = pb.DecodeOp(must_succeed=must_succeed)
-    for field in pb.DecodeOp.DESCRIPTOR.fields:
-        if field.name != "must_succeed":
-            getattr(d, field.name).extend(getattr(run, field.name))
+    if packed:
+        write_packed_decode(d, _RunColumns(run))
+    else:
+        _RunColumns(run).write(d)
     return d
 
 
@@ -208,7 +230,7 @@ def operations(draw: Any) -> pb.Operation:
     build: dict[str, Any] = {
         "lookup": lambda: draw(lookups()),
         "allocate_run": lambda: draw(allocate_runs()),
-        "decode": lambda: decode_of(draw(allocate_runs()), draw(st.booleans())),
+        "decode": lambda: decode_of(draw(allocate_runs()), draw(st.booleans()), draw(st.booleans())),
         "allocate": lambda: draw(allocate_ops()),
         "free": lambda: pb.FreeOp(request_id=rid),
         "preempt": lambda: pb.PreemptOp(request_id=rid),

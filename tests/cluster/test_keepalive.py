@@ -57,6 +57,20 @@ async def _member_in_use(client: Any, ids: dict[int, int]) -> int:
     return ids[answer.header.member_id]
 
 
+async def _member_answering(client: Any, ids: dict[int, int]) -> int:
+    """The index of the member that answers ``client``'s Status, asked until one does
+    (bounded). Right after a frozen member's connection is left, one call in about three
+    under load still timed out (the channel settling on its next address) although a
+    call had just answered; a channel stuck on the frozen member never answers and fails
+    this."""
+    for _ in range(int(BOUND / 2.5)):
+        try:
+            return await _member_in_use(client, ids)
+        except Exception:  # noqa: BLE001 - DEADLINE_EXCEEDED while the channel settles
+            await asyncio.sleep(0.5)
+    pytest.fail(f"no Status answered within {BOUND} s")
+
+
 async def _watching(endpoints: list[str], name: str, renewing: bool = False) -> Cluster:
     """A replica's connection (connect(): every endpoint, one channel), registered, with
     its watch running (a stream always open on the connection, as in a replica), and
@@ -112,7 +126,7 @@ def test_store_calls_answer_again_when_the_member_in_use_freezes(
             await other.connect()
             etcd3.freeze(frozen)
             await _answers_again(cluster)
-            assert await _member_in_use(cluster.client, ids) != frozen
+            assert await _member_answering(cluster.client, ids) != frozen
             await _follows(cluster, other, "after-freeze")
             await other.close()
         finally:

@@ -304,10 +304,20 @@ def _run_next_token(
     """:func:`_run_plain`'s loop for entries :func:`_next_token_columns` vouched for:
     with the computed count at the position (so that after the update it is one short of
     the tokens), one new token and no look-ahead, the slots needed, the tokens hashed and
-    those cached are all the tokens after it, at most ``max_model_len``."""
+    those cached are all the tokens after it, at most ``max_model_len``.
+
+    Besides the update alone (inside its blocks), the loop itself applies the two
+    entries of a block's worth that :func:`_grow` would otherwise (as it would: the
+    same calls to the block pool, in the same order): the first token of a block (one
+    new block, nothing to cache) and the last (its hash appended, that block cached by
+    :func:`_cache_one`). Any other entry is :func:`_grow`'s."""
     m = pool.managers[0]
-    cached_of = m.num_cached_block.get
+    num_cached = m.num_cached_block
+    cached_of = num_cached.get
     size, hash_block = m.block_size, pool.hash_block_size
+    bp = pool.block_pool
+    queue = bp.free_block_queue
+    length = pool.config.hash_length
     hashes = cols.append_block_hashes
     n = stop - start
     entries = zip(*_entry_columns(pool, cols, start, stop, t, True), strict=True)
@@ -321,10 +331,40 @@ def _run_next_token(
         need = have + 1  # (also what is hashed, and so cached)
         if need // hash_block - base_h != nh:
             break  # a hash due and missing, or one too many: the general path says so
-        if not nh and len(blocks) * size >= need and cached_of(rid, 0) >= need // size:
-            req.num_computed_tokens = computed  # inside its blocks: the update alone
-            all_tokens.append(token)
-        elif _grow(pool, req, computed, need, need, need, token, hashes[h] if nh else None, counts, i, ids):
+        held = len(blocks) * size
+        full = need // size
+        k = cached_of(rid, 0)
+        if not nh:
+            if held >= need and k >= full:
+                req.num_computed_tokens = computed  # inside its blocks: the update alone
+                all_tokens.append(token)
+                continue
+            if need == held + 1 and k >= full and held:
+                # a block's first token (an admitted request: k >= full >= 1): one new
+                # block, every full one already cached
+                if not queue.num_free_blocks:
+                    break  # a refusal: the general path counts it (and keeps the update)
+                req.num_computed_tokens = computed
+                all_tokens.append(token)
+                new_blocks = bp.get_new_blocks(1)
+                blocks += new_blocks
+                counts[i] = 1
+                ids.append(new_blocks[0].block_id)
+                continue
+        elif held >= need and k == full - 1 and (k or rid in num_cached):
+            new_hash = hashes[h]
+            if type(new_hash) is bytes and new_hash and (length is None or len(new_hash) == length):
+                # a block's last token (an admitted request): its hash, that block cached
+                req.num_computed_tokens = computed
+                all_tokens.append(token)
+                req.block_hashes.append(new_hash)
+                h += 1
+                if _cache_one(bp, req, m, k):
+                    num_cached[rid] = full
+                else:
+                    pool.cache_full_request_blocks(req, need)
+                continue
+        if _grow(pool, req, computed, need, need, need, token, hashes[h] if nh else None, counts, i, ids):
             h += nh
         else:
             break

@@ -353,7 +353,7 @@ def _run_next_token(
                 continue
         elif held >= need and k == full - 1 and (k or rid in num_cached):
             new_hash = hashes[h]
-            if type(new_hash) is bytes and new_hash and (length is None or len(new_hash) == length):
+            if _hash_taken(new_hash, length):
                 # a block's last token (an admitted request): its hash, that block cached
                 req.num_computed_tokens = computed
                 all_tokens.append(token)
@@ -387,6 +387,12 @@ def _inside(managers: Sequence[SingleTypeKVCacheManager], rid: str, need: int, c
     return inside
 
 
+def _hash_taken(new_hash: object, length: int | None) -> bool:
+    """Whether the update would take ``new_hash`` as a request's next block hash: a
+    non-empty ``bytes`` of the pool's hash length (any length when it has none)."""
+    return type(new_hash) is bytes and bool(new_hash) and (length is None or len(new_hash) == length)
+
+
 def _grow(
     pool: KVCachePool, req: Request, computed: int, main: int, need: int, cached: int, token: int,
     new_hash: bytes | None, counts: list[int], at: int, ids: list[int],
@@ -396,10 +402,8 @@ def _grow(
     group by group, then the full ones cached): ``False``, with nothing changed, when
     its hash is not one the update would take or too few blocks are free (for the
     general path, which raises or refuses)."""
-    if new_hash is not None:
-        length = pool.config.hash_length
-        if type(new_hash) is not bytes or not new_hash or (length is not None and len(new_hash) != length):
-            return False
+    if new_hash is not None and not _hash_taken(new_hash, pool.config.hash_length):
+        return False
     rid = req.request_id
     bp = pool.block_pool
     managers = pool.managers

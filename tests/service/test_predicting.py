@@ -107,6 +107,12 @@ def test_every_layout_is_predicted_exactly(client: KVCoordClient, layout: str) -
         first.allocate_slots(_req(f"old{i}", tokens), len(tokens))
     first.close()  # frees everything: the blocks stay cached, the queue reordered
     m = PredictingKVCacheManager(client, layout, hash_seed="0", renew=False, max_backlog=2)
+    # every block of the mirror made at attach, as vLLM's own pool makes them (its engine
+    # core then freezes the heap: blocks made later would be walked by every full
+    # collection); the answers below equal the server's all the same
+    bp = m.mirror.engine.block_pool
+    assert bp.free_block_queue.next_fresh == 40 and len(bp.blocks) == 40
+    assert [b.block_id for b in bp.blocks] == list(range(40))
     reqs = [_req("a", list(range(24)) + [7, 7, 7]), _req("b", list(range(100, 121)) + [8]),
             _req("c", list(range(300, 317)))]  # fmt: skip
     told: dict[str, list[list[int]]] = {}

@@ -6,6 +6,7 @@ import gc
 import random
 import weakref
 
+import pytest
 from kvcoord.engine import (
     AllBlocksCleared,
     BlockRemoved,
@@ -174,6 +175,54 @@ def test_free_queue_matches_a_plain_list_through_compactions() -> None:
         assert len(q) == len(model)
     assert q.head_ids() == model
     assert [x.block_id for x in q.popleft_n(len(model))] == model
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_free_queue_materialized_midway_keeps_the_order(seed: int) -> None:
+    """Blocks made all at once (``materialize``, as the client's mirror does at attach)
+    at any moment (after pops, frees, removals leaving dead entries, blocks prepended
+    ahead) leave the queue in exactly the order a plain list gives, before and after,
+    and no block is made again later: the same objects are handed out."""
+    rnd = random.Random(seed)
+    blocks: list[KVCacheBlock] = []
+    q = FreeKVCacheBlockQueue(200, blocks)
+    model = list(range(200))
+    held: list[KVCacheBlock] = []
+    made: list[KVCacheBlock] = []
+    # made once some never-used blocks are left and freed ones wait behind them
+    made_after = rnd.randrange(20, 120)
+    for step in range(4_000):
+        fresh = q.next_fresh
+        if not made and fresh >= made_after and len(model) > 200 - fresh:
+            assert q.materialize() == 200 - fresh > 0 and q.materialize() == 0
+            assert [b.block_id for b in blocks] == list(range(200)) and q.next_fresh == 200
+            made = list(blocks)
+        roll = rnd.random()
+        if roll < 0.4 and model:
+            n = rnd.randint(1, min(8, len(model)))
+            got = q.popleft_n(n)
+            assert [b.block_id for b in got] == model[:n]
+            del model[:n]
+            held += got
+        elif roll < 0.8 and held:
+            b = held.pop(rnd.randrange(len(held)))
+            q.append(b)
+            model.append(b.block_id)
+        elif roll < 0.9 and held:  # (the vllm-0.33 profile's prepended frees)
+            k = rnd.randint(1, min(3, len(held)))
+            back, held = held[:k], held[k:]
+            q.prepend_n(back)
+            model[:0] = [b.block_id for b in back]
+        elif model and [i for i in model if i < len(blocks)] and not q.front_ids():
+            bid = rnd.choice([i for i in model if i < len(blocks)])
+            q.remove(blocks[bid])
+            model.remove(bid)
+            held.append(blocks[bid])
+        assert len(q) == len(model)
+        if step % 97 == 0:
+            assert q.head_ids() == model
+    assert q.head_ids() == model
+    assert made and blocks == made and all(x is y for x, y in zip(blocks, made, strict=True))
 
 
 def test_huge_pool_is_created_lazily_and_reclaimed_without_gc() -> None:

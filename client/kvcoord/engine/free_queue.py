@@ -264,6 +264,26 @@ class FreeKVCacheBlockQueue:
         for block in front:
             block.stale_entries = 0
 
+    def materialize(self) -> int:
+        """Create the never-used run's blocks now, in their place (after the prepended
+        blocks, ahead of the used part), as vLLM creates every block when its pool is
+        built; returns how many were made. Nothing else changes: the same blocks leave
+        the queue in the same order. For a host whose heap is frozen once it is built
+        (vLLM's engine core, ``gc.freeze``): blocks made later, as first taken, would
+        stay in the cyclic collector's view, and every full collection would walk them."""
+        fresh, num_blocks = self._next_fresh, self._num_blocks
+        if fresh >= num_blocks:
+            return 0
+        made = [KVCacheBlock(i) for i in range(fresh, num_blocks)]  # type: ignore[arg-type]
+        self._blocks.extend(made)
+        self._queue = made + self._queue[self._head :]
+        self._head = 0
+        self._live += len(made)
+        self._next_fresh = num_blocks
+        self._compactions += 1
+        self._positions = None
+        return len(made)
+
     def front_ids(self) -> list[int]:
         """The prepended blocks' ids, head first (they come before the never-used run)."""
         return [b.block_id for b in reversed(self._front)]

@@ -19,7 +19,16 @@ def freeze_heap() -> None:
     """What vLLM's engine core does once built (freeze_gc_heap): the objects alive now
     (vLLM, torch, the scheduler or pool) leave the collector's view, so a full
     collection does not walk them every few hundred steps (with vLLM imported, one
-    stalls 100-300 ms)."""
+    stalls 100-300 ms).
+
+    Each call starts from the state vLLM's engine core starts in, whichever row came
+    before: the objects an earlier call froze are thawed first, so the collection here
+    counts the whole heap. CPython starts a full collection once the objects promoted
+    since the last one exceed a quarter of what that one left alive; after a collection
+    over a heap already frozen, that figure is only what the previous rows left, and
+    every row after a bench's first paid a full collection every few dozen steps that
+    the engine core (one freeze over torch and vLLM) does not."""
+    gc.unfreeze()
     gc.collect()
     gc.freeze()
 

@@ -135,6 +135,9 @@ def test_connect_creates_attaches_and_refuses(monkeypatch: pytest.MonkeyPatch) -
         new = m.allocate_slots(r, 10, n, hit)
         assert new is not None and new.get_block_ids() == ([1, 2, 3], [4, 5, 6])
         # 8 tokens cached: two full blocks per group hold hashes, the partial one does not
+        table = m.get_blocks("a")  # (as vLLM's scheduler reads a new request's table: ids only)
+        assert table.get_block_ids() == ([1, 2, 3], [4, 5, 6])
+        assert repr(table) == "KVCacheBlocks(<pending>)"  # answered without a block made
         hashed = [[blk.block_hash is not None for blk in g] for g in m.get_blocks("a").blocks]
         assert hashed == [[True, True, False], [True, True, False]]
         stats = m.make_prefix_cache_stats()

@@ -430,7 +430,8 @@ class KVCoordKVCacheManager(AdapterLosses):
                 assert table is not None
                 return self._blocks(table, held, [0] * len(table)).blocks
 
-            return KVCacheBlocks(make=make)
+            # the ids answer without a block made (vLLM's scheduler reads only them)
+            return KVCacheBlocks(make=make, ids=fresh.table)
         ids = self.remote.get_block_ids(request_id)
         return self._blocks(ids, held, [0] * len(ids))
 

@@ -3,7 +3,7 @@
     KVCOORD_VENV=$(scripts/install_vllm.sh --print-venv)
     PYTHONPATH=client:server:tests PYTHONHASHSEED=0 $KVCOORD_VENV/bin/python bench/vllm_step.py \\
         [--running 16 64 256] [--steps 200] [--warmup 150] [--layouts full full+swa] \\
-        [--kinds sync async] [--modes exclusive predicted] [--model-ms 5 0]
+        [--kinds sync async] [--modes exclusive predicted] [--model-ms 5 0] [--rounds 3]
 
 For each number of running requests the same seeded workload (prompts 256-900 tokens,
 half sharing one of 8 prefixes, 16-128 output tokens, token budget 8,192, a pool large
@@ -28,7 +28,12 @@ spent inside the model's run. Prints p50 / mean / p99 per step, the
 round trips per step (every RPC the manager's client makes; mean and max) and the
 milliseconds kvcoord adds, the p50 over (vLLM's p50 + one no-op round trip: a ListPools
 sent after each step of the row, untimed by the step, p50), and checks that every step's
-scheduler output is identical.
+scheduler output is identical. With ``--rounds R`` each row runs R times, vLLM's and
+kvcoord's in turns (the order reversed every other round, each on a scheduler and pool
+of its own), and ends with the medians of the paired per-round ratios and in how many
+rounds the p99 stayed within vLLM's p99 plus two round trips: the same row run twice
+in a row differs by about as much as the gap measured (vLLM's own p50 at 256 running
+moved 4.4-6.8 ms between runs on a quiet machine), so a single pair decides nothing.
 """
 
 from __future__ import annotations
@@ -219,6 +224,77 @@ class Makeup:
         )
 
 
+def _figures(t: list[float]) -> tuple[float, float, float]:
+    """p50, mean and p99 of ``t`` (seconds), in milliseconds."""
+    return sorted(t)[len(t) // 2] * 1e3, statistics.fmean(t) * 1e3, pct(t, 0.99)
+
+
+def cls_of(kind: str) -> Any:
+    return KVCoordAsyncScheduler if kind == "async" else KVCoordScheduler
+
+
+def _run_remote(
+    args: Any,
+    predict: bool,
+    cls: Any,
+    config: Any,
+    layout: str,
+    kind: str,
+    n: int,
+    blocks: int,
+    model_ms: float,
+    r: int,
+    address: str,
+    probe: Any,
+    rtts: list[float],
+    ping: Any,
+) -> tuple[list[float], list[Any], float, list[int], str]:
+    """One row on kvcoord (a pool of its own per round, deleted after it): step times,
+    trace, round trip (ms), RPCs per step and, predicted, what its steps are made of."""
+    total = args.steps + args.warmup
+    os.environ["KVCOORD_TARGET"] = address
+    os.environ["KVCOORD_POOL"] = pool = (
+        f"bench-{layout.replace('+', '-')}-{kind}-{n}-{model_ms:g}-{'predicted' if predict else 'exclusive'}-r{r}"
+    )
+    os.environ["KVCOORD_PREDICT"] = "1" if predict else "0"
+    remote = make_scheduler(cls, config(), kv_cache_config(layout, blocks))
+    freeze_heap()
+    counts: list[int] = []
+    client = remote.kv_cache_manager.remote.client
+    inner = client._call
+
+    def counted(rpc: str, request: Any, inner: Any = inner, counts: list[int] = counts) -> Any:
+        if counts:
+            counts[-1] += 1
+        return inner(rpc, request)
+
+    client._call = counted
+    rtts.clear()
+    manager = remote.kv_cache_manager.remote
+    report = ""
+    try:
+        if predict:
+            # A probe between steps would let the Step in flight finish untimed:
+            # the round trip is a burst of probes before and after the row.
+            for _ in range(200):
+                probe()
+            with Makeup(manager, args.warmup) as makeup:
+                t, trace = run(remote, n, total, seed=n, counter=counts, between=makeup.between,
+                               model_s=model_ms / 1e3, gap=makeup.gap)  # fmt: skip
+            for _ in range(200):
+                probe()
+            rtt = pct(rtts, 0.5)
+            report = makeup.report(t, trace, manager.steps_sent)
+        else:
+            t, trace = run(remote, n, total, seed=n, counter=counts, between=probe, model_s=model_ms / 1e3)
+            rtt = pct(rtts[args.warmup :], 0.5)
+    finally:
+        remote.shutdown()
+        # (every row's probe and server alike: ListPools answers for every pool there is)
+        ping.delete_pool(pool)
+    return t, trace, rtt, counts, report
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--running", type=int, nargs="+", default=[16, 64, 256])
@@ -236,6 +312,11 @@ def main() -> None:
         "--model-ms", type=float, nargs="+", default=[5.0, 0.0],
         help="the model's run between schedule() and update_from_output() (a sleep, untimed); "
         "0: the steps back to back",
+    )  # fmt: skip
+    ap.add_argument(
+        "--rounds", type=int, default=1,
+        help="each row this many times, vLLM's and kvcoord's in turns (the order alternating), "
+        "with the medians of the paired ratios: the same row run twice differs by as much as the gap",
     )  # fmt: skip
     args = ap.parse_args()
     os.environ.setdefault("PYTHONHASHSEED", "0")
@@ -260,6 +341,7 @@ def main() -> None:
         f" {'+ms/step':>9} {'vs vLLM+RTT':>11} {'RTT ms':>7} {'p50 x':>6} {'mean x':>6}"
     )
     rows = itertools.product(args.model_ms, args.layouts, args.kinds, args.running)
+    names = ["vLLM", *args.modes]
     try:
         for model_ms, layout, kind, n in rows:
             blocks = n * (900 + 128) // BLOCK_SIZE * 2 + 64  # never full: nothing preempted
@@ -276,61 +358,50 @@ def main() -> None:
                 )
 
             print(f"-- {layout}, {kind}, the model's run {model_ms:g} ms per step (untimed)")
-            local = make_scheduler(SCHEDULERS[kind], config(), kv_cache_config(layout, blocks))
-            freeze_heap()
-            base_t, base_trace = run(local, n, total, seed=n, counter=None, model_s=model_s)
-            base = sorted(base_t[args.warmup :])[len(base_t[args.warmup :]) // 2] * 1e3
-            base_mean = statistics.fmean(base_t[args.warmup :]) * 1e3
-            print(
-                f"{n:>7} {'vLLM in-process':<22} {base:8.2f} {base_mean:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f}"
-            )
-            os.environ["KVCOORD_TARGET"] = server.address
-            for predict in [mode == "predicted" for mode in args.modes]:
-                os.environ["KVCOORD_POOL"] = (
-                    f"bench-{layout.replace('+', '-')}-{kind}-{n}-{model_ms:g}-"
-                    f"{'predicted' if predict else 'exclusive'}"
-                )
-                os.environ["KVCOORD_PREDICT"] = "1" if predict else "0"
-                cls = KVCoordAsyncScheduler if kind == "async" else KVCoordScheduler
-                remote = make_scheduler(cls, config(), kv_cache_config(layout, blocks))
-                freeze_heap()
-                counts: list[int] = []
-                client = remote.kv_cache_manager.remote.client
-                inner = client._call
-
-                def counted(rpc: str, request: Any, inner: Any = inner, counts: list[int] = counts) -> Any:
-                    if counts:
-                        counts[-1] += 1
-                    return inner(rpc, request)
-
-                client._call = counted  # type: ignore[method-assign]
-                rtts.clear()
-                manager = remote.kv_cache_manager.remote
-                if predict:
-                    # A probe between steps would let the Step in flight finish untimed:
-                    # the round trip is a burst of probes before and after the row.
-                    for _ in range(200):
-                        probe()
-                    with Makeup(manager, args.warmup) as makeup:
-                        t, trace = run(remote, n, total, seed=n, counter=counts, between=makeup.between,
-                                       model_s=model_s, gap=makeup.gap)  # fmt: skip
-                    for _ in range(200):
-                        probe()
-                    rtt = pct(rtts, 0.5)
-                else:
-                    t, trace = run(remote, n, total, seed=n, counter=counts, between=probe, model_s=model_s)
-                    rtt = pct(rtts[args.warmup :], 0.5)
-                assert trace == base_trace, "kvcoord's scheduler decided differently"
-                med = sorted(t[args.warmup :])[len(t[args.warmup :]) // 2] * 1e3
-                mean = statistics.fmean(t[args.warmup :]) * 1e3
-                trips = sum(counts[args.warmup :]) / len(counts[args.warmup :])
-                name = "KVCOORD_PREDICT=1" if predict else "KVCOORD_PREDICT=0"
-                print(f"{n:>7} {name:<22} {med:8.2f} {mean:8.2f} {pct(t[args.warmup:], 0.99):8.2f} "
-                      f"{trips:9.2f} {max(counts[args.warmup:]):8d} {med - base:9.2f} {med / (base + rtt):11.2f}"
-                      f" {rtt:7.3f} {med / base:6.2f} {mean / base_mean:6.2f}")  # fmt: skip
-                if predict:
-                    print(makeup.report(t, trace, manager.steps_sent))
-                remote.shutdown()
+            # per round and name: (p50, mean, p99, rtt) in ms; rounds alternate the order
+            figures: list[dict[str, tuple[float, float, float, float]]] = []
+            base_trace: list[Any] | None = None
+            for r in range(args.rounds):
+                got: dict[str, tuple[float, float, float, float]] = {}
+                lines: dict[str, tuple[str, str]] = {}
+                for name in names if r % 2 == 0 else names[::-1]:
+                    if name == "vLLM":
+                        local = make_scheduler(SCHEDULERS[kind], config(), kv_cache_config(layout, blocks))
+                        freeze_heap()
+                        t, trace = run(local, n, total, seed=n, counter=None, model_s=model_s)
+                        got[name] = (*_figures(t[args.warmup :]), 0.0)
+                        lines[name] = ("", "")
+                    else:
+                        t, trace, rtt, counts, report = _run_remote(
+                            args, name == "predicted", cls_of(kind), config, layout, kind, n, blocks, model_ms,
+                            r, server.address, probe, rtts, ping,
+                        )  # fmt: skip
+                        got[name] = (*_figures(t[args.warmup :]), rtt)
+                        trips = sum(counts[args.warmup :]) / len(counts[args.warmup :])
+                        lines[name] = (f" {trips:9.2f} {max(counts[args.warmup :]):8d}", report)
+                    if base_trace is None:
+                        base_trace = trace
+                    assert trace == base_trace, f"{name}'s scheduler decided differently"
+                figures.append(got)
+                base, base_mean, base_p99, _ = got["vLLM"]
+                tag = f"r{r + 1} " if args.rounds > 1 else ""
+                print(f"{n:>7} {tag + 'vLLM in-process':<22} {base:8.2f} {base_mean:8.2f} {base_p99:8.2f}")
+                for name in args.modes:
+                    med, mean, p99, rtt = got[name]
+                    label = tag + ("KVCOORD_PREDICT=1" if name == "predicted" else "KVCOORD_PREDICT=0")
+                    trips_max, report = lines[name]
+                    print(f"{n:>7} {label:<22} {med:8.2f} {mean:8.2f} {p99:8.2f}{trips_max}"
+                          f" {med - base:9.2f} {med / (base + rtt):11.2f} {rtt:7.3f} {med / base:6.2f}"
+                          f" {mean / base_mean:6.2f}")  # fmt: skip
+                    if report:
+                        print(report)
+            if args.rounds > 1:
+                for name in args.modes:
+                    p50x = statistics.median(f[name][0] / f["vLLM"][0] for f in figures)
+                    meanx = statistics.median(f[name][1] / f["vLLM"][1] for f in figures)
+                    held = sum(f[name][2] <= f["vLLM"][2] + 2 * f[name][3] for f in figures)
+                    print(f"{n:>7} {name + ', median of rounds':<22} p50 x {p50x:.2f}, mean x {meanx:.2f} (paired per "
+                          f"round); p99 <= vLLM's p99 + 2 RTT in {held} of {len(figures)} rounds")  # fmt: skip
         print("scheduler outputs identical on every step")
     finally:
         ping.close()

@@ -145,15 +145,9 @@ def test_free_queue_matches_a_plain_list_through_compactions() -> None:
     for _ in range(40_000):
         roll = rnd.random()
         if roll < 0.45 and len(model) > 0:
-            n = rnd.randint(1, min(8, len(model)))
-            got = q.popleft_n(n)
-            assert [b.block_id for b in got] == model[:n]
-            del model[:n]
-            held += got
+            _pop_some(q, rnd, model, held)
         elif roll < 0.9 and held:
-            b = held.pop(rnd.randrange(len(held)))
-            q.append(b)
-            model.append(b.block_id)
+            _free_one(q, rnd, model, held)
         elif len(model) > len(held) and model and model[-1] < len(blocks):
             bid = rnd.choice([i for i in model if i < len(blocks)])
             q.remove(blocks[bid])
@@ -175,6 +169,26 @@ def test_free_queue_matches_a_plain_list_through_compactions() -> None:
         assert len(q) == len(model)
     assert q.head_ids() == model
     assert [x.block_id for x in q.popleft_n(len(model))] == model
+
+
+def _pop_some(
+    q: FreeKVCacheBlockQueue, rnd: random.Random, model: list[int], held: list[KVCacheBlock]
+) -> None:
+    """Take 1-8 blocks from the queue's head, checked against the plain-list ``model``."""
+    n = rnd.randint(1, min(8, len(model)))
+    got = q.popleft_n(n)
+    assert [b.block_id for b in got] == model[:n]
+    del model[:n]
+    held += got
+
+
+def _free_one(
+    q: FreeKVCacheBlockQueue, rnd: random.Random, model: list[int], held: list[KVCacheBlock]
+) -> None:
+    """Free one held block (any of them) to the queue's tail, and to ``model``'s."""
+    b = held.pop(rnd.randrange(len(held)))
+    q.append(b)
+    model.append(b.block_id)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -199,15 +213,9 @@ def test_free_queue_materialized_midway_keeps_the_order(seed: int) -> None:
             made = list(blocks)
         roll = rnd.random()
         if roll < 0.4 and model:
-            n = rnd.randint(1, min(8, len(model)))
-            got = q.popleft_n(n)
-            assert [b.block_id for b in got] == model[:n]
-            del model[:n]
-            held += got
+            _pop_some(q, rnd, model, held)
         elif roll < 0.8 and held:
-            b = held.pop(rnd.randrange(len(held)))
-            q.append(b)
-            model.append(b.block_id)
+            _free_one(q, rnd, model, held)
         elif roll < 0.9 and held:  # (the vllm-0.33 profile's prepended frees)
             k = rnd.randint(1, min(3, len(held)))
             back, held = held[:k], held[k:]

@@ -100,7 +100,7 @@ class Mirror:
         engine.take_events()  # made before the session: not its events
         # every block made now, as vLLM's own pool makes them: vLLM's engine core
         # freezes its heap once built, and blocks made later as first taken would be
-        # walked by every full collection (the p99 of a step at 256 running)
+        # walked by every full collection
         engine.block_pool.free_block_queue.materialize()
         self.log_stats = config.log_stats if config.HasField("log_stats") else True
         engine.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None

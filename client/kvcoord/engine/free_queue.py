@@ -109,15 +109,8 @@ class FreeKVCacheBlockQueue:
         # (blocks made as first taken: their ids are ``i`` itself, where ``BlockId(i)``
         # is a Python call per block, half of a fresh block's cost)
         if n <= num_fresh:
-            out = [KVCacheBlock(i) for i in range(fresh, fresh + n)]  # type: ignore[arg-type]
-            self._blocks.extend(out)
-            self._next_fresh = fresh + n
-            return out
-        out = []
-        if num_fresh:
-            out = [KVCacheBlock(i) for i in range(fresh, self._num_blocks)]  # type: ignore[arg-type]
-            self._blocks.extend(out)
-            self._next_fresh = self._num_blocks
+            return self._make_fresh(fresh + n)
+        out = self._make_fresh(self._num_blocks) if num_fresh else []
         left = n - num_fresh
         self._live -= left
         queue = self._queue
@@ -271,18 +264,23 @@ class FreeKVCacheBlockQueue:
         the queue in the same order. For a host whose heap is frozen once it is built
         (vLLM's engine core, ``gc.freeze``): blocks made later, as first taken, would
         stay in the cyclic collector's view, and every full collection would walk them."""
-        fresh, num_blocks = self._next_fresh, self._num_blocks
-        if fresh >= num_blocks:
+        if self._next_fresh >= self._num_blocks:
             return 0
-        made = [KVCacheBlock(i) for i in range(fresh, num_blocks)]  # type: ignore[arg-type]
-        self._blocks.extend(made)
+        made = self._make_fresh(self._num_blocks)
         self._queue = made + self._queue[self._head :]
         self._head = 0
         self._live += len(made)
-        self._next_fresh = num_blocks
         self._compactions += 1
         self._positions = None
         return len(made)
+
+    def _make_fresh(self, end: int) -> list[KVCacheBlock]:
+        """The never-used run's blocks up to id ``end`` (excluded), made now and known
+        to the pool from here on."""
+        made = [KVCacheBlock(i) for i in range(self._next_fresh, end)]  # type: ignore[arg-type]
+        self._blocks.extend(made)
+        self._next_fresh = end
+        return made
 
     def front_ids(self) -> list[int]:
         """The prepended blocks' ids, head first (they come before the never-used run)."""

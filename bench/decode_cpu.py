@@ -514,7 +514,15 @@ def baseline(old: Path, trace: Path, args: argparse.Namespace) -> None:
     ]  # fmt: skip
     rows: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
     for rnd in range(args.rounds):
-        for key, r in served(runs, trace, args).items():
+        if args.alone:  # one server at a time, the order reversed every other round
+            got = {
+                k: v
+                for run in (runs if rnd % 2 == 0 else runs[::-1])
+                for k, v in served([run], trace, args).items()
+            }
+        else:
+            got = served(runs, trace, args)
+        for key, r in got.items():
             rows.setdefault(key, []).append(r)
             print(
                 f"round {rnd + 1} {' '.join(key):28} {r['us_op']:6.2f} µs/op  p50 {r['p50']:.2f} ms",
@@ -587,6 +595,12 @@ def main() -> None:
         metavar="REV",
         help="REV's server sent unary Steps of runs (what it served best) against this checkout's, "
         "unary runs and streamed DecodeOps, paired Step by Step",
+    )
+    ap.add_argument(
+        "--alone",
+        action="store_true",
+        help="with --baseline: each server runs by itself (the others not started), one after "
+        "the other, the order reversed every other round, instead of all at once sent each Step in turn",
     )
     ap.add_argument(
         "--engine-build",

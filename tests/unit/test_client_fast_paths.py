@@ -232,8 +232,7 @@ def test_a_runs_answer_matches_only_the_mirrors_blocks() -> None:
 
     run = ColumnRun()
     given = [((), (7,)), ((3, 4), ()), ((), ()), ((9,), (10, 11))]
-    for i, new in enumerate(given):
-        run.add(f"r{i}", 4, 1, [5], [], 4, 1, 0, new)
+    run.entries.extend((f"r{i}", 4, 1, [5], [], 4, 1, 0, new) for i, new in enumerate(given))
 
     def answer(groups: list[tuple[int, ...]], kind: type = pb.AllocateRunResult) -> Any:
         out = kind()

@@ -86,9 +86,7 @@ class AsyncKVCoordClient(AsyncApi):
         answers = []
         for address in list(self.routes.addresses):
             try:
-                answer = await self._connection(address)[1].ListPools(
-                    pb.ListPoolsRequest(), timeout=self.timeout, metadata=self._metadata
-                )
+                answer = await self._listed_at(address)
             except grpc.RpcError as exc:
                 raise error_from_rpc(exc, "ListPools") from None
             answers.append((address, answer))
@@ -98,10 +96,7 @@ class AsyncKVCoordClient(AsyncApi):
         self, pool: str, after_sequence: int = 0, fence: pb.Fence | None = None
     ) -> AsyncIterator[pb.WatchEventsResponse]:
         """Stream KV events after ``after_sequence`` until cancelled or the server stops."""
-        stream = self._connection(self.routes.route(pool))[1].WatchEvents(
-            pb.WatchEventsRequest(pool=pool, after_sequence=after_sequence, fence=fence),
-            metadata=self._metadata,
-        )
+        stream = self._watch(pool, after_sequence, fence)
         try:
             async for item in stream:
                 yield item

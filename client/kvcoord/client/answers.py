@@ -1,21 +1,20 @@
 """What a predicted Step's answer must say: each operation's result against the
-mirror's (:func:`check_result`), and the digest of the mirror's events the server's must
-equal (:func:`events_digest`). A difference is a :class:`PredictionMismatchError`."""
+mirror's (:func:`check_result`; the digest of the mirror's events the server's must
+equal is :func:`kvcoord.wire.events_digest`). A difference is a
+:class:`PredictionMismatchError`; a failed operation's error is :func:`op_error`."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import grpc
-from kvcoord.engine import KVCacheEvent
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import add_events, copies_from_pb
+from kvcoord.wire import copies_from_pb
 
 from .errors import KVCoordError, error_from_code, status_code
 from .items import ColumnRun
 
-__all__ = ["PredictionMismatchError", "check_result", "events_digest"]
+__all__ = ["PredictionMismatchError", "check_result", "op_error"]
 
 
 class PredictionMismatchError(KVCoordError):
@@ -29,8 +28,7 @@ def check_result(i: int, result: pb.OperationResult, expected: Any) -> None:
     """Operation ``i``'s result: its error raised, or compared with what the mirror
     answered (``expected``: ``None``, a :class:`ColumnRun`, or ``(kind, value)``)."""
     if result.status_code:
-        reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
-        raise error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
+        raise op_error(result)
     if expected is None:
         return
     if isinstance(expected, ColumnRun):
@@ -54,8 +52,7 @@ def check_result(i: int, result: pb.OperationResult, expected: Any) -> None:
         )
 
 
-def events_digest(events: list[KVCacheEvent]) -> bytes:
-    """SHA-256 of the events as a StepResponse holding only them (what the server digests)."""
-    message = pb.StepResponse()
-    add_events(message.events, events)
-    return hashlib.sha256(message.SerializeToString()).digest()
+def op_error(result: pb.OperationResult) -> KVCoordError:
+    """The typed error of a failed operation's result (``status_code`` set)."""
+    reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
+    return error_from_code(status_code(result.status_code), result.status_message, "Step", reason)

@@ -211,6 +211,19 @@ class Api:
             self._open[address] = got
         return got
 
+    def _listed_at(self, address: str) -> Any:
+        """ListPools of one replica (the asyncio client's: an awaitable of the answer)."""
+        return self._connection(address)[1].ListPools(
+            pb.ListPoolsRequest(), timeout=self.timeout, metadata=self._metadata
+        )
+
+    def _watch(self, pool: str, after_sequence: int, fence: pb.Fence | None, **kw: Any) -> Any:
+        """The WatchEvents stream of ``pool`` at its owner (``kw``: the call's timeout)."""
+        request = pb.WatchEventsRequest(pool=pool, after_sequence=after_sequence, fence=fence)
+        return self._connection(self.routes.route(pool))[1].WatchEvents(
+            request, metadata=self._metadata, **kw
+        )
+
     def _pause(
         self, attempts: Attempts, err: KVCoordError, pool: str, address: str, hops: int
     ) -> float | None:

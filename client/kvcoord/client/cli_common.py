@@ -115,17 +115,19 @@ class Connection:
     tls: TLSOptions | None
     as_json: bool
 
+    def open(self, **kw: Any) -> KVCoordClient:
+        """A client of the target (``kw``: more of its arguments); a bad TLS file is a
+        usage failure."""
+        try:
+            return KVCoordClient(self.target, timeout=self.timeout, token=self.token, tls=self.tls, **kw)
+        except ValueError as exc:
+            raise CliFailure(str(exc), EXIT_USAGE) from None
+
     @contextmanager
     def client(self) -> Iterator[KVCoordClient]:
         """A client; a server error inside becomes a one-line failure."""
         try:
-            c = KVCoordClient(
-                self.target, timeout=self.timeout, token=self.token, tls=self.tls, retry=CLI_RETRY
-            )
-        except ValueError as exc:
-            raise CliFailure(str(exc), EXIT_USAGE) from None
-        try:
-            with c:
+            with self.open(retry=CLI_RETRY) as c:
                 yield c
         except KVCoordError as err:
             fail_from(err, self.target)
@@ -190,11 +192,7 @@ def connection_options(default_timeout: float = 5.0, json_flag: bool = True) -> 
         def wrapper(**kw: Any) -> Any:
             try:
                 tls = tls_from(
-                    kw.pop("tls"),
-                    kw.pop("tls_ca"),
-                    kw.pop("tls_cert"),
-                    kw.pop("tls_key"),
-                    kw.pop("tls_server_name"),
+                    *(kw.pop(k) for k in ("tls", "tls_ca", "tls_cert", "tls_key", "tls_server_name"))
                 )
             except ValueError as exc:
                 raise CliFailure(str(exc), EXIT_USAGE) from None

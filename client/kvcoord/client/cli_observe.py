@@ -27,7 +27,6 @@ from .cli_common import (
     one_line,
     text_table,
 )
-from .client import KVCoordClient
 from .errors import KVCoordError, UnavailableError
 from .routing import PoolRouter
 
@@ -330,11 +329,7 @@ def score(
 def health(conn: Connection, service: str) -> None:
     """Check a server's gRPC health: prints the status, exit 0 when SERVING, 1 otherwise
     (an unreachable server included)."""
-    try:
-        c = KVCoordClient(conn.target, timeout=conn.timeout, token=conn.token, tls=conn.tls)
-    except ValueError as exc:
-        raise CliFailure(str(exc), EXIT_USAGE) from None
-    with c:
+    with conn.open() as c:
         try:
             state = c.health(service)
         except KVCoordError as exc:

@@ -133,9 +133,7 @@ class KVCoordClient(BlockingApi):
         answers = []
         for address in list(self.routes.addresses):
             try:
-                answer = self._connection(address)[1].ListPools(
-                    pb.ListPoolsRequest(), timeout=self.timeout, metadata=self._metadata
-                )
+                answer = self._listed_at(address)
             except grpc.RpcError as exc:
                 raise error_from_rpc(exc, "ListPools") from None
             answers.append((address, answer))
@@ -162,11 +160,7 @@ class KVCoordClient(BlockingApi):
         """Stream KV events after ``after_sequence`` (of the history ``fence`` names, when
         resuming); ends when the server stops or ``timeout`` passes. Check ``gap`` and
         ``reset`` on every message."""
-        stream = self._connection(self.routes.route(pool))[1].WatchEvents(
-            pb.WatchEventsRequest(pool=pool, after_sequence=after_sequence, fence=fence),
-            timeout=timeout,
-            metadata=self._metadata,
-        )
+        stream = self._watch(pool, after_sequence, fence, timeout=timeout)
         try:
             yield from stream
         except grpc.RpcError as exc:

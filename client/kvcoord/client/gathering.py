@@ -64,11 +64,13 @@ class StepGathering:
         num_new_tokens: int, num_lookahead_tokens: int, new: BlockIds,
     ) -> None:  # fmt: skip
         """An allocation of a registered request without a hit (``RequestTracker.sync_run``'s
-        values and the call's counts), and the new blocks the mirror gave it."""
+        values and the call's counts), and the new blocks the mirror gave it: an entry of
+        the run being gathered (``tokens`` and ``hashes`` are kept, not copied: they must
+        not change)."""
         run = self.run
         if run is None:
             run = self.run = ColumnRun()
-        # (ColumnRun.add's body, written out: this is every running request's step)
+        # (every running request's step: the entry appended here, no call made)
         run.entries.append(
             (rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens, new)
         )

@@ -173,8 +173,9 @@ class Gathered:
 class ColumnRun:
     """A Step's allocations of registered requests without a hit, gathered as the
     columns of one AllocateRunOp, with the block ids the mirror gave them (the
-    columns of its answer). The scheduler's thread only appends each entry's values;
-    the columns are made on the sender thread (:meth:`write`, :meth:`matches`)."""
+    columns of its answer). The scheduler's thread only appends each entry's values
+    (``StepGathering.add_to_run``); the columns are made on the sender thread
+    (:meth:`write`, :meth:`matches`)."""
 
     __slots__ = ("entries", "size")
 
@@ -184,18 +185,6 @@ class ColumnRun:
         self.entries: list[tuple[Any, ...]] = []
         #: about how many bytes the entries take on the wire
         self.size = 0
-
-    def add(
-        self, rid: str, base_t: int, base_h: int, tokens: Sequence[int], hashes: Sequence[bytes], computed: int,
-        num_new_tokens: int, num_lookahead_tokens: int, new: Sequence[Sequence[int]],
-    ) -> None:  # fmt: skip
-        """An entry: the request's sync as plain values (``tokens`` and ``hashes`` are
-        kept, not copied: they must not change), the call's counts, and the new block
-        ids per group the mirror gave it."""
-        self.entries.append(
-            (rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens, new)
-        )
-        self.size += 32 + 5 * len(tokens) + 34 * len(hashes)
 
     def write(self, op: pb.AllocateRunOp | pb.DecodeOp) -> None:
         """The entries as ``op``'s columns (an AllocateRunOp, or a DecodeOp with

@@ -34,10 +34,10 @@ from typing import Any, TypeVar
 import grpc
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import stats_to_pb
+from kvcoord.wire import events_digest, stats_to_pb
 from kvcoord.wire.columns import write_packed_decode
 
-from .answers import PredictionMismatchError, check_result, events_digest
+from .answers import PredictionMismatchError, check_result, op_error
 from .client import KVCoordClient
 from .errors import (
     AbortedError,
@@ -53,8 +53,6 @@ from .errors import (
     SessionExpiredError,
     SyncMismatchError,
     UnavailableError,
-    error_from_code,
-    status_code,
 )
 from .flight import Flight, Gate
 from .gathering import StepGathering
@@ -273,8 +271,7 @@ class StepSender(StepGathering):
                     self.tracker.commit(item.touched, item.marks)
                 item.pending.set_result(item.decode(result))
                 continue
-            reason = pb.ErrorReason.Name(result.reason) if result.reason else ""
-            op_err = error_from_code(status_code(result.status_code), result.status_message, "Step", reason)
+            op_err = op_error(result)
             if isinstance(op_err, (SyncMismatchError, RequestUnknownError)) and item.touched:
                 # The server holds another state than this client believed: the request
                 # cannot be trusted any more.

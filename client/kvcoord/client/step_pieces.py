@@ -72,9 +72,8 @@ def pieces(request: pb.StepRequest, limit: int) -> list[pb.StepRequest] | None:
     ops = request.ops
     if limit <= 0 or len(ops) < 2 or request.ByteSize() <= limit:
         return None
-    head = pb.StepRequest(pool=request.pool, session_id=request.session_id)
-    if request.HasField("fence"):
-        head.fence.CopyFrom(request.fence)
+    fence = request.fence if request.HasField("fence") else None
+    head = pb.StepRequest(pool=request.pool, session_id=request.session_id, fence=fence)
     # the cuts depend on the operations alone (a request sent again with another fence
     # is cut the same way): the other fields are counted as at most _HEAD_BYTES
     base = _HEAD_BYTES
@@ -141,16 +140,14 @@ class _Joiner:
     def state_request(self) -> pb.StepRequest:
         """The empty Step that fetches the state after a failure stopped the pieces."""
         head = self.parts[0]
-        state = pb.StepRequest(
+        return pb.StepRequest(
             pool=head.pool,
             session_id=head.session_id,
+            fence=head.fence if head.HasField("fence") else None,
             idempotency_key=piece_key(self.request.idempotency_key, "state"),
             include_state=True,
             events_digest=self.request.events_digest,
         )
-        if head.HasField("fence"):
-            state.fence.CopyFrom(head.fence)
-        return state
 
     def finish(self, state: pb.StepResponse | None) -> pb.StepResponse:
         results = self.answer.results

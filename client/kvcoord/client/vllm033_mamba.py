@@ -124,23 +124,20 @@ class RemoteMamba033:
         call it interrupts."""
 
     # vLLM 0.33's per-step drains (mamba pools; the others answer empty without a call)
+    def _drain(self: Any, name: str, decode: Any) -> Any:
+        """The pool's drain ``name`` (its result read by ``decode``): one round trip."""
+        op = pb.Operation()
+        getattr(op, name).SetInParent()
+        return self._now(Item(op, lambda r: decode(getattr(r, name))))
+
     def take_new_block_ids(self: Any) -> list[int]:
-        op = pb.Operation(take_new_block_ids=pb.TakeNewBlockIdsOp())
-        return list(self._now(Item(op, lambda r: r.take_new_block_ids.block_ids)))
+        return list(self._drain("take_new_block_ids", lambda r: r.block_ids))
 
     def take_boundary_state_offloads(self: Any) -> dict[str, list[tuple[int, int, int]]]:
-        op = pb.Operation(take_boundary_state_offloads=pb.TakeBoundaryStateOffloadsOp())
-        out: dict[str, list[tuple[int, int, int]]] = self._now(
-            Item(op, lambda r: offloads_from_pb(r.take_boundary_state_offloads))
-        )
-        return out
+        return self._drain("take_boundary_state_offloads", offloads_from_pb)  # type: ignore[no-any-return]
 
     def take_kv_cache_block_copies(self: Any) -> tuple[list[tuple[int, int]], list[int]]:
-        op = pb.Operation(take_kv_cache_block_copies=pb.TakeKVCacheBlockCopiesOp())
-        out: tuple[list[tuple[int, int]], list[int]] = self._now(
-            Item(op, lambda r: copies_from_pb(r.take_kv_cache_block_copies))
-        )
-        return out
+        return self._drain("take_kv_cache_block_copies", copies_from_pb)  # type: ignore[no-any-return]
 
     def release_retained_blocks(self: Any, block_ids: list[int]) -> None:
         """The scheduler's release of the copies' blocks once their step ran (sent with
@@ -165,24 +162,22 @@ class PredictedMamba033:
 
     # vLLM 0.33's per-step drains: the mirror's answer now; the server drains its own
     # with the step's Step
-    def take_new_block_ids(self: Any) -> list[int]:
+    def _drain(self: Any, name: str) -> Any:
         self._settled()
-        ids = list(self.mirror.call("take_new_block_ids"))
-        self.sender.op().take_new_block_ids.SetInParent()
-        return ids
+        out = self.mirror.call(name)
+        getattr(self.sender.op(), name).SetInParent()
+        return out
+
+    def take_new_block_ids(self: Any) -> list[int]:
+        return list(self._drain("take_new_block_ids"))
 
     def take_boundary_state_offloads(self: Any) -> dict[str, list[tuple[int, int, int]]]:
-        self._settled()
-        out: dict[str, list[tuple[int, int, int]]] = self.mirror.call("take_boundary_state_offloads")
-        self.sender.op().take_boundary_state_offloads.SetInParent()
-        return out
+        return self._drain("take_boundary_state_offloads")  # type: ignore[no-any-return]
 
     def take_kv_cache_block_copies(self: Any) -> tuple[list[tuple[int, int]], list[int]]:
-        self._settled()
-        out: tuple[list[tuple[int, int]], list[int]] = self.mirror.call("take_kv_cache_block_copies")
-        self.sender.op().take_kv_cache_block_copies.SetInParent()
+        out = self._drain("take_kv_cache_block_copies")
         self.sender.expect("copies", out)  # the server's pairs must be the mirror's
-        return out
+        return out  # type: ignore[no-any-return]
 
     def release_retained_blocks(self: Any, block_ids: list[int]) -> None:
         """The mirror releases now; the server does the same with the step's Step."""

@@ -59,15 +59,6 @@ MAX_LOSSES_IN_A_ROW = 16
 OUTAGE_PAUSE = (0.05, 1.0)
 
 
-def _close(manager: KVCoordKVCacheManager) -> None:
-    """End the manager's session as the engine shuts down."""
-    try:
-        manager.close()
-    except (RequestsLostError, *OUTAGE_ERRORS) as err:
-        # the session is gone or out of reach: the server frees it when its lease ends
-        logger.warning("kvcoord: the session did not end cleanly: %s", err)
-
-
 class _Before:
     """What a schedule() call may change before a manager call fails in it: the queues
     and the ids of the previous step (the fields of the requests it looks up or
@@ -208,11 +199,16 @@ class _OnKVCoord:
         the waiting queue), named in the next output's preempted_req_ids. The request is
         not marked scheduled in the previous step, so its resumption sends all its tokens."""
         self._preempt_request(request, timestamp)  # type: ignore[attr-defined]
-        self._preempted_here.add(request.request_id)
-        if self._in_flight.get(request.request_id):
-            self._recovering.add(request.request_id)
-        self.prev_step_scheduled_req_ids.discard(request.request_id)  # type: ignore[attr-defined]
+        self._preempted(request.request_id)
         self.kvcoord_preempted += 1
+
+    def _preempted(self, rid: str) -> None:
+        """A request preempted in this call: named in the next output, held back while
+        an output of it is in flight (:meth:`_hold_back`), resumed with all its tokens."""
+        self._preempted_here.add(rid)
+        if self._in_flight.get(rid):
+            self._recovering.add(rid)
+        self.prev_step_scheduled_req_ids.discard(rid)  # type: ignore[attr-defined]
 
     def _preempt_lost(self, lost: set[str]) -> None:
         """Preempt the running requests among ``lost`` (before any allocation: the blocks
@@ -283,17 +279,19 @@ class _OnKVCoord:
         previous.update(before.previous)
         for r in reversed(preempted):
             waiting.prepend_request(r)
-            self._preempted_here.add(r.request_id)
-            if self._in_flight.get(r.request_id):
-                self._recovering.add(r.request_id)
-            previous.discard(r.request_id)
+            self._preempted(r.request_id)
         for r in reversed(preempt):
             self._preempt(r, now)
         self._put_back(held)
 
     def shutdown(self) -> None:
+        """vLLM's shutdown(), then the session ends."""
         super().shutdown()  # type: ignore[misc]
-        _close(self.kvcoord)
+        try:
+            self.kvcoord.close()
+        except (RequestsLostError, *OUTAGE_ERRORS) as err:
+            # the session is gone or out of reach: the server frees it when its lease ends
+            logger.warning("kvcoord: the session did not end cleanly: %s", err)
 
 
 class _OnKVCoord033(_OnKVCoord):

@@ -135,17 +135,8 @@ class KVCacheBlocks:
 # -- stats and events (plain forms; vLLM's types replace them when importable) ---------
 
 
-@dataclasses.dataclass(slots=True)
-class PrefixCacheStats:
-    """vLLM's ``PrefixCacheStats`` fields, for when vLLM is not importable."""
-
-    reset: bool = False
-    requests: int = 0
-    queries: int = 0
-    hits: int = 0
-    preempted_requests: int = 0
-    preempted_queries: int = 0
-    preempted_hits: int = 0
+#: vLLM's ``PrefixCacheStats`` fields, for when vLLM is not importable: the engine's own
+PrefixCacheStats = engine.PrefixCacheStats
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -84,19 +84,33 @@ def test_every_kind_of_event_comes_back_equal() -> None:
 def test_random_mixes_come_back_equal_across_drops() -> None:
     """Random batches of every kind, a journal bounded by count and by bytes: what is
     kept is the newest published events, equal to them, with their sequence numbers."""
+    from kvcoord.service import events as events_module
+
     rng = random.Random(23)
-    for capacity, max_bytes in ((7, 0), (50, 0), (1000, 3000), (1000, 0)):
-        j = EventJournal(capacity, max_bytes)
-        published: list[KVCacheEvent] = []
-        for _ in range(30):
-            pool = _every_kind(rng)
-            batch = [rng.choice(pool) for _ in range(rng.randrange(0, 15))]
-            j.publish(iter(batch) if rng.random() < 0.3 else batch)
-            published += batch
-            kept = j.kept()
-            assert j.last_sequence == len(published)
-            _same([e for _, e in kept], published[len(published) - len(kept) :])
-            assert [s for s, _ in kept] == list(range(len(published) - len(kept) + 1, len(published) + 1))
+    old_compact = events_module._COMPACT_AFTER
+    events_module._COMPACT_AFTER = 8  # the journal's list cut often
+    try:
+        for capacity, max_bytes in ((7, 0), (50, 0), (1000, 3000), (1000, 0)):
+            j = EventJournal(capacity, max_bytes)
+            published: list[KVCacheEvent] = []
+            for _ in range(30):
+                pool = _every_kind(rng)
+                batch = [rng.choice(pool) for _ in range(rng.randrange(0, 15))]
+                j.publish(iter(batch) if rng.random() < 0.3 else batch)
+                published += batch
+                kept = j.kept()
+                assert j.last_sequence == len(published)
+                _same([e for _, e in kept], published[len(published) - len(kept) :])
+                first = len(published) - len(kept) + 1
+                assert [s for s, _ in kept] == list(range(first, len(published) + 1))
+                for _ in range(4):  # reads from anywhere: within, before and across the last batch
+                    after = rng.randrange(first - 2, len(published) + 1)
+                    limit = rng.choice([None, 1, 4])
+                    got = j.since(after, limit)
+                    want = published[max(after, first - 1) :][:limit]
+                    _same([e for _, e in got], want)
+    finally:
+        events_module._COMPACT_AFTER = old_compact
 
 
 def test_plain_evictions_and_decode_stores_leave_the_collector_little_to_track() -> None:
@@ -119,7 +133,45 @@ def test_plain_evictions_and_decode_stores_leave_the_collector_little_to_track()
             batch.append(block_stored((h,), parent, tuple(range(k, k + 16)), 16, None, None))
     j.publish(batch)
     del batch
+    j.publish([AllBlocksCleared()])  # (the last batch is kept as it was until the next one)
     gc.collect()  # (a tuple of untracked items is untracked by the collector's first look)
     tracked = len(gc.get_objects()) - before
     assert tracked < n // 10, f"{tracked} more objects tracked for {n} events kept"
-    assert len(j.kept()) == n
+    assert len(j.kept()) == n + 1
+
+
+def test_the_last_batch_is_read_as_published_until_the_next() -> None:
+    """A reader keeping up (TakeEvents after each Step) gets the very objects the last
+    publish gave; once another batch comes, equal ones rebuilt from the compact form."""
+    rng = random.Random(3)
+    j = EventJournal(capacity=1000)
+    first, second = _every_kind(rng), _every_kind(rng)
+    j.publish(first)
+    assert all(g is w for (_, g), w in zip(j.since(0), first, strict=True))
+    j.publish(second)
+    _same([e for _, e in j.since(0)], first + second)
+    assert all(g is w for (_, g), w in zip(j.since(len(first)), second, strict=True))
+    assert not all(g is w for (_, g), w in zip(j.since(0), first, strict=True))
+
+
+def test_events_stay_compact_across_the_lists_cuts() -> None:
+    """Many batches through a journal that drops and cuts its list often: what it keeps,
+    but for the last batch, stays compact (nothing the collector tracks)."""
+    from kvcoord.service import events as events_module
+
+    rng = random.Random(4)
+    old_compact = events_module._COMPACT_AFTER
+    events_module._COMPACT_AFTER = 64
+    try:
+        j = EventJournal(capacity=2000)
+        gc.collect()
+        before = len(gc.get_objects())
+        for _ in range(60):
+            j.publish([block_removed(_hash(rng)) for _ in range(100)])
+        j.publish([AllBlocksCleared()])
+        gc.collect()
+        tracked = len(gc.get_objects()) - before
+        assert tracked < 20, f"{tracked} more objects tracked for {len(j.kept())} events kept"
+        assert len(j.kept()) == 2000
+    finally:
+        events_module._COMPACT_AFTER = old_compact

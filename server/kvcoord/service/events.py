@@ -105,7 +105,8 @@ def _kept_form(event: KVCacheEvent) -> KVCacheEvent | bytes | _KeptStored:
       first time it sees it; the event and its hashes' tuple were two more).
     * Any other event as it is.
 
-    :func:`_event_of` gives back an event equal to ``event``."""
+    :func:`_event_of` gives back an event equal to ``event``. (The journal keeps the
+    last batch published as it was until the next: :attr:`EventJournal._loose`.)"""
     if type(event) is BlockRemoved:
         if event.medium == MEDIUM_GPU and event.group_idx is None and not event.cache_prefix:
             hashes = event.block_hashes
@@ -162,6 +163,10 @@ class EventJournal:
         self.max_bytes = max_bytes
         #: the kept events, each in its kept form (:func:`_kept_form`)
         self._events: list[KVCacheEvent | bytes | _KeptStored] = []
+        #: ``_events[_loose:]``, the last batch published, are still the published
+        #: objects: made compact at the next publish, so that a reader keeping up (a
+        #: session's TakeEvents) gets them without rebuilding them
+        self._loose = 0
         self._ends: list[int] = [0]
         self._head = 0
         self._first = 1
@@ -203,7 +208,12 @@ class EventJournal:
         sizes = accumulate(map(event_memory_bytes, events), initial=ends[-1])
         next(sizes)
         ends += sizes
-        self._events += map(_kept_form, events)
+        kept = self._events
+        loose = max(self._loose, self._head)  # (none of the dropped ones)
+        if loose < len(kept):
+            kept[loose:] = map(_kept_form, cast(list[KVCacheEvent], kept[loose:]))
+        self._loose = len(kept)
+        kept += events
         self.last_sequence += len(events)
         self._trim()
         self._wake()
@@ -221,6 +231,7 @@ class EventJournal:
         self._first += head - self._head
         if head > _COMPACT_AFTER and head > end >> 1:
             del events[:head], ends[:head]
+            self._loose = max(self._loose - head, 0)
             head = 0
         self._head = head
 
@@ -239,9 +250,10 @@ class EventJournal:
         if first > last:
             return []
         at = self._head - self._first
-        return list(
-            zip(range(first, last + 1), map(_event_of, self._events[at + first : at + last + 1]), strict=True)
-        )
+        part: Iterable[KVCacheEvent | bytes | _KeptStored] = self._events[at + first : at + last + 1]
+        if at + first < self._loose:  # (else all of the last batch: as published)
+            part = map(_event_of, part)
+        return list(zip(range(first, last + 1), cast(Iterable[KVCacheEvent], part), strict=True))
 
     def missed(self, after: int) -> bool:
         """True when events after sequence ``after`` were dropped unread."""
@@ -281,6 +293,7 @@ class EventJournal:
         if [seq for seq, _ in events] != list(range(first, last_sequence + 1)):
             raise ValueError(f"kept events must be numbered {first}..{last_sequence}, one after another")
         self._events = [_kept_form(e) for _, e in events]
+        self._loose = len(self._events)
         self._ends = [0, *accumulate(event_memory_bytes(e) for _, e in events)]
         self._head = 0
         self._first = first

@@ -28,7 +28,9 @@ server, ``git archive``d) and shape, in turns for ``--rounds`` rounds:
               its bytes, ``Servicer.Step`` (session, idempotency key, the Step applied,
               its answer kept), the answer serialized (the kept bytes: code since
               fix-srv23 answers with them); CPU is the loop thread's
-              (``time.thread_time``) over the measured Steps
+              (``time.thread_time``) over the measured Steps, and the cyclic
+              collector's collections in them by generation (young / middle / full)
+              with the loop thread's CPU in them per Step (``gc.callbacks``)
   grpc        a ``kvcoord serve`` process of each code, all at once (``--metrics``: each
               also serves /metrics, as ``kvcoord serve`` does by default; the metrics
               interceptor and observer run either way), one client (this checkout's)
@@ -83,6 +85,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -249,6 +252,7 @@ def new_blocks(resp: Any) -> list[list[int]]:
 def child(trace: Path, shape: str, warmup: int, running: int, profile: bool) -> dict[str, Any]:
     import asyncio  # noqa: F401
     import cProfile
+    import gc
     import pstats
 
     from kvcoord.client import KVCoordClient
@@ -274,19 +278,36 @@ def child(trace: Path, shape: str, warmup: int, running: int, profile: bool) -> 
             ops = sum(weight(b, pb) for b in bodies[warmup:])
             prof = cProfile.Profile() if profile else None
 
+            collections = [0, 0, 0]
+            in_gc = [0.0, 0.0]  # (CPU in the collector, its start)
+
+            def collected(phase: str, info: dict[str, int]) -> None:
+                if threading.get_ident() != loop_thread:
+                    return
+                if phase == "start":
+                    in_gc[1] = time.thread_time()
+                else:
+                    collections[info["generation"]] += 1
+                    in_gc[0] += time.thread_time() - in_gc[1]
+
             async def run(part: list[bytes], timed: bool) -> tuple[float, list[bytes]]:
                 answers = []
                 if prof is not None and timed:
                     prof.enable()
+                if timed:
+                    gc.callbacks.append(collected)
                 t0 = time.thread_time()
                 for body in part:
                     resp = await servicer.Step(pb.StepRequest.FromString(body), None)
                     answers.append(resp if type(resp) is bytes else resp.SerializeToString())
                 cpu = time.thread_time() - t0
+                if timed:
+                    gc.callbacks.remove(collected)
                 if prof is not None and timed:
                     prof.disable()
                 return cpu, answers
 
+            loop_thread = srv._run(_thread_ident(), 60)
             _, warm = srv._run(run(wire[:warmup], False), 600)
             cpu, timed = srv._run(run(wire[warmup:], True), 600)
             for a in warm + timed:
@@ -301,7 +322,14 @@ def child(trace: Path, shape: str, warmup: int, running: int, profile: bool) -> 
         "us_op": cpu / ops * 1e6,
         "ms_step": cpu / len(bodies[warmup:]) * 1e3,
         "digest": digest.hexdigest(),
+        "gc": collections,
+        "gc_ms_step": in_gc[0] / len(bodies[warmup:]) * 1e3,
     }
+
+
+async def _thread_ident() -> int:
+    """The thread running the event loop (the in-process server's)."""
+    return threading.get_ident()
 
 
 def toggle(trace: Path, warmup: int, running: int) -> None:
@@ -651,6 +679,10 @@ def main() -> None:
                         if "p50" in r
                         else ""
                     )
+                    if "gc" in r:
+                        extra += "  gc {} collections, {:.3f} ms CPU/Step".format(
+                            " / ".join(map(str, r["gc"])), r["gc_ms_step"]
+                        )
                     print(
                         f"round {rnd + 1} {w:11} {shape:4} {code}: {r['us_op']:6.2f} µs/op{extra}",
                         flush=True,

@@ -354,10 +354,11 @@ def test_the_event_buffer_estimate_covers_what_it_holds(kind: str) -> None:
         sizes.add(journal.bytes)
     assert len(sizes) == 1  # the same events, the same count
     held = min(helds)
-    # (at most 2 x: EVENT_BYTES was sized when the journal also held a (sequence,
-    # event) tuple and a deque entry per event; it was kept, so that bounds and pool
-    # estimates stay as they were, and a one-hash BlockRemoved is now over-counted ~1.8 x)
-    assert held <= journal.bytes <= 2 * held
+    # (at most 2 x, 3 x for one-hash BlockRemoved events: EVENT_BYTES was sized when
+    # the journal also held a (sequence, event) tuple and a deque entry per event; it
+    # was kept, so that bounds and pool estimates stay as they were, and the journal now
+    # keeps a one-hash BlockRemoved as its hash alone, over-counted ~2.7 x)
+    assert held <= journal.bytes <= (3 if kind == "removed" else 2) * held
     bounded = EventJournal(capacity=1 << 20, max_bytes=journal.bytes // 10)
     for _ in range(20):
         bounded.publish(_fresh_events(kind, 400, rng))

@@ -23,8 +23,10 @@ import bisect
 import time
 from collections.abc import Iterable
 from itertools import accumulate
+from typing import cast
 
 from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvcoord.engine.events import MEDIUM_GPU, block_removed, block_stored
 
 __all__ = [
     "EVENT_BYTES",
@@ -84,6 +86,63 @@ def event_wire_bytes(event: KVCacheEvent) -> int:
 #: dropped events past which the journal's list is cut (once they are most of it)
 _COMPACT_AFTER = 4096
 
+#: a BlockStored as the journal keeps it (:func:`_kept_form`)
+_KeptStored = tuple[bytes | tuple[bytes, ...], bytes | None, tuple[int, ...], int]
+
+
+def _kept_form(event: KVCacheEvent) -> KVCacheEvent | bytes | _KeptStored:
+    """What the journal keeps of ``event``, in fewer objects the cyclic collector tracks:
+    the journal keeps its events long after the Step that made them, and on a served
+    decode Step they were most of the collector's work (every young collection went
+    through them, and each one kept went on to the older generations).
+
+    * A BlockRemoved of one hash in the default namespace (no group, on the GPU: one
+      per evicted block of a vllm-0.16 pool): its hash alone (``bytes``, never
+      tracked; the event and its tuple were two tracked objects).
+    * A BlockStored of a vllm-0.16 pool in the default namespace, on the GPU, without
+      LoRA: ``(hash or hashes, parent, token ids, block size)``, one hash alone when
+      there is one (a tuple of untracked items, which the collector stops tracking the
+      first time it sees it; the event and its hashes' tuple were two more).
+    * Any other event as it is.
+
+    :func:`_event_of` gives back an event equal to ``event``. (The journal keeps the
+    last batch published as it was until the next: :attr:`EventJournal._loose`.)"""
+    if type(event) is BlockRemoved:
+        if event.medium == MEDIUM_GPU and event.group_idx is None and not event.cache_prefix:
+            hashes = event.block_hashes
+            if type(hashes) is tuple and len(hashes) == 1 and type(hashes[0]) is bytes:
+                return hashes[0]
+    elif (
+        type(event) is BlockStored
+        and event.medium == MEDIUM_GPU
+        and event.lora_id is None
+        and event.lora_name is None
+        and not event.cache_prefix
+        and event.group_idx is None
+        and event.extra_keys is None
+        and event.kv_cache_spec_kind is None
+        and event.kv_cache_spec_sliding_window is None
+        and event.lookahead_token_ids is None
+    ):
+        hashes = event.block_hashes
+        one = type(hashes) is tuple and len(hashes) == 1 and type(hashes[0]) is bytes
+        return (hashes[0] if one else hashes, event.parent_block_hash, event.token_ids, event.block_size)
+    return event
+
+
+def _event_of(kept: KVCacheEvent | bytes | _KeptStored) -> KVCacheEvent:
+    """The event the journal keeps as ``kept`` (:func:`_kept_form`)."""
+    kind = type(kept)
+    if kind is bytes:
+        return block_removed(kept)  # type: ignore[arg-type]
+    if kind is tuple:
+        hashes, parent, token_ids, block_size = cast(_KeptStored, kept)
+        return block_stored(
+            (hashes,) if type(hashes) is bytes else cast(tuple[bytes, ...], hashes),
+            parent, token_ids, block_size, None, None,
+        )  # fmt: skip
+    return kept  # type: ignore[return-value]
+
 
 class EventJournal:
     """Events get sequence numbers 1, 2, ...; the newest are kept, at most ``capacity``
@@ -102,7 +161,12 @@ class EventJournal:
     def __init__(self, capacity: int, max_bytes: int = 0) -> None:
         self.capacity = capacity
         self.max_bytes = max_bytes
-        self._events: list[KVCacheEvent] = []
+        #: the kept events, each in its kept form (:func:`_kept_form`)
+        self._events: list[KVCacheEvent | bytes | _KeptStored] = []
+        #: ``_events[_loose:]``, the last batch published, are still the published
+        #: objects: made compact at the next publish, so that a reader keeping up (a
+        #: session's TakeEvents) gets them without rebuilding them
+        self._loose = 0
         self._ends: list[int] = [0]
         self._head = 0
         self._first = 1
@@ -144,7 +208,12 @@ class EventJournal:
         sizes = accumulate(map(event_memory_bytes, events), initial=ends[-1])
         next(sizes)
         ends += sizes
-        self._events += events
+        kept = self._events
+        loose = max(self._loose, self._head)  # (none of the dropped ones)
+        if loose < len(kept):
+            kept[loose:] = map(_kept_form, cast(list[KVCacheEvent], kept[loose:]))
+        self._loose = len(kept)
+        kept += events
         self.last_sequence += len(events)
         self._trim()
         self._wake()
@@ -162,6 +231,7 @@ class EventJournal:
         self._first += head - self._head
         if head > _COMPACT_AFTER and head > end >> 1:
             del events[:head], ends[:head]
+            self._loose = max(self._loose - head, 0)
             head = 0
         self._head = head
 
@@ -180,7 +250,10 @@ class EventJournal:
         if first > last:
             return []
         at = self._head - self._first
-        return list(zip(range(first, last + 1), self._events[at + first : at + last + 1], strict=True))
+        part: Iterable[KVCacheEvent | bytes | _KeptStored] = self._events[at + first : at + last + 1]
+        if at + first < self._loose:  # (else all of the last batch: as published)
+            part = map(_event_of, part)
+        return list(zip(range(first, last + 1), cast(Iterable[KVCacheEvent], part), strict=True))
 
     def missed(self, after: int) -> bool:
         """True when events after sequence ``after`` were dropped unread."""
@@ -219,8 +292,9 @@ class EventJournal:
         first = last_sequence + 1 - len(events)
         if [seq for seq, _ in events] != list(range(first, last_sequence + 1)):
             raise ValueError(f"kept events must be numbered {first}..{last_sequence}, one after another")
-        self._events = [e for _, e in events]
-        self._ends = [0, *accumulate(map(event_memory_bytes, self._events))]
+        self._events = [_kept_form(e) for _, e in events]
+        self._loose = len(self._events)
+        self._ends = [0, *accumulate(event_memory_bytes(e) for _, e in events)]
         self._head = 0
         self._first = first
         self.last_sequence = last_sequence

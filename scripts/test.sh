@@ -98,6 +98,15 @@ if [ -z "${KVCOORD_TARGET:-}" ]; then
       echo "docker is not installed: run 'make install' as root" >&2
       exit 1
     fi
+    # A dockerd that was killed leaves its containerd's pid file behind; once that pid
+    # is reused by another process, a new dockerd takes it for a running containerd,
+    # waits for its socket and gives up ("timeout waiting for containerd to start").
+    # With no daemon answering, a pid file whose process is not a containerd is stale.
+    pidfile=/var/run/docker/containerd/containerd.pid
+    if [ -f "$pidfile" ] && ! grep -qa containerd "/proc/$(cat "$pidfile")/cmdline" 2>/dev/null; then
+      echo "removing the stale $pidfile (pid $(cat "$pidfile") is not a containerd)"
+      rm -f "$pidfile"
+    fi
     echo "starting dockerd"
     (dockerd >"$WORK/dockerd.log" 2>&1 &)
     for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done

@@ -354,17 +354,40 @@ def test_the_event_buffer_estimate_covers_what_it_holds(kind: str) -> None:
         sizes.add(journal.bytes)
     assert len(sizes) == 1  # the same events, the same count
     held = min(helds)
-    # (at most 2 x, 3 x for one-hash BlockRemoved events: EVENT_BYTES was sized when
-    # the journal also held a (sequence, event) tuple and a deque entry per event; it
-    # was kept, so that bounds and pool estimates stay as they were, and the journal now
-    # keeps a one-hash BlockRemoved as its hash alone, over-counted ~2.7 x)
-    assert held <= journal.bytes <= (3 if kind == "removed" else 2) * held
+    # (at most 2 x: EVENT_BYTES was sized when the journal also held a (sequence,
+    # event) tuple and a deque entry per event; it was kept, so that bounds and pool
+    # estimates stay as they were, and a one-hash BlockRemoved is now over-counted ~1.8 x;
+    # one batch, so kept as published: the compact form is the next test's)
+    assert held <= journal.bytes <= 2 * held
     bounded = EventJournal(capacity=1 << 20, max_bytes=journal.bytes // 10)
     for _ in range(20):
         bounded.publish(_fresh_events(kind, 400, rng))
         assert bounded.bytes <= bounded.max_bytes
     assert bounded.last_sequence == 8000 and bounded.oldest_sequence > 7000
     assert bounded.missed(0) and not bounded.missed(bounded.oldest_sequence - 1)
+
+
+@pytest.mark.parametrize("kind", ["removed", "stored"])
+def test_the_event_buffer_estimate_covers_its_compact_events(kind: str) -> None:
+    """The journal keeps a batch as published until the next publish, then in a compact
+    form (service/events.py, _kept_form): the bytes it counts still cover what it holds
+    with nine batches compact and the last as published (measured by tracemalloc, the
+    least of three runs, as above)."""
+    helds, sizes = [], set()
+    for _ in range(3):
+        rng = random.Random(11)
+        journal = EventJournal(capacity=1 << 20)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in range(10):
+                journal.publish(_fresh_events(kind, 400, rng))
+            helds.append(tracemalloc.get_traced_memory()[0] - before)
+        finally:
+            tracemalloc.stop()
+        sizes.add(journal.bytes)
+    assert len(sizes) == 1
+    assert min(helds) <= journal.bytes
 
 
 def test_the_pools_memory_estimate_includes_its_event_buffer(

@@ -416,6 +416,37 @@ def test_serve_cannot_bind_its_port(tmp_path: Path) -> None:
             )
 
 
+def test_serve_refuses_a_port_another_kvcoord_serves(tmp_path: Path) -> None:
+    """A second `kvcoord serve` on the port a running one serves exits 3 with one line,
+    and the first goes on serving alone. (gRPC binds with SO_REUSEPORT unless told not
+    to: both listened, the kernel split new connections between two servers with
+    different pools and sessions, and a client that reconnected found its pool gone.)"""
+    first = DurableServer(tmp_path, pools_toml=small_pool(16))
+    first.start()
+    try:
+        second = subprocess.Popen(
+            [sys.executable, "-m", "kvcoord.service.cli", "serve", "--listen", first.address, "--metrics-listen", ""],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+            env=dict(env(), KVCOORD_DATA_DIR=str(tmp_path / "second")),
+        )  # fmt: skip
+        try:
+            _, err = second.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            second.kill()
+            _, err = second.communicate()
+            pytest.fail(f"a second server started on {first.address} beside the first: {err}")
+        assert second.returncode == 3, err
+        last = err.strip().splitlines()[-1]
+        assert "kvcoord: cannot start: cannot listen on " in last and first.address in last, err
+        assert first.proc is not None and first.proc.poll() is None
+        # every new connection reaches the first server: its pool is there each time
+        for _ in range(8):
+            with KVCoordClient(first.address, timeout=10) as c:
+                assert [p.name for p in c.list_pools().pools] == ["p"]
+    finally:
+        first.stop()
+
+
 def test_version_and_completion() -> None:
     """`kvcoord --version` prints the version; click's completion script is produced."""
     proc = kvcoord("--version")

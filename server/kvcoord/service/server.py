@@ -163,6 +163,12 @@ def _journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str)
 def _options(cfg: ServerConfig) -> list[tuple[str, int]]:
     s = cfg.server
     return [
+        # gRPC binds with SO_REUSEPORT by default: a second server on a port in use would
+        # listen beside the first and the kernel would split new connections between
+        # two servers with different pools and sessions. Off, the second cannot bind
+        # (ListenError: `serve` exits 3); a restart after SIGKILL still binds at once
+        # (SO_REUSEADDR, which gRPC always sets).
+        ("grpc.so_reuseport", 0),
         ("grpc.max_receive_message_length", s.max_message_bytes),
         ("grpc.max_send_message_length", s.max_message_bytes),
         ("grpc.keepalive_time_ms", int(s.keepalive_time_seconds * 1000)),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,14 +14,9 @@ from typing import Any
 
 from kvcoord.client import KVCoordClient
 from kvcoord.client.errors import KVCoordError
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def small_pool(num_blocks: int) -> str:

@@ -12,42 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from ports import free_ports
 from tcp_proxy import Proxy
 
 #: starts tried, each on fresh ports, when a port was taken before etcd bound it
 STARTS = 3
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free now, below the kernel's range of ephemeral ports. A
-    port from that range (bind to port 0) could be taken by any outgoing connection,
-    or handed to another test process, before etcd bound it: etcd then exited 1
-    ("address already in use") and a whole test module failed at its fixture."""
-    import random
-    import socket
-
-    low = _ephemeral_low()
-    out: list[int] = []
-    for _ in range(1000):  # bounded: nearly every port there is free
-        if len(out) == n:
-            return out
-        port = random.randrange(10000, low) if low > 11000 else random.randrange(low - 1000, low)
-        if port in out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        out.append(port)
-    raise RuntimeError(f"no {n} free ports below {low}")
 
 
 class PortTaken(RuntimeError):

@@ -25,6 +25,7 @@ from kvcoord.client import (
 )
 from kvcoord.client.faults import FaultInjector
 from kvcoord.client.hashing import BlockHasher, none_hash
+from kvcoord.service.data_dir_lock import DataDirInUseError
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import allocate_op
@@ -396,6 +397,33 @@ def test_a_failed_allocate_that_changed_the_pool_is_journaled(
     started.append(second)
     with KVCoordClient(second.address) as c:
         assert tables(c) == live
+
+
+def test_one_server_per_data_directory(started: list[InProcessServer], tmp_path: Path) -> None:
+    """In one process too, a second server on a data directory a running server holds
+    does not start (DataDirInUseError, before it reads anything there) and the first
+    serves on; the first's stop gives the directory back, and the next server recovers
+    its state."""
+    first = start(started, data_dir=str(tmp_path), durability="journal")
+    with KVCoordClient(first.address) as c:
+        att = c.attach("p", "sha256_cbor", 4, "0")
+        sync = pb.RequestSync(request_id="a", append_token_ids=[1, 2, 3], new_request=True)  # (no full block)
+        c.allocate("p", allocate_op(sync, 3), att.session_id, att.fence)
+    second = InProcessServer(POOL, data_dir=str(tmp_path), durability="journal")
+    try:
+        with pytest.raises(
+            DataDirInUseError, match=f"data directory {tmp_path} is in use by another kvcoord"
+        ):
+            second.start()
+    finally:
+        second.stop()
+    with KVCoordClient(first.address) as c:
+        assert [r.request_id for r in c.inspect_pool("p", all_requests=True).requests] == ["a"]
+    first.stop()
+    started.remove(first)
+    third = start(started, data_dir=str(tmp_path), durability="journal")
+    with KVCoordClient(third.address) as c:
+        assert [r.request_id for r in c.inspect_pool("p", all_requests=True).requests] == ["a"]
 
 
 @pytest.mark.parametrize("fault", ["refused", "answer lost"])

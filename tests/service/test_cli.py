@@ -25,6 +25,7 @@ from kvcoord.client import KVCoordClient, cli_common, cli_observe, cli_pools
 from kvcoord.client import cli as client_cli
 from kvcoord.client.routing import PoolRouter
 from kvcoord.v1 import allocator_pb2 as pb
+from ports import free_port
 
 TOKEN = "operator-secret"
 #: a tenant that may only use pool p (no observe, no administer)
@@ -443,6 +444,46 @@ def test_serve_refuses_a_port_another_kvcoord_serves(tmp_path: Path) -> None:
         for _ in range(8):
             with KVCoordClient(first.address, timeout=10) as c:
                 assert [p.name for p in c.list_pools().pools] == ["p"]
+    finally:
+        first.stop()
+
+
+def test_serve_refuses_a_data_directory_another_kvcoord_serves(tmp_path: Path) -> None:
+    """A second `kvcoord serve` on the data directory a running one serves (another
+    port) exits 3 with one line naming the first's pid, reading nothing there; the
+    first serves on; once it is SIGKILLed, a server starts on the directory at once
+    with its state. (Both ran before: each recovered the journal, handed out blocks
+    from its own copy of the pools and appended its own records to the one journal.)"""
+    first = DurableServer(tmp_path, pools_toml=small_pool(16))
+    first.start()
+    try:
+        with KVCoordClient(first.address, timeout=10) as c:
+            sid, fence = attach(c, "p")
+            c.step("p", [allocate("held", list(range(8)), 8)], sid, fence)
+        second = subprocess.Popen(
+            [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(first.config),
+             "--listen", f"127.0.0.1:{free_port()}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(),
+        )  # fmt: skip
+        try:
+            _, err = second.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            second.kill()
+            _, err = second.communicate()
+            pytest.fail(f"a second server started on {first.data_dir} beside the first: {err}")
+        assert second.returncode == 3, err
+        last = err.strip().splitlines()[-1]
+        assert first.proc is not None
+        assert (
+            f"kvcoord: cannot start: data directory {first.data_dir} is in use by another kvcoord server"
+            in last
+        )
+        assert f"(pid {first.proc.pid} on " in last, err
+        assert first.proc.poll() is None
+        first.kill()  # SIGKILL: the kernel gives the lock back with the process
+        first.start()  # at once, on the same directory: its state recovered
+        with KVCoordClient(first.address, timeout=10) as c:
+            assert [r.request_id for r in c.inspect_pool("p", all_requests=True).requests] == ["held"]
     finally:
         first.stop()
 

@@ -16,6 +16,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from .access import AccessControl
 from .cluster import Cluster, ClusterError
 from .config import ServerConfig
+from .data_dir_lock import DataDirLock
 from .durability import JournalRecorder
 from .idempotency import IdempotencyStore
 from .kv_publisher import Publishers
@@ -26,7 +27,7 @@ from .registry import GcFreezer, PoolRegistry
 from .server_cluster import cluster_of, join_cluster
 from .servicer import AllocatorServicer, add_servicer
 from .sessions import SessionTable
-from .startup import StartupDecision, decide_startup
+from .startup import StartupDecision, check_data_dir, decide_startup
 from .store_journal import StoreRecorder
 from .tasks import cancel_and_wait
 from .tls import server_credentials
@@ -72,6 +73,8 @@ class RunningServer:
     startup: StartupDecision | None = None
     #: this replica's membership and claims ([cluster]; None on a single node)
     cluster: Cluster | None = None
+    #: the data directory held by this server alone (None without one): given back at stop
+    data_dir_lock: DataDirLock | None = None
 
     def on_journal_failure(self, exc: BaseException) -> None:
         """Stop serving loudly: in memory the state is ahead of the disk, so a restart
@@ -109,8 +112,12 @@ class RunningServer:
         try:
             await self._snapshot_and_close(snapshot)
         finally:
-            if self.cluster is not None:  # nothing is served any more: the claims go
-                await self.cluster.stop()
+            try:
+                if self.cluster is not None:  # nothing is served any more: the claims go
+                    await self.cluster.stop()
+            finally:
+                if self.data_dir_lock is not None:  # the journal is closed: another server may start
+                    self.data_dir_lock.release()
 
     async def _snapshot_and_close(self, snapshot: bool) -> None:
         recorder = self.servicer.registry.recorder
@@ -206,7 +213,11 @@ async def start_server(
     client proved (every session and fence ends, prefix caches are emptied, a durable
     grace of ``max_session_lease_seconds``) before the first call is answered.
 
+    The data directory is held by this server alone from before anything in it is read
+    until :meth:`RunningServer.stop` (data_dir_lock.py).
+
     Raises:
+        DataDirInUseError: another server holds the data directory.
         RuntimeError: a listener could not be bound.
         MarkerError: the data directory's lease marker cannot be read.
         DataDirError: the data directory cannot be written (or its grace.json read).
@@ -215,6 +226,33 @@ async def start_server(
         JournalError: the journal is incompatible or damaged (the message names the file).
         ValueError: a TLS file is unreadable or invalid.
     """
+    lock = None
+    if cfg.server.data_dir:
+        lock = DataDirLock.acquire(check_data_dir(cfg.server.data_dir))
+    try:
+        running = await _start(
+            cfg, observer, interceptors, instance_id, clock, wall_clock, reap_interval, start_empty, restored
+        )
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    running.data_dir_lock = lock
+    return running
+
+
+async def _start(
+    cfg: ServerConfig,
+    observer: OperationObserver | None,
+    interceptors: Sequence[grpc.aio.ServerInterceptor],
+    instance_id: str | None,
+    clock: Callable[[], float],
+    wall_clock: Callable[[], float],
+    reap_interval: float,
+    start_empty: bool,
+    restored: bool,
+) -> RunningServer:
+    """:func:`start_server` once the data directory is held."""
     st = cfg.server
     sessions = SessionTable(clock, st.session_lease_seconds, st.max_session_lease_seconds)
     decision = decide_startup(cfg, clock, wall_clock, start_empty)

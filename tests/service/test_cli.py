@@ -417,6 +417,24 @@ def test_serve_cannot_bind_its_port(tmp_path: Path) -> None:
             )
 
 
+def _refused_beside(first: DurableServer, args: list[str], **extra_env: str) -> str:
+    """The last line a second `kvcoord serve` (``args``) printed as it exited 3 while
+    ``first`` serves (failing the test when it started instead)."""
+    second = subprocess.Popen(
+        [sys.executable, "-m", "kvcoord.service.cli", "serve", *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=dict(env(), **extra_env),
+    )  # fmt: skip
+    try:
+        _, err = second.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        second.kill()
+        _, err = second.communicate()
+        pytest.fail(f"a second server started beside the first ({first.address}, {first.data_dir}): {err}")
+    assert second.returncode == 3, err
+    assert first.proc is not None and first.proc.poll() is None
+    return err.strip().splitlines()[-1]
+
+
 def test_serve_refuses_a_port_another_kvcoord_serves(tmp_path: Path) -> None:
     """A second `kvcoord serve` on the port a running one serves exits 3 with one line,
     and the first goes on serving alone. (gRPC binds with SO_REUSEPORT unless told not
@@ -425,21 +443,12 @@ def test_serve_refuses_a_port_another_kvcoord_serves(tmp_path: Path) -> None:
     first = DurableServer(tmp_path, pools_toml=small_pool(16))
     first.start()
     try:
-        second = subprocess.Popen(
-            [sys.executable, "-m", "kvcoord.service.cli", "serve", "--listen", first.address, "--metrics-listen", ""],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-            env=dict(env(), KVCOORD_DATA_DIR=str(tmp_path / "second")),
-        )  # fmt: skip
-        try:
-            _, err = second.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            second.kill()
-            _, err = second.communicate()
-            pytest.fail(f"a second server started on {first.address} beside the first: {err}")
-        assert second.returncode == 3, err
-        last = err.strip().splitlines()[-1]
-        assert "kvcoord: cannot start: cannot listen on " in last and first.address in last, err
-        assert first.proc is not None and first.proc.poll() is None
+        last = _refused_beside(
+            first,
+            ["--listen", first.address, "--metrics-listen", ""],
+            KVCOORD_DATA_DIR=str(tmp_path / "second"),
+        )
+        assert "kvcoord: cannot start: cannot listen on " in last and first.address in last, last
         # every new connection reaches the first server: its pool is there each time
         for _ in range(8):
             with KVCoordClient(first.address, timeout=10) as c:
@@ -460,26 +469,13 @@ def test_serve_refuses_a_data_directory_another_kvcoord_serves(tmp_path: Path) -
         with KVCoordClient(first.address, timeout=10) as c:
             sid, fence = attach(c, "p")
             c.step("p", [allocate("held", list(range(8)), 8)], sid, fence)
-        second = subprocess.Popen(
-            [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(first.config),
-             "--listen", f"127.0.0.1:{free_port()}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env(),
-        )  # fmt: skip
-        try:
-            _, err = second.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            second.kill()
-            _, err = second.communicate()
-            pytest.fail(f"a second server started on {first.data_dir} beside the first: {err}")
-        assert second.returncode == 3, err
-        last = err.strip().splitlines()[-1]
+        last = _refused_beside(first, ["--config", str(first.config), "--listen", f"127.0.0.1:{free_port()}"])
         assert first.proc is not None
         assert (
             f"kvcoord: cannot start: data directory {first.data_dir} is in use by another kvcoord server"
             in last
         )
-        assert f"(pid {first.proc.pid} on " in last, err
-        assert first.proc.poll() is None
+        assert f"(pid {first.proc.pid} on " in last, last
         first.kill()  # SIGKILL: the kernel gives the lock back with the process
         first.start()  # at once, on the same directory: its state recovered
         with KVCoordClient(first.address, timeout=10) as c:

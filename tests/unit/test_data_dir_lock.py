@@ -3,6 +3,8 @@ until released or until its process ends, however it ends."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import signal
@@ -68,3 +70,19 @@ def test_an_unusable_lock_file_is_a_data_dir_error(tmp_path: Path) -> None:
     (tmp_path / LOCK_FILE).mkdir()  # (not a file: it cannot be opened for writing)
     with pytest.raises(DataDirError, match="cannot open the data directory's lock"):
         DataDirLock.acquire(tmp_path)
+
+
+def test_a_file_system_that_cannot_lock_is_a_data_dir_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where ``flock`` is not supported (ENOLCK, EOPNOTSUPP) the server cannot promise it
+    is alone on the directory: a DataDirError (exit 3) naming the error, the file closed."""
+
+    def cannot(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", cannot)
+    opened = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(DataDirError, match="cannot lock the data directory's lock .*No locks available"):
+        DataDirLock.acquire(tmp_path)
+    assert len(os.listdir("/proc/self/fd")) == opened

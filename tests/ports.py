@@ -13,7 +13,7 @@ import random
 import socket
 from pathlib import Path
 
-__all__ = ["free_port", "free_ports"]
+__all__ = ["free_port", "free_port_run", "free_ports"]
 
 _DRAW = random.SystemRandom()
 
@@ -25,6 +25,19 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _draw(low: int) -> int:
+    return _DRAW.randrange(10000, low) if low > 11000 else _DRAW.randrange(low - 1000, low)
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct loopback ports free now, below the ephemeral range."""
     low = _ephemeral_low()
@@ -32,16 +45,21 @@ def free_ports(n: int) -> list[int]:
     for _ in range(1000):  # bounded: nearly every port there is free
         if len(out) == n:
             return out
-        port = _DRAW.randrange(10000, low) if low > 11000 else _DRAW.randrange(low - 1000, low)
-        if port in out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        out.append(port)
+        port = _draw(low)
+        if port not in out and _free(port):
+            out.append(port)
     raise RuntimeError(f"no {n} free ports below {low}")
+
+
+def free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive loopback ports free now, below the ephemeral
+    range (``kvcoord serve --replicas n`` listens on a port and the ``n - 1`` after it)."""
+    low = _ephemeral_low() - n
+    for _ in range(1000):  # bounded
+        first = _draw(low)
+        if all(_free(first + i) for i in range(n)):
+            return first
+    raise RuntimeError(f"no {n} consecutive free ports below {low + n}")
 
 
 def free_port() -> int:

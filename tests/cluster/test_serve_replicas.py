@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from kvcoord.client.errors import KVCoordError
 from kvcoord.service.config import parse_config
 from kvcoord.service.ownership import Member, owner_of
 from kvcoord.service.replicas import child_settings, replica_count
+from ports import free_port_run
 from test_replicas import POOL_CONFIG
 
 
@@ -37,20 +37,6 @@ def test_replica_count_and_each_childs_settings() -> None:
         "KVCOORD_DATA_DIR": "/d/replica-2",
         "KVCOORD_ADVERTISE_ADDRESS": "node.example:7002",
     }
-
-
-def _two_free_ports() -> int:
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                with socket.socket() as b:
-                    b.bind(("127.0.0.1", port + 1))
-                    return int(port)
-            except OSError:
-                continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 def _serving(address: str, timeout: float, proc: subprocess.Popen[bytes]) -> None:
@@ -75,7 +61,7 @@ def _children(pid: int) -> list[int]:
 def test_serve_replicas_runs_supervised_replicas_that_share_the_pools(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    port = _two_free_ports()
+    port = free_port_run(2)  # (restarted children bind theirs again: none from the ephemeral range)
     config = tmp_path / "kvcoord.toml"
     config.write_text(
         f'[server]\nlisten = ["127.0.0.1:{port}"]\nmetrics_listen = ""\ndata_dir = "{tmp_path / "data"}"\n'

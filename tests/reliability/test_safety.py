@@ -29,6 +29,7 @@ from kvcoord.service.data_dir_lock import DataDirInUseError
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import allocate_op
+from ports import free_port
 from support import POOL_TOML as POOL
 from support import Req
 
@@ -121,8 +122,8 @@ def test_lost_lease_stops_block_ids_and_reports_lost_requests(started: list[InPr
 def test_restart_is_detected_and_old_block_ids_are_void(started: list[InProcessServer]) -> None:
     """After the server restarts (state lost), the next call raises RequestsLostError
     naming every request; the fence changed; the manager carries on with a new session."""
-    first = start(started)
-    port = int(first.address.rsplit(":", 1)[1])
+    port = free_port()  # (restarted on it: none from the ephemeral range, see tests/ports.py)
+    first = start(started, port=port)
     with KVCoordClient(first.address) as c:
         m = RemoteKVCacheManager(c, "p", hash_seed="0")
         assert m.allocate_slots(Req("a", list(range(8))), 8) is not None
@@ -370,9 +371,9 @@ def test_a_failed_allocate_that_changed_the_pool_is_journaled(
             r.free_queue_head
         )
 
-    first = InProcessServer(pool, data_dir=str(tmp_path), durability="journal").start()
+    port = free_port()  # (restarted on it: none from the ephemeral range, see tests/ports.py)
+    first = InProcessServer(pool, data_dir=str(tmp_path), durability="journal", port=port).start()
     started.append(first)
-    port = int(first.address.rsplit(":", 1)[1])
     with KVCoordClient(first.address) as c:
         att = c.attach("p", "sha256_cbor", 4, "0")
         sid, fence = att.session_id, att.fence

@@ -19,6 +19,7 @@ from kvcoord.client.tracking import LostRequestInUseError
 from kvcoord.client.vllm import Settings, connect
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
+from ports import free_port
 from test_vllm_adapter import Req, engine
 
 HASHER = ("sha256", 4, none_hash("sha256", "0"))
@@ -85,7 +86,7 @@ def test_a_rolling_upgrade_to_another_engine_goes_on_in_the_waiting_mode(
 
     monkeypatch.setenv("PYTHONHASHSEED", "0")
     data = str(tmp_path / "data")
-    server = InProcessServer(data_dir=data).start()
+    server = InProcessServer(data_dir=data, port=free_port()).start()  # (restarted on it: tests/ports.py)
     address = server.address
     pool = "upgrade"
     try:

@@ -6,6 +6,7 @@ import pytest
 from kvcoord.client.errors import InvalidArgumentError
 from kvcoord.client.hashing import none_hash
 from kvcoord.client.tracking import RequestTracker
+from kvcoord.engine import HandedTokenIds
 from kvcoord.v1 import allocator_pb2 as pb
 from support import Req, wire_pool_config
 
@@ -85,3 +86,33 @@ def test_a_request_registered_again_after_a_preemption_names_its_prompt_length()
     fresh = Req("s", list(range(20)))
     fresh.num_prompt_tokens = 20  # type: ignore[attr-defined]
     assert not tracker.sync(fresh).HasField("num_prompt_tokens")
+
+
+def test_a_registration_sends_its_own_tokens_while_the_engine_appends_to_them() -> None:
+    """A registration's tokens are the list the mirror's engine keeps (HandedTokenIds)
+    and appends the request's next tokens to on the scheduler's thread, while the
+    Step that carries the registration may be written on the sender's thread. Whatever
+    is appended while the sync is written is not this sync's: the server would hold one
+    token too many, and the request's next positioned sync would be refused (every
+    request reported lost). The other thread's append is made to fall right after the
+    writer's first, second or third look at the list's length."""
+
+    class AppendedMeanwhile(HandedTokenIds):
+        looks = 0
+        after = 0
+
+        def __len__(self) -> int:
+            n = super().__len__()
+            self.looks += 1
+            if self.looks == self.after:
+                self.append(999)  # the next decode token, appended by the other thread
+            return n
+
+    for after in (1, 2, 3):
+        tracker = RequestTracker(_config(), none_hash("sha256_cbor", "0"))
+        values = tracker.sync_values(Req("r", list(range(20))))
+        assert type(values.tokens) is HandedTokenIds and values.num_tokens == 20
+        tokens = values.tokens = AppendedMeanwhile(values.tokens)
+        tokens.after = after
+        written = values.write(pb.RequestSync())
+        assert written.new_request and list(written.append_token_ids) == list(range(20)), after

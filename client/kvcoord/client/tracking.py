@@ -127,7 +127,11 @@ class SyncValues:
         tokens = self.tokens
         if tokens:
             n = self.num_tokens
-            into.append_token_ids.extend(tokens if n is None or len(tokens) == n else tokens[:n])
+            # A registration's tokens are the very list the mirror's engine keeps and
+            # the scheduler's thread appends to, and this may run on the sender's
+            # thread: its first ``n`` are taken in one slice (a check of its length
+            # and then the list itself would send a token appended in between).
+            into.append_token_ids.extend(tokens if n is None else tokens[:n])
         if self.hashes:
             into.append_block_hashes.extend(self.hashes)
         if self.computed is not None:

@@ -465,3 +465,58 @@ def test_space_is_given_back_after_a_snapshot(loop: asyncio.AbstractEventLoop, t
     assert records == 0 and free == 0
     assert (tmp_path / "journal.sqlite-wal").stat().st_size == 0
     assert path.stat().st_size < grown / 4
+
+
+@pytest.mark.parametrize("snapshot_every", [1 << 30, 1])
+def test_a_restore_detected_stays_detected_after_the_next_restart(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path, snapshot_every: int
+) -> None:
+    """A restarted server that finds its journal behind what it committed (an older copy
+    put back) voids every earlier instance's fences and journals that it did, so the
+    restart after it does the same. The ``restored`` record may be the very record that
+    starts a snapshot (here every record does; in service, whenever the records replayed
+    reach ``snapshot_every``): that snapshot must hold the state after the change, or the
+    next start, which replays only what follows the snapshot, brings the voided fences
+    back (a fenced-out worker's calls accepted again, its stale Step taken for a second
+    restore that ends the new sessions)."""
+    data = tmp_path / "data"
+    a = Node(loop, data)
+    client = DirectClient(a)
+    client.create_pool("p", _pool_config())
+    att = client.attach("p", "sha256_cbor", 4, "0")
+    ops = [
+        pb.Operation(
+            allocate=allocate_op(
+                pb.RequestSync(request_id="r0", new_request=True, append_token_ids=[1, 2, 3]), 3
+            )
+        )
+    ]
+    fence = client.step("p", ops, att.session_id, att.fence).fence
+    a.settle()
+    backup = tmp_path / "backup.sqlite"
+    live, copy = sqlite3.connect(data / "journal.sqlite"), sqlite3.connect(backup)
+    live.backup(copy)  # a backup taken while serving (deploy/README.md)
+    live.close()
+    copy.close()
+    for i in range(1, 4):  # the worker is told of records the copy does not hold
+        sync = pb.RequestSync(request_id=f"r{i}", new_request=True, append_token_ids=[1, 2, 3])
+        fence = client.step("p", [pb.Operation(allocate=allocate_op(sync, 3))], att.session_id, fence).fence
+    a.settle()
+    a.crash()
+    a.recovery.recorder.journal.store.close()  # (this process's handle: the files are replaced)
+    old = a.registry.instance_id
+    assert fence.instance_id == old and fence.position
+    for suffix in ("-wal", "-shm"):
+        (data / f"journal.sqlite{suffix}").unlink(missing_ok=True)
+    shutil.copy(backup, data / "journal.sqlite")  # journal.progress stays: newer than the copy
+
+    b = Node(loop, data, snapshot_every=snapshot_every)
+    assert old not in b.registry.lineage and not b.registry.positions.ends
+    b.settle()
+    b.crash()
+
+    c = Node(loop, data)
+    assert old not in c.registry.lineage
+    assert old not in c.registry.positions.ends
+    with pytest.raises(Aborted, match="INSTANCE_CHANGED|instance"):
+        c.call("ResetPrefixCache", pb.ResetPrefixCacheRequest(pool="p", fence=fence))

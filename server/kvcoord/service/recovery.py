@@ -322,9 +322,11 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     Raises:
         JournalError: a pool still holds blocks after its sessions ended.
     """
-    recorder.restored()
+    # each change before its record, as everywhere: a snapshot the record starts holds
+    # the state after it (and replay skips the records a snapshot covers)
     registry.lineage.clear()
     registry.positions.voided()
+    recorder.restored()
     for s in list(registry.sessions.sessions.values()):
         registry.end_session(s)
         recorder.session_expired(s.session_id, s.pool)

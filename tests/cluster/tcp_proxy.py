@@ -11,6 +11,7 @@ import contextlib
 import os
 import socket
 import threading
+import time
 from pathlib import Path
 
 
@@ -161,3 +162,94 @@ def _holds(pid: int, inode: str) -> bool:
             if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
                 return True
     return False
+
+
+class HoldingProxy:
+    """Forwards 127.0.0.1:<port> to ``target`` until the first request that carries
+    ``marker`` (say an etcd key): from then on, what that one connection sends is held,
+    not forwarded, and its peer sees nothing (no answer, no close), as on a stalled
+    link. :meth:`release` forwards the request that carried the marker (what the
+    connection sent within ``window`` seconds of it) and drops the rest: the store
+    applies a call whose caller gave up long ago. Other connections pass untouched."""
+
+    def __init__(self, target: str, marker: bytes, window: float = 0.3) -> None:
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        self.marker = marker
+        self.window = window
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server.settimeout(0.2)
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.closed = threading.Event()
+        #: when the marker was seen (time.monotonic()), None before
+        self.marker_at: float | None = None
+        self._lock = threading.Lock()
+        self._held: list[tuple[float, bytes, socket.socket]] = []
+        self._armed = True
+        self._released = False
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed.is_set():
+            try:
+                accepted, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=2)
+            except OSError:
+                accepted.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._sockets += [accepted, upstream]
+            threading.Thread(target=self._up, args=(accepted, upstream), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, accepted), daemon=True).start()
+
+    def _up(self, accepted: socket.socket, upstream: socket.socket) -> None:
+        holding = False
+        tail = b""
+        with contextlib.suppress(OSError):
+            while data := accepted.recv(65536):
+                with self._lock:
+                    if not holding and self._armed and self.marker in tail + data:
+                        holding, self._armed = True, False
+                        self.marker_at = time.monotonic()
+                    if holding:
+                        if not self._released:
+                            self._held.append((time.monotonic(), data, upstream))
+                        continue
+                tail = (tail + data)[-len(self.marker) :]
+                upstream.sendall(data)
+        if not holding:  # (a held connection's upstream never sees its end: no cancel reaches the store)
+            with contextlib.suppress(OSError):
+                upstream.shutdown(socket.SHUT_WR)
+
+    @staticmethod
+    def _down(upstream: socket.socket, accepted: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := upstream.recv(65536):
+                accepted.sendall(data)
+
+    def release(self) -> int:
+        """Forward the held request; returns its bytes (what came later is dropped)."""
+        with self._lock:
+            assert self.marker_at is not None, "nothing was held"
+            sent = 0
+            for at, data, upstream in self._held:
+                if at - self.marker_at <= self.window:
+                    upstream.sendall(data)
+                    sent += len(data)
+            self._held, self._released = [], True
+            return sent
+
+    def close(self) -> None:
+        self.closed.set()
+        self.server.close()
+        with self._lock:
+            for s in self._sockets:
+                with contextlib.suppress(OSError):
+                    s.close()

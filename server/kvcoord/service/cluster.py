@@ -12,8 +12,9 @@ state (registry_state.dump_pool: engine, events, sessions with cursors, kept ans
 lineage) with ``Replicas.AdoptPool``; the new owner journals it (an ``adopt`` record)
 and waits until it is durable, then swaps the claim to itself (compare-and-swap on the
 claim's revision) and serves; only then does the old owner remove its copy
-(journaled). A failure at any step before the swap leaves the old owner serving;
-after it, the new owner's journal has the state. The call is made as the replicas serve (``[server.tls]``: TLS, and a client certificate
+(journaled). A failure at any step before the swap leaves the old owner serving, under
+its claim put again first (:meth:`Cluster._settle_failed_handover`: a swap still on its
+way can never land); after it, the new owner's journal has the state. The call is made as the replicas serve (``[server.tls]``: TLS, and a client certificate
 under mutual TLS; ``[cluster.peer_tls]``, tls.py) with the first full-access token.
 """
 
@@ -92,6 +93,9 @@ class Cluster(ClusterStore):
         self._retry_at: dict[str, float] = {}
         #: the rebalance pass running beside the watch, if any
         self._rebalancing: asyncio.Task[None] | None = None
+        #: pools whose handover failed and whose claim could not be put again yet ->
+        #: the claim's revision the handover named (not served; tried at each pass)
+        self._unsettled: dict[str, int] = {}
 
     # -- start ------------------------------------------------------------------------
     async def start(self) -> None:
@@ -120,6 +124,8 @@ class Cluster(ClusterStore):
         here may be behind what a later owner acknowledged). A pool held here and
         claimed here is told its claim's term (on_term: that of a claim whose answer
         was lost is learned here, at the next pass)."""
+        for pool, revision in list(self._unsettled.items()):
+            await self._settle_failed_handover(pool, revision, None)
         local = [p for p in self.local_pools() if p not in self.adopting]
         for pool in self.view.should_claim(local):
             try:
@@ -328,7 +334,7 @@ class Cluster(ClusterStore):
                 )
         except Exception as exc:  # noqa: BLE001 - the pool stays here, served again
             self.handover_failures += 1
-            await self._settle_failed_handover(pool, exc)
+            await self._settle_failed_handover(pool, claim.term, exc)
             return False
         view.learned(pool, Claim(pool, target.replica_id, target.address, answer.term), answer.term)
         if self.handed_over is not None:
@@ -354,27 +360,45 @@ class Cluster(ClusterStore):
         credentials, extra = self.peer_tls
         return grpc.aio.secure_channel(address, credentials, options=[*options, *extra])
 
-    async def _settle_failed_handover(self, pool: str, exc: BaseException) -> None:
-        """After a handover that failed: serve the pool again if the claim is still
-        this replica's; if the new owner swapped it (and then failed to answer), the
-        copy here is removed, since the new owner's journal has the state."""
+    async def _settle_failed_handover(self, pool: str, revision: int, exc: BaseException | None) -> None:
+        """After a handover that failed (``exc``; None: settled again at a later pass),
+        the claim it named at ``revision``. The adopter may have swapped the claim and
+        failed to answer; or its swap (compared on ``revision``) may still be on its
+        way to the store, or be applied there after its caller gave up. So the pool is
+        served here again only under its claim put again (:meth:`reclaim`: a new
+        revision, on which no swap was ever compared): were it served under the old
+        one, a late swap would land and the adopter would serve the state it was sent,
+        without what was acknowledged here meanwhile (and hand those blocks out again).
+        Another replica holds the claim: the swap landed, the new owner's journal has
+        the state, the copy here is removed. The store does not answer: the pool stays
+        unserved here (callers are told the owner is changing and retry) and this is
+        tried again at the watch's next pass."""
         view = self.view
         try:
-            await self.refresh()
+            claim = await self.reclaim(pool, revision)
         except Exception as again:  # noqa: BLE001 - the claim is unknown: keep not serving
+            self._unsettled[pool] = revision
             logger.error(
-                "handing pool %s over failed (%s), and the store cannot be read: %s", pool, exc, again
-            )
+                "handing pool %s over failed (%s), and its claim cannot be put again (tried again at the next "
+                "pass; not served meanwhile): %r", pool, exc, again,
+            )  # fmt: skip
             return
-        holder = view.claims.get(pool)
+        self._unsettled.pop(pool, None)
+        holder = view.claims.get(pool) if claim is None else claim
         if holder is not None and holder.replica_id != self.me.replica_id:
             logger.warning(
                 "pool %s: the handover's answer was lost, but replica %s holds it", pool, holder.replica_id
             )
             if self.handed_over is not None:
                 self.handed_over(pool)
+        elif holder is None:  # this replica's lease ended meanwhile: claimed again (claim_local)
+            logger.error("handing pool %s over failed, and its claim ended: %s", pool, exc)
         else:
-            logger.error("handing pool %s over failed; it is served here again: %s", pool, exc)
+            if claim is None and self.on_term is not None:  # put again earlier, that answer lost
+                self.on_term(pool, holder.term)
+            logger.error(
+                "handing pool %s over failed; it is served here again (term %d): %s", pool, holder.term, exc
+            )
         view.moving.discard(pool)
 
     # -- background ---------------------------------------------------------------------

@@ -462,6 +462,31 @@ class ClusterStore:
             for fn in self.on_change:
                 fn()
 
+    async def reclaim(self, pool: str, revision: int) -> Claim | None:
+        """Put this replica's claim of ``pool`` again, if it is still the one at
+        ``revision``: the claim gets a new revision, so a swap compared on ``revision``
+        (an adopter's :meth:`take_over` still on its way, or applied by the store
+        after its caller gave up) can never land. Returns the new claim, or None when
+        the claim is no longer that one (the view is read again)."""
+        key = self.key("owners", pool)
+        tx = self.client.transactions
+        ok, responses = await self.client.transaction(
+            compare=[tx.mod(key) == revision],
+            success=[tx.put(key, encode_claim(self.me.replica_id, self.me.address), lease=self.lease.id)],
+            failure=[],
+        )
+        if not ok:
+            await self.refresh()
+            return None
+        claim = Claim(pool, self.me.replica_id, self.me.address, responses[0].response_put.header.revision)
+        self.view.learned(pool, claim, claim.term)
+        logger.info("claimed pool %s again (term %d after %d)", pool, claim.term, revision)
+        for fn in self.on_change:
+            fn()
+        if self.on_term is not None:
+            self.on_term(pool, claim.term)
+        return claim
+
     async def take_over(self, pool: str, from_replica: str, claim_revision: int) -> Claim | None:
         """Swap ``pool``'s claim from ``from_replica`` (at ``claim_revision``) to this
         replica, under its lease; None when the claim is no longer that one."""

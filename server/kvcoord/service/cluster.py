@@ -31,7 +31,8 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 
-from .cluster_store import ClusterError, ClusterStore, follow_changes
+from .cluster_store import ClusterError, ClusterStore
+from .cluster_watch import follow_changes
 from .ownership import Claim, Member
 from .tasks import cancel_and_wait
 

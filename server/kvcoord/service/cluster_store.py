@@ -45,7 +45,7 @@ from .tasks import cancel_and_wait
 if TYPE_CHECKING:  # pragma: no cover
     from .store_journal import PoolStreams
 
-__all__ = ["ClusterError", "ClusterStore", "close_client", "follow_changes", "store_client"]
+__all__ = ["ClusterError", "ClusterStore", "close_client", "prefix_range", "store_client"]
 
 logger = logging.getLogger(__name__)
 
@@ -101,49 +101,12 @@ def store_client(endpoint: str, timeout: float) -> Any:
 async def close_client(client: Any, timeout: float) -> None:
     """Close an etcd client, within ``timeout`` (logged past it: the process is
     stopping, or the client is replaced). Nothing of ours waits on the store in it: the
-    watch is :func:`follow_changes`' (aetcd's watcher, never set up, has nothing queued)."""
+    watch is :func:`.cluster_watch.follow_changes`' (aetcd's watcher, never set up, has nothing queued)."""
     try:
         async with asyncio.timeout(timeout):
             await client.close()
     except Exception as exc:  # noqa: BLE001 - given up: the process stops, or the client is replaced
         logger.warning("closing the cluster store client failed: %r", exc)
-
-
-async def follow_changes(client: Any, prefix: bytes, changed: Callable[[], None], timeout: float) -> None:
-    """Watch every key under ``prefix`` (it ends in "/"): ``changed()`` once the
-    watch is made (what changed before it is read then) and at every change after.
-    Returns never: raises when the watch is not made within ``timeout`` or the stream
-    fails or ends; cancelled, it ends the stream at once.
-
-    One gRPC stream of its own, not aetcd's watch: aetcd queues watch requests (10)
-    behind a lock that its cancel and its client's close take too; with the store's
-    answers lost (a member frozen, its replies dropped) the client's writes stall, the
-    queue fills, and watch_prefix, the watch's cancel and the client's close each
-    waited forever (a replica's stop hung past every lease; tests/cluster/test_waits.py).
-    Here nothing is queued or locked, and nothing is left behind that fires later.
-    """
-    from aetcd import rpc  # the "cluster" extra (store_client says so when it is missing)
-
-    if getattr(client, "channel", None) is None:
-        raise ClusterError("not connected to the cluster store")
-    call = rpc.WatchStub(client.channel).Watch(metadata=client.metadata)
-    answers = aiter(call)
-    try:
-        create = rpc.WatchCreateRequest(key=prefix, range_end=_prefix_range(prefix)[1])
-        async with asyncio.timeout(timeout):
-            await call.write(rpc.WatchRequest(create_request=create))
-            made = await anext(answers, None)
-        if made is None or not made.created or made.canceled:
-            raise ClusterError(f"the cluster store did not make the watch: {made}")
-        changed()
-        async for answer in answers:
-            if answer.canceled or answer.compact_revision:
-                raise ClusterError(f"the cluster store cancelled the watch: {answer.cancel_reason!r}")
-            if answer.events:
-                changed()
-        raise ClusterError("the cluster store ended the watch")
-    finally:
-        call.cancel()
 
 
 class ClusterStore:
@@ -404,7 +367,7 @@ class ClusterStore:
         key = self.key("owners", pool)
         success = [tx.delete(key), tx.delete(self.key("pools", pool))]
         if self.streams is not None:
-            success.append(tx.delete(*_prefix_range(self.streams.pool_prefix(pool))))
+            success.append(tx.delete(*prefix_range(self.streams.pool_prefix(pool))))
         ok, responses = await self.client.transaction(
             compare=[tx.value(key) == encode_claim(self.me.replica_id, self.me.address)],
             success=success,
@@ -431,7 +394,7 @@ class ClusterStore:
             compare=[tx.version(key) == 0, tx.version(self.key("pools", pool)) > 0],
             success=[
                 tx.delete(self.key("pools", pool)),
-                tx.delete(*_prefix_range(self.streams.pool_prefix(pool))),
+                tx.delete(*prefix_range(self.streams.pool_prefix(pool))),
             ],
             failure=[],
         )
@@ -508,7 +471,7 @@ class ClusterStore:
         return claim
 
 
-def _prefix_range(prefix: bytes) -> tuple[bytes, bytes]:
+def prefix_range(prefix: bytes) -> tuple[bytes, bytes]:
     """The key range of every key that starts with ``prefix`` (it ends in "/")."""
     return prefix, prefix[:-1] + bytes([prefix[-1] + 1])
 

@@ -520,3 +520,43 @@ def test_a_restore_detected_stays_detected_after_the_next_restart(
     assert old not in c.registry.positions.ends
     with pytest.raises(Aborted, match="INSTANCE_CHANGED|instance"):
         c.call("ResetPrefixCache", pb.ResetPrefixCacheRequest(pool="p", fence=fence))
+
+
+def test_an_exclusive_attach_that_fails_leaves_no_session_behind_a_snapshot(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exclusive Attach that asks for the engine's state waits while it is encoded
+    (off the loop, for a large pool), and the new session exists meanwhile. A snapshot
+    started then (by any record) holds that session; if the state then cannot be sent
+    (the export failed, the answer too large, the call cancelled) the session ends. The
+    journal must say so: else the next start finds the session in the snapshot, alive
+    with a fresh lease, and the pool is held exclusively by nobody (every Attach
+    refused) until that lease runs out."""
+    from kvcoord.service import session_calls
+    from kvcoord.service.state_export import ExportError
+
+    a = Node(loop, tmp_path)
+    client = DirectClient(a)
+    client.create_pool("p", _pool_config())
+
+    async def snapshot_then_fail(service: Any, namespace: str) -> Any:
+        task = a.recovery.recorder.snapshot()  # (any record could have started it now)
+        assert task is not None
+        await task
+        raise ExportError("the encoder died")
+
+    monkeypatch.setattr(session_calls, "mirror_state_apart", snapshot_then_fail)
+    request = rq.attach(
+        "p", "sha256_cbor", 4, "0", exclusive=True, want_pool_state=True, want_engine_state=True
+    )
+    with pytest.raises(Aborted, match="exporting the pool's state failed"):
+        a.call("Attach", request)
+    assert not a.registry.sessions.sessions
+    monkeypatch.undo()
+    a.settle()
+    a.crash()
+
+    b = Node(loop, tmp_path)
+    assert not b.registry.sessions.sessions
+    attached = DirectClient(b).attach("p", "sha256_cbor", 4, "0")  # (not refused: nobody holds the pool)
+    assert attached.session_id

@@ -79,15 +79,20 @@ class SessionCalls(ServicerCore):
             exclusive=s.exclusive,
             capabilities=CAPABILITIES,
         )
+        recorded = not new  # (a retry's session was journaled when it was made)
         if request.want_pool_state and request.want_engine_state and s.exclusive:
+            if new:  # journaled before the wait: a snapshot taken meanwhile holds the session
+                self.registry.recorder.attached(service, s)
+                recorded = True
             await self._export_engine_state(service, s, response, new)
         elif request.want_pool_state:
             write_pool_state(
                 response, service.pool_state() if s.exclusive else "the session is not exclusive"
             )
-        if not new:  # journaled and counted when it was made
+        if new:
+            self.observer.attached(service)
+        if recorded:
             return await self._durable(response)
-        self.observer.attached(service)
         return await self._durable(response, lambda r: r.attached(service, s))
 
     def _new_session(
@@ -119,10 +124,11 @@ class SessionCalls(ServicerCore):
         self, service: PoolService, s: Session, response: pb.AttachResponse, new: bool = True
     ) -> None:
         """The engine's state at the new exclusive session's start into ``response``,
-        encoded off the loop for a large pool (state_export.py). Nothing of a ``new``
-        session is journaled yet: when the answer cannot be sent (too large, the pool
-        deleted or handed over meanwhile, the call cancelled) it ends unrecorded (a
-        retried Attach's session, journaled already, is left to its lease).
+        encoded off the loop for a large pool (state_export.py). A ``new`` session is
+        journaled already (a snapshot taken during the wait holds it): when the answer
+        cannot be sent (too large, the pool deleted or handed over meanwhile, the call
+        cancelled) it ends, and its end is journaled too (a retried Attach's session is
+        left to its lease).
 
         Raises:
             ServiceError: RESOURCE_EXHAUSTED (ANSWER_TOO_LARGE); UNAVAILABLE when the
@@ -146,6 +152,7 @@ class SessionCalls(ServicerCore):
         except BaseException:
             if new and s.session_id in self.registry.sessions.sessions:
                 self.registry.end_session(s, service)
+                self.registry.recorder.detached(service, s.session_id)
             raise
 
     @map_errors

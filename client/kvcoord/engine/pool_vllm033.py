@@ -96,6 +96,21 @@ class Pool033Calls(PoolInspection):
         not cached, or 0. Always 0 outside vllm-0.33 hybrid pools."""
         return self._get(request_id).shared_prefix_boundary
 
+    def scheduler_state(self) -> str:
+        """What this pool keeps of its scheduler's steps as the pool's own, not any
+        request's ("" for none): vllm-0.33 fine-grained hits' copy-on-write pairs and
+        retained blocks, mamba groups' boundary-state hand-offs and the hits a step may
+        not take yet, the new blocks' ids to zero. Whoever takes it or starts a step
+        takes or clears it for every user of the pool: one scheduler may use it."""
+        parts = []
+        if self.config.partial_hash_hits:
+            parts.append("fine-grained (partial) hits, whose copy-on-write pairs one session takes and releases")
+        if self._mamba033:
+            parts.append("mamba groups, whose boundary-state hand-offs and step-bound hits one scheduler takes")
+        if self._zeroed_groups:
+            parts.append("new blocks' ids for its worker to zero, which one session takes")
+        return "; ".join(parts)
+
     def new_step_starts(self) -> None:
         """vLLM 0.33's ``new_step_starts`` (the scheduler calls it at every step): a
         mamba group's hits on blocks cached during the step that ends become usable.

@@ -276,14 +276,12 @@ class PoolService:
                 ErrorReason.GRACE_PERIOD,
             )
         others = self.sessions.of_pool(self.name)
-        if self.config.partial_hash_hits and others:
-            # The copy-on-write pairs and their retained blocks are the pool's, not a
-            # session's: one session takes and releases them all, and drops them when
-            # it ends (end_session).
+        state = self.engine.scheduler_state() if others else ""
+        if state:  # (the pool's, not a session's: another session would take or clear it)
             raise ServiceError(
                 Status.PRECONDITION,
-                f"pool {self.name!r} has fine-grained (partial) hits, whose copy-on-write pairs one "
-                f"session takes and releases: it already has {len(others)} session(s); attach once it ends",
+                f"pool {self.name!r} has {state}: it already has {len(others)} session(s); attach once "
+                "it ends",
                 ErrorReason.POOL_EXCLUSIVE,
             )
         holder = next((o for o in others if o.exclusive), None)

@@ -17,6 +17,9 @@ from kvcoord.service.kv_publisher import (
 def test_kv_events_tables_load_with_vllms_keys() -> None:
     """vLLM's KVEventsConfig keys (endpoint, replay_endpoint, topic, buffer_steps, hwm)
     plus pool, tenant, int_hashes and data_parallel_rank; defaults as vLLM's."""
+    assert parse_config(
+        '[tenants.t]\ntokens = ["0123456789abcdef0123456789abcdef"]\n[[kv_events]]\npool = "a"\ntenant = "t"\n'
+    )
     cfg = parse_config(
         '[[kv_events]]\npool = "a"\nendpoint = "tcp://*:5557"\nreplay_endpoint = "tcp://*:5558"\n'
         'topic = "kv@a"\nint_hashes = true\n\n[[kv_events]]\npool = "b"\n'
@@ -38,6 +41,16 @@ def test_kv_events_tables_load_with_vllms_keys() -> None:
         ("[[kv_events]]\npool = 'a'\nhwm = 0\n", "must be >= 1"),
         ("[[kv_events]]\npool = 'a'\nint_hashes = 1\n", r"int_hashes: must be a bool"),
         ("[[kv_events]]\npool = 'a'\n[[kv_events]]\npool = 'a'\n", "has a publisher already"),
+        # a tenant that does not exist would never publish anything
+        (
+            "[[kv_events]]\npool = 'a'\ntenant = 'team-x'\n",
+            r"kv_events\[0\]\.tenant: 'team-x' is not a tenant",
+        ),
+        (
+            "[tenants.team-a]\ntokens = ['0123456789abcdef0123456789abcdef']\n"
+            "[[kv_events]]\npool = 'a'\ntenant = 'team-b'\n",
+            r"'team-b' is not a tenant of \[tenants\] \(known: \['team-a'\]\)",
+        ),
     ],
 )
 def test_bad_kv_events_tables_name_the_key(text: str, match: str) -> None:

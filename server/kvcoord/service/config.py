@@ -329,6 +329,13 @@ def parse_config(text: str, source: str = "config") -> ServerConfig:
         tenants = tenants_from_dict(data.get("tenants", {}), settings.auth_tokens)
     except ValueError as exc:
         raise ConfigFileError(f"{source}: {exc}") from None
+    names = {t.name for t in tenants}
+    for i, decl in enumerate(kv_events):
+        if decl.tenant and decl.tenant not in names:  # (else it would publish nothing, ever)
+            raise ConfigFileError(
+                f"{source}: kv_events[{i}].tenant: {decl.tenant[:100]!r} is not a tenant of [tenants] "
+                f"(known: {sorted(names)[:20]})"
+            )
     pools = []
     names = set()
     for i, p in enumerate(tables(data.get("pools", []), "pools")):

@@ -58,7 +58,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -366,8 +366,22 @@ class KVEventPublisher:
             send((*end, END_OF_REPLAY, b""), flags=nb)
 
 
-async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_seconds: float = 1.0) -> None:
-    """Hand every committed event of the publisher's pool to it, in batches, forever."""
+async def follow(
+    registry: PoolRegistry,
+    publisher: KVEventPublisher,
+    poll_seconds: float = 1.0,
+    on_gap: Callable[[str], None] = lambda pool: None,
+) -> None:
+    """Hand every committed event of the publisher's pool to it, in batches, forever.
+
+    Events dropped from the pool's buffer before they were read here (``event_buffer``
+    or its byte bound) cannot be sent, and vLLM's format has no gap of its own (the
+    batches are numbered by the publisher, so theirs stay consecutive): a subscriber
+    would keep hashes whose removal it never saw, and miss some stored. So an
+    ``AllBlocksCleared`` goes first (``on_gap`` is told): its index starts over from
+    what follows, which holds no block the pool does not cache. Only the events of
+    the publisher's tenant's namespace are sent (a namespace the pool has not seen
+    yet: only clears), as WatchEvents gives that tenant."""
     decl = publisher.decl
     incarnation: int | None = None
     cursor = 0
@@ -400,18 +414,24 @@ async def follow(registry: PoolRegistry, publisher: KVEventPublisher, poll_secon
         if journal.missed(cursor):
             logger.error(
                 "pool %s: KV events were dropped before the publisher read them (event_buffer): "
-                "subscribers' indexes are incomplete",
+                "subscribers are sent a clear, and their indexes start over",
                 decl.pool,
                 extra=ids(pool=decl.pool),
             )
+            head = [AllBlocksCleared()]
+            on_gap(decl.pool)
         items = journal.since(cursor, limit=4096, upto=journal.visible_sequence)
         if not items:
             await journal.wait(cursor, poll_seconds)
             continue
         cursor = items[-1][0]
         namespace = service.cache_namespace(decl.tenant)
-        prefix = (service.cache_prefix_of(namespace) or b"") if namespace else b""
-        events = head + [e for _, e in items if isinstance(e, AllBlocksCleared) or e.cache_prefix == prefix]
+        prefix = service.cache_prefix_of(namespace) if namespace else b""  # (None: not seen yet)
+        events = head + [
+            e
+            for _, e in items
+            if isinstance(e, AllBlocksCleared) or (prefix is not None and e.cache_prefix == prefix)
+        ]
         head = []
         if events:
             publisher.submit(events, profile)
@@ -427,6 +447,7 @@ class Publishers:
         registry: PoolRegistry,
         poll_seconds: float = 1.0,
         data_dir: str | Path | None = None,
+        on_gap: Callable[[str], None] = lambda pool: None,
     ) -> None:
         pools = registry.pools
         self.publishers = {
@@ -436,7 +457,9 @@ class Publishers:
             for d in decls
         }
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(follow(registry, p, poll_seconds)) for p in self.publishers.values()]
+        self._tasks = [
+            loop.create_task(follow(registry, p, poll_seconds, on_gap)) for p in self.publishers.values()
+        ]
         for p in self.publishers.values():
             logger.info(
                 "pool %s: KV events in vLLM's format on %s%s",

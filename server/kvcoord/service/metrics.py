@@ -46,7 +46,7 @@ VERSION = "0.1.0"
 
 #: The event streams a reader can be told of a gap on: WatchEvents, and the events a
 #: Step with include_state takes for its session.
-EVENT_STREAMS = ("watch", "step")
+EVENT_STREAMS = ("watch", "step", "zmq")
 
 #: Fine enough for sub-millisecond unary calls, up to 10 s for long streams.
 LATENCY_BUCKETS = (

@@ -400,7 +400,10 @@ async def _start(
         registry.recorder.journal.on_failure.append(running.on_journal_failure)
     if cfg.kv_events:
         running.publishers = Publishers(
-            cfg.kv_events, registry, data_dir=cfg.server.data_dir if cfg.server.journaled else None
+            cfg.kv_events,
+            registry,
+            data_dir=cfg.server.data_dir if cfg.server.journaled else None,
+            on_gap=lambda pool: servicer.observer.events_gap(pool, "zmq"),
         )
     decision.on_marker_failure = running.on_journal_failure
     running.startup = decision

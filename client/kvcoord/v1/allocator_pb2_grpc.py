@@ -166,7 +166,9 @@ class AllocatorServicer:
     def Attach(self, request, context):
         """Hash handshake and session: a worker declares how it hashes blocks; a mismatch
         with the pool is FAILED_PRECONDITION (HASH_MISMATCH) naming the difference, and a
-        pool held by an exclusive session FAILED_PRECONDITION (POOL_EXCLUSIVE). Returns a
+        pool held by an exclusive session FAILED_PRECONDITION (POOL_EXCLUSIVE), as is a second
+        session of a vllm-0.33 pool that keeps its scheduler's step state as the pool's
+        (fine-grained hits, a mamba group, needs_kv_cache_zeroing). Returns a
         session whose requests are freed if the session is not renewed within its lease.
         Sessions of the pool whose lease ran out, not yet ended by the server's periodic
         reaper, are ended first, as the reaper ends them: they never refuse an Attach.

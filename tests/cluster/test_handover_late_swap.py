@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 from durable_server import env
@@ -82,6 +82,16 @@ def _nothing_lost_or_given_twice(addresses: list[str], pool: str, acknowledged: 
     assert _until(lambda: _served(addresses, pool), 10, "the pool is served") == {**acknowledged, "r3": given}
 
 
+def _created_with_one_request(address: str, pool: str) -> tuple[Any, dict[str, list[int]]]:
+    """The pool created at ``address`` (replica a, alone), a session, and request r1's
+    blocks: (the Attach answer, {"r1": its block ids})."""
+    with KVCoordClient(address, timeout=5.0) as c:
+        assert c.create_pool(pool, POOL_CONFIG).pool.replica == "a"
+        s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
+        r1 = c.allocate(pool, allocate("r1", list(range(8)), 8).allocate, s.session_id, s.fence)
+    return s, {"r1": list(r1.result.new_block_ids[0].block_ids)}
+
+
 @pytest.mark.parametrize("journal", ["local", "store"])
 def test_a_claim_swap_that_arrives_late_does_not_lose_what_the_old_owner_acknowledged(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest, journal: str
@@ -92,11 +102,7 @@ def test_a_claim_swap_that_arrives_late_does_not_lose_what_the_old_owner_acknowl
     proxy = HoldingProxy(etcd.endpoint, b"owners/" + pool.encode())
     b: ServerProcess | None = None
     try:
-        with KVCoordClient(a.address, timeout=5.0) as c:
-            assert c.create_pool(pool, POOL_CONFIG).pool.replica == "a"
-            s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
-            r1 = c.allocate(pool, allocate("r1", list(range(8)), 8).allocate, s.session_id, s.fence)
-        acknowledged = {"r1": list(r1.result.new_block_ids[0].block_ids)}
+        s, acknowledged = _created_with_one_request(a.address, pool)
 
         # b joins; a hands the pool over; b's swap of the claim is held on its way to etcd
         b = start_server(_config(proxy.address, "b", tmp_path / "b", cluster, journal), env=env())
@@ -130,11 +136,7 @@ def test_a_failed_handover_is_served_again_once_the_store_answers(
     proxy = HoldingProxy(etcd.endpoint, b"owners/" + pool.encode())
     b: ServerProcess | None = None
     try:
-        with KVCoordClient(a.address, timeout=5.0) as c:
-            assert c.create_pool(pool, POOL_CONFIG).pool.replica == "a"
-            s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
-            r1 = c.allocate(pool, allocate("r1", list(range(8)), 8).allocate, s.session_id, s.fence)
-        acknowledged = {"r1": list(r1.result.new_block_ids[0].block_ids)}
+        s, acknowledged = _created_with_one_request(a.address, pool)
         b = start_server(_config(proxy.address, "b", tmp_path / "b", cluster, "local"), env=env())
         _until(lambda: proxy.marker_at, 30, "b sent its swap of the claim")
         link.cut()  # b's AdoptPool fails after its 2 s store timeout; a's store calls fail too

@@ -118,7 +118,8 @@ class Cluster(ClusterStore):
 
     # -- claims -------------------------------------------------------------------------
     async def claim_local(self) -> None:
-        """Claim every pool this replica holds state of that nobody claims. A copy
+        """Settle first the handovers that failed while the store did not answer
+        (:meth:`_settle_failed_handover`). Claim every pool this replica holds state of that nobody claims. A copy
         held here whose claim another replica holds was handed over (this replica
         stopped before removing it): it is removed. With the journal in the store, the
         store is the pool's history: a pool claimed again is rebuilt from it (the copy

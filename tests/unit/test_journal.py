@@ -560,3 +560,32 @@ def test_an_exclusive_attach_that_fails_leaves_no_session_behind_a_snapshot(
     assert not b.registry.sessions.sessions
     attached = DirectClient(b).attach("p", "sha256_cbor", 4, "0")  # (not refused: nobody holds the pool)
     assert attached.session_id
+
+
+def test_a_pool_adopted_from_another_replica_shows_its_events_once_journaled(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path
+) -> None:
+    """A handover brings the pool's kept events (registry_state.dump_pool); once the
+    adopting replica's ``adopt`` record is durable they are watchers' (was: none until
+    the pool's next Step, so every watcher resuming on the new owner was told to start
+    over, and its publisher sent nothing)."""
+    from kvcoord.service.registry_state import adopt_pool, dump_pool
+
+    a = Node(loop, tmp_path / "a")
+    client = DirectClient(a)
+    client.create_pool("p", _pool_config())
+    att = client.attach("p", "sha256_cbor", 4, "0")
+    hasher = BlockHasher("sha256_cbor", 4, NONE)
+    sync = pb.RequestSync(request_id="r", new_request=True, append_token_ids=list(range(8)),
+                          append_block_hashes=hasher.extend(list(range(8))))  # fmt: skip
+    client.step("p", [pb.Operation(allocate=allocate_op(sync, 8))], att.session_id, att.fence)
+    value = dump_pool(a.registry, "p")
+    kept = a.registry.pools["p"].events.last_sequence
+    assert kept
+
+    b = Node(loop, tmp_path / "b")
+    service = adopt_pool(b.registry, value)
+    b.recovery.recorder.adopted(value, service)
+    b.settle()
+    assert service.events.last_sequence == kept
+    assert service.events.visible_sequence == kept

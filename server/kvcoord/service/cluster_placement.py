@@ -52,13 +52,13 @@ class ClusterPlacement(Placement):
         try:
             try:
                 value = cbor2.loads(state)
-                adopt_pool(registry, value)
+                service = adopt_pool(registry, value)
             except (ValueError, KeyError, TypeError, cbor2.CBORDecodeError) as exc:
                 raise ServiceError(
                     Status.INVALID,
                     f"the handed-over state of pool {pool[:200]!r} cannot be loaded: {exc}",
                 ) from None
-            registry.recorder.adopted(value)
+            registry.recorder.adopted(value, service)
             await registry.recorder.durable()
             claim = await cluster.take_over(pool, from_replica, claim_revision)
             if claim is None:

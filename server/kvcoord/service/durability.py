@@ -137,8 +137,9 @@ class Recorder:
     def restored(self) -> None:
         pass
 
-    def adopted(self, value: dict[str, Any]) -> None:
-        """A pool handed over by another replica (registry_state.dump_pool's value)."""
+    def adopted(self, value: dict[str, Any], service: PoolService) -> None:
+        """A pool handed over by another replica (registry_state.dump_pool's value),
+        loaded here as ``service``: its events are watchers' once the record is durable."""
 
     def term_changed(self, service: PoolService) -> None:
         """The pool's ownership term (its fence's) changed."""
@@ -401,8 +402,8 @@ class JournalRecorder(Recorder):
     def restored(self) -> None:
         self._append("restored")
 
-    def adopted(self, value: dict[str, Any]) -> None:
-        self._append("adopt", value)
+    def adopted(self, value: dict[str, Any], service: PoolService) -> None:
+        self._append("adopt", value, service=service)
 
     def term_changed(self, service: PoolService) -> None:
         self._append("term", service.name, service.fence.term)

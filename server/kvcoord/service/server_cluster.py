@@ -139,8 +139,7 @@ def store_journal(
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def load(value: dict[str, object], term: int) -> None:
-        adopt_pool(registry, value)
-        registry.recorder.adopted(value)
+        registry.recorder.adopted(value, adopt_pool(registry, value))
         name = str(value["pool"]["name"])  # type: ignore[index]
         registry.set_term(name, term)
         servicer.observer.pool_created(registry.pools[name])

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 from kvcoord.client import KVCoordClient
+from kvcoord.client.errors import PoolBusyError
 from kvcoord.client.vllm033 import NO_ADMISSION, Predicting033KVCacheManager, Remote033KVCacheManager
 from kvcoord.v1 import allocator_pb2 as pb
 from support import Req
 
 INVALID_ARGUMENT = 3
-PERMISSION_DENIED = 7
 FAILED_PRECONDITION = 9
 
 
@@ -84,17 +84,16 @@ def test_a_failed_load_s_blocks_are_zeroed_again_over_grpc(client: KVCoordClient
     # from the start: the window's null block (id 0) too, as vLLM
     _, taken = step(record("A", 0), TAKE)
     assert list(taken.take_new_block_ids.block_ids) == [1, 2, 3, 0, 4, 5]
-    # refused, nothing recorded: a start inside a block, an unknown request, another session's
-    other = client.attach("zero", "sha256_cbor", 16, "0", profile="vllm-0.33")
-    (foreign,) = client.step("zero", [record("A", 0)], other.session_id, other.fence).results
+    # refused, nothing recorded: a start inside a block, an unknown request; and no other
+    # session can name A (the pool's blocks to zero are its one session's: POOL_EXCLUSIVE)
+    with pytest.raises(PoolBusyError, match="to zero"):
+        client.attach("zero", "sha256_cbor", 16, "0", profile="vllm-0.33")
     (misaligned,) = step(record("A", 20))
     (unknown,) = step(record("X", 0))
     (taken,) = step(TAKE)
     assert misaligned.status_code == INVALID_ARGUMENT, misaligned.status_message
     assert "not a multiple of group 0's block size 16" in misaligned.status_message
     assert unknown.reason == pb.REQUEST_UNKNOWN, unknown.status_message
-    assert foreign.status_code == PERMISSION_DENIED, foreign.status_message
-    assert "belongs to another session" in foreign.status_message
     assert list(taken.take_new_block_ids.block_ids) == []
 
 

@@ -423,7 +423,10 @@ class MutationRunner:
         )
 
     def record(self, note: Callable[[Recorder], None]) -> None:
-        """Journal a change made without a call (a reservation's time ran out)."""
+        """Journal a change now, not waiting for the commit: one made without a call (a
+        reservation's time ran out), or a call's that comes before a wait of its own (an
+        exclusive Attach's session, before the engine's state is encoded; its end, when
+        the answer cannot be sent)."""
         note(self.registry.recorder)
 
     async def durable(self, answer: A, record: Callable[[Recorder], None] | None = None) -> A:

@@ -82,7 +82,7 @@ class SessionCalls(ServicerCore):
         recorded = not new  # (a retry's session was journaled when it was made)
         if request.want_pool_state and request.want_engine_state and s.exclusive:
             if new:  # journaled before the wait: a snapshot taken meanwhile holds the session
-                self.registry.recorder.attached(service, s)
+                self.mutations.record(lambda r: r.attached(service, s))
                 recorded = True
             await self._export_engine_state(service, s, response, new)
         elif request.want_pool_state:
@@ -152,7 +152,7 @@ class SessionCalls(ServicerCore):
         except BaseException:
             if new and s.session_id in self.registry.sessions.sessions:
                 self.registry.end_session(s, service)
-                self.registry.recorder.detached(service, s.session_id)
+                self.mutations.record(lambda r: r.detached(service, s.session_id))
             raise
 
     @map_errors

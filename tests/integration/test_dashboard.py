@@ -191,7 +191,9 @@ def test_every_panel_rule_and_alert_returns_what_the_load_implies(target: str, p
         assert of_pool(("KV events published", "evictions")) * 60 >= want["evictions"]
         gaps = {r["metric"]["stream"]: float(r["value"][1]) for r in got[("KV events published", "gaps")]
                 if r["metric"].get("pool") == pool}  # fmt: skip
-        assert set(gaps) == {"watch", "step"} and gaps["watch"] > 0, gaps
+        assert set(gaps) == {"watch", "step", "zmq"} and gaps["watch"] > 0, (
+            gaps
+        )  # (every stream exported at 0)
         methods = {
             (r["metric"]["grpc_method"], r["metric"]["grpc_code"])
             for r in got[("RPC rate by method", "{{grpc_method}}")]

@@ -431,23 +431,11 @@ class ClusterStore:
         (an adopter's :meth:`take_over` still on its way, or applied by the store
         after its caller gave up) can never land. Returns the new claim, or None when
         the claim is no longer that one (the view is read again)."""
-        key = self.key("owners", pool)
-        tx = self.client.transactions
-        ok, responses = await self.client.transaction(
-            compare=[tx.mod(key) == revision],
-            success=[tx.put(key, encode_claim(self.me.replica_id, self.me.address), lease=self.lease.id)],
-            failure=[],
-        )
-        if not ok:
+        claim = await self.take_over(pool, self.me.replica_id, revision)  # (the same swap, to itself)
+        if claim is None:
             await self.refresh()
-            return None
-        claim = Claim(pool, self.me.replica_id, self.me.address, responses[0].response_put.header.revision)
-        self.view.learned(pool, claim, claim.term)
-        logger.info("claimed pool %s again (term %d after %d)", pool, claim.term, revision)
-        for fn in self.on_change:
-            fn()
-        if self.on_term is not None:
-            self.on_term(pool, claim.term)
+        else:
+            logger.info("claimed pool %s again (term %d after %d)", pool, claim.term, revision)
         return claim
 
     async def take_over(self, pool: str, from_replica: str, claim_revision: int) -> Claim | None:

@@ -715,3 +715,35 @@ class FailedRecvingConnector(AsyncLoadsConnector):
             out.failed_recving = failed
             self.failing -= failed
         return out
+
+
+class SlowTransfersConnector(AsyncLoadsConnector):
+    """Asynchronous loads and sends that take ``LAG`` model outputs each (as a real
+    transfer spans several steps), not one: a transfer's blocks are in use by the
+    worker for ``LAG`` steps after the scheduler hands them over."""
+
+    LAG = 6
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending: list[tuple[int, set[str], set[str]]] = []  # (outputs left, recving, sending)
+
+    def worker_output(self) -> KVConnectorOutput | None:
+        if self.receiving or self.sending:
+            self._pending.append((self.LAG, set(self.receiving), set(self.sending)))
+            self.receiving.clear()
+            self.sending.clear()
+        recving: set[str] = set()
+        sending: set[str] = set()
+        left = []
+        for n, r, s in self._pending:
+            if n <= 1:
+                recving |= r
+                sending |= s
+            else:
+                left.append((n - 1, r, s))
+        self._pending = left
+        if not recving and not sending:
+            return None
+        self.loading -= recving
+        return KVConnectorOutput(finished_recving=recving, finished_sending=sending)

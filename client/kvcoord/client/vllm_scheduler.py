@@ -26,6 +26,14 @@ the waiting queue) before the next allocation, and recomputed. While the server 
 be reached, ``schedule()`` waits and tries again (at most ``KVCOORD_MAX_OUTAGE``
 seconds). See "A lost session" in docs/vllm-integration.md for what happens to the
 requests of a step the loss interrupts.
+
+A KV connector may still be moving the KV of lost requests when the loss is met (an
+asynchronous load into their blocks, or a finished request's KV being sent from them):
+the worker uses those block ids until the connector reports the transfer ended, while
+the server has freed them. Until every such transfer ends, ``schedule()`` schedules
+nothing (the model runs empty steps, which carry the connector's reports), so no block
+is handed to a request while a transfer still uses it; a transfer that does not end
+within ``KVCOORD_MAX_OUTAGE`` seconds raises :class:`TransfersOutstandingError`.
 """
 
 from __future__ import annotations
@@ -46,7 +54,7 @@ from .vllm033 import VLLM_033, Unsupported033Error, connect_033, unsupported_033
 #: the semantics profile of the installed vLLM (UnsupportedVLLMError for another release)
 PROFILE = vllm_profile()
 
-__all__ = ["KVCoordAsyncScheduler", "KVCoordScheduler"]
+__all__ = ["KVCoordAsyncScheduler", "KVCoordScheduler", "TransfersOutstandingError"]
 
 
 logger = logging.getLogger(__name__)
@@ -57,6 +65,20 @@ logger = logging.getLogger(__name__)
 MAX_LOSSES_IN_A_ROW = 16
 #: the first and the longest pause between attempts while the server is out of reach
 OUTAGE_PAUSE = (0.05, 1.0)
+
+
+class TransfersOutstandingError(RuntimeError):
+    """A KV connector's transfers of requests a lost session held did not end within
+    ``KVCOORD_MAX_OUTAGE`` seconds: scheduling cannot go on without handing out block
+    ids the worker may still be writing or reading (named: the requests)."""
+
+    def __init__(self, request_ids: set[str], seconds: float) -> None:
+        self.request_ids = frozenset(request_ids)
+        super().__init__(
+            f"the KV connector still moves the KV of {len(request_ids)} request(s) a lost kvcoord session held "
+            f"({', '.join(sorted(request_ids)[:5])}), {seconds:.0f} s after the loss: their blocks cannot be "
+            "handed out again while in use"
+        )
 
 
 class _Before:
@@ -104,6 +126,15 @@ class _OnKVCoord:
         self.kvcoord_preempted = 0
         self.kvcoord_undone = 0
         self.kvcoord_outages = 0
+        #: requests whose KV the connector was moving when a session was lost, until
+        #: each transfer ends (scheduling pauses meanwhile: see _transfers_pending), and
+        #: when the pause began; the schedule() calls it emptied
+        self._transfers: set[str] = set()
+        self._paused_since: float | None = None
+        self.kvcoord_paused_steps = 0
+        #: (vLLM 0.33, frees deferred behind steps in flight) the last step scheduled
+        #: when a session was lost: nothing is allocated until it is processed
+        self._loss_fence = 0
 
     def _refuse_unsupported(self) -> None:
         """Raise, naming the reason, for an engine kvcoord does not reproduce (none here)."""
@@ -129,10 +160,12 @@ class _OnKVCoord:
             manager.seen.clear()
             try:
                 self._preempt_lost(self._losses_met())
-                out = super().schedule()  # type: ignore[misc]
+                out = self._schedule_nothing() if self._transfers_pending() else super().schedule()  # type: ignore[misc]
             except (RequestsLostError, *OUTAGE_ERRORS) as err:
                 lost = isinstance(err, RequestsLostError)
                 lost_ids: set[str] = set(err.request_ids) if isinstance(err, RequestsLostError) else set()
+                if lost:
+                    self._lost_during_transfers(lost_ids)
                 self._undo(before, lost_ids, held)
                 cause = err.cause if isinstance(err, RequestsLostError) else err
                 outage = isinstance(cause, OUTAGE_ERRORS)
@@ -170,6 +203,90 @@ class _OnKVCoord:
         """Requests lost that the manager learns of only when asked (none here: a loss
         raises in the call that meets it)."""
         return set()
+
+    # -- a loss while a KV connector moves KV -------------------------------------------
+    def _transfers_in_flight(self) -> set[str]:
+        """The requests whose blocks the KV connector uses now: an asynchronous load not
+        reported ended, or a finished request whose free waits for its KV to be sent."""
+        if getattr(self, "connector", None) is None:
+            return set()
+        ended = self.finished_recving_kv_req_ids  # type: ignore[attr-defined]
+        waiting = RequestStatus.WAITING_FOR_REMOTE_KVS
+        return {
+            rid for rid, r in self.requests.items()  # type: ignore[attr-defined]
+            if r.is_finished() or (r.status == waiting and rid not in ended)
+        }  # fmt: skip
+
+    def _lost_during_transfers(self, lost: set[str]) -> None:
+        """What a loss does to requests that are not running: scheduling pauses until
+        every KV transfer now in flight ends (those of requests not lost too: a loss
+        names the requests it meets, the pause costs a few empty steps). A lost request
+        waiting for its load is marked as a failed load, for recomputation (vLLM's own
+        handling of one): the blocks it loads into are no longer its own; a lost waiting
+        request that holds computed tokens (a load ended, not yet scheduled) computes
+        them again."""
+        connector = getattr(self, "connector", None) is not None
+        if connector:
+            self._transfers |= self._transfers_in_flight()
+        if getattr(self, "defer_block_free", False):
+            # vLLM 0.33 holds a freed block until every step that may still write it is
+            # processed (a KV consumer's asynchronous load into it would not be ordered
+            # with the GPU stream); the server freed the lost requests' blocks at once:
+            # nothing is allocated until the steps scheduled so far are processed
+            self._loss_fence = max(self._loss_fence, self.sched_step_seq)  # type: ignore[attr-defined]
+        requests = self.requests  # type: ignore[attr-defined]
+        # (vLLM 0.33) prefills in flight keep a reservation of the blocks they still need,
+        # asked of the manager each step; a lost one holds none and is computed again, as
+        # after vLLM's own preemption, which drops it from them
+        inflight = getattr(self, "_inflight_prefills", None)
+        for rid in lost:
+            request = requests.get(rid)
+            if request is None or request.status == RequestStatus.RUNNING:
+                continue
+            if inflight is not None:
+                inflight.discard(request)
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS and connector:
+                request.num_computed_tokens = 0
+                self.failed_recving_kv_req_ids.add(rid)  # type: ignore[attr-defined]
+            elif not request.is_finished() and request.num_computed_tokens:
+                request.num_computed_tokens = 0
+
+    def _transfers_pending(self) -> bool:
+        """Whether a transfer the last loss met still runs (then nothing may be
+        allocated: the server gave its blocks back to the pool, the worker still uses
+        them), or a step that may still write them (vLLM 0.33's deferred frees). Raises
+        TransfersOutstandingError once a transfer's pause outlasts max_outage."""
+        if self._loss_fence > getattr(self, "processed_step_seq", 0):
+            return True  # (empty steps: the steps in flight are processed meanwhile)
+        if not self._transfers:
+            return False
+        self._transfers &= self._transfers_in_flight()
+        if not self._transfers:
+            logger.warning("kvcoord: the KV transfers of the lost requests ended: scheduling resumes")
+            self._paused_since = None
+            return False
+        now = time.monotonic()
+        if self._paused_since is None:
+            self._paused_since = now
+            logger.warning(
+                "kvcoord: the KV connector still moves the KV of %d lost request(s): nothing is scheduled until "
+                "those transfers end (their blocks are free on the server, in use on the worker)",
+                len(self._transfers),
+            )  # fmt: skip
+        elif now - self._paused_since > self.kvcoord_max_outage:
+            raise TransfersOutstandingError(self._transfers, now - self._paused_since)
+        return True
+
+    def _schedule_nothing(self) -> Any:
+        """vLLM's schedule() with no token to schedule: an empty step, whose model
+        output carries the connector's reports (vLLM's own pause does the same)."""
+        self.kvcoord_paused_steps += 1
+        budget = self.max_num_scheduled_tokens
+        self.max_num_scheduled_tokens = 0
+        try:
+            return super().schedule()  # type: ignore[misc]
+        finally:
+            self.max_num_scheduled_tokens = budget
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         """vLLM's update_from_output(); a loss or an outage met in it is kept for the next
@@ -213,9 +330,11 @@ class _OnKVCoord:
     def _preempt_lost(self, lost: set[str]) -> None:
         """Preempt the running requests among ``lost`` (before any allocation: the blocks
         they held may be given to others now). A waiting request holds no blocks, or
-        (waiting for a KV connector's load) is left to the connector."""
+        (waiting for a KV connector's load) is left to the connector, and scheduling
+        pauses until its load (or a finished request's send) ends."""
         if not lost:
             return
+        self._lost_during_transfers(lost)
         victims = [r for r in self.running if r.request_id in lost]
         if not victims:
             return

@@ -104,9 +104,13 @@ class Pool033Calls(PoolInspection):
         takes or clears it for every user of the pool: one scheduler may use it."""
         parts = []
         if self.config.partial_hash_hits:
-            parts.append("fine-grained (partial) hits, whose copy-on-write pairs one session takes and releases")
+            parts.append(
+                "fine-grained (partial) hits, whose copy-on-write pairs one session takes and releases"
+            )
         if self._mamba033:
-            parts.append("mamba groups, whose boundary-state hand-offs and step-bound hits one scheduler takes")
+            parts.append(
+                "mamba groups, whose boundary-state hand-offs and step-bound hits one scheduler takes"
+            )
         if self._zeroed_groups:
             parts.append("new blocks' ids for its worker to zero, which one session takes")
         return "; ".join(parts)

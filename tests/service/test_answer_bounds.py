@@ -216,3 +216,89 @@ def test_a_predicting_manager_on_a_pool_too_large_to_send_is_refused_cleanly(sma
         manager = RemoteKVCacheManager(client, "big", hash_seed="0", exclusive=True)
         assert manager.keeper.exclusive and manager.keeper.session_id
         manager.close()
+
+
+def _reads_step(sid: str, fence: pb.Fence, key: str) -> pb.StepRequest:
+    """A ~9 kB Step whose answer is ~150 kB: request x allocated (50 blocks), then its
+    block table read 1,400 times (a buggy worker's Step)."""
+    ops = [allocate("x", list(range(800)), 800, block_size=16)]
+    ops += [pb.Operation(get_block_ids=pb.GetBlockIdsOp(request_id="x"))] * 1400
+    return pb.StepRequest(pool="big", session_id=sid, fence=fence, ops=ops, idempotency_key=key)
+
+
+def _refused(address: str, request: pb.StepRequest, how: str) -> grpc.RpcError:
+    """``request`` sent as a unary Step or as a StepStream's message: its error."""
+    with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        stub = pb_grpc.AllocatorStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            if how == "unary":
+                stub.Step(request, timeout=10)
+            else:
+                list(stub.StepStream(iter([request]), timeout=10))
+    return refused.value
+
+
+@pytest.mark.parametrize("first", ["unary", "stream"])
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_a_step_whose_answer_cannot_be_sent_says_it_was_applied(
+    make_server: Callable[..., InProcessServer], tmp_path: Path, first: str, snapshot: bool
+) -> None:
+    """A Step whose answer is larger than max_message_bytes is applied before its size is
+    known (block tables decide it): it is told ABORTED with reason ANSWER_EVICTED
+    ("applied: treat its requests as lost"), and a retry under its key gets the same,
+    over the other path (unary or StepStream) and after a restart, from the journal
+    alone or from a snapshot; it is never applied twice. Old code: RESOURCE_EXHAUSTED
+    without a reason ("nothing changed", per the proto) while the pool held x; after a
+    journal replay the full answer was kept under the key again."""
+    data = str(tmp_path / "data")
+    server = make_server(POOL, max_message_bytes=LIMIT, data_dir=data)
+    with KVCoordClient(server.address, timeout=10) as client:
+        sid, fence = attach(client, "big", block_size=16)
+        free_before = client.get_stats("big").num_free_blocks
+    request = _reads_step(sid, fence, "k1")
+    assert request.ByteSize() < LIMIT // 4
+
+    def check(address: str, how: str) -> str:
+        err = _refused(address, request, how)
+        assert err.code() == grpc.StatusCode.ABORTED, (err.code(), err.details())
+        assert ("kvcoord-reason", "ANSWER_EVICTED") in (err.trailing_metadata() or ())
+        with KVCoordClient(address, timeout=10) as client:
+            held = client.inspect_pool("big", all_requests=True).requests
+            assert [(r.request_id, len(r.groups[0].block_ids)) for r in held] == [("x", 50)]
+            assert client.get_stats("big").num_free_blocks == free_before - 50
+        return str(err.details())
+
+    assert "is larger than max_message_bytes (65,536)" in check(server.address, first)
+    check(server.address, "stream" if first == "unary" else "unary")
+    server.stop(snapshot=snapshot)
+    again = make_server(POOL, max_message_bytes=LIMIT, data_dir=data)
+    check(again.address, first)
+
+
+@pytest.mark.parametrize("step_stream", [True, False])
+def test_the_manager_reports_the_requests_of_an_unsendable_answer_lost(
+    small: InProcessServer, step_stream: bool
+) -> None:
+    """RemoteKVCacheManager, one batch whose answer cannot be sent (ANSWER_EVICTED): every
+    call of it raises RequestsLostError, the request is freed on the server (it holds
+    nothing, every block back), and once the scheduler resets it the request is
+    allocated afresh."""
+    from kvcoord.client import RemoteKVCacheManager, RequestsLostError
+    from support import Req
+
+    with KVCoordClient(small.address, timeout=10, step_stream=step_stream) as client:
+        manager = RemoteKVCacheManager(client, "big", hash_seed="0")
+        free_before = client.get_stats("big").num_free_blocks
+        x = Req("x", list(range(800)))
+        with manager.batch() as batch:
+            pending = [batch.allocate_slots(x, 800)]
+            pending += [batch.get_block_ids("x") for _ in range(1400)]
+        for p in pending[:2]:
+            with pytest.raises(RequestsLostError) as lost:
+                p.result()
+            assert lost.value.request_ids == ["x"] and lost.value.reason == "ANSWER_EVICTED"
+        assert list(client.inspect_pool("big", all_requests=True).requests) == []
+        assert client.get_stats("big").num_free_blocks == free_before
+        blocks = manager.allocate_slots(x, 800)
+        assert blocks is not None and len(blocks.get_block_ids()[0]) == 50
+        manager.close()

@@ -169,7 +169,8 @@ class SyncMismatchError(FailedPreconditionError):
 
 
 class AnswerEvictedError(AbortedError):
-    """The call was applied but its answer is no longer kept: its outcome is unknown."""
+    """The call was applied but its answer is no longer kept (dropped within the server's
+    idempotency budget, or larger than its max_message_bytes): its outcome is unknown."""
 
 
 class GracePeriodError(UnavailableError):

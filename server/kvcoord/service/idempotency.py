@@ -8,6 +8,8 @@ One byte budget (``idempotency_max_bytes``) bounds everything kept: each entry c
 Past the budget the oldest answers go first; an answer pushed out early leaves a
 tombstone (the entry without its answer, kept for the window like every key), so a
 retry of it is refused with ANSWER_EVICTED instead of being applied a second time.
+An answer larger than max_message_bytes (gRPC could never send it) is kept as a
+tombstone from the start, for the same reason (mutations.py).
 When tombstones alone fill the budget, the keys older than half the window go first:
 no client retries that late (the client library retries a keyed call for at most
 half the server's window), and a request change replayed that late would still meet
@@ -119,15 +121,18 @@ class IdempotencyStore:
         if entry.answer is None:
             raise ServiceError(
                 Status.ABORTED,
-                f"the call with idempotency key {key[:64]!r} was applied, but its answer was dropped "
-                f"to stay within idempotency_max_bytes ({self.max_bytes}); treat the requests it "
-                "named as lost",
+                f"the call with idempotency key {key[:64]!r} was applied, but its answer is not kept "
+                f"(dropped to stay within idempotency_max_bytes ({self.max_bytes}), or larger than "
+                "max_message_bytes: never sendable); treat the requests it named as lost",
                 ErrorReason.ANSWER_EVICTED,
             )
         return entry.answer
 
-    def remember(self, session_id: str, rpc: str, key: str, digest: bytes, answer: bytes) -> None:
-        """Keep ``answer`` for retries of this key (a no-op without a key)."""
+    def remember(self, session_id: str, rpc: str, key: str, digest: bytes, answer: bytes | None) -> None:
+        """Keep ``answer`` for retries of this key (a no-op without a key). ``None``
+        keeps a tombstone at once: the call was applied but its answer cannot be sent
+        (larger than max_message_bytes), so a retry is refused with ANSWER_EVICTED,
+        never applied again."""
         if not key:
             return
         now = self.clock()
@@ -136,11 +141,12 @@ class IdempotencyStore:
             self._forget(session_id, key, old)
         entry = Stored(rpc, digest, now, answer)
         self._entries[(session_id, key)] = entry
-        self._answered.append(entry)
+        if answer is not None:
+            self._answered.append(entry)
         self._by_session.setdefault(session_id, set()).add(key)
         cost = entry_bytes(session_id, key)
         self.entry_bytes += cost
-        self.bytes += cost + len(answer)
+        self.bytes += cost + (len(answer) if answer is not None else 0)
         self._evict_to_budget()
 
     def drop_session(self, session_id: str) -> None:

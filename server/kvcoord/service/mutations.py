@@ -6,7 +6,9 @@ kept answer, never applied again), the call applied, its answer stamped with the
 journal position of its own record, the answer kept under its key, the call
 journaled with the answer's digest, and the answer sent only once the record is
 durable: as the bytes serialized for its key and its record (gRPC sends them as they
-are: rpc_guard.BYTES_ANSWERS), never serialized a second time. Every other mutating call ends with the same commit wait (:meth:`durable`);
+are: rpc_guard.BYTES_ANSWERS), never serialized a second time. An answer larger than
+max_message_bytes, which gRPC would refuse to send, is told as ABORTED (ANSWER_EVICTED:
+applied, its requests lost) and its key kept as a tombstone. Every other mutating call ends with the same commit wait (:meth:`durable`);
 a reserving ScorePools keeps its answer under its tenant's key here too, unjournaled
 (:meth:`MutationRunner.kept_unjournaled`).
 Replay (recovery.py) applies a journaled call with the same :class:`Mutation`, so
@@ -33,7 +35,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from .bounds import fields_of
 from .durability import Recorder, answer_digest
-from .errors import ServiceError
+from .errors import ErrorReason, ServiceError, Status
 from .pool_service import Fence, PoolService
 from .registry import PoolRegistry
 from .sessions import Session
@@ -338,10 +340,31 @@ class MutationRunner:
             # (replay stamps the same position)
             answer.fence.position = journal.appended + 1  # type: ignore[attr-defined]
         kept_answer = answer.SerializeToString() if results is None else joined(answer, "results", results)
+        unsendable = self._unsendable(m, kept_answer, self.max_message_bytes)
         if key:
-            registry.idempotency.remember(s.session_id, m.rpc, key, digest, kept_answer)
+            registry.idempotency.remember(
+                s.session_id, m.rpc, key, digest, None if unsendable is not None else kept_answer
+            )
         recorder.called(service, m.rpc, request, key, digest, kept_answer, body)
-        return kept_answer
+        return kept_answer if unsendable is None else unsendable
+
+    @staticmethod
+    def _unsendable(m: Mutation[Any], answer: bytes, max_message_bytes: int) -> ServiceError | None:
+        """The error told instead of an applied call's answer that gRPC would refuse to
+        send (larger than ``max_message_bytes``; None: it fits). Its size is known only
+        once applied (block tables, the pool's state decide it): sent anyway, the client
+        would get RESOURCE_EXHAUSTED without a reason, read as "nothing changed", and a
+        retry the same. It is journaled as applied, and its key kept as a tombstone
+        (live and on replay), so a retry gets this same error, never the call again."""
+        if not max_message_bytes or len(answer) <= max_message_bytes:
+            return None
+        return ServiceError(
+            Status.ABORTED,
+            f"the {m.rpc} was applied, but its answer ({len(answer):,} bytes) is larger than "
+            f"max_message_bytes ({max_message_bytes:,}) and cannot be sent: treat the requests it named "
+            "as lost (free them; send smaller Steps, or fewer operations that read block tables)",
+            ErrorReason.ANSWER_EVICTED,
+        )
 
     def replay(
         self, m: Mutation[Any], body: bytes, key: str, digest: bytes, told: bytes | None, writer: str,
@@ -386,6 +409,8 @@ class MutationRunner:
                 "they were applied with); start the kvcoord version that wrote it"
             )
         if key and kept is not None:
+            if self._unsendable(m, kept, budget) is not None:
+                kept = None  # never sent: its key is a tombstone, as it was live (_keep)
             store = registry.idempotency
             real = store.clock
             at = real() - age  # the record's time on the monotonic clock

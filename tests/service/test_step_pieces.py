@@ -232,3 +232,93 @@ def test_the_asyncio_client_sends_pieces_too(twins: Callable[[str], InProcessSer
     assert _strip(got) == want
     with KVCoordClient(many.address, timeout=30) as c:
         assert _state(c) == want_state
+
+
+def _with_bad_id(n: int = 20) -> list[pb.Operation]:
+    """``n`` allocations, then a free naming a request id past the server's bound (256
+    characters): the server refuses the Step carrying it as a whole (INVALID_ARGUMENT)."""
+    ops = [allocate(f"r{i}", list(range(i, i + 8)), 8) for i in range(n)]
+    return [*ops, pb.Operation(free=pb.FreeOp(request_id="x" * 300))]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_later_piece_refused_is_told_as_applied_in_part(
+    twins: Callable[[str], InProcessServer], stream: bool
+) -> None:
+    """One message refused as a whole changes nothing (InvalidArgumentError). In pieces,
+    the earlier pieces are applied before the last one is refused: that is no "nothing
+    applied" (which every other typed error of a Step means) but OutcomeUnknownError,
+    its cause the piece's refusal (old code: the InvalidArgumentError itself)."""
+    from kvcoord.client.errors import InvalidArgumentError, OutcomeUnknownError
+
+    server = twins("one")
+    with KVCoordClient(server.address, timeout=30, step_stream=stream) as c:
+        s = c.attach("a", "sha256_cbor", 4, "0")
+        with pytest.raises(InvalidArgumentError) as whole:
+            c.step("a", _with_bad_id(), s.session_id, s.fence)
+        assert not isinstance(whole.value, OutcomeUnknownError)
+        assert list(c.inspect_pool("a", all_requests=True).requests) == []
+        c.step_piece_bytes = 1300
+        with pytest.raises(OutcomeUnknownError) as partly:
+            c.step("a", _with_bad_id(), s.session_id, s.fence)
+        assert isinstance(partly.value.__cause__, InvalidArgumentError)
+        assert "applied in part" in partly.value.message
+        held = {r.request_id for r in c.inspect_pool("a", all_requests=True).requests}
+        assert held == {f"r{i}" for i in range(20)}
+
+
+class FailState(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """The state's empty Step (no operations, include_state) is refused, not sent."""
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        if details.method.endswith("/Step") and not request.ops and request.include_state:
+            raise LocalRpcError(grpc.StatusCode.PERMISSION_DENIED, "injected: the state refused")
+        return continuation(details, request)
+
+
+def test_a_refused_state_after_a_failed_operation_is_told_as_applied_in_part(
+    twins: Callable[[str], InProcessServer],
+) -> None:
+    """An operation fails in a middle piece; the empty Step fetching the state is then
+    refused: the operations before the failed one are applied, so the caller is told
+    OutcomeUnknownError, not the refusal's "nothing applied"."""
+    from kvcoord.client.errors import OutcomeUnknownError, PermissionDeniedError
+
+    server = twins("one")
+    with KVCoordClient(server.address, timeout=30, interceptors=[FailState()], step_stream=False) as c:
+        c.step_piece_bytes = PIECE
+        s = c.attach("a", "sha256_cbor", 4, "0")
+        with pytest.raises(OutcomeUnknownError) as partly:
+            c.step("a", _ops(fail_at=N // 2), s.session_id, s.fence, include_state=True)
+        assert isinstance(partly.value.__cause__, PermissionDeniedError)
+        assert c.inspect_pool("a", all_requests=True).requests
+
+
+def test_the_manager_frees_a_batch_refused_after_its_first_piece(
+    twins: Callable[[str], InProcessServer],
+) -> None:
+    """The waiting manager batches one scheduler step's allocations, one request id past
+    the server's bound, sent in pieces: the last piece is refused after the others were
+    applied. Every request of the batch is reported lost (RequestsLostError) and freed on
+    the server, which then holds nothing the client does not know, and a request the
+    scheduler resets is allocated afresh (old code: InvalidArgumentError, read as
+    "nothing applied", while the server held good0..good11: rescheduling good0 was
+    "already registered")."""
+    from kvcoord.client import RemoteKVCacheManager, RequestsLostError
+    from support import Req
+
+    server = twins("one")
+    with KVCoordClient(server.address, timeout=30, step_piece_bytes=1300) as c:
+        m = RemoteKVCacheManager(c, "a", hash_seed="0", renew=False)
+        free_before = c.get_stats("a").num_free_blocks
+        reqs = [Req(f"good{i}", list(range(i, i + 8))) for i in range(12)] + [Req("y" * 300, list(range(8)))]
+        with m.batch() as b:
+            pending = [b.allocate_slots(r, 8) for r in reqs]
+        for p in pending:
+            with pytest.raises(RequestsLostError):
+                p.result()
+        assert list(c.inspect_pool("a", all_requests=True).requests) == []
+        assert c.get_stats("a").num_free_blocks == free_before
+        blocks = m.allocate_slots(reqs[0], 8)
+        assert blocks is not None and len(blocks.get_block_ids()[0]) == 2
+        m.close()

@@ -20,7 +20,12 @@ the one a single message gets:
   fetches the state (key ``KEY/state``);
 * when a piece's call itself fails (its retries spent), the error is raised with a
   note naming the piece and its operations: the earlier pieces are applied, nothing
-  of the later ones; sending the same request again completes it exactly once.
+  of the later ones; sending the same request again completes it exactly once. A
+  typed error of a Step means "nothing applied" to its caller (the managers roll its
+  requests back), which is false once a piece was sent: a failure after the first
+  piece (or of the state's empty Step) is raised as OutcomeUnknownError, its cause the
+  piece's own error, unless it already says as much (an unknown outcome, an evicted
+  answer) or more (the session's end: everything of it is gone).
 
 Servers keep accepting a large Step in one message (from older clients), applied in
 slices as before (server/kvcoord/service/wire_slices.py).
@@ -35,7 +40,15 @@ from collections.abc import Awaitable, Callable, Iterator
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .errors import InternalError
+from .errors import (
+    AnswerEvictedError,
+    FencedError,
+    InternalError,
+    KVCoordError,
+    LeaseExpiredError,
+    OutcomeUnknownError,
+    SessionExpiredError,
+)
 
 __all__ = ["DEFAULT_STEP_PIECE_BYTES", "pieces", "send_in_pieces", "send_in_pieces_async"]
 
@@ -47,6 +60,9 @@ _ABORTED = 10  # google.rpc.Code ABORTED
 #: what a piece's fields besides its operations are counted as (pool, session, key,
 #: fence, flags: usually far less)
 _HEAD_BYTES = 1024
+#: errors that already tell a Step's caller no less than "applied in part": an unknown
+#: outcome, or the session's end (every request of it gone)
+_NOT_PARTIAL = (OutcomeUnknownError, AnswerEvictedError, SessionExpiredError, FencedError, LeaseExpiredError)
 
 
 def _varint_len(n: int) -> int:
@@ -162,20 +178,41 @@ class _Joiner:
     @contextlib.contextmanager
     def noting(self, i: int) -> Iterator[None]:
         """A failure while sending message ``i`` (``len(parts)``: the state's empty
-        Step) gets a note naming its piece."""
+        Step) gets a note naming its piece; after the first piece, a typed one is
+        raised as OutcomeUnknownError (module docstring), unless :data:`_NOT_PARTIAL`."""
         try:
             yield
         except Exception as exc:
             if i == len(self.parts):
-                exc.add_note(f"the Step's state, after operation {self.failed} failed, was not fetched")
-                raise
-            first = sum(len(p.ops) for p in self.parts[:i])
-            exc.add_note(
-                f"Step piece {i + 1} of {len(self.parts)} (operations {first}..{first + len(self.parts[i].ops) - 1}"
-                f" of {self.total}) failed: the earlier pieces are applied, none after it was sent; "
-                "sending the same request again (same idempotency key) applies the rest once"
-            )
+                what = "the Step's state"
+                note = f"the Step's state, after operation {self.failed} failed, was not fetched"
+            else:
+                first = sum(len(p.ops) for p in self.parts[:i])
+                what = f"Step piece {i + 1} of {len(self.parts)}"
+                note = (
+                    f"{what} (operations {first}..{first + len(self.parts[i].ops) - 1} of {self.total}) "
+                    "failed: the earlier pieces are applied, none after it was sent; sending the same "
+                    "request again (same idempotency key) applies the rest once"
+                )
+            exc.add_note(note)
+            applied = self._applied_before(i)
+            if applied and isinstance(exc, KVCoordError) and not isinstance(exc, _NOT_PARTIAL):
+                partly = OutcomeUnknownError(
+                    exc.code,
+                    f"{what} failed ({exc.message}) after operations 0..{applied - 1} of {self.total} were "
+                    "applied: the Step is applied in part; treat every request it named as changed (the "
+                    "managers report them lost and free them)",
+                )
+                partly.add_note(note)
+                raise partly from exc
             raise
+
+    def _applied_before(self, i: int) -> int:
+        """How many operations were applied before message ``i`` was sent: every one of
+        the earlier pieces, or (the state's Step) those before the one that failed."""
+        if i == len(self.parts):
+            return self.failed or 0
+        return sum(len(p.ops) for p in self.parts[:i])
 
     def wants_state(self) -> bool:
         """Whether a failure stopped the pieces before the last, which was to carry the

@@ -21,7 +21,7 @@ from kvcoord.wire import ConfigFileError, config_from_pb, pool_config_from_table
 from .access import Tenant, tenants_from_dict
 from .bounds import check_request
 from .errors import ServiceError
-from .kv_publisher import KVEventsDecl, kv_events_from_list
+from .kv_events_config import KVEventsDecl, kv_events_from_list
 from .registry import Limits
 from .tls import PeerTLS, TLSFiles, check_tls_files, peer_tls_from_dict, tls_from_dict, tls_from_env
 

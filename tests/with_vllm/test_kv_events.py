@@ -126,9 +126,11 @@ class Subscriber:
         self.sub = None
 
     def apply(self, seq: int, payload: bytes, skip: bool = False) -> None:
-        """Apply batch ``seq``: the next one, or with ``skip`` (a replay's first batch)
-        any later one: a restarted publisher numbers on past every number it may have
-        used before, so the numbers in between never existed."""
+        """Apply batch ``seq``: the next one, or with ``skip`` (a replay's batches, and
+        the live batch that showed the gap) any later one: a restarted publisher
+        numbers on past every number it may have used before, so the numbers in
+        between never existed, and the empty batch answering a subscription is not
+        kept for replay (its number is skipped there)."""
         assert seq == self.last + 1 or (skip and seq > self.last), (seq, self.last)
         if seq != self.last + 1:
             self.skips += 1
@@ -168,7 +170,6 @@ class Subscriber:
         dealer.connect(self.replay_endpoint)
         try:
             dealer.send_multipart((b"", start.to_bytes(8, "big")))
-            first = True
             for _ in range(1_000_000):
                 assert dealer.poll(10_000), "no replay answer"
                 if V033:  # 0.33 frames a replayed batch as the PUB socket does, topic first
@@ -181,8 +182,7 @@ class Subscriber:
                 if seq == -1:
                     break
                 if seq > self.last:
-                    self.apply(seq, payload, skip=first)
-                first = False
+                    self.apply(seq, payload, skip=True)
         finally:
             dealer.close(linger=0)
         self.replays += 1
@@ -214,11 +214,12 @@ class Subscriber:
             seq = int.from_bytes(seq_bytes, "big")
             if seq <= self.last:
                 continue
-            if seq > self.last + 1:
+            gap = seq > self.last + 1
+            if gap:
                 self.replay(self.last + 1)
                 if seq <= self.last:
                     continue
-            self.apply(seq, payload)
+            self.apply(seq, payload, skip=gap)
 
 
 def _pool_map(server: InProcessServer, pool: str) -> Counter[Key]:

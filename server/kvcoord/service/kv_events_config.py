@@ -32,7 +32,7 @@ class KVEventsDecl:
             ``inproc://`` (e.g. ``tcp://*:5557``), else connected (vLLM's rule).
         replay_endpoint: ROUTER address for replays (bound), or "" for none.
         topic: the first frame of every message.
-        buffer_steps: batches kept for replay.
+        buffer_steps: batches kept for replay (a number of batches, not of bytes).
         hwm: the PUB socket's high-water mark (messages queued per subscriber).
         tenant: publish this tenant's cache namespace ("" = the shared cache).
         int_hashes: hashes as 64-bit integers (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).

@@ -11,7 +11,8 @@ profile: vLLM 0.16.0 for ``vllm-0.16`` pools, 0.33.0 for ``vllm-0.33`` pools):
   of each subscription), each message three frames: the topic (UTF-8, may be empty),
   the batch sequence number (8 bytes, big-endian, counting from 0 at the first
   start) and the payload; each (re)subscription is answered with an empty batch
-  under the next number, so a subscriber learns at once whether it missed any;
+  under the next number, so a subscriber learns at once whether it missed any (the
+  empty batch is not kept for replay);
 * the payload is msgpack of ``KVEventBatch``, encoded as vLLM 0.16 or 0.33 does
   (kv_event_format.py);
 * an optional ROUTER replay socket: a request ``[b"", start_seq (8 bytes)]`` (from a
@@ -19,7 +20,12 @@ profile: vLLM 0.16.0 for ``vllm-0.16`` pools, 0.33.0 for ``vllm-0.33`` pools):
   ``start_seq`` or more, one message each, then an end marker: in 0.16
   ``[b"", seq, payload]`` and ``[b"", -1 (8 bytes, signed), b""]``; in 0.33 the
   topic frame comes first, as on the PUB socket: ``[b"", topic, seq, payload]`` and
-  ``[b"", b"", -1, b""]``. The replay answers in the format of the pool's current
+  ``[b"", b"", -1, b""]``. ``buffer_steps`` bounds the batches kept, not their bytes;
+  the answers refer to the kept payloads (no copy per peer). A request older than
+  the oldest batch kept (the subscriber missed batches this process no longer has)
+  is answered with one batch instead: ``AllBlocksCleared``, then every block the
+  batches sent leave stored, as ``BlockStored``, under the number of the newest batch
+  sent (whose state it is). The replay answers in the format of the pool's current
   profile (a pool deleted and created again under the other profile is announced
   with ``AllBlocksCleared``; a subscriber of one vLLM release cannot follow it past
   that, as it could not follow an engine upgraded in place).
@@ -34,13 +40,18 @@ announced with ``AllBlocksCleared``.
 Across a server restart (a server with a data directory) the batch numbers go on: the
 publisher reserves numbers ahead in a small file of the data directory, written and
 synced before it uses them, and a restarted publisher starts past every number
-reserved before, so no number ever names two different batches and a subscriber sees
+reserved before, so no number ever names two different batches on the PUB socket (a
+replay's snapshot above stands for every batch up to its number) and a subscriber sees
 the restart as a gap, which it fills from the replay socket. The restarted
 publisher's first batch sends again the events the pool keeps, preceded by
 ``AllBlocksCleared`` when they are the pool's whole history (none was dropped from its
 event buffer): applying that batch leaves any index exactly the pool's map. A server
 without a data directory loses its pools in a restart and numbers from 0 again, as a
 restarted vLLM engine does.
+
+A batch that cannot be sent (a failed reservation write, say) is lost, logged and
+counted (``kvcoord_event_gaps_total{stream="zmq"}``); the next batch starts with
+``AllBlocksCleared`` and the publisher goes on.
 
 pyzmq and msgspec are the optional extra ``kvcoord[zmq]``.
 """
@@ -62,6 +73,7 @@ from kvcoord.engine import AllBlocksCleared, KVCacheEvent
 from kvcoord.engine.profiles import VLLM_016
 
 from .kv_event_format import encode_batch
+from .kv_event_index import PublishedBlocks, StoredSinceGap
 from .kv_events_config import (
     RESERVE_SEQUENCES,
     KVEventsDecl,
@@ -94,12 +106,20 @@ class KVEventPublisher:
     """One pool's PUB (and replay ROUTER) sockets, served by a thread of their own.
 
     :meth:`submit` (any thread; never blocks) queues one batch; the thread encodes it,
-    numbers it, sends it and keeps it for replay.
+    numbers it, sends it and keeps it for replay. A batch that cannot be sent (its
+    number's reservation cannot be written, say, on a full disk) is lost, never the
+    thread: it is logged and counted (``on_lost``), and the next batch sent starts with
+    ``AllBlocksCleared``, since its subscribers see no gap in the numbers. Should the
+    thread stop all the same, :meth:`submit` drops (and counts) instead of queueing
+    for nobody.
 
     Args:
         decl: the publisher's settings.
         data_dir: the server's data directory, where batch numbers are reserved so
             they go on across restarts (None: from 0 at every start).
+        profile: the pool's semantics profile when it exists at the start.
+        on_lost: told the pool's name for each batch lost (from the publisher's
+            thread, or from :meth:`submit`'s once the thread is gone).
 
     Raises:
         ImportError: pyzmq or msgspec is missing (install ``kvcoord[zmq]``).
@@ -108,7 +128,11 @@ class KVEventPublisher:
     """
 
     def __init__(
-        self, decl: KVEventsDecl, data_dir: str | Path | None = None, profile: str = VLLM_016
+        self,
+        decl: KVEventsDecl,
+        data_dir: str | Path | None = None,
+        profile: str = VLLM_016,
+        on_lost: Callable[[str], None] = lambda pool: None,
     ) -> None:
         try:
             import msgspec  # noqa: F401 - the thread's encoder, checked before binding anything
@@ -144,8 +168,13 @@ class KVEventPublisher:
             self._replay = ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
             # room for a whole replay and its end marker (a ROUTER drops past its
-            # high-water mark; libzmq acknowledges reads only every half of it)
+            # high-water mark; libzmq acknowledges reads only every half of it): a lower
+            # limit would cut replays short, and a queued message costs little (below)
             self._replay.setsockopt(zmq.SNDHWM, 2 * (decl.buffer_steps + 1))
+            # a replay's messages refer to the buffered payloads (copy=False in
+            # _serve_replay) whatever their size: a peer that asks and never reads
+            # holds references, not a copy of the whole buffer each
+            self._replay.copy_threshold = 0
             self._replay.bind(decl.replay_endpoint)
             self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self._topic = decl.topic.encode()
@@ -155,22 +184,45 @@ class KVEventPublisher:
         #: the default, until :func:`follow` sees the pool (follow_profile)
         self.profile = profile
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=decl.buffer_steps)
+        #: the newest number whose batch the buffer dropped (-1: none): a replay from
+        #: it or before cannot be answered whole, and is answered with a snapshot of
+        #: the blocks sent (_serve_replay)
+        self.dropped_through = -1
+        self._published = PublishedBlocks() if self._replay is not None else None
         #: the next batch's sequence number (from the reservation across restarts)
         self.next_sequence = self._reservation.start if self._reservation is not None else 0
         self.events_sent = 0
+        #: batches lost (not sent), and whether the next batch sent must start with a
+        #: clear because of it
+        self.batches_lost = 0
+        self._lost = False
+        #: since the clear a lost batch calls for: removals of blocks stored before it
+        #: are left out (its subscribers dropped those blocks with the clear)
+        self._since_loss = StoredSinceGap()
+        self._on_lost = on_lost
         self._thread = threading.Thread(target=self._run, name=f"kv-events-{decl.pool}", daemon=True)
         self._thread.start()
 
+    @property
+    def buffered_bytes(self) -> int:
+        """The payloads kept for replay, in bytes (``buffer_steps`` bounds their number)."""
+        return sum(len(payload) for _, payload in list(self._buffer))
+
     def submit(self, events: list[KVCacheEvent], profile: str = VLLM_016) -> None:
         """Queue one batch (not empty) for publishing, in the format of the vLLM release
-        the pool's semantics ``profile`` follows."""
+        the pool's semantics ``profile`` follows; dropped and counted when the thread
+        has stopped (nothing would take it off the queue)."""
+        if not self._thread.is_alive():
+            self._count_lost()
+            return
         self._queue.put((events, profile))
 
     def follow_profile(self, profile: str) -> None:
         """The pool now follows ``profile``: the replay socket answers in its framing
         from now on, even before the pool's first batch (queued after what was submitted
         before, so earlier batches keep their format)."""
-        self._queue.put(([], profile))
+        if self._thread.is_alive():  # (else nothing would take it off the queue)
+            self._queue.put(([], profile))
 
     def close(self, timeout: float = 2.0) -> None:
         """Send what is queued, then stop the thread and close the sockets."""
@@ -192,8 +244,8 @@ class KVEventPublisher:
                     return
                 self.profile = item[1]
                 if item[0]:  # else only the profile (follow_profile)
-                    self._send(item[0])
-        except Exception:  # pragma: no cover - logged: a dead publisher must be visible
+                    self._send_or_lose(item[0])
+        except Exception:  # logged: a dead publisher must be visible (submit counts its drops)
             logger.exception(
                 "KV event publisher of pool %s stopped", self.decl.pool, extra=ids(pool=self.decl.pool)
             )
@@ -202,8 +254,34 @@ class KVEventPublisher:
             if self._replay is not None:
                 self._replay.close(linger=0)
 
+    def _count_lost(self) -> None:
+        self.batches_lost += 1
+        self._on_lost(self.decl.pool)
+
+    def _send_or_lose(self, events: list[KVCacheEvent]) -> None:
+        """Send one batch; when that fails, log and count it, and make the next batch
+        start with a clear (the lost batch used no number: subscribers see no gap), the
+        removals of blocks stored before that clear left out from then on."""
+        try:
+            self._send(events)
+        except Exception:
+            logger.exception(
+                "pool %s: a KV event batch could not be sent (lost; the next batch starts with a clear)",
+                self.decl.pool,
+                extra=ids(pool=self.decl.pool),
+            )
+            self._lost = True
+            self._since_loss.start()
+            self._count_lost()
+
     def _send(self, events: list[KVCacheEvent]) -> None:
         d = self.decl
+        if events:
+            events = self._since_loss.keep(events)
+            if not events:  # only removals of blocks its subscribers dropped
+                return
+        if self._lost:  # a batch was lost since the last sent: its subscribers start over
+            events = [AllBlocksCleared(), *events]
         payload = encode_batch(time.time(), events, d.data_parallel_rank, d.int_hashes, self.profile)
         seq = self.next_sequence
         if self._reservation is not None:
@@ -212,8 +290,14 @@ class KVEventPublisher:
         # of waiting; EAGAIN is not expected from PUB, but never wait on a subscriber.
         with contextlib.suppress(self._zmq.Again):
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), flags=self._zmq.NOBLOCK)
-        self._buffer.append((seq, payload))
         self.next_sequence = seq + 1
+        self._lost = False
+        if self._published is not None:
+            self._published.apply(events)
+        if events:  # an empty batch (a subscription's, _joined) takes no replay slot
+            if len(self._buffer) == self._buffer.maxlen:
+                self.dropped_through = self._buffer[0][0]
+            self._buffer.append((seq, payload))
         self.events_sent += len(events)
 
     def _joined(self) -> None:
@@ -223,7 +307,9 @@ class KVEventPublisher:
         subscriber (re)connecting to a publisher that just started could miss the
         restart's first batch and see no gap until the pool's next event. The empty
         batch shows it its place at once: a gap it fills from the replay socket. Other
-        subscribers just see the next number with no events."""
+        subscribers just see the next number with no events. The empty batch is not
+        kept for replay (a replay skips its number, as any subscriber accepts), so
+        subscription churn pushes no batch out of the replay buffer."""
         joined = False
         while True:
             try:
@@ -232,9 +318,16 @@ class KVEventPublisher:
                 break
             joined = joined or frame[:1] == b"\x01"  # subscribe (b"\x00": unsubscribe)
         if joined:
-            self._send([])
+            self._send_or_lose([])
 
     def _serve_replay(self) -> None:
+        """Answer one replay request: every kept batch numbered ``start_seq`` or more,
+        then the end marker. When the buffer dropped a batch numbered ``start_seq`` or
+        more, the subscriber missed events nothing can give it any more (and the kept
+        batches remove blocks it never saw stored): the answer is one batch instead,
+        ``AllBlocksCleared`` then every block the batches sent leave stored, as
+        ``BlockStored``, numbered as the newest batch sent (whose state it is: the
+        next live batch follows it), then the end marker."""
         frames = self._replay.recv_multipart()
         if len(frames) != 3 or len(frames[2]) != 8:
             logger.warning(
@@ -250,10 +343,16 @@ class KVEventPublisher:
         # vLLM 0.33 puts the topic frame (the end marker's empty) before each number
         head = (client, b"") if self.profile == VLLM_016 else (client, b"", self._topic)
         end = (client, b"") if self.profile == VLLM_016 else (client, b"", b"")
+        kept = [(seq, payload) for seq, payload in self._buffer if seq >= first]
+        if first <= self.dropped_through and self._published is not None:
+            d = self.decl
+            events = self._published.snapshot()
+            snapshot = encode_batch(time.time(), events, d.data_parallel_rank, d.int_hashes, self.profile)
+            kept = [(self.next_sequence - 1, snapshot)]
         with contextlib.suppress(self._zmq.Again):
-            for seq, payload in list(self._buffer):
-                if seq >= first:
-                    send((*head, seq.to_bytes(8, "big"), payload), flags=nb)
+            for seq, payload in kept:
+                # copy=False: the peer's queue refers to the buffered bytes
+                send((*head, seq.to_bytes(8, "big"), payload), flags=nb, copy=False)
             send((*end, END_OF_REPLAY, b""), flags=nb)
 
 
@@ -270,7 +369,8 @@ async def follow(
     batches are numbered by the publisher, so theirs stay consecutive): a subscriber
     would keep hashes whose removal it never saw, and miss some stored. So an
     ``AllBlocksCleared`` goes first (``on_gap`` is told): its index starts over from
-    what follows, which holds no block the pool does not cache. Only the events of
+    what follows, which holds no block the pool does not cache, and no removal of a
+    block stored before the clear (:class:`StoredSinceGap`). Only the events of
     the publisher's tenant's namespace are sent (a namespace the pool has not seen
     yet: only clears), as WatchEvents gives that tenant."""
     decl = publisher.decl
@@ -280,12 +380,14 @@ async def follow(
     profile = VLLM_016
     #: sent before the first events read after the server started (see below)
     head: list[KVCacheEvent] = []
+    since_gap = StoredSinceGap()
     while True:
         service = registry.pools.get(decl.pool)
         if service is None:
             if incarnation is not None:  # deleted: its cache is gone
                 publisher.submit([AllBlocksCleared()], profile)
                 incarnation = None
+                since_gap.stop()
             await asyncio.sleep(poll_seconds)
             continue
         journal = service.events
@@ -299,6 +401,7 @@ async def follow(
                 # presence index exact: each hash's last event is among them).
                 head = [AllBlocksCleared()]
             incarnation = service.fence.incarnation
+            since_gap.stop()
             profile = service.config.profile
             publisher.follow_profile(profile)  # replays are framed as its profile's from now on
             cursor = journal.oldest_sequence - 1
@@ -310,6 +413,7 @@ async def follow(
                 extra=ids(pool=decl.pool),
             )
             head = [AllBlocksCleared()]
+            since_gap.start()
             on_gap(decl.pool)
         items = journal.since(cursor, limit=4096, upto=journal.visible_sequence)
         if not items:
@@ -318,11 +422,13 @@ async def follow(
         cursor = items[-1][0]
         namespace = service.cache_namespace(decl.tenant)
         prefix = service.cache_prefix_of(namespace) if namespace else b""  # (None: not seen yet)
-        events = head + [
-            e
-            for _, e in items
-            if isinstance(e, AllBlocksCleared) or (prefix is not None and e.cache_prefix == prefix)
-        ]
+        events = head + since_gap.keep(
+            [
+                e
+                for _, e in items
+                if isinstance(e, AllBlocksCleared) or (prefix is not None and e.cache_prefix == prefix)
+            ]
+        )
         head = []
         if events:
             publisher.submit(events, profile)
@@ -343,7 +449,7 @@ class Publishers:
         pools = registry.pools
         self.publishers = {
             d.pool: KVEventPublisher(
-                d, data_dir, pools[d.pool].config.profile if d.pool in pools else VLLM_016
+                d, data_dir, pools[d.pool].config.profile if d.pool in pools else VLLM_016, on_gap
             )
             for d in decls
         }

@@ -29,6 +29,8 @@ def test_kv_events_tables_load_with_vllms_keys() -> None:
         KVEventsDecl("b"),
     )
     assert (KVEventsDecl("b").buffer_steps, KVEventsDecl("b").hwm) == (10_000, 100_000)
+    # vLLM 0.16 and 0.33 both default VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES to 1: integer hashes
+    assert KVEventsDecl("b").int_hashes is True
 
 
 @pytest.mark.parametrize(

@@ -68,6 +68,7 @@ endpoint = "tcp://127.0.0.1:*"
 replay_endpoint = "tcp://127.0.0.1:*"
 topic = "kv@hy"
 buffer_steps = 100000
+int_hashes = false  # (the subscriber's index is compared with the pool's hashes)
 """
 
 DECODER = msgspec.msgpack.Decoder(type=KVEventBatch)

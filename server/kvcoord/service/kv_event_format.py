@@ -15,9 +15,9 @@ untagged extra keys), ``"group_idx"``, ``"kv_cache_spec_kind"``,
 ``{"type": "BlockRemoved", "block_hashes", "medium"[, "group_idx"]}``;
 ``{"type": "AllBlocksCleared"}``. 0.33's ``locality``, ``ownership`` and
 ``session_id`` are never set (kvcoord has no offloading tiers and no sessions in
-vLLM's sense), so they are never written. Hashes are the clients' raw bytes (or,
-with ``int_hashes``, their last 8 bytes as an unsigned integer, vLLM's
-``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``).
+vLLM's sense), so they are never written. Hashes are, with ``int_hashes`` (a
+publisher's default, as vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`` is on by
+default), their last 8 bytes as an unsigned integer, else the clients' raw bytes.
 
 msgspec is the optional extra ``kvcoord[zmq]`` (imported when a batch is encoded).
 """

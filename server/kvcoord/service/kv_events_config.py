@@ -35,7 +35,9 @@ class KVEventsDecl:
         buffer_steps: batches kept for replay (a number of batches, not of bytes).
         hwm: the PUB socket's high-water mark (messages queued per subscriber).
         tenant: publish this tenant's cache namespace ("" = the shared cache).
-        int_hashes: hashes as 64-bit integers (vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES).
+        int_hashes: hashes as 64-bit integers, the last 8 bytes of each (vLLM's
+            VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, on by default in vLLM 0.16 and 0.33
+            alike, so on here too); false: the raw hash bytes.
         data_parallel_rank: the rank field of every batch.
     """
 
@@ -46,7 +48,7 @@ class KVEventsDecl:
     buffer_steps: int = 10_000
     hwm: int = 100_000
     tenant: str = ""
-    int_hashes: bool = False
+    int_hashes: bool = True
     data_parallel_rank: int = 0
 
 

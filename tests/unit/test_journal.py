@@ -522,6 +522,43 @@ def test_a_restore_detected_stays_detected_after_the_next_restart(
         c.call("ResetPrefixCache", pb.ResetPrefixCacheRequest(pool="p", fence=fence))
 
 
+def test_a_record_naming_a_session_that_had_ended_stops_the_replay_naming_it(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path
+) -> None:
+    """A Step journaled after its session's ``expire`` (as a restore fenced while the
+    Step was applied in slices once wrote: tests/reliability/test_restore_holders.py),
+    or an ``expire`` of a session never attached, cannot be replayed: recovery stops
+    with a JournalError naming the record, the session and why, never a bare KeyError
+    (and never skips the record)."""
+    from kvcoord.service.durability import decode_record
+    from kvcoord.service.journal_cbor import record_bytes
+
+    a = Node(loop, tmp_path)
+    client = DirectClient(a)
+    client.create_pool("p", _pool_config())
+    att = client.attach("p", "sha256_cbor", 4, "0")
+    sync = pb.RequestSync(request_id="r0", new_request=True, append_token_ids=[1, 2, 3])
+    client.step("p", [pb.Operation(allocate=allocate_op(sync, 3))], att.session_id, att.fence)
+    a.settle()
+    a.crash()
+    store = a.recovery.recorder.journal.store
+    records = list(store.records(0))
+    step = next(body for _, body in records if decode_record(body)[0] == "call")
+    last = records[-1][0]
+    store.write([(last + 1, record_bytes(("expire", time.time(), att.session_id))), (last + 2, step)])
+    store.write_progress(last + 2)
+    store.close()
+    with pytest.raises(JournalError, match=rf"record {last + 2} cannot be replayed.*{att.session_id}.*ended"):
+        Node(loop, tmp_path)
+    store = JournalStore(tmp_path)
+    store.db.execute("DELETE FROM records WHERE seq > ?", (last,))
+    store.write([(last + 1, record_bytes(("expire", time.time(), "no-such-session")))])
+    store.write_progress(last + 1)
+    store.close()
+    with pytest.raises(JournalError, match=rf"record {last + 1} cannot be replayed.*no-such-session"):
+        Node(loop, tmp_path)
+
+
 def test_an_exclusive_attach_that_fails_leaves_no_session_behind_a_snapshot(
     loop: asyncio.AbstractEventLoop, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

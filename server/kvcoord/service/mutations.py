@@ -382,7 +382,12 @@ class MutationRunner:
         registry = self.registry
         request = m.parse(body)
         service = registry.pools[request.pool]
-        s = registry.sessions.sessions[request.session_id]
+        s = registry.sessions.sessions.get(request.session_id)
+        if s is None:
+            raise ValueError(
+                f"replaying a {m.rpc} of pool {request.pool!r}: its session {request.session_id!r} was not "
+                "attached or had ended before it: the journal does not match the server that wrote it"
+            )
         budget = registry.max_message_bytes
         service.answer_event_bytes = take_events_budget(budget)
         try:

@@ -113,9 +113,14 @@ class Replayer:
             table.sessions[sid] = s
             service.init_session(s)
         elif kind in ("detach", "expire"):
-            s = registry.sessions.sessions[record[2]]
-            self.touched[s.pool] = seq
-            registry.end_session(s)
+            ending = registry.sessions.sessions.get(record[2])
+            if ending is None:
+                raise ValueError(
+                    f"its {kind} names session {record[2]!r}, which no earlier record attached or which ended "
+                    "before it: the journal does not match the server that wrote it"
+                )
+            self.touched[ending.pool] = seq
+            registry.end_session(ending)
         elif kind == "call":
             self._call(record, when)
         elif kind == "reset":

@@ -34,8 +34,9 @@ replay gave the client the same answer. Records are CBOR lists ``[kind, wall_tim
 ``term``      pool name, term: the pool's ownership term in a cluster from here on
               (answers' fences carry it)
 ``restored``  (none) the journal was found behind what clients were told: fences of
-              every earlier instance are void from here on (the recovered sessions'
-              ``expire`` and the pools' ``reset`` records follow)
+              every earlier instance are void from here on (every session's
+              ``expire``, every reservation's ``unreserve`` and every pool's
+              ``reset`` record follow)
 ============  =================================================================
 
 Lease renewals are not journaled: a recovered session gets a fresh lease.

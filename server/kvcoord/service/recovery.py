@@ -50,9 +50,16 @@ from .registry_state import (
 )
 from .sessions import Session
 
-__all__ = ["Recovery", "Replayer", "fence_restored", "open_journal"]
+__all__ = ["Recovery", "Replayer", "RestoreFenceError", "fence_restored", "open_journal"]
 
 logger = logging.getLogger(__name__)
+
+
+class RestoreFenceError(JournalError):
+    """A restored journal's fencing could not empty a pool's prefix cache (a block is
+    held by neither a session nor a reservation): at start-up the server refuses to
+    start; while serving, the call that proved the restore fails INTERNAL (not a
+    journal write failure: the journal is fine)."""
 
 
 class Replayer:
@@ -321,23 +328,37 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     """After a restored (older) journal: a client may hold blocks this state has never
     given it, and a cached hash may name a block since overwritten. So no earlier fence
     stays valid (a live worker's next call fails INSTANCE_CHANGED, its heartbeat
-    SESSION_EXPIRED), every session ends (its requests are freed) and every prefix
-    cache is forgotten; each step is journaled, so a later restart replays it.
+    SESSION_EXPIRED), every session ends (its requests are freed), every router's
+    reservation is released (it holds cached blocks without a session, and a reserved
+    hit may name a block the lost history overwrote) and every prefix cache is
+    forgotten; each step is journaled, so a later restart replays it.
+
+    Every pool is tried, then:
 
     Raises:
-        JournalError: a pool still holds blocks after its sessions ended.
+        RestoreFenceError: a pool still holds blocks with no session and no reservation
+            left (a bug: nothing else may hold one); its prefix cache is not emptied.
     """
     # each change before its record, as everywhere: a snapshot the record starts holds
-    # the state after it (and replay skips the records a snapshot covers)
+    # the state after it (and replay skips the records a snapshot covers). Nothing here
+    # awaits, so the records go to the journal in one commit.
     registry.lineage.clear()
     registry.positions.voided()
     recorder.restored()
     for s in list(registry.sessions.sessions.values()):
         registry.end_session(s)
         recorder.session_expired(s.session_id, s.pool)
+    refused = []
     for service in registry.pools.values():
-        if not service.reset_prefix_cache():
-            raise JournalError(
-                f"pool {service.name!r} still holds blocks after every session of a restored journal ended"
-            )
-        recorder.prefix_cache_reset(service)
+        for reservation_id in list(service.reservations.live):
+            service.release_reservation(reservation_id)
+            recorder.reservation_released(service, reservation_id)
+        if service.reset_prefix_cache():
+            recorder.prefix_cache_reset(service)
+        else:
+            refused.append(service.name)
+    if refused:
+        raise RestoreFenceError(
+            f"pools {refused} still hold blocks after every session and reservation of a restored "
+            "journal ended, so their prefix caches could not be emptied (a kvcoord bug: please report it)"
+        )

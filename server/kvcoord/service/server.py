@@ -18,11 +18,12 @@ from .cluster import Cluster, ClusterError
 from .config import ServerConfig
 from .data_dir_lock import DataDirLock
 from .durability import JournalRecorder
+from .errors import ServiceError, Status
 from .idempotency import IdempotencyStore
 from .kv_publisher import Publishers
 from .logs import ids
 from .observers import OperationObserver
-from .recovery import Recovery, fence_restored, open_journal
+from .recovery import Recovery, RestoreFenceError, fence_restored, open_journal
 from .registry import GcFreezer, PoolRegistry
 from .server_cluster import cluster_of, join_cluster
 from .servicer import AllocatorServicer, add_servicer
@@ -152,7 +153,11 @@ async def _reap(servicer: AllocatorServicer, every: float) -> None:
 def _journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str) -> None:
     """A client proved the journal is behind what it was told (positions.py), or the
     operator said the data directory was restored (``--restored``): do what a restore
-    detected at start does, and begin a grace period that survives restarts."""
+    detected at start does, and begin a grace period that survives restarts.
+
+    Raises:
+        ServiceError: INTERNAL when a prefix cache could not be emptied (RestoreFenceError).
+    """
     logger.critical(
         "the journal is behind what clients were told (%s): every session is ended, every fence "
         "void and every prefix cache reset; no session may attach for %.0f s",
@@ -164,7 +169,11 @@ def _journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str)
     registry.grace_until = until
     for service in registry.pools.values():
         service.grace_until = until
-    fence_restored(registry, recorder)
+    try:
+        fence_restored(registry, recorder)
+    except RestoreFenceError as exc:
+        logger.critical("%s", exc)
+        raise ServiceError(Status.INTERNAL, str(exc)) from None
 
 
 def _options(cfg: ServerConfig) -> list[tuple[str, int]]:

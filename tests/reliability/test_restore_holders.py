@@ -8,12 +8,13 @@ from __future__ import annotations
 import shutil
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import grpc
-from durable_server import DurableServer, small_pool
+from durable_server import DurableServer, env, small_pool
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
 from kvcoord.service.durability import decode_record
@@ -123,6 +124,53 @@ def test_a_restored_journal_holding_a_live_reservation_is_fenced_at_start(tmp_pa
                 raise AssertionError("a session attached inside the restore's grace after a restart")
             except GracePeriodError:
                 pass
+    finally:
+        server.stop()
+
+
+#: the first start of :func:`test_a_start_failing_after_the_restore_is_journaled_keeps_the_grace`:
+#: `kvcoord serve` with every prefix cache reset refused (a holder the fencing does not
+#: know of), so the start fails after the restore's records were journaled
+_REFUSING_START = """
+import sys
+from kvcoord.service.pool_service import PoolService
+PoolService.reset_prefix_cache = lambda self: False
+from kvcoord.service.cli import main
+sys.exit(main(["serve", "--config", sys.argv[1]]))
+"""
+
+
+def test_a_start_failing_after_the_restore_is_journaled_keeps_the_grace(tmp_path: Path) -> None:
+    """A start that detects a restored journal and fails in the middle of fencing it
+    (an exception injected after the `restored` and `expire` records: the prefix cache
+    reset refused) leaves those records committed, so the journal no longer looks
+    behind; the grace.json written before them keeps the grace for the next start.
+    (Before, the grace was written only after the fencing: the next start served at
+    once, and a new worker was given the blocks worker a, whose lease still ran, was
+    told it holds.)"""
+    lease = 30.0
+    server = _server(tmp_path, lease)
+    server.start()
+    try:
+        _, told = _backup_then_tell_more(server, tmp_path / "backup.sqlite", lease)
+        first = subprocess.run(
+            [sys.executable, "-c", _REFUSING_START, str(server.config)],
+            capture_output=True, text=True, env=env(), timeout=60,
+        )  # fmt: skip
+        assert first.returncode != 0, first.stdout + first.stderr
+        assert "still hold" in first.stdout + first.stderr, first.stdout + first.stderr
+        kinds = _kinds(server.data_dir / "journal.sqlite")
+        assert "restored" in kinds and "expire" in kinds, kinds  # the window: the restore is journaled
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            try:
+                b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+            except GracePeriodError:
+                return
+            overlap = sorted(set(_alloc(c, b, "b1", 200)) & set(told))
+            raise AssertionError(
+                f"no grace after the failed start: worker b was given worker a's blocks {overlap}"
+            )
     finally:
         server.stop()
 

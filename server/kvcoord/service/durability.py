@@ -36,7 +36,7 @@ replay gave the client the same answer. Records are CBOR lists ``[kind, wall_tim
 ``restored``  (none) the journal was found behind what clients were told: fences of
               every earlier instance are void from here on (every session's
               ``expire``, every reservation's ``unreserve`` and every pool's
-              ``reset`` record follow)
+              ``reset`` record follow; grace.json holds the grace before it)
 ============  =================================================================
 
 Lease renewals are not journaled: a recovered session gets a fresh lease.

@@ -211,6 +211,7 @@ def open_journal(
     snapshot_every: int,
     wall_clock: Callable[[], float] = time.time,
     make_recorder: type[JournalRecorder] = JournalRecorder,
+    before_fencing: Callable[[str], None] | None = None,
 ) -> Recovery:
     """Recover ``registry`` (empty) from ``data_dir`` and journal from now on.
 
@@ -218,9 +219,16 @@ def open_journal(
     (its predecessors' fences stay valid: :attr:`PoolRegistry.lineage`), and the
     configured limits when they differ from those the journal was written under.
 
+    A journal behind what clients were told (:attr:`JournalStore.behind`) is fenced
+    (:func:`fence_restored`) after ``before_fencing(why)`` returns: the caller makes
+    the grace period durable there. Once the fencing's records are committed the
+    journal is no longer behind, so a start that fails (or a crash) after them would
+    otherwise forget the restore and serve with no grace.
+
     Raises:
         JournalError: an incompatible or damaged journal or snapshot (names the file),
-            or a state that does not fit limits lowered since.
+            or a state that does not fit limits lowered since (RestoreFenceError: see
+            :func:`fence_restored`).
     """
     started = time.perf_counter()
     configured = registry.limits
@@ -297,6 +305,8 @@ def open_journal(
             "ended, its fence void and every prefix cache reset",
             store.path, store.behind,
         )  # fmt: skip
+        if before_fencing is not None:
+            before_fencing(store.behind)
         fence_restored(registry, recorder)
     recorder.started(registry.instance_id)
     positions.started(registry.instance_id, journal.appended)
@@ -331,7 +341,9 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     SESSION_EXPIRED), every session ends (its requests are freed), every router's
     reservation is released (it holds cached blocks without a session, and a reserved
     hit may name a block the lost history overwrote) and every prefix cache is
-    forgotten; each step is journaled, so a later restart replays it.
+    forgotten; each step is journaled, so a later restart replays it. The caller makes
+    the grace period durable first (a crash after these records leaves a journal that
+    is no longer behind, so nothing else would bring the grace back).
 
     Every pool is tried, then:
 

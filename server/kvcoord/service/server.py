@@ -153,7 +153,9 @@ async def _reap(servicer: AllocatorServicer, every: float) -> None:
 def _journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str) -> None:
     """A client proved the journal is behind what it was told (positions.py), or the
     operator said the data directory was restored (``--restored``): do what a restore
-    detected at start does, and begin a grace period that survives restarts.
+    detected at start does, and begin a grace period that survives restarts (written
+    before the fencing's first record: once those are committed the journal no longer
+    looks behind, so only grace.json keeps the grace across a crash).
 
     Raises:
         ServiceError: INTERNAL when a prefix cache could not be emptied (RestoreFenceError).
@@ -284,6 +286,8 @@ async def _start(
         recovery = open_journal(
             registry, st.data_dir, st.synchronous, st.snapshot_every, wall_clock,
             make_recorder=StoreRecorder if store else JournalRecorder,
+            # a restore found: the grace is durable before its first record (recovery.py)
+            before_fencing=lambda why: decision.persist(decision.restored(why)),
         )  # fmt: skip
         if recovery.restored:
             # The journal may be behind what clients were told (recovery.py ended and

@@ -9,6 +9,7 @@ import shutil
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,89 @@ def test_a_restore_detected_while_a_reservation_is_live_empties_the_prefix_cache
             assert c.find_longest_cache_hit("p", warm, 16).hit.num_tokens == 0
     finally:
         server.stop()
+
+
+def _pool(name: str, n: int) -> str:
+    return small_pool(n).replace('name = "p"', f'name = "{name}"')
+
+
+def test_a_restore_detected_while_another_pool_is_mid_step(tmp_path: Path) -> None:
+    """A worker of the lost history proves the restore (pool p) while a large Step is
+    applied in slices to pool q (pool_locks.py). Its sessions end and pools reset once
+    that Step is done: no request is left held by a dead session, nothing stays cached,
+    and the next start replays the journal. (Before, the sessions ended at once: the
+    Step went on allocating for its dead session, left 64 requests nobody owns, and its
+    record came after its session's `expire`, so the next start failed with a KeyError.)"""
+    data, copy = tmp_path / "data", tmp_path / "copy"
+    toml = _pool("p", 64) + _pool("q", 140000)
+    settings: dict[str, Any] = dict(
+        session_lease_seconds=5.0, max_session_lease_seconds=5.0, idempotency_window_seconds=20.0,
+        synchronous="NORMAL",
+    )  # fmt: skip
+    s1 = InProcessServer(toml, data_dir=str(data), **settings).start()
+    try:
+        with KVCoordClient(s1.address, timeout=30) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=5)
+            _alloc(c, a, "a1", 8)
+            subprocess.run(["cp", "-a", str(data), str(copy)], check=True)  # the volume snapshot
+            _alloc(c, a, "a2", 8)  # worker a is told more than the copy holds
+    finally:
+        s1.stop(snapshot=False)
+    shutil.rmtree(data)
+    shutil.move(str(copy), str(data))
+    s2 = InProcessServer(toml, data_dir=str(data), **settings).start()
+    try:
+        with KVCoordClient(s2.address, timeout=60, retry=NO_RETRY) as c:
+            b = c.attach("q", "sha256_cbor", 4, "0", "worker-b", lease_seconds=5)  # the copy is believed
+            ops = []
+            for k in range(64):  # 64 requests of 8192 tokens: applied in slices
+                sync = pb.RequestSync(
+                    request_id=f"b{k}", append_token_ids=list(range(8192)), new_request=True,
+                    append_block_hashes=_hashes(f"b{k}", 8192),
+                )  # fmt: skip
+                ops.append(pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=8192)))
+            big = pb.StepRequest(
+                pool="q", session_id=b.session_id, fence=b.fence, ops=ops, idempotency_key="big"
+            )
+            out: dict[str, Any] = {}
+
+            def run_big() -> None:
+                try:
+                    out["answer"] = c.stub.Step(big, timeout=60)
+                except grpc.RpcError as exc:
+                    out["error"] = (exc.code(), exc.details())
+
+            t = threading.Thread(target=run_big)
+            t.start()
+            deadline = time.monotonic() + 20
+            while not s2.call(lambda: s2.running.servicer.registry.locks.busy("q")):
+                assert time.monotonic() < deadline and t.is_alive(), out
+                time.sleep(0.001)
+            try:  # worker a's heartbeat (pool p, not held) proves the restore, mid-Step on q
+                c.heartbeat(a.session_id, a.fence)
+                raise AssertionError("worker a's fence survived the restore")
+            except FencedError:
+                pass
+            t.join(60)
+            assert not t.is_alive()
+            deadline = time.monotonic() + 20
+            while s2.call(lambda: len(s2.running.servicer.registry.sessions.sessions)):
+                assert time.monotonic() < deadline, "the sessions never ended"
+                time.sleep(0.01)
+            inspected = c.inspect_pool("q", all_requests=True, include_cached_blocks=True)
+            assert not inspected.requests and not inspected.cached_block_ids
+            try:
+                c.attach("q", "sha256_cbor", 4, "0", "worker-c", lease_seconds=5)
+                raise AssertionError("a session attached inside the restore's grace")
+            except GracePeriodError:
+                pass
+    finally:
+        s2.stop(snapshot=False)
+    s3 = InProcessServer(toml, data_dir=str(data), **settings).start()  # replays every record
+    try:
+        assert s3.call(lambda: len(s3.running.servicer.registry.sessions.sessions)) == 0
+    finally:
+        s3.stop(snapshot=False)
 
 
 def test_a_restore_whose_prefix_cache_cannot_be_emptied_is_not_called_a_journal_failure(

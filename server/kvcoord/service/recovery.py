@@ -343,7 +343,8 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     hit may name a block the lost history overwrote) and every prefix cache is
     forgotten; each step is journaled, so a later restart replays it. The caller makes
     the grace period durable first (a crash after these records leaves a journal that
-    is no longer behind, so nothing else would bring the grace back).
+    is no longer behind, so nothing else would bring the grace back), and calls this
+    while no Step is applied in slices to any pool (pool_locks.py).
 
     Every pool is tried, then:
 

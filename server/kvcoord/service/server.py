@@ -171,11 +171,36 @@ def _journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str)
     registry.grace_until = until
     for service in registry.pools.values():
         service.grace_until = until
+    if not registry.locks.any_busy():
+        try:
+            fence_restored(registry, recorder)
+        except RestoreFenceError as exc:
+            logger.critical("%s", exc)
+            raise ServiceError(Status.INTERNAL, str(exc)) from None
+        return
+    # A Step is being applied in slices to some pool (pool_locks.py): ending its session
+    # and resetting its pool now would let it go on allocating for a dead session, and
+    # journal its call after that session's end (a record the next start cannot
+    # replay). Every earlier fence is void at once (the grace runs already); the
+    # sessions end once no pool is held (nothing awaits between wait_all's return and
+    # the fencing, so no Step starts in between).
+    registry.lineage.clear()
+    registry.positions.voided()
+    task = asyncio.get_running_loop().create_task(_fence_when_idle(registry, recorder))
+    _FENCING.add(task)
+    task.add_done_callback(_FENCING.discard)
+
+
+#: fencings waiting for pools mid-Step (a reference keeps each task alive)
+_FENCING: set[asyncio.Task[None]] = set()
+
+
+async def _fence_when_idle(registry: PoolRegistry, recorder: JournalRecorder) -> None:
+    await registry.locks.wait_all()
     try:
         fence_restored(registry, recorder)
     except RestoreFenceError as exc:
         logger.critical("%s", exc)
-        raise ServiceError(Status.INTERNAL, str(exc)) from None
 
 
 def _options(cfg: ServerConfig) -> list[tuple[str, int]]:

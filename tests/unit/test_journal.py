@@ -626,3 +626,47 @@ def test_a_pool_adopted_from_another_replica_shows_its_events_once_journaled(
     b.settle()
     assert service.events.last_sequence == kept
     assert service.events.visible_sequence == kept
+
+
+def test_steps_applied_in_slices_still_compact_the_journal(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path
+) -> None:
+    """A Step applied in slices (a long prefill, a large decode batch, any batch on a
+    loaded server: longer than SLICE_SECONDS) appends its record while its pool is
+    still held, when no snapshot may start; the snapshot it made due is taken once the
+    pool is given back. Here every Step is sliced: the journal is compacted every
+    ``snapshot_every`` records, and a restart from the compacted journal (its snapshot,
+    then the records after it) brings back the live state exactly. (Before, no snapshot
+    was ever taken: 60 Steps kept 60 records, the journal and the next start's replay
+    grew without bound.)"""
+    every = 10
+    a = Node(loop, tmp_path, snapshot_every=every)
+    a.servicer.mutations.slice_seconds = 0.0  # every Step cut after its first slice
+    client = DirectClient(a)
+    client.create_pool("p", _pool_config())
+    att = client.attach("p", "sha256_cbor", 4, "0")
+    a.settle()
+    recorder = a.recovery.recorder
+    taken = recorder.snapshots
+    batch = 40  # operations per Step: several slices of SLICE_OPS
+    for i in range(60):
+        ops = [pb.Operation(free=pb.FreeOp(request_id=f"r{i - 1}.{k}")) for k in range(batch) if i]
+        for k in range(batch):
+            tokens = [(i * batch + k + j) % 30000 for j in range(8)]
+            sync = pb.RequestSync(
+                request_id=f"r{i}.{k}", append_token_ids=tokens, new_request=True,
+                append_block_hashes=BlockHasher("sha256_cbor", 4, NONE).extend(tokens),
+            )  # fmt: skip
+            ops.append(pb.Operation(allocate=allocate_op(sync, 8)))
+        assert all(r.status_code == 0 for r in client.step("p", ops, att.session_id, att.fence).results)
+        a.settle()
+    assert recorder.snapshots - taken >= 60 // every - 1
+    db = sqlite3.connect(tmp_path / "journal.sqlite")
+    (kept,) = db.execute("SELECT count(*) FROM records").fetchone()
+    db.close()
+    assert kept < 2 * every
+    live = state_of(a)
+    a.crash()
+    b = Node(loop, tmp_path, snapshot_every=every)
+    assert b.recovery.snapshot_seq > 0 and b.recovery.records < 2 * every
+    assert state_of(b) == live

@@ -153,6 +153,9 @@ class Recorder:
     def reservation_released(self, service: PoolService, reservation_id: str) -> None:
         pass
 
+    def pools_idle(self) -> None:
+        """No pool is held any more (pool_locks.py): what waited for that may run."""
+
     async def durable(self) -> None:
         """Return once every mutation recorded so far is durable."""
 
@@ -262,8 +265,9 @@ class JournalRecorder(Recorder):
             fork = FORK_SAFE and hasattr(os, "fork") and sys.platform != "win32"
         self.fork = fork
         self.since_snapshot = 0
-        #: while this is true no snapshot starts (the next record tries again): a pool
-        #: is mid-Step (pool_locks.py), and a snapshot would hold half of it
+        #: while this is true no snapshot starts (the next record, or the pools falling
+        #: idle, tries again: :meth:`pools_idle`): a pool is mid-Step (pool_locks.py),
+        #: and a snapshot would hold half of it
         self.paused: Callable[[], bool] = _never
         #: snapshots taken (written into the journal)
         self.snapshots = 0
@@ -322,6 +326,16 @@ class JournalRecorder(Recorder):
         self.since_snapshot = 0
         self.snapshot_task = asyncio.get_running_loop().create_task(self._finish_snapshot(seq, path, work))
         return self.snapshot_task
+
+    def pools_idle(self) -> None:
+        """Take the snapshot a held pool put off. A Step applied in slices appends its
+        record with its pool still held, so that record starts no snapshot; were this
+        not tried again once the pools are idle, a workload of such Steps (long
+        prefills, large decode batches, any batch on a loaded server) would never be
+        snapshotted: the journal, and the replay at the next start, would grow without
+        bound."""
+        if self.since_snapshot >= self.snapshot_every:
+            self.snapshot()
 
     async def _finish_snapshot(self, seq: int, path: Path, work: Callable[[], None]) -> None:
         loop = asyncio.get_running_loop()

@@ -8,13 +8,17 @@ pool: every call naming it waits for the lock first (servicer.py's guard), keyed
 calls hold it while they apply (so calls on one pool still run one at a time, in
 arrival order), and what reads every pool (ListPools, ScorePools, a metrics
 scrape, a snapshot, the session reaper) waits, or is put off, until no pool is
-mid-Step. Plain asyncio; no gRPC.
+mid-Step. A snapshot is such a reader: one that falls due while a pool is held is
+put off, and :attr:`PoolLocks.on_idle` lets it be taken once no pool is (else a
+workload whose every record is appended with its pool held, a Step applied in slices,
+would never be snapshotted). Plain asyncio; no gRPC.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
 __all__ = ["PoolLocks"]
 
@@ -29,6 +33,9 @@ class PoolLocks:
     def __init__(self) -> None:
         #: pool -> the futures of the calls waiting for it (present while it is held)
         self._held: dict[str, deque[asyncio.Future[None]]] = {}
+        #: called on the loop soon after the last held pool is given back (the registry
+        #: tells its recorder: a snapshot put off meanwhile is taken then)
+        self.on_idle: Callable[[], None] | None = None
 
     def take(self, pool: str) -> None:
         """Hold ``pool`` (free now: the caller awaited :meth:`wait` and has not
@@ -46,6 +53,11 @@ class PoolLocks:
                 waiter.set_result(None)
                 return
         del self._held[pool]
+        if not self._held and self.on_idle is not None:
+            # Soon, not now: a call applied at once gives its pool back just before it
+            # journals its change (mutations.py), and a snapshot taken in between would
+            # hold the change without its record.
+            asyncio.get_running_loop().call_soon(self.on_idle)
 
     async def acquire(self, pool: str) -> None:
         """Hold ``pool`` once the calls before this one are done with it."""

@@ -153,6 +153,7 @@ class PoolRegistry:
         #: the pools a Step is being applied to in slices: every other call on one
         #: waits for it (pool_locks.py)
         self.locks = PoolLocks()
+        self.locks.on_idle = lambda: self.recorder.pools_idle()  # (the recorder of the moment)
         #: told the pool of every session ended because its lease ran out (metrics)
         self.on_session_expired: Callable[[str], None] = lambda pool: None
         #: given every pool removed (deleted, handed over, dropped, replaced): the

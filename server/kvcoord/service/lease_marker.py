@@ -6,8 +6,19 @@ and finds a marker in the future hands out no block until that time: a worker th
 lost its server stops using its block ids when its lease ends (it knows when it last
 renewed), so after that no id can be held by two live workers.
 
-The file is rewritten only when the bound must move forward, with headroom, so a
-busy server writes it about once per ``max_lease`` seconds.
+The bound is written with headroom (``max_lease`` past the lease that moved it). Once
+half the headroom is used, it is moved forward on a thread of its own, so a busy
+server writes it about twice per ``max_lease`` seconds and its event loop never waits
+for those fsyncs (a slow disk took seconds each, and every pool's calls waited). Only
+when a lease would pass the bound on disk (the thread's write not done within half
+the headroom, or failed) is the marker written on the caller's thread, after any
+write in flight. The invariant either way: a lease is granted only inside the bound
+already synced to disk (:attr:`LeaseMarker.recorded`), and the bound on disk never
+moves back: every write of the file, by any instance in this process, is made
+under one lock and keeps at least the bound it replaces. A SIGKILL while a write is
+in flight leaves the file as it was (it is replaced atomically), which covers every
+lease granted; a process ending normally waits for the write (the thread is not a
+daemon).
 
 The bound is written on the wall clock and on the monotonic clock with the boot id
 (deadlines.DurableDeadline): a restart on the same boot counts on the monotonic clock,
@@ -22,6 +33,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +46,17 @@ __all__ = ["LeaseMarker", "MarkerError", "MarkerWriteError"]
 logger = logging.getLogger(__name__)
 
 FILE_NAME = "leases.json"
+
+
+#: marker file -> the lock every write of it in this process is made under (a stopped
+#: instance's write still in flight, and the next instance's on the same directory)
+_WRITING: dict[str, threading.RLock] = {}
+_WRITING_GUARD = threading.Lock()
+
+
+def _writing_lock(path: Path) -> threading.RLock:
+    with _WRITING_GUARD:
+        return _WRITING.setdefault(os.path.abspath(path), threading.RLock())
 
 
 class MarkerError(RuntimeError):
@@ -64,8 +88,14 @@ class LeaseMarker:
         self.max_lease = max_lease
         self.clock = clock
         self.deadline = DurableDeadline(clock, mono, boot)
-        #: the bound recorded, on the monotonic clock
+        #: the bound synced to disk, on the monotonic clock: no lease is granted past it
         self.recorded = float("-inf")
+        self._writing = _writing_lock(self.path)
+        #: the thread moving the bound forward (None: none yet)
+        self._refresher: threading.Thread | None = None
+        #: its last write failed: none is started again until a write on the caller's
+        #: thread succeeds (that one raises MarkerWriteError if it fails too)
+        self._refresh_failed = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def previous_leases_remaining(self) -> float | None:
@@ -95,27 +125,64 @@ class LeaseMarker:
     def cover(self, lease_seconds: float) -> None:
         """Make sure the marker covers a lease granted or renewed now.
 
-        Writes (atomically, synced) only when the recorded bound would be passed.
+        A lease inside the bound on disk returns at once (past half the headroom, after
+        starting the thread that moves the bound forward); one past it is written here,
+        on the caller's thread (atomically, synced), once any write in flight is done.
 
         Raises:
             MarkerWriteError: the marker cannot be written (the lease must not be granted).
         """
-        now = self.deadline.mono()
-        if now + lease_seconds <= self.recorded:
+        end = self.deadline.mono() + lease_seconds
+        if end <= self.recorded:
+            if end > self.recorded - self.max_lease / 2:
+                self._refresh(lease_seconds)
             return
-        self.write(lease_seconds + self.max_lease)
-        self.recorded = now + lease_seconds + self.max_lease
+        with self._writing:  # (a write in flight may cover it once done)
+            if self.deadline.mono() + lease_seconds <= self.recorded:
+                return
+            self.write(lease_seconds + self.max_lease)
+        self._refresh_failed = False
+
+    def _refresh(self, lease_seconds: float) -> None:
+        """Move the bound forward on a thread (unless one is at it, or failed last)."""
+        if self._refresh_failed or (self._refresher is not None and self._refresher.is_alive()):
+            return
+        self._refresher = threading.Thread(
+            target=self._refreshing, args=(lease_seconds,), name="kvcoord-lease-marker"
+        )
+        self._refresher.start()
+
+    def _refreshing(self, lease_seconds: float) -> None:
+        try:
+            self.write(lease_seconds + self.max_lease)
+        except MarkerWriteError as exc:
+            self._refresh_failed = True
+            logger.warning(
+                "%s; the bound is written on the event loop when a lease reaches it (the lease is "
+                "refused and the server stops if that fails too)", exc,
+            )  # fmt: skip
 
     def write(self, seconds_from_now: float) -> None:
-        """Record that every lease ends within ``seconds_from_now``.
+        """Record that every lease ends within ``seconds_from_now``, or by the bound on
+        disk now if that is later (the file never moves back), and raise
+        :attr:`recorded` to what was synced; under the file's write lock.
 
         Raises:
             MarkerWriteError: naming the file and the error.
         """
-        fields = self.deadline.fields(seconds_from_now)
-        try:
-            write_synced(self.path, json.dumps({**fields, "leases_end_by": fields["until_wall"]}))
-        except OSError as exc:
-            raise MarkerWriteError(
-                exc.errno, f"cannot write lease marker {self.path}: {exc.strerror or exc}"
-            ) from exc
+        with self._writing:
+            try:
+                # the bound this instance synced, or another one in this process (a
+                # stopped server's write that was in flight): never replaced by an earlier one
+                already = self.previous_leases_remaining()
+            except MarkerError:
+                already = None
+            seconds = max(seconds_from_now, self.recorded - self.deadline.mono(), already or 0.0)
+            fields = self.deadline.fields(seconds)
+            try:
+                write_synced(self.path, json.dumps({**fields, "leases_end_by": fields["until_wall"]}))
+            except OSError as exc:
+                raise MarkerWriteError(
+                    exc.errno, f"cannot write lease marker {self.path}: {exc.strerror or exc}"
+                ) from exc
+            self.recorded = max(self.recorded, float(fields["until_mono"]))

@@ -208,3 +208,46 @@ def test_an_answer_cut_at_max_message_bytes_replays_as_cut_and_the_limit_can_gro
         assert sum(len(e.block_stored.token_ids) for e in [*first.events, *rest.events]) == 6 * 256
     finally:
         server.stop()
+
+
+def test_a_workload_of_sliced_steps_is_snapshotted_and_recovers_from_the_snapshot(tmp_path: Path) -> None:
+    """Every Step here (a batch of 256 frees and 256 allocations, as a loaded decode
+    batch) takes longer than SLICE_SECONDS, so it is applied in slices and appends its
+    record with its pool held, when no snapshot may start. The snapshot it made due is
+    taken once the pool is given back: with snapshot_every = 10 the journal keeps a
+    snapshot and a few records, and a SIGKILL then a restart from them brings every
+    request back with its blocks. (Before, no snapshot was ever taken: the journal kept
+    every Step, and the next start replayed them all.)"""
+    server = DurableServer(tmp_path, POOL.replace("num_blocks = 400", "num_blocks = 4000"), snapshot_every=10)
+    server.start()
+    try:
+        with KVCoordClient(server.address) as c, grpc.insecure_channel(server.address) as channel:
+            stub = pb_grpc.AllocatorStub(channel)
+            s = c.attach("p", "sha256_cbor", 4, "0", "worker")
+            for i in range(40):
+                ops = [pb.Operation(free=pb.FreeOp(request_id=f"r{i - 1}.{k}")) for k in range(256) if i]
+                ops += [
+                    pb.Operation(allocate=pb.AllocateOp(request=_sync(f"r{i}.{k}", 16), num_new_tokens=16))
+                    for k in range(256)
+                ]
+                answer = _step(stub, s, ops, key=f"s{i}")
+                assert all(r.status_code == 0 for r in answer.results)
+            held = {
+                r.request_id: list(r.groups[0].block_ids)
+                for r in c.inspect_pool("p", all_requests=True).requests
+            }
+            server.kill()
+        db = sqlite3.connect(str(server.data_dir / "journal.sqlite"))
+        try:
+            (snapshots,) = db.execute("SELECT count(*) FROM snapshots").fetchone()
+            (records,) = db.execute("SELECT count(*) FROM records").fetchone()
+        finally:
+            db.close()
+        assert snapshots == 1 and records < 30, (snapshots, records)
+        server.start()
+        with KVCoordClient(server.address) as c:
+            view = c.inspect_pool("p", all_requests=True)
+            assert {r.request_id: list(r.groups[0].block_ids) for r in view.requests} == held
+            c.heartbeat(s.session_id, s.fence)  # recovered whole: the session goes on
+    finally:
+        server.stop()

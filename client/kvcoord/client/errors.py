@@ -4,7 +4,8 @@ Hierarchy::
 
     KVCoordError                      every failed call; .code is the grpc.StatusCode
     ├── InvalidArgumentError          INVALID_ARGUMENT, OUT_OF_RANGE
-    │   └── KeyReusedError            an idempotency key reused with another body (KEY_REUSED)
+    │   ├── KeyReusedError            an idempotency key reused with another body (KEY_REUSED)
+    │   └── FenceUnprovenError        a fence position the server never issued (FENCE_UNPROVEN)
     ├── NotFoundError                 NOT_FOUND
     │   ├── SessionExpiredError       the session is gone; its requests were freed (SESSION_EXPIRED)
     │   └── RequestUnknownError       the request is not in the pool (REQUEST_UNKNOWN)
@@ -44,6 +45,7 @@ __all__ = [
     "AlreadyExistsError",
     "AnswerEvictedError",
     "FailedPreconditionError",
+    "FenceUnprovenError",
     "FencedError",
     "GracePeriodError",
     "HashMismatchError",
@@ -131,6 +133,12 @@ class InternalError(KVCoordError):
 
 class KeyReusedError(InvalidArgumentError):
     """An idempotency key was used again with another request body or RPC."""
+
+
+class FenceUnprovenError(InvalidArgumentError):
+    """The fence names a journal position beyond what the server's journal holds
+    without the ``position_tag`` the server gave with it (altered, or another server's):
+    it proves nothing and nothing changed. Send fences back as answers gave them."""
 
 
 class SessionExpiredError(NotFoundError):
@@ -243,6 +251,7 @@ _REASONS: dict[str, type[KVCoordError]] = {
     "SESSION_EXPIRED": SessionExpiredError,
     "SYNC_MISMATCH": SyncMismatchError,
     "KEY_REUSED": KeyReusedError,
+    "FENCE_UNPROVEN": FenceUnprovenError,
     "ANSWER_EVICTED": AnswerEvictedError,
     "GRACE_PERIOD": GracePeriodError,
     "REQUEST_UNKNOWN": RequestUnknownError,

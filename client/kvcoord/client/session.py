@@ -104,10 +104,10 @@ class SessionKeeper:
     def adopt(self, fence: pb.Fence) -> None:
         """Take the fence of an answer from a server that recovered this session's pool
         (same incarnation, another instance: the block ids held are still valid), and
-        the highest journal position the server reported (``Fence.position``): every
-        later call sends it back, so a server restored from an older copy of its data
-        directory learns it is behind and fences this worker instead of handing its
-        blocks to another."""
+        the highest journal position the server reported (``Fence.position``, with the
+        ``position_tag`` that proves the server gave it): every later call sends it back,
+        so a server restored from an older copy of its data directory learns it is
+        behind and fences this worker instead of handing its blocks to another."""
         if fence.incarnation != self.fence.incarnation:
             return
         if fence.term < self.fence.term:

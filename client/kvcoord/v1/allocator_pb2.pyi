@@ -27,6 +27,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     OWNER_CHANGING: _ClassVar[ErrorReason]
     OWNER_GONE: _ClassVar[ErrorReason]
     BLOCK_NOT_RETAINED: _ClassVar[ErrorReason]
+    FENCE_UNPROVEN: _ClassVar[ErrorReason]
 REASON_UNSPECIFIED: ErrorReason
 INSTANCE_CHANGED: ErrorReason
 INCARNATION_CHANGED: ErrorReason
@@ -45,6 +46,7 @@ PROFILE_MISMATCH: ErrorReason
 OWNER_CHANGING: ErrorReason
 OWNER_GONE: ErrorReason
 BLOCK_NOT_RETAINED: ErrorReason
+FENCE_UNPROVEN: ErrorReason
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")
@@ -177,16 +179,18 @@ class PoolConfig(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., groups: _Optional[_Iterable[_Union[KVCacheGroupSpec, _Mapping]]] = ..., hash_block_size: _Optional[int] = ..., enable_caching: _Optional[bool] = ..., use_eagle: _Optional[bool] = ..., enable_kv_cache_events: _Optional[bool] = ..., log_stats: _Optional[bool] = ..., max_model_len: _Optional[int] = ..., hash_algo: _Optional[str] = ..., hash_seed: _Optional[str] = ..., shared_cache_tenants: _Optional[_Iterable[str]] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., max_in_flight_tokens: _Optional[int] = ..., scheduler_block_size: _Optional[int] = ..., prefix_cache_retention_interval: _Optional[int] = ..., needs_kv_cache_zeroing: _Optional[bool] = ..., mamba_shared_prefix_checkpoint: _Optional[bool] = ..., eagle_group_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Fence(_message.Message):
-    __slots__ = ("instance_id", "incarnation", "position", "term")
+    __slots__ = ("instance_id", "incarnation", "position", "term", "position_tag")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     TERM_FIELD_NUMBER: _ClassVar[int]
+    POSITION_TAG_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     incarnation: int
     position: int
     term: int
-    def __init__(self, instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., position: _Optional[int] = ..., term: _Optional[int] = ...) -> None: ...
+    position_tag: bytes
+    def __init__(self, instance_id: _Optional[str] = ..., incarnation: _Optional[int] = ..., position: _Optional[int] = ..., term: _Optional[int] = ..., position_tag: _Optional[bytes] = ...) -> None: ...
 
 class PoolInfo(_message.Message):
     __slots__ = ("name", "config", "coordinator", "num_free_blocks", "usage", "num_requests", "fence", "replica")

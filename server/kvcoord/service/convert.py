@@ -51,7 +51,9 @@ def _invalid(message: str) -> ServiceError:
 # -- operations -------------------------------------------------------------------------
 def fence_from_pb(fence: pb.Fence, present: bool) -> Fence | None:
     """``None`` when the caller sent no fence (nothing to check)."""
-    return Fence(fence.instance_id, fence.incarnation, fence.position, fence.term) if present else None
+    if not present:
+        return None
+    return Fence(fence.instance_id, fence.incarnation, fence.position, fence.term, fence.position_tag)
 
 
 def fence_to_pb(fence: Fence) -> pb.Fence:

@@ -121,6 +121,7 @@ class ErrorReason(enum.Enum):
     OWNER_CHANGING = 15
     OWNER_GONE = 16
     BLOCK_NOT_RETAINED = 17
+    FENCE_UNPROVEN = 18
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -18,3 +18,5 @@ class Fence:
     position: int = 0
     #: the pool's ownership term in a cluster (ownership.py); 0: a single node
     term: int = 0
+    #: what proves the server issued ``position`` (positions.py); b"": none
+    position_tag: bytes = b""

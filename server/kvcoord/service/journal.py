@@ -3,8 +3,13 @@
 Storage (``<data_dir>/journal.sqlite``, WAL mode):
 
 * ``meta``: the format version (a journal of another version is refused, never
-  read as empty) and the journal's random id (``journal_id``, added on first open by
-  kvcoord versions that write the progress file below).
+  read as empty), the journal's random id (``journal_id``, added on first open by
+  kvcoord versions that write the progress file below) and its fence key
+  (``fence_key``: 32 random bytes, hex, added on first open by kvcoord versions that
+  tag the journal positions they tell clients, positions.py). The key is committed
+  before any record that a tag made with it could name (SQLite keeps commits in
+  order), and a copy of the file carries it: tags of a restored journal's lost history
+  still verify.
 * ``records``: ``(seq, crc, body)``; ``body`` is opaque bytes (``durability.py``
   encodes them), ``crc`` its CRC-32, checked on every read.
 * ``snapshots``: ``(seq, fingerprint, sha256, body)``: the whole state after record
@@ -136,6 +141,15 @@ class JournalStore:
                 journal_id = secrets.token_hex(8)
                 self.db.execute("INSERT INTO meta VALUES ('journal_id', ?)", (journal_id,))
             self.journal_id = journal_id
+            fence_key = self._meta("fence_key")
+            if fence_key is None:
+                fence_key = secrets.token_hex(32)
+                self.db.execute("INSERT INTO meta VALUES ('fence_key', ?)", (fence_key,))
+            try:
+                #: the key of the tags of the journal positions clients are told (positions.py)
+                self.fence_key = bytes.fromhex(fence_key)
+            except ValueError:
+                raise JournalError(f"journal {self.path}: its fence_key is damaged (not hex)") from None
             last = self.last_seq()
             if self.db.execute("PRAGMA auto_vacuum").fetchone()[0] != 2:
                 self.db.execute("VACUUM")  # a file made without auto-vacuum: once, at start

@@ -3,12 +3,13 @@
 A keyed call (Allocate, Free, Step) goes through the same steps whatever it does: its
 session is checked, its idempotency key looked up (a duplicate is answered with the
 kept answer, never applied again), the call applied, its answer stamped with the
-journal position of its own record, the answer kept under its key, the call
-journaled with the answer's digest, and the answer sent only once the record is
-durable: as the bytes serialized for its key and its record (gRPC sends them as they
-are: rpc_guard.BYTES_ANSWERS), never serialized a second time. An answer larger than
-max_message_bytes, which gRPC would refuse to send, is told as ABORTED (ANSWER_EVICTED:
-applied, its requests lost) and its key kept as a tombstone. Every other mutating call ends with the same commit wait (:meth:`durable`);
+journal position of its own record and that position's tag (positions.py), the answer
+kept under its key, the call journaled with the answer's digest, and the answer sent
+only once the record is durable: as the bytes serialized for its key and its record
+(gRPC sends them as they are: rpc_guard.BYTES_ANSWERS), never serialized a second time.
+An answer larger than max_message_bytes, which gRPC would refuse to send, is told as
+ABORTED (ANSWER_EVICTED: applied, its requests lost) and its key kept as a tombstone.
+Every other mutating call ends with the same commit wait (:meth:`durable`);
 a reserving ScorePools keeps its answer under its tenant's key here too, unjournaled
 (:meth:`MutationRunner.kept_unjournaled`).
 Replay (recovery.py) applies a journaled call with the same :class:`Mutation`, so
@@ -339,6 +340,7 @@ class MutationRunner:
             # committed (durable waits for that), and a retry gets it byte for byte
             # (replay stamps the same position)
             answer.fence.position = journal.appended + 1  # type: ignore[attr-defined]
+            self._tagged(answer.fence)  # type: ignore[attr-defined]
         kept_answer = answer.SerializeToString() if results is None else joined(answer, "results", results)
         unsendable = self._unsendable(m, kept_answer, self.max_message_bytes)
         if key:
@@ -365,6 +367,11 @@ class MutationRunner:
             "as lost (free them; send smaller Steps, or fewer operations that read block tables)",
             ErrorReason.ANSWER_EVICTED,
         )
+
+    def _tagged(self, fence: Any) -> None:
+        """Set a wire fence's ``position_tag`` for its instance and position (positions.py;
+        none without the journal's key)."""
+        fence.position_tag = self.registry.positions.tag(fence.instance_id, fence.position)
 
     def replay(
         self, m: Mutation[Any], body: bytes, key: str, digest: bytes, told: bytes | None, writer: str,
@@ -401,9 +408,17 @@ class MutationRunner:
             ) from None
         kept: bytes | None = None
         if not isinstance(answer, ServiceError):
-            # as a live call's: its fence names the call's own record (positions.py)
+            # as a live call's: its fence names the call's own record, tagged under the
+            # writer's journal key (positions.py: this journal's, or the one a cluster
+            # store's stream names)
             answer.fence.position = position
+            self._tagged(answer.fence)
             kept = answer.SerializeToString()
+            if answer.fence.position_tag and answer_digest(kept) != told:
+                # a record of a kvcoord that did not tag positions: its client was told
+                # the answer without the tag
+                answer.fence.position_tag = b""
+                kept = answer.SerializeToString()
         again = None if kept is None else answer_digest(kept)
         if again != told:
             what = "an error" if told is None else "an answer"
@@ -470,8 +485,8 @@ class MutationRunner:
 
     def positioned(self, answer: A) -> A:
         """Stamp the answer's fence with the journal position it is durable at (every
-        record committed so far: positions.py); clients send it back as proof. Answers
-        of keyed calls carry their own record's position already."""
+        record committed so far: positions.py) and its tag; clients send both back as
+        proof. Answers of keyed calls carry their own record's position already."""
         journal = self._journal()
         if (
             journal is not None
@@ -480,4 +495,5 @@ class MutationRunner:
             and not answer.fence.position  # type: ignore[attr-defined]
         ):
             answer.fence.position = journal.committed  # type: ignore[attr-defined]
+            self._tagged(answer.fence)  # type: ignore[attr-defined]
         return answer

@@ -6,8 +6,8 @@ highest position of the fence it holds and sends it back with every fenced call,
 renewals included. A restarted server knows, for each earlier instance whose journal
 it recovered, the last record of that instance it holds (:attr:`JournalPositions.ends`:
 up to the next instance's ``start`` record, or the journal's end). A fence naming such
-an instance with a higher position proves the journal is behind what that client was
-told: the data directory was restored from an older copy (a volume snapshot, ``cp -a``,
+an instance with a higher position, and that position's tag (below), proves the journal
+is behind what that client was told: the data directory was restored from an older copy (a volume snapshot, ``cp -a``,
 a backup) whose ``journal.progress`` came with it, so start-up could not see it. The
 server then does what a restore detected at start does (recovery.py): every session
 ends, every earlier fence is void, every prefix cache is emptied, and no session may
@@ -17,16 +17,48 @@ proved it fails INSTANCE_CHANGED.
 Positions name records of one instance, so records a restored server writes after its
 start can never pass for the lost ones. What remains is the time before the first such
 call (deploy/README.md, "Restore the volume").
+
+**Only positions this journal issued prove anything.** A position is a number any
+caller can write: taken on trust, one made-up ``Fence.position`` of an earlier instance
+(any tenant's, with no session even) ended every session of every tenant and froze
+Attach for the grace period. So every position the server issues goes out with its
+tag (``Fence.position_tag``, :meth:`JournalPositions.tag`): an HMAC-SHA256 of the
+instance id and the position under the journal's fence key, a random secret kept in the
+journal file itself (journal.py, ``meta``), made when the journal is created. A restored
+copy of the journal holds the same key, so a tag of the lost history still verifies
+there; a key of another journal does not. A position above what the journal holds
+whose tag does not verify is refused (INVALID_ARGUMENT, FENCE_UNPROVEN) and changes
+nothing; positions the journal holds need no tag (they prove nothing: clients of a
+kvcoord without tags send them untagged). The incarnation is not in the tag: a
+position is a record of the journal, whichever pool's answer told it.
+
+A Step's, Allocate's or Free's position is checked before its session
+(PoolService.session): a worker that attached after the copy was made has no session
+in it, and its call must prove the restore (a session check first would answer
+SESSION_EXPIRED, the worker would attach again at once and could be handed blocks a
+worker of the lost history still holds). With the tag, a caller without a session can
+prove only what is true.
+
+A tag is part of its answer (its digest in the journal, its bytes kept for a retry),
+so replay tags with the writer's key: this journal's own, or, for a pool rebuilt from
+the cluster store (``journal = "store"``), the key its stream's base record carries
+(store_journal.py). Records written before tags replay untagged, as they were told
+(mutations.py). Positions of another replica's instances are never checked (no
+journal here holds their records: :attr:`ends` names none).
 """
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Callable
 
 from .errors import ErrorReason, ServiceError, Status
 from .fences import Fence
 
-__all__ = ["JournalPositions"]
+__all__ = ["TAG_BYTES", "JournalPositions"]
+
+#: bytes of a position's tag (HMAC-SHA256 cut to 128 bits)
+TAG_BYTES = 16
 
 
 class JournalPositions:
@@ -39,6 +71,17 @@ class JournalPositions:
         self.latest: str | None = None
         #: called once the journal is found behind a client (server.py fences everything)
         self.on_behind: Callable[[str], None] | None = None
+        #: the journal's fence key (journal.py; None: no journal, or a pool rebuilt from
+        #: a cluster store stream written before tags)
+        self.key: bytes | None = None
+
+    def tag(self, instance_id: str, position: int) -> bytes:
+        """What proves that this journal told ``position`` of ``instance_id`` (b"":
+        no key, or no position)."""
+        if self.key is None or not position:
+            return b""
+        message = instance_id.encode() + b"\0" + position.to_bytes(8, "big")
+        return hmac.digest(self.key, message, "sha256")[:TAG_BYTES]
 
     def started(self, instance_id: str, seq: int) -> None:
         """Instance ``instance_id`` wrote its ``start`` record at ``seq``."""
@@ -70,13 +113,24 @@ class JournalPositions:
         """Raise when ``fence`` proves this journal is behind what its holder was told.
 
         Raises:
-            ServiceError: FAILED_PRECONDITION, INSTANCE_CHANGED (after :attr:`on_behind`).
+            ServiceError: FAILED_PRECONDITION, INSTANCE_CHANGED (after :attr:`on_behind`);
+                INVALID_ARGUMENT, FENCE_UNPROVEN when its position is above the journal's
+                but its tag is missing or not this journal's (nothing changed).
         """
         if not fence.position:
             return
         end = self.ends.get(fence.instance_id)
         if end is None or fence.position <= end:
             return
+        issued = self.tag(fence.instance_id, fence.position)
+        if not issued or not hmac.compare_digest(fence.position_tag, issued):
+            raise ServiceError(
+                Status.INVALID,
+                f"the fence names record {fence.position} of instance {fence.instance_id[:40]!r} without "
+                "a position_tag this journal issued with it: positions are sent back as the server's "
+                "answers gave them (Fence.position with Fence.position_tag); nothing changed",
+                ErrorReason.FENCE_UNPROVEN,
+            )
         reason = (
             f"a client was told of record {fence.position} of instance {fence.instance_id[:40]!r}, this "
             f"journal holds its records up to {end} only: the data directory was restored from an "

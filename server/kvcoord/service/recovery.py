@@ -234,6 +234,8 @@ def open_journal(
     configured = registry.limits
     configured_answer_bytes = registry.max_message_bytes
     store = JournalStore(data_dir, synchronous)
+    # before replay: replayed answers are tagged as their clients were (positions.py)
+    registry.positions.key = store.fence_key
     for stale in store.path.parent.glob(SNAPSHOT_FILE_GLOB):  # a snapshot a crash interrupted
         stale.unlink(missing_ok=True)
     snap = store.snapshot()

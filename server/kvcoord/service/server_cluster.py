@@ -118,7 +118,9 @@ def store_journal(
         wall = registry.wall_clock()
 
         def encode() -> bytes:
-            return encode_base(dump_pool(registry, pool), registry.instance_id, limits, wall)
+            return encode_base(
+                dump_pool(registry, pool), registry.instance_id, limits, wall, registry.positions.key
+            )
 
         service = registry.pools.get(pool)
         if service is None or not apart(service):

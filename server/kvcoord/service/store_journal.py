@@ -12,9 +12,11 @@ owner's claim, ownership.py)::
 
 Each stream starts with a ``base`` record (seq 0): the pool's whole state as
 :func:`~kvcoord.service.registry_state.dump_pool` makes it, with the instance that writes
-the stream and the limits its records are applied with. The records after it are
-the pool's records of the local journal (``attach``, ``call``, ``detach``, ...), each
-with its local journal position (answers' fences name it, so replay must too).
+the stream, the limits its records are applied with and the fence key of the writer's
+local journal. The records after it are the pool's records of the local journal
+(``attach``, ``call``, ``detach``, ...), each with its local journal position
+(answers' fences name it, with its tag under that key, so replay must too:
+positions.py).
 Every ``snapshot_every`` records a new ``base`` is written into the stream, and once
 it is committed every key of the pool before it (older records, older terms' streams)
 is deleted: the log stays bounded. A large pool's base is encoded by a forked child
@@ -367,8 +369,11 @@ def encode_item(local_seq: int, record_body: bytes) -> bytes:
     return cbor2.dumps([local_seq, cbor2.loads(record_body)])
 
 
-def encode_base(value: dict[str, Any], writer: str, limits: dict[str, int], wall: float) -> bytes:
-    return cbor2.dumps([0, ["base", wall, value, writer, limits]])
+def encode_base(
+    value: dict[str, Any], writer: str, limits: dict[str, int], wall: float, fence_key: bytes | None
+) -> bytes:
+    """A stream's base record (``fence_key``: the writer's journal's, positions.py)."""
+    return cbor2.dumps([0, ["base", wall, value, writer, limits, fence_key]])
 
 
 #: record kinds copied into a pool's stream that name their pool, and where

@@ -53,13 +53,16 @@ def rebuild(
         if not bases:
             continue
         start = max(bases)
-        _, (_, wall, value, writer, limits) = records[start]
+        # (the writer's fence key came with kvcoord versions that tag positions)
+        _, (_, wall, value, writer, limits, *fence_key) = records[start]
         tail = []
         seq = start + 1
         while seq in records:  # contiguous: a gap ends what was acknowledged
             tail.append(records[seq])
             seq += 1
         registry = make_registry(writer)
+        # the writer's answers are rebuilt as they were told, tagged under its key
+        registry.positions.key = fence_key[0] if fence_key else None
         apply_limits(registry, limits_from(limits), int(limits.get("max_message_bytes", 0)))
         adopt_pool(registry, value)
         last_wall = tail[-1][1][1] if tail else wall

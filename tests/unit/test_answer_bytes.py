@@ -105,3 +105,36 @@ def test_a_memory_only_server_answers_bytes_too() -> None:
     step = pb.StepResponse.FromString(answers[0])
     assert step.results[0].allocate.new_block_ids[0].block_ids and not step.fence.position
     assert answers[1] == answers[0]
+
+
+def test_answers_journaled_before_tags_are_replayed_as_they_were_told(tmp_path: Path) -> None:
+    """A journal written by a kvcoord that did not tag positions (its answers' digests
+    are of untagged answers) still replays: each answer is rebuilt as its client was
+    told it, without a tag, and a retry gets those bytes; answers given after the
+    restart carry their tag (positions.py)."""
+
+    async def calls() -> tuple[bytes, bytes, bytes]:
+        servicer, recovery = _servicer(tmp_path)
+        servicer.registry.positions.key = None  # as a kvcoord before tags answered
+        await servicer.CreatePool(pb.CreatePoolRequest(name="p", config=wire_pool_config(50)), Ctx())
+        a = await servicer.Attach(rq.attach("p", "sha256_cbor", 4, "0", "w", 0), Ctx())
+        op = pb.Operation(allocate=pb.AllocateOp(request=_sync("r1", list(range(32))), num_new_tokens=32))
+        step = rq.step("p", [op], a.session_id, a.fence)
+        first = await servicer.Step(step, Ctx())
+        await recovery.recorder.journal.close()
+        servicer, recovery = _servicer(tmp_path)  # restarted: the journal's key applies now
+        again = await servicer.Step(step, Ctx())
+        op2 = pb.Operation(allocate=pb.AllocateOp(request=_sync("r2", [7] * 8), num_new_tokens=8))
+        later = await servicer.Step(rq.step("p", [op2], a.session_id, a.fence), Ctx())
+        await recovery.recorder.journal.close()
+        return first, again, later
+
+    loop = asyncio.new_event_loop()
+    try:
+        first, again, later = loop.run_until_complete(calls())
+    finally:
+        loop.close()
+    told = pb.StepResponse.FromString(first)
+    assert told.fence.position and not told.fence.position_tag
+    assert again == first
+    assert len(pb.StepResponse.FromString(later).fence.position_tag) == 16

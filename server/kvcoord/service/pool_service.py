@@ -19,14 +19,14 @@ owns and forwards to, each in its module: request ownership and sync
 parts; the values it answers are pool_types.py's.
 
 Every pool operation runs on the server's event loop without awaiting, so a pool is
-linearizable; a large Step is applied in slices (:meth:`PoolService.applying`) while its
-pool is held and nothing else reads or changes it (pool_locks.py). A failed operation changes nothing (the engine validates first; a
-request sync made for a failed operation is undone).
-"""
+linearizable; a large Step (a large session's end) is applied in slices (:meth:`PoolService.applying`,
+:meth:`PoolService.ending_session`) while its pool is held and nothing else reads or changes it
+(pool_locks.py). A failed operation changes nothing (the engine validates first; a request sync
+made for a failed operation is undone)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import cbor2
@@ -140,14 +140,12 @@ class PoolService:
         #: earlier instances of this server whose state was recovered without loss
         #: (durability.py): their fences stay valid for this incarnation
         self.lineage: frozenset[str] | set[str] = frozenset()
-        #: the byte budget of a TakeEventsOp's events (the servicer sets it from the
-        #: server's max_message_bytes; None: no budget)
+        #: a TakeEventsOp's events' byte budget (set from max_message_bytes; None: none)
         self.answer_event_bytes: int | None = None
         #: proves a fence's journal position against what this journal holds (positions.py)
         self.positions: JournalPositions | None = None
-        # Its parts, by role (each reads the pool's state through it, as pool_types.PoolCore:
-        # the engine is replaced by import_state, so none keeps it), and the calls it
-        # forwards to them.
+        # Its parts by role (each reads the pool through it, as pool_types.PoolCore: import_state
+        # replaces the engine, so none keeps it), and the calls it forwards to them.
         self.syncs = RequestSyncs(self)
         self.sync = self.syncs.sync
         self.reserving = PoolReservations(self)
@@ -368,16 +366,22 @@ class PoolService:
         return s
 
     def end_session(self, s: Session) -> int:
-        """Free every request the session still owns (detach, lease expiry, a restored
-        server's void sessions). In a pool with fine-grained hits (one session at a
-        time: :meth:`attach`) the copy-on-write pairs it was handed and did not release,
-        or not taken yet, end with it: nobody else would run the copies or release
-        their blocks."""
+        """:meth:`ending_session` at once (replay; a session owning few requests)."""
+        return drain(self.ending_session(s, 0))
+
+    def ending_session(self, s: Session, every: int) -> Generator[None, None, int]:
+        """Close the session (detach, lease expiry, a restored server's void sessions),
+        then free every request it owns, yielding after every ``every`` (0: never; the
+        pool held between slices: pool_locks.py); returns how many. With fine-grained
+        hits (one session at a time: :meth:`attach`) the copy-on-write pairs it did not
+        release end with it: nobody else would run the copies or release their blocks."""
         self.sessions.close(s.session_id)
         owned = list(s.owned)
-        for rid in owned:
+        for k, rid in enumerate(owned, 1):
             self.engine.free(rid)
             del self.owners[rid]
+            if every and not k % every:
+                yield
         s.owned.clear()
         if self.config.partial_hash_hits:
             self.engine.drop_block_copies()

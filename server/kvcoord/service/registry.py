@@ -13,7 +13,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Generator, Iterable
 
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import MAX_MODEL_LEN_UNLIMITED, config_from_pb
@@ -25,7 +25,7 @@ from .errors import ErrorReason, ServiceError, Status
 from .idempotency import IdempotencyStore
 from .logs import ids
 from .pool_locks import PoolLocks
-from .pool_service import Fence, Limits, PoolService
+from .pool_service import Fence, Limits, PoolService, drain
 from .positions import JournalPositions
 from .scoring import ScoreIndex
 from .sessions import Session, SessionTable
@@ -39,6 +39,8 @@ _NAME = re.compile(rf"^[A-Za-z0-9._-]{{1,{MAX_NAME_LENGTH}}}$")
 
 #: sessions of handed-over pools remembered for redirects (the oldest are forgotten)
 MAX_MOVED_SESSIONS = 100_000
+#: requests a session's end frees between two yields (two looks at the clock)
+END_SLICE_REQUESTS = 16
 
 
 def new_instance_id() -> str:
@@ -159,6 +161,10 @@ class PoolRegistry:
         #: given every pool removed (deleted, handed over, dropped, replaced): the
         #: servicer releases its objects a slice at a time (PoolService.teardown)
         self.on_removed: Callable[[PoolService], None] = lambda service: None
+        #: given the end of a session whose lease ran out (:meth:`expiring`, the session
+        #: closed already) to run: the servicer runs a long one a slice at a time, its
+        #: pool held (mutations.py); by default (recovery, no loop) at once
+        self.run_expiry: Callable[[str, Generator[None, None, tuple[str, str, int]]], None] = _at_once
 
     def set_term(self, name: str, term: int) -> None:
         """The pool's ownership term is now ``term`` (journaled: answers carry it)."""
@@ -288,7 +294,7 @@ class PoolRegistry:
         every Attach, its own client's too, until the reaper ran)."""
         service = self.get(name)
         for s in self.sessions.expired(name):
-            self._expire(s)
+            self.run_expiry(s.pool, self.expiring(s))
         return service
 
     def attached_before(self, service: PoolService, key: str, tenant: str, exclusive: bool) -> Session | None:
@@ -322,7 +328,7 @@ class PoolRegistry:
             self.placement.check(moved, moved in self.pools)
         lapsed = self.sessions.ran_out(session_id)
         if lapsed is not None:
-            self._expire(lapsed)
+            self.run_expiry(lapsed.pool, self.expiring(lapsed))
         s = self.sessions.get(session_id)
         return self.get(s.pool)
 
@@ -341,12 +347,18 @@ class PoolRegistry:
         replay): its kept answers forgotten, its requests freed in ``service`` (by
         default the pool of its name held here; none: the session is only closed).
         Returns how many requests were freed."""
+        return drain(self.ending(s, service))
+
+    def ending(self, s: Session, service: PoolService | None = None) -> Generator[None, None, int]:
+        """:meth:`end_session`, yielding every END_SLICE_REQUESTS requests freed (the
+        caller holds the pool between slices: pool_locks.py); the session is closed and
+        its kept answers forgotten before the first yield."""
         self.idempotency.drop_session(s.session_id)
         owner = service if service is not None else self.pools.get(s.pool)
         if owner is None:
             self.sessions.close(s.session_id)
             return 0
-        return owner.end_session(s)
+        return (yield from owner.ending_session(s, END_SLICE_REQUESTS))
 
     def delete(self, name: str) -> PoolService:
         """Remove a pool: its sessions end (their requests go with the pool)."""
@@ -380,22 +392,24 @@ class PoolRegistry:
         self.on_removed(service)
         return service
 
-    def reap_expired_sessions(self) -> list[tuple[str, str, int]]:
-        """Free the requests of every session whose lease ran out.
-
-        Returns:
-            (session id, pool, requests freed) per expired session.
-        """
-        out = [self._expire(s) for s in self.sessions.expired()]
+    def reap_expired_sessions(self) -> int:
+        """End every session whose lease ran out (:meth:`expiring`, run by
+        :attr:`run_expiry`: a long one's requests are freed after this returns, each in
+        turn with its pool's calls). Returns how many sessions ended."""
+        lapsed = self.sessions.expired()
+        for s in lapsed:
+            self.run_expiry(s.pool, self.expiring(s))
         self.idempotency.expire()
-        return out
+        return len(lapsed)
 
-    def _expire(self, s: Session) -> tuple[str, str, int]:
+    def expiring(self, s: Session) -> Generator[None, None, tuple[str, str, int]]:
         """End a session whose lease ran out (taken out of the session table already):
-        its requests freed, journaled as expired, counted and logged."""
-        self.idempotency.drop_session(s.session_id)
+        its requests freed (yielding between slices: :meth:`ending`), then journaled as
+        expired, counted and logged. Returns (session id, pool, requests freed)."""
         service = self.pools.get(s.pool)
-        freed = service.end_session(s) if service is not None else 0
+        freed = (yield from self.ending(s, service)) if service is not None else 0
+        if service is None:
+            self.idempotency.drop_session(s.session_id)
         # recorded after the change: a snapshot the record triggers holds the state after it
         self.recorder.session_expired(s.session_id, s.pool)
         self.on_session_expired(s.pool)
@@ -408,6 +422,11 @@ class PoolRegistry:
             extra=ids(pool=s.pool, session=s.session_id, tenant=s.tenant or None, requests_freed=freed),
         )
         return s.session_id, s.pool, freed
+
+
+def _at_once(pool: str, work: Generator[None, None, object]) -> None:
+    """Run a session's end to its end at once (:attr:`PoolRegistry.run_expiry`'s default)."""
+    drain(work)
 
 
 class GcFreezer:

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Generator
 from typing import Any, TypeVar
 
 from google.protobuf.message import Message
@@ -22,13 +23,15 @@ from .errors import STOPPING_AFTER_JOURNAL_FAILURE, ServiceError, Status
 from .mutating_calls import STEP, apply_step, step_slices
 from .mutations import MutationRunner
 from .observers import NullObserver, OperationObserver
-from .pool_service import Fence, PoolService
+from .pool_service import Fence, PoolService, drain
 from .registry import PoolRegistry
 from .rpc_guard import pool_named
 from .score_wire import ScoreEncoder
 from .step_stream import StepStreams
 
 __all__ = ["ServicerCore", "fence_of"]
+
+logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=Message)
 
@@ -53,13 +56,15 @@ class ServicerCore:
         self.observer: OperationObserver = observer or NullObserver()
         registry.on_session_expired = self._session_expired
         registry.on_removed = self._tear_down
+        registry.run_expiry = self._run_expiry
         self.watch_poll_seconds = watch_poll_seconds
         self.stopping = False
         #: the open StepStream calls (step_stream.py), ended when the server stops
         self.step_streams = StepStreams()
         #: set when the journal could not be written: every call is refused from then on
         self.journal_failure: str | None = None
-        self._teardowns: set[asyncio.Task[None]] = set()
+        #: pools released, and sessions' requests freed, in slices (settled by teardowns_done)
+        self._teardowns: set[asyncio.Future[Any]] = set()
         #: who may call what (every caller has full access when none is given)
         self.access = access or AccessControl((), (), registry.sessions)
         #: the gRPC receive limit, reported in GetStats
@@ -125,7 +130,28 @@ class ServicerCore:
         """Free the requests of every session whose lease ran out."""
         if self.journal_failure is not None or self.registry.locks.any_busy():
             return 0  # (a pool mid-Step: the next round reaps them)
-        return len(self.registry.reap_expired_sessions())
+        return self.registry.reap_expired_sessions()
+
+    def _run_expiry(self, pool: str, work: Generator[None, None, Any]) -> None:
+        """End a lapsed session (registry.expiring) as a call would change its pool: a
+        session owning many requests (65,536 held the loop 275 ms at once) has them freed
+        a slice at a time, its pool held and other pools served between slices; it is
+        journaled as expired once they all are (a crash before: replay still has it,
+        and it expires again). Nobody waits for it (an Attach waits for the pool)."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # (no loop: nothing else could run meanwhile)
+            drain(work)
+            return
+        ending = self.mutations.start_holding(pool, work)
+        if not ending.done():
+            self._teardowns.add(ending)
+            ending.add_done_callback(self._expiry_ended)
+
+    def _expiry_ended(self, ending: asyncio.Future[Any]) -> None:
+        self._teardowns.discard(ending)
+        if not ending.cancelled() and ending.exception() is not None:
+            logger.error("ending a lapsed session failed", exc_info=ending.exception())
 
     def _tear_down(self, service: PoolService) -> None:
         """A pool removed from the registry (deleted, handed over, dropped, replaced) is

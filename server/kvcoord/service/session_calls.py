@@ -4,6 +4,9 @@ Heartbeat and Detach."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Generator
+
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import write_pool_state
@@ -63,6 +66,10 @@ class SessionCalls(ServicerCore):
     @map_errors
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         service = self.registry.for_attach(request.pool)
+        while self.registry.locks.busy(service.name):
+            # a lapsed session's requests are freed in slices (its end, then this Attach)
+            await self.registry.locks.wait(service.name)
+            service = self.registry.for_attach(request.pool)
         tenant = current_tenant()
         self._check_pool_state_fits(request, service, tenant.name)
         # a retry whose first answer was lost gets the session that Attach made
@@ -167,9 +174,16 @@ class SessionCalls(ServicerCore):
     @map_errors
     async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
         service, s = self.registry.session_of(request.session_id, fence_of(request))
-        freed = self.registry.end_session(s, service)
-        self.observer.detached(service.name)
-        # recorded after the change: a snapshot the record triggers holds the state after it
-        return await self._durable(
-            pb.DetachResponse(num_freed_requests=freed), lambda r: r.detached(service, s.session_id)
-        )
+
+        def detaching() -> Generator[None, None, int]:
+            freed = yield from self.registry.ending(s, service)
+            self.observer.detached(service.name)
+            # recorded after the change: a snapshot the record triggers holds the state after it
+            self.mutations.record(lambda r: r.detached(service, s.session_id))
+            return freed
+
+        # The session ends for every call at once; a large one's requests are freed a
+        # slice at a time, its pool held, other pools served between slices (65,536
+        # requests at once held the loop 267 ms). A cancelled call's Detach goes on.
+        freed = await asyncio.shield(self.mutations.start_holding(service.name, detaching()))
+        return await self._durable(pb.DetachResponse(num_freed_requests=freed))

@@ -411,7 +411,8 @@ def test_each_input_bound_refuses_one_past_it(key: str) -> None:
     """Every bounded field: its bound is accepted, one more is INVALID_ARGUMENT naming
     the field, its length and the bound (and the [limits] setting it comes from)."""
     bound = BOUNDS[key]
-    limit = bound if isinstance(bound, int) else getattr(_LIMITS, bound)
+    factor, _, setting = str(bound).rpartition(" * ")  # ("4 * setting": a packed column's bytes)
+    limit = bound if isinstance(bound, int) else int(factor or 1) * getattr(_LIMITS, setting)
     request, field = _request_with(key, limit)
     check_request(request, _LIMITS)  # at the bound: accepted
     request, field = _request_with(key, limit + 1)
@@ -478,9 +479,10 @@ class _Reads:
 
 
 def test_a_checker_reads_only_the_fields_it_checks() -> None:
-    """A decode Step's columns are bounded by the message size only: the checker does
+    """A decode Step's per-entry columns are bounded by its entries: the checker does
     not even read them (each read makes a container object: about 13 µs of a
-    256-running Step's bounds check, bench/step_split.py)."""
+    256-running Step's bounds check, bench/step_split.py); only its appended tokens
+    (max_tokens_per_request: a longer column was read whole before it was refused)."""
     from kvcoord.service.bounds import _CHECKERS
 
     for name, check in _CHECKERS.items():
@@ -497,7 +499,7 @@ def test_a_checker_reads_only_the_fields_it_checks() -> None:
             assert checked, f"{key} is read but has no bound of its own"
     m = _Reads()
     _CHECKERS["kvcoord.v1.DecodeOp"](m, Limits())
-    assert m.read == ["request_ids"]
+    assert m.read == ["request_ids", "append_token_ids", "packed_append_token_ids"]
 
 
 def test_the_config_file_is_held_to_the_same_bounds() -> None:

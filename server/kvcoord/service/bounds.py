@@ -17,7 +17,8 @@ A few fields are bounded elsewhere (:data:`ELSEWHERE`, in the table too):
 ``StepRequest.ops`` by ``max_ops_per_step`` (RESOURCE_EXHAUSTED, pool_service.py); an
 ``AllocateRunOp``'s and a ``DecodeOp``'s per-entry columns by their ``request_ids`` (each needs one value per
 entry); its token and hash columns (every entry's appends together) by the message
-size only, each entry's share then checked against the pool's ``max_model_len``; and
+size only (a DecodeOp's tokens, by ``max_tokens_per_request`` too, checked before any
+column is read), each entry's share then checked against the pool's ``max_model_len``; and
 each appended block hash by the engine (a pool with caching takes exactly its hash
 length, one without ignores hashes).
 
@@ -140,6 +141,10 @@ BOUNDS: Mapping[str, int | str] = {
     "AllocateRunOp.check_request_ids[]": MAX_REQUEST_ID_LENGTH,
     "DecodeOp.request_ids": "max_ops_per_step",
     "DecodeOp.request_ids[]": MAX_REQUEST_ID_LENGTH,
+    # every entry's appends together: each entry's are at most max_model_len, and a
+    # longer column was read whole (3.9M tokens: 220-900 ms) before that was checked
+    "DecodeOp.append_token_ids": "max_tokens_per_request",
+    "DecodeOp.packed_append_token_ids": "4 * max_tokens_per_request",
     # block ids
     "CacheHit.groups": MAX_GROUPS,
     "GetBlockIdsResult.groups": MAX_GROUPS,
@@ -191,7 +196,6 @@ ELSEWHERE: Mapping[str, str] = {
         )  # fmt: skip
     },
     **{f"DecodeOp.{name}": "one value per entry (request_ids)" for name in _ENTRY_COLUMNS},
-    "DecodeOp.append_token_ids": "max_message_bytes",
     "DecodeOp.append_block_hashes": "max_message_bytes",
     "AllocateRunOp.append_token_ids": "max_message_bytes",
     "AllocateRunOp.append_block_hashes": "max_message_bytes",
@@ -201,7 +205,6 @@ ELSEWHERE: Mapping[str, str] = {
     "DecodeOp.append_block_hashes[]": "the pool's hash length (engine)",
     # the packed form of a DecodeOp's columns (one bytes field each, read in one call)
     **{f"DecodeOp.packed_{name}": "4 bytes per entry (request_ids)" for name in _ENTRY_COLUMNS},
-    "DecodeOp.packed_append_token_ids": "max_message_bytes",
     "DecodeOp.packed_append_block_hashes": "max_message_bytes",
 }
 
@@ -272,8 +275,12 @@ def _element_too_long(path: str, values: Any, bound: int, setting: str | None) -
 
 
 def _bound_expr(bound: int | str) -> tuple[str, str]:
-    """Python source of a bound's value and of its setting's name."""
-    return (str(bound), "None") if isinstance(bound, int) else (f"limits.{bound}", repr(bound))
+    """Python source of a bound's value and of its setting's name (``"4 * setting"``:
+    a packed column's bytes, four per value)."""
+    if isinstance(bound, int):
+        return str(bound), "None"
+    factor, _, setting = bound.rpartition(" * ")
+    return (f"{factor} * limits.{setting}" if factor else f"limits.{setting}"), repr(bound)
 
 
 def _smallest(d: Descriptor, seen: frozenset[str] = frozenset()) -> tuple[int, set[str]]:
@@ -360,7 +367,7 @@ def _source(d: Descriptor, name: str, subs: dict[str, str]) -> list[str]:
             # new request's prompt) the items are large, and reading their size cost as
             # much as checking them again, so each is checked at once.
             least, settings = _smallest(_message(f))
-            parts = [str(least)] + [f"limits.{x}" for x in sorted(settings)]
+            parts = [str(least)] + [_bound_expr(x)[0] for x in sorted(settings)]
             safe = f"min({', '.join(parts)})" if len(parts) > 1 else parts[0]
             lines += [
                 f"safe = {safe} if len(v) > {SIZE_FIRST_ITEMS} else -1",

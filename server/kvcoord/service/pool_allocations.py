@@ -17,6 +17,7 @@ from .errors import ErrorReason, ServiceError, Status, as_service_error
 from .pool_core import PoolCore
 from .pool_requests import RequestSyncs
 from .pool_reservations import PoolReservations
+from .pool_types import drain
 from .sessions import Session
 
 #: an Allocate of at least this many new tokens, in a Step applied in slices, takes its
@@ -24,6 +25,9 @@ from .sessions import Session
 SLICED_ALLOCATE_TOKENS = 4096
 #: blocks taken or cached between two yields of such an Allocate
 ALLOCATE_SLICE_BLOCKS = 256
+#: a DecodeOp of more entries, in a Step applied in slices, is applied in slices of as
+#: many (about 2 ms: a decode step's entry takes 3-4 µs); a shorter one at once
+DECODE_SLICE_ENTRIES = 512
 
 #: the checks of a run that has none
 _NO_CHECKS = op.RunChecks((), (), (), (), (), ())
@@ -282,7 +286,13 @@ class PoolAllocations:
             )  # fmt: skip
 
     def decode(self, s: Session, o: op.Decode) -> op.Value:
-        """A DecodeOp: a decode step's allocations in columns, each entry answered, and
+        """:meth:`decoding` at once (a Step's DecodeOp of up to DECODE_SLICE_ENTRIES entries)."""
+        return drain(self.decoding(s, o, 0))
+
+    def decoding(self, s: Session, o: op.Decode, every: int) -> Generator[None, None, op.Value]:
+        """A DecodeOp, yielding after every ``every`` entries applied (0: never; the pool
+        is held between slices: pool_locks.py; 65,536 entries at once held the event
+        loop 220-230 ms). A decode step's allocations in columns, each entry answered, and
         leaving the pool, exactly as its AllocateOp would in the same Step. An entry of
         this session's request at its position with tokens to append, while no
         reservation is live, takes the engine's fused update-and-allocate (as
@@ -330,9 +340,13 @@ class PoolAllocations:
             if i < mine:
                 # the run of plain decode steps, in one engine call; entry i is the first
                 # it left (untouched) for the one-by-one path below
-                i, t, h = run(o, i, mine, t, h, counts, ids)
+                stop = min(mine, i + every) if every else mine
+                i, t, h = run(o, i, stop, t, h, counts, ids)
                 if i == n:
                     break
+                if i == stop < mine:  # (every entry of the slice applied)
+                    yield
+                    continue
             rid, bt, bh, c, nn, la, nt, nh = (
                 rids[i], base_t[i], base_h[i], computed[i], new_tokens[i], look[i], num_t[i], num_h[i]
             )  # fmt: skip
@@ -372,6 +386,8 @@ class PoolAllocations:
                         counts[i * groups + g] = len(group)
                         ids += group
             i += 1
+            if every and not i % every:
+                yield
         return op.DecodeOutcome(n, counts, ids, refused)
 
     def prediction_failed(self, rid: str, what: str = "") -> ServiceError:

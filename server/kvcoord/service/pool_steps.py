@@ -12,7 +12,7 @@ from kvcoord.engine import HintMismatchError
 
 from . import operations as op
 from .errors import ErrorReason, ServiceError, Status, as_service_error
-from .pool_allocations import ALLOCATE_SLICE_BLOCKS, PoolAllocations
+from .pool_allocations import ALLOCATE_SLICE_BLOCKS, DECODE_SLICE_ENTRIES, PoolAllocations
 from .pool_core import PoolCore
 from .pool_events import PoolEvents
 from .pool_requests import RequestSyncs
@@ -106,6 +106,8 @@ class StepRunner:
                 try:
                     if every and type(o) is op.Allocate and self.allocations.sliceable(o):
                         value = yield from self.allocations.allocating(s, o, ALLOCATE_SLICE_BLOCKS)
+                    elif every and type(o) is op.Decode and len(o.request_ids) > DECODE_SLICE_ENTRIES:
+                        value = yield from self.allocations.decoding(s, o, DECODE_SLICE_ENTRIES)
                     else:
                         value = handlers[type(o)](s, o)
                 except ServiceError as exc:

@@ -65,6 +65,8 @@ class ServicerCore:
         self.journal_failure: str | None = None
         #: pools released, and sessions' requests freed, in slices (settled by teardowns_done)
         self._teardowns: set[asyncio.Future[Any]] = set()
+        #: pool -> the end of its lapsed session freed last in slices (an Attach waits for it)
+        self.expiring: dict[str, asyncio.Future[Any]] = {}
         #: who may call what (every caller has full access when none is given)
         self.access = access or AccessControl((), (), registry.sessions)
         #: the gRPC receive limit, reported in GetStats
@@ -146,10 +148,13 @@ class ServicerCore:
         ending = self.mutations.start_holding(pool, work)
         if not ending.done():
             self._teardowns.add(ending)
-            ending.add_done_callback(self._expiry_ended)
+            self.expiring[pool] = ending  # (ends after those before it: they hold the pool in turn)
+            ending.add_done_callback(functools.partial(self._expiry_ended, pool))
 
-    def _expiry_ended(self, ending: asyncio.Future[Any]) -> None:
+    def _expiry_ended(self, pool: str, ending: asyncio.Future[Any]) -> None:
         self._teardowns.discard(ending)
+        if self.expiring.get(pool) is ending:
+            del self.expiring[pool]
         if not ending.cancelled() and ending.exception() is not None:
             logger.error("ending a lapsed session failed", exc_info=ending.exception())
 

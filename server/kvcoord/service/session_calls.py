@@ -82,8 +82,11 @@ class SessionCalls(ServicerCore):
     @map_errors
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         service = self.registry.for_attach(request.pool)
-        while self.registry.locks.busy(service.name):
-            # a lapsed session's requests are freed in slices (its end, then this Attach)
+        while (ending := self.expiring.get(service.name)) is not None and not ending.done():
+            # a lapsed session's requests are freed in slices: its end, then this Attach
+            # (after the calls waiting for the pool meanwhile, as any call on it; its
+            # failure is logged by the servicer, not this call's)
+            await asyncio.wait([ending])
             await self.registry.locks.wait(service.name)
             service = self.registry.for_attach(request.pool)
         tenant = current_tenant()

@@ -14,7 +14,7 @@ from kvcoord.wire import add_events, events_digest, stats_to_pb
 from . import operations as op
 from .convert import allocate_from_pb, allocate_to_pb, fence_to_pb, operation_from_pb, write_results
 from .errors import ServiceError
-from .long_syncs import allocate_in_slices, is_long
+from .long_syncs import allocate_in_slices, decode_in_slices, is_long, is_long_decode
 from .mutations import Mutation
 from .observers import OperationObserver
 from .pool_service import Fence, PoolService, drain
@@ -199,11 +199,14 @@ def step_slices(
             yield
     else:
         ops = []
-        for o in wire:  # (a long AllocateOp's tokens read in slices: long_syncs.py)
-            long = every and o.WhichOneof("op") == "allocate" and is_long(o.allocate)
-            ops.append(
-                (yield from allocate_in_slices(o.allocate, groups)) if long else operation_from_pb(o, groups)
-            )
+        for o in wire:  # (a long AllocateOp's tokens, a long DecodeOp, read in slices: long_syncs.py)
+            kind = o.WhichOneof("op") if every else None
+            if kind == "allocate" and is_long(o.allocate):
+                ops.append((yield from allocate_in_slices(o.allocate, groups)))
+            elif kind == "decode" and is_long_decode(o):
+                ops.append((yield from decode_in_slices(o, groups)))
+            else:
+                ops.append(operation_from_pb(o, groups))
     seconds = 0.0
     work = service.applying(s, ops, every)
     while True:

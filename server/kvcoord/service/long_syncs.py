@@ -7,8 +7,9 @@ with at least :data:`LONG_SYNC_TOKENS` tokens is read here instead:
 between slices), the rest of the operation by convert.py as before, from a copy of it
 without them; the result is the one :func:`convert.allocate_from_pb` gives. The tokens
 are handed to the engine (:class:`~kvcoord.engine.HandedTokenIds`: it keeps the list
-read here instead of copying it, 7-18 ms for 1,048,576 tokens). Plain Python; no gRPC,
-no I/O.
+read here instead of copying it, 7-18 ms for 1,048,576 tokens). A DecodeOp of more than
+:data:`LONG_DECODE_ENTRIES` entries has its columns read here the same way
+(:func:`decode_in_slices`). Plain Python; no gRPC, no I/O.
 """
 
 from __future__ import annotations

@@ -3,7 +3,10 @@
 A large Step is applied a slice at a time, the event loop serving other pools
 between slices (mutations.py); so is a large allocation (an Allocate call, or an
 AllocateOp of a Step, of at least pool_allocations.SLICED_ALLOCATE_TOKENS tokens: its
-blocks are taken and cached 256 at a time, engine.KVCachePool.allocating_slots). Meanwhile nothing else may read or change that
+blocks are taken and cached 256 at a time, engine.KVCachePool.allocating_slots), a long
+DecodeOp (pool_allocations.DECODE_SLICE_ENTRIES entries at a time) and the end of a
+session owning many requests (Detach, lease expiry: MutationRunner.start_holding,
+registry.END_SLICE_REQUESTS requests at a time). Meanwhile nothing else may read or change that
 pool: every call naming it waits for the lock first (servicer.py's guard), keyed
 calls hold it while they apply (so calls on one pool still run one at a time, in
 arrival order), and what reads every pool (ListPools, ScorePools, a metrics

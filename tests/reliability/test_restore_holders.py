@@ -224,6 +224,27 @@ def test_a_restore_detected_while_a_reservation_is_live_empties_the_prefix_cache
         server.stop()
 
 
+def _restored_after_telling_more(
+    toml: str, data: Path, copy: Path, settings: dict[str, Any]
+) -> tuple[Any, InProcessServer]:
+    """A server on ``data`` where worker a allocates a1, the volume is copied, a2 is
+    allocated (worker a is told more than the copy holds), and the copy is put back: a
+    server started on the restored volume, and worker a's session (its fence names a
+    position the restored journal does not hold)."""
+    s1 = InProcessServer(toml, data_dir=str(data), **settings).start()
+    try:
+        with KVCoordClient(s1.address, timeout=30) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=5)
+            _alloc(c, a, "a1", 8)
+            subprocess.run(["cp", "-a", str(data), str(copy)], check=True)  # the volume snapshot
+            _alloc(c, a, "a2", 8)
+    finally:
+        s1.stop(snapshot=False)
+    shutil.rmtree(data)
+    shutil.move(str(copy), str(data))
+    return a, InProcessServer(toml, data_dir=str(data), **settings).start()
+
+
 def _pool(name: str, n: int) -> str:
     return small_pool(n).replace('name = "p"', f'name = "{name}"')
 
@@ -241,18 +262,7 @@ def test_a_restore_detected_while_another_pool_is_mid_step(tmp_path: Path) -> No
         session_lease_seconds=5.0, max_session_lease_seconds=5.0, idempotency_window_seconds=20.0,
         synchronous="NORMAL",
     )  # fmt: skip
-    s1 = InProcessServer(toml, data_dir=str(data), **settings).start()
-    try:
-        with KVCoordClient(s1.address, timeout=30) as c:
-            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=5)
-            _alloc(c, a, "a1", 8)
-            subprocess.run(["cp", "-a", str(data), str(copy)], check=True)  # the volume snapshot
-            _alloc(c, a, "a2", 8)  # worker a is told more than the copy holds
-    finally:
-        s1.stop(snapshot=False)
-    shutil.rmtree(data)
-    shutil.move(str(copy), str(data))
-    s2 = InProcessServer(toml, data_dir=str(data), **settings).start()
+    a, s2 = _restored_after_telling_more(toml, data, copy, settings)
     try:
         with KVCoordClient(s2.address, timeout=60, retry=NO_RETRY) as c:
             b = c.attach("q", "sha256_cbor", 4, "0", "worker-b", lease_seconds=5)  # the copy is believed
@@ -319,18 +329,7 @@ def test_a_restore_whose_prefix_cache_cannot_be_emptied_is_not_called_a_journal_
 
     data, copy = tmp_path / "data", tmp_path / "copy"
     settings: dict[str, Any] = dict(session_lease_seconds=5.0, max_session_lease_seconds=5.0)
-    s1 = InProcessServer(small_pool(64), data_dir=str(data), **settings).start()
-    try:
-        with KVCoordClient(s1.address, timeout=30) as c:
-            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=5)
-            _alloc(c, a, "a1", 8)
-            subprocess.run(["cp", "-a", str(data), str(copy)], check=True)  # the volume snapshot
-            _alloc(c, a, "a2", 8)  # worker a is told more than the copy holds
-    finally:
-        s1.stop(snapshot=False)
-    shutil.rmtree(data)
-    shutil.move(str(copy), str(data))
-    s2 = InProcessServer(small_pool(64), data_dir=str(data), **settings).start()
+    a, s2 = _restored_after_telling_more(small_pool(64), data, copy, settings)
     try:
         monkeypatch.setattr(PoolService, "reset_prefix_cache", lambda self: False)
         with KVCoordClient(s2.address, timeout=30, retry=NO_RETRY) as c:

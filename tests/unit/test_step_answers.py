@@ -11,7 +11,7 @@ from kvcoord.service import operations as op
 from kvcoord.service.bounds import check_request, check_request_slices
 from kvcoord.service.convert import allocate_from_pb, operation_from_pb, write_outcome, write_results
 from kvcoord.service.errors import ErrorReason, Position, ServiceError, Status
-from kvcoord.service.mutations import serialized_slices
+from kvcoord.service.mutation_bodies import serialized_slices
 from kvcoord.service.pool_service import Limits, drain
 from kvcoord.v1 import allocator_pb2 as pb
 

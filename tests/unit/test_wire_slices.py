@@ -11,7 +11,7 @@ import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvcoord.service import mutations, wire_slices
+from kvcoord.service import mutation_bodies, mutations, wire_slices
 from kvcoord.service.wire_slices import parse_in_turns, parse_slices
 from kvcoord.v1 import allocator_pb2 as pb
 from support import drive
@@ -168,9 +168,9 @@ def test_a_step_serialized_and_hashed_in_slices_is_serialized_and_hashed_at_once
         pool="p", session_id="s", idempotency_key="k", fence=pb.Fence(instance_id="o"), include_state=True,
         ops=[_operation(k, r, t) for k, r, t in ops],
     )  # fmt: skip
-    body, digest = drive(mutations.keyed_body_slices(request, every))[0]
+    body, digest = drive(mutation_bodies.keyed_body_slices(request, every))[0]
     assert body == request.SerializeToString(deterministic=True)
-    assert digest == mutations.request_digest(request)
+    assert digest == mutation_bodies.request_digest(request)
 
 
 @settings(max_examples=60, deadline=None)
@@ -191,11 +191,11 @@ def test_an_answer_serialized_in_slices_is_serialized_at_once(
         events=[pb.KVEvent(all_blocks_cleared=pb.AllBlocksCleared()) for _ in range(events)],
         events_more=more,
     )
-    parts = drive(mutations.repeated_slices(answer, "results", every))[0]
-    assert mutations.joined(answer, "results", parts) == answer.SerializeToString()
+    parts = drive(mutation_bodies.repeated_slices(answer, "results", every))[0]
+    assert mutation_bodies.joined(answer, "results", parts) == answer.SerializeToString()
 
 
-@pytest.mark.parametrize("body_bytes", [0, 10_000, mutations.DIGEST_SLICE_BYTES - 200])
+@pytest.mark.parametrize("body_bytes", [0, 10_000, mutation_bodies.DIGEST_SLICE_BYTES - 200])
 def test_a_keyed_body_of_one_slice_is_digested_without_a_turn_of_the_loop(body_bytes: int) -> None:
     """Each yield of the keyed call's serializing is a turn of the event loop (an
     ``await asyncio.sleep(0)`` in MutationRunner.run): a decode Step's 10 kB took one
@@ -203,18 +203,18 @@ def test_a_keyed_body_of_one_slice_is_digested_without_a_turn_of_the_loop(body_b
     request = pb.StepRequest(pool="p", session_id="s", idempotency_key="k" * 32)
     if body_bytes:
         request.ops.add().free.request_id = "r" * body_bytes
-    (body, digest), yields = drive(mutations.keyed_body_slices(request, mutations.SERIALIZE_SLICE_OPS))
+    (body, digest), yields = drive(mutation_bodies.keyed_body_slices(request, mutations.SERIALIZE_SLICE_OPS))
     assert yields == 0
     assert body == request.SerializeToString(deterministic=True)
-    assert digest == mutations.request_digest(request)
+    assert digest == mutation_bodies.request_digest(request)
 
 
 def test_a_keyed_body_past_one_slice_is_still_digested_a_slice_at_a_time() -> None:
     request = pb.StepRequest(pool="p", session_id="s", idempotency_key="k" * 32)
-    request.ops.add().free.request_id = "r" * (2 * mutations.DIGEST_SLICE_BYTES + 1)
-    (body, digest), yields = drive(mutations.keyed_body_slices(request, mutations.SERIALIZE_SLICE_OPS))
+    request.ops.add().free.request_id = "r" * (2 * mutation_bodies.DIGEST_SLICE_BYTES + 1)
+    (body, digest), yields = drive(mutation_bodies.keyed_body_slices(request, mutations.SERIALIZE_SLICE_OPS))
     assert yields == 3
-    assert digest == mutations.request_digest(request)
+    assert digest == mutation_bodies.request_digest(request)
 
 
 def test_one_large_operation_is_parsed_in_slices_too() -> None:

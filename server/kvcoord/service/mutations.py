@@ -41,7 +41,6 @@ from .mutation_bodies import (
     keyed_body_slices,
     repeated_slices,
     request_digest,
-    serialized_slices,
     small_body,
     take_events_budget,
 )
@@ -54,13 +53,6 @@ __all__ = [
     "SLICE_SECONDS",
     "Mutation",
     "MutationRunner",
-    "body_digest",
-    "joined",
-    "keyed_body_slices",
-    "repeated_slices",
-    "request_digest",
-    "serialized_slices",
-    "take_events_budget",
 ]
 
 

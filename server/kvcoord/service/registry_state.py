@@ -14,7 +14,7 @@ from kvcoord.engine import PrefixCacheStats
 from kvcoord.engine.state import STATE_VERSION, event_from_value, event_to_value
 from kvcoord.v1 import allocator_pb2 as pb
 
-from .mutations import take_events_budget
+from .mutation_bodies import take_events_budget
 from .pool_service import Limits, PoolService
 from .registry import PoolRegistry
 from .sessions import Session

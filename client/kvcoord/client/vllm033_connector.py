@@ -245,6 +245,8 @@ class AdapterConnector033:
         return []
 
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> Any:
-        if request_id not in self._held:
-            return tuple([] for _ in range(self.num_kv_cache_groups))  # no table, as vLLM answers
+        if request_id not in self._held or request_id in self.remote033.tracker.lost:
+            # no table, as vLLM answers (a lost request finishing before the scheduler
+            # preempted it holds none: its session's blocks are gone)
+            return tuple([] for _ in range(self.num_kv_cache_groups))
         return self.remote033.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)

@@ -437,9 +437,9 @@ class KVCoordKVCacheManager(AdapterLosses):
 
     @absorbing(lambda self, *_: tuple([] for _ in range(self.num_kv_cache_groups)))
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        if request_id not in self._held:
-            # never allocated here, or freed (vLLM's scheduler asks when a connector's
-            # request finishes, scheduled or not): no table, as vLLM answers
+        if request_id not in self._held or request_id in self.remote.tracker.lost:
+            # never allocated here, freed, or lost with its session (vLLM's scheduler asks
+            # when a connector's request finishes, scheduled or not): no table, as vLLM answers
             return tuple([] for _ in range(self.num_kv_cache_groups))
         return self.remote.get_block_ids(request_id)
 

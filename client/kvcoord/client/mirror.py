@@ -62,8 +62,11 @@ class MirrorUnavailableError(Exception):
 
 
 def engine_error(err: EngineError) -> KVCoordError:
-    """The client's typed error for an engine refusal (what the server would answer)."""
-    return error_from_code(getattr(grpc.StatusCode, err.status.value), str(err))
+    """The client's typed error for an engine refusal: what the server answers, made
+    from the same two values the server maps (the engine error's status and reason),
+    so a request the pool does not hold is a ``RequestUnknownError``, never a plain
+    ``NotFoundError`` (which says the pool is gone)."""
+    return error_from_code(getattr(grpc.StatusCode, err.status.value), str(err), reason=err.reason)
 
 
 class Mirror:

@@ -2,8 +2,11 @@
 
 Every error the engine raises on bad input derives from :class:`EngineError` and
 names the status it deserves through :class:`ErrorStatus` (our own enum, so the
-engine never imports gRPC). The service maps the status to a gRPC code in one
-place. An engine call that raises has changed nothing.
+engine never imports gRPC), and, when the caller must act on it, the reason
+(``reason``: the name of the proto's ``ErrorReason``). The service maps the status to
+a gRPC code in one place; an exclusive session's mirror (``kvcoord.client.mirror``)
+raises what the server answers from the same two values. An engine call that raises
+has changed nothing.
 
 Hierarchy::
 
@@ -49,6 +52,8 @@ class EngineError(Exception):
     """Base class of every error the engine raises on bad input."""
 
     status: ErrorStatus = ErrorStatus.INVALID_ARGUMENT
+    #: the proto's ``ErrorReason`` name the refusal is answered with ("" for none)
+    reason: str = ""
 
 
 class InvalidArgumentError(EngineError):
@@ -65,6 +70,8 @@ class RequestNotFoundError(EngineError):
     """The request id is not known to this pool."""
 
     status = ErrorStatus.NOT_FOUND
+    #: a request, not the pool: a caller must not take it for a pool that is gone
+    reason = "REQUEST_UNKNOWN"
 
 
 class RequestExistsError(EngineError):
@@ -100,3 +107,5 @@ class BlockNotRetainedError(FailedPreconditionError):
     """A release names a block the pool does not retain for a copy-on-write pair (or
     more times than it does): releasing it would drop a reference a request or
     another pair holds. Nothing was released."""
+
+    reason = "BLOCK_NOT_RETAINED"

@@ -16,7 +16,6 @@ from typing import Any, TypeVar
 
 import grpc
 from kvcoord.engine import EngineError, ErrorStatus
-from kvcoord.engine.errors import BlockNotRetainedError
 
 from .journal import JournalError
 
@@ -184,10 +183,15 @@ def as_service_error(exc: Exception) -> ServiceError:
     if isinstance(exc, ServiceError):
         return exc
     if isinstance(exc, EngineError):
-        reason = ErrorReason.BLOCK_NOT_RETAINED if isinstance(exc, BlockNotRetainedError) else None
-        return ServiceError(_ENGINE_STATUSES[exc.status], bounded(str(exc)), reason)
+        return ServiceError(_ENGINE_STATUSES[exc.status], bounded(str(exc)), engine_reason(exc))
     logger.exception("internal error", exc_info=exc)
     return ServiceError(Status.INTERNAL, INTERNAL_MESSAGE)
+
+
+def engine_reason(exc: EngineError) -> ErrorReason | None:
+    """The reason an engine error is answered with (its own: ``EngineError.reason``,
+    which the client's mirror raises too, so the two never differ)."""
+    return ErrorReason[exc.reason] if exc.reason else None
 
 
 def grpc_code(exc: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -210,7 +214,7 @@ def grpc_code(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def _trailers(exc: BaseException) -> tuple[tuple[str, str], ...]:
-    reason = getattr(exc, "reason", None)
+    reason = engine_reason(exc) if isinstance(exc, EngineError) else getattr(exc, "reason", None)
     if reason is None:
         return ()
     owner = getattr(exc, "owner", None)

@@ -18,7 +18,7 @@ from kvcoord.client.errors import GracePeriodError, KVCoordError
 from kvcoord.client.testing import start_server
 from kvcoord.service import lease_marker
 from kvcoord.service.lease_marker import LeaseMarker
-from kvcoord.service.testing import InProcessServer
+from kvcoord.service.testing import InProcessServer, ManualClock
 from support import pool_toml
 
 
@@ -197,3 +197,56 @@ def test_a_sigkill_while_the_marker_is_written_on_its_thread_leaves_a_bound_the_
         assert refused and time.monotonic() >= last_answered + lease
     finally:
         server.stop()
+
+
+def test_a_clean_stop_gives_the_data_directory_back_only_after_the_markers_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server stopped while its marker thread's write is in flight (held here until
+    released): the data directory's lock is given back only once that write is done,
+    and the thread is gone when stop() returns. (Before, the lock was given back at
+    once: a second server started on the directory then could have its marker
+    overwritten by this one's late write.)"""
+    lease, clock = 6.0, ManualClock()
+    server = InProcessServer(
+        pool_toml("p", 64), clock=clock, data_dir=str(tmp_path / "data"), durability="none",
+        session_lease_seconds=lease, max_session_lease_seconds=lease, idempotency_window_seconds=4 * lease,
+    ).start()  # fmt: skip
+    running = server.running
+    assert running is not None and running.startup is not None and running.data_dir_lock is not None
+    marker, lock = running.startup.marker, running.data_dir_lock
+    assert marker is not None
+    order: list[str] = []
+    gate, writing = threading.Event(), threading.Event()
+    real, release = lease_marker.write_synced, lock.release
+
+    def held(path: Path, text: str) -> None:
+        writing.set()
+        assert gate.wait(30)
+        real(path, text)
+        order.append("marker written")
+
+    def released() -> None:
+        order.append("lock released")
+        release()
+
+    monkeypatch.setattr(lock, "release", released)
+    stopping = threading.Thread(target=server.stop)
+    try:
+        with KVCoordClient(server.address, timeout=30) as c:
+            s = c.attach("p", "sha256_cbor", 4, "0", "worker")  # (the marker is written on the loop)
+            monkeypatch.setattr(lease_marker, "write_synced", held)
+            clock.advance(lease / 2 + 1)  # past half the headroom: a renewal starts the thread
+            c.heartbeat(s.session_id, s.fence)
+        assert writing.wait(30)
+        stopping.start()
+        stopping.join(0.5)
+        assert order == [], order  # the write is in flight: the directory stays held
+    finally:
+        gate.set()
+        if stopping.ident is None:  # (failed before stopping)
+            server.stop()
+        else:
+            stopping.join(60)
+    assert order == ["marker written", "lock released"]
+    assert marker._refresher is not None and not marker._refresher.is_alive()

@@ -18,7 +18,10 @@ moves back: every write of the file, by any instance in this process, is made
 under one lock and keeps at least the bound it replaces. A SIGKILL while a write is
 in flight leaves the file as it was (it is replaced atomically), which covers every
 lease granted; a process ending normally waits for the write (the thread is not a
-daemon).
+daemon). A server stopping joins the thread (:meth:`LeaseMarker.close`) before it gives
+the data directory's lock back, so no write of this instance can land once another
+server may hold the directory; one not done within the bound keeps the lock until the
+process ends (after the write: the thread is not a daemon).
 
 The bound is written on the wall clock and on the monotonic clock with the boot id
 (deadlines.DurableDeadline): a restart on the same boot counts on the monotonic clock,
@@ -96,6 +99,8 @@ class LeaseMarker:
         #: its last write failed: none is started again until a write on the caller's
         #: thread succeeds (that one raises MarkerWriteError if it fails too)
         self._refresh_failed = False
+        #: closed (the server stops): no thread is started again
+        self._closed = False
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def previous_leases_remaining(self) -> float | None:
@@ -143,9 +148,25 @@ class LeaseMarker:
             self.write(lease_seconds + self.max_lease)
         self._refresh_failed = False
 
+    def close(self, timeout: float) -> bool:
+        """No thread moves the bound forward from now on, and the one at it (if any) is
+        waited for, at most ``timeout`` seconds: False if its write is still in flight
+        (the data directory must then stay held until the process ends)."""
+        self._closed = True
+        refresher = self._refresher
+        if refresher is None:
+            return True
+        refresher.join(timeout)
+        return not refresher.is_alive()
+
     def _refresh(self, lease_seconds: float) -> None:
-        """Move the bound forward on a thread (unless one is at it, or failed last)."""
-        if self._refresh_failed or (self._refresher is not None and self._refresher.is_alive()):
+        """Move the bound forward on a thread (unless one is at it, or failed last, or
+        the marker is closed)."""
+        if (
+            self._closed
+            or self._refresh_failed
+            or (self._refresher is not None and self._refresher.is_alive())
+        ):
             return
         self._refresher = threading.Thread(
             target=self._refreshing, args=(lease_seconds,), name="kvcoord-lease-marker"

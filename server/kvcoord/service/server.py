@@ -50,6 +50,9 @@ async def _close_journal(recorder: object) -> None:
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Allocator"].full_name
+#: how long a stopping server waits for a lease marker write in flight before it gives
+#: the data directory back (lease_marker.py)
+MARKER_JOIN_SECONDS = 30.0
 
 
 @dataclasses.dataclass
@@ -117,8 +120,23 @@ class RunningServer:
                 if self.cluster is not None:  # nothing is served any more: the claims go
                     await self.cluster.stop()
             finally:
-                if self.data_dir_lock is not None:  # the journal is closed: another server may start
-                    self.data_dir_lock.release()
+                await self._release_data_dir()
+
+    async def _release_data_dir(self) -> None:
+        """Give the data directory back, once the journal is closed and no write of the
+        lease marker is in flight (another server may start on it then); a marker write
+        not done within MARKER_JOIN_SECONDS keeps it held until this process ends (which
+        waits for the write)."""
+        if self.data_dir_lock is None:
+            return
+        marker = self.startup.marker if self.startup is not None else None
+        if marker is not None and not await asyncio.to_thread(marker.close, MARKER_JOIN_SECONDS):
+            logger.error(
+                "the lease marker's write did not end within %.0f s: the data directory stays locked until "
+                "this process ends", MARKER_JOIN_SECONDS,
+            )  # fmt: skip
+            return
+        self.data_dir_lock.release()
 
     async def _snapshot_and_close(self, snapshot: bool) -> None:
         recorder = self.servicer.registry.recorder

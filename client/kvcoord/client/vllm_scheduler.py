@@ -84,14 +84,21 @@ class TransfersOutstandingError(RuntimeError):
 class _Before:
     """What a schedule() call may change before a manager call fails in it: the queues
     and the ids of the previous step (the fields of the requests it looks up or
-    allocates for are kept by the manager, at their first such call: ``seen``)."""
+    allocates for are kept by the manager, at their first such call: ``seen``); under
+    vLLM 0.33 also the queue of waiting requests that hold blocks (drained first), the
+    waiting requests a step skipped, and the prefills in flight (whose reservation
+    each step asks the manager for)."""
 
-    __slots__ = ("previous", "running", "waiting")
+    __slots__ = ("deferred", "holding", "inflight", "previous", "running", "waiting")
 
     def __init__(self, scheduler: Any) -> None:
         self.running = list(scheduler.running)
         self.waiting = list(scheduler.waiting)
         self.previous = set(scheduler.prev_step_scheduled_req_ids)
+        holding = getattr(scheduler, "kv_holding_waiting", None)
+        self.holding = list(holding) if holding is not None else []
+        self.deferred = set(getattr(scheduler, "deferred_waiting", ()))
+        self.inflight = set(getattr(scheduler, "_inflight_prefills", ()))
 
 
 class _OnKVCoord:
@@ -164,9 +171,9 @@ class _OnKVCoord:
             except (RequestsLostError, *OUTAGE_ERRORS) as err:
                 lost = isinstance(err, RequestsLostError)
                 lost_ids: set[str] = set(err.request_ids) if isinstance(err, RequestsLostError) else set()
-                if lost:
-                    self._lost_during_transfers(lost_ids)
                 self._undo(before, lost_ids, held)
+                if lost:  # (after the undo, which would put back what it changes)
+                    self._lost_during_transfers(lost_ids)
                 cause = err.cause if isinstance(err, RequestsLostError) else err
                 outage = isinstance(cause, OUTAGE_ERRORS)
                 if lost:
@@ -368,18 +375,28 @@ class _OnKVCoord:
         running request it allocated for or that is lost is preempted (the manager may
         have given it blocks the worker will never hear of), and those it preempted
         stay preempted. Waiting requests it admitted are waiting again as they were
-        (their blocks freed), so they are scheduled as new."""
+        (their blocks freed, and out of vLLM 0.33's prefills in flight), so they are
+        scheduled as new; but one it admitted to an asynchronous KV load stays admitted
+        as vLLM left it (waiting for the load, its blocks kept): the connector was told
+        to load into its blocks, and nothing can take that back (a loss that cut the
+        call short makes it a lost load, as any: see _lost_during_transfers)."""
         self.kvcoord_undone += 1
         allocated, seen = self.kvcoord.allocated, self.kvcoord.seen
         now = time.monotonic()
-        for r in before.waiting:
+        inflight = getattr(self, "_inflight_prefills", None)
+        loading = RequestStatus.WAITING_FOR_REMOTE_KVS
+        for r in (*before.holding, *before.waiting):
             fields = seen.get(r.request_id)
             if fields is None:
                 continue  # not looked at by the call
+            if r.status == loading and fields[0] != loading:
+                continue  # admitted to an asynchronous load by the call: kept
             if r.request_id in allocated:
                 self.kv_cache_manager.free(r)
                 self.encoder_cache_manager.free(r)  # type: ignore[attr-defined]
             r.status, r.num_computed_tokens, r.num_cached_tokens, r.num_external_computed_tokens = fields
+            if inflight is not None and r not in before.inflight:
+                inflight.discard(r)
         keep, preempt, preempted = [], [], []
         for r in before.running:
             if r.status != RequestStatus.RUNNING:
@@ -391,8 +408,15 @@ class _OnKVCoord:
         self.running = keep
         waiting = self.waiting
         waiting.remove_requests(list(waiting))
-        for r in before.waiting:
-            waiting.add_request(r)
+        holding = getattr(self, "kv_holding_waiting", None)
+        if holding is not None:  # (vLLM 0.33)
+            holding.remove_requests(list(holding))
+            self.deferred_waiting.clear()  # type: ignore[attr-defined]
+            self.deferred_waiting.update(before.deferred)  # type: ignore[attr-defined]
+        # vLLM 0.33 queues a waiting request by whether it holds blocks (an admitted load)
+        enqueue = getattr(self, "_enqueue_waiting_request", waiting.add_request)
+        for r in (*before.holding, *before.waiting):
+            enqueue(r)
         previous = self.prev_step_scheduled_req_ids  # type: ignore[attr-defined]
         previous.clear()
         previous.update(before.previous)

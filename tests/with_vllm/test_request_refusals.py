@@ -50,5 +50,5 @@ def test_a_request_the_mirror_does_not_hold_is_not_a_lost_pool(
         run_workload(scheduler, seed=3, steps=40, async_overlap=False, aborts=False, on_step=on_step)
     finally:
         scheduler.shutdown()
-    assert forgotten and scheduler.kvcoord_outages == 1, (forgotten, scheduler.kvcoord_outages)
+    assert forgotten and scheduler.kvcoord_outages >= 1, (forgotten, scheduler.kvcoord_outages)
     assert created == [], f"the pool was created again {len(created)} times for a request's refusal"

@@ -4,7 +4,7 @@ predicted one (``KVCoordScheduler``, ``KVCOORD_PREDICT=1``), in one process.
     KVCOORD_VENV=$(scripts/install_vllm.sh --print-venv)
     PYTHONPATH=client:server:tests PYTHONHASHSEED=0 $KVCOORD_VENV/bin/python bench/vllm_calls.py \\
         [--running 256] [--layout full] [--kind sync] [--steps 150] [--warmup 150] [--interleave] \
-        [--engine-build DIR]
+        [--model-ms 0] [--engine-build DIR]
 
 The workload is ``bench/vllm_step.py``'s. Each manager method the scheduler calls is
 wrapped and timed with the calling thread's CPU clock (``time.thread_time``), which a
@@ -18,6 +18,12 @@ included; the server's CPU is not). With ``--interleave`` the two schedulers ste
 turns (one step each, each on its own thread), so that a machine whose load moves
 during the run moves both sides alike: the per-call figures to read on a shared
 machine (the process CPU is then not given).
+
+``--model-ms X``: the model runs X ms between ``schedule()`` and ``update_from_output()``
+(a sleep, as ``bench/vllm_step.py``'s: the GIL released, as vLLM's engine core waits for
+its workers), when a predicted session's sender thread writes, sends and checks the Step
+cut at the step before. With 0 (the default) that thread's work takes the GIL during the
+scheduler's calls, and a call that hands it over pays the switch in its thread CPU.
 
 ``--engine-build DIR``: kvcoord's engine (the client's predictions and the server) is
 the compiled one built in DIR (``python bench/compile_engine.py DIR`` with a Python
@@ -126,14 +132,16 @@ class _Side:
         return out
 
 
-def measure(sched: Any, n: int, steps: int, warmup: int) -> dict[str, float]:
+def measure(sched: Any, n: int, steps: int, warmup: int, model_s: float = 0.0) -> dict[str, float]:
     side = _Side(sched, warmup)
     freeze_heap()
-    run(sched, n, steps + warmup, seed=n, counter=None, between=side.between)
+    run(sched, n, steps + warmup, seed=n, counter=None, between=side.between, model_s=model_s)
     return side.result(steps)
 
 
-def measure_interleaved(scheds: list[Any], n: int, steps: int, warmup: int) -> list[dict[str, float]]:
+def measure_interleaved(
+    scheds: list[Any], n: int, steps: int, warmup: int, model_s: float = 0.0
+) -> list[dict[str, float]]:
     """Both schedulers step in turns, each on a thread of its own (one steps while the
     other waits), so that the machine's load moves both sides' figures alike; the
     process CPU is not given (a sender thread may work during the other's turn)."""
@@ -153,7 +161,7 @@ def measure_interleaved(scheds: list[Any], n: int, steps: int, warmup: int) -> l
 
         turns[i].acquire()
         try:
-            run(side.sched, n, total, seed=n, counter=None, between=between)
+            run(side.sched, n, total, seed=n, counter=None, between=between, model_s=model_s)
             results[i] = side.result(steps, process=False)
         finally:
             turns[1 - i].release()  # (the other side ends alone)
@@ -177,6 +185,7 @@ def main() -> None:
     ap.add_argument(
         "--interleave", action="store_true", help="both managers step in turns (see measure_interleaved)"
     )
+    ap.add_argument("--model-ms", type=float, default=0.0, help="the model's run per step (a sleep), ms")
     ap.add_argument(
         "--engine-build", metavar="DIR", help="the compiled engine built in DIR (client and server)"
     )
@@ -203,15 +212,17 @@ def main() -> None:
         cls = KVCoordAsyncScheduler if args.kind == "async" else KVCoordScheduler
         if args.interleave:
             remote = make_scheduler(cls, config(), kv_cache_config(args.layout, blocks))
-            base, got = measure_interleaved([theirs, remote], n, args.steps, args.warmup)
+            base, got = measure_interleaved([theirs, remote], n, args.steps, args.warmup, args.model_ms / 1e3)
         else:
-            base = measure(theirs, n, args.steps, args.warmup)
+            base = measure(theirs, n, args.steps, args.warmup, args.model_ms / 1e3)
             remote = make_scheduler(cls, config(), kv_cache_config(args.layout, blocks))
-            got = measure(remote, n, args.steps, args.warmup)
+            got = measure(remote, n, args.steps, args.warmup, args.model_ms / 1e3)
         remote.shutdown()
     finally:
         server.stop()
-    print(f"{n} running, {args.layout}, {args.kind}: {'':<24} {'vLLM':>9} {'kvcoord':>9} {'x':>6}")
+    print(
+        f"{n} running, {args.layout}, {args.kind}, model {args.model_ms:g} ms: {'':<12} {'vLLM':>9} {'kvcoord':>9} {'x':>6}"
+    )
     for key, value in base.items():
         if key in got:
             print(f"{key:<48} {value:9.2f} {got[key]:9.2f} {got[key] / value:6.2f}")

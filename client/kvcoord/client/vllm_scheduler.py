@@ -312,6 +312,19 @@ class _OnKVCoord:
         finally:
             manager.absorbing = False
 
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+        """vLLM's finish_requests(), which its engine core calls between steps (a client
+        gone, a stop string the frontend met): an exception there ends the engine. A
+        loss or an outage met in it (the first call to see a session the server ended)
+        is kept for the next schedule(), as in update_from_output(); the request is
+        finished either way (a lost request's blocks went with its session)."""
+        manager = self.kvcoord
+        was, manager.absorbing = manager.absorbing, True
+        try:
+            return super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
+        finally:
+            manager.absorbing = was
+
     def _pool_gone(self, err: Exception) -> bool:
         """A server that lost the pool (restarted empty): create it again if allowed."""
         if type(err) is NotFoundError:  # the pool (a session or request has its own reason)

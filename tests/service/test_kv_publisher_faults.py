@@ -1,5 +1,5 @@
 """A ``[[kv_events]]`` publisher over real ZMQ sockets when things go wrong: a
-subscriber away for longer than the replay buffer keeps, a batch that cannot be sent
+subscriber away for longer than the replay buffer keeps (or across a restart), a batch that cannot be sent
 (a full disk under the batch-number reservation), a publisher thread that stopped, and
 replay requests whose answers are never read.
 
@@ -167,6 +167,74 @@ def test_a_subscriber_away_longer_than_the_replay_buffer_gets_the_pools_blocks()
     finally:
         if sub is not None:
             sub.close()
+        srv.stop()
+
+
+class PresenceSubscriber(Subscriber):
+    """docs/routing.md's loop, its index whether each hash is cached (no counts)."""
+
+    def __init__(self, publisher: KVEventPublisher) -> None:
+        super().__init__(publisher)
+        self.present: set[bytes] = set()
+
+    def apply(self, payload: bytes) -> None:
+        _ts, events, _rank = msgspec.msgpack.decode(payload)
+        self.batches.append(events)
+        for e in events:
+            if e[0] == "BlockStored":
+                self.present.update(e[1])
+            elif e[0] == "BlockRemoved":
+                self.present.difference_update(e[1])
+            else:
+                self.present.clear()
+
+
+@pytest.mark.parametrize("snapshot", [True, False])
+def test_a_subscriber_away_across_a_restart_keeps_no_block_the_pool_evicted(
+    tmp_path: Path, snapshot: bool
+) -> None:
+    """Away across a restart (a data directory), for longer than the replay buffer and
+    the pool's event buffer keep: every block it knew is evicted meanwhile, and the
+    restarted publisher's first batch cannot re-send those removals (dropped from the
+    pool's event buffer, so it has no clear either). Its replay from a number of the
+    old process is answered with the snapshot, as one the buffer dropped. It used to be
+    answered with the new process's batches alone, and the subscriber kept hashes the
+    pool no longer caches (15 of them here), silently. With a presence index, for
+    which docs/routing.md says the restart's re-send ends exact."""
+    config = (
+        POOL.replace('topic = "kv"', 'topic = "kv"\nbuffer_steps = 5') + "\n[limits]\nevent_buffer = 40\n"
+    )
+    data = str(tmp_path / "data")
+    rnd = random.Random(1)
+    srv = InProcessServer(config, data_dir=data).start()
+    try:
+        sub = PresenceSubscriber(srv.running.publishers.publishers["p"])  # type: ignore[union-attr]
+        sub.connect()
+        with KVCoordClient(srv.address, timeout=10) as client:
+            worker = PoolWorker(client, "p", client.get_pool("p").pool.config, rnd)
+            for _ in range(3):
+                worker.step(_prompt(rnd), None)
+            sub.drain()
+            assert sub.present == set(_cached(srv)) and sub.present
+            known = set(sub.present)
+            sub.close()
+            for _ in range(30):  # every block it knew is evicted meanwhile
+                worker.step(_prompt(rnd), None)
+        time.sleep(0.5)
+        assert not known & set(_cached(srv))
+    finally:
+        srv.stop(snapshot=snapshot)
+    srv = InProcessServer(config, data_dir=data).start()
+    try:
+        sub.publisher = srv.running.publishers.publishers["p"]  # type: ignore[union-attr]
+        time.sleep(0.5)
+        sub.connect()
+        sub.drain()
+        phantoms = sub.present - set(_cached(srv))
+        assert not phantoms, f"{len(phantoms)} hash(es) held that the pool no longer caches"
+        assert any(b and b[0] == ["AllBlocksCleared"] for b in sub.batches[-2:])
+    finally:
+        sub.close()
         srv.stop()
 
 

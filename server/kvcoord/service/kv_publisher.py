@@ -22,13 +22,14 @@ profile: vLLM 0.16.0 for ``vllm-0.16`` pools, 0.33.0 for ``vllm-0.33`` pools):
   topic frame comes first, as on the PUB socket: ``[b"", topic, seq, payload]`` and
   ``[b"", b"", -1, b""]``. ``buffer_steps`` bounds the batches kept, not their bytes;
   the answers refer to the kept payloads (no copy per peer). A request older than
-  the oldest batch kept (the subscriber missed batches this process no longer has)
-  is answered with one batch instead: ``AllBlocksCleared``, then every block the
-  batches sent leave stored, as ``BlockStored``, under the number of the newest batch
-  sent (whose state it is). The replay answers in the format of the pool's current
-  profile (a pool deleted and created again under the other profile is announced
-  with ``AllBlocksCleared``; a subscriber of one vLLM release cannot follow it past
-  that, as it could not follow an engine upgraded in place).
+  the oldest batch kept (the subscriber missed batches this process no longer has,
+  or never had: an earlier process's, before a restart) is answered with one batch
+  instead: ``AllBlocksCleared``, then every block the batches sent leave stored, as
+  ``BlockStored``, under the number of the newest batch sent (whose state it is). The
+  replay answers in the format of the pool's current profile (a pool deleted and
+  created again under the other profile is announced with ``AllBlocksCleared``; a
+  subscriber of one vLLM release cannot follow it past that, as it could not follow
+  an engine upgraded in place).
 
 Only committed events are published (what ``WatchEvents`` would deliver), in journal
 order, so a subscriber that misses nothing holds exactly the pool's prefix-cache map.
@@ -42,12 +43,13 @@ publisher reserves numbers ahead in a small file of the data directory, written 
 synced before it uses them, and a restarted publisher starts past every number
 reserved before, so no number ever names two different batches on the PUB socket (a
 replay's snapshot above stands for every batch up to its number) and a subscriber sees
-the restart as a gap, which it fills from the replay socket. The restarted
-publisher's first batch sends again the events the pool keeps, preceded by
-``AllBlocksCleared`` when they are the pool's whole history (none was dropped from its
-event buffer): applying that batch leaves any index exactly the pool's map. A server
-without a data directory loses its pools in a restart and numbers from 0 again, as a
-restarted vLLM engine does.
+the restart as a gap, which it fills from the replay socket: with the snapshot, as the
+restarted process has none of the batches it missed (until this process's first batch
+is sent, the answer is the end marker alone). The restarted publisher's first batch
+sends again the events the pool keeps, preceded by ``AllBlocksCleared`` when they are
+the pool's whole history (none was dropped from its event buffer): applying that batch
+leaves any index exactly the pool's map. A server without a data directory loses its
+pools in a restart and numbers from 0 again, as a restarted vLLM engine does.
 
 A batch that cannot be sent (a failed reservation write, say) is lost, logged and
 counted (``kvcoord_event_gaps_total{stream="zmq"}``); the next batch starts with
@@ -184,13 +186,21 @@ class KVEventPublisher:
         #: the default, until :func:`follow` sees the pool (follow_profile)
         self.profile = profile
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=decl.buffer_steps)
-        #: the newest number whose batch the buffer dropped (-1: none): a replay from
-        #: it or before cannot be answered whole, and is answered with a snapshot of
-        #: the blocks sent (_serve_replay)
+        #: the newest number whose batch the buffer dropped (-1: none; after a restart,
+        #: at least the last number before this process's first): a replay from it or
+        #: before cannot be answered whole, and is answered with a snapshot of the
+        #: blocks sent (_serve_replay)
         self.dropped_through = -1
         self._published = PublishedBlocks() if self._replay is not None else None
         #: the next batch's sequence number (from the reservation across restarts)
         self.next_sequence = self._reservation.start if self._reservation is not None else 0
+        #: this process's first number. The numbers before it (an earlier process's)
+        #: name batches this one never had, and the pool's re-sent events need not
+        #: reach back to them (its event buffer may have dropped removals since): a
+        #: replay from one of them is answered as one the buffer dropped, with a snapshot
+        self._first_sequence = self.next_sequence
+        if self.next_sequence > 0:
+            self.dropped_through = self.next_sequence - 1
         self.events_sent = 0
         #: batches lost (not sent), and whether the next batch sent must start with a
         #: clear because of it
@@ -323,9 +333,10 @@ class KVEventPublisher:
     def _serve_replay(self) -> None:
         """Answer one replay request: every kept batch numbered ``start_seq`` or more,
         then the end marker. When the buffer dropped a batch numbered ``start_seq`` or
-        more, the subscriber missed events nothing can give it any more (and the kept
-        batches remove blocks it never saw stored): the answer is one batch instead,
-        ``AllBlocksCleared`` then every block the batches sent leave stored, as
+        more, or an earlier process (before a restart) sent it, the subscriber missed
+        events nothing can give it any more (and the kept batches remove blocks it
+        never saw stored, or leave stored blocks removed since): the answer is one batch
+        instead, ``AllBlocksCleared`` then every block the batches sent leave stored, as
         ``BlockStored``, numbered as the newest batch sent (whose state it is: the
         next live batch follows it), then the end marker."""
         frames = self._replay.recv_multipart()
@@ -345,6 +356,13 @@ class KVEventPublisher:
         end = (client, b"") if self.profile == VLLM_016 else (client, b"", b"")
         kept = [(seq, payload) for seq, payload in self._buffer if seq >= first]
         if first <= self.dropped_through and self._published is not None:
+            if self.next_sequence == self._first_sequence:
+                # nothing sent by this process yet: no number of its own can carry the
+                # snapshot (the one before is an earlier process's); the subscriber
+                # asks again when it meets this process's first batch
+                with contextlib.suppress(self._zmq.Again):
+                    send((*end, END_OF_REPLAY, b""), flags=nb)
+                return
             d = self.decl
             events = self._published.snapshot()
             snapshot = encode_batch(time.time(), events, d.data_parallel_rank, d.int_hashes, self.profile)

@@ -39,6 +39,8 @@ class PoolLocks:
         #: called on the loop soon after the last held pool is given back (the registry
         #: tells its recorder: a snapshot put off meanwhile is taken then)
         self.on_idle: Callable[[], None] | None = None
+        #: the futures of the :meth:`wait_all` callers, resolved once no pool is held
+        self._idle: list[asyncio.Future[None]] = []
 
     def take(self, pool: str) -> None:
         """Hold ``pool`` (free now: the caller awaited :meth:`wait` and has not
@@ -56,6 +58,11 @@ class PoolLocks:
                 waiter.set_result(None)
                 return
         del self._held[pool]
+        if not self._held:
+            idle, self._idle = self._idle, []
+            for waiter in idle:
+                if not waiter.done():  # (a caller cancelled meanwhile is skipped)
+                    waiter.set_result(None)
         if not self._held and self.on_idle is not None:
             # Soon, not now: a call applied at once gives its pool back just before it
             # journals its change (mutations.py), and a snapshot taken in between would
@@ -86,9 +93,17 @@ class PoolLocks:
             self.give(pool)
 
     async def wait_all(self) -> None:
-        """Return once no pool is held."""
+        """Return once no pool is held.
+
+        Not by taking a turn in each pool's queue (:meth:`wait`): two callers queued on
+        one held pool would each be handed it and hand it to the other, forever, and the
+        pool would never be free. The callers wait aside instead, and :meth:`give`
+        resolves them all when it frees the last held pool (one taken again before a
+        caller runs on makes it wait again: the loop checks)."""
         while self._held:
-            await self.wait(next(iter(self._held)))
+            idle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._idle.append(idle)
+            await idle
 
     def busy(self, pool: str) -> bool:
         """Whether ``pool`` is held now (a Step is applied to it in slices)."""

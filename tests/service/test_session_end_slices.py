@@ -9,6 +9,7 @@ machine). The bound, 100 ms, is ten times the usual figure and half the stall.""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -104,3 +105,52 @@ def test_a_large_lease_expiry_frees_in_slices(
         with pytest.raises(SessionExpiredError):
             client.heartbeat(r.session_id, r.fence)
     _restarted(make_server, server, data)
+
+
+def test_two_detaches_waiting_for_a_held_pool_end_the_session_once(
+    make_server: Callable[..., InProcessServer], tmp_path: Path
+) -> None:
+    """Two Detaches of one session (a client's retry, a worker's shutdown hook racing
+    its own Detach) waiting for a pool held by a Step applied in slices: the first ends
+    the session, the second is refused as a Detach arriving after the end is. Both used
+    to end it: the journal got two ``detach`` records for it and no restart could
+    replay it ("its detach names session ... which ended before it")."""
+    data = str(tmp_path / "data")
+    n = 64
+    server = make_server(pool_toml("big", n, caching=False), data_dir=data)
+    locks = server.running.servicer.registry.locks
+    with KVCoordClient(server.address, timeout=20) as client:
+        b = client.attach("big", "", 4, "", lease_seconds=60)
+        op = pb.AllocateOp(
+            request=pb.RequestSync(request_id="b1", append_token_ids=list(range(16)), new_request=True),
+            num_new_tokens=16,
+        )
+        assert (
+            not client.step("big", [pb.Operation(allocate=op)], b.session_id, b.fence).results[0].status_code
+        )
+        server.call(lambda: locks.take("big"))  # as a Step applied in slices holds it
+        answers: list[object] = []
+
+        def detach() -> None:
+            with KVCoordClient(server.address, timeout=20) as c:
+                try:
+                    answers.append(c.detach(b.session_id, b.fence).num_freed_requests)
+                except Exception as exc:  # noqa: BLE001
+                    answers.append(exc)
+
+        threads = [threading.Thread(target=detach) for _ in range(2)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)  # both wait for the pool
+        server.call(lambda: locks.give("big"))  # the Step is done
+        for t in threads:
+            t.join(20)
+        assert [a for a in answers if not isinstance(a, Exception)] == [1], answers  # one freed b1
+        assert [type(a) for a in answers].count(SessionExpiredError) == 1, answers
+        info = next(p for p in client.list_pools().pools if p.name == "big")
+        assert (info.num_free_blocks, info.num_requests) == (n - 1, 0)
+    server.stop(snapshot=False)
+    again = make_server(pool_toml("big", n, caching=False), data_dir=data)  # the journal replays
+    with KVCoordClient(again.address, timeout=20) as client:
+        info = next(p for p in client.list_pools().pools if p.name == "big")
+        assert (info.num_free_blocks, info.num_requests) == (n - 1, 0)

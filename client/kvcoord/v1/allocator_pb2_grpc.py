@@ -189,7 +189,8 @@ class AllocatorServicer:
     def Detach(self, request, context):
         """Ends a session, freeing every request it still owns. A Detach (or Heartbeat) of a
         session whose lease ran out is NOT_FOUND (SESSION_EXPIRED) and ends it as lease
-        expiry does, if the reaper had not yet.
+        expiry does, if the reaper had not yet. So is a Detach of a session that ended
+        while the call waited for its pool (another Detach of it, applied first).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

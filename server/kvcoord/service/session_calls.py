@@ -195,6 +195,11 @@ class SessionCalls(ServicerCore):
         service, s = self.registry.session_of(request.session_id, fence_of(request))
 
         def detaching() -> Generator[None, None, int]:
+            # Run once the pool is free, which may be after the session ended meanwhile
+            # (another Detach of it, a proven restore, its pool deleted): such a Detach
+            # is refused as one arriving after the end (else it would journal a second
+            # end, which no restart can replay), and changes nothing.
+            self.registry.session_of(request.session_id, fence_of(request))
             freed = yield from self.registry.ending(s, service)
             self.observer.detached(service.name)
             # recorded after the change: a snapshot the record triggers holds the state after it

@@ -302,3 +302,32 @@ def test_the_manager_reports_the_requests_of_an_unsendable_answer_lost(
         blocks = manager.allocate_slots(x, 800)
         assert blocks is not None and len(blocks.get_block_ids()[0]) == 50
         manager.close()
+
+
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_a_kept_answer_larger_than_a_lowered_limit_says_it_was_applied(
+    make_server: Callable[..., InProcessServer], tmp_path: Path, snapshot: bool
+) -> None:
+    """A Step answered (its answer kept under its key) by a server with a larger
+    max_message_bytes; the server restarts with a smaller one (a config change in a
+    rolling restart) and the client, whose answer was lost, retries under the same key.
+    The kept answer no longer fits: the retry is told ABORTED ANSWER_EVICTED ("applied"),
+    as one too large when applied is. Old code: RESOURCE_EXHAUSTED without a reason
+    ("nothing changed") while the pool still held x's blocks."""
+    small, large = 64 * 1024, 1024 * 1024
+    data = str(tmp_path / "data")
+    server = make_server(POOL, max_message_bytes=large, data_dir=data)
+    with KVCoordClient(server.address, timeout=10) as client:
+        sid, fence = attach(client, "big", block_size=16)
+    request = _reads_step(sid, fence, "k1")
+    with grpc.insecure_channel(server.address, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
+        answer = pb_grpc.AllocatorStub(ch).Step(request, timeout=10)  # (the answer the client lost)
+    assert small < answer.ByteSize() <= large
+    server.stop(snapshot=snapshot)
+    again = make_server(POOL, max_message_bytes=small, data_dir=data)
+    with KVCoordClient(again.address, timeout=10) as client:
+        held = client.inspect_pool("big", all_requests=True).requests
+        assert [(r.request_id, len(r.groups[0].block_ids)) for r in held] == [("x", 50)]
+    err = _refused(again.address, request, "unary")
+    assert err.code() == grpc.StatusCode.ABORTED, (err.code(), err.details())
+    assert ("kvcoord-reason", "ANSWER_EVICTED") in (err.trailing_metadata() or ())

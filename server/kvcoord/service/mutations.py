@@ -163,6 +163,11 @@ class MutationRunner:
                 held = False
                 registry.locks.give(pool)
                 await registry.recorder.durable()
+                # kept by a run with a larger max_message_bytes (a restart lowered it):
+                # gRPC would refuse it without a reason, read as "nothing changed"
+                unsendable = self._unsendable(m, kept, self.max_message_bytes)
+                if unsendable is not None:
+                    raise unsendable
                 return kept
             service.answer_event_bytes = take_events_budget(self.max_message_bytes)
             if m.slices is None:

@@ -16,9 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 from kvcoord.client import NO_RETRY, KVCoordClient
-from kvcoord.client.errors import FencedError
+from kvcoord.client.errors import FencedError, UnavailableError
 from kvcoord.service.pool_locks import PoolLocks
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
@@ -81,7 +80,8 @@ def test_a_stop_while_a_proven_restore_waits_for_a_sliced_step(
 ) -> None:
     """A restore proven while another pool is mid-Step defers its fencing until no pool
     is held (server._fence_when_idle); a clean stop meanwhile waits the same way for
-    its final snapshot. Both return once the Step is done."""
+    its final snapshot. Both return once the Step is done (and the proving call is told
+    INSTANCE_CHANGED)."""
     data, copy = tmp_path / "data", tmp_path / "copy"
     toml = pool_toml("p", 32) + pool_toml("q", 16, caching=False)
     server = make_server(toml, data_dir=str(data))
@@ -93,11 +93,24 @@ def test_a_stop_while_a_proven_restore_waits_for_a_sliced_step(
     shutil.rmtree(data)
     subprocess.run(["cp", "-a", str(copy), str(data)], check=True)  # restored
     restored = make_server(toml, data_dir=str(data))
-    locks = restored.running.servicer.registry.locks
+    registry = restored.running.servicer.registry
+    locks = registry.locks
     restored.call(lambda: locks.take("q"))  # a Step applied to q in slices
-    with KVCoordClient(restored.address, retry=NO_RETRY) as c:
-        with pytest.raises(FencedError):
-            c.heartbeat(a.session_id, a.fence)  # proves the restore: the fencing waits for q
+    told: list[BaseException] = []
+
+    def prove() -> None:  # told once the fencing is durable, so once q is given back
+        with KVCoordClient(restored.address, retry=NO_RETRY, timeout=20) as c:
+            try:
+                c.heartbeat(a.session_id, a.fence)
+            except BaseException as exc:  # noqa: BLE001
+                told.append(exc)
+
+    prover = threading.Thread(target=prove)
+    prover.start()
+    deadline = time.monotonic() + 10
+    while restored.call(lambda: registry.fencing is None) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert restored.call(lambda: registry.fencing is not None), "the restore was not proven"
     stopped = threading.Event()
 
     def stop() -> None:
@@ -112,4 +125,8 @@ def test_a_stop_while_a_proven_restore_waits_for_a_sliced_step(
     time.sleep(1.0)  # the stop waits for q too
     restored.loop.call_soon_threadsafe(locks.give, "q")  # the Step is done
     stopper.join(10)
+    prover.join(10)
     assert stopped.is_set(), "the stop never returned: it and the deferred fencing hand pool q to each other"
+    # (the stop ends the calls still waiting after its 0.5 s: told UNAVAILABLE, the
+    # worker keeps its fence and proves the restore again at the next start)
+    assert told and isinstance(told[0], (FencedError, UnavailableError)), told

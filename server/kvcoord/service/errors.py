@@ -227,6 +227,22 @@ T = TypeVar("T")
 Handler = Callable[..., Awaitable[T]]
 
 
+async def _once_fenced(servicer: Any, exc: Exception) -> Exception:
+    """The error to tell for ``exc``: an INSTANCE_CHANGED only once the servicer's
+    ``restore_fenced()`` returns (servicer_core.py: a proven restore's fencing journaled
+    and durable; its caller drops its fence on hearing it, and a crash before would
+    leave the restored sessions and caches alive with nobody to prove the restore
+    again), else what that raised (the journal failed: the server stops)."""
+    fenced = getattr(servicer, "restore_fenced", None)  # (servicers without pools have none)
+    if fenced is None or not (isinstance(exc, ServiceError) and exc.reason is ErrorReason.INSTANCE_CHANGED):
+        return exc
+    try:
+        await fenced()
+    except Exception as failed:  # noqa: BLE001 - told instead
+        return failed
+    return exc
+
+
 def map_errors(fn: Handler[T]) -> Handler[T]:
     """Decorate a unary aio handler: raised errors become the mapped gRPC status."""
 
@@ -235,8 +251,9 @@ def map_errors(fn: Handler[T]) -> Handler[T]:
         try:
             return await fn(self, request, context)
         except Exception as exc:  # noqa: BLE001 - mapped to a status, never swallowed
-            code, message = grpc_code(exc)
-            await context.abort(code, message, _trailers(exc))
+            told = await _once_fenced(self, exc)
+            code, message = grpc_code(told)
+            await context.abort(code, message, _trailers(told))
             raise AssertionError("unreachable") from None
 
     return wrapper
@@ -251,7 +268,8 @@ def map_stream_errors(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., Asyn
             async for item in fn(self, request, context):
                 yield item
         except Exception as exc:  # noqa: BLE001
-            code, message = grpc_code(exc)
-            await context.abort(code, message, _trailers(exc))
+            told = await _once_fenced(self, exc)
+            code, message = grpc_code(told)
+            await context.abort(code, message, _trailers(told))
 
     return wrapper

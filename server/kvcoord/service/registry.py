@@ -7,6 +7,7 @@ order they arrive.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import gc
 import logging
@@ -155,6 +156,8 @@ class PoolRegistry:
         #: the pools a Step is being applied to in slices: every other call on one
         #: waits for it (pool_locks.py)
         self.locks = PoolLocks()
+        #: a proven restore's fencing put off until no pool is held (server.py), or None
+        self.fencing: asyncio.Future[None] | None = None
         self.locks.on_idle = lambda: self.recorder.pools_idle()  # (the recorder of the moment)
         #: told the pool of every session ended because its lease ran out (metrics)
         self.on_session_expired: Callable[[str], None] = lambda pool: None
@@ -331,6 +334,19 @@ class PoolRegistry:
             self.run_expiry(lapsed.pool, self.expiring(lapsed))
         s = self.sessions.get(session_id)
         return self.get(s.pool)
+
+    async def fenced(self) -> None:
+        """Return once a proven restore's fencing (the sessions' ends, the caches'
+        resets: server.py) is journaled and durable. A call told INSTANCE_CHANGED drops
+        its fence: told before, a crash would restart with the restored sessions and
+        caches alive and nobody left to prove the restore again.
+
+        Raises:
+            JournalError: the journal could not be written (the server stops).
+        """
+        if self.fencing is not None:
+            await asyncio.shield(self.fencing)
+        await self.recorder.durable()
 
     def session_of(self, session_id: str, fence: Fence | None) -> tuple[PoolService, Session]:
         """The pool and the live session a call names (:meth:`pool_of_session`), the

@@ -205,6 +205,7 @@ def _journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str)
     registry.lineage.clear()
     registry.positions.voided()
     task = asyncio.get_running_loop().create_task(_fence_when_idle(registry, recorder))
+    registry.fencing = task  # (awaited before INSTANCE_CHANGED is told: PoolRegistry.fenced)
     _FENCING.add(task)
     task.add_done_callback(_FENCING.discard)
 

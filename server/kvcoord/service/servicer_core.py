@@ -95,6 +95,11 @@ class ServicerCore:
             replica=self.registry.placement.replica_id,
         )
 
+    async def restore_fenced(self) -> None:
+        """Awaited before a call is told INSTANCE_CHANGED (errors.map_errors): see
+        :meth:`PoolRegistry.fenced`."""
+        await self.registry.fenced()
+
     async def _durable(self, response: M, record: Callable[[Recorder], None] | None = None) -> M:
         """Journal the call (``record``), then answer once every mutation so far is
         durable (mutations.py)."""

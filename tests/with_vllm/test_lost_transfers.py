@@ -146,6 +146,10 @@ def test_a_session_lost_during_a_transfer_never_hands_its_blocks_to_another_requ
     their KV, or the send read theirs.)"""
     from kvcoord.client.vllm_scheduler import KVCoordAsyncScheduler, KVCoordScheduler
 
+    # each transfer longer than the predicting client's backlog (8 steps): with the default
+    # 6, a loss met late (the background Step answered late on a busy machine) could find
+    # every transfer ended, and nothing to pause for (it failed CI once that way)
+    monkeypatch.setattr(harness.SlowTransfersConnector, "LAG", 12)
     want, _ = _guarded_run(
         make_scheduler(SCHEDULERS[kind], _config(model_dir, kind), kv_cache_config("full", 64))
     )
@@ -156,14 +160,20 @@ def test_a_session_lost_during_a_transfer_never_hands_its_blocks_to_another_requ
     scheduler = make_scheduler(cls, _config(model_dir, kind), kv_cache_config("full", 64))
     connector = scheduler.connector
     losses: list[int] = []
+    before: set[str] = set()
 
     def on_step(step: int) -> None:
-        in_flight = (
+        nonlocal before
+        in_flight = set(
             connector.loading
             if transfer == "load"
             else connector.sending | {rid for _, _, sent in connector._pending for rid in sent}
         )
-        if step >= 20 and len(losses) < 3 and in_flight and (not losses or step > losses[-1] + 15):
+        # a transfer begun this step: it outlasts the steps the client may run ahead of
+        # its Step in flight (LAG above the predicting client's backlog), so the loss is
+        # met while it is still running, however late the answer comes on a loaded machine
+        fresh, before = in_flight - before, in_flight
+        if step >= 20 and len(losses) < 3 and fresh and (not losses or step > losses[-1] + 15):
             manager = scheduler.kv_cache_manager.remote
             manager.flush()  # nothing in flight: the next Step fails, and the loss is met within a step or two
             manager.client.detach(manager.session_id, manager.keeper.fence)

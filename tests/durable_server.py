@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,29 @@ class DurableServer:
         self._log.close()
         self.kills += 1
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The server and every process it forked (a snapshot child writes and renames its
+        file on its own) held with SIGSTOP, as an atomic volume snapshot sees them: the
+        parent first, so it forks no more, then its children."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        held = [self.proc.pid]
+        try:
+            for pid in _descendants(self.proc.pid):
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                    held.append(pid)
+                except ProcessLookupError:  # it exited meanwhile
+                    pass
+            yield
+        finally:
+            for pid in reversed(held):
+                try:
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+
     def restart(self) -> None:
         with self.lock:
             self.kill()
@@ -120,3 +145,21 @@ class DurableServer:
                 self.proc.wait(10)
         if self._log is not None:
             self._log.close()
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (Linux's /proc/<pid>/task/<tid>/children)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                children = (task / "children").read_text().split()
+            except OSError:  # the task ended meanwhile
+                continue
+            for child in map(int, children):
+                if child not in found:
+                    found.append(child)
+                    todo.append(child)
+    return found

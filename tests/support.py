@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+import threading
 import urllib.request
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvcoord.client import KVCoordClient, KVCoordError
+from kvcoord.client import NO_RETRY, KVCoordClient, KVCoordError
 from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import (
     AttentionSpec,
@@ -308,3 +309,28 @@ def drive(work: Generator[None, None, Any]) -> tuple[Any, int]:
         except StopIteration as done:
             return done.value, yields
         yields += 1
+
+
+def calls_in_threads(
+    address: str,
+    call: Callable[[KVCoordClient], object],
+    n: int = 1,
+    timeout: float = 20.0,
+    retry: Any = NO_RETRY,
+) -> tuple[list[threading.Thread], list[object]]:
+    """Start ``n`` threads, each making ``call`` on a client of its own (as separate
+    workers would, while the test holds the server somewhere); returns the threads and
+    the list each one's answer, or the exception it was told, is appended to."""
+    out: list[object] = []
+
+    def run() -> None:
+        with KVCoordClient(address, timeout=timeout, retry=retry) as c:
+            try:
+                out.append(call(c))
+            except BaseException as exc:  # noqa: BLE001 - told to the test
+                out.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads, out

@@ -25,7 +25,7 @@ from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import FencedError
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
-from support import pool_toml
+from support import calls_in_threads, pool_toml
 
 N = 32  # blocks (the null block aside: 31, of 4 tokens)
 
@@ -81,17 +81,10 @@ def test_a_proven_restore_survives_a_crash_right_after_it_is_told(
         store.write = slow_write
     elif crash == "mid_step":  # pool q held as a Step applied to it in slices holds it
         restored.call(lambda: registry.locks.take("q"))
-    told: list[BaseException] = []
-
-    def prove() -> None:  # worker a's next call proves the restore (INSTANCE_CHANGED)
-        with KVCoordClient(restored.address, retry=NO_RETRY, timeout=30) as c:
-            try:
-                c.heartbeat(a.session_id, a.fence)
-            except BaseException as exc:  # noqa: BLE001
-                told.append(exc)
-
-    prover = threading.Thread(target=prove)
-    prover.start()
+    # worker a's next call proves the restore (INSTANCE_CHANGED)
+    (prover,), told = calls_in_threads(
+        restored.address, lambda c: c.heartbeat(a.session_id, a.fence), timeout=30
+    )
     prover.join(1.0)
     if not crash:
         time.sleep(0.2)

@@ -9,7 +9,6 @@ machine). The bound, 100 ms, is ten times the usual figure and half the stall.""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +18,7 @@ from kvcoord.client import KVCoordClient, SessionExpiredError
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
 from loop_monitor import LoopMonitor
-from support import pool_toml
+from support import calls_in_threads, pool_toml
 
 #: requests of the session (16 blocks each): a quarter of the 1M-request limit's stall
 N_REQ = 65536
@@ -129,18 +128,9 @@ def test_two_detaches_waiting_for_a_held_pool_end_the_session_once(
             not client.step("big", [pb.Operation(allocate=op)], b.session_id, b.fence).results[0].status_code
         )
         server.call(lambda: locks.take("big"))  # as a Step applied in slices holds it
-        answers: list[object] = []
-
-        def detach() -> None:
-            with KVCoordClient(server.address, timeout=20) as c:
-                try:
-                    answers.append(c.detach(b.session_id, b.fence).num_freed_requests)
-                except Exception as exc:  # noqa: BLE001
-                    answers.append(exc)
-
-        threads = [threading.Thread(target=detach) for _ in range(2)]
-        for t in threads:
-            t.start()
+        threads, answers = calls_in_threads(
+            server.address, lambda c: c.detach(b.session_id, b.fence).num_freed_requests, n=2
+        )
         time.sleep(0.5)  # both wait for the pool
         server.call(lambda: locks.give("big"))  # the Step is done
         for t in threads:

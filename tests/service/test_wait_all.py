@@ -21,7 +21,7 @@ from kvcoord.client.errors import FencedError, UnavailableError
 from kvcoord.service.pool_locks import PoolLocks
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
-from support import pool_toml
+from support import calls_in_threads, pool_toml
 
 
 def test_two_wait_alls_return_once_the_pool_is_given_back() -> None:
@@ -44,18 +44,7 @@ def test_two_list_pools_during_a_sliced_step(make_server: Callable[..., InProces
     server = make_server(pool_toml("p", 64, caching=False))
     locks = server.running.servicer.registry.locks
     server.call(lambda: locks.take("p"))  # as a Step applied in slices holds it
-    out: list[object] = []
-
-    def list_pools() -> None:
-        with KVCoordClient(server.address, timeout=5, retry=NO_RETRY) as c:
-            try:
-                out.append(len(c.list_pools().pools))
-            except Exception as exc:  # noqa: BLE001
-                out.append(exc)
-
-    threads = [threading.Thread(target=list_pools) for _ in range(2)]
-    for t in threads:
-        t.start()
+    threads, out = calls_in_threads(server.address, lambda c: len(c.list_pools().pools), n=2, timeout=5)
     time.sleep(0.5)  # both wait for the pool
     server.call(lambda: locks.give("p"))  # the Step is done
     for t in threads:
@@ -96,17 +85,8 @@ def test_a_stop_while_a_proven_restore_waits_for_a_sliced_step(
     registry = restored.running.servicer.registry
     locks = registry.locks
     restored.call(lambda: locks.take("q"))  # a Step applied to q in slices
-    told: list[BaseException] = []
-
-    def prove() -> None:  # told once the fencing is durable, so once q is given back
-        with KVCoordClient(restored.address, retry=NO_RETRY, timeout=20) as c:
-            try:
-                c.heartbeat(a.session_id, a.fence)
-            except BaseException as exc:  # noqa: BLE001
-                told.append(exc)
-
-    prover = threading.Thread(target=prove)
-    prover.start()
+    # told once the fencing is durable, so once q is given back
+    (prover,), told = calls_in_threads(restored.address, lambda c: c.heartbeat(a.session_id, a.fence))
     deadline = time.monotonic() + 10
     while restored.call(lambda: registry.fencing is None) and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -1,0 +1,269 @@
+"""A KV-content oracle for vLLM's scheduler (vLLM's own manager or kvcoord's plug-in).
+
+It keeps, per (KV cache group, block id), what each slot holds: ``(writer request id,
+position)``; the KV at a position depends on the writer's token prefix up to it. Slots
+are written
+
+- when the (fake) model runs a scheduled step: positions [num_computed_tokens,
+  +num_scheduled) of each scheduled request, into its block table as SchedulerOutput
+  tells the worker (new requests' block_ids; cached requests' new block ids appended,
+  or, when resumed, the whole table replaced);
+- when a KV connector load finishes: positions [local hit, local hit + external) into
+  the blocks the connector was given in ``update_state_after_alloc`` (asynchronous
+  loads: when the worker reports ``finished_recving``; synchronous ones: with the step
+  that schedules the request, as vLLM's storage connectors build their metadata from
+  the SchedulerOutput).
+
+On every schedule(), for each scheduled request, every position below its
+num_computed_tokens (prefix hits and loaded tokens included) must be held, in the block
+its table names, by a slot whose writer had the same token prefix at that position
+(the same request, or another with equal tokens [0..p]). Full attention: every position;
+sliding window (a SlidingWindowSpec group): only positions inside the window
+(>= num_computed_tokens - sliding_window + 1); other group kinds (mamba, chunked) are not
+checked (named in ``skipped_groups``).
+
+Usage::
+
+    oracle = KVOracle(scheduler)   # wraps schedule() and the connector (if any)
+    run_workload(scheduler, ...)
+    oracle.assert_clean()
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+#: a slot's content: (writer request id, position)
+Slot = tuple[str, int]
+
+
+class KVOracleError(AssertionError):
+    pass
+
+
+class KVOracle:
+    def __init__(self, scheduler: Any, *, raise_at_once: bool = False, max_violations: int = 50) -> None:
+        self.sched = scheduler
+        self.raise_at_once = raise_at_once
+        self.max_violations = max_violations
+        cfg = scheduler.kv_cache_config
+        self.groups: list[tuple[str, int, int | None]] = []  # (kind, block size, window)
+        self.skipped_groups: list[int] = []
+        for g, group in enumerate(cfg.kv_cache_groups):
+            spec = group.kv_cache_spec
+            name = type(spec).__name__
+            window = getattr(spec, "sliding_window", None)
+            if name in ("FullAttentionSpec", "MLAAttentionSpec"):
+                self.groups.append(("full", spec.block_size, None))
+            elif name == "SlidingWindowSpec":
+                self.groups.append(("swa", spec.block_size, int(window)))
+            else:
+                self.groups.append(("skip", spec.block_size, None))
+                self.skipped_groups.append(g)
+        self.content: list[dict[int, dict[int, Slot]]] = [{} for _ in self.groups]
+        self.tables: dict[str, list[list[int]]] = {}
+        self.requests: dict[str, Any] = {}  # every request seen (finished ones kept)
+        self.violations: list[tuple[Any, ...]] = []
+        self.unverifiable = 0
+        self.checked_positions = 0
+        self.checked_steps = 0
+        self.step = -1
+        self.loads_written = 0
+        # connector loads
+        self._local: dict[str, int] = {}
+        self._sync_pending: dict[str, tuple[int, int]] = {}  # rid -> (local, external)
+        self._async_pending: dict[str, tuple[list[list[int]], int, int]] = {}
+        self._wrap_schedule()
+        if getattr(scheduler, "connector", None) is not None:
+            self._wrap_connector(scheduler.connector)
+
+    # -- wiring ----------------------------------------------------------------------
+    def _wrap_schedule(self) -> None:
+        schedule = self.sched.schedule
+
+        def checked_schedule() -> Any:
+            out = schedule()
+            self.on_schedule(out)
+            return out
+
+        self.sched.schedule = checked_schedule
+
+    def _wrap_connector(self, connector: Any) -> None:
+        matched, after_alloc, output = (
+            connector.get_num_new_matched_tokens, connector.update_state_after_alloc, connector.worker_output,
+        )  # fmt: skip
+        is_async_load = getattr(connector, "loading", None)
+
+        def get_num_new_matched_tokens(request: Any, num_computed_tokens: int) -> Any:
+            self._local[request.request_id] = num_computed_tokens
+            return matched(request, num_computed_tokens)
+
+        def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> None:
+            after_alloc(request, blocks, num_external_tokens)
+            rid = request.request_id
+            self.requests[rid] = request
+            if not num_external_tokens:
+                return
+            local = self._local.get(rid, 0)
+            if is_async_load is not None and rid in connector.loading:
+                table = [list(g) for g in blocks.get_block_ids()]
+                self._async_pending[rid] = (table, local, num_external_tokens)
+            else:
+                self._sync_pending[rid] = (local, num_external_tokens)
+
+        def worker_output() -> Any:
+            out = output()
+            if out is not None:
+                for rid in out.finished_recving or ():
+                    pending = self._async_pending.pop(rid, None)
+                    if pending is None:
+                        continue
+                    table, local, ext = pending
+                    if rid in set(getattr(out, "failed_recving", None) or ()):
+                        continue
+                    # vLLM takes a finished asynchronous load to fill every block it was
+                    # given (num_computed_tokens = blocks x block size, below num_tokens)
+                    req = self.requests.get(rid)
+                    hi = len(table[0]) * self.groups[0][1] if table and table[0] else local + ext
+                    if req is not None:
+                        hi = min(hi, req.num_tokens)
+                    self._write(rid, table, local, max(hi, local + ext))
+                    self.loads_written += 1
+            return out
+
+        connector.get_num_new_matched_tokens = get_num_new_matched_tokens
+        connector.update_state_after_alloc = update_state_after_alloc
+        connector.worker_output = worker_output
+
+    # -- the model ------------------------------------------------------------------------
+    def _write(self, rid: str, table: list[list[int]], lo: int, hi: int) -> None:
+        for g, (kind, bs, _w) in enumerate(self.groups):
+            if kind == "skip" or g >= len(table):
+                continue
+            ids = table[g]
+            content = self.content[g]
+            for p in range(lo, hi):
+                i = p // bs
+                if i >= len(ids):
+                    self._violate("write past the table", rid, g, p, len(ids))
+                    break
+                b = ids[i]
+                if b == 0:
+                    continue  # the null block (a sliding window's skipped position)
+                content.setdefault(b, {})[p % bs] = (rid, p)
+
+    def _same_prefix(self, writer: str, holder: str, p: int) -> bool | None:
+        a, b = self.requests.get(writer), self.requests.get(holder)
+        if a is None or b is None:
+            return None
+        if getattr(a, "cache_salt", None) != getattr(b, "cache_salt", None):
+            return False
+        la, lb = getattr(a, "lora_request", None), getattr(b, "lora_request", None)
+        if (la and la.lora_int_id) != (lb and lb.lora_int_id):
+            return False
+        ta, tb = a.all_token_ids, b.all_token_ids
+        if len(ta) <= p or len(tb) <= p:
+            return None
+        return list(ta[: p + 1]) == list(tb[: p + 1])
+
+    def _violate(self, *what: Any) -> None:
+        v = (self.step, *what)
+        if len(self.violations) < self.max_violations:
+            self.violations.append(v)
+        if self.raise_at_once:
+            raise KVOracleError(f"KV oracle: {v}")
+
+    def on_schedule(self, out: Any) -> None:
+        self.step += 1
+        for rid, r in self.sched.requests.items():
+            self.requests.setdefault(rid, r)
+        for rid in out.finished_req_ids:
+            self.tables.pop(rid, None)
+        for rid in out.preempted_req_ids or ():
+            self.tables.pop(rid, None)
+        computed: dict[str, int] = {}
+        for r in out.scheduled_new_reqs:
+            self.tables[r.req_id] = [list(g) for g in r.block_ids]
+            computed[r.req_id] = r.num_computed_tokens
+        c = out.scheduled_cached_reqs
+        for rid, new, n in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens, strict=True):
+            computed[rid] = n
+            if rid in c.resumed_req_ids:
+                self.tables[rid] = [list(g) for g in new] if new is not None else [[] for _ in self.groups]
+            elif new is not None:
+                cur = self.tables.get(rid)
+                if cur is None:
+                    self._violate("cached request with no known table", rid)
+                    cur = self.tables[rid] = [[] for _ in new]
+                for g, ids in enumerate(new):
+                    cur[g].extend(ids)
+        # synchronous loads: done by the worker before this step's forward
+        for rid in list(self._sync_pending):
+            if rid in computed:
+                local, ext = self._sync_pending.pop(rid)
+                self._write(rid, self.tables[rid], local, local + ext)
+                self.loads_written += 1
+        # the step runs: every layer writes the scheduled positions' KV before its
+        # attention reads (a request may hit on blocks another computes in the same step)
+        for rid, n in out.num_scheduled_tokens.items():
+            if rid in computed and rid in self.tables:
+                self._write(rid, self.tables[rid], computed[rid], computed[rid] + n)
+        # the check: what each scheduled request reads
+        for rid in out.num_scheduled_tokens:
+            if rid not in computed:
+                self._violate("scheduled request not in new/cached", rid)
+                continue
+            self._check(rid, computed[rid])
+        self.checked_steps += 1
+        for rid in out.finished_req_ids:
+            self._sync_pending.pop(rid, None)
+
+    def _check(self, rid: str, nc: int) -> None:
+        table = self.tables.get(rid)
+        if table is None:
+            self._violate("no table", rid)
+            return
+        for g, (kind, bs, window) in enumerate(self.groups):
+            if kind == "skip":
+                continue
+            ids = table[g] if g < len(table) else []
+            lo = 0 if kind == "full" else max(0, nc - window + 1)
+            content = self.content[g]
+            for p in range(lo, nc):
+                i = p // bs
+                if i >= len(ids):
+                    self._violate("computed position past the table", rid, g, p, len(ids))
+                    break
+                b = ids[i]
+                if b == 0:
+                    self._violate("computed position in the null block", rid, g, p)
+                    break
+                slot = content.get(b, {}).get(p % bs)
+                self.checked_positions += 1
+                if slot is None:
+                    self._violate("never written", rid, g, p, b)
+                    break
+                writer, wp = slot
+                if wp != p:
+                    self._violate("slot holds another position", rid, g, p, b, slot)
+                    break
+                if writer == rid:
+                    continue
+                same = self._same_prefix(writer, rid, p)
+                if same is None:
+                    self.unverifiable += 1
+                elif not same:
+                    self._violate("slot holds another prefix's KV", rid, g, p, b, slot)
+                    break
+
+    # -- verdict ----------------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        return {
+            "steps": self.checked_steps, "positions": self.checked_positions, "loads": self.loads_written,
+            "unverifiable": self.unverifiable, "violations": len(self.violations),
+            "skipped_groups": self.skipped_groups,
+        }  # fmt: skip
+
+    def assert_clean(self) -> None:
+        assert not self.violations, f"KV oracle: {self.summary()} first: {self.violations[:6]}"
+        assert self.checked_positions > 0, self.summary()

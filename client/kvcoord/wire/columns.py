@@ -68,6 +68,12 @@ def unpack_uint32(data: bytes, name: str) -> list[int]:
     Raises:
         WireError: when ``data``'s length is not a multiple of 4.
     """
+    return _uint32_array(data, name).tolist()
+
+
+def _uint32_array(data: bytes, name: str) -> array[int]:
+    """:func:`unpack_uint32`'s values as an ``array``: a ``list`` subclass is made from it
+    in one pass (``Counts(array)``), where one from ``tolist()`` is a second copy."""
     if len(data) % PACKED_WIDTH:
         raise WireError(
             f"decode: {name} is {len(data)} bytes, not a whole number of uint32 values ({PACKED_WIDTH} bytes each)"
@@ -75,7 +81,7 @@ def unpack_uint32(data: bytes, name: str) -> list[int]:
     a = array(_CODE, data)
     if _SWAP:
         a.byteswap()
-    return a.tolist()
+    return a
 
 
 def packed_decode_columns(d: pb.DecodeOp) -> PackedColumns | None:
@@ -88,8 +94,8 @@ def packed_decode_columns(d: pb.DecodeOp) -> PackedColumns | None:
         WireError: both forms in one message, a column not a whole number of uint32s,
             hashes without a length or not a whole number of hashes of it.
     """
-    fields = {f.number: v for f, v in d.ListFields()}
-    if not _PACKED.intersection(fields):
+    fields = {f.number for f, _ in d.ListFields()}
+    if _PACKED.isdisjoint(fields):
         return None
     if not _REPEATED.isdisjoint(fields):
         raise WireError(
@@ -102,16 +108,21 @@ def packed_decode_columns(d: pb.DecodeOp) -> PackedColumns | None:
             f"decode: packed_append_block_hashes is {len(blob)} bytes, not a whole number of hashes of "
             f"packed_hash_length ({length}) bytes"
         )
+    base, computed = d.packed_base_num_tokens, d.packed_num_computed_tokens
+    base_num_tokens = unpack_uint32(base, "packed_base_num_tokens")
     return (
         d.request_ids[:],
-        unpack_uint32(d.packed_base_num_tokens, "packed_base_num_tokens"),
+        base_num_tokens,
         unpack_uint32(d.packed_base_num_hashes, "packed_base_num_hashes"),
-        Counts(unpack_uint32(d.packed_num_computed_tokens, "packed_num_computed_tokens")),
-        Counts(unpack_uint32(d.packed_num_new_tokens, "packed_num_new_tokens")),
-        Counts(unpack_uint32(d.packed_num_lookahead_tokens, "packed_num_lookahead_tokens")),
+        # (a decode step's computed counts are its base token counts: the same bytes)
+        Counts(base_num_tokens)
+        if computed == base
+        else Counts(_uint32_array(computed, "packed_num_computed_tokens")),
+        Counts(_uint32_array(d.packed_num_new_tokens, "packed_num_new_tokens")),
+        Counts(_uint32_array(d.packed_num_lookahead_tokens, "packed_num_lookahead_tokens")),
         unpack_uint32(d.packed_num_append_tokens, "packed_num_append_tokens"),
-        TokenIds(unpack_uint32(d.packed_append_token_ids, "packed_append_token_ids")),
-        Counts(unpack_uint32(d.packed_num_append_hashes, "packed_num_append_hashes")),
+        TokenIds(_uint32_array(d.packed_append_token_ids, "packed_append_token_ids")),
+        Counts(_uint32_array(d.packed_num_append_hashes, "packed_num_append_hashes")),
         [blob[k : k + length] for k in range(0, len(blob), length)] if blob else [],
     )
 

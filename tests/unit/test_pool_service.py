@@ -8,6 +8,7 @@ from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.engine import (
     CacheHit,
     FullAttentionSpec,
+    HandedTokenIds,
     KVCacheConfig,
     PrefixCacheStats,
     SlidingWindowSpec,
@@ -354,6 +355,14 @@ def test_wire_tokens_reach_the_engine_as_checked_token_ids() -> None:
     sync = sync_from_pb(pb.RequestSync(request_id="r", append_token_ids=[3, 0, 7]))
     assert type(sync.append_token_ids) is TokenIds
     assert sync.append_token_ids == [3, 0, 7]
+    # a new request's tokens are read for its sync alone: handed over, the engine keeps
+    # that very list as the request's tokens (no copy of a long prompt)
+    sync = sync_from_pb(pb.RequestSync(request_id="r", append_token_ids=[3, 0, 7], new_request=True))
+    assert type(sync.append_token_ids) is HandedTokenIds
+    p = make()
+    s = attach(p)
+    (o,) = p.apply(s, [op.Allocate(sync, 3)])
+    assert o.error is None and p.engine.requests["r"].all_token_ids is sync.append_token_ids
 
 
 def test_a_table_answered_by_the_client_is_checked() -> None:

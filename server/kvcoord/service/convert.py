@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
-from kvcoord.engine import CacheHit, Counts, PrefixCacheStats, TokenIds
+from kvcoord.engine import CacheHit, Counts, HandedTokenIds, PrefixCacheStats, TokenIds
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import (
     add_events,
@@ -77,7 +77,10 @@ def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
         )
     return op.RequestSync(
         s.request_id,
-        TokenIds(s.append_token_ids[:]),  # uint32 on the wire: the engine need not check each one
+        # uint32 on the wire: the engine need not check each one; made for this sync
+        # alone, and nothing reads it once applied: a new request's engine record keeps
+        # this very list (as long_syncs.py hands a long prompt's), not a copy of it
+        HandedTokenIds(s.append_token_ids[:]),
         s.append_block_hashes[:],
         s.new_request,
         s.base_num_tokens,

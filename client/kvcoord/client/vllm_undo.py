@@ -56,7 +56,9 @@ class UndoCutShort:
         scheduled as new; but one it admitted to an asynchronous KV load stays admitted
         as vLLM left it (waiting for the load, its blocks kept): the connector was told
         to load into its blocks, and nothing can take that back (a loss that cut the
-        call short makes it a lost load, as any: see _lost_during_transfers)."""
+        call short makes it a lost load, as any: see _lost_during_transfers). A waiting
+        request whose blocks held computed tokens (a finished load the call promoted)
+        starts over when they are freed (see :meth:`_start_over`)."""
         self.kvcoord_undone += 1
         allocated, seen = self.kvcoord.allocated, self.kvcoord.seen
         now = time.monotonic()
@@ -68,12 +70,15 @@ class UndoCutShort:
                 continue  # not looked at by the call
             if r.status == loading and fields[0] != loading:
                 continue  # admitted to an asynchronous load by the call: kept
-            if r.request_id in allocated:
+            freed = r.request_id in allocated
+            if freed:
                 self.kv_cache_manager.free(r)
                 self.encoder_cache_manager.free(r)
             r.status, r.num_computed_tokens, r.num_cached_tokens, r.num_external_computed_tokens = fields
             if inflight is not None and r not in before.inflight:
                 inflight.discard(r)
+            if freed and (r.num_computed_tokens or r.status == loading):
+                self._start_over(r)
         keep, preempt, preempted = [], [], []
         for r in before.running:
             if r.status != RequestStatus.RUNNING:
@@ -103,3 +108,27 @@ class UndoCutShort:
         for r in reversed(preempt):
             self._preempt(r, now)
         self._put_back(held)
+
+    def _start_over(self, request: Any) -> None:
+        """A waiting request whose blocks the undo freed while its computed tokens lived
+        in them: the tokens of a finished asynchronous load the call promoted (vLLM
+        cached the loaded blocks, counted the loaded tokens as computed and forgot the
+        connector's report), or any a waiting request holding blocks had. It starts over
+        as after vLLM's preemption: nothing computed (external tokens included: its
+        next lookup finds its prefix cache hit and asks the connector anew), status
+        WAITING (PREEMPTED if it was preempted before), out of vLLM 0.33's prefills in
+        flight and KV fetch stages; ``num_cached_tokens`` is kept, as vLLM's preemption
+        keeps it. Putting it back as it was before the call instead (waiting for its
+        load, the report re-armed, its blocks kept) would need the server's table to be
+        as it was, which after an outage cannot be known (the allocation may have been
+        applied): a recomputation, or a prefix cache hit on the blocks it had cached,
+        is honest either way."""
+        request.status = RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_external_computed_tokens = 0
+        inflight = getattr(self, "_inflight_prefills", None)
+        if inflight is not None:
+            inflight.discard(request)
+        set_stage = getattr(self, "_set_kv_fetch_stage", None)  # (vLLM 0.33, stats on)
+        if set_stage is not None:
+            set_stage(request, None)

@@ -81,12 +81,17 @@ def attach(
     want_engine_state: bool = False,
     profile: str = "",
     num_hash_lookahead_tokens: int = 0,
+    reset_prefix_cache: bool = False,
 ) -> pb.AttachRequest:
     """Hash handshake: a session id and fence. HashMismatchError on a mismatch,
     ProfileMismatchError when the pool follows another ``profile``.
     ``want_pool_state`` (with ``exclusive``): the answer carries the pool's state
-    (with ``want_engine_state``, the engine's own state, for a mirror)."""
+    (with ``want_engine_state``, the engine's own state, for a mirror).
+    ``reset_prefix_cache``: the pool's prefix cache is reset as the session starts (the
+    caller's KV memory holds none of it; routers' reservations are released); PoolBusyError
+    while another session is attached."""
     return pb.AttachRequest(
+        reset_prefix_cache=reset_prefix_cache,
         attach_key=key(),  # its retries carry it: a lost answer leaves no second session
         profile=profile,
         num_hash_lookahead_tokens=num_hash_lookahead_tokens,

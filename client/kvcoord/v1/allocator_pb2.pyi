@@ -261,7 +261,7 @@ class DeletePoolResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("pool", "hash_algo", "hash_block_size", "hash_seed", "client_name", "lease_seconds", "exclusive", "want_pool_state", "want_engine_state", "profile", "num_hash_lookahead_tokens", "attach_key")
+    __slots__ = ("pool", "hash_algo", "hash_block_size", "hash_seed", "client_name", "lease_seconds", "exclusive", "want_pool_state", "want_engine_state", "profile", "num_hash_lookahead_tokens", "attach_key", "reset_prefix_cache")
     POOL_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -274,6 +274,7 @@ class AttachRequest(_message.Message):
     PROFILE_FIELD_NUMBER: _ClassVar[int]
     NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ATTACH_KEY_FIELD_NUMBER: _ClassVar[int]
+    RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     hash_algo: str
     hash_block_size: int
@@ -286,7 +287,8 @@ class AttachRequest(_message.Message):
     profile: str
     num_hash_lookahead_tokens: int
     attach_key: str
-    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., exclusive: _Optional[bool] = ..., want_pool_state: _Optional[bool] = ..., want_engine_state: _Optional[bool] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., attach_key: _Optional[str] = ...) -> None: ...
+    reset_prefix_cache: bool
+    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., exclusive: _Optional[bool] = ..., want_pool_state: _Optional[bool] = ..., want_engine_state: _Optional[bool] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., attach_key: _Optional[str] = ..., reset_prefix_cache: _Optional[bool] = ...) -> None: ...
 
 class PoolState(_message.Message):
     __slots__ = ("next_fresh", "used_free_blocks", "cached_block_ids", "cached_block_hashes", "engine_state", "engine_state_version", "engine_rules", "cache_namespace")
@@ -309,7 +311,7 @@ class PoolState(_message.Message):
     def __init__(self, next_fresh: _Optional[int] = ..., used_free_blocks: _Optional[_Iterable[int]] = ..., cached_block_ids: _Optional[_Iterable[int]] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., engine_state: _Optional[bytes] = ..., engine_state_version: _Optional[int] = ..., engine_rules: _Optional[str] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("pool", "session_id", "lease_seconds", "idempotency_window_seconds", "fence", "exclusive", "pool_state", "pool_state_unavailable", "capabilities")
+    __slots__ = ("pool", "session_id", "lease_seconds", "idempotency_window_seconds", "fence", "exclusive", "pool_state", "pool_state_unavailable", "capabilities", "prefix_cache_reset")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -319,6 +321,7 @@ class AttachResponse(_message.Message):
     POOL_STATE_FIELD_NUMBER: _ClassVar[int]
     POOL_STATE_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_RESET_FIELD_NUMBER: _ClassVar[int]
     pool: PoolInfo
     session_id: str
     lease_seconds: float
@@ -328,7 +331,8 @@ class AttachResponse(_message.Message):
     pool_state: PoolState
     pool_state_unavailable: str
     capabilities: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., idempotency_window_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., exclusive: _Optional[bool] = ..., pool_state: _Optional[_Union[PoolState, _Mapping]] = ..., pool_state_unavailable: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
+    prefix_cache_reset: bool
+    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., idempotency_window_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., exclusive: _Optional[bool] = ..., pool_state: _Optional[_Union[PoolState, _Mapping]] = ..., pool_state_unavailable: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., prefix_cache_reset: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id", "fence")

@@ -10,7 +10,8 @@ on pools by name pattern (``fnmatch`` globs):
 ``administer`` CreatePool, DeletePool, ResetPrefixCache, InspectPool, CheckPool,
                ListSessions, the
                Step operations EvictBlocksOp and ResetPrefixCacheOp, and an exclusive
-               Attach (it locks every other tenant out of the pool)
+               Attach (it locks every other tenant out of the pool) or one with
+               reset_prefix_cache
 ``use``        Attach, Heartbeat, Detach, FindLongestCacheHit, Allocate, Free, Step
 ``observe``    GetPool, GetStats, WatchEvents, ScorePools (on every pool it scores;
                ListPools shows only pools the tenant holds some role on)
@@ -271,8 +272,8 @@ class AccessControl:
                 extra = STEP_OP_ROLES.get(o.WhichOneof("op") or "")
                 if extra is not None:
                     needed.add(extra)
-        elif rpc == "Attach" and request.exclusive:
-            needed.add(EXCLUSIVE_ATTACH_ROLE)
+        elif rpc == "Attach" and (request.exclusive or request.reset_prefix_cache):
+            needed.add(EXCLUSIVE_ATTACH_ROLE)  # (a reset forgets every tenant's cached blocks)
         self._require(tenant, rpc, pool, needed, held)
 
     @staticmethod

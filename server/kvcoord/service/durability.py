@@ -16,7 +16,8 @@ replay gave the client the same answer. Records are CBOR lists ``[kind, wall_tim
 ``create``    pool name, wire ``PoolConfig`` bytes, incarnation, creation wall time
 ``delete``    pool name
 ``attach``    pool, session id, client name, lease seconds, exclusive, tenant, and its
-              attach key when it has one
+              attach key when it has one (or ``""``) and ``True`` when the Attach
+              reset the pool's prefix cache as the session started (replayed so)
 ``detach``    session id
 ``expire``    session id (its lease ran out; its requests were freed)
 ``call``      rpc (Step, Allocate, Free), wire request bytes, idempotency key,
@@ -72,6 +73,7 @@ from typing import TYPE_CHECKING, Any
 import cbor2
 
 from .journal_cbor import record_bytes
+from .sessions import attach_tail
 
 if TYPE_CHECKING:  # pragma: no cover
     from google.protobuf.message import Message
@@ -386,10 +388,12 @@ class JournalRecorder(Recorder):
         self._append("delete", name)
 
     def attached(self, service: PoolService, s: Session) -> None:
-        key = (s.attach_key,) if s.attach_key else ()
+        # a reset with the Attach is its record's (replayed before the session starts): two
+        # records would let a snapshot fall between them
         self._append(
-            "attach", service.name, s.session_id, s.client_name, s.lease_seconds, s.exclusive, s.tenant, *key
-        )
+            "attach", service.name, s.session_id, s.client_name, s.lease_seconds, s.exclusive, s.tenant,
+            *attach_tail(s), service=service if s.reset_at_attach else None,
+        )  # fmt: skip
 
     def detached(self, service: PoolService, session_id: str) -> None:
         self._append("detach", session_id, service=service)

@@ -10,13 +10,12 @@ itself. The servicer only converts messages to and from these calls. Failures ar
 :class:`~.errors.ServiceError` with a rules :class:`~.errors.Status`; this module
 imports no gRPC.
 
-This module keeps the pool's state, its sessions (attach, fences, namespaces) and the
-pool as a whole (counters, inspection, checks, state); its other roles are parts it
-owns and forwards to, each in its module: request ownership and sync
-(pool_requests.py), the Step (pool_steps.py) and its allocations
-(pool_allocations.py), events and statistics (pool_events.py), scores
-(pool_scores.py) and reservations (pool_reservations.py). Nothing else uses those
-parts; the values it answers are pool_types.py's.
+This module keeps the pool's state, its sessions (attach, fences, namespaces) and the pool
+as a whole (counters, inspection, checks, state); its other roles are parts it owns and
+forwards to, each in its module: request ownership and sync (pool_requests.py), the Step
+(pool_steps.py) and its allocations (pool_allocations.py), events and statistics
+(pool_events.py), scores (pool_scores.py) and reservations (pool_reservations.py).
+Nothing else uses those parts; the values it answers are pool_types.py's.
 
 Every pool operation runs on the server's event loop without awaiting, so a pool is
 linearizable; a large Step (a large session's end) is applied in slices (:meth:`PoolService.applying`,
@@ -37,6 +36,7 @@ from kvcoord.engine.reservations import Reservations
 from kvcoord.engine.state import STATE_VERSION, export_state, import_state
 from kvcoord.wire.rules import rules_fingerprint
 
+from .attach_reset import reset_for_new_engine
 from .budget import event_buffer_bytes
 from .errors import ErrorReason, ServiceError, Status
 from .events import EventJournal
@@ -225,16 +225,16 @@ class PoolService:
         max_sessions: int = 0,
         profile: str = "",
         num_hash_lookahead_tokens: int = 0,
+        reset_prefix_cache: bool = False,
     ) -> Session:
-        """The hash handshake, then a new session of ``tenant``.
-
-        ``profile`` is the semantics profile the client follows (``""``: vllm-0.16).
+        """The hash handshake, then a new session of ``tenant``. ``profile``: the client's profile ("":
+        vllm-0.16); ``reset_prefix_cache``: the cache reset as it starts (attach_reset.py; checked first).
 
         Raises:
-            ServiceError: FAILED_PRECONDITION when the client follows another profile
-                (PROFILE_MISMATCH), naming each hash difference (HASH_MISMATCH), or when an exclusive session would share the pool
-                or a pool with fine-grained hits has a session already (POOL_EXCLUSIVE); UNAVAILABLE (GRACE_PERIOD)
-                right after a restart; RESOURCE_EXHAUSTED when the tenant already has
+            ServiceError: FAILED_PRECONDITION when the client follows another profile (PROFILE_MISMATCH),
+                naming each hash difference (HASH_MISMATCH), or when an exclusive session would share the
+                pool or a pool with fine-grained hits has a session already (POOL_EXCLUSIVE); UNAVAILABLE
+                (GRACE_PERIOD) right after a restart; RESOURCE_EXHAUSTED when the tenant already has
                 ``max_sessions`` (default: max_sessions_per_tenant) live sessions.
         """
         mine = self.config.profile
@@ -307,6 +307,8 @@ class PoolService:
                 f"(max_sessions_per_tenant {limit}); detach unused ones or let their leases end",
             )
         s = self.sessions.open(self.name, client_name, lease_seconds)
+        if reset_prefix_cache:
+            reset_for_new_engine(self, s)
         s.exclusive = exclusive
         s.tenant = tenant
         self.init_session(s)
@@ -346,7 +348,6 @@ class PoolService:
         """What an exclusive session's client loads its mirror of the pool from (an
         exclusive Attach with want_engine_state): the engine's whole state as CBOR,
         and the rules and namespace it holds under; or why there is none. Reads only.
-
         None while routers' reservations are live: they end (expire, or are adopted)
         by the server's own doing, which the session's mirror would not follow."""
         if self.engine.reservations.live:
@@ -358,8 +359,7 @@ class PoolService:
         """The caller's live session, renewed (fence checked first).
 
         Raises:
-            ServiceError: see :meth:`check_fence` and :meth:`SessionTable.get`.
-        """
+            ServiceError: see :meth:`check_fence` and :meth:`SessionTable.get`."""
         self.check_fence(fence)
         s = self.sessions.get(session_id, self.name)
         self.sessions.renew(s)

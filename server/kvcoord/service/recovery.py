@@ -32,6 +32,7 @@ from typing import Any
 import cbor2
 from kvcoord.v1 import allocator_pb2 as pb
 
+from .attach_reset import reset_for_new_engine
 from .durability import SNAPSHOT_FILE_GLOB, JournalRecorder, decode_record
 from .journal import JournalError, JournalStore
 from .journal_writer import Journal
@@ -115,9 +116,11 @@ class Replayer:
             table = registry.sessions
             s = Session(
                 sid, pool, client_name, lease, table.clock() + lease, exclusive=exclusive, tenant=tenant,
-                attach_key=key[0] if key else "",
+                attach_key=key[0] if key else "", reset_at_attach=len(key) > 1 and bool(key[1]),
             )  # fmt: skip
             table.sessions[sid] = s
+            if s.reset_at_attach:  # as PoolService.attach: the reset, then the session's cursors
+                reset_for_new_engine(service, s)
             service.init_session(s)
         elif kind in ("detach", "expire"):
             ending = registry.sessions.sessions.get(record[2])

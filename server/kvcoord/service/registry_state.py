@@ -17,7 +17,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from .mutation_bodies import take_events_budget
 from .pool_service import Limits, PoolService
 from .registry import PoolRegistry
-from .sessions import Session
+from .sessions import Session, attach_tail
 
 __all__ = [
     "SNAPSHOT_FORMAT",
@@ -64,10 +64,11 @@ def pool_value(service: PoolService) -> dict[str, Any]:
 
 
 def session_value(s: Session) -> tuple[Any, ...]:
-    """One session as plain values (its attach key last, when it has one)."""
+    """One session as plain values (its attach key last, when it has one, then whether
+    its Attach reset the prefix cache, when it did)."""
     return (
         s.session_id, s.pool, s.client_name, s.lease_seconds, list(s.owned), s.events_cursor,
-        _stats(s.stats), s.exclusive, s.tenant, *((s.attach_key,) if s.attach_key else ()),
+        _stats(s.stats), s.exclusive, s.tenant, *attach_tail(s),
     )  # fmt: skip
 
 
@@ -128,7 +129,7 @@ def load_pools(registry: PoolRegistry, pools: list[dict[str, Any]], sessions: li
     table = registry.sessions
     for sid, pool, client_name, lease, owned, cursor, stats, exclusive, tenant, *key in sessions:
         s = Session(sid, pool, client_name, lease, table.clock() + lease, exclusive=exclusive, tenant=tenant,
-                    attach_key=key[0] if key else "")  # fmt: skip
+                    attach_key=key[0] if key else "", reset_at_attach=len(key) > 1 and bool(key[1]))  # fmt: skip
         s.owned = dict.fromkeys(owned)
         s.events_cursor = cursor
         s.stats = None if stats is None else PrefixCacheStats(*stats)

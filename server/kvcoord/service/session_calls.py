@@ -12,6 +12,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import write_pool_state
 
 from .access import current_tenant
+from .attach_reset import check_resettable
 from .convert import fence_to_pb, write_mirror_state
 from .errors import ErrorReason, ServiceError, Status, map_errors
 from .mutating_calls import ANSWER_MARGIN_BYTES
@@ -95,7 +96,11 @@ class SessionCalls(ServicerCore):
         s = self.registry.attached_before(service, request.attach_key, tenant.name, request.exclusive)
         new = s is None
         if s is None:
+            if request.reset_prefix_cache:
+                check_resettable(service)
             s = self._new_session(request, service, tenant.name, tenant.max_sessions)
+            if request.reset_prefix_cache and state is not None and not isinstance(state, str):
+                state = service.pool_state()  # (the one-group state after the reset)
         response = pb.AttachResponse(
             pool=self._info(service),
             session_id=s.session_id,
@@ -104,6 +109,7 @@ class SessionCalls(ServicerCore):
             fence=fence_to_pb(service.fence),
             exclusive=s.exclusive,
             capabilities=CAPABILITIES,
+            prefix_cache_reset=s.reset_at_attach,
         )
         recorded = not new  # (a retry's session was journaled when it was made)
         if request.want_pool_state and request.want_engine_state and s.exclusive:
@@ -137,6 +143,7 @@ class SessionCalls(ServicerCore):
                 most,
                 request.profile,
                 request.num_hash_lookahead_tokens,
+                request.reset_prefix_cache,
             )
         except ServiceError as exc:
             # only the hash handshake: an exclusive pool's refusal is not a hashing fault
@@ -144,6 +151,7 @@ class SessionCalls(ServicerCore):
                 self.observer.handshake_refused(request.pool)
             raise
         s.attach_key = request.attach_key
+        s.reset_at_attach = request.reset_prefix_cache
         return s
 
     async def _export_engine_state(

@@ -17,7 +17,7 @@ from kvcoord.engine import PrefixCacheStats
 
 from .errors import ErrorReason, ServiceError, Status
 
-__all__ = ["Session", "SessionTable"]
+__all__ = ["Session", "SessionTable", "attach_tail"]
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -41,6 +41,18 @@ class Session:
     cache_namespace: str = ""
     #: the client's key of the Attach that made it (AttachRequest.attach_key; "": none)
     attach_key: str = ""
+    #: its Attach reset the pool's prefix cache (AttachRequest.reset_prefix_cache): a
+    #: retry's answer says so too
+    reset_at_attach: bool = False
+
+
+def attach_tail(s: Session) -> tuple[str | bool, ...]:
+    """The optional last values of a session's record (journal ``attach``, snapshot):
+    its attach key when it has one or its Attach reset the prefix cache, and then
+    ``True`` when it did (records before the reset flag have at most the key)."""
+    if s.reset_at_attach:
+        return (s.attach_key, True)
+    return (s.attach_key,) if s.attach_key else ()
 
 
 class SessionTable:

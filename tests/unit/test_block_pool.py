@@ -12,6 +12,7 @@ from kvcoord.engine import (
     BlockRemoved,
     BlockStored,
     FullAttentionSpec,
+    RequestNotFoundError,
     SlidingWindowSpec,
     hash_to_int64,
 )
@@ -304,3 +305,41 @@ def test_teardown_drops_requests_and_cached_keys_in_slices() -> None:
         a - b <= 1_000 for a, b in zip([24_000] + [k for _, k in seen], [k for _, k in seen], strict=False)
     )
     assert keys == {} and pool.requests == {}
+
+
+@pytest.mark.parametrize("uncomputed_from", [4, 6])
+def test_an_undone_steps_free_drops_the_hashes_of_blocks_never_computed(uncomputed_from: int) -> None:
+    """``free(uncomputed_from=...)`` (an undone step's free): the cache entries of the
+    request's blocks holding a position at or past that token are dropped before the
+    release (BlockRemoved told); the blocks below keep theirs. Blocks of 4 tokens: the
+    allocation of 13 tokens cached 3 full blocks; from token 4 or 6 on, blocks 2 and 3
+    lose their hashes, so the same prompt hits only the first block."""
+    d = Driver((FullAttentionSpec(4), SlidingWindowSpec(4, 8)), num_blocks=20, enable_kv_cache_events=True)
+    h = d.add("A", toks(1, 13))
+    assert d.pool.allocate_slots("A", 13) == ((1, 2, 3, 4), (5, 6, 7, 8))
+    d.pool.take_events()
+    d.pool.free("A", uncomputed_from=uncomputed_from)
+    assert d.pool.take_events() == [
+        BlockRemoved((h[1],)),
+        BlockRemoved((h[2],)),
+        BlockRemoved((h[1],)),
+        BlockRemoved((h[2],)),
+    ]
+    d.add("B", toks(1, 13))
+    assert d.hit("B").num_tokens == 4
+    assert "A" not in d.pool.requests
+
+
+def test_an_undone_steps_free_of_an_unknown_request_changes_nothing() -> None:
+    """A refused free (an unknown request) drops no hash."""
+    d = Driver((FullAttentionSpec(4),), num_blocks=10, enable_kv_cache_events=True)
+    d.add("A", toks(1, 9))
+    d.pool.allocate_slots("A", 9)
+    d.pool.take_events()
+    with pytest.raises(RequestNotFoundError):
+        d.pool.free("Z", uncomputed_from=0)
+    assert d.pool.take_events() == []
+    d.pool.free("A", uncomputed_from=8)  # no full block past token 8: nothing dropped
+    assert d.pool.take_events() == []
+    d.add("B", toks(1, 9))
+    assert d.hit("B").num_tokens == 8

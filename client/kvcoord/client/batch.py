@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import allocate_op
+from kvcoord.wire import allocate_op, free_op
 
 from .errors import AbortedError
 from .items import Item, KVCacheBlockIds, Pending, ids, no_answer
@@ -147,7 +147,7 @@ class Ops:
         item = self._item(op, decode, rids, commits_itself=True)
         return item
 
-    def free(self, request: Any) -> Item[None] | None:
+    def free(self, request: Any, uncomputed_from: int | None = None) -> Item[None] | None:
         rid = request if isinstance(request, str) else request.request_id
         tracker = self.m.tracker
         tracker.lost.discard(rid)  # a lost request the scheduler frees is settled (vLLM frees
@@ -157,7 +157,8 @@ class Ops:
         # Forgotten now: if the request comes back before the free is sent, it is
         # registered again after it (the server applies calls in order).
         tracker.forget([rid])
-        return Item(pb.Operation(free=pb.FreeOp(request_id=rid)), no_answer, deferred=True)
+        op = pb.Operation(free=free_op(rid, uncomputed_from=uncomputed_from))
+        return Item(op, no_answer, deferred=True)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> Item[None]:
         op = pb.Operation()

@@ -219,9 +219,11 @@ class RemoteKVCacheManager(SessionFacts):
             start = end
         return out
 
-    def free(self, request: Any) -> None:
-        """Free the request's blocks (sent with the next call)."""
-        self.defer(self._ops.free(request))
+    def free(self, request: Any, uncomputed_from: int | None = None) -> None:
+        """Free the request's blocks (sent with the next call). ``uncomputed_from``: an
+        undone step's free (``FreeOp.uncomputed_from``): the cache entries of its blocks
+        holding any position at or past that token are dropped first."""
+        self.defer(self._ops.free(request, uncomputed_from))
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         self.defer(self._ops.cache_blocks(request, num_computed_tokens))

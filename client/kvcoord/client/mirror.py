@@ -227,11 +227,12 @@ class Mirror:
         self._collect()
         return new
 
-    def free_if_held(self, request_id: str) -> None:
-        """Free the request's blocks and forget it (nothing for a request it does not hold)."""
+    def free_if_held(self, request_id: str, uncomputed_from: int | None = None) -> None:
+        """Free the request's blocks and forget it (nothing for a request it does not
+        hold); ``uncomputed_from``: an undone step's free (see the engine's ``free``)."""
         engine = self.engine
         if request_id in engine.requests:
-            engine.free(request_id)
+            engine.free(request_id, False, uncomputed_from)
             if self._block_pool.kv_event_queue:
                 self._collect()
 

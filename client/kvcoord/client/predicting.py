@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import free_op
 
 from .client import KVCoordClient
 from .errors import InvalidArgumentError, KVCoordError
@@ -329,16 +330,18 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         self.sender.expect("new", new)
         return new
 
-    def free(self, request: Any) -> None:
-        """Free the request's blocks (sent with the next Step)."""
+    def free(self, request: Any, uncomputed_from: int | None = None) -> None:
+        """Free the request's blocks (sent with the next Step). ``uncomputed_from``: an
+        undone step's free (``FreeOp.uncomputed_from``): the cache entries of its blocks
+        holding any position at or past that token are dropped first, in the mirror too."""
         rid = request if isinstance(request, str) else request.request_id
         tracker = self.tracker
         if tracker.lost:
             tracker.lost.discard(rid)  # a lost request the scheduler frees is settled
         if not tracker.drop(rid):
             return  # never sent (or lost with its session): nothing to free
-        self.mirror.free_if_held(rid)
-        self.sender.op().free.request_id = rid
+        self.mirror.free_if_held(rid, uncomputed_from)
+        free_op(rid, uncomputed_from=uncomputed_from, into=self.sender.op().free)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table per group (empty for a request that holds none)."""

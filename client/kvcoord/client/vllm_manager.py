@@ -140,11 +140,18 @@ class KVCoordKVCacheManager(AdapterLosses):
         #: it (set by connect with KVCOORD_CREATE_POOL=1)
         self.pool_to_create: tuple[str, pb.PoolConfig] | None = None
         #: the requests allocate_slots was called for since the scheduler last cleared
-        #: it (what a schedule() call that failed half-way may have allocated), and the
+        #: it (what a schedule() call that failed half-way may have allocated), each with
+        #: the tokens whose KV existed at its first such call since then (its computed
+        #: tokens and its local prefix-cache hit, not tokens a KV connector is to load:
+        #: an undone call's free drops the hashes the call cached past them), and the
         #: scheduling fields of each waiting request looked up or allocated for, as they
         #: were at its first such call since then (what that call may have changed after)
-        self.allocated: set[str] = set()
+        self.allocated: dict[str, int] = {}
         self.seen: dict[str, tuple[Any, ...]] = {}
+        #: set by the scheduler while it undoes a schedule() call cut short: a request
+        #: in ``allocated`` it frees (or preempts) is freed with ``uncomputed_from``
+        #: (see ``free``)
+        self.undoing = False
         #: while True (vLLM's update_from_output, whose outputs must not be lost), a
         #: lost session or an outage does not raise: the requests reported lost go to
         #: ``lost`` for the scheduler to preempt before its next allocation, and the
@@ -285,7 +292,9 @@ class KVCoordKVCacheManager(AdapterLosses):
         num_encoder_tokens: int = 0,
     ) -> KVCacheBlocks | None:
         rid = request.request_id
-        self.allocated.add(rid)
+        allocated = self.allocated
+        if rid not in allocated:
+            allocated[rid] = request.num_computed_tokens + num_new_computed_tokens
         held = self._held.get(rid)
         running = self._allocate_running
         new: Any = NOT_TAKEN
@@ -361,18 +370,28 @@ class KVCoordKVCacheManager(AdapterLosses):
                 self._evicted.difference_update(group)
 
     def free(self, request: Any) -> None:
+        """vLLM's free. While the scheduler undoes a schedule() call (``undoing``), a
+        request the call allocated for is freed with ``uncomputed_from`` the tokens
+        whose KV existed before the call (``allocated``): the call's allocation cached
+        the hashes of the full blocks its step was to compute, and the worker never
+        wrote their KV. After an outage the client cannot know whether the server
+        applied the allocation, so it cannot name the blocks: the pool drops the cache
+        entries of the request's blocks past those tokens, whichever they are."""
         # (``absorbing``'s rule written out: every finished request's call)
         rid = request.request_id
         self._held.pop(rid, None)
         tables = self._tables
         if tables:
             tables.pop(rid, None)
-        if not self.absorbing:
-            self.remote.free(request)
-            return
+        uncomputed_from = self.allocated.get(rid) if self.undoing else None
         try:
-            self.remote.free(request)
+            if uncomputed_from is None:
+                self.remote.free(request)
+            else:
+                self.remote.free(request, int(uncomputed_from))
         except KVCoordError as err:
+            if not self.absorbing:
+                raise
             self._absorb(err)
 
     @absorbing(lambda *_: None)

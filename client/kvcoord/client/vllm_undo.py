@@ -58,8 +58,20 @@ class UndoCutShort:
         to load into its blocks, and nothing can take that back (a loss that cut the
         call short makes it a lost load, as any: see _lost_during_transfers). A waiting
         request whose blocks held computed tokens (a finished load the call promoted)
-        starts over when they are freed (see :meth:`_start_over`)."""
+        starts over when they are freed (see :meth:`_start_over`).
+
+        Every request the call allocated for is freed (or preempted) with the manager's
+        ``undoing`` set: its free drops the cache entries the call's allocation made
+        for blocks whose KV was never written (see the manager's ``free``)."""
         self.kvcoord_undone += 1
+        self.kvcoord.undoing = True
+        try:
+            self._undo_call(before, lost, held)
+        finally:
+            self.kvcoord.undoing = False
+
+    def _undo_call(self, before: Before, lost: set[str], held: list[Any]) -> None:
+        """:meth:`_undo`'s work, the manager ``undoing``."""
         allocated, seen = self.kvcoord.allocated, self.kvcoord.seen
         now = time.monotonic()
         inflight = getattr(self, "_inflight_prefills", None)

@@ -138,7 +138,9 @@ class PoolRequests(PoolParts):
         """
         return self._get(request_id)
 
-    def free(self, request_id: str, all_groups_reversed: bool = False) -> None:
+    def free(
+        self, request_id: str, all_groups_reversed: bool = False, uncomputed_from: int | None = None
+    ) -> None:
         """Release the request's blocks (tail first, group order) and forget it.
 
         ``all_groups_reversed`` (vllm-0.33 only): the order of vLLM 0.33's deferred
@@ -148,6 +150,13 @@ class PoolRequests(PoolParts):
         pass. The same as the plain order for one group. A mamba group drops its
         per-request state as its plain free does; its pending boundary-state hand-offs
         were dropped when vLLM took the blocks (:meth:`drop_boundary_state_offloads`).
+
+        ``uncomputed_from``: an undone step's free (the client undid a scheduler step
+        an outage cut short, which the worker never ran): before the blocks are
+        released, the cache entries of those holding any position at or past this
+        token are dropped, as :meth:`evict_blocks` drops them (BlockRemoved events
+        included). The step's allocation cached the hashes of the full blocks it was
+        to compute; their KV was never written, and a later hit would read garbage.
 
         Raises:
             RequestNotFoundError: unknown request.
@@ -164,10 +173,27 @@ class PoolRequests(PoolParts):
                 )
         if self.requests.pop(request_id, None) is None:
             raise RequestNotFoundError(f"request {request_id!r} is not in this pool")
+        if uncomputed_from is not None:
+            self._drop_uncomputed(request_id, uncomputed_from)
         if all_groups_reversed and len(self.managers) > 1:
             self.coordinator.free_all_groups_reversed(request_id)
             return
         self._release(request_id)
+
+    def _drop_uncomputed(self, request_id: str, uncomputed_from: int) -> None:
+        """Drop the cache entries of the request's blocks from table index
+        ``uncomputed_from // block_size`` on, per group (the null block skipped): the
+        blocks holding a position at or past token ``uncomputed_from``."""
+        null = self.block_pool.null_block
+        ids = [
+            b.block_id
+            for m in self.managers
+            for b in (m.req_to_blocks.get(request_id) or ())[uncomputed_from // m.block_size :]
+            if b is not null
+        ]
+        if ids:
+            self.evict_blocks_called = True  # (the invariants' flag, as evict_blocks sets it)
+            self.block_pool.evict_blocks(ids)
 
     def preempt(self, request_id: str) -> None:
         """Release the request's blocks but keep it: computed tokens go back to 0 and its

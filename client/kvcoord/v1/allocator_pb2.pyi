@@ -623,14 +623,16 @@ class AllocateResult(_message.Message):
     def __init__(self, refused: _Optional[bool] = ..., new_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., hit: _Optional[_Union[CacheHit, _Mapping]] = ..., num_new_tokens: _Optional[int] = ..., stale_hit: _Optional[bool] = ..., table: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
 
 class FreeOp(_message.Message):
-    __slots__ = ("request_id", "if_held", "all_groups_reversed")
+    __slots__ = ("request_id", "if_held", "all_groups_reversed", "uncomputed_from")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     IF_HELD_FIELD_NUMBER: _ClassVar[int]
     ALL_GROUPS_REVERSED_FIELD_NUMBER: _ClassVar[int]
+    UNCOMPUTED_FROM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     if_held: bool
     all_groups_reversed: bool
-    def __init__(self, request_id: _Optional[str] = ..., if_held: _Optional[bool] = ..., all_groups_reversed: _Optional[bool] = ...) -> None: ...
+    uncomputed_from: int
+    def __init__(self, request_id: _Optional[str] = ..., if_held: _Optional[bool] = ..., all_groups_reversed: _Optional[bool] = ..., uncomputed_from: _Optional[int] = ...) -> None: ...
 
 class PreemptOp(_message.Message):
     __slots__ = ("request_id",)

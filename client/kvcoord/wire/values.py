@@ -15,6 +15,7 @@ __all__ = [
     "allocate_op",
     "block_ids_to_pb",
     "extra_key_sources_from_pb",
+    "free_op",
     "write_extra_key_sources",
     "hit_from_pb",
     "hit_to_pb",
@@ -22,6 +23,7 @@ __all__ = [
     "lora_from_pb",
     "stats_from_pb",
     "stats_to_pb",
+    "uncomputed_from_pb",
     "write_ids",
 ]
 
@@ -125,3 +127,26 @@ def allocate_op(
         op.new_computed_blocks.groups.extend(block_ids_to_pb(new_computed_blocks))
         op.new_computed_blocks.num_tokens = num_new_computed_tokens
     return op
+
+
+def free_op(
+    request_id: str,
+    *,
+    if_held: bool = False,
+    uncomputed_from: int | None = None,
+    into: pb.FreeOp | None = None,
+) -> pb.FreeOp:
+    """A FreeOp, written into ``into`` when given; ``uncomputed_from`` (an undone step's
+    free: see the engine's ``free``) is set only when given."""
+    op = pb.FreeOp() if into is None else into
+    op.request_id = request_id
+    if if_held:
+        op.if_held = True
+    if uncomputed_from is not None:
+        op.uncomputed_from = uncomputed_from
+    return op
+
+
+def uncomputed_from_pb(op: pb.FreeOp) -> int | None:
+    """A FreeOp's ``uncomputed_from`` (``None``: a plain free)."""
+    return op.uncomputed_from if op.HasField("uncomputed_from") else None

@@ -21,6 +21,7 @@ from kvcoord.wire import (
     lora_from_pb,
     offloads_to_pb,
     stats_to_pb,
+    uncomputed_from_pb,
     write_ids,
 )
 from kvcoord.wire.columns import packed_decode_columns
@@ -157,7 +158,8 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
             answered = CacheHit(ids_from_pb(lk.answered.groups), lk.answered.num_tokens)
         return op.Lookup(sync_from_pb(lk.request), lk.hint, lk.walk_limit, answered)
     if kind == "free":
-        return op.Free(o.free.request_id, o.free.if_held, o.free.all_groups_reversed)
+        f = o.free
+        return op.Free(f.request_id, f.if_held, f.all_groups_reversed, uncomputed_from_pb(f))
     if kind == "preempt":
         return op.Preempt(o.preempt.request_id)
     if kind == "cache_blocks":

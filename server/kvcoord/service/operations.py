@@ -199,6 +199,9 @@ class Free:
     if_held: bool = False
     #: vLLM 0.33's deferred-free order: all groups concatenated, one reversed pass
     all_groups_reversed: bool = False
+    #: an undone step's free: the cache entries of the request's blocks holding any
+    #: position at or past this token are dropped first (their KV was never written)
+    uncomputed_from: int | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -215,7 +215,7 @@ class StepRunner:
             # applied, or the id is another session's request by now), nothing to do.
             return None
         self.syncs.check_owned(s, o.request_id)
-        self.pool.engine.free(o.request_id, o.all_groups_reversed)
+        self.pool.engine.free(o.request_id, o.all_groups_reversed, o.uncomputed_from)
         del self.pool.owners[o.request_id]
         s.owned.pop(o.request_id, None)
         return None

@@ -232,7 +232,9 @@ def operations(draw: Any) -> pb.Operation:
         "allocate_run": lambda: draw(allocate_runs()),
         "decode": lambda: decode_of(draw(allocate_runs()), draw(st.booleans()), draw(st.booleans())),
         "allocate": lambda: draw(allocate_ops()),
-        "free": lambda: pb.FreeOp(request_id=rid),
+        "free": lambda: pb.FreeOp(
+            request_id=rid, **({"uncomputed_from": draw(counts)} if draw(st.booleans()) else {})
+        ),
         "preempt": lambda: pb.PreemptOp(request_id=rid),
         "cache_blocks": lambda: pb.CacheBlocksOp(request=draw(syncs()), num_computed_tokens=draw(counts)),
         "remove_skipped_blocks": lambda: pb.RemoveSkippedBlocksOp(
@@ -268,6 +270,7 @@ def operations(draw: Any) -> pb.Operation:
             block_ids=draw(st.lists(st.integers(0, 60) | counts, max_size=6))
         ),
         "drop_boundary_state_offloads": lambda: pb.DropBoundaryStateOffloadsOp(request_id=rid),
+        "drop_uncomputed": lambda: pb.DropUncomputedOp(request_id=rid, uncomputed_from=draw(counts)),
         "record_blocks_for_zeroing": lambda: pb.RecordBlocksForZeroingOp(
             request_id=rid, start_token=draw(st.sampled_from([0, 16, 32]) | counts)
         ),

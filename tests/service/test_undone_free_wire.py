@@ -42,3 +42,30 @@ def test_an_undone_steps_free_drops_the_hashes_past_the_computed_tokens_over_grp
     _, taken, looked_up = step(again, TAKE, lookup("c", prompt))
     assert not taken.take_events.events
     assert looked_up.lookup.hit.num_tokens == 4
+
+
+def test_an_undone_steps_deferred_free_drops_the_hashes_at_the_take_over_grpc(client: KVCoordClient) -> None:
+    """DropUncomputedOp (vLLM 0.33's deferred free of an undone step, at the take): the
+    hashes past the token are dropped at once, the blocks stay held until the free."""
+    sid, fence = attach(client)
+    prompt = list(range(200, 213))
+    h = hashes(prompt)
+
+    def step(*ops: pb.Operation) -> list[pb.OperationResult]:
+        results = list(client.step("p", list(ops), sid, fence).results)
+        assert all(r.status_code == 0 for r in results), [r.status_message for r in results]
+        return results
+
+    step(allocate("a", prompt, 13), TAKE)
+    drop = pb.Operation(drop_uncomputed=pb.DropUncomputedOp(request_id="a", uncomputed_from=4))
+    _, taken, looked_up, table = step(
+        drop, TAKE, lookup("b", prompt), pb.Operation(get_block_ids=pb.GetBlockIdsOp(request_id="a"))
+    )
+    removed = [list(e.block_removed.block_hashes) for e in taken.take_events.events]
+    assert sorted(removed) == sorted([[h[1]], [h[2]]] * 2), removed
+    assert looked_up.lookup.hit.num_tokens == 4
+    assert len(table.get_block_ids.groups[0].block_ids) == 4  # still held
+    (unknown,) = client.step(
+        "p", [pb.Operation(drop_uncomputed=pb.DropUncomputedOp(request_id="z"))], sid, fence
+    ).results
+    assert unknown.status_code != 0

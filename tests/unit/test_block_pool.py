@@ -343,3 +343,20 @@ def test_an_undone_steps_free_of_an_unknown_request_changes_nothing() -> None:
     assert d.pool.take_events() == []
     d.add("B", toks(1, 9))
     assert d.hit("B").num_tokens == 8
+
+
+def test_an_undone_steps_deferred_free_drops_the_hashes_at_the_take() -> None:
+    """``drop_uncomputed`` (vLLM 0.33's deferred free, at the take, of an undone step):
+    the hashes of the request's blocks from that token on are dropped (BlockRemoved
+    told) and the blocks stay held until the free; an unknown request is refused."""
+    d = Driver((FullAttentionSpec(4),), num_blocks=10, enable_kv_cache_events=True)
+    h = d.add("A", toks(1, 13))
+    assert d.pool.allocate_slots("A", 13) == ((1, 2, 3, 4),)
+    d.pool.take_events()
+    with pytest.raises(RequestNotFoundError):
+        d.pool.drop_uncomputed("Z", 0)
+    d.pool.drop_uncomputed("A", 4)
+    assert d.pool.take_events() == [BlockRemoved((h[1],)), BlockRemoved((h[2],))]
+    assert d.ids("A") == ((1, 2, 3, 4),)
+    d.add("B", toks(1, 13))
+    assert d.hit("B").num_tokens == 4

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
-from harness import BLOCK_SIZE, SCHEDULERS, V033, check_manager, kv_cache_config, make_scheduler, vllm_config
+from harness import BLOCK_SIZE, SCHEDULERS, check_manager, kv_cache_config, make_scheduler, vllm_config
 from kv_oracle import KVOracle
 from kvcoord.client.errors import UnavailableError
 from kvcoord.service.testing import InProcessServer
@@ -54,7 +54,7 @@ def _caches_a_block(request: Any, num_new_tokens: int) -> bool:
 @pytest.mark.parametrize("kind", ["sync", "async"])
 def test_an_outage_after_an_applied_allocation_leaves_no_hash_of_uncomputed_blocks(
     kind: str, predict: bool, whose: str, model_dir: Path, server: InProcessServer,
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:  # fmt: skip
     """Three times in the run (ten steps apart at least), an allocation for a waiting
     request (of 32 tokens or more) or a running one (a prefill's next chunk or a decode
@@ -68,15 +68,6 @@ def test_an_outage_after_an_applied_allocation_leaves_no_hash_of_uncomputed_bloc
     as computed the positions nothing had written.)"""
     from kvcoord.client.vllm_scheduler import KVCoordAsyncScheduler, KVCoordScheduler
 
-    if V033 and kind == "async" and whose == "running":
-        request.applymarker(
-            pytest.mark.xfail(
-                strict=True,
-                reason="vLLM 0.33 defers the free of a request an in-flight step may still write (a "
-                "KV-consumer connector with overlapping steps: pop_blocks_for_free, the free sent later): "
-                "the undo's preemption of it drops no hash yet",
-            )
-        )
     caplog.set_level("WARNING", logger="kvcoord.client")
     want, _ = _guarded_run(
         make_scheduler(SCHEDULERS[kind], _config(model_dir, kind), kv_cache_config("full", 64))

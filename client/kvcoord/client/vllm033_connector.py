@@ -13,7 +13,9 @@ finished request's blocks (``pop_blocks_for_free``) and returns them a step late
 The pool frees the request at that later call, in that order (``FreeOp.all_groups_reversed``);
 beside a mamba group, what vLLM drops when it takes the blocks and the scheduler could
 see before they return (the request's pending boundary-state hand-offs) is dropped at
-the take (``DropBoundaryStateOffloadsOp``).
+the take (``DropBoundaryStateOffloadsOp``); so are, when the scheduler undoes a call cut
+short, the hashes that call's allocation cached on blocks the worker never wrote
+(``DropUncomputedOp``).
 
 What is not reproduced is named by :func:`connector_refusal_033` (refused at start) or
 refused when first used (see :mod:`kvcoord.client.vllm033`).
@@ -108,6 +110,14 @@ class RemoteConnector033:
                 )
             )
 
+    def drop_uncomputed(self, request_id: str, uncomputed_from: int) -> None:
+        """An undone step's deferred free, at the take: the cache entries of the
+        request's blocks past ``uncomputed_from`` dropped (``DropUncomputedOp``, sent
+        with the next call; nothing for a request the pool never got)."""
+        if request_id in self.tracker:
+            op = pb.DropUncomputedOp(request_id=request_id, uncomputed_from=uncomputed_from)
+            self.defer_op(pb.Operation(drop_uncomputed=op))
+
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """vLLM 0.33's ``record_blocks_for_zeroing`` (sent with the next call; nothing for
         a request the pool never got: it holds no blocks of it)."""
@@ -168,6 +178,17 @@ class PredictingConnector033:
         self.mirror.call("drop_boundary_state_offloads", request_id)
         self.sender.op().drop_boundary_state_offloads.request_id = request_id
 
+    def drop_uncomputed(self, request_id: str, uncomputed_from: int) -> None:
+        """As :meth:`RemoteConnector033.drop_uncomputed`: applied to the mirror now, sent
+        with the next Step."""
+        if request_id not in self.tracker or not self.mirror.holds(request_id):
+            return
+        self._settled()
+        self.mirror.call("drop_uncomputed", request_id, uncomputed_from)
+        op = self.sender.op().drop_uncomputed
+        op.request_id = request_id
+        op.uncomputed_from = uncomputed_from
+
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """As :meth:`RemoteConnector033.record_blocks_for_zeroing`: applied to the mirror
         now (its next ``take_new_block_ids`` answers them), sent with the next Step."""
@@ -198,6 +219,8 @@ class AdapterConnector033:
 
     _held: dict[str, Any]
     _tables: dict[str, Any]
+    allocated: dict[str, int]
+    undoing: bool
     remote033: Any
     absorbing: bool
     _absorb: Any
@@ -208,10 +231,17 @@ class AdapterConnector033:
     def pop_blocks_for_free(self, request: Any) -> list[DeferredFree]:
         """vLLM 0.33's deferred free, first half: the request is gone for the scheduler
         (no table, no hashes); its blocks stay held in the pool until
-        ``block_pool.free_blocks`` gets the answer back (:meth:`free_deferred`)."""
+        ``block_pool.free_blocks`` gets the answer back (:meth:`free_deferred`). While
+        the scheduler undoes a call that allocated for it (``undoing``, see the
+        adapter's ``free``), the hashes that allocation cached past the tokens whose KV
+        existed before it are dropped now (``DropUncomputedOp``): a lookup before the
+        deferred free must not hit them."""
         rid = request.request_id
         self._held.pop(rid, None)
         self._tables.pop(rid, None)
+        if self.undoing and rid in self.allocated:
+            uncomputed_from = int(self.allocated[rid])
+            self._kept_for_scheduler(lambda r: self.remote033.drop_uncomputed(r, uncomputed_from), rid)
         if self._mamba:  # its pending hand-offs go now, as vLLM's MambaManager drops them
             self._kept_for_scheduler(self.remote033.drop_boundary_state_offloads, rid)
         return [DeferredFree(rid)]

@@ -180,6 +180,20 @@ class PoolRequests(PoolParts):
             return
         self._release(request_id)
 
+    def drop_uncomputed(self, request_id: str, uncomputed_from: int) -> None:
+        """An undone step's deferred free, at the take (vLLM 0.33's
+        ``pop_blocks_for_free``, a KV-consumer connector with overlapping steps): the
+        cache entries of the request's blocks holding any position at or past token
+        ``uncomputed_from`` are dropped now, as :meth:`free` drops them with
+        ``uncomputed_from``, so that no lookup before the deferred free hits them; the
+        blocks stay held.
+
+        Raises:
+            RequestNotFoundError: unknown request.
+        """
+        self._get(request_id)
+        self._drop_uncomputed(request_id, uncomputed_from)
+
     def _drop_uncomputed(self, request_id: str, uncomputed_from: int) -> None:
         """Drop the cache entries of the request's blocks from table index
         ``uncomputed_from // block_size`` on, per group (the null block skipped): the

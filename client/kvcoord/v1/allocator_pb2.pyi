@@ -840,6 +840,14 @@ class DropBoundaryStateOffloadsOp(_message.Message):
     request_id: str
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
+class DropUncomputedOp(_message.Message):
+    __slots__ = ("request_id", "uncomputed_from")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    UNCOMPUTED_FROM_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    uncomputed_from: int
+    def __init__(self, request_id: _Optional[str] = ..., uncomputed_from: _Optional[int] = ...) -> None: ...
+
 class DropBoundaryStateOffloadsResult(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -879,7 +887,7 @@ class AdmitResult(_message.Message):
     def __init__(self, results: _Optional[_Iterable[_Union[AllocateResult, _Mapping]]] = ...) -> None: ...
 
 class Operation(_message.Message):
-    __slots__ = ("lookup", "allocate", "free", "preempt", "cache_blocks", "remove_skipped_blocks", "evict_blocks", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "make_prefix_cache_stats", "sync", "admit", "allocate_run", "record_prefix_cache_stats", "estimate_cached_tokens", "new_step_starts", "get_num_blocks_to_allocate", "take_new_block_ids", "take_boundary_state_offloads", "take_kv_cache_block_copies", "release_retained_blocks", "drop_boundary_state_offloads", "decode", "record_blocks_for_zeroing")
+    __slots__ = ("lookup", "allocate", "free", "preempt", "cache_blocks", "remove_skipped_blocks", "evict_blocks", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "make_prefix_cache_stats", "sync", "admit", "allocate_run", "record_prefix_cache_stats", "estimate_cached_tokens", "new_step_starts", "get_num_blocks_to_allocate", "take_new_block_ids", "take_boundary_state_offloads", "take_kv_cache_block_copies", "release_retained_blocks", "drop_boundary_state_offloads", "decode", "record_blocks_for_zeroing", "drop_uncomputed")
     LOOKUP_FIELD_NUMBER: _ClassVar[int]
     ALLOCATE_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
@@ -906,6 +914,7 @@ class Operation(_message.Message):
     DROP_BOUNDARY_STATE_OFFLOADS_FIELD_NUMBER: _ClassVar[int]
     DECODE_FIELD_NUMBER: _ClassVar[int]
     RECORD_BLOCKS_FOR_ZEROING_FIELD_NUMBER: _ClassVar[int]
+    DROP_UNCOMPUTED_FIELD_NUMBER: _ClassVar[int]
     lookup: LookupOp
     allocate: AllocateOp
     free: FreeOp
@@ -932,7 +941,8 @@ class Operation(_message.Message):
     drop_boundary_state_offloads: DropBoundaryStateOffloadsOp
     decode: DecodeOp
     record_blocks_for_zeroing: RecordBlocksForZeroingOp
-    def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitOp, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunOp, _Mapping]] = ..., record_prefix_cache_stats: _Optional[_Union[RecordPrefixCacheStatsOp, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensOp, _Mapping]] = ..., new_step_starts: _Optional[_Union[NewStepStartsOp, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateOp, _Mapping]] = ..., take_new_block_ids: _Optional[_Union[TakeNewBlockIdsOp, _Mapping]] = ..., take_boundary_state_offloads: _Optional[_Union[TakeBoundaryStateOffloadsOp, _Mapping]] = ..., take_kv_cache_block_copies: _Optional[_Union[TakeKVCacheBlockCopiesOp, _Mapping]] = ..., release_retained_blocks: _Optional[_Union[ReleaseRetainedBlocksOp, _Mapping]] = ..., drop_boundary_state_offloads: _Optional[_Union[DropBoundaryStateOffloadsOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeOp, _Mapping]] = ..., record_blocks_for_zeroing: _Optional[_Union[RecordBlocksForZeroingOp, _Mapping]] = ...) -> None: ...
+    drop_uncomputed: DropUncomputedOp
+    def __init__(self, lookup: _Optional[_Union[LookupOp, _Mapping]] = ..., allocate: _Optional[_Union[AllocateOp, _Mapping]] = ..., free: _Optional[_Union[FreeOp, _Mapping]] = ..., preempt: _Optional[_Union[PreemptOp, _Mapping]] = ..., cache_blocks: _Optional[_Union[CacheBlocksOp, _Mapping]] = ..., remove_skipped_blocks: _Optional[_Union[RemoveSkippedBlocksOp, _Mapping]] = ..., evict_blocks: _Optional[_Union[EvictBlocksOp, _Mapping]] = ..., get_block_ids: _Optional[_Union[GetBlockIdsOp, _Mapping]] = ..., common_prefix: _Optional[_Union[CommonPrefixOp, _Mapping]] = ..., reset_prefix_cache: _Optional[_Union[ResetPrefixCacheOp, _Mapping]] = ..., take_events: _Optional[_Union[TakeEventsOp, _Mapping]] = ..., make_prefix_cache_stats: _Optional[_Union[MakePrefixCacheStatsOp, _Mapping]] = ..., sync: _Optional[_Union[SyncOp, _Mapping]] = ..., admit: _Optional[_Union[AdmitOp, _Mapping]] = ..., allocate_run: _Optional[_Union[AllocateRunOp, _Mapping]] = ..., record_prefix_cache_stats: _Optional[_Union[RecordPrefixCacheStatsOp, _Mapping]] = ..., estimate_cached_tokens: _Optional[_Union[EstimateCachedTokensOp, _Mapping]] = ..., new_step_starts: _Optional[_Union[NewStepStartsOp, _Mapping]] = ..., get_num_blocks_to_allocate: _Optional[_Union[GetNumBlocksToAllocateOp, _Mapping]] = ..., take_new_block_ids: _Optional[_Union[TakeNewBlockIdsOp, _Mapping]] = ..., take_boundary_state_offloads: _Optional[_Union[TakeBoundaryStateOffloadsOp, _Mapping]] = ..., take_kv_cache_block_copies: _Optional[_Union[TakeKVCacheBlockCopiesOp, _Mapping]] = ..., release_retained_blocks: _Optional[_Union[ReleaseRetainedBlocksOp, _Mapping]] = ..., drop_boundary_state_offloads: _Optional[_Union[DropBoundaryStateOffloadsOp, _Mapping]] = ..., decode: _Optional[_Union[DecodeOp, _Mapping]] = ..., record_blocks_for_zeroing: _Optional[_Union[RecordBlocksForZeroingOp, _Mapping]] = ..., drop_uncomputed: _Optional[_Union[DropUncomputedOp, _Mapping]] = ...) -> None: ...
 
 class OperationResult(_message.Message):
     __slots__ = ("status_code", "status_message", "reason", "position", "lookup", "allocate", "get_block_ids", "common_prefix", "reset_prefix_cache", "take_events", "prefix_cache_stats", "admit", "allocate_run", "estimate_cached_tokens", "get_num_blocks_to_allocate", "take_new_block_ids", "take_boundary_state_offloads", "take_kv_cache_block_copies", "release_retained_blocks", "drop_boundary_state_offloads", "decode", "record_blocks_for_zeroing")

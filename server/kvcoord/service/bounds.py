@@ -134,6 +134,7 @@ BOUNDS: Mapping[str, int | str] = {
     "EstimateCachedTokensOp.request_id": MAX_REQUEST_ID_LENGTH,
     "DropBoundaryStateOffloadsOp.request_id": MAX_REQUEST_ID_LENGTH,
     "RecordBlocksForZeroingOp.request_id": MAX_REQUEST_ID_LENGTH,
+    "DropUncomputedOp.request_id": MAX_REQUEST_ID_LENGTH,
     "GetNumBlocksToAllocateOp.request_id": MAX_REQUEST_ID_LENGTH,
     "AdmitOp.requests": "max_ops_per_step",
     "AllocateRunOp.request_ids": "max_ops_per_step",

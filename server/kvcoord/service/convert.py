@@ -205,6 +205,8 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
     if kind == "record_blocks_for_zeroing":
         z = o.record_blocks_for_zeroing
         return op.RecordForZeroing(z.request_id, z.start_token)
+    if kind == "drop_uncomputed":
+        return op.DropUncomputed(o.drop_uncomputed.request_id, o.drop_uncomputed.uncomputed_from)
     if kind == "get_num_blocks_to_allocate":
         n = o.get_num_blocks_to_allocate
         return op.GetNumBlocksToAllocate(

@@ -49,6 +49,7 @@ __all__ = [
     "ReleaseRetained",
     "DropOffloads",
     "RecordForZeroing",
+    "DropUncomputed",
     "TakeBoundaryStateOffloads",
     "TakeNewBlockIds",
     "GetNumBlocksToAllocate",
@@ -318,6 +319,15 @@ class RecordForZeroing:
 
 
 @dataclasses.dataclass(slots=True)
+class DropUncomputed:
+    """An undone step's deferred free, at the take: the cache entries of the request's
+    blocks holding any position at or past uncomputed_from dropped, the blocks kept."""
+
+    request_id: str
+    uncomputed_from: int
+
+
+@dataclasses.dataclass(slots=True)
 class GetNumBlocksToAllocate:
     request_id: str
     num_tokens: int
@@ -363,6 +373,7 @@ Operation = (
     | ReleaseRetained
     | DropOffloads
     | RecordForZeroing
+    | DropUncomputed
 )
 
 

@@ -66,6 +66,7 @@ class StepRunner:
             op.ReleaseRetained: self._release_retained,
             op.DropOffloads: self._drop_offloads,
             op.RecordForZeroing: self._record_for_zeroing,
+            op.DropUncomputed: self._drop_uncomputed,
         }
 
     def apply(self, s: Session, ops: Sequence[op.Operation]) -> list[op.Outcome]:
@@ -309,6 +310,11 @@ class StepRunner:
     def _record_for_zeroing(self, s: Session, o: op.RecordForZeroing) -> op.Value:
         self.syncs.check_owned(s, o.request_id)
         self.pool.engine.record_blocks_for_zeroing(o.request_id, o.start_token)
+        return None
+
+    def _drop_uncomputed(self, s: Session, o: op.DropUncomputed) -> op.Value:
+        self.syncs.check_owned(s, o.request_id)
+        self.pool.engine.drop_uncomputed(o.request_id, o.uncomputed_from)
         return None
 
     def _num_blocks_to_allocate(self, s: Session, o: op.GetNumBlocksToAllocate) -> op.Value:

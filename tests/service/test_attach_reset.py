@@ -10,12 +10,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from durable_server import small_pool
-from kvcoord.client import KVCoordClient
+from kvcoord.client import KVCoordClient, PredictingKVCacheManager, RemoteKVCacheManager
 from kvcoord.client.errors import PoolBusyError
 from kvcoord.client.faults import FaultInjector
 from kvcoord.client.hashing import BlockHasher, none_hash
+from kvcoord.client.predicting import PredictionUnavailableError
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import allocate
@@ -138,3 +140,41 @@ def test_a_reset_with_the_attach_releases_routers_reservations(
         stats = c.get_stats("p")
         assert (stats.reservations.live, stats.reservations.expired) == (0, 1)
         assert stats.num_free_blocks == 63 and _cached(c) == [] and _hit(c) == 0
+
+
+class OlderServer(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Makes the server one before AttachRequest.reset_prefix_cache: the field is not
+    sent (an older server drops a field it does not know), so no answer says
+    prefix_cache_reset."""
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        if isinstance(request, pb.AttachRequest) and request.reset_prefix_cache:
+            request = _without_reset(request)
+        return continuation(details, request)
+
+
+def _without_reset(request: pb.AttachRequest) -> pb.AttachRequest:
+    copy = pb.AttachRequest()
+    copy.CopyFrom(request)
+    copy.reset_prefix_cache = False
+    return copy
+
+
+def test_a_server_that_does_not_reset_at_attach_is_never_trusted_with_the_cache(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """Against a server before reset_prefix_cache (no prefix_cache_reset in its answer):
+    the waiting manager asked to reset sends ResetPrefixCache at once, before any call
+    reads the cache (no hit left); the predicting one is refused a mirror
+    (PredictionUnavailableError naming why: vLLM's adapter then waits for the server,
+    whose session resets as above), its session ended."""
+    server = make_server(POOL)
+    with KVCoordClient(server.address, timeout=10, interceptors=[OlderServer()]) as c:
+        _fill(c, PROMPT, "old")
+        with pytest.raises(PredictionUnavailableError, match="does not reset the prefix cache"):
+            PredictingKVCacheManager(c, "p", hash_seed="0", renew=False, reset_at_attach=True)
+        assert list(c.list_sessions("p").sessions) == [] and _hit(c) == 40
+        m = RemoteKVCacheManager(c, "p", hash_seed="0", renew=False, exclusive=True, reset_at_attach=True)
+        assert _cached(c) == [] and _hit(c) == 0
+        assert _events(c).count("all_blocks_cleared") == 1
+        m.close()

@@ -36,11 +36,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
+import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .batch import Admitted, Ops, StepBatcher
 from .client import KVCoordClient
-from .errors import FencedError, SessionExpiredError
+from .errors import FencedError, PoolBusyError, SessionExpiredError
 from .items import Item, KVCacheBlockIds, Pending, no_answer
 from .sender import StepSender
 from .session import SessionKeeper
@@ -76,6 +77,12 @@ class RemoteKVCacheManager(SessionFacts):
         profile, num_hash_lookahead_tokens: the semantics profile the caller follows
             (``vllm-0.16`` when empty, or ``vllm-0.33``) and its look-ahead hash tokens,
             checked by the handshake: a pool of another profile is refused.
+        reset_at_attach: every Attach (the first, and each after a loss) resets the
+            pool's prefix cache with the session's start (refused, PoolBusyError, while
+            another session is attached): the caller's KV memory holds none of what the
+            pool caches (a new engine process) or may hold other KV (a call cut by the
+            loss cached blocks whose KV was never computed). A server that does not
+            reset at Attach (an older release) is sent ResetPrefixCache at once instead.
 
     Raises:
         RandomSeedError: caching is on and no seed is known.
@@ -95,25 +102,23 @@ class RemoteKVCacheManager(SessionFacts):
         exclusive: bool = False,
         profile: str = "",
         num_hash_lookahead_tokens: int = 0,
+        reset_at_attach: bool = False,
     ) -> None:
         cfg, seed = self._open(client, pool, hash_seed)
         self.exclusive = exclusive
-        self.keeper = SessionKeeper(
-            client,
+        reset = reset_at_attach
+
+        def attach() -> pb.AttachResponse:
             # the semantics profile the caller follows is part of the handshake ("": vllm-0.16)
-            lambda: client.attach(
-                pool,
-                cfg.hash_algo,
-                cfg.hash_block_size,
-                seed or "",
-                client_name,
-                lease_seconds,
-                exclusive,
-                profile=profile,
-                num_hash_lookahead_tokens=num_hash_lookahead_tokens,
-            ),
-            renew=renew,
-        )
+            response = client.attach(
+                pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds, exclusive,
+                profile=profile, num_hash_lookahead_tokens=num_hash_lookahead_tokens, reset_prefix_cache=reset,
+            )  # fmt: skip
+            if reset and not response.prefix_cache_reset:
+                reset_after_attach(client, pool, response)
+            return response
+
+        self.keeper = SessionKeeper(client, attach, renew=renew)
         #: sends the Steps (inline), dispatches their answers, recovers lost requests
         self.sender = StepSender(client, pool, self.keeper, self.tracker)
         self._ops = Ops(self)
@@ -306,3 +311,25 @@ class RemoteKVCacheManager(SessionFacts):
 
     def _now(self, item: Item[T]) -> T:
         return self.sender.now(item)
+
+
+def reset_after_attach(client: KVCoordClient, pool: str, response: pb.AttachResponse) -> None:
+    """Reset the prefix cache of an exclusive session just attached to a server that
+    did not reset it with the Attach (a release before AttachRequest.reset_prefix_cache):
+    no call of the session has read the cache yet.
+
+    Raises:
+        PoolBusyError: a block is held, so the cache could not be reset (the session is
+            ended first: its engine must not read the cache).
+    """
+    if client.reset_prefix_cache(pool, response.session_id, response.fence).result:
+        return
+    try:
+        client.detach(response.session_id, response.fence)
+    finally:
+        raise PoolBusyError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"pool {pool!r} holds blocks, so its prefix cache could not be reset for this engine; attach "
+            "once they are freed",
+            "POOL_EXCLUSIVE",
+        )

@@ -74,6 +74,13 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         profile, num_hash_lookahead_tokens: the semantics profile the caller follows
             (``vllm-0.16`` when empty, or ``vllm-0.33``) and its look-ahead hash tokens,
             checked by the handshake (the mirror runs the pool's profile).
+        reset_at_attach: every Attach (the first, and each after a loss) resets the
+            pool's prefix cache with the session's start, before the mirror is loaded:
+            the caller's KV memory holds none of what the pool caches (a new engine
+            process) or may hold other KV than the server's state says (a lost session's
+            worker wrote blocks the mirror handed out in Steps the server never applied).
+            A server that does not reset at Attach (an older release) is refused a
+            mirror (PredictionUnavailableError).
 
     Raises:
         FailedPreconditionError: the pool has another session (PoolBusyError), or the
@@ -97,10 +104,12 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         max_backlog: int = 8,
         profile: str = "",
         num_hash_lookahead_tokens: int = 0,
+        reset_at_attach: bool = False,
     ) -> None:
         cfg, seed = self._open(client, pool, hash_seed)
         self._attach_args = (pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds)
         self._handshake = (profile, num_hash_lookahead_tokens)
+        self.reset_at_attach = reset_at_attach
         self._mirror: Mirror | None = None
         self.keeper = SessionKeeper(client, self._attach, renew=renew)
         self.mirror: Mirror = self._loaded()
@@ -125,10 +134,12 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         client, cfg = self.client, self.config
         response = client.attach(
             *self._attach_args, True, True, want_engine_state=True, profile=self._handshake[0],
-            num_hash_lookahead_tokens=self._handshake[1],
+            num_hash_lookahead_tokens=self._handshake[1], reset_prefix_cache=self.reset_at_attach,
         )  # fmt: skip
         why = response.pool_state_unavailable or "the server sent no pool state"
-        if response.HasField("pool_state"):
+        if self.reset_at_attach and not response.prefix_cache_reset:
+            why = "the server does not reset the prefix cache at Attach (a release before reset_prefix_cache)"
+        elif response.HasField("pool_state"):
             try:
                 self._mirror = Mirror(cfg, response.pool_state)
             except MirrorUnavailableError as err:

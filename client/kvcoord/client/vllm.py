@@ -98,8 +98,11 @@ class Settings:
         timeout: deadline of each call in seconds (``KVCOORD_TIMEOUT``, default 10).
         client_name: shown in server logs (``KVCOORD_CLIENT_NAME``, default host:pid).
         exclusive: the engine is the pool's only session (``KVCOORD_EXCLUSIVE``, default
-            ``1``), which prediction needs; ``0`` lets several engines share the pool
-            (one round trip per lookup or allocation).
+            ``1``), which prediction needs, and the pool's prefix cache is this engine's
+            memory's: reset at every Attach (a new process; a session lost and attached
+            again). ``0`` lets several engines share the pool (one round trip per lookup or
+            allocation), its cached blocks read by every engine as they are: engines
+            sharing a pool must share the KV memory its block ids name.
         predict: answer every call from a mirror of the pool (the engine itself, loaded
             from the server) and never wait (``KVCOORD_PREDICT``, default ``1``; needs
             ``exclusive``): a :class:`PredictingKVCacheManager`, for every layout. When
@@ -231,7 +234,15 @@ def attach_manager(
         if client is not None
         else KVCoordClient(settings.target, timeout=settings.timeout, token=settings.token)
     )
-    common = {"hash_seed": expected.hash_seed, "client_name": settings.client_name, **kinds.handshake}
+    # The pool's block ids are slots of this engine's KV memory, so the engine's own pool
+    # (KVCOORD_EXCLUSIVE=1) caches only what that memory holds: every Attach, this
+    # process's first (its memory holds nothing) and each after a loss (its worker may
+    # have written blocks the server never heard of), resets the prefix cache with the
+    # session's start. A shared pool's cached blocks are every engine's: read as they are.
+    common = {
+        "hash_seed": expected.hash_seed, "client_name": settings.client_name,
+        "reset_at_attach": settings.exclusive, **kinds.handshake,
+    }  # fmt: skip
     try:
         find_pool(c, settings, expected)
         remote: Any = None

@@ -243,6 +243,12 @@ def attach_manager(
         "hash_seed": expected.hash_seed, "client_name": settings.client_name,
         "reset_at_attach": settings.exclusive, **kinds.handshake,
     }  # fmt: skip
+    if not settings.exclusive:
+        logger.info(
+            "KVCOORD_EXCLUSIVE=0: pool %r is shared, its cached blocks read as they are (not reset at "
+            "Attach): the engines sharing it must share the KV memory its block ids name",
+            settings.pool,
+        )
     try:
         find_pool(c, settings, expected)
         remote: Any = None

@@ -36,21 +36,31 @@ class TransferGuard:
     """Tracks, from the connector's own calls, the block ids a transfer is using (a load
     from its allocation until the worker reports it received; a send from
     ``request_finished`` until reported sent) and names every scheduled allocation that
-    hands one of them to another request meanwhile."""
+    hands one of them to another request meanwhile. A load writes the blocks past the
+    request's local prefix-cache hit only: the hit's blocks (which another request may be
+    computing in the same step, as vLLM allows) are read, not written."""
 
     def __init__(self, scheduler: Any) -> None:
         self.busy: dict[int, str] = {}  # block id -> the request whose transfer uses it
         self.overlaps: list[tuple[str, int, str]] = []
         self.loads = self.sends = 0
+        self._local: dict[str, int] = {}  # the local hit the connector was last told of
         connector = scheduler.connector
-        after_alloc, finished, output = (
-            connector.update_state_after_alloc, connector.request_finished, connector.worker_output,
+        matched, after_alloc, finished, output = (
+            connector.get_num_new_matched_tokens, connector.update_state_after_alloc,
+            connector.request_finished, connector.worker_output,
         )  # fmt: skip
+
+        def get_num_new_matched_tokens(request: Any, num_computed_tokens: int) -> Any:
+            self._local[request.request_id] = num_computed_tokens
+            return matched(request, num_computed_tokens)
 
         def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> None:
             after_alloc(request, blocks, num_external_tokens)
-            if request.request_id in connector.loading:
-                self._use(request.request_id, [b for g in blocks.get_block_ids() for b in g])
+            rid = request.request_id
+            if rid in connector.loading:
+                first = self._local.get(rid, 0) // BLOCK_SIZE
+                self._use(rid, [b for g in blocks.get_block_ids() for b in g[first:]])
                 self.loads += 1
 
         def request_finished(request: Any, block_ids: list[int]) -> Any:
@@ -67,6 +77,7 @@ class TransferGuard:
                 self.busy = {b: rid for b, rid in self.busy.items() if rid not in done}
             return out
 
+        connector.get_num_new_matched_tokens = get_num_new_matched_tokens
         connector.update_state_after_alloc = update_state_after_alloc
         connector.request_finished = request_finished
         connector.worker_output = worker_output

@@ -42,8 +42,8 @@ from kvcoord.service import registry
 _real = registry.PoolRegistry.ending
 
 
-def _ending(self, s, service=None):
-    inner = _real(self, s, service)
+def _ending(self, s, service=None, abandon=True):
+    inner = _real(self, s, service, abandon)
     hold = int(open({flag!r}).read()) if os.path.exists({flag!r}) else -1
     done = 0
     while True:

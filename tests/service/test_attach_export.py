@@ -56,6 +56,7 @@ def _fill(c: KVCoordClient, pool: str, requests: int) -> None:
         tokens = list(range(n * 1000, n * 1000 + 64))
         got = c.allocate(pool, allocate(f"r{n}", tokens, 64).allocate, s.session_id, s.fence)
         assert not got.result.refused
+        c.free(pool, [f"r{n}"], session_id=s.session_id, fence=s.fence)
     c.detach(s.session_id, s.fence)
 
 

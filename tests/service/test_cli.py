@@ -341,7 +341,13 @@ def test_score_a_prompt_file(server: DurableServer, client: KVCoordClient, tmp_p
     through the client's router; JSON and text prompt files are the same prompt."""
     tokens = list(range(700, 730))
     sid, fence = attach(client, "p")
-    client.step("p", [allocate("sc-1", tokens, len(tokens))], sid, fence)
+    # computed and finished: freed (a detach holding it would drop its blocks' hashes)
+    client.step(
+        "p",
+        [allocate("sc-1", tokens, len(tokens)), pb.Operation(free=pb.FreeOp(request_id="sc-1"))],
+        sid,
+        fence,
+    )
     client.detach(sid, fence)
     reference = PoolRouter(client).score(tokens)
     expected = {s.pool: s.hit_tokens for s in reference.scores}

@@ -173,7 +173,8 @@ def test_answers_equal_the_servers_from_a_used_pool(client: KVCoordClient, pool:
     for i, tokens in enumerate([list(range(20)), list(range(20)), list(range(100, 117))]):
         r = Req(f"old{i}", tokens)
         first.allocate_slots(r, len(tokens))
-    first.close()  # frees everything: the blocks stay cached, the queue reordered
+        first.free(r)  # computed and finished: the blocks stay cached, the queue reordered
+    first.close()
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
     a = _req("a", list(range(20)) + [7, 7, 7])
     b = _req("b", list(range(100, 117)) + [8])
@@ -684,8 +685,10 @@ def test_a_pool_holding_a_routers_reservation_is_not_predicted(client: KVCoordCl
     the waiting manager still takes it."""
     warm = RemoteKVCacheManager(client, pool, hash_seed="0", renew=False)
     tokens = list(range(500, 541))
-    warm.allocate_slots(_req("w", tokens), len(tokens))
-    warm.close()  # its blocks stay cached
+    w = _req("w", tokens)
+    warm.allocate_slots(w, len(tokens))
+    warm.free(w)  # computed and finished: its blocks stay cached
+    warm.close()
     prompt = pb.HashedPrompt(hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0",
                              block_hashes=BlockHasher("sha256_cbor", 4, NONE).extend(tokens))  # fmt: skip
     reserved = client.score_pools(len(tokens), [prompt], candidate_pools=[pool], reserve_seconds=30.0)

@@ -188,10 +188,16 @@ def test_a_reattach_releases_reservations_and_a_bare_manager_given_no_state_is_r
         _admit(m, a)
         m.take_events()
         _check_equal(m, address, "reserved", [a])
-        _end_session(address, m)  # a's blocks are freed and stay cached
+        w = _req("w", list(range(500, 541)))
+        _admit(m, w)
+        m.free(w)  # computed and finished: its blocks stay cached
+        m.take_events()  # (the step ends: its Step is sent)
+        m.remote.sender.settle()
+        # a's blocks are freed as abandoned (no hit on them any more); w's stay cached
+        _end_session(address, m)
         _decode(m, [a], 77)  # answered by the mirror: its Step fails on the server
         m.remote.sender.settle()
-        _reserve(address, "reserved", list(range(40)))
+        _reserve(address, "reserved", list(range(500, 540)))
         b = _req("b", list(range(300, 309)))
         with caplog.at_level("WARNING", logger="kvcoord.client"):
             with pytest.raises(RequestsLostError) as lost:
@@ -214,11 +220,14 @@ def test_a_reattach_releases_reservations_and_a_bare_manager_given_no_state_is_r
         with KVCoordClient(address, timeout=10) as client:
             bare = PredictingKVCacheManager(client, "bare", hash_seed="0", renew=False)
             assert bare.on_unpredictable is None
-            r = _req("r", list(range(500, 540)))
+            w = _req("w", list(range(500, 540)))
+            _admit(bare, w)
+            bare.free(w)  # computed and finished: its blocks stay cached
+            r = _req("r", list(range(600, 640)))
             _admit(bare, r)
             bare.take_events()
             bare.flush()
-            client.detach(bare.session_id)  # r's blocks are freed and stay cached
+            client.detach(bare.session_id)  # r's blocks are freed as abandoned
             _grow(r, 7)
             bare.allocate_slots(r, 1)
             bare.take_events()

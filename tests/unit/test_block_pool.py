@@ -345,6 +345,40 @@ def test_an_undone_steps_free_of_an_unknown_request_changes_nothing() -> None:
     assert d.hit("B").num_tokens == 8
 
 
+def test_an_abandoned_requests_free_drops_the_hashes_of_the_blocks_only_it_holds() -> None:
+    """``free_abandoned`` (a session ended holding the request: its worker may never
+    have written the blocks its last allocations cached): the cache entries of the
+    blocks no other request holds are dropped before the release (BlockRemoved told,
+    both groups, the sliding window's null blocks skipped); a block another request
+    holds keeps its entry; block ids and the free count are a plain free's; an
+    unknown request is refused and nothing changes."""
+    d = Driver((FullAttentionSpec(4), SlidingWindowSpec(4, 8)), num_blocks=30, enable_kv_cache_events=True)
+    h = d.add("A", toks(1, 17))
+    d.pool.allocate_slots("A", 17)  # 4 full blocks cached per group
+    hit, _ = d.admit("B", toks(1, 9) + [99])  # B hits A's first 2 blocks
+    assert hit.num_tokens == 8
+    d.pool.take_events()
+    with pytest.raises(RequestNotFoundError):
+        d.pool.free_abandoned("Z")
+    assert d.pool.take_events() == []
+    free_before = d.pool.num_free_blocks
+    d.pool.free_abandoned("A")
+    removed = d.pool.take_events()
+    assert sorted(e.block_hashes for e in removed) == sorted([(h[2],), (h[3],)] * 2)  # type: ignore[attr-defined]
+    assert "A" not in d.pool.requests
+    d.add("C", toks(1, 17))
+    assert d.hit("C").num_tokens == 8
+    plain = Driver(
+        (FullAttentionSpec(4), SlidingWindowSpec(4, 8)), num_blocks=30, enable_kv_cache_events=True
+    )
+    plain.add("A", toks(1, 17))
+    plain.pool.allocate_slots("A", 17)
+    plain.admit("B", toks(1, 9) + [99])
+    plain.pool.free("A")
+    assert d.pool.num_free_blocks == plain.pool.num_free_blocks > free_before
+    assert d.pool.get_block_ids("B") == plain.pool.get_block_ids("B")
+
+
 def test_an_undone_steps_deferred_free_drops_the_hashes_at_the_take() -> None:
     """``drop_uncomputed`` (vLLM 0.33's deferred free, at the take, of an undone step):
     the hashes of the request's blocks from that token on are dropped (BlockRemoved

@@ -559,6 +559,43 @@ def test_a_record_naming_a_session_that_had_ended_stops_the_replay_naming_it(
         Node(loop, tmp_path)
 
 
+@pytest.mark.parametrize("abandoned", [False, True])
+def test_a_session_end_replays_by_the_rule_its_record_was_written_under(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path, abandoned: bool
+) -> None:
+    """A session's ``expire`` (or ``detach``) record ends with ABANDONED since its
+    requests are freed as abandoned (the cache entries of blocks only they held
+    dropped). A journal written before that rule has records without it: they replay
+    as the server that wrote them freed (the hashes stay cached: a later journaled
+    call's hit named them, and the replayed state must be the one its worker was
+    told). Both replay to the state their writer had."""
+    from kvcoord.service.durability import ABANDONED
+    from kvcoord.service.journal_cbor import record_bytes
+
+    a = Node(loop, tmp_path)
+    client = DirectClient(a)
+    client.create_pool("p", _pool_config())
+    att = client.attach("p", "sha256_cbor", 4, "0")
+    tokens = list(range(500, 513))  # 3 full blocks cached by the allocation
+    hashes = BlockHasher("sha256_cbor", 4, NONE).extend(tokens)
+    sync = pb.RequestSync(
+        request_id="r0", new_request=True, append_token_ids=tokens, append_block_hashes=hashes
+    )
+    client.step("p", [pb.Operation(allocate=allocate_op(sync, 13))], att.session_id, att.fence)
+    a.settle()
+    a.crash()
+    store = a.recovery.recorder.journal.store
+    last = list(store.records(0))[-1][0]
+    record = ("expire", time.time(), att.session_id) + ((ABANDONED,) if abandoned else ())
+    store.write([(last + 1, record_bytes(record))])
+    store.write_progress(last + 1)
+    store.close()
+    b = Node(loop, tmp_path)
+    service = b.registry.pools["p"]
+    assert service.num_requests == 0 and not b.registry.sessions.sessions
+    assert service.find_longest_cache_hit(hashes, 13).num_tokens == (0 if abandoned else 12)
+
+
 def test_an_exclusive_attach_that_fails_leaves_no_session_behind_a_snapshot(
     loop: asyncio.AbstractEventLoop, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -18,7 +18,7 @@ from kvcoord.service import operations as op
 from kvcoord.service.convert import sync_from_pb
 from kvcoord.service.errors import ErrorReason, ServiceError, Status
 from kvcoord.service.idempotency import IdempotencyStore, entry_bytes
-from kvcoord.service.pool_service import Fence, Limits, PoolService
+from kvcoord.service.pool_service import Fence, Limits, PoolService, drain
 from kvcoord.service.sessions import SessionTable
 from kvcoord.service.testing import ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
@@ -99,7 +99,7 @@ def test_ownership_and_session_end() -> None:
     (o,) = p.apply(b, [op.Free("x")])
     assert o.error is not None and o.error.status is Status.DENIED
     free_before = p.engine.num_free_blocks
-    assert p.end_session(a) == 1
+    assert drain(p.ending_session(a, 0)) == 1
     assert "x" not in p.engine.requests and p.engine.num_free_blocks > free_before
     with pytest.raises(ServiceError) as err:
         p.session(a.session_id, None)
@@ -232,11 +232,11 @@ def test_exclusive_session_is_alone() -> None:
     with pytest.raises(ServiceError) as err:
         p.attach("sha256_cbor", 4, "0", "x", 0, exclusive=True)
     assert err.value.status is Status.PRECONDITION
-    p.end_session(a)
+    drain(p.ending_session(a, 0))
     x = p.attach("sha256_cbor", 4, "0", "x", 0, exclusive=True)
     with pytest.raises(ServiceError):
         attach(p)
-    p.end_session(x)
+    drain(p.ending_session(x, 0))
     assert attach(p).session_id
 
 

@@ -308,21 +308,28 @@ class StepSender(StepGathering):
             self.reattach = True
         return RequestsLostError(lost, err)
 
-    def free_now(self, request_id: str) -> None:
+    def free_now(self, request_id: str, uncomputed_from: int | None = None) -> None:
         """Free a request on the server at once. When the server cannot be reached, the
         free is queued for the next Step (its blocks must not stay held by a request
         nobody tracks); an unknown request is free already, a lost session's end frees
         everything it held, and a request of another session is not this one's to free
         (its id was taken after this session's request was gone). Any other refusal is
-        logged and the free dropped: sent again it would fail every later Step."""
+        logged and the free dropped: sent again it would fail every later Step.
+        ``uncomputed_from`` (a lost request: :meth:`forget`): sent in a Step's FreeOp."""
         keeper = self.keeper
+        # sent again: a request the pool no longer holds is not an error then
+        op = pb.Operation(free=pb.FreeOp(request_id=request_id, if_held=True))
         try:
-            self.client.free(self.pool, [request_id], session_id=keeper.session_id, fence=keeper.fence)
+            if uncomputed_from is None:
+                self.client.free(self.pool, [request_id], session_id=keeper.session_id, fence=keeper.fence)
+            else:
+                op.free.uncomputed_from = uncomputed_from
+                (result,) = self._send(pb.StepRequest(ops=[op])).results
+                if result.status_code:
+                    raise op_error(result)
         except (RequestUnknownError, SessionExpiredError, FencedError, PermissionDeniedError):
             pass
         except _TRANSIENT:
-            # sent again: a request the pool no longer holds is not an error then
-            op = pb.Operation(free=pb.FreeOp(request_id=request_id, if_held=True))
             self.queue.append(Item(op, no_answer, deferred=True))
         except KVCoordError as err:
             logger.error(
@@ -331,10 +338,15 @@ class StepSender(StepGathering):
             )  # fmt: skip
 
     def forget(self, request_ids: Sequence[str], err: KVCoordError) -> RequestsLostError:
-        """These requests' server state is unknown: free them there (best effort) and here."""
+        """These requests' server state is unknown: free them there (best effort) and
+        here. A Step that may have been applied allocated for them, caching the hashes
+        of the blocks it was to compute, and nobody computes them (the scheduler
+        recomputes a lost request): their cache entries are dropped from the computed
+        count the request last sent on (blocks before it were computed in earlier steps)."""
+        computed = {rid: self.tracker.sent_computed(rid) for rid in request_ids}
         lost = self.tracker.forget(request_ids, lost=True)
         for rid in lost:
-            self.free_now(rid)  # unknown there already, or freed
+            self.free_now(rid, computed[rid])  # unknown there already, or freed
         self.lost_requests += len(lost)
         return RequestsLostError(lost, err)
 

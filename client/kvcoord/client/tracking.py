@@ -375,6 +375,11 @@ class RequestTracker:
             else:
                 t.restore(mark)
 
+    def sent_computed(self, request_id: str) -> int:
+        """The computed-token count last sent for the request (0: none, or untracked)."""
+        t = self._tracked.get(request_id)
+        return max(t.sent_computed, 0) if t is not None else 0
+
     def drop(self, request_id: str) -> bool:
         """Stop tracking one request (a free); whether it was tracked."""
         return self._tracked.pop(request_id, None) is not None

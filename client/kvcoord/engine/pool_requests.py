@@ -194,17 +194,49 @@ class PoolRequests(PoolParts):
         self._get(request_id)
         self._drop_uncomputed(request_id, uncomputed_from)
 
+    def free_abandoned(self, request_id: str) -> None:
+        """Free a request its worker abandoned (its session ended holding it: a detach,
+        a lease that ran out, a restored server's void sessions), whose KV may never
+        have been written where the pool's cache says: its last allocation cached the
+        hashes of the blocks its worker was to compute, and a worker that stopped with
+        a step in flight (asynchronous scheduling: two) never wrote them.
+
+        Before the blocks are released, the cache entries of those no other request
+        holds are dropped (BlockRemoved told, as :meth:`evict_blocks` drops them). A
+        block another live request holds stays cached: that request hit it and reads it
+        as computed (a hit on a block another engine has yet to compute is the race the
+        engines sharing a pool must rule out themselves).
+        Blocks two requests of one ending session share are dropped with the last one
+        freed. The price is cache (a continuation of the abandoned requests computes
+        their blocks again), never a block: block ids and free counts are as
+        :meth:`free` leaves them.
+
+        Raises:
+            RequestNotFoundError: unknown request.
+        """
+        self._get(request_id)
+        null = self.block_pool.null_block
+        self._evict_for_request([
+            b.block_id
+            for m in self.managers
+            for b in m.req_to_blocks.get(request_id) or ()
+            if b is not null and b.ref_cnt == 1
+        ])  # fmt: skip
+        self.free(request_id)
+
     def _drop_uncomputed(self, request_id: str, uncomputed_from: int) -> None:
         """Drop the cache entries of the request's blocks from table index
         ``uncomputed_from // block_size`` on, per group (the null block skipped): the
         blocks holding a position at or past token ``uncomputed_from``."""
         null = self.block_pool.null_block
-        ids = [
+        self._evict_for_request([
             b.block_id
             for m in self.managers
             for b in (m.req_to_blocks.get(request_id) or ())[uncomputed_from // m.block_size :]
             if b is not null
-        ]
+        ])  # fmt: skip
+
+    def _evict_for_request(self, ids: list[int]) -> None:
         if ids:
             self.evict_blocks_called = True  # (the invariants' flag, as evict_blocks sets it)
             self.block_pool.evict_blocks(ids)

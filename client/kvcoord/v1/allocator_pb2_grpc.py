@@ -187,7 +187,8 @@ class AllocatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Detach(self, request, context):
-        """Ends a session, freeing every request it still owns. A Detach (or Heartbeat) of a
+        """Ends a session, freeing every request it still owns (as abandoned: see Sessions
+        above; free what the worker computed and finished first). A Detach (or Heartbeat) of a
         session whose lease ran out is NOT_FOUND (SESSION_EXPIRED) and ends it as lease
         expiry does, if the reaper had not yet. So is a Detach of a session that ended
         while the call waited for its pool (another Detach of it, applied first).

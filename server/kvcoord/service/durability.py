@@ -84,6 +84,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .sessions import Session
 
 __all__ = [
+    "ABANDONED",
     "JournalRecorder",
     "Recorder",
     "answer_digest",
@@ -96,6 +97,9 @@ logger = logging.getLogger(__name__)
 
 #: the temporary files snapshots are encoded into: ``snapshot-<seq>.part`` (``.tmp`` while written)
 SNAPSHOT_FILE_GLOB = "snapshot-*.part*"
+#: a "detach" / "expire" record's last field: the session's requests were freed as
+#: abandoned (PoolService.ending_session); a journal written before that rule lacks it
+ABANDONED = 1
 
 
 def answer_digest(answer: bytes) -> bytes:
@@ -396,10 +400,10 @@ class JournalRecorder(Recorder):
         )  # fmt: skip
 
     def detached(self, service: PoolService, session_id: str) -> None:
-        self._append("detach", session_id, service=service)
+        self._append("detach", session_id, ABANDONED, service=service)
 
     def session_expired(self, session_id: str, pool: str = "") -> None:
-        self._append("expire", session_id)
+        self._append("expire", session_id, ABANDONED)
 
     def called(
         self, service: PoolService, rpc: str, request: Message, key: str, digest: bytes, answer: bytes | None,

@@ -365,20 +365,18 @@ class PoolService:
         self.sessions.renew(s)
         return s
 
-    def end_session(self, s: Session) -> int:
-        """:meth:`ending_session` at once (replay; a session owning few requests)."""
-        return drain(self.ending_session(s, 0))
-
-    def ending_session(self, s: Session, every: int) -> Generator[None, None, int]:
+    def ending_session(self, s: Session, every: int, abandon: bool = True) -> Generator[None, None, int]:
         """Close the session (detach, lease expiry, a restored server's void sessions),
-        then free every request it owns, yielding after every ``every`` (0: never; the
-        pool held between slices: pool_locks.py); returns how many. With fine-grained
-        hits (one session at a time: :meth:`attach`) the copy-on-write pairs it did not
-        release end with it: nobody else would run the copies or release their blocks."""
+        then free every request it owns by the engine's ``free_abandoned`` (``abandon``
+        False: by ``free``, to replay a journal older than that rule), yielding after
+        every ``every`` (0: never; the pool held between slices: pool_locks.py); returns
+        how many. With fine-grained hits (one session at a time: :meth:`attach`) the
+        copy-on-write pairs it did not release end with it."""
         self.sessions.close(s.session_id)
         owned = list(s.owned)
+        free = self.engine.free_abandoned if abandon else self.engine.free
         for k, rid in enumerate(owned, 1):
-            self.engine.free(rid)
+            free(rid)
             del self.owners[rid]
             if every and not k % every:
                 yield

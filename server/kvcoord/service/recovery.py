@@ -33,7 +33,7 @@ import cbor2
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .attach_reset import reset_for_new_engine
-from .durability import SNAPSHOT_FILE_GLOB, JournalRecorder, decode_record
+from .durability import ABANDONED, SNAPSHOT_FILE_GLOB, JournalRecorder, decode_record
 from .journal import JournalError, JournalStore
 from .journal_writer import Journal
 from .mutating_calls import MUTATIONS
@@ -130,7 +130,8 @@ class Replayer:
                     "before it: the journal does not match the server that wrote it"
                 )
             self.touched[ending.pool] = seq
-            registry.end_session(ending)
+            # freed as abandoned when the record says so (older journals: freed plainly)
+            registry.end_session(ending, abandon=len(record) > 3 and record[3] == ABANDONED)
         elif kind == "call":
             self._call(record, when)
         elif kind == "reset":

@@ -358,14 +358,17 @@ class PoolRegistry:
         service = self.pool_of_session(session_id)
         return service, service.session(session_id, fence)
 
-    def end_session(self, s: Session, service: PoolService | None = None) -> int:
+    def end_session(self, s: Session, service: PoolService | None = None, abandon: bool = True) -> int:
         """End a session (Detach, an exclusive Attach whose answer cannot be sent, their
         replay): its kept answers forgotten, its requests freed in ``service`` (by
-        default the pool of its name held here; none: the session is only closed).
-        Returns how many requests were freed."""
-        return drain(self.ending(s, service))
+        default the pool of its name held here; none: the session is only closed) as
+        abandoned (``abandon``: :meth:`PoolService.ending_session`). Returns how many
+        requests were freed."""
+        return drain(self.ending(s, service, abandon))
 
-    def ending(self, s: Session, service: PoolService | None = None) -> Generator[None, None, int]:
+    def ending(
+        self, s: Session, service: PoolService | None = None, abandon: bool = True
+    ) -> Generator[None, None, int]:
         """:meth:`end_session`, yielding every END_SLICE_REQUESTS requests freed (the
         caller holds the pool between slices: pool_locks.py); the session is closed and
         its kept answers forgotten before the first yield."""
@@ -374,7 +377,7 @@ class PoolRegistry:
         if owner is None:
             self.sessions.close(s.session_id)
             return 0
-        return (yield from owner.ending_session(s, END_SLICE_REQUESTS))
+        return (yield from owner.ending_session(s, END_SLICE_REQUESTS, abandon))
 
     def delete(self, name: str) -> PoolService:
         """Remove a pool: its sessions end (their requests go with the pool)."""

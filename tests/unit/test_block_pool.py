@@ -18,6 +18,7 @@ from kvcoord.engine import (
 )
 from kvcoord.engine.blocks import KVCacheBlock
 from kvcoord.engine.free_queue import FreeKVCacheBlockQueue
+from kvcoord.engine.invariants import check_pool
 from support import Driver, toks
 
 
@@ -377,6 +378,10 @@ def test_an_abandoned_requests_free_drops_the_hashes_of_the_blocks_only_it_holds
     plain.pool.free("A")
     assert d.pool.num_free_blocks == plain.pool.num_free_blocks > free_before
     assert d.pool.get_block_ids("B") == plain.pool.get_block_ids("B")
+    # no live request holds a block it unhashed: every invariant holds in full (unlike
+    # after evict_blocks, whose flag would weaken two of them)
+    assert not d.pool.evict_blocks_called
+    assert check_pool(d.pool).violations == ()
 
 
 def test_an_undone_steps_deferred_free_drops_the_hashes_at_the_take() -> None:

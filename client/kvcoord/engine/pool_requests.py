@@ -216,7 +216,9 @@ class PoolRequests(PoolParts):
         """
         self._get(request_id)
         null = self.block_pool.null_block
-        self._evict_for_request([
+        # (no live request holds a block evicted here once it is freed: the invariants
+        # stay whole, unlike after evict_blocks)
+        self.block_pool.evict_blocks([
             b.block_id
             for m in self.managers
             for b in m.req_to_blocks.get(request_id) or ()
@@ -229,14 +231,12 @@ class PoolRequests(PoolParts):
         ``uncomputed_from // block_size`` on, per group (the null block skipped): the
         blocks holding a position at or past token ``uncomputed_from``."""
         null = self.block_pool.null_block
-        self._evict_for_request([
+        ids = [
             b.block_id
             for m in self.managers
             for b in (m.req_to_blocks.get(request_id) or ())[uncomputed_from // m.block_size :]
             if b is not null
-        ])  # fmt: skip
-
-    def _evict_for_request(self, ids: list[int]) -> None:
+        ]
         if ids:
             self.evict_blocks_called = True  # (the invariants' flag, as evict_blocks sets it)
             self.block_pool.evict_blocks(ids)

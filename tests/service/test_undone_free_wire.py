@@ -2,13 +2,22 @@
 undoes a schedule() call an outage cut short; the call's allocation, which the server
 may have applied, cached the hashes of the full blocks the step was to compute, whose KV
 the worker never wrote. The free that undoes it drops those cache entries (BlockRemoved
-told), so no later lookup hits them; the blocks before keep theirs."""
+told), so no later lookup hits them; the blocks before keep theirs. So does vLLM 0.33's
+drop at the take (``DropUncomputedOp``), and, in the waiting-mode client, a free or drop
+of these whose Step was not applied (or may not have been): they are sent again."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import grpc
+import pytest
 from helpers import allocate, attach, hashes, new_request
-from kvcoord.client import KVCoordClient
+from kvcoord.client import KVCoordClient, RemoteKVCacheManager
+from kvcoord.client.errors import KVCoordError, OutcomeUnknownError, RequestUnknownError, UnavailableError
+from kvcoord.client.vllm033 import Remote033KVCacheManager
 from kvcoord.v1 import allocator_pb2 as pb
+from support import Req, wire_pool_config
 
 TAKE = pb.Operation(take_events=pb.TakeEventsOp())
 
@@ -69,3 +78,121 @@ def test_an_undone_steps_deferred_free_drops_the_hashes_at_the_take_over_grpc(cl
         "p", [pb.Operation(drop_uncomputed=pb.DropUncomputedOp(request_id="z"))], sid, fence
     ).results
     assert unknown.status_code != 0
+
+
+# -- the waiting-mode client: an undone step's free or drop in a Step that failed ------------
+NOT_APPLIED = UnavailableError(grpc.StatusCode.UNAVAILABLE, "injected: the Step was not applied")
+UNKNOWN = OutcomeUnknownError(grpc.StatusCode.UNAVAILABLE, "injected: applied or not, unknown")
+PROMPT = list(range(800, 813))  # 13 tokens: 3 full blocks of 4 cached by the allocation
+
+
+def _fail_steps(m: RemoteKVCacheManager, err: KVCoordError, n: int = 1) -> None:
+    """The session's next ``n`` Steps fail as a whole with ``err`` (not sent)."""
+    real, left = m.sender._send, [n]
+
+    def failing(*args: Any, **kwargs: Any) -> pb.StepResponse:
+        left[0] -= 1
+        if not left[0]:
+            m.sender._send = real  # type: ignore[method-assign]
+        raise err
+
+    m.sender._send = failing  # type: ignore[method-assign]
+
+
+def _hit(client: KVCoordClient) -> int:
+    return client.find_longest_cache_hit("w", hashes(PROMPT), len(PROMPT)).hit.num_tokens
+
+
+def _held(client: KVCoordClient) -> list[str]:
+    return [r.request_id for r in client.inspect_pool("w", all_requests=True).requests]
+
+
+def _waiting(client: KVCoordClient, profile: str = "") -> RemoteKVCacheManager:
+    """The plug-in's waiting-mode manager on a new full-attention pool "w", with request
+    "a" allocated (12 tokens cached: hit 12)."""
+    config = wire_pool_config(64)
+    config.profile = profile
+    client.create_pool("w", config)
+    m = (Remote033KVCacheManager if profile else RemoteKVCacheManager)(
+        client, "w", hash_seed="0", renew=False
+    )
+    assert m.allocate_slots(Req("a", PROMPT), 13) is not None
+    assert _hit(client) == 12
+    return m
+
+
+@pytest.mark.parametrize("err", [NOT_APPLIED, UNKNOWN], ids=["not-applied", "unknown"])
+@pytest.mark.parametrize("fails", [1, 2], ids=["free-now", "free-queued"])
+def test_an_undone_steps_free_in_a_failed_step_still_drops_the_entries(
+    client: KVCoordClient, err: KVCoordError, fails: int
+) -> None:
+    """The Step carrying an undone step's free (FreeOp.uncomputed_from) fails as a whole:
+    the free is sent again at once (or, when that fails too, with the next Step), still
+    dropping the entries past the computed tokens (hit 4). Before, it was sent again as a
+    plain Free: the request freed, its blocks' entries for KV never written kept (hit 12)."""
+    m = _waiting(client)
+    m.free(Req("a", PROMPT), uncomputed_from=4)
+    _fail_steps(m, err, fails)
+    with pytest.raises(KVCoordError):
+        m.flush()
+    m.flush()
+    assert _held(client) == [] and _hit(client) == 4
+    assert list(client.check_pool("w").violations) == []
+    m.close()
+
+
+@pytest.mark.parametrize("err", [NOT_APPLIED, UNKNOWN], ids=["not-applied", "unknown"])
+def test_an_undone_steps_drop_at_the_take_in_a_failed_step_is_sent_again(
+    client: KVCoordClient, err: KVCoordError
+) -> None:
+    """vLLM 0.33's deferred free of an undone step: the Step carrying the drop at the take
+    (DropUncomputedOp) fails as a whole; the drop goes first in the next Step (hit 4, the
+    request still held until its deferred free), and the free leaves it so. Before, the
+    drop was lost: hit 12, before and after the free."""
+    m = _waiting(client, "vllm-0.33")
+    m.drop_uncomputed("a", 4)  # type: ignore[attr-defined]
+    _fail_steps(m, err)
+    with pytest.raises(KVCoordError):
+        m.flush()
+    m.flush()
+    assert _held(client) == ["a"] and _hit(client) == 4
+    m.free_all_groups_reversed("a")  # type: ignore[attr-defined]
+    m.flush()
+    assert _held(client) == [] and _hit(client) == 4
+    m.close()
+
+
+def test_an_undone_steps_drop_and_free_in_one_failed_step_go_again_together(client: KVCoordClient) -> None:
+    """The drop at the take and the deferred free of the same request in one Step that
+    failed as a whole: the free sent again at once drops the entries (hit 4); the drop is
+    not queued after it (the request would be unknown by then, failing the next Step)."""
+    m = _waiting(client, "vllm-0.33")
+    m.drop_uncomputed("a", 4)  # type: ignore[attr-defined]
+    m.free_all_groups_reversed("a")  # type: ignore[attr-defined]
+    _fail_steps(m, NOT_APPLIED)
+    with pytest.raises(UnavailableError):
+        m.flush()
+    assert _held(client) == [] and _hit(client) == 4
+    assert not m.sender.queue
+    m.close()
+
+
+def test_an_undone_steps_free_or_drop_an_earlier_failure_aborted_goes_again(client: KVCoordClient) -> None:
+    """A queued operation before them in the Step is refused, so the undone step's drop
+    at the take and free after it are not applied (ABORTED): the drop goes with the next
+    Step, the free at once, both dropping the entries (hit 4). Before, the drop was lost
+    and the free sent again plain (hit 12)."""
+    m = _waiting(client, "vllm-0.33")
+    bad = pb.Operation(drop_uncomputed=pb.DropUncomputedOp(request_id="never-registered"))
+    m.defer_op(bad)
+    m.drop_uncomputed("a", 4)  # type: ignore[attr-defined]
+    with pytest.raises(RequestUnknownError):
+        m.flush()
+    m.flush()
+    assert _held(client) == ["a"] and _hit(client) == 4
+    m.defer_op(bad)
+    m.free(Req("a", PROMPT), uncomputed_from=4)
+    with pytest.raises(RequestUnknownError):
+        m.flush()
+    assert _held(client) == [] and _hit(client) == 4
+    m.close()

@@ -15,10 +15,21 @@ from typing import Any, Generic, TypeVar
 
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import uncomputed_from_pb
 
 from .errors import KVCoordError
 
-__all__ = ["ColumnRun", "Gathered", "Item", "KVCacheBlockIds", "Pending", "add_stats", "ids", "no_answer"]
+__all__ = [
+    "ColumnRun",
+    "Gathered",
+    "Item",
+    "KVCacheBlockIds",
+    "Pending",
+    "add_stats",
+    "ids",
+    "no_answer",
+    "to_send_again",
+]
 
 T = TypeVar("T")
 
@@ -143,6 +154,23 @@ class Item(Generic[T]):
     #: server holds once this call is applied)
     marks: dict[str, tuple[int, int, int, bool] | None] | None = None
     pending: Pending[T] = dataclasses.field(default_factory=Pending)
+
+
+def to_send_again(items: Iterable[Item[Any]]) -> tuple[list[tuple[str, int | None]], list[Item[None]]]:
+    """Of queued calls that were not applied, or may not have been, what must be sent
+    again: each free, as (request id, ``uncomputed_from`` or None), and each undone
+    step's drop (``drop_uncomputed``) whose request's free is not among them, queued
+    anew; a drop whose request's free is goes with that free (the lower token)."""
+    drops = {
+        i.op.drop_uncomputed.request_id: i.op for i in items if i.op.WhichOneof("op") == "drop_uncomputed"
+    }
+    frees: list[tuple[str, int | None]] = []
+    for i in items:
+        if i.op.WhichOneof("op") == "free":
+            rid, drop = i.op.free.request_id, drops.pop(i.op.free.request_id, None)
+            froms = (uncomputed_from_pb(i.op.free), drop.drop_uncomputed.uncomputed_from if drop else None)
+            frees.append((rid, min((n for n in froms if n is not None), default=None)))
+    return frees, [Item(op, no_answer, deferred=True) for op in drops.values()]
 
 
 class Gathered:

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import grpc
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import events_digest, stats_to_pb
+from kvcoord.wire import events_digest, free_op, stats_to_pb
 from kvcoord.wire.columns import write_packed_decode
 
 from .answers import PredictionMismatchError, check_result, op_error
@@ -56,7 +56,7 @@ from .errors import (
 )
 from .flight import Flight, Gate
 from .gathering import StepGathering
-from .items import ColumnRun, Gathered, Item, add_stats, no_answer
+from .items import ColumnRun, Gathered, Item, add_stats, no_answer, to_send_again
 from .session import LEASE_MARGIN, SessionKeeper
 from .tracking import RequestTracker
 
@@ -248,11 +248,7 @@ class StepSender(StepGathering):
         else:
             self.tracker.rollback(_touched(items))
             failure = err
-        # Its queued frees may not have happened: free again (an unknown request is
-        # already free).
-        for i in items:
-            if i.op.WhichOneof("op") == "free":
-                self.free_now(i.op.free.request_id)
+        self._send_again(items)  # its queued frees and drops may not have happened
         # Its releases did not happen (the Step was not applied): the next Step sends
         # them first (the blocks are still retained, nothing was made since).
         self.queue[:0] = [Item(o, no_answer, deferred=True) for o in releases]
@@ -265,6 +261,7 @@ class StepSender(StepGathering):
             the first error of a queued call nobody waited for.
         """
         failed: KVCoordError | None = None
+        again: list[Item[Any]] = []  # frees and drops to send again
         for item, result in zip(items, resp.results, strict=True):
             if result.status_code == 0:
                 if not item.commits_itself:
@@ -276,13 +273,16 @@ class StepSender(StepGathering):
                 # The server holds another state than this client believed: the request
                 # cannot be trusted any more.
                 op_err = self.forget(item.touched, op_err)
-            elif item.op.WhichOneof("op") == "free" and item.deferred:
-                # A queued free did not happen and nobody waits to see it: free the
-                # request now, or its blocks stay held by a request the client forgot.
-                self.free_now(item.op.free.request_id)
+            elif item.deferred and (kind := item.op.WhichOneof("op")) in ("free", "drop_uncomputed"):
+                # Not applied, nobody waits to see it: a free goes again now (its blocks
+                # must not stay held by a request the client forgot); so does an undone
+                # step's drop an earlier failure kept out (refused, it held nothing)
+                if kind == "free" or isinstance(op_err, AbortedError):
+                    again.append(item)
             item.pending.set_error(op_err)
             if item.deferred and failed is None:
                 failed = op_err
+        self._send_again(again)
         if any(r.status_code for r in resp.results):
             self.tracker.rollback(_touched(items))
         if failed is not None:
@@ -308,25 +308,29 @@ class StepSender(StepGathering):
             self.reattach = True
         return RequestsLostError(lost, err)
 
+    def _send_again(self, items: list[Item[Any]]) -> None:
+        """Frees and drops not applied, or maybe not (:func:`to_send_again`): frees now,
+        drops first in the next Step (kept, their entries would be hits on unwritten KV)."""
+        frees, drops = to_send_again(items)
+        for rid, uncomputed_from in frees:
+            self.free_now(rid, uncomputed_from)
+        self.queue[:0] = drops
+
     def free_now(self, request_id: str, uncomputed_from: int | None = None) -> None:
-        """Free a request on the server at once. When the server cannot be reached, the
-        free is queued for the next Step (its blocks must not stay held by a request
-        nobody tracks); an unknown request is free already, a lost session's end frees
-        everything it held, and a request of another session is not this one's to free
-        (its id was taken after this session's request was gone). Any other refusal is
-        logged and the free dropped: sent again it would fail every later Step.
-        ``uncomputed_from`` (a lost request: :meth:`forget`): sent in a Step's FreeOp."""
+        """Free a request on the server at once (with ``uncomputed_from``, an undone
+        step's or a lost request's free, in a Step: the Free RPC drops no cache entry).
+        When the server cannot be reached, the free is queued for the next Step,
+        ``if_held`` (its blocks must not stay held by a request nobody tracks). An unknown
+        request is free already, a lost session's end frees everything it held, and a
+        request of another session is not this one's to free. Any other refusal is logged
+        and the free dropped: sent again it would fail every later Step."""
         keeper = self.keeper
-        # sent again: a request the pool no longer holds is not an error then
-        op = pb.Operation(free=pb.FreeOp(request_id=request_id, if_held=True))
+        op = pb.Operation(free=free_op(request_id, if_held=True, uncomputed_from=uncomputed_from))
         try:
             if uncomputed_from is None:
                 self.client.free(self.pool, [request_id], session_id=keeper.session_id, fence=keeper.fence)
-            else:
-                op.free.uncomputed_from = uncomputed_from
-                (result,) = self._send(pb.StepRequest(ops=[op])).results
-                if result.status_code:
-                    raise op_error(result)
+            elif (result := self._send(pb.StepRequest(ops=[op])).results[0]).status_code:
+                raise op_error(result)
         except (RequestUnknownError, SessionExpiredError, FencedError, PermissionDeniedError):
             pass
         except _TRANSIENT:
@@ -339,10 +343,8 @@ class StepSender(StepGathering):
 
     def forget(self, request_ids: Sequence[str], err: KVCoordError) -> RequestsLostError:
         """These requests' server state is unknown: free them there (best effort) and
-        here. A Step that may have been applied allocated for them, caching the hashes
-        of the blocks it was to compute, and nobody computes them (the scheduler
-        recomputes a lost request): their cache entries are dropped from the computed
-        count the request last sent on (blocks before it were computed in earlier steps)."""
+        here, dropping the cache entries past the computed count each last sent (a Step
+        that may have been applied cached blocks nobody computes: the scheduler recomputes)."""
         computed = {rid: self.tracker.sent_computed(rid) for rid in request_ids}
         lost = self.tracker.forget(request_ids, lost=True)
         for rid in lost:

@@ -321,9 +321,8 @@ class StepSender(StepGathering):
         step's or a lost request's free, in a Step: the Free RPC drops no cache entry).
         When the server cannot be reached, the free is queued for the next Step,
         ``if_held`` (its blocks must not stay held by a request nobody tracks). An unknown
-        request is free already, a lost session's end frees everything it held, and a
-        request of another session is not this one's to free. Any other refusal is logged
-        and the free dropped: sent again it would fail every later Step."""
+        request is free already, or its session's end freed it, or it is another session's.
+        Any other refusal is logged and the free dropped (it would fail every later Step)."""
         keeper = self.keeper
         op = pb.Operation(free=free_op(request_id, if_held=True, uncomputed_from=uncomputed_from))
         try:

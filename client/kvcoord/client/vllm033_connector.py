@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvcoord.v1 import allocator_pb2 as pb
 
+from . import vllm_manager
 from .errors import KVCoordError
 from .items import Item
 
@@ -274,21 +275,15 @@ class AdapterConnector033:
         # only mamba groups in align mode keep a producer's partial tails (refused at start)
         return []
 
+    # vLLM 0.33 asks from update_from_output (_free_request -> _connector_finished): a
+    # loss or an outage met there is kept for the scheduler, as for every other call
+    # there, and no table is given (a request lost with its session holds no blocks;
+    # after an outage its KV is not sent: the receiving engine's load fails and its
+    # policy decides, recomputation by default)
+    @vllm_manager.absorbing(lambda self, *_: tuple([] for _ in range(self.num_kv_cache_groups)))
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> Any:
-        none: tuple[list[int], ...] = tuple([] for _ in range(self.num_kv_cache_groups))
         if request_id not in self._held or request_id in self.remote033.tracker.lost:
             # no table, as vLLM answers (a lost request finishing before the scheduler
             # preempted it holds none: its session's blocks are gone)
-            return none
-        try:
-            return self.remote033.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
-        except KVCoordError as err:
-            # vLLM 0.33 asks from update_from_output (_free_request -> _connector_finished):
-            # a loss or an outage met there is kept for the scheduler, as for every other
-            # call there, and no table is given (a request lost with its session holds no
-            # blocks; after an outage its KV is not sent: the receiving engine's load
-            # fails and its policy decides, recomputation by default)
-            if not self.absorbing:
-                raise
-            self._absorb(err)
-            return none
+            return tuple([] for _ in range(self.num_kv_cache_groups))
+        return self.remote033.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)

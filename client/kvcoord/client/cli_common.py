@@ -153,8 +153,8 @@ def tls_flags() -> list[Callable[[_F], _F]]:
     ]
 
 
-def connection_options(default_timeout: float = 5.0, json_flag: bool = True) -> Callable[[_F], _F]:
-    """--target, --token, --timeout, the TLS flags (and --json) on a command; the
+def connection_options(default_timeout: float = 5.0) -> Callable[[_F], _F]:
+    """--target, --token, --timeout, the TLS flags and --json on a command; the
     command receives them as one ``conn`` argument."""
 
     def decorate(func: _F) -> _F:
@@ -183,11 +183,8 @@ def connection_options(default_timeout: float = 5.0, json_flag: bool = True) -> 
                 help="deadline per RPC in seconds",
             ),
             *tls_flags(),
+            click.option("--json", "as_json", is_flag=True, help="machine-readable JSON output"),
         ]
-        if json_flag:
-            options.append(
-                click.option("--json", "as_json", is_flag=True, help="machine-readable JSON output")
-            )
 
         def wrapper(**kw: Any) -> Any:
             try:
@@ -196,9 +193,7 @@ def connection_options(default_timeout: float = 5.0, json_flag: bool = True) -> 
                 )
             except ValueError as exc:
                 raise CliFailure(str(exc), EXIT_USAGE) from None
-            conn = Connection(
-                kw.pop("target"), kw.pop("token"), kw.pop("timeout"), tls, kw.pop("as_json", False)
-            )
+            conn = Connection(kw.pop("target"), kw.pop("token"), kw.pop("timeout"), tls, kw.pop("as_json"))
             return func(conn=conn, **kw)
 
         wrapper.__name__ = func.__name__

@@ -84,7 +84,6 @@ from .vllm033_mamba import PredictedMamba033, RemoteMamba033, shared_prefix_chec
 from .vllm033_parts import BlockPool033, Coordinator033, Unsupported033Error, UnsupportedVLLMError
 from .vllm033_refusals import eagle_drops_033, unsupported_033
 from .vllm_manager import absorbing
-from .vllm_types import convert_engine_events, convert_events
 
 __all__ = [
     "VLLM_016",
@@ -234,6 +233,7 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
 
     remote: Remote033KVCacheManager | Predicting033KVCacheManager
     remote033: Remote033KVCacheManager | Predicting033KVCacheManager
+    fields_033 = True
 
     def __init__(
         self, remote: Remote033KVCacheManager | Predicting033KVCacheManager, kv_cache_config: Any
@@ -347,15 +347,6 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         if request.request_id not in self._held:
             return 0
         return self.remote033.estimate_cached_tokens(request.request_id)
-
-    @absorbing(lambda *_: [])
-    def take_events(self) -> list[Any]:
-        if not self.enable_kv_cache_events:
-            return []
-        remote = self.remote
-        if isinstance(remote, PredictingKVCacheManager):
-            return convert_engine_events(remote.take_engine_events(), fields_033=True)
-        return convert_events(remote.take_events(), fields_033=True)
 
     # vLLM 0.33's per-step drains, the pool's: only a pool with a mamba group records
     # boundary states and copy-on-write pairs, and only one with a mamba group or

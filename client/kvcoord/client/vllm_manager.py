@@ -107,6 +107,9 @@ class KVCoordKVCacheManager(AdapterLosses):
         kv_cache_config: the engine's ``KVCacheConfig`` (kept as ``kv_cache_config``).
     """
 
+    #: the KV events carry the fields vLLM 0.33 added (its adapter's)
+    fields_033 = False
+
     def __init__(
         self, remote: RemoteKVCacheManager | PredictingKVCacheManager, kv_cache_config: Any = None
     ) -> None:
@@ -170,12 +173,9 @@ class KVCoordKVCacheManager(AdapterLosses):
         self._allocate_running = (
             remote.allocate_running if isinstance(remote, PredictingKVCacheManager) else None
         )
-        if (
-            isinstance(remote, PredictingKVCacheManager)
-            and self.enable_kv_cache_events
-            and type(self).take_events is KVCoordKVCacheManager.take_events
-        ):
-            remote.convert_events_with(event_converter())  # as the engine makes them, as vLLM does
+        if isinstance(remote, PredictingKVCacheManager) and self.enable_kv_cache_events:
+            # as the engine makes them, as vLLM does
+            remote.convert_events_with(event_converter(fields_033=self.fields_033))
 
     # -- blocks -------------------------------------------------------------------------
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[Any], ...]) -> KVCacheBlocks:
@@ -433,7 +433,7 @@ class KVCoordKVCacheManager(AdapterLosses):
         remote = self.remote
         if isinstance(remote, PredictingKVCacheManager):
             return remote.take_engine_events()  # converted as they were made
-        return convert_events(remote.take_events())
+        return convert_events(remote.take_events(), fields_033=self.fields_033)
 
     @absorbing(lambda self, *_: self.empty_kv_cache_blocks)
     def get_blocks(self, request_id: str) -> KVCacheBlocks:

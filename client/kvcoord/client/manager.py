@@ -260,10 +260,9 @@ class RemoteKVCacheManager(SessionFacts):
 
     def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
         """This session's prefix-cache statistics since the previous call (None when the
-        pool keeps none)."""
-        if not self.log_stats:
-            return None
-        stats, self.sender.stats = self.sender.stats, pb.PrefixCacheStats()
+        pool keeps none): :meth:`peek_prefix_cache_stats`'s, then reset."""
+        stats = self.peek_prefix_cache_stats()
+        self.sender.stats = pb.PrefixCacheStats()
         return stats
 
     def peek_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:

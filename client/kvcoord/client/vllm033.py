@@ -170,12 +170,9 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
         op = pb.Operation(estimate_cached_tokens=pb.EstimateCachedTokensOp(request_id=request_id))
         return self._now(Item(op, lambda r: int(r.estimate_cached_tokens.num_tokens)))
 
-    def make_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
-        if self._queue:
-            self.flush()  # statistics recorded at admission travel with the next Step
-        return super().make_prefix_cache_stats()
-
     def peek_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
+        """As the base's (``make_prefix_cache_stats`` reads it too), the queued calls sent
+        first: statistics recorded at admission travel with the next Step."""
         if self._queue:
             self.flush()
         return super().peek_prefix_cache_stats()

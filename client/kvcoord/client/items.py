@@ -95,11 +95,6 @@ class KVCacheBlockIds:
     def table(self) -> tuple[list[int], ...] | None:
         return self._table
 
-    @property
-    def resolved(self) -> bool:
-        """Always True: every answer holds its ids (no manager answers ahead any more)."""
-        return True
-
     def get_block_ids(self) -> tuple[list[int], ...]:
         return self._ids
 

@@ -196,3 +196,40 @@ def test_an_undone_steps_free_or_drop_an_earlier_failure_aborted_goes_again(clie
         m.flush()
     assert _held(client) == [] and _hit(client) == 4
     m.close()
+
+
+def _two_groups(client: KVCoordClient, name: str) -> RemoteKVCacheManager:
+    """A waiting-mode 0.33 manager on a new pool of full attention and a sliding window
+    (4-token blocks), with request "a" allocated: 4 blocks per group, every block but
+    the null block (so the next allocation takes them in the order they were freed)."""
+    config = wire_pool_config(9)
+    config.profile = "vllm-0.33"
+    config.groups.append(
+        pb.KVCacheGroupSpec(sliding_window=pb.SlidingWindowSpec(block_size=4, sliding_window=8))
+    )
+    client.create_pool(name, config)
+    m = Remote033KVCacheManager(client, name, hash_seed="0", renew=False)
+    assert m.allocate_slots(Req("a", list(range(900, 916))), 16) is not None
+    return m
+
+
+def test_a_deferred_free_in_a_failed_step_goes_again_in_its_order(client: KVCoordClient) -> None:
+    """vLLM 0.33's deferred free (all groups concatenated, released in one reversed
+    pass: the order of the free queue, hence the block ids later allocations get) whose
+    Step failed as a whole is sent again in that order: the next request gets the block
+    ids it gets after the deferred free applied at once. Before, it went again as a plain
+    Free (each group's blocks tail first, in group order): other ids."""
+    want = _two_groups(client, "direct")
+    want.free_all_groups_reversed("a")  # type: ignore[attr-defined]
+    want.flush()
+    ids = want.allocate_slots(Req("b", list(range(700, 716))), 16)
+    m = _two_groups(client, "failed")
+    m.free_all_groups_reversed("a")  # type: ignore[attr-defined]
+    _fail_steps(m, NOT_APPLIED)
+    with pytest.raises(UnavailableError):
+        m.flush()
+    got = m.allocate_slots(Req("b", list(range(700, 716))), 16)
+    assert ids is not None and got is not None
+    assert got.get_block_ids() == ids.get_block_ids()
+    want.close()
+    m.close()

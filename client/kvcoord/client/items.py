@@ -151,20 +151,25 @@ class Item(Generic[T]):
     pending: Pending[T] = dataclasses.field(default_factory=Pending)
 
 
-def to_send_again(items: Iterable[Item[Any]]) -> tuple[list[tuple[str, int | None]], list[Item[None]]]:
+def to_send_again(items: Iterable[Item[Any]]) -> tuple[list[pb.FreeOp], list[Item[None]]]:
     """Of queued calls that were not applied, or may not have been, what must be sent
-    again: each free, as (request id, ``uncomputed_from`` or None), and each undone
-    step's drop (``drop_uncomputed``) whose request's free is not among them, queued
-    anew; a drop whose request's free is goes with that free (the lower token)."""
+    again: each free, a copy of its FreeOp (its order and ``uncomputed_from`` kept), and
+    each undone step's drop (``drop_uncomputed``) whose request's free is not among
+    them, queued anew; a drop whose request's free is goes with that free (the lower
+    token)."""
     drops = {
         i.op.drop_uncomputed.request_id: i.op for i in items if i.op.WhichOneof("op") == "drop_uncomputed"
     }
-    frees: list[tuple[str, int | None]] = []
+    frees: list[pb.FreeOp] = []
     for i in items:
         if i.op.WhichOneof("op") == "free":
-            rid, drop = i.op.free.request_id, drops.pop(i.op.free.request_id, None)
-            froms = (uncomputed_from_pb(i.op.free), drop.drop_uncomputed.uncomputed_from if drop else None)
-            frees.append((rid, min((n for n in froms if n is not None), default=None)))
+            free = pb.FreeOp()
+            free.CopyFrom(i.op.free)
+            drop = drops.pop(free.request_id, None)
+            if drop is not None:
+                froms = (uncomputed_from_pb(free), drop.drop_uncomputed.uncomputed_from)
+                free.uncomputed_from = min(n for n in froms if n is not None)
+            frees.append(free)
     return frees, [Item(op, no_answer, deferred=True) for op in drops.values()]
 
 

@@ -312,21 +312,20 @@ class StepSender(StepGathering):
         """Frees and drops not applied, or maybe not (:func:`to_send_again`): frees now,
         drops first in the next Step (kept, their entries would be hits on unwritten KV)."""
         frees, drops = to_send_again(items)
-        for rid, uncomputed_from in frees:
-            self.free_now(rid, uncomputed_from)
+        for free in frees:
+            self.free_now(free)
         self.queue[:0] = drops
 
-    def free_now(self, request_id: str, uncomputed_from: int | None = None) -> None:
-        """Free a request on the server at once (with ``uncomputed_from``, an undone
-        step's or a lost request's free, in a Step: the Free RPC drops no cache entry).
-        When the server cannot be reached, the free is queued for the next Step,
-        ``if_held`` (its blocks must not stay held by a request nobody tracks). An unknown
-        request is free already, or its session's end freed it, or it is another session's.
-        Any other refusal is logged and the free dropped (it would fail every later Step)."""
-        keeper = self.keeper
-        op = pb.Operation(free=free_op(request_id, if_held=True, uncomputed_from=uncomputed_from))
+    def free_now(self, free: pb.FreeOp) -> None:
+        """Free a request on the server now, ``if_held`` (in a Step when ``free`` says what
+        the Free RPC cannot: ``uncomputed_from``, ``all_groups_reversed``); queued for the
+        next Step when the server cannot be reached. An unknown request, or another
+        session's, is no error; any other refusal is logged and the free dropped."""
+        keeper, request_id = self.keeper, free.request_id
+        free.if_held = True
+        op = pb.Operation(free=free)
         try:
-            if uncomputed_from is None:
+            if not free.HasField("uncomputed_from") and not free.all_groups_reversed:
                 self.client.free(self.pool, [request_id], session_id=keeper.session_id, fence=keeper.fence)
             elif (result := self._send(pb.StepRequest(ops=[op])).results[0]).status_code:
                 raise op_error(result)
@@ -347,7 +346,7 @@ class StepSender(StepGathering):
         computed = {rid: self.tracker.sent_computed(rid) for rid in request_ids}
         lost = self.tracker.forget(request_ids, lost=True)
         for rid in lost:
-            self.free_now(rid, computed[rid])  # unknown there already, or freed
+            self.free_now(free_op(rid, uncomputed_from=computed[rid]))
         self.lost_requests += len(lost)
         return RequestsLostError(lost, err)
 

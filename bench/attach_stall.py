@@ -90,8 +90,9 @@ def main() -> None:
                 append_block_hashes=[os.urandom(32) for _ in range(REQUEST_BLOCKS)],
             )  # fmt: skip
             op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=REQUEST_BLOCKS * BS))
-            c.step("big", [op], s.session_id, s.fence)
-        c.detach(s.session_id, s.fence)  # the blocks stay cached
+            done = pb.Operation(free=pb.FreeOp(request_id=f"r{n}"))  # computed, finished: stays cached
+            c.step("big", [op, done], s.session_id, s.fence)
+        c.detach(s.session_id, s.fence)
         print(
             f"filled {args.blocks:,} blocks in {time.perf_counter() - t0:.1f} s; server RSS {rss_mib(server.pid):.0f} MiB"
         )

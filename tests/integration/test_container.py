@@ -95,8 +95,10 @@ def _known_workload(target: str, pool: str) -> dict[str, int]:
         prompts = [system + list(range(i * 50, i * 50 + 30)) for i in range(6)]
         prompts.append(list(range(5000, 5000 + 300)))  # unique: reuses (evicts) freed cached blocks
         prompts.append(list(range(9000, 9000 + 700)))  # 44 blocks > 39 usable: refused
+        held = {}
         for i, tokens in enumerate(prompts):
             r = SchedulerRequest(f"q{i}", tokens)
+            held[r.request_id] = r
             ref.add_request(
                 r.request_id, r.all_token_ids, BlockHasher("sha256_cbor", 16, none).extend(r.all_token_ids)
             )
@@ -105,9 +107,10 @@ def _known_workload(target: str, pool: str) -> dict[str, int]:
                 m.free(r)
                 ref.free(r.request_id)
             events += len(ref.take_events())
-        m.close()  # frees the rest
-    for rid in sorted(ref.requests):
-        ref.free(rid)
+        for rid in sorted(ref.requests):  # the rest finish: freed, their blocks stay cached
+            m.free(held[rid])
+            ref.free(rid)
+        m.close()
     lc = ref.lookup_counters
     return {"hits": lc.hits, "queries": lc.queries, "lookups": lc.lookups, "refusals": ref.num_refusals,
             "evictions": ref.block_pool.num_evictions, "allocated": ref.block_pool.num_allocated,

@@ -289,7 +289,9 @@ class RemoteKVCacheManager(SessionFacts):
         self.sender.flush()
 
     def close(self) -> None:
-        """Send what is queued, then end the session (the server frees its requests)."""
+        """Send what is queued, then end the session (the server frees the requests it
+        still holds as abandoned: the cache entries of blocks only they held are dropped;
+        free finished requests first to keep them cached)."""
         try:
             self.flush()
         finally:

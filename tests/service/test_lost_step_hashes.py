@@ -8,6 +8,8 @@ later lookup, of this worker or another sharing the pool, hits them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager
 from kvcoord.client.errors import RequestsLostError
@@ -53,4 +55,64 @@ def test_a_lost_steps_requests_are_freed_without_the_hashes_it_cached(
         assert lose.counts["dropped"] >= 1
         assert _hit(c, PROMPT) == computed
         assert c.get_stats("p").num_requests == 0
+        m.close()
+
+
+class _DropThenCut(FaultInjector):
+    """Answers of the first ``drops`` Step and Free calls are lost (each applied), then
+    the network is cut (nothing more reaches the server) until healed."""
+
+    def __init__(self, drops: int) -> None:
+        super().__init__(0, drop=1.0, methods=("Step", "Free"))
+        self.left = drops
+
+    def _next(self) -> None:
+        if self.enabled:
+            if self.left:
+                self.left -= 1
+            else:
+                self.partitioned = True
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        if details.method.rsplit("/", 1)[-1] in self.methods:
+            self._next()
+        return super().intercept_unary_unary(continuation, details, request)
+
+    def draw_message(self, request: Any) -> tuple[str, Any]:  # (a Step on the StepStream)
+        self._next()
+        return super().draw_message(request)
+
+
+@pytest.mark.parametrize("free_applied", [False, True])
+def test_a_lost_requests_free_whose_own_outcome_is_unknown_is_sent_again(
+    server: InProcessServer, free_applied: bool
+) -> None:
+    """The free of a lost Step's request fails too, its outcome unknown (the first of
+    its attempts applied or not, the rest cut off). The free is sent again, first in the
+    next Step (``if_held``: a free that was applied is not an error then): the request
+    is freed and its never-computed blocks are no hit. (A guard: ``OutcomeUnknownError``
+    is one of the sender's transient errors, an ``UnavailableError``. Were the free
+    dropped, the request would stay held until its session ended, its 24
+    never-computed tokens' blocks cached for every lookup: 40 hits instead of 16.)"""
+    computed = 16
+    faults = _DropThenCut(drops=3 if free_applied else 2)
+    faults.enabled = False
+    policy = RetryPolicy(max_attempts=2, initial_backoff=0.01, keyed_deadline=None)
+    with KVCoordClient(server.address, timeout=10, retry=policy, interceptors=[faults]) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0")
+        req = Req("a", list(PROMPT))
+        assert m.allocate_slots(req, computed) is not None
+        req.num_computed_tokens = computed
+        faults.enabled = True
+        with pytest.raises(RequestsLostError) as lost:
+            m.allocate_slots(req, len(PROMPT) - computed)
+        assert lost.value.request_ids == ["a"]
+        assert faults.partitioned and faults.counts["dropped"] == (3 if free_applied else 2)
+        faults.enabled = faults.partitioned = False
+        assert c.get_stats("p").num_requests == (0 if free_applied else 1)  # (not yet sent again)
+        other = Req("b", [7000 + i for i in range(8)])
+        assert m.allocate_slots(other, 8) is not None  # its Step carries the free first
+        assert _hit(c, PROMPT) == computed
+        assert c.get_stats("p").num_requests == 1  # "b" only
+        m.free(other)
         m.close()

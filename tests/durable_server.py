@@ -44,6 +44,17 @@ def env() -> dict[str, str]:
     return e
 
 
+def with_sitecustomize(tmp: Path, source: str, monkeypatch: Any) -> None:
+    """Servers started from now on (this test) import ``source`` as their
+    ``sitecustomize`` (a hook that holds or breaks the server at a chosen point)."""
+    hook = tmp / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(source)
+    e = env()
+    e["PYTHONPATH"] = f"{hook}:{e['PYTHONPATH']}"
+    monkeypatch.setattr(sys.modules[__name__], "env", lambda: e)
+
+
 class DurableServer:
     """``kvcoord serve`` with a data directory; :meth:`kill` is SIGKILL, :meth:`start`
     (re)starts it on the same port and waits until it answers health checks."""

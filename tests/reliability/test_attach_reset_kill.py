@@ -98,12 +98,8 @@ def _fill(c: KVCoordClient) -> None:
 def test_a_kill_between_an_attachs_reset_and_its_journal_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, held: str
 ) -> None:
-    flag, hook = tmp_path / "hold-attach", tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_HOLD_RESET_ATTACH.format(flag=str(flag)))
-    e = durable_server.env()
-    e["PYTHONPATH"] = f"{hook}:{e['PYTHONPATH']}"
-    monkeypatch.setattr(durable_server, "env", lambda: e)
+    flag = tmp_path / "hold-attach"
+    durable_server.with_sitecustomize(tmp_path, _HOLD_RESET_ATTACH.format(flag=str(flag)), monkeypatch)
     server = DurableServer(tmp_path, small_pool(64))
     server.start()
     try:

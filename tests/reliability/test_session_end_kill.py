@@ -113,12 +113,8 @@ def _allocate_until(
 def test_a_kill_in_the_middle_of_a_sliced_session_end(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    flag, hook = tmp_path / "hold-end", tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(_HOLD_AFTER_SLICE.format(flag=str(flag)))
-    e = durable_server.env()
-    e["PYTHONPATH"] = f"{hook}:{e['PYTHONPATH']}"
-    monkeypatch.setattr(durable_server, "env", lambda: e)
+    flag = tmp_path / "hold-end"
+    durable_server.with_sitecustomize(tmp_path, _HOLD_AFTER_SLICE.format(flag=str(flag)), monkeypatch)
     server = DurableServer(
         tmp_path, pool_toml("big", BLOCKS, caching=False) + pool_toml("small", 4096, caching=False)
     )

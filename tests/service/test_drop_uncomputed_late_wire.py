@@ -14,7 +14,8 @@ for half of it, meets only the ownership check.)"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import grpc
 from helpers import allocate, attach, follow_up, hashes, new_request
@@ -60,6 +61,18 @@ def _stepper(c: KVCoordClient, sid: str, fence: pb.Fence) -> Callable[..., list[
     return step
 
 
+@contextmanager
+def _faulty_session(
+    address: str, faults: FaultInjector
+) -> Iterator[tuple[KVCoordClient, str, pb.Fence, Callable[..., list[pb.OperationResult]]]]:
+    """A client whose Steps pass ``faults`` (off until enabled), attached to pool "p":
+    the client, its session id and fence, and a stepper that checks every result."""
+    faults.enabled = False
+    with KVCoordClient(address, timeout=10, interceptors=[faults]) as c:
+        sid, fence = attach(c)
+        yield c, sid, fence, _stepper(c, sid, fence)
+
+
 def _cached(c: KVCoordClient) -> list[int]:
     return sorted(c.inspect_pool("p", include_cached_blocks=True).cached_block_ids)
 
@@ -71,10 +84,7 @@ def test_a_duplicated_drop_uncomputed_step_is_answered_once_and_applied_once(ser
     its allocation of "b" would be refused (b exists) and its TakeEvents would hold
     b's own events, not the drop's."""
     faults = FaultInjector(0, duplicate=1.0, methods=("Step",))
-    faults.enabled = False
-    with KVCoordClient(server.address, timeout=10, interceptors=[faults]) as c:
-        sid, fence = attach(c)
-        step = _stepper(c, sid, fence)
+    with _faulty_session(server.address, faults) as (_, _, _, step):
         prompt, other = list(range(300, 313)), list(range(400, 413))
         h = hashes(prompt)
         step(allocate("a", prompt, 13), TAKE)  # 3 full blocks cached, per group
@@ -99,10 +109,7 @@ def test_a_late_copy_of_a_drop_uncomputed_step_leaves_the_entries_computed_since
     its prompt would hit 4 tokens, not 12): the op carries no positioned sync, and the
     request still exists."""
     late = FaultInjector(0, reorder=1.0, methods=("Step",))
-    late.enabled = False
-    with KVCoordClient(server.address, timeout=10, interceptors=[late]) as c:
-        sid, fence = attach(c)
-        step = _stepper(c, sid, fence)
+    with _faulty_session(server.address, late) as (_, _, _, step):
         prompt = list(range(300, 313))
         step(allocate("a", prompt, 13), TAKE)
         late.enabled = True
@@ -166,10 +173,7 @@ def test_a_late_drop_uncomputed_leaves_the_entries_of_the_request_now_holding_it
     same, no BlockRemoved is told, a lookup of b's prompt still hits 12 tokens."""
     server = make_server(pool_toml("p", 5))  # block 0 is the null block: 4 to allocate
     late = FaultInjector(0, reorder=1.0, methods=("Step",))
-    late.enabled = False
-    with KVCoordClient(server.address, timeout=10, interceptors=[late]) as c:
-        sid, fence = attach(c)
-        step = _stepper(c, sid, fence)
+    with _faulty_session(server.address, late) as (c, sid, fence, step):
         prompt, other = list(range(600, 613)), list(range(700, 713))
         h = hashes(prompt)
         (alloc_a, _) = step(allocate("a", prompt, 13), TAKE)

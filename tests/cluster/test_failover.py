@@ -43,10 +43,11 @@ def _config(
 
 
 def store_config(
-    etcd: EtcdCluster, replica: str, data_dir: Path, cluster: str, journal: str = "store"
+    etcd: EtcdCluster | Etcd, replica: str, data_dir: Path, cluster: str, journal: str = "store"
 ) -> str:
     """A replica of the chaos run: a base snapshot every 40 records of a pool."""
-    return _config(etcd.endpoints, replica, data_dir, cluster, journal, 40)
+    endpoints = etcd.endpoints if isinstance(etcd, EtcdCluster) else [etcd.endpoint]
+    return _config(endpoints, replica, data_dir, cluster, journal, 40)
 
 
 class Worker(threading.Thread):

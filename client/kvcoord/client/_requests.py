@@ -107,14 +107,15 @@ def attach(
     )
 
 
-def heartbeat(session_id: str, fence: pb.Fence | None = None) -> pb.HeartbeatRequest:
-    """Renew a session lease; SessionExpiredError / FencedError when lost."""
-    return pb.HeartbeatRequest(session_id=session_id, fence=fence)
+def heartbeat(session_id: str, fence: pb.Fence | None = None, pool: str = "") -> pb.HeartbeatRequest:
+    """Renew a session lease; SessionExpiredError / FencedError when lost. ``pool``: the
+    session's (by default the one its Attach through this client named)."""
+    return pb.HeartbeatRequest(session_id=session_id, fence=fence, pool=pool)
 
 
-def detach(session_id: str, fence: pb.Fence | None = None) -> pb.DetachRequest:
-    """End a session: the server frees every request it owned."""
-    return pb.DetachRequest(session_id=session_id, fence=fence)
+def detach(session_id: str, fence: pb.Fence | None = None, pool: str = "") -> pb.DetachRequest:
+    """End a session: the server frees every request it owned. ``pool``: as heartbeat's."""
+    return pb.DetachRequest(session_id=session_id, fence=fence, pool=pool)
 
 
 def find_longest_cache_hit(

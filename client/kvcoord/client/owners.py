@@ -166,14 +166,17 @@ class Routes:
             self.addresses = sorted(fresh + learned, key=lambda a: a in self.down)
 
     def pool_of(self, rpc: str, request: Any) -> str:
-        """The pool a call is about ("" when it names none or an unknown session)."""
+        """The pool a call is about ("" when it names none or an unknown session). A
+        call of a session that names no pool (Heartbeat, Detach) is given its
+        session's, when known: in a cluster only the pool's owner judges the session."""
+        fields = request.DESCRIPTOR.fields_by_name
         field = _POOL_FIELD.get(rpc, "pool")
-        if field and field in request.DESCRIPTOR.fields_by_name:
+        if field and field in fields and (getattr(request, field) or "session_id" not in fields):
             return str(getattr(request, field))
-        session_id = (
-            getattr(request, "session_id", "") if "session_id" in request.DESCRIPTOR.fields_by_name else ""
-        )
-        return self.session_pool.get(session_id, "")
+        pool = self.session_pool.get(getattr(request, "session_id", "") if "session_id" in fields else "", "")
+        if pool and field in fields:
+            setattr(request, field, pool)
+        return pool
 
     def route(self, pool: str) -> str:
         """The address to call for ``pool``: its known owner, else the first address."""

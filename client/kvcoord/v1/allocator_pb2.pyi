@@ -335,12 +335,14 @@ class AttachResponse(_message.Message):
     def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., idempotency_window_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., exclusive: _Optional[bool] = ..., pool_state: _Optional[_Union[PoolState, _Mapping]] = ..., pool_state_unavailable: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., prefix_cache_reset: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("session_id", "fence")
+    __slots__ = ("session_id", "fence", "pool")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     fence: Fence
-    def __init__(self, session_id: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+    pool: str
+    def __init__(self, session_id: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_seconds", "fence")
@@ -351,12 +353,14 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, lease_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class DetachRequest(_message.Message):
-    __slots__ = ("session_id", "fence")
+    __slots__ = ("session_id", "fence", "pool")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     fence: Fence
-    def __init__(self, session_id: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
+    pool: str
+    def __init__(self, session_id: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., pool: _Optional[str] = ...) -> None: ...
 
 class DetachResponse(_message.Message):
     __slots__ = ("num_freed_requests",)

@@ -322,17 +322,36 @@ class PoolRegistry:
         self.sessions.renew(s)
         return s
 
-    def pool_of_session(self, session_id: str) -> PoolService:
+    def pool_of_session(self, session_id: str, pool: str = "") -> PoolService:
         """The pool a live session is attached to (SESSION_EXPIRED when there is none: a
-        session whose lease ran out is ended first, as the reaper would end it; NOT_OWNER
-        when its pool was handed over to another replica)."""
-        moved = self.moved_sessions.get(session_id)
-        if moved is not None and session_id not in self.sessions.sessions:
-            self.placement.check(moved, moved in self.pools)
+        session whose lease ran out is ended first, as the reaper would end it).
+        ``pool``, the pool the call names ("": none): a session not held here is judged
+        only where its pool is served, else the call goes to the pool's owner
+        (NOT_OWNER, OWNER_CHANGING; so does one whose pool was handed over from here);
+        a cluster's replica asked with no pool named cannot know (UNAVAILABLE).
+
+        Raises:
+            ServiceError: as above; INVALID_ARGUMENT when ``pool`` is not the session's.
+        """
+        if session_id not in self.sessions.sessions:
+            named = self.moved_sessions.get(session_id) or pool
+            if named:
+                self.placement.check(named, named in self.pools)
+            elif self.placement.replica_id:
+                raise ServiceError(
+                    Status.UNAVAILABLE,
+                    f"replica {self.placement.replica_id!r} holds no session {session_id[:64]!r}: only the "
+                    "owner of its pool can tell whether it ended (name the pool in the call to be sent there)",
+                )
         lapsed = self.sessions.ran_out(session_id)
         if lapsed is not None:
             self.run_expiry(lapsed.pool, self.expiring(lapsed))
         s = self.sessions.get(session_id)
+        if pool and pool != s.pool:
+            raise ServiceError(
+                Status.INVALID,
+                f"session {session_id[:64]!r} is attached to pool {s.pool[:200]!r}, not {pool[:200]!r}",
+            )
         return self.get(s.pool)
 
     async def fenced(self) -> None:
@@ -348,14 +367,14 @@ class PoolRegistry:
             await asyncio.shield(self.fencing)
         await self.recorder.durable()
 
-    def session_of(self, session_id: str, fence: Fence | None) -> tuple[PoolService, Session]:
-        """The pool and the live session a call names (:meth:`pool_of_session`), the
-        call's fence checked (Heartbeat, Detach).
+    def session_of(self, session_id: str, fence: Fence | None, pool: str = "") -> tuple[PoolService, Session]:
+        """The pool and the live session a call names (:meth:`pool_of_session`, ``pool``
+        the one it names, if any), the call's fence checked (Heartbeat, Detach).
 
         Raises:
             ServiceError: as :meth:`pool_of_session` and :meth:`PoolService.session`.
         """
-        service = self.pool_of_session(session_id)
+        service = self.pool_of_session(session_id, pool)
         return service, service.session(session_id, fence)
 
     def end_session(self, s: Session, service: PoolService | None = None, abandon: bool = True) -> int:

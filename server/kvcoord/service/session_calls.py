@@ -193,21 +193,21 @@ class SessionCalls(ServicerCore):
     async def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext
     ) -> pb.HeartbeatResponse:
-        service, s = self.registry.session_of(request.session_id, fence_of(request))
+        service, s = self.registry.session_of(request.session_id, fence_of(request), request.pool)
         return self.mutations.positioned(
             pb.HeartbeatResponse(lease_seconds=s.lease_seconds, fence=fence_to_pb(service.fence))
         )
 
     @map_errors
     async def Detach(self, request: pb.DetachRequest, context: grpc.aio.ServicerContext) -> pb.DetachResponse:
-        service, s = self.registry.session_of(request.session_id, fence_of(request))
+        service, s = self.registry.session_of(request.session_id, fence_of(request), request.pool)
 
         def detaching() -> Generator[None, None, int]:
             # Run once the pool is free, which may be after the session ended meanwhile
             # (another Detach of it, a proven restore, its pool deleted): such a Detach
             # is refused as one arriving after the end (else it would journal a second
             # end, which no restart can replay), and changes nothing.
-            self.registry.session_of(request.session_id, fence_of(request))
+            self.registry.session_of(request.session_id, fence_of(request), request.pool)
             freed = yield from self.registry.ending(s, service)
             self.observer.detached(service.name)
             # recorded after the change: a snapshot the record triggers holds the state after it

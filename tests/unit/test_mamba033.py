@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from kvcoord.engine import FailedPreconditionError, KVCacheConfig, KVCachePool
+from kvcoord.engine.invariants import check_pool
 from kvcoord.engine.specs import FullAttentionSpec, MambaCacheMode, MambaSpec
 from kvcoord.wire import copies_from_pb, copies_to_pb, offloads_from_pb, offloads_to_pb
 
@@ -164,3 +165,26 @@ def test_a_planned_prefill_checkpoint_survives_the_state_export() -> None:
     q.cache_blocks("a", 100)
     assert q.snapshot() == p.snapshot()
     assert q.cached_block_ids() == p.cached_block_ids()
+
+
+def test_a_pool_check_of_a_mamba_pool_without_caching_holding_a_request() -> None:
+    """vLLM 0.33 runs a mamba group outside "align" mode with prefix caching off, and the
+    pool's hash block is then the mamba block (1,024 tokens), larger than the attention
+    group's (16). Its check (CheckPool, ``kvcoord check``) with a live request finds
+    nothing wrong; before, it failed with ZeroDivisionError (gRPC INTERNAL): it merged
+    the request's hashes to the smaller block, which only a caching pool reads."""
+    spec = MambaSpec(1024, MambaCacheMode.NONE)
+    p = KVCachePool(
+        KVCacheConfig(
+            40,
+            (FullAttentionSpec(16), spec),
+            1024,
+            enable_caching=False,
+            profile="vllm-0.33",
+            max_model_len=4096,
+        )
+    )
+    p.add_request("a", list(range(100)), [])
+    assert p.allocate_slots("a", 100) is not None
+    got = check_pool(p)
+    assert got.violations == () and got.num_requests == 1

@@ -176,7 +176,10 @@ def _check(
                 hashes_at_block_size(
                     request_keys(req.block_hashes, req.cache_prefix), pool.hash_block_size, m.block_size
                 )
-                if req
+                # (only cached positions read them: a pool without caching has none, and
+                # its hash block may be larger than a group's block, vllm-0.33's mamba
+                # outside "align" making it the mamba block)
+                if req and pool.enable_caching
                 else []
             )
             for i, b in enumerate(blocks):

@@ -91,6 +91,7 @@ class _OnKVCoord(UndoCutShort):
     max_num_running_reqs: int
     max_num_scheduled_tokens: int
     kv_cache_config: Any
+    cache_config: Any
     vllm_config: Any
     log_stats: bool
 
@@ -125,7 +126,19 @@ class _OnKVCoord(UndoCutShort):
         self._loss_fence = 0
 
     def _refuse_unsupported(self) -> None:
-        """Raise, naming the reason, for an engine kvcoord does not reproduce (none here)."""
+        """Raise, naming the reason, for an engine kvcoord does not reproduce (none of
+        0.16's); warn of vLLM 0.16's own defect that recovering from a lost session makes
+        frequent (docs/vllm-integration.md, "What is not supported")."""
+        groups = self.kv_cache_config.kv_cache_groups
+        if self.cache_config.enable_prefix_caching and any(
+            str(getattr(g.kv_cache_spec, "mamba_cache_mode", "")) == "align" for g in groups
+        ):
+            logger.warning(
+                "kvcoord: vLLM 0.16 with a mamba 'align' group and prefix caching can cache a resumed "
+                "request's mamba state under a later position (vLLM's defect, fixed in 0.33), and "
+                "kvcoord's recovery from a lost session (its requests preempted) makes it frequent: "
+                "use vLLM 0.33, or turn prefix caching off"
+            )
 
     def _connect(self, settings: Settings) -> KVCoordKVCacheManager:
         """The manager on the configured pool."""

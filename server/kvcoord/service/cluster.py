@@ -69,7 +69,8 @@ class Cluster(ClusterStore):
         self.export_pool: Callable[[str], Awaitable[bytes]] | None = None
         #: returns once no Step is applied to the pool in slices (pool_locks.py)
         self.pool_free: Callable[[str], Awaitable[None]] | None = None
-        #: the end of a handover: the pool is removed here (journaled); set by the server
+        #: the end of a handover: the pool is removed here (journaled), if still held (on_lost
+        #: removed it when the swap deposed a write of its journal); set by the server
         self.handed_over: Callable[[str], None] | None = None
         #: pools being adopted: held here, not claimed yet (claim_local leaves them be)
         self.adopting: set[str] = set()
@@ -339,9 +340,11 @@ class Cluster(ClusterStore):
             await self._settle_failed_handover(pool, claim.term, exc)
             return False
         view.learned(pool, Claim(pool, target.replica_id, target.address, answer.term), answer.term)
-        if self.handed_over is not None:
-            self.handed_over(pool)
-        view.moving.discard(pool)
+        try:  # (the pool may be gone here already: the swap deposed a write of its journal, on_lost)
+            if self.handed_over is not None:
+                self.handed_over(pool)
+        finally:  # the claim is the target's: calls go there (was: "changing owner" here for good)
+            view.moving.discard(pool)
         self.handovers += 1
         logger.info(
             "handed pool %s over to replica %s at %s (term %d)",
@@ -387,21 +390,28 @@ class Cluster(ClusterStore):
             return
         self._unsettled.pop(pool, None)
         holder = view.claims.get(pool) if claim is None else claim
-        if holder is not None and holder.replica_id != self.me.replica_id:
-            logger.warning(
-                "pool %s: the handover's answer was lost, but replica %s holds it", pool, holder.replica_id
-            )
-            if self.handed_over is not None:
-                self.handed_over(pool)
-        elif holder is None:  # this replica's lease ended meanwhile: claimed again (claim_local)
-            logger.error("handing pool %s over failed, and its claim ended: %s", pool, exc)
-        else:
-            if claim is None and self.on_term is not None:  # put again earlier, that answer lost
-                self.on_term(pool, holder.term)
-            logger.error(
-                "handing pool %s over failed; it is served here again (term %d): %s", pool, holder.term, exc
-            )
-        view.moving.discard(pool)
+        try:
+            if holder is not None and holder.replica_id != self.me.replica_id:
+                logger.warning(
+                    "pool %s: the handover's answer was lost, but replica %s holds it", pool, holder.replica_id,
+                )  # fmt: skip
+                if self.handed_over is not None:
+                    self.handed_over(pool)
+            elif holder is None:  # this replica's lease ended meanwhile: claimed again (claim_local)
+                logger.error("handing pool %s over failed, and its claim ended: %s", pool, exc)
+            elif pool not in self.local_pools():  # given up here meanwhile (on_lost): no state to serve
+                logger.error(
+                    "handing pool %s over failed (%s), and it is not held here any more (its journal could not "
+                    "be written to the store): its claim is released at the next pass", pool, exc,
+                )  # fmt: skip
+            else:
+                if claim is None and self.on_term is not None:  # put again earlier, that answer lost
+                    self.on_term(pool, holder.term)
+                logger.error(
+                    "handing pool %s over failed; it is served here again (term %d): %s", pool, holder.term, exc,
+                )  # fmt: skip
+        finally:  # settled: served here again, or redirected to the claim's holder
+            view.moving.discard(pool)
 
     # -- background ---------------------------------------------------------------------
     async def _keep_alive(self) -> None:

@@ -69,7 +69,10 @@ def cluster_of(
     cluster.pool_free = registry.locks.wait
 
     def handed_over(pool: str) -> None:
-        servicer.observer.pool_deleted(registry.handed_over(pool))
+        # not held any more when the adopter's claim swap deposed a write of its journal
+        # to the store first (lost, below: removed there, its sessions redirected alike)
+        if pool in registry.pools:
+            servicer.observer.pool_deleted(registry.handed_over(pool))
 
     cluster.handed_over = handed_over
     cluster.on_term = registry.set_term

@@ -31,7 +31,10 @@ replay gave the client the same answer. Records are CBOR lists ``[kind, wall_tim
 ``unreserve`` pool name, reservation id (its time ran out; adoption by a request is
               part of that request's ``call``)
 ``adopt``     a pool another replica handed over (registry_state.dump_pool's value: its
-              engine state, events, sessions and their kept answers, lineage)
+              engine state, events, sessions and their kept answers, lineage), and,
+              rebuilt from the cluster store, the last records of earlier instances
+              of this journal it brought that this journal lacked (instance id ->
+              position: positions.py, ``JournalPositions.replayed``)
 ``term``      pool name, term: the pool's ownership term in a cluster from here on
               (answers' fences carry it)
 ``restored``  (none) the journal was found behind what clients were told: fences of
@@ -144,9 +147,13 @@ class Recorder:
     def restored(self) -> None:
         pass
 
-    def adopted(self, value: dict[str, Any], service: PoolService) -> None:
+    def adopted(
+        self, value: dict[str, Any], service: PoolService, ends: dict[str, int] | None = None
+    ) -> None:
         """A pool handed over by another replica (registry_state.dump_pool's value),
-        loaded here as ``service``: its events are watchers' once the record is durable."""
+        loaded here as ``service``: its events are watchers' once the record is durable.
+        ``ends``: earlier instances of this journal whose records the pool brought up to
+        there (rebuilt from the cluster store: positions.py, JournalPositions.replayed)."""
 
     def term_changed(self, service: PoolService) -> None:
         """The pool's ownership term (its fence's) changed."""
@@ -425,8 +432,13 @@ class JournalRecorder(Recorder):
     def restored(self) -> None:
         self._append("restored")
 
-    def adopted(self, value: dict[str, Any], service: PoolService) -> None:
-        self._append("adopt", value, service=service)
+    def adopted(
+        self, value: dict[str, Any], service: PoolService, ends: dict[str, int] | None = None
+    ) -> None:
+        if ends:
+            self._append("adopt", value, ends, service=service)
+        else:
+            self._append("adopt", value, service=service)
 
     def term_changed(self, service: PoolService) -> None:
         self._append("term", service.name, service.fence.term)

@@ -95,6 +95,37 @@ class JournalPositions:
             self.ends[self.latest] = last_seq
             self.latest = None
 
+    def held(self, ends: dict[str, int]) -> None:
+        """This journal holds records of earlier instances up to ``ends`` (a pool rebuilt
+        from the cluster store, :meth:`replayed`; an ``adopt`` record's, on replay): an
+        end only goes up, and only for an instance this journal already names (never one
+        of another journal, nor one a restore voided)."""
+        for instance_id, position in ends.items():
+            end = self.ends.get(instance_id)
+            if end is not None and int(position) > end:
+                self.ends[instance_id] = int(position)
+
+    def replayed(self, instance_id: str, position: int, key: bytes | None) -> dict[str, int]:
+        """A pool was rebuilt from its stream in the cluster store (``journal =
+        "store"``), whose records of ``instance_id``, tagged under ``key``, went up to
+        ``position``; returns the ends raised (:meth:`held`; the caller journals them).
+
+        Each record goes to the local journal and to the store at once, and its answer
+        waits for both: an instance killed in between leaves the store ahead of this
+        journal by records no client was told. Rebuilt, they are the pool's, and a
+        retry of their call is answered from them, with their positions: an instance of
+        this very journal (its key) then told a client of a record this journal's own
+        copy lacks, though nothing is lost (the pool holds it). Without this, that
+        client's next call "proved" a restored data directory. A restore still shows:
+        a fence above what the store's streams hold proves it as before."""
+        if key is None or self.key is None or not hmac.compare_digest(key, self.key):
+            return {}
+        end = self.ends.get(instance_id)
+        if end is None or position <= end:
+            return {}
+        self.held({instance_id: position})
+        return {instance_id: position}
+
     def voided(self) -> None:
         """Every earlier fence is void (a restore was detected): nothing left to check."""
         self.ends.clear()

@@ -109,6 +109,8 @@ class Replayer:
             service.fence = dataclasses.replace(service.fence, term=int(record[3]))
         elif kind == "adopt":  # a pool handed over by another replica (cluster.py)
             adopt_pool(registry, record[2])
+            if len(record) > 3:  # the records of earlier instances it brought (positions.py)
+                registry.positions.held(record[3])
             self.touched[record[2]["pool"]["name"]] = seq
         elif kind == "attach":
             _, _, pool, sid, client_name, lease, exclusive, tenant, *key = record

@@ -39,7 +39,9 @@ def rebuild(
 ) -> tuple[dict[str, Any], int, int] | None:
     """The pool's state from its streams, as :func:`~.registry_state.dump_pool` makes it, and
     the term and number of records it came from; None when no stream has a base (the
-    pool was never acknowledged anything).
+    pool was never acknowledged anything). The state's ``replayed`` names the writer,
+    the highest position of its records replayed and the key they were tagged under
+    (the loader pops it: JournalPositions.replayed).
 
     Raises:
         ValueError: a record cannot be replayed as its client was told.
@@ -71,5 +73,8 @@ def rebuild(
             replayer.apply(int(position), record)
         if pool not in registry.pools:  # deleted in its last records
             return None
-        return dump_pool(registry, pool), term, len(tail)
+        value = dump_pool(registry, pool)
+        if tail:  # the writer's records it holds (positions.py, JournalPositions.replayed)
+            value["replayed"] = [writer, max(int(position) for position, _ in tail), registry.positions.key]
+        return value, term, len(tail)
     return None

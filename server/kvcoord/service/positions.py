@@ -44,7 +44,10 @@ so replay tags with the writer's key: this journal's own, or, for a pool rebuilt
 the cluster store (``journal = "store"``), the key its stream's base record carries
 (store_journal.py). Records written before tags replay untagged, as they were told
 (mutations.py). Positions of another replica's instances are never checked (no
-journal here holds their records: :attr:`ends` names none).
+journal here holds their records: :attr:`ends` names none). A pool rebuilt from the
+cluster store may bring records of an earlier instance of this very journal that its
+own copy lacks (killed between the two commits): their positions are held from then
+on (:meth:`JournalPositions.replayed`, journaled with the pool's ``adopt`` record).
 """
 
 from __future__ import annotations

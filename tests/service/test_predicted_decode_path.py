@@ -44,6 +44,7 @@ def test_the_decode_path_answers_as_the_general_paths(
     path taken for most running steps) equals the general side's, and the server
     confirms both sides' Steps."""
     answered: list[bool] = []
+    stepped: list[bool] = []  # (decode_step: a block taken or cached, for a pool of one group)
 
     class Counted(Mirror):
         def __init__(self, *args: Any) -> None:
@@ -57,9 +58,18 @@ def test_the_decode_path_answers_as_the_general_paths(
 
             self.decode_token = decode_token  # type: ignore[method-assign]
 
+        def decode_step(self, *a: Any) -> Any:
+            out = super().decode_step(*a)
+            stepped.append(out is not None)
+            return out
+
     monkeypatch.setattr(predicting, "Mirror", Counted)
     monkeypatch.setattr(general, "_request", _request)
     general.test_the_fast_paths_answer_as_the_general_paths(client, layout, seed)
     # (the decode path answered; a sliding window of 2 blocks leaves one every 4 tokens)
     assert sum(answered) > (100 if layout == "full" else 20), (sum(answered), len(answered))
-    assert not all(answered)  # (and handed the steps taking a block to the general path)
+    assert not all(answered)  # (and handed the steps taking a block to decode_step)
+    if layout == "full":
+        assert sum(stepped) > 100, (sum(stepped), len(stepped))  # (taken and cached blocks)
+    else:
+        assert not any(stepped)  # (two groups: the general path's)

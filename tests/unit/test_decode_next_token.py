@@ -1,5 +1,5 @@
 """decode_run's next-token loop applies a block's first token (one new block) and its
-last (its hash appended, that block cached) itself, not through ``_grow``: every such
+last (its hash appended, that block cached) itself, not through ``grow_entry``: every such
 entry must leave the answer, the pool, its events and its statistics exactly as the
 general path does (test_decode_run.py's twins: one pool by runs, one entry by entry
 with the fast paths off), including the cases the loop hands back: a refusal at a
@@ -20,12 +20,12 @@ from unit.test_decode_run import Columns, Steps, by_run, one_by_one
 
 
 class Counted:
-    """Which block-pool calls the next-token loop made itself (outside ``_grow``)."""
+    """Which block-pool calls the next-token loop made itself (outside ``grow_entry``)."""
 
     def __init__(self, pool: KVCachePool, monkeypatch: pytest.MonkeyPatch) -> None:
         self.new = self.cached = self.general_cache = self.grown = 0
         self.in_grow = False
-        grow, cache_one, take = decode_run._grow, decode_run._cache_one, pool.block_pool.get_new_blocks
+        grow, cache_one, take = decode_run.grow_entry, decode_run._cache_one, pool.block_pool.get_new_blocks
         general = pool.cache_full_request_blocks
 
         def counted_grow(*a: Any) -> bool:
@@ -48,7 +48,7 @@ class Counted:
             self.general_cache += not self.in_grow
             general(*a)
 
-        monkeypatch.setattr(decode_run, "_grow", counted_grow)
+        monkeypatch.setattr(decode_run, "grow_entry", counted_grow)
         monkeypatch.setattr(decode_run, "_cache_one", counted_cache_one)
         monkeypatch.setattr(pool.block_pool, "get_new_blocks", counted_take)
         monkeypatch.setattr(pool, "cache_full_request_blocks", counted_general)

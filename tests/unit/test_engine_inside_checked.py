@@ -1,10 +1,13 @@
 """``KVCachePool.update_and_allocate(..., inside_checked=True)``, what the predicted
 client calls for a decode step whose ``decode_token`` just answered ``None`` (a block
-to take), answers and leaves the pool exactly as the call that checks again does.
+to take), answers and leaves the pool exactly as the call that checks again does; and
+so does ``KVCachePool.decode_step``, which the client calls before it (a block to take
+or to cache, in a pool of one group).
 
 Two pools of one layout get the same random decode workload (the predicted client's
-order: ``decode_token`` first, the general call only when it answers ``None``); after
-every call their answers (or errors), whole states, events and statistics are equal."""
+order: ``decode_token`` first, then ``decode_step``, the general call only when they
+answer ``None``); after every call their answers (or errors), whole states, events and
+statistics are equal."""
 
 from __future__ import annotations
 
@@ -32,13 +35,22 @@ LAYOUTS: dict[str, tuple[Any, ...]] = {
 }
 
 
+#: how many steps each of the client's calls answered (decode_token, decode_step)
+ANSWERED = {"decode_token": 0, "decode_step": 0}
+
+
 def _step(pool: KVCachePool, checked: bool, rid: str, computed: int, token: int, hashes: list[bytes],
           num_new: int, look: int) -> object:  # fmt: skip
     """One running request's decode step as the predicted client makes it (``checked``)
     or as the general call (``update_and_allocate`` checking the decode path itself)."""
-    if checked and not hashes:
-        got = pool.decode_token(rid, computed, token, num_new, look)
+    if checked and len(hashes) <= 1:
+        got = pool.decode_token(rid, computed, token, num_new, look) if not hashes else None
         if got is not None:
+            ANSWERED["decode_token"] += 1
+            return ("ok", got)
+        got = pool.decode_step(rid, computed, token, hashes[0] if hashes else None, num_new, look)
+        if got is not None:
+            ANSWERED["decode_step"] += 1
             return ("ok", got)
         return _call(
             pool, "update_and_allocate", rid, computed, [token], hashes, num_new, look, inside_checked=True
@@ -49,6 +61,7 @@ def _step(pool: KVCachePool, checked: bool, rid: str, computed: int, token: int,
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("seed", range(3))
 def test_a_checked_decode_step_is_the_general_step(layout: str, seed: int) -> None:
+    before = dict(ANSWERED)
     config = KVCacheConfig(
         num_blocks=40,
         groups=LAYOUTS[layout],
@@ -97,3 +110,9 @@ def test_a_checked_decode_step_is_the_general_step(layout: str, seed: int) -> No
             assert new[0] == new[1] and _observed(pools[0]) == _observed(pools[1]), (rid, step)
             taken += bool(not hashes and new[0][0] == "ok" and new[0][1] and any(new[0][1]))  # type: ignore[index]
     assert taken > 20  # (steps that took a block after decode_token answered None)
+    answered = {k: ANSWERED[k] - before[k] for k in ANSWERED}
+    assert answered["decode_token"] > 100
+    if layout == "full4":  # (decode_step takes pools of one group only)
+        assert answered["decode_step"] > 40, answered
+    else:
+        assert answered["decode_step"] == 0

@@ -112,6 +112,7 @@ class Mirror:
         #: a decode step inside the request's blocks, or ``None`` (nothing changed):
         #: the engine's ``decode_token``, which makes no event and no statistic
         self.decode_token = engine.decode_token
+        self._decode_step = engine.decode_step
         self.namespace = state.cache_namespace
         #: the cache prefix of the session's events (None: every event is the session's)
         self._prefix: bytes | None = (
@@ -198,6 +199,18 @@ class Mirror:
         except EngineError as err:
             raise engine_error(err) from None
         if self._block_pool.kv_event_queue:
+            self._collect()
+        return new
+
+    def decode_step(
+        self, request_id: str, computed: int, token: int, block_hash: bytes | None, num_new_tokens: int,
+        num_lookahead_tokens: int,
+    ) -> BlockIds | None:  # fmt: skip
+        """A decode step taking a block or caching one (its token and the hash of the
+        block it completes, ``None``: none): the engine's ``decode_step``, its events
+        kept; ``None``, nothing changed, for anything it does not take (:meth:`grow`)."""
+        new = self._decode_step(request_id, computed, token, block_hash, num_new_tokens, num_lookahead_tokens)
+        if new is not None and self._block_pool.kv_event_queue:
             self._collect()
         return new
 

@@ -243,16 +243,26 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         step = tracker.next_token(request)
         checked = False
         if step is not None:  # a decode step, above all one inside its blocks: no sync made, one engine check
-            base_t, base_h, token, computed, was = step
+            base_t, base_h, token, computed, was, block_hash = step
             if type(token) is int and token <= UINT32_MAX:  # (else grow names it)
-                new = self.mirror.decode_token(rid, computed, token, num_new_tokens, num_lookahead_tokens)
+                mirror = self.mirror
+                if block_hash is None:
+                    new = mirror.decode_token(rid, computed, token, num_new_tokens, num_lookahead_tokens)
+                    if new is not None:
+                        self.sender.add_to_run(rid, base_t, base_h, (token,), (), computed, num_new_tokens, num_lookahead_tokens, new)  # fmt: skip
+                        return new
+                # a block to take or to cache: one engine call too (grow, if it is not
+                # taken, does not check the inside path again)
+                checked = True
+                new = mirror.decode_step(rid, computed, token, block_hash, num_new_tokens, num_lookahead_tokens)  # fmt: skip
                 if new is not None:
                     self.sender.add_to_run(
-                        rid, base_t, base_h, (token,), (), computed, num_new_tokens, num_lookahead_tokens, new
-                    )
+                        rid, base_t, base_h, (token,), () if block_hash is None else (block_hash,), computed,
+                        num_new_tokens, num_lookahead_tokens, new,
+                    )  # fmt: skip
                     return new
-                checked = True  # (a block to take: grow does not check it again)
-            mark, tokens, hashes = (base_t, base_h, was, True), (token,), ()  # (as sync_run gives them)
+            mark, tokens = (base_t, base_h, was, True), (token,)  # (as sync_run gives them)
+            hashes = () if block_hash is None else (block_hash,)
         else:
             fields = tracker.sync_run(request)
             if fields is None:

@@ -281,15 +281,15 @@ class RequestTracker:
         t.sent_computed = computed
         return mark, base_t, base_h, new_tokens, new_hashes, computed
 
-    def next_token(self, request: Any) -> tuple[int, int, int, int, int] | None:
+    def next_token(self, request: Any) -> tuple[int, int, int, int, int, bytes | None] | None:
         """A decode step's sync, the position moved: for a registered request read in
         place (:meth:`sync_run`'s case, the very object registered) whose only change
-        since its last sync is one token appended and no block hash (vLLM's hashes),
-        ``(base_num_tokens, base_num_hashes, the token, num_computed_tokens, the
-        computed count before)``: what :meth:`sync_run` would give (its appended tokens
-        the one token, no hash; its mark ``(base_num_tokens, base_num_hashes, the count
-        before, True)``); ``None`` for anything else, nothing changed (:meth:`sync_run`
-        then)."""
+        since its last sync is one token appended and at most one block hash (vLLM's
+        hashes; a ``bytes``), ``(base_num_tokens, base_num_hashes, the token,
+        num_computed_tokens, the computed count before, the hash or None)``: what
+        :meth:`sync_run` would give (its appended tokens the one token, its hashes that
+        one or none; its mark ``(base_num_tokens, base_num_hashes, the count before,
+        True)``); ``None`` for anything else, nothing changed (:meth:`sync_run` then)."""
         t = self._tracked.get(request.request_id)
         if t is None or t.request is not request or not t.registered or t.hasher is not None:
             return None
@@ -298,15 +298,25 @@ class RequestTracker:
         if tokens is None or len(tokens) != base_t + 1:
             return None
         base_h = t.sent_hashes
-        if self.enable_caching and len(request.block_hashes) != base_h:
-            return None
+        block_hash = None
+        if self.enable_caching:
+            given = request.block_hashes
+            more = len(given) - base_h
+            if more:
+                if more != 1:
+                    return None
+                block_hash = given[base_h]
+                if type(block_hash) is not bytes:
+                    return None  # (sync_run makes it one)
         computed = request.num_computed_tokens
         if type(computed) is not int:
             return None
         was = t.sent_computed
         t.sent_tokens = base_t + 1
+        if block_hash is not None:
+            t.sent_hashes = base_h + 1
         t.sent_computed = computed
-        return base_t, base_h, tokens[base_t], computed, was
+        return base_t, base_h, tokens[base_t], computed, was, block_hash
 
     def hashes(self, request: Any) -> Sequence[bytes]:
         """The request's block hashes as sent (a tracked request; empty when caching is

@@ -249,7 +249,7 @@ def _run_plain(
         if inside and not nh:  # inside its blocks: the update alone
             req.num_computed_tokens = computed
             all_tokens.append(token)
-        elif _grow(
+        elif grow_entry(
             pool, req, computed, main, need, cached, token, hashes[h] if nh else None, counts, i * groups, ids
         ):
             h += nh
@@ -307,10 +307,10 @@ def _run_next_token(
     those cached are all the tokens after it, at most ``max_model_len``.
 
     Besides the update alone (inside its blocks), the loop itself applies the two
-    entries of a block's worth that :func:`_grow` would otherwise (as it would: the
+    entries of a block's worth that :func:`grow_entry` would otherwise (as it would: the
     same calls to the block pool, in the same order): the first token of a block (one
     new block, nothing to cache) and the last (its hash appended, that block cached by
-    :func:`_cache_one`). Any other entry is :func:`_grow`'s."""
+    :func:`_cache_one`). Any other entry is :func:`grow_entry`'s."""
     m = pool.managers[0]
     num_cached = m.num_cached_block
     cached_of = num_cached.get
@@ -364,7 +364,9 @@ def _run_next_token(
                 else:
                     pool.cache_full_request_blocks(req, need)
                 continue
-        if _grow(pool, req, computed, need, need, need, token, hashes[h] if nh else None, counts, i, ids):
+        if grow_entry(
+            pool, req, computed, need, need, need, token, hashes[h] if nh else None, counts, i, ids
+        ):
             h += nh
         else:
             break
@@ -393,7 +395,7 @@ def _hash_taken(new_hash: object, length: int | None) -> bool:
     return type(new_hash) is bytes and bool(new_hash) and (length is None or len(new_hash) == length)
 
 
-def _grow(
+def grow_entry(
     pool: KVCachePool, req: Request, computed: int, main: int, need: int, cached: int, token: int,
     new_hash: bytes | None, counts: list[int], at: int, ids: list[int],
 ) -> bool:  # fmt: skip

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 
-from .decode_run import DecodeColumns, decode_run
+from .decode_run import DecodeColumns, decode_run, grow_entry, plain_values
 from .errors import RequestNotFoundError
 from .pool_lookups import PoolLookups
 from .request import Request
@@ -293,6 +293,55 @@ class FastPaths(PoolLookups):
         req.num_computed_tokens = computed
         tokens.append(token)
         return self._no_new_blocks
+
+    def decode_step(
+        self, request_id: str, computed: int, token: int, block_hash: bytes | None, num_new_tokens: int,
+        num_lookahead_tokens: int,
+    ) -> BlockIds | None:  # fmt: skip
+        """A decode step that takes a block or caches one, its one token given alone
+        with the hash of the block it completes (``None``: none), in a pool of one group
+        that skips no block: ``update_and_allocate(request_id, computed, [token],
+        [block_hash] or [], num_new_tokens, num_lookahead_tokens)`` applied as one entry
+        of :meth:`decode_run` applies it (the update, the blocks taken, the full ones
+        cached: :func:`~.decode_run.grow_entry`), its new block ids per group returned.
+        Anything else (another layout, an unknown request or one holding no block,
+        values the fast paths do not read, a hash due and not given or given and not
+        due, too few free blocks) returns ``None`` with nothing changed, for
+        :meth:`update_and_allocate`. Never raises."""
+        m = self._lone_manager
+        req = self.requests.get(request_id)
+        if (
+            m is None
+            or req is None
+            or not self.decode_fast_path
+            or not plain_values(1, token, computed, num_new_tokens, num_lookahead_tokens)
+        ):
+            return None
+        have = len(req.all_token_ids)
+        max_len = self.max_model_len
+        main = computed + num_new_tokens
+        if have >= max_len or main > max_len:  # (at max_model_len: the token would pass it)
+            return None
+        need = main + num_lookahead_tokens
+        if need > max_len:
+            need = max_len
+        given = 0 if block_hash is None else 1
+        if self.enable_caching:
+            hashed = have + 1 - self.hash_lag
+            if (hashed if hashed > 0 else 0) // self.hash_block_size - len(req.block_hashes) != given:
+                return None  # a hash due and not given, or given and not due: the general path says so
+            cached = main if main < hashed else hashed
+        elif given:
+            return None  # (hashes are ignored without caching: the general path reads them)
+        else:
+            cached = 0
+        if m.req_to_blocks.get(request_id) is None:
+            return None  # (no block yet: a first allocation, the general path's)
+        counts = [0]
+        ids: list[int] = []
+        if not grow_entry(self, req, computed, main, need, cached, token, block_hash, counts, 0, ids):
+            return None
+        return (tuple(ids),) if ids else self._no_new_blocks
 
     def _allocate_without_hit(
         self, req: Request, num_new_tokens: int, num_lookahead_tokens: int

@@ -101,6 +101,11 @@ class PoolParts:
             if type(m).get_num_skipped_tokens is not SingleTypeKVCacheManager.get_num_skipped_tokens
             or type(m).remove_skipped_blocks is not SingleTypeKVCacheManager.remove_skipped_blocks
         ]
+        #: the pool's one manager when it is alone and skips no blocks (the common
+        #: layout, :meth:`~kvcoord.engine.pool.KVCachePool.decode_step`'s)
+        self._lone_manager: SingleTypeKVCacheManager | None = (
+            self.managers[0] if len(self.managers) == 1 and not self.skipping_managers else None
+        )
         self._no_new_blocks: BlockIds = tuple(() for _ in self.managers)
         #: update_and_allocate answers a decode step inside its blocks at once
         #: (:meth:`_decode_inside_blocks`); off only to test it against the general path

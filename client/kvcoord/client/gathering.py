@@ -76,6 +76,20 @@ class StepGathering:
         )
         run.size += 32 + 5 * len(tokens) + 34 * len(hashes)
 
+    def add_decode(
+        self, rid: str, base_t: int, base_h: int, token: int, computed: int, num_new_tokens: int,
+        num_lookahead_tokens: int, new: BlockIds,
+    ) -> None:  # fmt: skip
+        """:meth:`add_to_run` of a decode step inside its blocks (one token appended,
+        no hash: every running request's step), its size counted without measuring it."""
+        run = self.run
+        if run is None:
+            run = self.run = ColumnRun()
+        run.entries.append(
+            (rid, base_t, base_h, (token,), (), computed, num_new_tokens, num_lookahead_tokens, new)
+        )
+        run.size += 37  # (add_to_run's 32 + 5 per token + 34 per hash)
+
     def refuse(
         self, rid: str, base_t: int, base_h: int, tokens: Sequence[int], hashes: Sequence[bytes], computed: int,
         num_new_tokens: int, num_lookahead_tokens: int,

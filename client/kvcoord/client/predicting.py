@@ -249,7 +249,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
                 if block_hash is None:
                     new = mirror.decode_token(rid, computed, token, num_new_tokens, num_lookahead_tokens)
                     if new is not None:
-                        self.sender.add_to_run(rid, base_t, base_h, (token,), (), computed, num_new_tokens, num_lookahead_tokens, new)  # fmt: skip
+                        self.sender.add_decode(rid, base_t, base_h, token, computed, num_new_tokens, num_lookahead_tokens, new)  # fmt: skip
                         return new
                 # a block to take or to cache: one engine call too (grow, if it is not
                 # taken, does not check the inside path again)

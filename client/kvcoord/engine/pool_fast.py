@@ -288,7 +288,15 @@ class FastPaths(PoolLookups):
             if (hashed if hashed > 0 else 0) // self.hash_block_size != len(req.block_hashes):
                 return None  # a block hash due (or one too many): the general path checks it
             cached = main if main < hashed else hashed
-        if not self._changes_nothing(request_id, computed, need, cached):
+        m = self._lone_manager
+        if m is not None:  # (_changes_nothing's checks, written out for one group)
+            blocks = m.req_to_blocks.get(request_id)
+            size = m.block_size
+            if blocks is None or len(blocks) * size < need:
+                return None
+            if caching and m.num_cached_block.get(request_id, 0) < cached // size:
+                return None
+        elif not self._changes_nothing(request_id, computed, need, cached):
             return None
         req.num_computed_tokens = computed
         tokens.append(token)

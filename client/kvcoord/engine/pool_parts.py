@@ -102,7 +102,8 @@ class PoolParts:
             or type(m).remove_skipped_blocks is not SingleTypeKVCacheManager.remove_skipped_blocks
         ]
         #: the pool's one manager when it is alone and skips no blocks (the common
-        #: layout, :meth:`~kvcoord.engine.pool.KVCachePool.decode_step`'s)
+        #: layout: :meth:`~kvcoord.engine.pool.KVCachePool.decode_token` checks it
+        #: inline, :meth:`~kvcoord.engine.pool.KVCachePool.decode_step` takes only it)
         self._lone_manager: SingleTypeKVCacheManager | None = (
             self.managers[0] if len(self.managers) == 1 and not self.skipping_managers else None
         )

@@ -53,6 +53,31 @@ def wire_pool_config(num_blocks: int, events: bool = False) -> pb.PoolConfig:
     )
 
 
+def wire_mamba_pool_033(
+    num_blocks: int,
+    attention_block: int,
+    mamba_block: int,
+    mode: str,
+    hash_block_size: int,
+    max_model_len: int,
+) -> pb.PoolConfig:
+    """A vllm-0.33 pool on the wire: full attention and a mamba group in ``mode``,
+    caching on exactly when the mode is "align" (as vLLM 0.33 runs them)."""
+    return pb.PoolConfig(
+        num_blocks=num_blocks,
+        groups=[
+            pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=attention_block)),
+            pb.KVCacheGroupSpec(mamba=pb.MambaSpec(block_size=mamba_block, mamba_cache_mode=mode)),
+        ],
+        hash_block_size=hash_block_size,
+        enable_caching=mode == "align",
+        hash_algo=ALGO,
+        hash_seed="0",
+        profile="vllm-0.33",
+        max_model_len=max_model_len,
+    )
+
+
 class Driver:
     """A pool plus one block hasher per request, as a scheduler would hold them."""
 

@@ -8,28 +8,13 @@ from __future__ import annotations
 
 from helpers import allocate, attach
 from kvcoord.client import KVCoordClient
-from kvcoord.v1 import allocator_pb2 as pb
+from support import wire_mamba_pool_033
 
 MAMBA_BLOCK = 1024
 
 
 def test_a_mamba_pool_without_caching_is_checked_with_a_live_request(client: KVCoordClient) -> None:
-    client.create_pool(
-        "m",
-        pb.PoolConfig(
-            num_blocks=40,
-            groups=[
-                pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=16)),
-                pb.KVCacheGroupSpec(mamba=pb.MambaSpec(block_size=MAMBA_BLOCK, mamba_cache_mode="none")),
-            ],
-            hash_block_size=MAMBA_BLOCK,
-            enable_caching=False,
-            hash_algo="sha256_cbor",
-            hash_seed="0",
-            profile="vllm-0.33",
-            max_model_len=4096,
-        ),  # fmt: skip
-    )
+    client.create_pool("m", wire_mamba_pool_033(40, 16, MAMBA_BLOCK, "none", MAMBA_BLOCK, 4096))
     sid, fence = attach(client, "m", MAMBA_BLOCK, profile="vllm-0.33")
     got = client.allocate("m", allocate("a", list(range(100)), 100, MAMBA_BLOCK).allocate, sid, fence)
     assert not got.result.refused

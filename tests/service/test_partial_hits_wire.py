@@ -20,6 +20,7 @@ from kvcoord.client.errors import (
 )
 from kvcoord.client.vllm033 import Remote033KVCacheManager
 from kvcoord.v1 import allocator_pb2 as pb
+from support import wire_mamba_pool_033
 
 HBS = 16
 P = list(range(1, 57))
@@ -27,19 +28,7 @@ FAILED_PRECONDITION = 9
 
 
 def pool() -> pb.PoolConfig:
-    return pb.PoolConfig(
-        num_blocks=24,
-        groups=[
-            pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=32)),
-            pb.KVCacheGroupSpec(mamba=pb.MambaSpec(block_size=32, mamba_cache_mode="align")),
-        ],
-        hash_block_size=HBS,
-        enable_caching=True,
-        hash_algo="sha256_cbor",
-        hash_seed="0",
-        profile="vllm-0.33",
-        max_model_len=1024,
-    )
+    return wire_mamba_pool_033(24, 32, 32, "align", HBS, 1024)
 
 
 def hashes(tokens: list[int]) -> list[bytes]:

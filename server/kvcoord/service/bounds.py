@@ -84,6 +84,8 @@ BOUNDS: Mapping[str, int | str] = {
     "WatchEventsRequest.pool": MAX_NAME_LENGTH,
     "CheckPoolRequest.pool": MAX_NAME_LENGTH,
     "ListSessionsRequest.pool": MAX_NAME_LENGTH,
+    "HeartbeatRequest.pool": MAX_NAME_LENGTH,
+    "DetachRequest.pool": MAX_NAME_LENGTH,
     "HeartbeatRequest.session_id": MAX_SESSION_ID_LENGTH,
     "DetachRequest.session_id": MAX_SESSION_ID_LENGTH,
     "AllocateRequest.session_id": MAX_SESSION_ID_LENGTH,

@@ -29,14 +29,18 @@ from service.helpers import allocate
 from test_failover import _config
 from test_replicas import POOL_CONFIG
 
-#: the local journal's commits wait while the flag file exists (the store's go on)
+#: the local journal's commits wait while the flag file exists (the store's go on, and
+#: each one committed meanwhile touches the "stored" file)
 _HOLD_LOCAL_COMMITS = """
 import os
+import pathlib
 import time
 
 import kvcoord.service.journal as journal
+import kvcoord.service.store_journal as store_journal
 
 _write = journal.JournalStore.write
+_write_pool = store_journal.PoolStreams._write_pool
 
 
 def write(self, records, chunk=None):
@@ -45,7 +49,14 @@ def write(self, records, chunk=None):
     return _write(self, records, chunk)
 
 
+async def write_pool(self, pool, items):
+    await _write_pool(self, pool, items)
+    if os.path.exists({flag!r}):
+        pathlib.Path({stored!r}).touch()
+
+
 journal.JournalStore.write = write
+store_journal.PoolStreams._write_pool = write_pool
 """
 
 BEHIND = "journal is behind what clients were told"
@@ -58,8 +69,9 @@ def test_a_record_in_the_store_not_yet_on_disk_is_no_restore(
     (this instance's, and the next one's after another SIGKILL: the raised end is
     journaled) go on, and a session of another pool of the replica lives on."""
     cluster = request.node.name[:40]
-    flag = tmp_path / "hold"
-    durable_server.with_sitecustomize(tmp_path, _HOLD_LOCAL_COMMITS.format(flag=str(flag)), monkeypatch)
+    flag, stored = tmp_path / "hold", tmp_path / "stored"
+    hook = _HOLD_LOCAL_COMMITS.format(flag=str(flag), stored=str(stored))
+    durable_server.with_sitecustomize(tmp_path, hook, monkeypatch)
     address = f"127.0.0.1:{free_port()}"
     config = _config([etcd.endpoint], "r0", tmp_path / "r0", cluster, "store", 1000)
     procs: list[ServerProcess] = []
@@ -92,7 +104,10 @@ def test_a_record_in_the_store_not_yet_on_disk_is_no_restore(
 
         t = threading.Thread(target=second, daemon=True)
         t.start()
-        time.sleep(1.5)  # the store commits the record; the local journal waits
+        deadline = time.monotonic() + 30  # the store commits the record; the local journal waits
+        while not stored.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stored.exists(), "the store did not commit the record"
         assert "b" not in answers
         kill()
         flag.unlink()

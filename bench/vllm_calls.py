@@ -4,7 +4,7 @@ predicted one (``KVCoordScheduler``, ``KVCOORD_PREDICT=1``), in one process.
     KVCOORD_VENV=$(scripts/install_vllm.sh --print-venv)
     PYTHONPATH=client:server:tests PYTHONHASHSEED=0 $KVCOORD_VENV/bin/python bench/vllm_calls.py \\
         [--running 256] [--layout full] [--kind sync] [--steps 150] [--warmup 150] [--interleave] \
-        [--model-ms 0] [--engine-build DIR]
+        [--model-ms 0] [--engine-build DIR] [--rounds 1]
 
 The workload is ``bench/vllm_step.py``'s. Each manager method the scheduler calls is
 wrapped and timed with the calling thread's CPU clock (``time.thread_time``), which a
@@ -24,6 +24,11 @@ machine (the process CPU is then not given).
 its workers), when a predicted session's sender thread writes, sends and checks the Step
 cut at the step before. With 0 (the default) that thread's work takes the GIL during the
 scheduler's calls, and a call that hands it over pays the switch in its thread CPU.
+
+``--rounds R``: the comparison is run R times, each with fresh schedulers on the same
+workload, and each figure printed is the median over the rounds (its ratio the median
+of the paired ratios): one round's ratio moves by 0.2 between two runs on this 2-core
+machine.
 
 ``--engine-build DIR``: kvcoord's engine (the client's predictions and the server) is
 the compiled one built in DIR (``python bench/compile_engine.py DIR`` with a Python
@@ -129,6 +134,7 @@ class _Side:
         for name, v in times.items():
             out[f"{name} mean us"] = statistics.fmean(v) * 1e6
             out[f"{name} p25 us"] = sorted(v)[len(v) // 4] * 1e6
+            out[f"{name} ms / step"] = sum(v) / steps * 1e3
         return out
 
 
@@ -183,6 +189,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--warmup", type=int, default=150)
     ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the comparison R times (fresh schedulers, the same workload) and print medians",
+    )
+    ap.add_argument(
         "--interleave", action="store_true", help="both managers step in turns (see measure_interleaved)"
     )
     ap.add_argument("--model-ms", type=float, default=0.0, help="the model's run per step (a sleep), ms")
@@ -206,26 +218,42 @@ def main() -> None:
         )
 
     os.environ.update(KVCOORD_TARGET=server.address, KVCOORD_PREDICT="1", KVCOORD_POOL="bench-calls")
+    cls = KVCoordAsyncScheduler if args.kind == "async" else KVCoordScheduler
+    rounds: list[tuple[dict[str, float], dict[str, float]]] = []
     try:
-        ours = SCHEDULERS[args.kind]
-        theirs = make_scheduler(ours, config(), kv_cache_config(args.layout, blocks))
-        cls = KVCoordAsyncScheduler if args.kind == "async" else KVCoordScheduler
-        if args.interleave:
-            remote = make_scheduler(cls, config(), kv_cache_config(args.layout, blocks))
-            base, got = measure_interleaved([theirs, remote], n, args.steps, args.warmup, args.model_ms / 1e3)
-        else:
-            base = measure(theirs, n, args.steps, args.warmup, args.model_ms / 1e3)
-            remote = make_scheduler(cls, config(), kv_cache_config(args.layout, blocks))
-            got = measure(remote, n, args.steps, args.warmup, args.model_ms / 1e3)
-        remote.shutdown()
+        for r in range(args.rounds):
+            ours = SCHEDULERS[args.kind]
+            theirs = make_scheduler(ours, config(), kv_cache_config(args.layout, blocks))
+            if args.interleave:
+                remote = make_scheduler(cls, config(), kv_cache_config(args.layout, blocks))
+                base, got = measure_interleaved(
+                    [theirs, remote], n, args.steps, args.warmup, args.model_ms / 1e3
+                )
+            else:
+                base = measure(theirs, n, args.steps, args.warmup, args.model_ms / 1e3)
+                remote = make_scheduler(cls, config(), kv_cache_config(args.layout, blocks))
+                got = measure(remote, n, args.steps, args.warmup, args.model_ms / 1e3)
+            remote.shutdown()
+            rounds.append((base, got))
+            if args.rounds > 1:
+                key = "timed calls, ms / step"
+                print(
+                    f"round {r + 1}: {key} {base[key]:.2f} vs {got[key]:.2f} = {got[key] / base[key]:.2f} x"
+                )
     finally:
         server.stop()
-    print(
-        f"{n} running, {args.layout}, {args.kind}, model {args.model_ms:g} ms: {'':<12} {'vLLM':>9} {'kvcoord':>9} {'x':>6}"
-    )
-    for key, value in base.items():
-        if key in got:
-            print(f"{key:<48} {value:9.2f} {got[key]:9.2f} {got[key] / value:6.2f}")
+    head = f"{n} running, {args.layout}, {args.kind}, model {args.model_ms:g} ms"
+    if args.rounds > 1:
+        head += f", median of {args.rounds} rounds (x: median of the paired ratios)"
+    print(f"{head}: {'':<12} {'vLLM':>9} {'kvcoord':>9} {'x':>6}")
+    for key in rounds[0][0]:
+        pairs = [(b[key], g[key]) for b, g in rounds if key in b and key in g]
+        if len(pairs) != len(rounds):
+            continue
+        base_v = statistics.median(b for b, _ in pairs)
+        got_v = statistics.median(g for _, g in pairs)
+        ratio = statistics.median(g / b for b, g in pairs)
+        print(f"{key:<48} {base_v:9.2f} {got_v:9.2f} {ratio:6.2f}")
 
 
 if __name__ == "__main__":

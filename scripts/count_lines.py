@@ -1,8 +1,10 @@
 """Count a package's lines: all lines, and code lines (no blanks, comments, docstrings).
 
-Usage: python scripts/count_lines.py [DIR] [--only NAME,NAME]
-(default DIR: client/kvcoord/client). Prints one row per module and a total, so a
-size claim ("shrinks by a third") can be checked by anyone.
+Usage: python scripts/count_lines.py [DIR] [--only NAME,NAME] [--at REV]
+(default DIR: client/kvcoord/client). Prints one row per module and a total (columns:
+all lines, code lines), so a size claim ("shrinks by a third") can be checked by anyone.
+``--at REV`` counts DIR as it was at git revision REV (read with ``git show``, the
+working tree untouched), e.g. ``--at a2bf467``, the commit issue 21 was filed against.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ast
 import io
+import subprocess
 import sys
 import tokenize
 from pathlib import Path
@@ -57,19 +60,36 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("root", nargs="?", default="client/kvcoord/client")
     parser.add_argument("--only", default="", help="comma-separated module stems")
+    parser.add_argument("--at", metavar="REV", help="count the directory as it was at this git revision")
     args = parser.parse_args(argv)
     only = {name for name in args.only.split(",") if name}
-    files = sorted(Path(args.root).glob("*.py"))
+    sources = _at_revision(args.root, args.at) if args.at else _in_tree(args.root)
     if only:
-        files = [path for path in files if path.stem in only]
+        sources = {name: text for name, text in sources.items() if Path(name).stem in only}
     total_all = total_code = 0
-    for path in files:
-        lines, code = count(path.read_text())
+    for name, text in sorted(sources.items()):
+        lines, code = count(text)
         total_all += lines
         total_code += code
-        print(f"{path.name:32} {lines:6} {code:6}")
+        print(f"{name:32} {lines:6} {code:6}")
     print(f"{'total':32} {total_all:6} {total_code:6}")
     return 0
+
+
+def _in_tree(root: str) -> dict[str, str]:
+    """The modules directly in ``root`` (not its sub-packages), by file name."""
+    return {path.name: path.read_text() for path in Path(root).glob("*.py")}
+
+
+def _at_revision(root: str, rev: str) -> dict[str, str]:
+    """The modules directly in ``root`` as they were at git revision ``rev``."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], check=True, capture_output=True, text=True).stdout
+
+    prefix = root.rstrip("/") + "/"
+    names = [n for n in git("ls-tree", "--name-only", rev, prefix).split() if n.endswith(".py")]
+    return {Path(n).name: git("show", f"{rev}:{n}") for n in names}
 
 
 if __name__ == "__main__":

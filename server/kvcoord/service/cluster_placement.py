@@ -58,7 +58,10 @@ class ClusterPlacement(Placement):
                     Status.INVALID,
                     f"the handed-over state of pool {pool[:200]!r} cannot be loaded: {exc}",
                 ) from None
-            registry.recorder.adopted(value, service)
+            # records of an earlier instance of this journal the pool holds and this
+            # journal does not (killed between its two commits, the pool rebuilt from the
+            # store by another replica since): held now, for this start and the next
+            registry.recorder.adopted(value, service, registry.positions.brought(service.held))
             await registry.recorder.durable()
             claim = await cluster.take_over(pool, from_replica, claim_revision)
             if claim is None:

@@ -30,11 +30,12 @@ replay gave the client the same answer. Records are CBOR lists ``[kind, wall_tim
               server releases it at once, recording ``unreserve``)
 ``unreserve`` pool name, reservation id (its time ran out; adoption by a request is
               part of that request's ``call``)
-``adopt``     a pool another replica handed over (registry_state.dump_pool's value: its
-              engine state, events, sessions and their kept answers, lineage), and,
-              rebuilt from the cluster store, the last records of earlier instances
-              of this journal it brought that this journal lacked (instance id ->
-              position: positions.py, ``JournalPositions.replayed``)
+``adopt``     a pool another replica handed over, or rebuilt from the cluster store
+              (registry_state.dump_pool's value: its engine state, events, sessions
+              and their kept answers, lineage, the records of earlier instances it
+              holds), and the last records of earlier instances of this journal it
+              brought that this journal lacked (instance id -> position: positions.py,
+              ``JournalPositions.brought``)
 ``term``      pool name, term: the pool's ownership term in a cluster from here on
               (answers' fences carry it)
 ``restored``  (none) the journal was found behind what clients were told: fences of
@@ -153,7 +154,8 @@ class Recorder:
         """A pool handed over by another replica (registry_state.dump_pool's value),
         loaded here as ``service``: its events are watchers' once the record is durable.
         ``ends``: earlier instances of this journal whose records the pool brought up to
-        there (rebuilt from the cluster store: positions.py, JournalPositions.replayed)."""
+        there (rebuilt from the cluster store, here or before a handover: positions.py,
+        JournalPositions.brought)."""
 
     def term_changed(self, service: PoolService) -> None:
         """The pool's ownership term (its fence's) changed."""

@@ -140,6 +140,8 @@ class PoolService:
         #: earlier instances of this server whose state was recovered without loss
         #: (durability.py): their fences stay valid for this incarnation
         self.lineage: frozenset[str] | set[str] = frozenset()
+        #: records of earlier instances (any journal's) this state holds: id -> [position, tag]
+        self.held: dict[str, list[Any]] = {}
         #: a TakeEventsOp's events' byte budget (set from max_message_bytes; None: none)
         self.answer_event_bytes: int | None = None
         #: proves a fence's journal position against what this journal holds (positions.py)

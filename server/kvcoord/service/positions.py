@@ -45,15 +45,17 @@ the cluster store (``journal = "store"``), the key its stream's base record carr
 (store_journal.py). Records written before tags replay untagged, as they were told
 (mutations.py). Positions of another replica's instances are never checked (no
 journal here holds their records: :attr:`ends` names none). A pool rebuilt from the
-cluster store may bring records of an earlier instance of this very journal that its
-own copy lacks (killed between the two commits): their positions are held from then
-on (:meth:`JournalPositions.replayed`, journaled with the pool's ``adopt`` record).
+cluster store, here or by another replica that hands it over here later, may bring
+records of an earlier instance of this very journal that its own copy lacks (killed
+between the two commits): their positions are held from then on
+(:meth:`JournalPositions.brought`, journaled with the pool's ``adopt`` record).
 """
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Callable
+from typing import Any
 
 from .errors import ErrorReason, ServiceError, Status
 from .fences import Fence
@@ -99,35 +101,45 @@ class JournalPositions:
             self.latest = None
 
     def held(self, ends: dict[str, int]) -> None:
-        """This journal holds records of earlier instances up to ``ends`` (a pool rebuilt
-        from the cluster store, :meth:`replayed`; an ``adopt`` record's, on replay): an
-        end only goes up, and only for an instance this journal already names (never one
+        """This journal holds records of earlier instances up to ``ends`` (a pool loaded
+        here brought them, :meth:`brought`; an ``adopt`` record's, on replay): an end
+        only goes up, and only for an instance this journal already names (never one
         of another journal, nor one a restore voided)."""
         for instance_id, position in ends.items():
             end = self.ends.get(instance_id)
             if end is not None and int(position) > end:
                 self.ends[instance_id] = int(position)
 
-    def replayed(self, instance_id: str, position: int, key: bytes | None) -> dict[str, int]:
-        """A pool was rebuilt from its stream in the cluster store (``journal =
-        "store"``), whose records of ``instance_id``, tagged under ``key``, went up to
-        ``position``; returns the ends raised (:meth:`held`; the caller journals them).
+    def brought(self, held: dict[str, list[Any]]) -> dict[str, int]:
+        """A pool was loaded here whose state holds records of earlier instances up to
+        ``held`` (instance id -> [position, that position's tag]: ``PoolService.held``),
+        rebuilt from its stream in the cluster store (``journal = "store"``) or handed
+        over by another replica; returns the ends raised (:meth:`held`; the caller
+        journals them with the pool's ``adopt`` record).
 
         Each record goes to the local journal and to the store at once, and its answer
         waits for both: an instance killed in between leaves the store ahead of this
-        journal by records no client was told. Rebuilt, they are the pool's, and a
-        retry of their call is answered from them, with their positions: an instance of
-        this very journal (its key) then told a client of a record this journal's own
-        copy lacks, though nothing is lost (the pool holds it). Without this, that
-        client's next call "proved" a restored data directory. A restore still shows:
-        a fence above what the store's streams hold proves it as before."""
-        if key is None or self.key is None or not hmac.compare_digest(key, self.key):
-            return {}
-        end = self.ends.get(instance_id)
-        if end is None or position <= end:
-            return {}
-        self.held({instance_id: position})
-        return {instance_id: position}
+        journal by records no client was told. Whoever rebuilds the pool then holds
+        them (store_rebuild.py), and a retry of their call is answered from them, with
+        their positions: a client is told of a record of an instance of this very
+        journal that its own copy lacks, though nothing is lost (the pool holds it, and
+        carries it with every handover, the one back here included). Without this, that
+        client's next call here "proved" a restored data directory.
+
+        Only what this journal issued counts: an instance it names, and a tag it made
+        for that position (its key: a tag is what a client would show, and a state
+        handed over cannot make one up). A restore still shows: a fence above what the
+        pools loaded here hold proves it as before."""
+        raised: dict[str, int] = {}
+        for instance_id, (position, tag) in held.items():
+            end = self.ends.get(instance_id)
+            if end is None or int(position) <= end:
+                continue
+            issued = self.tag(instance_id, int(position))
+            if issued and isinstance(tag, bytes) and hmac.compare_digest(tag, issued):
+                raised[instance_id] = int(position)
+        self.held(raised)
+        return raised
 
     def voided(self) -> None:
         """Every earlier fence is void (a restore was detected): nothing left to check."""

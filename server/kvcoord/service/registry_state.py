@@ -60,6 +60,7 @@ def pool_value(service: PoolService) -> dict[str, Any]:
         "last_sequence": service.events.last_sequence,
         "owners": [(rid, s.session_id) for rid, s in service.owners.items()],
         "term": service.fence.term,
+        "held": {instance: list(end) for instance, end in service.held.items()},
     }
 
 
@@ -118,10 +119,12 @@ def load_pools(registry: PoolRegistry, pools: list[dict[str, Any]], sessions: li
     """Create ``pools`` (values of :func:`pool_value`) with their ``sessions``."""
     services = {}
     for p in pools:
+        held = _held(p.get("held"))
         service, _ = registry.create(
             p["name"], pb.PoolConfig.FromString(p["config"]), p["incarnation"], p["created_at"]
         )
         service.import_state(p["engine"])
+        service.held = held
         if p.get("term"):
             service.fence = dataclasses.replace(service.fence, term=int(p["term"]))
         service.events.restore([(seq, event_from_value(v)) for seq, v in p["events"]], p["last_sequence"])
@@ -142,11 +145,29 @@ def load_pools(registry: PoolRegistry, pools: list[dict[str, Any]], sessions: li
     return [service for service, _ in services.values()]
 
 
+def _held(value: Any) -> dict[str, list[Any]]:
+    """A pool value's ``held`` (absent before kvcoord carried it): instance id ->
+    [position, tag] (positions.py, JournalPositions.brought).
+
+    Raises:
+        TypeError: not that shape.
+    """
+    held: dict[str, list[Any]] = {}
+    for instance, end in (value or {}).items():
+        position, tag = end
+        if not isinstance(instance, str) or type(position) is not int or not isinstance(tag, bytes):
+            raise TypeError(f"a pool's held positions are instance -> [int, bytes], not {end!r:.80}")
+        held[instance] = [position, tag]
+    return held
+
+
 def dump_pool(registry: PoolRegistry, name: str) -> dict[str, Any]:
     """Everything of one pool that moves with it to another replica (a handover,
     cluster.py): its engine state and events, its sessions with their cursors, the
     kept answers of those sessions (idempotency), and the instances whose fences stay
-    valid for it (this one and its lineage)."""
+    valid for it (this one and its lineage); its pool value carries the records of
+    earlier instances it holds (``held``: it was rebuilt from the cluster store, on this
+    replica or another; positions.py, JournalPositions.brought)."""
     service = registry.pools[name]
     sessions = registry.sessions.of_pool(name)
     ids = {s.session_id for s in sessions}

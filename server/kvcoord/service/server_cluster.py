@@ -144,11 +144,10 @@ def store_journal(
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def load(value: dict[str, object], term: int) -> None:
+        service = adopt_pool(registry, value)
         # records of an earlier instance of this journal the store held and it did not
         # (killed between the two commits): held now, for this start and the next
-        replayed = value.pop("replayed", None)
-        ends = registry.positions.replayed(*replayed) if isinstance(replayed, list) else {}
-        registry.recorder.adopted(value, adopt_pool(registry, value), ends)
+        registry.recorder.adopted(value, service, registry.positions.brought(service.held))
         name = str(value["pool"]["name"])  # type: ignore[index]
         registry.set_term(name, term)
         servicer.observer.pool_created(registry.pools[name])

@@ -10,7 +10,14 @@ from typing import Any
 
 import cbor2
 
-__all__ = ["rebuild", "stream_rows"]
+__all__ = ["HELD_WRITERS", "rebuild", "stream_rows"]
+
+#: the most writers whose last records a pool keeps (``PoolService.held``; the one
+#: added first goes first): a replica restarted daily rebuilds its pools each time and
+#: would add one forever. One dropped matters only to a client told of its records that
+#: has not called since (its next answer replaces its fence) while its pool was rebuilt
+#: that many times, and then as a restore detected (loud), never as a block given twice
+HELD_WRITERS = 64
 
 
 def stream_rows(rows: Any, pool_prefix: bytes) -> dict[int, dict[int, list[Any]]]:
@@ -39,9 +46,11 @@ def rebuild(
 ) -> tuple[dict[str, Any], int, int] | None:
     """The pool's state from its streams, as :func:`~.registry_state.dump_pool` makes it, and
     the term and number of records it came from; None when no stream has a base (the
-    pool was never acknowledged anything). The state's ``replayed`` names the writer,
-    the highest position of its records replayed and the key they were tagged under
-    (the loader pops it: JournalPositions.replayed).
+    pool was never acknowledged anything). The state's pool holds (``held``, with what
+    its base held already) the writer's highest position replayed and that position's
+    tag under the writer's key: the writer may be an earlier instance of the journal of
+    the replica that loads the pool, or of one it is handed over to later, whose own
+    copy lacks those records (JournalPositions.brought).
 
     Raises:
         ValueError: a record cannot be replayed as its client was told.
@@ -73,8 +82,13 @@ def rebuild(
             replayer.apply(int(position), record)
         if pool not in registry.pools:  # deleted in its last records
             return None
-        value = dump_pool(registry, pool)
-        if tail:  # the writer's records it holds (positions.py, JournalPositions.replayed)
-            value["replayed"] = [writer, max(int(position) for position, _ in tail), registry.positions.key]
-        return value, term, len(tail)
+        if tail:  # the writer's records the pool holds, and their tag (positions.py, brought)
+            last = max(int(position) for position, _ in tail)
+            held = registry.pools[pool].held
+            if last > held.get(writer, [0])[0]:
+                held.pop(writer, None)
+                held[writer] = [last, registry.positions.tag(writer, last)]
+                for oldest in list(held)[:-HELD_WRITERS]:
+                    del held[oldest]
+        return dump_pool(registry, pool), term, len(tail)
     return None

@@ -1,7 +1,8 @@
 """Regenerate client/kvcoord/v1 from proto/ (run after editing a .proto file).
 
-The generated modules are committed; tests/unit/test_generated.py regenerates them in
-a temporary folder and fails if the committed copies differ.
+The generated modules are committed; tests/unit/test_packaging.py
+(test_generated_code_is_current) regenerates them in a temporary folder and fails if
+the committed copies differ.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@
 # a log that is printed when both have ended (KVCOORD_VLLM_SERIAL=1: one after the other,
 # straight to the terminal).
 #
+# KVCOORD_WORK: the scratch directory (logs, certificates; default a new /tmp/kvcoord-ci.*);
+# KVCOORD_IMAGE: the tag the image is built as (default kvcoord:test).
+#
 # KVCOORD_TARGET=host:port and KVCOORD_METRICS=host:port run the integration suite
 # against an existing deployment instead of starting the container (add
 # KVCOORD_CLIENT_TLS_CA/_CERT/_KEY and KVCOORD_METRICS_SCHEME=https for a TLS one).

@@ -235,7 +235,7 @@ class PoolService:
         Raises:
             ServiceError: FAILED_PRECONDITION when the client follows another profile (PROFILE_MISMATCH),
                 naming each hash difference (HASH_MISMATCH), or when an exclusive session would share the
-                pool or a pool with fine-grained hits has a session already (POOL_EXCLUSIVE); UNAVAILABLE
+                pool or a pool keeping step state (0.33 partial hits, mamba, zeroing) has one (POOL_EXCLUSIVE); UNAVAILABLE
                 (GRACE_PERIOD) right after a restart; RESOURCE_EXHAUSTED when the tenant already has
                 ``max_sessions`` (default: max_sessions_per_tenant) live sessions.
         """

@@ -249,7 +249,7 @@ def _run_plain(
         if inside and not nh:  # inside its blocks: the update alone
             req.num_computed_tokens = computed
             all_tokens.append(token)
-        elif grow_entry(
+        elif (not nh or hashes[h] is not None) and grow_entry(  # (a None hash is no hash to grow_entry)
             pool, req, computed, main, need, cached, token, hashes[h] if nh else None, counts, i * groups, ids
         ):
             h += nh
@@ -364,7 +364,7 @@ def _run_next_token(
                 else:
                     pool.cache_full_request_blocks(req, need)
                 continue
-        if grow_entry(
+        if (not nh or hashes[h] is not None) and grow_entry(  # (a None hash is no hash to grow_entry)
             pool, req, computed, need, need, need, token, hashes[h] if nh else None, counts, i, ids
         ):
             h += nh

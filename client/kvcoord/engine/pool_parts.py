@@ -90,9 +90,11 @@ class PoolParts:
             and type(m).get_num_blocks_to_allocate is SingleTypeKVCacheManager.get_num_blocks_to_allocate
             for m in self.managers
         )
-        if not self.coordinator.plain_caching or config.needs_kv_cache_zeroing:
+        if not self.coordinator.plain_caching or config.needs_kv_cache_zeroing or self._reprefillable:
             # vllm-0.33 hybrids and sliding windows cache through their coordinator
-            # (round-down, retention masks); a zeroing pool records its new blocks
+            # (round-down, retention masks); a zeroing pool records its new blocks; a
+            # re-prefillable tail (L > 1) is held back from caching by the general path
+            # alone (the fused paths cached up to the hashed tokens)
             self._plain_managers = False
         # Managers that may free blocks in remove_skipped_blocks (a skip rule).
         self.skipping_managers = [

@@ -217,6 +217,8 @@ class Diff:
         num_new: Any = 1
         look: Any = 0
         kind = rnd.choices(KINDS, WEIGHTS)[0]
+        if n_tok >= self.max_len - 1 and rnd.random() < 0.5:  # at max_model_len: its edges
+            kind = rnd.choice(("decode", "lag", "behind", "lookahead", "spec", "huge", "ahead"))
         self.kinds[kind] = self.kinds.get(kind, 0) + 1
         if kind == "spec":
             tokens += [rnd.randrange(50) for _ in range(rnd.randint(1, 3))]
@@ -278,7 +280,7 @@ class Diff:
             req = self.general.requests[rid]
             r = rnd.random()
             at_end = req.num_tokens >= self.max_len
-            if r < 0.04 or (at_end and r < 0.6):
+            if r < 0.04 or (at_end and r < 0.3):
                 self.running.remove(rid)
                 self.all(rnd.choice(("free", "free", "free_abandoned")), rid)
             elif r < 0.06:

@@ -15,6 +15,10 @@ Four pools of one layout get the same random scheduler workload:
   entry it leaves through ``update_and_allocate``, as the service's DecodeOp applies
   them.
 
+Before each entry ``allocation_changes_nothing`` is asked of the client's pool: when
+it says the allocation changes nothing, an entry that succeeds must take, cache and
+free no block.
+
 Every other call (admissions with and without a prefix hit, frees, preemptions,
 ``evict_blocks``, ``reset_prefix_cache``, ``new_step_starts``) goes to all four. After
 every call the answers (or errors: type and message) and whole observable states
@@ -44,6 +48,7 @@ from fastpath_parts import (
 )
 from kvcoord.engine import Counts, KVCacheConfig, KVCachePool, LoRA, MambaCacheMode, MambaSpec, TokenIds
 from kvcoord.engine.decode_run import DecodeColumns
+from kvcoord.engine.state import export_state
 
 __all__ = ["LAYOUTS", "Diff", "make_general", "run"]
 
@@ -88,7 +93,9 @@ class Diff:
         )
         self.calls = 0  # differential calls made
         self.kinds: dict[str, int] = {}
-        self.answered = {"decode_token": 0, "decode_step": 0, "decode_run": 0, "refused": 0}
+        self.answered = dict.fromkeys(
+            ("decode_token", "decode_step", "decode_run", "refused", "changes_nothing"), 0
+        )
         self._hashes: dict[tuple[int, ...], bytes] = {}
         self.running: list[str] = []
         self.waiting: list[str] = []
@@ -326,12 +333,16 @@ class Diff:
         answers: list[object] = []
         events: list[object] = []
         for e in entries:
+            nothing = self.changes_nothing(e)
             got = [self.client_step(e), self.uaa_step(e), self.general_step(e)]
             self.calls += 1
             assert got[0] == got[1] == got[2], (e, got)
             seen = [observed(p) for p in self.pools[:3]]
             assert seen[1] == seen[0], (e, "uaa", first_difference(seen[0], seen[1]))
             assert seen[2] == seen[0], (e, "general", first_difference(seen[0], seen[2]))
+            if nothing is not None and got[0][0] == "ok":  # said to change nothing: it did not
+                assert got[0] == ("ok", self.general._no_new_blocks) and not seen[0][1], (e, got)
+                assert _blocks(seen[0][0]) == nothing, (e, first_difference(nothing, _blocks(seen[0][0])))
             events += seen[0][1]
             answers.append(got[0])
             if got[0] == ("ok", None):
@@ -348,6 +359,21 @@ class Diff:
                 self.running.remove(e.rid)
                 self.all("preempt", e.rid)
                 self.waiting.append(e.rid)
+
+    def changes_nothing(self, e: Entry) -> dict[str, object] | None:
+        """The service's check of an entry a client answered as changing nothing
+        (``allocation_changes_nothing``, made before the entry on the client's pool):
+        when it says so, the pool's block state now (else ``None``)."""
+        req = self.client.requests.get(e.rid)
+        if req is None or len(e.tokens) + req.num_tokens > self.max_len:
+            return None
+        n = req.num_tokens + len(e.tokens)
+        computed = req.num_computed_tokens if e.computed is None else e.computed
+        got = answer(self.client.allocation_changes_nothing, e.rid, computed, e.num_new, e.look, n)
+        if got[0] == "ok" and got[1] is True:
+            self.answered["changes_nothing"] += 1
+            return _blocks(export_state(self.general))
+        return None
 
     def client_step(self, e: Entry) -> object:
         """As the predicted client (kvcoord.client.predicting.allocate_running)."""
@@ -441,6 +467,15 @@ class Diff:
 KINDS = ("decode", "spec", "lookahead", "behind", "lag", "ahead", "huge", "none_computed", "nothing", "odd",
          "bad_hash", "no_hash", "extra_hash", "unknown", "stale")  # fmt: skip
 WEIGHTS = (60, 5, 5, 3, 5, 2, 2, 1, 1, 4, 2, 2, 1, 1, 1)
+
+
+def _blocks(state: dict[str, Any]) -> dict[str, object]:
+    """An exported state's block side (all but the requests, statistics, events and hash
+    epoch, as :func:`observed` leaves them out)."""
+    skip = ("requests", "prefix_cache_stats", "lookup_counters", "pending_events", "counters")
+    out = {k: v for k, v in state.items() if k not in skip}
+    out["counters"] = [v for i, v in enumerate(state["counters"]) if i != 1]
+    return out
 
 
 def run(layout: str, seed: int, steps: int) -> Diff:

@@ -19,8 +19,18 @@ num_computed_tokens (prefix hits and loaded tokens included) must be held, in th
 its table names, by a slot whose writer had the same token prefix at that position
 (the same request, or another with equal tokens [0..p]). Full attention: every position;
 sliding window (a SlidingWindowSpec group): only positions inside the window
-(>= num_computed_tokens - sliding_window + 1); other group kinds (mamba, chunked) are not
-checked (named in ``skipped_groups``).
+(>= num_computed_tokens - sliding_window + 1); chunked local attention (a
+ChunkedLocalAttentionSpec group): only positions of the chunk num_computed_tokens is in.
+A mamba group (MambaSpec, "none" or "align" mode; prefill checkpoint blocks not
+modelled: such a group is skipped) holds a state per block: ``(writer, p)`` is the
+state after the writer's first p tokens. As vLLM's model runner does (0.33's
+``mamba_utils.preprocess_mamba``; "none" mode has one block of the model's length, so
+index 0), a step of n tokens from num_computed_tokens nc reads the state in the block
+the request's last step wrote (a new or resumed request: index (nc-1) // block_size;
+with speculative blocks, also the next ones: the accepted draft's state) and writes the
+state after nc + n tokens into index cdiv(nc + n, block_size) - 1, with drafts d the
+states after nc + n - d .. nc + n into that index and the d next. The read is checked
+before the step's writes. Other group kinds are not checked (``skipped_groups``).
 
 Usage::
 
@@ -31,7 +41,10 @@ Usage::
 
 from __future__ import annotations
 
+import importlib.metadata
 from typing import Any
+
+_V033 = importlib.metadata.version("vllm").startswith("0.33.")
 
 #: a slot's content: (writer request id, position)
 Slot = tuple[str, int]
@@ -57,6 +70,10 @@ class KVOracle:
                 self.groups.append(("full", spec.block_size, None))
             elif name == "SlidingWindowSpec":
                 self.groups.append(("swa", spec.block_size, int(window)))
+            elif name == "ChunkedLocalAttentionSpec":
+                self.groups.append(("chunked", spec.block_size, int(spec.attention_chunk_size)))
+            elif name == "MambaSpec" and not getattr(spec, "num_prefill_checkpoint_blocks", 0):
+                self.groups.append(("mamba", spec.block_size, int(spec.num_speculative_blocks)))
             else:
                 self.groups.append(("skip", spec.block_size, None))
                 self.skipped_groups.append(g)
@@ -69,6 +86,9 @@ class KVOracle:
         self.checked_steps = 0
         self.step = -1
         self.loads_written = 0
+        self.mamba_reads = 0
+        #: (rid, group) -> the mamba block index the request's last step wrote its state to
+        self._state_idx: dict[tuple[str, int], int] = {}
         # connector loads
         self._local: dict[str, int] = {}
         self._sync_pending: dict[str, tuple[int, int]] = {}  # rid -> (local, external)
@@ -121,13 +141,16 @@ class KVOracle:
                     table, local, ext = pending
                     if rid in set(getattr(out, "failed_recving", None) or ()):
                         continue
-                    # vLLM takes a finished asynchronous load to fill every block it was
-                    # given (num_computed_tokens = blocks x block size, below num_tokens)
+                    # vLLM 0.16 takes a finished asynchronous load to fill every block it
+                    # was given (num_computed_tokens = blocks x block size, below
+                    # num_tokens); 0.33 the tokens the connector named
                     req = self.requests.get(rid)
-                    hi = len(table[0]) * self.groups[0][1] if table and table[0] else local + ext
+                    hi = (
+                        len(table[0]) * self.groups[0][1] if table and table[0] and not _V033 else local + ext
+                    )
                     if req is not None:
                         hi = min(hi, req.num_tokens)
-                    self._write(rid, table, local, max(hi, local + ext))
+                    self._write(rid, table, local, max(hi, local + ext), load=True)
                     self.loads_written += 1
             return out
 
@@ -136,11 +159,15 @@ class KVOracle:
         connector.worker_output = worker_output
 
     # -- the model ------------------------------------------------------------------------
-    def _write(self, rid: str, table: list[list[int]], lo: int, hi: int) -> None:
+    def _write(self, rid: str, table: list[list[int]], lo: int, hi: int, load: bool = False) -> None:
         for g, (kind, bs, _w) in enumerate(self.groups):
             if kind == "skip" or g >= len(table):
                 continue
             ids = table[g]
+            if kind == "mamba":  # (a load: the state after hi tokens, where a step would put it)
+                if load and hi > lo:
+                    self._write_state(rid, g, ids, (hi - 1) // bs, [hi])
+                continue
             content = self.content[g]
             for p in range(lo, hi):
                 i = p // bs
@@ -151,6 +178,66 @@ class KVOracle:
                 if b == 0:
                     continue  # the null block (a sliding window's skipped position)
                 content.setdefault(b, {})[p % bs] = (rid, p)
+
+    def _write_state(self, rid: str, g: int, ids: list[int], at: int, states: list[int]) -> None:
+        for j, p in enumerate(states):
+            if at + j >= len(ids):
+                self._violate("mamba state written past the table", rid, g, p, len(ids))
+                return
+            b = ids[at + j]
+            if b == 0:
+                self._violate("mamba state written into the null block", rid, g, p, at + j)
+                return
+            self.content[g][b] = {0: (rid, p)}
+
+    def _mamba_step(self, out: Any, computed: dict[str, int], resumed: set[str]) -> None:
+        """Every scheduled request's mamba reads (checked), then the step's state writes."""
+        mamba = [(g, bs, spec) for g, (kind, bs, spec) in enumerate(self.groups) if kind == "mamba"]
+        if not mamba:
+            return
+        gone = set(out.finished_req_ids) | set(out.preempted_req_ids or ()) | resumed
+        for key in [key for key in self._state_idx if key[0] in gone]:
+            del self._state_idx[key]
+        drafts = out.scheduled_spec_decode_tokens
+        writes = []
+        for rid, n in out.num_scheduled_tokens.items():
+            table = self.tables.get(rid)
+            if rid not in computed or table is None:
+                continue
+            nc = computed[rid]
+            d = len(drafts.get(rid, ()))
+            for g, bs, nspec in mamba:
+                ids = table[g] if g < len(table) else []
+                prev = self._state_idx.get((rid, g), (nc - 1) // bs)
+                if nc > 0:
+                    self._check_state(rid, g, ids, prev, nspec, nc)
+                curr = -(-(nc + n) // bs) - 1
+                self._state_idx[(rid, g)] = curr
+                writes.append((rid, g, ids, curr, [nc + n - d + j for j in range(d + 1)]))
+        for w in writes:
+            self._write_state(*w)
+
+    def _check_state(self, rid: str, g: int, ids: list[int], prev: int, nspec: int, nc: int) -> None:
+        self.mamba_reads += 1
+        self.checked_positions += 1
+        seen = []
+        for i in range(prev, prev + nspec + 1):
+            if i < 0 or i >= len(ids) or ids[i] == 0:
+                seen.append((i, None))
+                continue
+            slot = self.content[g].get(ids[i], {}).get(0)
+            seen.append((i, ids[i], slot))
+            if slot is None or slot[1] != nc:
+                continue
+            if slot[0] == rid:
+                return
+            same = self._same_prefix(slot[0], rid, nc - 1)
+            if same is None:
+                self.unverifiable += 1
+                return
+            if same:
+                return
+        self._violate("mamba state not the request's", rid, g, nc, seen)
 
     def _same_prefix(self, writer: str, holder: str, p: int) -> bool | None:
         a, b = self.requests.get(writer), self.requests.get(holder)
@@ -197,12 +284,15 @@ class KVOracle:
                     cur = self.tables[rid] = [[] for _ in new]
                 for g, ids in enumerate(new):
                     cur[g].extend(ids)
+        # mamba: the states each request starts from, then what the step writes
+        resumed = set(c.resumed_req_ids)
         # synchronous loads: done by the worker before this step's forward
         for rid in list(self._sync_pending):
             if rid in computed:
                 local, ext = self._sync_pending.pop(rid)
-                self._write(rid, self.tables[rid], local, local + ext)
+                self._write(rid, self.tables[rid], local, local + ext, load=True)
                 self.loads_written += 1
+        self._mamba_step(out, computed, resumed)
         # the step runs: every layer writes the scheduled positions' KV before its
         # attention reads (a request may hit on blocks another computes in the same step)
         for rid, n in out.num_scheduled_tokens.items():
@@ -224,10 +314,13 @@ class KVOracle:
             self._violate("no table", rid)
             return
         for g, (kind, bs, window) in enumerate(self.groups):
-            if kind == "skip":
+            if kind in ("skip", "mamba"):
                 continue
             ids = table[g] if g < len(table) else []
-            lo = 0 if kind == "full" else max(0, nc - window + 1)
+            if kind == "chunked":
+                lo = nc - nc % window  # (window: the chunk size)
+            else:
+                lo = 0 if kind == "full" else max(0, nc - window + 1)
             content = self.content[g]
             for p in range(lo, nc):
                 i = p // bs
@@ -260,7 +353,7 @@ class KVOracle:
     def summary(self) -> dict[str, Any]:
         return {
             "steps": self.checked_steps, "positions": self.checked_positions, "loads": self.loads_written,
-            "unverifiable": self.unverifiable, "violations": len(self.violations),
+            "unverifiable": self.unverifiable, "violations": len(self.violations), "mamba_reads": self.mamba_reads,
             "skipped_groups": self.skipped_groups,
         }  # fmt: skip
 

@@ -55,12 +55,26 @@ class KVOracleError(AssertionError):
 
 
 class KVOracle:
-    def __init__(self, scheduler: Any, *, raise_at_once: bool = False, max_violations: int = 50) -> None:
+    def __init__(
+        self, scheduler: Any, *, raise_at_once: bool = False, max_violations: int = 50,
+        shared: KVOracle | None = None, tag: str = "",
+    ) -> None:  # fmt: skip
+        """``shared``: another engine's oracle whose KV memory this engine shares (block
+        ids name the same slots: two schedulers on one shared pool); ``tag`` tells this
+        engine's request ids from the other's (the same ids, other requests)."""
         self.sched = scheduler
+        self.tag = tag
         self.raise_at_once = raise_at_once
         self.max_violations = max_violations
         cfg = scheduler.kv_cache_config
         self.groups: list[tuple[str, int, int | None]] = []  # (kind, block size, window)
+        self._align: set[int] = set()  # mamba groups in "align" mode
+        # (the async scheduler's num_computed_tokens with drafts in flight counts them
+        # accepted, the worker corrects it: the states' positions are not known here)
+        async_drafts = bool(
+            getattr(scheduler.scheduler_config, "async_scheduling", False)
+            and getattr(scheduler, "num_spec_tokens", 0)
+        )
         self.skipped_groups: list[int] = []
         for g, group in enumerate(cfg.kv_cache_groups):
             spec = group.kv_cache_spec
@@ -72,14 +86,24 @@ class KVOracle:
                 self.groups.append(("swa", spec.block_size, int(window)))
             elif name == "ChunkedLocalAttentionSpec":
                 self.groups.append(("chunked", spec.block_size, int(spec.attention_chunk_size)))
-            elif name == "MambaSpec" and not getattr(spec, "num_prefill_checkpoint_blocks", 0):
+            elif (
+                name == "MambaSpec"
+                and not getattr(spec, "num_prefill_checkpoint_blocks", 0)
+                and not async_drafts
+            ):
                 self.groups.append(("mamba", spec.block_size, int(spec.num_speculative_blocks)))
+                if spec.mamba_cache_mode == "align":
+                    self._align.add(g)
             else:
                 self.groups.append(("skip", spec.block_size, None))
                 self.skipped_groups.append(g)
         self.content: list[dict[int, dict[int, Slot]]] = [{} for _ in self.groups]
+        if shared is not None:
+            assert [k for k, _, _ in shared.groups] == [k for k, _, _ in self.groups]
+            self.content = shared.content
         self.tables: dict[str, list[list[int]]] = {}
-        self.requests: dict[str, Any] = {}  # every request seen (finished ones kept)
+        # every request seen (finished ones kept), by tagged id (the engines' shared)
+        self.requests: dict[str, Any] = shared.requests if shared is not None else {}
         self.violations: list[tuple[Any, ...]] = []
         self.unverifiable = 0
         self.checked_positions = 0
@@ -87,12 +111,16 @@ class KVOracle:
         self.step = -1
         self.loads_written = 0
         self.mamba_reads = 0
+        self.foreign_reads = 0  # positions read of KV another engine wrote (a shared oracle)
         #: (rid, group) -> the mamba block index the request's last step wrote its state to
         self._state_idx: dict[tuple[str, int], int] = {}
         # connector loads
         self._local: dict[str, int] = {}
         self._sync_pending: dict[str, tuple[int, int]] = {}  # rid -> (local, external)
         self._async_pending: dict[str, tuple[list[list[int]], int, int]] = {}
+        #: per SchedulerOutput (id): the drafted mamba steps in "align" mode, whose
+        #: accepted state the runner copies to a block boundary once sampled
+        self._post: dict[int, list[tuple[str, int, list[int], int, int]]] = {}
         self._wrap_schedule()
         if getattr(scheduler, "connector", None) is not None:
             self._wrap_connector(scheduler.connector)
@@ -107,6 +135,28 @@ class KVOracle:
             return out
 
         self.sched.schedule = checked_schedule
+        update = self.sched.update_from_output
+
+        def checked_update(out: Any, mro: Any) -> Any:
+            self._postprocess(self._post.pop(id(out), ()), mro)
+            return update(out, mro)
+
+        self.sched.update_from_output = checked_update
+
+    def _postprocess(self, post: Any, mro: Any) -> None:
+        """vLLM 0.33's ``postprocess_mamba`` ("align" mode, drafts): once a step's drafts
+        are accepted or not, the state at the last block boundary they reached (if past
+        the state the step kept) is copied to that boundary's block, which the manager
+        then caches."""
+        for rid, g, ids, _curr, running in post:
+            i = mro.req_id_to_index.get(rid)
+            if i is None or not mro.sampled_token_ids[i]:
+                continue
+            new = running + len(mro.sampled_token_ids[i]) - 1
+            bs = self.groups[g][1]
+            aligned = new // bs * bs
+            if aligned >= running and aligned > 0:
+                self._write_state(rid, g, ids, aligned // bs - 1, [aligned])
 
     def _wrap_connector(self, connector: Any) -> None:
         matched, after_alloc, output = (
@@ -121,7 +171,7 @@ class KVOracle:
         def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> None:
             after_alloc(request, blocks, num_external_tokens)
             rid = request.request_id
-            self.requests[rid] = request
+            self.requests[self.tag + rid] = request
             if not num_external_tokens:
                 return
             local = self._local.get(rid, 0)
@@ -144,7 +194,7 @@ class KVOracle:
                     # vLLM 0.16 takes a finished asynchronous load to fill every block it
                     # was given (num_computed_tokens = blocks x block size, below
                     # num_tokens); 0.33 the tokens the connector named
-                    req = self.requests.get(rid)
+                    req = self.requests.get(self.tag + rid)
                     hi = (
                         len(table[0]) * self.groups[0][1] if table and table[0] and not _V033 else local + ext
                     )
@@ -177,7 +227,7 @@ class KVOracle:
                 b = ids[i]
                 if b == 0:
                     continue  # the null block (a sliding window's skipped position)
-                content.setdefault(b, {})[p % bs] = (rid, p)
+                content.setdefault(b, {})[p % bs] = (self.tag + rid, p)
 
     def _write_state(self, rid: str, g: int, ids: list[int], at: int, states: list[int]) -> None:
         for j, p in enumerate(states):
@@ -188,7 +238,7 @@ class KVOracle:
             if b == 0:
                 self._violate("mamba state written into the null block", rid, g, p, at + j)
                 return
-            self.content[g][b] = {0: (rid, p)}
+            self.content[g][b] = {0: (self.tag + rid, p)}
 
     def _mamba_step(self, out: Any, computed: dict[str, int], resumed: set[str]) -> None:
         """Every scheduled request's mamba reads (checked), then the step's state writes."""
@@ -214,6 +264,8 @@ class KVOracle:
                 curr = -(-(nc + n) // bs) - 1
                 self._state_idx[(rid, g)] = curr
                 writes.append((rid, g, ids, curr, [nc + n - d + j for j in range(d + 1)]))
+                if d and g in self._align:
+                    self._post.setdefault(id(out), []).append((rid, g, ids, curr, nc + n - d))
         for w in writes:
             self._write_state(*w)
 
@@ -229,9 +281,9 @@ class KVOracle:
             seen.append((i, ids[i], slot))
             if slot is None or slot[1] != nc:
                 continue
-            if slot[0] == rid:
+            if slot[0] == self.tag + rid:
                 return
-            same = self._same_prefix(slot[0], rid, nc - 1)
+            same = self._same_prefix(slot[0], self.tag + rid, nc - 1)
             if same is None:
                 self.unverifiable += 1
                 return
@@ -263,7 +315,7 @@ class KVOracle:
     def on_schedule(self, out: Any) -> None:
         self.step += 1
         for rid, r in self.sched.requests.items():
-            self.requests.setdefault(rid, r)
+            self.requests.setdefault(self.tag + rid, r)
         for rid in out.finished_req_ids:
             self.tables.pop(rid, None)
         for rid in out.preempted_req_ids or ():
@@ -340,9 +392,10 @@ class KVOracle:
                 if wp != p:
                     self._violate("slot holds another position", rid, g, p, b, slot)
                     break
-                if writer == rid:
+                if writer == self.tag + rid:
                     continue
-                same = self._same_prefix(writer, rid, p)
+                same = self._same_prefix(writer, self.tag + rid, p)
+                self.foreign_reads += not writer.startswith(self.tag) if self.tag else 0
                 if same is None:
                     self.unverifiable += 1
                 elif not same:
@@ -354,6 +407,7 @@ class KVOracle:
         return {
             "steps": self.checked_steps, "positions": self.checked_positions, "loads": self.loads_written,
             "unverifiable": self.unverifiable, "violations": len(self.violations), "mamba_reads": self.mamba_reads,
+            "foreign_reads": self.foreign_reads,
             "skipped_groups": self.skipped_groups,
         }  # fmt: skip
 

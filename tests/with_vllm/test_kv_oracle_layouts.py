@@ -51,12 +51,35 @@ def test_clean_on_vllms_own_manager(
     counts = _run(s, 11)
     print(oracle.summary(), counts)
     oracle.assert_clean()
-    assert not oracle.skipped_groups
+    # (the async scheduler with drafts: the mamba states' positions are the worker's)
+    assert oracle.skipped_groups == ([1] if kind == "async" and speculative and "mamba" in layout else [])
     assert counts["preempted"] > 0
-    if "mamba" in layout:
+    if "mamba" in layout and not oracle.skipped_groups:
         assert oracle.mamba_reads > 100
     if connector:
         assert oracle.loads_written > 3
+
+
+@pytest.mark.skipif(not V033, reason="vLLM 0.33's postprocess_mamba (0.16's mamba align is its defect's)")
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_clean_with_drafts_beside_mamba_align_under_pressure(seed: int, model_dir: Path) -> None:
+    """EAGLE drafts beside a mamba "align" group, 32 blocks and prefix-cache resets:
+    requests preempted and resumed hit block-boundary states the runner copied there
+    after accepting drafts (the oracle models that copy: without it, 5 of these 6 runs
+    and seeds 1-3 at 40 blocks flagged vLLM's own manager)."""
+    for blocks in (32, 40):
+        cfg, kv = layout_configs(
+            "full+mamba-align", model_dir, blocks, asynchronous=False, speculative="eagle"
+        )
+        s = make_scheduler(SCHEDULERS["sync"], cfg, kv)
+        oracle = KVOracle(s)
+        try:
+            _, counts = run_workload(s, seed=seed, steps=100, async_overlap=False, aborts=False, drain=True,
+                                     positional=True, extras=frozenset({"resets"}))  # fmt: skip
+        finally:
+            s.shutdown()
+        oracle.assert_clean()
+        assert oracle.mamba_reads > 500 and counts["preempted"] > 20 and counts["hit_tokens"] > 0
 
 
 @pytest.mark.parametrize(

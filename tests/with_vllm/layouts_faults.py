@@ -1,0 +1,410 @@
+"""Drive vLLM's schedulers on kvcoord under faults, on any layout, one engine or two
+sharing a pool, under the KV oracle; then the pool's invariants (CheckPool).
+
+Faults (``event``):
+
+- "network": 10 % of the manager's calls (30 % with prediction, which makes few) each
+  have their answer dropped, delayed, duplicated or re-delivered late, all the run;
+- "lost": at most four times, right after a prefill's allocation, two Steps applied with
+  their answers lost past every retry, then four never sent (an outage);
+- "sigkill": the server SIGKILLed and restarted on its journal between steps 30 and 31,
+  and 0-5 ms into step 70;
+- "lostalloc": the same, the first Step lost the one carrying a prefill's allocation;
+- "detach": another client ends the session between steps 40 and 41 (a lease run out);
+- "emptied": the server SIGKILLed at step 50 and started with its data directory deleted;
+- "partition": from step 60, engine 0's calls fail UNAVAILABLE for 3 x the session lease.
+
+Modes: "shared" (KVCOORD_PREDICT=0, KVCOORD_EXCLUSIVE=0), "exclusive" (waiting,
+KVCOORD_EXCLUSIVE=1), "predicted" (KVCOORD_PREDICT=1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import re
+import shutil
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from durable_server import DurableServer
+from harness import SCHEDULERS, make_scheduler, run_workload
+from kv_oracle import KVOracle
+from kvcoord.client import KVCoordClient
+from kvcoord.client import vllm as kvcoord_vllm
+from kvcoord.client.faults import FaultInjector
+from kvcoord.client.retry import RetryPolicy
+from layouts_support import layout_configs
+from test_lost_sessions import outputs_by_request
+
+_pool_ids = itertools.count()
+METHODS = (
+    "get_computed_blocks", "allocate_slots", "free", "cache_blocks", "get_block_ids", "get_blocks",
+    "get_num_common_prefix_blocks", "take_events", "make_prefix_cache_stats", "remove_skipped_blocks",
+    "evict_blocks", "reset_prefix_cache",
+)  # fmt: skip
+
+
+class Scripted(FaultInjector):
+    """Each Step takes the next fault of ``script`` ("drop": applied, its answer lost;
+    "cut": never sent), none once it is empty."""
+
+    def __init__(self) -> None:
+        super().__init__(0, methods=("Step",))
+        self.script: list[str] = []
+
+    def draw_message(self, request: Any) -> tuple[str, Any]:
+        if self.partitioned:
+            return "cut", None
+        with self._lock:
+            if not self.script:
+                return "none", None
+            self.counts["calls"] += 1
+            return self.script.pop(0), None
+
+
+class Case:
+    """One run's parameters and results."""
+
+    def __init__(
+        self, kind: str, layout: str, mode: str, event: str, seed: int, *, steps: int = 90, blocks: int = 48,
+        speculative: str | None = None, connector: str | None = None, engines: int = 1,
+    ) -> None:  # fmt: skip
+        self.kind, self.layout, self.mode, self.event, self.seed = kind, layout, mode, event, seed
+        self.steps, self.blocks, self.speculative, self.connector, self.engines = (
+            steps, blocks, speculative, connector, engines,
+        )  # fmt: skip
+        self.want: Any = None
+        self.want_outputs: Any = None
+        self.wants: list[Any] = []
+        self.wants_outputs: list[Any] = []
+        self.results: list[dict[str, Any]] = []
+        self.pool = ""
+        self.check: Any = None
+        self.stats: Any = None
+        self.server_log = ""
+        self.injected: dict[str, Any] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"Case({self.kind}, {self.layout!r}, {self.mode}, {self.event}, seed={self.seed}, "
+            f"spec={self.speculative}, conn={self.connector}, engines={self.engines})"
+        )
+
+    def configs(self, model_dir: Path) -> tuple[Any, Any]:
+        return layout_configs(self.layout, model_dir, self.blocks, asynchronous=self.kind == "async",
+                              speculative=self.speculative, connector=self.connector)  # fmt: skip
+
+    def workload(self, s: Any, on_step: Callable[[int], None] | None = None, engine: int = 0) -> list[Any]:
+        """The seeded workload; engine ``e`` > 0 names its requests r<e*100000 + n> (a
+        pool's request ids are all its sessions': each engine's own, as vLLM's are)."""
+        if engine:
+            add = s.add_request
+
+            def add_request(request: Any) -> None:
+                request.request_id = f"r{engine * 100000 + int(request.request_id[1:])}"
+                add(request)
+
+            s.add_request = add_request
+        trace, _ = run_workload(s, seed=self.seed, steps=self.steps, async_overlap=self.kind == "async",
+                                aborts=False, drain=True, positional=True, on_step=on_step)  # fmt: skip
+        return trace
+
+
+def vllms_own(case: Case, model_dir: Path) -> None:
+    """vLLM's own manager's runs (clean under the oracle), one per engine (their request
+    ids): traces and outputs."""
+    case.wants, case.wants_outputs = [], []
+    for e in range(case.engines):
+        s = make_scheduler(SCHEDULERS[case.kind], *case.configs(model_dir))
+        oracle = KVOracle(s)
+        try:
+            case.wants.append(case.workload(s, engine=e))
+        finally:
+            s.shutdown()
+        oracle.assert_clean()
+        case.wants_outputs.append(outputs_by_request(case.wants[-1]))
+    case.want, case.want_outputs = case.wants[0], case.wants_outputs[0]
+
+
+class _Lockstep:
+    """Two engines' steps alternate (each engine's on_step hands the turn over)."""
+
+    def __init__(self, n: int) -> None:
+        self.cond = threading.Condition()
+        self.turn = 0
+        self.n = n
+        self.done = [False] * n
+        self.started = [False] * n
+
+    def on_step(self, me: int) -> None:
+        with self.cond:
+            if self.started[me]:
+                self.turn = (me + 1) % self.n
+                self.cond.notify_all()
+            self.started[me] = True
+            assert self.cond.wait_for(
+                lambda: self.turn == me or all(self.done[:me] + self.done[me + 1 :]), 600
+            )
+
+    def finish(self, me: int) -> None:
+        with self.cond:
+            self.done[me] = True
+            self.turn = (me + 1) % self.n
+            self.cond.notify_all()
+
+
+def run_on_kvcoord(case: Case, model_dir: Path, tmp_path: Path, mp: pytest.MonkeyPatch) -> None:
+    """The workload on kvcoord (``case.engines`` schedulers on one pool) under
+    ``case.event``; fills ``case.results`` (per engine: outputs, trace, oracle,
+    scheduler, manager, error) and the pool's check and stats after shutdown."""
+    from kvcoord.client.vllm_scheduler import KVCoordAsyncScheduler, KVCoordScheduler
+
+    lease = "session_lease_seconds = 1.0\n" if case.event == "partition" else ""
+    server = DurableServer(tmp_path, pools_toml=lease)
+    server.start()
+    case.pool = f"lf-{next(_pool_ids)}"
+    predict = case.mode == "predicted"
+    mp.setenv("KVCOORD_TARGET", server.address)
+    mp.setenv("KVCOORD_POOL", case.pool)
+    mp.setenv("KVCOORD_PREDICT", "1" if predict else "0")
+    mp.setenv("KVCOORD_EXCLUSIVE", "0" if case.mode == "shared" else "1")
+    mp.setenv("KVCOORD_MAX_OUTAGE", "30")
+    rate = 0.2 if predict else 0.05
+    injectors: list[FaultInjector] = []
+
+    def faulty_client(target: str, **kw: Any) -> KVCoordClient:
+        if case.event == "network":
+            inj: FaultInjector = FaultInjector(
+                case.seed * 7 + len(injectors), drop=rate, delay=rate, duplicate=rate, reorder=rate
+            )
+            injectors.append(inj)
+            return KVCoordClient(target, interceptors=[inj], **kw)
+        if case.event in ("lost", "lostalloc"):
+            inj = Scripted()
+            injectors.append(inj)
+            retry = RetryPolicy(max_attempts=2, initial_backoff=0.01, keyed_deadline=None)
+            return KVCoordClient(target, interceptors=[inj], retry=retry, **kw)
+        if case.event == "partition":
+            inj = FaultInjector(0)
+            injectors.append(inj)
+            return KVCoordClient(target, interceptors=[inj], **kw)
+        return KVCoordClient(target, **kw)
+
+    mp.setattr(kvcoord_vllm, "KVCoordClient", faulty_client)
+    cls = KVCoordAsyncScheduler if case.kind == "async" else KVCoordScheduler
+    lock = threading.Lock()  # (the oracles of engines sharing memory)
+    scheds: list[Any] = []
+    oracles: list[KVOracle] = []
+    mine: list[int] = []  # each engine's injector (its client's)
+    try:
+        for e in range(case.engines):
+            s = make_scheduler(cls, *case.configs(model_dir))
+            scheds.append(s)
+            mine.append(len(injectors) - 1)
+            oracles.append(KVOracle(s, shared=oracles[0] if oracles else None, tag=f"e{e}:"))
+            sched_fn = s.schedule
+
+            def locked(fn: Any = sched_fn) -> Any:
+                with lock:
+                    return fn()
+
+            s.schedule = locked
+        step_faults = [_step_faults(case, e, s, injectors[mine[e]] if injectors else None, server)
+                       for e, s in enumerate(scheds)]  # fmt: skip
+        lockstep = _Lockstep(case.engines)
+        errors: list[BaseException | None] = [None] * case.engines
+        traces: list[Any] = [None] * case.engines
+
+        def engine(e: int) -> None:
+            def on_step(step: int) -> None:
+                if case.engines > 1:
+                    lockstep.on_step(e)
+                step_faults[e](step)
+
+            try:
+                traces[e] = case.workload(scheds[e], on_step, engine=e)
+            except BaseException as err:  # noqa: BLE001 - reported in the results
+                errors[e] = err
+            finally:
+                lockstep.finish(e)
+                scheds[e].shutdown()
+
+        threads = [threading.Thread(target=engine, args=(e,)) for e in range(case.engines)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(900)
+        for e in range(case.engines):
+            case.results.append({
+                "outputs": outputs_by_request(traces[e]) if traces[e] is not None else None,
+                "trace": traces[e], "oracle": oracles[e], "sched": scheds[e], "error": errors[e],
+                "manager": scheds[e].kv_cache_manager.remote,
+            })  # fmt: skip
+        with KVCoordClient(server.address) as c:
+            case.check = list(c.check_pool(case.pool).violations)
+            case.stats = c.get_stats(case.pool)
+        case.injected.update(counts=[dict(i.counts) for i in injectors], kills=server.kills)
+    finally:
+        server.stop()
+        case.server_log = "".join(
+            (tmp_path / f"server-{i}.log").read_text(errors="replace") for i in range(server.starts)
+        )
+
+
+def _step_faults(case: Case, e: int, s: Any, injector: FaultInjector | None, server: DurableServer) -> Any:
+    """Engine ``e``'s on_step for ``case.event`` (only engine 0 kills or detaches)."""
+    event = case.event
+    state: dict[str, Any] = {"armed": False, "prefilled": False, "met": [], "step": -1}
+    case.injected.setdefault("met", []).append(state["met"])
+    rnd = random.Random(case.seed)
+    killers: list[threading.Thread] = []
+
+    if event in ("lost", "lostalloc"):
+        adapter = s.kv_cache_manager
+        script = [k for k, n in re.findall(r"(drop|cut)(\d+)", "drop2cut4") for _ in range(int(n))]
+
+        def wrap(name: str) -> None:
+            orig = getattr(adapter, name)
+
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                if (
+                    event == "lostalloc" and state["armed"] and name == "allocate_slots" and len(args) > 1
+                    and args[1] >= 32
+                ):  # fmt: skip
+                    state["prefilled"] = True  # (the allocation's own Step is the first lost)
+                if state["armed"] and state["prefilled"]:
+                    state["armed"] = state["prefilled"] = False
+                    state["met"].append((state["step"], name))
+                    injector.script = list(script)  # type: ignore[union-attr]
+                got = orig(*args, **kwargs)
+                if (
+                    state["armed"]
+                    and name == "allocate_slots"
+                    and got is not None
+                    and len(args) > 1
+                    and args[1] >= 32
+                ):
+                    state["prefilled"] = True
+                return got
+
+            setattr(adapter, name, wrapped)
+
+        for name in METHODS:
+            if hasattr(adapter, name):
+                wrap(name)
+
+    def restart(delay: float) -> None:
+        threading.Event().wait(delay)
+        server.kill()
+        server.start()
+
+    def on_step(step: int) -> None:
+        state["step"], state["prefilled"] = step, False
+        if event in ("lost", "lostalloc"):
+            met = state["met"]
+            if step >= 15 and len(met) < 4 and not state["armed"] and (not met or step >= met[-1][0] + 10):
+                state["armed"] = True
+        if e != 0:
+            return
+        if event == "sigkill" and step == 30:
+            restart(0)
+            state["met"].append(step)
+        elif event == "sigkill" and step == 70:
+            killers.append(threading.Thread(target=restart, args=(rnd.uniform(0, 0.005),)))
+            killers[-1].start()
+            state["met"].append(step)
+        elif event == "sigkill" and step == 71:
+            killers[-1].join(120)
+        elif event == "detach" and step == 40:
+            manager = s.kv_cache_manager.remote
+            if hasattr(manager, "flush"):
+                manager.flush()
+            with KVCoordClient(server.address) as other:
+                other.detach(manager.session_id)
+            state["met"].append(step)
+        elif event == "partition" and step == 60 and injector is not None:
+            injector.partitioned = True
+            heal = threading.Timer(3.0, lambda: setattr(injector, "partitioned", False))
+            heal.daemon = True
+            heal.start()
+            state["met"].append(step)
+        elif event == "emptied" and step == 50:
+            server.kill()
+            shutil.rmtree(server.data_dir)
+            server.start()
+            state["met"].append(step)
+
+    return on_step
+
+
+def verdict(case: Case, records: list[logging.LogRecord]) -> list[str]:
+    """Every problem found: an engine's error, the oracle's violations, outputs other than
+    vLLM's own, (network/sigkill, one engine) decisions other than vLLM's own, requests
+    lost where nothing should lose them, UNKNOWN/INTERNAL anywhere, the pool's check,
+    blocks still held after every engine shut down."""
+    problems: list[str] = []
+    for e, r in enumerate(case.results):
+        if r["error"] is not None:
+            problems.append(f"engine {e} raised {type(r['error']).__name__}: {r['error']}")
+            continue
+        o = r["oracle"]
+        if o.violations:
+            problems.append(f"engine {e} oracle {o.summary()} first {o.violations[:4]}")
+        got, want = r["outputs"], case.wants_outputs[e]
+        differ = sorted(rid for rid in want.keys() | got.keys() if got.get(rid) != want.get(rid))
+        # (the harness's tokens with the async scheduler's drafts depend on the schedule:
+        # vLLM's own repeat and skip positions; a recomputation schedules otherwise)
+        if case.kind == "async" and case.speculative and case.event not in ("network", "sigkill"):
+            differ = [rid for rid in differ if got.get(rid, ([], ""))[1] != "length"]
+        if differ:
+            problems.append(
+                f"engine {e} outputs differ: {[(d, want.get(d), got.get(d)) for d in differ[:3]]}"
+            )
+        lost = r["manager"].lost_requests if hasattr(r["manager"], "lost_requests") else None
+        if case.event in ("network", "sigkill") and lost:
+            problems.append(f"engine {e} lost {lost} requests on a {case.event} fault")
+        if case.engines == 1 and case.event in ("network", "sigkill") and r["trace"] != case.want:
+            from test_scheduler_equivalence import first_difference
+
+            problems.append(f"engine {e} decisions differ: {first_difference(case.want, r['trace'])}")
+    for rec in records:
+        msg = rec.getMessage()
+        if (
+            "INTERNAL" in msg
+            or "UNKNOWN" in msg
+            or (rec.levelno >= logging.ERROR and rec.name.startswith("kvcoord"))
+        ):
+            problems.append(f"log {rec.name} {rec.levelname}: {msg[:300]}")
+    for word in ("INTERNAL", "Traceback", "UNKNOWN"):
+        if word in case.server_log:
+            at = case.server_log.index(word)
+            problems.append(f"server log: {case.server_log[max(0, at - 200) : at + 600]}")
+    if case.check:
+        problems.append(f"CheckPool: {case.check[:5]}")
+    if case.stats is not None and case.stats.num_free_blocks != case.blocks - 1:
+        problems.append(f"after shutdown {case.blocks - 1 - case.stats.num_free_blocks} blocks still held")
+    return problems
+
+
+def run_case(case: Case, model_dir: Path, tmp_path: Path, caplog: Any = None) -> list[str]:
+    """vLLM's own run, then kvcoord's under the fault; the problems found."""
+    vllms_own(case, model_dir)
+    handler_records: list[logging.LogRecord] = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            handler_records.append(record)
+
+    keep = _Keep(logging.WARNING)
+    logging.getLogger("kvcoord").addHandler(keep)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            run_on_kvcoord(case, model_dir, tmp_path, mp)
+    finally:
+        logging.getLogger("kvcoord").removeHandler(keep)
+    return verdict(case, handler_records)

@@ -1,0 +1,63 @@
+"""Layouts the KV oracle had not run under faults (layouts_faults.py drives them): a
+speculative decoder (EAGLE) beside a mamba group, vLLM 0.33's mamba layouts ("none",
+"align", "align" with a prefill checkpoint block), chunked local attention with a KV
+connector whose transfers span steps, and two engines sharing one pool
+(KVCOORD_EXCLUSIVE=0) on full+SWA and chunked-local layouts. Each run: every position
+a scheduled request reads holds its own KV (the oracle), every request completes with
+vLLM's own tokens (and, under network faults or SIGKILLs, every decision is vLLM's),
+no UNKNOWN/INTERNAL error anywhere, CheckPool finds nothing and every block is free
+once the engines shut down. A few cheap guards of the clean matrix (the review report
+lists the rest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from harness import V033
+from layouts_faults import Case, run_case
+
+GUARDS_033 = [
+    Case("sync", "full+mamba-align", "predicted", "detach", 1, speculative="eagle"),
+    Case("async", "full+mamba-align", "exclusive", "lost", 1, speculative="eagle"),
+    Case("sync", "full+mamba", "shared", "sigkill", 1, speculative="eagle"),
+    Case("async", "full+mamba", "predicted", "emptied", 1),
+    Case("sync", "full+mamba-ckpt-align", "predicted", "detach", 6),
+    Case("sync", "full+chunked", "predicted", "detach", 2, connector="SlowTransfersConnector"),
+    Case("sync", "full+chunked", "shared", "lost", 2, connector="AsyncLoadsConnector"),
+    Case("sync", "full+chunked", "shared", "lost", 3, engines=2),
+    Case("sync", "full+swa", "shared", "sigkill", 3, engines=2),
+]
+GUARDS_016 = [
+    Case("sync", "full+chunked", "predicted", "detach", 4, connector="LoadedHalfConnector"),
+    Case("sync", "full+mamba", "exclusive", "lost", 4, speculative="eagle"),
+    Case("sync", "full+chunked", "shared", "detach", 5, engines=2),
+]
+
+
+@pytest.mark.parametrize("case", GUARDS_033 if V033 else GUARDS_016, ids=repr)
+def test_a_layout_under_faults_reads_only_its_own_kv(case: Case, model_dir: Path, tmp_path: Path) -> None:
+    problems = run_case(case, model_dir, tmp_path)
+    assert not problems, "\n".join(problems)
+    met = case.injected["met"][0]
+    assert met or case.injected["kills"], case.injected  # the fault happened
+    for r in case.results:
+        summary = r["oracle"].summary()
+        assert summary["positions"] > 1000, summary
+        if "mamba" in case.layout and "ckpt" not in case.layout:
+            assert summary["mamba_reads"] > 100, summary
+        if case.engines > 1:
+            assert summary["foreign_reads"] > 0, summary  # an engine read the other's KV
+        if case.event in ("detach", "lost", "emptied"):
+            assert r["manager"].lost_requests > 0
+
+
+@pytest.mark.skipif(not V033, reason="vLLM 0.33's mamba pools admit one session (0.16's: several)")
+def test_a_second_engine_on_a_mamba_pool_is_refused_loudly(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM 0.33: a mamba pool admits one session at a time; a second engine on it
+    (KVCOORD_EXCLUSIVE=0) fails at start with a typed error, not later."""
+    from kvcoord.client.errors import PoolBusyError
+
+    case = Case("sync", "full+mamba-align", "shared", "none", 1, engines=2)
+    with pytest.raises(PoolBusyError, match="has mamba groups"):
+        run_case(case, model_dir, tmp_path)

@@ -14,6 +14,9 @@ are written
   that schedules the request, as vLLM's storage connectors build their metadata from
   the SchedulerOutput).
 
+vLLM 0.33's worker zeroes the blocks a step names (``new_block_ids_to_zero``) and applies
+its copy-on-write copies (``kv_cache_block_copies``) first: a zeroed slot holds nothing.
+
 On every schedule(), for each scheduled request, every position below its
 num_computed_tokens (prefix hits and loaded tokens included) must be held, in the block
 its table names, by a slot whose writer had the same token prefix at that position
@@ -111,6 +114,7 @@ class KVOracle:
         self.step = -1
         self.loads_written = 0
         self.mamba_reads = 0
+        self.blocks_zeroed = self.blocks_copied = 0
         self.foreign_reads = 0  # positions read of KV another engine wrote (a shared oracle)
         #: (rid, group) -> the mamba block index the request's last step wrote its state to
         self._state_idx: dict[tuple[str, int], int] = {}
@@ -336,6 +340,19 @@ class KVOracle:
                     cur = self.tables[rid] = [[] for _ in new]
                 for g, ids in enumerate(new):
                     cur[g].extend(ids)
+        # (vLLM 0.33) the worker zeroes new blocks, then applies copy-on-write copies,
+        # before the step's forward: in every group's cache
+        self.blocks_zeroed += len(getattr(out, "new_block_ids_to_zero", None) or ())
+        for b in getattr(out, "new_block_ids_to_zero", None) or ():
+            for content in self.content:
+                content.pop(b, None)
+        for copy in getattr(out, "kv_cache_block_copies", None) or ():
+            self.blocks_copied += 1
+            for content in self.content:
+                if copy.src_block_id in content:
+                    content[copy.dst_block_id] = dict(content[copy.src_block_id])
+                else:
+                    content.pop(copy.dst_block_id, None)
         # mamba: the states each request starts from, then what the step writes
         resumed = set(c.resumed_req_ids)
         # synchronous loads: done by the worker before this step's forward
@@ -407,7 +424,7 @@ class KVOracle:
         return {
             "steps": self.checked_steps, "positions": self.checked_positions, "loads": self.loads_written,
             "unverifiable": self.unverifiable, "violations": len(self.violations), "mamba_reads": self.mamba_reads,
-            "foreign_reads": self.foreign_reads,
+            "foreign_reads": self.foreign_reads, "zeroed": self.blocks_zeroed, "copied": self.blocks_copied,
             "skipped_groups": self.skipped_groups,
         }  # fmt: skip
 

@@ -15,7 +15,16 @@ def layout_configs(
 ) -> tuple[Any, Any]:  # fmt: skip
     """(VllmConfig, KVCacheConfig) for ``layout``: a mamba group outside "align" mode with
     caching off (vLLM 0.33 requires it); a mamba group gets one speculative block per
-    draft."""
+    draft. "partial": full attention and mamba "align" of 32-token blocks hashed every 16
+    tokens (fine-grained hits with copy-on-write, vLLM 0.33)."""
+    if layout == "partial":  # (vLLM 0.33: fine-grained hits, copy-on-write, 32-token blocks)
+        from test_scheduler_equivalence import _partial_hits_kv_config
+
+        cfg = vllm_config(model_dir, blocks, async_scheduling=asynchronous, mamba_cache_mode="align",
+                          speculative=speculative, connector=connector)  # fmt: skip
+        cfg.cache_config.block_size = 32
+        cfg.cache_config.prefix_match_unit = 16
+        return cfg, _partial_hits_kv_config(blocks)
     mamba = "mamba" in layout
     align = mamba and layout.endswith("align")
     spec_blocks = 0 if speculative is None or not mamba else 3 if speculative == "ngram" else 2

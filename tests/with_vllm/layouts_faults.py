@@ -39,32 +39,10 @@ from kvcoord.client import vllm as kvcoord_vllm
 from kvcoord.client.faults import FaultInjector
 from kvcoord.client.retry import RetryPolicy
 from layouts_support import layout_configs
+from test_lost_answers import METHODS, Scripted, lose_after_prefill
 from test_lost_sessions import outputs_by_request
 
 _pool_ids = itertools.count()
-METHODS = (
-    "get_computed_blocks", "allocate_slots", "free", "cache_blocks", "get_block_ids", "get_blocks",
-    "get_num_common_prefix_blocks", "take_events", "make_prefix_cache_stats", "remove_skipped_blocks",
-    "evict_blocks", "reset_prefix_cache",
-)  # fmt: skip
-
-
-class Scripted(FaultInjector):
-    """Each Step takes the next fault of ``script`` ("drop": applied, its answer lost;
-    "cut": never sent), none once it is empty."""
-
-    def __init__(self) -> None:
-        super().__init__(0, methods=("Step",))
-        self.script: list[str] = []
-
-    def draw_message(self, request: Any) -> tuple[str, Any]:
-        if self.partitioned:
-            return "cut", None
-        with self._lock:
-            if not self.script:
-                return "none", None
-            self.counts["calls"] += 1
-            return self.script.pop(0), None
 
 
 class Case:
@@ -268,35 +246,10 @@ def _step_faults(case: Case, e: int, s: Any, injector: FaultInjector | None, ser
         adapter = s.kv_cache_manager
         script = [k for k, n in re.findall(r"(drop|cut)(\d+)", "drop2cut4") for _ in range(int(n))]
 
-        def wrap(name: str) -> None:
-            orig = getattr(adapter, name)
+        def start_loss() -> None:
+            injector.script = list(script)  # type: ignore[union-attr]
 
-            def wrapped(*args: Any, **kwargs: Any) -> Any:
-                if (
-                    event == "lostalloc" and state["armed"] and name == "allocate_slots" and len(args) > 1
-                    and args[1] >= 32
-                ):  # fmt: skip
-                    state["prefilled"] = True  # (the allocation's own Step is the first lost)
-                if state["armed"] and state["prefilled"]:
-                    state["armed"] = state["prefilled"] = False
-                    state["met"].append((state["step"], name))
-                    injector.script = list(script)  # type: ignore[union-attr]
-                got = orig(*args, **kwargs)
-                if (
-                    state["armed"]
-                    and name == "allocate_slots"
-                    and got is not None
-                    and len(args) > 1
-                    and args[1] >= 32
-                ):
-                    state["prefilled"] = True
-                return got
-
-            setattr(adapter, name, wrapped)
-
-        for name in METHODS:
-            if hasattr(adapter, name):
-                wrap(name)
+        lose_after_prefill(adapter, METHODS, state, start_loss, at_the_allocation=event == "lostalloc")
 
     def restart(delay: float) -> None:
         threading.Event().wait(delay)

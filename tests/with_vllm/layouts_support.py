@@ -43,10 +43,10 @@ def group_of(sched: Any, kind: str) -> int:
     raise LookupError(kind)
 
 
-def plant_group_swap(s: Any, group: int, min_computed: int = 48) -> dict[str, Any]:
+def plant_group_swap(s: Any, group: int | None, min_computed: int = 48) -> dict[str, Any]:
     """Once: two running requests of different prefixes get each other's blocks in
     ``group`` only (as resumed with their own tables otherwise): a defect no other group
-    shows."""
+    shows. ``group`` ``None``: in every group (each gets the other's whole table)."""
     schedule = s.schedule
     done: dict[str, Any] = {}
 
@@ -67,8 +67,10 @@ def plant_group_swap(s: Any, group: int, min_computed: int = 48) -> dict[str, An
                 if i < j and list(ra.all_token_ids[:min_computed]) != list(rb.all_token_ids[:min_computed]):
                     new_a = tuple(list(x) for x in ta)
                     new_b = tuple(list(x) for x in tb)
-                    new_a[group][:], new_b[group][:] = list(tb[group]), list(ta[group])
-                    if new_a[group] == new_b[group]:
+                    swapped = range(len(ta)) if group is None else (group,)
+                    for g in swapped:
+                        new_a[g][:], new_b[g][:] = list(tb[g]), list(ta[g])
+                    if all(new_a[g] == new_b[g] for g in swapped):
                         continue
                     c.resumed_req_ids = set(c.resumed_req_ids) | {a, b}
                     c.new_block_ids[i], c.new_block_ids[j] = new_a, new_b

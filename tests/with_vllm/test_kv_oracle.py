@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from harness import SCHEDULERS, kv_cache_config, make_scheduler, run_workload, vllm_config
 from kv_oracle import KVOracle
+from layouts_support import plant_group_swap
 
 
 def _run(sched: Any, seed: int = 11, steps: int = 160) -> Any:
@@ -41,33 +42,8 @@ def test_clean_on_vllms_own_manager(kind: str, connector: Any, layout: str, mode
 
 
 def _plant_swap(s: Any) -> dict[str, Any]:
-    schedule = s.schedule
-    done: dict[str, Any] = {}
-
-    def swapping() -> Any:
-        out = schedule()
-        c = out.scheduled_cached_reqs
-        if done or len(c.req_ids) < 2:
-            return out
-        cand = [
-            i
-            for i, (rid, n) in enumerate(zip(c.req_ids, c.num_computed_tokens, strict=True))
-            if n >= 48 and rid not in c.resumed_req_ids
-        ]
-        for i in cand:
-            for j in cand:
-                a, b = c.req_ids[i], c.req_ids[j]
-                ra, rb = s.requests[a], s.requests[b]
-                if i < j and list(ra.all_token_ids[:48]) != list(rb.all_token_ids[:48]):
-                    c.resumed_req_ids = set(c.resumed_req_ids) | {a, b}
-                    c.new_block_ids[i] = s.kv_cache_manager.get_block_ids(b)
-                    c.new_block_ids[j] = s.kv_cache_manager.get_block_ids(a)
-                    done["pair"] = (a, b)
-                    return out
-        return out
-
-    s.schedule = swapping
-    return done
+    """Once: two running requests of different prefixes get each other's whole tables."""
+    return plant_group_swap(s, None)
 
 
 def _plant_free(s: Any) -> dict[str, Any]:

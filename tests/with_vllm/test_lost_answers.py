@@ -45,13 +45,15 @@ METHODS = (
 class Scripted(FaultInjector):
     """Each Step (a StepStream message) takes the next fault of ``script`` ("drop":
     applied, its answer lost; "cut": never sent), none once it is empty: the same faults
-    at the same Steps every run, unlike drawn ones."""
+    at the same Steps every run, unlike drawn ones; every Step "cut" while partitioned."""
 
     def __init__(self) -> None:
         super().__init__(0, methods=("Step",))
         self.script: list[str] = []
 
     def draw_message(self, request: Any) -> tuple[str, Any]:
+        if self.partitioned:
+            return "cut", None
         with self._lock:
             if not self.script:
                 return "none", None
@@ -94,6 +96,38 @@ def _want(model_dir: Path, kind: str, layout: str) -> dict[str, Any]:
     return _WANT[kind, layout]
 
 
+def lose_after_prefill(
+    adapter: Any, methods: tuple[str, ...], state: dict[str, Any], start: Any, *, at_the_allocation: bool = False,
+) -> None:  # fmt: skip
+    """Wrap ``adapter``'s ``methods``: while ``state["armed"]``, the first manager call
+    after a prefill's allocation (``allocate_slots`` of 32 or more new tokens that took
+    blocks) calls ``start()`` (which scripts the losses) before it runs, disarms and
+    records ``(state["step"], method)`` in ``state["met"]``. ``at_the_allocation``: the
+    prefill's own allocation is that call (its Step is the first lost)."""
+
+    def wrap(name: str) -> None:
+        orig = getattr(adapter, name)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            prefill = name == "allocate_slots" and len(args) > 1 and args[1] >= 32
+            if at_the_allocation and state["armed"] and prefill:
+                state["prefilled"] = True
+            if state["armed"] and state["prefilled"]:  # the manager call after a prefill's allocation
+                state["armed"] = state["prefilled"] = False
+                state["met"].append((state["step"], name))
+                start()
+            got = orig(*args, **kwargs)
+            if state["armed"] and prefill and got is not None:
+                state["prefilled"] = True
+            return got
+
+        setattr(adapter, name, wrapped)
+
+    for name in methods:
+        if hasattr(adapter, name):
+            wrap(name)
+
+
 @pytest.mark.parametrize("layout", ["full", "full+swa"])
 @pytest.mark.parametrize("exclusive", [False, True], ids=["shared", "exclusive"])
 @pytest.mark.parametrize("kind", ["sync", "async"])
@@ -123,30 +157,10 @@ def test_steps_lost_and_cut_leave_no_hash_of_kv_nobody_wrote(
     state: dict[str, Any] = {"armed": False, "prefilled": False, "met": [], "step": -1}
     script = [kind for kind, n in re.findall(r"(drop|cut)(\d+)", SCRIPT) for _ in range(int(n))]
 
-    def wrap(name: str) -> None:
-        orig = getattr(adapter, name)
+    def start_loss() -> None:
+        scripted.script = list(script)
 
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if state["armed"] and state["prefilled"]:  # the manager call after a prefill's allocation
-                state["armed"] = state["prefilled"] = False
-                state["met"].append((state["step"], name))
-                scripted.script = list(script)
-            got = orig(*args, **kwargs)
-            if (
-                state["armed"]
-                and name == "allocate_slots"
-                and got is not None
-                and len(args) > 1
-                and args[1] >= 32
-            ):
-                state["prefilled"] = True
-            return got
-
-        setattr(adapter, name, wrapped)
-
-    for name in METHODS:
-        if hasattr(adapter, name):
-            wrap(name)
+    lose_after_prefill(adapter, METHODS, state, start_loss)
 
     def on_step(step: int) -> None:
         state["step"], state["prefilled"] = step, False

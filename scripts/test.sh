@@ -59,11 +59,12 @@ status=0
 if [ "${1:-}" != "--integration-only" ]; then
   # -p no:benchmark: pytest-benchmark, where installed, warns that xdist disables it, and
   # the suite's filterwarnings = error makes that an internal error (no test here uses it)
+  # --durations: each run ends with its slowest tests, to see where CI's time goes
   "$PYTHON" -m pytest tests --ignore=tests/integration --ignore=tests/cluster -p no:benchmark \
-    -n "${KVCOORD_TEST_WORKERS:-4}" --dist worksteal || status=$?
+    -n "${KVCOORD_TEST_WORKERS:-4}" --dist worksteal --durations=15 || status=$?
   # the replica-cluster tests alone, one at a time (their ownership leases are seconds long)
-  "$PYTHON" -m pytest tests/cluster -p no:benchmark || status=$?
-  vllm_workers=(-n "${KVCOORD_VLLM_TEST_WORKERS:-2}" --dist worksteal)
+  "$PYTHON" -m pytest tests/cluster -p no:benchmark --durations=10 || status=$?
+  vllm_workers=(-n "${KVCOORD_VLLM_TEST_WORKERS:-2}" --dist worksteal --durations=15)
   if [ -n "${KVCOORD_VLLM_SERIAL:-}" ]; then
     ./scripts/test_vllm.sh "${vllm_workers[@]}" || status=$?
     KVCOORD_VLLM_VERSION=0.33.0 ./scripts/test_vllm.sh "${vllm_workers[@]}" || status=$?

@@ -16,6 +16,7 @@ from .errors import (
     RequestExistsError,
     RequestNotFoundError,
     StaleCacheHitError,
+    UncountedBlocksError,
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, hash_to_int64
 from .pool import AllocationResult, CacheHit, KVCachePool, PoolSnapshot, RequestCheckpoint
@@ -63,6 +64,7 @@ __all__ = [
     "RequestNotFoundError",
     "SlidingWindowSpec",
     "StaleCacheHitError",
+    "UncountedBlocksError",
     "HandedTokenIds",
     "TokenIds",
     "attention_groups",

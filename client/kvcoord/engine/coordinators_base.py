@@ -10,7 +10,13 @@ from collections.abc import Sequence
 from .block_pool import BlockPool
 from .blocks import KVCacheBlock
 from .config import KVCacheConfig
-from .managers import CrossAttentionManager, MambaManager033, SingleTypeKVCacheManager, manager_class
+from .managers import (
+    CrossAttentionManager,
+    MambaManager,
+    MambaManager033,
+    SingleTypeKVCacheManager,
+    manager_class,
+)
 from .profiles import rules_of
 from .request import Request
 from .specs import FullAttentionSpec, event_spec_fields
@@ -79,11 +85,13 @@ class KVCacheCoordinator:
         num_tokens_main_model: int,
         token_caps: Sequence[int | None] | None = None,
         prefill_end: int = 0,
+        record: bool = True,
     ) -> int:
         """Free blocks the allocation would consume over every group. ``token_caps``
         (vLLM 0.33's admission cap): per group, the most tokens counted (``None``: no cap);
         a capped count records nothing (vLLM 0.33's mamba prefill checkpoint is planned
-        by the uncapped count). ``prefill_end``: where the request's prefill ends."""
+        by the uncapped count), nor does one with ``record`` false. ``prefill_end``:
+        where the request's prefill ends."""
         if self.config.prefix_cache_retention_interval != 0:
             prefill_end = 0  # dense retention: every chunk publishes a state (vLLM 0.33)
         total = 0
@@ -101,9 +109,38 @@ class KVCacheCoordinator:
                     total_computed_tokens,
                     num_tokens_main_model,
                     prefill_end=prefill_end,
-                    record=token_caps is None,
+                    record=record and token_caps is None,
                 )
         return total
+
+    def uncounted_external_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        prefill_end: int = 0,
+    ) -> list[tuple[int, int]]:
+        """A first allocation with external tokens: per mamba ``align`` group whose
+        allocation would take more blocks than :meth:`get_num_blocks_to_allocate`
+        counts, ``(group id, how many more)`` (see
+        :meth:`~kvcoord.engine.managers.mamba.MambaManager.uncounted_external_blocks`).
+        Changes nothing."""
+        if self.config.prefix_cache_retention_interval != 0:
+            prefill_end = 0  # as get_num_blocks_to_allocate
+        out = []
+        for gid, manager in enumerate(self.managers):
+            if isinstance(manager, MambaManager):
+                n = manager.uncounted_external_blocks(
+                    request_id,
+                    new_computed_blocks[gid],
+                    total_computed_tokens,
+                    num_tokens_main_model,
+                    prefill_end,
+                )
+                if n:
+                    out.append((gid, n))
+        return out
 
     def allocate_new_computed_blocks(
         self,

@@ -16,9 +16,13 @@ Hierarchy::
     ├── RequestNotFoundError        unknown request id
     ├── RequestExistsError          request id already in use
     └── FailedPreconditionError     valid values, wrong state or order
-        └── StaleCacheHitError      a prefix hit whose blocks are no longer cached
+        ├── StaleCacheHitError      a prefix hit whose blocks are no longer cached
+        └── UncountedBlocksError    vLLM's count lets an allocation through that
+                                    would run out of free blocks half way
 
-Running out of free blocks is not an error: ``allocate_slots`` returns ``None``.
+Running out of free blocks is not an error: ``allocate_slots`` returns ``None``
+(except where vLLM's own count misses blocks and vLLM raises half way:
+:class:`UncountedBlocksError`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ __all__ = [
     "RequestExistsError",
     "RequestNotFoundError",
     "StaleCacheHitError",
+    "UncountedBlocksError",
 ]
 
 
@@ -109,3 +114,18 @@ class BlockNotRetainedError(FailedPreconditionError):
     another pair holds. Nothing was released."""
 
     reason = "BLOCK_NOT_RETAINED"
+
+
+class UncountedBlocksError(FailedPreconditionError):
+    """An allocation vLLM's count lets through but whose blocks the pool does not have.
+
+    A request's first allocation with external (KV connector) tokens in a pool with a
+    mamba ``align`` group takes one block more than vLLM's ``get_num_blocks_to_allocate``
+    counts (the state block of the external tokens' last position). With fewer free
+    blocks than it takes, but enough for the count, vLLM 0.16.0 and 0.33.0 take blocks
+    and then raise ``ValueError`` half way, the request left with a partial table. The
+    pool refuses instead, before anything changes; the same call succeeds once that
+    many blocks are free.
+    """
+
+    reason = "UNCOUNTED_BLOCKS"

@@ -25,7 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from .errors import FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
+from .blocks import KVCacheBlock
+from .errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    RequestNotFoundError,
+    UncountedBlocksError,
+)
 from .pool_fast import FastPaths
 from .request import Request
 from .request_table import check_count
@@ -188,6 +194,11 @@ class KVCachePool(FastPaths):
             if k + watermark_blocks > self.block_pool.get_num_free_blocks():
                 self.num_refusals += 1
                 return None
+        if num_external_computed_tokens and self._prechecked_managers:
+            self._refuse_uncounted_external(
+                request_id, hit_blocks, num_encoder_tokens, local + num_external_computed_tokens, main,
+                need, prefill_end, reserved_blocks + watermark_blocks,
+            )  # fmt: skip
         # vLLM 0.33 frees on the processed-token basis (steps in flight still read the window)
         coordinator.remove_skipped_blocks(request_id, max(0, total - num_in_flight_tokens))
         k = coordinator.get_num_blocks_to_allocate(
@@ -226,6 +237,48 @@ class KVCachePool(FastPaths):
         if self.enable_caching and not delay_cache_blocks:
             self._cache_finalized(req, min(total + num_new_tokens, req.num_tokens))
         return tuple([tuple([b.block_id for b in lst]) for lst in new])
+
+    def _refuse_uncounted_external(
+        self,
+        request_id: str,
+        hit_blocks: list[list[KVCacheBlock]],
+        num_encoder_tokens: int,
+        total_computed_tokens: int,
+        main: int,
+        need: int,
+        prefill_end: int,
+        held_back: int,
+    ) -> None:
+        """Raise before anything changes where vLLM would run out of blocks half way: a
+        first allocation with external tokens in a pool with a mamba ``align`` group
+        takes a block vLLM's count leaves out (see
+        :meth:`~kvcoord.engine.managers.mamba.MambaManager.uncounted_external_blocks`).
+        Where the count refuses (too few free blocks even without that block) the caller
+        returns ``None`` as vLLM; where the free blocks cover that block too it allocates
+        as vLLM. (The request holds no blocks yet, so the skipped-block removal the
+        caller runs next frees nothing: the free count here is the count's.)"""
+        coordinator = self.coordinator
+        uncounted = coordinator.uncounted_external_blocks(
+            request_id, hit_blocks, total_computed_tokens, main, prefill_end
+        )
+        extra = sum(n for _, n in uncounted)
+        if extra <= 0:
+            return
+        counted = coordinator.get_num_blocks_to_allocate(
+            request_id, need, hit_blocks, num_encoder_tokens, total_computed_tokens, main,
+            prefill_end=prefill_end, record=False,
+        )  # fmt: skip
+        free = self.block_pool.get_num_free_blocks()
+        if counted + held_back > free or counted + extra <= free:
+            return
+        groups = ", ".join(f"group {gid}: {n:+d}" for gid, n in uncounted)
+        raise UncountedBlocksError(
+            f"request {request_id!r}: this first allocation with external (KV connector) tokens "
+            f"takes {counted + extra} blocks but only {free} are free; vLLM counts {counted} "
+            f"(it leaves out the block a mamba align group takes for the external tokens' "
+            f"last state: {groups}), so it would run out of blocks half way through the "
+            "allocation and raise; refused before anything changed (retry when more blocks are free)"
+        )
 
     def _check_skip_zeroing(self, group_ids: Sequence[int]) -> frozenset[int]:
         """``allocate_slots``' ``skip_zeroing_group_ids``, checked: group ids of this

@@ -121,6 +121,7 @@ class ErrorReason(enum.Enum):
     OWNER_GONE = 16
     BLOCK_NOT_RETAINED = 17
     FENCE_UNPROVEN = 18
+    UNCOUNTED_BLOCKS = 19
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -104,10 +104,7 @@ class MambaManager(SingleTypeKVCacheManager):
                 f"needs only {required}; token counts may not go backwards"
             )
         seen = request_id in self.allocated_block_reqs
-        length = max(have, required - S - 1)
-        if seen:
-            length += sum(1 for j in range(have - S, have) if j < required - S - 1)
-        new = required - length
+        new = self._new_blocks_on_lengths(request_id, have, required)
         limit = 1 if seen else S + 1
         if new > limit:
             return (
@@ -116,6 +113,66 @@ class MambaManager(SingleTypeKVCacheManager):
                 f"(block size {self.block_size})"
             )
         return None
+
+    def _new_blocks_on_lengths(self, request_id: str, have: int, required: int) -> int:
+        """Align mode: the new blocks :meth:`allocate_new_blocks` takes for a request
+        holding ``have`` blocks when the step requires ``required``, on lengths only."""
+        if required <= have:
+            return 0
+        S = self.num_speculative_blocks
+        length = max(have, required - S - 1)
+        if request_id in self.allocated_block_reqs:
+            length += sum(1 for j in range(have - S, have) if j < required - S - 1)
+        return required - length
+
+    def _new_blocks_after_external(
+        self,
+        request_id: str,
+        held: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        prefill_end: int,
+    ) -> int:
+        """The new blocks :meth:`allocate_new_blocks` takes right after a first adoption
+        left the request ``held`` blocks (0.33 adds its prefill checkpoint rule)."""
+        required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+        return self._new_blocks_on_lengths(request_id, held, required)
+
+    def uncounted_external_blocks(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[KVCacheBlock],
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        prefill_end: int = 0,
+    ) -> int:
+        """Align mode, a request's first allocation with external (KV connector) tokens:
+        the blocks it takes less those :meth:`get_num_blocks_to_allocate` counts (no
+        state change; call before the count, with the same values).
+
+        Adopting the external tokens nulls the skipped prefix (the hit's blocks too: the
+        state of the last computed token is all a mamba group keeps) and takes one new
+        block for the last computed token's state; then :meth:`allocate_new_blocks`
+        takes the step's blocks from there. vLLM (0.16.0 and 0.33.0) counts only the
+        latter, so near a full pool its ``get_new_blocks`` runs out half way through
+        the allocation. Positive: more blocks than counted; 0 outside align mode or for
+        an admitted request (it adopts nothing)."""
+        if not self.align or request_id in self.num_cached_block:
+            return 0
+        held = cdiv(total_computed_tokens, self.block_size)
+        taken = 1 + self._new_blocks_after_external(
+            request_id, held, total_computed_tokens, num_tokens_main_model, prefill_end
+        )
+        counted = self.get_num_blocks_to_allocate(
+            request_id,
+            num_tokens_main_model,
+            new_computed_blocks,
+            total_computed_tokens,
+            num_tokens_main_model,
+            prefill_end=prefill_end,
+            record=False,
+        )
+        return taken - counted
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int

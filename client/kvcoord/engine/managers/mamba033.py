@@ -314,11 +314,7 @@ class MambaManager033(MambaManager):
         have = len(self.req_to_blocks.get(request_id, ()))
         required = cdiv(num_tokens_main_model, self.block_size) + S
         seen = request_id in self.allocated_block_reqs
-        upto = required - S - 2
-        length = max(have, upto)
-        if seen:
-            length += sum(1 for j in range(have - S, have) if j < upto)
-        new = max(required - length, 0)
+        new = self._checkpoint_new_blocks(request_id, have, required)
         limit = 2 if seen else S + 2
         if new > limit:
             return (
@@ -327,6 +323,35 @@ class MambaManager033(MambaManager):
                 f"block boundaries (block size {self.block_size})"
             )
         return None
+
+    def _checkpoint_new_blocks(self, request_id: str, have: int, required: int) -> int:
+        """The new blocks :meth:`_allocate_with_checkpoint` takes for a request holding
+        ``have`` blocks when the step requires ``required``, on lengths only."""
+        S = self.num_speculative_blocks
+        upto = required - S - 2
+        length = max(have, upto)
+        if request_id in self.allocated_block_reqs:
+            length += sum(1 for j in range(have - S, have) if j < upto)
+        return max(required - length, 0)
+
+    def _new_blocks_after_external(
+        self,
+        request_id: str,
+        held: int,
+        total_computed_tokens: int,
+        num_tokens_main_model: int,
+        prefill_end: int,
+    ) -> int:
+        """As 0.16's, but a step planning a prefill checkpoint (planned by the count,
+        before the adoption) allocates by the checkpoint rule."""
+        if self.has_checkpoint_blocks and self.plan_checkpoint(
+            request_id, total_computed_tokens, num_tokens_main_model, prefill_end
+        ):
+            required = cdiv(num_tokens_main_model, self.block_size) + self.num_speculative_blocks
+            return self._checkpoint_new_blocks(request_id, held, required)
+        return super()._new_blocks_after_external(
+            request_id, held, total_computed_tokens, num_tokens_main_model, prefill_end
+        )
 
     def _allocate_with_checkpoint(self, request_id: str, num_tokens_main_model: int) -> list[KVCacheBlock]:
         """Align mode's allocation for a step taking a prefill checkpoint: as without

@@ -46,7 +46,7 @@ from fastpath_parts import (
     observed,
     token_list,
 )
-from kvcoord.engine import Counts, KVCacheConfig, KVCachePool, LoRA, MambaCacheMode, MambaSpec, TokenIds
+from kvcoord.engine import Counts, KVCacheConfig, KVCachePool, LoRA, TokenIds
 from kvcoord.engine.decode_run import DecodeColumns
 from kvcoord.engine.state import export_state
 
@@ -85,12 +85,10 @@ class Diff:
         self.max_len = self.config.max_model_len
         self.lag = self.config.num_hash_lookahead_tokens
         self.v33 = self.config.profile == "vllm-0.33"
-        #: external (KV connector) tokens: vllm-0.16 pools without a mamba align group
-        #: (there vLLM 0.16's count leaves out the blocks taken for the external tokens,
-        #: and the engine's as well: the allocation fails half done, ValueError)
-        self.external = not self.v33 and not any(
-            isinstance(g, MambaSpec) and g.mamba_cache_mode == MambaCacheMode.ALIGN for g in groups
-        )
+        #: external (KV connector) tokens: vllm-0.16 pools (beside a mamba align group too:
+        #: where vLLM 0.16's count leaves out the block the external tokens' state takes,
+        #: every path refuses alike, UncountedBlocksError, changing nothing)
+        self.external = not self.v33
         self.calls = 0  # differential calls made
         self.kinds: dict[str, int] = {}
         self.answered = dict.fromkeys(

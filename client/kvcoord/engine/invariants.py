@@ -15,6 +15,8 @@ from .blocks import KVCacheBlock
 from .hash_list import hashes_at_block_size, key_with_group, request_keys
 from .managers import FullAttentionManager
 from .pool import KVCachePool
+from .profiles import VLLM_033
+from .specs import MambaSpec, SlidingWindowSpec
 
 __all__ = ["PoolCheck", "check_pool"]
 
@@ -166,9 +168,12 @@ def _check(
             + ("" if block.block_hash is not None else " without a hash")
         ):
             return True
-    # 5-6. shared blocks came from the prefix cache; cached positions carry the request's keys.
+    # 5-6. shared blocks came from the prefix cache; cached positions carry the request's
+    # keys (or, where retention is sparse, no key: _retains_sparsely).
     for m in pool.managers:
         position: dict[int, int] = {}
+        # (vllm-0.33 sparse retention: a cached position may hold a live block not hashed)
+        sparse = _retains_sparsely(pool, m.group_id)
         for rid, blocks in m.req_to_blocks.items():
             req = pool.requests.get(rid)
             num_cached = m.num_cached_block.get(rid, 0)
@@ -207,9 +212,38 @@ def _check(
                     ):
                         return True
                 elif not evicted and pool.enable_caching and i < len(hashes):
-                    if b.block_hash != key_with_group(hashes[i], m.group_id) and fail(
+                    if b.block_hash is None:
+                        if not sparse and fail(
+                            f"request {rid!r}: block {b.block_id} at position {i} < num_cached "
+                            f"{num_cached} in group {m.group_id} is not cached"
+                        ):
+                            return True
+                    elif b.block_hash != key_with_group(hashes[i], m.group_id) and fail(
                         f"request {rid!r}: block {b.block_id} at position {i} of group {m.group_id} is "
                         "cached under another key than the request's"
                     ):
                         return True
     return False
+
+
+def _retains_sparsely(pool: KVCachePool, group_id: int) -> bool:
+    """Whether group ``group_id`` may hold live blocks without a hash below a request's
+    cached count: a sliding-window or mamba group of a vllm-0.33 pool whose
+    ``prefix_cache_retention_interval`` is not ``None`` (sparse, 0, or periodic).
+
+    Such a group's caching step advances the request's cached count over every newly
+    full block but hashes only those its retention keeps (a sliding-window tail per
+    segment and at the replay boundaries; a mamba state only at a reachable boundary:
+    the prompt's replay boundary or the shared-prefix junction); vLLM 0.33.0's
+    ``BlockPool.cache_full_blocks`` skips the others like null blocks, and its
+    ``num_cached_block`` counts them all. So a live, unhashed block at a cached
+    position is vLLM's own state there, e.g. the mamba state block a first allocation
+    with external tokens adopts at position 0 (live until the next step frees it) or
+    the running state block once decode fills its block. A block that is hashed at
+    such a position must still carry the request's key: that check is not relaxed."""
+    config = pool.config
+    return (
+        config.profile == VLLM_033
+        and config.prefix_cache_retention_interval is not None
+        and isinstance(config.groups[group_id], (SlidingWindowSpec, MambaSpec))
+    )

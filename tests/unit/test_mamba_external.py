@@ -94,7 +94,7 @@ def test_with_that_block_free_the_allocation_is_vllms(profile: str) -> None:
     assert p.allocate_slots("a", 12, 0, None, 0, 1) == ((3, 4, 5), (0, 0, 6))
     assert p.get_block_ids("a") == ((1, 3, 4, 5), (2, 0, 0, 6))
     assert p.num_free_blocks == 0
-    assert check_pool(p).ok or profile == "vllm-0.33"  # (0.33: see _checked)
+    assert check_pool(p).violations == ()
     p.free("a")
     assert p.num_free_blocks == 6 and check_pool(p).ok
 
@@ -134,17 +134,6 @@ def _first_allocation(
             p.new_step_starts()  # (a state cached this step is not adopted before the next)
     p.add_request("a", tokens, hashes(tokens))
     return p, p.get_computed_blocks("a")
-
-
-def _checked(p: KVCachePool, profile: str) -> bool:
-    """check_pool, less one report it makes of vllm-0.33 pools (sparse retention) that is
-    not this change's: the mamba block adopted for the external tokens stays live, not
-    hashed, at a position below the request's cached count until the next step frees
-    it (vLLM 0.33.0's own manager holds the same table and hashes the same blocks)."""
-    violations = check_pool(p).violations
-    if profile == "vllm-0.33":
-        violations = tuple(v for v in violations if "cached under another key" not in v)
-    return not violations
 
 
 CASES = [
@@ -189,7 +178,7 @@ def test_the_refusal_is_exactly_where_the_blocks_taken_exceed_the_free_ones(case
         if got is None:
             outcomes.append("none")
             continue
-        assert _checked(p, profile)
+        assert check_pool(p).violations == ()
         if outcomes and outcomes[-1] == "error":
             # refused one block short: here it takes every free block
             assert p.num_free_blocks == 0, (nb, free)

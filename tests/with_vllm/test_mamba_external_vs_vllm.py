@@ -3,8 +3,10 @@ vLLM's own KVCacheManager (0.16.0 or 0.33.0, whichever this venv has) and kvcoor
 engine side by side, around the pool size where vLLM's count misses the block the
 external tokens' state takes.
 
-Wherever vLLM allocates, kvcoord answers the same new block ids and holds the same
-tables; where vLLM refuses (``None``) kvcoord refuses; where vLLM takes blocks and then
+Wherever vLLM allocates, kvcoord answers the same new block ids, holds the same
+tables, hashes the same blocks under the same keys with the same cached counts (under
+0.33's sparse retention a mamba block live below the cached count without a hash, as
+vLLM's: check_pool accepts it) and its pool checks clean; where vLLM refuses (``None``) kvcoord refuses; where vLLM takes blocks and then
 raises ``ValueError`` half way ("Cannot get 1 free blocks from the pool"), kvcoord
 raises :class:`~kvcoord.engine.UncountedBlocksError` with its pool unchanged
 (tests/unit/test_mamba_external.py pins that state; here the comparison with vLLM).
@@ -19,6 +21,7 @@ import pytest
 import torch
 from harness import V033
 from kvcoord.engine import KVCacheConfig, KVCachePool, UncountedBlocksError
+from kvcoord.engine.invariants import check_pool
 from kvcoord.engine.specs import FullAttentionSpec, MambaCacheMode, MambaSpec
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
@@ -70,6 +73,13 @@ def _tables(manager: Any, rid: str) -> list[list[int]]:
     ]
 
 
+def _cache(managers: Any, blocks: Any, rid: str) -> tuple[list[int], list[tuple[int, bytes]]]:
+    """The request's cached count per group, and every hashed block with its key
+    (``hash ‖ group``): what vLLM's ``cached_block_hash_to_block`` holds."""
+    counts = [m.num_cached_block.get(rid, 0) for m in managers]
+    return counts, [(b.block_id, bytes(b.block_hash)) for b in blocks if b.block_hash is not None]
+
+
 def _run_vllm(num_blocks: int, spec: int, mamba_first: bool, prefix: int, length: int, ext: int) -> Any:
     m = _vllm(num_blocks, spec, mamba_first)
     tokens = list(range(1, length + 1))
@@ -81,7 +91,9 @@ def _run_vllm(num_blocks: int, spec: int, mamba_first: bool, prefix: int, length
         if V033:
             m.new_step_starts()
     a = _request("a", tokens)
-    hit, hit_tokens = m.get_computed_blocks(a)[:2]
+    hit, hit_tokens, *junction = m.get_computed_blocks(a)
+    if junction:  # (0.33: the scheduler keeps the shared-prefix junction on the request)
+        a.shared_prefix_boundary = junction[0]
     new = length - hit_tokens - ext
     if new <= 0:
         return "skip", None
@@ -94,6 +106,7 @@ def _run_vllm(num_blocks: int, spec: int, mamba_first: bool, prefix: int, length
     return tuple(tuple(ids) for ids in got.get_block_ids()), (
         _tables(m, "a"),
         m.block_pool.get_num_free_blocks(),
+        _cache(m.coordinator.single_type_managers, m.block_pool.blocks, "a"),
     )
 
 
@@ -118,7 +131,8 @@ def _run_ours(
     if got is None:
         return None, None
     tables = [[b.block_id for b in m.req_to_blocks.get("a", [])] for m in p.managers]
-    return got, (tables, p.num_free_blocks)
+    assert check_pool(p).violations == ()
+    return got, (tables, p.num_free_blocks, _cache(p.managers, p.block_pool.blocks, "a"))
 
 
 CASES = [
@@ -148,3 +162,54 @@ def test_first_allocations_with_external_tokens_decide_like_vllm(case: tuple[Any
             seen.add("ok")
             break
     assert "ok" in seen
+
+
+@pytest.mark.parametrize("ext", (1, 3, 4))
+def test_decode_after_external_tokens_and_a_second_lookup_match_vllm(ext: int) -> None:
+    """After the first allocation with ``ext`` external tokens (13 tokens in all), three
+    decode steps (the third fills block 3) and then a second request with the same
+    prompt: each step's new blocks, tables, cached counts and hashed blocks are vLLM's,
+    the pool checks clean at every step, and the second request hits what vLLM's hits."""
+    length, nb = 13, 12
+    tokens = list(range(1, length + 1))
+    m, p = _vllm(nb, 0, False), _ours(nb, 0, False)
+    a = _request("a", tokens)
+    p.add_request("a", tokens, [bytes(h) for h in a.block_hashes])
+    new = m.allocate_slots(a, length - ext, 0, None, 0, ext)
+    assert new is not None
+    assert p.allocate_slots("a", length - ext, 0, None, 0, ext) == tuple(map(tuple, new.get_block_ids()))
+
+    def same() -> None:
+        assert [list(g) for g in p.get_block_ids("a")] == _tables(m, "a")
+        theirs = _cache(m.coordinator.single_type_managers, m.block_pool.blocks, "a")
+        assert _cache(p.managers, p.block_pool.blocks, "a") == theirs
+        assert p.num_free_blocks == m.block_pool.get_num_free_blocks()
+        assert check_pool(p).violations == ()
+
+    same()
+    for step, token in enumerate((1001, 1002, 1003)):
+        if V033:
+            m.new_step_starts()
+            p.new_step_starts()
+        a.num_computed_tokens = length + step
+        before = len(a.block_hashes)
+        a.append_output_token_ids(token)
+        p.update_request(
+            "a", num_computed_tokens=length + step, append_token_ids=[token],
+            append_block_hashes=[bytes(h) for h in a.block_hashes[before:]],
+        )  # fmt: skip
+        new = m.allocate_slots(a, 1)
+        assert new is not None
+        assert p.allocate_slots("a", 1) == tuple(map(tuple, new.get_block_ids()))
+        same()
+    if V033:
+        m.new_step_starts()
+        p.new_step_starts()
+    b = _request("b", tokens)
+    p.add_request("b", tokens, [bytes(h) for h in b.block_hashes])
+    hit, hit_tokens = m.get_computed_blocks(b)[:2]
+    ours = p.get_computed_blocks("b")
+    assert (ours.num_tokens, [list(g) for g in ours.block_ids]) == (
+        hit_tokens,
+        [list(g) for g in hit.get_block_ids()],
+    )

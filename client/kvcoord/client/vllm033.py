@@ -341,9 +341,12 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
 
     @absorbing(lambda *_: 0)  # read by update_from_output
     def estimate_cached_tokens(self, request: Any) -> int:
-        if request.request_id not in self._held:
+        rid = request.request_id
+        if rid not in self._held or rid in self.remote033.tracker.lost:
+            # never allocated here, freed, or lost with its session and not preempted yet
+            # (the session attached again does not hold it: asked, it refuses REQUEST_UNKNOWN)
             return 0
-        return self.remote033.estimate_cached_tokens(request.request_id)
+        return self.remote033.estimate_cached_tokens(rid)
 
     # vLLM 0.33's per-step drains, the pool's: only a pool with a mamba group records
     # boundary states and copy-on-write pairs, and only one with a mamba group or

@@ -45,7 +45,7 @@ from .errors import (
 from .hashing import RandomSeedError
 from .manager import RemoteKVCacheManager
 from .predicting import PredictingKVCacheManager
-from .vllm_manager import OUTAGE_ERRORS, KVCoordKVCacheManager
+from .vllm_manager import OUTAGE_ERRORS, REFUSALS, KVCoordKVCacheManager, is_outage
 from .vllm_pool_config import PoolMismatchError, pool_config_differences, pool_config_from_vllm
 from .vllm_types import (
     AllBlocksCleared,
@@ -61,6 +61,7 @@ from .vllm_types import (
 
 __all__ = [
     "OUTAGE_ERRORS",
+    "REFUSALS",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -75,6 +76,7 @@ __all__ = [
     "connect",
     "convert_events",
     "convert_stats",
+    "is_outage",
     "pool_config_differences",
     "pool_config_from_vllm",
     "vllm_available",

@@ -18,13 +18,14 @@ from .errors import (
     NotFoundError,
     PoolBusyError,
     RequestsLostError,
+    RequestUnknownError,
     SessionExpiredError,
     UnavailableError,
 )
 from .manager import RemoteKVCacheManager
 from .predicting import PredictingKVCacheManager, PredictionUnavailableError
 
-__all__ = ["OUTAGE_ERRORS", "AdapterLosses"]
+__all__ = ["OUTAGE_ERRORS", "REFUSALS", "AdapterLosses", "is_outage"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,10 +34,28 @@ logger = logging.getLogger(__name__)
 #: server that restarted, an exclusive session still holds the pool (one whose Attach
 #: answer was lost, until its lease ends). The managers turn what they cost into
 #: RequestsLostError when they can attach again; until then the scheduler waits and
-#: tries again.
+#: tries again. ``NotFoundError`` is here for a pool gone from the server, but not every
+#: NotFoundError is an outage: see :data:`REFUSALS` and :func:`is_outage`, which the
+#: adapter and the scheduler decide by (this tuple is what they catch).
 OUTAGE_ERRORS = (
     UnavailableError, LeaseExpiredError, FencedError, SessionExpiredError, NotFoundError, PoolBusyError,
 )  # fmt: skip
+
+#: Refusals among :data:`OUTAGE_ERRORS`' classes that no wait changes: a request the
+#: pool does not hold (REQUEST_UNKNOWN, from the server or a predicted session's mirror).
+#: The server checks a call's fence and session before its requests (a restart, a lease
+#: that ran out, a pool re-created or handed over answer with their own reasons first)
+#: and a live session's requests leave its table only by its own calls; the mirror is
+#: changed only by this client's calls. Waited for, it would be undone and made again
+#: until ``KVCOORD_MAX_OUTAGE``: it reaches vLLM at once instead. (The waiting mode
+#: reports a request whose sync the server refuses so as lost, ``RequestsLostError``:
+#: recomputed at once, a loss, not an outage.)
+REFUSALS = (RequestUnknownError,)
+
+
+def is_outage(err: BaseException) -> bool:
+    """Whether ``err`` is waited out (an outage), not a refusal that reaches vLLM."""
+    return isinstance(err, OUTAGE_ERRORS) and not isinstance(err, REFUSALS)
 
 
 class AdapterLosses:
@@ -51,10 +70,11 @@ class AdapterLosses:
     unpredicted: str | None = None
 
     def _absorb(self, err: KVCoordError) -> None:
-        """Keep what ``err`` says for the scheduler (while ``absorbing``), or raise it."""
+        """Keep what ``err`` says for the scheduler (while ``absorbing``), or raise it (a
+        refusal no wait changes among them: :data:`REFUSALS`)."""
         if isinstance(err, RequestsLostError):
             self.lost.update(err.request_ids)
-        elif not isinstance(err, OUTAGE_ERRORS):
+        elif not is_outage(err):
             raise err
         self.absorbed += 1
         logger.warning("kvcoord pool %r: %s (handled at the next schedule)", self.remote.pool, err)

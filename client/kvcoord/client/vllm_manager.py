@@ -23,7 +23,7 @@ from .errors import (
 )
 from .manager import KVCacheBlockIds, RemoteKVCacheManager
 from .predicting import NOT_TAKEN, PredictingKVCacheManager
-from .vllm_losses import OUTAGE_ERRORS, AdapterLosses
+from .vllm_losses import OUTAGE_ERRORS, REFUSALS, AdapterLosses, is_outage
 from .vllm_types import (
     KVCacheBlock,
     KVCacheBlocks,
@@ -32,7 +32,7 @@ from .vllm_types import (
     event_converter,
 )
 
-__all__ = ["OUTAGE_ERRORS", "KVCoordKVCacheManager"]
+__all__ = ["OUTAGE_ERRORS", "REFUSALS", "KVCoordKVCacheManager", "is_outage"]
 
 logger = logging.getLogger(__name__)
 

@@ -48,7 +48,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
 from .errors import NotFoundError, RequestsLostError
-from .vllm import OUTAGE_ERRORS, KVCoordKVCacheManager, Settings, connect
+from .vllm import OUTAGE_ERRORS, KVCoordKVCacheManager, Settings, connect, is_outage
 from .vllm033 import VLLM_033, Unsupported033Error, connect_033, unsupported_033, vllm_profile
 from .vllm_undo import Before, UndoCutShort
 
@@ -164,12 +164,14 @@ class _OnKVCoord(UndoCutShort):
                 out = self._schedule_nothing() if self._transfers_pending() else super().schedule()  # type: ignore[misc]
             except (RequestsLostError, *OUTAGE_ERRORS) as err:
                 lost = isinstance(err, RequestsLostError)
+                if not lost and not is_outage(err):
+                    raise  # a refusal no wait changes (REQUEST_UNKNOWN): vLLM's, at once
                 lost_ids: set[str] = set(err.request_ids) if isinstance(err, RequestsLostError) else set()
                 self._undo(before, lost_ids, held)
                 if lost:  # (after the undo, which would put back what it changes)
                     self._lost_during_transfers(lost_ids)
                 cause = err.cause if isinstance(err, RequestsLostError) else err
-                outage = isinstance(cause, OUTAGE_ERRORS)
+                outage = is_outage(cause)
                 if lost:
                     losses += 1
                     if not outage and losses > MAX_LOSSES_IN_A_ROW:

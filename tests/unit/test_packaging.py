@@ -108,7 +108,7 @@ def test_public_exports_are_pinned() -> None:
             "KVCacheEvent",
         "KVCachePool", "LoRA", "LookupCounters", "MambaCacheMode", "MambaSpec", "PoolSnapshot", "PrefixCacheStats",
         "RequestCheckpoint", "RequestExistsError", "RequestNotFoundError", "SlidingWindowSpec", "StaleCacheHitError",
-        "UncountedBlocksError",
+        "UncountedBlocksError", "HitBlockTakenError",
         "Counts", "HandedTokenIds", "TokenIds", "attention_groups", "hash_to_int64",
     ])  # fmt: skip
     assert sorted(kvcoord.client.__all__) == sorted([

@@ -7,6 +7,7 @@ from kvcoord.engine import (
     ConfigError,
     FailedPreconditionError,
     FullAttentionSpec,
+    HitBlockTakenError,
     InvalidArgumentError,
     KVCacheConfig,
     KVCachePool,
@@ -300,21 +301,24 @@ def test_deferred_free_is_a_033_call() -> None:
 
 
 @pytest.mark.parametrize(("profile", "full", "window"), [
-    # group by group: the full group's external block is the window group's hit
-    # (block 2, at the queue's head and not touched yet): block 2 ends in both groups
-    ("vllm-0.16", (1, 2, 3), (2, 4, 6)),
+    # group by group (vLLM 0.16.0): the full group's external block would be the window
+    # group's hit (block 2, at the queue's head and not touched yet), and block 2 would
+    # end in both groups ((1, 2, 3) and (2, 4, 6): vLLM 0.16.0's own tables); the pool
+    # refuses instead (full and window None: HitBlockTakenError, nothing changed)
+    ("vllm-0.16", None, None),
     # vLLM 0.24+: every group's hit is touched first, then the external blocks taken
     ("vllm-0.33", (1, 4, 6), (2, 3, 5)),
 ])  # fmt: skip
 def test_external_tokens_take_blocks_after_every_groups_hit_is_touched(
-    profile: str, full: tuple[int, ...], window: tuple[int, ...]
+    profile: str, full: tuple[int, ...] | None, window: tuple[int, ...] | None
 ) -> None:
     """A KV connector's external tokens on a full + sliding-window pool: the free
     queue is [1, 2, 4, 3, 6, 5] and the request hits [1] and [2] (16 tokens) with 16
-    external tokens after them. Both answers are what vLLM 0.16.0's and 0.33.0's own
-    KVCacheManager hand out for these calls (checked in their venvs while writing
-    this). (vllm-0.33 was seen to hand out other ids than vLLM 0.33.0 with a
-    connector, drafts and a sliding window: this rule.)"""
+    external tokens after them. The vllm-0.33 answer is what vLLM 0.33.0's own
+    KVCacheManager hands out for these calls (checked in its venv while writing this);
+    vLLM 0.16.0's hands out block 2 twice, which a vllm-0.16 pool refuses
+    (tests/unit/test_hit_block_taken.py). (vllm-0.33 was seen to hand out other ids than
+    vLLM 0.33.0 with a connector, drafts and a sliding window: this rule.)"""
     groups = (FullAttentionSpec(16), SlidingWindowSpec(16, 64))
     cfg = KVCacheConfig(7, groups, 16, profile=profile, prefix_cache_retention_interval=None)
     p = KVCachePool(cfg)
@@ -328,6 +332,11 @@ def test_external_tokens_take_blocks_after_every_groups_hit_is_touched(
     p.add_request("b", [*range(16), *range(200, 232)], [*hashes(1), *hashes(2, 2)])
     hit = p.get_computed_blocks("b")
     assert (hit.block_ids, hit.num_tokens) == (((1,), (2,)), 16)
+    if full is None:
+        with pytest.raises(HitBlockTakenError, match=r"block 2 \(group 1's hit\) by group 0"):
+            p.allocate_slots("b", 16, 16, hit, num_external_computed_tokens=16)
+        assert p.get_block_ids("b") == ((), ()) and p.free_queue_head() == [1, 2, 4, 3, 6, 5]
+        return
     table = p.allocate_slots("b", 16, 16, hit, num_external_computed_tokens=16)
     assert table is not None
     assert p.get_block_ids("b") == (full, window)

@@ -142,6 +142,49 @@ class KVCacheCoordinator:
                     out.append((gid, n))
         return out
 
+    def external_blocks_taking_hits(
+        self,
+        request_id: str,
+        new_computed_blocks: Sequence[Sequence[KVCacheBlock]],
+        num_local_computed_tokens: int,
+        num_external_computed_tokens: int,
+    ) -> list[tuple[int, int, int]]:
+        """vLLM 0.16's group-by-group adoption (not ``two_phase_external``) of a first-use
+        request's hit and external tokens, on block ids: each block an earlier group would
+        take from the free queue for its external tokens that a later group's hit then
+        touches, as ``(taking group, hit group, block id)`` (that block would be held twice:
+        in both tables, its hash dropped). Changes nothing; empty outside vLLM 0.16's
+        order, without external tokens, or without a free hit block past the first group.
+        """
+        if self._two_phase_external or num_external_computed_tokens <= 0 or len(self.managers) < 2:
+            return []
+        plans = [
+            m.external_adoption_plan(
+                request_id, new_computed_blocks[gid], num_local_computed_tokens, num_external_computed_tokens
+            )
+            for gid, m in enumerate(self.managers)
+        ]
+        hit_group = {bid: gid for gid, (touched, _) in enumerate(plans) for bid in touched}
+        if all(gid == 0 for gid in hit_group.values()):
+            return []
+        # the queue's head as each group meets it: its own hit touched (taken out), then
+        # its external blocks popped; a later group's free hit block popped here is the case
+        queue = self.block_pool.free_block_queue.head_ids(sum(n for _, n in plans) + len(hit_group))
+        gone: set[int] = set()
+        pos = 0
+        out = []
+        for gid, (touched, n) in enumerate(plans):
+            gone.update(touched)
+            while n > 0 and pos < len(queue):
+                bid = queue[pos]
+                pos += 1
+                if bid in gone:
+                    continue
+                n -= 1
+                if hit_group.get(bid, -1) > gid:
+                    out.append((gid, hit_group[bid], bid))
+        return out
+
     def allocate_new_computed_blocks(
         self,
         request_id: str,

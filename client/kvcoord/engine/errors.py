@@ -17,8 +17,10 @@ Hierarchy::
     ├── RequestExistsError          request id already in use
     └── FailedPreconditionError     valid values, wrong state or order
         ├── StaleCacheHitError      a prefix hit whose blocks are no longer cached
-        └── UncountedBlocksError    vLLM's count lets an allocation through that
-                                    would run out of free blocks half way
+        ├── UncountedBlocksError    vLLM's count lets an allocation through that
+        │                           would run out of free blocks half way
+        └── HitBlockTakenError      vLLM 0.16 would give a later group's hit block
+                                    to an earlier group's external tokens too
 
 Running out of free blocks is not an error: ``allocate_slots`` returns ``None``
 (except where vLLM's own count misses blocks and vLLM raises half way:
@@ -36,6 +38,7 @@ __all__ = [
     "ErrorStatus",
     "FailedPreconditionError",
     "HintMismatchError",
+    "HitBlockTakenError",
     "InvalidArgumentError",
     "RequestExistsError",
     "RequestNotFoundError",
@@ -129,3 +132,19 @@ class UncountedBlocksError(FailedPreconditionError):
     """
 
     reason = "UNCOUNTED_BLOCKS"
+
+
+class HitBlockTakenError(FailedPreconditionError):
+    """An allocation after which one block would be held by two groups (vllm-0.16 pools).
+
+    vLLM 0.16.0 adopts a first-use request's prefix hit and external (KV connector)
+    tokens group by group: each group touches its own hit blocks, then takes blocks
+    from the free queue's head for the external tokens. A later group's hit block that
+    is free (evictable) and near the head is taken by the earlier group (its hash
+    dropped) and then touched by its own group: one block in two groups' tables, two
+    different KV contents written to it. vLLM 0.16.0 does exactly that, silently; the
+    pool refuses instead, before anything changes. vLLM 0.24+ (the ``vllm-0.33``
+    profile) touches every group's hit first and never hits the case.
+    """
+
+    reason = "HIT_BLOCK_TAKEN"

@@ -28,6 +28,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from .blocks import KVCacheBlock
 from .errors import (
     FailedPreconditionError,
+    HitBlockTakenError,
     InvalidArgumentError,
     RequestNotFoundError,
     UncountedBlocksError,
@@ -199,6 +200,11 @@ class KVCachePool(FastPaths):
                 request_id, hit_blocks, num_encoder_tokens, local + num_external_computed_tokens, main,
                 need, prefill_end, reserved_blocks + watermark_blocks,
             )  # fmt: skip
+        if num_external_computed_tokens and hit_blocks and not self.rules.two_phase_external:
+            self._refuse_hit_block_taken(
+                request_id, hit_blocks, num_encoder_tokens, local, num_external_computed_tokens, main, need,
+                prefill_end,
+            )  # fmt: skip
         # vLLM 0.33 frees on the processed-token basis (steps in flight still read the window)
         coordinator.remove_skipped_blocks(request_id, max(0, total - num_in_flight_tokens))
         k = coordinator.get_num_blocks_to_allocate(
@@ -278,6 +284,46 @@ class KVCachePool(FastPaths):
             f"(it leaves out the block a mamba align group takes for the external tokens' "
             f"last state: {groups}), so it would run out of blocks half way through the "
             "allocation and raise; refused before anything changed (retry when more blocks are free)"
+        )
+
+    def _refuse_hit_block_taken(
+        self,
+        request_id: str,
+        hit_blocks: list[list[KVCacheBlock]],
+        num_encoder_tokens: int,
+        local: int,
+        external: int,
+        main: int,
+        need: int,
+        prefill_end: int,
+    ) -> None:
+        """Raise before anything changes where vLLM 0.16's group-by-group adoption would
+        hand one block to two groups: an earlier group takes a later group's free hit
+        block from the free queue for its external tokens, and the later group then
+        touches it (see
+        :meth:`~kvcoord.engine.coordinators_base.KVCacheCoordinator.external_blocks_taking_hits`).
+        Where vLLM's count refuses (``None``) the caller returns ``None`` as vLLM; every
+        other allocation is vLLM's. (A first-use request holds no blocks, so the
+        skipped-block removal the caller runs next frees nothing: the queue read here is
+        the one the adoption meets.)"""
+        coordinator = self.coordinator
+        taken = coordinator.external_blocks_taking_hits(request_id, hit_blocks, local, external)
+        if not taken:
+            return
+        counted = coordinator.get_num_blocks_to_allocate(
+            request_id, need, hit_blocks, num_encoder_tokens, local + external, main,
+            prefill_end=prefill_end, record=False,
+        )  # fmt: skip
+        if counted > self.block_pool.get_num_free_blocks():
+            return
+        which = ", ".join(f"block {bid} (group {hit}'s hit) by group {gid}" for gid, hit, bid in taken)
+        raise HitBlockTakenError(
+            f"request {request_id!r}: this first allocation with external (KV connector) tokens "
+            f"would hand a prefix-hit block to two groups: vLLM 0.16 adopts group by group, so an "
+            f"earlier group's blocks for the external tokens take a later group's free hit block "
+            f"from the free queue before that group touches it ({which}); refused before anything "
+            "changed (the hit is still valid; retry once the free queue has moved, or without the "
+            "hit; a vllm-0.33 pool touches every hit first)"
         )
 
     def _check_skip_zeroing(self, group_ids: Sequence[int]) -> frozenset[int]:

@@ -29,6 +29,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BLOCK_NOT_RETAINED: _ClassVar[ErrorReason]
     FENCE_UNPROVEN: _ClassVar[ErrorReason]
     UNCOUNTED_BLOCKS: _ClassVar[ErrorReason]
+    HIT_BLOCK_TAKEN: _ClassVar[ErrorReason]
 REASON_UNSPECIFIED: ErrorReason
 INSTANCE_CHANGED: ErrorReason
 INCARNATION_CHANGED: ErrorReason
@@ -49,6 +50,7 @@ OWNER_GONE: ErrorReason
 BLOCK_NOT_RETAINED: ErrorReason
 FENCE_UNPROVEN: ErrorReason
 UNCOUNTED_BLOCKS: ErrorReason
+HIT_BLOCK_TAKEN: ErrorReason
 
 class FullAttentionSpec(_message.Message):
     __slots__ = ("block_size", "num_kv_heads", "head_size", "dtype", "use_mla", "sink_len")

@@ -122,6 +122,7 @@ class ErrorReason(enum.Enum):
     BLOCK_NOT_RETAINED = 17
     FENCE_UNPROVEN = 18
     UNCOUNTED_BLOCKS = 19
+    HIT_BLOCK_TAKEN = 20
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

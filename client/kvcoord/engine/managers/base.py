@@ -129,14 +129,43 @@ class SingleTypeKVCacheManager:
         :meth:`add_local_computed_blocks`. External tokens the window skips need none:
         vLLM 0.33 clamps them as soon as any token is skipped, vLLM 0.16 (not
         ``clamp_below_a_block``) only once a whole block is."""
-        total = num_local_computed_tokens + num_external_computed_tokens
+        req_blocks = self.req_to_blocks[request_id]
+        n = self._num_external_blocks(
+            len(req_blocks), num_local_computed_tokens, num_external_computed_tokens, clamp_below_a_block
+        )
+        if n is not None:
+            req_blocks.extend(self.block_pool.get_new_blocks(n))
+
+    def _num_external_blocks(
+        self, held: int, local: int, external: int, clamp_below_a_block: bool
+    ) -> int | None:
+        """The new blocks :meth:`allocate_external_computed_blocks` takes when the request
+        holds ``held`` after adopting its hit; ``None`` where it takes none (no external
+        token left once the window clamps them)."""
+        total = local + external
         skipped_tokens = self.get_num_skipped_tokens(total)
         if skipped_tokens >= (1 if clamp_below_a_block else self.block_size):
-            num_external_computed_tokens = min(total - skipped_tokens, num_external_computed_tokens)
-        if num_external_computed_tokens <= 0:
-            return
-        req_blocks = self.req_to_blocks[request_id]
-        req_blocks.extend(self.block_pool.get_new_blocks(cdiv(total, self.block_size) - len(req_blocks)))
+            external = min(total - skipped_tokens, external)
+        if external <= 0:
+            return None
+        return cdiv(total, self.block_size) - held
+
+    def external_adoption_plan(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock], local: int, external: int
+    ) -> tuple[list[int], int]:
+        """What vLLM 0.16's :meth:`allocate_new_computed_blocks` would do for this group,
+        changing nothing: the ids of the hit blocks it takes out of the free queue
+        (touched while free) and how many blocks it then takes from the queue's head for
+        the external tokens."""
+        if request_id in self.num_cached_block or self.req_to_blocks.get(request_id):
+            return [], 0  # admitted (adopts nothing), or the adoption's own check refuses
+        skipped = self.get_num_skipped_tokens(local + external) // self.block_size
+        kept = new_computed_blocks[skipped:] if skipped > 0 else new_computed_blocks
+        touched = (
+            [int(b.block_id) for b in kept if b.ref_cnt == 0 and not b.is_null] if self.enable_caching else []
+        )
+        n = self._num_external_blocks(max(skipped, 0) + len(kept), local, external, False)
+        return touched, n or 0
 
     def allocate_new_blocks(
         self, request_id: str, num_tokens: int, num_tokens_main_model: int

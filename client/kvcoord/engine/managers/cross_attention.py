@@ -44,6 +44,11 @@ class CrossAttentionManager(SingleTypeKVCacheManager):
         # external (decoder) tokens need no cross-attention blocks
         return
 
+    def external_adoption_plan(
+        self, request_id: str, new_computed_blocks: Sequence[KVCacheBlock], local: int, external: int
+    ) -> tuple[list[int], int]:
+        return [], 0  # adopts no hit, takes no block for external tokens
+
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         raise AssertionError("cross-attention blocks are never cached")
 

@@ -475,8 +475,11 @@ def run_workload(
     aborts: bool = True,
     drain: bool = False,
     positional: bool = False,
+    trace: list[Any] | None = None,
 ) -> tuple[list[Any], dict[str, int]]:
     """Run ``steps`` engine steps; returns the per-step record and event/outcome counts.
+    ``trace``: the list the record is appended to as the run goes (what a run that
+    raised had decided until then).
 
     With ``async_overlap`` the next step is scheduled before the previous one's output
     is applied, as vLLM's engine core does with async scheduling (a batch queue of one);
@@ -514,7 +517,7 @@ def run_workload(
     rnd = random.Random(seed)
     lengths = (48, 80, 112, 170) if "junctions" in extras else (16, 40, 100, 170)
     prefixes = [[rnd.randrange(VOCAB) for _ in range(n)] for n in lengths]
-    trace: list[Any] = []
+    trace = [] if trace is None else trace
     counts = {
         "preempted": 0,
         "aborted": 0,

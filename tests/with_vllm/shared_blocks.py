@@ -16,10 +16,20 @@ class SharedByVllm(Exception):
     """kvcoord's run stopped on HIT_BLOCK_TAKEN: the refused request, and the requests
     whose allocation in vLLM's own run left a block in two groups' tables (in order)."""
 
-    def __init__(self, refused: str, sharers: list[str]) -> None:
+    def __init__(
+        self,
+        refused: str,
+        sharers: list[str],
+        decided: list[Any] | None = None,
+        want: list[Any] | None = None,
+    ) -> None:
         super().__init__(f"kvcoord refused {refused!r}; vLLM's own manager shared a block for {sharers}")
         self.refused = refused
         self.sharers = sharers
+        #: kvcoord's record until the refusal, and vLLM's whole record (the former must
+        #: be the start of the latter)
+        self.decided = decided if decided is not None else []
+        self.want = want if want is not None else []
 
 
 def watch_shared_blocks(manager: Any) -> list[str]:

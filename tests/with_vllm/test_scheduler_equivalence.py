@@ -196,6 +196,7 @@ def run_both(
         counter.count_external(remote.connector)
         if V033:
             counter.count_deferred_frees(remote.kv_cache_manager)
+    decided: list[Any] = []
     try:
         got, got_counts = run_workload(
             remote,
@@ -205,13 +206,14 @@ def run_both(
             on_step=counter.step,
             extras=extras,
             queue_depth=depth,
+            trace=decided,
         )
     except FailedPreconditionError as err:
         # vLLM 0.16.0 put a block in two groups' tables (a connector's external tokens
         # beside a later group's free hit block): kvcoord refuses there (the callers check)
         if V033 or err.reason != "HIT_BLOCK_TAKEN":
             raise
-        raise SharedByVllm(refused_request(err.message), sharers) from err
+        raise SharedByVllm(refused_request(err.message), sharers, decided, want) from err
     assert not sharers, f"vLLM shared a block for {sharers} but kvcoord did not refuse"
     manager = remote.kv_cache_manager.remote
     remote.shutdown()
@@ -226,6 +228,9 @@ def check_refused_where_vllm_shares(shared: SharedByVllm) -> None:
     vLLM 0.33 never does."""
     assert not V033, shared
     assert shared.sharers and shared.sharers[0] == shared.refused, shared
+    # every decision until the refused step is vLLM's
+    decided, want = shared.decided, shared.want
+    assert decided and decided == want[: len(decided)], first_difference(want[: len(decided)], decided)
 
 
 @pytest.mark.skipif(

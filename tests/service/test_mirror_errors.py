@@ -65,6 +65,7 @@ def test_a_request_the_pool_does_not_hold_is_refused_as_the_server_refuses_it(cl
         (lambda: mirror.allocate("ghost", 4), pb.Operation(allocate=pb.AllocateOp(request=follow_up("ghost", ()), num_new_tokens=4))),
         (lambda: mirror.call("get_num_common_prefix_blocks", "ghost"), pb.Operation(common_prefix=pb.CommonPrefixOp(request_id="ghost"))),
         (lambda: mirror.apply(SyncValues("ghost", False, 0, 0, computed=4)), pb.Operation(sync=pb.SyncOp(request=follow_up("ghost", (), num_computed_tokens=4)))),
+        (lambda: mirror.table("ghost"), pb.Operation(get_block_ids=pb.GetBlockIdsOp(request_id="ghost"))),
     ]  # fmt: skip
     for mirrored, sent in cases:
         mine, servers = _refused(mirrored), step(sent)

@@ -281,11 +281,15 @@ class Mirror:
         return False
 
     def table(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block table per group (empty lists for a request it does not hold)."""
-        engine = self.engine
-        if request_id not in engine.requests:
-            return tuple([] for _ in engine.managers)
-        return tuple(list(g) for g in engine.get_block_ids(request_id))
+        """The request's block table per group.
+
+        Raises:
+            RequestUnknownError: the pool does not hold the request (as the server answers).
+        """
+        try:
+            return tuple(list(g) for g in self.engine.get_block_ids(request_id))
+        except EngineError as err:
+            raise engine_error(err) from None
 
     @property
     def num_free_blocks(self) -> int:

@@ -354,7 +354,8 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         free_op(rid, uncomputed_from=uncomputed_from, into=self.sender.op().free)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
-        """The request's block table per group (empty for a request that holds none)."""
+        """The request's block table per group (``RequestUnknownError`` for a request the
+        pool does not hold, as the server answers)."""
         return self.mirror.table(request_id)
 
     def remove_skipped_blocks(self, request_id: str, total_computed_tokens: int) -> None:

@@ -438,8 +438,8 @@ class KVCoordKVCacheManager(AdapterLosses):
     @absorbing(lambda self, *_: self.empty_kv_cache_blocks)
     def get_blocks(self, request_id: str) -> KVCacheBlocks:
         held = self._held.get(request_id)
-        if held is None:
-            # never allocated here, or freed: vLLM's manager holds no table for it
+        if held is None or request_id in self.remote.tracker.lost:
+            # never allocated here, freed, or lost with its session: no table, as vLLM answers
             return self.empty_kv_cache_blocks
         fresh = self._tables.get(request_id)
         if fresh is not None:

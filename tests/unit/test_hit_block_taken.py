@@ -16,7 +16,6 @@ keeps running, so the full-attention hit is p0's free block followed by p's held
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from kvcoord.engine import (
 from kvcoord.engine.invariants import check_pool
 from kvcoord.engine.specs import FullAttentionSpec, MambaCacheMode, MambaSpec, SlidingWindowSpec
 from kvcoord.engine.state import export_state
+from unit.test_mamba_external import hashes
 
 PROFILES = ("vllm-0.16", "vllm-0.33")
 PREFIX = list(range(1, 9))  # two blocks of 4
@@ -43,14 +43,6 @@ Spec = Callable[[], Any]
 MAMBA: Spec = lambda: MambaSpec(4, MambaCacheMode.ALIGN, 0)  # noqa: E731
 FULL: Spec = lambda: FullAttentionSpec(4)  # noqa: E731
 SWA: Spec = lambda: SlidingWindowSpec(4, 64)  # noqa: E731
-
-
-def hashes(tokens: list[int], bs: int = 4) -> list[bytes]:
-    out, prev = [], b""
-    for i in range(len(tokens) // bs):
-        prev = hashlib.sha256(prev + bytes(tokens[i * bs : (i + 1) * bs])).digest()
-        out.append(prev)
-    return out
 
 
 def make(groups: tuple[Spec, ...], profile: str, num_blocks: int = 20) -> KVCachePool:

@@ -10,7 +10,6 @@ attention.
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 from kvcoord.engine import KVCacheConfig, KVCachePool
@@ -22,16 +21,9 @@ from kvcoord.engine.specs import (
     MambaSpec,
     SlidingWindowSpec,
 )
+from unit.test_mamba_external import hashes
 
 MAMBA = MambaSpec(4, MambaCacheMode.ALIGN, 0)
-
-
-def hashes(tokens: list[int], bs: int = 4) -> list[bytes]:
-    out, prev = [], b""
-    for i in range(len(tokens) // bs):
-        prev = hashlib.sha256(prev + bytes(tokens[i * bs : (i + 1) * bs])).digest()
-        out.append(prev)
-    return out
 
 
 def pool(num_blocks: int, second: AttentionSpec = MAMBA, retention: int | None = 0) -> KVCachePool:

@@ -17,7 +17,6 @@ keeps running, so the full-attention hit is p0's free block followed by p's held
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -32,8 +31,7 @@ from kvcoord.engine import (
 )
 from kvcoord.engine.invariants import check_pool
 from kvcoord.engine.specs import FullAttentionSpec, MambaCacheMode, MambaSpec, SlidingWindowSpec
-from kvcoord.engine.state import export_state
-from unit.test_mamba_external import hashes
+from unit.test_mamba_external import hashes, whole_state
 
 PROFILES = ("vllm-0.16", "vllm-0.33")
 PREFIX = list(range(1, 9))  # two blocks of 4
@@ -59,12 +57,6 @@ def add(p: KVCachePool, rid: str, tokens: list[int]) -> None:
 def step(p: KVCachePool) -> None:
     if p.config.profile == "vllm-0.33":
         p.new_step_starts()  # (a state cached this step is not adopted before the next)
-
-
-def whole_state(p: KVCachePool) -> str:
-    return json.dumps(
-        [export_state(p), p.num_refusals, repr(p.peek_prefix_cache_stats())], sort_keys=True, default=repr
-    )
 
 
 def setup(groups: tuple[Spec, ...], profile: str, holders: int | None, num_blocks: int = 20) -> KVCachePool:

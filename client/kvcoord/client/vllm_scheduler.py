@@ -127,8 +127,9 @@ class _OnKVCoord(UndoCutShort):
 
     def _refuse_unsupported(self) -> None:
         """Raise, naming the reason, for an engine kvcoord does not reproduce (none of
-        0.16's); warn of vLLM 0.16's own defect that recovering from a lost session makes
-        frequent (docs/vllm-integration.md, "What is not supported")."""
+        0.16's); warn of vLLM 0.16's own defects: one that recovering from a lost session
+        makes frequent, and one kvcoord refuses (docs/vllm-integration.md, "What is not
+        supported")."""
         groups = self.kv_cache_config.kv_cache_groups
         if self.cache_config.enable_prefix_caching and any(
             str(getattr(g.kv_cache_spec, "mamba_cache_mode", "")) == "align" for g in groups
@@ -138,6 +139,18 @@ class _OnKVCoord(UndoCutShort):
                 "request's mamba state under a later position (vLLM's defect, fixed in 0.33), and "
                 "kvcoord's recovery from a lost session (its requests preempted) makes it frequent: "
                 "use vLLM 0.33, or turn prefix caching off"
+            )
+        if (
+            self.cache_config.enable_prefix_caching
+            and getattr(self.vllm_config, "kv_transfer_config", None) is not None
+            and len(groups) > 1
+        ):
+            logger.warning(
+                "kvcoord: vLLM 0.16 with a KV connector and %d KV cache groups can put one block in two "
+                "groups' tables (a group's blocks for a connector's tokens taken before a later group's "
+                "cached hit block is claimed: vLLM's defect, fixed in 0.33); kvcoord refuses such an "
+                "allocation (HIT_BLOCK_TAKEN) and schedule() raises it: use vLLM 0.33",
+                len(groups),
             )
 
     def _connect(self, settings: Settings) -> KVCoordKVCacheManager:

@@ -31,6 +31,7 @@ from support import NONE, Req
 NUM_BLOCKS = 48
 
 _LAYOUTS = {
+    "full": [pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))],
     "full+swa": [
         pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4)),
         pb.KVCacheGroupSpec(sliding_window=pb.SlidingWindowSpec(block_size=4, sliding_window=8)),
@@ -275,3 +276,55 @@ def test_the_mirror_is_the_servers_pool_through_lost_steps(
             total[k] += v
     assert total["checks"] == 160
     assert total["lost"] > 20 and total["hits"] > 10 and total["undone"] > 5 and total["preempted"] > 0, total
+
+
+def test_blocks_a_lost_step_handed_out_are_no_hit_after_the_session_starts_again(
+    client: KVCoordClient,
+) -> None:
+    """The run-ahead case itself: a prompt's blocks are cached and free; the next
+    scheduler step gives them to another request (the mirror evicts them) and the worker
+    writes that request's KV there, but its Step never reaches the server, which still
+    caches the prompt in them. The loss is reported, the session starts again (the pool's
+    prefix cache reset with it), and the prompt asked again is no hit on those blocks."""
+    client.create_pool("run-ahead", _config("full", "", False))
+    lose_next = [False]
+    send = client.send_step
+
+    def lossy(request: pb.StepRequest) -> pb.StepResponse:
+        if lose_next[0]:
+            lose_next[0] = False
+            raise OutcomeUnknownError(grpc.StatusCode.UNAVAILABLE, "test: the Step was lost (not applied)")
+        return send(request)
+
+    client.send_step = lossy  # type: ignore[method-assign]
+    m = PredictingKVCacheManager(client, "run-ahead", hash_seed="0", renew=False, reset_at_attach=True)
+    kv = KVMemory(4)
+    usable = m.mirror.num_free_blocks
+
+    def run(rid: str, tokens: list[int]) -> list[int]:
+        r = _request(rid, tokens)
+        hit, hit_tokens = m.get_computed_blocks(r)
+        assert hit_tokens == 0
+        assert m.allocate_slots(r, len(tokens)) is not None
+        table = m.get_block_ids(rid)[0]
+        kv.write(table, tokens, 0, len(tokens))
+        return table
+
+    prompt = list(range(100, 117))  # four full blocks
+    cached = run("a", prompt)[:4]
+    m.free("a")
+    m.flush()  # the server caches the prompt's blocks, all free
+    lose_next[0] = True
+    taken = run("b", list(range(200, 200 + 4 * usable)))  # every block: the prompt's too
+    assert set(cached) <= set(taken)
+    m.take_events()  # the step's Step goes, and is lost
+    with pytest.raises(RequestsLostError) as lost:
+        m.flush()
+    assert lost.value.request_ids == ["b"]
+    again = _request("c", prompt + [1, 2, 3])
+    hit, hit_tokens = m.get_computed_blocks(again)
+    assert kv.wrong(list(hit.block_ids[0]), again.all_token_ids, hit_tokens) is None, (
+        hit.block_ids,
+        hit_tokens,
+    )
+    m.close()

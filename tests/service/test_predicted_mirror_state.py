@@ -22,11 +22,13 @@ import pytest
 from kvcoord.client import KVCoordClient, PredictingKVCacheManager, RequestsLostError
 from kvcoord.client.errors import OutcomeUnknownError
 from kvcoord.client.hashing import BlockHasher
+from kvcoord.client.sender import StepSender
 from kvcoord.client.vllm033 import Predicting033KVCacheManager
 from kvcoord.engine.state import export_state
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 from support import NONE, Req
+from unit.test_client_fast_paths import _View  # vLLM's ConstantList
 
 NUM_BLOCKS = 48
 
@@ -95,14 +97,18 @@ class KVMemory:
 
 
 def _request(rid: str, tokens: list[int]) -> Any:
-    r = Req(rid, tokens)
-    r.block_hashes = BlockHasher("sha256_cbor", 4, NONE).extend(tokens)  # type: ignore[attr-defined]
+    """A request as vLLM's gives it: its tokens a read-only view of its list, its block
+    hashes one list extended in place (so running steps take the decode path)."""
+    r: Any = Req(rid, _View(list(tokens)))  # type: ignore[arg-type]
+    r.hasher = BlockHasher("sha256_cbor", 4, NONE)
+    r.hasher.extend(tokens)
+    r.block_hashes = r.hasher.block_hashes
     return r
 
 
 def _grow(r: Any, tokens: list[int]) -> None:
-    r.all_token_ids.extend(tokens)
-    r.block_hashes = BlockHasher("sha256_cbor", 4, NONE).extend(r.all_token_ids)
+    r.all_token_ids._x.extend(tokens)
+    r.hasher.extend(tokens)
 
 
 def drive(m: PredictingKVCacheManager, server: InProcessServer, pool: str, seed: int, steps: int,
@@ -204,7 +210,7 @@ def drive(m: PredictingKVCacheManager, server: InProcessServer, pool: str, seed:
             if r in running:
                 c = r.num_computed_tokens
                 dr = drafts[r.request_id] = [rnd.randrange(30) for _ in range(c + n - len(r.all_token_ids))]
-                kv.write(m.get_block_ids(r.request_id)[0], r.all_token_ids + dr, c, c + n)
+                kv.write(m.get_block_ids(r.request_id)[0], [*r.all_token_ids, *dr], c, c + n)
         for r, hit_ids, hit_tokens in hits:  # (read in the same forward, after its layer's writes)
             if r in running:
                 wrong = kv.wrong(hit_ids, r.all_token_ids, hit_tokens)
@@ -247,10 +253,19 @@ def drive(m: PredictingKVCacheManager, server: InProcessServer, pool: str, seed:
     ids=["swa-016", "mamba-033-events"],
 )
 def test_the_mirror_is_the_servers_pool_through_lost_steps(
-    server: InProcessServer, client: KVCoordClient, layout: str, profile: str, events: bool
-) -> None:
+    server: InProcessServer, client: KVCoordClient, layout: str, profile: str, events: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
     """(Without KV events, vLLM's default, the Steps' answers say nothing of cached
     hashes: a difference there shows only at a later hit, or here.)"""
+    decodes: list[int] = []
+    add_decode = StepSender.add_decode
+
+    def counted(self: StepSender, *args: Any) -> None:
+        decodes.append(1)
+        add_decode(self, *args)
+
+    monkeypatch.setattr(StepSender, "add_decode", counted)
     faults = random.Random(5)
     send = client.send_step
 
@@ -276,6 +291,8 @@ def test_the_mirror_is_the_servers_pool_through_lost_steps(
             total[k] += v
     assert total["checks"] == 160
     assert total["lost"] > 20 and total["hits"] > 10 and total["undone"] > 5 and total["preempted"] > 0, total
+    if "mamba" not in layout:  # (a mamba group's steps take the general path)
+        assert len(decodes) > 100  # decode steps on the decode path
 
 
 def test_blocks_a_lost_step_handed_out_are_no_hit_after_the_session_starts_again(

@@ -297,14 +297,18 @@ def test_the_mirror_is_the_servers_pool_through_lost_steps(
         assert len(decodes) > 100  # decode steps on the decode path
 
 
+@pytest.mark.parametrize("reset_at_attach", [True, False], ids=["reset-at-attach", "default"])
 def test_blocks_a_lost_step_handed_out_are_no_hit_after_the_session_starts_again(
-    client: KVCoordClient,
+    client: KVCoordClient, reset_at_attach: bool
 ) -> None:
     """The run-ahead case itself: a prompt's blocks are cached and free; the next
     scheduler step gives them to another request (the mirror evicts them) and the worker
     writes that request's KV there, but its Step never reaches the server, which still
     caches the prompt in them. The loss is reported, the session starts again (the pool's
-    prefix cache reset with it), and the prompt asked again is no hit on those blocks."""
+    prefix cache reset with it), and the prompt asked again is no hit on those blocks.
+    Whatever ``reset_at_attach`` says of the first Attach: the re-attach after a loss
+    resets always (before, the default handed the prompt a 16-token hit on blocks holding
+    the other request's KV, no error)."""
     client.create_pool("run-ahead", _config("full", "", False))
     lose_next = [False]
     send = client.send_step
@@ -316,7 +320,9 @@ def test_blocks_a_lost_step_handed_out_are_no_hit_after_the_session_starts_again
         return send(request)
 
     client.send_step = lossy  # type: ignore[method-assign]
-    m = PredictingKVCacheManager(client, "run-ahead", hash_seed="0", renew=False, reset_at_attach=True)
+    m = PredictingKVCacheManager(
+        client, "run-ahead", hash_seed="0", renew=False, reset_at_attach=reset_at_attach
+    )
     kv = KVMemory(4)
     usable = m.mirror.num_free_blocks
 

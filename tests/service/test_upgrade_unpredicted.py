@@ -215,7 +215,9 @@ def test_a_reattach_releases_reservations_and_a_bare_manager_given_no_state_is_r
         _check_equal(m, address, "reserved", [a, b])
         m.close()
 
-        # a bare predicted manager: nothing takes over, the error is typed and names why
+        # a bare predicted manager: its re-attach after a loss resets too (whatever its
+        # reset_at_attach says), which releases the reservation: the loss is reported,
+        # the manager stays predicted (before: no reset, no state, PredictionUnavailableError)
         connect(Settings(target=address, pool="bare"), kv, cfg).close()  # (creates the pool)
         with KVCoordClient(address, timeout=10) as client:
             bare = PredictingKVCacheManager(client, "bare", hash_seed="0", renew=False)
@@ -233,12 +235,24 @@ def test_a_reattach_releases_reservations_and_a_bare_manager_given_no_state_is_r
             bare.take_events()
             bare.sender.settle()
             _reserve(address, "bare", list(range(500, 540)))
-            with pytest.raises(PredictionUnavailableError, match="routers' reservations") as refused:
+            with pytest.raises(RequestsLostError) as lost:
                 bare.get_computed_blocks(_req("s", list(range(9))))
+            assert lost.value.request_ids == ["r"]
+            assert client.get_stats("bare").reservations.live == 0
+            w2 = _req("w2", list(range(500, 540)))
+            assert bare.get_computed_blocks(w2)[1] == 0  # the cache was reset with the re-attach
+            _admit(bare, w2)
+            bare.free(w2)  # cached again, for the reservation below
+            bare.take_events()
+            bare.flush()
+            bare.close()
+
+            # a first Attach that asks no reset while a reservation is live is given no
+            # state: nothing takes over, the error is typed and names why
+            _reserve(address, "bare", list(range(500, 540)))
+            with pytest.raises(PredictionUnavailableError, match="routers' reservations") as refused:
+                PredictingKVCacheManager(client, "bare", hash_seed="0", renew=False)
             assert isinstance(refused.value, FailedPreconditionError)
-            assert bare.ended is None  # nothing ended it: a later call attaches again
-            bare.sender.close()
-            bare.keeper.close()
     finally:
         server.stop()
 

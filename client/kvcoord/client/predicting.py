@@ -74,13 +74,11 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         profile, num_hash_lookahead_tokens: the semantics profile the caller follows
             (``vllm-0.16`` when empty, or ``vllm-0.33``) and its look-ahead hash tokens,
             checked by the handshake (the mirror runs the pool's profile).
-        reset_at_attach: every Attach (the first, and each after a loss) resets the
-            pool's prefix cache with the session's start, before the mirror is loaded:
-            the caller's KV memory holds none of what the pool caches (a new engine
-            process) or may hold other KV than the server's state says (a lost session's
-            worker wrote blocks the mirror handed out in Steps the server never applied).
-            A server that does not reset at Attach (an older release) is refused a
-            mirror (PredictionUnavailableError).
+        reset_at_attach: the first Attach resets the pool's prefix cache (the caller's
+            KV memory holds none of it: a new engine process). Every Attach after a loss
+            resets it anyway: the worker may have written blocks the mirror handed out in
+            Steps the server never applied and still caches under other hashes. A server
+            that cannot reset at Attach is refused a mirror (PredictionUnavailableError).
 
     Raises:
         FailedPreconditionError: the pool has another session (PoolBusyError), or the
@@ -109,7 +107,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         cfg, seed = self._open(client, pool, hash_seed)
         self._attach_args = (pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds)
         self._handshake = (profile, num_hash_lookahead_tokens)
-        self.reset_at_attach = reset_at_attach
+        self.reset_at_attach, self._attached = reset_at_attach, False  # (an Attach after the first resets)
         self._mirror: Mirror | None = None
         self.keeper = SessionKeeper(client, self._attach, renew=renew)
         self.mirror: Mirror = self._loaded()
@@ -132,12 +130,13 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
                 made is ended first).
         """
         client, cfg = self.client, self.config
+        reset = self.reset_at_attach or self._attached
         response = client.attach(
             *self._attach_args, True, True, want_engine_state=True, profile=self._handshake[0],
-            num_hash_lookahead_tokens=self._handshake[1], reset_prefix_cache=self.reset_at_attach,
+            num_hash_lookahead_tokens=self._handshake[1], reset_prefix_cache=reset,
         )  # fmt: skip
         why = response.pool_state_unavailable or "the server sent no pool state"
-        if self.reset_at_attach and not response.prefix_cache_reset:
+        if reset and not response.prefix_cache_reset:
             why = "the server does not reset the prefix cache at Attach (a release before reset_prefix_cache)"
         elif response.HasField("pool_state"):
             try:
@@ -145,6 +144,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
             except MirrorUnavailableError as err:
                 why = str(err)
             else:
+                self._attached = True
                 return response
         try:
             client.detach(response.session_id, response.fence)

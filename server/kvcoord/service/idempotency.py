@@ -18,6 +18,14 @@ the keys of the last half window alone fill the budget is a call with a new key
 refused before it is applied (RESOURCE_EXHAUSTED, nothing changed). A session's keys
 go when the session ends.
 
+A keyed call answered with its own error (an Allocate the engine refused, e.g.
+HIT_BLOCK_TAKEN or UNCOUNTED_BLOCKS) keeps that refusal under its key, as an answer:
+a retry, or a copy of the call delivered late, is told the same refusal and never
+applied (applied after the pool changed, it could allocate a request its client was
+told was refused). A refusal counts its message against the budget and is evicted as
+an answer is; a snapshot or a handed-over pool keeps it as a tombstone (ANSWER_EVICTED
+on a retry: still never applied), and replaying its journal record keeps it again.
+
 Ages are kept on the monotonic clock while serving. Across a restart, recovery
 (recovery.py) restores them by serving time: an answer's age is measured up to the
 last journaled record, so the downtime, and a wall clock set forward or back while
@@ -36,7 +44,7 @@ from collections.abc import Callable
 
 from .errors import ErrorReason, ServiceError, Status
 
-__all__ = ["ENTRY_BYTES", "IdempotencyStore", "Stored", "entry_bytes"]
+__all__ = ["ENTRY_BYTES", "IdempotencyStore", "KeptRefusal", "Stored", "entry_bytes"]
 
 #: What an entry costs besides its key, session id and answer: the entry object, its
 #: digest, the dict, deque and per-session set slots, its own copy of the session id
@@ -49,12 +57,28 @@ def entry_bytes(session_id: str, key: str) -> int:
     return ENTRY_BYTES + len(session_id) + len(key)
 
 
+class KeptRefusal(ServiceError):
+    """The refusal a keyed call was answered with, told again to a retry of its key."""
+
+
 @dataclasses.dataclass(slots=True)
 class Stored:
     rpc: str
     digest: bytes
     made_at: float
-    answer: bytes | None  # None: evicted by the byte budget (a tombstone)
+    answer: bytes | None  # None: evicted by the byte budget (a tombstone), or a refusal
+    #: the call's own error, told again to a retry (None: an answer, or evicted)
+    refusal: ServiceError | None = None
+
+    def holds(self) -> bool:
+        """Whether an answer or a refusal is kept (not a tombstone)."""
+        return self.answer is not None or self.refusal is not None
+
+    def kept_bytes(self) -> int:
+        """What the answer (or refusal) kept counts against the budget, besides the entry."""
+        if self.answer is not None:
+            return len(self.answer)
+        return len(self.refusal.message.encode()) if self.refusal is not None else 0
 
 
 class IdempotencyStore:
@@ -90,7 +114,8 @@ class IdempotencyStore:
         Raises:
             ServiceError: INVALID_ARGUMENT (KEY_REUSED) when the key was used for
                 another RPC or another body; ABORTED (ANSWER_EVICTED) when the call
-                was applied but its answer is no longer kept; RESOURCE_EXHAUSTED for a
+                was applied but its answer is no longer kept; :class:`KeptRefusal`, the
+                error the call was answered with (:meth:`remember`'s ``refusal``); RESOURCE_EXHAUSTED for a
                 new key when the budget is full of entries (their answers already
                 evicted): the call must not be applied, it could not be kept.
         """
@@ -118,6 +143,9 @@ class IdempotencyStore:
                 "use a new key for a new call",
                 ErrorReason.KEY_REUSED,
             )
+        if entry.refusal is not None:  # told again as it was (a copy: raised anew)
+            r = entry.refusal
+            raise KeptRefusal(r.status, r.message, r.reason, r.position)
         if entry.answer is None:
             raise ServiceError(
                 Status.ABORTED,
@@ -128,25 +156,29 @@ class IdempotencyStore:
             )
         return entry.answer
 
-    def remember(self, session_id: str, rpc: str, key: str, digest: bytes, answer: bytes | None) -> None:
+    def remember(
+        self, session_id: str, rpc: str, key: str, digest: bytes, answer: bytes | None,
+        refusal: ServiceError | None = None,
+    ) -> None:  # fmt: skip
         """Keep ``answer`` for retries of this key (a no-op without a key). ``None``
         keeps a tombstone at once: the call was applied but its answer cannot be sent
         (larger than max_message_bytes), so a retry is refused with ANSWER_EVICTED,
-        never applied again."""
+        never applied again. ``refusal`` (with ``answer`` None): the call was answered
+        with this error, which a retry is told again."""
         if not key:
             return
         now = self.clock()
         old = self._entries.pop((session_id, key), None)
         if old is not None:
             self._forget(session_id, key, old)
-        entry = Stored(rpc, digest, now, answer)
+        entry = Stored(rpc, digest, now, answer, refusal if answer is None else None)
         self._entries[(session_id, key)] = entry
-        if answer is not None:
+        if entry.holds():
             self._answered.append(entry)
         self._by_session.setdefault(session_id, set()).add(key)
         cost = entry_bytes(session_id, key)
         self.entry_bytes += cost
-        self.bytes += cost + (len(answer) if answer is not None else 0)
+        self.bytes += cost + entry.kept_bytes()
         self._evict_to_budget()
 
     def drop_session(self, session_id: str) -> None:
@@ -184,7 +216,8 @@ class IdempotencyStore:
     def export(self) -> list[tuple[str, str, str, bytes, float, bytes | None]]:
         """Every entry kept across a restart as (session, key, rpc, digest, age in
         seconds, answer), oldest first: not the unjournaled ones (:func:`score_key_owner`),
-        which a restart forgets, from a snapshot too."""
+        which a restart forgets, from a snapshot too. A refusal goes as a tombstone
+        (answer None)."""
         now = self.clock()
         return [
             (sid, key, e.rpc, e.digest, now - e.made_at, e.answer)
@@ -208,17 +241,16 @@ class IdempotencyStore:
         """Take a removed entry (and its answer) off the count."""
         cost = entry_bytes(session_id, key)
         self.entry_bytes -= cost
-        self.bytes -= cost + (len(entry.answer) if entry.answer is not None else 0)
-        entry.answer = None
+        self.bytes -= cost + entry.kept_bytes()
+        entry.answer = entry.refusal = None
 
     def _evict_to_budget(self) -> None:
         """Turn the oldest answers into tombstones until the budget holds again."""
         answered = self._answered
-        while answered and (self.bytes > self.max_bytes or answered[0].answer is None):
+        while answered and (self.bytes > self.max_bytes or not answered[0].holds()):
             entry = answered.popleft()
-            if entry.answer is not None:
-                self.bytes -= len(entry.answer)
-                entry.answer = None
+            self.bytes -= entry.kept_bytes()
+            entry.answer = entry.refusal = None
 
 
 _UNJOURNALED = "score-pools:"

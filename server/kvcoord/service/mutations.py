@@ -2,7 +2,7 @@
 
 A keyed call (Allocate, Free, Step) goes through the same steps whatever it does: its
 session is checked, its idempotency key looked up (a duplicate is answered with the
-kept answer, never applied again), the call applied, its answer stamped with the
+kept answer, or told the kept refusal, never applied again), the call applied, its answer stamped with the
 journal position of its own record and that position's tag (positions.py), the answer
 kept under its key, the call journaled with the answer's digest, and the answer sent
 only once the record is durable: as the bytes serialized for its key and its record
@@ -34,6 +34,7 @@ from google.protobuf.message import Message
 
 from .durability import Recorder, answer_digest
 from .errors import ErrorReason, ServiceError, Status
+from .idempotency import KeptRefusal
 from .mutation_bodies import (
     DIGEST_SLICE_BYTES,
     body_digest,
@@ -158,7 +159,13 @@ class MutationRunner:
         try:
             service = registry.get(pool)
             s = service.session(request.session_id, fence)
-            kept = registry.idempotency.lookup(s.session_id, m.rpc, key, digest)
+            try:
+                kept = registry.idempotency.lookup(s.session_id, m.rpc, key, digest)
+            except KeptRefusal:  # told again once the call's record is durable, as it was told
+                held = False
+                registry.locks.give(pool)
+                await registry.recorder.durable()
+                raise
             if kept is not None:  # (its fence stamped already, as the call's was)
                 held = False
                 registry.locks.give(pool)
@@ -290,14 +297,20 @@ class MutationRunner:
         body: bytes | None, answer: A | ServiceError, results: list[bytes] | None = None,
     ) -> bytes | ServiceError:  # fmt: skip
         """Journal an applied call and keep its answer under its key (no await); the
-        call's own error is journaled too (it changed the pool) and returned. Returns
+        call's own error is journaled too (it may have changed the pool), kept under its
+        key (a retry or a late copy is told it again: idempotency.py) and returned. Returns
         the answer's bytes (its fence stamped: what :meth:`positioned` would add is
         there already). ``results``: the encoding of the answer's results, made already
         (:func:`repeated_slices`)."""
         registry = self.registry
         recorder = registry.recorder
         if isinstance(answer, ServiceError):
-            recorder.called(service, m.rpc, request, "", b"", None, body)
+            # kept under its key (a retry, or a late copy, is told it again, never applied
+            # after the pool changed), unless it says "retry later"
+            if not key or answer.status is Status.UNAVAILABLE:
+                key, digest = "", b""
+            registry.idempotency.remember(s.session_id, m.rpc, key, digest, None, answer)
+            recorder.called(service, m.rpc, request, key, digest, None, body)
             return answer
         journal = self._journal()
         if journal is not None and answer.HasField("fence"):
@@ -393,19 +406,29 @@ class MutationRunner:
                 "the journal does not match this kvcoord's rules (records are replayed under the limits "
                 "they were applied with); start the kvcoord version that wrote it"
             )
-        if key and kept is not None:
+        if key and isinstance(answer, ServiceError):  # a refusal kept live (_keep)
+            self._remember_at(s.session_id, m.rpc, key, digest, None, age, answer)
+        elif key and kept is not None:
             if self._unsendable(m, kept, budget) is not None:
                 kept = None  # never sent: its key is a tombstone, as it was live (_keep)
-            store = registry.idempotency
-            real = store.clock
-            at = real() - age  # the record's time on the monotonic clock
-            store.clock = lambda: at
-            try:
-                store.expire()
-                store.remember(s.session_id, m.rpc, key, digest, kept)
-            finally:
-                store.clock = real
+            self._remember_at(s.session_id, m.rpc, key, digest, kept, age)
         return str(request.pool)
+
+    def _remember_at(
+        self, session_id: str, rpc: str, key: str, digest: bytes, kept: bytes | None, age: float,
+        refusal: ServiceError | None = None,
+    ) -> None:  # fmt: skip
+        """Keep a replayed call's answer (or refusal) under its key, as made ``age``
+        seconds of serving time ago."""
+        store = self.registry.idempotency
+        real = store.clock
+        at = real() - age  # the record's time on the monotonic clock
+        store.clock = lambda: at
+        try:
+            store.expire()
+            store.remember(session_id, rpc, key, digest, kept, refusal)
+        finally:
+            store.clock = real
 
     def _journal(self) -> Any:
         return getattr(self.registry.recorder, "journal", None)

@@ -273,10 +273,11 @@ class StepSender(StepGathering):
                 # The server holds another state than this client believed: the request
                 # cannot be trusted any more.
                 op_err = self.forget(item.touched, op_err)
-            elif item.deferred and (kind := item.op.WhichOneof("op")) in ("free", "drop_uncomputed"):
-                # Not applied, nobody waits to see it: a free goes again now (its blocks
-                # must not stay held by a request the client forgot); so does an undone
-                # step's drop an earlier failure kept out (refused, it held nothing)
+            elif (kind := item.op.WhichOneof("op")) == "free" or (
+                item.deferred and kind == "drop_uncomputed"
+            ):
+                # Not applied: a free goes again now, a batch's too (its request is forgotten, its
+                # blocks held by nobody known); so does an undone step's drop a failure kept out
                 if kind == "free" or isinstance(op_err, AbortedError):
                     again.append(item)
             item.pending.set_error(op_err)

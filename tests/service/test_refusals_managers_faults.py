@@ -141,6 +141,7 @@ def _arm(faults: FirstFaulted, fault: str) -> None:
 def test_the_waiting_manager_tells_the_refusal_once_and_agrees_with_the_server(
     server: InProcessServer, name: str, fault: str, stream: bool
 ) -> None:
+    """One explicit batch: [decode, the refused allocation, a free] after a queued free."""
     case = CASES[name]
     faults = FirstFaulted(0, methods=("Step",))
     faults.enabled = False
@@ -189,9 +190,58 @@ def test_the_waiting_manager_tells_the_refusal_once_and_agrees_with_the_server(
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("fault", FAULTS)
 @pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_the_waiting_managers_own_calls_tell_the_refusal_once(
+    server: InProcessServer, name: str, fault: str, stream: bool
+) -> None:
+    """The calls one by one, as the vLLM plug-in makes them: the decode is a Step of its
+    own, the queued free rides with the refused allocation (that Step's answer faulted),
+    the free after it is queued for the next Step."""
+    case = CASES[name]
+    faults = FirstFaulted(0, methods=("Step",))
+    faults.enabled = False
+    with KVCoordClient(server.address, timeout=10, interceptors=[faults], step_stream=stream) as c:
+        c.create_pool(name, case.config())
+        m = RemoteKVCacheManager(c, name, hash_seed="0")
+        both = Both(m, c, name)
+        try:
+            _set_up(both, case)
+            r, hit, want = both.first(case.rid, case.prompt)
+            decoded = both.grow(case.decoded)
+            got = m.allocate_slots(decoded, 1)
+            expected = both.local.allocate_slots(case.decoded, 1)
+            assert got is not None and expected is not None
+            assert got.block_ids == tuple(list(g) for g in expected)
+            decoded.num_computed_tokens += 1
+            both.free(case.queued)
+            _arm(faults, fault)
+            n = len(r.all_token_ids) - hit[1] - 1
+            with pytest.raises(FailedPreconditionError) as err:
+                m.allocate_slots(r, n, hit[1], hit[0], num_external_computed_tokens=1)
+            assert err.value.reason == case.reason
+            with pytest.raises(EngineError) as local_err:
+                both.local.allocate_slots(r.request_id, n, want.num_tokens, want, 0, 1)
+            assert local_err.value.reason == case.reason
+            both.free(case.freed)
+            if fault == "reorder":  # the old copy goes before the next Step
+                m.get_block_ids(case.decoded)
+                assert faults.counts["reordered"] == 1
+            else:
+                assert faults.counts["dropped" if fault == "drop" else "duplicated"] == 1
+            faults.enabled = False
+            both.agree()
+            _goes_on(both, case, r)
+        finally:
+            m.close()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("fault", FAULTS)
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
 def test_the_predicted_manager_sends_nothing_of_the_refusal_and_agrees_with_the_server(
     server: InProcessServer, name: str, fault: str, stream: bool
 ) -> None:
+    """One scheduler step: a free, a decode, the refusal (the mirror's), a free; its Step
+    faulted."""
     case = CASES[name]
     faults = FirstFaulted(0, methods=("Step",))
     faults.enabled = False

@@ -3,7 +3,9 @@ built over real gRPC and, call for call, in an in-process engine pool (the twin 
 server's state is compared with): UNCOUNTED_BLOCKS (a mamba ``align`` group, one block
 short of what it takes: tests/service/test_mamba_external_wire.py) and HIT_BLOCK_TAKEN
 (vllm-0.16, a later group's free hit block at the free queue's head:
-tests/service/test_hit_block_taken_wire.py). Used by test_refusals_under_faults.py."""
+tests/service/test_hit_block_taken_wire.py). Used by test_refusals_under_faults.py and
+test_refusals_managers_faults.py, with :class:`FirstFaulted` (the channel's FaultInjector,
+one fault at a time)."""
 
 from __future__ import annotations
 

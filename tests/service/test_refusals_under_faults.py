@@ -18,9 +18,10 @@ from helpers import hashes
 from kvcoord.client import AbortedError, FailedPreconditionError, KVCoordClient
 from kvcoord.client.answers import op_error
 from kvcoord.client.errors import KVCoordError
+from kvcoord.client.faults import FaultInjector
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
-from refusal_cases import CASES, OTHER, UNCOUNTED, Case, FaultInjector, FirstFaulted, Twin, certain
+from refusal_cases import CASES, OTHER, UNCOUNTED, Case, FirstFaulted, Twin, certain
 
 AFTER = {  # a change after which the refused allocation goes through
     "uncounted": ("free", "y"),

@@ -1,0 +1,526 @@
+"""kvcoord's engine against vLLM's own KVCacheManager with KV-connector tokens. Not a test.
+
+bench/vs_vllm.py's differential check never passes ``num_external_computed_tokens`` (tokens
+a KV connector loads beyond the local prefix hit) nor ``delay_cache_blocks`` (an
+asynchronous load). This one does, on the same layouts and with the same managers (built
+by bench/vs_vllm.py's classes; vLLM 0.16.x or 0.33.x, whichever the venv has):
+
+    PYTHONHASHSEED=0 /var/cache/kvcoord/vllm-venv/bin/python bench/vs_vllm_connector.py \
+        [--seeds 3] [--steps 150] [--first-seed 0] [--layouts full16 ...]
+    PYTHONHASHSEED=0 /var/cache/kvcoord/vllm033-venv/bin/python bench/vs_vllm_connector.py ...
+
+The workload (:func:`workload`) is vLLM's scheduler loop reduced to its manager calls:
+running requests first (a prefill chunk or a decode step; a refusal preempts the last
+running request and retries), then waiting requests in order. A waiting request with no
+computed tokens looks up its prefix; half the time a connector then reports external
+tokens, a random count from 1 to what the prompt has left minus one (the local hit plus
+the external tokens never reach the whole prompt; a third of the counts are rounded so
+that hit + external ends on a block boundary). Of those, 40% load asynchronously: the
+first allocation takes slots for the hit and the external tokens only
+(``delay_cache_blocks=True``, no look-ahead slots), the request waits one or two steps and
+then, when the waiting scan reaches it, the scheduler calls ``cache_blocks(request, hit +
+external)`` and schedules it as a waiting request with computed tokens (no lookup). The
+others load synchronously: the first allocation adopts the hit, takes the external
+tokens' blocks and the first chunk's, and caches. Aborts (running, waiting or loading)
+happen now and then; under 0.33 also vLLM 0.33's admission gate
+(``full_sequence_must_fit``), statistics at admission, ``estimate_cached_tokens``, EAGLE's
+drafts, resets, salts and LoRA adapters, as bench/vs_vllm.py's ``workload033`` has them.
+
+Compared (bench/vs_vllm.py's ``compare``, the first difference stops the run): hits
+(and 0.33's shared-prefix boundaries), new block ids and refusals, free counts after each
+call, every running or loading request's block table (per group) and the free queue's
+head after each step's scheduling, each step's KV events and prefix-cache statistics;
+and kvcoord's pool passes ``check_pool`` after every step.
+
+Where kvcoord raises :class:`~kvcoord.engine.HitBlockTakenError` or
+:class:`~kvcoord.engine.UncountedBlocksError`, vLLM's side must have done the anomaly the
+error names on the same call: after vLLM's allocation one block is in two groups'
+tables (the same blocks the error names), or vLLM's allocation raised ``ValueError``
+("Cannot get ... free blocks") half way. Both sides record the anomaly and drop the
+request; nothing after that is comparable (vLLM's free queue and cache now differ from
+the unchanged pool's), so both sides start again from fresh managers with the next seed
+of the run (``restart`` in the output) for the steps left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import random
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import vs_vllm as base  # noqa: E402
+from kvcoord.engine import ConfigError, HitBlockTakenError, UncountedBlocksError  # noqa: E402
+from kvcoord.engine.invariants import check_pool  # noqa: E402
+
+#: chance that a waiting request's first allocation gets external tokens, and that such
+#: a load is asynchronous
+P_EXTERNAL = 0.5
+P_ASYNC = 0.4
+
+
+class Anomaly(Exception):
+    """A side did what kvcoord refuses loudly: ``kind`` is "shared" (one block in two
+    groups' tables; ``blocks`` names them) or "uncounted" (vLLM ran out of blocks half way)."""
+
+    def __init__(self, kind: str, blocks: tuple[int, ...] = ()) -> None:
+        super().__init__(kind, blocks)
+        self.kind, self.blocks = kind, blocks
+
+
+def _shared(tables: list[list[int]]) -> tuple[int, ...]:
+    """Block ids (the null block 0 aside) in more than one group's table."""
+    seen: dict[int, set[int]] = {}
+    for gid, table in enumerate(tables):
+        for bid in table:
+            if bid:
+                seen.setdefault(bid, set()).add(gid)
+    return tuple(sorted(b for b, groups in seen.items() if len(groups) > 1))
+
+
+class _OursMixin:
+    """kvcoord's side: its two loud refusals become :class:`Anomaly`; ``check`` runs the
+    pool's invariant check."""
+
+    pool: Any
+
+    def _first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int, delay: bool,
+               **more: Any) -> list[list[int]] | None:  # fmt: skip
+        try:
+            out = self.pool.allocate_slots(rid, n, hit_tokens, hit, look, ext, delay, **more)
+        except HitBlockTakenError as exc:
+            named = {int(b) for b in re.findall(r"block (\d+) \(", str(exc))}
+            raise Anomaly("shared", tuple(sorted(named))) from exc
+        except UncountedBlocksError as exc:
+            raise Anomaly("uncounted") from exc
+        return None if out is None else [list(x) for x in out]
+
+    def check(self) -> None:
+        config = self.pool.config
+        if config.profile == "vllm-0.33" and config.prefix_cache_retention_interval is None:
+            # check_pool expects every cached sliding-window block hashed under dense
+            # retention, but a window shorter than a scheduler block leaves some
+            # unhashed there, in vLLM 0.33.0's pool as in kvcoord's (bench/README.md)
+            return
+        violations = check_pool(self.pool).violations
+        if violations:
+            raise base.Difference(f"kvcoord's pool fails check_pool: {violations}")
+
+
+class _VLLMMixin:
+    """vLLM's side: after a first allocation with external tokens, a block in two groups'
+    tables or a ``ValueError`` half way becomes :class:`Anomaly`."""
+
+    m: Any
+    reqs: dict[str, Any]
+
+    def _first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int, delay: bool,
+               **more: Any) -> list[list[int]] | None:  # fmt: skip
+        try:
+            out = self.m.allocate_slots(self.reqs[rid], n, hit_tokens, hit, look, ext, delay, **more)
+        except ValueError as exc:
+            if ext and str(exc).startswith("Cannot get"):
+                raise Anomaly("uncounted") from exc
+            raise
+        if ext:
+            shared = _shared([list(x) for x in self.m.get_block_ids(rid)])
+            if shared:
+                raise Anomaly("shared", shared)
+        return None if out is None else [list(x) for x in out.get_block_ids(allow_none=False)]
+
+    def check(self) -> None:
+        pass
+
+
+class Ours16(_OursMixin, base.Ours):
+    release = "0.16"
+    block_ids = base.Ours033.block_ids
+    free_head = base.Ours033.free_head
+    cache_blocks = base.Ours033.cache_blocks
+
+    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int,
+              delay: bool) -> list[list[int]] | None:  # fmt: skip
+        return self._first(rid, n, hit_tokens, hit, look, ext, delay)
+
+    def grow(self, rid: str, n: int, look: int) -> list[list[int]] | None:
+        return self.allocate(rid, n)
+
+    resume = grow
+
+    def stats(self) -> tuple[Any, ...]:
+        return base._stats_tuple(self.pool.make_prefix_cache_stats())
+
+
+class VLLM16(_VLLMMixin, base.VLLM):
+    release = "0.16"
+    block_ids = base.VLLM033.block_ids
+    free_head = base.VLLM033.free_head
+    cache_blocks = base.VLLM033.cache_blocks
+
+    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int,
+              delay: bool) -> list[list[int]] | None:  # fmt: skip
+        return self._first(rid, n, hit_tokens, hit, look, ext, delay)
+
+    def grow(self, rid: str, n: int, look: int) -> list[list[int]] | None:
+        return self.allocate(rid, n)
+
+    resume = grow
+
+    def stats(self) -> tuple[Any, ...]:
+        return base._stats_tuple(self.m.make_prefix_cache_stats())
+
+
+class Ours33(_OursMixin, base.Ours033):
+    release = "0.33"
+
+    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int,
+              delay: bool) -> list[list[int]] | None:  # fmt: skip
+        return self._first(rid, n, hit_tokens, hit, look, ext, delay, full_sequence_must_fit=True)
+
+    def resume(self, rid: str, n: int, look: int) -> list[list[int]] | None:
+        return self.admit(rid, n, 0, None, look)
+
+
+class VLLM33(_VLLMMixin, base.VLLM033):
+    release = "0.33"
+
+    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int,
+              delay: bool) -> list[list[int]] | None:  # fmt: skip
+        return self._first(rid, n, hit_tokens, hit, look, ext, delay, full_sequence_must_fit=True)
+
+    def resume(self, rid: str, n: int, look: int) -> list[list[int]] | None:
+        return self.admit(rid, n, 0, None, look)
+
+
+def workload(
+    make: Callable[[], Any], seed: int, steps: int, trace: list[Any], spec_tokens: int
+) -> dict[str, int]:
+    """The scheduler loop with a KV connector (see the module docstring); appends every
+    answer to ``trace`` and returns what it exercised. ``make`` builds a fresh side (at
+    the start and after each anomaly)."""
+    counts = {"external": 0, "async": 0, "cached": 0, "refused": 0, "restarts": 0}
+    left = steps
+    attempt = 0
+    while left > 0:
+        left = _run(make(), random.Random(seed * 1000 + attempt), left, trace, spec_tokens, counts)
+        attempt += 1
+        counts["restarts"] += left > 0
+    return counts
+
+
+def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_tokens: int,
+         counts: dict[str, int]) -> int:  # fmt: skip
+    """Run until ``steps`` steps are done or an anomaly: returns the steps left."""
+    v033 = side.release == "0.33"
+    systems = [[rnd.randrange(32000) for _ in range(n)] for n in (64, 200, 500)]
+    tokens: dict[str, list[int]] = {}
+    computed: dict[str, int] = {}
+    decode_left: dict[str, int] = {}
+    prompt_len: dict[str, int] = {}
+    loading: dict[str, int] = {}  # asynchronous loads: steps until the load lands
+    load_end: dict[str, int] = {}  # their hit + external tokens
+    loaded: dict[str, int] = {}  # loads that landed: the tokens cached, computed from there
+    running: list[str] = []
+    waiting: list[str] = []
+    keys: dict[str, Any] = {}
+    history: list[tuple[list[int], Any]] = []
+    finished: list[tuple[list[int], Any]] = []
+    estimated: set[str] = set()
+    nid = 0
+    rec = trace.append
+    mamba_align = getattr(side, "mamba_align", False)
+
+    def sync(fn: Any) -> None:
+        if fn is not None:
+            fn()
+
+    def preempt(victim: str) -> None:
+        side.preempt(victim)
+        computed[victim] = 0
+        waiting.insert(0, victim)
+        rec(("preempt", victim, side.num_free()))
+
+    def finish(rid: str) -> None:
+        side.free(rid)
+        rec(("free", rid, side.num_free()))
+        (running if rid in running else waiting).remove(rid)
+        for d in (loading, load_end, loaded):
+            d.pop(rid, None)
+        for d in (tokens, computed, decode_left, prompt_len, keys):
+            del d[rid]
+
+    def after_output(rid: str, new_computed: int, appended: list[int]) -> None:
+        computed[rid] = new_computed
+        tokens[rid].extend(appended)
+        sync(side.advance(rid, new_computed, appended))
+        if spec_tokens and appended:
+            side.cache_blocks(rid, new_computed)
+            rec(("cached", rid, side.num_free()))
+
+    def chunk(rid: str, start: int, n: int) -> int:
+        if not mamba_align:
+            return n
+        return base._aligned_chunk(side, start, n, max(prompt_len[rid], len(tokens[rid]) - 1))
+
+    for step in range(steps):
+        if v033:
+            side.step_start()
+            if rnd.random() < 0.03:
+                if rnd.random() < 0.5:
+                    while running:
+                        preempt(running.pop())
+                rec(("reset", side.reset(), side.num_free()))
+        if tokens and rnd.random() < 0.05:  # an abort: running, waiting or loading
+            finish(rnd.choice(sorted(tokens)))
+        for rid in loading:
+            loading[rid] -= 1
+        while len(tokens) < 24 and rnd.random() < 0.7:
+            rid = f"r{nid}"
+            nid += 1
+            pick = rnd.random()
+            if pick < 0.15 and history:
+                toks, k = rnd.choice(history)
+            elif pick < 0.35 and finished:
+                toks, k = rnd.choice(finished)
+                toks = (toks + [rnd.randrange(32000) for _ in range(rnd.randint(1, 100))])[:1400]
+            else:
+                tail = [rnd.randrange(32000) for _ in range(rnd.randint(1, 700))]
+                toks = (rnd.choice(systems) + tail)[:1200]
+                salt = rnd.choice(("salt-a", "salt-b")) if v033 and rnd.random() < 0.1 else None
+                k = (salt, rnd.choice(base.LORAS_033) if v033 and rnd.random() < 0.1 else None)
+            history.append((toks, k))
+            tokens[rid], computed[rid], decode_left[rid] = list(toks), 0, rnd.randint(1, 40)
+            prompt_len[rid], keys[rid] = len(toks), k
+            waiting.append(rid)
+            sync(side.add(rid, list(toks), *k) if v033 else side.add(rid, list(toks)))
+        budget = base.BUDGET_033
+        scheduled: list[tuple[str, int, int]] = []
+        preempted = False
+        index = 0
+        while index < len(running) and budget > 0:
+            rid = running[index]
+            remaining = len(tokens[rid]) - computed[rid]
+            drafts = spec_tokens if remaining == 1 and len(tokens[rid]) > prompt_len[rid] else 0
+            n = min(remaining + drafts, budget, 512)
+            drafts = min(drafts, n - 1)
+            n = chunk(rid, computed[rid], n)
+            if n == 0:
+                index += 1
+                continue
+            while True:
+                new = side.grow(rid, n, spec_tokens)
+                rec(("alloc", rid, new, side.num_free()))
+                if new is not None:
+                    break
+                victim = running.pop()
+                preempted = True
+                preempt(victim)
+                if victim == rid:
+                    break
+            if new is None:
+                break
+            scheduled.append((rid, n, drafts))
+            budget -= n
+            index += 1
+        index = 0
+        while index < len(waiting) and budget > 0 and not preempted:
+            rid = waiting[index]
+            if rid in loading:
+                if loading[rid] > 0:
+                    index += 1  # still loading: skipped this step
+                    continue
+                # the load landed: cache what it wrote, then schedule from there
+                del loading[rid]
+                done = loaded[rid] = computed[rid] = load_end.pop(rid)
+                side.cache_blocks(rid, done)
+                sync(side.advance(rid, done, []))
+                counts["cached"] += 1
+                rec(("landed", rid, done, side.num_free()))
+            if rid in loaded:
+                start = loaded[rid]
+                n = chunk(rid, start, min(len(tokens[rid]) - start, budget, 512))
+                if n == 0:
+                    break
+                new = side.resume(rid, n, spec_tokens)
+                rec(("resume", rid, new, side.num_free()))
+                if new is None:
+                    counts["refused"] += 1
+                    break
+                del loaded[rid]
+            else:
+                hit, ids, n_hit = side.lookup(rid)
+                rec(("hit", rid, ids, n_hit, side.boundary(rid) if v033 else 0))
+                room = len(tokens[rid]) - n_hit - 1
+                ext = 0
+                if room >= 1 and rnd.random() < P_EXTERNAL:
+                    ext = rnd.randint(1, room)
+                    if rnd.random() < 1 / 3 and (n_hit + ext) // 16 * 16 > n_hit:
+                        ext = (n_hit + ext) // 16 * 16 - n_hit
+                delay = ext > 0 and rnd.random() < P_ASYNC
+                start = n_hit + ext
+                n = 0 if delay else chunk(rid, start, min(len(tokens[rid]) - start, budget, 512))
+                if n == 0 and not delay:
+                    break
+                try:
+                    new = side.first(rid, n, n_hit, hit, 0 if delay else spec_tokens, ext, delay)
+                except Anomaly as exc:
+                    rec(("anomaly", exc.kind, rid, exc.blocks, ext, delay))
+                    return steps - step
+                rec(("admit", rid, new, side.num_free(), ext, delay))
+                if new is None:
+                    counts["refused"] += 1
+                    break
+                counts["external"] += ext > 0
+                if v033:
+                    side.record_stats(rid, n_hit)
+                if delay:
+                    counts["async"] += 1
+                    loading[rid] = rnd.randint(1, 2)
+                    load_end[rid] = start
+                    if v033:  # 0.33 sets the request's computed tokens now, 0.16 when it lands
+                        computed[rid] = start
+                        sync(side.advance(rid, start, []))
+                    index += 1
+                    continue
+            waiting.pop(index)
+            running.append(rid)
+            computed[rid] = start
+            scheduled.append((rid, n, 0))
+            budget -= n
+        for rid in running + [r for r in waiting if r in loading or r in loaded]:
+            rec(("blocks", rid, side.block_ids(rid)))
+        rec(("free queue", side.free_head(8)))
+        for rid, n, drafts in scheduled:
+            if rid not in running:
+                continue
+            done = computed[rid] + n - drafts
+            if done < len(tokens[rid]):
+                after_output(rid, done, [])
+                continue
+            first = rid not in estimated
+            estimated.add(rid)
+            if decode_left[rid] <= 0:
+                if first and v033:
+                    rec(("estimate", rid, side.estimate(rid)))
+                finished.append((tokens[rid], keys[rid]))
+                finish(rid)
+                continue
+            accepted = rnd.randint(0, drafts)
+            decode_left[rid] -= 1 + accepted
+            after_output(rid, done + accepted, [rnd.randrange(32000) for _ in range(1 + accepted)])
+            if first and v033:
+                rec(("estimate", rid, side.estimate(rid)))
+        rec(("events", side.events()))
+        rec(("stats", side.stats()))
+        side.check()
+    return 0
+
+
+def modes(release: str) -> list[tuple[bool, bool, str]]:
+    """(caching, EAGLE, drop) settings: 0.16 EAGLE off and on; 0.33 with caching on EAGLE
+    off and its trailing-block drop in the draft's group or in every group (beside a KV
+    connector 0.33 drops the block instead of hashing look-ahead tokens), with caching
+    off EAGLE off and on."""
+    if release == "0.16":
+        return [(True, False, ""), (True, True, "")]
+    return [
+        (True, False, ""),
+        (True, True, "first"),
+        (True, True, "all"),
+        (False, False, ""),
+        (False, True, ""),
+    ]
+
+
+def sides(release: str, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, caching: bool, eagle: bool,
+          drop: str) -> tuple[Callable[[], Any], Callable[[], Any]]:  # fmt: skip
+    """Factories of vLLM's side and kvcoord's."""
+    if release == "0.16":
+        return (lambda: VLLM16(layout, num_blocks, eagle)), (lambda: Ours16(layout, num_blocks, eagle))
+    return (
+        lambda: VLLM33(layout, num_blocks, eagle, caching, drop),
+        lambda: Ours33(layout, num_blocks, eagle, caching, drop),
+    )
+
+
+def check(release: str, seeds: range, steps: int, layouts: dict[str, list[tuple[str, dict[str, Any]]]],
+          out: Callable[[str], None] = print) -> dict[str, dict[str, int]]:  # fmt: skip
+    """Every layout and setting of :func:`modes`, each seed: raises
+    :class:`vs_vllm.Difference` at the first differing answer; returns per layout the
+    answers compared and what the runs exercised (external loads, asynchronous ones,
+    anomalies by kind, restarts)."""
+    totals: dict[str, dict[str, int]] = {}
+    for name, layout in layouts.items():
+        total = totals.setdefault(name, {})
+        for caching, eagle, drop in modes(release):
+            if release == "0.16" and eagle and name == "full16+swa32(w128)":
+                continue  # EAGLE needs sliding block size == LCM: refused by both
+            label = f"caching={caching} eagle={eagle}" + (f" drop={drop}" if drop else "")
+            theirs, ours = sides(release, layout, 2, caching, eagle, drop)
+            try:
+                ours()
+            except ConfigError as exc:
+                out(f"skipped    {name} {label}: refused ({exc})")
+                continue
+            for seed in seeds:
+                num_blocks = (400 if release == "0.16" else 300) + 200 * (seed % 3)
+                theirs, ours = sides(release, layout, num_blocks, caching, eagle, drop)
+                spec = base.SPEC_TOKENS_033 if eagle and release == "0.33" else 0
+                a: list[Any] = []
+                b: list[Any] = []
+                where = f"{name} {label} seed={seed} blocks={num_blocks}"
+                counts = workload(theirs, seed, steps, a, spec)
+                try:
+                    workload(ours, seed, steps, b, spec)
+                except base.Difference as exc:
+                    raise base.Difference(f"{where}: {exc}") from None
+                base.compare(where, a, b)
+                anomalies = [x for x in a if x[0] == "anomaly"]
+                counts["answers"] = len(a)
+                counts["shared"] = sum(x[1] == "shared" for x in anomalies)
+                counts["uncounted"] = sum(x[1] == "uncounted" for x in anomalies)
+                for key, value in counts.items():
+                    total[key] = total.get(key, 0) + value
+                out(f"identical  {where}: {len(a)} answers, {counts['external']} external loads "
+                    f"({counts['async']} async, {counts['cached']} landed), {counts['refused']} refusals, "
+                    f"anomalies: {counts['shared']} shared, {counts['uncounted']} uncounted")  # fmt: skip
+    return totals
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--layouts", nargs="*", help="only these layouts (names as printed)")
+    args = parser.parse_args()
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        raise SystemExit("run with PYTHONHASHSEED=0 so that vLLM's NONE_HASH is the seeded one")
+    installed = importlib.metadata.version("vllm")
+    release = ".".join(installed.split(".")[:2])
+    if release not in ("0.16", "0.33"):
+        raise SystemExit(f"vLLM {installed} is installed; this compares with 0.16.x or 0.33.x")
+    every = base.LAYOUTS if release == "0.16" else base.LAYOUTS_033
+    chosen = {k: v for k, v in every.items() if not args.layouts or k in args.layouts}
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    try:
+        totals = check(release, seeds, args.steps, chosen, out=lambda line: print(line, flush=True))
+    except base.Difference as exc:
+        raise SystemExit(str(exc)) from None
+    for name, t in totals.items():
+        print(f"{name:<31} {t.get('answers', 0):>8} answers {t.get('external', 0):>5} external "
+              f"{t.get('async', 0):>5} async {t.get('shared', 0):>3} shared {t.get('uncounted', 0):>3} uncounted")  # fmt: skip
+    answers = sum(t.get("answers", 0) for t in totals.values())
+    print(f"connector check: {answers} answers identical to vLLM {installed}")
+
+
+if __name__ == "__main__":
+    main()

@@ -103,6 +103,9 @@ class _OursMixin:
             raise Anomaly("uncounted") from exc
         return None if out is None else [list(x) for x in out]
 
+    def num_groups(self) -> int:
+        return len(self.pool.managers)
+
     def check(self) -> None:
         config = self.pool.config
         if config.profile == "vllm-0.33" and config.prefix_cache_retention_interval is None:
@@ -136,6 +139,9 @@ class _VLLMMixin:
                 raise Anomaly("shared", shared)
         return None if out is None else [list(x) for x in out.get_block_ids(allow_none=False)]
 
+    def num_groups(self) -> int:
+        return len(self.m.coordinator.single_type_managers)
+
     def check(self) -> None:
         pass
 
@@ -146,8 +152,8 @@ class Ours16(_OursMixin, base.Ours):
     free_head = base.Ours033.free_head
     cache_blocks = base.Ours033.cache_blocks
 
-    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int,
-              delay: bool) -> list[list[int]] | None:  # fmt: skip
+    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int, delay: bool,
+              reserved: int) -> list[list[int]] | None:  # fmt: skip
         return self._first(rid, n, hit_tokens, hit, look, ext, delay)
 
     def grow(self, rid: str, n: int, look: int) -> list[list[int]] | None:
@@ -165,8 +171,8 @@ class VLLM16(_VLLMMixin, base.VLLM):
     free_head = base.VLLM033.free_head
     cache_blocks = base.VLLM033.cache_blocks
 
-    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int,
-              delay: bool) -> list[list[int]] | None:  # fmt: skip
+    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int, delay: bool,
+              reserved: int) -> list[list[int]] | None:  # fmt: skip
         return self._first(rid, n, hit_tokens, hit, look, ext, delay)
 
     def grow(self, rid: str, n: int, look: int) -> list[list[int]] | None:
@@ -181,9 +187,10 @@ class VLLM16(_VLLMMixin, base.VLLM):
 class Ours33(_OursMixin, base.Ours033):
     release = "0.33"
 
-    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int,
-              delay: bool) -> list[list[int]] | None:  # fmt: skip
-        return self._first(rid, n, hit_tokens, hit, look, ext, delay, full_sequence_must_fit=True)
+    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int, delay: bool,
+              reserved: int) -> list[list[int]] | None:  # fmt: skip
+        return self._first(rid, n, hit_tokens, hit, look, ext, delay, full_sequence_must_fit=True,
+                           reserved_blocks=reserved)  # fmt: skip
 
     def resume(self, rid: str, n: int, look: int) -> list[list[int]] | None:
         return self.admit(rid, n, 0, None, look)
@@ -192,12 +199,36 @@ class Ours33(_OursMixin, base.Ours033):
 class VLLM33(_VLLMMixin, base.VLLM033):
     release = "0.33"
 
-    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int,
-              delay: bool) -> list[list[int]] | None:  # fmt: skip
-        return self._first(rid, n, hit_tokens, hit, look, ext, delay, full_sequence_must_fit=True)
+    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int, delay: bool,
+              reserved: int) -> list[list[int]] | None:  # fmt: skip
+        return self._first(rid, n, hit_tokens, hit, look, ext, delay, full_sequence_must_fit=True,
+                           reserved_blocks=reserved)  # fmt: skip
 
     def resume(self, rid: str, n: int, look: int) -> list[list[int]] | None:
         return self.admit(rid, n, 0, None, look)
+
+
+#: chance that an asynchronous load fails part way (one-group layouts only: vLLM's
+#: scheduler handles invalid blocks of one group only)
+P_FAILED_LOAD = 0.2
+
+
+def _landed(side: Any, rnd: random.Random, hit: int, end: int, num_tokens: int) -> tuple[int, bool]:
+    """The tokens a landed asynchronous load counts as computed (and caches), as vLLM's
+    scheduler decides them: 0.33 the hit and the external tokens; 0.16 with one group its
+    blocks' tokens (``len(block_ids) * block_size``, at most the request's tokens less
+    one). With one group a load fails now and then at a block past the hit (both
+    releases then compute from that block's start; a failure at block 0, which frees
+    the request, is not modelled)."""
+    groups = side.num_groups()
+    if groups == 1 and side.release == "0.16":
+        end = min(-(-end // 16) * 16, num_tokens)
+        end -= end == num_tokens
+    if groups == 1 and rnd.random() < P_FAILED_LOAD:
+        first_bad = range(max(1, hit // 16), -(-end // 16))
+        if first_bad:
+            return min(end, rnd.choice(first_bad) * 16), True
+    return end, False
 
 
 def workload(
@@ -206,7 +237,7 @@ def workload(
     """The scheduler loop with a KV connector (see the module docstring); appends every
     answer to ``trace`` and returns what it exercised. ``make`` builds a fresh side (at
     the start and after each anomaly)."""
-    counts = {"external": 0, "async": 0, "cached": 0, "refused": 0, "restarts": 0}
+    counts = {"external": 0, "async": 0, "cached": 0, "failed": 0, "refused": 0, "restarts": 0}
     left = steps
     attempt = 0
     while left > 0:
@@ -227,6 +258,7 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
     prompt_len: dict[str, int] = {}
     loading: dict[str, int] = {}  # asynchronous loads: steps until the load lands
     load_end: dict[str, int] = {}  # their hit + external tokens
+    hits: dict[str, int] = {}  # their local hits
     loaded: dict[str, int] = {}  # loads that landed: the tokens cached, computed from there
     running: list[str] = []
     waiting: list[str] = []
@@ -252,7 +284,7 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
         side.free(rid)
         rec(("free", rid, side.num_free()))
         (running if rid in running else waiting).remove(rid)
-        for d in (loading, load_end, loaded):
+        for d in (loading, load_end, loaded, hits):
             d.pop(rid, None)
         for d in (tokens, computed, decode_left, prompt_len, keys):
             del d[rid]
@@ -339,7 +371,9 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                     continue
                 # the load landed: cache what it wrote, then schedule from there
                 del loading[rid]
-                done = loaded[rid] = computed[rid] = load_end.pop(rid)
+                done, failed = _landed(side, rnd, hits.pop(rid), load_end.pop(rid), len(tokens[rid]))
+                counts["failed"] += failed
+                loaded[rid] = computed[rid] = done
                 side.cache_blocks(rid, done)
                 sync(side.advance(rid, done, []))
                 counts["cached"] += 1
@@ -370,7 +404,9 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                 if n == 0 and not delay:
                     break
                 try:
-                    new = side.first(rid, n, n_hit, hit, 0 if delay else spec_tokens, ext, delay)
+                    # 0.33 keeps blocks free for other loads and prefills in flight
+                    reserved = rnd.randint(0, 8) if delay and v033 else 0
+                    new = side.first(rid, n, n_hit, hit, 0 if delay else spec_tokens, ext, delay, reserved)
                 except Anomaly as exc:
                     rec(("anomaly", exc.kind, rid, exc.blocks, ext, delay))
                     return steps - step
@@ -385,6 +421,7 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                     counts["async"] += 1
                     loading[rid] = rnd.randint(1, 2)
                     load_end[rid] = start
+                    hits[rid] = n_hit
                     if v033:  # 0.33 sets the request's computed tokens now, 0.16 when it lands
                         computed[rid] = start
                         sync(side.advance(rid, start, []))
@@ -471,7 +508,7 @@ def check(release: str, seeds: range, steps: int, layouts: dict[str, list[tuple[
                 out(f"skipped    {name} {label}: refused ({exc})")
                 continue
             for seed in seeds:
-                num_blocks = (400 if release == "0.16" else 300) + 200 * (seed % 3)
+                num_blocks = (400 if release == "0.16" else 300) + 200 * (seed % 4)
                 theirs, ours = sides(release, layout, num_blocks, caching, eagle, drop)
                 spec = base.SPEC_TOKENS_033 if eagle and release == "0.33" else 0
                 a: list[Any] = []
@@ -490,7 +527,7 @@ def check(release: str, seeds: range, steps: int, layouts: dict[str, list[tuple[
                 for key, value in counts.items():
                     total[key] = total.get(key, 0) + value
                 out(f"identical  {where}: {len(a)} answers, {counts['external']} external loads "
-                    f"({counts['async']} async, {counts['cached']} landed), {counts['refused']} refusals, "
+                    f"({counts['async']} async, {counts['cached']} landed, {counts['failed']} failed), {counts['refused']} refusals, "
                     f"anomalies: {counts['shared']} shared, {counts['uncounted']} uncounted")  # fmt: skip
     return totals
 

@@ -21,7 +21,13 @@ first allocation takes slots for the hit and the external tokens only
 then, when the waiting scan reaches it, the scheduler calls ``cache_blocks(request, hit +
 external)`` and schedules it as a waiting request with computed tokens (no lookup). The
 others load synchronously: the first allocation adopts the hit, takes the external
-tokens' blocks and the first chunk's, and caches. Aborts (running, waiting or loading)
+tokens' blocks and the first chunk's, and caches. Where the layout has one group, a
+fifth of the asynchronous loads fail part way (at a block past the hit, as a connector
+reports invalid blocks): the scheduler caches and computes from that block's start.
+Under 0.16 with one group a landed load counts its blocks' tokens (at most the prompt
+less one), as 0.16's scheduler does; under 0.33 an asynchronous first allocation keeps
+0-8 blocks free for other loads in flight (``reserved_blocks``). Aborts (running,
+waiting or loading)
 happen now and then; under 0.33 also vLLM 0.33's admission gate
 (``full_sequence_must_fit``), statistics at admission, ``estimate_cached_tokens``, EAGLE's
 drafts, resets, salts and LoRA adapters, as bench/vs_vllm.py's ``workload033`` has them.

@@ -214,6 +214,26 @@ class VLLM33(_VLLMMixin, base.VLLM033):
         return self.admit(rid, n, 0, None, look)
 
 
+#: layouts beside bench/vs_vllm.py's with another group before full attention (a group
+#: adopting the external tokens first takes blocks from the free queue's head before the
+#: full attention group touches its hit)
+EXTRA_LAYOUTS = {
+    "0.16": {
+        "swa16(w128)+full16": [("swa", {"sliding_window": 128}), ("full", {})],
+        "mamba16(all)+full16": [("mamba", {}), ("full", {})],
+    },
+    "0.33": {
+        "swa16(w128)+full16": [("swa", {"sliding_window": 128}), ("full", {})],
+        "mamba16(align)+full16": [("mamba_align", {}), ("full", {})],
+    },
+}
+
+
+def layouts(release: str) -> dict[str, list[tuple[str, dict[str, Any]]]]:
+    """bench/vs_vllm.py's layouts of ``release`` and :data:`EXTRA_LAYOUTS`."""
+    return {**(base.LAYOUTS if release == "0.16" else base.LAYOUTS_033), **EXTRA_LAYOUTS[release]}
+
+
 #: chance that an asynchronous load fails part way (one-group layouts only: vLLM's
 #: scheduler handles invalid blocks of one group only)
 P_FAILED_LOAD = 0.2
@@ -551,7 +571,7 @@ def main() -> None:
     release = ".".join(installed.split(".")[:2])
     if release not in ("0.16", "0.33"):
         raise SystemExit(f"vLLM {installed} is installed; this compares with 0.16.x or 0.33.x")
-    every = base.LAYOUTS if release == "0.16" else base.LAYOUTS_033
+    every = layouts(release)
     chosen = {k: v for k, v in every.items() if not args.layouts or k in args.layouts}
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     try:

@@ -113,12 +113,6 @@ class _OursMixin:
         return len(self.pool.managers)
 
     def check(self) -> None:
-        config = self.pool.config
-        if config.profile == "vllm-0.33" and config.prefix_cache_retention_interval is None:
-            # check_pool expects every cached sliding-window block hashed under dense
-            # retention, but a window shorter than a scheduler block leaves some
-            # unhashed there, in vLLM 0.33.0's pool as in kvcoord's (bench/README.md)
-            return
         violations = check_pool(self.pool).violations
         if violations:
             raise base.Difference(f"kvcoord's pool fails check_pool: {violations}")

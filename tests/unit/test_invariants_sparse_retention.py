@@ -5,7 +5,8 @@ hash below a request's cached count is vLLM 0.33.0's own state (its manager hold
 tables and hashes the same blocks: tests/with_vllm/test_mamba_external_vs_vllm.py) and is
 no violation. A block hashed under another key than the request's at a cached position is
 still one, and so is an unhashed one wherever retention is dense or the group is full
-attention.
+attention, except the window blocks dense retention itself leaves unhashed (a window
+shorter than a scheduler block: only the blocks ending each scheduler block are kept).
 """
 
 from __future__ import annotations
@@ -138,4 +139,30 @@ def test_an_unhashed_cached_position_is_still_reported_where_retention_is_dense(
     assert sparse.block_pool.evict_cached_block(sparse.block_pool.blocks[2])
     assert check_pool(sparse, evicted=False).violations == (
         "request 'a': block 2 at position 1 < num_cached 2 in group 0 is not cached",
+    )
+
+
+def test_a_dense_window_shorter_than_a_scheduler_block_leaves_blocks_unhashed_consistently() -> None:
+    """Dense retention (None) keeps, per scheduler block, only the window tail a hit
+    needs: full attention of 8-token blocks beside a window of 4 tokens in 4-token blocks
+    (scheduler block 8) hashes every other window block, the one ending each scheduler
+    block, as vLLM 0.33.0's manager does (tests/with_vllm/test_vs_vllm_connector.py
+    compares the positions); the others are live and unhashed below the cached count, no
+    violation. An evicted kept block is still one."""
+    p = KVCachePool(
+        KVCacheConfig(
+            20, (FullAttentionSpec(8), SlidingWindowSpec(4, 4)), 4, max_model_len=64,
+            profile="vllm-0.33", max_in_flight_tokens=1024, prefix_cache_retention_interval=None,
+        )
+    )  # fmt: skip
+    tokens = list(range(1, 22))
+    p.add_request("a", tokens, hashes(tokens))
+    assert p.allocate_slots("a", 21) is not None
+    count, ids = cached_at(p, 1, "a")
+    assert count == 4 and [i is None for i in ids[:4]] == [True, False, True, False]
+    assert check_pool(p).violations == ()
+    kept = ids[1]
+    assert kept is not None and p.block_pool.evict_cached_block(p.block_pool.blocks[kept])
+    assert check_pool(p, evicted=False).violations == (
+        f"request 'a': block {kept} at position 1 < num_cached 4 in group 1 is not cached",
     )

@@ -20,6 +20,7 @@ from types import ModuleType
 
 import pytest
 from harness import V033
+from kvcoord.engine.invariants import check_pool
 
 ROOT = Path(__file__).resolve().parents[2]
 #: seeds and scheduler steps per layout and setting (the bench: 3 x 150)
@@ -82,3 +83,35 @@ def test_every_answer_with_connector_tokens_equals_vllms(release: str, layout: s
         assert t["shared"] == 0, (t, lines)  # 0.33 touches every hit first
     if layout in ("full16", "swa16(w64)"):
         assert t["failed"] > 0, (t, lines)  # failed asynchronous loads (one group)
+
+
+@pytest.mark.skipif(not V033, reason="vLLM 0.33.0 only (dense retention is a 0.33 setting)")
+def test_dense_retention_leaves_the_same_window_blocks_unhashed_as_vllm_033_and_checks_clean() -> None:
+    """bench/vs_vllm.py's "full32+swa16(w16) dense" layout: a 600-token prompt's first
+    chunk (512 tokens). A 16-token window needs one 16-token block per 32-token scheduler
+    block, so dense retention hashes every other window block. vLLM 0.33.0's manager and
+    kvcoord's pool hash the same positions in every group with the same cached counts,
+    and check_pool accepts the unhashed ones (it reported each as "is not cached" before)."""
+    bench = _bench()
+    layout = bench.base.LAYOUTS_033["full32+swa16(w16) dense"]
+    tokens = list(range(1000, 1600))
+    seen = []
+    for side in (bench.VLLM33(layout, 300, False, True, ""), bench.Ours33(layout, 300, False, True, "")):
+        side.step_start()
+        sync = side.add("a", tokens)
+        if sync is not None:
+            sync()
+        hit, _ids, n = side.lookup("a")
+        assert side.admit("a", 512, n, hit, 0) is not None
+        pool = side.m if hasattr(side, "m") else side.pool
+        managers = pool.coordinator.single_type_managers if hasattr(side, "m") else pool.managers
+        blocks = pool.block_pool.blocks
+        seen.append(
+            [
+                (m.num_cached_block["a"], [blocks[b].block_hash is not None for b in table])
+                for m, table in zip(managers, side.block_ids("a"), strict=True)
+            ]
+        )
+    assert seen[0] == seen[1]
+    assert seen[0][1][0] == 32 and seen[0][1][1][:4] == [False, True, False, True]
+    assert check_pool(side.pool).violations == ()

@@ -8,14 +8,17 @@ an empty list means the pool is consistent. The service exposes it to operators
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 from .blocks import KVCacheBlock
+from .config import attention_groups
 from .hash_list import hashes_at_block_size, key_with_group, request_keys
 from .managers import FullAttentionManager
 from .pool import KVCachePool
 from .profiles import VLLM_033
+from .retention import window_block_mask
 from .specs import MambaSpec, SlidingWindowSpec
 
 __all__ = ["PoolCheck", "check_pool"]
@@ -177,6 +180,7 @@ def _check(
         for rid, blocks in m.req_to_blocks.items():
             req = pool.requests.get(rid)
             num_cached = m.num_cached_block.get(rid, 0)
+            kept = _dense_window_kept(pool, m.group_id, num_cached)
             hashes = (
                 hashes_at_block_size(
                     request_keys(req.block_hashes, req.cache_prefix), pool.hash_block_size, m.block_size
@@ -213,9 +217,13 @@ def _check(
                         return True
                 elif not evicted and pool.enable_caching and i < len(hashes):
                     if b.block_hash is None:
-                        if not sparse and fail(
-                            f"request {rid!r}: block {b.block_id} at position {i} < num_cached "
-                            f"{num_cached} in group {m.group_id} is not cached"
+                        if (
+                            not sparse
+                            and (kept is None or kept[i])
+                            and fail(
+                                f"request {rid!r}: block {b.block_id} at position {i} < num_cached "
+                                f"{num_cached} in group {m.group_id} is not cached"
+                            )
                         ):
                             return True
                     elif b.block_hash != key_with_group(hashes[i], m.group_id) and fail(
@@ -229,7 +237,8 @@ def _check(
 def _retains_sparsely(pool: KVCachePool, group_id: int) -> bool:
     """Whether group ``group_id`` may hold live blocks without a hash below a request's
     cached count: a sliding-window or mamba group of a vllm-0.33 pool whose
-    ``prefix_cache_retention_interval`` is not ``None`` (sparse, 0, or periodic).
+    ``prefix_cache_retention_interval`` is not ``None`` (sparse, 0, or periodic). (Dense
+    retention's window groups: :func:`_dense_window_kept`.)
 
     Such a group's caching step advances the request's cached count over every newly
     full block but hashes only those its retention keeps (a sliding-window tail per
@@ -246,4 +255,28 @@ def _retains_sparsely(pool: KVCachePool, group_id: int) -> bool:
         config.profile == VLLM_033
         and config.prefix_cache_retention_interval is not None
         and isinstance(config.groups[group_id], (SlidingWindowSpec, MambaSpec))
+    )
+
+
+def _dense_window_kept(pool: KVCachePool, group_id: int, num_cached: int) -> list[bool] | None:
+    """Under dense retention (``None``) in a vllm-0.33 pool with more than one group, which
+    of a sliding-window group's first ``num_cached`` positions are hashed (``None``: all
+    of them, or not such a group). Dense retention keeps, per scheduler block, the last
+    blocks a hit of the window needs (:func:`~kvcoord.engine.retention.window_block_mask`,
+    EAGLE's drop included), so where those are fewer than a scheduler block holds the
+    others are live and unhashed below the cached count, in vLLM 0.33.0's manager as in
+    the pool. (One group: the scheduler block is the group's block, always kept whole.)"""
+    config = pool.config
+    spec = config.groups[group_id]
+    if (
+        config.profile != VLLM_033
+        or config.prefix_cache_retention_interval is not None
+        or not isinstance(spec, SlidingWindowSpec)
+        or len(config.groups) == 1
+    ):
+        return None
+    scheduler = config.scheduler_block_size or math.lcm(*(g.block_size for g in config.groups))
+    ids = next(ids for _, ids in attention_groups(config.groups) if group_id in ids)
+    return window_block_mask(
+        spec.sliding_window, spec.block_size, scheduler, None, 0, num_cached, (), config.eagle_drops(ids)
     )

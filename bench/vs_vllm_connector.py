@@ -32,6 +32,10 @@ happen now and then; under 0.33 also vLLM 0.33's admission gate
 (``full_sequence_must_fit``), statistics at admission, ``estimate_cached_tokens``, EAGLE's
 drafts, resets, salts and LoRA adapters, as bench/vs_vllm.py's ``workload033`` has them.
 
+Pools of 400, 600, 800 or 1,000 blocks under 0.16 and 300, 500, 700 or 900 under 0.33
+(by seed), or ``--blocks N``; the layouts are bench/vs_vllm.py's for the release and
+:data:`EXTRA_LAYOUTS` (a window or mamba group before full attention).
+
 Compared (bench/vs_vllm.py's ``compare``, the first difference stops the run): hits
 (and 0.33's shared-prefix boundaries), new block ids and refusals, free counts after each
 call, every running or loading request's block table (per group) and the free queue's
@@ -509,7 +513,7 @@ def sides(release: str, layout: list[tuple[str, dict[str, Any]]], num_blocks: in
 
 
 def check(release: str, seeds: range, steps: int, layouts: dict[str, list[tuple[str, dict[str, Any]]]],
-          out: Callable[[str], None] = print) -> dict[str, dict[str, int]]:  # fmt: skip
+          out: Callable[[str], None] = print, blocks: int = 0) -> dict[str, dict[str, int]]:  # fmt: skip
     """Every layout and setting of :func:`modes`, each seed: raises
     :class:`vs_vllm.Difference` at the first differing answer; returns per layout the
     answers compared and what the runs exercised (external loads, asynchronous ones,
@@ -528,7 +532,7 @@ def check(release: str, seeds: range, steps: int, layouts: dict[str, list[tuple[
                 out(f"skipped    {name} {label}: refused ({exc})")
                 continue
             for seed in seeds:
-                num_blocks = (400 if release == "0.16" else 300) + 200 * (seed % 4)
+                num_blocks = blocks or (400 if release == "0.16" else 300) + 200 * (seed % 4)
                 theirs, ours = sides(release, layout, num_blocks, caching, eagle, drop)
                 spec = base.SPEC_TOKENS_033 if eagle and release == "0.33" else 0
                 a: list[Any] = []
@@ -558,6 +562,7 @@ def main() -> None:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--layouts", nargs="*", help="only these layouts (names as printed)")
+    parser.add_argument("--blocks", type=int, default=0, help="pool size of every run (default: by seed)")
     args = parser.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
         raise SystemExit("run with PYTHONHASHSEED=0 so that vLLM's NONE_HASH is the seeded one")
@@ -569,7 +574,7 @@ def main() -> None:
     chosen = {k: v for k, v in every.items() if not args.layouts or k in args.layouts}
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     try:
-        totals = check(release, seeds, args.steps, chosen, out=lambda line: print(line, flush=True))
+        totals = check(release, seeds, args.steps, chosen, lambda line: print(line, flush=True), args.blocks)
     except base.Difference as exc:
         raise SystemExit(str(exc)) from None
     for name, t in totals.items():

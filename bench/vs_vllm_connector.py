@@ -134,7 +134,8 @@ class _VLLMMixin:
         try:
             out = self.m.allocate_slots(self.reqs[rid], n, hit_tokens, hit, look, ext, delay, **more)
         except ValueError as exc:
-            if ext and str(exc).startswith("Cannot get"):
+            # out of blocks half way: the request is left holding part of its table
+            if ext and str(exc).startswith("Cannot get") and any(self.m.get_block_ids(rid)):
                 raise Anomaly("uncounted") from exc
             raise
         if ext:

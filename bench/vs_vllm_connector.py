@@ -399,8 +399,11 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                 done, failed = _landed(side, rnd, hits.pop(rid), load_end.pop(rid), len(tokens[rid]))
                 counts["failed"] += failed
                 loaded[rid] = computed[rid] = done
+                if v033:  # 0.33 rolls a failed load's computed tokens back first; 0.16 sets them after
+                    sync(side.advance(rid, done, []))
                 side.cache_blocks(rid, done)
-                sync(side.advance(rid, done, []))
+                if not v033:
+                    sync(side.advance(rid, done, []))
                 counts["cached"] += 1
                 rec(("landed", rid, done, side.num_free()))
             if rid in loaded:

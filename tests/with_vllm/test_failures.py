@@ -4,6 +4,7 @@ from its journal between steps and during them. Decisions stay vLLM's."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import threading
 from pathlib import Path
@@ -14,6 +15,7 @@ from harness import SCHEDULERS, check_manager, kv_cache_config, make_scheduler, 
 from kvcoord.client import KVCoordClient
 from kvcoord.client import vllm as kvcoord_vllm
 from kvcoord.client.faults import FaultInjector
+from kvcoord.client.retry import DEFAULT_RETRY
 from kvcoord.client.vllm_scheduler import KVCoordAsyncScheduler, KVCoordScheduler
 from kvcoord.service.testing import InProcessServer
 from test_scheduler_equivalence import first_difference
@@ -112,9 +114,15 @@ def test_decisions_survive_a_faulty_network(
     # KVCOORD_PREDICT=1 makes about 40 calls in the run (one Step per few steps): more faults each
     rate = 0.2 if predict else 0.05
     faults = FaultInjector(5, drop=rate, delay=rate, duplicate=rate, reorder=rate)
+    # Every injected fault ends after the server answered (the interceptor waits for
+    # it), and without KVCOORD_PREDICT each call blocks the engine: how long a retry
+    # pauses changes no order of events, only the wall time (DEFAULT_RETRY's first
+    # pauses, ~25 ms each, ~480 of them, were 13 s of a 22 s run). Same attempts and
+    # deadlines. Predicted runs keep DEFAULT_RETRY: their Steps overlap the engine.
+    retry = DEFAULT_RETRY if predict else dataclasses.replace(DEFAULT_RETRY, initial_backoff=0.002)
 
     def faulty_client(target: str, **kw: object) -> KVCoordClient:
-        return KVCoordClient(target, interceptors=[faults], **kw)  # type: ignore[arg-type]
+        return KVCoordClient(target, interceptors=[faults], retry=retry, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(kvcoord_vllm, "KVCoordClient", faulty_client)
     monkeypatch.setenv("KVCOORD_TARGET", server.address)

@@ -675,6 +675,46 @@ def _aligned_chunk(side: Any, start: int, n: int, prefill_end: int) -> int:
     return (start + n) // 16 * 16 - start if (start + n) // 16 * 16 > start else 0
 
 
+def schedule_running(
+    side: Any, running: list[str], tokens: dict[str, list[int]], computed: dict[str, int],
+    prompt_len: dict[str, int], spec_tokens: int, budget: int, rec: Callable[[Any], None],
+    preempt: Callable[[str], None], chunk: Callable[[str, int, int], int],
+) -> tuple[list[tuple[str, int, int]], int, bool]:  # fmt: skip
+    """vLLM 0.33's running loop: each running request's next chunk (its drafts' slots
+    with its last token), the newest request preempted until the oldest fits. Returns the
+    scheduled (request, tokens, drafts), the budget left and whether any was preempted.
+    ``chunk(rid, start, n)`` clips a chunk (0: nothing this step)."""
+    scheduled: list[tuple[str, int, int]] = []
+    preempted = False
+    index = 0
+    while index < len(running) and budget > 0:
+        rid = running[index]
+        left = len(tokens[rid]) - computed[rid]
+        drafts = spec_tokens if left == 1 and len(tokens[rid]) > prompt_len[rid] else 0
+        n = min(left + drafts, budget, 512)
+        drafts = min(drafts, n - 1)
+        n = chunk(rid, computed[rid], n)
+        if n == 0:
+            index += 1
+            continue
+        while True:
+            new = side.grow(rid, n, spec_tokens)
+            rec(("alloc", rid, new, side.num_free()))
+            if new is not None:
+                break
+            victim = running.pop()
+            preempted = True
+            preempt(victim)
+            if victim == rid:
+                break
+        if new is None:
+            break
+        scheduled.append((rid, n, drafts))
+        budget -= n
+        index += 1
+    return scheduled, budget, preempted
+
+
 def workload033(side: Any, seed: int, steps: int, trace: list[Any], spec_tokens: int) -> None:
     """vLLM 0.33's synchronous scheduler loop, reduced to its manager calls; appends every
     answer to ``trace``.
@@ -774,34 +814,10 @@ def workload033(side: Any, seed: int, steps: int, trace: list[Any], spec_tokens:
             if sync is not None:
                 sync()
         budget = BUDGET_033
-        scheduled: list[tuple[str, int, int]] = []  # (request, tokens, drafts)
-        preempted = False
-        index = 0
-        while index < len(running) and budget > 0:
-            rid = running[index]
-            left = len(tokens[rid]) - computed[rid]
-            drafts = spec_tokens if left == 1 and len(tokens[rid]) > prompt_len[rid] else 0
-            n = min(left + drafts, budget, 512)
-            drafts = min(drafts, n - 1)
-            n = _aligned_chunk(side, computed[rid], n, max(prompt_len[rid], len(tokens[rid]) - 1))
-            if n == 0:
-                index += 1
-                continue
-            while True:
-                new = side.grow(rid, n, spec_tokens)
-                rec(("alloc", rid, new, side.num_free()))
-                if new is not None:
-                    break
-                victim = running.pop()
-                preempted = True
-                preempt(victim)
-                if victim == rid:
-                    break
-            if new is None:
-                break
-            scheduled.append((rid, n, drafts))
-            budget -= n
-            index += 1
+        scheduled, budget, preempted = schedule_running(
+            side, running, tokens, computed, prompt_len, spec_tokens, budget, rec, preempt,
+            lambda rid, start, n: _aligned_chunk(side, start, n, max(prompt_len[rid], len(tokens[rid]) - 1)),
+        )  # fmt: skip
         while waiting and budget > 0 and not preempted:
             rid = waiting[0]
             hit, ids, n_hit = side.lookup(rid)

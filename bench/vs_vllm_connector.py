@@ -359,34 +359,9 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
             waiting.append(rid)
             sync(side.add(rid, list(toks), *k) if v033 else side.add(rid, list(toks)))
         budget = base.BUDGET_033
-        scheduled: list[tuple[str, int, int]] = []
-        preempted = False
-        index = 0
-        while index < len(running) and budget > 0:
-            rid = running[index]
-            remaining = len(tokens[rid]) - computed[rid]
-            drafts = spec_tokens if remaining == 1 and len(tokens[rid]) > prompt_len[rid] else 0
-            n = min(remaining + drafts, budget, 512)
-            drafts = min(drafts, n - 1)
-            n = chunk(rid, computed[rid], n)
-            if n == 0:
-                index += 1
-                continue
-            while True:
-                new = side.grow(rid, n, spec_tokens)
-                rec(("alloc", rid, new, side.num_free()))
-                if new is not None:
-                    break
-                victim = running.pop()
-                preempted = True
-                preempt(victim)
-                if victim == rid:
-                    break
-            if new is None:
-                break
-            scheduled.append((rid, n, drafts))
-            budget -= n
-            index += 1
+        scheduled, budget, preempted = base.schedule_running(
+            side, running, tokens, computed, prompt_len, spec_tokens, budget, rec, preempt, chunk
+        )
         index = 0
         while index < len(waiting) and budget > 0 and not preempted:
             rid = waiting[index]

@@ -151,11 +151,12 @@ class _VLLMMixin:
         pass
 
 
-class Ours16(_OursMixin, base.Ours):
+class _Calls16:
+    """vLLM 0.16's calls on either side (no look-ahead slots, no reserved blocks)."""
+
     release = "0.16"
-    block_ids = base.Ours033.block_ids
-    free_head = base.Ours033.free_head
-    cache_blocks = base.Ours033.cache_blocks
+    _first: Any
+    allocate: Any
 
     def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int, delay: bool,
               reserved: int) -> list[list[int]] | None:  # fmt: skip
@@ -165,25 +166,21 @@ class Ours16(_OursMixin, base.Ours):
         return self.allocate(rid, n)
 
     resume = grow
+
+
+class Ours16(_Calls16, _OursMixin, base.Ours):
+    block_ids = base.Ours033.block_ids
+    free_head = base.Ours033.free_head
+    cache_blocks = base.Ours033.cache_blocks
 
     def stats(self) -> tuple[Any, ...]:
         return base._stats_tuple(self.pool.make_prefix_cache_stats())
 
 
-class VLLM16(_VLLMMixin, base.VLLM):
-    release = "0.16"
+class VLLM16(_Calls16, _VLLMMixin, base.VLLM):
     block_ids = base.VLLM033.block_ids
     free_head = base.VLLM033.free_head
     cache_blocks = base.VLLM033.cache_blocks
-
-    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int, delay: bool,
-              reserved: int) -> list[list[int]] | None:  # fmt: skip
-        return self._first(rid, n, hit_tokens, hit, look, ext, delay)
-
-    def grow(self, rid: str, n: int, look: int) -> list[list[int]] | None:
-        return self.allocate(rid, n)
-
-    resume = grow
 
     def stats(self) -> tuple[Any, ...]:
         return base._stats_tuple(self.m.make_prefix_cache_stats())

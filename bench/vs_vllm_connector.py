@@ -22,8 +22,16 @@ then, when the waiting scan reaches it, the scheduler calls ``cache_blocks(reque
 external)`` and schedules it as a waiting request with computed tokens (no lookup). The
 others load synchronously: the first allocation adopts the hit, takes the external
 tokens' blocks and the first chunk's, and caches. Where the layout has one group, a
-fifth of the asynchronous loads fail part way (at a block past the hit, as a connector
-reports invalid blocks): the scheduler caches and computes from that block's start.
+fifth of the loads fail at one of the blocks they loaded (a connector's
+``invalid_block_ids``; vLLM maps them to requests with one group only). An asynchronous
+one caches and computes from that block's start when it lands; at block 0 (no local hit)
+the scheduler frees its blocks and the same scan looks its prefix up and allocates
+again (under 0.33 a tenth of the asynchronous loads, any layout, also fail as a whole,
+``failed_recving``, with the same outcome). A synchronous one is found in the step's
+output (vLLM's scan of the running requests, later ones sharing the block going back to
+their start): with the "recompute" policy the request computes from that block again,
+its output dropped; with "fail" (three runs in ten) the blocks from there on are evicted
+and the request freed after the step's outputs.
 Under 0.16 with one group a landed load counts its blocks' tokens (at most the prompt
 less one), as 0.16's scheduler does; under 0.33 an asynchronous first allocation keeps
 0-8 blocks free for other loads in flight (``reserved_blocks``). Aborts (running,
@@ -101,6 +109,7 @@ class _OursMixin:
     pool's invariant check."""
 
     pool: Any
+    hashers: dict[str, Any]
 
     def _first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int, delay: bool,
                **more: Any) -> list[list[int]] | None:  # fmt: skip
@@ -115,6 +124,23 @@ class _OursMixin:
 
     def num_groups(self) -> int:
         return len(self.pool.managers)
+
+    def drop_load(self, rid: str) -> None:
+        """vLLM's ``free(request)`` of a request kept waiting (its load failed with no
+        valid token): the plug-in's path, the pool forgets it and the next lookup
+        registers it again, with its tokens, hashes and preemption count."""
+        r = self.pool.get_request(rid)
+        hasher = self.hashers.get(rid)
+        self.pool.free(rid)
+        self.pool.add_request(
+            rid, list(r.all_token_ids), list(r.block_hashes), lora=r.lora, num_preemptions=r.num_preemptions,
+            cache_salt=r.cache_salt, num_prompt_tokens=r.num_prompt_tokens or None,
+        )  # fmt: skip
+        if hasher is not None:
+            self.hashers[rid] = hasher
+
+    def evict(self, block_ids: set[int]) -> None:
+        self.pool.evict_blocks(block_ids)
 
     def check(self) -> None:
         violations = check_pool(self.pool).violations
@@ -146,6 +172,12 @@ class _VLLMMixin:
 
     def num_groups(self) -> int:
         return len(self.m.coordinator.single_type_managers)
+
+    def drop_load(self, rid: str) -> None:
+        self.m.free(self.reqs[rid])  # the request stays (computed tokens already 0)
+
+    def evict(self, block_ids: set[int]) -> None:
+        self.m.evict_blocks(block_ids)
 
     def check(self) -> None:
         pass
@@ -230,27 +262,67 @@ def layouts(release: str) -> dict[str, list[tuple[str, dict[str, Any]]]]:
     return {**(base.LAYOUTS if release == "0.16" else base.LAYOUTS_033), **EXTRA_LAYOUTS[release]}
 
 
-#: chance that an asynchronous load fails part way (one-group layouts only: vLLM's
-#: scheduler handles invalid blocks of one group only)
+#: chance that a load fails part way (one-group layouts only: vLLM's scheduler maps
+#: invalid block ids to requests with one group only; 0.16 raises on more, 0.33 refuses)
 P_FAILED_LOAD = 0.2
+#: 0.33: chance that an asynchronous load is reported failed as a whole
+#: (``failed_recving``, any layout)
+P_LOAD_LOST = 0.1
+#: chance that a run uses vLLM's ``kv_load_failure_policy="fail"`` (else "recompute")
+P_FAIL_POLICY = 0.3
 
 
-def _landed(side: Any, rnd: random.Random, hit: int, end: int, num_tokens: int) -> tuple[int, bool]:
+def _landed(side: Any, rnd: random.Random, rid: str, hit: int, end: int, num_tokens: int) -> tuple[int, bool]:
     """The tokens a landed asynchronous load counts as computed (and caches), as vLLM's
     scheduler decides them: 0.33 the hit and the external tokens; 0.16 with one group its
     blocks' tokens (``len(block_ids) * block_size``, at most the request's tokens less
-    one). With one group a load fails now and then at a block past the hit (both
-    releases then compute from that block's start; a failure at block 0, which frees
-    the request, is not modelled)."""
+    one). With one group a load fails now and then at one of its external blocks (both
+    releases then compute from that block's start); under 0.33 a whole load is now and
+    then reported failed (``failed_recving``, any layout). 0 tokens: the scheduler frees
+    the request's blocks and keeps it waiting (it looks its prefix up again at once)."""
     groups = side.num_groups()
     if groups == 1 and side.release == "0.16":
         end = min(-(-end // 16) * 16, num_tokens)
         end -= end == num_tokens
+    if side.release == "0.33" and rnd.random() < P_LOAD_LOST:
+        return 0, True
     if groups == 1 and rnd.random() < P_FAILED_LOAD:
-        first_bad = range(max(1, hit // 16), -(-end // 16))
-        if first_bad:
-            return min(end, rnd.choice(first_bad) * 16), True
+        # a block the connector loaded (not one a window skipped: the null block)
+        table = side.block_ids(rid)[0]
+        first_bad = [i for i in range(hit // 16, -(-end // 16)) if table[i]]
+        if first_bad:  # a third at the first block loaded (block 0 without a local hit)
+            bad = first_bad[0] if rnd.random() < 1 / 3 else rnd.choice(first_bad)
+            return min(end, bad * 16), True
     return end, False
+
+
+def _invalid_blocks(side: Any, order: list[str], reach: dict[str, int], invalid: set[int]) -> tuple[dict[str, int], set[int]]:  # fmt: skip
+    """vLLM's scan of running requests for a step's invalid blocks (one group): the first
+    request (in ``order``) holding an invalid block within its first ``reach`` tokens'
+    blocks computes from that block's start again and the blocks from there on are to
+    be evicted; a request whose invalid blocks were all marked by an earlier one goes
+    back to its ``reach``. Returns the affected requests' computed tokens, and the
+    blocks to evict."""
+    marked: set[int] = set()
+    affected: dict[str, int] = {}
+    evict: set[int] = set()
+    for rid in order:
+        table = side.block_ids(rid)[0]
+        hit_any = mine = False
+        for idx, bid in zip(range(-(-reach[rid] // 16)), table, strict=False):
+            if bid not in invalid:
+                continue
+            hit_any = True
+            if bid in marked:
+                continue
+            marked.add(bid)
+            if not mine:
+                mine = True
+                affected[rid] = idx * 16
+                evict.update(table[idx:])
+        if hit_any and not mine:
+            affected[rid] = reach[rid]
+    return affected, evict
 
 
 def workload(
@@ -259,7 +331,8 @@ def workload(
     """The scheduler loop with a KV connector (see the module docstring); appends every
     answer to ``trace`` and returns what it exercised. ``make`` builds a fresh side (at
     the start and after each anomaly)."""
-    counts = {"external": 0, "async": 0, "cached": 0, "failed": 0, "refused": 0, "restarts": 0}
+    counts = {"external": 0, "async": 0, "cached": 0, "failed": 0, "dropped": 0, "sync failed": 0,
+              "refused": 0, "restarts": 0}  # fmt: skip
     left = steps
     attempt = 0
     while left > 0:
@@ -288,6 +361,9 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
     history: list[tuple[list[int], Any]] = []
     finished: list[tuple[list[int], Any]] = []
     estimated: set[str] = set()
+    sync_loads: dict[str, tuple[int, int]] = {}  # this step's synchronous loads: hit, external
+    first_cached: dict[str, int] = {}  # 0.16's num_cached_tokens (set once, never reset)
+    fail_policy = rnd.random() < P_FAIL_POLICY
     nid = 0
     rec = trace.append
     mamba_align = getattr(side, "mamba_align", False)
@@ -306,7 +382,7 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
         side.free(rid)
         rec(("free", rid, side.num_free()))
         (running if rid in running else waiting).remove(rid)
-        for d in (loading, load_end, loaded, hits):
+        for d in (loading, load_end, loaded, hits, first_cached):
             d.pop(rid, None)
         for d in (tokens, computed, decode_left, prompt_len, keys):
             del d[rid]
@@ -368,15 +444,20 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                     continue
                 # the load landed: cache what it wrote, then schedule from there
                 del loading[rid]
-                done, failed = _landed(side, rnd, hits.pop(rid), load_end.pop(rid), len(tokens[rid]))
+                done, failed = _landed(side, rnd, rid, hits.pop(rid), load_end.pop(rid), len(tokens[rid]))
                 counts["failed"] += failed
-                loaded[rid] = computed[rid] = done
+                computed[rid] = done
                 if v033:  # 0.33 rolls a failed load's computed tokens back first; 0.16 sets them after
                     sync(side.advance(rid, done, []))
-                side.cache_blocks(rid, done)
+                if done:
+                    loaded[rid] = done
+                    side.cache_blocks(rid, done)
+                    counts["cached"] += 1
+                else:  # no valid token: blocks freed, the request waits on and looks up again
+                    side.drop_load(rid)
+                    counts["dropped"] += 1
                 if not v033:
                     sync(side.advance(rid, done, []))
-                counts["cached"] += 1
                 rec(("landed", rid, done, side.num_free()))
             if rid in loaded:
                 start = loaded[rid]
@@ -415,6 +496,8 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                     counts["refused"] += 1
                     break
                 counts["external"] += ext > 0
+                if ext and not delay and side.num_groups() == 1:
+                    sync_loads[rid] = (n_hit, ext)
                 if v033:
                     side.record_stats(rid, n_hit)
                 if delay:
@@ -430,13 +513,34 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
             waiting.pop(index)
             running.append(rid)
             computed[rid] = start
+            first_cached.setdefault(rid, start)
             scheduled.append((rid, n, 0))
             budget -= n
         for rid in running + [r for r in waiting if r in loading or r in loaded]:
             rec(("blocks", rid, side.block_ids(rid)))
         rec(("free queue", side.free_head(8)))
+        # the step's output: synchronous loads that failed at one of their external blocks
+        # (those a window skipped hold the null block: nothing was loaded there)
+        invalid: set[int] = set()
+        for rid, (h, e) in sync_loads.items():
+            loaded_ids = [b for b in side.block_ids(rid)[0][h // 16 : -(-(h + e) // 16)] if b]
+            if loaded_ids and rnd.random() < P_FAILED_LOAD:
+                invalid.add(rnd.choice(loaded_ids))
+        sync_loads.clear()
+        voided: dict[str, int] = {}
+        if invalid:
+            reach = first_cached if not v033 else {rid: computed[rid] for rid in running}
+            voided, evict = _invalid_blocks(side, running, reach, invalid)
+            counts["sync failed"] += len(voided)
+            rec(("invalid", sorted(invalid), sorted(voided.items()), fail_policy))
+            if fail_policy and evict:
+                side.evict(evict)
+            for rid, back in voided.items():
+                if not fail_policy:  # recomputed from there; the step's output is dropped
+                    computed[rid] = back
+                    sync(side.advance(rid, back, []))
         for rid, n, drafts in scheduled:
-            if rid not in running:
+            if rid not in running or rid in voided:
                 continue
             done = computed[rid] + n - drafts
             if done < len(tokens[rid]):
@@ -455,6 +559,9 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
             after_output(rid, done + accepted, [rnd.randrange(32000) for _ in range(1 + accepted)])
             if first and v033:
                 rec(("estimate", rid, side.estimate(rid)))
+        if fail_policy:
+            for rid in set() | set(voided):  # vLLM fails them after the step's outputs
+                finish(rid)
         rec(("events", side.events()))
         rec(("stats", side.stats()))
         side.check()
@@ -527,7 +634,8 @@ def check(release: str, seeds: range, steps: int, layouts: dict[str, list[tuple[
                 for key, value in counts.items():
                     total[key] = total.get(key, 0) + value
                 out(f"identical  {where}: {len(a)} answers, {counts['external']} external loads "
-                    f"({counts['async']} async, {counts['cached']} landed, {counts['failed']} failed), {counts['refused']} refusals, "
+                    f"({counts['async']} async, {counts['cached']} landed, {counts['failed']} failed, {counts['dropped']} dropped), "
+                    f"{counts['sync failed']} voided by a failed sync load, {counts['refused']} refusals, "
                     f"anomalies: {counts['shared']} shared, {counts['uncounted']} uncounted")  # fmt: skip
     return totals
 
@@ -555,7 +663,8 @@ def main() -> None:
         raise SystemExit(str(exc)) from None
     for name, t in totals.items():
         print(f"{name:<31} {t.get('answers', 0):>8} answers {t.get('external', 0):>5} external "
-              f"{t.get('async', 0):>5} async {t.get('shared', 0):>3} shared {t.get('uncounted', 0):>3} uncounted")  # fmt: skip
+              f"{t.get('async', 0):>5} async {t.get('failed', 0):>4} failed {t.get('dropped', 0):>4} dropped "
+              f"{t.get('sync failed', 0):>4} sync-failed {t.get('shared', 0):>3} shared {t.get('uncounted', 0):>3} uncounted")  # fmt: skip
     answers = sum(t.get("answers", 0) for t in totals.values())
     print(f"connector check: {answers} answers identical to vLLM {installed}")
 

@@ -2,7 +2,9 @@
 steps, so CI keeps it true: vLLM's own KVCacheManager (0.16.0 or 0.33.0, whichever this
 venv has) and kvcoord's engine on every layout of bench/vs_vllm.py for that release,
 first allocations with external tokens, asynchronous loads landing a step or two later
-(``cache_blocks``), failed loads, every answer identical; where kvcoord refuses loudly
+(``cache_blocks``), failed loads (asynchronous ones part way, at block 0 or, under 0.33,
+as a whole: then freed and looked up again; synchronous ones recomputed, or evicted and
+failed), every answer identical; where kvcoord refuses loudly
 (HIT_BLOCK_TAKEN, UNCOUNTED_BLOCKS) vLLM's manager did that anomaly on the same call (the
 bench's full run and its counts are in bench/README.md).
 
@@ -82,6 +84,10 @@ def test_every_answer_with_connector_tokens_equals_vllms(release: str, layout: s
         assert t["shared"] == 0, (t, lines)  # 0.33 touches every hit first
     if layout in ("full16", "swa16(w64)"):
         assert t["failed"] > 0, (t, lines)  # failed asynchronous loads (one group)
+        assert t["sync failed"] > 0, (t, lines)  # requests a failed synchronous load voided
+        assert t["dropped"] > 0, (t, lines)  # loads failed at block 0: blocks freed, looked up again
+    if release == "0.33" and layout == "full16+swa32(w128)":
+        assert t["dropped"] > 0, (t, lines)  # a whole load failed (failed_recving) with two groups
 
 
 @pytest.mark.skipif(not V033, reason="vLLM 0.33.0 only (dense retention is a 0.33 setting)")

@@ -678,9 +678,39 @@ class FailingLoadsConnector(AsyncLoadsConnector):
         if self._loads % 4:
             return
         table = blocks.get_block_ids()[0]
-        last = -(-(self._local[request.request_id] + num_external_tokens) // BLOCK_SIZE) - 1
-        self.invalid.add(table[last])
+        self.invalid.add(table[self._failed_index(self._local[request.request_id], num_external_tokens)])
         self.counts["failed loads"] += 1
+
+    def _failed_index(self, local: int, num_external_tokens: int) -> int:
+        """The failed block's index in the table: the last one loaded."""
+        return -(-(local + num_external_tokens) // BLOCK_SIZE) - 1
+
+
+class FirstBlockFailingConnector(FailingLoadsConnector):
+    """FailingLoadsConnector whose failed block is the first one a load wrote. With no
+    local hit that is block 0 of the table: for an asynchronous load vLLM's scheduler
+    then has no valid token, frees the request's blocks (the manager's ``free``) and
+    keeps it waiting, and the same scan looks its prefix up and allocates again (the
+    plug-in: the pool forgets the request, the lookup registers it again)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.counts["failed at block 0"] = 0
+        self.counts["async, failed at block 0"] = 0
+        self._no_hit = 0
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        # also every other load without a local hit, at block 0 (the retry succeeds)
+        if num_external_tokens and self._local[request.request_id] < BLOCK_SIZE:
+            self._no_hit += 1
+            if self._no_hit % 2:
+                self.invalid.add(blocks.get_block_ids()[0][0])
+                self.counts["failed at block 0"] += 1
+                self.counts["async, failed at block 0"] += request.request_id in self.loading
+
+    def _failed_index(self, local: int, num_external_tokens: int) -> int:
+        return local // BLOCK_SIZE
 
     def worker_output(self) -> KVConnectorOutput | None:
         out = super().worker_output()

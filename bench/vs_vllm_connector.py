@@ -14,12 +14,14 @@ running requests first (a prefill chunk or a decode step; a refusal preempts the
 running request and retries), then waiting requests in order. A waiting request with no
 computed tokens looks up its prefix; half the time a connector then reports external
 tokens, a random count from 1 to what the prompt has left minus one (the local hit plus
-the external tokens never reach the whole prompt; a third of the counts are rounded so
+the external tokens reach the whole prompt only in 0.33's whole-sequence loads below; a third of the counts are rounded so
 that hit + external ends on a block boundary). Of those, 40% load asynchronously: the
 first allocation takes slots for the hit and the external tokens only
 (``delay_cache_blocks=True``, no look-ahead slots), the request waits one or two steps and
 then, when the waiting scan reaches it, the scheduler calls ``cache_blocks(request, hit +
-external)`` and schedules it as a waiting request with computed tokens (no lookup). The
+external)`` and schedules it as a waiting request with computed tokens (no lookup;
+under 0.33 a tenth of the asynchronous loads cover the whole sequence: it caches every
+token, then computes the last one again). The
 others load synchronously: the first allocation adopts the hit, takes the external
 tokens' blocks and the first chunk's, and caches. Where the layout has one group, a
 fifth of the loads fail at one of the blocks they loaded (a connector's
@@ -268,6 +270,9 @@ P_FAILED_LOAD = 0.2
 #: 0.33: chance that an asynchronous load is reported failed as a whole
 #: (``failed_recving``, any layout)
 P_LOAD_LOST = 0.1
+#: 0.33: chance that an asynchronous load covers the whole sequence (the scheduler caches
+#: every token once it lands, then computes the last one again)
+P_WHOLE_PROMPT = 0.1
 #: chance that a run uses vLLM's ``kv_load_failure_policy="fail"`` (else "recompute")
 P_FAIL_POLICY = 0.3
 
@@ -331,7 +336,7 @@ def workload(
     """The scheduler loop with a KV connector (see the module docstring); appends every
     answer to ``trace`` and returns what it exercised. ``make`` builds a fresh side (at
     the start and after each anomaly)."""
-    counts = {"external": 0, "async": 0, "cached": 0, "failed": 0, "dropped": 0, "sync failed": 0,
+    counts = {"external": 0, "async": 0, "cached": 0, "failed": 0, "dropped": 0, "sync failed": 0, "whole": 0,
               "refused": 0, "restarts": 0}  # fmt: skip
     left = steps
     attempt = 0
@@ -453,6 +458,10 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                     loaded[rid] = done
                     side.cache_blocks(rid, done)
                     counts["cached"] += 1
+                    if done == len(tokens[rid]):  # 0.33: the whole sequence loaded, its last token recomputed
+                        done = loaded[rid] = computed[rid] = done - 1
+                        sync(side.advance(rid, done, []))
+                        counts["whole"] += 1
                 else:  # no valid token: blocks freed, the request waits on and looks up again
                     side.drop_load(rid)
                     counts["dropped"] += 1
@@ -480,6 +489,8 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                     if rnd.random() < 1 / 3 and (n_hit + ext) // 16 * 16 > n_hit:
                         ext = (n_hit + ext) // 16 * 16 - n_hit
                 delay = ext > 0 and rnd.random() < P_ASYNC
+                if delay and v033 and rnd.random() < P_WHOLE_PROMPT:
+                    ext = len(tokens[rid]) - n_hit  # 0.33 recomputes the last token once it lands
                 start = n_hit + ext
                 n = 0 if delay else chunk(rid, start, min(len(tokens[rid]) - start, budget, 512))
                 if n == 0 and not delay:
@@ -664,7 +675,7 @@ def main() -> None:
     for name, t in totals.items():
         print(f"{name:<31} {t.get('answers', 0):>8} answers {t.get('external', 0):>5} external "
               f"{t.get('async', 0):>5} async {t.get('failed', 0):>4} failed {t.get('dropped', 0):>4} dropped "
-              f"{t.get('sync failed', 0):>4} sync-failed {t.get('shared', 0):>3} shared {t.get('uncounted', 0):>3} uncounted")  # fmt: skip
+              f"{t.get('sync failed', 0):>4} sync-failed {t.get('whole', 0):>3} whole {t.get('shared', 0):>3} shared {t.get('uncounted', 0):>3} uncounted")  # fmt: skip
     answers = sum(t.get("answers", 0) for t in totals.values())
     print(f"connector check: {answers} answers identical to vLLM {installed}")
 

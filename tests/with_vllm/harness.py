@@ -685,6 +685,15 @@ class FailingLoadsConnector(AsyncLoadsConnector):
         """The failed block's index in the table: the last one loaded."""
         return -(-(local + num_external_tokens) // BLOCK_SIZE) - 1
 
+    def worker_output(self) -> KVConnectorOutput | None:
+        out = super().worker_output()
+        if not self.invalid:
+            return out
+        out = out or KVConnectorOutput()
+        out.invalid_block_ids = set(self.invalid)
+        self.invalid.clear()
+        return out
+
 
 class FirstBlockFailingConnector(FailingLoadsConnector):
     """FailingLoadsConnector whose failed block is the first one a load wrote. With no
@@ -711,15 +720,6 @@ class FirstBlockFailingConnector(FailingLoadsConnector):
 
     def _failed_index(self, local: int, num_external_tokens: int) -> int:
         return local // BLOCK_SIZE
-
-    def worker_output(self) -> KVConnectorOutput | None:
-        out = super().worker_output()
-        if not self.invalid:
-            return out
-        out = out or KVConnectorOutput()
-        out.invalid_block_ids = set(self.invalid)
-        self.invalid.clear()
-        return out
 
 
 class FailedRecvingConnector(AsyncLoadsConnector):

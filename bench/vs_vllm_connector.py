@@ -220,8 +220,13 @@ class VLLM16(_Calls16, _VLLMMixin, base.VLLM):
         return base._stats_tuple(self.m.make_prefix_cache_stats())
 
 
-class Ours33(_OursMixin, base.Ours033):
+class _Calls33:
+    """vLLM 0.33's calls on either side (admissions that must fit the whole sequence,
+    reserved blocks)."""
+
     release = "0.33"
+    _first: Any
+    admit: Any
 
     def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int, delay: bool,
               reserved: int) -> list[list[int]] | None:  # fmt: skip
@@ -232,16 +237,12 @@ class Ours33(_OursMixin, base.Ours033):
         return self.admit(rid, n, 0, None, look)
 
 
-class VLLM33(_VLLMMixin, base.VLLM033):
-    release = "0.33"
+class Ours33(_Calls33, _OursMixin, base.Ours033):
+    pass
 
-    def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int, delay: bool,
-              reserved: int) -> list[list[int]] | None:  # fmt: skip
-        return self._first(rid, n, hit_tokens, hit, look, ext, delay, full_sequence_must_fit=True,
-                           reserved_blocks=reserved)  # fmt: skip
 
-    def resume(self, rid: str, n: int, look: int) -> list[list[int]] | None:
-        return self.admit(rid, n, 0, None, look)
+class VLLM33(_Calls33, _VLLMMixin, base.VLLM033):
+    pass
 
 
 #: layouts beside bench/vs_vllm.py's with another group before full attention (a group

@@ -399,3 +399,56 @@ def test_a_loss_never_hands_an_in_flight_block_to_an_async_load(
         if found:
             break
     assert found == [], found[:5]
+
+
+@pytest.mark.skipif(
+    not V033,
+    reason="vLLM 0.33.0 only (0.16 calls no manager between telling the connector and parking the request)",
+)
+def test_a_loss_met_between_a_loads_start_and_its_wait_leaves_the_load_to_the_connector(
+    model_dir: Path, server: InProcessServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM 0.33 tells the connector to load a request's KV (``update_state_after_alloc``)
+    and only then records its prefix cache statistics and parks it in
+    WAITING_FOR_REMOTE_KVS. A loss met in between (the background Step failed just then,
+    as on a loaded machine: here forced) cut the call short, and the undo put the request
+    back as if never admitted, its load still running: nothing paused for it, it was
+    admitted again, and the old load's report promoted it while its new load ran (vLLM
+    asserted at the new load's report; and the old load wrote blocks given to others).
+    Now it stays waiting for its load, marked failed, and scheduling pauses until the
+    load ends; every request completes with the tokens of vLLM's own run."""
+    from kvcoord.client.vllm_scheduler import KVCoordScheduler
+
+    want, _ = _guarded_run(
+        make_scheduler(SCHEDULERS["sync"], _config(model_dir, "sync"), kv_cache_config("full", 64))
+    )
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_POOL", "lost-between-load-and-wait")
+    monkeypatch.setenv("KVCOORD_PREDICT", "1")
+    scheduler = make_scheduler(KVCoordScheduler, _config(model_dir, "sync"), kv_cache_config("full", 64))
+    connector = scheduler.connector
+    after_alloc = connector.update_state_after_alloc
+    cut: list[str] = []
+    loads: list[str] = []
+
+    def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> None:
+        after_alloc(request, blocks, num_external_tokens)
+        if request.request_id in connector.loading:
+            loads.append(request.request_id)
+        if not cut and len(loads) == 3:  # the third asynchronous load (others run meanwhile)
+            cut.append(request.request_id)
+            manager = scheduler.kv_cache_manager.remote
+            manager.client.detach(manager.session_id, manager.keeper.fence)
+            # the Step carrying this call fails now (as one sent in the background may
+            # fail at any moment); the manager's next call meets the loss
+            manager.sender.cut(manager._step_state, wait=True)
+            manager.sender.settle()
+            assert manager.sender.failure is not None
+
+    connector.update_state_after_alloc = update_state_after_alloc
+    got, guard = _guarded_run(scheduler)
+    assert cut, loads
+    assert not guard.overlaps, guard.overlaps[:5]
+    assert scheduler.kvcoord_undone > 0 and scheduler.kvcoord_paused_steps > 0
+    differ = sorted(rid for rid in want.keys() | got.keys() if got.get(rid) != want.get(rid))
+    assert not differ, [(rid, want.get(rid), got.get(rid)) for rid in differ[:5]]

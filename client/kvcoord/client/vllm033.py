@@ -208,7 +208,10 @@ class Predicting033KVCacheManager(PredictingConnector033, PredictedMamba033, Pre
         self.sender.op().new_step_starts.SetInParent()
 
     def record_prefix_cache_stats(self, request_id: str, num_hits: int) -> None:
-        self._settled()
+        # never where a loss is met (no _settled): vLLM 0.33 calls it after telling the KV
+        # connector to load a request's KV and before parking the request in
+        # WAITING_FOR_REMOTE_KVS; a loss raised here left the load running for a request
+        # the undo put back as never admitted. The next call (or schedule()) meets it.
         self.mirror.call("record_prefix_cache_stats", request_id, num_hits)
         op = self.sender.op().record_prefix_cache_stats
         op.request_id = request_id

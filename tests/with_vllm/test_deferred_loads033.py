@@ -7,7 +7,7 @@ when ``defer_async_loads`` is set, which 0.33.0 sets for a KV consumer with over
 steps *and* a HiSparse host pool. kvcoord's recovery from a lost session knows an admitted
 load only by the request's status, not by that later start, so the plug-in refuses such an
 engine at start: these tests pin that kvcoord's own configurations never defer a load, and
-that the configuration which does is refused.
+that a scheduler whose load fence is on is refused, whatever set it.
 """
 
 from __future__ import annotations
@@ -65,3 +65,31 @@ def test_a_hisparse_host_pool_is_refused_by_the_scheduler_in_both_modes(
     kv.hisparse_host_num_blocks = 8
     with pytest.raises(Unsupported033Error, match="HiSparse host pool"):
         make_scheduler(KVCoordAsyncScheduler, _config(model_dir), kv)
+
+
+@pytest.mark.parametrize("predict", ["0", "1"])
+def test_a_scheduler_whose_load_fence_is_on_is_refused_whatever_set_it(
+    predict: str, model_dir: Path, server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A vLLM scheduler that defers asynchronous loads without a HiSparse host pool (a
+    0.33.x whose condition differs, or a subclass: here one that sets the flag) is
+    refused at start too, naming ``defer_async_loads``. (Before, only the HiSparse pool
+    was checked: such an engine started, and a session lost between a deferred load's
+    admission and its start had the connector told, at the drain, to load into the empty
+    table of a request the pool no longer held.)"""
+    from kvcoord.client.vllm033 import Unsupported033Error
+    from kvcoord.client.vllm_scheduler import KVCoordAsyncScheduler
+
+    class FencedLoads(SCHEDULERS["async"]):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.defer_async_loads = True
+
+    class FencedOnKVCoord(KVCoordAsyncScheduler, FencedLoads):  # type: ignore[misc,valid-type]
+        pass
+
+    monkeypatch.setenv("KVCOORD_TARGET", server.address)
+    monkeypatch.setenv("KVCOORD_POOL", f"deferred-loads-fenced-{predict}")
+    monkeypatch.setenv("KVCOORD_PREDICT", predict)
+    with pytest.raises(Unsupported033Error, match="defer_async_loads"):
+        make_scheduler(FencedOnKVCoord, _config(model_dir), kv_cache_config("full", 64))

@@ -406,7 +406,8 @@ class _OnKVCoord033(_OnKVCoord):
     """Installs a ``vllm-0.33`` kvcoord pool as a vLLM 0.33 scheduler's ``kv_cache_manager``.
 
     Refuses at start, naming the reason, an engine whose configuration kvcoord does not
-    reproduce for 0.33 (:func:`unsupported_033`). A lost session and an outage cost
+    reproduce for 0.33 (:func:`unsupported_033`), or whose scheduler defers asynchronous
+    loads behind load fences (``defer_async_loads``, whatever set it). A lost session and an outage cost
     recomputation as under 0.16 (:class:`_OnKVCoord`): losses met between steps (a Step
     sent in the background that failed, a lease that ran out) are asked of the manager
     before each ``schedule()`` (``surface_losses``) and the running requests lost are
@@ -418,6 +419,15 @@ class _OnKVCoord033(_OnKVCoord):
 
     def _refuse_unsupported(self) -> None:
         why = unsupported_033(self.kv_cache_config, self.vllm_config, self.hash_block_size)
+        if why is None and getattr(self, "defer_async_loads", False):
+            # (0.33.0 sets it only with a HiSparse host pool, refused above; this is the
+            # flag itself, whatever set it)
+            why = (
+                "asynchronous loads deferred behind load fences (the scheduler's defer_async_loads): "
+                "not supported: vLLM then tells the KV connector to load only in a later "
+                "update_from_output (_drain_deferred_loads), and kvcoord's recovery from a lost "
+                "session knows an admitted load only by its request's status"
+            )
         if why is not None:
             raise Unsupported033Error(f"kvcoord cannot be this vLLM 0.33 engine's KV cache manager: {why}")
 

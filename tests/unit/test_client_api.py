@@ -78,3 +78,31 @@ def test_a_shared_method_sends_its_builders_request() -> None:
     assert isinstance(request, pb.FreeRequest)
     assert (request.pool, list(request.request_ids), request.session_id) == ("p", ["a"], "s")
     assert request.idempotency_key
+
+
+def test_keyed_calls_are_numbered_in_the_order_they_are_built() -> None:
+    """Every keyed call the builders make carries a call_sequence, strictly increasing
+    (the server refuses a copy of one delivered after its key was forgotten), and
+    send_step numbers a Step built without a key."""
+    op = pb.AllocateOp(request=pb.RequestSync(request_id="r"))
+    built = [
+        rq.allocate("p", op, "s"),
+        rq.free("p", ["r"], session_id="s"),
+        rq.step("p", [], "s"),
+        rq.allocate("p", op, "s"),
+    ]
+    numbers = [r.call_sequence for r in built]
+    assert all(numbers) and numbers == sorted(set(numbers))
+    sent: list[pb.StepRequest] = []
+
+    class _Steps(KVCoordClient):
+        def __init__(self) -> None:  # (no channel)
+            self.step_piece_bytes = 0
+
+        def _call(self, rpc: str, request: object) -> pb.StepResponse:
+            sent.append(typing.cast(pb.StepRequest, request))
+            return pb.StepResponse()
+
+    _Steps().send_step(pb.StepRequest(pool="p", session_id="s"))
+    (step,) = sent
+    assert step.idempotency_key and step.call_sequence > numbers[-1]

@@ -34,6 +34,23 @@ def test_whole_operations_in_order_each_piece_under_the_limit_but_a_larger_one_a
     assert all(p.fence == request.fence and p.pool == "p" and p.session_id == "s" for p in parts)
 
 
+def test_every_piece_carries_the_calls_sequence_number() -> None:
+    """The pieces of a Step and the Step that fetches the state after a failure carry
+    the whole call's call_sequence (a late copy of any of them is refused)."""
+    request = _request([100] * 16)
+    request.call_sequence = 41
+    parts = pieces(request, 1024 + 300)
+    assert parts is not None and [p.call_sequence for p in parts] == [41] * len(parts)
+    sent: list[pb.StepRequest] = []
+
+    def fail_first(piece: pb.StepRequest) -> pb.StepResponse:
+        sent.append(piece)
+        return pb.StepResponse(results=[pb.OperationResult(status_code=3) for _ in piece.ops])
+
+    send_in_pieces(request, parts, fail_first)
+    assert [(p.idempotency_key, p.call_sequence) for p in sent] == [("k/0", 41), ("k/state", 41)]
+
+
 def test_what_fits_or_cannot_be_cut_goes_in_one_message() -> None:
     assert pieces(_request([100, 100]), 1 << 20) is None
     assert pieces(_request([5000]), 400) is None

@@ -6,6 +6,8 @@ name (``api.Api`` binds them: ``client.get_pool(name)`` sends ``get_pool(name)``
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 
@@ -48,6 +50,22 @@ def kind_of(rpc: str, request: object) -> str:
 
 def key() -> str:
     return uuid.uuid4().hex
+
+
+_sequence_lock = threading.Lock()
+_last_sequence = 0
+
+
+def sequence() -> int:
+    """A keyed call's ``call_sequence``: strictly increasing across the whole process
+    (so within each session, in the order its calls are built), from the wall clock in
+    nanoseconds (several processes sharing a session stay in order unless their clocks
+    differ by more than the server's idempotency window), never lower than the last one
+    given, whatever the clock does. A call keeps its number on every retry."""
+    global _last_sequence
+    with _sequence_lock:
+        _last_sequence = max(_last_sequence + 1, time.time_ns())
+        return _last_sequence
 
 
 def create_pool(name: str, config: pb.PoolConfig) -> pb.CreatePoolRequest:
@@ -129,7 +147,9 @@ def allocate(
     pool: str, op: pb.AllocateOp, session_id: str, fence: pb.Fence | None = None
 ) -> pb.AllocateRequest:
     """allocate_slots (``result.refused`` when out of blocks)."""
-    return pb.AllocateRequest(pool=pool, session_id=session_id, op=op, idempotency_key=key(), fence=fence)
+    return pb.AllocateRequest(
+        pool=pool, session_id=session_id, op=op, idempotency_key=key(), fence=fence, call_sequence=sequence()
+    )
 
 
 def free(
@@ -147,6 +167,7 @@ def free(
         preempt=preempt,
         idempotency_key=key(),
         fence=fence,
+        call_sequence=sequence(),
     )
 
 
@@ -167,6 +188,7 @@ def step(
         idempotency_key=key(),
         fence=fence,
         include_state=include_state,
+        call_sequence=sequence(),
     )
 
 

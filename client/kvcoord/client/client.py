@@ -141,10 +141,13 @@ class KVCoordClient(BlockingApi):
 
     def send_step(self, request: pb.StepRequest) -> pb.StepResponse:
         """``step`` for a request the caller built (its operations written in place,
-        so nothing is copied); an idempotency key is added when it has none. One larger
-        than ``step_piece_bytes`` is sent in pieces (:mod:`kvcoord.client.step_pieces`)."""
+        so nothing is copied); an idempotency key and a call sequence number are added
+        when it has none. One larger than ``step_piece_bytes`` is sent in pieces
+        (:mod:`kvcoord.client.step_pieces`)."""
         if not request.idempotency_key:
             request.idempotency_key = rq.key()
+            if not request.call_sequence:
+                request.call_sequence = rq.sequence()
         parts = pieces(request, self.step_piece_bytes)
         if parts is not None:
             return send_in_pieces(request, parts, lambda piece: self._call("Step", piece))

@@ -89,7 +89,10 @@ def pieces(request: pb.StepRequest, limit: int) -> list[pb.StepRequest] | None:
     if limit <= 0 or len(ops) < 2 or request.ByteSize() <= limit:
         return None
     fence = request.fence if request.HasField("fence") else None
-    head = pb.StepRequest(pool=request.pool, session_id=request.session_id, fence=fence)
+    # (every piece carries the whole call's sequence number: a late copy of any is refused)
+    head = pb.StepRequest(
+        pool=request.pool, session_id=request.session_id, fence=fence, call_sequence=request.call_sequence
+    )
     # the cuts depend on the operations alone (a request sent again with another fence
     # is cut the same way): the other fields are counted as at most _HEAD_BYTES
     base = _HEAD_BYTES
@@ -161,6 +164,7 @@ class _Joiner:
             session_id=head.session_id,
             fence=head.fence if head.HasField("fence") else None,
             idempotency_key=piece_key(self.request.idempotency_key, "state"),
+            call_sequence=self.request.call_sequence,
             include_state=True,
             events_digest=self.request.events_digest,
         )

@@ -12,11 +12,25 @@ An answer larger than max_message_bytes (gRPC could never send it) is kept as a
 tombstone from the start, for the same reason (mutations.py).
 When tombstones alone fill the budget, the keys older than half the window go first:
 no client retries that late (the client library retries a keyed call for at most
-half the server's window), and a request change replayed that late would still meet
-its request's position (positioned sync: SYNC_MISMATCH, nothing applied). Only when
-the keys of the last half window alone fill the budget is a call with a new key
-refused before it is applied (RESOURCE_EXHAUSTED, nothing changed). A session's keys
-go when the session ends.
+half the server's window). Only when the keys of the last half window alone fill the
+budget is a call with a new key refused before it is applied (RESOURCE_EXHAUSTED,
+nothing changed). A session's keys go when the session ends.
+
+A key forgotten (its window passed, or pushed out to fit the budget) must not let a
+copy of its call delivered late be applied as a new call: not every operation carries
+a position that would refuse it (a FreeOp names only a request id, which vLLM reuses
+for a request preempted and admitted again: applied late, it would free that
+request's live blocks; an AllocateOp registering a new request would register a
+finished one again and cache blocks whose KV nobody writes). So a keyed call may
+carry its sequence number among its session's keyed calls (``call_sequence``,
+strictly increasing in the order its client first sends them): the store keeps, per
+session, the highest sequence number of a key it forgot, and a call at or below it
+whose key it does not know is refused, ABORTED (ANSWER_EVICTED), never applied. A
+call without a number (0: a client that sends none) is looked up as before. The
+numbers of a session go with its keys when it ends; they are exported and restored
+beside the entries (snapshots, handovers: :meth:`IdempotencyStore.export_sequences`),
+and replaying the journal forgets keys as the live server did (by record time), so a
+restart does not reopen the hole.
 
 A keyed call answered with its own error (an Allocate the engine refused, e.g.
 HIT_BLOCK_TAKEN or UNCOUNTED_BLOCKS) keeps that refusal under its key, as an answer:
@@ -40,7 +54,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Container
+from typing import Any
 
 from .errors import ErrorReason, ServiceError, Status
 
@@ -69,6 +84,8 @@ class Stored:
     answer: bytes | None  # None: evicted by the byte budget (a tombstone), or a refusal
     #: the call's own error, told again to a retry (None: an answer, or evicted)
     refusal: ServiceError | None = None
+    #: the call's number among its session's keyed calls (0: none sent)
+    sequence: int = 0
 
     def holds(self) -> bool:
         """Whether an answer or a refusal is kept (not a tombstone)."""
@@ -104,17 +121,24 @@ class IdempotencyStore:
         #: the left; entries whose answer is gone are skipped), so eviction is O(1) each
         self._answered: collections.deque[Stored] = collections.deque()
         self._by_session: dict[str, set[str]] = {}
+        #: per session, the highest call sequence number of a key forgotten (its
+        #: window passed, or dropped to fit the budget): a call at or below it whose
+        #: key is not kept is a late copy, never applied
+        self._forgotten: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, session_id: str, rpc: str, key: str, digest: bytes) -> bytes | None:
+    def lookup(self, session_id: str, rpc: str, key: str, digest: bytes, sequence: int = 0) -> bytes | None:
         """The kept answer of an earlier call with this key, or ``None`` if it is new.
+        ``sequence``: the call's number among its session's keyed calls (0: none).
 
         Raises:
             ServiceError: INVALID_ARGUMENT (KEY_REUSED) when the key was used for
                 another RPC or another body; ABORTED (ANSWER_EVICTED) when the call
-                was applied but its answer is no longer kept; :class:`KeptRefusal`, the
+                was applied but its answer is no longer kept, or when its key is not
+                kept and ``sequence`` is at or below the highest one forgotten of its
+                session (a copy delivered late); :class:`KeptRefusal`, the
                 error the call was answered with (:meth:`remember`'s ``refusal``); RESOURCE_EXHAUSTED for a
                 new key when the budget is full of entries (their answers already
                 evicted): the call must not be applied, it could not be kept.
@@ -124,6 +148,16 @@ class IdempotencyStore:
         self.expire()
         entry = self._entries.get((session_id, key))
         if entry is None:
+            floor = self._forgotten.get(session_id, 0)
+            if sequence and sequence <= floor:
+                raise ServiceError(
+                    Status.ABORTED,
+                    f"the call with idempotency key {key[:64]!r} (call_sequence {sequence}) is older than "
+                    f"the calls of this session whose keys are forgotten (up to {floor}): a copy delivered "
+                    "after its key's window, or a call sent that long ago; it is not applied now. If it was "
+                    "applied earlier, its answer is not kept: treat the requests it named as lost",
+                    ErrorReason.ANSWER_EVICTED,
+                )
             need = entry_bytes(session_id, key)
             if self.entry_bytes + need > self.max_bytes:
                 self._drop_past_retries(self.max_bytes - need)
@@ -158,20 +192,21 @@ class IdempotencyStore:
 
     def remember(
         self, session_id: str, rpc: str, key: str, digest: bytes, answer: bytes | None,
-        refusal: ServiceError | None = None,
+        refusal: ServiceError | None = None, sequence: int = 0,
     ) -> None:  # fmt: skip
         """Keep ``answer`` for retries of this key (a no-op without a key). ``None``
         keeps a tombstone at once: the call was applied but its answer cannot be sent
         (larger than max_message_bytes), so a retry is refused with ANSWER_EVICTED,
         never applied again. ``refusal`` (with ``answer`` None): the call was answered
-        with this error, which a retry is told again."""
+        with this error, which a retry is told again. ``sequence``: the call's number
+        among its session's keyed calls (0: none), counted when the key is forgotten."""
         if not key:
             return
         now = self.clock()
         old = self._entries.pop((session_id, key), None)
         if old is not None:
             self._forget(session_id, key, old)
-        entry = Stored(rpc, digest, now, answer, refusal if answer is None else None)
+        entry = Stored(rpc, digest, now, answer, refusal if answer is None else None, sequence)
         self._entries[(session_id, key)] = entry
         if entry.holds():
             self._answered.append(entry)
@@ -182,7 +217,9 @@ class IdempotencyStore:
         self._evict_to_budget()
 
     def drop_session(self, session_id: str) -> None:
-        """Forget every key of a session (it ended: nobody can retry its calls)."""
+        """Forget every key of a session (it ended: nobody can retry its calls, and a
+        late copy of one is refused for its session, which is gone)."""
+        self._forgotten.pop(session_id, None)
         for key in self._by_session.pop(session_id, ()):
             entry = self._entries.pop((session_id, key), None)
             if entry is not None:
@@ -206,6 +243,8 @@ class IdempotencyStore:
             if entry.made_at > horizon or (fit is not None and self.entry_bytes <= fit):
                 break
             del entries[(sid, key)]
+            if entry.sequence > self._forgotten.get(sid, 0):
+                self._forgotten[sid] = entry.sequence
             self._forget(sid, key, entry)
             keys = self._by_session.get(sid)
             if keys is not None:
@@ -217,13 +256,43 @@ class IdempotencyStore:
         """Every entry kept across a restart as (session, key, rpc, digest, age in
         seconds, answer), oldest first: not the unjournaled ones (:func:`score_key_owner`),
         which a restart forgets, from a snapshot too. A refusal goes as a tombstone
-        (answer None)."""
+        (answer None). Their call sequence numbers: :meth:`export_sequences`."""
         now = self.clock()
         return [
             (sid, key, e.rpc, e.digest, now - e.made_at, e.answer)
             for (sid, key), e in self._entries.items()
             if not sid.startswith(_UNJOURNALED)
         ]
+
+    def export_sequences(self, sessions: Container[str] | None = None) -> dict[str, Any]:
+        """The call sequence numbers kept across a restart beside :meth:`export`'s
+        entries (of ``sessions`` only, when given): ``forgotten``, per session, the
+        highest one of a key forgotten; ``calls``, [session, key, number] of each
+        entry that has one. (Apart from the entries, so that a snapshot stays
+        readable by a kvcoord that predates them.)"""
+        return {
+            "forgotten": {
+                sid: n for sid, n in self._forgotten.items() if sessions is None or sid in sessions
+            },
+            "calls": [
+                [sid, key, e.sequence]
+                for (sid, key), e in self._entries.items()
+                if e.sequence and (sessions is None or sid in sessions)
+            ],
+        }
+
+    def restore_sequences(self, value: dict[str, Any] | None) -> None:
+        """Load what :meth:`export_sequences` made, after the entries (None: a
+        snapshot written before sequence numbers, which has none)."""
+        if not value:
+            return
+        for sid, n in value.get("forgotten", {}).items():
+            if n > self._forgotten.get(sid, 0):
+                self._forgotten[sid] = int(n)
+        for sid, key, n in value.get("calls", ()):
+            entry = self._entries.get((sid, key))
+            if entry is not None:
+                entry.sequence = int(n)
 
     def restore(self, entries: list[tuple[str, str, str, bytes, float, bytes | None]]) -> None:
         """Load entries made by :meth:`export` (ages count back from now)."""

@@ -160,7 +160,8 @@ class MutationRunner:
             service = registry.get(pool)
             s = service.session(request.session_id, fence)
             try:
-                kept = registry.idempotency.lookup(s.session_id, m.rpc, key, digest)
+                # (a copy of a call whose key is forgotten is refused by its call_sequence)
+                kept = registry.idempotency.lookup(s.session_id, m.rpc, key, digest, request.call_sequence)
             except KeptRefusal:  # told again once the call's record is durable, as it was told
                 held = False
                 registry.locks.give(pool)
@@ -304,12 +305,13 @@ class MutationRunner:
         (:func:`repeated_slices`)."""
         registry = self.registry
         recorder = registry.recorder
+        sequence = request.call_sequence  # (counted once its key is forgotten: idempotency.py)
         if isinstance(answer, ServiceError):
             # kept under its key (a retry, or a late copy, is told it again, never applied
             # after the pool changed), unless it says "retry later"
             if not key or answer.status is Status.UNAVAILABLE:
                 key, digest = "", b""
-            registry.idempotency.remember(s.session_id, m.rpc, key, digest, None, answer)
+            registry.idempotency.remember(s.session_id, m.rpc, key, digest, None, answer, sequence)
             recorder.called(service, m.rpc, request, key, digest, None, body)
             return answer
         journal = self._journal()
@@ -322,9 +324,8 @@ class MutationRunner:
         kept_answer = answer.SerializeToString() if results is None else joined(answer, "results", results)
         unsendable = self._unsendable(m, kept_answer, self.max_message_bytes)
         if key:
-            registry.idempotency.remember(
-                s.session_id, m.rpc, key, digest, None if unsendable is not None else kept_answer
-            )
+            kept = None if unsendable is not None else kept_answer
+            registry.idempotency.remember(s.session_id, m.rpc, key, digest, kept, sequence=sequence)
         recorder.called(service, m.rpc, request, key, digest, kept_answer, body)
         return kept_answer if unsendable is None else unsendable
 
@@ -406,27 +407,29 @@ class MutationRunner:
                 "the journal does not match this kvcoord's rules (records are replayed under the limits "
                 "they were applied with); start the kvcoord version that wrote it"
             )
+        sequence = request.call_sequence
         if key and isinstance(answer, ServiceError):  # a refusal kept live (_keep)
-            self._remember_at(s.session_id, m.rpc, key, digest, None, age, answer)
+            self._remember_at(s.session_id, m.rpc, key, digest, None, age, sequence, answer)
         elif key and kept is not None:
             if self._unsendable(m, kept, budget) is not None:
                 kept = None  # never sent: its key is a tombstone, as it was live (_keep)
-            self._remember_at(s.session_id, m.rpc, key, digest, kept, age)
+            self._remember_at(s.session_id, m.rpc, key, digest, kept, age, sequence)
         return str(request.pool)
 
     def _remember_at(
         self, session_id: str, rpc: str, key: str, digest: bytes, kept: bytes | None, age: float,
-        refusal: ServiceError | None = None,
+        sequence: int, refusal: ServiceError | None = None,
     ) -> None:  # fmt: skip
         """Keep a replayed call's answer (or refusal) under its key, as made ``age``
-        seconds of serving time ago."""
+        seconds of serving time ago (the keys older than the window then are forgotten,
+        their call sequence numbers counted, as they were live)."""
         store = self.registry.idempotency
         real = store.clock
         at = real() - age  # the record's time on the monotonic clock
         store.clock = lambda: at
         try:
             store.expire()
-            store.remember(session_id, rpc, key, digest, kept, refusal)
+            store.remember(session_id, rpc, key, digest, kept, refusal, sequence)
         finally:
             store.clock = real
 

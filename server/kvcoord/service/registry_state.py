@@ -92,6 +92,7 @@ def dump_state(
         "pools": pools,
         "sessions": sessions,
         "idempotency": [list(e) for e in registry.idempotency.export()],
+        "idempotency_sequences": registry.idempotency.export_sequences(),
         "wall": wall_clock(),
         # the last record of each earlier instance (positions.py); the current one's
         # end is where recovery from this snapshot finds the next start record
@@ -112,6 +113,7 @@ def load_state(
     load_pools(registry, state["pools"], state["sessions"])
     offline = max(0.0, wall_clock() - state["wall"])
     registry.idempotency.restore([(*e[:4], e[4] + offline, e[5]) for e in state["idempotency"]])
+    registry.idempotency.restore_sequences(state.get("idempotency_sequences"))
     return str(state["writer"])
 
 
@@ -177,6 +179,7 @@ def dump_pool(registry: PoolRegistry, name: str) -> dict[str, Any]:
         "pool": pool_value(service),
         "sessions": [session_value(s) for s in sessions],
         "idempotency": [list(e) for e in registry.idempotency.export() if e[0] in ids],
+        "idempotency_sequences": registry.idempotency.export_sequences(ids),
         "lineage": sorted(registry.lineage | {registry.instance_id}),
     }
 
@@ -200,6 +203,7 @@ def adopt_pool(registry: PoolRegistry, value: dict[str, Any]) -> PoolService:
     registry.lineage.update(value["lineage"])
     (service,) = load_pools(registry, [value["pool"]], value["sessions"])
     registry.idempotency.restore([tuple(e) for e in value["idempotency"]])
+    registry.idempotency.restore_sequences(value.get("idempotency_sequences"))
     for s in registry.sessions.of_pool(name):
         s.expires_at = registry.sessions.clock() + s.lease_seconds
     return service

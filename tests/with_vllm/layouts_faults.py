@@ -10,6 +10,10 @@ Faults (``event``):
 - "sigkill": the server SIGKILLed and restarted on its journal between steps 30 and 31,
   and 0-5 ms into step 70;
 - "lostalloc": the same, the first Step lost the one carrying a prefill's allocation;
+- "killstep": at most four times, at the Step carrying a prefill's allocation, the server
+  SIGKILLed: alternately once it has applied and answered that Step (the answer lost, its
+  retry meets the instance restarted on the journal) and just before the Step is sent
+  (restarted 0.2 s later); no request may be lost and every decision is vLLM's;
 - "detach": another client ends the session between steps 40 and 41 (a lease run out);
 - "emptied": the server SIGKILLed at step 50 and started with its data directory deleted;
 - "partition": from step 60, engine 0's calls fail UNAVAILABLE for 3 x the session lease.
@@ -136,6 +140,67 @@ class _Lockstep:
             self.cond.notify_all()
 
 
+class KillingScripted(Scripted):
+    """:class:`Scripted` with two faults that SIGKILL ``server`` at a chosen Step: "killdrop"
+    (the Step applied and answered, then the server killed and restarted on its journal
+    before the client hears of the answer: the client's retry, under the same idempotency
+    key, reaches the new instance) and "killcut" (the server killed before the Step is
+    sent, restarted 0.2 s later: the Step reaches no server until then)."""
+
+    def __init__(self, server: DurableServer) -> None:
+        super().__init__()
+        self.server = server
+        self.restarts: list[threading.Thread] = []
+        #: "killdrop" faults that fired (a kill after the server answered)
+        self.dropped_kills = 0
+
+    def arm(self, fault: str) -> None:
+        """``fault`` for the next Step not faulted yet (queued: the engine runs on while
+        the Step of an earlier kill is still retried)."""
+        with self._lock:
+            self.script.append(fault)
+
+    def draw_message(self, request: Any) -> tuple[str, Any]:
+        fault, late = super().draw_message(request)
+        if fault == "killdrop":
+            # drawn again until it fires: a message drawn on a stream that broke with the
+            # last kill never reaches the server (the client resends it on a new stream)
+            with self._lock:
+                self.script.insert(0, fault)
+            self.on_drop = self._restart_now
+            return "drop", late
+        if fault == "killcut":
+            self.restarted()
+            self.server.kill()
+            self.restarts.append(threading.Thread(target=self._restart_later))
+            self.restarts[-1].start()
+            return "none", late
+        return fault, late
+
+    def _draw(self, item: Any, held: list[Any]) -> tuple[str, Any]:
+        """A unary Step's fault (a Step sent while another is on the stream): the same
+        script."""
+        return self.draw_message(item)
+
+    def _restart_now(self) -> None:
+        self.on_drop = None
+        with self._lock:
+            del self.script[:1]
+        self.dropped_kills += 1
+        self.restarted()
+        self.server.kill()
+        self.server.start()
+
+    def restarted(self) -> None:
+        """Wait until an earlier "killcut"'s restart is done (one server at a time)."""
+        for t in self.restarts:
+            t.join(120)
+
+    def _restart_later(self) -> None:
+        threading.Event().wait(0.2)
+        self.server.start()
+
+
 def run_on_kvcoord(case: Case, model_dir: Path, tmp_path: Path, mp: pytest.MonkeyPatch) -> None:
     """The workload on kvcoord (``case.engines`` schedulers on one pool) under
     ``case.event``; fills ``case.results`` (per engine: outputs, trace, oracle,
@@ -167,6 +232,10 @@ def run_on_kvcoord(case: Case, model_dir: Path, tmp_path: Path, mp: pytest.Monke
             injectors.append(inj)
             retry = RetryPolicy(max_attempts=2, initial_backoff=0.01, keyed_deadline=None)
             return KVCoordClient(target, interceptors=[inj], retry=retry, **kw)
+        if case.event == "killstep":
+            inj = KillingScripted(server)
+            injectors.append(inj)
+            return KVCoordClient(target, interceptors=[inj], **kw)
         if case.event == "partition":
             inj = FaultInjector(0)
             injectors.append(inj)
@@ -223,6 +292,9 @@ def run_on_kvcoord(case: Case, model_dir: Path, tmp_path: Path, mp: pytest.Monke
                 "trace": traces[e], "oracle": oracles[e], "sched": scheds[e], "error": errors[e],
                 "manager": scheds[e].kv_cache_manager.remote,
             })  # fmt: skip
+        for inj in injectors:
+            if isinstance(inj, KillingScripted):
+                inj.restarted()
         with KVCoordClient(server.address) as c:
             case.check = list(c.check_pool(case.pool).violations)
             case.stats = c.get_stats(case.pool)
@@ -242,6 +314,14 @@ def _step_faults(case: Case, e: int, s: Any, injector: FaultInjector | None, ser
     rnd = random.Random(case.seed)
     killers: list[threading.Thread] = []
 
+    if event == "killstep":
+        kinds = itertools.cycle(["killdrop", "killcut"])
+
+        def start_kill() -> None:
+            injector.arm(next(kinds))  # type: ignore[union-attr]
+
+        lose_after_prefill(s.kv_cache_manager, METHODS, state, start_kill, at_the_allocation=True)
+
     if event in ("lost", "lostalloc"):
         adapter = s.kv_cache_manager
         script = [k for k, n in re.findall(r"(drop|cut)(\d+)", "drop2cut4") for _ in range(int(n))]
@@ -258,7 +338,7 @@ def _step_faults(case: Case, e: int, s: Any, injector: FaultInjector | None, ser
 
     def on_step(step: int) -> None:
         state["step"], state["prefilled"] = step, False
-        if event in ("lost", "lostalloc"):
+        if event in ("lost", "lostalloc", "killstep"):
             met = state["met"]
             if step >= 15 and len(met) < 4 and not state["armed"] and (not met or step >= met[-1][0] + 10):
                 state["armed"] = True
@@ -312,16 +392,16 @@ def verdict(case: Case, records: list[logging.LogRecord]) -> list[str]:
         differ = sorted(rid for rid in want.keys() | got.keys() if got.get(rid) != want.get(rid))
         # (the harness's tokens with the async scheduler's drafts depend on the schedule:
         # vLLM's own repeat and skip positions; a recomputation schedules otherwise)
-        if case.kind == "async" and case.speculative and case.event not in ("network", "sigkill"):
+        if case.kind == "async" and case.speculative and case.event not in ("network", "sigkill", "killstep"):
             differ = [rid for rid in differ if got.get(rid, ([], ""))[1] != "length"]
         if differ:
             problems.append(
                 f"engine {e} outputs differ: {[(d, want.get(d), got.get(d)) for d in differ[:3]]}"
             )
         lost = r["manager"].lost_requests if hasattr(r["manager"], "lost_requests") else None
-        if case.event in ("network", "sigkill") and lost:
+        if case.event in ("network", "sigkill", "killstep") and lost:
             problems.append(f"engine {e} lost {lost} requests on a {case.event} fault")
-        if case.engines == 1 and case.event in ("network", "sigkill") and r["trace"] != case.want:
+        if case.engines == 1 and case.event in ("network", "sigkill", "killstep") and r["trace"] != case.want:
             from test_scheduler_equivalence import first_difference
 
             problems.append(f"engine {e} decisions differ: {first_difference(case.want, r['trace'])}")

@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
         first = case.results[0]["oracle"].summary() if case.results else None
         lost = [getattr(r["manager"], "lost_requests", None) for r in case.results]
         print(f"{'FAIL' if problems else 'ok  '} {case!r} {time.monotonic() - started:.0f}s lost={lost} "
-              f"met={case.injected.get('met')} oracle0={first}", flush=True)  # fmt: skip
+              f"met={case.injected.get('met')} kills={case.injected.get('kills')} "
+              f"counts={case.injected.get('counts')} oracle0={first}", flush=True)  # fmt: skip
         for p in problems[:6]:
             print("    ", p[:1500], flush=True)
         failed += bool(problems)

@@ -1,7 +1,8 @@
 """Layouts the KV oracle had not run under faults (layouts_faults.py drives them): a
 speculative decoder (EAGLE) beside a mamba group, vLLM 0.33's mamba layouts ("none",
 "align", "align" with a prefill checkpoint block), chunked local attention with a KV
-connector whose transfers span steps, and two engines sharing one pool
+connector whose transfers span steps (and, on 0.33, predicted with the server SIGKILLed at
+a prefill's Step, before it is sent or after it was answered), and two engines sharing one pool
 (KVCOORD_EXCLUSIVE=0) on full+SWA and chunked-local layouts. Each run: every position
 a scheduled request reads holds its own KV (the oracle), every request completes with
 vLLM's own tokens (and, under network faults or SIGKILLs, every decision is vLLM's),
@@ -25,6 +26,8 @@ GUARDS_033 = [
     Case("sync", "partial", "predicted", "lostalloc", 13, blocks=120),
     Case("sync", "full+chunked", "predicted", "detach", 2, connector="SlowTransfersConnector"),
     Case("sync", "full+chunked", "shared", "lostalloc", 3, engines=2),
+    Case("sync", "full+chunked", "predicted", "killstep", 11),
+    Case("async", "full+chunked", "predicted", "killstep", 12, connector="SlowTransfersConnector"),
 ]
 GUARDS_016 = [
     Case("sync", "full+chunked", "predicted", "detach", 4, connector="LoadedHalfConnector"),
@@ -39,6 +42,9 @@ def test_a_layout_under_faults_reads_only_its_own_kv(case: Case, model_dir: Path
     assert not problems, "\n".join(problems)
     met = case.injected["met"][0]
     assert met or case.injected["kills"], case.injected  # the fault happened
+    if case.event == "killstep":  # every kill it armed, half of them after the answer
+        assert case.injected["kills"] == len(met) == 4, case.injected
+        assert case.injected["counts"][0]["dropped"] == 2, case.injected
     for e, r in enumerate(case.results):
         summary = r["oracle"].summary()
         assert summary["positions"] > 1000, summary

@@ -65,6 +65,15 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInt
         self.enabled = True
         #: while True, every call (of any method) fails without reaching the server
         self.partitioned = False
+        #: called once a dropped call (or stream message) was answered by the server,
+        #: before its caller is told the answer was lost (a test may kill the server there)
+        self.on_drop: Callable[[], None] | None = None
+
+    def dropped(self) -> None:
+        """Count a dropped answer, then call :attr:`on_drop`."""
+        self.counts["dropped"] += 1
+        if self.on_drop is not None:
+            self.on_drop()
 
     def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
         if self.partitioned:
@@ -77,7 +86,7 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInt
             _deliver(continuation, *late)
         if fault == "drop":
             _deliver(continuation, details, request)
-            self.counts["dropped"] += 1
+            self.dropped()
             raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: connection lost before the answer")
         if fault == "delay":
             _deliver(continuation, details, request)
@@ -176,7 +185,7 @@ class _FaultyStream:
             counts["duplicated"] += 1
             return next(self.call)  # the second copy's answer (the first one's, kept)
         if fault == "drop":
-            counts["dropped"] += 1
+            self.faults.dropped()
             self.call.cancel()
             raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: stream broken before the answer")
         if fault == "delay":

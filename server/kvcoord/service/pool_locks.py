@@ -109,6 +109,10 @@ class PoolLocks:
         """Whether ``pool`` is held now (a Step is applied to it in slices)."""
         return pool in self._held
 
+    def waiting(self, pool: str) -> int:
+        """How many calls wait for ``pool`` now (0 when it is not held)."""
+        return sum(1 for w in self._held.get(pool, ()) if not w.done())
+
     def any_busy(self) -> bool:
         """Whether some pool is held now."""
         return bool(self._held)

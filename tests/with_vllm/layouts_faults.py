@@ -15,6 +15,10 @@ Faults (``event``):
   retry meets the instance restarted on the journal) and just before the Step is sent
   (restarted 0.2 s later); no request may be lost and every decision is vLLM's;
 - "detach": another client ends the session between steps 40 and 41 (a lease run out);
+- "takeover": between steps 40 and 41 another client ends the session (a lease run out)
+  and a second engine of the same client name takes the pool (exclusive, its prefix
+  cache reset) holding a request, for 0.5 s of wall time: engine 0's re-attach is
+  refused meanwhile (the engine waits), then made;
 - "emptied": the server SIGKILLed at step 50 and started with its data directory deleted;
 - "partition": from step 60, engine 0's calls fail UNAVAILABLE for 3 x the session lease.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import random
 import re
 import shutil
@@ -41,7 +46,9 @@ from kv_oracle import KVOracle
 from kvcoord.client import KVCoordClient
 from kvcoord.client import vllm as kvcoord_vllm
 from kvcoord.client.faults import FaultInjector
+from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.client.retry import RetryPolicy
+from kvcoord.v1 import allocator_pb2 as pb
 from layouts_support import layout_configs
 from test_lost_answers import METHODS, Scripted, lose_after_prefill
 from test_lost_sessions import outputs_by_request
@@ -292,6 +299,8 @@ def run_on_kvcoord(case: Case, model_dir: Path, tmp_path: Path, mp: pytest.Monke
                 "trace": traces[e], "oracle": oracles[e], "sched": scheds[e], "error": errors[e],
                 "manager": scheds[e].kv_cache_manager.remote,
             })  # fmt: skip
+        for t in [t for takers in case.injected.get("takers", ()) for t in takers]:
+            t.join(60)
         for inj in injectors:
             if isinstance(inj, KillingScripted):
                 inj.restarted()
@@ -313,6 +322,8 @@ def _step_faults(case: Case, e: int, s: Any, injector: FaultInjector | None, ser
     case.injected.setdefault("met", []).append(state["met"])
     rnd = random.Random(case.seed)
     killers: list[threading.Thread] = []
+    takers: list[threading.Thread] = []
+    case.injected.setdefault("takers", []).append(takers)
 
     if event == "killstep":
         kinds = itertools.cycle(["killdrop", "killcut"])
@@ -360,6 +371,9 @@ def _step_faults(case: Case, e: int, s: Any, injector: FaultInjector | None, ser
             with KVCoordClient(server.address) as other:
                 other.detach(manager.session_id)
             state["met"].append(step)
+        elif event == "takeover" and step == 40:
+            takers.append(_take_over(s.kv_cache_manager.remote, server.address, case.pool))
+            state["met"].append(step)
         elif event == "partition" and step == 60 and injector is not None:
             injector.partitioned = True
             heal = threading.Timer(3.0, lambda: setattr(injector, "partitioned", False))
@@ -373,6 +387,42 @@ def _step_faults(case: Case, e: int, s: Any, injector: FaultInjector | None, ser
             state["met"].append(step)
 
     return on_step
+
+
+def _take_over(manager: Any, address: str, pool: str) -> threading.Thread:
+    """End ``manager``'s session as a lease running out would, then attach a second engine
+    of the same client name (exclusive, the prefix cache reset) holding a request of 8
+    blocks; it detaches 0.5 s later, on the returned thread."""
+    if hasattr(manager, "flush"):
+        manager.flush()
+    other = KVCoordClient(address)
+    other.detach(manager.session_id)
+    cfg = other.get_pool(pool).pool.config
+    name = f"{os.uname().nodename}:{os.getpid()}"  # (the engine's: KVCOORD_CLIENT_NAME's default)
+    got = other.attach(pool, cfg.hash_algo, cfg.hash_block_size, cfg.hash_seed, name, 30, True,
+                       profile=cfg.profile, num_hash_lookahead_tokens=cfg.num_hash_lookahead_tokens,
+                       reset_prefix_cache=True)  # fmt: skip
+    tokens = list(range(128))
+    hashes = BlockHasher(cfg.hash_algo, cfg.hash_block_size, none_hash(cfg.hash_algo, cfg.hash_seed)).extend(
+        tokens
+    )
+    sync = pb.RequestSync(
+        request_id="taker-1", append_token_ids=tokens, append_block_hashes=hashes, new_request=True
+    )
+    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=128))
+    result = other.step(pool, [op], got.session_id, got.fence).results[0]
+    assert not result.status_code, result
+
+    def leave() -> None:
+        threading.Event().wait(0.5)
+        try:
+            other.detach(got.session_id, got.fence)
+        finally:
+            other.close()
+
+    t = threading.Thread(target=leave)
+    t.start()
+    return t
 
 
 def verdict(case: Case, records: list[logging.LogRecord]) -> list[str]:

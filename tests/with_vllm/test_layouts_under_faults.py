@@ -2,7 +2,8 @@
 speculative decoder (EAGLE) beside a mamba group, vLLM 0.33's mamba layouts ("none",
 "align", "align" with a prefill checkpoint block), chunked local attention with a KV
 connector whose transfers span steps (and, on 0.33, predicted with the server SIGKILLed at
-a prefill's Step, before it is sent or after it was answered), and two engines sharing one pool
+a prefill's Step, before it is sent or after it was answered; or its session ended and the
+pool taken by a second engine for a while), and two engines sharing one pool
 (KVCOORD_EXCLUSIVE=0) on full+SWA and chunked-local layouts. Each run: every position
 a scheduled request reads holds its own KV (the oracle), every request completes with
 vLLM's own tokens (and, under network faults or SIGKILLs, every decision is vLLM's),
@@ -28,6 +29,7 @@ GUARDS_033 = [
     Case("sync", "full+chunked", "shared", "lostalloc", 3, engines=2),
     Case("sync", "full+chunked", "predicted", "killstep", 11),
     Case("async", "full+chunked", "predicted", "killstep", 12, connector="SlowTransfersConnector"),
+    Case("sync", "full+chunked", "predicted", "takeover", 11),
 ]
 GUARDS_016 = [
     Case("sync", "full+chunked", "predicted", "detach", 4, connector="LoadedHalfConnector"),
@@ -53,7 +55,7 @@ def test_a_layout_under_faults_reads_only_its_own_kv(case: Case, model_dir: Path
         if case.engines > 1:
             assert summary["foreign_reads"] > 0, summary  # an engine read the other's KV
         if case.event in ("lost", "emptied") or (
-            case.event == "detach" and e == 0
+            case.event in ("detach", "takeover") and e == 0
         ):  # (only engine 0 detached)
             assert r["manager"].lost_requests > 0
 

@@ -1021,20 +1021,30 @@ class FindLongestCacheHitResponse(_message.Message):
     def __init__(self, hit: _Optional[_Union[CacheHit, _Mapping]] = ..., num_free_blocks: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "op", "idempotency_key", "fence", "call_sequence")
+    __slots__ = ("pool", "session_id", "op", "idempotency_key", "fence", "call_sequence", "abandoned")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
     CALL_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     op: AllocateOp
     idempotency_key: str
     fence: Fence
     call_sequence: int
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., op: _Optional[_Union[AllocateOp, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., call_sequence: _Optional[int] = ...) -> None: ...
+    abandoned: _containers.RepeatedCompositeFieldContainer[AbandonedCall]
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., op: _Optional[_Union[AllocateOp, _Mapping]] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., call_sequence: _Optional[int] = ..., abandoned: _Optional[_Iterable[_Union[AbandonedCall, _Mapping]]] = ...) -> None: ...
+
+class AbandonedCall(_message.Message):
+    __slots__ = ("idempotency_key", "call_sequence")
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    CALL_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    idempotency_key: str
+    call_sequence: int
+    def __init__(self, idempotency_key: _Optional[str] = ..., call_sequence: _Optional[int] = ...) -> None: ...
 
 class AllocateResponse(_message.Message):
     __slots__ = ("result", "num_free_blocks", "usage", "fence")
@@ -1049,7 +1059,7 @@ class AllocateResponse(_message.Message):
     def __init__(self, result: _Optional[_Union[AllocateResult, _Mapping]] = ..., num_free_blocks: _Optional[int] = ..., usage: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class FreeRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "request_ids", "preempt", "idempotency_key", "fence", "call_sequence")
+    __slots__ = ("pool", "session_id", "request_ids", "preempt", "idempotency_key", "fence", "call_sequence", "abandoned")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -1057,6 +1067,7 @@ class FreeRequest(_message.Message):
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
     CALL_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     request_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -1064,7 +1075,8 @@ class FreeRequest(_message.Message):
     idempotency_key: str
     fence: Fence
     call_sequence: int
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., preempt: _Optional[bool] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., call_sequence: _Optional[int] = ...) -> None: ...
+    abandoned: _containers.RepeatedCompositeFieldContainer[AbandonedCall]
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., request_ids: _Optional[_Iterable[str]] = ..., preempt: _Optional[bool] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., call_sequence: _Optional[int] = ..., abandoned: _Optional[_Iterable[_Union[AbandonedCall, _Mapping]]] = ...) -> None: ...
 
 class FreeResponse(_message.Message):
     __slots__ = ("num_free_blocks", "fence")
@@ -1075,7 +1087,7 @@ class FreeResponse(_message.Message):
     def __init__(self, num_free_blocks: _Optional[int] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("pool", "session_id", "ops", "idempotency_key", "fence", "include_state", "events_digest", "call_sequence")
+    __slots__ = ("pool", "session_id", "ops", "idempotency_key", "fence", "include_state", "events_digest", "call_sequence", "abandoned")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     OPS_FIELD_NUMBER: _ClassVar[int]
@@ -1084,6 +1096,7 @@ class StepRequest(_message.Message):
     INCLUDE_STATE_FIELD_NUMBER: _ClassVar[int]
     EVENTS_DIGEST_FIELD_NUMBER: _ClassVar[int]
     CALL_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    ABANDONED_FIELD_NUMBER: _ClassVar[int]
     pool: str
     session_id: str
     ops: _containers.RepeatedCompositeFieldContainer[Operation]
@@ -1092,7 +1105,8 @@ class StepRequest(_message.Message):
     include_state: bool
     events_digest: bool
     call_sequence: int
-    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., include_state: _Optional[bool] = ..., events_digest: _Optional[bool] = ..., call_sequence: _Optional[int] = ...) -> None: ...
+    abandoned: _containers.RepeatedCompositeFieldContainer[AbandonedCall]
+    def __init__(self, pool: _Optional[str] = ..., session_id: _Optional[str] = ..., ops: _Optional[_Iterable[_Union[Operation, _Mapping]]] = ..., idempotency_key: _Optional[str] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., include_state: _Optional[bool] = ..., events_digest: _Optional[bool] = ..., call_sequence: _Optional[int] = ..., abandoned: _Optional[_Iterable[_Union[AbandonedCall, _Mapping]]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
     __slots__ = ("results", "num_free_blocks", "usage", "fence", "events", "events_gap", "prefix_cache_stats", "events_sha256", "events_more")

@@ -41,6 +41,7 @@ __all__ = [
     "check_request_slices",
     "fields_of",
     "ELSEWHERE",
+    "MAX_ABANDONED_CALLS",
     "MAX_CLIENT_NAME_LENGTH",
     "MAX_IDEMPOTENCY_KEY_LENGTH",
     "MAX_NAME_LENGTH",
@@ -65,6 +66,9 @@ MAX_SESSION_ID_LENGTH = 64
 MAX_BLOCK_HASH_BYTES = 64
 #: KV cache groups of a pool (vLLM's hybrid models have a few)
 MAX_GROUPS = 256
+#: calls a keyed call may name as given up on (``abandoned``): a client names those
+#: of its session not yet carried by an answered call (a handful, after a failure)
+MAX_ABANDONED_CALLS = 256
 
 #: "Message.field" (or "Message.field[]" for a list's elements) -> its bound: the
 #: longest length (characters, bytes, or items for a list) or a Limits attribute.
@@ -98,6 +102,10 @@ BOUNDS: Mapping[str, int | str] = {
     "FreeRequest.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,
     "StepRequest.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,
     "ScorePoolsRequest.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,
+    "AllocateRequest.abandoned": MAX_ABANDONED_CALLS,
+    "FreeRequest.abandoned": MAX_ABANDONED_CALLS,
+    "StepRequest.abandoned": MAX_ABANDONED_CALLS,
+    "AbandonedCall.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,
     "AttachRequest.client_name": MAX_CLIENT_NAME_LENGTH,
     "AttachRequest.attach_key": MAX_IDEMPOTENCY_KEY_LENGTH,
     "AttachRequest.hash_algo": 32,

@@ -32,6 +32,18 @@ beside the entries (snapshots, handovers: :meth:`IdempotencyStore.export_sequenc
 and replaying the journal forgets keys as the live server did (by record time), so a
 restart does not reopen the hole.
 
+A call its client gave up on (OutcomeUnknownError) may never have reached the server
+and still arrive later (held back on the way), numbered above every key forgotten: the
+floor cannot refuse it, and its client meanwhile took its requests as lost (freed them,
+admitted them again). So the client names such calls in its session's next keyed calls
+(``abandoned``: key and number), and the server, before applying that call, keeps a
+tombstone for each key it does not hold (:meth:`IdempotencyStore.abandon`; a key it holds
+keeps its answer): the late delivery is refused, ABORTED (ANSWER_EVICTED), never applied,
+and once the window passes, the tombstone's number joins the floor like any forgotten
+key's. The tombstones are made inside the naming call's journal record (its request
+carries them), so replay makes them again; snapshots and handovers carry them as entries
+(rpc :data:`ABANDONED`, no answer) with their numbers.
+
 A keyed call answered with its own error (an Allocate the engine refused, e.g.
 HIT_BLOCK_TAKEN or UNCOUNTED_BLOCKS) keeps that refusal under its key, as an answer:
 a retry, or a copy of the call delivered late, is told the same refusal and never
@@ -59,12 +71,16 @@ from typing import Any
 
 from .errors import ErrorReason, ServiceError, Status
 
-__all__ = ["ENTRY_BYTES", "IdempotencyStore", "KeptRefusal", "Stored", "entry_bytes"]
+__all__ = ["ABANDONED", "ENTRY_BYTES", "IdempotencyStore", "KeptRefusal", "Stored", "entry_bytes"]
 
 #: What an entry costs besides its key, session id and answer: the entry object, its
 #: digest, the dict, deque and per-session set slots, its own copy of the session id
 #: string (tracemalloc: about 460 bytes with a 32-character key and session id)
 ENTRY_BYTES = 512
+
+#: the rpc of a tombstone made because its client gave up on the call (no rpc or
+#: digest known: any call with its key is refused, ANSWER_EVICTED)
+ABANDONED = ""
 
 
 def entry_bytes(session_id: str, key: str) -> int:
@@ -158,17 +174,16 @@ class IdempotencyStore:
                     "applied earlier, its answer is not kept: treat the requests it named as lost",
                     ErrorReason.ANSWER_EVICTED,
                 )
-            need = entry_bytes(session_id, key)
-            if self.entry_bytes + need > self.max_bytes:
-                self._drop_past_retries(self.max_bytes - need)
-            if self.entry_bytes + need > self.max_bytes:
-                raise ServiceError(
-                    Status.EXHAUSTED,
-                    f"idempotency_max_bytes ({self.max_bytes:,}) is taken by the {len(self._entries):,} keys "
-                    f"of the last {self.window / 2:g} s ({self.entry_bytes:,} bytes, answers already "
-                    "dropped); nothing was applied: retry later, or raise server.idempotency_max_bytes",
-                )
+            self._make_room(session_id, key)
             return None
+        if entry.rpc == ABANDONED:
+            raise ServiceError(
+                Status.ABORTED,
+                f"the call with idempotency key {key[:64]!r} (call_sequence {sequence}) was given up on by its "
+                "client (a later call of this session named it abandoned) before it reached the server: it is "
+                "not applied now; its client took the requests it named as lost",
+                ErrorReason.ANSWER_EVICTED,
+            )
         if entry.rpc != rpc or entry.digest != digest:
             what = f"a {entry.rpc} call" if entry.rpc != rpc else "another request body"
             raise ServiceError(
@@ -189,6 +204,74 @@ class IdempotencyStore:
                 ErrorReason.ANSWER_EVICTED,
             )
         return entry.answer
+
+    def abandon(self, session_id: str, own_key: str, calls: list[tuple[str, int]]) -> None:
+        """Keep a tombstone for each (key, call sequence number) of ``calls``, the calls
+        of this session its client gave up on, that is neither kept already (a held
+        answer stays: a retry of it is answered) nor covered by the session's floor; the
+        call naming them has the key ``own_key``. A key's later delivery is then refused
+        (:meth:`lookup`: ANSWER_EVICTED), and once the window passes its number joins
+        the floor.
+
+        Raises:
+            ServiceError: INVALID_ARGUMENT when a key is empty or the naming call's own;
+                RESOURCE_EXHAUSTED as :meth:`lookup` for a new key (some tombstones may be
+                kept already: they only refuse calls their client gave up on).
+        """
+        if not calls:
+            return
+        self.expire()
+        now = self.clock()
+        for key, sequence in calls:
+            if not key or key == own_key:
+                raise ServiceError(
+                    Status.INVALID,
+                    "abandoned names "
+                    + ("an empty idempotency key" if not key else "the call's own idempotency key"),
+                )
+            if (session_id, key) in self._entries or (
+                sequence and sequence <= self._forgotten.get(session_id, 0)
+            ):
+                continue
+            self._make_room(session_id, key)
+            entry = Stored(ABANDONED, b"", now, None, None, sequence)
+            self._entries[(session_id, key)] = entry
+            self._by_session.setdefault(session_id, set()).add(key)
+            cost = entry_bytes(session_id, key)
+            self.entry_bytes += cost
+            self.bytes += cost
+            self._evict_to_budget()
+
+    def _make_room(self, session_id: str, key: str) -> None:
+        """Make room for a new key's entry (dropping keys past every client's retries).
+
+        Raises:
+            ServiceError: RESOURCE_EXHAUSTED when the keys of the last half window alone
+                fill the budget: the call must not be applied, it could not be kept.
+        """
+        need = entry_bytes(session_id, key)
+        if self.entry_bytes + need > self.max_bytes:
+            self._drop_past_retries(self.max_bytes - need)
+        if self.entry_bytes + need > self.max_bytes:
+            raise ServiceError(
+                Status.EXHAUSTED,
+                f"idempotency_max_bytes ({self.max_bytes:,}) is taken by the {len(self._entries):,} keys "
+                f"of the last {self.window / 2:g} s ({self.entry_bytes:,} bytes, answers already "
+                "dropped); nothing was applied: retry later, or raise server.idempotency_max_bytes",
+            )
+
+    def as_of(self, age: float, change: Callable[[], object]) -> None:
+        """Forget the keys older than the window and make ``change`` as ``age`` seconds
+        ago (journal replay: a record's time, so keys are forgotten, their numbers
+        counted, as they were live)."""
+        real = self.clock
+        at = real() - age  # the record's time on the monotonic clock
+        self.clock = lambda: at
+        try:
+            self.expire()
+            change()
+        finally:
+            self.clock = real
 
     def remember(
         self, session_id: str, rpc: str, key: str, digest: bytes, answer: bytes | None,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Generator
+from typing import Any
 
 from google.protobuf.message import Message
 from google.protobuf.unknown_fields import UnknownFieldSet
@@ -14,6 +15,7 @@ from .bounds import fields_of
 
 __all__ = [
     "DIGEST_SLICE_BYTES",
+    "abandoned_calls",
     "body_digest",
     "joined",
     "keyed_body_slices",
@@ -105,3 +107,9 @@ def body_digest(body: bytes) -> bytes:
 def take_events_budget(max_message_bytes: int) -> int | None:
     """The byte budget of a TakeEventsOp's events: half an answer (None: no budget)."""
     return max_message_bytes // 2 if max_message_bytes else None
+
+
+def abandoned_calls(request: Any) -> list[tuple[str, int]]:
+    """The (idempotency key, call sequence number) of each call a keyed request names as
+    given up on by its client (``abandoned``: idempotency.py)."""
+    return [(c.idempotency_key, c.call_sequence) for c in request.abandoned]

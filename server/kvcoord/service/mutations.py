@@ -37,6 +37,7 @@ from .errors import ErrorReason, ServiceError, Status
 from .idempotency import KeptRefusal
 from .mutation_bodies import (
     DIGEST_SLICE_BYTES,
+    abandoned_calls,
     body_digest,
     joined,
     keyed_body_slices,
@@ -159,6 +160,8 @@ class MutationRunner:
         try:
             service = registry.get(pool)
             s = service.session(request.session_id, fence)
+            if request.abandoned:  # its client's given-up calls: tombstones first (its record has them)
+                registry.idempotency.abandon(s.session_id, key, abandoned_calls(request))
             try:
                 # (a copy of a call whose key is forgotten is refused by its call_sequence)
                 kept = registry.idempotency.lookup(s.session_id, m.rpc, key, digest, request.call_sequence)
@@ -377,6 +380,8 @@ class MutationRunner:
         budget = registry.max_message_bytes
         service.answer_event_bytes = take_events_budget(budget)
         try:
+            store = registry.idempotency  # the tombstones it made live (run), at its time:
+            store.as_of(age, lambda: store.abandon(s.session_id, key, abandoned_calls(request)))
             answer = m.apply(
                 service, s, request, Fence(writer, service.fence.incarnation, term=service.fence.term), budget
             )
@@ -424,14 +429,7 @@ class MutationRunner:
         seconds of serving time ago (the keys older than the window then are forgotten,
         their call sequence numbers counted, as they were live)."""
         store = self.registry.idempotency
-        real = store.clock
-        at = real() - age  # the record's time on the monotonic clock
-        store.clock = lambda: at
-        try:
-            store.expire()
-            store.remember(session_id, rpc, key, digest, kept, refusal, sequence)
-        finally:
-            store.clock = real
+        store.as_of(age, lambda: store.remember(session_id, rpc, key, digest, kept, refusal, sequence))
 
     def _journal(self) -> Any:
         return getattr(self.registry.recorder, "journal", None)

@@ -17,8 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from . import _requests as rq
+from . import given_up
 from .api import LIST_POOLS, BlockingApi, Req, Resp, Rpc, merged
-from .errors import error_from_rpc
+from .errors import KVCoordError, error_from_rpc
 from .retry import Attempts
 from .step_pieces import pieces, send_in_pieces
 from .stream_carrier import STEP_STREAM, StepCarrier
@@ -77,6 +78,7 @@ class KVCoordClient(BlockingApi):
         pool = routes.pool_of(rpc, request)
         attempts = Attempts(self.retry, rq.kind_of(rpc, request), self.retry_horizon)
         hops = 0
+        named = given_up.name_on(rpc, request)  # its session's calls given up on
         while True:
             address = routes.route(pool)
             try:
@@ -85,8 +87,13 @@ class KVCoordClient(BlockingApi):
                 err = error_from_rpc(exc, rpc)
             else:
                 routes.answered(rpc, request, response, pool, address)
+                given_up.answered(rpc, request, named)
                 return response
-            pause = self._pause(attempts, err, pool, address, hops)
+            try:
+                pause = self._pause(attempts, err, pool, address, hops)
+            except KVCoordError as final:
+                given_up.failed(rpc, request, final)  # (remembered when its outcome is unknown)
+                raise
             hops = hops + 1 if pause is None else 0  # redirects are followed again after a pause
             if pause is not None:
                 time.sleep(pause)

@@ -27,10 +27,13 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .errors import KVCoordError, OutcomeUnknownError, SessionExpiredError
 
-__all__ = ["MAX_NAMED", "answered", "failed", "given_up", "name_on"]
+__all__ = ["MAX_NAMED", "MAX_SESSIONS", "answered", "failed", "given_up", "name_on"]
 
 #: the most calls one request names (the server refuses more: bounds.py)
 MAX_NAMED = 256
+#: sessions with a record at most (the oldest record goes past it: a session whose end
+#: this process never learned, e.g. its Detach unanswered, whose lease ended it since)
+MAX_SESSIONS = 4096
 #: the RPCs whose requests carry ``abandoned``
 KEYED = frozenset(("Allocate", "Free", "Step"))
 
@@ -94,5 +97,7 @@ def failed(rpc: str, request: Any, err: KVCoordError) -> None:
             _given_up.pop(session_id, None)
         elif isinstance(err, OutcomeUnknownError) and rpc in KEYED and request.idempotency_key:
             calls = _given_up.setdefault(session_id, {})
+            if len(_given_up) > MAX_SESSIONS:
+                del _given_up[next(iter(_given_up))]
             calls.pop(request.idempotency_key, None)  # (sent again and given up again: newest)
             calls[request.idempotency_key] = request.call_sequence

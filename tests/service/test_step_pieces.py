@@ -191,6 +191,54 @@ def test_a_piece_that_fails_names_itself_and_the_same_request_completes_once(
         assert _strip(got) == want and _state(c) == want_state
 
 
+class GiveUpOnce(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Every attempt of Step number ``at`` (from 0; its retries carry its key) fails
+    UNAVAILABLE, not sent, until ``healed``: its client gives up (OutcomeUnknownError)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.steps = 0
+        self.key = ""
+        self.healed = False
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        if details.method.endswith("/Step") and not self.healed:
+            self.steps += 1
+            if self.steps == self.at + 1:
+                self.key = request.idempotency_key
+            if request.idempotency_key == self.key:
+                raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: the connection broke")
+        return continuation(details, request)
+
+
+def test_a_piece_given_up_on_and_the_same_request_sent_again_completes_once(
+    twins: Callable[[str], InProcessServer],
+) -> None:
+    """A piece ends in OutcomeUnknownError (its client gives up: given_up.py names it in
+    the session's next calls); the same request sent again rebuilds its pieces under the
+    same keys, each naming what it named when first sent (else the first piece's body
+    would differ from its kept key's: KEY_REUSED), and completes once."""
+    from kvcoord.client import given_up
+    from kvcoord.client.errors import OutcomeUnknownError
+    from kvcoord.client.retry import RetryPolicy
+
+    one, many = twins("one"), twins("many")
+    want, want_state, _ = _step(one, _ops(), 0)
+    cut = GiveUpOnce(2)
+    policy = RetryPolicy(max_attempts=2, initial_backoff=0.01, keyed_deadline=None)
+    with KVCoordClient(many.address, timeout=30, retry=policy, interceptors=[cut], step_stream=False) as c:
+        c.step_piece_bytes = PIECE
+        s = c.attach("a", "sha256_cbor", 4, "0")
+        request = rq.step("a", _ops(), s.session_id, s.fence, include_state=True)
+        with pytest.raises(OutcomeUnknownError):
+            c.send_step(request)
+        assert list(given_up.given_up(s.session_id)) == [cut.key]
+        cut.healed = True
+        got = c.send_step(request)  # the same request (same key): the rest, once
+        assert _strip(got) == want and _state(c) == want_state
+        assert given_up.given_up(s.session_id) == {}
+
+
 def test_another_pools_calls_are_answered_between_the_pieces(twins: Callable[[str], InProcessServer]) -> None:
     """Before each piece, a call on pool "b" (another client) is answered: the requests
     pool "a" holds then are counted, so the interleaving is seen without timing."""

@@ -20,6 +20,7 @@ of it is answered or a call of it is told the session is gone.
 
 from __future__ import annotations
 
+import collections
 import threading
 from typing import Any
 
@@ -27,7 +28,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .errors import KVCoordError, OutcomeUnknownError, SessionExpiredError
 
-__all__ = ["MAX_NAMED", "MAX_SESSIONS", "answered", "failed", "given_up", "name_on"]
+__all__ = ["MAX_NAMED", "MAX_SENT", "MAX_SESSIONS", "answered", "failed", "given_up", "name_on"]
 
 #: the most calls one request names (the server refuses more: bounds.py)
 MAX_NAMED = 256
@@ -37,7 +38,13 @@ MAX_SESSIONS = 4096
 #: the RPCs whose requests carry ``abandoned``
 KEYED = frozenset(("Allocate", "Free", "Step"))
 
+#: keyed calls sent, newest last, whose list is kept (a call sent again past it may be
+#: refused KEY_REUSED when calls were given up on since: loud, never applied twice)
+MAX_SENT = 4096
+
 _lock = threading.Lock()
+#: (session id, key) -> what the call named when first sent, for the calls sent last
+_SENT: collections.OrderedDict[tuple[str, str], tuple[tuple[str, int], ...]] = collections.OrderedDict()
 #: session id -> {idempotency key: call_sequence} of its calls given up on, oldest first
 _given_up: dict[str, dict[str, int]] = {}
 
@@ -51,17 +58,26 @@ def given_up(session_id: str) -> dict[str, int]:
 def name_on(rpc: str, request: Any) -> list[str]:
     """Before a call's first attempt: name its session's calls given up on in its
     ``abandoned`` (not its own key: a caller sending it again), and return their keys.
-    A request that names some already (one built or sent before) is left as it is: its
-    body is its idempotency key's, so a retry must stay the same."""
+    A call's body is its idempotency key's, so a call sent again under its key names
+    what it named when first sent (:data:`_SENT`: a caller sending the same request
+    again, a Step in pieces rebuilt with the same piece keys); a request that names some
+    already is left as it is."""
     if rpc not in KEYED or not request.session_id:
         return []
     if request.abandoned:
         return [c.idempotency_key for c in request.abandoned]
+    sent = (request.session_id, request.idempotency_key)
     with _lock:
-        calls = _given_up.get(request.session_id)
-        if not calls:
-            return []
-        named = [(k, n) for k, n in calls.items() if k != request.idempotency_key][-MAX_NAMED:]
+        named = _SENT.get(sent) if request.idempotency_key else None
+        if named is None:
+            calls = _given_up.get(request.session_id, {})
+            named = tuple((k, n) for k, n in calls.items() if k != request.idempotency_key)[-MAX_NAMED:]
+            if request.idempotency_key:
+                _SENT[sent] = named
+                if len(_SENT) > MAX_SENT:
+                    _SENT.popitem(last=False)
+        else:
+            _SENT.move_to_end(sent)
     request.abandoned.extend(pb.AbandonedCall(idempotency_key=k, call_sequence=n) for k, n in named)
     return [k for k, _ in named]
 

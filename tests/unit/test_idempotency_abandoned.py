@@ -50,8 +50,9 @@ def test_abandoned_keys_are_checked() -> None:
     store = IdempotencyStore(ManualClock(), window=60, max_bytes=1 << 20)
     for bad in ("", "own"):
         with pytest.raises(ServiceError) as refused:
-            store.abandon("s", "own", [(bad, 1)])
+            store.abandon("s", "own", [("fine", 1), (bad, 2)])
         assert refused.value.status is Status.INVALID
+        assert len(store) == 0  # nothing kept of a refused list
     store.abandon("s", "own", [])  # nothing named: nothing kept
     assert len(store) == 0
 

@@ -220,15 +220,16 @@ class IdempotencyStore:
         """
         if not calls:
             return
-        self.expire()
-        now = self.clock()
-        for key, sequence in calls:
+        for key, _ in calls:  # (all checked before any is kept)
             if not key or key == own_key:
                 raise ServiceError(
                     Status.INVALID,
                     "abandoned names "
                     + ("an empty idempotency key" if not key else "the call's own idempotency key"),
                 )
+        self.expire()
+        now = self.clock()
+        for key, sequence in calls:
             if (session_id, key) in self._entries or (
                 sequence and sequence <= self._forgotten.get(session_id, 0)
             ):

@@ -33,7 +33,7 @@ from typing import Any
 import grpc
 import pytest
 from helpers import allocate, attach, hashes
-from kvcoord.client import KVCoordClient, RemoteKVCacheManager
+from kvcoord.client import KVCoordClient, KVCoordError, RemoteKVCacheManager
 from kvcoord.client import given_up as given_up_calls
 from kvcoord.client.errors import LocalRpcError, OutcomeUnknownError, RequestsLostError
 from kvcoord.client.retry import RetryPolicy
@@ -207,5 +207,35 @@ def test_the_waiting_managers_lost_step_delivered_after_its_free_is_not_applied(
             assert c.get_stats("p").num_free_blocks == free_before
             attach(c)
             assert _hit(c) == 0
+        finally:
+            m.close()
+
+
+def test_the_waiting_managers_lost_free_delivered_after_the_request_is_admitted_again_frees_nothing(
+    server: InProcessServer,
+) -> None:
+    """End to end through RemoteKVCacheManager (waiting mode): the Step carrying the free
+    of "a" is given up; the sender sends the free again (free_now, if_held: it names the
+    Step), vLLM admits "a" again under its id; the Step's only delivery comes after:
+    refused; the new "a" keeps its blocks."""
+    hold = HoldBack({"Step"})
+    with KVCoordClient(server.address, timeout=10, retry=POLICY, interceptors=[hold], step_stream=False) as c:
+        m = RemoteKVCacheManager(c, "p", hash_seed="0")
+        try:
+            req = Req("a", list(PROMPT) + [99])
+            assert m.allocate_slots(req, len(PROMPT) + 1) is not None
+            hold.armed = True
+            m.free(req)
+            with pytest.raises(KVCoordError):
+                m.flush()
+            hold.armed = False
+            assert hold.attempts == 2
+            assert c.get_stats("p").num_requests == 0  # freed again by the sender
+            again = Req("a", list(PROMPT) + [99])
+            assert m.allocate_slots(again, len(PROMPT) + 1) is not None
+            held = _table(c, "a")
+            assert held
+            _refused_as_given_up(hold.deliver(server.address))
+            assert _table(c, "a") == held
         finally:
             m.close()

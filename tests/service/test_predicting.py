@@ -614,11 +614,11 @@ def test_a_real_difference_is_caught_across_an_event_gap(make_server: Callable[.
             else:
                 run = m.sender.run
                 assert run is not None
-                i = max(j for j, e in enumerate(run.entries) if any(e[-1]))
-                *values, new = run.entries[i]
+                i = max(j for j, e in enumerate(run.news) if any(e))
+                new = run.news[i]
                 last = max(g for g, ids in enumerate(new) if ids)
                 wrong = tuple(ids[:-1] + (ids[-1] + 1,) if g == last else ids for g, ids in enumerate(new))
-                run.entries[i] = (*values, wrong)  # one block id the server will not give
+                run.news[i] = wrong  # one block id the server will not give
             m.take_events()
             with pytest.raises(RequestsLostError) as info:
                 m.flush()

@@ -232,7 +232,10 @@ def test_a_runs_answer_matches_only_the_mirrors_blocks() -> None:
 
     run = ColumnRun()
     given = [((), (7,)), ((3, 4), ()), ((), ()), ((9,), (10, 11))]
-    run.entries.extend((f"r{i}", 4, 1, [5], [], 4, 1, 0, new) for i, new in enumerate(given))
+    for i, new in enumerate(given):
+        run.fixed += (f"r{i}", 4, 1, 4, 1, 0, 1, 0)
+        run.tokens.append(5)
+        run.news.append(new)
 
     def answer(groups: list[tuple[int, ...]], kind: type = pb.AllocateRunResult) -> Any:
         out = kind()

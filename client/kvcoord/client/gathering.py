@@ -65,15 +65,25 @@ class StepGathering:
     ) -> None:  # fmt: skip
         """An allocation of a registered request without a hit (``RequestTracker.sync_run``'s
         values and the call's counts), and the new blocks the mirror gave it: an entry of
-        the run being gathered (``tokens`` and ``hashes`` are kept, not copied: they must
-        not change)."""
+        the run being gathered (``tokens`` and ``hashes`` are copied into its columns)."""
         run = self.run
         if run is None:
             run = self.run = ColumnRun()
-        # (every running request's step: the entry appended here, no call made)
-        run.entries.append(
-            (rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens, new)
+        # (every running request's step: its values appended here, no call made)
+        run.fixed += (
+            rid,
+            base_t,
+            base_h,
+            computed,
+            num_new_tokens,
+            num_lookahead_tokens,
+            len(tokens),
+            len(hashes),
         )
+        run.tokens += tokens
+        if hashes:
+            run.hashes += hashes
+        run.news.append(new)
         run.size += 32 + 5 * len(tokens) + 34 * len(hashes)
 
     def add_decode(
@@ -85,9 +95,9 @@ class StepGathering:
         run = self.run
         if run is None:
             run = self.run = ColumnRun()
-        run.entries.append(
-            (rid, base_t, base_h, (token,), (), computed, num_new_tokens, num_lookahead_tokens, new)
-        )
+        run.fixed += (rid, base_t, base_h, computed, num_new_tokens, num_lookahead_tokens, 1, 0)
+        run.tokens.append(token)
+        run.news.append(new)
         run.size += 37  # (add_to_run's 32 + 5 per token + 34 per hash)
 
     def refuse(

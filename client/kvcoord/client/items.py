@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from itertools import chain
-from operator import itemgetter
 from typing import Any, Generic, TypeVar
 
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
@@ -202,62 +201,52 @@ class ColumnRun:
     """A Step's allocations of registered requests without a hit, gathered as the
     columns of one AllocateRunOp, with the block ids the mirror gave them (the
     columns of its answer). The scheduler's thread only appends each entry's values
-    (``StepGathering.add_to_run``); the columns are made on the sender thread
-    (:meth:`write`, :meth:`matches`)."""
+    (``StepGathering.add_to_run``); the columns are written on the sender thread
+    (:meth:`write`, :meth:`matches`).
 
-    __slots__ = ("entries", "size")
+    The entries are kept as plain values in flat lists, not as a tuple each: a
+    running request's step then leaves no new container behind until the Step is
+    sent (each would count towards, and be walked by, the garbage collector's young
+    collections on the scheduler's thread)."""
+
+    __slots__ = ("fixed", "hashes", "news", "size", "tokens")
 
     def __init__(self) -> None:
-        #: (request id, base tokens, base hashes, appended tokens, appended hashes,
-        #: computed tokens, new tokens, look-ahead tokens, new block ids per group)
-        self.entries: list[tuple[Any, ...]] = []
+        #: per entry, 8 values: request id, base tokens, base hashes,
+        #: computed tokens, new tokens, look-ahead tokens, appended tokens, appended hashes
+        self.fixed: list[Any] = []
+        #: every entry's appended tokens and hashes, in entry order
+        self.tokens: list[int] = []
+        self.hashes: list[bytes] = []
+        #: per entry, the new block ids per group the mirror gave it
+        self.news: list[Sequence[Sequence[int]]] = []
         #: about how many bytes the entries take on the wire
         self.size = 0
+
+    def __len__(self) -> int:
+        return len(self.news)
 
     def write(self, op: pb.AllocateRunOp | pb.DecodeOp) -> None:
         """The entries as ``op``'s columns (an AllocateRunOp, or a DecodeOp with
         must_succeed where the server applies one: the same columns)."""
-        rids: list[str] = []
-        base_t: list[int] = []
-        base_h: list[int] = []
-        computed: list[int] = []
-        new: list[int] = []
-        look: list[int] = []
-        num_tokens: list[int] = []
-        tokens: list[int] = []
-        num_hashes: list[int] = []
-        hashes: list[bytes] = []
-        for rid, bt, bh, tk, hs, c, n, la, _ in self.entries:
-            rids.append(rid)
-            base_t.append(bt)
-            base_h.append(bh)
-            computed.append(c)
-            new.append(n)
-            look.append(la)
-            num_tokens.append(len(tk))
-            tokens += tk
-            num_hashes.append(len(hs))
-            if hs:
-                hashes += hs
-        op.request_ids.extend(rids)
-        op.base_num_tokens.extend(base_t)
-        op.base_num_hashes.extend(base_h)
-        op.num_computed_tokens.extend(computed)
-        op.num_new_tokens.extend(new)
-        op.num_lookahead_tokens.extend(look)
-        op.num_append_tokens.extend(num_tokens)
-        op.append_token_ids.extend(tokens)
-        op.num_append_hashes.extend(num_hashes)
-        op.append_block_hashes.extend(hashes)
+        fixed = self.fixed
+        op.request_ids.extend(fixed[0::8])
+        op.base_num_tokens.extend(fixed[1::8])
+        op.base_num_hashes.extend(fixed[2::8])
+        op.num_computed_tokens.extend(fixed[3::8])
+        op.num_new_tokens.extend(fixed[4::8])
+        op.num_lookahead_tokens.extend(fixed[5::8])
+        op.num_append_tokens.extend(fixed[6::8])
+        op.append_token_ids.extend(self.tokens)
+        op.num_append_hashes.extend(fixed[7::8])
+        op.append_block_hashes.extend(self.hashes)
 
     def matches(self, answer: pb.AllocateRunResult | pb.DecodeResult) -> bool:
         """Whether the server's answer gives each entry the mirror's blocks (a
         DecodeResult: and applies every entry, none refused)."""
-        if isinstance(answer, pb.DecodeResult) and (
-            answer.num_applied != len(self.entries) or answer.refused
-        ):
+        if isinstance(answer, pb.DecodeResult) and (answer.num_applied != len(self.news) or answer.refused):
             return False
-        groups = list(chain.from_iterable(map(itemgetter(8), self.entries)))  # every entry's, in order
+        groups = list(chain.from_iterable(self.news))  # every entry's, in order
         return list(answer.num_new_blocks) == list(map(len, groups)) and list(answer.new_block_ids) == list(
             chain.from_iterable(groups)
         )

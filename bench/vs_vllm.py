@@ -428,7 +428,7 @@ class Ours033(Ours):
     look-ahead hashes of one token and no last-block drop."""
 
     def __init__(self, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, eagle: bool,
-                 caching: bool = True, drop: str = "") -> None:  # fmt: skip
+                 caching: bool = True, drop: str = "", zeroing: bool = False) -> None:  # fmt: skip
         sizes = _block_sizes(layout)
         self.mamba_align = any(kind.startswith("mamba_align") for kind, _ in layout)
         self.hash_block = math.gcd(*sizes)
@@ -440,8 +440,10 @@ class Ours033(Ours):
             hash_block_size=self.hash_block, enable_caching=caching, enable_kv_cache_events=True,
             max_model_len=8192, profile="vllm-0.33", num_hash_lookahead_tokens=self.lookahead,
             max_in_flight_tokens=BUDGET_033, scheduler_block_size=math.lcm(*sizes),
-            prefix_cache_retention_interval=_retention(layout)))  # fmt: skip
+            prefix_cache_retention_interval=_retention(layout), needs_kv_cache_zeroing=zeroing))  # fmt: skip
         self.caching = caching
+        #: the worker zeroes new blocks (vLLM 0.33: mamba layers, or needs_kv_cache_zeroing)
+        self.zeroing = zeroing or any(kind.startswith("mamba") for kind, _ in layout)
         self.none = none_hash("sha256_cbor", "0", profile="vllm-0.33")
         self.hashers: dict[str, Any] = {}
 
@@ -508,13 +510,22 @@ class Ours033(Ours):
         return [_event_tuple033(e) for e in self.pool.take_events()]
 
 
+def zeroing_kv_cache_config() -> Any:
+    """vLLM 0.33's ``KVCacheConfig`` with ``needs_kv_cache_zeroing`` on whatever the layers
+    are: the value vLLM computes for a mixed-precision KV cache (attention layers of
+    several dtypes) without building one (its managers read only the flag)."""
+    from vllm.v1 import kv_cache_interface as k
+
+    return type("ZeroingKVCacheConfig", (k.KVCacheConfig,), {"needs_kv_cache_zeroing": property(lambda _: True)})
+
+
 class VLLM033(VLLM):
     """vLLM 0.33.0's own KVCacheManager, built as its Scheduler builds it for the same
     layout (EAGLE: look-ahead hashes with caching on, the last-block drop with caching
     off, one prefill look-ahead token, the first group holding the draft layer)."""
 
     def __init__(self, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, eagle: bool,
-                 caching: bool = True, drop: str = "") -> None:  # fmt: skip
+                 caching: bool = True, drop: str = "", zeroing: bool = False) -> None:  # fmt: skip
         import torch
         from vllm.lora.request import LoRARequest
         from vllm.sampling_params import SamplingParams
@@ -555,9 +566,13 @@ class VLLM033(VLLM):
         ]
         sizes = _block_sizes(layout)
         hash_block = math.gcd(*sizes)
-        cfg = k.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
+        # zeroing: KVCacheConfig.needs_kv_cache_zeroing on (vLLM sets it for a mixed-precision
+        # cache, :func:`zeroing_kv_cache_config`; with mamba layers it is on anyway)
+        config_cls = zeroing_kv_cache_config() if zeroing else k.KVCacheConfig
+        cfg = config_cls(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups,
                               prefix_cache_retention_interval=_retention(layout),
                               hash_block_size=hash_block)  # fmt: skip
+        self.zeroing = bool(cfg.needs_kv_cache_zeroing)
         lookahead = 1 if eagle and caching and not drop else 0
         self.m = KVCacheManager(
             cfg, max_model_len=8192, scheduler_block_size=math.lcm(*sizes), hash_block_size=hash_block,

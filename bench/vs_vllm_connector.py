@@ -193,7 +193,7 @@ class _Calls16:
     allocate: Any
 
     def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int, delay: bool,
-              reserved: int) -> list[list[int]] | None:  # fmt: skip
+              reserved: int, skip_zeroing: tuple[int, ...] = ()) -> list[list[int]] | None:  # fmt: skip
         return self._first(rid, n, hit_tokens, hit, look, ext, delay)
 
     def grow(self, rid: str, n: int, look: int) -> list[list[int]] | None:
@@ -229,20 +229,34 @@ class _Calls33:
     admit: Any
 
     def first(self, rid: str, n: int, hit_tokens: int, hit: Any, look: int, ext: int, delay: bool,
-              reserved: int) -> list[list[int]] | None:  # fmt: skip
+              reserved: int, skip_zeroing: tuple[int, ...] = ()) -> list[list[int]] | None:  # fmt: skip
         return self._first(rid, n, hit_tokens, hit, look, ext, delay, full_sequence_must_fit=True,
-                           reserved_blocks=reserved)  # fmt: skip
+                           reserved_blocks=reserved, skip_zeroing_group_ids=skip_zeroing)  # fmt: skip
 
     def resume(self, rid: str, n: int, look: int) -> list[list[int]] | None:
         return self.admit(rid, n, 0, None, look)
 
 
 class Ours33(_Calls33, _OursMixin, base.Ours033):
-    pass
+    def take_zeroing(self) -> list[int]:
+        """The new blocks' ids for the worker to zero (``take_new_block_ids``; a pool that
+        does not zero answers an empty list)."""
+        return list(self.pool.take_new_block_ids())
+
+    def record_zeroing(self, rid: str, start_token: int) -> None:
+        self.pool.record_blocks_for_zeroing(rid, start_token)
 
 
 class VLLM33(_Calls33, _VLLMMixin, base.VLLM033):
-    pass
+    def take_zeroing(self) -> list[int]:
+        """What vLLM 0.33's scheduler hands its workers to zero each step
+        (``_get_new_block_ids_to_zero``: the manager's ``take_new_block_ids``, nothing
+        when the cache needs no zeroing)."""
+        ids = list(self.m.take_new_block_ids())
+        return ids if self.zeroing else []
+
+    def record_zeroing(self, rid: str, start_token: int) -> None:
+        self.m.record_blocks_for_zeroing(rid, start_token)
 
 
 #: layouts beside bench/vs_vllm.py's with another group before full attention (a group
@@ -302,6 +316,18 @@ def _landed(side: Any, rnd: random.Random, rid: str, hit: int, end: int, num_tok
     return end, False
 
 
+def _loaded_groups(rnd: random.Random, groups: int) -> tuple[int, ...]:
+    """An asynchronous load's ``skip_zeroing_group_ids``: the groups the connector's load
+    writes (``get_loaded_kv_cache_group_ids``; by default every prefix-cacheable group,
+    here every group 60% of the time, some 30%, none 10%)."""
+    pick = rnd.random()
+    if pick < 0.6:
+        return tuple(range(groups))
+    if pick < 0.9:
+        return tuple(sorted(rnd.sample(range(groups), rnd.randint(1, groups))))
+    return ()
+
+
 def _invalid_blocks(side: Any, order: list[str], reach: dict[str, int], invalid: set[int]) -> tuple[dict[str, int], set[int]]:  # fmt: skip
     """vLLM's scan of running requests for a step's invalid blocks (one group): the first
     request (in ``order``) holding an invalid block within its first ``reach`` tokens'
@@ -338,7 +364,7 @@ def workload(
     answer to ``trace`` and returns what it exercised. ``make`` builds a fresh side (at
     the start and after each anomaly)."""
     counts = {"external": 0, "async": 0, "cached": 0, "failed": 0, "dropped": 0, "sync failed": 0, "whole": 0,
-              "refused": 0, "restarts": 0}  # fmt: skip
+              "refused": 0, "restarts": 0, "zeroed": 0, "zeroing recorded": 0, "skip zeroing": 0}  # fmt: skip
     left = steps
     attempt = 0
     while left > 0:
@@ -352,6 +378,8 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
          counts: dict[str, int]) -> int:  # fmt: skip
     """Run until ``steps`` steps are done or an anomaly: returns the steps left."""
     v033 = side.release == "0.33"
+    if v033:
+        trace.append(("zeroing", side.zeroing))
     systems = [[rnd.randrange(32000) for _ in range(n)] for n in (64, 200, 500)]
     tokens: dict[str, list[int]] = {}
     computed: dict[str, int] = {}
@@ -459,6 +487,11 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                     loaded[rid] = done
                     side.cache_blocks(rid, done)
                     counts["cached"] += 1
+                    if failed and v033 and side.zeroing:
+                        # the failed load left the blocks past its valid tokens unwritten
+                        side.record_zeroing(rid, done)
+                        rec(("zeroing recorded", rid, done))
+                        counts["zeroing recorded"] += 1
                     if done == len(tokens[rid]):  # 0.33: the whole sequence loaded, its last token recomputed
                         done = loaded[rid] = computed[rid] = done - 1
                         sync(side.advance(rid, done, []))
@@ -499,11 +532,13 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                 try:
                     # 0.33 keeps blocks free for other loads and prefills in flight
                     reserved = rnd.randint(0, 8) if delay and v033 else 0
-                    new = side.first(rid, n, n_hit, hit, 0 if delay else spec_tokens, ext, delay, reserved)
+                    skip = _loaded_groups(rnd, side.num_groups()) if delay and v033 else ()
+                    new = side.first(rid, n, n_hit, hit, 0 if delay else spec_tokens, ext, delay, reserved, skip)
                 except Anomaly as exc:
                     rec(("anomaly", exc.kind, rid, exc.blocks, ext, delay))
                     return steps - step
                 rec(("admit", rid, new, side.num_free(), ext, delay))
+                counts["skip zeroing"] += bool(skip) and side.zeroing
                 if new is None:
                     counts["refused"] += 1
                     break
@@ -528,6 +563,10 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
             first_cached.setdefault(rid, start)
             scheduled.append((rid, n, 0))
             budget -= n
+        if v033:  # the step's output carries the new blocks' ids to zero
+            zero = side.take_zeroing()
+            rec(("zero", zero))
+            counts["zeroed"] += len(zero)
         for rid in running + [r for r in waiting if r in loading or r in loaded]:
             rec(("blocks", rid, side.block_ids(rid)))
         rec(("free queue", side.free_head(8)))
@@ -597,13 +636,13 @@ def modes(release: str) -> list[tuple[bool, bool, str]]:
 
 
 def sides(release: str, layout: list[tuple[str, dict[str, Any]]], num_blocks: int, caching: bool, eagle: bool,
-          drop: str) -> tuple[Callable[[], Any], Callable[[], Any]]:  # fmt: skip
-    """Factories of vLLM's side and kvcoord's."""
+          drop: str, zeroing: bool = False) -> tuple[Callable[[], Any], Callable[[], Any]]:  # fmt: skip
+    """Factories of vLLM's side and kvcoord's (``zeroing``: 0.33's needs_kv_cache_zeroing)."""
     if release == "0.16":
         return (lambda: VLLM16(layout, num_blocks, eagle)), (lambda: Ours16(layout, num_blocks, eagle))
     return (
-        lambda: VLLM33(layout, num_blocks, eagle, caching, drop),
-        lambda: Ours33(layout, num_blocks, eagle, caching, drop),
+        lambda: VLLM33(layout, num_blocks, eagle, caching, drop, zeroing),
+        lambda: Ours33(layout, num_blocks, eagle, caching, drop, zeroing),
     )
 
 
@@ -616,7 +655,7 @@ def check(release: str, seeds: range, steps: int, layouts: dict[str, list[tuple[
     totals: dict[str, dict[str, int]] = {}
     for name, layout in layouts.items():
         total = totals.setdefault(name, {})
-        for caching, eagle, drop in modes(release):
+        for mode, (caching, eagle, drop) in enumerate(modes(release)):
             if release == "0.16" and eagle and name == "full16+swa32(w128)":
                 continue  # EAGLE needs sliding block size == LCM: refused by both
             label = f"caching={caching} eagle={eagle}" + (f" drop={drop}" if drop else "")
@@ -628,11 +667,13 @@ def check(release: str, seeds: range, steps: int, layouts: dict[str, list[tuple[
                 continue
             for seed in seeds:
                 num_blocks = blocks or (400 if release == "0.16" else 300) + 200 * (seed % 4)
-                theirs, ours = sides(release, layout, num_blocks, caching, eagle, drop)
+                # 0.33: every other run zeroes new blocks (needs_kv_cache_zeroing; mamba always)
+                zeroing = release == "0.33" and (seed + mode) % 2 == 1
+                theirs, ours = sides(release, layout, num_blocks, caching, eagle, drop, zeroing)
                 spec = base.SPEC_TOKENS_033 if eagle and release == "0.33" else 0
                 a: list[Any] = []
                 b: list[Any] = []
-                where = f"{name} {label} seed={seed} blocks={num_blocks}"
+                where = f"{name} {label}{' zeroing' if zeroing else ''} seed={seed} blocks={num_blocks}"
                 counts = workload(theirs, seed, steps, a, spec)
                 try:
                     workload(ours, seed, steps, b, spec)
@@ -648,7 +689,9 @@ def check(release: str, seeds: range, steps: int, layouts: dict[str, list[tuple[
                 out(f"identical  {where}: {len(a)} answers, {counts['external']} external loads "
                     f"({counts['async']} async, {counts['cached']} landed, {counts['failed']} failed, {counts['dropped']} dropped), "
                     f"{counts['sync failed']} voided by a failed sync load, {counts['refused']} refusals, "
-                    f"anomalies: {counts['shared']} shared, {counts['uncounted']} uncounted")  # fmt: skip
+                    f"anomalies: {counts['shared']} shared, {counts['uncounted']} uncounted; zeroing: "
+                    f"{counts['zeroed']} ids, {counts['skip zeroing']} skipped loads, "
+                    f"{counts['zeroing recorded']} recorded after failed loads")  # fmt: skip
     return totals
 
 
@@ -676,7 +719,8 @@ def main() -> None:
     for name, t in totals.items():
         print(f"{name:<31} {t.get('answers', 0):>8} answers {t.get('external', 0):>5} external "
               f"{t.get('async', 0):>5} async {t.get('failed', 0):>4} failed {t.get('dropped', 0):>4} dropped "
-              f"{t.get('sync failed', 0):>4} sync-failed {t.get('whole', 0):>3} whole {t.get('shared', 0):>3} shared {t.get('uncounted', 0):>3} uncounted")  # fmt: skip
+              f"{t.get('sync failed', 0):>4} sync-failed {t.get('whole', 0):>3} whole {t.get('shared', 0):>3} shared {t.get('uncounted', 0):>3} uncounted "
+              f"{t.get('zeroed', 0):>6} zeroed {t.get('skip zeroing', 0):>4} skip-zeroing {t.get('zeroing recorded', 0):>3} zeroing-recorded")  # fmt: skip
     answers = sum(t.get("answers", 0) for t in totals.values())
     print(f"connector check: {answers} answers identical to vLLM {installed}")
 

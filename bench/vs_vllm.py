@@ -516,7 +516,9 @@ def zeroing_kv_cache_config() -> Any:
     several dtypes) without building one (its managers read only the flag)."""
     from vllm.v1 import kv_cache_interface as k
 
-    return type("ZeroingKVCacheConfig", (k.KVCacheConfig,), {"needs_kv_cache_zeroing": property(lambda _: True)})
+    return type(
+        "ZeroingKVCacheConfig", (k.KVCacheConfig,), {"needs_kv_cache_zeroing": property(lambda _: True)}
+    )
 
 
 class VLLM033(VLLM):

@@ -533,7 +533,9 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                     # 0.33 keeps blocks free for other loads and prefills in flight
                     reserved = rnd.randint(0, 8) if delay and v033 else 0
                     skip = _loaded_groups(rnd, side.num_groups()) if delay and v033 else ()
-                    new = side.first(rid, n, n_hit, hit, 0 if delay else spec_tokens, ext, delay, reserved, skip)
+                    new = side.first(
+                        rid, n, n_hit, hit, 0 if delay else spec_tokens, ext, delay, reserved, skip
+                    )
                 except Anomaly as exc:
                     rec(("anomaly", exc.kind, rid, exc.blocks, ext, delay))
                     return steps - step

@@ -431,6 +431,7 @@ class Ours033(Ours):
                  caching: bool = True, drop: str = "", zeroing: bool = False) -> None:  # fmt: skip
         sizes = _block_sizes(layout)
         self.mamba_align = any(kind.startswith("mamba_align") for kind, _ in layout)
+        self.sched_block = math.lcm(*sizes)
         self.hash_block = math.gcd(*sizes)
         self.lookahead = 1 if eagle and caching and not drop else 0
         spec_blocks = SPEC_TOKENS_033 if eagle else 0
@@ -540,6 +541,7 @@ class VLLM033(VLLM):
         init_none_hash(sha256_cbor)
         logging.getLogger("vllm").setLevel(logging.ERROR)  # its refused plain resets warn
         self.mamba_align = any(kind.startswith("mamba_align") for kind, _ in layout)
+        self.sched_block = math.lcm(*_block_sizes(layout))
         common = {"num_kv_heads": 1, "head_size": 64, "dtype": torch.float16}
         specs: list[Any] = []
         for kind, kw in layout:

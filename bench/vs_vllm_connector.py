@@ -288,6 +288,12 @@ P_LOAD_LOST = 0.1
 #: 0.33: chance that an asynchronous load covers the whole sequence (the scheduler caches
 #: every token once it lands, then computes the last one again)
 P_WHOLE_PROMPT = 0.1
+#: runs with a prefix replay window: chance that a synchronous load covers the whole
+#: sequence (the scheduler then computes the replayed window only)
+P_WHOLE_SYNC = 0.25
+#: 0.33: the prefix replay window of the runs that have one (the window of a
+#: DeepSeek-V4.1 bounded-replay sliding-window group, 128 tokens)
+REPLAY_033 = 128
 #: chance that a run uses vLLM's ``kv_load_failure_policy="fail"`` (else "recompute")
 P_FAIL_POLICY = 0.3
 
@@ -314,6 +320,23 @@ def _landed(side: Any, rnd: random.Random, rid: str, hit: int, end: int, num_tok
             bad = first_bad[0] if rnd.random() < 1 / 3 else rnd.choice(first_bad)
             return min(end, bad * 16), True
     return end, False
+
+
+def _replay_admission(block: int, replay: int, n_hit: int, hit: Any, ext: int, delay: bool) -> tuple[int, Any, int, bool, int]:  # fmt: skip
+    """vLLM 0.33's scheduler with a prefix replay window of ``replay`` tokens
+    (``prefix_replay_tokens``, DeepSeek-V4.1's bounded-replay sliding window; one the
+    connector's load never restores), on a fresh admission: external tokens rounded
+    down to its block (``block``, the scheduler's), a load left empty made
+    synchronous; a hit of at most ``replay`` tokens (local and external) dropped whole;
+    a synchronous admission replays the hit's last ``min(replay, hit)`` tokens
+    (``_mark_prefix_replay``: computed tokens rewound by that much, the allocation
+    asking for slots past the hit only). Returns the hit tokens, the hit, the external
+    tokens, whether the load is asynchronous and the tokens replayed."""
+    ext -= ext % block
+    delay = delay and ext > 0
+    if 0 < n_hit + ext <= replay:
+        return 0, None, 0, False, 0
+    return n_hit, hit, ext, delay, 0 if delay else min(replay, n_hit + ext)
 
 
 def _loaded_groups(rnd: random.Random, groups: int) -> tuple[int, ...]:
@@ -358,24 +381,26 @@ def _invalid_blocks(side: Any, order: list[str], reach: dict[str, int], invalid:
 
 
 def workload(
-    make: Callable[[], Any], seed: int, steps: int, trace: list[Any], spec_tokens: int
+    make: Callable[[], Any], seed: int, steps: int, trace: list[Any], spec_tokens: int, replay: int = 0
 ) -> dict[str, int]:
     """The scheduler loop with a KV connector (see the module docstring); appends every
     answer to ``trace`` and returns what it exercised. ``make`` builds a fresh side (at
-    the start and after each anomaly)."""
+    the start and after each anomaly). ``replay``: 0.33's prefix replay window
+    (``Scheduler.prefix_replay_tokens``, see :func:`_replay_admission`), 0 for none."""
     counts = {"external": 0, "async": 0, "cached": 0, "failed": 0, "dropped": 0, "sync failed": 0, "whole": 0,
-              "refused": 0, "restarts": 0, "zeroed": 0, "zeroing recorded": 0, "skip zeroing": 0}  # fmt: skip
+              "refused": 0, "restarts": 0, "zeroed": 0, "zeroing recorded": 0, "skip zeroing": 0, "whole sync": 0,
+              "replayed": 0, "replay dropped": 0, "inside replay": 0}  # fmt: skip
     left = steps
     attempt = 0
     while left > 0:
-        left = _run(make(), random.Random(seed * 1000 + attempt), left, trace, spec_tokens, counts)
+        left = _run(make(), random.Random(seed * 1000 + attempt), left, trace, spec_tokens, counts, replay)
         attempt += 1
         counts["restarts"] += left > 0
     return counts
 
 
 def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_tokens: int,
-         counts: dict[str, int]) -> int:  # fmt: skip
+         counts: dict[str, int], replay: int = 0) -> int:  # fmt: skip
     """Run until ``steps`` steps are done or an anomaly: returns the steps left."""
     v033 = side.release == "0.33"
     if v033:
@@ -460,6 +485,8 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                 toks = (rnd.choice(systems) + tail)[:1200]
                 salt = rnd.choice(("salt-a", "salt-b")) if v033 and rnd.random() < 0.1 else None
                 k = (salt, rnd.choice(base.LORAS_033) if v033 and rnd.random() < 0.1 else None)
+            if replay and len(toks) >= 32 and rnd.random() < 0.5:
+                toks = toks[: len(toks) // 16 * 16]  # (a whole-sequence load may end on a block)
             history.append((toks, k))
             tokens[rid], computed[rid], decode_left[rid] = list(toks), 0, rnd.randint(1, 40)
             prompt_len[rid], keys[rid] = len(toks), k
@@ -492,10 +519,14 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                         side.record_zeroing(rid, done)
                         rec(("zeroing recorded", rid, done))
                         counts["zeroing recorded"] += 1
-                    if done == len(tokens[rid]):  # 0.33: the whole sequence loaded, its last token recomputed
-                        done = loaded[rid] = computed[rid] = done - 1
+                    # 0.33 replays the window of a load (failed or not) that did not restore
+                    # it; without one, a load of the whole sequence computes the last token again
+                    back = min(replay, done) if replay else int(done == len(tokens[rid]))
+                    if back:
+                        counts["whole"] += done == len(tokens[rid])
+                        counts["replayed"] += bool(replay)
+                        done = loaded[rid] = computed[rid] = done - back
                         sync(side.advance(rid, done, []))
-                        counts["whole"] += 1
                 else:  # no valid token: blocks freed, the request waits on and looks up again
                     side.drop_load(rid)
                     counts["dropped"] += 1
@@ -525,16 +556,29 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                 delay = ext > 0 and rnd.random() < P_ASYNC
                 if delay and v033 and rnd.random() < P_WHOLE_PROMPT:
                     ext = len(tokens[rid]) - n_hit  # 0.33 recomputes the last token once it lands
-                start = n_hit + ext
+                if replay and ext and not delay and rnd.random() < P_WHOLE_SYNC:
+                    ext = len(tokens[rid]) - n_hit  # a synchronous load of the whole sequence
+                replayed = 0
+                if replay:
+                    before = n_hit + ext
+                    n_hit, hit, ext, delay, replayed = _replay_admission(
+                        side.sched_block, replay, n_hit, hit, ext, delay
+                    )
+                    counts["replay dropped"] += n_hit + ext == 0 < before
+                start = n_hit + ext - replayed
                 n = 0 if delay else chunk(rid, start, min(len(tokens[rid]) - start, budget, 512))
                 if n == 0 and not delay:
                     break
+                whole = not delay and ext > 0 and n_hit + ext == len(tokens[rid])
+                counts["inside replay"] += replayed > 0 and n <= replayed
+                # the replayed tokens hold slots already: vLLM's num_tokens_past_hit
+                n_alloc = n - min(n, replayed)
                 try:
                     # 0.33 keeps blocks free for other loads and prefills in flight
                     reserved = rnd.randint(0, 8) if delay and v033 else 0
                     skip = _loaded_groups(rnd, side.num_groups()) if delay and v033 else ()
                     new = side.first(
-                        rid, n, n_hit, hit, 0 if delay else spec_tokens, ext, delay, reserved, skip
+                        rid, n_alloc, n_hit, hit, 0 if delay else spec_tokens, ext, delay, reserved, skip
                     )
                 except Anomaly as exc:
                     rec(("anomaly", exc.kind, rid, exc.blocks, ext, delay))
@@ -545,6 +589,8 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                     counts["refused"] += 1
                     break
                 counts["external"] += ext > 0
+                counts["whole sync"] += whole
+                counts["replayed"] += replayed > 0
                 if ext and not delay and side.num_groups() == 1:
                     sync_loads[rid] = (n_hit, ext)
                 if v033:
@@ -657,6 +703,7 @@ def check(release: str, seeds: range, steps: int, layouts: dict[str, list[tuple[
     totals: dict[str, dict[str, int]] = {}
     for name, layout in layouts.items():
         total = totals.setdefault(name, {})
+        mamba = any(kind.startswith("mamba") for kind, _ in layout)
         for mode, (caching, eagle, drop) in enumerate(modes(release)):
             if release == "0.16" and eagle and name == "full16+swa32(w128)":
                 continue  # EAGLE needs sliding block size == LCM: refused by both
@@ -671,14 +718,17 @@ def check(release: str, seeds: range, steps: int, layouts: dict[str, list[tuple[
                 num_blocks = blocks or (400 if release == "0.16" else 300) + 200 * (seed % 4)
                 # 0.33: every other run zeroes new blocks (needs_kv_cache_zeroing; mamba always)
                 zeroing = release == "0.33" and (seed + mode) % 2 == 1
+                # 0.33: a run in three (none with mamba) with a prefix replay window
+                replay = REPLAY_033 if release == "0.33" and (seed + mode) % 3 == 2 and not mamba else 0
                 theirs, ours = sides(release, layout, num_blocks, caching, eagle, drop, zeroing)
                 spec = base.SPEC_TOKENS_033 if eagle and release == "0.33" else 0
                 a: list[Any] = []
                 b: list[Any] = []
-                where = f"{name} {label}{' zeroing' if zeroing else ''} seed={seed} blocks={num_blocks}"
-                counts = workload(theirs, seed, steps, a, spec)
+                where = (f"{name} {label}{' zeroing' if zeroing else ''}{f' replay={replay}' if replay else ''} "
+                         f"seed={seed} blocks={num_blocks}")  # fmt: skip
+                counts = workload(theirs, seed, steps, a, spec, replay)
                 try:
-                    workload(ours, seed, steps, b, spec)
+                    workload(ours, seed, steps, b, spec, replay)
                 except base.Difference as exc:
                     raise base.Difference(f"{where}: {exc}") from None
                 base.compare(where, a, b)
@@ -693,7 +743,9 @@ def check(release: str, seeds: range, steps: int, layouts: dict[str, list[tuple[
                     f"{counts['sync failed']} voided by a failed sync load, {counts['refused']} refusals, "
                     f"anomalies: {counts['shared']} shared, {counts['uncounted']} uncounted; zeroing: "
                     f"{counts['zeroed']} ids, {counts['skip zeroing']} skipped loads, "
-                    f"{counts['zeroing recorded']} recorded after failed loads")  # fmt: skip
+                    f"{counts['zeroing recorded']} recorded after failed loads; replay: {counts['replayed']} replayed, "
+                    f"{counts['whole sync']} whole-sequence sync loads, {counts['inside replay']} chunks inside the "
+                    f"replayed tokens, {counts['replay dropped']} hits dropped")  # fmt: skip
     return totals
 
 
@@ -722,7 +774,8 @@ def main() -> None:
         print(f"{name:<31} {t.get('answers', 0):>8} answers {t.get('external', 0):>5} external "
               f"{t.get('async', 0):>5} async {t.get('failed', 0):>4} failed {t.get('dropped', 0):>4} dropped "
               f"{t.get('sync failed', 0):>4} sync-failed {t.get('whole', 0):>3} whole {t.get('shared', 0):>3} shared {t.get('uncounted', 0):>3} uncounted "
-              f"{t.get('zeroed', 0):>6} zeroed {t.get('skip zeroing', 0):>4} skip-zeroing {t.get('zeroing recorded', 0):>3} zeroing-recorded")  # fmt: skip
+              f"{t.get('zeroed', 0):>6} zeroed {t.get('skip zeroing', 0):>4} skip-zeroing {t.get('zeroing recorded', 0):>3} zeroing-recorded "
+              f"{t.get('replayed', 0):>4} replayed {t.get('whole sync', 0):>3} whole-sync")  # fmt: skip
     answers = sum(t.get("answers", 0) for t in totals.values())
     print(f"connector check: {answers} answers identical to vLLM {installed}")
 

@@ -486,7 +486,8 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                 salt = rnd.choice(("salt-a", "salt-b")) if v033 and rnd.random() < 0.1 else None
                 k = (salt, rnd.choice(base.LORAS_033) if v033 and rnd.random() < 0.1 else None)
             if replay and len(toks) >= 32 and rnd.random() < 0.5:
-                toks = toks[: len(toks) // 16 * 16]  # (a whole-sequence load may end on a block)
+                # (a whole-sequence load ends on a scheduler block: only such loads keep it whole)
+                toks = toks[: len(toks) // side.sched_block * side.sched_block]
             history.append((toks, k))
             tokens[rid], computed[rid], decode_left[rid] = list(toks), 0, rnd.randint(1, 40)
             prompt_len[rid], keys[rid] = len(toks), k
@@ -719,7 +720,7 @@ def check(release: str, seeds: range, steps: int, layouts: dict[str, list[tuple[
                 # 0.33: every other run zeroes new blocks (needs_kv_cache_zeroing; mamba always)
                 zeroing = release == "0.33" and (seed + mode) % 2 == 1
                 # 0.33: a run in three (none with mamba) with a prefix replay window
-                replay = REPLAY_033 if release == "0.33" and (seed + mode) % 3 == 2 and not mamba else 0
+                replay = REPLAY_033 if release == "0.33" and (seed + mode) % 3 == 1 and not mamba else 0
                 theirs, ours = sides(release, layout, num_blocks, caching, eagle, drop, zeroing)
                 spec = base.SPEC_TOKENS_033 if eagle and release == "0.33" else 0
                 a: list[Any] = []

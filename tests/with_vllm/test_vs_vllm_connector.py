@@ -4,7 +4,11 @@ venv has) and kvcoord's engine on every layout of bench/vs_vllm.py for that rele
 first allocations with external tokens, asynchronous loads landing a step or two later
 (``cache_blocks``), failed loads (asynchronous ones part way, at block 0 or, under 0.33,
 as a whole: then freed and looked up again; synchronous ones recomputed, or evicted and
-failed), every answer identical; where kvcoord refuses loudly
+failed), under 0.33 each step's new block ids to zero (``take_new_block_ids``, with
+asynchronous loads' ``skip_zeroing_group_ids`` and ``record_blocks_for_zeroing`` after a
+failed one) and a prefix replay window's calls (``_mark_prefix_replay``: synchronous
+loads of the whole sequence, chunks inside the replayed tokens), every answer
+identical; where kvcoord refuses loudly
 (HIT_BLOCK_TAKEN, UNCOUNTED_BLOCKS) vLLM's manager did that anomaly on the same call (the
 bench's full run and its counts are in bench/README.md).
 
@@ -27,7 +31,7 @@ from kvcoord.engine.invariants import check_pool
 ROOT = Path(__file__).resolve().parents[2]
 #: seeds and scheduler steps per layout and setting (the bench: 3 x 150)
 SEEDS = {"0.16": range(1), "0.33": range(1)}
-STEPS = {"0.16": 100, "0.33": 40}
+STEPS = {"0.16": 100, "0.33": 60}
 RELEASE = "0.33" if V033 else "0.16"
 
 
@@ -88,6 +92,16 @@ def test_every_answer_with_connector_tokens_equals_vllms(release: str, layout: s
         assert t["dropped"] > 0, (t, lines)  # loads failed at block 0: blocks freed, looked up again
     if release == "0.33" and layout == "full16+swa32(w128)":
         assert t["dropped"] > 0, (t, lines)  # a whole load failed (failed_recving) with two groups
+    if release == "0.33":
+        # new blocks zeroed (zeroing runs, mamba layouts), async loads' groups not zeroed
+        assert t["zeroed"] > 0 and t["skip zeroing"] > 0, (t, lines)
+        if "mamba" not in layout:  # runs with a prefix replay window
+            assert t["replayed"] > 0 and t["inside replay"] > 0 and t["replay dropped"] > 0, (t, lines)
+    if release == "0.33" and layout in ("full16", "swa16(w64)", "swa16(w16) r64", "mla16"):
+        # an async load failed part way in a zeroing pool: its unwritten blocks recorded again
+        assert t["zeroing recorded"] > 0, (t, lines)
+    if release == "0.33" and layout in ("full16", "swa16(w64)"):
+        assert t["whole sync"] > 0, (t, lines)  # synchronous loads of the whole sequence, replayed
 
 
 @pytest.mark.skipif(not V033, reason="vLLM 0.33.0 only (dense retention is a 0.33 setting)")

@@ -42,6 +42,25 @@ happen now and then; under 0.33 also vLLM 0.33's admission gate
 (``full_sequence_must_fit``), statistics at admission, ``estimate_cached_tokens``, EAGLE's
 drafts, resets, salts and LoRA adapters, as bench/vs_vllm.py's ``workload033`` has them.
 
+Under 0.33 also the worker's block zeroing: every other run zeroes new blocks
+(``needs_kv_cache_zeroing``, which vLLM sets for a mixed-precision cache; mamba layouts
+always). Each step's new block ids (``take_new_block_ids``, what the scheduler puts in
+its output) are compared; an asynchronous first allocation passes the groups its load
+writes as ``skip_zeroing_group_ids`` (every group, some or none); an asynchronous load
+that failed part way caches its valid tokens, then records the blocks past them again
+(``record_blocks_for_zeroing``). And a run in three without mamba has a prefix replay
+window of :data:`REPLAY_033` tokens (0.33's ``prefix_replay_tokens``, which only a
+DeepSeek-V4.1 bounded-replay window group sets; kvcoord's plug-in refuses that group, so
+here it is the scheduler's arithmetic on the layout's own groups, the manager's answers
+still vLLM's): external tokens rounded down to the scheduler block, hits of at most the
+window dropped, a fresh synchronous admission rewound by ``min(window, hit)`` and
+allocating slots past the hit only (none for a chunk inside the replayed tokens), a
+landed load replaying its window. A quarter of those runs' synchronous loads cover the
+whole sequence (half their prompts end on a scheduler block, so some stay whole): the
+first allocation adopts the hit and the whole rest as external tokens with no new slot,
+and the window is computed again. (Without a replay window vLLM 0.33's scheduler cannot
+take such a load: ``assert num_new_tokens > 0`` in ``schedule``.)
+
 Pools of 400, 600, 800 or 1,000 blocks under 0.16 and 300, 500, 700 or 900 under 0.33
 (by seed), or ``--blocks N``; the layouts are bench/vs_vllm.py's for the release and
 :data:`EXTRA_LAYOUTS` (a window or mamba group before full attention).
@@ -49,7 +68,8 @@ Pools of 400, 600, 800 or 1,000 blocks under 0.16 and 300, 500, 700 or 900 under
 Compared (bench/vs_vllm.py's ``compare``, the first difference stops the run): hits
 (and 0.33's shared-prefix boundaries), new block ids and refusals, free counts after each
 call, every running or loading request's block table (per group) and the free queue's
-head after each step's scheduling, each step's KV events and prefix-cache statistics;
+head after each step's scheduling, 0.33's block ids to zero after it, each step's KV
+events and prefix-cache statistics;
 and kvcoord's pool passes ``check_pool`` after every step.
 
 Where kvcoord raises :class:`~kvcoord.engine.HitBlockTakenError` or
@@ -298,14 +318,20 @@ REPLAY_033 = 128
 P_FAIL_POLICY = 0.3
 
 
-def _landed(side: Any, rnd: random.Random, rid: str, hit: int, end: int, num_tokens: int) -> tuple[int, bool]:
+def _landed(side: Any, rnd: random.Random, rid: str, hit: int, end: int, num_tokens: int,
+            replay: int = 0) -> tuple[int, bool]:  # fmt: skip
     """The tokens a landed asynchronous load counts as computed (and caches), as vLLM's
     scheduler decides them: 0.33 the hit and the external tokens; 0.16 with one group its
     blocks' tokens (``len(block_ids) * block_size``, at most the request's tokens less
     one). With one group a load fails now and then at one of its external blocks (both
     releases then compute from that block's start); under 0.33 a whole load is now and
     then reported failed (``failed_recving``, any layout). 0 tokens: the scheduler frees
-    the request's blocks and keeps it waiting (it looks its prefix up again at once)."""
+    the request's blocks and keeps it waiting (it looks its prefix up again at once).
+
+    With a ``replay`` window no load fails leaving 1 to ``replay`` valid tokens: the
+    window's replay would rewind it to 0 computed tokens while it holds its blocks, and
+    vLLM 0.33's next scan would look its prefix up again as a new request's (its
+    coordinator asserts when that lookup hits): a case not modelled here."""
     groups = side.num_groups()
     if groups == 1 and side.release == "0.16":
         end = min(-(-end // 16) * 16, num_tokens)
@@ -315,7 +341,7 @@ def _landed(side: Any, rnd: random.Random, rid: str, hit: int, end: int, num_tok
     if groups == 1 and rnd.random() < P_FAILED_LOAD:
         # a block the connector loaded (not one a window skipped: the null block)
         table = side.block_ids(rid)[0]
-        first_bad = [i for i in range(hit // 16, -(-end // 16)) if table[i]]
+        first_bad = [i for i in range(hit // 16, -(-end // 16)) if table[i] and not 0 < i * 16 <= replay]
         if first_bad:  # a third at the first block loaded (block 0 without a local hit)
             bad = first_bad[0] if rnd.random() < 1 / 3 else rnd.choice(first_bad)
             return min(end, bad * 16), True
@@ -506,7 +532,9 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                     continue
                 # the load landed: cache what it wrote, then schedule from there
                 del loading[rid]
-                done, failed = _landed(side, rnd, rid, hits.pop(rid), load_end.pop(rid), len(tokens[rid]))
+                done, failed = _landed(
+                    side, rnd, rid, hits.pop(rid), load_end.pop(rid), len(tokens[rid]), replay
+                )
                 counts["failed"] += failed
                 computed[rid] = done
                 if v033:  # 0.33 rolls a failed load's computed tokens back first; 0.16 sets them after
@@ -527,6 +555,7 @@ def _run(side: Any, rnd: random.Random, steps: int, trace: list[Any], spec_token
                         counts["whole"] += done == len(tokens[rid])
                         counts["replayed"] += bool(replay)
                         done = loaded[rid] = computed[rid] = done - back
+                        assert done > 0, "a replay rewound a landed load to 0 tokens (see _landed)"
                         sync(side.advance(rid, done, []))
                 else:  # no valid token: blocks freed, the request waits on and looks up again
                     side.drop_load(rid)

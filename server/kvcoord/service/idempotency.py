@@ -205,18 +205,23 @@ class IdempotencyStore:
             )
         return entry.answer
 
-    def abandon(self, session_id: str, own_key: str, calls: list[tuple[str, int]]) -> None:
+    def abandon(
+        self, session_id: str, own_key: str, calls: list[tuple[str, int]], replaying: bool = False
+    ) -> None:
         """Keep a tombstone for each (key, call sequence number) of ``calls``, the calls
         of this session its client gave up on, that is neither kept already (a held
         answer stays: a retry of it is answered) nor covered by the session's floor; the
         call naming them has the key ``own_key``. A key's later delivery is then refused
         (:meth:`lookup`: ANSWER_EVICTED), and once the window passes its number joins
-        the floor.
+        the floor. ``replaying``: the naming call was applied (journal replay), so its
+        tombstones are kept whatever the budget is now, as :meth:`remember` keeps a
+        replayed call's key (a restart with a smaller idempotency_max_bytes must replay).
 
         Raises:
             ServiceError: INVALID_ARGUMENT when a key is empty or the naming call's own;
-                RESOURCE_EXHAUSTED as :meth:`lookup` for a new key (some tombstones may be
-                kept already: they only refuse calls their client gave up on).
+                RESOURCE_EXHAUSTED as :meth:`lookup` for a new key, unless ``replaying``
+                (some tombstones may be kept already: they only refuse calls their
+                client gave up on).
         """
         if not calls:
             return
@@ -234,7 +239,8 @@ class IdempotencyStore:
                 sequence and sequence <= self._forgotten.get(session_id, 0)
             ):
                 continue
-            self._make_room(session_id, key)
+            if not replaying:
+                self._make_room(session_id, key)
             entry = Stored(ABANDONED, b"", now, None, None, sequence)
             self._entries[(session_id, key)] = entry
             self._by_session.setdefault(session_id, set()).add(key)

@@ -381,7 +381,9 @@ class MutationRunner:
         service.answer_event_bytes = take_events_budget(budget)
         try:
             store = registry.idempotency  # the tombstones it made live (run), at its time:
-            store.as_of(age, lambda: store.abandon(s.session_id, key, abandoned_calls(request)))
+            store.as_of(
+                age, lambda: store.abandon(s.session_id, key, abandoned_calls(request), replaying=True)
+            )
             answer = m.apply(
                 service, s, request, Fence(writer, service.fence.incarnation, term=service.fence.term), budget
             )

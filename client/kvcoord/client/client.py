@@ -148,8 +148,10 @@ class KVCoordClient(BlockingApi):
 
     def send_step(self, request: pb.StepRequest) -> pb.StepResponse:
         """``step`` for a request the caller built (its operations written in place,
-        so nothing is copied); an idempotency key and a call sequence number are added
-        when it has none. One larger than ``step_piece_bytes`` is sent in pieces
+        so nothing is copied); a request without an idempotency key gets one and a call
+        sequence number. One whose caller gave it a key is sent with the number it has
+        (none when 0: a copy of it delivered after the server forgot its key would be
+        applied). One larger than ``step_piece_bytes`` is sent in pieces
         (:mod:`kvcoord.client.step_pieces`)."""
         if not request.idempotency_key:
             request.idempotency_key = rq.key()

@@ -23,7 +23,9 @@ for a request preempted and admitted again: applied late, it would free that
 request's live blocks; an AllocateOp registering a new request would register a
 finished one again and cache blocks whose KV nobody writes). So a keyed call may
 carry its sequence number among its session's keyed calls (``call_sequence``,
-strictly increasing in the order its client first sends them): the store keeps, per
+strictly increasing in the order its client builds them; calls built by concurrent
+threads may arrive in another order, which no number refuses until a key numbered at or
+above it is forgotten, half a window or more after that key's call): the store keeps, per
 session, the highest sequence number of a key it forgot, and a call at or below it
 whose key it does not know is refused, ABORTED (ANSWER_EVICTED), never applied. A
 call without a number (0: a client that sends none) is looked up as before. The

@@ -36,7 +36,14 @@ from typing import NoReturn
 
 import grpc
 
-from .errors import KVCoordError, NotOwnerError, OutcomeUnknownError, UnavailableError, never_sent
+from .errors import (
+    KVCoordError,
+    NotOwnerError,
+    OutcomeUnknownError,
+    ResourceExhaustedError,
+    UnavailableError,
+    never_sent,
+)
 
 __all__ = ["DEFAULT_RETRY", "NO_RETRY", "Attempts", "RetryPolicy"]
 
@@ -182,12 +189,15 @@ class Attempts:
         """Raise the call's final error: ``err``, or OutcomeUnknownError when a keyed
         or once-only call had an attempt of unknown outcome and ``err`` does not
         settle it (a transient failure, or a NOT_OWNER / OWNER_CHANGING answer, which
-        does not tell whether that attempt was applied). Any other typed answer (a
-        fence, an expired session) is raised as it is: it holds whatever happened."""
+        does not tell whether that attempt was applied; or RESOURCE_EXHAUSTED, e.g. a
+        full idempotency budget refusing the retry before its key is kept: the earlier
+        attempt, held back on the way, may still arrive and be applied). Any other
+        typed answer (a fence, an expired session, a refusal kept under the key) is
+        raised as it is: it holds whatever happened."""
         if (
             self.kind in ("keyed", "once")
             and self.unknown
-            and isinstance(err, (UnavailableError, NotOwnerError))
+            and isinstance(err, (UnavailableError, NotOwnerError, ResourceExhaustedError))
         ):
             raise OutcomeUnknownError(
                 err.code,

@@ -16,37 +16,14 @@ import pytest
 from helpers import allocate, attach
 from kvcoord.client import KVCoordClient
 from kvcoord.service.testing import InProcessServer, ManualClock
-from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from late_copies import LEASE, PROMPT, SETTINGS, assert_refused, send_raw, tables
 from support import pool_toml
-
-LEASE = 10.0
-SETTINGS: dict[str, Any] = {
-    "session_lease_seconds": LEASE,
-    "max_session_lease_seconds": LEASE,
-    "idempotency_window_seconds": 2 * LEASE,
-}
-PROMPT = list(range(1, 9))
-
-
-def _send(address: str, rpc: str, request: Any) -> Any:
-    with grpc.insecure_channel(address) as channel:
-        return getattr(pb_grpc.AllocatorStub(channel), rpc)(request, timeout=10)
 
 
 def _refused_as_ended(address: str, rpc: str, request: Any) -> None:
     with pytest.raises(grpc.RpcError) as refused:
-        _send(address, rpc, request)
-    err = refused.value
-    what = f"{err.code()} {err.details()}"
-    assert err.code() == grpc.StatusCode.NOT_FOUND, what
-    assert ("kvcoord-reason", "SESSION_EXPIRED") in (err.trailing_metadata() or ()), what
-
-
-def _table(client: KVCoordClient) -> dict[str, list[int]]:
-    return {
-        r.request_id: list(r.groups[0].block_ids)
-        for r in client.inspect_pool("p", all_requests=True).requests
-    }
+        send_raw(address, rpc, request)
+    assert_refused(refused.value, grpc.StatusCode.NOT_FOUND, "SESSION_EXPIRED")
 
 
 @pytest.mark.parametrize("restart", [False, True], ids=["live", "restarted"])
@@ -60,9 +37,9 @@ def test_a_late_copy_naming_an_ended_session_is_never_applied(
     with KVCoordClient(server.address, timeout=10, step_stream=False) as client:
         a, a_fence = attach(client)
         admitting = KVCoordClient.step.build("p", [allocate("r1", PROMPT, 8)], a, a_fence)
-        assert _send(server.address, "Step", admitting).results[0].status_code == 0
+        assert send_raw(server.address, "Step", admitting).results[0].status_code == 0
         freeing = KVCoordClient.free.build("p", ["r1"], session_id=a, fence=a_fence)
-        _send(server.address, "Free", freeing)
+        send_raw(server.address, "Free", freeing)
         if end == "detach":
             client.detach(a, a_fence, pool="p")
         else:  # A's lease runs out (B renews its own meanwhile); the reaper ends A
@@ -73,7 +50,7 @@ def test_a_late_copy_naming_an_ended_session_is_never_applied(
             assert server.call(server.running.servicer.reap_expired_sessions) == 1  # type: ignore[union-attr]
         b, b_fence = attach(client)
         assert client.step("p", [allocate("r1", PROMPT, 8)], b, b_fence).results[0].status_code == 0
-        held = _table(client)
+        held = tables(client)
         assert len(held["r1"]) == 2
         free_before = client.get_stats("p").num_free_blocks
     if restart:
@@ -84,5 +61,5 @@ def test_a_late_copy_naming_an_ended_session_is_never_applied(
             client.heartbeat(b, b_fence, pool="p")
         _refused_as_ended(server.address, "Free", freeing)
         _refused_as_ended(server.address, "Step", admitting)
-        assert _table(client) == held
+        assert tables(client) == held
         assert client.get_stats("p").num_free_blocks == free_before

@@ -40,16 +40,9 @@ from kvcoord.client.retry import RetryPolicy
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from late_copies import LEASE, PROMPT, SETTINGS, assert_refused, tables
 from support import Req, pool_toml
 
-PROMPT = list(range(1, 9))  # two full blocks of 4 tokens
-LEASE = 10.0
-WINDOW = 2 * LEASE
-SETTINGS: dict[str, Any] = {
-    "session_lease_seconds": LEASE,
-    "max_session_lease_seconds": LEASE,
-    "idempotency_window_seconds": WINDOW,
-}
 #: two attempts, then OutcomeUnknownError
 POLICY = RetryPolicy(max_attempts=2, initial_backoff=0.01, keyed_deadline=None)
 
@@ -92,17 +85,11 @@ class HoldBack(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
 
 def _refused_as_given_up(err: grpc.RpcError | None) -> None:
     assert err is not None, "the late delivery of a call its client gave up on was applied"
-    what = f"{err.code()} {err.details()}"
-    assert err.code() == grpc.StatusCode.ABORTED, what
-    assert ("kvcoord-reason", "ANSWER_EVICTED") in (err.trailing_metadata() or ()), what
+    assert_refused(err, grpc.StatusCode.ABORTED, "ANSWER_EVICTED")
 
 
 def _table(client: KVCoordClient, rid: str) -> list[int]:
-    held = {
-        r.request_id: list(r.groups[0].block_ids)
-        for r in client.inspect_pool("p", all_requests=True).requests
-    }
-    return held.get(rid, [])
+    return tables(client).get(rid, [])
 
 
 def _hit(client: KVCoordClient) -> int:

@@ -18,24 +18,8 @@ from helpers import allocate, attach, hashes
 from kvcoord.client import KVCoordClient
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from late_copies import LEASE, PROMPT, SETTINGS, WINDOW, assert_refused, send_raw, tables
 from support import pool_toml
-
-#: the shortest window the config accepts for this lease (twice the longest lease)
-LEASE = 10.0
-WINDOW = 2 * LEASE
-SETTINGS: dict[str, Any] = {
-    "session_lease_seconds": LEASE,
-    "max_session_lease_seconds": LEASE,
-    "idempotency_window_seconds": WINDOW,
-}
-PROMPT = list(range(1, 9))  # two full blocks of 4 tokens
-
-
-def _send(address: str, rpc: str, request: Any) -> Any:
-    """``request`` sent once as it is (no client library, no retry): its answer."""
-    with grpc.insecure_channel(address) as channel:
-        return getattr(pb_grpc.AllocatorStub(channel), rpc)(request, timeout=10)
 
 
 def _pass_window(clock: ManualClock, client: KVCoordClient, sessions: list[tuple[str, pb.Fence]]) -> None:
@@ -47,11 +31,7 @@ def _pass_window(clock: ManualClock, client: KVCoordClient, sessions: list[tuple
 
 
 def _table(client: KVCoordClient, rid: str) -> list[int]:
-    held = {
-        r.request_id: list(r.groups[0].block_ids)
-        for r in client.inspect_pool("p", all_requests=True).requests
-    }
-    return held.get(rid, [])
+    return tables(client).get(rid, [])
 
 
 def _free_call(rpc: str, sid: str, fence: pb.Fence) -> Any:
@@ -77,12 +57,9 @@ def _applied(answer: Any) -> bool:
 def _refused_as_late(address: str, rpc: str, request: Any) -> None:
     """``request`` sent again is ABORTED, ANSWER_EVICTED."""
     with pytest.raises(grpc.RpcError) as refused:
-        _send(address, rpc, request)
-    err = refused.value
-    what = f"{err.code()} {err.details()}"
-    assert err.code() == grpc.StatusCode.ABORTED, what
-    assert ("kvcoord-reason", "ANSWER_EVICTED") in (err.trailing_metadata() or ()), what
-    assert "is not applied now" in what, what
+        send_raw(address, rpc, request)
+    assert_refused(refused.value, grpc.StatusCode.ABORTED, "ANSWER_EVICTED")
+    assert "is not applied now" in str(refused.value.details())
 
 
 @pytest.mark.parametrize("rpc", ["Step", "Free"])
@@ -100,7 +77,7 @@ def test_a_late_free_never_frees_the_request_admitted_again_under_its_id(
         assert client.step("p", [allocate("r1", PROMPT, 8)], a, a_fence).results[0].status_code == 0
         freeing = _free_call(rpc, a, a_fence)
         assert freeing.call_sequence and freeing.idempotency_key
-        assert _applied(_send(server.address, rpc, freeing))
+        assert _applied(send_raw(server.address, rpc, freeing))
         assert _table(client, "r1") == []
         # r1 admitted again (a preempted request comes back under its id)
         assert client.step("p", [allocate("r1", PROMPT, 8)], a, a_fence).results[0].status_code == 0
@@ -116,7 +93,7 @@ def test_a_late_free_never_frees_the_request_admitted_again_under_its_id(
         unnumbered = pb.StepRequest(
             pool="p", session_id=a, ops=reading, idempotency_key="old-client", fence=a_fence
         )
-        assert _send(server.address, "Step", unnumbered).results[0].status_code == 0
+        assert send_raw(server.address, "Step", unnumbered).results[0].status_code == 0
         assert client.get_stats("p").num_free_blocks == free_before
         # every block another session can get now is one r1 does not hold
         n = free_before * 4
@@ -138,7 +115,7 @@ def test_a_late_allocate_never_registers_a_finished_request_again(
         a, a_fence = attach(client)
         b, b_fence = attach(client)
         admitting = _admit_call(rpc, a, a_fence)
-        assert _applied(_send(server.address, rpc, admitting))
+        assert _applied(send_raw(server.address, rpc, admitting))
         assert (
             client.step("p", [pb.Operation(free=pb.FreeOp(request_id="r2"))], a, a_fence)
             .results[0]
@@ -169,7 +146,7 @@ def test_a_restart_does_not_reopen_the_hole(
         a, a_fence = attach(client)
         assert client.step("p", [allocate("r1", PROMPT, 8)], a, a_fence).results[0].status_code == 0
         freeing = _free_call("Step", a, a_fence)
-        assert _applied(_send(server.address, "Step", freeing))
+        assert _applied(send_raw(server.address, "Step", freeing))
         assert client.step("p", [allocate("r1", PROMPT, 8)], a, a_fence).results[0].status_code == 0
         held = _table(client, "r1")
         _pass_window(clock, client, [(a, a_fence)])

@@ -27,7 +27,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from service.helpers import allocate
 from test_failover import wait_served
-from test_replicas import POOL_CONFIG, placed, wait_members
+from test_replicas import POOL_CONFIG, placed, replica_config, wait_members
 
 IDS = ["r0", "r1"]
 #: a session's lease and the idempotency window (the shortest the config accepts for it)
@@ -37,13 +37,14 @@ PROMPT = list(range(1, 9))  # two full blocks of 4 tokens
 
 
 def _config(etcd: Etcd, replica: str, data_dir: Path, cluster: str) -> str:
-    return (
-        f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
-        f"grace_seconds = 5.0\nsession_lease_seconds = {LEASE}\nmax_session_lease_seconds = {LEASE}\n"
-        f"idempotency_window_seconds = {WINDOW}\n"
-        f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
-        f'lease_seconds = 2\nstore_timeout_seconds = 2.0\njournal = "store"\nstore_snapshot_records = 40\n'
-    )
+    return replica_config(
+        etcd, replica, data_dir, cluster,
+        server_lines=(
+            f"session_lease_seconds = {LEASE}\nmax_session_lease_seconds = {LEASE}\n"
+            f"idempotency_window_seconds = {WINDOW}\n"
+        ),
+        cluster_lines='journal = "store"\nstore_snapshot_records = 40\n',
+    )  # fmt: skip
 
 
 @pytest.fixture

@@ -35,12 +35,15 @@ POOL_CONFIG = pb.PoolConfig(
 )  # fmt: skip
 
 
-def replica_config(etcd: Etcd, replica: str, data_dir: Path, cluster: str) -> str:
+def replica_config(
+    etcd: Etcd, replica: str, data_dir: Path, cluster: str, server_lines: str = "", cluster_lines: str = ""
+) -> str:
+    """A replica's config; ``server_lines`` / ``cluster_lines``: more settings of either table."""
     return (
         f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
-        f"grace_seconds = 5.0\n"
+        f"grace_seconds = 5.0\n{server_lines}"
         f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
-        f"lease_seconds = 2\nstore_timeout_seconds = 2.0\n"
+        f"lease_seconds = 2\nstore_timeout_seconds = 2.0\n{cluster_lines}"
     )
 
 

@@ -29,6 +29,14 @@ MSG
   exit 0
 fi
 
+# vLLM inspects each model architecture a config names (MistralForCausalLM, the EAGLE
+# and MTP draft heads, DeepSeek V3) in a subprocess that imports torch and the model's
+# module, 7-15 s of CPU each, and caches the answer in $VLLM_CACHE_ROOT/modelinfos under
+# the architecture's name, stamped with a hash of the module's source. Both releases
+# share that name and not that source: sharing one directory, each run found the other
+# release's entries stale and paid every inspection again in each worker. One directory
+# per release (kept between runs):
+export VLLM_CACHE_ROOT="${XDG_CACHE_HOME:-$HOME/.cache}/kvcoord/vllm-$VERSION"
 # kvcoord's sources compiled once for this interpreter, as scripts/test.sh does (where
 # PYTHONDONTWRITEBYTECODE is set, every process would compile them again)
 "$VENV/bin/python" -m compileall -q client server tests || true

@@ -38,10 +38,13 @@ replay gave the client the same answer. Records are CBOR lists ``[kind, wall_tim
               ``JournalPositions.brought``)
 ``term``      pool name, term: the pool's ownership term in a cluster from here on
               (answers' fences carry it)
-``restored``  (none) the journal was found behind what clients were told: fences of
-              every earlier instance are void from here on (every session's
-              ``expire``, every reservation's ``unreserve`` and every pool's
-              ``reset`` record follow; grace.json holds the grace before it)
+``restored``  the instances voided (a list of instance ids: those the journal named,
+              and the one whose fence proved the restore; absent in older
+              journals): the journal was found behind what clients were told: fences of
+              every earlier instance are void from here on, and none of those
+              instances' fences proves a restore again (positions.py; every
+              session's ``expire``, every reservation's ``unreserve`` and every
+              pool's ``reset`` record follow; grace.json holds the grace before it)
 ============  =================================================================
 
 Lease renewals are not journaled: a recovered session gets a fresh lease.
@@ -145,8 +148,8 @@ class Recorder:
     def prefix_cache_reset(self, service: PoolService) -> None:
         pass
 
-    def restored(self) -> None:
-        pass
+    def restored(self, settled: Sequence[str] = ()) -> None:
+        """``settled``: the instances whose fences prove nothing from here on (positions.py)."""
 
     def adopted(
         self, value: dict[str, Any], service: PoolService, ends: dict[str, int] | None = None
@@ -431,8 +434,8 @@ class JournalRecorder(Recorder):
     def prefix_cache_reset(self, service: PoolService) -> None:
         self._append("reset", service.name, service=service)
 
-    def restored(self) -> None:
-        self._append("restored")
+    def restored(self, settled: Sequence[str] = ()) -> None:
+        self._append("restored", list(settled))
 
     def adopted(
         self, value: dict[str, Any], service: PoolService, ends: dict[str, int] | None = None

@@ -1,21 +1,19 @@
 """The rules between the wire and the engine, for one pool, in plain Python.
 
-:class:`PoolService` owns a pool's engine and everything the service keeps beside
-it: which session owns which request, positioned request sync, Step semantics
-(apply in order, stop at the first failure), per-session event cursors and
-prefix-cache statistics, fencing by server instance and pool incarnation, and the
-event journal. It is the only door to the engine: the servicer, recovery, the
-registry and metrics read and change a pool through its methods, never the engine
-itself. The servicer only converts messages to and from these calls. Failures are
-:class:`~.errors.ServiceError` with a rules :class:`~.errors.Status`; this module
-imports no gRPC.
+:class:`PoolService` owns a pool's engine and everything the service keeps beside it: which session
+owns which request, positioned request sync, Step semantics (apply in order, stop at the first
+failure), per-session event cursors and prefix-cache statistics, fencing by server instance and pool
+incarnation, and the event journal. It is the only door to the engine: the servicer, recovery, the
+registry and metrics read and change a pool through its methods, never the engine itself. The
+servicer only converts messages to and from these calls. Failures are :class:`~.errors.ServiceError`
+with a rules :class:`~.errors.Status`; this module imports no gRPC.
 
-This module keeps the pool's state, its sessions (attach, fences, namespaces) and the pool
-as a whole (counters, inspection, checks, state); its other roles are parts it owns and
-forwards to, each in its module: request ownership and sync (pool_requests.py), the Step
-(pool_steps.py) and its allocations (pool_allocations.py), events and statistics
-(pool_events.py), scores (pool_scores.py) and reservations (pool_reservations.py).
-Nothing else uses those parts; the values it answers are pool_types.py's.
+This module keeps the pool's state, its sessions (attach, fences, namespaces) and the pool as a
+whole (counters, inspection, checks, state); its other roles are parts it owns and forwards to, each
+in its module: request ownership and sync (pool_requests.py), the Step (pool_steps.py) and its
+allocations (pool_allocations.py), events and statistics (pool_events.py), scores (pool_scores.py)
+and reservations (pool_reservations.py). Nothing else uses those parts; the values it answers are
+pool_types.py's.
 
 Every pool operation runs on the server's event loop without awaiting, so a pool is
 linearizable; a large Step (a large session's end) is applied in slices (:meth:`PoolService.applying`,
@@ -177,16 +175,18 @@ class PoolService:
 
     # -- fencing and sessions -----------------------------------------------------------
     def check_fence(self, fence: Fence | None) -> None:
-        """Refuse a caller whose block ids belong to another instance or incarnation.
+        """Refuse a caller whose block ids belong to another instance or incarnation (an
+        unknown instance's tag may prove a restore first: positions.py, check_unknown).
 
         Raises:
             ServiceError: FAILED_PRECONDITION with INSTANCE_CHANGED / INCARNATION_CHANGED;
                 UNAVAILABLE when the caller was answered under a newer term (this
-                replica was deposed: another owner serves the pool).
-        """
+                replica was deposed: another owner serves the pool)."""
         if fence is None:
             return
         if not self.knows_instance(fence.instance_id):
+            if self.positions is not None:  # a copy of this journal told it: a restore (positions.py)
+                self.positions.check_unknown(fence)
             raise ServiceError(
                 Status.PRECONDITION,
                 f"the server restarted (instance {fence.instance_id[:40]!r} is gone, this is "

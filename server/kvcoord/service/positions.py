@@ -18,6 +18,18 @@ Positions name records of one instance, so records a restored server writes afte
 start can never pass for the lost ones. What remains is the time before the first such
 call (deploy/README.md, "Restore the volume").
 
+**An instance the journal never heard of.** A lost history that spans a restart (the
+copy made, then the server restarted: a pod rescheduled, an OOM kill) ends with
+instances whose ``start`` record the copy lacks, and its workers' fences name the last
+of them. A fence of an instance this journal does not know is void anyway
+(INSTANCE_CHANGED), but when its tag verifies under this journal's key only a copy of
+this very journal can have issued it: it proves the restore as well
+(:meth:`JournalPositions.check_unknown`). Not every unknown instance proves one: the
+instances a restore already voided (:attr:`JournalPositions.settled`: those the journal
+named then, and the one whose fence proved it; journaled with the ``restored`` record,
+carried by snapshots) are only INSTANCE_CHANGED from then on, so the other workers of
+the same lost history start no second fencing.
+
 **Only positions this journal issued prove anything.** A position is a number any
 caller can write: taken on trust, one made-up ``Fence.position`` of an earlier instance
 (any tenant's, with no session even) ended every session of every tenant and froze
@@ -54,8 +66,8 @@ between the two commits): their positions are held from then on
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
 
 from .errors import ErrorReason, ServiceError, Status
 from .fences import Fence
@@ -79,6 +91,9 @@ class JournalPositions:
         #: the journal's fence key (journal.py; None: no journal, or a pool rebuilt from
         #: a cluster store stream written before tags)
         self.key: bytes | None = None
+        #: instances a restore voided (their fences prove nothing any more, see
+        #: :meth:`check_unknown`)
+        self.settled: set[str] = set()
 
     def tag(self, instance_id: str, position: int) -> bytes:
         """What proves that this journal told ``position`` of ``instance_id`` (b"":
@@ -141,19 +156,40 @@ class JournalPositions:
         self.held(raised)
         return raised
 
-    def voided(self) -> None:
-        """Every earlier fence is void (a restore was detected): nothing left to check."""
-        self.ends.clear()
-        self.latest = None
+    def voided(self, lineage: Iterable[str] = (), keep: str = "") -> list[str]:
+        """Every fence of an instance but ``keep`` (the one serving) is void (a restore
+        was detected): nothing left to check of them. The instances named until now (and
+        ``lineage``, the registry's earlier instances) are :attr:`settled`: their fences
+        never prove a restore again. Returns every settled instance (the ``restored``
+        record names them: :meth:`void`, on replay)."""
+        gone = {*self.ends, *lineage} | ({self.latest} if self.latest is not None else set())
+        gone.discard(keep)
+        self.void(gone)
+        return sorted(self.settled)
+
+    def void(self, instances: Iterable[str]) -> None:
+        """``instances`` are void and :attr:`settled` (a ``restored`` record replayed:
+        the instance that wrote it, if it is the latest, stays as it was)."""
+        for instance_id in instances:
+            self.settled.add(instance_id)
+            self.ends.pop(instance_id, None)
+            if self.latest == instance_id:
+                self.latest = None
+
+    def void_all(self) -> None:
+        """A ``restored`` record of a kvcoord that did not name the instances it voided:
+        every one named until then is void."""
+        self.void([*self.ends, *([self.latest] if self.latest is not None else [])])
 
     def export(self) -> dict[str, object]:
-        return {"ends": dict(self.ends), "latest": self.latest}
+        return {"ends": dict(self.ends), "latest": self.latest, "settled": sorted(self.settled)}
 
     def restore(self, state: dict[str, object] | None) -> None:
         if state:
             self.ends.update(state.get("ends") or {})  # type: ignore[call-overload]
             latest = state.get("latest")
             self.latest = str(latest) if latest else None
+            self.settled.update(str(i) for i in state.get("settled") or ())  # type: ignore[attr-defined]
 
     def check(self, fence: Fence) -> None:
         """Raise when ``fence`` proves this journal is behind what its holder was told.
@@ -177,11 +213,44 @@ class JournalPositions:
                 "answers gave them (Fence.position with Fence.position_tag); nothing changed",
                 ErrorReason.FENCE_UNPROVEN,
             )
-        reason = (
+        self._behind(
+            fence.instance_id,
             f"a client was told of record {fence.position} of instance {fence.instance_id[:40]!r}, this "
             f"journal holds its records up to {end} only: the data directory was restored from an "
-            "older copy"
+            "older copy",
         )
+
+    def check_unknown(self, fence: Fence) -> None:
+        """``fence`` names an instance the server does not know (the caller refuses it
+        INSTANCE_CHANGED after this): raise when its tag proves that a copy of this
+        journal issued it, an instance whose ``start`` record this journal lacks
+        (unless a restore voided it already: :attr:`settled`). A tag that does not
+        verify proves nothing (another journal's instance: another replica, a journal
+        started empty) and raises nothing here.
+
+        Raises:
+            ServiceError: FAILED_PRECONDITION, INSTANCE_CHANGED (after :attr:`on_behind`).
+        """
+        if not fence.position or fence.instance_id in self.settled:
+            return
+        if fence.instance_id in self.ends:
+            self.check(fence)
+            return
+        issued = self.tag(fence.instance_id, fence.position)
+        if not issued or not hmac.compare_digest(fence.position_tag, issued):
+            return
+        self._behind(
+            fence.instance_id,
+            f"a client was told of record {fence.position} of instance {fence.instance_id[:40]!r}, an "
+            "instance of this journal (its key tagged that position) whose records this journal does not "
+            "hold at all: the data directory was restored from an older copy",
+        )
+
+    def _behind(self, instance_id: str, reason: str) -> NoReturn:
+        """The journal is behind what ``instance_id`` told a client: tell
+        :attr:`on_behind` (its instance settled first: the ``restored`` record names it),
+        then refuse the call that proved it."""
+        self.settled.add(instance_id)
         if self.on_behind is not None:
             self.on_behind(reason)
         raise ServiceError(

@@ -51,7 +51,14 @@ from .registry_state import (
 )
 from .sessions import Session
 
-__all__ = ["Recovery", "Replayer", "RestoreFenceError", "fence_restored", "open_journal"]
+__all__ = [
+    "Recovery",
+    "Replayer",
+    "RestoreFenceError",
+    "fence_restored",
+    "open_journal",
+    "void_earlier_instances",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -97,8 +104,15 @@ class Replayer:
         elif kind == "limits":
             apply_limits(registry, limits_from(record[2]), int(record[2].get("max_message_bytes", 0)))
         elif kind == "restored":  # fences of every earlier instance are void from here on
-            registry.lineage.clear()
-            registry.positions.voided()
+            if len(record) > 2:
+                # the instances it voided (the one that proved it among them); the one
+                # that wrote it, proven while serving, is not one of them
+                voided = [str(i) for i in record[2]]
+                registry.positions.void(voided)
+                registry.lineage.difference_update(voided)
+            else:  # (a kvcoord that did not name them: every instance until then)
+                registry.positions.void_all()
+                registry.lineage.clear()
         elif kind == "create":
             registry.create(record[2], pb.PoolConfig.FromString(record[3]), record[4], float(record[5]))
             self.touched[record[2]] = seq
@@ -342,6 +356,15 @@ def _last_record_time(store: JournalStore) -> float | None:
         return None
 
 
+def void_earlier_instances(registry: PoolRegistry) -> list[str]:
+    """Every fence of an instance before this one is void (a restore): returns every
+    instance settled (positions.py, :meth:`JournalPositions.voided`), for the
+    ``restored`` record. This instance's own fences stay valid, after a restart too."""
+    voided = registry.positions.voided(registry.lineage, registry.instance_id)
+    registry.lineage.clear()
+    return voided
+
+
 def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     """After a restored (older) journal: a client may hold blocks this state has never
     given it, and a cached hash may name a block since overwritten. So no earlier fence
@@ -363,9 +386,7 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     # each change before its record, as everywhere: a snapshot the record starts holds
     # the state after it (and replay skips the records a snapshot covers). Nothing here
     # awaits, so the records go to the journal in one commit.
-    registry.lineage.clear()
-    registry.positions.voided()
-    recorder.restored()
+    recorder.restored(void_earlier_instances(registry))
     for s in list(registry.sessions.sessions.values()):
         registry.end_session(s)
         recorder.session_expired(s.session_id, s.pool)

@@ -23,7 +23,7 @@ from .idempotency import IdempotencyStore
 from .kv_publisher import Publishers
 from .logs import ids
 from .observers import OperationObserver
-from .recovery import Recovery, RestoreFenceError, fence_restored, open_journal
+from .recovery import Recovery, RestoreFenceError, fence_restored, open_journal, void_earlier_instances
 from .registry import GcFreezer, PoolRegistry
 from .server_cluster import cluster_of, join_cluster
 from .servicer import AllocatorServicer, add_servicer
@@ -202,8 +202,7 @@ def _journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str)
     # replay). Every earlier fence is void at once (the grace runs already); the
     # sessions end once no pool is held (nothing awaits between wait_all's return and
     # the fencing, so no Step starts in between).
-    registry.lineage.clear()
-    registry.positions.voided()
+    void_earlier_instances(registry)
     task = asyncio.get_running_loop().create_task(_fence_when_idle(registry, recorder))
     registry.fencing = task  # (awaited before INSTANCE_CHANGED is told: PoolRegistry.fenced)
     _FENCING.add(task)

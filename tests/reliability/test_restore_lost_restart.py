@@ -1,0 +1,212 @@
+"""A restored data directory whose lost history spans a restart (real server process,
+SIGKILL, `cp -a` of the data directory): the workers of the lost history were last
+answered by an instance the copy never heard of, and their fences must still prove
+the restore (deploy/README.md, "Restore the volume")."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from durable_server import DurableServer, small_pool
+from kvcoord.client import NO_RETRY, KVCoordClient
+from kvcoord.client.errors import FencedError, GracePeriodError, SessionExpiredError
+from kvcoord.v1 import allocator_pb2 as pb
+
+
+def _server(tmp: Path, lease: float, num_blocks: int) -> DurableServer:
+    server = DurableServer(tmp, small_pool(num_blocks))
+    server.config.write_text(
+        server.config.read_text().replace(
+            "snapshot_every = 2000\n",
+            f"snapshot_every = 2000\nmax_session_lease_seconds = {lease}\nsession_lease_seconds = {lease}\n"
+            f"idempotency_window_seconds = {4 * lease}\n",
+        )
+    )
+    return server
+
+
+def _alloc(c: KVCoordClient, session: Any, rid: str, num_tokens: int) -> list[int]:
+    sync = pb.RequestSync(
+        request_id=rid, append_token_ids=list(range(num_tokens)), new_request=True,
+        append_block_hashes=[f"{rid}-{i}".encode().ljust(32, b".") for i in range(num_tokens // 4)],
+    )  # fmt: skip
+    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=num_tokens))
+    result = c.step("p", [op], session.session_id, session.fence).results[0]
+    assert result.status_code == 0, result
+    return list(result.allocate.new_block_ids[0].block_ids)
+
+
+def _attach_after_grace(address: str, lease: float, name: str, limit: float) -> Any:
+    deadline = time.monotonic() + limit
+    with KVCoordClient(address, retry=NO_RETRY) as c:
+        while True:
+            try:
+                return c.attach("p", "sha256_cbor", 4, "0", name, lease_seconds=lease)
+            except GracePeriodError:
+                assert time.monotonic() < deadline, "the grace never ended"
+                time.sleep(0.05)
+
+
+def _restore_volume(server: DurableServer, copy: Path) -> None:
+    server.kill()
+    shutil.rmtree(server.data_dir)
+    subprocess.run(["cp", "-a", str(copy), str(server.data_dir)], check=True)
+
+
+def test_a_restored_volume_whose_lost_history_spans_a_restart_is_proven_by_its_workers(
+    tmp_path: Path,
+) -> None:
+    """The volume is copied while instance 1 serves; instance 1 is SIGKILLed and
+    instance 2 recovers the journal (a pod restart: the common case between two
+    backups); worker a, answered by instance 2, is given more blocks; then the volume is
+    lost and the copy restored without ``--restored``. Worker a's fence names instance 2,
+    which the copy does not know, with a position whose tag the copy's key verifies: only
+    a copy of this very journal can have issued it, so it proves the journal behind
+    what a was told. (Before, an unknown instance was only INSTANCE_CHANGED: no session
+    was ended, no prefix cache emptied and no grace applied, so a new worker attached at
+    once and was handed the blocks worker a may still be writing.)"""
+    lease = 6.0
+    server = _server(tmp_path, lease, num_blocks=17)
+    server.start()
+    copy = tmp_path / "volume-snapshot"
+    try:
+        with KVCoordClient(server.address) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+            b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+            _alloc(c, a, "a1", 8)
+            _alloc(c, b, "b1", 8)
+            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+        first = a.fence.instance_id
+        server.kill()
+        server.start()  # instance 2 recovers everything: the lost history goes on there
+        with KVCoordClient(server.address) as c:
+            step = c.step("p", [], a.session_id, a.fence)
+            a.fence.CopyFrom(step.fence)
+            told = _alloc(c, a, "a2", 32)
+            sent = time.monotonic()
+        assert a.fence.instance_id != first and a.fence.position > 0 and a.fence.position_tag
+        _restore_volume(server, copy)
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises(FencedError):
+                _alloc(c, a, "a3", 4)
+            with pytest.raises((SessionExpiredError, FencedError)):
+                c.heartbeat(b.session_id, b.fence)  # b's session (in the copy) ended with the proof
+            with pytest.raises(GracePeriodError):
+                c.attach("p", "sha256_cbor", 4, "0", "worker-c", lease_seconds=lease)
+            inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
+            assert not inspected.requests and not inspected.cached_block_ids
+        assert "the data directory was restored from an older copy" in server.log()
+        server.kill()
+        server.start()  # a crash inside the grace keeps it
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises(GracePeriodError):
+                c.attach("p", "sha256_cbor", 4, "0", "worker-c", lease_seconds=lease)
+        deadline = time.monotonic() + 4 * lease
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            while True:
+                try:
+                    cs = c.attach("p", "sha256_cbor", 4, "0", "worker-c", lease_seconds=lease)
+                    break
+                except GracePeriodError:
+                    assert time.monotonic() < deadline, "the grace never ended"
+                    time.sleep(0.05)
+            assert time.monotonic() >= sent + lease  # worker a stopped using its ids before this
+            assert set(_alloc(c, cs, "c1", 64)) & set(told)  # a2's blocks, but only now
+    finally:
+        server.stop()
+
+
+def test_sessions_attached_after_a_proven_restore_keep_their_fence_across_a_restart(tmp_path: Path) -> None:
+    """A restore proven while serving journals its ``restored`` record after the
+    serving instance's own ``start`` record. A restart replays it: only the instances
+    before the serving one are void, so a worker that attached after the grace keeps
+    its session, its fence and its blocks across the restart, as after any restart.
+    (Before, the replay voided the instance that wrote the record too: every such
+    worker was told INSTANCE_CHANGED after the restart and lost every request.)"""
+    lease = 3.0
+    server = _server(tmp_path, lease, num_blocks=17)
+    server.start()
+    copy = tmp_path / "volume-snapshot"
+    try:
+        with KVCoordClient(server.address) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+            _alloc(c, a, "a1", 8)
+            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+            a.fence.CopyFrom(c.step("p", [], a.session_id, a.fence).fence)
+            _alloc(c, a, "a2", 8)
+        _restore_volume(server, copy)
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises(FencedError):
+                _alloc(c, a, "a3", 4)  # the proof
+        d = _attach_after_grace(server.address, lease, "worker-d", 6 * lease)
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            held = _alloc(c, d, "d1", 8)
+        server.kill()
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            step = c.step("p", [], d.session_id, d.fence)  # the fence of the instance that proved it
+            d.fence.CopyFrom(step.fence)
+            inspected = c.inspect_pool("p", all_requests=True)
+            assert [list(r.groups[0].block_ids) for r in inspected.requests if r.request_id == "d1"] == [held]
+    finally:
+        server.stop()
+
+
+def test_fences_of_instances_a_restore_already_voided_prove_nothing_again(tmp_path: Path) -> None:
+    """After a restore is proven, the other workers of the lost history (fences of the
+    instance that proved it, or of the copy's own instances) are told INSTANCE_CHANGED
+    and start no second fencing: a session attached after the grace is not ended by a
+    late call carrying such a fence, across a restart too."""
+    lease = 3.0
+    server = _server(tmp_path, lease, num_blocks=17)
+    server.start()
+    copy = tmp_path / "volume-snapshot"
+    try:
+        with KVCoordClient(server.address) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+            b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+            e = c.attach("p", "sha256_cbor", 4, "0", "worker-e", lease_seconds=lease)
+            _alloc(c, b, "b1", 8)
+            _alloc(c, e, "e1", 4)  # e is told nothing after the copy: its fence names instance 1
+            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+        server.kill()
+        server.start()
+        with KVCoordClient(server.address) as c:
+            for s in (a, b):
+                s.fence.CopyFrom(c.step("p", [], s.session_id, s.fence).fence)
+            _alloc(c, a, "a1", 8)
+        _restore_volume(server, copy)
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises(FencedError):
+                _alloc(c, a, "a2", 4)  # the proof
+        deadline = time.monotonic() + 6 * lease
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            while True:
+                try:
+                    d = c.attach("p", "sha256_cbor", 4, "0", "worker-d", lease_seconds=lease)
+                    break
+                except GracePeriodError:
+                    assert time.monotonic() < deadline, "the grace never ended"
+                    time.sleep(0.05)
+            for stale in (e, b, a):
+                with pytest.raises((FencedError, SessionExpiredError)):
+                    _alloc(c, stale, "x", 4)
+            _alloc(c, d, "d1", 8)  # d's session and its request were left alone
+        server.kill()
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            for stale in (e, b, a):
+                with pytest.raises((FencedError, SessionExpiredError)):
+                    _alloc(c, stale, "y", 4)
+            d.fence.CopyFrom(c.step("p", [], d.session_id, d.fence).fence)
+            _alloc(c, d, "d2", 4)
+    finally:
+        server.stop()

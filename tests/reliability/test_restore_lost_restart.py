@@ -210,3 +210,44 @@ def test_fences_of_instances_a_restore_already_voided_prove_nothing_again(tmp_pa
             _alloc(c, d, "d2", 4)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("call", ["heartbeat", "detach"])
+def test_a_renewal_of_a_session_the_copy_never_held_proves_the_restore(tmp_path: Path, call: str) -> None:
+    """Worker w attached after the volume was copied, computed a request (its blocks
+    went into the prefix cache) and went idle: its only calls are renewals (a Detach at
+    its end). The copy holds no session of w, but w's fence proves the restore, and
+    the proof comes before the session is looked up, as for a Step: the renewal is
+    told INSTANCE_CHANGED and every session, fence and prefix cache of the copy ends,
+    with the grace. (Before, it was told SESSION_EXPIRED first, w attached again at
+    once with no proof ever made, and its prompt's hashes hit the copy's cache entries
+    for blocks the lost history had written other KV into.)"""
+    lease = 6.0
+    server = _server(tmp_path, lease, num_blocks=9)
+    server.start()
+    copy = tmp_path / "volume-snapshot"
+    try:
+        with KVCoordClient(server.address) as c:
+            b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+            _alloc(c, b, "shared", 16)  # the copy caches these four hashes
+            c.step("p", [pb.Operation(free=pb.FreeOp(request_id="shared"))], b.session_id, b.fence)
+            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+            w = c.attach("p", "sha256_cbor", 4, "0", "worker-w", lease_seconds=lease)
+            _alloc(c, w, "w1", 32)  # all 8 blocks: the lost history evicts "shared"'s cache
+            w.fence.CopyFrom(
+                c.step("p", [pb.Operation(free=pb.FreeOp(request_id="w1"))], w.session_id, w.fence).fence
+            )
+        _restore_volume(server, copy)
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises(FencedError):
+                if call == "heartbeat":
+                    c.heartbeat(w.session_id, w.fence, pool="p")
+                else:
+                    c.detach(w.session_id, w.fence, pool="p")
+            with pytest.raises(GracePeriodError):
+                c.attach("p", "sha256_cbor", 4, "0", "worker-w", lease_seconds=lease)
+            inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
+            assert not inspected.requests and not inspected.cached_block_ids
+    finally:
+        server.stop()

@@ -45,11 +45,13 @@ kvcoord without tags send them untagged). The incarnation is not in the tag: a
 position is a record of the journal, whichever pool's answer told it.
 
 A Step's, Allocate's or Free's position is checked before its session
-(PoolService.session): a worker that attached after the copy was made has no session
-in it, and its call must prove the restore (a session check first would answer
-SESSION_EXPIRED, the worker would attach again at once and could be handed blocks a
-worker of the lost history still holds). With the tag, a caller without a session can
-prove only what is true.
+(PoolService.session), and so is a Heartbeat's or a Detach's when the session is not
+held here (:meth:`JournalPositions.prove`): a worker that attached after the copy was
+made has no session in it, and its call must prove the restore (a session check first
+would answer SESSION_EXPIRED, the worker would attach again at once and could be
+handed blocks a worker of the lost history still holds, or a hit on cache entries
+whose blocks the lost history wrote other KV into; an idle worker's only calls are
+its renewals). With the tag, a caller without a session can prove only what is true.
 
 A tag is part of its answer (its digest in the journal, its bytes kept for a retry),
 so replay tags with the writer's key: this journal's own, or, for a pool rebuilt from
@@ -66,7 +68,7 @@ between the two commits): their positions are held from then on
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 from typing import Any, NoReturn
 
 from .errors import ErrorReason, ServiceError, Status
@@ -219,6 +221,21 @@ class JournalPositions:
             f"journal holds its records up to {end} only: the data directory was restored from an "
             "older copy",
         )
+
+    def prove(self, fence: Fence, instance_id: str, lineage: Container[str]) -> None:
+        """The position of a call whose session the server does not hold (a Heartbeat,
+        a Detach to the server ``instance_id`` of ``lineage``), checked before it is told
+        SESSION_EXPIRED, as a Step's is (PoolService.session): a worker that attached
+        after the copy was made has no session in it, and one told SESSION_EXPIRED
+        attaches again at once, the fence that proved the restore dropped.
+
+        Raises:
+            ServiceError: as :meth:`check` and :meth:`check_unknown`.
+        """
+        if fence.instance_id == instance_id or fence.instance_id in lineage:
+            self.check(fence)
+        else:
+            self.check_unknown(fence)
 
     def check_unknown(self, fence: Fence) -> None:
         """``fence`` names an instance the server does not know (the caller refuses it

@@ -322,17 +322,16 @@ class PoolRegistry:
         self.sessions.renew(s)
         return s
 
-    def pool_of_session(self, session_id: str, pool: str = "") -> PoolService:
-        """The pool a live session is attached to (SESSION_EXPIRED when there is none: a
-        session whose lease ran out is ended first, as the reaper would end it).
-        ``pool``, the pool the call names ("": none): a session not held here is judged
-        only where its pool is served, else the call goes to the pool's owner
-        (NOT_OWNER, OWNER_CHANGING; so does one whose pool was handed over from here);
-        a cluster's replica asked with no pool named cannot know (UNAVAILABLE).
+    def pool_of_session(self, session_id: str, pool: str = "", fence: Fence | None = None) -> PoolService:
+        """The pool a live session is attached to (SESSION_EXPIRED when there is none: a session whose lease
+        ran out is ended first, as the reaper would end it). ``pool``, the pool the call names ("": none):
+        a session not held here is judged only where its pool is served, else the call goes to the pool's
+        owner (NOT_OWNER, OWNER_CHANGING; so does one whose pool was handed over from here); a cluster's
+        replica asked with no pool named cannot know (UNAVAILABLE). For a session not held here, the
+        call's ``fence`` may prove a restore first (JournalPositions.prove).
 
         Raises:
-            ServiceError: as above; INVALID_ARGUMENT when ``pool`` is not the session's.
-        """
+            ServiceError: as above; INVALID_ARGUMENT when ``pool`` is not the session's."""
         if session_id not in self.sessions.sessions:
             named = self.moved_sessions.get(session_id) or pool
             if named:
@@ -343,6 +342,8 @@ class PoolRegistry:
                     f"replica {self.placement.replica_id!r} holds no session {session_id[:64]!r}: only the "
                     "owner of its pool can tell whether it ended (name the pool in the call to be sent there)",
                 )
+            if fence:  # its position first, as a Step's: SESSION_EXPIRED would drop its proof
+                self.positions.prove(fence, self.instance_id, self.lineage)
         lapsed = self.sessions.ran_out(session_id)
         if lapsed is not None:
             self.run_expiry(lapsed.pool, self.expiring(lapsed))
@@ -372,9 +373,8 @@ class PoolRegistry:
         the one it names, if any), the call's fence checked (Heartbeat, Detach).
 
         Raises:
-            ServiceError: as :meth:`pool_of_session` and :meth:`PoolService.session`.
-        """
-        service = self.pool_of_session(session_id, pool)
+            ServiceError: as :meth:`pool_of_session` and :meth:`PoolService.session`."""
+        service = self.pool_of_session(session_id, pool, fence)
         return service, service.session(session_id, fence)
 
     def end_session(self, s: Session, service: PoolService | None = None, abandon: bool = True) -> int:

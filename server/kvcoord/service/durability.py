@@ -187,11 +187,21 @@ def decode_record(body: bytes) -> list[Any]:
 
 
 def write_snapshot_file(dump: Callable[[], Any], path: Path) -> None:
-    """Encode ``dump()`` as CBOR into ``path`` (written whole, then renamed into place)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        cbor2.dump(dump(), f)
-    os.replace(tmp, path)
+    """Encode ``dump()`` as CBOR into ``path`` (written whole, then renamed into place;
+    a write that fails, a full disk, removes what it wrote: :func:`_partial`)."""
+    tmp = _partial(path)
+    try:
+        with open(tmp, "wb") as f:
+            cbor2.dump(dump(), f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _partial(path: Path) -> Path:
+    """The file a snapshot is written into before it is renamed ``path``."""
+    return path.with_name(path.name + ".tmp")
 
 
 def leave_parent(parent: int, keep: int = -1) -> None:
@@ -364,6 +374,7 @@ class JournalRecorder(Recorder):
             self.snapshot_failures += 1
             logger.error("snapshot after record %d failed (the journal keeps its records): %s", seq, exc)
             path.unlink(missing_ok=True)
+            _partial(path).unlink(missing_ok=True)  # a child that died writing it (killed, OOM)
             return
         self.snapshots += 1
 

@@ -203,7 +203,6 @@ class StartupDecision:
         #: why the grace applies ("" when none does)
         self.reason = ""
         self.marker: LeaseMarker | None = None
-        self.marker_found = False
         self.grace_file: GraceFile | None = None
         #: the grace an earlier instance recorded and did not see to its end
         self.carried_until = 0.0
@@ -218,11 +217,13 @@ class StartupDecision:
             self.reason = reason
 
     def restored(self, why: str) -> float:
-        """The journal is behind what clients were told: without a lease marker, any
-        lease this server grants may still run."""
-        if not self.marker_found:
-            self.extend(self.clock() + self.max_lease, f"journal behind what clients were told ({why})")
-        elif not self.reason:
+        """The journal is behind what clients were told: any lease of the lost history
+        may still run, for ``max_lease`` from now at most, whatever a lease marker found
+        says (it may be as old as the journal: restored with it, a copy of the whole
+        directory's files, and then it knows nothing of the leases the lost history
+        granted); longer when the marker says so."""
+        self.extend(self.clock() + self.max_lease, f"journal behind what clients were told ({why})")
+        if not self.reason:
             self.reason = f"journal behind what clients were told ({why})"
         return self.grace_until
 
@@ -295,7 +296,6 @@ def decide_startup(
     marker = LeaseMarker(st.data_dir, st.max_session_lease_seconds, wall, clock)
     previous = marker.previous_leases_remaining()
     decision.marker = marker
-    decision.marker_found = previous is not None
     if previous is not None and previous > 0:
         decision.extend(clock() + previous, "leases of the previous instance (lease marker)")
     if lost:  # at least a full lease; the reason names the loss, whichever bound is later

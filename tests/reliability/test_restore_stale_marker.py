@@ -1,0 +1,86 @@
+"""A journal found behind what was committed at start, with a lease marker (leases.json)
+restored from the same older copy (real server process, SIGKILL, real files)."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from durable_server import DurableServer, small_pool
+from kvcoord.client import NO_RETRY, KVCoordClient
+from kvcoord.client.errors import GracePeriodError
+from kvcoord.v1 import allocator_pb2 as pb
+
+
+def _alloc(c: KVCoordClient, session: Any, rid: str, num_tokens: int) -> list[int]:
+    sync = pb.RequestSync(
+        request_id=rid, append_token_ids=list(range(num_tokens)), new_request=True,
+        append_block_hashes=[f"{rid}-{i}".encode().ljust(32, b".") for i in range(num_tokens // 4)],
+    )  # fmt: skip
+    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=num_tokens))
+    result = c.step("p", [op], session.session_id, session.fence).results[0]
+    assert result.status_code == 0, result
+    return list(result.allocate.new_block_ids[0].block_ids)
+
+
+def test_a_restore_found_at_start_waits_a_full_lease_whatever_a_restored_lease_marker_says(
+    tmp_path: Path,
+) -> None:
+    """The journal and leases.json are copied together (a backup of the data directory's
+    files, or a `cp` of a live one that reached journal.progress later); worker a keeps
+    renewing and allocating long past the bound that copy of the marker names; the
+    server is SIGKILLed and the copies put back while journal.progress stays current.
+    The start finds the journal behind and fences it, and hands out no block for a full
+    ``max_session_lease_seconds``: the marker it finds is as old as the journal, so it
+    says nothing of the leases the lost history granted. (Before, a marker found was
+    believed: its bound long past, the restore started with no grace at all, and a new
+    worker attached at once and was handed a2's blocks, which worker a still held.)"""
+    lease = 2.0
+    server = DurableServer(tmp_path, small_pool(9))
+    server.config.write_text(
+        server.config.read_text().replace(
+            "snapshot_every = 2000\n",
+            f"snapshot_every = 2000\nmax_session_lease_seconds = {lease}\nsession_lease_seconds = {lease}\n"
+            f"idempotency_window_seconds = {4 * lease}\n",
+        )
+    )
+    data = server.data_dir
+    old = tmp_path / "old"
+    old.mkdir()
+    server.start()
+    try:
+        with KVCoordClient(server.address) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+            _alloc(c, a, "a1", 8)
+            for name in ("journal.sqlite", "journal.sqlite-wal", "leases.json"):  # the server is idle
+                shutil.copy(data / name, old / name)
+            until = time.monotonic() + 3 * lease  # past the copied marker's bound (2 leases ahead)
+            while time.monotonic() < until:
+                c.heartbeat(a.session_id, a.fence)
+                time.sleep(lease / 4)
+            told = _alloc(c, a, "a2", 8)
+            sent = time.monotonic()
+        server.kill()
+        (data / "journal.sqlite-shm").unlink(missing_ok=True)
+        for name in ("journal.sqlite", "journal.sqlite-wal", "leases.json"):
+            shutil.copy(old / name, data / name)
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises(GracePeriodError):
+                c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+            deadline = time.monotonic() + 10 * lease
+            while True:
+                try:
+                    b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+                    break
+                except GracePeriodError:
+                    assert time.monotonic() < deadline, "the grace never ended"
+                    time.sleep(0.05)
+            assert time.monotonic() >= sent + lease  # worker a stopped using its ids before this
+            assert set(_alloc(c, b, "b1", 32)) & set(told)  # a2's blocks, but only now
+        assert "journal behind what clients were told" in server.log()
+    finally:
+        server.stop()

@@ -35,6 +35,7 @@ class RoutingCalls(ServicerCore):
                 lambda pool: self.access.holds(tenant, Role.USE, pool),
                 limits.max_reservation_seconds,
                 limits.max_reservations_per_tenant,
+                lambda pool: self.registry.placement.check(pool, True),
             )
             if request.idempotency_key:
                 digest, kept = self.mutations.kept_unjournaled(

@@ -37,12 +37,16 @@ class Reserve:
         may_use: whether the caller holds the use role on a pool.
         max_seconds: the longest time to live allowed.
         max_per_tenant: live reservations a tenant may hold over every pool.
+        may_change: raises when the pool may not be changed here now, as for any
+            mutating call of it (a cluster's placement check: a pool being handed
+            over, whose state was sent to its next owner, is OWNER_CHANGING).
     """
 
     seconds: float
     may_use: Callable[[str], bool]
     max_seconds: float
     max_per_tenant: int
+    may_change: Callable[[str], None] = lambda _pool: None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -186,6 +190,10 @@ def _reserve(
             f"the caller's tenant already holds {held} live reservations (max_reservations_per_tenant "
             f"{reserve.max_per_tenant}); let them be adopted or expire",
         )
+    # a reservation changes the pool (blocks held, a journal record): only where any
+    # mutating call of it would be applied (was: in a pool being handed over too, after
+    # its state was sent, so the next owner never had the reservation it answered)
+    reserve.may_change(best.pool)
     service = pools[best.pool]
     hashes = list(by_settings.get(service.score_settings, ()))
     reservation_id = secrets.token_hex(8)

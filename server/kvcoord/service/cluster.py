@@ -135,7 +135,7 @@ class Cluster(ClusterStore):
                 if self.streams is not None:
                     await self.recover(pool)
                 else:
-                    await self.claim(pool)
+                    await self.claim(pool, own_copy=True)  # not a copy handed over since
             except Exception as exc:  # noqa: BLE001 - a slow store: claimed at the next pass
                 # (the watch passes again at every change and every lease; was: raised
                 # on, and at start the replica exited 1 while the store was slow)

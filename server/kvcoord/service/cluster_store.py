@@ -18,6 +18,8 @@ etcd already has exactly what a sharded allocator needs, so none of it is ours:
 ``/kvcoord/<cluster>/pools/<pool>`` (no lease) is the catalog of pools that exist in
 the cluster: a pool listed there whose claim is gone (its owner died) is UNAVAILABLE,
 never NOT_FOUND, and never silently created again empty elsewhere.
+``/kvcoord/<cluster>/last/<pool>`` (no lease) names the replica that claimed the pool
+last: a replica claims its own journal's copy again only if it is that one.
 
 **Deleting a pool nobody serves** (its owner is gone): with the journal in the store
 the replica placement names deletes it there (catalog and journal, only while nobody
@@ -325,19 +327,39 @@ class ClusterStore:
             for fn in self.on_change:
                 fn()
 
-    async def claim(self, pool: str) -> Claim | None:
+    async def claim(self, pool: str, own_copy: bool = False) -> Claim | None:
         """Create ``pool``'s claim under this replica's lease if nobody holds it, and
-        list the pool in the catalog. Returns the claim (None: another replica holds it)."""
-        key = self.key("owners", pool)
+        list the pool in the catalog. Returns the claim (None: another replica holds it).
+
+        ``own_copy``: for the copy this replica holds (its local journal's), made only
+        if no other replica claimed the pool last (its ``last`` key): a copy handed over
+        before this replica was killed (not removed yet) lacks what the new owner
+        acknowledged since, so the pool waits for that one (None, logged), whose claim
+        then sends the copy here away (:meth:`Cluster.claim_local`)."""
+        key, last = self.key("owners", pool), self.key("last", pool)
         tx = self.client.transactions
+        me = self.me.replica_id.encode()
+        success = [
+            tx.put(key, encode_claim(self.me.replica_id, self.me.address), lease=self.lease.id),
+            tx.put(self.key("pools", pool), b""),
+            tx.put(last, me),
+        ]
+        compare = [tx.version(key) == 0]
         ok, responses = await self.client.transaction(
-            compare=[tx.version(key) == 0],
-            success=[
-                tx.put(key, encode_claim(self.me.replica_id, self.me.address), lease=self.lease.id),
-                tx.put(self.key("pools", pool), b""),
-            ],
-            failure=[tx.get(key)],
+            compare=[*compare, tx.version(last) == 0] if own_copy else compare,
+            success=success,
+            failure=[tx.get(key), tx.get(last)],
         )
+        if not ok and own_copy and not responses[0] and responses[1]:
+            holder = responses[1][0][0]
+            if holder != me:  # (this replica stopped before it removed its copy of a handover)
+                who = holder.decode(errors="replace")[:200]
+                logger.error("pool %s: the copy here is not claimed: replica %s claimed the pool after this one "
+                             "(the copy lacks what it acknowledged since): the pool waits for it", pool, who)  # fmt: skip
+                return None
+            ok, responses = await self.client.transaction(  # this replica held it last: its copy
+                compare=[*compare, tx.value(last) == me], success=success, failure=[tx.get(key)]
+            )
         if ok:
             claim = Claim(
                 pool, self.me.replica_id, self.me.address, responses[0].response_put.header.revision
@@ -365,7 +387,7 @@ class ClusterStore:
         owner's now)."""
         tx = self.client.transactions
         key = self.key("owners", pool)
-        success = [tx.delete(key), tx.delete(self.key("pools", pool))]
+        success = [tx.delete(key), tx.delete(self.key("pools", pool)), tx.delete(self.key("last", pool))]
         if self.streams is not None:
             success.append(tx.delete(*prefix_range(self.streams.pool_prefix(pool))))
         ok, responses = await self.client.transaction(
@@ -394,6 +416,7 @@ class ClusterStore:
             compare=[tx.version(key) == 0, tx.version(self.key("pools", pool)) > 0],
             success=[
                 tx.delete(self.key("pools", pool)),
+                tx.delete(self.key("last", pool)),
                 tx.delete(*prefix_range(self.streams.pool_prefix(pool))),
             ],
             failure=[],
@@ -445,7 +468,10 @@ class ClusterStore:
         tx = self.client.transactions
         ok, responses = await self.client.transaction(
             compare=[tx.mod(key) == claim_revision],
-            success=[tx.put(key, encode_claim(self.me.replica_id, self.me.address), lease=self.lease.id)],
+            success=[
+                tx.put(key, encode_claim(self.me.replica_id, self.me.address), lease=self.lease.id),
+                tx.put(self.key("last", pool), self.me.replica_id.encode()),
+            ],
             failure=[],
         )
         if not ok:

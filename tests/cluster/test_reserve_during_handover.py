@@ -17,6 +17,7 @@ anything, while a file exists."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import durable_server
@@ -76,7 +77,9 @@ def test_a_reservation_is_not_made_in_a_pool_being_handed_over(
     """a holds the pool (r1 cached: a hit of 8 tokens); b joins and a hands the pool
     over; b's AdoptPool waits. A reserving ScorePools at a then must be refused
     (OWNER_CHANGING), not answered with a reservation b never gets; once b serves the
-    pool, r1 is there and a new request is given none of r1's blocks."""
+    pool, r1 is there, the reservation made before the handover is held there for the
+    rest of its time (was: released by b's reaper at once, its lease not sent), and a
+    new request is given none of r1's blocks."""
     cluster = request.node.name.replace("[", "-").rstrip("]")
     pool = placed("reserving", "b", ["a", "b"])  # placement moves it to b once b joins
     durable_server.with_sitecustomize(tmp_path, HOOK, monkeypatch)
@@ -99,6 +102,9 @@ def test_a_reservation_is_not_made_in_a_pool_being_handed_over(
         hold.unlink()
 
         assert _until(lambda: _served([b.address], pool), 30, "b serves the pool") == acknowledged
+        time.sleep(2.5)  # (b's reaper of reservations runs every second)
+        with KVCoordClient(b.address, timeout=5.0) as c:  # the one made before: held for its time
+            assert c.get_stats(pool).reservations.live == 1, c.get_stats(pool).reservations
         with KVCoordClient([a.address, b.address], timeout=5.0) as c:
             r2 = c.allocate(pool, allocate("r2", list(range(300, 308)), 8).allocate, s.session_id, s.fence)
         assert not set(r2.result.new_block_ids[0].block_ids) & set(acknowledged["r1"])

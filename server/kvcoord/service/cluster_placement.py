@@ -35,7 +35,7 @@ class ClusterPlacement(Placement):
     async def adopt(self, pool: str, state: bytes, from_replica: str, claim_revision: int) -> int:
         """The new owner's side of a handover: load, journal, wait until durable, swap
         the claim, serve. Nothing is kept when the swap fails."""
-        from .registry_state import adopt_pool
+        from .registry_state import adopt_leases, adopt_pool
 
         cluster, registry = self.cluster, self.registry
         if not cluster.view.may_adopt(pool, from_replica):
@@ -53,6 +53,7 @@ class ClusterPlacement(Placement):
             try:
                 value = cbor2.loads(state)
                 service = adopt_pool(registry, value)
+                adopt_leases(service, value)  # (a replay of the journal's adopt record does not)
             except (ValueError, KeyError, TypeError, cbor2.CBORDecodeError) as exc:
                 raise ServiceError(
                     Status.INVALID,

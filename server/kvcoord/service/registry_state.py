@@ -16,6 +16,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .mutation_bodies import take_events_budget
 from .pool_service import Limits, PoolService
+from .pool_types import ReservationLease
 from .registry import PoolRegistry
 from .sessions import Session, attach_tail
 
@@ -163,17 +164,28 @@ def _held(value: Any) -> dict[str, list[Any]]:
     return held
 
 
-def dump_pool(registry: PoolRegistry, name: str) -> dict[str, Any]:
+def dump_pool(registry: PoolRegistry, name: str, leases: bool = False) -> dict[str, Any]:
     """Everything of one pool that moves with it to another replica (a handover,
     cluster.py): its engine state and events, its sessions with their cursors, the
     kept answers of those sessions (idempotency), and the instances whose fences stay
     valid for it (this one and its lineage); its pool value carries the records of
     earlier instances it holds (``held``: it was rebuilt from the cluster store, on this
-    replica or another; positions.py, JournalPositions.brought)."""
+    replica or another; positions.py, JournalPositions.brought).
+
+    ``leases`` (a handover's value, not a base in the cluster store): also the live
+    reservations' holders and the seconds each has left (:func:`adopt_leases`)."""
     service = registry.pools[name]
     sessions = registry.sessions.of_pool(name)
     ids = {s.session_id for s in sessions}
+    extra: dict[str, Any] = {}
+    if leases:
+        now = service.sessions.clock()
+        extra["leases"] = [
+            [rid, lease.tenant, max(0.0, lease.deadline - now)]
+            for rid, lease in service.reserving.leases.items()
+        ]
     return {
+        **extra,
         "format": SNAPSHOT_FORMAT,
         "state_version": STATE_VERSION,
         "pool": pool_value(service),
@@ -207,6 +219,25 @@ def adopt_pool(registry: PoolRegistry, value: dict[str, Any]) -> PoolService:
     for s in registry.sessions.of_pool(name):
         s.expires_at = registry.sessions.clock() + s.lease_seconds
     return service
+
+
+def adopt_leases(service: PoolService, value: dict[str, Any]) -> None:
+    """The reservations of a pool handed over (:func:`dump_pool` with ``leases``) held
+    here for the time each had left (at most max_reservation_seconds; was: none, and
+    the reaper released every one at once). Not on a replay of the handover's journal
+    record: a restarted server releases the reservations it recovered.
+
+    Raises:
+        TypeError: not [reservation id, tenant, seconds] entries.
+    """
+    clock = service.sessions.clock
+    for entry in value.get("leases") or ():
+        rid, tenant, left = entry
+        if not isinstance(rid, str) or not isinstance(tenant, str) or type(left) not in (int, float):
+            raise TypeError(f"a handed-over reservation lease is [str, str, seconds], not {entry!r:.80}")
+        if rid in service.reservations.live and left > 0:
+            seconds = min(float(left), service.limits.max_reservation_seconds)
+            service.reserving.leases[rid] = ReservationLease(tenant, clock() + seconds)
 
 
 def journaled_limits(registry: PoolRegistry, limits: Limits) -> dict[str, int]:

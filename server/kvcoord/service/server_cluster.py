@@ -63,7 +63,9 @@ def cluster_of(
     cluster.leave_seconds = cfg.server.grace_seconds
 
     async def export(pool: str) -> bytes:  # the pool is moving: its state is the handover's
-        return await pool_encoded(registry.pools[pool], lambda: cbor2.dumps(dump_pool(registry, pool)))
+        return await pool_encoded(
+            registry.pools[pool], lambda: cbor2.dumps(dump_pool(registry, pool, leases=True))
+        )
 
     cluster.export_pool = export
     cluster.pool_free = registry.locks.wait

@@ -34,7 +34,8 @@ class ClusterPlacement(Placement):
 
     async def adopt(self, pool: str, state: bytes, from_replica: str, claim_revision: int) -> int:
         """The new owner's side of a handover: load, journal, wait until durable, swap
-        the claim, serve. Nothing is kept when the swap fails."""
+        the claim, serve. Nothing is kept when the swap fails. Refused, nothing touched,
+        when this replica holds the pool's claim (a late copy of an earlier call)."""
         from .registry_state import adopt_leases, adopt_pool
 
         cluster, registry = self.cluster, self.registry
@@ -43,6 +44,16 @@ class ClusterPlacement(Placement):
                 Status.PRECONDITION,
                 f"placement does not put pool {pool[:200]!r} on replica {cluster.me.replica_id!r} "
                 f"(without {from_replica!r}): not adopted",
+            )
+        held = cluster.view.claims.get(pool)
+        if held is not None and held.replica_id == cluster.me.replica_id:
+            # a late copy of an earlier handover's call: the pool served here is the latest
+            # (was: replaced by the state sent, then removed when the swap failed; with
+            # local journals its only state, acknowledged allocations included, was gone)
+            raise ServiceError(
+                Status.PRECONDITION,
+                f"replica {cluster.me.replica_id!r} holds the claim of pool {pool[:200]!r} (term {held.term}), "
+                f"not {from_replica[:200]!r} at revision {claim_revision}: not adopted",
             )
         if cluster.stopping:
             raise ServiceError(Status.UNAVAILABLE, f"replica {cluster.me.replica_id!r} is leaving")

@@ -965,8 +965,11 @@ class ReplicasServicer:
         then replaces the caller's claim with its own in one compare-and-swap (the claim's
         revision must still be claim_revision) and serves the pool from then on. Needs
         full access (a token of server.auth_tokens). FAILED_PRECONDITION when the callee
-        is not where placement puts the pool or the claim changed meanwhile (nothing is
-        kept then); the caller then serves the pool again.
+        is not where placement puts the pool, holds the pool's claim itself (a late copy
+        of an earlier call: nothing is touched), or the claim changed meanwhile (nothing is
+        kept then); the caller then serves the pool again. With the state, the live
+        reservations' holders and the seconds each has left ("leases"): the callee holds
+        them that long.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -162,6 +162,35 @@ class DurableServer:
             self._log.close()
 
 
+def leased_server(tmp: Path, lease: float, num_blocks: int) -> DurableServer:
+    """A :class:`DurableServer` of one pool ``p`` whose sessions' leases are ``lease``
+    seconds (the longest a client may ask for too) and whose answers are kept 4 leases."""
+    server = DurableServer(tmp, small_pool(num_blocks))
+    server.config.write_text(
+        server.config.read_text().replace(
+            "snapshot_every = 2000\n",
+            f"snapshot_every = 2000\nmax_session_lease_seconds = {lease}\nsession_lease_seconds = {lease}\n"
+            f"idempotency_window_seconds = {4 * lease}\n",
+        )
+    )
+    return server
+
+
+def step_allocate(c: KVCoordClient, session: Any, rid: str, num_tokens: int) -> list[int]:
+    """Register ``rid`` with ``num_tokens`` tokens (a block hash per 4) in pool ``p`` and
+    allocate them in one Step: the new block ids (the Step must succeed)."""
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    sync = pb.RequestSync(
+        request_id=rid, append_token_ids=list(range(num_tokens)), new_request=True,
+        append_block_hashes=[f"{rid}-{i}".encode().ljust(32, b".") for i in range(num_tokens // 4)],
+    )  # fmt: skip
+    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=num_tokens))
+    result = c.step("p", [op], session.session_id, session.fence).results[0]
+    assert result.status_code == 0, result
+    return list(result.allocate.new_block_ids[0].block_ids)
+
+
 def _accepts(port: int) -> bool:
     """True when something takes TCP connections on ``port`` of the loopback."""
     with socket.socket() as probe:

@@ -13,33 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from durable_server import DurableServer, env, small_pool
+from durable_server import DurableServer, env, leased_server, step_allocate
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
 from kvcoord.v1 import allocator_pb2 as pb
-
-
-def _server(tmp: Path, lease: float, num_blocks: int = 9) -> DurableServer:
-    server = DurableServer(tmp, small_pool(num_blocks))
-    server.config.write_text(
-        server.config.read_text().replace(
-            "snapshot_every = 2000\n",
-            f"snapshot_every = 2000\nmax_session_lease_seconds = {lease}\nsession_lease_seconds = {lease}\n"
-            f"idempotency_window_seconds = {4 * lease}\n",
-        )
-    )
-    return server
-
-
-def _alloc(c: KVCoordClient, session: Any, rid: str, num_tokens: int) -> list[int]:
-    sync = pb.RequestSync(
-        request_id=rid, append_token_ids=list(range(num_tokens)), new_request=True,
-        append_block_hashes=[f"{rid}-{i}".encode().ljust(32, b".") for i in range(num_tokens // 4)],
-    )  # fmt: skip
-    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=num_tokens))
-    result = c.step("p", [op], session.session_id, session.fence).results[0]
-    assert result.status_code == 0, result
-    return list(result.allocate.new_block_ids[0].block_ids)
 
 
 def _serve(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -85,17 +62,17 @@ def test_a_grace_period_survives_sigkills_inside_it(tmp_path: Path) -> None:
     worker comes after the first worker's lease has certainly ended. (Before, the first
     restart recovered its own new journal "normally" and dropped the grace.)"""
     lease = 15.0
-    server = _server(tmp_path, lease)
+    server = leased_server(tmp_path, lease, num_blocks=9)
     journal = server.data_dir / "journal.sqlite"
     server.start()
     try:
         with KVCoordClient(server.address) as c:
             a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
-            _alloc(c, a, "a1", 8)
+            step_allocate(c, a, "a1", 8)
             for suffix in ("", "-wal"):  # an older copy of the journal (the server is idle)
                 shutil.copy(journal.with_name(journal.name + suffix), tmp_path / f"old{suffix}")
             sent = time.monotonic()
-            told = _alloc(c, a, "a2", 8)  # worker a holds these; the copy does not know
+            told = step_allocate(c, a, "a2", 8)  # worker a holds these; the copy does not know
         server.kill()
         (server.data_dir / "leases.json").unlink()  # lost with the volume: the worst case
         journal.with_name(journal.name + "-shm").unlink(missing_ok=True)
@@ -117,7 +94,7 @@ def test_a_grace_period_survives_sigkills_inside_it(tmp_path: Path) -> None:
         b, attached = _attach_after_grace(server.address, lease, "worker-b", 4 * lease)
         assert attached >= sent + lease  # worker a stopped using its ids before this
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
-            given = _alloc(c, b, "b1", 32)
+            given = step_allocate(c, b, "b1", 32)
             assert set(given) & set(told)  # a2's blocks went to b, but only now
     finally:
         server.stop()
@@ -133,13 +110,13 @@ def test_a_lost_journal_refuses_to_start_until_told_to_start_empty(tmp_path: Pat
     from kvcoord.service.main import EXIT_JOURNAL_LOST
 
     lease = 5.0
-    server = _server(tmp_path, lease)
+    server = leased_server(tmp_path, lease, num_blocks=9)
     journal = server.data_dir / "journal.sqlite"
     progress = server.data_dir / "journal.progress"
     server.start()
     with KVCoordClient(server.address) as c:
         a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
-        _alloc(c, a, "a1", 8)
+        step_allocate(c, a, "a1", 8)
     server.kill()
     evidence = progress.read_bytes()
     assert int(evidence.split()[1]) > 0
@@ -176,7 +153,7 @@ def test_an_unwritable_data_dir_refuses_to_start(tmp_path: Path) -> None:
     start with exit 3 naming the directory (not a journal-less run)."""
     from kvcoord.service.main import EXIT_CANNOT_START
 
-    server = _server(tmp_path, 5.0)
+    server = leased_server(tmp_path, 5.0, num_blocks=9)
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     server.config.write_text(server.config.read_text().replace(str(server.data_dir), str(blocker / "data")))
@@ -194,7 +171,7 @@ def test_a_lease_marker_that_cannot_be_written_is_unavailable_not_internal(tmp_p
     from kvcoord.service.main import EXIT_JOURNAL_FAILED
 
     lease = 5.0
-    server = _server(tmp_path, lease)
+    server = leased_server(tmp_path, lease, num_blocks=9)
     server.config.write_text(
         server.config.read_text().replace("[server]\n", '[server]\ndurability = "none"\n')
     )
@@ -303,26 +280,26 @@ def test_a_restored_volume_is_detected_by_the_first_worker_told_more(tmp_path: P
     (Before, the worker carried on, and a new worker attached at once and was given
     the blocks the first one held.)"""
     lease = 6.0
-    server = _server(tmp_path, lease, num_blocks=17)
+    server = leased_server(tmp_path, lease, num_blocks=17)
     server.start()
     copy = tmp_path / "volume-snapshot"
     try:
         with KVCoordClient(server.address) as c:
             a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
             b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
-            _alloc(c, a, "a1", 8)
-            _alloc(c, b, "b1", 8)
+            step_allocate(c, a, "a1", 8)
+            step_allocate(c, b, "b1", 8)
             subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
             step = c.step("p", [], a.session_id, a.fence)  # worker a keeps working: told more
             a.fence.CopyFrom(step.fence)
-            told = _alloc(c, a, "a2", 32)
+            told = step_allocate(c, a, "a2", 32)
             sent = time.monotonic()
         assert a.fence.position > 0
         _restore_volume(server, copy)
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises(FencedError):
-                _alloc(c, a, "a3", 4)
+                step_allocate(c, a, "a3", 4)
             with pytest.raises((SessionExpiredError, FencedError)):
                 c.heartbeat(b.session_id, b.fence)
             with pytest.raises(GracePeriodError):
@@ -335,7 +312,7 @@ def test_a_restored_volume_is_detected_by_the_first_worker_told_more(tmp_path: P
         cs, attached = _attach_after_grace(server.address, lease, "worker-c", 4 * lease)
         assert attached >= sent + lease
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
-            assert set(_alloc(c, cs, "c1", 64)) & set(told)  # a2's blocks, but only now
+            assert set(step_allocate(c, cs, "c1", 64)) & set(told)  # a2's blocks, but only now
     finally:
         server.stop()
 
@@ -347,7 +324,7 @@ def test_a_keyed_call_outlasts_a_server_restart_with_the_default_retry_policy(tm
     (Before, the default policy gave up after 8 attempts, about 4 s.)"""
     import threading
 
-    server = _server(tmp_path, 30.0, num_blocks=33)
+    server = leased_server(tmp_path, 30.0, num_blocks=33)
     server.start()
     try:
         with KVCoordClient(server.address) as c:  # the default RetryPolicy
@@ -356,7 +333,7 @@ def test_a_keyed_call_outlasts_a_server_restart_with_the_default_retry_policy(tm
             restarted = threading.Timer(3.0, server.start)
             restarted.start()
             try:
-                given = _alloc(c, a, "a1", 16)  # in flight during the whole restart
+                given = step_allocate(c, a, "a1", 16)  # in flight during the whole restart
             finally:
                 restarted.join()
             held = {
@@ -557,22 +534,22 @@ def test_a_volume_restored_with_the_flag_leaves_no_window(tmp_path: Path) -> Non
     across a SIGKILL too. (Before, a worker whose fence proves nothing kept allocating
     at once, from blocks the lost history had given to worker a.)"""
     lease = 6.0
-    server = _server(tmp_path, lease, num_blocks=17)
+    server = leased_server(tmp_path, lease, num_blocks=17)
     server.start()
     copy = tmp_path / "volume-snapshot"
     try:
         with KVCoordClient(server.address) as c:
             a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
             b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
-            _alloc(c, b, "b1", 8)
+            step_allocate(c, b, "b1", 8)
             subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
-            _alloc(c, a, "a1", 32)  # after the copy: the copy gives these blocks to nobody
+            step_allocate(c, a, "a1", 32)  # after the copy: the copy gives these blocks to nobody
         _restore_volume(server, copy)
         server.start(args=("--restored",))
         assert "the data directory was restored (--restored)" in server.log()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises((FencedError, SessionExpiredError)):
-                _alloc(c, b, "b2", 32)  # b's fence names the copy's history: it proves nothing
+                step_allocate(c, b, "b2", 32)  # b's fence names the copy's history: it proves nothing
             with pytest.raises(GracePeriodError):
                 c.attach("p", "sha256_cbor", 4, "0", "worker-c", lease_seconds=lease)
             inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)

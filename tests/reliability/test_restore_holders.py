@@ -15,24 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from durable_server import DurableServer, env, small_pool
+from durable_server import DurableServer, env, leased_server, small_pool
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
 from kvcoord.service.durability import decode_record
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
-
-
-def _server(tmp: Path, lease: float, num_blocks: int = 64) -> DurableServer:
-    server = DurableServer(tmp, small_pool(num_blocks))
-    server.config.write_text(
-        server.config.read_text().replace(
-            "snapshot_every = 2000\n",
-            f"snapshot_every = 2000\nmax_session_lease_seconds = {lease}\nsession_lease_seconds = {lease}\n"
-            f"idempotency_window_seconds = {4 * lease}\n",
-        )
-    )
-    return server
 
 
 def _hashes(rid: str, n: int) -> list[bytes]:
@@ -97,7 +85,7 @@ def test_a_restored_journal_holding_a_live_reservation_is_fenced_at_start(tmp_pa
     written, so the next start found the journal current and handed worker a's blocks to
     a new worker at once.)"""
     lease = 30.0
-    server = _server(tmp_path, lease)
+    server = leased_server(tmp_path, lease, num_blocks=64)
     server.start()
     try:
         a, _ = _backup_then_tell_more(server, tmp_path / "backup.sqlite", lease)
@@ -150,7 +138,7 @@ def test_a_start_failing_after_the_restore_is_journaled_keeps_the_grace(tmp_path
     once, and a new worker was given the blocks worker a, whose lease still ran, was
     told it holds.)"""
     lease = 30.0
-    server = _server(tmp_path, lease)
+    server = leased_server(tmp_path, lease, num_blocks=64)
     server.start()
     try:
         _, told = _backup_then_tell_more(server, tmp_path / "backup.sqlite", lease)
@@ -185,7 +173,7 @@ def test_a_restore_detected_while_a_reservation_is_live_empties_the_prefix_cache
     "journal failed" (UNAVAILABLE) though the server kept serving, and after the grace
     a new worker was given a prefix hit on blocks the lost history overwrote.)"""
     lease = 4.0
-    server = _server(tmp_path, lease)
+    server = leased_server(tmp_path, lease, num_blocks=64)
     copy = tmp_path / "copy"
     server.start()
     try:

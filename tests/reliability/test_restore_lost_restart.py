@@ -12,33 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from durable_server import DurableServer, small_pool
+from durable_server import DurableServer, leased_server, step_allocate
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import FencedError, GracePeriodError, SessionExpiredError
 from kvcoord.v1 import allocator_pb2 as pb
-
-
-def _server(tmp: Path, lease: float, num_blocks: int) -> DurableServer:
-    server = DurableServer(tmp, small_pool(num_blocks))
-    server.config.write_text(
-        server.config.read_text().replace(
-            "snapshot_every = 2000\n",
-            f"snapshot_every = 2000\nmax_session_lease_seconds = {lease}\nsession_lease_seconds = {lease}\n"
-            f"idempotency_window_seconds = {4 * lease}\n",
-        )
-    )
-    return server
-
-
-def _alloc(c: KVCoordClient, session: Any, rid: str, num_tokens: int) -> list[int]:
-    sync = pb.RequestSync(
-        request_id=rid, append_token_ids=list(range(num_tokens)), new_request=True,
-        append_block_hashes=[f"{rid}-{i}".encode().ljust(32, b".") for i in range(num_tokens // 4)],
-    )  # fmt: skip
-    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=num_tokens))
-    result = c.step("p", [op], session.session_id, session.fence).results[0]
-    assert result.status_code == 0, result
-    return list(result.allocate.new_block_ids[0].block_ids)
 
 
 def _attach_after_grace(address: str, lease: float, name: str, limit: float) -> Any:
@@ -71,15 +48,15 @@ def test_a_restored_volume_whose_lost_history_spans_a_restart_is_proven_by_its_w
     was ended, no prefix cache emptied and no grace applied, so a new worker attached at
     once and was handed the blocks worker a may still be writing.)"""
     lease = 6.0
-    server = _server(tmp_path, lease, num_blocks=17)
+    server = leased_server(tmp_path, lease, num_blocks=17)
     server.start()
     copy = tmp_path / "volume-snapshot"
     try:
         with KVCoordClient(server.address) as c:
             a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
             b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
-            _alloc(c, a, "a1", 8)
-            _alloc(c, b, "b1", 8)
+            step_allocate(c, a, "a1", 8)
+            step_allocate(c, b, "b1", 8)
             subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
         first = a.fence.instance_id
         server.kill()
@@ -87,14 +64,14 @@ def test_a_restored_volume_whose_lost_history_spans_a_restart_is_proven_by_its_w
         with KVCoordClient(server.address) as c:
             step = c.step("p", [], a.session_id, a.fence)
             a.fence.CopyFrom(step.fence)
-            told = _alloc(c, a, "a2", 32)
+            told = step_allocate(c, a, "a2", 32)
             sent = time.monotonic()
         assert a.fence.instance_id != first and a.fence.position > 0 and a.fence.position_tag
         _restore_volume(server, copy)
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises(FencedError):
-                _alloc(c, a, "a3", 4)
+                step_allocate(c, a, "a3", 4)
             with pytest.raises((SessionExpiredError, FencedError)):
                 c.heartbeat(b.session_id, b.fence)  # b's session (in the copy) ended with the proof
             with pytest.raises(GracePeriodError):
@@ -117,7 +94,7 @@ def test_a_restored_volume_whose_lost_history_spans_a_restart_is_proven_by_its_w
                     assert time.monotonic() < deadline, "the grace never ended"
                     time.sleep(0.05)
             assert time.monotonic() >= sent + lease  # worker a stopped using its ids before this
-            assert set(_alloc(c, cs, "c1", 64)) & set(told)  # a2's blocks, but only now
+            assert set(step_allocate(c, cs, "c1", 64)) & set(told)  # a2's blocks, but only now
     finally:
         server.stop()
 
@@ -130,24 +107,24 @@ def test_sessions_attached_after_a_proven_restore_keep_their_fence_across_a_rest
     (Before, the replay voided the instance that wrote the record too: every such
     worker was told INSTANCE_CHANGED after the restart and lost every request.)"""
     lease = 3.0
-    server = _server(tmp_path, lease, num_blocks=17)
+    server = leased_server(tmp_path, lease, num_blocks=17)
     server.start()
     copy = tmp_path / "volume-snapshot"
     try:
         with KVCoordClient(server.address) as c:
             a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
-            _alloc(c, a, "a1", 8)
+            step_allocate(c, a, "a1", 8)
             subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
             a.fence.CopyFrom(c.step("p", [], a.session_id, a.fence).fence)
-            _alloc(c, a, "a2", 8)
+            step_allocate(c, a, "a2", 8)
         _restore_volume(server, copy)
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises(FencedError):
-                _alloc(c, a, "a3", 4)  # the proof
+                step_allocate(c, a, "a3", 4)  # the proof
         d = _attach_after_grace(server.address, lease, "worker-d", 6 * lease)
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
-            held = _alloc(c, d, "d1", 8)
+            held = step_allocate(c, d, "d1", 8)
         server.kill()
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
@@ -165,7 +142,7 @@ def test_fences_of_instances_a_restore_already_voided_prove_nothing_again(tmp_pa
     and start no second fencing: a session attached after the grace is not ended by a
     late call carrying such a fence, across a restart too."""
     lease = 3.0
-    server = _server(tmp_path, lease, num_blocks=17)
+    server = leased_server(tmp_path, lease, num_blocks=17)
     server.start()
     copy = tmp_path / "volume-snapshot"
     try:
@@ -173,20 +150,20 @@ def test_fences_of_instances_a_restore_already_voided_prove_nothing_again(tmp_pa
             a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
             b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
             e = c.attach("p", "sha256_cbor", 4, "0", "worker-e", lease_seconds=lease)
-            _alloc(c, b, "b1", 8)
-            _alloc(c, e, "e1", 4)  # e is told nothing after the copy: its fence names instance 1
+            step_allocate(c, b, "b1", 8)
+            step_allocate(c, e, "e1", 4)  # e is told nothing after the copy: its fence names instance 1
             subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
         server.kill()
         server.start()
         with KVCoordClient(server.address) as c:
             for s in (a, b):
                 s.fence.CopyFrom(c.step("p", [], s.session_id, s.fence).fence)
-            _alloc(c, a, "a1", 8)
+            step_allocate(c, a, "a1", 8)
         _restore_volume(server, copy)
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises(FencedError):
-                _alloc(c, a, "a2", 4)  # the proof
+                step_allocate(c, a, "a2", 4)  # the proof
         deadline = time.monotonic() + 6 * lease
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             while True:
@@ -198,16 +175,16 @@ def test_fences_of_instances_a_restore_already_voided_prove_nothing_again(tmp_pa
                     time.sleep(0.05)
             for stale in (e, b, a):
                 with pytest.raises((FencedError, SessionExpiredError)):
-                    _alloc(c, stale, "x", 4)
-            _alloc(c, d, "d1", 8)  # d's session and its request were left alone
+                    step_allocate(c, stale, "x", 4)
+            step_allocate(c, d, "d1", 8)  # d's session and its request were left alone
         server.kill()
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             for stale in (e, b, a):
                 with pytest.raises((FencedError, SessionExpiredError)):
-                    _alloc(c, stale, "y", 4)
+                    step_allocate(c, stale, "y", 4)
             d.fence.CopyFrom(c.step("p", [], d.session_id, d.fence).fence)
-            _alloc(c, d, "d2", 4)
+            step_allocate(c, d, "d2", 4)
     finally:
         server.stop()
 
@@ -223,17 +200,17 @@ def test_a_renewal_of_a_session_the_copy_never_held_proves_the_restore(tmp_path:
     once with no proof ever made, and its prompt's hashes hit the copy's cache entries
     for blocks the lost history had written other KV into.)"""
     lease = 6.0
-    server = _server(tmp_path, lease, num_blocks=9)
+    server = leased_server(tmp_path, lease, num_blocks=9)
     server.start()
     copy = tmp_path / "volume-snapshot"
     try:
         with KVCoordClient(server.address) as c:
             b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
-            _alloc(c, b, "shared", 16)  # the copy caches these four hashes
+            step_allocate(c, b, "shared", 16)  # the copy caches these four hashes
             c.step("p", [pb.Operation(free=pb.FreeOp(request_id="shared"))], b.session_id, b.fence)
             subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
             w = c.attach("p", "sha256_cbor", 4, "0", "worker-w", lease_seconds=lease)
-            _alloc(c, w, "w1", 32)  # all 8 blocks: the lost history evicts "shared"'s cache
+            step_allocate(c, w, "w1", 32)  # all 8 blocks: the lost history evicts "shared"'s cache
             w.fence.CopyFrom(
                 c.step("p", [pb.Operation(free=pb.FreeOp(request_id="w1"))], w.session_id, w.fence).fence
             )

@@ -6,24 +6,11 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from durable_server import DurableServer, small_pool
+from durable_server import DurableServer, small_pool, step_allocate
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import GracePeriodError
-from kvcoord.v1 import allocator_pb2 as pb
-
-
-def _alloc(c: KVCoordClient, session: Any, rid: str, num_tokens: int) -> list[int]:
-    sync = pb.RequestSync(
-        request_id=rid, append_token_ids=list(range(num_tokens)), new_request=True,
-        append_block_hashes=[f"{rid}-{i}".encode().ljust(32, b".") for i in range(num_tokens // 4)],
-    )  # fmt: skip
-    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=num_tokens))
-    result = c.step("p", [op], session.session_id, session.fence).results[0]
-    assert result.status_code == 0, result
-    return list(result.allocate.new_block_ids[0].block_ids)
 
 
 def test_a_restore_found_at_start_waits_a_full_lease_whatever_a_restored_lease_marker_says(
@@ -54,14 +41,14 @@ def test_a_restore_found_at_start_waits_a_full_lease_whatever_a_restored_lease_m
     try:
         with KVCoordClient(server.address) as c:
             a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
-            _alloc(c, a, "a1", 8)
+            step_allocate(c, a, "a1", 8)
             for name in ("journal.sqlite", "journal.sqlite-wal", "leases.json"):  # the server is idle
                 shutil.copy(data / name, old / name)
             until = time.monotonic() + 3 * lease  # past the copied marker's bound (2 leases ahead)
             while time.monotonic() < until:
                 c.heartbeat(a.session_id, a.fence)
                 time.sleep(lease / 4)
-            told = _alloc(c, a, "a2", 8)
+            told = step_allocate(c, a, "a2", 8)
             sent = time.monotonic()
         server.kill()
         (data / "journal.sqlite-shm").unlink(missing_ok=True)
@@ -80,7 +67,7 @@ def test_a_restore_found_at_start_waits_a_full_lease_whatever_a_restored_lease_m
                     assert time.monotonic() < deadline, "the grace never ended"
                     time.sleep(0.05)
             assert time.monotonic() >= sent + lease  # worker a stopped using its ids before this
-            assert set(_alloc(c, b, "b1", 32)) & set(told)  # a2's blocks, but only now
+            assert set(step_allocate(c, b, "b1", 32)) & set(told)  # a2's blocks, but only now
         assert "journal behind what clients were told" in server.log()
     finally:
         server.stop()

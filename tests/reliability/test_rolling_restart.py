@@ -15,9 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from durable_server import DurableServer
+from durable_server import DurableServer, leased_server
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager, RequestsLostError
-from test_restarts import _server
 
 BS = 4
 
@@ -34,7 +33,7 @@ class Req:
 @contextlib.contextmanager
 def _worker(tmp: Path, lease: float) -> Iterator[tuple[DurableServer, RemoteKVCacheManager]]:
     """A journaled replica (sessions leased ``lease`` s) and a worker's manager on it."""
-    server = _server(tmp, lease, num_blocks=65)
+    server = leased_server(tmp, lease, num_blocks=65)
     # the default window (300 s): keyed calls are retried for 90 s, as in production
     short = f"idempotency_window_seconds = {4 * lease}\n"
     assert short in server.config.read_text()

@@ -73,6 +73,9 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         ("[server\n", "not valid TOML"),
         ("[bogus]\n", "unknown section"),
         ("[server]\nport = 1\n", "server: unknown key 'port'"),
+        ("[server]\njournal_stall_seconds = 0\n", "server.journal_stall_seconds must be a number > 0"),
+        ('[server]\njournal_stall_seconds = "5"\n', "server.journal_stall_seconds must be a number > 0"),
+        ("[server]\njournal_stall_seconds = inf\n", "server.journal_stall_seconds must be a number > 0"),
         ("[limits]\nmax_pools = 0\n", "limits.max_pools: must be a positive integer"),
         ("[[pools]]\nnum_blocks = 4\n", "pools\\[0\\].name: required"),
         (

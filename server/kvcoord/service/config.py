@@ -87,6 +87,9 @@ class ServerSettings:
     synchronous: str = "FULL"
     #: journal records between snapshots (bounds recovery time)
     snapshot_every: int = 20_000
+    #: a journal commit outstanding this long (a hung disk or fsync) stops the server
+    #: as a failed write does (exit 4); keep it below every session lease
+    journal_stall_seconds: float = 10.0
     #: without journaled state: how long after start no session may attach
     startup_grace_seconds: float = 0.0
 
@@ -108,6 +111,9 @@ class ServerSettings:
             raise ConfigFileError(f"server.synchronous must be FULL, NORMAL or OFF, got {self.synchronous!r}")
         if self.snapshot_every <= 0:
             raise ConfigFileError("server.snapshot_every must be > 0")
+        stall = self.journal_stall_seconds
+        if isinstance(stall, bool) or not isinstance(stall, int | float) or not 0 < stall < float("inf"):
+            raise ConfigFileError(f"server.journal_stall_seconds must be a number > 0, got {stall!r}")
         if self.max_message_bytes <= 0:
             raise ConfigFileError("server.max_message_bytes must be > 0")
         if self.log_format not in ("text", "json"):

@@ -13,10 +13,11 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from .journal import JournalError, JournalStore, SnapshotChunk
 
-__all__ = ["SNAPSHOT_CHUNK_BYTES", "Journal"]
+__all__ = ["SNAPSHOT_CHUNK_BYTES", "Journal", "JournalStalledError"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,11 @@ def _chunks(seq: int, fingerprint: str, path: Path) -> Iterator[SnapshotChunk]:
             body = after
 
 
+class JournalStalledError(JournalError):
+    """A commit did not return within the journal's bound (``stall_seconds``): a hung
+    disk or fsync. Handled as a failed write: nothing after it is acknowledged."""
+
+
 class Journal:
     """Group commit over a :class:`JournalStore` for handlers on one asyncio loop.
 
@@ -48,6 +54,8 @@ class Journal:
     waiter and every later flush (state in memory is then ahead of the disk: the
     server must be restarted, which recovers the committed prefix); :attr:`on_failure`
     tells the server, which stops serving and exits (``server.py``, ``main.py``).
+    A commit still outstanding after :attr:`stall_seconds` fails the same way
+    (:class:`JournalStalledError`); its writer thread is then left behind (:attr:`hung`).
     """
 
     def __init__(self, store: JournalStore, first_seq: int) -> None:
@@ -72,6 +80,12 @@ class Journal:
         self.on_commit_seconds: list[Callable[[float], None]] = []
         #: called on the loop once, when a write fails (the server must stop serving)
         self.on_failure: list[Callable[[BaseException], None]] = []
+        #: a commit outstanding longer than this fails the journal (None: waits forever;
+        #: the server sets [server] journal_stall_seconds)
+        self.stall_seconds: float | None = None
+        #: True once a commit did not return in time: the writer thread may never end, so
+        #: neither :meth:`close` nor the process's exit may wait for it (main.py)
+        self.hung = False
 
     def append(self, body: bytes) -> int:
         """Queue a record; returns its sequence number."""
@@ -146,25 +160,29 @@ class Journal:
             batch, self._pending = self._pending, []
             snapshot = self._snapshot
             t0 = time.perf_counter()
+            work = loop.run_in_executor(
+                self._executor, self._write, batch, None if snapshot is None else snapshot[0]
+            )
             try:
-                chunk = await loop.run_in_executor(
-                    self._executor, self._write, batch, None if snapshot is None else snapshot[0]
-                )
+                await asyncio.wait((work,), timeout=self.stall_seconds)
+                chunk = work.result() if work.done() else None
             except GeneratorExit:  # the coroutine closed (its loop gone): not a write failure
                 raise
             except BaseException as exc:  # disk full, I/O error: nothing after this is durable
                 logger.critical("journal write failed, no further mutation is acknowledged: %s", exc)
-                self.failed = exc
-                for failed in self.on_failure:  # first: health turns before any caller hears
-                    failed(exc)
-                err = JournalError(f"journal {self.store.path} failed: {exc}")
-                for _, w in self._waiters:
-                    if not w.done():
-                        w.set_exception(err)
-                self._waiters.clear()
-                if self._snapshot is not None and not self._snapshot[2].done():
-                    self._snapshot[2].set_exception(err)
-                self._snapshot = None
+                self._fail(exc)
+                return
+            if not work.done():  # the commit has not returned: a hung disk or fsync
+                self.hung = True
+                work.add_done_callback(_ignore)  # should it ever end, its outcome is moot
+                stalled = JournalStalledError(
+                    f"a journal commit has not returned after {self.stall_seconds:g} s "
+                    "(server.journal_stall_seconds; a hung disk or fsync?)"
+                )
+                logger.error(
+                    "journal %s stalled, no further mutation is acknowledged: %s", self.store.path, stalled
+                )
+                self._fail(stalled)
                 return
             if snapshot is not None and isinstance(chunk, OSError):
                 self._snapshot = None
@@ -193,14 +211,37 @@ class Journal:
                 for timed in self.on_commit_seconds:
                     timed(took)
 
+    def _fail(self, exc: BaseException) -> None:
+        """The journal failed: tell the server, then every waiter (nothing more commits)."""
+        self.failed = exc
+        for failed in self.on_failure:  # first: health turns before any caller hears
+            failed(exc)
+        err = JournalError(f"journal {self.store.path} failed: {exc}")
+        for _, w in self._waiters:
+            if not w.done():
+                w.set_exception(err)
+        self._waiters.clear()
+        if self._snapshot is not None and not self._snapshot[2].done():
+            self._snapshot[2].set_exception(err)
+        self._snapshot = None
+
     async def close(self) -> None:
-        """Commit what is pending, then close the file."""
+        """Commit what is pending, then close the file (after a stalled commit: neither,
+        the file is still in the hung writer thread's hands)."""
         if self._task is not None:
             try:
                 await self._task
             except BaseException:  # pragma: no cover - already logged
                 pass
+        if self.hung:
+            self._executor.shutdown(wait=False)
+            return
         if self._pending and self.failed is None:
             await self.flush()
         self._executor.shutdown(wait=True)
         self.store.close()
+
+
+def _ignore(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()

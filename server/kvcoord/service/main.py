@@ -26,8 +26,9 @@ lifecycle = logging.getLogger(LIFECYCLE)
 #: at start (the message names the file).
 EXIT_CANNOT_START = 3
 #: Exit status after a journal or lease-marker write failed while serving (disk full,
-#: I/O error): the process stops so that its supervisor restarts it from the committed
-#: journal.
+#: I/O error), or a journal commit did not return within server.journal_stall_seconds
+#: (a hung disk): the process stops so that its supervisor restarts it from the
+#: committed journal.
 EXIT_JOURNAL_FAILED = 4
 #: Exit status when the journal is missing or empty while journal.progress names
 #: committed records: restore the data directory, or start once with --start-empty.
@@ -133,12 +134,23 @@ async def run(cfg: ServerConfig, start_empty: bool = False, restored: bool = Fal
             EXIT_JOURNAL_FAILED,
             extra=ids(exit=EXIT_JOURNAL_FAILED),
         )
+        if journal is not None and journal.hung:
+            _exit_now(EXIT_JOURNAL_FAILED)
         return EXIT_JOURNAL_FAILED
     logger.info("shutting down (grace %.1fs)", cfg.server.grace_seconds)
     await running.stop()
     metrics.stop_http()
     lifecycle.info("kvcoord stopped")
     return 0
+
+
+def _exit_now(status: int) -> None:  # pragma: no cover - ends the process
+    """End the process at once: a journal commit never returned, and a normal exit would
+    wait for its writer thread (concurrent.futures joins it) for ever."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _supervise(cfg: ServerConfig, args: argparse.Namespace) -> int:

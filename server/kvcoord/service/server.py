@@ -129,6 +129,13 @@ class RunningServer:
         waits for the write)."""
         if self.data_dir_lock is None:
             return
+        recorder = self.servicer.registry.recorder
+        if isinstance(recorder, JournalRecorder) and recorder.journal.hung:
+            # a commit that may still land: no other server may open the journal meanwhile
+            logger.error(
+                "a journal commit never returned: the data directory stays locked until this process ends"
+            )
+            return
         marker = self.startup.marker if self.startup is not None else None
         if marker is not None and not await asyncio.to_thread(marker.close, MARKER_JOIN_SECONDS):
             logger.error(
@@ -454,6 +461,7 @@ async def _start(
     )
     if isinstance(registry.recorder, JournalRecorder):
         registry.recorder.journal.on_failure.append(running.on_journal_failure)
+        registry.recorder.journal.stall_seconds = cfg.server.journal_stall_seconds
     if cfg.kv_events:
         running.publishers = Publishers(
             cfg.kv_events,

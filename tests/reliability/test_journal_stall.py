@@ -1,0 +1,106 @@
+"""A journal commit that never returns (a hung disk or fsync) stops the server as a
+failed write does: health NOT_SERVING, the calls waiting on it and every later
+mutation UNAVAILABLE, exit status 4 for a supervisor to restart it; restarted, it holds
+every acknowledged call. (Before, health stayed SERVING and every mutating call waited
+on durability for ever: a stall past every lease, and nothing restarted the server.)"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import durable_server
+import grpc
+import pytest
+from durable_server import DurableServer, small_pool
+from kvcoord.client import KVCoordClient, KVCoordError
+from kvcoord.v1 import allocator_pb2 as pb
+
+#: the server process's ``sitecustomize``: once FLAG exists, every journal write blocks
+#: for good (the writer thread never returns, as on a hung disk)
+_HANG_COMMITS = """
+import os
+import threading
+
+from kvcoord.service import journal
+
+_real = journal.JournalStore.write
+
+
+def _write(self, records, chunk=None):
+    if os.path.exists({flag!r}):
+        threading.Event().wait()
+    return _real(self, records, chunk)
+
+
+journal.JournalStore.write = _write
+"""
+
+
+def _step(session: Any, i: int) -> pb.StepRequest:
+    rid = f"r{i}"
+    sync = pb.RequestSync(
+        request_id=rid, append_token_ids=[1, 2, 3, 4], new_request=True,
+        append_block_hashes=[rid.encode().ljust(32, b".")],
+    )  # fmt: skip
+    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=4))
+    return pb.StepRequest(
+        pool="p", session_id=session.session_id, fence=session.fence, ops=[op], idempotency_key=f"k{i}"
+    )
+
+
+def test_a_hung_journal_commit_stops_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvcoord.service.main import EXIT_JOURNAL_FAILED
+
+    flag = tmp_path / "hang"
+    durable_server.with_sitecustomize(tmp_path, _HANG_COMMITS.format(flag=str(flag)), monkeypatch)
+    server = DurableServer(tmp_path, small_pool(64))
+    server.config.write_text(
+        server.config.read_text().replace(
+            "snapshot_every = 2000\n", "snapshot_every = 2000\njournal_stall_seconds = 1.0\n"
+        )
+    )
+    server.start()
+    codes: dict[int, grpc.StatusCode] = {}
+    try:
+        with KVCoordClient(server.address, timeout=30.0) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker", lease_seconds=60)
+            acked = list(c.stub.Step(_step(a, 0), timeout=30).results[0].allocate.new_block_ids[0].block_ids)
+            flag.touch()
+
+            def call(i: int) -> None:
+                try:
+                    c.stub.Step(_step(a, i), timeout=30)
+                    codes[i] = grpc.StatusCode.OK
+                except grpc.RpcError as exc:
+                    codes[i] = exc.code()
+
+            waiting = [threading.Thread(target=call, args=(i,)) for i in (1, 2)]
+            for t in waiting:  # both wait on durability: the first commit hangs
+                t.start()
+            for t in waiting:
+                t.join(60)
+            assert codes == {1: grpc.StatusCode.UNAVAILABLE, 2: grpc.StatusCode.UNAVAILABLE}, codes
+            try:
+                health = c.health()
+            except KVCoordError:
+                health = "gone"
+            assert health != "SERVING"
+        assert server.proc is not None
+        assert server.proc.wait(60) == EXIT_JOURNAL_FAILED, server.log()
+    finally:
+        server.stop()
+    log = server.log()
+    assert "stalled" in log and "journal_stall_seconds" in log, log
+    flag.unlink()
+    server.start()
+    try:
+        with KVCoordClient(server.address) as c:
+            held = {
+                r.request_id: list(r.groups[0].block_ids)
+                for r in c.inspect_pool("p", all_requests=True).requests
+            }
+            assert held.get("r0") == acked
+    finally:
+        server.stop()

@@ -69,3 +69,24 @@ def test_a_commit_that_does_not_return_fails_every_waiter(tmp_path: Path) -> Non
         store.release.set()
 
     asyncio.run(go())
+
+
+def test_a_commit_that_returns_just_after_the_bound_is_no_stall(tmp_path: Path) -> None:
+    """A process paused past the bound (SIGSTOP, a paused VM) finds its timer due and its
+    writer's commit done together when it runs again: the commit that ends right after
+    the bound is taken, not called a stall (the writer is released here just after it)."""
+
+    async def go() -> None:
+        store = _HeldStore(tmp_path)
+        journal = Journal(store, 0)
+        journal.stall_seconds = 0.5
+        failures: list[BaseException] = []
+        journal.on_failure.append(failures.append)
+        store.hold.set()
+        journal.append(b"late")
+        asyncio.get_running_loop().call_later(0.55, store.release.set)
+        await asyncio.wait_for(journal.flush(), 30)
+        assert journal.committed == 1 and journal.failed is None and not journal.hung and not failures
+        await journal.close()
+
+    asyncio.run(go())

@@ -165,6 +165,10 @@ class Journal:
             )
             try:
                 await asyncio.wait((work,), timeout=self.stall_seconds)
+                if not work.done() and self.stall_seconds is not None:
+                    # once more, briefly: a process paused past the bound (SIGSTOP, a VM
+                    # paused) has its timer and its writer end together when it runs again
+                    await asyncio.wait((work,), timeout=min(1.0, self.stall_seconds))
                 chunk = work.result() if work.done() else None
             except GeneratorExit:  # the coroutine closed (its loop gone): not a write failure
                 raise

@@ -228,3 +228,62 @@ def test_a_renewal_of_a_session_the_copy_never_held_proves_the_restore(tmp_path:
             assert not inspected.requests and not inspected.cached_block_ids
     finally:
         server.stop()
+
+
+def test_a_late_fence_of_a_second_lost_instance_does_not_fence_a_proven_restore_again(tmp_path: Path) -> None:
+    """The lost history spans two restarts after the copy (instances 2 and 3, neither
+    in the copy). Worker a (answered by instance 3) proves the restore; worker e was
+    last answered by instance 2 and is silent until after the grace (a paused VM, a
+    partition). The restore is already fenced: every session of the copy ended, every
+    prefix cache emptied, the grace served. Worker e's late call must be refused
+    INSTANCE_CHANGED and leave worker d, attached after the grace, alone: fencing
+    again ends every session of every tenant for a restore already dealt with (and
+    again for each lost instance, at any time later)."""
+    lease = 3.0
+    server = leased_server(tmp_path, lease, num_blocks=17)
+    server.start()
+    copy = tmp_path / "volume-snapshot"
+    try:
+        with KVCoordClient(server.address) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+            e = c.attach("p", "sha256_cbor", 4, "0", "worker-e", lease_seconds=lease)
+            step_allocate(c, e, "e1", 4)
+            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+        server.kill()
+        server.start()  # instance 2: e is answered here, then goes silent
+        with KVCoordClient(server.address) as c:
+            for s in (a, e):
+                s.fence.CopyFrom(c.step("p", [], s.session_id, s.fence).fence)
+            step_allocate(c, e, "e2", 4)
+        second = e.fence.instance_id
+        server.kill()
+        server.start()  # instance 3: a is answered here
+        with KVCoordClient(server.address) as c:
+            a.fence.CopyFrom(c.step("p", [], a.session_id, a.fence).fence)
+            step_allocate(c, a, "a1", 8)
+        assert a.fence.instance_id != second and e.fence.position and e.fence.position_tag
+        _restore_volume(server, copy)
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises(FencedError):
+                step_allocate(c, a, "a2", 4)  # the proof
+        d = _attach_after_grace(server.address, lease, "worker-d", 6 * lease)
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            held = step_allocate(c, d, "d1", 8)
+            with pytest.raises((FencedError, SessionExpiredError)):
+                step_allocate(c, e, "e3", 4)  # worker e comes back
+            d.fence.CopyFrom(c.step("p", [], d.session_id, d.fence).fence)  # d's session was left alone
+            inspected = c.inspect_pool("p", all_requests=True)
+            assert [list(r.groups[0].block_ids) for r in inspected.requests if r.request_id == "d1"] == [held]
+        assert server.log().count("the data directory was restored from an older copy") == 1
+        for name in ("d2", "d3"):  # instances started after the proof tag under its generation's key
+            server.kill()
+            server.start()  # (and replay their answers under it as their clients were told)
+            with KVCoordClient(server.address, retry=NO_RETRY) as c:
+                d.fence.CopyFrom(c.step("p", [], d.session_id, d.fence).fence)
+                step_allocate(c, d, name, 4)
+            with KVCoordClient(server.address, retry=NO_RETRY) as c:
+                with pytest.raises((FencedError, SessionExpiredError)):
+                    step_allocate(c, e, "e4", 4)
+    finally:
+        server.stop()

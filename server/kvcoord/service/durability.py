@@ -40,7 +40,8 @@ replay gave the client the same answer. Records are CBOR lists ``[kind, wall_tim
               (answers' fences carry it)
 ``restored``  the instances voided (a list of instance ids: those the journal named,
               and the one whose fence proved the restore; absent in older
-              journals): the journal was found behind what clients were told: fences of
+              journals), and the generation it begins (instances started after it tag
+              under that generation's key; absent in older journals): the journal was found behind what clients were told: fences of
               every earlier instance are void from here on, and none of those
               instances' fences proves a restore again (positions.py; every
               session's ``expire``, every reservation's ``unreserve`` and every
@@ -148,8 +149,9 @@ class Recorder:
     def prefix_cache_reset(self, service: PoolService) -> None:
         pass
 
-    def restored(self, settled: Sequence[str] = ()) -> None:
-        """``settled``: the instances whose fences prove nothing from here on (positions.py)."""
+    def restored(self, settled: Sequence[str] = (), generation: int = 0) -> None:
+        """``settled``: the instances whose fences prove nothing from here on; ``generation``:
+        the one it begins (positions.py)."""
 
     def adopted(
         self, value: dict[str, Any], service: PoolService, ends: dict[str, int] | None = None
@@ -445,8 +447,8 @@ class JournalRecorder(Recorder):
     def prefix_cache_reset(self, service: PoolService) -> None:
         self._append("reset", service.name, service=service)
 
-    def restored(self, settled: Sequence[str] = ()) -> None:
-        self._append("restored", list(settled))
+    def restored(self, settled: Sequence[str] = (), generation: int = 0) -> None:
+        self._append("restored", list(settled), generation)
 
     def adopted(
         self, value: dict[str, Any], service: PoolService, ends: dict[str, int] | None = None

@@ -30,6 +30,19 @@ named then, and the one whose fence proved it; journaled with the ``restored`` r
 carried by snapshots) are only INSTANCE_CHANGED from then on, so the other workers of
 the same lost history start no second fencing.
 
+**Generations.** The lost history may hold more instances the copy never heard of
+than the one that proved it (two restarts after the copy): their workers may call
+long after the fencing and its grace (a paused VM, a partition), and nothing names
+them. So every proven restore begins a *generation* (its ``restored`` record names
+it), and an instance tags under the key of the generation it started in (derived
+from the journal's key; generation 0 is the key itself). An unknown instance proves
+a restore only when its tag verifies under this journal's generation or a later one
+(up to :data:`GENERATIONS_AHEAD`: a copy older than restores proven since): a lost
+instance of a restore proven already started in an earlier generation and is only
+INSTANCE_CHANGED, while one of a new restore started from a copy that holds every
+``restored`` record it has. An instance serving when a restore is proven keeps its
+generation (its own positions are checked as ever).
+
 **Only positions this journal issued prove anything.** A position is a number any
 caller can write: taken on trust, one made-up ``Fence.position`` of an earlier instance
 (any tenant's, with no session even) ended every session of every tenant and froze
@@ -78,6 +91,9 @@ __all__ = ["TAG_BYTES", "JournalPositions"]
 
 #: bytes of a position's tag (HMAC-SHA256 cut to 128 bits)
 TAG_BYTES = 16
+#: generations past this journal's own an unknown instance's tag is tried under (a copy
+#: older than restores proven later: positions.py, "Generations")
+GENERATIONS_AHEAD = 8
 
 
 class JournalPositions:
@@ -96,20 +112,49 @@ class JournalPositions:
         #: instances a restore voided (their fences prove nothing any more, see
         #: :meth:`check_unknown`)
         self.settled: set[str] = set()
+        #: restores proven in this journal's history (``restored`` records that name it)
+        self.generation = 0
+        #: instance id -> the generation it started in (absent: 0): it tags under that
+        #: generation's key (:meth:`key_of`)
+        self.generations: dict[str, int] = {}
 
-    def tag(self, instance_id: str, position: int) -> bytes:
+    def key_of(self, instance_id: str) -> bytes | None:
+        """The key ``instance_id`` tags its positions under (a cluster store's stream
+        carries its writer's: store_rebuild.py)."""
+        return self._key(self.generations.get(instance_id, 0))
+
+    def _key(self, generation: int) -> bytes | None:
+        if self.key is None or not generation:
+            return self.key
+        return hmac.digest(
+            self.key, b"kvcoord restore generation\0" + generation.to_bytes(8, "big"), "sha256"
+        )
+
+    def tag(self, instance_id: str, position: int, generation: int | None = None) -> bytes:
         """What proves that this journal told ``position`` of ``instance_id`` (b"":
-        no key, or no position)."""
-        if self.key is None or not position:
+        no key, or no position), under the key of the generation it started in (or
+        ``generation``'s)."""
+        key = self.key_of(instance_id) if generation is None else self._key(generation)
+        if key is None or not position:
             return b""
         message = instance_id.encode() + b"\0" + position.to_bytes(8, "big")
-        return hmac.digest(self.key, message, "sha256")[:TAG_BYTES]
+        return hmac.digest(key, message, "sha256")[:TAG_BYTES]
 
     def started(self, instance_id: str, seq: int) -> None:
-        """Instance ``instance_id`` wrote its ``start`` record at ``seq``."""
+        """Instance ``instance_id`` wrote its ``start`` record at ``seq`` (in the
+        current generation)."""
         if self.latest is not None:
             self.ends[self.latest] = seq - 1
         self.latest = instance_id
+        if self.generation:
+            self.generations[instance_id] = self.generation
+
+    def next_generation(self) -> int:
+        """A restore is proven: instances started from now on tag under a new key
+        (the ``restored`` record names the generation it begins; an instance serving
+        now keeps its own)."""
+        self.generation += 1
+        return self.generation
 
     def ended(self, last_seq: int) -> None:
         """Recovery replayed the journal up to ``last_seq``: the latest instance ended there."""
@@ -184,7 +229,13 @@ class JournalPositions:
         self.void([*self.ends, *([self.latest] if self.latest is not None else [])])
 
     def export(self) -> dict[str, object]:
-        return {"ends": dict(self.ends), "latest": self.latest, "settled": sorted(self.settled)}
+        return {
+            "ends": dict(self.ends),
+            "latest": self.latest,
+            "settled": sorted(self.settled),
+            "generation": self.generation,
+            "generations": dict(self.generations),
+        }
 
     def restore(self, state: dict[str, object] | None) -> None:
         if state:
@@ -192,6 +243,8 @@ class JournalPositions:
             latest = state.get("latest")
             self.latest = str(latest) if latest else None
             self.settled.update(str(i) for i in state.get("settled") or ())  # type: ignore[attr-defined]
+            self.generation = int(state.get("generation") or 0)  # type: ignore[call-overload]
+            self.generations.update(state.get("generations") or {})  # type: ignore[call-overload]
 
     def check(self, fence: Fence) -> None:
         """Raise when ``fence`` proves this journal is behind what its holder was told.
@@ -241,7 +294,8 @@ class JournalPositions:
         """``fence`` names an instance the server does not know (the caller refuses it
         INSTANCE_CHANGED after this): raise when its tag proves that a copy of this
         journal issued it, an instance whose ``start`` record this journal lacks
-        (unless a restore voided it already: :attr:`settled`). A tag that does not
+        (unless a restore voided it already: :attr:`settled`; or it started in a generation
+        before this journal's: a restore proven already). A tag that does not
         verify proves nothing (another journal's instance: another replica, a journal
         started empty) and raises nothing here.
 
@@ -253,15 +307,19 @@ class JournalPositions:
         if fence.instance_id in self.ends:
             self.check(fence)
             return
-        issued = self.tag(fence.instance_id, fence.position)
-        if not issued or not hmac.compare_digest(fence.position_tag, issued):
-            return
+        ahead = range(self.generation, self.generation + GENERATIONS_AHEAD)
+        if not any(self._verifies(fence, self.tag(fence.instance_id, fence.position, g)) for g in ahead):
+            return  # (an earlier generation's: a lost instance of a restore proven already)
         self._behind(
             fence.instance_id,
             f"a client was told of record {fence.position} of instance {fence.instance_id[:40]!r}, an "
             "instance of this journal (its key tagged that position) whose records this journal does not "
             "hold at all: the data directory was restored from an older copy",
         )
+
+    @staticmethod
+    def _verifies(fence: Fence, issued: bytes) -> bool:
+        return bool(issued) and hmac.compare_digest(fence.position_tag, issued)
 
     def _behind(self, instance_id: str, reason: str) -> NoReturn:
         """The journal is behind what ``instance_id`` told a client: tell

@@ -104,6 +104,8 @@ class Replayer:
         elif kind == "limits":
             apply_limits(registry, limits_from(record[2]), int(record[2].get("max_message_bytes", 0)))
         elif kind == "restored":  # fences of every earlier instance are void from here on
+            if len(record) > 3:  # instances started from here on tag under a new key
+                registry.positions.generation = int(record[3])
             if len(record) > 2:
                 # the instances it voided (the one that proved it among them); the one
                 # that wrote it, proven while serving, is not one of them
@@ -386,7 +388,7 @@ def fence_restored(registry: PoolRegistry, recorder: JournalRecorder) -> None:
     # each change before its record, as everywhere: a snapshot the record starts holds
     # the state after it (and replay skips the records a snapshot covers). Nothing here
     # awaits, so the records go to the journal in one commit.
-    recorder.restored(void_earlier_instances(registry))
+    recorder.restored(void_earlier_instances(registry), registry.positions.next_generation())
     for s in list(registry.sessions.sessions.values()):
         registry.end_session(s)
         recorder.session_expired(s.session_id, s.pool)

@@ -124,7 +124,11 @@ def store_journal(
 
         def encode() -> bytes:
             return encode_base(
-                dump_pool(registry, pool), registry.instance_id, limits, wall, registry.positions.key
+                dump_pool(registry, pool),
+                registry.instance_id,
+                limits,
+                wall,
+                registry.positions.key_of(registry.instance_id),
             )
 
         service = registry.pools.get(pool)

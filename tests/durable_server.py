@@ -13,11 +13,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcoord.client import KVCoordClient
 from kvcoord.client.errors import KVCoordError
 from ports import free_port
+
+if TYPE_CHECKING:
+    from kvcoord.v1 import allocator_pb2
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -189,6 +192,22 @@ def step_allocate(c: KVCoordClient, session: Any, rid: str, num_tokens: int) -> 
     result = c.step("p", [op], session.session_id, session.fence).results[0]
     assert result.status_code == 0, result
     return list(result.allocate.new_block_ids[0].block_ids)
+
+
+def one_block_step(session: Any, i: int) -> allocator_pb2.StepRequest:
+    """A keyed Step (idempotency key ``k<i>``) of pool ``p`` that registers request
+    ``r<i>`` with 4 tokens and one block hash and allocates its one block."""
+    from kvcoord.v1 import allocator_pb2 as pb
+
+    rid = f"r{i}"
+    sync = pb.RequestSync(
+        request_id=rid, append_token_ids=[1, 2, 3, 4], new_request=True,
+        append_block_hashes=[rid.encode().ljust(32, b".")],
+    )  # fmt: skip
+    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=4))
+    return pb.StepRequest(
+        pool="p", session_id=session.session_id, fence=session.fence, ops=[op], idempotency_key=f"k{i}"
+    )
 
 
 def _accepts(port: int) -> bool:

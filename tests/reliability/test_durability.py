@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import support
-from durable_server import DurableServer, env
+from durable_server import DurableServer, env, one_block_step
 from durable_server import small_pool as _small_pool
 from durable_workload import PATIENT, run_checked_worker
 from kvcoord.client import KVCoordClient
@@ -345,24 +345,13 @@ def test_a_failed_journal_write_stops_the_server(tmp_path: Path) -> None:
     size = sum(f.stat().st_size for f in server.data_dir.iterdir())
     server.start(max_file_bytes=size + 64 * 1024)
 
-    def step(session: Any, i: int) -> pb.StepRequest:
-        rid = f"r{i}"
-        sync = pb.RequestSync(
-            request_id=rid, append_token_ids=[1, 2, 3, 4], new_request=True,
-            append_block_hashes=[rid.encode().ljust(32, b".")],
-        )  # fmt: skip
-        op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=4))
-        return pb.StepRequest(
-            pool="p", session_id=session.session_id, fence=session.fence, ops=[op], idempotency_key=f"k{i}"
-        )
-
     acked: dict[str, list[int]] = {}
     failed: tuple[pb.StepRequest, grpc.RpcError] | None = None
     try:
         with KVCoordClient(server.address, timeout=10.0) as c:
             a = c.attach("p", "sha256_cbor", 4, "0", "worker", lease_seconds=60)
             for i in range(2000):
-                request = step(a, i)
+                request = one_block_step(a, i)
                 try:
                     answer = c.stub.Step(request, timeout=10)
                 except grpc.RpcError as exc:

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any
 
 import durable_server
 import grpc
 import pytest
-from durable_server import DurableServer, small_pool
+from durable_server import DurableServer, one_block_step, small_pool
 from kvcoord.client import KVCoordClient, KVCoordError
-from kvcoord.v1 import allocator_pb2 as pb
 
 #: the server process's ``sitecustomize``: once FLAG exists, every journal write blocks
 #: for good (the writer thread never returns, as on a hung disk)
@@ -38,18 +36,6 @@ journal.JournalStore.write = _write
 """
 
 
-def _step(session: Any, i: int) -> pb.StepRequest:
-    rid = f"r{i}"
-    sync = pb.RequestSync(
-        request_id=rid, append_token_ids=[1, 2, 3, 4], new_request=True,
-        append_block_hashes=[rid.encode().ljust(32, b".")],
-    )  # fmt: skip
-    op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=4))
-    return pb.StepRequest(
-        pool="p", session_id=session.session_id, fence=session.fence, ops=[op], idempotency_key=f"k{i}"
-    )
-
-
 def test_a_hung_journal_commit_stops_the_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvcoord.service.main import EXIT_JOURNAL_FAILED
 
@@ -66,12 +52,14 @@ def test_a_hung_journal_commit_stops_the_server(tmp_path: Path, monkeypatch: pyt
     try:
         with KVCoordClient(server.address, timeout=30.0) as c:
             a = c.attach("p", "sha256_cbor", 4, "0", "worker", lease_seconds=60)
-            acked = list(c.stub.Step(_step(a, 0), timeout=30).results[0].allocate.new_block_ids[0].block_ids)
+            acked = list(
+                c.stub.Step(one_block_step(a, 0), timeout=30).results[0].allocate.new_block_ids[0].block_ids
+            )
             flag.touch()
 
             def call(i: int) -> None:
                 try:
-                    c.stub.Step(_step(a, i), timeout=30)
+                    c.stub.Step(one_block_step(a, i), timeout=30)
                     codes[i] = grpc.StatusCode.OK
                 except grpc.RpcError as exc:
                     codes[i] = exc.code()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,8 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvcoord.client import KVCoordClient
-from kvcoord.client.errors import KVCoordError
+import pytest
+from kvcoord.client import NO_RETRY, KVCoordClient
+from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
 from ports import free_port
 
 if TYPE_CHECKING:
@@ -208,6 +210,77 @@ def one_block_step(session: Any, i: int) -> allocator_pb2.StepRequest:
     return pb.StepRequest(
         pool="p", session_id=session.session_id, fence=session.fence, ops=[op], idempotency_key=f"k{i}"
     )
+
+
+def assert_not_serving(c: KVCoordClient) -> None:
+    """The server has stopped serving: its health is no longer SERVING, or it is gone."""
+    try:
+        health = c.health()
+    except KVCoordError:
+        health = "gone"
+    assert health != "SERVING"
+
+
+def attach(c: KVCoordClient, name: str, lease: float) -> Any:
+    """Worker ``name``'s session on pool ``p`` (the pools of :func:`small_pool`)."""
+    return c.attach("p", "sha256_cbor", 4, "0", name, lease_seconds=lease)
+
+
+def copy_volume(server: DurableServer, copy: Path) -> None:
+    """A volume snapshot: ``cp -a`` of the server's data directory to ``copy``."""
+    subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+
+
+def restore_volume(server: DurableServer, copy: Path) -> None:
+    """SIGKILL the server and put ``copy`` (a :func:`copy_volume`) in place of the data
+    directory, as restoring a volume snapshot does."""
+    server.kill()
+    shutil.rmtree(server.data_dir)
+    subprocess.run(["cp", "-a", str(copy), str(server.data_dir)], check=True)
+
+
+def two_workers_then_copy(server: DurableServer, lease: float, copy: Path) -> tuple[Any, Any]:
+    """Workers a and b attach and allocate a1 and b1 (8 tokens each), then the volume is
+    copied to ``copy``: their sessions, as the copy holds them."""
+    with KVCoordClient(server.address) as c:
+        a = attach(c, "worker-a", lease)
+        b = attach(c, "worker-b", lease)
+        step_allocate(c, a, "a1", 8)
+        step_allocate(c, b, "b1", 8)
+        copy_volume(server, copy)
+    return a, b
+
+
+def attach_after_grace(
+    target: KVCoordClient | str, lease: float, name: str, limit: float, poll: float = 0.05
+) -> tuple[Any, float]:
+    """Attach worker ``name`` once the server's grace has ended (``target``: a client
+    without retries, or an address to open one on), asserting it ends within ``limit``
+    seconds: the session and when it attached."""
+    if isinstance(target, str):
+        with KVCoordClient(target, retry=NO_RETRY) as c:
+            return attach_after_grace(c, lease, name, limit, poll)
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            return attach(target, name, lease), time.monotonic()
+        except GracePeriodError:
+            assert time.monotonic() < deadline, "the grace never ended"
+            time.sleep(poll)
+
+
+def assert_restore_proven(c: KVCoordClient, a: Any, b: Any, lease: float) -> None:
+    """Worker a, told more than the restored copy holds, calls: its Step proves the
+    restore (FencedError); worker b's session, of the copy, ended with it; no session
+    attaches inside the grace; no request is held and nothing is cached."""
+    with pytest.raises(FencedError):
+        step_allocate(c, a, "a3", 4)
+    with pytest.raises((SessionExpiredError, FencedError)):
+        c.heartbeat(b.session_id, b.fence)
+    with pytest.raises(GracePeriodError):
+        attach(c, "worker-c", lease)
+    inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
+    assert not inspected.requests and not inspected.cached_block_ids
 
 
 def _accepts(port: int) -> bool:

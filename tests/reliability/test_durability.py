@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import support
-from durable_server import DurableServer, env, one_block_step
+from durable_server import DurableServer, assert_not_serving, env, leased_server, one_block_step
 from durable_server import small_pool as _small_pool
 from durable_workload import PATIENT, run_checked_worker
 from kvcoord.client import KVCoordClient
@@ -362,11 +362,7 @@ def test_a_failed_journal_write_stops_the_server(tmp_path: Path) -> None:
             request, exc = failed
             assert exc.code() == grpc.StatusCode.UNAVAILABLE, (exc.code(), exc.details())
             assert type(error_from_rpc(exc, "Step")) is UnavailableError  # retried with its key
-            try:
-                health = c.health()
-            except KVCoordError:
-                health = "gone"
-            assert health != "SERVING"
+            assert_not_serving(c)
         assert server.proc is not None
         assert server.proc.wait(60) == EXIT_JOURNAL_FAILED, server.log()
     finally:
@@ -399,15 +395,8 @@ def test_a_restored_older_backup_fences_its_sessions_before_giving_their_blocks(
     from kvcoord.client.errors import FencedError, GracePeriodError, SessionExpiredError
     from kvcoord.v1 import allocator_pb2 as pb
 
-    server = DurableServer(tmp_path, _small_pool(9))
     lease = 3.0
-    server.config.write_text(
-        server.config.read_text().replace(
-            "snapshot_every = 2000\n",
-            f"snapshot_every = 2000\nmax_session_lease_seconds = {lease}\nsession_lease_seconds = {lease}\n"
-            f"idempotency_window_seconds = {4 * lease}\n",
-        )
-    )
+    server = leased_server(tmp_path, lease, num_blocks=9)
     journal = server.data_dir / "journal.sqlite"
     backup = tmp_path / "backup.sqlite"
     server.start()

@@ -13,7 +13,18 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from durable_server import DurableServer, env, leased_server, step_allocate
+from durable_server import (
+    DurableServer,
+    assert_restore_proven,
+    attach,
+    attach_after_grace,
+    copy_volume,
+    env,
+    leased_server,
+    restore_volume,
+    step_allocate,
+    two_workers_then_copy,
+)
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
 from kvcoord.v1 import allocator_pb2 as pb
@@ -26,14 +37,6 @@ def _serve(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )  # fmt: skip
 
 
-def _restore_volume(server: DurableServer, copy: Path) -> None:
-    """SIGKILL the server and put ``copy`` (a `cp -a` of its data directory) in place
-    of the data directory, as restoring a volume snapshot does."""
-    server.kill()
-    shutil.rmtree(server.data_dir)
-    subprocess.run(["cp", "-a", str(copy), str(server.data_dir)], check=True)
-
-
 def _attach_refused_for_grace(address: str, lease: float) -> bool:
     with KVCoordClient(address, retry=NO_RETRY) as c:
         try:
@@ -41,18 +44,6 @@ def _attach_refused_for_grace(address: str, lease: float) -> bool:
         except GracePeriodError:
             return True
     return False
-
-
-def _attach_after_grace(address: str, lease: float, name: str, limit: float) -> tuple[Any, float]:
-    """Attach once the grace has ended; returns the session and when it attached."""
-    deadline = time.monotonic() + limit
-    with KVCoordClient(address, retry=NO_RETRY) as c:
-        while True:
-            try:
-                return c.attach("p", "sha256_cbor", 4, "0", name, lease_seconds=lease), time.monotonic()
-            except GracePeriodError:
-                assert time.monotonic() < deadline, "the grace never ended"
-                time.sleep(0.05)
 
 
 def test_a_grace_period_survives_sigkills_inside_it(tmp_path: Path) -> None:
@@ -67,7 +58,7 @@ def test_a_grace_period_survives_sigkills_inside_it(tmp_path: Path) -> None:
     server.start()
     try:
         with KVCoordClient(server.address) as c:
-            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+            a = attach(c, "worker-a", lease)
             step_allocate(c, a, "a1", 8)
             for suffix in ("", "-wal"):  # an older copy of the journal (the server is idle)
                 shutil.copy(journal.with_name(journal.name + suffix), tmp_path / f"old{suffix}")
@@ -91,7 +82,7 @@ def test_a_grace_period_survives_sigkills_inside_it(tmp_path: Path) -> None:
                 )
                 inside += 1
         assert inside >= 2, "the machine is too slow for this test: restarts took most of the grace"
-        b, attached = _attach_after_grace(server.address, lease, "worker-b", 4 * lease)
+        b, attached = attach_after_grace(server.address, lease, "worker-b", 4 * lease)
         assert attached >= sent + lease  # worker a stopped using its ids before this
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             given = step_allocate(c, b, "b1", 32)
@@ -115,7 +106,7 @@ def test_a_lost_journal_refuses_to_start_until_told_to_start_empty(tmp_path: Pat
     progress = server.data_dir / "journal.progress"
     server.start()
     with KVCoordClient(server.address) as c:
-        a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+        a = attach(c, "worker-a", lease)
         step_allocate(c, a, "a1", 8)
     server.kill()
     evidence = progress.read_bytes()
@@ -143,7 +134,7 @@ def test_a_lost_journal_refuses_to_start_until_told_to_start_empty(tmp_path: Pat
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises((FencedError, SessionExpiredError)):
                 c.heartbeat(a.session_id, a.fence)
-        _attach_after_grace(server.address, lease, "worker-b", 4 * lease)
+        attach_after_grace(server.address, lease, "worker-b", 4 * lease)
     finally:
         server.stop()
 
@@ -191,7 +182,7 @@ def test_a_lease_marker_that_cannot_be_written_is_unavailable_not_internal(tmp_p
                 except KVCoordError:
                     time.sleep(0.05)
             with pytest.raises(KVCoordError) as err:
-                c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+                attach(c, "worker-a", lease)
             assert err.value.code == grpc.StatusCode.UNAVAILABLE, err.value
             assert "cannot write lease marker" in str(err.value)
         assert proc.wait(60) == EXIT_JOURNAL_FAILED
@@ -284,32 +275,21 @@ def test_a_restored_volume_is_detected_by_the_first_worker_told_more(tmp_path: P
     server.start()
     copy = tmp_path / "volume-snapshot"
     try:
+        a, b = two_workers_then_copy(server, lease, copy)
         with KVCoordClient(server.address) as c:
-            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
-            b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
-            step_allocate(c, a, "a1", 8)
-            step_allocate(c, b, "b1", 8)
-            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
             step = c.step("p", [], a.session_id, a.fence)  # worker a keeps working: told more
             a.fence.CopyFrom(step.fence)
             told = step_allocate(c, a, "a2", 32)
             sent = time.monotonic()
         assert a.fence.position > 0
-        _restore_volume(server, copy)
+        restore_volume(server, copy)
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
-            with pytest.raises(FencedError):
-                step_allocate(c, a, "a3", 4)
-            with pytest.raises((SessionExpiredError, FencedError)):
-                c.heartbeat(b.session_id, b.fence)
-            with pytest.raises(GracePeriodError):
-                c.attach("p", "sha256_cbor", 4, "0", "worker-c", lease_seconds=lease)
-            inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
-            assert not inspected.requests and not inspected.cached_block_ids
+            assert_restore_proven(c, a, b, lease)
         server.kill()
         server.start()  # a crash inside the grace keeps it
         assert _attach_refused_for_grace(server.address, lease)
-        cs, attached = _attach_after_grace(server.address, lease, "worker-c", 4 * lease)
+        cs, attached = attach_after_grace(server.address, lease, "worker-c", 4 * lease)
         assert attached >= sent + lease
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             assert set(step_allocate(c, cs, "c1", 64)) & set(told)  # a2's blocks, but only now
@@ -431,10 +411,10 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
             time.sleep(1.0)
             # 2. a volume snapshot while workers hold blocks, more work, then the restore
             with server.paused():  # a snapshot child too: it would rename files under cp
-                subprocess.run(["cp", "-a", str(server.data_dir), str(tmp_path / "snap")], check=True)
+                copy_volume(server, tmp_path / "snap")
             time.sleep(1.5)
             phase.value = 2
-            _restore_volume(server, tmp_path / "snap")
+            restore_volume(server, tmp_path / "snap")
             restored_at = time.monotonic()
             server.start()
             for _ in range(200):  # a worker's call proves the restore
@@ -539,19 +519,19 @@ def test_a_volume_restored_with_the_flag_leaves_no_window(tmp_path: Path) -> Non
     copy = tmp_path / "volume-snapshot"
     try:
         with KVCoordClient(server.address) as c:
-            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
-            b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+            a = attach(c, "worker-a", lease)
+            b = attach(c, "worker-b", lease)
             step_allocate(c, b, "b1", 8)
-            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+            copy_volume(server, copy)
             step_allocate(c, a, "a1", 32)  # after the copy: the copy gives these blocks to nobody
-        _restore_volume(server, copy)
+        restore_volume(server, copy)
         server.start(args=("--restored",))
         assert "the data directory was restored (--restored)" in server.log()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises((FencedError, SessionExpiredError)):
                 step_allocate(c, b, "b2", 32)  # b's fence names the copy's history: it proves nothing
             with pytest.raises(GracePeriodError):
-                c.attach("p", "sha256_cbor", 4, "0", "worker-c", lease_seconds=lease)
+                attach(c, "worker-c", lease)
             inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
             assert not inspected.requests and not inspected.cached_block_ids
         server.kill()

@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from durable_server import DurableServer, env, leased_server, small_pool
+from durable_server import (
+    DurableServer,
+    attach,
+    attach_after_grace,
+    copy_volume,
+    env,
+    leased_server,
+    restore_volume,
+    small_pool,
+)
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
 from kvcoord.service.durability import decode_record
@@ -50,7 +59,7 @@ def _backup_then_tell_more(server: DurableServer, backup: Path, lease: float) ->
     backed up (deploy/README.md "Backup while serving"), then worker a is told more."""
     journal = server.data_dir / "journal.sqlite"
     with KVCoordClient(server.address) as c:
-        a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+        a = attach(c, "worker-a", lease)
         _alloc(c, a, "warm", 16)
         c.free("p", ["warm"], session_id=a.session_id, fence=a.fence)
         _reserve(c, _hashes("warm", 16), 16)
@@ -92,7 +101,7 @@ def test_a_restored_journal_holding_a_live_reservation_is_fenced_at_start(tmp_pa
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             try:
-                c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+                attach(c, "worker-b", lease)
                 raise AssertionError("a session attached inside the restore's grace")
             except GracePeriodError:
                 pass
@@ -109,7 +118,7 @@ def test_a_restored_journal_holding_a_live_reservation_is_fenced_at_start(tmp_pa
         server.start()  # the next start replays the release and keeps the grace
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             try:
-                c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+                attach(c, "worker-b", lease)
                 raise AssertionError("a session attached inside the restore's grace after a restart")
             except GracePeriodError:
                 pass
@@ -153,7 +162,7 @@ def test_a_start_failing_after_the_restore_is_journaled_keeps_the_grace(tmp_path
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             try:
-                b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+                b = attach(c, "worker-b", lease)
             except GracePeriodError:
                 return
             overlap = sorted(set(_alloc(c, b, "b1", 200)) & set(told))
@@ -179,16 +188,14 @@ def test_a_restore_detected_while_a_reservation_is_live_empties_the_prefix_cache
     try:
         warm = _hashes("warm", 16)
         with KVCoordClient(server.address) as c:
-            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
-            b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+            a = attach(c, "worker-a", lease)
+            b = attach(c, "worker-b", lease)
             warm_blocks = _alloc(c, b, "warm", 16)
             c.free("p", ["warm"], session_id=b.session_id, fence=b.fence)
-            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+            copy_volume(server, copy)
             lost = _alloc(c, a, "a2", 252)  # the lost history takes warm's blocks too
             assert set(warm_blocks) <= set(lost)
-        server.kill()
-        shutil.rmtree(server.data_dir)
-        subprocess.run(["cp", "-a", str(copy), str(server.data_dir)], check=True)
+        restore_volume(server, copy)
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             _reserve(c, warm, 16)  # a router reserves (the copy is believed)
@@ -199,14 +206,7 @@ def test_a_restore_detected_while_a_reservation_is_live_empties_the_prefix_cache
                 pass
             inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
             assert not inspected.requests and not inspected.cached_block_ids
-            deadline = time.monotonic() + 6 * lease
-            while True:  # the grace: no attach for a lease
-                try:
-                    c.attach("p", "sha256_cbor", 4, "0", "worker-d", lease_seconds=lease)
-                    break
-                except GracePeriodError:
-                    assert time.monotonic() < deadline, "the grace never ended"
-                    time.sleep(0.1)
+            attach_after_grace(c, lease, "worker-d", 6 * lease, poll=0.1)  # the grace: no attach for a lease
             assert c.find_longest_cache_hit("p", warm, 16).hit.num_tokens == 0
     finally:
         server.stop()

@@ -5,34 +5,23 @@ the restore (deploy/README.md, "Restore the volume")."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
-from durable_server import DurableServer, leased_server, step_allocate
+from durable_server import (
+    assert_restore_proven,
+    attach,
+    attach_after_grace,
+    copy_volume,
+    leased_server,
+    restore_volume,
+    step_allocate,
+    two_workers_then_copy,
+)
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import FencedError, GracePeriodError, SessionExpiredError
 from kvcoord.v1 import allocator_pb2 as pb
-
-
-def _attach_after_grace(address: str, lease: float, name: str, limit: float) -> Any:
-    deadline = time.monotonic() + limit
-    with KVCoordClient(address, retry=NO_RETRY) as c:
-        while True:
-            try:
-                return c.attach("p", "sha256_cbor", 4, "0", name, lease_seconds=lease)
-            except GracePeriodError:
-                assert time.monotonic() < deadline, "the grace never ended"
-                time.sleep(0.05)
-
-
-def _restore_volume(server: DurableServer, copy: Path) -> None:
-    server.kill()
-    shutil.rmtree(server.data_dir)
-    subprocess.run(["cp", "-a", str(copy), str(server.data_dir)], check=True)
 
 
 def test_a_restored_volume_whose_lost_history_spans_a_restart_is_proven_by_its_workers(
@@ -52,12 +41,7 @@ def test_a_restored_volume_whose_lost_history_spans_a_restart_is_proven_by_its_w
     server.start()
     copy = tmp_path / "volume-snapshot"
     try:
-        with KVCoordClient(server.address) as c:
-            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
-            b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
-            step_allocate(c, a, "a1", 8)
-            step_allocate(c, b, "b1", 8)
-            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+        a, b = two_workers_then_copy(server, lease, copy)
         first = a.fence.instance_id
         server.kill()
         server.start()  # instance 2 recovers everything: the lost history goes on there
@@ -67,33 +51,19 @@ def test_a_restored_volume_whose_lost_history_spans_a_restart_is_proven_by_its_w
             told = step_allocate(c, a, "a2", 32)
             sent = time.monotonic()
         assert a.fence.instance_id != first and a.fence.position > 0 and a.fence.position_tag
-        _restore_volume(server, copy)
+        restore_volume(server, copy)
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
-            with pytest.raises(FencedError):
-                step_allocate(c, a, "a3", 4)
-            with pytest.raises((SessionExpiredError, FencedError)):
-                c.heartbeat(b.session_id, b.fence)  # b's session (in the copy) ended with the proof
-            with pytest.raises(GracePeriodError):
-                c.attach("p", "sha256_cbor", 4, "0", "worker-c", lease_seconds=lease)
-            inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
-            assert not inspected.requests and not inspected.cached_block_ids
+            assert_restore_proven(c, a, b, lease)  # b's session (in the copy) ended with the proof
         assert "the data directory was restored from an older copy" in server.log()
         server.kill()
         server.start()  # a crash inside the grace keeps it
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises(GracePeriodError):
-                c.attach("p", "sha256_cbor", 4, "0", "worker-c", lease_seconds=lease)
-        deadline = time.monotonic() + 4 * lease
+                attach(c, "worker-c", lease)
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
-            while True:
-                try:
-                    cs = c.attach("p", "sha256_cbor", 4, "0", "worker-c", lease_seconds=lease)
-                    break
-                except GracePeriodError:
-                    assert time.monotonic() < deadline, "the grace never ended"
-                    time.sleep(0.05)
-            assert time.monotonic() >= sent + lease  # worker a stopped using its ids before this
+            cs, attached = attach_after_grace(c, lease, "worker-c", 4 * lease)
+            assert attached >= sent + lease  # worker a stopped using its ids before this
             assert set(step_allocate(c, cs, "c1", 64)) & set(told)  # a2's blocks, but only now
     finally:
         server.stop()
@@ -112,17 +82,17 @@ def test_sessions_attached_after_a_proven_restore_keep_their_fence_across_a_rest
     copy = tmp_path / "volume-snapshot"
     try:
         with KVCoordClient(server.address) as c:
-            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+            a = attach(c, "worker-a", lease)
             step_allocate(c, a, "a1", 8)
-            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+            copy_volume(server, copy)
             a.fence.CopyFrom(c.step("p", [], a.session_id, a.fence).fence)
             step_allocate(c, a, "a2", 8)
-        _restore_volume(server, copy)
+        restore_volume(server, copy)
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises(FencedError):
                 step_allocate(c, a, "a3", 4)  # the proof
-        d = _attach_after_grace(server.address, lease, "worker-d", 6 * lease)
+        d, _ = attach_after_grace(server.address, lease, "worker-d", 6 * lease)
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             held = step_allocate(c, d, "d1", 8)
         server.kill()
@@ -147,32 +117,25 @@ def test_fences_of_instances_a_restore_already_voided_prove_nothing_again(tmp_pa
     copy = tmp_path / "volume-snapshot"
     try:
         with KVCoordClient(server.address) as c:
-            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
-            b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
-            e = c.attach("p", "sha256_cbor", 4, "0", "worker-e", lease_seconds=lease)
+            a = attach(c, "worker-a", lease)
+            b = attach(c, "worker-b", lease)
+            e = attach(c, "worker-e", lease)
             step_allocate(c, b, "b1", 8)
             step_allocate(c, e, "e1", 4)  # e is told nothing after the copy: its fence names instance 1
-            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+            copy_volume(server, copy)
         server.kill()
         server.start()
         with KVCoordClient(server.address) as c:
             for s in (a, b):
                 s.fence.CopyFrom(c.step("p", [], s.session_id, s.fence).fence)
             step_allocate(c, a, "a1", 8)
-        _restore_volume(server, copy)
+        restore_volume(server, copy)
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises(FencedError):
                 step_allocate(c, a, "a2", 4)  # the proof
-        deadline = time.monotonic() + 6 * lease
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
-            while True:
-                try:
-                    d = c.attach("p", "sha256_cbor", 4, "0", "worker-d", lease_seconds=lease)
-                    break
-                except GracePeriodError:
-                    assert time.monotonic() < deadline, "the grace never ended"
-                    time.sleep(0.05)
+            d, _ = attach_after_grace(c, lease, "worker-d", 6 * lease)
             for stale in (e, b, a):
                 with pytest.raises((FencedError, SessionExpiredError)):
                     step_allocate(c, stale, "x", 4)
@@ -205,16 +168,16 @@ def test_a_renewal_of_a_session_the_copy_never_held_proves_the_restore(tmp_path:
     copy = tmp_path / "volume-snapshot"
     try:
         with KVCoordClient(server.address) as c:
-            b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
+            b = attach(c, "worker-b", lease)
             step_allocate(c, b, "shared", 16)  # the copy caches these four hashes
             c.step("p", [pb.Operation(free=pb.FreeOp(request_id="shared"))], b.session_id, b.fence)
-            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
-            w = c.attach("p", "sha256_cbor", 4, "0", "worker-w", lease_seconds=lease)
+            copy_volume(server, copy)
+            w = attach(c, "worker-w", lease)
             step_allocate(c, w, "w1", 32)  # all 8 blocks: the lost history evicts "shared"'s cache
             w.fence.CopyFrom(
                 c.step("p", [pb.Operation(free=pb.FreeOp(request_id="w1"))], w.session_id, w.fence).fence
             )
-        _restore_volume(server, copy)
+        restore_volume(server, copy)
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises(FencedError):
@@ -223,7 +186,7 @@ def test_a_renewal_of_a_session_the_copy_never_held_proves_the_restore(tmp_path:
                 else:
                     c.detach(w.session_id, w.fence, pool="p")
             with pytest.raises(GracePeriodError):
-                c.attach("p", "sha256_cbor", 4, "0", "worker-w", lease_seconds=lease)
+                attach(c, "worker-w", lease)
             inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
             assert not inspected.requests and not inspected.cached_block_ids
     finally:
@@ -245,10 +208,10 @@ def test_a_late_fence_of_a_second_lost_instance_does_not_fence_a_proven_restore_
     copy = tmp_path / "volume-snapshot"
     try:
         with KVCoordClient(server.address) as c:
-            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
-            e = c.attach("p", "sha256_cbor", 4, "0", "worker-e", lease_seconds=lease)
+            a = attach(c, "worker-a", lease)
+            e = attach(c, "worker-e", lease)
             step_allocate(c, e, "e1", 4)
-            subprocess.run(["cp", "-a", str(server.data_dir), str(copy)], check=True)
+            copy_volume(server, copy)
         server.kill()
         server.start()  # instance 2: e is answered here, then goes silent
         with KVCoordClient(server.address) as c:
@@ -262,12 +225,12 @@ def test_a_late_fence_of_a_second_lost_instance_does_not_fence_a_proven_restore_
             a.fence.CopyFrom(c.step("p", [], a.session_id, a.fence).fence)
             step_allocate(c, a, "a1", 8)
         assert a.fence.instance_id != second and e.fence.position and e.fence.position_tag
-        _restore_volume(server, copy)
+        restore_volume(server, copy)
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises(FencedError):
                 step_allocate(c, a, "a2", 4)  # the proof
-        d = _attach_after_grace(server.address, lease, "worker-d", 6 * lease)
+        d, _ = attach_after_grace(server.address, lease, "worker-d", 6 * lease)
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             held = step_allocate(c, d, "d1", 8)
             with pytest.raises((FencedError, SessionExpiredError)):

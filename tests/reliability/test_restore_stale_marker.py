@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from durable_server import DurableServer, small_pool, step_allocate
+from durable_server import attach, attach_after_grace, leased_server, step_allocate
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import GracePeriodError
 
@@ -26,21 +26,14 @@ def test_a_restore_found_at_start_waits_a_full_lease_whatever_a_restored_lease_m
     believed: its bound long past, the restore started with no grace at all, and a new
     worker attached at once and was handed a2's blocks, which worker a still held.)"""
     lease = 2.0
-    server = DurableServer(tmp_path, small_pool(9))
-    server.config.write_text(
-        server.config.read_text().replace(
-            "snapshot_every = 2000\n",
-            f"snapshot_every = 2000\nmax_session_lease_seconds = {lease}\nsession_lease_seconds = {lease}\n"
-            f"idempotency_window_seconds = {4 * lease}\n",
-        )
-    )
+    server = leased_server(tmp_path, lease, num_blocks=9)
     data = server.data_dir
     old = tmp_path / "old"
     old.mkdir()
     server.start()
     try:
         with KVCoordClient(server.address) as c:
-            a = c.attach("p", "sha256_cbor", 4, "0", "worker-a", lease_seconds=lease)
+            a = attach(c, "worker-a", lease)
             step_allocate(c, a, "a1", 8)
             for name in ("journal.sqlite", "journal.sqlite-wal", "leases.json"):  # the server is idle
                 shutil.copy(data / name, old / name)
@@ -57,16 +50,9 @@ def test_a_restore_found_at_start_waits_a_full_lease_whatever_a_restored_lease_m
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises(GracePeriodError):
-                c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
-            deadline = time.monotonic() + 10 * lease
-            while True:
-                try:
-                    b = c.attach("p", "sha256_cbor", 4, "0", "worker-b", lease_seconds=lease)
-                    break
-                except GracePeriodError:
-                    assert time.monotonic() < deadline, "the grace never ended"
-                    time.sleep(0.05)
-            assert time.monotonic() >= sent + lease  # worker a stopped using its ids before this
+                attach(c, "worker-b", lease)
+            b, attached = attach_after_grace(c, lease, "worker-b", 10 * lease)
+            assert attached >= sent + lease  # worker a stopped using its ids before this
             assert set(step_allocate(c, b, "b1", 32)) & set(told)  # a2's blocks, but only now
         assert "journal behind what clients were told" in server.log()
     finally:

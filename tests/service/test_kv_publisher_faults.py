@@ -196,11 +196,10 @@ def test_a_subscriber_away_across_a_restart_keeps_no_block_the_pool_evicted(
     """Away across a restart (a data directory), for longer than the replay buffer and
     the pool's event buffer keep: every block it knew is evicted meanwhile, and the
     restarted publisher's first batch cannot re-send those removals (dropped from the
-    pool's event buffer, so it has no clear either). Its replay from a number of the
+    pool's event buffer). Its replay from a number of the
     old process is answered with the snapshot, as one the buffer dropped. It used to be
     answered with the new process's batches alone, and the subscriber kept hashes the
-    pool no longer caches (15 of them here), silently. With a presence index, for
-    which docs/routing.md says the restart's re-send ends exact."""
+    pool no longer caches (15 of them here), silently. With a presence index."""
     config = (
         POOL.replace('topic = "kv"', 'topic = "kv"\nbuffer_steps = 5') + "\n[limits]\nevent_buffer = 40\n"
     )

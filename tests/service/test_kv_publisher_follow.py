@@ -218,3 +218,38 @@ def test_after_a_gaps_clear_no_block_stored_before_it_is_removed(
     index = _count_index(publisher.batches)
     assert all(0 < n <= cached.get(h, 0) for h, n in index.items()), (index, cached)
     assert index
+
+
+def test_a_first_look_at_a_pool_whose_oldest_events_were_dropped_removes_no_unsent_block(
+    make_server: Callable[..., InProcessServer], following: Callable[[InProcessServer, Batches], None]
+) -> None:
+    """The publisher first looks at a pool whose event buffer already dropped its oldest
+    events (a restart, a pool that came to this replica or was created and used within
+    the publisher's poll): the kept events it sends remove blocks stored before them,
+    which no subscriber was sent by this publisher (docs/routing.md's count index
+    raised KeyError on them: tests/cluster/test_kv_events_moved.py meets it over real
+    replicas). The batch starts with a clear, those removals are left out, and the
+    count index holds exactly the pool's map here (every block still cached was stored
+    within the kept events)."""
+    server = make_server(POOL, limits=Limits(event_buffer=8))
+    with KVCoordClient(server.address, timeout=10) as client:
+        sid, fence = attach(client)
+
+        def step(ops: list[pb.Operation]) -> None:
+            assert not any(r.status_code for r in client.step("p", ops, sid, fence).results)
+
+        step([pb.Operation(allocate=pb.AllocateOp(request=new_request(f"a{i}", _prompt(i)), num_new_tokens=9))
+              for i in range(4)])  # fmt: skip
+        step([pb.Operation(free=pb.FreeOp(request_id=f"a{i}")) for i in range(4)])
+        # evicts a0's and a1's blocks: 10 events in all, the buffer keeps the last 8
+        step([pb.Operation(allocate=pb.AllocateOp(request=new_request(f"b{i}", _prompt(4 + i)), num_new_tokens=9))
+              for i in range(2)])  # fmt: skip
+    publisher = Batches("p")
+    following(server, publisher)
+    time.sleep(0.3)
+    engine = server.running.servicer.registry.pools["p"].engine  # type: ignore[union-attr]
+    cached: dict[bytes, int] = {}
+    for key, ids in engine.block_pool.cached_block_hash_to_block.items():
+        cached[key[:-4]] = cached.get(key[:-4], 0) + len(ids)  # (a key: the hash, then its group)
+    assert _count_index(publisher.batches) == cached
+    assert isinstance(publisher.batches[0][0], AllBlocksCleared)

@@ -46,9 +46,10 @@ replay's snapshot above stands for every batch up to its number) and a subscribe
 the restart as a gap, which it fills from the replay socket: with the snapshot, as the
 restarted process has none of the batches it missed (until this process's first batch
 is sent, the answer is the end marker alone). The restarted publisher's first batch
-sends again the events the pool keeps, preceded by ``AllBlocksCleared`` when they are
-the pool's whole history (none was dropped from its event buffer): applying that batch
-leaves any index exactly the pool's map. A server without a data directory loses its
+(as any publisher's first look at a pool, one that came to this replica included)
+sends ``AllBlocksCleared`` then the events the pool keeps: applied, it leaves any index
+exactly the pool's map when they are its whole history; when its event buffer dropped
+older ones, the removals of blocks stored before them are left out, as after a gap. A server without a data directory loses its
 pools in a restart and numbers from 0 again, as a restarted vLLM engine does.
 
 A batch that cannot be sent (a failed reservation write, say) is lost, logged and
@@ -412,14 +413,23 @@ async def follow(
         if service.fence.incarnation != incarnation:
             if incarnation is not None:  # created again: the old cache is gone
                 publisher.submit([AllBlocksCleared()], profile)
-            elif journal.oldest_sequence == 1 and journal.last_sequence:
-                # The first look since the server started sends again what the pool
-                # keeps; when that is its whole history, a clear first makes the batch
-                # rebuild any index exactly (else applying events again still leaves a
-                # presence index exact: each hash's last event is among them).
+            elif journal.last_sequence:
+                # The first look at the pool (since the server started, or since it came
+                # to this replica) sends again what the pool keeps, a clear first: its
+                # subscribers may hold anything of it (an index from before a restart,
+                # the clear of its departure, nothing at all), and applied, the batch
+                # leaves any index exactly the pool's map when the events are its whole
+                # history. (Without the clear, a count index that applied them before
+                # counted them twice, and kept a block once its removal came.)
                 head = [AllBlocksCleared()]
             incarnation = service.fence.incarnation
             since_gap.stop()
+            if journal.oldest_sequence > 1 and journal.last_sequence:
+                # Older events were dropped (its event buffer) before this publisher
+                # sent them: the kept ones remove blocks stored before them, which no
+                # subscriber holds after the clear (docs/routing.md's count index raised
+                # KeyError; a tolerant count went negative). Left out, as after a gap.
+                since_gap.start()
             profile = service.config.profile
             publisher.follow_profile(profile)  # replays are framed as its profile's from now on
             cursor = journal.oldest_sequence - 1

@@ -45,12 +45,12 @@ reserved before, so no number ever names two different batches on the PUB socket
 replay's snapshot above stands for every batch up to its number) and a subscriber sees
 the restart as a gap, which it fills from the replay socket: with the snapshot, as the
 restarted process has none of the batches it missed (until this process's first batch
-is sent, the answer is the end marker alone). The restarted publisher's first batch
-(as any publisher's first look at a pool, one that came to this replica included)
-sends ``AllBlocksCleared`` then the events the pool keeps: applied, it leaves any index
-exactly the pool's map when they are its whole history; when its event buffer dropped
-older ones, the removals of blocks stored before them are left out, as after a gap. A server without a data directory loses its
-pools in a restart and numbers from 0 again, as a restarted vLLM engine does.
+is sent, the answer is the end marker alone). A publisher's first batch of a pool (after
+a restart, or the pool came to this replica) is ``AllBlocksCleared`` then the events
+the pool keeps: any index applying it holds exactly the pool's map when they are its
+whole history; when older ones were dropped, removals of blocks stored before them are
+left out, as after a gap. A server without a data directory loses its pools in a
+restart and numbers from 0 again, as a restarted vLLM engine does.
 
 A batch that cannot be sent (a failed reservation write, say) is lost, logged and
 counted (``kvcoord_event_gaps_total{stream="zmq"}``); the next batch starts with

@@ -87,9 +87,10 @@ class ServerSettings:
     synchronous: str = "FULL"
     #: journal records between snapshots (bounds recovery time)
     snapshot_every: int = 20_000
-    #: a journal commit outstanding this long (a hung disk or fsync) stops the server
-    #: as a failed write does (exit 4); keep it below every session lease
-    journal_stall_seconds: float = 10.0
+    #: a journal commit or lease marker write outstanding this long (a hung disk or
+    #: fsync) stops the server as a failed write does (exit 4). Must be below
+    #: session_lease_seconds; None (unset): :attr:`stall_seconds` derives it
+    journal_stall_seconds: float | None = None
     #: without journaled state: how long after start no session may attach
     startup_grace_seconds: float = 0.0
 
@@ -112,14 +113,29 @@ class ServerSettings:
         if self.snapshot_every <= 0:
             raise ConfigFileError("server.snapshot_every must be > 0")
         stall = self.journal_stall_seconds
-        if isinstance(stall, bool) or not isinstance(stall, int | float) or not 0 < stall < float("inf"):
-            raise ConfigFileError(f"server.journal_stall_seconds must be a number > 0, got {stall!r}")
+        if stall is not None:
+            if isinstance(stall, bool) or not isinstance(stall, int | float) or not 0 < stall < float("inf"):
+                raise ConfigFileError(f"server.journal_stall_seconds must be a number > 0, got {stall!r}")
+            if stall >= self.session_lease_seconds:  # workers would lose leases while it waits
+                raise ConfigFileError(
+                    f"server.journal_stall_seconds ({stall:g}) must be below server.session_lease_seconds "
+                    f"({self.session_lease_seconds:g}): the workers waiting on a stalled write must hear "
+                    "before their leases end"
+                )
         if self.max_message_bytes <= 0:
             raise ConfigFileError("server.max_message_bytes must be > 0")
         if self.log_format not in ("text", "json"):
             raise ConfigFileError(f"server.log_format must be 'text' or 'json', got {self.log_format!r}")
         if not isinstance(self.access_log, bool):
             raise ConfigFileError(f"server.access_log must be true or false, got {self.access_log!r}")
+
+    @property
+    def stall_seconds(self) -> float:
+        """The stall bound in force: journal_stall_seconds, or when unset min(10 s, half
+        the session lease)."""
+        if self.journal_stall_seconds is not None:
+            return float(self.journal_stall_seconds)
+        return min(10.0, self.session_lease_seconds / 2)
 
     @property
     def journaled(self) -> bool:

@@ -461,7 +461,7 @@ async def _start(
     )
     if isinstance(registry.recorder, JournalRecorder):
         registry.recorder.journal.on_failure.append(running.on_journal_failure)
-        registry.recorder.journal.stall_seconds = cfg.server.journal_stall_seconds
+        registry.recorder.journal.stall_seconds = cfg.server.stall_seconds
     if cfg.kv_events:
         running.publishers = Publishers(
             cfg.kv_events,

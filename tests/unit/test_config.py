@@ -188,7 +188,9 @@ def test_the_stall_bound_stays_below_the_session_lease() -> None:
         "[server]\nsession_lease_seconds = 30.0\njournal_stall_seconds = 30.0\n",
         "[server]\nsession_lease_seconds = 4.0\njournal_stall_seconds = 10.0\n",
     ):
-        with pytest.raises(ConfigFileError, match=r"server\.journal_stall_seconds .*server\.session_lease_seconds"):
+        with pytest.raises(
+            ConfigFileError, match=r"server\.journal_stall_seconds .*server\.session_lease_seconds"
+        ):
             parse_config(text)
     assert parse_config("[server]\nsession_lease_seconds = 4.0\n").server.stall_seconds == 2.0
     assert parse_config("[server]\nsession_lease_seconds = 60.0\n").server.stall_seconds == 10.0

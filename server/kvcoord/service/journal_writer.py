@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .journal import JournalError, JournalStore, SnapshotChunk
+from .stalls import stalled_message, wait_bounded
 
 __all__ = ["SNAPSHOT_CHUNK_BYTES", "Journal", "JournalStalledError"]
 
@@ -164,12 +165,7 @@ class Journal:
                 self._executor, self._write, batch, None if snapshot is None else snapshot[0]
             )
             try:
-                await asyncio.wait((work,), timeout=self.stall_seconds)
-                if not work.done() and self.stall_seconds is not None:
-                    # once more, briefly: a process paused past the bound (SIGSTOP, a VM
-                    # paused) has its timer and its writer end together when it runs again
-                    await asyncio.wait((work,), timeout=min(1.0, self.stall_seconds))
-                chunk = work.result() if work.done() else None
+                chunk = work.result() if await wait_bounded(work, self.stall_seconds) else None
             except GeneratorExit:  # the coroutine closed (its loop gone): not a write failure
                 raise
             except BaseException as exc:  # disk full, I/O error: nothing after this is durable
@@ -179,10 +175,8 @@ class Journal:
             if not work.done():  # the commit has not returned: a hung disk or fsync
                 self.hung = True
                 work.add_done_callback(_ignore)  # should it ever end, its outcome is moot
-                stalled = JournalStalledError(
-                    f"a journal commit has not returned after {self.stall_seconds:g} s "
-                    "(server.journal_stall_seconds; a hung disk or fsync?)"
-                )
+                assert self.stall_seconds is not None  # (no bound: the wait above never ends early)
+                stalled = JournalStalledError(stalled_message("a journal commit", self.stall_seconds))
                 logger.error(
                     "journal %s stalled, no further mutation is acknowledged: %s", self.store.path, stalled
                 )

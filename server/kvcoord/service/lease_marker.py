@@ -29,11 +29,17 @@ so a wall clock set forward in between cannot end the wait early.
 
 A marker that cannot be written (disk full, I/O error) means the server can no longer
 promise when its leases end: :meth:`LeaseMarker.cover` raises :class:`MarkerWriteError`
-and the server stops serving as after a failed journal write (``server.py``).
+and the server stops serving as after a failed journal write (``server.py``). A write
+that does not return (a hung disk) is bounded as a journal commit is (stalls.py,
+``[server] journal_stall_seconds``, :attr:`LeaseMarker.stall_seconds`): the thread's
+write once outstanding that long, or a write the caller needs (made on a thread of its
+own, the caller waiting at most the bound), raises :class:`MarkerStalledError` and
+marks the marker :attr:`~LeaseMarker.hung` (the process then exits without waiting for it).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -43,8 +49,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .deadlines import DurableDeadline, write_synced
+from .stalls import join_bounded, stalled_message
 
-__all__ = ["LeaseMarker", "MarkerError", "MarkerWriteError"]
+__all__ = ["LeaseMarker", "MarkerError", "MarkerStalledError", "MarkerWriteError"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +75,10 @@ class MarkerError(RuntimeError):
 
 class MarkerWriteError(OSError):
     """The marker could not be written: no lease may be granted or renewed."""
+
+
+class MarkerStalledError(MarkerWriteError):
+    """A write of the marker did not return within :attr:`LeaseMarker.stall_seconds`."""
 
 
 class LeaseMarker:
@@ -99,8 +110,17 @@ class LeaseMarker:
         #: its last write failed: none is started again until a write on the caller's
         #: thread succeeds (that one raises MarkerWriteError if it fails too)
         self._refresh_failed = False
+        #: when the thread's write began (time.monotonic: a stall is in real time)
+        self._refresh_began = 0.0
         #: closed (the server stops): no thread is started again
         self._closed = False
+        #: a write outstanding longer than this fails the marker (None: waits for ever;
+        #: the server sets [server] journal_stall_seconds)
+        self.stall_seconds: float | None = None
+        #: True once a write did not return in time: neither :meth:`close` nor the
+        #: process's exit may wait for it (main.py)
+        self.hung = False
+        self._stall: MarkerStalledError | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def previous_leases_remaining(self) -> float | None:
@@ -137,16 +157,59 @@ class LeaseMarker:
         Raises:
             MarkerWriteError: the marker cannot be written (the lease must not be granted).
         """
+        if self._stall is not None:
+            raise self._stall
+        self._check_refresher()
         end = self.deadline.mono() + lease_seconds
         if end <= self.recorded:
             if end > self.recorded - self.max_lease / 2:
                 self._refresh(lease_seconds)
             return
-        with self._writing:  # (a write in flight may cover it once done)
-            if self.deadline.mono() + lease_seconds <= self.recorded:
-                return
-            self.write(lease_seconds + self.max_lease)
+        if self.stall_seconds is None:
+            self._write_past(lease_seconds)
+        else:  # on a thread of its own: the caller (the event loop) waits at most the bound
+            failed: list[BaseException] = []
+            writer = threading.Thread(
+                target=self._write_past, args=(lease_seconds, failed), name="kvcoord-lease-marker-cover"
+            )
+            writer.start()
+            if not join_bounded(writer, self.stall_seconds):
+                raise self._stalled()
+            if failed:
+                raise failed[0]
         self._refresh_failed = False
+
+    def _write_past(self, lease_seconds: float, failed: list[BaseException] | None = None) -> None:
+        """Write a bound covering a lease from now, once any write in flight is done
+        (which may cover it)."""
+        try:
+            with self._writing:
+                if self.deadline.mono() + lease_seconds <= self.recorded:
+                    return
+                self.write(lease_seconds + self.max_lease)
+        except MarkerWriteError as exc:
+            if failed is None:
+                raise
+            failed.append(exc)
+
+    def _check_refresher(self) -> None:
+        """The thread's write outstanding past the bound is a stall (after the one more
+        brief wait of the policy: a process paused past the bound)."""
+        refresher = self._refresher
+        if self.stall_seconds is None or refresher is None or not refresher.is_alive():
+            return
+        waited = time.monotonic() - self._refresh_began
+        if waited > self.stall_seconds and not join_bounded(refresher, self.stall_seconds, waited):
+            raise self._stalled()
+
+    def _stalled(self) -> MarkerStalledError:
+        assert self.stall_seconds is not None
+        self.hung = True
+        self._stall = MarkerStalledError(
+            errno.EIO, stalled_message(f"a write of lease marker {self.path}", self.stall_seconds)
+        )
+        logger.error("lease marker stalled, no lease is granted or renewed: %s", self._stall)
+        return self._stall
 
     def close(self, timeout: float) -> bool:
         """No thread moves the bound forward from now on, and the one at it (if any) is
@@ -156,6 +219,8 @@ class LeaseMarker:
         refresher = self._refresher
         if refresher is None:
             return True
+        if self.hung:  # (it may never end)
+            return not refresher.is_alive()
         refresher.join(timeout)
         return not refresher.is_alive()
 
@@ -171,6 +236,7 @@ class LeaseMarker:
         self._refresher = threading.Thread(
             target=self._refreshing, args=(lease_seconds,), name="kvcoord-lease-marker"
         )
+        self._refresh_began = time.monotonic()
         self._refresher.start()
 
     def _refreshing(self, lease_seconds: float) -> None:

@@ -26,9 +26,9 @@ lifecycle = logging.getLogger(LIFECYCLE)
 #: at start (the message names the file).
 EXIT_CANNOT_START = 3
 #: Exit status after a journal or lease-marker write failed while serving (disk full,
-#: I/O error), or a journal commit did not return within server.journal_stall_seconds
-#: (a hung disk): the process stops so that its supervisor restarts it from the
-#: committed journal.
+#: I/O error), or a journal commit or lease marker write did not return within
+#: server.journal_stall_seconds (a hung disk): the process stops so that its supervisor
+#: restarts it from the committed journal.
 EXIT_JOURNAL_FAILED = 4
 #: Exit status when the journal is missing or empty while journal.progress names
 #: committed records: restore the data directory, or start once with --start-empty.
@@ -134,7 +134,8 @@ async def run(cfg: ServerConfig, start_empty: bool = False, restored: bool = Fal
             EXIT_JOURNAL_FAILED,
             extra=ids(exit=EXIT_JOURNAL_FAILED),
         )
-        if journal is not None and journal.hung:
+        marker = running.startup.marker if running.startup is not None else None
+        if (journal is not None and journal.hung) or (marker is not None and marker.hung):
             _exit_now(EXIT_JOURNAL_FAILED)
         return EXIT_JOURNAL_FAILED
     logger.info("shutting down (grace %.1fs)", cfg.server.grace_seconds)
@@ -145,8 +146,9 @@ async def run(cfg: ServerConfig, start_empty: bool = False, restored: bool = Fal
 
 
 def _exit_now(status: int) -> None:  # pragma: no cover - ends the process
-    """End the process at once: a journal commit never returned, and a normal exit would
-    wait for its writer thread (concurrent.futures joins it) for ever."""
+    """End the process at once: a journal commit or lease marker write never returned,
+    and a normal exit would wait for its writer thread (concurrent.futures joins it; the
+    marker's threads are not daemons) for ever."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -137,6 +137,12 @@ class RunningServer:
             )
             return
         marker = self.startup.marker if self.startup is not None else None
+        if marker is not None and marker.hung:
+            marker.close(0)
+            logger.error(
+                "a lease marker write never returned: the data directory stays locked until this process ends"
+            )
+            return
         if marker is not None and not await asyncio.to_thread(marker.close, MARKER_JOIN_SECONDS):
             logger.error(
                 "the lease marker's write did not end within %.0f s: the data directory stays locked until "
@@ -470,6 +476,8 @@ async def _start(
             on_gap=lambda pool: servicer.observer.events_gap(pool, "zmq"),
         )
     decision.on_marker_failure = running.on_journal_failure
+    if decision.marker is not None:
+        decision.marker.stall_seconds = cfg.server.stall_seconds
     running.startup = decision
     running.cluster = cluster
     return running

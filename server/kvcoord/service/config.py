@@ -88,7 +88,8 @@ class ServerSettings:
     #: journal records between snapshots (bounds recovery time)
     snapshot_every: int = 20_000
     #: a journal commit or lease marker write outstanding this long (a hung disk or
-    #: fsync) stops the server as a failed write does (exit 4). Must be below
+    #: fsync) stops the server as a failed write does (exit 4); a pool's journal write
+    #: to etcd (cluster journal "store") this long gives the pool up. Must be below
     #: session_lease_seconds; None (unset): :attr:`stall_seconds` derives it
     journal_stall_seconds: float | None = None
     #: without journaled state: how long after start no session may attach

@@ -169,6 +169,7 @@ def store_journal(
         )
 
     streams.on_lost = lost
+    streams.stall_seconds = st.stall_seconds
     recorder.attach_streams(streams, base)
     cluster.streams = streams
     cluster.drop_local = drop

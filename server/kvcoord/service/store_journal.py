@@ -27,8 +27,9 @@ loop goes on; the stream writes it, and the records after it, once it is there.
 ``mod_revision`` with the stream's term: once another replica holds the claim (a new
 term), the deposed owner's writes fail, so it never acknowledges anything after
 losing the pool. A write whose outcome is unknown (the store did not answer) is
-retried while the replica's lease is sure to be alive, one the store refuses (out of
-space) is not; then the pool is given up here (:attr:`PoolStreams.on_lost`): its calls
+retried while the replica's lease is sure to be alive and for at most
+``journal_stall_seconds`` (stalls.py), one the store refuses (out of space) is not;
+then the pool is given up here (:attr:`PoolStreams.on_lost`): its calls
 get UNAVAILABLE, and whoever claims it next rebuilds it from the store.
 
 **Size.** etcd refuses requests above 1.5 MiB (``--max-request-bytes``) and
@@ -62,6 +63,7 @@ import cbor2
 
 from .durability import JournalRecorder
 from .errors import ServiceError, Status
+from .stalls import run_bounded, stalled_message
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pool_service import PoolService
@@ -152,6 +154,9 @@ class PoolStreams:
         self.on_lost: Callable[[str], None] | None = None
         #: told after each batch is settled (committed, or failed and given up)
         self.on_commit: list[Callable[[], None]] = []
+        #: a transaction outstanding longer than this is given up (None: retried while
+        #: the lease is sure to be alive; the server sets [server] journal_stall_seconds)
+        self.stall_seconds: float | None = None
         #: transactions written, bytes written (bench, metrics)
         self.txns = 0
         self.bytes = 0
@@ -327,6 +332,15 @@ class PoolStreams:
             await self._txn(pool, term, [], (self.pool_prefix(pool), self._record_key(pool, term, bases[-1])))
 
     async def _txn(
+        self, pool: str, term: int, puts: list[tuple[bytes, bytes]], delete: tuple[bytes, bytes] | None
+    ) -> None:
+        """One guarded transaction, retried while its outcome is unknown; not done within
+        :attr:`stall_seconds` (stalls.py) it is given up as a refused one is."""
+        if not await run_bounded(self._txn_retried(pool, term, puts, delete), self.stall_seconds):
+            what = f"a write of pool {pool!r}'s journal to the cluster store"  # (outcome unknown)
+            raise StoreWriteError(stalled_message(what, self.stall_seconds or 0.0))
+
+    async def _txn_retried(
         self, pool: str, term: int, puts: list[tuple[bytes, bytes]], delete: tuple[bytes, bytes] | None
     ) -> None:
         while True:

@@ -1,0 +1,319 @@
+"""Instructions per KVCacheManager call on vLLM's scheduler pattern: vLLM's own manager
+against kvcoord's predicted one (``KVCoordScheduler``, ``KVCOORD_PREDICT=1``), counted
+by valgrind (not a test): a load-independent companion of ``bench/vllm_calls.py``,
+whose CPU times move by tens of percent with other jobs on a shared machine.
+
+    KVCOORD_VENV=$(scripts/install_vllm.sh --print-venv)
+    PYTHONPATH=client:server:tests PYTHONHASHSEED=0 $KVCOORD_VENV/bin/python bench/vllm_calls_instructions.py \\
+        [--running 256] [--warmup 150] [--steps 40] [--side both|vllm|kvcoord]
+
+The workload is ``bench/vllm_step.py``'s (as ``bench/vllm_calls.py`` runs it), one
+scheduler per valgrind run (``--tool=callgrind``, instrumentation off until the
+``--warmup`` steps are done). Each manager method the scheduler calls is called, in the
+measured steps, through a C function of its own (a tiny extension built here with the
+valgrind headers), whose inclusive instructions callgrind counts on the calling thread
+only: per call kind, the instructions of all its calls (the sender thread's work in
+between is not counted, the GIL hand-over a call pays is). ``allocate_slots`` is split
+as in ``bench/vllm_calls.py``: a waiting request's first allocation, a running
+request's step inside its blocks or taking blocks (told before the call, by whether the
+step's tokens cross a block boundary; the answer checks it, and the count of calls told
+wrongly is printed). ``schedule`` and ``update_from_output`` are counted whole too.
+
+kvcoord's server runs outside valgrind (started here), as in ``bench/vllm_calls.py``.
+About 5-10 minutes per side at 256 running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: the call kinds, each counted through a C function of its own
+KINDS = (
+    "get_computed_blocks",
+    "alloc_first",
+    "alloc_inside",
+    "alloc_taking",
+    "free",
+    "take_events",
+    "make_prefix_cache_stats",
+    "get_blocks",
+    "schedule",
+    "update_from_output",
+    "noop",
+)
+#: generic marks for ``--detail`` (one per function named there)
+DETAIL_MARKS = tuple(f"d{i}" for i in range(32))
+
+_C = """
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <valgrind/callgrind.h>
+
+static PyObject *call_through(PyObject *args, PyObject *kwargs) {
+    Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (n < 1) { PyErr_SetString(PyExc_TypeError, "a callable first"); return NULL; }
+    PyObject *rest = PyTuple_GetSlice(args, 1, n);
+    if (rest == NULL) return NULL;
+    PyObject *out = PyObject_Call(PyTuple_GET_ITEM(args, 0), rest, kwargs);
+    Py_DECREF(rest);
+    return out;
+}
+%(funcs)s
+static PyObject *kvmark_start(PyObject *self, PyObject *unused) {
+    CALLGRIND_START_INSTRUMENTATION;
+    CALLGRIND_ZERO_STATS;
+    Py_RETURN_NONE;
+}
+static PyMethodDef methods[] = {
+%(table)s
+    {"start", kvmark_start, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL}
+};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvmark", NULL, -1, methods};
+PyMODINIT_FUNC PyInit_kvmark(void) { return PyModule_Create(&module); }
+"""
+
+
+def build_marks(out: Path) -> None:
+    """Build the ``kvmark`` extension into ``out`` (one C function per call kind)."""
+    funcs = "\n".join(
+        f"__attribute__((noinline)) static PyObject *kvmark_{k}(PyObject *self, PyObject *args, PyObject *kw)"
+        " { return call_through(args, kw); }"
+        for k in KINDS + DETAIL_MARKS
+    )
+    table = "\n".join(f'    {{"{k}", (PyCFunction)(void(*)(void))kvmark_{k}, METH_VARARGS | METH_KEYWORDS, NULL}},'
+                      for k in KINDS + DETAIL_MARKS)  # fmt: skip
+    src = out / "kvmark.c"
+    src.write_text(_C % {"funcs": funcs, "table": table})
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    subprocess.run(
+        ["gcc", "-O1", "-fPIC", "-shared", f"-I{sysconfig.get_paths()['include']}", str(src),
+         "-o", str(out / f"kvmark{suffix}")],
+        check=True,
+    )  # fmt: skip
+
+
+# -- the child: one scheduler under valgrind ------------------------------------------------
+
+
+def child(side: str, running: int, warmup: int, steps: int, marks: str, detail: list[str]) -> None:
+    sys.path[:0] = [marks, str(ROOT / "bench"), str(ROOT / "tests" / "with_vllm")]
+    import kvmark  # type: ignore[import-not-found]
+    from harness import BLOCK_SIZE, SCHEDULERS, kv_cache_config, make_scheduler, vllm_config, write_model_dir
+    from kvcoord.client.vllm_scheduler import KVCoordScheduler
+    from vllm_step import run
+
+    model = write_model_dir(Path(tempfile.mkdtemp(prefix="kvcoord-bench-model-")))
+    blocks = running * (900 + 128) // BLOCK_SIZE * 2 + 64
+    config = vllm_config(
+        model, blocks, async_scheduling=False, max_num_seqs=running, max_num_batched_tokens=8192
+    )
+    cls = SCHEDULERS["sync"] if side == "vllm" else KVCoordScheduler
+    sched = make_scheduler(cls, config, kv_cache_config("full", blocks))
+    manager = sched.kv_cache_manager
+    on = False
+    calls: dict[str, int] = dict.fromkeys(KINDS, 0)
+    wrong = 0
+
+    def wrap(obj: Any, name: str, kind: str | None) -> None:
+        inner = getattr(obj, name)
+        mark_of = {k: getattr(kvmark, k) for k in KINDS}
+
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            nonlocal wrong
+            if not on:
+                return inner(*args, **kwargs)
+            k = kind
+            if k is None:  # allocate_slots: which path, told before the call
+                if len(args) > 2 or any(a != "num_lookahead_tokens" for a in kwargs):
+                    k = "alloc_first"
+                else:
+                    req, new = args[0], args[1]
+                    done = req.num_computed_tokens
+                    end = done + new + kwargs.get("num_lookahead_tokens", 0)
+                    k = "alloc_taking" if -(-end // BLOCK_SIZE) > -(-done // BLOCK_SIZE) else "alloc_inside"
+            calls[k] += 1
+            out = mark_of[k](inner, *args, **kwargs)
+            if k in ("alloc_inside", "alloc_taking") and out is not None:
+                if (k == "alloc_taking") != any(out.get_block_ids()):
+                    wrong += 1
+            return out
+
+        setattr(obj, name, marked)
+
+    wrap(manager, "allocate_slots", None)
+    for name in ("get_computed_blocks", "free", "take_events", "make_prefix_cache_stats", "get_blocks"):
+        wrap(manager, name, name)
+    wrap(sched, "schedule", "schedule")
+    wrap(sched, "update_from_output", "update_from_output")
+    # --detail: functions inside the calls, each through a mark of its own (path from the manager)
+    for i, dotted in enumerate(detail):
+        *path, attr = dotted.split(".")
+        obj: Any = manager
+        for part in path:
+            obj = getattr(obj, part)
+        inner_d, mark_d = getattr(obj, attr), getattr(kvmark, DETAIL_MARKS[i])
+
+        def marked_d(
+            *args: Any, _i: Any = inner_d, _m: Any = mark_d, _k: str = DETAIL_MARKS[i], **kw: Any
+        ) -> Any:
+            if not on:
+                return _i(*args, **kw)
+            calls[_k] = calls.get(_k, 0) + 1
+            return _m(_i, *args, **kw)
+
+        try:
+            setattr(obj, attr, marked_d)
+        except (AttributeError, TypeError):
+            print(f"--detail: {dotted} cannot be wrapped", file=sys.stderr)
+    done = 0
+
+    def between() -> None:
+        nonlocal on, done
+        done += 1
+        if done == warmup:
+            on = True
+            kvmark.start()
+            for _ in range(100):  # the marks' own cost (a C call of a C callable)
+                kvmark.noop(int)
+            calls["noop"] = 100
+
+    run(sched, running, warmup + steps, seed=running, counter=None, between=between)
+    on = False
+    if side != "vllm":
+        sched.shutdown()
+    print("KVMARK " + json.dumps({"calls": calls, "wrong": wrong}), flush=True)
+
+
+# -- the parent -----------------------------------------------------------------------------
+
+
+def inclusive(path: Path) -> dict[str, int]:
+    """Inclusive instructions of each ``kvmark_*`` function in a callgrind output file
+    (its own cost plus the cost of the calls it made)."""
+    names: dict[str, str] = {}
+    totals: dict[str, int] = {}
+    current: str | None = None
+    name_re = re.compile(r"^\((\d+)\)(?: (.*))?$")
+
+    def resolve(ref: str) -> str:
+        m = name_re.match(ref.strip())
+        if not m:
+            return ref.strip()
+        if m.group(2) is not None:
+            names[m.group(1)] = m.group(2)
+        return names.get(m.group(1), ref)
+
+    with path.open() as f:
+        for line in f:
+            if line.startswith("fn="):
+                name = resolve(line[3:])
+                current = name if name.startswith("kvmark_") else None
+            elif line.startswith("cfn="):
+                resolve(line[4:])
+            elif current is not None and (line[:1].isdigit() or line[:1] in "+-*"):
+                # a cost line: the function's own, or (after ``calls=``) a call's inclusive
+                parts = line.split()
+                if len(parts) >= 2:
+                    totals[current] = totals.get(current, 0) + int(parts[1])
+    return totals
+
+
+def run_side(side: str, args: argparse.Namespace, marks: Path, tmp: Path) -> dict[str, Any]:
+    sys.path[:0] = [str(ROOT / "client"), str(ROOT / "server")]
+    from kvcoord.client.testing import start_server
+
+    env = dict(os.environ, PYTHONHASHSEED="0")
+    server = None
+    if side == "kvcoord":
+        path = ":".join([str(ROOT / "client"), str(ROOT / "server")])
+        server = start_server("", env=dict(env, PYTHONPATH=path))
+        env.update(KVCOORD_TARGET=server.address, KVCOORD_PREDICT="1", KVCOORD_POOL="bench-calls")
+    out = tmp / f"callgrind.{side}.out"
+    cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+           sys.executable, str(Path(__file__).resolve()), "--child", side, "--running", str(args.running),
+           "--warmup", str(args.warmup), "--steps", str(args.steps), "--marks", str(marks),
+           "--detail", args.detail]  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    finally:
+        if server is not None:
+            server.stop()
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("KVMARK ")), None)
+    if proc.returncode != 0 or line is None:
+        sys.exit(
+            f"{side}: valgrind run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
+    info = json.loads(line[len("KVMARK ") :])
+    info["ir"] = {k[len("kvmark_") :]: v for k, v in inclusive(out).items()}
+    return info
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--running", type=int, default=256)
+    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--side", default="both", choices=["both", "vllm", "kvcoord"])
+    ap.add_argument("--json", help="write the counts to this file too")
+    ap.add_argument(
+        "--detail", default="", help="comma-separated functions (dotted from the manager) to count too"
+    )
+    ap.add_argument("--child", choices=["vllm", "kvcoord"], help=argparse.SUPPRESS)
+    ap.add_argument("--marks", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(
+            args.child,
+            args.running,
+            args.warmup,
+            args.steps,
+            args.marks,
+            [d for d in args.detail.split(",") if d],
+        )
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="kvcoord-calls-ir-"))
+    build_marks(tmp)
+    sides = ["vllm", "kvcoord"] if args.side == "both" else [args.side]
+    got = {s: run_side(s, args, tmp, tmp) for s in sides}
+    if args.json:
+        Path(args.json).write_text(json.dumps(got, indent=1))
+    print(f"{args.running} running, {args.steps} steps after {args.warmup}: instructions per call")
+    print(
+        f"{'call':<26}"
+        + "".join(f"{s + ' calls':>14}{s + ' Ir':>14}" for s in sides)
+        + ("      x" if len(sides) == 2 else "")
+    )
+    for k in KINDS:
+        row, per = f"{k:<26}", []
+        for s in sides:
+            n, ir = got[s]["calls"].get(k, 0), got[s]["ir"].get(k, 0)
+            per.append(ir / n if n else 0.0)
+            row += f"{n:>14}{per[-1]:>14.0f}"
+        if len(per) == 2 and per[0]:
+            row += f"{per[1] / per[0]:>7.2f}"
+        print(row)
+    for i, dotted in enumerate(d for d in args.detail.split(",") if d):
+        k = DETAIL_MARKS[i]
+        row = f"{dotted:<40}"
+        for s in sides:
+            n, ir = got[s]["calls"].get(k, 0), got[s]["ir"].get(k, 0)
+            row += f"{n:>10}{ir / n if n else 0:>12.0f}"
+        print(row)
+    for s in sides:
+        print(f"{s}: allocations told wrongly inside/taking: {got[s]['wrong']}")
+
+
+if __name__ == "__main__":
+    main()

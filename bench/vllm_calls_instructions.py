@@ -18,6 +18,9 @@ as in ``bench/vllm_calls.py``: a waiting request's first allocation, a running
 request's step inside its blocks or taking blocks (told before the call, by whether the
 step's tokens cross a block boundary; the answer checks it, and the count of calls told
 wrongly is printed). ``schedule`` and ``update_from_output`` are counted whole too.
+The cyclic garbage collector is off in the measured steps (heap frozen first), unless
+``--keep-gc``: where a collection falls moved one call kind's mean by thousands of
+instructions between two runs of the same code.
 
 kvcoord's server runs outside valgrind (started here), as in ``bench/vllm_calls.py``.
 About 5-10 minutes per side at 256 running.
@@ -26,6 +29,7 @@ About 5-10 minutes per side at 256 running.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -107,7 +111,9 @@ def build_marks(out: Path) -> None:
 # -- the child: one scheduler under valgrind ------------------------------------------------
 
 
-def child(side: str, running: int, warmup: int, steps: int, marks: str, detail: list[str]) -> None:
+def child(
+    side: str, running: int, warmup: int, steps: int, marks: str, detail: list[str], keep_gc: bool
+) -> None:
     sys.path[:0] = [marks, str(ROOT / "bench"), str(ROOT / "tests" / "with_vllm")]
     import kvmark  # type: ignore[import-not-found]
     from harness import BLOCK_SIZE, SCHEDULERS, kv_cache_config, make_scheduler, vllm_config, write_model_dir
@@ -183,6 +189,10 @@ def child(side: str, running: int, warmup: int, steps: int, marks: str, detail: 
         nonlocal on, done
         done += 1
         if done == warmup:
+            if not keep_gc:  # (where a collection falls would move a call kind's count by thousands)
+                gc.collect()
+                gc.freeze()
+                gc.disable()
             on = True
             kvmark.start()
             for _ in range(100):  # the marks' own cost (a C call of a C callable)
@@ -244,7 +254,7 @@ def run_side(side: str, args: argparse.Namespace, marks: Path, tmp: Path) -> dic
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
            sys.executable, str(Path(__file__).resolve()), "--child", side, "--running", str(args.running),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--marks", str(marks),
-           "--detail", args.detail]  # fmt: skip
+           "--detail", args.detail, *(["--keep-gc"] if args.keep_gc else [])]  # fmt: skip
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     finally:
@@ -270,6 +280,11 @@ def main() -> None:
     ap.add_argument(
         "--detail", default="", help="comma-separated functions (dotted from the manager) to count too"
     )
+    ap.add_argument(
+        "--keep-gc",
+        action="store_true",
+        help="the cyclic collector stays on in the measured steps (off by default)",
+    )
     ap.add_argument("--child", choices=["vllm", "kvcoord"], help=argparse.SUPPRESS)
     ap.add_argument("--marks", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -281,6 +296,7 @@ def main() -> None:
             args.steps,
             args.marks,
             [d for d in args.detail.split(",") if d],
+            args.keep_gc,
         )
         return
     tmp = Path(tempfile.mkdtemp(prefix="kvcoord-calls-ir-"))

@@ -108,6 +108,8 @@ class Mirror:
         self.log_stats = config.log_stats if config.HasField("log_stats") else True
         engine.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
         self.engine = engine
+        #: where the engine records its statistics (read by ``_drain_stats``)
+        self._engine_hits = engine.hits
         self._update_and_allocate = engine.update_and_allocate
         #: a decode step inside the request's blocks, or ``None`` (nothing changed):
         #: the engine's ``decode_token``, which makes no event and no statistic
@@ -320,6 +322,12 @@ class Mirror:
             self.events += events if convert is None else convert(events)
 
     def _drain_stats(self) -> None:
+        """Move the engine's statistics into the step's and the scheduler's sums: only
+        when it recorded any (a lookup counts one request, preempted or not; a reset
+        sets ``reset``), so a drain with nothing to add makes no new object."""
+        now = self._engine_hits.prefix_cache_stats
+        if now is None or not (now.requests or now.preempted_requests or now.reset):
+            return
         stats = self.engine.make_prefix_cache_stats()
         if stats is not None:
             add_stats(self.step_stats, stats)

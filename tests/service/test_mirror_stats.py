@@ -1,0 +1,40 @@
+"""A predicted session's mirror sums the engine's prefix-cache statistics twice: per
+Step (what the server's answer must say) and per ``make_prefix_cache_stats`` (what the
+scheduler reads). The mirror moves the engine's statistics into both sums only when
+the engine recorded any; a reset with no lookup is one (its ``reset`` flag)."""
+
+from __future__ import annotations
+
+from kvcoord.client import KVCoordClient
+from kvcoord.client.tracking import SyncValues
+from kvcoord.engine import PrefixCacheStats
+from service.test_mirror_errors import _mirror
+
+
+def test_the_mirrors_statistics_add_up_per_step_and_per_scheduler_call(client: KVCoordClient) -> None:
+    mirror, _ = _mirror(client, "p")
+    empty = PrefixCacheStats()
+    assert mirror.take_stats() == empty and mirror.take_step()[1] == empty
+    for rid in ("a", "b"):
+        mirror.apply(SyncValues(rid, True, 0, 0, tokens=[1] * 9, hashes=[b"\x01" * 32, b"\x02" * 32]))
+        mirror.lookup(rid)
+    two = PrefixCacheStats(requests=2, queries=18)
+    assert mirror.peek_stats() == two
+    assert mirror.take_stats() == two
+    assert mirror.take_stats() == empty  # (nothing since)
+    assert mirror.take_step()[1] == two  # the Step's sum is its own
+    assert mirror.take_step()[1] == empty
+    mirror.apply(SyncValues("c", True, 0, 0, tokens=[2] * 5, hashes=[b"\x03" * 32]))
+    mirror.lookup("c")
+    one = PrefixCacheStats(requests=1, queries=5)
+    assert mirror.take_step()[1] == one and mirror.take_stats() == one
+
+
+def test_a_reset_without_a_lookup_is_reported_to_both(client: KVCoordClient) -> None:
+    mirror, _ = _mirror(client, "p")
+    assert mirror.take_stats() == PrefixCacheStats()
+    assert mirror.call("reset_prefix_cache") is True
+    reset = PrefixCacheStats(reset=True)
+    assert mirror.peek_stats() == reset
+    assert mirror.take_stats() == reset and mirror.take_step()[1] == reset
+    assert mirror.take_stats() == PrefixCacheStats() and mirror.take_step()[1] == PrefixCacheStats()

@@ -28,10 +28,10 @@ def test_a_slow_disk_moves_the_lease_marker_without_stalling_the_loop(
     """Every fsync takes 1 s (a disk under heavy writeback) while a worker on pool q
     renews its lease and reads its pool every 10 ms, and a worker attaches to pool p.
     The marker must move forward meanwhile (6 s leases: past half its 6 s headroom);
-    it is written on its own thread, and no call of pool q waits for it. The bound,
-    0.4 s, is five times below the stall this measured before (2.0 s: the marker's
-    two fsyncs on the event loop, every pool's calls waiting) and far above a call's
-    latency on a loaded machine (a few ms)."""
+    it is written on its own thread, and no call of pool q waits for it: q's calls
+    go on answering during every fsync (before, none was answered during one: the
+    marker's two fsyncs ran on the event loop, every pool's calls waiting). Counted,
+    not timed: a loaded machine slows the calls but does not stop them for 1 s."""
     lease = 6.0
     server = InProcessServer(
         pool_toml("p", 64) + pool_toml("q", 64), data_dir=str(tmp_path / "data"), durability="none",
@@ -43,20 +43,23 @@ def test_a_slow_disk_moves_the_lease_marker_without_stalling_the_loop(
             sb = b.attach("q", "sha256_cbor", 4, "0", "worker-b")  # the marker is written here (fast disk)
             attached = time.monotonic()
 
+            answered = [0]  # q's calls answered so far
+            during: list[int] = []  # q's calls answered during each slow fsync
+
             def slow_fsync(fd: int) -> None:
+                before = answered[0]
                 time.sleep(1.0)
+                during.append(answered[0] - before)
                 real(fd)
 
             monkeypatch.setattr(os, "fsync", slow_fsync)
-            worst = [0.0]
             stop = threading.Event()
 
             def poll() -> None:
                 while not stop.is_set():
-                    t0 = time.perf_counter()
                     b.get_pool("q")
                     b.heartbeat(sb.session_id, sb.fence)
-                    worst[0] = max(worst[0], time.perf_counter() - t0)
+                    answered[0] += 1
                     time.sleep(0.01)
 
             poller = threading.Thread(target=poll)
@@ -70,7 +73,8 @@ def test_a_slow_disk_moves_the_lease_marker_without_stalling_the_loop(
                 stop.set()
                 poller.join(30)
         monkeypatch.setattr(os, "fsync", real)
-        assert worst[0] < 0.4, f"pool q's calls stalled {worst[0]:.2f}s behind the lease marker's fsyncs"
+        assert during, "no marker write was made while the disk was slow: the test shows nothing"
+        assert min(during) > 0, f"pool q's calls answered during each 1 s fsync: {during}"
     finally:
         monkeypatch.setattr(os, "fsync", real)
         server.stop()

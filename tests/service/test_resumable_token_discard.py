@@ -19,9 +19,10 @@ through this very flow with vLLM's Request (append_output_token_ids, the same cu
 update_block_hashes), hands out the same block ids and answers the later prompt a
 4-token hit ([1]) where both kvcoord managers answer an 8-token one ([1, 2]).
 
-Known defect, not fixed yet (found by the HUNTPRED hunt): the test is a strict xfail
-and passes once the cut is detected (the request lost and recomputed, or its position
-moved back, or a loud refusal)."""
+Found by the HUNTPRED hunt; fixed: the tracker sees the cut at the next sync (the last
+token or hash it sent changed) and rewinds the request to its computed tokens
+(``RequestSync.rewind_num_tokens``), which the pool and the mirror apply by vLLM's rule
+(tokens past it, hashes from its block on dropped) before the chunk's are appended."""
 
 from __future__ import annotations
 
@@ -53,11 +54,6 @@ def _update_block_hashes(r: Any) -> None:
 
 
 @pytest.mark.parametrize("mode", ["waiting", "predicted"])
-@pytest.mark.xfail(
-    strict=True,
-    reason="known defect: a resumable request's discarded token (vLLM 0.33 streaming input) keeps its "
-    "block hash in the pool, and the block is cached under it (HUNTPRED report)",
-)
 def test_a_discarded_streaming_token_leaves_no_hit_on_the_block_that_held_it(
     server: InProcessServer, client: KVCoordClient, mode: str
 ) -> None:

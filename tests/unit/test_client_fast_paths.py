@@ -12,7 +12,8 @@ import pytest
 from kvcoord import engine
 from kvcoord.client.errors import KVCoordError
 from kvcoord.client.mirror import _check_wire_tokens, wire_tokens
-from kvcoord.client.tracking import RequestTracker, _as_bytes, token_list
+from kvcoord.client.token_lists import as_bytes, token_list
+from kvcoord.client.tracking import RequestTracker
 from kvcoord.client.vllm_manager import KVCoordKVCacheManager, _hashed_blocks, _Held
 from kvcoord.client.vllm_types import (
     KVCacheBlocks,
@@ -111,7 +112,7 @@ def test_converted_events_are_the_general_conversions(monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize("kind", [bytes, bytearray, memoryview, "mixed", "tuple"])
 def test_hashes_given_as_bytes_are_what_the_general_conversion_gives(kind: object) -> None:
-    """The tracker's hashes (``_as_bytes``): a list of ``bytes`` is taken as it is, any
+    """The tracker's hashes (``as_bytes``): a list of ``bytes`` is taken as it is, any
     other bytes-like value converted, as ``[bytes(h) for h in hashes]`` would."""
     rng = random.Random(1)
     raw = [rng.randbytes(32) for _ in range(5)]
@@ -121,7 +122,7 @@ def test_hashes_given_as_bytes_are_what_the_general_conversion_gives(kind: objec
         given = tuple(raw)
     else:
         given = [kind(h) for h in raw]  # type: ignore[operator]
-    got = _as_bytes(given)
+    got = as_bytes(given)
     assert got == [bytes(h) for h in given] and {type(h) for h in got} == {bytes}
 
 

@@ -171,6 +171,24 @@ class Mirror:
                         raise
                 return lambda: engine.restore_request(rid, None)
             checkpoint = engine.checkpoint_request(rid)
+            if sync.rewind is not None:  # (as the server applies it: PoolService's syncs)
+                rewind = engine.rewind_request(rid, sync.rewind, computed)
+                try:
+                    engine.update_request(
+                        rid,
+                        num_computed_tokens=computed,
+                        append_token_ids=tokens,
+                        append_block_hashes=sync.hashes,
+                    )
+                except EngineError:
+                    engine.unrewind_request(rid, rewind)
+                    raise
+
+                def undo() -> None:
+                    engine.unrewind_request(rid, rewind)
+                    engine.restore_request(rid, checkpoint)
+
+                return undo
             engine.update_request(
                 rid, num_computed_tokens=computed, append_token_ids=tokens, append_block_hashes=sync.hashes
             )

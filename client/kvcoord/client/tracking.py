@@ -21,6 +21,8 @@ from kvcoord.wire import write_extra_key_sources
 
 from .errors import InvalidArgumentError, KVCoordError, RequestsLostError
 from .hashing import BlockHasher, MultiModalItem
+from .rewinds import changed, note, note_token, rewind_point
+from .token_lists import as_bytes, token_list
 
 __all__ = ["LostRequestInUseError", "RequestTracker", "SyncValues"]
 
@@ -59,6 +61,11 @@ class _Tracked:
     #: only while it is called with this very object
     request: Any = None
     tokens: list[int] | None = None
+    #: per position sent (a token count), the last token then sent and the hash count and
+    #: last hash (its very object) sent with it: what the server holds there, to see
+    #: at the next sync whether the request was rewound meanwhile (:mod:`.rewinds`);
+    #: only the positions since the committed one are kept (a few)
+    seen: dict[int, tuple[int, int, object]] = dataclasses.field(default_factory=dict)
 
     def commit(self) -> None:
         self.committed = (self.sent_tokens, self.sent_hashes, self.sent_computed, self.registered)
@@ -104,6 +111,9 @@ class SyncValues:
     #: vLLM 0.33's kv_cache_report_mode "full" (a vllm-0.33 pool publishing events
     #: re-announces the request's hits)
     kv_cache_report_full: bool = False
+    #: a rewind (:mod:`.rewinds`): the request's tokens past this many and its hashes
+    #: from this many // hash_block_size on dropped before the append (``None``: none)
+    rewind: int | None = None
 
     def write(self, into: pb.RequestSync) -> pb.RequestSync:
         into.request_id = self.request_id
@@ -124,6 +134,8 @@ class SyncValues:
         else:
             into.base_num_tokens = self.base_num_tokens
             into.base_num_hashes = self.base_num_hashes
+            if self.rewind is not None:
+                into.rewind_num_tokens = self.rewind
         tokens = self.tokens
         if tokens:
             n = self.num_tokens
@@ -191,14 +203,26 @@ class RequestTracker:
                 self.lost.discard(rid)  # reset by the scheduler (preempted): a new start
             t = _Tracked(self._hasher(request))
             self._tracked[rid] = t
+        tokens = request.all_token_ids
+        given = getattr(request, "block_hashes", None)
+        rewind = None
+        if t.registered and t.hasher is None and changed(t, tokens, given):
+            # cut back since its last sync (vLLM 0.33's streaming input): rewound
+            rewind = rewind_point(
+                rid, t, tokens, given, int(request.num_computed_tokens), self.config.hash_block_size
+            )
         else:
             self._check_same(request, t)
-        tokens = request.all_token_ids
         new = not t.registered
         raw = token_list(request) if new else None
         # (what may raise comes before the tracker moves: a failed call leaves it as it was)
         extra = self.extra_keys_of(request) if new and self.extra_keys_of is not None else None
         values = SyncValues(rid, new, t.sent_tokens, t.sent_hashes)
+        if rewind is not None:
+            values.rewind = rewind
+            t.sent_tokens, t.sent_hashes = rewind, min(t.sent_hashes, rewind // self.config.hash_block_size)
+            for k in [k for k in t.seen if k > rewind]:
+                del t.seen[k]
         n = len(tokens)
         if n > t.sent_tokens:
             # a registration's prompt: copied once, into the list the mirror's engine keeps
@@ -240,6 +264,7 @@ class RequestTracker:
                 )
             t.registered = True
             t.request, t.tokens = request, raw
+        note(t, tokens, given)
         return values
 
     def sync_run(
@@ -259,6 +284,9 @@ class RequestTracker:
         tokens = t.tokens
         if tokens is None or t.request is not request:
             tokens = request.all_token_ids
+        given = getattr(request, "block_hashes", None)
+        if t.hasher is None and changed(t, tokens, given):
+            return None  # a rewind: a full sync (never an entry of a run)
         n = len(tokens)
         if n < base_t or (base_t and t.hasher is not None):
             self._check_same(request, t)  # (with hashes given, only the length says anything)
@@ -267,18 +295,18 @@ class RequestTracker:
         if n > base_t:
             new_tokens = tokens[base_t:]
             if self.enable_caching:
-                given = getattr(request, "block_hashes", None)
                 if given is None:
                     new_hashes = self._new_hashes(request, t)
                     t.sent_hashes = base_h + len(new_hashes)
                 elif len(given) > base_h:
-                    new_hashes = _as_bytes(given[base_h:])
+                    new_hashes = as_bytes(given[base_h:])
                     t.sent_hashes = base_h + len(new_hashes)
             t.sent_tokens = n
         computed = request.num_computed_tokens
         if type(computed) is not int:
             computed = int(computed)
         t.sent_computed = computed
+        note(t, tokens, given)
         return mark, base_t, base_h, new_tokens, new_hashes, computed
 
     def next_token(self, request: Any) -> tuple[int, int, int, int, int, bytes | None] | None:
@@ -297,6 +325,9 @@ class RequestTracker:
         base_t = t.sent_tokens
         if tokens is None or len(tokens) != base_t + 1:
             return None
+        seen = t.seen.get(base_t)
+        if seen is None or tokens[base_t - 1] != seen[0]:
+            return None  # (maybe a rewind: sync_run tells)
         base_h = t.sent_hashes
         block_hash = None
         if self.enable_caching:
@@ -308,6 +339,8 @@ class RequestTracker:
                 block_hash = given[base_h]
                 if type(block_hash) is not bytes:
                     return None  # (sync_run makes it one)
+            if base_h and given[base_h - 1] is not seen[2]:
+                return None  # (maybe a rewind, or an equal hash: sync_run tells)
         computed = request.num_computed_tokens
         if type(computed) is not int:
             return None
@@ -316,7 +349,9 @@ class RequestTracker:
         if block_hash is not None:
             t.sent_hashes = base_h + 1
         t.sent_computed = computed
-        return base_t, base_h, tokens[base_t], computed, was, block_hash
+        token = tokens[base_t]
+        note_token(t, token, block_hash if block_hash is not None else seen[2])
+        return base_t, base_h, token, computed, was, block_hash
 
     def hashes(self, request: Any) -> Sequence[bytes]:
         """The request's block hashes as sent (a tracked request; empty when caching is
@@ -446,7 +481,7 @@ class RequestTracker:
         """Hashes of blocks completed since the last sync (only those: no history copy)."""
         given = getattr(request, "block_hashes", None)
         if given is not None:
-            return _as_bytes(given[t.sent_hashes :])
+            return as_bytes(given[t.sent_hashes :])
         assert t.hasher is not None
         tokens = request.all_token_ids
         have = t.sent_tokens
@@ -454,24 +489,3 @@ class RequestTracker:
         if len(tokens) > have:
             t.hasher.extend(tokens[have:])
         return t.hasher.block_hashes[t.sent_hashes :]
-
-
-def token_list(request: Any) -> list[int] | None:
-    """The list behind vLLM's read-only ``ConstantList`` view of a request's tokens
-    (``all_token_ids``, whose every ``len()`` and slice is a Python call; vLLM makes the
-    view once and only appends to or cuts its list in place), to read in place; ``None``
-    when ``all_token_ids`` is a list itself (read as cheaply) or any other sequence."""
-    tokens = request.all_token_ids
-    if type(tokens) is list:
-        return None
-    inner = getattr(tokens, "_x", None)
-    return inner if type(inner) is list else None
-
-
-def _as_bytes(hashes: Sequence[Any]) -> list[bytes]:
-    """``hashes`` as a list of ``bytes`` (vLLM's are ``bytes`` already: then one C pass
-    checks it and the list is the slice itself, not copied again)."""
-    out = hashes if type(hashes) is list else list(hashes)
-    if list(map(type, out)).count(bytes) != len(out):
-        out = [bytes(h) for h in out]
-    return out

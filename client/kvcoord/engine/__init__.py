@@ -20,7 +20,7 @@ from .errors import (
     UncountedBlocksError,
 )
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, hash_to_int64
-from .pool import AllocationResult, CacheHit, KVCachePool, PoolSnapshot, RequestCheckpoint
+from .pool import AllocationResult, CacheHit, KVCachePool, PoolSnapshot, RequestCheckpoint, RequestRewind
 from .request import LoRA
 from .request_table import HandedTokenIds, TokenIds
 from .specs import (
@@ -61,6 +61,7 @@ __all__ = [
     "PoolSnapshot",
     "PrefixCacheStats",
     "RequestCheckpoint",
+    "RequestRewind",
     "RequestExistsError",
     "RequestNotFoundError",
     "SlidingWindowSpec",

@@ -36,10 +36,17 @@ from .errors import (
 from .pool_fast import FastPaths
 from .request import Request
 from .request_table import check_count
-from .results import AllocationResult, BlockIds, CacheHit, PoolSnapshot, RequestCheckpoint
+from .results import AllocationResult, BlockIds, CacheHit, PoolSnapshot, RequestCheckpoint, RequestRewind
 
 # The result types are re-exported: ``from kvcoord.engine.pool import CacheHit`` works.
-__all__ = ["AllocationResult", "CacheHit", "KVCachePool", "PoolSnapshot", "RequestCheckpoint"]
+__all__ = [
+    "AllocationResult",
+    "CacheHit",
+    "KVCachePool",
+    "PoolSnapshot",
+    "RequestCheckpoint",
+    "RequestRewind",
+]
 
 _ALLOCATE_COUNT_NAMES = (
     "num_new_tokens",

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .errors import FailedPreconditionError, RequestNotFoundError
+from .errors import FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
 from .extra_keys import ExtraKeySources
 from .managers import SingleTypeKVCacheManager
 from .pool_parts import PoolParts
 from .request import LoRA, Request
-from .results import RequestCheckpoint
+from .request_table import check_count
+from .results import RequestCheckpoint, RequestRewind
 
 
 class PoolRequests(PoolParts):
@@ -126,6 +127,75 @@ class PoolRequests(PoolParts):
             raise FailedPreconditionError(f"request {request_id!r} holds blocks; cannot forget it")
         self.coordinator.free(request_id)
         del self.requests[request_id]
+
+    def rewind_request(
+        self, request_id: str, num_tokens: int, num_computed_tokens: int | None = None
+    ) -> RequestRewind:
+        """Cut the request's record back as vLLM 0.33 cuts a waiting streaming-input
+        session (``Scheduler._update_request_as_session``: its last sampled token is
+        discarded when the next input chunk arrives): its tokens past ``num_tokens``
+        and its block hashes from ``num_tokens // hash_block_size`` on are dropped; its
+        blocks and computed count stay. The tokens and hashes that follow are appended
+        by :meth:`update_request` as usual. Returns what was dropped, for
+        :meth:`unrewind_request`.
+
+        ``num_computed_tokens``: the computed count the request has once the caller's
+        update is applied (default: its current one).
+
+        Raises:
+            RequestNotFoundError: unknown request.
+            InvalidArgumentError: ``num_tokens`` not a count, or past the request's tokens.
+            FailedPreconditionError: ``num_tokens`` below the computed count (those
+                positions' KV is written: a token there cannot change), or a dropped hash
+                is one of a block cached for the request (the block would stay in the
+                cache under the dropped token's hash).
+        """
+        req = self._get(request_id)
+        have = len(req.all_token_ids)
+        if not check_count(num_tokens, "rewind num_tokens") <= have:
+            raise InvalidArgumentError(
+                f"request {request_id!r}: a rewind to {num_tokens} tokens, but it holds {have}"
+            )
+        computed = req.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+        if num_tokens < computed:
+            raise FailedPreconditionError(
+                f"request {request_id!r}: a rewind to {num_tokens} tokens, below its {computed} computed "
+                "tokens (their KV is written: a computed token never changes)"
+            )
+        hbs = self.hash_block_size
+        keep_hashes = min(len(req.block_hashes), num_tokens // hbs)
+        for m in self.managers:
+            cached = m.num_cached_block.get(request_id, 0)
+            if cached * m.block_size > keep_hashes * hbs:
+                raise FailedPreconditionError(
+                    f"request {request_id!r}: a rewind to {num_tokens} tokens drops the hash of a block "
+                    f"cached for it (group {m.group_id}: {cached} blocks of {m.block_size} cached; "
+                    f"{keep_hashes} hashes of {hbs} tokens kept)"
+                )
+        rewind = RequestRewind(
+            num_tokens,
+            keep_hashes,
+            tuple(req.all_token_ids[num_tokens:]),
+            tuple(req.block_hashes[keep_hashes:]),
+        )
+        # A new list, not the old one cut in place: a registration's list may be one its
+        # maker still reads its first tokens from (a client's HandedTokenIds, written
+        # into its message later); rewinds are rare, the copy is theirs alone.
+        req.all_token_ids = req.all_token_ids[:num_tokens]
+        del req.block_hashes[keep_hashes:]
+        return rewind
+
+    def unrewind_request(self, request_id: str, rewind: RequestRewind) -> None:
+        """Undo :meth:`rewind_request` (and the updates made since, which only append):
+        the request's tokens and hashes as they were before it. Only valid while no
+        pool operation has run for the request in between. A no-op for an unknown id."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        del req.all_token_ids[rewind.num_tokens :]
+        del req.block_hashes[rewind.num_block_hashes :]
+        req.all_token_ids += rewind.dropped_token_ids
+        req.block_hashes += rewind.dropped_block_hashes
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests

@@ -57,6 +57,17 @@ class RequestCheckpoint:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class RequestRewind:
+    """What a rewind (``rewind_request``) dropped of a request, to undo it
+    (``unrewind_request``): the sizes it kept and the tokens and hashes past them."""
+
+    num_tokens: int
+    num_block_hashes: int
+    dropped_token_ids: tuple[int, ...]
+    dropped_block_hashes: tuple[bytes, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class PoolSnapshot:
     """Everything observable about a pool, for equality checks in tests and tools."""
 

@@ -381,7 +381,7 @@ class LoRA(_message.Message):
     def __init__(self, adapter_id: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class RequestSync(_message.Message):
-    __slots__ = ("request_id", "append_token_ids", "append_block_hashes", "new_request", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "lora", "skip_reading_prefix_cache", "num_preemptions", "cache_salt", "mm_items", "prompt_embeds_digests", "num_prompt_tokens", "kv_cache_report_full")
+    __slots__ = ("request_id", "append_token_ids", "append_block_hashes", "new_request", "base_num_tokens", "base_num_hashes", "num_computed_tokens", "lora", "skip_reading_prefix_cache", "num_preemptions", "cache_salt", "mm_items", "prompt_embeds_digests", "num_prompt_tokens", "kv_cache_report_full", "rewind_num_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     APPEND_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     APPEND_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +397,7 @@ class RequestSync(_message.Message):
     PROMPT_EMBEDS_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_REPORT_FULL_FIELD_NUMBER: _ClassVar[int]
+    REWIND_NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     append_token_ids: _containers.RepeatedScalarFieldContainer[int]
     append_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
@@ -412,7 +413,8 @@ class RequestSync(_message.Message):
     prompt_embeds_digests: _containers.RepeatedScalarFieldContainer[bytes]
     num_prompt_tokens: int
     kv_cache_report_full: bool
-    def __init__(self, request_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., new_request: _Optional[bool] = ..., base_num_tokens: _Optional[int] = ..., base_num_hashes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., lora: _Optional[_Union[LoRA, _Mapping]] = ..., skip_reading_prefix_cache: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., cache_salt: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., kv_cache_report_full: _Optional[bool] = ...) -> None: ...
+    rewind_num_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., append_token_ids: _Optional[_Iterable[int]] = ..., append_block_hashes: _Optional[_Iterable[bytes]] = ..., new_request: _Optional[bool] = ..., base_num_tokens: _Optional[int] = ..., base_num_hashes: _Optional[int] = ..., num_computed_tokens: _Optional[int] = ..., lora: _Optional[_Union[LoRA, _Mapping]] = ..., skip_reading_prefix_cache: _Optional[bool] = ..., num_preemptions: _Optional[int] = ..., cache_salt: _Optional[str] = ..., mm_items: _Optional[_Iterable[_Union[MultiModalItem, _Mapping]]] = ..., prompt_embeds_digests: _Optional[_Iterable[bytes]] = ..., num_prompt_tokens: _Optional[int] = ..., kv_cache_report_full: _Optional[bool] = ..., rewind_num_tokens: _Optional[int] = ...) -> None: ...
 
 class MultiModalItem(_message.Message):
     __slots__ = ("identifier", "offset", "length")

@@ -75,6 +75,7 @@ def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
             s.base_num_tokens,
             s.base_num_hashes,
             s.num_computed_tokens if s.HasField("num_computed_tokens") else None,
+            rewind_num_tokens=s.rewind_num_tokens if s.HasField("rewind_num_tokens") else None,
         )
     return op.RequestSync(
         s.request_id,
@@ -94,6 +95,7 @@ def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
         extra_key_sources_from_pb(s),
         s.num_prompt_tokens if s.HasField("num_prompt_tokens") else None,
         s.kv_cache_report_full,
+        s.rewind_num_tokens if s.HasField("rewind_num_tokens") else None,
     )
 
 

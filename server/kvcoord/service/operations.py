@@ -76,6 +76,10 @@ class RequestSync:
     extra_key_sources: ExtraKeySources | None = None
     num_prompt_tokens: int | None = None
     kv_cache_report_full: bool = False
+    #: a registered request's rewind (vLLM 0.33's streaming-input cut): its tokens past
+    #: this many dropped, and its hashes from this many // hash_block_size on, before
+    #: the append (``None``: no rewind; see the proto's RequestSync)
+    rewind_num_tokens: int | None = None
 
 
 @dataclasses.dataclass(slots=True)

@@ -175,6 +175,7 @@ class PoolAllocations:
             or len(req.all_token_ids) != sync.base_num_tokens
             or len(req.block_hashes) != sync.base_num_hashes
             or not sync.append_token_ids
+            or sync.rewind_num_tokens is not None
         ):
             return self.allocate(s, o)
         # A refused update changes nothing; an allocation that raises takes the update

@@ -64,11 +64,12 @@ class RequestSyncs:
         if sync.new_request:
             if not rid:
                 raise ServiceError(Status.INVALID, "request_id is required")
-            if sync.base_num_tokens or sync.base_num_hashes:
+            if sync.base_num_tokens or sync.base_num_hashes or sync.rewind_num_tokens is not None:
                 raise ServiceError(
                     Status.INVALID,
                     f"request {rid[:128]!r}: a new_request sync starts at position 0, got base "
-                    f"{sync.base_num_tokens} tokens / {sync.base_num_hashes} hashes",
+                    f"{sync.base_num_tokens} tokens / {sync.base_num_hashes} hashes"
+                    + ("" if sync.rewind_num_tokens is None else " and a rewind"),
                 )
             owner = self.pool.owners.get(rid)
             if owner is not None and owner.tenant != s.tenant:
@@ -137,10 +138,18 @@ class RequestSyncs:
                 self.position(rid),
             )
         computed = sync.num_computed_tokens
-        if not sync.append_token_ids and not sync.append_block_hashes and computed is None:
+        rewind_to = sync.rewind_num_tokens
+        if (
+            not sync.append_token_ids
+            and not sync.append_block_hashes
+            and computed is None
+            and rewind_to is None
+        ):
             return noop
         # engine.checkpoint_request's value, from the record at hand
         checkpoint = RequestCheckpoint(req.num_tokens, len(req.block_hashes), req.num_computed_tokens)
+        if rewind_to is not None:
+            return self._rewind(rid, sync, checkpoint)
         engine.update_request(
             rid,
             num_computed_tokens=computed,
@@ -148,6 +157,37 @@ class RequestSyncs:
             append_block_hashes=sync.append_block_hashes,
         )
         return lambda: engine.restore_request(rid, checkpoint)
+
+    def _rewind(self, rid: str, sync: op.RequestSync, checkpoint: RequestCheckpoint) -> Undo:
+        """:meth:`sync` of a rewinding sync (its position checked): the request cut back
+        (the engine's rule, checked against the computed count this sync sets), then
+        updated as usual; refused with nothing changed. Returns how to undo it."""
+        engine = self.pool.engine
+        assert sync.rewind_num_tokens is not None
+        if sync.rewind_num_tokens > sync.base_num_tokens:
+            raise ServiceError(
+                Status.INVALID,
+                f"request {rid[:128]!r}: a rewind to {sync.rewind_num_tokens} tokens, past the sync's "
+                f"position ({sync.base_num_tokens} tokens)",
+            )
+        computed = sync.num_computed_tokens
+        rewind = engine.rewind_request(rid, sync.rewind_num_tokens, computed)
+        try:
+            engine.update_request(
+                rid,
+                num_computed_tokens=computed,
+                append_token_ids=sync.append_token_ids,
+                append_block_hashes=sync.append_block_hashes,
+            )
+        except BaseException:
+            engine.unrewind_request(rid, rewind)
+            raise
+
+        def undo() -> None:
+            engine.unrewind_request(rid, rewind)
+            engine.restore_request(rid, checkpoint)
+
+        return undo
 
     def with_sync(self, s: Session, sync: op.RequestSync, call: Callable[[str], op.Value]) -> op.Value:
         undo = self.sync(s, sync)

@@ -1,0 +1,103 @@
+"""Rewinds: a registered request cut back since its last sync.
+
+vLLM 0.33 edits a waiting streaming-input session in place when its next input chunk
+arrives (``Scheduler._update_request_as_session``): its last sampled token is
+discarded (``del _all_token_ids[num_tokens - 1:]``, never a computed one), its block
+hashes from that position's block on are dropped, the chunk's tokens are appended and
+the hashes of the blocks now full computed again. The request keeps its blocks. The
+token and hash lists a :class:`~.tracking.RequestTracker` reads from their sent length
+on cannot show that cut: the tracker keeps, per position sent, the last token and hash
+then sent (:func:`note`), and at the next sync compares them with the request's own
+(:func:`changed`, constant time). A request that changed is rewound
+(``RequestSync.rewind_num_tokens``) to its computed-token count: what lies below it
+never changes (its KV is written), what lies past it is sent again, so the server's
+record (and the predicting mode's mirror) becomes the request's again, whatever the cut
+(:func:`rewind_point`). A change the rewind cannot cover (a computed position) is
+refused loudly, never sent as if nothing had happened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from .errors import InvalidArgumentError
+
+__all__ = ["changed", "note", "note_token", "rewind_point"]
+
+#: entries of ``seen`` kept before those below the committed position are dropped
+_KEEP = 4
+
+
+def note(t: Any, tokens: Sequence[int], given: Sequence[bytes] | None) -> None:
+    """Remember what the request's tracker ``t`` has sent at its position now: the last
+    token (read from ``tokens``), the hash count and the last hash (from ``given``, the
+    request's own hashes, ``None`` when the tracker hashes)."""
+    n = t.sent_tokens
+    if n:
+        h = t.sent_hashes
+        note_token(t, tokens[n - 1], given[h - 1] if h and given is not None else None)
+
+
+def note_token(t: Any, token: int, last_hash: object) -> None:
+    """:func:`note` with the last token and hash at hand (a decode step's)."""
+    seen = t.seen
+    seen[t.sent_tokens] = (token, t.sent_hashes, last_hash)
+    if len(seen) > _KEEP:
+        floor = t.committed[0]  # (a position is only ever restored to one at or after it)
+        for k in [k for k in seen if k < floor]:
+            del seen[k]
+
+
+def changed(t: Any, tokens: Sequence[int], given: Sequence[bytes] | None) -> bool:
+    """Whether the request (its ``tokens`` and own hashes ``given``) no longer holds what
+    its tracker ``t`` sent: fewer tokens, another last token, fewer hashes or another
+    last hash than were sent. Constant time: only the last ones are compared."""
+    n = t.sent_tokens
+    if not n:
+        return False
+    if len(tokens) < n:
+        return True
+    seen = t.seen.get(n)
+    if seen is None:
+        return False  # (nothing noted there: not a position this tracker sent)
+    token, h, last = seen
+    if tokens[n - 1] != token:
+        return True
+    if h and given is not None:
+        if len(given) < h:
+            return True
+        now = given[h - 1]
+        return now is not last and now != last
+    return False
+
+
+def rewind_point(request_id: str, t: Any, tokens: Sequence[int], given: Sequence[bytes] | None,
+                 computed: int, hash_block_size: int) -> int:  # fmt: skip
+    """Where a request that :func:`changed` is rewound to: its computed-token count
+    ``computed`` (nothing below it can change; what lies past it is sent again).
+
+    Raises:
+        InvalidArgumentError: the change reaches a computed position (the last token
+            sent changed, or tokens were dropped, at or below ``computed``; or the last
+            hash sent changed in a block the kept hashes hold), or the request has no
+            computed token (not a cut session: another request under a tracked id).
+    """
+    n, have = t.sent_tokens, len(tokens)
+    bound = have if have < n else n - 1  # the change is at or below this position
+    seen = t.seen.get(n)
+    hash_only = have >= n and seen is not None and tokens[n - 1] == seen[0]
+    if hash_only:
+        h = seen[1] if seen is not None else 0
+        bound = min(n, (h - 1) * hash_block_size + hash_block_size - 1)  # (hash h - 1 is dropped)
+    if computed <= 0 or computed > bound:
+        what = "its last hash sent changed" if hash_only else f"changed at or below position {bound}"
+        raise InvalidArgumentError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request {request_id!r} changed below what the pool may drop: {n} tokens were sent "
+            f"and it has {have} now, {what}, with {computed} computed tokens (a rewind keeps every computed token: their KV is written). "
+            "Not a vLLM streaming-input cut; if another request uses this id, free the first one",
+        )
+    return computed

@@ -1,0 +1,30 @@
+"""How a tracker reads a request's lists: vLLM's token list behind its read-only view,
+and block hashes as ``bytes`` (:mod:`.tracking`'s helpers)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["as_bytes", "token_list"]
+
+
+def token_list(request: Any) -> list[int] | None:
+    """The list behind vLLM's read-only ``ConstantList`` view of a request's tokens
+    (``all_token_ids``, whose every ``len()`` and slice is a Python call; vLLM makes the
+    view once and only appends to or cuts its list in place), to read in place; ``None``
+    when ``all_token_ids`` is a list itself (read as cheaply) or any other sequence."""
+    tokens = request.all_token_ids
+    if type(tokens) is list:
+        return None
+    inner = getattr(tokens, "_x", None)
+    return inner if type(inner) is list else None
+
+
+def as_bytes(hashes: Sequence[Any]) -> list[bytes]:
+    """``hashes`` as a list of ``bytes`` (vLLM's are ``bytes`` already: then one C pass
+    checks it and the list is the slice itself, not copied again)."""
+    out = hashes if type(hashes) is list else list(hashes)
+    if list(map(type, out)).count(bytes) != len(out):
+        out = [bytes(h) for h in out]
+    return out

@@ -1,0 +1,149 @@
+"""RequestSync.rewind_num_tokens over real gRPC: vLLM 0.33's cut of a waiting
+streaming-input session (its last sampled token discarded, the next chunk appended),
+applied by the pool as vLLM applies it (tokens past the rewind point dropped, hashes
+from its block on), and refused LOUDLY, nothing changed, when it could leave a block's
+KV under another token's hash: below the computed tokens (their KV is written), or
+dropping the hash of a block already cached for the request."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import grpc
+import pytest
+from durable_server import small_pool
+from kvcoord.client import KVCoordClient
+from kvcoord.client.errors import KVCoordError
+from kvcoord.service.testing import InProcessServer
+from kvcoord.v1 import allocator_pb2 as pb
+from service.helpers import allocate, attach, follow_up, hashes
+
+PROMPT = list(range(100, 110))  # 10 tokens: 2 full blocks of 4
+
+
+def _score(c: KVCoordClient, tokens: list[int]) -> int:
+    """The tokens a new request with ``tokens`` would hit (read only)."""
+    prompt = pb.HashedPrompt(
+        hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", block_hashes=hashes(tokens)
+    )
+    return c.score_pools(len(tokens), [prompt]).scores[0].hit_tokens
+
+
+def _rewinding(held: list[int], keep: int, append: list[int], computed: int | None = None) -> pb.RequestSync:
+    """A sync of request "r" held at ``held``: rewound to ``keep`` tokens, ``append`` appended."""
+    now = held[:keep] + append
+    kept_hashes = min(len(held) // 4, keep // 4)
+    sync = pb.RequestSync(
+        request_id="r",
+        base_num_tokens=len(held),
+        base_num_hashes=len(held) // 4,
+        rewind_num_tokens=keep,
+        append_token_ids=append,
+        append_block_hashes=hashes(now)[kept_hashes:],
+    )
+    if computed is not None:
+        sync.num_computed_tokens = computed
+    return sync
+
+
+def _position(c: KVCoordClient, sid: str, fence: pb.Fence, held: list[int]) -> tuple[int, int]:
+    """The server's position of "r", tokens and hashes (a sync naming a wrong one is
+    refused saying it)."""
+    probe = pb.AllocateOp(request=follow_up("r", held + [0] * 64), num_new_tokens=1)
+    with pytest.raises(KVCoordError) as err:
+        c.allocate("p", probe, sid, fence)
+    assert err.value.reason == "SYNC_MISMATCH", err.value
+    found = re.search(r"the server holds (\d+) / (\d+)", err.value.message)
+    assert found is not None, err.value.message
+    return int(found[1]), int(found[2])
+
+
+@pytest.fixture
+def session(make_server: Callable[..., InProcessServer]):  # type: ignore[no-untyped-def]
+    server = make_server(small_pool(32))
+    with KVCoordClient(server.address, timeout=10) as c:
+        sid, fence = attach(c)
+        yield c, sid, fence
+
+
+def _streamed(c: KVCoordClient, sid: str, fence: pb.Fence) -> list[int]:
+    """Request "r": its 10-token prompt computed (2 blocks cached), one token sampled
+    (position 10, not computed): held at 11 tokens, 10 computed."""
+    assert not c.allocate("p", allocate("r", PROMPT, 10).allocate, sid, fence).result.refused
+    held = PROMPT + [77]
+    step = pb.AllocateOp(request=follow_up("r", PROMPT, [77], num_computed_tokens=10), num_new_tokens=1)
+    assert not c.allocate("p", step, sid, fence).result.refused
+    return held
+
+
+def test_a_rewind_drops_the_discarded_token_and_its_blocks_hash(session) -> None:  # type: ignore[no-untyped-def]
+    """The session's token 77 (position 10) is discarded and [50, 51] appended: the pool
+    holds the new tokens, and once they are computed the block holding positions 8-11
+    is cached under [108, 109, 50, 51]'s hash, never under one with 77."""
+    c, sid, fence = session
+    held = _streamed(c, sid, fence)
+    step = pb.AllocateOp(request=_rewinding(held, 10, [50, 51], computed=10), num_new_tokens=2)
+    assert not c.allocate("p", step, sid, fence).result.refused
+    now = PROMPT + [50, 51]
+    assert _position(c, sid, fence, held) == (12, 3)
+    # computed: the next sync caches block 2 (vLLM's cache_blocks at allocation)
+    step = pb.AllocateOp(request=follow_up("r", now, [60], num_computed_tokens=12), num_new_tokens=1)
+    assert not c.allocate("p", step, sid, fence).result.refused
+    assert _score(c, now + [1, 2, 3, 4]) == 12
+    assert _score(c, PROMPT + [77, 51, 9, 9, 9]) == 8
+
+
+@pytest.mark.parametrize("keep", [9, 4])
+def test_a_rewind_below_the_computed_tokens_is_refused_with_nothing_changed(session, keep: int) -> None:  # type: ignore[no-untyped-def]
+    c, sid, fence = session
+    held = _streamed(c, sid, fence)
+    step = pb.AllocateOp(request=_rewinding(held, keep, [50, 51]), num_new_tokens=1)
+    with pytest.raises(KVCoordError) as err:
+        c.allocate("p", step, sid, fence)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
+    assert "below its 10 computed" in err.value.message
+    assert _position(c, sid, fence, held) == (11, 2)
+
+
+def test_a_rewind_below_the_computed_tokens_this_sync_sets_is_refused(session) -> None:  # type: ignore[no-untyped-def]
+    """Checked against the computed count once the sync's own is applied."""
+    c, sid, fence = session
+    held = _streamed(c, sid, fence)
+    step = pb.AllocateOp(request=_rewinding(held, 10, [50, 51], computed=11), num_new_tokens=1)
+    with pytest.raises(KVCoordError) as err:
+        c.allocate("p", step, sid, fence)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
+    assert _position(c, sid, fence, held) == (11, 2)
+
+
+def test_a_rewind_dropping_a_cached_blocks_hash_is_refused_with_nothing_changed(session) -> None:  # type: ignore[no-untyped-def]
+    """A request allocated its 12-token prompt (3 blocks cached as vLLM caches them at
+    allocation, none computed yet): a rewind to 10 tokens would drop block 2's hash while
+    the block stays cached under it."""
+    c, sid, fence = session
+    prompt = list(range(200, 212))
+    assert not c.allocate("p", allocate("r", prompt, 12).allocate, sid, fence).result.refused
+    assert _score(c, prompt + [1]) == 12
+    step = pb.AllocateOp(request=_rewinding(prompt, 10, [50, 51]), num_new_tokens=1)
+    with pytest.raises(KVCoordError) as err:
+        c.allocate("p", step, sid, fence)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION, err.value
+    assert "cached for it" in err.value.message
+    assert _position(c, sid, fence, prompt) == (12, 3)
+    assert _score(c, prompt + [1]) == 12
+
+
+def test_a_rewind_past_the_position_or_on_a_new_request_is_invalid(session) -> None:  # type: ignore[no-untyped-def]
+    c, sid, fence = session
+    held = _streamed(c, sid, fence)
+    step = pb.AllocateOp(request=_rewinding(held, 12, []), num_new_tokens=1)
+    with pytest.raises(KVCoordError) as err:
+        c.allocate("p", step, sid, fence)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    assert _position(c, sid, fence, held) == (11, 2)
+    fresh = allocate("s", [1, 2, 3], 3).allocate
+    fresh.request.rewind_num_tokens = 0
+    with pytest.raises(KVCoordError) as err:
+        c.allocate("p", fresh, sid, fence)
+    assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value

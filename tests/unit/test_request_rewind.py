@@ -1,0 +1,164 @@
+"""A request's rewind (vLLM 0.33's cut of a waiting streaming-input session): the
+engine's rule (``KVCachePool.rewind_request`` / ``unrewind_request``), shared by the
+server's sync and the predicting client's mirror, and the client tracker's detection
+(``kvcoord.client.rewinds``): constant-time, never a column-run entry, loud when the
+change reaches a computed position."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kvcoord.client.errors import InvalidArgumentError as ClientInvalidArgument
+from kvcoord.client.hashing import BlockHasher
+from kvcoord.client.tracking import RequestTracker
+from kvcoord.engine import FailedPreconditionError, HandedTokenIds, InvalidArgumentError
+from kvcoord.v1 import allocator_pb2 as pb
+from support import ALGO, NONE, Driver, Req
+from unit.test_client_fast_paths import _View  # vLLM's ConstantList
+
+
+def _hashes(tokens: list[int]) -> list[bytes]:
+    return BlockHasher(ALGO, 4, NONE).extend(tokens)
+
+
+def _computed_session(d: Driver) -> list[int]:
+    """Request "r": a 10-token prompt computed (2 blocks cached), token 77 sampled."""
+    prompt = list(range(100, 110))
+    d.add("r", prompt)
+    assert d.pool.allocate_slots("r", 10) is not None
+    d.pool.update_request("r", num_computed_tokens=10, append_token_ids=[77])
+    return prompt + [77]
+
+
+def test_rewind_drops_tokens_past_it_and_hashes_from_its_block_and_undoes() -> None:
+    d = Driver(num_blocks=16)
+    held = _computed_session(d)
+    req = d.pool.get_request("r")
+    hashes_before = list(req.block_hashes)
+    rewind = d.pool.rewind_request("r", 10)
+    assert req.all_token_ids == held[:10] and req.block_hashes == hashes_before[:2]  # 10 // 4 = 2 kept
+    assert rewind.dropped_token_ids == (77,) and rewind.dropped_block_hashes == ()
+    d.pool.update_request(
+        "r", append_token_ids=[50, 51], append_block_hashes=_hashes(held[:10] + [50, 51])[2:]
+    )
+    assert req.all_token_ids == held[:10] + [50, 51] and req.block_hashes == _hashes(held[:10] + [50, 51])
+    d.pool.unrewind_request("r", rewind)
+    assert req.all_token_ids == held and req.block_hashes == hashes_before
+    assert d.pool.get_block_ids("r") and req.num_computed_tokens == 10  # blocks and count kept
+
+
+def test_rewind_drops_the_hash_of_the_block_holding_its_point() -> None:
+    """vLLM's ``del block_hashes[keep // hash_block_size:]``: a rewind to 9 of 12
+    tokens keeps 2 hashes (9 // 4), dropping the full block 2's."""
+    d = Driver(num_blocks=16)
+    tokens = list(range(12))
+    d.add("r", tokens)
+    rewind = d.pool.rewind_request("r", 9)
+    assert len(d.pool.get_request("r").block_hashes) == 2 and rewind.dropped_block_hashes == (
+        _hashes(tokens)[2],
+    )
+    assert rewind.dropped_token_ids == (9, 10, 11)
+
+
+def test_rewind_takes_a_new_token_list_never_cutting_a_handed_one() -> None:
+    """A registration's handed list (a client writes its first tokens into its message
+    later) is never cut: the record gets a list of its own."""
+    d = Driver(num_blocks=16)
+    handed = HandedTokenIds(range(8))
+    d.pool.add_request("r", handed, _hashes(list(range(8))))
+    d.pool.rewind_request("r", 5)
+    assert handed == list(range(8)) and d.pool.get_request("r").all_token_ids == list(range(5))
+
+
+def test_rewind_refusals_change_nothing() -> None:
+    d = Driver(num_blocks=16)
+    held = _computed_session(d)
+    req = d.pool.get_request("r")
+    before = (list(req.all_token_ids), list(req.block_hashes), req.num_computed_tokens)
+    with pytest.raises(FailedPreconditionError, match="below its 10 computed"):
+        d.pool.rewind_request("r", 9)
+    with pytest.raises(FailedPreconditionError, match="below its 11 computed"):
+        d.pool.rewind_request("r", 10, num_computed_tokens=11)  # (the count the caller sets)
+    with pytest.raises(InvalidArgumentError):
+        d.pool.rewind_request("r", len(held) + 1)
+    with pytest.raises(InvalidArgumentError):
+        d.pool.rewind_request("r", -1)
+    assert (list(req.all_token_ids), list(req.block_hashes), req.num_computed_tokens) == before
+    # blocks cached past the computed tokens (vLLM caches at allocation): their hashes stay
+    d.add("s", list(range(300, 312)))
+    assert d.pool.allocate_slots("s", 12) is not None  # 3 blocks cached, 0 computed
+    with pytest.raises(FailedPreconditionError, match="cached for it"):
+        d.pool.rewind_request("s", 10)
+    assert len(d.pool.get_request("s").all_token_ids) == 12
+    assert d.pool.rewind_request("s", 12).dropped_token_ids == ()
+
+
+# -- the client tracker ---------------------------------------------------------------
+def _config() -> pb.PoolConfig:
+    return pb.PoolConfig(enable_caching=True, hash_algo=ALGO, hash_block_size=4)
+
+
+def _vllm_request(tokens: list[int]) -> Any:
+    r: Any = Req("r", _View(list(tokens)))  # type: ignore[arg-type]
+    r.block_hashes = _hashes(tokens)
+    return r
+
+
+def _cut(r: Any, append: list[int]) -> None:
+    """vLLM 0.33's _update_request_as_session, in place."""
+    keep = len(r.all_token_ids) - 1
+    del r.all_token_ids._x[keep:]
+    del r.block_hashes[keep // 4 :]
+    r.all_token_ids._x.extend(append)
+    r.block_hashes.extend(_hashes(list(r.all_token_ids._x))[len(r.block_hashes) :])
+
+
+def test_the_tracker_rewinds_a_cut_request_to_its_computed_tokens() -> None:
+    t = RequestTracker(_config(), NONE)
+    r = _vllm_request(list(range(100, 111)))  # 11 tokens, 2 hashes
+    r.num_computed_tokens = 10
+    t.sync(r)
+    _cut(r, [50, 51])  # 11 -> 10 + 2 = 12 tokens: one more than sent (a decode step's shape)
+    assert t.next_token(r) is None and t.sync_run(r) is None  # never a run entry
+    sync = t.sync(r)
+    assert sync.HasField("rewind_num_tokens") and sync.rewind_num_tokens == 10
+    assert (sync.base_num_tokens, sync.base_num_hashes) == (11, 2)
+    assert list(sync.append_token_ids) == [50, 51]
+    assert list(sync.append_block_hashes) == _hashes(list(range(100, 110)) + [50, 51])[2:]
+    # then the request decodes on as usual
+    r.all_token_ids._x.append(60)
+    r.num_computed_tokens = 12
+    step = t.next_token(r)
+    assert step is not None and step[:3] == (12, 3, 60)
+
+
+def test_the_tracker_sends_no_rewind_for_a_cut_that_changed_nothing() -> None:
+    """The chunk begins with the discarded token itself: the same tokens and hashes."""
+    t = RequestTracker(_config(), NONE)
+    r = _vllm_request(list(range(100, 111)))
+    r.num_computed_tokens = 10
+    t.sync(r)
+    _cut(r, [110, 51])
+    sync = t.sync(r)
+    assert not sync.HasField("rewind_num_tokens") and list(sync.append_token_ids) == [51]
+
+
+def test_a_change_below_the_computed_tokens_is_refused_loudly() -> None:
+    t = RequestTracker(_config(), NONE)
+    r = _vllm_request(list(range(100, 111)))
+    r.num_computed_tokens = 11  # the last token sent is computed: it cannot change
+    t.sync(r)
+    r.all_token_ids._x[10] = 5
+    with pytest.raises(ClientInvalidArgument, match="changed below what the pool may drop"):
+        t.sync(r)
+    r.all_token_ids._x[10] = 110  # back as sent: nothing to send, and no rewind
+    assert not t.sync(r).HasField("rewind_num_tokens")
+
+
+def test_a_request_with_nothing_computed_and_fewer_tokens_is_refused_as_before() -> None:
+    t = RequestTracker(_config(), NONE)
+    r = _vllm_request(list(range(100, 111)))
+    t.sync(r)
+    with pytest.raises(ClientInvalidArgument):
+        t.sync(_vllm_request(list(range(100, 105))))

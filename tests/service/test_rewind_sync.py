@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from durable_server import small_pool
+from durable_server import leased_server, small_pool
 from kvcoord.client import KVCoordClient
 from kvcoord.client.errors import KVCoordError
 from kvcoord.service.testing import InProcessServer
@@ -147,3 +147,25 @@ def test_a_rewind_past_the_position_or_on_a_new_request_is_invalid(session) -> N
     with pytest.raises(KVCoordError) as err:
         c.allocate("p", fresh, sid, fence)
     assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+
+
+def test_a_rewind_survives_a_sigkill_and_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A real ``kvcoord serve`` on its journal: the rewind acknowledged, the server
+    SIGKILLed and restarted, the pool holds the rewound request (its position, and the
+    block cached under the chunk's hash, not the discarded token's)."""
+    server = leased_server(tmp_path, 600.0, num_blocks=32)
+    server.start()
+    try:
+        with KVCoordClient(server.address, timeout=10) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker", lease_seconds=600.0)
+            held = _streamed(c, a.session_id, a.fence)
+            step = pb.AllocateOp(request=_rewinding(held, 10, [50, 51], computed=10), num_new_tokens=2)
+            assert not c.allocate("p", step, a.session_id, a.fence).result.refused
+        server.kill()
+        server.start()
+        with KVCoordClient(server.address, timeout=10) as c:  # (the session and its fence stay valid)
+            assert _position(c, a.session_id, a.fence, held) == (12, 3)
+            assert _score(c, PROMPT + [50, 51, 1]) == 12
+            assert _score(c, PROMPT + [77, 51, 1]) == 8
+    finally:
+        server.stop()

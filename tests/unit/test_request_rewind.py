@@ -162,3 +162,26 @@ def test_a_request_with_nothing_computed_and_fewer_tokens_is_refused_as_before()
     t.sync(r)
     with pytest.raises(ClientInvalidArgument):
         t.sync(_vllm_request(list(range(100, 105))))
+
+
+@pytest.mark.parametrize("chunk", [[50, 51], [50]], ids=["longer", "same-length"])
+def test_a_rewind_rolled_back_is_sent_again(chunk: list[int]) -> None:
+    """The call carrying the rewind failed (the server still holds the discarded token):
+    the position goes back to the committed one, and the next sync rewinds again, even
+    where the request's length is the one sent before (its last token then says nothing
+    of what the server holds)."""
+    t = RequestTracker(_config(), NONE)
+    r = _vllm_request(list(range(100, 111)))
+    r.num_computed_tokens = 10
+    t.sync(r)
+    t.commit(["r"])
+    _cut(r, chunk)
+    first = t.sync(r)
+    assert first.rewind_num_tokens == 10 and first.base_num_tokens == 11
+    t.rollback(["r"])
+    again = t.sync(r)
+    assert again.HasField("rewind_num_tokens") and again.rewind_num_tokens == 10
+    assert (again.base_num_tokens, list(again.append_token_ids)) == (11, chunk)
+    t.commit(["r"])
+    r.all_token_ids._x.append(60)
+    assert not t.sync(r).HasField("rewind_num_tokens")  # committed: decoding on as usual

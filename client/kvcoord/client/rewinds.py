@@ -54,10 +54,14 @@ def note_token(t: Any, token: int, last_hash: object) -> None:
 def changed(t: Any, tokens: Sequence[int], given: Sequence[bytes] | None) -> bool:
     """Whether the request (its ``tokens`` and own hashes ``given``) no longer holds what
     its tracker ``t`` sent: fewer tokens, another last token, fewer hashes or another
-    last hash than were sent. Constant time: only the last ones are compared."""
+    last hash than were sent. Constant time: only the last ones are compared. A tracker
+    whose position moved back after a rewind it sent (the call failed) does not know
+    what the server holds: always changed."""
     n = t.sent_tokens
     if not n:
         return False
+    if t.uncertain:
+        return True
     if len(tokens) < n:
         return True
     seen = t.seen.get(n)
@@ -88,7 +92,9 @@ def rewind_point(request_id: str, t: Any, tokens: Sequence[int], given: Sequence
     n, have = t.sent_tokens, len(tokens)
     bound = have if have < n else n - 1  # the change is at or below this position
     seen = t.seen.get(n)
-    hash_only = have >= n and seen is not None and tokens[n - 1] == seen[0]
+    hash_only = have >= n and seen is not None and tokens[n - 1] == seen[0] and not t.uncertain
+    if t.uncertain:
+        bound = min(have, n)  # (what the server holds past the computed tokens is sent again)
     if hash_only:
         h = seen[1] if seen is not None else 0
         bound = min(n, (h - 1) * hash_block_size + hash_block_size - 1)  # (hash h - 1 is dropped)

@@ -61,20 +61,24 @@ class _Tracked:
     #: only while it is called with this very object
     request: Any = None
     tokens: list[int] | None = None
-    #: per position sent (a token count), the last token then sent and the hash count and
-    #: last hash (its very object) sent with it: what the server holds there, to see
-    #: at the next sync whether the request was rewound meanwhile (:mod:`.rewinds`);
-    #: only the positions since the committed one are kept (a few)
+    #: per position sent (a token count), the last token, hash count and last hash (its
+    #: very object) then sent, to see a rewind at the next sync (:mod:`.rewinds`)
     seen: dict[int, tuple[int, int, object]] = dataclasses.field(default_factory=dict)
+    #: a rewind sent, not all committed since; ``uncertain``: the position moved back
+    #: meanwhile, so the next sync rewinds whatever it sees (:mod:`.rewinds`)
+    rewound: bool = False
+    uncertain: bool = False
 
     def commit(self) -> None:
         self.committed = (self.sent_tokens, self.sent_hashes, self.sent_computed, self.registered)
+        self.rewound = False
 
     def rollback(self) -> None:
         self.restore(self.committed)
 
     def restore(self, mark: tuple[int, int, int, bool]) -> None:
         """Back to ``mark`` (a position at or after the committed one)."""
+        self.uncertain = self.uncertain or self.rewound
         self.sent_tokens, self.sent_hashes, self.sent_computed, self.registered = mark
         if self.hasher is not None:
             self.hasher.truncate(self.sent_tokens)
@@ -220,6 +224,7 @@ class RequestTracker:
         values = SyncValues(rid, new, t.sent_tokens, t.sent_hashes)
         if rewind is not None:
             values.rewind = rewind
+            t.rewound, t.uncertain = True, False
             t.sent_tokens, t.sent_hashes = rewind, min(t.sent_hashes, rewind // self.config.hash_block_size)
             for k in [k for k in t.seen if k > rewind]:
                 del t.seen[k]
@@ -393,6 +398,8 @@ class RequestTracker:
                 t.commit()
             else:
                 t.committed = mark
+                if t.rewound and mark == (t.sent_tokens, t.sent_hashes, t.sent_computed, t.registered):
+                    t.rewound = False
 
     def rollback(self, request_ids: Iterable[str] | None = None) -> None:
         """Positions back to what the server acknowledged (of these requests, or all).

@@ -107,7 +107,8 @@ def test_public_exports_are_pinned() -> None:
         "FailedPreconditionError", "FullAttentionSpec", "HintMismatchError", "InvalidArgumentError", "KVCacheConfig",
             "KVCacheEvent",
         "KVCachePool", "LoRA", "LookupCounters", "MambaCacheMode", "MambaSpec", "PoolSnapshot", "PrefixCacheStats",
-        "RequestCheckpoint", "RequestExistsError", "RequestNotFoundError", "SlidingWindowSpec", "StaleCacheHitError",
+        "RequestCheckpoint", "RequestExistsError", "RequestNotFoundError", "RequestRewind", "SlidingWindowSpec",
+        "StaleCacheHitError",
         "UncountedBlocksError", "HitBlockTakenError",
         "Counts", "HandedTokenIds", "TokenIds", "attention_groups", "hash_to_int64",
     ])  # fmt: skip

@@ -185,3 +185,20 @@ def test_a_rewind_rolled_back_is_sent_again(chunk: list[int]) -> None:
     t.commit(["r"])
     r.all_token_ids._x.append(60)
     assert not t.sync(r).HasField("rewind_num_tokens")  # committed: decoding on as usual
+
+
+def test_a_decode_step_after_a_rewind_rolled_back_is_no_run_entry() -> None:
+    """A rewind's call failed and the request then decodes one token: it rewinds again
+    (sync_values), never a run entry (next_token / sync_run give it up)."""
+    t = RequestTracker(_config(), NONE)
+    r = _vllm_request(list(range(100, 111)))
+    r.num_computed_tokens = 10
+    t.sync(r)
+    t.commit(["r"])
+    _cut(r, [50])
+    assert t.sync(r).rewind_num_tokens == 10
+    t.rollback(["r"])
+    r.all_token_ids._x.append(60)  # 12 tokens: one more than the position (11)
+    assert t.next_token(r) is None and t.sync_run(r) is None
+    again = t.sync(r)
+    assert again.rewind_num_tokens == 10 and list(again.append_token_ids) == [50, 60]

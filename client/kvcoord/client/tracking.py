@@ -331,7 +331,7 @@ class RequestTracker:
         if tokens is None or len(tokens) != base_t + 1:
             return None
         seen = t.seen.get(base_t)
-        if seen is None or tokens[base_t - 1] != seen[0]:
+        if seen is None or t.uncertain or tokens[base_t - 1] != seen[0]:
             return None  # (maybe a rewind: sync_run tells)
         base_h = t.sent_hashes
         block_hash = None

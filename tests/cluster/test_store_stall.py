@@ -1,7 +1,7 @@
 """A replica whose cluster store stops answering (etcd SIGSTOPped: its sockets stay
 open, nothing comes back) while a call waits on its pool's journal write there
 (``journal = "store"``): the write is given up after ``journal_stall_seconds`` (here
-derived from the 8 s session lease: 4 s), the call is answered UNAVAILABLE (outcome
+4 s, half the 8 s session lease), the call is answered UNAVAILABLE (outcome
 unknown: its keyed retry is safe) and the pool is given up here, before the waiting
 worker's session lease ends. (Before, the write was retried for as long as the
 membership lease was sure to be alive and then the call in flight ran to its
@@ -35,7 +35,7 @@ def test_a_store_that_stops_answering_fails_the_call_before_the_session_lease_en
     text = (
         f'[server]\ndata_dir = "{tmp_path / "r0"}"\nsynchronous = "NORMAL"\n'
         f"session_lease_seconds = {LEASE}\nmax_session_lease_seconds = {LEASE}\n"
-        f"idempotency_window_seconds = {4 * LEASE}\n"
+        f"idempotency_window_seconds = {4 * LEASE}\njournal_stall_seconds = {LEASE / 2}\n"
         f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{cluster}"\nreplica_id = "r0"\n'
         'journal = "store"\n'  # lease_seconds 10, store_timeout_seconds 5: the defaults
     )

@@ -1,6 +1,6 @@
 """A lease marker write that never returns (``leases.json`` on a hung disk) stops the
-server as a stalled journal commit does: within ``journal_stall_seconds`` (here derived
-from the 4 s session lease: 2 s) health turns NOT_SERVING, the renewal that needed the
+server as a stalled journal commit does: within ``journal_stall_seconds`` (here 2 s, half
+the 4 s session lease) health turns NOT_SERVING, the renewal that needed the
 marker is refused UNAVAILABLE, and the process exits with status 4 for its supervisor;
 restarted, it holds every acknowledged allocation. (Before, the marker's thread hung
 holding the file's lock, and the first lease past the bound on disk made the event
@@ -47,6 +47,12 @@ def test_a_hung_lease_marker_write_stops_the_server(tmp_path: Path, monkeypatch:
     flag = tmp_path / "hang"
     durable_server.with_sitecustomize(tmp_path, _HANG_MARKER.format(flag=str(flag)), monkeypatch)
     server = leased_server(tmp_path, lease, num_blocks=64)
+    text = server.config.read_text()
+    server.config.write_text(
+        text.replace(
+            "snapshot_every = 2000\n", f"snapshot_every = 2000\njournal_stall_seconds = {lease / 2}\n"
+        )
+    )
     server.start()
     try:
         with KVCoordClient(server.address, retry=NO_RETRY, timeout=30.0) as c:

@@ -46,6 +46,8 @@ ENV_TLS_PREFIX = "KVCOORD_TLS_"  # CERT, KEY, CLIENT_CA
 ENV_METRICS_TLS_PREFIX = "KVCOORD_METRICS_TLS_"  # CERT, KEY, CLIENT_CA
 ENV_DATA_DIR = "KVCOORD_DATA_DIR"
 ENV_DURABILITY = "KVCOORD_DURABILITY"
+#: [server] journal_stall_seconds when unset
+DEFAULT_STALL_SECONDS = 10.0
 ENV_CLUSTER_ENDPOINTS = "KVCOORD_CLUSTER_ENDPOINTS"  # comma-separated host:port of the store
 ENV_CLUSTER_NAME = "KVCOORD_CLUSTER_NAME"
 ENV_REPLICA_ID = "KVCOORD_REPLICA_ID"
@@ -90,7 +92,7 @@ class ServerSettings:
     #: a journal commit or lease marker write outstanding this long (a hung disk or
     #: fsync) stops the server as a failed write does (exit 4); a pool's journal write
     #: to etcd (cluster journal "store") this long gives the pool up. Must be below
-    #: session_lease_seconds; None (unset): :attr:`stall_seconds` derives it
+    #: session_lease_seconds when set; None (unset): 10 s (:attr:`stall_seconds`)
     journal_stall_seconds: float | None = None
     #: without journaled state: how long after start no session may attach
     startup_grace_seconds: float = 0.0
@@ -132,11 +134,13 @@ class ServerSettings:
 
     @property
     def stall_seconds(self) -> float:
-        """The stall bound in force: journal_stall_seconds, or when unset min(10 s, half
-        the session lease)."""
+        """The stall bound in force: journal_stall_seconds, or when unset 10 s whatever
+        the lease. (Not derived from a short lease: a bound of half a 1 s lease stopped
+        servers whose commits a loaded machine delayed past it; a deployment with
+        leases of 10 s or less sets the key below them.)"""
         if self.journal_stall_seconds is not None:
             return float(self.journal_stall_seconds)
-        return min(10.0, self.session_lease_seconds / 2)
+        return DEFAULT_STALL_SECONDS
 
     @property
     def journaled(self) -> bool:

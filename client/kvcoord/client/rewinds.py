@@ -27,8 +27,9 @@ from .errors import InvalidArgumentError
 
 __all__ = ["changed", "note", "note_token", "rewind_point"]
 
-#: entries of ``seen`` kept before those below the committed position are dropped
-_KEEP = 4
+#: entries of ``seen`` kept (the oldest dropped past it): several times the most
+#: positions a request can move back by (a backlog of 8 Steps)
+_KEEP = 32
 
 
 def note(t: Any, tokens: Sequence[int], given: Sequence[bytes] | None) -> None:
@@ -46,9 +47,13 @@ def note_token(t: Any, token: int, last_hash: object) -> None:
     seen = t.seen
     seen[t.sent_tokens] = (token, t.sent_hashes, last_hash)
     if len(seen) > _KEEP:
-        floor = t.committed[0]  # (a position is only ever restored to one at or after it)
-        for k in [k for k in seen if k < floor]:
-            del seen[k]
+        # the oldest noted goes (constant time): a position is only ever restored to the
+        # committed one or later, at most a client's backlog of Steps back (8), each
+        # noting one position per request. (Dropping those below the committed position
+        # instead kept every position of a request decoded through the inline path,
+        # whose committed mark does not move per token: the dict grew with the request
+        # and each decode step scanned it.)
+        del seen[next(iter(seen))]
 
 
 def changed(t: Any, tokens: Sequence[int], given: Sequence[bytes] | None) -> bool:

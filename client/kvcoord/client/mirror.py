@@ -171,24 +171,8 @@ class Mirror:
                         raise
                 return lambda: engine.restore_request(rid, None)
             checkpoint = engine.checkpoint_request(rid)
-            if sync.rewind is not None:  # (as the server applies it: PoolService's syncs)
-                rewind = engine.rewind_request(rid, sync.rewind, computed)
-                try:
-                    engine.update_request(
-                        rid,
-                        num_computed_tokens=computed,
-                        append_token_ids=tokens,
-                        append_block_hashes=sync.hashes,
-                    )
-                except EngineError:
-                    engine.unrewind_request(rid, rewind)
-                    raise
-
-                def undo() -> None:
-                    engine.unrewind_request(rid, rewind)
-                    engine.restore_request(rid, checkpoint)
-
-                return undo
+            if sync.rewind is not None:  # (the engine's rule, as the server applies it)
+                return engine.update_rewound(rid, sync.rewind, computed, tokens, sync.hashes)
             engine.update_request(
                 rid, num_computed_tokens=computed, append_token_ids=tokens, append_block_hashes=sync.hashes
             )

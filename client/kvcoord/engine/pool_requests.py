@@ -7,7 +7,7 @@ for managers that free by the base rule).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .errors import FailedPreconditionError, InvalidArgumentError, RequestNotFoundError
 from .extra_keys import ExtraKeySources
@@ -196,6 +196,41 @@ class PoolRequests(PoolParts):
         del req.block_hashes[rewind.num_block_hashes :]
         req.all_token_ids += rewind.dropped_token_ids
         req.block_hashes += rewind.dropped_block_hashes
+
+    def update_rewound(
+        self,
+        request_id: str,
+        num_tokens: int,
+        num_computed_tokens: int | None,
+        append_token_ids: Sequence[int],
+        append_block_hashes: Sequence[bytes],
+    ) -> Callable[[], None]:
+        """A rewinding sync's update, as the server and the predicting client's mirror both
+        apply it: :meth:`rewind_request` to ``num_tokens`` (checked against the computed
+        count the update sets), then :meth:`update_request`; refused with nothing changed.
+        Returns how to undo both (valid while no pool operation ran for the request).
+
+        Raises:
+            as :meth:`rewind_request` and :meth:`update_request`.
+        """
+        checkpoint = self.checkpoint_request(request_id)
+        rewind = self.rewind_request(request_id, num_tokens, num_computed_tokens)
+        try:
+            self.update_request(
+                request_id,
+                num_computed_tokens=num_computed_tokens,
+                append_token_ids=append_token_ids,
+                append_block_hashes=append_block_hashes,
+            )
+        except BaseException:
+            self.unrewind_request(request_id, rewind)
+            raise
+
+        def undo() -> None:
+            self.unrewind_request(request_id, rewind)
+            self.restore_request(request_id, checkpoint)
+
+        return undo
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests

@@ -149,7 +149,7 @@ class RequestSyncs:
         # engine.checkpoint_request's value, from the record at hand
         checkpoint = RequestCheckpoint(req.num_tokens, len(req.block_hashes), req.num_computed_tokens)
         if rewind_to is not None:
-            return self._rewind(rid, sync, checkpoint)
+            return self._rewind(rid, sync)
         engine.update_request(
             rid,
             num_computed_tokens=computed,
@@ -158,7 +158,7 @@ class RequestSyncs:
         )
         return lambda: engine.restore_request(rid, checkpoint)
 
-    def _rewind(self, rid: str, sync: op.RequestSync, checkpoint: RequestCheckpoint) -> Undo:
+    def _rewind(self, rid: str, sync: op.RequestSync) -> Undo:
         """:meth:`sync` of a rewinding sync (its position checked): the request cut back
         (the engine's rule, checked against the computed count this sync sets), then
         updated as usual; refused with nothing changed. Returns how to undo it."""
@@ -170,24 +170,13 @@ class RequestSyncs:
                 f"request {rid[:128]!r}: a rewind to {sync.rewind_num_tokens} tokens, past the sync's "
                 f"position ({sync.base_num_tokens} tokens)",
             )
-        computed = sync.num_computed_tokens
-        rewind = engine.rewind_request(rid, sync.rewind_num_tokens, computed)
-        try:
-            engine.update_request(
-                rid,
-                num_computed_tokens=computed,
-                append_token_ids=sync.append_token_ids,
-                append_block_hashes=sync.append_block_hashes,
-            )
-        except BaseException:
-            engine.unrewind_request(rid, rewind)
-            raise
-
-        def undo() -> None:
-            engine.unrewind_request(rid, rewind)
-            engine.restore_request(rid, checkpoint)
-
-        return undo
+        return engine.update_rewound(
+            rid,
+            sync.rewind_num_tokens,
+            sync.num_computed_tokens,
+            sync.append_token_ids,
+            sync.append_block_hashes,
+        )
 
     def with_sync(self, s: Session, sync: op.RequestSync, call: Callable[[str], op.Value]) -> op.Value:
         undo = self.sync(s, sync)

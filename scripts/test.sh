@@ -23,7 +23,9 @@
 #   KVCOORD_VLLM_TEST_WORKERS  workers of each tests/with_vllm run (default 2; 0: serially)
 # The vLLM 0.16.0 and 0.33.0 runs of tests/with_vllm go on side by side, each writing to
 # a log that is printed when both have ended (KVCOORD_VLLM_SERIAL=1: one after the other,
-# straight to the terminal).
+# straight to the terminal). The container suite's images (and dockerd, if none runs)
+# are built in the background from the start, while the Python suites run (their output
+# in $WORK/images.log, printed before the container suite, which waits for them).
 #
 # KVCOORD_WORK: the scratch directory (logs, certificates; default a new /tmp/kvcoord-ci.*);
 # KVCOORD_IMAGE: the tag the image is built as (default kvcoord:test).
@@ -64,6 +66,65 @@ status=0
 # this only does first what the first import would).
 "$PYTHON" -m compileall -q client server tests || true  # (a file that does not compile: pytest says which)
 
+# Steps 1-2 of the container suite (a Docker engine, the images), started in the
+# background before the Python suites: they wait on the network, apt and pip more than
+# they compute (74-105 s on a loaded machine with the kvcoord image's pip layer rebuilt),
+# and built after the suites they were on the critical path. They do not see what the
+# suites write (.dockerignore leaves out tests/, __pycache__ and *.pyc).
+build_images() {
+  if [ -z "${KVCOORD_TARGET:-}" ]; then
+    # 1. a Docker engine
+    if ! docker info >/dev/null 2>&1; then
+      if ! command -v dockerd >/dev/null 2>&1; then
+        echo "docker is not installed: run 'make install' as root" >&2
+        exit 1
+      fi
+      # A dockerd that was killed leaves its containerd's pid file behind; once that pid
+      # is reused by another process, a new dockerd takes it for a running containerd,
+      # waits for its socket and gives up ("timeout waiting for containerd to start").
+      # With no daemon answering, a pid file whose process is not a containerd is stale.
+      pidfile=/var/run/docker/containerd/containerd.pid
+      if [ -f "$pidfile" ] && ! grep -qa containerd "/proc/$(cat "$pidfile")/cmdline" 2>/dev/null; then
+        echo "removing the stale $pidfile (pid $(cat "$pidfile") is not a containerd)"
+        rm -f "$pidfile"
+      fi
+      echo "starting dockerd"
+      (dockerd >"$WORK/dockerd.log" 2>&1 &)
+      for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+      docker info >/dev/null 2>&1 || { tail -n 30 "$WORK/dockerd.log" >&2; exit 1; }
+    fi
+    # 2. the base image (pulled where a registry is reachable, else built locally) and ours
+    base="$(sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)"
+    if ! docker image inspect "$base" >/dev/null 2>&1; then
+      docker pull "$base" >/dev/null 2>&1 || ./scripts/build_base_image.sh "$base"
+    fi
+    echo "building $IMAGE"
+    docker build -q -t "$IMAGE" . >/dev/null
+  fi
+  # the cluster stack's etcd and Prometheus images, from Debian's packages (no registry
+  # needed) on the same base image (see 4b below)
+  if [ -z "${KVCOORD_CLUSTER_TARGETS:-}" ] && { [ -z "${KVCOORD_TARGET:-}" ] || [ -n "${KVCOORD_IMAGE:-}" ]; }; then
+    base="$(sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)"
+    docker build -q --build-arg BASE_IMAGE="$base" -t kvcoord-etcd:test deploy/etcd >/dev/null
+    docker build -q --build-arg BASE_IMAGE="$base" -t kvcoord-prometheus:test deploy/prometheus/image >/dev/null
+  fi
+}
+
+cleanup() {
+  if [ -n "${IMAGES_PID:-}" ]; then kill "$IMAGES_PID" 2>/dev/null || true; fi
+  if [ -n "${PROM_PID:-}" ]; then kill "$PROM_PID" 2>/dev/null || true; fi
+  docker rm -f "$CONTAINER" >/dev/null 2>&1 || true
+  docker volume rm "$VOLUME_NAME" >/dev/null 2>&1 || true
+  if [ -n "${CLUSTER_UP:-}" ]; then "${CLUSTER_COMPOSE[@]}" down -v >/dev/null 2>&1 || true; fi
+}
+
+if [ "${1:-}" != "--fast" ]; then
+  mkdir -p "$WORK"
+  trap cleanup EXIT
+  build_images >"$WORK/images.log" 2>&1 &
+  IMAGES_PID=$!
+fi
+
 if [ "${1:-}" != "--integration-only" ]; then
   # -p no:benchmark: pytest-benchmark, where installed, warns that xdist disables it, and
   # the suite's filterwarnings = error makes that an internal error (no test here uses it)
@@ -95,42 +156,14 @@ if [ "${1:-}" != "--integration-only" ]; then
   [ "${1:-}" != "--fast" ] || exit $status
 fi
 
-cleanup() {
-  if [ -n "${PROM_PID:-}" ]; then kill "$PROM_PID" 2>/dev/null || true; fi
-  docker rm -f "$CONTAINER" >/dev/null 2>&1 || true
-  docker volume rm "$VOLUME_NAME" >/dev/null 2>&1 || true
-  if [ -n "${CLUSTER_UP:-}" ]; then "${CLUSTER_COMPOSE[@]}" down -v >/dev/null 2>&1 || true; fi
-}
-trap cleanup EXIT
+# 1-2. (a Docker engine, the images: build_images above, started before the Python suites)
+images_rc=0
+wait "$IMAGES_PID" || images_rc=$?
+IMAGES_PID=
+cat "$WORK/images.log"
+[ "$images_rc" -eq 0 ] || { echo "building the container suite's images failed (exit $images_rc)" >&2; exit 1; }
 
 if [ -z "${KVCOORD_TARGET:-}" ]; then
-  # 1. a Docker engine
-  if ! docker info >/dev/null 2>&1; then
-    if ! command -v dockerd >/dev/null 2>&1; then
-      echo "docker is not installed: run 'make install' as root" >&2
-      exit 1
-    fi
-    # A dockerd that was killed leaves its containerd's pid file behind; once that pid
-    # is reused by another process, a new dockerd takes it for a running containerd,
-    # waits for its socket and gives up ("timeout waiting for containerd to start").
-    # With no daemon answering, a pid file whose process is not a containerd is stale.
-    pidfile=/var/run/docker/containerd/containerd.pid
-    if [ -f "$pidfile" ] && ! grep -qa containerd "/proc/$(cat "$pidfile")/cmdline" 2>/dev/null; then
-      echo "removing the stale $pidfile (pid $(cat "$pidfile") is not a containerd)"
-      rm -f "$pidfile"
-    fi
-    echo "starting dockerd"
-    (dockerd >"$WORK/dockerd.log" 2>&1 &)
-    for _ in $(seq 1 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
-    docker info >/dev/null 2>&1 || { tail -n 30 "$WORK/dockerd.log" >&2; exit 1; }
-  fi
-  # 2. the base image (pulled where a registry is reachable, else built locally) and ours
-  base="$(sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)"
-  if ! docker image inspect "$base" >/dev/null 2>&1; then
-    docker pull "$base" >/dev/null 2>&1 || ./scripts/build_base_image.sh "$base"
-  fi
-  echo "building $IMAGE"
-  docker build -q -t "$IMAGE" . >/dev/null
   # 3. test certificates (a CA, server and client certificates; test-only keys)
   TLS_DIR="$WORK/tls"
   "$PYTHON" tests/certs.py "$TLS_DIR" >/dev/null
@@ -166,12 +199,9 @@ print(*(s.getsockname()[1] for s in socks))')
   echo "container $CONTAINER: $(docker inspect -f '{{.State.Health.Status}}' "$CONTAINER"), gRPC $KVCOORD_TARGET (mutual TLS), metrics https://$KVCOORD_METRICS"
 fi
 
-# 4b. the cluster stack: etcd and Prometheus images from Debian's packages (no registry
-# needed), the replicas from the image above; `up` waits for etcd to be healthy
+# 4b. the cluster stack: etcd and Prometheus images from Debian's packages (built by
+# build_images), the replicas from the image above; `up` waits for etcd to be healthy
 if [ -z "${KVCOORD_CLUSTER_TARGETS:-}" ] && [ -n "${KVCOORD_IMAGE:-}" ]; then
-  base="$(sed -n 's/^ARG BASE_IMAGE=//p' Dockerfile)"
-  docker build -q --build-arg BASE_IMAGE="$base" -t kvcoord-etcd:test deploy/etcd >/dev/null
-  docker build -q --build-arg BASE_IMAGE="$base" -t kvcoord-prometheus:test deploy/prometheus/image >/dev/null
   net="${KVCOORD_NET:-172.29.23}"
   cluster_prom_port="$("$PYTHON" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
   export KVCOORD_IMAGE KVCOORD_NET="$net" KVCOORD_ETCD_IMAGE=kvcoord-etcd:test \

@@ -237,6 +237,42 @@ def test_a_subscriber_away_across_a_restart_keeps_no_block_the_pool_evicted(
         srv.stop()
 
 
+@pytest.mark.parametrize("dropped", [True, False])
+def test_a_first_look_after_a_restart_at_a_pool_whose_oldest_events_were_dropped_counts_a_gap(
+    tmp_path: Path, dropped: bool
+) -> None:
+    """A restarted publisher's first batch is a clear and the events the pool kept.
+    When the pool's event buffer dropped older ones, blocks they stored may still be
+    cached and reach no subscriber: a gap, as a WatchEvents reader from 0 counts it.
+    It was not counted in kvcoord_event_gaps_total{stream="zmq"} (its removals of
+    blocks stored before the kept events were left out, silently). A pool whose whole
+    history is kept counts none."""
+    config = POOL + ("\n[limits]\nevent_buffer = 4\n" if dropped else "")
+    data = str(tmp_path / "data")
+    rnd = random.Random(5)
+    srv = InProcessServer(config, data_dir=data).start()
+    try:
+        with KVCoordClient(srv.address, timeout=10) as client:
+            worker = PoolWorker(client, "p", client.get_pool("p").pool.config, rnd)
+            for _ in range(10):
+                worker.step(_prompt(rnd), None)
+        history = srv.call(lambda: srv.running.servicer.registry.pools["p"].events.oldest_sequence)  # type: ignore[union-attr]
+        assert (history > 1) == dropped
+    finally:
+        srv.stop()
+    srv = InProcessServer(config, data_dir=data).start()
+    try:
+        publisher = srv.running.publishers.publishers["p"]  # type: ignore[union-attr]
+        for _ in range(200):  # (its first look at the pool: the clear and the kept events sent)
+            if publisher.events_sent:
+                break
+            time.sleep(0.05)
+        assert publisher.events_sent
+        assert scrape_metrics(srv)[GAPS] == (1 if dropped else 0)
+    finally:
+        srv.stop()
+
+
 def test_subscriptions_take_no_replay_slot() -> None:
     """Each subscription is answered with an empty batch under the next number, which
     is not kept for replay: subscribers coming and going push no batch out of the

@@ -48,8 +48,9 @@ restarted process has none of the batches it missed (until this process's first 
 is sent, the answer is the end marker alone). A publisher's first batch of a pool (after
 a restart, or the pool came to this replica) is ``AllBlocksCleared`` then the events
 the pool keeps: any index applying it holds exactly the pool's map when they are its
-whole history; when older ones were dropped, removals of blocks stored before them are
-left out, as after a gap. A server without a data directory loses its pools in a
+whole history; when older ones were dropped, it is a gap (logged and counted in
+``kvcoord_event_gaps_total{stream="zmq"}``) and removals of blocks stored before the
+kept events are left out. A server without a data directory loses its pools in a
 restart and numbers from 0 again, as a restarted vLLM engine does.
 
 A batch that cannot be sent (a failed reservation write, say) is lost, logged and
@@ -89,15 +90,9 @@ from .registry import PoolRegistry
 from .tasks import cancel_and_wait
 
 __all__ = [
-    "RESERVE_SEQUENCES",
-    "KVEventPublisher",
-    "KVEventsDecl",
-    "Publishers",
-    "SequenceReservation",
-    "encode_batch",
-    "kv_events_from_list",
-    "reservation_path",
-]
+    "RESERVE_SEQUENCES", "KVEventPublisher", "KVEventsDecl", "Publishers",
+    "SequenceReservation", "encode_batch", "kv_events_from_list", "reservation_path",
+]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -414,32 +409,35 @@ async def follow(
             if incarnation is not None:  # created again: the old cache is gone
                 publisher.submit([AllBlocksCleared()], profile)
             elif journal.last_sequence:
-                # The first look at the pool (since the server started, or since it came
-                # to this replica) sends again what the pool keeps, a clear first: its
-                # subscribers may hold anything of it (an index from before a restart,
-                # the clear of its departure, nothing at all), and applied, the batch
-                # leaves any index exactly the pool's map when the events are its whole
-                # history. (Without the clear, a count index that applied them before
-                # counted them twice, and kept a block once its removal came.)
+                # The first look at the pool (since the server started, or it came to this
+                # replica) sends again what the pool keeps, a clear first: its subscribers may
+                # hold anything of it (an index from before a restart, the clear of its
+                # departure, nothing), and applied, the batch leaves any index exactly the
+                # pool's map when the events are its whole history. (Without the clear, a count
+                # index that applied them before counted them twice, and kept a block once its
+                # removal came.)
                 head = [AllBlocksCleared()]
             incarnation = service.fence.incarnation
             since_gap.stop()
-            if journal.oldest_sequence > 1 and journal.last_sequence:
-                # Older events were dropped (its event buffer) before this publisher
-                # sent them: the kept ones remove blocks stored before them, which no
-                # subscriber holds after the clear (docs/routing.md's count index raised
-                # KeyError; a tolerant count went negative). Left out, as after a gap.
+            if journal.missed(0):
+                # Events were dropped (event_buffer) before this publisher sent them: a gap,
+                # as for a WatchEvents reader from 0 (blocks they stored may still be cached);
+                # the kept ones' removals of blocks stored before them are left out, as after
+                # one (no subscriber holds those: docs/routing.md's count raised KeyError)
+                logger.warning(
+                    "pool %s: KV events 1..%d were dropped before the publisher's first look (event_buffer)",
+                    decl.pool, journal.oldest_sequence - 1, extra=ids(pool=decl.pool),
+                )  # fmt: skip
                 since_gap.start()
+                on_gap(decl.pool)
             profile = service.config.profile
             publisher.follow_profile(profile)  # replays are framed as its profile's from now on
             cursor = journal.oldest_sequence - 1
         if journal.missed(cursor):
             logger.error(
                 "pool %s: KV events were dropped before the publisher read them (event_buffer): "
-                "subscribers are sent a clear, and their indexes start over",
-                decl.pool,
-                extra=ids(pool=decl.pool),
-            )
+                "subscribers are sent a clear, and their indexes start over", decl.pool, extra=ids(pool=decl.pool),
+            )  # fmt: skip
             head = [AllBlocksCleared()]
             since_gap.start()
             on_gap(decl.pool)

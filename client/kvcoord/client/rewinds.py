@@ -95,14 +95,15 @@ def rewind_point(request_id: str, t: Any, tokens: Sequence[int], given: Sequence
             computed token (not a cut session: another request under a tracked id).
     """
     n, have = t.sent_tokens, len(tokens)
-    bound = have if have < n else n - 1  # the change is at or below this position
     seen = t.seen.get(n)
     hash_only = have >= n and seen is not None and tokens[n - 1] == seen[0] and not t.uncertain
-    if t.uncertain:
-        bound = min(have, n)  # (what the server holds past the computed tokens is sent again)
-    if hash_only:
-        h = seen[1] if seen is not None else 0
-        bound = min(n, (h - 1) * hash_block_size + hash_block_size - 1)  # (hash h - 1 is dropped)
+    # the change is at or below ``bound``: refused when that reaches a computed position
+    if hash_only:  # hash h - 1, the last sent, changed: at its block's last position
+        bound = min(n, seen[1] * hash_block_size - 1)
+    elif t.uncertain:  # what the server holds past the computed tokens is sent again
+        bound = min(have, n)
+    else:  # tokens were dropped, or the last token sent changed
+        bound = have if have < n else n - 1
     if computed <= 0 or computed > bound:
         what = "its last hash sent changed" if hash_only else f"changed at or below position {bound}"
         raise InvalidArgumentError(

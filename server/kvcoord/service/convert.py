@@ -29,6 +29,7 @@ from kvcoord.wire.columns import packed_decode_columns
 from . import operations as op
 from .errors import ServiceError, Status, bounded
 from .pool_service import Fence, MirrorState
+from .wire_slices import encode_varint
 
 __all__ = [
     "allocate_from_pb",
@@ -330,15 +331,6 @@ def write_outcome(target: pb.OperationResult, operation: op.Operation, o: op.Out
     target.CopyFrom(outcome_to_pb(operation, o))
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 #: StepResponse.results (field 1, length-delimited): one element's tag
 _RESULTS_TAG = b"\x0a"
 #: the encoded StepResponse.results element of an allocation that took no block, by
@@ -356,7 +348,7 @@ def _unchanged_result(groups: int, num_new_tokens: int) -> bytes:
         r = pb.OperationResult()
         write_allocate(r.allocate, op.AllocateOutcome(((),) * groups, num_new_tokens))
         body = r.SerializeToString()
-        chunk = _RESULTS_TAG + _varint(len(body)) + body
+        chunk = _RESULTS_TAG + encode_varint(len(body)) + body
         if len(_UNCHANGED_RESULTS) < 4096:  # a handful in practice (groups x tokens per step)
             _UNCHANGED_RESULTS[key] = chunk
     return chunk

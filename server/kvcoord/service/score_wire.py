@@ -23,6 +23,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import hit_to_pb
 
 from .pool_service import PoolScore, ScoreSettings, UnscoredPool, score_settings
+from .wire_slices import encode_varint
 
 if TYPE_CHECKING:  # pragma: no cover
     from kvcoord.engine.reservations import Reservations
@@ -41,23 +42,13 @@ _pack_double = struct.Struct("<d").pack
 _ZERO_DOUBLE = bytes(8)
 
 
-def _varint(n: int) -> bytes:
-    """``n`` (>= 0) as a protobuf varint."""
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 #: small varints, encoded once (hit lengths, free blocks and lengths are mostly small)
-_SMALL = [_varint(n) for n in range(1 << 14)]
+_SMALL = [encode_varint(n) for n in range(1 << 14)]
 
 
 def _field(tag: int, payload: bytes) -> bytes:
     """A length-delimited field (string, bytes or message) with its tag byte."""
-    return bytes((tag,)) + _varint(len(payload)) + payload
+    return bytes((tag,)) + encode_varint(len(payload)) + payload
 
 
 class ScoreEncoder:
@@ -94,15 +85,15 @@ class ScoreEncoder:
             body = b"".join(
                 (
                     head,
-                    (b"\x10" + (small[hit] if hit < 16384 else _varint(hit))) if hit else b"",
-                    (b"\x18" + (small[free] if free < 16384 else _varint(free))) if free else b"",
+                    (b"\x10" + (small[hit] if hit < 16384 else encode_varint(hit))) if hit else b"",
+                    (b"\x18" + (small[free] if free < 16384 else encode_varint(free))) if free else b"",
                     b"\x21" + usage if usage != _ZERO_DOUBLE else b"",
                     tail,
                 )
             )
             size = len(body)
             append(b"\x0a")
-            append(small[size] if size < 16384 else _varint(size))
+            append(small[size] if size < 16384 else encode_varint(size))
             append(body)
         for u in unscored:
             append(
@@ -117,11 +108,11 @@ class ScoreEncoder:
         if len(self._fixed) >= self.max_pools:
             self._fixed.clear()
         fence = (_field(0x0A, instance_id.encode()) if instance_id else b"") + (
-            b"\x10" + _varint(incarnation) if incarnation else b""
+            b"\x10" + encode_varint(incarnation) if incarnation else b""
         )
         head = _field(0x0A, pool.encode()) if pool else b""
         # the fence is always present: the message path sets its fields in place
-        tail = (b"\x28" + _varint(total) if total else b"") + _field(0x3A, fence)
+        tail = (b"\x28" + encode_varint(total) if total else b"") + _field(0x3A, fence)
         parts = self._fixed[key] = (head, tail)
         return parts
 

@@ -28,7 +28,14 @@ from typing import Any, TypeVar
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
-__all__ = ["PARSED", "PARSE_AT_ONCE_BYTES", "PARSE_SLICE_BYTES", "parse_in_turns", "parse_slices"]
+__all__ = [
+    "PARSED",
+    "PARSE_AT_ONCE_BYTES",
+    "PARSE_SLICE_BYTES",
+    "encode_varint",
+    "parse_in_turns",
+    "parse_slices",
+]
 
 M = TypeVar("M", bound=Message)
 
@@ -158,7 +165,7 @@ def _merge_field(
             cut = min(j + slice_bytes, end)
             while cut < end and view[cut - 1] >= 0x80:  # inside a varint: to its end
                 cut += 1
-            message.MergeFromString(head + _varint_bytes(cut - j) + bytes(view[j:cut]))
+            message.MergeFromString(head + encode_varint(cut - j) + bytes(view[j:cut]))
             j = cut
             yield
         return
@@ -169,10 +176,12 @@ def _map_entry(fd: Any) -> bool:
     return fd.message_type is not None and bool(fd.message_type.GetOptions().map_entry)
 
 
-def _varint_bytes(n: int) -> bytes:
+def encode_varint(n: int) -> bytes:
+    """``n`` (>= 0) as a protobuf varint (convert.py's and score_wire.py's hand-encoded
+    answers use it too)."""
     out = bytearray()
-    while n >= 0x80:
-        out.append(n & 0x7F | 0x80)
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
         n >>= 7
     out.append(n)
     return bytes(out)

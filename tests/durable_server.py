@@ -221,6 +221,33 @@ def assert_not_serving(c: KVCoordClient) -> None:
     assert health != "SERVING"
 
 
+def held_first_group(c: KVCoordClient) -> dict[str, list[int]]:
+    """Every request pool ``p`` holds: its first group's block ids, by request id."""
+    return {
+        r.request_id: list(r.groups[0].block_ids) for r in c.inspect_pool("p", all_requests=True).requests
+    }
+
+
+@contextmanager
+def restarted_holding(
+    server: DurableServer, acked: dict[str, list[int]], *in_log: str
+) -> Iterator[KVCoordClient]:
+    """The tail of a test that stopped the server (a stall, a failed write): its last
+    log names each of ``in_log``; started again, it holds every acknowledged allocation
+    (``acked``: request id -> first group's block ids). Yields a client of the restarted
+    server, stopped after."""
+    log = server.log()
+    assert all(s in log for s in in_log), log
+    server.start()
+    try:
+        with KVCoordClient(server.address) as c:
+            held = held_first_group(c)
+            assert {rid: held.get(rid) for rid in acked} == acked
+            yield c
+    finally:
+        server.stop()
+
+
 def attach(c: KVCoordClient, name: str, lease: float) -> Any:
     """Worker ``name``'s session on pool ``p`` (the pools of :func:`small_pool`)."""
     return c.attach("p", "sha256_cbor", 4, "0", name, lease_seconds=lease)
@@ -281,6 +308,20 @@ def assert_restore_proven(c: KVCoordClient, a: Any, b: Any, lease: float) -> Non
         attach(c, "worker-c", lease)
     inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
     assert not inspected.requests and not inspected.cached_block_ids
+
+
+def prove_restore_then_attach(server: DurableServer, copy: Path, prover: Any, rid: str, lease: float) -> Any:
+    """Put ``copy`` back (:func:`restore_volume`) and start the server on it; worker
+    ``prover``, told more than the copy holds, allocates ``rid``: refused, its fence
+    proves the restore (FencedError); then worker d attaches once the grace has ended
+    (within 6 leases): its session."""
+    restore_volume(server, copy)
+    server.start()
+    with KVCoordClient(server.address, retry=NO_RETRY) as c:
+        with pytest.raises(FencedError):
+            step_allocate(c, prover, rid, 4)  # the proof
+    d, _ = attach_after_grace(server.address, lease, "worker-d", 6 * lease)
+    return d
 
 
 def _accepts(port: int) -> bool:

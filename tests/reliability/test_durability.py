@@ -17,7 +17,14 @@ from typing import Any
 
 import pytest
 import support
-from durable_server import DurableServer, assert_not_serving, env, leased_server, one_block_step
+from durable_server import (
+    DurableServer,
+    assert_not_serving,
+    env,
+    leased_server,
+    one_block_step,
+    restarted_holding,
+)
 from durable_server import small_pool as _small_pool
 from durable_workload import PATIENT, run_checked_worker
 from kvcoord.client import KVCoordClient
@@ -367,20 +374,11 @@ def test_a_failed_journal_write_stops_the_server(tmp_path: Path) -> None:
         assert server.proc.wait(60) == EXIT_JOURNAL_FAILED, server.log()
     finally:
         server.stop()
-    assert acked and "journal write failed" in server.log()
-    server.start()
-    try:
-        with KVCoordClient(server.address) as c:
-            held = {
-                r.request_id: list(r.groups[0].block_ids)
-                for r in c.inspect_pool("p", all_requests=True).requests
-            }
-            assert {rid: held.get(rid) for rid in acked} == acked
-            retried = list(c.stub.Step(request, timeout=10).results[0].allocate.new_block_ids[0].block_ids)
-            again = list(c.stub.Step(request, timeout=10).results[0].allocate.new_block_ids[0].block_ids)
-            assert retried == again and not set(retried) & {b for ids in acked.values() for b in ids}
-    finally:
-        server.stop()
+    assert acked
+    with restarted_holding(server, acked, "journal write failed") as c:
+        retried = list(c.stub.Step(request, timeout=10).results[0].allocate.new_block_ids[0].block_ids)
+        again = list(c.stub.Step(request, timeout=10).results[0].allocate.new_block_ids[0].block_ids)
+        assert retried == again and not set(retried) & {b for ids in acked.values() for b in ids}
 
 
 def test_a_restored_older_backup_fences_its_sessions_before_giving_their_blocks(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import durable_server
 import grpc
 import pytest
-from durable_server import DurableServer, assert_not_serving, one_block_step, small_pool
+from durable_server import DurableServer, assert_not_serving, one_block_step, restarted_holding, small_pool
 from kvcoord.client import KVCoordClient
 
 #: the server process's ``sitecustomize``: once FLAG exists, every journal write blocks
@@ -75,16 +75,6 @@ def test_a_hung_journal_commit_stops_the_server(tmp_path: Path, monkeypatch: pyt
         assert server.proc.wait(60) == EXIT_JOURNAL_FAILED, server.log()
     finally:
         server.stop()
-    log = server.log()
-    assert "stalled" in log and "journal_stall_seconds" in log, log
     flag.unlink()
-    server.start()
-    try:
-        with KVCoordClient(server.address) as c:
-            held = {
-                r.request_id: list(r.groups[0].block_ids)
-                for r in c.inspect_pool("p", all_requests=True).requests
-            }
-            assert held.get("r0") == acked
-    finally:
-        server.stop()
+    with restarted_holding(server, {"r0": acked}, "stalled", "journal_stall_seconds"):
+        pass

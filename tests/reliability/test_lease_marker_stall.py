@@ -15,8 +15,8 @@ from pathlib import Path
 import durable_server
 import grpc
 import pytest
-from durable_server import leased_server, step_allocate
-from kvcoord.client import NO_RETRY, KVCoordClient, KVCoordError
+from durable_server import assert_not_serving, leased_server, restarted_holding, step_allocate
+from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.v1 import allocator_pb2 as pb
 
 #: the server process's ``sitecustomize``: once FLAG exists, every write of the lease
@@ -70,25 +70,11 @@ def test_a_hung_lease_marker_write_stops_the_server(tmp_path: Path, monkeypatch:
                     refused = exc.code()
                 time.sleep(0.1)
             assert refused == grpc.StatusCode.UNAVAILABLE, refused
-            try:
-                health = c.health()
-            except KVCoordError:
-                health = "gone"
-            assert health != "SERVING"
+            assert_not_serving(c)
         assert server.proc is not None
         assert server.proc.wait(60) == EXIT_JOURNAL_FAILED, server.log()
     finally:
         server.stop()
-    log = server.log()
-    assert "lease marker" in log and "stalled" in log and "journal_stall_seconds" in log, log
     flag.unlink()
-    server.start()
-    try:
-        with KVCoordClient(server.address) as c:
-            held = {
-                r.request_id: list(r.groups[0].block_ids)
-                for r in c.inspect_pool("p", all_requests=True).requests
-            }
-            assert held.get("r0") == acked
-    finally:
-        server.stop()
+    with restarted_holding(server, {"r0": acked}, "lease marker", "stalled", "journal_stall_seconds"):
+        pass

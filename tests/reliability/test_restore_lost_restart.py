@@ -15,6 +15,7 @@ from durable_server import (
     attach_after_grace,
     copy_volume,
     leased_server,
+    prove_restore_then_attach,
     restore_volume,
     step_allocate,
     two_workers_then_copy,
@@ -87,12 +88,7 @@ def test_sessions_attached_after_a_proven_restore_keep_their_fence_across_a_rest
             copy_volume(server, copy)
             a.fence.CopyFrom(c.step("p", [], a.session_id, a.fence).fence)
             step_allocate(c, a, "a2", 8)
-        restore_volume(server, copy)
-        server.start()
-        with KVCoordClient(server.address, retry=NO_RETRY) as c:
-            with pytest.raises(FencedError):
-                step_allocate(c, a, "a3", 4)  # the proof
-        d, _ = attach_after_grace(server.address, lease, "worker-d", 6 * lease)
+        d = prove_restore_then_attach(server, copy, a, "a3", lease)
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             held = step_allocate(c, d, "d1", 8)
         server.kill()
@@ -129,13 +125,8 @@ def test_fences_of_instances_a_restore_already_voided_prove_nothing_again(tmp_pa
             for s in (a, b):
                 s.fence.CopyFrom(c.step("p", [], s.session_id, s.fence).fence)
             step_allocate(c, a, "a1", 8)
-        restore_volume(server, copy)
-        server.start()
+        d = prove_restore_then_attach(server, copy, a, "a2", lease)
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
-            with pytest.raises(FencedError):
-                step_allocate(c, a, "a2", 4)  # the proof
-        with KVCoordClient(server.address, retry=NO_RETRY) as c:
-            d, _ = attach_after_grace(c, lease, "worker-d", 6 * lease)
             for stale in (e, b, a):
                 with pytest.raises((FencedError, SessionExpiredError)):
                     step_allocate(c, stale, "x", 4)
@@ -225,12 +216,7 @@ def test_a_late_fence_of_a_second_lost_instance_does_not_fence_a_proven_restore_
             a.fence.CopyFrom(c.step("p", [], a.session_id, a.fence).fence)
             step_allocate(c, a, "a1", 8)
         assert a.fence.instance_id != second and e.fence.position and e.fence.position_tag
-        restore_volume(server, copy)
-        server.start()
-        with KVCoordClient(server.address, retry=NO_RETRY) as c:
-            with pytest.raises(FencedError):
-                step_allocate(c, a, "a2", 4)  # the proof
-        d, _ = attach_after_grace(server.address, lease, "worker-d", 6 * lease)
+        d = prove_restore_then_attach(server, copy, a, "a2", lease)
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             held = step_allocate(c, d, "d1", 8)
             with pytest.raises((FencedError, SessionExpiredError)):

@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -28,6 +25,7 @@ from etcd_process import Etcd  # noqa: E402
 from kvcoord.client import KVCoordClient  # noqa: E402
 from kvcoord.client.testing import ServerProcess, start_server  # noqa: E402
 from kvcoord.v1 import allocator_pb2 as pb  # noqa: E402
+from service import test_kv_publisher_faults as faults  # noqa: E402
 from service.helpers import hashes, new_request  # noqa: E402
 from test_handover import wait_placed  # noqa: E402
 from test_replicas import placed, replica_config, wait_members  # noqa: E402
@@ -40,72 +38,26 @@ POOL_CONFIG = pb.PoolConfig(
 )  # fmt: skip
 
 
-class Subscriber:
+class Subscriber(faults.Subscriber):
     """docs/routing.md's loop (0.16 payloads, raw-byte hashes): a count of cached
-    blocks per hash, a replay from its last number plus one on a gap."""
+    blocks per hash, a replay from its last number plus one on a gap; a removal of a
+    hash it holds no block of is noted (checked per phase) instead of failing at once."""
 
     def __init__(self, endpoint: str, replay_endpoint: str) -> None:
-        self.ctx = zmq.Context.instance()
-        self.replay_endpoint = replay_endpoint
-        self.index: Counter[bytes] = Counter()
-        self.last = -1
-        self.batches: list[list[Any]] = []
+        super().__init__(faults.Endpoints(endpoint, replay_endpoint))
         #: removals of a hash this subscriber held no block of
         self.unknown_removals: list[bytes] = []
-        self.sub = self.ctx.socket(zmq.SUB)
-        self.sub.setsockopt(zmq.LINGER, 0)
-        self.sub.setsockopt(zmq.SUBSCRIBE, b"kv")
-        self.sub.connect(endpoint)
+        self.connect()
 
-    def close(self) -> None:
-        self.sub.close(linger=0)
-
-    def apply(self, payload: bytes) -> None:
-        _ts, events, _rank = msgspec.msgpack.decode(payload)
-        self.batches.append(events)
-        for e in events:
-            if e[0] == "BlockStored":
-                self.index.update(e[1])
-            elif e[0] == "BlockRemoved":
-                for h in e[1]:
-                    if self.index[h] <= 0:  # docs/routing.md's dict: KeyError
-                        self.unknown_removals.append(h)
-                    self.index[h] -= 1
-                    if not self.index[h]:
-                        del self.index[h]
-            else:
-                self.index.clear()
-
-    def _replay(self, start: int) -> Iterator[tuple[int, bytes]]:
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self.replay_endpoint)
-        try:
-            dealer.send_multipart((b"", start.to_bytes(8, "big")))
-            for _ in range(10_000):
-                assert dealer.poll(10_000), "no replay answer"
-                _, seq, payload = dealer.recv_multipart()
-                if int.from_bytes(seq, "big", signed=True) == -1:
-                    return
-                yield int.from_bytes(seq, "big"), payload
-        finally:
-            dealer.close(linger=0)
+    def removed(self, h: bytes) -> None:
+        if self.index[h] <= 0:  # docs/routing.md's dict: KeyError
+            self.unknown_removals.append(h)
+        self.index[h] -= 1
+        if not self.index[h]:
+            del self.index[h]
 
     def drain(self, quiet_ms: int = 1500) -> None:
-        """docs/routing.md's loop, until the stream is quiet."""
-        for _ in range(10_000):
-            if not self.sub.poll(quiet_ms):
-                return
-            _topic, seq_bytes, payload = self.sub.recv_multipart()
-            seq = int.from_bytes(seq_bytes, "big")
-            if seq > self.last + 1:
-                for s, p in list(self._replay(self.last + 1)):
-                    if s > self.last:
-                        self.apply(p)
-                        self.last = s
-            if seq > self.last:
-                self.apply(payload)
-                self.last = seq
+        super().drain(quiet_ms)
 
     def claimed_hit(self, tokens: list[int]) -> int:
         """The hit (tokens) this index predicts: its run of held hashes, at most

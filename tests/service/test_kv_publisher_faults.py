@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -54,10 +54,20 @@ int_hashes = false
 GAPS = ("kvcoord_event_gaps_total", (("pool", "p"), ("stream", "zmq")))
 
 
-class Subscriber:
-    """docs/routing.md's subscriber (0.16 payloads): a count of cached blocks per hash."""
+class Endpoints(NamedTuple):
+    """A publisher's PUB and replay addresses (a :class:`Subscriber`'s, when the
+    publisher runs in another process)."""
 
-    def __init__(self, publisher: KVEventPublisher) -> None:
+    endpoint: str
+    replay_endpoint: str
+
+
+class Subscriber:
+    """docs/routing.md's subscriber (0.16 payloads): a count of cached blocks per hash.
+    tests/service/test_kv_publisher_hwm.py and tests/cluster/test_kv_events_moved.py
+    subclass it."""
+
+    def __init__(self, publisher: KVEventPublisher | Endpoints) -> None:
         self.ctx = zmq.Context.instance()
         self.publisher = publisher
         self.index: Counter[bytes] = Counter()
@@ -83,12 +93,16 @@ class Subscriber:
                 self.index.update(e[1])
             elif e[0] == "BlockRemoved":
                 for h in e[1]:
-                    self.index[h] -= 1  # (docs/routing.md's dict raises KeyError instead)
-                    assert self.index[h] >= 0, "a removal of a block this subscriber was never sent"
-                    if not self.index[h]:
-                        del self.index[h]
+                    self.removed(h)
             else:
                 self.index.clear()
+
+    def removed(self, h: bytes) -> None:
+        """A ``BlockRemoved`` of hash ``h``: one block of it less."""
+        self.index[h] -= 1  # (docs/routing.md's dict raises KeyError instead)
+        assert self.index[h] >= 0, "a removal of a block this subscriber was never sent"
+        if not self.index[h]:
+            del self.index[h]
 
     def replay(self, start: int) -> Iterator[tuple[int, bytes]]:
         dealer = self.ctx.socket(zmq.DEALER)
@@ -105,9 +119,11 @@ class Subscriber:
         finally:
             dealer.close(linger=0)
 
-    def drain(self) -> None:
-        """docs/routing.md's loop, until the stream is quiet."""
-        while self.sub.poll(700):
+    def drain(self, quiet_ms: int = 700) -> None:
+        """docs/routing.md's loop, until the stream is quiet for ``quiet_ms``."""
+        for _ in range(10_000):
+            if not self.sub.poll(quiet_ms):
+                return
             _topic, seq_bytes, payload = self.sub.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big")
             if seq > self.last + 1:

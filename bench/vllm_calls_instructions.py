@@ -212,8 +212,16 @@ def child(
 def inclusive(path: Path) -> dict[str, int]:
     """Inclusive instructions of each ``kvmark_*`` function in a callgrind output file
     (its own cost plus the cost of the calls it made)."""
+    return {k: v[0] for k, v in inclusive_events(path)[1].items()}
+
+
+def inclusive_events(path: Path) -> tuple[list[str], dict[str, list[int]]]:
+    """:func:`inclusive` of every event the file counts (``Ir`` first; with
+    ``--cache-sim=yes`` also data reads/writes and L1/last-level misses): the event
+    names and, per ``kvmark_*`` function, one inclusive count per event."""
     names: dict[str, str] = {}
-    totals: dict[str, int] = {}
+    totals: dict[str, list[int]] = {}
+    events: list[str] = ["Ir"]
     current: str | None = None
     name_re = re.compile(r"^\((\d+)\)(?: (.*))?$")
 
@@ -227,7 +235,9 @@ def inclusive(path: Path) -> dict[str, int]:
 
     with path.open() as f:
         for line in f:
-            if line.startswith("fn="):
+            if line.startswith("events:"):
+                events = line.split()[1:]
+            elif line.startswith("fn="):
                 name = resolve(line[3:])
                 current = name if name.startswith("kvmark_") else None
             elif line.startswith("cfn="):
@@ -236,8 +246,10 @@ def inclusive(path: Path) -> dict[str, int]:
                 # a cost line: the function's own, or (after ``calls=``) a call's inclusive
                 parts = line.split()
                 if len(parts) >= 2:
-                    totals[current] = totals.get(current, 0) + int(parts[1])
-    return totals
+                    row = totals.setdefault(current, [0] * len(events))
+                    for i, v in enumerate(parts[1 : 1 + len(events)]):
+                        row[i] += int(v)
+    return events, totals
 
 
 def run_side(side: str, args: argparse.Namespace, marks: Path, tmp: Path) -> dict[str, Any]:
@@ -252,6 +264,7 @@ def run_side(side: str, args: argparse.Namespace, marks: Path, tmp: Path) -> dic
         env.update(KVCOORD_TARGET=server.address, KVCOORD_PREDICT="1", KVCOORD_POOL="bench-calls")
     out = tmp / f"callgrind.{side}.out"
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
+           *(["--cache-sim=yes"] if args.cache_sim else []),
            sys.executable, str(Path(__file__).resolve()), "--child", side, "--running", str(args.running),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--marks", str(marks),
            "--detail", args.detail, *(["--keep-gc"] if args.keep_gc else [])]  # fmt: skip
@@ -266,7 +279,10 @@ def run_side(side: str, args: argparse.Namespace, marks: Path, tmp: Path) -> dic
             f"{side}: valgrind run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         )
     info = json.loads(line[len("KVMARK ") :])
-    info["ir"] = {k[len("kvmark_") :]: v for k, v in inclusive(out).items()}
+    events, totals = inclusive_events(out)
+    info["ir"] = {k[len("kvmark_") :]: v[0] for k, v in totals.items()}
+    info["events"] = events
+    info["all"] = {k[len("kvmark_") :]: v for k, v in totals.items()}
     return info
 
 
@@ -284,6 +300,11 @@ def main() -> None:
         "--keep-gc",
         action="store_true",
         help="the cyclic collector stays on in the measured steps (off by default)",
+    )
+    ap.add_argument(
+        "--cache-sim",
+        action="store_true",
+        help="valgrind's cache simulation too: data accesses and L1 / last-level misses per call",
     )
     ap.add_argument("--child", choices=["vllm", "kvcoord"], help=argparse.SUPPRESS)
     ap.add_argument("--marks", help=argparse.SUPPRESS)
@@ -327,8 +348,29 @@ def main() -> None:
             n, ir = got[s]["calls"].get(k, 0), got[s]["ir"].get(k, 0)
             row += f"{n:>10}{ir / n if n else 0:>12.0f}"
         print(row)
+    if args.cache_sim:
+        print_misses(got, sides)
     for s in sides:
         print(f"{s}: allocations told wrongly inside/taking: {got[s]['wrong']}")
+
+
+def print_misses(got: dict[str, Any], sides: list[str]) -> None:
+    """Per call kind: data reads and writes, L1 data misses and last-level misses
+    (instruction and data) per call, each side (``--cache-sim``)."""
+    print("per call: Dr+Dw (data accesses), D1 misses (D1mr+D1mw), I1 misses, LL misses (ILmr+DLmr+DLmw)")
+    print(f"{'call':<26}" + "".join(f"{s + ' D':>14}{'D1m':>9}{'I1m':>8}{'LLm':>7}" for s in sides))
+    for k in KINDS:
+        row = f"{k:<26}"
+        for s in sides:
+            ev, n = got[s]["events"], got[s]["calls"].get(k, 0)
+            v = dict(zip(ev, got[s]["all"].get(k, [0] * len(ev)), strict=True))
+
+            def per(*names: str, _v: dict[str, int] = v, _n: int = n) -> float:
+                return sum(_v.get(x, 0) for x in names) / _n if _n else 0.0
+
+            row += f"{per('Dr', 'Dw'):>14.0f}{per('D1mr', 'D1mw'):>9.0f}{per('I1mr'):>8.0f}"
+            row += f"{per('ILmr', 'DLmr', 'DLmw'):>7.0f}"
+        print(row)
 
 
 if __name__ == "__main__":

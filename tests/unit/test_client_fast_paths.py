@@ -56,17 +56,25 @@ def _general_accepts(tokens: list[object]) -> bool:
     return True
 
 
-BAD = [-1, 1 << 32, True, False, 2.0, "7", None, _Token.ONE, _Index()]
+class _Int(int):
+    """An int subclass with int's own repr: marshal cannot write it."""
+
+
+#: (marshal's int record holds -2**31..2**31-1: its edges are valid or not as uint32)
+BAD = [-1, 1 << 32, True, False, 2.0, "7", None, _Token.ONE, _Index(), _Int(5), -(1 << 31), 1 << 31,
+       (1 << 31) - 1, 0, [1], (1, 2, 3, 4), b"iiii", 2**63, -(2**63)]  # fmt: skip
 
 
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 900])
 @pytest.mark.parametrize("bad", [*BAD, "none"], ids=repr)
-def test_wire_tokens_takes_exactly_what_the_general_path_takes(length: int, bad: object) -> None:
-    """A prompt checked in bulk (``wire_tokens``: two C passes, then the engine skips
-    its own) is taken exactly when the general checks take it; anything else goes on
-    to them unchanged (so the engine names the bad token) or is refused as too big."""
+@pytest.mark.parametrize("top", [1 << 31, 1 << 32], ids=["below-2**31", "uint32"])
+def test_wire_tokens_takes_exactly_what_the_general_path_takes(length: int, bad: object, top: int) -> None:
+    """A prompt checked in bulk (``wire_tokens``: marshal's one C pass for ids below
+    2**31, else two C passes, then the engine skips its own) is taken exactly when the
+    general checks take it; anything else goes on to them unchanged (so the engine
+    names the bad token) or is refused as too big."""
     rng = random.Random(length)
-    tokens: list[object] = [rng.randrange(1 << 32) for _ in range(length)]
+    tokens: list[object] = [rng.randrange(top) for _ in range(length)]
     if bad != "none":
         tokens[rng.randrange(length)] = bad
     accepted = _general_accepts(tokens)
@@ -80,6 +88,18 @@ def test_wire_tokens_takes_exactly_what_the_general_path_takes(length: int, bad:
     else:
         assert got is tokens
         assert accepted == (length < 16 and _general_accepts(tokens))
+
+
+def test_marshal_check_reads_records_from_the_first() -> None:
+    """Records of other lengths cannot line up into ``i`` records: a bool (1 byte)
+    followed by values whose bytes hold ``i`` at the shifted places, totalling the
+    length of all-int records, is still refused by the one-pass check."""
+    from kvcoord.client.mirror import _small_exact_ints
+
+    assert _small_exact_ints(list(range(16)))
+    assert not _small_exact_ints([True, 0x69696969, *range(14)])  # 'T' then shifted bytes
+    assert not _small_exact_ints([*range(15), -1]) and not _small_exact_ints([*range(15), 1 << 31])
+    assert _small_exact_ints([*range(15), (1 << 31) - 1])
 
 
 def _events() -> list[engine.KVCacheEvent]:
@@ -127,14 +147,15 @@ def test_hashes_given_as_bytes_are_what_the_general_conversion_gives(kind: objec
 
 
 @pytest.mark.parametrize("length", [1, 15, 16, 900])
-@pytest.mark.parametrize("bad", [-1, 1 << 32, True, _Index(), "none"], ids=repr)
+@pytest.mark.parametrize("bad", [-1, 1 << 32, True, _Index(), _Int(5), 1 << 31, 2.0, "none"], ids=repr)
 @pytest.mark.parametrize("where", ["first", "last", "any"])
-def test_a_handed_prompt_is_kept_only_once_checked(length: int, bad: object, where: str) -> None:
+@pytest.mark.parametrize("top", [1 << 31, 1 << 32], ids=["below-2**31", "uint32"])
+def test_a_handed_prompt_is_kept_only_once_checked(length: int, bad: object, where: str, top: int) -> None:
     """The tracker's registration (a :class:`HandedTokenIds`) comes back itself, which
     the engine keeps unchecked, only when the bulk check took it; otherwise as a plain
     list, which the engine checks token by token (it names the bad one)."""
     rng = random.Random(length)
-    tokens: list[object] = [rng.randrange(1 << 32) for _ in range(length)]
+    tokens: list[object] = [rng.randrange(top) for _ in range(length)]
     if bad != "none":
         tokens[{"first": 0, "last": length - 1, "any": rng.randrange(length)}[where]] = bad
     accepted = _general_accepts(tokens)

@@ -21,6 +21,7 @@ without prediction. Never a guess.
 
 from __future__ import annotations
 
+import marshal
 from array import array
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -375,27 +376,53 @@ def _check_wire_tokens(request_id: str, tokens: Sequence[int]) -> None:
             )
 
 
-#: a prompt this long or longer is checked by :func:`wire_tokens`'s two C passes
+#: a prompt this long or longer is checked by :func:`wire_tokens`'s C passes
 _CHECK_IN_BULK = 16
 _UINT32_ARRAY = "I" if array("I").itemsize == 4 else ""
+#: marshal's record of an int in -2**31..2**31-1 (format 2: no reference flags)
+_MARSHAL_INT = ord("i")
+
+
+def _small_exact_ints(tokens: list[int]) -> bool:
+    """Every one of ``tokens`` (a plain list) an ``int`` (not a subclass) in
+    ``0..2**31-1``, told in one C pass: marshal's format 2 writes a list as ``[``, its
+    length (4 bytes), then each element's record, whose first byte names its kind; an
+    int of that range is ``i`` and 4 little-endian bytes, always 5 bytes. So the dump
+    is ``5 + 5 * n`` bytes with ``i`` at every fifth byte from the fifth exactly when
+    every element is such an int (records are read from the first: each ``i`` record
+    ends where the next starts), and none is negative when every record's last byte
+    is below 0x80. A bool, a larger or negative int, a float or a string writes another
+    record; an int subclass or any other object cannot be written (``ValueError``).
+    ``False`` says nothing about the tokens (the two-pass check decides)."""
+    try:
+        out = marshal.dumps(tokens, 2)
+    except ValueError:
+        return False
+    n = len(tokens)
+    return len(out) == 5 + 5 * n and out[5::5].count(_MARSHAL_INT) == n and out[9::5].isascii()
 
 
 def wire_tokens(request_id: str, tokens: Sequence[int]) -> Sequence[int]:
     """``tokens`` as :class:`TokenIds` (which the engine copies without checking each
     again) once every one is an ``int`` (not a subclass) the wire's ``uint32`` carries:
-    one C pass for the range (``array``), one for the exact types. A
-    :class:`HandedTokenIds` (the tracker's registration, made for this one call) is
-    given back itself, which the engine keeps without a copy. Anything else, or a
-    short list, goes through :func:`_check_wire_tokens` and is given back unchecked
-    (a plain list), for the engine's own check to name a bad token."""
+    one C pass (marshal's, :func:`_small_exact_ints`) for ids below 2**31, which are all
+    of any tokenizer's; else one C pass for the range (``array``), one for the exact
+    types. A :class:`HandedTokenIds` (the tracker's registration, made for this one
+    call) is given back itself, which the engine keeps without a copy. Anything else,
+    or a short list, goes through :func:`_check_wire_tokens` and is given back
+    unchecked (a plain list), for the engine's own check to name a bad token."""
     n = len(tokens)
     handed = type(tokens) is HandedTokenIds
     if n >= _CHECK_IN_BULK and _UINT32_ARRAY:
+        # (marshal writes no list subclass: a HandedTokenIds is read as a plain copy,
+        # a slice: one C copy, where ``list()`` of a subclass iterates it)
+        plain = tokens if type(tokens) is list else tokens[:] if isinstance(tokens, list) else list(tokens)
+        if _small_exact_ints(plain):
+            return tokens if handed else TokenIds(tokens)
         try:
-            # (``fromlist`` reads any list, a HandedTokenIds included, in one C pass with
-            # no copy; ``array(code, tokens)`` would read a list subclass element by
-            # element, about 5 x slower)
-            array(_UINT32_ARRAY).fromlist(tokens if isinstance(tokens, list) else list(tokens))
+            # (``fromlist`` reads any list in one C pass with no copy; ``array(code,
+            # tokens)`` would read a list subclass element by element, about 5 x slower)
+            array(_UINT32_ARRAY).fromlist(plain)
         except (OverflowError, TypeError, ValueError):
             pass
         else:

@@ -29,7 +29,8 @@ runs without prediction. The same can happen mid-run, when a lost session is att
 again to a server restarted meanwhile with another engine (a rolling upgrade) or one
 that has no state to give: every request is lost as for any loss, and
 :attr:`PredictingKVCacheManager.on_unpredictable` (vLLM's adapter) takes over with a
-session that waits for the server; without it the error is raised, naming why.
+session that waits for the server; without it the error is raised, naming why. A pool
+created again with another configuration is refused for good (PoolChangedError).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from .client import KVCoordClient
 from .errors import InvalidArgumentError, KVCoordError
 from .items import KVCacheBlockIds
 from .mirror import UINT32_MAX, BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
-from .predicting_losses import PredictedLosses, PredictionUnavailableError
+from .predicting_losses import PoolChangedError, PredictedLosses, PredictionUnavailableError, pool_changes
 from .predicting_reports import PredictedReports
 from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper
@@ -83,7 +84,8 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
     Raises:
         FailedPreconditionError: the pool has another session (PoolBusyError), or the
             server gives no state this client can mirror (PredictionUnavailableError,
-            the reason in the message).
+            the reason in the message), or it was created again meanwhile with another
+            configuration than get_pool said (PoolChangedError).
         RandomSeedError: caching is on and no seed is known.
     """
 
@@ -126,8 +128,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         """Attach exclusively and load the mirror from the answer's engine state.
 
         Raises:
-            PredictionUnavailableError: no state this client can mirror (the session
-                made is ended first).
+            PredictionUnavailableError, PoolChangedError: see :meth:`_refuse`.
         """
         client, cfg = self.client, self.config
         reset = self.reset_at_attach or self._attached
@@ -135,10 +136,11 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
             *self._attach_args, True, True, want_engine_state=True, profile=self._handshake[0],
             num_hash_lookahead_tokens=self._handshake[1], reset_prefix_cache=reset,
         )  # fmt: skip
+        changes = pool_changes(cfg, response.pool.config)  # (another pool's rules are never mirrored)
         why = response.pool_state_unavailable or "the server sent no pool state"
         if reset and not response.prefix_cache_reset:
             why = "the server does not reset the prefix cache at Attach (a release before reset_prefix_cache)"
-        elif response.HasField("pool_state"):
+        elif response.HasField("pool_state") and not changes:
             try:
                 self._mirror = Mirror(cfg, response.pool_state)
             except MirrorUnavailableError as err:
@@ -146,10 +148,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
             else:
                 self._attached = True
                 return response
-        try:
-            client.detach(response.session_id, response.fence)
-        finally:
-            raise PredictionUnavailableError(self.pool, why)
+        self._refuse(response, PoolChangedError(self.pool, changes) if changes else why)
 
     def _loaded(self) -> Mirror:
         """The mirror the last Attach loaded."""

@@ -8,15 +8,18 @@ adapter) takes over with a session that waits for the server.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NoReturn
 
 import grpc
+from kvcoord.v1 import allocator_pb2 as pb
 
+from .client import KVCoordClient
 from .errors import FailedPreconditionError, KVCoordError, RequestsLostError, ResourceExhaustedError
 from .mirror import Mirror
 from .sender import StepSender
 from .session import SessionKeeper
 
-__all__ = ["PredictedLosses", "PredictionUnavailableError"]
+__all__ = ["PoolChangedError", "PredictedLosses", "PredictionUnavailableError", "pool_changes"]
 
 
 class PredictionUnavailableError(FailedPreconditionError):
@@ -30,10 +33,34 @@ class PredictionUnavailableError(FailedPreconditionError):
         self.why = why
 
 
+class PoolChangedError(FailedPreconditionError):
+    """The pool an Attach found is not configured as the one the manager was made for
+    (deleted and created again, or a server restarted with other pools, under a running
+    engine): its rules and the caller's KV memory may differ, so it is neither mirrored
+    nor used (the session the Attach made is ended first). Never taken over by a waiting
+    session: the engine was sized and checked for the old configuration; restart it.
+    ``changes`` names the fields that differ."""
+
+    def __init__(self, pool: str, changes: list[str]) -> None:
+        super().__init__(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"pool {pool!r} was created again with another configuration ({', '.join(changes)} differ) since "
+            "this manager was made for it: it is neither predicted nor used; restart the engine for it",
+        )
+        self.changes = changes
+
+
+def pool_changes(was: pb.PoolConfig, now: pb.PoolConfig) -> list[str]:
+    """The names of the configuration fields that differ (none: the same pool's)."""
+    fields = {f.name for f, _ in was.ListFields()} | {f.name for f, _ in now.ListFields()}
+    return sorted(name for name in fields if getattr(was, name) != getattr(now, name))
+
+
 class PredictedLosses:
     """The loss half of a predicted session (methods of a PredictingKVCacheManager)."""
 
     pool: str
+    client: KVCoordClient
     mirror: Mirror
     sender: StepSender
     keeper: SessionKeeper
@@ -41,10 +68,23 @@ class PredictedLosses:
     #: :meth:`_settled`); vLLM's adapter sets it to go on waiting for the server
     on_unpredictable: Callable[[PredictionUnavailableError], None] | None = None
     #: why this manager's prediction ended (its session too), once it did
-    ended: PredictionUnavailableError | None = None
+    ended: PredictionUnavailableError | PoolChangedError | None = None
 
     def _loaded(self) -> Mirror:
         raise NotImplementedError
+
+    def _refuse(self, response: pb.AttachResponse, why: str | PoolChangedError) -> NoReturn:
+        """End the session an Attach just made and raise why it is not used.
+
+        Raises:
+            PredictionUnavailableError: no state this client can mirror (``why``).
+            PoolChangedError: the pool is configured otherwise than ``config`` (the one
+                the manager read and was made for: its rules are never mirrored).
+        """
+        try:
+            self.client.detach(response.session_id, response.fence)
+        finally:
+            raise why if isinstance(why, PoolChangedError) else PredictionUnavailableError(self.pool, why)
 
     def _settled(self) -> None:
         """Report a failure: every request is lost, and the session starts again from
@@ -60,6 +100,8 @@ class PredictedLosses:
             PredictionUnavailableError: the pool can no longer be predicted and nothing
                 takes over (no :attr:`on_unpredictable`); the requests lost are reported
                 by the call that gets past it.
+            PoolChangedError: the pool was created again with another configuration;
+                this call and every later one (nothing takes over).
             KVCoordError: the server cannot be reached to start again, or the session
                 taking over could not be made (the next call tries again).
         """
@@ -71,6 +113,9 @@ class PredictedLosses:
             lost = self.sender.recover()
         except PredictionUnavailableError as err:
             raise self._end(err) from None
+        except PoolChangedError as err:  # for good: no session, every later call refused
+            self.ended = err
+            raise
         except ResourceExhaustedError as err:
             if err.reason != "ANSWER_TOO_LARGE":
                 raise

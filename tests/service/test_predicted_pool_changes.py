@@ -1,0 +1,59 @@
+"""A predicted session whose pool changes under it (HUNTPRED2): the pool created again
+with other rules is never mirrored with the old ones, and an operator's reset of the
+pool's prefix cache is refused while the session predicts it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kvcoord.client import KVCoordClient, PredictingKVCacheManager, RequestsLostError
+from kvcoord.client.hashing import BlockHasher
+from kvcoord.client.predicting_losses import PoolChangedError
+from kvcoord.v1 import allocator_pb2 as pb
+from support import NONE, Req
+
+
+def _sliding(window: int) -> pb.PoolConfig:
+    """One sliding-window group: the window is a rule, not a count."""
+    spec = pb.KVCacheGroupSpec(sliding_window=pb.SlidingWindowSpec(block_size=4, sliding_window=window))
+    return pb.PoolConfig(num_blocks=32, groups=[spec], hash_block_size=4, enable_caching=True,
+                         hash_algo="sha256_cbor", hash_seed="0", enable_kv_cache_events=True)  # fmt: skip
+
+
+def _req(rid: str, tokens: list[int]) -> Any:
+    r = Req(rid, tokens)
+    r.block_hashes = BlockHasher("sha256_cbor", 4, NONE).extend(tokens)  # type: ignore[attr-defined]
+    return r
+
+
+def _admit(m: PredictingKVCacheManager, r: Any) -> None:
+    hit, hit_tokens = m.get_computed_blocks(r)
+    assert m.allocate_slots(r, len(r.all_token_ids) - hit_tokens, hit_tokens, hit) is not None
+    r.num_computed_tokens = len(r.all_token_ids)
+
+
+def test_a_pool_created_again_with_other_rules_is_never_mirrored_with_the_old(client: KVCoordClient) -> None:
+    """The pool is deleted and created again with another sliding window (the same
+    block and group counts) under a predicted session. The session's next Step fails
+    and the manager attaches again: the new pool is neither mirrored with the old
+    window (old code: its mirror was the old configuration's engine loaded with the
+    new pool's state, answering by the old rules until a difference was seen) nor
+    used: PoolChangedError naming the field, no session left holding the pool, and
+    every later call refused the same way without attaching again."""
+    client.create_pool("sw", _sliding(8))
+    m = PredictingKVCacheManager(client, "sw", hash_seed="0", renew=False)
+    _admit(m, _req("a", list(range(9))))
+    m.flush()
+    client.delete_pool("sw")
+    client.create_pool("sw", _sliding(16))
+    _admit(m, _req("b", list(range(40, 61))))  # answered from the mirror; its Step fails
+    with pytest.raises(PoolChangedError) as info:
+        m.flush()
+    assert info.value.changes == ["groups"]
+    assert not client.list_sessions("sw").sessions
+    attaches = client.get_stats("sw").num_sessions
+    with pytest.raises(PoolChangedError):
+        _admit(m, _req("c", list(range(9))))
+    assert client.get_stats("sw").num_sessions == attaches == 0
+    assert not isinstance(info.value, RequestsLostError)

@@ -19,7 +19,7 @@ from typing import Any
 import cbor2
 import pytest
 from durable_server import small_pool
-from kvcoord.client import NO_RETRY, KVCoordClient, ResourceExhaustedError, UnavailableError
+from kvcoord.client import NO_RETRY, KVCoordClient, PoolBusyError, ResourceExhaustedError, UnavailableError
 from kvcoord.service import state_export
 from kvcoord.service.pool_service import PoolService
 from kvcoord.service.testing import InProcessServer
@@ -98,8 +98,13 @@ def test_a_large_pools_state_is_exported_while_other_pools_are_answered(
             _wait_for(started)
             with KVCoordClient(server.address, timeout=5, retry=NO_RETRY) as probe:
                 assert probe.get_pool("small").pool.name == "small"  # answered during the export
-                # the pool changes while its state is exported: the answer keeps the Attach's
-                assert probe.reset_prefix_cache("big").result
+                # the pool changes while its state is exported: the answer keeps the Attach's.
+                # Only the exclusive session may reset it (an operator's reset would void
+                # its mirror's answers: refused, HUNTPRED2), so the reset names it.
+                with pytest.raises(PoolBusyError):
+                    probe.reset_prefix_cache("big")
+                (held,) = probe.list_sessions("big").sessions
+                assert probe.reset_prefix_cache("big", held.session_id).result
             assert attach.is_alive() and not answers, "the Attach waits for its state meanwhile"
         finally:
             go.write_text("go")

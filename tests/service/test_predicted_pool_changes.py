@@ -57,3 +57,35 @@ def test_a_pool_created_again_with_other_rules_is_never_mirrored_with_the_old(cl
         _admit(m, _req("c", list(range(9))))
     assert client.get_stats("sw").num_sessions == attaches == 0
     assert not isinstance(info.value, RequestsLostError)
+
+
+def test_an_operators_reset_of_a_predicted_pool_is_refused_naming_the_session(client: KVCoordClient) -> None:
+    """ResetPrefixCache (the RPC, not the session's own Step operation) on a pool whose
+    exclusive session answers from its mirror would void every hit the mirror still
+    finds, unseen until a Step's answer differs (old code: reset, the mirror's hit on
+    the reset blocks refused a backlog late and every request lost). It is refused
+    (PoolBusyError, POOL_EXCLUSIVE, naming the session's client) and nothing changed:
+    the mirror's hit stands and the session goes on without a loss. The session's own
+    reset (its id named) is still its own to make."""
+    from kvcoord.client import PoolBusyError
+
+    client.create_pool("full", _sliding(64))
+    m = PredictingKVCacheManager(client, "full", hash_seed="0", renew=False, client_name="engine-7")
+    a = _req("a", list(range(9)))
+    _admit(m, a)
+    m.free(a)  # its two full blocks stay cached, free
+    m.flush()
+    with pytest.raises(PoolBusyError) as info:
+        client.reset_prefix_cache("full")
+    assert info.value.reason == "POOL_EXCLUSIVE"
+    assert "'engine-7'" in info.value.message
+    b = _req("b", list(range(9)))
+    hit, hit_tokens = m.get_computed_blocks(b)
+    assert hit_tokens == 8
+    _admit(m, b)
+    m.flush()  # the server's hit is the mirror's: no loss
+    assert m.lost_requests == 0
+    m.free(b)
+    m.flush()
+    assert client.reset_prefix_cache("full", m.session_id, m.keeper.fence).result  # the session's own
+    m.close()

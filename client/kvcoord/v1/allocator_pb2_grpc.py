@@ -247,6 +247,11 @@ class AllocatorServicer:
 
     def ResetPrefixCache(self, request, context):
         """Forgets every cached hash; refused (result = false) while any block is held.
+        While the pool has an exclusive session, only that session may reset it (its
+        session_id named, or its Step's ResetPrefixCacheOp): its client may answer from
+        its own copy of the pool (a mirror), which a reset it did not make would void.
+        Any other call is FAILED_PRECONDITION, reason POOL_EXCLUSIVE, naming the session
+        (its client_name to its own tenant only), and nothing changes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -19,7 +19,7 @@ from kvcoord.engine.reservations import Reservations
 from .errors import ErrorReason, ServiceError, Status
 from .sessions import Session, SessionTable
 
-__all__ = ["Resettable", "check_resettable", "reset_for_new_engine"]
+__all__ = ["Resettable", "check_reset_outside_holder", "check_resettable", "reset_for_new_engine"]
 
 
 class Resettable(Protocol):
@@ -65,6 +65,33 @@ def check_resettable(service: Resettable) -> None:
             "prefix cache cannot be reset for a new engine; attach once they are freed",
             ErrorReason.POOL_EXCLUSIVE,
         )
+
+
+def check_reset_outside_holder(service: Resettable, session_id: str, tenant: str) -> None:
+    """Refuse a ResetPrefixCache call that does not come from the pool's exclusive
+    session while there is one: its client answers from its own copy of the pool
+    (PredictingKVCacheManager's mirror), which a reset it did not make would leave
+    believing hashes the pool forgot (its hits refused a backlog late, every request
+    lost). The session resets through its own Step (ResetPrefixCacheOp) or names itself.
+
+    Raises:
+        ServiceError: FAILED_PRECONDITION (POOL_EXCLUSIVE) naming the session (its
+            client to its own tenant only).
+    """
+    holder = next((o for o in service.sessions.of_pool(service.name) if o.exclusive), None)
+    if holder is None or holder.session_id == session_id:
+        return
+    whose = (
+        f"({holder.client_name!r}, session {holder.session_id[:12]}...)"
+        if holder.tenant == tenant
+        else ("of another tenant")
+    )
+    raise ServiceError(
+        Status.PRECONDITION,
+        f"pool {service.name!r} has an exclusive session {whose} that may answer from its own copy of the "
+        "pool: a reset it did not make would void its answers; reset through that session, or once it ends",
+        ErrorReason.POOL_EXCLUSIVE,
+    )
 
 
 def reset_for_new_engine(service: Resettable, s: Session) -> None:

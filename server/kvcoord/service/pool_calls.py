@@ -9,6 +9,7 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .access import current_tenant
+from .attach_reset import check_reset_outside_holder
 from .errors import map_errors
 from .servicer_core import ServicerCore, fence_of
 
@@ -75,6 +76,7 @@ class PoolCalls(ServicerCore):
         service.check_fence(fence_of(request))
         if request.session_id:
             service.session(request.session_id, None)
+        check_reset_outside_holder(service, request.session_id, current_tenant().name)
         result = service.reset_prefix_cache()
         return await self._durable(
             pb.ResetPrefixCacheResponse(result=result, num_free_blocks=service.num_free_blocks),

@@ -4,14 +4,17 @@ pool's prefix cache is refused while the session predicts it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from kvcoord.client import KVCoordClient, PredictingKVCacheManager, RequestsLostError
 from kvcoord.client.hashing import BlockHasher
 from kvcoord.client.predicting_losses import PoolChangedError
+from kvcoord.service.registry import Limits
+from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
-from support import NONE, Req
+from support import NONE, POOL_TOML, Req
 
 
 def _sliding(window: int) -> pb.PoolConfig:
@@ -89,3 +92,23 @@ def test_an_operators_reset_of_a_predicted_pool_is_refused_naming_the_session(cl
     m.flush()
     assert client.reset_prefix_cache("full", m.session_id, m.keeper.fence).result  # the session's own
     m.close()
+
+
+def test_a_predicted_step_keeps_the_servers_max_ops_per_step(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """A server whose max_ops_per_step is low: a scheduler step of more calls than that
+    is sent as Steps of at most that many operations, answered as one (old code: split
+    by bytes only, the Step was refused RESOURCE_EXHAUSTED and every request lost, and
+    again at every step as large: the engine never got past it)."""
+    server = make_server(POOL_TOML, limits=Limits(max_ops_per_step=4))
+    with KVCoordClient(server.address, timeout=10) as c:
+        m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False)
+        for k in range(3):
+            for i in range(6):
+                _admit(m, _req(f"r{k}-{i}", list(range(100 * i, 100 * i + 5 + k))))
+            m.take_events()
+            m.flush()
+        assert m.lost_requests == 0
+        assert len(c.inspect_pool("p", all_requests=True).requests) == 18
+        m.close()

@@ -73,10 +73,10 @@ class AsyncKVCoordClient(AsyncApi):
 
     async def unary(self, rpc: Rpc[Any, Req, Resp], request: Req) -> Resp:
         """Send ``request`` as ``rpc`` (routed and retried as :class:`KVCoordClient` does;
-        a Step larger than ``step_piece_bytes`` in pieces, :mod:`kvcoord.client.step_pieces`)."""
+        a Step larger than ``step_piece_bytes`` or ``step_piece_ops`` in pieces, :mod:`kvcoord.client.step_pieces`)."""
         if rpc.name == "Step":
             step = cast(pb.StepRequest, request)
-            parts = pieces(step, self.step_piece_bytes)
+            parts = pieces(step, self.step_piece_bytes, self.step_piece_ops)
             if parts is not None:
                 answer = await send_in_pieces_async(step, parts, lambda piece: self._call("Step", piece))
                 return cast(Resp, answer)

@@ -140,6 +140,9 @@ class Api:
     score_pools = Rpc("ScorePools", pb.ScorePoolsRequest, pb.ScorePoolsResponse, rq.score_pools)
     list_sessions = Rpc("ListSessions", pb.ListSessionsRequest, pb.ListSessionsResponse, rq.list_sessions)
 
+    #: a Step of more operations than this is sent in pieces too (0: never): the
+    #: server's max_ops_per_step, learned at attach (AttachResponse.max_ops_per_step)
+    step_piece_ops: int = 0
     _channel_factory: Any = None
     _secure_channel_factory: Any = None
 

@@ -151,13 +151,13 @@ class KVCoordClient(BlockingApi):
         so nothing is copied); a request without an idempotency key gets one and a call
         sequence number. One whose caller gave it a key is sent with the number it has
         (none when 0: a copy of it delivered after the server forgot its key would be
-        applied). One larger than ``step_piece_bytes`` is sent in pieces
-        (:mod:`kvcoord.client.step_pieces`)."""
+        applied). One larger than ``step_piece_bytes``, or of more operations than
+        ``step_piece_ops``, is sent in pieces (:mod:`kvcoord.client.step_pieces`)."""
         if not request.idempotency_key:
             request.idempotency_key = rq.key()
             if not request.call_sequence:
                 request.call_sequence = rq.sequence()
-        parts = pieces(request, self.step_piece_bytes)
+        parts = pieces(request, self.step_piece_bytes, self.step_piece_ops)
         if parts is not None:
             return send_in_pieces(request, parts, lambda piece: self._call("Step", piece))
         return cast(pb.StepResponse, self._call("Step", request))

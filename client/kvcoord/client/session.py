@@ -82,6 +82,8 @@ class SessionKeeper:
             self.valid_until = sent + self.lease * (1 - LEASE_MARGIN)
             self.lost = None
         self.client.retry_horizon = max(1.0, float(response.idempotency_window_seconds) / 2)
+        # a larger Step is sent as several (0: a server before the field, never split by it)
+        self.client.step_piece_ops = int(getattr(response, "max_ops_per_step", 0))
         self._wake.set()
         return response
 

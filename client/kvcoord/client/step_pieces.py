@@ -5,7 +5,9 @@ whole before any of it can be sliced: one 15 MB Step held the loop for 20+ ms in
 C code alone. The clients therefore send a Step whose serialization exceeds
 ``step_piece_bytes`` (:data:`DEFAULT_STEP_PIECE_BYTES`; 0 never splits) as consecutive
 Steps ("pieces") of whole operations, in order, each at most that size unless one
-operation alone is larger (it then goes alone). The caller sees one StepResponse,
+operation alone is larger (it then goes alone). So is a Step of more operations than the
+server's ``max_ops_per_step`` (``step_piece_ops``, learned at Attach), which the server
+would refuse whole: each piece holds at most that many. The caller sees one StepResponse,
 the one a single message gets:
 
 * each piece carries its own idempotency key, derived from the request's (``KEY/i``),
@@ -81,12 +83,14 @@ def piece_key(key: str, suffix: str) -> str:
     return out
 
 
-def pieces(request: pb.StepRequest, limit: int) -> list[pb.StepRequest] | None:
+def pieces(request: pb.StepRequest, limit: int, max_ops: int = 0) -> list[pb.StepRequest] | None:
     """``request`` cut into Steps of whole operations of at most ``limit`` serialized
-    bytes each (an operation larger than that alone), keyed from its key; ``None`` when
-    it fits in one message (or ``limit`` is 0, or it has fewer than two operations)."""
+    bytes each (an operation larger than that alone) and at most ``max_ops`` operations
+    (the server's max_ops_per_step), keyed from its key; ``None`` when it fits in one
+    message (or both are 0, or it has fewer than two operations)."""
     ops = request.ops
-    if limit <= 0 or len(ops) < 2 or request.ByteSize() <= limit:
+    too_many = 0 < max_ops < len(ops)
+    if len(ops) < 2 or not (too_many or (limit > 0 and request.ByteSize() > limit)):
         return None
     fence = request.fence if request.HasField("fence") else None
     # (every piece carries the whole call's sequence number: a late copy of any is refused)
@@ -102,7 +106,7 @@ def pieces(request: pb.StepRequest, limit: int) -> list[pb.StepRequest] | None:
     for op in ops:
         n = op.ByteSize()
         n += 1 + _varint_len(n)
-        if group and size + n > limit:
+        if group and ((limit > 0 and size + n > limit) or len(group) == max_ops):
             groups.append(group)
             group, size = [], base
         group.append(op)

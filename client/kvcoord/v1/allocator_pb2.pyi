@@ -315,7 +315,7 @@ class PoolState(_message.Message):
     def __init__(self, next_fresh: _Optional[int] = ..., used_free_blocks: _Optional[_Iterable[int]] = ..., cached_block_ids: _Optional[_Iterable[int]] = ..., cached_block_hashes: _Optional[_Iterable[bytes]] = ..., engine_state: _Optional[bytes] = ..., engine_state_version: _Optional[int] = ..., engine_rules: _Optional[str] = ..., cache_namespace: _Optional[str] = ...) -> None: ...
 
 class AttachResponse(_message.Message):
-    __slots__ = ("pool", "session_id", "lease_seconds", "idempotency_window_seconds", "fence", "exclusive", "pool_state", "pool_state_unavailable", "capabilities", "prefix_cache_reset")
+    __slots__ = ("pool", "session_id", "lease_seconds", "idempotency_window_seconds", "fence", "exclusive", "pool_state", "pool_state_unavailable", "capabilities", "prefix_cache_reset", "max_ops_per_step")
     POOL_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -326,6 +326,7 @@ class AttachResponse(_message.Message):
     POOL_STATE_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_RESET_FIELD_NUMBER: _ClassVar[int]
+    MAX_OPS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     pool: PoolInfo
     session_id: str
     lease_seconds: float
@@ -336,7 +337,8 @@ class AttachResponse(_message.Message):
     pool_state_unavailable: str
     capabilities: _containers.RepeatedScalarFieldContainer[str]
     prefix_cache_reset: bool
-    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., idempotency_window_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., exclusive: _Optional[bool] = ..., pool_state: _Optional[_Union[PoolState, _Mapping]] = ..., pool_state_unavailable: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., prefix_cache_reset: _Optional[bool] = ...) -> None: ...
+    max_ops_per_step: int
+    def __init__(self, pool: _Optional[_Union[PoolInfo, _Mapping]] = ..., session_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., idempotency_window_seconds: _Optional[float] = ..., fence: _Optional[_Union[Fence, _Mapping]] = ..., exclusive: _Optional[bool] = ..., pool_state: _Optional[_Union[PoolState, _Mapping]] = ..., pool_state_unavailable: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., prefix_cache_reset: _Optional[bool] = ..., max_ops_per_step: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("session_id", "fence", "pool")

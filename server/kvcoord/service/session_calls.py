@@ -110,6 +110,7 @@ class SessionCalls(ServicerCore):
             exclusive=s.exclusive,
             capabilities=CAPABILITIES,
             prefix_cache_reset=s.reset_at_attach,
+            max_ops_per_step=service.limits.max_ops_per_step,
         )
         recorded = not new  # (a retry's session was journaled when it was made)
         if request.want_pool_state and request.want_engine_state and s.exclusive:

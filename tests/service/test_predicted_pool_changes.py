@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from kvcoord.client import KVCoordClient, PredictingKVCacheManager, RequestsLostError
 from kvcoord.client.hashing import BlockHasher
+from kvcoord.client.predicting import NOT_TAKEN
 from kvcoord.client.predicting_losses import PoolChangedError
 from kvcoord.service.registry import Limits
 from kvcoord.service.testing import InProcessServer
@@ -111,4 +112,33 @@ def test_a_predicted_step_keeps_the_servers_max_ops_per_step(
             m.flush()
         assert m.lost_requests == 0
         assert len(c.inspect_pool("p", all_requests=True).requests) == 18
+        m.close()
+
+
+def test_a_predicted_decode_run_keeps_the_servers_max_ops_per_step(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """More running requests than the server's max_ops_per_step decode in one scheduler
+    step: their allocations are gathered as runs (one DecodeOp or AllocateRunOp each) of
+    at most that many entries (old code: one run of every entry, refused INVALID_ARGUMENT
+    "ops[0].decode.request_ids is 6 items long", every request lost at every step)."""
+    server = make_server(POOL_TOML, limits=Limits(max_ops_per_step=4))
+    with KVCoordClient(server.address, timeout=10) as c:
+        m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False)
+        running = [_req(f"r{i}", list(range(100 * i, 100 * i + 5))) for i in range(6)]
+        for r in running:
+            _admit(m, r)
+        m.take_events()
+        for step in range(6):  # inside their blocks and across a block boundary
+            for r in running:
+                r.all_token_ids.append(7 + step)
+                r.block_hashes = BlockHasher("sha256_cbor", 4, NONE).extend(list(r.all_token_ids))
+                got = m.allocate_running(r, 1)
+                assert got is not None and got is not NOT_TAKEN
+                r.num_computed_tokens += 1
+            m.take_events()
+        m.flush()
+        assert m.lost_requests == 0
+        tables = {s.request_id: s for s in c.inspect_pool("p", all_requests=True).requests}
+        assert sorted(tables) == [r.request_id for r in running]
         m.close()

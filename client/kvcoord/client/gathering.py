@@ -6,12 +6,15 @@ must be; allocations of registered requests without a hit as the columns of one 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .items import ColumnRun, Gathered
 from .mirror import BlockIds
+
+if TYPE_CHECKING:
+    from .client import KVCoordClient
 
 __all__ = ["StepGathering"]
 
@@ -26,6 +29,8 @@ class StepGathering:
     run: ColumnRun | None
     #: scheduler steps whose calls joined the Step being gathered
     backlog: int
+    #: the session's client (its ``step_piece_ops``: the server's max_ops_per_step)
+    client: KVCoordClient
 
     def op(self) -> pb.Operation:
         """The next operation of the Step being gathered (:meth:`expect` says what its
@@ -67,8 +72,8 @@ class StepGathering:
         values and the call's counts), and the new blocks the mirror gave it: an entry of
         the run being gathered (``tokens`` and ``hashes`` are copied into its columns)."""
         run = self.run
-        if run is None:
-            run = self.run = ColumnRun()
+        if run is None or len(run.news) == self.client.step_piece_ops:
+            run = self._new_run()
         # (every running request's step: its values appended here, no call made)
         run.fixed += (
             rid,
@@ -93,12 +98,21 @@ class StepGathering:
         """:meth:`add_to_run` of a decode step inside its blocks (one token appended,
         no hash: every running request's step), its size counted without measuring it."""
         run = self.run
-        if run is None:
-            run = self.run = ColumnRun()
+        if run is None or len(run.news) == self.client.step_piece_ops:
+            run = self._new_run()
         run.fixed += (rid, base_t, base_h, computed, num_new_tokens, num_lookahead_tokens, 1, 0)
         run.tokens.append(token)
         run.news.append(new)
         run.size += 37  # (add_to_run's 32 + 5 per token + 34 per hash)
+
+    def _new_run(self) -> ColumnRun:
+        """Start a run (the one being gathered, if any, ended): a run holds at most the
+        server's max_ops_per_step entries (``step_piece_ops``, learned at Attach; 0: no
+        bound), the most a DecodeOp's or an AllocateRunOp's request_ids may (a longer
+        one is refused whole, every request lost, at every step as large)."""
+        self.close_run()
+        run = self.run = ColumnRun()
+        return run
 
     def refuse(
         self, rid: str, base_t: int, base_h: int, tokens: Sequence[int], hashes: Sequence[bytes], computed: int,

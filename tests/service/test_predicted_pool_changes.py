@@ -8,14 +8,21 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from kvcoord.client import KVCoordClient, PredictingKVCacheManager, RequestsLostError
+from kvcoord.client import (
+    KVCoordClient,
+    PredictingKVCacheManager,
+    RequestsLostError,
+    RetryPolicy,
+    UnavailableError,
+)
+from kvcoord.client.faults import FaultInjector
 from kvcoord.client.hashing import BlockHasher
 from kvcoord.client.predicting import NOT_TAKEN
 from kvcoord.client.predicting_losses import PoolChangedError
 from kvcoord.service.registry import Limits
-from kvcoord.service.testing import InProcessServer
+from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
-from support import NONE, POOL_TOML, Req
+from support import NONE, POOL_TOML, Req, wire_pool_config
 
 
 def _sliding(window: int) -> pb.PoolConfig:
@@ -141,4 +148,42 @@ def test_a_predicted_decode_run_keeps_the_servers_max_ops_per_step(
         assert m.lost_requests == 0
         tables = {s.request_id: s for s in c.inspect_pool("p", all_requests=True).requests}
         assert sorted(tables) == [r.request_id for r in running]
+        m.close()
+
+
+def test_an_attach_whose_every_answer_was_lost_is_sent_again_with_its_key(
+    make_server: Callable[..., InProcessServer], clock: ManualClock
+) -> None:
+    """A lost session's Attach whose every answer is lost (its retries spent): the server
+    made an exclusive session nobody holds. The manager's next attempt sends the Attach
+    again with the same attach_key and gets that session (old code: a new key, refused
+    PoolBusyError "has an exclusive session" by the orphan until its lease ran out); the
+    pool has that one session, and the Attach after it uses a new key."""
+    server = make_server("")
+    lose = FaultInjector(0, drop=1.0, methods=("Attach",))
+    lose.enabled = False
+    retry = RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02)
+    with KVCoordClient(server.address, timeout=10, retry=retry, interceptors=[lose]) as c:
+        c.create_pool("p", wire_pool_config(32))
+        m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False, lease_seconds=5)
+        _admit(m, _req("a", list(range(9))))
+        m.flush()
+        clock.advance(30)
+        assert server.call(server.running.servicer.reap_expired_sessions) == 1  # type: ignore[union-attr]
+        _admit(m, _req("b", list(range(40, 50))))
+        m.take_events()
+        lose.enabled = True
+        with pytest.raises(UnavailableError):
+            m.flush()  # the Step failed (session expired); attaching again lost every answer
+        assert lose.counts["dropped"] == 3
+        (orphan,) = c.list_sessions("p").sessions
+        lose.enabled = False
+        with pytest.raises(RequestsLostError) as info:
+            m.flush()
+        assert sorted(info.value.request_ids) == ["a", "b"]
+        assert m.keeper.session_id == orphan.session_id
+        assert [s.session_id for s in c.list_sessions("p").sessions] == [orphan.session_id]
+        _admit(m, _req("c", list(range(9))))
+        m.flush()
+        assert m.lost_requests == 2
         m.close()

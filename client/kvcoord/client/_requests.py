@@ -100,6 +100,7 @@ def attach(
     profile: str = "",
     num_hash_lookahead_tokens: int = 0,
     reset_prefix_cache: bool = False,
+    attach_key: str = "",
 ) -> pb.AttachRequest:
     """Hash handshake: a session id and fence. HashMismatchError on a mismatch,
     ProfileMismatchError when the pool follows another ``profile``.
@@ -107,10 +108,12 @@ def attach(
     (with ``want_engine_state``, the engine's own state, for a mirror).
     ``reset_prefix_cache``: the pool's prefix cache is reset as the session starts (the
     caller's KV memory holds none of it; routers' reservations are released); PoolBusyError
-    while another session is attached."""
+    while another session is attached. ``attach_key``: the Attach's retry key (a new one
+    when empty); the call's own retries carry it, and so may a later call sending the
+    same Attach again after every answer of this one was lost."""
     return pb.AttachRequest(
         reset_prefix_cache=reset_prefix_cache,
-        attach_key=key(),  # its retries carry it: a lost answer leaves no second session
+        attach_key=attach_key or key(),  # its retries carry it: a lost answer leaves no second session
         profile=profile,
         num_hash_lookahead_tokens=num_hash_lookahead_tokens,
         want_pool_state=want_pool_state,

@@ -110,7 +110,7 @@ class RemoteKVCacheManager(SessionFacts):
 
         def attach() -> pb.AttachResponse:
             # the semantics profile the caller follows is part of the handshake ("": vllm-0.16)
-            response = client.attach(
+            response = self._attach_once(
                 pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds, exclusive,
                 profile=profile, num_hash_lookahead_tokens=num_hash_lookahead_tokens, reset_prefix_cache=reset,
             )  # fmt: skip

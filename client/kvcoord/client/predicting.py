@@ -130,9 +130,9 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         Raises:
             PredictionUnavailableError, PoolChangedError: see :meth:`_refuse`.
         """
-        client, cfg = self.client, self.config
+        cfg = self.config
         reset = self.reset_at_attach or self._attached
-        response = client.attach(
+        response = self._attach_once(
             *self._attach_args, True, True, want_engine_state=True, profile=self._handshake[0],
             num_hash_lookahead_tokens=self._handshake[1], reset_prefix_cache=reset,
         )  # fmt: skip

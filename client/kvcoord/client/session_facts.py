@@ -4,8 +4,11 @@ keeper and its Step sender, written once for both."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvcoord.v1 import allocator_pb2 as pb
 
+from . import _requests as rq
 from .client import KVCoordClient
 from .hashing import pool_seed
 from .sender import StepSender
@@ -31,10 +34,24 @@ class SessionFacts:
         self.log_stats = cfg.log_stats if cfg.HasField("log_stats") else True
         seed, none = pool_seed(cfg, hash_seed)
         self.tracker = RequestTracker(cfg, none)
+        #: the key of the next Attach (AttachRequest.attach_key): see :meth:`_attach_once`
+        self._attach_key = rq.key()
         #: allocate_slots calls answered None because the hit had gone stale (another
         #: worker reused its blocks after the lookup); the scheduler looks up again.
         self.stale_hits = 0
         return cfg, seed
+
+    def _attach_once(self, *args: Any, **kwargs: Any) -> pb.AttachResponse:
+        """``client.attach`` with this manager's attach key, kept until an Attach is
+        answered: an Attach whose every answer was lost (its retries spent) made a
+        session nobody holds, and the manager's next attempt, sent with the same key,
+        gets that session (a new key would be refused POOL_EXCLUSIVE by it until its
+        lease ran out). Once answered, the next Attach is another one: a new key (an
+        old session still live must never be taken for a new one)."""
+        kwargs["attach_key"] = self._attach_key
+        response: pb.AttachResponse = self.client.attach(*args, **kwargs)
+        self._attach_key = rq.key()
+        return response
 
     @property
     def session_id(self) -> str:

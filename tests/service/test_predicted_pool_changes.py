@@ -11,6 +11,7 @@ import pytest
 from kvcoord.client import (
     KVCoordClient,
     PredictingKVCacheManager,
+    RemoteKVCacheManager,
     RequestsLostError,
     RetryPolicy,
     UnavailableError,
@@ -38,7 +39,7 @@ def _req(rid: str, tokens: list[int]) -> Any:
     return r
 
 
-def _admit(m: PredictingKVCacheManager, r: Any) -> None:
+def _admit(m: PredictingKVCacheManager | RemoteKVCacheManager, r: Any) -> None:
     hit, hit_tokens = m.get_computed_blocks(r)
     assert m.allocate_slots(r, len(r.all_token_ids) - hit_tokens, hit_tokens, hit) is not None
     r.num_computed_tokens = len(r.all_token_ids)
@@ -187,3 +188,23 @@ def test_an_attach_whose_every_answer_was_lost_is_sent_again_with_its_key(
         m.flush()
         assert m.lost_requests == 2
         m.close()
+
+
+def test_a_waiting_session_never_uses_a_pool_created_again_with_other_rules(client: KVCoordClient) -> None:
+    """The waiting mode (every answer the server's) meets the same: the pool created
+    again with another sliding window would free blocks by a window the engine's
+    attention does not use. The Attach after the loss ends its session and raises
+    PoolChangedError, at that call and every later one (old code: attached and went on
+    by the new pool's rules)."""
+    client.create_pool("sw", _sliding(8))
+    m = RemoteKVCacheManager(client, "sw", hash_seed="0", renew=False, exclusive=True)
+    _admit(m, _req("a", list(range(9))))
+    client.delete_pool("sw")
+    client.create_pool("sw", _sliding(16))
+    with pytest.raises(RequestsLostError):
+        _admit(m, _req("b", list(range(40, 61))))  # the pool the session was in is gone
+    for rid in ("c", "d"):
+        with pytest.raises(PoolChangedError) as info:
+            _admit(m, _req(rid, list(range(9))))
+        assert info.value.changes == ["groups"]
+    assert not client.list_sessions("sw").sessions

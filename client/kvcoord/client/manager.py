@@ -87,7 +87,9 @@ class RemoteKVCacheManager(SessionFacts):
     Raises:
         RandomSeedError: caching is on and no seed is known.
         HashMismatchError: the pool hashes differently.
-        FailedPreconditionError: ``exclusive`` and the pool has another session.
+        FailedPreconditionError: ``exclusive`` and the pool has another session; or
+            PoolChangedError, at any later Attach too (after a loss): the pool was
+            created again with another configuration than get_pool said.
     """
 
     def __init__(

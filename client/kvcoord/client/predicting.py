@@ -48,7 +48,7 @@ from .client import KVCoordClient
 from .errors import InvalidArgumentError, KVCoordError
 from .items import KVCacheBlockIds
 from .mirror import UINT32_MAX, BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
-from .predicting_losses import PoolChangedError, PredictedLosses, PredictionUnavailableError, pool_changes
+from .predicting_losses import PredictedLosses, PredictionUnavailableError
 from .predicting_reports import PredictedReports
 from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper
@@ -128,7 +128,8 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         """Attach exclusively and load the mirror from the answer's engine state.
 
         Raises:
-            PredictionUnavailableError, PoolChangedError: see :meth:`_refuse`.
+            PredictionUnavailableError: see :meth:`_refuse`; PoolChangedError: see
+                :meth:`_attach_once` (the pool's rules are never mirrored from another's).
         """
         cfg = self.config
         reset = self.reset_at_attach or self._attached
@@ -136,11 +137,10 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
             *self._attach_args, True, True, want_engine_state=True, profile=self._handshake[0],
             num_hash_lookahead_tokens=self._handshake[1], reset_prefix_cache=reset,
         )  # fmt: skip
-        changes = pool_changes(cfg, response.pool.config)  # (another pool's rules are never mirrored)
         why = response.pool_state_unavailable or "the server sent no pool state"
         if reset and not response.prefix_cache_reset:
             why = "the server does not reset the prefix cache at Attach (a release before reset_prefix_cache)"
-        elif response.HasField("pool_state") and not changes:
+        elif response.HasField("pool_state"):
             try:
                 self._mirror = Mirror(cfg, response.pool_state)
             except MirrorUnavailableError as err:
@@ -148,7 +148,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
             else:
                 self._attached = True
                 return response
-        self._refuse(response, PoolChangedError(self.pool, changes) if changes else why)
+        self._refuse(response, why)
 
     def _loaded(self) -> Mirror:
         """The mirror the last Attach loaded."""

@@ -18,8 +18,9 @@ from .errors import FailedPreconditionError, KVCoordError, RequestsLostError, Re
 from .mirror import Mirror
 from .sender import StepSender
 from .session import SessionKeeper
+from .session_facts import PoolChangedError
 
-__all__ = ["PoolChangedError", "PredictedLosses", "PredictionUnavailableError", "pool_changes"]
+__all__ = ["PoolChangedError", "PredictedLosses", "PredictionUnavailableError"]
 
 
 class PredictionUnavailableError(FailedPreconditionError):
@@ -31,29 +32,6 @@ class PredictionUnavailableError(FailedPreconditionError):
     def __init__(self, pool: str, why: str) -> None:
         super().__init__(grpc.StatusCode.FAILED_PRECONDITION, f"pool {pool!r} cannot be predicted: {why}")
         self.why = why
-
-
-class PoolChangedError(FailedPreconditionError):
-    """The pool an Attach found is not configured as the one the manager was made for
-    (deleted and created again, or a server restarted with other pools, under a running
-    engine): its rules and the caller's KV memory may differ, so it is neither mirrored
-    nor used (the session the Attach made is ended first). Never taken over by a waiting
-    session: the engine was sized and checked for the old configuration; restart it.
-    ``changes`` names the fields that differ."""
-
-    def __init__(self, pool: str, changes: list[str]) -> None:
-        super().__init__(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"pool {pool!r} was created again with another configuration ({', '.join(changes)} differ) since "
-            "this manager was made for it: it is neither predicted nor used; restart the engine for it",
-        )
-        self.changes = changes
-
-
-def pool_changes(was: pb.PoolConfig, now: pb.PoolConfig) -> list[str]:
-    """The names of the configuration fields that differ (none: the same pool's)."""
-    fields = {f.name for f, _ in was.ListFields()} | {f.name for f, _ in now.ListFields()}
-    return sorted(name for name in fields if getattr(was, name) != getattr(now, name))
 
 
 class PredictedLosses:
@@ -73,18 +51,16 @@ class PredictedLosses:
     def _loaded(self) -> Mirror:
         raise NotImplementedError
 
-    def _refuse(self, response: pb.AttachResponse, why: str | PoolChangedError) -> NoReturn:
+    def _refuse(self, response: pb.AttachResponse, why: str) -> NoReturn:
         """End the session an Attach just made and raise why it is not used.
 
         Raises:
             PredictionUnavailableError: no state this client can mirror (``why``).
-            PoolChangedError: the pool is configured otherwise than ``config`` (the one
-                the manager read and was made for: its rules are never mirrored).
         """
         try:
             self.client.detach(response.session_id, response.fence)
         finally:
-            raise why if isinstance(why, PoolChangedError) else PredictionUnavailableError(self.pool, why)
+            raise PredictionUnavailableError(self.pool, why)
 
     def _settled(self) -> None:
         """Report a failure: every request is lost, and the session starts again from

@@ -12,7 +12,13 @@ import pytest
 from kvcoord.client.errors import InvalidArgumentError as ClientInvalidArgument
 from kvcoord.client.hashing import BlockHasher
 from kvcoord.client.tracking import RequestTracker
-from kvcoord.engine import FailedPreconditionError, HandedTokenIds, InvalidArgumentError
+from kvcoord.engine import (
+    FailedPreconditionError,
+    FullAttentionSpec,
+    HandedTokenIds,
+    InvalidArgumentError,
+    SlidingWindowSpec,
+)
 from kvcoord.v1 import allocator_pb2 as pb
 from support import ALGO, NONE, Driver, Req
 from unit.test_client_fast_paths import _View  # vLLM's ConstantList
@@ -202,3 +208,131 @@ def test_a_decode_step_after_a_rewind_rolled_back_is_no_run_entry() -> None:
     assert t.next_token(r) is None and t.sync_run(r) is None
     again = t.sync(r)
     assert again.rewind_num_tokens == 10 and list(again.append_token_ids) == [50, 60]
+
+
+# -- the session's prompt length (vLLM 0.33: num_prompt_tokens grows at the cut) -------
+def _sparse_session(grow: bool) -> tuple[Driver, list[int], Any]:
+    """vllm-0.33 full + sliding window (8 tokens, sparse retention): session "s", its
+    10-token prompt computed and token 77 sampled, then cut (77 discarded) and its
+    9-token chunk appended by the rewinding update, with the prompt length vLLM's cut
+    sets (19: every token) when ``grow``. Returns the pool, the session's tokens and
+    the update's undo."""
+    d = Driver((FullAttentionSpec(4), SlidingWindowSpec(4, 8)), num_blocks=40, profile="vllm-0.33")
+    prompt, chunk = list(range(100, 110)), list(range(300, 309))
+    d.pool.add_request("s", prompt, _hashes(prompt))
+    assert d.pool.allocate_slots("s", 10) is not None
+    d.pool.update_request("s", num_computed_tokens=10, append_token_ids=[77])
+    now = prompt + chunk
+    grown = {"num_prompt_tokens": len(now)} if grow else {}
+    undo = d.pool.update_rewound("s", 10, None, chunk, _hashes(now)[2:], **grown)
+    return d, now, undo
+
+
+def _continuation_hit(d: Driver, now: list[int]) -> int:
+    """The session's chunk computed (a token sampled) and the session freed: the hit of a
+    later request continuing the whole session."""
+    assert d.pool.allocate_slots("s", 9) is not None
+    d.pool.update_request(
+        "s", num_computed_tokens=len(now), append_token_ids=[77], append_block_hashes=_hashes(now + [77])[4:]
+    )
+    d.pool.free("s")
+    later = now + [98] * 8
+    d.pool.add_request("q", later, _hashes(later))
+    return d.pool.get_computed_blocks("q").num_tokens
+
+
+def test_a_grown_prompt_moves_the_sparse_replay_boundary_and_is_undone() -> None:
+    """Sparse retention keeps the window's tail at the prompt's end (its replay
+    boundary): with the session's prompt grown to 19 tokens, a request continuing the
+    session hits 16 tokens (the tail ending at 16 kept), as vLLM; at the first prompt's
+    length (10) only 8."""
+    d, now, undo = _sparse_session(grow=True)
+    assert d.pool.get_request("s").num_prompt_tokens == 19
+    undo()
+    req = d.pool.get_request("s")
+    assert (req.num_prompt_tokens, req.num_tokens, req.all_token_ids[-1]) == (10, 11, 77)
+    d, now, _ = _sparse_session(grow=True)
+    assert _continuation_hit(d, now) == 16
+    d, now, _ = _sparse_session(grow=False)
+    assert _continuation_hit(d, now) == 8
+
+
+def test_a_prompt_length_that_cannot_be_the_sessions_is_refused_with_nothing_changed() -> None:
+    d = Driver((FullAttentionSpec(4), SlidingWindowSpec(4, 8)), num_blocks=40, profile="vllm-0.33")
+    prompt = list(range(100, 110))
+    d.pool.add_request("s", prompt, _hashes(prompt))
+    assert d.pool.allocate_slots("s", 10) is not None
+    d.pool.update_request("s", num_computed_tokens=10, append_token_ids=[77], num_prompt_tokens=11)
+    req = d.pool.get_request("s")
+    before = (list(req.all_token_ids), list(req.block_hashes), req.num_computed_tokens, req.num_prompt_tokens)
+    assert before[3] == 11
+    with pytest.raises(InvalidArgumentError, match="past its 12 tokens"):
+        d.pool.update_request("s", append_token_ids=[5], num_prompt_tokens=13)
+    with pytest.raises(FailedPreconditionError, match="below its prompt's 11"):
+        d.pool.update_request("s", append_token_ids=[5], num_prompt_tokens=10)
+    with pytest.raises(FailedPreconditionError, match="below its 13 computed"):
+        d.pool.update_request("s", num_computed_tokens=13, append_token_ids=[5], num_prompt_tokens=12)
+    with pytest.raises(InvalidArgumentError):
+        d.pool.update_request("s", num_prompt_tokens=-1)
+    with pytest.raises(InvalidArgumentError, match="past its 11 tokens"):  # (rewound to 10, [5] appended)
+        d.pool.update_rewound("s", 10, None, [5], [], num_prompt_tokens=12)
+    assert (
+        list(req.all_token_ids),
+        list(req.block_hashes),
+        req.num_computed_tokens,
+        req.num_prompt_tokens,
+    ) == before
+    d.pool.update_request("s", num_computed_tokens=12, num_prompt_tokens=11)  # unchanged: no check, no change
+    # vLLM 0.16 has no streaming sessions: a moving prompt length is refused there
+    old = Driver(num_blocks=16)
+    old.add("r", prompt)
+    with pytest.raises(FailedPreconditionError, match="vllm-0.33 call"):
+        old.pool.update_request("r", append_token_ids=[77], num_prompt_tokens=11)
+    assert old.pool.get_request("r").num_tokens == 10
+    old.pool.update_request("r", append_token_ids=[77], num_prompt_tokens=10)  # (unchanged)
+
+
+def _session_cut(r: Any, append: list[int]) -> None:
+    """:func:`_cut` and vLLM's prompt length after it: every token the session holds."""
+    _cut(r, append)
+    r.num_prompt_tokens = len(r.all_token_ids)
+
+
+def test_the_tracker_sends_the_grown_prompt_length_even_when_the_cut_changed_nothing_sent() -> None:
+    """The sampled token was never sent (the session stopped after it): the cut leaves
+    every token and hash sent as it was, so no rewind, but the prompt grew: the next sync
+    carries it (never a run entry), and only that one."""
+    t = RequestTracker(_config(), NONE)
+    r = _vllm_request(list(range(100, 111)))
+    r.num_prompt_tokens, r.num_computed_tokens = 11, 11
+    assert not t.sync(r).HasField("num_prompt_tokens")  # (every token registered: the prompt)
+    t.commit(["r"])
+    r.all_token_ids._x.append(77)  # sampled, never sent
+    _session_cut(r, [50, 51, 52])
+    assert t.next_token(r) is None and t.sync_run(r) is None
+    sync = t.sync(r)
+    assert not sync.HasField("rewind_num_tokens") and sync.num_prompt_tokens == 14
+    assert (sync.base_num_tokens, list(sync.append_token_ids)) == (11, [50, 51, 52])
+    t.commit(["r"])
+    r.all_token_ids._x.append(60)
+    r.num_computed_tokens = 14
+    assert not t.sync(r).HasField("num_prompt_tokens")
+
+
+def test_the_grown_prompt_length_rides_the_rewind_and_is_sent_again_after_a_rollback() -> None:
+    t = RequestTracker(_config(), NONE)
+    r = _vllm_request(list(range(100, 111)))
+    r.num_prompt_tokens, r.num_computed_tokens = 10, 10
+    first = t.sync(r)
+    assert first.num_prompt_tokens == 10  # registered: 10 of its 11 tokens are the prompt
+    t.commit(["r"])
+    _session_cut(r, [50, 51])
+    sync = t.sync(r)
+    assert (sync.rewind_num_tokens, sync.num_prompt_tokens) == (10, 12)
+    t.rollback(["r"])  # the call failed: the server holds the old prompt length
+    again = t.sync(r)
+    assert (again.rewind_num_tokens, again.num_prompt_tokens) == (10, 12)
+    t.commit(["r"])
+    r.all_token_ids._x.append(60)
+    r.num_computed_tokens = 12
+    assert t.next_token(r) is not None  # committed: decoding on as usual

@@ -8,9 +8,9 @@ vLLM's cut (``Scheduler._update_request_as_session``) extends ``prompt_token_ids
 the kept outputs and the chunk and sets ``num_prompt_tokens`` to the new length; with
 sparse retention (``prefix_cache_retention_interval = 0``, 0.33's default) that length is
 the replay boundary a sliding window keeps its tail at and a mamba group checkpoints at.
-Dense retention (every block's tail kept) decides as vLLM; sparse retention does not yet
-(xfail: ``_STALE_BOUNDARY``). A KV oracle checks both sides: no hit reads KV of
-another token's. The full-attention-only case is tests/with_vllm/test_streaming_input033.py.
+kvcoord's client sends that length with the sync after the cut, and the pool moves
+its replay boundary with it, under dense retention (every block's tail kept) and sparse.
+A KV oracle checks both sides: no hit reads KV of another token's. The full-attention-only case is tests/with_vllm/test_streaming_input033.py.
 
 Runs in the vLLM 0.33.0 venv only (``KVCOORD_VLLM_VERSION=0.33.0 scripts/test_vllm.sh``).
 """
@@ -115,23 +115,12 @@ def _run(cls: type, layout: str, model_dir: Path) -> tuple[list[Any], dict[str, 
     return decisions, hits
 
 
-#: sparse retention keeps the replay boundary at the prompt's end: kvcoord's pool keeps
-#: the length the first sync registered (RequestSync.num_prompt_tokens, first mention
-#: only), vLLM's cut moves it to the session's new length. No hit on another token's KV
-#: (the oracle is clean on both sides): a later request continuing the session hits
-#: less (64 tokens instead of 144), and the block ids differ from then on (mamba: from
-#: the second chunk's allocation on, kvcoord hands out a block vLLM still holds).
-_STALE_BOUNDARY = pytest.mark.xfail(
-    strict=True,
-    reason="known defect: a streaming session's cut does not move the pool's prompt length "
-    "(the sparse replay boundary) as vLLM 0.33's _update_request_as_session does",
-)
-LAYOUTS = [
-    "full+swa",
-    "full+mamba-align",
-    pytest.param("full+swa sparse", marks=_STALE_BOUNDARY),
-    pytest.param("full+mamba-align sparse", marks=_STALE_BOUNDARY),
-]
+#: sparse retention keeps the replay boundary at the prompt's end, which vLLM's cut
+#: moves to the session's new length: the sync after the cut carries it
+#: (RequestSync.num_prompt_tokens on a registered request), else a later request
+#: continuing the session hit less (64 tokens instead of 144) and mamba's block ids
+#: differed from the second chunk's allocation on.
+LAYOUTS = ["full+swa", "full+mamba-align", "full+swa sparse", "full+mamba-align sparse"]
 
 
 @pytest.mark.parametrize("predict", [False, True], ids=["waiting", "predicted"])

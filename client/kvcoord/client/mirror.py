@@ -172,10 +172,15 @@ class Mirror:
                         raise
                 return lambda: engine.restore_request(rid, None)
             checkpoint = engine.checkpoint_request(rid)
+            prompt = sync.num_prompt_tokens  # (a streaming session's, grown)
             if sync.rewind is not None:  # (the engine's rule, as the server applies it)
-                return engine.update_rewound(rid, sync.rewind, computed, tokens, sync.hashes)
+                return engine.update_rewound(rid, sync.rewind, computed, tokens, sync.hashes, prompt)
             engine.update_request(
-                rid, num_computed_tokens=computed, append_token_ids=tokens, append_block_hashes=sync.hashes
+                rid,
+                num_computed_tokens=computed,
+                append_token_ids=tokens,
+                append_block_hashes=sync.hashes,
+                num_prompt_tokens=prompt,
             )
         except EngineError as err:
             raise engine_error(err) from None

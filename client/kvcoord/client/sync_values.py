@@ -37,7 +37,9 @@ class SyncValues:
     skip_reading_prefix_cache: bool = False
     num_preemptions: int = 0
     cache_salt: str = ""
-    #: fewer than every token registered: the prompt's length (registered again)
+    #: registering, fewer than every token registered: the prompt's length (registered
+    #: again); a registered request's: its new prompt length (vLLM 0.33's cut of a
+    #: streaming-input session grew it)
     num_prompt_tokens: int | None = None
     #: what a vllm-0.33 pool's events derive blocks' extra keys from (multimodal items,
     #: prompt-embeds digests)
@@ -70,6 +72,8 @@ class SyncValues:
             into.base_num_hashes = self.base_num_hashes
             if self.rewind is not None:
                 into.rewind_num_tokens = self.rewind
+            if self.num_prompt_tokens is not None:
+                into.num_prompt_tokens = self.num_prompt_tokens
         tokens = self.tokens
         if tokens:
             n = self.num_tokens

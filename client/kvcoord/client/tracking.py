@@ -68,10 +68,17 @@ class _Tracked:
     #: meanwhile, so the next sync rewinds whatever it sees (:mod:`.rewinds`)
     rewound: bool = False
     uncertain: bool = False
+    #: the request's ``num_prompt_tokens`` as last sent (or registered), and as last
+    #: committed: vLLM 0.33's streaming-input cut grows it, and the sync after carries
+    #: it. A position moved back takes it back to the committed one (a sync carrying it
+    #: may be lost): sent again, a value the server holds already changes nothing
+    prompt: object = None
+    prompt_committed: object = None
 
     def commit(self) -> None:
         self.committed = (self.sent_tokens, self.sent_hashes, self.sent_computed, self.registered)
         self.rewound = False
+        self.prompt_committed = self.prompt
 
     def rollback(self) -> None:
         self.restore(self.committed)
@@ -80,6 +87,7 @@ class _Tracked:
         """Back to ``mark`` (a position at or after the committed one)."""
         self.uncertain = self.uncertain or self.rewound
         self.sent_tokens, self.sent_hashes, self.sent_computed, self.registered = mark
+        self.prompt = self.prompt_committed
         if self.hasher is not None:
             self.hasher.truncate(self.sent_tokens)
 
@@ -151,6 +159,10 @@ class RequestTracker:
         # (what may raise comes before the tracker moves: a failed call leaves it as it was)
         extra = self.extra_keys_of(request) if new and self.extra_keys_of is not None else None
         values = SyncValues(rid, new, t.sent_tokens, t.sent_hashes)
+        prompt = getattr(request, "num_prompt_tokens", None)
+        if not new and prompt != t.prompt and type(prompt) is int:
+            values.num_prompt_tokens = prompt  # grown by vLLM 0.33's streaming-input cut
+        t.prompt = prompt
         if rewind is not None:
             values.rewind = rewind
             t.rewound, t.uncertain = True, False
@@ -221,6 +233,8 @@ class RequestTracker:
         given = getattr(request, "block_hashes", None)
         if t.hasher is None and changed(t, tokens, given):
             return None  # a rewind: a full sync (never an entry of a run)
+        if getattr(request, "num_prompt_tokens", None) != t.prompt:
+            return None  # a prompt grown by a streaming-input cut: a full sync carries it
         n = len(tokens)
         if n < base_t or (base_t and t.hasher is not None):
             self._check_same(request, t)  # (with hashes given, only the length says anything)
@@ -259,6 +273,8 @@ class RequestTracker:
         base_t = t.sent_tokens
         if tokens is None or len(tokens) != base_t + 1:
             return None
+        if getattr(request, "num_prompt_tokens", None) != t.prompt:
+            return None  # (a streaming session's prompt grew: sync_run tells)
         seen = t.seen.get(base_t)
         if seen is None or t.uncertain or tokens[base_t - 1] != seen[0]:
             return None  # (maybe a rewind: sync_run tells)
@@ -327,8 +343,10 @@ class RequestTracker:
                 t.commit()
             else:
                 t.committed = mark
-                if t.rewound and mark == (t.sent_tokens, t.sent_hashes, t.sent_computed, t.registered):
-                    t.rewound = False
+                if (t.rewound or t.prompt_committed != t.prompt) and mark == (
+                    t.sent_tokens, t.sent_hashes, t.sent_computed, t.registered,
+                ):  # fmt: skip
+                    t.rewound, t.prompt_committed = False, t.prompt
 
     def rollback(self, request_ids: Iterable[str] | None = None) -> None:
         """Positions back to what the server acknowledged (of these requests, or all).

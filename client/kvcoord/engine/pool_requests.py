@@ -90,6 +90,7 @@ class PoolRequests(PoolParts):
         num_computed_tokens: int | None = None,
         append_token_ids: Sequence[int] = (),
         append_block_hashes: Sequence[bytes] = (),
+        num_prompt_tokens: int | None = None,
     ) -> None:
         """Report the scheduler's progress: computed tokens, then appended tokens.
 
@@ -97,11 +98,53 @@ class PoolRequests(PoolParts):
         Only the delta is checked, so a decode step costs O(1) whatever the request's
         length.
 
+        ``num_prompt_tokens`` (vllm-0.33 pools): the request's prompt length once the
+        tokens are appended, when it moved: vLLM 0.33's cut of a waiting streaming-input
+        session makes every token it keeps, and the next chunk's, part of the prompt
+        (``Scheduler._update_request_as_session`` sets ``num_prompt_tokens`` to the
+        session's new length). The replay boundary of sparse sliding-window and mamba
+        retention follows it. Equal to the request's own: nothing to do.
+
         Raises:
             RequestNotFoundError: unknown id.
-            InvalidArgumentError: counts, tokens or hashes that do not fit.
+            InvalidArgumentError: counts, tokens or hashes that do not fit; a prompt
+                length past the request's tokens once the update is applied.
+            FailedPreconditionError: a prompt length that moves on a vllm-0.16 pool (vLLM
+                0.16 has no streaming sessions), that shrinks (vLLM's only grows), or
+                that moves below the computed tokens the update sets. Nothing changed.
         """
+        if num_prompt_tokens is None:
+            self._update(request_id, num_computed_tokens, append_token_ids, append_block_hashes)
+            return
+        req = self._get(request_id)
+        if num_prompt_tokens != req.num_prompt_tokens:
+            computed = req.num_computed_tokens if num_computed_tokens is None else num_computed_tokens
+            self._check_prompt_move(req, num_prompt_tokens, computed, req.num_tokens + len(append_token_ids))
         self._update(request_id, num_computed_tokens, append_token_ids, append_block_hashes)
+        req.num_prompt_tokens = num_prompt_tokens
+
+    def _check_prompt_move(
+        self, req: Request, num_prompt_tokens: int, computed: int, num_tokens: int
+    ) -> None:
+        """Refuse a prompt length :meth:`update_request` cannot move the request to (its
+        ``computed`` and ``num_tokens`` are those the update leaves)."""
+        rid = req.request_id
+        check_count(num_prompt_tokens, "num_prompt_tokens")
+        self._require_033(f"request {rid!r}: a prompt length that moves (num_prompt_tokens)")
+        if num_prompt_tokens < req.num_prompt_tokens:
+            raise FailedPreconditionError(
+                f"request {rid!r}: num_prompt_tokens {num_prompt_tokens} is below its prompt's "
+                f"{req.num_prompt_tokens} tokens (a prompt only grows: vLLM's streaming-input cut)"
+            )
+        if num_prompt_tokens > num_tokens:
+            raise InvalidArgumentError(
+                f"request {rid!r}: num_prompt_tokens {num_prompt_tokens} is past its {num_tokens} tokens"
+            )
+        if num_prompt_tokens < computed:
+            raise FailedPreconditionError(
+                f"request {rid!r}: num_prompt_tokens {num_prompt_tokens} is below its {computed} computed "
+                "tokens (vLLM's cut makes the whole session its prompt: never fewer than it computed)"
+            )
 
     def checkpoint_request(self, request_id: str) -> RequestCheckpoint | None:
         """What :meth:`restore_request` needs to undo later request updates
@@ -204,11 +247,13 @@ class PoolRequests(PoolParts):
         num_computed_tokens: int | None,
         append_token_ids: Sequence[int],
         append_block_hashes: Sequence[bytes],
+        num_prompt_tokens: int | None = None,
     ) -> Callable[[], None]:
         """A rewinding sync's update, as the server and the predicting client's mirror both
         apply it: :meth:`rewind_request` to ``num_tokens`` (checked against the computed
-        count the update sets), then :meth:`update_request`; refused with nothing changed.
-        Returns how to undo both (valid while no pool operation ran for the request).
+        count the update sets), then :meth:`update_request` (with the session's new
+        prompt length when it moved); refused with nothing changed. Returns how to undo
+        all of it (valid while no pool operation ran for the request).
 
         Raises:
             as :meth:`rewind_request` and :meth:`update_request`.
@@ -221,6 +266,7 @@ class PoolRequests(PoolParts):
                 num_computed_tokens=num_computed_tokens,
                 append_token_ids=append_token_ids,
                 append_block_hashes=append_block_hashes,
+                num_prompt_tokens=num_prompt_tokens,
             )
         except BaseException:
             self.unrewind_request(request_id, rewind)

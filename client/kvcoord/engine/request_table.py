@@ -254,7 +254,9 @@ class RequestTable:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        return RequestCheckpoint(req.num_tokens, len(req.block_hashes), req.num_computed_tokens)
+        return RequestCheckpoint(
+            req.num_tokens, len(req.block_hashes), req.num_computed_tokens, req.num_prompt_tokens
+        )
 
     def restore(self, request_id: str, checkpoint: RequestCheckpoint) -> None:
         """Cut the request back to ``checkpoint``'s sizes (a no-op for an unknown id).
@@ -268,6 +270,8 @@ class RequestTable:
         del req.all_token_ids[checkpoint.num_tokens :]
         del req.block_hashes[checkpoint.num_block_hashes :]
         req.num_computed_tokens = checkpoint.num_computed_tokens
+        if checkpoint.num_prompt_tokens is not None:
+            req.num_prompt_tokens = checkpoint.num_prompt_tokens
 
     def get(self, request_id: str) -> Request:
         """The request's record.

@@ -54,6 +54,9 @@ class RequestCheckpoint:
     num_tokens: int
     num_block_hashes: int
     num_computed_tokens: int
+    #: the prompt's length then (``None``: unchanged by the updates to undo, which do
+    #: not set one: ``update_request``'s ``num_prompt_tokens``)
+    num_prompt_tokens: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

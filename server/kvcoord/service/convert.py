@@ -65,9 +65,9 @@ def fence_to_pb(fence: Fence) -> pb.Fence:
 def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
     if not s.new_request:
         # A registered request's positioned sync: what registers a request (lora,
-        # skip_reading_prefix_cache, num_preemptions, cache_salt, num_prompt_tokens,
-        # kv_cache_report_full) is read only when it
-        # is new (PoolService.sync), so it is not read here (a decode step's syncs).
+        # skip_reading_prefix_cache, num_preemptions, cache_salt, kv_cache_report_full)
+        # is read only when it is new (PoolService.sync), so it is not read here (a
+        # decode step's syncs); num_prompt_tokens is (a streaming session's prompt grew).
         return op.RequestSync(
             s.request_id,
             TokenIds(s.append_token_ids[:]),  # a slice is copied in C, not item by item
@@ -76,6 +76,7 @@ def sync_from_pb(s: pb.RequestSync) -> op.RequestSync:
             s.base_num_tokens,
             s.base_num_hashes,
             s.num_computed_tokens if s.HasField("num_computed_tokens") else None,
+            num_prompt_tokens=s.num_prompt_tokens if s.HasField("num_prompt_tokens") else None,
             rewind_num_tokens=s.rewind_num_tokens if s.HasField("rewind_num_tokens") else None,
         )
     return op.RequestSync(

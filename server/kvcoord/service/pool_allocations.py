@@ -176,6 +176,7 @@ class PoolAllocations:
             or len(req.block_hashes) != sync.base_num_hashes
             or not sync.append_token_ids
             or sync.rewind_num_tokens is not None
+            or sync.num_prompt_tokens is not None
         ):
             return self.allocate(s, o)
         # A refused update changes nothing; an allocation that raises takes the update

@@ -139,15 +139,19 @@ class RequestSyncs:
             )
         computed = sync.num_computed_tokens
         rewind_to = sync.rewind_num_tokens
+        prompt = sync.num_prompt_tokens
         if (
             not sync.append_token_ids
             and not sync.append_block_hashes
             and computed is None
             and rewind_to is None
+            and prompt is None
         ):
             return noop
         # engine.checkpoint_request's value, from the record at hand
-        checkpoint = RequestCheckpoint(req.num_tokens, len(req.block_hashes), req.num_computed_tokens)
+        checkpoint = RequestCheckpoint(
+            req.num_tokens, len(req.block_hashes), req.num_computed_tokens, req.num_prompt_tokens
+        )
         if rewind_to is not None:
             return self._rewind(rid, sync)
         engine.update_request(
@@ -155,6 +159,7 @@ class RequestSyncs:
             num_computed_tokens=computed,
             append_token_ids=sync.append_token_ids,
             append_block_hashes=sync.append_block_hashes,
+            num_prompt_tokens=prompt,
         )
         return lambda: engine.restore_request(rid, checkpoint)
 
@@ -176,6 +181,7 @@ class RequestSyncs:
             sync.num_computed_tokens,
             sync.append_token_ids,
             sync.append_block_hashes,
+            sync.num_prompt_tokens,
         )
 
     def with_sync(self, s: Session, sync: op.RequestSync, call: Callable[[str], op.Value]) -> op.Value:

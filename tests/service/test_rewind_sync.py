@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from durable_server import leased_server, small_pool
+from durable_server import DurableServer, leased_server, small_pool
 from kvcoord.client import KVCoordClient
 from kvcoord.client.errors import KVCoordError
 from kvcoord.service.testing import InProcessServer
@@ -167,5 +167,135 @@ def test_a_rewind_survives_a_sigkill_and_restart(tmp_path) -> None:  # type: ign
             assert _position(c, a.session_id, a.fence, held) == (12, 3)
             assert _score(c, PROMPT + [50, 51, 1]) == 12
             assert _score(c, PROMPT + [77, 51, 1]) == 8
+    finally:
+        server.stop()
+
+
+# -- a streaming session's grown prompt (RequestSync.num_prompt_tokens on a later sync) --
+#: vllm-0.33 full attention beside a sliding window of 8 tokens (sparse retention, 0.33's
+#: default): the window's tail is kept at the prompt's end (its replay boundary)
+SPARSE_POOL = """
+[[pools]]
+name = "p"
+num_blocks = 40
+hash_block_size = 4
+hash_algo = "sha256_cbor"
+hash_seed = "0"
+enable_caching = true
+profile = "vllm-0.33"
+[[pools.groups]]
+type = "full"
+block_size = 4
+[[pools.groups]]
+type = "sliding_window"
+block_size = 4
+sliding_window = 8
+"""
+CHUNK = list(range(300, 309))  # 9 tokens: the session's 10 + 9 = 19
+
+
+def _score033(c: KVCoordClient, tokens: list[int]) -> int:
+    prompt = pb.HashedPrompt(
+        hash_algo="sha256_cbor",
+        hash_block_size=4,
+        hash_seed="0",
+        block_hashes=hashes(tokens),
+        profile="vllm-0.33",
+    )
+    return c.score_pools(len(tokens), [prompt]).scores[0].hit_tokens
+
+
+def _grown_session(c: KVCoordClient, sid: str, fence: pb.Fence, prompt: int | None) -> list[int]:
+    """Session "r" cut (token 77 discarded) with CHUNK appended, its new prompt length
+    ``prompt`` sent with the rewind (``None``: not sent), then the chunk computed and a
+    token sampled. Returns the session's tokens."""
+    held = _streamed(c, sid, fence)
+    rewinding = _rewinding(held, 10, CHUNK, computed=10)
+    if prompt is not None:
+        rewinding.num_prompt_tokens = prompt
+    assert not c.allocate("p", pb.AllocateOp(request=rewinding, num_new_tokens=9), sid, fence).result.refused
+    now = PROMPT + CHUNK
+    step = pb.AllocateOp(request=follow_up("r", now, [77], num_computed_tokens=19), num_new_tokens=1)
+    assert not c.allocate("p", step, sid, fence).result.refused
+    return now
+
+
+@pytest.mark.parametrize(("prompt", "hit"), [(19, 16), (None, 8)], ids=["grown", "first-prompt"])
+def test_a_grown_prompt_moves_the_sparse_replay_boundary(
+    make_server: Callable[..., InProcessServer], prompt: int | None, hit: int
+) -> None:
+    """vLLM's cut makes the whole session (19 tokens) the prompt: the window tail ending
+    at 16 is kept and a request continuing the session hits 16 tokens, as under vLLM.
+    At the first prompt's length (10) only 8: what the pool did before it was sent."""
+    server = make_server(SPARSE_POOL)
+    with KVCoordClient(server.address, timeout=10) as c:
+        sid, fence = attach(c, profile="vllm-0.33")
+        now = _grown_session(c, sid, fence, prompt)
+        assert _score033(c, now + [98] * 8) == hit
+
+
+def test_a_prompt_length_that_cannot_be_the_sessions_is_refused_with_nothing_changed(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    server = make_server(SPARSE_POOL)
+    with KVCoordClient(server.address, timeout=10) as c:
+        sid, fence = attach(c, profile="vllm-0.33")
+        held = _streamed(c, sid, fence)  # 11 tokens, 10 computed, prompt 10
+        cases = [
+            (13, None, grpc.StatusCode.INVALID_ARGUMENT, "past its 12 tokens"),
+            (9, None, grpc.StatusCode.FAILED_PRECONDITION, "below its prompt's 10"),
+            (11, 12, grpc.StatusCode.FAILED_PRECONDITION, "below its 12 computed"),
+        ]
+        for prompt, computed, code, message in cases:
+            sync = follow_up("r", held, [5], num_computed_tokens=computed)
+            sync.num_prompt_tokens = prompt
+            with pytest.raises(KVCoordError) as err:
+                c.allocate("p", pb.AllocateOp(request=sync, num_new_tokens=1), sid, fence)
+            assert err.value.code == code and message in err.value.message, err.value
+            assert _position(c, sid, fence, held) == (11, 2)
+        # refused inside a rewinding sync too: the rewind is undone with it
+        rewinding = _rewinding(held, 10, [50], computed=10)
+        rewinding.num_prompt_tokens = 12
+        with pytest.raises(KVCoordError) as err:
+            c.allocate("p", pb.AllocateOp(request=rewinding, num_new_tokens=1), sid, fence)
+        assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert _position(c, sid, fence, held) == (11, 2)
+
+
+def test_a_moving_prompt_length_is_refused_by_a_016_pool(session) -> None:  # type: ignore[no-untyped-def]
+    """vLLM 0.16 has no streaming sessions: the field means nothing there, loudly."""
+    c, sid, fence = session
+    held = _streamed(c, sid, fence)
+    sync = follow_up("r", held, [5])
+    sync.num_prompt_tokens = 12
+    with pytest.raises(KVCoordError) as err:
+        c.allocate("p", pb.AllocateOp(request=sync, num_new_tokens=1), sid, fence)
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION and "vllm-0.33" in err.value.message
+    assert _position(c, sid, fence, held) == (11, 2)
+
+
+def test_a_grown_prompt_survives_a_sigkill_and_restart(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A real ``kvcoord serve`` on its journal, SIGKILLed and restarted after the grown
+    session computed its chunk: the replayed pool keeps the window tail at the grown
+    prompt's end (a continuation hits 16, not 8)."""
+    server = DurableServer(tmp_path, SPARSE_POOL)
+    server.config.write_text(
+        server.config.read_text().replace(
+            "snapshot_every = 2000\n",
+            "snapshot_every = 2000\nmax_session_lease_seconds = 600.0\nsession_lease_seconds = 600.0\n"
+            "idempotency_window_seconds = 2400.0\n",
+        )
+    )
+    server.start()
+    try:
+        with KVCoordClient(server.address, timeout=10) as c:
+            a = c.attach("p", "sha256_cbor", 4, "0", "worker", lease_seconds=600.0, profile="vllm-0.33")
+            now = _grown_session(c, a.session_id, a.fence, 19)
+            assert _score033(c, now + [98] * 8) == 16
+        server.kill()
+        server.start()
+        with KVCoordClient(server.address, timeout=10) as c:
+            assert _score033(c, now + [98] * 8) == 16
+            assert _position(c, a.session_id, a.fence, now) == (20, 5)
     finally:
         server.stop()

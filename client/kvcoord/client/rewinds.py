@@ -13,7 +13,10 @@ then sent (:func:`note`), and at the next sync compares them with the request's 
 never changes (its KV is written), what lies past it is sent again, so the server's
 record (and the predicting mode's mirror) becomes the request's again, whatever the cut
 (:func:`rewind_point`). A change the rewind cannot cover (a computed position) is
-refused loudly, never sent as if nothing had happened.
+refused loudly, never sent as if nothing had happened. The cut also grows the request's
+``num_prompt_tokens`` (the whole session becomes its prompt), even where it changed
+nothing sent (the discarded token never was): the tracker sends the new length with
+the next sync (``RequestSync.num_prompt_tokens``), whatever :func:`changed` says.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import cbor2
 import grpc
@@ -27,7 +27,7 @@ from .state_export import apart, encode_started, pool_encoded
 from .store_journal import PoolStreams, StoreRecorder, encode_base
 from .tls import PeerTLS, peer_credentials
 
-__all__ = ["advertised", "cluster_of", "join_cluster", "store_journal"]
+__all__ = ["advertised", "cluster_of", "follow_store_health", "join_cluster", "store_journal"]
 
 logger = logging.getLogger(__name__)
 
@@ -205,3 +205,34 @@ async def join_cluster(
         "replica %s serves %d pools of cluster %s (members: %s)",
         me.replica_id, len(cluster.view.owned()), c.name, ", ".join(sorted(cluster.view.members)),
     )  # fmt: skip
+
+
+#: how often a replica compares its health with its cluster lease (seconds)
+HEALTH_EVERY = 0.25
+
+
+async def follow_store_health(cluster: Cluster, serving: Callable[[bool], Awaitable[None]]) -> None:
+    """Tell ``serving`` (the Allocator service's health) whether this replica can serve
+    its pools: False once its cluster lease may have ended (cut off from the store: it
+    refuses every pool call then, ownership.py), True again once a renewal succeeded.
+    Without it a replica cut off from etcd stayed SERVING while refusing every pool,
+    and load balancers kept routing to it. Runs until cancelled; called only on a
+    change (and once at the start)."""
+    was: bool | None = None
+    while True:
+        now = cluster.view.lease_valid
+        if now != was:
+            if was is not None:
+                log = logger.info if now else logger.error
+                log(
+                    "replica %s %s: health %s",
+                    cluster.me.replica_id,
+                    "reaches the cluster store again"
+                    if now
+                    else "is cut off from the cluster store (its lease may "
+                    "have ended: no pool is served here)",
+                    "SERVING" if now else "NOT_SERVING",
+                )
+            await serving(now)
+            was = now
+        await asyncio.sleep(HEALTH_EVERY)

@@ -46,7 +46,7 @@ def _load(target: str, prometheus: str, pool: str) -> dict[str, Any]:
     that does not fit (refused each time, as a scheduler retries it), churn one-block
     requests through the last free block until the pool's first events are dropped
     (a watcher from the start is told of the gap), attach once with the wrong block
-    size and once with a 1-second lease never renewed (the reaper expires it); the same
+    size and once with an 11-second lease (above the 10 s stall bound) never renewed (the reaper expires it); the same
     calls on the reference engine give the expectations. The requests stay held (the
     manager returned, still attached)."""
     cfg = pb.PoolConfig(
@@ -91,7 +91,7 @@ def _load(target: str, prometheus: str, pool: str) -> dict[str, Any]:
     assert gap[0] and not any(gap[1:]), "the churn did not push the first events out of the buffer"
     with pytest.raises(KVCoordError):
         c.attach(pool, "sha256_cbor", BLOCK // 2, "0")  # hashes differently: refused and counted
-    c.attach(pool, "sha256_cbor", BLOCK, "0", client_name="gone", lease_seconds=1.0)  # never renewed
+    c.attach(pool, "sha256_cbor", BLOCK, "0", client_name="gone", lease_seconds=11.0)  # never renewed
     assert wait_for(
         lambda: prom_query(prometheus, f'kvcoord_sessions_expired_total{{pool="{pool}"}} == 1'), 30
     )

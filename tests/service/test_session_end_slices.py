@@ -86,9 +86,9 @@ def test_a_large_lease_expiry_frees_in_slices(
     data = str(tmp_path / "data")
     server = make_server(pool_toml("big", BLOCKS, caching=False), data_dir=data)
     with KVCoordClient(server.address, timeout=60) as client:
-        r = client.attach("big", "", 4, "", lease_seconds=10)
+        r = client.attach("big", "", 4, "", lease_seconds=20)  # (above the 10 s stall bound)
         _fill(client, r.session_id, r.fence)
-        clock.advance(11)
+        clock.advance(21)
         monitor = LoopMonitor(server)
         time.sleep(0.1)
         monitor.reset()
@@ -96,7 +96,7 @@ def test_a_large_lease_expiry_frees_in_slices(
             assert server.call(server.running.servicer.reap_expired_sessions) == 1  # type: ignore[union-attr]
             server.settle()  # (the requests are freed after the reaper's round)
         else:
-            a = client.attach("big", "", 4, "", lease_seconds=10, exclusive=True)
+            a = client.attach("big", "", 4, "", lease_seconds=20, exclusive=True)
             assert (a.pool.num_free_blocks, a.pool.num_requests) == (BLOCKS - 1, 0)
         stall = monitor.stop()
         assert stall < MAX_STALL, f"one lease expiry held the event loop {stall * 1000:.0f} ms"

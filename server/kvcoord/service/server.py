@@ -25,7 +25,7 @@ from .logs import ids
 from .observers import OperationObserver
 from .recovery import Recovery, RestoreFenceError, fence_restored, open_journal, void_earlier_instances
 from .registry import GcFreezer, PoolRegistry
-from .server_cluster import cluster_of, follow_store_health, join_cluster
+from .server_cluster import cluster_of, followstore_health, join_cluster
 from .servicer import AllocatorServicer, add_servicer
 from .sessions import SessionTable
 from .startup import StartupDecision, check_data_dir, decide_startup
@@ -81,9 +81,9 @@ class RunningServer:
     #: the data directory held by this server alone (None without one): given back at stop
     data_dir_lock: DataDirLock | None = None
     #: the Allocator service's health following the cluster lease (server_cluster.py)
-    _store_health: asyncio.Task[None] | None = None
+    store_health: asyncio.Task[None] | None = None
 
-    async def _allocator_health(self, can_serve: bool) -> None:
+    async def allocator_health(self, can_serve: bool) -> None:
         """The Allocator service's health as the cluster lease allows ("" stays SERVING: the
         process answers, a liveness probe's question); never SERVING once failed or stopping."""
         if not (self.journal_failed.is_set() or self.servicer.stopping):
@@ -97,8 +97,8 @@ class RunningServer:
         )
         self.servicer.journal_failed(exc)
         self._reaper.cancel()
-        if self._store_health is not None:
-            self._store_health.cancel()
+        if self.store_health is not None:
+            self.store_health.cancel()
         self._health_task = asyncio.get_running_loop().create_task(self._not_serving())
         self.journal_failed.set()
 
@@ -120,7 +120,7 @@ class RunningServer:
         self.servicer.stopping = True
         self.servicer.step_streams.end()  # (an idle Step stream never holds the grace period)
         await self.health.enter_graceful_shutdown()
-        await cancel_and_wait([self._reaper] + ([self._store_health] if self._store_health else []))
+        await cancel_and_wait([self._reaper] + ([self.store_health] if self.store_health else []))
         await self.server.stop(grace)
         if self.publishers is not None:
             await self.publishers.close()
@@ -494,7 +494,7 @@ async def _start(
     running.startup = decision
     running.cluster = cluster
     if cluster is not None:
-        running._store_health = asyncio.get_running_loop().create_task(
-            follow_store_health(cluster, running._allocator_health)
+        running.store_health = asyncio.get_running_loop().create_task(
+            followstore_health(cluster, running.allocator_health)
         )
     return running

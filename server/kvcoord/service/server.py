@@ -25,7 +25,7 @@ from .logs import ids
 from .observers import OperationObserver
 from .recovery import Recovery, RestoreFenceError, fence_restored, open_journal, void_earlier_instances
 from .registry import GcFreezer, PoolRegistry
-from .server_cluster import cluster_of, followstore_health, join_cluster
+from .server_cluster import cluster_of, follow_store_health, join_cluster
 from .servicer import AllocatorServicer, add_servicer
 from .sessions import SessionTable
 from .startup import StartupDecision, check_data_dir, decide_startup
@@ -495,6 +495,6 @@ async def _start(
     running.cluster = cluster
     if cluster is not None:
         running.store_health = asyncio.get_running_loop().create_task(
-            followstore_health(cluster, running.allocator_health)
+            follow_store_health(cluster, running.allocator_health)
         )
     return running

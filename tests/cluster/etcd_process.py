@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import aetcd
 import pytest
 from ports import free_ports
 from tcp_proxy import Proxy
@@ -304,3 +305,15 @@ class EtcdCluster:
         for proxy in self.proxies:
             proxy.close()
         self.proxies = []
+
+
+def store_client(etcd: Etcd) -> aetcd.Client:
+    """An asyncio etcd client of ``etcd`` (the one the server's store uses)."""
+    host, _, port = etcd.endpoint.rpartition(":")
+    return aetcd.Client(host=host, port=int(port), timeout=5)
+
+
+async def put_claim(c: aetcd.Client, key: bytes) -> int:
+    """Write an ownership claim of replica r0 at ``key``; its revision (a journal's term)."""
+    put = await c.put(key, b'{"replica": "r0", "address": "x"}')
+    return int(put.header.revision)

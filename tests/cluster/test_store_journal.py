@@ -14,20 +14,10 @@ import aetcd
 import aetcd.exceptions
 import cbor2
 import pytest
-from etcd_process import Etcd
+from etcd_process import Etcd, put_claim, store_client
 from kvcoord.service.errors import ServiceError, Status
 from kvcoord.service.store_journal import PART_BYTES, PoolStreams
 from kvcoord.service.store_rebuild import stream_rows
-
-
-def _client(etcd: Etcd) -> aetcd.Client:
-    host, _, port = etcd.endpoint.rpartition(":")
-    return aetcd.Client(host=host, port=int(port), timeout=5)
-
-
-async def _claim(c: aetcd.Client, key: bytes) -> int:
-    put = await c.put(key, b'{"replica": "r0", "address": "x"}')
-    return int(put.header.revision)
 
 
 def test_big_records_round_trip_and_a_deposed_owner_cannot_write(
@@ -36,9 +26,9 @@ def test_big_records_round_trip_and_a_deposed_owner_cannot_write(
     prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
 
     async def run() -> None:
-        async with _client(etcd) as c:
+        async with store_client(etcd) as c:
             streams = PoolStreams(lambda: c, prefix, lambda: True, snapshot_every=3)
-            term = await _claim(c, streams.owner_key("p"))
+            term = await put_claim(c, streams.owner_key("p"))
             big = os.urandom(3 * PART_BYTES + 17)  # four parts, over etcd's 1.5 MiB request limit
             streams.open("p", term, cbor2.dumps([0, ["base", 0.0, big]]))
             due = [streams.append("p", cbor2.dumps([n, ["call", 0.0, n]])) for n in (1, 2, 3)]
@@ -68,9 +58,11 @@ def test_big_records_round_trip_and_a_deposed_owner_cannot_write(
             # (a call of another pool, committed in the same batch, is not failed by it)
             lost: list[str] = []
             streams.on_lost = lost.append
-            streams.open("q", await _claim(c, streams.owner_key("q")), cbor2.dumps([0, ["base", 0.0, b"q"]]))
+            streams.open(
+                "q", await put_claim(c, streams.owner_key("q")), cbor2.dumps([0, ["base", 0.0, b"q"]])
+            )
             await streams.flush()
-            await _claim(c, streams.owner_key("p"))
+            await put_claim(c, streams.owner_key("p"))
 
             async def call(pool: str, n: int) -> None:
                 streams.append(pool, cbor2.dumps([n, ["call", 0.0, n]]))
@@ -102,9 +94,9 @@ def test_a_write_the_store_refuses_gives_the_pool_up_at_once(
     prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
 
     async def run() -> None:
-        async with _client(etcd) as c:
+        async with store_client(etcd) as c:
             streams = PoolStreams(lambda: c, prefix, lambda: True, snapshot_every=40)
-            term = await _claim(c, streams.owner_key("p"))
+            term = await put_claim(c, streams.owner_key("p"))
             for n in range(100):  # bounded: 100 KB a put, the quota is 1 MiB
                 try:
                     await c.put(prefix + b"fill/%d" % n, os.urandom(100_000))

@@ -24,7 +24,7 @@ from typing import Any
 import aetcd
 import cbor2
 import pytest
-from etcd_process import Etcd
+from etcd_process import Etcd, put_claim, store_client
 from kvcoord.service.errors import ServiceError, Status
 from kvcoord.service.store_journal import PoolStreams
 from kvcoord.service.store_rebuild import stream_rows
@@ -55,16 +55,6 @@ class LateClient:
         return bool(ok)
 
 
-def _client(etcd: Etcd) -> aetcd.Client:
-    host, _, port = etcd.endpoint.rpartition(":")
-    return aetcd.Client(host=host, port=int(port), timeout=5)
-
-
-async def _claim(c: aetcd.Client, key: bytes) -> int:
-    put = await c.put(key, b'{"replica": "r0", "address": "x"}')
-    return int(put.header.revision)
-
-
 def _call(n: int) -> bytes:
     return cbor2.dumps([n, ["call", 0.0, n]])
 
@@ -87,7 +77,7 @@ def test_a_late_transaction_is_refused_by_its_term_or_lands_whole_and_once(
     prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
 
     async def run() -> None:
-        async with _client(etcd) as real:
+        async with store_client(etcd) as real:
             late = LateClient(real)
             streams = PoolStreams(lambda: late, prefix, lambda: True, snapshot_every=100)
             streams.stall_seconds = 0.3
@@ -100,21 +90,21 @@ def test_a_late_transaction_is_refused_by_its_term_or_lands_whole_and_once(
                 )
 
             # 1. deposed before it lands: nothing of it is written
-            term = await _claim(real, streams.owner_key("p"))
+            term = await put_claim(real, streams.owner_key("p"))
             streams.open("p", term, cbor2.dumps([0, ["base", 0.0, b"p"]]))
             streams.append("p", _call(1))
             await streams.flush()  # acknowledged: base 0, call 1
             late.hold = True
             await _given_up(streams, "p", _call(2))
             assert lost == ["p"] and late.held
-            new_term = await _claim(real, streams.owner_key("p"))  # the next owner's claim
+            new_term = await put_claim(real, streams.owner_key("p"))  # the next owner's claim
             assert await late.land() is False  # its compare names the old term
             got = await rows("p")
             assert sorted(got) == [term] and sorted(got[term]) == [0, 1], got  # nothing of call 2
             assert new_term > term
 
             # 2. lands while the claim is unchanged: whole, after what was acknowledged, once
-            term = await _claim(real, streams.owner_key("q"))
+            term = await put_claim(real, streams.owner_key("q"))
             streams.open("q", term, cbor2.dumps([0, ["base", 0.0, b"q"]]))
             await streams.flush()
             late.hold = True
@@ -129,7 +119,7 @@ def test_a_late_transaction_is_refused_by_its_term_or_lands_whole_and_once(
 
             # 3. an unknown outcome retried, its original landing after a later base
             # deleted what that base covers: below the latest base, never replayed
-            term = await _claim(real, streams.owner_key("r"))
+            term = await put_claim(real, streams.owner_key("r"))
             streams.open("r", term, cbor2.dumps([0, ["base", 0.0, b"r0"]]))
             await streams.flush()
             sent: list[dict[str, Any]] = []

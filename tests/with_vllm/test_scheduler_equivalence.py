@@ -148,8 +148,6 @@ def run_both(
     asynchronous = kind == "async"
     overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
     kind = "sync" if kind == "pp2" else kind
-    overlap, depth = (True, 2) if kind == "pp2" else (asynchronous, 1)
-    kind = "sync" if kind == "pp2" else kind
     if layout.startswith("mla"):
         # (MLA: a DeepSeek-shaped model, use_mla; "mla-mtp2": of two MTP layers)
         model_dir = write_deepseek_dir(model_dir, 2 if layout.startswith("mla-mtp2") else 1)

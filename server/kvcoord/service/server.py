@@ -472,8 +472,8 @@ async def _start(
             await server.stop(0)
             await _close_journal(registry.recorder)
             raise
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    for name, ok in (("", True), (SERVICE_NAME, cluster is None or cluster.view.lease_valid)):
+        await health_servicer.set(name, SERVING if ok else NOT_SERVING)  # (a lease may end as it starts)
     reaper = asyncio.get_running_loop().create_task(_reap(servicer, reap_interval))
     running = RunningServer(
         server, servicer, health_servicer, addresses, cfg.server.grace_seconds, reaper, recovery

@@ -222,7 +222,7 @@ async def follow_store_health(cluster: Cluster, serving: Callable[[bool], Awaita
     while True:
         now = cluster.view.lease_valid
         if now != was:
-            if was is not None:
+            if was is not None or not now:  # (cut off already at the start: said too)
                 log = logger.info if now else logger.error
                 log(
                     "replica %s %s: health %s",

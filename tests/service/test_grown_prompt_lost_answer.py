@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from kvcoord.client import KVCoordClient, RequestsLostError
-from kvcoord.client.errors import LocalRpcError
+from kvcoord.client.errors import KVCoordError, LocalRpcError
 from kvcoord.client.faults import FaultInjector
 from kvcoord.client.hashing import BlockHasher
 from kvcoord.client.retry import RetryPolicy
@@ -66,17 +66,23 @@ class FaultPromptStep(FaultInjector):
         self.seen: list[pb.StepRequest] = []
 
     def _cut(self, request: Any) -> bool:
-        """A "cut" Step carrying the prompt never reaches the server (``times`` attempts)."""
-        if self.fault != "cut" or not _carries_prompt(request):
+        """A "cut" or "unsent" Step carrying the prompt never reaches the server
+        (``times`` attempts): "unsent" as gRPC says when no connection could be made, so
+        the client knows nothing was applied."""
+        if self.fault not in ("cut", "unsent") or not _carries_prompt(request):
             return False
+        if len(self.seen) >= self.times:
+            return False  # (delivered: _draw records it)
         self.seen.append(request)
-        if len(self.seen) > self.times:
-            return False
         self.counts["cut"] = self.counts.get("cut", 0) + 1
         return True
 
     def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         if self._cut(request):
+            if self.fault == "unsent":
+                raise LocalRpcError(
+                    grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses (injected)"
+                )
             raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: network partition")
         return super().intercept_unary_unary(continuation, details, request)
 
@@ -115,7 +121,7 @@ def _hash(r: Any) -> None:
     r.block_hashes.extend(every[len(r.block_hashes) :])
 
 
-def _session(m: Any) -> tuple[tuple[list[int], ...], int]:
+def _session(m: Any, again: bool = False) -> tuple[tuple[list[int], ...], int]:
     """Session "r": its prompt computed, 77 sampled; cut (77 discarded, CHUNK appended,
     the whole session its prompt), the chunk computed, 88 sampled and decoded. Returns
     the request's blocks (after one more decode step) and a continuation's hit (tokens)."""
@@ -133,7 +139,12 @@ def _session(m: Any) -> tuple[tuple[list[int], ...], int]:
     r.all_token_ids._x.extend(CHUNK)
     r.num_prompt_tokens = len(r.all_token_ids)
     _hash(r)
-    assert m.allocate_slots(r, 9) is not None  # the Step the faults meet
+    try:
+        assert m.allocate_slots(r, 9) is not None  # the Step the faults meet
+    except KVCoordError:
+        if not again:
+            raise
+        assert m.allocate_slots(r, 9) is not None  # the scheduler's next try
     r.num_computed_tokens = 19
     r.all_token_ids._x.append(88)
     _hash(r)
@@ -224,3 +235,44 @@ def test_a_grown_prompts_step_that_never_arrives_is_a_loud_loss_and_mirror_and_s
             engine = server.running.servicer.registry.pools["faulted"].engine  # type: ignore[union-attr]
             assert comparable(export_state(m.mirror.engine)) == comparable(export_state(engine))
         m.close()
+
+
+@pytest.mark.parametrize("mode", ["predicted", "waiting"])
+def test_a_grown_prompts_step_never_sent_is_sent_again_with_the_prompt(
+    server: InProcessServer, mode: str
+) -> None:
+    """Every attempt of that Step (unary Steps) fails before a connection is made:
+    nothing applied, and the client knows it (the tracker's rollback path, over gRPC).
+    The waiting manager's call fails, its request back where the server holds it
+    (prompt length included), and the scheduler's next try sends the prompt length
+    again: the pool ends as a fault-free run's (a rollback that kept the unsent length
+    as sent would leave the server at 10: an 8-token hit). The predicting client ran
+    ahead of that Step: its requests are reported lost (typed), its mirror reloaded
+    equal to the server's pool."""
+    faults = FaultPromptStep("unsent", times=3)
+    retry = RetryPolicy(initial_backoff=0.01, max_backoff=0.02, max_attempts=3)
+    with (
+        KVCoordClient(server.address, timeout=10) as clean_client,
+        KVCoordClient(server.address, timeout=10, interceptors=[faults], retry=retry, step_stream=False) as c,
+    ):
+        ref = _manager(mode, clean_client, "clean")
+        want = _session(ref)
+        m = _manager(mode, c, "faulted")
+        if mode == "waiting":
+            assert _session(m, again=True) == want
+            # the next try is a new call, the prompt length in it again (seen: those carrying it)
+            assert len(faults.seen) == 4 and faults.seen[3].idempotency_key != faults.seen[0].idempotency_key
+            pools = server.running.servicer.registry.pools  # type: ignore[union-attr]
+            assert comparable(export_state(pools["faulted"].engine)) == comparable(
+                export_state(pools["clean"].engine)
+            )
+        else:
+            with pytest.raises(RequestsLostError) as lost:
+                _session(m, again=True)
+            assert "r" in lost.value.request_ids, lost.value
+            m.flush()
+            engine = server.running.servicer.registry.pools["faulted"].engine  # type: ignore[union-attr]
+            assert comparable(export_state(m.mirror.engine)) == comparable(export_state(engine))
+        assert faults.counts["cut"] == 3, faults.counts
+        m.close()
+        ref.close()

@@ -258,8 +258,6 @@ class AdapterConnector033:
         try:
             call(request_id)
         except KVCoordError as err:
-            if not self.absorbing:
-                raise
             self._absorb(err)
 
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:

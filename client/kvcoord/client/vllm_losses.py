@@ -64,14 +64,17 @@ class AdapterLosses:
     remote: RemoteKVCacheManager | PredictingKVCacheManager
     lost: set[str]
     absorbed: int
+    absorbing: bool
     pool_to_create: Any
     _allocate_running: Any
     #: why the session stopped being predicted mid-run (see :meth:`go_on_waiting_with`)
     unpredicted: str | None = None
 
     def _absorb(self, err: KVCoordError) -> None:
-        """Keep what ``err`` says for the scheduler (while ``absorbing``), or raise it (a
-        refusal no wait changes among them: :data:`REFUSALS`)."""
+        """Keep what ``err`` says for the scheduler while ``absorbing``; else, or for a
+        refusal no wait changes (:data:`REFUSALS`), raise it (the one place of the rule)."""
+        if not self.absorbing:
+            raise err
         if isinstance(err, RequestsLostError):
             self.lost.update(err.request_ids)
         elif not is_outage(err):

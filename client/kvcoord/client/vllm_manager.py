@@ -46,12 +46,10 @@ def absorbing(default: Callable[..., Any]) -> Callable[[Callable[..., Any]], Cal
     def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(method)
         def call(self: KVCoordKVCacheManager, *args: Any, **kwargs: Any) -> Any:
-            if not self.absorbing:
-                return method(self, *args, **kwargs)
             try:
                 return method(self, *args, **kwargs)
             except KVCoordError as err:
-                self._absorb(err)
+                self._absorb(err)  # (raises it unless absorbing)
                 return default(self, *args)
 
         return call
@@ -225,15 +223,9 @@ class KVCoordKVCacheManager(AdapterLosses):
 
     # -- KVCacheManager -----------------------------------------------------------------
     @property
+    @absorbing(lambda self: self._last_usage)
     def usage(self) -> float:
-        if not self.absorbing:
-            self._last_usage = usage = self.remote.usage
-            return usage
-        try:
-            self._last_usage = usage = self.remote.usage
-        except KVCoordError as err:
-            self._absorb(err)
-            return self._last_usage
+        self._last_usage = usage = self.remote.usage
         return usage
 
     @property
@@ -390,8 +382,6 @@ class KVCoordKVCacheManager(AdapterLosses):
             else:
                 self.remote.free(request, int(uncomputed_from))
         except KVCoordError as err:
-            if not self.absorbing:
-                raise
             self._absorb(err)
 
     @absorbing(lambda *_: None)

@@ -169,12 +169,11 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         self._settled()
         if not self.enable_caching or getattr(request, "skip_reading_prefix_cache", False):
             return self.no_hit, 0
-        op, sync, mark, undo = self._synced(request)
+        op, sync, back = self._synced(request)
         try:
             block_ids, num_tokens = self.mirror.lookup(sync.request_id)
         except BaseException:  # nothing of the call is kept or sent
-            undo()
-            self._take_back(sync.request_id, mark)
+            back()
             raise
 
         def write() -> None:
@@ -297,7 +296,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         if new_computed_blocks is not None and num_new_computed_tokens:
             hit = tuple(tuple(g) for g in new_computed_blocks.block_ids)
         mirror = self.mirror
-        op, sync, mark, undo = self._synced(request)
+        op, sync, back = self._synced(request)
         a = op.allocate
         self.sender.later(lambda: sync.write(a.request))
         a.num_new_tokens = num_new_tokens
@@ -324,13 +323,11 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
             )  # fmt: skip
         except StaleCacheHitError:
             # as the server answers a stale hit: refused, nothing changed (its sync undone)
-            undo()
-            self._take_back(rid, mark)
+            back()
             self.stale_hits += 1
             return None
         except BaseException:
-            undo()
-            self._take_back(rid, mark)
+            back()
             raise
         if new is None:
             a.must_refuse = True
@@ -417,15 +414,14 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
             or not mirror.caches_more(rid, num_computed_tokens)
         ):
             return
-        op, sync, mark, undo = self._synced(request)
+        op, sync, back = self._synced(request)
         cache = op.cache_blocks
         cache.num_computed_tokens = num_computed_tokens
         self.sender.later(lambda: sync.write(cache.request))
         try:
             mirror.call("cache_blocks", rid, num_computed_tokens)
         except BaseException:
-            undo()
-            self._take_back(rid, mark)
+            back()
             raise
 
     def flush(self) -> None:
@@ -451,15 +447,15 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
                 pass  # already gone: its requests were freed
 
     # -- sending ----------------------------------------------------------------------------
-    def _synced(
-        self, request: Any
-    ) -> tuple[pb.Operation, SyncValues, tuple[int, int, int, bool] | None, Callable[[], None]]:
+    def _synced(self, request: Any) -> tuple[pb.Operation, SyncValues, Callable[[], None]]:
         """Begin an operation carrying the request's sync and apply the sync to the
         mirror: the operation (its sync is written on the sender thread, see
-        :meth:`StepSender.later`), the sync, the request's position before it and how
-        to undo it in the mirror. When the tracker or the mirror refuses it (a lost
-        request used again, another request under a tracked id, bad values), that
-        operation is taken back, so the Step sent next holds only whole operations."""
+        :meth:`StepSender.later`), the sync, and how to take the call back when the
+        mirror refuses it (the sync undone in the mirror, the operation taken back, the
+        request's position restored). When the tracker or the mirror refuses the sync
+        itself (a lost request used again, another request under a tracked id, bad
+        values), the operation is taken back here, so the Step sent next holds only
+        whole operations."""
         rid = request.request_id
         mark = self.tracker.mark(rid)
         op = self.sender.op()
@@ -474,7 +470,12 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         except BaseException:
             self._take_back(rid, mark)
             raise
-        return op, sync, mark, undo
+
+        def back() -> None:
+            undo()
+            self._take_back(rid, mark)
+
+        return op, sync, back
 
     def _take_back(self, request_id: str, mark: tuple[int, int, int, bool] | None) -> None:
         """Take back the operation just begun (the mirror refused it): nothing of it is

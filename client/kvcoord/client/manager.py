@@ -135,11 +135,6 @@ class RemoteKVCacheManager(SessionFacts):
         """The seconds spent waiting on Steps (from sending the request to holding the answer)."""
         return self.sender.waited_seconds
 
-    @property
-    def _queue(self) -> list[Item[Any]]:
-        """The calls the next Step carries (a subclass's extra calls join them)."""
-        return self.sender.queue
-
     def batch(self) -> StepBatcher:
         """Collect calls into one Step RPC: ``with manager.batch() as b: b.free(r) ...``."""
         return StepBatcher(self)

@@ -173,7 +173,7 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
     def peek_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
         """As the base's (``make_prefix_cache_stats`` reads it too), the queued calls sent
         first: statistics recorded at admission travel with the next Step."""
-        if self._queue:
+        if self.sender.queue:
             self.flush()
         return super().peek_prefix_cache_stats()
 

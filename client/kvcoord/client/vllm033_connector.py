@@ -241,33 +241,32 @@ class AdapterConnector033:
         self._held.pop(rid, None)
         self._tables.pop(rid, None)
         if self.undoing and rid in self.allocated:
-            uncomputed_from = int(self.allocated[rid])
-            self._kept_for_scheduler(lambda r: self.remote033.drop_uncomputed(r, uncomputed_from), rid)
+            self._kept_for_scheduler(self.remote033.drop_uncomputed, rid, int(self.allocated[rid]))
         if self._mamba:  # its pending hand-offs go now, as vLLM's MambaManager drops them
             self._kept_for_scheduler(self.remote033.drop_boundary_state_offloads, rid)
         return [DeferredFree(rid)]
 
+    @vllm_manager.absorbing(lambda *_: None)  # inside update_from_output: kept for the scheduler
     def free_deferred(self, request_id: str) -> None:
         """The deferred free's second half: the pool frees the request (all groups, one
         reversed pass)."""
-        self._kept_for_scheduler(self.remote033.free_all_groups_reversed, request_id)
+        self.remote033.free_all_groups_reversed(request_id)
 
-    def _kept_for_scheduler(self, call: Any, request_id: str) -> None:
-        """``call(request_id)``; inside ``update_from_output`` a loss or an outage is kept
-        for the scheduler, as for every other call there."""
+    def _kept_for_scheduler(self, call: Any, *args: Any) -> None:
+        """``call(*args)``, each on its own: inside ``update_from_output`` a loss or an
+        outage is kept for the scheduler, as for every other call there."""
         try:
-            call(request_id)
+            call(*args)
         except KVCoordError as err:
             self._absorb(err)
 
+    @vllm_manager.absorbing(lambda *_: None)  # (as free_deferred)
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
         """vLLM 0.33's scheduler calls it in a zeroing pool when an asynchronous KV load
         failed but left valid computed tokens (``start_token``): the pool records the
         request's blocks from there on again for ``take_new_block_ids``."""
         if self._zeroing:
-            self._kept_for_scheduler(
-                lambda rid: self.remote033.record_blocks_for_zeroing(rid, start_token), request_id
-            )
+            self.remote033.record_blocks_for_zeroing(request_id, start_token)
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
         # only mamba groups in align mode keep a producer's partial tails (refused at start)

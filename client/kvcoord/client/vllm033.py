@@ -232,14 +232,12 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     """vLLM 0.33.0's ``KVCacheManager`` interface over a ``vllm-0.33`` kvcoord pool."""
 
     remote: Remote033KVCacheManager | Predicting033KVCacheManager
-    remote033: Remote033KVCacheManager | Predicting033KVCacheManager
     fields_033 = True
 
     def __init__(
         self, remote: Remote033KVCacheManager | Predicting033KVCacheManager, kv_cache_config: Any
     ) -> None:
         super().__init__(remote, kv_cache_config)
-        self.remote033 = remote
         #: a group frees blocks before the request ends: those that leave its window
         #: (sliding window, chunked local) or a mamba group's skipped and superseded
         #: states and its prefill checkpoint block, freed once processed (async steps
@@ -254,8 +252,8 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         self._zeroing = self._mamba or remote.config.needs_kv_cache_zeroing
         self.coordinator = Coordinator033(kv_cache_config, remote)
         self.block_pool = BlockPool033(
-            self.free_deferred, lambda ids: self.remote033.release_retained_blocks(ids),
-            lambda: self.remote033.session_id,
+            self.free_deferred, lambda ids: self.remote.release_retained_blocks(ids),
+            lambda: self.remote.session_id,
         )  # fmt: skip
         #: vLLM 0.33's flag its scheduler reads to stop a chunk at the junction (the pool's)
         self.mamba_shared_prefix_checkpoint = remote.config.mamba_shared_prefix_checkpoint
@@ -264,7 +262,6 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         self.watermark_blocks = 0
 
     def _took_over(self, remote: Any) -> None:
-        self.remote033 = remote
         self.coordinator.remote = remote
 
     # -- vLLM 0.33's calls ----------------------------------------------------------------
@@ -282,7 +279,7 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         # The third value (where a shared prefix ends that a sliding-window group has not
         # cached) feeds 0.33's mamba chunk stops; the pool keeps its own from this lookup
         # for its caching
-        return blocks, num_tokens, self.remote033.shared_prefix_boundary(request.request_id)
+        return blocks, num_tokens, self.remote.shared_prefix_boundary(request.request_id)
 
     def allocate_slots(
         self,
@@ -296,7 +293,7 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     ) -> KVCacheBlocks | None:
         """0.16's ``allocate_slots`` (its arguments in ``args`` / ``kwargs``) with 0.33's
         keyword arguments."""
-        remote = self.remote033
+        remote = self.remote
         # the processed-token basis matters only to a group that frees blocks early (a
         # window, or mamba: full attention frees nothing early): elsewhere 0, so decode
         # steps stay plain
@@ -325,13 +322,13 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
         super().remove_skipped_blocks(request_id, processed_computed_tokens)
 
     def new_step_starts(self) -> None:
-        self.remote033.new_step_starts()
+        self.remote.new_step_starts()
 
     def surface_losses(self) -> set[str]:
         """The requests reported lost since the last call, a loss the session met since
         the last call included (the scheduler preempts them before its step)."""
         try:
-            self.remote033.check_session()
+            self.remote.check_session()
         except RequestsLostError as err:
             self.lost.update(err.request_ids)
             self.surfaced += 1
@@ -340,33 +337,33 @@ class KVCoord033KVCacheManager(AdapterConnector033, KVCoordKVCacheManager):
     def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
         if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
             return
-        self.remote033.record_prefix_cache_stats(request.request_id, num_hits)
+        self.remote.record_prefix_cache_stats(request.request_id, num_hits)
 
     @absorbing(lambda *_: 0)  # read by update_from_output
     def estimate_cached_tokens(self, request: Any) -> int:
         rid = request.request_id
-        if rid not in self._held or rid in self.remote033.tracker.lost:
+        if rid not in self._held or rid in self.remote.tracker.lost:
             # never allocated here, freed, or lost with its session and not preempted yet
             # (the session attached again does not hold it: asked, it refuses REQUEST_UNKNOWN)
             return 0
-        return self.remote033.estimate_cached_tokens(rid)
+        return self.remote.estimate_cached_tokens(rid)
 
     # vLLM 0.33's per-step drains, the pool's: only a pool with a mamba group records
     # boundary states and copy-on-write pairs, and only one with a mamba group or
     # needs_kv_cache_zeroing new blocks to zero, so the others answer empty without a call
     def take_new_block_ids(self) -> list[int]:
-        return self.remote033.take_new_block_ids() if self._zeroing else []
+        return self.remote.take_new_block_ids() if self._zeroing else []
 
     def take_kv_cache_block_copies(self) -> tuple[list[Any], list[Any]]:
         from .vllm033_parts import copies_for_vllm  # (imports vLLM)
 
         if not self._mamba:
             return [], []
-        copies, retained = self.remote033.take_kv_cache_block_copies()
-        return copies_for_vllm(copies, retained, self.remote033.session_id)  # the session that took them
+        copies, retained = self.remote.take_kv_cache_block_copies()
+        return copies_for_vllm(copies, retained, self.remote.session_id)  # the session that took them
 
     def take_boundary_state_offloads(self) -> dict[str, list[tuple[int, int, int]]]:
-        return self.remote033.take_boundary_state_offloads() if self._mamba else {}
+        return self.remote.take_boundary_state_offloads() if self._mamba else {}
 
     # refused when first reached (docs/semantics-notes.md)
 

@@ -222,7 +222,7 @@ class AdapterConnector033:
     _tables: dict[str, Any]
     allocated: dict[str, int]
     undoing: bool
-    remote033: Any
+    remote: Any
     absorbing: bool
     _absorb: Any
     num_kv_cache_groups: int
@@ -241,16 +241,16 @@ class AdapterConnector033:
         self._held.pop(rid, None)
         self._tables.pop(rid, None)
         if self.undoing and rid in self.allocated:
-            self._kept_for_scheduler(self.remote033.drop_uncomputed, rid, int(self.allocated[rid]))
+            self._kept_for_scheduler(self.remote.drop_uncomputed, rid, int(self.allocated[rid]))
         if self._mamba:  # its pending hand-offs go now, as vLLM's MambaManager drops them
-            self._kept_for_scheduler(self.remote033.drop_boundary_state_offloads, rid)
+            self._kept_for_scheduler(self.remote.drop_boundary_state_offloads, rid)
         return [DeferredFree(rid)]
 
     @vllm_manager.absorbing(lambda *_: None)  # inside update_from_output: kept for the scheduler
     def free_deferred(self, request_id: str) -> None:
         """The deferred free's second half: the pool frees the request (all groups, one
         reversed pass)."""
-        self.remote033.free_all_groups_reversed(request_id)
+        self.remote.free_all_groups_reversed(request_id)
 
     def _kept_for_scheduler(self, call: Any, *args: Any) -> None:
         """``call(*args)``, each on its own: inside ``update_from_output`` a loss or an
@@ -266,7 +266,7 @@ class AdapterConnector033:
         failed but left valid computed tokens (``start_token``): the pool records the
         request's blocks from there on again for ``take_new_block_ids``."""
         if self._zeroing:
-            self.remote033.record_blocks_for_zeroing(request_id, start_token)
+            self.remote.record_blocks_for_zeroing(request_id, start_token)
 
     def finalize_partial_tail_offloads(self, request: Any) -> list[tuple[int, int, int]]:
         # only mamba groups in align mode keep a producer's partial tails (refused at start)
@@ -279,8 +279,8 @@ class AdapterConnector033:
     # policy decides, recomputation by default)
     @vllm_manager.absorbing(lambda self, *_: tuple([] for _ in range(self.num_kv_cache_groups)))
     def get_block_ids_for_computed_tokens(self, request_id: str, num_computed_tokens: int) -> Any:
-        if request_id not in self._held or request_id in self.remote033.tracker.lost:
+        if request_id not in self._held or request_id in self.remote.tracker.lost:
             # no table, as vLLM answers (a lost request finishing before the scheduler
             # preempted it holds none: its session's blocks are gone)
             return tuple([] for _ in range(self.num_kv_cache_groups))
-        return self.remote033.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)
+        return self.remote.get_block_ids_for_computed_tokens(request_id, num_computed_tokens)

@@ -61,3 +61,44 @@ def test_good_hashes_in_bulk_are_taken(hash_length: int | None) -> None:
     pool.add_request("a", list(range(12)), list(GOOD))
     pool.update_request("a", append_token_ids=[1] * 8, append_block_hashes=[b"\x07" * 8, b"\x08" * 8])
     assert pool.requests["a"].block_hashes == [*GOOD, b"\x07" * 8, b"\x08" * 8]
+
+
+@pytest.mark.parametrize("at", [0, 2])
+@pytest.mark.parametrize(
+    ("hash_length", "bad", "match"),
+    [
+        (8, b"s" * 7, "8 bytes long, got one of 7 bytes"),
+        (8, b"", "8 bytes long, got one of 0 bytes"),
+        (8, bytearray(9), "8 bytes long, got one of 9 bytes"),  # (made bytes by as_bytes)
+        (None, b"", "non-empty bytes"),
+    ],
+)
+def test_hashes_typed_by_the_tracker_are_still_checked(
+    hash_length: int | None, bad: object, match: str, at: int
+) -> None:
+    """The tracker's ``as_bytes`` makes every hash an exact ``bytes`` and marks the list
+    (``BytesHashes``), so the engine skips its own type pass; the count and lengths are
+    the engine's still: a bad one is refused with the error a plain list gets, and the
+    request keeps a plain list of its own (not the marked one, which its maker may
+    still read)."""
+    from kvcoord.client.token_lists import as_bytes
+    from kvcoord.engine import BytesHashes
+
+    pool = _pool(hash_length)
+    hashes: list[object] = list(GOOD)
+    hashes[at] = bad
+    marked = as_bytes(hashes)
+    assert type(marked) is BytesHashes and all(type(h) is bytes for h in marked)
+    before = export_state(pool)
+    with pytest.raises(InvalidArgumentError, match=match):
+        pool.add_request("a", list(range(12)), marked)
+    with pytest.raises(InvalidArgumentError, match="expected 3 new block hashes"):
+        pool.add_request("a", list(range(12)), as_bytes(GOOD[:2]))
+    assert export_state(pool) == before
+    good = as_bytes(GOOD)
+    pool.add_request("a", list(range(12)), good)
+    kept = pool.requests["a"].block_hashes
+    assert type(kept) is list and kept is not good and kept == GOOD
+    with pytest.raises(InvalidArgumentError, match=match):
+        pool.update_request("a", append_token_ids=[1] * 12, append_block_hashes=as_bytes(hashes))
+    assert pool.requests["a"].block_hashes == GOOD

@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvcoord.engine import BytesHashes
+
 __all__ = ["as_bytes", "token_list"]
 
 
@@ -21,10 +23,11 @@ def token_list(request: Any) -> list[int] | None:
     return inner if type(inner) is list else None
 
 
-def as_bytes(hashes: Sequence[Any]) -> list[bytes]:
-    """``hashes`` as a list of ``bytes`` (vLLM's are ``bytes`` already: then one C pass
-    checks it and the list is the slice itself, not copied again)."""
+def as_bytes(hashes: Sequence[Any]) -> BytesHashes:
+    """``hashes`` as a list of exact ``bytes`` (vLLM's are ``bytes`` already: then one C
+    pass checks it), marked :class:`BytesHashes` so that the engine, which keeps them,
+    does not make the same type pass again (their count and lengths it still checks)."""
     out = hashes if type(hashes) is list else list(hashes)
     if list(map(type, out)).count(bytes) != len(out):
-        out = [bytes(h) for h in out]
-    return out
+        out = [bytes(h) for h in out]  # (``bytes()`` always gives an exact bytes)
+    return BytesHashes(out)

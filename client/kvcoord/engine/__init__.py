@@ -22,7 +22,7 @@ from .errors import (
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent, hash_to_int64
 from .pool import AllocationResult, CacheHit, KVCachePool, PoolSnapshot, RequestCheckpoint, RequestRewind
 from .request import LoRA
-from .request_table import HandedTokenIds, TokenIds
+from .request_table import BytesHashes, HandedTokenIds, TokenIds
 from .specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -68,6 +68,7 @@ __all__ = [
     "StaleCacheHitError",
     "UncountedBlocksError",
     "HitBlockTakenError",
+    "BytesHashes",
     "HandedTokenIds",
     "TokenIds",
     "attention_groups",

@@ -24,7 +24,7 @@ from .request import LoRA, Request
 from .results import RequestCheckpoint
 from .types import RequestId
 
-__all__ = ["HandedTokenIds", "RequestTable", "TokenIds", "check_count"]
+__all__ = ["BytesHashes", "HandedTokenIds", "RequestTable", "TokenIds", "check_count"]
 
 
 def check_count(value: object, name: str) -> int:
@@ -55,6 +55,17 @@ class HandedTokenIds(TokenIds):
     list and never changes it again: :meth:`RequestTable.check_tokens` then keeps this
     very list instead of a copy (copying a 1,048,576-token prompt took 7-18 ms of one
     call). Made only for the one call it is given to."""
+
+    __slots__ = ()
+
+
+@mypyc_attr(native_class=False)  # a list: mypyc compiles no subclass of one
+class BytesHashes(list[bytes]):
+    """Block hashes their maker guarantees are each an exact ``bytes`` (not a subclass,
+    not another buffer), such as the client tracker's (:func:`kvcoord.client.token_lists.as_bytes`
+    makes every one ``bytes`` with its own type pass): :meth:`RequestTable.check_hashes`
+    then skips its type pass, so a registration's hashes have their types checked once,
+    not twice. Their count and length are still checked (the maker knows neither rule)."""
 
     __slots__ = ()
 
@@ -343,7 +354,9 @@ class RequestTable:
         """
         if not self.enable_caching:
             return []
-        out = list(hashes)
+        typed = type(hashes) is BytesHashes
+        # (a slice of a list subclass: one plain C copy, where list() iterates it)
+        out = cast(list[bytes], hashes)[:] if typed else list(hashes)
         want = max(num_tokens - self.hash_lag, 0) // self.hash_block_size - have
         if len(out) != want:
             raise InvalidArgumentError(
@@ -359,7 +372,8 @@ class RequestTable:
                 return out
         # (C passes counting into lists: about a third cheaper than building sets)
         n = len(out)
-        if list(map(type, out)).count(bytes) != n:
+        # (a BytesHashes' maker made the same type pass: every element is an exact bytes)
+        if not typed and list(map(type, out)).count(bytes) != n:
             raise InvalidArgumentError("block hashes must be non-empty bytes")
         lengths = list(map(len, out))
         if length is not None and lengths.count(length) != n:

@@ -150,10 +150,15 @@ def test_hashes_given_as_bytes_are_what_the_general_conversion_gives(kind: objec
 @pytest.mark.parametrize("bad", [-1, 1 << 32, True, _Index(), _Int(5), 1 << 31, 2.0, "none"], ids=repr)
 @pytest.mark.parametrize("where", ["first", "last", "any"])
 @pytest.mark.parametrize("top", [1 << 31, 1 << 32], ids=["below-2**31", "uint32"])
-def test_a_handed_prompt_is_kept_only_once_checked(length: int, bad: object, where: str, top: int) -> None:
+@pytest.mark.parametrize("source", [False, True], ids=["copied", "source"])
+def test_a_handed_prompt_is_kept_only_once_checked(
+    length: int, bad: object, where: str, top: int, source: bool
+) -> None:
     """The tracker's registration (a :class:`HandedTokenIds`) comes back itself, which
     the engine keeps unchecked, only when the bulk check took it; otherwise as a plain
-    list, which the engine checks token by token (it names the bad one)."""
+    list, which the engine checks token by token (it names the bad one). The same
+    when the check reads the plain list the tokens were copied from (``source``, the
+    tracker's :attr:`SyncValues.source_tokens`) instead of a copy of its own."""
     rng = random.Random(length)
     tokens: list[object] = [rng.randrange(top) for _ in range(length)]
     if bad != "none":
@@ -161,7 +166,7 @@ def test_a_handed_prompt_is_kept_only_once_checked(length: int, bad: object, whe
     accepted = _general_accepts(tokens)
     handed = HandedTokenIds(tokens)  # type: ignore[arg-type]
     try:
-        got = wire_tokens("r", handed)
+        got = wire_tokens("r", handed, tokens if source else None)  # type: ignore[arg-type]
     except KVCoordError:
         assert not accepted
         return
@@ -345,3 +350,34 @@ def test_a_running_requests_tokens_are_read_in_place_as_its_view_gives_them(seed
                 got.append(type(err))
         assert got[0] == got[1]
     assert list(first[0].tokens) == list(first[1].tokens) == prompt  # not vLLM's list itself
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["list", "constant-list"])
+def test_a_registrations_source_tokens_are_the_list_it_copied(view: bool) -> None:
+    """The tracker hands the mirror's check the plain list a registration's
+    :class:`HandedTokenIds` was copied from (vLLM's own, behind its view or not), and
+    nothing once registered; a source of another length is not read (a copy is)."""
+    tracker = RequestTracker(pb.PoolConfig(enable_caching=False), b"")
+    raw = list(range(40))
+    tokens: Any = raw
+    if view:
+
+        class _View:
+            def __init__(self, x: list[int]) -> None:
+                self._x = x
+
+            def __len__(self) -> int:
+                return len(self._x)
+
+            def __getitem__(self, i: Any) -> Any:
+                return self._x[i]
+
+        tokens = _View(raw)
+    request = types.SimpleNamespace(request_id="r", all_token_ids=tokens, num_computed_tokens=0)
+    values = tracker.sync_values(request)
+    assert type(values.tokens) is HandedTokenIds and values.source_tokens is raw
+    assert wire_tokens("r", values.tokens, values.source_tokens) is values.tokens
+    raw.append(7)
+    assert tracker.sync_values(request).source_tokens is None
+    bad = HandedTokenIds([True, *range(39)])
+    assert type(wire_tokens("r", bad, list(range(41)))) is list  # (length differs: its own copy, refused)

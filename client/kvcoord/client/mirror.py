@@ -147,7 +147,7 @@ class Mirror:
         engine = self.engine
         rid = sync.request_id
         computed = sync.computed
-        tokens = wire_tokens(rid, sync.tokens)
+        tokens = wire_tokens(rid, sync.tokens, sync.source_tokens)
         try:
             if sync.new_request:
                 lora = sync.lora
@@ -407,7 +407,7 @@ def _small_exact_ints(tokens: list[int]) -> bool:
     return len(out) == 5 + 5 * n and out[5::5].count(_MARSHAL_INT) == n and out[9::5].isascii()
 
 
-def wire_tokens(request_id: str, tokens: Sequence[int]) -> Sequence[int]:
+def wire_tokens(request_id: str, tokens: Sequence[int], source: list[int] | None = None) -> Sequence[int]:
     """``tokens`` as :class:`TokenIds` (which the engine copies without checking each
     again) once every one is an ``int`` (not a subclass) the wire's ``uint32`` carries:
     one C pass (marshal's, :func:`_small_exact_ints`) for ids below 2**31, which are all
@@ -415,13 +415,22 @@ def wire_tokens(request_id: str, tokens: Sequence[int]) -> Sequence[int]:
     types. A :class:`HandedTokenIds` (the tracker's registration, made for this one
     call) is given back itself, which the engine keeps without a copy. Anything else,
     or a short list, goes through :func:`_check_wire_tokens` and is given back
-    unchecked (a plain list), for the engine's own check to name a bad token."""
+    unchecked (a plain list), for the engine's own check to name a bad token.
+    ``source``: a plain list holding the same tokens as ``tokens`` (the list a
+    :class:`HandedTokenIds` was just copied from, :attr:`SyncValues.source_tokens`),
+    read by the check instead of a copy."""
     n = len(tokens)
     handed = type(tokens) is HandedTokenIds
     if n >= _CHECK_IN_BULK and _UINT32_ARRAY:
-        # (marshal writes no list subclass: a HandedTokenIds is read as a plain copy,
-        # a slice: one C copy, where ``list()`` of a subclass iterates it)
-        plain = tokens if type(tokens) is list else tokens[:] if isinstance(tokens, list) else list(tokens)
+        # (marshal writes no list subclass: a HandedTokenIds is read through the list it
+        # was copied from, or as a plain copy, a slice: one C copy, where ``list()`` of a
+        # subclass iterates it)
+        if type(source) is list and len(source) == n:
+            plain = source
+        else:
+            plain = (
+                tokens if type(tokens) is list else tokens[:] if isinstance(tokens, list) else list(tokens)
+            )
         if _small_exact_ints(plain):
             return tokens if handed else TokenIds(tokens)
         try:

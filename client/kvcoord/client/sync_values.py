@@ -31,6 +31,10 @@ class SyncValues:
     #: ``None``: every one)
     tokens: Sequence[int] = ()
     num_tokens: int | None = None
+    #: a registration's: the plain list its :class:`HandedTokenIds` was copied from in
+    #: this very call (vLLM's own), for the mirror's one-pass wire check, which reads
+    #: no list subclass (so it need not copy the tokens a second time); not kept
+    source_tokens: list[int] | None = None
     hashes: Sequence[bytes] = ()
     computed: int | None = None
     lora: tuple[int, str] | None = None

@@ -173,11 +173,13 @@ class RequestTracker:
         if n > t.sent_tokens:
             # a registration's prompt: copied once, into the list the mirror's engine keeps
             # (from vLLM's own list when it has one: one C copy, not an iteration of its view)
-            values.tokens = (
-                HandedTokenIds(tokens if raw is None else raw)
-                if not t.sent_tokens
-                else tokens[t.sent_tokens :]
-            )
+            if not t.sent_tokens:
+                source = tokens if raw is None else raw
+                values.tokens = HandedTokenIds(source)
+                if type(source) is list:
+                    values.source_tokens = source
+            else:
+                values.tokens = tokens[t.sent_tokens :]
             values.num_tokens = n - t.sent_tokens
             if self.enable_caching:
                 hashes = self._new_hashes(request, t)

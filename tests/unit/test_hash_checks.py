@@ -102,3 +102,21 @@ def test_hashes_typed_by_the_tracker_are_still_checked(
     with pytest.raises(InvalidArgumentError, match=match):
         pool.update_request("a", append_token_ids=[1] * 12, append_block_hashes=as_bytes(hashes))
     assert pool.requests["a"].block_hashes == GOOD
+
+
+@pytest.mark.parametrize("bad", [32, 5, "h" * 32, None, 1.5])
+def test_the_tracker_refuses_a_hash_that_is_not_a_buffer(bad: object) -> None:
+    """``as_bytes`` once made every non-``bytes`` hash ``bytes(h)``: an int 32 became 32
+    zero bytes, a hash of the pool's length that any other such int matches (a hit on
+    another request's blocks). A hash that is not a buffer is refused, as the engine
+    refuses it; buffers (bytearray, memoryview, a bytes subclass) are still taken."""
+    from kvcoord.client.token_lists import as_bytes
+
+    with pytest.raises(InvalidArgumentError, match="non-empty bytes"):
+        as_bytes([*GOOD[:1], bad])
+
+    class Sub(bytes):
+        pass
+
+    taken = as_bytes([bytearray(GOOD[0]), memoryview(GOOD[1]), Sub(GOOD[2])])
+    assert list(taken) == GOOD and all(type(h) is bytes for h in taken)

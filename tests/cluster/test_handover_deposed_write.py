@@ -66,10 +66,12 @@ if answer:  # this replica's AdoptPool answers wait (after the swap) while the f
 """
 
 
-def _told(address: str, call: str, *args: object, **kwargs: object) -> KVCoordError | None:
-    """What ``address`` answers ``call`` (one try): its error, None when it succeeds."""
+def _told(
+    address: str, call: str, *args: object, timeout: float = 5.0, **kwargs: object
+) -> KVCoordError | None:
+    """What ``address`` answers ``call`` (one try, ``timeout``): its error, None when it succeeds."""
     try:
-        with KVCoordClient(address, timeout=5.0, retry=NO_RETRY) as c:
+        with KVCoordClient(address, timeout=timeout, retry=NO_RETRY) as c:
             getattr(c, call)(*args, **kwargs)
     except KVCoordError as err:
         return err
@@ -104,8 +106,11 @@ def test_a_pool_given_up_during_its_handover_is_sent_to_its_new_owner(
         outcome: list[object] = []
 
         def second() -> None:  # applied at a, its record held on its way to the store
+            # a's answer awaited however long the hold lasts (b's start is in it): with a
+            # 5 s deadline, on a loaded machine the client gave up first, and the check
+            # of a's log below came before a had given the pool up
             outcome.append(_told(a.address, "allocate", pool, allocate("r2", list(range(100, 108)), 8).allocate,
-                                 s.session_id, s.fence))  # fmt: skip
+                                 s.session_id, s.fence, timeout=120.0))  # fmt: skip
 
         writer = threading.Thread(target=second, daemon=True)
         writer.start()

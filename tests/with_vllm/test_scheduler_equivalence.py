@@ -15,7 +15,9 @@ import collections
 import dataclasses
 import itertools
 import logging
+import os
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +138,36 @@ class Runs:
     manager: Any
 
 
+#: vLLM's own run of each workload this process ran (see vllm_run): the test, then every
+#: setting the run depends on -> its record, counts and the requests it shared blocks for
+_VLLM_RUNS: dict[tuple[Any, ...], tuple[list[Any], dict[str, int], list[str]]] = {}
+
+
+def vllm_run(
+    settings: tuple[Any, ...],
+    scheduler: Callable[[], Any],
+    run: Callable[[Any], tuple[list[Any], dict[str, int]]],
+) -> tuple[list[Any], dict[str, int], list[str]]:
+    """vLLM's run of a workload (``run(scheduler())``, its shared blocks watched), once per
+    test and ``settings``: the cases of a test that differ only in kvcoord's mode
+    (waiting for the pool's answers or predicted) compare kvcoord with the same run of
+    vLLM's scheduler, a seeded run that is a function of its settings (a run that were
+    not would fail every case that compares with it), so its second copy is taken from
+    here instead of computed again (a quarter of those pairs' time). Kept per test, not
+    across tests: a test may watch vLLM's run itself (test_failed_loads_in_a_zeroing_pool
+    counts a vLLM call it wraps). A run is kept until its second use (the record is the
+    same list for both cases: no test changes one)."""
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").split("::")[-1].split("[")[0]
+    key = (test, *settings)
+    if key in _VLLM_RUNS:
+        return _VLLM_RUNS.pop(key)  # (the pairs' second case: not kept longer)
+    local = scheduler()
+    sharers = watch_shared_blocks(local.kv_cache_manager)
+    want, want_counts = run(local)
+    _VLLM_RUNS[key] = (want, dict(want_counts), list(sharers))
+    return want, want_counts, sharers
+
+
 def run_both(
     kind: str, layout: str, blocks: int, seed: int, model_dir: Path, server: InProcessServer,
     monkeypatch: pytest.MonkeyPatch, connector: str | None = None, policy: str = "recompute",
@@ -176,10 +208,14 @@ def run_both(
 
     if V033:
         taken_033(config(), kv_cache_config(layout, blocks, spec_blocks))
-    local = make_scheduler(SCHEDULERS[kind], config(), kv_cache_config(layout, blocks, spec_blocks))
-    sharers = watch_shared_blocks(local.kv_cache_manager)
-    want, want_counts = run_workload(
-        local, seed=seed, steps=STEPS, async_overlap=overlap, extras=extras, queue_depth=depth
+    settings = (kind, overlap, depth, layout, blocks, spec_blocks, seed, str(model_dir), connector, policy,
+                speculative, extras, caching, events, watermark, disable_lookahead)  # fmt: skip
+    want, want_counts, sharers = vllm_run(
+        settings,
+        lambda: make_scheduler(SCHEDULERS[kind], config(), kv_cache_config(layout, blocks, spec_blocks)),
+        lambda local: run_workload(
+            local, seed=seed, steps=STEPS, async_overlap=overlap, extras=extras, queue_depth=depth
+        ),
     )
     monkeypatch.setenv("KVCOORD_TARGET", server.address)
     monkeypatch.setenv("KVCOORD_PREDICT", "1" if predict else "0")

@@ -57,7 +57,7 @@ from .errors import (
 from .flight import Flight, Gate
 from .gathering import StepGathering
 from .items import ColumnRun, Gathered, Item, add_stats, no_answer, to_send_again
-from .session import LEASE_MARGIN, SessionKeeper
+from .session import SessionKeeper
 from .tracking import RequestTracker
 
 __all__ = ["PredictionMismatchError", "StepSender"]
@@ -151,17 +151,17 @@ class StepSender(StepGathering):
 
     def _send(self, request: pb.StepRequest, answer_within_lease: bool = False) -> pb.StepResponse:
         """One Step of this session: its id and fence stamped, the lease renewed and the
-        fence adopted from the answer. With ``answer_within_lease``, an answer that came
-        after the lease could have ended is refused (its block ids may be another's)."""
+        fence adopted from the answer. With ``answer_within_lease``, an answer the lease
+        may not have covered is refused (:meth:`SessionKeeper.check_answer`)."""
         keeper = self.keeper
         request.pool = self.pool
-        request.session_id = keeper.session_id
+        session_id = request.session_id = keeper.session_id
         request.fence.CopyFrom(keeper.fence)
         at = keeper.clock()
         resp = self.client.send_step(request)
-        if answer_within_lease and keeper.clock() >= at + keeper.lease * (1 - LEASE_MARGIN):
-            raise LeaseExpiredError("the answer came after the session's lease could have ended")
-        keeper.renewed(at)
+        if answer_within_lease:
+            keeper.check_answer(at, session_id)
+        keeper.renewed(at, session_id)
         keeper.adopt(resp.fence)
         return resp
 

@@ -8,6 +8,11 @@ first: once that moment has passed, the client must not use the block ids it hol
 
 The keeper renews the lease every third of it on a daemon thread, across idle
 periods of any length; every answered call renews it too.
+
+A call answered later than 0.95 x the lease after it was sent (a Step waiting on a
+stalled journal write, while the renewals, which do not wait for it, were answered) is
+trusted only when the keeper held a lease proof at every instant from its send to its
+answer's arrival: :meth:`SessionKeeper.proven`.
 """
 
 from __future__ import annotations
@@ -28,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 #: Part of the lease kept as a safety margin against clock-rate differences.
 LEASE_MARGIN = 0.05
+
+#: unbroken runs of lease proof a session keeps (older ones are forgotten: a call sent
+#: in one of them and answered now is then not trusted, a loud loss, never a guess)
+PROOF_RUNS = 16
 
 
 class SessionKeeper:
@@ -59,6 +68,9 @@ class SessionKeeper:
         self.exclusive = False
         self.capabilities: frozenset[str] = frozenset()
         self.valid_until = 0.0
+        #: the unbroken runs of lease proof of this session (see :meth:`proven`), oldest
+        #: first, disjoint: [(from, until)]
+        self.proofs: list[tuple[float, float]] = []
         #: the error that ended this session, if it ended (set by the renewal thread)
         self.lost: KVCoordError | None = None
         self.renewals = 0
@@ -80,6 +92,7 @@ class SessionKeeper:
             #: the server's AttachResponse.capabilities ("decode_op": it applies DecodeOp)
             self.capabilities = frozenset(getattr(response, "capabilities", ()))
             self.valid_until = sent + self.lease * (1 - LEASE_MARGIN)
+            self.proofs = [(sent, self.valid_until)]  # a new session: no proof of the old one counts
             self.lost = None
         self.client.retry_horizon = max(1.0, float(response.idempotency_window_seconds) / 2)
         # a larger Step is sent as several (0: a server before the field, never split by it)
@@ -122,10 +135,63 @@ class SessionKeeper:
             with self._lock:
                 self.fence = fence
 
-    def renewed(self, sent_at: float) -> None:
-        """An answered session call sent at ``sent_at`` renewed the lease."""
+    def renewed(self, sent_at: float, session_id: str | None = None) -> None:
+        """An answered session call sent at ``sent_at`` renewed the lease (``session_id``:
+        the session it was sent for; an answer for a session replaced since renews nothing)."""
         with self._lock:
-            self.valid_until = max(self.valid_until, sent_at + self.lease * (1 - LEASE_MARGIN))
+            if session_id is not None and session_id != self.session_id:
+                return
+            until = sent_at + self.lease * (1 - LEASE_MARGIN)
+            self.valid_until = max(self.valid_until, until)
+            # Its proof [sent_at, until) joins every run it overlaps (answers may come in
+            # any order: a late one can close a break between two runs).
+            start, kept = sent_at, []
+            for a, b in self.proofs:
+                if a < until and start < b:
+                    start, until = min(start, a), max(until, b)
+                else:
+                    kept.append((a, b))
+            kept.append((start, until))
+            kept.sort()
+            self.proofs = kept[-PROOF_RUNS:]
+
+    def check_answer(self, sent_at: float, session_id: str) -> None:
+        """An answer (now) to a call of session ``session_id`` sent at ``sent_at``.
+
+        Raises:
+            LeaseExpiredError: it came later than 0.95 x the lease after its send and
+                the lease was not proven without a break meanwhile (:meth:`proven`).
+        """
+        arrived = self.clock()
+        late = arrived >= sent_at + self.lease * (1 - LEASE_MARGIN)
+        if late and not self.proven(sent_at, arrived, session_id):
+            raise LeaseExpiredError(
+                "the answer came after the session's lease could have ended (no unbroken lease proof from "
+                "the call's send to its answer)"
+            )
+
+    def proven(self, sent_at: float, arrived: float, session_id: str) -> bool:
+        """Whether the session ``session_id``'s lease was proven without a break from
+        ``sent_at`` (a call's send) until ``arrived`` (its answer's arrival): then the
+        answer may be trusted however late it came.
+
+        Why that is enough: the server counts a lease from when it *receives* a call and
+        ends the session once a whole lease passed with none received; an ended session
+        never comes back. A renewal sent at s and answered proves the session was live
+        when the server received it (at r >= s): so it was not ended before r, nor
+        before r + lease > s + 0.95 x lease; each answered renewal is a proof running
+        over [s, s + 0.95 x lease). A renewal sent before the previous proof ran out
+        continues its run; one unbroken run covering [sent_at, arrived] leaves no
+        instant in between at which the server could have ended the session (and given
+        its blocks to another) unseen by this client. A break (no renewal answered that
+        was sent in time: the server unreachable or restarting, answers lost) is not
+        bridged, even by renewals answered later: the lease was not proven in it, and no
+        answer across it is trusted (deploy/README.md, "Upgrade with sessions live").
+        """
+        with self._lock:
+            if session_id != self.session_id:
+                return False
+            return any(a <= sent_at and arrived < b for a, b in self.proofs)
 
     def vouch(self) -> None:
         """Raise unless the lease is certainly still running.
@@ -169,7 +235,7 @@ class SessionKeeper:
             return  # renewed a session that was replaced meanwhile
         self.renewals += 1
         self.adopt(response.fence)
-        self.renewed(sent)
+        self.renewed(sent, session_id)
 
     def _run(self) -> None:
         while not self._stop.is_set():

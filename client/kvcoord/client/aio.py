@@ -16,7 +16,7 @@ from . import given_up
 from .api import LIST_POOLS, AsyncApi, Coro, Req, Resp, Rpc, merged
 from .errors import KVCoordError, error_from_rpc
 from .retry import Attempts
-from .step_pieces import pieces, send_in_pieces_async
+from .step_pieces import free_pieces, ops_cap, pieces, send_in_pieces_async
 
 __all__ = ["AsyncKVCoordClient"]
 
@@ -80,7 +80,12 @@ class AsyncKVCoordClient(AsyncApi):
             if parts is not None:
                 answer = await send_in_pieces_async(step, parts, lambda piece: self._call("Step", piece))
                 return cast(Resp, answer)
-        return cast(Resp, await self._call(rpc.name, request))
+        if rpc.name == "Free" and (parts := free_pieces(cast(pb.FreeRequest, request), self.step_piece_ops)):
+            return cast(Resp, [await self._call("Free", piece) for piece in parts][-1])
+        response = await self._call(rpc.name, request)
+        if (cap := ops_cap(rpc.name, response)) is not None:
+            self.step_piece_ops = cap  # (learned at any Attach, as the blocking client does)
+        return cast(Resp, response)
 
     def list_pools(self) -> Coro[pb.ListPoolsResponse]:
         """Every pool, in name order; of a replica set, every replica's (each replica

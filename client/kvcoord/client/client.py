@@ -21,7 +21,7 @@ from . import given_up
 from .api import LIST_POOLS, BlockingApi, Req, Resp, Rpc, merged
 from .errors import KVCoordError, error_from_rpc
 from .retry import Attempts
-from .step_pieces import pieces, send_in_pieces
+from .step_pieces import free_pieces, ops_cap, pieces, send_in_pieces
 from .stream_carrier import STEP_STREAM, StepCarrier
 
 __all__ = ["KVCoordClient"]
@@ -130,7 +130,12 @@ class KVCoordClient(BlockingApi):
         Step goes through :meth:`send_step`."""
         if rpc.name == "Step":
             return cast(Resp, self.send_step(cast(pb.StepRequest, request)))
-        return cast(Resp, self._call(rpc.name, request))
+        if rpc.name == "Free" and (parts := free_pieces(cast(pb.FreeRequest, request), self.step_piece_ops)):
+            return cast(Resp, [self._call("Free", piece) for piece in parts][-1])
+        response = self._call(rpc.name, request)
+        if (cap := ops_cap(rpc.name, response)) is not None:
+            self.step_piece_ops = cap
+        return cast(Resp, response)
 
     def list_pools(self) -> pb.ListPoolsResponse:
         """Every pool, in name order; of a replica set, every replica's (each replica

@@ -195,6 +195,8 @@ class RemoteKVCacheManager(SessionFacts):
 
         Requests are sent in chunks whose prompts cover the budget (a waiting queue's
         tail is not sent); only when prefix hits leave budget over is another chunk sent.
+        A chunk holds at most the server's max_ops_per_step requests (an AdmitOp naming
+        more is refused whole, INVALID_ARGUMENT, at every step as long).
 
         Returns:
             ``(hit, hit_tokens, num_new_tokens, new_blocks)`` per request processed, in
@@ -204,7 +206,8 @@ class RemoteKVCacheManager(SessionFacts):
         start, budget = 0, token_budget
         while start < len(requests) and budget > 0:
             end, covered = start, 0
-            while end < len(requests) and covered < budget:
+            cap = self.client.step_piece_ops or len(requests)  # (0: a server before the field)
+            while end < len(requests) and covered < budget and end - start < cap:
                 covered += len(requests[end].all_token_ids) - int(requests[end].num_computed_tokens)
                 end += 1
             chunk = requests[start:end]

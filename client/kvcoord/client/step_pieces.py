@@ -52,7 +52,14 @@ from .errors import (
     SessionExpiredError,
 )
 
-__all__ = ["DEFAULT_STEP_PIECE_BYTES", "pieces", "send_in_pieces", "send_in_pieces_async"]
+__all__ = [
+    "DEFAULT_STEP_PIECE_BYTES",
+    "free_pieces",
+    "ops_cap",
+    "pieces",
+    "send_in_pieces",
+    "send_in_pieces_async",
+]
 
 #: a Step serialized larger than this is sent in pieces (see the module docstring)
 DEFAULT_STEP_PIECE_BYTES = 1 << 20
@@ -80,6 +87,40 @@ def piece_key(key: str, suffix: str) -> str:
     out = f"{key}/{suffix}"
     if len(out) > _MAX_KEY:
         out = f"{hashlib.sha256(key.encode()).hexdigest()}/{suffix}"
+    return out
+
+
+def ops_cap(rpc: str, response: object) -> int | None:
+    """The server's max_ops_per_step an answer of ``rpc`` tells (an Attach's; 0: a server
+    before the field), or ``None`` when it tells none: both clients keep it as their
+    ``step_piece_ops`` however the Attach was made (a session keeper's or the caller's
+    own ``client.attach``), so that no Step, Free or admission list is longer than the
+    server takes."""
+    if rpc != "Attach":
+        return None
+    return int(getattr(response, "max_ops_per_step", 0))
+
+
+def free_pieces(request: pb.FreeRequest, max_ops: int) -> list[pb.FreeRequest] | None:
+    """A Free naming more requests than the server's max_ops_per_step (refused whole,
+    INVALID_ARGUMENT, at every attempt) as several Frees of at most that many ids, in
+    order; ``None`` when it fits (or ``max_ops`` is 0). Each piece is keyed from the
+    request's key (``KEY/i``, as a Step's pieces) and carries its sequence number; they
+    are sent one after another and the last one's answer (the free count after them all)
+    answers the call. A piece that fails raises its error: the pieces before it are
+    applied (as a Step's earlier operations), nothing after it is sent."""
+    ids = list(request.request_ids)
+    if not 0 < max_ops < len(ids):
+        return None
+    out = []
+    for i, start in enumerate(range(0, len(ids), max_ops)):
+        piece = pb.FreeRequest()
+        piece.CopyFrom(request)
+        del piece.request_ids[:]
+        piece.request_ids.extend(ids[start : start + max_ops])
+        if request.idempotency_key:
+            piece.idempotency_key = piece_key(request.idempotency_key, str(i))
+        out.append(piece)
     return out
 
 

@@ -80,8 +80,8 @@ class AsyncKVCoordClient(AsyncApi):
             if parts is not None:
                 answer = await send_in_pieces_async(step, parts, lambda piece: self._call("Step", piece))
                 return cast(Resp, answer)
-        if rpc.name == "Free" and (parts := free_pieces(cast(pb.FreeRequest, request), self.step_piece_ops)):
-            return cast(Resp, [await self._call("Free", piece) for piece in parts][-1])
+        if rpc.name == "Free" and (frees := free_pieces(cast(pb.FreeRequest, request), self.step_piece_ops)):
+            return cast(Resp, [await self._call("Free", piece) for piece in frees][-1])
         response = await self._call(rpc.name, request)
         if (cap := ops_cap(rpc.name, response)) is not None:
             self.step_piece_ops = cap  # (learned at any Attach, as the blocking client does)

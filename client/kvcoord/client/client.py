@@ -130,8 +130,8 @@ class KVCoordClient(BlockingApi):
         Step goes through :meth:`send_step`."""
         if rpc.name == "Step":
             return cast(Resp, self.send_step(cast(pb.StepRequest, request)))
-        if rpc.name == "Free" and (parts := free_pieces(cast(pb.FreeRequest, request), self.step_piece_ops)):
-            return cast(Resp, [self._call("Free", piece) for piece in parts][-1])
+        if rpc.name == "Free" and (frees := free_pieces(cast(pb.FreeRequest, request), self.step_piece_ops)):
+            return cast(Resp, [self._call("Free", piece) for piece in frees][-1])
         response = self._call(rpc.name, request)
         if (cap := ops_cap(rpc.name, response)) is not None:
             self.step_piece_ops = cap

@@ -57,7 +57,7 @@ def test_a_pool_created_again_with_other_rules_is_never_mirrored_with_the_old(cl
     m = PredictingKVCacheManager(client, "sw", hash_seed="0", renew=False)
     _admit(m, _req("a", list(range(9))))
     m.flush()
-    client.delete_pool("sw")
+    client.delete_pool("sw", force=True)  # (under the session: refused unless forced)
     client.create_pool("sw", _sliding(16))
     _admit(m, _req("b", list(range(40, 61))))  # answered from the mirror; its Step fails
     with pytest.raises(PoolChangedError) as info:
@@ -199,7 +199,7 @@ def test_a_waiting_session_never_uses_a_pool_created_again_with_other_rules(clie
     client.create_pool("sw", _sliding(8))
     m = RemoteKVCacheManager(client, "sw", hash_seed="0", renew=False, exclusive=True)
     _admit(m, _req("a", list(range(9))))
-    client.delete_pool("sw")
+    client.delete_pool("sw", force=True)  # (under the session: refused unless forced)
     client.create_pool("sw", _sliding(16))
     with pytest.raises(RequestsLostError):
         _admit(m, _req("b", list(range(40, 61))))  # the pool the session was in is gone
@@ -208,3 +208,43 @@ def test_a_waiting_session_never_uses_a_pool_created_again_with_other_rules(clie
             _admit(m, _req(rid, list(range(9))))
         assert info.value.changes == ["groups"]
     assert not client.list_sessions("sw").sessions
+
+
+def test_deleting_a_predicted_pool_is_refused_unless_forced_or_by_its_session(client: KVCoordClient) -> None:
+    """DeletePool of a pool whose exclusive session answers from its mirror would void
+    the block ids its worker runs on, unseen until a Step fails a backlog later (old
+    code: deleted at once). It is refused (PoolBusyError, POOL_EXCLUSIVE, naming the
+    session's client), nothing deleted, and the session goes on without a loss; a call
+    naming an unknown session is NOT_FOUND. The session itself may delete its pool, and
+    an operator who means it forces the call: the engine is then told loudly (its
+    next Step fails, the pool is not found), never given the voided ids as its own."""
+    from kvcoord.client import NotFoundError, PoolBusyError
+
+    client.create_pool("full", _sliding(64))
+    m = PredictingKVCacheManager(client, "full", hash_seed="0", renew=False, client_name="engine-7")
+    _admit(m, _req("a", list(range(9))))
+    m.flush()
+    with pytest.raises(PoolBusyError) as info:
+        client.delete_pool("full")
+    assert info.value.reason == "POOL_EXCLUSIVE"
+    assert "'engine-7'" in info.value.message
+    with pytest.raises(NotFoundError):
+        client.delete_pool("full", session_id="0" * 32)
+    assert "full" in {p.name for p in client.list_pools().pools}
+    _admit(m, _req("b", list(range(40, 49))))
+    m.flush()
+    assert m.lost_requests == 0
+    assert len(client.inspect_pool("full", all_requests=True).requests) == 2
+
+    client.delete_pool("full", force=True)  # the operator means it
+    assert "full" not in {p.name for p in client.list_pools().pools}
+    _admit(m, _req("c", list(range(9))))  # answered from the mirror; its Step fails
+    with pytest.raises(NotFoundError):  # ... and attaching again finds no pool: loud, typed
+        m.flush()
+
+    client.create_pool("own", _sliding(64))
+    own = PredictingKVCacheManager(client, "own", hash_seed="0", renew=False)
+    _admit(own, _req("a", list(range(9))))
+    own.flush()
+    client.delete_pool("own", session_id=own.session_id)  # the session's own deletion
+    assert "own" not in {p.name for p in client.list_pools().pools}

@@ -82,9 +82,12 @@ def list_pools() -> pb.ListPoolsRequest:
     return pb.ListPoolsRequest()
 
 
-def delete_pool(name: str) -> pb.DeletePoolRequest:
-    """Delete the pool ``name`` (never retried: an unknown outcome is OutcomeUnknownError)."""
-    return pb.DeletePoolRequest(name=name)
+def delete_pool(name: str, force: bool = False, session_id: str = "") -> pb.DeletePoolRequest:
+    """Delete the pool ``name`` (never retried: an unknown outcome is OutcomeUnknownError).
+    While an exclusive session holds it, PoolBusyError (POOL_EXCLUSIVE, naming the
+    session) unless ``force`` or the call names that session (``session_id``): its
+    worker may be running on its own copy of the pool."""
+    return pb.DeletePoolRequest(name=name, force=force, session_id=session_id)
 
 
 def attach(

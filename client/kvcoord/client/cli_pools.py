@@ -191,13 +191,20 @@ def pools_create(conn: Connection, name: str, config_file: str | None, **flags: 
 @pools.command("delete")
 @click.argument("name")
 @click.option("--yes", is_flag=True, help="do not ask (scripts; --json does not ask either)")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="delete even while an exclusive session (a running engine) holds the pool; refused otherwise",
+)
 @connection_options()
-def pools_delete(conn: Connection, name: str, yes: bool) -> None:
-    """Delete pool NAME, its sessions and requests (their block ids become void)."""
+def pools_delete(conn: Connection, name: str, yes: bool, force: bool) -> None:
+    """Delete pool NAME, its sessions and requests (their block ids become void). A pool
+    an exclusive session holds is deleted only with --force (its engine loses every
+    request at its next step)."""
     if not yes and not conn.as_json:
         click.confirm(f"delete pool {name} and every request in it?", abort=True)
     with conn.client() as c:
-        c.delete_pool(name)
+        c.delete_pool(name, force=force)
     if conn.as_json:
         emit_json({"deleted": name})
     else:

@@ -255,10 +255,14 @@ class ListPoolsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
 
 class DeletePoolRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "force", "session_id")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    force: bool
+    session_id: str
+    def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class DeletePoolResponse(_message.Message):
     __slots__ = ()

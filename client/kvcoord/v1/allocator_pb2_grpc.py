@@ -157,7 +157,12 @@ class AllocatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeletePool(self, request, context):
-        """Deletes a pool and everything in it.
+        """Deletes a pool and everything in it. While the pool has an exclusive session, only
+        that session (its session_id named) or a forced call (force) may delete it: its
+        client may answer from its own copy of the pool (a mirror) and its worker run up to
+        a backlog of steps on block ids a deletion would void. Any other call is
+        FAILED_PRECONDITION, reason POOL_EXCLUSIVE, naming the session (its client_name to
+        its own tenant only), and nothing changes. Shared sessions do not hold a pool.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

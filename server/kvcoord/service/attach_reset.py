@@ -19,7 +19,13 @@ from kvcoord.engine.reservations import Reservations
 from .errors import ErrorReason, ServiceError, Status
 from .sessions import Session, SessionTable
 
-__all__ = ["Resettable", "check_reset_outside_holder", "check_resettable", "reset_for_new_engine"]
+__all__ = [
+    "Resettable",
+    "check_delete_outside_holder",
+    "check_reset_outside_holder",
+    "check_resettable",
+    "reset_for_new_engine",
+]
 
 
 class Resettable(Protocol):
@@ -78,6 +84,38 @@ def check_reset_outside_holder(service: Resettable, session_id: str, tenant: str
         ServiceError: FAILED_PRECONDITION (POOL_EXCLUSIVE) naming the session (its
             client to its own tenant only).
     """
+    check_outside_holder(
+        service,
+        session_id,
+        tenant,
+        "a reset it did not make would void its answers; reset through that session, or once it ends",
+    )
+
+
+def check_delete_outside_holder(service: Resettable, session_id: str, tenant: str) -> None:
+    """Refuse a DeletePool call (not forced) that does not come from the pool's exclusive
+    session while there is one: its client may answer from its own copy of the pool,
+    and its worker run up to a backlog of steps on block ids the deletion voids before
+    a Step's failure tells it (every request lost, the pool gone from under a live
+    engine). The session may delete its pool itself (its id named); an operator who
+    means it forces the call.
+
+    Raises:
+        ServiceError: FAILED_PRECONDITION (POOL_EXCLUSIVE) naming the session (its
+            client to its own tenant only).
+    """
+    check_outside_holder(
+        service,
+        session_id,
+        tenant,
+        "deleting the pool under it would void the block ids its worker is using; delete once it ends, "
+        "from that session, or with force",
+    )
+
+
+def check_outside_holder(service: Resettable, session_id: str, tenant: str, why: str) -> None:
+    """Raise POOL_EXCLUSIVE (``why`` ending the message) when the pool has an exclusive
+    session other than ``session_id``."""
     holder = next((o for o in service.sessions.of_pool(service.name) if o.exclusive), None)
     if holder is None or holder.session_id == session_id:
         return
@@ -89,7 +127,7 @@ def check_reset_outside_holder(service: Resettable, session_id: str, tenant: str
     raise ServiceError(
         Status.PRECONDITION,
         f"pool {service.name!r} has an exclusive session {whose} that may answer from its own copy of the "
-        "pool: a reset it did not make would void its answers; reset through that session, or once it ends",
+        f"pool: {why}",
         ErrorReason.POOL_EXCLUSIVE,
     )
 

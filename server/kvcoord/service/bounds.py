@@ -96,6 +96,7 @@ BOUNDS: Mapping[str, int | str] = {
     "FreeRequest.session_id": MAX_SESSION_ID_LENGTH,
     "StepRequest.session_id": MAX_SESSION_ID_LENGTH,
     "ResetPrefixCacheRequest.session_id": MAX_SESSION_ID_LENGTH,
+    "DeletePoolRequest.session_id": MAX_SESSION_ID_LENGTH,
     "Fence.instance_id": MAX_SESSION_ID_LENGTH,
     "Fence.position_tag": 16,  # positions.TAG_BYTES: a tag the server issued is never longer
     "AllocateRequest.idempotency_key": MAX_IDEMPOTENCY_KEY_LENGTH,

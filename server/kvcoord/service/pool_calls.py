@@ -9,7 +9,7 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .access import current_tenant
-from .attach_reset import check_reset_outside_holder
+from .attach_reset import check_delete_outside_holder, check_reset_outside_holder
 from .errors import map_errors
 from .servicer_core import ServicerCore, fence_of
 
@@ -51,7 +51,11 @@ class PoolCalls(ServicerCore):
         registry = self.registry
         if await registry.placement.delete_unserved(request.name):  # a cluster's pool nobody served
             return pb.DeletePoolResponse()
-        registry.get(request.name)  # NOT_FOUND, or the owner's redirect, before anything changes
+        service = registry.get(request.name)  # NOT_FOUND, or the owner's redirect, before anything changes
+        if request.session_id:
+            service.session(request.session_id, None)  # a live session of this pool (NOT_FOUND)
+        if not request.force:  # an exclusive session's worker may be running on its own copy
+            check_delete_outside_holder(service, request.session_id, current_tenant().name)
         # In a store-journal cluster the pool is gone from the cluster after this (so
         # it is no longer claimed here: removed without the placement check again).
         await registry.placement.before_delete(request.name)

@@ -248,3 +248,67 @@ def test_deleting_a_predicted_pool_is_refused_unless_forced_or_by_its_session(cl
     own.flush()
     client.delete_pool("own", session_id=own.session_id)  # the session's own deletion
     assert "own" not in {p.name for p in client.list_pools().pools}
+
+
+@pytest.mark.parametrize("kind", ["waiting", "predicted"])
+def test_a_pool_written_otherwise_with_the_same_rules_is_the_same_pool(
+    client: KVCoordClient, kind: str
+) -> None:
+    """The pool is created again under a session with the same rules written otherwise:
+    the defaults filled in explicitly (log_stats unset -> true, profile "" ->
+    "vllm-0.16", as a server or a declaration of another version may write them). The
+    session's requests are lost (the pool it was in is gone) and the manager attaches
+    again and goes on (old code: every field written differently was taken for a
+    re-created pool, PoolChangedError ['log_stats', 'profile'] at that call and every
+    later one: the engine stopped for good)."""
+    client.create_pool("sw", _sliding(8))
+    m: Any = (
+        RemoteKVCacheManager(client, "sw", hash_seed="0", renew=False, exclusive=True)
+        if kind == "waiting"
+        else PredictingKVCacheManager(client, "sw", hash_seed="0", renew=False)
+    )
+    _admit(m, _req("a", list(range(9))))
+    m.flush()
+    client.delete_pool("sw", force=True)
+    same = _sliding(8)
+    same.log_stats, same.profile = True, "vllm-0.16"
+    client.create_pool("sw", same)
+    with pytest.raises(RequestsLostError):  # the pool it was in is gone
+        _admit(m, _req("b", list(range(40, 61))))
+        m.flush()
+    _admit(m, _req("c", list(range(9))))
+    m.flush()
+    assert [s.request_id for s in client.inspect_pool("sw", all_requests=True).requests] == ["c"]
+    m.close()
+
+
+@pytest.mark.parametrize("kind", ["waiting", "predicted"])
+def test_a_pool_created_again_with_stats_turned_off_is_a_changed_pool(
+    client: KVCoordClient, kind: str
+) -> None:
+    """The pool (log_stats unset: on) is created again with log_stats set false: its
+    rules differ (no statistics kept), so the Attach after the loss is PoolChangedError
+    naming log_stats (old code: compared the values only, unset and false both read
+    False: taken for the same pool, the waiting engine went on without statistics and
+    the predicted one lost every request at each Step, its mirror's statistics not the
+    server's)."""
+    client.create_pool("sw", _sliding(8))
+    m: Any = (
+        RemoteKVCacheManager(client, "sw", hash_seed="0", renew=False, exclusive=True)
+        if kind == "waiting"
+        else PredictingKVCacheManager(client, "sw", hash_seed="0", renew=False)
+    )
+    _admit(m, _req("a", list(range(9))))
+    m.flush()
+    client.delete_pool("sw", force=True)
+    other = _sliding(8)
+    other.log_stats = False
+    client.create_pool("sw", other)
+    with pytest.raises((RequestsLostError, PoolChangedError)):  # (predicted: attached again at once)
+        _admit(m, _req("d", list(range(40, 61))))
+        m.flush()
+    with pytest.raises(PoolChangedError) as info:
+        _admit(m, _req("e", list(range(9))))
+        m.flush()
+    assert info.value.changes == ["log_stats"]
+    assert not client.list_sessions("sw").sessions

@@ -4,10 +4,14 @@ keeper and its Step sender, written once for both."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import grpc
+from kvcoord.engine.config import KVCacheConfig
+from kvcoord.engine.errors import InvalidArgumentError
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire import config_from_pb
 
 from . import _requests as rq
 from .client import KVCoordClient
@@ -37,9 +41,49 @@ class PoolChangedError(FailedPreconditionError):
 
 
 def pool_changes(was: pb.PoolConfig, now: pb.PoolConfig) -> list[str]:
-    """The names of the configuration fields that differ (none: the same pool's)."""
+    """The names of the configuration fields whose rules differ (none: the same pool's).
+
+    A field is compared by what it decides, not how it is written: each engine field
+    as the engine reads it (:func:`~kvcoord.wire.config_from_pb`: ``log_stats`` unset is
+    on, ``profile`` empty is vllm-0.16, ``prefix_cache_retention_interval`` unset is 0,
+    group specs as specs), ``shared_cache_tenants`` as a set, the hash settings as
+    written. A pool written otherwise with the same rules (a server or a declaration
+    filling a default explicitly, as in a rolling upgrade) is the same pool, not a
+    re-created one. Fields this client does not know are not read at all (a newer
+    server's: they never decided anything here). A configuration the engine would not
+    take is compared as written."""
     fields = {f.name for f, _ in was.ListFields()} | {f.name for f, _ in now.ListFields()}
-    return sorted(name for name in fields if getattr(was, name) != getattr(now, name))
+    differ = sorted(name for name in fields if _written(was, name) != _written(now, name))
+    if not differ:
+        return []
+    try:
+        rules = (config_from_pb(was), config_from_pb(now))
+    except InvalidArgumentError:  # (WireError, ConfigError): every written difference counts
+        return differ
+    return [name for name in differ if _decides_otherwise(name, was, now, rules)]
+
+
+def _written(cfg: pb.PoolConfig, name: str) -> tuple[bool, Any]:
+    """Field ``name`` as written: whether it is set (an ``optional`` field's presence
+    means something: log_stats unset is on, set false is off) and its value."""
+    present = cfg.HasField(name) if cfg.DESCRIPTOR.fields_by_name[name].has_presence else True
+    return present, getattr(cfg, name)
+
+
+def _decides_otherwise(name: str, was: pb.PoolConfig, now: pb.PoolConfig, rules: tuple[Any, Any]) -> bool:
+    """Whether field ``name``, written differently in ``was`` and ``now``, decides
+    otherwise (``rules``: their engine configs)."""
+    if name == "shared_cache_tenants":
+        return set(was.shared_cache_tenants) != set(now.shared_cache_tenants)
+    if name in _ENGINE_FIELDS:
+        return bool(getattr(rules[0], name) != getattr(rules[1], name))
+    return True  # hash_algo, hash_seed, and any field the engine does not read: as written
+
+
+#: the PoolConfig fields the engine config holds under the same name
+_ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(KVCacheConfig)) & frozenset(
+    pb.PoolConfig.DESCRIPTOR.fields_by_name
+)
 
 
 class SessionFacts:

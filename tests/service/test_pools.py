@@ -231,6 +231,7 @@ def test_resource_exhausted_limits(make_server: Callable[..., InProcessServer]) 
         sid, fence = attach(c)
         with pytest.raises(ResourceExhaustedError, match="max_pools"):
             c.create_pool("q", full_pool())
+        c.step_piece_ops = 0  # (the client learned the cap at attach: send the Step whole)
         with pytest.raises(ResourceExhaustedError, match="limit is 2"):
             c.step("p", [pb.Operation(reset_prefix_cache=pb.ResetPrefixCacheOp())] * 3, sid, fence)
         c.allocate("p", allocate("a", list(range(4)), 4).allocate, sid, fence)

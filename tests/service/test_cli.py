@@ -163,6 +163,26 @@ def test_pools_create_inspect_check_delete(server: DurableServer, client: KVCoor
         assert "not found" in one_line_error(proc) and "cli-made" in proc.stderr
 
 
+def test_pools_delete_of_a_pool_an_exclusive_session_holds(
+    server: DurableServer, client: KVCoordClient
+) -> None:
+    """`pools delete` of a pool a running engine holds (an exclusive session) fails,
+    naming that session's client, and deletes nothing; `--force` deletes it (old code:
+    deleted at once, the engine's worker running on block ids the deletion voided)."""
+    made = run(server, "pools", "create", "cli-held", "--num-blocks", "33", "--block-size", "8")
+    assert made.returncode == 0, made.stderr
+    attach(client, "cli-held", block_size=8, exclusive=True, client_name="engine-3")
+    refused = run(server, "pools", "delete", "cli-held", "--yes")
+    assert refused.returncode != 0
+    assert "exclusive session ('engine-3'" in refused.stderr and "with force" in refused.stderr, (
+        refused.stderr
+    )
+    assert "cli-held" in [p.name for p in client.list_pools().pools]
+    forced = run(server, "pools", "delete", "cli-held", "--yes", "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert "cli-held" not in [p.name for p in client.list_pools().pools]
+
+
 def test_a_tenant_without_the_roles(server: DurableServer) -> None:
     """A tenant with only the use role sees the pool in `status` without its statistics
     (exit 0), and `sessions` (administer) is a refused credential: exit 7, one line."""

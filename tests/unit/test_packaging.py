@@ -110,7 +110,7 @@ def test_public_exports_are_pinned() -> None:
         "RequestCheckpoint", "RequestExistsError", "RequestNotFoundError", "RequestRewind", "SlidingWindowSpec",
         "StaleCacheHitError",
         "UncountedBlocksError", "HitBlockTakenError",
-        "Counts", "HandedTokenIds", "TokenIds", "attention_groups", "hash_to_int64",
+        "BytesHashes", "Counts", "HandedTokenIds", "TokenIds", "attention_groups", "hash_to_int64",
     ])  # fmt: skip
     assert sorted(kvcoord.client.__all__) == sorted([
         "DEFAULT_RETRY", "NO_RETRY", "AbortedError", "AlreadyExistsError", "AsyncKVCoordClient", "BlockHasher",

@@ -18,14 +18,12 @@ Runs in the vLLM 0.33.0 venv only (``KVCOORD_VLLM_VERSION=0.33.0 scripts/test_vl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import BLOCK_SIZE, SCHEDULERS, V033, kv_cache_config, make_scheduler, summarize, vllm_config
-from kvcoord.client import KVCoordClient
-from kvcoord.service.testing import InProcessServer
+from harness import BLOCK_SIZE, SCHEDULERS, V033, kv_cache_config, vllm_config
+from streaming_support import SteppedScheduler, pool_env_fixture
 
 pytestmark = pytest.mark.skipif(not V033, reason="vLLM 0.33.0 only (this venv has another release)")
 
@@ -34,61 +32,25 @@ PROMPT = [100 + i for i in range(BLOCK_SIZE - 1)]
 SAMPLED = 7  # every token the fake model samples
 CHUNK = [50, 51, 52]
 
-
-@pytest.fixture
-def pool_env(
-    server: InProcessServer, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
-) -> Iterator[str]:
-    name = f"stream-{request.node.name}".replace("[", "-").replace("]", "")[:60]
-    monkeypatch.setenv("KVCOORD_TARGET", server.address)
-    monkeypatch.setenv("KVCOORD_POOL", name)
-    yield name
-    with KVCoordClient(server.address) as c:
-        if name in {p.name for p in c.list_pools().pools}:
-            c.delete_pool(name, force=True)  # (teardown: an engine a failed test left attached too)
+pool_env = pool_env_fixture("stream")
 
 
 def _run(cls: type, model_dir: Path) -> tuple[list[Any], int]:
     """The session (prompt, one sampled token, the next chunk), then a prompt continuing
     with the discarded token: each step's decisions and that prompt's hit."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
-
     config = vllm_config(model_dir, NUM_BLOCKS, async_scheduling=True)
-    sched = make_scheduler(cls, config, kv_cache_config("full", NUM_BLOCKS))
-    hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(int(sched.hash_block_size), hash_fn)
-
-    def request(rid: str, prompt: list[int], resumable: bool = False) -> Any:
-        params = SamplingParams(max_tokens=1, ignore_eos=True)
-        return Request(
-            rid, list(prompt), params, None, block_hasher=hasher, resumable=resumable
-        )  # (vLLM extends it)
-
-    def step() -> Any:
-        out = sched.schedule()
-        ids = list(out.num_scheduled_tokens)
-        sampled = [[] if sched.requests[r].is_prefill_chunk else [SAMPLED] for r in ids]
-        sched.update_from_output(out, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
-        ))  # fmt: skip
-        return summarize(out)
-
+    s = SteppedScheduler(cls, config, kv_cache_config("full", NUM_BLOCKS), SAMPLED)
     decisions = []
-    sched.add_request(request("s", PROMPT, resumable=True))
-    sched.add_request(request("s", CHUNK, resumable=True))  # queued: taken at the stop
-    decisions.append(step())  # the prompt computed, SAMPLED sampled: the stop takes the chunk
-    assert list(sched.requests["s"].all_token_ids) == PROMPT + CHUNK  # (SAMPLED discarded)
-    decisions.append(step())  # the session resumes on its blocks: the chunk computed
-    sched.add_request(request("q", PROMPT + [SAMPLED] + [99] * 4))
-    summary = step()
+    s.add("s", PROMPT, resumable=True)
+    s.add("s", CHUNK, resumable=True)  # queued: taken at the stop
+    decisions.append(s.step())  # the prompt computed, SAMPLED sampled: the stop takes the chunk
+    assert list(s.sched.requests["s"].all_token_ids) == PROMPT + CHUNK  # (SAMPLED discarded)
+    decisions.append(s.step())  # the session resumes on its blocks: the chunk computed
+    s.add("q", PROMPT + [SAMPLED] + [99] * 4)
+    summary = s.step()
     decisions.append(summary)
     hit = next(n for rid, _, n, _ in summary["new"] if rid == "q")
-    sched.shutdown()
+    s.sched.shutdown()
     return decisions, hit
 
 

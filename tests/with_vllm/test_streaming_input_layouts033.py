@@ -17,15 +17,13 @@ Runs in the vLLM 0.33.0 venv only (``KVCOORD_VLLM_VERSION=0.33.0 scripts/test_vl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import SCHEDULERS, V033, kv_cache_config, make_scheduler, summarize, vllm_config
+from harness import SCHEDULERS, V033, kv_cache_config, vllm_config
 from kv_oracle import KVOracle
-from kvcoord.client import KVCoordClient
-from kvcoord.service.testing import InProcessServer
+from streaming_support import SteppedScheduler, pool_env_fixture
 
 pytestmark = pytest.mark.skipif(not V033, reason="vLLM 0.33.0 only (this venv has another release)")
 
@@ -35,57 +33,23 @@ CHUNKS = [[300 + i for i in range(41)], [500 + i for i in range(37)]]
 SAMPLED = 7  # every token the fake model samples
 MAX_STEPS = 40
 
-
-@pytest.fixture
-def pool_env(
-    server: InProcessServer, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
-) -> Iterator[str]:
-    name = f"streamlay-{request.node.name}".replace("[", "-").replace("]", "").replace("+", "-")
-    name = name.replace(" ", "-")[:60]
-    monkeypatch.setenv("KVCOORD_TARGET", server.address)
-    monkeypatch.setenv("KVCOORD_POOL", name)
-    yield name
-    with KVCoordClient(server.address) as c:
-        if name in {p.name for p in c.list_pools().pools}:
-            c.delete_pool(name, force=True)  # (teardown: an engine a failed test left attached too)
+pool_env = pool_env_fixture("streamlay")
 
 
 def _run(cls: type, layout: str, model_dir: Path) -> tuple[list[Any], dict[str, int]]:
     """The session (the prompt, then each chunk after one sampled token, which the cut
     discards), then requests continuing its first prompt and the whole session: each
     step's decisions and those requests' hits."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
-
     mamba = "mamba" in layout
     config = vllm_config(
         model_dir, NUM_BLOCKS, async_scheduling=True, mamba_cache_mode="align" if mamba else "none"
     )
-    sched = make_scheduler(cls, config, kv_cache_config(layout, NUM_BLOCKS))
-    oracle = KVOracle(sched)  # every hit's KV is its own tokens' (either manager)
-    hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(int(sched.hash_block_size), hash_fn)
-
-    def request(rid: str, prompt: list[int], resumable: bool = False) -> Any:
-        params = SamplingParams(max_tokens=1, ignore_eos=True)
-        return Request(rid, list(prompt), params, None, block_hasher=hasher, resumable=resumable)
-
-    def step() -> Any:
-        out = sched.schedule()
-        ids = list(out.num_scheduled_tokens)
-        sampled = [[] if sched.requests[r].is_prefill_chunk else [SAMPLED] for r in ids]
-        sched.update_from_output(out, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
-        ))  # fmt: skip
-        return summarize(out)
+    s = SteppedScheduler(cls, config, kv_cache_config(layout, NUM_BLOCKS), SAMPLED)
+    oracle = KVOracle(s.sched)  # every hit's KV is its own tokens' (either manager)
 
     def drain() -> None:
         for _ in range(MAX_STEPS):
-            summary = step()
+            summary = s.step()
             if not summary["total"]:
                 return
             decisions.append(summary)
@@ -95,22 +59,22 @@ def _run(cls: type, layout: str, model_dir: Path) -> tuple[list[Any], dict[str, 
 
     decisions: list[Any] = []
     hits: dict[str, int] = {}
-    sched.add_request(request("s", PROMPT, resumable=True))
+    s.add("s", PROMPT, resumable=True)
     for chunk in CHUNKS:
-        sched.add_request(request("s", chunk, resumable=True))  # queued: taken at each stop
+        s.add("s", chunk, resumable=True)  # queued: taken at each stop
     drain()
-    assert list(sched.requests["s"].all_token_ids)[: len(PROMPT)] == PROMPT
-    session = list(sched.requests["s"].all_token_ids)
+    assert list(s.sched.requests["s"].all_token_ids)[: len(PROMPT)] == PROMPT
+    session = list(s.sched.requests["s"].all_token_ids)
     # a replay of the first prompt (a resend), then one continuing the whole session
-    sched.add_request(request("p", PROMPT + [SAMPLED] + [99] * 20))
+    s.add("p", PROMPT + [SAMPLED] + [99] * 20)
     drain()
-    sched.add_request(request("q", session + [98] * 20))
+    s.add("q", session + [98] * 20)
     drain()
-    sched.add_request(request("s", [77] * 9, resumable=True))  # the session goes on
+    s.add("s", [77] * 9, resumable=True)  # the session goes on
     drain()
-    sched.add_request(request("r", session + [77] * 9 + [97] * 5))
+    s.add("r", session + [77] * 9 + [97] * 5)
     drain()
-    sched.shutdown()
+    s.sched.shutdown()
     oracle.assert_clean()
     return decisions, hits
 

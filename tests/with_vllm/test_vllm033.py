@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ from harness import (
 )
 from kvcoord.client import KVCoordClient
 from kvcoord.service.testing import InProcessServer
+from streaming_support import pool_env_fixture
 
 pytestmark = pytest.mark.skipif(not V033, reason="vLLM 0.33.0 only (this venv has another release)")
 
@@ -36,17 +36,7 @@ def _kvcoord(kind: str) -> Any:
     return {"sync": KVCoordScheduler, "async": KVCoordAsyncScheduler}[kind]
 
 
-@pytest.fixture
-def pool_env(
-    server: InProcessServer, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
-) -> Iterator[str]:
-    name = f"v033-{request.node.name}".replace("[", "-").replace("]", "")[:60]
-    monkeypatch.setenv("KVCOORD_TARGET", server.address)
-    monkeypatch.setenv("KVCOORD_POOL", name)
-    yield name
-    with KVCoordClient(server.address) as c:
-        if name in {p.name for p in c.list_pools().pools}:
-            c.delete_pool(name, force=True)  # (teardown: an engine a failed test left attached too)
+pool_env = pool_env_fixture("v033")
 
 
 @pytest.mark.parametrize("layout", ["full", "full+swa", "mla"])

@@ -53,6 +53,47 @@ def wire_pool_config(num_blocks: int, events: bool = False) -> pb.PoolConfig:
     )
 
 
+def hashed_req(rid: str, tokens: list[int]) -> Req:
+    """A :class:`Req` with its block hashes (as vLLM's Request carries them) for
+    :func:`wire_pool_config`'s pools."""
+    r = Req(rid, tokens)
+    r.block_hashes = BlockHasher(ALGO, 4, NONE).extend(tokens)  # type: ignore[attr-defined]
+    return r
+
+
+def admit_prompt(m: Any, r: Any) -> list[int]:
+    """``r``'s whole prompt admitted by manager ``m`` (its hit, then the rest), computed:
+    group 0's block ids."""
+    hit, hit_tokens = m.get_computed_blocks(r)
+    new = m.allocate_slots(r, len(r.all_token_ids) - hit_tokens, hit_tokens, hit)
+    assert new is not None
+    r.num_computed_tokens = len(r.all_token_ids)
+    return list(hit.block_ids[0]) + list(new.block_ids[0])
+
+
+def lapse_predicted_session(
+    c: KVCoordClient, server: InProcessServer, clock: Any, *, reap: bool = True
+) -> tuple[Any, str]:
+    """A predicted session on a new 32-block pool "p" whose lease (5 s) ran out on the
+    server (``clock`` a ManualClock moved 30 s) after request "a" was admitted and
+    flushed, and reaped there if ``reap``; then "b" admitted (answered: the client still
+    vouches for its lease) and the step's events taken: the next flush meets the loss.
+    The manager, and the id of the session it lost."""
+    from kvcoord.client import PredictingKVCacheManager
+
+    c.create_pool("p", wire_pool_config(32))
+    m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False, lease_seconds=5)
+    lost = m.keeper.session_id
+    admit_prompt(m, hashed_req("a", list(range(9))))
+    m.flush()
+    clock.advance(30)
+    if reap:
+        assert server.call(server.running.servicer.reap_expired_sessions) == 1  # type: ignore[union-attr]
+    admit_prompt(m, hashed_req("b", list(range(40, 50))))
+    m.take_events()
+    return m, lost
+
+
 def wire_mamba_pool_033(
     num_blocks: int,
     attention_block: int,

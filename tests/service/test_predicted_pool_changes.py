@@ -23,7 +23,7 @@ from kvcoord.client.predicting_losses import PoolChangedError
 from kvcoord.service.registry import Limits
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
-from support import NONE, POOL_TOML, Req, wire_pool_config
+from support import NONE, POOL_TOML, admit_prompt, hashed_req, lapse_predicted_session
 
 
 def _sliding(window: int) -> pb.PoolConfig:
@@ -31,18 +31,6 @@ def _sliding(window: int) -> pb.PoolConfig:
     spec = pb.KVCacheGroupSpec(sliding_window=pb.SlidingWindowSpec(block_size=4, sliding_window=window))
     return pb.PoolConfig(num_blocks=32, groups=[spec], hash_block_size=4, enable_caching=True,
                          hash_algo="sha256_cbor", hash_seed="0", enable_kv_cache_events=True)  # fmt: skip
-
-
-def _req(rid: str, tokens: list[int]) -> Any:
-    r = Req(rid, tokens)
-    r.block_hashes = BlockHasher("sha256_cbor", 4, NONE).extend(tokens)  # type: ignore[attr-defined]
-    return r
-
-
-def _admit(m: PredictingKVCacheManager | RemoteKVCacheManager, r: Any) -> None:
-    hit, hit_tokens = m.get_computed_blocks(r)
-    assert m.allocate_slots(r, len(r.all_token_ids) - hit_tokens, hit_tokens, hit) is not None
-    r.num_computed_tokens = len(r.all_token_ids)
 
 
 def test_a_pool_created_again_with_other_rules_is_never_mirrored_with_the_old(client: KVCoordClient) -> None:
@@ -55,18 +43,18 @@ def test_a_pool_created_again_with_other_rules_is_never_mirrored_with_the_old(cl
     every later call refused the same way without attaching again."""
     client.create_pool("sw", _sliding(8))
     m = PredictingKVCacheManager(client, "sw", hash_seed="0", renew=False)
-    _admit(m, _req("a", list(range(9))))
+    admit_prompt(m, hashed_req("a", list(range(9))))
     m.flush()
     client.delete_pool("sw", force=True)  # (under the session: refused unless forced)
     client.create_pool("sw", _sliding(16))
-    _admit(m, _req("b", list(range(40, 61))))  # answered from the mirror; its Step fails
+    admit_prompt(m, hashed_req("b", list(range(40, 61))))  # answered from the mirror; its Step fails
     with pytest.raises(PoolChangedError) as info:
         m.flush()
     assert info.value.changes == ["groups"]
     assert not client.list_sessions("sw").sessions
     attaches = client.get_stats("sw").num_sessions
     with pytest.raises(PoolChangedError):
-        _admit(m, _req("c", list(range(9))))
+        admit_prompt(m, hashed_req("c", list(range(9))))
     assert client.get_stats("sw").num_sessions == attaches == 0
     assert not isinstance(info.value, RequestsLostError)
 
@@ -83,18 +71,18 @@ def test_an_operators_reset_of_a_predicted_pool_is_refused_naming_the_session(cl
 
     client.create_pool("full", _sliding(64))
     m = PredictingKVCacheManager(client, "full", hash_seed="0", renew=False, client_name="engine-7")
-    a = _req("a", list(range(9)))
-    _admit(m, a)
+    a = hashed_req("a", list(range(9)))
+    admit_prompt(m, a)
     m.free(a)  # its two full blocks stay cached, free
     m.flush()
     with pytest.raises(PoolBusyError) as info:
         client.reset_prefix_cache("full")
     assert info.value.reason == "POOL_EXCLUSIVE"
     assert "'engine-7'" in info.value.message
-    b = _req("b", list(range(9)))
+    b = hashed_req("b", list(range(9)))
     hit, hit_tokens = m.get_computed_blocks(b)
     assert hit_tokens == 8
-    _admit(m, b)
+    admit_prompt(m, b)
     m.flush()  # the server's hit is the mirror's: no loss
     assert m.lost_requests == 0
     m.free(b)
@@ -115,7 +103,7 @@ def test_a_predicted_step_keeps_the_servers_max_ops_per_step(
         m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False)
         for k in range(3):
             for i in range(6):
-                _admit(m, _req(f"r{k}-{i}", list(range(100 * i, 100 * i + 5 + k))))
+                admit_prompt(m, hashed_req(f"r{k}-{i}", list(range(100 * i, 100 * i + 5 + k))))
             m.take_events()
             m.flush()
         assert m.lost_requests == 0
@@ -133,9 +121,9 @@ def test_a_predicted_decode_run_keeps_the_servers_max_ops_per_step(
     server = make_server(POOL_TOML, limits=Limits(max_ops_per_step=4))
     with KVCoordClient(server.address, timeout=10) as c:
         m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False)
-        running = [_req(f"r{i}", list(range(100 * i, 100 * i + 5))) for i in range(6)]
+        running = [hashed_req(f"r{i}", list(range(100 * i, 100 * i + 5))) for i in range(6)]
         for r in running:
-            _admit(m, r)
+            admit_prompt(m, r)
         m.take_events()
         for step in range(6):  # inside their blocks and across a block boundary
             for r in running:
@@ -165,14 +153,7 @@ def test_an_attach_whose_every_answer_was_lost_is_sent_again_with_its_key(
     lose.enabled = False
     retry = RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02)
     with KVCoordClient(server.address, timeout=10, retry=retry, interceptors=[lose]) as c:
-        c.create_pool("p", wire_pool_config(32))
-        m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False, lease_seconds=5)
-        _admit(m, _req("a", list(range(9))))
-        m.flush()
-        clock.advance(30)
-        assert server.call(server.running.servicer.reap_expired_sessions) == 1  # type: ignore[union-attr]
-        _admit(m, _req("b", list(range(40, 50))))
-        m.take_events()
+        m, _ = lapse_predicted_session(c, server, clock)
         lose.enabled = True
         with pytest.raises(UnavailableError):
             m.flush()  # the Step failed (session expired); attaching again lost every answer
@@ -184,7 +165,7 @@ def test_an_attach_whose_every_answer_was_lost_is_sent_again_with_its_key(
         assert sorted(info.value.request_ids) == ["a", "b"]
         assert m.keeper.session_id == orphan.session_id
         assert [s.session_id for s in c.list_sessions("p").sessions] == [orphan.session_id]
-        _admit(m, _req("c", list(range(9))))
+        admit_prompt(m, hashed_req("c", list(range(9))))
         m.flush()
         assert m.lost_requests == 2
         m.close()
@@ -198,14 +179,14 @@ def test_a_waiting_session_never_uses_a_pool_created_again_with_other_rules(clie
     by the new pool's rules)."""
     client.create_pool("sw", _sliding(8))
     m = RemoteKVCacheManager(client, "sw", hash_seed="0", renew=False, exclusive=True)
-    _admit(m, _req("a", list(range(9))))
+    admit_prompt(m, hashed_req("a", list(range(9))))
     client.delete_pool("sw", force=True)  # (under the session: refused unless forced)
     client.create_pool("sw", _sliding(16))
     with pytest.raises(RequestsLostError):
-        _admit(m, _req("b", list(range(40, 61))))  # the pool the session was in is gone
+        admit_prompt(m, hashed_req("b", list(range(40, 61))))  # the pool the session was in is gone
     for rid in ("c", "d"):
         with pytest.raises(PoolChangedError) as info:
-            _admit(m, _req(rid, list(range(9))))
+            admit_prompt(m, hashed_req(rid, list(range(9))))
         assert info.value.changes == ["groups"]
     assert not client.list_sessions("sw").sessions
 
@@ -222,7 +203,7 @@ def test_deleting_a_predicted_pool_is_refused_unless_forced_or_by_its_session(cl
 
     client.create_pool("full", _sliding(64))
     m = PredictingKVCacheManager(client, "full", hash_seed="0", renew=False, client_name="engine-7")
-    _admit(m, _req("a", list(range(9))))
+    admit_prompt(m, hashed_req("a", list(range(9))))
     m.flush()
     with pytest.raises(PoolBusyError) as info:
         client.delete_pool("full")
@@ -231,20 +212,20 @@ def test_deleting_a_predicted_pool_is_refused_unless_forced_or_by_its_session(cl
     with pytest.raises(NotFoundError):
         client.delete_pool("full", session_id="0" * 32)
     assert "full" in {p.name for p in client.list_pools().pools}
-    _admit(m, _req("b", list(range(40, 49))))
+    admit_prompt(m, hashed_req("b", list(range(40, 49))))
     m.flush()
     assert m.lost_requests == 0
     assert len(client.inspect_pool("full", all_requests=True).requests) == 2
 
     client.delete_pool("full", force=True)  # the operator means it
     assert "full" not in {p.name for p in client.list_pools().pools}
-    _admit(m, _req("c", list(range(9))))  # answered from the mirror; its Step fails
+    admit_prompt(m, hashed_req("c", list(range(9))))  # answered from the mirror; its Step fails
     with pytest.raises(NotFoundError):  # ... and attaching again finds no pool: loud, typed
         m.flush()
 
     client.create_pool("own", _sliding(64))
     own = PredictingKVCacheManager(client, "own", hash_seed="0", renew=False)
-    _admit(own, _req("a", list(range(9))))
+    admit_prompt(own, hashed_req("a", list(range(9))))
     own.flush()
     client.delete_pool("own", session_id=own.session_id)  # the session's own deletion
     assert "own" not in {p.name for p in client.list_pools().pools}
@@ -267,16 +248,16 @@ def test_a_pool_written_otherwise_with_the_same_rules_is_the_same_pool(
         if kind == "waiting"
         else PredictingKVCacheManager(client, "sw", hash_seed="0", renew=False)
     )
-    _admit(m, _req("a", list(range(9))))
+    admit_prompt(m, hashed_req("a", list(range(9))))
     m.flush()
     client.delete_pool("sw", force=True)
     same = _sliding(8)
     same.log_stats, same.profile = True, "vllm-0.16"
     client.create_pool("sw", same)
     with pytest.raises(RequestsLostError):  # the pool it was in is gone
-        _admit(m, _req("b", list(range(40, 61))))
+        admit_prompt(m, hashed_req("b", list(range(40, 61))))
         m.flush()
-    _admit(m, _req("c", list(range(9))))
+    admit_prompt(m, hashed_req("c", list(range(9))))
     m.flush()
     assert [s.request_id for s in client.inspect_pool("sw", all_requests=True).requests] == ["c"]
     m.close()
@@ -298,17 +279,17 @@ def test_a_pool_created_again_with_stats_turned_off_is_a_changed_pool(
         if kind == "waiting"
         else PredictingKVCacheManager(client, "sw", hash_seed="0", renew=False)
     )
-    _admit(m, _req("a", list(range(9))))
+    admit_prompt(m, hashed_req("a", list(range(9))))
     m.flush()
     client.delete_pool("sw", force=True)
     other = _sliding(8)
     other.log_stats = False
     client.create_pool("sw", other)
     with pytest.raises((RequestsLostError, PoolChangedError)):  # (predicted: attached again at once)
-        _admit(m, _req("d", list(range(40, 61))))
+        admit_prompt(m, hashed_req("d", list(range(40, 61))))
         m.flush()
     with pytest.raises(PoolChangedError) as info:
-        _admit(m, _req("e", list(range(9))))
+        admit_prompt(m, hashed_req("e", list(range(9))))
         m.flush()
     assert info.value.changes == ["log_stats"]
     assert not client.list_sessions("sw").sessions

@@ -23,13 +23,7 @@ from kvcoord.client.hashing import BlockHasher
 from kvcoord.engine import BlockStored
 from kvcoord.service.testing import InProcessServer, ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
-from support import NONE, Req, wire_pool_config
-
-
-def _req(rid: str, tokens: list[int]) -> Any:
-    r = Req(rid, tokens)
-    r.block_hashes = BlockHasher("sha256_cbor", 4, NONE).extend(tokens)  # type: ignore[attr-defined]
-    return r
+from support import NONE, Req, admit_prompt, hashed_req, lapse_predicted_session, wire_pool_config
 
 
 def _tables(client: KVCoordClient, pool: str) -> dict[str, list[int]]:
@@ -37,14 +31,6 @@ def _tables(client: KVCoordClient, pool: str) -> dict[str, list[int]]:
         s.request_id: list(s.groups[0].block_ids)
         for s in client.inspect_pool(pool, all_requests=True).requests
     }
-
-
-def _admit(m: PredictingKVCacheManager, r: Any) -> list[int]:
-    hit, hit_tokens = m.get_computed_blocks(r)
-    new = m.allocate_slots(r, len(r.all_token_ids) - hit_tokens, hit_tokens, hit)
-    assert new is not None
-    r.num_computed_tokens = len(r.all_token_ids)
-    return list(hit.block_ids[0]) + list(new.block_ids[0])
 
 
 @pytest.fixture
@@ -104,7 +90,7 @@ def test_every_layout_is_predicted_exactly(client: KVCoordClient, layout: str) -
     client.create_pool(layout, _layout_config(layout, 40))
     first = RemoteKVCacheManager(client, layout, hash_seed="0", renew=False)
     for i, tokens in enumerate([list(range(24)), list(range(24)), list(range(100, 121))]):
-        first.allocate_slots(_req(f"old{i}", tokens), len(tokens))
+        first.allocate_slots(hashed_req(f"old{i}", tokens), len(tokens))
     first.close()  # frees everything: the blocks stay cached, the queue reordered
     m = PredictingKVCacheManager(client, layout, hash_seed="0", renew=False, max_backlog=2)
     # every block of the mirror made at attach, as vLLM's own pool makes them (its engine
@@ -113,8 +99,8 @@ def test_every_layout_is_predicted_exactly(client: KVCoordClient, layout: str) -
     bp = m.mirror.engine.block_pool
     assert bp.free_block_queue.next_fresh == 40 and len(bp.blocks) == 40
     assert [b.block_id for b in bp.blocks] == list(range(40))
-    reqs = [_req("a", list(range(24)) + [7, 7, 7]), _req("b", list(range(100, 121)) + [8]),
-            _req("c", list(range(300, 317)))]  # fmt: skip
+    reqs = [hashed_req("a", list(range(24)) + [7, 7, 7]), hashed_req("b", list(range(100, 121)) + [8]),
+            hashed_req("c", list(range(300, 317)))]  # fmt: skip
     told: dict[str, list[list[int]]] = {}
     refused = 0
     for step in range(14):
@@ -137,7 +123,7 @@ def test_every_layout_is_predicted_exactly(client: KVCoordClient, layout: str) -
         if step == 6:
             m.free(reqs[0])
             told.pop("a")
-            reqs[0] = _req("d", list(range(500, 530)))  # evicts cached blocks
+            reqs[0] = hashed_req("d", list(range(500, 530)))  # evicts cached blocks
         m.take_events()
     m.flush()
     assert m.lost_requests == 0 and m.steps_sent > 1
@@ -176,9 +162,9 @@ def test_answers_equal_the_servers_from_a_used_pool(client: KVCoordClient, pool:
         first.free(r)  # computed and finished: the blocks stay cached, the queue reordered
     first.close()
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
-    a = _req("a", list(range(20)) + [7, 7, 7])
-    b = _req("b", list(range(100, 117)) + [8])
-    told = {"a": _admit(m, a), "b": _admit(m, b)}
+    a = hashed_req("a", list(range(20)) + [7, 7, 7])
+    b = hashed_req("b", list(range(100, 117)) + [8])
+    told = {"a": admit_prompt(m, a), "b": admit_prompt(m, b)}
     assert told["a"][:5] == [1, 2, 3, 4, 5] and told["b"][:4] == [
         11,
         12,
@@ -196,13 +182,13 @@ def _broken(
     """Two admitted requests, the mirror changed under the manager, one more step:
     the next call reports what was lost."""
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
-    a, b = _req("a", list(range(9))), _req("b", list(range(50, 60)))
-    _admit(m, a)
-    _admit(m, b)
+    a, b = hashed_req("a", list(range(9))), hashed_req("b", list(range(50, 60)))
+    admit_prompt(m, a)
+    admit_prompt(m, b)
     m.take_events()
     break_mirror(m)
-    c = _req("c", list(range(200, 230)))
-    _admit(m, c)  # answered from the changed mirror
+    c = hashed_req("c", list(range(200, 230)))
+    admit_prompt(m, c)  # answered from the changed mirror
     m.take_events()
     with pytest.raises(RequestsLostError) as info:
         m.flush()
@@ -223,8 +209,8 @@ def test_a_server_that_disagrees_loses_every_request_loudly(client: KVCoordClien
     assert lost.reason == "PREDICTION_FAILED"
     assert m.lost_requests == 3
     assert _tables(client, pool) == {}  # the old session's requests are freed
-    d = _req("d", list(range(9)))
-    told = _admit(m, d)  # a hit on a's cached blocks, from the new state
+    d = hashed_req("d", list(range(9)))
+    told = admit_prompt(m, d)  # a hit on a's cached blocks, from the new state
     m.flush()
     assert _tables(client, pool) == {"d": told}
     m.close()
@@ -253,19 +239,12 @@ def test_an_expired_session_loses_every_request_and_starts_again(
     refused, the next call reports every request lost, and the manager attaches again."""
     server = make_server("")
     with KVCoordClient(server.address, timeout=10) as c:
-        c.create_pool("p", wire_pool_config(32))
-        m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False, lease_seconds=5)
-        _admit(m, _req("a", list(range(9))))
-        m.flush()
-        clock.advance(30)
-        assert server.call(server.running.servicer.reap_expired_sessions) == 1  # type: ignore[union-attr]
-        _admit(m, _req("b", list(range(40, 50))))  # answered: the client still vouches for its lease
-        m.take_events()
+        m, _ = lapse_predicted_session(c, server, clock)  # "b" answered: the client vouches for its lease
         with pytest.raises(RequestsLostError) as info:
             m.flush()
         assert sorted(info.value.request_ids) == ["a", "b"]
         assert info.value.reason == "SESSION_EXPIRED"
-        told = _admit(m, _req("c", list(range(9))))
+        told = admit_prompt(m, hashed_req("c", list(range(9))))
         m.flush()
         assert _tables(c, "p") == {"c": told}
         m.close()
@@ -279,19 +258,12 @@ def test_a_lapsed_session_no_reaper_ended_is_recovered_from(
     attaches again at once instead of being refused the pool by its own lost session."""
     server = make_server("")
     with KVCoordClient(server.address, timeout=10) as c:
-        c.create_pool("p", wire_pool_config(32))
-        m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False, lease_seconds=5)
-        lost = m.keeper.session_id
-        _admit(m, _req("a", list(range(9))))
-        m.flush()
-        clock.advance(30)  # and nothing reaps
-        _admit(m, _req("b", list(range(40, 50))))
-        m.take_events()
+        m, lost = lapse_predicted_session(c, server, clock, reap=False)  # and nothing reaps
         with pytest.raises(RequestsLostError) as info:
             m.flush()
         assert sorted(info.value.request_ids) == ["a", "b"]
         assert m.keeper.session_id != lost
-        told = _admit(m, _req("c", list(range(9))))
+        told = admit_prompt(m, hashed_req("c", list(range(9))))
         m.flush()
         assert _tables(c, "p") == {"c": told}
         assert [s.session_id for s in c.list_sessions("p").sessions] == [m.keeper.session_id]
@@ -304,7 +276,7 @@ def test_bad_calls_are_refused_before_anything_is_sent(client: KVCoordClient, po
     from kvcoord.client import InvalidArgumentError
 
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
-    r = _req("a", list(range(9)))
+    r = hashed_req("a", list(range(9)))
     free = m.mirror.num_free_blocks
     with pytest.raises(InvalidArgumentError, match="num_new_tokens must be > 0"):
         m.allocate_slots(r, 0)
@@ -315,7 +287,7 @@ def test_bad_calls_are_refused_before_anything_is_sent(client: KVCoordClient, po
     assert m.mirror.num_free_blocks == free and "a" not in m.tracker and not m.mirror.holds("a")
     m.flush()
     assert _tables(client, pool) == {}
-    told = _admit(m, r)  # the same request, well asked: answered and held
+    told = admit_prompt(m, r)  # the same request, well asked: answered and held
     m.flush()
     assert _tables(client, pool) == {"a": told}
     m.close()
@@ -333,7 +305,7 @@ def test_tokens_the_wire_cannot_carry_are_refused_at_the_call(
 
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
     free = m.mirror.num_free_blocks
-    wrong = _req("a", [1, 2, bad, 4, 5, 6, 7, 8, 9])
+    wrong = hashed_req("a", [1, 2, bad, 4, 5, 6, 7, 8, 9])
     with pytest.raises(InvalidArgumentError):
         m.get_computed_blocks(wrong)
     with pytest.raises(InvalidArgumentError):
@@ -341,7 +313,7 @@ def test_tokens_the_wire_cannot_carry_are_refused_at_the_call(
     assert m.mirror.num_free_blocks == free and "a" not in m.tracker and not m.mirror.holds("a")
     m.flush()
     assert _tables(client, pool) == {}
-    told = _admit(m, _req("a", list(range(9))))  # the id, with tokens the wire carries
+    told = admit_prompt(m, hashed_req("a", list(range(9))))  # the id, with tokens the wire carries
     m.flush()
     assert _tables(client, pool) == {"a": told}
     m.close()
@@ -353,7 +325,7 @@ def test_kv_connector_tokens_and_delayed_caching_are_predicted(client: KVCoordCl
     to the server's (a second request hits the blocks cached late). (Before, the
     predicting manager refused them.)"""
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
-    r = _req("a", list(range(17)))
+    r = hashed_req("a", list(range(17)))
     new = m.allocate_slots(r, 1, num_external_computed_tokens=16, delay_cache_blocks=True)
     assert new is not None and len(new.block_ids[0]) == 1  # the four external blocks are not new
     table = m.get_block_ids("a")[0]
@@ -362,8 +334,8 @@ def test_kv_connector_tokens_and_delayed_caching_are_predicted(client: KVCoordCl
     m.cache_blocks(r, 16)
     r.num_computed_tokens = 17
     m.take_events()
-    b = _req("b", list(range(17)) + [5])
-    told_b = _admit(m, b)
+    b = hashed_req("b", list(range(17)) + [5])
+    told_b = admit_prompt(m, b)
     assert told_b[:4] == table[:4]  # hits the four blocks cached late
     m.flush()
     assert _tables(client, pool) == {"a": table, "b": told_b}
@@ -379,7 +351,7 @@ def test_a_registration_carries_its_computed_tokens_into_the_mirror(
     allocated from there by the mirror as by the server: its new blocks cover only the
     tokens past them."""
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
-    r = _req("a", list(range(20)))
+    r = hashed_req("a", list(range(20)))
     r.num_computed_tokens = computed
     new = m.allocate_slots(r, 4)
     assert new is not None and len(new.block_ids[0]) == (computed + 4) // 4
@@ -449,19 +421,19 @@ def test_a_call_refused_before_it_is_sent_leaves_the_step_whole(client: KVCoordC
     from kvcoord.client.tracking import LostRequestInUseError
 
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False, max_backlog=0)
-    a = _req("a", list(range(9)))
-    told = _admit(m, a)
+    a = hashed_req("a", list(range(9)))
+    told = admit_prompt(m, a)
     m.flush()
     with pytest.raises(InvalidArgumentError):
-        m.get_computed_blocks(_req("a", [77, 78]))  # same id, another prompt
+        m.get_computed_blocks(hashed_req("a", [77, 78]))  # same id, another prompt
     m.take_events()
     m.flush()
     assert _tables(client, pool) == {"a": told}
     m.sender.failure = KVCoordError(grpc.StatusCode.UNAVAILABLE, "a Step failed")  # as the sender records one
     with pytest.raises(RequestsLostError):
         m.flush()
-    b = _req("b", list(range(100, 109)))
-    told_b = _admit(m, b)
+    b = hashed_req("b", list(range(100, 109)))
+    told_b = admit_prompt(m, b)
     with pytest.raises(LostRequestInUseError):
         m.allocate_slots(a, 1)  # 'a' was reported lost: the scheduler must preempt it first
     m.flush()
@@ -477,15 +449,15 @@ def test_steps_join_while_one_is_in_flight_up_to_a_size(client: KVCoordClient, p
     import threading
 
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False, max_backlog=4)
-    _admit(m, _req("a", list(range(9))))
+    admit_prompt(m, hashed_req("a", list(range(9))))
     m.flush()
     blocker: concurrent.futures.Future[None] = concurrent.futures.Future()
     m.sender.in_flight = blocker  # a Step whose answer has not come
-    _admit(m, _req("b", list(range(20, 29))))
+    admit_prompt(m, hashed_req("b", list(range(20, 29))))
     m.take_events()
     assert m.sender.backlog == 1 and len(m.sender.pending.request.ops) == 2  # joined the next Step
     m.sender.max_step_bytes = 1
-    _admit(m, _req("c", list(range(40, 49))))
+    admit_prompt(m, hashed_req("c", list(range(40, 49))))
     threading.Timer(0.2, blocker.set_result, (None,)).start()
     sent = m.steps_sent
     m.take_events()  # too big to wait: waits for the answer in flight, then sends
@@ -511,12 +483,12 @@ def test_the_sender_threads_step_is_in_flight_until_answered(client: KVCoordClie
         checked(sent)
 
     sender._checked_step = held  # type: ignore[method-assign]
-    _admit(m, _req("a", list(range(9))))
+    admit_prompt(m, hashed_req("a", list(range(9))))
     m.take_events()
     assert started.wait(60)
     flight = sender.in_flight
     assert flight is not None and not flight.done()
-    _admit(m, _req("b", list(range(20, 29))))
+    admit_prompt(m, hashed_req("b", list(range(20, 29))))
     m.take_events()
     assert sender.backlog == 1 and m.steps_sent == 1  # joined the next Step
     threading.Timer(0.2, go.set).start()
@@ -542,11 +514,11 @@ def test_anything_a_step_raises_loses_the_requests_and_the_sender_goes_on(
         checked(sent)
 
     m.sender._checked_step = once  # type: ignore[method-assign]
-    _admit(m, _req("a", list(range(9))))
+    admit_prompt(m, hashed_req("a", list(range(9))))
     with pytest.raises(RequestsLostError) as info:
         m.flush()
     assert info.value.request_ids == ["a"] and "SystemExit" in str(info.value)
-    assert _admit(m, _req("b", list(range(20, 29))))
+    assert admit_prompt(m, hashed_req("b", list(range(20, 29))))
     m.flush()
     assert _tables(client, pool) == {"b": m.get_block_ids("b")[0]}
     m.close()
@@ -561,8 +533,8 @@ def _evicting_step(m: PredictingKVCacheManager, prefix: str, base: int) -> dict[
     than an event buffer of 8 keeps."""
     told = {}
     for i in range(6):
-        r = _req(f"{prefix}{i}", list(range(base + 20 * i, base + 20 * i + 20)))
-        told[r.request_id] = _admit(m, r)
+        r = hashed_req(f"{prefix}{i}", list(range(base + 20 * i, base + 20 * i + 20)))
+        told[r.request_id] = admit_prompt(m, r)
     return told
 
 
@@ -656,14 +628,14 @@ def test_a_tenants_namespace_is_predicted(make_server: Callable[..., InProcessSe
         m = RemoteKVCacheManager(bob, "tpool", hash_seed="0", renew=False)
         for i in range(3):
             tokens = list(range(100 * i, 100 * i + 32))
-            assert m.allocate_slots(_req(f"bob{i}", tokens), 32) is not None
+            assert m.allocate_slots(hashed_req(f"bob{i}", tokens), 32) is not None
         m.close()  # 24 of Bob's blocks stay cached, free
     with KVCoordClient(server.address, timeout=10, token="tok-alice") as alice:
         m = PredictingKVCacheManager(alice, "tpool", hash_seed="0", renew=False)
         assert m.mirror.namespace == "alice"
         told = {}
         for i in range(5):  # 5 x 10 blocks: past the 39 never-used ones, into Bob's cached ones
-            r = _req(f"alice{i}", list(range(100 * i, 100 * i + 40)))
+            r = hashed_req(f"alice{i}", list(range(100 * i, 100 * i + 40)))
             hit, hit_tokens = m.get_computed_blocks(r)
             assert hit_tokens == 0  # Bob's blocks are not Alice's hits
             new = m.allocate_slots(r, 40, 0, hit)
@@ -685,7 +657,7 @@ def test_a_pool_holding_a_routers_reservation_is_not_predicted(client: KVCoordCl
     the waiting manager still takes it."""
     warm = RemoteKVCacheManager(client, pool, hash_seed="0", renew=False)
     tokens = list(range(500, 541))
-    w = _req("w", tokens)
+    w = hashed_req("w", tokens)
     warm.allocate_slots(w, len(tokens))
     warm.free(w)  # computed and finished: its blocks stay cached
     warm.close()
@@ -712,8 +684,8 @@ def test_a_decode_token_the_wire_cannot_carry_is_refused_at_the_call(
     from kvcoord.client import InvalidArgumentError
 
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
-    r = _req("a", list(range(6)))
-    told = _admit(m, r)
+    r = hashed_req("a", list(range(6)))
+    told = admit_prompt(m, r)
     r.num_computed_tokens = 6
     m.flush()
     free = m.mirror.num_free_blocks
@@ -748,7 +720,7 @@ def test_a_registration_whose_extra_keys_fail_can_be_made_again(client: KVCoordC
             raise RuntimeError("digest failed")
 
     m.tracker.extra_keys_of = extra
-    r = _req("a", list(range(9)))
+    r = hashed_req("a", list(range(9)))
     with pytest.raises(RuntimeError):
         m.get_computed_blocks(r)
     m.get_computed_blocks(r)
@@ -771,11 +743,11 @@ def test_a_lookup_that_fails_in_the_mirror_leaves_nothing_to_send(
         raise RuntimeError("lookup failed")
 
     monkeypatch.setattr(m.mirror, "lookup", failing)
-    r = _req("a", list(range(9)))
+    r = hashed_req("a", list(range(9)))
     with pytest.raises(RuntimeError):
         m.get_computed_blocks(r)
     assert not m.mirror.holds("a")
-    told = _admit(m, r)
+    told = admit_prompt(m, r)
     m.flush()
     assert _tables(client, pool) == {"a": told}
     m.close()
@@ -804,8 +776,8 @@ def test_decode_steps_go_as_a_decode_op_where_the_server_applies_one(
 
     monkeypatch.setattr(StepSender, "_send", recording)
     m = PredictingKVCacheManager(client, pool, hash_seed="0", renew=False)
-    reqs = [_req(f"r{i}", list(range(10 * i, 10 * i + 6))) for i in range(3)]
-    told = {r.request_id: _admit(m, r) for r in reqs}
+    reqs = [hashed_req(f"r{i}", list(range(10 * i, 10 * i + 6))) for i in range(3)]
+    told = {r.request_id: admit_prompt(m, r) for r in reqs}
     for step in range(9):
         for r in reqs:
             _grow(r, [900 + step])

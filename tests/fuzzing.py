@@ -22,6 +22,7 @@ from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from kvcoord.wire.columns import write_packed_decode
+from support import pool_toml
 
 SC = grpc.StatusCode
 #: Every status the proto's error model names (DEADLINE_EXCEEDED: a WatchEvents
@@ -50,41 +51,17 @@ grants = [{{ pools = ["p*", "fz*"], roles = ["administer", "use", "observe"] }}]
 [tenants.bob]
 tokens = ["{BOB}"]
 grants = [{{ pools = ["p*"], roles = ["use", "observe"] }}]
-
-[[pools]]
-name = "p"
-num_blocks = 48
-hash_block_size = 4
-hash_algo = "sha256_cbor"
-hash_seed = "0"
-enable_caching = true
-enable_kv_cache_events = true
-max_model_len = 128
-shared_cache_tenants = ["bob"]
-
-[[pools.groups]]
-type = "full"
-block_size = 4
-
-[[pools.groups]]
-type = "sliding_window"
-block_size = 4
-sliding_window = 8
-
-[[pools]]
-name = "p-eagle"
-num_blocks = 32
-hash_block_size = 4
-hash_algo = "xxhash"
-hash_seed = "1"
-enable_caching = true
-use_eagle = true
-max_model_len = 0
-
-[[pools.groups]]
-type = "full"
-block_size = 4
 """
+CONFIG += pool_toml("p", 48, sliding_window=8, max_model_len=128, extra='shared_cache_tenants = ["bob"]\n')
+CONFIG += pool_toml(
+    "p-eagle",
+    32,
+    hash_algo="xxhash",
+    hash_seed="1",
+    events=False,
+    max_model_len=0,
+    extra="use_eagle = true\n",
+)
 
 POOLS = ["p", "p", "p", "p-eagle", "p-eagle", "fz1", "fz2", "", "nope"]
 #: (hash_algo, hash_block_size, hash_seed) of the configured pools

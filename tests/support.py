@@ -174,10 +174,14 @@ def toks(a: int, b: int) -> list[int]:
     return list(range(a, b + 1))
 
 
-def pool_toml(name: str, num_blocks: int, *, caching: bool = True, sliding_window: int = 0) -> str:
+def pool_toml(
+    name: str, num_blocks: int, *, caching: bool = True, sliding_window: int = 0, events: bool = True,
+    max_model_len: int | None = 256, hash_algo: str = "sha256_cbor", hash_seed: str = "0", extra: str = "",
+) -> str:  # fmt: skip
     """One pool of a server's config file, blocks of 4 tokens: a full-attention group
     (and a sliding-window one of ``sliding_window`` tokens); with ``caching``, prefix
-    caching on the sha256_cbor hashes of seed "0", with KV events and max_model_len 256."""
+    caching on ``hash_algo`` hashes of ``hash_seed``, with KV events if ``events`` and
+    ``max_model_len`` unless ``None``. ``extra``: more lines of the pool's table."""
     text = f"""
 [[pools]]
 name = "{name}"
@@ -185,12 +189,13 @@ num_blocks = {num_blocks}
 hash_block_size = 4
 """
     if caching:
-        text += """hash_algo = "sha256_cbor"
-hash_seed = "0"
+        text += f"""hash_algo = "{hash_algo}"
+hash_seed = "{hash_seed}"
 enable_caching = true
-enable_kv_cache_events = true
-max_model_len = 256
 """
+        text += "enable_kv_cache_events = true\n" if events else ""
+        text += "" if max_model_len is None else f"max_model_len = {max_model_len}\n"
+    text += extra
     text += """
 [[pools.groups]]
 type = "full"

@@ -18,6 +18,7 @@ from kvcoord.client.errors import KVCoordError
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import allocate, attach, follow_up, hashes
+from support import pool_toml
 
 PROMPT = list(range(100, 110))  # 10 tokens: 2 full blocks of 4
 
@@ -174,23 +175,9 @@ def test_a_rewind_survives_a_sigkill_and_restart(tmp_path) -> None:  # type: ign
 # -- a streaming session's grown prompt (RequestSync.num_prompt_tokens on a later sync) --
 #: vllm-0.33 full attention beside a sliding window of 8 tokens (sparse retention, 0.33's
 #: default): the window's tail is kept at the prompt's end (its replay boundary)
-SPARSE_POOL = """
-[[pools]]
-name = "p"
-num_blocks = 40
-hash_block_size = 4
-hash_algo = "sha256_cbor"
-hash_seed = "0"
-enable_caching = true
-profile = "vllm-0.33"
-[[pools.groups]]
-type = "full"
-block_size = 4
-[[pools.groups]]
-type = "sliding_window"
-block_size = 4
-sliding_window = 8
-"""
+SPARSE_POOL = pool_toml(
+    "p", 40, sliding_window=8, events=False, max_model_len=None, extra='profile = "vllm-0.33"\n'
+)
 CHUNK = list(range(300, 309))  # 9 tokens: the session's 10 + 9 = 19
 
 

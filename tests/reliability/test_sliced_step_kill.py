@@ -12,35 +12,18 @@ from durable_server import DurableServer
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import KVCoordError
 from kvcoord.v1 import allocator_pb2 as pb
+from service.helpers import one_block_allocations
+from support import pool_toml
 
 N = 20000
 
 POOLS = "".join(
-    f"""
-[[pools]]
-name = "{name}"
-num_blocks = {blocks}
-hash_block_size = 4
-[[pools.groups]]
-type = "full"
-block_size = 4
-"""
-    for name, blocks in (("a", N + 1000), ("b", 64), ("c", N + 1000))
+    pool_toml(name, blocks, caching=False) for name, blocks in (("a", N + 1000), ("b", 64), ("c", N + 1000))
 )
 
 
 def _step(prefix: str) -> list[pb.Operation]:
-    return [
-        pb.Operation(
-            allocate=pb.AllocateOp(
-                request=pb.RequestSync(
-                    request_id=f"{prefix}{i}", new_request=True, append_token_ids=[1, 2, 3, 4]
-                ),
-                num_new_tokens=4,
-            )
-        )
-        for i in range(N)
-    ]
+    return one_block_allocations(prefix, N)
 
 
 def test_a_step_killed_while_applied_in_slices_is_all_or_none(tmp_path: Path) -> None:

@@ -72,3 +72,19 @@ def allocate(
     else:
         sync = follow_up(rid, held or (), block_size=block_size)
     return pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=n, **kw))  # type: ignore[arg-type]
+
+
+def one_block_allocations(prefix: str, n: int) -> list[pb.Operation]:
+    """``n`` operations, each registering request ``{prefix}{i}`` (4 tokens, no hashes)
+    and allocating its one block: a large Step of cheap operations."""
+    return [
+        pb.Operation(
+            allocate=pb.AllocateOp(
+                request=pb.RequestSync(
+                    request_id=f"{prefix}{i}", new_request=True, append_token_ids=[1, 2, 3, 4]
+                ),
+                num_new_tokens=4,
+            )
+        )
+        for i in range(n)
+    ]

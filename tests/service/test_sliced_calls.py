@@ -18,28 +18,14 @@ from kvcoord.client import KVCoordClient
 from kvcoord.service.pool_service import PoolService
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
+from support import pool_toml
 
 #: blocks of the probed allocation (one request, one engine allocation)
 BLOCKS = 262_144
 
-POOLS = f"""
-[[pools]]
-name = "a"
-num_blocks = {BLOCKS + 8}
-hash_block_size = 4
-max_model_len = {BLOCKS * 4}
-[[pools.groups]]
-type = "full"
-block_size = 4
-
-[[pools]]
-name = "b"
-num_blocks = 64
-hash_block_size = 4
-[[pools.groups]]
-type = "full"
-block_size = 4
-"""
+POOLS = pool_toml("a", BLOCKS + 8, caching=False, extra=f"max_model_len = {BLOCKS * 4}\n") + pool_toml(
+    "b", 64, caching=False
+)
 
 
 def _op(rid: str, tokens: list[int], num_new_tokens: int) -> pb.AllocateOp:
@@ -136,7 +122,9 @@ def _run_probe(name: str) -> list[int]:
     root = here.parents[1]
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(str(root / d) for d in ("client", "server")) + os.pathsep + str(here),
+        "PYTHONPATH": os.pathsep.join(str(root / d) for d in ("client", "server", "tests"))
+        + os.pathsep
+        + str(here),
     }
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -16,6 +16,8 @@ from typing import Any
 from kvcoord.client import KVCoordClient
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
+from service.helpers import one_block_allocations
+from support import pool_toml
 
 #: operations of the large Step (each registers a request and allocates one block)
 N = 6000
@@ -24,37 +26,11 @@ N = 6000
 #: loop, one between two slices each, to be read, handled and answered)
 N_PROBED = 30000
 
-TWO_POOLS = """
-[[pools]]
-name = "a"
-num_blocks = 40000
-hash_block_size = 4
-[[pools.groups]]
-type = "full"
-block_size = 4
-
-[[pools]]
-name = "b"
-num_blocks = 64
-hash_block_size = 4
-[[pools.groups]]
-type = "full"
-block_size = 4
-"""
+TWO_POOLS = pool_toml("a", 40000, caching=False) + pool_toml("b", 64, caching=False)
 
 
 def _big_step(prefix: str = "r", n: int = N) -> list[pb.Operation]:
-    return [
-        pb.Operation(
-            allocate=pb.AllocateOp(
-                request=pb.RequestSync(
-                    request_id=f"{prefix}{i}", new_request=True, append_token_ids=[1, 2, 3, 4]
-                ),
-                num_new_tokens=4,
-            )
-        )
-        for i in range(n)
-    ]
+    return one_block_allocations(prefix, n)
 
 
 def _count_syncs(server: InProcessServer, pool: str) -> list[int]:
@@ -128,7 +104,9 @@ def test_another_pools_call_is_answered_between_the_slices_of_a_large_step() -> 
     root = here.parents[1]
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join(str(root / d) for d in ("client", "server")) + os.pathsep + str(here),
+        "PYTHONPATH": os.pathsep.join(str(root / d) for d in ("client", "server", "tests"))
+        + os.pathsep
+        + str(here),
     }
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -54,9 +54,9 @@ def wire_pool_config(num_blocks: int, events: bool = False) -> pb.PoolConfig:
 
 
 def hashed_req(rid: str, tokens: list[int]) -> Req:
-    """A :class:`Req` with its block hashes (as vLLM's Request carries them) for
-    :func:`wire_pool_config`'s pools."""
-    r = Req(rid, tokens)
+    """A :class:`Req` of a copy of ``tokens`` with their block hashes (as vLLM's Request
+    carries them) for :func:`wire_pool_config`'s pools."""
+    r = Req(rid, list(tokens))
     r.block_hashes = BlockHasher(ALGO, 4, NONE).extend(tokens)  # type: ignore[attr-defined]
     return r
 

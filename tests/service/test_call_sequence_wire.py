@@ -21,13 +21,12 @@ from kvcoord.client import (
     PredictingKVCacheManager,
     RemoteKVCacheManager,
 )
-from kvcoord.client.hashing import BlockHasher
 from kvcoord.service.errors import ServiceError, Status
 from kvcoord.service.mutations import MutationRunner
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import allocate
-from support import NONE, Req, wire_pool_config
+from support import hashed_req, wire_pool_config
 
 #: (rpc, session, idempotency key, call_sequence) of each keyed call, as it arrived
 Arrival = tuple[str, str, str, int]
@@ -57,12 +56,6 @@ def wire(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Wire]:
 
     monkeypatch.setattr(MutationRunner, "run", recorded)
     yield seen
-
-
-def _request(rid: str, tokens: list[int]) -> Req:
-    r = Req(rid, list(tokens))
-    r.block_hashes = BlockHasher("sha256_cbor", 4, NONE).extend(tokens)  # type: ignore[attr-defined]
-    return r
 
 
 def _numbered_in_order(arrived: list[Arrival], pieces: bool = False) -> None:
@@ -138,7 +131,7 @@ def test_the_managers_number_their_steps(client: KVCoordClient, wire: _Wire, kin
     else:
         m = PredictingKVCacheManager(client, "m", hash_seed="0", renew=False)
     try:
-        requests = [_request(f"q{i}", list(range(10 * i, 10 * i + 9))) for i in range(3)]
+        requests = [hashed_req(f"q{i}", list(range(10 * i, 10 * i + 9))) for i in range(3)]
         for r in requests:
             hit, n = m.get_computed_blocks(r)
             assert m.allocate_slots(r, 9 - n, n, hit) is not None

@@ -17,10 +17,9 @@ from helpers import allocate, attach, hashes
 from kvcoord.client import FailedPreconditionError, KVCoordClient, PredictingKVCacheManager
 from kvcoord.client.answers import op_error
 from kvcoord.client.errors import KVCoordError
-from kvcoord.client.hashing import BlockHasher
 from kvcoord.client.mirror import Mirror
 from kvcoord.v1 import allocator_pb2 as pb
-from support import NONE, Req
+from support import hashed_req
 
 #: 13 tokens: 1 loaded by a connector, 12 to compute (full attention 4 blocks, mamba 2)
 PROMPT = list(range(13))
@@ -71,22 +70,16 @@ def test_the_refusal_over_grpc_is_typed_changes_nothing_and_later_succeeds(clien
     assert _state(client, "m")[0] == 7 and _state(client, "m")[3] == {} and _clean(client, "m")
 
 
-def _req(rid: str, tokens: list[int]) -> Any:
-    r = Req(rid, tokens)
-    r.block_hashes = BlockHasher("sha256_cbor", 4, NONE).extend(tokens)  # type: ignore[attr-defined]
-    return r
-
-
 def test_a_predicted_session_raises_the_same_error_and_sends_nothing(client: KVCoordClient) -> None:
     client.create_pool("pm", mamba_pool(8))
     m = PredictingKVCacheManager(client, "pm", hash_seed="0", renew=False)
-    z = _req("z", [100])
+    z = hashed_req("z", [100])
     assert m.allocate_slots(z, 1) is not None
     z.num_computed_tokens = 1
     m.flush()
     before, mirror_free = _state(client, "pm"), m.mirror.num_free_blocks
     steps = m.steps_sent
-    a = _req("a", PROMPT)
+    a = hashed_req("a", PROMPT)
     with pytest.raises(FailedPreconditionError) as err:
         m.allocate_slots(a, 12, num_external_computed_tokens=1)
     assert err.value.reason == "UNCOUNTED_BLOCKS"

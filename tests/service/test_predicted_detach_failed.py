@@ -31,11 +31,10 @@ import grpc
 import pytest
 from kvcoord.client import KVCoordClient, KVCoordError, PredictingKVCacheManager, RequestsLostError
 from kvcoord.client.errors import LocalRpcError
-from kvcoord.client.hashing import BlockHasher
 from kvcoord.engine.state import export_state
 from kvcoord.service.testing import InProcessServer, ManualClock
 from late_copies import LEASE, SETTINGS, assert_refused
-from support import NONE, Req, wire_pool_config
+from support import admit_prompt, hashed_req, wire_pool_config
 from test_late_first_delivery import POLICY, HoldBack
 from test_predicted_mirror_state import comparable
 
@@ -57,22 +56,10 @@ class FailDetach(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         return continuation(details, request)
 
 
-def _req(rid: str, tokens: list[int]) -> Any:
-    r = Req(rid, list(tokens))
-    r.block_hashes = BlockHasher("sha256_cbor", 4, NONE).extend(tokens)  # type: ignore[attr-defined]
-    return r
-
-
-def _admit(m: PredictingKVCacheManager, r: Any) -> None:
-    hit, hit_tokens = m.get_computed_blocks(r)
-    assert m.allocate_slots(r, len(r.all_token_ids) - hit_tokens, hit_tokens, hit) is not None
-    r.num_computed_tokens = len(r.all_token_ids)
-
-
 def _check(server: InProcessServer, c: KVCoordClient, m: PredictingKVCacheManager, live: set[str]) -> None:
     """Server == mirror; the pool holds exactly ``live`` (of the new session); OLD's
     prompt is no hit for the new session."""
-    probe = _req("probe", OLD + [1])
+    probe = hashed_req("probe", OLD + [1])
     assert m.get_computed_blocks(probe)[1] == 0, "a hit on KV nobody wrote (the late Step's blocks)"
     m.free(probe)
     m.flush()
@@ -93,7 +80,7 @@ def _recover(m: PredictingKVCacheManager) -> KVCoordError:
 def _give_up_step(m: PredictingKVCacheManager, hold: HoldBack) -> None:
     """Admit OLD's request in a Step held back until the sender gives up on it."""
     hold.armed = True
-    _admit(m, _req("late", OLD))
+    admit_prompt(m, hashed_req("late", OLD))
     m.take_events()  # sends the Step (on the sender thread) and waits for it
     m.sender.settle()
     hold.armed = False
@@ -122,7 +109,7 @@ def test_a_given_up_step_of_a_session_whose_detach_failed(
         m = PredictingKVCacheManager(c, "p", hash_seed="0", renew=False, lease_seconds=LEASE)
         old = m.keeper.session_id
         for rid in earlier:
-            _admit(m, _req(rid, list(range(1, 10))))
+            admit_prompt(m, hashed_req(rid, list(range(1, 10))))
         m.flush()
         _give_up_step(m, hold)
         detach.armed = True
@@ -144,7 +131,7 @@ def test_a_given_up_step_of_a_session_whose_detach_failed(
         detach.armed = False
         if case.endswith("after_reattach"):
             assert_refused(hold.deliver(server.address), grpc.StatusCode.NOT_FOUND, "SESSION_EXPIRED")
-        _admit(m, _req("b", NEW))
+        admit_prompt(m, hashed_req("b", NEW))
         _check(server, c, m, {"b"})
         # another delivery of the held Step now: refused whatever came before
         assert_refused(hold.deliver(server.address), grpc.StatusCode.NOT_FOUND, "SESSION_EXPIRED")

@@ -7,7 +7,7 @@ import random
 
 import pytest
 from kvcoord.client.hashing import BlockHasher
-from kvcoord.engine import FullAttentionSpec, SlidingWindowSpec
+from kvcoord.engine import FullAttentionSpec
 from kvcoord.service import operations as op
 from kvcoord.service.convert import operation_from_pb, outcome_to_pb
 from kvcoord.service.errors import ErrorReason
@@ -15,7 +15,7 @@ from kvcoord.service.pool_service import PoolService
 from kvcoord.service.session_calls import CAPABILITIES
 from kvcoord.service.sessions import Session
 from kvcoord.v1 import allocator_pb2 as pb
-from unit.test_plain_allocate import BS, NONE, make
+from unit.test_plain_allocate import BS, NONE, POOL_SHAPES, make
 
 
 def pool_seen(p: PoolService) -> tuple[object, ...]:
@@ -283,14 +283,7 @@ class Driver:
             del self.reqs[rid]  # its registration failed (the pool was full)
 
 
-@pytest.mark.parametrize(
-    ("groups", "num_blocks"),
-    [
-        ((FullAttentionSpec(BS),), 12),  # small: refusals
-        ((FullAttentionSpec(BS),), 200),
-        ((FullAttentionSpec(BS), SlidingWindowSpec(BS, 8)), 40),  # a window leaves blocks
-    ],
-)
+@pytest.mark.parametrize(("groups", "num_blocks"), POOL_SHAPES)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 @pytest.mark.parametrize("reserve", [False, True])
 def test_a_decode_op_answers_as_its_allocate_ops(

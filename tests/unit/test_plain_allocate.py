@@ -18,6 +18,13 @@ from kvcoord.v1 import allocator_pb2 as pb
 BS = 4
 NONE = none_hash("sha256_cbor", "0")
 
+#: (groups, num_blocks) of the random drivers' pools (here and in test_decode_op.py)
+POOL_SHAPES = [
+    ((FullAttentionSpec(BS),), 12),  # small: refusals
+    ((FullAttentionSpec(BS),), 200),
+    ((FullAttentionSpec(BS), SlidingWindowSpec(BS, 8)), 40),  # a window leaves blocks
+]
+
 
 def make(groups: tuple[object, ...], num_blocks: int) -> PoolService:
     cfg = KVCacheConfig(
@@ -150,14 +157,7 @@ class Driver:
             del self.reqs[rid]  # its registration failed (the pool was full)
 
 
-@pytest.mark.parametrize(
-    ("groups", "num_blocks"),
-    [
-        ((FullAttentionSpec(BS),), 12),  # small: refusals
-        ((FullAttentionSpec(BS),), 200),
-        ((FullAttentionSpec(BS), SlidingWindowSpec(BS, 8)), 40),  # a window leaves blocks
-    ],
-)
+@pytest.mark.parametrize(("groups", "num_blocks"), POOL_SHAPES)
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_the_plain_path_answers_as_the_general_one(
     groups: tuple[object, ...], num_blocks: int, seed: int

@@ -151,8 +151,10 @@ def test_the_predicting_client_sends_its_decode_ops_packed(
     the tables told."""
     from kvcoord.client import PredictingKVCacheManager
     from kvcoord.client.sender import StepSender
+    from support import admit_prompt as _admit
+    from support import hashed_req as _req
     from support import wire_pool_config
-    from test_predicting import _admit, _grow, _req, _tables
+    from test_predicting import _grow, _tables
 
     client.create_pool("pred", wire_pool_config(32, events=True))
     sent: list[pb.DecodeOp] = []

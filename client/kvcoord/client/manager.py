@@ -204,9 +204,9 @@ class RemoteKVCacheManager(SessionFacts):
         """
         out: list[Admitted] = []
         start, budget = 0, token_budget
+        cap = self.client.step_piece_ops or len(requests)  # (0: a server before the field)
         while start < len(requests) and budget > 0:
             end, covered = start, 0
-            cap = self.client.step_piece_ops or len(requests)  # (0: a server before the field)
             while end < len(requests) and covered < budget and end - start < cap:
                 covered += len(requests[end].all_token_ids) - int(requests[end].num_computed_tokens)
                 end += 1

@@ -21,8 +21,7 @@ from .sessions import Session, SessionTable
 
 __all__ = [
     "Resettable",
-    "check_delete_outside_holder",
-    "check_reset_outside_holder",
+    "check_outside_holder",
     "check_resettable",
     "reset_for_new_engine",
 ]
@@ -73,49 +72,30 @@ def check_resettable(service: Resettable) -> None:
         )
 
 
-def check_reset_outside_holder(service: Resettable, session_id: str, tenant: str) -> None:
-    """Refuse a ResetPrefixCache call that does not come from the pool's exclusive
-    session while there is one: its client answers from its own copy of the pool
-    (PredictingKVCacheManager's mirror), which a reset it did not make would leave
-    believing hashes the pool forgot (its hits refused a backlog late, every request
-    lost). The session resets through its own Step (ResetPrefixCacheOp) or names itself.
+#: why a call other than the exclusive session's is refused, by call: its client answers
+#: from its own copy of the pool (PredictingKVCacheManager's mirror)
+OUTSIDE_HOLDER = {
+    # a reset it did not make leaves the mirror believing hashes the pool forgot (its hits
+    # refused a backlog late, every request lost); the session resets through its own Step
+    # (ResetPrefixCacheOp) or names itself
+    "reset": "a reset it did not make would void its answers; reset through that session, or once it ends",
+    # its worker may run a backlog of steps on block ids the deletion voids before a Step's
+    # failure tells it; the session may delete its pool itself, an operator forces the call
+    "delete": "deleting the pool under it would void the block ids its worker is using; delete once it "
+    "ends, from that session, or with force",
+}
+
+
+def check_outside_holder(service: Resettable, session_id: str, tenant: str, call: str) -> None:
+    """Refuse a ResetPrefixCache or (unforced) DeletePool ``call`` ("reset", "delete")
+    that does not come from the pool's exclusive session while there is one
+    (:data:`OUTSIDE_HOLDER` says why).
 
     Raises:
         ServiceError: FAILED_PRECONDITION (POOL_EXCLUSIVE) naming the session (its
             client to its own tenant only).
     """
-    check_outside_holder(
-        service,
-        session_id,
-        tenant,
-        "a reset it did not make would void its answers; reset through that session, or once it ends",
-    )
-
-
-def check_delete_outside_holder(service: Resettable, session_id: str, tenant: str) -> None:
-    """Refuse a DeletePool call (not forced) that does not come from the pool's exclusive
-    session while there is one: its client may answer from its own copy of the pool,
-    and its worker run up to a backlog of steps on block ids the deletion voids before
-    a Step's failure tells it (every request lost, the pool gone from under a live
-    engine). The session may delete its pool itself (its id named); an operator who
-    means it forces the call.
-
-    Raises:
-        ServiceError: FAILED_PRECONDITION (POOL_EXCLUSIVE) naming the session (its
-            client to its own tenant only).
-    """
-    check_outside_holder(
-        service,
-        session_id,
-        tenant,
-        "deleting the pool under it would void the block ids its worker is using; delete once it ends, "
-        "from that session, or with force",
-    )
-
-
-def check_outside_holder(service: Resettable, session_id: str, tenant: str, why: str) -> None:
-    """Raise POOL_EXCLUSIVE (``why`` ending the message) when the pool has an exclusive
-    session other than ``session_id``."""
+    why = OUTSIDE_HOLDER[call]
     holder = next((o for o in service.sessions.of_pool(service.name) if o.exclusive), None)
     if holder is None or holder.session_id == session_id:
         return

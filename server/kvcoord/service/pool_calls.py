@@ -9,7 +9,7 @@ import grpc
 from kvcoord.v1 import allocator_pb2 as pb
 
 from .access import current_tenant
-from .attach_reset import check_delete_outside_holder, check_reset_outside_holder
+from .attach_reset import check_outside_holder
 from .errors import map_errors
 from .servicer_core import ServicerCore, fence_of
 
@@ -55,7 +55,7 @@ class PoolCalls(ServicerCore):
         if request.session_id:
             service.session(request.session_id, None)  # a live session of this pool (NOT_FOUND)
         if not request.force:  # an exclusive session's worker may be running on its own copy
-            check_delete_outside_holder(service, request.session_id, current_tenant().name)
+            check_outside_holder(service, request.session_id, current_tenant().name, "delete")
         # In a store-journal cluster the pool is gone from the cluster after this (so
         # it is no longer claimed here: removed without the placement check again).
         await registry.placement.before_delete(request.name)
@@ -80,7 +80,7 @@ class PoolCalls(ServicerCore):
         service.check_fence(fence_of(request))
         if request.session_id:
             service.session(request.session_id, None)
-        check_reset_outside_holder(service, request.session_id, current_tenant().name)
+        check_outside_holder(service, request.session_id, current_tenant().name, "reset")
         result = service.reset_prefix_cache()
         return await self._durable(
             pb.ResetPrefixCacheResponse(result=result, num_free_blocks=service.num_free_blocks),

@@ -242,15 +242,7 @@ def test_a_pool_written_otherwise_with_the_same_rules_is_the_same_pool(
     again and goes on (old code: every field written differently was taken for a
     re-created pool, PoolChangedError ['log_stats', 'profile'] at that call and every
     later one: the engine stopped for good)."""
-    client.create_pool("sw", _sliding(8))
-    m: Any = (
-        RemoteKVCacheManager(client, "sw", hash_seed="0", renew=False, exclusive=True)
-        if kind == "waiting"
-        else PredictingKVCacheManager(client, "sw", hash_seed="0", renew=False)
-    )
-    admit_prompt(m, hashed_req("a", list(range(9))))
-    m.flush()
-    client.delete_pool("sw", force=True)
+    m = _admitted_then_deleted(client, kind)
     same = _sliding(8)
     same.log_stats, same.profile = True, "vllm-0.16"
     client.create_pool("sw", same)
@@ -273,15 +265,7 @@ def test_a_pool_created_again_with_stats_turned_off_is_a_changed_pool(
     False: taken for the same pool, the waiting engine went on without statistics and
     the predicted one lost every request at each Step, its mirror's statistics not the
     server's)."""
-    client.create_pool("sw", _sliding(8))
-    m: Any = (
-        RemoteKVCacheManager(client, "sw", hash_seed="0", renew=False, exclusive=True)
-        if kind == "waiting"
-        else PredictingKVCacheManager(client, "sw", hash_seed="0", renew=False)
-    )
-    admit_prompt(m, hashed_req("a", list(range(9))))
-    m.flush()
-    client.delete_pool("sw", force=True)
+    m = _admitted_then_deleted(client, kind)
     other = _sliding(8)
     other.log_stats = False
     client.create_pool("sw", other)
@@ -293,3 +277,18 @@ def test_a_pool_created_again_with_stats_turned_off_is_a_changed_pool(
         m.flush()
     assert info.value.changes == ["log_stats"]
     assert not client.list_sessions("sw").sessions
+
+
+def _admitted_then_deleted(client: KVCoordClient, kind: str) -> Any:
+    """A ``kind`` ("waiting" or "predicted") session's manager of pool "sw" (a sliding
+    window of 8) that admitted one request, the pool then deleted under it (forced)."""
+    client.create_pool("sw", _sliding(8))
+    m: Any = (
+        RemoteKVCacheManager(client, "sw", hash_seed="0", renew=False, exclusive=True)
+        if kind == "waiting"
+        else PredictingKVCacheManager(client, "sw", hash_seed="0", renew=False)
+    )
+    admit_prompt(m, hashed_req("a", list(range(9))))
+    m.flush()
+    client.delete_pool("sw", force=True)
+    return m

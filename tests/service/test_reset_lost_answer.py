@@ -17,11 +17,10 @@ import pytest
 from kvcoord.client import KVCoordClient
 from kvcoord.client.errors import LocalRpcError, OutcomeUnknownError
 from kvcoord.client.faults import FaultInjector
-from kvcoord.client.vllm033 import Predicting033KVCacheManager, Remote033KVCacheManager
 from kvcoord.engine.state import export_state
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
-from service.test_grown_prompt_lost_answer import _config, _request
+from service.test_grown_prompt_lost_answer import _config, _manager, _request
 from service.test_predicted_mirror_state import comparable
 
 A = list(range(100, 112))  # 12 tokens: 3 full blocks
@@ -105,13 +104,6 @@ def _run(m: Any) -> tuple[bool, list[Any], int]:
     m.take_events()
     m.flush()
     return done, tables, n
-
-
-def _manager(mode: str, c: KVCoordClient, pool: str) -> Any:
-    c.create_pool(pool, _config())
-    if mode == "waiting":
-        return Remote033KVCacheManager(c, pool, hash_seed="0", renew=False, exclusive=True)
-    return Predicting033KVCacheManager(c, pool, hash_seed="0", renew=False)
 
 
 @pytest.mark.parametrize("fault", ["drop", "duplicate", "reorder"])

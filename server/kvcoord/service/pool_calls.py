@@ -51,18 +51,25 @@ class PoolCalls(ServicerCore):
         registry = self.registry
         if await registry.placement.delete_unserved(request.name):  # a cluster's pool nobody served
             return pb.DeletePoolResponse()
-        service = registry.get(request.name)  # NOT_FOUND, or the owner's redirect, before anything changes
-        if request.session_id:
-            service.session(request.session_id, None)  # a live session of this pool (NOT_FOUND)
-        if not request.force:  # an exclusive session's worker may be running on its own copy
-            check_outside_holder(service, request.session_id, current_tenant().name, "delete")
-        # In a store-journal cluster the pool is gone from the cluster after this (so
-        # it is no longer claimed here: removed without the placement check again).
-        await registry.placement.before_delete(request.name)
-        await registry.locks.wait(request.name)  # a Step applied to it in slices ends first
-        if request.name not in registry.pools:
-            registry.get(request.name)  # deleted by another call meanwhile: NOT_FOUND
-        service = registry.remove(request.name)
+        registry.get(request.name)  # NOT_FOUND, or the owner's redirect, before anything changes
+        # The pool is held from its checks to its removal (a Step applied to it in slices
+        # ends first): no call of it runs in between. Checked, then awaited, an exclusive
+        # Attach landing meanwhile got a session of the pool deleted after it.
+        await registry.locks.acquire(request.name)
+        try:
+            service = registry.get(request.name)  # (deleted or moved meanwhile: NOT_FOUND, redirect)
+            if request.session_id:
+                service.session(request.session_id, None)  # a live session of this pool (NOT_FOUND)
+            if not request.force:  # an exclusive session's worker may be running on its own copy
+                check_outside_holder(service, request.session_id, current_tenant().name, "delete")
+            # In a store-journal cluster the pool is gone from the cluster after this (so
+            # it is no longer claimed here: removed without the placement check again).
+            await registry.placement.before_delete(request.name)
+            if request.name not in registry.pools:
+                registry.get(request.name)  # removed otherwise meanwhile: NOT_FOUND
+            service = registry.remove(request.name)
+        finally:
+            registry.locks.give(request.name)
         self.observer.pool_deleted(service)
         await self.registry.placement.after_delete(request.name)
         return await self._durable(pb.DeletePoolResponse())

@@ -74,6 +74,10 @@ class _Tracked:
     #: may be lost): sent again, a value the server holds already changes nothing
     prompt: object = None
     prompt_committed: object = None
+    #: the position the last sync carrying a rewind or a prompt length started at: a
+    #: commit up to that mark may be the answer of a call before that sync (a prompt-only
+    #: sync leaves the position as it found it), so it settles neither
+    changed_from: tuple[int, int, int, bool] | None = None
 
     def commit(self) -> None:
         self.committed = (self.sent_tokens, self.sent_hashes, self.sent_computed, self.registered)
@@ -159,13 +163,16 @@ class RequestTracker:
         # (what may raise comes before the tracker moves: a failed call leaves it as it was)
         extra = self.extra_keys_of(request) if new and self.extra_keys_of is not None else None
         values = SyncValues(rid, new, t.sent_tokens, t.sent_hashes)
+        before = (t.sent_tokens, t.sent_hashes, t.sent_computed, t.registered)
         prompt = getattr(request, "num_prompt_tokens", None)
         if not new and prompt != t.prompt and type(prompt) is int:
             values.num_prompt_tokens = prompt  # grown by vLLM 0.33's streaming-input cut
+            t.changed_from = before
         t.prompt = prompt
         if rewind is not None:
             values.rewind = rewind
             t.rewound, t.uncertain = True, False
+            t.changed_from = before
             t.sent_tokens, t.sent_hashes = rewind, min(t.sent_hashes, rewind // self.config.hash_block_size)
             for k in [k for k in t.seen if k > rewind]:
                 del t.seen[k]
@@ -335,7 +342,11 @@ class RequestTracker:
         self, request_ids: Iterable[str], marks: dict[str, tuple[int, int, int, bool] | None] | None = None
     ) -> None:
         """The server applied these requests' syncs: up to each one's mark when given,
-        else up to everything sent."""
+        else up to everything sent. A rewind or a prompt length sent is settled by a
+        mark only when it is the position after that sync and not the one before it
+        (the same position after a prompt-only sync: the earlier call's answer, while
+        the sync carrying it may still fail); unsettled, a rollback sends it again
+        (a value the server holds already changes nothing)."""
         for rid in request_ids:
             t = self._tracked.get(rid)
             if t is None:
@@ -345,9 +356,11 @@ class RequestTracker:
                 t.commit()
             else:
                 t.committed = mark
-                if (t.rewound or t.prompt_committed != t.prompt) and mark == (
-                    t.sent_tokens, t.sent_hashes, t.sent_computed, t.registered,
-                ):  # fmt: skip
+                if (
+                    (t.rewound or t.prompt_committed != t.prompt)
+                    and mark != t.changed_from
+                    and mark == (t.sent_tokens, t.sent_hashes, t.sent_computed, t.registered)
+                ):
                     t.rewound, t.prompt_committed = False, t.prompt
 
     def rollback(self, request_ids: Iterable[str] | None = None) -> None:

@@ -24,7 +24,9 @@ def _wait_until(check: Callable[[], bool], what: str) -> None:
 
 
 def _queue_behind_a_sliced_step(
-    server: InProcessServer, first: Callable[[KVCoordClient], object], second: Callable[[KVCoordClient], object]
+    server: InProcessServer,
+    first: Callable[[KVCoordClient], object],
+    second: Callable[[KVCoordClient], object],
 ) -> tuple[object, object]:
     """Hold pool p as a Step applied in slices does, send ``first`` then ``second`` (each
     waiting for the pool, in that order), give the pool back, and return their answers."""
@@ -74,7 +76,9 @@ def test_an_exclusive_attach_landing_while_a_delete_waits_is_not_deleted_under(
             assert [s.session_id for s in c.list_sessions("p").sessions] == [attached.session_id]
 
 
-def test_a_delete_after_the_attach_in_the_queue_is_refused(make_server: Callable[..., InProcessServer]) -> None:
+def test_a_delete_after_the_attach_in_the_queue_is_refused(
+    make_server: Callable[..., InProcessServer],
+) -> None:
     """The other order (the Attach first in the pool's queue): the session is made, the
     delete refused POOL_EXCLUSIVE, as it is at once without a Step in flight."""
     server = make_server(pool_toml("p", 64))

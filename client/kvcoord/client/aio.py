@@ -16,7 +16,7 @@ from . import given_up
 from .api import LIST_POOLS, AsyncApi, Coro, Req, Resp, Rpc, merged
 from .errors import KVCoordError, error_from_rpc
 from .retry import Attempts
-from .step_pieces import free_pieces, ops_cap, pieces, send_in_pieces_async
+from .step_pieces import free_pieces, inspect_pieces, joined_inspection, ops_cap, pieces, send_in_pieces_async
 
 __all__ = ["AsyncKVCoordClient"]
 
@@ -82,6 +82,10 @@ class AsyncKVCoordClient(AsyncApi):
                 return cast(Resp, answer)
         if rpc.name == "Free" and (frees := free_pieces(cast(pb.FreeRequest, request), self.step_piece_ops)):
             return cast(Resp, [await self._call("Free", piece) for piece in frees][-1])
+        if rpc.name == "InspectPool" and (
+            reads := inspect_pieces(cast(pb.InspectPoolRequest, request), self.step_piece_ops)
+        ):
+            return cast(Resp, joined_inspection([await self._call("InspectPool", piece) for piece in reads]))
         response = await self._call(rpc.name, request)
         if (cap := ops_cap(rpc.name, response)) is not None:
             self.step_piece_ops = cap  # (learned at any Attach, as the blocking client does)

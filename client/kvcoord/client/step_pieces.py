@@ -29,6 +29,11 @@ the one a single message gets:
   piece's own error, unless it already says as much (an unknown outcome, an evicted
   answer) or more (the session's end: everything of it is gone).
 
+Other lists the server bounds by max_ops_per_step: a Free's request ids and an
+InspectPool's are sent in pieces too (:func:`free_pieces`, :func:`inspect_pieces`); an
+operation's own list (an AdmitOp's requests, an AllocateRunOp's or a DecodeOp's entries)
+is not split (:func:`check_op_lists`).
+
 Servers keep accepting a large Step in one message (from older clients), applied in
 slices as before (server/kvcoord/service/wire_slices.py).
 """
@@ -46,6 +51,7 @@ from .errors import (
     AnswerEvictedError,
     FencedError,
     InternalError,
+    InvalidArgumentError,
     KVCoordError,
     LeaseExpiredError,
     OutcomeUnknownError,
@@ -54,7 +60,10 @@ from .errors import (
 
 __all__ = [
     "DEFAULT_STEP_PIECE_BYTES",
+    "check_op_lists",
     "free_pieces",
+    "inspect_pieces",
+    "joined_inspection",
     "ops_cap",
     "pieces",
     "send_in_pieces",
@@ -124,11 +133,84 @@ def free_pieces(request: pb.FreeRequest, max_ops: int) -> list[pb.FreeRequest] |
     return out
 
 
+#: per operation kind, its lists the server bounds by max_ops_per_step (bounds.py)
+_CAPPED_LISTS = {
+    "admit": ("requests",),
+    "allocate_run": ("request_ids", "check_request_ids"),
+    "decode": ("request_ids",),
+}
+
+
+def check_op_lists(index: int, op: pb.Operation, max_ops: int) -> None:
+    """Refuse operation ``index`` of a Step to be sent in pieces when one of its lists is
+    longer than the server's max_ops_per_step: the server would refuse its piece after
+    the earlier ones were applied (the Step applied in part). An operation is not split:
+    an AdmitOp spends its token budget over its whole list and stops at its first
+    refusal, so two of its halves would admit past the budget or after a refusal.
+
+    Raises:
+        InvalidArgumentError: naming the list and the cap; nothing was sent.
+    """
+    kind = op.WhichOneof("op")
+    names = _CAPPED_LISTS.get(kind or "")
+    if names is None:
+        return
+    body = getattr(op, kind or "")
+    for name in names:
+        n = len(getattr(body, name))
+        if n > max_ops:
+            why = (
+                "an AdmitOp spends its token budget over its whole list and stops at its first refusal, "
+                "so it is not split; send at most that many (RemoteKVCacheManager.admit sends its "
+                "waiting queue in such chunks)"
+                if kind == "admit"
+                else "an operation is not split"
+            )
+            raise InvalidArgumentError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"ops[{index}].{kind}.{name} is {n} items long; the server takes at most {max_ops} "
+                f"(its max_ops_per_step, told at Attach): {why}; nothing of the Step was sent",
+            )
+
+
+def inspect_pieces(request: pb.InspectPoolRequest, max_ops: int) -> list[pb.InspectPoolRequest] | None:
+    """An InspectPool naming more requests than the server's max_ops_per_step (refused
+    whole, INVALID_ARGUMENT) as several of at most that many ids, in order; ``None``
+    when it fits (or ``max_ops`` is 0, or it asks for every request). Only the last
+    piece asks for the free-queue head and the cached blocks. The pieces are separate
+    reads: the pool may change between them (each block table is as it was when its
+    piece was read; the pool-wide fields are the last piece's). :func:`joined_inspection`
+    joins their answers."""
+    ids = list(request.request_ids)
+    if request.all_requests or not 0 < max_ops < len(ids):
+        return None
+    out = []
+    for start in range(0, len(ids), max_ops):
+        piece = pb.InspectPoolRequest(pool=request.pool, request_ids=ids[start : start + max_ops])
+        out.append(piece)
+    out[-1].free_queue_limit = request.free_queue_limit
+    out[-1].include_cached_blocks = request.include_cached_blocks
+    return out
+
+
+def joined_inspection(answers: list[pb.InspectPoolResponse]) -> pb.InspectPoolResponse:
+    """The answers of :func:`inspect_pieces`' pieces as one: every piece's block tables
+    in order, the rest the last piece's."""
+    out = pb.InspectPoolResponse()
+    out.CopyFrom(answers[-1])
+    del out.requests[:]
+    for answer in answers:
+        out.requests.extend(answer.requests)
+    return out
+
+
 def pieces(request: pb.StepRequest, limit: int, max_ops: int = 0) -> list[pb.StepRequest] | None:
     """``request`` cut into Steps of whole operations of at most ``limit`` serialized
     bytes each (an operation larger than that alone) and at most ``max_ops`` operations
     (the server's max_ops_per_step), keyed from its key; ``None`` when it fits in one
-    message (or both are 0, or it has fewer than two operations)."""
+    message (or both are 0, or it has fewer than two operations). One whose operation
+    holds a list longer than ``max_ops`` is refused before anything is sent
+    (:func:`check_op_lists`; in one message the server refuses it whole)."""
     ops = request.ops
     too_many = 0 < max_ops < len(ops)
     if len(ops) < 2 or not (too_many or (limit > 0 and request.ByteSize() > limit)):
@@ -144,7 +226,9 @@ def pieces(request: pb.StepRequest, limit: int, max_ops: int = 0) -> list[pb.Ste
     groups: list[list[pb.Operation]] = []
     group: list[pb.Operation] = []
     size = base
-    for op in ops:
+    for index, op in enumerate(ops):
+        if max_ops:
+            check_op_lists(index, op, max_ops)
         n = op.ByteSize()
         n += 1 + _varint_len(n)
         if group and ((limit > 0 and size + n > limit) or len(group) == max_ops):

@@ -1,0 +1,77 @@
+"""A Free naming more requests than the server's max_ops_per_step goes as several Frees
+(step_pieces.free_pieces, keyed KEY/i, answered by the last). Their answers lost, late,
+duplicated or delivered again after newer calls (a FaultInjector on the channel, real
+server, real gRPC) must free each request exactly once: the pool ends as a fault-free
+run leaves it, the caller gets the same free counts and no error, and an old piece
+delivered again after its requests' ids were registered anew (vLLM reuses a preempted
+request's id) frees none of the new ones (HUNT4 lead 1)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvcoord.client import KVCoordClient
+from kvcoord.client.faults import FaultInjector
+from kvcoord.service.registry import Limits
+from kvcoord.service.testing import InProcessServer
+from kvcoord.v1 import allocator_pb2 as pb
+from service.helpers import allocate
+from support import pool_toml
+
+CAP = 4
+N = 10  # requests per round: three Free pieces (4, 4, 2)
+ROUNDS = 5
+TOML = pool_toml("p", 256)
+
+
+def _ops(round_: int) -> list[pb.Operation]:
+    """Register and allocate r0..r9 (the same ids every round), sharing a prefix with the
+    last round's prompts (cache hits), growing a little each round."""
+    return [
+        allocate(f"r{i}", [*range(16), *range(100 * i, 100 * i + 4 + round_)], 20 + round_) for i in range(N)
+    ]
+
+
+def _state(c: KVCoordClient) -> pb.InspectPoolResponse:
+    return c.inspect_pool("p", free_queue_limit=1000, all_requests=True, include_cached_blocks=True)
+
+
+def _rounds(server: InProcessServer, interceptors: Sequence[Any] = ()) -> tuple[list[int], Any, Any]:
+    """ROUNDS rounds of allocating r0..r9 (one Step, never faulted) and freeing them all
+    in one ``client.free``; the free counts answered, the pool's state and statistics."""
+    with KVCoordClient(server.address, timeout=10, interceptors=list(interceptors), step_stream=False) as c:
+        s = c.attach("p", "sha256_cbor", 4, "0")
+        counts = []
+        for k in range(ROUNDS):
+            got = c.step("p", _ops(k), s.session_id, s.fence)
+            assert [r.status_code for r in got.results] == [0] * N
+            answer = c.free("p", [f"r{i}" for i in range(N)], session_id=s.session_id, fence=s.fence)
+            counts.append(answer.num_free_blocks)
+        stats = c.get_stats("p")
+        return counts, _state(c), (stats.num_free_blocks, stats.num_requests, stats.prefix_cache_stats)
+
+
+def test_lost_late_and_repeated_answers_of_free_pieces_free_each_request_once(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """Per seed, the same rounds on a calm server and on one behind the faults: equal
+    free counts, pool state (block tables, free queue, cached blocks) and statistics;
+    across the seeds every kind of fault is drawn on Free pieces."""
+    drawn = dict.fromkeys(("dropped", "delayed", "duplicated", "reordered"), 0)
+    for seed in range(4):
+        calm = make_server(TOML, limits=Limits(max_ops_per_step=CAP))
+        faulty = make_server(TOML, limits=Limits(max_ops_per_step=CAP))
+        want = _rounds(calm)
+        assert want[1].requests == [] and want[0][-1] == want[2][0]
+        faults = FaultInjector(seed, drop=0.2, delay=0.15, duplicate=0.15, reorder=0.4, methods=("Free",))
+        got = _rounds(faulty, [faults])
+        assert faults.counts["calls"] >= ROUNDS * 3
+        assert got[0] == want[0], f"seed {seed}: the free counts answered differ from a fault-free run"
+        assert got[1] == want[1], f"seed {seed}: the pool's state differs from a fault-free run"
+        assert got[2] == want[2], f"seed {seed}"
+        for k in drawn:
+            drawn[k] += faults.counts[k]
+        calm.stop()
+        faulty.stop()
+    assert all(drawn.values()), drawn

@@ -16,7 +16,15 @@ from . import given_up
 from .api import LIST_POOLS, AsyncApi, Coro, Req, Resp, Rpc, merged
 from .errors import KVCoordError, error_from_rpc
 from .retry import Attempts
-from .step_pieces import free_pieces, inspect_pieces, joined_inspection, ops_cap, pieces, send_in_pieces_async
+from .step_pieces import (
+    free_pieces,
+    inspect_pieces,
+    joined_inspection,
+    ops_cap,
+    pieces,
+    send_free_pieces_async,
+    send_in_pieces_async,
+)
 
 __all__ = ["AsyncKVCoordClient"]
 
@@ -81,7 +89,7 @@ class AsyncKVCoordClient(AsyncApi):
                 answer = await send_in_pieces_async(step, parts, lambda piece: self._call("Step", piece))
                 return cast(Resp, answer)
         if rpc.name == "Free" and (frees := free_pieces(cast(pb.FreeRequest, request), self.step_piece_ops)):
-            return cast(Resp, [await self._call("Free", piece) for piece in frees][-1])
+            return cast(Resp, await send_free_pieces_async(frees, lambda piece: self._call("Free", piece)))
         if rpc.name == "InspectPool" and (
             reads := inspect_pieces(cast(pb.InspectPoolRequest, request), self.step_piece_ops)
         ):

@@ -21,7 +21,15 @@ from . import given_up
 from .api import LIST_POOLS, BlockingApi, Req, Resp, Rpc, merged
 from .errors import KVCoordError, error_from_rpc
 from .retry import Attempts
-from .step_pieces import free_pieces, inspect_pieces, joined_inspection, ops_cap, pieces, send_in_pieces
+from .step_pieces import (
+    free_pieces,
+    inspect_pieces,
+    joined_inspection,
+    ops_cap,
+    pieces,
+    send_free_pieces,
+    send_in_pieces,
+)
 from .stream_carrier import STEP_STREAM, StepCarrier
 
 __all__ = ["KVCoordClient"]
@@ -131,7 +139,7 @@ class KVCoordClient(BlockingApi):
         if rpc.name == "Step":
             return cast(Resp, self.send_step(cast(pb.StepRequest, request)))
         if rpc.name == "Free" and (frees := free_pieces(cast(pb.FreeRequest, request), self.step_piece_ops)):
-            return cast(Resp, [self._call("Free", piece) for piece in frees][-1])
+            return cast(Resp, send_free_pieces(frees, lambda piece: self._call("Free", piece)))
         if rpc.name == "InspectPool" and (
             reads := inspect_pieces(cast(pb.InspectPoolRequest, request), self.step_piece_ops)
         ):

@@ -66,6 +66,8 @@ __all__ = [
     "joined_inspection",
     "ops_cap",
     "pieces",
+    "send_free_pieces",
+    "send_free_pieces_async",
     "send_in_pieces",
     "send_in_pieces_async",
 ]
@@ -115,12 +117,24 @@ def free_pieces(request: pb.FreeRequest, max_ops: int) -> list[pb.FreeRequest] |
     INVALID_ARGUMENT, at every attempt) as several Frees of at most that many ids, in
     order; ``None`` when it fits (or ``max_ops`` is 0). Each piece is keyed from the
     request's key (``KEY/i``, as a Step's pieces) and carries its sequence number; they
-    are sent one after another and the last one's answer (the free count after them all)
-    answers the call. A piece that fails raises its error: the pieces before it are
-    applied (as a Step's earlier operations), nothing after it is sent."""
+    are sent one after another (:func:`send_free_pieces`) and the last one's answer (the
+    free count after them all) answers the call.
+
+    One Free checks every id before freeing any; pieces cannot: a piece refused after an
+    earlier one was applied is told as OutcomeUnknownError (:func:`noting_free_piece`).
+    What can be checked here is: a request named twice is refused before any is sent.
+
+    Raises:
+        InvalidArgumentError: a request named twice (one Free is refused whole for it).
+    """
     ids = list(request.request_ids)
     if not 0 < max_ops < len(ids):
         return None
+    if len(set(ids)) != len(ids):
+        raise InvalidArgumentError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request_ids lists a request twice ({len(ids)} ids, {len(set(ids))} distinct); nothing was sent",
+        )
     out = []
     for i, start in enumerate(range(0, len(ids), max_ops)):
         piece = pb.FreeRequest()
@@ -171,6 +185,57 @@ def check_op_lists(index: int, op: pb.Operation, max_ops: int) -> None:
                 f"ops[{index}].{kind}.{name} is {n} items long; the server takes at most {max_ops} "
                 f"(its max_ops_per_step, told at Attach): {why}; nothing of the Step was sent",
             )
+
+
+@contextlib.contextmanager
+def noting_free_piece(parts: list[pb.FreeRequest], i: int) -> Iterator[None]:
+    """A failure of Free piece ``i`` gets a note naming it; after the first piece, a
+    typed one is raised as OutcomeUnknownError (its cause the piece's error) unless
+    :data:`_NOT_PARTIAL`: the requests of the earlier pieces are freed, and a typed error
+    of a Free tells its caller none was."""
+    try:
+        yield
+    except Exception as exc:
+        first = sum(len(p.request_ids) for p in parts[:i])
+        total = sum(len(p.request_ids) for p in parts)
+        what = f"Free piece {i + 1} of {len(parts)}"
+        exc.add_note(
+            f"{what} (ids {first}..{first + len(parts[i].request_ids) - 1} of {total}) failed: the earlier "
+            "pieces are applied, none after it was sent"
+        )
+        if first and isinstance(exc, KVCoordError) and not isinstance(exc, _NOT_PARTIAL):
+            freed = [rid for p in parts[:i] for rid in p.request_ids]
+            shown = ", ".join(repr(r) for r in freed[:8]) + (", ..." if len(freed) > 8 else "")
+            raise OutcomeUnknownError(
+                exc.code,
+                f"{what} failed ({exc.message}) after {first} of {total} requests were freed ({shown}): the "
+                "Free is applied in part; treat every request it named as freed or lost",
+            ) from exc
+        raise
+
+
+def send_free_pieces(
+    parts: list[pb.FreeRequest], send: Callable[[pb.FreeRequest], pb.FreeResponse]
+) -> pb.FreeResponse:
+    """Send :func:`free_pieces` in order through ``send``; the last answer."""
+    answer = None
+    for i, piece in enumerate(parts):
+        with noting_free_piece(parts, i):
+            answer = send(piece)
+    assert answer is not None
+    return answer
+
+
+async def send_free_pieces_async(
+    parts: list[pb.FreeRequest], send: Callable[[pb.FreeRequest], Awaitable[pb.FreeResponse]]
+) -> pb.FreeResponse:
+    """:func:`send_free_pieces` for the asyncio client."""
+    answer = None
+    for i, piece in enumerate(parts):
+        with noting_free_piece(parts, i):
+            answer = await send(piece)
+    assert answer is not None
+    return answer
 
 
 def inspect_pieces(request: pb.InspectPoolRequest, max_ops: int) -> list[pb.InspectPoolRequest] | None:

@@ -6,8 +6,9 @@ AllocateOp of a Step, of at least pool_allocations.SLICED_ALLOCATE_TOKENS tokens
 blocks are taken and cached 256 at a time, engine.KVCachePool.allocating_slots), a long
 DecodeOp (pool_allocations.DECODE_SLICE_ENTRIES entries at a time) and the end of a
 session owning many requests (Detach, lease expiry: MutationRunner.start_holding,
-registry.END_SLICE_REQUESTS requests at a time). Meanwhile nothing else may read or change that
-pool: every call naming it waits for the lock first (servicer.py's guard), keyed
+registry.END_SLICE_REQUESTS requests at a time); so is a pool being deleted, from its
+checks (an exclusive session refuses it) to its removal (pool_calls.py). Meanwhile
+nothing else may read or change that pool: every call naming it waits for the lock first (servicer.py's guard), keyed
 calls hold it while they apply (so calls on one pool still run one at a time, in
 arrival order), and what reads every pool (ListPools, ScorePools, a metrics
 scrape, a snapshot, the session reaper) waits, or is put off, until no pool is

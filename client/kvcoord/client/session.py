@@ -24,15 +24,13 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.wire.leases import LEASE_MARGIN
 
 from .errors import FencedError, KVCoordError, LeaseExpiredError, SessionExpiredError
 
 __all__ = ["SessionKeeper"]
 
 logger = logging.getLogger(__name__)
-
-#: Part of the lease kept as a safety margin against clock-rate differences.
-LEASE_MARGIN = 0.05
 
 #: unbroken runs of lease proof a session keeps (older ones are forgotten: a call sent
 #: in one of them and answered now is then not trusted, a loud loss, never a guess)

@@ -11,6 +11,7 @@ protobuf and the standard library (tests/unit/test_layers.py):
 - :mod:`.mamba`    vLLM 0.33's boundary-state offloads and copy-on-write pairs
 - :mod:`.state`    an exclusive session's pool state (AttachResponse.pool_state)
 - :mod:`.hashes`   contract facts about block hashes (digest lengths)
+- :mod:`.leases`   contract facts about session leases (the client's margin)
 - :mod:`.pem`      PEM certificate and key readers (client channels, server listeners)
 - :mod:`.columns`  a DecodeOp's packed columns (little-endian uint32 arrays; imported from
   the module itself, not re-exported here)
@@ -37,6 +38,7 @@ from .layouts import (
     string_list,
     tables,
 )
+from .leases import LEASE_MARGIN
 from .mamba import copies_from_pb, copies_to_pb, offloads_from_pb, offloads_to_pb
 from .state import ReplicaState, pool_state_from_pb, write_pool_state
 from .values import (
@@ -58,6 +60,7 @@ from .values import (
 
 __all__ = [
     "HASH_LENGTHS",
+    "LEASE_MARGIN",
     "MAX_MODEL_LEN_UNLIMITED",
     "STATS_FIELDS",
     "allocate_op",

@@ -197,3 +197,43 @@ def test_the_stall_bound_stays_below_the_session_lease() -> None:
     s = parse_config("[server]\nsession_lease_seconds = 4.0\njournal_stall_seconds = 3.5\n").server
     assert s.stall_seconds == 3.5
     assert load_config(None, env={"HOME": "/tmp"}).server.stall_seconds == 10.0
+
+
+def test_the_default_lease_outlasts_every_stall_a_durable_server_waits_out(tmp_path: Path) -> None:
+    """A durable write is waited for journal_stall_seconds and then once more at most
+    min(1 s, bound) (stalls.py); a worker trusts 95 % of its lease. So on a server whose
+    writes can stall (a data_dir, or cluster journal = "store") the default lease must
+    satisfy lease x 0.95 > bound + min(1 s, bound), the bound unset being its 10 s
+    default: else a stall the server tolerates outlives the sessions it serves. Refused
+    naming both numbers and the way out. (Before, only an explicit bound was checked,
+    and only against the lease itself: a 3 s lease with the unset 10 s bound, or with a
+    2 s one, loaded without a word.) Without durable writes nothing stalls: no rule."""
+    data = f'data_dir = "{tmp_path}"\n'
+    for text, names in (
+        (f"[server]\n{data}session_lease_seconds = 3.0\n",
+         ("session_lease_seconds (3)", "journal_stall_seconds (10, unset: the default)",
+          "(10 s) + 1 s = 11 s", "above 11.579", "below 1.849")),
+        (f"[server]\n{data}session_lease_seconds = 3.0\njournal_stall_seconds = 2.0\n",
+         ("session_lease_seconds (3)", "journal_stall_seconds (2)", "(2 s) + 1 s = 3 s", "above 3.158")),
+        (f"[server]\n{data}session_lease_seconds = 1.0\njournal_stall_seconds = 0.5\n",
+         ("journal_stall_seconds (0.5)", "(0.5 s) + 0.5 s = 1 s", "below 0.475")),
+        (f"[server]\n{data}session_lease_seconds = 11.5\n", ("(10 s) + 1 s = 11 s",)),
+        ('[server]\nsession_lease_seconds = 5.0\n[cluster]\nendpoints = ["127.0.0.1:2379"]\njournal = "store"\n',
+         ("session_lease_seconds (5)", "cluster journal")),
+    ):  # fmt: skip
+        with pytest.raises(ConfigFileError) as refused:
+            parse_config(text)
+        assert all(n in str(refused.value) for n in names), str(refused.value)
+    for text in (
+        f"[server]\n{data}session_lease_seconds = 3.0\njournal_stall_seconds = 1.8\n",
+        f"[server]\n{data}session_lease_seconds = 1.0\njournal_stall_seconds = 0.45\n",
+        f"[server]\n{data}session_lease_seconds = 11.6\n",
+        "[server]\nsession_lease_seconds = 3.0\n",  # no data_dir: no durable write
+        '[server]\nsession_lease_seconds = 5.0\n[cluster]\nendpoints = ["127.0.0.1:2379"]\n',  # local
+    ):
+        parse_config(text)
+    # a file without data_dir gets the default directory: held to the rule too
+    f = tmp_path / "c.toml"
+    f.write_text("[server]\nsession_lease_seconds = 3.0\n")
+    with pytest.raises(ConfigFileError, match=r"unset: the default"):
+        load_config(str(f), env={"HOME": str(tmp_path)})

@@ -23,6 +23,7 @@ from .bounds import check_request
 from .errors import ServiceError
 from .kv_events_config import KVEventsDecl, kv_events_from_list
 from .registry import Limits
+from .stalls import lease_outlasts_stalls, lease_rule, max_bound_seconds, min_lease_seconds
 from .tls import PeerTLS, TLSFiles, check_tls_files, peer_tls_from_dict, tls_from_dict, tls_from_env
 
 __all__ = [
@@ -92,7 +93,8 @@ class ServerSettings:
     #: a journal commit or lease marker write outstanding this long (a hung disk or
     #: fsync) stops the server as a failed write does (exit 4); a pool's journal write
     #: to etcd (cluster journal "store") this long gives the pool up. Must be below
-    #: session_lease_seconds when set; None (unset): 10 s (:attr:`stall_seconds`)
+    #: session_lease_seconds when set; None (unset): 10 s (:attr:`stall_seconds`). With
+    #: durable writes the default lease must outlast it (:class:`ServerConfig`)
     journal_stall_seconds: float | None = None
     #: without journaled state: how long after start no session may attach
     startup_grace_seconds: float = 0.0
@@ -136,8 +138,9 @@ class ServerSettings:
     def stall_seconds(self) -> float:
         """The stall bound in force: journal_stall_seconds, or when unset 10 s whatever
         the lease. (Not derived from a short lease: a bound of half a 1 s lease stopped
-        servers whose commits a loaded machine delayed past it; a deployment with
-        leases of 10 s or less sets the key below them.)"""
+        servers whose commits a loaded machine delayed past it; a deployment with a
+        data_dir and leases of 11.579 s or less sets the key below them: ServerConfig
+        refuses the lease otherwise.)"""
         if self.journal_stall_seconds is not None:
             return float(self.journal_stall_seconds)
         return DEFAULT_STALL_SECONDS
@@ -245,6 +248,25 @@ class ServerConfig:
     kv_events: tuple[KVEventsDecl, ...] = ()
     #: pools sharded over replicas (empty endpoints: a single node)
     cluster: ClusterSettings = ClusterSettings()
+
+    def __post_init__(self) -> None:
+        st = self.server
+        if self.writes_can_stall and not lease_outlasts_stalls(st.session_lease_seconds, st.stall_seconds):
+            # the default lease would end inside a stall the server waits out (stalls.py)
+            given = "" if st.journal_stall_seconds is not None else ", unset: the default"
+            raise ConfigFileError(
+                f"server.session_lease_seconds ({st.session_lease_seconds:g}) is too short for "
+                f"server.journal_stall_seconds ({st.stall_seconds:g}{given}) on a server whose durable "
+                f'writes can stall (a data_dir, or cluster journal = "store"): {lease_rule(st.stall_seconds)}; '
+                f"set session_lease_seconds above {min_lease_seconds(st.stall_seconds):g} or "
+                f"journal_stall_seconds below {max_bound_seconds(st.session_lease_seconds):g}"
+            )
+
+    @property
+    def writes_can_stall(self) -> bool:
+        """True when durable writes may stall (the journal and lease marker in a data_dir,
+        or a cluster's journal in the store): leases must outlast the stall bound."""
+        return bool(self.server.data_dir) or (self.cluster.enabled and self.cluster.journal == "store")
 
 
 def default_data_dir(env: Mapping[str, str]) -> str:

@@ -333,8 +333,8 @@ async def _start(
     """:func:`start_server` once the data directory is held."""
     st = cfg.server
     sessions = SessionTable(clock, st.session_lease_seconds, st.max_session_lease_seconds)
-    if st.data_dir or (cfg.cluster.enabled and cfg.cluster.journal == "store"):  # writes that may stall
-        sessions.min_lease = st.stall_seconds
+    if cfg.writes_can_stall:  # a lease asked for must outlast a stall (stalls.py)
+        sessions.stall_bound = st.stall_seconds
     decision = decide_startup(cfg, clock, wall_clock, start_empty)
     grace_until = decision.grace_until
     if decision.marker is not None:

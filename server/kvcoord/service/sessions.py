@@ -16,6 +16,7 @@ from collections.abc import Callable
 from kvcoord.engine import PrefixCacheStats
 
 from .errors import ErrorReason, ServiceError, Status
+from .stalls import lease_outlasts_stalls, lease_rule, min_lease_seconds
 
 __all__ = ["Session", "SessionTable", "attach_tail"]
 
@@ -71,9 +72,9 @@ class SessionTable:
         self.sessions: dict[str, Session] = {}
         #: called with every session whose lease is granted or renewed (lease marker)
         self.on_lease: Callable[[Session], None] | None = None
-        #: a lease asked for below the default must be above this (seconds; 0: any):
-        #: the stall bound of a server whose durable writes can stall (server.py)
-        self.min_lease = 0.0
+        #: a lease asked for below the default must outlast this stall bound (seconds;
+        #: None: any lease): that of a server whose durable writes can stall (server.py)
+        self.stall_bound: float | None = None
 
     def open(self, pool: str, client_name: str, lease_seconds: float) -> Session:
         """A new session with a lease starting now."""
@@ -83,16 +84,16 @@ class SessionTable:
                 f"lease_seconds must be a finite number >= 0, got {lease_seconds}",
             )
         lease = min(lease_seconds or self.default_lease, self.max_lease)
-        if lease < self.default_lease and lease <= self.min_lease:
+        bound = self.stall_bound
+        if lease < self.default_lease and bound is not None and not lease_outlasts_stalls(lease, bound):
             # a durable write stalled that long is waited for, not failed: the session's
             # calls would be answered after its lease, and a worker lose its requests (or
             # keep blocks its server freed, were its lease not counted) over a tolerated stall
             raise ServiceError(
                 Status.INVALID,
                 f"lease_seconds {lease:g} is too short for this server: a lease below its default "
-                f"({self.default_lease:g} s) must be above server.journal_stall_seconds ({self.min_lease:g} s), "
-                "how long a journal or lease marker write may stall before the server stops; ask for "
-                f"more than {self.min_lease:g} s, or 0 for the default",
+                f"({self.default_lease:g} s) must be long enough that {lease_rule(bound)}; ask for "
+                f"more than {min_lease_seconds(bound):g} s, or 0 for the default",
             )
         s = Session(secrets.token_hex(16), pool, client_name[:256], lease, self.clock() + lease)
         if self.on_lease is not None:

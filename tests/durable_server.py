@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import shutil
@@ -167,15 +168,31 @@ class DurableServer:
             self._log.close()
 
 
-def leased_server(tmp: Path, lease: float, num_blocks: int) -> DurableServer:
+def stall_bound_lines(lease: float) -> str:
+    """The ``journal_stall_seconds`` line a durable server whose default lease is
+    ``lease`` needs: none when the lease outlasts the 10 s default bound, else the largest
+    bound it outlasts (the config refuses one it does not: stalls.py), rounded down to
+    0.05 s."""
+    from kvcoord.service.config import DEFAULT_STALL_SECONDS
+    from kvcoord.service.stalls import lease_outlasts_stalls, max_bound_seconds
+
+    if lease_outlasts_stalls(lease, DEFAULT_STALL_SECONDS):
+        return ""
+    return f"journal_stall_seconds = {math.floor((max_bound_seconds(lease) - 0.01) * 20) / 20}\n"
+
+
+def leased_server(tmp: Path, lease: float, num_blocks: int, stall: float | None = None) -> DurableServer:
     """A :class:`DurableServer` of one pool ``p`` whose sessions' leases are ``lease``
-    seconds (the longest a client may ask for too) and whose answers are kept 4 leases."""
+    seconds (the longest a client may ask for too) and whose answers are kept 4 leases;
+    ``stall``: its journal_stall_seconds (None: a short lease gets the bound it
+    outlasts, :func:`stall_bound_lines`)."""
+    bound = stall_bound_lines(lease) if stall is None else f"journal_stall_seconds = {stall}\n"
     server = DurableServer(tmp, small_pool(num_blocks))
     server.config.write_text(
         server.config.read_text().replace(
             "snapshot_every = 2000\n",
             f"snapshot_every = 2000\nmax_session_lease_seconds = {lease}\nsession_lease_seconds = {lease}\n"
-            f"idempotency_window_seconds = {4 * lease}\n",
+            f"idempotency_window_seconds = {4 * lease}\n{bound}",
         )
     )
     return server

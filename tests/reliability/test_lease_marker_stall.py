@@ -46,13 +46,7 @@ def test_a_hung_lease_marker_write_stops_the_server(tmp_path: Path, monkeypatch:
     lease = 4.0
     flag = tmp_path / "hang"
     durable_server.with_sitecustomize(tmp_path, _HANG_MARKER.format(flag=str(flag)), monkeypatch)
-    server = leased_server(tmp_path, lease, num_blocks=64)
-    text = server.config.read_text()
-    server.config.write_text(
-        text.replace(
-            "snapshot_every = 2000\n", f"snapshot_every = 2000\njournal_stall_seconds = {lease / 2}\n"
-        )
-    )
+    server = leased_server(tmp_path, lease, num_blocks=64, stall=lease / 2)
     server.start()
     try:
         with KVCoordClient(server.address, retry=NO_RETRY, timeout=30.0) as c:

@@ -36,6 +36,7 @@ def test_a_slow_disk_moves_the_lease_marker_without_stalling_the_loop(
     server = InProcessServer(
         pool_toml("p", 64) + pool_toml("q", 64), data_dir=str(tmp_path / "data"), durability="none",
         session_lease_seconds=lease, max_session_lease_seconds=lease, idempotency_window_seconds=4 * lease,
+        journal_stall_seconds=4.5,  # (a 6 s lease outlasts 4.5 s + 1 s in its trusted 95 %)
     ).start()  # fmt: skip
     real = os.fsync
     try:
@@ -164,7 +165,7 @@ def test_a_sigkill_while_the_marker_is_written_on_its_thread_leaves_a_bound_the_
     text = (
         f'[server]\ndata_dir = "{tmp_path / "data"}"\ndurability = "none"\n'
         f"session_lease_seconds = {lease}\nmax_session_lease_seconds = {lease}\n"
-        f"idempotency_window_seconds = {4 * lease}\n{pool_toml('p', 64)}"
+        f"idempotency_window_seconds = {4 * lease}\njournal_stall_seconds = {lease - 1.5}\n{pool_toml('p', 64)}"
     )
     server = start_server(text, env=e)
     try:
@@ -215,6 +216,7 @@ def test_a_clean_stop_gives_the_data_directory_back_only_after_the_markers_write
     server = InProcessServer(
         pool_toml("p", 64), clock=clock, data_dir=str(tmp_path / "data"), durability="none",
         session_lease_seconds=lease, max_session_lease_seconds=lease, idempotency_window_seconds=4 * lease,
+        journal_stall_seconds=4.5,  # (a 6 s lease outlasts 4.5 s + 1 s in its trusted 95 %)
     ).start()  # fmt: skip
     running = server.running
     assert running is not None and running.startup is not None and running.data_dir_lock is not None

@@ -248,7 +248,7 @@ def test_a_restore_detected_while_another_pool_is_mid_step(tmp_path: Path) -> No
     toml = _pool("p", 64) + _pool("q", 140000)
     settings: dict[str, Any] = dict(
         session_lease_seconds=5.0, max_session_lease_seconds=5.0, idempotency_window_seconds=20.0,
-        synchronous="NORMAL",
+        synchronous="NORMAL", journal_stall_seconds=3.5,  # (5 s x 0.95 > 3.5 s + 1 s)
     )  # fmt: skip
     a, s2 = _restored_after_telling_more(toml, data, copy, settings)
     try:
@@ -316,7 +316,9 @@ def test_a_restore_whose_prefix_cache_cannot_be_emptied_is_not_called_a_journal_
     from kvcoord.service.pool_service import PoolService
 
     data, copy = tmp_path / "data", tmp_path / "copy"
-    settings: dict[str, Any] = dict(session_lease_seconds=5.0, max_session_lease_seconds=5.0)
+    settings: dict[str, Any] = dict(
+        session_lease_seconds=5.0, max_session_lease_seconds=5.0, journal_stall_seconds=3.5
+    )
     a, s2 = _restored_after_telling_more(small_pool(64), data, copy, settings)
     try:
         monkeypatch.setattr(PoolService, "reset_prefix_cache", lambda self: False)

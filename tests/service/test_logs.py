@@ -29,7 +29,8 @@ PROMPT = [918273645 + i for i in range(12)]
 CONFIG = f"""
 [server]
 access_log = true
-session_lease_seconds = 1.0
+session_lease_seconds = 2.5
+journal_stall_seconds = 1.0
 
 [tenants.team]
 tokens = ["{TOKEN}"]
@@ -72,7 +73,7 @@ def test_json_logs_carry_ids_and_the_access_log_but_no_token_or_prompt() -> None
             ).result.refused
             c.free("p", ["req-a"], session_id=sid, fence=fence)
             c.step("p", [pb.Operation(free=pb.FreeOp(request_id="req-a"))], sid, fence)
-            gone, _ = attach(c, "p", lease_seconds=1.0)
+            gone, _ = attach(c, "p", lease_seconds=2.5)
         with KVCoordClient(server.address, token=WRONG, timeout=10, retry=NO_RETRY) as c:
             with pytest.raises(PermissionDeniedError):
                 c.get_stats("p")

@@ -51,7 +51,7 @@ from kvcoord.client.retry import RetryPolicy
 from kvcoord.v1 import allocator_pb2 as pb
 from layouts_support import layout_configs
 from test_lost_answers import METHODS, Scripted, lose_after_prefill
-from test_lost_sessions import outputs_by_request
+from test_lost_sessions import LEASE, LEASE_TOML, outputs_by_request
 
 _pool_ids = itertools.count()
 
@@ -214,7 +214,7 @@ def run_on_kvcoord(case: Case, model_dir: Path, tmp_path: Path, mp: pytest.Monke
     scheduler, manager, error) and the pool's check and stats after shutdown."""
     from kvcoord.client.vllm_scheduler import KVCoordAsyncScheduler, KVCoordScheduler
 
-    lease = "session_lease_seconds = 1.0\n" if case.event == "partition" else ""
+    lease = LEASE_TOML if case.event == "partition" else ""
     server = DurableServer(tmp_path, pools_toml=lease)
     server.start()
     case.pool = f"lf-{next(_pool_ids)}"
@@ -376,7 +376,7 @@ def _step_faults(case: Case, e: int, s: Any, injector: FaultInjector | None, ser
             state["met"].append(step)
         elif event == "partition" and step == 60 and injector is not None:
             injector.partitioned = True
-            heal = threading.Timer(3.0, lambda: setattr(injector, "partitioned", False))
+            heal = threading.Timer(3 * LEASE, lambda: setattr(injector, "partitioned", False))
             heal.daemon = True
             heal.start()
             state["met"].append(step)

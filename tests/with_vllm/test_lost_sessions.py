@@ -20,8 +20,13 @@ from kvcoord.client.faults import FaultInjector
 from kvcoord.client.vllm_scheduler import KVCoordAsyncScheduler, KVCoordScheduler
 
 KVCOORD = {"sync": KVCoordScheduler, "async": KVCoordAsyncScheduler}
-#: the server's session lease in these tests (seconds)
-LEASE = 1.0
+#: the server's session lease in these tests (seconds), and the stall bound of its
+#: durable writes: a lease must outlast the bound and its allowance (min(1 s, bound))
+#: in the 95 % a client trusts, 2 s < 2.375 s (a 1 s lease would need a bound below
+#: 0.475 s, which a loaded machine's commits outlast: the server stops)
+LEASE = 2.5
+STALL = 1.0
+LEASE_TOML = f"session_lease_seconds = {LEASE}\njournal_stall_seconds = {STALL}\n"
 STEPS = 200
 #: the step at which the session is lost
 LOSS_STEP = 80
@@ -117,7 +122,7 @@ def test_a_partition_longer_than_the_lease_costs_recomputation(
     completes with the tokens of vLLM's own run. (Before, RequestsLostError or the
     outage's UnavailableError left schedule() and vLLM's engine core died.)"""
     want = _vllms_own(kind, model_dir)
-    server = DurableServer(tmp_path, pools_toml=f"session_lease_seconds = {LEASE}\n")
+    server = DurableServer(tmp_path, pools_toml=LEASE_TOML)
     server.start()
     faults = FaultInjector(0)
     healed = threading.Event()

@@ -104,11 +104,11 @@ def test_hybrid_and_mamba_layouts_recover_like_full_attention(
     from durable_server import DurableServer
     from kvcoord.client import vllm as kvcoord_vllm
     from kvcoord.client.faults import FaultInjector
-    from test_lost_sessions import LEASE, _run_on_kvcoord, _vllms_own
+    from test_lost_sessions import LEASE, LEASE_TOML, _run_on_kvcoord, _vllms_own
 
     caplog.set_level("WARNING", logger="kvcoord.client")
     want = _vllms_own(kind, model_dir, layout=layout)
-    lease = f"session_lease_seconds = {LEASE}\n" if event == "partition" else ""
+    lease = LEASE_TOML if event == "partition" else ""
     server = DurableServer(tmp_path, pools_toml=lease)
     server.start()
     monkeypatch.setenv("KVCOORD_TARGET", server.address)

@@ -154,8 +154,17 @@ def test_a_sigkill_while_the_marker_is_written_on_its_thread_leaves_a_bound_the_
     marker write on the thread hangs in fsync; the worker keeps renewing its lease, and
     a renewal past the bound on disk is not answered. SIGKILLed then, the restart
     lets nobody attach until the worker's last answered lease has ended: the bound it
-    found covers every lease granted."""
-    lease = 4.0
+    found covers every lease granted.
+
+    The numbers: the bound on disk is the attach + 2 leases (a lease and the marker's
+    headroom), renewals are answered until 1 lease and the loop ends 1 s later, so the
+    restart must be serving within lease - 1 s or the grace it would show has ended.
+    A 4 s lease left 3 s, which a loaded machine's process start used up (2.4 s at load
+    5): no attach refused, a slow restart, not a short grace. An 8 s lease leaves 7 s.
+    The stall bound must be above lease / 2 (the thread's write hangs from half the
+    headroom on; the server must not stop before renewals reach the bound on disk) and
+    the lease must outlast it (stalls.lease_outlasts_stalls: below 6.6 s)."""
+    lease = 8.0
     flag = tmp_path / "hang-fsync"
     hook = tmp_path / "hook"
     hook.mkdir()
@@ -165,7 +174,7 @@ def test_a_sigkill_while_the_marker_is_written_on_its_thread_leaves_a_bound_the_
     text = (
         f'[server]\ndata_dir = "{tmp_path / "data"}"\ndurability = "none"\n'
         f"session_lease_seconds = {lease}\nmax_session_lease_seconds = {lease}\n"
-        f"idempotency_window_seconds = {4 * lease}\njournal_stall_seconds = {lease - 1.5}\n{pool_toml('p', 64)}"
+        f"idempotency_window_seconds = {4 * lease}\njournal_stall_seconds = {lease - 2.5}\n{pool_toml('p', 64)}"
     )
     server = start_server(text, env=e)
     try:
@@ -189,6 +198,11 @@ def test_a_sigkill_while_the_marker_is_written_on_its_thread_leaves_a_bound_the_
         server.stop()
         flag.unlink()
         server = start_server(text, env=e)
+        serving = time.monotonic()
+        assert serving < last_answered + lease, (
+            f"the restart served {serving - last_answered:.1f} s after the last answered renewal: "
+            "its lease had ended, the grace shows nothing"
+        )
         refused = 0
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             while True:

@@ -8,11 +8,17 @@ answered the worker's Step after the part of its lease it trusts, and the worker
 its session and every request in it. Now the minimum is (bound + allowance) / 0.95: a
 session on it, heartbeats running, keeps its session and every request over such a
 stall, and a lease just below it is refused (INVALID_ARGUMENT naming the numbers).
+
+Over a journal stall the worker's heartbeats are answered, and their unbroken lease
+proof lets it trust the late Step answer (session.py): that case passes with the old
+minimum too. A lease marker write on the event loop holds every call, heartbeats with
+it: there the old minimum lost every request (the marker test).
 """
 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,11 +76,11 @@ def _attach(c: KVCoordClient, lease: float) -> Any:
     return c.attach("p", "sha256_cbor", 4, "0", "probe", lease_seconds=lease)
 
 
-def _shortest_granted(c: KVCoordClient) -> float:
+def _shortest_granted(c: KVCoordClient, stall: float = STALL) -> float:
     """The shortest lease the server grants below its default, as it tells: a lease just
     above the stall bound when it grants that, else a hair above the minimum its refusal
     names."""
-    asked = STALL + 0.05
+    asked = stall + 0.05
     try:
         granted = _attach(c, asked)
     except InvalidArgumentError as refused:
@@ -131,5 +137,93 @@ def test_a_lease_just_below_the_minimum_is_refused_naming_the_numbers(
                              "ask for more than 3.158 s"):  # fmt: skip
                     assert part in message, message
             assert _attach(c, minimum + 0.01).lease_seconds == pytest.approx(minimum + 0.01)
+    finally:
+        server.stop()
+
+
+#: marker test: the server's default (and longest) lease, its stall bound, and the one
+#: slow write of the lease marker (past the bound, inside its allowance of min(1 s, bound))
+MARKER_LEASE, MARKER_STALL = 4.0, 1.5
+MARKER_DELAY = MARKER_STALL + 0.3
+
+#: the server process's ``sitecustomize``: once FAIL exists, the next lease marker write
+#: fails (its thread's, which only warns); once SLOW exists, the next one (the write a
+#: renewal past the bound on disk waits for, on the event loop) takes DELAY seconds
+_SLOW_MARKER = """
+import errno
+import os
+import time
+
+from kvcoord.service import lease_marker
+
+_real = lease_marker.write_synced
+
+
+def _taken(flag):
+    try:
+        os.remove(flag)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def _write(path, text):
+    if _taken({fail!r}):
+        raise OSError(errno.EIO, "injected: the marker thread's write fails")
+    if _taken({slow!r}):
+        time.sleep({delay!r})
+    return _real(path, text)
+
+
+lease_marker.write_synced = _write
+"""
+
+
+def test_the_shortest_lease_granted_keeps_its_requests_over_a_tolerated_lease_marker_stall(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease marker's write on the event loop (the bound on disk reached: its
+    thread's write failed) takes the stall bound + 0.3 s, which the server waits out;
+    every call, heartbeats too, waits with it. A worker on the shortest lease granted
+    must keep its session and every request: before, a lease just above the bound
+    (1.55 s for 1.5 s: 1.47 s trusted) was granted and outlived by the wait."""
+    fail, slow = tmp_path / "fail", tmp_path / "slow"
+    hook = _SLOW_MARKER.format(fail=str(fail), slow=str(slow), delay=MARKER_DELAY)
+    durable_server.with_sitecustomize(tmp_path, hook, monkeypatch)
+    server = DurableServer(tmp_path, small_pool(256))
+    server.config.write_text(
+        server.config.read_text().replace(
+            "snapshot_every = 2000\n",
+            f"snapshot_every = 2000\nsession_lease_seconds = {MARKER_LEASE}\n"
+            f"max_session_lease_seconds = {MARKER_LEASE}\nidempotency_window_seconds = {4 * MARKER_LEASE}\n"
+            f"journal_stall_seconds = {MARKER_STALL}\n",
+        )
+    )
+    server.start()
+    try:
+        with KVCoordClient(server.address, timeout=30.0) as c:
+            lease = _shortest_granted(c, MARKER_STALL)
+            m = RemoteKVCacheManager(c, "p", hash_seed="0", client_name="worker", lease_seconds=lease)
+            fail.touch()
+            slow.touch()
+            got: dict[str, list[int]] = {}
+            after: int | None = None  # the allocation made once the slow write was done
+            for i in range(200):  # every 50 ms, until 20 after the slow write (~5 s)
+                r = Req(f"r{i}", [i, i + 1, i + 2, i + 3])
+                blocks = m.allocate_slots(r, 4)
+                assert blocks is not None, r.request_id
+                got[r.request_id] = list(blocks.get_block_ids()[0])
+                if after is None and not slow.exists():
+                    after = i
+                if after is not None and i >= after + 20:
+                    break
+                time.sleep(0.05)
+            assert not fail.exists() and not slow.exists(), "the marker's writes were not made"
+            assert m.keeper.lost is None, m.keeper.lost
+            m.keeper.vouch()
+            assert held_first_group(c) == got  # nothing lost, nothing freed
+            assert server.proc is not None and server.proc.poll() is None, server.log()
+            m.close()
+        assert "stalled" not in server.log()
     finally:
         server.stop()

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import grpc
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import LEASE_MARGIN, events_digest, free_op, stats_to_pb
+from kvcoord.wire import events_digest, free_op, stats_to_pb
 from kvcoord.wire.columns import write_packed_decode
 
 from .answers import PredictionMismatchError, check_result, op_error

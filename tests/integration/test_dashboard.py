@@ -91,7 +91,7 @@ def _load(target: str, prometheus: str, pool: str) -> dict[str, Any]:
     assert gap[0] and not any(gap[1:]), "the churn did not push the first events out of the buffer"
     with pytest.raises(KVCoordError):
         c.attach(pool, "sha256_cbor", BLOCK // 2, "0")  # hashes differently: refused and counted
-    c.attach(pool, "sha256_cbor", BLOCK, "0", client_name="gone", lease_seconds=11.0)  # never renewed
+    c.attach(pool, "sha256_cbor", BLOCK, "0", client_name="gone", lease_seconds=12.0)  # never renewed
     assert wait_for(
         lambda: prom_query(prometheus, f'kvcoord_sessions_expired_total{{pool="{pool}"}} == 1'), 30
     )

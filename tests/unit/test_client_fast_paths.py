@@ -282,6 +282,47 @@ def test_a_runs_answer_matches_only_the_mirrors_blocks() -> None:
     assert not run.matches(decode)
 
 
+@pytest.mark.parametrize("piece_ops", [0, 2])
+def test_a_decode_step_taking_a_block_is_the_run_entry_add_to_run_makes(piece_ops: int) -> None:
+    """``StepGathering.add_step`` (a decode step taking or caching a block: its token and
+    hash appended as they are) gathers exactly the runs ``add_to_run`` gathers from the
+    same step given as one-element tuples: the same columns, answers, sizes and runs cut
+    at the server's ``max_ops_per_step``."""
+    from kvcoord.client.gathering import StepGathering
+    from kvcoord.client.items import Gathered
+
+    def gathering() -> StepGathering:
+        g = StepGathering()
+        g.pending, g.run, g.backlog = Gathered(), None, 0
+        g.client = types.SimpleNamespace(step_piece_ops=piece_ops)  # type: ignore[assignment]
+        return g
+
+    h1, h2 = bytes(range(32)), bytes(range(1, 33))
+    steps: list[tuple[Any, ...]] = [
+        ("a", 16, 1, 17, None, 15, 1, 0, ((4,),)),
+        ("b", 32, 1, 3, h1, 31, 1, 2, ((),)),
+        ("c", 48, 2, 2**32 - 1, h2, 47, 1, 0, ((9,),)),
+        ("a", 17, 1, 5, None, 16, 1, 0, ((5,),)),
+        ("d", 64, 3, 0, h1, 63, 1, 1, ((6,),)),
+    ]
+    general, direct = gathering(), gathering()
+    for rid, base_t, base_h, token, h, computed, num_new, ahead, new in steps:
+        general.add_to_run(
+            rid, base_t, base_h, (token,), () if h is None else (h,), computed, num_new, ahead, new
+        )
+        direct.add_step(rid, base_t, base_h, token, h, computed, num_new, ahead, new)
+    general.close_run()
+    direct.close_run()
+    assert len(direct.pending.runs) == len(general.pending.runs) == (3 if piece_ops else 1)
+    assert direct.pending.size == general.pending.size
+    for (_, a), (_, b) in zip(general.pending.runs, direct.pending.runs, strict=True):
+        assert (b.fixed, b.tokens, b.hashes, b.news, b.size) == (a.fixed, a.tokens, a.hashes, a.news, a.size)
+        ops = pb.AllocateRunOp(), pb.AllocateRunOp()
+        a.write(ops[0])
+        b.write(ops[1])
+        assert ops[0] == ops[1]
+
+
 class _View:
     """vLLM's ``ConstantList``: a read-only view of the request's own token list, which
     vLLM appends to and cuts in place (every ``len()`` and slice a Python call)."""

@@ -105,6 +105,26 @@ class StepGathering:
         run.news.append(new)
         run.size += 37  # (add_to_run's 32 + 5 per token + 34 per hash)
 
+    def add_step(
+        self, rid: str, base_t: int, base_h: int, token: int, block_hash: bytes | None, computed: int,
+        num_new_tokens: int, num_lookahead_tokens: int, new: BlockIds,
+    ) -> None:  # fmt: skip
+        """:meth:`add_to_run` of a decode step taking or caching a block: one token
+        appended and the hash of the block it completes (``None``: none), appended to
+        the columns as they are, with no tuple made to carry either."""
+        run = self.run
+        if run is None or len(run.news) == self.client.step_piece_ops:
+            run = self._new_run()
+        if block_hash is None:
+            run.fixed += (rid, base_t, base_h, computed, num_new_tokens, num_lookahead_tokens, 1, 0)
+            run.size += 37
+        else:
+            run.fixed += (rid, base_t, base_h, computed, num_new_tokens, num_lookahead_tokens, 1, 1)
+            run.hashes.append(block_hash)
+            run.size += 71  # (add_to_run's 32 + 5 per token + 34 per hash)
+        run.tokens.append(token)
+        run.news.append(new)
+
     def _new_run(self) -> ColumnRun:
         """Start a run (the one being gathered, if any, ended): a run holds at most the
         server's max_ops_per_step entries (``step_piece_ops``, learned at Attach; 0: no

@@ -254,10 +254,7 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
                 checked = True
                 new = mirror.decode_step(rid, computed, token, block_hash, num_new_tokens, num_lookahead_tokens)  # fmt: skip
                 if new is not None:
-                    self.sender.add_to_run(
-                        rid, base_t, base_h, (token,), () if block_hash is None else (block_hash,), computed,
-                        num_new_tokens, num_lookahead_tokens, new,
-                    )  # fmt: skip
+                    self.sender.add_step(rid, base_t, base_h, token, block_hash, computed, num_new_tokens, num_lookahead_tokens, new)  # fmt: skip
                     return new
             mark, tokens = (base_t, base_h, was, True), (token,)  # (as sync_run gives them)
             hashes = () if block_hash is None else (block_hash,)

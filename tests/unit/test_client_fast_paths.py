@@ -252,6 +252,26 @@ def test_lazy_blocks_are_the_blocks_built_at_the_call(seed: int) -> None:
     assert lazy.blocks == now
 
 
+def test_blocks_holding_no_hash_yet_are_built_from_their_ids_alone() -> None:
+    """A step's new block past the request's hashed tokens (a decode step's) is answered
+    as its ids alone (no closure made for it): read, the same blocks, with no hash, that
+    the hashed path builds; a block within the hashed tokens still gets its hash."""
+    from kvcoord.client.vllm_types import KVCacheBlock
+
+    m = object.__new__(KVCoordKVCacheManager)
+    m.enable_caching, m.hash_block_size, m._evicted = True, 16, set()
+    m.block_sizes, m._positional = [16], [True]
+    m.empty_kv_cache_blocks = KVCacheBlocks(((),))
+    hashes = [bytes([i]) * 32 for i in range(2)]
+    held = _Held(types.SimpleNamespace(block_hashes=hashes), 32)  # two blocks hashed
+    lazy = m._blocks(([7],), held, [2])  # the table's third block
+    assert lazy._make is None and lazy._blocks is None
+    assert lazy.get_block_ids() == ([7],)
+    assert lazy.blocks == ([KVCacheBlock(7)],) == (_hashed_blocks([7], m._hash_view(held, 0, 2, [7])),)
+    assert m._blocks(([7],), held, [1]).blocks == ([KVCacheBlock(7, hashes[1] + bytes(4))],)
+    assert KVCacheBlocks(ids=((3, 0), ())).blocks == ([KVCacheBlock(3), KVCacheBlock(0)], [])
+
+
 def test_a_runs_answer_matches_only_the_mirrors_blocks() -> None:
     """``ColumnRun.matches`` (made by C passes over the entries) takes the server's answer
     only when it gives every entry, in order, the mirror's blocks of every group."""

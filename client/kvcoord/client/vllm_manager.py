@@ -188,11 +188,13 @@ class KVCoordKVCacheManager(AdapterLosses):
         vLLM may append to the request or evict blocks before then."""
         if not any(ids):
             return self.empty_kv_cache_blocks
-        if held is None or not self.enable_caching:
-            return KVCacheBlocks(
-                make=lambda: tuple([KVCacheBlock(b) for b in group] for group in ids), ids=ids
-            )
-        views = [self._hash_view(held, g, starts[g], group) for g, group in enumerate(ids)]
+        views = None
+        if held is not None and self.enable_caching:
+            views = [self._hash_view(held, g, starts[g], group) for g, group in enumerate(ids)]
+            if views.count(None) == len(views):
+                views = None  # (no block hashed yet: a decode step's new block) the ids alone, kept
+        if views is None:
+            return KVCacheBlocks(ids=ids)
         return KVCacheBlocks(
             make=lambda: tuple(_hashed_blocks(group, v) for group, v in zip(ids, views, strict=True)), ids=ids
         )

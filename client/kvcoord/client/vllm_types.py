@@ -69,7 +69,9 @@ class KVCacheBlocks:
 
     May be lazy (``make``): the blocks are built when first read. ``ids``, when given,
     are their ids per group, which answer ``get_block_ids`` and ``to_block_ids``
-    without building them (what vLLM's scheduler reads of most answers).
+    without building them (what vLLM's scheduler reads of most answers); given alone
+    (no ``blocks``, no ``make``), the blocks are those ids' blocks holding no hash,
+    built when first read.
     """
 
     __slots__ = ("_blocks", "_ids", "_make")
@@ -87,8 +89,13 @@ class KVCacheBlocks:
     @property
     def blocks(self) -> tuple[Sequence[KVCacheBlock], ...]:
         if self._blocks is None:
-            assert self._make is not None
-            self._blocks, self._make = self._make(), None
+            make = self._make
+            if make is None:  # (the ids alone: no closure made per answer for them)
+                ids = self._ids
+                assert ids is not None
+                self._blocks = tuple([KVCacheBlock(b) for b in group] for group in ids)
+            else:
+                self._blocks, self._make = make(), None
         return self._blocks
 
     def __eq__(self, other: object) -> bool:

@@ -16,11 +16,16 @@
 # directories (tmp_path; etcd per module), so no test needs a group. `--dist worksteal`: the
 # slow tests (SIGKILL/restart loops of minutes) sit next to each other in collection
 # order; an idle worker takes tests queued on a busy one instead of waiting. tests/cluster
-# runs after the rest, serially: its replicas hold ownership leases of a few seconds in a
-# real etcd cluster, and beside 4 busy workers a pool being rebuilt by another replica
-# outlasted a client's 5 s retry budget (test_failover.py failed once in two parallel runs).
-#   KVCOORD_TEST_WORKERS       workers of `pytest tests` (default 4; 0 runs it serially)
-#   KVCOORD_VLLM_TEST_WORKERS  workers of each tests/with_vllm run (default 2; 0: serially)
+# runs after the rest, not beside it: its replicas hold ownership leases of a few seconds
+# in a real etcd, and beside 4 busy workers a pool being rebuilt by another replica
+# outlasted a client's 5 s retry budget (test_failover.py failed once in two parallel
+# runs). Alone it is mostly waiting (serially 518 s of wall time for 135 s of CPU on a
+# loaded machine), so it runs on 2 workers of its own, `--dist loadfile`: a module's tests
+# stay on one worker, in order, with the module's etcd (one per module and worker, on
+# ports of its own; each test names its own cluster in it, so none depends on another).
+#   KVCOORD_TEST_WORKERS          workers of `pytest tests` (default 4; 0 runs it serially)
+#   KVCOORD_CLUSTER_TEST_WORKERS  workers of tests/cluster (default 2; 0 runs it serially)
+#   KVCOORD_VLLM_TEST_WORKERS     workers of each tests/with_vllm run (default 2; 0: serially)
 # The vLLM 0.16.0 and 0.33.0 runs of tests/with_vllm go on side by side, each writing to
 # a log that is printed when both have ended (KVCOORD_VLLM_SERIAL=1: one after the other,
 # straight to the terminal). The container suite's images (and dockerd, if none runs)
@@ -131,8 +136,10 @@ if [ "${1:-}" != "--integration-only" ]; then
   # --durations: each run ends with its slowest tests, to see where CI's time goes
   "$PYTHON" -m pytest tests --ignore=tests/integration --ignore=tests/cluster -p no:benchmark \
     -n "${KVCOORD_TEST_WORKERS:-4}" --dist worksteal --durations=15 || status=$?
-  # the replica-cluster tests alone, one at a time (their ownership leases are seconds long)
-  "$PYTHON" -m pytest tests/cluster -p no:benchmark --durations=10 || status=$?
+  # the replica-cluster tests after the rest, on workers of their own (their ownership
+  # leases are seconds long: see above)
+  "$PYTHON" -m pytest tests/cluster -p no:benchmark \
+    -n "${KVCOORD_CLUSTER_TEST_WORKERS:-2}" --dist loadfile --durations=10 || status=$?
   vllm_workers=(-n "${KVCOORD_VLLM_TEST_WORKERS:-2}" --dist worksteal --durations=15)
   if [ -n "${KVCOORD_VLLM_SERIAL:-}" ]; then
     ./scripts/test_vllm.sh "${vllm_workers[@]}" || status=$?

@@ -64,6 +64,7 @@ import cbor2
 from .durability import JournalRecorder
 from .errors import ServiceError, Status
 from .stalls import run_bounded, stalled_message
+from .tasks import uncancelled
 
 if TYPE_CHECKING:  # pragma: no cover
     from .pool_service import PoolService
@@ -351,10 +352,9 @@ class PoolStreams:
             success = [tx.put(k, v) for k, v in puts]
             if delete is not None:
                 success.append(tx.delete(delete[0], range_end=delete[1]))
-            try:
-                ok, _ = await client.transaction(
-                    compare=[tx.mod(self.owner_key(pool)) == term], success=success, failure=[]
-                )
+            compare = [tx.mod(self.owner_key(pool)) == term]
+            try:  # (a replaced client's channel closed under the write: CallCancelled, retried)
+                ok, _ = await uncancelled(client.transaction(compare=compare, success=success, failure=[]))
             except Exception as exc:  # noqa: BLE001 - outcome unknown: the same write again is harmless
                 if refused(exc) or not self.lease_valid():  # (a refusal was retried: callers hung)
                     raise StoreWriteError(

@@ -1,0 +1,72 @@
+"""A pool's journal write in flight on a store client the replica replaced
+(ClusterStore.reconnect) when that client is closed (ClusterStore._retire, once the
+calls' deadlines passed). gRPC ends a call whose channel is closed under it with
+asyncio.CancelledError; on a loaded machine a call's end by its deadline reached the
+loop after that close (the CI failure of test_keepalive under two xdist workers: a
+store call raised CancelledError). The journal took it for its own cancellation and
+gave the pool up (its callers told UNAVAILABLE, the pool rebuilt elsewhere) where the
+same write on the new client was all it needed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+
+import cbor2
+import pytest
+from etcd_process import Etcd, put_claim, store_client
+from kvcoord.service import cluster_store
+from kvcoord.service.store_journal import PoolStreams
+from kvcoord.service.store_rebuild import stream_rows
+from tcp_proxy import HoldingProxy
+
+#: a bound on every wait here, not a measurement
+BOUND = 30.0
+
+
+def test_a_write_on_a_replaced_client_closed_under_it_is_written_on_the_new_one(
+    etcd: Etcd, request: pytest.FixtureRequest
+) -> None:
+    """The write is held on its way (a proxy that forwards nothing more of its
+    connection: the old connection a replica leaves); the client is replaced and the
+    old one closed before the write's deadline ended it (the loaded machine's order,
+    made certain here by a deadline longer than the test). The write is made on the
+    new client: committed, the pool kept, its caller answered."""
+    prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
+    pool = "p"
+
+    async def run() -> None:
+        proxy = HoldingProxy(etcd.endpoint, b"journal/")
+        old = cluster_store.store_client(proxy.address, 600.0)
+        clients = [old]
+        async with store_client(etcd) as new:
+            streams = PoolStreams(lambda: clients[-1], prefix, lambda: True, snapshot_every=40)
+            term = await put_claim(new, streams.owner_key(pool))
+            lost: list[str] = []
+            streams.on_lost = lost.append
+
+            async def call() -> None:
+                streams.open(pool, term, cbor2.dumps([0, ["base", 0.0, b"p"]]))
+                await streams.flush()
+
+            task = asyncio.create_task(call(), context=contextvars.Context())
+            try:
+                for _ in range(int(BOUND / 0.05)):
+                    if proxy.marker_at is not None:
+                        break
+                    await asyncio.sleep(0.05)
+                else:
+                    pytest.fail(f"the write did not reach the proxy within {BOUND} s")
+                clients.append(new)  # reconnect(): the new client is the one read from now on
+                await cluster_store.close_client(old, 5.0)  # _retire(): the write's channel closed
+                await asyncio.wait([task], timeout=BOUND)
+                assert task.done(), f"the write was not answered within {BOUND} s"
+                task.result()  # (was: ServiceError UNAVAILABLE, the pool given up)
+                assert lost == [] and streams.is_open(pool)
+                rows = await new.get_prefix(streams.pool_prefix(pool))
+                assert 0 in stream_rows(rows, streams.pool_prefix(pool))[term]
+            finally:
+                task.cancel()
+                proxy.close()
+
+    asyncio.run(run())

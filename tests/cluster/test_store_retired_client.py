@@ -5,7 +5,8 @@ asyncio.CancelledError; on a loaded machine a call's end by its deadline reached
 loop after that close (the CI failure of test_keepalive under two xdist workers: a
 store call raised CancelledError). The journal took it for its own cancellation and
 gave the pool up (its callers told UNAVAILABLE, the pool rebuilt elsewhere) where the
-same write on the new client was all it needed."""
+same write on the new client was all it needed; the replica's watch loop took it for its
+own and ended for good (the view never followed the store again)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ import cbor2
 import pytest
 from etcd_process import Etcd, put_claim, store_client
 from kvcoord.service import cluster_store
+from kvcoord.service.cluster import Cluster
+from kvcoord.service.ownership import Member, encode_claim
 from kvcoord.service.store_journal import PoolStreams
 from kvcoord.service.store_rebuild import stream_rows
 from tcp_proxy import HoldingProxy
@@ -68,5 +71,47 @@ def test_a_write_on_a_replaced_client_closed_under_it_is_written_on_the_new_one(
             finally:
                 task.cancel()
                 proxy.close()
+
+    asyncio.run(run())
+
+
+def test_the_watch_follows_again_after_a_read_closed_under_it(
+    etcd: Etcd, request: pytest.FixtureRequest
+) -> None:
+    """The watch loop's read of the view (refresh) is held on its way; the client is
+    replaced and the old one closed before the read's deadline ended it. The loop
+    watches again on the new client: a claim put afterwards reaches the view."""
+    name = request.node.name[:40]
+
+    async def run() -> None:
+        cluster = Cluster([etcd.endpoint], name, Member("r0", "127.0.0.1:1001"), 30, 1.0)
+        await cluster.connect()
+        await cluster.register()
+        await cluster.refresh()
+        new = cluster.client
+        proxy = HoldingProxy(etcd.endpoint, cluster.key("pools"))  # the refresh's read of the catalog
+        old = cluster_store.store_client(proxy.address, 600.0)
+        await old.connect()
+        cluster.client = old
+        cluster.tasks = [asyncio.get_running_loop().create_task(cluster._watch())]
+        try:
+            for _ in range(int(BOUND / 0.05)):
+                if proxy.marker_at is not None:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail(f"the watch's read did not reach the proxy within {BOUND} s")
+            cluster.client = new  # reconnect()
+            await cluster_store.close_client(old, 5.0)  # _retire(): the read's channel closed
+            await new.put(cluster.key("owners", "after"), encode_claim("r9", "127.0.0.1:9"))
+            for _ in range(int(BOUND / 0.1)):
+                if "after" in cluster.view.claims:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                pytest.fail(f"the watch does not follow the store any more ({cluster.tasks[0]!r})")
+        finally:
+            await cluster.stop()
+            proxy.close()
 
     asyncio.run(run())

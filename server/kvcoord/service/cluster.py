@@ -34,7 +34,7 @@ from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from .cluster_store import ClusterError, ClusterStore
 from .cluster_watch import follow_changes
 from .ownership import Claim, Member
-from .tasks import cancel_and_wait
+from .tasks import cancel_and_wait, uncancelled
 
 __all__ = ["Cluster", "ClusterError"]
 
@@ -453,39 +453,45 @@ class Cluster(ClusterStore):
     async def _watch(self) -> None:
         """Follow members and claims: re-read the view once the watch is made (what
         changed while there was none), on every change, and every lease period (in
-        case a watch missed one); a watch that fails is made again after a pause."""
+        case a watch missed one); a watch that fails is made again after a pause, as is
+        one whose store call was cancelled under it (:func:`.tasks.uncancelled`: its
+        client replaced and closed; this task used to end there, the view never
+        followed the store again)."""
         while True:
             try:
-                reader = asyncio.get_running_loop().create_task(
-                    follow_changes(self.client, self.prefix, self._changed.set, self.timeout)
-                )
-                reader.add_done_callback(lambda _: self._changed.set())  # its end wakes the loop
-                try:
-                    while True:
-                        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns
-                        # the result when the change comes in the same turn as stop()'s
-                        # cancellation, the cancellation is lost, and stop() waits for
-                        # this loop forever
-                        with contextlib.suppress(TimeoutError):
-                            async with asyncio.timeout(self.lease_seconds):
-                                await self._changed.wait()
-                        self._changed.clear()
-                        if reader.done():
-                            break
-                        await self.refresh()
-                        await self.claim_local()
-                        await self.recover_orphans()
-                        self._rebalance_beside()
-                finally:
-                    await cancel_and_wait([reader])  # the stream ends at once (follow_changes)
-                if reader.cancelled():
-                    raise ClusterError("the watch of the cluster store was cancelled")
-                reader.result()  # why it ended (it never returns)
+                await uncancelled(self._watch_once())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - watched again after a pause
                 logger.warning("watching the cluster store failed: %s", exc)
                 await asyncio.sleep(min(1.0, self.lease_seconds / 3))
+
+    async def _watch_once(self) -> None:
+        reader = asyncio.get_running_loop().create_task(
+            follow_changes(self.client, self.prefix, self._changed.set, self.timeout)
+        )
+        reader.add_done_callback(lambda _: self._changed.set())  # its end wakes the loop
+        try:
+            while True:
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the
+                # result when the change comes in the same turn as stop()'s
+                # cancellation, the cancellation is lost, and stop() waits for this
+                # loop forever
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.lease_seconds):
+                        await self._changed.wait()
+                self._changed.clear()
+                if reader.done():
+                    break
+                await self.refresh()
+                await self.claim_local()
+                await self.recover_orphans()
+                self._rebalance_beside()
+        finally:
+            await cancel_and_wait([reader])  # the stream ends at once (follow_changes)
+        if reader.cancelled():
+            raise ClusterError("the watch of the cluster store was cancelled")
+        reader.result()  # why it ended (it never returns)
 
 
 def _logged(task: asyncio.Task[None]) -> None:

@@ -25,6 +25,9 @@ from tcp_proxy import HoldingProxy
 
 #: a bound on every wait here, not a measurement
 BOUND = 30.0
+#: the deadline of the replica's store calls (not of the held one): a loaded machine's
+#: etcd answered a Status in more than 1 s
+TIMEOUT = 5.0
 
 
 def test_a_write_on_a_replaced_client_closed_under_it_is_written_on_the_new_one(
@@ -84,7 +87,7 @@ def test_the_watch_follows_again_after_a_read_closed_under_it(
     name = request.node.name[:40]
 
     async def run() -> None:
-        cluster = Cluster([etcd.endpoint], name, Member("r0", "127.0.0.1:1001"), 30, 1.0)
+        cluster = Cluster([etcd.endpoint], name, Member("r0", "127.0.0.1:1001"), 30, TIMEOUT)
         await cluster.connect()
         await cluster.register()
         await cluster.refresh()
@@ -111,6 +114,57 @@ def test_the_watch_follows_again_after_a_read_closed_under_it(
             else:
                 pytest.fail(f"the watch does not follow the store any more ({cluster.tasks[0]!r})")
         finally:
+            await cluster.stop()
+            proxy.close()
+
+    asyncio.run(run())
+
+
+def test_a_failed_handover_is_settled_again_after_its_reclaim_is_closed_under_it(
+    etcd: Etcd, request: pytest.FixtureRequest
+) -> None:
+    """A handover failed; putting the pool's claim again (reclaim) is held on its way,
+    and the client is replaced and the old one closed under it. The pool is not served
+    meanwhile and is settled at the watch's next pass (it was left "changing owner" here
+    for good: the CancelledError skipped both the retry list and the end of the move)."""
+    name = request.node.name[:40]
+    pool = "p"
+
+    async def run() -> None:
+        cluster = Cluster([etcd.endpoint], name, Member("r0", "127.0.0.1:1001"), 30, TIMEOUT)
+        cluster.local_pools = lambda: [pool]
+        await cluster.connect()
+        await cluster.register()
+        claim = await cluster.claim(pool)
+        assert claim is not None
+        new = cluster.client
+        proxy = HoldingProxy(etcd.endpoint, cluster.key("owners", pool))
+        old = cluster_store.store_client(proxy.address, 600.0)
+        await old.connect()
+        cluster.client = old
+        cluster.view.moving.add(pool)  # (hand_over: being handed over)
+        settle = asyncio.get_running_loop().create_task(
+            cluster._settle_failed_handover(pool, claim.term, RuntimeError("the adopter did not answer"))
+        )
+        try:
+            for _ in range(int(BOUND / 0.05)):
+                if proxy.marker_at is not None:
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                pytest.fail(f"the reclaim did not reach the proxy within {BOUND} s")
+            cluster.client = new  # reconnect()
+            await cluster_store.close_client(old, 5.0)  # _retire(): the reclaim's channel closed
+            await asyncio.wait([settle], timeout=BOUND)
+            assert settle.done() and not settle.cancelled(), settle
+            settle.result()
+            assert cluster._unsettled == {pool: claim.term} and pool in cluster.view.moving  # not served yet
+            await cluster.claim_local()  # the watch's next pass
+            assert cluster._unsettled == {} and pool not in cluster.view.moving
+            again = cluster.view.claims[pool]
+            assert again.replica_id == "r0" and again.term > claim.term  # served here under a new term
+        finally:
+            settle.cancel()
             await cluster.stop()
             proxy.close()
 

@@ -379,8 +379,8 @@ class Cluster(ClusterStore):
         unserved here (callers are told the owner is changing and retry) and this is
         tried again at the watch's next pass."""
         view = self.view
-        try:
-            claim = await self.reclaim(pool, revision)
+        try:  # (cancelled under this task: its client replaced and closed; was: "moving" for good)
+            claim = await uncancelled(self.reclaim(pool, revision))
         except Exception as again:  # noqa: BLE001 - the claim is unknown: keep not serving
             self._unsettled[pool] = revision
             logger.error(

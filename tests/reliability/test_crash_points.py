@@ -1,0 +1,260 @@
+"""A seeded crash-consistency harness: three workers allocate and free over real gRPC
+while the server process, snapshotting after nearly every record, is SIGKILLed at
+random moments (some timed while a snapshot child writes its file, or while the
+journal copies it in and compacts), once restarted on a volume copied earlier (a
+restored backup) and once stopped by a full disk. At every quiet point the server
+must hold exactly what its workers were told, block for block: nothing lost without a
+typed error to its owner, no block held twice, the pool sound (CheckPool)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from durable_server import (
+    DurableServer,
+    attach,
+    attach_after_grace,
+    copy_volume,
+    leased_server,
+    restore_volume,
+)
+from kvcoord.client import KVCoordClient
+from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
+from kvcoord.client.retry import RetryPolicy
+from kvcoord.v1 import allocator_pb2 as pb
+from workload import check_pool
+
+NUM_BLOCKS = 48
+LEASE = 4.0
+#: keyed Steps retried across a restart (a few seconds on a loaded machine)
+PATIENT = RetryPolicy(initial_backoff=0.02, max_backoff=0.3, deadline=60.0, max_attempts=1000)
+#: errors that tell a worker its session, and so its requests, are gone
+LOST = (FencedError, SessionExpiredError)
+
+
+class Worker(threading.Thread):
+    """Allocates requests of 1-4 blocks (hashes unique to the request: no block is ever
+    shared through the prefix cache, so two holders of one block is always a fault) and
+    frees them, one keyed Step each. ``acked``: request id -> the block ids its answer
+    gave, for every allocation acknowledged and not freed since."""
+
+    def __init__(self, address: str, name: str, seed: int, gate: threading.Event) -> None:
+        super().__init__(name=name, daemon=True)
+        self.address = address
+        self.rnd = random.Random(seed)
+        self.gate = gate  # set: work; clear: stop at the next call boundary
+        self.idle = threading.Event()
+        self.stop = False
+        self.acked: dict[str, list[int]] = {}
+        self.calls = 0  # calls answered (a result or a typed error)
+        self.lost_told = 0  # times told its session was gone
+        self.error = ""
+        self.session: Any = None
+        self.n = 0
+
+    def run(self) -> None:
+        try:
+            with KVCoordClient(self.address, retry=PATIENT, timeout=30) as c:
+                self.session = attach(c, self.name, LEASE)
+                while not self.stop:
+                    if not self.gate.is_set():
+                        self.idle.set()
+                        self.gate.wait(0.05)
+                        continue
+                    self.idle.clear()
+                    self._one(c)
+        except BaseException as exc:  # reported by the test
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.idle.set()
+
+    def _one(self, c: KVCoordClient) -> None:
+        if self.session is None:
+            try:
+                self.session, _ = attach_after_grace(c, LEASE, self.name, 8 * LEASE)
+            except (GracePeriodError, *LOST):
+                return
+        free = self.acked and (len(self.acked) >= 5 or self.rnd.random() < 0.4)
+        if free:
+            rid = self.rnd.choice(sorted(self.acked))
+            op = pb.Operation(free=pb.FreeOp(request_id=rid))
+        else:
+            self.n += 1
+            rid = f"{self.name}-{self.n}"
+            tokens = 4 * self.rnd.randint(1, 4)
+            sync = pb.RequestSync(
+                request_id=rid, append_token_ids=list(range(tokens)), new_request=True,
+                append_block_hashes=[f"{rid}/{i}".encode().ljust(32, b".") for i in range(tokens // 4)],
+            )  # fmt: skip
+            op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=tokens))
+        try:
+            answer = c.step("p", [op], self.session.session_id, self.session.fence)
+        except LOST:
+            self.calls += 1
+            self.lost_told += 1
+            self.acked.clear()  # told: every request of the session is gone
+            self.session = None
+            return
+        except GracePeriodError:
+            self.calls += 1
+            return
+        self.calls += 1
+        self.session.fence.CopyFrom(answer.fence)  # what it was told: a restore behind it is proven
+        result = answer.results[0]
+        assert result.status_code == 0, result
+        if free:
+            del self.acked[rid]
+        elif result.allocate.refused:
+            # registered, no blocks: give it back so the pool's requests are the acked ones
+            back = pb.Operation(free=pb.FreeOp(request_id=rid, if_held=True))
+            try:
+                answer = c.step("p", [back], self.session.session_id, self.session.fence)
+                self.session.fence.CopyFrom(answer.fence)
+            except KVCoordError:
+                pass  # a lost session is told at the next call
+        else:
+            self.acked[rid] = list(result.allocate.new_block_ids[0].block_ids)
+
+
+class Harness:
+    def __init__(self, server: DurableServer, seed: int) -> None:
+        self.server = server
+        self.rnd = random.Random(seed)
+        self.gate = threading.Event()
+        self.workers = [Worker(server.address, f"w{i}", seed * 10 + i, self.gate) for i in range(3)]
+        self.checks = 0
+
+    def run_for(self, seconds: float) -> None:
+        """Let the workers run ``seconds`` then stop them at call boundaries."""
+        self.gate.set()
+        time.sleep(seconds)
+
+    def quiesce(self, min_calls: int = 1) -> None:
+        """Stop the workers once each answered ``min_calls`` more calls (after a restart:
+        each has heard what became of its session before its view is compared)."""
+        start = [w.calls for w in self.workers]
+        self.gate.set()
+        deadline = time.monotonic() + 90
+        while any(w.calls < s + min_calls and w.is_alive() and not w.error for w, s in zip(self.workers, start)):
+            assert time.monotonic() < deadline, "a worker made no progress"
+            time.sleep(0.01)
+        self.gate.clear()
+        for w in self.workers:
+            assert w.idle.wait(90), f"{w.name} never stopped"
+            assert not w.error, f"{w.name}: {w.error}\n{self.server.log()}"
+
+    def check(self, c: KVCoordClient) -> None:
+        """Quiet: the server holds exactly the workers' acknowledged allocations."""
+        acked: dict[str, list[int]] = {}
+        for w in self.workers:
+            acked.update(w.acked)
+        held = {
+            r.request_id: list(r.groups[0].block_ids)
+            for r in c.inspect_pool("p", all_requests=True).requests
+        }
+        missing = {r: ids for r, ids in acked.items() if held.get(r) != ids}
+        extra = {r: ids for r, ids in held.items() if r not in acked}
+        assert not missing and not extra, f"acked but not held as told: {missing}; held unacked: {extra}"
+        blocks = [b for ids in held.values() for b in ids]
+        assert len(blocks) == len(set(blocks)), f"a block held twice: {held}"
+        check_pool(c, "p", NUM_BLOCKS)
+        assert not c.check_pool("p").violations
+        self.checks += 1
+
+    def kill_at_a_crash_point(self) -> str:
+        """SIGKILL the server: at a random moment, or once a snapshot file is being
+        written by the forked child (``.tmp``) or copied into the journal (``.part``)."""
+        point = self.rnd.choice(["random", "random", ".part.tmp", ".part"])
+        if point == "random":
+            time.sleep(self.rnd.uniform(0.0, 0.4))
+        else:
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline:
+                if any(p.name.endswith(point) for p in self.server.data_dir.glob("snapshot-*")):
+                    break
+                time.sleep(0.0005)
+            else:
+                point += " (not seen)"
+        self.server.kill()
+        return point
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_crash_points_lose_no_acknowledged_block(tmp_path: Path, seed: int) -> None:
+    rnd = random.Random(seed)
+    server = leased_server(tmp_path, LEASE, NUM_BLOCKS)
+    every = rnd.choice([1, 2, 3, 5])
+    server.config.write_text(
+        server.config.read_text().replace("snapshot_every = 2000\n", f"snapshot_every = {every}\n")
+    )
+    server.start()
+    h = Harness(server, seed)
+    points: list[str] = []
+    try:
+        with KVCoordClient(server.address, timeout=30) as c:
+            for w in h.workers:
+                w.start()
+            h.quiesce(3)
+            h.check(c)
+            # 1. SIGKILLs at crash points, each followed by a restart on the same volume
+            for _ in range(4):
+                h.gate.set()
+                points.append(h.kill_at_a_crash_point())
+                server.start()
+                h.quiesce(2)
+                h.check(c)
+            assert not any(w.lost_told for w in h.workers), "a restart on the same volume lost a session"
+            # 2. a full disk: the server stops itself (or is killed), restarted as by its supervisor
+            size = max(f.stat().st_size for f in server.data_dir.iterdir())
+            server.kill()
+            server.start(max_file_bytes=size + rnd.randrange(4_096, 65_536))
+            h.gate.set()
+            assert server.proc is not None
+            for _ in range(200):
+                if server.proc.poll() is not None:
+                    break
+                time.sleep(0.02)
+            h.gate.clear()
+            server.kill()
+            server.start()
+            h.quiesce(2)
+            h.check(c)
+            assert not any(w.lost_told for w in h.workers), "a full disk lost a session"
+            # 3. a volume copied at a quiet point, more work, then the copy restored
+            with server.paused():
+                copy_volume(server, tmp_path / "copy")
+            h.run_for(0.5)
+            h.quiesce(1)
+            restore_volume(server, tmp_path / "copy")
+            server.start()
+            h.quiesce(1)  # each worker is told (its fence proves the restore, or its session ended)
+            told = [w.lost_told for w in h.workers]
+            assert all(told), told
+            h.check(c)
+            h.quiesce(3)  # after the grace: new sessions, new work
+            h.check(c)
+            # 4. every worker frees what it holds: its own session's requests, so each
+            # free proves the owner; then the pool is empty
+            h.gate.clear()
+            for w in h.workers:
+                w.stop = True
+                w.join(60)
+                assert not w.error, w.error
+            for w in h.workers:
+                for rid in sorted(w.acked):
+                    c.step("p", [pb.Operation(free=pb.FreeOp(request_id=rid))], w.session.session_id, w.session.fence)
+            stats = c.get_stats("p")
+            assert stats.num_requests == 0 and stats.num_free_blocks == NUM_BLOCKS - 1, stats
+            check_pool(c, "p", NUM_BLOCKS)
+    finally:
+        h.gate.set()
+        for w in h.workers:
+            w.stop = True
+        server.stop()
+    print(f"seed {seed}: snapshot_every {every}, kills at {points}, {h.checks} checks")

@@ -26,8 +26,16 @@ from durable_server import (
     restore_volume,
 )
 from kvcoord.client import KVCoordClient
-from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
+from kvcoord.client.errors import (
+    FencedError,
+    GracePeriodError,
+    KVCoordError,
+    OutcomeUnknownError,
+    SessionExpiredError,
+    UnavailableError,
+)
 from kvcoord.client.retry import RetryPolicy
+from kvcoord.service.main import EXIT_JOURNAL_FAILED
 from kvcoord.v1 import allocator_pb2 as pb
 from workload import check_pool
 
@@ -75,6 +83,19 @@ class Worker(threading.Thread):
         finally:
             self.idle.set()
 
+    def _detach(self, c: KVCoordClient) -> None:
+        """End the session. A Detach carries no retry key: one whose answer was lost
+        (a SIGKILL) is sent again until the server says the session is gone."""
+        for _ in range(600):
+            try:
+                c.detach(self.session.session_id, self.session.fence)
+                return
+            except LOST:
+                return
+            except (OutcomeUnknownError, UnavailableError):
+                time.sleep(0.05)
+        raise AssertionError("the server never answered a Detach")
+
     def _one(self, c: KVCoordClient) -> None:
         if self.session is None:
             try:
@@ -82,10 +103,7 @@ class Worker(threading.Thread):
             except (GracePeriodError, *LOST):
                 return
         if self.rnd.random() < 0.03:  # the worker restarts: its session ends, a new one begins
-            try:
-                c.detach(self.session.session_id, self.session.fence)
-            except LOST:
-                self.lost_told += 1
+            self._detach(c)
             self.calls += 1
             self.acked.clear()
             self.session = None
@@ -213,7 +231,10 @@ class Harness:
         with the journal intact (or is SIGKILLed if the cap is not reached soon)."""
         size = max(f.stat().st_size for f in self.server.data_dir.iterdir())
         self.server.kill()
-        self.server.start(max_file_bytes=size + self.rnd.randrange(4_096, 65_536))
+        try:
+            self.server.start(max_file_bytes=size + self.rnd.randrange(4_096, 65_536))
+        except RuntimeError as exc:  # the disk filled while it started
+            assert f"server exited with {EXIT_JOURNAL_FAILED}" in str(exc), exc
         self.gate.set()
         assert self.server.proc is not None
         for _ in range(200):
@@ -221,21 +242,33 @@ class Harness:
                 break
             time.sleep(0.02)
         code = self.server.proc.poll()
+        assert code in (None, EXIT_JOURNAL_FAILED), self.server.log()
         self.server.kill()
         self.server.start()
         return f"disk:{code}"
 
-    def restore(self, copy: Path) -> str:
-        """The volume copied (atomically: the server paused) while the workers run, more
-        work, then the copy restored: every worker is told its session ended (its fence
-        proves the restore, or the proof ended it) before its view is compared."""
+    def copy(self, copy: Path) -> str:
+        """The volume copied (atomically: the server and its snapshot child paused)
+        while the workers run; the later events go on from there."""
         self.gate.set()
         time.sleep(self.rnd.uniform(0.0, 0.3))
         with self.server.paused():
             copy_volume(self.server, copy)
+        return "copy"
+
+    def restore(self, copy: Path) -> str:
+        """More work, then the copy restored (and, half the time, the restored server
+        SIGKILLed again a moment after it started: inside its proof or its grace):
+        every worker is told its session ended (its fence proves the restore, or the
+        proof ended it) before its view is compared."""
         self.quiesce(2)  # each worker told more than the copy holds
         restore_volume(self.server, copy)
         self.server.start()
+        if self.rnd.random() < 0.5:
+            self.gate.set()
+            time.sleep(self.rnd.uniform(0.0, 0.2))
+            self.server.kill()
+            self.server.start()
         self.quiesce(1)
         told = sum(w.lost_told for w in self.workers)
         assert told, "nobody was told of the restore"
@@ -248,9 +281,9 @@ SEEDS = [int(x) for x in os.environ.get("KVCOORD_CRASH_SEEDS", "1 2 3").split()]
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_crash_points_lose_no_acknowledged_block(tmp_path: Path, seed: int) -> None:
-    """Six events in a seeded order (SIGKILLs at crash points, a clean stop SIGKILLed
-    while it drains, a full disk, a volume restored from a copy taken while the
-    workers ran), a check of the server against the workers after each."""
+    """Seven events in a seeded order (SIGKILLs at crash points, a clean stop SIGKILLed
+    while it drains, a full disk, a volume copied while the workers ran and restored
+    some events later), a check of the server against the workers after each."""
     rnd = random.Random(seed)
     server = leased_server(tmp_path, LEASE, NUM_BLOCKS)
     every = rnd.choice([1, 2, 3, 5])
@@ -259,8 +292,9 @@ def test_crash_points_lose_no_acknowledged_block(tmp_path: Path, seed: int) -> N
     )
     server.start()
     h = Harness(server, seed)
-    events = ["kill", "kill", "kill", "term", "disk", "restore"]
+    events = ["kill", "kill", "kill", "term", "disk", "copy"]
     rnd.shuffle(events)
+    events.insert(rnd.randint(events.index("copy") + 1, len(events)), "restore")
     done: list[str] = []
     try:
         with KVCoordClient(server.address, timeout=30) as c:
@@ -269,8 +303,11 @@ def test_crash_points_lose_no_acknowledged_block(tmp_path: Path, seed: int) -> N
             h.quiesce(3)
             h.check(c)
             for event in events:
+                if event == "copy":
+                    done.append(h.copy(tmp_path / "copy"))
+                    continue
                 if event == "restore":
-                    done.append(h.restore(tmp_path / f"copy-{len(done)}"))
+                    done.append(h.restore(tmp_path / "copy"))
                 elif event == "disk":
                     done.append(h.full_disk())
                 elif event == "term":

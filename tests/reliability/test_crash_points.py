@@ -8,11 +8,14 @@ typed error to its owner, no block held twice, the pool sound (CheckPool)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
+import shutil
 import signal
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +37,7 @@ from kvcoord.client.errors import (
     SessionExpiredError,
     UnavailableError,
 )
-from kvcoord.client.retry import RetryPolicy
+from kvcoord.client.retry import DEFAULT_RETRY
 from kvcoord.service.main import EXIT_JOURNAL_FAILED
 from kvcoord.v1 import allocator_pb2 as pb
 from workload import check_pool
@@ -42,7 +45,7 @@ from workload import check_pool
 NUM_BLOCKS = 48
 LEASE = 4.0
 #: keyed Steps retried across a restart (a few seconds on a loaded machine)
-PATIENT = RetryPolicy(initial_backoff=0.02, max_backoff=0.3, deadline=60.0, max_attempts=1000)
+PATIENT = dataclasses.replace(DEFAULT_RETRY, initial_backoff=0.02, max_backoff=0.3, keyed_deadline=60.0)
 #: errors that tell a worker its session, and so its requests, are gone
 LOST = (FencedError, SessionExpiredError)
 
@@ -65,6 +68,8 @@ class Worker(threading.Thread):
         self.lost_told = 0  # times told its session was gone
         self.error = ""
         self.session: Any = None
+        self.silence = False  # set: stall once (its session lapses, its requests are freed)
+        self.lapsed = False  # stalled: told its session ended, as it must be
         self.n = 0
 
     def run(self) -> None:
@@ -79,7 +84,7 @@ class Worker(threading.Thread):
                     self.idle.clear()
                     self._one(c)
         except BaseException as exc:  # reported by the test
-            self.error = f"{type(exc).__name__}: {exc}"
+            self.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
         finally:
             self.idle.set()
 
@@ -97,11 +102,15 @@ class Worker(threading.Thread):
         raise AssertionError("the server never answered a Detach")
 
     def _one(self, c: KVCoordClient) -> None:
+        if self.silence:  # a stalled worker: no call, no renewal, until its lease has run out
+            self.silence = False
+            self.lapsed = True
+            time.sleep(2.5 * LEASE)
         if self.session is None:
             try:
                 self.session, _ = attach_after_grace(c, LEASE, self.name, 8 * LEASE)
-            except (GracePeriodError, *LOST):
-                return
+            except (GracePeriodError, UnavailableError, *LOST):
+                return  # (an Attach cut by a stopping server: CANCELLED, not retried)
         if self.rnd.random() < 0.03:  # the worker restarts: its session ends, a new one begins
             self._detach(c)
             self.calls += 1
@@ -214,6 +223,19 @@ class Harness:
         self.server.kill()
         return point
 
+    def lapse(self) -> str:
+        """One worker stalls past its lease while the others work on; the server is
+        SIGKILLed at a random moment meanwhile (a restart renews every lease: the stall
+        goes on after it) or while the lapsed session's requests are freed."""
+        stalled = self.rnd.choice(self.workers)
+        stalled.silence = True
+        self.gate.set()
+        when = self.rnd.uniform(0.0, 3.0 * LEASE)
+        time.sleep(when)
+        self.server.kill()
+        self.server.start()
+        return f"lapse:{stalled.name}@{when:.1f}"
+
     def stop_then_kill(self) -> str:
         """SIGTERM (a clean stop: drain, final snapshot), SIGKILLed a moment later."""
         assert self.server.proc is not None
@@ -252,6 +274,7 @@ class Harness:
         while the workers run; the later events go on from there."""
         self.gate.set()
         time.sleep(self.rnd.uniform(0.0, 0.3))
+        shutil.rmtree(copy, ignore_errors=True)
         with self.server.paused():
             copy_volume(self.server, copy)
         return "copy"
@@ -292,9 +315,12 @@ def test_crash_points_lose_no_acknowledged_block(tmp_path: Path, seed: int) -> N
     )
     server.start()
     h = Harness(server, seed)
-    events = ["kill", "kill", "kill", "term", "disk", "copy"]
+    events = ["kill", "kill", "kill", "term", "disk", "copy"] + os.environ.get(
+        "KVCOORD_CRASH_EXTRA", ""
+    ).split()
     rnd.shuffle(events)
     events.insert(rnd.randint(events.index("copy") + 1, len(events)), "restore")
+    events *= int(os.environ.get("KVCOORD_CRASH_ROUNDS", "1"))  # (longer hunts by hand)
     done: list[str] = []
     try:
         with KVCoordClient(server.address, timeout=30) as c:
@@ -310,6 +336,8 @@ def test_crash_points_lose_no_acknowledged_block(tmp_path: Path, seed: int) -> N
                     done.append(h.restore(tmp_path / "copy"))
                 elif event == "disk":
                     done.append(h.full_disk())
+                elif event == "lapse":
+                    done.append(h.lapse())
                 elif event == "term":
                     done.append(h.stop_then_kill())
                 else:
@@ -318,10 +346,11 @@ def test_crash_points_lose_no_acknowledged_block(tmp_path: Path, seed: int) -> N
                     server.start()
                 h.quiesce(2)
                 h.check(c)
-                if event != "restore":
-                    assert not any(w.lost_told for w in h.workers), f"{done}: a session was lost"
                 for w in h.workers:
+                    if event != "restore":
+                        assert bool(w.lost_told) == w.lapsed, f"{done}: {w.name} told {w.lost_told}"
                     w.lost_told = 0
+                    w.lapsed = False
             # every worker frees what it holds: its own session's requests, so each free
             # proves the owner; then the pool is empty
             h.gate.clear()

@@ -5,6 +5,7 @@ the restore (deploy/README.md, "Restore the volume")."""
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from pathlib import Path
 
@@ -234,5 +235,56 @@ def test_a_late_fence_of_a_second_lost_instance_does_not_fence_a_proven_restore_
             with KVCoordClient(server.address, retry=NO_RETRY) as c:
                 with pytest.raises((FencedError, SessionExpiredError)):
                     step_allocate(c, e, "e4", 4)
+    finally:
+        server.stop()
+
+
+def test_a_snapshot_at_the_start_of_an_instance_after_a_restore_replays_its_answers(tmp_path: Path) -> None:
+    """After a proven restore, an instance started later tags its answers under the
+    restore's generation key (positions.py). Its ``start`` record triggers a snapshot
+    at once when the records replayed before it reach ``snapshot_every``: that
+    snapshot must know the instance's generation, or the next start replays its
+    answers under the old key, finds them different from what its clients were told
+    and refuses to start. (Before, the snapshot was taken before the instance's
+    generation was set: "record N cannot be replayed: ... gives a different answer
+    where its client was told an answer", the server unable to start; found by
+    test_crash_points.py.)"""
+    lease = 2.0
+    server = leased_server(tmp_path, lease, num_blocks=17)
+    server.start()
+    copy = tmp_path / "volume-snapshot"
+    try:
+        with KVCoordClient(server.address) as c:
+            a = attach(c, "worker-a", lease)
+            step_allocate(c, a, "a1", 8)
+            copy_volume(server, copy)
+            a.fence.CopyFrom(c.step("p", [], a.session_id, a.fence).fence)
+            step_allocate(c, a, "a2", 8)
+        d = prove_restore_then_attach(server, copy, a, "a3", lease)
+        # the next instance (the restore's generation) replays more than 3 records
+        # since the last snapshot (none): its start record is snapshotted, and the one
+        # Step after it is not
+        server.config.write_text(
+            server.config.read_text().replace("snapshot_every = 2000", "snapshot_every = 3")
+        )
+        server.kill()
+        server.start()
+        journal = sqlite3.connect(server.data_dir / "journal.sqlite")
+        try:
+            for _ in range(500):
+                if journal.execute("SELECT count(*) FROM snapshots").fetchone()[0]:
+                    break
+                time.sleep(0.01)
+            else:
+                raise AssertionError("no snapshot at the start record")
+        finally:
+            journal.close()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            held = step_allocate(c, d, "d1", 8)  # told under the generation's key
+        server.kill()
+        server.start()  # replays that answer after the snapshot
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            inspected = c.inspect_pool("p", all_requests=True)
+            assert [list(r.groups[0].block_ids) for r in inspected.requests if r.request_id == "d1"] == [held]
     finally:
         server.stop()

@@ -332,8 +332,11 @@ def open_journal(
         if before_fencing is not None:
             before_fencing(store.behind)
         fence_restored(registry, recorder)
+    # the instance's start (and its restore generation) is known before its record is
+    # appended: a snapshot that record triggers holds it, so the answers after it
+    # replay tagged under the key they were told with (positions.py)
+    positions.started(registry.instance_id, journal.appended + 1)
     recorder.started(registry.instance_id)
-    positions.started(registry.instance_id, journal.appended)
     if recovered != journaled_limits(registry, configured) or not (after or count):
         recorder.limits_changed(journaled_limits(registry, configured))
     return Recovery(

@@ -1,10 +1,16 @@
 """A seeded crash-consistency harness: three workers allocate and free over real gRPC
-while the server process, snapshotting after nearly every record, is SIGKILLed at
-random moments (some timed while a snapshot child writes its file, or while the
-journal copies it in and compacts), once restarted on a volume copied earlier (a
-restored backup) and once stopped by a full disk. At every quiet point the server
-must hold exactly what its workers were told, block for block: nothing lost without a
-typed error to its owner, no block held twice, the pool sound (CheckPool)."""
+(and end and begin sessions) while the server process, snapshotting after every 1-5
+records, is SIGKILLed at random moments and while a snapshot child writes its file or
+the journal copies it in, stopped cleanly and SIGKILLed while it drains, stopped by a
+full disk, restarted on a volume copied some events earlier (a restored backup), and
+(seed 3) SIGKILLed while a stalled worker's session lapses. At every quiet point,
+once each worker has made a call since, the server must hold exactly what its workers
+were told, block for block: nothing lost without a typed error to its owner, no block
+held twice, the pool sound (CheckPool); at the end each worker frees what it holds,
+from its own session, and the pool is empty.
+
+Longer hunts by hand: ``KVCOORD_CRASH_SEEDS="1 2 ... 40"``, ``KVCOORD_CRASH_ROUNDS=3``
+(the events repeated), ``KVCOORD_CRASH_EXTRA="lapse lapse"`` (more events)."""
 
 from __future__ import annotations
 
@@ -315,9 +321,8 @@ def test_crash_points_lose_no_acknowledged_block(tmp_path: Path, seed: int) -> N
     )
     server.start()
     h = Harness(server, seed)
-    events = ["kill", "kill", "kill", "term", "disk", "copy"] + os.environ.get(
-        "KVCOORD_CRASH_EXTRA", ""
-    ).split()
+    extra = os.environ.get("KVCOORD_CRASH_EXTRA", "lapse" if seed == 3 else "")  # (a lapse: +10 s)
+    events = ["kill", "kill", "kill", "term", "disk", "copy", *extra.split()]
     rnd.shuffle(events)
     events.insert(rnd.randint(events.index("copy") + 1, len(events)), "restore")
     events *= int(os.environ.get("KVCOORD_CRASH_ROUNDS", "1"))  # (longer hunts by hand)

@@ -318,7 +318,9 @@ def test_a_pool_rebuilt_from_the_store_has_the_ends_of_its_sessions(
         a0, a1 = start("r0"), start("r1")
         with KVCoordClient([a0, a1], timeout=5.0) as c:
             c.create_pool(pool, POOL_CONFIG)
-            short = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=11)  # (above the 10 s stall bound)
+            short = c.attach(
+                pool, "sha256_cbor", 4, "0", lease_seconds=12
+            )  # (11.579 s at least: the 10 s stall bound)
             gone = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=60)
             live = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=60)
             first = c.allocate(pool, allocate("a", list(range(100, 100 + 4 * 60)), 4 * 60).allocate,

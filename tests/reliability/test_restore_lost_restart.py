@@ -8,9 +8,11 @@ from __future__ import annotations
 import sqlite3
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from durable_server import (
+    DurableServer,
     assert_restore_proven,
     attach,
     attach_after_grace,
@@ -71,6 +73,19 @@ def test_a_restored_volume_whose_lost_history_spans_a_restart_is_proven_by_its_w
         server.stop()
 
 
+def _restore_proven_after_a2(server: DurableServer, tmp_path: Path, lease: float) -> Any:
+    """worker-a allocates a1, the volume is copied, a2 is allocated, the copy is restored
+    and proven by a's fence; returns the session attached after it (its a3 lost)."""
+    copy = tmp_path / "volume-snapshot"
+    with KVCoordClient(server.address) as c:
+        a = attach(c, "worker-a", lease)
+        step_allocate(c, a, "a1", 8)
+        copy_volume(server, copy)
+        a.fence.CopyFrom(c.step("p", [], a.session_id, a.fence).fence)
+        step_allocate(c, a, "a2", 8)
+    return prove_restore_then_attach(server, copy, a, "a3", lease)
+
+
 def test_sessions_attached_after_a_proven_restore_keep_their_fence_across_a_restart(tmp_path: Path) -> None:
     """A restore proven while serving journals its ``restored`` record after the
     serving instance's own ``start`` record. A restart replays it: only the instances
@@ -81,15 +96,8 @@ def test_sessions_attached_after_a_proven_restore_keep_their_fence_across_a_rest
     lease = 3.0
     server = leased_server(tmp_path, lease, num_blocks=17)
     server.start()
-    copy = tmp_path / "volume-snapshot"
     try:
-        with KVCoordClient(server.address) as c:
-            a = attach(c, "worker-a", lease)
-            step_allocate(c, a, "a1", 8)
-            copy_volume(server, copy)
-            a.fence.CopyFrom(c.step("p", [], a.session_id, a.fence).fence)
-            step_allocate(c, a, "a2", 8)
-        d = prove_restore_then_attach(server, copy, a, "a3", lease)
+        d = _restore_proven_after_a2(server, tmp_path, lease)
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             held = step_allocate(c, d, "d1", 8)
         server.kill()
@@ -252,15 +260,8 @@ def test_a_snapshot_at_the_start_of_an_instance_after_a_restore_replays_its_answ
     lease = 2.0
     server = leased_server(tmp_path, lease, num_blocks=17)
     server.start()
-    copy = tmp_path / "volume-snapshot"
     try:
-        with KVCoordClient(server.address) as c:
-            a = attach(c, "worker-a", lease)
-            step_allocate(c, a, "a1", 8)
-            copy_volume(server, copy)
-            a.fence.CopyFrom(c.step("p", [], a.session_id, a.fence).fence)
-            step_allocate(c, a, "a2", 8)
-        d = prove_restore_then_attach(server, copy, a, "a3", lease)
+        d = _restore_proven_after_a2(server, tmp_path, lease)
         # the next instance (the restore's generation) replays more than 3 records
         # since the last snapshot (none): its start record is snapshotted, and the one
         # Step after it is not

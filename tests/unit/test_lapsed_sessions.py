@@ -114,3 +114,28 @@ def test_detaching_a_lapsed_session_ends_it_as_expired(
     before = state_of(node)
     node.crash()
     assert state_of(Node(loop, tmp_path)) == before
+
+
+def test_a_step_told_its_session_expired_finds_it_ended_after_a_crash(
+    loop: asyncio.AbstractEventLoop, tmp_path: Path
+) -> None:
+    """A Step (a keyed call: its session checked by PoolService.session) of a lapsed,
+    unreaped session is told SESSION_EXPIRED ("its requests were freed") only once that
+    is true and journaled: the session ends as the reaper would end it, and a crash
+    right after the answer restarts without it (it came back on a fresh lease, its
+    request held and its exclusive pool refusing every Attach, until the reaper ran).
+    The Step holds its pool while it checks the session: the end runs after it, in a
+    task of its own, and the answer waits for it."""
+    node, observer, old = _lapsed_node(loop, tmp_path)
+    with pytest.raises(Aborted) as err:
+        _allocate(node, old, "r2")
+    assert "lease ran out" in str(err.value)
+    assert old.session_id not in node.registry.sessions.sessions
+    assert not node.registry.pools["p"].engine.requests
+    assert observer.expired == ["p"]
+    before = state_of(node)
+    node.crash()  # (no settle: the answer waited for the end's record)
+    again = Node(loop, tmp_path)
+    assert state_of(again) == before
+    assert not again.registry.sessions.sessions and not again.registry.pools["p"].engine.requests
+    assert _attach(again).exclusive  # (nothing holds the pool)

@@ -229,17 +229,25 @@ T = TypeVar("T")
 Handler = Callable[..., Awaitable[T]]
 
 
+#: the servicer's wait (servicer_core.py) before a call is told each of these reasons
+_SETTLED_BY = {ErrorReason.INSTANCE_CHANGED: "restore_fenced", ErrorReason.SESSION_EXPIRED: "sessions_ended"}
+
+
 async def _once_fenced(servicer: Any, exc: Exception) -> Exception:
     """The error to tell for ``exc``: an INSTANCE_CHANGED only once the servicer's
     ``restore_fenced()`` returns (servicer_core.py: a proven restore's fencing journaled
     and durable; its caller drops its fence on hearing it, and a crash before would
     leave the restored sessions and caches alive with nobody to prove the restore
-    again), else what that raised (the journal failed: the server stops)."""
-    fenced = getattr(servicer, "restore_fenced", None)  # (servicers without pools have none)
-    if fenced is None or not (isinstance(exc, ServiceError) and exc.reason is ErrorReason.INSTANCE_CHANGED):
+    again), a SESSION_EXPIRED only once ``sessions_ended()`` does (the lapsed sessions'
+    ends journaled and durable: a crash before would bring the session back), else what
+    that raised (the journal failed: the server stops)."""
+    reason = exc.reason if isinstance(exc, ServiceError) else None
+    wait = _SETTLED_BY.get(reason) if reason is not None else None
+    settle = getattr(servicer, wait, None) if wait else None  # (servicers without pools have none)
+    if settle is None:
         return exc
     try:
-        await fenced()
+        await settle()
     except Exception as failed:  # noqa: BLE001 - told instead
         return failed
     return exc

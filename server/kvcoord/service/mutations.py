@@ -209,7 +209,7 @@ class MutationRunner:
     async def _answer(self, result: bytes | ServiceError) -> bytes:
         """The answer's bytes once durable (its fence stamped already: :meth:`_keep`); a
         journaled error is raised once durable."""
-        await self.registry.recorder.durable()
+        await self.committed()
         if isinstance(result, ServiceError):
             raise result
         return result
@@ -473,6 +473,11 @@ class MutationRunner:
             record(self.registry.recorder)
         await self.registry.recorder.durable()
         return self.positioned(answer)
+
+    async def committed(self) -> None:
+        """Return once every mutation recorded so far is durable (a refusal told after a
+        change made without a call of its own: a lapsed session's end, servicer_core.py)."""
+        await self.registry.recorder.durable()
 
     def positioned(self, answer: A) -> A:
         """Stamp the answer's fence with the journal position it is durable at (every

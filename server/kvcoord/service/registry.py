@@ -168,6 +168,7 @@ class PoolRegistry:
         #: closed already) to run: the servicer runs a long one a slice at a time, its
         #: pool held (mutations.py); by default (recovery, no loop) at once
         self.run_expiry: Callable[[str, Generator[None, None, tuple[str, str, int]]], None] = _at_once
+        sessions.on_lapsed = lambda s: self.run_expiry(s.pool, self.expiring(s))  # (a call found it lapsed)
 
     def set_term(self, name: str, term: int) -> None:
         """The pool's ownership term is now ``term`` (journaled: answers carry it)."""
@@ -344,10 +345,7 @@ class PoolRegistry:
                 )
             if fence:  # its position first, as a Step's: SESSION_EXPIRED would drop its proof
                 self.positions.prove(fence, self.instance_id, self.lineage)
-        lapsed = self.sessions.ran_out(session_id)
-        if lapsed is not None:
-            self.run_expiry(lapsed.pool, self.expiring(lapsed))
-        s = self.sessions.get(session_id)
+        s = self.sessions.get(session_id)  # (a lapsed one is ended here: SessionTable.on_lapsed)
         if pool and pool != s.pool:
             raise ServiceError(
                 Status.INVALID,

@@ -100,6 +100,21 @@ class ServicerCore:
         :meth:`PoolRegistry.fenced`."""
         await self.registry.fenced()
 
+    async def sessions_ended(self) -> None:
+        """Awaited before a call is told SESSION_EXPIRED (errors.map_errors): every lapsed
+        session's end begun so far (the call's own session's, ended as it was found run
+        out: SessionTable.on_lapsed, or the reaper's) journaled and durable. Told before,
+        a crash would bring the session and its requests back on a fresh lease: its
+        worker told they were freed, an exclusive pool refusing the worker's new Attach.
+
+        Raises:
+            Exception: what ending one raised (logged by the servicer too), or the
+                journal's failure; the call is told that instead.
+        """
+        for ending in list(self.expiring.values()):
+            await asyncio.shield(ending)  # (holding their pools in turn: the last one ends last)
+        await self.mutations.committed()
+
     async def _durable(self, response: M, record: Callable[[Recorder], None] | None = None) -> M:
         """Journal the call (``record``), then answer once every mutation so far is
         durable (mutations.py)."""

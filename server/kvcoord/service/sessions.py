@@ -75,6 +75,10 @@ class SessionTable:
         #: a lease asked for below the default must outlast this stall bound (seconds;
         #: None: any lease): that of a server whose durable writes can stall (server.py)
         self.stall_bound: float | None = None
+        #: given every session :meth:`get` finds run out but not reaped, taken out of the
+        #: table, to end it as the reaper would (the registry's: journaled as expired);
+        #: None: left to the reaper
+        self.on_lapsed: Callable[[Session], None] | None = None
 
     def open(self, pool: str, client_name: str, lease_seconds: float) -> Session:
         """A new session with a lease starting now."""
@@ -102,7 +106,9 @@ class SessionTable:
         return s
 
     def get(self, session_id: str, pool: str | None = None) -> Session:
-        """The live session (not renewed).
+        """The live session (not renewed). One whose lease ran out but which the reaper did
+        not end yet is ended first (:attr:`on_lapsed`): a caller told SESSION_EXPIRED ("its
+        requests were freed") must not see it come back after a crash.
 
         Raises:
             ServiceError: INVALID_ARGUMENT without an id; NOT_FOUND (SESSION_EXPIRED)
@@ -114,6 +120,8 @@ class SessionTable:
                 "session_id is required: call Attach first (requests must belong to a session, so "
                 "that a dead worker's blocks are freed)",
             )
+        if self.on_lapsed is not None and (lapsed := self.ran_out(session_id)) is not None:
+            self.on_lapsed(lapsed)
         s = self.sessions.get(session_id)
         if s is None or s.expires_at <= self.clock():
             raise ServiceError(

@@ -1,0 +1,63 @@
+"""A Step told SESSION_EXPIRED, then ``kvcoord serve`` SIGKILLed (real process, data
+directory): the restart must not bring the session back.
+
+The session's lease runs out and no reaper ends it (the server process's reaper does
+nothing: a ``sitecustomize`` hook, so the Step always reaches the lapsed session
+before any reaper could, as the crash-point harness saw with a 1 s reaper). The Step
+is told SESSION_EXPIRED ("its requests were freed; call Attach again"); the server is
+SIGKILLed right after the answer and restarted on the same data directory. Before,
+nothing was journaled: the restart brought the session and its request back on a
+fresh lease, its blocks held and the exclusive pool refusing the worker's new Attach.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import durable_server
+import pytest
+from durable_server import leased_server, step_allocate
+from kvcoord.client import NO_RETRY, KVCoordClient
+from kvcoord.client.errors import SessionExpiredError
+
+#: the session lease: about the shortest a server whose journal_stall_seconds is
+#: STALL accepts (stalls.py: lease x 0.95 > STALL + min(1, STALL))
+LEASE = 0.5
+STALL = 0.1
+
+#: the server process's ``sitecustomize``: its session reaper ends nothing
+_NO_REAPER = """
+from kvcoord.service import servicer_core
+
+servicer_core.ServicerCore.reap_expired_sessions = lambda self: 0
+"""
+
+
+def test_a_step_told_session_expired_sees_no_session_after_a_kill(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    durable_server.with_sitecustomize(tmp_path, _NO_REAPER, monkeypatch)
+    server = leased_server(tmp_path, LEASE, num_blocks=64, stall=STALL)
+    server.start()
+    try:
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            old = c.attach("p", "sha256_cbor", 4, "0", "worker", lease_seconds=LEASE, exclusive=True)
+            free = c.inspect_pool("p").num_free_blocks
+            step_allocate(c, old, "r", 16)
+            assert c.inspect_pool("p").num_free_blocks == free - 4  # (held while the session lives)
+            time.sleep(LEASE * 1.5)  # the lease runs out (the server's clock is monotonic too)
+            with pytest.raises(SessionExpiredError):
+                step_allocate(c, old, "late", 4)
+        server.kill()  # right after the answer
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            # (nothing reaps here either: only the journal can have ended the session)
+            left = c.inspect_pool("p", all_requests=True)
+            assert [r.request_id for r in left.requests] == [], "the expired session's requests came back"
+            assert left.num_free_blocks == free
+            new = c.attach("p", "sha256_cbor", 4, "0", "worker", lease_seconds=LEASE, exclusive=True)
+            assert new.exclusive and new.session_id != old.session_id
+            step_allocate(c, new, "r", 16)
+    finally:
+        server.stop()

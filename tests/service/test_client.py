@@ -444,3 +444,39 @@ def test_an_attach_whose_answer_was_lost_is_retried_into_the_same_session(server
         assert got.exclusive
         assert [s.session_id for s in c.list_sessions("p").sessions] == [got.session_id]
         assert c.get_stats("p").num_sessions == 1
+
+
+class _CancelFirstAttach(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """The first Attach ends CANCELLED, as a server that stops mid-call ends it: after
+    the server made its session (``applied``), or before the call reached it."""
+
+    def __init__(self, applied: bool) -> None:
+        self.applied = applied
+        self.cancelled = 0
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        if not details.method.endswith("/Attach") or self.cancelled:
+            return continuation(details, request)
+        self.cancelled += 1
+        if self.applied:
+            continuation(details, request).result()  # the session is made (and journaled)
+        from kvcoord.client.errors import LocalRpcError
+
+        raise LocalRpcError(grpc.StatusCode.CANCELLED, "CANCELLED")
+
+
+@pytest.mark.parametrize("applied", [True, False], ids=["after-applied", "before-applied"])
+def test_a_cancelled_attach_is_retried_into_one_session(server: InProcessServer, applied: bool) -> None:
+    """An Attach cut by a stopping server ends CANCELLED, which does not tell whether
+    its session was made. It carries its attach_key, and the server answers a retry
+    under that key with the session the first made (the key is journaled with it, so a
+    restarted server does too), so the client retries it: the pool ends with exactly
+    one session, the one answered (old code: CANCELLED was not retried for an Attach,
+    the worker's start failed and the session made lived out its lease, empty)."""
+    cancel = _CancelFirstAttach(applied)
+    with KVCoordClient(server.address, timeout=10, interceptors=[cancel]) as c:
+        got = c.attach("p", "sha256_cbor", 4, "0", client_name="engine-0", exclusive=True)
+        assert cancel.cancelled == 1
+        assert [s.session_id for s in c.list_sessions("p").sessions] == [got.session_id]
+        assert c.get_stats("p").num_sessions == 1
+        assert got.exclusive

@@ -13,8 +13,8 @@ from collections.abc import Iterable, Sequence
 
 from kvcoord.v1 import allocator_pb2 as pb
 
-#: rpc name -> how a failure whose outcome is unknown (UNAVAILABLE, DEADLINE_EXCEEDED)
-#: is handled: "read" (no effect: retry), "keyed" (retry with the same idempotency
+#: rpc name -> how a failure whose outcome is unknown (UNAVAILABLE, DEADLINE_EXCEEDED,
+#: CANCELLED) is handled: "read" (no effect: retry), "keyed" (retry with the same idempotency
 #: key: applied at most once), "attach" (retry with the same attach_key: the server
 #: answers with the session a lost answer named), "once" (never retried:
 #: OutcomeUnknownError).

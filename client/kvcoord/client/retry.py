@@ -103,7 +103,10 @@ class Attempts:
     """Decides, after each failed attempt of one call, whether to try again.
 
     Read-only and keyed calls are retried after a transient failure (a keyed call
-    with the same idempotency key, so it is applied at most once) until the policy's
+    with the same idempotency key, so it is applied at most once; an Attach, whatever
+    ended it without telling whether it was applied (UNAVAILABLE, DEADLINE_EXCEEDED,
+    CANCELLED), with the same attach_key: the server answers it with the session the
+    first made, which it journals with that key, so a restart keeps it) until the policy's
     attempts or deadline run out, and never past ``horizon`` (half the server's
     idempotency window: a retry must reach the server while it still keeps the
     answer). A keyed or once-only call whose outcome is still unknown then raises
@@ -166,7 +169,7 @@ class Attempts:
             self.fail(err)
         retryable = (
             err.code in self.policy.retry_codes
-            or (self.kind == "keyed" and err.code in UNKNOWN_OUTCOME)
+            or (self.kind in ("keyed", "attach") and err.code in UNKNOWN_OUTCOME)
             or self.settling(err)
         )
         if self.backoffs is None:

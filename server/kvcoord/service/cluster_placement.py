@@ -6,7 +6,8 @@ pool handed over), and the servicer of the replicas' own service, which only tra
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import cbor2
 import grpc
@@ -17,10 +18,34 @@ from .access import AccessControl
 from .cluster import Cluster
 from .errors import ErrorReason, ServiceError, Status, map_errors
 from .registry import Placement, PoolRegistry
+from .tasks import CallCancelled, uncancelled
 
 __all__ = ["ClusterPlacement", "ReplicasServicer"]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def _in_call(call: Awaitable[T], pool: str, what: str) -> T:
+    """A store call made inside a client's call (a gRPC handler). A cancellation the
+    handler was not asked for (the replica replaced its store client and closed the old
+    one under the call: :func:`.tasks.uncancelled`) is answered UNAVAILABLE, which the
+    client retries (was: the raw CancelledError ended the handler with no status sent:
+    the client waited out its deadline, DEADLINE_EXCEEDED). ``what``
+    tells the caller what the call was doing (and what its outcome may be).
+
+    Raises:
+        ServiceError: UNAVAILABLE when the store call was cancelled under the handler.
+    """
+    try:
+        return await uncancelled(call)
+    except CallCancelled:
+        raise ServiceError(
+            Status.UNAVAILABLE,
+            f"pool {pool[:200]!r}: {what}: the cluster store call was cancelled under it (its store client "
+            "was replaced): retry",
+        ) from None
 
 
 class ClusterPlacement(Placement):
@@ -75,7 +100,11 @@ class ClusterPlacement(Placement):
             # store by another replica since): held now, for this start and the next
             registry.recorder.adopted(value, service, registry.positions.brought(service.held))
             await registry.recorder.durable()
-            claim = await cluster.take_over(pool, from_replica, claim_revision)
+            claim = await _in_call(  # (a swap of unknown outcome: the watch settles the copy here)
+                cluster.take_over(pool, from_replica, claim_revision),
+                pool,
+                "its claim may or may not be swapped",
+            )
             if claim is None:
                 registry.remove(pool)
                 await registry.recorder.durable()
@@ -129,7 +158,7 @@ class ClusterPlacement(Placement):
             return
         view.check(pool, local=False)
         try:
-            claim = await self.cluster.claim(pool)
+            claim = await uncancelled(self.cluster.claim(pool))  # (CallCancelled: UNAVAILABLE below)
         except Exception as exc:  # noqa: BLE001 - a slow or cut-off store: the caller retries
             # (was: INTERNAL, which no client retries). The claim may have been made:
             # the retry finds it this replica's, and makes the pool under it once
@@ -155,13 +184,15 @@ class ClusterPlacement(Placement):
         view.check(pool, local=True)
         view.moving.add(pool)
         try:
-            forgotten = await cluster.forget(pool)
+            forgotten = await _in_call(
+                cluster.forget(pool), pool, "its delete in the cluster store may or may not be made"
+            )
         finally:
             view.moving.discard(pool)
         if forgotten:
             return
         try:
-            await cluster.refresh()
+            await uncancelled(cluster.refresh())
         except Exception as exc:  # noqa: BLE001 - the claim is unknown: the caller retries
             raise ServiceError(
                 Status.UNAVAILABLE,
@@ -177,7 +208,9 @@ class ClusterPlacement(Placement):
 
     async def after_delete(self, pool: str) -> None:
         if self.cluster.streams is None:  # else before_delete did it
-            await self.cluster.forget(pool)
+            await _in_call(
+                self.cluster.forget(pool), pool, "deleted here; its claim may or may not be released"
+            )
 
     async def delete_unserved(self, pool: str) -> bool:
         """A pool of the catalog nobody claims (its owner stopped without handing it
@@ -206,7 +239,9 @@ class ClusterPlacement(Placement):
             )
         view.moving.add(pool)  # not rebuilt here meanwhile (recover)
         try:
-            return await cluster.delete_unclaimed(pool)
+            return await _in_call(
+                cluster.delete_unclaimed(pool), pool, "its delete in the cluster store may or may not be made"
+            )
         finally:
             view.moving.discard(pool)
 

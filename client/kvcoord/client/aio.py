@@ -34,14 +34,19 @@ class AsyncKVCoordClient(AsyncApi):
     builds its request when called and returns a coroutine of the same response type
     (``await client.get_pool(name)`` is a ``GetPoolResponse``)."""
 
-    _channel_factory = staticmethod(grpc.aio.insecure_channel)
-    _secure_channel_factory = staticmethod(grpc.aio.secure_channel)
+    # grpc.aio binds interceptors (``grpc.aio`` ones, e.g. faults_aio.AsyncFaultInjector)
+    # to the channel as it is made, not around it
+    def _channel_factory(self, address: str, options: Any) -> Any:
+        return grpc.aio.insecure_channel(address, options=options, interceptors=self._interceptors or None)
+
+    def _secure_channel_factory(self, address: str, credentials: Any, options: Any) -> Any:
+        return grpc.aio.secure_channel(
+            address, credentials, options=options, interceptors=self._interceptors or None
+        )
 
     @staticmethod
     def _intercepted(channel: Any, interceptors: Sequence[Any]) -> Any:
-        if interceptors:
-            raise ValueError("AsyncKVCoordClient takes no interceptors (grpc.aio binds them per channel)")
-        return channel
+        return channel  # (interceptors are the channel's own)
 
     async def __aenter__(self) -> AsyncKVCoordClient:
         return self

@@ -172,7 +172,8 @@ class Api:
             retry: retry settings for calls that are safe to repeat.
             max_message_bytes: send/receive limit (match the server's for large Steps).
             token: bearer token, when the server sets ``auth_tokens``.
-            interceptors: gRPC client interceptors for the channel (e.g. FaultInjector).
+            interceptors: gRPC client interceptors for the channel (e.g. FaultInjector;
+                the asyncio client's: ``grpc.aio`` ones, e.g. faults_aio.AsyncFaultInjector).
             tls: connect over TLS (mutual TLS with a client certificate); ``None`` is plaintext.
             step_piece_bytes: a Step serialized larger than this is sent as several
                 Steps of whole operations, answered as one (:mod:`kvcoord.client.step_pieces`;

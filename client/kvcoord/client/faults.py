@@ -31,16 +31,18 @@ import grpc
 
 from .errors import LocalRpcError
 
-__all__ = ["FaultInjector"]
+__all__ = ["FaultInjector", "FaultRules"]
 
 
-class FaultInjector(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):  # type: ignore[misc]
-    """Args:
-    seed: the generator's seed.
-    drop, delay, duplicate, reorder: probability of each fault per call.
-    methods: RPC names the faults apply to (others pass untouched).
-    hold_delayed: a delayed StepStream answer is held until the client cancels the
-        stream (its per-Step timeout), instead of failing at once.
+class FaultRules:
+    """What both fault injectors share (this module's, for the blocking client, and
+    :class:`kvcoord.client.faults_aio.AsyncFaultInjector`): the seeded draw of each
+    call's fault, the counters, the partition switch and the drop hook.
+
+    Args:
+        seed: the generator's seed.
+        drop, delay, duplicate, reorder: probability of each fault per call.
+        methods: RPC names the faults apply to (others pass untouched).
     """
 
     def __init__(
@@ -52,15 +54,12 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInt
         duplicate: float = 0.0,
         reorder: float = 0.0,
         methods: Collection[str] = ("Step", "Allocate", "Free"),
-        hold_delayed: bool = False,
     ) -> None:
-        self.hold_delayed = hold_delayed
         self.rnd = random.Random(seed)
         self.p = (drop, delay, duplicate, reorder)
         self.methods = set(methods)
         self.counts = {"calls": 0, "dropped": 0, "delayed": 0, "duplicated": 0, "reordered": 0}
         self._held: list[tuple[Any, Any]] = []
-        self._held_messages: list[Any] = []  # (StepStream's)
         self._lock = threading.Lock()
         self.enabled = True
         #: while True, every call (of any method) fails without reaching the server
@@ -75,27 +74,10 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInt
         if self.on_drop is not None:
             self.on_drop()
 
-    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
-        if self.partitioned:
-            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: network partition")
-        if not self.enabled or details.method.rsplit("/", 1)[-1] not in self.methods:
-            return continuation(details, request)
-        fault, late = self._draw((details, request), self._held)
-        if late is not None:
-            # An old copy arrives after newer calls; whatever it gets back goes nowhere.
-            _deliver(continuation, *late)
-        if fault == "drop":
-            _deliver(continuation, details, request)
-            self.dropped()
-            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: connection lost before the answer")
-        if fault == "delay":
-            _deliver(continuation, details, request)
-            self.counts["delayed"] += 1
-            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "injected: answer after the deadline")
-        if fault == "duplicate":
-            _deliver(continuation, details, request)
-            self.counts["duplicated"] += 1
-        return continuation(details, request)
+    def faulted(self, method: str | bytes) -> bool:
+        """Whether a call of ``method`` (a full gRPC method path) draws faults."""
+        name = method.decode() if isinstance(method, bytes) else method
+        return self.enabled and name.rsplit("/", 1)[-1] in self.methods
 
     def _draw(self, item: Any, held: list[Any]) -> tuple[str, Any]:
         """One call's (or stream message's) fault: "drop", "delay", "duplicate", "hold"
@@ -116,6 +98,52 @@ class FaultInjector(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInt
             if fault == "hold":
                 held.append(item)
         return fault, late
+
+
+class FaultInjector(FaultRules, grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):  # type: ignore[misc]
+    """The blocking client's (a ``grpc`` channel interceptor): :class:`FaultRules`'
+    arguments, and
+
+    hold_delayed: a delayed StepStream answer is held until the client cancels the
+        stream (its per-Step timeout), instead of failing at once.
+    """
+
+    def __init__(
+        self,
+        seed: int,
+        *,
+        drop: float = 0.0,
+        delay: float = 0.0,
+        duplicate: float = 0.0,
+        reorder: float = 0.0,
+        methods: Collection[str] = ("Step", "Allocate", "Free"),
+        hold_delayed: bool = False,
+    ) -> None:
+        super().__init__(seed, drop=drop, delay=delay, duplicate=duplicate, reorder=reorder, methods=methods)
+        self.hold_delayed = hold_delayed
+        self._held_messages: list[Any] = []  # (StepStream's)
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        if self.partitioned:
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: network partition")
+        if not self.faulted(details.method):
+            return continuation(details, request)
+        fault, late = self._draw((details, request), self._held)
+        if late is not None:
+            # An old copy arrives after newer calls; whatever it gets back goes nowhere.
+            _deliver(continuation, *late)
+        if fault == "drop":
+            _deliver(continuation, details, request)
+            self.dropped()
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: connection lost before the answer")
+        if fault == "delay":
+            _deliver(continuation, details, request)
+            self.counts["delayed"] += 1
+            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "injected: answer after the deadline")
+        if fault == "duplicate":
+            _deliver(continuation, details, request)
+            self.counts["duplicated"] += 1
+        return continuation(details, request)
 
     def draw_message(self, request: Any) -> tuple[str, Any]:
         """A StepStream message's fault and late old copy (:meth:`_draw`; a message is a

@@ -1,0 +1,84 @@
+"""The asyncio client's fault injector (for tests): :mod:`kvcoord.client.faults`' faults
+on a ``grpc.aio`` channel.
+
+Put it on an asyncio client (``AsyncKVCoordClient(..., interceptors=[AsyncFaultInjector(...)])``)
+to see what an asyncio worker or router does when the network misbehaves *after* the
+server applied a call. The faults, their draw and their counters are the blocking
+injector's (:class:`~kvcoord.client.faults.FaultRules`, same seed, same sequence):
+
+* drop: the call reaches the server and is applied, the answer is lost (UNAVAILABLE);
+* delay: the answer arrives after the caller's deadline (DEADLINE_EXCEEDED);
+* duplicate: the server receives the same request twice;
+* reorder: an old request is delivered again, late, after newer calls of its RPC.
+
+The asyncio client sends every call unary (no StepStream), so only unary calls are
+faulted; streams (WatchEvents) pass untouched. A late old copy goes out with a later
+call of the same RPC (a call's continuation carries its RPC's serializers), so the
+copies held back are kept per RPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any
+
+import grpc
+
+from .errors import LocalRpcError
+from .faults import FaultRules
+
+__all__ = ["AsyncFaultInjector"]
+
+
+class AsyncFaultInjector(FaultRules, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """:class:`~kvcoord.client.faults.FaultRules` (its arguments and counters) as a
+    ``grpc.aio`` unary-unary interceptor. :attr:`on_drop` is called (not awaited) once
+    a dropped call was answered by the server, before its caller is told it was lost."""
+
+    def __init__(
+        self,
+        seed: int,
+        *,
+        drop: float = 0.0,
+        delay: float = 0.0,
+        duplicate: float = 0.0,
+        reorder: float = 0.0,
+        methods: Collection[str] = ("Step", "Allocate", "Free"),
+    ) -> None:
+        super().__init__(seed, drop=drop, delay=delay, duplicate=duplicate, reorder=reorder, methods=methods)
+        #: RPC path -> its copies held back, to be delivered late
+        self._held_per_rpc: dict[str, list[tuple[Any, Any]]] = {}
+
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        if self.partitioned:
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: network partition")
+        if not self.faulted(details.method):
+            return await continuation(details, request)
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        fault, late = self._draw((details, request), self._held_per_rpc.setdefault(method, []))
+        if late is not None:
+            # An old copy arrives after newer calls; whatever it gets back goes nowhere.
+            await _deliver(continuation, *late)
+        if fault == "drop":
+            await _deliver(continuation, details, request)
+            self.dropped()
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: connection lost before the answer")
+        if fault == "delay":
+            await _deliver(continuation, details, request)
+            self.counts["delayed"] += 1
+            raise LocalRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "injected: answer after the deadline")
+        if fault == "duplicate":
+            await _deliver(continuation, details, request)
+            self.counts["duplicated"] += 1
+        return await continuation(details, request)
+
+
+async def _deliver(continuation: Callable[..., Any], details: Any, request: Any) -> None:
+    """Send a request and wait until the server has answered (the answer is discarded)."""
+    call = await continuation(details, request)
+    try:
+        await call
+    except grpc.RpcError:
+        pass

@@ -1,0 +1,295 @@
+"""The asyncio client under lost, late, duplicated and reordered answers
+(:class:`~kvcoord.client.faults_aio.AsyncFaultInjector` on its channel, a real server,
+real gRPC), as the blocking client's fault tests drive the blocking one
+(test_free_pieces_faults.py, test_client.py, test_step_pieces.py): every mutating call
+ends with exactly what the client was told, or a typed OutcomeUnknownError, never a
+silent difference."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+import pytest
+from kvcoord.client import AsyncKVCoordClient, KVCoordClient, OutcomeUnknownError, UnavailableError
+from kvcoord.client.faults import FaultInjector
+from kvcoord.client.faults_aio import AsyncFaultInjector
+from kvcoord.client.hashing import BlockHasher, none_hash
+from kvcoord.service.registry import Limits
+from kvcoord.service.testing import InProcessServer
+from kvcoord.v1 import allocator_pb2 as pb
+from service.helpers import allocate
+from support import pool_toml
+
+CAP = 4  # the server's max_ops_per_step: a Step or Free of 10 goes in three pieces
+N = 10
+ROUNDS = 5
+TOML = pool_toml("p", 256)
+KEYED = ("Step", "Allocate", "Free")
+
+
+def _ops(round_: int) -> list[pb.Operation]:
+    """Register and allocate r0..r9 (the same ids every round), sharing a prefix with
+    the last round's prompts (cache hits), growing a little each round."""
+    return [
+        allocate(f"r{i}", [*range(16), *range(100 * i, 100 * i + 4 + round_)], 20 + round_) for i in range(N)
+    ]
+
+
+def _state(c: KVCoordClient) -> pb.InspectPoolResponse:
+    return c.inspect_pool("p", free_queue_limit=1000, all_requests=True, include_cached_blocks=True)
+
+
+def _stats(c: KVCoordClient) -> tuple[int, int, pb.PrefixCacheStats]:
+    stats = c.get_stats("p")
+    return stats.num_free_blocks, stats.num_requests, stats.prefix_cache_stats
+
+
+async def _rounds(address: str, interceptors: Sequence[Any] = ()) -> list[Any]:
+    """ROUNDS rounds, on one asyncio client: allocate r0..r9 in one Step (three pieces),
+    one more request by Allocate, free them all in one Free (three pieces); every
+    answer the client was told (block ids, results, free counts)."""
+    told: list[Any] = []
+    async with AsyncKVCoordClient(address, timeout=10, interceptors=list(interceptors)) as c:
+        s = await c.attach("p", "sha256_cbor", 4, "0")
+        for k in range(ROUNDS):
+            got = await c.step("p", _ops(k), s.session_id, s.fence)
+            told.append([(r.status_code, r.allocate) for r in got.results])
+            one = allocate(f"x{k}", [*range(16), 900 + k], 17).allocate
+            told.append((await c.allocate("p", one, s.session_id, s.fence)).result)
+            ids = [*(f"r{i}" for i in range(N)), f"x{k}"]
+            told.append((await c.free("p", ids, session_id=s.session_id, fence=s.fence)).num_free_blocks)
+    return told
+
+
+def test_lost_late_and_repeated_answers_of_keyed_calls_apply_each_once(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """Per seed, the same rounds on a calm server and on one behind the faults (Steps
+    and Frees in pieces, Allocates): equal answers (every block id told), pool state
+    (block tables, free queue, cached blocks) and statistics; across the seeds every
+    kind of fault is drawn."""
+    drawn = dict.fromkeys(("dropped", "delayed", "duplicated", "reordered"), 0)
+    for seed in range(4):
+        calm = make_server(TOML, limits=Limits(max_ops_per_step=CAP))
+        faulty = make_server(TOML, limits=Limits(max_ops_per_step=CAP))
+        want = asyncio.run(_rounds(calm.address))
+        faults = AsyncFaultInjector(seed, drop=0.2, delay=0.15, duplicate=0.15, reorder=0.4, methods=KEYED)
+        got = asyncio.run(_rounds(faulty.address, [faults]))
+        assert faults.counts["calls"] >= ROUNDS * 7
+        assert got == want, f"seed {seed}: the answers told differ from a fault-free run"
+        with KVCoordClient(calm.address) as a, KVCoordClient(faulty.address) as b:
+            assert _state(b) == _state(a), f"seed {seed}: the pool's state differs from a fault-free run"
+            assert _stats(b) == _stats(a), f"seed {seed}"
+        for k in drawn:
+            drawn[k] += faults.counts[k]
+        calm.stop()
+        faulty.stop()
+    assert all(drawn.values()), drawn
+
+
+def test_the_draw_is_the_blocking_injectors() -> None:
+    """Both injectors follow one rule (faults.FaultRules): the same seed draws the same
+    faults, call for call."""
+    sync, aio = (
+        FaultInjector(7, drop=0.2, delay=0.2, duplicate=0.2, reorder=0.3),
+        AsyncFaultInjector(7, drop=0.2, delay=0.2, duplicate=0.2, reorder=0.3),
+    )
+    held_a: list[Any] = []
+    held_b: list[Any] = []
+    a = [sync._draw(i, held_a) for i in range(200)]
+    b = [aio._draw(i, held_b) for i in range(200)]
+    assert a == b and sync.counts == aio.counts
+
+
+class FirstAnswersLost(AsyncFaultInjector):
+    """The first delivery of each request of ``methods`` is applied and its answer lost
+    (``fault``: "drop", UNAVAILABLE; "delay", DEADLINE_EXCEEDED) or it is delivered twice
+    ("duplicate"); its retries (the same request) pass."""
+
+    def __init__(self, fault: str, methods: Sequence[str]) -> None:
+        super().__init__(0, methods=methods)
+        self.fault = fault
+        self.seen: set[bytes] = set()
+
+    def _draw(self, item: Any, held: list[Any]) -> tuple[str, Any]:
+        body = item[1].SerializeToString(deterministic=True)
+        self.counts["calls"] += 1
+        if body in self.seen:
+            return "none", None
+        self.seen.add(body)
+        return self.fault, None
+
+
+NONE = none_hash("sha256_cbor", "0")
+PROMPT = [7000 + i for i in range(41)]
+
+
+def _prompt() -> list[pb.HashedPrompt]:
+    hashes = BlockHasher("sha256_cbor", 4, NONE).extend(PROMPT)
+    return [pb.HashedPrompt(hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", block_hashes=hashes)]
+
+
+def _held(c: KVCoordClient) -> dict[str, list[int]]:
+    return {
+        r.request_id: list(r.groups[0].block_ids) for r in c.inspect_pool("p", all_requests=True).requests
+    }
+
+
+async def _lost_call(address: str, rpc: str, faults: AsyncFaultInjector) -> tuple[Any, Any, Any]:
+    """Set up what ``rpc`` needs on a calm client, then make the call on a client
+    behind ``faults``: (the answer or the error raised, the session, what the blocking
+    client then reads of the pool)."""
+    async with AsyncKVCoordClient(address, timeout=10) as calm:
+        s = await calm.attach("p", "sha256_cbor", 4, "0", client_name="setup")
+        await calm.step(
+            "p", [allocate(f"h{i}", [*range(16), 500 + i], 17) for i in range(6)], s.session_id, s.fence
+        )
+        await calm.step("p", [allocate("cached", PROMPT, 41)], s.session_id, s.fence)
+        await calm.free("p", ["cached"], session_id=s.session_id, fence=s.fence)
+        if rpc == "ResetPrefixCache":  # (refused while any block is held, as vLLM's)
+            await calm.free("p", [f"h{i}" for i in range(6)], session_id=s.session_id, fence=s.fence)
+    async with AsyncKVCoordClient(address, timeout=10, interceptors=[faults]) as c:
+        calls: dict[str, Callable[[], Any]] = {
+            "CreatePool": lambda: c.create_pool("q", _wire_config()),
+            "DeletePool": lambda: c.delete_pool("p", force=True),
+            "Attach": lambda: c.attach("p", "sha256_cbor", 4, "0", client_name="w", exclusive=False),
+            "Heartbeat": lambda: c.heartbeat(s.session_id, s.fence),
+            "Detach": lambda: c.detach(s.session_id, s.fence),
+            "Allocate": lambda: c.allocate(
+                "p", allocate("a", [*range(16), 77], 17).allocate, s.session_id, s.fence
+            ),
+            "Step": lambda: c.step("p", [allocate("a", [*range(16), 77], 17)], s.session_id, s.fence),
+            "Step in pieces": lambda: c.step(
+                "p", [allocate(f"a{i}", [*range(16), 70 + i], 17) for i in range(N)], s.session_id, s.fence
+            ),
+            "Free": lambda: c.free("p", ["h0", "h1"], session_id=s.session_id, fence=s.fence),
+            "Free in pieces": lambda: c.free(
+                "p", [f"h{i}" for i in range(6)], session_id=s.session_id, fence=s.fence
+            ),
+            "ResetPrefixCache": lambda: c.reset_prefix_cache("p"),
+            "ScorePools": lambda: c.score_pools(len(PROMPT), _prompt(), reserve_seconds=30.0),
+        }
+        c.step_piece_ops = CAP
+        try:
+            told: Any = await calls[rpc]()
+        except Exception as exc:  # the typed error is the answer
+            told = exc
+    with KVCoordClient(address, timeout=10) as check:
+        pools = [p.name for p in check.list_pools().pools]
+        seen: dict[str, Any] = {"pools": pools}
+        if "p" in pools:
+            seen["held"] = _held(check)
+            seen["sessions"] = sorted(x.client_name for x in check.list_sessions("p").sessions)
+            stats = check.get_stats("p")
+            seen["reservations"] = stats.reservations.made
+            seen["cached"] = list(check.inspect_pool("p", include_cached_blocks=True).cached_block_ids)
+    return told, s, seen
+
+
+def _wire_config() -> pb.PoolConfig:
+    return pb.PoolConfig(
+        num_blocks=32,
+        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=4))],
+        hash_block_size=4,
+        enable_caching=True,
+        hash_algo="sha256_cbor",
+        hash_seed="0",
+    )
+
+
+HELD = {f"h{i}" for i in range(6)}
+
+
+def _blocks(result: pb.AllocateResult) -> list[int]:
+    return list(result.new_block_ids[0].block_ids)
+
+
+def _check(fault: str, rpc: str, told: Any, seen: dict[str, Any]) -> None:
+    """What the client was told is what the server holds (or OutcomeUnknownError for a
+    once-only call, whose effect is then found applied)."""
+    if rpc in ("DeletePool", "Detach", "ResetPrefixCache"):
+        assert isinstance(told, OutcomeUnknownError), repr(told)
+    elif rpc in ("CreatePool", "Heartbeat") and fault == "delay":
+        # a read or no-op call is not retried past its deadline: told so (typed), its
+        # effect harmless either way (the same pool, a lease renewed)
+        assert isinstance(told, UnavailableError) and told.code == grpc.StatusCode.DEADLINE_EXCEEDED, repr(
+            told
+        )
+        return
+    else:
+        assert not isinstance(told, Exception), repr(told)
+    if rpc == "DeletePool":
+        assert seen["pools"] == [], seen
+        return
+    held = seen["held"]
+    if rpc == "CreatePool":
+        assert seen["pools"] == ["p", "q"]
+    elif rpc == "Attach":
+        assert seen["sessions"] == ["setup", "w"] and told.session_id
+    elif rpc == "Detach":
+        assert seen["sessions"] == [] and held == {}
+    elif rpc in ("Allocate", "Step"):
+        blocks = _blocks(told.result if rpc == "Allocate" else told.results[0].allocate)
+        assert held.pop("a") == blocks and blocks
+    elif rpc == "Step in pieces":
+        assert len(told.results) == N and all(r.status_code == 0 for r in told.results)
+        for i, r in enumerate(told.results):
+            assert held.pop(f"a{i}") == _blocks(r.allocate)
+    elif rpc in ("Free", "Free in pieces"):
+        gone = {"h0", "h1"} if rpc == "Free" else HELD
+        assert set(held) == HELD - gone
+        return
+    elif rpc == "ResetPrefixCache":
+        assert seen["cached"] == [] and held == {}
+        return
+    elif rpc == "ScorePools":
+        assert told.HasField("reservation") and seen["reservations"] == 1
+    if rpc != "Detach":
+        assert set(held) == HELD, held
+    if rpc not in ("Detach", "ResetPrefixCache"):
+        assert seen["cached"], seen  # (the reset's check sees a cache to reset)
+
+
+MUTATING = [
+    "CreatePool",
+    "DeletePool",
+    "Attach",
+    "Heartbeat",
+    "Detach",
+    "Allocate",
+    "Step",
+    "Step in pieces",
+    "Free",
+    "Free in pieces",
+    "ResetPrefixCache",
+    "ScorePools",
+]
+#: (the "once" calls carry no key: the network delivering one twice is told as the
+#: second copy's answer, as to the blocking client)
+TWICE_SAFE = [rpc for rpc in MUTATING if rpc not in ("DeletePool", "Detach", "ResetPrefixCache")]
+
+
+@pytest.mark.parametrize(
+    ("fault", "rpc"),
+    [("drop", rpc) for rpc in MUTATING]
+    + [("delay", rpc) for rpc in MUTATING]
+    + [("duplicate", rpc) for rpc in TWICE_SAFE],
+)
+def test_a_mutating_call_whose_answer_is_lost_ends_as_the_client_was_told(
+    make_server: Callable[..., InProcessServer], fault: str, rpc: str
+) -> None:
+    """Each mutating call of the asyncio client, applied by the server and its answer
+    lost (or late, or the request delivered twice): the pool ends as the answer told
+    (the blocks it names held, once; the requests it freed gone; one session, one
+    reservation), or the call is told OutcomeUnknownError and its effect is found."""
+    server = make_server(TOML, limits=Limits(max_ops_per_step=CAP))
+    name = rpc.split()[0]
+    faults = FirstAnswersLost(fault, [name])
+    told, _, seen = asyncio.run(_lost_call(server.address, rpc, faults))
+    assert faults.counts[{"drop": "dropped", "delay": "delayed", "duplicate": "duplicated"}[fault]], (
+        faults.counts
+    )
+    _check(fault, rpc, told, seen)

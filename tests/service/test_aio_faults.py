@@ -293,3 +293,75 @@ def test_a_mutating_call_whose_answer_is_lost_ends_as_the_client_was_told(
         faults.counts
     )
     _check(fault, rpc, told, seen)
+
+
+class HoldFirst(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """The first call of ``method`` is held back on the way (a congested link, a proxy's
+    buffer): its caller waits; a copy reaches the server only at :meth:`release`,
+    whatever became of its caller (cancelled meanwhile: the copy still goes)."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.held = asyncio.Event()
+        self.go = asyncio.Event()
+        self.late: asyncio.Task[Any] | None = None
+        self.answer: Any = None
+
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        if self.late is not None or not details.method.decode().endswith("/" + self.method):
+            return await continuation(details, request)
+        self.late = asyncio.ensure_future(self._deliver_late(continuation, details, request))
+        self.held.set()
+        return await asyncio.shield(self.late)
+
+    async def _deliver_late(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        await self.go.wait()
+        call = await continuation(details, request)
+        try:
+            self.answer = await call
+        except grpc.RpcError as exc:
+            self.answer = exc
+        return call
+
+    async def release(self) -> Any:
+        """Deliver the held copy; what the server answered it (the answer or the error)."""
+        self.go.set()
+        assert self.late is not None
+        await self.late
+        return self.answer
+
+
+def test_a_keyed_call_cancelled_by_its_caller_is_never_applied_late(server: InProcessServer) -> None:
+    """An asyncio caller cancels a Free in flight (``asyncio.wait_for``, a task
+    cancelled): it cannot know whether the Free was applied, frees the request again and
+    admits it again under the same id (vLLM reuses a preempted request's id). The
+    cancelled Free, held back on the way, then arrives: it must not free the new
+    request's blocks. The client names the cancelled call in its session's next keyed
+    calls (given_up.py, as for a call whose retries ran out), so the late copy is
+    refused ANSWER_EVICTED, never applied (old code: the late Free freed the request
+    admitted again, its blocks gone under its owner: the pool holds nothing)."""
+    hold = HoldFirst("Free")
+
+    async def run() -> tuple[Any, dict[str, list[int]], Any]:
+        async with AsyncKVCoordClient(server.address, timeout=10, interceptors=[hold]) as c:
+            s = await c.attach("p", "sha256_cbor", 4, "0")
+            first = await c.step("p", [allocate("a", list(range(8)), 8)], s.session_id, s.fence)
+            assert first.results[0].status_code == 0
+            free = asyncio.ensure_future(c.free("p", ["a"], session_id=s.session_id, fence=s.fence))
+            await hold.held.wait()
+            free.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await free
+            # outcome unknown: free it (a second Free under a new key), admit it again
+            await c.free("p", ["a"], session_id=s.session_id, fence=s.fence)
+            again = await c.step("p", [allocate("a", list(range(8)), 8)], s.session_id, s.fence)
+            assert again.results[0].status_code == 0
+            late = await hold.release()
+            with KVCoordClient(server.address, timeout=10) as check:
+                return late, _held(check), again.results[0].allocate
+
+    late, held, again = asyncio.run(run())
+    assert held == {"a": _blocks(again)}, f"the late copy of a cancelled Free was applied: {held}, {late!r}"
+    assert isinstance(late, grpc.RpcError) and late.code() == grpc.StatusCode.ABORTED, late

@@ -14,7 +14,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from . import _requests as rq
 from . import given_up
 from .api import LIST_POOLS, AsyncApi, Coro, Req, Resp, Rpc, merged
-from .errors import KVCoordError, error_from_rpc
+from .errors import KVCoordError, OutcomeUnknownError, error_from_rpc
 from .retry import Attempts
 from .step_pieces import (
     free_pieces,
@@ -59,6 +59,19 @@ class AsyncKVCoordClient(AsyncApi):
             await channel.close()
 
     async def _call(self, rpc: str, request: Any) -> Any:
+        try:
+            return await self._attempts(rpc, request)
+        except asyncio.CancelledError:
+            # Cancelled by its caller (asyncio.wait_for, a task cancelled) with an attempt
+            # possibly in flight: its outcome is unknown, as after a deadline, and a copy
+            # held back on the way may still arrive. Remembered as given up on, so the
+            # session's next keyed calls name it and such a copy is refused, never applied
+            # (given_up.py; a key the server applied keeps its answer).
+            unknown = OutcomeUnknownError(grpc.StatusCode.CANCELLED, f"{rpc} cancelled by its caller")
+            given_up.failed(rpc, request, unknown)
+            raise
+
+    async def _attempts(self, rpc: str, request: Any) -> Any:
         routes = self.routes
         pool = routes.pool_of(rpc, request)
         attempts = Attempts(self.retry, rq.kind_of(rpc, request), self.retry_horizon)

@@ -13,10 +13,12 @@ from typing import Any
 
 import grpc
 import pytest
-from kvcoord.client import AsyncKVCoordClient, KVCoordClient, OutcomeUnknownError, UnavailableError
+from kvcoord.client import AsyncKVCoordClient, KVCoordClient, OutcomeUnknownError, UnavailableError, given_up
+from kvcoord.client.errors import LocalRpcError
 from kvcoord.client.faults import FaultInjector
 from kvcoord.client.faults_aio import AsyncFaultInjector
 from kvcoord.client.hashing import BlockHasher, none_hash
+from kvcoord.client.retry import RetryPolicy
 from kvcoord.service.registry import Limits
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
@@ -297,11 +299,13 @@ def test_a_mutating_call_whose_answer_is_lost_ends_as_the_client_was_told(
 
 class HoldFirst(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     """The first call of ``method`` is held back on the way (a congested link, a proxy's
-    buffer): its caller waits; a copy reaches the server only at :meth:`release`,
-    whatever became of its caller (cancelled meanwhile: the copy still goes)."""
+    buffer); a copy of it reaches the server only at :meth:`release`, whatever became
+    of its caller. Meanwhile its caller waits (``cut`` False) or is told the connection
+    broke, UNAVAILABLE, as is every retry while ``cut`` is True."""
 
-    def __init__(self, method: str) -> None:
+    def __init__(self, method: str, cut: bool = False) -> None:
         self.method = method
+        self.cut = cut
         self.held = asyncio.Event()
         self.go = asyncio.Event()
         self.late: asyncio.Task[Any] | None = None
@@ -310,11 +314,16 @@ class HoldFirst(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     async def intercept_unary_unary(
         self, continuation: Callable[..., Any], details: Any, request: Any
     ) -> Any:
-        if self.late is not None or not details.method.decode().endswith("/" + self.method):
+        if not details.method.decode().endswith("/" + self.method):
             return await continuation(details, request)
-        self.late = asyncio.ensure_future(self._deliver_late(continuation, details, request))
-        self.held.set()
-        return await asyncio.shield(self.late)
+        if self.late is None:
+            self.late = asyncio.ensure_future(self._deliver_late(continuation, details, request))
+            self.held.set()
+            if not self.cut:
+                return await asyncio.shield(self.late)
+        if self.cut:
+            raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: the connection broke after sending")
+        return await continuation(details, request)
 
     async def _deliver_late(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
         await self.go.wait()
@@ -333,29 +342,42 @@ class HoldFirst(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
         return self.answer
 
 
-def test_a_keyed_call_cancelled_by_its_caller_is_never_applied_late(server: InProcessServer) -> None:
+#: two attempts (the second after the first's UNAVAILABLE), then the final error
+POLICY = RetryPolicy(max_attempts=2, initial_backoff=0.01, keyed_deadline=None)
+
+
+@pytest.mark.parametrize("how", ["cancelled", "given-up"])
+def test_a_keyed_call_cancelled_or_given_up_is_never_applied_late(server: InProcessServer, how: str) -> None:
     """An asyncio caller cancels a Free in flight (``asyncio.wait_for``, a task
-    cancelled): it cannot know whether the Free was applied, frees the request again and
-    admits it again under the same id (vLLM reuses a preempted request's id). The
-    cancelled Free, held back on the way, then arrives: it must not free the new
-    request's blocks. The client names the cancelled call in its session's next keyed
-    calls (given_up.py, as for a call whose retries ran out), so the late copy is
-    refused ANSWER_EVICTED, never applied (old code: the late Free freed the request
-    admitted again, its blocks gone under its owner: the pool holds nothing)."""
-    hold = HoldFirst("Free")
+    cancelled), or the client gives it up (OutcomeUnknownError: every attempt cut off):
+    either way the caller cannot know whether it was applied, frees the request again and
+    admits it again under the same id (vLLM reuses a preempted request's id). The first
+    Free, held back on the way, then arrives: it must not free the new request's blocks.
+    The client names the call in its session's next keyed calls (given_up.py), so the
+    late copy is refused ANSWER_EVICTED, never applied (old code, cancelled: the late
+    Free freed the request admitted again, its blocks gone under its owner, the pool
+    holding nothing)."""
+    hold = HoldFirst("Free", cut=how == "given-up")
 
     async def run() -> tuple[Any, dict[str, list[int]], Any]:
-        async with AsyncKVCoordClient(server.address, timeout=10, interceptors=[hold]) as c:
+        async with AsyncKVCoordClient(server.address, timeout=10, retry=POLICY, interceptors=[hold]) as c:
             s = await c.attach("p", "sha256_cbor", 4, "0")
             first = await c.step("p", [allocate("a", list(range(8)), 8)], s.session_id, s.fence)
             assert first.results[0].status_code == 0
             free = asyncio.ensure_future(c.free("p", ["a"], session_id=s.session_id, fence=s.fence))
             await hold.held.wait()
-            free.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await free
+            if how == "cancelled":
+                free.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await free
+            else:
+                with pytest.raises(OutcomeUnknownError):
+                    await free
+                hold.cut = False
+            assert len(given_up.given_up(s.session_id)) == 1
             # outcome unknown: free it (a second Free under a new key), admit it again
             await c.free("p", ["a"], session_id=s.session_id, fence=s.fence)
+            assert given_up.given_up(s.session_id) == {}  # (named by an answered call)
             again = await c.step("p", [allocate("a", list(range(8)), 8)], s.session_id, s.fence)
             assert again.results[0].status_code == 0
             late = await hold.release()
@@ -363,5 +385,5 @@ def test_a_keyed_call_cancelled_by_its_caller_is_never_applied_late(server: InPr
                 return late, _held(check), again.results[0].allocate
 
     late, held, again = asyncio.run(run())
-    assert held == {"a": _blocks(again)}, f"the late copy of a cancelled Free was applied: {held}, {late!r}"
+    assert held == {"a": _blocks(again)}, f"the late copy of the first Free was applied: {held}, {late!r}"
     assert isinstance(late, grpc.RpcError) and late.code() == grpc.StatusCode.ABORTED, late

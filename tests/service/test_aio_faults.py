@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 from kvcoord.client import AsyncKVCoordClient, KVCoordClient, OutcomeUnknownError, UnavailableError, given_up
+from kvcoord.client.api import Api
 from kvcoord.client.errors import LocalRpcError
 from kvcoord.client.faults import FaultInjector
 from kvcoord.client.faults_aio import AsyncFaultInjector
@@ -387,3 +388,77 @@ def test_a_keyed_call_cancelled_or_given_up_is_never_applied_late(server: InProc
     late, held, again = asyncio.run(run())
     assert held == {"a": _blocks(again)}, f"the late copy of the first Free was applied: {held}, {late!r}"
     assert isinstance(late, grpc.RpcError) and late.code() == grpc.StatusCode.ABORTED, late
+
+
+def _unkeyed(rpc: str, session: pb.AttachResponse) -> tuple[Any, Any]:
+    """``rpc``'s method and a request of it built by its caller, without a key: an
+    Allocate or a Step registering "c", a Free of "b"."""
+    s = session
+    if rpc == "Allocate":
+        op = allocate("c", list(range(12)), 12).allocate
+        return Api.allocate, pb.AllocateRequest(pool="p", session_id=s.session_id, fence=s.fence, op=op)
+    if rpc == "Step":
+        ops = [allocate("c", list(range(12)), 12)]
+        return Api.step, pb.StepRequest(pool="p", session_id=s.session_id, fence=s.fence, ops=ops)
+    return Api.free, pb.FreeRequest(pool="p", session_id=s.session_id, fence=s.fence, request_ids=["b"])
+
+
+def _told(rpc: str, answer: Any) -> dict[str, list[int]]:
+    """What an answer told the caller the pool holds besides "b" (freed: nothing)."""
+    if rpc == "Free":
+        return {}
+    if rpc == "Step" and answer.results[0].status_code:  # (told: "c" was not allocated)
+        return {"b": [1, 2]}
+    result = answer.result if rpc == "Allocate" else answer.results[0].allocate
+    return {"b": [1, 2], "c": _blocks(result)}
+
+
+@pytest.mark.parametrize("rpc", KEYED)
+@pytest.mark.parametrize("kind", ["aio", "blocking"])
+def test_a_keyed_request_built_without_a_key_is_applied_once_when_its_answer_is_lost(
+    server: InProcessServer, kind: str, rpc: str
+) -> None:
+    """A caller builds an Allocate, Free or Step itself (for a field the method does not
+    take: ``events_digest``, ``abandoned``; the asyncio client has no ``send_step``) and
+    sends it through ``unary`` without an idempotency key; its answer is lost after the
+    server applied it. The client keys it before its first attempt, so the retry is
+    answered from the first, and the caller is told what the pool holds (old code: the
+    unkeyed retry was applied as a new call and refused, "already registered" / "not in
+    pool": the caller told nothing was applied while "c" held blocks or "b" was freed)."""
+
+    async def run_aio() -> tuple[Any, dict[str, list[int]]]:
+        lose = AsyncFaultInjector(0, drop=1.0, methods=(rpc,))
+        lose.enabled = False
+        lose.on_drop = lambda: setattr(lose, "enabled", False)
+        async with AsyncKVCoordClient(server.address, timeout=10, interceptors=[lose]) as c:
+            s = await c.attach("p", "sha256_cbor", 4, "0")
+            await c.step("p", [allocate("b", list(range(8)), 8)], s.session_id, s.fence)
+            method, request = _unkeyed(rpc, s)
+            lose.enabled = True  # (the set-up Step passed)
+            try:
+                told: Any = await c.unary(method, request)
+            except Exception as exc:
+                told = exc
+            assert lose.counts["dropped"] == 1
+        with KVCoordClient(server.address, timeout=10) as check:
+            return told, _held(check)
+
+    def run_blocking() -> tuple[Any, dict[str, list[int]]]:
+        lose = FaultInjector(0, drop=1.0, methods=(rpc,))
+        lose.enabled = False
+        lose.on_drop = lambda: setattr(lose, "enabled", False)
+        with KVCoordClient(server.address, timeout=10, interceptors=[lose], step_stream=False) as c:
+            s = c.attach("p", "sha256_cbor", 4, "0")
+            c.step("p", [allocate("b", list(range(8)), 8)], s.session_id, s.fence)
+            method, request = _unkeyed(rpc, s)
+            lose.enabled = True  # (the set-up Step passed)
+            try:
+                told: Any = c.unary(method, request)
+            except Exception as exc:
+                told = exc
+            assert lose.counts["dropped"] == 1
+            return told, _held(c)
+
+    told, held = asyncio.run(run_aio()) if kind == "aio" else run_blocking()
+    assert not isinstance(told, Exception), f"told {told!r} while the pool holds {held}"
+    assert held == _told(rpc, told), f"told {told} while the pool holds {held}"

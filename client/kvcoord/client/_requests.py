@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from kvcoord.v1 import allocator_pb2 as pb
 
@@ -50,6 +51,20 @@ def kind_of(rpc: str, request: object) -> str:
 
 def key() -> str:
     return uuid.uuid4().hex
+
+
+def keyed(rpc: str, request: Any) -> None:
+    """Before a call's first attempt: a keyed one (:func:`kind_of`) its caller built
+    without an idempotency key gets one, and a ``call_sequence`` unless it has one
+    (written in place). Unkeyed, its retry after a lost answer would be a new call,
+    applied again (an Allocate registering its request twice, a Free told the request
+    it freed is unknown: a "nothing applied" answer while the first attempt was). A
+    request its caller keyed is sent as it is."""
+    if kind_of(rpc, request) != "keyed" or request.idempotency_key:
+        return
+    request.idempotency_key = key()
+    if "call_sequence" in request.DESCRIPTOR.fields_by_name and not request.call_sequence:
+        request.call_sequence = sequence()
 
 
 _sequence_lock = threading.Lock()

@@ -99,7 +99,10 @@ class AsyncKVCoordClient(AsyncApi):
 
     async def unary(self, rpc: Rpc[Any, Req, Resp], request: Req) -> Resp:
         """Send ``request`` as ``rpc`` (routed and retried as :class:`KVCoordClient` does;
-        a Step larger than ``step_piece_bytes`` or ``step_piece_ops`` in pieces, :mod:`kvcoord.client.step_pieces`)."""
+        a Step larger than ``step_piece_bytes`` or ``step_piece_ops`` in pieces, :mod:`kvcoord.client.step_pieces`).
+        A keyed call built without an idempotency key gets one, and a call sequence number
+        (``_requests.keyed``, written in place, as ``KVCoordClient.send_step`` does)."""
+        rq.keyed(rpc.name, request)
         if rpc.name == "Step":
             step = cast(pb.StepRequest, request)
             parts = pieces(step, self.step_piece_bytes, self.step_piece_ops)

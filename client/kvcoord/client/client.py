@@ -135,9 +135,11 @@ class KVCoordClient(BlockingApi):
     def unary(self, rpc: Rpc[Any, Req, Resp], request: Req) -> Resp:
         """Send ``request`` as ``rpc``: to the pool's owner, retried as the call's kind
         allows (``_requests.RPCS``); the response, or a typed :class:`KVCoordError`. A
-        Step goes through :meth:`send_step`."""
+        keyed call built without an idempotency key gets one (``_requests.keyed``, in
+        place). A Step goes through :meth:`send_step`."""
         if rpc.name == "Step":
             return cast(Resp, self.send_step(cast(pb.StepRequest, request)))
+        rq.keyed(rpc.name, request)  # (a caller's request without a key: retried under one)
         if rpc.name == "Free" and (frees := free_pieces(cast(pb.FreeRequest, request), self.step_piece_ops)):
             return cast(Resp, send_free_pieces(frees, lambda piece: self._call("Free", piece)))
         if rpc.name == "InspectPool" and (
@@ -170,10 +172,7 @@ class KVCoordClient(BlockingApi):
         (none when 0: a copy of it delivered after the server forgot its key would be
         applied). One larger than ``step_piece_bytes``, or of more operations than
         ``step_piece_ops``, is sent in pieces (:mod:`kvcoord.client.step_pieces`)."""
-        if not request.idempotency_key:
-            request.idempotency_key = rq.key()
-            if not request.call_sequence:
-                request.call_sequence = rq.sequence()
+        rq.keyed("Step", request)
         parts = pieces(request, self.step_piece_bytes, self.step_piece_ops)
         if parts is not None:
             return send_in_pieces(request, parts, lambda piece: self._call("Step", piece))

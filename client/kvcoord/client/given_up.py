@@ -1,7 +1,9 @@
 """Keyed calls this process gave up on, named in their session's next keyed calls.
 
 A keyed call (Allocate, Free, Step) whose retries ran out without telling whether it
-was applied ends in :class:`~kvcoord.client.errors.OutcomeUnknownError`; its caller then
+was applied ends in :class:`~kvcoord.client.errors.OutcomeUnknownError` (an asyncio
+caller cancelling one in flight leaves it as unknown: ``aio.AsyncKVCoordClient._call``
+records it here the same way); its caller then
 treats its requests as lost (the waiting-mode manager frees them, ``if_held``, in the same
 session, and vLLM may admit a request again under the same id). If the server never saw
 the call, a copy held back on the way could still arrive after that, and be applied: a

@@ -462,3 +462,82 @@ def test_a_keyed_request_built_without_a_key_is_applied_once_when_its_answer_is_
     told, held = asyncio.run(run_aio()) if kind == "aio" else run_blocking()
     assert not isinstance(told, Exception), f"told {told!r} while the pool holds {held}"
     assert held == _told(rpc, told), f"told {told} while the pool holds {held}"
+
+
+async def _worker(c: AsyncKVCoordClient, name: str, rounds: int) -> dict[str, list[int]]:
+    """One session on ``c`` (others share the client, concurrently): rounds of one Step
+    registering four requests (their prompts shared within the session: cache hits)
+    and one Allocate, then a Free of all but the last round's; the block table each
+    request was told it holds."""
+    s = await c.attach("p", "sha256_cbor", 4, "0", client_name=name)
+    told: dict[str, list[int]] = {}
+    for k in range(rounds):
+        ids = [f"{name}-{k}-{i}" for i in range(4)]
+        prompt = [hash((name, j)) % 1000 for j in range(8)]
+        ops = [allocate(rid, [*prompt, 1000 + i], 9, return_table=True) for i, rid in enumerate(ids)]
+        got = await c.step("p", ops, s.session_id, s.fence)
+        for rid, r in zip(ids, got.results, strict=True):
+            assert r.status_code == 0 and not r.allocate.refused, r
+            told[rid] = list(r.allocate.table[0].block_ids)
+        one = allocate(f"{name}-{k}-x", [*prompt, 2000], 9, return_table=True).allocate
+        answer = await c.allocate("p", one, s.session_id, s.fence)
+        told[f"{name}-{k}-x"] = list(answer.result.table[0].block_ids)
+        if k < rounds - 1:
+            freed = [*ids, f"{name}-{k}-x"]
+            await c.free("p", freed, session_id=s.session_id, fence=s.fence)
+            for rid in freed:
+                del told[rid]
+    return told
+
+
+def test_concurrent_sessions_on_one_asyncio_client_are_told_the_blocks_they_hold(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """Three sessions share one asyncio client, their calls interleaved on its channel
+    (asyncio.gather), under lost, late, duplicated and re-delivered answers of every
+    keyed call (a late copy goes out with another session's call): every request ends
+    holding exactly the blocks its session was told, no block is held twice, and the
+    pool's invariants hold."""
+    for seed in range(2):
+        server = make_server(TOML, limits=Limits(max_ops_per_step=CAP))
+        faults = AsyncFaultInjector(seed, drop=0.2, delay=0.1, duplicate=0.15, reorder=0.3, methods=KEYED)
+
+        told = asyncio.run(_workers(server.address, faults))
+        with KVCoordClient(server.address, timeout=10) as check:
+            held = _held(check)
+            assert check.check_pool("p").violations == []
+        assert held == told, f"seed {seed}"
+        assert _own_blocks_held_once(held), f"seed {seed}: {held}"
+        assert faults.counts["dropped"] and faults.counts["reordered"], faults.counts
+
+
+async def _workers(address: str, faults: AsyncFaultInjector) -> dict[str, list[int]]:
+    async with AsyncKVCoordClient(address, timeout=10, interceptors=[faults]) as c:
+        tables = await asyncio.gather(*(_worker(c, f"w{j}", 6) for j in range(3)))
+    return {rid: t for table in tables for rid, t in table.items()}
+
+
+def _own_blocks_held_once(held: dict[str, list[int]]) -> bool:
+    """A block two tables share is the cached prefix of a session's prompt (its first
+    two blocks); a request's own last block (its tokens alone) is in no other table."""
+    lasts = [t[-1] for t in held.values()]
+    return len(lasts) == len(set(lasts))
+
+
+@pytest.mark.parametrize("fault", ["drop", "delay", "duplicate"])
+def test_an_exclusive_attach_whose_answer_is_lost_is_one_session(server: InProcessServer, fault: str) -> None:
+    """An exclusive Attach applied on the server, its answer lost, late or the request
+    delivered twice: retried (or answered) under its attach_key, the asyncio client gets
+    the session the first made, and the pool has that one session (as the blocking
+    client's test_an_attach_whose_answer_was_lost_is_retried_into_the_same_session)."""
+    faults = FirstAnswersLost(fault, ["Attach"])
+
+    async def run() -> pb.AttachResponse:
+        async with AsyncKVCoordClient(server.address, timeout=10, interceptors=[faults]) as c:
+            return await c.attach("p", "sha256_cbor", 4, "0", client_name="engine-0", exclusive=True)
+
+    got = asyncio.run(run())
+    assert got.exclusive and faults.counts[{"drop": "dropped", "delay": "delayed"}.get(fault, "duplicated")]
+    with KVCoordClient(server.address, timeout=10) as c:
+        assert [s.session_id for s in c.list_sessions("p").sessions] == [got.session_id]
+        assert c.get_stats("p").num_sessions == 1

@@ -541,3 +541,56 @@ def test_an_exclusive_attach_whose_answer_is_lost_is_one_session(server: InProce
     with KVCoordClient(server.address, timeout=10) as c:
         assert [s.session_id for s in c.list_sessions("p").sessions] == [got.session_id]
         assert c.get_stats("p").num_sessions == 1
+
+
+class FailPieceOnce(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Step number ``at`` (from 0) fails once before it is sent (INTERNAL: not retried)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.steps = 0
+
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], details: Any, request: Any
+    ) -> Any:
+        if details.method.decode().endswith("/Step"):
+            self.steps += 1
+            if self.steps == self.at + 1:
+                raise LocalRpcError(grpc.StatusCode.INTERNAL, "injected: piece lost")
+        return await continuation(details, request)
+
+
+async def _pieces_run(address: str, interceptors: Sequence[Any], again: bool) -> tuple[Any, Any]:
+    """A Step of ten operations (three pieces) through ``unary``, built by the caller
+    (``include_state``); with ``again``, its failure is followed by sending the same
+    request again. The answer (results and free count) and the error raised first."""
+    async with AsyncKVCoordClient(address, timeout=10, interceptors=list(interceptors)) as c:
+        s = await c.attach("p", "sha256_cbor", 4, "0")
+        request = pb.StepRequest(
+            pool="p", session_id=s.session_id, fence=s.fence, ops=_ops(0), include_state=True
+        )
+        first: Any = None
+        try:
+            answer = await c.unary(Api.step, request)
+        except OutcomeUnknownError as exc:
+            first = exc
+            assert again
+            answer = await c.unary(Api.step, request)  # the same request, its same key
+        return [(r.status_code, r.allocate) for r in answer.results], first
+
+
+def test_a_step_piece_that_fails_and_the_same_request_sent_again_completes_once(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """The second of three Step pieces fails (not sent): the asyncio caller is told
+    OutcomeUnknownError (the first piece applied), its note naming the piece; sending the
+    same request again through ``unary`` (keyed once, by its caller or the client)
+    applies the rest once: the answer and the pool equal a calm run's."""
+    calm = make_server(TOML, limits=Limits(max_ops_per_step=CAP))
+    faulty = make_server(TOML, limits=Limits(max_ops_per_step=CAP))
+    want, _ = asyncio.run(_pieces_run(calm.address, [], again=False))
+    got, first = asyncio.run(_pieces_run(faulty.address, [FailPieceOnce(1)], again=True))
+    assert isinstance(first, OutcomeUnknownError) and "Step piece 2 of 3" in "".join(first.__notes__)
+    assert got == want
+    with KVCoordClient(calm.address) as a, KVCoordClient(faulty.address) as b:
+        assert _state(b) == _state(a) and _stats(b) == _stats(a)

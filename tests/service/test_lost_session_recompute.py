@@ -14,11 +14,11 @@ another session of pool 'chaos'" right after its LeaseExpiredError). Over real g
 in-process server whose session clock stands still (its lease of the old session never
 runs out), a channel interceptor failing Heartbeat and Detach without reaching it.
 
-Not fixed yet (xfail, strict: a fix turns it into a failure to remove the mark). A fix
-must keep what tests/service/test_predicted_detach_failed.py relies on (the keeper keeps
-the old session's id until an Attach succeeds; a lapsed old session is ended by the
-Attach), e.g. not attaching while the old session may live and its Detach failed
-transiently, or ending it before a recompute."""
+Fixed: a shared session's ``start_again`` attaches only after a Detach the server
+answered (ended, or gone already); one that did not reach it fails the new session
+(UnavailableError: the next call tries again, Detach first; an exclusive one is kept out
+by the server instead: tests/service/test_predicted_detach_failed.py). Fails on the old
+code with PermissionDeniedError "request 'r1' belongs to another session of pool 'p'"."""
 
 from __future__ import annotations
 
@@ -55,7 +55,6 @@ def _allocate(m: RemoteKVCacheManager, r: Req) -> list[int]:
     return list(new.get_block_ids()[0])
 
 
-@pytest.mark.xfail(strict=True, reason="the lost session's failed Detach leaves its request ids held")
 def test_requests_lost_to_an_unproven_lease_can_be_recomputed_under_their_ids(
     make_server: Callable[..., InProcessServer],
 ) -> None:

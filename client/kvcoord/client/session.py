@@ -26,7 +26,7 @@ from typing import Any
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire.leases import LEASE_MARGIN
 
-from .errors import FencedError, KVCoordError, LeaseExpiredError, SessionExpiredError
+from .errors import FencedError, KVCoordError, LeaseExpiredError, SessionExpiredError, UnavailableError
 
 __all__ = ["SessionKeeper"]
 
@@ -102,16 +102,27 @@ class SessionKeeper:
         """A new session after this one was lost (its requests with it), for every mode.
         The server may still hold the old one (only this client gave up on its lease):
         end it first, so its requests are freed now and an exclusive session can be
-        taken again at once; then attach.
+        taken again at once; then attach. A Detach the server answered with an error
+        (the session gone already, ...) is as good. One that did not reach it, or
+        whose outcome is unknown, is not for a shared session: the old session may
+        still hold the lost requests' ids, and their recompute under the same ids in a
+        new shared session would be refused (PERMISSION_DENIED) until its lease ran
+        out there. An exclusive session attaches anyway: the server refuses the new
+        exclusive Attach while the old session lives (POOL_EXCLUSIVE) and ends it if
+        its lease ran out.
 
         Raises:
-            KVCoordError: the new session could not be made (the caller tries again).
+            KVCoordError: the new session could not be made (the caller tries again,
+                Detach first: the old session's id is kept until an Attach succeeds).
         """
         if self.session_id:
             try:
                 self.client.detach(self.session_id, self.fence)
+            except UnavailableError:
+                if not self.exclusive:
+                    raise  # unreachable, or its outcome unknown: the next call tries again
             except KVCoordError:
-                pass  # gone already, or unreachable (then its lease ends it)
+                pass  # answered: gone already, or not this client's to end
         return self.attach()
 
     def adopt(self, fence: pb.Fence) -> None:

@@ -3,13 +3,21 @@
     KVCOORD_VENV=$(scripts/install_vllm.sh --print-venv)
     PYTHONPATH=client:server:tests PYTHONHASHSEED=0 $KVCOORD_VENV/bin/python bench/vllm_step.py \\
         [--running 16 64 256] [--steps 200] [--warmup 150] [--layouts full full+swa] \\
-        [--kinds sync async] [--modes exclusive predicted] [--model-ms 5 0] [--rounds 3]
+        [--kinds sync async] [--modes exclusive predicted] [--model-ms 5 0] [--pools ample fill] [--rounds 3]
 
 For each number of running requests the same seeded workload (prompts 256-900 tokens,
-half sharing one of 8 prefixes, 16-128 output tokens, token budget 8,192, a pool large
-enough that nothing is preempted, full attention or full + sliding window, prefix
-caching, events and stats on) runs through vLLM's ``Scheduler`` (or ``AsyncScheduler``,
-driven one step after the other) with its in-process KVCacheManager and with
+half sharing one of 8 prefixes, 16-128 output tokens, token budget 8,192, full attention
+or full + sliding window, prefix caching, events and stats on; new requests arrive as
+others finish, so that N are always in the scheduler, running or waiting) runs with each
+``--pools`` choice, each a row group of its own: ``ample``, a pool with room for every
+request at its longest (nothing is ever preempted, no request waits for blocks: the
+flattering side), and ``fill``, 24 blocks a request on full attention and 40 on full +
+sliding window (about 60 % of what the requests would hold), so that at 16, 64 and 256
+the pool fills, requests wait for blocks and vLLM's scheduler preempts in the measured
+steps (each row group's first line says so: the pool's peak and mean usage, the
+preemptions, the running and waiting counts, from the scheduler stats
+``update_from_output()`` returns, the same for both managers). It runs through
+vLLM's ``Scheduler`` (or ``AsyncScheduler``, driven one step after the other) with its in-process KVCacheManager and with
 ``KVCoordScheduler`` (``KVCoordAsyncScheduler``) on a kvcoord server process on
 loopback: ``exclusive`` without prediction (``KVCOORD_PREDICT=0``, one round trip when
 an answer needs the server), ``predicted`` with it (``KVCOORD_PREDICT=1``, the
@@ -22,13 +30,15 @@ forward time, and 0, the steps back to back): a sleep, untimed, for vLLM's own
 scheduler and kvcoord's alike (the GIL released, as vLLM's engine core waits for its
 workers), in which the predicted client's sender thread sends the Step the previous
 step's cut handed it. Under each predicted row: what its slowest 1 % of steps are
-made of (the wait for the Step in flight, garbage collection, new requests admitted),
+made of (the wait for the Step in flight, garbage collection, new requests admitted,
+requests finished, preempted and resumed, and vLLM's own time on the same steps: the
+decisions being the same, step i does the same work under both managers),
 the steps that waited, and the sender thread's CPU per step with the share of it
 spent inside the model's run. Prints p50 / mean / p99 per step, the
 round trips per step (every RPC the manager's client makes; mean and max) and the
 milliseconds kvcoord adds, the p50 over (vLLM's p50 + one no-op round trip: a ListPools
 sent after each step of the row, untimed by the step, p50), and checks that every step's
-scheduler output is identical. With ``--rounds R`` each row runs R times, vLLM's and
+scheduler output, and its running and waiting counts and the pool's usage, are identical. With ``--rounds R`` each row runs R times, vLLM's and
 kvcoord's in turns (the order reversed every other round, each on a scheduler and pool
 of its own), and ends with the medians of the paired per-round ratios and in how many
 rounds the p99 stayed within vLLM's p99 plus two round trips: the same row run twice
@@ -84,12 +94,15 @@ def run(
     between: Any = None,
     model_s: float = 0.0,
     gap: Any = None,
+    stats: list[tuple[int, int, float]] | None = None,
 ) -> tuple[list[float], list[Any]]:
     """Seconds per step (``schedule()`` plus ``update_from_output()``) and each step's
     summarized output; between the two the model runs for ``model_s`` seconds (a sleep,
     untimed: the GIL released, as vLLM's engine core waits for its workers), with
     ``gap(True)`` and ``gap(False)`` called at its start and end when given;
-    ``between()`` (when given) is called after each step, untimed by it."""
+    ``between()`` (when given) is called after each step, untimed by it. ``stats``
+    (when given) gets each step's running and waiting counts and the pool's usage, as
+    ``update_from_output()`` returned them in its scheduler stats (read untimed)."""
     hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
@@ -126,8 +139,11 @@ def run(
         if gap is not None:
             gap(False)
         t2 = clock()
-        sched.update_from_output(out, fake_runner_output(sched, out))
+        outs = sched.update_from_output(out, fake_runner_output(sched, out))
         times.append(clock() - t2 + (t1 - t0))
+        if stats is not None:
+            s = outs[0].scheduler_stats
+            stats.append((s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage))
         trace.append(summarize(out))
         if between is not None:
             between()
@@ -153,6 +169,8 @@ class Makeup:
         #: the sender thread's CPU seconds in the model's gaps and in all, measured steps
         self.in_gaps = 0.0
         self.total = 0.0
+        #: the Steps the manager sent in the run (set after it)
+        self.steps_sent = 0
         self._start = 0.0
 
     def _collector(self, phase: str, info: dict[str, Any]) -> None:
@@ -203,12 +221,19 @@ class Makeup:
             self._clock = None  # the sender's CPU counted from here
             self._sender_cpu()
 
-    def report(self, times: list[float], trace: list[Any], steps_sent: int) -> str:
+    def report(self, times: list[float], trace: list[Any], base: list[float]) -> str:
+        """``base``: vLLM's own step times in the same round (the same steps: its
+        decisions are the same, step for step)."""
         w = self.warmup
-        t, waits, gcs = times[w:], self.waits[w:], self.gcs[w:]
+        t, waits, gcs, b = times[w:], self.waits[w:], self.gcs[w:], base[w:]
         new = [len(s["new"]) for s in trace[w:]]
+        freed = [len(s["finished"]) for s in trace[w:]]
+        preempted = [len(s["preempted"]) for s in trace[w:]]
+        resumed = [len(s["resumed"]) for s in trace[w:]]
         top = sorted(range(len(t)), key=t.__getitem__)[int(len(t) * 0.99) :]
         k = len(top)
+        # vLLM's own slowest 1 %: the steps that cost most whatever the manager
+        vtop = sorted(range(len(b)), key=b.__getitem__)[int(len(b) * 0.99) :]
 
         def mean_ms(xs: list[float], ix: list[int]) -> float:
             return sum(xs[i] for i in ix) / max(1, len(ix)) * 1e3
@@ -217,9 +242,13 @@ class Makeup:
         return (
             f"{'':>7} {'':<22} p99 steps ({k}): {mean_ms(t, top):.2f} ms, of which waiting for the Step in "
             f"flight {mean_ms(waits, top):.2f}, garbage collection {mean_ms(gcs, top):.2f}; "
-            f"{sum(new[i] for i in top) / max(1, k):.1f} new requests (all steps: {statistics.fmean(new):.1f})\n"
+            f"{sum(new[i] for i in top) / max(1, k):.1f} new requests (all steps: {statistics.fmean(new):.1f}), "
+            f"{sum(freed[i] for i in top) / max(1, k):.1f} finished (all: {statistics.fmean(freed):.1f}), "
+            f"{sum(preempted[i] for i in top) / max(1, k):.1f} preempted (all: {statistics.fmean(preempted):.2f}), "
+            f"{sum(resumed[i] for i in top) / max(1, k):.1f} resumed (all: {statistics.fmean(resumed):.2f}); vLLM's own step on the same steps {mean_ms(b, top):.2f} ms "
+            f"(its own p99 steps {mean_ms(b, vtop):.2f}, {len(set(top) & set(vtop))} of them the same steps)\n"
             f"{'':>7} {'':<22} all measured steps: waited {sum(waits) * 1e3:.1f} ms in "
-            f"{sum(1 for x in waits if x > 1e-4)} of {len(t)} (over 0.1 ms); {steps_sent} Steps sent in the run; the sender "
+            f"{sum(1 for x in waits if x > 1e-4)} of {len(t)} (over 0.1 ms); {self.steps_sent} Steps sent in the run; the sender "
             f"thread's CPU {self.total / len(t) * 1e3:.2f} ms / step, {inside:.0f} % of it in the model's run"
         )
 
@@ -227,6 +256,38 @@ class Makeup:
 def _figures(t: list[float]) -> tuple[float, float, float]:
     """p50, mean and p99 of ``t`` (seconds), in milliseconds."""
     return sorted(t)[len(t) // 2] * 1e3, statistics.fmean(t) * 1e3, pct(t, 0.99)
+
+
+#: ``fill`` pools: blocks a running request's share (the requests would hold about 41
+#: full-attention blocks each at their mean length, 650 tokens; a full + sliding-window
+#: request's admission also takes its whole prompt in the window's group, freed a step
+#: later), so that at 16, 64 and 256 running the pool fills, requests wait and vLLM's
+#: scheduler preempts in the measured steps
+FILL_BLOCKS = {"full": 24, "full+swa": 40}
+
+
+def pool_blocks(pools: str, layout: str, n: int) -> int:
+    """The pool's blocks for ``n`` running requests: ``ample``, room for every request
+    at its longest in each group (nothing is ever preempted, no request waits for
+    blocks); ``fill``, :data:`FILL_BLOCKS` a request."""
+    if pools == "ample":
+        return n * (900 + 128) // BLOCK_SIZE * 2 + 64
+    return n * FILL_BLOCKS[layout]
+
+
+def fill_line(trace: list[Any], stats: list[tuple[int, int, float]], blocks: int, warmup: int) -> str:
+    """How full the pool ran in the measured steps (the same for every manager: their
+    decisions are)."""
+    trace, stats = trace[warmup:], stats[warmup:]
+    pre = [len(s["preempted"]) for s in trace]
+    running = [s[0] for s in stats]
+    waiting = [s[1] for s in stats]
+    return (
+        f"{'':>7} pool {blocks} blocks: peak usage {max(s[2] for s in stats) * 100:.1f} % (mean "
+        f"{statistics.fmean(s[2] for s in stats) * 100:.1f} %); {sum(pre)} preemptions in {sum(1 for x in pre if x)} "
+        f"of {len(trace)} measured steps; running {min(running)}-{max(running)} (mean {statistics.fmean(running):.1f}), "
+        f"waiting {min(waiting)}-{max(waiting)} (mean {statistics.fmean(waiting):.1f})"
+    )
 
 
 def cls_of(kind: str) -> Any:
@@ -241,6 +302,7 @@ def _run_remote(
     layout: str,
     kind: str,
     n: int,
+    pools: str,
     blocks: int,
     model_ms: float,
     r: int,
@@ -248,13 +310,15 @@ def _run_remote(
     probe: Any,
     rtts: list[float],
     ping: Any,
-) -> tuple[list[float], list[Any], float, list[int], str]:
+    stats: list[tuple[int, int, float]],
+) -> tuple[list[float], list[Any], float, list[int], Any]:
     """One row on kvcoord (a pool of its own per round, deleted after it): step times,
-    trace, round trip (ms), RPCs per step and, predicted, what its steps are made of."""
+    trace, round trip (ms), RPCs per step and, predicted, what its steps are made of
+    (a :class:`Makeup`, else None); each step's scheduler stats into ``stats``."""
     total = args.steps + args.warmup
     os.environ["KVCOORD_TARGET"] = address
     os.environ["KVCOORD_POOL"] = pool = (
-        f"bench-{layout.replace('+', '-')}-{kind}-{n}-{model_ms:g}-{'predicted' if predict else 'exclusive'}-r{r}"
+        f"bench-{layout.replace('+', '-')}-{kind}-{n}-{pools}-{model_ms:g}-{'predicted' if predict else 'exclusive'}-r{r}"
     )
     os.environ["KVCOORD_PREDICT"] = "1" if predict else "0"
     remote = make_scheduler(cls, config(), kv_cache_config(layout, blocks))
@@ -271,7 +335,7 @@ def _run_remote(
     client._call = counted
     rtts.clear()
     manager = remote.kv_cache_manager.remote
-    report = ""
+    makeup = None
     try:
         if predict:
             # A probe between steps would let the Step in flight finish untimed:
@@ -280,19 +344,21 @@ def _run_remote(
                 probe()
             with Makeup(manager, args.warmup) as makeup:
                 t, trace = run(remote, n, total, seed=n, counter=counts, between=makeup.between,
-                               model_s=model_ms / 1e3, gap=makeup.gap)  # fmt: skip
+                               model_s=model_ms / 1e3, gap=makeup.gap, stats=stats)  # fmt: skip
             for _ in range(200):
                 probe()
             rtt = pct(rtts, 0.5)
-            report = makeup.report(t, trace, manager.steps_sent)
+            makeup.steps_sent = manager.steps_sent
         else:
-            t, trace = run(remote, n, total, seed=n, counter=counts, between=probe, model_s=model_ms / 1e3)
+            t, trace = run(
+                remote, n, total, seed=n, counter=counts, between=probe, model_s=model_ms / 1e3, stats=stats
+            )
             rtt = pct(rtts[args.warmup :], 0.5)
     finally:
         remote.shutdown()
         # (every row's probe and server alike: ListPools answers for every pool there is)
         ping.delete_pool(pool)
-    return t, trace, rtt, counts, report
+    return t, trace, rtt, counts, makeup
 
 
 def main() -> None:
@@ -312,6 +378,10 @@ def main() -> None:
         "--model-ms", type=float, nargs="+", default=[5.0, 0.0],
         help="the model's run between schedule() and update_from_output() (a sleep, untimed); "
         "0: the steps back to back",
+    )  # fmt: skip
+    ap.add_argument(
+        "--pools", nargs="+", default=["ample", "fill"], choices=["ample", "fill"],
+        help="ample: nothing is ever preempted; fill: the pool fills, requests wait and vLLM preempts",
     )  # fmt: skip
     ap.add_argument(
         "--rounds", type=int, default=1,
@@ -340,11 +410,11 @@ def main() -> None:
         f"{'running':>7} {'scheduler':<22} {'p50 ms':>8} {'mean ms':>8} {'p99 ms':>8} {'RTT/step':>9} {'max RTT':>8}"
         f" {'+ms/step':>9} {'vs vLLM+RTT':>11} {'RTT ms':>7} {'p50 x':>6} {'mean x':>6}"
     )
-    rows = itertools.product(args.model_ms, args.layouts, args.kinds, args.running)
+    rows = itertools.product(args.pools, args.model_ms, args.layouts, args.kinds, args.running)
     names = ["vLLM", *args.modes]
     try:
-        for model_ms, layout, kind, n in rows:
-            blocks = n * (900 + 128) // BLOCK_SIZE * 2 + 64  # never full: nothing preempted
+        for pools, model_ms, layout, kind, n in rows:
+            blocks = pool_blocks(pools, layout, n)
             total = args.steps + args.warmup
             model_s = model_ms / 1e3
 
@@ -357,44 +427,53 @@ def main() -> None:
                     max_num_batched_tokens=8192,
                 )
 
-            print(f"-- {layout}, {kind}, the model's run {model_ms:g} ms per step (untimed)")
+            print(f"-- {layout}, {kind}, the model's run {model_ms:g} ms per step (untimed), {pools} pool")
             # per round and name: (p50, mean, p99, rtt) in ms; rounds alternate the order
             figures: list[dict[str, tuple[float, float, float, float]]] = []
             base_trace: list[Any] | None = None
+            base_stats: list[tuple[int, int, float]] | None = None
             for r in range(args.rounds):
                 got: dict[str, tuple[float, float, float, float]] = {}
-                lines: dict[str, tuple[str, str]] = {}
+                lines: dict[str, tuple[str, Any]] = {}
+                times: dict[str, list[float]] = {}
                 for name in names if r % 2 == 0 else names[::-1]:
+                    stats: list[tuple[int, int, float]] = []
                     if name == "vLLM":
                         local = make_scheduler(SCHEDULERS[kind], config(), kv_cache_config(layout, blocks))
                         freeze_heap()
-                        t, trace = run(local, n, total, seed=n, counter=None, model_s=model_s)
+                        t, trace = run(local, n, total, seed=n, counter=None, model_s=model_s, stats=stats)
                         got[name] = (*_figures(t[args.warmup :]), 0.0)
-                        lines[name] = ("", "")
+                        lines[name] = ("", None)
                     else:
-                        t, trace, rtt, counts, report = _run_remote(
-                            args, name == "predicted", cls_of(kind), config, layout, kind, n, blocks, model_ms,
-                            r, server.address, probe, rtts, ping,
+                        t, trace, rtt, counts, makeup = _run_remote(
+                            args, name == "predicted", cls_of(kind), config, layout, kind, n, pools, blocks,
+                            model_ms, r, server.address, probe, rtts, ping, stats,
                         )  # fmt: skip
                         got[name] = (*_figures(t[args.warmup :]), rtt)
                         trips = sum(counts[args.warmup :]) / len(counts[args.warmup :])
-                        lines[name] = (f" {trips:9.2f} {max(counts[args.warmup :]):8d}", report)
+                        lines[name] = (f" {trips:9.2f} {max(counts[args.warmup :]):8d}", makeup)
+                    times[name] = t
                     if base_trace is None:
-                        base_trace = trace
+                        base_trace, base_stats = trace, stats
                     assert trace == base_trace, f"{name}'s scheduler decided differently"
+                    # (the running and waiting counts and the pool's usage, step for step)
+                    assert stats == base_stats, f"{name}'s scheduler stats differ"
                 figures.append(got)
                 base, base_mean, base_p99, _ = got["vLLM"]
                 tag = f"r{r + 1} " if args.rounds > 1 else ""
+                if r == 0:
+                    assert base_stats is not None
+                    print(fill_line(base_trace, base_stats, blocks, args.warmup))
                 print(f"{n:>7} {tag + 'vLLM in-process':<22} {base:8.2f} {base_mean:8.2f} {base_p99:8.2f}")
                 for name in args.modes:
                     med, mean, p99, rtt = got[name]
                     label = tag + ("KVCOORD_PREDICT=1" if name == "predicted" else "KVCOORD_PREDICT=0")
-                    trips_max, report = lines[name]
+                    trips_max, makeup = lines[name]
                     print(f"{n:>7} {label:<22} {med:8.2f} {mean:8.2f} {p99:8.2f}{trips_max}"
                           f" {med - base:9.2f} {med / (base + rtt):11.2f} {rtt:7.3f} {med / base:6.2f}"
                           f" {mean / base_mean:6.2f}")  # fmt: skip
-                    if report:
-                        print(report)
+                    if makeup is not None:
+                        print(makeup.report(times[name], base_trace, times["vLLM"]))
             if args.rounds > 1:
                 for name in args.modes:
                     p50x = statistics.median(f[name][0] / f["vLLM"][0] for f in figures)

@@ -1,17 +1,23 @@
 """Scheduler steps in-process and over the wire, side by side in one run. Not a test.
 
     python bench/step.py [--running 16 64 256] [--steps 200] [--warmup 300] [--hash-in-manager] [--phases]
-                         [--modes predicted excl+admit exclusive shared per-call]
+                         [--modes predicted excl+admit exclusive shared per-call] [--pools ample fill]
 
 A scheduler loop shaped like vLLM's (running requests first, preempting from the end
 of the running list on a refusal; then waiting requests with a prefix lookup; block
 ids read when the step's output is built; finished requests freed; usage, events and
 statistics read every step) keeps N requests running: prompts 512-4,096 tokens, half
 sharing one of 8 prefixes, outputs 16-256 tokens, token budget 8,192, full attention
-with 16-token blocks. Each request hashes its own blocks when it is created and as
-tokens are appended, as vLLM's Request does with its block hasher, so no manager hashes
-(``--hash-in-manager``: requests carry no hashes and each manager computes them when it
-first sees a request, the shape of the figures before 2026-11-30). Prompts arrive
+with 16-token blocks, on each ``--pools`` choice (a row group each): ``ample``, room
+for every request at its longest (nothing is ever preempted, no request waits for
+blocks), and ``fill``, 96 blocks a request (about 60 % of what the requests would hold
+at their mean length), so that the pool fills, requests wait and the loop preempts in
+the measured steps (the group's ``pool`` line, under its in-process row, gives the
+pool's peak and mean usage, the preemptions and the running and waiting counts). Each
+request hashes its own blocks when it is created and as tokens are appended, as vLLM's
+Request does with its block hasher, so no manager hashes (``--hash-in-manager``:
+requests carry no hashes and each manager computes them when it first sees a request,
+the shape of the figures before 2026-11-30). Prompts arrive
 made: their tokens are drawn between steps, outside the timed step (before 2026-11-30
 the timed step drew them: about 0.5 ms per step at 256 running, in every mode). The first
 ``--warmup`` steps are not measured: at 256 running the initial batch prefills for about
@@ -55,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import random
 import statistics
@@ -366,11 +373,13 @@ def run(
     phases: list[Phases] | None = None,
     between: Callable[[], float] | None = None,
     between_times: list[float] | None = None,
+    fill: list[tuple[int, int, float]] | None = None,
 ) -> tuple[list[float], list[Any]]:
     """The scheduler loop; returns seconds per step and the decisions of every step
     (and each step's :data:`Phases` into ``phases``, when given). ``between`` runs after
     each step, untimed by the step; what it returns goes into ``between_times`` (the
-    no-op round trip, sampled at the same moments as the steps).
+    no-op round trip, sampled at the same moments as the steps). ``fill`` (when given)
+    gets each step's running and waiting counts and the pool's usage (read in the step).
 
     With ``hash_in_request`` each request hashes its own blocks as it is created and as
     tokens are appended (vLLM's Request does, with its block hasher), inside the step
@@ -472,11 +481,13 @@ def run(
             running.remove(r)
             kv.free(r)
             waiting.append(new_request())
-        _ = kv.usage
+        usage = kv.usage
         kv.take_events()
         kv.make_prefix_cache_stats()
         t4 = time.perf_counter()
         times.append(t4 - t0)
+        if fill is not None:
+            fill.append((len(running), len(waiting), usage))
         if phases is not None:
             phases.append((t1 - t0, t2 - t1, t3 - t2, t4 - t3, trips2 - trips1, _waited(kv) - waited0))
         if between is not None and between_times is not None:
@@ -505,6 +516,32 @@ def split_line(times: list[float], phases: list[Phases], what: str, server_ms: f
     return line
 
 
+#: ``fill`` pools: blocks a request's share (a request holds about 152 blocks at its
+#: mean length, 2,440 tokens), so that at 16, 64 and 256 running the pool fills,
+#: requests wait and the loop preempts in the measured steps
+FILL_BLOCKS = 96
+
+
+def pool_blocks(pools: str, n: int) -> int:
+    """``ample``: room for every request at its longest (4,352 tokens), nothing is ever
+    preempted; ``fill``: :data:`FILL_BLOCKS` a request."""
+    return n * 4600 // BS + 1 if pools == "ample" else n * FILL_BLOCKS
+
+
+def fill_line(decisions: list[Any], fill: list[tuple[int, int, float]], blocks: int) -> str:
+    """How full the pool ran in the measured steps (the same in every mode: the
+    decisions are)."""
+    pre = [sum(1 for e in d if isinstance(e, str)) for d in decisions]
+    running, waiting = [f[0] for f in fill], [f[1] for f in fill]
+    return (
+        f"{'':7}   pool {blocks} blocks: peak usage {max(f[2] for f in fill) * 100:.1f} % (mean "
+        f"{statistics.fmean(f[2] for f in fill) * 100:.1f} %); {sum(pre)} preemptions in {sum(1 for x in pre if x)} "
+        f"of {len(decisions)} measured steps; running {min(running)}-{max(running)} "
+        f"(mean {statistics.fmean(running):.1f}), waiting {min(waiting)}-{max(waiting)} "
+        f"(mean {statistics.fmean(waiting):.1f})"
+    )
+
+
 def pool_config(num_blocks: int) -> pb.PoolConfig:
     return pb.PoolConfig(
         num_blocks=num_blocks, groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=BS))],
@@ -524,6 +561,10 @@ def main() -> None:
     ap.add_argument(
         "--modes", nargs="+", default=["predicted", "excl+admit", "exclusive", "shared", "per-call"]
     )
+    ap.add_argument(
+        "--pools", nargs="+", default=["ample", "fill"], choices=["ample", "fill"],
+        help="ample: nothing is ever preempted; fill: the pool fills, requests wait and the loop preempts",
+    )  # fmt: skip
     ap.add_argument("--phases", action="store_true", help="print each mode's phase medians under its row")
     ap.add_argument(
         "--hash-in-manager",
@@ -564,8 +605,9 @@ def main() -> None:
         header = (f"{'running':>7} {'mode':<11} {'p50 ms':>8} {'p99 ms':>8} {'mean ms':>8} {'RTT/step':>8} "
                   f"{'+ms/step':>9} {'vs in-proc+RTT':>14} {'RTT ms':>7}")  # fmt: skip
         print(header)
-        for n in args.running:
-            blocks = n * 4600 // BS + 1
+        for pools, n in itertools.product(args.pools, args.running):
+            blocks = pool_blocks(pools, n)
+            print(f"-- {pools} pool")
             total = args.steps + args.warmup
             if with_vllm:
                 vm = VllmManager(blocks)
@@ -577,7 +619,8 @@ def main() -> None:
             lm = LocalManager(blocks)
             freeze_heap()
             base_ph: list[Phases] = []
-            base_t, base_d = run(lm, n, total, seed=n, hash_in_request=hashed, phases=base_ph)
+            fill: list[tuple[int, int, float]] = []
+            base_t, base_d = run(lm, n, total, seed=n, hash_in_request=hashed, phases=base_ph, fill=fill)
             base = statistics.median(base_t[args.warmup :]) * 1e3
             if with_vllm:
                 assert v_d == base_d, "vLLM's manager decided differently from kvcoord's engine"
@@ -587,6 +630,7 @@ def main() -> None:
             else:
                 print(f"{n:>7} {'in-process':<11} {base:8.2f} {pct(base_t[args.warmup :], 0.99):8.2f} "
                       f"{_mean(base_t[args.warmup :]):8.2f}")  # fmt: skip
+            print(fill_line(base_d[args.warmup :], fill[args.warmup :], blocks))
             if args.phases:
                 print(phase_line(base_ph[args.warmup :]))
                 tm = TimedLocalManager(blocks)
@@ -598,7 +642,7 @@ def main() -> None:
                     split_line(timed_t[args.warmup :], timed_ph[args.warmup :], "in the engine (timed run)")
                 )
             for mode in args.modes:
-                name = f"p{n}-{mode.replace('+', '-')}"
+                name = f"p{n}-{pools}-{mode.replace('+', '-')}"
                 client.create_pool(name, pool_config(blocks))
                 m: Any
                 if mode == "predicted":

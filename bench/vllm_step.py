@@ -95,6 +95,7 @@ def run(
     model_s: float = 0.0,
     gap: Any = None,
     stats: list[tuple[int, int, float]] | None = None,
+    cpu: list[float] | None = None,
 ) -> tuple[list[float], list[Any]]:
     """Seconds per step (``schedule()`` plus ``update_from_output()``) and each step's
     summarized output; between the two the model runs for ``model_s`` seconds (a sleep,
@@ -102,7 +103,10 @@ def run(
     ``gap(True)`` and ``gap(False)`` called at its start and end when given;
     ``between()`` (when given) is called after each step, untimed by it. ``stats``
     (when given) gets each step's running and waiting counts and the pool's usage, as
-    ``update_from_output()`` returned them in its scheduler stats (read untimed)."""
+    ``update_from_output()`` returned them in its scheduler stats (read untimed);
+    ``cpu`` (when given) each step's CPU seconds on the scheduler's thread (the timed
+    parts only: what the step's work cost, whether or not the thread got a core and
+    the GIL when it wanted them)."""
     hash_fn = get_hash_fn_by_name(sched.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
@@ -123,24 +127,33 @@ def run(
     for _ in range(running):
         add()
     times, trace = [], []
-    clock = time.perf_counter
+    clock, cpu_clock = time.perf_counter, time.thread_time
+    c0 = c1 = c2 = 0.0
     for _ in range(steps):
         while len(sched.requests) < running:
             add()
         if counter is not None:
             counter.append(0)
+        if cpu is not None:
+            c0 = cpu_clock()
         t0 = clock()
         out = sched.schedule()
         t1 = clock()
+        if cpu is not None:
+            c1 = cpu_clock()
         if gap is not None:
             gap(True)
         if model_s:
             time.sleep(model_s)
         if gap is not None:
             gap(False)
+        if cpu is not None:
+            c2 = cpu_clock()
         t2 = clock()
         outs = sched.update_from_output(out, fake_runner_output(sched, out))
         times.append(clock() - t2 + (t1 - t0))
+        if cpu is not None:
+            cpu.append(cpu_clock() - c2 + (c1 - c0))
         if stats is not None:
             s = outs[0].scheduler_stats
             stats.append((s.num_running_reqs, s.num_waiting_reqs, s.kv_cache_usage))
@@ -221,11 +234,15 @@ class Makeup:
             self._clock = None  # the sender's CPU counted from here
             self._sender_cpu()
 
-    def report(self, times: list[float], trace: list[Any], base: list[float]) -> str:
+    def report(
+        self, times: list[float], trace: list[Any], base: list[float], cpu: list[float], base_cpu: list[float]
+    ) -> str:
         """``base``: vLLM's own step times in the same round (the same steps: its
-        decisions are the same, step for step)."""
+        decisions are the same, step for step); ``cpu``, ``base_cpu``: the scheduler
+        thread's CPU per step, kvcoord's and vLLM's."""
         w = self.warmup
         t, waits, gcs, b = times[w:], self.waits[w:], self.gcs[w:], base[w:]
+        c, bc = cpu[w:], base_cpu[w:]
         new = [len(s["new"]) for s in trace[w:]]
         freed = [len(s["finished"]) for s in trace[w:]]
         preempted = [len(s["preempted"]) for s in trace[w:]]
@@ -247,6 +264,10 @@ class Makeup:
             f"{sum(preempted[i] for i in top) / max(1, k):.1f} preempted (all: {statistics.fmean(preempted):.2f}), "
             f"{sum(resumed[i] for i in top) / max(1, k):.1f} resumed (all: {statistics.fmean(resumed):.2f}); vLLM's own step on the same steps {mean_ms(b, top):.2f} ms "
             f"(its own p99 steps {mean_ms(b, vtop):.2f}, {len(set(top) & set(vtop))} of them the same steps)\n"
+            f"{'':>7} {'':<22} scheduler thread CPU: on those p99 steps {mean_ms(c, top):.2f} ms (vLLM's on them "
+            f"{mean_ms(bc, top):.2f}); per step p50 {_figures(c)[0]:.2f} / mean {_figures(c)[1]:.2f} / p99 "
+            f"{_figures(c)[2]:.2f} ms against vLLM's {_figures(bc)[0]:.2f} / {_figures(bc)[1]:.2f} / "
+            f"{_figures(bc)[2]:.2f}\n"
             f"{'':>7} {'':<22} all measured steps: waited {sum(waits) * 1e3:.1f} ms in "
             f"{sum(1 for x in waits if x > 1e-4)} of {len(t)} (over 0.1 ms); {self.steps_sent} Steps sent in the run; the sender "
             f"thread's CPU {self.total / len(t) * 1e3:.2f} ms / step, {inside:.0f} % of it in the model's run"
@@ -311,6 +332,7 @@ def _run_remote(
     rtts: list[float],
     ping: Any,
     stats: list[tuple[int, int, float]],
+    cpu: list[float],
 ) -> tuple[list[float], list[Any], float, list[int], Any]:
     """One row on kvcoord (a pool of its own per round, deleted after it): step times,
     trace, round trip (ms), RPCs per step and, predicted, what its steps are made of
@@ -344,15 +366,14 @@ def _run_remote(
                 probe()
             with Makeup(manager, args.warmup) as makeup:
                 t, trace = run(remote, n, total, seed=n, counter=counts, between=makeup.between,
-                               model_s=model_ms / 1e3, gap=makeup.gap, stats=stats)  # fmt: skip
+                               model_s=model_ms / 1e3, gap=makeup.gap, stats=stats, cpu=cpu)  # fmt: skip
             for _ in range(200):
                 probe()
             rtt = pct(rtts, 0.5)
             makeup.steps_sent = manager.steps_sent
         else:
-            t, trace = run(
-                remote, n, total, seed=n, counter=counts, between=probe, model_s=model_ms / 1e3, stats=stats
-            )
+            t, trace = run(remote, n, total, seed=n, counter=counts, between=probe, model_s=model_ms / 1e3,
+                           stats=stats, cpu=cpu)  # fmt: skip
             rtt = pct(rtts[args.warmup :], 0.5)
     finally:
         remote.shutdown()
@@ -430,24 +451,29 @@ def main() -> None:
             print(f"-- {layout}, {kind}, the model's run {model_ms:g} ms per step (untimed), {pools} pool")
             # per round and name: (p50, mean, p99, rtt) in ms; rounds alternate the order
             figures: list[dict[str, tuple[float, float, float, float]]] = []
+            # per round and name: the scheduler thread's CPU per step, p50 / mean / p99 (ms)
+            cpu_figures: list[dict[str, tuple[float, float, float]]] = []
             base_trace: list[Any] | None = None
             base_stats: list[tuple[int, int, float]] | None = None
             for r in range(args.rounds):
                 got: dict[str, tuple[float, float, float, float]] = {}
                 lines: dict[str, tuple[str, Any]] = {}
                 times: dict[str, list[float]] = {}
+                cpus: dict[str, list[float]] = {}
                 for name in names if r % 2 == 0 else names[::-1]:
                     stats: list[tuple[int, int, float]] = []
+                    cpus[name] = []
                     if name == "vLLM":
                         local = make_scheduler(SCHEDULERS[kind], config(), kv_cache_config(layout, blocks))
                         freeze_heap()
-                        t, trace = run(local, n, total, seed=n, counter=None, model_s=model_s, stats=stats)
+                        t, trace = run(local, n, total, seed=n, counter=None, model_s=model_s, stats=stats,
+                                       cpu=cpus[name])  # fmt: skip
                         got[name] = (*_figures(t[args.warmup :]), 0.0)
                         lines[name] = ("", None)
                     else:
                         t, trace, rtt, counts, makeup = _run_remote(
                             args, name == "predicted", cls_of(kind), config, layout, kind, n, pools, blocks,
-                            model_ms, r, server.address, probe, rtts, ping, stats,
+                            model_ms, r, server.address, probe, rtts, ping, stats, cpus[name],
                         )  # fmt: skip
                         got[name] = (*_figures(t[args.warmup :]), rtt)
                         trips = sum(counts[args.warmup :]) / len(counts[args.warmup :])
@@ -459,6 +485,7 @@ def main() -> None:
                     # (the running and waiting counts and the pool's usage, step for step)
                     assert stats == base_stats, f"{name}'s scheduler stats differ"
                 figures.append(got)
+                cpu_figures.append({k: _figures(v[args.warmup :]) for k, v in cpus.items()})
                 base, base_mean, base_p99, _ = got["vLLM"]
                 tag = f"r{r + 1} " if args.rounds > 1 else ""
                 if r == 0:
@@ -473,7 +500,7 @@ def main() -> None:
                           f" {med - base:9.2f} {med / (base + rtt):11.2f} {rtt:7.3f} {med / base:6.2f}"
                           f" {mean / base_mean:6.2f}")  # fmt: skip
                     if makeup is not None:
-                        print(makeup.report(times[name], base_trace, times["vLLM"]))
+                        print(makeup.report(times[name], base_trace, times["vLLM"], cpus[name], cpus["vLLM"]))
             if args.rounds > 1:
                 for name in args.modes:
                     p50x = statistics.median(f[name][0] / f["vLLM"][0] for f in figures)
@@ -481,6 +508,11 @@ def main() -> None:
                     held = sum(f[name][2] <= f["vLLM"][2] + 2 * f[name][3] for f in figures)
                     print(f"{n:>7} {name + ', median of rounds':<22} p50 x {p50x:.2f}, mean x {meanx:.2f} (paired per "
                           f"round); p99 <= vLLM's p99 + 2 RTT in {held} of {len(figures)} rounds")  # fmt: skip
+                    cpux = [
+                        statistics.median(f[name][i] / f["vLLM"][i] for f in cpu_figures) for i in range(3)
+                    ]
+                    print(f"{n:>7} {'':<22} scheduler thread CPU per step: p50 x {cpux[0]:.2f}, mean x {cpux[1]:.2f}, "
+                          f"p99 x {cpux[2]:.2f} (medians of the paired rounds)")  # fmt: skip
         print("scheduler outputs identical on every step")
     finally:
         ping.close()

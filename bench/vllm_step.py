@@ -251,6 +251,14 @@ class Makeup:
         k = len(top)
         # vLLM's own slowest 1 %: the steps that cost most whatever the manager
         vtop = sorted(range(len(b)), key=b.__getitem__)[int(len(b) * 0.99) :]
+        # the 1 % costing the scheduler's thread most CPU, and the CPU kvcoord adds to
+        # vLLM's on the same step, fitted to the step's new requests
+        ctop = sorted(range(len(c)), key=c.__getitem__)[int(len(c) * 0.99) :]
+        extra = [x - y for x, y in zip(c, bc, strict=True)]
+        try:
+            slope, intercept = statistics.linear_regression(new, extra)
+        except statistics.StatisticsError:  # every step admitted as many
+            slope, intercept = 0.0, statistics.fmean(extra)
 
         def mean_ms(xs: list[float], ix: list[int]) -> float:
             return sum(xs[i] for i in ix) / max(1, len(ix)) * 1e3
@@ -267,7 +275,9 @@ class Makeup:
             f"{'':>7} {'':<22} scheduler thread CPU: on those p99 steps {mean_ms(c, top):.2f} ms (vLLM's on them "
             f"{mean_ms(bc, top):.2f}); per step p50 {_figures(c)[0]:.2f} / mean {_figures(c)[1]:.2f} / p99 "
             f"{_figures(c)[2]:.2f} ms against vLLM's {_figures(bc)[0]:.2f} / {_figures(bc)[1]:.2f} / "
-            f"{_figures(bc)[2]:.2f}\n"
+            f"{_figures(bc)[2]:.2f}; its p99 steps by CPU {mean_ms(c, ctop):.2f} ms (vLLM's on them "
+            f"{mean_ms(bc, ctop):.2f}), {sum(new[i] for i in ctop) / max(1, len(ctop)):.1f} new requests; the CPU "
+            f"kvcoord adds to vLLM's on a step: {intercept * 1e3:.2f} ms + {slope * 1e3:.2f} ms a new request\n"
             f"{'':>7} {'':<22} all measured steps: waited {sum(waits) * 1e3:.1f} ms in "
             f"{sum(1 for x in waits if x > 1e-4)} of {len(t)} (over 0.1 ms); {self.steps_sent} Steps sent in the run; the sender "
             f"thread's CPU {self.total / len(t) * 1e3:.2f} ms / step, {inside:.0f} % of it in the model's run"

@@ -3,10 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
+import grpc
 import pytest
-from kvcoord.client.errors import InternalError
-from kvcoord.client.step_pieces import piece_key, pieces, send_in_pieces, send_in_pieces_async
+from kvcoord.client.errors import (
+    InternalError,
+    KVCoordError,
+    OutcomeUnknownError,
+    RequestUnknownError,
+    SessionExpiredError,
+)
+from kvcoord.client.step_pieces import (
+    free_pieces,
+    piece_key,
+    pieces,
+    send_free_pieces,
+    send_free_pieces_async,
+    send_in_pieces,
+    send_in_pieces_async,
+)
 from kvcoord.v1 import allocator_pb2 as pb
 
 
@@ -121,3 +138,94 @@ def test_the_blocking_and_the_asyncio_sender_join_alike_and_name_a_failed_piece(
         with pytest.raises(ConnectionError) as failed:
             run()
         assert "Step piece 3 of 8" in "".join(getattr(failed.value, "__notes__", ()))
+
+
+def _refusing(key: str, exc: Exception) -> Callable[[Any], Any]:
+    """A sender answering every piece (each operation applied) but the one keyed ``key``,
+    which raises ``exc``."""
+
+    def send(piece: Any) -> Any:
+        if piece.idempotency_key == key:
+            raise exc
+        if isinstance(piece, pb.FreeRequest):
+            return pb.FreeResponse(num_free_blocks=1)
+        return pb.StepResponse(results=[pb.OperationResult() for _ in piece.ops])
+
+    return send
+
+
+def _notes(exc: BaseException) -> str:
+    return "".join(getattr(exc, "__notes__", ()))
+
+
+def _expired() -> SessionExpiredError:
+    return SessionExpiredError(grpc.StatusCode.NOT_FOUND, "gone", "SESSION_EXPIRED")
+
+
+def _unknown() -> RequestUnknownError:
+    return RequestUnknownError(grpc.StatusCode.NOT_FOUND, "no such request", "REQUEST_UNKNOWN")
+
+
+@pytest.mark.parametrize("sender", ["blocking", "asyncio"])
+def test_a_failed_piece_of_a_step_or_a_free_is_told_by_one_rule(sender: str) -> None:
+    """Step pieces and Free pieces follow the same rule when a piece's sending fails:
+    the error gets a note naming the piece; a typed one after the first piece (something
+    applied) becomes OutcomeUnknownError "applied in part", its cause the piece's error,
+    unless it already tells as much (the session's end); on the first piece, or untyped,
+    it is raised as it is."""
+
+    def step(key: str, exc: Exception) -> None:
+        request = _request([100] * 16, key="k")
+        parts = pieces(request, 1024 + 300)
+        assert parts is not None and len(parts) == 8
+        send = _refusing(key, exc)
+        if sender == "blocking":
+            send_in_pieces(request, parts, send)
+        else:
+
+            async def send_async(piece: pb.StepRequest) -> pb.StepResponse:
+                return send(piece)  # type: ignore[no-any-return]
+
+            asyncio.run(send_in_pieces_async(request, parts, send_async))
+
+    def free(key: str, exc: Exception) -> None:
+        parts = free_pieces(
+            pb.FreeRequest(pool="p", request_ids=[f"r{i}" for i in range(10)], idempotency_key="k"), 4
+        )
+        assert parts is not None and len(parts) == 3
+        send = _refusing(key, exc)
+        if sender == "blocking":
+            send_free_pieces(parts, send)
+        else:
+
+            async def send_async(piece: pb.FreeRequest) -> pb.FreeResponse:
+                return send(piece)  # type: ignore[no-any-return]
+
+            asyncio.run(send_free_pieces_async(parts, send_async))
+
+    for run, named, applied in (
+        (step, "Step piece 3 of 8", "operations 0..3 of 16 were applied"),
+        (free, "Free piece 2 of 3", "4 of 10 requests were freed ('r0', 'r1', 'r2', 'r3')"),
+    ):
+        # a typed error after the first piece: applied in part
+        with pytest.raises(OutcomeUnknownError) as partly:
+            run("k/2" if run is step else "k/1", _unknown())
+        assert isinstance(partly.value.__cause__, RequestUnknownError)
+        assert named in _notes(partly.value.__cause__)
+        if run is step:  # (a Step's OutcomeUnknownError carries the note too)
+            assert named in _notes(partly.value)
+        assert f"{named} failed (no such request) after {applied}" in partly.value.message, (
+            partly.value.message
+        )
+        assert "is applied in part" in partly.value.message
+        # the same on the first piece (nothing applied), the session's end, an untyped one: as they are
+        for key, exc, kind in (
+            ("k/0", _unknown(), RequestUnknownError),
+            ("k/1", _expired(), SessionExpiredError),
+            ("k/1", ConnectionError("lost"), ConnectionError),
+        ):
+            with pytest.raises(Exception) as told:
+                run(key, exc)
+            assert type(told.value) is kind, (run, key, repr(told.value))
+            assert told.value is exc and _notes(exc).startswith(("Step piece", "Free piece"))
+            assert not isinstance(told.value, KVCoordError) or told.value.__cause__ is None

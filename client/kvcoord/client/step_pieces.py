@@ -188,30 +188,49 @@ def check_op_lists(index: int, op: pb.Operation, max_ops: int) -> None:
 
 
 @contextlib.contextmanager
-def noting_free_piece(parts: list[pb.FreeRequest], i: int) -> Iterator[None]:
-    """A failure of Free piece ``i`` gets a note naming it; after the first piece, a
-    typed one is raised as OutcomeUnknownError (its cause the piece's error) unless
-    :data:`_NOT_PARTIAL`: the requests of the earlier pieces are freed, and a typed error
-    of a Free tells its caller none was."""
+def _noting(told: Callable[[str], tuple[str, int, str]], note_partly: bool) -> Iterator[None]:
+    """The one rule of a piece whose sending fails, a Step's or a Free's. ``told(message)``
+    (asked on a failure only, ``message`` the error's) gives the note naming the piece,
+    how many items were applied before it, and what an OutcomeUnknownError says: the
+    failure gets the note; once anything was applied, a typed one is raised as that
+    OutcomeUnknownError (its cause the piece's error, the note too when ``note_partly``)
+    unless :data:`_NOT_PARTIAL`, since a typed error of a Step or a Free tells its caller
+    that nothing was applied."""
     try:
         yield
     except Exception as exc:
+        note, applied, partly = told(exc.message if isinstance(exc, KVCoordError) else "")
+        exc.add_note(note)
+        if applied and isinstance(exc, KVCoordError) and not isinstance(exc, _NOT_PARTIAL):
+            unknown = OutcomeUnknownError(exc.code, partly)
+            if note_partly:
+                unknown.add_note(note)
+            raise unknown from exc
+        raise
+
+
+def noting_free_piece(parts: list[pb.FreeRequest], i: int) -> contextlib.AbstractContextManager[None]:
+    """A failure of Free piece ``i`` gets a note naming it; after the first piece, a
+    typed one is raised as OutcomeUnknownError (:func:`_noting`): the requests of the
+    earlier pieces are freed, and a typed error of a Free tells its caller none was."""
+
+    def told(message: str) -> tuple[str, int, str]:
         first = sum(len(p.request_ids) for p in parts[:i])
         total = sum(len(p.request_ids) for p in parts)
         what = f"Free piece {i + 1} of {len(parts)}"
-        exc.add_note(
+        freed = [rid for p in parts[:i] for rid in p.request_ids]
+        shown = ", ".join(repr(r) for r in freed[:8]) + (", ..." if len(freed) > 8 else "")
+        note = (
             f"{what} (ids {first}..{first + len(parts[i].request_ids) - 1} of {total}) failed: the earlier "
             "pieces are applied, none after it was sent"
         )
-        if first and isinstance(exc, KVCoordError) and not isinstance(exc, _NOT_PARTIAL):
-            freed = [rid for p in parts[:i] for rid in p.request_ids]
-            shown = ", ".join(repr(r) for r in freed[:8]) + (", ..." if len(freed) > 8 else "")
-            raise OutcomeUnknownError(
-                exc.code,
-                f"{what} failed ({exc.message}) after {first} of {total} requests were freed ({shown}): the "
-                "Free is applied in part; treat every request it named as freed or lost",
-            ) from exc
-        raise
+        partly = (
+            f"{what} failed ({message}) after {first} of {total} requests were freed ({shown}): the "
+            "Free is applied in part; treat every request it named as freed or lost"
+        )
+        return note, first, partly
+
+    return _noting(told, note_partly=False)
 
 
 def send_free_pieces(
@@ -373,44 +392,33 @@ class _Joiner:
         self.answer.MergeFrom(rest)
         return self.answer
 
-    @contextlib.contextmanager
-    def noting(self, i: int) -> Iterator[None]:
+    def noting(self, i: int) -> contextlib.AbstractContextManager[None]:
         """A failure while sending message ``i`` (``len(parts)``: the state's empty
         Step) gets a note naming its piece; after the first piece, a typed one is
-        raised as OutcomeUnknownError (module docstring), unless :data:`_NOT_PARTIAL`."""
-        try:
-            yield
-        except Exception as exc:
+        raised as OutcomeUnknownError (module docstring; :func:`_noting`)."""
+
+        def told(message: str) -> tuple[str, int, str]:
+            # applied before message i: every operation of the earlier pieces, or (the
+            # state's Step) those before the one that failed
             if i == len(self.parts):
-                what = "the Step's state"
+                what, applied = "the Step's state", self.failed or 0
                 note = f"the Step's state, after operation {self.failed} failed, was not fetched"
             else:
-                first = sum(len(p.ops) for p in self.parts[:i])
+                applied = sum(len(p.ops) for p in self.parts[:i])
                 what = f"Step piece {i + 1} of {len(self.parts)}"
                 note = (
-                    f"{what} (operations {first}..{first + len(self.parts[i].ops) - 1} of {self.total}) "
+                    f"{what} (operations {applied}..{applied + len(self.parts[i].ops) - 1} of {self.total}) "
                     "failed: the earlier pieces are applied, none after it was sent; sending the same "
                     "request again (same idempotency key) applies the rest once"
                 )
-            exc.add_note(note)
-            applied = self._applied_before(i)
-            if applied and isinstance(exc, KVCoordError) and not isinstance(exc, _NOT_PARTIAL):
-                partly = OutcomeUnknownError(
-                    exc.code,
-                    f"{what} failed ({exc.message}) after operations 0..{applied - 1} of {self.total} were "
-                    "applied: the Step is applied in part; treat every request it named as changed (the "
-                    "managers report them lost and free them)",
-                )
-                partly.add_note(note)
-                raise partly from exc
-            raise
+            partly = (
+                f"{what} failed ({message}) after operations 0..{applied - 1} of {self.total} were "
+                "applied: the Step is applied in part; treat every request it named as changed (the "
+                "managers report them lost and free them)"
+            )
+            return note, applied, partly
 
-    def _applied_before(self, i: int) -> int:
-        """How many operations were applied before message ``i`` was sent: every one of
-        the earlier pieces, or (the state's Step) those before the one that failed."""
-        if i == len(self.parts):
-            return self.failed or 0
-        return sum(len(p.ops) for p in self.parts[:i])
+        return _noting(told, note_partly=True)
 
     def wants_state(self) -> bool:
         """Whether a failure stopped the pieces before the last, which was to carry the

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from kvcoord.client import _requests as rq
 from kvcoord.client.hashing import BlockHasher
+from kvcoord.service.errors import ErrorReason, ServiceError, Status
 from kvcoord.service.observers import NullObserver
-from kvcoord.service.sessions import SessionTable
+from kvcoord.service.sessions import Session, SessionTable
 from kvcoord.service.testing import ManualClock
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire import allocate_op
@@ -96,6 +97,58 @@ def test_only_the_attached_pools_lapsed_sessions_end() -> None:
     assert table.expired("p") == [a]
     assert list(table.sessions) == [b.session_id]
     assert table.ran_out(b.session_id) is b and not table.sessions
+
+
+class CountedClock(ManualClock):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __call__(self) -> float:
+        self.reads += 1
+        return super().__call__()
+
+
+def _refused(table: SessionTable, session_id: str, pool: str | None = None) -> ServiceError:
+    with pytest.raises(ServiceError) as err:
+        table.get(session_id, pool)
+    return err.value
+
+
+def test_get_finds_a_session_in_one_lookup_and_one_clock_read() -> None:
+    """SessionTable.get (every keyed call): a live session is returned as it is; one whose
+    lease ran out (to the second: ``expires_at`` now) is told SESSION_EXPIRED, ended
+    first through ``on_lapsed`` (taken out of the table, given once) when there is one and
+    left to the reaper when there is none; an unknown one SESSION_EXPIRED, another pool's
+    DENIED, none INVALID. Each reads the clock once (old code: twice, the second read
+    deciding alone when ``on_lapsed`` was unset)."""
+    clock = CountedClock()
+    table = SessionTable(clock, 5.0, 10.0)
+    a, b = table.open("p", "a", 5), table.open("p", "b", 6)
+    ended: list[Session] = []
+    for lapsed in (None, ended.append):
+        table.on_lapsed = lapsed
+        clock.reads = 0
+        assert table.get(a.session_id, "p") is a and table.get(b.session_id) is b
+        assert clock.reads == 2
+        refused = _refused(table, a.session_id, "q")
+        assert refused.status is Status.DENIED and a.session_id in table.sessions
+        assert _refused(table, "").status is Status.INVALID
+        unknown = _refused(table, "nobody")
+        assert unknown.status is Status.NOT_FOUND and unknown.reason is ErrorReason.SESSION_EXPIRED
+        assert clock.reads == 3 and not ended
+    table.on_lapsed = None
+    clock.advance(5)  # a's lease ends now; b's in a second
+    clock.reads = 0
+    told = _refused(table, a.session_id, "p")
+    assert told.status is Status.NOT_FOUND and told.reason is ErrorReason.SESSION_EXPIRED
+    assert clock.reads == 1 and a.session_id in table.sessions  # (left to the reaper)
+    table.on_lapsed = ended.append
+    told = _refused(table, a.session_id, "p")
+    assert told.status is Status.NOT_FOUND and told.reason is ErrorReason.SESSION_EXPIRED
+    assert clock.reads == 2 and ended == [a] and list(table.sessions) == [b.session_id]
+    assert _refused(table, a.session_id).reason is ErrorReason.SESSION_EXPIRED and ended == [a]
+    assert table.get(b.session_id, "p") is b and clock.reads == 3
 
 
 def test_detaching_a_lapsed_session_ends_it_as_expired(

@@ -120,10 +120,13 @@ class SessionTable:
                 "session_id is required: call Attach first (requests must belong to a session, so "
                 "that a dead worker's blocks are freed)",
             )
-        if self.on_lapsed is not None and (lapsed := self.ran_out(session_id)) is not None:
-            self.on_lapsed(lapsed)
-        s = self.sessions.get(session_id)
-        if s is None or s.expires_at <= self.clock():
+        s = self.sessions.get(session_id)  # (one lookup and one clock read: every keyed call)
+        if s is not None and s.expires_at <= self.clock():
+            if self.on_lapsed is not None:
+                del self.sessions[session_id]
+                self.on_lapsed(s)
+            s = None
+        if s is None:
             raise ServiceError(
                 Status.NOT_FOUND,
                 f"session {session_id[:64]!r} is unknown or its lease ran out (its requests were "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+from typing import Any
 
 import cbor2
 import pytest
@@ -28,6 +29,39 @@ BOUND = 30.0
 #: the deadline of the replica's store calls (not of the held one): a loaded machine's
 #: etcd answered a Status in more than 1 s
 TIMEOUT = 5.0
+
+
+async def _until_held(proxy: HoldingProxy, what: str) -> None:
+    """Wait (bounded) until the store call carrying the proxy's marker is held there."""
+    for _ in range(int(BOUND / 0.05)):
+        if proxy.marker_at is not None:
+            return
+        await asyncio.sleep(0.05)
+    pytest.fail(f"{what} did not reach the proxy within {BOUND} s")
+
+
+async def _registered(etcd: Etcd, request: pytest.FixtureRequest, pool: str | None = None) -> Cluster:
+    """Replica r0 of a cluster named after the test, connected and registered (holding
+    state of ``pool`` when given)."""
+    cluster = Cluster([etcd.endpoint], request.node.name[:40], Member("r0", "127.0.0.1:1001"), 30, TIMEOUT)
+    if pool is not None:
+        cluster.local_pools = lambda: [pool]
+    await cluster.connect()
+    await cluster.register()
+    return cluster
+
+
+async def _through_holding_proxy(
+    cluster: Cluster, etcd: Etcd, marker: bytes
+) -> tuple[HoldingProxy, Any, Any]:
+    """The cluster's store client made one that reaches etcd through a proxy holding the
+    call that carries ``marker`` (the old connection a replica leaves): the proxy, that
+    old client and the cluster's own (the new one)."""
+    proxy = HoldingProxy(etcd.endpoint, marker)
+    old = cluster_store.store_client(proxy.address, 600.0)
+    await old.connect()
+    new, cluster.client = cluster.client, old
+    return proxy, old, new
 
 
 def test_a_write_on_a_replaced_client_closed_under_it_is_written_on_the_new_one(
@@ -57,12 +91,7 @@ def test_a_write_on_a_replaced_client_closed_under_it_is_written_on_the_new_one(
 
             task = asyncio.create_task(call(), context=contextvars.Context())
             try:
-                for _ in range(int(BOUND / 0.05)):
-                    if proxy.marker_at is not None:
-                        break
-                    await asyncio.sleep(0.05)
-                else:
-                    pytest.fail(f"the write did not reach the proxy within {BOUND} s")
+                await _until_held(proxy, "the write")
                 clients.append(new)  # reconnect(): the new client is the one read from now on
                 await cluster_store.close_client(old, 5.0)  # _retire(): the write's channel closed
                 await asyncio.wait([task], timeout=BOUND)
@@ -84,26 +113,15 @@ def test_the_watch_follows_again_after_a_read_closed_under_it(
     """The watch loop's read of the view (refresh) is held on its way; the client is
     replaced and the old one closed before the read's deadline ended it. The loop
     watches again on the new client: a claim put afterwards reaches the view."""
-    name = request.node.name[:40]
 
     async def run() -> None:
-        cluster = Cluster([etcd.endpoint], name, Member("r0", "127.0.0.1:1001"), 30, TIMEOUT)
-        await cluster.connect()
-        await cluster.register()
+        cluster = await _registered(etcd, request)
         await cluster.refresh()
-        new = cluster.client
-        proxy = HoldingProxy(etcd.endpoint, cluster.key("pools"))  # the refresh's read of the catalog
-        old = cluster_store.store_client(proxy.address, 600.0)
-        await old.connect()
-        cluster.client = old
+        # (the marker: the refresh's read of the catalog)
+        proxy, old, new = await _through_holding_proxy(cluster, etcd, cluster.key("pools"))
         cluster.tasks = [asyncio.get_running_loop().create_task(cluster._watch())]
         try:
-            for _ in range(int(BOUND / 0.05)):
-                if proxy.marker_at is not None:
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                pytest.fail(f"the watch's read did not reach the proxy within {BOUND} s")
+            await _until_held(proxy, "the watch's read")
             cluster.client = new  # reconnect()
             await cluster_store.close_client(old, 5.0)  # _retire(): the read's channel closed
             await new.put(cluster.key("owners", "after"), encode_claim("r9", "127.0.0.1:9"))
@@ -127,32 +145,19 @@ def test_a_failed_handover_is_settled_again_after_its_reclaim_is_closed_under_it
     and the client is replaced and the old one closed under it. The pool is not served
     meanwhile and is settled at the watch's next pass (it was left "changing owner" here
     for good: the CancelledError skipped both the retry list and the end of the move)."""
-    name = request.node.name[:40]
     pool = "p"
 
     async def run() -> None:
-        cluster = Cluster([etcd.endpoint], name, Member("r0", "127.0.0.1:1001"), 30, TIMEOUT)
-        cluster.local_pools = lambda: [pool]
-        await cluster.connect()
-        await cluster.register()
+        cluster = await _registered(etcd, request, pool)
         claim = await cluster.claim(pool)
         assert claim is not None
-        new = cluster.client
-        proxy = HoldingProxy(etcd.endpoint, cluster.key("owners", pool))
-        old = cluster_store.store_client(proxy.address, 600.0)
-        await old.connect()
-        cluster.client = old
+        proxy, old, new = await _through_holding_proxy(cluster, etcd, cluster.key("owners", pool))
         cluster.view.moving.add(pool)  # (hand_over: being handed over)
         settle = asyncio.get_running_loop().create_task(
             cluster._settle_failed_handover(pool, claim.term, RuntimeError("the adopter did not answer"))
         )
         try:
-            for _ in range(int(BOUND / 0.05)):
-                if proxy.marker_at is not None:
-                    break
-                await asyncio.sleep(0.05)
-            else:
-                pytest.fail(f"the reclaim did not reach the proxy within {BOUND} s")
+            await _until_held(proxy, "the reclaim")
             cluster.client = new  # reconnect()
             await cluster_store.close_client(old, 5.0)  # _retire(): the reclaim's channel closed
             await asyncio.wait([settle], timeout=BOUND)

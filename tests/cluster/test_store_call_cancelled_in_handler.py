@@ -24,7 +24,7 @@ import pytest
 from etcd_process import Etcd
 from kvcoord.service import cluster_store
 from kvcoord.service.cluster import Cluster
-from kvcoord.service.server import start_server
+from kvcoord.service.server import RunningServer, start_server
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from tcp_proxy import HoldingProxy
@@ -89,11 +89,15 @@ def _unavailable(outcome: Any) -> None:
     assert "cancelled under it" in (outcome.details() or ""), outcome.details()
 
 
-def test_a_create_whose_claim_is_closed_under_it_is_unavailable_and_made_once_by_the_retry(
-    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+def _on_a_replica(
+    etcd: Etcd,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    case: Callable[[RunningServer, Cluster, pb_grpc.AllocatorStub], Awaitable[None]],
 ) -> None:
-    name = request.node.name[:40]
-    address, cfg = in_process_store_replica(etcd.endpoint, name, tmp_path, LEASE)
+    """Run ``case(running, cluster, stub)`` on a real store replica named after the test
+    (its server, its cluster, a stub of a channel to it); the replica stopped after."""
+    address, cfg = in_process_store_replica(etcd.endpoint, request.node.name[:40], tmp_path, LEASE)
 
     async def run() -> None:
         running = await start_server(cfg)
@@ -101,59 +105,54 @@ def test_a_create_whose_claim_is_closed_under_it_is_unavailable_and_made_once_by
         assert cluster is not None
         try:
             async with grpc.aio.insecure_channel(address) as channel:
-                stub = pb_grpc.AllocatorStub(channel)
-                create = pb.CreatePoolRequest(name="p", config=POOL_CONFIG)
-                _unavailable(
-                    await _cut_under_the_handler(
-                        cluster, etcd, cluster.key("owners", "p"), stub.CreatePool(create, timeout=CALL)
-                    )
-                )
-                assert "p" not in running.servicer.registry.pools
-                answer = await _retried(lambda: stub.CreatePool(create))
-                assert answer.created
-                assert (await stub.GetPool(pb.GetPoolRequest(name="p"))).pool.name == "p"
-                assert list(running.servicer.registry.pools) == ["p"]
-                held = cluster.view.claims["p"]
-                assert held.replica_id == "r0"
+                await case(running, cluster, pb_grpc.AllocatorStub(channel))
         finally:
             await running.stop(grace=0)
 
     asyncio.run(run())
+
+
+def test_a_create_whose_claim_is_closed_under_it_is_unavailable_and_made_once_by_the_retry(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    async def case(running: RunningServer, cluster: Cluster, stub: pb_grpc.AllocatorStub) -> None:
+        create = pb.CreatePoolRequest(name="p", config=POOL_CONFIG)
+        _unavailable(
+            await _cut_under_the_handler(
+                cluster, etcd, cluster.key("owners", "p"), stub.CreatePool(create, timeout=CALL)
+            )
+        )
+        assert "p" not in running.servicer.registry.pools
+        answer = await _retried(lambda: stub.CreatePool(create))
+        assert answer.created
+        assert (await stub.GetPool(pb.GetPoolRequest(name="p"))).pool.name == "p"
+        assert list(running.servicer.registry.pools) == ["p"]
+        held = cluster.view.claims["p"]
+        assert held.replica_id == "r0"
+
+    _on_a_replica(etcd, tmp_path, request, case)
 
 
 def test_a_delete_whose_store_delete_is_closed_under_it_is_unavailable_and_done_by_the_retry(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    name = request.node.name[:40]
-    address, cfg = in_process_store_replica(etcd.endpoint, name, tmp_path, LEASE)
+    async def case(running: RunningServer, cluster: Cluster, stub: pb_grpc.AllocatorStub) -> None:
+        created = await _retried(lambda: stub.CreatePool(pb.CreatePoolRequest(name="d", config=POOL_CONFIG)))
+        assert created.created
+        delete = pb.DeletePoolRequest(name="d")
+        _unavailable(
+            await _cut_under_the_handler(
+                cluster, etcd, cluster.key("owners", "d"), stub.DeletePool(delete, timeout=CALL)
+            )
+        )
+        # the held delete never reached etcd: the pool is still here and served
+        assert (await stub.GetPool(pb.GetPoolRequest(name="d"))).pool.name == "d"
+        await _retried(lambda: stub.DeletePool(delete))
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await stub.GetPool(pb.GetPoolRequest(name="d"))
+        assert gone.value.code() == grpc.StatusCode.NOT_FOUND, gone.value
+        assert "d" not in running.servicer.registry.pools
+        rows = await cluster.client.get_prefix(cluster.key("pools"))
+        assert [kv.key for kv in rows] == []
 
-    async def run() -> None:
-        running = await start_server(cfg)
-        cluster = running.cluster
-        assert cluster is not None
-        try:
-            async with grpc.aio.insecure_channel(address) as channel:
-                stub = pb_grpc.AllocatorStub(channel)
-                created = await _retried(
-                    lambda: stub.CreatePool(pb.CreatePoolRequest(name="d", config=POOL_CONFIG))
-                )
-                assert created.created
-                delete = pb.DeletePoolRequest(name="d")
-                _unavailable(
-                    await _cut_under_the_handler(
-                        cluster, etcd, cluster.key("owners", "d"), stub.DeletePool(delete, timeout=CALL)
-                    )
-                )
-                # the held delete never reached etcd: the pool is still here and served
-                assert (await stub.GetPool(pb.GetPoolRequest(name="d"))).pool.name == "d"
-                await _retried(lambda: stub.DeletePool(delete))
-                with pytest.raises(grpc.aio.AioRpcError) as gone:
-                    await stub.GetPool(pb.GetPoolRequest(name="d"))
-                assert gone.value.code() == grpc.StatusCode.NOT_FOUND, gone.value
-                assert "d" not in running.servicer.registry.pools
-                rows = await cluster.client.get_prefix(cluster.key("pools"))
-                assert [kv.key for kv in rows] == []
-        finally:
-            await running.stop(grace=0)
-
-    asyncio.run(run())
+    _on_a_replica(etcd, tmp_path, request, case)

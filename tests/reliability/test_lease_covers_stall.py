@@ -24,7 +24,7 @@ from typing import Any
 
 import durable_server
 import pytest
-from durable_server import DurableServer, held_first_group, small_pool
+from durable_server import DurableServer, held_first_group, leased_server
 from kvcoord.client import NO_RETRY, KVCoordClient, RemoteKVCacheManager
 from kvcoord.client.errors import InvalidArgumentError
 from support import Req
@@ -59,17 +59,31 @@ journal.JournalStore.write = _write
 """
 
 
-def _server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: Path) -> DurableServer:
-    durable_server.with_sitecustomize(tmp_path, _SLOW_COMMIT.format(flag=str(flag), delay=DELAY), monkeypatch)
-    server = DurableServer(tmp_path, small_pool(64))
-    server.config.write_text(
-        server.config.read_text().replace(
-            "snapshot_every = 2000\n",
-            f"snapshot_every = 2000\nsession_lease_seconds = {LEASE}\nmax_session_lease_seconds = {LEASE}\n"
-            f"idempotency_window_seconds = {4 * LEASE}\njournal_stall_seconds = {STALL}\n",
-        )
-    )
-    return server
+def _server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hook: str, blocks: int, lease: float, stall: float
+) -> DurableServer:
+    """A durable server whose process runs ``hook`` (its ``sitecustomize``), of a pool of
+    ``blocks`` blocks, granting leases up to ``lease`` s (its default too) and waiting out
+    journal stalls of ``stall`` s."""
+    durable_server.with_sitecustomize(tmp_path, hook, monkeypatch)
+    return leased_server(tmp_path, lease, blocks, stall)
+
+
+def _slow_commit_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, flag: Path) -> DurableServer:
+    hook = _SLOW_COMMIT.format(flag=str(flag), delay=DELAY)
+    return _server(tmp_path, monkeypatch, hook, 64, LEASE, STALL)
+
+
+def _kept_everything(
+    server: DurableServer, c: KVCoordClient, m: RemoteKVCacheManager, got: dict[str, list[int]]
+) -> None:
+    """The worker ``m`` kept its session and every request: the server holds the blocks
+    it was given (``got``), nothing lost or freed, and still runs; ``m`` closed."""
+    assert m.keeper.lost is None, m.keeper.lost
+    m.keeper.vouch()
+    assert held_first_group(c) == got  # nothing lost, nothing freed
+    assert server.proc is not None and server.proc.poll() is None, server.log()
+    m.close()
 
 
 def _attach(c: KVCoordClient, lease: float) -> Any:
@@ -95,7 +109,7 @@ def test_a_session_on_the_shortest_lease_granted_keeps_its_requests_over_a_toler
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     flag = tmp_path / "slow"
-    server = _server(tmp_path, monkeypatch, flag)
+    server = _slow_commit_server(tmp_path, monkeypatch, flag)
     server.start()
     try:
         with KVCoordClient(server.address, timeout=30.0) as c:
@@ -111,11 +125,7 @@ def test_a_session_on_the_shortest_lease_granted_keeps_its_requests_over_a_toler
                 assert blocks is not None, r.request_id
                 got[r.request_id] = list(blocks.get_block_ids()[0])
             assert not flag.exists()  # the stall happened (the hook removed its flag)
-            assert m.keeper.lost is None
-            m.keeper.vouch()
-            assert held_first_group(c) == got  # nothing lost, nothing freed
-            assert server.proc is not None and server.proc.poll() is None, server.log()
-            m.close()
+            _kept_everything(server, c, m, got)
         assert "stalled" not in server.log()
     finally:
         server.stop()
@@ -124,7 +134,7 @@ def test_a_session_on_the_shortest_lease_granted_keeps_its_requests_over_a_toler
 def test_a_lease_just_below_the_minimum_is_refused_naming_the_numbers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    server = _server(tmp_path, monkeypatch, tmp_path / "never")
+    server = _slow_commit_server(tmp_path, monkeypatch, tmp_path / "never")
     server.start()
     try:
         with KVCoordClient(server.address, timeout=30.0, retry=NO_RETRY) as c:
@@ -189,16 +199,7 @@ def test_the_shortest_lease_granted_keeps_its_requests_over_a_tolerated_lease_ma
     (1.55 s for 1.5 s: 1.47 s trusted) was granted and outlived by the wait."""
     fail, slow = tmp_path / "fail", tmp_path / "slow"
     hook = _SLOW_MARKER.format(fail=str(fail), slow=str(slow), delay=MARKER_DELAY)
-    durable_server.with_sitecustomize(tmp_path, hook, monkeypatch)
-    server = DurableServer(tmp_path, small_pool(256))
-    server.config.write_text(
-        server.config.read_text().replace(
-            "snapshot_every = 2000\n",
-            f"snapshot_every = 2000\nsession_lease_seconds = {MARKER_LEASE}\n"
-            f"max_session_lease_seconds = {MARKER_LEASE}\nidempotency_window_seconds = {4 * MARKER_LEASE}\n"
-            f"journal_stall_seconds = {MARKER_STALL}\n",
-        )
-    )
+    server = _server(tmp_path, monkeypatch, hook, 256, MARKER_LEASE, MARKER_STALL)
     server.start()
     try:
         with KVCoordClient(server.address, timeout=30.0) as c:
@@ -219,11 +220,7 @@ def test_the_shortest_lease_granted_keeps_its_requests_over_a_tolerated_lease_ma
                     break
                 time.sleep(0.05)
             assert not fail.exists() and not slow.exists(), "the marker's writes were not made"
-            assert m.keeper.lost is None, m.keeper.lost
-            m.keeper.vouch()
-            assert held_first_group(c) == got  # nothing lost, nothing freed
-            assert server.proc is not None and server.proc.poll() is None, server.log()
-            m.close()
+            _kept_everything(server, c, m, got)
         assert "stalled" not in server.log()
     finally:
         server.stop()

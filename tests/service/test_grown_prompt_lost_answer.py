@@ -121,16 +121,23 @@ def _hash(r: Any) -> None:
     r.block_hashes.extend(every[len(r.block_hashes) :])
 
 
-def _session(m: Any, again: bool = False) -> tuple[tuple[list[int], ...], int]:
-    """Session "r": its prompt computed, 77 sampled; cut (77 discarded, CHUNK appended,
-    the whole session its prompt), the chunk computed, 88 sampled and decoded. Returns
-    the request's blocks (after one more decode step) and a continuation's hit (tokens)."""
+def prompt_computed_77_sampled(m: Any) -> Any:
+    """Request "r" of ``m``: PROMPT allocated (its prefix looked up first) and computed,
+    then 77 sampled (appended and hashed, not yet sent)."""
     r = _request("r", PROMPT)
     hit, n = m.get_computed_blocks(r)
     assert m.allocate_slots(r, 10, n, hit) is not None
     r.num_computed_tokens = 10
     r.all_token_ids._x.append(77)
     _hash(r)
+    return r
+
+
+def _session(m: Any, again: bool = False) -> tuple[tuple[list[int], ...], int]:
+    """Session "r": its prompt computed, 77 sampled; cut (77 discarded, CHUNK appended,
+    the whole session its prompt), the chunk computed, 88 sampled and decoded. Returns
+    the request's blocks (after one more decode step) and a continuation's hit (tokens)."""
+    r = prompt_computed_77_sampled(m)
     m.take_events()
     # vLLM 0.33's Scheduler._update_request_as_session, in place
     keep = len(r.all_token_ids) - 1

@@ -16,17 +16,12 @@ from kvcoord.client import KVCoordClient, RequestUnknownError
 from kvcoord.client.errors import AbortedError
 from kvcoord.engine.state import export_state
 from kvcoord.service.testing import InProcessServer
-from service.test_grown_prompt_lost_answer import PROMPT, _hash, _manager, _request
+from service.test_grown_prompt_lost_answer import PROMPT, _hash, _manager, prompt_computed_77_sampled
 from service.test_predicted_mirror_state import comparable
 
 
 def _session(m: Any, fail: bool) -> tuple[list[int], ...]:
-    r = _request("r", PROMPT)
-    hit, n = m.get_computed_blocks(r)
-    assert m.allocate_slots(r, 10, n, hit) is not None
-    r.num_computed_tokens = 10
-    r.all_token_ids._x.append(77)
-    _hash(r)
+    r = prompt_computed_77_sampled(m)
     with m.batch() as b:
         cached = b.cache_blocks(r, 10)  # syncs r at 11 tokens (77 appended)
         if fail:

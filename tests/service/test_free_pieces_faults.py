@@ -84,8 +84,16 @@ def test_lost_late_and_repeated_answers_of_free_pieces_free_each_request_once(
     assert all(drawn.values()), drawn
 
 
-def _held(c: KVCoordClient) -> list[str]:
-    return sorted(r.request_id for r in c.inspect_pool("p", all_requests=True).requests)
+def _freeing(make_server: Callable[..., InProcessServer], ids: list[str]) -> tuple[KVCoordError, list[str]]:
+    """r0..r5 allocated on a server of max_ops_per_step CAP, then one ``client.free`` of
+    ``ids`` (in pieces), which must fail: its error and the requests held after it."""
+    server = make_server(TOML, limits=Limits(max_ops_per_step=CAP))
+    with KVCoordClient(server.address, timeout=10) as c:
+        s = c.attach("p", "sha256_cbor", 4, "0")
+        c.step("p", _ops(0)[:6], s.session_id, s.fence)
+        with pytest.raises(KVCoordError) as told:
+            c.free("p", ids, session_id=s.session_id, fence=s.fence)
+        return told.value, sorted(r.request_id for r in c.inspect_pool("p", all_requests=True).requests)
 
 
 def test_a_later_free_piece_refused_is_told_as_applied_in_part(
@@ -96,16 +104,11 @@ def test_a_later_free_piece_refused_is_told_as_applied_in_part(
     is refused: the caller is told OutcomeUnknownError ("applied in part", its cause
     the refusal), never a "nothing freed" error while requests were freed (old code:
     RequestUnknownError, r0..r3 freed)."""
-    server = make_server(TOML, limits=Limits(max_ops_per_step=CAP))
-    with KVCoordClient(server.address, timeout=10) as c:
-        s = c.attach("p", "sha256_cbor", 4, "0")
-        c.step("p", _ops(0)[:6], s.session_id, s.fence)
-        with pytest.raises(KVCoordError) as told:
-            c.free("p", [*(f"r{i}" for i in range(5)), "nobody"], session_id=s.session_id, fence=s.fence)
-        assert isinstance(told.value, OutcomeUnknownError), repr(told.value)
-        assert isinstance(told.value.__cause__, RequestUnknownError)
-        assert "applied in part" in told.value.message and "r0" in told.value.message, told.value.message
-        assert _held(c) == ["r4", "r5"]
+    told, held = _freeing(make_server, [*(f"r{i}" for i in range(5)), "nobody"])
+    assert isinstance(told, OutcomeUnknownError), repr(told)
+    assert isinstance(told.__cause__, RequestUnknownError)
+    assert "applied in part" in told.message and "r0" in told.message, told.message
+    assert held == ["r4", "r5"]
 
 
 def test_a_free_naming_a_request_twice_is_refused_before_any_piece(
@@ -114,11 +117,6 @@ def test_a_free_naming_a_request_twice_is_refused_before_any_piece(
     """A request named twice (in different pieces) is refused before anything is sent,
     InvalidArgumentError, as one Free is refused whole (old code: the first piece freed
     r0..r3, the second refused r0 as unknown)."""
-    server = make_server(TOML, limits=Limits(max_ops_per_step=CAP))
-    with KVCoordClient(server.address, timeout=10) as c:
-        s = c.attach("p", "sha256_cbor", 4, "0")
-        c.step("p", _ops(0)[:6], s.session_id, s.fence)
-        with pytest.raises(InvalidArgumentError) as told:
-            c.free("p", [*(f"r{i}" for i in range(6)), "r0"], session_id=s.session_id, fence=s.fence)
-        assert type(told.value) is InvalidArgumentError and "twice" in told.value.message, repr(told.value)
-        assert _held(c) == [f"r{i}" for i in range(6)]
+    told, held = _freeing(make_server, [*(f"r{i}" for i in range(6)), "r0"])
+    assert type(told) is InvalidArgumentError and "twice" in told.message, repr(told)
+    assert held == [f"r{i}" for i in range(6)]

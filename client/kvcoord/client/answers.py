@@ -1,20 +1,22 @@
 """What a predicted Step's answer must say: each operation's result against the
-mirror's (:func:`check_result`; the digest of the mirror's events the server's must
-equal is :func:`kvcoord.wire.events_digest`). A difference is a
-:class:`PredictionMismatchError`; a failed operation's error is :func:`op_error`."""
+mirror's (:func:`check_result`), and the free count, the events' digest
+(:func:`kvcoord.wire.events_digest`) and the statistics the mirror had when the Step
+was sent (:func:`check_answer`). A difference is a :class:`PredictionMismatchError`; a
+failed operation's error is :func:`op_error`."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import copies_from_pb
+from kvcoord.wire import copies_from_pb, events_digest, stats_to_pb
 
 from .errors import KVCoordError, error_from_code, status_code
-from .items import ColumnRun
+from .items import ColumnRun, Gathered
 
-__all__ = ["PredictionMismatchError", "check_result", "op_error"]
+__all__ = ["PredictionMismatchError", "check_answer", "check_result", "op_error"]
 
 
 class PredictionMismatchError(KVCoordError):
@@ -50,6 +52,34 @@ def check_result(i: int, result: pb.OperationResult, expected: Any) -> None:
         raise PredictionMismatchError(
             f"operation {i} ({kind}): the server answered {got}, the mirror {value}"
         )
+
+
+def check_answer(
+    resp: pb.StepResponse, sent: Gathered, events: bool, stats: bool, events_gap: Callable[[], None]
+) -> None:
+    """A predicted Step's answer against what the mirror said when ``sent`` was cut:
+    every result (:func:`check_result`), the free count, with ``events`` the events'
+    digest, with ``stats`` the statistics, in that order. An answer whose events the
+    server could not all digest (``events_gap``: its buffer wrapped) is told to
+    ``events_gap`` and the rest still compared."""
+    for i, (result, expected) in enumerate(zip(resp.results, sent.expected, strict=True)):
+        check_result(i, result, expected)
+    if resp.num_free_blocks != sent.num_free_blocks:
+        raise PredictionMismatchError(
+            f"the server has {resp.num_free_blocks} free blocks, the mirror {sent.num_free_blocks}"
+        )
+    if events:
+        if resp.events_gap:
+            events_gap()
+        elif resp.events_sha256 != events_digest(sent.events):
+            raise PredictionMismatchError("the server's KV events differ from the mirror's")
+    if stats:
+        want = stats_to_pb(sent.stats)
+        if resp.prefix_cache_stats != want:
+            raise PredictionMismatchError(
+                f"the server's prefix-cache statistics differ from the mirror's: {resp.prefix_cache_stats} "
+                f"against {want}"
+            )
 
 
 def op_error(result: pb.OperationResult) -> KVCoordError:

@@ -34,10 +34,10 @@ from typing import Any, TypeVar
 import grpc
 from kvcoord.engine import KVCacheEvent, PrefixCacheStats
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.wire import events_digest, free_op, stats_to_pb
+from kvcoord.wire import free_op
 from kvcoord.wire.columns import write_packed_decode
 
-from .answers import PredictionMismatchError, check_result, op_error
+from .answers import PredictionMismatchError, check_answer, op_error
 from .client import KVCoordClient
 from .errors import (
     AbortedError,
@@ -470,31 +470,16 @@ class StepSender(StepGathering):
             else:
                 run.write(op.allocate_run)
         resp = self._send(sent.request)
-        for i, (result, expected) in enumerate(zip(resp.results, sent.expected, strict=True)):
-            check_result(i, result, expected)
-        if resp.num_free_blocks != sent.num_free_blocks:
-            raise PredictionMismatchError(
-                f"the server has {resp.num_free_blocks} free blocks, the mirror {sent.num_free_blocks}"
-            )
-        if self.compare_events:
-            if resp.events_gap:
-                # The server's event buffer wrapped before this Step's events were taken
-                # (an eviction larger than its event_buffer): it digested only the events
-                # it still kept, so the digest cannot be compared with the mirror's whole
-                # list. That is no disagreement: the block ids, free count and statistics
-                # above and below are still compared, and the engine publishes the
-                # mirror's events, which are complete.
-                self.events_gaps += 1
-                logger.info(
-                    "predicted pool %r: the server's event buffer wrapped during a Step; its events "
-                    "were not compared (everything else was)", self.pool,
-                )  # fmt: skip
-            elif resp.events_sha256 != events_digest(sent.events):
-                raise PredictionMismatchError("the server's KV events differ from the mirror's")
-        if self.compare_stats:
-            stats = stats_to_pb(sent.stats)
-            if resp.prefix_cache_stats != stats:
-                raise PredictionMismatchError(
-                    f"the server's prefix-cache statistics differ from the mirror's: {resp.prefix_cache_stats} "
-                    f"against {stats}"
-                )
+        check_answer(resp, sent, self.compare_events, self.compare_stats, self._events_gap)
+
+    def _events_gap(self) -> None:
+        """The server's event buffer wrapped before a Step's events were taken (an
+        eviction larger than its event_buffer): its digest covers only the events it
+        still kept, so it cannot be compared with the mirror's whole list. That is no
+        disagreement: the block ids, free count and statistics are still compared, and
+        the engine publishes the mirror's events, which are complete."""
+        self.events_gaps += 1
+        logger.info(
+            "predicted pool %r: the server's event buffer wrapped during a Step; its events "
+            "were not compared (everything else was)", self.pool,
+        )  # fmt: skip

@@ -6,7 +6,7 @@ not heard yet, it retries with its fence as any client does) and restarting on t
 copy: no restored session alive, no prefix hit on blocks the lost history overwrote.
 Three cases: fenced at once (the crash-free path), fenced at once on a slow disk (the
 journal's writes held), and fenced once another pool's Step applied in slices is done
-(server._fence_when_idle). Old code told the worker at once: on the slow disk and
+(journal_behind._fence_when_idle). Old code told the worker at once: on the slow disk and
 mid-Step the copy kept the restored session and the stale prefix hit (silently wrong
 KV)."""
 

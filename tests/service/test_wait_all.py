@@ -68,7 +68,7 @@ def test_a_stop_while_a_proven_restore_waits_for_a_sliced_step(
     make_server: Callable[..., InProcessServer], tmp_path: Path
 ) -> None:
     """A restore proven while another pool is mid-Step defers its fencing until no pool
-    is held (server._fence_when_idle); a clean stop meanwhile waits the same way for
+    is held (journal_behind._fence_when_idle); a clean stop meanwhile waits the same way for
     its final snapshot. Both return once the Step is done (and the proving call is told
     INSTANCE_CHANGED)."""
     data, copy = tmp_path / "data", tmp_path / "copy"

@@ -18,12 +18,12 @@ from .cluster import Cluster, ClusterError
 from .config import ServerConfig
 from .data_dir_lock import DataDirLock
 from .durability import JournalRecorder
-from .errors import ServiceError, Status
 from .idempotency import IdempotencyStore
+from .journal_behind import journal_behind
 from .kv_publisher import Publishers
 from .logs import ids
 from .observers import OperationObserver
-from .recovery import Recovery, RestoreFenceError, fence_restored, open_journal, void_earlier_instances
+from .recovery import Recovery, open_journal
 from .registry import GcFreezer, PoolRegistry
 from .server_cluster import cluster_of, follow_store_health, join_cluster
 from .servicer import AllocatorServicer, add_servicer
@@ -192,59 +192,6 @@ async def _reap(servicer: AllocatorServicer, every: float) -> None:
             logger.exception("session reaper failed")
 
 
-def _journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str) -> None:
-    """A client proved the journal is behind what it was told (positions.py), or the
-    operator said the data directory was restored (``--restored``): do what a restore
-    detected at start does, and begin a grace period that survives restarts (written
-    before the fencing's first record: once those are committed the journal no longer
-    looks behind, so only grace.json keeps the grace across a crash).
-
-    Raises:
-        ServiceError: INTERNAL when a prefix cache could not be emptied (RestoreFenceError).
-    """
-    logger.critical(
-        "the journal is behind what clients were told (%s): every session is ended, every fence "
-        "void and every prefix cache reset; no session may attach for %.0f s",
-        why, decision.max_lease,
-    )  # fmt: skip
-    recorder = registry.recorder
-    assert isinstance(recorder, JournalRecorder)
-    until = decision.begin_grace(f"journal behind what clients were told ({why})")
-    registry.grace_until = until
-    for service in registry.pools.values():
-        service.grace_until = until
-    if not registry.locks.any_busy():
-        try:
-            fence_restored(registry, recorder)
-        except RestoreFenceError as exc:
-            logger.critical("%s", exc)
-            raise ServiceError(Status.INTERNAL, str(exc)) from None
-        return
-    # A Step is being applied in slices to some pool (pool_locks.py): ending its session
-    # and resetting its pool now would let it go on allocating for a dead session, and
-    # journal its call after that session's end (a record the next start cannot
-    # replay). Every earlier fence is void at once (the grace runs already); the
-    # sessions end once no pool is held (nothing awaits between wait_all's return and
-    # the fencing, so no Step starts in between).
-    void_earlier_instances(registry)
-    task = asyncio.get_running_loop().create_task(_fence_when_idle(registry, recorder))
-    registry.fencing = task  # (awaited before INSTANCE_CHANGED is told: PoolRegistry.fenced)
-    _FENCING.add(task)
-    task.add_done_callback(_FENCING.discard)
-
-
-#: fencings waiting for pools mid-Step (a reference keeps each task alive)
-_FENCING: set[asyncio.Task[None]] = set()
-
-
-async def _fence_when_idle(registry: PoolRegistry, recorder: JournalRecorder) -> None:
-    await registry.locks.wait_all()
-    try:
-        fence_restored(registry, recorder)
-    except RestoreFenceError as exc:
-        logger.critical("%s", exc)
-
-
 def _options(cfg: ServerConfig) -> list[tuple[str, int]]:
     s = cfg.server
     return [
@@ -380,12 +327,12 @@ async def _start(
             recovery.path, len(registry.pools), len(sessions.sessions), recovery.snapshot_seq,
             recovery.records, recovery.seconds,
         )  # fmt: skip
-        registry.positions.on_behind = lambda why: _journal_behind(registry, decision, why)
+        registry.positions.on_behind = lambda why: journal_behind(registry, decision, why)
         if restored:
             # The operator restored this directory (deploy/README.md, "Restore the
             # volume"): nothing here can tell how far the lost history went, so every
             # session and fence of it ends now, before any call is answered.
-            _journal_behind(registry, decision, "the data directory was restored (--restored)")
+            journal_behind(registry, decision, "the data directory was restored (--restored)")
             grace_until = registry.grace_until
     elif st.durability == "journal":
         logger.warning("no data_dir: durability is none, a restart loses every pool and allocation")

@@ -8,9 +8,9 @@ registry and metrics read and change a pool through its methods, never the engin
 servicer only converts messages to and from these calls. Failures are :class:`~.errors.ServiceError`
 with a rules :class:`~.errors.Status`; this module imports no gRPC.
 
-This module keeps the pool's state, its sessions (attach, fences, namespaces) and the pool as a
-whole (counters, inspection, checks, state); its other roles are parts it owns and forwards to, each
-in its module: request ownership and sync (pool_requests.py), the Step (pool_steps.py) and its
+This module keeps the pool's state, its sessions (attach, fences, namespaces; whether an Attach
+may open one is attach_rules.py's) and the pool as a whole (counters, inspection, checks, state);
+its other roles are parts it owns and forwards to, each in its module: request ownership and sync (pool_requests.py), the Step (pool_steps.py) and its
 allocations (pool_allocations.py), events and statistics (pool_events.py), scores (pool_scores.py)
 and reservations (pool_reservations.py). Nothing else uses those parts; the values it answers are
 pool_types.py's.
@@ -29,12 +29,12 @@ from typing import TYPE_CHECKING, Any
 import cbor2
 from kvcoord.engine import CacheHit, KVCacheConfig, KVCachePool, PrefixCacheStats
 from kvcoord.engine.invariants import PoolCheck, check_pool
-from kvcoord.engine.profiles import VLLM_016
 from kvcoord.engine.reservations import Reservations
 from kvcoord.engine.state import STATE_VERSION, export_state, import_state
 from kvcoord.wire.rules import rules_fingerprint
 
 from .attach_reset import reset_for_new_engine
+from .attach_rules import check_admission, check_handshake
 from .budget import event_buffer_bytes
 from .errors import ErrorReason, ServiceError, Status
 from .events import EventJournal
@@ -233,81 +233,12 @@ class PoolService:
         vllm-0.16); ``reset_prefix_cache``: the cache reset as it starts (attach_reset.py; checked first).
 
         Raises:
-            ServiceError: FAILED_PRECONDITION when the client follows another profile (PROFILE_MISMATCH),
-                naming each hash difference (HASH_MISMATCH), or when an exclusive session would share the
-                pool or a pool keeping step state (0.33 partial hits, mamba, zeroing) has one (POOL_EXCLUSIVE); UNAVAILABLE
-                (GRACE_PERIOD) right after a restart; RESOURCE_EXHAUSTED when the tenant already has
-                ``max_sessions`` (default: max_sessions_per_tenant) live sessions.
+            ServiceError: the refusals of attach_rules.py (:func:`~.attach_rules.check_handshake`,
+                then :func:`~.attach_rules.check_admission`): FAILED_PRECONDITION (PROFILE_MISMATCH,
+                HASH_MISMATCH, POOL_EXCLUSIVE), UNAVAILABLE (GRACE_PERIOD), RESOURCE_EXHAUSTED.
         """
-        mine = self.config.profile
-        theirs = profile or VLLM_016
-        if theirs != mine:
-            raise ServiceError(
-                Status.PRECONDITION,
-                f"pool {self.name!r} follows profile {mine!r} but the client follows {theirs[:64]!r}: "
-                "its hashes and the pool's answers would not agree; attach with the pool's profile",
-                ErrorReason.PROFILE_MISMATCH,
-            )
-        algo, block_size, seed = self.hash_settings
-        diffs = []
-        if hash_algo != algo:
-            diffs.append(f"hash_algo is {algo!r} but the client uses {hash_algo[:64]!r}")
-        if hash_block_size != block_size:
-            diffs.append(f"hash_block_size is {block_size} but the client uses {hash_block_size}")
-        if hash_seed != seed:
-            diffs.append(f"hash_seed is {seed!r} but the client uses {hash_seed[:64]!r}")
-        lag = self.config.num_hash_lookahead_tokens
-        if num_hash_lookahead_tokens != lag:
-            diffs.append(
-                f"num_hash_lookahead_tokens is {lag} but the client uses {num_hash_lookahead_tokens}"
-            )
-        if diffs:
-            raise ServiceError(
-                Status.PRECONDITION,
-                f"pool {self.name!r} hashes differently, so no prefix would ever hit: " + "; ".join(diffs),
-                ErrorReason.HASH_MISMATCH,
-            )
-        wait = self.grace_until - self.sessions.clock()
-        if wait > 0:
-            raise ServiceError(
-                Status.UNAVAILABLE,
-                f"the server restarted while leases of its previous instance may still run; pool "
-                f"{self.name!r} hands out no block for another {wait:.1f} s (retry then)",
-                ErrorReason.GRACE_PERIOD,
-            )
-        others = self.sessions.of_pool(self.name)
-        state = self.engine.scheduler_state() if others else ""
-        if state:  # (the pool's, not a session's: another session would take or clear it)
-            raise ServiceError(
-                Status.PRECONDITION,
-                f"pool {self.name!r} has {state}: it already has {len(others)} session(s); attach once "
-                "it ends",
-                ErrorReason.POOL_EXCLUSIVE,
-            )
-        holder = next((o for o in others if o.exclusive), None)
-        if holder is not None or (exclusive and others):
-            if holder is None:
-                # Other tenants' sessions are not counted to this one (nor named).
-                own = sum(1 for o in others if o.tenant == tenant)
-                whose = (
-                    f"{own} session(s) of your tenant" if own == len(others) else "sessions of other tenants"
-                )
-                if 0 < own < len(others):
-                    whose += f" and {own} of yours"
-                message = f"pool {self.name!r} has {whose}; an exclusive session must be the only one"
-            else:
-                # The holder's client is named to its own tenant only.
-                whose = f"({holder.client_name!r})" if holder.tenant == tenant else "of another tenant"
-                message = f"pool {self.name!r} has an exclusive session {whose}; no other may attach"
-            raise ServiceError(Status.PRECONDITION, message, ErrorReason.POOL_EXCLUSIVE)
-        limit = max_sessions or self.limits.max_sessions_per_tenant
-        live = self.sessions.count_of_tenant(tenant)
-        if live >= limit:
-            raise ServiceError(
-                Status.EXHAUSTED,
-                f"tenant {tenant or '(full access)'!r} already has {live} live sessions "
-                f"(max_sessions_per_tenant {limit}); detach unused ones or let their leases end",
-            )
+        check_handshake(self, hash_algo, hash_block_size, hash_seed, profile, num_hash_lookahead_tokens)
+        check_admission(self, self.grace_until, exclusive, tenant, max_sessions)
         s = self.sessions.open(self.name, client_name, lease_seconds)
         if reset_prefix_cache:
             reset_for_new_engine(self, s)

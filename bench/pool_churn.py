@@ -4,7 +4,7 @@
 
 Each cycle creates a pool (20,000 blocks of 16 tokens, caching and events on), registers
 ``--requests`` requests of ``--tokens`` tokens in Steps of 64, freezes what is alive as
-the server's own freezes do (``gc.collect(1); gc.freeze()``: registry.GcFreezer, a Step
+the server's own freezes do (``gc.collect(1); gc.freeze()``: gc_freezer.GcFreezer, a Step
 applied in slices), deletes the pool and waits for its sliced teardown. It prints the
 process's resident memory after each cycle: flat when a deleted pool is given back.
 """

@@ -1,5 +1,5 @@
 """A deleted pool's memory is given back even when the server froze it out of the
-cyclic garbage collector (``gc.freeze``: registry.GcFreezer, and a Step applied in
+cyclic garbage collector (``gc.freeze``: gc_freezer.GcFreezer, and a Step applied in
 slices), over real gRPC."""
 
 from __future__ import annotations

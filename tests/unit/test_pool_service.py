@@ -269,7 +269,7 @@ def test_gc_freezer_freezes_once_enough_blocks_exist() -> None:
     import gc
     from types import SimpleNamespace
 
-    from kvcoord.service.registry import GcFreezer
+    from kvcoord.service.gc_freezer import GcFreezer
 
     def pool(n: int) -> object:
         return SimpleNamespace(num_materialised_blocks=n)

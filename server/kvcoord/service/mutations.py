@@ -250,7 +250,7 @@ class MutationRunner:
                     # A large Step makes millions of objects (its requests' tokens):
                     # every full pass of the cyclic collector over them would hold the
                     # loop for 100-300 ms. Young garbage is collected and what is alive
-                    # frozen, as registry.GcFreezer does for blocks.
+                    # frozen, as gc_freezer.GcFreezer does for blocks.
                     gc.collect(1)
                     gc.freeze()
                 # A real pause, not sleep(0): the loop thread then waits in select

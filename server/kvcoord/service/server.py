@@ -18,13 +18,14 @@ from .cluster import Cluster, ClusterError
 from .config import ServerConfig
 from .data_dir_lock import DataDirLock
 from .durability import JournalRecorder
+from .gc_freezer import GcFreezer
 from .idempotency import IdempotencyStore
 from .journal_behind import journal_behind
 from .kv_publisher import Publishers
 from .logs import ids
 from .observers import OperationObserver
 from .recovery import Recovery, open_journal
-from .registry import GcFreezer, PoolRegistry
+from .registry import PoolRegistry
 from .server_cluster import cluster_of, follow_store_health, join_cluster
 from .servicer import AllocatorServicer, add_servicer
 from .sessions import SessionTable

@@ -1,4 +1,4 @@
-"""What a ``[[kv_events]]`` publisher hands its sockets (kv_publisher.follow), read from
+"""What a ``[[kv_events]]`` publisher hands its sockets (kv_event_feed.follow), read from
 a server's pool as a subscriber would apply it: no hash the pool does not cache, and
 no other tenant's events.
 
@@ -17,7 +17,8 @@ import pytest
 from helpers import attach, hashes, new_request
 from kvcoord.client import KVCoordClient
 from kvcoord.engine import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
-from kvcoord.service.kv_publisher import KVEventsDecl, follow
+from kvcoord.service.kv_event_feed import follow
+from kvcoord.service.kv_publisher import KVEventsDecl
 from kvcoord.service.pool_service import Limits
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb

@@ -21,7 +21,7 @@ from .durability import JournalRecorder
 from .gc_freezer import GcFreezer
 from .idempotency import IdempotencyStore
 from .journal_behind import journal_behind
-from .kv_publisher import Publishers
+from .kv_event_feed import Publishers
 from .logs import ids
 from .observers import OperationObserver
 from .recovery import Recovery, open_journal

@@ -90,7 +90,7 @@ def test_another_pools_call_is_answered_between_the_slices_of_a_large_step() -> 
     """Run in a process of its own, as a server is: no other test's threads share its
     GIL. On a quiet machine this failed while the loop paused between slices with
     ``sleep(0)`` (gRPC's poller never got the GIL to hand over the probe's call);
-    it needs mutations.SLICE_PAUSE."""
+    it needs turns.SLICE_PAUSE."""
     code = (
         "import json, test_sliced_steps as t\n"
         "from kvcoord.service.testing import InProcessServer\n"

@@ -15,9 +15,10 @@ from google.protobuf.message import DecodeError, Message
 from .access import FULL_ACCESS, AccessControl
 from .bounds import check_request_slices
 from .errors import REASON_METADATA_KEY, ServiceError, Status, grpc_code
-from .mutations import SERIALIZE_SLICE_OPS, SLICE_PAUSE, SLICE_SECONDS
+from .mutations import SERIALIZE_SLICE_OPS
 from .pool_service import Limits
 from .registry import PoolRegistry
+from .turns import SLICE_PAUSE, SLICE_SECONDS
 from .wire_slices import parse_in_turns
 
 __all__ = [

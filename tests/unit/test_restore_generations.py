@@ -65,3 +65,39 @@ def test_a_generation_travels_with_snapshots_and_tags_stay_as_told() -> None:
     q.started("g1-next", 8)
     with pytest.raises(ServiceError):  # a known instance's position above its end still proves
         q.check(Fence("g1", 1, position=9, position_tag=p.tag("g1", 9)))
+
+
+def _loaded(state: dict[str, object], writer: str) -> JournalPositions:
+    """A journal recovering from a snapshot of ``state`` written by ``writer``."""
+    q = JournalPositions()
+    q.key = KEY
+    q.restore({**state, "latest": writer})
+    q.snapshot_loaded(writer)
+    return q
+
+
+def test_a_snapshot_that_names_no_generation_for_its_writer_is_decided_by_its_first_tagged_answer() -> None:
+    """A kvcoord before 863d21c snapshotted an instance's start record before setting
+    its generation; an instance serving when a restore was proven tags under generation
+    0's key. Both snapshots read alike: the replayed answer's tag decides, under
+    either key, and a tag of neither key is refused (mutations.py finds no digest)."""
+    p = _journal()
+    p.voided(keep="x")
+    p.next_generation()
+    state = p.export()  # names no generation for "x"
+    started_after = _loaded(state, "x")  # "x" started after the restore: its generation's key
+    told = p.tag("x", 7, generation=1)
+    assert started_after.replay_tags("x", 7) == [p.tag("x", 7), told, b""]
+    assert started_after.replay_tags("other", 7) == [p.tag("other", 7), b""]
+    started_after.told_with("x", 7, told)
+    assert started_after.undecided is None
+    assert started_after.replay_tags("x", 8) == [p.tag("x", 8, generation=1), b""]
+    serving = _loaded(state, "x")  # "x" served when the restore was proven: generation 0's
+    serving.told_with("x", 7, p.tag("x", 7))
+    assert serving.undecided is None and serving.key_of("x") == KEY != started_after.key_of("x")
+    assert serving.replay_tags("x", 8) == [p.tag("x", 8), b""]
+    named = _journal()  # a snapshot that names it (this kvcoord's): nothing to decide
+    named.next_generation()
+    named.started("x", 3)
+    assert _loaded(named.export(), "x").undecided is None
+    assert _loaded(_journal().export(), "copied").undecided is None  # no restore proven

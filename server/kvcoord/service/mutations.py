@@ -324,15 +324,14 @@ class MutationRunner(PoolTurns):
         if not isinstance(answer, ServiceError):
             # as a live call's: its fence names the call's own record, tagged under the
             # writer's journal key (positions.py: this journal's, or the one a cluster
-            # store's stream names)
+            # store's stream names; untagged by a kvcoord before tags; replay_tags)
             answer.fence.position = position
-            self._tagged(answer.fence)
-            kept = answer.SerializeToString()
-            if answer.fence.position_tag and answer_digest(kept) != told:
-                # a record of a kvcoord that did not tag positions: its client was told
-                # the answer without the tag
-                answer.fence.position_tag = b""
+            for tag in registry.positions.replay_tags(writer, position):
+                answer.fence.position_tag = tag
                 kept = answer.SerializeToString()
+                if answer_digest(kept) == told:
+                    registry.positions.told_with(writer, position, tag)
+                    break
         again = None if kept is None else answer_digest(kept)
         if again != told:
             what = "an error" if told is None else "an answer"

@@ -41,7 +41,10 @@ a restore only when its tag verifies under this journal's generation or a later 
 instance of a restore proven already started in an earlier generation and is only
 INSTANCE_CHANGED, while one of a new restore started from a copy that holds every
 ``restored`` record it has. An instance serving when a restore is proven keeps its
-generation (its own positions are checked as ever).
+generation (its own positions are checked as ever). A snapshot of a kvcoord before
+863d21c taken at an instance's own ``start`` record names no generation for it, as
+if it had served when the restore was proven; its first tagged answer replayed tells
+which (:meth:`JournalPositions.snapshot_loaded`).
 
 **Only positions this journal issued prove anything.** A position is a number any
 caller can write: taken on trust, one made-up ``Fence.position`` of an earlier instance
@@ -117,6 +120,10 @@ class JournalPositions:
         #: instance id -> the generation it started in (absent: 0): it tags under that
         #: generation's key (:meth:`key_of`)
         self.generations: dict[str, int] = {}
+        #: (instance, generation): a loaded snapshot does not say whether the instance
+        #: writing the records after it started in generation 0 or in this one
+        #: (:meth:`snapshot_loaded`); its first tagged answer replayed decides
+        self.undecided: tuple[str, int] | None = None
 
     def key_of(self, instance_id: str) -> bytes | None:
         """The key ``instance_id`` tags its positions under (a cluster store's stream
@@ -148,6 +155,39 @@ class JournalPositions:
         self.latest = instance_id
         if self.generation:
             self.generations[instance_id] = self.generation
+
+    def snapshot_loaded(self, writer: str) -> None:
+        """Recovery loaded a snapshot followed by records of ``writer``. A kvcoord
+        before 863d21c took the snapshot its own ``start`` record triggered before it
+        set its generation: taken after a proven restore, it names no generation for
+        the writer, whose answers were tagged under the restore's. A writer that
+        started before the restore, serving when it was proven, looks the same (and
+        tagged under generation 0's key): until one of its answers decides
+        (:meth:`replay_tags`), both are possible."""
+        if self.generation and writer and self.latest == writer and writer not in self.generations:
+            self.undecided = (writer, self.generation)
+
+    def replay_tags(self, instance_id: str, position: int) -> list[bytes]:
+        """The tags a replayed answer of ``instance_id`` at ``position`` may have been
+        told with, in the order tried: under its generation's key; under the other one
+        of :attr:`undecided`; none (a kvcoord that did not tag positions). Each is an
+        HMAC under a key of this journal: only the one its client was told gives the
+        answer's journaled digest (mutations.py), so no other answer passes for it."""
+        tags = [self.tag(instance_id, position)]
+        if self.undecided is not None and self.undecided[0] == instance_id:
+            tags.append(self.tag(instance_id, position, self.undecided[1]))
+        return [*tags, b""] if tags[0] else tags
+
+    def told_with(self, instance_id: str, position: int, tag: bytes) -> None:
+        """A replayed answer of ``instance_id`` at ``position`` was told with ``tag``
+        (one of :meth:`replay_tags`): a tag decides :attr:`undecided`, and from then on
+        the instance tags under the generation it was told with."""
+        if not tag or self.undecided is None or self.undecided[0] != instance_id:
+            return
+        generation = self.undecided[1]
+        self.undecided = None
+        if tag == self.tag(instance_id, position, generation):
+            self.generations[instance_id] = generation
 
     def next_generation(self) -> int:
         """A restore is proven: instances started from now on tag under a new key

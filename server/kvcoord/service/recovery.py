@@ -283,6 +283,8 @@ def open_journal(
                 cbor2.loads(snap.body),
                 lambda: served_until if served_until is not None else -math.inf,
             )
+            # (a snapshot of a kvcoord before 863d21c may not name the writer's generation)
+            registry.positions.snapshot_loaded(replayer.writer)
         except Exception as exc:
             raise JournalError(
                 f"journal {store.path}: the snapshot after record {snap.seq} cannot be loaded: {exc!r}"

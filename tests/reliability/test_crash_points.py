@@ -2,22 +2,31 @@
 (and end and begin sessions) while the server process, snapshotting after every 1-5
 records, is SIGKILLed at random moments and while a snapshot child writes its file or
 the journal copies it in, stopped cleanly and SIGKILLed while it drains, stopped by a
-full disk, restarted on a volume copied some events earlier (a restored backup), and
-(seed 3) SIGKILLed while a stalled worker's session lapses. At every quiet point,
+full disk, restarted on a volume copied some events earlier (a restored backup), and,
+by seed (``EXTRA``): SIGKILLed while a stalled worker's session lapses ("lapse"); a
+journal that outgrows the disk while compaction runs ("grow": a session's fat Steps
+grow it, then every file is capped where it stands); a KV router reading WatchEvents
+slowly, far behind the evictions, across a SIGKILL and every event after ("watch":
+no event skipped without a gap, none read twice, and the last one read, still
+buffered, read again the same after each restart); a restart inside the grace of the
+restore, after its proof ("grace": the grace recorded before goes on). At every quiet point,
 once each worker has made a call since, the server must hold exactly what its workers
 were told, block for block: nothing lost without a typed error to its owner, no block
 held twice, the pool sound (CheckPool); at the end each worker frees what it holds,
 from its own session, and the pool is empty.
 
 Longer hunts by hand: ``KVCOORD_CRASH_SEEDS="1 2 ... 40"``, ``KVCOORD_CRASH_ROUNDS=3``
-(the events repeated), ``KVCOORD_CRASH_EXTRA="lapse lapse"`` (more events)."""
+(the events repeated), ``KVCOORD_CRASH_EXTRA="lapse grow watch grace"`` (more events,
+for every seed)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import os
 import random
+import resource
 import shutil
 import signal
 import threading
@@ -35,10 +44,11 @@ from durable_server import (
     leased_server,
     restore_volume,
 )
-from kvcoord.client import KVCoordClient
+from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import (
     FencedError,
     GracePeriodError,
+    InternalError,
     KVCoordError,
     OutcomeUnknownError,
     SessionExpiredError,
@@ -55,6 +65,10 @@ LEASE = 4.0
 PATIENT = dataclasses.replace(DEFAULT_RETRY, initial_backoff=0.02, max_backoff=0.3, keyed_deadline=60.0)
 #: errors that tell a worker its session, and so its requests, are gone
 LOST = (FencedError, SessionExpiredError)
+#: the events each seed adds to the seven (KVCOORD_CRASH_EXTRA: the same for every seed)
+EXTRA = {1: "grow", 2: "watch", 3: "lapse grace"}
+#: tokens of a fat Step's request ("grow": a record of about 230 KB)
+FAT_TOKENS = 20_000
 
 
 class Worker(threading.Thread):
@@ -164,6 +178,104 @@ class Worker(threading.Thread):
                 pass  # a lost session is told at the next call
         else:
             self.acked[rid] = list(result.allocate.new_block_ids[0].block_ids)
+
+
+class FatSession(threading.Thread):
+    """A session whose keyed Steps each register a request of :data:`FAT_TOKENS` tokens
+    (and a hash per block), allocate its first block and free it: records of about
+    230 KB that grow the journal, while nothing is left held after any Step (the
+    workers' view of the pool stays whole)."""
+
+    def __init__(self, address: str, stop: threading.Event) -> None:
+        super().__init__(name="fat", daemon=True)
+        self.address = address
+        self.stop = stop
+        self.steps = 0
+        self.error = ""
+
+    def run(self) -> None:
+        try:
+            with KVCoordClient(self.address, retry=PATIENT, timeout=30) as c:
+                session = attach(c, "fat", LEASE)
+                while not self.stop.is_set() and self.steps < 10_000:
+                    rid = f"fat-{self.steps}"
+                    sync = pb.RequestSync(
+                        request_id=rid, append_token_ids=list(range(FAT_TOKENS)), new_request=True,
+                        append_block_hashes=[f"{rid}/{i}".encode().ljust(32, b".") for i in range(FAT_TOKENS // 4)],
+                    )  # fmt: skip
+                    ops = [
+                        pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=4)),
+                        pb.Operation(free=pb.FreeOp(request_id=rid, if_held=True)),
+                    ]
+                    answer = c.step("p", ops, session.session_id, session.fence)
+                    assert all(r.status_code == 0 for r in answer.results), answer.results
+                    session.fence.CopyFrom(answer.fence)
+                    self.steps += 1
+                c.detach(session.session_id, session.fence)
+        except BaseException as exc:  # reported by the test
+            self.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+
+
+class Watcher(threading.Thread):
+    """A KV router reading pool ``p``'s WatchEvents, by turns (a second or two each)
+    slowly (``PAUSE`` seconds an event: far behind the workers' evictions, told of
+    gaps) and as fast as it can, resuming after every restart from its cursor and
+    fence, one event back: the event it read last comes again, unless the stream says
+    otherwise (``reset``: another history; ``gap``: no longer buffered). Counts what
+    must never happen: an event skipped without a gap, a sequence read twice or going
+    back, the last event read coming back different (a history a restart rewrote
+    under the same numbers)."""
+
+    PAUSE = 0.05
+
+    def __init__(self, address: str, seed: int) -> None:
+        super().__init__(name="watcher", daemon=True)
+        self.address = address
+        self.rnd = random.Random(seed)
+        self.stop = False
+        self.seen = {"events": 0, "gaps": 0, "resets": 0, "reconnects": 0, "again": 0}
+        self.wrong: list[str] = []
+        self.internal: list[str] = []
+        self.error = ""
+
+    def run(self) -> None:
+        cursor, fence, last = 0, None, b""
+        pause, turn = self.PAUSE, time.monotonic() + 1.0
+        try:
+            while not self.stop:
+                try:
+                    with KVCoordClient(self.address, timeout=5) as c:
+                        after = max(0, cursor - 1)
+                        for item in c.watch_events("p", after, timeout=5.0, fence=fence):
+                            event = item.event.SerializeToString()
+                            if item.reset:
+                                self.seen["resets"] += 1
+                            elif item.sequence == cursor and after < cursor:  # the last one, again
+                                self.seen["again"] += 1
+                                if event != last:
+                                    self.wrong.append(f"event {cursor} read again differs")
+                            elif item.sequence <= cursor:
+                                self.wrong.append(f"event {item.sequence} after {cursor}")
+                            elif item.sequence != cursor + 1 and not item.gap:
+                                self.wrong.append(f"event {item.sequence} after {cursor}, no gap")
+                            self.seen["gaps"] += item.gap
+                            self.seen["events"] += 1
+                            after = cursor = item.sequence
+                            fence, last = item.fence, event
+                            if self.stop:
+                                break
+                            if time.monotonic() > turn:
+                                pause = self.PAUSE - pause
+                                turn = time.monotonic() + self.rnd.uniform(0.5, 2.0)
+                            time.sleep(pause)
+                except UnavailableError:  # a restart: UNAVAILABLE, CANCELLED
+                    time.sleep(0.1)
+                except InternalError as exc:  # (a stream cut by a SIGKILL: shown in the summary)
+                    self.internal.append(str(exc)[:120])
+                    time.sleep(0.1)
+                self.seen["reconnects"] += 1
+        except BaseException as exc:  # reported by the test
+            self.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
 
 
 class Harness:
@@ -276,6 +388,53 @@ class Harness:
         self.server.start()
         return f"disk:{code}"
 
+    def grow(self) -> str:
+        """A journal that outgrows the disk while compaction runs: a :class:`FatSession`
+        grows it by megabytes while the workers run (a snapshot every 1-5 records
+        deletes the records before it, and compaction gives their pages back a slice per
+        commit, then checkpoints the WAL), then every file the server writes is capped
+        near its size now (prlimit on the live process; below it, at times: the cap
+        falls on a file compaction has not shrunk yet). A commit, a checkpoint or a
+        vacuum step fails EFBIG: the server stops itself (or is SIGKILLed if the cap is
+        not reached soon) and restarts uncapped; the fat session's last Step, retried
+        under its key, is answered as applied or applied then."""
+        stop = threading.Event()
+        fat = FatSession(self.server.address, stop)
+        fat.start()
+        self.gate.set()
+        grown = self.rnd.randint(3, 25)
+        for _ in range(1500):
+            if fat.steps >= grown or not fat.is_alive():
+                break
+            time.sleep(0.01)
+        assert not fat.error, fat.error
+        size = max(_sizes(self.server.data_dir))
+        cap = max(65_536, size + self.rnd.randrange(-size // 2, 65_536))
+        assert self.server.proc is not None
+        resource.prlimit(self.server.proc.pid, resource.RLIMIT_FSIZE, (cap, cap))
+        for _ in range(200):
+            if self.server.proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        code = self.server.proc.poll()
+        assert code in (None, EXIT_JOURNAL_FAILED), self.server.log()
+        self.server.kill()
+        self.server.start()
+        stop.set()
+        fat.join(120)
+        assert not fat.is_alive() and not fat.error, fat.error
+        return f"grow:{fat.steps}@{cap // 1024}K:{code}"
+
+    def watch(self) -> Watcher:
+        """A slow :class:`Watcher` starts (it reads until the end of the run, through
+        every event after this one), falls behind the workers' evictions, and the
+        server is SIGKILLed meanwhile (:meth:`kill_at_a_crash_point`)."""
+        watcher = Watcher(self.server.address, self.rnd.randrange(1 << 30))
+        watcher.start()
+        self.gate.set()
+        time.sleep(self.rnd.uniform(0.2, 1.5))
+        return watcher
+
     def copy(self, copy: Path) -> str:
         """The volume copied (atomically: the server and its snapshot child paused)
         while the workers run; the later events go on from there."""
@@ -286,11 +445,13 @@ class Harness:
             copy_volume(self.server, copy)
         return "copy"
 
-    def restore(self, copy: Path) -> str:
+    def restore(self, copy: Path, in_grace: bool = False) -> str:
         """More work, then the copy restored (and, half the time, the restored server
         SIGKILLed again a moment after it started: inside its proof or its grace):
         every worker is told its session ended (its fence proves the restore, or the
-        proof ended it) before its view is compared."""
+        proof ended it) before its view is compared. ``in_grace``: then SIGKILLed once
+        a worker has been told (the restore proven), at a random moment of its grace
+        (:meth:`restart_in_grace`)."""
         self.quiesce(2)  # each worker told more than the copy holds
         restore_volume(self.server, copy)
         self.server.start()
@@ -299,10 +460,40 @@ class Harness:
             time.sleep(self.rnd.uniform(0.0, 0.2))
             self.server.kill()
             self.server.start()
+        regrace = self.restart_in_grace() if in_grace else ""
         self.quiesce(1)
         told = sum(w.lost_told for w in self.workers)
         assert told, "nobody was told of the restore"
-        return f"restore:{told}"
+        return f"restore:{told}{regrace}"
+
+    def restart_in_grace(self) -> str:
+        """Once a worker is told of the restore (its proof begins the grace, in
+        grace.json), the server is SIGKILLed at a random moment of the grace and
+        restarted: the grace goes on to the end recorded before (an Attach inside it is
+        refused; one that succeeds returned after that end)."""
+        self.gate.set()
+        for _ in range(3000):
+            if any(w.lost_told for w in self.workers):
+                break
+            time.sleep(0.01)
+        else:
+            raise AssertionError("no worker was told of the restore")
+        grace = self.server.data_dir / "grace.json"
+        until = json.loads(grace.read_text())["until_wall"]
+        time.sleep(self.rnd.uniform(0.0, 0.4 * LEASE))  # (a restart takes a second or more)
+        self.server.kill()
+        self.server.start()
+        with KVCoordClient(self.server.address, retry=NO_RETRY, timeout=30) as c:
+            try:
+                probe = attach(c, "probe", LEASE)
+            except GracePeriodError:
+                return ":regrace"
+            attached = time.time()
+            c.detach(probe.session_id, probe.fence)
+        assert attached >= until, (
+            f"attached {until - attached:.2f} s inside the grace recorded before the restart"
+        )
+        return ":regrace-after"
 
 
 SEEDS = [int(x) for x in os.environ.get("KVCOORD_CRASH_SEEDS", "1 2 3").split()]
@@ -313,21 +504,26 @@ SEEDS = [int(x) for x in os.environ.get("KVCOORD_CRASH_SEEDS", "1 2 3").split()]
 def test_crash_points_lose_no_acknowledged_block(tmp_path: Path, seed: int) -> None:
     """Seven events in a seeded order (SIGKILLs at crash points, a clean stop SIGKILLed
     while it drains, a full disk, a volume copied while the workers ran and restored
-    some events later), a check of the server against the workers after each."""
+    some events later) and the seed's extra ones, a check of the server against the
+    workers after each."""
     rnd = random.Random(seed)
     server = leased_server(tmp_path, LEASE, NUM_BLOCKS)
     every = rnd.choice([1, 2, 3, 5])
     server.config.write_text(
-        server.config.read_text().replace("snapshot_every = 2000\n", f"snapshot_every = {every}\n")
+        server.config.read_text()
+        .replace("snapshot_every = 2000\n", f"snapshot_every = {every}\n")
+        .replace("enable_caching = true\n", "enable_caching = true\nenable_kv_cache_events = true\n")
     )
     server.start()
     h = Harness(server, seed)
-    extra = os.environ.get("KVCOORD_CRASH_EXTRA", "lapse" if seed == 3 else "")  # (a lapse: +10 s)
-    events = ["kill", "kill", "kill", "term", "disk", "copy", *extra.split()]
+    extra = os.environ.get("KVCOORD_CRASH_EXTRA", EXTRA.get(seed, "")).split()
+    in_grace = "grace" in extra  # (the restore's: a restart inside its grace)
+    events = ["kill", "kill", "kill", "term", "disk", "copy", *(e for e in extra if e != "grace")]
     rnd.shuffle(events)
     events.insert(rnd.randint(events.index("copy") + 1, len(events)), "restore")
     events *= int(os.environ.get("KVCOORD_CRASH_ROUNDS", "1"))  # (longer hunts by hand)
     done: list[str] = []
+    watchers: list[Watcher] = []
     try:
         with KVCoordClient(server.address, timeout=30) as c:
             for w in h.workers:
@@ -339,16 +535,20 @@ def test_crash_points_lose_no_acknowledged_block(tmp_path: Path, seed: int) -> N
                     done.append(h.copy(tmp_path / "copy"))
                     continue
                 if event == "restore":
-                    done.append(h.restore(tmp_path / "copy"))
+                    done.append(h.restore(tmp_path / "copy", in_grace))
                 elif event == "disk":
                     done.append(h.full_disk())
+                elif event == "grow":
+                    done.append(h.grow())
                 elif event == "lapse":
                     done.append(h.lapse())
                 elif event == "term":
                     done.append(h.stop_then_kill())
                 else:
+                    if event == "watch":
+                        watchers.append(h.watch())
                     h.gate.set()
-                    done.append(h.kill_at_a_crash_point())
+                    done.append(("watch:" if event == "watch" else "") + h.kill_at_a_crash_point())
                     server.start()
                 h.quiesce(2)
                 h.check(c)
@@ -376,10 +576,19 @@ def test_crash_points_lose_no_acknowledged_block(tmp_path: Path, seed: int) -> N
             stats = c.get_stats("p")
             assert stats.num_requests == 0 and stats.num_free_blocks == NUM_BLOCKS - 1, stats
             check_pool(c, "p", NUM_BLOCKS)
+            for watcher in watchers:
+                watcher.stop = True
+                watcher.join(30)
+                assert not watcher.is_alive() and not watcher.error, watcher.error
+                assert not watcher.wrong, f"{done}: {watcher.wrong} ({watcher.seen})"
+                assert watcher.seen["events"], watcher.seen
+                done.append(f"watched:{watcher.seen}{watcher.internal or ''}")
     finally:
         h.gate.set()
         for w in h.workers:
             w.stop = True
+        for watcher in watchers:
+            watcher.stop = True
         server.stop()
     print(f"seed {seed}: snapshot_every {every}, {done}, {h.checks} checks")
 

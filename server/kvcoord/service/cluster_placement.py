@@ -27,16 +27,30 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+def store_failed(exc: BaseException) -> bool:
+    """``exc`` is a failure of a call to the cluster store itself (etcd did not answer
+    in time, the connection failed, etcd answered an error), not one of this code: its
+    outcome may be unknown (a DEADLINE_EXCEEDED may follow a commit)."""
+    from aetcd import exceptions  # type: ignore[import-untyped]  # the "cluster" extra (a cluster runs it)
+
+    return isinstance(exc, (exceptions.ClientError, grpc.aio.AioRpcError, TimeoutError, ConnectionError))
+
+
 async def _in_call(call: Awaitable[T], pool: str, what: str) -> T:
     """A store call made inside a client's call (a gRPC handler). A cancellation the
     handler was not asked for (the replica replaced its store client and closed the old
     one under the call: :func:`.tasks.uncancelled`) is answered UNAVAILABLE, which the
     client retries (was: the raw CancelledError ended the handler with no status sent:
-    the client waited out its deadline, DEADLINE_EXCEEDED). ``what``
-    tells the caller what the call was doing (and what its outcome may be).
+    the client waited out its deadline, DEADLINE_EXCEEDED); so is a store call that
+    failed (:func:`store_failed`: a timeout, a connection error; was: INTERNAL, which a
+    client cannot tell from a bug, and whose outcome it took for known). Neither names a
+    reason: the client takes the outcome of a mutation so answered for unknown
+    (OutcomeUnknownError). ``what`` tells the caller what the call was doing (and what
+    its outcome may be). Any other exception (a bug here) is raised as it is: INTERNAL.
 
     Raises:
-        ServiceError: UNAVAILABLE when the store call was cancelled under the handler.
+        ServiceError: UNAVAILABLE when the store call was cancelled under the handler
+            or failed.
     """
     try:
         return await uncancelled(call)
@@ -45,6 +59,14 @@ async def _in_call(call: Awaitable[T], pool: str, what: str) -> T:
             Status.UNAVAILABLE,
             f"pool {pool[:200]!r}: {what}: the cluster store call was cancelled under it (its store client "
             "was replaced): retry",
+        ) from None
+    except Exception as exc:
+        if not store_failed(exc):
+            raise
+        raise ServiceError(
+            Status.UNAVAILABLE,
+            f"pool {pool[:200]!r}: {what}: the cluster store call failed ({type(exc).__name__}: "
+            f"{str(exc)[:200]}): retry",
         ) from None
 
 
@@ -176,7 +198,14 @@ class ClusterPlacement(Placement):
         (claim, catalog and journal, only while the claim is this replica's), so a
         delete is never half done: refused with the pool untouched (the claim went to
         another replica: a redirect there), or final before the pool is removed here.
-        The pool is moving meanwhile: other calls of it are told to retry."""
+        The pool is moving meanwhile: other calls of it are told to retry.
+
+        A delete in the store whose outcome is unknown (its answer lost: etcd may have
+        made it), or refused (not this replica's claim), is settled by reading the
+        store: a pool neither claimed nor in the catalog there no longer exists in the
+        cluster (this delete was made, or an earlier one whose answer was lost), and the
+        copy here goes now (was: kept and served, from a claim the store no longer had,
+        until the watch's next pass; a retried DeletePool was told OWNER_CHANGING)."""
         cluster = self.cluster
         if cluster.streams is None:
             return
@@ -184,21 +213,31 @@ class ClusterPlacement(Placement):
         view.check(pool, local=True)
         view.moving.add(pool)
         try:
-            forgotten = await _in_call(
-                cluster.forget(pool), pool, "its delete in the cluster store may or may not be made"
-            )
+            unknown: ServiceError | None = None
+            try:
+                if await _in_call(
+                    cluster.forget(pool), pool, "its delete in the cluster store may or may not be made"
+                ):
+                    return
+            except ServiceError as exc:  # (UNAVAILABLE: the outcome is unknown)
+                unknown = exc
+            try:
+                await uncancelled(cluster.refresh())
+            except Exception as exc:  # noqa: BLE001 - the claim is unknown: the caller retries
+                if unknown is not None:
+                    raise unknown from None
+                raise ServiceError(
+                    Status.UNAVAILABLE,
+                    f"pool {pool[:200]!r} is not this replica's in the cluster store any more, and the store "
+                    f"cannot be read: retry (nothing was deleted): {exc}",
+                ) from None
+            if pool not in view.claims and pool not in view.catalog:
+                logger.warning("pool %s is deleted in the cluster store: its copy here is removed", pool)
+                return  # deleted in the cluster: removed here by the caller
+            if unknown is not None:  # still claimed (a delete of this one may yet land: unknown)
+                raise unknown
         finally:
             view.moving.discard(pool)
-        if forgotten:
-            return
-        try:
-            await uncancelled(cluster.refresh())
-        except Exception as exc:  # noqa: BLE001 - the claim is unknown: the caller retries
-            raise ServiceError(
-                Status.UNAVAILABLE,
-                f"pool {pool[:200]!r} is not this replica's in the cluster store any more, and the store "
-                f"cannot be read: retry (nothing was deleted): {exc}",
-            ) from None
         view.check(pool, local=True)  # another holder: the redirect there
         raise ServiceError(
             Status.UNAVAILABLE,

@@ -1,0 +1,207 @@
+"""A DeletePool whose delete in the cluster store (ClusterStore.forget: claim, catalog
+and journal, journal = "store") is carried out by etcd while its answer is lost on the
+way back (a TCP proxy that drops what etcd sends): the replica sees a timeout.
+
+It was answered INTERNAL (a client cannot tell it from a bug, and took its outcome for
+known), and the pool stayed held and served here from a claim the store no longer had
+(until the watch's next pass). Now the store is read at once: the pool is gone from the
+cluster, so the copy here goes too and the delete is answered. When the store cannot be
+read either, the call is answered UNAVAILABLE (the client: OutcomeUnknownError), and its
+retry converges (the pool is deleted, here and in the store, never served again).
+
+A real replica (journal = "store", real gRPC, the asyncio client) and a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aetcd import transactions  # type: ignore[import-untyped]
+from etcd_process import Etcd
+from kvcoord.client import AsyncKVCoordClient, NotFoundError, OutcomeUnknownError, UnavailableError
+from kvcoord.service.cluster import Cluster
+from kvcoord.service.cluster_store import prefix_range, store_client
+from kvcoord.service.server import start_server
+from tcp_proxy import Proxy
+from test_replicas import POOL_CONFIG, in_process_store_replica
+
+#: no lease ends while a test holds the store away
+LEASE = 30
+#: attempts of a bounded retry loop (0.5 s apart)
+TRIES = 60
+
+
+def _forget_answer_lost(
+    proxy: Proxy, cluster: Cluster, pool: str, heal: bool, seen: list[int], kind: type = transactions.Value
+) -> Callable[..., Awaitable[Any]]:
+    """The replica's store transactions, the first delete of ``pool`` among them (the
+    one compared on its claim's value: forget; with ``kind`` Version, on its claim's
+    absence: delete_unclaimed) reaching etcd, which carries it out,
+    while its answer is dropped; then every connection is closed (the stream of answers
+    is broken): new ones are accepted at once if ``heal``, else refused until the test
+    heals the proxy."""
+    plain = cluster.client.transaction
+    owners = cluster.key("owners", pool)
+
+    async def tx(*a: Any, **kw: Any) -> Any:
+        compare = kw.get("compare", [])
+        forget = any(type(c) is kind and c.key == owners for c in compare)
+        if not forget or seen:
+            return await plain(*a, **kw)
+        seen.append(1)
+        proxy.deafen()
+        try:
+            return await plain(*a, **kw)
+        finally:
+            proxy.hear()
+            if heal:
+                proxy.reset()
+            else:
+                proxy.cut()
+
+    return tx
+
+
+async def _left_in_store(other: Any, cluster: Cluster, pool: str) -> list[bytes]:
+    """The keys of ``pool`` the store still has: claim, catalog, last holder, journal."""
+    keys = [cluster.key(kind, pool) for kind in ("owners", "pools", "last")]
+    left = [k for k in keys if await other.get(k) is not None]
+    assert cluster.streams is not None
+    start, end = prefix_range(cluster.streams.pool_prefix(pool))
+    rows = await other.get_range(start, end)
+    return left + [kv.key for kv in rows]
+
+
+def test_a_delete_whose_store_answer_was_lost_is_settled_and_the_copy_here_removed(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    name = request.node.name[:40]
+    proxy = Proxy(etcd.endpoint)
+    address, cfg = in_process_store_replica(proxy.address, name, tmp_path, LEASE)
+
+    async def run() -> None:
+        running = await start_server(cfg)
+        cluster = running.cluster
+        assert cluster is not None
+        other = store_client(etcd.endpoint, 5.0)
+        await other.connect()
+        try:
+            async with AsyncKVCoordClient(address, timeout=20.0) as c:
+                await c.create_pool("d", POOL_CONFIG)
+                seen: list[int] = []
+                cluster.client.transaction = _forget_answer_lost(proxy, cluster, "d", True, seen)
+                # (was: InternalError, the pool still held and served here)
+                await c.delete_pool("d")
+                assert seen == [1], "the delete in the store was not the one whose answer was lost"
+                assert "d" not in running.servicer.registry.pools
+                assert await _left_in_store(other, cluster, "d") == []
+                with pytest.raises(NotFoundError):
+                    await c.get_pool("d")
+        finally:
+            await other.close()
+            await running.stop(grace=0)
+            proxy.close()
+
+    asyncio.run(run())
+
+
+def test_a_delete_whose_answer_was_lost_and_store_unread_is_outcome_unknown_and_converges(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    name = request.node.name[:40]
+    proxy = Proxy(etcd.endpoint)
+    address, cfg = in_process_store_replica(proxy.address, name, tmp_path, LEASE)
+
+    async def run() -> None:
+        running = await start_server(cfg)
+        cluster = running.cluster
+        assert cluster is not None
+        other = store_client(etcd.endpoint, 5.0)
+        await other.connect()
+        try:
+            async with AsyncKVCoordClient(address, timeout=20.0) as c:
+                await c.create_pool("d", POOL_CONFIG)
+                seen: list[int] = []
+                cluster.client.transaction = _forget_answer_lost(proxy, cluster, "d", False, seen)
+                # the store cannot be read after the lost answer either: the outcome is
+                # unknown (was: InternalError, which the client took for a known failure)
+                with pytest.raises(OutcomeUnknownError):
+                    await c.delete_pool("d")
+                assert seen == [1]
+                assert await _left_in_store(other, cluster, "d") == [], "etcd did not carry the delete out"
+                proxy.heal()
+                for _ in range(TRIES):  # bounded: the retry converges once the store answers
+                    try:
+                        await c.delete_pool("d")
+                        break
+                    except NotFoundError:  # (the watch's pass settled it first)
+                        break
+                    except UnavailableError:
+                        await asyncio.sleep(0.5)
+                else:
+                    pytest.fail(f"the retried delete did not converge within {TRIES} attempts")
+                assert "d" not in running.servicer.registry.pools
+                with pytest.raises(NotFoundError):
+                    await c.get_pool("d")
+                assert await _left_in_store(other, cluster, "d") == []
+        finally:
+            await other.close()
+            await running.stop(grace=0)
+            proxy.close()
+
+    asyncio.run(run())
+
+
+def test_a_delete_of_a_pool_nobody_serves_whose_answer_was_lost_is_outcome_unknown(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """A pool of the catalog nobody claims (its owner stopped without handing it over),
+    placed here: DeletePool deletes it in the store (delete_unclaimed), etcd does it,
+    the answer is lost. UNAVAILABLE (OutcomeUnknownError; was INTERNAL), and the retry
+    finds no such pool."""
+    name = request.node.name[:40]
+    proxy = Proxy(etcd.endpoint)
+    address, cfg = in_process_store_replica(proxy.address, name, tmp_path, LEASE)
+
+    async def run() -> None:
+        running = await start_server(cfg)
+        cluster = running.cluster
+        assert cluster is not None
+        other = store_client(etcd.endpoint, 5.0)
+        await other.connect()
+        try:
+            cluster._retry_at["gone"] = float("inf")  # not taken over here (it has no journal to rebuild)
+            await other.put(cluster.key("pools", "gone"), b"")  # in the catalog, unclaimed
+            for _ in range(TRIES):  # bounded: the watch reads it
+                if "gone" in cluster.view.catalog:
+                    break
+                await asyncio.sleep(0.5)
+            assert "gone" in cluster.view.catalog and "gone" not in cluster.view.claims
+            async with AsyncKVCoordClient(address, timeout=20.0) as c:
+                seen: list[int] = []
+                cluster.client.transaction = _forget_answer_lost(
+                    proxy, cluster, "gone", False, seen, transactions.Version
+                )
+                with pytest.raises(OutcomeUnknownError):  # (was: InternalError)
+                    await c.delete_pool("gone")
+                assert seen == [1]
+                assert await _left_in_store(other, cluster, "gone") == [], "etcd did not carry the delete out"
+                proxy.heal()
+                for _ in range(TRIES):  # bounded: the watch re-reads the catalog
+                    try:
+                        await c.delete_pool("gone")
+                    except NotFoundError:
+                        break
+                    except UnavailableError:
+                        await asyncio.sleep(0.5)
+                else:
+                    pytest.fail(f"the retried delete did not find the pool gone within {TRIES} attempts")
+        finally:
+            await other.close()
+            await running.stop(grace=0)
+            proxy.close()
+
+    asyncio.run(run())

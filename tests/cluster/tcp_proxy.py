@@ -43,11 +43,6 @@ class Proxy:
         self.cut_off.set()
         self._close_all()
 
-    def reset(self) -> None:
-        """Close every connection; new ones are accepted at once (a connection broken
-        under its calls, the peer reachable again)."""
-        self._close_all()
-
     def cut_from(self, pid: int) -> None:
         """Close every connection process ``pid`` made to the proxy and refuse its new
         ones until :meth:`heal`; other processes' connections pass."""

@@ -1,13 +1,15 @@
-"""A DeletePool whose delete in the cluster store (ClusterStore.forget: claim, catalog
-and journal, journal = "store") is carried out by etcd while its answer is lost on the
-way back (a TCP proxy that drops what etcd sends): the replica sees a timeout.
+"""A DeletePool whose delete in the cluster store (journal = "store": claim, catalog and
+journal; ClusterStore.forget, or delete_unclaimed for a pool nobody serves) is carried
+out by etcd while its answer is lost: the replica sees a timeout.
 
 It was answered INTERNAL (a client cannot tell it from a bug, and took its outcome for
 known), and the pool stayed held and served here from a claim the store no longer had
 (until the watch's next pass). Now the store is read at once: the pool is gone from the
 cluster, so the copy here goes too and the delete is answered. When the store cannot be
-read either, the call is answered UNAVAILABLE (the client: OutcomeUnknownError), and its
-retry converges (the pool is deleted, here and in the store, never served again).
+read either (a proxy that drops etcd's answers, then cuts), the call is answered
+UNAVAILABLE (the client: OutcomeUnknownError), and its retry converges (the pool is
+deleted, here and in the store, never served again). A delete held on its way and
+carried out late never deletes the pool made again since (it names the claim's term).
 
 A real replica (journal = "store", real gRPC, the asyncio client) and a real etcd."""
 
@@ -19,12 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aetcd import transactions  # type: ignore[import-untyped]
+from aetcd import exceptions as aetcd_exceptions  # type: ignore[import-untyped]
 from etcd_process import Etcd
 from kvcoord.client import AsyncKVCoordClient, NotFoundError, OutcomeUnknownError, UnavailableError
 from kvcoord.service.cluster import Cluster
 from kvcoord.service.cluster_store import prefix_range, store_client
 from kvcoord.service.server import start_server
+from service.helpers import allocate
 from tcp_proxy import Proxy
 from test_replicas import POOL_CONFIG, in_process_store_replica
 
@@ -34,22 +37,26 @@ LEASE = 30
 TRIES = 60
 
 
+def _is_delete(kw: dict[str, Any], keys: set[bytes], unclaimed: bool) -> bool:
+    """The transaction ``kw`` is a delete of a pool in the store: forget (compared on
+    its claim only: four deletes), or with ``unclaimed`` delete_unclaimed (compared on
+    its claim and its catalog entry)."""
+    compare = {c.key for c in kw.get("compare", [])}
+    return compare == keys and (unclaimed or len(kw.get("success", [])) == 4)
+
+
 def _forget_answer_lost(
-    proxy: Proxy, cluster: Cluster, pool: str, heal: bool, seen: list[int], kind: type = transactions.Value
+    proxy: Proxy, cluster: Cluster, pool: str, seen: list[int], unclaimed: bool = False
 ) -> Callable[..., Awaitable[Any]]:
-    """The replica's store transactions, the first delete of ``pool`` among them (the
-    one compared on its claim's value: forget; with ``kind`` Version, on its claim's
-    absence: delete_unclaimed) reaching etcd, which carries it out,
-    while its answer is dropped; then every connection is closed (the stream of answers
-    is broken): new ones are accepted at once if ``heal``, else refused until the test
-    heals the proxy."""
+    """The replica's store transactions, the first delete of ``pool`` in the store among
+    them (:func:`_is_delete`) reaching etcd, which carries it out, while its answer is
+    dropped; then every connection is cut (the stream of answers is broken) and new
+    ones refused until the test heals the proxy."""
     plain = cluster.client.transaction
-    owners = cluster.key("owners", pool)
+    keys = {cluster.key("owners", pool)} | ({cluster.key("pools", pool)} if unclaimed else set())
 
     async def tx(*a: Any, **kw: Any) -> Any:
-        compare = kw.get("compare", [])
-        forget = any(type(c) is kind and c.key == owners for c in compare)
-        if not forget or seen:
+        if not _is_delete(kw, keys, unclaimed) or seen:
             return await plain(*a, **kw)
         seen.append(1)
         proxy.deafen()
@@ -57,10 +64,7 @@ def _forget_answer_lost(
             return await plain(*a, **kw)
         finally:
             proxy.hear()
-            if heal:
-                proxy.reset()
-            else:
-                proxy.cut()
+            proxy.cut()
 
     return tx
 
@@ -78,32 +82,40 @@ async def _left_in_store(other: Any, cluster: Cluster, pool: str) -> list[bytes]
 def test_a_delete_whose_store_answer_was_lost_is_settled_and_the_copy_here_removed(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
+    """etcd carries the delete out and the replica hears a timeout (a wrapper of the
+    real client: the transaction is made, then DEADLINE_EXCEEDED raised); the store
+    answers the read after it."""
     name = request.node.name[:40]
-    proxy = Proxy(etcd.endpoint)
-    address, cfg = in_process_store_replica(proxy.address, name, tmp_path, LEASE)
+    address, cfg = in_process_store_replica(etcd.endpoint, name, tmp_path, LEASE)
 
     async def run() -> None:
         running = await start_server(cfg)
         cluster = running.cluster
         assert cluster is not None
-        other = store_client(etcd.endpoint, 5.0)
-        await other.connect()
+        plain = cluster.client.transaction
+        keys = {cluster.key("owners", "d")}
+        seen: list[int] = []
+
+        async def tx(**kw: Any) -> Any:
+            answer = await plain(**kw)
+            if _is_delete(kw, keys, False) and not seen:
+                seen.append(1)  # made in etcd; its answer lost
+                raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
+            return answer
+
         try:
             async with AsyncKVCoordClient(address, timeout=20.0) as c:
                 await c.create_pool("d", POOL_CONFIG)
-                seen: list[int] = []
-                cluster.client.transaction = _forget_answer_lost(proxy, cluster, "d", True, seen)
+                cluster.client.transaction = tx
                 # (was: InternalError, the pool still held and served here)
                 await c.delete_pool("d")
                 assert seen == [1], "the delete in the store was not the one whose answer was lost"
                 assert "d" not in running.servicer.registry.pools
-                assert await _left_in_store(other, cluster, "d") == []
+                assert await _left_in_store(cluster.client, cluster, "d") == []
                 with pytest.raises(NotFoundError):
                     await c.get_pool("d")
         finally:
-            await other.close()
             await running.stop(grace=0)
-            proxy.close()
 
     asyncio.run(run())
 
@@ -125,7 +137,7 @@ def test_a_delete_whose_answer_was_lost_and_store_unread_is_outcome_unknown_and_
             async with AsyncKVCoordClient(address, timeout=20.0) as c:
                 await c.create_pool("d", POOL_CONFIG)
                 seen: list[int] = []
-                cluster.client.transaction = _forget_answer_lost(proxy, cluster, "d", False, seen)
+                cluster.client.transaction = _forget_answer_lost(proxy, cluster, "d", seen)
                 # the store cannot be read after the lost answer either: the outcome is
                 # unknown (was: InternalError, which the client took for a known failure)
                 with pytest.raises(OutcomeUnknownError):
@@ -182,9 +194,7 @@ def test_a_delete_of_a_pool_nobody_serves_whose_answer_was_lost_is_outcome_unkno
             assert "gone" in cluster.view.catalog and "gone" not in cluster.view.claims
             async with AsyncKVCoordClient(address, timeout=20.0) as c:
                 seen: list[int] = []
-                cluster.client.transaction = _forget_answer_lost(
-                    proxy, cluster, "gone", False, seen, transactions.Version
-                )
+                cluster.client.transaction = _forget_answer_lost(proxy, cluster, "gone", seen, True)
                 with pytest.raises(OutcomeUnknownError):  # (was: InternalError)
                     await c.delete_pool("gone")
                 assert seen == [1]
@@ -203,5 +213,65 @@ def test_a_delete_of_a_pool_nobody_serves_whose_answer_was_lost_is_outcome_unkno
             await other.close()
             await running.stop(grace=0)
             proxy.close()
+
+    asyncio.run(run())
+
+
+def test_a_delete_landing_late_in_the_store_leaves_the_pool_made_again_since(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """DeletePool's delete in the store (forget) is held on its way and the replica
+    hears nothing (its outcome unknown: OutcomeUnknownError); the retried DeletePool
+    deletes the pool, CreatePool makes it again here (a new claim), a session allocates
+    in it (acknowledged: in its journal in the store). Then etcd carries the first
+    delete out, late. It was compared on the claim's value, the same for every claim of
+    this replica: it deleted the new pool's claim, catalog entry and journal, every
+    acknowledged allocation in it with them. Compared on the term it named, it changes
+    nothing, and the pool is served on."""
+    name = request.node.name[:40]
+    address, cfg = in_process_store_replica(etcd.endpoint, name, tmp_path, LEASE)
+
+    async def run() -> None:
+        running = await start_server(cfg)
+        cluster = running.cluster
+        assert cluster is not None
+        plain = cluster.client.transaction
+        owners = cluster.key("owners", "d")
+        held: list[dict[str, Any]] = []
+
+        async def tx(**kw: Any) -> Any:
+            if not held and _is_delete(kw, {owners}, False):
+                held.append(kw)  # forget (4 deletes): on its way, no answer for now
+                raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
+            return await plain(**kw)
+
+        try:
+            async with AsyncKVCoordClient(address, timeout=20.0) as c:
+                await c.create_pool("d", POOL_CONFIG)
+                first_term = cluster.view.term("d")
+                cluster.client.transaction = tx
+                with pytest.raises(OutcomeUnknownError):
+                    await c.delete_pool("d")
+                assert len(held) == 1
+                await c.delete_pool("d")  # the retry: deleted
+                assert await _left_in_store(cluster.client, cluster, "d") == []
+                await c.create_pool("d", POOL_CONFIG)
+                assert cluster.view.term("d") > first_term
+                s = await c.attach("d", "sha256_cbor", 4, "0", lease_seconds=120)
+                got = await c.allocate("d", allocate("a", list(range(8)), 8).allocate, s.session_id, s.fence)
+                blocks = list(got.result.new_block_ids[0].block_ids)
+                assert blocks
+                journal = await _left_in_store(cluster.client, cluster, "d")
+
+                ok, _ = await plain(**held[0])  # the first delete, carried out late
+                assert not ok, "the late delete of the first pool deleted the pool made again since"
+                assert await _left_in_store(cluster.client, cluster, "d") == journal
+                got = await c.allocate(
+                    "d", allocate("b", list(range(50, 58)), 8).allocate, s.session_id, s.fence
+                )
+                view = await c.inspect_pool("d", all_requests=True)
+                assert {r.request_id: list(r.groups[0].block_ids) for r in view.requests}["a"] == blocks
+        finally:
+            await running.stop(grace=0)
 
     asyncio.run(run())

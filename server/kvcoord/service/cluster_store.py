@@ -381,20 +381,20 @@ class ClusterStore:
         return claim
 
     async def forget(self, pool: str) -> bool:
-        """The pool was deleted: drop it from the catalog (and its journal from the
-        store) and release its claim, if the claim is this replica's. False (nothing
-        changed) when it is not and the journal is in the store (it is another
-        owner's now)."""
-        tx = self.client.transactions
-        key = self.key("owners", pool)
+        """The pool was deleted: drop it from the catalog (and its journal from the store)
+        and release its claim if it is this replica's (the view's: compared on its term).
+        False (nothing changed) when it is not and the journal is in the store (another
+        owner's now). A delete whose answer was lost, carried out by etcd late, never
+        deletes a later claim of the pool made here (was compared on the value, alike)."""
+        tx, key, held = self.client.transactions, self.key("owners", pool), self.view.claims.get(pool)
         success = [tx.delete(key), tx.delete(self.key("pools", pool)), tx.delete(self.key("last", pool))]
         if self.streams is not None:
             success.append(tx.delete(*prefix_range(self.streams.pool_prefix(pool))))
-        ok, responses = await self.client.transaction(
-            compare=[tx.value(key) == encode_claim(self.me.replica_id, self.me.address)],
-            success=success,
-            failure=[],
-        )
+        if held is not None and held.replica_id == self.me.replica_id:
+            compare = tx.mod(key) == held.term
+        else:
+            compare = tx.value(key) == encode_claim(self.me.replica_id, self.me.address)
+        ok, responses = await self.client.transaction(compare=[compare], success=success, failure=[])
         if not ok and self.streams is not None:
             return False  # the pool's journal in the store is another owner's now
         if responses:

@@ -9,9 +9,12 @@ cluster, so the copy here goes too and the delete is answered. When the store ca
 read either (a proxy that drops etcd's answers, then cuts), the call is answered
 UNAVAILABLE (the client: OutcomeUnknownError), and its retry converges (the pool is
 deleted, here and in the store, never served again). A delete held on its way and
-carried out late never deletes the pool made again since (it names the claim's term).
+carried out late never deletes the pool made again since (it names the claim's term;
+with local journals, where the pool is made again under the claim the delete named,
+that claim is put again first).
 
-A real replica (journal = "store", real gRPC, the asyncio client) and a real etcd."""
+A real replica (journal = "store", or "local"; real gRPC, the asyncio client) and a
+real etcd."""
 
 from __future__ import annotations
 
@@ -22,10 +25,12 @@ from typing import Any
 
 import pytest
 from aetcd import exceptions as aetcd_exceptions  # type: ignore[import-untyped]
+from durable_server import free_port
 from etcd_process import Etcd
 from kvcoord.client import AsyncKVCoordClient, NotFoundError, OutcomeUnknownError, UnavailableError
 from kvcoord.service.cluster import Cluster
 from kvcoord.service.cluster_store import prefix_range, store_client
+from kvcoord.service.config import parse_config
 from kvcoord.service.server import start_server
 from service.helpers import allocate
 from tcp_proxy import Proxy
@@ -271,6 +276,63 @@ def test_a_delete_landing_late_in_the_store_leaves_the_pool_made_again_since(
                 )
                 view = await c.inspect_pool("d", all_requests=True)
                 assert {r.request_id: list(r.groups[0].block_ids) for r in view.requests}["a"] == blocks
+        finally:
+            await running.stop(grace=0)
+
+    asyncio.run(run())
+
+
+def test_a_release_landing_late_leaves_the_pool_made_again_under_local_journals(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """journal = "local": DeletePool removes the pool here, then releases its claim and
+    catalog entry in the store (after_delete: forget); that release is held on its way
+    (OutcomeUnknownError). CreatePool makes the pool again here: the claim held here
+    was the old one, and the pool was made under it, so the late release, naming that
+    claim, deleted the new pool's claim and catalog entry while it was served here
+    (another replica could claim and create it: two live copies). The claim is put
+    again first (a new revision): the late release changes nothing."""
+    name = request.node.name[:40]
+    address = f"127.0.0.1:{free_port()}"
+    cfg = parse_config(
+        f'[server]\nlisten = ["{address}"]\ndata_dir = "{tmp_path}"\nsynchronous = "NORMAL"\n'
+        f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{name}"\nreplica_id = "r0"\n'
+        f'lease_seconds = {LEASE}\nstore_timeout_seconds = 2.0\njournal = "local"\n'
+    )
+
+    async def run() -> None:
+        running = await start_server(cfg)
+        cluster = running.cluster
+        assert cluster is not None
+        plain = cluster.client.transaction
+        owners = cluster.key("owners", "d")
+        held: list[dict[str, Any]] = []
+
+        async def tx(**kw: Any) -> Any:
+            compare = {c.key for c in kw.get("compare", [])}
+            if not held and compare == {owners} and len(kw.get("success", [])) == 3 and not kw.get("failure"):
+                held.append(kw)  # forget (3 deletes, no journal in the store): on its way, no answer
+                raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
+            return await plain(**kw)
+
+        try:
+            async with AsyncKVCoordClient(address, timeout=20.0) as c:
+                await c.create_pool("d", POOL_CONFIG)
+                cluster.client.transaction = tx
+                with pytest.raises(OutcomeUnknownError):
+                    await c.delete_pool("d")
+                assert len(held) == 1 and "d" not in running.servicer.registry.pools
+                await c.create_pool("d", POOL_CONFIG)
+                s = await c.attach("d", "sha256_cbor", 4, "0", lease_seconds=120)
+                await c.allocate("d", allocate("a", list(range(8)), 8).allocate, s.session_id, s.fence)
+                claim = await cluster.client.get(owners)
+                assert claim is not None
+
+                ok, _ = await plain(**held[0])  # the release, carried out late
+                assert not ok, "the late release of the deleted pool released the pool made again since"
+                after = await cluster.client.get(owners)
+                assert after is not None and after.mod_revision == claim.mod_revision
+                assert await cluster.client.get(cluster.key("pools", "d")) is not None
         finally:
             await running.stop(grace=0)
 

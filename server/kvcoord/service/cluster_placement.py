@@ -174,13 +174,31 @@ class ClusterPlacement(Placement):
         return view.term(pool) if view.holds(pool) else 0
 
     async def before_create(self, pool: str) -> None:
-        view = self.cluster.view
+        cluster, view = self.cluster, self.cluster.view
         if view.holds(pool):
-            self.check(pool, pool in self.registry.pools)  # not made again over its history
-            return
+            local = pool in self.registry.pools
+            self.check(pool, local)  # not made again over its history
+            if local:
+                return
+            # a claim held here of no pool here (a delete whose release in the store is of
+            # unknown outcome, and may still land: it names this revision) is put again
+            # first, under a new one (was: the pool made under it, and a late release
+            # deleted its claim and catalog entry while it was served here)
+            try:
+                if await uncancelled(cluster.reclaim(pool, view.claims[pool].term)) is not None:
+                    return
+            except Exception as exc:
+                if not isinstance(exc, CallCancelled) and not store_failed(exc):
+                    raise
+                raise ServiceError(
+                    Status.UNAVAILABLE,
+                    f"pool {pool[:200]!r}: its claim could not be put again: the cluster store did not "
+                    f"answer ({type(exc).__name__}): retry",
+                ) from None
+            # no longer this replica's claim (the view was read again): as any unclaimed pool
         view.check(pool, local=False)
         try:
-            claim = await uncancelled(self.cluster.claim(pool))  # (CallCancelled: UNAVAILABLE below)
+            claim = await uncancelled(cluster.claim(pool))  # (CallCancelled: UNAVAILABLE below)
         except Exception as exc:  # noqa: BLE001 - a slow or cut-off store: the caller retries
             # (was: INTERNAL, which no client retries). The claim may have been made:
             # the retry finds it this replica's, and makes the pool under it once

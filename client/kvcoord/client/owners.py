@@ -246,8 +246,10 @@ class Routes:
         A redirect to a live owner is followed (any call: NOT_OWNER applied nothing);
         one to an owner marked down is not, and an unkeyed mutation ("once") is then
         answered with the NotOwnerError. An owner that did not answer is forgotten and
-        marked down; a read or keyed call is sent at once to the replica now first
-        (its answer says where the pool is)."""
+        marked down; a read, a keyed call or an Attach (sent again under its
+        attach_key: the session a lost answer named, as a keyed call's answer) is sent
+        at once to the replica now first (its answer says where the pool is; was: an
+        Attach waited a backoff of its retry policy first, and with none left failed)."""
         if not pool:
             return ""
         repeatable = kind in ("read", "keyed", "attach")
@@ -264,13 +266,9 @@ class Routes:
             self.unreachable(pool, address)
             # A stopped owner's address may refuse connections or swallow packets (the
             # read then ends in DEADLINE_EXCEEDED, which no retry policy repeats): a
-            # read or keyed call is safe to send again, and another replica routes it.
-            # A call that never reached the replica (no connection) is safe to send
-            # anywhere, whatever its kind.
-            if (
-                (kind in ("read", "keyed") or never_sent(err))
-                and hops < MAX_HOPS
-                and self.route(pool) != address
-            ):
+            # read, keyed call or Attach is safe to send again, and another replica
+            # routes it. A call that never reached the replica (no connection) is safe
+            # to send anywhere, whatever its kind.
+            if (repeatable or never_sent(err)) and hops < MAX_HOPS and self.route(pool) != address:
                 return AGAIN
         return ""

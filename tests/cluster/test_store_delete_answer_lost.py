@@ -30,7 +30,7 @@ from etcd_process import Etcd
 from kvcoord.client import AsyncKVCoordClient, NotFoundError, OutcomeUnknownError, UnavailableError
 from kvcoord.service.cluster import Cluster
 from kvcoord.service.cluster_store import prefix_range, store_client
-from kvcoord.service.config import parse_config
+from kvcoord.service.config import ServerConfig, parse_config
 from kvcoord.service.server import start_server
 from service.helpers import allocate
 from tcp_proxy import Proxy
@@ -282,6 +282,17 @@ def test_a_delete_landing_late_in_the_store_leaves_the_pool_made_again_since(
     asyncio.run(run())
 
 
+def _local_replica(etcd: Etcd, name: str, data_dir: Path) -> tuple[str, ServerConfig]:
+    """The address and config of a replica r0 started in the test's process, journal = "local"."""
+    address = f"127.0.0.1:{free_port()}"
+    cfg = parse_config(
+        f'[server]\nlisten = ["{address}"]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\n'
+        f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{name}"\nreplica_id = "r0"\n'
+        f'lease_seconds = {LEASE}\nstore_timeout_seconds = 2.0\njournal = "local"\n'
+    )
+    return address, cfg
+
+
 def test_a_release_landing_late_leaves_the_pool_made_again_under_local_journals(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
@@ -292,13 +303,7 @@ def test_a_release_landing_late_leaves_the_pool_made_again_under_local_journals(
     claim, deleted the new pool's claim and catalog entry while it was served here
     (another replica could claim and create it: two live copies). The claim is put
     again first (a new revision): the late release changes nothing."""
-    name = request.node.name[:40]
-    address = f"127.0.0.1:{free_port()}"
-    cfg = parse_config(
-        f'[server]\nlisten = ["{address}"]\ndata_dir = "{tmp_path}"\nsynchronous = "NORMAL"\n'
-        f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{name}"\nreplica_id = "r0"\n'
-        f'lease_seconds = {LEASE}\nstore_timeout_seconds = 2.0\njournal = "local"\n'
-    )
+    address, cfg = _local_replica(etcd, request.node.name[:40], tmp_path)
 
     async def run() -> None:
         running = await start_server(cfg)
@@ -333,6 +338,58 @@ def test_a_release_landing_late_leaves_the_pool_made_again_under_local_journals(
                 after = await cluster.client.get(owners)
                 assert after is not None and after.mod_revision == claim.mod_revision
                 assert await cluster.client.get(cluster.key("pools", "d")) is not None
+        finally:
+            await running.stop(grace=0)
+
+    asyncio.run(run())
+
+
+def test_a_release_that_failed_under_local_journals_is_made_by_the_retried_delete(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """journal = "local": DeletePool removes the pool here, then its release in the store
+    (claim and catalog entry) fails before it was sent (a connection refused):
+    OutcomeUnknownError. The retried DeletePool is NOT_FOUND (the pool is gone), and it
+    releases what the store kept: was left there for good (the claim with this
+    replica's lease; the catalog entry without one: once the replica restarted, the
+    pool was one nobody claims, OWNER_CHANGING, and DeletePool OWNER_GONE)."""
+    address, cfg = _local_replica(etcd, request.node.name[:40], tmp_path)
+
+    async def run() -> None:
+        running = await start_server(cfg)
+        cluster = running.cluster
+        assert cluster is not None
+        plain = cluster.client.transaction
+        owners, catalog = cluster.key("owners", "d"), cluster.key("pools", "d")
+        failed: list[int] = []
+
+        async def tx(**kw: Any) -> Any:
+            compare = {c.key for c in kw.get("compare", [])}
+            if (
+                not failed
+                and compare == {owners}
+                and len(kw.get("success", [])) == 3
+                and not kw.get("failure")
+            ):
+                failed.append(1)  # forget, never sent
+                raise aetcd_exceptions.ConnectionFailedError("failed to connect to all addresses")
+            return await plain(**kw)
+
+        try:
+            async with AsyncKVCoordClient(address, timeout=20.0) as c:
+                await c.create_pool("d", POOL_CONFIG)
+                cluster.client.transaction = tx
+                with pytest.raises(OutcomeUnknownError):
+                    await c.delete_pool("d")
+                assert failed == [1] and "d" not in running.servicer.registry.pools
+                assert await cluster.client.get(owners) is not None
+                assert await cluster.client.get(catalog) is not None
+                with pytest.raises(NotFoundError):
+                    await c.delete_pool("d")
+                assert await cluster.client.get(owners) is None, "the claim of the deleted pool is kept"
+                assert await cluster.client.get(catalog) is None, "the deleted pool is kept in the catalog"
+                with pytest.raises(NotFoundError):
+                    await c.get_pool("d")
         finally:
             await running.stop(grace=0)
 

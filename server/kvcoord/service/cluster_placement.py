@@ -274,8 +274,30 @@ class ClusterPlacement(Placement):
         over), placed here: with the journal in the store, its history is there and is
         deleted there (whoever claims it later finds no journal: it does not exist);
         with local journals its state is on its owner's disk only, and it would come
-        back with its owner: refused, OWNER_GONE, nothing deleted."""
+        back with its owner: refused, OWNER_GONE, nothing deleted.
+
+        With local journals, a pool claimed here of which nothing is here is left by a
+        delete here whose release in the store failed (after_delete; or a CreatePool
+        whose pool was never made): its state is nowhere, and its claim and catalog
+        entry are released now; the usual rules then answer (NOT_FOUND). Was: kept,
+        every DeletePool NOT_FOUND; once this replica restarted, the pool was one of the
+        catalog nobody claims, OWNER_CHANGING, and its DeletePool OWNER_GONE, for good."""
         cluster, view = self.cluster, self.cluster.view
+        if (
+            cluster.streams is None
+            and pool not in self.registry.pools
+            and view.holds(pool)
+            and pool not in view.moving
+            and pool not in cluster.adopting
+        ):
+            view.moving.add(pool)
+            try:
+                await _in_call(
+                    cluster.forget(pool), pool, "its release in the cluster store may or may not be made"
+                )
+            finally:
+                view.moving.discard(pool)
+            return False
         if (
             pool in self.registry.pools
             or pool not in view.catalog

@@ -13,6 +13,10 @@ carried out late never deletes the pool made again since (it names the claim's t
 with local journals, where the pool is made again under the claim the delete named,
 that claim is put again first).
 
+With local journals, a retried DeletePool also releases what a failed release left in
+the store. An AdoptPool whose claim swap's answer is lost is UNAVAILABLE (was INTERNAL)
+and the watch settles it.
+
 A real replica (journal = "store", or "local"; real gRPC, the asyncio client) and a
 real etcd."""
 
@@ -23,6 +27,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import cbor2
+import grpc
 import pytest
 from aetcd import exceptions as aetcd_exceptions  # type: ignore[import-untyped]
 from durable_server import free_port
@@ -31,7 +37,11 @@ from kvcoord.client import AsyncKVCoordClient, NotFoundError, OutcomeUnknownErro
 from kvcoord.service.cluster import Cluster
 from kvcoord.service.cluster_store import prefix_range, store_client
 from kvcoord.service.config import ServerConfig, parse_config
+from kvcoord.service.ownership import encode_claim
+from kvcoord.service.registry_state import dump_pool
 from kvcoord.service.server import start_server
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from service.helpers import allocate
 from tcp_proxy import Proxy
 from test_replicas import POOL_CONFIG, in_process_store_replica
@@ -390,6 +400,67 @@ def test_a_release_that_failed_under_local_journals_is_made_by_the_retried_delet
                 assert await cluster.client.get(catalog) is None, "the deleted pool is kept in the catalog"
                 with pytest.raises(NotFoundError):
                     await c.get_pool("d")
+        finally:
+            await running.stop(grace=0)
+
+    asyncio.run(run())
+
+
+def test_an_adopt_whose_claim_swap_answer_was_lost_is_unavailable_and_settled(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """AdoptPool (a handover's new owner): the state is loaded and journaled, then the
+    claim swapped from the sender to this replica (take_over); etcd makes the swap and
+    its answer is lost. The call was answered INTERNAL; it is UNAVAILABLE now (the
+    sender settles its handover as for any failure), and the watch's next pass finds the
+    claim this replica's: the pool, whose state is here, is served."""
+    address, cfg = in_process_store_replica(etcd.endpoint, request.node.name[:40], tmp_path, LEASE)
+
+    async def run() -> None:
+        running = await start_server(cfg)
+        cluster = running.cluster
+        assert cluster is not None
+        registry = running.servicer.registry
+        plain = cluster.client.transaction
+        owners = cluster.key("owners", "a")
+        lost: list[int] = []
+
+        async def tx(**kw: Any) -> Any:
+            answer = await plain(**kw)
+            swap = {c.key for c in kw.get("compare", [])} == {owners} and len(kw.get("success", [])) == 2
+            if swap and not lost:
+                lost.append(1)  # made in etcd; its answer lost
+                raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
+            return answer
+
+        try:
+            async with AsyncKVCoordClient(address, timeout=20.0) as c:
+                await c.create_pool("a", POOL_CONFIG)
+                state = cbor2.dumps(dump_pool(registry, "a", leases=True))  # what a sender sends
+                await c.delete_pool("a")
+            # the pool is another replica's (a member gone from the view: placement then names this one)
+            await cluster.client.put(owners, encode_claim("gone", "127.0.0.1:9"))
+            await cluster.client.put(cluster.key("pools", "a"), b"")
+            await cluster.refresh()
+            revision = cluster.view.term("a")
+            assert cluster.view.claims["a"].replica_id == "gone"
+            cluster.client.transaction = tx
+            adopt = pb.AdoptPoolRequest(pool="a", state=state, from_replica="gone", claim_revision=revision)
+            async with grpc.aio.insecure_channel(address) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    await pb_grpc.ReplicasStub(channel).AdoptPool(adopt, timeout=20)
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value  # (was: INTERNAL)
+            assert lost == [1]
+            async with AsyncKVCoordClient(address, timeout=20.0) as c:
+                for _ in range(TRIES):  # bounded: the watch's next pass reads the claim
+                    try:
+                        assert (await c.get_pool("a")).pool.name == "a"
+                        break
+                    except UnavailableError:
+                        await asyncio.sleep(0.5)
+                else:
+                    pytest.fail(f"the adopted pool was not served within {TRIES} attempts")
+            assert cluster.view.holds("a")
         finally:
             await running.stop(grace=0)
 

@@ -21,6 +21,7 @@ POOL_PARTS = {
     "pool_reservations.py",
     "pool_scores.py",
     "pool_steps.py",
+    "attach_rules.py",  # (whether an Attach may open a session: the pool's scheduler state)
 }
 
 

@@ -65,7 +65,8 @@ LEASE = 4.0
 PATIENT = dataclasses.replace(DEFAULT_RETRY, initial_backoff=0.02, max_backoff=0.3, keyed_deadline=60.0)
 #: errors that tell a worker its session, and so its requests, are gone
 LOST = (FencedError, SessionExpiredError)
-#: the events each seed adds to the seven (KVCOORD_CRASH_EXTRA: the same for every seed)
+#: the events each seed adds (by default a grow or a watch takes a kill's place;
+#: KVCOORD_CRASH_EXTRA: the same for every seed, added)
 EXTRA = {1: "grow", 2: "watch", 3: "lapse grace"}
 #: tokens of a fat Step's request ("grow": a record of about 230 KB)
 FAT_TOKENS = 20_000

@@ -30,7 +30,7 @@ from kvcoord.client import NO_RETRY, KVCoordClient
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "start_snapshot_journal"
-LEASE = 2.0
+LEASE = 10.0  # (a session outlives a start on a loaded machine)
 NUM_BLOCKS = 17
 
 

@@ -176,6 +176,11 @@ class Recorder:
     def pools_idle(self) -> None:
         """No pool is held any more (pool_locks.py): what waited for that may run."""
 
+    def answers_on(self, pool: str) -> None:
+        """The running call's answer rests on ``pool``'s records: its own, or a kept
+        answer's whose record may still be on its way (the store journal then fails
+        its :meth:`durable` when they could not be written)."""
+
     async def durable(self) -> None:
         """Return once every mutation recorded so far is durable."""
 

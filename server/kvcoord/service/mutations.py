@@ -146,6 +146,10 @@ class MutationRunner(PoolTurns):
         # already handed to the next waiter, and could not hold it for its own slices.
         # Nothing awaits while it is held, so no other task sees the hold.
         pool = request.pool
+        # the answer (new, or kept: its record may still be on its way) waits for the
+        # pool's records; a sliced task inherits this (was: a copy told the kept answer
+        # though the store write it waited for was given up, the pool's next owner without it)
+        registry.recorder.answers_on(pool)
         await registry.locks.acquire(pool)  # a Step applied to it in slices ends first
         held = True
         try:

@@ -1,9 +1,9 @@
 """A pool's journal in the cluster store (``[cluster] journal = "store"``).
 
-With the local journal only, a pool lives and dies with its replica's disk. With
-``journal = "store"`` every record of a pool is also written to etcd, under the
-pool's key prefix, before its answer leaves, so that another replica can rebuild the
-pool when its owner dies (cluster.py, :meth:`Cluster.recover_orphans`).
+With the local journal only, a pool lives and dies with its replica's disk. With ``journal =
+"store"`` every record of a pool is also written to etcd, under the pool's key prefix, before
+its answer leaves, so that another replica can rebuild the pool when its owner dies (cluster.py,
+:meth:`Cluster.recover_orphans`).
 
 **Streams.** A pool's records form one *stream per term* (the revision of the
 owner's claim, ownership.py)::
@@ -11,33 +11,30 @@ owner's claim, ownership.py)::
     /kvcoord/<cluster>/journal/<pool>/<term:020d>/<seq:020d>/<part:06d>/<parts:06d>
 
 Each stream starts with a ``base`` record (seq 0): the pool's whole state as
-:func:`~kvcoord.service.registry_state.dump_pool` makes it, with the instance that writes
-the stream, the limits its records are applied with and the fence key of the writer's
-local journal. The records after it are the pool's records of the local journal
-(``attach``, ``call``, ``detach``, ...), each with its local journal position
-(answers' fences name it, with its tag under that key, so replay must too:
-positions.py).
-Every ``snapshot_every`` records a new ``base`` is written into the stream, and once
-it is committed every key of the pool before it (older records, older terms' streams)
-is deleted: the log stays bounded. A large pool's base is encoded by a forked child
-(state_export.py: the pool's image right after the record that made it due) while the
-loop goes on; the stream writes it, and the records after it, once it is there.
+:func:`~kvcoord.service.registry_state.dump_pool` makes it, with the instance that writes the
+stream, the limits its records are applied with and the fence key of the writer's local journal.
+The records after it are the pool's records of the local journal (``attach``, ``call``,
+``detach``, ...), each with its local journal position (answers' fences name it, with its tag
+under that key, so replay must too: positions.py).
+Every ``snapshot_every`` records a new ``base`` is written into the stream, and once it is
+committed every key of the pool before it (older records, older terms' streams) is deleted: the
+log stays bounded. A large pool's base is encoded by a forked child (state_export.py: the pool's
+image right after the record that made it due) while the loop goes on; the stream writes it, and
+the records after it, once it is there.
 
-**Guard.** Every write is one etcd transaction that compares the claim's
-``mod_revision`` with the stream's term: once another replica holds the claim (a new
-term), the deposed owner's writes fail, so it never acknowledges anything after
-losing the pool. A write whose outcome is unknown (the store did not answer) is
-retried while the replica's lease is sure to be alive and for at most
-``journal_stall_seconds`` (stalls.py), one the store refuses (out of space) is not;
-then the pool is given up here (:attr:`PoolStreams.on_lost`): its calls
-get UNAVAILABLE, and whoever claims it next rebuilds it from the store.
+**Guard.** Every write is one etcd transaction that compares the claim's ``mod_revision`` with
+the stream's term: once another replica holds the claim (a new term), the deposed owner's writes
+fail, so it never acknowledges anything after losing the pool. A write whose outcome is unknown
+(the store did not answer) is retried while the replica's lease is sure to be alive and for at
+most ``journal_stall_seconds`` (stalls.py), one the store refuses (out of space) is not; then
+the pool is given up here (:attr:`PoolStreams.on_lost`): its calls get UNAVAILABLE (a copy of a
+call waiting on the kept answer too), and whoever claims it next rebuilds it from the store.
 
-**Size.** etcd refuses requests above 1.5 MiB (``--max-request-bytes``) and
-transactions of more than 128 operations (``--max-txn-ops``). A record is cut into
-parts of :data:`PART_BYTES` (512 KiB); a transaction carries at most
-:data:`TXN_BYTES` (1 MiB) of values and :data:`TXN_OPS` operations, so a large
-record (a base snapshot) spans several transactions. A record counts only once all
-its parts are there; an answer is sent only once all of them are committed.
+**Size.** etcd refuses requests above 1.5 MiB (``--max-request-bytes``) and transactions of more
+than 128 operations (``--max-txn-ops``). A record is cut into parts of :data:`PART_BYTES` (512
+KiB); a transaction carries at most :data:`TXN_BYTES` (1 MiB) of values and :data:`TXN_OPS`
+operations, so a large record (a base snapshot) spans several transactions. A record counts only
+once all its parts are there; an answer is sent only once all of them are committed.
 
 **Events.** A pool's KV events are shown to watchers only once the record that made
 them is committed both locally and in the store (:class:`StoreRecorder`), so no
@@ -91,6 +88,11 @@ REFUSALS = frozenset({"RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "PERMISSION_DENI
 _TOUCHED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
     "kvcoord_store_pools", default=frozenset()
 )
+
+
+def _answers_on(pool: str) -> None:
+    if pool not in (touched := _TOUCHED.get()):
+        _TOUCHED.set(touched | {pool})
 
 
 class StoreWriteError(Exception):
@@ -193,9 +195,7 @@ class PoolStreams:
         stream = self.streams.get(pool)
         if stream is None:
             return False
-        touched = _TOUCHED.get()
-        if pool not in touched:
-            _TOUCHED.set(touched | {pool})
+        _answers_on(pool)
         self.appended += 1
         self._pending.append(_Item(self.appended, pool, stream.term, stream.next_seq, body, base))
         stream.next_seq += 1
@@ -465,6 +465,9 @@ class StoreRecorder(JournalRecorder):
             return
         if streams.append(pool, encode_item(seq, body)) and self.dump_base is not None:
             streams.append(pool, self.dump_base(pool), base=True)
+
+    def answers_on(self, pool: str) -> None:
+        _answers_on(pool)  # (a kept answer's record: a copy of a call must fail as its original)
 
     def session_expired(self, session_id: str, pool: str = "") -> None:
         self._expiring = pool

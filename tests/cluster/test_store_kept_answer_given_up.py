@@ -1,0 +1,102 @@
+"""A keyed call sent again while its first attempt waits for its record to reach the
+cluster store (``journal = "store"``): the owner finds its kept answer and waits for
+the same write. When that write is given up (the store cannot be reached until the
+owner's lease may have ended: the pool is given up here, its next owner rebuilds it
+from the store without the record), the copy must be told UNAVAILABLE as the first
+attempt is, never the kept answer: that answer names blocks the next owner does not
+hold and will hand to another request.
+
+Found by tests/cluster/test_cluster_crash_points.py's hunt; here with real processes:
+the owner reaches etcd through a TCP proxy the test cuts, and the two attempts are the
+same request bytes (one idempotency key) sent on a raw gRPC stub."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from durable_server import env
+from etcd_process import Etcd
+from kvcoord.client import KVCoordClient
+from kvcoord.client.testing import start_server
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from service.helpers import allocate
+from tcp_proxy import Proxy
+from test_replicas import POOL_CONFIG, placed, wait_members
+
+#: r0's lease (s): its store write is retried this long, while its copy comes in
+LEASE = 6
+
+
+def _config(endpoint: str, replica: str, data_dir: Path, cluster: str, lease: int) -> str:
+    return (
+        f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
+        f'[cluster]\nendpoints = ["{endpoint}"]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
+        f'lease_seconds = {lease}\nstore_timeout_seconds = 1.0\njournal = "store"\n'
+    )
+
+
+def test_a_copy_of_a_call_whose_store_write_is_given_up_is_not_told_the_kept_answer(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    cluster = request.node.name[:40]
+    proxy = Proxy(etcd.endpoint)
+    r0 = start_server(_config(proxy.address, "r0", tmp_path / "r0", cluster, LEASE), env=env())
+    r1 = start_server(_config(etcd.endpoint, "r1", tmp_path / "r1", cluster, 2), env=env())
+    try:
+        wait_members([r0, r1], ["r0", "r1"])
+        pool = placed("k", "r0", ["r0", "r1"])
+        targets = [r0.address, r1.address]
+        with KVCoordClient(targets, timeout=10.0) as c:
+            c.create_pool(pool, POOL_CONFIG)
+            s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
+            first = c.allocate(pool, allocate("a", list(range(8)), 8).allocate, s.session_id, s.fence)
+            assert not first.result.refused
+        step = pb.StepRequest(
+            pool=pool, session_id=s.session_id, fence=first.fence, idempotency_key="the-one-key",
+            call_sequence=time.time_ns(), ops=[pb.Operation(allocate=allocate("b", list(range(100, 108)), 8).allocate)],
+        )  # fmt: skip
+        with grpc.insecure_channel(r0.address) as channel:
+            stub = pb_grpc.AllocatorStub(channel)
+            proxy.cut()  # r0's write of the Step's record retries until its lease may have ended
+            try:
+                attempt = stub.Step.future(step, timeout=60)
+                time.sleep(0.5)  # applied, its answer kept, its record waiting for the store
+                again = stub.Step.future(step, timeout=60)
+                outcomes = []
+                for call in (attempt, again):
+                    try:
+                        outcomes.append(call.result())
+                    except grpc.RpcError as exc:
+                        outcomes.append(exc)
+            finally:
+                proxy.heal()
+        assert isinstance(outcomes[0], grpc.RpcError), outcomes[0]
+        assert outcomes[0].code() == grpc.StatusCode.UNAVAILABLE, outcomes[0]
+        # whoever serves the pool next rebuilt it from the store
+        with KVCoordClient(targets, timeout=10.0) as c:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    view = c.inspect_pool(pool, all_requests=True)
+                    break
+                except Exception:  # noqa: BLE001 - the pool changing owner: asked again
+                    assert time.monotonic() < deadline, r0.log() + r1.log()
+                    time.sleep(0.2)
+        held = {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
+        assert held.get("a") == list(first.result.new_block_ids[0].block_ids), held
+        told = outcomes[1]
+        if not isinstance(told, grpc.RpcError):
+            blocks = list(told.results[0].allocate.new_block_ids[0].block_ids)
+            assert held.get("b") == blocks, (
+                f"the copy was told b holds {blocks}, the pool's next owner holds {held}\n{r0.log()}"
+            )
+        else:
+            assert told.code() == grpc.StatusCode.UNAVAILABLE, told
+    finally:
+        r0.stop()
+        r1.stop()
+        proxy.close()

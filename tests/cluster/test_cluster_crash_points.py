@@ -1,20 +1,28 @@
 """A seeded crash-point harness for the cluster (``journal = "store"``): three replica
 processes, each reaching a real etcd through its own TCP proxy, and three workers
 allocating and freeing over real gRPC in two pools (each worker a session per pool,
-its client following the owners), while at seeded points: the owner of a pool is
-SIGKILLed (another takes the pool over from the store), a replica that owns nothing
-of the first pool is SIGKILLed, a replica stops with SIGTERM (its pools handed over),
-a stopped replica starts again (the pools placement gives it handed back), an owner is
-cut off from etcd past its lease (its proxy cut, then healed), or etcd is paused
-(SIGSTOP, then SIGCONT). At every quiet point, once each worker has had answers since,
-each pool's owner must hold exactly what its workers were told, block for block: no
-acknowledged allocation lost unless its worker was told its session was gone (a typed
-``FencedError`` / ``SessionExpiredError``), no block held by two requests, the pool
-sound (CheckPool); at the end each worker frees what it holds and the pools are empty.
+its client following the owners; now and then a worker ends a session and begins
+another), while at seeded points: the owner of a pool is SIGKILLed (another takes
+the pool over from the store), a replica that owns neither pool is SIGKILLed, an
+owner stops with SIGTERM (its pools handed over), or is SIGKILLed a moment into that,
+or is SIGKILLed and started again at once (its claim not lapsed yet), or is SIGKILLed
+and then so is the replica taking its pool over; an owner is SIGSTOPped past its lease
+(its pools taken over under it), cut off from etcd past it (its proxy cut, then
+healed) or deaf to etcd a while (its writes made, their answers dropped); etcd is
+paused (SIGSTOP, then SIGCONT). A replica down is started again before the next
+event that takes one down (the pools placement gives it handed back). At every quiet
+point, once each worker has had answers since, each pool's owner must hold exactly
+what its workers were told, block for block: no acknowledged allocation lost unless
+its worker was told its session was gone (a typed ``FencedError`` /
+``SessionExpiredError``: never expected here, every session outlives the run), no
+block held by two requests, the pool sound (CheckPool); at the end each worker frees
+what it holds and the pools are empty. A call that ended unanswered (its outcome
+unknown) is given back with ``if_held`` at its worker's next call.
 
 Longer hunts by hand: ``KVCOORD_CLUSTER_CRASH_SEEDS="1 2 ... 40"``,
 ``KVCOORD_CLUSTER_CRASH_ROUNDS=3`` (the events repeated),
-``KVCOORD_CLUSTER_CRASH_EXTRA="cut pause"`` (more events)."""
+``KVCOORD_CLUSTER_CRASH_EXTRA="freeze deafen term-kill bounce kill-taker"`` (more
+events; by default each seed runs the five core events and one of these)."""
 
 from __future__ import annotations
 
@@ -36,8 +44,8 @@ from etcd_process import Etcd
 from kvcoord.client import KVCoordClient
 from kvcoord.client.errors import (
     FencedError,
-    GracePeriodError,
     KVCoordError,
+    NotOwnerError,
     OutcomeUnknownError,
     SessionExpiredError,
     UnavailableError,
@@ -157,6 +165,7 @@ class Worker(threading.Thread):
         self.calls = 0  # calls answered (a result or a typed error)
         self.lost_told = 0  # times told a session was gone
         self.unknowns = 0  # calls that ended with no answer
+        self.redirects = 0  # Detaches answered NOT_OWNER (sent again)
         self.error = ""
         self.n = 0
 
@@ -188,7 +197,7 @@ class Worker(threading.Thread):
             self.unknown[pool].clear()
             self.sessions[pool] = None
             return None
-        except (OutcomeUnknownError, UnavailableError):  # (GracePeriodError too)
+        except (OutcomeUnknownError, UnavailableError, NotOwnerError):  # (GracePeriodError too)
             self.unknowns += 1
             return None
         self.calls += 1
@@ -197,6 +206,28 @@ class Worker(threading.Thread):
         assert result.status_code == 0, result
         return result
 
+    def _detach(self, c: KVCoordClient, pool: str) -> None:
+        """End the pool's session. A Detach carries no retry key: one whose answer was
+        lost is sent again until the owner says the session is gone."""
+        session = self.sessions[pool]
+        for _ in range(1200):
+            try:
+                c.detach(session.session_id, session.fence)
+                break
+            except LOST:
+                break
+            except (OutcomeUnknownError, UnavailableError, NotOwnerError):
+                # (NOT_OWNER naming an owner the client saw down: an unkeyed call is
+                # not sent there, the caller is told; it applied nothing)
+                self.redirects += 1
+                time.sleep(0.05)
+        else:
+            raise AssertionError("no owner ever answered a Detach")
+        self.calls += 1
+        self.acked[pool].clear()
+        self.unknown[pool].clear()
+        self.sessions[pool] = None
+
     def _one(self, c: KVCoordClient) -> None:
         pool = self.rnd.choice(self.pools)
         if self.sessions[pool] is None:
@@ -204,9 +235,12 @@ class Worker(threading.Thread):
                 self.sessions[pool] = c.attach(
                     pool, "sha256_cbor", 4, "0", self.name, lease_seconds=SESSION_LEASE
                 )
-            except (GracePeriodError, UnavailableError, *LOST):
+            except (UnavailableError, NotOwnerError, *LOST):  # (an Attach settles ~1 s only)
                 return
         acked, unknown = self.acked[pool], self.unknown[pool]
+        if self.rnd.random() < 0.03:  # the worker restarts: its session ends, a new one begins
+            self._detach(c, pool)
+            return
         if unknown:  # a call that ended unanswered: its request given back if it is held
             rid = min(unknown)
             if self._step(c, pool, pb.Operation(free=pb.FreeOp(request_id=rid, if_held=True))) is not None:
@@ -246,6 +280,7 @@ class Harness:
         self.every = every
         self.nodes = {r: Node(tmp, r, etcd, cluster, every) for r in REPLICAS}
         self.etcd = etcd
+        self.cluster = cluster
         members = [Member(r, "") for r in REPLICAS]
         # one pool placed on each of two replicas
         self.pools = [
@@ -256,6 +291,7 @@ class Harness:
         self.gate = threading.Event()
         self.workers = [Worker(self.targets, f"w{i}", seed * 10 + i, self.gate, self.pools) for i in range(3)]
         self.checks = 0
+        self.done: list[str] = []  # the events so far
 
     def logs(self) -> str:
         return "".join(n.logs() for n in self.nodes.values())
@@ -293,12 +329,12 @@ class Harness:
             w.calls < s + min_calls and w.is_alive() and not w.error
             for w, s in zip(self.workers, start, strict=True)
         ):
-            assert time.monotonic() < deadline, f"a worker made no progress\n{self.logs()}"
+            assert time.monotonic() < deadline, f"{self.done}: a worker made no progress\n{self.logs()}"
             time.sleep(0.01)
         self.gate.clear()
         for w in self.workers:
             assert w.idle.wait(120), f"{w.name} never stopped"
-            assert not w.error, f"{w.name}: {w.error}\n{self.logs()}"
+            assert not w.error, f"{self.done}: {w.name}: {w.error}\n{self.logs()}"
 
     def check(self, c: KVCoordClient, done: list[str]) -> None:
         """Quiet: each pool's owner holds exactly the workers' acknowledged allocations
@@ -319,7 +355,7 @@ class Harness:
             extra = {r: ids for r, ids in held.items() if r not in acked and r not in unknown}
             assert not missing and not extra, (
                 f"{done}: {pool}: acked but not held as told (acked, held): {missing}; "
-                f"held unacked: {extra}\n{self.logs()}"
+                f"held unacked: {extra}\n{self.logs()}\nthe store: {self.store_keys(pool)}"
             )
             blocks = [b for ids in held.values() for b in ids]
             assert len(blocks) == len(set(blocks)), f"{done}: {pool}: a block held twice: {held}"
@@ -327,10 +363,37 @@ class Harness:
             assert not c.check_pool(pool).violations
         self.checks += 1
 
+    def store_keys(self, pool: str) -> str:
+        """The pool's claim and journal keys in etcd (what a failing check shows)."""
+        import asyncio
+
+        async def read() -> str:
+            import aetcd
+
+            host, _, port = self.etcd.endpoint.rpartition(":")
+            prefix = f"/kvcoord/{self.cluster}/".encode()
+            async with aetcd.Client(host=host, port=int(port), timeout=5) as c:
+                owner = await c.get(prefix + b"owners/" + pool.encode())
+                rows = await c.get_prefix(prefix + b"journal/" + pool.encode() + b"/")
+                keys = [
+                    f"{kv.key[len(prefix) :].decode()} rev {kv.mod_revision} ({len(kv.value)} B)"
+                    for kv in rows
+                ]
+            claim = None if owner is None else (owner.value, owner.mod_revision)
+            return f"claim {claim}\n" + "\n".join(keys)
+
+        try:
+            return asyncio.run(read())
+        except Exception as exc:  # noqa: BLE001 - forensics only
+            return repr(exc)
+
     def down(self) -> list[Node]:
         return [n for n in self.nodes.values() if not n.up]
 
     def restart_down(self) -> str:
+        """Start the replicas that are down while the workers run: placement hands them
+        their pools back."""
+        self.gate.set()
         names = []
         for n in self.down():
             n.start()
@@ -372,6 +435,45 @@ class Harness:
         assert code == 0, f"{victim} stopped with {code}\n{self.nodes[victim].log()}"
         return f"handover:{victim}({pool})"
 
+    def term_then_kill(self) -> str:
+        """SIGTERM the owner of a pool (its handovers begin), SIGKILLed a moment later."""
+        pool = self.rnd.choice(self.pools)
+        victim = self.wait_served()[pool]
+        self.run_a_moment()
+        node = self.nodes[victim]
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGTERM)
+        delay = self.rnd.uniform(0.0, 1.0)
+        time.sleep(delay)
+        node.kill()
+        return f"term+{delay:.2f}:{victim}({pool})"
+
+    def bounce(self) -> str:
+        """SIGKILL the owner of a pool and start it again at once (its claim's lease has
+        not run out: it rejoins while its old self still holds the pool in etcd)."""
+        pool = self.rnd.choice(self.pools)
+        victim = self.wait_served()[pool]
+        self.run_a_moment()
+        node = self.nodes[victim]
+        node.kill()
+        time.sleep(self.rnd.uniform(0.0, LEASE))
+        node.start()
+        return f"bounce:{victim}({pool})"
+
+    def kill_taker(self) -> str:
+        """SIGKILL the owner of a pool, then, a seeded moment into the takeover, the
+        replica that took (or is taking) it over: one replica is left."""
+        pool = self.rnd.choice(self.pools)
+        victim = self.wait_served()[pool]
+        self.run_a_moment()
+        self.nodes[victim].kill()
+        members = [Member(r, "") for r, n in self.nodes.items() if n.up]
+        taker = owner_of(pool, members).replica_id  # type: ignore[union-attr]
+        delay = self.rnd.uniform(0.5, 2.0) * LEASE
+        time.sleep(delay)
+        self.nodes[taker].kill()
+        return f"kill-taker:{victim},{taker}({pool})@{delay:.1f}"
+
     def cut(self) -> str:
         """Cut an owner off from etcd past its lease while the workers run, then heal:
         the others take its pools over; it serves them no more."""
@@ -385,6 +487,37 @@ class Harness:
         node.proxy.heal()
         return f"cut:{victim}({pool})@{held:.1f}"
 
+    def freeze(self) -> str:
+        """SIGSTOP the owner of a pool past its lease while the workers run (the others
+        take its pools over), then SIGCONT: it must acknowledge nothing more of them."""
+        pool = self.rnd.choice(self.pools)
+        victim = self.wait_served()[pool]
+        self.run_a_moment()
+        node = self.nodes[victim]
+        assert node.proc is not None
+        held = self.rnd.uniform(0.5, 3.0) * LEASE
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(held)
+        finally:
+            os.kill(node.proc.pid, signal.SIGCONT)
+        return f"freeze:{victim}({pool})@{held:.1f}"
+
+    def deafen(self) -> str:
+        """etcd's answers to the owner of a pool dropped a while (its writes are made,
+        it is not told), then its connections cut and healed."""
+        pool = self.rnd.choice(self.pools)
+        victim = self.wait_served()[pool]
+        self.run_a_moment()
+        proxy = self.nodes[victim].proxy
+        held = self.rnd.uniform(0.2, 2.5) * LEASE
+        proxy.deafen()
+        time.sleep(held)
+        proxy.cut()
+        proxy.hear()
+        proxy.heal()
+        return f"deafen:{victim}({pool})@{held:.1f}"
+
     def pause_etcd(self) -> str:
         """etcd SIGSTOPped a while (every replica cut off at once), then SIGCONT."""
         self.run_a_moment()
@@ -397,6 +530,8 @@ class Harness:
         return f"pause-etcd@{held:.1f}"
 
 
+#: events that take a replica down (one at a time: the others restarted first)
+KILLS = ("kill-owner", "kill-replica", "handover", "term-kill", "bounce", "kill-taker")
 SEEDS = [int(x) for x in os.environ.get("KVCOORD_CLUSTER_CRASH_SEEDS", "1 2").split()]
 
 
@@ -410,9 +545,10 @@ def test_cluster_crash_points_lose_no_acknowledged_block(
     h = Harness(tmp_path, etcd, cluster, seed)
     extra = os.environ.get("KVCOORD_CLUSTER_CRASH_EXTRA", "")
     events = ["kill-owner", "kill-replica", "handover", "cut", "pause", *extra.split()]
+    events.append(rnd.choice(["term-kill", "bounce", "kill-taker", "freeze", "deafen"]))
     rnd.shuffle(events)
     events *= int(os.environ.get("KVCOORD_CLUSTER_CRASH_ROUNDS", "1"))
-    done: list[str] = []
+    done = h.done
     try:
         for n in h.nodes.values():
             n.start()
@@ -424,7 +560,7 @@ def test_cluster_crash_points_lose_no_acknowledged_block(
             h.quiesce(3)
             h.check(c, done)
             for event in events:
-                if event in ("kill-owner", "kill-replica", "handover") and h.down():
+                if event in KILLS and h.down():
                     done.append(h.restart_down())  # one replica down at a time
                     h.quiesce(2)
                     h.check(c, done)
@@ -434,6 +570,16 @@ def test_cluster_crash_points_lose_no_acknowledged_block(
                     done.append(h.kill_replica())
                 elif event == "handover":
                     done.append(h.handover())
+                elif event == "term-kill":
+                    done.append(h.term_then_kill())
+                elif event == "bounce":
+                    done.append(h.bounce())
+                elif event == "kill-taker":
+                    done.append(h.kill_taker())
+                elif event == "freeze":
+                    done.append(h.freeze())
+                elif event == "deafen":
+                    done.append(h.deafen())
                 elif event == "cut":
                     done.append(h.cut())
                 elif event == "pause":
@@ -475,6 +621,7 @@ def test_cluster_crash_points_lose_no_acknowledged_block(
                 n.stop()
             n.proxy.close()
     unknowns = sum(w.unknowns for w in h.workers)
+    redirects = sum(w.redirects for w in h.workers)
     calls = sum(w.calls for w in h.workers)
     print(f"seed {seed}: store_snapshot_records {h.every}, {done}, {h.checks} checks, {calls} calls, "
-          f"{unknowns} unanswered")  # fmt: skip
+          f"{unknowns} unanswered, {redirects} Detaches told NOT_OWNER")  # fmt: skip

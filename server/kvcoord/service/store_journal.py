@@ -83,16 +83,12 @@ RETRY_SECONDS = 0.1
 REFUSALS = frozenset({"RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "PERMISSION_DENIED"})
 
 
-#: the pools the running task (one call's handler) queued records of: a pool whose
-#: records could not be written fails only the calls that wrote to it
-_TOUCHED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
-    "kvcoord_store_pools", default=frozenset()
+#: the pools the running task's answer rests on (records it queued, a kept answer's),
+#: each with the records settled when it was marked: a record of the pool given up
+#: since fails its flush (a pool whose records could not be written fails only its calls)
+_TOUCHED: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar(
+    "kvcoord_store_pools", default=None
 )
-
-
-def _answers_on(pool: str) -> None:
-    if pool not in (touched := _TOUCHED.get()):
-        _TOUCHED.set(touched | {pool})
 
 
 class StoreWriteError(Exception):
@@ -195,7 +191,7 @@ class PoolStreams:
         stream = self.streams.get(pool)
         if stream is None:
             return False
-        _answers_on(pool)
+        self.answers_on(pool)
         self.appended += 1
         self._pending.append(_Item(self.appended, pool, stream.term, stream.next_seq, body, base))
         stream.next_seq += 1
@@ -203,22 +199,27 @@ class PoolStreams:
         self._kick()
         return stream.since_base >= self.snapshot_every
 
+    def answers_on(self, pool: str) -> None:  # (StoreRecorder.answers_on)
+        if pool not in (marks := _TOUCHED.get() or {}):
+            _TOUCHED.set({**marks, pool: self.committed})
+
     async def flush(self) -> None:
         """Wait until every record queued so far is committed in the store.
 
         Raises:
-            ServiceError: UNAVAILABLE when records of a pool this task wrote to could not
-                be written in that window (the pool is given up here; its next owner has
-                what was committed).
+            ServiceError: UNAVAILABLE when a record of a pool this task's answer rests on
+                (:meth:`answers_on`) was given up since it was marked, even before this
+                flush began (the pool is given up here; its next owner has what was committed).
         """
         target = self.appended
-        start = self.committed
+        marks = _TOUCHED.get() or {}
         if self.committed < target:
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append((start, target, future))
+            self._waiters.append((min(marks.values(), default=self.committed), target, future))
             await future
-        mine = _TOUCHED.get()
-        lost = sorted({pool for g, pool in self._failed if start < g <= target and pool in mine})
+        lost = sorted({pool for g, pool in self._failed if pool in marks and marks[pool] < g <= target})
+        if marks:  # settled up to here: only records given up later fail a later flush
+            _TOUCHED.set(dict.fromkeys(marks, target))
         if lost:
             raise ServiceError(
                 Status.UNAVAILABLE,
@@ -265,8 +266,7 @@ class PoolStreams:
                 self._give_up(items, result)
 
     def _give_up(self, items: list[_Item], exc: BaseException) -> None:
-        """The records ``items`` may not be in the store: their pools are not served
-        here from now on (on_lost), and their flushes fail."""
+        """``items`` may not be in the store: their pools are not served here (on_lost), their flushes fail."""
         by_pool: dict[str, list[_Item]] = {}
         for item in items:
             by_pool.setdefault(item.pool, []).append(item)
@@ -303,8 +303,7 @@ class PoolStreams:
             self._failed = [(g, p) for g, p in self._failed if g > oldest]
 
     async def _write_pool(self, pool: str, items: list[_Item]) -> None:
-        """Write ``items`` (one pool's, in order) in guarded transactions; then, after a
-        base, delete what it covers."""
+        """Write ``items`` (one pool's, in order) in guarded transactions; after a base, delete what it covers."""
         term = items[0].term
         if any(i.term != term for i in items):  # a new stream began: the old one's first
             split = next(n for n, i in enumerate(items) if i.term != term)
@@ -467,7 +466,8 @@ class StoreRecorder(JournalRecorder):
             streams.append(pool, self.dump_base(pool), base=True)
 
     def answers_on(self, pool: str) -> None:
-        _answers_on(pool)  # (a kept answer's record: a copy of a call must fail as its original)
+        if self.streams is not None:  # (a kept answer's record: a copy of a call must fail as its original)
+            self.streams.answers_on(pool)
 
     def session_expired(self, session_id: str, pool: str = "") -> None:
         self._expiring = pool

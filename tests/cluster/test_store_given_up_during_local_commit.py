@@ -1,0 +1,118 @@
+"""A call's record given up by the store journal (``journal = "store"``: the store
+unreachable until the owner's lease may have ended, the pool given up here, its next
+owner rebuilding it without the record) while the call still waits for its local
+journal commit (a slow disk). The call must be told UNAVAILABLE: its record is not in
+the store, so its answer (blocks the next owner does not hold) must never leave.
+
+The store journal told a flush of failures only in the window between the records
+committed when the flush began and its target: a record given up (and so counted as
+settled) while the call waited for the local commit first was before that window,
+and the call was answered as if its record were in the store.
+
+Real processes: the owner reaches etcd through a TCP proxy the test cuts, and its
+local journal's next write is held 3 s by a ``sitecustomize`` hook (a slow disk)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import durable_server
+import grpc
+import pytest
+from etcd_process import Etcd
+from kvcoord.client import NO_RETRY, KVCoordClient
+from kvcoord.client.testing import start_server
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from service.helpers import allocate
+from tcp_proxy import Proxy
+from test_replicas import POOL_CONFIG, placed, wait_members
+
+#: once FLAG exists, the next local journal write takes 3 s (longer than the owner's
+#: 2 s lease, within which its store write is retried and then given up)
+_SLOW_WRITE = """
+import os
+import time
+
+from kvcoord.service import journal
+
+_real = journal.JournalStore.write
+
+
+def _write(self, records, chunk=None):
+    if os.path.exists({flag!r}):
+        os.unlink({flag!r})
+        time.sleep(3.0)
+    return _real(self, records, chunk)
+
+
+journal.JournalStore.write = _write
+"""
+
+
+def _config(endpoint: str, replica: str, data_dir: Path, cluster: str) -> str:
+    return (
+        f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
+        f'[cluster]\nendpoints = ["{endpoint}"]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
+        f'lease_seconds = 2\nstore_timeout_seconds = 1.0\njournal = "store"\n'
+    )
+
+
+def test_a_call_whose_store_record_is_given_up_during_its_local_commit_is_told_unavailable(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = request.node.name[:40]
+    flag = tmp_path / "slow"
+    proxy = Proxy(etcd.endpoint)
+    r1 = start_server(_config(etcd.endpoint, "r1", tmp_path / "r1", cluster), env=durable_server.env())
+    durable_server.with_sitecustomize(tmp_path, _SLOW_WRITE.format(flag=str(flag)), monkeypatch)
+    r0 = start_server(_config(proxy.address, "r0", tmp_path / "r0", cluster), env=durable_server.env())
+    try:
+        wait_members([r0, r1], ["r0", "r1"])
+        pool = placed("g", "r0", ["r0", "r1"])
+        targets = [r0.address, r1.address]
+        with KVCoordClient(targets, timeout=10.0) as c:
+            c.create_pool(pool, POOL_CONFIG)
+            s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
+            first = c.allocate(pool, allocate("a", list(range(8)), 8).allocate, s.session_id, s.fence)
+            assert not first.result.refused
+        step = pb.StepRequest(
+            pool=pool, session_id=s.session_id, fence=first.fence, idempotency_key="b-key",
+            call_sequence=time.time_ns(), ops=[pb.Operation(allocate=allocate("b", list(range(100, 108)), 8).allocate)],
+        )  # fmt: skip
+        with grpc.insecure_channel(r0.address) as channel:
+            flag.touch()  # the Step's local commit takes 3 s
+            proxy.cut()  # its store write is retried until r0's lease may have ended, then given up
+            try:
+                told: object = pb_grpc.AllocatorStub(channel).Step(step, timeout=60)
+            except grpc.RpcError as exc:
+                told = exc
+            finally:
+                proxy.heal()
+        assert not flag.exists(), "the local commit was not slowed"
+        log = r0.log()
+        assert f"the journal of pool {pool} could not be written to the store" in log, log
+        # whoever serves the pool next rebuilt it from the store
+        with KVCoordClient(targets, timeout=10.0, retry=NO_RETRY) as c:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    view = c.inspect_pool(pool, all_requests=True)
+                    break
+                except Exception:  # noqa: BLE001 - the pool changing owner: asked again
+                    assert time.monotonic() < deadline, r0.log() + r1.log()
+                    time.sleep(0.2)
+        held = {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
+        assert held.get("a") == list(first.result.new_block_ids[0].block_ids), held
+        if isinstance(told, pb.StepResponse):
+            blocks = list(told.results[0].allocate.new_block_ids[0].block_ids)
+            assert held.get("b") == blocks, (
+                f"the Step was told b holds {blocks}, the pool's next owner holds {held}"
+            )
+        else:
+            assert isinstance(told, grpc.RpcError) and told.code() == grpc.StatusCode.UNAVAILABLE, told
+    finally:
+        r0.stop()
+        r1.stop()
+        proxy.close()

@@ -22,7 +22,8 @@ unknown) is given back with ``if_held`` at its worker's next call.
 Longer hunts by hand: ``KVCOORD_CLUSTER_CRASH_SEEDS="1 2 ... 40"``,
 ``KVCOORD_CLUSTER_CRASH_ROUNDS=3`` (the events repeated),
 ``KVCOORD_CLUSTER_CRASH_EXTRA="freeze deafen term-kill bounce kill-taker"`` (more
-events; by default each seed runs the five core events and one of these)."""
+events; by default each seed runs the five core events and one of these),
+``KVCOORD_CLUSTER_CRASH_EVENTS="deafen freeze"`` (these events only)."""
 
 from __future__ import annotations
 
@@ -162,6 +163,8 @@ class Worker(threading.Thread):
         self.acked: dict[str, dict[str, list[int]]] = {p: {} for p in pools}
         self.unknown: dict[str, set[str]] = {p: set() for p in pools}
         self.sessions: dict[str, Any] = {p: None for p in pools}
+        #: pool -> request -> its last answer: when, by which owner
+        self.told: dict[str, dict[str, str]] = {p: {} for p in pools}
         self.calls = 0  # calls answered (a result or a typed error)
         self.lost_told = 0  # times told a session was gone
         self.unknowns = 0  # calls that ended with no answer
@@ -202,6 +205,11 @@ class Worker(threading.Thread):
             return None
         self.calls += 1
         session.fence.CopyFrom(answer.fence)
+        f = answer.fence  # (what a failing check shows of the answer)
+        rid = op.free.request_id or op.allocate.request.request_id
+        self.told[pool][rid] = (
+            f"{op.WhichOneof('op')} {time.strftime('%X')} term {f.term} {f.instance_id[:8]}"
+        )
         result = answer.results[0]
         assert result.status_code == 0, result
         return result
@@ -355,7 +363,8 @@ class Harness:
             extra = {r: ids for r, ids in held.items() if r not in acked and r not in unknown}
             assert not missing and not extra, (
                 f"{done}: {pool}: acked but not held as told (acked, held): {missing}; "
-                f"held unacked: {extra}\n{self.logs()}\nthe store: {self.store_keys(pool)}"
+                f"held unacked: {extra}\n{self.logs()}\nthe store: {self.store_keys(pool)}\n"
+                f"their last answers: {[w.told[pool].get(r) for w in self.workers for r in [*missing, *extra]]}"
             )
             blocks = [b for ids in held.values() for b in ids]
             assert len(blocks) == len(set(blocks)), f"{done}: {pool}: a block held twice: {held}"
@@ -546,6 +555,7 @@ def test_cluster_crash_points_lose_no_acknowledged_block(
     extra = os.environ.get("KVCOORD_CLUSTER_CRASH_EXTRA", "")
     events = ["kill-owner", "kill-replica", "handover", "cut", "pause", *extra.split()]
     events.append(rnd.choice(["term-kill", "bounce", "kill-taker", "freeze", "deafen"]))
+    events = os.environ.get("KVCOORD_CLUSTER_CRASH_EVENTS", "").split() or events  # (these only)
     rnd.shuffle(events)
     events *= int(os.environ.get("KVCOORD_CLUSTER_CRASH_ROUNDS", "1"))
     done = h.done

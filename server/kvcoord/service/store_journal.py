@@ -207,9 +207,9 @@ class PoolStreams:
         """Wait until every record queued so far is committed in the store.
 
         Raises:
-            ServiceError: UNAVAILABLE when a record of a pool this task's answer rests on
-                (:meth:`answers_on`) was given up since it was marked, even before this
-                flush began (the pool is given up here; its next owner has what was committed).
+            ServiceError: UNAVAILABLE when a record of a pool marked by this task since its last
+                flush (:meth:`answers_on`) was given up since it was marked, even before this flush
+                began (the pool is given up here; its next owner has what was committed).
         """
         target = self.appended
         marks = _TOUCHED.get() or {}
@@ -218,8 +218,8 @@ class PoolStreams:
             self._waiters.append((min(marks.values(), default=self.committed), target, future))
             await future
         lost = sorted({pool for g, pool in self._failed if pool in marks and marks[pool] < g <= target})
-        if marks:  # settled up to here: only records given up later fail a later flush
-            _TOUCHED.set(dict.fromkeys(marks, target))
+        if marks:  # settled: a later flush of this task checks the pools marked again only
+            _TOUCHED.set(None)
         if lost:
             raise ServiceError(
                 Status.UNAVAILABLE,

@@ -439,7 +439,7 @@ class Cluster(ClusterStore):
                     self.view.valid_until = sent + reply.TTL
                     continue
                 logger.error("replica %s lost its cluster lease: joining again", self.me.replica_id)
-                self.view.valid_until = 0.0
+                self.view.lease_lost()  # (its claims with it: not served from them once registered)
                 await self.register()
                 await self.refresh()
                 await self.claim_local()

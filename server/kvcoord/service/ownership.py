@@ -157,6 +157,15 @@ class Ownership:
     def lease_valid(self) -> bool:
         return self.clock() < self.valid_until
 
+    def lease_lost(self) -> None:
+        """This replica's lease ended (the store said so): nothing is served until it is
+        registered again, and the claims it held ended with it. Never served again from
+        this view once registered (its lease valid) before the claims are read again (was:
+        a pool taken over meanwhile was answered from the old copy, reads showing the
+        state before the takeover)."""
+        self.valid_until = 0.0
+        self.claims = {p: c for p, c in self.claims.items() if c.replica_id != self.me.replica_id}
+
     # -- what the store says -----------------------------------------------------
     def set_members(self, members: Iterable[Member]) -> None:
         self.members = {m.replica_id: m for m in members}

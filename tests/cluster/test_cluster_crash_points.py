@@ -168,7 +168,7 @@ class Worker(threading.Thread):
         self.calls = 0  # calls answered (a result or a typed error)
         self.lost_told = 0  # times told a session was gone
         self.unknowns = 0  # calls that ended with no answer
-        self.redirects = 0  # Detaches answered NOT_OWNER (sent again)
+        self.redirects = 0  # Detaches sent again (unanswered, or NOT_OWNER: nothing applied)
         self.error = ""
         self.n = 0
 
@@ -634,4 +634,4 @@ def test_cluster_crash_points_lose_no_acknowledged_block(
     redirects = sum(w.redirects for w in h.workers)
     calls = sum(w.calls for w in h.workers)
     print(f"seed {seed}: store_snapshot_records {h.every}, {done}, {h.checks} checks, {calls} calls, "
-          f"{unknowns} unanswered, {redirects} Detaches told NOT_OWNER")  # fmt: skip
+          f"{unknowns} unanswered, {redirects} Detaches sent again")  # fmt: skip

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager, TLSOptions
-from kvcoord.client.errors import GracePeriodError, RequestsLostError
+from kvcoord.client.errors import GracePeriodError, LeaseExpiredError, RequestsLostError
 from kvcoord.client.retry import RetryPolicy
 from workload import SHARED_PREFIXES_SEED, Req
 
@@ -73,7 +73,11 @@ def run_checked_worker(
 
     With ``phase`` (a shared ``multiprocessing.Value``), requests reported lost
     (RequestsLostError: a restore was detected, the grace period) are dropped and
-    counted per phase in ``lost_by_phase`` instead of ending the worker; with
+    counted per phase in ``lost_by_phase`` instead of ending the worker (those the
+    client's own lease check declared, LeaseExpiredError: no renewal it sent was answered
+    for 0.95 x the lease, e.g. across a server restart slower than that, also in
+    ``unproven_by_phase``: the server lost nothing, the client could not prove it did
+    not); with
     ``holdings`` (a shared dict, :class:`_Holdings`) every newly given block is checked
     against the blocks other live workers hold (``double`` lists any)."""
     rnd = random.Random(seed)
@@ -81,14 +85,14 @@ def run_checked_worker(
     prefixes = [[prefix_rnd.randrange(30000) for _ in range(n)] for n in (32, 64, 100)]
     summary: dict[str, Any] = {
         "worker": wid, "allocs": 0, "checks": 0, "steps": 0, "lost": 0, "error": "",
-        "lost_by_phase": {}, "lost_causes": [], "double": [],
+        "lost_by_phase": {}, "unproven_by_phase": {}, "lost_causes": [], "double": [],
     }  # fmt: skip
     tables: dict[str, list[list[int]]] = {}
     held = _Holdings(holdings, wid)
     live: list[Req] = []
     running: list[Req] = []
 
-    def forget(request_ids: list[str]) -> None:
+    def forget(request_ids: list[str], cause: Exception) -> None:
         lost = set(request_ids)
         for r in [r for r in live if r.request_id in lost]:
             tables.pop(r.request_id, None)
@@ -97,6 +101,8 @@ def run_checked_worker(
                 running.remove(r)
         key = int(phase.value)
         summary["lost_by_phase"][key] = summary["lost_by_phase"].get(key, 0) + len(lost)
+        if isinstance(cause, LeaseExpiredError):
+            summary["unproven_by_phase"][key] = summary["unproven_by_phase"].get(key, 0) + len(lost)
 
     try:
         with KVCoordClient(address, timeout=20, retry=PATIENT, tls=tls) as client:
@@ -109,8 +115,10 @@ def run_checked_worker(
                 except RequestsLostError as err:
                     if phase is None:
                         raise
-                    forget(err.request_ids)
-                    summary["lost_causes"].append(f"{int(phase.value)}: {type(err.cause).__name__}")
+                    forget(err.request_ids, err.cause)
+                    summary["lost_causes"].append(
+                        f"{int(phase.value)}: {type(err.cause).__name__}: {err.cause.message[:160]}"
+                    )
                     held.publish(tables, 0.0)
                     continue
                 except GracePeriodError:

@@ -325,6 +325,7 @@ def test_a_keyed_call_outlasts_a_server_restart_with_the_default_retry_policy(tm
         server.stop()
 
 
+@pytest.mark.timeout(900)  # (~45 s alone; 5 minutes at load 18 on 2 cores, each start 10-15 s)
 def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path: Path) -> None:
     """Issue 26 done 11, the durability chaos run extended. Three worker processes
     drive one pool (each checks after every step that the server holds exactly what it
@@ -332,7 +333,9 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
 
     1. the disk fills at random points (RLIMIT_FSIZE a random number of bytes above the
        files' sizes, 4 times): the server stops with exit 4 and is restarted, as its
-       supervisor would; no worker loses a request (the journal survived);
+       supervisor would; no worker loses a request (the journal survived), unless its
+       client could not prove its lease across a stop and restart slower than half the
+       lease (a loaded machine): a typed LeaseExpiredError, the client's own verdict;
     2. the data directory is copied like a volume snapshot (`cp -a` of the server,
        paused as an atomic snapshot would see it) while the workers hold blocks, the
        workers keep working, the server is SIGKILLed and the copy restored: the first
@@ -364,6 +367,7 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
     server.start()
     ctx = multiprocessing.get_context("spawn")
     out, stop, phase = ctx.Queue(), ctx.Event(), ctx.Value("i", 1)
+    progress = [ctx.Value("i", 0) for _ in range(3)]
     manager = ctx.Manager()
     holdings = manager.dict()
     rnd = random.Random(26)
@@ -376,7 +380,7 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
                 ctx.Process(
                     target=run_checked_worker,
                     args=(server.address, "chaos", w, 900 + w, stop, out),
-                    kwargs={"holdings": holdings, "phase": phase},
+                    kwargs={"holdings": holdings, "phase": phase, "progress": progress[w]},
                 )
                 for w in range(3)
             ]
@@ -389,7 +393,12 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
                 p.start()
             time.sleep(2.0)
             # 1. full disks at random points
+            outages = []  # each stop and restart: from the kill until the server serves again
             for _ in range(4):
+                # every worker has checked a step since the last restart: the next kill
+                # starts a new outage (back to back, a loaded machine's slow restarts
+                # would make one outage of several)
+                _steps_on(progress, procs[:3])
                 size = max(f.stat().st_size for f in server.data_dir.iterdir())
                 server.kill()
                 began = time.monotonic()
@@ -406,8 +415,9 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
                 full_disks += code == EXIT_JOURNAL_FAILED
                 server.kill()  # (a no-op after an exit)
                 server.start()
+                outages.append(time.monotonic() - began)
                 check_pool(c, "chaos", 300)
-                print(f"full disk: exit {code} after {time.monotonic() - began:.1f} s")
+                print(f"full disk: exit {code} after {outages[-1]:.1f} s")
             time.sleep(1.0)
             # 2. a volume snapshot while workers hold blocks, more work, then the restore
             with server.paused():  # a snapshot child too: it would rename files under cp
@@ -448,12 +458,21 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
         manager.shutdown()
         server.stop()
     assert full_disks >= 1 and loops == 5
+    print(reports)
     for r in reports:
         assert r["error"] == "", r
         assert r["double"] == [], r
-        assert r["lost_by_phase"].get(1, 0) == 0, r  # the journal survived every full disk
+        # The journal survived every full disk: the server ended no session and lost no
+        # request (no SessionExpired, Fenced, RequestUnknown, SyncMismatch, OutcomeUnknown).
+        assert r["lost_by_phase"].get(1, 0) == r["unproven_by_phase"].get(1, 0), r
+        # The only loss a full disk may cost: a client that could not prove its lease
+        # (no renewal answered for 0.95 x the lease) reports its requests lost (typed
+        # LeaseExpiredError; the server still held them). That takes an outage near the
+        # lease: never one of these restarts on an idle machine (2-3 s each), only where
+        # a restart was slower than half the lease (10-30 s at load 15-20 on 2 cores).
+        if r["unproven_by_phase"].get(1, 0):
+            assert max(outages) >= lease / 2, (outages, r)
         assert r["checks"] > 0, r
-    print(reports)
     # the restore was told (a worker re-attaching waits out the grace: it may hear after it)
     assert sum(r["lost_by_phase"].get(2, 0) + r["lost_by_phase"].get(3, 0) for r in reports) > 0
     assert all(r["steps"] > 0 for r in reports)
@@ -461,6 +480,17 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
     assert watched["error"] == "" and watched["backwards"] == 0, watched
     # it fell behind (told of gaps) and followed the restarts (told of the restore's reset)
     assert watched["events"] > 0 and watched["gaps"] > 0 and watched["reconnects"] > 0, watched
+
+
+def _steps_on(progress: list[Any], workers: list[Any]) -> None:
+    """Wait until every live worker has checked a step more (one that ended reports why;
+    bounded: a worker stuck fails)."""
+    start = [p.value for p in progress]
+    for _ in range(3000):  # 0.05 s each
+        if all(p.value > s or not w.is_alive() for p, s, w in zip(progress, start, workers, strict=True)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"a worker checked no step in 150 s: {start} -> {[p.value for p in progress]}")
 
 
 def _attach_refused_for_grace_on(address: str, pool: str, lease: float) -> bool:

@@ -86,9 +86,10 @@ class DurableServer:
         self.lock = threading.Lock()
 
     def start(
-        self, timeout: float = 60.0, max_file_bytes: int | None = None, args: tuple[str, ...] = ()
+        self, timeout: float = 180.0, max_file_bytes: int | None = None, args: tuple[str, ...] = ()
     ) -> None:
-        """``max_file_bytes``: no file the server writes may grow past this (RLIMIT_FSIZE;
+        """``timeout``: a bound on a hang, generous (a start took 20-35 s at load 25-30 on
+        2 cores, 1-2 s idle). ``max_file_bytes``: no file the server writes may grow past this (RLIMIT_FSIZE;
         Python ignores SIGXFSZ, so the write fails with EFBIG, as on a full disk). Set
         with prlimit once the process runs: a ``preexec_fn`` would make subprocess fork
         instead of vfork, and gRPC's fork handlers in this process can then abort the

@@ -307,12 +307,13 @@ def test_events_follow_resumes_across_a_server_restart(tmp_path: Path) -> None:
     reader.start()
 
     def read_until(pred: Any) -> dict[str, Any]:
-        """The next event printed that ``pred`` accepts (30 s at most per line)."""
+        """The next event printed that ``pred`` accepts (a bound on a hang per line,
+        generous: a restart and the CLI's resume took 45-75 s at load 30 on 2 cores)."""
         for _ in range(50):
             try:
-                line = received.get(timeout=30)
+                line = received.get(timeout=180)
             except queue.Empty:
-                raise AssertionError(f"no event line within 30 s after {lines}") from None
+                raise AssertionError(f"no event line within 180 s after {lines}") from None
             lines.append(json.loads(line))
             if pred(lines[-1]):
                 return lines[-1]
@@ -338,7 +339,7 @@ def test_events_follow_resumes_across_a_server_restart(tmp_path: Path) -> None:
                 break
             time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 0
+        assert proc.wait(120) == 0
         assert proc.stderr is not None
         err = proc.stderr.read()
         assert "kvcoord: stream lost" in err and "kvcoord: stream resumed" in err, err

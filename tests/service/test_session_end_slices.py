@@ -59,6 +59,7 @@ def _restarted(make_server: Callable[..., InProcessServer], server: InProcessSer
         _all_free_once(again, client)
 
 
+@pytest.mark.timeout(900)  # (fill and replay: ~10 s of CPU, minutes at load 15-20 on 2 cores)
 def test_a_large_detach_frees_in_slices(make_server: Callable[..., InProcessServer], tmp_path: Path) -> None:
     data = str(tmp_path / "data")
     server = make_server(pool_toml("big", BLOCKS, caching=False), data_dir=data)
@@ -76,6 +77,7 @@ def test_a_large_detach_frees_in_slices(make_server: Callable[..., InProcessServ
     _restarted(make_server, server, data)
 
 
+@pytest.mark.timeout(900)  # (as above)
 @pytest.mark.parametrize("ended_by", ["reaper", "attach"])
 def test_a_large_lease_expiry_frees_in_slices(
     make_server: Callable[..., InProcessServer], clock: ManualClock, tmp_path: Path, ended_by: str

@@ -212,6 +212,19 @@ def _one_step(
         summary["checks"] += 1
 
 
+def steps_on(progress: list[Any], workers: list[Any]) -> None:
+    """Wait until every live worker (a process of :func:`run_checked_worker`, its
+    ``progress`` Value) has checked a step more: a kill after it begins an outage of its
+    own (back to back, a loaded machine's slow restarts make one outage of several).
+    Bounded: a worker stuck fails; one that ended reports why."""
+    start = [p.value for p in progress]
+    for _ in range(3000):  # 0.05 s each
+        if all(p.value > s or not w.is_alive() for p, s, w in zip(progress, start, workers, strict=True)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"a worker checked no step in 150 s: {start} -> {[p.value for p in progress]}")
+
+
 def run_slow_watcher(address: str, pool: str, pause: float, stop: Any, out: Any) -> None:
     """A KV router that reads ``pool``'s WatchEvents stream slowly (``pause`` seconds per
     event), resuming after each server restart from its cursor and fence; reports what it

@@ -500,7 +500,7 @@ class Harness:
 SEEDS = [int(x) for x in os.environ.get("KVCOORD_CRASH_SEEDS", "1 2 3").split()]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)  # (~60 s alone; seed 1 took 206 s at load 30 on 2 cores)
 @pytest.mark.parametrize("seed", SEEDS)
 def test_crash_points_lose_no_acknowledged_block(tmp_path: Path, seed: int) -> None:
     """Seven events in a seeded order (SIGKILLs at crash points, a clean stop SIGKILLed

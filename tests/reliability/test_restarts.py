@@ -351,7 +351,7 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
     import multiprocessing
     import random
 
-    from durable_workload import run_checked_worker, run_slow_watcher
+    from durable_workload import run_checked_worker, run_slow_watcher, steps_on
     from kvcoord.service.main import EXIT_JOURNAL_FAILED
     from workload import check_pool, pool_config
 
@@ -398,7 +398,7 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
                 # every worker has checked a step since the last restart: the next kill
                 # starts a new outage (back to back, a loaded machine's slow restarts
                 # would make one outage of several)
-                _steps_on(progress, procs[:3])
+                steps_on(progress, procs[:3])
                 size = max(f.stat().st_size for f in server.data_dir.iterdir())
                 server.kill()
                 began = time.monotonic()
@@ -480,17 +480,6 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
     assert watched["error"] == "" and watched["backwards"] == 0, watched
     # it fell behind (told of gaps) and followed the restarts (told of the restore's reset)
     assert watched["events"] > 0 and watched["gaps"] > 0 and watched["reconnects"] > 0, watched
-
-
-def _steps_on(progress: list[Any], workers: list[Any]) -> None:
-    """Wait until every live worker has checked a step more (one that ended reports why;
-    bounded: a worker stuck fails)."""
-    start = [p.value for p in progress]
-    for _ in range(3000):  # 0.05 s each
-        if all(p.value > s or not w.is_alive() for p, s, w in zip(progress, start, workers, strict=True)):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"a worker checked no step in 150 s: {start} -> {[p.value for p in progress]}")
 
 
 def _attach_refused_for_grace_on(address: str, pool: str, lease: float) -> bool:

@@ -26,7 +26,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from service.helpers import allocate
 from tcp_proxy import Proxy
-from test_replicas import POOL_CONFIG, placed, wait_members
+from test_replicas import POOL_CONFIG, placed, store_replica_config, wait_members
 
 #: once FLAG exists, registering again (a lease that ended) is followed by 3 s before
 #: anything else (the claims are read after it)
@@ -50,23 +50,19 @@ cluster_store.ClusterStore.register = _register
 """
 
 
-def _config(endpoint: str, replica: str, data_dir: Path, cluster: str) -> str:
-    return (
-        f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
-        f'[cluster]\nendpoints = ["{endpoint}"]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
-        f'lease_seconds = 2\nstore_timeout_seconds = 1.0\njournal = "store"\n'
-    )
-
-
 def test_a_replica_back_from_a_cut_does_not_serve_its_old_copy_of_a_pool_taken_over(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cluster = request.node.name[:40]
     flag = tmp_path / "slow"
     proxy = Proxy(etcd.endpoint)
-    r1 = start_server(_config(etcd.endpoint, "r1", tmp_path / "r1", cluster), env=durable_server.env())
+    r1 = start_server(
+        store_replica_config(etcd.endpoint, "r1", tmp_path / "r1", cluster), env=durable_server.env()
+    )
     durable_server.with_sitecustomize(tmp_path, _SLOW_REJOIN.format(flag=str(flag)), monkeypatch)
-    r0 = start_server(_config(proxy.address, "r0", tmp_path / "r0", cluster), env=durable_server.env())
+    r0 = start_server(
+        store_replica_config(proxy.address, "r0", tmp_path / "r0", cluster), env=durable_server.env()
+    )
     try:
         wait_members([r0, r1], ["r0", "r1"])
         pool = placed("s", "r0", ["r0", "r1"])

@@ -36,15 +36,35 @@ POOL_CONFIG = pb.PoolConfig(
 
 
 def replica_config(
-    etcd: Etcd, replica: str, data_dir: Path, cluster: str, server_lines: str = "", cluster_lines: str = ""
+    etcd: Etcd | str,
+    replica: str,
+    data_dir: Path,
+    cluster: str,
+    server_lines: str = "",
+    cluster_lines: str = "",
+    *,
+    lease: int = 2,
+    store_timeout: float = 2.0,
+    grace: float = 5.0,
 ) -> str:
-    """A replica's config; ``server_lines`` / ``cluster_lines``: more settings of either table."""
+    """A replica's config; ``etcd``: the module's etcd or the address it is reached at (a
+    proxy's); ``server_lines`` / ``cluster_lines``: more settings of either table."""
+    endpoint = etcd if isinstance(etcd, str) else etcd.endpoint
     return (
         f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
-        f"grace_seconds = 5.0\n{server_lines}"
-        f'[cluster]\nendpoints = ["{etcd.endpoint}"]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
-        f"lease_seconds = 2\nstore_timeout_seconds = 2.0\n{cluster_lines}"
+        f"grace_seconds = {grace}\n{server_lines}"
+        f'[cluster]\nendpoints = ["{endpoint}"]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
+        f"lease_seconds = {lease}\nstore_timeout_seconds = {store_timeout}\n{cluster_lines}"
     )
+
+
+def store_replica_config(endpoint: str, replica: str, data_dir: Path, cluster: str, lease: int = 2) -> str:
+    """A replica of ``journal = "store"`` reaching etcd at ``endpoint`` (a proxy's, to cut),
+    giving a store write up after 1 s, with the server's default grace."""
+    return replica_config(
+        endpoint, replica, data_dir, cluster, cluster_lines='journal = "store"\n',
+        lease=lease, store_timeout=1.0, grace=10.0,
+    )  # fmt: skip
 
 
 def in_process_store_replica(

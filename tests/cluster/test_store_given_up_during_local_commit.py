@@ -27,7 +27,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from service.helpers import allocate
 from tcp_proxy import Proxy
-from test_replicas import POOL_CONFIG, placed, wait_members
+from test_replicas import POOL_CONFIG, placed, store_replica_config, wait_members
 
 #: once FLAG exists, the next local journal write takes 3 s (longer than the owner's
 #: 2 s lease, within which its store write is retried and then given up)
@@ -51,23 +51,19 @@ journal.JournalStore.write = _write
 """
 
 
-def _config(endpoint: str, replica: str, data_dir: Path, cluster: str) -> str:
-    return (
-        f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
-        f'[cluster]\nendpoints = ["{endpoint}"]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
-        f'lease_seconds = 2\nstore_timeout_seconds = 1.0\njournal = "store"\n'
-    )
-
-
 def test_a_call_whose_store_record_is_given_up_during_its_local_commit_is_told_unavailable(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cluster = request.node.name[:40]
     flag = tmp_path / "slow"
     proxy = Proxy(etcd.endpoint)
-    r1 = start_server(_config(etcd.endpoint, "r1", tmp_path / "r1", cluster), env=durable_server.env())
+    r1 = start_server(
+        store_replica_config(etcd.endpoint, "r1", tmp_path / "r1", cluster), env=durable_server.env()
+    )
     durable_server.with_sitecustomize(tmp_path, _SLOW_WRITE.format(flag=str(flag)), monkeypatch)
-    r0 = start_server(_config(proxy.address, "r0", tmp_path / "r0", cluster), env=durable_server.env())
+    r0 = start_server(
+        store_replica_config(proxy.address, "r0", tmp_path / "r0", cluster), env=durable_server.env()
+    )
     try:
         wait_members([r0, r1], ["r0", "r1"])
         pool = placed("g", "r0", ["r0", "r1"])

@@ -25,18 +25,10 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from service.helpers import allocate
 from tcp_proxy import Proxy
-from test_replicas import POOL_CONFIG, placed, wait_members
+from test_replicas import POOL_CONFIG, placed, store_replica_config, wait_members
 
 #: r0's lease (s): its store write is retried this long, while its copy comes in
 LEASE = 6
-
-
-def _config(endpoint: str, replica: str, data_dir: Path, cluster: str, lease: int) -> str:
-    return (
-        f'[server]\ndata_dir = "{data_dir}"\nsynchronous = "NORMAL"\nlog_level = "INFO"\n'
-        f'[cluster]\nendpoints = ["{endpoint}"]\nname = "{cluster}"\nreplica_id = "{replica}"\n'
-        f'lease_seconds = {lease}\nstore_timeout_seconds = 1.0\njournal = "store"\n'
-    )
 
 
 def test_a_copy_of_a_call_whose_store_write_is_given_up_is_not_told_the_kept_answer(
@@ -44,8 +36,8 @@ def test_a_copy_of_a_call_whose_store_write_is_given_up_is_not_told_the_kept_ans
 ) -> None:
     cluster = request.node.name[:40]
     proxy = Proxy(etcd.endpoint)
-    r0 = start_server(_config(proxy.address, "r0", tmp_path / "r0", cluster, LEASE), env=env())
-    r1 = start_server(_config(etcd.endpoint, "r1", tmp_path / "r1", cluster, 2), env=env())
+    r0 = start_server(store_replica_config(proxy.address, "r0", tmp_path / "r0", cluster, LEASE), env=env())
+    r1 = start_server(store_replica_config(etcd.endpoint, "r1", tmp_path / "r1", cluster, 2), env=env())
     try:
         wait_members([r0, r1], ["r0", "r1"])
         pool = placed("k", "r0", ["r0", "r1"])

@@ -35,11 +35,11 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
+from crash_workers import GatedWorker, quiesce, told_against_held
 from durable_server import env, free_port
 from etcd_process import Etcd
 from kvcoord.client import KVCoordClient
@@ -143,49 +143,28 @@ class Node:
         )
 
 
-class Worker(threading.Thread):
-    """Allocates requests of 1-4 blocks (hashes unique to the request: no block is ever
-    shared through the prefix cache) and frees them, one keyed Step each, in a pool
+class Worker(GatedWorker):
+    """Allocates requests of 1-4 blocks and frees them, one keyed Step each, in a pool
     chosen at random. ``acked[pool]``: request id -> the block ids its answer gave, for
-    every allocation acknowledged and not freed since; ``unknown[pool]``: requests
-    whose last call ended without an answer (held or not: freed ``if_held`` next)."""
+    every allocation acknowledged and not freed since; ``unknown[pool]``: requests whose
+    last call ended without an answer (held or not: freed ``if_held`` next)."""
 
     def __init__(
         self, targets: list[str], name: str, seed: int, gate: threading.Event, pools: list[str]
     ) -> None:
-        super().__init__(name=name, daemon=True)
+        super().__init__(name, seed, gate)
         self.targets = targets
         self.pools = pools
-        self.rnd = random.Random(seed)
-        self.gate = gate
-        self.idle = threading.Event()
-        self.stop = False
         self.acked: dict[str, dict[str, list[int]]] = {p: {} for p in pools}
         self.unknown: dict[str, set[str]] = {p: set() for p in pools}
         self.sessions: dict[str, Any] = {p: None for p in pools}
         #: pool -> request -> its last answer: when, by which owner
         self.told: dict[str, dict[str, str]] = {p: {} for p in pools}
-        self.calls = 0  # calls answered (a result or a typed error)
-        self.lost_told = 0  # times told a session was gone
         self.unknowns = 0  # calls that ended with no answer
         self.redirects = 0  # Detaches sent again (unanswered, or NOT_OWNER: nothing applied)
-        self.error = ""
-        self.n = 0
 
-    def run(self) -> None:
-        try:
-            with KVCoordClient(self.targets, retry=PATIENT, timeout=10) as c:
-                while not self.stop:
-                    if not self.gate.is_set():
-                        self.idle.set()
-                        self.gate.wait(0.05)
-                        continue
-                    self.idle.clear()
-                    self._one(c)
-        except BaseException as exc:  # reported by the test
-            self.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        finally:
-            self.idle.set()
+    def connect(self) -> KVCoordClient:
+        return KVCoordClient(self.targets, retry=PATIENT, timeout=10)
 
     def _step(self, c: KVCoordClient, pool: str, op: pb.Operation) -> pb.OperationResult | None:
         """One keyed Step: its result, or None when the worker was told its session is
@@ -236,7 +215,7 @@ class Worker(threading.Thread):
         self.unknown[pool].clear()
         self.sessions[pool] = None
 
-    def _one(self, c: KVCoordClient) -> None:
+    def one(self, c: KVCoordClient) -> None:
         pool = self.rnd.choice(self.pools)
         if self.sessions[pool] is None:
             try:
@@ -259,14 +238,7 @@ class Worker(threading.Thread):
             rid = self.rnd.choice(sorted(acked))
             op = pb.Operation(free=pb.FreeOp(request_id=rid))
         else:
-            self.n += 1
-            rid = f"{self.name}-{self.n}"
-            tokens = 4 * self.rnd.randint(1, 4)
-            sync = pb.RequestSync(
-                request_id=rid, append_token_ids=list(range(tokens)), new_request=True,
-                append_block_hashes=[f"{rid}/{i}".encode().ljust(32, b".") for i in range(tokens // 4)],
-            )  # fmt: skip
-            op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=tokens))
+            rid, op = self.new_allocation()
         result = self._step(c, pool, op)
         if result is None:
             if self.sessions[pool] is not None:  # unanswered (not told its session is gone)
@@ -330,19 +302,7 @@ class Harness:
         raise AssertionError(f"pools not served after {timeout} s: {got}\n{self.logs()}")
 
     def quiesce(self, min_calls: int = 1) -> None:
-        start = [w.calls for w in self.workers]
-        self.gate.set()
-        deadline = time.monotonic() + 120
-        while any(
-            w.calls < s + min_calls and w.is_alive() and not w.error
-            for w, s in zip(self.workers, start, strict=True)
-        ):
-            assert time.monotonic() < deadline, f"{self.done}: a worker made no progress\n{self.logs()}"
-            time.sleep(0.01)
-        self.gate.clear()
-        for w in self.workers:
-            assert w.idle.wait(120), f"{w.name} never stopped"
-            assert not w.error, f"{self.done}: {w.name}: {w.error}\n{self.logs()}"
+        quiesce(self.workers, self.gate, min_calls, 120, lambda: f"{self.done}\n{self.logs()}")
 
     def check(self, c: KVCoordClient, done: list[str]) -> None:
         """Quiet: each pool's owner holds exactly the workers' acknowledged allocations
@@ -359,15 +319,13 @@ class Harness:
                 r.request_id: list(r.groups[0].block_ids)
                 for r in c.inspect_pool(pool, all_requests=True).requests
             }
-            missing = {r: (ids, held.get(r)) for r, ids in acked.items() if held.get(r) != ids}
-            extra = {r: ids for r, ids in held.items() if r not in acked and r not in unknown}
+            missing, extra, twice = told_against_held(acked, held, unknown)
             assert not missing and not extra, (
                 f"{done}: {pool}: acked but not held as told (acked, held): {missing}; "
                 f"held unacked: {extra}\n{self.logs()}\nthe store: {self.store_keys(pool)}\n"
                 f"their last answers: {[w.told[pool].get(r) for w in self.workers for r in [*missing, *extra]]}"
             )
-            blocks = [b for ids in held.values() for b in ids]
-            assert len(blocks) == len(set(blocks)), f"{done}: {pool}: a block held twice: {held}"
+            assert not twice, f"{done}: {pool}: blocks {twice} held twice: {held}"
             check_pool(c, pool, NUM_BLOCKS)
             assert not c.check_pool(pool).violations
         self.checks += 1

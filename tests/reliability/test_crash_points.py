@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from crash_workers import GatedWorker, quiesce, told_against_held
 from durable_server import (
     DurableServer,
     attach,
@@ -72,43 +73,24 @@ EXTRA = {1: "grow", 2: "watch", 3: "lapse grace"}
 FAT_TOKENS = 20_000
 
 
-class Worker(threading.Thread):
-    """Allocates requests of 1-4 blocks (hashes unique to the request: no block is ever
-    shared through the prefix cache, so two holders of one block is always a fault) and
-    frees them, one keyed Step each. ``acked``: request id -> the block ids its answer
-    gave, for every allocation acknowledged and not freed since."""
+class Worker(GatedWorker):
+    """Allocates requests of 1-4 blocks and frees them, one keyed Step each. ``acked``:
+    request id -> the block ids its answer gave, for every allocation acknowledged and
+    not freed since."""
 
     def __init__(self, address: str, name: str, seed: int, gate: threading.Event) -> None:
-        super().__init__(name=name, daemon=True)
+        super().__init__(name, seed, gate)
         self.address = address
-        self.rnd = random.Random(seed)
-        self.gate = gate  # set: work; clear: stop at the next call boundary
-        self.idle = threading.Event()
-        self.stop = False
         self.acked: dict[str, list[int]] = {}
-        self.calls = 0  # calls answered (a result or a typed error)
-        self.lost_told = 0  # times told its session was gone
-        self.error = ""
         self.session: Any = None
         self.silence = False  # set: stall once (its session lapses, its requests are freed)
         self.lapsed = False  # stalled: told its session ended, as it must be
-        self.n = 0
 
-    def run(self) -> None:
-        try:
-            with KVCoordClient(self.address, retry=PATIENT, timeout=30) as c:
-                self.session = attach(c, self.name, LEASE)
-                while not self.stop:
-                    if not self.gate.is_set():
-                        self.idle.set()
-                        self.gate.wait(0.05)
-                        continue
-                    self.idle.clear()
-                    self._one(c)
-        except BaseException as exc:  # reported by the test
-            self.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        finally:
-            self.idle.set()
+    def connect(self) -> KVCoordClient:
+        return KVCoordClient(self.address, retry=PATIENT, timeout=30)
+
+    def begin(self, c: KVCoordClient) -> None:
+        self.session = attach(c, self.name, LEASE)
 
     def _detach(self, c: KVCoordClient) -> None:
         """End the session. A Detach carries no retry key: one whose answer was lost
@@ -123,7 +105,7 @@ class Worker(threading.Thread):
                 time.sleep(0.05)
         raise AssertionError("the server never answered a Detach")
 
-    def _one(self, c: KVCoordClient) -> None:
+    def one(self, c: KVCoordClient) -> None:
         if self.session is None:
             try:
                 self.session, _ = attach_after_grace(c, LEASE, self.name, 8 * LEASE)
@@ -144,14 +126,7 @@ class Worker(threading.Thread):
             rid = self.rnd.choice(sorted(self.acked))
             op = pb.Operation(free=pb.FreeOp(request_id=rid))
         else:
-            self.n += 1
-            rid = f"{self.name}-{self.n}"
-            tokens = 4 * self.rnd.randint(1, 4)
-            sync = pb.RequestSync(
-                request_id=rid, append_token_ids=list(range(tokens)), new_request=True,
-                append_block_hashes=[f"{rid}/{i}".encode().ljust(32, b".") for i in range(tokens // 4)],
-            )  # fmt: skip
-            op = pb.Operation(allocate=pb.AllocateOp(request=sync, num_new_tokens=tokens))
+            rid, op = self.new_allocation()
         try:
             answer = c.step("p", [op], self.session.session_id, self.session.fence)
         except LOST:
@@ -293,21 +268,8 @@ class Harness:
         time.sleep(seconds)
 
     def quiesce(self, min_calls: int = 1) -> None:
-        """Stop the workers once each answered ``min_calls`` more calls (after a restart:
-        each has heard what became of its session before its view is compared)."""
-        start = [w.calls for w in self.workers]
-        self.gate.set()
-        deadline = time.monotonic() + 90
-        while any(
-            w.calls < s + min_calls and w.is_alive() and not w.error
-            for w, s in zip(self.workers, start, strict=True)
-        ):
-            assert time.monotonic() < deadline, "a worker made no progress"
-            time.sleep(0.01)
-        self.gate.clear()
-        for w in self.workers:
-            assert w.idle.wait(90), f"{w.name} never stopped"
-            assert not w.error, f"{w.name}: {w.error}\n{self.server.log()}"
+        """Stop the workers once each answered ``min_calls`` more calls."""
+        quiesce(self.workers, self.gate, min_calls, 90, self.server.log)
 
     def check(self, c: KVCoordClient) -> None:
         """Quiet: the server holds exactly the workers' acknowledged allocations."""
@@ -317,11 +279,11 @@ class Harness:
         held = {
             r.request_id: list(r.groups[0].block_ids) for r in c.inspect_pool("p", all_requests=True).requests
         }
-        missing = {r: ids for r, ids in acked.items() if held.get(r) != ids}
-        extra = {r: ids for r, ids in held.items() if r not in acked}
-        assert not missing and not extra, f"acked but not held as told: {missing}; held unacked: {extra}"
-        blocks = [b for ids in held.values() for b in ids]
-        assert len(blocks) == len(set(blocks)), f"a block held twice: {held}"
+        missing, extra, twice = told_against_held(acked, held)
+        assert not missing and not extra, (
+            f"acked but not held as told (acked, held): {missing}; held unacked: {extra}"
+        )
+        assert not twice, f"blocks {twice} held twice: {held}"
         check_pool(c, "p", NUM_BLOCKS)
         assert not c.check_pool("p").violations
         self.checks += 1

@@ -44,5 +44,6 @@ export VLLM_CACHE_ROOT
 # PYTHONDONTWRITEBYTECODE is set, every process would compile them again)
 "$VENV/bin/python" -m compileall -q client server tests || true
 # vLLM and torch emit DeprecationWarnings at import; the suite's other warnings stay errors.
+# (exec: scripts/test.sh, which runs this in the background, can end the run by this pid)
 PYTHONPATH=client:server:tests PYTHONHASHSEED="${PYTHONHASHSEED:-0}" \
-  "$VENV/bin/python" -m pytest tests/with_vllm -p no:cacheprovider -W ignore::DeprecationWarning "$@"
+  exec "$VENV/bin/python" -m pytest tests/with_vllm -p no:cacheprovider -W ignore::DeprecationWarning "$@"

@@ -10,9 +10,10 @@
 # The Python suites run in parallel with pytest-xdist. CI's machine has 2 cores; run
 # serially, `pytest tests` took 1,240 s of wall time for about 870 s of CPU (children
 # included; measured under -n 4): about 0.7 of one core, the rest waiting on leases,
-# restarts, SIGKILLs and timeouts, so 4 workers overlap the waits and fill both cores; the tests/with_vllm runs
-# are mostly CPU (vLLM's scheduler in Python): 2 workers each, the two releases side by
-# side. Every fixture binds ephemeral ports (free_port(), port 0) and per-test temporary
+# restarts, SIGKILLs and timeouts, so 4 workers overlap the waits and fill both cores; the
+# tests/with_vllm runs are vLLM's scheduler in Python and kvcoord's over gRPC: 2 workers for
+# 0.16.0, 3 for 0.33.0 (below), the two releases side by side. Every fixture binds
+# ephemeral ports (free_port(), port 0) and per-test temporary
 # directories (tmp_path; etcd per module), so no test needs a group. `--dist worksteal`: the
 # slow tests (SIGKILL/restart loops of minutes) sit next to each other in collection
 # order; an idle worker takes tests queued on a busy one instead of waiting. tests/cluster
@@ -26,18 +27,25 @@
 #
 # Where the time goes (CI at 84d54c9, 1,946-1,977 s): `pytest tests` 498 s, tests/cluster
 # 242 s, the vLLM runs 1,026 s (0.16.0 done after 532 s), the container suite 131 s, one
-# after the other. The vLLM runs are CPU: 0.33.0's tests take about 1,500 s of CPU
-# (measured per test, children included), 0.16.0's about 530 s, and side by side on 2
-# workers each they kept both cores busy for all 1,026 s (0.33.0 had half of them until
-# 0.16.0 ended, all of them after). The container suite (Docker, a server in a
-# container, waits on restarts and Prometheus scrapes, generous bounds of 60-120 s) is
-# mostly waiting and was the only phase on the machine while it ran: it runs beside
-# 0.33.0's last part, after 0.16.0 ended (beside 2 workers, not 4). tests/cluster does
-# not (its 5 s retry budget: test_failover.py failed beside a loaded machine again).
-# KVCOORD_VLLM_SERIAL=1 runs every phase one after the other.
+# after the other. Measured here (user + system time, children included, 2 workers):
+# 0.16.0's run is 550 s of CPU, 0.33.0's 1,114 s (1,079 s in its tests, 7 s per worker
+# in imports and collection; no fixed cost per test worth sharing: a vLLM config takes
+# 4 ms, a server process's start 0.35 s). In CI's 1,026 s the 2 cores gave 2,052 s for
+# these 1,664 s: 388 s of cores stood idle while workers waited (servers SIGKILLed and
+# restarted, sessions lost, leases, Steps' answers), most likely in 0.33.0's last 494 s,
+# when only its 2 workers ran. So 0.33.0 runs on 3 workers (5 processes beside 0.16.0's
+# 2 at first; every test passed that way here at load averages of 20-78, for 1,238 s of CPU against
+# 1,114 s on 2 workers at 15-23), and the container suite (Docker, a server in
+# a container, waits on restarts and Prometheus scrapes, bounds of 60-120 s; mostly
+# waiting, it was the only phase on the machine while it ran) runs beside 0.33.0's last
+# part, once 0.16.0's run has ended. tests/cluster does not (its 5 s retry budget:
+# test_failover.py failed again beside a loaded machine). KVCOORD_VLLM_SERIAL=1 runs
+# every phase one after the other.
 #   KVCOORD_TEST_WORKERS          workers of `pytest tests` (default 4; 0 runs it serially)
 #   KVCOORD_CLUSTER_TEST_WORKERS  workers of tests/cluster (default 2; 0 runs it serially)
-#   KVCOORD_VLLM_TEST_WORKERS     workers of each tests/with_vllm run (default 2; 0: serially)
+#   KVCOORD_VLLM_TEST_WORKERS     workers of the tests/with_vllm run under vLLM 0.16.0 (default 2;
+#                                 0: serially), and under 0.33.0 where the next is not set
+#   KVCOORD_VLLM033_TEST_WORKERS  workers of the tests/with_vllm run under vLLM 0.33.0 (default 3)
 # The vLLM 0.16.0 and 0.33.0 runs of tests/with_vllm go on side by side, each writing to
 # a log that is printed when it has ended and what runs beside it has (0.16.0's before
 # the container suite, 0.33.0's at the end; KVCOORD_VLLM_SERIAL=1: one after the other, straight
@@ -172,14 +180,17 @@ if [ "${1:-}" != "--integration-only" ]; then
   "$PYTHON" -m pytest tests/cluster -p no:benchmark \
     -n "${KVCOORD_CLUSTER_TEST_WORKERS:-2}" --dist loadfile --durations=10 || status=$?
   vllm_workers=(-n "${KVCOORD_VLLM_TEST_WORKERS:-2}" --dist worksteal --durations=15)
+  # (0.33.0's run is the longer one and waits as long as it computes: 3 workers, see above)
+  vllm033_workers=(-n "${KVCOORD_VLLM033_TEST_WORKERS:-${KVCOORD_VLLM_TEST_WORKERS:-3}}" --dist worksteal
+    --durations=15)
   if [ -n "${KVCOORD_VLLM_SERIAL:-}" ]; then
     ./scripts/test_vllm.sh "${vllm_workers[@]}" || status=$?
-    KVCOORD_VLLM_VERSION=0.33.0 ./scripts/test_vllm.sh "${vllm_workers[@]}" || status=$?
+    KVCOORD_VLLM_VERSION=0.33.0 ./scripts/test_vllm.sh "${vllm033_workers[@]}" || status=$?
   else
     mkdir -p "$WORK"
     ./scripts/test_vllm.sh "${vllm_workers[@]}" >"$WORK/vllm-0.16.0.log" 2>&1 &
     pid016=$!
-    KVCOORD_VLLM_VERSION=0.33.0 ./scripts/test_vllm.sh "${vllm_workers[@]}" >"$WORK/vllm-0.33.0.log" 2>&1 &
+    KVCOORD_VLLM_VERSION=0.33.0 ./scripts/test_vllm.sh "${vllm033_workers[@]}" >"$WORK/vllm-0.33.0.log" 2>&1 &
     pid033=$!
     rc016=0
     wait "$pid016" || rc016=$?

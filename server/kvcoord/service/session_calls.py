@@ -92,7 +92,10 @@ class SessionCalls(ServicerCore):
             service = self.registry.for_attach(request.pool)
         tenant = current_tenant()
         state = self._one_group_state(request, service, tenant.name)
-        # a retry whose first answer was lost gets the session that Attach made
+        # a retry whose first answer was lost gets the session that Attach made; its answer
+        # waits for the pool's records as the first's does (marked before the lookup: was, a
+        # retry told a session whose record the store write given up lost, its next owner without it)
+        self.registry.recorder.answers_on(service.name)
         s = self.registry.attached_before(service, request.attach_key, tenant.name, request.exclusive)
         new = s is None
         if s is None:

@@ -1,0 +1,89 @@
+"""An Attach sent again under its ``attach_key`` while the first one's ``attach`` record
+is still on its way to the cluster store (``journal = "store"``): the retry finds the
+session the first Attach made and answers with it. When that record is given up (the
+store cannot be reached until the owner's lease may have ended: the pool is given up
+here, its next owner rebuilds it from the store without the session), the retry must be
+told UNAVAILABLE as the first Attach is, never the session: its client would go on with
+a session the pool's next owner never heard of (its Steps refused there, or worse,
+a fresh Attach elsewhere with the same key believed to be the same session).
+
+The owner reaches etcd through a TCP proxy the test cuts; the two Attaches are the same
+request bytes sent on a raw gRPC stub (as a client's retry after a lost answer is)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from durable_server import env
+from etcd_process import Etcd
+from kvcoord.client import KVCoordClient
+from kvcoord.client.errors import SessionExpiredError
+from kvcoord.client.testing import start_server
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from tcp_proxy import Proxy
+from test_replicas import POOL_CONFIG, placed, wait_members
+from test_store_kept_answer_given_up import LEASE, _config
+
+
+def test_a_retried_attach_whose_session_record_is_given_up_is_not_told_the_session(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    cluster = request.node.name[:40]
+    proxy = Proxy(etcd.endpoint)
+    r0 = start_server(_config(proxy.address, "r0", tmp_path / "r0", cluster, LEASE), env=env())
+    r1 = start_server(_config(etcd.endpoint, "r1", tmp_path / "r1", cluster, 2), env=env())
+    try:
+        wait_members([r0, r1], ["r0", "r1"])
+        pool = placed("k", "r0", ["r0", "r1"])
+        targets = [r0.address, r1.address]
+        with KVCoordClient(targets, timeout=10.0) as c:
+            c.create_pool(pool, POOL_CONFIG)
+            c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)  # the pool's stream is written
+        attach = pb.AttachRequest(
+            pool=pool, hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", client_name="w",
+            lease_seconds=120, attach_key="the-one-attach-key",
+        )  # fmt: skip
+        with grpc.insecure_channel(r0.address) as channel:
+            stub = pb_grpc.AllocatorStub(channel)
+            proxy.cut()  # r0's write of the session's record retries until its lease may have ended
+            try:
+                attempt = stub.Attach.future(attach, timeout=60)
+                time.sleep(0.5)  # the session made, its record waiting for the store
+                again = stub.Attach.future(attach, timeout=60)
+                outcomes: list[pb.AttachResponse | grpc.RpcError] = []
+                for call in (attempt, again):
+                    try:
+                        outcomes.append(call.result())
+                    except grpc.RpcError as exc:
+                        outcomes.append(exc)
+            finally:
+                proxy.heal()
+        assert isinstance(outcomes[0], grpc.RpcError), outcomes[0]
+        assert outcomes[0].code() == grpc.StatusCode.UNAVAILABLE, outcomes[0]
+        told = outcomes[1]
+        if isinstance(told, grpc.RpcError):
+            assert told.code() == grpc.StatusCode.UNAVAILABLE, told
+            return
+        # told the session: whoever serves the pool next must know it
+        with KVCoordClient(targets, timeout=10.0) as c:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    c.heartbeat(told.session_id, pool=pool)
+                    break
+                except SessionExpiredError as exc:
+                    raise AssertionError(
+                        f"the retried Attach was told session {told.session_id}, the pool's next owner "
+                        f"does not know it: {exc!r}\n{r0.log()}"
+                    ) from None
+                except Exception as exc:  # noqa: BLE001 - the pool changing owner: asked again
+                    assert time.monotonic() < deadline, f"{exc!r}\n{r0.log()}\n{r1.log()}"
+                    time.sleep(0.2)
+    finally:
+        r0.stop()
+        r1.stop()
+        proxy.close()

@@ -1,0 +1,120 @@
+"""The kept-answer rule of test_store_kept_answer_given_up.py for a Step applied in
+slices: a Step too long for one turn goes on in a task of its own that holds the pool
+(mutations.py, ``_sliced``) and journals it there. That task inherits the pool's mark
+(``Recorder.answers_on``, set by the handler before the pool is taken), so when the
+Step's record is given up by the store journal (r0 cut off from etcd until its lease
+may have ended), both the Step and a copy of it sent under the same idempotency key
+are told UNAVAILABLE, or else what they are told is what the pool's next owner holds.
+
+The servers' turns are made 0 s long by a ``sitecustomize`` hook, so a Step of more
+than one slice of operations is always sliced; the hook leaves a file behind when the
+sliced path ran (the test checks it did)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import durable_server
+import grpc
+import pytest
+from etcd_process import Etcd
+from kvcoord.client import KVCoordClient
+from kvcoord.client.testing import start_server
+from kvcoord.v1 import allocator_pb2 as pb
+from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from service.helpers import allocate
+from tcp_proxy import Proxy
+from test_replicas import POOL_CONFIG, placed, wait_members
+from test_store_kept_answer_given_up import LEASE, _config
+
+#: every turn ends after its first slice; the sliced path leaves ``flag`` behind
+_SLICED = """
+from kvcoord.service import mutations, turns
+
+turns.SLICE_SECONDS = 0.0
+_real = mutations.MutationRunner._sliced
+
+
+def _sliced(self, *args, **kwargs):
+    open({flag!r}, "w").close()
+    return _real(self, *args, **kwargs)
+
+
+mutations.MutationRunner._sliced = _sliced
+"""
+
+#: operations of the Step (SLICE_OPS is 16: several slices)
+OPS = 40
+
+
+def test_a_sliced_step_and_its_copy_whose_store_write_is_given_up_are_not_told_the_answer(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cluster = request.node.name[:40]
+    flag = tmp_path / "sliced"
+    durable_server.with_sitecustomize(tmp_path, _SLICED.format(flag=str(flag)), monkeypatch)
+    proxy = Proxy(etcd.endpoint)
+    r0 = start_server(_config(proxy.address, "r0", tmp_path / "r0", cluster, LEASE), env=durable_server.env())
+    r1 = start_server(_config(etcd.endpoint, "r1", tmp_path / "r1", cluster, 2), env=durable_server.env())
+    try:
+        wait_members([r0, r1], ["r0", "r1"])
+        pool = placed("s", "r0", ["r0", "r1"])
+        targets = [r0.address, r1.address]
+        with KVCoordClient(targets, timeout=10.0) as c:
+            c.create_pool(pool, POOL_CONFIG)
+            s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
+            first = c.allocate(pool, allocate("a", list(range(8)), 8).allocate, s.session_id, s.fence)
+            assert not first.result.refused
+        ops = [
+            pb.Operation(allocate=allocate(f"b{n}", [1000 + n, 2000 + n, 3000 + n, 4000 + n], 4).allocate)
+            for n in range(OPS)
+        ]
+        step = pb.StepRequest(
+            pool=pool, session_id=s.session_id, fence=first.fence, idempotency_key="the-one-key",
+            call_sequence=time.time_ns(), ops=ops,
+        )  # fmt: skip
+        flag.unlink(missing_ok=True)
+        with grpc.insecure_channel(r0.address) as channel:
+            stub = pb_grpc.AllocatorStub(channel)
+            proxy.cut()  # r0's write of the Step's record retries until its lease may have ended
+            try:
+                attempt = stub.Step.future(step, timeout=60)
+                time.sleep(0.5)  # applied in slices, its answer kept, its record waiting for the store
+                again = stub.Step.future(step, timeout=60)
+                outcomes: list[pb.StepResponse | grpc.RpcError] = []
+                for call in (attempt, again):
+                    try:
+                        outcomes.append(call.result())
+                    except grpc.RpcError as exc:
+                        outcomes.append(exc)
+            finally:
+                proxy.heal()
+        assert flag.exists(), "the Step was not applied in slices (the test proves nothing)\n" + r0.log()
+        # whoever serves the pool next rebuilt it from the store
+        with KVCoordClient(targets, timeout=10.0) as c:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    view = c.inspect_pool(pool, all_requests=True)
+                    break
+                except Exception:  # noqa: BLE001 - the pool changing owner: asked again
+                    assert time.monotonic() < deadline, r0.log() + r1.log()
+                    time.sleep(0.2)
+        held = {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
+        assert held.get("a") == list(first.result.new_block_ids[0].block_ids), held
+        for name, told in zip(("the Step", "its copy"), outcomes, strict=True):
+            if isinstance(told, grpc.RpcError):
+                assert told.code() == grpc.StatusCode.UNAVAILABLE, (name, told)
+                continue
+            for n, result in enumerate(told.results):
+                blocks = list(result.allocate.new_block_ids[0].block_ids)
+                assert held.get(f"b{n}") == blocks, (
+                    f"{name} was told b{n} holds {blocks}, the pool's next owner holds {held.get(f'b{n}')}\n"
+                    + r0.log()
+                )
+        assert isinstance(outcomes[0], grpc.RpcError), outcomes[0]
+    finally:
+        r0.stop()
+        r1.stop()
+        proxy.close()

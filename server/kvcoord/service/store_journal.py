@@ -61,6 +61,7 @@ import cbor2
 from .durability import JournalRecorder
 from .errors import ServiceError, Status
 from .stalls import run_bounded, stalled_message
+from .store_failures import GivenUp
 from .tasks import uncancelled
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -146,7 +147,7 @@ class PoolStreams:
         self.appended = 0
         self.committed = 0
         self._pending: list[_Item] = []
-        self._failed: list[tuple[int, str]] = []
+        self._failed = GivenUp()
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
         #: told when a pool's records could not be written (it must not be served here)
@@ -209,7 +210,8 @@ class PoolStreams:
         Raises:
             ServiceError: UNAVAILABLE when a record of a pool marked by this task since its last
                 flush (:meth:`answers_on`) was given up since it was marked, even before this flush
-                began (the pool is given up here; its next owner has what was committed).
+                began, or may have been (pruned away: store_failures.py); the pool is given up
+                here, its next owner has what was committed.
         """
         target = self.appended
         marks = _TOUCHED.get() or {}
@@ -217,7 +219,7 @@ class PoolStreams:
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append((min(marks.values(), default=self.committed), target, future))
             await future
-        lost = sorted({pool for g, pool in self._failed if pool in marks and marks[pool] < g <= target})
+        lost = self._failed.lost(marks, target)  # (a record pruned away it cannot tell of: lost too)
         if marks:  # settled: a later flush of this task checks the pools marked again only
             _TOUCHED.set(None)
         if lost:
@@ -272,7 +274,7 @@ class PoolStreams:
             by_pool.setdefault(item.pool, []).append(item)
         for pool, mine in by_pool.items():
             logger.error("the journal of pool %s could not be written to the store: %r", pool, exc)
-            self._failed.extend((i.gseq, pool) for i in mine)
+            self._failed.add(pool, (i.gseq for i in mine))
             stream = self.streams.get(pool)
             if stream is not None and stream.term == mine[0].term:
                 self.close(pool)
@@ -298,9 +300,7 @@ class PoolStreams:
                 fn()
             except Exception:  # noqa: BLE001 - a listener's fault: the writes go on (it used to end them)
                 logger.exception("a listener of the store journal's commits failed")
-        if len(self._failed) > 4096:
-            oldest = min((s for s, _, _ in self._waiters), default=self.committed)
-            self._failed = [(g, p) for g, p in self._failed if g > oldest]
+        self._failed.prune(min((s for s, _, _ in self._waiters), default=self.committed))
 
     async def _write_pool(self, pool: str, items: list[_Item]) -> None:
         """Write ``items`` (one pool's, in order) in guarded transactions; after a base, delete what it covers."""

@@ -364,19 +364,26 @@ class ClusterStore:
         """Delete ``pool`` from the cluster (its catalog entry and its journal in the
         store) only while nobody claims it: True once done; False when a replica
         claimed it or a delete removed it meanwhile (the view is read again: the usual
-        rules then answer)."""
+        rules then answer). Compared on the catalog entry's revision read first (every
+        claim writes it again; a pool made again is a new entry): a delete carried out
+        late never lands on a pool claimed and served since, or made again, whose owner
+        then died (was: "nobody claims it" and "it is in the catalog" held again, and its
+        journal, acknowledged allocations, went)."""
         assert self.streams is not None
         tx = self.client.transactions
-        key = self.key("owners", pool)
-        ok, _ = await self.client.transaction(
-            compare=[tx.version(key) == 0, tx.version(self.key("pools", pool)) > 0],
-            success=[
-                tx.delete(self.key("pools", pool)),
-                tx.delete(self.key("last", pool)),
-                tx.delete(*prefix_range(self.streams.pool_prefix(pool))),
-            ],
-            failure=[],
-        )
+        key, entry = self.key("owners", pool), self.key("pools", pool)
+        found = await self.client.get(entry)
+        ok = False
+        if found is not None:
+            ok, _ = await self.client.transaction(
+                compare=[tx.version(key) == 0, tx.mod(entry) == found.mod_revision],
+                success=[
+                    tx.delete(entry),
+                    tx.delete(self.key("last", pool)),
+                    tx.delete(*prefix_range(self.streams.pool_prefix(pool))),
+                ],
+                failure=[],
+            )
         if ok:
             self.view.catalog.discard(pool)
             logger.warning("deleted pool %s, which no replica served, from the cluster store", pool)

@@ -36,7 +36,11 @@ def store_failed(exc: BaseException) -> bool:
     return isinstance(exc, (exceptions.ClientError, grpc.aio.AioRpcError, TimeoutError, ConnectionError))
 
 
-async def _in_call(call: Awaitable[T], pool: str, what: str) -> T:
+def _never() -> bool:
+    return False
+
+
+async def _in_call(call: Awaitable[T], pool: str, what: str, stopped: Callable[[], bool] = _never) -> T:
     """A store call made inside a client's call (a gRPC handler). A cancellation the
     handler was not asked for (the replica replaced its store client and closed the old
     one under the call: :func:`.tasks.uncancelled`) is answered UNAVAILABLE, which the
@@ -47,6 +51,8 @@ async def _in_call(call: Awaitable[T], pool: str, what: str) -> T:
     reason: the client takes the outcome of a mutation so answered for unknown
     (OutcomeUnknownError). ``what`` tells the caller what the call was doing (and what
     its outcome may be). Any other exception (a bug here) is raised as it is: INTERNAL.
+    Once ``stopped()`` (the replica's cluster stopped under the call: its client closed)
+    the answer says so: the client goes to another replica.
 
     Raises:
         ServiceError: UNAVAILABLE when the store call was cancelled under the handler
@@ -54,20 +60,17 @@ async def _in_call(call: Awaitable[T], pool: str, what: str) -> T:
     """
     try:
         return await uncancelled(call)
-    except CallCancelled:
-        raise ServiceError(
-            Status.UNAVAILABLE,
-            f"pool {pool[:200]!r}: {what}: the cluster store call was cancelled under it (its store client "
-            "was replaced): retry",
-        ) from None
     except Exception as exc:
-        if not store_failed(exc):
+        cancelled = isinstance(exc, CallCancelled)
+        if not cancelled and not store_failed(exc):
             raise
-        raise ServiceError(
-            Status.UNAVAILABLE,
-            f"pool {pool[:200]!r}: {what}: the cluster store call failed ({type(exc).__name__}: "
-            f"{str(exc)[:200]}): retry",
-        ) from None
+        if stopped():
+            why = "this replica is stopping (its cluster store client is closed): retry, another replica answers"
+        elif cancelled:
+            why = "the cluster store call was cancelled under it (its store client was replaced): retry"
+        else:
+            why = f"the cluster store call failed ({type(exc).__name__}: {str(exc)[:200]}): retry"
+        raise ServiceError(Status.UNAVAILABLE, f"pool {pool[:200]!r}: {what}: {why}") from None
 
 
 class ClusterPlacement(Placement):
@@ -78,6 +81,10 @@ class ClusterPlacement(Placement):
         self.cluster = cluster
         self.registry = registry
         self.replica_id = cluster.me.replica_id
+
+    def _stopped(self) -> bool:
+        """The cluster stopped (its store client closed): a store call's failure says so."""
+        return self.cluster.stopped
 
     async def adopt(self, pool: str, state: bytes, from_replica: str, claim_revision: int) -> int:
         """The new owner's side of a handover: load, journal, wait until durable, swap
@@ -126,6 +133,7 @@ class ClusterPlacement(Placement):
                 cluster.take_over(pool, from_replica, claim_revision),
                 pool,
                 "its claim may or may not be swapped",
+                self._stopped,
             )
             if claim is None:
                 registry.remove(pool)
@@ -234,7 +242,10 @@ class ClusterPlacement(Placement):
             unknown: ServiceError | None = None
             try:
                 if await _in_call(
-                    cluster.forget(pool), pool, "its delete in the cluster store may or may not be made"
+                    cluster.forget(pool),
+                    pool,
+                    "its delete in the cluster store may or may not be made",
+                    self._stopped,
                 ):
                     return
             except ServiceError as exc:  # (UNAVAILABLE: the outcome is unknown)
@@ -266,7 +277,10 @@ class ClusterPlacement(Placement):
     async def after_delete(self, pool: str) -> None:
         if self.cluster.streams is None:  # else before_delete did it
             await _in_call(
-                self.cluster.forget(pool), pool, "deleted here; its claim may or may not be released"
+                self.cluster.forget(pool),
+                pool,
+                "deleted here; its claim may or may not be released",
+                self._stopped,
             )
 
     async def delete_unserved(self, pool: str) -> bool:
@@ -293,7 +307,10 @@ class ClusterPlacement(Placement):
             view.moving.add(pool)
             try:
                 await _in_call(
-                    cluster.forget(pool), pool, "its release in the cluster store may or may not be made"
+                    cluster.forget(pool),
+                    pool,
+                    "its release in the cluster store may or may not be made",
+                    self._stopped,
                 )
             finally:
                 view.moving.discard(pool)
@@ -319,7 +336,10 @@ class ClusterPlacement(Placement):
         view.moving.add(pool)  # not rebuilt here meanwhile (recover)
         try:
             return await _in_call(
-                cluster.delete_unclaimed(pool), pool, "its delete in the cluster store may or may not be made"
+                cluster.delete_unclaimed(pool),
+                pool,
+                "its delete in the cluster store may or may not be made",
+                self._stopped,
             )
         finally:
             view.moving.discard(pool)

@@ -109,6 +109,8 @@ class ClusterStore:
         #: told of each claim this replica gains: pool, term (the server records it)
         self.on_term: Callable[[str, int], None] | None = None
         self.stopping = False
+        #: :meth:`stop` closed the client (every store call fails from then on)
+        self.stopped = False
         #: the pools' journals in the store (journal = "store"; None: local only)
         self.streams: PoolStreams | None = None
 
@@ -237,19 +239,22 @@ class ClusterStore:
             await asyncio.sleep(1.0)
 
     async def stop(self) -> None:
-        """Leave the cluster: revoke the lease (the member key and every claim go)."""
+        """Leave the cluster: revoke the lease (the member key and every claim go). The
+        closed client stays :attr:`client`: a store call made after this (a handler's
+        that raced the stop) fails as a store call does (close_client), answered
+        UNAVAILABLE (was: None, the handler's AttributeError answered INTERNAL)."""
         self.stopping = True
         await cancel_and_wait([*self.tasks, *self.retired])
         self.view.valid_until = 0.0
-        if self.client is None:
+        if self.client is None or self.stopped:
             return
+        self.stopped = True
         if self.lease is not None:
             try:
                 await self.client.revoke_lease(self.lease.id)
             except Exception as exc:  # noqa: BLE001 - the lease then ends by itself
                 logger.warning("revoking the cluster lease failed (it ends by itself): %s", exc)
         await close_client(self.client, self.timeout)
-        self.client = None
 
     # -- the view -----------------------------------------------------------------------
     async def refresh(self) -> None:
@@ -398,7 +403,7 @@ class ClusterStore:
         be written, or it holds no state of it): whoever placement names claims it and
         rebuilds it from the store."""
         claim = self.view.claims.get(pool)
-        if claim is None or claim.replica_id != self.me.replica_id or self.client is None:
+        if claim is None or claim.replica_id != self.me.replica_id or self.client is None or self.stopped:
             return
         tx = self.client.transactions
         key = self.key("owners", pool)

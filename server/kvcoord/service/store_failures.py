@@ -1,4 +1,5 @@
-"""The store journal's given-up records, as its flushes ask about them (store_journal.py).
+"""The store journal's failures (store_journal.py): which writes the store refused for
+good (:func:`refused`), and the records given up, as flushes ask about them.
 
 A flush fails when a record of a pool its task marked (``PoolStreams.answers_on``) was
 given up after the mark and no later than the flush's target. The records are kept in a
@@ -16,10 +17,22 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
-__all__ = ["KEEP", "GivenUp"]
+__all__ = ["KEEP", "REFUSALS", "GivenUp", "refused"]
 
 #: given-up records kept before the list is pruned (and pools remembered one by one)
 KEEP = 4096
+#: gRPC statuses of a write the store refused for good (NOSPACE, too large, access; not
+#: "too many requests"): not retried. Any other failure's write may have been made.
+REFUSALS = frozenset({"RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "PERMISSION_DENIED"})
+
+
+def refused(exc: BaseException) -> bool:
+    """The store refused the write (:data:`REFUSALS`; aetcd's error or its cause)."""
+    for error in (exc, exc.__cause__):
+        code, details = getattr(error, "code", None), getattr(error, "details", None)
+        if callable(code) and getattr(code(), "name", None) in REFUSALS:
+            return "too many requests" not in str(details() if callable(details) else "")
+    return False
 
 
 class GivenUp:

@@ -61,7 +61,7 @@ import cbor2
 from .durability import JournalRecorder
 from .errors import ServiceError, Status
 from .stalls import run_bounded, stalled_message
-from .store_failures import GivenUp
+from .store_failures import GivenUp, refused
 from .tasks import uncancelled
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,11 +79,6 @@ TXN_BYTES = 1 << 20
 TXN_OPS = 64
 #: seconds between retries of a write whose outcome is unknown
 RETRY_SECONDS = 0.1
-#: gRPC statuses of a write the store refused for good (NOSPACE, too large, access; not
-#: "too many requests"): not retried. Any other failure's write may have been made.
-REFUSALS = frozenset({"RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "PERMISSION_DENIED"})
-
-
 #: the pools the running task's answer rests on (records it queued, a kept answer's),
 #: each with the records settled when it was marked: a record of the pool given up
 #: since fails its flush (a pool whose records could not be written fails only its calls)
@@ -276,7 +271,7 @@ class PoolStreams:
             logger.error("the journal of pool %s could not be written to the store: %r", pool, exc)
             self._failed.add(pool, (i.gseq for i in mine))
             stream = self.streams.get(pool)
-            if stream is not None and stream.term == mine[0].term:
+            if stream is not None and any(i.term == stream.term for i in mine):  # (its stream's now)
                 self.close(pool)
                 if self.on_lost is not None:
                     try:
@@ -305,9 +300,12 @@ class PoolStreams:
     async def _write_pool(self, pool: str, items: list[_Item]) -> None:
         """Write ``items`` (one pool's, in order) in guarded transactions; after a base, delete what it covers."""
         term = items[0].term
-        if any(i.term != term for i in items):  # a new stream began: the old one's first
+        if any(i.term != term for i in items):  # a new stream began: the old one's first, on its own
             split = next(n for n, i in enumerate(items) if i.term != term)
-            await self._write_pool(pool, items[:split])
+            try:  # (was: its failure, deposed as it is once claimed again, gave the new base up)
+                await self._write_pool(pool, items[:split])
+            except Exception as exc:  # noqa: BLE001 - its flushes fail; the new stream goes on
+                self._give_up(items[:split], exc)
             await self._write_pool(pool, items[split:])
             return
         txns: list[list[tuple[bytes, bytes]]] = [[]]
@@ -366,15 +364,6 @@ class PoolStreams:
             self.txns += 1
             self.bytes += sum(len(v) for _, v in puts)
             return
-
-
-def refused(exc: BaseException) -> bool:
-    """The store refused the write (:data:`REFUSALS`; aetcd's error or its cause)."""
-    for error in (exc, exc.__cause__):
-        code, details = getattr(error, "code", None), getattr(error, "details", None)
-        if callable(code) and getattr(code(), "name", None) in REFUSALS:
-            return "too many requests" not in str(details() if callable(details) else "")
-    return False
 
 
 def encode_item(local_seq: int, record_body: bytes) -> bytes:

@@ -405,6 +405,11 @@ class MutationRunner(PoolTurns):
         await self.registry.recorder.durable()
         return self.positioned(answer)
 
+    def answers_on(self, pool: str) -> None:
+        """The running call's answer rests on ``pool``'s records, its own or not (an
+        Attach retried under its attach_key answers with the first's session: Recorder.answers_on)."""
+        self.registry.recorder.answers_on(pool)
+
     async def committed(self) -> None:
         """Return once every mutation recorded so far is durable (a refusal told after a
         change made without a call of its own: a lapsed session's end, servicer_core.py)."""

@@ -95,7 +95,7 @@ class SessionCalls(ServicerCore):
         # a retry whose first answer was lost gets the session that Attach made; its answer
         # waits for the pool's records as the first's does (marked before the lookup: was, a
         # retry told a session whose record the store write given up lost, its next owner without it)
-        self.registry.recorder.answers_on(service.name)
+        self.mutations.answers_on(service.name)
         s = self.registry.attached_before(service, request.attach_key, tenant.name, request.exclusive)
         new = s is None
         if s is None:

@@ -25,8 +25,8 @@ from kvcoord.client.testing import start_server
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from tcp_proxy import Proxy
-from test_replicas import POOL_CONFIG, placed, wait_members
-from test_store_kept_answer_given_up import LEASE, _config
+from test_replicas import POOL_CONFIG, placed, store_replica_config, wait_members
+from test_store_kept_answer_given_up import LEASE
 
 
 def test_a_retried_attach_whose_session_record_is_given_up_is_not_told_the_session(
@@ -34,8 +34,8 @@ def test_a_retried_attach_whose_session_record_is_given_up_is_not_told_the_sessi
 ) -> None:
     cluster = request.node.name[:40]
     proxy = Proxy(etcd.endpoint)
-    r0 = start_server(_config(proxy.address, "r0", tmp_path / "r0", cluster, LEASE), env=env())
-    r1 = start_server(_config(etcd.endpoint, "r1", tmp_path / "r1", cluster, 2), env=env())
+    r0 = start_server(store_replica_config(proxy.address, "r0", tmp_path / "r0", cluster, LEASE), env=env())
+    r1 = start_server(store_replica_config(etcd.endpoint, "r1", tmp_path / "r1", cluster, 2), env=env())
     try:
         wait_members([r0, r1], ["r0", "r1"])
         pool = placed("k", "r0", ["r0", "r1"])

@@ -25,8 +25,8 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from service.helpers import allocate
 from tcp_proxy import Proxy
-from test_replicas import POOL_CONFIG, placed, wait_members
-from test_store_kept_answer_given_up import LEASE, _config
+from test_replicas import POOL_CONFIG, placed, store_replica_config, wait_members
+from test_store_kept_answer_given_up import LEASE
 
 #: every turn ends after its first slice; the sliced path leaves ``flag`` behind
 _SLICED = """
@@ -55,8 +55,12 @@ def test_a_sliced_step_and_its_copy_whose_store_write_is_given_up_are_not_told_t
     flag = tmp_path / "sliced"
     durable_server.with_sitecustomize(tmp_path, _SLICED.format(flag=str(flag)), monkeypatch)
     proxy = Proxy(etcd.endpoint)
-    r0 = start_server(_config(proxy.address, "r0", tmp_path / "r0", cluster, LEASE), env=durable_server.env())
-    r1 = start_server(_config(etcd.endpoint, "r1", tmp_path / "r1", cluster, 2), env=durable_server.env())
+    r0 = start_server(
+        store_replica_config(proxy.address, "r0", tmp_path / "r0", cluster, LEASE), env=durable_server.env()
+    )
+    r1 = start_server(
+        store_replica_config(etcd.endpoint, "r1", tmp_path / "r1", cluster, 2), env=durable_server.env()
+    )
     try:
         wait_members([r0, r1], ["r0", "r1"])
         pool = placed("s", "r0", ["r0", "r1"])

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
@@ -20,7 +21,6 @@ from .step_pieces import (
     free_pieces,
     inspect_pieces,
     joined_inspection,
-    ops_cap,
     pieces,
     send_free_pieces_async,
     send_in_pieces_async,
@@ -28,11 +28,21 @@ from .step_pieces import (
 
 __all__ = ["AsyncKVCoordClient"]
 
+logger = logging.getLogger(__name__)
+
 
 class AsyncKVCoordClient(AsyncApi):
     """asyncio client: the same methods as :class:`KVCoordClient`. Each RPC method
     builds its request when called and returns a coroutine of the same response type
     (``await client.get_pool(name)`` is a ``GetPoolResponse``)."""
+
+    #: set by close(); later calls raise ValueError, as the blocking client's do
+    closed = False
+
+    def __init__(self, target: str | Sequence[str], **kw: Any) -> None:
+        super().__init__(target, **kw)
+        #: the sessions of Attaches cancelled by their callers, being ended (:meth:`_end_cancelled`)
+        self._endings: set[asyncio.Task[None]] = set()
 
     # grpc.aio binds interceptors (``grpc.aio`` ones, e.g. faults_aio.AsyncFaultInjector)
     # to the channel as it is made, not around it
@@ -55,10 +65,24 @@ class AsyncKVCoordClient(AsyncApi):
         await self.close()
 
     async def close(self) -> None:
+        """Close the channels, once the sessions of cancelled Attaches are ended (waited
+        for up to the client's ``timeout``: one not ended by then ends with its lease)."""
+        if self._endings:
+            _, late = await asyncio.wait(set(self._endings), timeout=self.timeout)
+            for task in late:
+                task.cancel()
+        self.closed = True
         for channel, _ in self._open.values():
             await channel.close()
 
+    def _connection(self, address: str) -> tuple[Any, Any]:
+        if self.closed:  # (grpc.aio would raise its own UsageError)
+            raise ValueError("a call on a closed AsyncKVCoordClient")
+        return super()._connection(address)
+
     async def _call(self, rpc: str, request: Any) -> Any:
+        if self.closed:
+            raise ValueError(f"{rpc} on a closed AsyncKVCoordClient")
         try:
             return await self._attempts(rpc, request)
         except asyncio.CancelledError:
@@ -69,7 +93,38 @@ class AsyncKVCoordClient(AsyncApi):
             # (given_up.py; a key the server applied keeps its answer).
             unknown = OutcomeUnknownError(grpc.StatusCode.CANCELLED, f"{rpc} cancelled by its caller")
             given_up.failed(rpc, request, unknown)
+            if rpc == "Attach":
+                self._end_cancelled(request)
             raise
+
+    def _end_cancelled(self, request: pb.AttachRequest) -> None:
+        """An Attach its caller cancelled may have made a session nobody holds (an
+        exclusive one refuses every other Attach, POOL_EXCLUSIVE, until its lease runs
+        out). In the background: the same Attach sent again under its ``attach_key``
+        (the server answers with the session the first made; if the first never
+        arrived, one is made now), then that session detached. The copy asks for no
+        pool state and no prefix-cache reset (a session the first made is answered
+        whatever it asks). A copy of the first held back on the way and delivered
+        after this is not covered: its session ends with its lease."""
+        again = pb.AttachRequest()
+        again.CopyFrom(request)
+        again.want_pool_state = again.want_engine_state = again.reset_prefix_cache = False
+        task = asyncio.get_running_loop().create_task(self._ended(again))
+        self._endings.add(task)
+        task.add_done_callback(self._endings.discard)
+
+    async def _ended(self, request: pb.AttachRequest) -> None:
+        try:
+            made = await self._attempts("Attach", request)
+            await self._attempts(
+                "Detach", pb.DetachRequest(session_id=made.session_id, fence=made.fence, pool=request.pool)
+            )
+        except KVCoordError as err:
+            logger.warning(
+                "pool %r: the session of a cancelled Attach may be left until its lease ends: %s",
+                request.pool,
+                err,
+            )
 
     async def _attempts(self, rpc: str, request: Any) -> Any:
         routes = self.routes
@@ -116,8 +171,7 @@ class AsyncKVCoordClient(AsyncApi):
         ):
             return cast(Resp, joined_inspection([await self._call("InspectPool", piece) for piece in reads]))
         response = await self._call(rpc.name, request)
-        if (cap := ops_cap(rpc.name, response)) is not None:
-            self.step_piece_ops = cap  # (learned at any Attach, as the blocking client does)
+        self._learn(rpc.name, response)  # (at any Attach, as the blocking client does)
         return cast(Resp, response)
 
     def list_pools(self) -> Coro[pb.ListPoolsResponse]:

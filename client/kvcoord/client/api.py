@@ -24,7 +24,7 @@ from . import _requests as rq
 from .errors import KVCoordError
 from .owners import AGAIN, SETTLE, Routes
 from .retry import DEFAULT_RETRY, Attempts, RetryPolicy
-from .step_pieces import DEFAULT_STEP_PIECE_BYTES
+from .step_pieces import DEFAULT_STEP_PIECE_BYTES, ops_cap
 from .tls import TLSOptions
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "Coro",
     "Rpc",
     "merged",
+    "retry_horizon",
 ]
 
 DEFAULT_TIMEOUT = 10.0
@@ -241,9 +242,26 @@ class Api:
             return None
         return attempts.next_sleep(err, changing=step == SETTLE)
 
+    def _learn(self, rpc: str, response: Any) -> None:
+        """What any Attach answer tells the client, however the Attach was made (a
+        session keeper's or the caller's own ``attach``): the server's max_ops_per_step
+        (``step_piece_ops``, :func:`~kvcoord.client.step_pieces.ops_cap`) and its
+        idempotency window (``retry_horizon``: a keyed call is retried no longer than
+        the server keeps its answer)."""
+        if (cap := ops_cap(rpc, response)) is not None:
+            self.step_piece_ops = cap
+            self.retry_horizon = retry_horizon(response)
+
     @staticmethod
     def _intercepted(channel: Any, interceptors: Sequence[Any]) -> Any:
         return grpc.intercept_channel(channel, *interceptors) if interceptors else channel
+
+
+def retry_horizon(attached: pb.AttachResponse) -> float:
+    """How long keyed calls may be retried after this Attach answer: half the server's
+    idempotency window (a retry must reach it while it still keeps the answer), at
+    least 1 s."""
+    return max(1.0, float(attached.idempotency_window_seconds) / 2)
 
 
 class BlockingApi(Api):

@@ -25,7 +25,6 @@ from .step_pieces import (
     free_pieces,
     inspect_pieces,
     joined_inspection,
-    ops_cap,
     pieces,
     send_free_pieces,
     send_in_pieces,
@@ -147,8 +146,7 @@ class KVCoordClient(BlockingApi):
         ):
             return cast(Resp, joined_inspection([self._call("InspectPool", piece) for piece in reads]))
         response = self._call(rpc.name, request)
-        if (cap := ops_cap(rpc.name, response)) is not None:
-            self.step_piece_ops = cap
+        self._learn(rpc.name, response)
         return cast(Resp, response)
 
     def list_pools(self) -> pb.ListPoolsResponse:

@@ -26,6 +26,7 @@ from typing import Any
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire.leases import LEASE_MARGIN
 
+from .api import retry_horizon
 from .errors import FencedError, KVCoordError, LeaseExpiredError, SessionExpiredError, UnavailableError
 
 __all__ = ["SessionKeeper"]
@@ -92,7 +93,7 @@ class SessionKeeper:
             self.valid_until = sent + self.lease * (1 - LEASE_MARGIN)
             self.proofs = [(sent, self.valid_until)]  # a new session: no proof of the old one counts
             self.lost = None
-        self.client.retry_horizon = max(1.0, float(response.idempotency_window_seconds) / 2)
+        self.client.retry_horizon = retry_horizon(response)
         # a larger Step is sent as several (0: a server before the field, never split by it)
         self.client.step_piece_ops = int(getattr(response, "max_ops_per_step", 0))
         self._wake.set()

@@ -156,3 +156,28 @@ def test_an_attach_its_caller_cancels_leaves_no_session(server: InProcessServer,
         s = other.attach("p", "sha256_cbor", 4, "0", client_name="other", exclusive=True)
         assert [x.session_id for x in other.list_sessions("p").sessions] == [s.session_id]
         assert isinstance(s, pb.AttachResponse)
+
+
+def test_an_attach_sent_again_under_a_cancelled_ones_key_gets_a_live_session(server: InProcessServer) -> None:
+    """The caller cancels an exclusive Attach (it made a session, its answer held back)
+    and sends it again under the same ``attach_key`` at once, as a caller keeping a key
+    until an Attach is answered does: the session it is answered with is live and the
+    pool's only one (not the cancelled one's, detached under it meanwhile)."""
+    hold = HoldAttach(applied=True)
+
+    async def run() -> pb.AttachResponse:
+        async with AsyncKVCoordClient(server.address, timeout=10, interceptors=[hold]) as c:
+            args = ("p", "sha256_cbor", 4, "0")
+            first = asyncio.ensure_future(c.attach(*args, client_name="w", exclusive=True, attach_key="k1"))
+            await asyncio.wait_for(hold.held.wait(), HANG)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            again = await c.attach(*args, client_name="w", exclusive=True, attach_key="k1")
+            await c.heartbeat(again.session_id, again.fence)
+            return again
+
+    again = asyncio.run(run())
+    with KVCoordClient(server.address, timeout=10) as other:
+        assert [s.session_id for s in other.list_sessions("p").sessions] == [again.session_id]
+        other.heartbeat(again.session_id, again.fence)

@@ -41,8 +41,9 @@ class AsyncKVCoordClient(AsyncApi):
 
     def __init__(self, target: str | Sequence[str], **kw: Any) -> None:
         super().__init__(target, **kw)
-        #: the sessions of Attaches cancelled by their callers, being ended (:meth:`_end_cancelled`)
-        self._endings: set[asyncio.Task[None]] = set()
+        #: attach_key -> the ending of the session an Attach cancelled by its caller may
+        #: have made (:meth:`_end_cancelled`)
+        self._endings: dict[str, asyncio.Task[None]] = {}
 
     # grpc.aio binds interceptors (``grpc.aio`` ones, e.g. faults_aio.AsyncFaultInjector)
     # to the channel as it is made, not around it
@@ -68,7 +69,7 @@ class AsyncKVCoordClient(AsyncApi):
         """Close the channels, once the sessions of cancelled Attaches are ended (waited
         for up to the client's ``timeout``: one not ended by then ends with its lease)."""
         if self._endings:
-            _, late = await asyncio.wait(set(self._endings), timeout=self.timeout)
+            _, late = await asyncio.wait(set(self._endings.values()), timeout=self.timeout)
             for task in late:
                 task.cancel()
         self.closed = True
@@ -83,6 +84,10 @@ class AsyncKVCoordClient(AsyncApi):
     async def _call(self, rpc: str, request: Any) -> Any:
         if self.closed:
             raise ValueError(f"{rpc} on a closed AsyncKVCoordClient")
+        if rpc == "Attach" and (ending := self._endings.get(request.attach_key)) is not None:
+            # sent again under the key of one cancelled: after its session was ended (else
+            # it would be answered with that session, then detached under it)
+            await asyncio.wait([ending])
         try:
             return await self._attempts(rpc, request)
         except asyncio.CancelledError:
@@ -104,14 +109,19 @@ class AsyncKVCoordClient(AsyncApi):
         (the server answers with the session the first made; if the first never
         arrived, one is made now), then that session detached. The copy asks for no
         pool state and no prefix-cache reset (a session the first made is answered
-        whatever it asks). A copy of the first held back on the way and delivered
-        after this is not covered: its session ends with its lease."""
+        whatever it asks). An Attach this client sends again under the same key waits
+        for this (a new session, never the one being ended). A copy of the first held
+        back on the way and delivered after this is not covered: its session ends with
+        its lease."""
         again = pb.AttachRequest()
         again.CopyFrom(request)
         again.want_pool_state = again.want_engine_state = again.reset_prefix_cache = False
+        key = request.attach_key
         task = asyncio.get_running_loop().create_task(self._ended(again))
-        self._endings.add(task)
-        task.add_done_callback(self._endings.discard)
+        self._endings[key] = task
+        task.add_done_callback(
+            lambda done: self._endings.pop(key) if self._endings.get(key) is done else None
+        )
 
     async def _ended(self, request: pb.AttachRequest) -> None:
         try:

@@ -308,6 +308,24 @@ def never_sent(err: KVCoordError) -> bool:
     return err.code == grpc.StatusCode.UNAVAILABLE and err.message.startswith(_NOT_SENT)
 
 
+#: how gRPC's RESOURCE_EXHAUSTED reads when a message was over a receive limit; the
+#: server's refusal of a request over its own limit says "SERVER:" before it
+_OVER_LIMIT = "Received message larger than max"
+
+
+def answer_over_limit(err: KVCoordError) -> bool:
+    """``err`` is this client's gRPC refusing an *answer* larger than its own
+    ``max_message_bytes`` (set below the server's, which bounds every answer): the
+    server applied the call and answered it. The server refusing a request over its
+    limit (applied nothing) says "SERVER:" and is not this; a gRPC that names neither
+    side is taken as this (a loud unknown outcome, never a silent "not applied")."""
+    return (
+        err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        and _OVER_LIMIT in err.message
+        and "SERVER:" not in err.message
+    )
+
+
 def status_code(value: int) -> grpc.StatusCode:
     """The StatusCode with this integer value (UNKNOWN for an unknown one)."""
     for code in grpc.StatusCode:

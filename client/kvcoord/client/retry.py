@@ -42,6 +42,7 @@ from .errors import (
     OutcomeUnknownError,
     ResourceExhaustedError,
     UnavailableError,
+    answer_over_limit,
     never_sent,
 )
 
@@ -141,8 +142,13 @@ class Attempts:
     def note(self, err: KVCoordError) -> None:
         """An attempt failed with ``err``: remember whether its outcome is unknown. An
         attempt that was never sent (no connection, a name that did not resolve:
-        :func:`~kvcoord.client.errors.never_sent`) applied nothing: its outcome is known."""
+        :func:`~kvcoord.client.errors.never_sent`) applied nothing: its outcome is known.
+        One whose answer was over this client's ``max_message_bytes`` was applied
+        (:func:`~kvcoord.client.errors.answer_over_limit`): not retried (its answer would
+        be as large again), it ends in OutcomeUnknownError."""
         if type(err) is UnavailableError and err.code in UNKNOWN_OUTCOME and not never_sent(err):
+            self.unknown = True
+        elif answer_over_limit(err):
             self.unknown = True
 
     def settling(self, err: KVCoordError) -> bool:
@@ -202,10 +208,15 @@ class Attempts:
             and self.unknown
             and isinstance(err, (UnavailableError, NotOwnerError, ResourceExhaustedError))
         ):
+            hint = (
+                " (its answer was larger than this client's max_message_bytes: set it to the server's)"
+                if answer_over_limit(err)
+                else ""
+            )
             raise OutcomeUnknownError(
                 err.code,
                 f"the outcome of this call is unknown after {self.attempt + self.settles + 1} attempt(s): "
-                f"{err.message}",
+                f"{err.message}{hint}",
             ) from err
         raise err
 

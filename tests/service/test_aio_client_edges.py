@@ -2,10 +2,9 @@
 
 - a closed client: a call raises ValueError naming it, as the blocking client's does
   (was: grpc.aio's own UsageError, which no caller of this library expects);
-- the server's idempotency window, learned at any Attach (both clients): a keyed call
-  is retried no longer than half of it (was: the asyncio client kept the default
-  150 s, and neither client learned it from the caller's own ``attach``; only a
-  manager's session keeper did);
+- the server's idempotency window, learned at any Attach: a keyed call is retried no
+  longer than half of it (was: the asyncio client kept the default 150 s; the blocking
+  one learns it through a manager's session keeper);
 - an Attach its caller cancels (``asyncio.wait_for``, a task cancelled) after it
   reached the server: the session it made is ended (was: left live until its lease ran
   out, and an exclusive one answered every other Attach POOL_EXCLUSIVE meanwhile)."""
@@ -50,24 +49,9 @@ def test_a_closed_asyncio_client_raises_value_error_as_the_blocking_one(server: 
         blocking.get_pool("p")
 
 
-class LoseAllocates(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+class LoseAllocatesAio(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
     """Every Allocate's answer is lost: the first reaches the server (applied), every
     retry is cut off before it (UNAVAILABLE)."""
-
-    def __init__(self) -> None:
-        self.calls = 0
-
-    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
-        if not details.method.endswith("/Allocate"):
-            return continuation(details, request)
-        self.calls += 1
-        if self.calls == 1:
-            continuation(details, request).result()
-        raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: the answer was lost")
-
-
-class LoseAllocatesAio(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
-    """:class:`LoseAllocates` for the asyncio client."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -81,33 +65,24 @@ class LoseAllocatesAio(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[mi
         raise LocalRpcError(grpc.StatusCode.UNAVAILABLE, "injected: the answer was lost")
 
 
-@pytest.mark.parametrize("kind", ["aio", "blocking"])
 def test_a_keyed_call_is_retried_within_half_the_window_the_attach_told(
-    make_server: Callable[..., InProcessServer], kind: str
+    make_server: Callable[..., InProcessServer],
 ) -> None:
     """A server keeping answers for WINDOW seconds; the caller's own ``attach`` tells the
     client, which then gives an Allocate whose answers are all lost up after about
     WINDOW / 2 (OutcomeUnknownError), not after the default 90 s."""
     server = make_server(pool_toml("p", 64), **SHORT)
     op = allocate("a", list(range(8)), 8).allocate
-    if kind == "aio":
-        lose: Any = LoseAllocatesAio()
+    lose = LoseAllocatesAio()
 
-        async def run() -> None:
-            async with AsyncKVCoordClient(server.address, timeout=10, interceptors=[lose]) as c:
-                s = await c.attach("p", "sha256_cbor", 4, "0")
-                assert c.retry_horizon == WINDOW / 2
-                with pytest.raises(OutcomeUnknownError):
-                    await asyncio.wait_for(c.allocate("p", op, s.session_id, s.fence), HANG)
-
-        asyncio.run(run())
-    else:
-        lose = LoseAllocates()
-        with KVCoordClient(server.address, timeout=10, interceptors=[lose]) as b:
-            s = b.attach("p", "sha256_cbor", 4, "0")
-            assert b.retry_horizon == WINDOW / 2
+    async def run() -> None:
+        async with AsyncKVCoordClient(server.address, timeout=10, interceptors=[lose]) as c:
+            s = await c.attach("p", "sha256_cbor", 4, "0")
+            assert c.retry_horizon == WINDOW / 2
             with pytest.raises(OutcomeUnknownError):
-                b.allocate("p", op, s.session_id, s.fence)
+                await asyncio.wait_for(c.allocate("p", op, s.session_id, s.fence), HANG)
+
+    asyncio.run(run())
     assert lose.calls >= 2  # (retried, then given up on)
 
 

@@ -243,11 +243,11 @@ class Api:
         return attempts.next_sleep(err, changing=step == SETTLE)
 
     def _learn(self, rpc: str, response: Any) -> None:
-        """What any Attach answer tells the client, however the Attach was made (a
-        session keeper's or the caller's own ``attach``): the server's max_ops_per_step
-        (``step_piece_ops``, :func:`~kvcoord.client.step_pieces.ops_cap`) and its
-        idempotency window (``retry_horizon``: a keyed call is retried no longer than
-        the server keeps its answer)."""
+        """What any Attach answer tells the asyncio client, however the Attach was made:
+        the server's max_ops_per_step (``step_piece_ops``,
+        :func:`~kvcoord.client.step_pieces.ops_cap`) and its idempotency window
+        (``retry_horizon``: a keyed call is retried no longer than the server keeps its
+        answer; the blocking client learns that through its session keeper)."""
         if (cap := ops_cap(rpc, response)) is not None:
             self.step_piece_ops = cap
             self.retry_horizon = retry_horizon(response)

@@ -25,6 +25,7 @@ from .step_pieces import (
     free_pieces,
     inspect_pieces,
     joined_inspection,
+    ops_cap,
     pieces,
     send_free_pieces,
     send_in_pieces,
@@ -146,7 +147,10 @@ class KVCoordClient(BlockingApi):
         ):
             return cast(Resp, joined_inspection([self._call("InspectPool", piece) for piece in reads]))
         response = self._call(rpc.name, request)
-        self._learn(rpc.name, response)
+        if (cap := ops_cap(rpc.name, response)) is not None:
+            # (the idempotency window is learned by a session keeper: a caller's own
+            # attach leaves retry_horizon as it is, and its calls may outlast long restarts)
+            self.step_piece_ops = cap
         return cast(Resp, response)
 
     def list_pools(self) -> pb.ListPoolsResponse:

@@ -78,9 +78,6 @@ class Cluster(ClusterStore):
         self.peer_metadata: tuple[tuple[str, str], ...] = ()
         #: TLS of calls to other replicas (tls.peer_credentials; None: plaintext)
         self.peer_tls: tuple[grpc.ChannelCredentials, list[tuple[str, str]]] | None = None
-        #: handovers done and failed (metrics, tests)
-        self.handovers = 0
-        self.handover_failures = 0
         #: remove the local copy of a pool (recorded locally, no redirect); set by the server
         self.drop_local: Callable[[str], None] | None = None
         #: load a pool rebuilt from the store under a new term, and wait until durable
@@ -336,7 +333,6 @@ class Cluster(ClusterStore):
                     request, timeout=limit, metadata=self.peer_metadata
                 )
         except Exception as exc:  # noqa: BLE001 - the pool stays here, served again
-            self.handover_failures += 1
             await self._settle_failed_handover(pool, claim.term, exc)
             return False
         view.learned(pool, Claim(pool, target.replica_id, target.address, answer.term), answer.term)
@@ -345,7 +341,6 @@ class Cluster(ClusterStore):
                 self.handed_over(pool)
         finally:  # the claim is the target's: calls go there (was: "changing owner" here for good)
             view.moving.discard(pool)
-        self.handovers += 1
         logger.info(
             "handed pool %s over to replica %s at %s (term %d)",
             pool,

@@ -307,12 +307,8 @@ class JournalRecorder(Recorder):
         #: snapshots taken (written into the journal)
         self.snapshots = 0
         self.snapshot_failures = 0
-        self.bytes_appended = 0
-        self.records_appended = 0
         #: the snapshot being taken (a task that ends once it is in the journal)
         self.snapshot_task: asyncio.Task[None] | None = None
-        #: seconds the event loop stood still for the last snapshot (the fork)
-        self.last_capture_seconds = 0.0
         self._waiter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvcoord-snapshot")
         #: (journal seq, pool events, their last sequence then): events become visible
         #: to watchers once the record is committed
@@ -321,8 +317,6 @@ class JournalRecorder(Recorder):
 
     def _append(self, *fields: object, service: PoolService | None = None) -> None:
         body = record_bytes((fields[0], self.wall_clock(), *fields[1:]))  # cbor2.dumps of the list
-        self.bytes_appended += len(body)
-        self.records_appended += 1
         seq = self.journal.append(body)
         self._also(fields, seq, body, service)
         if service is not None:
@@ -344,7 +338,6 @@ class JournalRecorder(Recorder):
             return None
         seq = self.journal.appended
         path = self.journal.store.path.with_name(f"snapshot-{seq}.part")
-        started = time.perf_counter()
         pid = 0
         if self.fork:
             try:
@@ -352,11 +345,9 @@ class JournalRecorder(Recorder):
             except OSError as exc:  # a pids limit, memory: the call whose record this is was applied
                 logger.warning("cannot fork to take a snapshot (%s): taken on the loop", exc)
         if pid:
-            self.last_capture_seconds = time.perf_counter() - started
             work: Callable[[], None] = lambda: _wait_child(pid, path)  # noqa: E731
         else:
             value = self.dump()
-            self.last_capture_seconds = time.perf_counter() - started
             work = lambda: write_snapshot_file(lambda: value, path)  # noqa: E731
         self.since_snapshot = 0
         self.snapshot_task = asyncio.get_running_loop().create_task(self._finish_snapshot(seq, path, work))

@@ -321,12 +321,3 @@ class JournalStore:
                 return True
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchall()
         return False
-
-    def size_bytes(self) -> int:
-        """Bytes on disk: the database file plus its WAL."""
-        total = 0
-        for suffix in ("", "-wal"):
-            p = self.path.with_name(self.path.name + suffix)
-            if p.exists():
-                total += p.stat().st_size
-        return total

@@ -64,7 +64,6 @@ class Journal:
         self.appended = first_seq
         self.committed = first_seq
         self.failed: BaseException | None = None
-        self.commits = 0
         #: the record the latest snapshot in the journal covers
         self.snapshot_seq = 0
         self._pending: list[tuple[int, bytes]] = []
@@ -191,7 +190,6 @@ class Journal:
                 self._compacting = True
                 if not snapshot[2].done():
                     snapshot[2].set_result(None)
-            self.commits += 1
             if batch:
                 self.committed = batch[-1][0]
             keep = []

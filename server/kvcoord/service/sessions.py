@@ -188,7 +188,3 @@ class SessionTable:
         lease (0 or less: run out, not yet reaped). Renews nothing."""
         now = self.clock()
         return [(s, s.expires_at - now) for s in sorted(self.of_pool(pool), key=lambda s: s.session_id)]
-
-    def longest_lease_end(self) -> float:
-        """When the last current lease ends (now when there is none)."""
-        return max((s.expires_at for s in self.sessions.values()), default=self.clock())

@@ -88,7 +88,6 @@ class _OnKVCoord(UndoCutShort):
     kvcoord: KVCoordKVCacheManager
     waiting: Any
     running: list[Any]
-    max_num_running_reqs: int
     max_num_scheduled_tokens: int
     kv_cache_config: Any
     cache_config: Any

@@ -46,10 +46,6 @@ __all__ = [
 ]
 
 
-def _invalid(message: str) -> ServiceError:
-    return ServiceError(Status.INVALID, message)
-
-
 # -- operations -------------------------------------------------------------------------
 def fence_from_pb(fence: pb.Fence, present: bool) -> Fence | None:
     """``None`` when the caller sent no fence (nothing to check)."""
@@ -223,7 +219,7 @@ def operation_from_pb(o: pb.Operation, num_groups: int) -> op.Operation:
     if kind == "admit":
         a = o.admit
         return op.Admit([sync_from_pb(r) for r in a.requests], a.token_budget, a.num_lookahead_tokens)
-    raise _invalid("operation has no op set")
+    raise ServiceError(Status.INVALID, "operation has no op set")
 
 
 _Columns = tuple[

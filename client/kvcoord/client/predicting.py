@@ -36,7 +36,7 @@ created again with another configuration is refused for good (PoolChangedError).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
@@ -47,9 +47,10 @@ from kvcoord.wire import free_op
 from .client import KVCoordClient
 from .errors import InvalidArgumentError, KVCoordError
 from .items import KVCacheBlockIds
-from .mirror import UINT32_MAX, BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
+from .mirror import BlockIds, Mirror, MirrorUnavailableError, StaleCacheHitError
 from .predicting_losses import PredictedLosses, PredictionUnavailableError
 from .predicting_reports import PredictedReports
+from .predicting_runs import NOT_TAKEN, PredictedRuns
 from .sender import PredictionMismatchError, StepSender
 from .session import SessionKeeper
 from .tracking import SyncValues
@@ -59,7 +60,7 @@ __all__ = ["NOT_TAKEN", "PredictingKVCacheManager", "PredictionMismatchError", "
 logger = logging.getLogger(__name__)
 
 
-class PredictingKVCacheManager(PredictedLosses, PredictedReports):
+class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports):
     """vLLM KVCacheManager methods over an exclusive kvcoord pool, never waiting.
 
     Args:
@@ -88,9 +89,6 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
             configuration than get_pool said (PoolChangedError).
         RandomSeedError: caching is on and no seed is known.
     """
-
-    #: vLLM 0.33's admission inputs of the allocation being made (``Predicting033KVCacheManager``)
-    admission: tuple[Any, ...] = ()
 
     def __init__(
         self,
@@ -219,66 +217,6 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         if not return_table:
             return KVCacheBlockIds(tuple([list(g) for g in new])) if any(new) else self.no_blocks
         return KVCacheBlockIds(tuple([list(g) for g in new]), table=self.mirror.table(request.request_id))
-
-    def allocate_running(self, request: Any, num_new_tokens: int, num_lookahead_tokens: int = 0) -> object:
-        """``allocate_slots`` of a request the server holds, with only new and look-ahead
-        tokens (a running request's step): its sync and allocation in one engine call,
-        gathered as an entry of the Step's run. The new block ids per group (the engine's
-        tuples: not to be changed), ``None`` (too few free blocks), or ``NOT_TAKEN``,
-        nothing changed (an unregistered request, a failure or lease, other counts)."""
-        keeper = self.keeper
-        if (
-            self.sender.failure is not None or keeper.lost is not None or keeper.clock() >= keeper.valid_until
-            or type(num_new_tokens) is not int or num_new_tokens <= 0
-            or type(num_lookahead_tokens) is not int or num_lookahead_tokens < 0
-            or (self.admission and any(self.admission))
-        ):  # fmt: skip
-            return NOT_TAKEN
-        tracker = self.tracker
-        rid = request.request_id
-        tokens: Sequence[int]
-        hashes: Sequence[bytes]
-        step = tracker.next_token(request)
-        checked = False
-        if step is not None:  # a decode step, above all one inside its blocks: no sync made, one engine check
-            base_t, base_h, token, computed, was, block_hash = step
-            if type(token) is int and token <= UINT32_MAX:  # (else grow names it)
-                mirror = self.mirror
-                if block_hash is None:
-                    new = mirror.decode_token(rid, computed, token, num_new_tokens, num_lookahead_tokens)
-                    if new is not None:
-                        self.sender.add_decode(rid, base_t, base_h, token, computed, num_new_tokens, num_lookahead_tokens, new)  # fmt: skip
-                        return new
-                # a block to take or to cache: one engine call too (grow, if it is not
-                # taken, does not check the inside path again)
-                checked = True
-                new = mirror.decode_step(rid, computed, token, block_hash, num_new_tokens, num_lookahead_tokens)  # fmt: skip
-                if new is not None:
-                    self.sender.add_step(rid, base_t, base_h, token, block_hash, computed, num_new_tokens, num_lookahead_tokens, new)  # fmt: skip
-                    return new
-            mark, tokens = (base_t, base_h, was, True), (token,)  # (as sync_run gives them)
-            hashes = () if block_hash is None else (block_hash,)
-        else:
-            fields = tracker.sync_run(request)
-            if fields is None:
-                return NOT_TAKEN
-            mark, base_t, base_h, tokens, hashes, computed = fields
-        try:
-            new = self.mirror.grow(
-                rid, computed, tokens, hashes, num_new_tokens, num_lookahead_tokens, checked
-            )
-        except BaseException:
-            tracker.restore({rid: mark})
-            raise
-        if new is None:
-            self.sender.refuse(
-                rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens
-            )
-            return None
-        self.sender.add_to_run(
-            rid, base_t, base_h, tokens, hashes, computed, num_new_tokens, num_lookahead_tokens, new
-        )
-        return new
 
     def _allocate(self, request: Any, num_new_tokens: int, num_new_computed_tokens: int,
                   new_computed_blocks: KVCacheBlockIds | None, num_lookahead_tokens: int,
@@ -491,7 +429,3 @@ class PredictingKVCacheManager(PredictedLosses, PredictedReports):
         events and statistics."""
         events, stats = self.mirror.take_step()
         return self.mirror.num_free_blocks, events, stats
-
-
-#: what :meth:`PredictingKVCacheManager.allocate_running` answers for a call it does not take
-NOT_TAKEN = object()

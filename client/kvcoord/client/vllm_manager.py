@@ -304,6 +304,26 @@ class KVCoordKVCacheManager(AdapterLosses):
             )
         ):  # a running request's step (vLLM passes no hit): one call to the engine's decode path
             new = running(request, num_new_tokens, num_lookahead_tokens)
+            if new is not NOT_TAKEN and new is not None and not any(new):
+                # a decode step inside its blocks (most calls): the accounting below, for
+                # these counts, with the request's token count the call read (no property call)
+                if self._tables:
+                    self._tables.pop(rid, None)
+                held.request = request
+                if self.enable_caching:
+                    total = request.num_computed_tokens
+                    if type(total) is not int:
+                        total = int(total)
+                    limit = self.max_model_len
+                    if limit and total > limit:
+                        total = limit
+                    cached = total + num_new_tokens
+                    num_tokens = self.remote.running_tokens  # type: ignore[union-attr]
+                    if cached > num_tokens:
+                        cached = num_tokens
+                    if cached > held.hashed_tokens:
+                        held.hashed_tokens = cached
+                return self.empty_kv_cache_blocks
         tables = self._tables
         if new is NOT_TAKEN:
             if new_computed_blocks is not None:  # vLLM's waiting loop (a running request's passes none)

@@ -6,6 +6,7 @@ the engine recorded any; a reset with no lookup is one (its ``reset`` flag)."""
 from __future__ import annotations
 
 from kvcoord.client import KVCoordClient
+from kvcoord.client.items import NO_STATS
 from kvcoord.client.tracking import SyncValues
 from kvcoord.engine import PrefixCacheStats
 from service.test_mirror_errors import _mirror
@@ -38,3 +39,22 @@ def test_a_reset_without_a_lookup_is_reported_to_both(client: KVCoordClient) -> 
     assert mirror.peek_stats() == reset
     assert mirror.take_stats() == reset and mirror.take_step()[1] == reset
     assert mirror.take_stats() == PrefixCacheStats() and mirror.take_step()[1] == PrefixCacheStats()
+
+
+def test_sums_with_nothing_recorded_make_no_object_and_are_never_shared_out(client: KVCoordClient) -> None:
+    """Most scheduler steps look nothing up: their sums are told without a new object
+    (``take_changed_stats`` is None, a Step's are the shared all-zero ``NO_STATS``),
+    while every sum given out to a caller is still its own object, and a sum with
+    something recorded is the full one, once."""
+    mirror, _ = _mirror(client, "p")
+    assert mirror.take_changed_stats() is None
+    assert mirror.take_step()[1] is NO_STATS and NO_STATS == PrefixCacheStats()
+    first, second = mirror.take_stats(), mirror.take_stats()
+    assert first == second == PrefixCacheStats() and first is not second
+    mirror.apply(SyncValues("a", True, 0, 0, tokens=[1] * 9, hashes=[b"\x01" * 32, b"\x02" * 32]))
+    mirror.lookup("a")
+    one = PrefixCacheStats(requests=1, queries=9)
+    assert mirror.take_changed_stats() == one and mirror.take_changed_stats() is None
+    step = mirror.take_step()[1]
+    assert step == one and step is not NO_STATS
+    assert mirror.take_step()[1] is NO_STATS and NO_STATS == PrefixCacheStats()  # (never changed)

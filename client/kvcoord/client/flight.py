@@ -29,11 +29,13 @@ class Gate:
     def open(self, for_good: bool = False) -> None:
         if for_good:
             self.used = True
-        self._open.set()
+        event = self._open
+        if not event.is_set():  # (only the scheduler's thread opens and shuts it: no race)
+            event.set()
 
     def shut(self) -> None:
         """A Step is handed over now (the sender thread is idle)."""
-        if self.used:
+        if self.used and self._open.is_set():
             self._open.clear()
 
     def wait(self) -> None:

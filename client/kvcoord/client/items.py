@@ -172,6 +172,10 @@ def to_send_again(items: Iterable[Item[Any]]) -> tuple[list[pb.FreeOp], list[Ite
     return frees, [Item(op, no_answer, deferred=True) for op in drops.values()]
 
 
+#: all-zero statistics, shared: a Step's statistics when it recorded none (read, never changed)
+NO_STATS = PrefixCacheStats()
+
+
 class Gathered:
     """A predicted session's Step being gathered: its operations (written in place into its request) and what the mirror
     says their answers are."""
@@ -193,8 +197,8 @@ class Gathered:
         self.num_free_blocks = 0
         #: the mirror's events (the engine's values), digested on the sender thread
         self.events: list[KVCacheEvent] = []
-        #: the mirror's statistics (the engine's value)
-        self.stats = PrefixCacheStats()
+        #: the mirror's statistics (the engine's value; set when the Step is cut)
+        self.stats = NO_STATS
 
 
 class ColumnRun:

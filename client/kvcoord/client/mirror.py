@@ -47,7 +47,7 @@ from kvcoord.wire import config_from_pb
 from kvcoord.wire.rules import rules_fingerprint
 
 from .errors import KVCoordError, error_from_code
-from .items import add_stats
+from .items import NO_STATS, add_stats
 from .tracking import SyncValues
 
 __all__ = ["Mirror", "MirrorUnavailableError", "StaleCacheHitError"]
@@ -133,6 +133,9 @@ class Mirror:
         #: statistics since the Step was cut, and since the scheduler last made them
         self.step_stats = PrefixCacheStats()
         self._user_stats = PrefixCacheStats()
+        #: whether any statistic was added to each sum since it was last taken (else
+        #: taking it makes no new object: most scheduler steps look nothing up)
+        self._step_changed = self._user_changed = False
         self.block_size = engine.config.groups[0].block_size if engine.config.groups else 0
 
     # -- requests -------------------------------------------------------------------------
@@ -340,14 +343,19 @@ class Mirror:
         if stats is not None:
             add_stats(self.step_stats, stats)
             add_stats(self._user_stats, stats)
+            self._step_changed = self._user_changed = True
 
     def take_step(self) -> tuple[list[KVCacheEvent], PrefixCacheStats]:
         """The events and statistics since the previous call: what the server's answer
         to the Step cut now must give (its events digested as a StepResponse's, its
-        statistics as its message: both made on the sender thread)."""
+        statistics as its message: both made on the sender thread). Statistics
+        unchanged since the last call are :data:`NO_STATS` (shared: read, never changed)."""
         self._drain_stats()
         events, self._step_events = self._step_events, []
+        if not self._step_changed:
+            return events, NO_STATS
         stats, self.step_stats = self.step_stats, PrefixCacheStats()
+        self._step_changed = False
         return events, stats
 
     def take_events(self) -> list[Any]:
@@ -357,8 +365,17 @@ class Mirror:
 
     def take_stats(self) -> PrefixCacheStats:
         """The statistics since the previous call (vLLM's make_prefix_cache_stats)."""
+        stats = self.take_changed_stats()
+        return PrefixCacheStats() if stats is None else stats
+
+    def take_changed_stats(self) -> PrefixCacheStats | None:
+        """:meth:`take_stats`, or ``None`` when nothing was recorded since the previous
+        call (every count 0, no reset): no object made for an all-zero sum."""
         self._drain_stats()
+        if not self._user_changed:
+            return None
         stats, self._user_stats = self._user_stats, PrefixCacheStats()
+        self._user_changed = False
         return stats
 
     def peek_stats(self) -> PrefixCacheStats:

@@ -82,6 +82,11 @@ class PredictedReports(SessionFacts):
         vLLM's adapter converts)."""
         return self.mirror.take_stats() if self.log_stats else None
 
+    def take_changed_stats(self) -> PrefixCacheStats | None:
+        """:meth:`take_engine_stats` with stats on, or ``None`` when nothing was recorded
+        since the previous call (every count 0: no object made for it)."""
+        return self.mirror.take_changed_stats()
+
     def _cut(self, wait: bool = False) -> None:
         """End a scheduler step (the manager's: its calls go to the server)."""
         raise NotImplementedError

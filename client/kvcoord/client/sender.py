@@ -131,6 +131,9 @@ class StepSender(StepGathering):
         #: flight is answered (well under the server's max_message_bytes, 16 MiB by default)
         self.max_step_bytes = 4 << 20
         self.pending = Gathered()
+        #: the next Step's empty Gathered, made on the sender thread once it sent the last
+        #: (read and cleared by :meth:`cut` only when no Step is in flight)
+        self.spare: Gathered | None = None
         #: the run of allocations being gathered (the Step's next operation)
         self.run: ColumnRun | None = None
         #: the sender thread's inbox (started by the first cut), and the Step it works on
@@ -377,7 +380,8 @@ class StepSender(StepGathering):
         if self.failure is not None:
             return False  # reported (and everything gathered dropped) by the facade first
         sent = self.pending
-        self.pending = Gathered()
+        spare, self.spare = self.spare, None
+        self.pending = spare if spare is not None else Gathered()
         sent.num_free_blocks, sent.events, sent.stats = state()
         self.backlog = 0
         self.steps_sent += 1
@@ -424,6 +428,8 @@ class StepSender(StepGathering):
             gate.wait()
             try:
                 self._step(sent)
+                if self.spare is None:
+                    self.spare = Gathered()  # (here, not on the scheduler's thread)
             finally:
                 flight.finish()
 

@@ -30,6 +30,7 @@ from .vllm_types import (
     convert_events,
     convert_stats,
     event_converter,
+    zero_stats,
 )
 
 __all__ = ["OUTAGE_ERRORS", "REFUSALS", "KVCoordKVCacheManager", "is_outage"]
@@ -247,7 +248,9 @@ class KVCoordKVCacheManager(AdapterLosses):
             return None
         remote = self.remote
         if isinstance(remote, PredictingKVCacheManager):
-            return convert_stats(remote.take_engine_stats() or PrefixCacheStats())  # no message made and read
+            # the engine's value, no message made and read; none recorded (most steps) makes only vLLM's zero
+            changed = remote.take_changed_stats()
+            return zero_stats() if changed is None else convert_stats(changed)
         stats = remote.make_prefix_cache_stats()
         return convert_stats(stats if stats is not None else pb.PrefixCacheStats())
 

@@ -29,6 +29,7 @@ __all__ = [
     "convert_engine_events",
     "convert_events",
     "convert_stats",
+    "zero_stats",
     "event_converter",
     "vllm_available",
 ]
@@ -179,7 +180,9 @@ def _event_types() -> tuple[Any, Any, Any]:
 
 
 @functools.cache
+@functools.cache
 def _stats_type() -> Any:
+    """vLLM's PrefixCacheStats type, or kvcoord's without vLLM (looked up once)."""
     try:
         from vllm.v1.metrics.stats import PrefixCacheStats as VllmPrefixCacheStats
     except ImportError:
@@ -203,6 +206,11 @@ def convert_stats(stats: pb.PrefixCacheStats | engine.PrefixCacheStats) -> Any:
     for name in STATS_FIELDS:
         setattr(out, name, getattr(stats, name))
     return out
+
+
+def zero_stats() -> Any:
+    """:func:`convert_stats` of all-zero statistics (vLLM's type's defaults)."""
+    return _stats_type()()
 
 
 def convert_events(events: Iterable[pb.KVEvent], *, fields_033: bool = False) -> list[Any]:

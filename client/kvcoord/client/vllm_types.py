@@ -180,7 +180,6 @@ def _event_types() -> tuple[Any, Any, Any]:
 
 
 @functools.cache
-@functools.cache
 def _stats_type() -> Any:
     """vLLM's PrefixCacheStats type, or kvcoord's without vLLM (looked up once)."""
     try:

@@ -23,10 +23,9 @@ from kvcoord.client import KVCoordClient
 from kvcoord.client.errors import SessionExpiredError
 from kvcoord.client.testing import start_server
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from tcp_proxy import Proxy
 from test_replicas import POOL_CONFIG, placed, store_replica_config, wait_members
-from test_store_kept_answer_given_up import LEASE
+from test_store_kept_answer_given_up import LEASE, sent_twice_while_cut
 
 
 def test_a_retried_attach_whose_session_record_is_given_up_is_not_told_the_session(
@@ -47,21 +46,7 @@ def test_a_retried_attach_whose_session_record_is_given_up_is_not_told_the_sessi
             pool=pool, hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", client_name="w",
             lease_seconds=120, attach_key="the-one-attach-key",
         )  # fmt: skip
-        with grpc.insecure_channel(r0.address) as channel:
-            stub = pb_grpc.AllocatorStub(channel)
-            proxy.cut()  # r0's write of the session's record retries until its lease may have ended
-            try:
-                attempt = stub.Attach.future(attach, timeout=60)
-                time.sleep(0.5)  # the session made, its record waiting for the store
-                again = stub.Attach.future(attach, timeout=60)
-                outcomes: list[pb.AttachResponse | grpc.RpcError] = []
-                for call in (attempt, again):
-                    try:
-                        outcomes.append(call.result())
-                    except grpc.RpcError as exc:
-                        outcomes.append(exc)
-            finally:
-                proxy.heal()
+        outcomes = sent_twice_while_cut(proxy, r0.address, "Attach", attach)
         assert isinstance(outcomes[0], grpc.RpcError), outcomes[0]
         assert outcomes[0].code() == grpc.StatusCode.UNAVAILABLE, outcomes[0]
         told = outcomes[1]

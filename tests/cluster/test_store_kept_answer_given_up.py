@@ -13,7 +13,9 @@ same request bytes (one idempotency key) sent on a raw gRPC stub."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -29,6 +31,43 @@ from test_replicas import POOL_CONFIG, placed, store_replica_config, wait_member
 
 #: r0's lease (s): its store write is retried this long, while its copy comes in
 LEASE = 6
+
+
+def sent_twice_while_cut(proxy: Proxy, address: str, method: str, request: Any) -> list[Any]:
+    """``request`` sent to ``address`` by a raw stub's ``method`` (no retry), then the same
+    bytes again 0.5 s later (applied, its answer kept, its record waiting for the store),
+    with r0's way to etcd cut (its store write retries until its lease may have ended):
+    each call's answer or its ``grpc.RpcError``."""
+    with grpc.insecure_channel(address) as channel:
+        call = getattr(pb_grpc.AllocatorStub(channel), method)
+        proxy.cut()
+        try:
+            attempt = call.future(request, timeout=60)
+            time.sleep(0.5)
+            again = call.future(request, timeout=60)
+            outcomes: list[Any] = []
+            for future in (attempt, again):
+                try:
+                    outcomes.append(future.result())
+                except grpc.RpcError as exc:
+                    outcomes.append(exc)
+            return outcomes
+        finally:
+            proxy.heal()
+
+
+def inspected_when_served(targets: list[str], pool: str, logs: Callable[[], str]) -> dict[str, list[int]]:
+    """request -> its blocks, as whoever serves ``pool`` next (rebuilt from the store) holds them."""
+    with KVCoordClient(targets, timeout=10.0) as c:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                view = c.inspect_pool(pool, all_requests=True)
+                break
+            except Exception:  # noqa: BLE001 - the pool changing owner: asked again
+                assert time.monotonic() < deadline, logs()
+                time.sleep(0.2)
+    return {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
 
 
 def test_a_copy_of_a_call_whose_store_write_is_given_up_is_not_told_the_kept_answer(
@@ -51,34 +90,10 @@ def test_a_copy_of_a_call_whose_store_write_is_given_up_is_not_told_the_kept_ans
             pool=pool, session_id=s.session_id, fence=first.fence, idempotency_key="the-one-key",
             call_sequence=time.time_ns(), ops=[pb.Operation(allocate=allocate("b", list(range(100, 108)), 8).allocate)],
         )  # fmt: skip
-        with grpc.insecure_channel(r0.address) as channel:
-            stub = pb_grpc.AllocatorStub(channel)
-            proxy.cut()  # r0's write of the Step's record retries until its lease may have ended
-            try:
-                attempt = stub.Step.future(step, timeout=60)
-                time.sleep(0.5)  # applied, its answer kept, its record waiting for the store
-                again = stub.Step.future(step, timeout=60)
-                outcomes = []
-                for call in (attempt, again):
-                    try:
-                        outcomes.append(call.result())
-                    except grpc.RpcError as exc:
-                        outcomes.append(exc)
-            finally:
-                proxy.heal()
+        outcomes = sent_twice_while_cut(proxy, r0.address, "Step", step)
         assert isinstance(outcomes[0], grpc.RpcError), outcomes[0]
         assert outcomes[0].code() == grpc.StatusCode.UNAVAILABLE, outcomes[0]
-        # whoever serves the pool next rebuilt it from the store
-        with KVCoordClient(targets, timeout=10.0) as c:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    view = c.inspect_pool(pool, all_requests=True)
-                    break
-                except Exception:  # noqa: BLE001 - the pool changing owner: asked again
-                    assert time.monotonic() < deadline, r0.log() + r1.log()
-                    time.sleep(0.2)
-        held = {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
+        held = inspected_when_served(targets, pool, lambda: r0.log() + r1.log())
         assert held.get("a") == list(first.result.new_block_ids[0].block_ids), held
         told = outcomes[1]
         if not isinstance(told, grpc.RpcError):

@@ -22,11 +22,10 @@ from etcd_process import Etcd
 from kvcoord.client import KVCoordClient
 from kvcoord.client.testing import start_server
 from kvcoord.v1 import allocator_pb2 as pb
-from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from service.helpers import allocate
 from tcp_proxy import Proxy
 from test_replicas import POOL_CONFIG, placed, store_replica_config, wait_members
-from test_store_kept_answer_given_up import LEASE
+from test_store_kept_answer_given_up import LEASE, inspected_when_served, sent_twice_while_cut
 
 #: every turn ends after its first slice; the sliced path leaves ``flag`` behind
 _SLICED = """
@@ -79,33 +78,9 @@ def test_a_sliced_step_and_its_copy_whose_store_write_is_given_up_are_not_told_t
             call_sequence=time.time_ns(), ops=ops,
         )  # fmt: skip
         flag.unlink(missing_ok=True)
-        with grpc.insecure_channel(r0.address) as channel:
-            stub = pb_grpc.AllocatorStub(channel)
-            proxy.cut()  # r0's write of the Step's record retries until its lease may have ended
-            try:
-                attempt = stub.Step.future(step, timeout=60)
-                time.sleep(0.5)  # applied in slices, its answer kept, its record waiting for the store
-                again = stub.Step.future(step, timeout=60)
-                outcomes: list[pb.StepResponse | grpc.RpcError] = []
-                for call in (attempt, again):
-                    try:
-                        outcomes.append(call.result())
-                    except grpc.RpcError as exc:
-                        outcomes.append(exc)
-            finally:
-                proxy.heal()
+        outcomes = sent_twice_while_cut(proxy, r0.address, "Step", step)
         assert flag.exists(), "the Step was not applied in slices (the test proves nothing)\n" + r0.log()
-        # whoever serves the pool next rebuilt it from the store
-        with KVCoordClient(targets, timeout=10.0) as c:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    view = c.inspect_pool(pool, all_requests=True)
-                    break
-                except Exception:  # noqa: BLE001 - the pool changing owner: asked again
-                    assert time.monotonic() < deadline, r0.log() + r1.log()
-                    time.sleep(0.2)
-        held = {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
+        held = inspected_when_served(targets, pool, lambda: r0.log() + r1.log())
         assert held.get("a") == list(first.result.new_block_ids[0].block_ids), held
         for name, told in zip(("the Step", "its copy"), outcomes, strict=True):
             if isinstance(told, grpc.RpcError):

@@ -17,36 +17,23 @@ from pathlib import Path
 
 import grpc
 import pytest
-from durable_server import env
 from etcd_process import Etcd
 from kvcoord.client import KVCoordClient
 from kvcoord.client.errors import SessionExpiredError
-from kvcoord.client.testing import start_server
 from kvcoord.v1 import allocator_pb2 as pb
-from tcp_proxy import Proxy
-from test_replicas import POOL_CONFIG, placed, store_replica_config, wait_members
-from test_store_kept_answer_given_up import LEASE, sent_twice_while_cut
+from test_store_kept_answer_given_up import sent_twice_while_cut, two_replicas_r0_behind_proxy
 
 
 def test_a_retried_attach_whose_session_record_is_given_up_is_not_told_the_session(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    cluster = request.node.name[:40]
-    proxy = Proxy(etcd.endpoint)
-    r0 = start_server(store_replica_config(proxy.address, "r0", tmp_path / "r0", cluster, LEASE), env=env())
-    r1 = start_server(store_replica_config(etcd.endpoint, "r1", tmp_path / "r1", cluster, 2), env=env())
-    try:
-        wait_members([r0, r1], ["r0", "r1"])
-        pool = placed("k", "r0", ["r0", "r1"])
-        targets = [r0.address, r1.address]
-        with KVCoordClient(targets, timeout=10.0) as c:
-            c.create_pool(pool, POOL_CONFIG)
-            c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)  # the pool's stream is written
+    with two_replicas_r0_behind_proxy(etcd, tmp_path, request.node.name[:40], "k") as two:
+        two.first_allocation()  # the pool's stream is written
         attach = pb.AttachRequest(
-            pool=pool, hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", client_name="w",
+            pool=two.pool, hash_algo="sha256_cbor", hash_block_size=4, hash_seed="0", client_name="w",
             lease_seconds=120, attach_key="the-one-attach-key",
         )  # fmt: skip
-        outcomes = sent_twice_while_cut(proxy, r0.address, "Attach", attach)
+        outcomes = sent_twice_while_cut(two.proxy, two.r0.address, "Attach", attach)
         assert isinstance(outcomes[0], grpc.RpcError), outcomes[0]
         assert outcomes[0].code() == grpc.StatusCode.UNAVAILABLE, outcomes[0]
         told = outcomes[1]
@@ -54,21 +41,17 @@ def test_a_retried_attach_whose_session_record_is_given_up_is_not_told_the_sessi
             assert told.code() == grpc.StatusCode.UNAVAILABLE, told
             return
         # told the session: whoever serves the pool next must know it
-        with KVCoordClient(targets, timeout=10.0) as c:
+        with KVCoordClient(two.targets, timeout=10.0) as c:
             deadline = time.monotonic() + 60
             while True:
                 try:
-                    c.heartbeat(told.session_id, pool=pool)
+                    c.heartbeat(told.session_id, pool=two.pool)
                     break
                 except SessionExpiredError as exc:
                     raise AssertionError(
                         f"the retried Attach was told session {told.session_id}, the pool's next owner "
-                        f"does not know it: {exc!r}\n{r0.log()}"
+                        f"does not know it: {exc!r}\n{two.r0.log()}"
                     ) from None
                 except Exception as exc:  # noqa: BLE001 - the pool changing owner: asked again
-                    assert time.monotonic() < deadline, f"{exc!r}\n{r0.log()}\n{r1.log()}"
+                    assert time.monotonic() < deadline, f"{exc!r}\n{two.logs()}"
                     time.sleep(0.2)
-    finally:
-        r0.stop()
-        r1.stop()
-        proxy.close()

@@ -21,13 +21,10 @@ import durable_server
 import grpc
 import pytest
 from etcd_process import Etcd
-from kvcoord.client import NO_RETRY, KVCoordClient
-from kvcoord.client.testing import start_server
 from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
 from service.helpers import allocate
-from tcp_proxy import Proxy
-from test_replicas import POOL_CONFIG, placed, store_replica_config, wait_members
+from test_store_kept_answer_given_up import two_replicas_r0_behind_proxy
 
 #: once FLAG exists, the next local journal write takes 3 s (longer than the owner's
 #: 2 s lease, within which its store write is retried and then given up)
@@ -54,52 +51,29 @@ journal.JournalStore.write = _write
 def test_a_call_whose_store_record_is_given_up_during_its_local_commit_is_told_unavailable(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cluster = request.node.name[:40]
     flag = tmp_path / "slow"
-    proxy = Proxy(etcd.endpoint)
-    r1 = start_server(
-        store_replica_config(etcd.endpoint, "r1", tmp_path / "r1", cluster), env=durable_server.env()
-    )
-    durable_server.with_sitecustomize(tmp_path, _SLOW_WRITE.format(flag=str(flag)), monkeypatch)
-    r0 = start_server(
-        store_replica_config(proxy.address, "r0", tmp_path / "r0", cluster), env=durable_server.env()
-    )
-    try:
-        wait_members([r0, r1], ["r0", "r1"])
-        pool = placed("g", "r0", ["r0", "r1"])
-        targets = [r0.address, r1.address]
-        with KVCoordClient(targets, timeout=10.0) as c:
-            c.create_pool(pool, POOL_CONFIG)
-            s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
-            first = c.allocate(pool, allocate("a", list(range(8)), 8).allocate, s.session_id, s.fence)
-            assert not first.result.refused
+    with two_replicas_r0_behind_proxy(
+        etcd, tmp_path, request.node.name[:40], "g", r0_lease=2,
+        before_r0=lambda: durable_server.with_sitecustomize(tmp_path, _SLOW_WRITE.format(flag=str(flag)), monkeypatch),
+    ) as two:  # fmt: skip
+        s, first = two.first_allocation()
         step = pb.StepRequest(
-            pool=pool, session_id=s.session_id, fence=first.fence, idempotency_key="b-key",
+            pool=two.pool, session_id=s.session_id, fence=first.fence, idempotency_key="b-key",
             call_sequence=time.time_ns(), ops=[pb.Operation(allocate=allocate("b", list(range(100, 108)), 8).allocate)],
         )  # fmt: skip
-        with grpc.insecure_channel(r0.address) as channel:
+        with grpc.insecure_channel(two.r0.address) as channel:
             flag.touch()  # the Step's local commit takes 3 s
-            proxy.cut()  # its store write is retried until r0's lease may have ended, then given up
+            two.proxy.cut()  # its store write is retried until r0's lease may have ended, then given up
             try:
                 told: object = pb_grpc.AllocatorStub(channel).Step(step, timeout=60)
             except grpc.RpcError as exc:
                 told = exc
             finally:
-                proxy.heal()
+                two.proxy.heal()
         assert not flag.exists(), "the local commit was not slowed"
-        log = r0.log()
-        assert f"the journal of pool {pool} could not be written to the store" in log, log
-        # whoever serves the pool next rebuilt it from the store
-        with KVCoordClient(targets, timeout=10.0, retry=NO_RETRY) as c:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    view = c.inspect_pool(pool, all_requests=True)
-                    break
-                except Exception:  # noqa: BLE001 - the pool changing owner: asked again
-                    assert time.monotonic() < deadline, r0.log() + r1.log()
-                    time.sleep(0.2)
-        held = {r.request_id: list(r.groups[0].block_ids) for r in view.requests}
+        log = two.r0.log()
+        assert f"the journal of pool {two.pool} could not be written to the store" in log, log
+        held = two.held()
         assert held.get("a") == list(first.result.new_block_ids[0].block_ids), held
         if isinstance(told, pb.StepResponse):
             blocks = list(told.results[0].allocate.new_block_ids[0].block_ids)
@@ -108,7 +82,3 @@ def test_a_call_whose_store_record_is_given_up_during_its_local_commit_is_told_u
             )
         else:
             assert isinstance(told, grpc.RpcError) and told.code() == grpc.StatusCode.UNAVAILABLE, told
-    finally:
-        r0.stop()
-        r1.stop()
-        proxy.close()

@@ -19,13 +19,9 @@ import durable_server
 import grpc
 import pytest
 from etcd_process import Etcd
-from kvcoord.client import KVCoordClient
-from kvcoord.client.testing import start_server
 from kvcoord.v1 import allocator_pb2 as pb
 from service.helpers import allocate
-from tcp_proxy import Proxy
-from test_replicas import POOL_CONFIG, placed, store_replica_config, wait_members
-from test_store_kept_answer_given_up import LEASE, inspected_when_served, sent_twice_while_cut
+from test_store_kept_answer_given_up import sent_twice_while_cut, two_replicas_r0_behind_proxy
 
 #: every turn ends after its first slice; the sliced path leaves ``flag`` behind
 _SLICED = """
@@ -50,37 +46,24 @@ OPS = 40
 def test_a_sliced_step_and_its_copy_whose_store_write_is_given_up_are_not_told_the_answer(
     etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cluster = request.node.name[:40]
     flag = tmp_path / "sliced"
-    durable_server.with_sitecustomize(tmp_path, _SLICED.format(flag=str(flag)), monkeypatch)
-    proxy = Proxy(etcd.endpoint)
-    r0 = start_server(
-        store_replica_config(proxy.address, "r0", tmp_path / "r0", cluster, LEASE), env=durable_server.env()
-    )
-    r1 = start_server(
-        store_replica_config(etcd.endpoint, "r1", tmp_path / "r1", cluster, 2), env=durable_server.env()
-    )
-    try:
-        wait_members([r0, r1], ["r0", "r1"])
-        pool = placed("s", "r0", ["r0", "r1"])
-        targets = [r0.address, r1.address]
-        with KVCoordClient(targets, timeout=10.0) as c:
-            c.create_pool(pool, POOL_CONFIG)
-            s = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
-            first = c.allocate(pool, allocate("a", list(range(8)), 8).allocate, s.session_id, s.fence)
-            assert not first.result.refused
+    with two_replicas_r0_behind_proxy(
+        etcd, tmp_path, request.node.name[:40], "s",
+        before_r0=lambda: durable_server.with_sitecustomize(tmp_path, _SLICED.format(flag=str(flag)), monkeypatch),
+    ) as two:  # fmt: skip
+        s, first = two.first_allocation()
         ops = [
             pb.Operation(allocate=allocate(f"b{n}", [1000 + n, 2000 + n, 3000 + n, 4000 + n], 4).allocate)
             for n in range(OPS)
         ]
         step = pb.StepRequest(
-            pool=pool, session_id=s.session_id, fence=first.fence, idempotency_key="the-one-key",
+            pool=two.pool, session_id=s.session_id, fence=first.fence, idempotency_key="the-one-key",
             call_sequence=time.time_ns(), ops=ops,
         )  # fmt: skip
         flag.unlink(missing_ok=True)
-        outcomes = sent_twice_while_cut(proxy, r0.address, "Step", step)
-        assert flag.exists(), "the Step was not applied in slices (the test proves nothing)\n" + r0.log()
-        held = inspected_when_served(targets, pool, lambda: r0.log() + r1.log())
+        outcomes = sent_twice_while_cut(two.proxy, two.r0.address, "Step", step)
+        assert flag.exists(), "the Step was not applied in slices (the test proves nothing)\n" + two.r0.log()
+        held = two.held()
         assert held.get("a") == list(first.result.new_block_ids[0].block_ids), held
         for name, told in zip(("the Step", "its copy"), outcomes, strict=True):
             if isinstance(told, grpc.RpcError):
@@ -90,10 +73,6 @@ def test_a_sliced_step_and_its_copy_whose_store_write_is_given_up_are_not_told_t
                 blocks = list(result.allocate.new_block_ids[0].block_ids)
                 assert held.get(f"b{n}") == blocks, (
                     f"{name} was told b{n} holds {blocks}, the pool's next owner holds {held.get(f'b{n}')}\n"
-                    + r0.log()
+                    + two.r0.log()
                 )
         assert isinstance(outcomes[0], grpc.RpcError), outcomes[0]
-    finally:
-        r0.stop()
-        r1.stop()
-        proxy.close()

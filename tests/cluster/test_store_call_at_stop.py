@@ -18,18 +18,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import cbor2
 import grpc
 import pytest
 from etcd_process import Etcd
 from kvcoord.client import AsyncKVCoordClient
 from kvcoord.service import journal
-from kvcoord.service.ownership import encode_claim
-from kvcoord.service.registry_state import dump_pool
-from kvcoord.service.server import start_server
-from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
-from test_replicas import POOL_CONFIG, in_process_store_replica
+from replica_here import owned_by_a_gone_replica, replica_here
+from test_replicas import in_process_store_replica
 
 #: a bound on every wait here, not a measurement
 BOUND = 30.0
@@ -56,38 +52,27 @@ def test_an_adopt_whose_claim_swap_comes_after_the_cluster_stopped_is_unavailabl
     monkeypatch.setattr(journal.JournalStore, "write", write)
 
     async def run() -> None:
-        running = await start_server(cfg)
-        cluster = running.cluster
-        assert cluster is not None
-        registry = running.servicer.registry
-        owners = cluster.key("owners", "a")
-        try:
-            async with AsyncKVCoordClient(address, timeout=20.0) as c:
-                await c.create_pool("a", POOL_CONFIG)
-                state = cbor2.dumps(dump_pool(registry, "a", leases=True))  # what a sender sends
-                await c.delete_pool("a")
-            # the pool is another replica's (a member gone from the view: placement then names this one)
-            await cluster.client.put(owners, encode_claim("gone", "127.0.0.1:9"))
-            await cluster.client.put(cluster.key("pools", "a"), b"")
-            await cluster.refresh()
-            revision = cluster.view.term("a")
-            adopt = pb.AdoptPoolRequest(pool="a", state=state, from_replica="gone", claim_revision=revision)
-            async with grpc.aio.insecure_channel(address) as channel:
-                slow.set()
-                call = asyncio.ensure_future(pb_grpc.ReplicasStub(channel).AdoptPool(adopt, timeout=BOUND))
-                for _ in range(int(BOUND / 0.05)):  # bounded: the adopt record's write is held
-                    if held.is_set() or call.done():
-                        break
-                    await asyncio.sleep(0.05)
-                assert held.is_set(), call
-                await cluster.stop()  # the cluster stops while the handler waits for its disk
+        async with replica_here(cfg) as (running, cluster):
+            try:
+                async with AsyncKVCoordClient(address, timeout=20.0) as c:
+                    adopt = await owned_by_a_gone_replica(c, running, cluster, "a")
+                async with grpc.aio.insecure_channel(address) as channel:
+                    slow.set()
+                    call = asyncio.ensure_future(
+                        pb_grpc.ReplicasStub(channel).AdoptPool(adopt, timeout=BOUND)
+                    )
+                    for _ in range(int(BOUND / 0.05)):  # bounded: the adopt record's write is held
+                        if held.is_set() or call.done():
+                            break
+                        await asyncio.sleep(0.05)
+                    assert held.is_set(), call
+                    await cluster.stop()  # the cluster stops while the handler waits for its disk
+                    go.set()
+                    with pytest.raises(grpc.aio.AioRpcError) as failed:
+                        await call
+                assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value  # (was: INTERNAL)
+                assert "stopping" in (failed.value.details() or ""), failed.value.details()
+            finally:
                 go.set()
-                with pytest.raises(grpc.aio.AioRpcError) as failed:
-                    await call
-            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, failed.value  # (was: INTERNAL)
-            assert "stopping" in (failed.value.details() or ""), failed.value.details()
-        finally:
-            go.set()
-            await running.stop(grace=0)
 
     asyncio.run(run())

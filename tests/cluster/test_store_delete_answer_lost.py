@@ -27,7 +27,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import cbor2
 import grpc
 import pytest
 from aetcd import exceptions as aetcd_exceptions  # type: ignore[import-untyped]
@@ -35,21 +34,16 @@ from durable_server import free_port
 from etcd_process import Etcd
 from kvcoord.client import AsyncKVCoordClient, NotFoundError, OutcomeUnknownError, UnavailableError
 from kvcoord.service.cluster import Cluster
-from kvcoord.service.cluster_store import prefix_range, store_client
+from kvcoord.service.cluster_store import prefix_range
 from kvcoord.service.config import ServerConfig, parse_config
-from kvcoord.service.ownership import encode_claim
-from kvcoord.service.registry_state import dump_pool
-from kvcoord.service.server import start_server
-from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.v1 import allocator_pb2_grpc as pb_grpc
+from replica_here import TRIES, owned_by_a_gone_replica, replica_here, store_reader, unclaimed_in_catalog
 from service.helpers import allocate
 from tcp_proxy import Proxy
 from test_replicas import POOL_CONFIG, in_process_store_replica
 
 #: no lease ends while a test holds the store away
 LEASE = 30
-#: attempts of a bounded retry loop (0.5 s apart)
-TRIES = 60
 
 
 def _is_delete(kw: dict[str, Any], keys: set[bytes], unclaimed: bool) -> bool:
@@ -104,21 +98,18 @@ def test_a_delete_whose_store_answer_was_lost_is_settled_and_the_copy_here_remov
     address, cfg = in_process_store_replica(etcd.endpoint, name, tmp_path, LEASE)
 
     async def run() -> None:
-        running = await start_server(cfg)
-        cluster = running.cluster
-        assert cluster is not None
-        plain = cluster.client.transaction
-        keys = {cluster.key("owners", "d")}
-        seen: list[int] = []
+        async with replica_here(cfg) as (running, cluster):
+            plain = cluster.client.transaction
+            keys = {cluster.key("owners", "d")}
+            seen: list[int] = []
 
-        async def tx(**kw: Any) -> Any:
-            answer = await plain(**kw)
-            if _is_delete(kw, keys, False) and not seen:
-                seen.append(1)  # made in etcd; its answer lost
-                raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
-            return answer
+            async def tx(**kw: Any) -> Any:
+                answer = await plain(**kw)
+                if _is_delete(kw, keys, False) and not seen:
+                    seen.append(1)  # made in etcd; its answer lost
+                    raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
+                return answer
 
-        try:
             async with AsyncKVCoordClient(address, timeout=20.0) as c:
                 await c.create_pool("d", POOL_CONFIG)
                 cluster.client.transaction = tx
@@ -129,8 +120,6 @@ def test_a_delete_whose_store_answer_was_lost_is_settled_and_the_copy_here_remov
                 assert await _left_in_store(cluster.client, cluster, "d") == []
                 with pytest.raises(NotFoundError):
                     await c.get_pool("d")
-        finally:
-            await running.stop(grace=0)
 
     asyncio.run(run())
 
@@ -143,12 +132,7 @@ def test_a_delete_whose_answer_was_lost_and_store_unread_is_outcome_unknown_and_
     address, cfg = in_process_store_replica(proxy.address, name, tmp_path, LEASE)
 
     async def run() -> None:
-        running = await start_server(cfg)
-        cluster = running.cluster
-        assert cluster is not None
-        other = store_client(etcd.endpoint, 5.0)
-        await other.connect()
-        try:
+        async with replica_here(cfg) as (running, cluster), store_reader(etcd.endpoint) as other:
             async with AsyncKVCoordClient(address, timeout=20.0) as c:
                 await c.create_pool("d", POOL_CONFIG)
                 seen: list[int] = []
@@ -174,12 +158,11 @@ def test_a_delete_whose_answer_was_lost_and_store_unread_is_outcome_unknown_and_
                 with pytest.raises(NotFoundError):
                     await c.get_pool("d")
                 assert await _left_in_store(other, cluster, "d") == []
-        finally:
-            await other.close()
-            await running.stop(grace=0)
-            proxy.close()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        proxy.close()
 
 
 def test_a_delete_of_a_pool_nobody_serves_whose_answer_was_lost_is_outcome_unknown(
@@ -194,19 +177,8 @@ def test_a_delete_of_a_pool_nobody_serves_whose_answer_was_lost_is_outcome_unkno
     address, cfg = in_process_store_replica(proxy.address, name, tmp_path, LEASE)
 
     async def run() -> None:
-        running = await start_server(cfg)
-        cluster = running.cluster
-        assert cluster is not None
-        other = store_client(etcd.endpoint, 5.0)
-        await other.connect()
-        try:
-            cluster._retry_at["gone"] = float("inf")  # not taken over here (it has no journal to rebuild)
-            await other.put(cluster.key("pools", "gone"), b"")  # in the catalog, unclaimed
-            for _ in range(TRIES):  # bounded: the watch reads it
-                if "gone" in cluster.view.catalog:
-                    break
-                await asyncio.sleep(0.5)
-            assert "gone" in cluster.view.catalog and "gone" not in cluster.view.claims
+        async with replica_here(cfg) as (running, cluster), store_reader(etcd.endpoint) as other:
+            await unclaimed_in_catalog(other, cluster, "gone")
             async with AsyncKVCoordClient(address, timeout=20.0) as c:
                 seen: list[int] = []
                 cluster.client.transaction = _forget_answer_lost(proxy, cluster, "gone", seen, True)
@@ -224,12 +196,11 @@ def test_a_delete_of_a_pool_nobody_serves_whose_answer_was_lost_is_outcome_unkno
                         await asyncio.sleep(0.5)
                 else:
                     pytest.fail(f"the retried delete did not find the pool gone within {TRIES} attempts")
-        finally:
-            await other.close()
-            await running.stop(grace=0)
-            proxy.close()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        proxy.close()
 
 
 def test_a_delete_landing_late_in_the_store_leaves_the_pool_made_again_since(
@@ -247,20 +218,17 @@ def test_a_delete_landing_late_in_the_store_leaves_the_pool_made_again_since(
     address, cfg = in_process_store_replica(etcd.endpoint, name, tmp_path, LEASE)
 
     async def run() -> None:
-        running = await start_server(cfg)
-        cluster = running.cluster
-        assert cluster is not None
-        plain = cluster.client.transaction
-        owners = cluster.key("owners", "d")
-        held: list[dict[str, Any]] = []
+        async with replica_here(cfg) as (running, cluster):
+            plain = cluster.client.transaction
+            owners = cluster.key("owners", "d")
+            held: list[dict[str, Any]] = []
 
-        async def tx(**kw: Any) -> Any:
-            if not held and _is_delete(kw, {owners}, False):
-                held.append(kw)  # forget (4 deletes): on its way, no answer for now
-                raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
-            return await plain(**kw)
+            async def tx(**kw: Any) -> Any:
+                if not held and _is_delete(kw, {owners}, False):
+                    held.append(kw)  # forget (4 deletes): on its way, no answer for now
+                    raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
+                return await plain(**kw)
 
-        try:
             async with AsyncKVCoordClient(address, timeout=20.0) as c:
                 await c.create_pool("d", POOL_CONFIG)
                 first_term = cluster.view.term("d")
@@ -286,8 +254,6 @@ def test_a_delete_landing_late_in_the_store_leaves_the_pool_made_again_since(
                 )
                 view = await c.inspect_pool("d", all_requests=True)
                 assert {r.request_id: list(r.groups[0].block_ids) for r in view.requests}["a"] == blocks
-        finally:
-            await running.stop(grace=0)
 
     asyncio.run(run())
 
@@ -316,21 +282,23 @@ def test_a_release_landing_late_leaves_the_pool_made_again_under_local_journals(
     address, cfg = _local_replica(etcd, request.node.name[:40], tmp_path)
 
     async def run() -> None:
-        running = await start_server(cfg)
-        cluster = running.cluster
-        assert cluster is not None
-        plain = cluster.client.transaction
-        owners = cluster.key("owners", "d")
-        held: list[dict[str, Any]] = []
+        async with replica_here(cfg) as (running, cluster):
+            plain = cluster.client.transaction
+            owners = cluster.key("owners", "d")
+            held: list[dict[str, Any]] = []
 
-        async def tx(**kw: Any) -> Any:
-            compare = {c.key for c in kw.get("compare", [])}
-            if not held and compare == {owners} and len(kw.get("success", [])) == 3 and not kw.get("failure"):
-                held.append(kw)  # forget (3 deletes, no journal in the store): on its way, no answer
-                raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
-            return await plain(**kw)
+            async def tx(**kw: Any) -> Any:
+                compare = {c.key for c in kw.get("compare", [])}
+                if (
+                    not held
+                    and compare == {owners}
+                    and len(kw.get("success", [])) == 3
+                    and not kw.get("failure")
+                ):
+                    held.append(kw)  # forget (3 deletes, no journal in the store): on its way, no answer
+                    raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
+                return await plain(**kw)
 
-        try:
             async with AsyncKVCoordClient(address, timeout=20.0) as c:
                 await c.create_pool("d", POOL_CONFIG)
                 cluster.client.transaction = tx
@@ -348,8 +316,6 @@ def test_a_release_landing_late_leaves_the_pool_made_again_under_local_journals(
                 after = await cluster.client.get(owners)
                 assert after is not None and after.mod_revision == claim.mod_revision
                 assert await cluster.client.get(cluster.key("pools", "d")) is not None
-        finally:
-            await running.stop(grace=0)
 
     asyncio.run(run())
 
@@ -366,26 +332,23 @@ def test_a_release_that_failed_under_local_journals_is_made_by_the_retried_delet
     address, cfg = _local_replica(etcd, request.node.name[:40], tmp_path)
 
     async def run() -> None:
-        running = await start_server(cfg)
-        cluster = running.cluster
-        assert cluster is not None
-        plain = cluster.client.transaction
-        owners, catalog = cluster.key("owners", "d"), cluster.key("pools", "d")
-        failed: list[int] = []
+        async with replica_here(cfg) as (running, cluster):
+            plain = cluster.client.transaction
+            owners, catalog = cluster.key("owners", "d"), cluster.key("pools", "d")
+            failed: list[int] = []
 
-        async def tx(**kw: Any) -> Any:
-            compare = {c.key for c in kw.get("compare", [])}
-            if (
-                not failed
-                and compare == {owners}
-                and len(kw.get("success", [])) == 3
-                and not kw.get("failure")
-            ):
-                failed.append(1)  # forget, never sent
-                raise aetcd_exceptions.ConnectionFailedError("failed to connect to all addresses")
-            return await plain(**kw)
+            async def tx(**kw: Any) -> Any:
+                compare = {c.key for c in kw.get("compare", [])}
+                if (
+                    not failed
+                    and compare == {owners}
+                    and len(kw.get("success", [])) == 3
+                    and not kw.get("failure")
+                ):
+                    failed.append(1)  # forget, never sent
+                    raise aetcd_exceptions.ConnectionFailedError("failed to connect to all addresses")
+                return await plain(**kw)
 
-        try:
             async with AsyncKVCoordClient(address, timeout=20.0) as c:
                 await c.create_pool("d", POOL_CONFIG)
                 cluster.client.transaction = tx
@@ -400,8 +363,6 @@ def test_a_release_that_failed_under_local_journals_is_made_by_the_retried_delet
                 assert await cluster.client.get(catalog) is None, "the deleted pool is kept in the catalog"
                 with pytest.raises(NotFoundError):
                     await c.get_pool("d")
-        finally:
-            await running.stop(grace=0)
 
     asyncio.run(run())
 
@@ -417,35 +378,22 @@ def test_an_adopt_whose_claim_swap_answer_was_lost_is_unavailable_and_settled(
     address, cfg = in_process_store_replica(etcd.endpoint, request.node.name[:40], tmp_path, LEASE)
 
     async def run() -> None:
-        running = await start_server(cfg)
-        cluster = running.cluster
-        assert cluster is not None
-        registry = running.servicer.registry
-        plain = cluster.client.transaction
-        owners = cluster.key("owners", "a")
-        lost: list[int] = []
+        async with replica_here(cfg) as (running, cluster):
+            plain = cluster.client.transaction
+            owners = cluster.key("owners", "a")
+            lost: list[int] = []
 
-        async def tx(**kw: Any) -> Any:
-            answer = await plain(**kw)
-            swap = {c.key for c in kw.get("compare", [])} == {owners} and len(kw.get("success", [])) == 2
-            if swap and not lost:
-                lost.append(1)  # made in etcd; its answer lost
-                raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
-            return answer
+            async def tx(**kw: Any) -> Any:
+                answer = await plain(**kw)
+                swap = {c.key for c in kw.get("compare", [])} == {owners} and len(kw.get("success", [])) == 2
+                if swap and not lost:
+                    lost.append(1)  # made in etcd; its answer lost
+                    raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
+                return answer
 
-        try:
             async with AsyncKVCoordClient(address, timeout=20.0) as c:
-                await c.create_pool("a", POOL_CONFIG)
-                state = cbor2.dumps(dump_pool(registry, "a", leases=True))  # what a sender sends
-                await c.delete_pool("a")
-            # the pool is another replica's (a member gone from the view: placement then names this one)
-            await cluster.client.put(owners, encode_claim("gone", "127.0.0.1:9"))
-            await cluster.client.put(cluster.key("pools", "a"), b"")
-            await cluster.refresh()
-            revision = cluster.view.term("a")
-            assert cluster.view.claims["a"].replica_id == "gone"
+                adopt = await owned_by_a_gone_replica(c, running, cluster, "a")
             cluster.client.transaction = tx
-            adopt = pb.AdoptPoolRequest(pool="a", state=state, from_replica="gone", claim_revision=revision)
             async with grpc.aio.insecure_channel(address) as channel:
                 with pytest.raises(grpc.aio.AioRpcError) as failed:
                     await pb_grpc.ReplicasStub(channel).AdoptPool(adopt, timeout=20)
@@ -461,7 +409,5 @@ def test_an_adopt_whose_claim_swap_answer_was_lost_is_unavailable_and_settled(
                 else:
                     pytest.fail(f"the adopted pool was not served within {TRIES} attempts")
             assert cluster.view.holds("a")
-        finally:
-            await running.stop(grace=0)
 
     asyncio.run(run())

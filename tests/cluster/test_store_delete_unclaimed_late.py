@@ -25,15 +25,13 @@ from aetcd import exceptions as aetcd_exceptions  # type: ignore[import-untyped]
 from etcd_process import Etcd
 from kvcoord.client import AsyncKVCoordClient, NotFoundError, OutcomeUnknownError
 from kvcoord.service.cluster import Cluster
-from kvcoord.service.cluster_store import prefix_range, store_client
+from kvcoord.service.cluster_store import prefix_range
 from kvcoord.service.ownership import encode_claim
-from kvcoord.service.server import start_server
+from replica_here import TRIES, replica_here, store_reader, unclaimed_in_catalog
 from test_replicas import in_process_store_replica
 
 #: no lease of r0 ends while a test holds a delete
 LEASE = 30
-#: attempts of a bounded wait (0.5 s apart)
-TRIES = 60
 
 
 async def _owner_came_and_died(other: Any, cluster: Cluster, pool: str) -> list[bytes]:
@@ -67,30 +65,19 @@ def test_a_late_delete_of_a_pool_nobody_served_leaves_the_pool_served_since(
     address, cfg = in_process_store_replica(etcd.endpoint, name, tmp_path, LEASE)
 
     async def run() -> None:
-        running = await start_server(cfg)
-        cluster = running.cluster
-        assert cluster is not None
-        other = store_client(etcd.endpoint, 5.0)
-        await other.connect()
-        plain = cluster.client.transaction
-        entry = cluster.key("pools", "gone")
-        held: list[dict[str, Any]] = []
+        async with replica_here(cfg) as (_, cluster), store_reader(etcd.endpoint) as other:
+            plain = cluster.client.transaction
+            entry = cluster.key("pools", "gone")
+            held: list[dict[str, Any]] = []
 
-        async def tx(**kw: Any) -> Any:
-            compare = {c.key for c in kw.get("compare", [])}
-            if not held and entry in compare and cluster.key("owners", "gone") in compare:
-                held.append(kw)  # delete_unclaimed: on its way, no answer for now
-                raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
-            return await plain(**kw)
+            async def tx(**kw: Any) -> Any:
+                compare = {c.key for c in kw.get("compare", [])}
+                if not held and entry in compare and cluster.key("owners", "gone") in compare:
+                    held.append(kw)  # delete_unclaimed: on its way, no answer for now
+                    raise aetcd_exceptions.ConnectionTimeoutError("Deadline Exceeded")
+                return await plain(**kw)
 
-        try:
-            cluster._retry_at["gone"] = float("inf")  # not rebuilt here (the test plays its owners)
-            await other.put(entry, b"")  # in the catalog, unclaimed
-            for _ in range(TRIES):  # bounded: the watch reads it
-                if "gone" in cluster.view.catalog:
-                    break
-                await asyncio.sleep(0.5)
-            assert "gone" in cluster.view.catalog and "gone" not in cluster.view.claims
+            await unclaimed_in_catalog(other, cluster, "gone")
             async with AsyncKVCoordClient(address, timeout=20.0) as c:
                 cluster.client.transaction = tx
                 with pytest.raises(OutcomeUnknownError):
@@ -107,8 +94,5 @@ def test_a_late_delete_of_a_pool_nobody_served_leaves_the_pool_served_since(
             ok, _ = await plain(**held[0])  # the first delete, carried out late
             assert not ok, f"the late delete of a pool nobody served deleted the pool {meanwhile} since"
             assert await _left(other, cluster, "gone") == [entry, *journal]
-        finally:
-            await other.close()
-            await running.stop(grace=0)
 
     asyncio.run(run())

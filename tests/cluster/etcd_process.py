@@ -8,11 +8,13 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aetcd
 import pytest
+from kvcoord.service.store_journal import PoolStreams
 from ports import free_ports
 from tcp_proxy import Proxy
 
@@ -317,3 +319,15 @@ async def put_claim(c: aetcd.Client, key: bytes) -> int:
     """Write an ownership claim of replica r0 at ``key``; its revision (a journal's term)."""
     put = await c.put(key, b'{"replica": "r0", "address": "x"}')
     return int(put.header.revision)
+
+
+@asynccontextmanager
+async def pool_streams(
+    etcd: Etcd, request: pytest.FixtureRequest, snapshot_every: int = 1 << 20
+) -> AsyncIterator[tuple[aetcd.Client, PoolStreams]]:
+    """A client of ``etcd`` and the store journal's pool streams over it, under a key
+    prefix of the test's own (its name), always writable (no lease to lose); a base
+    every ``snapshot_every`` records (by default never, in a test's few)."""
+    prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
+    async with store_client(etcd) as c:
+        yield c, PoolStreams(lambda: c, prefix, lambda: True, snapshot_every=snapshot_every)

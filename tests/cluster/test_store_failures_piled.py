@@ -17,7 +17,7 @@ import contextvars
 
 import cbor2
 import pytest
-from etcd_process import Etcd, put_claim, store_client
+from etcd_process import Etcd, pool_streams, put_claim
 from kvcoord.service.errors import ServiceError, Status
 from kvcoord.service.store_journal import PoolStreams
 
@@ -45,11 +45,8 @@ async def _outcome(call: asyncio.Task[None]) -> str:
 def test_a_flush_whose_record_failed_with_a_pile_of_others_is_told_unavailable(
     etcd: Etcd, request: pytest.FixtureRequest
 ) -> None:
-    prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
-
     async def run() -> None:
-        async with store_client(etcd) as c:
-            streams = PoolStreams(lambda: c, prefix, lambda: True, snapshot_every=1 << 20)
+        async with pool_streams(etcd, request) as (c, streams):
             await _deposed(c, streams, "pile")
             await _deposed(c, streams, "v")
 
@@ -73,11 +70,8 @@ def test_a_flush_whose_record_failed_with_a_pile_of_others_is_told_unavailable(
 def test_a_call_that_marked_its_pool_before_a_pile_of_failures_is_told_unavailable(
     etcd: Etcd, request: pytest.FixtureRequest
 ) -> None:
-    prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
-
     async def run() -> None:
-        async with store_client(etcd) as c:
-            streams = PoolStreams(lambda: c, prefix, lambda: True, snapshot_every=1 << 20)
+        async with pool_streams(etcd, request) as (c, streams):
             await _deposed(c, streams, "v")
             local_commit = asyncio.Event()
             failed = asyncio.Event()

@@ -14,20 +14,17 @@ import aetcd
 import aetcd.exceptions
 import cbor2
 import pytest
-from etcd_process import Etcd, put_claim, store_client
+from etcd_process import Etcd, pool_streams, put_claim
 from kvcoord.service.errors import ServiceError, Status
-from kvcoord.service.store_journal import PART_BYTES, PoolStreams
+from kvcoord.service.store_journal import PART_BYTES
 from kvcoord.service.store_rebuild import stream_rows
 
 
 def test_big_records_round_trip_and_a_deposed_owner_cannot_write(
     etcd: Etcd, request: pytest.FixtureRequest
 ) -> None:
-    prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
-
     async def run() -> None:
-        async with store_client(etcd) as c:
-            streams = PoolStreams(lambda: c, prefix, lambda: True, snapshot_every=3)
+        async with pool_streams(etcd, request, 3) as (c, streams):
             term = await put_claim(c, streams.owner_key("p"))
             big = os.urandom(3 * PART_BYTES + 17)  # four parts, over etcd's 1.5 MiB request limit
             streams.open("p", term, cbor2.dumps([0, ["base", 0.0, big]]))
@@ -91,15 +88,13 @@ def test_a_write_the_store_refuses_gives_the_pool_up_at_once(
     valid: the call waiting for it hung (flush never returned). A refusal is final:
     the pool is given up here at once, and the caller told UNAVAILABLE."""
     etcd = Etcd(tmp_path, ("--quota-backend-bytes", str(1 << 20)))
-    prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
 
     async def run() -> None:
-        async with store_client(etcd) as c:
-            streams = PoolStreams(lambda: c, prefix, lambda: True, snapshot_every=40)
+        async with pool_streams(etcd, request, 40) as (c, streams):
             term = await put_claim(c, streams.owner_key("p"))
             for n in range(100):  # bounded: 100 KB a put, the quota is 1 MiB
                 try:
-                    await c.put(prefix + b"fill/%d" % n, os.urandom(100_000))
+                    await c.put(streams.prefix + b"fill/%d" % n, os.urandom(100_000))
                 except aetcd.exceptions.ClientError as exc:
                     assert "space exceeded" in str(exc), exc
                     break

@@ -19,20 +19,16 @@ import contextvars
 
 import cbor2
 import pytest
-from etcd_process import Etcd, put_claim, store_client
+from etcd_process import Etcd, pool_streams, put_claim
 from kvcoord.service.errors import ServiceError, Status
-from kvcoord.service.store_journal import PoolStreams
 from kvcoord.service.store_rebuild import stream_rows
 
 
 def test_a_new_terms_records_in_a_batch_with_the_old_terms_are_written(
     etcd: Etcd, request: pytest.FixtureRequest
 ) -> None:
-    prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
-
     async def run() -> None:
-        async with store_client(etcd) as c:
-            streams = PoolStreams(lambda: c, prefix, lambda: True, snapshot_every=1 << 20)
+        async with pool_streams(etcd, request) as (c, streams):
             lost: list[str] = []
             streams.on_lost = lost.append
             old = await put_claim(c, streams.owner_key("p"))
@@ -82,11 +78,9 @@ def test_a_new_terms_records_failing_in_a_batch_with_the_old_terms_give_the_pool
     """Both terms' records fail (the claim moved on past the new term too): the pool is
     given up here (was: the failure taken for the old term's, the pool served on at a
     term whose base is nowhere)."""
-    prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
 
     async def run() -> None:
-        async with store_client(etcd) as c:
-            streams = PoolStreams(lambda: c, prefix, lambda: True, snapshot_every=1 << 20)
+        async with pool_streams(etcd, request) as (c, streams):
             lost: list[str] = []
             streams.on_lost = lost.append
             old = await put_claim(c, streams.owner_key("p"))

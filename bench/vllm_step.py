@@ -3,7 +3,8 @@
     KVCOORD_VENV=$(scripts/install_vllm.sh --print-venv)
     PYTHONPATH=client:server:tests PYTHONHASHSEED=0 $KVCOORD_VENV/bin/python bench/vllm_step.py \\
         [--running 16 64 256] [--steps 200] [--warmup 150] [--layouts full full+swa] \\
-        [--kinds sync async] [--modes exclusive predicted] [--model-ms 5 0] [--pools ample fill] [--rounds 3]
+        [--kinds sync async] [--modes exclusive predicted] [--model-ms 5 0] [--pools ample fill] [--rounds 3] \\
+        [--model-touch-mb 8] [--switch-interval 0.0002]
 
 For each number of running requests the same seeded workload (prompts 256-900 tokens,
 half sharing one of 8 prefixes, 16-128 output tokens, token budget 8,192, full attention
@@ -85,6 +86,10 @@ from vllm.v1.request import Request  # noqa: E402
 VOCAB = 1000
 
 
+#: memory the model's run writes before its sleep (``--model-touch-mb``; empty: none)
+MODEL_TOUCHES = bytearray()
+
+
 def run(
     sched: Any,
     running: int,
@@ -144,6 +149,8 @@ def run(
         if gap is not None:
             gap(True)
         if model_s:
+            if MODEL_TOUCHES:
+                MODEL_TOUCHES[:] = bytes(len(MODEL_TOUCHES))  # the run's host work: caches cold after it
             time.sleep(model_s)
         if gap is not None:
             gap(False)
@@ -419,7 +426,20 @@ def main() -> None:
         help="each row this many times, vLLM's and kvcoord's in turns (the order alternating), "
         "with the medians of the paired ratios: the same row run twice differs by as much as the gap",
     )  # fmt: skip
+    ap.add_argument(
+        "--model-touch-mb", type=int, default=0,
+        help="the model's run first writes this many MiB (both managers alike), so that the "
+        "scheduler's next calls start with caches as cold as after a real forward's host work",
+    )  # fmt: skip
+    ap.add_argument(
+        "--switch-interval", type=float, default=None,
+        help="sys.setswitchinterval (s) for the run: how long a thread waiting for the GIL "
+        "waits before the holder is asked to drop it (Python's default 0.005)",
+    )  # fmt: skip
     args = ap.parse_args()
+    MODEL_TOUCHES.extend(bytes(args.model_touch_mb << 20))
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     os.environ.setdefault("PYTHONHASHSEED", "0")
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'client'}:{ROOT / 'server'}")
     server = start_server("", env=env)

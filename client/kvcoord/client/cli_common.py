@@ -123,6 +123,13 @@ class Connection:
         except ValueError as exc:
             raise CliFailure(str(exc), EXIT_USAGE) from None
 
+    def show(self, value: Any, text: str) -> None:
+        """A command's answer, the one printer: ``value`` as JSON with --json, else ``text``."""
+        if self.as_json:
+            emit_json(value)
+        else:
+            click.echo(text)
+
     @contextmanager
     def client(self) -> Iterator[KVCoordClient]:
         """A client; a server error inside becomes a one-line failure."""

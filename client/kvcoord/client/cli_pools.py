@@ -112,12 +112,9 @@ def status(conn: Connection) -> None:
                 rows.append({**_pool_row(info), "unreadable": one_line(err.message)})
                 continue
             rows.append(pool_status(info, stats))
-    if conn.as_json:
-        emit_json({"target": conn.target, "pools": rows})
-    elif rows:
-        click.echo(status_table(rows))
-    else:
-        click.echo(f"no pools on {conn.target}")
+    conn.show(
+        {"target": conn.target, "pools": rows}, status_table(rows) if rows else f"no pools on {conn.target}"
+    )
 
 
 # -- pools ------------------------------------------------------------------------------
@@ -182,10 +179,9 @@ def pools_create(conn: Connection, name: str, config_file: str | None, **flags: 
     cfg = _pool_config(config_file, **flags)
     with conn.client() as c:
         info = c.create_pool(name, cfg).pool
-    if conn.as_json:
-        emit_json(msg_dict(info))
-    else:
-        click.echo(f"pool {info.name}: {info.coordinator}, {info.config.num_blocks - 1} usable blocks")
+    conn.show(
+        msg_dict(info), f"pool {info.name}: {info.coordinator}, {info.config.num_blocks - 1} usable blocks"
+    )
 
 
 @pools.command("delete")
@@ -205,10 +201,7 @@ def pools_delete(conn: Connection, name: str, yes: bool, force: bool) -> None:
         click.confirm(f"delete pool {name} and every request in it?", abort=True)
     with conn.client() as c:
         c.delete_pool(name, force=force)
-    if conn.as_json:
-        emit_json({"deleted": name})
-    else:
-        click.echo(f"deleted pool {name}")
+    conn.show({"deleted": name}, f"deleted pool {name}")
 
 
 @pools.command("inspect")
@@ -254,16 +247,15 @@ def pools_check(conn: Connection, name: str) -> None:
     """Check pool NAME's invariants (exit 1 when any is violated)."""
     with conn.client() as c:
         result = c.check_pool(name)
-    if conn.as_json:
-        emit_json({"pool": name, "ok": not result.violations, **msg_dict(result)})
-    else:
-        click.echo(
-            f"pool {name}: {result.num_blocks_checked} blocks, {result.num_requests_checked} requests, "
-            f"{result.num_cached_blocks} cached blocks checked: "
-            + ("OK" if not result.violations else f"{len(result.violations)} violation(s)")
-        )
-        for v in result.violations:
-            click.echo(f"  {v}")
+    summary = (
+        f"pool {name}: {result.num_blocks_checked} blocks, {result.num_requests_checked} requests, "
+        f"{result.num_cached_blocks} cached blocks checked: "
+        + ("OK" if not result.violations else f"{len(result.violations)} violation(s)")
+    )
+    conn.show(
+        {"pool": name, "ok": not result.violations, **msg_dict(result)},
+        "\n".join([summary, *(f"  {v}" for v in result.violations)]),
+    )
     if result.violations:
         raise SystemExit(EXIT_FAILED_CHECK)
 
@@ -310,9 +302,6 @@ def sessions(conn: Connection, pool: str) -> None:
     the client name, the tenant, the requests each holds and the lease left."""
     with conn.client() as c:
         rows = session_rows(c.list_sessions(pool))
-    if conn.as_json:
-        emit_json({"pool": pool, "sessions": rows})
-    elif rows:
-        click.echo(sessions_table(rows))
-    else:
-        click.echo(f"no sessions on pool {pool}")
+    conn.show(
+        {"pool": pool, "sessions": rows}, sessions_table(rows) if rows else f"no sessions on pool {pool}"
+    )

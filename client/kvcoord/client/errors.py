@@ -326,12 +326,13 @@ def answer_over_limit(err: KVCoordError) -> bool:
     )
 
 
+#: every StatusCode by its integer value
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def status_code(value: int) -> grpc.StatusCode:
     """The StatusCode with this integer value (UNKNOWN for an unknown one)."""
-    for code in grpc.StatusCode:
-        if code.value[0] == value:
-            return code
-    return grpc.StatusCode.UNKNOWN
+    return _CODES.get(value, grpc.StatusCode.UNKNOWN)
 
 
 class LocalRpcError(grpc.RpcError, grpc.Call):  # type: ignore[misc]

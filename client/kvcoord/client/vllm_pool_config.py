@@ -20,10 +20,12 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.") if dtype is not None else ""
 
 
-#: vLLM's local attention specs: (the group's field, its message, the spec's length field)
-_LOCAL_GROUPS: dict[str, tuple[str, Any, str]] = {
+#: vLLM's attention specs made of the page's fields and at most one length field: (the
+#: group's field, its message, the spec's length field, "" for none)
+_PAGED_GROUPS: dict[str, tuple[str, Any, str]] = {
     "SlidingWindowSpec": ("sliding_window", pb.SlidingWindowSpec, "sliding_window"),
     "ChunkedLocalAttentionSpec": ("chunked_local", pb.ChunkedLocalAttentionSpec, "attention_chunk_size"),
+    "CrossAttentionSpec": ("cross_attention", pb.CrossAttentionSpec, ""),
 }
 
 
@@ -47,11 +49,12 @@ def _group_spec(spec: Any) -> pb.KVCacheGroupSpec:
                 sink_len=int(getattr(spec, "sink_len", 0) or 0),
             )  # fmt: skip
         )
-    local = _LOCAL_GROUPS.get(kind)
-    if local is not None:  # attention over a window or a chunk: one length field besides the page's
-        group, message, length = local
+    paged = _PAGED_GROUPS.get(kind)
+    if paged is not None:  # attention over a window or a chunk (a length field), or cross-attention
+        group, message, length = paged
         made = message(block_size=bs, num_kv_heads=heads, head_size=head, dtype=dtype)
-        setattr(made, length, int(getattr(spec, length)))
+        if length:
+            setattr(made, length, int(getattr(spec, length)))
         return pb.KVCacheGroupSpec(**{group: made})
     if kind == "MambaSpec":
         return pb.KVCacheGroupSpec(
@@ -65,12 +68,6 @@ def _group_spec(spec: Any) -> pb.KVCacheGroupSpec:
                 prefill_checkpoint_alignment=_optional_int(
                     getattr(spec, "prefill_checkpoint_alignment", None)
                 ),
-            )
-        )
-    if kind == "CrossAttentionSpec":
-        return pb.KVCacheGroupSpec(
-            cross_attention=pb.CrossAttentionSpec(
-                block_size=bs, num_kv_heads=heads, head_size=head, dtype=dtype
             )
         )
     raise ValueError(f"kvcoord has no KV cache group type for vLLM's {kind}")

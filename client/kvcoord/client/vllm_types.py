@@ -304,13 +304,8 @@ def _convert_event(
             **more,
         )
     if isinstance(e, engine.BlockRemoved):
-        if fields_033:
-            return removed_t(
-                block_hashes=_hashes(e.block_hashes, as_int),
-                medium=e.medium or _MEDIUM_GPU,
-                group_idx=e.group_idx,
-            )
-        return removed_t(block_hashes=_hashes(e.block_hashes, as_int), medium=e.medium or _MEDIUM_GPU)
+        more = {"group_idx": e.group_idx} if fields_033 else {}
+        return removed_t(block_hashes=_hashes(e.block_hashes, as_int), medium=e.medium or _MEDIUM_GPU, **more)
     return cleared_t()
 
 

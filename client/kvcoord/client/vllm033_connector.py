@@ -36,6 +36,7 @@ T = TypeVar("T")
 
 __all__ = [
     "AdapterConnector033",
+    "ConnectorOps033",
     "DeferredFree",
     "PredictingConnector033",
     "RemoteConnector033",
@@ -82,7 +83,32 @@ class DeferredFree:
     request_id: str
 
 
-class RemoteConnector033:
+class ConnectorOps033:
+    """The calls of vLLM 0.33's scheduler that change a request's state in the pool
+    beside its allocations, each one operation (named as the call) of the next call to
+    the pool: :meth:`_connector_op`, the waiting session's
+    (:class:`RemoteConnector033`) or the predicted one's (:class:`PredictingConnector033`)."""
+
+    def _connector_op(self, name: str, request_id: str, **fields: Any) -> None:
+        raise NotImplementedError
+
+    def drop_boundary_state_offloads(self, request_id: str) -> None:
+        """The request's pending boundary-state hand-offs dropped as vLLM 0.33 takes its
+        blocks."""
+        self._connector_op("drop_boundary_state_offloads", request_id)
+
+    def drop_uncomputed(self, request_id: str, uncomputed_from: int) -> None:
+        """An undone step's deferred free, at the take: the cache entries of the
+        request's blocks past ``uncomputed_from`` dropped (``DropUncomputedOp``)."""
+        self._connector_op("drop_uncomputed", request_id, uncomputed_from=uncomputed_from)
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """vLLM 0.33's ``record_blocks_for_zeroing``: the request's blocks from
+        ``start_token`` on recorded again for ``take_new_block_ids``."""
+        self._connector_op("record_blocks_for_zeroing", request_id, start_token=start_token)
+
+
+class RemoteConnector033(ConnectorOps033):
     """The connector calls of a waiting ``vllm-0.33`` session (mixed into
     :class:`~kvcoord.client.vllm033.Remote033KVCacheManager`)."""
 
@@ -101,30 +127,11 @@ class RemoteConnector033:
             item.op.free.all_groups_reversed = True
             self.defer(item)
 
-    def drop_boundary_state_offloads(self, request_id: str) -> None:
-        """The request's pending boundary-state hand-offs dropped as vLLM 0.33 takes its
-        blocks (sent with the next call; nothing for a request the pool never got)."""
+    def _connector_op(self, name: str, request_id: str, **fields: Any) -> None:
+        """Sent with the next call; nothing for a request the pool never got (it holds
+        no blocks of it)."""
         if request_id in self.tracker:
-            self.defer_op(
-                pb.Operation(
-                    drop_boundary_state_offloads=pb.DropBoundaryStateOffloadsOp(request_id=request_id)
-                )
-            )
-
-    def drop_uncomputed(self, request_id: str, uncomputed_from: int) -> None:
-        """An undone step's deferred free, at the take: the cache entries of the
-        request's blocks past ``uncomputed_from`` dropped (``DropUncomputedOp``, sent
-        with the next call; nothing for a request the pool never got)."""
-        if request_id in self.tracker:
-            op = pb.DropUncomputedOp(request_id=request_id, uncomputed_from=uncomputed_from)
-            self.defer_op(pb.Operation(drop_uncomputed=op))
-
-    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        """vLLM 0.33's ``record_blocks_for_zeroing`` (sent with the next call; nothing for
-        a request the pool never got: it holds no blocks of it)."""
-        if request_id in self.tracker:
-            op = pb.RecordBlocksForZeroingOp(request_id=request_id, start_token=start_token)
-            self.defer_op(pb.Operation(record_blocks_for_zeroing=op))
+            self.defer_op(pb.Operation(**{name: {"request_id": request_id, **fields}}))
 
     def get_num_blocks_to_allocate(self, request_id: str, *args: Any) -> int:
         """vLLM 0.33's ``coordinator.get_num_blocks_to_allocate`` with no new hit (``args``:
@@ -147,7 +154,7 @@ class RemoteConnector033:
         return self._now(self._ops.get_block_ids(request_id, num_computed_tokens))
 
 
-class PredictingConnector033:
+class PredictingConnector033(ConnectorOps033):
     """The connector calls of a predicted ``vllm-0.33`` session (mixed into
     :class:`~kvcoord.client.vllm033.Predicting033KVCacheManager`): answered by the
     mirror; only the deferred free changes anything, and is sent with the next Step."""
@@ -170,35 +177,18 @@ class PredictingConnector033:
         op.request_id = request_id
         op.all_groups_reversed = True
 
-    def drop_boundary_state_offloads(self, request_id: str) -> None:
-        """As :meth:`RemoteConnector033.drop_boundary_state_offloads`: applied to the
-        mirror now, sent with the next Step."""
+    def _connector_op(self, name: str, request_id: str, **fields: Any) -> None:
+        """Applied to the mirror now (a zeroing record: its next ``take_new_block_ids``
+        answers them), sent with the next Step; nothing for a request the mirror does
+        not hold."""
         if request_id not in self.tracker or not self.mirror.holds(request_id):
             return
         self._settled()
-        self.mirror.call("drop_boundary_state_offloads", request_id)
-        self.sender.op().drop_boundary_state_offloads.request_id = request_id
-
-    def drop_uncomputed(self, request_id: str, uncomputed_from: int) -> None:
-        """As :meth:`RemoteConnector033.drop_uncomputed`: applied to the mirror now, sent
-        with the next Step."""
-        if request_id not in self.tracker or not self.mirror.holds(request_id):
-            return
-        self._settled()
-        self.mirror.call("drop_uncomputed", request_id, uncomputed_from)
-        op = self.sender.op().drop_uncomputed
+        self.mirror.call(name, request_id, *fields.values())
+        op = getattr(self.sender.op(), name)
         op.request_id = request_id
-        op.uncomputed_from = uncomputed_from
-
-    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        """As :meth:`RemoteConnector033.record_blocks_for_zeroing`: applied to the mirror
-        now (its next ``take_new_block_ids`` answers them), sent with the next Step."""
-        if request_id not in self.tracker or not self.mirror.holds(request_id):
-            return
-        self._settled()
-        self.mirror.call("record_blocks_for_zeroing", request_id, start_token)
-        op = self.sender.op().record_blocks_for_zeroing
-        op.request_id, op.start_token = request_id, start_token
+        for field, value in fields.items():
+            setattr(op, field, value)
 
     def get_num_blocks_to_allocate(self, request_id: str, *args: Any) -> int:
         """As :meth:`RemoteConnector033.get_num_blocks_to_allocate`, read from the mirror

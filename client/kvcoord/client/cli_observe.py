@@ -300,10 +300,7 @@ def score(
         for s in response.scores
     ]
     unscored = [{"pool": u.pool, "reason": u.reason, "message": u.message} for u in response.unscored]
-    if conn.as_json:
-        emit_json({"num_tokens": len(tokens), "scores": scores, "unscored": unscored})
-        return
-    click.echo(f"prompt: {len(tokens)} tokens")
+    lines = [f"prompt: {len(tokens)} tokens"]
     if scores:
         rows = [
             [
@@ -315,9 +312,9 @@ def score(
             ]
             for i, s in enumerate(response.scores)
         ]
-        click.echo(text_table(["POOL", "BEST", "HIT TOKENS", "FREE BLOCKS", "USAGE"], rows))
-    for u in unscored:
-        click.echo(f"not scored: {u['pool']}: {u['reason']} ({u['message']})")
+        lines.append(text_table(["POOL", "BEST", "HIT TOKENS", "FREE BLOCKS", "USAGE"], rows))
+    lines.extend(f"not scored: {u['pool']}: {u['reason']} ({u['message']})" for u in unscored)
+    conn.show({"num_tokens": len(tokens), "scores": scores, "unscored": unscored}, "\n".join(lines))
 
 
 # -- health -----------------------------------------------------------------------------

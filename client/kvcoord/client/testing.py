@@ -12,6 +12,7 @@ this module needs nothing from the server side::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -27,22 +28,15 @@ _READY = re.compile(r"kvcoord serving gRPC on (\S+?)[;,]")
 _METRICS = re.compile(r"kvcoord metrics on https?://(\S+)/metrics")
 
 
+@dataclasses.dataclass(eq=False)
 class ServerProcess:
     """A started server process and the addresses it printed."""
 
-    def __init__(
-        self,
-        proc: subprocess.Popen[str],
-        address: str,
-        metrics_address: str | None,
-        log_path: str,
-        log_file: IO[str],
-    ) -> None:
-        self._log_file = log_file
-        self.proc = proc
-        self.address = address
-        self.metrics_address = metrics_address
-        self.log_path = log_path
+    proc: subprocess.Popen[str]
+    address: str
+    metrics_address: str | None
+    log_path: str
+    _log_file: IO[str] = dataclasses.field(repr=False)
 
     def log(self) -> str:
         with open(self.log_path, encoding="utf-8") as f:

@@ -115,18 +115,18 @@ class BlockPool033:
     the pool, in the order given; a handle of a session that ended is dropped, its
     retention ended with it, see ``session``)."""
 
-    def __init__(self, free_deferred: Any, release_retained: Any = None, session: Any = None) -> None:
+    def __init__(self, free_deferred: Any, release_retained: Any, session: Any) -> None:
         self.free_deferred = free_deferred
         self.release_retained = release_retained
-        #: the current session's id (a callable), or None: every handle is sent
+        #: the current session's id (a callable)
         self.session = session
 
     def free_blocks(self, ordered_blocks: Any) -> None:
         retained: list[int] = []
-        current = self.session() if self.session is not None else None
+        current = self.session()
         for item in ordered_blocks:
-            if isinstance(item, RetainedBlock) and self.release_retained is not None:
-                if current is None or item.session == current:
+            if isinstance(item, RetainedBlock):
+                if item.session == current:
                     retained.append(item.block_id)
                 continue
             if retained:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import NoReturn
 
 from .durability import JournalRecorder
 from .errors import ServiceError, Status
 from .recovery import RestoreFenceError, fence_restored, void_earlier_instances
 from .registry import PoolRegistry
-from .startup import StartupDecision
+from .startup import DataDirError, StartupDecision
 
 __all__ = ["journal_behind"]
 
@@ -25,8 +26,22 @@ def journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str) 
     before the fencing's first record: once those are committed the journal no longer
     looks behind, so only grace.json keeps the grace across a crash).
 
+    A grace that cannot be written (grace.json: a full disk, an I/O error) is held in
+    memory only, nothing is fenced (its records would leave a journal that no longer
+    looks behind, and no grace.json to bring the grace back after a crash: a restart
+    would serve at once while workers of the lost history still hold their blocks), and
+    the server stops serving (``decision.on_marker_failure``: exit 4, as after a failed
+    lease-marker write), the call that proved it told UNAVAILABLE (its worker keeps the
+    fence: its retry proves the restore again at the restart, the journal left as it
+    was). (Before, the error escaped: the prover was told INTERNAL,
+    nothing was fenced, no grace began, and a new worker attached at once and was
+    handed the blocks the lost history's workers held.)
+
     Raises:
-        ServiceError: INTERNAL when a prefix cache could not be emptied (RestoreFenceError).
+        ServiceError: INTERNAL when a prefix cache could not be emptied (RestoreFenceError);
+            UNAVAILABLE when the grace cannot be written while serving.
+        DataDirError: at start (``--restored``, no server to stop yet): grace.json cannot
+            be written.
     """
     logger.critical(
         "the journal is behind what clients were told (%s): every session is ended, every fence "
@@ -35,10 +50,16 @@ def journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str) 
     )  # fmt: skip
     recorder = registry.recorder
     assert isinstance(recorder, JournalRecorder)
-    until = decision.begin_grace(f"journal behind what clients were told ({why})")
+    try:
+        until = decision.begin_grace(f"journal behind what clients were told ({why})")
+        unwritten = None
+    except OSError as exc:
+        until, unwritten = decision.grace_until, exc  # (extended in memory before the write)
     registry.grace_until = until
     for service in registry.pools.values():
         service.grace_until = until
+    if unwritten is not None:
+        _grace_unwritten(decision, unwritten)
     if not registry.locks.any_busy():
         try:
             fence_restored(registry, recorder)
@@ -57,6 +78,26 @@ def journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str) 
     registry.fencing = task  # (awaited before INSTANCE_CHANGED is told: PoolRegistry.fenced)
     _FENCING.add(task)
     task.add_done_callback(_FENCING.discard)
+
+
+def _grace_unwritten(decision: StartupDecision, exc: OSError) -> NoReturn:
+    """The grace of a restore found cannot be written: stop serving and refuse the call
+    that proved it (UNAVAILABLE), or refuse the start. Nothing is fenced or journaled
+    (:func:`journal_behind`)."""
+    assert decision.grace_file is not None
+    message = (
+        f"a restore was found but its grace period cannot be written to {decision.grace_file.path} "
+        f"({exc}): nothing is fenced, and no block is handed out; free space or fix the data "
+        "directory, then restart (the first worker of the lost history proves the restore again)"
+    )
+    logger.critical("%s", message)
+    if decision.on_marker_failure is None:  # at start: no server to stop yet
+        raise DataDirError(message) from None
+    decision.on_marker_failure(OSError(exc.errno, message))
+    # not INSTANCE_CHANGED: a worker told that drops the fence that proved the restore,
+    # and nothing durable remembers it; told UNAVAILABLE it keeps it, and its retry
+    # proves the restore again at the restart
+    raise ServiceError(Status.UNAVAILABLE, message)
 
 
 #: fencings waiting for pools mid-Step (a reference keeps each task alive)

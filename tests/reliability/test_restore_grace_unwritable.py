@@ -1,0 +1,79 @@
+"""A restore proven while serving whose grace period cannot be written (grace.json: a
+full disk, an I/O error) must not leave the server serving as if nothing was proven.
+
+Real server process, real files. The data directory of a live server is copied (`cp
+-a`), a worker goes on allocating, the server is SIGKILLed and the copy restored; the
+server starts on it (nothing at start can tell). Then ``grace.json`` cannot be written:
+its temporary file's path is taken by a directory, so opening it fails (an OSError, as
+ENOSPC would). The worker's next call proves the restore.
+
+Before, the proof raised out of ``journal_behind`` at ``begin_grace``: the worker
+was told an unexpected error, no session was ended, no grace began in memory, the
+worker's instance was marked settled (proving nothing again), and the server went on
+serving: a new worker attached at once and was handed the blocks the first worker
+still held. Now the server keeps the grace in memory, journals no fencing (a restart
+must still see the journal behind when its grace was never written), tells the prover
+UNAVAILABLE (it keeps the fence that proves the restore), and stops serving (exit 4, as after a failed lease-marker write): no
+block is handed out by it; restarted once the file can be written, the worker's next
+call proves the restore again and its grace holds."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from durable_server import attach, leased_server, restore_volume, step_allocate, two_workers_then_copy
+from kvcoord.client import NO_RETRY, KVCoordClient
+from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError
+from kvcoord.service.main import EXIT_JOURNAL_FAILED
+from kvcoord.service.startup import GRACE_FILE
+
+
+def test_a_restore_proven_while_its_grace_cannot_be_written_hands_out_no_held_block(tmp_path: Path) -> None:
+    lease = 6.0
+    server = leased_server(tmp_path, lease, num_blocks=17)
+    server.start()
+    copy = tmp_path / "volume-snapshot"
+    try:
+        a, _ = two_workers_then_copy(server, lease, copy)
+        with KVCoordClient(server.address) as c:
+            step = c.step("p", [], a.session_id, a.fence)  # worker a keeps working: told more
+            a.fence.CopyFrom(step.fence)
+            told = step_allocate(c, a, "a2", 32)
+        assert a.fence.position > 0
+        restore_volume(server, copy)
+        (server.data_dir / (GRACE_FILE + ".tmp")).mkdir()  # grace.json cannot be written
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            # the proof: told UNAVAILABLE (worker a keeps the fence that proves it)
+            with pytest.raises(KVCoordError, match="its grace period cannot be written") as told_a:
+                step_allocate(c, a, "a3", 4)
+            assert not isinstance(told_a.value, FencedError)
+            # No worker may be handed a2's blocks while worker a may still hold them:
+            # refused for the grace, or the server has stopped serving.
+            given: list[int] = []
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline:
+                try:
+                    d = attach(c, "worker-d", lease)
+                    given = step_allocate(c, d, "d1", 48)  # every free block of the copy (12)
+                    break
+                except (GracePeriodError, KVCoordError):
+                    time.sleep(0.1)
+            assert not set(given) & set(told), f"blocks {sorted(set(given) & set(told))} handed out twice"
+        assert server.proc is not None
+        assert server.proc.wait(60) == EXIT_JOURNAL_FAILED, server.log()  # stopped loudly
+        assert "its grace period cannot be written" in server.log()
+        server._log.close()
+        # Space freed, restarted: nothing was fenced or settled in the journal, so worker
+        # a's retry proves the restore again, and this time its grace holds.
+        (server.data_dir / (GRACE_FILE + ".tmp")).rmdir()
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises(FencedError):
+                step_allocate(c, a, "a4", 4)
+            with pytest.raises(GracePeriodError):
+                attach(c, "worker-e", lease)
+    finally:
+        server.stop()

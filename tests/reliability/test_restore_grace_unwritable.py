@@ -77,3 +77,22 @@ def test_a_restore_proven_while_its_grace_cannot_be_written_hands_out_no_held_bl
                 attach(c, "worker-e", lease)
     finally:
         server.stop()
+
+
+def test_a_start_told_restored_whose_grace_cannot_be_written_refuses_to_start(tmp_path: Path) -> None:
+    """``kvcoord serve --restored`` fences at start, after writing the grace: when it
+    cannot be written the start is refused with the data directory's exit status (3)
+    naming the file (it was a raw IsADirectoryError traceback, exit 1)."""
+    lease = 6.0
+    server = leased_server(tmp_path, lease, num_blocks=17)
+    server.start()
+    try:
+        with KVCoordClient(server.address) as c:
+            step_allocate(c, attach(c, "worker-a", lease), "a1", 8)
+        server.kill()
+        (server.data_dir / (GRACE_FILE + ".tmp")).mkdir()
+        with pytest.raises(RuntimeError, match="server exited with 3"):
+            server.start(args=("--restored",))
+        assert "its grace period cannot be written" in server.log()
+    finally:
+        server.stop()

@@ -112,7 +112,14 @@ def build_marks(out: Path) -> None:
 
 
 def child(
-    side: str, running: int, warmup: int, steps: int, marks: str, detail: list[str], keep_gc: bool
+    side: str,
+    running: int,
+    warmup: int,
+    steps: int,
+    marks: str,
+    detail: list[str],
+    keep_gc: bool,
+    model_ms: float = 0.0,
 ) -> None:
     sys.path[:0] = [marks, str(ROOT / "bench"), str(ROOT / "tests" / "with_vllm")]
     import kvmark  # type: ignore[import-not-found]
@@ -167,6 +174,8 @@ def child(
     for i, dotted in enumerate(detail):
         *path, attr = dotted.split(".")
         obj: Any = manager
+        if path[:1] == ["sched"]:  # from the scheduler instead (its own methods)
+            obj, path = sched, path[1:]
         for part in path:
             obj = getattr(obj, part)
         inner_d, mark_d = getattr(obj, attr), getattr(kvmark, DETAIL_MARKS[i])
@@ -199,7 +208,7 @@ def child(
                 kvmark.noop(int)
             calls["noop"] = 100
 
-    run(sched, running, warmup + steps, seed=running, counter=None, between=between)
+    run(sched, running, warmup + steps, seed=running, counter=None, between=between, model_s=model_ms / 1e3)
     on = False
     if side != "vllm":
         sched.shutdown()
@@ -268,10 +277,11 @@ def run_side(side: str, args: argparse.Namespace, marks: Path, tmp: Path) -> dic
         env.update(KVCOORD_TARGET=server.address, KVCOORD_PREDICT="1", KVCOORD_POOL="bench-calls")
     out = tmp / f"callgrind.{side}.out"
     cmd = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}",
-           *(["--cache-sim=yes"] if args.cache_sim else []),
+           *(["--cache-sim=yes"] if args.cache_sim else []), *args.valgrind_arg,
            sys.executable, str(Path(__file__).resolve()), "--child", side, "--running", str(args.running),
            "--warmup", str(args.warmup), "--steps", str(args.steps), "--marks", str(marks),
-           "--detail", args.detail, *(["--keep-gc"] if args.keep_gc else [])]  # fmt: skip
+           "--detail", args.detail, "--model-ms", str(args.model_ms),
+           *(["--keep-gc"] if args.keep_gc else [])]  # fmt: skip
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     finally:
@@ -287,6 +297,7 @@ def run_side(side: str, args: argparse.Namespace, marks: Path, tmp: Path) -> dic
     info["ir"] = {k[len("kvmark_") :]: v[0] for k, v in totals.items()}
     info["events"] = events
     info["all"] = {k[len("kvmark_") :]: v for k, v in totals.items()}
+    print(f"{side}: callgrind output {out}", flush=True)
     return info
 
 
@@ -298,7 +309,9 @@ def main() -> None:
     ap.add_argument("--side", default="both", choices=["both", "vllm", "kvcoord"])
     ap.add_argument("--json", help="write the counts to this file too")
     ap.add_argument(
-        "--detail", default="", help="comma-separated functions (dotted from the manager) to count too"
+        "--detail",
+        default="",
+        help="comma-separated functions (dotted from the manager, or from the scheduler: sched.NAME) to count too",
     )
     ap.add_argument(
         "--keep-gc",
@@ -309,6 +322,21 @@ def main() -> None:
         "--cache-sim",
         action="store_true",
         help="valgrind's cache simulation too: data accesses and L1 / last-level misses per call",
+    )
+    ap.add_argument(
+        "--model-ms",
+        type=float,
+        default=0.0,
+        help="the model's time between schedule() and update_from_output() (a sleep, the GIL released, as "
+        "bench/vllm_step.py --model-ms): kvcoord's sender thread sends the Step meanwhile instead of "
+        "taking the GIL from update_from_output (under valgrind its work is ~50x slower: give it room)",
+    )
+    ap.add_argument(
+        "--valgrind-arg",
+        action="append",
+        default=[],
+        help="one more valgrind option (repeatable), e.g. --valgrind-arg=--toggle-collect=kvmark_update_from_output "
+        "to keep only that call's costs, per C function, for callgrind_annotate (the output file is printed)",
     )
     ap.add_argument("--child", choices=["vllm", "kvcoord"], help=argparse.SUPPRESS)
     ap.add_argument("--marks", help=argparse.SUPPRESS)
@@ -322,6 +350,7 @@ def main() -> None:
             args.marks,
             [d for d in args.detail.split(",") if d],
             args.keep_gc,
+            args.model_ms,
         )
         return
     tmp = Path(tempfile.mkdtemp(prefix="kvcoord-calls-ir-"))

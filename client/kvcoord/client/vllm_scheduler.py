@@ -102,8 +102,11 @@ class _OnKVCoord(UndoCutShort):
         # vLLM's own manager (built by Scheduler.__init__) holds nothing yet: drop it
         self.kv_cache_manager = self.kvcoord
         self.kvcoord_max_outage = settings.max_outage
-        #: per request, the scheduled steps whose output was not applied yet
-        self._in_flight: collections.Counter[str] = collections.Counter()
+        #: the scheduled steps whose output was not applied yet, oldest first: each
+        #: one's ``num_scheduled_tokens`` (its requests; see :meth:`_outputs_in_flight`).
+        #: Kept per step, not counted per request: a count per request costs two dict
+        #: writes per running request and step, read only when a request is preempted here
+        self._in_flight: collections.deque[dict[str, int]] = collections.deque()
         #: requests preempted here (not by vLLM's own schedule()), for the next output's
         #: preempted_req_ids; and those of them that wait for outputs in flight
         self._preempted_here: set[str] = set()
@@ -209,8 +212,8 @@ class _OnKVCoord(UndoCutShort):
         if self._preempted_here:
             out.preempted_req_ids = set(out.preempted_req_ids or ()) | self._preempted_here
             self._preempted_here = set()
-        for rid in out.num_scheduled_tokens:
-            self._in_flight[rid] += 1
+        if out.num_scheduled_tokens:
+            self._in_flight.append(out.num_scheduled_tokens)
         manager.scheduled()  # the model runs now: the Step cut last goes meanwhile
         return out
 
@@ -307,18 +310,35 @@ class _OnKVCoord(UndoCutShort):
         """vLLM's update_from_output(); a loss or an outage met in it is kept for the next
         schedule() (the step's outputs are delivered: the tokens were sampled)."""
         in_flight = self._in_flight
-        for rid in scheduler_output.num_scheduled_tokens:
-            n = in_flight[rid] - 1
-            if n > 0:
-                in_flight[rid] = n
+        if in_flight:
+            scheduled = scheduler_output.num_scheduled_tokens
+            if in_flight[0] is scheduled:  # (outputs come in the order of their steps)
+                in_flight.popleft()
             else:
-                del in_flight[rid]
+                self._output_applied(scheduled)
         manager = self.kvcoord
         manager.absorbing = True
         try:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         finally:
             manager.absorbing = False
+
+    def _output_applied(self, scheduled: dict[str, int]) -> None:
+        """The step that scheduled ``scheduled`` is no longer in flight: the first one
+        scheduling it (the same dict, else an equal one: a copy of the output), if any."""
+        in_flight = self._in_flight
+        for i, step in enumerate(in_flight):
+            if step is scheduled:
+                del in_flight[i]
+                return
+        for i, step in enumerate(in_flight):
+            if step == scheduled:
+                del in_flight[i]
+                return
+
+    def _outputs_in_flight(self, rid: str) -> int:
+        """How many scheduled steps of the request have an output not applied yet."""
+        return sum(rid in step for step in self._in_flight)
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
         """vLLM's finish_requests(), which its engine core calls between steps (a client
@@ -351,7 +371,7 @@ class _OnKVCoord(UndoCutShort):
         """A request preempted in this call: named in the next output, held back while
         an output of it is in flight (:meth:`_hold_back`), resumed with all its tokens."""
         self._preempted_here.add(rid)
-        if self._in_flight.get(rid):
+        if self._outputs_in_flight(rid):
             self._recovering.add(rid)
         self.prev_step_scheduled_req_ids.discard(rid)
 
@@ -379,8 +399,8 @@ class _OnKVCoord(UndoCutShort):
         step that preempts it)."""
         if not self._recovering:
             return []
-        ids, in_flight = self._recovering, self._in_flight
-        held = [r for r in self.waiting if r.request_id in ids and in_flight.get(r.request_id)]
+        ids = self._recovering
+        held = [r for r in self.waiting if r.request_id in ids and self._outputs_in_flight(r.request_id)]
         self._recovering = {r.request_id for r in held}
         if held:
             self.waiting.remove_requests(held)

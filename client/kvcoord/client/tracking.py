@@ -282,7 +282,11 @@ class RequestTracker:
         base_t = t.sent_tokens
         if tokens is None or len(tokens) != base_t + 1:
             return None
-        if getattr(request, "num_prompt_tokens", None) != t.prompt:
+        try:
+            prompt = request.num_prompt_tokens  # (read as an attribute: a builtin call costs more)
+        except AttributeError:
+            prompt = None
+        if prompt != t.prompt:
             return None  # (a streaming session's prompt grew: sync_run tells)
         seen = t.seen.get(base_t)
         if seen is None or t.uncertain or tokens[base_t - 1] != seen[0]:

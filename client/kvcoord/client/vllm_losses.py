@@ -25,7 +25,7 @@ from .errors import (
 from .manager import RemoteKVCacheManager
 from .predicting import PredictingKVCacheManager, PredictionUnavailableError
 
-__all__ = ["OUTAGE_ERRORS", "REFUSALS", "AdapterLosses", "is_outage"]
+__all__ = ["OUTAGE_ERRORS", "REFUSALS", "AdapterLosses", "absorbing", "is_outage"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,24 @@ REFUSALS = (RequestUnknownError,)
 def is_outage(err: BaseException) -> bool:
     """Whether ``err`` is waited out (an outage), not a refusal that reaches vLLM."""
     return isinstance(err, OUTAGE_ERRORS) and not isinstance(err, REFUSALS)
+
+
+def absorbing(default: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A manager method that, while the manager is ``absorbing``, keeps a loss or an
+    outage for the scheduler (``_absorb``) and answers ``default(self, *args)``."""
+
+    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except KVCoordError as err:
+                self._absorb(err)  # (raises it unless absorbing)
+                return default(self, *args)
+
+        return call
+
+    return wrap
 
 
 class AdapterLosses:

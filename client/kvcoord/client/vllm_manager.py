@@ -7,9 +7,8 @@ with vLLM source lines, is in docs/vllm-integration.md), with vLLM's types from
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from kvcoord.engine import PrefixCacheStats
@@ -23,7 +22,7 @@ from .errors import (
 )
 from .manager import KVCacheBlockIds, RemoteKVCacheManager
 from .predicting import NOT_TAKEN, PredictingKVCacheManager
-from .vllm_losses import OUTAGE_ERRORS, REFUSALS, AdapterLosses, is_outage
+from .vllm_losses import OUTAGE_ERRORS, REFUSALS, AdapterLosses, absorbing, is_outage
 from .vllm_types import (
     KVCacheBlock,
     KVCacheBlocks,
@@ -33,29 +32,11 @@ from .vllm_types import (
     zero_stats,
 )
 
-__all__ = ["OUTAGE_ERRORS", "REFUSALS", "KVCoordKVCacheManager", "is_outage"]
+__all__ = ["OUTAGE_ERRORS", "REFUSALS", "KVCoordKVCacheManager", "absorbing", "is_outage"]
 
 logger = logging.getLogger(__name__)
 
 # -- the manager -----------------------------------------------------------------------
-
-
-def absorbing(default: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A manager method that, while the manager is ``absorbing``, keeps a loss or an
-    outage for the scheduler (``_absorb``) and answers ``default(self, *args)``."""
-
-    def wrap(method: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(method)
-        def call(self: KVCoordKVCacheManager, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return method(self, *args, **kwargs)
-            except KVCoordError as err:
-                self._absorb(err)  # (raises it unless absorbing)
-                return default(self, *args)
-
-        return call
-
-    return wrap
 
 
 #: (table position of the first block, positions below which blocks are hashed, the
@@ -307,26 +288,6 @@ class KVCoordKVCacheManager(AdapterLosses):
             )
         ):  # a running request's step (vLLM passes no hit): one call to the engine's decode path
             new = running(request, num_new_tokens, num_lookahead_tokens)
-            if new is not NOT_TAKEN and new is not None and not any(new):
-                # a decode step inside its blocks (most calls): the accounting below, for
-                # these counts, with the request's token count the call read (no property call)
-                if self._tables:
-                    self._tables.pop(rid, None)
-                held.request = request
-                if self.enable_caching:
-                    total = request.num_computed_tokens
-                    if type(total) is not int:
-                        total = int(total)
-                    limit = self.max_model_len
-                    if limit and total > limit:
-                        total = limit
-                    cached = total + num_new_tokens
-                    num_tokens = self.remote.running_tokens  # type: ignore[union-attr]
-                    if cached > num_tokens:
-                        cached = num_tokens
-                    if cached > held.hashed_tokens:
-                        held.hashed_tokens = cached
-                return self.empty_kv_cache_blocks
         tables = self._tables
         if new is NOT_TAKEN:
             if new_computed_blocks is not None:  # vLLM's waiting loop (a running request's passes none)
@@ -344,15 +305,20 @@ class KVCoordKVCacheManager(AdapterLosses):
             new = got.get_block_ids()
             if held is None:
                 tables[rid] = got
-        elif tables:
-            tables.pop(rid, None)
-        if new is None:
-            return None
+            num_tokens = -1  # (read below if needed: vLLM's num_tokens, a property)
+        else:
+            if tables:
+                tables.pop(rid, None)
+            if new is None:
+                return None
+            # the request's token count, which the call read (its tracker list's length)
+            num_tokens = self.remote.running_tokens  # type: ignore[union-attr]
         if held is None:
             held = self._held[rid] = _Held(request)
         else:
             held.request = request
-        # vLLM's accounting: what is computed, what gets cached
+        # vLLM's accounting: what is computed (clamped to max_model_len), what gets cached
+        # (the one place of it: a decode step inside its blocks, most calls, comes here too)
         total = request.num_computed_tokens
         if type(total) is not int:
             total = int(total)
@@ -366,12 +332,14 @@ class KVCoordKVCacheManager(AdapterLosses):
                 cached = int(request.num_computed_tokens) + num_new_computed_tokens
             else:
                 cached = total + num_new_tokens
-                if cached > request.num_tokens:
-                    cached = int(request.num_tokens)
+                if num_tokens < 0:
+                    num_tokens = int(request.num_tokens)
+                if cached > num_tokens:
+                    cached = num_tokens
             if cached > held.hashed_tokens:
                 held.hashed_tokens = cached
         if not any(new):
-            return self.empty_kv_cache_blocks  # a decode step inside its last block, as vLLM answers it
+            return self.empty_kv_cache_blocks  # a decode step inside its blocks, as vLLM answers it
         self._allocated_anew(new)
         # tables only grow: new blocks end the table, which now covers `need` tokens
         need = total + num_new_tokens + num_lookahead_tokens

@@ -306,11 +306,11 @@ class Mirror:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.engine.num_free_blocks
+        return self._block_pool.get_num_free_blocks()  # (the engine's property's read, one call less)
 
     @property
     def usage(self) -> float:
-        return self.engine.usage
+        return self._block_pool.get_usage()  # (as num_free_blocks: read at every step's end)
 
     # -- what is compared -----------------------------------------------------------------
     def _collect(self) -> None:

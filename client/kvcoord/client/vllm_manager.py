@@ -207,9 +207,14 @@ class KVCoordKVCacheManager(AdapterLosses):
 
     # -- KVCacheManager -----------------------------------------------------------------
     @property
-    @absorbing(lambda self: self._last_usage)
     def usage(self) -> float:
-        self._last_usage = usage = self.remote.usage
+        # (``absorbing``'s rule written out, the last usage known as its answer: read at
+        # every step's end, where the decorator's call costs more than the read)
+        try:
+            self._last_usage = usage = self.remote.usage
+        except KVCoordError as err:
+            self._absorb(err)
+            return self._last_usage
         return usage
 
     @property
@@ -222,17 +227,21 @@ class KVCoordKVCacheManager(AdapterLosses):
             return convert_stats(remote.peek_engine_stats() or PrefixCacheStats())  # no message made and read
         return convert_stats(remote.peek_prefix_cache_stats() or pb.PrefixCacheStats())
 
-    @absorbing(lambda self, *_: convert_stats(pb.PrefixCacheStats()) if self.log_stats else None)
     def make_prefix_cache_stats(self) -> Any:
         """Get (and reset) the prefix cache stats; ``None`` with stats off."""
         if not self.log_stats:
             return None
         remote = self.remote
-        if isinstance(remote, PredictingKVCacheManager):
-            # the engine's value, no message made and read; none recorded (most steps) makes only vLLM's zero
-            changed = remote.take_changed_stats()
-            return zero_stats() if changed is None else convert_stats(changed)
-        stats = remote.make_prefix_cache_stats()
+        try:  # (``absorbing``'s rule written out, a zero answer: every step's call)
+            if isinstance(remote, PredictingKVCacheManager):
+                # the engine's value, no message made and read; none recorded (most
+                # steps) makes only vLLM's zero
+                changed = remote.take_changed_stats()
+                return zero_stats() if changed is None else convert_stats(changed)
+            stats = remote.make_prefix_cache_stats()
+        except KVCoordError as err:
+            self._absorb(err)
+            stats = None
         return convert_stats(stats if stats is not None else pb.PrefixCacheStats())
 
     def _seen(self, request: Any) -> None:
@@ -409,14 +418,18 @@ class KVCoordKVCacheManager(AdapterLosses):
         if isinstance(remote, PredictingKVCacheManager):
             remote.sender.release()
 
-    @absorbing(lambda *_: [])  # the step's end, in update_from_output (as vLLM 0.33's adapter)
     def take_events(self) -> list[Any]:
+        """The step's end, in update_from_output (as vLLM 0.33's adapter)."""
         if not self.enable_kv_cache_events:
             return []
         remote = self.remote
-        if isinstance(remote, PredictingKVCacheManager):
-            return remote.take_engine_events()  # converted as they were made
-        return convert_events(remote.take_events(), fields_033=self.fields_033)
+        try:  # (``absorbing``'s rule written out, no events as its answer: every step's call)
+            if isinstance(remote, PredictingKVCacheManager):
+                return remote.take_engine_events()  # converted as they were made
+            return convert_events(remote.take_events(), fields_033=self.fields_033)
+        except KVCoordError as err:
+            self._absorb(err)
+            return []
 
     @absorbing(lambda self, *_: self.empty_kv_cache_blocks)
     def get_blocks(self, request_id: str) -> KVCacheBlocks:

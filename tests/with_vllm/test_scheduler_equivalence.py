@@ -1081,9 +1081,21 @@ def test_random_feature_combinations_decide_like_vllm(
     except SharedByVllm as shared:
         check_refused_where_vllm_shares(shared)
         return
-    assert r.got == r.want, first_difference(r.want, r.got)
+    decided_like_vllm(r)
     assert r.want_counts["scheduled"] > 100, r.want_counts
-    assert r.manager.lost_requests == 0
+
+
+def decided_like_vllm(r: Runs) -> None:
+    """kvcoord's run decided as vLLM's, and lost no request. A loss is named first: once
+    requests are lost (a lapsed session lease, an unknown outcome: under heavy load) the
+    scheduler recomputes them and the records differ from there on, which would read as
+    a usage or event difference (test_lease_lapse_equivalence.py)."""
+    assert r.manager.lost_requests == 0, (
+        f"{r.manager.lost_requests} request(s) lost (a lapsed session lease or an unknown outcome: "
+        "see the warnings of kvcoord.client); the records then differ from vLLM's: "
+        + first_difference(r.want, r.got)
+    )
+    assert r.got == r.want, first_difference(r.want, r.got)
 
 
 _EXTRAS = frozenset({"resets", "priority", "salt", "lora", "embeds"})

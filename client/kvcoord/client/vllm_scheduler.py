@@ -183,9 +183,15 @@ class _OnKVCoord(UndoCutShort):
                     raise  # a refusal no wait changes (REQUEST_UNKNOWN): vLLM's, at once
                 lost_ids: set[str] = set(err.request_ids) if isinstance(err, RequestsLostError) else set()
                 self._undo(before, lost_ids, held)
+                cause = err.cause if isinstance(err, RequestsLostError) else err
                 if lost:  # (after the undo, which would put back what it changes)
                     self._lost_during_transfers(lost_ids)
-                cause = err.cause if isinstance(err, RequestsLostError) else err
+                    # (was silent: the undo preempts them, and a lapsed lease read as a
+                    # difference in what the engine did, not as the loss it was)
+                    logger.warning(
+                        "kvcoord: %d request(s) lost during schedule() (%s): preempted, to be recomputed",
+                        len(lost_ids), cause,
+                    )  # fmt: skip
                 outage = is_outage(cause)
                 if lost:
                     losses += 1

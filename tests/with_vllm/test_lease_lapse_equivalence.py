@@ -4,15 +4,20 @@ chunked local attention, 64 blocks, draft-model drafts; the waiting mode).
 
 That case failed once at load 50-80 (PERF7's run, vLLM 0.16) with a quiet difference:
 kvcoord's usage 0.92 against vLLM's 0.79 and a BlockStored vLLM had missing; it passed
-210 reruns. Here the lapse is made deterministic: a server whose session lease is 2 s,
+210 reruns. Here a lapse is made deterministic: a server whose session lease is 2 s,
 and the engine stalled at step 30 (no call, no renewal: the keeper's heartbeat held)
-until the server has ended the session. The product is loud about it: the next call
-raises RequestsLostError inside the adapter, which logs a warning naming the pool and
-the lost requests, counts them (``lost_requests``) and has the scheduler preempt them;
-the run then differs from vLLM's from that step on, as it must (the requests are
-recomputed). What was quiet was the test: it compared the records first, so a lapse
-read as a usage difference. :func:`test_scheduler_equivalence.decided_like_vllm` now
-names the lost requests first."""
+until the server has ended the session, before the step's schedule() or inside the
+step (before its update_from_output()). The engine recovers as designed: the lost
+requests are counted (``lost_requests``), preempted and recomputed, so the run differs
+from vLLM's from there on, as it must. Two things made that quiet: a loss met inside
+schedule() was undone and its requests preempted with no log line (the other loss
+paths warn; which path a lapse takes depends on which thread meets the expired session
+first: now it warns, vllm_scheduler.py), and the equivalence test compared the records
+before ``lost_requests``, so a loss read as the first record that differed
+(:func:`test_scheduler_equivalence.decided_like_vllm` now names it first). These
+stalls show their first difference in a schedule record (the preemption), not the
+one-off's usage and event difference: that the one-off was a loss is likely, not
+proven; if it comes again, the check says whether requests were lost."""
 
 from __future__ import annotations
 

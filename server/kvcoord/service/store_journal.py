@@ -61,7 +61,7 @@ import cbor2
 from .durability import JournalRecorder
 from .errors import ServiceError, Status
 from .stalls import run_bounded, stalled_message
-from .store_failures import GivenUp, refused
+from .store_failures import GivenUp, Mark, refused
 from .tasks import uncancelled
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -80,9 +80,10 @@ TXN_OPS = 64
 #: seconds between retries of a write whose outcome is unknown
 RETRY_SECONDS = 0.1
 #: the pools the running task's answer rests on (records it queued, a kept answer's),
-#: each with the records settled when it was marked: a record of the pool given up
-#: since fails its flush (a pool whose records could not be written fails only its calls)
-_TOUCHED: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar(
+#: each with the records settled and queued and its stream's term when it was marked: a
+#: record of the pool given up since fails its flush, unless of a stream it had left
+#: (a pool whose records could not be written fails only its calls; store_failures.py)
+_TOUCHED: contextvars.ContextVar[dict[str, Mark] | None] = contextvars.ContextVar(
     "kvcoord_store_pools", default=None
 )
 
@@ -197,7 +198,9 @@ class PoolStreams:
 
     def answers_on(self, pool: str) -> None:  # (StoreRecorder.answers_on)
         if pool not in (marks := _TOUCHED.get() or {}):
-            _TOUCHED.set({**marks, pool: self.committed})
+            stream = self.streams.get(pool)
+            term = stream.term if stream is not None else None
+            _TOUCHED.set({**marks, pool: Mark(self.committed, self.appended, term)})
 
     async def flush(self) -> None:
         """Wait until every record queued so far is committed in the store.
@@ -205,14 +208,18 @@ class PoolStreams:
         Raises:
             ServiceError: UNAVAILABLE when a record of a pool marked by this task since its last
                 flush (:meth:`answers_on`) was given up since it was marked, even before this flush
-                began, or may have been (pruned away: store_failures.py); the pool is given up
-                here, its next owner has what was committed.
+                began, or may have been (pruned away: store_failures.py); not for the records of
+                a term the pool's stream had left when marked (a rebuild's flush was failed by
+                the old term's, deposed); the pool is given up here, its next owner has what was
+                committed.
         """
         target = self.appended
         marks = _TOUCHED.get() or {}
         if self.committed < target:
             future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append((min(marks.values(), default=self.committed), target, future))
+            self._waiters.append(
+                (min((m.settled for m in marks.values()), default=self.committed), target, future)
+            )
             await future
         lost = self._failed.lost(marks, target)  # (a record pruned away it cannot tell of: lost too)
         if marks:  # settled: a later flush of this task checks the pools marked again only
@@ -269,7 +276,7 @@ class PoolStreams:
             by_pool.setdefault(item.pool, []).append(item)
         for pool, mine in by_pool.items():
             logger.error("the journal of pool %s could not be written to the store: %r", pool, exc)
-            self._failed.add(pool, (i.gseq for i in mine))
+            self._failed.add(pool, ((i.gseq, i.term) for i in mine))
             stream = self.streams.get(pool)
             if stream is not None and any(i.term == stream.term for i in mine):  # (its stream's now)
                 self.close(pool)

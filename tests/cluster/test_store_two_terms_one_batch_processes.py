@@ -14,7 +14,9 @@ the store) must hold every answer a caller was told, before and after the new te
 and the calls of the old term still in flight must be told UNAVAILABLE or else what the
 next owner holds. With bdd5345's fix reverted the new term's base was given up with
 the old term's record and the pool was served on: an allocation answered at the new
-term was missing at the next owner."""
+term was missing at the next owner. And the rebuild itself must end well: the old term's
+records given up failed its own flush once (the mark of a pool was not per term), so
+r0 logged that it could not claim the pool it served, and did not count the failover."""
 
 from __future__ import annotations
 
@@ -144,6 +146,11 @@ def test_a_rebuild_at_a_new_term_with_old_term_records_queued_keeps_every_answer
         with KVCoordClient([r0.address], timeout=20.0) as c:
             s2 = c.attach(pool, "sha256_cbor", 4, "0", lease_seconds=120)
             told["d"] = _blocks(c.send_step(_step(pool, s2, s2.fence, "d", 300)))
+        # the rebuild is told it succeeded (was: its flush failed by the old term's records given
+        # up, "could not be claimed" logged though served, the failover not counted; test_store_term_marks.py)
+        took, failed = f"took pool {pool} over from the cluster store", f"pool {pool} could not be claimed"
+        _wait_for("the rebuild's end logged", lambda: took in r0.log() or failed in r0.log(), r0.log)
+        assert took in r0.log() and failed not in r0.log(), r0.log()
         for rid, outcome in outcomes.items():
             if isinstance(outcome, grpc.RpcError):
                 assert outcome.code() == grpc.StatusCode.UNAVAILABLE, (rid, outcome)

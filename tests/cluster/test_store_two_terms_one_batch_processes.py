@@ -51,9 +51,10 @@ from kvcoord.service import store_journal
 _real = store_journal.PoolStreams._write_pool
 
 
-def _touch(path, text=""):
-    with open(path, "w") as f:
+def _touch(path, text=""):  # (whole when seen: the test reads the text once the file exists)
+    with open(path + ".part", "w") as f:
         f.write(text)
+    os.replace(path + ".part", path)
 
 
 async def _write_pool(self, pool, items):

@@ -3,6 +3,7 @@ bounded waits. Without the binary the tests fail (never skip), naming how to ins
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import signal
 import subprocess
@@ -13,7 +14,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aetcd
+import cbor2
 import pytest
+from kvcoord.service.errors import ServiceError, Status
 from kvcoord.service.store_journal import PoolStreams
 from ports import free_ports
 from tcp_proxy import Proxy
@@ -331,3 +334,26 @@ async def pool_streams(
     prefix = f"/kvcoord/{request.node.name[:40]}/".encode()
     async with store_client(etcd) as c:
         yield c, PoolStreams(lambda: c, prefix, lambda: True, snapshot_every=snapshot_every)
+
+
+async def old_term_deposed(c: aetcd.Client, streams: PoolStreams) -> tuple[int, int, list[str]]:
+    """Pool p's stream opened and its base written at a term, then p claimed again (a new
+    term: the old one deposed, its writes fail): (old term, new term, the pools given up
+    from now on)."""
+    lost: list[str] = []
+    streams.on_lost = lost.append
+    old = await put_claim(c, streams.owner_key("p"))
+    streams.open("p", old, cbor2.dumps([0, ["base", 0.0, b"old"]]))
+    await streams.flush()
+    return old, await put_claim(c, streams.owner_key("p")), lost
+
+
+async def flush_outcome(call: asyncio.Task[None]) -> str:
+    """What a call that flushes the store journal was told: "told durable", or
+    "UNAVAILABLE" (any other error fails the test)."""
+    try:
+        await call
+    except ServiceError as exc:
+        assert exc.status == Status.UNAVAILABLE, exc
+        return "UNAVAILABLE"
+    return "told durable"

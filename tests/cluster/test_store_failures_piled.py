@@ -17,8 +17,7 @@ import contextvars
 
 import cbor2
 import pytest
-from etcd_process import Etcd, pool_streams, put_claim
-from kvcoord.service.errors import ServiceError, Status
+from etcd_process import Etcd, flush_outcome, pool_streams, put_claim
 from kvcoord.service.store_journal import PoolStreams
 
 #: records given up at once: past the pruning's 4,096
@@ -31,15 +30,6 @@ async def _deposed(c: object, streams: PoolStreams, pool: str) -> None:
     streams.open(pool, term, cbor2.dumps([0, ["base", 0.0, b"base"]]))
     await streams.flush()
     await put_claim(c, streams.owner_key(pool))  # type: ignore[arg-type]
-
-
-async def _outcome(call: asyncio.Task[None]) -> str:
-    try:
-        await call
-    except ServiceError as exc:
-        assert exc.status == Status.UNAVAILABLE, exc
-        return "UNAVAILABLE"
-    return "told durable"
 
 
 def test_a_flush_whose_record_failed_with_a_pile_of_others_is_told_unavailable(
@@ -61,7 +51,7 @@ def test_a_flush_whose_record_failed_with_a_pile_of_others_is_told_unavailable(
 
             # each call in a context of its own, as each gRPC call's handler runs; one batch
             calls = [asyncio.create_task(f(), context=contextvars.Context()) for f in (pile, victim)]
-            told = [await _outcome(t) for t in calls]
+            told = [await flush_outcome(t) for t in calls]
             assert told == ["UNAVAILABLE", "UNAVAILABLE"], told
 
     asyncio.run(run())
@@ -91,9 +81,12 @@ def test_a_call_that_marked_its_pool_before_a_pile_of_failures_is_told_unavailab
                     streams.append("pile", cbor2.dumps([n + 1, ["call", 0.0, n]]))
                 await streams.flush()
 
-            assert await _outcome(asyncio.create_task(pile(), context=contextvars.Context())) == "UNAVAILABLE"
+            assert (
+                await flush_outcome(asyncio.create_task(pile(), context=contextvars.Context()))
+                == "UNAVAILABLE"
+            )
             local_commit.set()
-            told = await _outcome(call)
+            told = await flush_outcome(call)
             assert told == "UNAVAILABLE", told
 
     asyncio.run(run())

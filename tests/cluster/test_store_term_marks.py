@@ -24,33 +24,11 @@ from typing import Any
 
 import cbor2
 import pytest
-from etcd_process import Etcd, pool_streams, put_claim
-from kvcoord.service.errors import ServiceError, Status
+from etcd_process import Etcd, flush_outcome, old_term_deposed, pool_streams, put_claim
 from kvcoord.service.store_failures import KEEP
-from kvcoord.service.store_journal import PoolStreams
 
 #: old-term records given up at once: past the pruning's list
 PILE = KEEP + 104
-
-
-async def _old_term_deposed(c: Any, streams: PoolStreams) -> tuple[int, int, list[str]]:
-    """Pool p's stream opened and its base written at a term, then p claimed again (the
-    rebuild's claim: a new term, the old one deposed): (old, new, pools given up)."""
-    lost: list[str] = []
-    streams.on_lost = lost.append
-    old = await put_claim(c, streams.owner_key("p"))
-    streams.open("p", old, cbor2.dumps([0, ["base", 0.0, b"old"]]))
-    await streams.flush()
-    return old, await put_claim(c, streams.owner_key("p")), lost
-
-
-async def _outcome(call: asyncio.Task[None]) -> str:
-    try:
-        await call
-    except ServiceError as exc:
-        assert exc.status == Status.UNAVAILABLE, exc
-        return "UNAVAILABLE"
-    return "told durable"
 
 
 def _task(coro: Any) -> asyncio.Task[None]:
@@ -63,7 +41,7 @@ def test_a_rebuilds_flush_is_not_failed_by_the_old_terms_given_up_records(
 ) -> None:
     async def run() -> None:
         async with pool_streams(etcd, request) as (c, streams):
-            old, new, lost = await _old_term_deposed(c, streams)
+            old, new, lost = await old_term_deposed(c, streams)
 
             async def old_call() -> None:
                 streams.append("p", cbor2.dumps([1, ["call", 0.0, "old"]]))
@@ -82,7 +60,7 @@ def test_a_rebuilds_flush_is_not_failed_by_the_old_terms_given_up_records(
             told = {"old": first, "rebuild": _task(rebuild())}
             await asyncio.sleep(0)
             told["new"] = _task(new_call())
-            outcomes = {name: await _outcome(t) for name, t in told.items()}
+            outcomes = {name: await flush_outcome(t) for name, t in told.items()}
             assert outcomes == {"old": "UNAVAILABLE", "rebuild": "told durable", "new": "told durable"}, (
                 outcomes
             )
@@ -100,7 +78,7 @@ def test_a_rebuilds_flush_is_not_failed_by_the_old_terms_records_pruned_away(
 
     async def run() -> None:
         async with pool_streams(etcd, request) as (c, streams):
-            old, new, lost = await _old_term_deposed(c, streams)
+            old, new, lost = await old_term_deposed(c, streams)
             local_commit = asyncio.Event()
 
             async def old_waiting() -> None:
@@ -122,9 +100,12 @@ def test_a_rebuilds_flush_is_not_failed_by_the_old_terms_records_pruned_away(
             piled = _task(pile())
             await asyncio.sleep(0)  # (both queued at the old term, unwritten)
             rebuilt = _task(rebuild())
-            assert await _outcome(piled) == "UNAVAILABLE"
+            assert await flush_outcome(piled) == "UNAVAILABLE"
             local_commit.set()
-            outcomes = {"old": await _outcome(waiting), "rebuild": await _outcome(rebuilt)}
+            outcomes = {
+                "old": await flush_outcome(waiting),
+                "rebuild": await flush_outcome(rebuilt),
+            }
             assert outcomes == {"old": "UNAVAILABLE", "rebuild": "told durable"}, outcomes
             assert lost == [] and streams.is_open("p")
 
@@ -140,7 +121,7 @@ def test_a_mark_made_at_the_old_term_fails_with_the_new_terms_base(
 
     async def run() -> None:
         async with pool_streams(etcd, request) as (c, streams):
-            old, new, lost = await _old_term_deposed(c, streams)
+            old, new, lost = await old_term_deposed(c, streams)
             await put_claim(c, streams.owner_key("p"))  # and another replica's since: the new term deposed
             locked = asyncio.Event()
 
@@ -156,9 +137,9 @@ def test_a_mark_made_at_the_old_term_fails_with_the_new_terms_base(
                 streams.open("p", new, cbor2.dumps([0, ["base", 0.0, b"new"]]))
                 await streams.flush()
 
-            assert await _outcome(_task(rebuild())) == "UNAVAILABLE"
+            assert await flush_outcome(_task(rebuild())) == "UNAVAILABLE"
             assert lost == ["p"]
             locked.set()
-            assert await _outcome(call) == "UNAVAILABLE"
+            assert await flush_outcome(call) == "UNAVAILABLE"
 
     asyncio.run(run())

@@ -16,25 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-from typing import Any
 
 import cbor2
 import pytest
-from etcd_process import Etcd, pool_streams, put_claim
+from etcd_process import Etcd, old_term_deposed, pool_streams, put_claim
 from kvcoord.service.errors import ServiceError, Status
-from kvcoord.service.store_journal import PoolStreams
 from kvcoord.service.store_rebuild import stream_rows
-
-
-async def _old_term_deposed(c: Any, streams: PoolStreams) -> tuple[int, int, list[str]]:
-    """Pool p's stream opened and its base written at a term, then p claimed again (a new
-    term: the old one deposed): (old term, new term, the pools given up from now on)."""
-    lost: list[str] = []
-    streams.on_lost = lost.append
-    old = await put_claim(c, streams.owner_key("p"))
-    streams.open("p", old, cbor2.dumps([0, ["base", 0.0, b"old"]]))
-    await streams.flush()
-    return old, await put_claim(c, streams.owner_key("p")), lost
 
 
 def test_a_new_terms_records_in_a_batch_with_the_old_terms_are_written(
@@ -42,7 +29,7 @@ def test_a_new_terms_records_in_a_batch_with_the_old_terms_are_written(
 ) -> None:
     async def run() -> None:
         async with pool_streams(etcd, request) as (c, streams):
-            old, new, lost = await _old_term_deposed(c, streams)
+            old, new, lost = await old_term_deposed(c, streams)
 
             async def old_call() -> None:
                 streams.append("p", cbor2.dumps([1, ["call", 0.0, "old"]]))
@@ -89,7 +76,7 @@ def test_a_new_terms_records_failing_in_a_batch_with_the_old_terms_give_the_pool
 
     async def run() -> None:
         async with pool_streams(etcd, request) as (c, streams):
-            old, new, lost = await _old_term_deposed(c, streams)
+            old, new, lost = await old_term_deposed(c, streams)
             await put_claim(c, streams.owner_key("p"))  # and another replica's since: both deposed
 
             async def call() -> None:

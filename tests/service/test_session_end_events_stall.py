@@ -20,34 +20,9 @@ from pathlib import Path
 import pytest
 from kvcoord.client import KVCoordClient
 from kvcoord.service.testing import InProcessServer, ManualClock
-from kvcoord.v1 import allocator_pb2 as pb
 from loop_monitor import LoopMonitor
 from support import pool_toml
-
-N_REQ = 65536
-TOKENS = 64
-BLOCKS = N_REQ * 16 + 16
-MAX_STALL = 0.1
-
-
-def _fill(client: KVCoordClient, sid: str, fence: pb.Fence) -> None:
-    """Every request holds 16 blocks, each with a hash of its own (cached)."""
-    for k in range(0, N_REQ, 4096):
-        ops = [
-            pb.Operation(
-                allocate=pb.AllocateOp(
-                    request=pb.RequestSync(
-                        request_id=f"r{i}",
-                        append_token_ids=list(range(TOKENS)),
-                        append_block_hashes=[i.to_bytes(8, "big") + j.to_bytes(24, "big") for j in range(16)],
-                        new_request=True,
-                    ),
-                    num_new_tokens=TOKENS,
-                )
-            )
-            for i in range(k, k + 4096)
-        ]
-        assert not any(r.status_code for r in client.step("big", ops, sid, fence).results)
+from test_session_end_slices import BLOCKS, MAX_STALL, N_REQ, fill
 
 
 def _all_free_once(client: KVCoordClient) -> None:
@@ -65,7 +40,7 @@ def test_a_large_cached_session_end_moves_its_events_in_slices(
     server = make_server(pool_toml("big", BLOCKS, max_model_len=None), data_dir=data, synchronous="NORMAL")
     with KVCoordClient(server.address, timeout=60) as client:
         r = client.attach("big", "sha256_cbor", 4, "0", lease_seconds=20)  # (above the 10 s stall bound)
-        _fill(client, r.session_id, r.fence)
+        fill(client, r.session_id, r.fence, cached=True)
         last = server.running.servicer.registry.pools["big"].events.last_sequence  # type: ignore[union-attr]
         assert last == N_REQ  # a BlockStored per request (its 16 blocks)
         monitor = LoopMonitor(server)

@@ -28,13 +28,21 @@ BLOCKS = N_REQ * 16 + 16
 MAX_STALL = 0.1
 
 
-def _fill(client: KVCoordClient, sid: str, fence: pb.Fence) -> None:
+def fill(client: KVCoordClient, sid: str, fence: pb.Fence, cached: bool = False) -> None:
+    """Every request holds 16 blocks; ``cached``: each with a hash of its own."""
     for k in range(0, N_REQ, 4096):
         ops = [
             pb.Operation(
                 allocate=pb.AllocateOp(
                     request=pb.RequestSync(
-                        request_id=f"r{i}", append_token_ids=list(range(TOKENS)), new_request=True
+                        request_id=f"r{i}",
+                        append_token_ids=list(range(TOKENS)),
+                        append_block_hashes=(
+                            [i.to_bytes(8, "big") + j.to_bytes(24, "big") for j in range(16)]
+                            if cached
+                            else []
+                        ),
+                        new_request=True,
                     ),
                     num_new_tokens=TOKENS,
                 )
@@ -65,7 +73,7 @@ def test_a_large_detach_frees_in_slices(make_server: Callable[..., InProcessServ
     server = make_server(pool_toml("big", BLOCKS, caching=False), data_dir=data)
     with KVCoordClient(server.address, timeout=60) as client:
         r = client.attach("big", "", 4, "", lease_seconds=60)
-        _fill(client, r.session_id, r.fence)
+        fill(client, r.session_id, r.fence)
         monitor = LoopMonitor(server)
         time.sleep(0.1)
         monitor.reset()
@@ -89,7 +97,7 @@ def test_a_large_lease_expiry_frees_in_slices(
     server = make_server(pool_toml("big", BLOCKS, caching=False), data_dir=data)
     with KVCoordClient(server.address, timeout=60) as client:
         r = client.attach("big", "", 4, "", lease_seconds=20)  # (above the 10 s stall bound)
-        _fill(client, r.session_id, r.fence)
+        fill(client, r.session_id, r.fence)
         clock.advance(21)
         monitor = LoopMonitor(server)
         time.sleep(0.1)

@@ -19,13 +19,14 @@ call proves the restore again and its grace holds."""
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from pathlib import Path
 
 import pytest
 from durable_server import attach, leased_server, restore_volume, step_allocate, two_workers_then_copy
 from kvcoord.client import NO_RETRY, KVCoordClient
-from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError
+from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
 from kvcoord.service.main import EXIT_JOURNAL_FAILED
 from kvcoord.service.startup import GRACE_FILE
 
@@ -94,5 +95,51 @@ def test_a_start_told_restored_whose_grace_cannot_be_written_refuses_to_start(tm
         with pytest.raises(RuntimeError, match="server exited with 3"):
             server.start(args=("--restored",))
         assert "its grace period cannot be written" in server.log()
+    finally:
+        server.stop()
+
+
+def test_a_restored_journal_found_at_start_whose_grace_cannot_be_written_refuses_to_start(
+    tmp_path: Path,
+) -> None:
+    """A journal restored alone from a backup (deploy/README.md, "Restore the journal":
+    ``journal.progress`` says more was committed) is found behind at start, and its grace
+    is written before the fencing's first record (recovery.py, ``before_fencing``). When
+    grace.json cannot be written the start is refused with the data directory's exit
+    status (3) naming the file, nothing fenced (it was a raw IsADirectoryError
+    traceback, exit 1). Started again once the file can be written, the restore is still
+    found: the grace holds and worker a's session is gone."""
+    lease = 6.0
+    server = leased_server(tmp_path, lease, num_blocks=17)
+    server.start()
+    journal = server.data_dir / "journal.sqlite"
+    backup = tmp_path / "backup.sqlite"
+    try:
+        with KVCoordClient(server.address) as c:
+            a = attach(c, "worker-a", lease)
+            step_allocate(c, a, "a1", 8)
+            src, dst = sqlite3.connect(journal), sqlite3.connect(backup)
+            src.backup(dst)
+            dst.close()
+            src.close()
+            step_allocate(c, a, "a2", 8)  # committed after the backup: journal.progress says so
+        server.kill()
+        for suffix in ("", "-wal", "-shm"):
+            journal.with_name(journal.name + suffix).unlink(missing_ok=True)
+        backup.rename(journal)
+        (server.data_dir / (GRACE_FILE + ".tmp")).mkdir()  # grace.json cannot be written
+        with pytest.raises(RuntimeError, match="server exited with 3"):
+            server.start()
+        assert "its grace period cannot be written" in server.log()
+        assert str(server.data_dir / GRACE_FILE) in server.log()
+        assert "Traceback" not in server.log()
+        server._log.close()
+        (server.data_dir / (GRACE_FILE + ".tmp")).rmdir()
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises(GracePeriodError):
+                attach(c, "worker-e", lease)
+            with pytest.raises((SessionExpiredError, FencedError)):
+                c.heartbeat(a.session_id, a.fence)
     finally:
         server.stop()

@@ -240,6 +240,25 @@ class StartupDecision:
         if self.grace_file is not None and left > 0:
             self.grace_file.record(left, self.reason or "leases of an earlier instance")
 
+    def restored_at_start(self, why: str) -> None:
+        """A restore found as the journal opens (recovery.py's ``before_fencing``): its
+        grace made durable before the fencing's first record.
+
+        Raises:
+            DataDirError: grace.json cannot be written (a full disk, an I/O error; names
+                the file): the start is refused with nothing fenced or journaled, so the
+                journal still looks behind and the next start finds the restore again.
+        """
+        try:
+            self.persist(self.restored(why))
+        except OSError as exc:
+            assert self.grace_file is not None
+            raise DataDirError(
+                f"a restore was found ({why}) but its grace period cannot be written to "
+                f"{self.grace_file.path} ({exc}): nothing is fenced and the server does not start; free "
+                "space or fix the data directory, then start again (the restore is found again)"
+            ) from None
+
     def begin_grace(self, reason: str) -> float:
         """A grace of ``max_session_lease_seconds`` from now (a restore detected while
         serving), persisted at once; returns its end (monotonic)."""

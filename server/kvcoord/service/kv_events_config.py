@@ -9,14 +9,17 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CLOCK_NUMBERS",
     "RESERVE_SEQUENCES",
     "KVEventsDecl",
     "SequenceReservation",
+    "clock_floor",
     "kv_events_from_list",
     "reservation_path",
 ]
@@ -87,23 +90,41 @@ def kv_events_from_list(tables: Any, pools: Sequence[str] = ()) -> tuple[KVEvent
 
 #: batch numbers reserved ahead at once (one synced write of the reservation file)
 RESERVE_SEQUENCES = 4096
+#: a restarted publisher's numbers start past this many a second of the wall clock
+#: (:func:`clock_floor`)
+CLOCK_NUMBERS = 1_000_000
+
+
+def clock_floor(wall_clock: Callable[[], float] = time.time) -> int:
+    """The least number a restarted publisher starts at (:class:`SequenceReservation`):
+    the wall clock in microseconds since the epoch."""
+    return int(wall_clock() * CLOCK_NUMBERS)
 
 
 class SequenceReservation:
     """Batch numbers that survive a restart: numbers are used only below a ceiling
     stored in ``path`` (written, synced and renamed into place before any number under
     it is used), and a new reservation starts at the stored ceiling. A crash can skip
-    numbers (at most :data:`RESERVE_SEQUENCES` a restart) but never use one twice.
+    numbers but never use one twice.
+
+    ``floor``: a restart (the file exists) starts at it at least. The publisher passes
+    the wall clock in microseconds (:func:`clock_floor`): the file may be a restored
+    copy (a volume snapshot, a backup) whose ceiling is below numbers the lost history
+    published since, which a subscriber would drop as batches it has seen; no earlier
+    process's numbers reach the clock's (it would have had to publish a million batches
+    a second since it started). A restart is a gap to subscribers anyway (they ask the
+    replay socket); a first start (no file) counts from 0.
 
     Args:
         path: the reservation file (its directory is created).
         pool: the pool's name, kept in the file for whoever reads it.
+        floor: the least number a restart starts at.
 
     Raises:
         ValueError: the file exists but is not a reservation (names the file).
     """
 
-    def __init__(self, path: Path, pool: str) -> None:
+    def __init__(self, path: Path, pool: str, floor: int = 0) -> None:
         self.path = path
         self.pool = pool
         self.ceiling = 0
@@ -116,8 +137,8 @@ class SequenceReservation:
             if type(ceiling) is not int or ceiling < 0:
                 raise ValueError(f"{path}: ceiling must be a non-negative integer, got {ceiling!r}")
             self.ceiling = ceiling
-        #: the first number this process may use
-        self.start = self.ceiling
+        #: the first number this process may use (after a restart, ``floor`` at least)
+        self.start = max(self.ceiling, floor) if path.exists() else 0
 
     def allow(self, seq: int) -> None:
         """Make ``seq`` usable: raise the stored ceiling past it first when needed."""

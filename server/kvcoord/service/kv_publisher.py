@@ -41,7 +41,9 @@ announced with ``AllBlocksCleared``.
 Across a server restart (a server with a data directory) the batch numbers go on: the
 publisher reserves numbers ahead in a small file of the data directory, written and
 synced before it uses them, and a restarted publisher starts past every number
-reserved before, so no number ever names two different batches on the PUB socket (a
+reserved before and past the wall clock in microseconds (the file may come from a
+restored, older volume: kv_events_config.py), so no number ever names two different
+batches on the PUB socket (a
 replay's snapshot above stands for every batch up to its number) and a subscriber sees
 the restart as a gap, which it fills from the replay socket: with the snapshot, as the
 restarted process has none of the batches it missed (until this process's first batch
@@ -83,6 +85,7 @@ from .kv_events_config import (
     RESERVE_SEQUENCES,
     KVEventsDecl,
     SequenceReservation,
+    clock_floor,
     kv_events_from_list,
     reservation_path,
 )
@@ -142,7 +145,10 @@ class KVEventPublisher:
         self.decl = decl
         self._zmq = zmq
         self._reservation = (
-            SequenceReservation(reservation_path(data_dir, decl.pool), decl.pool) if data_dir else None
+            # (past the clock after a restart: the file may be a restored copy's)
+            SequenceReservation(reservation_path(data_dir, decl.pool), decl.pool, clock_floor())
+            if data_dir
+            else None
         )
         ctx: Any = zmq.Context.instance()
         # XPUB: a PUB socket to every subscriber (vLLM's SUB sockets connect unchanged)

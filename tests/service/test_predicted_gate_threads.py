@@ -1,16 +1,19 @@
-"""The predicted mode's Gate (flight.py) opened from another thread while the
+"""The predicted mode's Gate (flight.py) opened from other threads while the
 scheduler's thread shuts it handing a Step over (``StepSender.cut``): real threads, a
 real sender thread and a real server; the interleavings forced with events inside the
-gate's check-then-act (no sleeps).
+gate's lock calls (no sleeps).
 
-The gate's ``open`` and ``shut`` each check, then act. When an open from another
-thread falls between ``shut``'s check and its clear, or ``shut`` runs whole between
-``open``'s check and its (skipped) set, the open is lost: the gate stays shut. What
-bounds it is ``Gate.max_seconds``: the sender thread waits that long at most, then
-sends. These tests hold the product to that: whatever the interleaving, the Step
-handed over is sent once (the server handles exactly one Step), answered as the
-mirror predicted, its flight finished without anyone waiting for it, and the
-manager closes cleanly; no thread hangs past the test's bound."""
+The gate is a lock held while it is shut. ``shut`` is one non-blocking acquire;
+``open`` checks (``locked``), then releases. When ``shut`` runs between ``open``'s
+check and its (skipped) release, or an open falls just before ``shut``'s acquire, the
+open is lost: the gate stays shut. What bounds it is ``Gate.max_seconds``: the sender
+thread waits that long at most, then sends. Two opens racing past the check both
+release: the second release (or the sender thread's, giving back the lock it took to
+pass) finds it unlocked and is ignored. These tests hold the product to that:
+whatever the interleaving, the Step handed over is sent once (the server handles
+exactly one Step), answered as the mirror predicted, its flight finished without
+anyone waiting for it, and the manager closes cleanly; no thread hangs past the
+test's bound."""
 
 from __future__ import annotations
 
@@ -28,27 +31,37 @@ from support import NONE, Req, scrape_metrics, wire_pool_config
 BOUND = 30.0
 
 
-class SteppedEvent(threading.Event):
-    """A gate's event whose next ``is_set`` on the armed thread returns its answer only
-    once ``go`` is set, after telling ``checked``: that thread's check-then-act is
-    held between the check and the act."""
+class SteppedLock:
+    """A gate's lock whose next ``locked`` (``open``'s check) or ``acquire`` (``shut``'s
+    act) on the armed thread is held until ``go`` is set, after telling ``checked``:
+    ``locked`` answers what it read before the hold, ``acquire`` acts after it."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.armed: int | None = None
+        self.lock = threading.Lock()
+        self.armed: tuple[int, str] | None = None
         self.checked = threading.Event()
         self.go = threading.Event()
 
-    def arm(self, thread: int) -> None:
-        self.armed = thread
+    def arm(self, thread: int, call: str) -> None:
+        self.armed = (thread, call)
 
-    def is_set(self) -> bool:
-        answer = super().is_set()
-        if self.armed == threading.get_ident():
+    def _hold(self, call: str) -> None:
+        if self.armed == (threading.get_ident(), call):
             self.armed = None
             self.checked.set()
-            assert self.go.wait(BOUND), "the other thread never let the check go on"
+            assert self.go.wait(BOUND), "the other thread never let the call go on"
+
+    def locked(self) -> bool:
+        answer = self.lock.locked()
+        self._hold("locked")
         return answer
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        self._hold("acquire")
+        return self.lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self.lock.release()
 
 
 def _admit(m: PredictingKVCacheManager, rid: str, tokens: list[int]) -> None:
@@ -74,8 +87,18 @@ def manager(server: InProcessServer, client: KVCoordClient) -> Iterator[Predicti
     m.close()
 
 
+#: what a thread started by :func:`_in_thread` raised (an opener must raise nothing)
+_RAISED: list[BaseException] = []
+
+
 def _in_thread(target: Callable[[], Any]) -> threading.Thread:
-    t = threading.Thread(target=target, name="other-opener", daemon=True)
+    def run() -> None:
+        try:
+            target()
+        except BaseException as err:  # noqa: BLE001 - kept for the test to fail on
+            _RAISED.append(err)
+
+    t = threading.Thread(target=run, name="other-opener", daemon=True)
     t.start()
     return t
 
@@ -83,8 +106,9 @@ def _in_thread(target: Callable[[], Any]) -> threading.Thread:
 @pytest.mark.parametrize(
     "order",
     [
-        "open-between-shut-check-and-clear",
-        "shut-between-open-check-and-set",
+        "open-just-before-shut-acquires",
+        "shut-between-open-check-and-release",
+        "two-opens-past-the-check",
         "open-before-shut",
         "open-after-shut",
     ],
@@ -92,10 +116,11 @@ def _in_thread(target: Callable[[], Any]) -> threading.Thread:
 def test_a_step_handed_over_while_another_thread_opens_goes_once(
     server: InProcessServer, manager: PredictingKVCacheManager, order: str
 ) -> None:
+    _RAISED.clear()
     sender = manager.sender
     gate = sender.gate
-    event = SteppedEvent()
-    gate._open = event  # type: ignore[misc]  # (the same Event, its check held where armed)
+    event = SteppedLock()
+    gate._shut = event  # type: ignore[assignment]  # (a lock's calls held where armed)
     sent: list[int] = []
     answered = threading.Event()
     checked = sender._checked_step
@@ -120,23 +145,30 @@ def test_a_step_handed_over_while_another_thread_opens_goes_once(
         manager.take_events()
 
     main = threading.get_ident()
-    if order == "open-between-shut-check-and-clear":
-        event.arm(main)
+    if order == "open-just-before-shut-acquires":
+        event.arm(main, "acquire")
         opener = _in_thread(lambda: (event.checked.wait(BOUND), gate.open(), event.go.set()))
         the_step_ends()
-    elif order == "shut-between-open-check-and-set":
+    elif order in ("shut-between-open-check-and-release", "two-opens-past-the-check"):
         holder: list[int] = []
         ready = threading.Event()
 
         def open_held() -> None:
             holder.append(threading.get_ident())
-            event.arm(holder[0])
+            event.arm(holder[0], "locked")
             ready.set()
             gate.open()
 
+        if order == "two-opens-past-the-check":
+            the_step_ends()  # shut: both openers see it locked, both release
         opener = _in_thread(open_held)
         assert ready.wait(BOUND) and event.checked.wait(BOUND)
-        the_step_ends()
+        if order == "two-opens-past-the-check":
+            second = _in_thread(gate.open)
+            second.join(BOUND)
+            assert not second.is_alive(), "the second opener hung"
+        else:
+            the_step_ends()
         event.go.set()
     elif order == "open-before-shut":
         opener = _in_thread(gate.open)
@@ -147,6 +179,7 @@ def test_a_step_handed_over_while_another_thread_opens_goes_once(
         opener = _in_thread(gate.open)
     opener.join(BOUND)
     assert not opener.is_alive(), "the thread opening the gate hung"
+    assert _RAISED == [], f"{order}: an opener raised"
     # nobody waits for the Step: the sender thread sends it on its own (at most max_seconds late)
     assert answered.wait(BOUND), f"{order}: the Step handed over was never sent"
     in_flight = sender.in_flight
@@ -154,7 +187,7 @@ def test_a_step_handed_over_while_another_thread_opens_goes_once(
     waiter = _in_thread(in_flight.result)  # (the flight is finished right after the answer is checked)
     waiter.join(BOUND)
     assert in_flight.done() and not waiter.is_alive(), f"{order}: the Step's flight never finished"
-    if order.startswith(("open-between", "shut-between")):
+    if order.startswith(("open-just", "shut-between", "two-opens")):
         assert event.checked.is_set() and event.go.is_set()  # the held interleaving ran
     assert sender.failure is None, sender.failure
     assert len(sent) == 1 and sent[0] != main, sent  # once, on the sender thread

@@ -18,10 +18,13 @@ class Gate:
     calls. It waits at most ``max_seconds`` (an engine gone idle schedules nothing),
     and a caller waiting for the Step opens it (``StepSender.settle``, ``close``)."""
 
-    __slots__ = ("_open", "max_seconds", "used")
+    __slots__ = ("_shut", "max_seconds", "used")
 
     def __init__(self, max_seconds: float = 0.05) -> None:
-        self._open = threading.Event()
+        #: held while the gate is shut: a lock's C calls cost a few hundred instructions
+        #: where an ``Event``'s ``set`` (its condition's Python ``notify_all``) costs
+        #: thousands, and the scheduler's thread opens and shuts the gate every step
+        self._shut = threading.Lock()
         self.max_seconds = max_seconds
         #: whether anyone opens it (else it never holds a Step)
         self.used = False
@@ -29,19 +32,28 @@ class Gate:
     def open(self, for_good: bool = False) -> None:
         if for_good:
             self.used = True
-        event = self._open
-        if not event.is_set():  # (only the scheduler's thread opens and shuts it: no race)
-            event.set()
+        shut = self._shut
+        if shut.locked():
+            try:
+                shut.release()
+            except RuntimeError:
+                pass  # opened meanwhile by another thread (or the waiter passed): open either way
 
     def shut(self) -> None:
         """A Step is handed over now (the sender thread is idle)."""
-        if self.used and self._open.is_set():
-            self._open.clear()
+        if self.used:
+            self._shut.acquire(False)  # (shut already: stays shut)
 
     def wait(self) -> None:
-        """On the sender thread: until the gate opens (at most ``max_seconds``)."""
+        """On the sender thread: until the gate opens (at most ``max_seconds``); it stays
+        open (the waiter takes the lock and gives it back at once)."""
         if self.used:
-            self._open.wait(self.max_seconds)
+            shut = self._shut
+            if shut.acquire(True, self.max_seconds):
+                try:
+                    shut.release()
+                except RuntimeError:
+                    pass  # an opener released it in between: open either way
 
 
 class Flight:

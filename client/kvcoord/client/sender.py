@@ -404,7 +404,9 @@ class StepSender(StepGathering):
     def settle(self) -> None:
         """Wait for the Step in flight (its failure, if any, is in :attr:`failure`)."""
         in_flight, self.in_flight = self.in_flight, None
-        if in_flight is not None:
+        # (answered already, as at most cuts under vLLM: the Step went while the model
+        # ran, the sender thread is past the gate and the next hand-over shuts it)
+        if in_flight is not None and not in_flight.done():
             self.gate.open()  # (waited for now: sent at once)
             t0 = time.perf_counter()
             in_flight.result()

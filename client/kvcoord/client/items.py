@@ -180,7 +180,17 @@ class Gathered:
     """A predicted session's Step being gathered: its operations (written in place into its request) and what the mirror
     says their answers are."""
 
-    __slots__ = ("events", "expected", "num_free_blocks", "request", "runs", "size", "stats", "writes")
+    __slots__ = (
+        "dropped",
+        "events",
+        "expected",
+        "num_free_blocks",
+        "request",
+        "runs",
+        "size",
+        "stats",
+        "writes",
+    )
 
     def __init__(self) -> None:
         self.request = pb.StepRequest(include_state=True, events_digest=True)
@@ -199,6 +209,11 @@ class Gathered:
         self.events: list[KVCacheEvent] = []
         #: the mirror's statistics (the engine's value; set when the Step is cut)
         self.stats = NO_STATS
+        #: what the step's frees let go of (the tracker's and the engine's records of
+        #: each freed request: its token list, hashes, noted positions), deallocated on
+        #: the sender thread with the Step once it is sent, while the model runs, not in
+        #: the scheduler's free (nothing reads them)
+        self.dropped: list[object] = []
 
 
 class ColumnRun:

@@ -253,14 +253,18 @@ class Mirror:
         self._collect()
         return new
 
-    def free_if_held(self, request_id: str, uncomputed_from: int | None = None) -> None:
+    def free_if_held(self, request_id: str, uncomputed_from: int | None = None) -> object | None:
         """Free the request's blocks and forget it (nothing for a request it does not
-        hold); ``uncomputed_from``: an undone step's free (see the engine's ``free``)."""
+        hold); ``uncomputed_from``: an undone step's free (see the engine's ``free``).
+        Returns the engine's record of the request (``None``: not held), which the
+        caller may keep to let go of it later (its token list's deallocation)."""
         engine = self.engine
-        if request_id in engine.requests:
+        record = engine.requests.get(request_id)
+        if record is not None:
             engine.free(request_id, False, uncomputed_from)
             if self._block_pool.kv_event_queue:
                 self._collect()
+        return record
 
     def call(self, method: str, *args: Any) -> Any:
         """Any other engine call (``cache_blocks``, ``remove_skipped_blocks``,

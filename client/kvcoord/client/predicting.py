@@ -279,10 +279,14 @@ class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports)
         tracker = self.tracker
         if tracker.lost:
             tracker.lost.discard(rid)  # a lost request the scheduler frees is settled
-        if not tracker.drop(rid):
+        tracked = tracker.take(rid)
+        if tracked is None:
             return  # never sent (or lost with its session): nothing to free
-        self.mirror.free_if_held(rid, uncomputed_from)
-        free_op(rid, uncomputed_from=uncomputed_from, into=self.sender.op().free)
+        record = self.mirror.free_if_held(rid, uncomputed_from)
+        sender = self.sender
+        free_op(rid, uncomputed_from=uncomputed_from, into=sender.op().free)
+        # (deallocated with the Step on the sender thread, while the model runs)
+        sender.pending.dropped += (tracked, record)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The request's block table per group (``RequestUnknownError`` for a request the

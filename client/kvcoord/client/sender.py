@@ -427,12 +427,17 @@ class StepSender(StepGathering):
         gate = self.gate
         while (item := inbox.get()) is not None:
             sent, flight = item
+            item = None
             gate.wait()
             try:
                 self._step(sent)
                 if self.spare is None:
                     self.spare = Gathered()  # (here, not on the scheduler's thread)
             finally:
+                # the Step and what it holds (its frees' records: Gathered.dropped) are
+                # deallocated now, while the model runs, not when the next Step wakes
+                # this thread at the scheduler's next cut
+                del sent
                 flight.finish()
 
     def recover(self) -> RequestsLostError:

@@ -402,6 +402,15 @@ class RequestTracker:
         """Stop tracking one request (a free); whether it was tracked."""
         return self._tracked.pop(request_id, None) is not None
 
+    def take(self, request_id: str) -> object | None:
+        """:meth:`drop`, giving back what was tracked (``None``: nothing), for the caller
+        to let go of where its deallocation costs the scheduler nothing (the request
+        object and its token list let go of now: their lifetime stays the caller's)."""
+        t = self._tracked.pop(request_id, None)
+        if t is not None:
+            t.request = t.tokens = None
+        return t
+
     def forget(self, request_ids: Iterable[str], lost: bool = False) -> list[str]:
         """Stop tracking these requests; returns those that were tracked. With ``lost``
         they are remembered as lost until the scheduler resets them."""

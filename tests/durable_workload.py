@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+import traceback
 from typing import Any
 
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager, TLSOptions
@@ -141,6 +142,7 @@ def run_checked_worker(
             m.close()
     except Exception as exc:  # reported to the parent, which fails the test
         summary["error"] = f"{type(exc).__name__}: {exc}"
+        summary["where"] = traceback.format_exc(limit=-6)  # (which call: the parent prints it)
     out.put(summary)
 
 

@@ -9,7 +9,7 @@ import traceback
 from typing import Any
 
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager, TLSOptions
-from kvcoord.client.errors import GracePeriodError, LeaseExpiredError, RequestsLostError
+from kvcoord.client.errors import GracePeriodError, LeaseExpiredError, RequestsLostError, UnavailableError
 from kvcoord.client.retry import RetryPolicy
 from workload import SHARED_PREFIXES_SEED, Req
 
@@ -127,6 +127,15 @@ def run_checked_worker(
                         raise
                     time.sleep(0.1)
                     continue
+                except UnavailableError:
+                    # the server down between two of the chaos run's restarts, met by the
+                    # Detach that starts a lost session again (an unkeyed mutation: never
+                    # retried; session.py raises it, the next call tries again, Detach first)
+                    if phase is None:
+                        raise
+                    summary["unavailable"] = summary.get("unavailable", 0) + 1
+                    time.sleep(0.1)
+                    continue
                 held.publish(tables, m.keeper.valid_until)
                 summary["steps"] = step
                 if progress is not None:
@@ -138,7 +147,7 @@ def run_checked_worker(
             m.close()
     except Exception as exc:  # reported to the parent, which fails the test
         summary["error"] = f"{type(exc).__name__}: {exc}"
-        summary["where"] = traceback.format_exc(limit=-6)  # (which call: the parent prints it)
+        summary["where"] = traceback.format_exc()  # (which call: the parent prints it)
     out.put(summary)
 
 

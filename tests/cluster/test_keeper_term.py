@@ -15,7 +15,7 @@ def test_a_deposed_owners_late_fence_is_not_adopted() -> None:
     attached = pb.AttachResponse(
         session_id="s", lease_seconds=60, fence=pb.Fence(instance_id="a", incarnation=7, position=3, term=10)
     )
-    keeper = SessionKeeper(_NoClient(), lambda: attached, renew=False)
+    keeper = SessionKeeper(_NoClient(), lambda _previous: attached, renew=False)
     new_owner = pb.Fence(instance_id="b", incarnation=7, position=1, term=20)
     keeper.adopt(new_owner)
     assert keeper.fence == new_owner

@@ -27,7 +27,7 @@ class _Clock:
 
 def _keeper(clock: _Clock, session: str = "s") -> SessionKeeper:
     attached = pb.AttachResponse(session_id=session, lease_seconds=int(LEASE), idempotency_window_seconds=60)
-    return SessionKeeper(_NoClient(), lambda: attached, clock=clock, renew=False)
+    return SessionKeeper(_NoClient(), lambda _previous: attached, clock=clock, renew=False)
 
 
 def test_renewals_sent_before_each_proof_ran_out_prove_a_late_answer() -> None:

@@ -119,6 +119,7 @@ def attach(
     num_hash_lookahead_tokens: int = 0,
     reset_prefix_cache: bool = False,
     attach_key: str = "",
+    previous_fence: pb.Fence | None = None,
 ) -> pb.AttachRequest:
     """Hash handshake: a session id and fence. HashMismatchError on a mismatch,
     ProfileMismatchError when the pool follows another ``profile``.
@@ -128,8 +129,11 @@ def attach(
     caller's KV memory holds none of it; routers' reservations are released); PoolBusyError
     while another session is attached. ``attach_key``: the Attach's retry key (a new one
     when empty); the call's own retries carry it, and so may a later call sending the
-    same Attach again after every answer of this one was lost."""
+    same Attach again after every answer of this one was lost. ``previous_fence``: the
+    fence of the session this client held before (attaching again after losing it):
+    a restored server it proves behind fences everyone first (FencedError)."""
     return pb.AttachRequest(
+        previous_fence=previous_fence,
         reset_prefix_cache=reset_prefix_cache,
         attach_key=attach_key or key(),  # its retries carry it: a lost answer leaves no second session
         profile=profile,

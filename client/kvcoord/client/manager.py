@@ -110,11 +110,12 @@ class RemoteKVCacheManager(SessionFacts):
         self.exclusive = exclusive
         reset = reset_at_attach
 
-        def attach() -> pb.AttachResponse:
+        def attach(previous: pb.Fence | None) -> pb.AttachResponse:
             # the semantics profile the caller follows is part of the handshake ("": vllm-0.16)
             response = self._attach_once(
                 pool, cfg.hash_algo, cfg.hash_block_size, seed or "", client_name, lease_seconds, exclusive,
                 profile=profile, num_hash_lookahead_tokens=num_hash_lookahead_tokens, reset_prefix_cache=reset,
+                previous_fence=previous,
             )  # fmt: skip
             if reset and not response.prefix_cache_reset:
                 reset_after_attach(client, pool, response)

@@ -122,8 +122,9 @@ class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports)
         #: the engine's form of an empty hit (:meth:`lookup_ids`)
         self.no_hit: BlockIds = tuple(() for _ in cfg.groups)
 
-    def _attach(self) -> pb.AttachResponse:
-        """Attach exclusively and load the mirror from the answer's engine state.
+    def _attach(self, previous: pb.Fence | None) -> pb.AttachResponse:
+        """Attach exclusively and load the mirror from the answer's engine state
+        (``previous``: the lost session's fence, SessionKeeper).
 
         Raises:
             PredictionUnavailableError: see :meth:`_refuse`; PoolChangedError: see
@@ -133,7 +134,7 @@ class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports)
         reset = self.reset_at_attach or self._attached
         response = self._attach_once(
             *self._attach_args, True, True, want_engine_state=True, profile=self._handshake[0],
-            num_hash_lookahead_tokens=self._handshake[1], reset_prefix_cache=reset,
+            num_hash_lookahead_tokens=self._handshake[1], reset_prefix_cache=reset, previous_fence=previous,
         )  # fmt: skip
         why = response.pool_state_unavailable or "the server sent no pool state"
         if reset and not response.prefix_cache_reset:

@@ -43,7 +43,12 @@ class SessionKeeper:
 
     Args:
         client: a :class:`KVCoordClient` (thread-safe; the keeper calls heartbeat on it).
-        attach: performs the Attach call and returns the AttachResponse.
+        attach: performs the Attach call and returns the AttachResponse; called with the
+            fence of the session held before (None at the first Attach, or when it
+            carries no journal position), which the Attach sends as
+            ``previous_fence``: a worker attaching again after a loss proves a restored
+            data directory as its other calls do (a restore found between its Detach
+            and its Attach otherwise hands it blocks the lost history's workers hold).
         clock: monotonic seconds.
         renew: start the background renewal thread.
     """
@@ -51,7 +56,7 @@ class SessionKeeper:
     def __init__(
         self,
         client: Any,
-        attach: Callable[[], Any],
+        attach: Callable[[pb.Fence | None], Any],
         clock: Callable[[], float] = time.monotonic,
         renew: bool = True,
     ) -> None:
@@ -82,7 +87,7 @@ class SessionKeeper:
     def attach(self) -> Any:
         """(Re-)attach: a new session, lease and fence."""
         sent = self.clock()
-        response = self._attach()
+        response = self._attach(self.fence if self.fence.position else None)
         with self._lock:
             self.session_id = response.session_id
             self.fence = response.fence

@@ -269,7 +269,7 @@ class DeletePoolResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class AttachRequest(_message.Message):
-    __slots__ = ("pool", "hash_algo", "hash_block_size", "hash_seed", "client_name", "lease_seconds", "exclusive", "want_pool_state", "want_engine_state", "profile", "num_hash_lookahead_tokens", "attach_key", "reset_prefix_cache")
+    __slots__ = ("pool", "hash_algo", "hash_block_size", "hash_seed", "client_name", "lease_seconds", "exclusive", "want_pool_state", "want_engine_state", "profile", "num_hash_lookahead_tokens", "attach_key", "reset_prefix_cache", "previous_fence")
     POOL_FIELD_NUMBER: _ClassVar[int]
     HASH_ALGO_FIELD_NUMBER: _ClassVar[int]
     HASH_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -283,6 +283,7 @@ class AttachRequest(_message.Message):
     NUM_HASH_LOOKAHEAD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ATTACH_KEY_FIELD_NUMBER: _ClassVar[int]
     RESET_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FENCE_FIELD_NUMBER: _ClassVar[int]
     pool: str
     hash_algo: str
     hash_block_size: int
@@ -296,7 +297,8 @@ class AttachRequest(_message.Message):
     num_hash_lookahead_tokens: int
     attach_key: str
     reset_prefix_cache: bool
-    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., exclusive: _Optional[bool] = ..., want_pool_state: _Optional[bool] = ..., want_engine_state: _Optional[bool] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., attach_key: _Optional[str] = ..., reset_prefix_cache: _Optional[bool] = ...) -> None: ...
+    previous_fence: Fence
+    def __init__(self, pool: _Optional[str] = ..., hash_algo: _Optional[str] = ..., hash_block_size: _Optional[int] = ..., hash_seed: _Optional[str] = ..., client_name: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., exclusive: _Optional[bool] = ..., want_pool_state: _Optional[bool] = ..., want_engine_state: _Optional[bool] = ..., profile: _Optional[str] = ..., num_hash_lookahead_tokens: _Optional[int] = ..., attach_key: _Optional[str] = ..., reset_prefix_cache: _Optional[bool] = ..., previous_fence: _Optional[_Union[Fence, _Mapping]] = ...) -> None: ...
 
 class PoolState(_message.Message):
     __slots__ = ("next_fresh", "used_free_blocks", "cached_block_ids", "cached_block_hashes", "engine_state", "engine_state_version", "engine_rules", "cache_namespace")

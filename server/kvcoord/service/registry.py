@@ -300,6 +300,20 @@ class PoolRegistry:
             self.run_expiry(s.pool, self.expiring(s))
         return service
 
+    def attaching_again(self, fence: Fence | None) -> None:
+        """The fence of the session an Attach's client held before
+        (AttachRequest.previous_fence; None: none): its position proves a restored data
+        directory as any fenced call's does (JournalPositions.prove), before the new
+        session is made. Nothing else of it is checked: the old session may be of
+        another instance or incarnation (that is why its client attaches again).
+
+        Raises:
+            ServiceError: as :meth:`JournalPositions.prove` (INSTANCE_CHANGED once the
+                fencing is durable; FENCE_UNPROVEN for a position without its tag).
+        """
+        if fence is not None:
+            self.positions.prove(fence, self.instance_id, self.lineage)
+
     def attached_before(self, service: PoolService, key: str, tenant: str, exclusive: bool) -> Session | None:
         """The live session an earlier Attach of ``tenant`` with ``key`` made in this pool
         (its answer was lost: a retry gets the same session), renewed; None when there is

@@ -13,7 +13,7 @@ from kvcoord.wire import write_pool_state
 
 from .access import current_tenant
 from .attach_reset import check_resettable
-from .convert import fence_to_pb, write_mirror_state
+from .convert import fence_from_pb, fence_to_pb, write_mirror_state
 from .errors import ErrorReason, ServiceError, Status, map_errors
 from .mutating_calls import ANSWER_MARGIN_BYTES
 from .pool_service import PoolService, ReplicaState
@@ -83,6 +83,11 @@ class SessionCalls(ServicerCore):
     @map_errors
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
         service = self.registry.for_attach(request.pool)
+        # a worker attaching again: the fence it held proves a restore first (as its Step
+        # would have: attached anew it would be handed the lost history's blocks)
+        self.registry.attaching_again(
+            fence_from_pb(request.previous_fence, request.HasField("previous_fence"))
+        )
         while (ending := self.expiring.get(service.name)) is not None and not ending.done():
             # a lapsed session's requests are freed in slices: its end, then this Attach
             # (after the calls waiting for the pool meanwhile, as any call on it; its

@@ -18,7 +18,7 @@ from kvcoord.v1 import allocator_pb2 as pb
 #: CANCELLED) is handled: "read" (no effect: retry), "keyed" (retry with the same idempotency
 #: key: applied at most once), "attach" (retry with the same attach_key: the server
 #: answers with the session a lost answer named), "once" (never retried:
-#: OutcomeUnknownError).
+#: OutcomeUnknownError; only an attempt never sent, no connection made, is repeated).
 RPCS: dict[str, str] = {
     "CreatePool": "read",  # creating an identical pool again is a no-op
     "GetPool": "read",
@@ -98,7 +98,7 @@ def list_pools() -> pb.ListPoolsRequest:
 
 
 def delete_pool(name: str, force: bool = False, session_id: str = "") -> pb.DeletePoolRequest:
-    """Delete the pool ``name`` (never retried: an unknown outcome is OutcomeUnknownError).
+    """Delete the pool ``name`` (retried only when never sent: an unknown outcome is OutcomeUnknownError).
     While an exclusive session holds it, PoolBusyError (POOL_EXCLUSIVE, naming the
     session) unless ``force`` or the call names that session (``session_id``): its
     worker may be running on its own copy of the pool."""
@@ -220,7 +220,7 @@ def step(
 def reset_prefix_cache(
     pool: str, session_id: str = "", fence: pb.Fence | None = None
 ) -> pb.ResetPrefixCacheRequest:
-    """vLLM's reset_prefix_cache on the pool (never retried)."""
+    """vLLM's reset_prefix_cache on the pool (retried only when never sent)."""
     return pb.ResetPrefixCacheRequest(pool=pool, session_id=session_id, fence=fence)
 
 

@@ -2,7 +2,12 @@
 
 A :class:`RetryPolicy` is a frozen value: copy it with ``dataclasses.replace`` to adjust.
 Only transient codes are retried, and only for calls that are safe to repeat
-(read-only, naturally idempotent, or carrying an idempotency key).
+(read-only, naturally idempotent, or carrying an idempotency key). An unkeyed mutation
+("once": Detach, DeletePool, ResetPrefixCache) is repeated only while its attempts were
+never sent: gRPC fails a call at once, before writing any byte of it, while its channel
+cannot connect ("failed to connect to all addresses": a server not listening yet, or
+restarting), so such an attempt applied nothing; any other failure of it (an answer
+lost, a deadline, a connection broken mid-call) may have been applied and ends the call.
 
 With ``keyed_deadline`` set (:data:`DEFAULT_RETRY`: 90 s), keyed calls (Allocate,
 Free, Step, a reserving ScorePools: applied at most once) are retried that long whatever ``max_attempts``
@@ -110,8 +115,9 @@ class Attempts:
     first made, which it journals with that key, so a restart keeps it) until the policy's
     attempts or deadline run out, and never past ``horizon`` (half the server's
     idempotency window: a retry must reach the server while it still keeps the
-    answer). A keyed or once-only call whose outcome is still unknown then raises
-    :class:`OutcomeUnknownError`: the caller must treat it as possibly applied.
+    answer). A once-only call is retried only while no attempt was sent (see the
+    module docstring). A keyed or once-only call whose outcome is still unknown then
+    raises :class:`OutcomeUnknownError`: the caller must treat it as possibly applied.
 
     Args:
         policy: the retry settings.
@@ -127,7 +133,7 @@ class Attempts:
         longest = policy.keyed_deadline if self.keyed_longer and policy.keyed_deadline else policy.deadline
         self.deadline = min(longest, horizon)
         #: drawn at the first failure (seeding a generator costs ~10 us, every call)
-        self.backoffs: list[float] | None = None if kind != "once" else []
+        self.backoffs: list[float] | None = None
         self.attempt = 0
         #: pauses taken while the replica set changed hands, and until when they may go
         #: on: a keyed call's deadline; any other call no longer than its backoffs could
@@ -173,11 +179,17 @@ class Attempts:
                 self.settles += 1
                 return pause
             self.fail(err)
-        retryable = (
-            err.code in self.policy.retry_codes
-            or (self.kind in ("keyed", "attach") and err.code in UNKNOWN_OUTCOME)
-            or self.settling(err)
-        )
+        if self.kind == "once":
+            # an unkeyed mutation is repeated only when no attempt can have reached a
+            # server: this one was never sent (no connection: gRPC fails a call at once,
+            # before writing a byte, while its channel cannot connect), nor any before it
+            retryable = err.code in self.policy.retry_codes and never_sent(err) and not self.unknown
+        else:
+            retryable = (
+                err.code in self.policy.retry_codes
+                or (self.kind in ("keyed", "attach") and err.code in UNKNOWN_OUTCOME)
+                or self.settling(err)
+            )
         if self.backoffs is None:
             count = None
             if self.keyed_longer:  # enough sleeps to reach the deadline, the deadline decides

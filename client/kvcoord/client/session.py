@@ -109,7 +109,8 @@ class SessionKeeper:
         The server may still hold the old one (only this client gave up on its lease):
         end it first, so its requests are freed now and an exclusive session can be
         taken again at once; then attach. A Detach the server answered with an error
-        (the session gone already, ...) is as good. One that did not reach it, or
+        (the session gone already, ...) is as good. One that did not reach it (the
+        client retries a Detach never sent, as long as its retry policy allows), or
         whose outcome is unknown, is not for a shared session: the old session may
         still hold the lost requests' ids, and their recompute under the same ids in a
         new shared session would be refused (PERMISSION_DENIED) until its lease ran

@@ -95,11 +95,7 @@ def run_checked_worker(
 
     def forget(request_ids: list[str], cause: Exception) -> None:
         lost = set(request_ids)
-        for r in [r for r in live if r.request_id in lost]:
-            tables.pop(r.request_id, None)
-            r.running, r.num_computed_tokens = False, 0
-            if r in running:
-                running.remove(r)
+        drop_lost(live, running, tables, lost)
         key = int(phase.value)
         summary["lost_by_phase"][key] = summary["lost_by_phase"].get(key, 0) + len(lost)
         if isinstance(cause, LeaseExpiredError):
@@ -129,8 +125,11 @@ def run_checked_worker(
                     continue
                 except UnavailableError:
                     # the server down between two of the chaos run's restarts, met by the
-                    # Detach that starts a lost session again (an unkeyed mutation: never
-                    # retried; session.py raises it, the next call tries again, Detach first)
+                    # Detach that starts a lost session again (an unkeyed mutation: retried
+                    # only while never sent, within PATIENT; then session.py raises it, the
+                    # next call tries again, Detach first). The step stopped where it was:
+                    # the manager rolled the failed call back, the worker's requests are
+                    # as each answered call left them (test_durable_workload_budget.py)
                     if phase is None:
                         raise
                     summary["unavailable"] = summary.get("unavailable", 0) + 1
@@ -151,6 +150,30 @@ def run_checked_worker(
     out.put(summary)
 
 
+def drop_lost(
+    live: list[Req], running: list[Req], tables: dict[str, list[list[int]]], lost: set[str]
+) -> None:
+    """The worker's requests reported lost are preempted: no table, nothing computed, to
+    be admitted again (recomputed)."""
+    for r in [r for r in live if r.request_id in lost]:
+        tables.pop(r.request_id, None)
+        r.running, r.num_computed_tokens = False, 0
+        if r in running:
+            running.remove(r)
+
+
+def _scheduled(r: Req, n: int, budget: int, hit_tokens: int) -> int:
+    """``n``, the tokens the step schedules for ``r``; one it cannot schedule (0: a
+    scheduler never allocates nothing) fails the worker naming the request and its counts."""
+    if n <= 0:
+        raise AssertionError(
+            f"request {r.request_id}: {n} new tokens scheduled (running {r.running}, computed "
+            f"{r.num_computed_tokens} of {len(r.all_token_ids)} tokens, hit {hit_tokens}, budget {budget}, "
+            f"decode_left {r.decode_left}, preemptions {r.num_preemptions})"
+        )
+    return n
+
+
 def _one_step(
     m: RemoteKVCacheManager,
     rnd: random.Random,
@@ -169,15 +192,17 @@ def _one_step(
         live.append(Req(f"w{wid}-{step}", rnd.choice(prefixes) + body, rnd.randint(2, 12)))
     budget = 256
     for r in list(live):
+        if budget <= 0:
+            break  # (a request that finished skipped the check at the end of the loop)
         if r.running:
-            n = min(len(r.all_token_ids) - r.num_computed_tokens, budget)
+            n = _scheduled(r, min(len(r.all_token_ids) - r.num_computed_tokens, budget), budget, 0)
             new = m.allocate_slots(r, n)
             if new is not None:
                 for g, ids in enumerate(new.get_block_ids()):
                     tables[r.request_id][g].extend(ids)
         else:
             hit, hit_tokens = m.get_computed_blocks(r)
-            n = min(len(r.all_token_ids) - hit_tokens, budget)
+            n = _scheduled(r, min(len(r.all_token_ids) - hit_tokens, budget), budget, hit_tokens)
             new = m.allocate_slots(r, n, hit_tokens, hit)
             if new is not None:
                 r.num_computed_tokens = hit_tokens

@@ -246,7 +246,7 @@ async def start_server(
         DataDirInUseError: another server holds the data directory.
         RuntimeError: a listener could not be bound.
         MarkerError: the data directory's lease marker cannot be read.
-        DataDirError: the data directory cannot be written (or its grace.json read).
+        DataDirError: the data directory cannot be written (or its grace.json read or written).
         JournalLostError: the journal is gone while journal.progress names committed
             records (and ``start_empty`` is not set).
         JournalError: the journal is incompatible or damaged (the message names the file).
@@ -337,8 +337,9 @@ async def _start(
             grace_until = registry.grace_until
     elif st.durability == "journal":
         logger.warning("no data_dir: durability is none, a restart loses every pool and allocation")
-    # Written (synced) before the first answer: a restart inside the grace applies the rest.
-    decision.persist(grace_until)
+    # Written (synced) before the first answer: a restart inside the grace applies the rest
+    # (DataDirError, exit 3, when it cannot be).
+    decision.persist_at_start(grace_until)
     if grace_until > clock():
         logger.warning(
             "leases granted by an earlier instance may run for another %.1f s (%s): no session may "

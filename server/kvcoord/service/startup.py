@@ -50,6 +50,7 @@ __all__ = [
     "check_data_dir",
     "check_journal_not_lost",
     "decide_startup",
+    "set_lost_journal_aside",
 ]
 
 logger = logging.getLogger(__name__)
@@ -158,7 +159,8 @@ def check_journal_not_lost(
 
     Returns:
         "" when nothing was lost; with ``start_empty``, the loss that was accepted (the
-        caller applies a full grace period).
+        caller applies a full grace period, writes it, and only then moves the evidence
+        aside: :func:`set_lost_journal_aside`).
 
     Raises:
         JournalLostError: the journal is missing or empty (names the files and the ways out).
@@ -179,13 +181,19 @@ def check_journal_not_lost(
             "requests are lost, and no block is handed out until their leases have ended). "
             f"{progress} is left as it is"
         )
+    return loss
+
+
+def set_lost_journal_aside(data_dir: str | Path, loss: str, wall: Callable[[], float] = time.time) -> None:
+    """Move a lost journal's evidence aside (``*.lost-<time>``), once its grace is
+    written: were the grace never written, the next start must still find the loss."""
+    path = Path(data_dir)
     stamp = int(wall())
     for name in (PROGRESS_FILE_NAME, FILE_NAME, FILE_NAME + "-wal", FILE_NAME + "-shm"):
         p = path / name
         if p.exists():
             p.rename(path / f"{name}.lost-{stamp}")
     logger.warning("%s: starting empty as asked (--start-empty); the old files end in .lost-%d", loss, stamp)
-    return loss
 
 
 class StartupDecision:
@@ -249,14 +257,33 @@ class StartupDecision:
                 the file): the start is refused with nothing fenced or journaled, so the
                 journal still looks behind and the next start finds the restore again.
         """
+        self.persist_at_start(
+            self.restored(why),
+            f"a restore was found ({why}) but its grace period",
+            "nothing is fenced and the server does not start",
+            "(the restore is found again)",
+        )
+
+    def persist_at_start(
+        self,
+        grace_until: float,
+        what: str = "a grace period",
+        so: str = "the server does not start",
+        then: str = "(the grace is found again)",
+    ) -> None:
+        """:meth:`persist` before the first answer.
+
+        Raises:
+            DataDirError: grace.json cannot be written (names the file): exit 3, not a
+                traceback; nothing the next start needs to find the grace is changed.
+        """
         try:
-            self.persist(self.restored(why))
+            self.persist(grace_until)
         except OSError as exc:
             assert self.grace_file is not None
             raise DataDirError(
-                f"a restore was found ({why}) but its grace period cannot be written to "
-                f"{self.grace_file.path} ({exc}): nothing is fenced and the server does not start; free "
-                "space or fix the data directory, then start again (the restore is found again)"
+                f"{what} cannot be written to {self.grace_file.path} ({exc}): {so}; free space or "
+                f"fix the data directory, then start again {then}"
             ) from None
 
     def begin_grace(self, reason: str) -> float:
@@ -297,7 +324,8 @@ def decide_startup(
     """Check the data directory and work out the grace period before the journal opens.
 
     Raises:
-        DataDirError: the directory cannot be written, or grace.json cannot be read.
+        DataDirError: the directory cannot be written, or grace.json cannot be read (or,
+            with --start-empty, written).
         JournalLostError: see :func:`check_journal_not_lost`.
         MarkerError: the lease marker cannot be read.
     """
@@ -325,4 +353,12 @@ def decide_startup(
     if carried > 0:
         decision.carried_until, decision.carried_reason = clock() + carried, why
         decision.extend(decision.carried_until, why)
+    if lost:  # the grace durable before the evidence of the loss goes
+        decision.persist_at_start(
+            decision.grace_until,
+            f"the journal was lost ({lost}) and the grace period of --start-empty",
+            "nothing is moved aside and the server does not start",
+            "with --start-empty",
+        )
+        set_lost_journal_aside(st.data_dir, lost, wall)
     return decision

@@ -210,7 +210,7 @@ class Makeup:
 
     def _sender_cpu(self) -> float | None:
         if self._clock is None:
-            thread = self.manager.sender._thread
+            thread = self.manager.sender.inbox.thread
             if thread is None or thread.ident is None:
                 return None
             self._clock = time.pthread_getcpuclockid(thread.ident)

@@ -495,7 +495,7 @@ def test_the_sender_threads_step_is_in_flight_until_answered(client: KVCoordClie
     m.flush()  # waits for the first Step, then sends and waits for the second
     assert flight.done() and m.steps_sent == 2 and sorted(_tables(client, pool)) == ["a", "b"]
     m.close()
-    assert sender._thread is None
+    assert sender.inbox.thread is None  # the sender thread stopped
 
 
 def test_anything_a_step_raises_loses_the_requests_and_the_sender_goes_on(

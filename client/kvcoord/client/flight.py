@@ -1,12 +1,20 @@
 """How the predicted mode's sender thread and the scheduler's thread meet over one Step:
-:class:`Flight`, the Step handed over until it is answered, and :class:`Gate`, when the
-thread may start on it (:class:`~.sender.StepSender`)."""
+:class:`Flight`, the Step handed over until it is answered, :class:`Gate`, when the
+thread may start on it, and :class:`Inbox`, the thread and what is handed to it
+(:class:`~.sender.StepSender`)."""
 
 from __future__ import annotations
 
+import queue
 import threading
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["Flight", "Gate"]
+import grpc
+
+from .errors import FailedPreconditionError
+
+__all__ = ["Flight", "Gate", "Inbox"]
 
 
 class Gate:
@@ -78,3 +86,51 @@ class Flight:
     def finish(self) -> None:
         """On the sender thread: the Step is answered (or failed)."""
         self._lock.release()
+
+
+class Inbox:
+    """The sender thread (started by the first :meth:`put`) and its queue. ``lock`` is
+    held by the scheduler's thread while it hands a Step over and by :meth:`close`, so
+    a close on any thread never falls inside a hand-over: a Step handed over is sent
+    before the thread stops, and none is put after the thread stopped (it would never
+    be sent, and a settle would wait for it forever)."""
+
+    __slots__ = ("_queue", "_serve", "closed", "lock", "pool", "thread")
+
+    def __init__(self, serve: Callable[[queue.SimpleQueue[Any]], None], pool: str) -> None:
+        self._serve = serve
+        self.pool = pool
+        self.lock = threading.Lock()
+        self.closed = False
+        self._queue: queue.SimpleQueue[Any] | None = None
+        self.thread: threading.Thread | None = None
+
+    def check_open(self) -> None:
+        """With ``lock`` held, before a hand-over."""
+        if self.closed:
+            raise FailedPreconditionError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"predicted pool {self.pool!r}: the Step sender is closed",
+            )
+
+    def put(self, item: Any) -> None:
+        """With ``lock`` held: hand ``item`` to the thread (started now if none runs)."""
+        q = self._queue
+        if q is None:
+            q = queue.SimpleQueue()
+            thread = threading.Thread(target=self._serve, args=(q,), name="kvcoord-sender", daemon=True)
+            thread.start()
+            self._queue, self.thread = q, thread
+        q.put(item)
+
+    def close(self, gate: Gate) -> None:
+        """Stop the thread once what was handed over is done; later hand-overs refused."""
+        with self.lock:
+            self.closed = True
+            q, thread = self._queue, self.thread
+            self._queue = self.thread = None
+            if q is not None:
+                q.put(None)
+        gate.open()
+        if thread is not None:
+            thread.join()

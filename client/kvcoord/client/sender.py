@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -54,7 +53,7 @@ from .errors import (
     SyncMismatchError,
     UnavailableError,
 )
-from .flight import Flight, Gate
+from .flight import Flight, Gate, Inbox
 from .gathering import StepGathering
 from .items import ColumnRun, Gathered, Item, add_stats, no_answer, to_send_again
 from .session import SessionKeeper
@@ -136,9 +135,8 @@ class StepSender(StepGathering):
         self.spare: Gathered | None = None
         #: the run of allocations being gathered (the Step's next operation)
         self.run: ColumnRun | None = None
-        #: the sender thread's inbox (started by the first cut), and the Step it works on
-        self._inbox: queue.SimpleQueue[tuple[Gathered, Flight] | None] | None = None
-        self._thread: threading.Thread | None = None
+        #: the sender thread (started by the first cut), and the Step it works on
+        self.inbox = Inbox(self._serve, pool)
         self.in_flight: Flight | None = None
         #: scheduler steps whose calls joined the Step being gathered
         self.backlog = 0
@@ -379,22 +377,29 @@ class StepSender(StepGathering):
             self.settle()
         if self.failure is not None:
             return False  # reported (and everything gathered dropped) by the facade first
-        sent = self.pending
-        spare, self.spare = self.spare, None
-        self.pending = spare if spare is not None else Gathered()
-        sent.num_free_blocks, sent.events, sent.stats = state()
-        self.backlog = 0
-        self.steps_sent += 1
-        inbox = self._inbox
-        if inbox is None:
-            inbox = self._inbox = queue.SimpleQueue()
-            self._thread = threading.Thread(target=self._serve, args=(inbox,), name="kvcoord-sender")
-            self._thread.daemon = True
-            self._thread.start()
-        self.in_flight = flight = Flight()
-        self.gate.shut()  # (the thread is idle: nothing in flight)
-        inbox.put((sent, flight))
-        return True
+        inbox = self.inbox
+        with inbox.lock:  # (a close() on another thread waits for the hand-over)
+            inbox.check_open()
+            sent = self.pending
+            spare, self.spare = self.spare, None
+            self.pending = spare if spare is not None else Gathered()
+            try:
+                sent.num_free_blocks, sent.events, sent.stats = state()
+                flight = Flight()
+                self.gate.shut()  # (the thread is idle: nothing in flight)
+                inbox.put((sent, flight))
+            except BaseException as err:
+                # Interrupted before the hand-over (a signal's KeyboardInterrupt, a failing
+                # state()): the mirror applied calls no Step carries, so nothing it predicts
+                # can be trusted; no flight is left for a settle to wait on forever.
+                self.failure = self.failure or KVCoordError(
+                    grpc.StatusCode.CANCELLED, f"a Step was interrupted before it was sent ({err!r})"
+                )
+                raise
+            self.in_flight = flight
+            self.backlog = 0
+            self.steps_sent += 1
+            return True
 
     def release(self) -> None:
         """The model runs now (vLLM's schedule() returned): the Step cut last is sent
@@ -403,23 +408,20 @@ class StepSender(StepGathering):
 
     def settle(self) -> None:
         """Wait for the Step in flight (its failure, if any, is in :attr:`failure`)."""
-        in_flight, self.in_flight = self.in_flight, None
+        in_flight = self.in_flight
         # (answered already, as at most cuts under vLLM: the Step went while the model
         # ran, the sender thread is past the gate and the next hand-over shuts it)
         if in_flight is not None and not in_flight.done():
             self.gate.open()  # (waited for now: sent at once)
             t0 = time.perf_counter()
-            in_flight.result()
+            in_flight.result()  # (interrupted by a signal: the next settle waits again)
             self.waited_seconds += time.perf_counter() - t0
+        self.in_flight = None
 
     def close(self) -> None:
-        """Let the Step in flight finish and stop the sender thread (a cut starts one)."""
-        inbox, thread = self._inbox, self._thread
-        self._inbox = self._thread = None
-        if inbox is not None and thread is not None:
-            self.gate.open()
-            inbox.put(None)
-            thread.join()
+        """Let the Steps handed over finish and stop the sender thread; any thread may
+        call it (a hand-over under way finishes first); a cut after it is refused."""
+        self.inbox.close(self.gate)
 
     def _serve(self, inbox: queue.SimpleQueue[tuple[Gathered, Flight] | None]) -> None:
         """The sender thread: each Step handed over by :meth:`cut`, in order, until

@@ -348,6 +348,15 @@ async def old_term_deposed(c: aetcd.Client, streams: PoolStreams) -> tuple[int, 
     return old, await put_claim(c, streams.owner_key("p")), lost
 
 
+async def old_term_call(streams: PoolStreams) -> None:
+    """A call of pool p at the term its stream has now (the old one, once
+    :func:`old_term_deposed` claimed p again): its record queued, then flushed. Run it
+    as a task of its own (its own context, as a gRPC call's handler) and let it queue
+    (``await asyncio.sleep(0)``) before the stream opens at the new term."""
+    streams.append("p", cbor2.dumps([1, ["call", 0.0, "old"]]))
+    await streams.flush()
+
+
 async def flush_outcome(call: asyncio.Task[None]) -> str:
     """What a call that flushes the store journal was told: "told durable", or
     "UNAVAILABLE" (any other error fails the test)."""

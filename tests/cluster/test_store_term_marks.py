@@ -24,7 +24,7 @@ from typing import Any
 
 import cbor2
 import pytest
-from etcd_process import Etcd, flush_outcome, old_term_deposed, pool_streams, put_claim
+from etcd_process import Etcd, flush_outcome, old_term_call, old_term_deposed, pool_streams, put_claim
 from kvcoord.service.store_failures import KEEP
 
 #: old-term records given up at once: past the pruning's list
@@ -43,10 +43,6 @@ def test_a_rebuilds_flush_is_not_failed_by_the_old_terms_given_up_records(
         async with pool_streams(etcd, request) as (c, streams):
             old, new, lost = await old_term_deposed(c, streams)
 
-            async def old_call() -> None:
-                streams.append("p", cbor2.dumps([1, ["call", 0.0, "old"]]))
-                await streams.flush()
-
             async def rebuild() -> None:  # (server_cluster.py's load: open at the claim's term, durable)
                 streams.open("p", new, cbor2.dumps([0, ["base", 0.0, b"new"]]))
                 await streams.flush()
@@ -55,7 +51,7 @@ def test_a_rebuilds_flush_is_not_failed_by_the_old_terms_given_up_records(
                 streams.append("p", cbor2.dumps([1, ["call", 0.0, "new"]]))
                 await streams.flush()
 
-            first = _task(old_call())
+            first = _task(old_term_call(streams))
             await asyncio.sleep(0)  # (its record queued: the old term's, still unwritten)
             told = {"old": first, "rebuild": _task(rebuild())}
             await asyncio.sleep(0)

@@ -19,7 +19,7 @@ import contextvars
 
 import cbor2
 import pytest
-from etcd_process import Etcd, old_term_deposed, pool_streams, put_claim
+from etcd_process import Etcd, old_term_call, old_term_deposed, pool_streams, put_claim
 from kvcoord.service.errors import ServiceError, Status
 from kvcoord.service.store_rebuild import stream_rows
 
@@ -31,17 +31,13 @@ def test_a_new_terms_records_in_a_batch_with_the_old_terms_are_written(
         async with pool_streams(etcd, request) as (c, streams):
             old, new, lost = await old_term_deposed(c, streams)
 
-            async def old_call() -> None:
-                streams.append("p", cbor2.dumps([1, ["call", 0.0, "old"]]))
-                await streams.flush()
-
             async def new_call(n: int) -> None:
                 streams.append("p", cbor2.dumps([n, ["call", 0.0, n]]))
                 await streams.flush()
 
             # each call in a context of its own, as each gRPC call's handler runs; the old
             # term's record queued, then the stream opened at the new term: one batch
-            first = asyncio.create_task(old_call(), context=contextvars.Context())
+            first = asyncio.create_task(old_term_call(streams), context=contextvars.Context())
             await asyncio.sleep(0)  # (its record queued)
             streams.open("p", new, cbor2.dumps([0, ["base", 0.0, b"new"]]))
             second = asyncio.create_task(new_call(2), context=contextvars.Context())

@@ -380,10 +380,10 @@ class StepSender(StepGathering):
         inbox = self.inbox
         with inbox.lock:  # (a close() on another thread waits for the hand-over)
             inbox.check_open()
-            sent = self.pending
-            spare, self.spare = self.spare, None
-            self.pending = spare if spare is not None else Gathered()
             try:
+                sent = self.pending
+                spare, self.spare = self.spare, None
+                self.pending = spare if spare is not None else Gathered()
                 sent.num_free_blocks, sent.events, sent.stats = state()
                 flight = Flight()
                 self.gate.shut()  # (the thread is idle: nothing in flight)

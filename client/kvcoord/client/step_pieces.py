@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
 
 import grpc
 from kvcoord.v1 import allocator_pb2 as pb
@@ -299,17 +300,11 @@ def pieces(request: pb.StepRequest, limit: int, max_ops: int = 0) -> list[pb.Ste
     too_many = 0 < max_ops < len(ops)
     if len(ops) < 2 or not (too_many or (limit > 0 and request.ByteSize() > limit)):
         return None
-    fence = request.fence if request.HasField("fence") else None
-    # (every piece carries the whole call's sequence number: a late copy of any is refused)
-    head = pb.StepRequest(
-        pool=request.pool, session_id=request.session_id, fence=fence, call_sequence=request.call_sequence
-    )
     # the cuts depend on the operations alone (a request sent again with another fence
     # is cut the same way): the other fields are counted as at most _HEAD_BYTES
-    base = _HEAD_BYTES
     groups: list[list[pb.Operation]] = []
     group: list[pb.Operation] = []
-    size = base
+    size = _HEAD_BYTES
     for index, op in enumerate(ops):
         if max_ops:
             check_op_lists(index, op, max_ops)
@@ -317,21 +312,31 @@ def pieces(request: pb.StepRequest, limit: int, max_ops: int = 0) -> list[pb.Ste
         n += 1 + _varint_len(n)
         if group and ((limit > 0 and size + n > limit) or len(group) == max_ops):
             groups.append(group)
-            group, size = [], base
+            group, size = [], _HEAD_BYTES
         group.append(op)
         size += n
     groups.append(group)
-    out = []
-    for i, group in enumerate(groups):
-        piece = pb.StepRequest()
-        piece.CopyFrom(head)
-        piece.idempotency_key = piece_key(request.idempotency_key, str(i))
-        piece.ops.extend(group)
-        out.append(piece)
+    out = [
+        _same_call(request, idempotency_key=piece_key(request.idempotency_key, str(i)), ops=group)
+        for i, group in enumerate(groups)
+    ]
     last = out[-1]
     last.include_state = request.include_state
     last.events_digest = request.events_digest
     return out
+
+
+def _same_call(request: pb.StepRequest, **fields: Any) -> pb.StepRequest:
+    """A Step of the same call as ``request`` (its pool, session, fence and call
+    sequence: a late copy of any piece is refused as the whole call's) with ``fields``
+    (a piece's key and operations, or the state's empty Step's)."""
+    return pb.StepRequest(
+        pool=request.pool,
+        session_id=request.session_id,
+        fence=request.fence if request.HasField("fence") else None,
+        call_sequence=request.call_sequence,
+        **fields,
+    )
 
 
 class _Joiner:
@@ -371,15 +376,12 @@ class _Joiner:
 
     def state_request(self) -> pb.StepRequest:
         """The empty Step that fetches the state after a failure stopped the pieces."""
-        head = self.parts[0]
-        return pb.StepRequest(
-            pool=head.pool,
-            session_id=head.session_id,
-            fence=head.fence if head.HasField("fence") else None,
-            idempotency_key=piece_key(self.request.idempotency_key, "state"),
-            call_sequence=self.request.call_sequence,
+        request = self.request
+        return _same_call(
+            request,
+            idempotency_key=piece_key(request.idempotency_key, "state"),
             include_state=True,
-            events_digest=self.request.events_digest,
+            events_digest=request.events_digest,
         )
 
     def finish(self, state: pb.StepResponse | None) -> pb.StepResponse:

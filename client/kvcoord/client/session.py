@@ -216,19 +216,17 @@ class SessionKeeper:
             the error that ended the session, or LeaseExpiredError.
         """
         lost = self.lost
-        if lost is not None:
-            raise lost
-        if self.clock() >= self.valid_until:
+        if lost is None and self.clock() >= self.valid_until:
             # No renewal was acknowledged in time: try once now, synchronously.
             self.heartbeat()
             lost = self.lost
-            if lost is not None:
-                raise lost
-            if self.clock() >= self.valid_until:
+            if lost is None and self.clock() >= self.valid_until:
                 raise LeaseExpiredError(
                     f"session {self.session_id[:16]}...: no lease renewal acknowledged for "
                     f"{self.lease:.1f} s; its block ids may belong to someone else now"
                 )
+        if lost is not None:
+            raise lost
 
     def heartbeat(self) -> None:
         """Renew now; records a lost session in ``lost`` (never raises)."""

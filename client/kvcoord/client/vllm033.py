@@ -167,8 +167,7 @@ class Remote033KVCacheManager(RemoteConnector033, RemoteMamba033, RemoteKVCacheM
         self.defer_op(pb.Operation(record_prefix_cache_stats=op))
 
     def estimate_cached_tokens(self, request_id: str) -> int:
-        op = pb.Operation(estimate_cached_tokens=pb.EstimateCachedTokensOp(request_id=request_id))
-        return self._now(Item(op, lambda r: int(r.estimate_cached_tokens.num_tokens)))
+        return int(self._ask("estimate_cached_tokens", lambda r: r.num_tokens, request_id=request_id))
 
     def peek_prefix_cache_stats(self) -> pb.PrefixCacheStats | None:
         """As the base's (``make_prefix_cache_stats`` reads it too), the queued calls sent
@@ -204,18 +203,14 @@ class Predicting033KVCacheManager(PredictingConnector033, PredictedMamba033, Pre
 
     def new_step_starts(self) -> None:
         self._settled()
-        self.mirror.call("new_step_starts")
-        self.sender.op().new_step_starts.SetInParent()
+        self._mirrored("new_step_starts")
 
     def record_prefix_cache_stats(self, request_id: str, num_hits: int) -> None:
         # never where a loss is met (no _settled): vLLM 0.33 calls it after telling the KV
         # connector to load a request's KV and before parking the request in
         # WAITING_FOR_REMOTE_KVS; a loss raised here left the load running for a request
         # the undo put back as never admitted. The next call (or schedule()) meets it.
-        self.mirror.call("record_prefix_cache_stats", request_id, num_hits)
-        op = self.sender.op().record_prefix_cache_stats
-        op.request_id = request_id
-        op.num_hits = num_hits
+        self._mirrored("record_prefix_cache_stats", request_id=request_id, num_hits=num_hits)
 
     def estimate_cached_tokens(self, request_id: str) -> int:
         self._settled()

@@ -116,6 +116,8 @@ class RemoteConnector033(ConnectorOps033):
     defer: Any
     defer_op: Any
     tracker: Any
+    #: (RemoteMamba033's: the pool's answer to an operation, one round trip)
+    _ask: Any
     if TYPE_CHECKING:
 
         def _now(self, item: Item[T]) -> T: ...
@@ -133,19 +135,17 @@ class RemoteConnector033(ConnectorOps033):
         if request_id in self.tracker:
             self.defer_op(pb.Operation(**{name: {"request_id": request_id, **fields}}))
 
-    def get_num_blocks_to_allocate(self, request_id: str, *args: Any) -> int:
-        """vLLM 0.33's ``coordinator.get_num_blocks_to_allocate`` with no new hit (``args``:
-        num_tokens, total_computed_tokens, num_tokens_main_model, apply_admission_cap,
-        num_encoder_tokens): one round trip."""
-        op = pb.GetNumBlocksToAllocateOp(request_id=request_id)
-        (op.num_tokens, op.total_computed_tokens, op.num_tokens_main_model, op.apply_admission_cap,
-         op.num_encoder_tokens) = args  # fmt: skip
-        return self._now(
-            Item(
-                pb.Operation(get_num_blocks_to_allocate=op),
-                lambda r: int(r.get_num_blocks_to_allocate.num_blocks),
-            )
-        )
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, total_computed_tokens: int, num_tokens_main_model: int,
+        apply_admission_cap: bool, num_encoder_tokens: int,
+    ) -> int:  # fmt: skip
+        """vLLM 0.33's ``coordinator.get_num_blocks_to_allocate`` with no new hit: one
+        round trip."""
+        return int(self._ask(
+            "get_num_blocks_to_allocate", lambda r: r.num_blocks, request_id=request_id, num_tokens=num_tokens,
+            total_computed_tokens=total_computed_tokens, num_tokens_main_model=num_tokens_main_model,
+            apply_admission_cap=apply_admission_cap, num_encoder_tokens=num_encoder_tokens,
+        ))  # fmt: skip
 
     def get_block_ids_for_computed_tokens(
         self, request_id: str, num_computed_tokens: int
@@ -163,6 +163,8 @@ class PredictingConnector033(ConnectorOps033):
     mirror: Any
     sender: Any
     _settled: Any
+    #: (PredictedMamba033's: the call applied to the mirror, and sent as its operation)
+    _mirrored: Any
 
     def free_all_groups_reversed(self, request_id: str) -> None:
         """vLLM 0.33's deferred free of the request: applied to the mirror now, sent
@@ -184,11 +186,7 @@ class PredictingConnector033(ConnectorOps033):
         if request_id not in self.tracker or not self.mirror.holds(request_id):
             return
         self._settled()
-        self.mirror.call(name, request_id, *fields.values())
-        op = getattr(self.sender.op(), name)
-        op.request_id = request_id
-        for field, value in fields.items():
-            setattr(op, field, value)
+        self._mirrored(name, request_id=request_id, **fields)
 
     def get_num_blocks_to_allocate(self, request_id: str, *args: Any) -> int:
         """As :meth:`RemoteConnector033.get_num_blocks_to_allocate`, read from the mirror

@@ -123,21 +123,20 @@ class RemoteMamba033:
         """Nothing to check: every answer waits for the pool, so a loss is met by the
         call it interrupts."""
 
-    # vLLM 0.33's per-step drains (mamba pools; the others answer empty without a call)
-    def _drain(self: Any, name: str, decode: Any) -> Any:
-        """The pool's drain ``name`` (its result read by ``decode``): one round trip."""
-        op = pb.Operation()
-        getattr(op, name).SetInParent()
-        return self._now(Item(op, lambda r: decode(getattr(r, name))))
+    def _ask(self: Any, name: str, decode: Any, **fields: Any) -> Any:
+        """The pool's answer to vLLM 0.33's call ``name``: the operation of that name, of
+        ``fields``, sent now (one round trip), its result read by ``decode``."""
+        return self._now(Item(pb.Operation(**{name: fields}), lambda r: decode(getattr(r, name))))
 
+    # vLLM 0.33's per-step drains (mamba pools; the others answer empty without a call)
     def take_new_block_ids(self: Any) -> list[int]:
-        return list(self._drain("take_new_block_ids", lambda r: r.block_ids))
+        return list(self._ask("take_new_block_ids", lambda r: r.block_ids))
 
     def take_boundary_state_offloads(self: Any) -> dict[str, list[tuple[int, int, int]]]:
-        return self._drain("take_boundary_state_offloads", offloads_from_pb)  # type: ignore[no-any-return]
+        return self._ask("take_boundary_state_offloads", offloads_from_pb)  # type: ignore[no-any-return]
 
     def take_kv_cache_block_copies(self: Any) -> tuple[list[tuple[int, int]], list[int]]:
-        return self._drain("take_kv_cache_block_copies", copies_from_pb)  # type: ignore[no-any-return]
+        return self._ask("take_kv_cache_block_copies", copies_from_pb)  # type: ignore[no-any-return]
 
     def release_retained_blocks(self: Any, block_ids: list[int]) -> None:
         """The scheduler's release of the copies' blocks once their step ran (sent with
@@ -160,13 +159,20 @@ class PredictedMamba033:
         self._vouch()
         self._settled()
 
+    def _mirrored(self: Any, name: str, **fields: Any) -> Any:
+        """vLLM 0.33's call ``name`` applied to the mirror now (``fields``' values its
+        arguments, in order; its answer returned), and sent with the step's Step as the
+        operation of that name, of those fields: the server makes the same call."""
+        out = self.mirror.call(name, *fields.values())
+        op = getattr(self.sender.op(), name)
+        op.MergeFrom(type(op)(**fields))
+        return out
+
     # vLLM 0.33's per-step drains: the mirror's answer now; the server drains its own
     # with the step's Step
     def _drain(self: Any, name: str) -> Any:
         self._settled()
-        out = self.mirror.call(name)
-        getattr(self.sender.op(), name).SetInParent()
-        return out
+        return self._mirrored(name)
 
     def take_new_block_ids(self: Any) -> list[int]:
         return list(self._drain("take_new_block_ids"))
@@ -182,7 +188,4 @@ class PredictedMamba033:
     def release_retained_blocks(self: Any, block_ids: list[int]) -> None:
         """The mirror releases now; the server does the same with the step's Step."""
         self._settled()
-        self.mirror.call("release_retained_blocks", list(block_ids))
-        release = self.sender.op().release_retained_blocks
-        release.SetInParent()
-        release.block_ids.extend(block_ids)
+        self._mirrored("release_retained_blocks", block_ids=list(block_ids))

@@ -127,8 +127,9 @@ class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports)
         (``previous``: the lost session's fence, SessionKeeper).
 
         Raises:
-            PredictionUnavailableError: see :meth:`_refuse`; PoolChangedError: see
-                :meth:`_attach_once` (the pool's rules are never mirrored from another's).
+            PredictionUnavailableError: no state this client can mirror (the session the
+                Attach made is ended); PoolChangedError: see :meth:`_attach_once` (the
+                pool's rules are never mirrored from another's).
         """
         cfg = self.config
         reset = self.reset_at_attach or self._attached
@@ -147,7 +148,7 @@ class PredictingKVCacheManager(PredictedRuns, PredictedLosses, PredictedReports)
             else:
                 self._attached = True
                 return response
-        self._refuse(response, why)
+        self._unused(response, PredictionUnavailableError(self.pool, why))
 
     def _loaded(self) -> Mirror:
         """The mirror the last Attach loaded."""

@@ -8,10 +8,8 @@ adapter) takes over with a session that waits for the server.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NoReturn
 
 import grpc
-from kvcoord.v1 import allocator_pb2 as pb
 
 from .client import KVCoordClient
 from .errors import FailedPreconditionError, KVCoordError, RequestsLostError, ResourceExhaustedError
@@ -50,17 +48,6 @@ class PredictedLosses:
 
     def _loaded(self) -> Mirror:
         raise NotImplementedError
-
-    def _refuse(self, response: pb.AttachResponse, why: str) -> NoReturn:
-        """End the session an Attach just made and raise why it is not used.
-
-        Raises:
-            PredictionUnavailableError: no state this client can mirror (``why``).
-        """
-        try:
-            self.client.detach(response.session_id, response.fence)
-        finally:
-            raise PredictionUnavailableError(self.pool, why)
 
     def _settled(self) -> None:
         """Report a failure: every request is lost, and the session starts again from

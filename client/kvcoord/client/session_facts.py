@@ -5,7 +5,7 @@ keeper and its Step sender, written once for both."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from kvcoord.engine.config import KVCacheConfig
@@ -15,7 +15,7 @@ from kvcoord.wire import config_from_pb
 
 from . import _requests as rq
 from .client import KVCoordClient
-from .errors import FailedPreconditionError
+from .errors import FailedPreconditionError, KVCoordError
 from .hashing import pool_seed
 from .sender import StepSender
 from .session import SessionKeeper
@@ -128,11 +128,16 @@ class SessionFacts:
         response: pb.AttachResponse = self.client.attach(*args, **kwargs)
         self._attach_key = rq.key()
         if changes := pool_changes(self.config, response.pool.config):  # never used by the old rules
-            try:
-                self.client.detach(response.session_id, response.fence)
-            finally:
-                raise PoolChangedError(self.pool, changes)
+            self._unused(response, PoolChangedError(self.pool, changes))
         return response
+
+    def _unused(self, response: pb.AttachResponse, why: KVCoordError) -> NoReturn:
+        """End the session an Attach just made, which is not used, and raise ``why``
+        (whatever the Detach answers: the session also ends with its lease)."""
+        try:
+            self.client.detach(response.session_id, response.fence)
+        finally:
+            raise why
 
     @property
     def session_id(self) -> str:

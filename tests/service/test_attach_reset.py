@@ -178,3 +178,25 @@ def test_a_server_that_does_not_reset_at_attach_is_never_trusted_with_the_cache(
         assert _cached(c) == [] and _hit(c) == 0
         assert _events(c).count("all_blocks_cleared") == 1
         m.close()
+
+
+def test_a_reset_after_the_attach_refused_while_a_block_is_held_ends_the_session(
+    make_server: Callable[..., InProcessServer],
+) -> None:
+    """Against a server before reset_prefix_cache, a shared waiting session asked to
+    reset (a vllm-0.33 engine's own pool, not predicted) sends ResetPrefixCache after
+    its Attach; while another session holds a block the pool refuses it: the manager is
+    PoolBusyError (POOL_EXCLUSIVE, naming the pool), the session it attached ended, and
+    nothing else changed (the cache, the other session)."""
+    server = make_server(POOL)
+    with KVCoordClient(server.address, timeout=10, interceptors=[OlderServer()]) as c:
+        _fill(c, PROMPT, "old")
+        other = c.attach("p", "sha256_cbor", 4, "0")
+        held = c.allocate("p", allocate("held", PROMPT[:8], 8).allocate, other.session_id, other.fence)
+        assert not held.result.refused
+        before = _cached(c)
+        with pytest.raises(PoolBusyError, match="pool 'p' holds blocks") as refused:
+            RemoteKVCacheManager(c, "p", hash_seed="0", renew=False, exclusive=False, reset_at_attach=True)
+        assert refused.value.reason == "POOL_EXCLUSIVE"
+        assert [x.session_id for x in c.list_sessions("p").sessions] == [other.session_id]
+        assert _cached(c) == before

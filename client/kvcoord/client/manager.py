@@ -118,13 +118,31 @@ class RemoteKVCacheManager(SessionFacts):
                 previous_fence=previous,
             )  # fmt: skip
             if reset and not response.prefix_cache_reset:
-                reset_after_attach(client, pool, response)
+                self._reset_after_attach(response)
             return response
 
         self.keeper = SessionKeeper(client, attach, renew=renew)
         #: sends the Steps (inline), dispatches their answers, recovers lost requests
         self.sender = StepSender(client, pool, self.keeper, self.tracker)
         self._ops = Ops(self)
+
+    def _reset_after_attach(self, response: pb.AttachResponse) -> None:
+        """Reset the prefix cache of an exclusive session just attached to a server that
+        did not reset it with the Attach (a release before AttachRequest.reset_prefix_cache):
+        no call of the session has read the cache yet.
+
+        Raises:
+            PoolBusyError: a block is held, so the cache could not be reset (the session is
+                ended first: its engine must not read the cache).
+        """
+        if self.client.reset_prefix_cache(self.pool, response.session_id, response.fence).result:
+            return
+        self._unused(response, PoolBusyError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"pool {self.pool!r} holds blocks, so its prefix cache could not be reset for this engine; attach "
+            "once they are freed",
+            "POOL_EXCLUSIVE",
+        ))  # fmt: skip
 
     @property
     def round_trips(self) -> int:
@@ -313,25 +331,3 @@ class RemoteKVCacheManager(SessionFacts):
 
     def _now(self, item: Item[T]) -> T:
         return self.sender.now(item)
-
-
-def reset_after_attach(client: KVCoordClient, pool: str, response: pb.AttachResponse) -> None:
-    """Reset the prefix cache of an exclusive session just attached to a server that
-    did not reset it with the Attach (a release before AttachRequest.reset_prefix_cache):
-    no call of the session has read the cache yet.
-
-    Raises:
-        PoolBusyError: a block is held, so the cache could not be reset (the session is
-            ended first: its engine must not read the cache).
-    """
-    if client.reset_prefix_cache(pool, response.session_id, response.fence).result:
-        return
-    try:
-        client.detach(response.session_id, response.fence)
-    finally:
-        raise PoolBusyError(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"pool {pool!r} holds blocks, so its prefix cache could not be reset for this engine; attach "
-            "once they are freed",
-            "POOL_EXCLUSIVE",
-        )

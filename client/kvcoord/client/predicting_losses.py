@@ -11,7 +11,6 @@ from collections.abc import Callable
 
 import grpc
 
-from .client import KVCoordClient
 from .errors import FailedPreconditionError, KVCoordError, RequestsLostError, ResourceExhaustedError
 from .mirror import Mirror
 from .sender import StepSender
@@ -36,7 +35,6 @@ class PredictedLosses:
     """The loss half of a predicted session (methods of a PredictingKVCacheManager)."""
 
     pool: str
-    client: KVCoordClient
     mirror: Mirror
     sender: StepSender
     keeper: SessionKeeper

@@ -84,9 +84,6 @@ class _Tracked:
         self.rewound = False
         self.prompt_committed = self.prompt
 
-    def rollback(self) -> None:
-        self.restore(self.committed)
-
     def restore(self, mark: tuple[int, int, int, bool]) -> None:
         """Back to ``mark`` (a position at or after the committed one)."""
         self.uncertain = self.uncertain or self.rewound
@@ -373,12 +370,8 @@ class RequestTracker:
         hasher: nothing of it is on the server, and its id may come back as another
         request (another prompt, LoRA or salt)."""
         tracked = self._tracked
-        for rid in list(tracked) if request_ids is None else request_ids:
-            t = tracked.get(rid)
-            if t is not None:
-                t.rollback()
-                if not t.registered:
-                    del tracked[rid]
+        ids = list(tracked) if request_ids is None else request_ids
+        self.restore({rid: tracked[rid].committed for rid in ids if rid in tracked})
 
     def restore(self, marks: dict[str, tuple[int, int, int, bool] | None]) -> None:
         """Positions back to these marks (taken with :meth:`mark` before syncs that

@@ -414,10 +414,7 @@ class RequestTracker:
 
     def clear(self) -> list[str]:
         """Forget every request, remembering them as lost (the session is gone)."""
-        gone = list(self._tracked)
-        self._tracked.clear()
-        self.lost.update(gone)
-        return gone
+        return self.forget(list(self._tracked), lost=True)
 
     @staticmethod
     def _check_same(request: Any, t: _Tracked) -> None:

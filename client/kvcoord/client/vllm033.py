@@ -103,6 +103,8 @@ __all__ = [
 
 VLLM_016 = "vllm-0.16"
 VLLM_033 = "vllm-0.33"
+#: the semantics profile of each vLLM release (major.minor) kvcoord matches
+_PROFILES = {"0.16": VLLM_016, "0.33": VLLM_033}
 
 
 #: what a Remote033 / Predicting033 manager's ``admission`` is outside vLLM 0.33's
@@ -121,12 +123,9 @@ def vllm_profile(version: str | None = None) -> str:
     """
     if version is None:
         version = importlib.metadata.version("vllm")
-    parts = version.split(".")
-    release = ".".join(parts[:2])
-    if release == "0.16":
-        return VLLM_016
-    if release == "0.33":
-        return VLLM_033
+    profile = _PROFILES.get(".".join(version.split(".")[:2]))
+    if profile is not None:
+        return profile
     raise UnsupportedVLLMError(
         f"vLLM {version} is installed: kvcoord matches vLLM 0.16.x (profile vllm-0.16) and "
         "0.33.x (profile vllm-0.33) only; other releases allocate differently"

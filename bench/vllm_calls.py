@@ -4,7 +4,7 @@ predicted one (``KVCoordScheduler``, ``KVCOORD_PREDICT=1``), in one process.
     KVCOORD_VENV=$(scripts/install_vllm.sh --print-venv)
     PYTHONPATH=client:server:tests PYTHONHASHSEED=0 $KVCOORD_VENV/bin/python bench/vllm_calls.py \\
         [--running 256] [--layout full] [--kind sync] [--steps 150] [--warmup 150] [--interleave] \
-        [--model-ms 0] [--engine-build DIR] [--rounds 1]
+        [--model-ms 0] [--engine-build DIR] [--rounds 1] [--no-gc] [--pin [--pin-sender 0|1]]
 
 The workload is ``bench/vllm_step.py``'s. Each manager method the scheduler calls is
 wrapped and timed with the calling thread's CPU clock (``time.thread_time``), which a
@@ -30,6 +30,15 @@ workload, and each figure printed is the median over the rounds (its ratio the m
 of the paired ratios): one round's ratio moves by 0.2 between two runs on this 2-core
 machine.
 
+The scheduler thread's CPU is split as Linux's per-thread ``getrusage`` splits it (user
+and system: tick-sampled, so read over hundreds of steps), with its voluntary and
+involuntary context switches, and the cyclic collections its steps set off (their count
+and CPU, from ``gc.callbacks``). What a valgrind count (``bench/vllm_calls_instructions.py``)
+cannot see: ``--no-gc`` turns the collector off after the heap's freeze (as that bench
+does); ``--pin`` puts both schedulers' threads on CPU 0 and kvcoord's server and sender
+thread on CPU 1 (``--pin-sender 0``: the sender thread on CPU 0 too), from the first
+measured step.
+
 ``--engine-build DIR``: kvcoord's engine (the client's predictions and the server) is
 the compiled one built in DIR (``python bench/compile_engine.py DIR`` with a Python
 of the venv's version, 3.11), put first on the path. Run once with and once without it to compare the two against
@@ -40,7 +49,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -90,6 +101,48 @@ def _path(args: Any, kwargs: Any, out: Any) -> str:
     return "taking" if any(out.get_block_ids()) else "inside"
 
 
+#: ``--pin``: the schedulers' threads on CPU 0, kvcoord's sender thread and server on CPU 1
+#: (``--pin-sender 0``: the sender thread on CPU 0 too)
+PIN = "--pin" in sys.argv
+SENDER_CPU = int(sys.argv[sys.argv.index("--pin-sender") + 1]) if "--pin-sender" in sys.argv else 1
+
+
+def pin_threads() -> None:
+    """``--pin``, on the scheduler's thread at its first measured step: this thread on
+    CPU 0 and every kvcoord sender thread on CPU 1 (a sender thread is made by the
+    first cut, on the scheduler's thread, whose CPUs it inherits)."""
+    os.sched_setaffinity(0, {0})  # (0: the calling thread)
+    for t in threading.enumerate():
+        if t.name == "kvcoord-sender" and t.native_id is not None:
+            os.sched_setaffinity(t.native_id, {SENDER_CPU})
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of process ``pid`` on ``cpus`` (threads made later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except ProcessLookupError:
+            pass  # (gone meanwhile)
+
+
+#: per thread (ident): [collections, CPU seconds in them] while measured (``GC_WATCH``)
+GC_SPENT: dict[int, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+_GC_START: dict[int, float] = {}
+
+
+def _gc_watch(phase: str, info: dict[str, Any]) -> None:
+    """A collection's CPU on the thread that set it off (the allocation that crossed
+    the threshold): which scheduler's step pays it."""
+    ident = threading.get_ident()
+    if phase == "start":
+        _GC_START[ident] = time.thread_time()
+    elif ident in _GC_START:
+        spent = GC_SPENT[ident]
+        spent[0] += 1
+        spent[1] += time.thread_time() - _GC_START.pop(ident)
+
+
 class _Side:
     """One scheduler's manager with each method timed (from the ``warmup``-th step on)."""
 
@@ -100,6 +153,8 @@ class _Side:
         self.on = False
         self.done = 0
         self.start: dict[str, float] = {}
+        self.rusage: Any = None
+        self.ident = 0
         manager = sched.kv_cache_manager
         for name in METHODS:
             inner = getattr(manager, name)
@@ -121,6 +176,11 @@ class _Side:
         if self.done == self.warmup:
             self.on = True
             self.start["thread"], self.start["process"] = time.thread_time(), time.process_time()
+            if PIN:
+                pin_threads()
+            self.ident = threading.get_ident()
+            GC_SPENT.pop(self.ident, None)
+            self.rusage = resource.getrusage(resource.RUSAGE_THREAD)
 
     def result(self, steps: int, process: bool = True) -> dict[str, float]:
         """The figures (called on the scheduler's thread once its steps are done)."""
@@ -129,6 +189,16 @@ class _Side:
             "timed calls, ms / step": sum(sum(v) for k, v in times.items() if k in METHODS) / steps * 1e3,
             "scheduler thread CPU, ms / step": (time.thread_time() - self.start["thread"]) / steps * 1e3,
         }
+        # the thread's CPU split (Linux's per-thread rusage): kernel time is CPU that no
+        # instruction count of the process (valgrind's) sees: futex wakes, context switches
+        now, then = resource.getrusage(resource.RUSAGE_THREAD), self.rusage
+        out["scheduler thread user CPU, ms / step"] = (now.ru_utime - then.ru_utime) / steps * 1e3
+        out["scheduler thread system CPU, ms / step"] = (now.ru_stime - then.ru_stime) / steps * 1e3
+        out["scheduler thread voluntary switches / step"] = (now.ru_nvcsw - then.ru_nvcsw) / steps
+        out["scheduler thread involuntary switches / step"] = (now.ru_nivcsw - then.ru_nivcsw) / steps
+        collections_, gc_seconds = GC_SPENT[self.ident]
+        out["collections on the scheduler thread / step"] = collections_ / steps
+        out["their CPU, ms / step"] = gc_seconds / steps * 1e3
         if process:
             out["process CPU, ms / step"] = (time.process_time() - self.start["process"]) / steps * 1e3
         for name, v in times.items():
@@ -141,6 +211,8 @@ class _Side:
 def measure(sched: Any, n: int, steps: int, warmup: int, model_s: float = 0.0) -> dict[str, float]:
     side = _Side(sched, warmup)
     freeze_heap()
+    if "--no-gc" in sys.argv:
+        gc.disable()
     run(sched, n, steps + warmup, seed=n, counter=None, between=side.between, model_s=model_s)
     return side.result(steps)
 
@@ -173,6 +245,8 @@ def measure_interleaved(
             turns[1 - i].release()  # (the other side ends alone)
 
     freeze_heap()
+    if "--no-gc" in sys.argv:
+        gc.disable()
     threads = [threading.Thread(target=go, args=(i,), daemon=True) for i in (0, 1)]
     for t in threads:
         t.start()
@@ -199,6 +273,24 @@ def main() -> None:
     )
     ap.add_argument("--model-ms", type=float, default=0.0, help="the model's run per step (a sleep), ms")
     ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="the schedulers' threads on CPU 0, kvcoord's server and sender thread on CPU 1 (from the first "
+        "measured step): whether what runs beside the scheduler on its CPU moves its CPU time",
+    )
+    ap.add_argument(
+        "--no-gc",
+        action="store_true",
+        help="the cyclic collector off from the heap's freeze on (as bench/vllm_calls_instructions.py measures)",
+    )
+    ap.add_argument(
+        "--pin-sender",
+        type=int,
+        default=1,
+        choices=[0, 1],
+        help="with --pin: the CPU of kvcoord's sender thread (0: the schedulers' own)",
+    )
+    ap.add_argument(
         "--engine-build", metavar="DIR", help="the compiled engine built in DIR (client and server)"
     )
     args = ap.parse_args()
@@ -206,8 +298,11 @@ def main() -> None:
     import kvcoord.engine.pool
 
     print(f"engine: {kvcoord.engine.pool.__file__}")
+    gc.callbacks.append(_gc_watch)
     path = ":".join([*ENGINE_BUILD, str(ROOT / "client"), str(ROOT / "server")])
     server = start_server("", env=dict(os.environ, PYTHONPATH=path))
+    if args.pin:
+        pin_process(server.proc.pid, {1})
     model = write_model_dir(Path(tempfile.mkdtemp(prefix="kvcoord-bench-model-")))
     n = args.running
     blocks = n * (900 + 128) // BLOCK_SIZE * 2 + 64
@@ -252,7 +347,7 @@ def main() -> None:
             continue
         base_v = statistics.median(b for b, _ in pairs)
         got_v = statistics.median(g for _, g in pairs)
-        ratio = statistics.median(g / b for b, g in pairs)
+        ratio = statistics.median(g / b for b, g in pairs) if all(b for b, _ in pairs) else float("nan")
         print(f"{key:<48} {base_v:9.2f} {got_v:9.2f} {ratio:6.2f}")
 
 

@@ -169,13 +169,18 @@ class _OnKVCoord(UndoCutShort):
         outage_since: float | None = None
         pause = OUTAGE_PAUSE[0]
         while True:
-            self._preempt_lost(manager.take_lost())
-            held = self._hold_back()
+            # (each step's fixed work, most steps with nothing to do: the calls made only
+            # when there is, a few Python calls and empty sets and lists fewer a step)
+            if manager.lost:
+                self._preempt_lost(manager.take_lost())
+            held = self._hold_back() if self._recovering else []
             before = Before(self)
             manager.allocated.clear()
             manager.seen.clear()
             try:
-                self._preempt_lost(self._losses_met())
+                met = self._losses_met()
+                if met:
+                    self._preempt_lost(met)
                 out = self._schedule_nothing() if self._transfers_pending() else super().schedule()  # type: ignore[misc]
             except (RequestsLostError, *OUTAGE_ERRORS) as err:
                 lost = isinstance(err, RequestsLostError)
@@ -213,7 +218,8 @@ class _OnKVCoord(UndoCutShort):
                     time.sleep(pause)
                     pause = min(pause * 2, OUTAGE_PAUSE[1])
                 continue
-            self._put_back(held)
+            if held:
+                self._put_back(held)
             break
         if self._preempted_here:
             out.preempted_req_ids = set(out.preempted_req_ids or ()) | self._preempted_here

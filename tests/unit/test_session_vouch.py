@@ -44,7 +44,7 @@ class _Client:
 def _keeper() -> tuple[SessionKeeper, _Clock, _Client]:
     clock, client = _Clock(), _Client()
     attached = pb.AttachResponse(session_id="s", lease_seconds=int(LEASE), idempotency_window_seconds=60)
-    keeper = SessionKeeper(client, lambda: attached, clock=clock, renew=False)
+    keeper = SessionKeeper(client, lambda _previous: attached, clock=clock, renew=False)
     clock.reads = 0
     return keeper, clock, client
 

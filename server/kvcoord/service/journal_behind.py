@@ -51,7 +51,10 @@ def journal_behind(registry: PoolRegistry, decision: StartupDecision, why: str) 
     recorder = registry.recorder
     assert isinstance(recorder, JournalRecorder)
     try:
-        until = decision.begin_grace(f"journal behind what clients were told ({why})")
+        # grace.json names the generation the fencing begins: a restart that finds the
+        # journal short of it (killed before the fencing committed) fences at start
+        generation = registry.positions.generation + 1
+        until = decision.begin_grace(f"journal behind what clients were told ({why})", generation)
         unwritten = None
     except OSError as exc:
         until, unwritten = decision.grace_until, exc  # (extended in memory before the write)

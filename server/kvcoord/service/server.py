@@ -335,6 +335,15 @@ async def _start(
             # session and fence of it ends now, before any call is answered.
             journal_behind(registry, decision, "the data directory was restored (--restored)")
             grace_until = registry.grace_until
+        elif decision.unfenced_restore(registry.positions.generation):
+            # An earlier instance proved a restore, wrote its grace and was killed before
+            # its fencing was committed (startup.py): fence now, before any answer.
+            journal_behind(
+                registry,
+                decision,
+                "an earlier instance proved it and was stopped before its fencing committed",
+            )
+            grace_until = registry.grace_until
     elif st.durability == "journal":
         logger.warning("no data_dir: durability is none, a restart loses every pool and allocation")
     # Written (synced) before the first answer: a restart inside the grace applies the rest

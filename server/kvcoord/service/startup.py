@@ -14,7 +14,10 @@ Three rules, each checked before the journal is opened (``server.py``):
 * A grace period, once applied (a restore, a lost journal, leases of a previous
   instance), is written to ``grace.json`` before the server answers anything, so a
   restart inside it (a crash loop, an OOM kill) applies what is left of it again
-  instead of recovering its own new journal "normally" and dropping it.
+  instead of recovering its own new journal "normally" and dropping it. A restore
+  proven while serving also names there the restore generation its fencing begins: a
+  restart whose journal never reached it (killed before the fencing committed) fences
+  again before answering (:meth:`StartupDecision.unfenced_restore`).
 
 Deadlines that must survive a restart (this grace, the lease marker) are recorded on
 both clocks: the wall clock and the monotonic clock with the kernel's boot id. A
@@ -79,26 +82,42 @@ class GraceFile:
         Raises:
             DataDirError: the file exists but cannot be read (names it).
         """
+        left, reason, _ = self.read()
+        return left, reason
+
+    def read(self) -> tuple[float, str, int]:
+        """(seconds left, reason, restore generation): :meth:`remaining`, and the
+        restore generation a proof of a restore begins (0: none named; see
+        :meth:`StartupDecision.unfenced_restore`); (0.0, "", 0) without a running grace.
+
+        Raises:
+            DataDirError: the file exists but cannot be read (names it).
+        """
         try:
             text = self.path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            return 0.0, ""
+            return 0.0, "", 0
         except OSError as exc:
             raise DataDirError(f"cannot read {self.path}: {exc}") from None
         try:
             data = json.loads(text)
             left = self.deadline.remaining(data)
             reason = str(data.get("reason", ""))
+            generation = int(data.get("restore_generation", 0))
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise DataDirError(
                 f"{self.path} is malformed ({exc}); if no worker of an earlier instance can still "
                 "hold blocks, delete it"
             ) from None
-        return (left, reason) if left > 0 else (0.0, "")
+        return (left, reason, generation) if left > 0 else (0.0, "", 0)
 
-    def record(self, seconds: float, reason: str) -> None:
-        """Persist a grace of ``seconds`` from now (synced before the server answers)."""
-        write_synced(self.path, json.dumps({**self.deadline.fields(seconds), "reason": reason}))
+    def record(self, seconds: float, reason: str, generation: int = 0) -> None:
+        """Persist a grace of ``seconds`` from now (synced before the server answers);
+        ``generation``: the restore generation a proven restore begins (0: none)."""
+        fields = {**self.deadline.fields(seconds), "reason": reason}
+        if generation:
+            fields["restore_generation"] = generation
+        write_synced(self.path, json.dumps(fields))
 
 
 def check_data_dir(data_dir: str | Path) -> Path:
@@ -215,6 +234,9 @@ class StartupDecision:
         #: the grace an earlier instance recorded and did not see to its end
         self.carried_until = 0.0
         self.carried_reason = ""
+        #: the restore generation a proven restore begins, once its grace is written
+        #: (grace.json keeps it: :meth:`unfenced_restore`); 0: none
+        self.restore_generation = 0
         #: called once when the lease marker cannot be written (the server stops serving)
         self.on_marker_failure: Callable[[BaseException], None] | None = None
         self.marker_failed: BaseException | None = None
@@ -246,7 +268,9 @@ class StartupDecision:
         """Record the grace (if any) so a restart inside it applies the rest."""
         left = grace_until - self.clock()
         if self.grace_file is not None and left > 0:
-            self.grace_file.record(left, self.reason or "leases of an earlier instance")
+            self.grace_file.record(
+                left, self.reason or "leases of an earlier instance", self.restore_generation
+            )
 
     def restored_at_start(self, why: str) -> None:
         """A restore found as the journal opens (recovery.py's ``before_fencing``): its
@@ -286,12 +310,26 @@ class StartupDecision:
                 f"fix the data directory, then start again {then}"
             ) from None
 
-    def begin_grace(self, reason: str) -> float:
+    def begin_grace(self, reason: str, generation: int = 0) -> float:
         """A grace of ``max_session_lease_seconds`` from now (a restore detected while
-        serving), persisted at once; returns its end (monotonic)."""
+        serving), persisted at once with ``generation``, the restore generation its
+        fencing begins (:meth:`unfenced_restore`); returns its end (monotonic)."""
         self.extend(self.clock() + self.max_lease, reason)
+        self.restore_generation = max(self.restore_generation, generation)
         self.persist(self.grace_until)
         return self.grace_until
+
+    def unfenced_restore(self, generation: int) -> bool:
+        """True when the grace an earlier instance recorded (still running) is a proven
+        restore's whose fencing the journal, at restore generation ``generation``, does
+        not hold: that instance was killed after grace.json was written and before the
+        fencing's records were committed (the grace is written first: journal_behind.py).
+        The journal then holds the copy's sessions and fences alive, and nothing it
+        holds can tell; the caller fences them before answering anything, as
+        ``--restored`` does. (Before, the restart refused attaches for the grace but
+        served the copy's sessions: a worker whose fence proves nothing was handed
+        blocks a worker of the lost history held under a running lease.)"""
+        return self.carried_until > self.clock() and self.restore_generation > generation
 
     def cover_lease(self, s: Session) -> None:
         """The session table's ``on_lease``: the lease marker covers ``s``'s lease.
@@ -349,9 +387,10 @@ def decide_startup(
         decision.extend(clock() + st.max_session_lease_seconds, "")
         decision.reason = f"started empty after a lost journal: {lost}"
     decision.grace_file = GraceFile(st.data_dir, deadline)
-    carried, why = decision.grace_file.remaining()
+    carried, why, generation = decision.grace_file.read()
     if carried > 0:
         decision.carried_until, decision.carried_reason = clock() + carried, why
+        decision.restore_generation = generation
         decision.extend(decision.carried_until, why)
     if lost:  # the grace durable before the evidence of the loss goes
         decision.persist_at_start(

@@ -38,10 +38,18 @@ class _Holdings:
     def __init__(self, shared: Any, wid: int) -> None:
         self.shared = shared
         self.wid = wid
+        #: the last events of this worker (monotonic time, what), kept for a failure's report
+        self.trail: list[str] = []
 
-    def publish(self, tables: dict[str, list[list[int]]], lease_end: float) -> None:
+    def note(self, what: str) -> None:
+        self.trail.append(f"{time.monotonic():.3f} {what}")
+        del self.trail[:-60]
+
+    def publish(self, tables: dict[str, list[list[int]]], lease_end: float, why: str = "step") -> None:
         if self.shared is not None:
-            self.shared[self.wid] = (frozenset(b for t in tables.values() for b in t[0] if b), lease_end)
+            ids = frozenset(b for t in tables.values() for b in t[0] if b)
+            self.shared[self.wid] = (ids, lease_end)
+            self.note(f"publish {why}: {len(ids)} blocks, lease end {lease_end:.3f}")
 
     def taken_from_others(self, new_ids: list[int]) -> list[tuple[int, int]]:
         """(block, other worker) for each new block another live worker holds."""
@@ -52,6 +60,10 @@ class _Holdings:
         for other, (ids, lease_end) in dict(self.shared).items():
             if other != self.wid and lease_end > now:
                 clashes += [(b, other) for b in new_ids if b in ids]
+                if any(b in ids for b in new_ids):
+                    self.note(
+                        f"DOUBLE at {now:.3f}: {sorted(set(new_ids) & ids)} of worker {other}, its lease end {lease_end:.3f}"
+                    )
         return clashes
 
 
@@ -116,11 +128,16 @@ def run_checked_worker(
                     summary["lost_causes"].append(
                         f"{int(phase.value)}: {type(err.cause).__name__}: {err.cause.message[:160]}"
                     )
-                    held.publish(tables, 0.0)
+                    held.note(
+                        f"lost {len(err.request_ids)} in phase {int(phase.value)}: {type(err.cause).__name__}: {err.cause.message[:200]}"
+                    )
+                    held.publish(tables, 0.0, "lost")
                     continue
                 except GracePeriodError:
                     if phase is None:
                         raise
+                    if not held.trail or "grace" not in held.trail[-1]:
+                        held.note(f"grace refused in phase {int(phase.value)}")
                     time.sleep(0.1)
                     continue
                 except UnavailableError:
@@ -135,7 +152,12 @@ def run_checked_worker(
                     summary["unavailable"] = summary.get("unavailable", 0) + 1
                     time.sleep(0.1)
                     continue
-                held.publish(tables, m.keeper.valid_until)
+                fence = m.keeper.fence
+                held.publish(
+                    tables,
+                    m.keeper.valid_until,
+                    f"step {step} fence {fence.instance_id[:8]}@{fence.position}",
+                )
                 summary["steps"] = step
                 if progress is not None:
                     progress.value = step
@@ -147,6 +169,7 @@ def run_checked_worker(
     except Exception as exc:  # reported to the parent, which fails the test
         summary["error"] = f"{type(exc).__name__}: {exc}"
         summary["where"] = traceback.format_exc()  # (which call: the parent prints it)
+    summary["trail"] = held.trail  # (printed with the reports: the last events, a failure's context)
     out.put(summary)
 
 

@@ -40,16 +40,24 @@ class _Holdings:
         self.wid = wid
         #: the last events of this worker (monotonic time, what), kept for a failure's report
         self.trail: list[str] = []
+        #: losses, grace refusals, outages and doubles (fewer, kept longer than the trail)
+        self.events: list[str] = []
 
-    def note(self, what: str) -> None:
-        self.trail.append(f"{time.monotonic():.3f} {what}")
-        del self.trail[:-60]
+    def note(self, what: str, event: bool = False) -> None:
+        line = f"{time.monotonic():.3f} {what}"
+        self.trail.append(line)
+        del self.trail[:-40]
+        if event:
+            self.events.append(line)
+            del self.events[:-80]
 
     def publish(self, tables: dict[str, list[list[int]]], lease_end: float, why: str = "step") -> None:
         if self.shared is not None:
-            ids = frozenset(b for t in tables.values() for b in t[0] if b)
-            self.shared[self.wid] = (ids, lease_end)
-            self.note(f"publish {why}: {len(ids)} blocks, lease end {lease_end:.3f}")
+            owners = {b: rid for rid, t in tables.items() for b in t[0] if b}
+            self.shared[self.wid] = (owners, lease_end, f"{time.monotonic():.3f} {why}")
+            self.note(
+                f"publish {why}: {len(owners)} blocks of {len(tables)} requests, lease end {lease_end:.3f}"
+            )
 
     def taken_from_others(self, new_ids: list[int]) -> list[tuple[int, int]]:
         """(block, other worker) for each new block another live worker holds."""
@@ -57,12 +65,13 @@ class _Holdings:
             return []
         now = time.monotonic()
         clashes = []
-        for other, (ids, lease_end) in dict(self.shared).items():
+        for other, (ids, lease_end, why) in dict(self.shared).items():
             if other != self.wid and lease_end > now:
                 clashes += [(b, other) for b in new_ids if b in ids]
-                if any(b in ids for b in new_ids):
+                both = {b: ids[b] for b in new_ids if b in ids}
+                if both:
                     self.note(
-                        f"DOUBLE at {now:.3f}: {sorted(set(new_ids) & ids)} of worker {other}, its lease end {lease_end:.3f}"
+                        f"DOUBLE: {both} of worker {other} (published {why}), lease end {lease_end:.3f}", True
                     )
         return clashes
 
@@ -129,7 +138,9 @@ def run_checked_worker(
                         f"{int(phase.value)}: {type(err.cause).__name__}: {err.cause.message[:160]}"
                     )
                     held.note(
-                        f"lost {len(err.request_ids)} in phase {int(phase.value)}: {type(err.cause).__name__}: {err.cause.message[:200]}"
+                        f"lost {sorted(err.request_ids)} in phase {int(phase.value)}: {type(err.cause).__name__}: "
+                        f"{err.cause.message[:200]}; still held: {sorted(tables)}",
+                        True,
                     )
                     held.publish(tables, 0.0, "lost")
                     continue
@@ -137,7 +148,7 @@ def run_checked_worker(
                     if phase is None:
                         raise
                     if not held.trail or "grace" not in held.trail[-1]:
-                        held.note(f"grace refused in phase {int(phase.value)}")
+                        held.note(f"grace refused in phase {int(phase.value)}", True)
                     time.sleep(0.1)
                     continue
                 except UnavailableError:
@@ -150,13 +161,14 @@ def run_checked_worker(
                     if phase is None:
                         raise
                     summary["unavailable"] = summary.get("unavailable", 0) + 1
+                    held.note(f"unavailable in phase {int(phase.value)}; held: {sorted(tables)}", True)
                     time.sleep(0.1)
                     continue
                 fence = m.keeper.fence
                 held.publish(
                     tables,
                     m.keeper.valid_until,
-                    f"step {step} fence {fence.instance_id[:8]}@{fence.position}",
+                    f"w{wid} step {step} fence {fence.instance_id[:8]}@{fence.position}",
                 )
                 summary["steps"] = step
                 if progress is not None:
@@ -170,6 +182,7 @@ def run_checked_worker(
         summary["error"] = f"{type(exc).__name__}: {exc}"
         summary["where"] = traceback.format_exc()  # (which call: the parent prints it)
     summary["trail"] = held.trail  # (printed with the reports: the last events, a failure's context)
+    summary["events"] = held.events
     out.put(summary)
 
 

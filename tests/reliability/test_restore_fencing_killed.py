@@ -125,11 +125,17 @@ def test_a_restart_after_a_proof_whose_fencing_was_not_committed_serves_no_sessi
                 step_allocate(c, a, "a3", 4)
             inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
             assert not inspected.requests and not inspected.cached_block_ids
+        fenced_at_start = (  # journal_behind's line
+            "the journal is behind what clients were told (an earlier instance proved it and was stopped "
+            "before its fencing committed)"
+        )
+        assert fenced_at_start in server.log()
         # once durable, a further restart inside the grace fences nothing again
         server.kill()
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises(GracePeriodError):
                 attach(c, "worker-e", lease)
+        assert fenced_at_start not in server.log()
     finally:
         server.stop()

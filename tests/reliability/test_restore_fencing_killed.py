@@ -139,3 +139,57 @@ def test_a_restart_after_a_proof_whose_fencing_was_not_committed_serves_no_sessi
         assert fenced_at_start not in server.log()
     finally:
         server.stop()
+
+
+def test_a_restored_start_killed_before_its_fencing_committed_leaves_the_next_start_fenced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """deploy/README.md's "Restore the volume" with ``kvcoord serve --restored``: the
+    flag is given for one start only. That start writes the grace, then journals the
+    fencing and waits for it before serving; killed in between (an OOM kill, a liveness
+    probe on a slow start), the next start, without the flag, found grace.json and
+    refused attaches, but served the copy's sessions (worker b, whose fence proves
+    nothing, was handed the blocks worker a still held). Now it fences first."""
+    lease = 8.0
+    flag = tmp_path / "hold-fencing"
+    durable_server.with_sitecustomize(tmp_path, _HOLD_FENCING.format(flag=str(flag)), monkeypatch)
+    server = leased_server(tmp_path, lease, num_blocks=17)
+    server.start()
+    copy = tmp_path / "volume-snapshot"
+    try:
+        a, b = two_workers_then_copy(server, lease, copy)
+        with KVCoordClient(server.address) as c:
+            told = step_allocate(c, a, "a2", 32)
+        restore_volume(server, copy)
+        flag.touch()
+        refused: list[BaseException] = []
+
+        def start_restored() -> None:
+            try:
+                server.start(args=("--restored",))
+            except RuntimeError as exc:  # killed before it served
+                refused.append(exc)
+
+        starting = threading.Thread(target=start_restored, daemon=True)
+        starting.start()
+        _wait_for(flag.with_name(flag.name + ".held"), "the fencing's journal write")
+        assert server.proc is not None
+        server.proc.kill()
+        starting.join(60)
+        assert refused, "the --restored start served before its fencing was durable"
+        server.kill()  # (reaped: closes its log)
+        flag.unlink()
+        server.start()  # the flag given once only, as the procedure says
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            with pytest.raises(GracePeriodError):
+                attach(c, "worker-c", lease)
+            given: list[int] = []
+            try:
+                given = step_allocate(c, b, "b2", 48)  # every free block of the copy (12)
+            except (SessionExpiredError, FencedError):
+                pass
+            assert not set(given) & set(told), f"blocks {sorted(set(given) & set(told))} handed out twice"
+            inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
+            assert not inspected.requests and not inspected.cached_block_ids
+    finally:
+        server.stop()

@@ -399,7 +399,7 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
                 # starts a new outage (back to back, a loaded machine's slow restarts
                 # would make one outage of several)
                 steps_on(progress, procs[:3])
-                size = max(f.stat().st_size for f in server.data_dir.iterdir())
+                size = max(_size(f) for f in server.data_dir.iterdir())
                 server.kill()
                 began = time.monotonic()
                 try:
@@ -422,6 +422,18 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
             # 2. a volume snapshot while workers hold blocks, more work, then the restore
             with server.paused():  # a snapshot child too: it would rename files under cp
                 copy_volume(server, tmp_path / "snap")
+            # Every worker checks a step begun after the copy, so each is told a journal
+            # position the copy lacks and its next call proves the restore. A worker
+            # told nothing after the copy (the copy made before it was answered once
+            # since the last restart: at load 20 the copy held the serving instance's
+            # start record only) proves nothing, and is served from the copy until
+            # another worker's call proves it, blocks the lost history gave others
+            # included: the window deploy/README.md names ("If the flag is forgotten"),
+            # which only `kvcoord serve --restored` closes (its own test, below). Seen
+            # as 'double': [(111, 2), ..., (114, 0)] with the proof 0.7 s after the
+            # restored server's start.
+            for _ in range(2):  # (the first may have begun before the copy)
+                steps_on(progress, procs[:3])
             time.sleep(1.5)
             phase.value = 2
             restore_volume(server, tmp_path / "snap")
@@ -480,6 +492,14 @@ def test_chaos_full_disks_a_crash_loop_in_a_grace_and_a_restored_volume(tmp_path
     assert watched["error"] == "" and watched["backwards"] == 0, watched
     # it fell behind (told of gaps) and followed the restarts (told of the restore's reset)
     assert watched["events"] > 0 and watched["gaps"] > 0 and watched["reconnects"] > 0, watched
+
+
+def _size(path: Path) -> int:
+    """A data directory file's size (0: gone meanwhile, a snapshot's part renamed)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _attach_refused_for_grace_on(address: str, pool: str, lease: float) -> bool:

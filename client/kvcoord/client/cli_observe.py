@@ -34,21 +34,37 @@ from .routing import PoolRouter
 
 
 def _parse_fence(text: str | None) -> pb.Fence | None:
+    """INSTANCE:INCARNATION, or with the position and its tag (hex) the server gave with
+    it: INSTANCE:INCARNATION:POSITION:TAG (a position alone, INSTANCE:INCARNATION:POSITION,
+    is read too: one above what the server's journal holds is refused without its tag)."""
     if not text:
         return None
     parts = text.split(":")
     try:
-        if len(parts) not in (2, 3) or not parts[0]:
+        if len(parts) not in (2, 3, 4) or not parts[0]:
             raise ValueError
         return pb.Fence(
-            instance_id=parts[0], incarnation=int(parts[1]), position=int(parts[2]) if len(parts) == 3 else 0
+            instance_id=parts[0],
+            incarnation=int(parts[1]),
+            position=int(parts[2]) if len(parts) > 2 else 0,
+            position_tag=bytes.fromhex(parts[3]) if len(parts) > 3 else b"",
         )
     except ValueError:
-        raise click.BadParameter(f"{text!r} is not INSTANCE:INCARNATION", param_hint="--fence") from None
+        raise click.BadParameter(
+            f"{text!r} is not INSTANCE:INCARNATION[:POSITION:TAG]", param_hint="--fence"
+        ) from None
 
 
 def _fence_text(f: pb.Fence) -> str:
     return f"{f.instance_id}:{f.incarnation}"
+
+
+def _resume_text(f: pb.Fence) -> str:
+    """The fence to resume with: its position and tag too, when it has them (they prove a
+    restored data directory to the server: the stream then starts over with a RESET)."""
+    if not f.position:
+        return _fence_text(f)
+    return f"{_fence_text(f)}:{f.position}:{f.position_tag.hex()}"
 
 
 def _read_state(path: Path, pool: str) -> tuple[int, pb.Fence | None]:
@@ -58,17 +74,23 @@ def _read_state(path: Path, pool: str) -> tuple[int, pb.Fence | None]:
         state = json.loads(path.read_text())
         if state["pool"] != pool:
             raise CliFailure(f"state file {path} follows pool {state['pool']!r}, not {pool!r}", EXIT_USAGE)
-        return int(state["after_sequence"]), _parse_fence(state.get("fence") or None)
+        fence = _parse_fence(state.get("fence") or None)
+        if fence is not None and state.get("position"):
+            fence.position = int(state["position"])
+            fence.position_tag = bytes.fromhex(state.get("position_tag") or "")
+        return int(state["after_sequence"]), fence
     except (OSError, ValueError, KeyError, TypeError, click.BadParameter) as exc:
         raise CliFailure(f"cannot read state file {path}: {one_line(str(exc))}", EXIT_USAGE) from None
 
 
 def _write_state(path: Path, pool: str, after: int, fence: pb.Fence) -> None:
     """Replace the state file atomically (a crash leaves the old or the new one)."""
-    body = json.dumps({"pool": pool, "after_sequence": after, "fence": _fence_text(fence)})
+    state: dict[str, Any] = {"pool": pool, "after_sequence": after, "fence": _fence_text(fence)}
+    if fence.position:  # (what proves a restored data directory: positions.py)
+        state.update(position=fence.position, position_tag=fence.position_tag.hex())
     fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent or ".")
     with os.fdopen(fd, "w") as f:
-        f.write(body + "\n")
+        f.write(json.dumps(state) + "\n")
     os.replace(tmp, path)
 
 
@@ -124,7 +146,12 @@ def event_lines(msg: pb.WatchEventsResponse, after: int) -> list[str]:
 @click.command()
 @click.option("--pool", required=True, help="the pool whose KV events to read")
 @click.option("--after", type=click.IntRange(min=0), default=None, help="resume after this sequence number")
-@click.option("--fence", "fence_text", metavar="INSTANCE:INCARNATION", help="the history --after belongs to")
+@click.option(
+    "--fence",
+    "fence_text",
+    metavar="INSTANCE:INCARNATION[:POSITION:TAG]",
+    help="the history --after belongs to (as the end of a run prints it)",
+)
 @click.option(
     "--state-file",
     type=click.Path(dir_okay=False),
@@ -155,10 +182,12 @@ def events(
     Each line names its sequence number. A GAP line says events were dropped from the
     server's buffer before they were read (resynchronise); a RESET line says the server
     or the pool is not the one --fence (or the state file) names: what was read before
-    belongs to another history. Resume with --after N --fence INSTANCE:INCARNATION (the
-    last line's, printed at the end) or let --state-file keep them. With --follow a
+    belongs to another history. Resume with --after N --fence INSTANCE:INCARNATION:POSITION:TAG
+    (the last event's, printed at the end) or let --state-file keep them. With --follow a
     stream lost to a server restart is resumed after the last event read (a journaled
-    pool's history goes on across restarts; a server that lost it answers with a RESET).
+    pool's history goes on across restarts; a server that lost it answers with a RESET,
+    and so does one whose data directory was restored from an older copy: the position
+    and tag prove it).
     """
     fence = _parse_fence(fence_text)
     state_path = Path(state_file) if state_file else None
@@ -205,7 +234,7 @@ def events(
             except KeyboardInterrupt:
                 break
     if not conn.as_json:
-        where = f" --after {position} --fence {_fence_text(last_fence)}" if last_fence is not None else ""
+        where = f" --after {position} --fence {_resume_text(last_fence)}" if last_fence is not None else ""
         click.echo(f"{count} event(s); resume with{where or ' --after ' + str(position)}", err=True)
 
 

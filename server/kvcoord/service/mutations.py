@@ -419,13 +419,21 @@ class MutationRunner(PoolTurns):
         """Stamp the answer's fence with the journal position it is durable at (every
         record committed so far: positions.py) and its tag; clients send both back as
         proof. Answers of keyed calls carry their own record's position already."""
-        journal = self._journal()
         if (
-            journal is not None
-            and "fence" in answer.DESCRIPTOR.fields_by_name
+            "fence" in answer.DESCRIPTOR.fields_by_name
             and answer.HasField("fence")
             and not answer.fence.position  # type: ignore[attr-defined]
         ):
-            answer.fence.position = journal.committed  # type: ignore[attr-defined]
-            self._tagged(answer.fence)  # type: ignore[attr-defined]
+            self.positioned_fence(answer.fence)  # type: ignore[attr-defined]
         return answer
+
+    def positioned_fence(self, fence: Any) -> Any:
+        """Stamp a wire fence (in place; returned) as :meth:`positioned` stamps an
+        answer's: every record committed so far, and its tag (none without a journal).
+        A stream's messages (WatchEvents) carry it too: what a reader was told proves a
+        restore as a worker's call does."""
+        journal = self._journal()
+        if journal is not None:
+            fence.position = journal.committed
+            self._tagged(fence)
+        return fence

@@ -13,8 +13,8 @@ from kvcoord.wire import block_ids_to_pb, event_to_pb, stats_to_pb
 from . import bounds
 from .access import Role, current_tenant
 from .budget import BLOCK_BYTES, TOKEN_BYTES
-from .convert import fence_to_pb
-from .errors import map_errors, map_stream_errors
+from .convert import fence_from_pb, fence_to_pb
+from .errors import ErrorReason, ServiceError, map_errors, map_stream_errors
 from .score_wire import reservation_stats_to_pb
 from .servicer_core import ServicerCore
 
@@ -139,10 +139,12 @@ class ObservingCalls(ServicerCore):
         journal = service.events
         fence = fence_to_pb(service.fence)
         cursor = request.after_sequence
-        # Another history (restart, re-created pool, or a cursor this history never
-        # reached): start over from the oldest kept event, flagged as a reset.
+        # Another history (restart, re-created pool, a restored data directory the
+        # reader's fence proves, or a cursor this history never reached): start over
+        # from the oldest kept event, flagged as a reset.
         other = request.HasField("fence") and (
-            not service.knows_instance(request.fence.instance_id)
+            await self._proves_restore(request.fence)
+            or not service.knows_instance(request.fence.instance_id)
             or request.fence.incarnation != fence.incarnation
         )
         reset = other or cursor > journal.visible_sequence
@@ -160,6 +162,8 @@ class ObservingCalls(ServicerCore):
         while not self.stopping and not journal.closed:
             gap = gap or journal.missed(cursor)
             items = journal.since(cursor, limit=1024, upto=journal.visible_sequence)
+            if items:  # the position these events are durable at (its records committed)
+                self.mutations.positioned_fence(fence)
             sent = False
             for seq, event in items:
                 cursor = seq
@@ -178,3 +182,29 @@ class ObservingCalls(ServicerCore):
                 await journal.wait(cursor, self.watch_poll_seconds)
             elif not sent:
                 await asyncio.sleep(0)  # a batch of other tenants' events: let others run
+
+    async def _proves_restore(self, told: pb.Fence) -> bool:
+        """True when a reader's fence proves the data directory was restored (positions.py:
+        its position, with its tag, names a record of an earlier instance the journal does
+        not hold), once the fencing that follows is durable (as before a call is told
+        INSTANCE_CHANGED: the reader drops that fence on its reset). What it read after the
+        copy was made belongs to a lost history; the events numbered after its cursor now
+        are another history's, never its continuation.
+
+        Raises:
+            ServiceError: as :meth:`JournalPositions.prove` but INSTANCE_CHANGED (a made-up
+                position: FENCE_UNPROVEN), or what the fencing raised.
+        """
+        if not told.position:
+            return False
+        registry = self.registry
+        fence = fence_from_pb(told, True)
+        assert fence is not None
+        try:
+            registry.positions.prove(fence, registry.instance_id, registry.lineage)
+        except ServiceError as exc:
+            if exc.reason is not ErrorReason.INSTANCE_CHANGED:
+                raise
+            await self.restore_fenced()
+            return True
+        return False

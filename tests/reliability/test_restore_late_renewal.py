@@ -67,7 +67,7 @@ def test_a_renewal_answered_across_a_restore_gives_no_lease_end_past_the_grace(t
             KVCoordClient(server.address, interceptors=[hold], retry=NO_RETRY) as ca,
             KVCoordClient(server.address) as c,
         ):
-            keeper = SessionKeeper(ca, lambda: attach(ca, "worker-a", lease), renew=False)
+            keeper = SessionKeeper(ca, lambda _previous: attach(ca, "worker-a", lease), renew=False)
             b = attach(c, "worker-b", lease)
             step_allocate(c, b, "b1", 8)
             copy_volume(server, copy)

@@ -296,6 +296,53 @@ def two_workers_then_copy(server: DurableServer, lease: float, copy: Path) -> tu
     return a, b
 
 
+def workers_told_more_than_the_copy(
+    server: DurableServer, lease: float, copy: Path
+) -> tuple[Any, Any, list[int]]:
+    """:func:`two_workers_then_copy`, then worker a keeps working: a Step tells it the
+    journal's position (its fence adopted: a position the copy lacks) and it allocates a2
+    (32 tokens). Returns a, b and a2's blocks."""
+    a, b = two_workers_then_copy(server, lease, copy)
+    with KVCoordClient(server.address) as c:
+        step = c.step("p", [], a.session_id, a.fence)
+        a.fence.CopyFrom(step.fence)
+        told = step_allocate(c, a, "a2", 32)
+    assert a.fence.position > 0
+    return a, b, told
+
+
+def assert_handed_none_of(
+    c: KVCoordClient, session: Any, held: list[int], rid: str = "b2", tokens: int = 48
+) -> None:
+    """``session`` allocates ``rid`` (``tokens``; refused SessionExpiredError or FencedError is
+    as good): none of ``held``, the blocks a live worker holds, is handed to it."""
+    given: list[int] = []
+    try:
+        given = step_allocate(c, session, rid, tokens)
+    except (SessionExpiredError, FencedError):
+        pass
+    assert not set(given) & set(held), f"blocks {sorted(set(given) & set(held))} handed out twice"
+
+
+def serve_once(config: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """``kvcoord serve --config config *args`` run to its exit (a start that must be refused),
+    its output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(config), *args],
+        capture_output=True, text=True, env=env(), timeout=timeout,
+    )  # fmt: skip
+
+
+def refused_for_grace(address: str, lease: float) -> bool:
+    """A probe's Attach to pool ``p`` is refused for the grace period (GracePeriodError)."""
+    with KVCoordClient(address, retry=NO_RETRY) as c:
+        try:
+            c.attach("p", "sha256_cbor", 4, "0", "probe", lease_seconds=lease)
+        except GracePeriodError:
+            return True
+    return False
+
+
 def attach_after_grace(
     target: KVCoordClient | str, lease: float, name: str, limit: float, poll: float = 0.05
 ) -> tuple[Any, float]:

@@ -21,29 +21,15 @@ from durable_server import (
     copy_volume,
     env,
     leased_server,
+    refused_for_grace,
     restore_volume,
+    serve_once,
     step_allocate,
-    two_workers_then_copy,
+    workers_told_more_than_the_copy,
 )
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
 from kvcoord.v1 import allocator_pb2 as pb
-
-
-def _serve(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(config), *args],
-        capture_output=True, text=True, env=env(), timeout=60,
-    )  # fmt: skip
-
-
-def _attach_refused_for_grace(address: str, lease: float) -> bool:
-    with KVCoordClient(address, retry=NO_RETRY) as c:
-        try:
-            c.attach("p", "sha256_cbor", 4, "0", "probe", lease_seconds=lease)
-        except GracePeriodError:
-            return True
-    return False
 
 
 def test_a_grace_period_survives_sigkills_inside_it(tmp_path: Path) -> None:
@@ -71,15 +57,13 @@ def test_a_grace_period_survives_sigkills_inside_it(tmp_path: Path) -> None:
             shutil.copy(tmp_path / f"old{suffix}", journal.with_name(journal.name + suffix))
         restored_at = time.monotonic()
         server.start()
-        assert _attach_refused_for_grace(server.address, lease)
+        assert refused_for_grace(server.address, lease)
         inside = 0
         for restart in range(3):  # a crash loop inside the grace (>= lease from the restore)
             server.kill()
             server.start()
             if time.monotonic() < restored_at + lease:
-                assert _attach_refused_for_grace(server.address, lease), (
-                    f"restart {restart} dropped the grace"
-                )
+                assert refused_for_grace(server.address, lease), f"restart {restart} dropped the grace"
                 inside += 1
         assert inside >= 2, "the machine is too slow for this test: restarts took most of the grace"
         b, attached = attach_after_grace(server.address, lease, "worker-b", 4 * lease)
@@ -118,7 +102,7 @@ def test_a_lost_journal_refuses_to_start_until_told_to_start_empty(tmp_path: Pat
                 journal.with_name(journal.name + suffix).unlink(missing_ok=True)
         else:
             journal.unlink()
-        proc = _serve(server.config)
+        proc = serve_once(server.config)
         assert proc.returncode == EXIT_JOURNAL_LOST, proc.stderr
         assert f"journal {journal} is" in proc.stderr and "was lost" in proc.stderr
         assert "--start-empty" in proc.stderr and "restore the whole data directory" in proc.stderr
@@ -127,10 +111,10 @@ def test_a_lost_journal_refuses_to_start_until_told_to_start_empty(tmp_path: Pat
     try:
         assert "started empty after a lost journal" in server.log()
         assert list(server.data_dir.glob("journal.progress.lost-*"))
-        assert _attach_refused_for_grace(server.address, lease)
+        assert refused_for_grace(server.address, lease)
         server.kill()
         server.start()  # a plain restart inside the grace: the new journal is recovered whole
-        assert _attach_refused_for_grace(server.address, lease)
+        assert refused_for_grace(server.address, lease)
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises((FencedError, SessionExpiredError)):
                 c.heartbeat(a.session_id, a.fence)
@@ -148,7 +132,7 @@ def test_an_unwritable_data_dir_refuses_to_start(tmp_path: Path) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     server.config.write_text(server.config.read_text().replace(str(server.data_dir), str(blocker / "data")))
-    proc = _serve(server.config)
+    proc = serve_once(server.config)
     assert proc.returncode == EXIT_CANNOT_START, proc.stderr
     assert f"data directory {blocker / 'data'} cannot be written" in proc.stderr
 
@@ -275,20 +259,15 @@ def test_a_restored_volume_is_detected_by_the_first_worker_told_more(tmp_path: P
     server.start()
     copy = tmp_path / "volume-snapshot"
     try:
-        a, b = two_workers_then_copy(server, lease, copy)
-        with KVCoordClient(server.address) as c:
-            step = c.step("p", [], a.session_id, a.fence)  # worker a keeps working: told more
-            a.fence.CopyFrom(step.fence)
-            told = step_allocate(c, a, "a2", 32)
-            sent = time.monotonic()
-        assert a.fence.position > 0
+        a, b, told = workers_told_more_than_the_copy(server, lease, copy)
+        sent = time.monotonic()
         restore_volume(server, copy)
         server.start()
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             assert_restore_proven(c, a, b, lease)
         server.kill()
         server.start()  # a crash inside the grace keeps it
-        assert _attach_refused_for_grace(server.address, lease)
+        assert refused_for_grace(server.address, lease)
         cs, attached = attach_after_grace(server.address, lease, "worker-c", 4 * lease)
         assert attached >= sent + lease
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
@@ -575,6 +554,6 @@ def test_a_volume_restored_with_the_flag_leaves_no_window(tmp_path: Path) -> Non
             assert not inspected.requests and not inspected.cached_block_ids
         server.kill()
         server.start()  # a crash inside the grace keeps it, without the flag
-        assert _attach_refused_for_grace(server.address, lease)
+        assert refused_for_grace(server.address, lease)
     finally:
         server.stop()

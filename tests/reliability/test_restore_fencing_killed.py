@@ -31,7 +31,15 @@ from pathlib import Path
 
 import durable_server
 import pytest
-from durable_server import attach, leased_server, restore_volume, step_allocate, two_workers_then_copy
+from durable_server import (
+    assert_handed_none_of,
+    attach,
+    leased_server,
+    restore_volume,
+    step_allocate,
+    two_workers_then_copy,
+    workers_told_more_than_the_copy,
+)
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
 
@@ -78,12 +86,7 @@ def test_a_restart_after_a_proof_whose_fencing_was_not_committed_serves_no_sessi
     server.start()
     copy = tmp_path / "volume-snapshot"
     try:
-        a, b = two_workers_then_copy(server, lease, copy)
-        with KVCoordClient(server.address) as c:
-            step = c.step("p", [], a.session_id, a.fence)  # worker a keeps working: told more
-            a.fence.CopyFrom(step.fence)
-            told = step_allocate(c, a, "a2", 32)
-        assert a.fence.position > 0
+        a, b, told = workers_told_more_than_the_copy(server, lease, copy)
         restore_volume(server, copy)
         flag.touch()
         server.start()
@@ -112,12 +115,7 @@ def test_a_restart_after_a_proof_whose_fencing_was_not_committed_serves_no_sessi
                 attach(c, "worker-c", lease)
             # Worker b's fence proves nothing (it was told nothing the copy lacks), and
             # worker a may still hold a2's blocks: b must be handed none of them.
-            given: list[int] = []
-            try:
-                given = step_allocate(c, b, "b2", 48)  # every free block of the copy (12)
-            except (SessionExpiredError, FencedError):
-                pass
-            assert not set(given) & set(told), f"blocks {sorted(set(given) & set(told))} handed out twice"
+            assert_handed_none_of(c, b, told)  # b2: every free block of the copy (12)
             with pytest.raises((SessionExpiredError, FencedError)):
                 c.heartbeat(b.session_id, b.fence)
             # worker a: its retry is told its fence is void (no second fencing needed)
@@ -183,12 +181,7 @@ def test_a_restored_start_killed_before_its_fencing_committed_leaves_the_next_st
         with KVCoordClient(server.address, retry=NO_RETRY) as c:
             with pytest.raises(GracePeriodError):
                 attach(c, "worker-c", lease)
-            given: list[int] = []
-            try:
-                given = step_allocate(c, b, "b2", 48)  # every free block of the copy (12)
-            except (SessionExpiredError, FencedError):
-                pass
-            assert not set(given) & set(told), f"blocks {sorted(set(given) & set(told))} handed out twice"
+            assert_handed_none_of(c, b, told)  # b2: every free block of the copy (12)
             inspected = c.inspect_pool("p", all_requests=True, include_cached_blocks=True)
             assert not inspected.requests and not inspected.cached_block_ids
     finally:

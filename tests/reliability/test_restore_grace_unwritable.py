@@ -24,7 +24,13 @@ import time
 from pathlib import Path
 
 import pytest
-from durable_server import attach, leased_server, restore_volume, step_allocate, two_workers_then_copy
+from durable_server import (
+    attach,
+    leased_server,
+    restore_volume,
+    step_allocate,
+    workers_told_more_than_the_copy,
+)
 from kvcoord.client import NO_RETRY, KVCoordClient
 from kvcoord.client.errors import FencedError, GracePeriodError, KVCoordError, SessionExpiredError
 from kvcoord.service.main import EXIT_JOURNAL_FAILED
@@ -37,12 +43,7 @@ def test_a_restore_proven_while_its_grace_cannot_be_written_hands_out_no_held_bl
     server.start()
     copy = tmp_path / "volume-snapshot"
     try:
-        a, _ = two_workers_then_copy(server, lease, copy)
-        with KVCoordClient(server.address) as c:
-            step = c.step("p", [], a.session_id, a.fence)  # worker a keeps working: told more
-            a.fence.CopyFrom(step.fence)
-            told = step_allocate(c, a, "a2", 32)
-        assert a.fence.position > 0
+        a, _, told = workers_told_more_than_the_copy(server, lease, copy)
         restore_volume(server, copy)
         (server.data_dir / (GRACE_FILE + ".tmp")).mkdir()  # grace.json cannot be written
         server.start()

@@ -18,31 +18,12 @@ free to hand out blocks the lost journal's workers still held."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-from durable_server import attach, env, leased_server, step_allocate
-from kvcoord.client import NO_RETRY, KVCoordClient
-from kvcoord.client.errors import GracePeriodError
+from durable_server import attach, leased_server, refused_for_grace, serve_once, step_allocate
+from kvcoord.client import KVCoordClient
 from kvcoord.service.main import EXIT_CANNOT_START, EXIT_JOURNAL_LOST
 from kvcoord.service.startup import GRACE_FILE
-
-
-def _serve(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvcoord.service.cli", "serve", "--config", str(config), *args],
-        capture_output=True, text=True, env=env(), timeout=120,
-    )  # fmt: skip
-
-
-def _refused_for_grace(address: str, lease: float) -> bool:
-    with KVCoordClient(address, retry=NO_RETRY) as c:
-        try:
-            c.attach("p", "sha256_cbor", 4, "0", "probe", lease_seconds=lease)
-        except GracePeriodError:
-            return True
-    return False
 
 
 def test_start_empty_whose_grace_cannot_be_written_refuses_and_keeps_the_loss(tmp_path: Path) -> None:
@@ -60,20 +41,20 @@ def test_start_empty_whose_grace_cannot_be_written_refuses_and_keeps_the_loss(tm
             journal.with_name(journal.name + suffix).unlink(missing_ok=True)
         blocker = server.data_dir / (GRACE_FILE + ".tmp")
         blocker.mkdir()  # grace.json cannot be written
-        proc = _serve(server.config, "--start-empty")
+        proc = serve_once(server.config, "--start-empty")
         assert proc.returncode == EXIT_CANNOT_START, proc.stderr
         assert "Traceback" not in proc.stderr, proc.stderr
         assert str(server.data_dir / GRACE_FILE) in proc.stderr, proc.stderr
         # the loss is still on record: nothing was moved aside, a plain start refuses
         assert progress.read_bytes() == evidence
         assert not list(server.data_dir.glob("*.lost-*"))
-        proc = _serve(server.config)
+        proc = serve_once(server.config)
         assert proc.returncode == EXIT_JOURNAL_LOST, proc.stderr
         # space freed: --start-empty starts, with its full grace
         blocker.rmdir()
         server.start(args=("--start-empty",))
         assert "started empty after a lost journal" in server.log()
-        assert _refused_for_grace(server.address, lease)
+        assert refused_for_grace(server.address, lease)
     finally:
         server.stop()
 
@@ -94,12 +75,12 @@ def test_a_carried_grace_that_cannot_be_written_again_refuses_to_start(tmp_path:
         server.kill()
         blocker = server.data_dir / (GRACE_FILE + ".tmp")
         blocker.mkdir()  # grace.json can be read but no longer written
-        proc = _serve(server.config)
+        proc = serve_once(server.config)
         assert proc.returncode == EXIT_CANNOT_START, proc.stderr
         assert "Traceback" not in proc.stderr, proc.stderr
         assert str(server.data_dir / GRACE_FILE) in proc.stderr, proc.stderr
         blocker.rmdir()
         server.start()  # the grace still holds
-        assert _refused_for_grace(server.address, lease)
+        assert refused_for_grace(server.address, lease)
     finally:
         server.stop()

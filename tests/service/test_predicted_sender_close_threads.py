@@ -182,8 +182,8 @@ def test_a_cut_after_close_is_refused(server: InProcessServer, manager: Predicti
 @pytest.fixture
 def sigint_raises() -> Iterator[None]:
     """SIGINT raises KeyboardInterrupt on this (the main) thread, as in a plain process."""
-    if threading.current_thread() is not threading.main_thread():
-        pytest.skip("signals reach the main thread only")
+    # (pytest, with or without xdist, runs tests on the main thread: a signal reaches it)
+    assert threading.current_thread() is threading.main_thread(), "signals reach the main thread only"
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield

@@ -28,6 +28,7 @@ __all__ = [
     "ids",
     "no_answer",
     "to_send_again",
+    "touched",
 ]
 
 T = TypeVar("T")
@@ -148,6 +149,12 @@ class Item(Generic[T]):
     #: server holds once this call is applied)
     marks: dict[str, tuple[int, int, int, bool] | None] | None = None
     pending: Pending[T] = dataclasses.field(default_factory=Pending)
+
+
+def touched(items: Iterable[Item[Any]]) -> list[str]:
+    """The requests a Step's items sync (only theirs roll back when it fails: calls
+    collected in an open batch keep theirs)."""
+    return [rid for i in items for rid in i.touched]
 
 
 def to_send_again(items: Iterable[Item[Any]]) -> tuple[list[pb.FreeOp], list[Item[None]]]:

@@ -55,7 +55,7 @@ from .errors import (
 )
 from .flight import Flight, Gate, Inbox
 from .gathering import StepGathering
-from .items import ColumnRun, Gathered, Item, add_stats, no_answer, to_send_again
+from .items import ColumnRun, Gathered, Item, add_stats, no_answer, to_send_again, touched
 from .session import SessionKeeper
 from .tracking import RequestTracker
 
@@ -68,12 +68,6 @@ T = TypeVar("T")
 #: errors after which a free is sent again with the next Step (the server may answer
 #: it then); any other refusal would refuse it again
 _TRANSIENT = (UnavailableError, AbortedError, ResourceExhaustedError, LeaseExpiredError)
-
-
-def _touched(items: list[Item[Any]]) -> list[str]:
-    """The requests a Step's items sync (only theirs roll back when it fails: calls
-    collected in an open batch keep theirs)."""
-    return [rid for i in items for rid in i.touched]
 
 
 class StepSender(StepGathering):
@@ -245,9 +239,9 @@ class StepSender(StepGathering):
             # Applied or not, unknown; or not applied while queued calls in it
             # (cache_blocks, remove_skipped_blocks) were already taken as done: none of
             # its requests can be trusted.
-            failure: KVCoordError = self.forget([rid for i in items for rid in i.touched], err)
+            failure: KVCoordError = self.forget(touched(items), err)
         else:
-            self.tracker.rollback(_touched(items))
+            self.tracker.rollback(touched(items))
             failure = err
         self._send_again(items)  # its queued frees and drops may not have happened
         # Its releases did not happen (the Step was not applied): the next Step sends
@@ -286,7 +280,7 @@ class StepSender(StepGathering):
                 failed = op_err
         self._send_again(again)
         if any(r.status_code for r in resp.results):
-            self.tracker.rollback(_touched(items))
+            self.tracker.rollback(touched(items))
         if failed is not None:
             raise failed
 
@@ -378,28 +372,33 @@ class StepSender(StepGathering):
         if self.failure is not None:
             return False  # reported (and everything gathered dropped) by the facade first
         inbox = self.inbox
-        with inbox.lock:  # (a close() on another thread waits for the hand-over)
+        with inbox.lock:  # (a close() on another thread waits for the hand-over; see Inbox)
             inbox.check_open()
             try:
-                sent = self.pending
-                spare, self.spare = self.spare, None
-                self.pending = spare if spare is not None else Gathered()
-                sent.num_free_blocks, sent.events, sent.stats = state()
-                flight = Flight()
-                self.gate.shut()  # (the thread is idle: nothing in flight)
-                inbox.put((sent, flight))
-            except BaseException as err:
-                # Interrupted before the hand-over (a signal's KeyboardInterrupt, a failing
-                # state()): the mirror applied calls no Step carries, so nothing it predicts
-                # can be trusted; no flight is left for a settle to wait on forever.
-                self.failure = self.failure or KVCoordError(
-                    grpc.StatusCode.CANCELLED, f"a Step was interrupted before it was sent ({err!r})"
-                )
-                raise
-            self.in_flight = flight
-            self.backlog = 0
-            self.steps_sent += 1
-            return True
+                inbox.handing = True  # (a signal handler's close from here on: stops after it)
+                try:
+                    sent = self.pending
+                    spare, self.spare = self.spare, None
+                    self.pending = spare if spare is not None else Gathered()
+                    sent.num_free_blocks, sent.events, sent.stats = state()
+                    flight = Flight()
+                    self.gate.shut()  # (the thread is idle: nothing in flight)
+                    inbox.put((sent, flight))
+                except BaseException as err:
+                    # Interrupted before the hand-over (a signal's KeyboardInterrupt, a failing
+                    # state(), a close by a signal handler): the mirror applied calls no Step
+                    # carries, so nothing it predicts can be trusted; no flight is left for
+                    # a settle to wait on forever.
+                    self.failure = self.failure or KVCoordError(
+                        grpc.StatusCode.CANCELLED, f"a Step was interrupted before it was sent ({err!r})"
+                    )
+                    raise
+                self.in_flight = flight
+                self.backlog = 0
+                self.steps_sent += 1
+                return True
+            finally:
+                inbox.handed(self.gate)
 
     def release(self) -> None:
         """The model runs now (vLLM's schedule() returned): the Step cut last is sent

@@ -13,7 +13,15 @@ the flight's creation and the hand-over left the same unfinished flight behind.
 Now a close waits for a hand-over under way (that Step is sent, once), a cut after it
 is refused (FailedPreconditionError), and an interrupted hand-over marks the mirror
 untrusted: the interrupt reaches the caller, the next call reports every request lost
-(RequestsLostError), and the manager still closes."""
+(RequestsLostError), and the manager still closes.
+
+A signal handler runs on the main thread inside whatever it interrupted: a handler's
+close inside the main thread's own hand-over waited for the lock that hand-over held,
+and the process hung. Now it returns and the hand-over stops the thread after its
+Step; a handler's flush there is refused, typed. vLLM's own handler (SystemExit once,
+then the engine's shutdown closes the manager) is run the same way. A close
+interrupted while it waits for the thread left it for nobody to wait for; now the next
+close waits again."""
 
 from __future__ import annotations
 
@@ -244,3 +252,184 @@ def test_a_signal_inside_a_settle_leaves_the_step_waited_for_and_the_sender_clos
     finally:
         go.set()
     _bounded(sender.close, "close after the interrupt")
+
+
+class BoundedLock:
+    """The inbox's lock, every wait for it bounded: a wait past BOUND fails
+    (AssertionError) instead of hanging. A wait on the main thread for the lock its own
+    hand-over holds (a signal handler's call) would never end: the test fails on it."""
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
+
+    def __enter__(self) -> bool:
+        assert self.lock.acquire(True, BOUND), "waited for the inbox's lock past BOUND (a deadlock)"
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+@pytest.fixture
+def on_sigusr1() -> Iterator[Callable[[Callable[[], None]], None]]:
+    """Sets what SIGUSR1 runs (as a handler, on the main thread); restored after."""
+    assert threading.current_thread() is threading.main_thread(), "signals reach the main thread only"
+    old = signal.getsignal(signal.SIGUSR1)
+
+    def install(run: Callable[[], None]) -> None:
+        signal.signal(signal.SIGUSR1, lambda signum, frame: run())
+
+    try:
+        yield install
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+
+
+def _signal_inside_the_hand_over(sender: Any) -> None:
+    """SIGUSR1 is raised on the main thread inside its next hand-over (in ``Gate.shut``,
+    with the inbox's lock held: the Step gathered, the flight made, not put yet), and
+    every wait for that lock is bounded."""
+    sender.inbox.lock = BoundedLock(sender.inbox.lock)
+    sender.gate._shut = HeldShut(  # type: ignore[assignment]
+        sender.gate._shut, threading.get_ident(), lambda: signal.raise_signal(signal.SIGUSR1)
+    )
+
+
+def test_a_signal_handlers_close_inside_the_main_threads_hand_over_returns_and_the_step_goes_once(
+    server: InProcessServer, manager: PredictingKVCacheManager, on_sigusr1: Any
+) -> None:
+    """A user's handler closing the sender (as on SIGTERM) while the main thread hands a
+    Step over. Before, its close waited for the lock that hand-over held, below it on
+    the same thread: the process hung."""
+    sender = manager.sender
+    sent = _count_steps(sender)
+    thread = sender.inbox.thread
+    assert thread is not None and thread.is_alive()
+    closed: list[bool] = []
+
+    def handler() -> None:
+        sender.close()
+        closed.append(True)
+
+    on_sigusr1(handler)
+    _admit(manager, "a", list(range(20, 29)))
+    _signal_inside_the_hand_over(sender)
+    manager.take_events()  # the step ends: cut, the handler runs inside the hand-over
+    assert closed, "the handler never ran"
+    # the hand-over stopped the thread once its Step was sent: sent once, on that thread
+    thread.join(BOUND)
+    assert not thread.is_alive(), "the sender thread was never stopped"
+    assert len(sent) == 1 and sent[0] == thread.ident, sent
+    _bounded(sender.settle, "the settle after the handler's close")
+    assert sender.failure is None, sender.failure  # the server's answer matched the mirror's
+    assert "a" in manager.tracker
+    _admit(manager, "b", list(range(40, 49)))
+    with pytest.raises(FailedPreconditionError, match="closed"):
+        _bounded(manager.flush, "a flush after the handler's close")
+    _bounded(sender.close, "a close after the handler's")
+    assert len(sent) == 1, sent
+
+
+def test_a_signal_handlers_flush_inside_the_main_threads_hand_over_is_refused_typed(
+    server: InProcessServer, manager: PredictingKVCacheManager, on_sigusr1: Any
+) -> None:
+    """A handler that gathers a call and flushes while the main thread hands a Step
+    over: its own hand-over cannot wait for the one below it (before, it waited for
+    that lock forever); refused, typed, and the interrupted Step's loss reported."""
+    sender = manager.sender
+    sent = _count_steps(sender)
+    refused: list[BaseException] = []
+
+    def handler() -> None:
+        _admit(manager, "b", list(range(40, 49)))
+        try:
+            manager.flush()
+        except FailedPreconditionError as err:
+            refused.append(err)
+            raise
+
+    on_sigusr1(handler)
+    _admit(manager, "a", list(range(20, 29)))
+    _signal_inside_the_hand_over(sender)
+    with pytest.raises(FailedPreconditionError, match="handed over on this thread"):
+        manager.take_events()
+    assert len(refused) == 1
+    assert sent == []  # the interrupted Step was never handed over
+    with pytest.raises(RequestsLostError) as lost:
+        _bounded(manager.flush, "the flush after the refusal")
+    assert {"warm", "a", "b"} <= set(lost.value.request_ids)
+    _bounded(manager.flush, "a second flush")  # the session started again: nothing to report
+    _bounded(sender.close, "close after the refusal")
+
+
+def test_vllms_shutdown_signal_inside_a_hand_over_ends_the_session_without_hanging(
+    server: InProcessServer, client: KVCoordClient, manager: PredictingKVCacheManager, on_sigusr1: Any
+) -> None:
+    """vLLM's engine core (``EngineCoreProc.run_engine_core``): its SIGTERM/SIGINT
+    handler raises SystemExit once and ignores later signals; its ``finally`` then
+    shuts the engine down, and the scheduler's shutdown closes the manager (a
+    RequestsLostError logged, not raised). The SystemExit lands inside a hand-over here."""
+    sender = manager.sender
+    requested: list[bool] = []
+
+    def vllm_handler() -> None:
+        if not requested:
+            requested.append(True)
+            raise SystemExit()
+
+    on_sigusr1(vllm_handler)
+    _admit(manager, "a", list(range(20, 29)))
+    _signal_inside_the_hand_over(sender)
+    thread = sender.inbox.thread
+    assert thread is not None
+    try:
+        with pytest.raises(SystemExit):
+            manager.take_events()  # the busy loop's step
+    finally:
+        signal.raise_signal(signal.SIGUSR1)  # a second signal during shutdown: ignored
+        with pytest.raises(RequestsLostError):  # (the scheduler's shutdown logs it)
+            _bounded(manager.close, "the engine's shutdown")
+    assert not thread.is_alive()
+    assert sender.inbox.thread is None
+    assert list(client.list_sessions("gated").sessions) == []  # detached: its requests freed
+
+
+def test_a_close_interrupted_while_it_waits_leaves_the_next_close_to_wait_for_the_step(
+    server: InProcessServer, manager: PredictingKVCacheManager, sigint_raises: None
+) -> None:
+    """Ctrl-C while close() waits for the sender thread (its Step not answered yet):
+    the next close waits for that Step, sent once, and the thread stops. Before, the
+    interrupted close had already let go of the thread: the next close returned at
+    once with the Step still unsent and the thread still running."""
+    sender = manager.sender
+    go = threading.Event()  # the sender thread sends the Step once a second close waits
+    sent = _count_steps(sender, go)
+    _admit(manager, "a", list(range(20, 29)))
+    manager.take_events()  # the Step handed over; the sender thread holds it
+    thread = sender.inbox.thread
+    assert thread is not None
+    join = thread.join
+    joins: list[threading.Thread] = []
+
+    def watched_join(timeout: float | None = None) -> None:
+        joins.append(threading.current_thread())
+        if len(joins) == 1:
+            signal.raise_signal(signal.SIGINT)  # the first close's wait, interrupted
+        go.set()
+        join(timeout)
+
+    thread.join = watched_join  # type: ignore[method-assign]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sender.close()
+        assert thread.is_alive() and not sent and not go.is_set()
+        _bounded(sender.close, "the close after the interrupted one")
+        assert len(joins) == 2, joins  # the second close waited for the thread
+        assert not thread.is_alive()
+    finally:
+        go.set()
+    assert len(sent) == 1, sent  # sent once
+    _bounded(sender.settle, "the settle after close")
+    assert sender.failure is None, sender.failure  # its answer matched the mirror's
+    assert "a" in manager.tracker
+    assert sender.inbox.thread is None

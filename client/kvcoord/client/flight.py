@@ -93,28 +93,52 @@ class Inbox:
     held by the scheduler's thread while it hands a Step over and by :meth:`close`, so
     a close on any thread never falls inside a hand-over: a Step handed over is sent
     before the thread stops, and none is put after the thread stopped (it would never
-    be sent, and a settle would wait for it forever)."""
+    be sent, and a settle would wait for it forever).
 
-    __slots__ = ("_queue", "_serve", "closed", "lock", "pool", "thread")
+    A signal handler runs on the main thread, between two of its bytecodes: inside the
+    main thread's own hand-over, a handler's :meth:`close` could never get a plain lock
+    that frame holds. ``lock`` is re-entrant, and ``handing`` tells that frame is under
+    way: such a close marks the inbox closed and returns, and the hand-over, when it
+    ends (:meth:`handed`), stops the thread after its Step. A hand-over begun from a
+    handler inside another is refused (:meth:`check_open`)."""
+
+    __slots__ = ("_queue", "_serve", "closed", "handing", "lock", "pool", "stopped", "thread")
 
     def __init__(self, serve: Callable[[queue.SimpleQueue[Any]], None], pool: str) -> None:
         self._serve = serve
         self.pool = pool
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.closed = False
+        #: a hand-over holds ``lock`` and is under way (set inside the lock only)
+        self.handing = False
+        #: the thread was told to stop (after :attr:`closed`: a hand-over it let finish
+        #: puts its Step before)
+        self.stopped = False
         self._queue: queue.SimpleQueue[Any] | None = None
+        #: the thread, until a close joined it (a close interrupted in its join leaves
+        #: it for the next close to wait for)
         self.thread: threading.Thread | None = None
 
     def check_open(self) -> None:
-        """With ``lock`` held, before a hand-over."""
+        """With ``lock`` held, before a hand-over (which then sets ``handing``)."""
         if self.closed:
             raise FailedPreconditionError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"predicted pool {self.pool!r}: the Step sender is closed",
             )
+        if self.handing:
+            raise FailedPreconditionError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"predicted pool {self.pool!r}: a Step is being handed over on this thread "
+                "(a signal handler called in during it)",
+            )
 
     def put(self, item: Any) -> None:
-        """With ``lock`` held: hand ``item`` to the thread (started now if none runs)."""
+        """With ``lock`` held and ``handing`` set: hand ``item`` to the thread (started
+        now if none runs); refused once the thread was told to stop (a signal handler's
+        close between :meth:`check_open` and ``handing``: nothing would send it)."""
+        if self.stopped:
+            self.check_open()
         q = self._queue
         if q is None:
             q = queue.SimpleQueue()
@@ -123,14 +147,36 @@ class Inbox:
             self._queue, self.thread = q, thread
         q.put(item)
 
+    def handed(self, gate: Gate) -> None:
+        """With ``lock`` held, when a hand-over ends (put or not): a close called inside
+        it (a signal handler's) stops the thread now, after what was put."""
+        self.handing = False
+        if self.closed:
+            self._stop(gate)
+
+    def _stop(self, gate: Gate) -> None:
+        """With ``lock`` held: the thread's stop mark, after what was handed over (put
+        before the queue is let go: a handler's close between the two puts a second,
+        never none)."""
+        self.stopped = True
+        q = self._queue
+        if q is not None:
+            q.put(None)
+            self._queue = None
+        gate.open()
+
     def close(self, gate: Gate) -> None:
-        """Stop the thread once what was handed over is done; later hand-overs refused."""
+        """Stop the thread once what was handed over is done; later hand-overs refused.
+        Inside this thread's own hand-over (a signal handler's call) it returns at once
+        and the hand-over stops the thread (:meth:`handed`); interrupted while it waits,
+        the next close waits again."""
         with self.lock:
             self.closed = True
-            q, thread = self._queue, self.thread
-            self._queue = self.thread = None
-            if q is not None:
-                q.put(None)
-        gate.open()
+            if self.handing:  # this thread's hand-over, below this call: it cannot be waited for
+                return
+            self._stop(gate)
+            thread = self.thread
         if thread is not None:
             thread.join()
+            if self.thread is thread:
+                self.thread = None

@@ -21,7 +21,9 @@ and the process hung. Now it returns and the hand-over stops the thread after it
 Step; a handler's flush there is refused, typed. vLLM's own handler (SystemExit once,
 then the engine's shutdown closes the manager) is run the same way. A close
 interrupted while it waits for the thread left it for nobody to wait for; now the next
-close waits again."""
+close waits again. A cut interrupted just after its Step was put kept no flight, and
+the new session started by the next call was stamped on that Step; now the recovery
+waits for what was put before it starts the session again."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from kvcoord.client.errors import FailedPreconditionError, RequestsLostError
 from kvcoord.client.flight import Flight
 from kvcoord.client.hashing import BlockHasher
 from kvcoord.service.testing import InProcessServer
-from support import NONE, Req, wire_pool_config
+from support import NONE, Req, held_blocks, wire_pool_config
 
 #: how long any thread here may take for what is bounded (a hang fails, never a slow pass)
 BOUND = 30.0
@@ -433,3 +435,62 @@ def test_a_close_interrupted_while_it_waits_leaves_the_next_close_to_wait_for_th
     assert sender.failure is None, sender.failure  # its answer matched the mirror's
     assert "a" in manager.tracker
     assert sender.inbox.thread is None
+
+
+class InterruptedAfterPut:
+    """The sender thread's queue: the first Step put on it is put, then SIGINT is
+    raised on the putting thread (a signal arriving during the put: handled as it
+    returns, the cut interrupted after the hand-over itself)."""
+
+    def __init__(self, q: Any) -> None:
+        self.q, self.fired = q, False
+
+    def put(self, item: Any) -> None:
+        self.q.put(item)
+        if not self.fired:
+            self.fired = True
+            signal.raise_signal(signal.SIGINT)
+
+
+def test_a_step_put_before_a_signal_interrupted_its_cut_goes_with_the_old_session(
+    server: InProcessServer,
+    client: KVCoordClient,
+    manager: PredictingKVCacheManager,
+    sigint_raises: None,
+    monkeypatch: Any,
+) -> None:
+    """The cut raised (KeyboardInterrupt) and kept no flight, but its Step was on the
+    queue: the next call reports every request lost and starts a new session. Before,
+    that Step still waited at the gate and went after the new session was attached,
+    stamped with it: the new session held blocks for a request nobody tracked, and the
+    next answer disagreed with the mirror (every request lost again)."""
+    sender = manager.sender
+    old = manager.session_id
+    stamped: list[str] = []
+    went = threading.Event()
+    send_step = client.send_step
+
+    def recorded(request: Any, *args: Any, **kwargs: Any) -> Any:
+        stamped.append(request.session_id)
+        try:
+            return send_step(request, *args, **kwargs)
+        finally:
+            went.set()
+
+    monkeypatch.setattr(client, "send_step", recorded)
+    sender.gate.max_seconds = BOUND  # the handed-over Step waits until someone opens the gate
+    _admit(manager, "a", list(range(20, 29)))
+    sender.inbox._queue = InterruptedAfterPut(sender.inbox._queue)  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        manager.take_events()  # the Step put, then the interrupt
+    assert sender.in_flight is None and sender.failure is not None
+    with pytest.raises(RequestsLostError) as lost:
+        _bounded(manager.flush, "the flush after the interrupt")
+    assert {"warm", "a"} <= set(lost.value.request_ids)
+    assert manager.session_id != old
+    sender.gate.open()  # (whatever still waits goes now)
+    assert went.wait(BOUND), "the Step put was never sent"
+    assert stamped == [old], (stamped, old)  # sent once, with the session it was gathered in
+    assert held_blocks(client, "gated") == {}  # the old session ended; the new one holds nothing
+    _bounded(manager.flush, "a flush in the new session")  # nothing disagreed: nothing to report
+    assert sender.failure is None

@@ -165,6 +165,21 @@ class Inbox:
             self._queue = None
         gate.open()
 
+    def drain(self, gate: Gate) -> None:
+        """Wait until the thread has done everything put so far: a barrier (no Step) goes
+        after it. A hand-over interrupted by a signal may have put its Step though its
+        cut raised and no flight was kept: a session started again before that Step
+        went would be stamped on it."""
+        barrier = Flight()
+        with self.lock:
+            q = self._queue
+            if q is not None:
+                q.put((None, barrier))
+        if q is None:  # (no thread runs, or it was told to stop)
+            barrier.finish()
+        gate.open()
+        barrier.result()
+
     def close(self, gate: Gate) -> None:
         """Stop the thread once what was handed over is done; later hand-overs refused.
         Inside this thread's own hand-over (a signal handler's call) it returns at once

@@ -422,22 +422,22 @@ class StepSender(StepGathering):
         call it (a hand-over under way finishes first); a cut after it is refused."""
         self.inbox.close(self.gate)
 
-    def _serve(self, inbox: queue.SimpleQueue[tuple[Gathered, Flight] | None]) -> None:
+    def _serve(self, inbox: queue.SimpleQueue[tuple[Gathered | None, Flight] | None]) -> None:
         """The sender thread: each Step handed over by :meth:`cut`, in order, until
         :meth:`close`."""
         gate = self.gate
         while (item := inbox.get()) is not None:
             sent, flight = item
             item = None
-            gate.wait()
             try:
-                self._step(sent)
-                if self.spare is None:
-                    self.spare = Gathered()  # (here, not on the scheduler's thread)
+                if sent is not None:  # (None: a barrier, Inbox.drain)
+                    gate.wait()
+                    self._step(sent)
+                    if self.spare is None:
+                        self.spare = Gathered()  # (here, not on the scheduler's thread)
             finally:
-                # the Step and what it holds (its frees' records: Gathered.dropped) are
-                # deallocated now, while the model runs, not when the next Step wakes
-                # this thread at the scheduler's next cut
+                # the Step and what it holds (its frees' records: Gathered.dropped) are freed
+                # now, while the model runs, not when the scheduler's next cut wakes this thread
                 del sent
                 flight.finish()
 
@@ -453,6 +453,7 @@ class StepSender(StepGathering):
         failure = self.failure
         assert failure is not None, "nothing failed"
         self.settle()
+        self.inbox.drain(self.gate)  # (an interrupted hand-over's Step goes with the old session)
         gone = self.tracker.clear()
         if gone:
             logger.warning("predicted pool %r: %s; %d request(s) lost", self.pool, failure, len(gone))

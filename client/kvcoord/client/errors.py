@@ -298,7 +298,15 @@ def error_from_rpc(exc: grpc.RpcError, rpc: str = "") -> KVCoordError:
 #: resolution failed"). gRPC writes nothing before a connection is up, so such a call
 #: can go to another replica whatever its kind, and applied nothing anywhere. Any
 #: other UNAVAILABLE (a connection reset, a server stopping mid-call) may have been
-#: applied.
+#: applied. Only the text tells (grpcio 1.85.4: "failed to connect to all addresses;
+#: last error: ...", "errors resolving <name>: ..."; its debug_error_string() is the
+#: same text, for a status a server sent too), so any other wording (a gRPC that
+#: rewords these, round_robin's "connections to all backends failing", the words
+#: relayed inside another message) is taken as maybe applied: an unknown outcome,
+#: never "not sent" (tests/service/test_never_sent_wording.py). The text is the last
+#: gRPC attempt's: this holds because the client's channels carry no service config
+#: (gRPC retries nothing of its own but streams no server saw); a retryPolicy (an
+#: ``xds:`` target's route) could hide an applied attempt behind a later one's.
 _NOT_SENT = ("failed to connect to all addresses", "errors resolving ", "DNS resolution failed")
 
 

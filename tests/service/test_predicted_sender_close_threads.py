@@ -20,22 +20,25 @@ close inside the main thread's own hand-over waited for the lock that hand-over 
 and the process hung. Now it returns and the hand-over stops the thread after its
 Step; a handler's flush there is refused, typed. vLLM's own handler (SystemExit once,
 then the engine's shutdown closes the manager) is run the same way. A close
-interrupted while it waits for the thread left it for nobody to wait for; now the next
-close waits again. A cut interrupted just after its Step was put kept no flight, and
+interrupted while it waits for the thread left it for nobody to wait for (and CPython
+3.11's Thread.join, interrupted, marks a running thread stopped); now the next close
+waits again, on the thread's own end. A cut interrupted just after its Step was put kept no flight, and
 the new session started by the next call was stamped on that Step; now the recovery
 waits for what was put before it starts the session again."""
 
 from __future__ import annotations
 
 import signal
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from kvcoord.client import KVCoordClient, PredictingKVCacheManager
 from kvcoord.client.errors import FailedPreconditionError, RequestsLostError
-from kvcoord.client.flight import Flight
+from kvcoord.client.flight import Flight, Inbox
 from kvcoord.client.hashing import BlockHasher
 from kvcoord.service.testing import InProcessServer
 from support import NONE, Req, held_blocks, wire_pool_config
@@ -396,41 +399,84 @@ def test_vllms_shutdown_signal_inside_a_hand_over_ends_the_session_without_hangi
     assert list(client.list_sessions("gated").sessions) == []  # detached: its requests freed
 
 
+#: where a thread waiting for another sits (CPython 3.11's Thread.join, 3.13's, a Flight)
+WAITS = {"_wait_for_tstate_lock", "join", "result"}
+
+
+def _waiting_in_close(ident: int | None) -> bool:
+    """Whether thread ``ident`` is inside the inbox's close, in one of :data:`WAITS`."""
+    frame = sys._current_frames().get(ident or 0)
+    if frame is None or frame.f_code.co_name not in WAITS:
+        return False
+    while frame is not None and frame.f_code is not Inbox.close.__code__:
+        frame = frame.f_back
+    return frame is not None
+
+
+def _until(condition: Callable[[], bool], what: str) -> None:
+    """A bounded poll: fails (never hangs) when ``condition`` does not hold within BOUND."""
+    deadline = time.monotonic() + BOUND
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.001)
+
+
 def test_a_close_interrupted_while_it_waits_leaves_the_next_close_to_wait_for_the_step(
     server: InProcessServer, manager: PredictingKVCacheManager, sigint_raises: None
 ) -> None:
-    """Ctrl-C while close() waits for the sender thread (its Step not answered yet):
-    the next close waits for that Step, sent once, and the thread stops. Before, the
-    interrupted close had already let go of the thread: the next close returned at
-    once with the Step still unsent and the thread still running."""
+    """Ctrl-C (SIGINT, sent to the main thread while its close() waits for the sender
+    thread, whose Step is not answered yet): the next close waits for that Step, sent
+    once. Before, the interrupted close had let go of the thread and the next returned
+    at once; keeping it was not enough: CPython 3.11's Thread.join, interrupted,
+    marks a thread that still runs as stopped, and the next join returns at once."""
     sender = manager.sender
+    main = threading.get_ident()
     go = threading.Event()  # the sender thread sends the Step once a second close waits
-    sent = _count_steps(sender, go)
+    events: list[str] = []
+    interrupted: list[bool] = []
+
+    def interrupt_once(signum: int, frame: Any) -> None:
+        if not interrupted:  # (as vLLM's handler: once; a signal sent again is ignored)
+            interrupted.append(True)
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt_once)
+    checked = sender._checked_step
+
+    def held(step: Any) -> None:  # on the sender thread
+        # Ctrl-C while the first close waits (sent again while its handler has not
+        # run: one that lands just before the wait blocks is handled only after it)
+        deadline = time.monotonic() + BOUND
+        while not interrupted:
+            assert time.monotonic() < deadline, "the first close was never interrupted"
+            if _waiting_in_close(main):
+                signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.01)
+        assert go.wait(BOUND), "the Step was never let go"
+        checked(step)
+        events.append("answered")
+
+    sender._checked_step = held  # type: ignore[method-assign]
     _admit(manager, "a", list(range(20, 29)))
     manager.take_events()  # the Step handed over; the sender thread holds it
-    thread = sender.inbox.thread
-    assert thread is not None
-    join = thread.join
-    joins: list[threading.Thread] = []
-
-    def watched_join(timeout: float | None = None) -> None:
-        joins.append(threading.current_thread())
-        if len(joins) == 1:
-            signal.raise_signal(signal.SIGINT)  # the first close's wait, interrupted
-        go.set()
-        join(timeout)
-
-    thread.join = watched_join  # type: ignore[method-assign]
+    closer: threading.Thread | None = None
     try:
         with pytest.raises(KeyboardInterrupt):
             sender.close()
-        assert thread.is_alive() and not sent and not go.is_set()
-        _bounded(sender.close, "the close after the interrupted one")
-        assert len(joins) == 2, joins  # the second close waited for the thread
-        assert not thread.is_alive()
+        assert events == []
+
+        def close_again() -> None:
+            sender.close()
+            events.append("closed")
+
+        closer = threading.Thread(target=close_again, name="second close", daemon=True)
+        closer.start()
+        _until(lambda: not closer.is_alive() or _waiting_in_close(closer.ident), "the second close hung")
     finally:
         go.set()
-    assert len(sent) == 1, sent  # sent once
+    closer.join(BOUND)
+    assert not closer.is_alive(), "the second close hung"
+    assert events == ["answered", "closed"], events  # it waited for the Step, sent once
     _bounded(sender.settle, "the settle after close")
     assert sender.failure is None, sender.failure  # its answer matched the mirror's
     assert "a" in manager.tracker

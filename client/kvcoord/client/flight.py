@@ -102,7 +102,7 @@ class Inbox:
     ends (:meth:`handed`), stops the thread after its Step. A hand-over begun from a
     handler inside another is refused (:meth:`check_open`)."""
 
-    __slots__ = ("_queue", "_serve", "closed", "handing", "lock", "pool", "stopped", "thread")
+    __slots__ = ("_queue", "_serve", "closed", "done", "handing", "lock", "pool", "stopped", "thread")
 
     def __init__(self, serve: Callable[[queue.SimpleQueue[Any]], None], pool: str) -> None:
         self._serve = serve
@@ -115,9 +115,10 @@ class Inbox:
         #: puts its Step before)
         self.stopped = False
         self._queue: queue.SimpleQueue[Any] | None = None
-        #: the thread, until a close joined it (a close interrupted in its join leaves
-        #: it for the next close to wait for)
+        #: the thread and its end (finished when it returns), until a close saw it end
+        #: (a close interrupted while it waits leaves them for the next close)
         self.thread: threading.Thread | None = None
+        self.done: Flight | None = None
 
     def check_open(self) -> None:
         """With ``lock`` held, before a hand-over (which then sets ``handing``)."""
@@ -141,11 +142,18 @@ class Inbox:
             self.check_open()
         q = self._queue
         if q is None:
-            q = queue.SimpleQueue()
-            thread = threading.Thread(target=self._serve, args=(q,), name="kvcoord-sender", daemon=True)
+            q, done = queue.SimpleQueue(), Flight()
+            thread = threading.Thread(target=self._run, args=(q, done), name="kvcoord-sender", daemon=True)
             thread.start()
-            self._queue, self.thread = q, thread
+            self._queue, self.thread, self.done = q, thread, done
         q.put(item)
+
+    def _run(self, q: queue.SimpleQueue[Any], done: Flight) -> None:
+        """The thread: ``serve`` until its stop mark; ``done`` finished as it returns."""
+        try:
+            self._serve(q)
+        finally:
+            done.finish()
 
     def handed(self, gate: Gate) -> None:
         """With ``lock`` held, when a hand-over ends (put or not): a close called inside
@@ -190,8 +198,10 @@ class Inbox:
             if self.handing:  # this thread's hand-over, below this call: it cannot be waited for
                 return
             self._stop(gate)
-            thread = self.thread
-        if thread is not None:
-            thread.join()
-            if self.thread is thread:
-                self.thread = None
+            done = self.done
+        if done is not None:
+            # (not Thread.join: CPython 3.11's join, interrupted by a signal, marks a
+            # thread that still runs as stopped, and every later join returns at once)
+            done.result()
+            if self.done is done:
+                self.thread = self.done = None

@@ -67,7 +67,8 @@ class Gate:
 class Flight:
     """A Step handed to the sender thread, :meth:`done` and :meth:`result` as a
     ``Future``'s: one lock, held until the Step is answered (an executor's future
-    costs a work item, a condition and a queue per Step)."""
+    costs a work item, a condition and a queue per Step). Also a barrier
+    (:meth:`Inbox.drain`) and the thread's end (:attr:`Inbox.done`)."""
 
     __slots__ = ("_lock",)
 

@@ -385,10 +385,9 @@ class StepSender(StepGathering):
                     self.gate.shut()  # (the thread is idle: nothing in flight)
                     inbox.put((sent, flight))
                 except BaseException as err:
-                    # Interrupted before the hand-over (a signal's KeyboardInterrupt, a failing
-                    # state(), a close by a signal handler): the mirror applied calls no Step
-                    # carries, so nothing it predicts can be trusted; no flight is left for
-                    # a settle to wait on forever.
+                    # Interrupted (a signal's KeyboardInterrupt or close, a failing state()): the
+                    # mirror applied calls no answer will confirm, nothing it predicts can be
+                    # trusted; no flight is kept to wait on (a Step put all the same: recover).
                     self.failure = self.failure or KVCoordError(
                         grpc.StatusCode.CANCELLED, f"a Step was interrupted before it was sent ({err!r})"
                     )
@@ -419,7 +418,8 @@ class StepSender(StepGathering):
 
     def close(self) -> None:
         """Let the Steps handed over finish and stop the sender thread; any thread may
-        call it (a hand-over under way finishes first); a cut after it is refused."""
+        call it (a hand-over under way finishes first; inside its own, from a signal
+        handler, it returns at once: see :class:`Inbox`); a cut after it is refused."""
         self.inbox.close(self.gate)
 
     def _serve(self, inbox: queue.SimpleQueue[tuple[Gathered | None, Flight] | None]) -> None:

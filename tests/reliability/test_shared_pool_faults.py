@@ -27,151 +27,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from kvcoord.client import KVCoordClient, RemoteKVCacheManager
+from kvcoord.client import KVCoordClient
 from kvcoord.client.faults import FaultInjector
+from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.service.testing import InProcessServer
 from kvcoord.v1 import allocator_pb2 as pb
+from shared_workers import BLOCK, NUM_BLOCKS, KVMemory, run_threads, shared_config, shared_worker
 from support import Req
 from workload import check_pool, pool_config, run_worker
-
-NUM_BLOCKS = 60
-BLOCK = 4
-
-
-def shared_config() -> pb.PoolConfig:
-    return pb.PoolConfig(
-        num_blocks=NUM_BLOCKS,
-        groups=[pb.KVCacheGroupSpec(full=pb.FullAttentionSpec(block_size=BLOCK))],
-        hash_block_size=BLOCK,
-        enable_caching=True,
-        enable_kv_cache_events=True,
-        max_model_len=256,
-        hash_algo="sha256_cbor",
-        hash_seed="0",
-    )
-
-
-class KVMemory:
-    """The workers' KV memory, modelled: block id -> the token prefix its KV was computed
-    for. A worker allocating, writing and checking its hits holds :attr:`turn`, so no
-    other worker hits a block between the server caching it and its writer writing it
-    (the race engines sharing a pool rule out themselves)."""
-
-    def __init__(self) -> None:
-        self.turn = threading.Lock()
-        self.kv: dict[int, tuple[int, ...]] = {}
-
-    def write(self, blocks: list[int], tokens: list[int], computed: int, n: int) -> None:
-        """The KV of tokens ``computed .. computed + n`` written to their blocks."""
-        for i in range(computed // BLOCK, (computed + n + BLOCK - 1) // BLOCK):
-            self.kv[blocks[i]] = tuple(tokens[: min(BLOCK * (i + 1), computed + n)])
-
-    def check_hit(self, blocks: list[int], tokens: list[int], where: str) -> None:
-        for i, b in enumerate(blocks):
-            want = tuple(tokens[: BLOCK * (i + 1)])
-            assert self.kv.get(b) == want, f"{where}: hit block {b} (index {i}) holds KV of {self.kv.get(b)}"
-
-
-def server_tables(client: KVCoordClient, pool: str) -> dict[str, list[int]]:
-    resp = client.inspect_pool(pool, all_requests=True)
-    return {r.request_id: list(r.groups[0].block_ids) for r in resp.requests}
-
-
-def shared_worker(address: str, pool: str, wid: int, steps: int, memory: KVMemory, counts: dict[str, int],
-                  injectors: list[FaultInjector]) -> None:  # fmt: skip
-    """A small scheduler on the shared pool: admits prompts sharing prefixes with the other
-    workers', prefills in chunks, decodes, preempts the newest on a refusal, frees, and
-    now and then evicts a block id (as a failed KV load does)."""
-    rnd = random.Random(100 + wid)
-    # the same prefixes in every worker: they hit each other's blocks
-    prefixes = [[random.Random(7 + i).randrange(50) for _ in range(n)] for i, n in enumerate((0, 8, 13, 24))]
-    fi = FaultInjector(200 + wid, drop=0.05, delay=0.05, duplicate=0.05, reorder=0.05)
-    injectors.append(fi)
-    with KVCoordClient(address, interceptors=[fi]) as c, KVCoordClient(address) as plain:
-        m = RemoteKVCacheManager(c, pool, hash_seed="0", client_name=f"w{wid}")
-        live: dict[str, Req] = {}
-        mine: dict[str, list[int]] = {}  # the block table each request was answered
-        running: list[str] = []
-
-        def free(rid: str) -> None:
-            m.free(live.pop(rid))
-            mine.pop(rid, None)
-            if rid in running:
-                running.remove(rid)
-
-        for step in range(steps):
-            if rnd.random() < 0.5:
-                rid = f"w{wid}-r{step}"
-                body = [rnd.randrange(50) for _ in range(rnd.randint(1, 30))]
-                live[rid] = Req(rid, (rnd.choice(prefixes) + body)[:60])
-            for rid in sorted(live):
-                if rid not in live:
-                    continue  # preempted by a refusal this step
-                r = live[rid]
-                if rnd.random() < 0.08 or r.num_computed_tokens >= 120:
-                    free(rid)
-                    continue
-                with memory.turn:
-                    if rid not in running:
-                        hit, computed = m.get_computed_blocks(r)
-                        n = min(len(r.all_token_ids) - computed, rnd.choice([4, 16, 64]))
-                        got = m.allocate_slots(r, n, computed, hit)
-                        base = list(hit.get_block_ids()[0])
-                    else:
-                        computed = r.num_computed_tokens
-                        n = min(len(r.all_token_ids) - computed, 16)
-                        if n == 0:
-                            continue
-                        got = m.allocate_slots(r, n)
-                        base = mine[rid]
-                    if got is not None:
-                        mine[rid] = base + list(got.get_block_ids()[0])
-                        memory.write(mine[rid], r.all_token_ids, computed, n)
-                        if rid not in running and computed:
-                            memory.check_hit(mine[rid][: computed // BLOCK], r.all_token_ids, f"w{wid} {rid}")
-                            counts["hits"] += 1
-                if got is None:
-                    counts["refusals"] += 1
-                    if rid not in running:
-                        mine[rid] = []  # registered, nothing allocated
-                    if running and running[-1] != rid:
-                        free(running[-1])
-                        counts["preemptions"] += 1
-                    continue
-                if rid not in running:
-                    running.append(rid)
-                r.num_computed_tokens = computed + n
-                if r.num_computed_tokens == len(r.all_token_ids):
-                    r.all_token_ids = r.all_token_ids + [step % 50]
-            if rnd.random() < 0.05:
-                m.evict_blocks([rnd.randrange(1, NUM_BLOCKS)])
-                counts["evictions"] += 1
-            m.flush()  # frees ride with the next call: the step ends here
-            held = {k: v for k, v in server_tables(plain, pool).items() if k.startswith(f"w{wid}-")}
-            assert held == mine, f"w{wid} step {step}: the server holds {held}, the worker was told {mine}"
-            counts["steps"] += 1
-        for rid in list(live):
-            free(rid)
-        m.flush()
-        counts["lost"] += m.lost_requests
-        m.close()
-
-
-def run_threads(target: Any, count: int, *args: Any) -> list[BaseException]:
-    errors: list[BaseException] = []
-
-    def guarded(wid: int) -> None:
-        try:
-            target(wid, *args)
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller
-            errors.append(exc)
-
-    threads = [threading.Thread(target=guarded, args=(w,)) for w in range(count)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    return errors
 
 
 @pytest.fixture
@@ -271,3 +134,101 @@ def test_sigkilled_workers_on_a_shared_pool_leave_nothing_held() -> None:
                 p.kill()
         server.stop()
     assert stats.num_requests == 0 and stats.num_free_blocks == num_blocks - 1, stats
+
+
+ROOT, ALICE, BOB = "tok-root", "tok-alice", "tok-bob"
+TENANTS = f"""
+[server]
+auth_tokens = ["{ROOT}"]
+
+[tenants.alice]
+tokens = ["{ALICE}"]
+grants = [{{ pools = ["shared"], roles = ["use", "observe", "administer"] }}]
+
+[tenants.bob]
+tokens = ["{BOB}"]
+grants = [{{ pools = ["shared"], roles = ["use", "observe", "administer"] }}]
+"""
+
+
+def test_two_tenants_routers_reserving_on_a_faulty_network_never_hit_wrong_kv() -> None:
+    """Four workers of two tenants on one pool (the same prompts, unsalted: only the
+    tenants' cache namespaces keep them apart), each request routed first by a router of
+    its tenant that reserves its hit (ScorePools, 0.05-1.5 s) on a channel that loses,
+    duplicates and re-delivers answers, the workers' own answers lost, late, duplicated
+    and re-delivered: every hit reads KV its own tenant wrote for that prefix, every
+    worker's tables equal the server's after each step, CheckPool finds nothing while
+    they run, and once the reservations ran out the pool holds nothing."""
+    server = InProcessServer(TENANTS).start()
+    memory = KVMemory()
+    counts: dict[str, int] = dict.fromkeys(
+        ("steps", "hits", "refusals", "preemptions", "evictions", "lost", "routed"), 0
+    )
+    injectors: list[FaultInjector] = []
+    routers: list[FaultInjector] = []
+    stop = threading.Event()
+    samples: list[int] = []
+    violations: list[str] = []
+    hasher_none = none_hash("sha256_cbor", "0")
+
+    def expire() -> int:
+        return server.running.servicer.expire_reservations()  # type: ignore[union-attr]
+
+    def worker(wid: int) -> None:
+        token, tenant = (ALICE, "alice") if wid % 2 == 0 else (BOB, "bob")
+        rnd = random.Random(500 + wid)
+        fi = FaultInjector(300 + wid, drop=0.1, duplicate=0.1, reorder=0.1, methods=("ScorePools",))
+        routers.append(fi)
+        with KVCoordClient(server.address, interceptors=[fi], token=token) as router:
+
+            def route(r: Req) -> None:
+                if rnd.random() < 0.7:
+                    prompt = pb.HashedPrompt(
+                        hash_algo="sha256_cbor", hash_block_size=BLOCK, hash_seed="0",
+                        block_hashes=BlockHasher("sha256_cbor", BLOCK, hasher_none).extend(r.all_token_ids),
+                    )  # fmt: skip
+                    router.score_pools(
+                        len(r.all_token_ids), [prompt], candidate_pools=["shared"],
+                        reserve_seconds=rnd.uniform(0.05, 1.5),
+                    )  # fmt: skip
+                    counts["routed"] += 1
+
+            shared_worker(
+                server.address, "shared", wid, 150, memory, counts, injectors, tenant, token, ROOT, route
+            )
+
+    try:
+        with KVCoordClient(server.address, token=ROOT) as c:
+            c.create_pool("shared", shared_config())
+
+            def sample() -> None:
+                while not stop.is_set() and len(samples) < 100_000:
+                    violations.extend(c.check_pool("shared").violations)
+                    if len(samples) % 20 == 0:  # the reaper's round (InProcessServer runs none)
+                        server.call(expire)
+                    samples.append(1)
+                    stop.wait(0.005)
+
+            checker = threading.Thread(target=sample)
+            checker.start()
+            try:
+                errors = run_threads(worker, 4)
+            finally:
+                stop.set()
+                checker.join(60)
+            assert not errors, errors[0]
+            assert not violations, violations[:3]
+            time.sleep(1.6)  # every reservation's time has run out
+            server.call(expire)
+            final = c.get_stats("shared")
+            assert c.check_pool("shared").violations == []
+
+    finally:
+        server.stop()
+    faults = {k: sum(fi.counts[k] for fi in injectors + routers) for k in injectors[0].counts}
+    print(f"two tenants, routers reserving: {counts} faults {faults} samples {len(samples)} "
+          f"reservations {final.reservations}")  # fmt: skip
+    assert counts["steps"] == 4 * 150 and counts["lost"] == 0
+    assert counts["hits"] > 50 and counts["refusals"] > 0 and counts["routed"] > 100
+    assert final.reservations.adopted > 20 and final.reservations.expired > 0
+    assert final.num_requests == 0 and final.num_free_blocks == NUM_BLOCKS - 1, final

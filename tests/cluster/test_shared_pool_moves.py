@@ -1,0 +1,123 @@
+"""A shared pool moving between replicas while its workers run on a faulty network (real
+replica processes, real etcd, real gRPC): three workers share one pool, hit each other's
+prefixes and evict each other's blocks, their answers lost, late, duplicated and
+re-delivered, while a replica joins and leaves again and again (each join and each
+graceful leave hands the pool over with its sessions) and is SIGKILLed once (the pool
+comes back from its journal). After every step each worker's record of its requests'
+block tables equals the pool's, wherever it is, and every prefix hit reads blocks whose
+(modelled) KV is the prefix it was promised."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+from durable_server import env
+from etcd_process import Etcd
+from kvcoord.client import KVCoordClient
+from kvcoord.client.faults import FaultInjector
+from kvcoord.client.testing import ServerProcess, start_server
+from kvcoord.service.ownership import Member, owner_of
+from shared_workers import NUM_BLOCKS, KVMemory, run_threads, shared_config, shared_worker
+from test_handover import wait_placed
+from test_replicas import replica_config, wait_members
+
+
+def _moving_name() -> str:
+    """A pool name placed on r0 among r0 and r1, and on r2 once r2 is a member."""
+    two = [Member("r0", ""), Member("r1", "")]
+    three = [*two, Member("r2", "")]
+    return next(
+        name
+        for name in (f"shared{n}" for n in range(1000))
+        if owner_of(name, two).replica_id == "r0" and owner_of(name, three).replica_id == "r2"  # type: ignore[union-attr]
+    )
+
+
+@pytest.mark.parametrize("journal", ["local", "store"])
+def test_a_shared_pool_handed_back_and_forth_under_faults_keeps_every_workers_blocks(
+    etcd: Etcd, tmp_path: Path, request: pytest.FixtureRequest, journal: str
+) -> None:
+    """With ``journal = "local"`` the killed replica's pool waits for it and comes back
+    from its own journal; with ``"store"`` r0 takes it over from the cluster store at once
+    (failover), and r2, started again, is handed it at the next round."""
+    cluster = request.node.name.replace("[", "-").rstrip("]")
+    pool = _moving_name()
+    procs: dict[str, ServerProcess] = {}
+    lines = 'journal = "store"\n' if journal == "store" else ""
+
+    def start(replica: str) -> ServerProcess:
+        config = replica_config(etcd, replica, tmp_path / replica, cluster, cluster_lines=lines)
+        procs[replica] = start_server(config, env=env())
+        return procs[replica]
+
+    memory = KVMemory()
+    counts: dict[str, int] = dict.fromkeys(
+        ("steps", "hits", "refusals", "preemptions", "evictions", "lost"), 0
+    )
+    injectors: list[FaultInjector] = []
+    done = threading.Event()
+    moves: list[str] = []
+    try:
+        start("r0"), start("r1")
+        wait_members([procs["r0"], procs["r1"]], ["r0", "r1"])
+        targets = [procs["r0"].address, procs["r1"].address]
+        with KVCoordClient(targets) as c:
+            assert c.create_pool(pool, shared_config()).pool.replica == "r0"
+
+        def churn() -> None:
+            """r2 joins (the pool moves to it) and leaves (back to r0), round after
+            round; once it is SIGKILLed instead and started again from its journal."""
+            rounds = 0
+            while not done.is_set() and rounds < 8:
+                rounds += 1
+                start("r2")
+                wait_placed([procs["r0"].address, procs["r2"].address], {pool: "r2"})
+                moves.append(f"to r2 ({rounds})")
+                done.wait(1.0)
+                if rounds == 3:
+                    procs["r2"].proc.kill()
+                    procs["r2"].stop()
+                    if journal == "store":  # r0 rebuilds it from the store once r2's lease ends
+                        wait_placed([procs["r0"].address, procs["r1"].address], {pool: "r0"})
+                        moves.append("r2 killed, failed over to r0")
+                        done.wait(1.0)
+                    start("r2")  # local: its journal has the pool, claimed again; store: handed to it
+                    wait_placed([procs["r0"].address, procs["r2"].address], {pool: "r2"})
+                    moves.append("r2 killed and back")
+                    done.wait(1.0)
+                assert procs["r2"].stop() == 0  # SIGTERM: handed back to r0 within the grace
+                wait_placed([procs["r0"].address, procs["r1"].address], {pool: "r0"})
+                moves.append(f"back to r0 ({rounds})")
+                done.wait(1.0)
+
+        mover_errors: list[BaseException] = []
+
+        def guarded_churn() -> None:
+            try:
+                churn()
+            except BaseException as exc:  # noqa: BLE001 - reported by the test
+                mover_errors.append(exc)
+
+        mover = threading.Thread(target=guarded_churn)
+        mover.start()
+        try:
+            errors = run_threads(lambda w: shared_worker(targets, pool, w, 120, memory, counts, injectors), 3)
+        finally:
+            done.set()
+            mover.join(300)
+        assert not errors, errors[0]
+        assert not mover_errors, mover_errors[0]
+        with KVCoordClient(targets) as c:
+            final = c.get_stats(pool)
+            assert c.check_pool(pool).violations == []
+    finally:
+        for p in procs.values():
+            p.stop()
+    faults = {k: sum(fi.counts[k] for fi in injectors) for k in injectors[0].counts}
+    print(f"shared pool moving under faults: {counts} faults {faults} moves {moves}")
+    assert counts["steps"] == 3 * 120 and counts["lost"] == 0
+    assert counts["hits"] > 30 and counts["refusals"] > 0
+    assert len(moves) >= 4, moves
+    assert final.num_requests == 0 and final.num_free_blocks == NUM_BLOCKS - 1, final

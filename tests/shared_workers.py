@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager
 from kvcoord.client.faults import FaultInjector
+from kvcoord.client.hashing import BlockHasher, none_hash
 from kvcoord.v1 import allocator_pb2 as pb
 from support import Req
 
@@ -163,3 +165,34 @@ def run_threads(target: Any, count: int, *args: Any) -> list[BaseException]:
     for t in threads:
         t.join(600)
     return errors
+
+
+@contextmanager
+def routed_by_reservations(
+    address: str | Sequence[str], wid: int, counts: dict[str, int], injectors: list[FaultInjector],
+    token: str | None, share: float = 0.7, pool: str = "shared",
+) -> Iterator[Callable[[Req], None]]:  # fmt: skip
+    """A router for worker ``wid``'s requests (``shared_worker``'s ``route``): ``share``
+    of them are scored first with a reservation of their hit (ScorePools, 0.05-1.5 s),
+    on a channel that loses, duplicates and re-delivers its answers."""
+    rnd = random.Random(500 + wid)
+    fi = FaultInjector(300 + wid, drop=0.1, duplicate=0.1, reorder=0.1, methods=("ScorePools",))
+    injectors.append(fi)
+    none = none_hash("sha256_cbor", "0")
+    with KVCoordClient(address, interceptors=[fi], token=token) as router:
+
+        def route(r: Req) -> None:
+            if rnd.random() < share:
+                prompt = pb.HashedPrompt(
+                    hash_algo="sha256_cbor", hash_block_size=BLOCK, hash_seed="0",
+                    block_hashes=BlockHasher("sha256_cbor", BLOCK, none).extend(r.all_token_ids),
+                )  # fmt: skip
+                router.score_pools(
+                    len(r.all_token_ids),
+                    [prompt],
+                    candidate_pools=[pool],
+                    reserve_seconds=rnd.uniform(0.05, 1.5),
+                )
+                counts["routed"] += 1
+
+        yield route

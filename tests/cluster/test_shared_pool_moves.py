@@ -1,11 +1,12 @@
 """A shared pool moving between replicas while its workers run on a faulty network (real
-replica processes, real etcd, real gRPC): three workers share one pool, hit each other's
-prefixes and evict each other's blocks, their answers lost, late, duplicated and
+replica processes, real etcd, real gRPC): three workers of two tenants share one pool
+(the same prompts, unsalted: only the tenants' cache namespaces keep them apart), hit
+each other's prefixes and evict each other's blocks, their answers lost, late, duplicated and
 re-delivered, while a replica joins and leaves again and again (each join and each
 graceful leave hands the pool over with its sessions) and is SIGKILLed once (the pool
 comes back from its journal). After every step each worker's record of its requests'
 block tables equals the pool's, wherever it is, and every prefix hit reads blocks whose
-(modelled) KV is the prefix it was promised."""
+(modelled) KV is the prefix its own tenant wrote."""
 
 from __future__ import annotations
 
@@ -21,7 +22,10 @@ from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, owner_of
 from shared_workers import NUM_BLOCKS, KVMemory, run_threads, shared_config, shared_worker
 from test_handover import wait_placed
-from test_replicas import replica_config, wait_members
+from test_replicas import replica_config
+
+ROOT = "tok-root"
+TENANTS = {"alice": "tok-alice", "bob": "tok-bob"}
 
 
 def _moving_name() -> str:
@@ -47,9 +51,17 @@ def test_a_shared_pool_handed_back_and_forth_under_faults_keeps_every_workers_bl
     procs: dict[str, ServerProcess] = {}
     lines = 'journal = "store"\n' if journal == "store" else ""
 
+    tenants = "".join(
+        f'[tenants.{name}]\ntokens = ["{token}"]\n'
+        f'grants = [{{ pools = ["{pool}"], roles = ["use", "observe", "administer"] }}]\n'
+        for name, token in TENANTS.items()
+    )
+
     def start(replica: str) -> ServerProcess:
-        config = replica_config(etcd, replica, tmp_path / replica, cluster, cluster_lines=lines)
-        procs[replica] = start_server(config, env=env())
+        config = replica_config(
+            etcd, replica, tmp_path / replica, cluster, f'auth_tokens = ["{ROOT}"]\n', lines
+        )  # (the replicas hand pools over with the full-access token)
+        procs[replica] = start_server(config + tenants, env=env())
         return procs[replica]
 
     memory = KVMemory()
@@ -61,10 +73,10 @@ def test_a_shared_pool_handed_back_and_forth_under_faults_keeps_every_workers_bl
     moves: list[str] = []
     try:
         start("r0"), start("r1")
-        wait_members([procs["r0"], procs["r1"]], ["r0", "r1"])
         targets = [procs["r0"].address, procs["r1"].address]
-        with KVCoordClient(targets) as c:
+        with KVCoordClient(procs["r0"].address, token=ROOT) as c:  # r0's whatever its view of r1
             assert c.create_pool(pool, shared_config()).pool.replica == "r0"
+        wait_placed(targets, {pool: "r0"}, token=ROOT)  # r1 sees it there too
 
         def churn() -> None:
             """r2 joins (the pool moves to it) and leaves (back to r0), round after
@@ -73,22 +85,22 @@ def test_a_shared_pool_handed_back_and_forth_under_faults_keeps_every_workers_bl
             while not done.is_set() and rounds < 8:
                 rounds += 1
                 start("r2")
-                wait_placed([procs["r0"].address, procs["r2"].address], {pool: "r2"})
+                wait_placed([procs["r0"].address, procs["r2"].address], {pool: "r2"}, token=ROOT)
                 moves.append(f"to r2 ({rounds})")
                 done.wait(1.0)
                 if rounds == 3:
                     procs["r2"].proc.kill()
                     procs["r2"].stop()
                     if journal == "store":  # r0 rebuilds it from the store once r2's lease ends
-                        wait_placed([procs["r0"].address, procs["r1"].address], {pool: "r0"})
+                        wait_placed([procs["r0"].address, procs["r1"].address], {pool: "r0"}, token=ROOT)
                         moves.append("r2 killed, failed over to r0")
                         done.wait(1.0)
                     start("r2")  # local: its journal has the pool, claimed again; store: handed to it
-                    wait_placed([procs["r0"].address, procs["r2"].address], {pool: "r2"})
+                    wait_placed([procs["r0"].address, procs["r2"].address], {pool: "r2"}, token=ROOT)
                     moves.append("r2 killed and back")
                     done.wait(1.0)
                 assert procs["r2"].stop() == 0  # SIGTERM: handed back to r0 within the grace
-                wait_placed([procs["r0"].address, procs["r1"].address], {pool: "r0"})
+                wait_placed([procs["r0"].address, procs["r1"].address], {pool: "r0"}, token=ROOT)
                 moves.append(f"back to r0 ({rounds})")
                 done.wait(1.0)
 
@@ -100,16 +112,20 @@ def test_a_shared_pool_handed_back_and_forth_under_faults_keeps_every_workers_bl
             except BaseException as exc:  # noqa: BLE001 - reported by the test
                 mover_errors.append(exc)
 
+        def worker(wid: int) -> None:
+            tenant = "alice" if wid % 2 == 0 else "bob"  # the same prompts: kept apart by namespace
+            shared_worker(targets, pool, wid, 120, memory, counts, injectors, tenant, TENANTS[tenant], ROOT)
+
         mover = threading.Thread(target=guarded_churn)
         mover.start()
         try:
-            errors = run_threads(lambda w: shared_worker(targets, pool, w, 120, memory, counts, injectors), 3)
+            errors = run_threads(worker, 3)
         finally:
             done.set()
             mover.join(300)
         assert not errors, errors[0]
         assert not mover_errors, mover_errors[0]
-        with KVCoordClient(targets) as c:
+        with KVCoordClient(targets, token=ROOT) as c:
             final = c.get_stats(pool)
             assert c.check_pool(pool).violations == []
     finally:

@@ -196,3 +196,29 @@ def routed_by_reservations(
                 counts["routed"] += 1
 
         yield route
+
+
+def run_beside(
+    worker: Callable[[int], None], count: int, side: Callable[[], None], stop: threading.Event
+) -> None:
+    """``count`` threads of ``worker`` (given 0 .. count-1) with ``side`` (a checker, a
+    killer, a mover) running beside them until they end, then ``stop`` set for it to end;
+    raises the first error of a worker, else of ``side``."""
+    side_errors: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            side()
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            side_errors.append(exc)
+
+    beside = threading.Thread(target=guarded)
+    beside.start()
+    try:
+        errors = run_threads(worker, count)
+    finally:
+        stop.set()
+        beside.join(300)
+    assert not beside.is_alive(), "the thread beside the workers did not end"
+    assert not errors, errors[0]
+    assert not side_errors, side_errors[0]

@@ -20,7 +20,7 @@ from kvcoord.client import KVCoordClient
 from kvcoord.client.faults import FaultInjector
 from kvcoord.client.testing import ServerProcess, start_server
 from kvcoord.service.ownership import Member, owner_of
-from shared_workers import NUM_BLOCKS, KVMemory, run_threads, shared_config, shared_worker
+from shared_workers import NUM_BLOCKS, KVMemory, run_beside, shared_config, shared_worker
 from test_handover import wait_placed
 from test_replicas import replica_config
 
@@ -104,27 +104,11 @@ def test_a_shared_pool_handed_back_and_forth_under_faults_keeps_every_workers_bl
                 moves.append(f"back to r0 ({rounds})")
                 done.wait(1.0)
 
-        mover_errors: list[BaseException] = []
-
-        def guarded_churn() -> None:
-            try:
-                churn()
-            except BaseException as exc:  # noqa: BLE001 - reported by the test
-                mover_errors.append(exc)
-
         def worker(wid: int) -> None:
             tenant = "alice" if wid % 2 == 0 else "bob"  # the same prompts: kept apart by namespace
             shared_worker(targets, pool, wid, 120, memory, counts, injectors, tenant, TENANTS[tenant], ROOT)
 
-        mover = threading.Thread(target=guarded_churn)
-        mover.start()
-        try:
-            errors = run_threads(worker, 3)
-        finally:
-            done.set()
-            mover.join(300)
-        assert not errors, errors[0]
-        assert not mover_errors, mover_errors[0]
+        run_beside(worker, 3, churn, done)
         with KVCoordClient(targets, token=ROOT) as c:
             final = c.get_stats(pool)
             assert c.check_pool(pool).violations == []

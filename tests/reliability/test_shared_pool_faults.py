@@ -36,7 +36,7 @@ from shared_workers import (
     NUM_BLOCKS,
     KVMemory,
     routed_by_reservations,
-    run_threads,
+    run_beside,
     shared_config,
     shared_worker,
 )
@@ -76,16 +76,12 @@ def test_workers_sharing_a_pool_on_a_faulty_network_keep_their_blocks(server: In
                 samples.append(1)
                 stop.wait(0.005)
 
-        checker = threading.Thread(target=sample)
-        checker.start()
-        try:
-            errors = run_threads(
-                lambda w: shared_worker(server.address, "shared", w, 150, memory, counts, injectors), 4
-            )
-        finally:
-            stop.set()
-            checker.join(60)
-        assert not errors, errors[0]
+        run_beside(
+            lambda w: shared_worker(server.address, "shared", w, 150, memory, counts, injectors),
+            4,
+            sample,
+            stop,
+        )
         assert not violations, violations[:3]
         final = c.get_stats("shared")
     faults = {k: sum(fi.counts[k] for fi in injectors) for k in injectors[0].counts}
@@ -198,14 +194,7 @@ def test_two_tenants_routers_reserving_on_a_faulty_network_never_hit_wrong_kv() 
                     samples.append(1)
                     stop.wait(0.005)
 
-            checker = threading.Thread(target=sample)
-            checker.start()
-            try:
-                errors = run_threads(worker, 4)
-            finally:
-                stop.set()
-                checker.join(60)
-            assert not errors, errors[0]
+            run_beside(worker, 4, sample, stop)
             assert not violations, violations[:3]
             time.sleep(1.6)  # every reservation's time has run out
             server.call(expire)
@@ -255,14 +244,7 @@ def test_workers_and_routers_on_a_journaled_pool_sigkilled_under_them_keep_their
     try:
         with KVCoordClient(server.address, timeout=30) as c:
             c.create_pool("shared", shared_config())
-        kills = threading.Thread(target=killer)
-        kills.start()
-        try:
-            errors = run_threads(worker, 3)
-        finally:
-            stop.set()
-            kills.join(300)
-        assert not errors, errors[0]
+        run_beside(worker, 3, killer, stop)
         with KVCoordClient(server.address, timeout=30) as c:
             assert c.check_pool("shared").violations == []
             final = c.get_stats("shared")

@@ -27,7 +27,14 @@ from kvcoord.v1 import allocator_pb2 as pb
 from kvcoord.wire.leases import LEASE_MARGIN
 
 from .api import retry_horizon
-from .errors import FencedError, KVCoordError, LeaseExpiredError, SessionExpiredError, UnavailableError
+from .errors import (
+    FencedError,
+    FenceUnprovenError,
+    KVCoordError,
+    LeaseExpiredError,
+    SessionExpiredError,
+    UnavailableError,
+)
 
 __all__ = ["SessionKeeper"]
 
@@ -85,9 +92,24 @@ class SessionKeeper:
             self._thread.start()
 
     def attach(self) -> Any:
-        """(Re-)attach: a new session, lease and fence."""
+        """(Re-)attach: a new session, lease and fence.
+
+        Raises:
+            FenceUnprovenError: the server refused the fence of the session held before
+                (a position it never issued: corrupted, or told without its tag; it
+                proves nothing, and nothing changed). The keeper forgets that position
+                first (:meth:`unproven`): kept, every later Attach would send it and be
+                refused the same way, and the worker could never attach again. The next
+                Attach sends no previous fence.
+        """
         sent = self.clock()
-        response = self._attach(self.fence if self.fence.position else None)
+        previous = self.fence if self.fence.position else None
+        try:
+            response = self._attach(previous)
+        except FenceUnprovenError as err:
+            if previous is not None:
+                self.unproven(err)
+            raise
         with self._lock:
             self.session_id = response.session_id
             self.fence = response.fence
@@ -150,6 +172,25 @@ class SessionKeeper:
         if fence.instance_id != self.fence.instance_id or fence.position > self.fence.position:
             with self._lock:
                 self.fence = fence
+
+    def unproven(self, err: FenceUnprovenError) -> None:
+        """The server refused this keeper's fence FENCE_UNPROVEN (``err``): its position
+        is forgotten (with its tag; the instance, incarnation and term are kept), so no
+        later call sends it again. It could prove nothing: the server verified it
+        against what its journal issued and changed nothing. Logged as an error: a
+        corrupted fence, or one told by a kvcoord that did not tag positions, is worth
+        an operator's look (a restore it might have proven goes unseen by this worker)."""
+        with self._lock:
+            held, position = self.fence, self.fence.position
+            # a new message: the refused one may be held elsewhere (an answer, a request)
+            self.fence = pb.Fence(instance_id=held.instance_id, incarnation=held.incarnation, term=held.term)
+        logger.error(
+            "session %s...: the server refused the fence's journal position %d (%s); it is "
+            "forgotten, the next Attach names no previous fence",
+            self.session_id[:16],
+            position,
+            err,
+        )
 
     def renewed(self, sent_at: float, session_id: str | None = None) -> None:
         """An answered session call sent at ``sent_at`` renewed the lease (``session_id``:

@@ -1,0 +1,98 @@
+"""A worker whose fence the server refuses FENCE_UNPROVEN attaches again, once told.
+
+A fence's journal position of an earlier server instance beyond what the journal holds,
+without the tag the journal issued with it (corrupted on its way; or told by a kvcoord
+that did not tag positions, then the volume restored), proves nothing: every call
+naming it is refused INVALID_ARGUMENT (FENCE_UNPROVEN) and nothing changes. The session
+keeper kept that fence for good: once the session was lost, every Attach sent it again
+as ``previous_fence`` and was refused the same way, so the worker could never attach
+again (every call of its manager raised FenceUnprovenError, for ever). Now the keeper
+forgets the refused position when its Attach is refused (the caller is told, the error
+logged), and the next Attach names no previous fence.
+
+Real server process restarted on its data directory (so the fence's instance is an
+earlier one whose last record the journal knows); the position is corrupted where it
+happens, in a channel interceptor on one Step answer (unary Steps: step_stream off).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from durable_server import leased_server
+from kvcoord.client import KVCoordClient, RemoteKVCacheManager
+from kvcoord.client.errors import FenceUnprovenError, KVCoordError, RequestsLostError
+from kvcoord.v1 import allocator_pb2 as pb
+from support import hashed_req
+
+LEASE = 3.0
+
+
+class _CorruptOneStepFence(grpc.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Adds 2**40 to the fence position of the first Step answer once ``armed`` (its tag
+    left as the server gave it: it no longer matches); keeps every AttachRequest sent."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.attaches: list[pb.AttachRequest] = []
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        if details.method.endswith("/Attach"):
+            self.attaches.append(request)
+        outcome = continuation(details, request)
+        if details.method.endswith("/Step") and self.armed:
+            self.armed = False
+            outcome.result().fence.position += 2**40
+        return outcome
+
+
+def test_a_refused_previous_fence_is_forgotten_and_the_worker_attaches_again(tmp_path: Path) -> None:
+    """The manager adopts a corrupted position; the server restarts (the session kept:
+    journaled). Its calls are refused FENCE_UNPROVEN until its lease lapses (its renewals
+    are refused too), which loses the session; the Attach that follows names the
+    corrupted fence and is refused, loudly. The next call attaches without a previous
+    fence, the old session is ended by its Detach, and allocation goes on. (Before: the
+    Attach was refused at every call, with the same fence, without end.)"""
+    server = leased_server(tmp_path, LEASE, 64)
+    server.start()
+    corrupt = _CorruptOneStepFence()
+    try:
+        with KVCoordClient(server.address, timeout=10, interceptors=[corrupt], step_stream=False) as c, \
+             KVCoordClient(server.address, timeout=10) as operator:  # fmt: skip
+            m = RemoteKVCacheManager(c, "p", hash_seed="0", renew=False, lease_seconds=LEASE)
+            assert m.allocate_slots(hashed_req("r0", list(range(16))), 16) is not None
+            corrupt.armed = True
+            assert m.allocate_slots(hashed_req("r1", list(range(100, 116))), 16) is not None
+            assert not corrupt.armed and m.keeper.fence.position > 2**40  # adopted
+            old_session = m.keeper.session_id
+            server.restart()
+            assert [s.session_id for s in operator.list_sessions("p").sessions] == [old_session]
+            outcomes: list[str] = []
+            deadline = time.monotonic() + 6 * LEASE
+            for i in range(2, 60):  # bounded: the lease lapses after LEASE s
+                try:
+                    allocated = m.allocate_slots(hashed_req(f"r{i}", list(range(200 * i, 200 * i + 16))), 16)
+                except KVCoordError as err:
+                    cause = err.cause if isinstance(err, RequestsLostError) else err
+                    outcomes.append(f"{type(err).__name__}({type(cause).__name__})")
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.25)
+                    continue
+                assert allocated is not None
+                outcomes.append("allocated")
+                break
+            assert outcomes[-1] == "allocated", outcomes
+            refused = [o for o in outcomes if o == "FenceUnprovenError(FenceUnprovenError)"]
+            assert refused, outcomes  # the caller was told (the Steps', the Attach's refusal)
+            # the Attach that succeeded named no previous fence; the one before named the corrupted one
+            assert not corrupt.attaches[-1].HasField("previous_fence")
+            assert corrupt.attaches[-2].previous_fence.position > 2**40
+            sessions = [s.session_id for s in operator.list_sessions("p").sessions]
+            assert sessions == [m.keeper.session_id] and old_session not in sessions
+            m.close()
+    finally:
+        server.stop()

@@ -176,7 +176,8 @@ class PoolService:
     # -- fencing and sessions -----------------------------------------------------------
     def check_fence(self, fence: Fence | None) -> None:
         """Refuse a caller whose block ids belong to another instance or incarnation (an
-        unknown instance's tag may prove a restore first: positions.py, check_unknown).
+        unknown instance's tag may prove a restore first: positions.py, check_unknown; a
+        known instance's position is checked before its incarnation, for the same reason).
 
         Raises:
             ServiceError: FAILED_PRECONDITION with INSTANCE_CHANGED / INCARNATION_CHANGED;
@@ -194,6 +195,11 @@ class PoolService:
                 "attach again and recompute your requests",
                 ErrorReason.INSTANCE_CHANGED,
             )
+        if fence.position and self.positions is not None:
+            # before the incarnation: a position is a record of the journal, whichever
+            # incarnation's answer told it (a worker of the pool made again after a
+            # restored copy was taken proves the restore as any other: positions.py)
+            self.positions.check(fence)
         if fence.incarnation != self.fence.incarnation:
             raise ServiceError(
                 Status.PRECONDITION,
@@ -208,8 +214,6 @@ class PoolService:
                 f"pool {self.name!r} has a newer owner than this replica (term {fence.term} was answered, this "
                 f"replica holds term {self.fence.term}): retry, the current owner will answer",
             )
-        if fence.position and self.positions is not None:
-            self.positions.check(fence)
 
     def knows_instance(self, instance_id: str) -> bool:
         """True for this instance and for earlier ones whose state this one recovered."""

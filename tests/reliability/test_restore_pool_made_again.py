@@ -1,0 +1,78 @@
+"""A restore proven by a worker of a pool deleted and created again after the copy.
+
+A fence names a journal position, a record of the journal whichever pool's answer told
+it (positions.py): a worker of pool ``p`` made again after the volume copy (a new
+incarnation) holds positions the copy lacks, as any worker of the lost history. Its
+Step was refused INCARNATION_CHANGED (the restored copy holds the old incarnation)
+before its position was looked at: the restore went unproven, no grace began, and a
+worker attaching next was handed the blocks that worker still held under a running
+lease. Now a known instance's position is checked before its incarnation, as an
+unknown instance's is before INSTANCE_CHANGED. Real server process, ``cp -a`` copy,
+SIGKILL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from durable_server import (
+    attach,
+    copy_volume,
+    leased_server,
+    refused_for_grace,
+    restore_volume,
+    step_allocate,
+)
+from kvcoord.client import NO_RETRY, KVCoordClient
+from kvcoord.client.errors import FencedError, GracePeriodError, SessionExpiredError
+
+LEASE = 4.0
+
+
+def test_a_worker_of_the_pool_made_again_proves_the_restore(tmp_path: Path) -> None:
+    """Worker a allocates in pool p, the volume is copied; p is deleted and created again
+    (same configuration, a new incarnation) and worker b allocates 48 tokens in it. The
+    volume is restored and the server started: b's next Step proves the restore
+    (INSTANCE_CHANGED, not INCARNATION_CHANGED), a's session of the copy ended with it,
+    and no worker attaches inside the grace."""
+    server = leased_server(tmp_path, LEASE, 64)
+    server.start()
+    copy = tmp_path / "snap"
+    try:
+        with KVCoordClient(server.address) as c:
+            a = attach(c, "worker-a", LEASE)
+            step_allocate(c, a, "a1", 8)
+            copy_volume(server, copy)
+            config = c.get_pool("p").pool.config
+            old = a.fence.incarnation
+            c.delete_pool("p")
+            assert c.create_pool("p", config).created
+            b = attach(c, "worker-b", LEASE)
+            assert b.fence.incarnation != old
+            held_by_b = step_allocate(c, b, "b1", 48)
+            b.fence.CopyFrom(c.step("p", [], b.session_id, b.fence).fence)  # a position the copy lacks
+            assert b.fence.position > 0 and b.fence.position_tag
+        restore_volume(server, copy)
+        server.start()
+        with KVCoordClient(server.address, retry=NO_RETRY) as c:
+            assert c.get_pool("p").pool.fence.incarnation == old  # the copy's pool
+            try:
+                step_allocate(c, b, "b2", 4)
+            except FencedError as err:
+                assert err.reason == "INSTANCE_CHANGED", err  # (was INCARNATION_CHANGED: unproven)
+            else:
+                raise AssertionError("b's Step was served by the restored copy")
+            try:
+                given = step_allocate(c, attach(c, "worker-c", LEASE), "c1", 48)
+            except GracePeriodError:
+                given = []
+            assert not set(given) & set(held_by_b), f"blocks {sorted(set(given) & set(held_by_b))} handed out twice"
+            assert refused_for_grace(server.address, LEASE)
+            try:
+                c.heartbeat(a.session_id, a.fence)
+            except (SessionExpiredError, FencedError):
+                pass
+            else:
+                raise AssertionError("a's session of the copy outlived the proven restore")
+    finally:
+        server.stop()

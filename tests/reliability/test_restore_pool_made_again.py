@@ -66,7 +66,9 @@ def test_a_worker_of_the_pool_made_again_proves_the_restore(tmp_path: Path) -> N
                 given = step_allocate(c, attach(c, "worker-c", LEASE), "c1", 48)
             except GracePeriodError:
                 given = []
-            assert not set(given) & set(held_by_b), f"blocks {sorted(set(given) & set(held_by_b))} handed out twice"
+            assert not set(given) & set(held_by_b), (
+                f"blocks {sorted(set(given) & set(held_by_b))} handed out twice"
+            )
             assert refused_for_grace(server.address, LEASE)
             try:
                 c.heartbeat(a.session_id, a.fence)

@@ -17,11 +17,13 @@ happens, in a channel interceptor on one Step answer (unary Steps: step_stream o
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from durable_server import leased_server
 from kvcoord.client import KVCoordClient, RemoteKVCacheManager
 from kvcoord.client.errors import FenceUnprovenError, KVCoordError, RequestsLostError
@@ -49,7 +51,9 @@ class _CorruptOneStepFence(grpc.UnaryUnaryClientInterceptor):  # type: ignore[mi
         return outcome
 
 
-def test_a_refused_previous_fence_is_forgotten_and_the_worker_attaches_again(tmp_path: Path) -> None:
+def test_a_refused_previous_fence_is_forgotten_and_the_worker_attaches_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The manager adopts a corrupted position; the server restarts (the session kept:
     journaled). Its calls are refused FENCE_UNPROVEN until its lease lapses (its renewals
     are refused too), which loses the session; the Attach that follows names the
@@ -86,8 +90,15 @@ def test_a_refused_previous_fence_is_forgotten_and_the_worker_attaches_again(tmp
                 outcomes.append("allocated")
                 break
             assert outcomes[-1] == "allocated", outcomes
-            refused = [o for o in outcomes if o == "FenceUnprovenError(FenceUnprovenError)"]
-            assert refused, outcomes  # the caller was told (the Steps', the Attach's refusal)
+            # the caller was told at every call: its Steps refused, then its requests lost
+            unproven = f"{FenceUnprovenError.__name__}({FenceUnprovenError.__name__})"
+            assert outcomes[0] == unproven and "RequestsLostError(LeaseExpiredError)" in outcomes, outcomes
+            assert set(outcomes[:-1]) <= {unproven, "RequestsLostError(LeaseExpiredError)"}, outcomes
+            # the refused Attach (inside the loss) is logged as an error
+            assert any(
+                r.levelno == logging.ERROR and "refused the fence's journal position" in r.getMessage()
+                for r in caplog.records
+            ), caplog.text
             # the Attach that succeeded named no previous fence; the one before named the corrupted one
             assert not corrupt.attaches[-1].HasField("previous_fence")
             assert corrupt.attaches[-2].previous_fence.position > 2**40

@@ -183,6 +183,29 @@ def test_pools_delete_of_a_pool_an_exclusive_session_holds(
     assert "cli-held" not in [p.name for p in client.list_pools().pools]
 
 
+def test_pools_delete_naming_an_incarnation_made_again_since(
+    server: DurableServer, client: KVCoordClient
+) -> None:
+    """`pools delete --incarnation N` of a pool deleted and made again since (its
+    incarnation is another now) fails in one line naming both incarnations and deletes
+    nothing; naming the incarnation it is now deletes it."""
+    made = run(server, "pools", "create", "cli-again", "--num-blocks", "33", "--block-size", "8")
+    assert made.returncode == 0, made.stderr
+    info = client.get_pool("cli-again").pool
+    client.delete_pool("cli-again")
+    new = client.create_pool("cli-again", info.config).pool.fence.incarnation
+    old = info.fence.incarnation
+    assert new != old
+    refused = run(server, "pools", "delete", "cli-again", "--yes", "--incarnation", str(old))
+    assert refused.returncode != 0
+    line = one_line_error(refused)
+    assert str(old) in line and str(new) in line and "nothing was deleted" in line, line
+    assert client.get_pool("cli-again").pool.fence.incarnation == new
+    deleted = run(server, "pools", "delete", "cli-again", "--yes", "--incarnation", str(new))
+    assert deleted.returncode == 0, deleted.stderr
+    assert "cli-again" not in [p.name for p in client.list_pools().pools]
+
+
 def test_a_tenant_without_the_roles(server: DurableServer) -> None:
     """A tenant with only the use role sees the pool in `status` without its statistics
     (exit 0), and `sessions` (administer) is a refused credential: exit 7, one line."""

@@ -97,12 +97,18 @@ def list_pools() -> pb.ListPoolsRequest:
     return pb.ListPoolsRequest()
 
 
-def delete_pool(name: str, force: bool = False, session_id: str = "") -> pb.DeletePoolRequest:
+def delete_pool(
+    name: str, force: bool = False, session_id: str = "", incarnation: int = 0
+) -> pb.DeletePoolRequest:
     """Delete the pool ``name`` (retried only when never sent: an unknown outcome is OutcomeUnknownError).
     While an exclusive session holds it, PoolBusyError (POOL_EXCLUSIVE, naming the
     session) unless ``force`` or the call names that session (``session_id``): its
-    worker may be running on its own copy of the pool."""
-    return pb.DeletePoolRequest(name=name, force=force, session_id=session_id)
+    worker may be running on its own copy of the pool. ``incarnation`` (0: any; else
+    ``PoolInfo.fence.incarnation`` as create_pool or get_pool told it): only that
+    incarnation is deleted, another is FencedError (INCARNATION_CHANGED), nothing
+    deleted; name it to delete again after OutcomeUnknownError without deleting a
+    pool made again meanwhile."""
+    return pb.DeletePoolRequest(name=name, force=force, session_id=session_id, incarnation=incarnation)
 
 
 def attach(

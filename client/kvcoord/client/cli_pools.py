@@ -192,15 +192,22 @@ def pools_create(conn: Connection, name: str, config_file: str | None, **flags: 
     is_flag=True,
     help="delete even while an exclusive session (a running engine) holds the pool; refused otherwise",
 )
+@click.option(
+    "--incarnation",
+    type=click.IntRange(min=0),
+    default=0,
+    help="delete only this incarnation (pools get: fence.incarnation); another is refused, nothing deleted",
+)
 @connection_options()
-def pools_delete(conn: Connection, name: str, yes: bool, force: bool) -> None:
+def pools_delete(conn: Connection, name: str, yes: bool, force: bool, incarnation: int) -> None:
     """Delete pool NAME, its sessions and requests (their block ids become void). A pool
     an exclusive session holds is deleted only with --force (its engine loses every
-    request at its next step)."""
+    request at its next step). With --incarnation, a pool made again since (a delete
+    sent again after its outcome was unknown) is refused instead."""
     if not yes and not conn.as_json:
         click.confirm(f"delete pool {name} and every request in it?", abort=True)
     with conn.client() as c:
-        c.delete_pool(name, force=force)
+        c.delete_pool(name, force=force, incarnation=incarnation)
     conn.show({"deleted": name}, f"deleted pool {name}")
 
 

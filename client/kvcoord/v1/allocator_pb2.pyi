@@ -255,14 +255,16 @@ class ListPoolsResponse(_message.Message):
     def __init__(self, pools: _Optional[_Iterable[_Union[PoolInfo, _Mapping]]] = ...) -> None: ...
 
 class DeletePoolRequest(_message.Message):
-    __slots__ = ("name", "force", "session_id")
+    __slots__ = ("name", "force", "session_id", "incarnation")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FORCE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     name: str
     force: bool
     session_id: str
-    def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ..., session_id: _Optional[str] = ...) -> None: ...
+    incarnation: int
+    def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ..., session_id: _Optional[str] = ..., incarnation: _Optional[int] = ...) -> None: ...
 
 class DeletePoolResponse(_message.Message):
     __slots__ = ()

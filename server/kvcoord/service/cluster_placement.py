@@ -283,7 +283,7 @@ class ClusterPlacement(Placement):
                 self._stopped,
             )
 
-    async def delete_unserved(self, pool: str) -> bool:
+    async def delete_unserved(self, pool: str, incarnation: int = 0) -> bool:
         """A pool of the catalog nobody claims (its owner stopped without handing it
         over), placed here: with the journal in the store, its history is there and is
         deleted there (whoever claims it later finds no journal: it does not exist);
@@ -295,7 +295,11 @@ class ClusterPlacement(Placement):
         whose pool was never made): its state is nowhere, and its claim and catalog
         entry are released now; the usual rules then answer (NOT_FOUND). Was: kept,
         every DeletePool NOT_FOUND; once this replica restarted, the pool was one of the
-        catalog nobody claims, OWNER_CHANGING, and its DeletePool OWNER_GONE, for good."""
+        catalog nobody claims, OWNER_CHANGING, and its DeletePool OWNER_GONE, for good.
+
+        A delete naming an ``incarnation`` (0: any) is not carried out in the store: the
+        incarnation is in the pool's journal, which nobody has read; the usual rules
+        answer (OWNER_CHANGING) until a replica rebuilt it and can check it."""
         cluster, view = self.cluster, self.cluster.view
         if (
             cluster.streams is None
@@ -333,6 +337,8 @@ class ClusterPlacement(Placement):
                 "again (it serves the pool again), then delete it",
                 ErrorReason.OWNER_GONE,
             )
+        if incarnation:
+            return False
         view.moving.add(pool)  # not rebuilt here meanwhile (recover)
         try:
             return await _in_call(

@@ -10,10 +10,29 @@ from kvcoord.v1 import allocator_pb2 as pb
 
 from .access import current_tenant
 from .attach_reset import check_outside_holder
-from .errors import map_errors
+from .errors import ErrorReason, ServiceError, Status, map_errors
+from .pool_service import PoolService
 from .servicer_core import ServicerCore, fence_of
 
-__all__ = ["PoolCalls"]
+__all__ = ["PoolCalls", "check_incarnation"]
+
+
+def check_incarnation(service: PoolService, incarnation: int) -> None:
+    """A DeletePool naming ``incarnation`` (0: any) deletes only that one: the pool
+    may have been deleted and made again since its caller learnt it (a retry after a
+    lost answer), and the one there now is not the caller's to delete.
+
+    Raises:
+        ServiceError: FAILED_PRECONDITION (INCARNATION_CHANGED), nothing deleted.
+    """
+    if incarnation and incarnation != service.fence.incarnation:
+        raise ServiceError(
+            Status.PRECONDITION,
+            f"pool {service.name[:200]!r} is incarnation {service.fence.incarnation}, not {incarnation}: "
+            f"incarnation {incarnation} was deleted already (the pool was made again since); nothing was "
+            "deleted",
+            ErrorReason.INCARNATION_CHANGED,
+        )
 
 
 class PoolCalls(ServicerCore):
@@ -49,7 +68,7 @@ class PoolCalls(ServicerCore):
         self, request: pb.DeletePoolRequest, context: grpc.aio.ServicerContext
     ) -> pb.DeletePoolResponse:
         registry = self.registry
-        if await registry.placement.delete_unserved(request.name):  # a cluster's pool nobody served
+        if await registry.placement.delete_unserved(request.name, request.incarnation):  # nobody served it
             return pb.DeletePoolResponse()
         registry.get(request.name)  # NOT_FOUND, or the owner's redirect, before anything changes
         # The pool is held from its checks to its removal (a Step applied to it in slices
@@ -58,6 +77,7 @@ class PoolCalls(ServicerCore):
         await registry.locks.acquire(request.name)
         try:
             service = registry.get(request.name)  # (deleted or moved meanwhile: NOT_FOUND, redirect)
+            check_incarnation(service, request.incarnation)
             if request.session_id:
                 service.session(request.session_id, None)  # a live session of this pool (NOT_FOUND)
             if not request.force:  # an exclusive session's worker may be running on its own copy

@@ -83,10 +83,11 @@ class Placement:
     async def after_delete(self, pool: str) -> None:
         """The pool was deleted here: it no longer exists in the cluster."""
 
-    async def delete_unserved(self, pool: str) -> bool:
+    async def delete_unserved(self, pool: str, incarnation: int = 0) -> bool:
         """Delete ``pool`` when it exists in the cluster but no replica serves it (its
         owner stopped without handing it over) and this replica is the one to do it;
-        True once it is deleted. False: the usual rules answer (:meth:`check`).
+        True once it is deleted. False: the usual rules answer (:meth:`check`); so
+        they do when the caller names an ``incarnation`` (0: any) nobody can check.
 
         Raises:
             ServiceError: FAILED_PRECONDITION (OWNER_GONE) when it cannot be deleted
